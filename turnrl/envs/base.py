@@ -1,0 +1,261 @@
+"""The contract every built-in environment follows.
+
+A turnrl environment is a Gymnasium environment whose actions are strings and
+whose observations are dicts: ``{"text": str}`` and, in image modes, also
+``"image"`` (an ``HxWx3`` uint8 array). On top of Gymnasium it offers what an
+agent framework needs: task instructions for the system prompt, the list of
+action names, ground-truth facts about the state (for grounding rewards) and,
+where a solver exists, expert actions from the current state.
+
+Subclasses implement the small ``_reset`` / ``_step`` / ``text`` / ``image``
+methods; this base class owns seeding, step counting, truncation and the
+handling of bad actions, so that every env behaves the same way:
+
+- Same seed, same episode, always.
+- An unknown or malformed action never raises: ``info["action_is_valid"]`` is
+  False, the state is unchanged, the step counts towards ``max_steps``, and the
+  env's ``invalid_action_reward`` is paid.
+- ``terminated`` (the task ended) is never merged with ``truncated``
+  (``max_steps`` reached).
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+Position = tuple[int, int]
+"""A grid cell as ``(row, col)``, row 0 at the top."""
+
+# Characters an observation may contain: printable ASCII plus the symbols the
+# grid envs draw with. Used for the gymnasium Text spaces.
+OBS_CHARSET = frozenset(string.printable) | frozenset("√·█░▒▓←→↑↓")
+ACTION_CHARSET = frozenset(string.printable)
+MAX_TEXT_LENGTH = 8192
+MAX_ACTION_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class ObjectFact:
+    """One object on the board and where it is relative to the player."""
+
+    name: str
+    """Object kind, e.g. ``"box"``, ``"target"``, ``"hole"``, ``"goal"``."""
+    position: Position
+    vertical: str
+    """``"above"``, ``"below"`` or ``"same"`` (same row as the player)."""
+    horizontal: str
+    """``"left"``, ``"right"`` or ``"same"`` (same column as the player)."""
+
+    def describe(self) -> str:
+        """Natural-language relation, e.g. ``"box is above and to the left of the player"``."""
+        vertical = self.vertical if self.vertical != "same" else ""
+        horizontal = f"to the {self.horizontal} of" if self.horizontal != "same" else ""
+        if vertical and horizontal:
+            return f"{self.name} is {vertical} and {horizontal} the player"
+        if vertical or horizontal:
+            return f"{self.name} is directly {vertical or horizontal} the player"
+        return f"{self.name} is at the player's position"
+
+
+@dataclass(frozen=True)
+class StateFacts:
+    """Ground truth about a state: the player and every object relative to it.
+
+    Grounding and world-model rewards compare what an agent says it sees (or
+    predicts) with these facts.
+    """
+
+    player: Position | None
+    objects: tuple[ObjectFact, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Env-specific facts that have no position (e.g. Countdown's target)."""
+
+    def describe(self) -> str:
+        """One line per fact; the text an expert writes in ``<observation>``."""
+        lines = []
+        if self.player is not None:
+            lines.append(f"The player is at row {self.player[0]}, column {self.player[1]}.")
+        lines.extend(f"The {fact.describe()}." for fact in self.objects)
+        lines.extend(f"{key}: {value}" for key, value in self.extra.items())
+        return " ".join(lines)
+
+
+def relation(player: Position, position: Position) -> tuple[str, str]:
+    """Vertical and horizontal relation of ``position`` to ``player``.
+
+    >>> relation((2, 2), (0, 3))
+    ('above', 'right')
+    """
+    (player_row, player_col), (row, col) = player, position
+    vertical = "above" if row < player_row else "below" if row > player_row else "same"
+    horizontal = "left" if col < player_col else "right" if col > player_col else "same"
+    return vertical, horizontal
+
+
+def facts_from_positions(player: Position | None, objects: list[tuple[str, Position]]) -> StateFacts:
+    """Build :class:`StateFacts` from the player's cell and ``(name, cell)`` pairs."""
+    if player is None:
+        facts = tuple(ObjectFact(name, pos, "same", "same") for name, pos in objects)
+        return StateFacts(player=None, objects=facts)
+    facts = tuple(ObjectFact(name, pos, *relation(player, pos)) for name, pos in objects)
+    return StateFacts(player=player, objects=facts)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a subclass's ``_step`` reports for one valid action."""
+
+    reward: float
+    terminated: bool = False
+    success: bool = False
+    effective: bool = True
+    """Whether the action changed the state (a push into a wall does not)."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class TurnEnv(gym.Env[dict, str]):
+    """Base class of the built-in environments (see the module docstring).
+
+    Subclasses set ``modes``, ``description`` and implement ``_reset``,
+    ``_step``, ``text``, ``instructions`` and ``action_names``; image modes
+    also implement ``image``; ``state_facts`` and ``solve`` where they exist.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi", "rgb_array"], "render_fps": 4}
+    modes: ClassVar[tuple[str, ...]] = ("text",)
+    description: ClassVar[str] = ""
+    invalid_action_reward: float = 0.0
+
+    def __init__(
+        self,
+        mode: str = "text",
+        max_steps: int = 100,
+        image_shape: tuple[int, int] | None = None,
+        render_mode: str | None = None,
+    ) -> None:
+        if mode not in self.modes:
+            raise ValueError(f"{type(self).__name__}: unknown mode {mode!r}; choose one of {list(self.modes)}")
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode must be one of {self.metadata['render_modes']}, got {render_mode!r}")
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        self.mode = mode
+        self.max_steps = int(max_steps)
+        self.render_mode = render_mode
+        obs_spaces: dict[str, spaces.Space] = {
+            "text": spaces.Text(MAX_TEXT_LENGTH, min_length=0, charset=OBS_CHARSET)
+        }
+        if self.is_image_mode:
+            if image_shape is None:
+                raise ValueError(f"{type(self).__name__}: an image mode needs image_shape")
+            height, width = image_shape
+            obs_spaces["image"] = spaces.Box(0, 255, (height, width, 3), dtype=np.uint8)
+        self.observation_space = spaces.Dict(obs_spaces)
+        self.action_space = spaces.Text(MAX_ACTION_LENGTH, min_length=0, charset=ACTION_CHARSET)
+        self._steps = 0
+        self._terminated = False
+
+    # ----------------------------------------------------------------- to implement
+    def _reset(self, rng: np.random.Generator, options: dict[str, Any]) -> None:
+        """Draw a new episode from ``rng`` (or ``options``, e.g. a given level)."""
+        raise NotImplementedError
+
+    def _step(self, action: str) -> StepOutcome:
+        """Apply one canonical action (an element of ``action_names()``)."""
+        raise NotImplementedError
+
+    def text(self) -> str:
+        """The text observation of the current state."""
+        raise NotImplementedError
+
+    def image(self) -> np.ndarray:
+        """The current state as an ``HxWx3`` uint8 image (image modes)."""
+        raise NotImplementedError(f"{type(self).__name__} has no image rendering")
+
+    def instructions(self) -> str:
+        """Task description for the system prompt: goal, symbols, actions."""
+        raise NotImplementedError
+
+    def action_names(self) -> list[str] | None:
+        """Canonical action names, or None when actions are free-form."""
+        raise NotImplementedError
+
+    def state_facts(self) -> StateFacts:
+        """Ground-truth objects and their relations to the player."""
+        return StateFacts(player=None)
+
+    def solve(self) -> list[str] | None:
+        """Expert actions from the current state, or None where no solver exists."""
+        return None
+
+    # ----------------------------------------------------------------- shared logic
+    @property
+    def is_image_mode(self) -> bool:
+        return self.mode.startswith("image") or self.mode == "vision"
+
+    @property
+    def steps(self) -> int:
+        """Steps taken in this episode, invalid ones included."""
+        return self._steps
+
+    def canonical_action(self, action: Any) -> str | None:
+        """Map a raw action to its canonical name, or None if it is not one.
+
+        Default: case-insensitive match of the stripped string against
+        ``action_names()``. Free-form envs override this.
+        """
+        if not isinstance(action, str):
+            return None
+        names = self.action_names()
+        if names is None:
+            return action
+        wanted = action.strip().lower()
+        for name in names:
+            if name.lower() == wanted:
+                return name
+        return None
+
+    def success(self) -> bool:
+        """Whether the current state solves the task."""
+        return False
+
+    def observation(self) -> dict[str, Any]:
+        obs: dict[str, Any] = {"text": self.text()}
+        if self.is_image_mode:
+            obs["image"] = self.image()
+        return obs
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._steps = 0
+        self._terminated = False
+        self._reset(self.np_random, dict(options or {}))
+        return self.observation(), {"success": self.success()}
+
+    def step(self, action: str):
+        canonical = None if self._terminated else self.canonical_action(action)
+        self._steps += 1
+        if canonical is None:
+            reward, terminated, success, info = self.invalid_action_reward, self._terminated, self.success(), {}
+            valid, effective = False, False
+        else:
+            outcome = self._step(canonical)
+            reward, terminated, success, info = outcome.reward, outcome.terminated, outcome.success, dict(outcome.info)
+            valid, effective = True, outcome.effective
+        self._terminated = bool(terminated)
+        truncated = not self._terminated and self._steps >= self.max_steps
+        info.update(action_is_valid=valid, action_is_effective=effective, success=bool(success))
+        return self.observation(), float(reward), self._terminated, truncated, info
+
+    def render(self):
+        if self.render_mode == "ansi":
+            return self.text()
+        if self.render_mode == "rgb_array":
+            return self.image()
+        return None
