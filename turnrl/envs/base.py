@@ -212,14 +212,14 @@ class TurnEnv(gym.Env[dict, str]):
         """
         if not isinstance(action, str):
             return None
-        names = self.action_names()
-        if names is None:
+        lookup = self.__dict__.get("_action_lookup")
+        if lookup is None:
+            names = self.action_names()
+            lookup = None if names is None else {name.lower(): name for name in names}
+            self._action_lookup = lookup
+        if lookup is None:
             return action
-        wanted = action.strip().lower()
-        for name in names:
-            if name.lower() == wanted:
-                return name
-        return None
+        return lookup.get(action.strip().lower())
 
     def success(self) -> bool:
         """Whether the current state solves the task."""
