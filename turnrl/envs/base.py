@@ -236,6 +236,7 @@ class TurnEnv(gym.Env[dict, str]):
         self._steps = 0
         self._terminated = False
         self._reset(self.np_random, dict(options or {}))
+        self.__dict__.pop("_action_lookup", None)  # action names may differ per episode
         return self.observation(), {"success": self.success()}
 
     def step(self, action: str):
