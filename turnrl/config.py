@@ -1,0 +1,234 @@
+"""Typed configuration: dataclasses loaded from YAML with ``key=value`` overrides.
+
+Every field has a one-line docstring; ``turnrl train --config X.yaml a.b=c``
+merges the YAML and the overrides onto these dataclasses with OmegaConf, so an
+unknown key or a value of the wrong type fails at load time, naming the key.
+Choices (e.g. the advantage estimator) are checked in ``validate`` methods with
+a message that lists what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says which key and what is allowed."""
+
+
+def check_choice(key: str, value: Any, allowed: list[Any] | tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def check_range(key: str, value: float, low: float | None = None, high: float | None = None) -> None:
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise ConfigError(f"{key}={value!r} is out of range; allowed: {bounds}")
+
+
+# --------------------------------------------------------------------------- sections
+@dataclass
+class EnvConfig:
+    id: str = "FrozenLake"
+    """Built-in env name or gymnasium id (``turnrl envs`` lists them)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Constructor settings of the env, e.g. ``{size: 4, is_slippery: false}``."""
+    val_settings: Optional[dict[str, Any]] = None
+    """Settings for validation envs when they differ (e.g. a test split); None reuses ``settings``."""
+
+
+@dataclass
+class AgentConfig:
+    format: str = "free_think"
+    """Reasoning format of responses (``no_think``, ``free_think``, ``grounding_worldmodeling``, ``ragen``, ...)."""
+    max_actions_per_turn: int = 1
+    """Actions parsed from one response and stepped in order (RAGEN: 5, VAGEN: 3)."""
+    action_separator: Optional[str] = None
+    """Separator of actions in the answer; None takes the format's default (``,`` or ``||``)."""
+    max_turns: int = 5
+    """Model responses per episode; reaching it truncates the episode."""
+    max_actions_per_episode: int = 10
+    """Action budget per episode (RAGEN's max_actions_per_traj); exhausting it truncates."""
+    max_context_window: Optional[int] = None
+    """Turns kept in the prompt, the current one included; None keeps all."""
+    max_context_tokens: int = 4096
+    """Token budget of one episode's context; an episode that would exceed it is truncated."""
+    format_reward: float = 0.0
+    """Reward added to a turn whose response is well formed (VAGEN: 0.5)."""
+    no_action_penalty: float = -0.1
+    """Reward added to a turn with no valid action (RAGEN: -0.1)."""
+    feedback_on_invalid: bool = True
+    """Tell the model in the next observation when its response had no valid action."""
+    system_prompt: Optional[str] = None
+    """Replaces the default system prompt text before the env instructions."""
+
+    def validate(self) -> None:
+        for key in ("max_actions_per_turn", "max_turns", "max_actions_per_episode", "max_context_tokens"):
+            check_range(f"agent.{key}", getattr(self, key), 1)
+        if self.max_context_window is not None:
+            check_range("agent.max_context_window", self.max_context_window, 1)
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables."""
+    max_new_tokens: int = 128
+    """Tokens generated per response at most."""
+    stop: list[str] = field(default_factory=list)
+    """Extra stop strings besides the end-of-turn token."""
+
+    def validate(self, prefix: str = "sampling") -> None:
+        check_range(f"{prefix}.temperature", self.temperature, 0.0)
+        check_range(f"{prefix}.top_p", self.top_p, 0.0, 1.0)
+        check_range(f"{prefix}.top_k", self.top_k, 0)
+        check_range(f"{prefix}.max_new_tokens", self.max_new_tokens, 1)
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """A transformers model directory or hub id; None builds the built-in small model."""
+    builtin_preset: str = "small"
+    """Size of the built-in model when ``path`` is None (``tiny``, ``small``, ``base``)."""
+    builtin_template: str = "chatml"
+    """Chat template of the built-in model (``chatml``, ``qwen3``, ``llama3``)."""
+    builtin_dir: Optional[str] = None
+    """Where the built-in model is built and cached; None uses ``~/.cache/turnrl/models``."""
+    dtype: str = "auto"
+    """``auto`` (bf16 on GPU, fp32 on CPU), ``float32``, ``bfloat16`` or ``float16``."""
+    device: str = "auto"
+    """``auto`` (cuda if available), ``cpu``, ``cuda`` or ``cuda:N``."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory in training."""
+
+    def validate(self) -> None:
+        check_choice("model.dtype", self.dtype, ["auto", "float32", "bfloat16", "float16"])
+        check_choice("model.builtin_template", self.builtin_template, ["chatml", "qwen3", "llama3"])
+
+
+@dataclass
+class GroupsConfig:
+    n_groups: int = 8
+    """Groups of episodes per rollout; a group shares one seed."""
+    group_size: int = 8
+    """Episodes per group."""
+    env_workers: int = 0
+    """Threads stepping envs; 0 steps them in the calling thread."""
+
+    def validate(self) -> None:
+        check_range("groups.n_groups", self.n_groups, 1)
+        check_range("groups.group_size", self.group_size, 1)
+        check_range("groups.env_workers", self.env_workers, 0)
+
+
+@dataclass
+class SeedConfig:
+    seed: int = 0
+    """Seed of torch, numpy and Python's random (model init, sampling, shuffling)."""
+    train_start: int = 10_000
+    """First env seed of training; each step takes fresh seeds."""
+    val_start: int = 0
+    """First env seed of validation; validation seeds are fixed."""
+    val_size: int = 10_000
+    """Seeds reserved for validation; they never overlap training seeds."""
+
+
+@dataclass
+class EvalConfig:
+    """What ``turnrl eval`` runs."""
+
+    env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.5))
+    model: ModelConfig = field(default_factory=ModelConfig)
+    seeds: SeedConfig = field(default_factory=SeedConfig)
+    policy: str = "expert"
+    """``expert``, ``random``, ``builtin``, a model directory, or ``openai:<model>``."""
+    base_url: Optional[str] = None
+    """Endpoint of an OpenAI-compatible server for ``openai:`` policies (default: $OPENAI_BASE_URL)."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable that holds the API key for ``openai:`` policies."""
+    concurrency: int = 8
+    """Requests in flight at once for HTTP policies."""
+    episodes: int = 32
+    """Validation seeds evaluated."""
+    samples_per_seed: int = 1
+    """Episodes per seed (pass@k uses them)."""
+    batch_size: int = 64
+    """Episodes rolled out together."""
+    out: Optional[str] = None
+    """Output directory for summary.json and trajectories.jsonl."""
+
+    def validate(self) -> None:
+        self.agent.validate()
+        self.sampling.validate()
+        self.model.validate()
+        for key in ("episodes", "samples_per_seed", "batch_size", "concurrency"):
+            check_range(key, getattr(self, key), 1)
+
+
+# --------------------------------------------------------------------------- loading
+def _format_omegaconf_error(error: OmegaConfBaseException) -> str:
+    key = getattr(error, "full_key", None)
+    message = str(error).splitlines()[0]
+    return f"config key {key!r}: {message}" if key else message
+
+
+def _allowed_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in fields(cls):
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys.extend(_allowed_keys(type(default), f"{prefix}{f.name}."))
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Load ``cls`` from an optional YAML file plus ``key=value`` overrides.
+
+    Raises:
+        ConfigError: unknown key, wrong type, malformed override or invalid choice.
+    """
+    base = OmegaConf.structured(cls)
+    layers = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        layers.append(OmegaConf.load(path))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+    if overrides:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        merged = OmegaConf.merge(base, *layers)
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        message = _format_omegaconf_error(error)
+        if "not in" in message:
+            message += f"\nallowed keys: {', '.join(_allowed_keys(cls))}"
+        raise ConfigError(message) from error
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate()
+    return config  # type: ignore[return-value]
+
+
+def to_yaml(config: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,57 @@
+"""The interface every policy shares: a batch of prompts in, completions out.
+
+Model backends read ``prompt_ids`` (the exact tokens of the context) and return
+the sampled token ids with their sampling logprobs; HTTP backends read
+``messages``; scripted policies (expert, random) read ``env``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from turnrl.config import SamplingConfig
+    from turnrl.envs.base import TurnEnv
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete."""
+
+    prompt_ids: list[int] | None
+    """Token ids of the context, generation prompt included; None for text-only rollouts."""
+    messages: list[dict[str, Any]]
+    """The same context as chat messages (for HTTP backends and logs)."""
+    env: TurnEnv | None = None
+    """The episode's env, for scripted policies that read the state."""
+    max_new_tokens: int | None = None
+    """Cap below the sampling setting (the context budget may leave less room)."""
+
+
+@dataclass
+class Completion:
+    """A sampled response."""
+
+    text: str
+    """Decoded response, special tokens removed."""
+    token_ids: list[int] = field(default_factory=list)
+    """The sampled token ids, end-of-turn token included when it was sampled; empty for text-only policies."""
+    logprobs: list[float] = field(default_factory=list)
+    """Log-probability of each sampled token under the sampling distribution (logits / temperature)."""
+    finish_reason: str = "stop"
+    """``stop`` (end of turn or a stop string), ``length`` (max tokens) or ``error``."""
+    error: str | None = None
+    """Why the request failed, when ``finish_reason == "error"``."""
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Anything that completes a batch of prompts."""
+
+    tokenizer: Any
+    """The tokenizer whose ids ``generate`` returns, or None for text-only policies."""
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        """Complete every request; one failed request yields a ``finish_reason="error"`` completion."""
+        ...

@@ -1,0 +1,168 @@
+"""The transformers backend: any causal LM by path, batched sampling with logprobs.
+
+Prompts arrive as token ids (the token-exact context) and are left-padded into
+one batch; ``generate`` returns the sampled ids and, for each, its log-probability
+under the sampling distribution ``softmax(logits / temperature)`` (before top-p /
+top-k truncation, which is the distribution the PPO ratio is taken against).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.policy.base import Completion, GenerationRequest
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def end_of_turn_ids(tokenizer: Any, model: PreTrainedModel | None = None) -> list[int]:
+    """Token ids that end a response: the tokenizer's eos plus the model's configured eos ids."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in configured if isinstance(configured, list) else [configured]:
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts into ``input_ids`` and ``attention_mask``, both Shape (b, max_len)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
+def sampled_logprobs(step_logits: Sequence[torch.Tensor], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probabilities of the sampled tokens under ``softmax(logits / temperature)``.
+
+    Args:
+        step_logits: one raw logits tensor per generated position, each Shape (b, vocab).
+        tokens: the generated ids, Shape (b, n).
+        temperature: sampling temperature; 0 (greedy) scores with temperature 1.
+
+    Returns:
+        Shape (b, n), float32.
+    """
+    scale = temperature if temperature > 0 else 1.0
+    logits = torch.stack(list(step_logits), dim=1).float() / scale  # (b, n, vocab)
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+class HFPolicy:
+    """Sampling from a transformers causal LM.
+
+    Args:
+        model: a loaded model (its device is used) — or use :meth:`from_config`.
+        tokenizer: its tokenizer; ``pad_token_id`` must be set.
+        max_batch_size: prompts sampled together at most.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, max_batch_size: int = 64) -> None:
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token: set tokenizer.pad_token (e.g. to its eos token)")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.eos_ids = end_of_turn_ids(tokenizer, model)
+        if not self.eos_ids:
+            raise ValueError("the tokenizer defines no eos token, so responses could never end")
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, path: str, max_batch_size: int = 64) -> HFPolicy:
+        device = resolve_device(config.device)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(config.dtype, device)).to(device)
+        model.eval()
+        return cls(model, tokenizer, max_batch_size=max_batch_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        completions: list[Completion] = []
+        for start in range(0, len(requests), self.max_batch_size):
+            completions.extend(self._generate_batch(requests[start : start + self.max_batch_size], sampling))
+        return completions
+
+    @torch.no_grad()
+    def _generate_batch(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        if any(r.prompt_ids is None for r in requests):
+            raise ValueError("HFPolicy needs prompt_ids: the rollout must build token contexts with this tokenizer")
+        prompts = [list(r.prompt_ids) for r in requests]  # type: ignore[arg-type]
+        max_new = max(min(sampling.max_new_tokens, r.max_new_tokens or sampling.max_new_tokens) for r in requests)
+        input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_token_id)
+        was_training = self.model.training
+        self.model.eval()
+        greedy = sampling.temperature <= 0
+        options: dict[str, Any] = dict(
+            max_new_tokens=max_new,
+            do_sample=not greedy,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        if not greedy:
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        if sampling.stop:
+            options.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
+        output = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **options
+        )
+        if was_training:
+            self.model.train()
+        generated = output.sequences[:, input_ids.shape[1] :].cpu()
+        logprobs = sampled_logprobs(output.logits, generated.to(output.logits[0].device), sampling.temperature).cpu()
+        return [
+            self._completion(generated[row], logprobs[row], min(max_new, r.max_new_tokens or max_new), sampling)
+            for row, r in enumerate(requests)
+        ]
+
+    def _completion(self, tokens: torch.Tensor, logprobs: torch.Tensor, limit: int, sampling: SamplingConfig) -> Completion:
+        ids = tokens.tolist()[:limit]
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_ids), None)
+        finish_reason = "stop" if end is not None else "length"
+        if end is not None:
+            ids = ids[:end]
+        elif sampling.stop:
+            stop_end = self._stop_string_end(ids, sampling.stop)
+            if stop_end is not None:
+                ids, finish_reason = ids[:stop_end], "stop"
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return Completion(text=text, token_ids=ids, logprobs=logprobs[: len(ids)].tolist(), finish_reason=finish_reason)
+
+    def _stop_string_end(self, ids: list[int], stops: list[str]) -> int | None:
+        """Length of the shortest prefix of ``ids`` whose text contains a stop string.
+
+        generate() keeps sampling pad ids after a row hits a stop string, so the
+        row is cut here at the token that completed the stop string.
+        """
+        for end in range(1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:end], skip_special_tokens=True)
+            if any(stop in text for stop in stops):
+                return end
+        return None

@@ -1,0 +1,60 @@
+"""Env groups: ``n_groups x group_size`` episodes, one seed per group.
+
+Groups are what GRPO-style estimators and StarPO-S filters compare within: the
+episodes of a group play the same level (same seed) and differ only by the
+policy's sampling. The training seed advances every step; validation seeds are
+fixed and disjoint from training seeds (:class:`turnrl.envs.seeds.SeedSplits`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from turnrl.envs.base import TurnEnv
+from turnrl.envs.seeds import SeedSplits
+from turnrl.rollout.runner import EpisodeSlot
+
+
+class EnvGroups:
+    """A pool of envs reused across steps, handed out as seeded slots.
+
+    Args:
+        make_env: builds one env (called ``n_groups * group_size`` times, lazily).
+        n_groups: groups per batch.
+        group_size: episodes per group.
+        seeds: where training and validation seeds come from.
+    """
+
+    def __init__(self, make_env: Callable[[], TurnEnv], n_groups: int, group_size: int, seeds: SeedSplits) -> None:
+        if n_groups < 1 or group_size < 1:
+            raise ValueError(f"n_groups and group_size must be >= 1, got {n_groups} and {group_size}")
+        self.make_env = make_env
+        self.n_groups = n_groups
+        self.group_size = group_size
+        self.seeds = seeds
+        self._envs: list[TurnEnv] = []
+
+    @property
+    def batch_size(self) -> int:
+        return self.n_groups * self.group_size
+
+    def _pool(self, size: int) -> list[TurnEnv]:
+        while len(self._envs) < size:
+            self._envs.append(self.make_env())
+        return self._envs[:size]
+
+    def train_slots(self, step: int) -> list[EpisodeSlot]:
+        """The slots of training step ``step``: fresh seeds, one per group."""
+        return self._slots(self.seeds.train_seeds(step, self.n_groups), self.group_size)
+
+    def val_slots(self, n_seeds: int, samples_per_seed: int = 1, options: dict[str, Any] | None = None) -> list[EpisodeSlot]:
+        """The fixed validation slots: the first ``n_seeds`` validation seeds."""
+        return self._slots(self.seeds.val_seeds(n_seeds), samples_per_seed, options)
+
+    def _slots(self, seeds: list[int], per_seed: int, options: dict[str, Any] | None = None) -> list[EpisodeSlot]:
+        envs = self._pool(len(seeds) * per_seed)
+        return [
+            EpisodeSlot(env=envs[g * per_seed + k], seed=seed, group=g, sample=k, options=options)
+            for g, seed in enumerate(seeds)
+            for k in range(per_seed)
+        ]

@@ -1,0 +1,66 @@
+"""Summary figures of a batch of trajectories (eval and training share them)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from math import comb
+
+import numpy as np
+
+from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` successes: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def pass_at_k_by_seed(trajectories: list[Trajectory]) -> dict[int, float]:
+    """pass@k for every k up to the smallest number of samples per seed."""
+    by_seed: dict[int, list[bool]] = defaultdict(list)
+    for t in trajectories:
+        by_seed[t.seed].append(t.success)
+    if not by_seed:
+        return {}
+    n_min = min(len(v) for v in by_seed.values())
+    return {
+        k: float(np.mean([pass_at_k(len(v), sum(v), k) for v in by_seed.values()]))
+        for k in sorted({1, 2, 4, 8, 16, n_min} & set(range(1, n_min + 1)))
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else 0.0
+
+
+def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Success, rewards, turn counts, format and action validity over a batch.
+
+    Errored episodes count as failures in ``success`` and are also counted
+    separately in ``errors`` so that a broken env is visible.
+    """
+    turns = [turn for t in trajectories for turn in t.turns]
+    actions_valid = [v for turn in turns for v in turn.actions_valid]
+    metrics = {
+        "success": _mean([float(t.success) for t in trajectories]),
+        "reward_mean": _mean([t.total_reward for t in trajectories]),
+        "reward_std": float(np.std([t.total_reward for t in trajectories])) if trajectories else 0.0,
+        "env_reward_mean": _mean([t.env_reward for t in trajectories]),
+        "turns_mean": _mean([len(t.turns) for t in trajectories]),
+        "actions_mean": _mean([t.num_actions for t in trajectories]),
+        "format_ok": _mean([float(turn.parsed.format_ok) for turn in turns]),
+        "action_valid": _mean([float(v) for v in actions_valid]),
+        "turns_without_valid_action": _mean([float(not turn.has_valid_action) for turn in turns]),
+        "response_tokens_mean": _mean([len(turn.response_ids) for turn in turns]),
+        "response_truncated": _mean([float(turn.finish_reason == "length") for turn in turns]),
+        "done": _mean([float(t.status == DONE) for t in trajectories]),
+        "truncated": _mean([float(t.status == TRUNCATED) for t in trajectories]),
+        "errors": float(sum(t.status == ERROR for t in trajectories)),
+        "reward_errors": float(sum(len(turn.reward_errors) for turn in turns)),
+        "episodes": float(len(trajectories)),
+    }
+    return metrics

@@ -1,0 +1,266 @@
+"""The multi-turn loop: prompts -> policy -> parse -> env steps -> next observation.
+
+One call of :func:`rollout` plays a batch of episodes to the end. Each turn the
+active episodes' prompts go to the policy as one batch; each response is parsed
+into at most ``max_actions_per_turn`` actions, stepped in order (stopping at the
+first invalid action or at the end of the episode), and the rewards of the
+steps are summed into the turn reward. An unparseable response, an invalid
+action or a failing env is data, recorded on the trajectory, never an
+exception that stops the batch.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from turnrl.agent.formats import ResponseFormat
+from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
+from turnrl.config import AgentConfig, SamplingConfig
+from turnrl.envs.base import TurnEnv
+from turnrl.policy.base import Completion, GenerationRequest, Policy
+from turnrl.rollout.context import EpisodeTokens
+from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
+
+
+@dataclass
+class EpisodeSlot:
+    """An env and the seed it plays in this batch."""
+
+    env: TurnEnv
+    seed: int
+    group: int = 0
+    sample: int = 0
+    options: dict[str, Any] | None = None
+    """Passed to ``env.reset`` (e.g. a given level)."""
+
+
+@dataclass
+class RolloutTimings:
+    generate_s: float = 0.0
+    env_s: float = 0.0
+
+
+def _user_message(text: str, env: TurnEnv) -> dict[str, Any]:
+    if env.is_image_mode:
+        return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
+    return {"role": "user", "content": text}
+
+
+@dataclass
+class _Episode:
+    """Mutable state of one episode during the loop."""
+
+    slot: EpisodeSlot
+    trajectory: Trajectory
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    actions_left: int = 0
+    finished: bool = False
+    observation: str = ""
+    """Text of the current user message."""
+    images: list[np.ndarray] = field(default_factory=list)
+    """Images of the current user message."""
+
+    def finish(self, status: str, reason: str | None = None, error: str | None = None) -> None:
+        self.finished = True
+        self.trajectory.status = status
+        self.trajectory.truncation_reason = reason
+        self.trajectory.error = error
+
+
+class Rollout:
+    """Plays batches of episodes with one policy, one format and one agent setting.
+
+    Args:
+        policy: samples responses (token ids when it has a tokenizer).
+        fmt: the reasoning format (prompt text and parser).
+        agent: turn limits, action budget, context budget, format rewards.
+        env_id: recorded on every trajectory.
+        executor: steps envs in parallel when given.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        fmt: ResponseFormat,
+        agent: AgentConfig,
+        env_id: str,
+        executor: Executor | None = None,
+    ) -> None:
+        self.policy = policy
+        self.fmt = fmt
+        self.agent = agent
+        self.env_id = env_id
+        self.executor = executor
+        self.timings = RolloutTimings()
+
+    # ------------------------------------------------------------------ the loop
+    def run(
+        self,
+        slots: Sequence[EpisodeSlot],
+        sampling: SamplingConfig,
+        on_turn: Callable[[int, int], None] | None = None,
+    ) -> list[Trajectory]:
+        """Play every slot's episode to its end; ``on_turn(turn, active)`` reports progress."""
+        self.timings = RolloutTimings()
+        episodes = self._map(self._start, list(slots))
+        for turn in range(self.agent.max_turns):
+            active = [episode for episode in episodes if not episode.finished]
+            if not active:
+                break
+            if on_turn is not None:
+                on_turn(turn, len(active))
+            completions = self._generate(active, sampling)
+            self._map(lambda pair: self._apply(pair[0], pair[1], sampling), list(zip(active, completions)))
+        return [episode.trajectory for episode in episodes]
+
+    def _map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        start = time.perf_counter()
+        results = list(self.executor.map(fn, items)) if self.executor is not None else [fn(item) for item in items]
+        self.timings.env_s += time.perf_counter() - start
+        return results
+
+    def _generate(self, active: list[_Episode], sampling: SamplingConfig) -> list[Completion]:
+        requests = [self._request(episode, sampling) for episode in active]
+        start = time.perf_counter()
+        try:
+            completions = self.policy.generate(requests, sampling)
+            if len(completions) != len(requests):
+                raise RuntimeError(f"policy returned {len(completions)} completions for {len(requests)} prompts")
+        except Exception as error:  # a failing policy call ends these episodes, not the run
+            message = f"policy failed: {type(error).__name__}: {error}"
+            completions = [Completion(text="", finish_reason="error", error=message) for _ in requests]
+        self.timings.generate_s += time.perf_counter() - start
+        return completions
+
+    def _request(self, episode: _Episode, sampling: SamplingConfig) -> GenerationRequest:
+        tokens = episode.trajectory.tokens
+        window = self.agent.max_context_window
+        messages = episode.messages
+        if window is not None:
+            # system + the last `window` turns: user, assistant, ..., user
+            messages = messages[:1] + messages[1:][-(2 * window - 1) :]
+        return GenerationRequest(
+            prompt_ids=tokens.prompt() if tokens is not None else None,
+            messages=messages,
+            env=episode.slot.env,
+        )
+
+    # ------------------------------------------------------------------ one episode
+    def _start(self, slot: EpisodeSlot) -> _Episode:
+        trajectory = Trajectory(env_id=self.env_id, seed=slot.seed, group=slot.group, sample=slot.sample)
+        episode = _Episode(slot=slot, trajectory=trajectory, actions_left=self.agent.max_actions_per_episode)
+        try:
+            obs, _ = slot.env.reset(seed=slot.seed, options=slot.options)
+            names = slot.env.action_names()
+            trajectory.system_prompt = system_prompt(
+                self.agent.system_prompt,
+                slot.env.instructions(),
+                self.fmt.instructions(names, self.agent.max_actions_per_turn),
+            )
+        except Exception as error:
+            episode.finish(ERROR, error=f"env reset failed: {type(error).__name__}: {error}")
+            return episode
+        episode.messages = [{"role": "system", "content": trajectory.system_prompt}]
+        text = observation_text(obs["text"], turn=1, actions_left=episode.actions_left)
+        self._observe(episode, text, obs)
+        tokenizer = getattr(self.policy, "tokenizer", None)
+        if tokenizer is not None:
+            trajectory.tokens = EpisodeTokens(tokenizer, max_context_window=self.agent.max_context_window)
+            trajectory.tokens.start(episode.messages[0], episode.messages[1])
+            if len(trajectory.tokens.prompt()) >= self.agent.max_context_tokens:
+                episode.finish(TRUNCATED, "context_budget")
+        return episode
+
+    def _observe(self, episode: _Episode, text: str, obs: dict[str, Any]) -> dict[str, Any]:
+        """Make ``obs`` the current observation; returns its user message."""
+        episode.observation = text
+        episode.images = [obs["image"]] if "image" in obs else []
+        episode.trajectory.images.extend(episode.images)
+        message = _user_message(text, episode.slot.env)
+        episode.messages.append(message)
+        return message
+
+    def _apply(self, episode: _Episode, completion: Completion, sampling: SamplingConfig) -> None:
+        """Parse one response, step the env, record the turn, prepare the next prompt."""
+        env, trajectory = episode.slot.env, episode.trajectory
+        names = env.action_names()
+        parsed = self.fmt.parse(completion.text, names)
+        turn = TurnRecord(
+            index=len(trajectory.turns),
+            observation=episode.observation,
+            response=completion.text,
+            response_ids=list(completion.token_ids),
+            response_logprobs=list(completion.logprobs),
+            finish_reason=completion.finish_reason,
+            parsed=parsed,
+            images=episode.images,
+        )
+        trajectory.turns.append(turn)
+        episode.messages.append({"role": "assistant", "content": completion.text})
+        if trajectory.tokens is not None and completion.finish_reason != "error":
+            trajectory.tokens.add_response(turn.response_ids, turn.response_logprobs)
+        if completion.finish_reason == "error":
+            episode.finish(ERROR, error=completion.error or "policy error")
+            return
+
+        terminated = truncated = False
+        obs: dict[str, Any] | None = None
+        for action in parsed.actions[: min(self.agent.max_actions_per_turn, episode.actions_left)]:
+            try:
+                obs, reward, terminated, truncated, info = env.step(action)
+            except Exception as error:
+                episode.finish(ERROR, error=f"env step failed: {type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}")
+                return
+            valid = bool(info.get("action_is_valid", True))
+            turn.actions.append(action)
+            turn.actions_valid.append(valid)
+            turn.env_reward += float(reward)
+            trajectory.success = bool(info.get("success", False))
+            episode.actions_left -= 1
+            if not valid or terminated or truncated:
+                break
+        turn.format_reward = (self.agent.format_reward if parsed.format_ok else 0.0) + (
+            0.0 if turn.has_valid_action else self.agent.no_action_penalty
+        )
+        if obs is None:
+            obs = env.observation()
+        trajectory.final_observation = obs["text"]
+
+        if terminated:
+            episode.finish(DONE)
+        elif truncated:
+            episode.finish(TRUNCATED, "env_steps")
+        elif episode.actions_left <= 0:
+            episode.finish(TRUNCATED, "action_budget")
+        elif len(trajectory.turns) >= self.agent.max_turns:
+            episode.finish(TRUNCATED, "max_turns")
+        else:
+            self._next_observation(episode, turn, obs, sampling)
+
+    def _next_observation(self, episode: _Episode, turn: TurnRecord, obs: dict[str, Any], sampling: SamplingConfig) -> None:
+        env = episode.slot.env
+        feedback = TurnFeedback(
+            reward=turn.reward,
+            no_valid_action=self.agent.feedback_on_invalid and not turn.has_valid_action,
+            problems=tuple(turn.parsed.errors),
+        )
+        text = observation_text(
+            obs["text"],
+            turn=turn.index + 2,
+            actions_left=episode.actions_left,
+            feedback=feedback,
+            action_names=env.action_names(),
+        )
+        message = self._observe(episode, text, obs)
+        tokens = episode.trajectory.tokens
+        if tokens is None:
+            return
+        tokens.add_observation(message)
+        if len(tokens.prompt()) + sampling.max_new_tokens > self.agent.max_context_tokens:
+            episode.finish(TRUNCATED, "context_budget")
