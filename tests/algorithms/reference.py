@@ -1,0 +1,225 @@
+"""Plain Python loop references for turnrl.algorithms.
+
+Each function here follows the definition in the docstring of the function it
+checks, one token (or one group) at a time, on Python floats (double
+precision). They are slow on purpose: simple enough to verify by reading. The
+tests compare the vectorized functions with them, and the benchmark times them.
+
+Inputs are tensors (converted with ``tolist``) so that tests and benchmark call
+them exactly like the functions they check; outputs are tensors of float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _rows(*tensors: torch.Tensor) -> list[list]:
+    return [t.tolist() for t in tensors]
+
+
+def _out(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def ref_place_rewards(turn_rewards, turn_end_index, seq_len, mode="per_turn"):
+    rewards, index = _rows(turn_rewards, turn_end_index)
+    out = [[0.0] * seq_len for _ in rewards]
+    for b, (rs, idx) in enumerate(zip(rewards, index)):
+        valid = [(r, i) for r, i in zip(rs, idx) if i >= 0]
+        if mode == "per_turn":
+            for r, i in valid:
+                out[b][i] += r
+        elif valid:
+            out[b][max(i for _, i in valid)] += sum(r for r, _ in valid)
+    return _out(out)
+
+
+def ref_masked_gae(token_rewards, values, adv_mask, gamma, lam):
+    rewards, vals, mask = _rows(token_rewards, values, adv_mask)
+    advs, rets = [], []
+    for r, v, m in zip(rewards, vals, mask):
+        adv = [0.0] * len(r)
+        ret = [0.0] * len(r)
+        next_value, last = 0.0, 0.0
+        for i in range(len(r) - 1, -1, -1):
+            if not m[i]:
+                continue  # skipped: value and advantage pass through
+            delta = r[i] + gamma * next_value - v[i]
+            last = delta + gamma * lam * last
+            adv[i], ret[i] = last, last + v[i]
+            next_value = v[i]
+        advs.append(adv)
+        rets.append(ret)
+    return _out(advs), _out(rets)
+
+
+def _turns_of_row(m, e):
+    """Lists of masked positions, one list per turn (the last masked token ends a turn)."""
+    turns, current = [], []
+    for i in range(len(m)):
+        if not m[i]:
+            continue
+        current.append(i)
+        if e[i]:
+            turns.append(current)
+            current = []
+    if current:
+        turns.append(current)
+    return turns
+
+
+def _turn_gae_row(turn_rewards, turn_values, gamma, lam):
+    adv = [0.0] * len(turn_rewards)
+    last, next_value = 0.0, 0.0
+    for t in range(len(turn_rewards) - 1, -1, -1):
+        delta = turn_rewards[t] + gamma * next_value - turn_values[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+        next_value = turn_values[t]
+    return adv
+
+
+def ref_bilevel_gae(
+    token_rewards, values, adv_mask, turn_end_mask, gamma_turn, lambda_turn, gamma_token, lambda_token
+):
+    rewards, vals, mask, end = _rows(token_rewards, values, adv_mask, turn_end_mask)
+    advs, rets = [], []
+    for r, v, m, e in zip(rewards, vals, mask, end):
+        turns = _turns_of_row(m, e)
+        turn_adv = _turn_gae_row(
+            [r[tok[-1]] for tok in turns], [v[tok[-1]] for tok in turns], gamma_turn, lambda_turn
+        )
+        adv = [0.0] * len(r)
+        ret = [0.0] * len(r)
+        for tokens, a_turn in zip(turns, turn_adv):
+            last = a_turn
+            adv[tokens[-1]] = a_turn
+            for k in range(len(tokens) - 2, -1, -1):
+                i, nxt = tokens[k], tokens[k + 1]
+                delta = r[i] + gamma_token * v[nxt] - v[i]
+                last = delta + gamma_token * lambda_token * last
+                adv[i] = last
+            for i in tokens:
+                ret[i] = adv[i] + v[i]
+        advs.append(adv)
+        rets.append(ret)
+    return _out(advs), _out(rets)
+
+
+def ref_turn_gae(token_rewards, values, adv_mask, turn_end_mask, gamma, lam):
+    rewards, vals, mask, end = _rows(token_rewards, values, adv_mask, turn_end_mask)
+    advs, rets = [], []
+    for r, v, m, e in zip(rewards, vals, mask, end):
+        turns = _turns_of_row(m, e)
+        turn_values = [v[tok[-1]] for tok in turns]
+        turn_adv = _turn_gae_row([sum(r[i] for i in tok) for tok in turns], turn_values, gamma, lam)
+        adv = [0.0] * len(r)
+        ret = [0.0] * len(r)
+        for tokens, a, tv in zip(turns, turn_adv, turn_values):
+            for i in tokens:
+                adv[i], ret[i] = a, a + tv
+        advs.append(adv)
+        rets.append(ret)
+    return _out(advs), _out(rets)
+
+
+def _groups(scores, group_index):
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_index.tolist()):
+        groups.setdefault(g, []).append(i)
+    return scores.tolist(), groups
+
+
+def _mean_std(xs):
+    mean = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def ref_grpo(scores, group_index, eps, norm_by_std=True):
+    xs, groups = _groups(scores, group_index)
+    out = [0.0] * len(xs)
+    for members in groups.values():
+        mean, std = _mean_std([xs[i] for i in members])
+        for i in members:
+            out[i] = (xs[i] - mean) / (std + eps) if norm_by_std else xs[i] - mean
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def ref_rloo(scores, group_index):
+    xs, groups = _groups(scores, group_index)
+    out = [0.0] * len(xs)
+    for members in groups.values():
+        for i in members:
+            others = [xs[j] for j in members if j != i]
+            out[i] = xs[i] - sum(others) / len(others) if others else 0.0
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def ref_whiten(values, mask, eps=1e-8):
+    vals, m = _rows(values, mask)
+    picked = [x for row, mr in zip(vals, m) for x, k in zip(row, mr) if k]
+    if not picked:
+        return _out([[0.0] * len(row) for row in vals])
+    mean = sum(picked) / len(picked)
+    std = math.sqrt(sum((x - mean) ** 2 for x in picked) / len(picked) + eps)
+    return _out([[(x - mean) / std if k else 0.0 for x, k in zip(row, mr)] for row, mr in zip(vals, m)])
+
+
+def ref_reinforce_pp(token_rewards, adv_mask, gamma):
+    rewards, mask = _rows(token_rewards, adv_mask)
+    rets = []
+    for r, m in zip(rewards, mask):
+        ret = [0.0] * len(r)
+        g = 0.0
+        for i in range(len(r) - 1, -1, -1):
+            if m[i]:
+                g = r[i] + gamma * g
+                ret[i] = g
+        rets.append(ret)
+    returns = _out(rets)
+    return ref_whiten(returns, adv_mask), returns
+
+
+def ref_aggregate(per_token, mask, mode):
+    xs, m = _rows(per_token, mask)
+    if mode == "token-mean":
+        picked = [x for row, mr in zip(xs, m) for x, k in zip(row, mr) if k]
+        return sum(picked) / len(picked) if picked else 0.0
+    seqs = []
+    for row, mr in zip(xs, m):
+        picked = [x for x, k in zip(row, mr) if k]
+        if picked:
+            seqs.append(sum(picked) / len(picked) if mode == "seq-mean-token-mean" else sum(picked))
+    return sum(seqs) / len(seqs) if seqs else 0.0
+
+
+def ref_ppo_token_loss(logprob, old_logprob, advantage, clip_low, clip_high, dual_clip):
+    """One token's clipped (and dual-clipped) PPO loss."""
+    ratio = math.exp(logprob - old_logprob)
+    unclipped = -advantage * ratio
+    clipped = -advantage * min(max(ratio, 1 - clip_low), 1 + clip_high)
+    loss = max(unclipped, clipped)
+    if dual_clip is not None and advantage < 0:
+        loss = min(loss, -advantage * dual_clip)
+    return loss
+
+
+def ref_kl(logprob, ref_logprob, kind):
+    if kind == "k1":
+        return logprob - ref_logprob
+    if kind == "k2":
+        return 0.5 * (logprob - ref_logprob) ** 2
+    d = min(max(ref_logprob - logprob, -20.0), 20.0)
+    return min(max(math.exp(d) - d - 1, -10.0), 10.0)
+
+
+def ref_entropy(logits_row):
+    top = max(logits_row)
+    exps = [math.exp(z - top) for z in logits_row]
+    total = sum(exps)
+    return -sum((e / total) * math.log(e / total) for e in exps if e > 0)

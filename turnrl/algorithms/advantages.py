@@ -1,0 +1,508 @@
+"""Advantage estimators for multi-turn agents, as pure functions over padded tensors.
+
+Notation: ``b`` batch size, ``s`` sequence length, ``t`` turns (the most turns
+of any row), ``g`` number of groups.
+
+Every estimator takes padded ``(b, s)`` tensors and masks:
+
+- ``token_rewards`` holds each turn's reward at that turn's last response token
+  (see :func:`place_rewards`); any other non-zero entry is a per-token reward
+  (a KL penalty folded into the reward, say).
+- ``adv_mask`` (bool or 0/1 float) decides which tokens take part in the
+  recursion. Tokens outside it are skipped: the recursion passes through them,
+  carrying the next valid token's value and advantage, so observation tokens
+  between two responses neither break nor bend the credit path. Rewards outside
+  ``adv_mask`` are ignored. Returned advantages and returns are zero outside it.
+- ``turn_end_mask`` is True at each turn's last response token. Turn ends
+  outside ``adv_mask`` are ignored; the last token in ``adv_mask`` of a row
+  always ends a turn, so a response cut off by the token budget still counts.
+
+Sign convention: advantages are "higher is better"; the policy loss multiplies
+them by ``-ratio``. Returns are ``advantages + values`` (the critic's target).
+
+Nothing here loops over tokens in Python. Every recursion of the form
+``y_i = x_i + c * y_{i+1}`` runs through :func:`discounted_reverse_cumsum`, a
+chunked scan made of small matrix products: masked tokens are first compacted
+to the left of each row, so the scan sees a constant coefficient.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "GroupStats",
+    "bilevel_gae",
+    "broadcast_to_tokens",
+    "discounted_reverse_cumsum",
+    "group_stats",
+    "grpo_advantages",
+    "masked_gae",
+    "place_rewards",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+    "turn_gae",
+    "whiten",
+]
+
+# Chunk length of the scan: each chunk is one (K x K) triangular matrix product,
+# and the chunk totals are scanned again at the next level (s / K values). 32
+# keeps the product cheap and bounds the rounding of a segmented scan to sums
+# of at most 32 terms.
+_CHUNK = 32
+
+
+def _float_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half types are upcast)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _powers(coef: float, n: int, like: torch.Tensor) -> torch.Tensor:
+    """``coef ** k`` for ``k = 0 .. n-1``, computed in float64. Shape (n,)."""
+    k = torch.arange(n, dtype=torch.float64, device=like.device)
+    return torch.full_like(k, float(coef)).pow(k).to(like.dtype)
+
+
+def discounted_reverse_cumsum(
+    x: torch.Tensor, coef: float, segment_end: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reverse discounted cumulative sum, optionally restarted at segment ends.
+
+    Computes, for each row independently and without a loop over positions::
+
+        y_i = x_i + coef * y_{i+1}   if position i is not a segment end
+        y_i = x_i                    if position i is a segment end
+        y_n = 0                      (past the last position)
+
+    i.e. ``y_i = sum_{j=i}^{e(i)} coef**(j-i) * x_j`` with ``e(i)`` the first
+    segment end at or after ``i`` (the row end if none).
+
+    Method: cut the row into chunks of ``K`` positions; inside a chunk the sum
+    is one product with the triangular matrix ``T[i, j] = coef**(j-i)``; the
+    chunks' first values are themselves a scan with coefficient ``coef**K``,
+    solved recursively (4096 -> 128 -> 4 -> 1); each position then adds the
+    next chunk's first value times ``coef**(K-i)``. A segment end inside a
+    chunk is handled by subtracting the chunk's tail behind it, so the rounding
+    error is that of a sum over one chunk, never over the whole row.
+
+    Args:
+        x: Shape (b, n), floating.
+        coef: discount per position, in [0, 1].
+        segment_end: Shape (b, n), bool, or None for one segment per row.
+
+    Returns:
+        Shape (b, n), same dtype as ``x``.
+    """
+    b, n = x.shape
+    if n == 0:
+        return x.clone()
+    K = _CHUNK
+    nc = -(-n // K)
+    pad = nc * K - n
+    if pad:
+        x = F.pad(x, (0, pad))
+        if segment_end is not None:
+            segment_end = F.pad(segment_end, (0, pad), value=True)
+    pw = _powers(coef, K + 1, x)  # coef**0 .. coef**K
+    i = torch.arange(K, device=x.device)
+    diff = i[None, :] - i[:, None]  # [i, j] -> j - i
+    tri = torch.where(diff >= 0, pw[diff.clamp(min=0)], pw.new_zeros(()))
+    local = (x.reshape(-1, K) @ tri.T).view(b, nc, K)  # unsegmented, inside the chunk
+    cont = None  # whether position i's segment runs past its chunk's end
+    if segment_end is not None:
+        ends = segment_end.reshape(b, nc, K)
+        first_end = torch.where(ends, i, K).flip(-1).cummin(-1).values.flip(-1)
+        after = (first_end + 1).clamp(max=K)  # K indexes the zero column below
+        tail = F.pad(local, (0, 1)).gather(-1, after)
+        local = local - pw[after - i] * tail
+        cont = first_end == K
+    if nc > 1:
+        starts = discounted_reverse_cumsum(
+            local[..., 0].contiguous(), float(coef) ** K, None if cont is None else ~cont[..., 0]
+        )
+        carry = pw[K - i] * F.pad(starts[:, 1:], (0, 1))[..., None]
+        local = local + (carry if cont is None else carry * cont)
+    return local.reshape(b, nc * K)[:, :n]
+
+
+class _Compact(NamedTuple):
+    """Where each masked token goes when the masked tokens of a row are packed left."""
+
+    index: torch.Tensor  # (b, s) long: packed position, or `width` outside the mask
+    width: int  # most masked tokens in any row
+
+
+def _compact_layout(mask: torch.Tensor) -> _Compact:
+    pos = mask.long().cumsum(1) - 1
+    width = int(pos[:, -1].max().item()) + 1 if mask.numel() else 0
+    return _Compact(torch.where(mask, pos, width), width)
+
+
+def _pack(x: torch.Tensor, layout: _Compact, dtype: torch.dtype) -> torch.Tensor:
+    """Pack masked entries left. Shape (b, s) -> (b, width + 1); the last column
+    and everything behind a row's last masked token are zero."""
+    out = torch.zeros(x.shape[0], layout.width + 1, dtype=dtype, device=x.device)
+    out.scatter_(1, layout.index, x.to(dtype))
+    out[:, -1] = 0  # the slot that tokens outside the mask were written to
+    return out
+
+
+def _unpack(packed: torch.Tensor, layout: _Compact) -> torch.Tensor:
+    """Inverse of :func:`_pack`: (b, width + 1) -> (b, s), zero outside the mask."""
+    return packed.gather(1, layout.index)
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def masked_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    adv_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over the tokens in ``adv_mask`` only.
+
+    With ``k_1 < ... < k_n`` the masked positions of a row and ``V(k_{n+1}) = 0``
+    (no bootstrap after the last valid token)::
+
+        delta_m = r(k_m) + gamma * V(k_{m+1}) - V(k_m)
+        A(k_m)  = delta_m + gamma * lam * A(k_{m+1}),     A(k_{n+1}) = 0
+        R(k_m)  = A(k_m) + V(k_m)
+
+    With ``gamma = lam = 1`` this is reward-to-go minus value. Matches VAGEN's
+    multi-turn GAE (next valid token's value, ``lastgaelam`` carried across gaps).
+
+    Args:
+        token_rewards: Shape (b, s).
+        values: Shape (b, s), critic values.
+        adv_mask: Shape (b, s), bool or 0/1.
+        gamma, lam: discount and GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, each Shape (b, s), zero outside ``adv_mask``;
+        float32 (float64 if an input is float64).
+    """
+    mask = _as_bool(adv_mask)
+    dtype = _float_dtype(token_rewards, values)
+    layout = _compact_layout(mask)
+    r = _pack(token_rewards, layout, dtype)
+    v = _pack(values, layout, dtype)
+    delta = r[:, :-1] + gamma * v[:, 1:] - v[:, :-1]  # packed zeros bootstrap V = 0
+    adv = discounted_reverse_cumsum(delta, gamma * lam)
+    adv = F.pad(adv, (0, 1))
+    return _unpack(adv, layout), _unpack(adv + v, layout)
+
+
+class _Turns(NamedTuple):
+    """Turn structure of a batch, in the original (b, s) positions."""
+
+    mask: torch.Tensor  # (b, s) bool: adv_mask
+    ends: torch.Tensor  # (b, s) bool: effective turn ends (inside the mask)
+    turn: torch.Tensor  # (b, s) long: turn index of each masked token, `n_turns` elsewhere
+    n_turns: int  # most turns of any row
+
+
+def _turn_layout(adv_mask: torch.Tensor, turn_end_mask: torch.Tensor) -> _Turns:
+    mask = _as_bool(adv_mask)
+    seen = mask.long().cumsum(1)
+    last = mask & (seen == seen[:, -1:])  # the last masked token of each row
+    ends = (mask & _as_bool(turn_end_mask)) | last
+    before = ends.long().cumsum(1) - ends.long()  # ends strictly before each position
+    n_turns = int(ends.sum(1).max().item()) if ends.numel() else 0
+    return _Turns(mask, ends, torch.where(mask, before, n_turns), n_turns)
+
+
+def _turn_level_gae(
+    turn_rewards: torch.Tensor, turn_values: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """GAE over packed turns. Inputs Shape (b, t + 1), zero past each row's last
+    turn (so ``V(end_{t+1}) = 0`` after the last). Returns Shape (b, t + 1)."""
+    delta = turn_rewards[:, :-1] + gamma * turn_values[:, 1:] - turn_values[:, :-1]
+    return F.pad(discounted_reverse_cumsum(delta, gamma * lam), (0, 1))
+
+
+def _per_turn(x: torch.Tensor, turns: _Turns, at_ends_only: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Gather a (b, s) quantity per turn: the value at each turn's end, or the sum
+    over the turn's masked tokens. Shape (b, t + 1), last column zero."""
+    keep = turns.ends if at_ends_only else turns.mask
+    out = torch.zeros(x.shape[0], turns.n_turns + 1, dtype=dtype, device=x.device)
+    out.scatter_add_(1, turns.turn, torch.where(keep, x.to(dtype), 0))
+    out[:, -1] = 0
+    return out
+
+
+def bilevel_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    adv_mask: torch.Tensor,
+    turn_end_mask: torch.Tensor,
+    gamma_turn: float = 1.0,
+    lambda_turn: float = 1.0,
+    gamma_token: float = 1.0,
+    lambda_token: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """VAGEN's bi-level GAE: GAE across turns, then GAE inside each turn.
+
+    Turn level (``e_t`` the last token of turn ``t``, ``V(e_{T+1}) = 0``,
+    ``r_t = r(e_t)`` the reward at the turn's last token)::
+
+        delta_t = r_t + gamma_turn * V(e_{t+1}) - V(e_t)
+        A_t     = delta_t + gamma_turn * lambda_turn * A_{t+1}
+
+    Token level, backward inside each turn from its end; ``i + 1`` is the next
+    token of the turn in ``adv_mask``::
+
+        A(e_t) = A_t
+        A(i)   = delta_i + gamma_token * lambda_token * A(i + 1)
+        delta_i = r(i) + gamma_token * V(i + 1) - V(i)
+        R(i)   = A(i) + V(i)
+
+    ``r(i)`` is zero inside a turn when rewards sit only at turn ends, giving
+    ``delta_i = gamma_token * V(i+1) - V(i)``; a per-token reward (a KL penalty)
+    enters here, and only the end reward enters the turn level, so nothing is
+    counted twice. ``lambda_turn`` acts only across turns and ``lambda_token``
+    only inside a turn (the paper's two lambdas); VAGEN's code uses one lambda
+    for both, which is ``lambda_turn = lambda_token``.
+
+    Args:
+        token_rewards, values: Shape (b, s).
+        adv_mask, turn_end_mask: Shape (b, s), bool or 0/1.
+
+    Returns:
+        ``(advantages, returns)``, each Shape (b, s), zero outside ``adv_mask``.
+    """
+    dtype = _float_dtype(token_rewards, values)
+    turns = _turn_layout(adv_mask, turn_end_mask)
+    turn_adv = _turn_level_gae(
+        _per_turn(token_rewards, turns, True, dtype),
+        _per_turn(values, turns, True, dtype),
+        gamma_turn,
+        lambda_turn,
+    )
+    layout = _compact_layout(turns.mask)
+    r = _pack(token_rewards, layout, dtype)
+    v = _pack(values, layout, dtype)
+    end = _pack(turns.ends, layout, dtype)[:, :-1] > 0
+    at_end = _pack(turn_adv.gather(1, turns.turn), layout, dtype)[:, :-1]
+    # At a turn end the token recursion restarts from the turn-level advantage.
+    x = torch.where(end, at_end, r[:, :-1] + gamma_token * v[:, 1:] - v[:, :-1])
+    adv = F.pad(discounted_reverse_cumsum(x, gamma_token * lambda_token, end), (0, 1))
+    return _unpack(adv, layout), _unpack(adv + v, layout)
+
+
+def turn_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    adv_mask: torch.Tensor,
+    turn_end_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-PPO: GAE over turns, each turn's advantage given to all its tokens.
+
+    A turn is one action of the MDP; its value is the critic's value at the
+    turn's last token ``V(e_t)`` and its reward ``r_t`` is the sum of the
+    token rewards of the turn's masked tokens (the turn-end reward when rewards
+    come from :func:`place_rewards`)::
+
+        delta_t = r_t + gamma * V(e_{t+1}) - V(e_t),      V(e_{T+1}) = 0
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        A(i)    = A_t,   R(i) = A_t + V(e_t)     for every masked token i of turn t
+
+    Only end-token values enter the estimate, so a trainer may restrict the
+    value loss to ``turn_end_mask``; training every token towards ``R`` is also
+    consistent.
+
+    Args:
+        token_rewards, values: Shape (b, s).
+        adv_mask, turn_end_mask: Shape (b, s), bool or 0/1.
+
+    Returns:
+        ``(advantages, returns)``, each Shape (b, s), zero outside ``adv_mask``.
+    """
+    dtype = _float_dtype(token_rewards, values)
+    turns = _turn_layout(adv_mask, turn_end_mask)
+    turn_values = _per_turn(values, turns, True, dtype)
+    turn_adv = _turn_level_gae(
+        _per_turn(token_rewards, turns, False, dtype), turn_values, gamma, lam
+    )
+    return turn_adv.gather(1, turns.turn), (turn_adv + turn_values).gather(1, turns.turn)
+
+
+def place_rewards(
+    turn_rewards: torch.Tensor,
+    turn_end_index: torch.Tensor,
+    seq_len: int,
+    mode: Literal["per_turn", "episode_end"] = "per_turn",
+) -> torch.Tensor:
+    """Put turn rewards on the token sequence.
+
+    ``per_turn``: ``out[b, turn_end_index[b, t]] += turn_rewards[b, t]``.
+    ``episode_end``: the sum of a row's turn rewards at its last turn end (the
+    largest index), as RAGEN does for trajectory-level PPO/GRPO.
+
+    Args:
+        turn_rewards: Shape (b, t).
+        turn_end_index: Shape (b, t), long: position of each turn's last token,
+            -1 for padding turns.
+        seq_len: s.
+
+    Returns:
+        Shape (b, s), float32 (float64 for float64 rewards). Rows without turns
+        are zero.
+    """
+    dtype = _float_dtype(turn_rewards)
+    valid = turn_end_index >= 0
+    rewards = torch.where(valid, turn_rewards.to(dtype), 0)
+    out = torch.zeros(turn_rewards.shape[0], seq_len + 1, dtype=dtype, device=turn_rewards.device)
+    if mode == "per_turn":
+        out.scatter_add_(1, torch.where(valid, turn_end_index, seq_len), rewards)
+    elif mode == "episode_end":
+        last = turn_end_index.max(1, keepdim=True).values if turn_end_index.numel() else None
+        if last is not None:
+            last = torch.where(last >= 0, last, seq_len)
+            out.scatter_add_(1, last, rewards.sum(1, keepdim=True))
+    else:
+        raise ValueError(f"mode must be 'per_turn' or 'episode_end', got {mode!r}")
+    return out[:, :seq_len]
+
+
+def whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """Normalize the masked entries to zero mean and unit variance.
+
+    ``(x - mean) / sqrt(var + eps)`` with the mean and the population variance
+    (divided by n, so the output has exactly unit variance) over all masked
+    entries of the batch. ``shift_mean=False`` adds the mean back. Entries
+    outside the mask are zero; an empty mask gives zeros.
+
+    Args:
+        values: any shape, e.g. (b, s). mask: same shape, bool or 0/1.
+    """
+    m = _as_bool(mask)
+    x = torch.where(m, values, 0)
+    n = m.sum().clamp(min=1)
+    mean = x.sum() / n
+    var = torch.where(m, (values - mean) ** 2, 0).sum() / n
+    out = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(m, out, 0)
+
+
+class GroupStats(NamedTuple):
+    """Per-group statistics of a per-sample score."""
+
+    group_ids: torch.Tensor  # (g,) the distinct group ids, ascending
+    inverse: torch.Tensor  # (b,) long: row of each sample in group_ids
+    count: torch.Tensor  # (g,) samples per group
+    mean: torch.Tensor  # (g,)
+    std: torch.Tensor  # (g,) unbiased (n - 1); 0 for groups of one sample
+
+
+def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> GroupStats:
+    """Mean and unbiased standard deviation of ``scores`` within each group.
+
+    The std divides by ``n - 1`` (Bessel), as ``torch.std`` and the GRPO code of
+    the reference systems do; a group of one sample gets std 0 instead of NaN.
+    The variance is a two-pass sum of squared deviations, so large offsets do
+    not cancel.
+
+    Args:
+        scores: Shape (b,). group_index: Shape (b,), any integer ids.
+    """
+    dtype = _float_dtype(scores)
+    ids, inverse = torch.unique(group_index, sorted=True, return_inverse=True)
+    g = ids.numel()
+    x = scores.to(dtype)
+    count = torch.zeros(g, dtype=dtype, device=x.device).index_add_(0, inverse, torch.ones_like(x))
+    mean = torch.zeros(g, dtype=dtype, device=x.device).index_add_(0, inverse, x) / count
+    sq = torch.zeros(g, dtype=dtype, device=x.device).index_add_(0, inverse, (x - mean[inverse]) ** 2)
+    std = torch.sqrt(sq / (count - 1).clamp(min=1))
+    return GroupStats(ids, inverse, count, mean, std)
+
+
+def grpo_advantages(
+    scores: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6, norm_by_std: bool = True
+) -> torch.Tensor:
+    """GRPO / Dr.GRPO outcome advantages, one per sequence.
+
+    ``A_i = (r_i - mean_G(r)) / (std_G(r) + eps)`` with ``G`` the group of
+    sample ``i`` and the unbiased std of :func:`group_stats`;
+    ``norm_by_std=False`` gives Dr.GRPO's ``A_i = r_i - mean_G(r)``. A group of
+    one sample gets 0 (its mean is its own score; veRL gives the raw score
+    instead); a group of equal scores gets 0.
+
+    Args:
+        scores: Shape (b,), the sequence rewards. group_index: Shape (b,).
+
+    Returns:
+        Shape (b,). Use :func:`broadcast_to_tokens` to spread it on tokens.
+    """
+    st = group_stats(scores, group_index)
+    adv = scores.to(st.mean.dtype) - st.mean[st.inverse]
+    if norm_by_std:
+        adv = adv / (st.std[st.inverse] + eps)
+    return adv
+
+
+def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out: the baseline is the mean of the other samples.
+
+    ``A_i = r_i - (sum_G(r) - r_i) / (n_G - 1) = n_G / (n_G - 1) * (r_i - mean_G(r))``;
+    0 for a group of one sample (no other sample to compare with).
+
+    Args:
+        scores: Shape (b,). group_index: Shape (b,).
+
+    Returns:
+        Shape (b,).
+    """
+    st = group_stats(scores, group_index)
+    n = st.count[st.inverse]
+    return (scores.to(st.mean.dtype) - st.mean[st.inverse]) * n / (n - 1).clamp(min=1)
+
+
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor, adv_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted returns, whitened over all masked tokens of the batch.
+
+    With ``k_1 < ... < k_n`` the masked positions of a row::
+
+        G(k_m) = r(k_m) + gamma * G(k_{m+1}),     G(k_{n+1}) = 0
+        A      = whiten(G, adv_mask)              (see :func:`whiten`)
+
+    The return passes through unmasked tokens (veRL resets it there, which cuts
+    a multi-turn episode into unrelated pieces).
+
+    Args:
+        token_rewards: Shape (b, s). adv_mask: Shape (b, s), bool or 0/1.
+
+    Returns:
+        ``(advantages, returns)``, each Shape (b, s), zero outside ``adv_mask``.
+    """
+    mask = _as_bool(adv_mask)
+    layout = _compact_layout(mask)
+    r = _pack(token_rewards, layout, _float_dtype(token_rewards))
+    returns = _unpack(F.pad(discounted_reverse_cumsum(r[:, :-1], gamma), (0, 1)), layout)
+    return whiten(returns, mask), returns
+
+
+def broadcast_to_tokens(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Give each sequence's advantage to its masked tokens.
+
+    Args:
+        seq_adv: Shape (b,). mask: Shape (b, s), bool or 0/1.
+
+    Returns:
+        Shape (b, s): ``seq_adv[b]`` where ``mask`` is set, 0 elsewhere.
+    """
+    return torch.where(_as_bool(mask), seq_adv[:, None], 0).to(seq_adv.dtype)
