@@ -1,1 +1,25 @@
+"""The agent layer: how a model's response becomes env actions.
 
+``formats`` holds the reasoning formats (prompt text, parser, renderer) and
+the per-turn format reward.
+"""
+
+from turnrl.agent.formats import (
+    ParsedResponse,
+    ResponseFormat,
+    Tag,
+    format_names,
+    get_format,
+    normalize_action_tuple,
+    turn_format_reward,
+)
+
+__all__ = [
+    "ParsedResponse",
+    "ResponseFormat",
+    "Tag",
+    "format_names",
+    "get_format",
+    "normalize_action_tuple",
+    "turn_format_reward",
+]

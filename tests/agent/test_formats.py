@@ -1,0 +1,435 @@
+"""Reasoning formats: parsing, error reporting, rendering, instructions, robustness."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from turnrl.agent import (
+    ParsedResponse,
+    format_names,
+    get_format,
+    normalize_action_tuple,
+    turn_format_reward,
+)
+
+GRID = ["Up", "Down", "Left", "Right"]
+KEYWORDS = ["left", "right", "up", "down", "stop"]
+TUPLES = ["('move', 0)", "('move', 1)", "('move', 2)", "('move', 3)", "('stop', 'stop')"]
+
+ALL_FORMATS = [
+    "no_think",
+    "free_think",
+    "grounding",
+    "worldmodeling",
+    "grounding_worldmodeling",
+    "ragen",
+    "ragen_no_think",
+    "visgym_tuple",
+    "visgym_keyword",
+]
+VAGEN = ["no_think", "free_think", "grounding", "worldmodeling", "grounding_worldmodeling"]
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def names_for(fmt_name: str) -> list[str]:
+    """The action names an env of the kind each format was made for would give."""
+    return {"visgym_tuple": TUPLES, "visgym_keyword": KEYWORDS}.get(fmt_name, GRID)
+
+
+# --------------------------------------------------------------------------- registry
+def test_format_names_lists_every_format():
+    assert format_names() == ALL_FORMATS
+
+
+def test_unknown_format_lists_the_names():
+    with pytest.raises(ValueError, match="grounding_worldmodeling"):
+        get_format("nope")
+
+
+@pytest.mark.parametrize("bad", [{"max_actions_per_turn": 0}, {"action_separator": ""}, {"action_separator": "<"}])
+def test_bad_settings_raise(bad):
+    with pytest.raises(ValueError):
+        get_format("free_think", **bad)
+
+
+def test_tuple_format_rejects_a_comma_separator():
+    with pytest.raises(ValueError, match="inside tuple"):
+        get_format("visgym_tuple", action_separator=",")
+
+
+# --------------------------------------------------------------------------- well-formed responses
+WELL_FORMED = {
+    "no_think": ("<answer>Up, Left</answer>", {"answer": "Up, Left"}),
+    "free_think": ("<think>go up then left</think><answer>Up, Left</answer>", {"think": "go up then left"}),
+    "grounding": (
+        "<think><observation>box below</observation><reasoning>push it</reasoning></think>"
+        "<answer>Up, Left</answer>",
+        {"observation": "box below", "reasoning": "push it"},
+    ),
+    "worldmodeling": (
+        "<think><reasoning>push it</reasoning><prediction>box on target</prediction></think>"
+        "<answer>Up, Left</answer>",
+        {"reasoning": "push it", "prediction": "box on target"},
+    ),
+    "grounding_worldmodeling": (
+        "\n<think>\n  <observation>box below</observation>\n  <reasoning>push it</reasoning>\n"
+        "  <prediction>box on target</prediction>\n</think>\n<answer> Up , Left </answer>\n",
+        {"observation": "box below", "reasoning": "push it", "prediction": "box on target", "answer": "Up , Left"},
+    ),
+    "ragen": ("<think>go</think><answer>Up || Left</answer>", {"think": "go", "answer": "Up || Left"}),
+    "ragen_no_think": ("<answer>Up || Left</answer>", {"answer": "Up || Left"}),
+}
+
+
+@pytest.mark.parametrize("name", list(WELL_FORMED))
+def test_well_formed_responses_parse(name):
+    text, expected_fields = WELL_FORMED[name]
+    parsed = get_format(name, max_actions_per_turn=3).parse(text, GRID)
+    assert parsed == ParsedResponse(parsed.actions, parsed.fields, True, (), ())
+    assert parsed.actions == ("Up", "Left")
+    for key, value in expected_fields.items():
+        assert parsed.fields[key] == value
+
+
+def test_visgym_tuple_well_formed():
+    text = (
+        "<observation>agent at top</observation><justification>goal is right</justification>"
+        "<action>(\"move\",0)</action>"
+    )
+    parsed = get_format("visgym_tuple").parse(text, TUPLES)
+    assert parsed.format_ok and parsed.errors == ()
+    assert parsed.actions == ("('move', 0)",)
+    assert parsed.fields["justification"] == "goal is right"
+    free = get_format("visgym_tuple").parse(text)  # free-form: the normalized tuple itself
+    assert free.actions == ("('move', 0)",)
+
+
+def test_visgym_keyword_free_text_and_last_tag_wins():
+    fmt = get_format("visgym_keyword")
+    parsed = fmt.parse("I could go <action>left</action> but up is better. <action>UP</action>", KEYWORDS)
+    assert parsed.format_ok
+    assert parsed.actions == ("up",)
+    assert fmt.parse("thinking... no tag yet", KEYWORDS).format_ok is False
+    empty_last = fmt.parse("<action>left</action><action> </action>", KEYWORDS)
+    assert not empty_last.format_ok and empty_last.actions == ()
+
+
+# --------------------------------------------------------------------------- malformed responses
+MALFORMED = [
+    # (format, text, expected error fragment, expected actions)
+    ("free_think", "<answer>Up</answer>", "missing <think>", ("Up",)),
+    ("free_think", "<think>hmm</think>", "missing <answer>", ()),
+    ("free_think", "<answer>Up</answer><think>hmm</think>", "expected <think> but found <answer>", ("Up",)),
+    ("free_think", "<think>hmm</think><answer>  </answer>", "empty <answer>", ()),
+    ("free_think", "<think></think><answer>Up</answer>", "empty <think>", ("Up",)),
+    (
+        "free_think",
+        "<think>a <answer>Down</answer></think><answer>Up</answer>",
+        "<answer> nested inside <think>",
+        ("Up",),
+    ),
+    ("free_think", "<think>hmm</think><answer>Up</ans", "unclosed <answer>", ()),
+    ("free_think", "<think>hmm<answer>Up</answer>", "unclosed <think>", ("Up",)),
+    ("free_think", "Sure! <think>hmm</think><answer>Up</answer>", "text outside the tags: 'Sure!'", ("Up",)),
+    ("free_think", "<think>hmm</think><answer>Up</answer> Done.", "text outside the tags: 'Done.'", ("Up",)),
+    ("free_think", "<think>a</think><answer>Up</answer><answer>Down</answer>", "unexpected <answer> after", ("Down",)),
+    ("free_think", "<think>a</think></think><answer>Up</answer>", "found </think>", ("Up",)),
+    ("free_think", "<think>a</think><answer>Up</answer></answer>", "unexpected </answer> after", ("Up",)),
+    ("free_think", "<think>a</think><answer>Up<answer>Down</answer>", "<answer> nested inside <answer>", ("Down",)),
+    ("no_think", "<Answer>Up</Answer>", "missing <answer>", ()),
+    (
+        "grounding_worldmodeling",
+        "<think><observation>o</observation><prediction>p</prediction><reasoning>r</reasoning></think>"
+        "<answer>Up</answer>",
+        "expected <reasoning> but found <prediction>",
+        ("Up",),
+    ),
+    (
+        "grounding_worldmodeling",
+        "<think><observation>o</observation>so<reasoning>r</reasoning><prediction>p</prediction></think>"
+        "<answer>Up</answer>",
+        "text inside <think>",
+        ("Up",),
+    ),
+    ("grounding", "<think><observation>o</observation></think><answer>Up</answer>", "missing <reasoning>", ("Up",)),
+    ("ragen", "<think>x</think><answer>Up, Left</answer>", "unknown action 'Up, Left'", ()),
+    (
+        "visgym_tuple",
+        "<observation>o</observation><action>('move', 1)</action>",
+        "missing <justification>",
+        ("('move', 1)",),
+    ),
+]
+
+
+@pytest.mark.parametrize("name,text,fragment,actions", MALFORMED)
+def test_malformed_responses(name, text, fragment, actions):
+    parsed = get_format(name).parse(text, names_for(name))
+    assert not parsed.format_ok or name == "ragen"  # ragen case: well-formed tags, wrong separator
+    assert any(fragment in error for error in parsed.errors), parsed.errors
+    assert parsed.actions == actions
+
+
+def test_unknown_names_dropped_and_mixed_case_mapped():
+    fmt = get_format("ragen", max_actions_per_turn=5)
+    parsed = fmt.parse("<think>x</think><answer>uP || JUMP || left ||  || right</answer>", GRID)
+    assert parsed.format_ok  # the tags are fine; action problems are reported separately
+    assert parsed.actions == ("Up", "Left", "Right")
+    assert parsed.dropped_actions == ("JUMP",)
+    assert parsed.errors == ("unknown action 'JUMP'",)
+
+
+def test_too_many_actions_keeps_the_first():
+    parsed = get_format("no_think", max_actions_per_turn=2).parse("<answer>Up, Jump, Down, Left</answer>", GRID)
+    assert parsed.actions == ("Up", "Down")
+    assert parsed.dropped_actions == ("Jump", "Left")
+    assert "too many actions: 3 given, kept the first 2" in parsed.errors
+
+
+def test_configured_separator():
+    fmt = get_format("free_think", action_separator="|", max_actions_per_turn=3)
+    assert fmt.parse("<think>x</think><answer>Up|Left</answer>", GRID).actions == ("Up", "Left")
+
+
+def test_free_form_answer_is_one_action():
+    expression = "(10 - 4) * 3, then + 1"
+    for name in ("free_think", "ragen"):
+        parsed = get_format(name, max_actions_per_turn=3).parse(f"<think>x</think><answer> {expression} </answer>")
+        assert parsed.actions == (expression,) and parsed.format_ok
+    split = get_format("no_think", action_separator=",", max_actions_per_turn=3).parse("<answer>a, b</answer>")
+    assert split.actions == ("a", "b")
+
+
+def test_strict_mode_takes_no_actions_from_malformed_responses():
+    fmt = get_format("grounding_worldmodeling", strict=True)
+    parsed = fmt.parse("<think>no sub-tags</think><answer>Up</answer>", GRID)
+    assert parsed.actions == () and not parsed.format_ok
+    assert any("strict" in error for error in parsed.errors)
+    good = fmt.render(["Up"])
+    assert fmt.parse(good, GRID).actions == ("Up",)
+
+
+def test_non_string_input_is_an_error_not_an_exception():
+    parsed = get_format("free_think").parse(None, GRID)  # type: ignore[arg-type]
+    assert parsed.actions == () and not parsed.format_ok and parsed.errors
+
+
+# --------------------------------------------------------------------------- tuples
+@pytest.mark.parametrize(
+    "raw,canonical",
+    [
+        ("('move', 0)", "('move', 0)"),
+        ('("move",0)', "('move', 0)"),
+        ("( 'stop' , 'stop' )", "('stop', 'stop')"),
+        ("('move', +3)", "('move', 3)"),
+        ("('rotate', -1.50)", "('rotate', -1.5)"),
+        ("('stop',)", "('stop',)"),
+    ],
+)
+def test_tuple_normalization(raw, canonical):
+    assert normalize_action_tuple(raw) == canonical
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "__import__('os')",
+        "('move', __import__('os').system('ls'))",
+        "(('move', 0), 1)",
+        "('move', [0, 1])",
+        "('move', 99999999999999999999)",
+        "('move', 1e999)",
+        "('mo\\'ve', 0)",
+        "('move\", 0)",
+        "(move, 0)",
+        "()",
+        "('move', 0",
+        "'move', 0",
+        "(" + "'a', " * 20 + "'a')",
+        "('" + "a" * 300 + "', 0)",
+    ],
+)
+def test_tuple_rejections(raw):
+    assert normalize_action_tuple(raw) is None
+    parsed = get_format("visgym_tuple").parse(
+        f"<observation>o</observation><justification>j</justification><action>{raw}</action>", TUPLES
+    )
+    assert parsed.actions == () and parsed.dropped_actions
+    assert turn_format_reward(parsed) == -0.1
+
+
+def test_tuple_names_are_matched_case_insensitively_to_the_env_spelling():
+    env_names = ["('move',0)", "('STOP','STOP')"]
+    parsed = get_format("visgym_tuple").parse(
+        "<observation>o</observation><justification>j</justification><action>(\"stop\", \"stop\")</action>", env_names
+    )
+    assert parsed.actions == ("('STOP','STOP')",)
+
+
+def test_tuple_format_with_keyword_env_names_passes_tuples_on():
+    fmt = get_format("visgym_tuple")
+    wrap = "<observation>o</observation><justification>j</justification><action>{}</action>"
+    assert fmt.parse(wrap.format('("move",1)'), KEYWORDS).actions == ("('move', 1)",)
+    assert fmt.parse(wrap.format("UP"), KEYWORDS).actions == ("up",)
+    assert fmt.parse(wrap.format("jump"), KEYWORDS).dropped_actions == ("jump",)
+    example = fmt.instructions(KEYWORDS, 1).split("Example:\n", 1)[1]
+    assert "<action>('move', 0)</action>" in example
+
+
+def test_maze2d_accepts_what_the_visgym_formats_parse():
+    maze = pytest.importorskip("turnrl.envs.maze")
+    env = maze.Maze2DEnv()
+    env.reset(seed=0)
+    names = env.action_names()
+    wrap = "<observation>o</observation><justification>j</justification><action>{}</action>"
+    cases = [
+        ("visgym_tuple", wrap.format("( 'move' ,2 )")),
+        ("visgym_tuple", wrap.format('("stop","stop")')),
+        ("visgym_keyword", "Going left. <action>Left</action>"),
+    ]
+    for name, text in cases:
+        parsed = get_format(name).parse(text, names)
+        assert parsed.format_ok and len(parsed.actions) == 1
+        assert env.canonical_action(parsed.actions[0]) is not None
+
+
+# --------------------------------------------------------------------------- reward
+def test_turn_format_reward():
+    fmt = get_format("free_think", max_actions_per_turn=2)
+    good = fmt.parse("<think>x</think><answer>Up</answer>", GRID)
+    sloppy = fmt.parse("ok <think>x</think><answer>Up</answer>", GRID)
+    unknown = fmt.parse("<think>x</think><answer>Up, Fly</answer>", GRID)
+    nothing = fmt.parse("<think>x</think><answer>Fly</answer>", GRID)
+    assert turn_format_reward(good) == 0.5
+    assert turn_format_reward(good, format_reward=1.0) == 1.0
+    assert turn_format_reward(sloppy) == 0.0
+    assert turn_format_reward(unknown) == 0.0
+    assert turn_format_reward(unknown, require_valid_actions=False) == 0.5
+    assert turn_format_reward(nothing) == -0.1
+    assert turn_format_reward(nothing, no_action_penalty=-1.0) == -1.0
+
+
+# --------------------------------------------------------------------------- instructions
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_instructions_name_the_actions_and_show_a_parsable_example(name):
+    fmt = get_format(name, max_actions_per_turn=3)
+    names = names_for(name)
+    text = fmt.instructions(names, 3)
+    for action in names:
+        assert action in text
+    example = text.split("Example:\n", 1)[1]
+    parsed = fmt.parse(example, names)
+    assert parsed.format_ok and parsed.actions and not parsed.dropped_actions
+    if fmt.separator is not None:
+        assert "1 to 3 actions" in text and f'"{fmt.separator}"' in text
+    free = fmt.instructions(None, 3).split("Example:\n", 1)[1]
+    assert fmt.parse(free).format_ok
+
+
+def test_instructions_use_given_example_actions():
+    text = get_format("free_think").instructions(None, 1, example_actions=["(6 - 2) * 5"])
+    assert text.endswith("<answer>(6 - 2) * 5</answer>")
+
+
+# --------------------------------------------------------------------------- render -> parse
+# Reasoning / action texts without tag characters, already stripped (parse strips).
+FIELD_TEXT = st.text(
+    st.characters(exclude_characters="<>", exclude_categories=("Cs",)), min_size=1, max_size=40
+).filter(lambda s: s.strip() == s and s)
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@FAST
+@given(data=st.data())
+def test_render_parse_round_trip(name, data):
+    limit = data.draw(st.integers(1, 4))
+    fmt = get_format(name, max_actions_per_turn=limit)
+    names = names_for(name)
+    count = limit if fmt.separator is not None else 1
+    actions = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=count))
+    leaves = [tag.name for top in fmt.structure for tag in top.walk() if not tag.children]
+    fields = {tag: data.draw(FIELD_TEXT) for tag in leaves if tag != fmt.answer_tag}
+    text = fmt.render(actions, fields)
+    parsed = fmt.parse(text, names)
+    assert parsed.format_ok, (text, parsed.errors)
+    assert parsed.actions == tuple(actions) and parsed.errors == () and parsed.dropped_actions == ()
+    for tag, value in fields.items():
+        assert parsed.fields[tag] == value
+
+
+@pytest.mark.parametrize("name", ["free_think", "ragen", "visgym_keyword"])
+@FAST
+@given(action=FIELD_TEXT)
+def test_render_parse_round_trip_free_form(name, action):
+    fmt = get_format(name)
+    parsed = fmt.parse(fmt.render([action]))
+    assert parsed.format_ok and parsed.actions == (action,)
+
+
+def test_render_rejects_what_cannot_round_trip():
+    fmt = get_format("free_think", max_actions_per_turn=2)
+    bad = [([], None), (["Up"] * 3, None), ([" Up"], None), (["Up", "a,b"], None), (["Up"], {"think": "<answer>x"})]
+    for actions, fields in bad:
+        with pytest.raises(ValueError):
+            fmt.render(actions, fields)
+    with pytest.raises(ValueError):
+        get_format("visgym_keyword", max_actions_per_turn=2).render(["left", "up"])
+
+
+# --------------------------------------------------------------------------- fuzzing
+FRAGMENTS = st.sampled_from(
+    [f"<{t}>" for t in ("think", "answer", "observation", "reasoning", "prediction", "justification", "action")]
+    + [f"</{t}>" for t in ("think", "answer", "observation", "reasoning", "prediction", "justification", "action")]
+    + ["Up", "left", ", ", "||", " ", "\n", "('move', 0)", "(", ")", "'", "<", ">", "</", "x", "Jump", "<ans"]
+)
+RESPONSES = st.one_of(st.text(max_size=200), st.lists(FRAGMENTS, max_size=30).map("".join))
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@FAST
+@given(text=RESPONSES, with_names=st.booleans(), strict=st.booleans())
+def test_parse_never_raises_and_keeps_its_invariants(name, text, with_names, strict):
+    fmt = get_format(name, max_actions_per_turn=2, strict=strict)
+    names = names_for(name) if with_names else None
+    parsed = fmt.parse(text, names)
+    assert len(parsed.actions) <= 2
+    if names is not None:
+        assert set(parsed.actions) <= set(names)
+    if parsed.format_ok:
+        assert all(parsed.fields.get(tag) for tag in fmt.tag_names)
+        assert not any(e.startswith(("missing", "unclosed", "text", "empty", "expected")) for e in parsed.errors)
+    else:
+        assert parsed.errors
+    if strict and not parsed.format_ok:
+        assert parsed.actions == ()
+    assert isinstance(turn_format_reward(parsed), float)
+
+
+ADVERSARIAL = [
+    "<think>" * 150_000,
+    "<answer>" * 120_000 + "</answer>",
+    "<" * 1_000_000,
+    "<answer>" + "Up," * 330_000 + "</answer>",
+    "<think><observation>" + "</observation><observation>" * 40_000,
+    "</answer><answer>" * 60_000,
+    "<action>('move', " + "0" * 1_000_000 + ")</action>",
+    "<answer>" + "(" * 1_000_000 + "</answer>",
+]
+
+
+def test_megabyte_adversarial_inputs_parse_fast():
+    start = time.perf_counter()
+    for name in ALL_FORMATS:
+        fmt = get_format(name, max_actions_per_turn=3)
+        for i, text in enumerate(ADVERSARIAL):
+            parsed = fmt.parse(text, names_for(name) if i % 2 else None)
+            assert len(parsed.actions) <= 3
+            assert all(len(error) < 200 for error in parsed.errors)
+    # 72 parses of about 1 MB take about 5 s on one slow core (linear time); any
+    # quadratic behaviour would take hours.
+    assert time.perf_counter() - start < 30.0

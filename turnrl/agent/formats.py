@@ -1,0 +1,695 @@
+"""Reasoning formats: the prompt text that asks for a response shape, and its parser.
+
+A *format* fixes the tags a model writes in one turn, e.g.::
+
+    <think><observation>...</observation><reasoning>...</reasoning>
+    <prediction>...</prediction></think><answer>Up, Left</answer>
+
+and turns a sampled response into up to ``max_actions_per_turn`` env actions
+plus the reasoning fields (used by grounding / world-model rewards).
+
+Built-in formats (``format_names()``):
+
+================================  ==============================================================
+``no_think``                      ``<answer>...</answer>``
+``free_think``                    ``<think>...</think><answer>...</answer>``
+``grounding``                     ``<think><observation/><reasoning/></think><answer/>``
+``worldmodeling``                 ``<think><reasoning/><prediction/></think><answer/>``
+``grounding_worldmodeling``       ``<think><observation/><reasoning/><prediction/></think><answer/>``
+``ragen``                         ``<think>...</think><answer>A || B</answer>``
+``ragen_no_think``                ``<answer>A || B</answer>``
+``visgym_tuple``                  ``<observation/><justification/><action>('move', 0)</action>``
+``visgym_keyword``                ``<action>left</action>`` (free text allowed, last tag wins)
+================================  ==============================================================
+
+Parsing rules (the defaults; see :func:`get_format` for the knobs):
+
+- **Tags** are matched exactly and case-sensitively (``<answer>``, not
+  ``<Answer>`` or ``<answer >``). Only the format's own tag names are tags;
+  any other ``<...>`` is ordinary text (``x < 5`` in an equation is fine).
+- **format_ok** means the response is exactly the format's tag structure:
+  every tag present once, in order, properly nested, each leaf non-blank, and
+  only whitespace between and around the tags. Leading/trailing whitespace is
+  tolerated; stripping end-of-turn special tokens is the caller's job.
+  ``visgym_keyword`` is the exception: free text around the tags is allowed
+  and the ``<action>`` tag may repeat (the VisGym instruct recipe).
+- **Actions** come from the content of the *last complete* answer tag
+  (``<answer>`` or ``<action>``), even when the response is malformed, as in
+  RAGEN and VisGym; ``strict=True`` takes actions only from well-formed
+  responses, as in VAGEN. A truncated answer (no closing tag) yields none.
+- **Splitting**: with ``action_names`` the answer is split on the separator
+  (``","`` for the VAGEN formats, ``"||"`` for the RAGEN ones); pieces are
+  stripped, empties dropped, names matched case-insensitively (internal runs
+  of whitespace collapse) and mapped to their canonical spelling. Unknown
+  names are dropped (RAGEN) and reported. Free-form envs (``action_names`` is
+  None, e.g. Countdown's equations that contain commas and minus signs) get
+  the whole answer as *one* action, unless a separator was configured
+  explicitly. Unknown names are removed first, then only the first
+  ``max_actions_per_turn`` are kept.
+- **Tuple actions** (``visgym_tuple``) are parsed by a small scanner, never
+  evaluated, and normalized to ``('move', 0)`` / ``('stop', 'stop')``. When
+  the env's ``action_names`` are tuples, a tuple maps to the env's spelling;
+  when they are keywords (Maze2D names its actions ``up`` ... ``stop`` and
+  reads tuples itself), the normalized tuple is passed on as the action and a
+  bare keyword is accepted too.
+
+Parsing never raises, and runs in time linear in the response length.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal, NamedTuple
+
+__all__ = [
+    "ParsedResponse",
+    "ResponseFormat",
+    "Tag",
+    "format_names",
+    "get_format",
+    "normalize_action_tuple",
+    "turn_format_reward",
+]
+
+ActionKind = Literal["names", "tuple"]
+
+_SNIPPET_CHARS = 40
+_MAX_UNKNOWN_REPORTED = 5
+
+
+# --------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class ParsedResponse:
+    """What one model response says: actions, reasoning fields and what is wrong with it."""
+
+    actions: tuple[str, ...]
+    """At most ``max_actions_per_turn`` actions, canonical names when ``action_names`` was given
+    (tuple formats with keyword names: normalized tuples, see the module docstring)."""
+    fields: dict[str, str]
+    """Content (stripped) of the last complete pair of each of the format's tags found,
+    e.g. ``think``, ``observation``, ``reasoning``, ``prediction``, ``justification``,
+    ``answer`` / ``action``. A container tag's content includes its inner tags."""
+    format_ok: bool
+    """The response follows the format exactly (see the module docstring)."""
+    errors: tuple[str, ...] = ()
+    """Human-readable reasons: format errors first, then action errors."""
+    dropped_actions: tuple[str, ...] = ()
+    """Actions that were written but not kept: unknown or malformed ones, then those past the limit."""
+
+
+@dataclass(frozen=True)
+class Tag:
+    """One tag of a format: a leaf holding text, or a container of other tags."""
+
+    name: str
+    hint: str = ""
+    """What goes inside, for the instructions (leaf tags)."""
+    example: str = ""
+    """Example content, for the instructions and as ``render``'s default (leaf tags)."""
+    children: tuple[Tag, ...] = ()
+
+    def walk(self):
+        """This tag and every tag inside it, in document order."""
+        yield self
+        for child in self.children:
+            yield from child.walk()
+
+
+class _Token(NamedTuple):
+    """One occurrence of ``<name>`` or ``</name>`` in the response (a tuple: cheap to make by the thousand)."""
+
+    name: str
+    closing: bool
+    start: int
+    end: int
+
+    def show(self) -> str:
+        return f"</{self.name}>" if self.closing else f"<{self.name}>"
+
+
+class _StructureError(Exception):
+    """Internal: the first structural error found; stops the structure check."""
+
+
+# --------------------------------------------------------------------------- small helpers
+def _snippet(text: str) -> str:
+    """A short quoted excerpt for error messages (never the whole of a huge string)."""
+    text = " ".join(text[: _SNIPPET_CHARS * 4].split())
+    if len(text) > _SNIPPET_CHARS:
+        text = text[: _SNIPPET_CHARS - 3] + "..."
+    return repr(text)
+
+
+def _name_key(name: str) -> str:
+    """Lookup key of an action name: case-insensitive, whitespace-collapsed."""
+    return " ".join(name.split()).lower()
+
+
+def _joiner(separator: str) -> str:
+    """How ``render`` and the instructions write the separator: ``"Up, Left"``, ``"Up || Left"``."""
+    if not separator.strip():
+        return separator
+    return separator + " " if separator in (",", ";") else f" {separator} "
+
+
+@lru_cache(maxsize=64)
+def _tag_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
+    # An alternation of literal names: matching is linear, with no backtracking blow-up.
+    return re.compile("<(/?)(" + "|".join(re.escape(n) for n in names) + ")>")
+
+
+def _tokenize(text: str, names: tuple[str, ...]) -> list[_Token]:
+    return [_Token(m[2], m[1] == "/", *m.span()) for m in _tag_pattern(names).finditer(text)]
+
+
+def _last_pairs(text: str, tokens: list[_Token]) -> dict[str, str]:
+    """Content of the last complete ``<x>...</x>`` pair of each tag name (lenient reading).
+
+    A closing tag pairs with the most recent unmatched opening tag of the same
+    name, so ``<a>1<a>2</a>`` gives ``"2"``; later pairs overwrite earlier ones.
+    """
+    pending: dict[str, int] = {}
+    found: dict[str, str] = {}
+    for token in tokens:
+        if not token.closing:
+            pending[token.name] = token.end
+        elif token.name in pending:
+            found[token.name] = text[pending.pop(token.name) : token.start].strip()
+    return found
+
+
+# --------------------------------------------------------------------------- tuple actions
+_TUPLE_MAX_CHARS = 200
+_TUPLE_MAX_ITEMS = 8
+_STRING_ITEM = re.compile(r"'([A-Za-z0-9_ .\-]{1,32})'|\"([A-Za-z0-9_ .\-]{1,32})\"")
+_INT_ITEM = re.compile(r"[+-]?[0-9]{1,9}")
+_FLOAT_ITEM = re.compile(r"[+-]?[0-9]{1,9}\.[0-9]{1,9}")
+
+
+def _tuple_item(item: str) -> str | None:
+    """Canonical text of one tuple element, or None if it is not a plain literal."""
+    item = item.strip()
+    if m := _STRING_ITEM.fullmatch(item):
+        value = m.group(1) if m.group(1) is not None else m.group(2)
+        return f"'{value}'"
+    if _INT_ITEM.fullmatch(item):
+        return str(int(item))
+    if _FLOAT_ITEM.fullmatch(item):
+        return repr(float(item))
+    return None
+
+
+def normalize_action_tuple(text: str) -> str | None:
+    """Canonical form of a tuple action such as ``("move",0)``, or None if it is not one.
+
+    Accepts a parenthesized tuple of 1 to 8 plain literals: quoted strings
+    (letters, digits, ``_ . -`` and spaces; single or double quotes), integers
+    of up to 9 digits and decimals. Anything else -- names, calls, nested
+    tuples, lists, huge numbers, escapes -- is rejected without evaluating it.
+
+    >>> normalize_action_tuple('( "move" ,0 )')
+    "('move', 0)"
+    >>> normalize_action_tuple("__import__('os')") is None
+    True
+    """
+    if not isinstance(text, str):
+        return None
+    text = text.strip()
+    if not 2 <= len(text) <= _TUPLE_MAX_CHARS or text[0] != "(" or text[-1] != ")":
+        return None
+    parts = text[1:-1].split(",")
+    if len(parts) > 1 and not parts[-1].strip():
+        parts = parts[:-1]  # a trailing comma, as in ('stop',)
+    if not 1 <= len(parts) <= _TUPLE_MAX_ITEMS:
+        return None
+    items = [_tuple_item(part) for part in parts]
+    if any(item is None for item in items):
+        return None
+    body = ", ".join(items)  # type: ignore[arg-type]
+    return f"({body},)" if len(items) == 1 else f"({body})"
+
+
+# --------------------------------------------------------------------------- the format
+@dataclass(frozen=True)
+class ResponseFormat:
+    """One reasoning format: its tag structure, instructions, parser and renderer.
+
+    Build the built-in ones with :func:`get_format`; a custom format is a
+    ``ResponseFormat`` with its own ``structure``.
+    """
+
+    name: str
+    structure: tuple[Tag, ...]
+    """The top-level tags, in order."""
+    answer_tag: str = "answer"
+    """The leaf tag that holds the actions."""
+    action_kind: ActionKind = "names"
+    """``"names"``: plain action names; ``"tuple"``: tuple literals like ``('move', 0)``."""
+    separator: str | None = ","
+    """Splits the answer into actions; None: the answer is one action."""
+    split_free_form: bool = False
+    """Also split when ``action_names`` is None (set when a separator is given explicitly)."""
+    max_actions_per_turn: int = 1
+    """Keep the first N actions; the rest are dropped and reported."""
+    strict: bool = False
+    """Take actions only from well-formed responses (VAGEN); default: from any complete answer tag."""
+    outside_text_ok: bool = False
+    """Free text around the top-level tags is allowed and the structure may repeat (last wins)."""
+
+    def __post_init__(self) -> None:
+        names = [tag.name for top in self.structure for tag in top.walk()]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"format {self.name!r}: tag names must be present and unique, got {names}")
+        if any(not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*", n) for n in names):
+            raise ValueError(f"format {self.name!r}: tag names must be identifiers, got {names}")
+        leaves = [tag.name for top in self.structure for tag in top.walk() if not tag.children]
+        if self.answer_tag not in leaves:
+            raise ValueError(f"format {self.name!r}: answer tag {self.answer_tag!r} must be a leaf tag")
+        if self.max_actions_per_turn < 1:
+            raise ValueError(f"max_actions_per_turn must be >= 1, got {self.max_actions_per_turn}")
+        if self.separator is not None:
+            if not self.separator or "<" in self.separator or ">" in self.separator:
+                raise ValueError(f"action separator must be non-empty and free of '<' '>', got {self.separator!r}")
+            if self.action_kind == "tuple" and set(self.separator) & set("(),'\" "):
+                raise ValueError(f"separator {self.separator!r} would split inside tuple actions; use e.g. ';'")
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def tag_names(self) -> tuple[str, ...]:
+        """Every tag of the format, in document order."""
+        return tuple(tag.name for top in self.structure for tag in top.walk())
+
+    def _split_separator(self, action_names: Sequence[str] | None) -> str | None:
+        """The separator in force: free-form answers are one action unless splitting was asked for."""
+        if action_names is None and not self.split_free_form:
+            return None
+        return self.separator
+
+    # ------------------------------------------------------------------ parse
+    def parse(self, text: str, action_names: Sequence[str] | None = None) -> ParsedResponse:
+        """Parse one response. Never raises; problems end up in ``errors``.
+
+        Args:
+            text: the decoded response, special tokens already removed.
+            action_names: the env's canonical action names, or None for free-form actions.
+        """
+        if not isinstance(text, str):
+            return ParsedResponse((), {}, False, (f"response is not a string but {type(text).__name__}",))
+        tokens = _tokenize(text, self.tag_names)
+        format_errors = self._check_structure(text, tokens)
+        format_ok = not format_errors
+        fields = _last_pairs(text, tokens)
+        answer = fields.get(self.answer_tag)
+        if answer is None or (self.strict and not format_ok):
+            if answer is not None:
+                format_errors.append("actions ignored: the response is malformed (strict format)")
+            return ParsedResponse((), fields, format_ok, tuple(format_errors))
+        actions, dropped, action_errors = self._parse_actions(answer, action_names)
+        return ParsedResponse(actions, fields, format_ok, tuple(format_errors + action_errors), dropped)
+
+    def _check_structure(self, text: str, tokens: list[_Token]) -> list[str]:
+        """Every reason the response is not exactly the format (empty list: well-formed)."""
+        checker = _StructureChecker(text, tokens, self.outside_text_ok)
+        try:
+            checker.nodes(self.structure, parent=None)
+            while self.outside_text_ok and checker.index < len(tokens):
+                checker.nodes(self.structure, parent=None)  # the structure may repeat; the last one counts
+            checker.trailing()
+        except _StructureError as error:
+            checker.errors.append(str(error))
+        seen = {token.name for token in tokens}
+        for name in self.tag_names:
+            message = f"missing <{name}>"
+            if name not in seen and message not in checker.errors:
+                checker.errors.append(message)
+        return checker.errors
+
+    def _parse_actions(
+        self, answer: str, action_names: Sequence[str] | None
+    ) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
+        """Answer text -> (kept actions, dropped actions, errors)."""
+        separator = self._split_separator(action_names)
+        pieces = [answer] if separator is None else answer.split(separator)
+        pieces = [piece.strip() for piece in pieces if piece.strip()]
+        lookup = None if action_names is None else _action_lookup(self.action_kind, tuple(action_names))
+        kept: list[str] = []
+        dropped: list[str] = []
+        errors: list[str] = []
+        for piece in pieces:
+            action, problem = self._canonical(piece, lookup)
+            if action is None:
+                dropped.append(piece)
+                if len(dropped) <= _MAX_UNKNOWN_REPORTED:
+                    errors.append(f"{problem} {_snippet(piece)}")
+            else:
+                kept.append(action)
+        if len(dropped) > _MAX_UNKNOWN_REPORTED:
+            errors.append(f"... and {len(dropped) - _MAX_UNKNOWN_REPORTED} more invalid actions")
+        if len(kept) > self.max_actions_per_turn:
+            errors.append(f"too many actions: {len(kept)} given, kept the first {self.max_actions_per_turn}")
+            dropped.extend(kept[self.max_actions_per_turn :])
+            kept = kept[: self.max_actions_per_turn]
+        return tuple(kept), tuple(dropped), errors
+
+    def _canonical(self, piece: str, lookup: _Lookup | None) -> tuple[str | None, str]:
+        """One answer piece -> (canonical action or None, what is wrong with it)."""
+        if self.action_kind == "tuple":
+            normalized = normalize_action_tuple(piece)
+            if lookup is None:
+                return normalized, "malformed action tuple"
+            found = lookup.names.get(_name_key(normalized if normalized is not None else piece))
+            if found is None and normalized is not None and not lookup.has_tuples:
+                # The env names its actions by keyword and reads tuples itself (Maze2D):
+                # pass the normalized tuple on; the env judges it.
+                return normalized, ""
+            return found, "unknown action" if normalized is not None else "malformed action tuple"
+        if lookup is None:
+            return piece, ""
+        return lookup.names.get(_name_key(piece)), "unknown action"
+
+    # ------------------------------------------------------------------ render
+    def render(self, actions: Sequence[str], fields: dict[str, str] | None = None) -> str:
+        """A well-formed response that carries ``actions`` (expert demonstrations, SFT).
+
+        ``fields`` gives the reasoning text per leaf tag (``think``,
+        ``observation``, ...); missing ones get the format's example text.
+        With canonical actions, ``parse(render(a, f), names).actions == a``
+        and ``format_ok`` holds. Raises ValueError on actions or fields that
+        cannot round-trip (too many, empty, containing the separator or a tag).
+        """
+        actions = list(actions)
+        if not actions:
+            raise ValueError("render needs at least one action")
+        if len(actions) > self.max_actions_per_turn:
+            raise ValueError(f"{len(actions)} actions exceed max_actions_per_turn={self.max_actions_per_turn}")
+        if len(actions) > 1 and self.separator is None:
+            raise ValueError(f"format {self.name!r} has no action separator, so it carries one action per turn")
+        for action in actions:
+            if not isinstance(action, str) or not action.strip() or action != action.strip():
+                raise ValueError(f"actions must be non-empty stripped strings, got {action!r}")
+            if len(actions) > 1 and self.separator in action:
+                raise ValueError(f"action {action!r} contains the separator {self.separator!r}")
+        if self.action_kind == "tuple":
+            actions = [normalize_action_tuple(a) or a for a in actions]
+        return self._render(actions, fields or {})
+
+    def _render(self, actions: Sequence[str], fields: dict[str, str]) -> str:
+        pattern = _tag_pattern(self.tag_names)
+        answer = _joiner(self.separator).join(actions) if self.separator is not None else actions[0]
+
+        def one(tag: Tag) -> str:
+            if tag.children:
+                return f"<{tag.name}>" + "".join(one(child) for child in tag.children) + f"</{tag.name}>"
+            content = answer if tag.name == self.answer_tag else fields.get(tag.name) or tag.example
+            if not content.strip() or pattern.search(content):
+                raise ValueError(f"<{tag.name}> content must be non-blank and contain no format tags: {content!r}")
+            return f"<{tag.name}>{content}</{tag.name}>"
+
+        return "".join(one(tag) for tag in self.structure)
+
+    # ------------------------------------------------------------------ instructions
+    def instructions(
+        self,
+        action_names: Sequence[str] | None = None,
+        max_actions_per_turn: int | None = None,
+        *,
+        example_actions: Sequence[str] | None = None,
+    ) -> str:
+        """The format prompt for the system message: tags, rules, action limit and one example.
+
+        Args:
+            action_names: the env's action names (listed and used in the example), or None.
+            max_actions_per_turn: the limit to state; defaults to the format's own.
+            example_actions: actions for the example; defaults to the first action
+                names, or a tuple / placeholder for free-form envs.
+        """
+        limit = max_actions_per_turn or self.max_actions_per_turn
+        if self.action_kind == "tuple" and action_names and not _action_lookup("tuple", tuple(action_names)).has_tuples:
+            action_names = None  # keyword names (the env reads tuples too): describe the tuple form instead
+        separator = self._split_separator(action_names)
+        if separator is None:
+            limit = 1
+        if self.outside_text_ok:
+            lines = [
+                "You may think before you answer. End your response with your action in this tag:",
+                self._template(),
+                f"Only the last <{self.answer_tag}> tag counts.",
+            ]
+        else:
+            lines = [
+                "Respond in exactly this format, with nothing before, between or after the tags:",
+                self._template(),
+            ]
+        for top in self.structure:
+            for tag in top.walk():
+                if tag.children:
+                    inner = [f"<{child.name}>" for child in tag.children]
+                    listed = ", ".join(inner[:-1]) + " and " + inner[-1] if len(inner) > 1 else inner[0]
+                    lines.append(f"- <{tag.name}> contains {listed}, in this order.")
+                elif tag.name == self.answer_tag:
+                    lines.append(f"- <{tag.name}>: {self._action_rule(action_names, limit, separator)}")
+                else:
+                    lines.append(f"- <{tag.name}>: {tag.hint}")
+        example = list(example_actions) if example_actions else self._example_actions(action_names, limit, separator)
+        lines += ["Example:", self._render(example[:limit], {})]
+        return "\n".join(lines)
+
+    def _template(self) -> str:
+        def one(tag: Tag) -> str:
+            inner = "".join(one(child) for child in tag.children) if tag.children else "..."
+            return f"<{tag.name}>{inner}</{tag.name}>"
+
+        return "".join(one(tag) for tag in self.structure)
+
+    def _action_rule(self, action_names: Sequence[str] | None, limit: int, separator: str | None) -> str:
+        what = "action tuple" if self.action_kind == "tuple" else "action"
+        if limit == 1:
+            count = f"exactly one {what}"
+        else:
+            count = f"1 to {limit} {what}s separated by \"{separator}\", executed in order"
+        if action_names is not None:
+            choices = ", ".join(action_names)
+            case = "" if self.action_kind == "tuple" else " (case does not matter)"
+            return f"{count}. Valid actions: {choices}{case}. Extra actions are ignored."
+        if self.action_kind == "tuple":
+            return f"{count}, written like ('move', 0) with the values the task describes."
+        return f"{count}, written as the task describes, and nothing else."
+
+    def _example_actions(self, action_names: Sequence[str] | None, limit: int, separator: str | None) -> list[str]:
+        if action_names:
+            return list(action_names[: min(limit, 2) if separator else 1])
+        return ["('move', 0)"] if self.action_kind == "tuple" else ["your answer"]
+
+
+class _StructureChecker:
+    """Recursive-descent check of a token stream against a tag structure.
+
+    Walks the tokens once. Stray text and empty tags are recorded and the
+    walk goes on; a tag out of place ends it (by raising ``_StructureError``),
+    because after that the rest cannot be aligned with the structure.
+    """
+
+    def __init__(self, text: str, tokens: list[_Token], outside_text_ok: bool) -> None:
+        self.text = text
+        self.tokens = tokens
+        self.outside_text_ok = outside_text_ok
+        self.index = 0
+        self.position = 0
+        self.errors: list[str] = []
+        self.seen = {token.name for token in tokens}
+        # Index of the last closing tag of each name, for "unclosed" versus "nested".
+        self.last_close = {token.name: i for i, token in enumerate(tokens) if token.closing}
+
+    def _next(self) -> _Token | None:
+        return self.tokens[self.index] if self.index < len(self.tokens) else None
+
+    def _gap(self, parent: Tag | None) -> None:
+        """Check the text up to the next tag: only whitespace belongs there."""
+        token = self._next()
+        end = token.start if token is not None else len(self.text)
+        gap = self.text[self.position : end]
+        if gap.strip():
+            if parent is not None:
+                self.errors.append(f"text inside <{parent.name}> outside its inner tags: {_snippet(gap)}")
+            elif not self.outside_text_ok:
+                self.errors.append(f"text outside the tags: {_snippet(gap)}")
+        self.position = end
+
+    def _take(self) -> _Token:
+        token = self.tokens[self.index]
+        self.index += 1
+        self.position = token.end
+        return token
+
+    def nodes(self, tags: Sequence[Tag], parent: Tag | None) -> None:
+        """Match ``tags`` in order, each preceded by whitespace only."""
+        for tag in tags:
+            self._gap(parent)
+            self._open(tag)
+            if tag.children:
+                self.nodes(tag.children, parent=tag)
+                self._gap(tag)
+                self._close(tag)
+            else:
+                start = self.position
+                self._close(tag)
+                if not self.text[start : self.tokens[self.index - 1].start].strip():
+                    self.errors.append(f"empty <{tag.name}>")
+
+    def _open(self, tag: Tag) -> None:
+        token = self._next()
+        if token is not None and token.name == tag.name and not token.closing:
+            self._take()
+            return
+        if tag.name not in self.seen:
+            raise _StructureError(f"missing <{tag.name}>")
+        if token is None:
+            raise _StructureError(f"expected <{tag.name}> but the response ended")
+        raise _StructureError(f"expected <{tag.name}> but found {token.show()} (wrong order or a stray tag)")
+
+    def _close(self, tag: Tag) -> None:
+        token = self._next()
+        if token is not None and token.name == tag.name and token.closing:
+            self._take()
+            return
+        if self.last_close.get(tag.name, -1) < self.index:
+            raise _StructureError(f"unclosed <{tag.name}>")
+        assert token is not None  # a later closing tag exists
+        if token.closing:
+            raise _StructureError(f"unexpected {token.show()} inside <{tag.name}>")
+        raise _StructureError(f"{token.show()} nested inside <{tag.name}>")
+
+    def trailing(self) -> None:
+        """After the structure: only whitespace (or free text, where allowed) may follow."""
+        self._gap(None)
+        token = self._next()
+        if token is not None:
+            raise _StructureError(f"unexpected {token.show()} after the last tag")
+
+
+class _Lookup(NamedTuple):
+    names: dict[str, str]
+    """Lookup key -> canonical name; the first of two names with the same key wins."""
+    has_tuples: bool
+    """Some action names are tuple literals (only computed for tuple formats)."""
+
+
+@lru_cache(maxsize=64)
+def _action_lookup(kind: ActionKind, action_names: tuple[str, ...]) -> _Lookup:
+    names: dict[str, str] = {}
+    has_tuples = False
+    for name in action_names:
+        key = name
+        if kind == "tuple" and (normalized := normalize_action_tuple(name)) is not None:
+            key, has_tuples = normalized, True
+        names.setdefault(_name_key(key), name)
+    return _Lookup(names, has_tuples)
+
+
+# --------------------------------------------------------------------------- the built-in formats
+_THINK = Tag("think", "your step-by-step reasoning about what to do next.", "I should move toward the goal.")
+_OBSERVATION = Tag(
+    "observation",
+    "what you see now: where you are and where the important objects are relative to you.",
+    "The goal is below and to the right of me.",
+)
+_REASONING = Tag("reasoning", "how you choose the next actions.", "Moving toward the goal brings me closer to it.")
+_PREDICTION = Tag(
+    "prediction",
+    "what the state will look like after your actions.",
+    "I will be one step closer to the goal.",
+)
+_JUSTIFICATION = Tag(
+    "justification", "why this action is the right one.", "Moving this way brings me closer to the goal."
+)
+_ANSWER = Tag("answer", "", "")
+_ACTION = Tag("action", "", "")
+
+_STRUCTURES: dict[str, tuple[tuple[Tag, ...], str, ActionKind, str | None, bool]] = {
+    # name: (structure, answer tag, action kind, default separator, free text allowed)
+    "no_think": ((_ANSWER,), "answer", "names", ",", False),
+    "free_think": ((_THINK, _ANSWER), "answer", "names", ",", False),
+    "grounding": ((Tag("think", children=(_OBSERVATION, _REASONING)), _ANSWER), "answer", "names", ",", False),
+    "worldmodeling": ((Tag("think", children=(_REASONING, _PREDICTION)), _ANSWER), "answer", "names", ",", False),
+    "grounding_worldmodeling": (
+        (Tag("think", children=(_OBSERVATION, _REASONING, _PREDICTION)), _ANSWER),
+        "answer",
+        "names",
+        ",",
+        False,
+    ),
+    "ragen": ((_THINK, _ANSWER), "answer", "names", "||", False),
+    "ragen_no_think": ((_ANSWER,), "answer", "names", "||", False),
+    # One tuple per turn by default: commas live inside the tuple.
+    "visgym_tuple": ((_OBSERVATION, _JUSTIFICATION, _ACTION), "action", "tuple", None, False),
+    "visgym_keyword": ((_ACTION,), "action", "names", None, True),
+}
+
+
+def format_names() -> list[str]:
+    """Names of the built-in formats."""
+    return list(_STRUCTURES)
+
+
+def get_format(
+    name: str,
+    *,
+    action_separator: str | None = None,
+    max_actions_per_turn: int = 1,
+    strict: bool = False,
+) -> ResponseFormat:
+    """A built-in format by name.
+
+    Args:
+        name: one of :func:`format_names`.
+        action_separator: splits the answer into actions. Default: ``","`` for the
+            VAGEN formats, ``"||"`` for ``ragen*``, none (one action per turn)
+            for ``visgym_*``. The default applies only with ``action_names``;
+            a separator given here also splits free-form answers.
+        max_actions_per_turn: keep the first N actions of a turn.
+        strict: take actions only from well-formed responses (VAGEN); the
+            default takes them from the last complete answer tag (RAGEN, VisGym).
+
+    Raises:
+        ValueError: unknown name, or a separator/limit that cannot work.
+    """
+    if name not in _STRUCTURES:
+        raise ValueError(f"unknown response format {name!r}; choose one of: {', '.join(_STRUCTURES)}")
+    structure, answer_tag, kind, default_separator, outside_text_ok = _STRUCTURES[name]
+    return ResponseFormat(
+        name=name,
+        structure=structure,
+        answer_tag=answer_tag,
+        action_kind=kind,
+        separator=action_separator if action_separator is not None else default_separator,
+        split_free_form=action_separator is not None,
+        max_actions_per_turn=max_actions_per_turn,
+        strict=strict,
+        outside_text_ok=outside_text_ok,
+    )
+
+
+# --------------------------------------------------------------------------- reward
+def turn_format_reward(
+    parsed: ParsedResponse,
+    *,
+    format_reward: float = 0.5,
+    no_action_penalty: float = -0.1,
+    require_valid_actions: bool = True,
+) -> float:
+    """Format part of a turn's reward.
+
+    - ``no_action_penalty`` (RAGEN: -0.1) when no valid action was parsed;
+    - else ``format_reward`` (VAGEN: 0.5) when the response is well-formed and,
+      with ``require_valid_actions`` (VAGEN's rule), no action was dropped
+      (unknown, malformed or past the limit);
+    - else 0.
+    """
+    if not parsed.actions:
+        return float(no_action_penalty)
+    if parsed.format_ok and not (require_valid_actions and parsed.dropped_actions):
+        return float(format_reward)
+    return 0.0
