@@ -104,6 +104,9 @@ def test_wrong_value_is_echoed():
     reward, info, text = play("3 + 5 + 7 + 1")
     assert reward == 0.1 and info["expression_error"] is None
     assert text.endswith("Your answer: 3 + 5 + 7 + 1 (= 16, not the target)")
+    reward, info, text = play("3 * 8")
+    assert reward == 0.0 and "exactly once" in info["expression_error"]
+    assert text.endswith("(= 24, but not each given number exactly once)")
 
 
 @pytest.mark.parametrize("action", [None, 24, 2.5, b"3*8", ["3*8"], {"x": 1}])

@@ -26,7 +26,7 @@ exhaustively (up to 5 numbers).
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any
@@ -236,6 +236,8 @@ class CountdownEnv(TurnEnv):
         self._answer: str | None = None
         self._value: Fraction | None = None
         self._correct = False
+        self._numbers_ok = False
+        self._searched = False
 
     # ----------------------------------------------------------------- episode
     def _reset(self, rng: np.random.Generator, options: dict[str, Any]) -> None:
@@ -243,7 +245,8 @@ class CountdownEnv(TurnEnv):
             self.instance = self._given_instance(options)
         else:
             self.instance = generate_instance(rng, self.num_count, self.max_number, self.min_target, self.max_target)
-        self._answer, self._value, self._correct = None, None, False
+        self._answer, self._value, self._correct, self._numbers_ok = None, None, False, False
+        self._searched = False
 
     @staticmethod
     def _given_instance(options: dict[str, Any]) -> CountdownInstance:
@@ -256,8 +259,8 @@ class CountdownEnv(TurnEnv):
             or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers)
         ):
             raise ValueError(f"options['numbers'] must be a list of 1 to 8 non-negative ints, got {numbers!r}")
-        numbers = tuple(int(n) for n in numbers)
-        return CountdownInstance(int(target), numbers, search_solution(int(target), numbers))
+        # The solution is searched only when solve() asks for it, so reset stays fast.
+        return CountdownInstance(int(target), tuple(int(n) for n in numbers), None)
 
     def canonical_action(self, action: Any) -> str | None:
         """Any string is an answer; only non-strings are invalid actions."""
@@ -268,8 +271,9 @@ class CountdownEnv(TurnEnv):
         result = evaluate(expression)
         self._answer = action
         self._value = result.value
+        self._numbers_ok = result.ok and uses_exactly(result.numbers, self.instance.numbers)
         info: dict[str, Any] = {"expression_error": result.error}
-        if not result.ok or not uses_exactly(result.numbers, self.instance.numbers):
+        if not self._numbers_ok:
             if result.ok:
                 info["expression_error"] = "does not use each given number exactly once"
             return StepOutcome(0.0, terminated=True, info=info)
@@ -281,8 +285,13 @@ class CountdownEnv(TurnEnv):
         return self._correct
 
     def solve(self) -> list[str] | None:
+        """The known (generated) or searched solution, ``[]`` once answered, None if there is none."""
         if self._answer is not None:
             return []
+        if self.instance.solution is None and not self._searched:
+            self._searched = True
+            found = search_solution(self.instance.target, self.instance.numbers)
+            self.instance = replace(self.instance, solution=found)
         return None if self.instance.solution is None else [self.instance.solution]
 
     # ----------------------------------------------------------------- views
@@ -298,7 +307,12 @@ class CountdownEnv(TurnEnv):
         else:
             value = self._value
             shown = str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
-            verdict = f"= {shown}, {'correct' if self._correct else 'not the target'}"
+            if self._correct:
+                verdict = f"= {shown}, correct"
+            elif self._numbers_ok:
+                verdict = f"= {shown}, not the target"
+            else:
+                verdict = f"= {shown}, but not each given number exactly once"
         return f"{self.puzzle()}\nYour answer: {printable(self._answer)} ({verdict})"
 
     def image(self) -> np.ndarray:
