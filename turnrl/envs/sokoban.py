@@ -14,6 +14,9 @@ reverse play (always solvable, never already solved, solvable within
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import lru_cache
+from operator import itemgetter
 from typing import Any, ClassVar
 
 import numpy as np
@@ -136,6 +139,7 @@ class SokobanEnv(TurnEnv):
         _check_text_fits(rows, cols, symbols)
         super().__init__(mode=mode, max_steps=max_steps, image_shape=(rows * cell_px, cols * cell_px), render_mode=render_mode)
         self._vocabulary = VOCABULARIES.get(symbols, RAGEN_SYMBOLS)
+        self._symbols = self._vocabulary.symbols + ("\n",)
         self._load(generate_level(rows, cols, self.num_boxes, seed=0, max_moves=self.max_steps))
 
     # ----------------------------------------------------------------- episode state
@@ -149,26 +153,18 @@ class SokobanEnv(TurnEnv):
         target = bytearray(size)
         for cell in level.targets:
             target[cell] = 1
-        self._target = bytes(target)
-        self._box = bytearray(size)
+        box = bytearray(size)
         for cell in level.boxes:
-            self._box[cell] = 1
+            box[cell] = 1
+        self._target, self._box = bytes(target), box
         self._player = level.player
         self._on_target = sum(target[cell] for cell in level.boxes)
         self._num_boxes = len(level.boxes)
-        self._codes = cell_codes(level)
-        # The grid text: one symbol per cell plus a newline after each row but
-        # the last; ``_slot[cell]`` is where a cell's symbol sits in it.
-        symbols = self._vocabulary.symbols
-        cols = level.cols
-        self._symbols = symbols
-        self._slot = [cell + cell // cols for cell in range(size)]
-        chars = []
-        for start in range(0, size, cols):
-            chars.extend(symbols[code] for code in self._codes[start : start + cols])
-            chars.append("\n")
-        chars.pop()
-        self._chars = chars
+        self._codes = codes = cell_codes(level)
+        # The text grid is kept as a list of symbols (newlines included) and
+        # edited in place, so a step rewrites three entries, not the grid.
+        self._slot, pick = _text_layout(level.rows, level.cols)
+        self._chars = list(map(self._symbols.__getitem__, pick(codes + _NEWLINE_CODE)))
         self._text: str | None = None
         self._wall_listing: str | None = None
 
@@ -304,6 +300,25 @@ class SokobanEnv(TurnEnv):
 
 
 # ---------------------------------------------------------------------- helpers
+_NEWLINE_CODE = bytes([7])  # one past the cell codes: the "\n" entry of ``_symbols``
+
+
+@lru_cache(maxsize=64)
+def _text_layout(rows: int, cols: int) -> tuple[tuple[int, ...], Callable]:
+    """Where each cell's symbol sits in the text grid, and a picker of codes in text order.
+
+    The picker takes the cell codes with one extra code appended (index
+    ``rows * cols``) that stands for the newline ending each row but the last.
+    """
+    slot = tuple(cell + cell // cols for cell in range(rows * cols))
+    order = []
+    for row in range(rows):
+        order.extend(range(row * cols, (row + 1) * cols))
+        order.append(rows * cols)
+    order.pop()
+    return slot, itemgetter(*order)
+
+
 def _room_shape(dim_room: tuple[int, int] | None, size: int | None) -> tuple[int, int]:
     """Resolve ``dim_room`` / ``size`` to ``(rows, cols)``; 6x6 when neither is given."""
     if dim_room is not None:

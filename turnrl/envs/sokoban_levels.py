@@ -108,9 +108,13 @@ def _interior_cells(rows: int, cols: int) -> tuple[int, ...]:
     return tuple(r * cols + c for r in range(1, rows - 1) for c in range(1, cols - 1))
 
 
+_WALL_TO_CODE = bytes([FLOOR, WALL]) + bytes(254)
+_FLOOR_TO_WALL = bytes([1, 0]) + bytes(254)
+
+
 def cell_codes(level: Level) -> bytearray:
     """One cell code (``WALL`` ... ``PLAYER_ON_TARGET``) per cell."""
-    codes = bytearray(FLOOR if not wall else WALL for wall in level.walls)
+    codes = bytearray(level.walls.translate(_WALL_TO_CODE))
     for cell in level.targets:
         codes[cell] = TARGET
     for cell in level.boxes:
@@ -243,26 +247,28 @@ def check_room(rows: int, cols: int, num_boxes: int) -> None:
 def _carve_room(rows: int, cols: int, num_boxes: int, rnd: random.Random) -> bytearray:
     """Floor mask (1 = floor) carved by a random walk through the room's interior.
 
-    The walk keeps its heading with probability 0.65 (long straight runs make
-    rooms where boxes can travel) and stops once 45-75% of the interior is floor.
+    The walk keeps its heading with probability about 0.65 (long straight runs
+    make rooms where boxes can travel) and stops once 45-75% of the interior
+    is floor.
     """
     interior = _interior_cells(rows, cols)
-    table = neighbour_table(rows, cols)
+    table = _inner_neighbours(rows, cols)
     n_inner = len(interior)
     wanted = min(n_inner, max(num_boxes + 3, round(n_inner * (0.45 + 0.3 * rnd.random()))))
-    inside = _inside_mask(rows, cols)
     floor = bytearray(rows * cols)
-    cell = interior[rnd.randrange(n_inner)]
+    cell = interior[int(rnd.random() * n_inner)]
     floor[cell] = 1
     carved = 1
-    heading = rnd.randrange(4)
-    randrange, random_ = rnd.randrange, rnd.random
+    heading = rnd.getrandbits(2)
+    bits = rnd.getrandbits
     while carved < wanted:
-        if random_() < 0.35:
-            heading = randrange(4)
+        # One draw decides both whether to turn (88/256) and the new heading (its low 2 bits).
+        draw = bits(8)
+        if draw < 88:
+            heading = draw & 3
         nxt = table[heading][cell]
-        if not inside[nxt]:
-            heading = randrange(4)
+        if nxt < 0:
+            heading = draw & 3 if draw >= 88 else heading ^ 1
             continue
         cell = nxt
         if not floor[cell]:
@@ -272,11 +278,24 @@ def _carve_room(rows: int, cols: int, num_boxes: int, rnd: random.Random) -> byt
 
 
 @lru_cache(maxsize=64)
-def _inside_mask(rows: int, cols: int) -> bytes:
-    mask = bytearray(rows * cols)
-    for cell in _interior_cells(rows, cols):
-        mask[cell] = 1
-    return bytes(mask)
+def _inner_neighbours(rows: int, cols: int) -> tuple[tuple[int, ...], ...]:
+    """Like :func:`neighbour_table` but -1 for steps onto the border or off the grid."""
+    inside = {(r * cols + c) for r in range(1, rows - 1) for c in range(1, cols - 1)}
+    return tuple(tuple(n if n in inside else -1 for n in direction) for direction in neighbour_table(rows, cols))
+
+
+@lru_cache(maxsize=1024)
+def _distances_from(rows: int, cols: int, target: int) -> tuple[int, ...]:
+    """Manhattan distance from ``target`` to every cell."""
+    t_row, t_col = divmod(target, cols)
+    return tuple(abs(r - t_row) + abs(c - t_col) for r in range(rows) for c in range(cols))
+
+
+@lru_cache(maxsize=64)
+def _adjacent(rows: int, cols: int) -> tuple[tuple[int, ...], ...]:
+    """The in-grid neighbours of every cell."""
+    table = neighbour_table(rows, cols)
+    return tuple(tuple(d[cell] for d in table if d[cell] >= 0) for cell in range(rows * cols))
 
 
 def _reverse_play(
@@ -287,17 +306,19 @@ def _reverse_play(
     Returns the level and how many of its boxes are off a target, or None if
     no box moved.
 
-    Play goes in streaks: walk (without pushing) to a side of a random box
-    from which it can be pulled, then pull it in a straight line, stopping at
+    Play goes in streaks: walk (without pushing) to a side of a box from
+    which it can be pulled, then pull it in a straight line, stopping at
     random or when blocked. ``moves`` counts every backward move, so the
     level's shortest solution is at most ``moves`` plus the final walk, which
     keeps it within ``max_moves``.
     """
     table = neighbour_table(rows, cols)
     cells = [cell for cell in _interior_cells(rows, cols) if floor[cell]]
+    adjacent = _adjacent(rows, cols)
     picks = rnd.sample(cells, num_boxes + 1)
     targets, player = picks[:num_boxes], picks[num_boxes]
-    distance = _target_distance(cols, cells, targets, len(floor))
+    per_target = [_distances_from(rows, cols, target) for target in targets]
+    distance = per_target[0] if num_boxes == 1 else list(map(min, *per_target))  # to the nearest target
     box = bytearray(len(floor))
     for cell in targets:
         box[cell] = 1
@@ -306,14 +327,14 @@ def _reverse_play(
     moves, off_target, spread = 0, 0, 0  # boxes off any target; their summed distance to the nearest target
     scale = (rows + cols) * num_boxes  # > any spread, so boxes off target count first
     best_score, best_boxes, best_player, best_moves = 0, None, player, 0
-    randrange, random_ = rnd.randrange, rnd.random
+    random_ = rnd.random
     # Round-robin over the boxes in a random order, so that every box gets pulled.
     order = list(range(num_boxes))
     rnd.shuffle(order)
     for streak in range(_STREAKS_PER_BOX * num_boxes):
         which = order[streak % num_boxes]
         cell = positions[which]
-        walk = _walk_distances(table, floor, box, player)
+        walk = _walk_distances(adjacent, floor, box, player)
         sides = []
         for d in range(4):
             stand = table[d][cell]
@@ -323,7 +344,7 @@ def _reverse_play(
                     sides.append((d, stand))
         if not sides:
             continue
-        d, player = sides[randrange(len(sides))]
+        d, player = sides[int(random_() * len(sides))]
         moves += walk[player]
         while moves < budget:
             away = table[d][player]
@@ -344,25 +365,15 @@ def _reverse_play(
     if best_boxes is None:
         return None
     boxes = tuple(cell for cell in cells if best_boxes[cell])
-    walls = bytes(1 - f for f in floor)
-    walk = _walk_distances(table, floor, best_boxes, best_player)
+    walls = bytes(floor.translate(_FLOOR_TO_WALL))
+    walk = _walk_distances(adjacent, floor, best_boxes, best_player)
     starts = [cell for cell, steps in walk.items() if best_moves + steps <= budget]
-    level = Level(rows, cols, walls, tuple(sorted(targets)), boxes, starts[randrange(len(starts))])
+    level = Level(rows, cols, walls, tuple(sorted(targets)), boxes, starts[int(random_() * len(starts))])
     return level, best_score // scale
 
 
-def _target_distance(cols: int, cells: list[int], targets: list[int], size: int) -> list[int]:
-    """Manhattan distance from each floor cell to its nearest target (0 elsewhere)."""
-    distance = [0] * size
-    spots = [divmod(t, cols) for t in targets]
-    for cell in cells:
-        row, col = divmod(cell, cols)
-        distance[cell] = min(abs(row - r) + abs(col - c) for r, c in spots)
-    return distance
-
-
 def _walk_distances(
-    table: tuple[tuple[int, ...], ...], floor: bytes | bytearray, box: bytes | bytearray, start: int
+    adjacent: tuple[tuple[int, ...], ...], floor: bytes | bytearray, box: bytes | bytearray, start: int
 ) -> dict[int, int]:
     """Moves from ``start`` to every cell the player can walk to without pushing.
 
@@ -375,8 +386,7 @@ def _walk_distances(
         steps += 1
         following = []
         for cell in frontier:
-            for direction in table:
-                nxt = direction[cell]
+            for nxt in adjacent[cell]:
                 if floor[nxt] and not box[nxt] and nxt not in walk:
                     walk[nxt] = steps
                     following.append(nxt)
