@@ -96,52 +96,64 @@ def discounted_reverse_cumsum(
     Returns:
         Shape (b, n), same dtype as ``x``.
     """
+    seg_last = None
+    if segment_end is not None:
+        idx = torch.arange(x.shape[1], device=x.device)
+        seg_last = torch.where(segment_end, idx, x.shape[1]).flip(1).cummin(1).values.flip(1)
+    return _scan(x, coef, seg_last)
+
+
+def _scan(x: torch.Tensor, coef: float, seg_last: torch.Tensor | None) -> torch.Tensor:
+    """:func:`discounted_reverse_cumsum` with segments given as ``seg_last``
+    (Shape (b, n), long: the last position of each position's segment, n or
+    more for "the row end")."""
     b, n = x.shape
     if n == 0:
         return x.clone()
     K = _CHUNK
     nc = -(-n // K)
-    pad = nc * K - n
-    if pad:
-        x = F.pad(x, (0, pad))
-        if segment_end is not None:
-            segment_end = F.pad(segment_end, (0, pad), value=True)
+    if nc * K > n:
+        x = F.pad(x, (0, nc * K - n))
+        if seg_last is not None:
+            seg_last = F.pad(seg_last, (0, nc * K - n), value=nc * K)
     pw = _powers(coef, K + 1, x)  # coef**0 .. coef**K
     i = torch.arange(K, device=x.device)
     diff = i[None, :] - i[:, None]  # [i, j] -> j - i
     tri = torch.where(diff >= 0, pw[diff.clamp(min=0)], pw.new_zeros(()))
     local = (x.reshape(-1, K) @ tri.T).view(b, nc, K)  # unsegmented, inside the chunk
     cont = None  # whether position i's segment runs past its chunk's end
-    if segment_end is not None:
-        ends = segment_end.reshape(b, nc, K)
-        first_end = torch.where(ends, i, K).flip(-1).cummin(-1).values.flip(-1)
+    if seg_last is not None:
+        chunk_start = torch.arange(0, nc * K, K, device=x.device)[:, None]
+        first_end = (seg_last.view(b, nc, K) - chunk_start).clamp(max=K)  # K: past the chunk
         after = (first_end + 1).clamp(max=K)  # K indexes the zero column below
         tail = F.pad(local, (0, 1)).gather(-1, after)
         local = local - pw[after - i] * tail
         cont = first_end == K
     if nc > 1:
-        starts = discounted_reverse_cumsum(
-            local[..., 0].contiguous(), float(coef) ** K, None if cont is None else ~cont[..., 0]
-        )
+        # Chunk n's segment ends in chunk seg_last // K: the chunk-level segments.
+        up = None if seg_last is None else seg_last.view(b, nc, K)[..., 0] // K
+        starts = _scan(local[..., 0].contiguous(), float(coef) ** K, up)
         carry = pw[K - i] * F.pad(starts[:, 1:], (0, 1))[..., None]
         local = local + (carry if cont is None else carry * cont)
     return local.reshape(b, nc * K)[:, :n]
 
 
-class _Compact(NamedTuple):
+class _Packed(NamedTuple):
     """Where each masked token goes when the masked tokens of a row are packed left."""
 
     index: torch.Tensor  # (b, s) long: packed position, or `width` outside the mask
+    count: torch.Tensor  # (b,) long: masked tokens per row
     width: int  # most masked tokens in any row
 
 
-def _compact_layout(mask: torch.Tensor) -> _Compact:
-    pos = mask.long().cumsum(1) - 1
-    width = int(pos[:, -1].max().item()) + 1 if mask.numel() else 0
-    return _Compact(torch.where(mask, pos, width), width)
+def _pack_layout(mask: torch.Tensor) -> _Packed:
+    pos = mask.long().cumsum(1)
+    count = pos[:, -1] if mask.shape[1] else pos.new_zeros(mask.shape[0])
+    width = int(count.max().item()) if mask.shape[0] else 0
+    return _Packed(torch.where(mask, pos - 1, width), count, width)
 
 
-def _pack(x: torch.Tensor, layout: _Compact, dtype: torch.dtype) -> torch.Tensor:
+def _pack(x: torch.Tensor, layout: _Packed, dtype: torch.dtype) -> torch.Tensor:
     """Pack masked entries left. Shape (b, s) -> (b, width + 1); the last column
     and everything behind a row's last masked token are zero."""
     out = torch.zeros(x.shape[0], layout.width + 1, dtype=dtype, device=x.device)
@@ -150,7 +162,7 @@ def _pack(x: torch.Tensor, layout: _Compact, dtype: torch.dtype) -> torch.Tensor
     return out
 
 
-def _unpack(packed: torch.Tensor, layout: _Compact) -> torch.Tensor:
+def _unpack(packed: torch.Tensor, layout: _Packed) -> torch.Tensor:
     """Inverse of :func:`_pack`: (b, width + 1) -> (b, s), zero outside the mask."""
     return packed.gather(1, layout.index)
 
@@ -190,7 +202,7 @@ def masked_gae(
     """
     mask = _as_bool(adv_mask)
     dtype = _float_dtype(token_rewards, values)
-    layout = _compact_layout(mask)
+    layout = _pack_layout(mask)
     r = _pack(token_rewards, layout, dtype)
     v = _pack(values, layout, dtype)
     delta = r[:, :-1] + gamma * v[:, 1:] - v[:, :-1]  # packed zeros bootstrap V = 0
@@ -200,41 +212,39 @@ def masked_gae(
 
 
 class _Turns(NamedTuple):
-    """Turn structure of a batch, in the original (b, s) positions."""
+    """Turn structure of a batch in packed positions (see :func:`_pack`)."""
 
-    mask: torch.Tensor  # (b, s) bool: adv_mask
-    ends: torch.Tensor  # (b, s) bool: effective turn ends (inside the mask)
-    turn: torch.Tensor  # (b, s) long: turn index of each masked token, `n_turns` elsewhere
+    ends: torch.Tensor  # (b, w + 1) bool: effective turn ends
+    turn: torch.Tensor  # (b, w + 1) long: turn of each position (a free turn past the last)
     n_turns: int  # most turns of any row
 
 
-def _turn_layout(adv_mask: torch.Tensor, turn_end_mask: torch.Tensor) -> _Turns:
-    mask = _as_bool(adv_mask)
-    seen = mask.long().cumsum(1)
-    last = mask & (seen == seen[:, -1:])  # the last masked token of each row
-    ends = (mask & _as_bool(turn_end_mask)) | last
-    before = ends.long().cumsum(1) - ends.long()  # ends strictly before each position
-    n_turns = int(ends.sum(1).max().item()) if ends.numel() else 0
-    return _Turns(mask, ends, torch.where(mask, before, n_turns), n_turns)
+def _packed_turns(turn_end_mask: torch.Tensor, layout: _Packed) -> _Turns:
+    ends = _pack(_as_bool(turn_end_mask), layout, torch.bool)
+    # The last masked token of a row always ends a turn (a cut-off response).
+    rows = torch.arange(ends.shape[0], device=ends.device)
+    last = (layout.count - 1).clamp(min=0)
+    ends[rows, last] |= layout.count > 0
+    before = ends.long().cumsum(1)
+    n_turns = int(before[:, -1].max().item()) if ends.shape[0] else 0
+    return _Turns(ends, before - ends.long(), n_turns)
+
+
+def _per_turn(packed: torch.Tensor, turns: _Turns, at_ends_only: bool) -> torch.Tensor:
+    """Per-turn value at the turn's end, or sum over the turn's tokens.
+    Shape (b, w + 1) -> (b, t + 1), zero past each row's last turn."""
+    out = packed.new_zeros(packed.shape[0], turns.n_turns + 1)
+    src = torch.where(turns.ends, packed, 0) if at_ends_only else packed
+    return out.scatter_add_(1, turns.turn, src)
 
 
 def _turn_level_gae(
     turn_rewards: torch.Tensor, turn_values: torch.Tensor, gamma: float, lam: float
 ) -> torch.Tensor:
     """GAE over packed turns. Inputs Shape (b, t + 1), zero past each row's last
-    turn (so ``V(end_{t+1}) = 0`` after the last). Returns Shape (b, t + 1)."""
+    turn (so ``V(e_{T+1}) = 0`` after the last). Returns Shape (b, t + 1)."""
     delta = turn_rewards[:, :-1] + gamma * turn_values[:, 1:] - turn_values[:, :-1]
     return F.pad(discounted_reverse_cumsum(delta, gamma * lam), (0, 1))
-
-
-def _per_turn(x: torch.Tensor, turns: _Turns, at_ends_only: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Gather a (b, s) quantity per turn: the value at each turn's end, or the sum
-    over the turn's masked tokens. Shape (b, t + 1), last column zero."""
-    keep = turns.ends if at_ends_only else turns.mask
-    out = torch.zeros(x.shape[0], turns.n_turns + 1, dtype=dtype, device=x.device)
-    out.scatter_add_(1, turns.turn, torch.where(keep, x.to(dtype), 0))
-    out[:, -1] = 0
-    return out
 
 
 def bilevel_gae(
@@ -278,21 +288,23 @@ def bilevel_gae(
         ``(advantages, returns)``, each Shape (b, s), zero outside ``adv_mask``.
     """
     dtype = _float_dtype(token_rewards, values)
-    turns = _turn_layout(adv_mask, turn_end_mask)
-    turn_adv = _turn_level_gae(
-        _per_turn(token_rewards, turns, True, dtype),
-        _per_turn(values, turns, True, dtype),
-        gamma_turn,
-        lambda_turn,
-    )
-    layout = _compact_layout(turns.mask)
+    layout = _pack_layout(_as_bool(adv_mask))
     r = _pack(token_rewards, layout, dtype)
     v = _pack(values, layout, dtype)
-    end = _pack(turns.ends, layout, dtype)[:, :-1] > 0
-    at_end = _pack(turn_adv.gather(1, turns.turn), layout, dtype)[:, :-1]
-    # At a turn end the token recursion restarts from the turn-level advantage.
-    x = torch.where(end, at_end, r[:, :-1] + gamma_token * v[:, 1:] - v[:, :-1])
-    adv = F.pad(discounted_reverse_cumsum(x, gamma_token * lambda_token, end), (0, 1))
+    turns = _packed_turns(turn_end_mask, layout)
+    turn_adv = _turn_level_gae(
+        _per_turn(r, turns, True), _per_turn(v, turns, True), gamma_turn, lambda_turn
+    )
+    # Token level: each token's segment ends at its turn's end; at that end the
+    # recursion restarts from the turn-level advantage.
+    positions = torch.arange(layout.width + 1, device=r.device).expand_as(turns.turn)
+    end_at = torch.full_like(turn_adv, layout.width + 1, dtype=torch.long)
+    end_at.scatter_(1, torch.where(turns.ends, turns.turn, turns.n_turns), positions)
+    end_at[:, -1] = layout.width + 1  # the free turn past the last runs to the end
+    x = torch.add(r[:, :-1], v[:, 1:], alpha=gamma_token).sub_(v[:, :-1])
+    x = torch.where(turns.ends[:, :-1], turn_adv.gather(1, turns.turn[:, :-1]), x)
+    seg_last = end_at.gather(1, turns.turn[:, :-1])
+    adv = F.pad(_scan(x, gamma_token * lambda_token, seg_last), (0, 1))
     return _unpack(adv, layout), _unpack(adv + v, layout)
 
 
@@ -327,12 +339,14 @@ def turn_gae(
         ``(advantages, returns)``, each Shape (b, s), zero outside ``adv_mask``.
     """
     dtype = _float_dtype(token_rewards, values)
-    turns = _turn_layout(adv_mask, turn_end_mask)
-    turn_values = _per_turn(values, turns, True, dtype)
-    turn_adv = _turn_level_gae(
-        _per_turn(token_rewards, turns, False, dtype), turn_values, gamma, lam
-    )
-    return turn_adv.gather(1, turns.turn), (turn_adv + turn_values).gather(1, turns.turn)
+    layout = _pack_layout(_as_bool(adv_mask))
+    turns = _packed_turns(turn_end_mask, layout)
+    turn_values = _per_turn(_pack(values, layout, dtype), turns, True)
+    turn_rewards = _per_turn(_pack(token_rewards, layout, dtype), turns, False)
+    turn_adv = _turn_level_gae(turn_rewards, turn_values, gamma, lam)
+    adv = turn_adv.gather(1, turns.turn)
+    ret = (turn_adv + turn_values).gather(1, turns.turn)
+    return _unpack(adv, layout), _unpack(ret, layout)
 
 
 def place_rewards(
@@ -490,7 +504,7 @@ def reinforce_pp_advantages(
         ``(advantages, returns)``, each Shape (b, s), zero outside ``adv_mask``.
     """
     mask = _as_bool(adv_mask)
-    layout = _compact_layout(mask)
+    layout = _pack_layout(mask)
     r = _pack(token_rewards, layout, _float_dtype(token_rewards))
     returns = _unpack(F.pad(discounted_reverse_cumsum(r[:, :-1], gamma), (0, 1)), layout)
     return whiten(returns, mask), returns

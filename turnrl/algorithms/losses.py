@@ -1,0 +1,296 @@
+"""Policy, value, KL and entropy losses as pure functions over padded tensors.
+
+Notation: ``b`` batch size, ``s`` sequence length, ``V`` vocabulary size.
+Masks are bool or 0/1 ``(b, s)`` tensors; values outside the mask never reach
+a result, even when they are inf or NaN (padding logprobs often are).
+
+Every loss reduces its per-token terms with :func:`aggregate`, so the policy
+loss, the value loss and the entropy bonus share one aggregation mode.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+__all__ = [
+    "AGGREGATIONS",
+    "PolicyLossStats",
+    "ValueLossStats",
+    "aggregate",
+    "entropy_bonus",
+    "entropy_from_logits",
+    "kl_in_reward",
+    "kl_penalty",
+    "ppo_policy_loss",
+    "value_loss",
+]
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token-mean") -> torch.Tensor:
+    """Reduce per-token terms to a scalar over the masked tokens.
+
+    - ``token-mean``: ``sum_{b,i} m x / sum_{b,i} m`` (every token weighs the same).
+    - ``seq-mean-token-mean``: mean over sequences of each sequence's token mean
+      (every sequence weighs the same).
+    - ``seq-mean-token-sum``: mean over sequences of each sequence's token sum
+      (longer sequences weigh more; no length bias towards short answers).
+
+    Sequences without masked tokens are left out of the sequence means; an
+    empty mask gives 0, never NaN.
+
+    Args:
+        per_token: Shape (b, s). mask: Shape (b, s), bool or 0/1.
+
+    Returns:
+        A scalar tensor.
+    """
+    m = _as_bool(mask)
+    x = torch.where(m, per_token, 0)
+    if mode == "token-mean":
+        return x.sum() / m.sum().clamp(min=1)
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+    n_tokens = m.sum(-1)
+    per_seq = x.sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / n_tokens.clamp(min=1)
+    has_tokens = n_tokens > 0
+    return torch.where(has_tokens, per_seq, 0).sum() / has_tokens.sum().clamp(min=1)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return aggregate(x.to(torch.float32), mask, "token-mean")
+
+
+class PolicyLossStats(NamedTuple):
+    """Diagnostics of one policy-loss call: detached scalars, token means over the loss mask."""
+
+    clip_frac: torch.Tensor  # share of tokens where the clipped term won (the ratio left its range)
+    approx_kl: torch.Tensor  # KL(old || new) estimate: mean of (r - 1) - log r, r = new/old prob
+    dual_clip_frac: torch.Tensor  # share of tokens where the dual clip bounded the loss
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = 3.0,
+    aggregation: Aggregation = "token-mean",
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """Clipped PPO surrogate with asymmetric clipping and dual clip.
+
+    With ``r = exp(logprobs - old_logprobs)`` (log-ratio clamped to [-20, 20] so
+    that a stale sample cannot overflow) and advantage ``A``::
+
+        L = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
+        L = min(L, -A * dual_clip)      where A < 0 (dual clip, Ye et al. 2020)
+
+    The dual clip bounds the loss of a negative-advantage token whose ratio
+    has grown large; it needs ``dual_clip > 1``. Defaults are RAGEN's (clip
+    0.2 low / 0.28 high, the DAPO "clip-higher" that keeps exploration alive,
+    dual clip 3).
+
+    Args:
+        logprobs: Shape (b, s), current policy, with gradient.
+        old_logprobs: Shape (b, s), the policy that sampled (no gradient needed).
+        advantages: Shape (b, s).
+        loss_mask: Shape (b, s), bool or 0/1: tokens that are trained.
+        aggregation: see :func:`aggregate`.
+
+    Returns:
+        ``(loss, stats)``: a scalar to minimize and :class:`PolicyLossStats`.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual_active = torch.zeros_like(loss, dtype=torch.bool)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual_active = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual_active, bound, loss)
+    with torch.no_grad():
+        stats = PolicyLossStats(
+            clip_frac=_masked_mean(clipped > unclipped, loss_mask),
+            approx_kl=_masked_mean(ratio - 1.0 - log_ratio, loss_mask),
+            dual_clip_frac=_masked_mean(dual_active, loss_mask),
+        )
+    return aggregate(loss, loss_mask, aggregation), stats
+
+
+class ValueLossStats(NamedTuple):
+    """Diagnostics of one value-loss call: detached scalars, token means over the loss mask."""
+
+    clip_frac: torch.Tensor  # share of tokens where the clipped error was the larger
+    error: torch.Tensor  # mean squared error of the unclipped prediction
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip: float | None = 0.5,
+    aggregation: Aggregation = "token-mean",
+) -> tuple[torch.Tensor, ValueLossStats]:
+    """Clipped value loss (PPO2 style)::
+
+        v_clip = old + clip(values - old, -clip, clip)
+        L      = 0.5 * max((values - R)^2, (v_clip - R)^2)
+
+    With ``clip=None``, ``L = 0.5 * (values - R)^2``.
+
+    Args:
+        values: Shape (b, s), current critic, with gradient.
+        old_values: Shape (b, s), the critic when the returns were computed.
+        returns: Shape (b, s), targets ``R`` (from the advantage estimator).
+        loss_mask: Shape (b, s), bool or 0/1.
+
+    Returns:
+        ``(loss, stats)``: a scalar and :class:`ValueLossStats`.
+    """
+    err = (values - returns) ** 2
+    loss = err
+    clip_active = torch.zeros_like(err, dtype=torch.bool)
+    if clip is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        err_clip = (v_clip - returns) ** 2
+        clip_active = err_clip > err
+        loss = torch.maximum(err, err_clip)
+    with torch.no_grad():
+        stats = ValueLossStats(_masked_mean(clip_active, loss_mask), _masked_mean(err, loss_mask))
+    return aggregate(0.5 * loss, loss_mask, aggregation), stats
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: Literal["k1", "k2", "k3"] = "k3"
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens.
+
+    With ``d = logprobs - ref_logprobs`` (samples from the policy):
+
+    - ``k1 = d``: unbiased, can be negative, high variance.
+    - ``k2 = d^2 / 2``: biased, low variance; its gradient is the true KL's.
+    - ``k3 = exp(-d) + d - 1``: unbiased, never negative (Schulman's "k3", the
+      GRPO KL loss). ``-d`` is clamped to [-20, 20] before the ``exp`` and the
+      result to [-10, 10], as veRL does, so one extreme token cannot blow up a
+      step.
+
+    Args:
+        logprobs, ref_logprobs: Shape (b, s).
+
+    Returns:
+        Shape (b, s), differentiable. Reduce it with :func:`aggregate` for a
+        loss term, or subtract it from the rewards with :func:`kl_in_reward`.
+    """
+    d = logprobs - ref_logprobs
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        neg = (-d).clamp(-20.0, 20.0)
+        return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+
+
+def kl_in_reward(
+    token_rewards: torch.Tensor, kl: torch.Tensor, coef: float, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """Fold a KL penalty into the rewards: ``r_i - coef * kl_i`` on masked tokens.
+
+    The KL is detached (a reward carries no gradient). Feed the result to an
+    advantage estimator; the bi-level and turn estimators keep these per-token
+    terms inside their turns (see their docs).
+
+    Args:
+        token_rewards, kl: Shape (b, s). loss_mask: Shape (b, s), bool or 0/1.
+
+    Returns:
+        Shape (b, s).
+    """
+    return token_rewards - torch.where(_as_bool(loss_mask), coef * kl.detach(), 0)
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits) over the last dim, in row chunks, both ways.
+
+    Forward and backward each hold one ``(chunk, V)`` float32 block at a time
+    instead of the full softmax, so the entropy bonus of a long batch with a
+    large vocabulary costs no extra ``(b, s, V)`` activations. Backward uses
+    ``dH/dz = -p * (log p + H)``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, chunk: int) -> torch.Tensor:
+        flat = logits.reshape(-1, logits.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, flat.shape[0], chunk):  # loop over row blocks, not tokens
+            logp = torch.log_softmax(flat[start : start + chunk].float(), dim=-1)
+            out[start : start + chunk] = -torch.where(logp > -torch.inf, logp.exp() * logp, 0).sum(-1)
+        ctx.save_for_backward(logits, out)
+        ctx.chunk = chunk
+        return out.view(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, entropy = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.shape[-1])
+        g, h = grad_out.reshape(-1), entropy
+        grad = torch.empty_like(flat)
+        for start in range(0, flat.shape[0], ctx.chunk):
+            sl = slice(start, start + ctx.chunk)
+            logp = torch.log_softmax(flat[sl].float(), dim=-1)
+            p = logp.exp()
+            term = torch.where(p > 0, p * (logp + h[sl, None]), 0)
+            grad[sl] = (-g[sl, None] * term).to(grad.dtype)
+        return grad.view(logits.shape), None
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_elements: int = 1 << 24) -> torch.Tensor:
+    """Entropy ``H = -sum_v p_v log p_v`` of ``softmax(logits)``, per position.
+
+    Numerically stable (through ``log_softmax``; ``-inf`` logits, e.g. masked
+    vocabulary entries, contribute 0) and memory-conscious: computed in float32
+    over blocks of rows of about ``chunk_elements`` logits, in the forward and
+    in the backward pass, so peak extra memory is one block, whatever the
+    batch.
+
+    Args:
+        logits: Shape (b, s, V) (any leading shape), any float dtype.
+
+    Returns:
+        Shape (b, s), float32, differentiable with respect to ``logits``.
+    """
+    chunk = max(1, chunk_elements // max(1, logits.shape[-1]))
+    return _ChunkedEntropy.apply(logits, chunk)
+
+
+def entropy_bonus(
+    entropy: torch.Tensor, loss_mask: torch.Tensor, aggregation: Aggregation = "token-mean"
+) -> torch.Tensor:
+    """Mean policy entropy over the trained tokens, with the loss's aggregation.
+
+    A trainer maximizes it: ``loss = policy_loss - entropy_coef * entropy_bonus(...)``
+    (RAGEN's default coefficient is 0.001).
+
+    Args:
+        entropy: Shape (b, s), e.g. from :func:`entropy_from_logits`.
+        loss_mask: Shape (b, s), bool or 0/1.
+    """
+    return aggregate(entropy, loss_mask, aggregation)
