@@ -223,3 +223,43 @@ def ref_entropy(logits_row):
     exps = [math.exp(z - top) for z in logits_row]
     total = sum(exps)
     return -sum((e / total) * math.log(e / total) for e in exps if e > 0)
+
+
+def ref_select(group_index, rewards, scores, strategy, value, weighting, temperature, largest, drop_zero):
+    """Kept group ids (ascending) by the rules of select_groups, with plain sorting."""
+    ids = sorted(set(group_index.tolist()))
+    members = {g: [i for i, x in enumerate(group_index.tolist()) if x == g] for g in ids}
+    xs = rewards.tolist() if rewards is not None else None
+    if scores is None:
+        score = {g: _mean_std([xs[i] for i in members[g]])[1] for g in ids}
+    else:
+        score = dict(zip(ids, scores.tolist()))
+    candidates = [g for g in ids if not drop_zero or _mean_std([xs[i] for i in members[g]])[1] > 1e-8]
+    sign = 1.0 if largest else -1.0
+    ranked = sorted(candidates, key=lambda g: (-sign * score[g], g))
+    if not ranked:
+        return []
+    if strategy == "none":
+        kept = ranked
+    elif strategy == "top_k":
+        k = value if isinstance(value, int) else max(1, math.floor(value * len(ids) + 1e-9))
+        kept = ranked[:k]
+    elif strategy == "top_p":
+        keys = [sign * score[g] for g in ranked]
+        if weighting == "linear":
+            total = sum(keys)
+            weights = [k / total for k in keys] if total > 0 else [1.0 / len(keys)] * len(keys)
+        else:
+            top = max(keys)
+            exps = [math.exp((k - top) / temperature) for k in keys]
+            weights = [e / sum(exps) for e in exps]
+        kept, cumulative = [], 0.0
+        for g, w in zip(ranked, weights):
+            if kept and cumulative >= value - 1e-9:
+                break
+            kept.append(g)
+            cumulative += w
+    else:  # min_p
+        vals = [score[g] for g in ranked]
+        kept = [g for g in ranked if (score[g] >= value * max(vals) if largest else score[g] <= min(vals) / value)]
+    return sorted(kept)
