@@ -31,7 +31,6 @@ from turnrl.envs.sokoban_levels import (
     FLOOR,
     PLAYER,
     RAGEN_SYMBOLS,
-    TARGET,
     Level,
     Vocabulary,
     cell_codes,
@@ -145,7 +144,7 @@ class SokobanEnv(TurnEnv):
     # ----------------------------------------------------------------- episode state
     def _load(self, level: Level) -> None:
         """Make ``level`` the current state (flat tables, so a step touches three cells)."""
-        self.level = level
+        self.initial_level = level
         size = level.rows * level.cols
         self._cols = level.cols
         self._table = neighbour_table(level.rows, level.cols)
@@ -227,7 +226,7 @@ class SokobanEnv(TurnEnv):
         return "".join(self._chars)
 
     def _coords_text(self) -> str:
-        level, cols = self.level, self._cols
+        level, cols = self.initial_level, self._cols
         if self._wall_listing is None:  # walls never move: list them once per level
             self._wall_listing = _listing((cell for cell, wall in enumerate(self._walls) if wall), cols)
         boxes = [cell for cell, here in enumerate(self._box) if here]
@@ -246,21 +245,21 @@ class SokobanEnv(TurnEnv):
         return draw_grid(rows, _TILE_BY_SYMBOL, self.cell_px)
 
     def render(self):
-        if self.render_mode == "ansi":
-            return self.grid_text() if self.symbols != "coords" or self.is_image_mode else self.text()
+        if self.render_mode == "ansi":  # the board, even in image mode, where the text is a status line
+            return self.text() if self.symbols == "coords" and not self.is_image_mode else self.grid_text()
         return super().render()
 
     # ----------------------------------------------------------------- agent API
     def instructions(self) -> str:
-        if self.symbols == "coords":
-            observation = (
-                "Each observation lists the player, boxes, targets and walls as (row, column) positions, "
-                "row 0 at the top and column 0 at the left."
-            )
-        elif self.is_image_mode:
+        if self.is_image_mode:
             observation = (
                 "Each observation is an image of the room: dark grey walls, sand floor, red rings on targets, "
                 "brown boxes (green once on a target), and the player as a blue circle."
+            )
+        elif self.symbols == "coords":
+            observation = (
+                "Each observation lists the player, boxes, targets and walls as (row, column) positions, "
+                "row 0 at the top and column 0 at the left."
             )
         else:
             observation = f"Each observation is the room as a grid of symbols: {self._vocabulary.legend()}."
@@ -279,7 +278,7 @@ class SokobanEnv(TurnEnv):
         return list(DIRECTIONS)
 
     def state_facts(self) -> StateFacts:
-        level, cols = self.level, self._cols
+        level, cols = self.initial_level, self._cols
         objects = [("box", divmod(cell, cols)) for cell, here in enumerate(self._box) if here]
         objects += [("target", divmod(cell, cols)) for cell in level.targets]
         return facts_from_positions(divmod(self._player, cols), objects)
@@ -289,7 +288,7 @@ class SokobanEnv(TurnEnv):
 
     def current_level(self) -> Level:
         """The current state as a :class:`Level` (e.g. to print or to solve)."""
-        level = self.level
+        level = self.initial_level
         boxes = tuple(cell for cell, here in enumerate(self._box) if here)
         return Level(level.rows, level.cols, level.walls, level.targets, boxes, self._player)
 
