@@ -1,0 +1,170 @@
+"""StarPO-S group selection: hand-computed cases and a plain sorting reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.algorithms import reference as ref
+from turnrl.algorithms import GroupSelection, select_groups
+
+F64 = torch.float64
+
+
+def grouped(rewards_per_group: list[list[float]], ids: list[int] | None = None):
+    """(group_index, rewards) for groups listed as reward lists."""
+    ids = ids if ids is not None else list(range(len(rewards_per_group)))
+    index = [g for g, rs in zip(ids, rewards_per_group) for _ in rs]
+    flat = [r for rs in rewards_per_group for r in rs]
+    return torch.tensor(index), torch.tensor(flat, dtype=F64)
+
+
+# Eight groups of four; the reward std decreases with the group number except
+# that groups 2 and 3 tie, and groups 6 and 7 never vary.
+EIGHT = [
+    [0.0, 4.0, 0.0, 4.0],
+    [0.0, 3.0, 0.0, 3.0],
+    [0.0, 2.0, 0.0, 2.0],
+    [2.0, 0.0, 2.0, 0.0],
+    [0.0, 1.0, 0.0, 1.0],
+    [0.0, 0.5, 0.0, 0.5],
+    [1.0, 1.0, 1.0, 1.0],
+    [0.0, 0.0, 0.0, 0.0],
+]
+
+
+def test_default_keeps_top_quarter_by_reward_std():
+    index, rewards = grouped(EIGHT)
+    sel = select_groups(index, rewards)
+    assert isinstance(sel, GroupSelection)
+    assert sel.kept_groups.tolist() == [0, 1]
+    assert sel.keep_mask.tolist() == [True] * 8 + [False] * 24
+    assert sel.kept_ratio == 0.25 and not sel.skip_step
+    std = math.sqrt(4 * 4.0 / 3)  # group 0: mean 2, unbiased
+    assert math.isclose(sel.scores[0].item(), std)
+
+
+def test_ties_break_by_smaller_group_id():
+    index, rewards = grouped(EIGHT)
+    assert select_groups(index, rewards, value=3).kept_groups.tolist() == [0, 1, 2]
+    # the same groups under other ids, in another order: the smaller id wins
+    index, rewards = grouped(EIGHT[::-1], ids=[17, 16, 15, 14, 13, 12, 11, 10])
+    assert select_groups(index, rewards, value=3).kept_groups.tolist() == [10, 11, 12]
+
+
+def test_top_k_count_and_share():
+    index, rewards = grouped(EIGHT)
+    assert select_groups(index, rewards, value=1).kept_groups.tolist() == [0]
+    assert select_groups(index, rewards, value=0.5).kept_groups.tolist() == [0, 1, 2, 3]
+    assert select_groups(index, rewards, value=0.01).kept_groups.tolist() == [0]  # at least one
+    assert select_groups(index, rewards, value=1.0).kept_ratio == 1.0
+    assert select_groups(index, rewards, value=100).kept_ratio == 1.0
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError):
+            select_groups(index, rewards, value=bad)
+
+
+def test_top_p_linear_by_hand():
+    index = torch.arange(4)
+    scores = torch.tensor([1.0, 4.0, 2.0, 3.0], dtype=F64)  # shares 0.1, 0.4, 0.2, 0.3
+    pick = lambda p: select_groups(index, scores=scores, rewards=torch.zeros(4), strategy="top_p", value=p)
+    assert pick(0.3).kept_groups.tolist() == [1]
+    assert pick(0.5).kept_groups.tolist() == [1, 3]  # 0.4 < 0.5, 0.7 >= 0.5
+    assert pick(0.7).kept_groups.tolist() == [1, 3]  # reaching p exactly is enough
+    assert pick(0.71).kept_groups.tolist() == [1, 2, 3]
+    assert pick(1.0).kept_groups.tolist() == [0, 1, 2, 3]
+
+
+def test_top_p_linear_all_zero_is_uniform_and_negative_scores_raise():
+    index, rewards = grouped([[1.0, 1.0]] * 4)
+    assert select_groups(index, rewards, strategy="top_p", value=0.5).kept_groups.tolist() == [0, 1]
+    with pytest.raises(ValueError):
+        select_groups(torch.arange(2), torch.zeros(2), scores=torch.tensor([-1.0, 2.0]), strategy="top_p")
+    with pytest.raises(ValueError):
+        select_groups(torch.arange(2), torch.zeros(2), strategy="top_p", largest=False)
+
+
+def test_top_p_softmax_by_hand():
+    index = torch.arange(3)
+    scores = torch.tensor([0.0, math.log(2.0), math.log(7.0)], dtype=F64)  # softmax: 0.1, 0.2, 0.7
+    common = dict(scores=scores, rewards=torch.zeros(3), strategy="top_p", weighting="softmax")
+    assert select_groups(index, value=0.7, **common).kept_groups.tolist() == [2]
+    assert select_groups(index, value=0.8, **common).kept_groups.tolist() == [1, 2]
+    # smallest first: softmax of -score / T
+    assert select_groups(index, value=0.5, largest=False, **common).kept_groups.tolist() == [0]
+
+
+def test_min_p():
+    index, rewards = grouped(EIGHT)
+    std = [math.sqrt(4 * (x / 2) ** 2 / 3) for x in (4, 3, 2, 2, 1, 0.5, 0, 0)]
+    sel = select_groups(index, rewards, strategy="min_p", value=0.5)
+    assert sel.kept_groups.tolist() == [g for g, s in enumerate(std) if s >= 0.5 * std[0] - 1e-12]
+    assert select_groups(index, rewards, strategy="min_p", value=1.0).kept_groups.tolist() == [0]
+
+
+def test_zero_variance_groups_and_empty_selection():
+    index, rewards = grouped(EIGHT)
+    sel = select_groups(index, rewards, strategy="none", drop_zero_variance=True)
+    assert sel.kept_groups.tolist() == [0, 1, 2, 3, 4, 5]
+    assert sel.kept_ratio == 6 / 8
+    assert select_groups(index, rewards, strategy="none").kept_ratio == 1.0
+    # a precomputed score that prefers the flat groups: they are still dropped
+    scores = torch.tensor([0.0, 0, 0, 0, 0, 0, 5, 6])
+    sel = select_groups(index, rewards, scores=scores, value=2, drop_zero_variance=True)
+    assert sel.kept_groups.tolist() == [0, 1]  # all candidates tie at 0: smaller ids
+    flat_index, flat_rewards = grouped([[1.0, 1.0], [0.0, 0.0], [3.0]])  # incl. a group of one
+    skipped = select_groups(flat_index, flat_rewards, drop_zero_variance=True)
+    assert skipped.skip_step and skipped.kept_groups.numel() == 0
+    assert not skipped.keep_mask.any() and skipped.kept_ratio == 0.0
+    kept = select_groups(flat_index, flat_rewards, drop_zero_variance=True, on_empty="keep_all")
+    assert not kept.skip_step and kept.keep_mask.all()
+
+
+def test_inputs_are_validated():
+    with pytest.raises(ValueError):
+        select_groups(torch.arange(3))  # no rewards, no scores
+    with pytest.raises(ValueError):
+        select_groups(torch.arange(3), scores=torch.ones(3), drop_zero_variance=True)
+    with pytest.raises(ValueError):
+        select_groups(torch.arange(3), scores=torch.ones(2))
+    with pytest.raises(ValueError):
+        select_groups(torch.arange(3), torch.zeros(3), strategy="best")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 40),
+    n_groups=st.integers(1, 12),
+    case=st.sampled_from(
+        [
+            ("top_k", 0.25), ("top_k", 3), ("top_p", 0.5), ("top_p", 0.9),
+            ("min_p", 0.3), ("none", 0.0),
+        ]
+    ),
+    weighting=st.sampled_from(["linear", "softmax"]),
+    largest=st.booleans(),
+    drop_zero=st.booleans(),
+    use_scores=st.booleans(),
+)
+def test_select_groups_matches_reference(seed, b, n_groups, case, weighting, largest, drop_zero, use_scores):
+    strategy, value = case
+    if strategy == "top_p" and weighting == "linear":
+        largest = True  # linear weights rank by the largest score only
+    gen = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, n_groups, (b,), generator=gen) * 2 + 1
+    rewards = torch.randint(0, 3, (b,), generator=gen).to(F64)  # small ints: ties, flat groups
+    n_ids = index.unique().numel()
+    scores = torch.randint(0, 4, (n_ids,), generator=gen).to(F64) if use_scores else None
+    sel = select_groups(index, rewards, scores, strategy, value, weighting, 1.0, largest, drop_zero)
+    expected = ref.ref_select(index, rewards, scores, strategy, value, weighting, 1.0, largest, drop_zero)
+    if not expected:
+        assert sel.skip_step
+        return
+    assert sel.kept_groups.tolist() == expected
+    assert sel.keep_mask.tolist() == [g in expected for g in index.tolist()]
+    assert math.isclose(sel.kept_ratio, len(expected) / n_ids)

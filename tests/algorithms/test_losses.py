@@ -1,0 +1,219 @@
+"""Losses: hand-computed cases, per-token loop references, gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.algorithms import reference as ref
+from turnrl.algorithms import (
+    AGGREGATIONS,
+    aggregate,
+    entropy_bonus,
+    entropy_from_logits,
+    kl_in_reward,
+    kl_penalty,
+    ppo_policy_loss,
+    value_loss,
+)
+
+F64 = torch.float64
+
+
+def t(rows, dtype=F64):
+    return torch.tensor(rows, dtype=dtype)
+
+
+def close(actual, expected, tol=1e-9):
+    actual = torch.as_tensor(actual).to(F64)
+    expected = torch.as_tensor(expected, dtype=F64).expand_as(actual)
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+
+
+# --- aggregate --------------------------------------------------------------
+
+
+def test_aggregate_by_hand():
+    x = t([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # last row empty
+    close(aggregate(x, mask, "token-mean"), 10.0 / 4)
+    close(aggregate(x, mask, "seq-mean-token-mean"), (2.0 + 4.0) / 2)
+    close(aggregate(x, mask, "seq-mean-token-sum"), (6.0 + 4.0) / 2)
+    for mode in AGGREGATIONS:
+        assert aggregate(x, torch.zeros(3, 3), mode).item() == 0.0
+    with pytest.raises(ValueError):
+        aggregate(x, mask, "mean")
+
+
+def test_aggregate_ignores_inf_and_nan_outside_the_mask():
+    x = t([[1.0, float("inf")], [float("nan"), 3.0]])
+    mask = torch.tensor([[True, False], [False, True]])
+    for mode in AGGREGATIONS:
+        assert torch.isfinite(aggregate(x, mask, mode))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 5), s=st.integers(1, 20), mode=st.sampled_from(AGGREGATIONS))
+def test_aggregate_matches_reference(seed, b, s, mode):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, s, generator=gen, dtype=F64)
+    mask = torch.rand(b, s, generator=gen) < 0.5
+    close(aggregate(x, mask, mode), ref.ref_aggregate(x, mask, mode))
+
+
+# --- PPO policy loss --------------------------------------------------------
+
+
+def test_ppo_policy_loss_by_hand():
+    # ratios 1.5 (A>0: clipped at 1.28), 0.5 (A>0: unclipped), 5 (A<0: dual clip 3),
+    # 0.7 (A<0: clipped at 0.8), and a masked-out token.
+    ratio = t([[1.5, 0.5, 5.0, 0.7, 2.0]])
+    adv = t([[1.0, 2.0, -1.0, -2.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    old = torch.zeros(1, 5, dtype=F64)
+    new = ratio.log().requires_grad_()
+    loss, stats = ppo_policy_loss(new, old, adv, mask)
+    per_token = [-1.28, -1.0, 3.0, 1.6]
+    close(loss, sum(per_token) / 4)
+    close(stats.clip_frac, 2 / 4)  # tokens 0 and 3 take the clipped term
+    close(stats.dual_clip_frac, 1 / 4)
+    loss.backward()
+    # clipped and dual-clipped tokens carry no gradient; the others -A * r / n
+    close(new.grad, t([[0.0, -2.0 * 0.5 / 4, 0.0, 0.0, 0.0]]))
+
+
+def test_ppo_dual_clip_can_be_disabled_and_is_validated():
+    new, old = t([[math.log(5.0)]]), t([[0.0]])
+    adv, mask = t([[-1.0]]), torch.ones(1, 1)
+    close(ppo_policy_loss(new, old, adv, mask, dual_clip=None)[0], 5.0)
+    with pytest.raises(ValueError):
+        ppo_policy_loss(new, old, adv, mask, dual_clip=1.0)
+
+
+def test_ppo_approx_kl_is_zero_on_policy_and_positive_off_policy():
+    gen = torch.Generator().manual_seed(0)
+    lp = torch.randn(4, 8, generator=gen, dtype=F64)
+    mask = torch.ones(4, 8)
+    _, stats = ppo_policy_loss(lp, lp.clone(), torch.randn(4, 8, generator=gen, dtype=F64), mask)
+    close(stats.approx_kl, 0.0)
+    close(stats.clip_frac, 0.0)
+    _, stats = ppo_policy_loss(lp + 0.1 * torch.randn(4, 8, generator=gen, dtype=F64), lp, lp, mask)
+    assert stats.approx_kl > 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 4),
+    s=st.integers(1, 16),
+    dual=st.sampled_from([None, 3.0]),
+    mode=st.sampled_from(AGGREGATIONS),
+)
+def test_ppo_policy_loss_matches_reference(seed, b, s, dual, mode):
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, s, generator=gen, dtype=F64) * 3
+    new = old + torch.randn(b, s, generator=gen, dtype=F64) * 0.5
+    adv = torch.randn(b, s, generator=gen, dtype=F64)
+    mask = torch.rand(b, s, generator=gen) < 0.7
+    loss, _ = ppo_policy_loss(new, old, adv, mask, 0.2, 0.28, dual, mode)
+    per_token = torch.tensor(
+        [
+            [ref.ref_ppo_token_loss(n, o, a, 0.2, 0.28, dual) for n, o, a in zip(nr, orow, ar)]
+            for nr, orow, ar in zip(new.tolist(), old.tolist(), adv.tolist())
+        ],
+        dtype=F64,
+    )
+    close(loss, ref.ref_aggregate(per_token, mask, mode))
+
+
+# --- value loss -------------------------------------------------------------
+
+
+def test_value_loss_by_hand():
+    values = t([[1.0, 0.0, 2.0]]).requires_grad_()
+    old = t([[0.0, 0.0, 0.0]])
+    returns = t([[0.0, 1.0, 2.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    # token 0: moved 1.0 from old (clip 0.5 -> 0.5): errors 1 vs 0.25 -> 1 (unclipped wins)
+    # token 1: no move: error 1 both ways
+    loss, stats = value_loss(values, old, returns, mask, clip=0.5)
+    close(loss, 0.5 * (1.0 + 1.0) / 2)
+    close(stats.clip_frac, 0.0)
+    close(stats.error, 1.0)
+    # returns behind the old value: the clipped prediction is the worse one
+    loss, stats = value_loss(t([[1.0]]), t([[0.0]]), t([[3.0]]), torch.ones(1, 1), clip=0.5)
+    close(loss, 0.5 * 2.5**2)
+    close(stats.clip_frac, 1.0)
+    loss, _ = value_loss(t([[1.0]]), t([[0.0]]), t([[3.0]]), torch.ones(1, 1), clip=None)
+    close(loss, 0.5 * 2.0**2)
+
+
+# --- KL ---------------------------------------------------------------------
+
+
+def test_kl_penalty_matches_reference_and_properties():
+    gen = torch.Generator().manual_seed(1)
+    lp = torch.randn(3, 7, generator=gen, dtype=F64)
+    rp = torch.randn(3, 7, generator=gen, dtype=F64)
+    lp[0, 0], rp[0, 0] = 0.0, -50.0  # extreme: clamped
+    for kind in ("k1", "k2", "k3"):
+        got = kl_penalty(lp, rp, kind)
+        want = torch.tensor([[ref.ref_kl(a, b, kind) for a, b in zip(ra, rb)] for ra, rb in zip(lp.tolist(), rp.tolist())], dtype=F64)
+        close(got, want)
+        close(kl_penalty(lp, lp, kind), torch.zeros_like(lp))
+    assert (kl_penalty(lp, rp, "k3") >= 0).all()
+    close(kl_penalty(t([[0.0]]), t([[math.log(2.0)]]), "k3"), 2.0 - math.log(2.0) - 1.0)
+    with pytest.raises(ValueError):
+        kl_penalty(lp, rp, "k4")
+
+
+def test_kl_in_reward():
+    rewards = t([[0.0, 1.0, 0.0]])
+    kl = t([[0.5, 0.2, 9.0]]).requires_grad_()
+    out = kl_in_reward(rewards, kl, 0.1, torch.tensor([[1, 1, 0]]))
+    close(out, t([[-0.05, 0.98, 0.0]]))
+    assert not out.requires_grad
+
+
+# --- entropy ----------------------------------------------------------------
+
+
+def test_entropy_matches_reference_and_known_values():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 3, 11, generator=gen, dtype=F64) * 3
+    got = entropy_from_logits(logits)
+    assert got.shape == (2, 3) and got.dtype == torch.float32
+    want = torch.tensor([[ref.ref_entropy(row) for row in seq] for seq in logits.tolist()], dtype=F64)
+    close(got, want, tol=1e-5)
+    close(entropy_from_logits(torch.zeros(1, 1, 50)), math.log(50), tol=1e-6)
+    peaked = torch.tensor([[[0.0, -float("inf"), -float("inf")]]])
+    close(entropy_from_logits(peaked), 0.0)
+
+
+def test_entropy_chunking_and_gradient():
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 5, 17, generator=gen, dtype=F64) * 2).requires_grad_()
+    weights = torch.randn(3, 5, generator=gen, dtype=F64)
+    naive = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    (naive * weights).sum().backward()
+    expected_grad = logits.grad.clone()
+    logits.grad = None
+    for chunk_elements in (17, 3 * 17, 1 << 24):  # one row, three rows, everything at once
+        got = entropy_from_logits(logits, chunk_elements)
+        close(got, naive, tol=1e-5)
+        (got * weights.float()).sum().backward()
+        close(logits.grad, expected_grad, tol=1e-5)
+        logits.grad = None
+
+
+def test_entropy_bf16_and_bonus():
+    logits = torch.randn(2, 4, 32).bfloat16().requires_grad_()
+    h = entropy_from_logits(logits)
+    h.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    close(entropy_bonus(h.detach(), mask, "seq-mean-token-mean"), aggregate(h.detach(), mask, "seq-mean-token-mean"))
