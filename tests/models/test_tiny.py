@@ -1,0 +1,284 @@
+"""The built-in tokenizer, chat templates and small Qwen2 models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+
+from turnrl.models import (
+    PRESETS,
+    TEMPLATES,
+    build_model,
+    build_tokenizer,
+    count_parameters,
+    model_preset,
+    preset_config,
+    template_spec,
+    tiny_qwen2_config,
+)
+from turnrl.models.tiny import RECIPE_FILE, texts_digest
+
+GRIDS = ["#####\n#_OX#\n#_P_#\n#####", "____\n_O_G\n__P_\n√_X_", "P: player, X: box, O: target, √: box on target"]
+CHAT = [
+    "You are solving a Sokoban puzzle. Push every box onto a target.",
+    "<think>The box is left of me, so I push left.</think><answer>Left || Up</answer>",
+    "Target 24, nums [3, 8, 1, 6]. Answer with an equation.",
+    "Invalid action. Valid actions are Up, Down, Left, Right.",
+]
+CORPUS = [f"Turn {i}. {c}\n{g}" for i in range(12) for c in CHAT for g in GRIDS]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    return {name: build_tokenizer(CORPUS, vocab_size=512, template=name) for name in TEMPLATES}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "tiny-chatml"
+    return build_model(path, CORPUS, preset="tiny", template="chatml", seed=0)
+
+
+# -- tokenizer ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_tokenizer_attributes(tokenizers, name):
+    tok, spec = tokenizers[name], template_spec(name)
+    assert len(tok) <= 512
+    assert tok.eos_token == spec.end_of_turn
+    assert tok.pad_token == spec.end_of_text
+    assert tok.bos_token == spec.bos
+    assert tok.padding_side == "left"
+    assert tok.chat_template == spec.chat_template
+    # Control tokens take the last ids, after every BPE token.
+    control = [tok.convert_tokens_to_ids(t) for t in spec.special_tokens + spec.added_tokens]
+    assert sorted(control) == list(range(len(tok) - len(control), len(tok)))
+
+
+text_with_controls = st.lists(
+    st.one_of(st.text(), st.sampled_from(sorted({t for s in TEMPLATES.values() for t in s.special_tokens}))),
+    max_size=6,
+).map("".join)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+@settings(max_examples=150, deadline=None)
+@given(text=st.one_of(st.text(), text_with_controls))
+def test_round_trip_any_text(tokenizers, name, text):
+    tok = tokenizers[name]
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_text_is_not_normalized(tokenizers):
+    tok = tokenizers["chatml"]
+    # NFKC would fold the full-width letter and the ligature; lowercasing, the case.
+    assert tok.backend_tokenizer.normalizer is None
+    for text in ["Ｆﬁle ÅNGSTRÖM", "  two  spaces\t\r\n", "√ on █ ░", "e\u0301 vs \u00e9"]:
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_control_tokens_are_atomic(tokenizers, name):
+    tok, spec = tokenizers[name], template_spec(name)
+    for token in spec.special_tokens + spec.added_tokens:
+        token_id = tok.convert_tokens_to_ids(token)
+        assert tok.encode(token, add_special_tokens=False) == [token_id]
+        ids = tok.encode(f"abc{token}def", add_special_tokens=False)
+        assert ids.count(token_id) == 1
+        assert tok.decode(ids) == f"abc{token}def"
+    # Special tokens are dropped by skip_special_tokens; plain added tokens (<think>) are text.
+    text = f"{spec.end_of_turn}<think>x</think>"
+    assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) == "<think>x</think>"
+
+
+def test_llama3_bos_only_once(tokenizers):
+    tok = tokenizers["llama3"]
+    bos = tok.bos_token_id
+    assert tok("hello")["input_ids"][0] == bos  # a plain encode adds BOS, as Llama-3 tokenizers do
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False)
+    assert ids.count(bos) == 1  # the template writes it; apply_chat_template must not add a second one
+
+
+def test_tokenizer_is_deterministic():
+    a = build_tokenizer(CORPUS, vocab_size=400, template="qwen3")
+    b = build_tokenizer(list(reversed(CORPUS)), vocab_size=400, template="qwen3")
+    assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
+    c = build_tokenizer(CORPUS + ["something else entirely"], vocab_size=400, template="qwen3")
+    assert c.backend_tokenizer.to_str() != a.backend_tokenizer.to_str()
+
+
+def test_vocab_size_too_small():
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_tokenizer(CORPUS, vocab_size=100)
+
+
+# -- chat templates ----------------------------------------------------------------
+
+VISION_CHAT = [
+    {"role": "system", "content": "You play Sokoban."},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where is the box?"}]},
+    {"role": "assistant", "content": "Left"},
+    {"role": "user", "content": "Done?"},
+]
+
+
+def render(tok, messages, gen, **kwargs):
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **kwargs)
+
+
+def test_chatml_render(tokenizers):
+    tok = tokenizers["chatml"]
+    assert render(tok, VISION_CHAT, True) == (
+        "<|im_start|>system\nYou play Sokoban.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Where is the box?<|im_end|>\n"
+        "<|im_start|>assistant\nLeft<|im_end|>\n"
+        "<|im_start|>user\nDone?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    # No system message: the default one, as Qwen2.5 does.
+    assert render(tok, [{"role": "user", "content": "Hi"}], False) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    )
+
+
+def test_qwen3_render(tokenizers):
+    tok = tokenizers["qwen3"]
+    chat = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": "<think>\nr1\n</think>\n\nA1"},
+        {"role": "user", "content": [{"type": "text", "text": "U2 "}, {"type": "image_url", "image_url": {}}]},
+        {"role": "assistant", "content": "<think>\nr2\n</think>\n\nA2"},
+    ]
+    # Reasoning before the last user query is stripped; after it, kept.
+    assert render(tok, chat, False) == (
+        "<|im_start|>system\nS<|im_end|>\n"
+        "<|im_start|>user\nU1<|im_end|>\n"
+        "<|im_start|>assistant\nA1<|im_end|>\n"
+        "<|im_start|>user\nU2 <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nr2\n</think>\n\nA2<|im_end|>\n"
+    )
+    # No default system message; the last assistant turn after the query gets a think block even when empty.
+    assert render(tok, [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}], False) == (
+        "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>\n"
+    )
+    user = [{"role": "user", "content": "U"}]
+    assert render(tok, user, True) == "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    assert render(tok, user, True, enable_thinking=False) == (
+        "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+
+
+def test_llama3_render(tokenizers):
+    tok = tokenizers["llama3"]
+    chat = [
+        {"role": "system", "content": "  S \n"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "U"}]},
+        {"role": "assistant", "content": "A"},
+    ]
+    assert render(tok, chat, True) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\n<|image|>U<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_unknown_content_part_is_an_error(tokenizers, name):
+    with pytest.raises(Exception, match="Unsupported content part type: audio"):
+        render(tokenizers[name], [{"role": "user", "content": [{"type": "audio"}]}], True)
+
+
+# -- models ---------------------------------------------------------------------------
+
+
+def test_presets_and_parameter_counts():
+    assert set(PRESETS) == {"tiny", "small", "base"}
+    assert count_parameters("tiny") < 200_000
+    assert 2_000_000 < count_parameters("small") < 6_000_000
+    assert 50_000_000 < count_parameters("base") < 100_000_000
+    tok = build_tokenizer(CORPUS, vocab_size=512)
+    for name in PRESETS:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(preset_config(name, tok))
+        assert sum(p.numel() for p in model.parameters()) == count_parameters(name, len(tok))
+    with pytest.raises(ValueError, match="unknown model preset"):
+        model_preset("huge")
+
+
+def test_config_takes_ids_from_tokenizer(tokenizers):
+    tok = tokenizers["llama3"]
+    cfg = tiny_qwen2_config(len(tok), tokenizer=tok)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
+    assert cfg.model_type == "qwen2" and cfg.hidden_size == 128 and cfg.num_hidden_layers == 4
+
+
+def test_build_forward_generate(built):
+    model = AutoModelForCausalLM.from_pretrained(built)
+    tok = AutoTokenizer.from_pretrained(built)
+    assert isinstance(model, Qwen2ForCausalLM)
+    assert model.config.vocab_size >= len(tok) and model.config.vocab_size % 64 == 0
+    assert model.config.eos_token_id == tok.eos_token_id
+    assert tok.eos_token_id in model.generation_config.eos_token_id
+    batch = tok.apply_chat_template(
+        [[{"role": "user", "content": "Where is the box?"}], [{"role": "user", "content": "Hi"}]],
+        add_generation_prompt=True,
+        padding=True,
+        return_tensors="pt",
+    )
+    assert (batch["attention_mask"][:, -1] == 1).all()  # left padding
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (2, batch["input_ids"].shape[1], model.config.vocab_size)
+    torch.manual_seed(0)
+    out = model.generate(**batch, max_new_tokens=6, do_sample=True, pad_token_id=tok.pad_token_id)
+    assert out.shape[0] == 2 and out.shape[1] <= batch["input_ids"].shape[1] + 6
+    info = json.loads((built / RECIPE_FILE).read_text())
+    assert info["recipe"]["texts_digest"] == texts_digest(CORPUS)
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+def test_save_load_identical_logits(built, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(built)
+    ids = torch.tensor([[1, 2, 3, 50, 60, 70]])
+    model.save_pretrained(tmp_path / "copy")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+def test_build_is_deterministic_and_cached(built, tmp_path):
+    same = build_model(tmp_path / "same", CORPUS, preset="tiny", template="chatml", seed=0)
+    other_seed = build_model(tmp_path / "seed1", CORPUS, preset="tiny", template="chatml", seed=1)
+    a, b, c = (AutoModelForCausalLM.from_pretrained(p).state_dict() for p in (built, same, other_seed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    assert (built / "tokenizer.json").read_text() == (same / "tokenizer.json").read_text()
+
+    # Same recipe, same directory: reused without writing anything.
+    weights = same / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert build_model(tmp_path / "same", list(reversed(CORPUS)), preset="tiny", template="chatml") == same
+    assert weights.stat().st_mtime_ns == stamp
+    # Another recipe in the same directory replaces the old build.
+    build_model(tmp_path / "same", CORPUS, preset="tiny", template="llama3")
+    assert AutoTokenizer.from_pretrained(same).eos_token == "<|eot_id|>"
+
+
+def test_build_never_overwrites_foreign_directory(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        build_model(tmp_path / "mine", CORPUS, preset="tiny")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"

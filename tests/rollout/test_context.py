@@ -1,0 +1,416 @@
+"""Token-exact multi-turn contexts: the incremental stream against full renders."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from turnrl.models import TEMPLATES, build_tokenizer
+from turnrl.rollout.context import (
+    HEAD_TURN,
+    ChatTemplateDeltas,
+    EpisodeTokens,
+    TemplateDeltaError,
+    expand_placeholders,
+)
+
+CORPUS = [
+    f"Turn {i}. {c}"
+    for i in range(10)
+    for c in (
+        "You are playing Sokoban. Move the player P to push box X onto target O.\n#####\n#_OX#\n#_P_#\n#####",
+        "<think>The box is left of me, so I push left.</think><answer>Left || Up</answer>",
+        "Reward: -0.1. The player moved. Current observation follows.",
+        "Target 24, nums [3, 8, 1, 6]. Answer with an equation like (8 - 6) * 12.",
+        "FrozenLake: avoid the holes O and reach the goal G.",
+    )
+]
+NAMES = sorted(TEMPLATES)
+
+
+@pytest.fixture(scope="module")
+def toks():
+    return {name: build_tokenizer(CORPUS, vocab_size=512, template=name) for name in NAMES}
+
+
+def encode(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def full_render_ids(tok, messages, gen=True, **kwargs):
+    return tok.apply_chat_template(messages, add_generation_prompt=gen, return_dict=False, **kwargs)
+
+
+def continued_render_ids(tok, messages):
+    """Full render of ``messages`` plus one more user message: a chat that ends with a closed answer is a prefix."""
+    return full_render_ids(tok, [*messages, {"role": "user", "content": "next"}])
+
+
+def sampled(tok, text):
+    """What a sampler returns for ``text``: its canonical ids, then the end-of-turn token."""
+    return encode(tok, text) + [tok.eos_token_id]
+
+
+def play(tok, system, users, answers, *, window=None, responses=None):
+    """Run an episode: users[0], then (answer, user) pairs. Returns the EpisodeTokens."""
+    ep = EpisodeTokens(tok, max_context_window=window)
+    ep.start(system, users[0])
+    for t, answer in enumerate(answers):
+        ids = responses[t] if responses is not None else sampled(tok, answer)
+        ep.add_response(ids, [-0.5 - t] * len(ids))
+        if t + 1 < len(users):
+            ep.add_observation(users[t + 1])
+    return ep
+
+
+def messages(system, users, answers):
+    out = [] if system is None else [{"role": "system", "content": system}]
+    for t, user in enumerate(users):
+        out.append({"role": "user", "content": user})
+        if t < len(answers):
+            out.append({"role": "assistant", "content": answers[t]})
+    return out
+
+
+SYSTEM = "You are playing Sokoban."
+USERS = ["#####\n#_OX#\n#_P_#\n#####\nYour move?", "Reward: -0.1. #_X_#", "Reward: 1.0. Solved?"]
+ANSWERS = ["<answer>Left</answer>", "Up || Left"]
+
+
+# -- pieces of the templates ------------------------------------------------------
+
+
+def test_pieces(toks):
+    chatml, qwen3, llama3 = (ChatTemplateDeltas(toks[n]) for n in ("chatml", "qwen3", "llama3"))
+    tok = toks["chatml"]
+    assert chatml.response_closing() == [tok.convert_tokens_to_ids("<|im_end|>"), *encode(tok, "\n")]
+    assert tok.decode(chatml.observation("hi")) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert [m["role"] for m in chatml.observation_base] == ["user", "assistant"]
+    # Qwen3 renders the last assistant turn with a think block: a base ending with a user message is used.
+    assert [m["role"] for m in qwen3.observation_base] == ["system", "user"]
+    assert toks["llama3"].decode(llama3.response_closing()) == "<|eot_id|>"
+    assert toks["llama3"].decode(llama3.head(None, "u")) == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nu<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert ChatTemplateDeltas.for_tokenizer(tok) is ChatTemplateDeltas.for_tokenizer(tok)
+    assert ChatTemplateDeltas.for_tokenizer(toks["qwen3"], enable_thinking=False) is not (
+        ChatTemplateDeltas.for_tokenizer(toks["qwen3"])
+    )
+
+
+# -- incremental stream == full render ------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("system", [SYSTEM, None])
+def test_stream_equals_full_render(toks, name, system):
+    tok = toks[name]
+    ep = play(tok, system, USERS, ANSWERS)
+    expected = full_render_ids(tok, messages(system, USERS, ANSWERS))
+    assert ep.prompt() == expected
+    assert len(ep) == len(expected)
+
+    s = ep.stream()
+    assert s.input_ids == expected
+    assert len(s.loss_mask) == len(s.turn_index) == len(s.logprobs) == len(expected)
+    # loss_mask is 1 exactly on the sampled ids, which carry their logprobs.
+    responses = [sampled(tok, a) for a in ANSWERS]
+    assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == responses[0] + responses[1]
+    assert [lp for lp, m in zip(s.logprobs, s.loss_mask) if m] == [-0.5] * len(responses[0]) + [-1.5] * len(
+        responses[1]
+    )
+    assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask) if not m)
+    # Each turn ends on its sampled end-of-turn token.
+    assert len(s.turn_end_positions) == 2
+    for t, pos in enumerate(s.turn_end_positions):
+        assert s.input_ids[pos] == tok.eos_token_id and s.loss_mask[pos] == 1 and s.turn_index[pos] == t
+        assert pos + 1 == len(s.input_ids) or s.loss_mask[pos + 1] == 0
+    # Turn indices: head, then turn 0, then the tokens of turns 1 and 2 in order.
+    head_len = len(ChatTemplateDeltas.for_tokenizer(tok).head(system, USERS[0]))
+    assert s.turn_index[:head_len] == [HEAD_TURN] * head_len
+    assert s.turn_index[head_len:] == sorted(s.turn_index[head_len:])
+    assert set(s.turn_index) == {HEAD_TURN, 0, 1, 2}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_per_turn_prompts_are_full_renders_of_the_prefix(toks, name):
+    tok = toks[name]
+    ep = play(tok, SYSTEM, USERS, ANSWERS + ["Down"])
+    samples = ep.turn_samples()
+    assert [x.turn for x in samples] == [0, 1, 2]
+    for t, x in enumerate(samples):
+        assert x.prompt_ids == full_render_ids(tok, messages(SYSTEM, USERS[: t + 1], ANSWERS[:t]))
+        assert x.response_ids == sampled(tok, (ANSWERS + ["Down"])[t]) and x.stopped
+        assert ep.turns[t].prompt_length == len(x.prompt_ids)
+    # The episode ended on a response: the stream closes it and adds nothing after. (Compared
+    # with a continued chat because Qwen3 renders a final assistant message differently.)
+    stream = ep.stream().input_ids
+    assert continued_render_ids(tok, messages(SYSTEM, USERS, ANSWERS + ["Down"]))[: len(stream)] == stream
+
+
+def test_qwen3_keeps_sampled_reasoning(toks):
+    """A re-render strips earlier reasoning; the stream keeps what was sampled.
+
+    Keeping it is right: when the model produced turn 2 its context held its
+    own reasoning from turns 0 and 1, so those are the tokens its later
+    actions were conditioned on (and the logprobs were computed against).
+    Training on the stripped re-render would score the later responses under
+    a context the model never saw.
+    """
+    tok = toks["qwen3"]
+    thoughts = ["<think>\nThe box is left.\n</think>\n\n", "<think>\nNow go up.\n</think>\n\n"]
+    answers = [thoughts[0] + "<answer>Left</answer>", thoughts[1] + "<answer>Up</answer>"]
+    ep = play(tok, SYSTEM, USERS, answers)
+    stream = ep.stream().input_ids
+    rerender = full_render_ids(tok, messages(SYSTEM, USERS, answers))
+    assert stream != rerender
+    # Removing exactly the sampled think blocks from the stream gives the re-render.
+    stripped = list(stream)
+    for thought in thoughts:
+        span = encode(tok, thought)
+        start = next(i for i in range(len(stripped)) if stripped[i : i + len(span)] == span)
+        del stripped[start : start + len(span)]
+    assert stripped == rerender
+    # The response tokens in the stream are the sampled ones, reasoning included.
+    s = ep.stream()
+    assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == sampled(tok, answers[0]) + sampled(tok, answers[1])
+
+
+def test_qwen3_thinking_disabled(toks):
+    tok = toks["qwen3"]
+    deltas = ChatTemplateDeltas.for_tokenizer(tok, enable_thinking=False)
+    ep = EpisodeTokens(deltas)
+    ep.start(SYSTEM, USERS[0])
+    assert tok.decode(ep.prompt()).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    ep.add_response(sampled(tok, "Left"))
+    ep.add_observation(USERS[1])
+    assert tok.decode(ep.prompt()).endswith(
+        "Left<|im_end|>\n<|im_start|>user\nReward: -0.1. #_X_#<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+
+
+# -- closing -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_closing_after_stop_and_after_cut(toks, name):
+    tok = toks[name]
+    deltas = ChatTemplateDeltas.for_tokenizer(tok)
+    closing = deltas.response_closing()
+    assert closing[0] == tok.eos_token_id
+
+    stopped_ids = sampled(tok, "Left")
+    cut_ids = encode(tok, "Left and then")  # max tokens reached: no end-of-turn token
+    assert deltas.close(stopped_ids) == (closing[1:], True)
+    assert deltas.close(cut_ids) == (closing, False)
+
+    ep = play(tok, SYSTEM, USERS, ["Left", "x"], responses=[stopped_ids, cut_ids])
+    s = ep.stream()
+    for t, ids in enumerate([stopped_ids, cut_ids]):
+        end = s.turn_end_positions[t]
+        appended = closing[1:] if t == 0 else closing
+        assert s.input_ids[end - len(ids) + 1 : end + 1] == ids
+        assert s.input_ids[end + 1 : end + 1 + len(appended)] == appended
+        assert s.loss_mask[end + 1 : end + 1 + len(appended)] == [0] * len(appended)
+        assert s.turn_index[end + 1 : end + 1 + len(appended)] == [t] * len(appended)
+    assert [t.stopped for t in ep.turns[:2]] == [True, False]
+    # A cut response still yields a well-formed chat: the same as the full render of its text.
+    expected = full_render_ids(tok, messages(SYSTEM, USERS, ["Left", "Left and then"]))
+    assert s.input_ids == expected
+
+
+def test_other_stop_id_counts_as_stopped(toks):
+    tok = toks["chatml"]
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    deltas = ChatTemplateDeltas(tok, stop_ids=[tok.eos_token_id, eot])
+    closing, stopped = deltas.close(encode(tok, "Left") + [eot])
+    assert stopped and closing == deltas.response_closing()
+
+
+# -- token exactness -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_non_canonical_ids_survive(toks, name):
+    tok = toks[name]
+    word = "Sokoban"
+    canonical = encode(tok, word)
+    split = encode(tok, word[:3]) + encode(tok, word[3:])
+    assert split != canonical and tok.decode(split) == tok.decode(canonical)
+    response = split + [tok.eos_token_id]
+    ep = play(tok, SYSTEM, USERS, [word, "Up"], responses=[response, sampled(tok, "Up")])
+    s = ep.stream()
+    end = s.turn_end_positions[0]
+    assert s.input_ids[end - len(response) + 1 : end + 1] == response
+    # Same text as the re-render, other tokens: a re-tokenizing pipeline would train on ids never sampled.
+    rerender = full_render_ids(tok, messages(SYSTEM, USERS, [word, "Up"]))
+    assert tok.decode(s.input_ids) == tok.decode(rerender)
+    assert s.input_ids != rerender
+
+
+# -- windows -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_window_prompt_is_full_render_of_last_turns(toks, name, window):
+    tok = toks[name]
+    users = [f"Observation {t}: #_P_#" for t in range(5)]
+    answers = [f"Move {t}: Left" for t in range(4)]
+    ep = EpisodeTokens(tok, max_context_window=window)
+    ep.start(SYSTEM, users[0])
+    for t in range(5):
+        s = max(0, t - window + 1)
+        expected = full_render_ids(tok, messages(SYSTEM, users[s : t + 1], answers[s:t]))
+        assert ep.prompt() == expected and len(ep) == len(expected)
+        if t == 4:
+            break
+        ep.add_response(sampled(tok, answers[t]))
+        ep.add_observation(users[t + 1])
+    starts = [max(0, t - window + 1) for t in range(4)]
+    assert [x.prompt_ids for x in ep.turn_samples()] == [
+        full_render_ids(tok, messages(SYSTEM, users[s : t + 1], answers[s:t])) for t, s in enumerate(starts)
+    ]
+    assert ep.window_cut == (window < 5)
+    if ep.window_cut:
+        with pytest.raises(RuntimeError, match="window"):
+            ep.stream()
+
+
+def test_window_that_never_cuts_allows_stream(toks):
+    tok = toks["chatml"]
+    ep = play(tok, SYSTEM, USERS, ANSWERS, window=3)
+    assert not ep.window_cut
+    assert ep.stream().input_ids == full_render_ids(tok, messages(SYSTEM, USERS, ANSWERS))
+
+
+# -- images ------------------------------------------------------------------------
+
+
+def test_image_placeholders_expand(toks):
+    tok = toks["chatml"]
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    image_msg = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where?"}]}
+    ep = EpisodeTokens(tok, max_context_window=1, image_token="<|image_pad|>")
+    ep.start(SYSTEM, image_msg, image_token_counts=[4])
+    assert ep.prompt().count(pad) == 4
+    ep.add_response(sampled(tok, "Left"))
+    ep.add_observation(image_msg, image_token_counts=[6])
+    assert ep.prompt().count(pad) == 6  # the window dropped turn 0 and its image; the new head is expanded
+    assert expand_placeholders([1, pad, 2, pad], pad, [2, 0]) == [1, pad, pad, 2]
+    with pytest.raises(ValueError, match="placeholders"):
+        expand_placeholders([1, pad], pad, [1, 1])
+
+
+# -- misuse and unsupported templates -----------------------------------------------------
+
+
+def test_misuse_is_loud(toks):
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok)
+    with pytest.raises(RuntimeError, match="start"):
+        ep.prompt()
+    ep.start(None, "hi")
+    with pytest.raises(RuntimeError, match="no response"):
+        ep.add_observation("again")
+    with pytest.raises(ValueError, match="at least one"):
+        ep.add_response([])
+    with pytest.raises(ValueError, match="logprobs"):
+        ep.add_response([1, 2], [0.0])
+    ep.add_response(sampled(tok, "ok"))
+    with pytest.raises(RuntimeError, match="already"):
+        ep.add_response(sampled(tok, "ok"))
+    with pytest.raises(RuntimeError, match="awaits"):
+        ep.prompt()
+
+
+def test_template_that_cannot_be_incremental(toks):
+    tok = toks["chatml"]
+    # Renders the number of messages first: no rendering is a prefix of a longer one.
+    counting = "{{ messages|length }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(TemplateDeltaError, match="cannot be rendered incrementally"):
+        ChatTemplateDeltas(tok, chat_template=counting)
+    # The last user message is marked: the head is not how the template renders that message later.
+    marked = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{{ ' (your turn)' if loop.last and m.role == 'user' else '' }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    with pytest.raises(TemplateDeltaError, match="differs from a full render"):
+        ChatTemplateDeltas(tok, chat_template=marked)
+    assert ChatTemplateDeltas(tok, chat_template=marked, verify=False).response_closing() == encode(tok, "\n")
+
+
+def test_template_whose_rerender_differs_only_in_the_past_answer(toks):
+    tok = toks["chatml"]
+    # The generation prompt is "assistant:" but a past answer renders as "assistant: <content>": the
+    # pieces are right, a re-render just differs from what was sampled, as with Qwen3's reasoning.
+    spaced = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    deltas = ChatTemplateDeltas(tok, chat_template=spaced)
+    assert deltas.matches_full_render is False
+    assert deltas.response_closing() == encode(tok, "\n")
+    assert ChatTemplateDeltas.for_tokenizer(tok).matches_full_render is True
+    assert ChatTemplateDeltas.for_tokenizer(toks["qwen3"], enable_thinking=False).matches_full_render is False
+
+
+def test_closing_is_taken_from_a_past_answer(toks):
+    tok = toks["chatml"]
+    # The final assistant message of a chat ends with <|endoftext|>, past ones with <|im_end|>\n.
+    ends_differently = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% if m.role == 'assistant' and loop.last %}<|endoftext|>{% else %}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    deltas = ChatTemplateDeltas(tok, chat_template=ends_differently)
+    assert tok.decode(deltas.response_closing()) == "<|im_end|>\n"
+    assert deltas.matches_full_render
+
+
+# -- random conversations --------------------------------------------------------------
+
+# Any text for user messages. Assistant texts: any text that does not start
+# with whitespace (a leading newline would merge with the generation prompt's
+# "\n" in a re-render, so the sampled ids and the re-render legitimately differ),
+# without surrounding whitespace for Llama-3 (its template trims contents, a
+# re-render would drop what was sampled) and without think tags (Qwen3 strips them).
+user_text = st.text(max_size=40)
+answer_text = st.text(min_size=1, max_size=40).map(str.strip).filter(
+    lambda s: s != "" and "<think>" not in s and "</think>" not in s
+)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    system=st.one_of(st.none(), user_text),
+    users=st.lists(user_text, min_size=1, max_size=4),
+    answers=st.lists(answer_text, min_size=4, max_size=4),
+    end_with_response=st.booleans(),
+)
+def test_random_conversations(toks, name, system, users, answers, end_with_response):
+    tok = toks[name]
+    deltas = ChatTemplateDeltas.for_tokenizer(tok)
+    answers = answers[: len(users) - (0 if end_with_response else 1)]
+    chat = messages(system, users, answers)
+
+    # String level: each user message and each closed answer extends the previous rendering.
+    for n in range(1, len(users)):
+        before = messages(system, users[:n], answers[:n])
+        after = messages(system, users[: n + 1], answers[:n])
+        before_text = tok.apply_chat_template(before[:-1], tokenize=False, add_generation_prompt=True)
+        after_text = tok.apply_chat_template(after, tokenize=False, add_generation_prompt=True)
+        closed = before_text + answers[n - 1] + tok.decode(deltas.response_closing())
+        assert after_text.startswith(closed)
+        assert after_text[len(closed) :] == tok.decode(deltas.observation(users[n]))
+
+    # Token level: the incremental stream is the tokenized full render.
+    stream = play(tok, system, users, answers).stream().input_ids
+    if end_with_response:
+        assert continued_render_ids(tok, chat)[: len(stream)] == stream
+    else:
+        assert stream == full_render_ids(tok, chat)

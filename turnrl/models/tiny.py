@@ -1,0 +1,446 @@
+"""A small model of a real architecture, with a tokenizer built here.
+
+No weights can be downloaded on the machines turnrl targets, yet every code
+path should be the real one: ``transformers`` models and tokenizers loaded by
+path. This module makes such a pair from scratch:
+
+- :func:`build_tokenizer` trains a byte-level BPE tokenizer on the texts the
+  environments produce (instructions, observations, format examples), adds the
+  control tokens of a chat template family (Qwen ChatML, Qwen3, Llama-3) and
+  wraps it as a ``transformers`` fast tokenizer with that chat template.
+- :func:`tiny_qwen2_config` / :func:`model_preset` describe a ``Qwen2`` model
+  (a real architecture: GQA attention, RoPE, SwiGLU, RMSNorm).
+- :func:`build_model` puts both in a directory with ``save_pretrained``; it
+  loads back with plain ``AutoModelForCausalLM.from_pretrained(path)`` and
+  ``AutoTokenizer.from_pretrained(path)``, like any downloaded checkpoint.
+  A build is cached: the same recipe in the same directory is reused.
+
+Tokenizer choices, and why:
+
+- Byte-level BPE: every string encodes (unknown characters fall back to
+  bytes) and ``decode(encode(s)) == s`` for any ``s``.
+- No normalizer and a pre-tokenizer that only splits: the text the model sees
+  is exactly the text the env wrote (no lowercasing, no NFKC folding of the
+  grid symbols).
+- Digits split one by one, as Qwen and Llama-3 do, so arithmetic envs
+  (Countdown) see numbers digit by digit.
+- Control tokens are added tokens, so they stay atomic inside any text, and
+  they get the last ids (after the BPE vocabulary), like the real families;
+  nothing may assume where they sit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from turnrl.models.templates import DEFAULT_SYSTEM_MESSAGE, TemplateSpec, template_spec
+
+# Splits text into pieces before BPE: English contractions, words (with one
+# leading space or punctuation mark), single digits, punctuation runs,
+# newline runs and other whitespace. Every character belongs to some piece,
+# so splitting never drops or changes text.
+PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+"
+)
+
+# Always part of the training texts: the words every chat template writes, so
+# that role headers get a few merged tokens of their own.
+_TEMPLATE_TEXTS = ("system", "user", "assistant", DEFAULT_SYSTEM_MESSAGE)
+
+RECIPE_FILE = "turnrl_model.json"
+"""The JSON that :func:`build_model` writes next to the weights."""
+
+# Bump when the build procedure changes, so that cached builds are remade.
+_RECIPE_VERSION = 1
+
+
+def build_tokenizer(
+    texts: Iterable[str], vocab_size: int = 2048, template: str = "chatml"
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts`` for a chat template family.
+
+    Args:
+        texts: training corpus; the order does not matter (texts are sorted
+            first, so the same multiset of texts gives the same vocabulary).
+        vocab_size: upper bound on ``len(tokenizer)``, control tokens
+            included. A small corpus may yield fewer BPE merges.
+        template: ``"chatml"``, ``"qwen3"`` or ``"llama3"``.
+
+    Returns:
+        A fast tokenizer with the template's control tokens, ``eos_token`` =
+        the end-of-turn token, ``pad_token`` = the end-of-text token,
+        ``chat_template`` set and ``padding_side="left"``.
+    """
+    spec = template_spec(template)
+    n_control = len(spec.special_tokens) + len(spec.added_tokens)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + n_control:
+        raise ValueError(f"vocab_size={vocab_size} is below the {len(alphabet)} bytes + {n_control} control tokens")
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - n_control,
+        initial_alphabet=alphabet,
+        special_tokens=[],
+        show_progress=False,
+    )
+    corpus = sorted(texts) + list(_TEMPLATE_TEXTS)
+    backend.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
+    # Added after training so that they take the last ids, as in the real families.
+    backend.add_special_tokens([_control_token(t, special=True) for t in spec.special_tokens])
+    backend.add_tokens([_control_token(t, special=False) for t in spec.added_tokens])
+    return _wrap(backend, spec)
+
+
+def _control_token(content: str, *, special: bool) -> AddedToken:
+    # No stripping of neighbouring whitespace and no normalization: the token
+    # must match exactly its own text and nothing around it.
+    return AddedToken(content, special=special, normalized=False, lstrip=False, rstrip=False, single_word=False)
+
+
+def _wrap(backend: Tokenizer, spec: TemplateSpec) -> PreTrainedTokenizerFast:
+    named = {spec.end_of_turn, spec.end_of_text, spec.bos}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=spec.bos,
+        eos_token=spec.end_of_turn,
+        pad_token=spec.end_of_text,
+        extra_special_tokens=[t for t in spec.special_tokens if t not in named],
+        # Llama-3 tokenizers put <|begin_of_text|> in front of plain encodes;
+        # chat templates write it themselves and are encoded without it.
+        add_bos_token=spec.bos is not None,
+        chat_template=spec.chat_template,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Sizes of a built-in Qwen2 model."""
+
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Query heads; head_dim = hidden_size / num_heads."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    max_position_embeddings: int
+    """Longest context the model is configured for, in tokens."""
+    vocab_size: int
+    """Default tokenizer vocabulary size for :func:`build_model`."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and the output head (as small Qwen models do)."""
+
+
+PRESETS: dict[str, ModelPreset] = {
+    # Unit tests: a forward pass in milliseconds. About 0.13M parameters at vocab 512.
+    "tiny": ModelPreset(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=192,
+        max_position_embeddings=2048,
+        vocab_size=512,
+    ),
+    # The CPU quickstart: about 3.7M parameters at vocab 2048.
+    "small": ModelPreset(
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=768,
+        max_position_embeddings=4096,
+        vocab_size=2048,
+    ),
+    # GPU runs: about 82M parameters at vocab 8192.
+    "base": ModelPreset(
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        intermediate_size=2048,
+        max_position_embeddings=8192,
+        vocab_size=8192,
+    ),
+}
+
+
+def model_preset(name: str) -> ModelPreset:
+    """The :class:`ModelPreset` called ``name`` (``"tiny"``, ``"small"``, ``"base"``)."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+def tiny_qwen2_config(
+    vocab_size: int,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 384,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = True,
+    rope_theta: float = 10000.0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> Qwen2Config:
+    """A ``Qwen2Config`` for a small model.
+
+    ``vocab_size`` is the embedding size; it may exceed ``len(tokenizer)``
+    (rows no token maps to, as real checkpoints pad theirs). Token ids are
+    taken from ``tokenizer`` when given; explicit ``*_token_id`` arguments win.
+    """
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+    if tokenizer is not None:
+        bos_token_id = tokenizer.bos_token_id if bos_token_id is None else bos_token_id
+        eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+
+
+def preset_config(preset: str | ModelPreset, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
+    """The config of ``preset`` for ``tokenizer``; embeddings padded to a multiple of 64."""
+    p = model_preset(preset) if isinstance(preset, str) else preset
+    return tiny_qwen2_config(
+        _round_up(len(tokenizer), 64),
+        hidden_size=p.hidden_size,
+        num_layers=p.num_layers,
+        num_heads=p.num_heads,
+        num_kv_heads=p.num_kv_heads,
+        intermediate_size=p.intermediate_size,
+        max_position_embeddings=p.max_position_embeddings,
+        tie_word_embeddings=p.tie_word_embeddings,
+        tokenizer=tokenizer,
+    )
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def count_parameters(preset: str | ModelPreset, vocab_size: int | None = None) -> int:
+    """Parameters of a preset's model (tied embeddings counted once), without building it."""
+    p = model_preset(preset) if isinstance(preset, str) else preset
+    v = _round_up(vocab_size or p.vocab_size, 64)
+    head_dim = p.hidden_size // p.num_heads
+    q = p.hidden_size * p.hidden_size + p.hidden_size  # q_proj (with bias)
+    kv = 2 * (p.hidden_size * p.num_kv_heads * head_dim + p.num_kv_heads * head_dim)  # k, v (with bias)
+    o = p.hidden_size * p.hidden_size  # o_proj (no bias)
+    mlp = 3 * p.hidden_size * p.intermediate_size
+    norms = 2 * p.hidden_size
+    layer = q + kv + o + mlp + norms
+    embed = v * p.hidden_size * (1 if p.tie_word_embeddings else 2)
+    return embed + p.num_layers * layer + p.hidden_size
+
+
+def texts_digest(texts: Iterable[str]) -> str:
+    """SHA-256 of the sorted texts (the tokenizer ignores their order)."""
+    h = hashlib.sha256()
+    for text in sorted(texts):
+        data = text.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class BuildRecipe:
+    """Everything that determines a built model; its hash keys the cache."""
+
+    preset: str
+    """Name of the :class:`ModelPreset`."""
+    template: str
+    """Chat template family."""
+    vocab_size: int
+    """Tokenizer vocabulary bound passed to :func:`build_tokenizer`."""
+    texts_digest: str
+    """:func:`texts_digest` of the tokenizer corpus."""
+    n_texts: int
+    """Number of texts in the corpus (informative)."""
+    seed: int
+    """Seed of the weight initialization."""
+    version: int = _RECIPE_VERSION
+    """Version of the build procedure."""
+
+    def key(self) -> str:
+        """A short stable hash of the recipe."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def build_model(
+    out_dir: str | os.PathLike[str],
+    texts: Iterable[str],
+    *,
+    preset: str = "small",
+    template: str = "chatml",
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Build (or reuse) a tokenizer and a randomly initialized ``Qwen2ForCausalLM``.
+
+    Args:
+        out_dir: where ``save_pretrained`` puts the model and tokenizer, next
+            to ``turnrl_model.json`` (the recipe and its key).
+        texts: tokenizer corpus (env instructions, observations, examples).
+        preset: model size, see :data:`PRESETS`.
+        template: chat template family, see ``turnrl.models.templates``.
+        vocab_size: tokenizer vocabulary bound; default from the preset.
+        seed: seed of the weight initialization.
+
+    Returns:
+        ``out_dir`` as a ``Path``. If it already holds a build of the same
+        recipe, nothing is rebuilt. A stale turnrl build there is replaced; a
+        directory that is not a turnrl build is never overwritten.
+    """
+    out = Path(out_dir)
+    texts = list(texts)
+    recipe = BuildRecipe(
+        preset=preset,
+        template=template,
+        vocab_size=vocab_size or model_preset(preset).vocab_size,
+        texts_digest=texts_digest(texts),
+        n_texts=len(texts),
+        seed=seed,
+    )
+    if _read_key(out) == recipe.key():
+        return out
+    _check_replaceable(out)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+    try:
+        info = _build_into(tmp, texts, recipe)
+        (tmp / RECIPE_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        _publish(tmp, out, recipe.key())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _build_into(path: Path, texts: Sequence[str], recipe: BuildRecipe) -> dict:
+    tokenizer = build_tokenizer(texts, vocab_size=recipe.vocab_size, template=recipe.template)
+    config = preset_config(recipe.preset, tokenizer)
+    tokenizer.model_max_length = config.max_position_embeddings
+    spec = template_spec(recipe.template)
+    # Seed only a forked RNG: building a model must not move the caller's RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.seed)
+        model = Qwen2ForCausalLM(config)
+    # Sampling stops at the end of a turn or at the end of text, as with Qwen's
+    # released generation configs.
+    stop_tokens = [spec.end_of_turn, spec.end_of_text]
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.convert_tokens_to_ids(stop_tokens),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return {
+        "recipe": asdict(recipe),
+        "key": recipe.key(),
+        "architecture": "Qwen2ForCausalLM",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokenizer_size": len(tokenizer),
+        "embedding_rows": config.vocab_size,
+        "preset": asdict(model_preset(recipe.preset)),
+        "load_with": "AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)",
+    }
+
+
+def _read_key(out: Path) -> str | None:
+    """The recipe key of a complete build in ``out``, else None."""
+    if not all((out / name).is_file() for name in ("config.json", "tokenizer.json", "tokenizer_config.json")):
+        return None
+    try:
+        return json.loads((out / RECIPE_FILE).read_text())["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _check_replaceable(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / RECIPE_FILE).exists())):
+        raise FileExistsError(f"{out} exists and is not a turnrl model build; refusing to overwrite it")
+
+
+def _publish(tmp: Path, out: Path, key: str) -> None:
+    """Move a finished build into place; tolerate a concurrent identical build."""
+    if out.exists():
+        if _read_key(out) == key:  # another process finished the same build first
+            return
+        _check_replaceable(out)
+        shutil.rmtree(out)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if _read_key(out) != key:
+            raise
+
+
+def load_model(path: str | os.PathLike[str]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a built (or downloaded) causal LM and its tokenizer by path.
+
+    Just ``AutoModelForCausalLM`` / ``AutoTokenizer``: nothing turnrl-specific
+    is needed to read a build.
+    """
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
