@@ -8,8 +8,8 @@ masked GAE, bi-level GAE and GRPO, and prints a table with the speedups.
 The loop references (tests/algorithms/reference.py) take seconds per row batch,
 so they are timed on a subset of rows and scaled linearly to the full batch
 (they are linear in the number of rows); the table says when that happened.
-Both sides include their own input conversion. The vectorized timings are the
-median of several runs after a warm-up (on CUDA, with synchronization).
+Both sides include their own input conversion. Each timing is the fastest of
+several calls after a warm-up (on CUDA, with synchronization).
 
     python benchmarks/advantages.py              # [512, 4096], 10 turns, CPU
     python benchmarks/advantages.py --quick      # [64, 1024], a few seconds
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.algorithms import reference as ref  # noqa: E402
-from turnrl.algorithms import bilevel_gae, grpo_advantages, masked_gae, place_rewards  # noqa: E402
+from turnrl.algorithms import (  # noqa: E402
+    bilevel_gae,
+    broadcast_to_tokens,
+    grpo_advantages,
+    masked_gae,
+    place_rewards,
+)
 
 
 def make_batch(b: int, s: int, turns: int, group_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -72,7 +77,8 @@ def make_batch(b: int, s: int, turns: int, group_size: int, seed: int = 0) -> di
 
 
 def time_fn(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of `fn()` after one warm-up call."""
+    """Fastest of `repeats` timed calls of `fn()` after one warm-up call (the
+    minimum is the least disturbed by other work on a shared machine)."""
 
     def sync():
         if device.type == "cuda":
@@ -86,7 +92,7 @@ def time_fn(fn, device: torch.device, repeats: int) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def cpu_model() -> str:
@@ -138,10 +144,10 @@ def main() -> None:
             ref_rows,
         ),
         (
-            "grpo",  # per-sequence scores: the whole batch is cheap enough for the loop
-            lambda: grpo_advantages(on_dev["scores"], on_dev["group_index"]),
-            lambda: ref.ref_grpo(batch["scores"], batch["group_index"], 1e-6),
-            b,
+            "grpo",  # group-normalized scores, then spread on the masked tokens
+            lambda: broadcast_to_tokens(grpo_advantages(on_dev["scores"], on_dev["group_index"]), on_dev["adv_mask"]),
+            lambda: ref.ref_broadcast(ref.ref_grpo(sub["scores"], sub["group_index"], 1e-6), sub["adv_mask"]),
+            ref_rows,
         ),
     ]
 
@@ -153,9 +159,7 @@ def main() -> None:
     print(f"{'estimator':<12} {'vectorized':>12} {'loop ref':>12} {'ref rows':>9} {'speedup':>9}")
     for name, fast, slow, rows in cases:
         t_fast = time_fn(fast, device, repeats)
-        t0 = time.perf_counter()
-        slow()
-        t_slow = (time.perf_counter() - t0) * (b / rows)
+        t_slow = time_fn(slow, torch.device("cpu"), 3) * (b / rows)
         scaled = "" if rows == b else f" (timed on {rows} rows, scaled x{b / rows:g})"
         print(f"{name:<12} {t_fast * 1e3:>10.2f}ms {t_slow * 1e3:>10.0f}ms {rows:>9} "
               f"{t_slow / t_fast:>8.0f}x{scaled}")

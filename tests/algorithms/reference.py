@@ -150,6 +150,11 @@ def ref_grpo(scores, group_index, eps, norm_by_std=True):
     return torch.tensor(out, dtype=torch.float64)
 
 
+def ref_broadcast(seq_adv, mask):
+    advs, m = _rows(seq_adv, mask)
+    return _out([[a if k else 0.0 for k in row] for a, row in zip(advs, m)])
+
+
 def ref_rloo(scores, group_index):
     xs, groups = _groups(scores, group_index)
     out = [0.0] * len(xs)

@@ -98,6 +98,7 @@ def test_place_rewards_by_hand():
     close(per_turn, t([[0, 1, 0, 0, 2, 0], [4, 0, 5, 0, 0, 6], [0] * 6]))
     episode = place_rewards(turn_rewards, ends, 6, mode="episode_end")
     close(episode, t([[0, 0, 0, 0, 3, 0], [0, 0, 0, 0, 0, 15], [0] * 6]))
+    close(place_rewards(turn_rewards.float(), ends.int(), 6), per_turn)  # int32 indices work too
     with pytest.raises(ValueError):
         place_rewards(turn_rewards, ends, 6, mode="nope")
 
@@ -309,6 +310,9 @@ def test_broadcast_to_tokens():
     out = broadcast_to_tokens(torch.tensor([2.0, -1.0]), torch.tensor([[1, 0, 1], [0, 0, 0]]))
     close(out, t([[2.0, 0.0, 2.0], [0.0, 0.0, 0.0]]))
     assert out.dtype == torch.float32
+    mask = torch.rand(4, 9) < 0.5
+    seq_adv = torch.randn(4, dtype=F64)
+    close(broadcast_to_tokens(seq_adv, mask), ref.ref_broadcast(seq_adv, mask))
 
 
 def test_whiten_by_hand_and_empty():

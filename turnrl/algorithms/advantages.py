@@ -372,6 +372,7 @@ def place_rewards(
         are zero.
     """
     dtype = _float_dtype(turn_rewards)
+    turn_end_index = turn_end_index.long()
     valid = turn_end_index >= 0
     rewards = torch.where(valid, turn_rewards.to(dtype), 0)
     out = torch.zeros(turn_rewards.shape[0], seq_len + 1, dtype=dtype, device=turn_rewards.device)
