@@ -175,6 +175,9 @@ def test_solver_none_when_stuck_and_empty_when_solved():
         """
     )
     assert solve(stuck) is None
+    # Every box on a live cell, but the front box blocks the one behind it: the search runs dry.
+    assert solve(parse_level("########\n#PXX_OO#\n########")) is None
+    assert solve(parse_level("########\n#P_X_O_#\n########")) == [3, 3, 3]
     assert solve(parse_level("#####\n#P√_#\n#####")) == []
     env = board("######\n#P_XO#\n#____#\n######")
     assert env.solve() == ["Right", "Right"]

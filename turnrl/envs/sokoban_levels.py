@@ -19,7 +19,7 @@ move touches three cells, and numpy's per-call overhead would dwarf that.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -195,15 +195,20 @@ def generate_level(rows: int, cols: int, num_boxes: int, seed: int, max_moves: i
 
     Each attempt carves a room inside a wall border by a random walk, puts the
     boxes on random targets and the player on another floor cell, then plays
-    backwards: random moves, pulling a box whenever the player steps away
-    from one (with high probability). Along that walk it keeps the position
-    with the most boxes off the targets, then the largest total distance of
-    boxes to their nearest target, and finally moves the player to a random
-    cell it can walk to without pushing. Reversing the walk solves the level,
-    so the optimal solution is at most ``walk length + floor cells`` moves
-    (the walk is ``2 * floor cells + 8 * num_boxes`` long; about 40 for 6x6
-    rooms and 80 for 8x8). An attempt that leaves every box on a target is
-    discarded, so no level starts solved.
+    backwards in streaks: walk (without pushing) to a side of one box, pull it
+    a few cells in a straight line, and go on to the next box, three streaks a
+    box. Of the positions met it keeps the one with the most boxes off the
+    targets, then the largest total distance of boxes to their nearest
+    target, and finally puts the player on a random cell it can walk to from
+    there. Played forwards, the backward moves solve the level, so every level
+    is solvable, and within ``max_moves`` moves when that is given (the env
+    passes its ``max_steps``). Attempts where no box left its target are
+    discarded, so no level starts solved; levels where some box never left
+    are taken only after 8 attempts found none better.
+
+    Difficulty is close to gym-sokoban's: over 1,000 seeds the optimal
+    solution averages about 4 moves at 6x6 with 1 box (gym-sokoban: 3.2, a
+    third of them a single push) and 12.7 at 8x8 with 2 boxes (gym-sokoban: 13.7).
 
     Raises:
         ValueError: the room cannot hold the boxes (see :func:`check_room`).
@@ -315,7 +320,7 @@ def _reverse_play(
     table = neighbour_table(rows, cols)
     cells = [cell for cell in _interior_cells(rows, cols) if floor[cell]]
     adjacent = _adjacent(rows, cols)
-    picks = rnd.sample(cells, num_boxes + 1)
+    picks = _distinct(cells, num_boxes + 1, rnd.random)
     targets, player = picks[:num_boxes], picks[num_boxes]
     per_target = [_distances_from(rows, cols, target) for target in targets]
     distance = per_target[0] if num_boxes == 1 else list(map(min, *per_target))  # to the nearest target
@@ -329,8 +334,7 @@ def _reverse_play(
     best_score, best_boxes, best_player, best_moves = 0, None, player, 0
     random_ = rnd.random
     # Round-robin over the boxes in a random order, so that every box gets pulled.
-    order = list(range(num_boxes))
-    rnd.shuffle(order)
+    order = _distinct(range(num_boxes), num_boxes, random_)
     for streak in range(_STREAKS_PER_BOX * num_boxes):
         which = order[streak % num_boxes]
         cell = positions[which]
@@ -370,6 +374,16 @@ def _reverse_play(
     starts = [cell for cell, steps in walk.items() if best_moves + steps <= budget]
     level = Level(rows, cols, walls, tuple(sorted(targets)), boxes, starts[int(random_() * len(starts))])
     return level, best_score // scale
+
+
+def _distinct(items: Sequence[int], k: int, random_: Callable[[], float]) -> list[int]:
+    """``k`` distinct items in random order (a partial Fisher-Yates shuffle; cheaper than ``Random.sample``)."""
+    pool = list(items)
+    n = len(pool)
+    for i in range(k):
+        j = i + int(random_() * (n - i))
+        pool[i], pool[j] = pool[j], pool[i]
+    return pool[:k]
 
 
 def _walk_distances(
@@ -434,20 +448,10 @@ def solve(level: Level, max_states: int = 2_000_000) -> list[int] | None:
     cols, size = level.cols, level.rows * level.cols
     if level.is_solved():
         return []
-    walls = level.walls
-    table = neighbour_table(level.rows, cols)
-    live = live_cells(level.rows, cols, walls, level.targets)
-    # moves[cell]: (direction, next cell, cell behind it or -1 when a push there is useless)
-    moves = []
-    for cell in range(size):
-        options = []
-        for d in range(4):
-            nxt = table[d][cell]
-            if nxt < 0 or walls[nxt]:
-                continue
-            behind = table[d][nxt]
-            options.append((d, nxt, behind if behind >= 0 and live[behind] else -1))
-        moves.append(tuple(options))
+    live = live_cells(level.rows, cols, level.walls, level.targets)
+    if not all(live[cell] for cell in level.boxes):
+        return None  # a box already sits where it can never reach a target
+    moves = _solver_moves(level.rows, cols, level.walls, level.targets)
     goal = _mask(level.targets)
     start_mask = _mask(level.boxes)
     start = start_mask * size + level.player
@@ -477,6 +481,27 @@ def solve(level: Level, max_states: int = 2_000_000) -> list[int] | None:
                 append(new_state)
         frontier = following
     return None
+
+
+@lru_cache(maxsize=256)
+def _solver_moves(rows: int, cols: int, walls: bytes, targets: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Per cell, the player's moves: (direction, next cell, where a box there would go or -1).
+
+    -1 also when that push would put the box on a dead cell, so the search never tries it.
+    """
+    table = neighbour_table(rows, cols)
+    live = live_cells(rows, cols, walls, targets)
+    moves = []
+    for cell in range(rows * cols):
+        options = []
+        for d in range(4):
+            nxt = table[d][cell]
+            if nxt < 0 or walls[nxt]:
+                continue
+            behind = table[d][nxt]
+            options.append((d, nxt, behind if behind >= 0 and live[behind] else -1))
+        moves.append(tuple(options))
+    return tuple(moves)
 
 
 def _mask(cells: Iterable[int]) -> int:
