@@ -167,7 +167,8 @@ def measure_gym_sokoban(seconds: float) -> list[Row]:
                     failures[0] += 1
 
         resets = rate(one_level, seconds, batch=5)
-        rows.append(Row(f"gym-sokoban generator {dims[0]}x{dims[1]}, {boxes} box{'es' if boxes > 1 else ''}", resets, failures=failures[0]))
+        name = f"gym-sokoban generator {dims[0]}x{dims[1]}, {boxes} box{'es' if boxes > 1 else ''}"
+        rows.append(Row(name, resets, failures=failures[0]))
     env = GymSokobanEnv(dim_room=(6, 6), num_boxes=1, max_steps=100)
     actions = [int(a) for a in np.random.default_rng(0).integers(1, 5, size=100_000)]  # 1-4: push/move up..right
     steps, with_resets = step_rate(env, actions, seconds, lambda out: bool(out[2]) or (len(out) == 5 and bool(out[3])))
@@ -215,20 +216,25 @@ def print_table(rows: list[Row]) -> None:
 
 def print_ratios(ours: list[Row], theirs: list[Row]) -> None:
     by_name = {row.name: row for row in ours + theirs}
+    # (label, our row, their row, field compared, goal ratio, reference key)
     pairs = [
-        ("resets 6x6/1", "turnrl Sokoban 6x6, 1 box", "gym-sokoban generator 6x6, 1 box", "resets_per_s", "resets_per_s", GOAL_RESETS, "gs_reset_6x6"),
-        ("resets 8x8/2", "turnrl Sokoban 8x8, 2 boxes", "gym-sokoban generator 8x8, 2 boxes", "resets_per_s", "resets_per_s", GOAL_RESETS, "gs_reset_8x8"),
-        ("steps 6x6/1", "turnrl Sokoban 6x6, 1 box", "gym-sokoban env 6x6, 1 box", "steps_per_s", "steps_per_s", GOAL_STEPS, "gs_step_6x6"),
+        ("resets 6x6/1", "turnrl Sokoban 6x6, 1 box", "gym-sokoban generator 6x6, 1 box", "resets_per_s", GOAL_RESETS,
+         "gs_reset_6x6"),
+        ("resets 8x8/2", "turnrl Sokoban 8x8, 2 boxes", "gym-sokoban generator 8x8, 2 boxes", "resets_per_s",
+         GOAL_RESETS, "gs_reset_8x8"),
+        ("steps 6x6/1", "turnrl Sokoban 6x6, 1 box", "gym-sokoban env 6x6, 1 box", "steps_per_s", GOAL_STEPS,
+         "gs_step_6x6"),
     ]
     print("\nours / theirs (goal: >= 20x resets, >= 100x steps)")
-    for label, mine, other, field_mine, field_other, goal, ref_key in pairs:
-        value = getattr(by_name[mine], field_mine) if mine in by_name else None
+    for label, mine, other, field, goal, ref_key in pairs:
+        value = getattr(by_name[mine], field) if mine in by_name else None
         if value is None:
             continue
         parts = [f"  {label:<13} ours {value:,.0f}/s"]
-        if other in by_name and getattr(by_name[other], field_other):
-            ratio = value / getattr(by_name[other], field_other)
-            parts.append(f"vs measured {getattr(by_name[other], field_other):,.0f}/s = {ratio:,.1f}x ({'meets' if ratio >= goal else 'below'} {goal:.0f}x)")
+        theirs = getattr(by_name[other], field) if other in by_name else None
+        if theirs:
+            verdict = "meets" if value / theirs >= goal else "below"
+            parts.append(f"vs measured {theirs:,.0f}/s = {value / theirs:,.1f}x ({verdict} {goal:.0f}x)")
         parts.append(f"vs reference {REFERENCE[ref_key]:,.0f}/s = {value / REFERENCE[ref_key]:,.1f}x")
         print("; ".join(parts))
 

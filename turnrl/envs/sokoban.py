@@ -103,6 +103,12 @@ class SokobanEnv(TurnEnv):
         render_mode: ``None``, ``"ansi"`` (the text grid, also in image mode)
             or ``"rgb_array"``.
 
+    ``reset(options={"level": text})`` plays a given level written in RAGEN's
+    symbols (any size in text mode, the env's ``dim_room`` in image mode);
+    a malformed level raises ValueError saying what is wrong. ``solve()``
+    gives a fewest-moves plan from the current state (None once a box is
+    stuck), ``current_level()`` the state as a :class:`Level`.
+
     Actions are ``Up``, ``Down``, ``Left``, ``Right`` (case-insensitive).
     Walking into a wall, or pushing a box into a wall or another box, leaves
     the state unchanged and still costs -0.1 (``info["action_is_effective"]``
@@ -136,7 +142,8 @@ class SokobanEnv(TurnEnv):
         self.symbols = symbols
         self.cell_px = int(cell_px)
         _check_text_fits(rows, cols, symbols)
-        super().__init__(mode=mode, max_steps=max_steps, image_shape=(rows * cell_px, cols * cell_px), render_mode=render_mode)
+        image_shape = (rows * self.cell_px, cols * self.cell_px)
+        super().__init__(mode=mode, max_steps=max_steps, image_shape=image_shape, render_mode=render_mode)
         self._vocabulary = VOCABULARIES.get(symbols, RAGEN_SYMBOLS)
         self._symbols = self._vocabulary.symbols + ("\n",)
         self._load(generate_level(rows, cols, self.num_boxes, seed=0, max_moves=self.max_steps))
@@ -182,7 +189,8 @@ class SokobanEnv(TurnEnv):
             if self.is_image_mode and (level.rows, level.cols) != self.dim_room:
                 raise ValueError(
                     f"the level is {level.rows}x{level.cols} but this image-mode env draws "
-                    f"{self.dim_room[0]}x{self.dim_room[1]} rooms; make the env with dim_room=({level.rows}, {level.cols})"
+                    f"{self.dim_room[0]}x{self.dim_room[1]} rooms; "
+                    f"make the env with dim_room=({level.rows}, {level.cols})"
                 )
             _check_text_fits(level.rows, level.cols, self.symbols)
         else:

@@ -71,11 +71,18 @@ class Level:
     walls: bytes
     """Length ``rows * cols``; 1 where the cell is a wall."""
     targets: tuple[int, ...]
-    """Target cells, sorted."""
+    """Target cells (kept sorted)."""
     boxes: tuple[int, ...]
-    """Box cells, sorted; as many as targets."""
+    """Box cells (kept sorted); as many as targets."""
     player: int
     """The player's cell."""
+
+    def __post_init__(self) -> None:
+        # Sorted cell tuples make equal positions compare equal and ``is_solved`` a tuple comparison.
+        for name in ("targets", "boxes"):
+            cells = getattr(self, name)
+            if list(cells) != sorted(cells) or not isinstance(cells, tuple):
+                object.__setattr__(self, name, tuple(sorted(cells)))
 
     def position(self, cell: int) -> tuple[int, int]:
         """``(row, col)`` of a cell number."""
@@ -176,7 +183,10 @@ def parse_level(text: str, vocabulary: Vocabulary = RAGEN_SYMBOLS) -> Level:
             if code in (PLAYER, PLAYER_ON_TARGET):
                 players.append(cell)
     if len(players) != 1:
-        raise ValueError(f"a level needs exactly one player ({vocabulary.player} or {vocabulary.player_on_target}), found {len(players)}")
+        raise ValueError(
+            f"a level needs exactly one player ({vocabulary.player} or {vocabulary.player_on_target}), "
+            f"found {len(players)}"
+        )
     if not boxes:
         raise ValueError(f"a level needs at least one box ({vocabulary.box} or {vocabulary.box_on_target}), found none")
     if len(boxes) != len(targets):
@@ -484,7 +494,9 @@ def solve(level: Level, max_states: int = 2_000_000) -> list[int] | None:
 
 
 @lru_cache(maxsize=256)
-def _solver_moves(rows: int, cols: int, walls: bytes, targets: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+def _solver_moves(
+    rows: int, cols: int, walls: bytes, targets: tuple[int, ...]
+) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """Per cell, the player's moves: (direction, next cell, where a box there would go or -1).
 
     -1 also when that push would put the box on a dead cell, so the search never tries it.
