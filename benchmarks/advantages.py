@@ -114,7 +114,10 @@ def main() -> None:
     parser.add_argument("--ref-rows", type=int, default=None, help="rows timed for the loop references")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     b = args.batch or (64 if args.quick else 512)
     s = args.seq or (1024 if args.quick else 4096)
     ref_rows = min(b, args.ref_rows or (16 if args.quick else 32))

@@ -124,11 +124,11 @@ def _scan(x: torch.Tensor, coef: float, seg_last: torch.Tensor | None) -> torch.
     cont = None  # whether position i's segment runs past its chunk's end
     if seg_last is not None:
         chunk_start = torch.arange(0, nc * K, K, device=x.device)[:, None]
-        first_end = (seg_last.view(b, nc, K) - chunk_start).clamp(max=K)  # K: past the chunk
-        after = (first_end + 1).clamp(max=K)  # K indexes the zero column below
+        to_end = seg_last.view(b, nc, K) - chunk_start  # segment end, chunk coordinates
+        cont = to_end >= K
+        after = to_end.add_(1).clamp_(max=K)  # first position behind it; K: the zero column
         tail = F.pad(local, (0, 1)).gather(-1, after)
-        local = local - pw[after - i] * tail
-        cont = first_end == K
+        local = local.sub_(pw[after.sub_(i)] * tail)
     if nc > 1:
         # Chunk n's segment ends in chunk seg_last // K: the chunk-level segments.
         up = None if seg_last is None else seg_last.view(b, nc, K)[..., 0] // K
@@ -139,32 +139,49 @@ def _scan(x: torch.Tensor, coef: float, seg_last: torch.Tensor | None) -> torch.
 
 
 class _Packed(NamedTuple):
-    """Where each masked token goes when the masked tokens of a row are packed left."""
+    """Where each masked token goes when the masked tokens of a row are packed left.
+
+    Packed tensors have ``columns`` columns: the ``width`` packed positions, a
+    zero column at index ``width`` (where tokens outside the mask read from
+    and write to), and zeros up to a multiple of the scan's chunk, so that a
+    scan needs no padding copy and leaves the zero column at zero.
+    """
 
     index: torch.Tensor  # (b, s) long: packed position, or `width` outside the mask
     count: torch.Tensor  # (b,) long: masked tokens per row
     width: int  # most masked tokens in any row
+    columns: int  # width + 1, rounded up to a multiple of _CHUNK
 
 
 def _pack_layout(mask: torch.Tensor) -> _Packed:
     pos = mask.long().cumsum(1)
     count = pos[:, -1] if mask.shape[1] else pos.new_zeros(mask.shape[0])
     width = int(count.max().item()) if mask.shape[0] else 0
-    return _Packed(torch.where(mask, pos - 1, width), count, width)
+    columns = -(-(width + 1) // _CHUNK) * _CHUNK
+    return _Packed(torch.where(mask, pos - 1, width), count, width, columns)
 
 
 def _pack(x: torch.Tensor, layout: _Packed, dtype: torch.dtype) -> torch.Tensor:
-    """Pack masked entries left. Shape (b, s) -> (b, width + 1); the last column
-    and everything behind a row's last masked token are zero."""
-    out = torch.zeros(x.shape[0], layout.width + 1, dtype=dtype, device=x.device)
+    """Pack masked entries left. Shape (b, s) -> (b, columns), zero behind each
+    row's last masked token."""
+    out = torch.zeros(x.shape[0], layout.columns, dtype=dtype, device=x.device)
     out.scatter_(1, layout.index, x.to(dtype))
-    out[:, -1] = 0  # the slot that tokens outside the mask were written to
+    out[:, layout.width] = 0  # the slot that tokens outside the mask were written to
     return out
 
 
 def _unpack(packed: torch.Tensor, layout: _Packed) -> torch.Tensor:
-    """Inverse of :func:`_pack`: (b, width + 1) -> (b, s), zero outside the mask."""
+    """Inverse of :func:`_pack`: (b, columns) -> (b, s), zero outside the mask
+    (as long as the zero column stayed zero)."""
     return packed.gather(1, layout.index)
+
+
+def _td_errors(r: torch.Tensor, v: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``r_i + gamma * v_{i+1} - v_i`` along packed rows (zeros past the end
+    bootstrap ``V = 0``). Shape (b, n)."""
+    delta = r - v
+    delta[:, :-1].add_(v[:, 1:], alpha=gamma)
+    return delta
 
 
 def _as_bool(mask: torch.Tensor) -> torch.Tensor:
@@ -203,12 +220,9 @@ def masked_gae(
     mask = _as_bool(adv_mask)
     dtype = _float_dtype(token_rewards, values)
     layout = _pack_layout(mask)
-    r = _pack(token_rewards, layout, dtype)
     v = _pack(values, layout, dtype)
-    delta = r[:, :-1] + gamma * v[:, 1:] - v[:, :-1]  # packed zeros bootstrap V = 0
-    adv = discounted_reverse_cumsum(delta, gamma * lam)
-    adv = F.pad(adv, (0, 1))
-    return _unpack(adv, layout), _unpack(adv + v, layout)
+    adv = _scan(_td_errors(_pack(token_rewards, layout, dtype), v, gamma), gamma * lam, None)
+    return _unpack(adv, layout), _unpack(adv.add_(v), layout)
 
 
 class _Turns(NamedTuple):
@@ -216,6 +230,7 @@ class _Turns(NamedTuple):
 
     ends: torch.Tensor  # (b, w + 1) bool: effective turn ends
     turn: torch.Tensor  # (b, w + 1) long: turn of each position (a free turn past the last)
+    end_slot: torch.Tensor  # (b, w + 1) long: `turn` at turn ends, `n_turns` elsewhere
     n_turns: int  # most turns of any row
 
 
@@ -227,15 +242,19 @@ def _packed_turns(turn_end_mask: torch.Tensor, layout: _Packed) -> _Turns:
     ends[rows, last] |= layout.count > 0
     before = ends.long().cumsum(1)
     n_turns = int(before[:, -1].max().item()) if ends.shape[0] else 0
-    return _Turns(ends, before - ends.long(), n_turns)
+    turn = before.sub_(ends.long())
+    return _Turns(ends, turn, torch.where(ends, turn, n_turns), n_turns)
 
 
 def _per_turn(packed: torch.Tensor, turns: _Turns, at_ends_only: bool) -> torch.Tensor:
     """Per-turn value at the turn's end, or sum over the turn's tokens.
     Shape (b, w + 1) -> (b, t + 1), zero past each row's last turn."""
     out = packed.new_zeros(packed.shape[0], turns.n_turns + 1)
-    src = torch.where(turns.ends, packed, 0) if at_ends_only else packed
-    return out.scatter_add_(1, turns.turn, src)
+    if at_ends_only:
+        out.scatter_(1, turns.end_slot, packed)
+        out[:, -1] = 0  # the slot that non-end positions were written to
+        return out
+    return out.scatter_add_(1, turns.turn, packed)
 
 
 def _turn_level_gae(
@@ -297,15 +316,13 @@ def bilevel_gae(
     )
     # Token level: each token's segment ends at its turn's end; at that end the
     # recursion restarts from the turn-level advantage.
-    positions = torch.arange(layout.width + 1, device=r.device).expand_as(turns.turn)
-    end_at = torch.full_like(turn_adv, layout.width + 1, dtype=torch.long)
-    end_at.scatter_(1, torch.where(turns.ends, turns.turn, turns.n_turns), positions)
-    end_at[:, -1] = layout.width + 1  # the free turn past the last runs to the end
-    x = torch.add(r[:, :-1], v[:, 1:], alpha=gamma_token).sub_(v[:, :-1])
-    x = torch.where(turns.ends[:, :-1], turn_adv.gather(1, turns.turn[:, :-1]), x)
-    seg_last = end_at.gather(1, turns.turn[:, :-1])
-    adv = F.pad(_scan(x, gamma_token * lambda_token, seg_last), (0, 1))
-    return _unpack(adv, layout), _unpack(adv + v, layout)
+    positions = torch.arange(layout.columns, device=r.device).expand_as(turns.turn)
+    end_at = torch.full_like(turn_adv, layout.columns, dtype=torch.long)
+    end_at.scatter_(1, turns.end_slot, positions)
+    end_at[:, -1] = layout.columns  # the free turn past the last runs to the row end
+    x = torch.where(turns.ends, turn_adv.gather(1, turns.turn), _td_errors(r, v, gamma_token))
+    adv = _scan(x, gamma_token * lambda_token, end_at.gather(1, turns.turn))
+    return _unpack(adv, layout), _unpack(adv.add_(v), layout)
 
 
 def turn_gae(
@@ -506,8 +523,7 @@ def reinforce_pp_advantages(
     """
     mask = _as_bool(adv_mask)
     layout = _pack_layout(mask)
-    r = _pack(token_rewards, layout, _float_dtype(token_rewards))
-    returns = _unpack(F.pad(discounted_reverse_cumsum(r[:, :-1], gamma), (0, 1)), layout)
+    returns = _unpack(_scan(_pack(token_rewards, layout, _float_dtype(token_rewards)), gamma, None), layout)
     return whiten(returns, mask), returns
 
 
