@@ -266,6 +266,9 @@ def test_bilevel_long_rows_many_turns():
         ref_adv, ref_ret = rf(rewards, values, mask, ends, *args)
         close(adv, ref_adv)
         close(ret, ref_ret)
+        adv32, _ = fn(rewards.float(), values.float(), mask, ends, *args)
+        assert adv32.dtype == torch.float32
+        torch.testing.assert_close(adv32.to(F64), ref_adv, rtol=1e-4, atol=1e-4)
 
 
 def test_turn_gae_sums_rewards_inside_a_turn():

@@ -48,7 +48,7 @@ class GroupSelection:
     """True when nothing was selected and the policy was ``"skip"``: do not update."""
 
 
-def _count_top_k(value: float, n_groups: int) -> int:
+def _count_top_k(value: float | int, n_groups: int) -> int:
     """An int is a count; a float in (0, 1] is a share of all groups (floored, at least 1)."""
     if isinstance(value, bool) or value <= 0:
         raise ValueError(f"top_k value must be positive, got {value!r}")
@@ -84,7 +84,7 @@ def select_groups(
     rewards: torch.Tensor | None = None,
     scores: torch.Tensor | None = None,
     strategy: Strategy = "top_k",
-    value: float = 0.25,
+    value: float | int = 0.25,
     weighting: Literal["linear", "softmax"] = "linear",
     temperature: float = 1.0,
     largest: bool = True,
@@ -154,7 +154,7 @@ def select_groups(
 
 def _n_keep(
     strategy: str,
-    value: float,
+    value: float | int,
     score: torch.Tensor,
     ranked_keys: torch.Tensor,
     n_groups: int,
