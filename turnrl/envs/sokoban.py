@@ -116,7 +116,7 @@ class SokobanEnv(TurnEnv):
     costs -0.1 (``invalid_action_reward``), as a no-op step does in gym-sokoban.
     """
 
-    description: ClassVar[str] = "Push every box onto a target (gym-sokoban rules, RAGEN's text grid or images)"
+    description: ClassVar[str] = "Sokoban: push every box onto a target (gym-sokoban rules; RAGEN grid, coordinates or images)"
     modes: ClassVar[tuple[str, ...]] = ("text", "image")
     invalid_action_reward: float = STEP_REWARD
 
