@@ -123,8 +123,10 @@ def _scan(x: torch.Tensor, coef: float, seg_last: torch.Tensor | None) -> torch.
     local = (x.reshape(-1, K) @ tri.T).view(b, nc, K)  # unsegmented, inside the chunk
     cont = None  # whether position i's segment runs past its chunk's end
     if seg_last is not None:
-        chunk_start = torch.arange(0, nc * K, K, device=x.device)[:, None]
-        to_end = seg_last.view(b, nc, K) - chunk_start  # segment end, chunk coordinates
+        # chunk start of every position, as a full (nc, K) table: broadcasting
+        # over the leading dim only keeps the subtraction vectorized on CPU
+        chunk_start = torch.arange(nc * K, device=x.device).div_(K, rounding_mode="floor").mul_(K)
+        to_end = seg_last.view(b, nc, K) - chunk_start.view(nc, K)  # segment end, chunk coordinates
         cont = to_end >= K
         after = to_end.add_(1).clamp_(max=K)  # first position behind it; K: the zero column
         tail = F.pad(local, (0, 1)).gather(-1, after)
@@ -154,11 +156,15 @@ class _Packed(NamedTuple):
 
 
 def _pack_layout(mask: torch.Tensor) -> _Packed:
-    pos = mask.long().cumsum(1)
-    count = pos[:, -1] if mask.shape[1] else pos.new_zeros(mask.shape[0])
+    as_int = mask.long()
+    pos = as_int.cumsum(1)
+    count = pos[:, -1].clone() if mask.shape[1] else pos.new_zeros(mask.shape[0])
     width = int(count.max().item()) if mask.shape[0] else 0
     columns = -(-(width + 1) // _CHUNK) * _CHUNK
-    return _Packed(torch.where(mask, pos - 1, width), count, width, columns)
+    # index = pos - 1 inside the mask, `width` outside. Written as arithmetic:
+    # torch.where with a scalar branch is several times slower on CPU.
+    index = pos.sub_(width + 1).mul_(as_int).add_(width)
+    return _Packed(index, count, width, columns)
 
 
 def _pack(x: torch.Tensor, layout: _Packed, dtype: torch.dtype) -> torch.Tensor:
@@ -240,10 +246,12 @@ def _packed_turns(turn_end_mask: torch.Tensor, layout: _Packed) -> _Turns:
     rows = torch.arange(ends.shape[0], device=ends.device)
     last = (layout.count - 1).clamp(min=0)
     ends[rows, last] |= layout.count > 0
-    before = ends.long().cumsum(1)
+    as_int = ends.long()
+    before = as_int.cumsum(1)
     n_turns = int(before[:, -1].max().item()) if ends.shape[0] else 0
-    turn = before.sub_(ends.long())
-    return _Turns(ends, turn, torch.where(ends, turn, n_turns), n_turns)
+    turn = before.sub_(as_int)
+    end_slot = (turn - n_turns).mul_(as_int).add_(n_turns)  # turn at ends, n_turns elsewhere
+    return _Turns(ends, turn, end_slot, n_turns)
 
 
 def _per_turn(packed: torch.Tensor, turns: _Turns, at_ends_only: bool) -> torch.Tensor:
