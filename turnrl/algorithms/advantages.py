@@ -24,6 +24,10 @@ Nothing here loops over tokens in Python. Every recursion of the form
 ``y_i = x_i + c * y_{i+1}`` runs through :func:`discounted_reverse_cumsum`, a
 chunked scan made of small matrix products: masked tokens are first compacted
 to the left of each row, so the scan sees a constant coefficient.
+
+Outputs are float32 (float64 when an input is float64; half-precision inputs
+are summed in float32). On a GPU each token-level estimator reads one or two
+sizes back to the host (the packed width, the most turns of a row).
 """
 
 from __future__ import annotations
