@@ -69,6 +69,10 @@ class AgentConfig:
     """Tell the model in the next observation when its response had no valid action."""
     system_prompt: Optional[str] = None
     """Replaces the default system prompt text before the env instructions."""
+    env_instructions: bool = True
+    """Put the env's task description in the system prompt (a model trained from scratch cannot read it)."""
+    format_instructions: bool = True
+    """Put the response format's description in the system prompt."""
 
     def validate(self) -> None:
         for key in ("max_actions_per_turn", "max_turns", "max_actions_per_episode", "max_context_tokens"):

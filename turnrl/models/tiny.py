@@ -55,15 +55,19 @@ from transformers import (
 
 from turnrl.models.templates import DEFAULT_SYSTEM_MESSAGE, TemplateSpec, template_spec
 
-# Splits text into pieces before BPE: English contractions, words (with one
-# leading space or punctuation mark), single digits, punctuation runs,
-# newline runs and other whitespace. Every character belongs to some piece,
-# so splitting never drops or changes text.
+# Splits text into pieces before BPE; BPE merges only inside a piece. Words
+# (lowercase letters with an optional capital and leading space) and English
+# contractions stay whole; every other letter, digit and punctuation or symbol
+# character is a piece of its own. That keeps each cell of a text grid
+# ("_P_O", "#X√#") one token, so a small model can tell columns apart, and
+# numbers digit by digit as Qwen and Llama-3 do. Every character belongs to
+# some piece, so splitting never drops or changes text.
 PRETOKENIZE_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-    r"|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"| ?\p{Lu}?\p{Ll}+"
+    r"| ?\p{L}"
     r"|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"| ?[^\s\p{L}\p{N}]"
     r"|\s*[\r\n]+"
     r"|\s+(?!\S)"
     r"|\s+"
@@ -77,7 +81,7 @@ RECIPE_FILE = "turnrl_model.json"
 """The JSON that :func:`build_model` writes next to the weights."""
 
 # Bump when the build procedure changes, so that cached builds are remade.
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
 
 
 def build_tokenizer(

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from turnrl.agent.formats import ResponseFormat
+from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs.base import TurnEnv
@@ -160,8 +160,8 @@ class Rollout:
             names = slot.env.action_names()
             trajectory.system_prompt = system_prompt(
                 self.agent.system_prompt,
-                slot.env.instructions(),
-                self.fmt.instructions(names, self.agent.max_actions_per_turn),
+                slot.env.instructions() if self.agent.env_instructions else "",
+                self.fmt.instructions(names, self.agent.max_actions_per_turn) if self.agent.format_instructions else "",
             )
         except Exception as error:
             episode.finish(ERROR, error=f"env reset failed: {type(error).__name__}: {error}")
@@ -203,11 +203,14 @@ class Rollout:
         )
         trajectory.turns.append(turn)
         episode.messages.append({"role": "assistant", "content": completion.text})
-        if trajectory.tokens is not None and completion.finish_reason != "error":
-            trajectory.tokens.add_response(turn.response_ids, turn.response_logprobs)
         if completion.finish_reason == "error":
             episode.finish(ERROR, error=completion.error or "policy error")
             return
+        if trajectory.tokens is not None:
+            if not turn.response_ids:
+                episode.finish(ERROR, error="the policy returned no tokens")
+                return
+            trajectory.tokens.add_response(turn.response_ids, turn.response_logprobs)
 
         terminated = truncated = False
         obs: dict[str, Any] | None = None
@@ -225,8 +228,8 @@ class Rollout:
             episode.actions_left -= 1
             if not valid or terminated or truncated:
                 break
-        turn.format_reward = (self.agent.format_reward if parsed.format_ok else 0.0) + (
-            0.0 if turn.has_valid_action else self.agent.no_action_penalty
+        turn.format_reward = turn_format_reward(
+            parsed, format_reward=self.agent.format_reward, no_action_penalty=self.agent.no_action_penalty
         )
         if obs is None:
             obs = env.observation()

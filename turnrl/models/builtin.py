@@ -1,0 +1,82 @@
+"""The built-in model: a small Qwen2 with a tokenizer trained on what the envs say.
+
+The tokenizer's corpus is every built-in env's instructions, observations along
+expert and random episodes, and responses in every reasoning format, so env
+texts and format tags encode into few tokens. The build is cached by recipe
+(preset, template, corpus digest, seed) under ``~/.cache/turnrl/models``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from turnrl.agent.formats import format_names, get_format
+from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
+from turnrl.config import ModelConfig
+from turnrl.envs import make
+from turnrl.envs.registry import env_names
+from turnrl.models.tiny import build_model
+from turnrl.policy.scripted import expert_fields
+
+# Env settings that change what the text looks like (sizes, vocabularies).
+_VARIANTS: dict[str, list[dict]] = {
+    "Sokoban": [{}, {"size": 8, "num_boxes": 2}, {"symbols": "alt"}, {"symbols": "coords"}],
+    "FrozenLake": [{}, {"size": 6}, {"size": 8}],
+    "Bandit": [{"split": "train"}, {"split": "test"}],
+    "Countdown": [{}],
+    "Maze2D": [{}, {"difficulty": "hard"}],
+}
+
+
+def _episode_texts(env, seed: int, rng: np.random.Generator, max_steps: int = 6) -> list[str]:
+    """Observations and expert responses (all formats) along one episode."""
+    texts = []
+    obs, _ = env.reset(seed=seed)
+    names = env.action_names()
+    for turn in range(max_steps):
+        texts.append(observation_text(obs["text"], turn=turn + 1, actions_left=10 - turn,
+                                      feedback=TurnFeedback(-0.1, turn % 3 == 2, ("unknown action 'Jump'",)),
+                                      action_names=names))
+        plan = env.solve() or []
+        action = plan[0] if plan and rng.random() < 0.7 else (names[rng.integers(len(names))] if names else "1+2")
+        for name in format_names():
+            fmt = get_format(name, max_actions_per_turn=2)
+            actions = plan[:2] if plan and fmt.separator and names else [action]
+            try:
+                texts.append(fmt.render(actions, expert_fields(env, actions, fmt.tag_names)))
+            except ValueError:
+                continue  # e.g. tuple formats with keyword actions
+        obs, _, terminated, truncated, _ = env.step(action)
+        if terminated or truncated:
+            break
+    return texts
+
+
+def builtin_corpus(episodes_per_variant: int = 12) -> list[str]:
+    """Texts the built-in tokenizer is trained on (deterministic)."""
+    rng = np.random.default_rng(0)
+    texts: list[str] = []
+    for name in env_names():
+        for settings in _VARIANTS.get(name, [{}]):
+            env = make(name, **settings)
+            env.reset(seed=0)
+            for fmt_name in format_names():
+                fmt = get_format(fmt_name, max_actions_per_turn=3)
+                texts.append(system_prompt(None, env.instructions(), fmt.instructions(env.action_names(), 3)))
+            for seed in range(episodes_per_variant):
+                texts.extend(_episode_texts(env, seed, rng))
+    return texts
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TURNRL_CACHE", Path.home() / ".cache" / "turnrl")) / "models"
+
+
+def builtin_model_path(config: ModelConfig) -> Path:
+    """Build (or reuse) the built-in model described by ``config`` and return its directory."""
+    root = Path(config.builtin_dir) if config.builtin_dir else default_cache_dir()
+    out = root / f"qwen2-{config.builtin_preset}-{config.builtin_template}"
+    return build_model(out, builtin_corpus(), preset=config.builtin_preset, template=config.builtin_template)

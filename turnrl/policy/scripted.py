@@ -1,0 +1,114 @@
+"""Scripted policies: the env's solver (expert) and uniform random actions.
+
+Both write their actions in the chosen reasoning format, so their responses
+parse like a model's. The expert fills the reasoning fields from ground truth
+(``state_facts`` before and after its actions), which makes its episodes
+usable as SFT demonstrations in any format, VAGEN's grounding and
+world-modeling ones included. ``random_action_share`` replaces a share of the
+expert's actions with random ones, for imperfect demos.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import numpy as np
+
+from turnrl.agent.formats import ResponseFormat
+from turnrl.config import SamplingConfig
+from turnrl.envs.base import TurnEnv
+from turnrl.policy.base import Completion, GenerationRequest
+
+
+def _describe_after(env: TurnEnv, actions: list[str]) -> str:
+    """State facts after ``actions``, simulated on a copy of the env."""
+    shadow = copy.deepcopy(env)
+    for action in actions:
+        _, _, terminated, truncated, _ = shadow.step(action)
+        if terminated or truncated:
+            break
+    return shadow.state_facts().describe() or shadow.text()
+
+
+def expert_fields(env: TurnEnv, actions: list[str], needed: Sequence[str]) -> dict[str, str]:
+    """Reasoning text for each field the format needs, from the env's ground truth."""
+    fields: dict[str, str] = {}
+    observation = env.state_facts().describe() or env.text()
+    plan = ", ".join(actions)
+    if "observation" in needed:
+        fields["observation"] = observation
+    if "reasoning" in needed or "justification" in needed or "think" in needed:
+        reason = f"The shortest way to the goal starts with {plan}."
+        fields["reasoning"] = fields["justification"] = reason
+        fields["think"] = f"{observation} {reason}" if "observation" not in needed else reason
+    if "prediction" in needed:
+        fields["prediction"] = _describe_after(env, actions)
+    return fields
+
+
+class ScriptedPolicy:
+    """Base of the expert and random policies: text-only, one response per request."""
+
+    tokenizer: Any = None
+
+    def __init__(self, fmt: ResponseFormat, max_actions_per_turn: int = 1, seed: int = 0) -> None:
+        self.fmt = fmt
+        self.max_actions_per_turn = max_actions_per_turn
+        self.rng = np.random.default_rng(seed)
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        completions = []
+        for request in requests:
+            if request.env is None:
+                completions.append(Completion(text="", finish_reason="error", error="scripted policies need the env"))
+                continue
+            try:
+                completions.append(Completion(text=self.respond(request.env)))
+            except Exception as error:  # a failing solver ends its own episode only
+                completions.append(Completion(text="", finish_reason="error", error=f"{type(error).__name__}: {error}"))
+        return completions
+
+    def respond(self, env: TurnEnv) -> str:
+        raise NotImplementedError
+
+    def random_actions(self, env: TurnEnv, count: int) -> list[str]:
+        names = env.action_names()
+        if not names:
+            return ["0"]  # free-form envs: a well-formed but wrong answer
+        return [str(names[i]) for i in self.rng.integers(0, len(names), size=count)]
+
+    def _render(self, env: TurnEnv, actions: list[str]) -> str:
+        return self.fmt.render(actions, expert_fields(env, actions, self.fmt.tag_names))
+
+
+class RandomPolicy(ScriptedPolicy):
+    """Uniformly random actions, well formatted: the floor any learner should beat."""
+
+    def respond(self, env: TurnEnv) -> str:
+        count = int(self.rng.integers(1, self.max_actions_per_turn + 1)) if self.fmt.separator else 1
+        return self._render(env, self.random_actions(env, count))
+
+
+class ExpertPolicy(ScriptedPolicy):
+    """The env's solver, re-planned from the current state every turn.
+
+    Args:
+        random_action_share: probability that each action is replaced by a random one.
+    """
+
+    def __init__(self, fmt: ResponseFormat, max_actions_per_turn: int = 1, seed: int = 0,
+                 random_action_share: float = 0.0) -> None:
+        super().__init__(fmt, max_actions_per_turn, seed)
+        if not 0.0 <= random_action_share <= 1.0:
+            raise ValueError(f"random_action_share must be in [0, 1], got {random_action_share}")
+        self.random_action_share = random_action_share
+
+    def respond(self, env: TurnEnv) -> str:
+        plan = env.solve()
+        limit = self.max_actions_per_turn if self.fmt.separator else 1
+        actions = list(plan[:limit]) if plan else self.random_actions(env, 1)
+        if self.random_action_share > 0:
+            noise = self.rng.random(len(actions)) < self.random_action_share
+            actions = [self.random_actions(env, 1)[0] if flip else a for a, flip in zip(actions, noise)]
+        return self._render(env, actions)

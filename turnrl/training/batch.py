@@ -1,0 +1,163 @@
+"""From trajectories to padded training tensors.
+
+Notation: b samples, s padded sequence length, t turns per sample (padded).
+
+Two sample modes:
+
+- ``trajectory`` (StarPO): one sample per episode, its whole token stream;
+  each turn's reward sits at that turn's last sampled token.
+- ``turn``: one sample per turn, the prompt the response was sampled from plus
+  the response; valid with any context window.
+
+Either way the tokens are the sampled ones (token-exact) and ``loss_mask`` is 1
+exactly on sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from turnrl.rollout.trajectory import Trajectory
+
+
+@dataclass
+class Sample:
+    """One training sequence (lists, before padding)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    """1 on sampled tokens."""
+    sampler_logprobs: list[float]
+    """Sampling logprob of each sampled token, 0 elsewhere."""
+    turn_ends: list[int]
+    """Position of each turn's last sampled token, in turn order."""
+    turn_rewards: list[float]
+    """Reward of each turn in ``turn_ends``."""
+    episode: int
+    """Index of the trajectory in the rollout batch."""
+    group: int
+    """Group of the trajectory."""
+    turn: int = -1
+    """Turn number (turn mode); -1 for whole trajectories."""
+
+
+@dataclass
+class Batch:
+    """Padded tensors of a list of samples (right padding)."""
+
+    input_ids: torch.Tensor
+    """Shape (b, s), long."""
+    attention_mask: torch.Tensor
+    """Shape (b, s), long."""
+    loss_mask: torch.Tensor
+    """Shape (b, s), float: 1 on sampled tokens."""
+    sampler_logprobs: torch.Tensor
+    """Shape (b, s), float."""
+    turn_end_index: torch.Tensor
+    """Shape (b, t), long: position of each turn's last sampled token, -1 for padding turns."""
+    turn_rewards: torch.Tensor
+    """Shape (b, t), float: reward of each turn, 0 for padding turns."""
+    episode: torch.Tensor
+    """Shape (b,), long."""
+    group: torch.Tensor
+    """Shape (b,), long."""
+    turn: torch.Tensor
+    """Shape (b,), long."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def turn_end_mask(self) -> torch.Tensor:
+        """Shape (b, s), bool: True at each turn's last sampled token."""
+        mask = torch.zeros_like(self.loss_mask, dtype=torch.bool)
+        rows, turns = (self.turn_end_index >= 0).nonzero(as_tuple=True)
+        mask[rows, self.turn_end_index[rows, turns]] = True
+        return mask
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(**{name: value.to(device) for name, value in vars(self).items()})
+
+    def select(self, index: torch.Tensor | list[int]) -> Batch:
+        index = torch.as_tensor(index, dtype=torch.long)
+        return Batch(**{name: value[index.to(value.device)] for name, value in vars(self).items()})
+
+
+def trajectory_samples(trajectories: list[Trajectory], episode_ids: list[int]) -> list[Sample]:
+    """One sample per trajectory: its whole stream, cut after the last sampled token."""
+    samples = []
+    for episode, trajectory in zip(episode_ids, trajectories):
+        assert trajectory.tokens is not None
+        stream = trajectory.tokens.stream()
+        ends = stream.turn_end_positions[: len(trajectory.turns)]
+        cut = ends[-1] + 1
+        samples.append(
+            Sample(
+                input_ids=stream.input_ids[:cut],
+                loss_mask=stream.loss_mask[:cut],
+                sampler_logprobs=stream.logprobs[:cut],
+                turn_ends=list(ends),
+                turn_rewards=[turn.reward for turn in trajectory.turns[: len(ends)]],
+                episode=episode,
+                group=trajectory.group,
+            )
+        )
+    return samples
+
+
+def turn_samples(trajectories: list[Trajectory], episode_ids: list[int]) -> list[Sample]:
+    """One sample per turn: the prompt it was sampled from plus the response."""
+    samples = []
+    for episode, trajectory in zip(episode_ids, trajectories):
+        assert trajectory.tokens is not None
+        for sample, turn in zip(trajectory.tokens.turn_samples(), trajectory.turns):
+            prompt, response = sample.prompt_ids, sample.response_ids
+            samples.append(
+                Sample(
+                    input_ids=prompt + response,
+                    loss_mask=[0] * len(prompt) + [1] * len(response),
+                    sampler_logprobs=[0.0] * len(prompt) + sample.logprobs,
+                    turn_ends=[len(prompt) + len(response) - 1],
+                    turn_rewards=[turn.reward],
+                    episode=episode,
+                    group=trajectory.group,
+                    turn=sample.turn,
+                )
+            )
+    return samples
+
+
+def collate(samples: list[Sample], pad_id: int) -> Batch:
+    """Right-pad samples into a :class:`Batch`."""
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    width = max(len(s.input_ids) for s in samples)
+    turns = max(len(s.turn_ends) for s in samples)
+    b = len(samples)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, width), dtype=torch.long)
+    loss_mask = torch.zeros((b, width))
+    logprobs = torch.zeros((b, width))
+    turn_end_index = torch.full((b, turns), -1, dtype=torch.long)
+    turn_rewards = torch.zeros((b, turns))
+    for row, sample in enumerate(samples):
+        n = len(sample.input_ids)
+        input_ids[row, :n] = torch.tensor(sample.input_ids)
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float)
+        logprobs[row, :n] = torch.tensor(sample.sampler_logprobs, dtype=torch.float)
+        turn_end_index[row, : len(sample.turn_ends)] = torch.tensor(sample.turn_ends)
+        turn_rewards[row, : len(sample.turn_rewards)] = torch.tensor(sample.turn_rewards, dtype=torch.float)
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        sampler_logprobs=logprobs,
+        turn_end_index=turn_end_index,
+        turn_rewards=turn_rewards,
+        episode=torch.tensor([s.episode for s in samples]),
+        group=torch.tensor([s.group for s in samples]),
+        turn=torch.tensor([s.turn for s in samples]),
+    )

@@ -1,0 +1,250 @@
+"""The training recipe's configuration (``turnrl train --config X.yaml key=value``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from turnrl.config import (
+    AgentConfig,
+    ConfigError,
+    EnvConfig,
+    GroupsConfig,
+    ModelConfig,
+    SamplingConfig,
+    SeedConfig,
+    check_choice,
+    check_range,
+)
+
+ADVANTAGES = ("gae", "bilevel_gae", "turn_gae", "grpo", "drgrpo", "rloo", "reinforce_pp")
+CRITIC_ADVANTAGES = ("gae", "bilevel_gae", "turn_gae")
+
+
+@dataclass
+class FilterConfig:
+    """StarPO-S: keep the groups whose rollouts disagree most."""
+
+    method: str = "none"
+    """``none``, ``top_k``, ``top_p`` or ``min_p``."""
+    value: float = 0.25
+    """top_k: share of groups (<=1) or count (>1); top_p: cumulative mass; min_p: share of the best score."""
+    metric: str = "reward_std"
+    """Group score: ``reward_std``, ``reward_mean``, ``length_mean``."""
+    weighting: str = "linear"
+    """top_p weighting of the scores: ``linear`` or ``softmax``."""
+    drop_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (they carry no GRPO signal)."""
+    on_empty: str = "skip"
+    """When nothing is kept: ``skip`` the step or ``keep_all``."""
+
+    def validate(self) -> None:
+        check_choice("algorithm.filter.method", self.method, ["none", "top_k", "top_p", "min_p"])
+        check_choice("algorithm.filter.metric", self.metric, ["reward_std", "reward_mean", "length_mean"])
+        check_choice("algorithm.filter.weighting", self.weighting, ["linear", "softmax"])
+        check_choice("algorithm.filter.on_empty", self.on_empty, ["skip", "keep_all"])
+        check_range("algorithm.filter.value", self.value, 0.0)
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "gae"
+    """Estimator: ``gae``, ``bilevel_gae``, ``turn_gae``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp``."""
+    reward_placement: str = "per_turn"
+    """``per_turn``: each turn's reward at its last token; ``episode_end``: the sum at the last token."""
+    sample_mode: str = "trajectory"
+    """``trajectory``: a whole episode is one sample (StarPO); ``turn``: one sample per turn."""
+    gamma: float = 1.0
+    """Token-level discount of GAE (RAGEN: 1.0)."""
+    lam: float = 1.0
+    """GAE lambda (RAGEN: 1.0)."""
+    gamma_turn: float = 0.95
+    """Bi-level and turn GAE: discount across turns."""
+    lambda_turn: float = 0.95
+    """Bi-level and turn GAE: lambda across turns."""
+    gamma_token: float = 1.0
+    """Bi-level GAE: discount inside a turn."""
+    lambda_token: float = 1.0
+    """Bi-level GAE: lambda inside a turn."""
+    whiten_advantages: bool = True
+    """Whiten critic-based advantages over the batch's loss tokens."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1."""
+    clip_high: float = 0.28
+    """PPO ratio clip above 1 (clip-higher)."""
+    dual_clip: Optional[float] = 3.0
+    """Dual-clip bound c for negative advantages; None disables."""
+    value_clip: Optional[float] = 0.5
+    """Value-loss clip range; None disables."""
+    entropy_coef: float = 0.001
+    """Weight of the entropy bonus."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference policy (RAGEN: 0; paper 0.001)."""
+    kl_kind: str = "k3"
+    """KL estimator: ``k1``, ``k2`` or ``k3``."""
+    kl_in_reward: bool = False
+    """Subtract the KL from the token rewards instead of adding it to the loss."""
+    loss_aggregation: str = "token-mean"
+    """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``."""
+    old_logprobs: str = "sampler"
+    """PPO's old log-probs: ``sampler`` (those sampled with) or ``recompute`` (a forward pass)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 32
+    """Samples per optimizer step."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward (gradient accumulation up to the mini-batch)."""
+    critic_warmup_steps: int = 0
+    """Steps that train only the critic."""
+    filter: FilterConfig = field(default_factory=FilterConfig)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage in CRITIC_ADVANTAGES
+
+    def validate(self) -> None:
+        check_choice("algorithm.advantage", self.advantage, ADVANTAGES)
+        check_choice("algorithm.reward_placement", self.reward_placement, ["per_turn", "episode_end"])
+        check_choice("algorithm.sample_mode", self.sample_mode, ["trajectory", "turn"])
+        check_choice("algorithm.kl_kind", self.kl_kind, ["k1", "k2", "k3"])
+        check_choice(
+            "algorithm.loss_aggregation", self.loss_aggregation, ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+        )
+        check_choice("algorithm.old_logprobs", self.old_logprobs, ["sampler", "recompute"])
+        for key in ("gamma", "lam", "gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
+            check_range(f"algorithm.{key}", getattr(self, key), 0.0, 1.0)
+        check_range("algorithm.ppo_epochs", self.ppo_epochs, 1)
+        check_range("algorithm.micro_batch_size", self.micro_batch_size, 1)
+        check_range("algorithm.mini_batch_size", self.mini_batch_size, self.micro_batch_size)
+        self.filter.validate()
+
+
+@dataclass
+class OptimConfig:
+    actor_lr: float = 1e-6
+    """Actor learning rate (RAGEN: 1e-6 full fine-tuning)."""
+    critic_lr: float = 1e-5
+    """Critic learning rate (RAGEN: 1e-5)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up in optimizer steps."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this."""
+    skip_grad_norm_above: Optional[float] = None
+    """Skip (and count) an optimizer step whose gradient norm exceeds this; None never skips for size."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights (the reference policy is then the adapters switched off)."""
+    r: int = 64
+    """Adapter rank."""
+    alpha: int = 64
+    """Adapter scaling numerator."""
+    dropout: float = 0.0
+    """Adapter dropout."""
+    target_modules: str = "all-linear"
+    """Modules that get adapters (peft's ``all-linear`` or a comma-separated list)."""
+
+
+@dataclass
+class SFTConfig:
+    enabled: bool = False
+    """Warm up with supervised fine-tuning before RL (``turnrl train``)."""
+    data: Optional[str] = None
+    """A JSONL of chats (``{"messages": [...]}``) instead of expert demos."""
+    episodes: int = 2000
+    """Expert episodes played for demos (training seeds, never validation seeds)."""
+    random_action_share: float = 0.3
+    """Share of demo actions replaced by random ones, so the demos are imperfect."""
+    epochs: int = 2
+    """Passes over the demos."""
+    lr: float = 1e-3
+    """Learning rate (cosine decay after warm-up)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    batch_size: int = 32
+    """Samples per optimizer step."""
+    micro_batch_size: int = 32
+    """Samples per forward/backward."""
+    seed_start: int = 1_000_000
+    """First env seed of demo episodes, far from RL training seeds."""
+
+    def validate(self) -> None:
+        check_range("sft.random_action_share", self.random_action_share, 0.0, 1.0)
+        check_range("sft.episodes", self.episodes, 1)
+        check_range("sft.epochs", self.epochs, 1)
+        check_range("sft.micro_batch_size", self.micro_batch_size, 1)
+        check_range("sft.batch_size", self.batch_size, self.micro_batch_size)
+
+
+@dataclass
+class ValidationConfig:
+    episodes: int = 64
+    """Validation seeds played (fixed, disjoint from training seeds)."""
+    samples_per_seed: int = 1
+    """Episodes per validation seed."""
+    temperature: float = 0.5
+    """Sampling temperature of validation (RAGEN: 0.5)."""
+    every: int = 0
+    """Validate every N RL steps; 0 validates only before and after RL."""
+    batch_size: int = 128
+    """Episodes rolled out together."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Run name; the run directory is ``output_dir/name``."""
+    output_dir: str = "runs"
+    """Parent folder of run directories."""
+    steps: int = 100
+    """RL steps (rollout + update)."""
+    save_every: int = 0
+    """Checkpoint every N steps; 0 saves only at the end."""
+    trajectories_every: int = 10
+    """Write the step's trajectories every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    wandb_project: Optional[str] = None
+    """Log to this Weights & Biases project too (needs ``wandb``)."""
+    threads: int = 0
+    """torch CPU threads; 0 keeps torch's default."""
+
+
+@dataclass
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    groups: GroupsConfig = field(default_factory=GroupsConfig)
+    seeds: SeedConfig = field(default_factory=SeedConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    resume: Optional[str] = None
+    """A run directory to continue from its latest checkpoint."""
+
+    def validate(self) -> None:
+        self.agent.validate()
+        self.sampling.validate()
+        self.model.validate()
+        self.groups.validate()
+        self.algorithm.validate()
+        self.sft.validate()
+        check_range("run.steps", self.run.steps, 0)
+        if self.algorithm.sample_mode == "trajectory" and self.agent.max_context_window is not None:
+            if self.agent.max_context_window < self.agent.max_turns:
+                raise ConfigError(
+                    f"agent.max_context_window={self.agent.max_context_window} cuts the context, so a whole episode is "
+                    "not what the model saw; use algorithm.sample_mode=turn (one sample per turn) or "
+                    f"agent.max_context_window=null (or >= agent.max_turns={self.agent.max_turns})"
+                )
+        if self.algorithm.advantage in ("grpo", "drgrpo", "rloo") and self.groups.group_size < 2:
+            raise ConfigError(f"algorithm.advantage={self.algorithm.advantage} compares episodes within a group: set groups.group_size >= 2")

@@ -1,0 +1,130 @@
+"""Forward passes the trainer needs: token log-probs, entropy, values.
+
+Notation: b batch size, s sequence length, h hidden size, v vocabulary size,
+n number of scored tokens.
+
+Alignment: every per-token tensor is indexed by the position of the token it
+scores. ``logprobs[i] = log p(input_ids[i] | input_ids[:i])`` and
+``values[i] = V(input_ids[:i])`` (the value of the state in which token ``i``
+is chosen); position 0 is never scored. Masks use the same indexing.
+
+Only the scored positions go through the LM head, in chunks: a full
+``(b, s, v)`` logits tensor for a 150k vocabulary would not fit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModel, PreTrainedModel
+
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The transformer body and the LM head of a causal LM (peft-wrapped or not)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def last_hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Shape (b, s, h): final-layer (normed) hidden states."""
+    return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+def scored_positions(score_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows and columns of scored tokens; position 0 is never scored.
+
+    Args:
+        score_mask: Shape (b, s), nonzero where a token is scored.
+
+    Returns:
+        Two index tensors of Shape (n,).
+    """
+    mask = score_mask.bool().clone()
+    mask[:, 0] = False
+    rows, cols = mask.nonzero(as_tuple=True)
+    return rows, cols
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    score_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities (and entropies) of the scored tokens under ``softmax(logits / temperature)``.
+
+    Args:
+        input_ids: Shape (b, s).
+        attention_mask: Shape (b, s).
+        score_mask: Shape (b, s); which tokens to score (usually the loss mask).
+        temperature: the sampling temperature (0 is treated as 1).
+
+    Returns:
+        ``logprobs`` Shape (b, s) and ``entropy`` Shape (b, s) or None; zero where not scored.
+    """
+    decoder, head = _decoder_and_head(model)
+    hidden = last_hidden_states(decoder, input_ids, attention_mask)
+    rows, cols = scored_positions(score_mask)
+    targets = input_ids[rows, cols]
+    states = hidden[rows, cols - 1]  # the state before each scored token
+    scale = temperature if temperature > 0 else 1.0
+    logprob_chunks, entropy_chunks = [], []
+    for start in range(0, states.shape[0], chunk_size):
+        logits = head(states[start : start + chunk_size]).float() / scale  # (chunk, v)
+        log_probs = torch.log_softmax(logits, dim=-1)
+        logprob_chunks.append(log_probs.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1))
+        if with_entropy:
+            entropy_chunks.append(-(log_probs.exp() * log_probs).sum(-1))
+    logprobs = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    if logprob_chunks:
+        logprobs = logprobs.index_put((rows, cols), torch.cat(logprob_chunks))
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        if entropy_chunks:
+            entropy = entropy.index_put((rows, cols), torch.cat(entropy_chunks))
+    return logprobs, entropy
+
+
+class ValueModel(nn.Module):
+    """A critic: a transformer backbone of its own plus a linear value head.
+
+    Built from the actor's weights (the backbone without the LM head), as is
+    usual for PPO on language models.
+    """
+
+    def __init__(self, backbone: PreTrainedModel) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden_size = backbone.config.hidden_size
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ValueModel:
+        path = Path(path)
+        backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        critic = cls(backbone)
+        head = path / "value_head.pt"
+        if head.exists():
+            critic.value_head.load_state_dict(torch.load(head, map_location="cpu", weights_only=True))
+        return critic
+
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        self.backbone.save_pretrained(path)
+        torch.save(self.value_head.state_dict(), path / "value_head.pt")
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Shape (b, s): ``values[i] = V(input_ids[:i])``; position 0 is 0."""
+        backbone = self.backbone.get_base_model() if hasattr(self.backbone, "get_base_model") else self.backbone
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # value after token i
+        return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)
+

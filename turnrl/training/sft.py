@@ -1,0 +1,189 @@
+"""Supervised fine-tuning: expert demos from env solvers, or a JSONL of chats.
+
+Demos are episodes of the expert policy (the env's solver, re-planned every
+turn) written in the run's reasoning format, with a configurable share of
+random actions so the demos are imperfect. They are tokenized with the same
+token-exact context the RL rollouts use, so SFT trains on exactly the prompts
+the policy will later see. The loss covers assistant tokens only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from turnrl.agent.formats import ResponseFormat
+from turnrl.config import AgentConfig, SamplingConfig
+from turnrl.envs.base import TurnEnv
+from turnrl.policy.scripted import ExpertPolicy
+from turnrl.rollout.context import EpisodeTokens
+from turnrl.rollout.runner import EpisodeSlot, Rollout
+from turnrl.rollout.trajectory import ERROR, Trajectory
+from turnrl.training.batch import Sample, collate
+from turnrl.training.config import SFTConfig, TrainConfig
+from turnrl.training.forward import token_logprobs
+
+console = Console()
+Message = dict[str, Any]
+
+
+# --------------------------------------------------------------------------- data
+def expert_demos(
+    make_env: Callable[[], TurnEnv], fmt: ResponseFormat, agent: AgentConfig, sft: SFTConfig, env_id: str,
+    seed: int = 0, batch_size: int = 256,
+) -> list[Trajectory]:
+    """Play ``sft.episodes`` expert episodes on seeds from ``sft.seed_start`` (never validation seeds)."""
+    policy = ExpertPolicy(fmt, agent.max_actions_per_turn, seed=seed, random_action_share=sft.random_action_share)
+    rollout = Rollout(policy, fmt, agent, env_id=env_id)
+    envs = [make_env() for _ in range(min(batch_size, sft.episodes))]
+    demos: list[Trajectory] = []
+    for start in range(0, sft.episodes, len(envs)):
+        seeds = range(sft.seed_start + start, sft.seed_start + min(start + len(envs), sft.episodes))
+        slots = [EpisodeSlot(env=env, seed=s, group=i) for i, (env, s) in enumerate(zip(envs, seeds))]
+        demos.extend(t for t in rollout.run(slots, SamplingConfig()) if t.status != ERROR and t.turns)
+    return demos
+
+
+def trajectory_messages(trajectory: Trajectory) -> list[Message]:
+    """The chat of a text-only trajectory: system, then user/assistant per turn."""
+    messages: list[Message] = [{"role": "system", "content": trajectory.system_prompt}]
+    for turn in trajectory.turns:
+        messages.append({"role": "user", "content": turn.observation})
+        messages.append({"role": "assistant", "content": turn.response})
+    return messages
+
+
+def conversation_samples(messages: list[Message], tokenizer: Any, window: int | None) -> list[Sample]:
+    """Token samples of one chat with the loss on assistant tokens (each ended by the eos token).
+
+    Without a window the whole chat is one sample; with one, every assistant
+    turn is a sample with the windowed prompt it would be sampled from.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError("SFT needs a tokenizer with an eos token to end assistant turns")
+    system = messages[0] if messages and messages[0]["role"] == "system" else None
+    rest = messages[1:] if system is not None else messages
+    if len(rest) < 2 or rest[0]["role"] != "user":
+        raise ValueError("a chat must start with a user message (after an optional system message) and have a reply")
+    tokens = EpisodeTokens(tokenizer, max_context_window=window)
+    tokens.start(system, rest[0])
+    for index, message in enumerate(rest[1:], start=1):
+        expected = "assistant" if index % 2 == 1 else "user"
+        if message["role"] != expected:
+            raise ValueError(f"message {index + (system is not None)} has role {message['role']!r}, expected {expected!r}")
+        if expected == "assistant":
+            ids = tokenizer.encode(message["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            tokens.add_response(ids)
+        else:
+            tokens.add_observation(message)
+    if tokens.awaiting_response:  # a chat that ends with a user message: nothing to learn from the tail
+        tokens.turns.pop()
+    if window is None:
+        stream = tokens.stream()
+        return [Sample(stream.input_ids, stream.loss_mask, [0.0] * len(stream.input_ids), stream.turn_end_positions,
+                       [0.0] * len(stream.turn_end_positions), episode=0, group=0)]
+    return [
+        Sample(s.prompt_ids + s.response_ids, [0] * len(s.prompt_ids) + [1] * len(s.response_ids),
+               [0.0] * (len(s.prompt_ids) + len(s.response_ids)), [len(s.prompt_ids) + len(s.response_ids) - 1],
+               [0.0], episode=0, group=0, turn=s.turn)
+        for s in tokens.turn_samples()
+    ]
+
+
+def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
+    """Chats from a JSONL file: one ``{"messages": [...]}`` object per line."""
+    chats = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            messages = record["messages"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: expected a JSON object with a 'messages' list ({error})") from error
+        chats.append(messages)
+    if not chats:
+        raise ValueError(f"{path} holds no chats")
+    return chats
+
+
+# --------------------------------------------------------------------------- training
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def sft_train(
+    model: torch.nn.Module,
+    pad_id: int,
+    samples: list[Sample],
+    config: SFTConfig,
+    seed: int = 0,
+    log: Callable[[int, dict[str, float]], None] | None = None,
+) -> dict[str, float]:
+    """Cross-entropy on the loss-masked tokens, AdamW with warm-up and cosine decay.
+
+    Returns the final metrics (mean loss of the last epoch, token accuracy).
+    """
+    device = next(model.parameters()).device
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(samples) / config.batch_size)
+    total = steps_per_epoch * config.epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.warmup_steps, total))
+    generator = torch.Generator().manual_seed(seed)
+    model.train()
+    step, epoch_loss, epoch_tokens = 0, 0.0, 0.0
+    columns = [TextColumn("[bold]sft[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task(f"{len(samples)} samples", total=total)
+        for epoch in range(config.epochs):
+            order = torch.randperm(len(samples), generator=generator).tolist()
+            epoch_loss, epoch_tokens = 0.0, 0.0
+            for start in range(0, len(order), config.batch_size):
+                batch_ids = order[start : start + config.batch_size]
+                n_tokens = sum(sum(samples[i].loss_mask) for i in batch_ids)
+                optimizer.zero_grad(set_to_none=True)
+                batch_loss = 0.0
+                for micro in range(0, len(batch_ids), config.micro_batch_size):
+                    batch = collate([samples[i] for i in batch_ids[micro : micro + config.micro_batch_size]], pad_id)
+                    batch = batch.to(device)
+                    logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
+                    loss = -(logprobs * batch.loss_mask).sum() / max(n_tokens, 1)
+                    loss.backward()
+                    batch_loss += loss.item()
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+                optimizer.step()
+                scheduler.step()
+                epoch_loss += batch_loss * n_tokens
+                epoch_tokens += n_tokens
+                if log is not None:
+                    log(step, {"sft/loss": batch_loss, "sft/grad_norm": grad_norm, "sft/lr": scheduler.get_last_lr()[0],
+                               "sft/epoch": epoch})
+                step += 1
+                progress.update(task, advance=1, description=f"epoch {epoch + 1}/{config.epochs} loss {batch_loss:.3f}")
+    model.eval()
+    return {"sft/final_epoch_loss": epoch_loss / max(epoch_tokens, 1), "sft/steps": float(step)}
+
+
+def run_sft_command(config: TrainConfig, data: str | None = None) -> Path:
+    """``turnrl sft``: warm up the configured model and save it under the run directory."""
+    from turnrl.training.trainer import Recipe
+
+    if data is not None:
+        config.sft.data = data
+    config.sft.enabled = True
+    recipe = Recipe(config)
+    path = recipe.run_sft()
+    console.print(f"SFT model written to {path}")
+    return path
