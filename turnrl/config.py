@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 T = TypeVar("T")
@@ -214,12 +215,22 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        layers.append(OmegaConf.load(path))
+        try:
+            layer = OmegaConf.load(path)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from error
+        if not isinstance(layer, DictConfig):
+            raise ConfigError(
+                f"config file {str(path)!r} must hold a mapping of keys (key: value), not a list or a scalar"
+            )
+        layers.append(layer)
     for item in overrides or []:
-        if "=" not in item:
+        if "=" not in item or not item.split("=", 1)[0].strip():
             raise ConfigError(f"override {item!r} is not of the form key=value")
-    if overrides:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        try:
+            layers.append(OmegaConf.from_dotlist([item]))
+        except yaml.YAMLError as error:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML: {error}") from error
     try:
         merged = OmegaConf.merge(base, *layers)
         config = OmegaConf.to_object(merged)
