@@ -76,6 +76,9 @@ class AgentConfig:
     """Put the response format's description in the system prompt."""
 
     def validate(self) -> None:
+        from turnrl.agent.formats import format_names
+
+        check_choice("agent.format", self.format, format_names())
         for key in ("max_actions_per_turn", "max_turns", "max_actions_per_episode", "max_context_tokens"):
             check_range(f"agent.{key}", getattr(self, key), 1)
         if self.max_context_window is not None:
@@ -150,6 +153,17 @@ class SeedConfig:
     val_size: int = 10_000
     """Seeds reserved for validation; they never overlap training seeds."""
 
+    def validate(self) -> None:
+        # The rule of turnrl.envs.seeds.SeedSplits, checked here to name the keys.
+        check_range("seeds.val_size", self.val_size, 1)
+        val_end = self.val_start + self.val_size
+        if self.train_start < val_end:
+            raise ConfigError(
+                f"seeds.train_start={self.train_start} would overlap the validation seeds "
+                f"[{self.val_start}, {val_end}) (training seeds run upwards without end); "
+                f"put seeds.train_start at or above {val_end}"
+            )
+
 
 @dataclass
 class EvalConfig:
@@ -181,8 +195,13 @@ class EvalConfig:
         self.agent.validate()
         self.sampling.validate()
         self.model.validate()
+        self.seeds.validate()
         for key in ("episodes", "samples_per_seed", "batch_size", "concurrency"):
             check_range(key, getattr(self, key), 1)
+        if self.episodes > self.seeds.val_size:
+            raise ConfigError(
+                f"episodes={self.episodes} exceeds the {self.seeds.val_size} validation seeds (seeds.val_size)"
+            )
 
 
 # --------------------------------------------------------------------------- loading
