@@ -49,8 +49,9 @@ def cmd_envs(args: argparse.Namespace) -> int:
     from turnrl.envs.registry import env_class, env_names, env_parameters, gym_id
 
     table = Table(title="turnrl environments")
-    table.add_column("id")
-    table.add_column("modes")
+    # Ids and modes are what users type: never wrap or cut them, even in a narrow terminal.
+    table.add_column("id", no_wrap=True)
+    table.add_column("modes", no_wrap=True)
     table.add_column("description")
     table.add_column("settings (defaults)", overflow="fold")
     for name in env_names():
