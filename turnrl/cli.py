@@ -251,7 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # argparse gives a trailing nargs="*" positional only the words before the
+    # first option, so `play ENV --seed 3 mode=image` would stop at
+    # "mode=image". Words of the form key=value left over after the options
+    # belong to the command's settings / overrides, in command-line order.
+    args, extra = parser.parse_known_args(argv)
+    target = next((name for name in ("settings", "overrides") if hasattr(args, name)), None)
+    if extra:
+        if target is None or any(word.startswith("-") or "=" not in word for word in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        setattr(args, target, [*getattr(args, target), *extra])
     return int(args.fn(args) or 0)
 
 
