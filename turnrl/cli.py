@@ -154,9 +154,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         overrides.append(f"out={args.out}")
     try:
         config = load_config(EvalConfig, args.config, overrides)
+        run_eval(config)
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
-    run_eval(config)
     return 0
 
 

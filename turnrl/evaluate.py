@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from turnrl.agent.formats import get_format
-from turnrl.config import EvalConfig, to_yaml
+from turnrl.config import ConfigError, EvalConfig, to_yaml
 from turnrl.envs import make
 from turnrl.envs.seeds import SeedSplits
 from turnrl.policy.factory import make_policy
@@ -77,17 +77,28 @@ def print_summary(summary: dict[str, Any], title: str) -> None:
 
 
 def run_eval(config: EvalConfig) -> dict[str, Any]:
-    """Evaluate ``config.policy`` on ``config.episodes`` validation seeds."""
+    """Evaluate ``config.policy`` on ``config.episodes`` validation seeds.
+
+    Raises:
+        ConfigError: the env, its settings or the policy cannot be built.
+    """
     fmt = get_format(
         config.agent.format,
         action_separator=config.agent.action_separator,
         max_actions_per_turn=config.agent.max_actions_per_turn,
     )
-    policy = make_policy(config, fmt)
     settings = dict(config.env.val_settings if config.env.val_settings is not None else config.env.settings)
+
+    def make_env():
+        try:
+            return make(config.env.id, **settings)
+        except (ValueError, TypeError) as error:  # unknown env or bad settings: a config problem
+            raise ConfigError(f"env.id={config.env.id!r} with settings {settings}: {error}") from error
+
     seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
-    groups = EnvGroups(lambda: make(config.env.id, **settings), 1, 1, seeds)
-    slots = groups.val_slots(config.episodes, config.samples_per_seed)
+    groups = EnvGroups(make_env, 1, 1, seeds)
+    slots = groups.val_slots(config.episodes, config.samples_per_seed)  # builds the envs before a model loads
+    policy = make_policy(config, fmt)
     rollout = Rollout(policy, fmt, config.agent, env_id=config.env.id)
 
     trajectories: list[Trajectory] = []
