@@ -1,0 +1,306 @@
+"""OpenAIPolicy: against the real policy server (tiny built-in model) and against fake handlers for failures."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import email.utils
+import io
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from PIL import Image
+
+from turnrl.agent.formats import get_format
+from turnrl.config import AgentConfig, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
+from turnrl.envs import make
+from turnrl.evaluate import run_eval
+from turnrl.models.builtin import builtin_model_path
+from turnrl.policy.base import GenerationRequest, Policy
+from turnrl.policy.hf import HFPolicy
+from turnrl.policy.openai_http import OpenAIPolicy, chat_completions_url, parse_retry_after
+from turnrl.policy.server import create_app
+from turnrl.rollout.runner import EpisodeSlot, Rollout
+
+MODEL = "tiny"
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=8)
+
+
+def ask(text: str) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=None, messages=[{"role": "user", "content": text}])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    """The tiny built-in model served for real on a free localhost port."""
+    path = builtin_model_path(ModelConfig(builtin_preset="tiny", builtin_dir=str(tmp_path_factory.mktemp("models"))))
+    policy = HFPolicy.from_config(ModelConfig(device="cpu"), str(path), max_batch_size=16)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(policy, MODEL), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def ok_body(text: str = "hello", finish_reason: str = "stop", **choice) -> dict:
+    return {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, **choice}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
+
+
+def fake(handler, **options) -> OpenAIPolicy:
+    """A policy whose requests go to ``handler(request) -> httpx.Response`` instead of the network."""
+    options = {"backoff_s": 0.001, "max_backoff_s": 0.01, "timeout_s": 5.0, **options}
+    return OpenAIPolicy("http://fake/v1", MODEL, transport=httpx.MockTransport(handler), **options)
+
+
+# --------------------------------------------------------------------------- against the real server
+def test_generate_many_requests_concurrently(base_url):
+    policy = OpenAIPolicy(base_url, MODEL, api_key="secret", concurrency=3)
+    assert isinstance(policy, Policy) and policy.tokenizer is None
+    completions = policy.generate([ask(f"question {i}") for i in range(7)], SAMPLING)
+    assert len(completions) == 7
+    assert all(c.finish_reason in ("stop", "length") and c.error is None for c in completions)
+    assert all(c.token_ids == [] and c.logprobs == [] for c in completions)  # text-only
+    assert policy.usage.requests == 7 and policy.usage.failures == 0
+    assert 0 < policy.usage.completion_tokens <= 7 * 8
+
+
+def test_stop_string_is_restored_from_stop_reason(base_url):
+    policy = OpenAIPolicy(base_url.removesuffix("/v1"), MODEL)  # a bare host:port gets /v1
+    completions = policy.generate([ask(f"q{i}") for i in range(4)], SamplingConfig(max_new_tokens=24, stop=["e"]))
+    for completion in completions:
+        if completion.finish_reason == "stop" and "e" in completion.text:
+            assert completion.text.endswith("e") and completion.text.count("e") == 1
+
+
+def test_eval_run_against_the_server(base_url, tmp_path):
+    config = EvalConfig(
+        env=EnvConfig(id="FrozenLake"),
+        agent=AgentConfig(max_turns=2),
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=16),
+        policy=f"openai:{MODEL}",
+        base_url=base_url,
+        concurrency=2,
+        episodes=2,
+        out=str(tmp_path),
+    )
+    summary = run_eval(config)
+    assert summary["episodes"] == 2 and summary["errors"] == 0
+    lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    for line in lines:  # the tiny model writes garbage: recorded as format errors, not failures
+        turns = json.loads(line)["turns"]
+        assert len(turns) == 2 and all(t["finish_reason"] in ("stop", "length") for t in turns)
+
+
+# --------------------------------------------------------------------------- request bodies
+def test_request_body_maps_sampling():
+    policy = OpenAIPolicy("http://x/v1", "m")
+    request = GenerationRequest(prompt_ids=[1], messages=[{"role": "user", "content": "hi"}], max_new_tokens=5)
+    body = policy.request_body(request, SamplingConfig(temperature=0.3, top_p=0.9, top_k=0, max_new_tokens=50))
+    assert body == {"model": "m", "messages": request.messages, "temperature": 0.3, "top_p": 0.9, "max_tokens": 5}
+    body = policy.request_body(ask("hi"), SamplingConfig(top_k=20, max_new_tokens=50, stop=["</answer>"]))
+    assert body["top_k"] == 20 and body["stop"] == ["</answer>"] and body["max_tokens"] == 50
+
+
+def test_headers_finish_reasons_and_usage():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        text = json.loads(request.content)["messages"][0]["content"]
+        reasons = {"a": ("stop", {}), "b": ("length", {}), "c": ("content_filter", {}), "d": ("stop", {"stop_reason": "!"})}
+        reason, extra = reasons[text]
+        return httpx.Response(200, json=ok_body(f"out-{text}", reason, **extra))
+
+    policy = fake(handler, api_key="sk-test")
+    out = policy.generate([ask("a"), ask("b"), ask("c"), ask("d")], SamplingConfig(stop=["!"]))
+    assert [c.finish_reason for c in out] == ["stop", "length", "error", "stop"]
+    assert "content_filter" in out[2].error
+    assert out[3].text == "out-d!"
+    assert all(r.headers["authorization"] == "Bearer sk-test" and r.url.path == "/v1/chat/completions" for r in seen)
+    assert (policy.usage.requests, policy.usage.failures) == (3, 1)
+    assert policy.usage.prompt_tokens == 12  # the filtered answer's tokens count too
+
+
+def test_base_urls():
+    assert chat_completions_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
+    assert chat_completions_url("http://h:1") == "http://h:1/v1/chat/completions"
+    assert chat_completions_url("https://api.example.com/openai/v1") == "https://api.example.com/openai/v1/chat/completions"
+
+
+# --------------------------------------------------------------------------- failures
+def test_server_unreachable_gives_error_completions_after_retries():
+    policy = OpenAIPolicy(f"http://127.0.0.1:{free_port()}/v1", MODEL, timeout_s=2.0, max_retries=2, backoff_s=0.01)
+    start = time.monotonic()
+    out = policy.generate([ask("a"), ask("b")], SAMPLING)
+    assert time.monotonic() - start < 5
+    assert all(c.finish_reason == "error" and c.text == "" for c in out)
+    assert "gave up after 3 attempts" in out[0].error and "ConnectError" in out[0].error
+    assert policy.usage.retries == 4 and policy.usage.failures == 2
+
+
+def test_server_error_is_retried_then_succeeds_or_fails():
+    attempts = {"n": 0}
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        attempts["n"] += 1
+        if attempts["n"] <= 2:
+            return httpx.Response(503, json={"error": {"message": "overloaded"}})
+        return httpx.Response(200, json=ok_body("fine"))
+
+    policy = fake(flaky, max_retries=3)
+    assert policy.generate([ask("x")], SAMPLING)[0].text == "fine"
+    assert attempts["n"] == 3 and policy.usage.retries == 2
+
+    calls = []
+    policy = fake(lambda r: calls.append(r) or httpx.Response(500, text="boom"), max_retries=2)
+    [completion] = policy.generate([ask("x")], SAMPLING)
+    assert completion.finish_reason == "error" and "HTTP 500: boom" in completion.error
+    assert len(calls) == 3
+
+
+def test_client_errors_are_not_retried():
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(400, json={"error": {"message": "max_tokens is too large"}})
+
+    [completion] = fake(handler).generate([ask("x")], SAMPLING)
+    assert completion.error == "HTTP 400: max_tokens is too large" and len(calls) == 1
+
+
+def test_rate_limit_waits_for_retry_after():
+    times = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        times.append(time.monotonic())
+        if len(times) == 1:
+            return httpx.Response(429, headers={"retry-after": "0.3"}, json={"error": {"message": "slow down"}})
+        return httpx.Response(200, json=ok_body())
+
+    [completion] = fake(handler).generate([ask("x")], SAMPLING)
+    assert completion.text == "hello" and times[1] - times[0] >= 0.29
+
+
+def test_parse_retry_after():
+    assert parse_retry_after(httpx.Headers({"retry-after": "2"})) == 2.0
+    assert parse_retry_after(httpx.Headers({"retry-after-ms": "250", "retry-after": "9"})) == 0.25
+    later = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 < parse_retry_after(httpx.Headers({"retry-after": later})) <= 31
+    assert parse_retry_after(httpx.Headers({"retry-after": "soon"})) is None
+    assert parse_retry_after(httpx.Headers({})) is None
+
+
+def test_timeout_is_retried_then_reported():
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(2)
+        return httpx.Response(200, json=ok_body())
+
+    start = time.monotonic()
+    [completion] = fake(slow, timeout_s=0.1, max_retries=1).generate([ask("x")], SAMPLING)
+    assert completion.finish_reason == "error" and "gave up after 2 attempts" in completion.error
+    assert time.monotonic() - start < 1.5
+
+
+def test_one_bad_request_does_not_fail_the_batch():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if "bad" in request.content.decode():
+            return httpx.Response(200, content=b"not json")
+        return httpx.Response(200, json=ok_body("good"))
+
+    out = fake(handler, concurrency=2).generate([ask("a"), ask("bad"), ask("c")], SAMPLING)
+    assert [c.finish_reason for c in out] == ["stop", "error", "stop"]
+    assert "not JSON" in out[1].error
+
+
+def test_concurrency_limit_is_respected():
+    active, peak = [0], [0]
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+        await asyncio.sleep(0.02)
+        active[0] -= 1
+        return httpx.Response(200, json=ok_body())
+
+    out = fake(handler, concurrency=3).generate([ask(str(i)) for i in range(10)], SAMPLING)
+    assert len(out) == 10 and peak[0] == 3
+
+
+def test_generate_works_inside_a_running_event_loop():
+    policy = fake(lambda r: httpx.Response(200, json=ok_body("inner")))
+
+    async def caller():
+        return policy.generate([ask("x")], SAMPLING)
+
+    assert asyncio.run(caller())[0].text == "inner"
+
+
+# --------------------------------------------------------------------------- images
+def decode_png(url: str) -> np.ndarray:
+    assert url.startswith("data:image/png;base64,")
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
+
+
+def test_image_rollout_sends_every_turns_image():
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json=ok_body("no idea"))
+
+    env = make("FrozenLake", mode="image")
+    fmt = get_format("free_think", max_actions_per_turn=1)
+    rollout = Rollout(fake(handler), fmt, AgentConfig(max_turns=3), env_id="FrozenLake")
+    [trajectory] = rollout.run([EpisodeSlot(env=env, seed=0)], SAMPLING)
+    assert len(trajectory.turns) == 3 and trajectory.error is None
+
+    def image_urls(body):
+        return [p["image_url"]["url"] for m in body["messages"] if isinstance(m["content"], list)
+                for p in m["content"] if p["type"] == "image_url"]
+
+    assert [len(image_urls(body)) for body in bodies] == [1, 2, 3]
+    assert image_urls(bodies[2])[:2] == image_urls(bodies[1])  # earlier turns keep their images
+    for url, image in zip(image_urls(bodies[2]), trajectory.images):
+        np.testing.assert_array_equal(decode_png(url), image)
+
+
+def test_images_in_parts_and_missing_images():
+    captured = []
+    policy = fake(lambda r: captured.append(json.loads(r.content)) or httpx.Response(200, json=ok_body()))
+    pixel = np.full((2, 3, 3), 7, dtype=np.uint8)
+    inline = GenerationRequest(
+        prompt_ids=None,
+        messages=[{"role": "user", "content": [{"type": "image", "image": pixel}, {"type": "text", "text": "what?"}]}],
+    )
+    missing = GenerationRequest(
+        prompt_ids=None, messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    )
+    ok, failed = policy.generate([inline, missing], SAMPLING)
+    part = captured[0]["messages"][0]["content"][0]
+    np.testing.assert_array_equal(decode_png(part["image_url"]["url"]), pixel)
+    assert captured[0]["messages"][0]["content"][1] == {"type": "text", "text": "what?"}
+    assert ok.finish_reason == "stop" and failed.finish_reason == "error"
+    assert "image part without image data" in failed.error and len(captured) == 1

@@ -1,0 +1,263 @@
+"""The OpenAI-compatible policy server: a real uvicorn server with the tiny built-in model.
+
+The official ``openai`` client talks to it over localhost; batching and error
+isolation are also checked on :class:`GenerationBatcher` with a fake policy,
+where timing cannot make the outcome vary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.models.builtin import builtin_model_path
+from turnrl.policy.base import Completion, GenerationRequest
+from turnrl.policy.hf import HFPolicy
+from turnrl.policy.server import GenerationBatcher, create_app, load_policy
+
+MODEL = "tiny"
+HI = [{"role": "user", "content": "Hello there"}]
+
+
+class CountingPolicy:
+    """Wraps a policy and records the size of every ``generate`` call."""
+
+    def __init__(self, policy: HFPolicy) -> None:
+        self.inner = policy
+        self.tokenizer = policy.tokenizer
+        self.model = policy.model
+        self.eos_ids = policy.eos_ids
+        self.max_batch_size = policy.max_batch_size
+        self.calls: list[int] = []
+
+    def generate(self, requests, sampling):
+        self.calls.append(len(requests))
+        return self.inner.generate(requests, sampling)
+
+
+@dataclass
+class Served:
+    base_url: str
+    policy: CountingPolicy
+    path: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    config = ModelConfig(builtin_preset="tiny", builtin_dir=str(tmp_path_factory.mktemp("models")))
+    return str(builtin_model_path(config))
+
+
+@pytest.fixture(scope="module")
+def served(tiny_path):
+    policy = CountingPolicy(HFPolicy.from_config(ModelConfig(device="cpu"), tiny_path, max_batch_size=16))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(policy, MODEL), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    yield Served(base_url=f"http://127.0.0.1:{port}/v1", policy=policy, path=tiny_path)
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url, api_key="x", max_retries=0)
+
+
+# --------------------------------------------------------------------------- through the openai client
+def test_chat_completion_text_usage_and_logprobs(client):
+    response = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=12, logprobs=True, temperature=1.0)
+    choice = response.choices[0]
+    assert response.model == MODEL and response.object == "chat.completion"
+    assert isinstance(choice.message.content, str) and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    usage = response.usage
+    assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    entries = choice.logprobs.content
+    # The end-of-turn token is sampled (and counted) but not listed, as OpenAI does.
+    assert len(entries) == usage.completion_tokens - (1 if choice.finish_reason == "stop" else 0)
+    assert all(e.logprob <= 0 and e.top_logprobs == [] for e in entries)
+    assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8", errors="replace") == choice.message.content
+
+
+def test_n_choices_and_stop_strings(client):
+    response = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=10, n=3, stop=["e"])
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    for choice in response.choices:
+        assert "e" not in choice.message.content  # OpenAI cuts the stop string from the text
+        extra = choice.model_extra or {}
+        if extra.get("stop_reason") is not None:
+            assert extra["stop_reason"] == "e" and choice.finish_reason == "stop"
+    assert response.usage.completion_tokens <= 30
+
+
+def test_streaming_is_one_chunk_per_part(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=6, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 6
+    assert isinstance(text, str)
+
+
+def test_models_and_health(client, served):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    health = httpx.get(served.base_url.removesuffix("/v1") + "/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL and health["generate_calls"] >= 1
+
+
+# --------------------------------------------------------------------------- batching, for real
+def test_concurrent_requests_share_generate_calls(served):
+    policy = served.policy
+    before = len(policy.calls)
+    requests = 8
+
+    def post(i: int) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"request {i}"}], "max_tokens": 8 + i}
+        return httpx.post(served.base_url + "/chat/completions", json=body, timeout=60)
+
+    with ThreadPoolExecutor(requests) as pool:
+        responses = list(pool.map(post, range(requests)))
+    assert all(r.status_code == 200 for r in responses)
+    for i, response in enumerate(responses):
+        assert response.json()["usage"]["completion_tokens"] <= 8 + i  # each keeps its own max_tokens
+    calls = policy.calls[before:]
+    assert sum(calls) == requests
+    assert len(calls) < requests, f"no batching: {calls}"
+
+
+# --------------------------------------------------------------------------- bad requests
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ({"model": MODEL}, 400, ["messages", "required"]),
+        ({"model": MODEL, "messages": []}, 400, ["messages"]),
+        ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, ["role", "'user'"]),
+        ({"model": MODEL, "messages": [{"role": "user"}]}, 400, ["content is required"]),
+        ({"model": MODEL, "messages": HI, "max_tokens": -3}, 400, ["max_tokens", "greater than or equal to 1"]),
+        ({"model": MODEL, "messages": HI, "temperature": -1}, 400, ["temperature"]),
+        ({"model": MODEL, "messages": HI, "top_p": 0}, 400, ["top_p"]),
+        ({"model": MODEL, "messages": HI, "stop": [""]}, 400, ["stop strings must not be empty"]),
+        ({"model": "gpt-nothing", "messages": HI}, 404, ["'gpt-nothing' does not exist", "'tiny'"]),
+        ({"model": MODEL, "messages": HI, "max_tokens": 100_000}, 400, ["context is"]),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "go " * 3000}]}, 400, ["context is"]),
+        ({"model": MODEL, "messages": HI, "top_logprobs": 3, "logprobs": True}, 400, ["top_logprobs"]),
+        ({"model": MODEL, "messages": HI, "presence_penalty": 0.5}, 400, ["presence_penalty"]),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+            400,
+            ["text-only"],
+        ),
+    ],
+)
+def test_bad_requests_get_clear_errors(served, body, status, words):
+    response = httpx.post(served.base_url + "/chat/completions", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    message = response.json()["error"]["message"]
+    for word in words:
+        assert word in message
+
+
+def test_malformed_json_and_server_keeps_serving(served, client):
+    response = httpx.post(
+        served.base_url + "/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "invalid request" in response.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=HI)
+    assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices
+
+
+def test_load_policy_serves_under_the_given_name(served):
+    policy, name = load_policy(served.path, device="cpu", max_batch_size=4)
+    assert name == served.path and policy.max_batch_size == 4 and policy.tokenizer is not None
+
+
+# --------------------------------------------------------------------------- the batcher, deterministically
+class FakePolicy:
+    """Answers each prompt with its first id as text; fails any batch holding the id 666."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.calls: list[tuple[int, SamplingConfig]] = []
+        self.delay_s = delay_s
+
+    def generate(self, requests, sampling):
+        self.calls.append((len(requests), sampling))
+        time.sleep(self.delay_s)
+        if any(r.prompt_ids[0] == 666 for r in requests):
+            raise RuntimeError("poisoned prompt")
+        return [Completion(text=str(r.prompt_ids[0]), token_ids=[1] * (r.max_new_tokens or 1)) for r in requests]
+
+
+def run_jobs(policy, jobs, max_batch_size=16, window_s=0.05):
+    """Submit ``jobs`` = [(first_id, n, sampling)] at once; returns completions or exceptions per job."""
+
+    async def main():
+        batcher = GenerationBatcher(policy, max_batch_size=max_batch_size, window_s=window_s)
+        batcher.start()
+        try:
+            submissions = [
+                batcher.submit([GenerationRequest(prompt_ids=[first], messages=[], max_new_tokens=first % 7 + 1)] * n, s)
+                for first, n, s in jobs
+            ]
+            return await asyncio.gather(*submissions, return_exceptions=True), batcher.stats
+        finally:
+            await batcher.stop()
+
+    return asyncio.run(main())
+
+
+def test_batcher_merges_concurrent_requests_into_one_call():
+    policy, greedy = FakePolicy(), SamplingConfig(temperature=0)
+    results, stats = run_jobs(policy, [(i, 2, greedy) for i in range(5)])
+    assert len(policy.calls) == 1 and policy.calls[0][0] == 10
+    assert policy.calls[0][1].max_new_tokens == 5  # the largest per-prompt budget
+    assert [[c.text for c in r] for r in results] == [[str(i)] * 2 for i in range(5)]
+    assert [len(r[0].token_ids) for r in results] == [i % 7 + 1 for i in range(5)]
+    assert (stats.requests, stats.prompts, stats.generate_calls) == (5, 10, 1)
+
+
+def test_batcher_groups_by_sampling_and_caps_batch_size():
+    policy = FakePolicy()
+    cold, hot = SamplingConfig(temperature=0), SamplingConfig(temperature=1.0, stop=["x"])
+    results, _ = run_jobs(policy, [(1, 1, cold), (2, 1, hot), (3, 1, cold), (4, 1, hot)])
+    assert sorted(size for size, _ in policy.calls) == [2, 2]
+    assert {s.temperature for _, s in policy.calls} == {0, 1.0}
+    assert [r[0].text for r in results] == ["1", "2", "3", "4"]
+
+    policy = FakePolicy()
+    run_jobs(policy, [(i, 3, cold) for i in range(4)], max_batch_size=7)
+    assert [size for size, _ in policy.calls] == [6, 6]  # whole requests, at most 7 prompts per call
+
+
+def test_batcher_isolates_a_request_that_breaks_generation():
+    policy, greedy = FakePolicy(), SamplingConfig(temperature=0)
+    results, _ = run_jobs(policy, [(1, 1, greedy), (666, 1, greedy), (3, 2, greedy)])
+    assert results[0][0].text == "1" and [c.text for c in results[2]] == ["3", "3"]
+    assert results[1].status == 500 and "poisoned prompt" in results[1].message

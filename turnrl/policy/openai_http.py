@@ -1,0 +1,420 @@
+"""A policy behind any OpenAI-compatible chat-completions endpoint (vLLM, SGLang, OpenAI, ``turnrl serve-policy``).
+
+``generate`` is synchronous, like every policy; underneath it sends the batch's
+requests concurrently with ``httpx`` (at most ``concurrency`` in flight) and
+retries what is worth retrying: connection errors, timeouts, 408, 409, 429 and
+5xx, with exponential backoff and jitter, honouring ``Retry-After``. A request
+that still fails (or gets a 4xx the server will never accept) becomes
+``Completion(finish_reason="error", error=...)``; the other requests of the
+batch are unaffected and ``generate`` never raises for a single request.
+
+The policy is text-only (``tokenizer = None``): the rollout sends it chat
+messages, and it returns text without token ids or logprobs.
+
+Images. The rollout writes an image observation as a ``{"type": "image"}``
+placeholder part; here each placeholder becomes an ``image_url`` part holding
+the image as a base64 PNG data URL. The array comes from, in this order:
+
+1. the part itself (``{"type": "image", "image": array}``, the Hugging Face
+   processor convention),
+2. ``request.images`` when the request carries one (the arrays of the
+   placeholders, in order),
+3. the episode's env: the newest image message is the env's current
+   observation (``request.env.observation()["image"]``), and the images of
+   earlier messages are those this policy sent with the same message objects
+   on earlier turns (the rollout keeps its message dicts across turns).
+
+A placeholder none of these can fill fails that request with an error
+completion rather than sending the model a conversation with an image missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import email.utils
+import io
+import random
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Awaitable, Sequence, TypeVar
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+from turnrl.config import SamplingConfig
+from turnrl.policy.base import Completion, GenerationRequest
+
+T = TypeVar("T")
+
+RETRY_STATUS = frozenset({408, 409, 429})
+"""Client-error statuses that are transient (timeouts, conflicts, rate limits); every 5xx is retried too."""
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "function_call": "stop", None: "stop"}
+"""OpenAI finish reasons -> ours; anything else (e.g. ``content_filter``) is reported as an error."""
+
+
+@dataclass
+class HTTPUsage:
+    """Totals over the policy's lifetime, for cost and reliability reporting."""
+
+    requests: int = 0
+    """Requests completed successfully."""
+    failures: int = 0
+    """Requests that ended as error completions."""
+    retries: int = 0
+    """Attempts repeated after a transient failure."""
+    prompt_tokens: int = 0
+    """Prompt tokens the server reported."""
+    completion_tokens: int = 0
+    """Completion tokens the server reported."""
+
+
+class RequestFailed(Exception):
+    """A request that cannot succeed (bad response, 4xx, unresolvable image); not retried."""
+
+
+class _Retryable(Exception):
+    """A transient failure; ``retry_after`` is the server's requested wait in seconds, if any."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+# --------------------------------------------------------------------------- helpers
+def chat_completions_url(base_url: str) -> str:
+    """``base_url`` + ``/chat/completions``; a bare ``http://host:port`` gets the usual ``/v1`` prefix."""
+    base = base_url.rstrip("/")
+    if urlsplit(base).path in ("", "/"):
+        base += "/v1"
+    return base + "/chat/completions"
+
+
+def image_data_url(image: Any) -> str:
+    """An ``HxWx3`` uint8 array (or PIL image) as a ``data:image/png;base64,...`` URL."""
+    from PIL import Image
+
+    picture = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image, dtype=np.uint8))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def parse_retry_after(headers: httpx.Headers) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date); None when absent."""
+    millis = headers.get("retry-after-ms")
+    if millis is not None:
+        try:
+            return max(0.0, float(millis) / 1000.0)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's error message (OpenAI's ``{"error": {"message": ...}}`` or FastAPI's ``detail``)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text[:500]}"
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return f"HTTP {response.status_code}: {error['message']}"
+        if body.get("detail"):
+            return f"HTTP {response.status_code}: {body['detail']}"
+    return f"HTTP {response.status_code}: {str(body)[:500]}"
+
+
+def _run_sync(coroutine: Awaitable[T]) -> T:
+    """Run ``coroutine`` to completion from synchronous code, even if this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)  # type: ignore[arg-type]
+    # Called from inside an event loop (a notebook, an async app): run on a fresh loop in another thread.
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = asyncio.run(coroutine)  # type: ignore[arg-type]
+        except BaseException as error:  # re-raised in the caller's thread
+            result["error"] = error
+
+    thread = threading.Thread(target=target, name="openai-policy", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+# --------------------------------------------------------------------------- images
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
+def _missing_images(message: dict[str, Any]) -> int:
+    """Placeholder image parts of a message that carry no array of their own."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return 0
+    return sum(1 for part in content if _is_image_part(part) and part.get("image") is None)
+
+
+class _ImageMemory:
+    """The image URLs sent with each message object of each env's episode, to send earlier turns again.
+
+    Keyed weakly by env; per env it keeps only the messages of the latest
+    request, so memory stays bounded by one context per live env, and each
+    image is PNG-encoded once however many turns it stays in the context.
+    """
+
+    def __init__(self) -> None:
+        self._by_env: weakref.WeakKeyDictionary[Any, list[tuple[dict[str, Any], list[str]]]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def resolve(self, request: GenerationRequest) -> list[list[str]]:
+        """For each message, the data URLs of its placeholders without an array (``[]`` for the others).
+
+        Raises:
+            RequestFailed: a placeholder has no image from any source.
+        """
+        counts = [_missing_images(m) for m in request.messages]
+        explicit = list(getattr(request, "images", None) or [])
+        if explicit:
+            if len(explicit) != sum(counts):
+                raise RequestFailed(f"the request has {len(explicit)} images for {sum(counts)} image parts")
+            urls, start = [], 0
+            for count in counts:
+                urls.append([image_data_url(image) for image in explicit[start : start + count]])
+                start += count
+            return urls
+        env = request.env
+        with self._lock:
+            # Holding the message objects keeps their ids valid while they are remembered.
+            known = {id(m): sent for m, sent in self._by_env.get(env, [])} if env is not None else {}
+            newest = max((i for i, count in enumerate(counts) if count), default=-1)
+            urls = []
+            for index, (message, count) in enumerate(zip(request.messages, counts)):
+                sent = known.get(id(message))
+                if count == 1 and sent is None and index == newest and env is not None:
+                    sent = [image_data_url(env.observation()["image"])]
+                if count and (sent is None or len(sent) != count):
+                    raise RequestFailed(
+                        f"message {index} ({message.get('role')}) has an image part without image data: put the "
+                        "array in the part ({'type': 'image', 'image': array}) or pass the episode's env"
+                    )
+                urls.append(sent or [])
+            if env is not None:
+                self._by_env[env] = [(m, sent) for m, sent in zip(request.messages, urls) if sent]
+            return urls
+
+
+# --------------------------------------------------------------------------- the policy
+class OpenAIPolicy:
+    """Chat completions from an OpenAI-compatible server.
+
+    Args:
+        base_url: the API root, e.g. ``http://localhost:8000/v1`` (as for the ``openai``
+            client; a bare ``http://host:port`` gets ``/v1``).
+        model: the model name the server serves.
+        api_key: sent as ``Authorization: Bearer <key>`` when given.
+        concurrency: requests in flight at once.
+        timeout_s: limit of one attempt, connection to last byte.
+        max_retries: attempts after the first for transient failures.
+        backoff_s: first retry delay; doubles each attempt (with jitter) up to ``max_backoff_s``.
+        max_backoff_s: cap of the exponential delay.
+        max_retry_after_s: cap of a server's ``Retry-After`` wait.
+        extra_body: fields added to every request body (server-specific options).
+        transport: an ``httpx`` transport to send through instead of the network (tests, proxies).
+    """
+
+    tokenizer = None
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        concurrency: int = 8,
+        timeout_s: float = 120.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        max_retry_after_s: float = 60.0,
+        extra_body: dict[str, Any] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.url = chat_completions_url(base_url)
+        self.model = model
+        self.api_key = api_key
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_retry_after_s = max_retry_after_s
+        self.extra_body = dict(extra_body or {})
+        self.transport = transport
+        self.usage = HTTPUsage()
+        self._usage_lock = threading.Lock()
+        self._images = _ImageMemory()
+
+    # ------------------------------------------------------------------ public
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        """Complete every request; failures come back as ``finish_reason="error"`` completions."""
+        if not requests:
+            return []
+        return _run_sync(self._generate_all(list(requests), sampling))
+
+    def request_body(self, request: GenerationRequest, sampling: SamplingConfig) -> dict[str, Any]:
+        """The JSON body of one chat-completions call.
+
+        Raises:
+            RequestFailed: an image placeholder has no image data.
+        """
+        limit = sampling.max_new_tokens
+        if request.max_new_tokens is not None:
+            limit = min(limit, request.max_new_tokens)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": self._messages(request),
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": limit,
+        }
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k  # not in OpenAI's API; vLLM, SGLang and turnrl's server accept it
+        body.update(self.extra_body)
+        return body
+
+    # ------------------------------------------------------------------ internals
+    async def _generate_all(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        semaphore = asyncio.Semaphore(self.concurrency)
+        timeout = httpx.Timeout(self.timeout_s)
+        async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout, transport=self.transport) as client:
+            return list(await asyncio.gather(*(self._complete(client, semaphore, r, sampling) for r in requests)))
+
+    async def _complete(
+        self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore, request: GenerationRequest, sampling: SamplingConfig
+    ) -> Completion:
+        try:
+            body = self.request_body(request, sampling)
+            async with semaphore:
+                data = await self._post_with_retries(client, body)
+            completion = self._completion(data, sampling)
+        except Exception as error:  # one request's failure is its own error completion
+            message = str(error) if isinstance(error, RequestFailed) else f"{type(error).__name__}: {error}"
+            with self._usage_lock:
+                self.usage.failures += 1
+            return Completion(text="", finish_reason="error", error=message)
+        with self._usage_lock:
+            if completion.finish_reason == "error":
+                self.usage.failures += 1
+            else:
+                self.usage.requests += 1
+            usage = data.get("usage") or {}  # tokens are billed even when the answer is unusable
+            self.usage.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+            self.usage.completion_tokens += int(usage.get("completion_tokens") or 0)
+        return completion
+
+    async def _post_with_retries(self, client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body``; retries transient failures, raises :class:`RequestFailed` when out of attempts."""
+        attempts = self.max_retries + 1
+        for attempt in range(attempts):
+            try:
+                return await self._post_once(client, body)
+            except _Retryable as failure:
+                if attempt + 1 == attempts:
+                    raise RequestFailed(f"{self.url}: gave up after {attempts} attempts; last error: {failure}") from None
+                with self._usage_lock:
+                    self.usage.retries += 1
+                await asyncio.sleep(self._delay(attempt, failure.retry_after))
+        raise AssertionError("unreachable")
+
+    async def _post_once(self, client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            # httpx's timeout bounds each phase; wait_for bounds the whole attempt.
+            response = await asyncio.wait_for(client.post(self.url, json=body), self.timeout_s)
+        except (httpx.TransportError, asyncio.TimeoutError) as error:
+            raise _Retryable(f"{type(error).__name__}: {str(error) or 'timed out'}") from None
+        if response.status_code == 200:
+            try:
+                return response.json()
+            except ValueError:
+                raise RequestFailed(f"the server answered 200 with a body that is not JSON: {response.text[:200]!r}")
+        message = _error_message(response)
+        if response.status_code in RETRY_STATUS or response.status_code >= 500:
+            raise _Retryable(message, parse_retry_after(response.headers))
+        raise RequestFailed(message)
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds before the next attempt: the server's ``Retry-After`` if given, else jittered exponential backoff."""
+        if retry_after is not None:
+            return min(retry_after, self.max_retry_after_s)
+        ceiling = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+        return random.uniform(ceiling / 2, ceiling)  # jitter spreads the retries of a batch that failed together
+
+    def _completion(self, data: dict[str, Any], sampling: SamplingConfig) -> Completion:
+        try:
+            choice = data["choices"][0]
+            text = choice["message"].get("content") or ""
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise RequestFailed(f"the response has no choices[0].message: {str(data)[:300]}") from None
+        reason = choice.get("finish_reason")
+        if reason not in FINISH_REASONS:
+            return Completion(text=text, finish_reason="error", error=f"the server stopped with finish_reason={reason!r}")
+        # Servers that say which stop string matched (vLLM, turnrl) cut it from the text;
+        # restoring it keeps the text equal to what a local model returns.
+        stop_reason = choice.get("stop_reason")
+        if isinstance(stop_reason, str) and stop_reason in sampling.stop and not text.endswith(stop_reason):
+            text += stop_reason
+        return Completion(text=text, finish_reason=FINISH_REASONS[reason])
+
+    def _messages(self, request: GenerationRequest) -> list[dict[str, Any]]:
+        """The request's messages with every image placeholder turned into an ``image_url`` part."""
+        if not any(
+            isinstance(m.get("content"), list) and any(_is_image_part(p) for p in m["content"]) for m in request.messages
+        ):
+            return list(request.messages)
+        resolved = self._images.resolve(request)
+        messages = []
+        for message, urls in zip(request.messages, resolved):
+            content = message.get("content")
+            if not isinstance(content, list):
+                messages.append(message)
+                continue
+            pending = iter(urls)
+            parts = []
+            for part in content:
+                if not _is_image_part(part):
+                    parts.append(part)
+                    continue
+                url = image_data_url(part["image"]) if part.get("image") is not None else next(pending)
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+            messages.append({**message, "content": parts})
+        return messages

@@ -1,0 +1,602 @@
+"""``turnrl serve-policy``: a transformers model behind an OpenAI-compatible chat-completions API.
+
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``
+and ``GET /health``. Any OpenAI client (or :class:`turnrl.policy.openai_http.OpenAIPolicy`)
+can use it, e.g. ``openai.OpenAI(base_url="http://localhost:8000/v1", api_key="x")``;
+the server checks no API key.
+
+Batching. Concurrent requests share forward passes: a background task takes
+the first waiting request, waits ``batch_window_s`` (5 ms by default) for
+others, and runs up to ``max_batch_size`` prompts in one ``HFPolicy.generate``
+call per distinct sampling setting (temperature, top_p, top_k, stop; each
+prompt keeps its own ``max_tokens``). Requests arriving while the model is busy
+wait and form the next batch. Generation runs on one dedicated thread, so the
+event loop keeps accepting requests (and ``/health`` answers) meanwhile. If a
+batch fails, its requests are run one by one, so a request that breaks
+generation fails alone with a 500 and the server keeps serving.
+
+Behaviour worth knowing:
+
+- Prompts are the messages rendered with the tokenizer's chat template and a
+  generation prompt. Text-only: a request with image parts gets a 400.
+- ``n`` samples per request, ``stop`` strings (cut from the returned text as
+  OpenAI does; ``stop_reason`` names the one that matched, as vLLM does),
+  ``top_k`` (an extension; 0 or -1 disables), ``max_tokens`` or
+  ``max_completion_tokens`` (default: what the context leaves, at most
+  ``default_max_tokens``), ``logprobs: true`` (the sampled tokens' logprobs
+  under ``softmax(logits / temperature)``; the end-of-turn token is not
+  listed, like OpenAI; ``top_logprobs`` > 0 is refused with a 400).
+- ``stream: true`` is served as a valid server-sent-event stream, but the whole
+  completion arrives in one chunk once it is generated (batched generation is
+  not incremental); ``stream_options.include_usage`` adds the usage chunk.
+- ``seed`` is accepted and ignored: batched requests share one sampling RNG.
+  Penalties, tools and JSON response formats are refused with a 400.
+- Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
+  400 for invalid requests (validation errors included), 404 for an unknown
+  model (as OpenAI and vLLM answer), 500 when generation fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.policy.base import Completion, GenerationRequest
+from turnrl.policy.hf import HFPolicy
+
+logger = logging.getLogger("turnrl.server")
+
+
+# --------------------------------------------------------------------------- request schema
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    url: str
+    detail: Optional[str] = None
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    """One chat message; ``developer`` is OpenAI's newer name for ``system``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[ContentPart], None] = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError("content is required for system, developer and user messages")
+        return self
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """The body of ``POST /v1/chat/completions`` (the fields this server honours or refuses)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=-1, description="0 or -1 disables (an extension to OpenAI's API)")
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=128)
+    stop: Union[str, list[str], None] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    tools: Optional[list[Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: Any) -> Any:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if any(s == "" for s in strings):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+# --------------------------------------------------------------------------- response schema
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[Any] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: str
+    stop_reason: Optional[str] = None
+    """The stop string that ended the choice (vLLM's field); None for end of turn or length."""
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+# --------------------------------------------------------------------------- errors
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """A readable summary of pydantic's errors, and the first offending parameter."""
+    lines, params = [], []
+    for item in error.errors():
+        location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+        params.append(location or None)
+        lines.append(f"{location or 'body'}: {item.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(lines), params[0] if params else None
+
+
+# --------------------------------------------------------------------------- batching
+@dataclass
+class BatcherStats:
+    """Counters of the batcher (reported by ``/health``)."""
+
+    requests: int = 0
+    """HTTP requests submitted."""
+    prompts: int = 0
+    """Prompts generated (a request with ``n`` choices counts ``n``)."""
+    generate_calls: int = 0
+    """Calls of the policy's ``generate``."""
+
+
+@dataclass
+class _Job:
+    """The prompts of one HTTP request and where its completions go."""
+
+    requests: list[GenerationRequest]
+    sampling: SamplingConfig
+    future: asyncio.Future = field(repr=False)
+
+
+def sampling_key(sampling: SamplingConfig) -> tuple:
+    """What must be equal for prompts to share a ``generate`` call (``max_new_tokens`` may differ per prompt)."""
+    return (sampling.temperature, sampling.top_p, sampling.top_k, tuple(sampling.stop))
+
+
+class GenerationBatcher:
+    """Collects concurrent requests into shared ``generate`` calls on one worker thread.
+
+    Args:
+        policy: anything with ``generate(requests, sampling)``.
+        max_batch_size: prompts per ``generate`` call at most (a larger request runs alone).
+        window_s: how long the first waiting request waits for others to join it.
+    """
+
+    def __init__(self, policy: Any, max_batch_size: int, window_s: float) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.policy = policy
+        self.max_batch_size = max_batch_size
+        self.window_s = window_s
+        self.stats = BatcherStats()
+        self._pending: deque[_Job] = deque()
+        self._arrived: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        # One thread: the model runs one batch at a time, always from the same thread.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turnrl-generate")
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def start(self) -> None:
+        self._arrived = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="turnrl-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        while self._pending:
+            job = self._pending.popleft()
+            if not job.future.done():
+                job.future.set_exception(APIError(503, "the server is shutting down", type="server_error"))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def submit(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        """Queue one HTTP request's prompts; returns their completions once their batch ran."""
+        if self._arrived is None:
+            raise RuntimeError("the batcher is not started")
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Job(requests, sampling, future))
+        self.stats.requests += 1
+        self._arrived.set()
+        return await future
+
+    async def _run(self) -> None:
+        assert self._arrived is not None
+        while True:
+            await self._arrived.wait()
+            if sum(len(job.requests) for job in self._pending) < self.max_batch_size:
+                await asyncio.sleep(self.window_s)  # let concurrent requests join this batch
+            jobs = self._take()
+            if not self._pending:
+                self._arrived.clear()
+            groups: dict[tuple, list[_Job]] = {}
+            for job in jobs:
+                groups.setdefault(sampling_key(job.sampling), []).append(job)
+            for group in groups.values():
+                await self._generate(group)
+
+    def _take(self) -> list[_Job]:
+        """Waiting jobs in arrival order, up to ``max_batch_size`` prompts (at least one job)."""
+        jobs: list[_Job] = []
+        size = 0
+        while self._pending:
+            job = self._pending[0]
+            if job.future.done():  # the client went away
+                self._pending.popleft()
+                continue
+            if jobs and size + len(job.requests) > self.max_batch_size:
+                break
+            jobs.append(self._pending.popleft())
+            size += len(job.requests)
+        return jobs
+
+    async def _generate(self, jobs: list[_Job]) -> None:
+        requests = [request for job in jobs for request in job.requests]
+        sampling = replace(jobs[0].sampling, max_new_tokens=max(r.max_new_tokens or 1 for r in requests))
+        loop = asyncio.get_running_loop()
+        self.stats.generate_calls += 1
+        try:
+            completions = await loop.run_in_executor(self._executor, self.policy.generate, requests, sampling)
+            if len(completions) != len(requests):
+                raise RuntimeError(f"generate returned {len(completions)} completions for {len(requests)} prompts")
+        except Exception as error:
+            if len(jobs) > 1:
+                # Find the request that broke the batch: the others still get their answers.
+                for job in jobs:
+                    await self._generate([job])
+                return
+            logger.exception("generation failed")
+            if not jobs[0].future.done():
+                jobs[0].future.set_exception(
+                    APIError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
+                )
+            return
+        self.stats.prompts += len(requests)
+        start = 0
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_result(completions[start : start + len(job.requests)])
+            start += len(job.requests)
+
+
+# --------------------------------------------------------------------------- request handling
+@dataclass
+class PreparedRequest:
+    """A validated request as the policy sees it."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+
+
+def _template_messages(messages: list[ChatMessage], model_name: str) -> list[dict[str, str]]:
+    """Messages as ``{"role", "content": str}`` dicts for the chat template (text parts joined by newlines)."""
+    out = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(isinstance(part, ImagePart) for part in content):
+                raise APIError(400, f"model {model_name!r} is text-only: messages[{index}] has an image part",
+                               param=f"messages.{index}.content")
+            content = "\n".join(part.text for part in content if isinstance(part, TextPart))
+        role = "system" if message.role == "developer" else message.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def _refuse_unsupported(body: ChatCompletionRequest) -> None:
+    if body.top_logprobs:
+        raise APIError(400, "top_logprobs > 0 is not supported: only the sampled tokens' logprobs are returned",
+                       param="top_logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise APIError(400, f"{name} is not supported (use 0)", param=name)
+    if body.tools:
+        raise APIError(400, "tools are not supported by this server", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+
+
+def context_length(policy: Any) -> int | None:
+    """The model's context window (``max_position_embeddings``), if it says."""
+    config = getattr(getattr(policy, "model", None), "config", None)
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
+
+
+def prepare(body: ChatCompletionRequest, policy: Any, model_name: str, default_max_tokens: int) -> PreparedRequest:
+    """Validate what pydantic cannot (model, unsupported options, context length) and tokenize the prompt."""
+    if body.model != model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    _refuse_unsupported(body)
+    messages = _template_messages(body.messages, model_name)
+    try:
+        ids = policy.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as error:  # e.g. a template that insists on alternating roles
+        raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+    prompt_ids = [int(i) for i in ids]
+    limit = context_length(policy)
+    room = default_max_tokens if limit is None else min(default_max_tokens, limit - len(prompt_ids))
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
+    if limit is not None and len(prompt_ids) + max_tokens > limit:
+        raise APIError(400, f"this model's context is {limit} tokens; the request asks for {len(prompt_ids) + max_tokens} "
+                            f"({len(prompt_ids)} in the messages, {max_tokens} for the completion)",
+                       param="messages", code="context_length_exceeded")
+    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+    sampling = SamplingConfig(temperature=body.temperature, top_p=body.top_p, top_k=top_k,
+                              max_new_tokens=max_tokens, stop=body.stop_list())
+    return PreparedRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling)
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """The text before the earliest stop string, and that string (OpenAI returns text without it)."""
+    hits = [(text.find(stop), stop) for stop in stops if stop in text]
+    if not hits:
+        return text, None
+    index, stop = min(hits)
+    return text[:index], stop
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's map from byte-level BPE characters back to the bytes they stand for."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token stands for: exact for byte-level BPE (Qwen, Llama-3, GPT-2), else its decoded text."""
+    from tokenizers import decoders
+
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if isinstance(decoder, decoders.ByteLevel) and token_id not in tokenizer.all_special_ids:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and all(ch in _BYTE_LEVEL for ch in piece):
+            return bytes(_BYTE_LEVEL[ch] for ch in piece)
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+def _token_logprobs(completion: Completion, tokenizer: Any, end_ids: set[int]) -> ChoiceLogprobs:
+    """OpenAI's ``logprobs.content``: one entry per sampled token, the end-of-turn token left out.
+
+    A token that is part of a multi-byte character is named ``bytes:\\xNN...`` (as
+    OpenAI does); ``bytes`` always holds its exact bytes for byte-level tokenizers.
+    """
+    pairs = list(zip(completion.token_ids, completion.logprobs))
+    if pairs and pairs[-1][0] in end_ids:
+        pairs = pairs[:-1]
+    entries = []
+    for token_id, logprob in pairs:
+        raw = token_bytes(tokenizer, token_id)
+        try:
+            token = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            token = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        entries.append(TokenLogprob(token=token, logprob=float(logprob), bytes=list(raw)))
+    return ChoiceLogprobs(content=entries)
+
+
+def build_response(body: ChatCompletionRequest, prepared: PreparedRequest, completions: list[Completion],
+                   policy: Any, model_name: str) -> ChatCompletion:
+    end_ids = set(getattr(policy, "eos_ids", []) or [])
+    choices = []
+    for index, completion in enumerate(completions):
+        text, stop_reason = completion.text, None
+        if completion.finish_reason == "stop" and prepared.sampling.stop:
+            text, stop_reason = _cut_at_stop(text, prepared.sampling.stop)
+        logprobs = _token_logprobs(completion, policy.tokenizer, end_ids) if body.logprobs else None
+        choices.append(Choice(index=index, message=AssistantMessage(content=text), logprobs=logprobs,
+                              finish_reason=completion.finish_reason, stop_reason=stop_reason))
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    usage = Usage(prompt_tokens=len(prepared.prompt_ids), completion_tokens=completion_tokens,
+                  total_tokens=len(prepared.prompt_ids) + completion_tokens)
+    return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name,
+                          choices=choices, usage=usage)
+
+
+def stream_events(response: ChatCompletion, include_usage: bool) -> list[str]:
+    """A finished completion as server-sent events of ``chat.completion.chunk`` objects, ``[DONE]`` last."""
+    head = {"id": response.id, "object": "chat.completion.chunk", "created": response.created, "model": response.model}
+    events = []
+    for choice in response.choices:
+        logprobs = choice.logprobs.model_dump() if choice.logprobs is not None else None
+        deltas = [
+            ({"role": "assistant", "content": ""}, None, None, None),
+            ({"content": choice.message.content}, logprobs, None, None),
+            ({}, None, choice.finish_reason, choice.stop_reason),
+        ]
+        for delta, chunk_logprobs, finish, stop_reason in deltas:
+            chunk = {**head, "choices": [{"index": choice.index, "delta": delta, "logprobs": chunk_logprobs,
+                                          "finish_reason": finish, "stop_reason": stop_reason}]}
+            events.append(f"data: {json.dumps(chunk)}\n\n")
+    if include_usage:
+        events.append(f"data: {json.dumps({**head, 'choices': [], 'usage': response.usage.model_dump()})}\n\n")
+    events.append("data: [DONE]\n\n")
+    return events
+
+
+# --------------------------------------------------------------------------- the app
+def create_app(
+    policy: HFPolicy,
+    model_name: str,
+    *,
+    batch_window_s: float = 0.005,
+    max_batch_size: int | None = None,
+    default_max_tokens: int = 1024,
+) -> FastAPI:
+    """An OpenAI-compatible app serving ``policy`` under the name ``model_name``.
+
+    Args:
+        policy: an :class:`HFPolicy` (anything with ``tokenizer``, ``generate`` and optionally ``model``).
+        model_name: the ``model`` clients must name.
+        batch_window_s: how long a request waits for others to share its forward pass.
+        max_batch_size: prompts per ``generate`` call; default the policy's own ``max_batch_size`` (else 32).
+        default_max_tokens: completion budget when a request names none (the context may leave less).
+    """
+    batch_size = max_batch_size or getattr(policy, "max_batch_size", None) or 32
+    batcher = GenerationBatcher(policy, max_batch_size=batch_size, window_s=batch_window_s)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="turnrl policy server", lifespan=lifespan)
+    app.state.batcher = batcher
+    app.state.model_name = model_name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(error)
+        return APIError(400, message, param=param).response()
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "turnrl"}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        stats = batcher.stats
+        return {"status": "ok", "model": model_name, "pending": batcher.pending, "requests": stats.requests,
+                "prompts": stats.prompts, "generate_calls": stats.generate_calls}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        prepared = prepare(body, policy, model_name, default_max_tokens)
+        request = GenerationRequest(prompt_ids=prepared.prompt_ids, messages=[], max_new_tokens=prepared.max_tokens)
+        completions = await batcher.submit([request] * body.n, prepared.sampling)
+        response = build_response(body, prepared, completions, policy, model_name)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = stream_events(response, include_usage)
+            return StreamingResponse(iter(events), media_type="text/event-stream")
+        return response
+
+    return app
+
+
+def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32) -> tuple[HFPolicy, str]:
+    """The policy for ``model_path`` (``builtin`` builds the default built-in model) and its served name."""
+    config = ModelConfig(device=device)
+    path = model_path
+    if model_path == "builtin":
+        from turnrl.models.builtin import builtin_model_path
+
+        path = str(builtin_model_path(config))
+    return HFPolicy.from_config(config, path, max_batch_size=max_batch_size), model_path
+
+
+def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
+          max_batch_size: int = 32) -> None:
+    """Load ``model_path`` and serve it until interrupted; clients name it as ``model_path`` (e.g. ``builtin``)."""
+    import uvicorn
+
+    policy, name = load_policy(model_path, device=device, max_batch_size=max_batch_size)
+    print(f"serving model {name!r} on {policy.device} at http://{host}:{port}/v1 (max batch {max_batch_size})")
+    uvicorn.run(create_app(policy, name, max_batch_size=max_batch_size), host=host, port=port, log_level="info")
