@@ -145,13 +145,16 @@ class HFPolicy:
     def _completion(self, tokens: torch.Tensor, logprobs: torch.Tensor, limit: int, sampling: SamplingConfig) -> Completion:
         ids = tokens.tolist()[:limit]
         end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_ids), None)
+        if sampling.stop:
+            # Look for stop strings before the first end-of-turn id: a row that
+            # hit a stop string is padded by generate(), and the pad id is often
+            # an eos id (e.g. <|endoftext|>) that the model never sampled.
+            stop_end = self._stop_string_end(ids[:end], sampling.stop)
+            if stop_end is not None:
+                end = stop_end
         finish_reason = "stop" if end is not None else "length"
         if end is not None:
             ids = ids[:end]
-        elif sampling.stop:
-            stop_end = self._stop_string_end(ids, sampling.stop)
-            if stop_end is not None:
-                ids, finish_reason = ids[:stop_end], "stop"
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return Completion(text=text, token_ids=ids, logprobs=logprobs[: len(ids)].tolist(), finish_reason=finish_reason)
 
