@@ -141,7 +141,7 @@ class Rollout:
     def _request(self, episode: _Episode, sampling: SamplingConfig) -> GenerationRequest:
         tokens = episode.trajectory.tokens
         window = self.agent.max_context_window
-        messages = episode.messages
+        messages = list(episode.messages)  # a snapshot: the episode's list grows after this turn
         if window is not None:
             # system + the last `window` turns: user, assistant, ..., user
             messages = messages[:1] + messages[1:][-(2 * window - 1) :]
