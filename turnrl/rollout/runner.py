@@ -108,7 +108,7 @@ class Rollout:
     ) -> list[Trajectory]:
         """Play every slot's episode to its end; ``on_turn(turn, active)`` reports progress."""
         self.timings = RolloutTimings()
-        episodes = self._map(self._start, list(slots))
+        episodes = self._map(lambda slot: self._start(slot, sampling), list(slots))
         for turn in range(self.agent.max_turns):
             active = [episode for episode in episodes if not episode.finished]
             if not active:
@@ -152,7 +152,7 @@ class Rollout:
         )
 
     # ------------------------------------------------------------------ one episode
-    def _start(self, slot: EpisodeSlot) -> _Episode:
+    def _start(self, slot: EpisodeSlot, sampling: SamplingConfig) -> _Episode:
         trajectory = Trajectory(env_id=self.env_id, seed=slot.seed, group=slot.group, sample=slot.sample)
         episode = _Episode(slot=slot, trajectory=trajectory, actions_left=self.agent.max_actions_per_episode)
         try:
@@ -173,7 +173,8 @@ class Rollout:
         if tokenizer is not None:
             trajectory.tokens = EpisodeTokens(tokenizer, max_context_window=self.agent.max_context_window)
             trajectory.tokens.start(episode.messages[0], episode.messages[1])
-            if len(trajectory.tokens.prompt()) >= self.agent.max_context_tokens:
+            # The same rule as for later turns: a response of max_new_tokens must fit.
+            if len(trajectory.tokens.prompt()) + sampling.max_new_tokens > self.agent.max_context_tokens:
                 episode.finish(TRUNCATED, "context_budget")
         return episode
 
