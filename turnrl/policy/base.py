@@ -27,6 +27,8 @@ class GenerationRequest:
     """The episode's env, for scripted policies that read the state."""
     max_new_tokens: int | None = None
     """Cap below the sampling setting (the context budget may leave less room)."""
+    images: list[Any] | None = None
+    """The ``HxWx3`` uint8 arrays of the image parts of ``messages``, in order (image modes)."""
 
 
 @dataclass
