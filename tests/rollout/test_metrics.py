@@ -1,0 +1,120 @@
+"""Summary figures: unbiased pass@k against enumeration, rollout metrics on hand-built episodes."""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from turnrl.agent.formats import ParsedResponse
+from turnrl.rollout.metrics import pass_at_k, pass_at_k_by_seed, rollout_metrics
+from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
+
+
+# --------------------------------------------------------------------------- pass@k
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """Share of the k-subsets of n samples (c of them successes) that hold a success."""
+    outcomes = [True] * c + [False] * (n - c)
+    subsets = list(combinations(range(n), k))
+    return sum(any(outcomes[i] for i in subset) for subset in subsets) / len(subsets)
+
+
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
+def test_pass_at_k_equals_enumeration_of_subsets(nck):
+    n, c, k = nck
+    assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k), abs=1e-12)
+
+
+@given(st.integers(1, 30).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n))))
+def test_pass_at_1_is_the_success_rate_and_pass_at_n_is_any_success(nc):
+    n, c = nc
+    assert pass_at_k(n, c, 1) == pytest.approx(c / n)
+    assert pass_at_k(n, c, n) == float(c > 0)
+
+
+@pytest.mark.parametrize(("n", "c", "k"), [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5), (0, 0, 1)])
+def test_pass_at_k_refuses_impossible_counts(n, c, k):
+    with pytest.raises(ValueError):
+        pass_at_k(n, c, k)
+
+
+# --------------------------------------------------------------------------- hand-built trajectories
+def turn(index, *, actions=(), valid=(), env_reward=0.0, format_reward=0.0, format_ok=True, ids=3,
+         finish="stop", reward_errors=()):
+    parsed = ParsedResponse(actions=tuple(actions), fields={}, format_ok=format_ok)
+    return TurnRecord(
+        index=index, observation=f"Turn {index + 1}.", response="r", response_ids=list(range(ids)),
+        response_logprobs=[0.0] * ids, finish_reason=finish, parsed=parsed, actions=list(actions),
+        actions_valid=list(valid), env_reward=env_reward, format_reward=format_reward,
+        reward_errors=list(reward_errors),
+    )
+
+
+def trajectory(seed, turns, *, success=False, status=DONE, sample=0):
+    return Trajectory(env_id="Test", seed=seed, group=seed, sample=sample, turns=turns, success=success,
+                      status=status)
+
+
+@pytest.fixture
+def batch():
+    return [
+        # Solved in two turns: two valid actions then one, all well formed.
+        trajectory(0, [turn(0, actions=["a", "b"], valid=[True, True], env_reward=0.2, format_reward=0.5),
+                       turn(1, actions=["a"], valid=[True], env_reward=1.0, format_reward=0.5, finish="length")],
+                   success=True),
+        # Out of turns: one malformed turn without actions, one with an invalid action.
+        trajectory(1, [turn(0, format_ok=False, format_reward=-0.1, ids=5),
+                       turn(1, actions=["c"], valid=[False], format_reward=0.5, ids=1, reward_errors=["judge"])],
+                   status=TRUNCATED),
+        # The env failed on reset: no turns.
+        trajectory(2, [], status=ERROR),
+    ]
+
+
+def test_rollout_metrics_on_hand_built_trajectories(batch):
+    m = rollout_metrics(batch)
+    returns = [0.2 + 0.5 + 1.0 + 0.5, -0.1 + 0.5, 0.0]
+    assert m["episodes"] == 3.0
+    assert m["success"] == pytest.approx(1 / 3)
+    assert m["reward_mean"] == pytest.approx(np.mean(returns))
+    assert m["reward_std"] == pytest.approx(np.std(returns))
+    assert m["env_reward_mean"] == pytest.approx(1.2 / 3)
+    assert m["turns_mean"] == pytest.approx(4 / 3)
+    assert m["actions_mean"] == pytest.approx(4 / 3)
+    assert m["format_ok"] == pytest.approx(3 / 4)  # per turn
+    assert m["action_valid"] == pytest.approx(3 / 4)  # per action
+    assert m["turns_without_valid_action"] == pytest.approx(2 / 4)
+    assert m["response_tokens_mean"] == pytest.approx((3 + 3 + 5 + 1) / 4)
+    assert m["response_truncated"] == pytest.approx(1 / 4)
+    assert m["done"] == pytest.approx(1 / 3)
+    assert m["truncated"] == pytest.approx(1 / 3)
+    assert m["errors"] == 1.0
+    assert m["reward_errors"] == 1.0
+
+
+def test_rollout_metrics_of_nothing_are_zeros():
+    m = rollout_metrics([])
+    assert m["episodes"] == 0.0
+    assert all(value == 0.0 for value in m.values())
+
+
+def test_pass_at_k_by_seed_averages_over_seeds_up_to_the_fewest_samples():
+    outcomes = {0: [True, False, False, False], 1: [False] * 4, 2: [True] * 3 + [False]}
+    batch = [trajectory(seed, [], success=s, sample=i) for seed, runs in outcomes.items() for i, s in enumerate(runs)]
+    by_k = pass_at_k_by_seed(batch)
+    assert set(by_k) == {1, 2, 4}
+    for k, value in by_k.items():
+        expected = np.mean([brute_force_pass_at_k(4, sum(runs), k) for runs in outcomes.values()])
+        assert value == pytest.approx(expected)
+    assert by_k[1] == pytest.approx(4 / 12)
+    assert by_k[4] == pytest.approx(2 / 3)
+
+
+def test_pass_at_k_by_seed_reports_the_smallest_sample_count_as_a_k():
+    batch = [trajectory(0, [], success=i == 0, sample=i) for i in range(6)]
+    batch += [trajectory(1, [], success=False, sample=i) for i in range(3)]
+    assert set(pass_at_k_by_seed(batch)) == {1, 2, 3}
+    assert pass_at_k_by_seed([]) == {}

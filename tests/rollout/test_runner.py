@@ -1,0 +1,461 @@
+"""The multi-turn loop: token exactness, turn and action limits, context budgets, failures as data."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from turnrl.agent.formats import get_format
+from turnrl.config import AgentConfig, SamplingConfig
+from turnrl.envs import make
+from turnrl.envs.base import StepOutcome, TurnEnv
+from turnrl.policy.base import Completion, GenerationRequest
+from turnrl.rollout.runner import EpisodeSlot, Rollout
+from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED
+
+
+# --------------------------------------------------------------------------- drivers
+class CounterEnv(TurnEnv):
+    """A counter that drives the loop: ``inc`` adds one (reward 0.1), ``win`` ends it with success
+    (reward 1), ``jam`` is a listed action name the env rejects. Records every action it is sent."""
+
+    modes = ("text", "image")
+    description = "a counter for tests"
+
+    def __init__(self, mode: str = "text", max_steps: int = 100, fail_reset: bool = False,
+                 fail_step: int | None = None) -> None:
+        super().__init__(mode=mode, max_steps=max_steps, image_shape=(4, 4) if mode == "image" else None)
+        self.fail_reset = fail_reset
+        self.fail_step = fail_step
+        self.received: list[str] = []
+        self.count = 0
+
+    def _reset(self, rng, options):
+        if self.fail_reset:
+            raise RuntimeError("reset exploded")
+        self.count = int(options.get("start", 0))
+        self.received = []
+
+    def step(self, action):
+        self.received.append(action)
+        if self.fail_step is not None and len(self.received) == self.fail_step:
+            raise RuntimeError("step exploded")
+        return super().step(action)
+
+    def canonical_action(self, action):
+        name = super().canonical_action(action)
+        return None if name == "jam" else name
+
+    def _step(self, action):
+        if action == "win":
+            return StepOutcome(1.0, terminated=True, success=True)
+        self.count += 1
+        return StepOutcome(0.1)
+
+    def text(self):
+        return f"count={self.count}"
+
+    def image(self):
+        return np.full((4, 4, 3), self.count, dtype=np.uint8)
+
+    def instructions(self):
+        return "Count up with inc; say win to finish."
+
+    def action_names(self):
+        return ["inc", "win", "jam"]
+
+
+class TextPolicy:
+    """Answers each request with ``respond(request)``; records every request."""
+
+    tokenizer = None
+
+    def __init__(self, respond: Callable[[GenerationRequest], str]) -> None:
+        self.respond = respond
+        self.calls: list[list[GenerationRequest]] = []
+
+    def generate(self, requests, sampling):
+        self.calls.append(list(requests))
+        return [Completion(text=self.respond(r)) for r in requests]
+
+
+class TokenPolicy(TextPolicy):
+    """Samples the canonical ids of ``respond(request)`` plus the end-of-turn token."""
+
+    def __init__(self, tokenizer, respond) -> None:
+        super().__init__(respond)
+        self.tokenizer = tokenizer
+
+    def generate(self, requests, sampling):
+        self.calls.append(list(requests))
+        out = []
+        for r in requests:
+            text = self.respond(r)
+            ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            out.append(Completion(text=text, token_ids=ids, logprobs=[-0.25] * len(ids)))
+        return out
+
+
+class Recording:
+    """Passes requests to a real policy and keeps what it was asked and what it answered."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self.tokenizer = policy.tokenizer
+        self.calls: list[tuple[list[GenerationRequest], list[Completion]]] = []
+
+    def generate(self, requests, sampling):
+        completions = self.policy.generate(requests, sampling)
+        self.calls.append((list(requests), completions))
+        return completions
+
+
+def answer(text: str) -> Callable[[GenerationRequest], str]:
+    return lambda request: f"<answer>{text}</answer>"
+
+
+def counter_slots(n: int = 1, **env_kwargs: Any) -> list[EpisodeSlot]:
+    return [EpisodeSlot(env=CounterEnv(**env_kwargs), seed=i, group=i) for i in range(n)]
+
+
+def play(policy, slots, fmt="no_think", max_new_tokens=16, **agent: Any):
+    agent = AgentConfig(format=fmt, **agent)
+    rollout = Rollout(policy, get_format(fmt, max_actions_per_turn=agent.max_actions_per_turn), agent, "Counter")
+    return rollout.run(slots, SamplingConfig(max_new_tokens=max_new_tokens))
+
+
+def requests_of(policy, env) -> list[GenerationRequest]:
+    """The requests ``policy`` received for the episode of ``env``, in turn order."""
+    calls = [c[0] if isinstance(c, tuple) else c for c in policy.calls]
+    return [r for call in calls for r in call if r.env is env]
+
+
+# --------------------------------------------------------------------------- token exactness
+def test_tiny_model_trajectories_are_token_exact(tiny_policy):
+    policy = Recording(tiny_policy)
+    slots = [EpisodeSlot(env=make("FrozenLake"), seed=s, group=s, sample=k) for s in (0, 1) for k in (0, 1)]
+    agent = AgentConfig(format="free_think", max_turns=3, max_context_tokens=4096)
+    rollout = Rollout(policy, get_format("free_think"), agent, "FrozenLake")
+    trajectories = rollout.run(slots, SamplingConfig(temperature=1.0, max_new_tokens=12))
+    tokenizer = tiny_policy.tokenizer
+    for slot, trajectory in zip(slots, trajectories):
+        assert trajectory.status != ERROR, trajectory.error
+        assert trajectory.turns and trajectory.trainable
+        tokens = trajectory.tokens
+        asked = requests_of(policy, slot.env)
+        answered = [c for reqs, comps in policy.calls for r, c in zip(reqs, comps) if r.env is slot.env]
+        assert len(asked) == len(answered) == len(trajectory.turns)
+
+        # The trained-on tokens are exactly the sampled ones, in order, with their logprobs.
+        stream = tokens.stream()
+        masked = [i for i, m in zip(stream.input_ids, stream.loss_mask) if m]
+        masked_lp = [lp for lp, m in zip(stream.logprobs, stream.loss_mask) if m]
+        assert masked == [i for turn in trajectory.turns for i in turn.response_ids]
+        assert masked_lp == [lp for turn in trajectory.turns for lp in turn.response_logprobs]
+        assert len(stream.turn_end_positions) == len(trajectory.turns)
+        for turn, completion in zip(trajectory.turns, answered):
+            assert turn.response_ids == completion.token_ids and turn.response_logprobs == completion.logprobs
+            assert turn.response == tokenizer.decode(turn.response_ids, skip_special_tokens=True)
+
+        # Each turn's prompt is what the model was given, and it holds the earlier samples verbatim.
+        for t, request in enumerate(asked):
+            assert request.prompt_ids == tokens.prompt_ids(t)
+            assert stream.input_ids[: len(request.prompt_ids)] == request.prompt_ids
+            if t + 1 < len(asked):
+                sampled = trajectory.turns[t].response_ids
+                assert asked[t + 1].prompt_ids[: len(request.prompt_ids) + len(sampled)] == request.prompt_ids + sampled
+        first = tokenizer.apply_chat_template(asked[0].messages, add_generation_prompt=True, return_dict=False)
+        assert asked[0].prompt_ids == first
+        assert asked[0].messages[0] == {"role": "system", "content": trajectory.system_prompt}
+
+
+def test_turns_of_canonical_responses_match_a_full_render_of_the_chat(tiny_tokenizer):
+    policy = TokenPolicy(tiny_tokenizer, answer("inc"))
+    (slot,) = counter_slots()
+    (trajectory,) = play(policy, [slot], max_turns=4)
+    assert len(trajectory.turns) == 4
+    for request in requests_of(policy, slot.env):
+        rendered = tiny_tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, return_dict=False)
+        assert request.prompt_ids == rendered
+
+
+# --------------------------------------------------------------------------- limits
+def test_max_turns_truncates_the_episode():
+    slots = counter_slots(2)
+    trajectories = play(TextPolicy(answer("inc")), slots, max_turns=3, max_actions_per_episode=10)
+    for slot, trajectory in zip(slots, trajectories):
+        assert len(trajectory.turns) == 3
+        assert (trajectory.status, trajectory.truncation_reason) == (TRUNCATED, "max_turns")
+        assert slot.env.received == ["inc"] * 3
+        assert trajectory.final_observation == "count=3"
+        assert not trajectory.success
+
+
+def test_action_budget_caps_the_actions_of_the_last_turn_and_truncates():
+    (slot,) = counter_slots()
+    (trajectory,) = play(TextPolicy(answer("inc, inc, inc")), [slot], max_turns=10, max_actions_per_turn=3,
+                         max_actions_per_episode=4)
+    assert [turn.actions for turn in trajectory.turns] == [["inc"] * 3, ["inc"]]
+    assert (trajectory.status, trajectory.truncation_reason) == (TRUNCATED, "action_budget")
+    assert slot.env.received == ["inc"] * 4
+    assert trajectory.num_actions == 4
+    assert trajectory.turns[1].observation.endswith("Actions left: 1.")
+
+
+def test_multi_action_response_steps_in_order_and_stops_at_the_first_invalid():
+    (slot,) = counter_slots()
+    (trajectory,) = play(TextPolicy(answer("inc, jam, inc")), [slot], max_turns=1, max_actions_per_turn=3)
+    (turn,) = trajectory.turns
+    assert slot.env.received == ["inc", "jam"]
+    assert turn.actions == ["inc", "jam"] and turn.actions_valid == [True, False]
+    assert turn.env_reward == pytest.approx(0.1)
+    assert turn.has_valid_action
+
+
+def test_multi_action_response_stops_at_the_end_of_the_episode():
+    (slot,) = counter_slots()
+    (trajectory,) = play(TextPolicy(answer("inc, win, inc")), [slot], max_turns=5, max_actions_per_turn=3)
+    assert slot.env.received == ["inc", "win"]
+    assert trajectory.status == DONE and trajectory.truncation_reason is None
+    assert trajectory.success
+    assert trajectory.turns[0].env_reward == pytest.approx(1.1)
+
+
+def test_actions_past_max_actions_per_turn_are_not_stepped():
+    (slot,) = counter_slots()
+    (trajectory,) = play(TextPolicy(answer("inc, inc, inc, inc")), [slot], max_turns=1, max_actions_per_turn=2)
+    assert slot.env.received == ["inc", "inc"]
+    assert trajectory.turns[0].parsed.dropped_actions == ("inc", "inc")
+
+
+def test_env_step_limit_is_truncation_by_the_env():
+    (slot,) = counter_slots(max_steps=2)
+    (trajectory,) = play(TextPolicy(answer("inc")), [slot], max_turns=10)
+    assert len(trajectory.turns) == 2
+    assert (trajectory.status, trajectory.truncation_reason) == (TRUNCATED, "env_steps")
+
+
+def test_context_budget_truncates_and_no_response_can_overflow_it(tiny_tokenizer):
+    policy = TokenPolicy(tiny_tokenizer, answer("inc"))
+    (probe,) = counter_slots()
+    play(policy, [probe], max_turns=1)
+    head = len(requests_of(policy, probe.env)[0].prompt_ids)
+    max_new = 16
+    for budget in (head + max_new, head + max_new + 40, head + max_new + 200):
+        policy = TokenPolicy(tiny_tokenizer, answer("inc"))
+        (slot,) = counter_slots()
+        (trajectory,) = play(policy, [slot], max_new_tokens=max_new, max_turns=50, max_actions_per_episode=50,
+                             max_context_tokens=budget)
+        assert (trajectory.status, trajectory.truncation_reason) == (TRUNCATED, "context_budget")
+        assert trajectory.tokens.stream().turn_end_positions[-1] < budget
+        for request in requests_of(policy, slot.env):
+            assert len(request.prompt_ids) + max_new <= budget
+        assert len(trajectory.turns) >= 1
+
+
+@pytest.mark.parametrize("room", [0, 5])
+def test_context_budget_too_small_for_the_first_prompt_ends_before_sampling(tiny_tokenizer, room):
+    probe = TokenPolicy(tiny_tokenizer, answer("inc"))
+    (slot,) = counter_slots()
+    play(probe, [slot], max_turns=1)
+    head = len(requests_of(probe, slot.env)[0].prompt_ids)
+
+    policy = TokenPolicy(tiny_tokenizer, answer("inc"))
+    (slot,) = counter_slots()
+    (trajectory,) = play(policy, [slot], max_new_tokens=16, max_context_tokens=head + room)
+    assert (trajectory.status, trajectory.truncation_reason) == (TRUNCATED, "context_budget")
+    assert trajectory.turns == [] and policy.calls == []
+
+
+def test_context_window_keeps_only_the_last_turns_in_prompt_and_messages(tiny_tokenizer):
+    policy = TokenPolicy(tiny_tokenizer, answer("inc"))
+    (slot,) = counter_slots()
+    (trajectory,) = play(policy, [slot], max_turns=5, max_context_window=2)
+    asked = requests_of(policy, slot.env)
+    assert len(asked) == 5
+    for t, request in enumerate(asked):
+        kept = min(t + 1, 2)
+        users = [m for m in request.messages if m["role"] == "user"]
+        assert request.messages[0]["role"] == "system"
+        assert len(users) == kept and len(request.messages) == 1 + 2 * kept - 1
+        assert [u["content"].split("\n", 1)[0] for u in users] == [f"Turn {i + 1}." for i in range(t + 1 - kept, t + 1)]
+        assert request.prompt_ids == trajectory.tokens.prompt_ids(t)
+        # The windowed prompt is the template's render of the windowed chat.
+        rendered = tiny_tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, return_dict=False)
+        assert request.prompt_ids == rendered
+        text = tiny_tokenizer.decode(request.prompt_ids)
+        assert f"count={t}" in text and (t < 2 or f"count={t - 2}" not in text)
+    with pytest.raises(RuntimeError, match="window"):
+        trajectory.tokens.stream()
+    samples = trajectory.tokens.turn_samples()
+    assert [s.prompt_ids for s in samples] == [r.prompt_ids for r in asked]
+
+
+# --------------------------------------------------------------------------- failures are data
+def test_env_that_raises_in_reset_errors_only_its_episode():
+    slots = counter_slots(3)
+    slots[1].env.fail_reset = True
+    policy = TextPolicy(answer("win"))
+    trajectories = play(policy, slots, max_turns=3)
+    assert [t.status for t in trajectories] == [DONE, ERROR, DONE]
+    assert "reset exploded" in trajectories[1].error and trajectories[1].turns == []
+    assert requests_of(policy, slots[1].env) == []
+    assert trajectories[0].success and trajectories[2].success
+
+
+def test_env_that_raises_in_step_errors_only_its_episode():
+    slots = counter_slots(3)
+    slots[0].env.fail_step = 2
+    trajectories = play(TextPolicy(answer("inc")), slots, max_turns=4)
+    assert trajectories[0].status == ERROR and "step exploded" in trajectories[0].error
+    assert len(trajectories[0].turns) == 2
+    assert [t.truncation_reason for t in trajectories[1:]] == ["max_turns", "max_turns"]
+    assert all(len(t.turns) == 4 for t in trajectories[1:])
+
+
+def test_policy_that_raises_errors_every_active_episode_without_raising():
+    class Failing(TextPolicy):
+        def generate(self, requests, sampling):
+            if len(self.calls) == 1:
+                raise RuntimeError("backend down")
+            return super().generate(requests, sampling)
+
+    slots = counter_slots(3)
+    # The first episode wins at once; the others are still playing when the policy fails.
+    policy = Failing(lambda r: "<answer>win</answer>" if r.env is slots[0].env else "<answer>inc</answer>")
+    trajectories = play(policy, slots, max_turns=5)
+    assert trajectories[0].status == DONE
+    for trajectory in trajectories[1:]:
+        assert trajectory.status == ERROR
+        assert "policy failed" in trajectory.error and "backend down" in trajectory.error
+        assert len(trajectory.turns) == 2 and trajectory.turns[-1].finish_reason == "error"
+
+
+def test_policy_returning_the_wrong_number_of_completions_errors_the_batch():
+    class Short(TextPolicy):
+        def generate(self, requests, sampling):
+            return super().generate(requests, sampling)[:-1]
+
+    trajectories = play(Short(answer("inc")), counter_slots(2), max_turns=2)
+    assert all(t.status == ERROR and "1 completions for 2 prompts" in t.error for t in trajectories)
+
+
+def test_error_completion_ends_only_its_episode():
+    slots = counter_slots(2)
+
+    class OneFails(TextPolicy):
+        def generate(self, requests, sampling):
+            out = super().generate(requests, sampling)
+            return [Completion(text="", finish_reason="error", error="timeout") if r.env is slots[0].env else c
+                    for r, c in zip(requests, out)]
+
+    trajectories = play(OneFails(answer("inc")), slots, max_turns=2)
+    assert trajectories[0].status == ERROR and trajectories[0].error == "timeout"
+    assert trajectories[1].truncation_reason == "max_turns" and len(trajectories[1].turns) == 2
+
+
+def test_token_policy_returning_no_tokens_errors_the_episode(tiny_tokenizer):
+    class Empty(TokenPolicy):
+        def generate(self, requests, sampling):
+            return [Completion(text="") for _ in requests]
+
+    (trajectory,) = play(Empty(tiny_tokenizer, answer("inc")), counter_slots(), max_turns=2)
+    assert trajectory.status == ERROR and "no tokens" in trajectory.error
+
+
+# --------------------------------------------------------------------------- rewards and feedback
+def test_unparseable_response_pays_the_penalty_and_is_told_in_the_next_observation():
+    (slot,) = counter_slots()
+    (trajectory,) = play(TextPolicy(lambda r: "I will count."), [slot], max_turns=2, no_action_penalty=-0.3)
+    first, second = trajectory.turns
+    assert first.actions == [] and first.format_reward == pytest.approx(-0.3) and first.reward == pytest.approx(-0.3)
+    assert slot.env.received == []
+    assert "Last reward: -0.3." in second.observation
+    assert "Your last response had no valid action (" in second.observation
+    assert "missing <answer>" in second.observation
+    assert "Valid actions: inc, win, jam." in second.observation
+
+
+def test_feedback_on_invalid_can_be_turned_off():
+    (trajectory,) = play(TextPolicy(lambda r: "nonsense"), counter_slots(), max_turns=2, feedback_on_invalid=False)
+    assert "no valid action" not in trajectory.turns[1].observation
+
+
+def test_env_rejected_action_is_reported_as_no_valid_action():
+    (trajectory,) = play(TextPolicy(answer("jam")), counter_slots(), max_turns=2)
+    assert trajectory.turns[0].actions_valid == [False]
+    assert "Your last response had no valid action" in trajectory.turns[1].observation
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("<think>up by one</think><answer>inc</answer>", 0.5),  # well formed, valid action
+        ("So: <think>up</think><answer>inc</answer>", 0.0),  # text outside the tags
+        ("<think>up</think><answer>inc, bogus</answer>", 0.0),  # an unknown action was dropped
+        ("<think>up</think><answer>bogus</answer>", -0.1),  # no action at all
+    ],
+)
+def test_format_reward_is_paid_only_for_well_formed_turns(response, expected):
+    (trajectory,) = play(TextPolicy(lambda r: response), counter_slots(), fmt="free_think", max_turns=1,
+                         max_actions_per_turn=2, format_reward=0.5)
+    turn = trajectory.turns[0]
+    assert turn.format_reward == pytest.approx(expected)
+    assert turn.reward == pytest.approx(turn.env_reward + expected)
+
+
+def test_observations_carry_turn_number_last_reward_and_action_budget():
+    (trajectory,) = play(TextPolicy(answer("inc, inc")), counter_slots(), max_turns=3, max_actions_per_turn=2,
+                         max_actions_per_episode=10)
+    second = trajectory.turns[1].observation
+    assert second.startswith("Turn 2.\nLast reward: 0.2.\n")
+    assert "count=2" in second and second.endswith("Actions left: 8.")
+    assert trajectory.total_reward == pytest.approx(0.6)
+
+
+# --------------------------------------------------------------------------- images, options, executors
+def test_image_mode_puts_each_observation_image_in_its_user_message():
+    (slot,) = counter_slots(mode="image")
+    policy = TextPolicy(answer("inc"))
+    (trajectory,) = play(policy, [slot], max_turns=3)
+    assert len(trajectory.images) == 3
+    assert [int(image[0, 0, 0]) for image in trajectory.images] == [0, 1, 2]
+    for turn, image in zip(trajectory.turns, trajectory.images):
+        assert len(turn.images) == 1 and turn.images[0] is image
+    last = requests_of(policy, slot.env)[-1].messages
+    users = [m for m in last if m["role"] == "user"]
+    assert all(m["content"][0] == {"type": "image"} and m["content"][1]["type"] == "text" for m in users)
+
+
+def test_slot_options_and_seeds_reach_reset():
+    slots = [EpisodeSlot(env=CounterEnv(), seed=7, group=2, sample=1, options={"start": 5})]
+    (trajectory,) = play(TextPolicy(answer("inc")), slots, max_turns=1)
+    assert trajectory.turns[0].observation.split("\n")[2] == "count=5"
+    assert (trajectory.seed, trajectory.group, trajectory.sample) == (7, 2, 1)
+
+
+def test_threaded_env_steps_give_the_same_trajectories():
+    def run(executor):
+        agent = AgentConfig(format="no_think", max_turns=6, max_actions_per_turn=2)
+        slots = [EpisodeSlot(env=make("FrozenLake"), seed=s) for s in range(6)]
+        from turnrl.policy.scripted import RandomPolicy
+
+        policy = RandomPolicy(get_format("no_think", max_actions_per_turn=2), max_actions_per_turn=2, seed=3)
+        rollout = Rollout(policy, get_format("no_think", max_actions_per_turn=2), agent, "FrozenLake", executor)
+        return [t.to_json() for t in rollout.run(slots, SamplingConfig())]
+
+    with ThreadPoolExecutor(3) as pool:
+        assert run(pool) == run(None)
+
+
+def test_on_turn_reports_active_episodes():
+    slots = counter_slots(2)
+    policy = TextPolicy(lambda r: "<answer>win</answer>" if r.env is slots[0].env else "<answer>inc</answer>")
+    agent = AgentConfig(format="no_think", max_turns=3)
+    seen = []
+    Rollout(policy, get_format("no_think"), agent, "Counter").run(slots, SamplingConfig(),
+                                                                   on_turn=lambda t, n: seen.append((t, n)))
+    assert seen == [(0, 2), (1, 1), (2, 1)]

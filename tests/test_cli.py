@@ -1,0 +1,226 @@
+"""The ``turnrl`` command: envs, play, render and eval, in process and as a real subprocess."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from turnrl.cli import main
+from turnrl.envs import make
+from turnrl.envs.registry import env_class, env_names, gym_id
+
+TURNRL = Path(sys.executable).parent / "turnrl"
+
+
+def run_main(argv, monkeypatch, capsys, stdin: str = ""):
+    """Run ``turnrl argv`` in process with ``stdin``; returns (exit code, stdout)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(argv)
+    return code, capsys.readouterr().out
+
+
+def error_exit(argv) -> str:
+    """The message of a command that must stop with a clean error (no traceback)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    message = str(info.value.code)
+    assert message.startswith("error: "), message
+    return message
+
+
+def run_turnrl(*args: str, stdin: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="80", OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [str(TURNRL), *args], input=stdin, capture_output=True, text=True, timeout=120, cwd=cwd, env=env
+    )
+
+
+# --------------------------------------------------------------------------- envs
+def test_envs_lists_every_env_with_its_modes_on_one_line(monkeypatch, capsys):
+    code, out = run_main(["envs"], monkeypatch, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    for name in env_names():
+        row = [line for line in lines if gym_id(name) in line]
+        assert len(row) == 1, f"{gym_id(name)} not shown whole on one line:\n{out}"
+        assert ", ".join(env_class(name).modes) in row[0]
+
+
+def test_envs_subprocess_in_a_narrow_terminal_shows_whole_ids():
+    result = run_turnrl("envs")
+    assert result.returncode == 0, result.stderr
+    for name in env_names():
+        assert gym_id(name) in result.stdout
+
+
+# --------------------------------------------------------------------------- play
+def test_play_text_mode_hint_invalid_action_and_solved_episode(monkeypatch, capsys, tmp_path):
+    env = make("FrozenLake")
+    env.reset(seed=0)
+    plan = env.solve()
+    assert len(plan) >= 2
+    stdin = "\n".join([":hint", "Jump", *plan, "Up", ""])
+    code, out = run_main(["play", "FrozenLake", "--seed", "0", "--out", str(tmp_path)], monkeypatch, capsys, stdin)
+    assert code == 0
+    assert env.instructions().split()[0] in out
+    assert f"solver: {plan}" in out
+    assert out.count("(invalid action)") == 1
+    assert f"Episode over: solved after {len(plan) + 1} steps, return 1" in out
+    # The episode ended: the extra "Up" after the last plan step was never read as an action.
+    assert out.count("action> ") == len(plan) + 2
+    assert not list(tmp_path.iterdir()), "text mode writes no images"
+
+
+def test_play_reset_restarts_the_seed_and_quit_stops(monkeypatch, capsys):
+    stdin = "Right\n:reset\n:quit\nDown\n"
+    code, out = run_main(["play", "FrozenLake", "--seed", "0"], monkeypatch, capsys, stdin)
+    assert code == 0
+    start = make("FrozenLake").reset(seed=0)[0]["text"]
+    assert out.count(start) == 2  # shown at the start and again after :reset
+    assert out.count("action> ") == 3  # Down after :quit is never read
+    assert "Episode over" not in out
+
+
+def test_play_end_of_input_ends_the_session_cleanly(monkeypatch, capsys):
+    code, out = run_main(["play", "Bandit", "--seed", "1"], monkeypatch, capsys, "")
+    assert code == 0 and "action> " in out
+
+
+def test_play_image_mode_writes_one_png_per_observation(monkeypatch, capsys, tmp_path):
+    env = make("Sokoban", mode="image")
+    first, _ = env.reset(seed=1)
+    plan = env.solve()
+    stdin = "\n".join([":hint", "Jump", *plan, ""])
+    code, out = run_main(
+        ["play", "Sokoban", "--seed", "1", "--out", str(tmp_path), "mode=image"], monkeypatch, capsys, stdin
+    )
+    assert code == 0
+    assert "Episode over: solved" in out
+    pngs = sorted(tmp_path.glob("turn_*.png"))
+    assert [p.name for p in pngs] == [f"turn_{i:03d}.png" for i in range(len(plan) + 2)]
+    np.testing.assert_array_equal(np.asarray(Image.open(pngs[0]).convert("RGB")), first["image"])
+    for png in pngs:
+        assert Image.open(png).size == (first["image"].shape[1], first["image"].shape[0])
+
+
+def test_play_subprocess_driven_through_stdin(tmp_path):
+    env = make("FrozenLake")
+    env.reset(seed=3)
+    plan = env.solve()
+    result = run_turnrl("play", "FrozenLake", "--seed", "3", stdin="\n".join([":hint", "jump", *plan]) + "\n")
+    assert result.returncode == 0, result.stderr
+    assert f"solver: {plan}" in result.stdout
+    assert "(invalid action)" in result.stdout
+    assert "Episode over: solved" in result.stdout
+
+
+def test_settings_after_options_reach_the_env(monkeypatch, capsys, tmp_path):
+    code, out = run_main(["play", "FrozenLake", "--seed", "2", "--out", str(tmp_path), "mode=image", "size=6"],
+                         monkeypatch, capsys, ":quit\n")
+    assert code == 0
+    frame = Image.open(tmp_path / "turn_000.png")
+    assert frame.size == make("FrozenLake", mode="image", size=6).reset(seed=2)[0]["image"].shape[1::-1]
+
+
+@pytest.mark.parametrize(
+    "argv", [["play", "FrozenLake", "--bogus"], ["envs", "size=4"], ["play", "FrozenLake", "-o", "x"]]
+)
+def test_unknown_options_and_stray_words_are_usage_errors(argv, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["play", "Nope"], "unknown env 'Nope'"),
+        (["play", "FrozenLake", "size=abc"], "size"),
+        (["play", "FrozenLake", "foo=1"], "no setting foo"),
+        (["play", "FrozenLake", "mode=bogus"], "bogus"),
+        (["play", "FrozenLake", "size"], "key=value"),
+    ],
+)
+def test_play_bad_env_or_setting_is_a_clean_error(argv, needle, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert needle in error_exit(argv)
+
+
+# --------------------------------------------------------------------------- render
+@pytest.mark.parametrize("name", env_names())
+def test_render_writes_the_first_frame_as_png(name, tmp_path, capsys):
+    out = tmp_path / "frame.png"
+    assert main(["render", name, "--seed", "4", "-o", str(out)]) == 0
+    expected = make(name, mode="image").reset(seed=4)[0]["image"]
+    image = Image.open(out)
+    assert image.format == "PNG"
+    assert image.size == (expected.shape[1], expected.shape[0])
+    np.testing.assert_array_equal(np.asarray(image.convert("RGB")), expected)
+    assert f"{expected.shape[1]}x{expected.shape[0]}" in capsys.readouterr().out
+
+
+def test_render_honours_settings(tmp_path):
+    small, large = tmp_path / "small.png", tmp_path / "large.png"
+    main(["render", "FrozenLake", "-o", str(small), "size=4"])
+    main(["render", "FrozenLake", "-o", str(large), "size=8"])
+    assert Image.open(large).size[0] == 2 * Image.open(small).size[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["render", "Nope", "-o", "x.png"], "unknown env 'Nope'"),
+        (["render", "FrozenLake", "-o", "x.png", "mode=text"], "draws no image"),
+        (["render", "FrozenLake", "-o", "x.png", "size=abc"], "size"),
+        (["render", "FrozenLake", "-o", "x.png", "colour=red"], "no setting colour"),
+    ],
+)
+def test_render_bad_env_or_setting_is_a_clean_error(argv, needle, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert needle in error_exit(argv)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_render_subprocess_error_has_no_traceback(tmp_path):
+    result = run_turnrl("render", "Nope", "-o", "x.png", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "error: unknown env 'Nope'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- eval
+def test_eval_command_writes_summary_and_trajectories(tmp_path):
+    out = tmp_path / "eval"
+    argv = ["eval", "--env", "FrozenLake", "--policy", "expert", "--episodes", "3", "--out", str(out),
+            "agent.max_turns=20", "agent.max_actions_per_episode=20"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["episodes"] == 3 and summary["success_rate"] == 1.0
+    assert summary["env"] == "FrozenLake" and summary["policy"] == "expert"
+    assert len((out / "trajectories.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--env", "Nope", "--policy", "expert"], "unknown env 'Nope'"),
+        (["--env", "FrozenLake", "--policy", "expert", "env.settings.colour=red"], "no setting colour"),
+        (["--env", "FrozenLake", "--policy", "expert", "env.settings.size=abc"], "size"),
+        (["--env", "FrozenLake", "--policy", "nosuch"], "nosuch"),
+        (["--env", "FrozenLake", "--policy", "expert", "agent.format=bogus"], "agent.format"),
+        (["--env", "FrozenLake", "--policy", "expert", "agent.max_turn=3"], "agent.max_turn"),
+        (["--env", "FrozenLake", "--policy", "expert", "seeds.train_start=5"], "seeds.train_start"),
+    ],
+)
+def test_eval_bad_setting_is_a_clean_error(extra, needle, tmp_path):
+    assert needle in error_exit(["eval", "--episodes", "2", "--out", str(tmp_path / "out"), *extra])
+    assert not (tmp_path / "out" / "summary.json").exists()

@@ -1,0 +1,201 @@
+"""Typed configuration: YAML plus ``key=value`` overrides into dataclasses, loud errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnrl.agent.formats import format_names
+from turnrl.config import (
+    AgentConfig,
+    ConfigError,
+    EnvConfig,
+    EvalConfig,
+    ModelConfig,
+    SamplingConfig,
+    SeedConfig,
+    load_config,
+    to_yaml,
+)
+
+RECIPE = """\
+env:
+  id: Sokoban
+  settings:
+    size: 8
+    num_boxes: 2
+agent:
+  format: grounding_worldmodeling
+  max_turns: 7
+  max_context_window: 3
+sampling:
+  temperature: 0.7
+  stop: ["</answer>"]
+policy: random
+episodes: 12
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(RECIPE)
+    return path
+
+
+def error_of(path=None, overrides=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(EvalConfig, path, overrides)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- loading
+def test_defaults_load_without_file_or_overrides():
+    config = load_config(EvalConfig)
+    assert config == EvalConfig()
+
+
+def test_yaml_loads_into_nested_dataclasses(recipe):
+    config = load_config(EvalConfig, recipe)
+    assert isinstance(config, EvalConfig)
+    assert isinstance(config.env, EnvConfig) and isinstance(config.agent, AgentConfig)
+    assert isinstance(config.sampling, SamplingConfig) and isinstance(config.model, ModelConfig)
+    assert config.env.id == "Sokoban"
+    assert config.env.settings == {"size": 8, "num_boxes": 2}
+    assert config.agent.format == "grounding_worldmodeling"
+    assert config.agent.max_turns == 7
+    assert config.agent.max_context_window == 3
+    assert config.sampling.temperature == 0.7
+    assert config.sampling.stop == ["</answer>"]
+    assert config.policy == "random" and config.episodes == 12
+    # Keys the file leaves out keep their dataclass defaults.
+    assert config.agent.max_actions_per_turn == AgentConfig().max_actions_per_turn
+    assert config.model == ModelConfig()
+
+
+def test_overrides_win_over_yaml_and_are_typed(recipe):
+    config = load_config(
+        EvalConfig,
+        recipe,
+        ["agent.max_turns=9", "sampling.temperature=0", "env.settings.size=6", "agent.max_context_window=null",
+         "sampling.stop=[a,b]", "agent.format_reward=0.5"],
+    )
+    assert config.agent.max_turns == 9 and isinstance(config.agent.max_turns, int)
+    assert config.sampling.temperature == 0.0 and isinstance(config.sampling.temperature, float)
+    assert config.env.settings == {"size": 6, "num_boxes": 2}
+    assert config.agent.max_context_window is None
+    assert config.sampling.stop == ["a", "b"]
+    assert config.agent.format_reward == 0.5
+
+
+def test_later_override_of_the_same_key_wins():
+    config = load_config(EvalConfig, None, ["episodes=3", "episodes=5"])
+    assert config.episodes == 5
+
+
+def test_to_yaml_round_trips(recipe, tmp_path):
+    config = load_config(EvalConfig, recipe, ["seeds.seed=3", "agent.max_actions_per_turn=2"])
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(to_yaml(config))
+    assert load_config(EvalConfig, dumped) == config
+
+
+# --------------------------------------------------------------------------- errors
+def test_unknown_override_key_names_the_key_and_the_allowed_ones():
+    message = error_of(overrides=["agent.max_turn=3"])
+    assert "agent.max_turn" in message
+    assert "agent.max_turns" in message.split("allowed keys:", 1)[1]
+
+
+def test_unknown_key_in_yaml_names_the_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("sampling:\n  temprature: 0.5\n")
+    message = error_of(path)
+    assert "temprature" in message and "sampling.temperature" in message
+
+
+def test_wrong_type_names_the_key():
+    message = error_of(overrides=["agent.max_turns=many"])
+    assert "agent.max_turns" in message and "many" in message
+
+
+def test_float_for_an_int_field_is_rejected():
+    assert "agent.max_turns" in error_of(overrides=["agent.max_turns=1.5"])
+
+
+def test_wrong_type_for_a_section_is_rejected():
+    assert "env.settings" in error_of(overrides=["env.settings=5"])
+
+
+def test_bad_choice_lists_the_allowed_values():
+    message = error_of(overrides=["model.dtype=int8"])
+    assert "model.dtype" in message and "int8" in message
+    for allowed in ("auto", "float32", "bfloat16", "float16"):
+        assert allowed in message
+
+
+def test_unknown_response_format_is_rejected_at_load_time_listing_formats():
+    message = error_of(overrides=["agent.format=bogus"])
+    assert "agent.format" in message and "bogus" in message
+    assert all(name in message for name in format_names())
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("agent.max_turns=0", "agent.max_turns"),
+        ("agent.max_actions_per_episode=0", "agent.max_actions_per_episode"),
+        ("agent.max_context_window=0", "agent.max_context_window"),
+        ("sampling.temperature=-0.1", "sampling.temperature"),
+        ("sampling.top_p=1.5", "sampling.top_p"),
+        ("sampling.max_new_tokens=0", "sampling.max_new_tokens"),
+        ("episodes=0", "episodes"),
+        ("batch_size=0", "batch_size"),
+    ],
+)
+def test_out_of_range_value_names_the_key_and_the_range(override, key):
+    message = error_of(overrides=[override])
+    assert key in message and "range" in message
+
+
+@pytest.mark.parametrize("override", ["agent.max_turns", "=3", "  =x"])
+def test_malformed_override_is_a_config_error_naming_it(override):
+    message = error_of(overrides=[override])
+    assert repr(override) in message and "key=value" in message
+
+
+def test_unparseable_override_value_is_a_config_error_naming_the_override():
+    message = error_of(overrides=["agent.max_turns=[1,2"])
+    assert "agent.max_turns=[1,2" in message
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    message = error_of(tmp_path / "nope.yaml")
+    assert "nope.yaml" in message and "does not exist" in message
+
+
+def test_malformed_yaml_file_is_a_config_error_naming_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("agent:\n  max_turns: [1,\n")
+    assert "broken.yaml" in error_of(path)
+
+
+def test_yaml_file_that_is_not_a_mapping_is_a_config_error(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    message = error_of(path)
+    assert "list.yaml" in message and "mapping" in message
+
+
+def test_overlapping_seed_ranges_are_rejected_at_load_time():
+    message = error_of(overrides=["seeds.train_start=5"])
+    assert "seeds.train_start" in message and "overlap" in message
+
+
+def test_more_episodes_than_validation_seeds_are_rejected_at_load_time():
+    message = error_of(overrides=["seeds.val_size=10", "episodes=11"])
+    assert "episodes" in message and "seeds.val_size" in message
+
+
+def test_seed_config_accepts_training_right_after_validation():
+    config = load_config(EvalConfig, None, ["seeds.val_start=100", "seeds.val_size=50", "seeds.train_start=150"])
+    assert config.seeds == SeedConfig(seed=0, train_start=150, val_start=100, val_size=50)
