@@ -238,7 +238,9 @@ class TrainConfig:
         self.groups.validate()
         self.algorithm.validate()
         self.sft.validate()
+        self.seeds.validate()
         check_range("run.steps", self.run.steps, 0)
+        check_range("validation.episodes", self.validation.episodes, 1, self.seeds.val_size)
         if self.algorithm.sample_mode == "trajectory" and self.agent.max_context_window is not None:
             if self.agent.max_context_window < self.agent.max_turns:
                 raise ConfigError(
