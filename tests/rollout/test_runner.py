@@ -425,9 +425,17 @@ def test_image_mode_puts_each_observation_image_in_its_user_message():
     assert [int(image[0, 0, 0]) for image in trajectory.images] == [0, 1, 2]
     for turn, image in zip(trajectory.turns, trajectory.images):
         assert len(turn.images) == 1 and turn.images[0] is image
-    last = requests_of(policy, slot.env)[-1].messages
-    users = [m for m in last if m["role"] == "user"]
-    assert all(m["content"][0] == {"type": "image"} and m["content"][1]["type"] == "text" for m in users)
+    last = requests_of(policy, slot.env)[-1]
+    users = [m for m in last.messages if m["role"] == "user"]
+    assert all(m["content"][0]["type"] == "image" and m["content"][1]["type"] == "text" for m in users)
+    assert [m["content"][0]["image"] for m in users] == trajectory.images
+    assert last.images == trajectory.images
+
+
+def test_a_text_only_model_refuses_image_observations(tiny_policy):
+    (slot,) = counter_slots(mode="image")
+    with pytest.raises(ValueError, match="text-only model"):
+        play(tiny_policy, [slot], max_turns=1)
 
 
 def test_slot_options_and_seeds_reach_reset():

@@ -11,33 +11,26 @@ batch are unaffected and ``generate`` never raises for a single request.
 The policy is text-only (``tokenizer = None``): the rollout sends it chat
 messages, and it returns text without token ids or logprobs.
 
-Images. The rollout writes an image observation as a ``{"type": "image"}``
-placeholder part; here each placeholder becomes an ``image_url`` part holding
-the image as a base64 PNG data URL. The array comes from, in this order:
-
-1. the part itself (``{"type": "image", "image": array}``, the Hugging Face
-   processor convention),
-2. ``request.images`` when the request carries one (the arrays of the
-   placeholders, in order),
-3. the episode's env: the newest image message is the env's current
-   observation (``request.env.observation()["image"]``), and the images of
-   earlier messages are those this policy sent with the same message objects
-   on earlier turns (the rollout keeps its message dicts across turns).
-
-A placeholder none of these can fill fails that request with an error
-completion rather than sending the model a conversation with an image missing.
+Images. The rollout puts each image observation in its user message as a
+``{"type": "image", "image": array}`` part (the transformers processor
+convention); here each becomes an ``image_url`` part holding the image as a
+base64 PNG data URL. Parts without an array take ``request.images`` in order.
+A part with no image from either fails that request with an error completion
+rather than sending the model a conversation with an image missing. Each
+array is encoded once while it stays in the context (a small cache by
+identity), not once per turn it is resent.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 import base64
 import email.utils
 import io
 import random
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Sequence, TypeVar
 from urllib.parse import urlsplit
@@ -169,61 +162,26 @@ def _is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image"
 
 
-def _missing_images(message: dict[str, Any]) -> int:
-    """Placeholder image parts of a message that carry no array of their own."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return 0
-    return sum(1 for part in content if _is_image_part(part) and part.get("image") is None)
+class _PngCache:
+    """Data URLs of recently sent arrays, keyed by identity (the arrays are held, so ids stay valid)."""
 
-
-class _ImageMemory:
-    """The image URLs sent with each message object of each env's episode, to send earlier turns again.
-
-    Keyed weakly by env; per env it keeps only the messages of the latest
-    request, so memory stays bounded by one context per live env, and each
-    image is PNG-encoded once however many turns it stays in the context.
-    """
-
-    def __init__(self) -> None:
-        self._by_env: weakref.WeakKeyDictionary[Any, list[tuple[dict[str, Any], list[str]]]] = weakref.WeakKeyDictionary()
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._urls: OrderedDict[int, tuple[Any, str]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def resolve(self, request: GenerationRequest) -> list[list[str]]:
-        """For each message, the data URLs of its placeholders without an array (``[]`` for the others).
-
-        Raises:
-            RequestFailed: a placeholder has no image from any source.
-        """
-        counts = [_missing_images(m) for m in request.messages]
-        explicit = list(getattr(request, "images", None) or [])
-        if explicit:
-            if len(explicit) != sum(counts):
-                raise RequestFailed(f"the request has {len(explicit)} images for {sum(counts)} image parts")
-            urls, start = [], 0
-            for count in counts:
-                urls.append([image_data_url(image) for image in explicit[start : start + count]])
-                start += count
-            return urls
-        env = request.env
+    def url(self, image: Any) -> str:
         with self._lock:
-            # Holding the message objects keeps their ids valid while they are remembered.
-            known = {id(m): sent for m, sent in self._by_env.get(env, [])} if env is not None else {}
-            newest = max((i for i, count in enumerate(counts) if count), default=-1)
-            urls = []
-            for index, (message, count) in enumerate(zip(request.messages, counts)):
-                sent = known.get(id(message))
-                if count == 1 and sent is None and index == newest and env is not None:
-                    sent = [image_data_url(env.observation()["image"])]
-                if count and (sent is None or len(sent) != count):
-                    raise RequestFailed(
-                        f"message {index} ({message.get('role')}) has an image part without image data: put the "
-                        "array in the part ({'type': 'image', 'image': array}) or pass the episode's env"
-                    )
-                urls.append(sent or [])
-            if env is not None:
-                self._by_env[env] = [(m, sent) for m, sent in zip(request.messages, urls) if sent]
-            return urls
+            hit = self._urls.get(id(image))
+            if hit is not None and hit[0] is image:
+                self._urls.move_to_end(id(image))
+                return hit[1]
+        url = image_data_url(image)
+        with self._lock:
+            self._urls[id(image)] = (image, url)
+            while len(self._urls) > self.size:
+                self._urls.popitem(last=False)
+        return url
 
 
 # --------------------------------------------------------------------------- the policy
@@ -278,7 +236,7 @@ class OpenAIPolicy:
         self.transport = transport
         self.usage = HTTPUsage()
         self._usage_lock = threading.Lock()
-        self._images = _ImageMemory()
+        self._png = _PngCache()
 
     # ------------------------------------------------------------------ public
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
@@ -401,20 +359,26 @@ class OpenAIPolicy:
             isinstance(m.get("content"), list) and any(_is_image_part(p) for p in m["content"]) for m in request.messages
         ):
             return list(request.messages)
-        resolved = self._images.resolve(request)
+        spare = iter(request.images or [])
         messages = []
-        for message, urls in zip(request.messages, resolved):
+        for message in request.messages:
             content = message.get("content")
             if not isinstance(content, list):
                 messages.append(message)
                 continue
-            pending = iter(urls)
             parts = []
             for part in content:
                 if not _is_image_part(part):
                     parts.append(part)
                     continue
-                url = image_data_url(part["image"]) if part.get("image") is not None else next(pending)
-                parts.append({"type": "image_url", "image_url": {"url": url}})
+                image = part.get("image")
+                if image is None:
+                    image = next(spare, None)
+                if image is None:
+                    raise RequestFailed(
+                        f"a {message.get('role')} message has an image part without image data: put the array in "
+                        "the part ({'type': 'image', 'image': array}) or in request.images"
+                    )
+                parts.append({"type": "image_url", "image_url": {"url": self._png.url(image)}})
             messages.append({**message, "content": parts})
         return messages

@@ -46,10 +46,22 @@ class RolloutTimings:
     env_s: float = 0.0
 
 
-def _user_message(text: str, env: TurnEnv) -> dict[str, Any]:
-    if env.is_image_mode:
-        return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
+def _user_message(text: str, image: np.ndarray | None) -> dict[str, Any]:
+    """A user message; an image goes in an image part, as transformers processors expect."""
+    if image is not None:
+        return {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
     return {"role": "user", "content": text}
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[np.ndarray]:
+    """The image arrays of ``messages``' image parts, in order."""
+    return [
+        part["image"]
+        for message in messages
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part.get("type") == "image" and "image" in part
+    ]
 
 
 @dataclass
@@ -107,6 +119,7 @@ class Rollout:
         on_turn: Callable[[int, int], None] | None = None,
     ) -> list[Trajectory]:
         """Play every slot's episode to its end; ``on_turn(turn, active)`` reports progress."""
+        self._check_can_see(slots)
         self.timings = RolloutTimings()
         episodes = self._map(lambda slot: self._start(slot, sampling), list(slots))
         for turn in range(self.agent.max_turns):
@@ -118,6 +131,17 @@ class Rollout:
             completions = self._generate(active, sampling)
             self._map(lambda pair: self._apply(pair[0], pair[1], sampling), list(zip(active, completions)))
         return [episode.trajectory for episode in episodes]
+
+    def _check_can_see(self, slots: Sequence[EpisodeSlot]) -> None:
+        """Refuse image observations for a token policy that cannot take pixels: it would play blind."""
+        token_policy = getattr(self.policy, "tokenizer", None) is not None
+        if token_policy and not getattr(self.policy, "accepts_images", False):
+            image_envs = {type(slot.env).__name__ for slot in slots if slot.env.is_image_mode}
+            if image_envs:
+                raise ValueError(
+                    f"{', '.join(sorted(image_envs))} is in an image mode but the policy is a text-only model; "
+                    "set env.settings.mode=text, or use a policy that accepts images"
+                )
 
     def _map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         start = time.perf_counter()
@@ -149,6 +173,7 @@ class Rollout:
             prompt_ids=tokens.prompt() if tokens is not None else None,
             messages=messages,
             env=episode.slot.env,
+            images=message_images(messages) or None,
         )
 
     # ------------------------------------------------------------------ one episode
@@ -183,7 +208,7 @@ class Rollout:
         episode.observation = text
         episode.images = [obs["image"]] if "image" in obs else []
         episode.trajectory.images.extend(episode.images)
-        message = _user_message(text, episode.slot.env)
+        message = _user_message(text, episode.images[0] if episode.images else None)
         episode.messages.append(message)
         return message
 
