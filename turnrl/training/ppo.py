@@ -257,20 +257,20 @@ def _actor_backward(
         aggregation=config.loss_aggregation,
     )
     loss = policy_loss
-    metrics = {"losses/policy": float(policy_loss), "actor/clip_frac": float(stats.clip_frac),
+    metrics = {"losses/policy": policy_loss.item(), "actor/clip_frac": float(stats.clip_frac),
                "actor/approx_kl": float(stats.approx_kl), "actor/dual_clip_frac": float(stats.dual_clip_frac)}
     if entropy is not None:
         bonus = entropy_bonus(entropy, mask, config.loss_aggregation)
         loss = loss - config.entropy_coef * bonus
-        metrics["actor/entropy"] = float(bonus)
+        metrics["actor/entropy"] = bonus.item()
     if inputs.ref_logprobs is not None and config.kl_coef > 0:
         kl = kl_penalty(logprobs, inputs.ref_logprobs[index], kind=config.kl_kind)
         kl_term = entropy_bonus(kl, mask, config.loss_aggregation)  # the same masked aggregation
         if not config.kl_in_reward:
             loss = loss + config.kl_coef * kl_term
-        metrics["actor/kl_ref"] = float(kl_term)
+        metrics["actor/kl_ref"] = kl_term.item()
     (loss * weight).backward()
-    metrics["losses/actor_total"] = float(loss)
+    metrics["losses/actor_total"] = loss.item()
     return metrics
 
 
@@ -285,4 +285,4 @@ def _critic_backward(
         clip=config.value_clip, aggregation=config.loss_aggregation,
     )
     (loss * weight).backward()
-    return {"losses/value": float(loss), "critic/clip_frac": float(stats.clip_frac), "critic/error": float(stats.error)}
+    return {"losses/value": loss.item(), "critic/clip_frac": float(stats.clip_frac), "critic/error": float(stats.error)}
