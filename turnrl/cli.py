@@ -15,6 +15,7 @@ or playing an env starts at once.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -251,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The run's own rich progress bars say what is happening; the per-file
+    # bars of model loading and saving would only interleave with them.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = build_parser()
     # argparse gives a trailing nargs="*" positional only the words before the
     # first option, so `play ENV --seed 3 mode=image` would stop at
