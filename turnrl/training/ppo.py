@@ -44,6 +44,25 @@ def episode_scores(batch: Batch) -> torch.Tensor:
     return totals[batch.episode]
 
 
+def group_advantages(batch: Batch, scores: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Shape (b,): GRPO / Dr.GRPO / RLOO advantage of each sample's episode.
+
+    Groups compare episodes: in turn mode an episode has one sample per turn,
+    and counting each turn sample would weigh long episodes more in the group
+    mean and std (and make RLOO leave out one turn, not one episode).
+
+    Args:
+        scores: Shape (b,), the score of each sample's episode (equal across its samples).
+    """
+    episodes, inverse = torch.unique(batch.episode, return_inverse=True)
+    one_sample = torch.zeros(len(episodes), dtype=torch.long, device=inverse.device)
+    one_sample.scatter_(0, inverse, torch.arange(len(batch), device=inverse.device))  # any sample of each episode
+    per_episode, groups = scores[one_sample], batch.group[one_sample]
+    if estimator == "rloo":
+        return rloo_advantages(per_episode, groups)[inverse]
+    return grpo_advantages(per_episode, groups, norm_by_std=estimator == "grpo")[inverse]
+
+
 def turn_lambda_returns(batch: Batch, end_values: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
     """Turn mode: the lambda-return of each turn across its episode's turns.
 
@@ -87,11 +106,7 @@ def compute_advantages(
     seq_len = batch.input_ids.shape[1]
     estimator = config.advantage
     if estimator in ("grpo", "drgrpo", "rloo"):
-        scores = episode_scores(batch)
-        if estimator == "rloo":
-            seq_adv = rloo_advantages(scores, batch.group)
-        else:
-            seq_adv = grpo_advantages(scores, batch.group, norm_by_std=estimator == "grpo")
+        seq_adv = group_advantages(batch, episode_scores(batch), estimator)
         advantages = broadcast_to_tokens(seq_adv, mask)
         return advantages, advantages
 
