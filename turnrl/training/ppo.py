@@ -36,9 +36,15 @@ from turnrl.training.forward import ValueModel, token_logprobs
 
 
 # --------------------------------------------------------------------------- advantages
-def episode_scores(batch: Batch) -> torch.Tensor:
-    """Shape (b,): the total reward of each sample's episode (all turns, also in turn mode)."""
-    per_sample = batch.turn_rewards.sum(1)
+def episode_scores(batch: Batch, per_sample: torch.Tensor | None = None) -> torch.Tensor:
+    """Shape (b,): the total reward of each sample's episode (all turns, also in turn mode).
+
+    Args:
+        per_sample: Shape (b,), what each sample adds to its episode's score;
+            by default the sum of its turn rewards.
+    """
+    if per_sample is None:
+        per_sample = batch.turn_rewards.sum(1)
     totals = torch.zeros(int(batch.episode.max()) + 1, dtype=per_sample.dtype, device=per_sample.device)
     totals.index_add_(0, batch.episode, per_sample)
     return totals[batch.episode]
@@ -105,12 +111,14 @@ def compute_advantages(
     mask, ends = batch.loss_mask, batch.turn_end_mask
     seq_len = batch.input_ids.shape[1]
     estimator = config.advantage
+    rewards = place_rewards(batch.turn_rewards, batch.turn_end_index, seq_len, mode=config.reward_placement)
     if estimator in ("grpo", "drgrpo", "rloo"):
-        seq_adv = group_advantages(batch, episode_scores(batch), estimator)
+        if kl is not None and config.kl_in_reward:  # the episode score is then the sum of the KL-folded rewards
+            rewards = kl_in_reward(rewards, kl, config.kl_coef, mask)
+        seq_adv = group_advantages(batch, episode_scores(batch, rewards.sum(1)), estimator)
         advantages = broadcast_to_tokens(seq_adv, mask)
         return advantages, advantages
 
-    rewards = place_rewards(batch.turn_rewards, batch.turn_end_index, seq_len, mode=config.reward_placement)
     if config.sample_mode == "turn":
         if values is None:
             raise ValueError("turn mode credit across turns needs the critic's values")
