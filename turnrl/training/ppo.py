@@ -120,13 +120,17 @@ def compute_advantages(
         return advantages, advantages
 
     if config.sample_mode == "turn":
-        if values is None:
+        if estimator == "reinforce_pp":  # no critic: the discounted return over the episode's later turns
+            end_values = torch.zeros(len(batch), device=rewards.device)
+            gamma, lam = config.gamma, 1.0
+        elif values is None:
             raise ValueError("turn mode credit across turns needs the critic's values")
-        end_values = values.gather(1, batch.turn_end_index[:, :1]).squeeze(1)
-        if estimator == "gae":
-            gamma, lam = config.gamma, config.lam
         else:
-            gamma, lam = config.gamma_turn, config.lambda_turn
+            end_values = values.gather(1, batch.turn_end_index[:, :1]).squeeze(1)
+            if estimator == "gae":
+                gamma, lam = config.gamma, config.lam
+            else:
+                gamma, lam = config.gamma_turn, config.lambda_turn
         returns = turn_lambda_returns(batch, end_values, gamma, lam)
         rewards = place_rewards(returns[:, None], batch.turn_end_index[:, :1], seq_len)
     if kl is not None and config.kl_in_reward:
