@@ -74,20 +74,20 @@ def token_logprobs(
     states = hidden[rows, cols - 1]  # the state before each scored token
     scale = temperature if temperature > 0 else 1.0
     logprob_chunks, entropy_chunks = [], []
-    for start in range(0, states.shape[0], chunk_size):
+    # At least one (possibly empty) chunk: with nothing scored the zeros still hang
+    # off the graph, so backward() on a loss of a batch without trained tokens works.
+    for start in range(0, max(states.shape[0], 1), chunk_size):
         logits = head(states[start : start + chunk_size]).float() / scale  # (chunk, v)
         log_probs = torch.log_softmax(logits, dim=-1)
         logprob_chunks.append(log_probs.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1))
         if with_entropy:
             entropy_chunks.append(-(log_probs.exp() * log_probs).sum(-1))
     logprobs = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    if logprob_chunks:
-        logprobs = logprobs.index_put((rows, cols), torch.cat(logprob_chunks))
+    logprobs = logprobs.index_put((rows, cols), torch.cat(logprob_chunks))
     entropy = None
     if with_entropy:
         entropy = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-        if entropy_chunks:
-            entropy = entropy.index_put((rows, cols), torch.cat(entropy_chunks))
+        entropy = entropy.index_put((rows, cols), torch.cat(entropy_chunks))
     return logprobs, entropy
 
 
