@@ -1,0 +1,154 @@
+"""TrainConfig: recipes load from YAML plus overrides, and every bad value fails at load time naming its key."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnrl.config import ConfigError, load_config, to_yaml
+from turnrl.training.config import ADVANTAGES, CRITIC_ADVANTAGES, TrainConfig
+
+
+def error_of(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, list(overrides))
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- loading
+def test_defaults_validate():
+    config = load_config(TrainConfig)
+    assert config == TrainConfig()
+    assert config.algorithm.advantage == "gae" and config.algorithm.uses_critic
+
+
+def test_yaml_recipe_and_overrides_reach_every_section(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        "run: {name: r, steps: 7}\n"
+        "algorithm:\n  advantage: grpo\n  filter: {method: top_k, value: 0.5, drop_zero_variance: true}\n"
+        "groups: {n_groups: 3, group_size: 4}\n"
+        "lora: {enabled: true, r: 8}\n"
+        "sft: {enabled: true, episodes: 10}\n"
+    )
+    config = load_config(TrainConfig, path, ["algorithm.clip_high=0.3", "optim.actor_lr=2e-4", "resume=somewhere"])
+    assert (config.run.name, config.run.steps) == ("r", 7)
+    assert config.algorithm.advantage == "grpo" and not config.algorithm.uses_critic
+    assert config.algorithm.filter.method == "top_k" and config.algorithm.filter.drop_zero_variance
+    assert config.algorithm.clip_high == 0.3 and config.optim.actor_lr == 2e-4
+    assert config.lora.enabled and config.lora.r == 8 and config.sft.episodes == 10
+    assert config.resume == "somewhere"
+
+
+def test_saved_yaml_loads_back_to_the_same_config(tmp_path):
+    config = load_config(TrainConfig, None, ["algorithm.advantage=bilevel_gae", "agent.max_turns=3", "run.name=x"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(config))
+    assert load_config(TrainConfig, path) == config
+
+
+@pytest.mark.parametrize("advantage", ADVANTAGES)
+def test_uses_critic_exactly_for_the_critic_estimators(advantage):
+    config = load_config(TrainConfig, None, [f"algorithm.advantage={advantage}"])
+    assert config.algorithm.uses_critic == (advantage in CRITIC_ADVANTAGES)
+
+
+# --------------------------------------------------------------------------- errors name their key
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("algorithm.advantage=ppo", "algorithm.advantage"),
+        ("algorithm.reward_placement=middle", "algorithm.reward_placement"),
+        ("algorithm.sample_mode=token", "algorithm.sample_mode"),
+        ("algorithm.kl_kind=k4", "algorithm.kl_kind"),
+        ("algorithm.loss_aggregation=sum", "algorithm.loss_aggregation"),
+        ("algorithm.old_logprobs=fresh", "algorithm.old_logprobs"),
+        ("algorithm.gamma=1.5", "algorithm.gamma"),
+        ("algorithm.lam=-0.1", "algorithm.lam"),
+        ("algorithm.gamma_turn=2", "algorithm.gamma_turn"),
+        ("algorithm.lambda_turn=-1", "algorithm.lambda_turn"),
+        ("algorithm.gamma_token=1.01", "algorithm.gamma_token"),
+        ("algorithm.lambda_token=3", "algorithm.lambda_token"),
+        ("algorithm.ppo_epochs=0", "algorithm.ppo_epochs"),
+        ("algorithm.micro_batch_size=0", "algorithm.micro_batch_size"),
+        ("algorithm.filter.method=best", "algorithm.filter.method"),
+        ("algorithm.filter.metric=entropy_max", "algorithm.filter.metric"),
+        ("algorithm.filter.weighting=cubic", "algorithm.filter.weighting"),
+        ("algorithm.filter.on_empty=crash", "algorithm.filter.on_empty"),
+        ("algorithm.filter.value=-1", "algorithm.filter.value"),
+        ("sft.random_action_share=1.5", "sft.random_action_share"),
+        ("sft.episodes=0", "sft.episodes"),
+        ("sft.epochs=0", "sft.epochs"),
+        ("sft.micro_batch_size=0", "sft.micro_batch_size"),
+        ("run.steps=-1", "run.steps"),
+        ("validation.episodes=0", "validation.episodes"),
+        ("agent.format=telepathy", "agent.format"),
+        ("agent.max_turns=0", "agent.max_turns"),
+        ("agent.max_context_window=0", "agent.max_context_window"),
+        ("sampling.temperature=-1", "sampling.temperature"),
+        ("sampling.max_new_tokens=0", "sampling.max_new_tokens"),
+        ("model.dtype=int8", "model.dtype"),
+        ("groups.n_groups=0", "groups.n_groups"),
+        ("groups.group_size=0", "groups.group_size"),
+    ],
+)
+def test_bad_value_is_rejected_naming_its_key(override, key):
+    assert key in error_of(override)
+
+
+def test_mini_batch_smaller_than_micro_batch_names_both_sizes():
+    message = error_of("algorithm.micro_batch_size=16", "algorithm.mini_batch_size=8")
+    assert "algorithm.mini_batch_size" in message and "16" in message
+
+
+def test_sft_batch_smaller_than_its_micro_batch_is_rejected():
+    assert "sft.batch_size" in error_of("sft.micro_batch_size=16", "sft.batch_size=8")
+
+
+def test_context_window_that_cuts_a_trajectory_sample_asks_for_turn_mode():
+    message = error_of("agent.max_turns=5", "agent.max_context_window=2")
+    assert "agent.max_context_window" in message and "algorithm.sample_mode=turn" in message
+
+
+def test_context_window_is_fine_in_turn_mode_or_when_it_never_cuts():
+    turn = load_config(TrainConfig, None, ["agent.max_turns=5", "agent.max_context_window=2", "algorithm.sample_mode=turn"])
+    assert turn.agent.max_context_window == 2
+    wide = load_config(TrainConfig, None, ["agent.max_turns=5", "agent.max_context_window=5"])
+    assert wide.algorithm.sample_mode == "trajectory"
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "drgrpo", "rloo"])
+def test_group_estimator_with_groups_of_one_names_group_size(advantage):
+    message = error_of(f"algorithm.advantage={advantage}", "groups.group_size=1")
+    assert "groups.group_size" in message and advantage in message
+
+
+def test_critic_estimators_accept_groups_of_one():
+    assert load_config(TrainConfig, None, ["groups.group_size=1"]).groups.group_size == 1
+
+
+def test_training_seeds_overlapping_validation_seeds_are_rejected():
+    message = error_of("seeds.val_start=0", "seeds.val_size=100", "seeds.train_start=50")
+    assert "seeds.train_start" in message and "overlap" in message
+
+
+def test_more_validation_episodes_than_validation_seeds_names_both():
+    message = error_of("seeds.val_size=10", "seeds.train_start=10", "validation.episodes=11")
+    assert "validation.episodes" in message and "10" in message
+
+
+def test_unknown_key_and_wrong_type_name_the_key():
+    assert "algorithm.clip_middle" in error_of("algorithm.clip_middle=0.1")
+    assert "algorithm.ppo_epochs" in error_of("algorithm.ppo_epochs=many")
+
+
+# --------------------------------------------------------------------------- values that only fail mid-run
+@pytest.mark.xfail(strict=True, reason="AlgorithmConfig.validate does not check dual_clip; "
+                   "ppo_policy_loss raises at the first update, without naming the key")
+def test_dual_clip_not_above_one_is_rejected_at_load_time():
+    assert "algorithm.dual_clip" in error_of("algorithm.dual_clip=0.5")
+
+
+@pytest.mark.xfail(strict=True, reason="TrainConfig.validate does not check validation.batch_size; "
+                   "Recipe.validate fails in range(..., 0) after the model is loaded")
+def test_zero_validation_batch_size_is_rejected_at_load_time():
+    assert "validation.batch_size" in error_of("validation.batch_size=0")

@@ -1,0 +1,156 @@
+"""Forward passes of training: token log-probs and entropy against full logits, and the critic's alignment."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from turnrl.training.forward import ValueModel, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def inputs(model):
+    """Two right-padded rows of different lengths and a score mask with gaps (and position 0 set)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(0, vocab, (2, 12), generator=gen)
+    attention_mask = torch.ones(2, 12, dtype=torch.long)
+    attention_mask[1, 9:] = 0
+    score_mask = torch.zeros(2, 12)
+    score_mask[0, [0, 3, 4, 5, 9, 10, 11]] = 1
+    score_mask[1, [2, 3, 6, 7, 8]] = 1
+    return input_ids, attention_mask, score_mask
+
+
+def naive(model, input_ids, attention_mask, score_mask, temperature):
+    """Full logits, log_softmax, gather: ``logprobs[i] = log p(x_i | x_<i)``; position 0 never scored."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float() / temperature
+    log_probs = torch.log_softmax(logits[:, :-1], dim=-1)
+    picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    mask = score_mask.bool().clone()
+    mask[:, 0] = False
+    pad = torch.zeros(input_ids.shape[0], 1)
+    return (torch.cat([pad, picked], 1) * mask), (torch.cat([pad, entropy], 1) * mask)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
+@torch.no_grad()
+def test_token_logprobs_and_entropy_equal_a_full_logits_computation(model, inputs, temperature):
+    logprobs, entropy = token_logprobs(model, *inputs, temperature=temperature, with_entropy=True)
+    expected_lp, expected_h = naive(model, *inputs, temperature)
+    assert torch.allclose(logprobs, expected_lp, atol=1e-5)
+    assert torch.allclose(entropy, expected_h, atol=1e-5)
+    scored = inputs[2].bool().clone()
+    scored[:, 0] = False
+    assert bool((logprobs[scored] < 0).all()) and bool((logprobs[~scored] == 0).all())
+    assert bool((entropy[~scored] == 0).all())
+
+
+@torch.no_grad()
+def test_temperature_zero_scores_like_temperature_one(model, inputs):
+    greedy, _ = token_logprobs(model, *inputs, temperature=0.0)
+    plain, _ = token_logprobs(model, *inputs, temperature=1.0)
+    assert torch.equal(greedy, plain)
+
+
+@torch.no_grad()
+def test_token_logprobs_do_not_depend_on_the_chunk_size(model, inputs):
+    big, big_h = token_logprobs(model, *inputs, with_entropy=True, chunk_size=4096)
+    one, one_h = token_logprobs(model, *inputs, with_entropy=True, chunk_size=1)
+    three, _ = token_logprobs(model, *inputs, chunk_size=3)
+    assert torch.allclose(big, one, atol=1e-6) and torch.allclose(big, three, atol=1e-6)
+    assert torch.allclose(big_h, one_h, atol=1e-6)
+
+
+def test_empty_score_mask_gives_zeros_that_backward_accepts(model, inputs):
+    input_ids, attention_mask, _ = inputs
+    trained = copy.deepcopy(model)
+    logprobs, entropy = token_logprobs(trained, input_ids, attention_mask, torch.zeros(2, 12), with_entropy=True)
+    assert not logprobs.any() and not entropy.any()
+    (logprobs.sum() + entropy.sum()).backward()  # a micro-batch without trained tokens in a PPO epoch
+    assert all(p.grad is None or not p.grad.any() for p in trained.parameters())
+
+
+def test_token_logprobs_carry_gradients_to_the_model(model, inputs):
+    trained = copy.deepcopy(model)
+    logprobs, _ = token_logprobs(trained, *inputs)
+    logprobs.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained.parameters())
+
+
+def test_token_logprobs_go_through_lora_adapters(model, inputs):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           init_lora_weights=False))
+    logprobs, entropy = token_logprobs(lora, *inputs, with_entropy=True)
+    with torch.no_grad():
+        expected_lp, expected_h = naive(lora, *inputs, 1.0)
+        base, _ = token_logprobs(model, *inputs)
+        with lora.disable_adapter():
+            off, _ = token_logprobs(lora, *inputs)
+    assert torch.allclose(logprobs, expected_lp, atol=1e-5) and torch.allclose(entropy, expected_h, atol=1e-5)
+    assert not torch.allclose(logprobs, base, atol=1e-3)  # the adapters are in the computation
+    assert torch.allclose(off, base, atol=1e-6)  # switched off: the base model (the reference policy)
+    logprobs.sum().backward()
+    trainable = [(n, p) for n, p in lora.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n, _ in trainable)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for _, p in trainable)
+
+
+# --------------------------------------------------------------------------- the critic
+@pytest.fixture
+def critic(model):
+    critic = ValueModel(copy.deepcopy(model.base_model)).eval()
+    torch.nn.init.normal_(critic.value_head.weight, std=1.0, generator=torch.Generator().manual_seed(1))
+    torch.nn.init.constant_(critic.value_head.bias, 0.25)
+    return critic
+
+
+def test_new_critic_predicts_zero(model, inputs):
+    critic = ValueModel(copy.deepcopy(model.base_model))
+    with torch.no_grad():
+        assert not critic(*inputs[:2]).any()
+
+
+@torch.no_grad()
+def test_value_at_position_i_depends_only_on_the_tokens_before_it(critic, inputs):
+    input_ids, attention_mask, _ = inputs
+    values = critic(input_ids, attention_mask)
+    assert values.shape == input_ids.shape and values.dtype == torch.float32
+    assert not values[:, 0].any()
+    for i in (1, 5, 10):
+        changed = input_ids.clone()
+        changed[:, i] = (changed[:, i] + 1) % critic.backbone.config.vocab_size
+        after = critic(changed, attention_mask)
+        assert torch.allclose(after[:, : i + 1], values[:, : i + 1], atol=1e-6)  # V(x_<j) for j <= i: unchanged
+        assert not torch.allclose(after[0, i + 1], values[0, i + 1], atol=1e-4)  # the next state sees token i
+
+
+@torch.no_grad()
+def test_value_is_the_head_on_the_hidden_state_of_the_previous_token(critic, inputs):
+    input_ids, attention_mask, _ = inputs
+    hidden = critic.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    after_each = critic.value_head(hidden).squeeze(-1)
+    assert torch.allclose(critic(input_ids, attention_mask)[:, 1:], after_each[:, :-1], atol=1e-6)
+
+
+@torch.no_grad()
+def test_critic_save_and_load_round_trip(critic, inputs, tmp_path):
+    critic.save_pretrained(tmp_path / "critic")
+    assert (tmp_path / "critic" / "value_head.pt").exists()
+    loaded = ValueModel.from_pretrained(tmp_path / "critic").eval()
+    assert torch.equal(loaded(*inputs[:2]), critic(*inputs[:2]))
+    original = dict(critic.state_dict())
+    assert all(torch.equal(v, original[k]) for k, v in loaded.state_dict().items())
+    assert set(loaded.state_dict()) == set(original)
