@@ -1,0 +1,109 @@
+"""Checkpoints: an atomic layout with a ``latest`` pointer, HF-format weights, and RNG states that resume exactly."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from turnrl.training.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from turnrl.training.forward import ValueModel
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+def leftovers(root):
+    return sorted(p.name for p in root.rglob("*") if p.name.endswith(".tmp"))
+
+
+def test_checkpoint_layout_and_latest_pointer(actor, tiny_tokenizer, tmp_path):
+    critic = ValueModel(copy.deepcopy(actor.base_model))
+    path = save_checkpoint(tmp_path, 3, actor, tiny_tokenizer, {"note": "x"}, critic=critic)
+    assert path == tmp_path / "checkpoints" / "step_000003"
+    assert (path / "actor" / "config.json").exists() and (path / "actor" / "tokenizer_config.json").exists()
+    assert (path / "critic" / "value_head.pt").exists() and (path / "trainer_state.pt").exists()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert latest_checkpoint(tmp_path) == path
+    assert leftovers(tmp_path) == []
+    state = load_trainer_state(path)
+    assert state["step"] == 3 and state["note"] == "x" and set(state["rng"]) >= {"python", "numpy", "torch"}
+
+
+def test_checkpoint_actor_and_tokenizer_load_with_plain_transformers(actor, tiny_tokenizer, tmp_path):
+    path = save_checkpoint(tmp_path, 0, actor, tiny_tokenizer, {})
+    loaded = AutoModelForCausalLM.from_pretrained(path / "actor", dtype=torch.float32)
+    assert all(torch.equal(p, actor.state_dict()[k]) for k, p in loaded.state_dict().items())
+    tokenizer = AutoTokenizer.from_pretrained(path / "actor")
+    text = "<answer>Left</answer>"
+    assert tokenizer.encode(text) == tiny_tokenizer.encode(text)
+    assert tokenizer.chat_template == tiny_tokenizer.chat_template
+    assert not (path / "critic").exists()
+
+
+def test_latest_moves_to_the_newest_save_and_a_resave_replaces_the_step(actor, tiny_tokenizer, tmp_path):
+    save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {"version": 1})
+    save_checkpoint(tmp_path, 2, actor, tiny_tokenizer, {"version": 2})
+    assert latest_checkpoint(tmp_path).name == "step_000002"
+    save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {"version": 3})
+    assert latest_checkpoint(tmp_path).name == "step_000001"  # latest is the last save, not the largest step
+    assert load_trainer_state(tmp_path / "checkpoints" / "step_000001")["version"] == 3
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
+
+
+def test_a_save_that_fails_midway_leaves_latest_on_the_previous_checkpoint(actor, tiny_tokenizer, tmp_path,
+                                                                          monkeypatch):
+    save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {})
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        save_checkpoint(tmp_path, 2, actor, tiny_tokenizer, {})
+    assert latest_checkpoint(tmp_path).name == "step_000001"
+    assert not (tmp_path / "checkpoints" / "step_000002").exists()
+    monkeypatch.undo()
+    save_checkpoint(tmp_path, 2, actor, tiny_tokenizer, {})  # the retry cleans the half-written copy
+    assert latest_checkpoint(tmp_path).name == "step_000002" and leftovers(tmp_path) == []
+
+
+def test_no_checkpoint_or_a_dangling_pointer_gives_none(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_000009\n")
+    assert latest_checkpoint(tmp_path) is None
+
+
+def draws():
+    return random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(), torch.randint(0, 1000, (4,)).tolist()
+
+
+def test_restored_rng_state_reproduces_the_random_draws(actor, tiny_tokenizer, tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    draws()
+    path = save_checkpoint(tmp_path, 0, actor, tiny_tokenizer, {})
+    expected = draws()
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    assert draws() != expected
+    set_rng_state(load_trainer_state(path)["rng"])
+    assert draws() == expected
+
+
+def test_rng_state_round_trip_in_memory():
+    state = rng_state()
+    first = draws()
+    set_rng_state(state)
+    assert draws() == first

@@ -1,0 +1,202 @@
+"""Supervised fine-tuning: demos and JSONL chats to samples with the loss on assistant tokens, and it learns."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from turnrl.agent.formats import get_format
+from turnrl.config import AgentConfig
+from turnrl.envs import make
+from turnrl.training.batch import collate
+from turnrl.training.config import SFTConfig
+from turnrl.training.forward import token_logprobs
+from turnrl.training.sft import (
+    conversation_samples,
+    expert_demos,
+    read_chat_jsonl,
+    sft_train,
+    trajectory_messages,
+)
+
+CHAT = [
+    {"role": "system", "content": "You play a game."},
+    {"role": "user", "content": "board 1"},
+    {"role": "assistant", "content": "<answer>Left</answer>"},
+    {"role": "user", "content": "board 2"},
+    {"role": "assistant", "content": "<answer>Down</answer>"},
+    {"role": "user", "content": "board 3"},
+    {"role": "assistant", "content": "<answer>Right</answer>"},
+]
+
+
+def assistant_ids(tokenizer, messages):
+    return [tokenizer.encode(m["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            for m in messages if m["role"] == "assistant"]
+
+
+# --------------------------------------------------------------------------- samples
+def test_chat_sample_trains_on_assistant_tokens_and_eos_only(tiny_tokenizer):
+    (sample,) = conversation_samples(CHAT, tiny_tokenizer, window=None)
+    targets = assistant_ids(tiny_tokenizer, CHAT)
+    trained = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
+    assert trained == [i for ids in targets for i in ids]
+    assert sample.turn_ends == [i for i, (m, nxt) in enumerate(zip(sample.loss_mask, sample.loss_mask[1:] + [0]))
+                                if m and not nxt]
+    assert [sample.input_ids[e] for e in sample.turn_ends] == [tiny_tokenizer.eos_token_id] * 3
+    context = tiny_tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if not m])
+    assert all(text in context for text in ("You play a game.", "board 1", "board 2", "board 3"))
+    assert "<answer>" not in context
+
+
+def test_chat_sample_is_the_chat_templates_rendering(tiny_tokenizer):
+    (sample,) = conversation_samples(CHAT, tiny_tokenizer, window=None)
+    rendered = tiny_tokenizer.apply_chat_template(CHAT, tokenize=False)
+    assert tiny_tokenizer.decode(sample.input_ids) == rendered
+
+
+def test_chat_ending_with_a_user_message_drops_the_unanswered_tail(tiny_tokenizer):
+    (sample,) = conversation_samples(CHAT + [{"role": "user", "content": "board 4"}], tiny_tokenizer, window=None)
+    assert sample.input_ids == conversation_samples(CHAT, tiny_tokenizer, window=None)[0].input_ids
+
+
+def test_chat_without_system_message_works(tiny_tokenizer):
+    (sample,) = conversation_samples(CHAT[1:], tiny_tokenizer, window=None)
+    assert sum(sample.loss_mask) == sum(len(ids) for ids in assistant_ids(tiny_tokenizer, CHAT))
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_windowed_chat_gives_one_sample_per_assistant_turn(tiny_tokenizer, window):
+    samples = conversation_samples(CHAT, tiny_tokenizer, window=window)
+    targets = assistant_ids(tiny_tokenizer, CHAT)
+    assert [s.turn for s in samples] == [0, 1, 2]
+    for sample, target in zip(samples, targets):
+        n = len(target)
+        assert sample.input_ids[-n:] == target and sample.loss_mask == [0] * (len(sample.input_ids) - n) + [1] * n
+        assert sample.turn_ends == [len(sample.input_ids) - 1]
+    last_prompt = tiny_tokenizer.decode(samples[2].input_ids[: -len(targets[2])])
+    assert "board 3" in last_prompt and "You play a game." in last_prompt
+    assert ("board 1" in last_prompt) == (window > 2) and ("board 2" in last_prompt) == (window > 1)
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}], "start with a user"),
+        ([{"role": "user", "content": "x"}], "reply"),
+        ([{"role": "user", "content": "x"}, {"role": "user", "content": "y"}], "expected 'assistant'"),
+        ([{"role": "system", "content": "s"}, {"role": "user", "content": "x"}, {"role": "assistant", "content": "a"},
+          {"role": "assistant", "content": "b"}], "message 3 has role 'assistant', expected 'user'"),
+    ],
+)
+def test_malformed_chats_are_rejected(tiny_tokenizer, messages, match):
+    with pytest.raises(ValueError, match=match):
+        conversation_samples(messages, tiny_tokenizer, window=None)
+
+
+# --------------------------------------------------------------------------- JSONL chats
+def test_jsonl_chats_parse_and_skip_blank_lines(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n\n" + json.dumps({"messages": CHAT[1:3], "id": 7}) + "\n")
+    assert read_chat_jsonl(path) == [CHAT, CHAT[1:3]]
+
+
+@pytest.mark.parametrize("bad_line", ['{"messages": [', '{"msgs": []}', "[1, 2]", '"text"'])
+def test_malformed_jsonl_line_is_named_by_its_line_number(tmp_path, bad_line):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": CHAT}) + "\n" + bad_line + "\n")
+    with pytest.raises(ValueError, match=rf"chats\.jsonl:3: expected a JSON object with a 'messages' list"):
+        read_chat_jsonl(path)
+
+
+def test_jsonl_without_chats_is_an_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n  \n")
+    with pytest.raises(ValueError, match="holds no chats"):
+        read_chat_jsonl(path)
+
+
+@pytest.mark.xfail(strict=True, reason="sft.read_chat_jsonl accepts a 'messages' value that is not a list of "
+                   "messages; the error comes later from conversation_samples without the line number")
+def test_jsonl_line_whose_messages_are_not_a_list_is_named_by_its_line_number(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": "hello"}) + "\n")
+    with pytest.raises(ValueError, match=r"chats\.jsonl:2"):
+        read_chat_jsonl(path)
+
+
+# --------------------------------------------------------------------------- expert demos
+def demo_setup(**sft):
+    agent = AgentConfig(format="no_think", max_turns=6, max_actions_per_episode=6, env_instructions=False,
+                        format_instructions=False, system_prompt="FrozenLake: reach G.")
+    config = SFTConfig(**{"episodes": 8, "random_action_share": 0.0, **sft})
+    fmt = get_format("no_think")
+    return agent, config, fmt
+
+
+def test_expert_demos_play_the_solver_on_their_own_seeds():
+    agent, config, fmt = demo_setup(episodes=6, seed_start=500)
+    demos = expert_demos(lambda: make("FrozenLake"), fmt, agent, config, "FrozenLake", batch_size=4)
+    assert [d.seed for d in demos] == list(range(500, 506))
+    assert all(d.turns and d.tokens is None for d in demos)  # text-only: tokenized later by the SFT context
+    assert sum(d.success for d in demos) >= 5  # the solver (no random actions) solves the solvable maps
+
+
+def test_demo_samples_mask_only_the_experts_responses(tiny_tokenizer):
+    agent, config, fmt = demo_setup(episodes=4)
+    demos = expert_demos(lambda: make("FrozenLake"), fmt, agent, config, "FrozenLake")
+    for demo in demos:
+        (sample,) = conversation_samples(trajectory_messages(demo), tiny_tokenizer, window=None)
+        responses = [tiny_tokenizer.encode(t.response, add_special_tokens=False) + [tiny_tokenizer.eos_token_id]
+                     for t in demo.turns]
+        assert [t for t, m in zip(sample.input_ids, sample.loss_mask) if m] == [i for r in responses for i in r]
+        assert len(sample.turn_ends) == len(demo.turns)
+
+
+def mean_nll(model, samples, pad_id) -> float:
+    batch = collate(samples, pad_id)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
+    return float(-(logprobs * batch.loss_mask).sum() / batch.loss_mask.sum())
+
+
+def demo_samples(tokenizer, seed_start, episodes):
+    agent, config, fmt = demo_setup(episodes=episodes, seed_start=seed_start, random_action_share=0.2)
+    demos = expert_demos(lambda: make("FrozenLake"), fmt, agent, config, "FrozenLake")
+    return [s for d in demos for s in conversation_samples(trajectory_messages(d), tokenizer, window=None)]
+
+
+def test_short_sft_on_expert_demos_lowers_the_loss_on_held_out_demos(tiny_model_dir, tiny_tokenizer):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    train = demo_samples(tiny_tokenizer, seed_start=1_000, episodes=48)
+    held_out = demo_samples(tiny_tokenizer, seed_start=5_000, episodes=16)
+    pad = tiny_tokenizer.pad_token_id
+    before = mean_nll(model, held_out, pad)
+    logged = []
+    config = SFTConfig(epochs=2, lr=1e-2, warmup_steps=2, batch_size=8, micro_batch_size=8)
+    metrics = sft_train(model, pad, train, config, log=lambda step, m: logged.append((step, m)))
+    after = mean_nll(model, held_out, pad)
+    assert after < 0.5 * before, (before, after)
+    assert metrics["sft/steps"] == 2 * -(-len(train) // 8) == len(logged)
+    assert [step for step, _ in logged] == list(range(len(logged)))
+    assert logged[-1][1]["sft/loss"] < logged[0][1]["sft/loss"]
+    assert not model.training
+
+
+def test_sft_micro_batches_accumulate_to_the_same_update(tiny_model_dir, tiny_tokenizer):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    samples = conversation_samples(CHAT, tiny_tokenizer, window=1) + conversation_samples(CHAT[:3], tiny_tokenizer, None)
+    results = []
+    for micro in (1, 4):
+        model = copy.deepcopy(base)
+        sft_train(model, tiny_tokenizer.pad_token_id, samples, SFTConfig(epochs=1, lr=1e-3, warmup_steps=0,
+                                                                         batch_size=4, micro_batch_size=micro))
+        results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for name, p in results[1].items():
+        delta = p - base.state_dict()[name]
+        assert float((results[0][name] - p).abs().max()) <= 1e-3 * float(delta.abs().max()) + 1e-6, name

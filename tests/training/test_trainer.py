@@ -1,0 +1,296 @@
+"""The RL recipe end to end on the tiny model: every estimator path, LoRA, filters, SFT warm start, outputs, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from turnrl.config import load_config
+from turnrl.training.config import TrainConfig
+from turnrl.training.trainer import train
+
+# A short system prompt: the tiny model is trained from scratch and cannot read instructions.
+COMMON = [
+    "model.device=cpu", "model.dtype=float32", "run.tensorboard=false", "run.trajectories_every=1",
+    "env.id=FrozenLake", "agent.format=no_think", "agent.env_instructions=false", "agent.format_instructions=false",
+    "agent.system_prompt=FrozenLake. Reach G. Answer <answer>Left|Down|Right|Up</answer>.",
+    "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=2", "groups.group_size=2",
+    "validation.episodes=2", "run.steps=2", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
+    "optim.actor_lr=1e-3", "optim.critic_lr=1e-3",
+]
+VOLATILE = ("timing/", "throughput/")  # wall-clock measurements
+
+
+def config(model_dir, out: Path, *overrides: str, name: str = "run") -> TrainConfig:
+    return load_config(TrainConfig, None, [*COMMON, f"model.path={model_dir}", f"run.output_dir={out}",
+                                           f"run.name={name}", *overrides])
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_records(run_dir: Path) -> dict[int, dict]:
+    """The RL step records by step (validation-only records left out)."""
+    return {r["step"]: r for r in records(run_dir) if "rollout/success" in r}
+
+
+def trajectories(run_dir: Path, step: int) -> list[dict]:
+    path = run_dir / "trajectories" / f"step_{step:06d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def actor_weights(run_dir: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / "step_000001" / "actor" / name)
+
+
+def base_weights(model_dir) -> dict[str, torch.Tensor]:
+    return load_file(Path(model_dir) / "model.safetensors")
+
+
+def assert_token_exact(steps: dict[int, dict]) -> None:
+    """The recomputed log-probs of the trained tokens match the sampler's: the batch holds the sampled tokens."""
+    assert all(r["actor/logprob_mismatch"] < 1e-4 for r in steps.values())
+
+
+# --------------------------------------------------------------------------- SFT, then PPO with a critic
+@pytest.fixture(scope="module")
+def warm_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """SFT on expert demos, then 2 PPO/GAE steps, with TensorBoard; its SFT model warms other tests up."""
+    out = tmp_path_factory.mktemp("warm")
+    train(config(tiny_model_dir, out, "sft.enabled=true", "sft.episodes=160", "sft.epochs=4", "sft.batch_size=16",
+                 "sft.micro_batch_size=16", "sft.lr=1e-2", "sft.warmup_steps=2", "run.tensorboard=true",
+                 "agent.max_turns=3", "groups.n_groups=4", "validation.episodes=8", "algorithm.mini_batch_size=8",
+                 "algorithm.micro_batch_size=8"))
+    return out / "run"
+
+
+@pytest.fixture(scope="module")
+def warm_model_dir(warm_run) -> Path:
+    return warm_run / "sft" / "model"
+
+
+def test_sft_then_rl_writes_summary_with_validation_before_and_after(warm_run):
+    summary = json.loads((warm_run / "summary.json").read_text())
+    assert 0 <= summary["val_success_before_rl"] <= 1 and 0 <= summary["val_success_after_rl"] <= 1
+    assert summary["val_after_rl"]["val/success"] == summary["val_success_after_rl"]
+    assert summary["steps"] == 2 and summary["sft/steps"] == 4 * 10 and summary["sft/final_epoch_loss"] < 2.0
+    assert {"sft_s", "validation_s", "rollout_s", "update_s"} <= set(summary["timings_s"])
+    before = records(warm_run)[0]
+    assert before["step"] == 0 and before["val/success"] == summary["val_success_before_rl"]
+    assert before["val/format_ok"] > 0  # the SFT model writes well-formed answers now and then
+    names = {p.name for p in (warm_run / "trajectories").iterdir()}
+    assert {"val_before_rl.jsonl", "val_after_rl.jsonl", "step_000000.jsonl", "step_000001.jsonl"} <= names
+    assert (warm_run / "sft" / "demos_sample.jsonl").exists()
+
+
+def test_sft_model_is_saved_in_hf_format_and_differs_from_the_base(warm_model_dir, tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(warm_model_dir)
+    assert AutoTokenizer.from_pretrained(warm_model_dir).chat_template
+    base = base_weights(tiny_model_dir)
+    assert any(not torch.equal(p, base[k]) for k, p in model.state_dict().items() if k in base)
+
+
+def test_metrics_are_namespaced_per_step(warm_run):
+    steps = step_records(warm_run)
+    assert sorted(steps) == [1, 2]
+    for record in steps.values():
+        namespaces = {key.split("/")[0] for key in record if "/" in key}
+        assert {"rollout", "actor", "critic", "losses", "timing", "filter", "batch", "throughput"} <= namespaces
+        assert record["filter/skipped_step"] == 0 and record["filter/kept_ratio"] == 1.0
+        assert record["batch/samples"] == 8 and record["rollout/episodes"] == 8
+    final = [r for r in records(warm_run) if "val/success" in r and r["step"] == 2]
+    assert len(final) == 1 and not any(k.startswith("rollout/") for k in final[0])
+    assert all("/" in key for r in records(warm_run) for key in r if key not in ("step", "time"))
+    assert_token_exact(steps)
+
+
+def test_ppo_with_critic_trains_actor_and_critic(warm_run, warm_model_dir):
+    steps = step_records(warm_run)
+    assert all(r["losses/value"] > 0 and r["critic/grad_norm"] > 0 and r["actor/grad_norm"] > 0 for r in steps.values())
+    assert all(abs(r["actor/advantage_mean"]) < 1e-5 for r in steps.values())  # whitened
+    checkpoint = warm_run / "checkpoints" / "step_000001"
+    critic_head = torch.load(checkpoint / "critic" / "value_head.pt")
+    assert critic_head["weight"].abs().sum() > 0  # the value head starts at zero
+    sft = load_file(warm_model_dir / "model.safetensors")
+    actor = load_file(checkpoint / "actor" / "model.safetensors")
+    assert any(not torch.equal(actor[k], sft[k]) for k in sft)
+
+
+def test_tensorboard_event_files_hold_the_scalars(warm_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((warm_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert events
+    accumulator = EventAccumulator(str(warm_run / "tensorboard"))
+    accumulator.Reload()
+    tags = set(accumulator.Tags()["scalars"])
+    assert {"rollout/success", "actor/grad_norm", "critic/grad_norm", "losses/policy", "val/success",
+            "filter/kept_ratio", "timing/step_s"} <= tags
+    assert [e.step for e in accumulator.Scalars("rollout/success")] == [1, 2]
+    assert list((warm_run / "sft" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_checkpoint_holds_an_hf_actor_with_tokenizer_and_the_trainer_state(warm_run):
+    root = warm_run / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_000001"
+    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+    model = AutoModelForCausalLM.from_pretrained(root / "step_000001" / "actor")
+    tokenizer = AutoTokenizer.from_pretrained(root / "step_000001" / "actor")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert model(torch.tensor([ids])).logits.shape[-1] == model.config.vocab_size
+    state = torch.load(root / "step_000001" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 1 and state["actor_optimizer"]["state"] and state["critic_optimizer"]["state"]
+    saved = load_config(TrainConfig, warm_run / "config.yaml")
+    assert saved.sft.enabled and saved.algorithm.advantage == "gae"
+
+
+# --------------------------------------------------------------------------- estimators
+def test_grpo_trains_without_a_critic(warm_model_dir, tmp_path):
+    summary = train(config(warm_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=4",
+                           "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=4", "agent.max_turns=3"))
+    run_dir = tmp_path / "run"
+    steps = step_records(run_dir)
+    assert not any(k.startswith("critic/") or k == "losses/value" for r in steps.values() for k in r)
+    assert not (run_dir / "checkpoints" / "step_000001" / "critic").exists()
+    assert any(r["actor/advantage_abs_mean"] > 0 for r in steps.values())  # the warm model's groups disagree
+    assert "val_success_after_rl" in summary and "val_success_before_rl" in summary
+    assert_token_exact(steps)
+
+
+@pytest.mark.parametrize("advantage", ["bilevel_gae", "turn_gae"])
+def test_turn_credit_estimators_with_a_critic(tiny_model_dir, tmp_path, advantage):
+    train(config(tiny_model_dir, tmp_path, f"algorithm.advantage={advantage}", "algorithm.gamma_turn=0.9"))
+    steps = step_records(tmp_path / "run")
+    assert all(r["losses/value"] > 0 and r["actor/advantage_abs_mean"] > 0 for r in steps.values())
+    assert (tmp_path / "run" / "checkpoints" / "step_000001" / "critic" / "value_head.pt").exists()
+    assert_token_exact(steps)
+
+
+def test_turn_samples_with_a_context_window(tiny_model_dir, tmp_path):
+    train(config(tiny_model_dir, tmp_path, "algorithm.sample_mode=turn", "agent.max_context_window=1",
+                 "agent.max_turns=3", "algorithm.advantage=bilevel_gae", "algorithm.mini_batch_size=16",
+                 "algorithm.micro_batch_size=4"))
+    run_dir = tmp_path / "run"
+    steps = step_records(run_dir)
+    for step, record in steps.items():
+        played = trajectories(run_dir, step - 1)
+        assert record["batch/samples"] == sum(len(t["turns"]) for t in played)  # one sample per turn
+        assert max(len(t["turns"]) for t in played) == 3
+    assert_token_exact(steps)
+
+
+def test_critic_warmup_leaves_the_actor_untouched(tiny_model_dir, tmp_path):
+    train(config(tiny_model_dir, tmp_path, "algorithm.critic_warmup_steps=2"))
+    run_dir = tmp_path / "run"
+    base, actor = base_weights(tiny_model_dir), actor_weights(run_dir)
+    assert all(torch.equal(actor[k], base[k]) for k in base)
+    steps = step_records(run_dir)
+    assert all("losses/policy" not in r and r["losses/value"] > 0 for r in steps.values())
+
+
+# --------------------------------------------------------------------------- LoRA
+def test_lora_trains_adapters_against_the_adapters_off_reference(tiny_model_dir, tmp_path):
+    train(config(tiny_model_dir, tmp_path, "lora.enabled=true", "lora.r=4", "lora.alpha=8",
+                 "algorithm.advantage=grpo", "algorithm.kl_coef=0.1", "optim.actor_lr=1e-2"))
+    run_dir = tmp_path / "run"
+    steps = step_records(run_dir)
+    assert steps[1]["actor/kl_ref"] == 0.0  # adapters start as the identity: the policy is the reference
+    assert steps[2]["actor/kl_ref"] > 0.0  # after one update the adapters moved the policy away
+    assert not (run_dir / "reference").exists()  # no copy of the model: the reference is the adapters switched off
+    actor_dir = run_dir / "checkpoints" / "step_000001" / "actor"
+    assert (actor_dir / "adapter_config.json").exists() and not (actor_dir / "model.safetensors").exists()
+    adapters = load_file(actor_dir / "adapter_model.safetensors")
+    assert adapters and all("lora_" in k for k in adapters)
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapters.items())
+    loaded = AutoModelForCausalLM.from_pretrained(actor_dir)  # base + adapters through transformers' peft support
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert not torch.allclose(loaded(ids).logits, base(ids).logits, atol=1e-4)
+    assert_token_exact(steps)
+
+
+# --------------------------------------------------------------------------- StarPO-S filter
+def test_top_k_filter_keeps_the_most_varied_groups_and_drops_zero_variance(warm_model_dir, tmp_path):
+    train(config(warm_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=4", "agent.max_turns=3",
+                 "algorithm.filter.method=top_k", "algorithm.filter.value=0.5",
+                 "algorithm.filter.drop_zero_variance=true", "algorithm.mini_batch_size=8",
+                 "algorithm.micro_batch_size=4", "run.steps=3"))
+    run_dir = tmp_path / "run"
+    steps = step_records(run_dir)
+    dropped_some = kept_some = False
+    for step, record in steps.items():
+        rewards: dict[int, list[float]] = {}
+        for t in trajectories(run_dir, step - 1):
+            rewards.setdefault(t["group"], []).append(t["total_reward"])
+        varied = sum(max(r) - min(r) > 1e-8 for r in rewards.values())
+        expected = min(2, varied)  # top 50% of 4 groups, among those whose rewards differ
+        assert record["filter/kept_ratio"] == expected / 4
+        if expected == 0:
+            assert record["filter/skipped_step"] == 1 and "batch/samples" not in record
+        else:
+            assert record["filter/skipped_step"] == 0 and record["batch/samples"] == 2 * expected
+        dropped_some |= varied < 4
+        kept_some |= expected > 0
+    assert dropped_some and kept_some, "the warm model should give both varied and uniform groups"
+
+
+def test_top_k_filter_with_a_group_count(tiny_model_dir, tmp_path):
+    cfg = config(tiny_model_dir, tmp_path, "algorithm.filter.method=top_k", "algorithm.filter.value=2",
+                 "groups.n_groups=3", "run.steps=1")
+    try:
+        train(cfg)
+    except ValueError as error:
+        if "a float top_k value is a share" not in str(error):
+            raise
+        pytest.xfail("trainer.Recipe._select passes FilterConfig.value (a float) to select_groups, which reads a "
+                     "float top_k value as a share and rejects 2.0; the config documents values > 1 as a count")
+    assert step_records(tmp_path / "run")[1]["filter/kept_ratio"] == pytest.approx(2 / 3)
+
+
+# --------------------------------------------------------------------------- resume
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "time" and not k.startswith(VOLATILE)}
+
+
+def test_resume_continues_exactly_as_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    extra = ["algorithm.kl_coef=0.01", "algorithm.micro_batch_size=1", "algorithm.mini_batch_size=2"]
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=4", name="straight"))
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=2", name="split"))
+    split = tmp_path / "split"
+    summary = train(config(tiny_model_dir, tmp_path, *extra, "run.steps=4", f"resume={split}", name="split"))
+    straight = tmp_path / "straight"
+    final = "checkpoints/step_000003"
+    a = load_file(straight / final / "actor" / "model.safetensors")
+    b = load_file(split / final / "actor" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a_critic = load_file(straight / final / "critic" / "model.safetensors")
+    b_critic = load_file(split / final / "critic" / "model.safetensors")
+    assert all(torch.equal(a_critic[k], b_critic[k]) for k in a_critic)
+    assert torch.equal(torch.load(straight / final / "critic" / "value_head.pt")["weight"],
+                       torch.load(split / final / "critic" / "value_head.pt")["weight"])
+    one, two = step_records(straight), step_records(split)
+    assert sorted(two) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert comparable(one[step]) == comparable(two[step]), step
+    assert any(not torch.equal(a[k], base_weights(tiny_model_dir)[k]) for k in a)  # it trained
+    assert "val_success_before_rl" in summary and summary["steps"] == 4
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="trainer.Recipe._initial_model_path: a LoRA resume loads the adapters onto "
+                   "the configured base model, not onto the SFT model they were trained on")
+def test_resume_after_sft_with_lora_continues_exactly(tiny_model_dir, tmp_path):
+    extra = ["lora.enabled=true", "lora.r=4", "sft.enabled=true", "sft.episodes=8", "sft.epochs=1",
+             "sft.batch_size=8", "sft.micro_batch_size=8", "sft.warmup_steps=0", "algorithm.advantage=grpo"]
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=3", name="straight"))
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=2", name="split"))
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=3", f"resume={tmp_path / 'split'}", name="split"))
+    one, two = step_records(tmp_path / "straight"), step_records(tmp_path / "split")
+    assert comparable(one[3]) == comparable(two[3])
