@@ -69,7 +69,9 @@ def group_advantages(batch: Batch, scores: torch.Tensor, estimator: str) -> torc
     return grpo_advantages(per_episode, groups, norm_by_std=estimator == "grpo")[inverse]
 
 
-def turn_lambda_returns(batch: Batch, end_values: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
+def turn_lambda_returns(
+    batch: Batch, end_values: torch.Tensor, gamma: float, lam: float, placement: str = "per_turn"
+) -> torch.Tensor:
     """Turn mode: the lambda-return of each turn across its episode's turns.
 
     Lays the turn samples out as an ``(e, t)`` grid of turns, each turn one
@@ -79,6 +81,8 @@ def turn_lambda_returns(batch: Batch, end_values: torch.Tensor, gamma: float, la
 
     Args:
         end_values: Shape (b,): value at each sample's last sampled token.
+        placement: ``per_turn`` (each turn's own reward) or ``episode_end``
+            (the episode's total at its last turn), as :func:`place_rewards`.
 
     Returns:
         Shape (b,): ``A_t + V_t`` for each sample's turn.
@@ -91,6 +95,8 @@ def turn_lambda_returns(batch: Batch, end_values: torch.Tensor, gamma: float, la
     rewards[episodes, turns] = batch.turn_rewards[:, 0]
     values[episodes, turns] = end_values
     mask[episodes, turns] = True
+    turn_index = torch.where(mask, torch.arange(grid_shape[1], device=mask.device), -1)
+    rewards = place_rewards(rewards, turn_index, grid_shape[1], mode=placement)
     _, returns = masked_gae(rewards, values, mask, gamma=gamma, lam=lam)
     return returns[episodes, turns]
 
@@ -131,7 +137,7 @@ def compute_advantages(
                 gamma, lam = config.gamma, config.lam
             else:
                 gamma, lam = config.gamma_turn, config.lambda_turn
-        returns = turn_lambda_returns(batch, end_values, gamma, lam)
+        returns = turn_lambda_returns(batch, end_values, gamma, lam, config.reward_placement)
         rewards = place_rewards(returns[:, None], batch.turn_end_index[:, :1], seq_len)
     if kl is not None and config.kl_in_reward:
         rewards = kl_in_reward(rewards, kl, config.kl_coef, mask)
