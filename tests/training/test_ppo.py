@@ -180,6 +180,24 @@ def test_turn_mode_advantage_at_each_turn_end_is_the_turn_level_advantage(estima
     assert advantages[rows, ends].abs().sum() > 0
 
 
+def test_turn_mode_episode_end_placement_pays_the_episode_total_at_its_last_turn():
+    batch, values, episodes = turn_batch()
+    last_turn = {e: len(rewards) - 1 for e, (_, rewards) in episodes.items()}
+    moved = copy.deepcopy(batch)
+    for row in range(len(batch)):
+        episode = int(batch.episode[row])
+        total = sum(episodes[episode][1])
+        moved.turn_rewards[row, 0] = total if int(batch.turn[row]) == last_turn[episode] else 0.0
+    cfg = config(advantage="turn_gae", sample_mode="turn", reward_placement="episode_end", whiten_advantages=False)
+    advantages, returns = compute_advantages(batch, values, cfg)
+    expected = compute_advantages(moved, values, config(advantage="turn_gae", sample_mode="turn",
+                                                        whiten_advantages=False))
+    assert torch.allclose(advantages, expected[0], atol=1e-6) and torch.allclose(returns, expected[1], atol=1e-6)
+    per_turn = compute_advantages(batch, values, config(advantage="turn_gae", sample_mode="turn",
+                                                        whiten_advantages=False))
+    assert not torch.allclose(advantages, per_turn[0], atol=1e-3)  # with gamma_turn < 1 the placement matters
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
 def test_turn_mode_group_estimators_give_every_turn_its_episodes_group_advantage(estimator):
     batch, _, episodes = turn_batch()
