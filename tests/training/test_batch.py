@@ -69,7 +69,8 @@ class ScriptedTokenPolicy:
             if not cut:
                 ids.append(self.tokenizer.eos_token_id)
             logprobs = [-next(self._logprob) / 1000 for _ in ids]
-            out.append(Completion(text=text, token_ids=ids, logprobs=logprobs, finish_reason="length" if cut else "stop"))
+            finish = "length" if cut else "stop"
+            out.append(Completion(text=text, token_ids=ids, logprobs=logprobs, finish_reason=finish))
         return out
 
 
@@ -189,8 +190,8 @@ def make_samples() -> list[Sample]:
     return [
         Sample([5, 6, 7, 8, 9], [0, 1, 1, 0, 1], [0.0, -0.1, -0.2, 0.0, -0.3], [2, 4], [1.0, 2.0], episode=0, group=0),
         Sample([3, 4], [0, 1], [0.0, -0.5], [1], [-1.0], episode=1, group=0, turn=2),
-        Sample([1, 2, 3, 4, 5, 6, 7], [0, 0, 1, 0, 1, 1, 1], [0.0, 0.0, -1.0, 0.0, -2.0, -3.0, -4.0], [2, 4, 6], [0.5, 0.0, 3.0],
-               episode=2, group=1),
+        Sample([1, 2, 3, 4, 5, 6, 7], [0, 0, 1, 0, 1, 1, 1], [0.0, 0.0, -1.0, 0.0, -2.0, -3.0, -4.0], [2, 4, 6],
+               [0.5, 0.0, 3.0], episode=2, group=1),
     ]
 
 

@@ -110,7 +110,8 @@ def test_context_window_that_cuts_a_trajectory_sample_asks_for_turn_mode():
 
 
 def test_context_window_is_fine_in_turn_mode_or_when_it_never_cuts():
-    turn = load_config(TrainConfig, None, ["agent.max_turns=5", "agent.max_context_window=2", "algorithm.sample_mode=turn"])
+    turn = load_config(TrainConfig, None, ["agent.max_turns=5", "agent.max_context_window=2",
+                                           "algorithm.sample_mode=turn"])
     assert turn.agent.max_context_window == 2
     wide = load_config(TrainConfig, None, ["agent.max_turns=5", "agent.max_context_window=5"])
     assert wide.algorithm.sample_mode == "trajectory"

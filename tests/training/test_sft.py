@@ -10,15 +10,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from turnrl.agent.formats import get_format
-from turnrl.config import AgentConfig
+from turnrl.config import AgentConfig, load_config
 from turnrl.envs import make
 from turnrl.training.batch import collate
-from turnrl.training.config import SFTConfig
+from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
 from turnrl.training.sft import (
     conversation_samples,
     expert_demos,
     read_chat_jsonl,
+    run_sft_command,
     sft_train,
     trajectory_messages,
 )
@@ -190,7 +191,8 @@ def test_short_sft_on_expert_demos_lowers_the_loss_on_held_out_demos(tiny_model_
 
 def test_sft_micro_batches_accumulate_to_the_same_update(tiny_model_dir, tiny_tokenizer):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    samples = conversation_samples(CHAT, tiny_tokenizer, window=1) + conversation_samples(CHAT[:3], tiny_tokenizer, None)
+    samples = conversation_samples(CHAT, tiny_tokenizer, window=1)
+    samples += conversation_samples(CHAT[:3], tiny_tokenizer, window=None)
     results = []
     for micro in (1, 4):
         model = copy.deepcopy(base)
@@ -200,3 +202,22 @@ def test_sft_micro_batches_accumulate_to_the_same_update(tiny_model_dir, tiny_to
     for name, p in results[1].items():
         delta = p - base.state_dict()[name]
         assert float((results[0][name] - p).abs().max()) <= 1e-3 * float(delta.abs().max()) + 1e-6, name
+
+
+def test_sft_command_trains_on_a_jsonl_of_chats_and_saves_the_model(tiny_model_dir, tiny_tokenizer, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": CHAT}) for _ in range(8)) + "\n")
+    config = load_config(TrainConfig, None, [
+        f"model.path={tiny_model_dir}", "model.device=cpu", f"run.output_dir={tmp_path}", "run.name=sft",
+        "run.tensorboard=false", "sft.epochs=3", "sft.lr=1e-2", "sft.warmup_steps=0", "sft.batch_size=4",
+        "sft.micro_batch_size=2", "agent.max_context_window=2", "algorithm.sample_mode=turn", "agent.max_turns=3"])
+    path = run_sft_command(config, data=str(data))
+    assert path == tmp_path / "sft" / "sft" / "model"
+    lines = (tmp_path / "sft" / "sft" / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["sft/loss"] for line in lines]
+    assert len(losses) == 3 * (8 * 3 // 4)  # 8 chats x 3 windowed turn samples, batches of 4, 3 epochs
+    assert losses[-1] < 0.5 * losses[0]
+    (sample,) = conversation_samples(CHAT, tiny_tokenizer, window=None)
+    trained = mean_nll(AutoModelForCausalLM.from_pretrained(path), [sample], tiny_tokenizer.pad_token_id)
+    base = mean_nll(AutoModelForCausalLM.from_pretrained(tiny_model_dir), [sample], tiny_tokenizer.pad_token_id)
+    assert trained < 0.5 * base

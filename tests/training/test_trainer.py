@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from turnrl.config import load_config
+from turnrl.config import ConfigError, load_config
 from turnrl.training.config import TrainConfig
+from turnrl.training.logger import MetricsLogger
 from turnrl.training.trainer import train
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.
@@ -27,8 +28,8 @@ VOLATILE = ("timing/", "throughput/")  # wall-clock measurements
 
 
 def config(model_dir, out: Path, *overrides: str, name: str = "run") -> TrainConfig:
-    return load_config(TrainConfig, None, [*COMMON, f"model.path={model_dir}", f"run.output_dir={out}",
-                                           f"run.name={name}", *overrides])
+    model = [f"model.path={model_dir}"] if model_dir is not None else []
+    return load_config(TrainConfig, None, [*COMMON, *model, f"run.output_dir={out}", f"run.name={name}", *overrides])
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -186,8 +187,10 @@ def test_turn_samples_with_a_context_window(tiny_model_dir, tmp_path):
     assert_token_exact(steps)
 
 
-def test_critic_warmup_leaves_the_actor_untouched(tiny_model_dir, tmp_path):
-    train(config(tiny_model_dir, tmp_path, "algorithm.critic_warmup_steps=2"))
+def test_critic_warmup_leaves_the_actor_untouched(tiny_model_dir, builtin_dir, tmp_path):
+    # The built-in model by preset (the session's build is reused), envs stepped by worker threads.
+    train(config(None, tmp_path, "model.builtin_preset=tiny", f"model.builtin_dir={builtin_dir}",
+                 "groups.env_workers=2", "algorithm.critic_warmup_steps=2"))
     run_dir = tmp_path / "run"
     base, actor = base_weights(tiny_model_dir), actor_weights(run_dir)
     assert all(torch.equal(actor[k], base[k]) for k in base)
@@ -198,7 +201,8 @@ def test_critic_warmup_leaves_the_actor_untouched(tiny_model_dir, tmp_path):
 # --------------------------------------------------------------------------- LoRA
 def test_lora_trains_adapters_against_the_adapters_off_reference(tiny_model_dir, tmp_path):
     train(config(tiny_model_dir, tmp_path, "lora.enabled=true", "lora.r=4", "lora.alpha=8",
-                 "algorithm.advantage=grpo", "algorithm.kl_coef=0.1", "optim.actor_lr=1e-2"))
+                 "algorithm.advantage=grpo", "algorithm.kl_coef=0.1", "optim.actor_lr=1e-2",
+                 "model.gradient_checkpointing=true"))
     run_dir = tmp_path / "run"
     steps = step_records(run_dir)
     assert steps[1]["actor/kl_ref"] == 0.0  # adapters start as the identity: the policy is the reference
@@ -242,6 +246,20 @@ def test_top_k_filter_keeps_the_most_varied_groups_and_drops_zero_variance(warm_
     assert dropped_some and kept_some, "the warm model should give both varied and uniform groups"
 
 
+def test_top_k_filter_by_mean_response_length_keeps_the_longest_group(warm_model_dir, tmp_path):
+    train(config(warm_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=3", "agent.max_turns=3",
+                 "algorithm.filter.method=top_k", "algorithm.filter.value=0.34", "algorithm.filter.metric=length_mean",
+                 "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=4"))
+    run_dir = tmp_path / "run"
+    for step, record in step_records(run_dir).items():
+        tokens: dict[int, list[int]] = {}
+        for t in trajectories(run_dir, step - 1):
+            tokens.setdefault(t["group"], []).append(sum(turn["num_response_tokens"] for turn in t["turns"]))
+        longest = max(sorted(tokens), key=lambda g: sum(tokens[g]) / len(tokens[g]))  # ties: the smaller id
+        assert record["filter/kept_ratio"] == pytest.approx(1 / 3)
+        assert record["batch/samples"] == 2 and record["batch/trained_tokens"] == sum(tokens[longest])
+
+
 def test_top_k_filter_with_a_group_count(tiny_model_dir, tmp_path):
     cfg = config(tiny_model_dir, tmp_path, "algorithm.filter.method=top_k", "algorithm.filter.value=2",
                  "groups.n_groups=3", "run.steps=1")
@@ -253,6 +271,41 @@ def test_top_k_filter_with_a_group_count(tiny_model_dir, tmp_path):
         pytest.xfail("trainer.Recipe._select passes FilterConfig.value (a float) to select_groups, which reads a "
                      "float top_k value as a share and rejects 2.0; the config documents values > 1 as a count")
     assert step_records(tmp_path / "run")[1]["filter/kept_ratio"] == pytest.approx(2 / 3)
+
+
+def test_validation_every_n_steps_joins_the_step_record(tiny_model_dir, tmp_path):
+    train(config(tiny_model_dir, tmp_path, "validation.every=1", "run.steps=3", "algorithm.advantage=grpo"))
+    steps = step_records(tmp_path / "run")
+    assert all("val/success" in steps[s] for s in (1, 2)) and "val/success" not in steps[3]  # 3: the final one
+    assert [r["step"] for r in records(tmp_path / "run") if "val/success" in r] == [0, 1, 2, 3]
+
+
+def test_resume_from_a_directory_without_checkpoint_names_the_key(tiny_model_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="resume="):
+        train(config(tiny_model_dir, tmp_path, f"resume={tmp_path / 'empty'}"))
+
+
+# --------------------------------------------------------------------------- metrics files
+def test_metrics_logger_writes_json_lines_with_null_for_non_finite_values(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(1, {"a/x": 1.5, "a/nan": float("nan"), "a/inf": float("inf"), "a/int": 3})
+    logger.close()
+    (record,) = records(tmp_path)
+    assert record["step"] == 1 and record["a/x"] == 1.5 and record["a/int"] == 3.0
+    assert record["a/nan"] is None and record["a/inf"] is None
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_metrics_logger_appends_on_resume_and_starts_afresh_otherwise(tmp_path):
+    for resume, steps in ((False, [1, 2]), (True, [3])):
+        logger = MetricsLogger(tmp_path, tensorboard=False, resume=resume)
+        for step in steps:
+            logger.log(step, {"a/x": float(step)})
+        logger.close()
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+    MetricsLogger(tmp_path, tensorboard=False).close()
+    assert records(tmp_path) == []
 
 
 # --------------------------------------------------------------------------- resume
@@ -284,8 +337,9 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tiny_model_dir, tmp_pa
     assert "val_success_before_rl" in summary and summary["steps"] == 4
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="trainer.Recipe._initial_model_path: a LoRA resume loads the adapters onto "
-                   "the configured base model, not onto the SFT model they were trained on")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="trainer.Recipe._initial_model_path: a LoRA resume loads the adapters onto the configured "
+                   "base model, not onto the SFT model they were trained on")
 def test_resume_after_sft_with_lora_continues_exactly(tiny_model_dir, tmp_path):
     extra = ["lora.enabled=true", "lora.r=4", "sft.enabled=true", "sft.episodes=8", "sft.epochs=1",
              "sft.batch_size=8", "sft.micro_batch_size=8", "sft.warmup_steps=0", "algorithm.advantage=grpo"]
