@@ -143,13 +143,9 @@ def test_unknown_key_and_wrong_type_name_the_key():
 
 
 # --------------------------------------------------------------------------- values that only fail mid-run
-@pytest.mark.xfail(strict=True, reason="AlgorithmConfig.validate does not check dual_clip; "
-                   "ppo_policy_loss raises at the first update, without naming the key")
 def test_dual_clip_not_above_one_is_rejected_at_load_time():
     assert "algorithm.dual_clip" in error_of("algorithm.dual_clip=0.5")
 
 
-@pytest.mark.xfail(strict=True, reason="TrainConfig.validate does not check validation.batch_size; "
-                   "Recipe.validate fails in range(..., 0) after the model is loaded")
 def test_zero_validation_batch_size_is_rejected_at_load_time():
     assert "validation.batch_size" in error_of("validation.batch_size=0")

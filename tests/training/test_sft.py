@@ -121,8 +121,6 @@ def test_jsonl_without_chats_is_an_error(tmp_path):
         read_chat_jsonl(path)
 
 
-@pytest.mark.xfail(strict=True, reason="sft.read_chat_jsonl accepts a 'messages' value that is not a list of "
-                   "messages; the error comes later from conversation_samples without the line number")
 def test_jsonl_line_whose_messages_are_not_a_list_is_named_by_its_line_number(tmp_path):
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": "hello"}) + "\n")

@@ -263,13 +263,7 @@ def test_top_k_filter_by_mean_response_length_keeps_the_longest_group(warm_model
 def test_top_k_filter_with_a_group_count(tiny_model_dir, tmp_path):
     cfg = config(tiny_model_dir, tmp_path, "algorithm.filter.method=top_k", "algorithm.filter.value=2",
                  "groups.n_groups=3", "run.steps=1")
-    try:
-        train(cfg)
-    except ValueError as error:
-        if "a float top_k value is a share" not in str(error):
-            raise
-        pytest.xfail("trainer.Recipe._select passes FilterConfig.value (a float) to select_groups, which reads a "
-                     "float top_k value as a share and rejects 2.0; the config documents values > 1 as a count")
+    train(cfg)
     assert step_records(tmp_path / "run")[1]["filter/kept_ratio"] == pytest.approx(2 / 3)
 
 
@@ -337,9 +331,6 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tiny_model_dir, tmp_pa
     assert "val_success_before_rl" in summary and summary["steps"] == 4
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="trainer.Recipe._initial_model_path: a LoRA resume loads the adapters onto the configured "
-                   "base model, not onto the SFT model they were trained on")
 def test_resume_after_sft_with_lora_continues_exactly(tiny_model_dir, tmp_path):
     extra = ["lora.enabled=true", "lora.r=4", "sft.enabled=true", "sft.episodes=8", "sft.epochs=1",
              "sft.batch_size=8", "sft.micro_batch_size=8", "sft.warmup_steps=0", "algorithm.advantage=grpo"]

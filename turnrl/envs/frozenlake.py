@@ -178,6 +178,8 @@ class FrozenLakeEnv(TurnEnv):
         success_rate: probability of moving as intended on slippery ice, in
             ``[0, 1]``; None means gymnasium's 1/3. Only allowed with ``is_slippery``.
         max_steps: steps before truncation.
+        symbols: text observation style: ``"ragen"`` (the grid, RAGEN's symbols) or
+            ``"coords"`` (positions listed as ``(row, column)``, as Sokoban's coords mode).
         cell_px: pixels per cell in image mode.
         render_mode: ``None``, ``"ansi"`` or ``"rgb_array"``.
     """
@@ -193,9 +195,12 @@ class FrozenLakeEnv(TurnEnv):
         is_slippery: bool = False,
         success_rate: float | None = None,
         max_steps: int = 100,
+        symbols: str = "ragen",
         cell_px: int = 25,
         render_mode: str | None = None,
     ) -> None:
+        if symbols not in ("ragen", "coords"):
+            raise ValueError(f"symbols must be 'ragen' or 'coords', got {symbols!r}")
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 2 <= size <= MAX_SIZE:
             raise ValueError(f"size must be an int from 2 to {MAX_SIZE}, got {size!r}")
         if not 0.0 < p_frozen <= 1.0:
@@ -213,6 +218,7 @@ class FrozenLakeEnv(TurnEnv):
         self.is_slippery = bool(is_slippery)
         self.success_rate = success_rate
         self.cell_px = int(cell_px)
+        self.symbols = symbols
         self._p_intended = 1.0 / 3.0 if success_rate is None else float(success_rate)
         self._p_left_turn = self._p_intended + (1.0 - self._p_intended) / 2.0
         self._cells = ""
@@ -270,10 +276,20 @@ class FrozenLakeEnv(TurnEnv):
         return divmod(self._player, self.size)
 
     def text(self) -> str:
+        if self.symbols == "coords":
+            return self._coords_text()
         r, c = divmod(self._player, self.size)
         i = r * (self.size + 1) + c  # +1 for each newline before this row
         board = self._board_text
         return board[:i] + _PLAYER_ON[self._cells[self._player]] + board[i + 1 :]
+
+    def _coords_text(self) -> str:
+        """``Player: (r, c). Goal: (r, c). Holes: (r, c), ...`` (rows from the top, columns from the left)."""
+        n = self.size
+        where = lambda i: f"({i // n}, {i % n})"  # noqa: E731
+        holes = ", ".join(where(i) for i, kind in enumerate(self._cells) if kind == HOLE) or "none"
+        state = " (in a hole)" if self._cells[self._player] == HOLE else " (on the goal)" if self.success() else ""
+        return f"Player: {where(self._player)}{state}. Goal: {where(self._goal)}. Holes: {holes}."
 
     def image(self) -> np.ndarray:
         px = self.cell_px
@@ -294,6 +310,11 @@ class FrozenLakeEnv(TurnEnv):
                 "The image shows the lake from above: light blue tiles are frozen and safe, dark blue tiles are "
                 "holes, the green tile with a gold diamond is the goal, and you are the red circle "
                 "(a red cross means you fell into a hole)."
+            )
+        elif self.symbols == "coords":
+            legend = (
+                f"The lake is a {self.size}x{self.size} grid; each observation lists your position, the goal "
+                "and the holes as (row, column), row 0 at the top and column 0 at the left."
             )
         else:
             legend = (

@@ -114,6 +114,8 @@ class AlgorithmConfig:
         for key in ("gamma", "lam", "gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
             check_range(f"algorithm.{key}", getattr(self, key), 0.0, 1.0)
         check_range("algorithm.ppo_epochs", self.ppo_epochs, 1)
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be above 1 (RAGEN: 3.0), or null to disable it")
         check_range("algorithm.micro_batch_size", self.micro_batch_size, 1)
         check_range("algorithm.mini_batch_size", self.mini_batch_size, self.micro_batch_size)
         self.filter.validate()
@@ -128,7 +130,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up in optimizer steps."""
+    """Linear learning-rate warm-up of the actor over this many RL steps."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this."""
     skip_grad_norm_above: Optional[float] = None
@@ -241,6 +243,8 @@ class TrainConfig:
         self.seeds.validate()
         check_range("run.steps", self.run.steps, 0)
         check_range("validation.episodes", self.validation.episodes, 1, self.seeds.val_size)
+        check_range("validation.batch_size", self.validation.batch_size, 1)
+        check_range("validation.samples_per_seed", self.validation.samples_per_seed, 1)
         if self.algorithm.sample_mode == "trajectory" and self.agent.max_context_window is not None:
             if self.agent.max_context_window < self.agent.max_turns:
                 raise ConfigError(

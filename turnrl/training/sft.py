@@ -107,6 +107,11 @@ def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
             messages = record["messages"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ValueError(f"{path}:{number}: expected a JSON object with a 'messages' list ({error})") from error
+        well_formed = isinstance(messages, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
+        )
+        if not well_formed:
+            raise ValueError(f"{path}:{number}: 'messages' must be a list of objects with 'role' and 'content'")
         chats.append(messages)
     if not chats:
         raise ValueError(f"{path} holds no chats")
@@ -136,7 +141,9 @@ def sft_train(
     """
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    # beta2 = 0.95: the first steps learn the response format with large gradients; with 0.999 the
+    # second moment would remember them for ~1000 steps and shrink every later update.
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = math.ceil(len(samples) / config.batch_size)
     total = steps_per_epoch * config.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.warmup_steps, total))

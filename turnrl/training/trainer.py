@@ -112,9 +112,13 @@ class Recipe:
 
     # ------------------------------------------------------------------ setup helpers
     def _initial_model_path(self) -> Path | str:
-        if self.checkpoint is not None:
-            return self.checkpoint / "actor" if not self.config.lora.enabled else self._base_path()
-        return self._base_path()
+        if self.checkpoint is None:
+            return self._base_path()
+        if not self.config.lora.enabled:
+            return self.checkpoint / "actor"
+        # LoRA adapters were trained on top of the SFT model when there was one.
+        sft_model = self.run_dir / "sft" / "model"
+        return sft_model if sft_model.is_dir() else self._base_path()
 
     def _base_path(self) -> Path | str:
         if self.config.model.path is not None:
@@ -160,6 +164,8 @@ class Recipe:
         path = self.run_dir / "sft" / "model"
         self.actor.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        # Adapters and checkpoints made from here on name the SFT model as their base.
+        self.actor.config._name_or_path = str(path)
         self._timed("sft_s", start)
         self.summary.update(metrics)
         return path
@@ -343,13 +349,15 @@ class Recipe:
 
     def _select(self, rewards: torch.Tensor, groups: torch.Tensor, trajectories: list[Trajectory]):
         f = self.config.algorithm.filter
+        # FilterConfig.value above 1 is a count of groups, at most 1 a share.
+        value: float | int = int(f.value) if f.method == "top_k" and f.value > 1 else f.value
         if f.metric == "reward_std":
-            return select_groups(groups, rewards=rewards, strategy=f.method, value=f.value, weighting=f.weighting,
+            return select_groups(groups, rewards=rewards, strategy=f.method, value=value, weighting=f.weighting,
                                  drop_zero_variance=f.drop_zero_variance, on_empty=f.on_empty)
         per_sample = rewards if f.metric == "reward_mean" else torch.tensor(
             [float(sum(len(turn.response_ids) for turn in t.turns)) for t in trajectories])
         stats = group_stats(per_sample, groups)
-        return select_groups(groups, rewards=rewards, scores=stats.mean, strategy=f.method, value=f.value,
+        return select_groups(groups, rewards=rewards, scores=stats.mean, strategy=f.method, value=value,
                              weighting=f.weighting, drop_zero_variance=f.drop_zero_variance, on_empty=f.on_empty)
 
     # ------------------------------------------------------------------ checkpoints
