@@ -167,6 +167,8 @@ class SFTConfig:
     """Learning rate (cosine decay after warm-up)."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
+    schedule: str = "cosine"
+    """After warm-up: ``cosine`` decay to 10% of ``lr``, or ``constant``."""
     batch_size: int = 32
     """Samples per optimizer step."""
     micro_batch_size: int = 32
@@ -176,6 +178,7 @@ class SFTConfig:
 
     def validate(self) -> None:
         check_range("sft.random_action_share", self.random_action_share, 0.0, 1.0)
+        check_choice("sft.schedule", self.schedule, ["cosine", "constant"])
         check_range("sft.episodes", self.episodes, 1)
         check_range("sft.epochs", self.epochs, 1)
         check_range("sft.micro_batch_size", self.micro_batch_size, 1)

@@ -119,10 +119,12 @@ def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
 
 
 # --------------------------------------------------------------------------- training
-def _lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to 10%."""
+def _lr_factor(step: int, warmup: int, total: int, schedule: str = "cosine") -> float:
+    """Linear warm-up, then cosine decay to 10% (or constant)."""
     if step < warmup:
         return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
     progress = (step - warmup) / max(1, total - warmup)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
@@ -146,7 +148,7 @@ def sft_train(
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = math.ceil(len(samples) / config.batch_size)
     total = steps_per_epoch * config.epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.warmup_steps, total))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.warmup_steps, total, config.schedule))
     generator = torch.Generator().manual_seed(seed)
     model.train()
     step, epoch_loss, epoch_tokens = 0, 0.0, 0.0

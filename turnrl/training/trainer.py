@@ -58,6 +58,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in the backward pass (the method's name changed in transformers 5)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable()
+
+
 def step_seed(seed: int, step: int) -> int:
     """The seed of one step's sampling and shuffling: a function of (seed, step), so resume is exact."""
     return (seed * 1_000_003 + step) % 2**31
@@ -95,7 +103,7 @@ class Recipe:
         # Weights stay float32 (AdamW master weights); bf16 comes from autocast on GPU.
         self.actor = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         if config.model.gradient_checkpointing:
-            self.actor.gradient_checkpointing_enable()
+            enable_checkpointing(self.actor)
 
         seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
         train_settings = dict(config.env.settings)
@@ -182,7 +190,7 @@ class Recipe:
                 self.critic = ValueModel(copy.deepcopy(self.actor.base_model))
             self.critic.to(self.device)
             if config.model.gradient_checkpointing:
-                self.critic.backbone.gradient_checkpointing_enable()
+                enable_checkpointing(self.critic.backbone)
         self.reference = None
         if config.algorithm.kl_coef > 0 and not config.lora.enabled:  # with LoRA: the adapters switched off
             reference_path = self.run_dir / "reference"
