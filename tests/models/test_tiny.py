@@ -200,10 +200,11 @@ def test_unknown_content_part_is_an_error(tokenizers, name):
 
 
 def test_presets_and_parameter_counts():
-    assert set(PRESETS) == {"tiny", "small", "base"}
+    assert set(PRESETS) == {"tiny", "small", "base", "0.5b"}
     assert count_parameters("tiny") < 200_000
     assert 2_000_000 < count_parameters("small") < 5_000_000
     assert 50_000_000 < count_parameters("base") < 100_000_000
+    assert 300_000_000 < count_parameters("0.5b") < 400_000_000
     tok = build_tokenizer(CORPUS, vocab_size=512)
     for name in PRESETS:
         with torch.device("meta"):

@@ -208,6 +208,17 @@ PRESETS: dict[str, ModelPreset] = {
         max_position_embeddings=8192,
         vocab_size=8192,
     ),
+    # The shape of Qwen2.5-0.5B (about 360M parameters without its 152k-token
+    # embedding): for measuring real-size memory and speed on a GPU.
+    "0.5b": ModelPreset(
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        max_position_embeddings=32768,
+        vocab_size=8192,
+    ),
 }
 
 

@@ -297,12 +297,24 @@ class Recipe:
 
         # 4. old logprobs (sampler's), the recomputed ones as a mismatch metric, reference logprobs, values
         start = time.time()
-        with self.autocast():
-            recomputed = batched_logprobs(self.actor, batch, algo.micro_batch_size, config.sampling.temperature)
         mask = batch.loss_mask
         n_tokens = mask.sum().clamp(min=1)
-        metrics["actor/logprob_mismatch"] = float(((recomputed - batch.sampler_logprobs).abs() * mask).sum() / n_tokens)
-        old_logprobs = batch.sampler_logprobs if algo.old_logprobs == "sampler" else recomputed
+        if algo.old_logprobs == "recompute":
+            with self.autocast():
+                old_logprobs = batched_logprobs(self.actor, batch, algo.micro_batch_size, config.sampling.temperature)
+            checked, recomputed = batch, old_logprobs
+        else:
+            # The sampler's logprobs are PPO's old logprobs; recomputing one micro-batch is enough to
+            # watch how far training's forward pass drifts from the sampler's (bf16, kernels, padding).
+            old_logprobs = batch.sampler_logprobs
+            rows = torch.randperm(len(batch), generator=generator)[: algo.micro_batch_size].sort().values
+            checked = batch.select(rows)
+            with self.autocast():
+                recomputed = batched_logprobs(self.actor, checked, algo.micro_batch_size, config.sampling.temperature)
+        checked_tokens = checked.loss_mask.sum().clamp(min=1)
+        metrics["actor/logprob_mismatch"] = float(
+            ((recomputed - checked.sampler_logprobs).abs() * checked.loss_mask).sum() / checked_tokens
+        )
         metrics["timing/old_logprobs_s"] = self._timed("old_logprobs_s", start)
         ref_logprobs = None
         if algo.kl_coef > 0:
