@@ -223,10 +223,24 @@ def test_turn_mode_group_estimators_give_every_turn_its_episodes_group_advantage
             else:
                 n = len(scores)
                 expected[episode] = (score - (sum(scores) - score) / (n - 1)) if n > 1 else 0.0
+    # Each turn sample is weighted by (mean turns per episode) / (turns of its episode),
+    # so that every episode counts once however many turns it took.
+    turns = {e: sum(int(x) == e for x in batch.episode) for e in episodes}
+    mean_turns = sum(turns.values()) / len(turns)
     advantages, _ = compute_advantages(batch, None, config(advantage=estimator, sample_mode="turn"))
     for row in range(len(batch)):
+        episode = int(batch.episode[row])
         tokens = advantages[row][batch.loss_mask[row] == 1]
-        assert torch.allclose(tokens, torch.full_like(tokens, expected[int(batch.episode[row])]), atol=1e-5)
+        want = expected[episode] * mean_turns / turns[episode]
+        assert torch.allclose(tokens, torch.full_like(tokens, want), atol=1e-5)
+
+
+def test_turn_mode_group_advantages_sum_to_zero_over_turn_samples():
+    batch, _, _ = turn_batch()
+    advantages, _ = compute_advantages(batch, None, config(advantage="grpo", sample_mode="turn"))
+    per_sample = (advantages * batch.loss_mask).sum(1) / batch.loss_mask.sum(1)
+    for group in batch.group.unique():
+        assert abs(float(per_sample[batch.group == group].sum())) < 1e-4
 
 
 def test_turn_mode_reinforce_pp_credits_later_turns_without_a_critic():

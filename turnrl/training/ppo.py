@@ -50,6 +50,21 @@ def episode_scores(batch: Batch, per_sample: torch.Tensor | None = None) -> torc
     return totals[batch.episode]
 
 
+def episode_weights(batch: Batch) -> torch.Tensor:
+    """Shape (b,): ``mean turns per episode / turns of this sample's episode`` (turn mode).
+
+    A group estimator gives every turn of an episode the episode's advantage.
+    Unweighted, an episode of 8 turns would count 8 times as much as one of 2,
+    and since failed episodes tend to be the long ones (out of turns), the
+    batch's advantages would no longer sum to zero: every sampled token,
+    format tokens included, would be pushed down a little at each step until
+    responses break. With these weights each episode counts once, as in the
+    trajectory-level objective; the mean weight per turn sample stays 1.
+    """
+    episodes, inverse, turns = torch.unique(batch.episode, return_inverse=True, return_counts=True)
+    return (turns.float().mean() / turns.float())[inverse].to(batch.loss_mask.dtype)
+
+
 def group_advantages(batch: Batch, scores: torch.Tensor, estimator: str) -> torch.Tensor:
     """Shape (b,): GRPO / Dr.GRPO / RLOO advantage of each sample's episode.
 
@@ -122,6 +137,8 @@ def compute_advantages(
         if kl is not None and config.kl_in_reward:  # the episode score is then the sum of the KL-folded rewards
             rewards = kl_in_reward(rewards, kl, config.kl_coef, mask)
         seq_adv = group_advantages(batch, episode_scores(batch, rewards.sum(1)), estimator)
+        if config.sample_mode == "turn":
+            seq_adv = seq_adv * episode_weights(batch)
         advantages = broadcast_to_tokens(seq_adv, mask)
         return advantages, advantages
 

@@ -364,6 +364,8 @@ class Recipe:
         metrics["timing/update_s"] = update_s
         metrics["throughput/trained_tokens_per_s"] = float(batch.attention_mask.sum()) * algo.ppo_epochs / max(update_s, 1e-9)
         metrics["actor/lr"] = self.actor_scheduler.get_last_lr()[0]
+        if self.device.type == "cuda":
+            metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         metrics["timing/step_s"] = time.time() - step_start
         return metrics
 
