@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw
 
 from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.render import font
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,6 @@ SPLITS = {"train": TRAIN_PAIRS, "test": TEST_PAIRS}
 
 _IMAGE_SHAPE = (112, 320)
 _ARM_COLORS = ((70, 110, 200), (200, 120, 50))
-
-
-@lru_cache(maxsize=2)
-def _font(size: int) -> ImageFont.ImageFont:
-    return ImageFont.load_default(size=size)
 
 
 def odds_in_words(p: float) -> str:
@@ -185,15 +180,15 @@ class BanditEnv(TurnEnv):
         height, width = _IMAGE_SHAPE
         image = Image.new("RGB", (width, height), (255, 255, 255))
         draw = ImageDraw.Draw(image)
-        font = _font(18)
+        label_font = font(18)
         half = width // 2
         for k, arm in enumerate(self.arms):
             x0 = k * half + 8
             outline = (0, 0, 0) if arm.name == self.pulled else _ARM_COLORS[k]
             draw.rectangle((x0, 8, x0 + half - 16, 72), fill=_ARM_COLORS[k], outline=outline, width=4)
-            draw.text((x0 + 10, 28), arm.name, fill=(255, 255, 255), font=font)
+            draw.text((x0 + 10, 28), arm.name, fill=(255, 255, 255), font=label_font)
         if self.pulled is not None:
-            draw.text((8, 82), f"Pulled {self.pulled}: reward {self.payout:g}", fill=(0, 0, 0), font=font)
+            draw.text((8, 82), f"Pulled {self.pulled}: reward {self.payout:g}", fill=(0, 0, 0), font=label_font)
         return np.asarray(image, dtype=np.uint8)
 
     def instructions(self) -> str:

@@ -28,14 +28,14 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw
 
 from turnrl.envs.arith import evaluate, uses_exactly
 from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.render import font
 
 MAX_GENERATION_TRIES = 10_000
 MAX_SEARCH_NUMBERS = 5
@@ -169,18 +169,13 @@ def _search(nodes: tuple[_Node, ...], goal: Fraction, failed: set[tuple[Fraction
     return None
 
 
-@lru_cache(maxsize=4)
-def _font(size: int) -> ImageFont.ImageFont:
-    return ImageFont.load_default(size=size)
-
-
 def text_image(lines: list[str], shape: tuple[int, int]) -> np.ndarray:
     """Draw lines of text, black on white, as an ``HxWx3`` uint8 array."""
     height, width = shape
     image = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(image)
     for k, line in enumerate(lines):
-        draw.text((8, 8 + 22 * k), line, fill=(0, 0, 0), font=_font(16))
+        draw.text((8, 8 + 22 * k), line, fill=(0, 0, 0), font=font(16))
     return np.asarray(image, dtype=np.uint8)
 
 

@@ -25,12 +25,12 @@ cells, the player one index, and moves come from a precomputed table.
 
 from __future__ import annotations
 
-from collections import deque
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from turnrl.envs import search
 from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv, facts_from_positions
 from turnrl.envs.render import Tile, draw_grid
 
@@ -77,27 +77,11 @@ def move_table(rows: int, cols: int) -> tuple[tuple[int, int, int, int], ...]:
 def shortest_path(cells: str, moves: tuple[tuple[int, ...], ...], start: int, goal: int) -> list[int] | None:
     """Action indices of a shortest hole-free walk from ``start`` to ``goal``, or None.
 
-    Breadth-first search; neighbours are tried in action order, so the result
-    is deterministic.
+    Neighbours are tried in action order, so the result is deterministic.
     """
-    if start == goal:
-        return []
-    parent: dict[int, tuple[int, int]] = {start: (-1, -1)}
-    queue = deque([start])
-    while queue:
-        cell = queue.popleft()
-        for action, nxt in enumerate(moves[cell]):
-            if nxt in parent or cells[nxt] == HOLE:
-                continue
-            parent[nxt] = (cell, action)
-            if nxt == goal:
-                path = []
-                while nxt != start:
-                    nxt, action = parent[nxt]
-                    path.append(action)
-                return path[::-1]
-            queue.append(nxt)
-    return None
+    return search.shortest_path(
+        start, goal, lambda cell: ((a, nxt) for a, nxt in enumerate(moves[cell]) if cells[nxt] != HOLE)
+    )
 
 
 def random_map(rng: np.random.Generator, size: int, p_frozen: float) -> tuple[str, int, int]:

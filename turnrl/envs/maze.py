@@ -27,11 +27,11 @@ if the agent stands on the target, else 0. In both, ``stop`` ends the episode.
 from __future__ import annotations
 
 import re
-from collections import deque
 from typing import Any
 
 import numpy as np
 
+from turnrl.envs import search
 from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv, facts_from_positions
 from turnrl.envs.render import Tile, draw_grid
 
@@ -140,25 +140,9 @@ def neighbour(grid: str, size: int, cell: int, direction: str) -> int:
 
 def shortest_path(grid: str, size: int, start: int, goal: int) -> list[str] | None:
     """Move names of a shortest path from ``start`` to ``goal`` (breadth-first search), or None."""
-    if start == goal:
-        return []
-    parent: dict[int, tuple[int, str]] = {start: (-1, "")}
-    queue = deque([start])
-    while queue:
-        cell = queue.popleft()
-        for direction in MOVES:
-            nxt = neighbour(grid, size, cell, direction)
-            if nxt in parent:
-                continue
-            parent[nxt] = (cell, direction)
-            if nxt == goal:
-                path = []
-                while nxt != start:
-                    nxt, direction = parent[nxt]
-                    path.append(direction)
-                return path[::-1]
-            queue.append(nxt)
-    return None
+    return search.shortest_path(
+        start, goal, lambda cell: ((direction, neighbour(grid, size, cell, direction)) for direction in MOVES)
+    )
 
 
 def parse_level(level: str | list[str] | tuple[str, ...]) -> tuple[str, int, int, int]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 RGB = tuple[int, int, int]
 
@@ -74,3 +74,9 @@ def draw_grid(rows: list[list[str]] | list[str], tiles: dict[str, Tile], cell_px
         for c, symbol in enumerate(row):
             frame[r * cell_px : (r + 1) * cell_px, c * cell_px : (c + 1) * cell_px] = _tile_image(tiles[symbol], cell_px)
     return frame
+
+
+@lru_cache(maxsize=8)
+def font(size: int) -> ImageFont.ImageFont:
+    """Pillow's built-in font at ``size`` pixels (no font files needed)."""
+    return ImageFont.load_default(size=size)

@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 
 from turnrl.algorithms import (
+    aggregate,
     bilevel_gae,
     broadcast_to_tokens,
     entropy_bonus,
@@ -299,8 +300,8 @@ def _actor_backward(
 ) -> dict[str, float]:
     index = rows.to(inputs.old_logprobs.device)
     mask = part.loss_mask
-    with_entropy = config.entropy_coef != 0
-    logprobs, entropy = token_logprobs(actor, part.input_ids, part.attention_mask, mask, temperature, with_entropy)
+    # Entropy is watched even without a bonus: its fall is the first sign of collapse.
+    logprobs, entropy = token_logprobs(actor, part.input_ids, part.attention_mask, mask, temperature, with_entropy=True)
     policy_loss, stats = ppo_policy_loss(
         logprobs, inputs.old_logprobs[index], inputs.advantages[index], mask,
         clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
@@ -311,11 +312,12 @@ def _actor_backward(
                "actor/approx_kl": float(stats.approx_kl), "actor/dual_clip_frac": float(stats.dual_clip_frac)}
     if entropy is not None:
         bonus = entropy_bonus(entropy, mask, config.loss_aggregation)
-        loss = loss - config.entropy_coef * bonus
+        if config.entropy_coef != 0:
+            loss = loss - config.entropy_coef * bonus
         metrics["actor/entropy"] = bonus.item()
     if inputs.ref_logprobs is not None and config.kl_coef > 0:
         kl = kl_penalty(logprobs, inputs.ref_logprobs[index], kind=config.kl_kind)
-        kl_term = entropy_bonus(kl, mask, config.loss_aggregation)  # the same masked aggregation
+        kl_term = aggregate(kl, mask, config.loss_aggregation)
         if not config.kl_in_reward:
             loss = loss + config.kl_coef * kl_term
         metrics["actor/kl_ref"] = kl_term.item()
