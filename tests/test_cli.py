@@ -209,6 +209,16 @@ def test_eval_command_writes_summary_and_trajectories(tmp_path):
     assert len((out / "trajectories.jsonl").read_text().splitlines()) == 3
 
 
+def test_eval_takes_a_training_recipe_for_its_env_and_agent_settings(tmp_path):
+    out = tmp_path / "eval"
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    argv = ["eval", "--env", "FrozenLake", "--policy", "expert", "--episodes", "2", "--out", str(out),
+            "--config", str(recipe)]
+    assert main(argv) == 0
+    trajectory = json.loads((out / "trajectories.jsonl").read_text().splitlines()[0])
+    assert trajectory["system_prompt"].startswith("FrozenLake: reach G without falling into O.")
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [

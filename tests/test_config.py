@@ -113,6 +113,16 @@ def test_unknown_key_in_yaml_names_the_key(tmp_path):
     assert "temprature" in message and "sampling.temperature" in message
 
 
+def test_skipped_sections_of_the_file_are_dropped_but_overrides_are_not(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("algorithm:\n  advantage: grpo\nagent:\n  max_turns: 3\n")
+    config = load_config(EvalConfig, path, skip_sections={"algorithm"})
+    assert config.agent.max_turns == 3
+    with pytest.raises(ConfigError, match="algorithm"):
+        load_config(EvalConfig, path, ["algorithm.advantage=gae"], skip_sections={"algorithm"})
+    assert "algorithm" in error_of(path)
+
+
 def test_wrong_type_names_the_key():
     message = error_of(overrides=["agent.max_turns=many"])
     assert "agent.max_turns" in message and "many" in message

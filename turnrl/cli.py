@@ -146,15 +146,20 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- eval / sft / train / serve
 def cmd_eval(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
     from turnrl.config import ConfigError, EvalConfig, load_config
     from turnrl.evaluate import run_eval
+    from turnrl.training.config import TrainConfig
 
     overrides = list(args.overrides)
     overrides += [f"env.id={args.env}", f"policy={args.policy}", f"episodes={args.episodes}"]
     if args.out:
         overrides.append(f"out={args.out}")
     try:
-        config = load_config(EvalConfig, args.config, overrides)
+        # A training recipe evaluates with its own env, agent and sampling settings.
+        training_only = {f.name for f in fields(TrainConfig)} - {f.name for f in fields(EvalConfig)}
+        config = load_config(EvalConfig, args.config, overrides, skip_sections=training_only)
         run_eval(config)
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
@@ -226,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", required=True, help="expert, random, builtin, a model directory, or openai:<model>")
     p.add_argument("--episodes", type=int, default=32)
     p.add_argument("--out", help="folder for summary.json and trajectories.jsonl")
-    p.add_argument("--config", help="YAML with eval settings")
+    p.add_argument("--config", help="YAML with eval settings, or a training recipe (its training sections are skipped)")
     p.add_argument("overrides", nargs="*", help="key=value overrides (e.g. env.settings.size=6 sampling.temperature=0)")
     p.set_defaults(fn=cmd_eval)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Collection, Optional, TypeVar
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -222,8 +222,17 @@ def _allowed_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+def load_config(
+    cls: type[T],
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    skip_sections: Collection[str] = (),
+) -> T:
     """Load ``cls`` from an optional YAML file plus ``key=value`` overrides.
+
+    ``skip_sections`` names top-level sections of the YAML file that are
+    dropped rather than rejected (e.g. the training sections of a recipe read
+    for evaluation); overrides are never skipped.
 
     Raises:
         ConfigError: unknown key, wrong type, malformed override or invalid choice.
@@ -242,6 +251,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(
                 f"config file {str(path)!r} must hold a mapping of keys (key: value), not a list or a scalar"
             )
+        for section in skip_sections:
+            layer.pop(section, None)
         layers.append(layer)
     for item in overrides or []:
         if "=" not in item or not item.split("=", 1)[0].strip():

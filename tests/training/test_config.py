@@ -89,6 +89,9 @@ def test_uses_critic_exactly_for_the_critic_estimators(advantage):
         ("model.dtype=int8", "model.dtype"),
         ("groups.n_groups=0", "groups.n_groups"),
         ("groups.group_size=0", "groups.group_size"),
+        ("optim.actor_lr=-1e-4", "optim.actor_lr"),
+        ("optim.adam_eps=0", "optim.adam_eps"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay"),
     ],
 )
 def test_bad_value_is_rejected_naming_its_key(override, key):

@@ -129,12 +129,23 @@ class OptimConfig:
     """Critic learning rate (RAGEN: 1e-5)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon. Adam's step is about the learning rate however small the gradient, so the tiny
+    gradients of near-certain tokens (a format's tags) still move them; a larger epsilon (the
+    quickstart uses 1e-5) damps those steps."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up of the actor over this many RL steps."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this."""
     skip_grad_norm_above: Optional[float] = None
     """Skip (and count) an optimizer step whose gradient norm exceeds this; None never skips for size."""
+
+    def validate(self) -> None:
+        check_range("optim.actor_lr", self.actor_lr, 0)
+        check_range("optim.critic_lr", self.critic_lr, 0)
+        check_range("optim.weight_decay", self.weight_decay, 0)
+        check_range("optim.adam_eps", self.adam_eps, 1e-12, 1.0)
+        check_range("optim.grad_clip", self.grad_clip, 0)
 
 
 @dataclass
@@ -243,6 +254,7 @@ class TrainConfig:
         self.groups.validate()
         self.algorithm.validate()
         self.sft.validate()
+        self.optim.validate()
         self.seeds.validate()
         check_range("run.steps", self.run.steps, 0)
         check_range("validation.episodes", self.validation.episodes, 1, self.seeds.val_size)

@@ -214,13 +214,14 @@ class Recipe:
         optim = config.optim
         warmup = lambda s: min(1.0, (s + 1) / optim.warmup_steps) if optim.warmup_steps > 0 else 1.0  # noqa: E731
         self.actor_optimizer = torch.optim.AdamW(
-            [p for p in self.actor.parameters() if p.requires_grad], lr=optim.actor_lr, weight_decay=optim.weight_decay
+            [p for p in self.actor.parameters() if p.requires_grad], lr=optim.actor_lr, weight_decay=optim.weight_decay,
+            eps=optim.adam_eps,
         )
         self.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(self.actor_optimizer, warmup)
         self.critic_optimizer = None
         if self.critic is not None:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=optim.critic_lr,
-                                                      weight_decay=optim.weight_decay)
+                                                      weight_decay=optim.weight_decay, eps=optim.adam_eps)
         self.policy = HFPolicy(self.actor, self.tokenizer, max_batch_size=max(64, config.groups.n_groups * config.groups.group_size))
         self.rollout = Rollout(self.policy, self.fmt, config.agent, env_id=config.env.id, executor=self.executor)
         self.first_step = 0
