@@ -169,13 +169,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_sft(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, load_config
     from turnrl.training.config import TrainConfig
-    from turnrl.training.sft import run_sft_command
+    from turnrl.training.trainer import sft_only
 
     try:
         config = load_config(TrainConfig, args.config, args.overrides)
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
-    run_sft_command(config, data=args.data)
+    sft_only(config, data=args.data)
     return 0
 
 

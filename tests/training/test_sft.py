@@ -19,10 +19,10 @@ from turnrl.training.sft import (
     conversation_samples,
     expert_demos,
     read_chat_jsonl,
-    run_sft_command,
     sft_train,
     trajectory_messages,
 )
+from turnrl.training.trainer import sft_only
 
 CHAT = [
     {"role": "system", "content": "You play a game."},
@@ -110,7 +110,7 @@ def test_jsonl_chats_parse_and_skip_blank_lines(tmp_path):
 def test_malformed_jsonl_line_is_named_by_its_line_number(tmp_path, bad_line):
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": CHAT}) + "\n" + bad_line + "\n")
-    with pytest.raises(ValueError, match=rf"chats\.jsonl:3: expected a JSON object with a 'messages' list"):
+    with pytest.raises(ValueError, match=r"chats\.jsonl:3: expected a JSON object with a 'messages' list"):
         read_chat_jsonl(path)
 
 
@@ -209,7 +209,7 @@ def test_sft_command_trains_on_a_jsonl_of_chats_and_saves_the_model(tiny_model_d
         f"model.path={tiny_model_dir}", "model.device=cpu", f"run.output_dir={tmp_path}", "run.name=sft",
         "run.tensorboard=false", "sft.epochs=3", "sft.lr=1e-2", "sft.warmup_steps=0", "sft.batch_size=4",
         "sft.micro_batch_size=2", "agent.max_context_window=2", "algorithm.sample_mode=turn", "agent.max_turns=3"])
-    path = run_sft_command(config, data=str(data))
+    path = sft_only(config, data=str(data))
     assert path == tmp_path / "sft" / "sft" / "model"
     lines = (tmp_path / "sft" / "sft" / "metrics.jsonl").read_text().splitlines()
     losses = [json.loads(line)["sft/loss"] for line in lines]

@@ -310,11 +310,10 @@ def _actor_backward(
     loss = policy_loss
     metrics = {"losses/policy": policy_loss.item(), "actor/clip_frac": float(stats.clip_frac),
                "actor/approx_kl": float(stats.approx_kl), "actor/dual_clip_frac": float(stats.dual_clip_frac)}
-    if entropy is not None:
-        bonus = entropy_bonus(entropy, mask, config.loss_aggregation)
-        if config.entropy_coef != 0:
-            loss = loss - config.entropy_coef * bonus
-        metrics["actor/entropy"] = bonus.item()
+    bonus = entropy_bonus(entropy, mask, config.loss_aggregation)
+    if config.entropy_coef != 0:
+        loss = loss - config.entropy_coef * bonus
+    metrics["actor/entropy"] = bonus.item()
     if inputs.ref_logprobs is not None and config.kl_coef > 0:
         kl = kl_penalty(logprobs, inputs.ref_logprobs[index], kind=config.kl_kind)
         kl_term = aggregate(kl, mask, config.loss_aggregation)

@@ -26,7 +26,7 @@ from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import ERROR, Trajectory
 from turnrl.training.batch import Sample, collate
-from turnrl.training.config import SFTConfig, TrainConfig
+from turnrl.training.config import SFTConfig
 from turnrl.training.forward import token_logprobs
 
 console = Console()
@@ -183,16 +183,3 @@ def sft_train(
                 progress.update(task, advance=1, description=f"epoch {epoch + 1}/{config.epochs} loss {batch_loss:.3f}")
     model.eval()
     return {"sft/final_epoch_loss": epoch_loss / max(epoch_tokens, 1), "sft/steps": float(step)}
-
-
-def run_sft_command(config: TrainConfig, data: str | None = None) -> Path:
-    """``turnrl sft``: warm up the configured model and save it under the run directory."""
-    from turnrl.training.trainer import Recipe
-
-    if data is not None:
-        config.sft.data = data
-    config.sft.enabled = True
-    recipe = Recipe(config)
-    path = recipe.run_sft()
-    console.print(f"SFT model written to {path}")
-    return path

@@ -35,7 +35,7 @@ from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
 from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import Trajectory
-from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
+from turnrl.training.batch import collate, trajectory_samples, turn_samples
 from turnrl.training.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from turnrl.training.config import TrainConfig
 from turnrl.training.forward import ValueModel
@@ -402,7 +402,17 @@ class Recipe:
         return path
 
 
-# --------------------------------------------------------------------------- the recipe
+# --------------------------------------------------------------------------- the commands
+def sft_only(config: TrainConfig, data: str | None = None) -> Path:
+    """``turnrl sft``: warm up the configured model and save it under the run directory."""
+    if data is not None:
+        config.sft.data = data
+    config.sft.enabled = True
+    path = Recipe(config).run_sft()
+    console.print(f"SFT model written to {path}")
+    return path
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
     """SFT (when enabled), validation, ``run.steps`` RL steps, validation, summary."""
     recipe = Recipe(config)
