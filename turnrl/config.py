@@ -68,6 +68,9 @@ class AgentConfig:
     """Reward added to a turn with no valid action (RAGEN: -0.1)."""
     feedback_on_invalid: bool = True
     """Tell the model in the next observation when its response had no valid action."""
+    turn_info: bool = True
+    """Frame each observation with the turn number, the last reward and the actions left (RAGEN's
+    layout); false sends the state alone, which saves a small model's context for what it needs."""
     system_prompt: Optional[str] = None
     """Replaces the default system prompt text before the env instructions."""
     env_instructions: bool = True

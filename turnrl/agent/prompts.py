@@ -36,6 +36,7 @@ def observation_text(
     actions_left: int,
     feedback: TurnFeedback | None = None,
     action_names: list[str] | None = None,
+    turn_info: bool = True,
 ) -> str:
     """The user message of one turn.
 
@@ -45,15 +46,21 @@ def observation_text(
         actions_left: the episode's remaining action budget.
         feedback: about the previous turn; None on the first turn.
         action_names: listed again when the previous response had no valid action.
+        turn_info: frame the state with the turn number, the last reward and the
+            actions left; without it the message is the state alone (after the
+            note on an invalid response, when ``feedback`` asks for one).
     """
-    lines = [f"Turn {turn}."]
+    lines = [f"Turn {turn}."] if turn_info else []
     if feedback is not None:
-        lines.append(f"Last reward: {feedback.reward:g}.")
+        if turn_info:
+            lines.append(f"Last reward: {feedback.reward:g}.")
         if feedback.no_valid_action:
             why = f" ({'; '.join(feedback.problems[:3])})" if feedback.problems else ""
             lines.append(f"Your last response had no valid action{why}.")
             if action_names:
                 lines.append(f"Valid actions: {', '.join(action_names)}.")
+    if not turn_info:
+        return "\n".join([*lines, state_text])
     lines.append(f"State:\n{state_text}")
     lines.append(f"Actions left: {actions_left}.")
     return "\n".join(lines)

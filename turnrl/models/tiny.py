@@ -60,28 +60,34 @@ from turnrl.models.templates import DEFAULT_SYSTEM_MESSAGE, TemplateSpec, templa
 # contractions stay whole; every other letter, digit and punctuation or symbol
 # character is a piece of its own. That keeps each cell of a text grid
 # ("_P_O", "#X√#") one token, so a small model can tell columns apart, and
-# numbers digit by digit as Qwen and Llama-3 do. Every character belongs to
-# some piece, so splitting never drops or changes text.
+# numbers digit by digit as Qwen and Llama-3 do. The one exception is "</",
+# as in Qwen's vocabulary: a closing tag then differs from an opening one in
+# its first token, instead of in a second token that only the context decides
+# (a small model trained from scratch got that wrong). Every character belongs
+# to some piece, so splitting never drops or changes text.
 PRETOKENIZE_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
     r"| ?\p{Lu}?\p{Ll}+"
     r"| ?\p{L}"
     r"|\p{N}"
+    r"| ?</"
     r"| ?[^\s\p{L}\p{N}]"
     r"|\s*[\r\n]+"
     r"|\s+(?!\S)"
     r"|\s+"
 )
 
-# Always part of the training texts: the words every chat template writes, so
-# that role headers get a few merged tokens of their own.
+# Always part of the training texts: the words every chat template writes,
+# repeated so that BPE merges each role name into one token (in a small
+# vocabulary a word seen once gets no merges; "system" cost five tokens).
 _TEMPLATE_TEXTS = ("system", "user", "assistant", DEFAULT_SYSTEM_MESSAGE)
+_TEMPLATE_REPEATS = 16
 
 RECIPE_FILE = "turnrl_model.json"
 """The JSON that :func:`build_model` writes next to the weights."""
 
 # Bump when the build procedure changes, so that cached builds are remade.
-_RECIPE_VERSION = 2
+_RECIPE_VERSION = 3
 
 
 def build_tokenizer(
@@ -121,7 +127,7 @@ def build_tokenizer(
         special_tokens=[],
         show_progress=False,
     )
-    corpus = sorted(texts) + list(_TEMPLATE_TEXTS)
+    corpus = sorted(texts) + list(_TEMPLATE_TEXTS) * _TEMPLATE_REPEATS
     backend.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
     # Added after training so that they take the last ids, as in the real families.
     backend.add_special_tokens([_control_token(t, special=True) for t in spec.special_tokens])

@@ -192,7 +192,7 @@ class Rollout:
             episode.finish(ERROR, error=f"env reset failed: {type(error).__name__}: {error}")
             return episode
         episode.messages = [{"role": "system", "content": trajectory.system_prompt}]
-        text = observation_text(obs["text"], turn=1, actions_left=episode.actions_left)
+        text = observation_text(obs["text"], turn=1, actions_left=episode.actions_left, turn_info=self.agent.turn_info)
         self._observe(episode, text, obs)
         tokenizer = getattr(self.policy, "tokenizer", None)
         if tokenizer is not None:
@@ -285,6 +285,7 @@ class Rollout:
             actions_left=episode.actions_left,
             feedback=feedback,
             action_names=env.action_names(),
+            turn_info=self.agent.turn_info,
         )
         message = self._observe(episode, text, obs)
         tokens = episode.trajectory.tokens
