@@ -97,6 +97,19 @@ def test_control_tokens_are_atomic(tokenizers, name):
     assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) == "<think>x</think>"
 
 
+def test_grid_cells_are_tokens_and_closing_tags_start_with_their_own_token(tokenizers):
+    tok = tokenizers["chatml"]
+    pieces = lambda text: [tok.decode([i]) for i in tok.encode(text, add_special_tokens=False)]  # noqa: E731
+    assert pieces("_P_O") == ["_", "P", "_", "O"]
+    assert pieces("<answer>Left</answer>")[0] == "<"
+    assert pieces("<answer>Left</answer>")[4] == "</"
+
+
+@pytest.mark.parametrize("role", ["system", "user", "assistant"])
+def test_role_names_are_single_tokens(tokenizers, role):
+    assert len(tokenizers["chatml"].encode(role, add_special_tokens=False)) == 1
+
+
 def test_llama3_bos_only_once(tokenizers):
     tok = tokenizers["llama3"]
     bos = tok.bos_token_id

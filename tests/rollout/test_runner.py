@@ -384,6 +384,11 @@ def test_feedback_on_invalid_can_be_turned_off():
     assert "no valid action" not in trajectory.turns[1].observation
 
 
+def test_without_turn_info_each_observation_is_the_state_alone():
+    (trajectory,) = play(TextPolicy(answer("inc")), counter_slots(), max_turns=2, turn_info=False)
+    assert [turn.observation for turn in trajectory.turns] == ["count=0", "count=1"]
+
+
 def test_env_rejected_action_is_reported_as_no_valid_action():
     (trajectory,) = play(TextPolicy(answer("jam")), counter_slots(), max_turns=2)
     assert trajectory.turns[0].actions_valid == [False]
