@@ -18,8 +18,8 @@ with like.
 gym-sokoban needs the old ``gym`` package, which does not belong in turnrl's
 environment. Install it in a throwaway venv and point this script at it:
 
-    python3 -m venv /tmp/gs && /tmp/gs/bin/pip install gym-sokoban
-    python benchmarks/env_throughput.py --gym-sokoban-python /tmp/gs/bin/python
+    python3 -m venv .venv-gym-sokoban && .venv-gym-sokoban/bin/pip install gym-sokoban
+    python benchmarks/env_throughput.py --gym-sokoban-python .venv-gym-sokoban/bin/python
     python benchmarks/env_throughput.py --quick        # a few seconds, turnrl only
 
 Each row runs about ``--seconds`` (default 2.5) after a short warm-up; times
