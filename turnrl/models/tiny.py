@@ -229,7 +229,7 @@ PRESETS: dict[str, ModelPreset] = {
 
 
 def model_preset(name: str) -> ModelPreset:
-    """The :class:`ModelPreset` called ``name`` (``"tiny"``, ``"small"``, ``"base"``)."""
+    """The :class:`ModelPreset` called ``name`` (a key of :data:`PRESETS`)."""
     try:
         return PRESETS[name]
     except KeyError:

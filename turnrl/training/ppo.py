@@ -62,7 +62,7 @@ def episode_weights(batch: Batch) -> torch.Tensor:
     responses break. With these weights each episode counts once, as in the
     trajectory-level objective; the mean weight per turn sample stays 1.
     """
-    episodes, inverse, turns = torch.unique(batch.episode, return_inverse=True, return_counts=True)
+    _, inverse, turns = torch.unique(batch.episode, return_inverse=True, return_counts=True)
     return (turns.float().mean() / turns.float())[inverse].to(batch.loss_mask.dtype)
 
 

@@ -374,13 +374,12 @@ class Recipe:
         f = self.config.algorithm.filter
         # FilterConfig.value above 1 is a count of groups, at most 1 a share.
         value: float | int = int(f.value) if f.method == "top_k" and f.value > 1 else f.value
-        if f.metric == "reward_std":
-            return select_groups(groups, rewards=rewards, strategy=f.method, value=value, weighting=f.weighting,
-                                 drop_zero_variance=f.drop_zero_variance, on_empty=f.on_empty)
-        per_sample = rewards if f.metric == "reward_mean" else torch.tensor(
-            [float(sum(len(turn.response_ids) for turn in t.turns)) for t in trajectories])
-        stats = group_stats(per_sample, groups)
-        return select_groups(groups, rewards=rewards, scores=stats.mean, strategy=f.method, value=value,
+        scores = None  # select_groups scores a group by its reward std unless given other scores
+        if f.metric != "reward_std":
+            per_sample = rewards if f.metric == "reward_mean" else torch.tensor(
+                [float(sum(len(turn.response_ids) for turn in t.turns)) for t in trajectories])
+            scores = group_stats(per_sample, groups).mean
+        return select_groups(groups, rewards=rewards, scores=scores, strategy=f.method, value=value,
                              weighting=f.weighting, drop_zero_variance=f.drop_zero_variance, on_empty=f.on_empty)
 
     # ------------------------------------------------------------------ checkpoints
