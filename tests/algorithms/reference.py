@@ -37,18 +37,23 @@ def ref_place_rewards(turn_rewards, turn_end_index, seq_len, mode="per_turn"):
     return _out(out)
 
 
-def ref_masked_gae(token_rewards, values, adv_mask, gamma, lam):
+def ref_masked_gae(token_rewards, values, adv_mask, gamma, lam, turn_end_mask=None, gamma_turn=None, lambda_turn=None):
+    """Per-token GAE; the step from a turn's last token to the next token uses gamma_turn, lambda_turn."""
     rewards, vals, mask = _rows(token_rewards, values, adv_mask)
+    ends = turn_end_mask.tolist() if turn_end_mask is not None else [[False] * len(r) for r in rewards]
+    gamma_turn = gamma if gamma_turn is None else gamma_turn
+    lambda_turn = lam if lambda_turn is None else lambda_turn
     advs, rets = [], []
-    for r, v, m in zip(rewards, vals, mask):
+    for r, v, m, e in zip(rewards, vals, mask, ends):
         adv = [0.0] * len(r)
         ret = [0.0] * len(r)
         next_value, last = 0.0, 0.0
         for i in range(len(r) - 1, -1, -1):
             if not m[i]:
                 continue  # skipped: value and advantage pass through
-            delta = r[i] + gamma * next_value - v[i]
-            last = delta + gamma * lam * last
+            g, l = (gamma_turn, lambda_turn) if e[i] else (gamma, lam)
+            delta = r[i] + g * next_value - v[i]
+            last = delta + g * l * last
             adv[i], ret[i] = last, last + v[i]
             next_value = v[i]
         advs.append(adv)
@@ -175,15 +180,17 @@ def ref_whiten(values, mask, eps=1e-8):
     return _out([[(x - mean) / std if k else 0.0 for x, k in zip(row, mr)] for row, mr in zip(vals, m)])
 
 
-def ref_reinforce_pp(token_rewards, adv_mask, gamma):
+def ref_reinforce_pp(token_rewards, adv_mask, gamma, turn_end_mask=None, gamma_turn=None):
     rewards, mask = _rows(token_rewards, adv_mask)
+    ends = turn_end_mask.tolist() if turn_end_mask is not None else [[False] * len(r) for r in rewards]
+    gamma_turn = gamma if gamma_turn is None else gamma_turn
     rets = []
-    for r, m in zip(rewards, mask):
+    for r, m, e in zip(rewards, mask, ends):
         ret = [0.0] * len(r)
         g = 0.0
         for i in range(len(r) - 1, -1, -1):
             if m[i]:
-                g = r[i] + gamma * g
+                g = r[i] + (gamma_turn if e[i] else gamma) * g
                 ret[i] = g
         rets.append(ret)
     returns = _out(rets)

@@ -15,6 +15,7 @@ from turnrl.algorithms import (
     bilevel_gae,
     broadcast_to_tokens,
     discounted_reverse_cumsum,
+    group_stats,
     grpo_advantages,
     masked_gae,
     place_rewards,
@@ -174,6 +175,44 @@ def test_masked_gae_long_rows_and_float32():
     torch.testing.assert_close(adv32.to(F64), ref_adv, rtol=1e-4, atol=1e-4)
     half, _ = masked_gae(rewards.bfloat16(), values.bfloat16(), mask, 0.99, 0.95)
     assert half.dtype == torch.float32  # half inputs are summed in float32
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 6),
+    s=st.integers(1, 120),
+    token=st.sampled_from([(1.0, 1.0), (0.99, 0.95), (0.7, 0.0), (0.0, 1.0)]),
+    turn=st.sampled_from([(0.95, 1.0), (0.5, 0.9), (1.0, 0.0), (0.0, 0.5)]),
+    p_end=st.sampled_from([0.02, 0.15, 0.6]),
+)
+def test_masked_gae_with_a_discount_across_turns_matches_reference(seed, b, s, token, turn, p_end):
+    rewards, values, mask, ends = random_batch(seed, b, s, p_end=p_end)
+    adv, ret = masked_gae(rewards, values, mask, *token, turn_end_mask=ends, gamma_turn=turn[0], lambda_turn=turn[1])
+    ref_adv, ref_ret = ref.ref_masked_gae(rewards, values, mask, *token, ends, *turn)
+    close(adv, ref_adv)
+    close(ret, ref_ret)
+
+
+def test_masked_gae_discounts_once_per_turn_whatever_the_response_lengths():
+    # Two turns of 3 and 1 tokens, reward 1 at the end of the second; V = 0.
+    # gamma 1 inside a turn, 0.5 across turns: every token of turn 1 sees 0.5.
+    rewards = t([[0.0, 0.0, 0.0, 0.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 0, 1]])
+    ends = torch.tensor([[0, 0, 1, 0, 1]])
+    adv, _ = masked_gae(rewards, torch.zeros(1, 5, dtype=F64), mask, 1.0, 1.0, ends, gamma_turn=0.5, lambda_turn=1.0)
+    close(adv, t([[0.5, 0.5, 0.5, 0.0, 1.0]]))
+    same, _ = masked_gae(rewards, torch.zeros(1, 5, dtype=F64), mask, 0.5, 1.0)  # per-token discount instead
+    close(same, t([[0.125, 0.25, 0.5, 0.0, 1.0]]))
+
+
+def test_masked_gae_across_turns_on_long_rows_with_many_turns():
+    rewards, values, mask, ends = random_batch(5, 3, 3000, p_mask=0.6, p_end=0.05)
+    adv, _ = masked_gae(rewards, values, mask, 1.0, 0.97, ends, gamma_turn=0.9, lambda_turn=0.95)
+    ref_adv, _ = ref.ref_masked_gae(rewards, values, mask, 1.0, 0.97, ends, 0.9, 0.95)
+    close(adv, ref_adv, tol=1e-8)
+    adv32, _ = masked_gae(rewards.float(), values.float(), mask, 1.0, 0.97, ends, gamma_turn=0.9, lambda_turn=0.95)
+    torch.testing.assert_close(adv32.to(F64), ref_adv, rtol=1e-4, atol=1e-4)
 
 
 # --- bi-level GAE -----------------------------------------------------------
@@ -337,8 +376,56 @@ def test_reinforce_pp_matches_reference(seed, b, s, gamma):
     close(adv, ref_adv, tol=1e-7)
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 5), s=st.integers(1, 80), gammas=st.sampled_from(
+    [(1.0, 0.9), (0.99, 0.5), (0.9, 0.0)]))
+def test_reinforce_pp_with_a_discount_across_turns_matches_reference(seed, b, s, gammas):
+    rewards, _, mask, ends = random_batch(seed, b, s)
+    adv, ret = reinforce_pp_advantages(rewards, mask, gammas[0], turn_end_mask=ends, gamma_turn=gammas[1])
+    ref_adv, ref_ret = ref.ref_reinforce_pp(rewards, mask, gammas[0], ends, gammas[1])
+    close(ret, ref_ret)
+    close(adv, ref_adv, tol=1e-7)
+
+
 def test_reinforce_pp_by_hand():
     rewards = t([[0.0, 1.0, 7.0, 2.0]])
     mask = torch.tensor([[1, 1, 0, 1]])  # the 7.0 is outside the mask
     _, ret = reinforce_pp_advantages(rewards, mask, 0.5)
     close(ret, t([[0.5 * (1.0 + 0.5 * 2.0), 1.0 + 0.5 * 2.0, 0.0, 2.0]]))
+
+
+# --- exact group statistics ---------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [10.1, 10.8, -0.1, 1e6 + 0.3, 0.0])
+@pytest.mark.parametrize("n", [2, 3, 6, 8, 16])
+def test_equal_scores_in_float32_get_exactly_zero_advantage(value, n):
+    # Sokoban totals such as 10.1 in float32, as collate stores rewards: once gave +0.472 to all 8.
+    scores = torch.full((n,), value, dtype=torch.float32)
+    groups = torch.zeros(n, dtype=torch.long)
+    assert grpo_advantages(scores, groups).abs().max() == 0
+    assert grpo_advantages(scores, groups, norm_by_std=False).abs().max() == 0
+    assert rloo_advantages(scores, groups).abs().max() == 0
+    stats = group_stats(scores, groups)
+    assert stats.std.item() == 0
+    torch.testing.assert_close(stats.mean, scores[:1])
+
+
+def test_group_stats_exact_for_equal_groups_beside_varied_ones():
+    scores = torch.tensor([10.1, 10.1, 10.1, 0.0, 1.0, 10.8, 10.8], dtype=torch.float32)
+    groups = torch.tensor([4, 4, 4, 9, 9, 2, 2])
+    stats = group_stats(scores, groups)
+    assert stats.std.tolist()[:2] == [0.0, 0.0]  # groups 2 and 4 (ids ascending)
+    adv = grpo_advantages(scores, groups)
+    assert adv[:3].abs().max() == 0 and adv[5:].abs().max() == 0
+    close(adv[3:5], ref.ref_grpo(scores[3:5].double(), groups[3:5], 1e-6), tol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 40), n_groups=st.integers(1, 6), offset=st.sampled_from([0.0, 1e4]))
+def test_group_deviation_matches_reference_with_large_offsets(seed, b, n_groups, offset):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(b, generator=gen, dtype=F64) + offset
+    groups = torch.randint(0, n_groups, (b,), generator=gen)
+    stats = group_stats(scores, groups)
+    close(stats.deviation, ref.ref_grpo(scores, groups, 0.0, norm_by_std=False), tol=1e-9)

@@ -14,7 +14,6 @@ from turnrl.algorithms import (
     AGGREGATIONS,
     aggregate,
     entropy_bonus,
-    entropy_from_logits,
     kl_in_reward,
     kl_penalty,
     ppo_policy_loss,
@@ -182,38 +181,63 @@ def test_kl_in_reward():
 # --- entropy ----------------------------------------------------------------
 
 
-def test_entropy_matches_reference_and_known_values():
-    gen = torch.Generator().manual_seed(2)
-    logits = torch.randn(2, 3, 11, generator=gen, dtype=F64) * 3
-    got = entropy_from_logits(logits)
-    assert got.shape == (2, 3) and got.dtype == torch.float32
-    want = torch.tensor([[ref.ref_entropy(row) for row in seq] for seq in logits.tolist()], dtype=F64)
-    close(got, want, tol=1e-5)
-    close(entropy_from_logits(torch.zeros(1, 1, 50)), math.log(50), tol=1e-6)
-    peaked = torch.tensor([[[0.0, -float("inf"), -float("inf")]]])
-    close(entropy_from_logits(peaked), 0.0)
-
-
-def test_entropy_chunking_and_gradient():
-    gen = torch.Generator().manual_seed(3)
-    logits = (torch.randn(3, 5, 17, generator=gen, dtype=F64) * 2).requires_grad_()
-    weights = torch.randn(3, 5, generator=gen, dtype=F64)
-    naive = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
-    (naive * weights).sum().backward()
-    expected_grad = logits.grad.clone()
-    logits.grad = None
-    for chunk_elements in (17, 3 * 17, 1 << 24):  # one row, three rows, everything at once
-        got = entropy_from_logits(logits, chunk_elements)
-        close(got, naive, tol=1e-5)
-        (got * weights.float()).sum().backward()
-        close(logits.grad, expected_grad, tol=1e-5)
-        logits.grad = None
-
-
-def test_entropy_bf16_and_bonus():
-    logits = torch.randn(2, 4, 32).bfloat16().requires_grad_()
-    h = entropy_from_logits(logits)
-    h.sum().backward()
-    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+def test_entropy_bonus_aggregates_like_the_losses():
+    h = torch.rand(2, 4)
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
-    close(entropy_bonus(h.detach(), mask, "seq-mean-token-mean"), aggregate(h.detach(), mask, "seq-mean-token-mean"))
+    for mode in AGGREGATIONS:
+        close(entropy_bonus(h, mask, mode), aggregate(h, mask, mode))
+
+# --- nothing outside the mask reaches a gradient --------------------------------
+
+NON_FINITE = [float("nan"), float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+@pytest.mark.parametrize("where", ["values", "old_values", "returns"])
+def test_value_loss_gradient_ignores_non_finite_values_outside_the_mask(bad, where):
+    v = torch.zeros(1, 2, requires_grad=True)
+    inputs = {"values": v, "old_values": torch.zeros(1, 2), "returns": torch.tensor([[1.0, 0.0]])}
+    if where == "values":
+        inputs["values"] = v + torch.tensor([[0.0, bad]])
+    else:
+        inputs[where] = inputs[where] + torch.tensor([[0.0, bad]])
+    loss, stats = value_loss(**inputs, loss_mask=torch.tensor([[1, 0]]))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(stats.error)
+    assert v.grad.tolist() == [[-1.0, 0.0]]
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+@pytest.mark.parametrize("where", ["logprobs", "old_logprobs", "advantages"])
+def test_policy_loss_gradient_ignores_non_finite_values_outside_the_mask(bad, where):
+    lp = torch.zeros(1, 2, requires_grad=True)
+    inputs = {"logprobs": lp, "old_logprobs": torch.zeros(1, 2), "advantages": torch.ones(1, 2)}
+    inputs[where] = inputs[where] + torch.tensor([[0.0, bad]])
+    loss, stats = ppo_policy_loss(**inputs, loss_mask=torch.tensor([[1, 0]]))
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(x) for x in stats)
+    assert lp.grad.tolist() == [[-1.0, 0.0]]
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("bad", NON_FINITE)
+def test_kl_gradient_ignores_non_finite_logprobs_outside_the_mask(kind, bad):
+    lp = torch.tensor([[-1.0, bad]], requires_grad=True)
+    mask = torch.tensor([[1, 0]])
+    kl = kl_penalty(lp, torch.tensor([[-2.0, -1.0]]), kind=kind, mask=mask)
+    aggregate(kl, mask).backward()
+    assert torch.isfinite(kl).all() and kl[0, 1] == 0
+    assert torch.isfinite(lp.grad).all() and lp.grad[0, 1] == 0
+
+
+def test_sample_weights_scale_each_samples_policy_loss():
+    gen = torch.Generator().manual_seed(0)
+    lp, old, adv = (torch.randn(3, 4, generator=gen) for _ in range(3))
+    mask = torch.ones(3, 4)
+    weights = torch.tensor([0.5, 2.0, 1.0])
+    for mode in AGGREGATIONS:
+        weighted, _ = ppo_policy_loss(lp, old, adv, mask, aggregation=mode, sample_weights=weights)
+        per_row = [ppo_policy_loss(lp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], aggregation=mode)[0]
+                   for i in range(3)]
+        expected = sum(w * x for w, x in zip(weights, per_row)) / 3
+        close(weighted, expected, tol=1e-6)

@@ -186,53 +186,21 @@ def _unpack(packed: torch.Tensor, layout: _Packed) -> torch.Tensor:
     return packed.gather(1, layout.index)
 
 
-def _td_errors(r: torch.Tensor, v: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``r_i + gamma * v_{i+1} - v_i`` along packed rows (zeros past the end
-    bootstrap ``V = 0``). Shape (b, n)."""
+def _td_errors(
+    r: torch.Tensor, v: torch.Tensor, gamma: float, ends: torch.Tensor | None = None, gamma_turn: float | None = None
+) -> torch.Tensor:
+    """``r_i + g_i * v_{i+1} - v_i`` along packed rows (zeros past the end
+    bootstrap ``V = 0``), with ``g_i = gamma``, or ``gamma_turn`` where
+    ``ends`` marks a turn's last token (the step to the next turn). Shape (b, n)."""
     delta = r - v
-    delta[:, :-1].add_(v[:, 1:], alpha=gamma)
-    return delta
+    if ends is None or gamma_turn is None or gamma_turn == gamma:
+        return delta.add_(F.pad(v[:, 1:], (0, 1)), alpha=gamma)
+    coef = torch.full_like(v, gamma).masked_fill_(ends, gamma_turn)
+    return delta.add_(coef * F.pad(v[:, 1:], (0, 1)))
 
 
 def _as_bool(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
-
-
-def masked_gae(
-    token_rewards: torch.Tensor,
-    values: torch.Tensor,
-    adv_mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over the tokens in ``adv_mask`` only.
-
-    With ``k_1 < ... < k_n`` the masked positions of a row and ``V(k_{n+1}) = 0``
-    (no bootstrap after the last valid token)::
-
-        delta_m = r(k_m) + gamma * V(k_{m+1}) - V(k_m)
-        A(k_m)  = delta_m + gamma * lam * A(k_{m+1}),     A(k_{n+1}) = 0
-        R(k_m)  = A(k_m) + V(k_m)
-
-    With ``gamma = lam = 1`` this is reward-to-go minus value. Matches VAGEN's
-    multi-turn GAE (next valid token's value, ``lastgaelam`` carried across gaps).
-
-    Args:
-        token_rewards: Shape (b, s).
-        values: Shape (b, s), critic values.
-        adv_mask: Shape (b, s), bool or 0/1.
-        gamma, lam: discount and GAE lambda.
-
-    Returns:
-        ``(advantages, returns)``, each Shape (b, s), zero outside ``adv_mask``;
-        float32 (float64 if an input is float64).
-    """
-    mask = _as_bool(adv_mask)
-    dtype = _float_dtype(token_rewards, values)
-    layout = _pack_layout(mask)
-    v = _pack(values, layout, dtype)
-    adv = _scan(_td_errors(_pack(token_rewards, layout, dtype), v, gamma), gamma * lam, None)
-    return _unpack(adv, layout), _unpack(adv.add_(v), layout)
 
 
 class _Turns(NamedTuple):
@@ -267,6 +235,103 @@ def _per_turn(packed: torch.Tensor, turns: _Turns, at_ends_only: bool) -> torch.
         out[:, -1] = 0  # the slot that non-end positions were written to
         return out
     return out.scatter_add_(1, turns.turn, packed)
+
+
+def _turn_last_positions(turns: _Turns, columns: int) -> torch.Tensor:
+    """Packed position of each turn's last token. Shape (b, t + 1): ``columns``
+    for turns past a row's last (the free turn included)."""
+    positions = torch.arange(columns, device=turns.turn.device).expand_as(turns.turn)
+    end_at = torch.full((turns.turn.shape[0], turns.n_turns + 1), columns, dtype=torch.long, device=positions.device)
+    end_at.scatter_(1, turns.end_slot, positions)
+    end_at[:, -1] = columns  # the slot non-end positions were written to
+    return end_at
+
+
+def _two_level_scan(x: torch.Tensor, turns: _Turns, inside: float, across: float) -> torch.Tensor:
+    """A reverse scan whose coefficient is ``inside`` within a turn and ``across`` from a
+    turn's last token to the next turn's first::
+
+        y_i = x_i + inside * y_{i+1}     i not a turn end
+        y_e = x_e + across * y_{e+1}     e the last token of a turn
+
+    Packed rows, Shape (b, columns) -> (b, columns). Each turn is first scanned on
+    its own (a segmented scan); then the value at each turn's first token is
+    carried backward across turns, ``Y_t = S(s_t) + inside**(e_t - s_t) * across * Y_{t+1}``
+    (a loop over turns, vectorized over rows: never over tokens), and every
+    token adds its share of the next turn's ``Y``.
+    """
+    if inside == across:
+        return _scan(x, inside, None)
+    columns = x.shape[1]
+    end_at = _turn_last_positions(turns, columns)
+    within = _scan(x, inside, end_at.gather(1, turns.turn))
+    start_at = F.pad(end_at[:, :-1] + 1, (1, 0))  # first position of each turn
+    real = start_at < columns
+    first = torch.where(real, within.gather(1, start_at.clamp(max=columns - 1)), 0)
+    exponent = (end_at - start_at).clamp(min=0).to(torch.float64)
+    carry_coef = (torch.tensor(inside, dtype=torch.float64).pow(exponent) * across).to(x.dtype)
+    heads = torch.zeros(x.shape[0], turns.n_turns + 2, dtype=x.dtype, device=x.device)  # Y_t; 0 past the last
+    for t in range(turns.n_turns - 1, -1, -1):
+        heads[:, t] = first[:, t] + carry_coef[:, t] * heads[:, t + 1]
+    position = torch.arange(columns, device=x.device)
+    to_end = (end_at.gather(1, turns.turn) - position).clamp(min=0).to(torch.float64)
+    share = (torch.tensor(inside, dtype=torch.float64).pow(to_end) * across).to(x.dtype)
+    return within + share * heads.gather(1, turns.turn + 1)
+
+
+def masked_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    adv_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    turn_end_mask: torch.Tensor | None = None,
+    gamma_turn: float | None = None,
+    lambda_turn: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over the tokens in ``adv_mask`` only.
+
+    With ``k_1 < ... < k_n`` the masked positions of a row and ``V(k_{n+1}) = 0``
+    (no bootstrap after the last valid token)::
+
+        delta_m = r(k_m) + g_m * V(k_{m+1}) - V(k_m)
+        A(k_m)  = delta_m + g_m * l_m * A(k_{m+1}),     A(k_{n+1}) = 0
+        R(k_m)  = A(k_m) + V(k_m)
+
+    ``g_m, l_m = gamma, lam`` from one token to the next inside a turn, and
+    ``gamma_turn, lambda_turn`` from a turn's last token to the next turn's first
+    (given ``turn_end_mask``; by default the same as inside a turn, which is the
+    classic per-token GAE). So ``gamma=1, gamma_turn=0.95`` discounts per env
+    turn, whatever the responses' lengths. With all four 1 this is reward-to-go
+    minus value. Matches VAGEN's multi-turn GAE (next valid token's value,
+    ``lastgaelam`` carried across gaps).
+
+    Args:
+        token_rewards: Shape (b, s).
+        values: Shape (b, s), critic values.
+        adv_mask: Shape (b, s), bool or 0/1.
+        gamma, lam: discount and GAE lambda from token to token inside a turn.
+        turn_end_mask: Shape (b, s), bool or 0/1: each turn's last token (see the module doc).
+        gamma_turn, lambda_turn: discount and lambda from a turn to the next; None: ``gamma``, ``lam``.
+
+    Returns:
+        ``(advantages, returns)``, each Shape (b, s), zero outside ``adv_mask``;
+        float32 (float64 if an input is float64).
+    """
+    mask = _as_bool(adv_mask)
+    dtype = _float_dtype(token_rewards, values)
+    layout = _pack_layout(mask)
+    v = _pack(values, layout, dtype)
+    r = _pack(token_rewards, layout, dtype)
+    gamma_turn = gamma if gamma_turn is None else gamma_turn
+    lambda_turn = lam if lambda_turn is None else lambda_turn
+    if turn_end_mask is None or (gamma_turn, lambda_turn) == (gamma, lam):
+        adv = _scan(_td_errors(r, v, gamma), gamma * lam, None)
+    else:
+        turns = _packed_turns(turn_end_mask, layout)
+        delta = _td_errors(r, v, gamma, turns.ends, gamma_turn)
+        adv = _two_level_scan(delta, turns, gamma * lam, gamma_turn * lambda_turn)
+    return _unpack(adv, layout), _unpack(adv.add_(v), layout)
 
 
 def _turn_level_gae(
@@ -328,10 +393,7 @@ def bilevel_gae(
     )
     # Token level: each token's segment ends at its turn's end; at that end the
     # recursion restarts from the turn-level advantage.
-    positions = torch.arange(layout.columns, device=r.device).expand_as(turns.turn)
-    end_at = torch.full_like(turn_adv, layout.columns, dtype=torch.long)
-    end_at.scatter_(1, turns.end_slot, positions)
-    end_at[:, -1] = layout.columns  # the free turn past the last runs to the row end
+    end_at = _turn_last_positions(turns, layout.columns)
     x = torch.where(turns.ends, turn_adv.gather(1, turns.turn), _td_errors(r, v, gamma_token))
     adv = _scan(x, gamma_token * lambda_token, end_at.gather(1, turns.turn))
     return _unpack(adv, layout), _unpack(adv.add_(v), layout)
@@ -449,6 +511,7 @@ class GroupStats(NamedTuple):
     count: torch.Tensor  # (g,) samples per group
     mean: torch.Tensor  # (g,)
     std: torch.Tensor  # (g,) unbiased (n - 1); 0 for groups of one sample
+    deviation: torch.Tensor  # (b,) each score minus its group's mean; exactly 0 in a group of equal scores
 
 
 def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> GroupStats:
@@ -456,21 +519,33 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> GroupStats:
 
     The std divides by ``n - 1`` (Bessel), as ``torch.std`` and the GRPO code of
     the reference systems do; a group of one sample gets std 0 instead of NaN.
-    The variance is a two-pass sum of squared deviations, so large offsets do
-    not cancel.
+
+    Exact for equal scores: each group's first score is subtracted before
+    anything is summed (and the sums run in float64), so a group whose scores
+    are all equal has deviations and std of exactly 0. Summing the raw scores
+    would not: eight float32 copies of 10.1 have a float32 mean that differs
+    from 10.1, and GRPO would divide that rounding error by a std of ~1e-7.
 
     Args:
         scores: Shape (b,). group_index: Shape (b,), any integer ids.
+
+    Returns:
+        float32 statistics (float64 for float64 scores).
     """
     dtype = _float_dtype(scores)
     ids, inverse = torch.unique(group_index, sorted=True, return_inverse=True)
     g = ids.numel()
-    x = scores.to(dtype)
-    count = torch.zeros(g, dtype=dtype, device=x.device).index_add_(0, inverse, torch.ones_like(x))
-    mean = torch.zeros(g, dtype=dtype, device=x.device).index_add_(0, inverse, x) / count
-    sq = torch.zeros(g, dtype=dtype, device=x.device).index_add_(0, inverse, (x - mean[inverse]) ** 2)
+    x = scores.to(torch.float64)
+    order = torch.arange(x.numel(), device=x.device)
+    first = torch.full((g,), x.numel(), dtype=torch.long, device=x.device).scatter_reduce_(0, inverse, order, "amin")
+    offset = x - x[first][inverse]  # 0 for every member of a group of equal scores
+    count = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, torch.ones_like(x))
+    mean_offset = torch.zeros_like(count).index_add_(0, inverse, offset) / count
+    deviation = offset - mean_offset[inverse]
+    sq = torch.zeros_like(count).index_add_(0, inverse, deviation**2)
     std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    return GroupStats(ids, inverse, count, mean, std)
+    mean = x[first] + mean_offset
+    return GroupStats(ids, inverse, count.to(dtype), mean.to(dtype), std.to(dtype), deviation.to(dtype))
 
 
 def grpo_advantages(
@@ -482,7 +557,7 @@ def grpo_advantages(
     sample ``i`` and the unbiased std of :func:`group_stats`;
     ``norm_by_std=False`` gives Dr.GRPO's ``A_i = r_i - mean_G(r)``. A group of
     one sample gets 0 (its mean is its own score; veRL gives the raw score
-    instead); a group of equal scores gets 0.
+    instead); a group of equal scores gets exactly 0.
 
     Args:
         scores: Shape (b,), the sequence rewards. group_index: Shape (b,).
@@ -491,10 +566,9 @@ def grpo_advantages(
         Shape (b,). Use :func:`broadcast_to_tokens` to spread it on tokens.
     """
     st = group_stats(scores, group_index)
-    adv = scores.to(st.mean.dtype) - st.mean[st.inverse]
-    if norm_by_std:
-        adv = adv / (st.std[st.inverse] + eps)
-    return adv
+    if not norm_by_std:
+        return st.deviation
+    return st.deviation / (st.std[st.inverse] + eps)
 
 
 def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
@@ -511,31 +585,42 @@ def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Te
     """
     st = group_stats(scores, group_index)
     n = st.count[st.inverse]
-    return (scores.to(st.mean.dtype) - st.mean[st.inverse]) * n / (n - 1).clamp(min=1)
+    return st.deviation * n / (n - 1).clamp(min=1)
 
 
 def reinforce_pp_advantages(
-    token_rewards: torch.Tensor, adv_mask: torch.Tensor, gamma: float = 1.0
+    token_rewards: torch.Tensor,
+    adv_mask: torch.Tensor,
+    gamma: float = 1.0,
+    turn_end_mask: torch.Tensor | None = None,
+    gamma_turn: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted returns, whitened over all masked tokens of the batch.
 
     With ``k_1 < ... < k_n`` the masked positions of a row::
 
-        G(k_m) = r(k_m) + gamma * G(k_{m+1}),     G(k_{n+1}) = 0
+        G(k_m) = r(k_m) + g_m * G(k_{m+1}),     G(k_{n+1}) = 0
         A      = whiten(G, adv_mask)              (see :func:`whiten`)
 
-    The return passes through unmasked tokens (veRL resets it there, which cuts
-    a multi-turn episode into unrelated pieces).
+    ``g_m = gamma`` inside a turn and ``gamma_turn`` from a turn's last token to
+    the next turn's first (given ``turn_end_mask``; None: ``gamma``). The return
+    passes through unmasked tokens (veRL resets it there, which cuts a
+    multi-turn episode into unrelated pieces).
 
     Args:
-        token_rewards: Shape (b, s). adv_mask: Shape (b, s), bool or 0/1.
+        token_rewards: Shape (b, s). adv_mask, turn_end_mask: Shape (b, s), bool or 0/1.
 
     Returns:
         ``(advantages, returns)``, each Shape (b, s), zero outside ``adv_mask``.
     """
     mask = _as_bool(adv_mask)
     layout = _pack_layout(mask)
-    returns = _unpack(_scan(_pack(token_rewards, layout, _float_dtype(token_rewards)), gamma, None), layout)
+    rewards = _pack(token_rewards, layout, _float_dtype(token_rewards))
+    if turn_end_mask is None or gamma_turn is None or gamma_turn == gamma:
+        packed = _scan(rewards, gamma, None)
+    else:
+        packed = _two_level_scan(rewards, _packed_turns(turn_end_mask, layout), gamma, gamma_turn)
+    returns = _unpack(packed, layout)
     return whiten(returns, mask), returns
 
 

@@ -2,7 +2,10 @@
 
 Notation: ``b`` batch size, ``s`` sequence length, ``V`` vocabulary size.
 Masks are bool or 0/1 ``(b, s)`` tensors; values outside the mask never reach
-a result, even when they are inf or NaN (padding logprobs often are).
+a result or a gradient, even when they are inf or NaN (padding logprobs often
+are): every function masks its inputs before any arithmetic, because a
+``torch.where`` on the result alone still lets ``0 * inf = nan`` into the
+backward pass.
 
 Every loss reduces its per-token terms with :func:`aggregate`, so the policy
 loss, the value loss and the entropy bonus share one aggregation mode.
@@ -20,7 +23,6 @@ __all__ = [
     "ValueLossStats",
     "aggregate",
     "entropy_bonus",
-    "entropy_from_logits",
     "kl_in_reward",
     "kl_penalty",
     "ppo_policy_loss",
@@ -67,6 +69,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "
     return torch.where(has_tokens, per_seq, 0).sum() / has_tokens.sum().clamp(min=1)
 
 
+def _masked(mask: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor with zeros outside ``mask`` (inputs cleaned before any arithmetic)."""
+    m = _as_bool(mask)
+    return [torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)) for x in tensors]
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return aggregate(x.to(torch.float32), mask, "token-mean")
 
@@ -88,6 +96,7 @@ def ppo_policy_loss(
     clip_high: float = 0.28,
     dual_clip: float | None = 3.0,
     aggregation: Aggregation = "token-mean",
+    sample_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Clipped PPO surrogate with asymmetric clipping and dual clip.
 
@@ -108,12 +117,15 @@ def ppo_policy_loss(
         advantages: Shape (b, s).
         loss_mask: Shape (b, s), bool or 0/1: tokens that are trained.
         aggregation: see :func:`aggregate`.
+        sample_weights: Shape (b,), each sample's per-token losses are
+            multiplied by its weight before aggregation; None weighs all 1.
 
     Returns:
         ``(loss, stats)``: a scalar to minimize and :class:`PolicyLossStats`.
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    logprobs, old_logprobs, advantages = _masked(loss_mask, logprobs, old_logprobs, advantages)
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -130,6 +142,8 @@ def ppo_policy_loss(
             approx_kl=_masked_mean(ratio - 1.0 - log_ratio, loss_mask),
             dual_clip_frac=_masked_mean(dual_active, loss_mask),
         )
+    if sample_weights is not None:
+        loss = loss * sample_weights[:, None].to(loss.dtype)
     return aggregate(loss, loss_mask, aggregation), stats
 
 
@@ -164,6 +178,7 @@ def value_loss(
     Returns:
         ``(loss, stats)``: a scalar and :class:`ValueLossStats`.
     """
+    values, old_values, returns = _masked(loss_mask, values, old_values, returns)
     err = (values - returns) ** 2
     loss = err
     clip_active = torch.zeros_like(err, dtype=torch.bool)
@@ -178,7 +193,10 @@ def value_loss(
 
 
 def kl_penalty(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: Literal["k1", "k2", "k3"] = "k3"
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kind: Literal["k1", "k2", "k3"] = "k3",
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens.
 
@@ -193,11 +211,15 @@ def kl_penalty(
 
     Args:
         logprobs, ref_logprobs: Shape (b, s).
+        mask: Shape (b, s), bool or 0/1: where given, the KL is 0 outside it and
+            nothing there reaches the gradient.
 
     Returns:
         Shape (b, s), differentiable. Reduce it with :func:`aggregate` for a
         loss term, or subtract it from the rewards with :func:`kl_in_reward`.
     """
+    if mask is not None:
+        logprobs, ref_logprobs = _masked(mask, logprobs, ref_logprobs)
     d = logprobs - ref_logprobs
     if kind == "k1":
         return d
@@ -227,60 +249,6 @@ def kl_in_reward(
     return token_rewards - torch.where(_as_bool(loss_mask), coef * kl.detach(), 0)
 
 
-class _ChunkedEntropy(torch.autograd.Function):
-    """Entropy of softmax(logits) over the last dim, in row chunks, both ways.
-
-    Forward and backward each hold one ``(chunk, V)`` float32 block at a time
-    instead of the full softmax, so the entropy bonus of a long batch with a
-    large vocabulary costs no extra ``(b, s, V)`` activations. Backward uses
-    ``dH/dz = -p * (log p + H)``.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, chunk: int) -> torch.Tensor:
-        flat = logits.reshape(-1, logits.shape[-1])
-        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        for start in range(0, flat.shape[0], chunk):  # loop over row blocks, not tokens
-            logp = torch.log_softmax(flat[start : start + chunk].float(), dim=-1)
-            out[start : start + chunk] = -torch.where(logp > -torch.inf, logp.exp() * logp, 0).sum(-1)
-        ctx.save_for_backward(logits, out)
-        ctx.chunk = chunk
-        return out.view(logits.shape[:-1])
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        logits, entropy = ctx.saved_tensors
-        flat = logits.reshape(-1, logits.shape[-1])
-        g, h = grad_out.reshape(-1), entropy
-        grad = torch.empty_like(flat)
-        for start in range(0, flat.shape[0], ctx.chunk):
-            sl = slice(start, start + ctx.chunk)
-            logp = torch.log_softmax(flat[sl].float(), dim=-1)
-            p = logp.exp()
-            term = torch.where(p > 0, p * (logp + h[sl, None]), 0)
-            grad[sl] = (-g[sl, None] * term).to(grad.dtype)
-        return grad.view(logits.shape), None
-
-
-def entropy_from_logits(logits: torch.Tensor, chunk_elements: int = 1 << 24) -> torch.Tensor:
-    """Entropy ``H = -sum_v p_v log p_v`` of ``softmax(logits)``, per position.
-
-    Numerically stable (through ``log_softmax``; ``-inf`` logits, e.g. masked
-    vocabulary entries, contribute 0) and memory-conscious: computed in float32
-    over blocks of rows of about ``chunk_elements`` logits, in the forward and
-    in the backward pass, so peak extra memory is one block, whatever the
-    batch.
-
-    Args:
-        logits: Shape (b, s, V) (any leading shape), any float dtype.
-
-    Returns:
-        Shape (b, s), float32, differentiable with respect to ``logits``.
-    """
-    chunk = max(1, chunk_elements // max(1, logits.shape[-1]))
-    return _ChunkedEntropy.apply(logits, chunk)
-
-
 def entropy_bonus(
     entropy: torch.Tensor, loss_mask: torch.Tensor, aggregation: Aggregation = "token-mean"
 ) -> torch.Tensor:
@@ -290,7 +258,7 @@ def entropy_bonus(
     (RAGEN's default coefficient is 0.001).
 
     Args:
-        entropy: Shape (b, s), e.g. from :func:`entropy_from_logits`.
+        entropy: Shape (b, s), e.g. from :func:`turnrl.training.forward.token_logprobs`.
         loss_mask: Shape (b, s), bool or 0/1.
     """
     return aggregate(entropy, loss_mask, aggregation)
