@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+from tokenizers import AddedToken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +16,7 @@ from turnrl.rollout.context import (
     EpisodeTokens,
     TemplateDeltaError,
     expand_placeholders,
+    fold_system,
 )
 
 CORPUS = [
@@ -47,13 +51,23 @@ def continued_render_ids(tok, messages):
     return full_render_ids(tok, [*messages, {"role": "user", "content": "next"}])
 
 
-def sampled(tok, text):
-    """What a sampler returns for ``text``: its canonical ids, then the end-of-turn token."""
-    return encode(tok, text) + [tok.eos_token_id]
+def sampled(tok, text, end_of_turn=None):
+    """What a sampler returns for ``text``: its canonical ids, then the end-of-turn token (default: eos)."""
+    return encode(tok, text) + [tok.eos_token_id if end_of_turn is None else end_of_turn]
+
+
+def with_control_tokens(tok, *tokens):
+    """A copy of ``tok`` with more control tokens (special, atomic), e.g. another family's turn markers."""
+    tok = copy.deepcopy(tok)
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens], special_tokens=True)
+    return tok
 
 
 def play(tok, system, users, answers, *, window=None, responses=None):
-    """Run an episode: users[0], then (answer, user) pairs. Returns the EpisodeTokens."""
+    """Run an episode: users[0], then (answer, user) pairs. Returns the EpisodeTokens.
+
+    ``tok`` is a tokenizer or a :class:`ChatTemplateDeltas` (for a template other than the tokenizer's).
+    """
     ep = EpisodeTokens(tok, max_context_window=window)
     ep.start(system, users[0])
     for t, answer in enumerate(answers):
@@ -229,6 +243,85 @@ def test_other_stop_id_counts_as_stopped(toks):
     assert stopped and closing == deltas.response_closing()
 
 
+# The issue's Llama-2-style template: a space, then the end-of-turn token, closes an answer.
+LLAMA2_STYLE = (
+    "{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + m.content + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m.content + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+# Llama-2-chat's own template: the system message goes into the first user message, BOS before each.
+LLAMA2 = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_end_of_turn_token_after_text_is_not_written_twice(tiny_tokenizer):
+    """The sampled end-of-turn token stands in for the closing ``' ' + eos``; nothing of it is appended again."""
+    tok = tiny_tokenizer
+    eos = tok.eos_token_id
+    deltas = ChatTemplateDeltas(tok, chat_template=LLAMA2_STYLE)
+    space, hello = encode(tok, " "), encode(tok, "hello")
+    assert deltas.response_closing() == space + [eos] and deltas.end_of_turn_index == 1
+
+    ep = EpisodeTokens(deltas)
+    ep.start(None, "hi")
+    ep.add_response(hello + [eos])
+    ep.add_observation("next")
+    assert tok.decode(ep.prompt()) == f"[INST] hi [/INST]hello{tok.eos_token}[INST] next [/INST]"
+    assert ep.turns[0].closing_ids == [] and ep.turns[0].stopped
+
+    assert deltas.close(hello + space + [eos]) == ([], True)  # the model wrote the space as well
+    # Cut at max tokens, after a space or not: the whole closing, and not a stop.
+    assert deltas.close(hello + space) == (space + [eos], False)
+    assert deltas.close(hello) == (space + [eos], False)
+    # The stream lacks the space before eos that a re-render writes: verify() accepts exactly that.
+    assert deltas.matches_full_render is False
+
+
+@pytest.mark.parametrize("template, system", [(LLAMA2_STYLE, None), (LLAMA2, SYSTEM)])
+def test_closing_with_text_before_end_of_turn_against_full_render(toks, template, system):
+    tok = toks["llama3"]
+    eos = tok.eos_token_id
+    deltas = ChatTemplateDeltas(tok, chat_template=template)
+    chat = messages(system, USERS, ANSWERS)
+    # A model that writes the template's spaces, then eos: the stream is the full render, token for token.
+    spaced = [encode(tok, f" {a} ") + [eos] for a in ANSWERS]
+    s = play(deltas, system, USERS, ANSWERS, responses=spaced).stream()
+    assert s.input_ids == full_render_ids(tok, chat, chat_template=template)
+    # A model that ends right after its answer: the render less the space before each eos, one eos per answer.
+    bare = [encode(tok, f" {a}") + [eos] for a in ANSWERS]
+    s = play(deltas, system, USERS, ANSWERS, responses=bare).stream()
+    render = tok.apply_chat_template(chat, chat_template=template, add_generation_prompt=True, tokenize=False)
+    assert tok.decode(s.input_ids) == render.replace(f" {tok.eos_token}", tok.eos_token)
+    assert s.input_ids.count(eos) == 2
+    assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == bare[0] + bare[1]
+    assert [s.input_ids[i] for i in s.turn_end_positions] == [eos, eos]
+
+
+def test_verify_probes_with_a_sampled_end_of_turn_token(tiny_tokenizer):
+    """A close() that does not see a sampled eos behind the closing's leading text fails verify()."""
+
+    class OldClose(ChatTemplateDeltas):
+        def close(self, response_ids):
+            # Recognises the end-of-turn token only as the first token of the closing.
+            for k in range(min(len(self.closing), len(response_ids)), 0, -1):
+                if tuple(response_ids[-k:]) == self.closing[:k]:
+                    return list(self.closing[k:]), True
+            return list(self.closing), response_ids[-1] in self.stop_ids
+
+    with pytest.raises(TemplateDeltaError, match="tokenize differently"):
+        OldClose(tiny_tokenizer, chat_template=LLAMA2_STYLE)
+    OldClose(tiny_tokenizer)  # right where the closing starts with its end-of-turn token (ChatML)
+
+
 # -- token exactness -----------------------------------------------------------------
 
 
@@ -248,6 +341,24 @@ def test_non_canonical_ids_survive(toks, name):
     rerender = full_render_ids(tok, messages(SYSTEM, USERS, [word, "Up"]))
     assert tok.decode(s.input_ids) == tok.decode(rerender)
     assert s.input_ids != rerender
+
+
+def test_token_merge_across_the_prompt_response_boundary(tiny_tokenizer):
+    """ChatML prompts end with ``assistant\\n``; a response that starts with a newline is sampled after it.
+
+    A re-render tokenizes the two newlines as one token; the stream keeps the
+    prompt's newline and the sampled one, which is what the model saw.
+    """
+    tok = tiny_tokenizer
+    assert len(encode(tok, "\n\n")) == 1
+    response = sampled(tok, "\nLeft")
+    ep = play(tok, SYSTEM, USERS[:2], ["\nLeft"], responses=[response])
+    s = ep.stream()
+    rerender = full_render_ids(tok, messages(SYSTEM, USERS[:2], ["\nLeft"]))
+    assert tok.decode(s.input_ids) == tok.decode(rerender) and s.input_ids != rerender
+    end = s.turn_end_positions[0]
+    assert s.input_ids[: end + 1] == ep.prompt_ids(0) + response
+    assert ep.prompt() == s.input_ids
 
 
 # -- windows -------------------------------------------------------------------------
@@ -369,6 +480,105 @@ def test_closing_is_taken_from_a_past_answer(toks):
     deltas = ChatTemplateDeltas(tok, chat_template=ends_differently)
     assert tok.decode(deltas.response_closing()) == "<|im_end|>\n"
     assert deltas.matches_full_render
+
+
+# -- templates of other families ---------------------------------------------------------
+
+# Phi-3.5-mini / Phi-4-mini: eos_token after a chat that ends without a generation prompt.
+PHI35 = (
+    "{% for m in messages %}{{'<|'+m.role+'|>'+m.content+'<|end|>'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|assistant|>'}}{% else %}{{ eos_token }}{% endif %}"
+)
+# Gemma 2's template, verbatim: no system role, alternating roles, contents trimmed.
+GEMMA2 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("system", [SYSTEM, None])
+def test_template_that_ends_a_chat_with_eos(toks, system):
+    tok = with_control_tokens(toks["chatml"], "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+    end = tok.convert_tokens_to_ids("<|end|>")
+    base = tok.apply_chat_template([{"role": "user", "content": "u"}], chat_template=PHI35, tokenize=False)
+    assert base == f"<|user|>u<|end|>{tok.eos_token}"  # what defeated the probe: the eos is gone once a message follows
+    deltas = ChatTemplateDeltas(tok, chat_template=PHI35)
+    assert deltas.matches_full_render
+    assert deltas.response_closing() == [end]
+    assert tok.decode(deltas.observation("hi")) == "<|user|>hi<|end|><|assistant|>"
+    responses = [sampled(tok, a, end) for a in ANSWERS]
+    s = play(deltas, system, USERS, ANSWERS, responses=responses).stream()
+    assert s.input_ids == full_render_ids(tok, messages(system, USERS, ANSWERS), chat_template=PHI35)
+    assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == responses[0] + responses[1]
+
+
+def gemma2_tokenizer(toks):
+    """The Llama-3 test tokenizer with Gemma's turn markers (its BOS stands in for Gemma's)."""
+    return with_control_tokens(toks["llama3"], "<start_of_turn>", "<end_of_turn>")
+
+
+def test_template_without_system_role_gets_it_in_the_first_user_message(toks):
+    tok = gemma2_tokenizer(toks)
+    with pytest.raises(Exception, match="System role not supported"):
+        tok.apply_chat_template(messages(SYSTEM, USERS[:1], []), chat_template=GEMMA2, tokenize=False)
+    deltas = ChatTemplateDeltas(tok, chat_template=GEMMA2)
+    assert deltas.system_role is False and deltas.matches_full_render
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert deltas.response_closing() == [end, *encode(tok, "\n")]
+
+    # The rollout always passes a system message: it opens the first user message, as Gemma 3's template does.
+    folded = [f"{SYSTEM}\n\n{USERS[0]}", *USERS[1:]]
+    responses = [sampled(tok, a, end) for a in ANSWERS]
+    ep = play(deltas, SYSTEM, USERS, ANSWERS, responses=responses)
+    assert tok.decode(ep.prompt()).startswith(f"{tok.bos_token}<start_of_turn>user\n{SYSTEM}\n\n#####")
+    s = ep.stream()
+    assert s.input_ids == full_render_ids(tok, messages(None, folded, ANSWERS), chat_template=GEMMA2)
+    assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == responses[0] + responses[1]
+    assert play(deltas, None, USERS, ANSWERS, responses=responses).stream().input_ids == full_render_ids(
+        tok, messages(None, USERS, ANSWERS), chat_template=GEMMA2
+    )
+
+
+def test_window_head_folds_the_system_message(toks):
+    tok = gemma2_tokenizer(toks)
+    deltas = ChatTemplateDeltas(tok, chat_template=GEMMA2)
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    responses = [sampled(tok, a, end) for a in ANSWERS]
+    ep = play(deltas, SYSTEM, USERS, ANSWERS, window=2, responses=responses)
+    # Turn 2's prompt starts at turn 1, whose user message now carries the system text.
+    expected = messages(None, [f"{SYSTEM}\n\n{USERS[1]}", USERS[2]], ANSWERS[1:])
+    assert ep.prompt() == full_render_ids(tok, expected, chat_template=GEMMA2)
+
+
+def test_template_that_drops_the_system_message(toks):
+    tok = toks["chatml"]
+    drops = (
+        "{% for m in messages if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    deltas = ChatTemplateDeltas(tok, chat_template=drops)
+    assert deltas.system_role is False
+    assert tok.decode(deltas.head(SYSTEM, "hi")) == f"<|im_start|>user\n{SYSTEM}\n\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ChatTemplateDeltas.for_tokenizer(tok).system_role is True
+
+
+def test_fold_system():
+    system = {"role": "system", "content": "Rules."}
+    assert fold_system(system, {"role": "user", "content": "Go."}) == {"role": "user", "content": "Rules.\n\nGo."}
+    image_msg = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where?"}]}
+    assert fold_system(system, image_msg) == {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "Rules."},
+            {"type": "text", "text": "\n\n"},
+            {"type": "image"},
+            {"type": "text", "text": "Where?"},
+        ],
+    }
 
 
 # -- random conversations --------------------------------------------------------------
