@@ -627,11 +627,6 @@ class EpisodeTokens:
     # -- reading -----------------------------------------------------------
 
     @property
-    def num_turns(self) -> int:
-        """Turns started (observations added, the first included)."""
-        return len(self.turns)
-
-    @property
     def awaiting_response(self) -> bool:
         """True when the last turn has an observation but no response yet."""
         return bool(self.turns) and self.turns[-1].response_ids is None
