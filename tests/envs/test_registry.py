@@ -1,11 +1,16 @@
-"""The registry: built-in env names, Gymnasium ids, settings checked at construction."""
+"""make() and the registry: built-in names, module:Class, Gymnasium ids, settings checked at construction."""
 
 from __future__ import annotations
+
+import re
+import subprocess
+import sys
 
 import gymnasium as gym
 import pytest
 
-from turnrl.envs import make
+from tests.envs import toy_envs
+from turnrl.envs import AgentEnv, AgentEnvWrapper, check_env, make
 from turnrl.envs.base import TurnEnv
 from turnrl.envs.registry import BUILTIN_ENVS, env_class, env_names, env_parameters, gym_id, register_all, resolve_name
 
@@ -70,3 +75,101 @@ def test_unknown_setting_names_the_allowed_ones():
     assert "colour" in message
     for key in ("size", "num_boxes", "mode", "max_steps"):
         assert f"{key}=" in message
+
+
+def test_unknown_env_lists_the_three_accepted_forms():
+    message = str(pytest.raises(ValueError, make, "Tetris-v9").value)
+    assert "module:Class" in message and "gymnasium.register" in message and "built-in name" in message
+
+
+def test_builtin_envs_satisfy_the_agent_env_protocol():
+    for name in env_names():
+        assert isinstance(make(name), AgentEnv)
+    assert not isinstance(gym.make("FrozenLake-v1").unwrapped, AgentEnv)
+
+
+def test_import_turnrl_registers_the_builtin_envs_without_importing_them():
+    code = (
+        "import sys, gymnasium, turnrl\n"
+        "assert 'turnrl.envs.sokoban' not in sys.modules\n"
+        "env = gymnasium.make('turnrl/Sokoban-v0')\n"
+        "print(type(env.unwrapped).__name__, env.reset(seed=0)[0]['text'].count('#') > 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["SokobanEnv", "True"]
+
+
+# --------------------------------------------------------------------------- module:Class
+def test_module_class_builds_a_class_from_outside_turnrl():
+    env = make("tests.envs.toy_envs:Corridor", length=7)
+    assert type(env) is toy_envs.Corridor and env.length == 7
+    assert env.reset(seed=0)[0]["text"] == toy_envs.Corridor(length=7).reset(seed=0)[0]["text"]
+
+
+def test_module_class_settings_are_checked_against_the_constructor():
+    with pytest.raises(ValueError, match=r"tests.envs.toy_envs:Corridor has no setting width; allowed: length=5"):
+        make("tests.envs.toy_envs:Corridor", width=3)
+
+
+def test_module_class_without_the_contract_is_refused_naming_what_is_missing():
+    with pytest.raises(TypeError) as info:
+        make("tests.envs.toy_envs:NoInstructions")
+    message = str(info.value)
+    assert "NoInstructions has no instructions(), action_names(), state_facts(), solve()" in message
+    assert "string actions" in message
+
+
+@pytest.mark.parametrize(
+    ("env_id", "expected"),
+    [
+        ("tests.envs.no_such_module:Env", "cannot import module 'tests.envs.no_such_module'"),
+        ("tests.envs.toy_envs:NoSuchEnv", "module 'tests.envs.toy_envs' has no attribute 'NoSuchEnv'"),
+    ],
+)
+def test_module_class_that_cannot_be_found_says_why(env_id, expected):
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        make(env_id)
+
+
+# --------------------------------------------------------------------------- Gymnasium ids
+TEST_ID = "turnrl-test/Corridor-v0"
+
+
+@pytest.fixture
+def registered_corridor():
+    gym.register(TEST_ID, entry_point="tests.envs.toy_envs:CorridorTurnEnv")
+    yield TEST_ID
+    del gym.registry[TEST_ID]
+
+
+def test_a_registered_gymnasium_id_is_made_and_keeps_the_contract(registered_corridor):
+    env = make(registered_corridor, length=6)
+    assert isinstance(env, AgentEnvWrapper) and isinstance(env, AgentEnv)
+    assert isinstance(env.unwrapped, toy_envs.CorridorTurnEnv) and env.unwrapped.length == 6
+    env.reset(seed=0)
+    assert env.action_names() == ["Left", "Right"] and "corridor" in env.instructions()
+    assert env.state_facts() == env.unwrapped.state_facts() and env.solve() == env.unwrapped.solve()
+    check_env(env)
+
+
+def test_gymnasium_wrappers_still_apply(registered_corridor):
+    env = make(registered_corridor, max_episode_steps=2)
+    env.reset(seed=0)
+    assert env.step("Wait")[3] is False
+    assert env.step("Wait")[3] is True  # TimeLimit, under AgentEnvWrapper
+
+
+def test_a_registered_id_checks_its_settings(registered_corridor):
+    allowed = r"turnrl-test/Corridor-v0 has no setting width; allowed: length=5, .*max_episode_steps"
+    with pytest.raises(ValueError, match=allowed):
+        make(registered_corridor, width=3)
+
+
+@pytest.mark.parametrize("env_id", ["FrozenLake-v1", "gymnasium:FrozenLake-v1"])
+def test_gymnasium_envs_without_the_contract_are_refused_clearly(env_id):
+    with pytest.raises(TypeError) as info:
+        make(env_id)
+    message = str(info.value)
+    assert "'FrozenLake-v1' is not an agent env: FrozenLakeEnv has no instructions(), action_names()" in message
+    assert "string actions, dict observations with a 'text' key, instructions() and action_names()" in message

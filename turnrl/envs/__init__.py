@@ -1,17 +1,22 @@
-"""Environments: the built-in suite and the contract they share."""
+"""Environments: the contract (:class:`AgentEnv`), its checker, the built-in suite and :func:`make`."""
 
-from turnrl.envs.base import ObjectFact, StateFacts, StepOutcome, TurnEnv, facts_from_positions, relation
-from turnrl.envs.registry import env_class, env_names, gym_id, make, register_all
+from turnrl.envs.base import AgentEnv, ObjectFact, StateFacts, StepOutcome, TurnEnv, facts_from_positions, relation
+from turnrl.envs.check import EnvCheckError, check_env
+from turnrl.envs.registry import AgentEnvWrapper, env_class, env_names, gym_id, make, register_all
 from turnrl.envs.seeds import SeedSplits
 
 register_all()
 
 __all__ = [
+    "AgentEnv",
+    "AgentEnvWrapper",
+    "EnvCheckError",
     "ObjectFact",
     "SeedSplits",
     "StateFacts",
     "StepOutcome",
     "TurnEnv",
+    "check_env",
     "env_class",
     "env_names",
     "facts_from_positions",

@@ -1,13 +1,16 @@
-"""The contract every built-in environment follows.
+"""The env contract: :class:`AgentEnv` (what the rollout needs) and :class:`TurnEnv`.
 
-A turnrl environment is a Gymnasium environment whose actions are strings and
-whose observations are dicts: ``{"text": str}`` and, in image modes, also
-``"image"`` (an ``HxWx3`` uint8 array). On top of Gymnasium it offers what an
-agent framework needs: task instructions for the system prompt, the list of
-action names, ground-truth facts about the state (for grounding rewards) and,
-where a solver exists, expert actions from the current state.
+A turnrl environment is a Gymnasium-style environment whose actions are
+strings and whose observations are dicts: ``{"text": str}`` and, in image
+modes, also ``"image"`` (an ``HxWx3`` uint8 array). On top of Gymnasium it
+offers what an agent framework needs: task instructions for the system prompt,
+the list of action names, ground-truth facts about the state (for grounding
+rewards) and, where a solver exists, expert actions from the current state.
+:class:`AgentEnv` states that contract as a Protocol, so any class with these
+methods is an env (``turnrl.envs.check_env`` tests one); :class:`TurnEnv` is
+the base class of the built-in envs, one way to satisfy it.
 
-Subclasses implement the small ``_reset`` / ``_step`` / ``text`` / ``image``
+TurnEnv subclasses implement the small ``_reset`` / ``_step`` / ``text`` / ``image``
 methods; this base class owns seeding, step counting, truncation and the
 handling of bad actions, so that every env behaves the same way:
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -107,6 +110,58 @@ def facts_from_positions(player: Position | None, objects: list[tuple[str, Posit
     return StateFacts(player=player, objects=facts)
 
 
+@runtime_checkable
+class AgentEnv(Protocol):
+    """What the rollout needs of an environment.
+
+    Any object with these methods is an env; it need not subclass
+    :class:`TurnEnv` nor even ``gymnasium.Env``. ``turnrl.envs.check_env``
+    tests the behaviour the signatures cannot say: same seed, same episode;
+    invalid actions never raise; observations are ``{"text": str}`` plus
+    ``"image"`` (``HxWx3`` uint8) in image modes.
+    """
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Start an episode: ``(observation, info)``."""
+        ...
+
+    def step(self, action: str) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
+        """Apply one action: ``(observation, reward, terminated, truncated, info)``.
+
+        ``info["action_is_valid"]`` is False for an action the env rejects
+        (the state is then unchanged); ``info["success"]`` says whether the
+        task is solved.
+        """
+        ...
+
+    def instructions(self) -> str:
+        """Task description for the system prompt: goal, symbols, actions."""
+        ...
+
+    def action_names(self) -> list[str] | None:
+        """Canonical action names, or None when actions are free-form."""
+        ...
+
+    def state_facts(self) -> StateFacts:
+        """Ground-truth objects and their relations to the player."""
+        ...
+
+    def solve(self) -> list[str] | None:
+        """Expert actions from the current state, or None where no solver exists."""
+        ...
+
+
+AGENT_ENV_METHODS: tuple[str, ...] = ("reset", "step", "instructions", "action_names", "state_facts", "solve")
+"""The methods of :class:`AgentEnv`, in the order an error message lists them."""
+
+
+def missing_methods(env: Any) -> list[str]:
+    """The :class:`AgentEnv` methods that ``env`` (an instance or a class) lacks."""
+    return [name for name in AGENT_ENV_METHODS if not callable(getattr(env, name, None))]
+
+
 @dataclass(frozen=True)
 class StepOutcome:
     """What a subclass's ``_step`` reports for one valid action."""
@@ -120,7 +175,7 @@ class StepOutcome:
 
 
 class TurnEnv(gym.Env[dict, str]):
-    """Base class of the built-in environments (see the module docstring).
+    """Base class of the built-in environments (see the module docstring); an :class:`AgentEnv`.
 
     Subclasses set ``modes``, ``description`` and implement ``_reset``,
     ``_step``, ``text``, ``instructions`` and ``action_names``; image modes
@@ -197,7 +252,8 @@ class TurnEnv(gym.Env[dict, str]):
     # ----------------------------------------------------------------- shared logic
     @property
     def is_image_mode(self) -> bool:
-        return self.mode.startswith("image") or self.mode == "vision"
+        """Whether observations carry an ``"image"`` (modes named ``image...``)."""
+        return self.mode.startswith("image")
 
     @property
     def steps(self) -> int:
@@ -226,6 +282,7 @@ class TurnEnv(gym.Env[dict, str]):
         return False
 
     def observation(self) -> dict[str, Any]:
+        """The observation of the current state, as ``reset`` and ``step`` return it."""
         obs: dict[str, Any] = {"text": self.text()}
         if self.is_image_mode:
             obs["image"] = self.image()

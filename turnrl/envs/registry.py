@@ -1,14 +1,20 @@
-"""The built-in environments, registered with Gymnasium as ``turnrl/<Name>-v0``."""
+"""Env ids: built-in names, ``module:Class`` and Gymnasium ids, resolved by :func:`make`.
+
+The built-in envs register with Gymnasium as ``turnrl/<Name>-v0`` when
+``turnrl`` is imported (as ``import ale_py`` registers the Atari envs), by
+entry-point strings, so that registering imports no env module.
+"""
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import gymnasium as gym
+from gymnasium.envs.registration import load_env_creator
 
-from turnrl.envs.base import TurnEnv
+from turnrl.envs.base import AgentEnv, StateFacts, TurnEnv, missing_methods
 
 BUILTIN_ENVS: dict[str, str] = {
     "Sokoban": "turnrl.envs.sokoban:SokobanEnv",
@@ -17,6 +23,14 @@ BUILTIN_ENVS: dict[str, str] = {
     "Countdown": "turnrl.envs.countdown:CountdownEnv",
     "Maze2D": "turnrl.envs.maze:Maze2DEnv",
 }
+
+CONTRACT_HINT = (
+    "turnrl needs string actions, dict observations with a 'text' key, instructions() and action_names() "
+    "(and state_facts() and solve(); see turnrl.envs.AgentEnv, or subclass turnrl.envs.TurnEnv)"
+)
+
+_GYM_MAKE_SETTINGS = {"max_episode_steps": None, "disable_env_checker": None}
+"""Settings that ``gymnasium.make`` takes itself rather than passing to the env."""
 
 
 def gym_id(name: str) -> str:
@@ -34,39 +48,159 @@ def env_names() -> list[str]:
     return list(BUILTIN_ENVS)
 
 
+def builtin_name(env_id: str) -> str | None:
+    """``"sokoban"``, ``"Sokoban"`` or ``"turnrl/Sokoban-v0"`` -> ``"Sokoban"``; None if not built in."""
+    bare = env_id.removeprefix("turnrl/").removesuffix("-v0").lower()
+    return next((name for name in BUILTIN_ENVS if name.lower() == bare), None)
+
+
 def resolve_name(env_id: str) -> str:
-    """``"sokoban"``, ``"Sokoban"`` or ``"turnrl/Sokoban-v0"`` -> ``"Sokoban"``."""
-    bare = env_id.removeprefix("turnrl/").removesuffix("-v0")
-    for name in BUILTIN_ENVS:
-        if name.lower() == bare.lower():
-            return name
-    raise ValueError(f"unknown env {env_id!r}; built-in envs: {', '.join(BUILTIN_ENVS)} (see `turnrl envs`)")
+    """The built-in name of ``env_id``; ValueError (listing the accepted ids) if it is not one."""
+    name = builtin_name(env_id)
+    if name is None:
+        raise ValueError(unknown_env_message(env_id))
+    return name
+
+
+def unknown_env_message(env_id: str) -> str:
+    return (
+        f"unknown env {env_id!r}; env.id takes one of:\n"
+        f"  - a built-in name: {', '.join(BUILTIN_ENVS)} (or turnrl/<Name>-v0; see `turnrl envs`)\n"
+        "  - a class as module:Class, e.g. my_package.envs:CorridorEnv\n"
+        "  - an id registered with gymnasium.register, e.g. my/Corridor-v0"
+    )
 
 
 def env_class(env_id: str) -> type[TurnEnv]:
+    """The class of a built-in env."""
     module_name, class_name = BUILTIN_ENVS[resolve_name(env_id)].split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
 def env_parameters(env_id: str) -> dict[str, Any]:
-    """Constructor parameters of an env and their defaults."""
-    signature = inspect.signature(env_class(env_id).__init__)
-    return {
-        name: param.default
-        for name, param in signature.parameters.items()
-        if name != "self" and param.kind is not inspect.Parameter.VAR_KEYWORD
-    }
+    """Constructor parameters of a built-in env and their defaults."""
+    return _parameters(env_class(env_id)) or {}
 
 
-def make(env_id: str, **kwargs: Any) -> TurnEnv:
-    """Build a built-in env by name with keyword settings.
+def _parameters(factory: Callable[..., Any]) -> dict[str, Any] | None:
+    """Keyword parameters of ``factory`` and their defaults; None if it takes ``**kwargs``."""
+    params = inspect.signature(factory).parameters.values()
+    if any(param.kind is inspect.Parameter.VAR_KEYWORD for param in params):
+        return None
+    return {param.name: param.default for param in params if param.kind is not inspect.Parameter.VAR_POSITIONAL}
 
-    Unknown settings fail here, naming the allowed ones, rather than deep in a run.
-    """
-    cls = env_class(env_id)
-    allowed = env_parameters(env_id)
-    unknown = sorted(set(kwargs) - set(allowed))
+
+def _check_settings(label: str, allowed: dict[str, Any] | None, settings: dict[str, Any]) -> None:
+    """Fail here, naming the allowed settings, rather than with a TypeError deep in a run."""
+    if allowed is None:  # the constructor takes **kwargs: it checks its own settings
+        return
+    unknown = sorted(set(settings) - set(allowed))
     if unknown:
         listing = ", ".join(f"{k}={v!r}" for k, v in allowed.items())
-        raise ValueError(f"{resolve_name(env_id)} has no setting {', '.join(unknown)}; allowed: {listing}")
-    return cls(**kwargs)
+        raise ValueError(f"{label} has no setting {', '.join(unknown)}; allowed: {listing}")
+
+
+def make(env_id: str, **settings: Any) -> AgentEnv:
+    """Build the env that ``env.id`` names, with keyword settings.
+
+    ``env_id`` is tried as, in this order:
+
+    1. a built-in name: ``Sokoban`` (any case) or ``turnrl/Sokoban-v0``;
+    2. ``module:Class``: the module is imported and the class (anything with
+       the :class:`~turnrl.envs.base.AgentEnv` methods) built with the settings;
+       ``module:gym-id`` also works, for a module that registers Gymnasium ids
+       on import;
+    3. an id in ``gymnasium.registry``: made with ``gymnasium.make(env_id,
+       **settings)`` (wrappers such as ``TimeLimit`` included) and wrapped in
+       :class:`AgentEnvWrapper` so that the contract methods reach the env.
+
+    Settings are checked against the constructor before anything is built.
+    """
+    name = builtin_name(env_id)
+    if name is not None:
+        cls = env_class(name)
+        _check_settings(name, env_parameters(name), settings)
+        return cls(**settings)
+    if ":" in env_id:
+        return _make_entry_point(env_id, settings)
+    if env_id in gym.registry:
+        return _make_registered(env_id, settings)
+    raise ValueError(unknown_env_message(env_id))
+
+
+def _make_entry_point(env_id: str, settings: dict[str, Any]) -> AgentEnv:
+    """``package.module:Class`` (or ``package.module:registered/Id-v0``) -> an env."""
+    module_name, _, attribute = env_id.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"env {env_id!r}: cannot import module {module_name!r} ({error})") from error
+    factory = _lookup(module, attribute)
+    if factory is None:
+        if attribute in gym.registry:  # gymnasium's own "module:id" form
+            return _make_registered(attribute, settings)
+        raise ValueError(f"env {env_id!r}: module {module_name!r} has no attribute {attribute!r}")
+    if inspect.isclass(factory) and missing_methods(factory):
+        raise TypeError(_not_an_agent_env(env_id, factory.__name__, missing_methods(factory)))
+    _check_settings(env_id, _parameters(factory), settings)
+    env = factory(**settings)
+    if missing_methods(env):
+        raise TypeError(_not_an_agent_env(env_id, type(env).__name__, missing_methods(env)))
+    return env
+
+
+def _lookup(module: Any, dotted: str) -> Any:
+    """``module.A.B`` for ``"A.B"``, or None."""
+    obj = module
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _not_an_agent_env(env_id: str, type_name: str, missing: list[str]) -> str:
+    methods = ", ".join(f"{name}()" for name in missing)
+    return f"env {env_id!r} is not an agent env: {type_name} has no {methods}. {CONTRACT_HINT}."
+
+
+def _make_registered(env_id: str, settings: dict[str, Any]) -> AgentEnv:
+    """``gymnasium.make`` a registered id; refuse an env without the contract methods."""
+    spec = gym.spec(env_id)
+    creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
+    allowed = _parameters(creator) if creator is not None else None
+    if allowed is not None:
+        _check_settings(env_id, {**allowed, **spec.kwargs, **_GYM_MAKE_SETTINGS}, settings)
+    env = gym.make(env_id, **settings)
+    missing = missing_methods(env.unwrapped)
+    if missing:
+        env.close()
+        raise TypeError(
+            f"{_not_an_agent_env(env_id, type(env.unwrapped).__name__, missing)} Gymnasium's own envs "
+            "(integer actions, array observations) are not agent envs; wrap one in a class that provides "
+            "these and pass it as module:Class."
+        )
+    return AgentEnvWrapper(env)
+
+
+class AgentEnvWrapper(gym.Wrapper):
+    """Forwards the agent-env methods through Gymnasium wrappers.
+
+    Gymnasium 1.x wrappers do not forward unknown attributes, so
+    ``gymnasium.make(id)`` returns a ``TimeLimit(...)`` without
+    ``instructions()``. This wrapper keeps ``reset``/``step`` going through
+    every wrapper and finds each contract method on the outermost layer that
+    defines it (usually the env itself).
+    """
+
+    def instructions(self) -> str:
+        return self.env.get_wrapper_attr("instructions")()
+
+    def action_names(self) -> list[str] | None:
+        return self.env.get_wrapper_attr("action_names")()
+
+    def state_facts(self) -> StateFacts:
+        return self.env.get_wrapper_attr("state_facts")()
+
+    def solve(self) -> list[str] | None:
+        return self.env.get_wrapper_attr("solve")()

@@ -1,0 +1,358 @@
+"""``check_env``: what turnrl asks of an env beyond Gymnasium's own checker.
+
+Run it on a new env before training on it::
+
+    from turnrl.envs import check_env
+    check_env(MyEnv())
+
+It runs Gymnasium's ``env_checker`` where the env is a ``gymnasium.Env``, then
+the turnrl contract (:class:`~turnrl.envs.base.AgentEnv`):
+
+- observations are dicts with a ``"text"`` str and, optionally, an
+  ``"image"`` (``HxWx3`` uint8 array) and nothing else; rewards are finite
+  numbers, ``terminated`` and ``truncated`` bools, ``info`` a dict;
+- ``instructions()`` is a non-empty str; ``action_names()`` None or a
+  non-empty list of distinct strs; ``state_facts()`` a ``StateFacts``;
+  ``solve()`` None or a list of strs, and asking for it leaves the state alone;
+- same seed, same episode: two resets with one seed and one action sequence
+  give the same texts, images, rewards and flags;
+- invalid actions never raise: an empty, garbage or very long action, and
+  case and whitespace variants of a name, are either accepted as that name
+  (same outcome) or rejected with ``info["action_is_valid"] is False``,
+  leaving the observation and ``state_facts()`` as they were;
+- ``solve()`` names only actions of ``action_names()`` and, followed from a
+  reset, ends the episode with ``info["success"]`` True (skipped with
+  ``deterministic=False``, for envs where chance can spoil a plan, e.g.
+  slippery FrozenLake).
+
+Every check runs; one :class:`EnvCheckError` lists each failure with what to
+fix. It takes milliseconds for the built-in envs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.utils import env_checker
+
+from turnrl.envs.base import AGENT_ENV_METHODS, AgentEnv, StateFacts, missing_methods
+
+OBS_KEYS = ("text", "image")
+GARBAGE_ACTIONS = ("", "   ", "not an action", "<answer>?</answer>", "\x00\u2603\u00fc", "x" * 10_000)
+"""Actions that no env names: an env with action names must reject each one, and no env may raise."""
+ONE_STEP_TRUNCATION = "truncates after 1 step"
+"""Gymnasium's checker forbids truncating after one step; a one-answer env (Bandit) does that by design."""
+
+
+class EnvCheckError(AssertionError):
+    """An env breaks the turnrl env contract; ``failures`` lists each broken rule."""
+
+    def __init__(self, env_name: str, failures: list[str]) -> None:
+        self.failures = list(failures)
+        listing = "\n".join(f"- {failure}" for failure in self.failures)
+        super().__init__(f"{env_name} fails {len(self.failures)} turnrl env check(s):\n{listing}")
+
+
+class _Report:
+    """Failures in the order found; a rule broken by many calls is one line naming the first few."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, list[str]] = {}
+
+    def add(self, message: str, call: str | None = None) -> None:
+        calls = self._calls.setdefault(message, [])
+        if call is not None and call not in calls:
+            calls.append(call)
+
+    def lines(self) -> list[str]:
+        lines = []
+        for message, calls in self._calls.items():
+            shown = ", ".join(calls[:3]) + (f" and {len(calls) - 3} more" if len(calls) > 3 else "")
+            lines.append(f"{message} (at {shown})" if calls else message)
+        return lines
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One transition as the same-seed check compares it."""
+
+    action: str
+    text: Any
+    image: np.ndarray | None
+    reward: Any
+    terminated: Any
+    truncated: Any
+
+
+def check_env(env: AgentEnv, *, seed: int = 0, steps: int = 20, deterministic: bool = True) -> None:
+    """Check ``env`` against the turnrl env contract; raise :class:`EnvCheckError` listing every failure.
+
+    Args:
+        env: the env to check; it is reset and stepped (and left mid-episode).
+        seed: the seed of every reset.
+        steps: most steps of the same-seed episode.
+        deterministic: whether following ``solve()`` from a reset must reach
+            success. Pass False when chance can spoil a plan (slippery ice);
+            the plan's actions are still checked to be valid names.
+    """
+    name = type(env).__name__
+    missing = missing_methods(env)
+    if missing:
+        methods = ", ".join(f"{method}()" for method in missing)
+        raise EnvCheckError(name, [f"no {methods}: an agent env has {', '.join(f'{m}()' for m in AGENT_ENV_METHODS)}"])
+    report = _Report()
+    if isinstance(env, gym.Env):
+        _gymnasium_checks(env.unwrapped, report)
+    for title, check in (
+        ("reset and queries", lambda: _check_queries(env, seed, report)),
+        ("same seed, same episode", lambda: _check_same_episode(env, seed, steps, report)),
+        ("invalid actions", lambda: _check_invalid_actions(env, seed, report)),
+        ("solve()", lambda: _check_solve(env, seed, deterministic, report)),
+    ):
+        try:
+            check()
+        except Exception as error:  # a check that cannot finish is one failure, not the end of the report
+            report.add(f"{title}: raised {type(error).__name__}: {_clip(str(error))}")
+    if report.lines():
+        raise EnvCheckError(name, report.lines())
+
+
+def _gymnasium_checks(env: gym.Env, report: _Report) -> None:
+    """Gymnasium's ``check_env``, without render (the rollout never calls it)."""
+    try:
+        env_checker.check_env(env, skip_render_check=True)
+    except AssertionError as error:
+        if ONE_STEP_TRUNCATION not in str(error):
+            report.add(f"gymnasium's env_checker: {_clip(str(error))}")
+            return
+        # check_step_determinism stopped at its last assertion; run the check that came after it.
+        try:
+            env_checker.check_returned_data_not_reused(env)
+        except AssertionError as later:
+            report.add(f"gymnasium's env_checker: {_clip(str(later))}")
+    except Exception as error:
+        report.add(f"gymnasium's env_checker raised {type(error).__name__}: {_clip(str(error))}")
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def _short(action: str, limit: int = 24) -> str:
+    return repr(action) if len(action) <= limit else f"{action[:limit]!r}... ({len(action)} chars)"
+
+
+# --------------------------------------------------------------------------- calls with their return checked
+def _check_observation(obs: Any, call: str, report: _Report) -> None:
+    if not isinstance(obs, dict):
+        report.add(f"the observation must be a dict {{'text': str}} (+ 'image'), got a {type(obs).__name__}", call)
+        return
+    if not isinstance(obs.get("text"), str):
+        report.add(f"obs['text'] must be a str, got {type(obs.get('text')).__name__}", call)
+    extra = sorted(set(obs) - set(OBS_KEYS))
+    if extra:
+        report.add(
+            f"observation keys {extra} are never read; turnrl reads {list(OBS_KEYS)} (put diagnostics in info)", call
+        )
+    image = obs.get("image")
+    if "image" in obs and not (
+        isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
+    ):
+        shown = type(image).__name__
+        if isinstance(image, np.ndarray):
+            shown = f"a {image.dtype} array of shape {image.shape}"
+        report.add(f"obs['image'] must be an HxWx3 uint8 array, got {shown}", call)
+
+
+def _reset(env: AgentEnv, seed: int, report: _Report) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``env.reset(seed=seed)``, its return checked; a malformed part reads as ``{}``."""
+    call = f"reset(seed={seed})"
+    result = env.reset(seed=seed)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        report.add(f"reset() must return (observation, info), got a {type(result).__name__}", call)
+        return {}, {}
+    obs, info = result
+    _check_observation(obs, call, report)
+    if not isinstance(info, dict):
+        report.add(f"reset()'s info must be a dict, got a {type(info).__name__}", call)
+    return (obs if isinstance(obs, dict) else {}), (info if isinstance(info, dict) else {})
+
+
+def _step(env: AgentEnv, action: str, report: _Report) -> tuple[dict[str, Any], Any, Any, Any, dict[str, Any]]:
+    """``env.step(action)``, its return checked; a malformed observation or info reads as ``{}``."""
+    call = f"step({_short(action)})"
+    result = env.step(action)
+    if not (isinstance(result, tuple) and len(result) == 5):
+        report.add(
+            f"step() must return (obs, reward, terminated, truncated, info), got a {type(result).__name__}", call
+        )
+        return {}, 0.0, True, False, {}
+    obs, reward, terminated, truncated, info = result
+    _check_observation(obs, call, report)
+    number = isinstance(reward, (int, float, np.number)) and not isinstance(reward, (bool, np.bool_))
+    if not (number and np.isfinite(reward)):
+        report.add("the reward must be a finite number", f"{call} -> {reward!r}")
+    for flag, value in (("terminated", terminated), ("truncated", truncated)):
+        if not isinstance(value, (bool, np.bool_)):
+            report.add(f"{flag} must be a bool, got a {type(value).__name__}", call)
+    if not isinstance(info, dict):
+        report.add(f"step()'s info must be a dict, got a {type(info).__name__}", call)
+    obs, info = (obs if isinstance(obs, dict) else {}), (info if isinstance(info, dict) else {})
+    return obs, reward, terminated, truncated, info
+
+
+def _same_image(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None) == (b is None) and (a is None or np.array_equal(a, b))
+
+
+# --------------------------------------------------------------------------- the checks
+def _check_queries(env: AgentEnv, seed: int, report: _Report) -> None:
+    """instructions(), action_names(), state_facts(), solve(): types, and solve() leaves the state alone."""
+    _reset(env, seed, report)
+    text = env.instructions()
+    if not isinstance(text, str) or not text.strip():
+        report.add(f"instructions() must be a non-empty str (the task for the system prompt), got {text!r}")
+    names = env.action_names()
+    strs = isinstance(names, list) and all(isinstance(n, str) and n for n in names)
+    distinct_strs = strs and len(set(names)) == len(names)
+    if names is not None and not (names and distinct_strs):
+        report.add(f"action_names() must be None (free-form actions) or a non-empty list of distinct strs: {names!r}")
+    facts = env.state_facts()
+    if not isinstance(facts, StateFacts):
+        report.add(f"state_facts() must return a turnrl.envs.StateFacts, got a {type(facts).__name__}")
+    plan = env.solve()
+    if plan is not None and not (isinstance(plan, list) and all(isinstance(a, str) for a in plan)):
+        report.add(f"solve() must return None or a list of str actions, got {plan!r}")
+    if env.state_facts() != facts:
+        report.add("calling solve() changed state_facts(); a solver must plan on a copy of the state")
+
+
+def _play(env: AgentEnv, seed: int, actions: list[str] | None, steps: int, report: _Report) -> list[_Step]:
+    """One episode from ``reset(seed)``: replay ``actions``, or choose up to ``steps`` of them.
+
+    Both plays make the same calls in the same order, so a difference is the
+    env's, not the check's. Chosen actions are seeded draws from
+    ``action_names()`` with an invalid one now and then or, for free-form
+    actions, the solver's plan and then a plain answer.
+    """
+    obs, _ = _reset(env, seed, report)
+    record = [_Step("<reset>", obs.get("text"), obs.get("image"), None, None, None)]
+    names, plan = env.action_names(), env.solve()
+    rng = np.random.default_rng(seed)
+    for k in range(steps if actions is None else len(actions)):
+        if actions is not None:
+            action = actions[k]
+        elif names:
+            action = "not an action" if k % 7 == 3 else names[int(rng.integers(len(names)))]
+        else:
+            action = plan[k] if plan and k < len(plan) else "1"
+        obs, reward, terminated, truncated, _ = _step(env, action, report)
+        record.append(_Step(action, obs.get("text"), obs.get("image"), reward, terminated, truncated))
+        if terminated or truncated:
+            break
+        names = env.action_names()
+    return record
+
+
+def _check_same_episode(env: AgentEnv, seed: int, steps: int, report: _Report) -> None:
+    first = _play(env, seed, None, steps, report)
+    second = _play(env, seed, [step.action for step in first[1:]], steps, report)
+    fix = "draw all randomness from self.np_random, which reset(seed=...) seeds"
+    for k, (a, b) in enumerate(zip(first, second)):
+        where = "after reset" if k == 0 else f"at step {k} ({_short(a.action)})"
+        for field in ("text", "reward", "terminated", "truncated"):
+            if getattr(a, field) != getattr(b, field):
+                was, then = _clip(repr(getattr(a, field)), 80), _clip(repr(getattr(b, field)), 80)
+                difference = f"{field} {where} was {was}, then {then}"
+                report.add(f"same seed ({seed}) and actions gave different episodes: {difference}; {fix}")
+                return
+        if not _same_image(a.image, b.image):
+            report.add(f"same seed ({seed}) and actions gave different episodes: the image {where} differs; {fix}")
+            return
+    if len(first) != len(second):
+        lengths = f"{len(first) - 1} and {len(second) - 1} steps"
+        report.add(f"same seed ({seed}) and actions gave episodes of {lengths}; {fix}")
+
+
+def _probes(names: list[str] | None) -> list[tuple[str, str | None]]:
+    """``(action, the name it varies, or None)``: case and whitespace variants of a name, then garbage."""
+    probes: list[tuple[str, str | None]] = []
+    if names:
+        name = names[0]
+        for variant in (name.upper(), name.lower(), name.swapcase(), f"  {name}  ", f"{name}\n"):
+            if variant not in names and variant not in (p for p, _ in probes):
+                probes.append((variant, name))
+    lowered = {n.strip().lower() for n in names or ()}
+    return probes + [(garbage, None) for garbage in GARBAGE_ACTIONS if garbage.strip().lower() not in lowered]
+
+
+def _check_invalid_actions(env: AgentEnv, seed: int, report: _Report) -> None:
+    """Each probe from a fresh ``reset(seed)``: no raise; rejected without effect, or accepted as its name."""
+    _reset(env, seed, report)
+    names = env.action_names()
+    for probe, name in _probes(names):
+        before, _ = _reset(env, seed, report)
+        facts = env.state_facts()
+        call = f"step({_short(probe)})"
+        try:
+            after, reward, terminated, _, info = _step(env, probe, report)
+        except Exception as error:
+            report.add(
+                f"step() raised {type(error).__name__}; an invalid action must return info['action_is_valid']=False "
+                "and leave the state unchanged",
+                call,
+            )
+            continue
+        if info.get("action_is_valid") is False:
+            if after.get("text") != before.get("text") or not _same_image(before.get("image"), after.get("image")):
+                report.add("a rejected action changed the observation; leave the state as it was", call)
+            elif env.state_facts() != facts:
+                report.add("a rejected action changed state_facts(); leave the state as it was", call)
+            if terminated:
+                report.add("a rejected action terminated the episode; only truncation (a step limit) may end it", call)
+        elif name is not None:
+            if not _acts_as(env, seed, name, (after, reward, terminated), report):
+                message = f"a variant of {name!r} was accepted but did not act as {name!r}"
+                report.add(f"{message}; accept it as {name!r} or reject it", call)
+        elif names is not None:
+            message = "an action that is none of action_names() was not rejected; return info['action_is_valid']=False"
+            report.add(message, call)
+
+
+def _acts_as(env: AgentEnv, seed: int, name: str, outcome: tuple[dict[str, Any], Any, Any], report: _Report) -> bool:
+    """Whether ``name`` from a fresh ``reset(seed)`` gives ``outcome`` (observation, reward, terminated)."""
+    _reset(env, seed, report)
+    obs, reward, terminated, _, _ = _step(env, name, report)
+    after, other_reward, other_terminated = outcome
+    same = (after.get("text"), other_reward, other_terminated) == (obs.get("text"), reward, terminated)
+    return same and _same_image(after.get("image"), obs.get("image"))
+
+
+def _check_solve(env: AgentEnv, seed: int, deterministic: bool, report: _Report) -> None:
+    """The plan from ``reset(seed)`` names valid actions and, if deterministic, reaches success."""
+    _, info = _reset(env, seed, report)
+    names, plan = env.action_names(), env.solve()
+    if not isinstance(plan, list):
+        return  # None: no solver here (a wrong type is reported by the queries check)
+    unknown = [a for a in plan if names is not None and a not in names]
+    if unknown:
+        report.add(f"solve() returned actions that are not in action_names(): {unknown[:5]}")
+        return
+    for k, action in enumerate(plan, start=1):
+        _, _, terminated, truncated, info = _step(env, action, report)
+        if info.get("action_is_valid") is False:
+            report.add(f"step() rejected action {k} of solve()'s plan, {_short(action)}")
+            return
+        if (terminated or truncated) and k < len(plan):
+            if deterministic:
+                ended = f"the episode ended after {k} of {len(plan)} actions"
+                report.add(f"following solve() from reset(seed={seed}), {ended}")
+            return
+    if deterministic and info.get("success") is not True:
+        report.add(
+            f"following solve() from reset(seed={seed}) did not end with info['success'] True; return a plan "
+            "that solves the task (or pass deterministic=False if chance can spoil it)"
+        )
