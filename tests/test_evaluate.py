@@ -25,7 +25,7 @@ SUMMARY_KEYS = {
 }
 TURN_KEYS = {
     "index", "prompt", "response", "finish_reason", "format_ok", "fields", "parse_errors", "actions",
-    "actions_valid", "env_reward", "format_reward", "reward", "reward_errors", "num_response_tokens",
+    "actions_valid", "rewards", "reward", "reward_errors", "num_response_tokens",
 }
 
 
@@ -47,7 +47,8 @@ def check_records(records: list[dict]) -> None:
             assert set(turn) == TURN_KEYS
             assert turn["prompt"].startswith(f"Turn {turn['index'] + 1}.")
             assert len(turn["actions"]) == len(turn["actions_valid"])
-            assert turn["reward"] == pytest.approx(turn["env_reward"] + turn["format_reward"])
+            assert set(turn["rewards"]) == {"env", "format"}
+            assert turn["reward"] == pytest.approx(turn["rewards"]["env"] + turn["rewards"]["format"])
         assert record["total_reward"] == pytest.approx(sum(turn["reward"] for turn in turns))
 
 

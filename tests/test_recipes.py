@@ -56,3 +56,15 @@ def test_recipe_trains_a_step_on_the_tiny_model(path, tiny_model_dir, tmp_path):
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("rollout/success" in record for record in steps)
     assert (run_dir / "checkpoints" / "latest").exists()
+
+
+def test_vagen_recipe_puts_its_kl_in_the_reward_as_vagen_does():
+    config = load_config(TrainConfig, "configs/vagen_frozenlake.yaml")
+    algo = config.algorithm
+    assert (algo.advantage, algo.kl_in_reward, algo.kl_coef, algo.kl_kind) == ("bilevel_gae", True, 0.001, "k1")
+    assert (algo.gamma_turn, algo.gamma_token) == (0.95, 1.0)
+
+
+def test_ragen_recipe_discounts_nothing():
+    algo = load_config(TrainConfig, "configs/ragen_sokoban.yaml").algorithm
+    assert (algo.gamma_token, algo.lambda_token, algo.gamma_turn, algo.lambda_turn) == (1.0, 1.0, 1.0, 1.0)

@@ -39,7 +39,7 @@ def check_range(key: str, value: float, low: float | None = None, high: float | 
 @dataclass
 class EnvConfig:
     id: str = "FrozenLake"
-    """Built-in env name or gymnasium id (``turnrl envs`` lists them)."""
+    """A built-in env (``turnrl envs`` lists them), any registered Gymnasium id, or ``module:Class``."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Constructor settings of the env, e.g. ``{size: 4, is_slippery: false}``."""
     val_settings: Optional[dict[str, Any]] = None
@@ -86,6 +86,36 @@ class AgentConfig:
             check_range(f"agent.{key}", getattr(self, key), 1)
         if self.max_context_window is not None:
             check_range("agent.max_context_window", self.max_context_window, 1)
+
+
+@dataclass
+class RewardSpec:
+    """One added reward (see :mod:`turnrl.rewards`)."""
+
+    name: str = "???"
+    """Its name in trajectories and metrics."""
+    fn: str = "???"
+    """A built-in reward (``overlong``) or ``module:attribute``: a function of a batch of finished turns, or a
+    class whose instances are."""
+    weight: float = 1.0
+    """Its weight in the turn reward."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments: of the class, or of every call of the function."""
+
+
+@dataclass
+class RewardsConfig:
+    """A turn's reward is the weighted sum of its named rewards: ``env``, ``format`` and every added one."""
+
+    env_weight: float = 1.0
+    """Weight of the env's reward (VisGym's recipe: 0.8)."""
+    format_weight: float = 1.0
+    """Weight of the format reward and the no-valid-action penalty (``agent.format_reward``,
+    ``agent.no_action_penalty``; VisGym's recipe: 0.2)."""
+    extra: list[RewardSpec] = field(default_factory=list)
+    """Added rewards, e.g. ``[{name: overlong, fn: overlong, weight: 1.0, settings: {max_tokens: 256, buffer: 64}}]``."""
+    on_error: float = 0.0
+    """Score of a turn whose reward function failed (the failure is recorded and counted)."""
 
 
 @dataclass
@@ -177,6 +207,7 @@ class EvalConfig:
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.5))
     model: ModelConfig = field(default_factory=ModelConfig)
     seeds: SeedConfig = field(default_factory=SeedConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
     policy: str = "expert"
     """``expert``, ``random``, ``builtin``, a model directory, or ``openai:<model>``."""
     base_url: Optional[str] = None

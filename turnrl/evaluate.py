@@ -20,30 +20,13 @@ from turnrl.config import ConfigError, EvalConfig, to_yaml
 from turnrl.envs import make
 from turnrl.envs.seeds import SeedSplits
 from turnrl.policy.factory import make_policy
+from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import pass_at_k_by_seed, rollout_metrics
 from turnrl.rollout.runner import Rollout
-from turnrl.rollout.trajectory import Trajectory
+from turnrl.rollout.trajectory import Trajectory, write_trajectories
 
 console = Console()
-
-
-def write_trajectories(trajectories: list[Trajectory], out_dir: Path, name: str = "trajectories.jsonl") -> Path:
-    """One JSON line per episode; images saved as PNG under ``out_dir/images``."""
-    from PIL import Image
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / name
-    with path.open("w") as handle:
-        for index, trajectory in enumerate(trajectories):
-            image_paths = []
-            for k, image in enumerate(trajectory.images):
-                relative = Path("images") / f"{path.stem}_{index:05d}_{k:03d}.png"
-                (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
-                Image.fromarray(image).save(out_dir / relative)
-                image_paths.append(str(relative))
-            handle.write(json.dumps(trajectory.to_json(image_paths)) + "\n")
-    return path
 
 
 def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
@@ -56,7 +39,7 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
         "format_valid_rate": metrics["format_ok"],
         "action_validity": metrics["action_valid"],
         "mean_reward": metrics["reward_mean"],
-        "mean_env_reward": metrics["env_reward_mean"],
+        "mean_env_reward": metrics["reward_env_mean"],
         "errors": int(metrics["errors"]),
         "truncated_rate": metrics["truncated"],
     }
@@ -99,7 +82,7 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     groups = EnvGroups(make_env, 1, 1, seeds)
     slots = groups.val_slots(config.episodes, config.samples_per_seed)  # builds the envs before a model loads
     policy = make_policy(config, fmt)
-    rollout = Rollout(policy, fmt, config.agent, env_id=config.env.id)
+    rollout = Rollout(policy, fmt, config.agent, env_id=config.env.id, rewards=Rewards(config.rewards))
 
     trajectories: list[Trajectory] = []
     columns = [TextColumn("[bold]eval[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]

@@ -139,10 +139,15 @@ def _groups(scores, group_index):
 
 
 def _mean_std(xs):
-    mean = sum(xs) / len(xs)
+    """Mean and unbiased std. The spread is taken around the smallest value first (the same numbers),
+    so groups that hold the same values in any order, or shifted by a constant, get the same std to the
+    last bit: select_groups breaks ties on it."""
+    low = min(xs)
+    shifted = [x - low for x in xs]
+    mean = sum(shifted) / len(xs)
     if len(xs) < 2:
-        return mean, 0.0
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+        return low + mean, 0.0
+    return low + mean, math.sqrt(sum((x - mean) ** 2 for x in shifted) / (len(xs) - 1))
 
 
 def ref_grpo(scores, group_index, eps, norm_by_std=True):

@@ -43,13 +43,13 @@ def test_pass_at_k_refuses_impossible_counts(n, c, k):
 
 # --------------------------------------------------------------------------- hand-built trajectories
 def turn(index, *, actions=(), valid=(), env_reward=0.0, format_reward=0.0, format_ok=True, ids=3,
-         finish="stop", reward_errors=()):
+         finish="stop", reward_errors=(), extra=None):
     parsed = ParsedResponse(actions=tuple(actions), fields={}, format_ok=format_ok)
+    rewards = {"env": env_reward, "format": format_reward, **(extra or {})}
     return TurnRecord(
         index=index, observation=f"Turn {index + 1}.", response="r", response_ids=list(range(ids)),
         response_logprobs=[0.0] * ids, finish_reason=finish, parsed=parsed, actions=list(actions),
-        actions_valid=list(valid), env_reward=env_reward, format_reward=format_reward,
-        reward_errors=list(reward_errors),
+        actions_valid=list(valid), rewards=rewards, reward=sum(rewards.values()), reward_errors=list(reward_errors),
     )
 
 
@@ -67,7 +67,8 @@ def batch():
                    success=True),
         # Out of turns: one malformed turn without actions, one with an invalid action.
         trajectory(1, [turn(0, format_ok=False, format_reward=-0.1, ids=5),
-                       turn(1, actions=["c"], valid=[False], format_reward=0.5, ids=1, reward_errors=["judge"])],
+                       turn(1, actions=["c"], valid=[False], format_reward=0.5, ids=1, reward_errors=["judge"],
+                            extra={"judge": 0.0})],
                    status=TRUNCATED),
         # The env failed on reset: no turns.
         trajectory(2, [], status=ERROR),
@@ -81,7 +82,9 @@ def test_rollout_metrics_on_hand_built_trajectories(batch):
     assert m["success"] == pytest.approx(1 / 3)
     assert m["reward_mean"] == pytest.approx(np.mean(returns))
     assert m["reward_std"] == pytest.approx(np.std(returns))
-    assert m["env_reward_mean"] == pytest.approx(1.2 / 3)
+    assert m["reward_env_mean"] == pytest.approx(1.2 / 3)
+    assert m["reward_format_mean"] == pytest.approx((1.0 + 0.4) / 3)
+    assert m["reward_judge_mean"] == pytest.approx(0.0)  # named rewards are reported even where they failed
     assert m["turns_mean"] == pytest.approx(4 / 3)
     assert m["actions_mean"] == pytest.approx(4 / 3)
     assert m["format_ok"] == pytest.approx(3 / 4)  # per turn

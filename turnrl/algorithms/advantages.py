@@ -520,7 +520,7 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> GroupStats:
     The std divides by ``n - 1`` (Bessel), as ``torch.std`` and the GRPO code of
     the reference systems do; a group of one sample gets std 0 instead of NaN.
 
-    Exact for equal scores: each group's first score is subtracted before
+    Exact for equal scores: each group's smallest score is subtracted before
     anything is summed (and the sums run in float64), so a group whose scores
     are all equal has deviations and std of exactly 0. Summing the raw scores
     would not: eight float32 copies of 10.1 have a float32 mean that differs
@@ -536,15 +536,16 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> GroupStats:
     ids, inverse = torch.unique(group_index, sorted=True, return_inverse=True)
     g = ids.numel()
     x = scores.to(torch.float64)
-    order = torch.arange(x.numel(), device=x.device)
-    first = torch.full((g,), x.numel(), dtype=torch.long, device=x.device).scatter_reduce_(0, inverse, order, "amin")
-    offset = x - x[first][inverse]  # 0 for every member of a group of equal scores
+    # The anchor is the group's smallest score, not its first: groups holding the same scores in
+    # another order then get the same statistics to the last bit (filters break ties on them).
+    anchor = torch.full((g,), torch.inf, dtype=torch.float64, device=x.device).scatter_reduce_(0, inverse, x, "amin")
+    offset = x - anchor[inverse]  # 0 for every member of a group of equal scores
     count = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, torch.ones_like(x))
     mean_offset = torch.zeros_like(count).index_add_(0, inverse, offset) / count
     deviation = offset - mean_offset[inverse]
     sq = torch.zeros_like(count).index_add_(0, inverse, deviation**2)
     std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    mean = x[first] + mean_offset
+    mean = anchor + mean_offset
     return GroupStats(ids, inverse, count.to(dtype), mean.to(dtype), std.to(dtype), deviation.to(dtype))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from turnrl.envs.base import TurnEnv
+from turnrl.envs.base import AgentEnv
 from turnrl.envs.seeds import SeedSplits
 from turnrl.rollout.runner import EpisodeSlot
 
@@ -25,20 +25,20 @@ class EnvGroups:
         seeds: where training and validation seeds come from.
     """
 
-    def __init__(self, make_env: Callable[[], TurnEnv], n_groups: int, group_size: int, seeds: SeedSplits) -> None:
+    def __init__(self, make_env: Callable[[], AgentEnv], n_groups: int, group_size: int, seeds: SeedSplits) -> None:
         if n_groups < 1 or group_size < 1:
             raise ValueError(f"n_groups and group_size must be >= 1, got {n_groups} and {group_size}")
         self.make_env = make_env
         self.n_groups = n_groups
         self.group_size = group_size
         self.seeds = seeds
-        self._envs: list[TurnEnv] = []
+        self._envs: list[AgentEnv] = []
 
     @property
     def batch_size(self) -> int:
         return self.n_groups * self.group_size
 
-    def _pool(self, size: int) -> list[TurnEnv]:
+    def _pool(self, size: int) -> list[AgentEnv]:
         while len(self._envs) < size:
             self._envs.append(self.make_env())
         return self._envs[:size]

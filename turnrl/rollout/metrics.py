@@ -41,7 +41,10 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """Success, rewards, turn counts, format and action validity over a batch.
 
     Errored episodes count as failures in ``success`` and are also counted
-    separately in ``errors`` so that a broken env is visible.
+    separately in ``errors`` so that a broken env is visible; failed reward
+    functions are counted in ``reward_errors`` (one per turn and function).
+    ``reward_<name>_mean`` is each named reward summed over an episode,
+    averaged over episodes.
     """
     turns = [turn for t in trajectories for turn in t.turns]
     actions_valid = [v for turn in turns for v in turn.actions_valid]
@@ -49,7 +52,6 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "success": _mean([float(t.success) for t in trajectories]),
         "reward_mean": _mean([t.total_reward for t in trajectories]),
         "reward_std": float(np.std([t.total_reward for t in trajectories])) if trajectories else 0.0,
-        "env_reward_mean": _mean([t.env_reward for t in trajectories]),
         "turns_mean": _mean([len(t.turns) for t in trajectories]),
         "actions_mean": _mean([t.num_actions for t in trajectories]),
         "format_ok": _mean([float(turn.parsed.format_ok) for turn in turns]),
@@ -63,4 +65,8 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "reward_errors": float(sum(len(turn.reward_errors) for turn in turns)),
         "episodes": float(len(trajectories)),
     }
+    # Each named reward (env, format, every added one), summed over an episode, averaged over episodes.
+    per_episode = [t.named_rewards() for t in trajectories]
+    for name in sorted({name for totals in per_episode for name in totals}):
+        metrics[f"reward_{name}_mean"] = _mean([totals.get(name, 0.0) for totals in per_episode])
     return metrics

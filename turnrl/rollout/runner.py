@@ -1,12 +1,14 @@
 """The multi-turn loop: prompts -> policy -> parse -> env steps -> next observation.
 
-One call of :func:`rollout` plays a batch of episodes to the end. Each turn the
-active episodes' prompts go to the policy as one batch; each response is parsed
-into at most ``max_actions_per_turn`` actions, stepped in order (stopping at the
-first invalid action or at the end of the episode), and the rewards of the
-steps are summed into the turn reward. An unparseable response, an invalid
-action or a failing env is data, recorded on the trajectory, never an
-exception that stops the batch.
+One call of :meth:`Rollout.run` plays a batch of episodes to the end. Each
+round, the active episodes' prompts go to the policy as one batch; each
+response is parsed into at most ``max_actions_per_turn`` actions, stepped in
+order (stopping at the first invalid action or at the end of the episode);
+then the round's finished turns are scored together (the env's rewards, the
+format reward and every added reward function, see :mod:`turnrl.rewards`), and
+the next observations are built. An unparseable response, an invalid action,
+a failing env or a failing reward function is data, recorded on the
+trajectory, never an exception that stops the batch.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import numpy as np
 from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, SamplingConfig
-from turnrl.envs.base import TurnEnv
+from turnrl.envs.base import AgentEnv, StateFacts
 from turnrl.policy.base import Completion, GenerationRequest, Policy
+from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
 
@@ -32,7 +35,7 @@ from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRe
 class EpisodeSlot:
     """An env and the seed it plays in this batch."""
 
-    env: TurnEnv
+    env: AgentEnv
     seed: int
     group: int = 0
     sample: int = 0
@@ -77,6 +80,8 @@ class _Episode:
     """Text of the current user message."""
     images: list[np.ndarray] = field(default_factory=list)
     """Images of the current user message."""
+    last_obs: dict[str, Any] = field(default_factory=dict)
+    """The env's latest observation."""
 
     def finish(self, status: str, reason: str | None = None, error: str | None = None) -> None:
         self.finished = True
@@ -94,6 +99,7 @@ class Rollout:
         agent: turn limits, action budget, context budget, format rewards.
         env_id: recorded on every trajectory.
         executor: steps envs in parallel when given.
+        rewards: the named rewards and their weights; None: the env's and the format's, weight 1.
     """
 
     def __init__(
@@ -103,12 +109,14 @@ class Rollout:
         agent: AgentConfig,
         env_id: str,
         executor: Executor | None = None,
+        rewards: Rewards | None = None,
     ) -> None:
         self.policy = policy
         self.fmt = fmt
         self.agent = agent
         self.env_id = env_id
         self.executor = executor
+        self.rewards = rewards or Rewards()
         self.timings = RolloutTimings()
 
     # ------------------------------------------------------------------ the loop
@@ -119,9 +127,9 @@ class Rollout:
         on_turn: Callable[[int, int], None] | None = None,
     ) -> list[Trajectory]:
         """Play every slot's episode to its end; ``on_turn(turn, active)`` reports progress."""
-        self._check_can_see(slots)
         self.timings = RolloutTimings()
         episodes = self._map(lambda slot: self._start(slot, sampling), list(slots))
+        self._check_can_see(episodes)
         for turn in range(self.agent.max_turns):
             active = [episode for episode in episodes if not episode.finished]
             if not active:
@@ -129,14 +137,16 @@ class Rollout:
             if on_turn is not None:
                 on_turn(turn, len(active))
             completions = self._generate(active, sampling)
-            self._map(lambda pair: self._apply(pair[0], pair[1], sampling), list(zip(active, completions)))
+            finished = self._map(lambda pair: self._act(*pair), list(zip(active, completions)))
+            self._score([(episode, done) for episode, done in zip(active, finished) if done is not None])
+            self._map(lambda episode: self._next_observation(episode, sampling), [e for e in active if not e.finished])
         return [episode.trajectory for episode in episodes]
 
-    def _check_can_see(self, slots: Sequence[EpisodeSlot]) -> None:
+    def _check_can_see(self, episodes: list[_Episode]) -> None:
         """Refuse image observations for a token policy that cannot take pixels: it would play blind."""
         token_policy = getattr(self.policy, "tokenizer", None) is not None
         if token_policy and not getattr(self.policy, "accepts_images", False):
-            image_envs = {type(slot.env).__name__ for slot in slots if slot.env.is_image_mode}
+            image_envs = {type(episode.slot.env).__name__ for episode in episodes if "image" in episode.last_obs}
             if image_envs:
                 raise ValueError(
                     f"{', '.join(sorted(image_envs))} is in an image mode but the policy is a text-only model; "
@@ -205,6 +215,7 @@ class Rollout:
 
     def _observe(self, episode: _Episode, text: str, obs: dict[str, Any]) -> dict[str, Any]:
         """Make ``obs`` the current observation; returns its user message."""
+        episode.last_obs = obs
         episode.observation = text
         episode.images = [obs["image"]] if "image" in obs else []
         episode.trajectory.images.extend(episode.images)
@@ -212,8 +223,8 @@ class Rollout:
         episode.messages.append(message)
         return message
 
-    def _apply(self, episode: _Episode, completion: Completion, sampling: SamplingConfig) -> None:
-        """Parse one response, step the env, record the turn, prepare the next prompt."""
+    def _act(self, episode: _Episode, completion: Completion) -> FinishedTurn | None:
+        """Parse one response and step the env; returns the finished turn for scoring (None on an error)."""
         env, trajectory = episode.slot.env, episode.trajectory
         names = env.action_names()
         parsed = self.fmt.parse(completion.text, names)
@@ -230,36 +241,31 @@ class Rollout:
         trajectory.turns.append(turn)
         episode.messages.append({"role": "assistant", "content": completion.text})
         if completion.finish_reason == "error":
-            episode.finish(ERROR, error=completion.error or "policy error")
-            return
+            return self._fail(episode, turn, 0.0, completion.error or "policy error")
         if trajectory.tokens is not None:
             if not turn.response_ids:
-                episode.finish(ERROR, error="the policy returned no tokens")
-                return
+                return self._fail(episode, turn, 0.0, "the policy returned no tokens")
             trajectory.tokens.add_response(turn.response_ids, turn.response_logprobs)
 
+        facts_before = self._facts(env, turn)
         terminated = truncated = False
-        obs: dict[str, Any] | None = None
+        env_reward = 0.0
         for action in parsed.actions[: min(self.agent.max_actions_per_turn, episode.actions_left)]:
             try:
                 obs, reward, terminated, truncated, info = env.step(action)
             except Exception as error:
-                episode.finish(ERROR, error=f"env step failed: {type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}")
-                return
+                trace = traceback.format_exc(limit=3)
+                return self._fail(episode, turn, env_reward, f"env step failed: {type(error).__name__}: {error}\n{trace}")
             valid = bool(info.get("action_is_valid", True))
             turn.actions.append(action)
             turn.actions_valid.append(valid)
-            turn.env_reward += float(reward)
+            env_reward += float(reward)
             trajectory.success = bool(info.get("success", False))
             episode.actions_left -= 1
+            episode.last_obs = obs
             if not valid or terminated or truncated:
                 break
-        turn.format_reward = turn_format_reward(
-            parsed, format_reward=self.agent.format_reward, no_action_penalty=self.agent.no_action_penalty
-        )
-        if obs is None:
-            obs = env.observation()
-        trajectory.final_observation = obs["text"]
+        trajectory.final_observation = episode.last_obs["text"]
 
         if terminated:
             episode.finish(DONE)
@@ -269,25 +275,71 @@ class Rollout:
             episode.finish(TRUNCATED, "action_budget")
         elif len(trajectory.turns) >= self.agent.max_turns:
             episode.finish(TRUNCATED, "max_turns")
-        else:
-            self._next_observation(episode, turn, obs, sampling)
+        return FinishedTurn(
+            env_id=self.env_id,
+            seed=episode.slot.seed,
+            turn=turn.index,
+            observation=turn.observation,
+            response=turn.response,
+            response_tokens=len(turn.response_ids),
+            finish_reason=turn.finish_reason,
+            parsed=parsed,
+            actions=tuple(turn.actions),
+            actions_valid=tuple(turn.actions_valid),
+            env_reward=env_reward,
+            format_reward=turn_format_reward(
+                parsed, format_reward=self.agent.format_reward, no_action_penalty=self.agent.no_action_penalty
+            ),
+            terminated=bool(terminated),
+            success=trajectory.success,
+            facts_before=facts_before,
+            facts_after=self._facts(env, turn),
+        )
 
-    def _next_observation(self, episode: _Episode, turn: TurnRecord, obs: dict[str, Any], sampling: SamplingConfig) -> None:
-        env = episode.slot.env
+    def _facts(self, env: AgentEnv, turn: TurnRecord) -> StateFacts | None:
+        """The env's state facts when a reward function needs them; a failure is a reward error of the turn."""
+        if not self.rewards.needs_state_facts:
+            return None
+        try:
+            return env.state_facts()
+        except Exception as error:
+            turn.reward_errors.append(f"state_facts: {type(error).__name__}: {error}")
+            return None
+
+    def _fail(self, episode: _Episode, turn: TurnRecord, env_reward: float, error: str) -> None:
+        """End an episode whose policy or env failed; the turn keeps the env reward it had, nothing else."""
+        self._record(turn, self.rewards.base_scores(env_reward, 0.0))
+        episode.finish(ERROR, error=error)
+        return None
+
+    def _score(self, finished: list[tuple[_Episode, FinishedTurn]]) -> None:
+        """Score a round's finished turns together (one call per reward function)."""
+        scores = self.rewards.score([done for _, done in finished])
+        for (episode, _), turn_scores in zip(finished, scores):
+            self._record(episode.trajectory.turns[-1], turn_scores)
+
+    @staticmethod
+    def _record(turn: TurnRecord, scores: TurnScores) -> None:
+        turn.rewards = scores.rewards
+        turn.reward = scores.reward
+        turn.reward_errors.extend(scores.errors)
+
+    def _next_observation(self, episode: _Episode, sampling: SamplingConfig) -> None:
+        env, turn = episode.slot.env, episode.trajectory.turns[-1]
         feedback = TurnFeedback(
             reward=turn.reward,
             no_valid_action=self.agent.feedback_on_invalid and not turn.has_valid_action,
             problems=tuple(turn.parsed.errors),
         )
         text = observation_text(
-            obs["text"],
+            episode.last_obs["text"],
             turn=turn.index + 2,
             actions_left=episode.actions_left,
             feedback=feedback,
             action_names=env.action_names(),
             turn_info=self.agent.turn_info,
         )
-        message = self._observe(episode, text, obs)
+        message = self._observe(episode, text, episode.last_obs)
         tokens = episode.trajectory.tokens
         if tokens is None:
             return

@@ -4,11 +4,14 @@
 A trajectory keeps both views of the episode: the chat messages (for logs,
 HTTP policies and SFT) and, when the policy samples tokens, the token-exact
 context (:class:`turnrl.rollout.context.EpisodeTokens`) that training reads.
+:func:`write_trajectories` writes them as JSON lines, images as PNG files.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,18 +48,23 @@ class TurnRecord:
     """Actions sent to the env, in order (stepping stops at the first invalid one or at episode end)."""
     actions_valid: list[bool] = field(default_factory=list)
     """Whether the env accepted each action in ``actions``."""
-    env_reward: float = 0.0
-    """Sum of the env rewards of this turn's steps."""
-    format_reward: float = 0.0
-    """Format reward plus the no-valid-action penalty."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Unweighted named rewards: ``env`` (the env's rewards for this turn's steps), ``format`` (the format
+    reward or the no-valid-action penalty) and every added reward (see :mod:`turnrl.rewards`)."""
+    reward: float = 0.0
+    """The turn reward, the weighted sum of ``rewards``: what training and the next observation use."""
     images: list[np.ndarray] = field(default_factory=list)
     """Images of the observation (image modes), ``HxWx3`` uint8."""
     reward_errors: list[str] = field(default_factory=list)
-    """Reward functions that failed on this turn (the turn still counts)."""
+    """Reward functions that failed on this turn (scored as configured; the turn still counts)."""
 
     @property
-    def reward(self) -> float:
-        return self.env_reward + self.format_reward
+    def env_reward(self) -> float:
+        return self.rewards.get("env", 0.0)
+
+    @property
+    def format_reward(self) -> float:
+        return self.rewards.get("format", 0.0)
 
     @property
     def has_valid_action(self) -> bool:
@@ -97,6 +105,14 @@ class Trajectory:
     def env_reward(self) -> float:
         return sum(turn.env_reward for turn in self.turns)
 
+    def named_rewards(self) -> dict[str, float]:
+        """Each named reward summed over the episode's turns."""
+        totals: dict[str, float] = {}
+        for turn in self.turns:
+            for name, value in turn.rewards.items():
+                totals[name] = totals.get(name, 0.0) + value
+        return totals
+
     @property
     def num_actions(self) -> int:
         return sum(len(turn.actions) for turn in self.turns)
@@ -132,8 +148,7 @@ class Trajectory:
                     "parse_errors": list(turn.parsed.errors),
                     "actions": turn.actions,
                     "actions_valid": turn.actions_valid,
-                    "env_reward": turn.env_reward,
-                    "format_reward": turn.format_reward,
+                    "rewards": turn.rewards,
                     "reward": turn.reward,
                     "reward_errors": turn.reward_errors,
                     "num_response_tokens": len(turn.response_ids),
@@ -141,3 +156,21 @@ class Trajectory:
                 for turn in self.turns
             ],
         }
+
+
+def write_trajectories(trajectories: list[Trajectory], out_dir: Path, name: str = "trajectories.jsonl") -> Path:
+    """One JSON line per episode; images saved as PNG under ``out_dir/images``."""
+    from PIL import Image
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    with path.open("w") as handle:
+        for index, trajectory in enumerate(trajectories):
+            image_paths = []
+            for k, image in enumerate(trajectory.images):
+                relative = Path("images") / f"{path.stem}_{index:05d}_{k:03d}.png"
+                (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(image).save(out_dir / relative)
+                image_paths.append(str(relative))
+            handle.write(json.dumps(trajectory.to_json(image_paths)) + "\n")
+    return path

@@ -11,11 +11,17 @@ Two sample modes:
 
 Either way the tokens are the sampled ones (token-exact) and ``loss_mask`` is 1
 exactly on sampled tokens.
+
+Extra model inputs (a VLM's ``pixel_values`` and ``image_grid_thw``, say)
+travel with their samples: each is a tensor whose first dimension runs over
+the sample's items (image patches, images), concatenated over the samples of
+a batch in row order, the layout Qwen-VL style models take. Every forward
+pass of training passes them to the model (:meth:`Batch.model_kwargs`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +47,8 @@ class Sample:
     """Group of the trajectory."""
     turn: int = -1
     """Turn number (turn mode); -1 for whole trajectories."""
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Extra inputs of the model for this sequence (e.g. ``pixel_values``), each concatenated along dim 0."""
 
 
 @dataclass
@@ -65,9 +73,17 @@ class Batch:
     """Shape (b,), long."""
     turn: torch.Tensor
     """Shape (b,), long."""
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Extra model inputs, each the samples' tensors concatenated along dim 0 in row order."""
+    model_input_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    """For each extra input, Shape (b,), long: how many of its dim-0 rows belong to each sample."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """Everything the model's forward takes besides the mask: ``input_ids`` and the extra inputs."""
+        return {"input_ids": self.input_ids, **self.model_inputs}
 
     @property
     def turn_end_mask(self) -> torch.Tensor:
@@ -78,11 +94,27 @@ class Batch:
         return mask
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(**{name: value.to(device) for name, value in vars(self).items()})
+        moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
+        return Batch(
+            **moved,
+            model_inputs={key: value.to(device) for key, value in self.model_inputs.items()},
+            model_input_rows=dict(self.model_input_rows),
+        )
 
     def select(self, index: torch.Tensor | list[int]) -> Batch:
+        """The samples at ``index``, in that order, with their extra model inputs."""
         index = torch.as_tensor(index, dtype=torch.long)
-        return Batch(**{name: value[index.to(value.device)] for name, value in vars(self).items()})
+        picked = {
+            name: value[index.to(value.device)] for name, value in vars(self).items() if isinstance(value, torch.Tensor)
+        }
+        inputs, rows = {}, {}
+        for key, value in self.model_inputs.items():
+            counts = self.model_input_rows[key]
+            starts = counts.cumsum(0) - counts
+            keep = [torch.arange(int(starts[i]), int(starts[i] + counts[i])) for i in index.tolist()]
+            inputs[key] = value[torch.cat(keep).to(value.device)] if keep else value[:0]
+            rows[key] = counts[index]
+        return Batch(**picked, model_inputs=inputs, model_input_rows=rows)
 
 
 def trajectory_samples(trajectories: list[Trajectory], episode_ids: list[int]) -> list[Sample]:
@@ -150,6 +182,10 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         logprobs[row, :n] = torch.tensor(sample.sampler_logprobs, dtype=torch.float)
         turn_end_index[row, : len(sample.turn_ends)] = torch.tensor(sample.turn_ends)
         turn_rewards[row, : len(sample.turn_rewards)] = torch.tensor(sample.turn_rewards, dtype=torch.float)
+    keys = sorted({key for sample in samples for key in sample.model_inputs})
+    for key in keys:
+        if any(key not in sample.model_inputs for sample in samples):
+            raise ValueError(f"model input {key!r} is missing from some samples: every sample must carry the same inputs")
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -160,4 +196,6 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         episode=torch.tensor([s.episode for s in samples]),
         group=torch.tensor([s.group for s in samples]),
         turn=torch.tensor([s.turn for s in samples]),
+        model_inputs={key: torch.cat([s.model_inputs[key] for s in samples]) for key in keys},
+        model_input_rows={key: torch.tensor([len(s.model_inputs[key]) for s in samples]) for key in keys},
     )

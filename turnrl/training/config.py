@@ -11,6 +11,7 @@ from turnrl.config import (
     EnvConfig,
     GroupsConfig,
     ModelConfig,
+    RewardsConfig,
     SamplingConfig,
     SeedConfig,
     check_choice,
@@ -54,18 +55,17 @@ class AlgorithmConfig:
     """``per_turn``: each turn's reward at its last token; ``episode_end``: the sum at the last token."""
     sample_mode: str = "trajectory"
     """``trajectory``: a whole episode is one sample (StarPO); ``turn``: one sample per turn."""
-    gamma: float = 1.0
-    """Token-level discount of GAE (RAGEN: 1.0)."""
-    lam: float = 1.0
-    """GAE lambda (RAGEN: 1.0)."""
-    gamma_turn: float = 0.95
-    """Bi-level and turn GAE: discount across turns."""
-    lambda_turn: float = 0.95
-    """Bi-level and turn GAE: lambda across turns."""
     gamma_token: float = 1.0
-    """Bi-level GAE: discount inside a turn."""
+    """Discount from one token to the next inside a turn (gae, bilevel_gae, reinforce_pp). 1 (RAGEN) makes
+    a response one action; below 1, a response's early tokens see less of its end reward (0.99 over 100
+    tokens: 0.37)."""
     lambda_token: float = 1.0
-    """Bi-level GAE: lambda inside a turn."""
+    """GAE lambda from one token to the next inside a turn (gae, bilevel_gae)."""
+    gamma_turn: float = 1.0
+    """Discount from a turn to the next (gae, bilevel_gae, turn_gae, reinforce_pp), whatever the responses'
+    lengths: the horizon is about 1 / (1 - gamma_turn) turns (0.95: 20 turns; RAGEN: 1, VAGEN: 0.95)."""
+    lambda_turn: float = 1.0
+    """GAE lambda from a turn to the next (gae, bilevel_gae, turn_gae)."""
     whiten_advantages: bool = True
     """Whiten critic-based advantages over the batch's loss tokens."""
     clip_low: float = 0.2
@@ -111,7 +111,7 @@ class AlgorithmConfig:
             "algorithm.loss_aggregation", self.loss_aggregation, ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
         )
         check_choice("algorithm.old_logprobs", self.old_logprobs, ["sampler", "recompute"])
-        for key in ("gamma", "lam", "gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
+        for key in ("gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
             check_range(f"algorithm.{key}", getattr(self, key), 0.0, 1.0)
         check_range("algorithm.ppo_epochs", self.ppo_epochs, 1)
         if self.dual_clip is not None and self.dual_clip <= 1.0:
@@ -235,6 +235,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     groups: GroupsConfig = field(default_factory=GroupsConfig)

@@ -9,11 +9,15 @@ scores. ``logprobs[i] = log p(input_ids[i] | input_ids[:i])`` and
 is chosen); position 0 is never scored. Masks use the same indexing.
 
 Only the scored positions go through the LM head, in chunks: a full
-``(b, s, v)`` logits tensor for a 150k vocabulary would not fit.
+``(b, s, v)`` logits tensor for a 150k vocabulary would not fit. The body
+runs as the model's own base model with every extra input of the batch
+(``pixel_values``, ``image_grid_thw``, ...), so a VLM merges its image
+features and computes its own positions (M-RoPE) exactly as in ``generate``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -21,15 +25,20 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 
-def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The transformer body and the LM head of a causal LM (peft-wrapped or not)."""
+def _body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The base model (everything but the LM head) and the LM head of a causal LM or VLM, peft-wrapped or not."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder(), base.get_output_embeddings()
+    return base.base_model, base.get_output_embeddings()
 
 
-def last_hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Shape (b, s, h): final-layer (normed) hidden states."""
-    return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+def last_hidden_states(
+    body: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    model_inputs: Mapping[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Shape (b, s, h): final-layer (normed) hidden states of ``body`` given the extra inputs."""
+    return body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(model_inputs or {})).last_hidden_state
 
 
 def scored_positions(score_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +64,7 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int = 4096,
+    model_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities (and entropies) of the scored tokens under ``softmax(logits / temperature)``.
 
@@ -63,12 +73,13 @@ def token_logprobs(
         attention_mask: Shape (b, s).
         score_mask: Shape (b, s); which tokens to score (usually the loss mask).
         temperature: the sampling temperature (0 is treated as 1).
+        model_inputs: extra inputs of the model (a VLM's pixel values and grid sizes), passed to its forward.
 
     Returns:
         ``logprobs`` Shape (b, s) and ``entropy`` Shape (b, s) or None; zero where not scored.
     """
-    decoder, head = _decoder_and_head(model)
-    hidden = last_hidden_states(decoder, input_ids, attention_mask)
+    body, head = _body_and_head(model)
+    hidden = last_hidden_states(body, input_ids, attention_mask, model_inputs)
     rows, cols = scored_positions(score_mask)
     targets = input_ids[rows, cols]
     states = hidden[rows, cols - 1]  # the state before each scored token
@@ -101,7 +112,7 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: PreTrainedModel) -> None:
         super().__init__()
         self.backbone = backbone
-        hidden_size = backbone.config.hidden_size
+        hidden_size = backbone.config.get_text_config().hidden_size  # a VLM keeps it in its text config
         self.value_head = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
@@ -121,10 +132,15 @@ class ValueModel(nn.Module):
         self.backbone.save_pretrained(path)
         torch.save(self.value_head.state_dict(), path / "value_head.pt")
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        model_inputs: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Shape (b, s): ``values[i] = V(input_ids[:i])``; position 0 is 0."""
         backbone = self.backbone.get_base_model() if hasattr(self.backbone, "get_base_model") else self.backbone
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = last_hidden_states(backbone, input_ids, attention_mask, model_inputs)
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # value after token i
         return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)
 

@@ -1,16 +1,20 @@
-"""Supervised fine-tuning: expert demos from env solvers, or a JSONL of chats.
+"""Supervised fine-tuning, the stage before RL: expert demos from env solvers, or a JSONL of chats.
 
 Demos are episodes of the expert policy (the env's solver, re-planned every
 turn) written in the run's reasoning format, with a configurable share of
 random actions so the demos are imperfect. They are tokenized with the same
 token-exact context the RL rollouts use, so SFT trains on exactly the prompts
 the policy will later see. The loss covers assistant tokens only.
+
+:func:`sft_stage` runs the stage: base model in, ``RUN_DIR/sft/model`` out.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,16 +22,26 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from turnrl.agent.formats import ResponseFormat
+from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, SamplingConfig
-from turnrl.envs.base import TurnEnv
+from turnrl.envs import AgentEnv, make
+from turnrl.policy.hf import resolve_device, resolve_dtype
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout
-from turnrl.rollout.trajectory import ERROR, Trajectory
+from turnrl.rollout.trajectory import ERROR, Trajectory, write_trajectories
 from turnrl.training.batch import Sample, collate
-from turnrl.training.config import SFTConfig
+from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
+from turnrl.training.logger import MetricsLogger
+from turnrl.training.models import (
+    autocast,
+    base_model_path,
+    enable_checkpointing,
+    load_causal_lm,
+    load_processor,
+    load_tokenizer,
+)
 
 console = Console()
 Message = dict[str, Any]
@@ -35,7 +49,7 @@ Message = dict[str, Any]
 
 # --------------------------------------------------------------------------- data
 def expert_demos(
-    make_env: Callable[[], TurnEnv], fmt: ResponseFormat, agent: AgentConfig, sft: SFTConfig, env_id: str,
+    make_env: Callable[[], AgentEnv], fmt: ResponseFormat, agent: AgentConfig, sft: SFTConfig, env_id: str,
     seed: int = 0, batch_size: int = 256,
 ) -> list[Trajectory]:
     """Play ``sft.episodes`` expert episodes on seeds from ``sft.seed_start`` (never validation seeds)."""
@@ -167,7 +181,8 @@ def sft_train(
                 for micro in range(0, len(batch_ids), config.micro_batch_size):
                     batch = collate([samples[i] for i in batch_ids[micro : micro + config.micro_batch_size]], pad_id)
                     batch = batch.to(device)
-                    logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
+                    logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask,
+                                                 model_inputs=batch.model_inputs)
                     loss = -(logprobs * batch.loss_mask).sum() / max(n_tokens, 1)
                     loss.backward()
                     batch_loss += loss.item()
@@ -183,3 +198,48 @@ def sft_train(
                 progress.update(task, advance=1, description=f"epoch {epoch + 1}/{config.epochs} loss {batch_loss:.3f}")
     model.eval()
     return {"sft/final_epoch_loss": epoch_loss / max(epoch_tokens, 1), "sft/steps": float(step)}
+
+
+# --------------------------------------------------------------------------- the stage
+@dataclass
+class SFTResult:
+    model_path: Path
+    """Where the fine-tuned model (and its tokenizer) was saved: ``RUN_DIR/sft/model``."""
+    metrics: dict[str, float]
+    """Final loss and step count."""
+    seconds: float
+    """Wall time of the stage."""
+
+
+def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
+    """Fine-tune the run's base model on expert demos (or ``sft.data``) and save it under ``run_dir/sft``."""
+    start = time.time()
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    path = base_model_path(config.model)
+    tokenizer, processor = load_tokenizer(path), load_processor(path)
+    model = load_causal_lm(path, device)
+    if config.model.gradient_checkpointing:
+        enable_checkpointing(model)
+    fmt = get_format(config.agent.format, action_separator=config.agent.action_separator,
+                     max_actions_per_turn=config.agent.max_actions_per_turn)
+    out = run_dir / "sft"
+    if config.sft.data:
+        chats = read_chat_jsonl(config.sft.data)
+    else:
+        settings = dict(config.env.settings)
+        demos = expert_demos(lambda: make(config.env.id, **settings), fmt, config.agent, config.sft, config.env.id,
+                             seed=config.seeds.seed)
+        write_trajectories(demos[:50], out, name="demos_sample.jsonl")
+        chats = [trajectory_messages(t) for t in demos]
+    window = config.agent.max_context_window
+    samples = [sample for chat in chats for sample in conversation_samples(chat, tokenizer, window)]
+    console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({sum(sum(s.loss_mask) for s in samples)} target tokens)")
+    logger = MetricsLogger(out, tensorboard=config.run.tensorboard)
+    with autocast(device, dtype):
+        metrics = sft_train(model, tokenizer.pad_token_id, samples, config.sft, seed=config.seeds.seed, log=logger.log)
+    logger.close()
+    model_path = out / "model"
+    model.save_pretrained(model_path)
+    (processor or tokenizer).save_pretrained(model_path)
+    return SFTResult(model_path, metrics, time.time() - start)

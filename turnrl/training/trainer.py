@@ -1,10 +1,22 @@
-"""The RL recipe: setup, (SFT,) validation, the loop of rollout + update, cleanup.
+"""The RL recipe: setup, (SFT,) the loop of rollout + update, cleanup.
+
+    train(config)
+      sft_stage          the base model, fine-tuned on expert demos (when enabled)
+      Recipe(config)     setup builds everything: models, optimizers, envs, rollout
+      loop               recipe.step(step) -> StepOutput; the loop owns progress,
+                         validation, trajectory files and checkpoints
 
 One step reads top to bottom in :meth:`Recipe.step`:
 
-    rollout -> filter groups -> samples -> old logprobs (sampler's; recomputed
+    rollout -> filter groups -> batch -> old logprobs (sampler's; recomputed
     ones reported as a mismatch) -> reference logprobs -> values -> advantages
-    -> PPO epochs for actor and critic -> metrics, trajectories, checkpoint
+    -> PPO epochs for actor and critic -> metrics
+
+Each phase is a function that takes values (:func:`collect`,
+:func:`select_trajectories`, :func:`make_batch`, :func:`score_batch`, then
+:func:`~turnrl.training.advantages.compute_advantages` and
+:func:`~turnrl.training.ppo.ppo_epochs`), so another recipe (a distributed
+one, say) wires the same components without branching this one.
 
 Run it with ``turnrl train --config configs/X.yaml key=value ...``.
 """
@@ -13,70 +25,185 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.agent.formats import get_format
-from turnrl.algorithms import group_stats, select_groups
+from turnrl.algorithms import group_stats, kl_penalty, select_groups
 from turnrl.config import ConfigError, SamplingConfig, to_yaml
 from turnrl.envs import make
 from turnrl.envs.seeds import SeedSplits
-from turnrl.evaluate import write_trajectories
 from turnrl.policy.hf import HFPolicy, resolve_device, resolve_dtype
+from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
-from turnrl.rollout.runner import Rollout
-from turnrl.rollout.trajectory import Trajectory
-from turnrl.training.batch import collate, trajectory_samples, turn_samples
+from turnrl.rollout.runner import EpisodeSlot, Rollout
+from turnrl.rollout.trajectory import Trajectory, write_trajectories
+from turnrl.training.advantages import compute_advantages
+from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
-from turnrl.training.config import TrainConfig
+from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
 from turnrl.training.logger import MetricsLogger
-from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, compute_advantages, ppo_epochs
-from turnrl.training.sft import (
-    conversation_samples,
-    expert_demos,
-    read_chat_jsonl,
-    sft_train,
-    trajectory_messages,
+from turnrl.training.models import (
+    autocast,
+    base_model_path,
+    enable_checkpointing,
+    load_causal_lm,
+    load_processor,
+    load_tokenizer,
+    seed_everything,
+    step_seed,
 )
+from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
+from turnrl.training.sft import sft_stage
 
 console = Console()
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+@dataclass
+class StepOutput:
+    """What one RL step (or one validation) produced."""
+
+    metrics: dict[str, float]
+    trajectories: list[Trajectory] = field(default_factory=list)
 
 
-def enable_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute activations in the backward pass (the method's name changed in transformers 5)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable()
-    else:
-        model.gradient_checkpointing_enable()
+# --------------------------------------------------------------------------- the phases of a step
+def collect(
+    rollout: Rollout, slots: list[EpisodeSlot], sampling: SamplingConfig, precision: AbstractContextManager
+) -> StepOutput:
+    """Play the slots' episodes; metrics of the rollout, its timings and throughput."""
+    start = time.time()
+    with precision:
+        trajectories = rollout.run(slots, sampling)
+    metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
+    metrics["timing/rollout_s"] = time.time() - start
+    metrics["timing/generate_s"] = rollout.timings.generate_s
+    metrics["timing/env_s"] = rollout.timings.env_s
+    generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
+    metrics["throughput/generated_tokens_per_s"] = generated / max(rollout.timings.generate_s, 1e-9)
+    return StepOutput(metrics, trajectories)
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The seed of one step's sampling and shuffling: a function of (seed, step), so resume is exact."""
-    return (seed * 1_000_003 + step) % 2**31
+def select_trajectories(trajectories: list[Trajectory], config: FilterConfig) -> tuple[list[int], dict[str, float]]:
+    """StarPO-S: the indices of the trajectories to train on (kept groups, no errors), and the filter's metrics.
+
+    An empty list means: skip the update.
+    """
+    rewards = torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64)
+    groups = torch.tensor([t.group for t in trajectories])
+    stats = group_stats(rewards, groups)
+    metrics = {
+        "rollout/in_group_reward_std": float(stats.std.mean()),
+        "rollout/zero_variance_groups": float((stats.std == 0).float().mean()),
+    }
+    # FilterConfig.value above 1 is a count of groups, at most 1 a share.
+    value: float | int = int(config.value) if config.method == "top_k" and config.value > 1 else config.value
+    scores = None  # select_groups scores a group by its reward std unless given other scores
+    if config.metric != "reward_std":
+        per_sample = rewards if config.metric == "reward_mean" else torch.tensor(
+            [float(sum(len(turn.response_ids) for turn in t.turns)) for t in trajectories])
+        scores = group_stats(per_sample, groups).mean
+    selection = select_groups(groups, rewards=rewards, scores=scores, strategy=config.method, value=value,
+                              weighting=config.weighting, drop_zero_variance=config.drop_zero_variance,
+                              on_empty=config.on_empty)
+    metrics["filter/kept_ratio"] = selection.kept_ratio
+    keep = [i for i, t in enumerate(trajectories) if bool(selection.keep_mask[i]) and t.trainable]
+    if selection.skip_step:
+        keep = []
+    metrics["filter/skipped_step"] = float(not keep)
+    return keep, metrics
 
 
+def make_batch(trajectories: list[Trajectory], keep: list[int], sample_mode: str, pad_id: int,
+               device: torch.device) -> Batch:
+    """The kept trajectories as padded training tensors (one sample per episode or per turn)."""
+    make_samples = trajectory_samples if sample_mode == "trajectory" else turn_samples
+    return collate(make_samples([trajectories[i] for i in keep], keep), pad_id).to(device)
+
+
+@dataclass
+class Scores:
+    """Per-token scores of a batch from forward passes without gradient, all Shape (b, s)."""
+
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
+    values: torch.Tensor | None
+    metrics: dict[str, float]
+
+
+def score_batch(
+    batch: Batch,
+    actor: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    critic: ValueModel | None,
+    config: AlgorithmConfig,
+    temperature: float,
+    generator: torch.Generator,
+    precision: AbstractContextManager,
+) -> Scores:
+    """PPO's old logprobs, the reference's logprobs (when there is a KL), the critic's values.
+
+    ``reference`` None with a KL means LoRA: the reference is the actor with its adapters off.
+    """
+    metrics: dict[str, float] = {}
+    start = time.time()
+    micro = config.micro_batch_size
+    with precision:
+        if config.old_logprobs == "recompute":
+            old_logprobs = batched_logprobs(actor, batch, micro, temperature)
+            checked, recomputed = batch, old_logprobs
+        else:
+            # The sampler's logprobs are PPO's old logprobs; recomputing one micro-batch is enough to
+            # watch how far training's forward pass drifts from the sampler's (bf16, kernels, padding).
+            old_logprobs = batch.sampler_logprobs
+            rows = torch.randperm(len(batch), generator=generator)[:micro].sort().values
+            checked = batch.select(rows)
+            recomputed = batched_logprobs(actor, checked, micro, temperature)
+        checked_tokens = checked.loss_mask.sum().clamp(min=1)
+        metrics["actor/logprob_mismatch"] = float(
+            ((recomputed - checked.sampler_logprobs).abs() * checked.loss_mask).sum() / checked_tokens
+        )
+        metrics["timing/old_logprobs_s"] = time.time() - start
+        ref_logprobs = None
+        if config.kl_coef > 0:
+            start = time.time()
+            if reference is None:
+                with actor.disable_adapter():  # type: ignore[operator]
+                    ref_logprobs = batched_logprobs(actor, batch, micro, temperature)
+            else:
+                ref_logprobs = batched_logprobs(reference, batch, micro, temperature)
+            metrics["timing/reference_s"] = time.time() - start
+        values = None
+        if critic is not None:
+            start = time.time()
+            values = batched_values(critic, batch, micro)
+            metrics["timing/values_s"] = time.time() - start
+    return Scores(old_logprobs, ref_logprobs, values, metrics)
+
+
+# --------------------------------------------------------------------------- the recipe
 class Recipe:
-    """Everything a run holds: models, optimizers, envs, logger. Built from a :class:`TrainConfig`."""
+    """Everything an RL run holds, built at once from a :class:`TrainConfig` (or restored from a checkpoint).
 
-    def __init__(self, config: TrainConfig) -> None:
+    Args:
+        config: the run.
+        start_model: the model RL starts from (the SFT stage's output); None: ``model.path`` or the
+            built-in model. Ignored on resume, where the checkpoint says.
+    """
+
+    def __init__(self, config: TrainConfig, start_model: Path | str | None = None) -> None:
         self.config = config
-        self.start_time = time.time()
         if config.run.threads > 0:
             torch.set_num_threads(config.run.threads)
         seed_everything(config.seeds.seed)
@@ -85,104 +212,56 @@ class Recipe:
         (self.run_dir / "config.yaml").write_text(to_yaml(config))
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        self.fmt = get_format(
-            config.agent.format,
-            action_separator=config.agent.action_separator,
-            max_actions_per_turn=config.agent.max_actions_per_turn,
-        )
         self.timings: dict[str, float] = {}
         self.summary: dict[str, Any] = {}
-
         self.checkpoint = latest_checkpoint(self.run_dir) if config.resume else None
         if config.resume and self.checkpoint is None:
             raise ConfigError(f"resume={config.resume!r} holds no checkpoint (no checkpoints/latest)")
-        self.model_path = self._initial_model_path()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        # Weights stay float32 (AdamW master weights); bf16 comes from autocast on GPU.
-        self.actor = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
-        if config.model.gradient_checkpointing:
-            enable_checkpointing(self.actor)
+        self.first_step = 0
 
+        self._build_envs()
+        self._build_models(start_model)
+        self._build_optimizers()
+        fmt = get_format(config.agent.format, action_separator=config.agent.action_separator,
+                         max_actions_per_turn=config.agent.max_actions_per_turn)
+        rewards = Rewards(config.rewards)
+        batch_size = max(64, config.groups.n_groups * config.groups.group_size)
+        self.rollout = Rollout(HFPolicy(self.actor, self.tokenizer, max_batch_size=batch_size), fmt, config.agent,
+                               env_id=config.env.id, executor=self.executor, rewards=rewards)
+        val_policy = HFPolicy(self.actor, self.tokenizer, max_batch_size=config.validation.batch_size)
+        self.val_rollout = Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor,
+                                   rewards=rewards)
+        if self.checkpoint is not None:
+            self._restore()
+
+    # ------------------------------------------------------------------ setup
+    def _build_envs(self) -> None:
+        config = self.config
         seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
         train_settings = dict(config.env.settings)
         val_settings = dict(config.env.val_settings if config.env.val_settings is not None else train_settings)
         make(config.env.id, **train_settings)  # fail now, naming the bad setting, not mid-run
-        self.make_train_env = lambda: make(config.env.id, **train_settings)
-        self.train_groups = EnvGroups(self.make_train_env, config.groups.n_groups, config.groups.group_size, seeds)
+        self.train_groups = EnvGroups(lambda: make(config.env.id, **train_settings), config.groups.n_groups,
+                                      config.groups.group_size, seeds)
         self.val_groups = EnvGroups(lambda: make(config.env.id, **val_settings), 1, 1, seeds)
-        self.executor = None
-        if config.groups.env_workers > 0:
-            from concurrent.futures import ThreadPoolExecutor
+        self.executor: Executor | None = ThreadPoolExecutor(config.groups.env_workers) if config.groups.env_workers else None
 
-            self.executor = ThreadPoolExecutor(config.groups.env_workers)
-
-    # ------------------------------------------------------------------ setup helpers
-    def _initial_model_path(self) -> Path | str:
-        if self.checkpoint is None:
-            return self._base_path()
-        if not self.config.lora.enabled:
-            return self.checkpoint / "actor"
-        # LoRA adapters were trained on top of the SFT model when there was one.
-        sft_model = self.run_dir / "sft" / "model"
-        return sft_model if sft_model.is_dir() else self._base_path()
-
-    def _base_path(self) -> Path | str:
-        if self.config.model.path is not None:
-            return self.config.model.path
-        from turnrl.models.builtin import builtin_model_path
-
-        return builtin_model_path(self.config.model)
-
-    def autocast(self):
-        if self.device.type == "cuda" and self.dtype != torch.float32:
-            return torch.autocast("cuda", dtype=self.dtype)
-        return torch.autocast("cpu", enabled=False)
-
-    def _timed(self, name: str, start: float) -> float:
-        elapsed = time.time() - start
-        self.timings[name] = self.timings.get(name, 0.0) + elapsed
-        return elapsed
-
-    # ------------------------------------------------------------------ SFT
-    def sft_samples(self) -> list:
+    def _build_models(self, start_model: Path | str | None) -> None:
+        """Actor, tokenizer (and processor), critic and reference: all from the model RL starts from."""
         config = self.config
-        window = config.agent.max_context_window
-        if config.sft.data:
-            chats = read_chat_jsonl(config.sft.data)
-        else:
-            demos = expert_demos(self.make_train_env, self.fmt, config.agent, config.sft, config.env.id,
-                                 seed=config.seeds.seed)
-            write_trajectories(demos[:50], self.run_dir / "sft", name="demos_sample.jsonl")
-            chats = [trajectory_messages(t) for t in demos]
-        return [sample for chat in chats for sample in conversation_samples(chat, self.tokenizer, window)]
+        start = start_model if start_model is not None else base_model_path(config.model)
+        if self.checkpoint is not None:
+            # LoRA adapters were trained on top of the SFT model when there was one.
+            sft_model = self.run_dir / "sft" / "model"
+            start = self.checkpoint / "actor" if not config.lora.enabled else (
+                sft_model if sft_model.is_dir() else base_model_path(config.model))
+        self.tokenizer = load_tokenizer(start)
+        self.processor = load_processor(start)
+        self.actor = load_causal_lm(start, self.device)
+        if config.model.gradient_checkpointing:
+            enable_checkpointing(self.actor)
 
-    def run_sft(self) -> Path:
-        """Supervised warm start of the actor; saves it to ``RUN_DIR/sft``."""
-        start = time.time()
-        samples = self.sft_samples()
-        console.print(f"[bold]SFT[/bold] on {len(samples)} samples "
-                      f"({sum(sum(s.loss_mask) for s in samples)} target tokens)")
-        logger = MetricsLogger(self.run_dir / "sft", tensorboard=self.config.run.tensorboard)
-        with self.autocast():
-            metrics = sft_train(self.actor, self.tokenizer.pad_token_id, samples, self.config.sft,
-                                seed=self.config.seeds.seed, log=logger.log)
-        logger.close()
-        path = self.run_dir / "sft" / "model"
-        self.actor.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-        # Adapters and checkpoints made from here on name the SFT model as their base.
-        self.actor.config._name_or_path = str(path)
-        self._timed("sft_s", start)
-        self.summary.update(metrics)
-        return path
-
-    # ------------------------------------------------------------------ RL setup
-    def setup_rl(self) -> None:
-        config = self.config
-        # The critic and the reference start from the policy RL starts from (after SFT).
-        self.critic = None
+        self.critic: ValueModel | None = None
         if config.algorithm.uses_critic:
             if self.checkpoint is not None:
                 self.critic = ValueModel.from_pretrained(self.checkpoint / "critic")
@@ -191,12 +270,12 @@ class Recipe:
             self.critic.to(self.device)
             if config.model.gradient_checkpointing:
                 enable_checkpointing(self.critic.backbone)
-        self.reference = None
+        self.reference: torch.nn.Module | None = None
         if config.algorithm.kl_coef > 0 and not config.lora.enabled:  # with LoRA: the adapters switched off
             reference_path = self.run_dir / "reference"
             if self.checkpoint is None:
                 self.actor.save_pretrained(reference_path)
-            self.reference = AutoModelForCausalLM.from_pretrained(reference_path).to(self.device)
+            self.reference = load_causal_lm(reference_path, self.device)
             self.reference.eval().requires_grad_(False)
         if config.lora.enabled:
             from peft import LoraConfig, PeftModel, get_peft_model
@@ -211,7 +290,9 @@ class Recipe:
                 ))
             if config.model.gradient_checkpointing:
                 self.actor.enable_input_require_grads()
-        optim = config.optim
+
+    def _build_optimizers(self) -> None:
+        optim = self.config.optim
         warmup = lambda s: min(1.0, (s + 1) / optim.warmup_steps) if optim.warmup_steps > 0 else 1.0  # noqa: E731
         self.actor_optimizer = torch.optim.AdamW(
             [p for p in self.actor.parameters() if p.requires_grad], lr=optim.actor_lr, weight_decay=optim.weight_decay,
@@ -222,128 +303,88 @@ class Recipe:
         if self.critic is not None:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=optim.critic_lr,
                                                       weight_decay=optim.weight_decay, eps=optim.adam_eps)
-        self.policy = HFPolicy(self.actor, self.tokenizer, max_batch_size=max(64, config.groups.n_groups * config.groups.group_size))
-        self.rollout = Rollout(self.policy, self.fmt, config.agent, env_id=config.env.id, executor=self.executor)
-        self.first_step = 0
-        if self.checkpoint is not None:
-            state = load_trainer_state(self.checkpoint)
-            self.actor_optimizer.load_state_dict(state["actor_optimizer"])
-            self.actor_scheduler.load_state_dict(state["actor_scheduler"])
-            if self.critic_optimizer is not None:
-                self.critic_optimizer.load_state_dict(state["critic_optimizer"])
-            set_rng_state(state["rng"])
-            self.summary = state.get("summary", {})
-            self.timings = state.get("timings", {})
-            self.first_step = state["step"] + 1
+
+    def _restore(self) -> None:
+        assert self.checkpoint is not None
+        state = load_trainer_state(self.checkpoint)
+        self.actor_optimizer.load_state_dict(state["actor_optimizer"])
+        self.actor_scheduler.load_state_dict(state["actor_scheduler"])
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        set_rng_state(state["rng"])
+        self.summary = state.get("summary", {})
+        self.timings = state.get("timings", {})
+        self.first_step = state["step"] + 1
+
+    def precision(self) -> AbstractContextManager:
+        return autocast(self.device, self.dtype)
+
+    def _timed(self, name: str, seconds: float) -> float:
+        self.timings[name] = self.timings.get(name, 0.0) + seconds
+        return seconds
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> dict[str, float]:
+    def validate(self) -> StepOutput:
         """Success and friends on the fixed validation seeds, at the validation temperature."""
-        start = time.time()
         config = self.config
         sampling = SamplingConfig(**{**vars(config.sampling), "temperature": config.validation.temperature})
-        policy = HFPolicy(self.actor, self.tokenizer, max_batch_size=config.validation.batch_size)
-        rollout = Rollout(policy, self.fmt, config.agent, env_id=config.env.id, executor=self.executor)
         slots = self.val_groups.val_slots(config.validation.episodes, config.validation.samples_per_seed)
         torch.manual_seed(step_seed(config.seeds.seed, -1))  # the same sampling noise at every validation
+        start = time.time()
         trajectories: list[Trajectory] = []
-        with self.autocast():
-            for begin in range(0, len(slots), config.validation.batch_size):
-                trajectories.extend(rollout.run(slots[begin : begin + config.validation.batch_size], sampling))
-        self._timed("validation_s", start)
-        self.last_val_trajectories = trajectories
-        return {f"val/{k}": v for k, v in rollout_metrics(trajectories).items()}
+        for begin in range(0, len(slots), config.validation.batch_size):
+            part = collect(self.val_rollout, slots[begin : begin + config.validation.batch_size], sampling,
+                           self.precision())
+            trajectories.extend(part.trajectories)
+        self._timed("validation_s", time.time() - start)
+        return StepOutput({f"val/{k}": v for k, v in rollout_metrics(trajectories).items()}, trajectories)
 
     # ------------------------------------------------------------------ one RL step
-    def step(self, step: int) -> dict[str, float]:
+    def step(self, step: int) -> StepOutput:
         config, algo = self.config, self.config.algorithm
         step_start = time.time()
         torch.manual_seed(step_seed(config.seeds.seed, step))
         generator = torch.Generator().manual_seed(step_seed(config.seeds.seed, step))
 
         # 1. rollout
-        start = time.time()
         self.actor.eval()
-        with self.autocast():
-            trajectories = self.rollout.run(self.train_groups.train_slots(step), config.sampling)
-        metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
-        metrics["timing/rollout_s"] = self._timed("rollout_s", start)
-        metrics["timing/generate_s"] = self.rollout.timings.generate_s
-        metrics["timing/env_s"] = self.rollout.timings.env_s
-        generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
-        metrics["throughput/generated_tokens_per_s"] = generated / max(self.rollout.timings.generate_s, 1e-9)
-        self.last_trajectories = trajectories
+        rollout = collect(self.rollout, self.train_groups.train_slots(step), config.sampling, self.precision())
+        metrics = rollout.metrics
+        self._timed("rollout_s", metrics["timing/rollout_s"])
 
         # 2. filter groups (StarPO-S), drop errored episodes
-        rewards = torch.tensor([t.total_reward for t in trajectories])
-        groups = torch.tensor([t.group for t in trajectories])
-        metrics["rollout/in_group_reward_std"] = float(group_stats(rewards, groups).std.mean())
-        metrics["rollout/zero_variance_groups"] = float((group_stats(rewards, groups).std == 0).float().mean())
-        selection = self._select(rewards, groups, trajectories)
-        metrics["filter/kept_ratio"] = selection.kept_ratio
-        keep = [i for i, t in enumerate(trajectories) if bool(selection.keep_mask[i]) and t.trainable]
-        if selection.skip_step or not keep:
-            metrics["filter/skipped_step"] = 1.0
+        keep, filter_metrics = select_trajectories(rollout.trajectories, algo.filter)
+        metrics.update(filter_metrics)
+        if not keep:
             metrics["timing/step_s"] = time.time() - step_start
-            return metrics
-        metrics["filter/skipped_step"] = 0.0
+            return StepOutput(metrics, rollout.trajectories)
 
         # 3. samples -> padded batch
-        kept = [trajectories[i] for i in keep]
-        make_samples = trajectory_samples if algo.sample_mode == "trajectory" else turn_samples
-        batch = collate(make_samples(kept, keep), self.tokenizer.pad_token_id).to(self.device)
+        batch = make_batch(rollout.trajectories, keep, algo.sample_mode, self.tokenizer.pad_token_id, self.device)
         metrics["batch/samples"] = float(len(batch))
         metrics["batch/trained_tokens"] = float(batch.loss_mask.sum())
         metrics["batch/sequence_length_mean"] = float(batch.attention_mask.sum(1).float().mean())
 
-        # 4. old logprobs (sampler's), the recomputed ones as a mismatch metric, reference logprobs, values
-        start = time.time()
-        mask = batch.loss_mask
-        n_tokens = mask.sum().clamp(min=1)
-        if algo.old_logprobs == "recompute":
-            with self.autocast():
-                old_logprobs = batched_logprobs(self.actor, batch, algo.micro_batch_size, config.sampling.temperature)
-            checked, recomputed = batch, old_logprobs
-        else:
-            # The sampler's logprobs are PPO's old logprobs; recomputing one micro-batch is enough to
-            # watch how far training's forward pass drifts from the sampler's (bf16, kernels, padding).
-            old_logprobs = batch.sampler_logprobs
-            rows = torch.randperm(len(batch), generator=generator)[: algo.micro_batch_size].sort().values
-            checked = batch.select(rows)
-            with self.autocast():
-                recomputed = batched_logprobs(self.actor, checked, algo.micro_batch_size, config.sampling.temperature)
-        checked_tokens = checked.loss_mask.sum().clamp(min=1)
-        metrics["actor/logprob_mismatch"] = float(
-            ((recomputed - checked.sampler_logprobs).abs() * checked.loss_mask).sum() / checked_tokens
-        )
-        metrics["timing/old_logprobs_s"] = self._timed("old_logprobs_s", start)
-        ref_logprobs = None
-        if algo.kl_coef > 0:
-            start = time.time()
-            with self.autocast():
-                if config.lora.enabled:
-                    with self.actor.disable_adapter():
-                        ref_logprobs = batched_logprobs(self.actor, batch, algo.micro_batch_size, config.sampling.temperature)
-                else:
-                    ref_logprobs = batched_logprobs(self.reference, batch, algo.micro_batch_size, config.sampling.temperature)
-            metrics["timing/reference_s"] = self._timed("reference_s", start)
-        values = None
-        if self.critic is not None:
-            start = time.time()
-            with self.autocast():
-                values = batched_values(self.critic, batch, algo.micro_batch_size)
-            metrics["timing/values_s"] = self._timed("values_s", start)
+        # 4. old logprobs, reference logprobs, values
+        scores = score_batch(batch, self.actor, self.reference, self.critic, algo, config.sampling.temperature,
+                             generator, self.precision())
+        metrics.update(scores.metrics)
+        for phase in ("old_logprobs_s", "reference_s", "values_s"):
+            if f"timing/{phase}" in scores.metrics:
+                self._timed(phase, scores.metrics[f"timing/{phase}"])
 
         # 5. advantages
-        from turnrl.algorithms import kl_penalty
-
-        kl = kl_penalty(old_logprobs, ref_logprobs, kind=algo.kl_kind) * mask if ref_logprobs is not None else None
-        advantages, returns = compute_advantages(batch, values, algo, kl)
-        metrics["actor/advantage_mean"] = float((advantages * mask).sum() / n_tokens)
-        metrics["actor/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / n_tokens)
-        if values is not None:
-            metrics["critic/values_mean"] = float((values * mask).sum() / n_tokens)
-            metrics["critic/returns_mean"] = float((returns * mask).sum() / n_tokens)
+        mask = batch.loss_mask
+        kl = None
+        if scores.ref_logprobs is not None:
+            kl = kl_penalty(scores.old_logprobs, scores.ref_logprobs, kind=algo.kl_kind, mask=mask)
+        advantages = compute_advantages(batch, algo, scores.values, kl)
+        n_tokens = mask.sum().clamp(min=1)
+        metrics["actor/advantage_mean"] = float((advantages.advantages * mask).sum() / n_tokens)
+        metrics["actor/advantage_abs_mean"] = float((advantages.advantages.abs() * mask).sum() / n_tokens)
+        if scores.values is not None:
+            metrics["critic/values_mean"] = float((scores.values * mask).sum() / n_tokens)
+            metrics["critic/returns_mean"] = float((advantages.returns * mask).sum() / n_tokens)
 
         # 6. PPO epochs
         start = time.time()
@@ -351,8 +392,9 @@ class Recipe:
         if self.critic is not None:
             self.critic.train()
         train_actor = step >= algo.critic_warmup_steps
-        inputs = UpdateInputs(batch, old_logprobs, advantages.detach(), returns.detach(), values, ref_logprobs)
-        with self.autocast():
+        inputs = UpdateInputs(batch, scores.old_logprobs, advantages.advantages, advantages.returns, scores.values,
+                              scores.ref_logprobs, advantages.sample_weights)
+        with self.precision():
             metrics.update(ppo_epochs(
                 self.actor, self.critic, inputs, algo, config.optim,
                 self.actor_optimizer if train_actor else None, self.critic_optimizer,
@@ -361,26 +403,14 @@ class Recipe:
         if train_actor:
             self.actor_scheduler.step()
         self.actor.eval()
-        update_s = self._timed("update_s", start)
+        update_s = self._timed("update_s", time.time() - start)
         metrics["timing/update_s"] = update_s
         metrics["throughput/trained_tokens_per_s"] = float(batch.attention_mask.sum()) * algo.ppo_epochs / max(update_s, 1e-9)
         metrics["actor/lr"] = self.actor_scheduler.get_last_lr()[0]
         if self.device.type == "cuda":
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         metrics["timing/step_s"] = time.time() - step_start
-        return metrics
-
-    def _select(self, rewards: torch.Tensor, groups: torch.Tensor, trajectories: list[Trajectory]):
-        f = self.config.algorithm.filter
-        # FilterConfig.value above 1 is a count of groups, at most 1 a share.
-        value: float | int = int(f.value) if f.method == "top_k" and f.value > 1 else f.value
-        scores = None  # select_groups scores a group by its reward std unless given other scores
-        if f.metric != "reward_std":
-            per_sample = rewards if f.metric == "reward_mean" else torch.tensor(
-                [float(sum(len(turn.response_ids) for turn in t.turns)) for t in trajectories])
-            scores = group_stats(per_sample, groups).mean
-        return select_groups(groups, rewards=rewards, scores=scores, strategy=f.method, value=value,
-                             weighting=f.weighting, drop_zero_variance=f.drop_zero_variance, on_empty=f.on_empty)
+        return StepOutput(metrics, rollout.trajectories)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
@@ -391,11 +421,12 @@ class Recipe:
             "summary": self.summary,
             "timings": self.timings,
         }
-        return save_checkpoint(self.run_dir, step, self.actor, self.tokenizer, state, critic=self.critic)
+        return save_checkpoint(self.run_dir, step, self.actor, self.processor or self.tokenizer, state,
+                               critic=self.critic)
 
-    def write_summary(self) -> Path:
+    def write_summary(self, total_s: float) -> Path:
         self.summary["timings_s"] = {k: round(v, 2) for k, v in self.timings.items()}
-        self.summary["total_s"] = round(time.time() - self.start_time, 2)
+        self.summary["total_s"] = round(total_s, 2)
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(self.summary, indent=2))
         return path
@@ -406,58 +437,80 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     """``turnrl sft``: warm up the configured model and save it under the run directory."""
     if data is not None:
         config.sft.data = data
-    config.sft.enabled = True
-    path = Recipe(config).run_sft()
+    seed_everything(config.seeds.seed)
+    run_dir = Path(config.run.output_dir) / config.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    path = sft_stage(config, run_dir).model_path
     console.print(f"SFT model written to {path}")
     return path
 
 
+def _validate_and_write(recipe: Recipe, logger: MetricsLogger, step: int, name: str) -> dict[str, float]:
+    output = recipe.validate()
+    logger.log(step, output.metrics)
+    write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=name)
+    return output.metrics
+
+
+def _every(n: int) -> Callable[[int], bool]:
+    return lambda count: n > 0 and count % n == 0
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
     """SFT (when enabled), validation, ``run.steps`` RL steps, validation, summary."""
-    recipe = Recipe(config)
+    start = time.time()
+    run_dir = Path(config.resume) if config.resume else Path(config.run.output_dir) / config.run.name
+    resumed = config.resume is not None
+    sft = None
+    if config.sft.enabled and not resumed:
+        seed_everything(config.seeds.seed)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        sft = sft_stage(config, run_dir)
+    recipe = Recipe(config, start_model=sft.model_path if sft is not None else None)
+    if sft is not None:
+        recipe.summary.update(sft.metrics)
+        recipe._timed("sft_s", sft.seconds)
     console.print(f"[bold]turnrl train[/bold] {config.run.name}: {config.env.id}, {config.algorithm.advantage}, "
                   f"run dir {recipe.run_dir}")
-    resumed = recipe.checkpoint is not None
-    if config.sft.enabled and not resumed:
-        recipe.run_sft()
-    recipe.setup_rl()
     logger = MetricsLogger(recipe.run_dir, config.run.tensorboard, config.run.wandb_project,
                            config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))), resume=resumed)
 
     if not resumed:
-        before = recipe.validate()
-        logger.log(0, before)
+        before = _validate_and_write(recipe, logger, 0, "val_before_rl.jsonl")
         recipe.summary["val_success_before_rl"] = before["val/success"]
-        write_trajectories(recipe.last_val_trajectories, recipe.run_dir / "trajectories", name="val_before_rl.jsonl")
         console.print(f"validation success before RL: [bold]{before['val/success']:.3f}[/bold]")
 
+    validate_now, save_now = _every(config.validation.every), _every(config.run.save_every)
+    write_now = _every(config.run.trajectories_every)
     columns = [TextColumn("[bold]rl[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("", total=config.run.steps, completed=recipe.first_step)
         for step in range(recipe.first_step, config.run.steps):
-            metrics = recipe.step(step)
-            if config.validation.every and (step + 1) % config.validation.every == 0 and step + 1 < config.run.steps:
-                metrics.update(recipe.validate())
+            output = recipe.step(step)
+            metrics = output.metrics
+            last = step + 1 == config.run.steps
+            if validate_now(step + 1) and not last:
+                metrics.update(recipe.validate().metrics)
             logger.log(step + 1, metrics)
-            if config.run.trajectories_every and step % config.run.trajectories_every == 0:
-                write_trajectories(recipe.last_trajectories, recipe.run_dir / "trajectories", name=f"step_{step:06d}.jsonl")
+            if write_now(step):
+                write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=f"step_{step:06d}.jsonl")
             progress.update(task, advance=1, description=(
                 f"success {metrics.get('rollout/success', 0):.2f} reward {metrics.get('rollout/reward_mean', 0):.2f}"))
-            if config.run.save_every and (step + 1) % config.run.save_every == 0 and step + 1 < config.run.steps:
+            if save_now(step + 1) and not last:
                 recipe.save(step)
 
-    after = recipe.validate()
-    logger.log(config.run.steps, after)
+    after = _validate_and_write(recipe, logger, config.run.steps, "val_after_rl.jsonl")
     recipe.summary["val_success_after_rl"] = after["val/success"]
     recipe.summary["val_after_rl"] = after
     recipe.summary["steps"] = config.run.steps
-    write_trajectories(recipe.last_val_trajectories, recipe.run_dir / "trajectories", name="val_after_rl.jsonl")
-    recipe.save(config.run.steps - 1) if config.run.steps > 0 else None
-    path = recipe.write_summary()
+    if config.run.steps > 0:
+        recipe.save(config.run.steps - 1)
+    path = recipe.write_summary(time.time() - start)
     logger.close()
-    before_text = recipe.summary.get("val_success_before_rl")
-    console.print(f"validation success before RL: {before_text:.3f}, after RL: [bold]{after['val/success']:.3f}[/bold]"
-                  if before_text is not None else f"validation success after RL: {after['val/success']:.3f}")
+    before_value = recipe.summary.get("val_success_before_rl")
+    console.print(f"validation success before RL: {before_value:.3f}, after RL: [bold]{after['val/success']:.3f}[/bold]"
+                  if before_value is not None else f"validation success after RL: {after['val/success']:.3f}")
     console.print(f"summary: {path}")
     return recipe.summary

@@ -1,0 +1,202 @@
+"""The reward seam: named rewards, weights, loading reward functions by name, failures as data."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+
+from tests.rollout.test_runner import CounterEnv, TextPolicy, answer
+from turnrl.agent.formats import ParsedResponse, get_format
+from turnrl.config import AgentConfig, ConfigError, RewardsConfig, RewardSpec, SamplingConfig
+from turnrl.envs.base import StateFacts
+from turnrl.rewards import FinishedTurn, Rewards, load_reward_fn
+from turnrl.rewards.shaping import OverlongPenalty
+from turnrl.rollout.metrics import rollout_metrics
+from turnrl.rollout.runner import EpisodeSlot, Rollout
+
+
+def finished(response: str = "r", env_reward: float = 0.0, format_reward: float = 0.0, tokens: int = 3) -> FinishedTurn:
+    return FinishedTurn(
+        env_id="Counter", seed=0, turn=0, observation="o", response=response, response_tokens=tokens,
+        finish_reason="stop", parsed=ParsedResponse((), {}, True), actions=(), actions_valid=(),
+        env_reward=env_reward, format_reward=format_reward, terminated=False, success=False,
+    )
+
+
+# --------------------------------------------------------------------------- reward functions of the tests
+CALLS: list[int] = []
+
+
+def response_length(turns: Sequence[FinishedTurn], scale: float = 1.0) -> list[float]:
+    """A reward function: the response's length in characters, times ``scale``."""
+    CALLS.append(len(turns))
+    return [scale * len(turn.response) for turn in turns]
+
+
+def explodes(turns: Sequence[FinishedTurn]) -> list[float]:
+    raise RuntimeError("judge unreachable")
+
+
+class Counted:
+    """A reward class that sees state facts: 1 when the counter went up."""
+
+    needs_state_facts = True
+
+    def __init__(self, bonus: float = 1.0) -> None:
+        self.bonus = bonus
+        self.seen: list[tuple[StateFacts | None, StateFacts | None]] = []
+
+    def __call__(self, turns):
+        self.seen.extend((turn.facts_before, turn.facts_after) for turn in turns)
+        return [self.bonus * float(turn.facts_before != turn.facts_after) for turn in turns]
+
+
+# --------------------------------------------------------------------------- scoring
+def test_turn_reward_is_the_weighted_sum_of_named_rewards():
+    config = RewardsConfig(env_weight=0.8, format_weight=0.2, extra=[
+        RewardSpec(name="length", fn="tests.rewards.test_base:response_length", weight=0.5, settings={"scale": 2.0})])
+    (scores,) = Rewards(config).score([finished("abcd", env_reward=1.0, format_reward=0.5)])
+    assert scores.rewards == {"env": 1.0, "format": 0.5, "length": 8.0}
+    assert scores.reward == pytest.approx(0.8 * 1.0 + 0.2 * 0.5 + 0.5 * 8.0)
+    assert scores.errors == []
+
+
+def test_each_reward_function_is_called_once_per_batch_of_turns():
+    CALLS.clear()
+    rewards = Rewards(extra={"length": response_length})
+    rewards.score([finished("a"), finished("bb"), finished("ccc")])
+    rewards.score([])
+    assert CALLS == [3]
+
+
+@pytest.mark.parametrize(
+    ("fn", "why"),
+    [
+        (explodes, "RuntimeError: judge unreachable"),
+        (lambda turns: [1.0], "returned 1 scores for 2 turns"),
+        (lambda turns: [1.0, math.nan], "non-finite"),
+        (lambda turns: ["yes", 1.0], "ValueError"),
+    ],
+)
+def test_a_failing_reward_function_scores_on_error_and_marks_every_turn(fn, why):
+    config = RewardsConfig(on_error=-0.5)
+    scores = Rewards(config, extra={"judge": fn}).score([finished(env_reward=1.0), finished()])
+    for turn_scores, env in zip(scores, (1.0, 0.0)):
+        assert turn_scores.rewards["judge"] == -0.5
+        assert turn_scores.reward == pytest.approx(env - 0.5)
+        assert len(turn_scores.errors) == 1 and turn_scores.errors[0].startswith("judge: ") and why in turn_scores.errors[0]
+
+
+def test_reward_names_must_be_unique():
+    with pytest.raises(ConfigError, match="used twice"):
+        Rewards(extra={"env": response_length})
+    spec = RewardSpec(name="x", fn="tests.rewards.test_base:response_length")
+    with pytest.raises(ConfigError, match="used twice"):
+        Rewards(RewardsConfig(extra=[spec, spec]))
+
+
+# --------------------------------------------------------------------------- loading
+def test_load_reward_fn_takes_functions_classes_and_builtin_names():
+    fn = load_reward_fn(RewardSpec(name="n", fn="tests.rewards.test_base:response_length", settings={"scale": 3.0}))
+    assert fn([finished("ab")]) == [6.0]
+    counted = load_reward_fn(RewardSpec(name="c", fn="tests.rewards.test_base:Counted", settings={"bonus": 2.0}))
+    assert isinstance(counted, Counted) and counted.bonus == 2.0
+    overlong = load_reward_fn(RewardSpec(name="o", fn="overlong", settings={"max_tokens": 10, "buffer": 4}))
+    assert isinstance(overlong, OverlongPenalty)
+
+
+@pytest.mark.parametrize(
+    ("fn", "settings", "match"),
+    [
+        ("no_colon", {}, "neither a built-in reward"),
+        ("tests.rewards.nowhere:fn", {}, "cannot load"),
+        ("tests.rewards.test_base:missing", {}, "cannot load"),
+        ("tests.rewards.test_base:response_length", {"sclae": 1.0}, "bad settings"),
+        ("tests.rewards.test_base:Counted", {"bonus": 1, "other": 2}, "bad settings"),
+        ("tests.rewards.test_base:CALLS", {}, "not callable"),
+    ],
+)
+def test_load_reward_fn_errors_say_what_is_wrong(fn, settings, match):
+    with pytest.raises(ConfigError, match=match):
+        load_reward_fn(RewardSpec(name="r", fn=fn, settings=settings))
+
+
+# --------------------------------------------------------------------------- in the rollout
+class FactsCounter(CounterEnv):
+    def state_facts(self):
+        return StateFacts(player=None, extra={"count": self.count})
+
+
+def play(rewards: Rewards, respond, n: int = 3, max_turns: int = 3):
+    agent = AgentConfig(format="no_think", max_turns=max_turns, format_reward=0.5)
+    rollout = Rollout(TextPolicy(respond), get_format("no_think"), agent, "Counter", rewards=rewards)
+    slots = [EpisodeSlot(env=FactsCounter(), seed=i, group=i) for i in range(n)]
+    return rollout.run(slots, SamplingConfig())
+
+
+def test_rollout_records_named_rewards_and_uses_the_weighted_sum():
+    CALLS.clear()
+    config = RewardsConfig(env_weight=2.0, extra=[
+        RewardSpec(name="length", fn="tests.rewards.test_base:response_length", weight=0.01)])
+    trajectories = play(Rewards(config), answer("inc"))
+    assert CALLS == [3, 3, 3]  # one call per round, every episode's turn at once
+    for trajectory in trajectories:
+        for turn in trajectory.turns:
+            length = len("<answer>inc</answer>")
+            assert turn.rewards == {"env": pytest.approx(0.1), "format": 0.5, "length": float(length)}
+            assert turn.reward == pytest.approx(2.0 * 0.1 + 0.5 + 0.01 * length)
+        # the next observation tells the weighted reward
+        assert f"Last reward: {trajectory.turns[0].reward:g}." in trajectory.turns[1].observation
+    metrics = rollout_metrics(trajectories)
+    assert metrics["reward_length_mean"] == pytest.approx(3 * 20.0)
+    assert metrics["reward_env_mean"] == pytest.approx(0.3)
+    assert metrics["reward_errors"] == 0.0
+    json_turn = trajectories[0].to_json()["turns"][0]
+    assert json_turn["rewards"]["length"] == 20.0 and json_turn["reward"] == pytest.approx(trajectories[0].turns[0].reward)
+
+
+def test_a_failing_reward_function_never_stops_the_rollout_and_is_counted():
+    trajectories = play(Rewards(extra={"judge": explodes}), answer("inc"))
+    assert all(t.status != "error" and len(t.turns) == 3 for t in trajectories)
+    for turn in (turn for t in trajectories for turn in t.turns):
+        assert turn.rewards["judge"] == 0.0
+        assert turn.reward_errors == ["judge: RuntimeError: judge unreachable"]
+    assert rollout_metrics(trajectories)["reward_errors"] == 9.0
+    assert trajectories[0].to_json()["turns"][0]["reward_errors"] == ["judge: RuntimeError: judge unreachable"]
+
+
+def test_reward_functions_that_ask_get_state_facts_before_and_after_the_steps():
+    counted = Counted()
+    trajectories = play(Rewards(extra={"went_up": counted}), lambda r: "<answer>inc</answer>" if "count=0" in
+                        r.messages[-1]["content"] else "<answer>jam</answer>", n=2, max_turns=2)
+    assert len(counted.seen) == 4
+    assert [(before.extra["count"], after.extra["count"]) for before, after in counted.seen] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    # turn 1: inc changes the count; turn 2: jam is rejected, nothing changes
+    assert [turn.rewards["went_up"] for turn in trajectories[0].turns] == [1.0, 0.0]
+
+
+def test_without_reward_functions_no_state_facts_are_asked():
+    class NoFacts(CounterEnv):
+        def state_facts(self):
+            raise AssertionError("state_facts called although no reward needs it")
+
+    agent = AgentConfig(format="no_think", max_turns=2)
+    rollout = Rollout(TextPolicy(answer("inc")), get_format("no_think"), agent, "Counter")
+    (trajectory,) = rollout.run([EpisodeSlot(env=NoFacts(), seed=0)], SamplingConfig())
+    assert trajectory.status != "error" and len(trajectory.turns) == 2
+
+
+# --------------------------------------------------------------------------- shaping
+@pytest.mark.parametrize(("length", "expected"), [(0, 0.0), (6, 0.0), (7, -0.25), (9, -0.75), (10, -1.0), (11, -1.0)])
+def test_overlong_penalty_by_hand(length, expected):
+    assert OverlongPenalty(max_tokens=10, buffer=4).penalty(length) == pytest.approx(expected)
+    assert OverlongPenalty(10, 4)([finished(tokens=length)]) == [pytest.approx(expected)]
+
+
+def test_overlong_penalty_refuses_a_buffer_outside_the_limit():
+    with pytest.raises(ValueError, match="buffer"):
+        OverlongPenalty(max_tokens=10, buffer=0)
+    with pytest.raises(ValueError, match="buffer"):
+        OverlongPenalty(max_tokens=10, buffer=11)

@@ -1,0 +1,210 @@
+"""The reward seam: every turn gets named rewards, and its reward is their weighted sum.
+
+Two named rewards are always there: ``env`` (the env's rewards for the turn's
+steps) and ``format`` (the format reward, or the penalty for a turn without a
+valid action; see :func:`turnrl.agent.formats.turn_format_reward`). Any other
+reward is a :class:`RewardFn`: a callable that takes a batch of finished
+turns and returns one score per turn. The rollout calls each reward function
+once per round of turns (all the episodes that acted in that round), so a
+function that asks a model or a server can batch its calls.
+
+A reward function that raises, returns the wrong number of scores or a
+non-finite score does not stop the run: every turn of that call gets
+``on_error`` for that reward, the failure is written on the turn
+(``reward_errors``, visible in the trajectories) and counted in the
+``reward_errors`` metric.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from turnrl.agent.formats import ParsedResponse
+from turnrl.config import ConfigError, RewardsConfig, RewardSpec
+from turnrl.envs.base import StateFacts
+
+logger = logging.getLogger(__name__)
+
+ENV = "env"
+FORMAT = "format"
+
+
+@dataclass(frozen=True)
+class FinishedTurn:
+    """What a reward function sees of one turn, after the env stepped its actions."""
+
+    env_id: str
+    seed: int
+    """The episode's env seed."""
+    turn: int
+    """0-based turn number."""
+    observation: str
+    """Text of the user message the response answers."""
+    response: str
+    """The response text."""
+    response_tokens: int
+    """Number of sampled tokens (0 for text-only policies)."""
+    finish_reason: str
+    """``stop`` or ``length`` (cut at max tokens)."""
+    parsed: ParsedResponse
+    """Actions and reasoning fields of the response."""
+    actions: tuple[str, ...]
+    """Actions stepped, in order."""
+    actions_valid: tuple[bool, ...]
+    """Whether the env accepted each of them."""
+    env_reward: float
+    """The env's rewards for these steps, summed (the ``env`` reward)."""
+    format_reward: float
+    """The ``format`` reward."""
+    terminated: bool
+    """The env ended the episode during this turn."""
+    success: bool
+    """The env reports success after this turn."""
+    facts_before: StateFacts | None = None
+    """``env.state_facts()`` before the turn's first step; None unless a reward function asks for facts."""
+    facts_after: StateFacts | None = None
+    """``env.state_facts()`` after the turn's last step; None unless a reward function asks for facts."""
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """A named reward: one score per finished turn.
+
+    Set an attribute ``needs_state_facts = True`` on the function (or class)
+    to receive ``facts_before`` and ``facts_after``; they cost a call to the
+    env's ``state_facts()`` per turn, so the rollout skips them otherwise.
+    """
+
+    def __call__(self, turns: Sequence[FinishedTurn]) -> Sequence[float]: ...
+
+
+@dataclass
+class TurnScores:
+    """The named rewards of one turn and their weighted sum."""
+
+    rewards: dict[str, float]
+    """Unweighted score of every named reward (``env``, ``format``, and each added one)."""
+    reward: float
+    """The turn reward: ``sum(weight[name] * rewards[name])``."""
+    errors: list[str] = field(default_factory=list)
+    """Reward functions that failed on this turn, with why."""
+
+
+class Rewards:
+    """The rewards of a run: ``env`` and ``format`` with their weights, plus the added reward functions.
+
+    Args:
+        config: weights, added rewards (``module:callable`` or a built-in name) and the score on error.
+        extra: reward functions given as objects, by name (tests, or code that builds its own), added to
+            those of ``config`` with the weight 1.
+    """
+
+    def __init__(self, config: RewardsConfig | None = None, extra: dict[str, RewardFn] | None = None) -> None:
+        config = config or RewardsConfig()
+        self.on_error = config.on_error
+        self.weights: dict[str, float] = {ENV: config.env_weight, FORMAT: config.format_weight}
+        self.functions: dict[str, RewardFn] = {}
+        for spec in config.extra:
+            self._add(spec.name, load_reward_fn(spec), spec.weight)
+        for name, fn in (extra or {}).items():
+            self._add(name, fn, 1.0)
+
+    def _add(self, name: str, fn: RewardFn, weight: float) -> None:
+        if name in self.weights:
+            raise ConfigError(f"reward name {name!r} is used twice; names must be unique (env and format are taken)")
+        self.weights[name] = weight
+        self.functions[name] = fn
+
+    @property
+    def names(self) -> list[str]:
+        """Every named reward, ``env`` and ``format`` first."""
+        return list(self.weights)
+
+    @property
+    def needs_state_facts(self) -> bool:
+        return any(getattr(fn, "needs_state_facts", False) for fn in self.functions.values())
+
+    def score(self, turns: Sequence[FinishedTurn]) -> list[TurnScores]:
+        """Every named reward of every turn (one call per reward function), and the weighted sums."""
+        named: list[dict[str, float]] = [{ENV: turn.env_reward, FORMAT: turn.format_reward} for turn in turns]
+        errors: list[list[str]] = [[] for _ in turns]
+        for name, fn in self.functions.items():
+            if not turns:
+                break
+            values, error = _call(fn, turns)
+            if error is not None:
+                logger.warning("reward %r failed on %d turns (scored %s): %s", name, len(turns), self.on_error, error)
+                values = [self.on_error] * len(turns)
+                for turn_errors in errors:
+                    turn_errors.append(f"{name}: {error}")
+            for rewards, value in zip(named, values):
+                rewards[name] = value
+        return [self._weighted(rewards, turn_errors) for rewards, turn_errors in zip(named, errors)]
+
+    def base_scores(self, env_reward: float, format_reward: float) -> TurnScores:
+        """The scores of a turn that no reward function sees (its policy or env failed)."""
+        return self._weighted({ENV: env_reward, FORMAT: format_reward}, [])
+
+    def _weighted(self, rewards: dict[str, float], errors: list[str]) -> TurnScores:
+        total = sum(self.weights[name] * value for name, value in rewards.items())
+        return TurnScores(rewards, total, errors)
+
+
+def _call(fn: RewardFn, turns: Sequence[FinishedTurn]) -> tuple[list[float], str | None]:
+    """The scores of one reward function, or why it failed."""
+    try:
+        values = [float(value) for value in fn(turns)]
+    except Exception as error:  # a failing reward marks its turns; it never stops the run
+        return [], f"{type(error).__name__}: {error}"
+    if len(values) != len(turns):
+        return [], f"returned {len(values)} scores for {len(turns)} turns"
+    bad = [value for value in values if not math.isfinite(value)]
+    if bad:
+        return [], f"returned a non-finite score ({bad[0]})"
+    return values, None
+
+
+# --------------------------------------------------------------------------- loading
+BUILTIN_REWARDS: dict[str, str] = {
+    "overlong": "turnrl.rewards.shaping:OverlongPenalty",
+}
+"""Short names of the reward functions that come with turnrl."""
+
+
+def load_reward_fn(spec: RewardSpec) -> RewardFn:
+    """The reward function ``spec.fn`` names: a built-in name or ``module:attribute``.
+
+    A class is instantiated with ``spec.settings``; a function gets them as
+    keyword arguments on every call.
+    """
+    target = BUILTIN_REWARDS.get(spec.fn, spec.fn)
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(
+            f"rewards.extra {spec.name!r}: fn={spec.fn!r} is neither a built-in reward "
+            f"({', '.join(BUILTIN_REWARDS)}) nor of the form module:attribute"
+        )
+    try:
+        obj: Any = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"rewards.extra {spec.name!r}: cannot load {target!r}: {error}") from error
+    try:
+        if inspect.isclass(obj):
+            fn = obj(**spec.settings)
+        elif spec.settings:
+            inspect.signature(obj).bind(None, **spec.settings)  # unknown settings fail now, not mid-run
+            fn = functools.update_wrapper(functools.partial(obj, **spec.settings), obj)
+        else:
+            fn = obj
+    except TypeError as error:
+        raise ConfigError(f"rewards.extra {spec.name!r}: bad settings {spec.settings} for {target!r}: {error}") from error
+    if not callable(fn):
+        raise ConfigError(f"rewards.extra {spec.name!r}: {target!r} is not callable")
+    return fn
