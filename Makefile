@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build is enough for the quickstart and the tests; pass TORCH=torch to take your platform's default build.
 TORCH ?= torch==2.13.0
 
-.PHONY: quickstart test test-slow bench clean
+.PHONY: quickstart check test test-slow clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,11 +17,17 @@ $(VENV)/.installed: pyproject.toml
 quickstart: $(VENV)/.installed
 	$(VENV)/bin/turnrl train --config configs/quickstart.yaml
 
-test: $(VENV)/.installed
+# Lint, one-way imports (the layers in pyproject.toml) and types, over the package.
+check: $(VENV)/.installed
+	$(VENV)/bin/ruff check turnrl
+	$(VENV)/bin/lint-imports --no-logo --cache-dir .import_linter_cache
+	$(VENV)/bin/mypy
+
+test: check
 	$(PY) -m pytest -q -m "not slow"
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

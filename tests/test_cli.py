@@ -179,7 +179,7 @@ def test_render_honours_settings(tmp_path):
     ("argv", "needle"),
     [
         (["render", "Nope", "-o", "x.png"], "unknown env 'Nope'"),
-        (["render", "FrozenLake", "-o", "x.png", "mode=text"], "draws no image"),
+        (["render", "FrozenLake", "-o", "x.png", "mode=text"], "observes no image"),
         (["render", "FrozenLake", "-o", "x.png", "size=abc"], "size"),
         (["render", "FrozenLake", "-o", "x.png", "colour=red"], "no setting colour"),
     ],
@@ -195,6 +195,31 @@ def test_render_subprocess_error_has_no_traceback(tmp_path):
     assert result.returncode == 1
     assert "error: unknown env 'Nope'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_render_takes_an_env_from_any_module(tmp_path, capsys):
+    # toy_envs.Corridor has text observations only: a clean error, not a KeyError
+    assert "observes no image" in error_exit(["render", "tests.envs.toy_envs:Corridor", "-o", str(tmp_path / "c.png")])
+
+
+# --------------------------------------------------------------------------- check-env
+def test_check_env_passes_a_built_in_env(monkeypatch, capsys):
+    code, out = run_main(["check-env", "Sokoban", "size=7", "num_boxes=2"], monkeypatch, capsys)
+    assert code == 0 and "passes" in out
+
+
+def test_check_env_names_what_a_broken_env_gets_wrong(monkeypatch, capsys):
+    code, out = run_main(["check-env", "tests.envs.toy_envs:BrokenIgnoresSeed"], monkeypatch, capsys)
+    assert code == 1 and "fails the turnrl env contract" in out and "seed" in out
+
+
+def test_check_env_of_a_stochastic_env(monkeypatch, capsys):
+    argv = ["check-env", "FrozenLake", "is_slippery=true"]
+    assert run_main([*argv, "--stochastic"], monkeypatch, capsys)[0] == 0
+
+
+def test_check_env_bad_id_is_a_clean_error():
+    assert "unknown env 'Nope'" in error_exit(["check-env", "Nope"])
 
 
 # --------------------------------------------------------------------------- eval

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 from gymnasium.utils.env_checker import check_env
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -12,10 +14,16 @@ def python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 
 
-def test_extending_examples_run():
-    namespace: dict = {}
+@pytest.fixture(scope="module")
+def namespace() -> dict:
+    """What the Python blocks of docs/extending.md define, run once in order."""
+    names: dict = {}
     for block in python_blocks(DOCS / "extending.md"):
-        exec(compile(block, "extending.md", "exec"), namespace)
+        exec(compile(block, "extending.md", "exec"), names)
+    return names
+
+
+def test_extending_examples_run(namespace):
     env = namespace["CorridorEnv"]()
     check_env(env, skip_render_check=True)
     env.reset(seed=3)
@@ -25,3 +33,17 @@ def test_extending_examples_run():
     fmt = namespace["plan_then_act"]
     parsed = fmt.parse(fmt.render(["Left", "Right"]), ["Left", "Right"])
     assert parsed.format_ok and parsed.actions == ("Left", "Right")
+
+
+def test_extending_reward_example_scores_turns(namespace):
+    from turnrl.agent.formats import ParsedResponse
+    from turnrl.rewards import FinishedTurn, Rewards
+
+    turns = [
+        FinishedTurn(env_id="Corridor", seed=0, turn=0, observation="o", response=text, response_tokens=1,
+                     finish_reason="stop", parsed=ParsedResponse((), {}, True), actions=(), actions_valid=(),
+                     env_reward=0.0, format_reward=0.0, terminated=False, success=False)
+        for text in ("short", "x" * 500)
+    ]
+    scores = Rewards(extra={"brevity": namespace["brevity"]}).score(turns)
+    assert [s.rewards["brevity"] for s in scores] == [0.0, -1.0]

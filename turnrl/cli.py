@@ -3,6 +3,7 @@
     turnrl envs                                   list the environments
     turnrl play ENV [--seed N] [key=value ...]    play an env in the terminal
     turnrl render ENV --seed N -o out.png         draw an env's first frame
+    turnrl check-env ENV [key=value ...]          check an env against the contract
     turnrl eval --env ENV --policy P --episodes N evaluate a policy
     turnrl sft --config X.yaml [key=value ...]    supervised warm start
     turnrl train --config X.yaml [key=value ...]  RL training (SFT first when configured)
@@ -17,8 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -123,24 +125,37 @@ def cmd_play(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    settings = parse_settings(args.settings)
-    from turnrl.envs.registry import env_class
+    from turnrl.envs.registry import builtin_name, env_class
 
-    try:
-        cls = env_class(args.env)
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from error
-    if "mode" not in settings:
-        image_modes = [m for m in cls.modes if m != "text"]
+    settings = parse_settings(args.settings)
+    name = builtin_name(args.env)
+    if name is not None and "mode" not in settings:  # a built-in env draws in its first image mode
+        modes = env_class(name).modes
+        image_modes = [m for m in modes if m != "text"]
         if not image_modes:
-            raise SystemExit(f"error: {args.env} has no image mode (modes: {', '.join(cls.modes)})")
+            raise SystemExit(f"error: {args.env} has no image mode (modes: {', '.join(modes)})")
         settings["mode"] = image_modes[0]
     env = _make_env(args.env, settings)
-    if not env.is_image_mode:
-        raise SystemExit(f"error: mode {env.mode!r} draws no image; pick one of {[m for m in cls.modes if m != 'text']}")
     obs, _ = env.reset(seed=args.seed)
+    if "image" not in obs:
+        hint = f"; pick one of {[m for m in env_class(name).modes if m != 'text']}" if name else ""
+        raise SystemExit(f"error: {args.env} with {settings} observes no image{hint}")
     _save_png(obs["image"], Path(args.output))
     console.print(f"wrote {args.output} ({obs['image'].shape[1]}x{obs['image'].shape[0]})")
+    return 0
+
+
+def cmd_check_env(args: argparse.Namespace) -> int:
+    from turnrl.envs import EnvCheckError, check_env
+
+    env = _make_env(args.env, parse_settings(args.settings))
+    try:
+        check_env(env, seed=args.seed, deterministic=not args.stochastic)
+    except EnvCheckError as error:
+        console.print(f"[bold red]{args.env} fails the turnrl env contract[/bold red]")
+        console.print(str(error), markup=False)
+        return 1
+    console.print(f"[bold green]{args.env} passes[/bold green] Gymnasium's checker and turnrl's contract checks")
     return 0
 
 
@@ -198,7 +213,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_policy(args: argparse.Namespace) -> int:
-    from turnrl.policy.server import serve
+    from turnrl.serve.policy import serve
 
     serve(model_path=args.model, host=args.host, port=args.port, device=args.device, max_batch_size=args.max_batch_size)
     return 0
@@ -206,7 +221,9 @@ def cmd_serve_policy(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- wiring
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="turnrl", description="Multi-turn RL for language and vision-language agents.")
+    parser = argparse.ArgumentParser(
+        prog="turnrl", description="Multi-turn RL for language and vision-language agents."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("envs", help="list environments with their modes and settings")
@@ -225,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True)
     p.add_argument("settings", nargs="*", help="env settings as key=value")
     p.set_defaults(fn=cmd_render)
+
+    p = sub.add_parser("check-env", help="check an env against turnrl's contract (and Gymnasium's checker)")
+    p.add_argument("env", help="a built-in name, module:Class, or a registered Gymnasium id")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stochastic", action="store_true", help="the env is random given its seed and actions "
+                   "(e.g. slippery FrozenLake): do not require the solver's plan to succeed")
+    p.add_argument("settings", nargs="*", help="env settings as key=value")
+    p.set_defaults(fn=cmd_check_env)
 
     p = sub.add_parser("eval", help="evaluate a policy on validation seeds")
     p.add_argument("--env", required=True)

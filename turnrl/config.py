@@ -9,9 +9,10 @@ a message that lists what is allowed.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Collection, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -113,7 +114,8 @@ class RewardsConfig:
     """Weight of the format reward and the no-valid-action penalty (``agent.format_reward``,
     ``agent.no_action_penalty``; VisGym's recipe: 0.2)."""
     extra: list[RewardSpec] = field(default_factory=list)
-    """Added rewards, e.g. ``[{name: overlong, fn: overlong, weight: 1.0, settings: {max_tokens: 256, buffer: 64}}]``."""
+    """Added rewards, e.g.
+    ``[{name: overlong, fn: overlong, weight: 1.0, settings: {max_tokens: 256, buffer: 64}}]``."""
     on_error: float = 0.0
     """Score of a turn whose reward function failed (the failure is recorded and counted)."""
 
@@ -248,7 +250,7 @@ def _format_omegaconf_error(error: OmegaConfBaseException) -> str:
 def _allowed_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for f in fields(cls):
-        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        default = f.default_factory() if callable(f.default_factory) else f.default
         if is_dataclass(default):
             keys.extend(_allowed_keys(type(default), f"{prefix}{f.name}."))
         else:

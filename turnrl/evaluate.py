@@ -85,7 +85,9 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     rollout = Rollout(policy, fmt, config.agent, env_id=config.env.id, rewards=Rewards(config.rewards))
 
     trajectories: list[Trajectory] = []
-    columns = [TextColumn("[bold]eval[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    columns = [
+        TextColumn("[bold]eval[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    ]
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task(f"{config.env.id} / {config.policy}", total=len(slots))
         for start in range(0, len(slots), config.batch_size):

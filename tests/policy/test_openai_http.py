@@ -25,7 +25,7 @@ from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.base import GenerationRequest, Policy
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.openai_http import OpenAIPolicy, chat_completions_url, parse_retry_after
-from turnrl.policy.server import create_app
+from turnrl.serve.policy import create_app
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 
 MODEL = "tiny"

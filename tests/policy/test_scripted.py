@@ -13,7 +13,7 @@ from turnrl.config import SamplingConfig
 from turnrl.envs import make
 from turnrl.envs.registry import env_names
 from turnrl.policy.base import GenerationRequest
-from turnrl.policy.scripted import ExpertPolicy, RandomPolicy, expert_fields
+from turnrl.policy.scripted import ExpertPolicy, RandomPolicy
 
 # The visgym_tuple format carries one tuple literal, e.g. ('move', 0); a free-form
 # Countdown equation has no such spelling, so that one pairing cannot work.
@@ -72,25 +72,6 @@ def test_expert_reasoning_fields_come_from_state_facts(fmt_name):
     assert ", ".join(actions) in reasoning
     # Predicting works on a copy: the env the expert looked at did not move.
     assert env.state_facts().describe() == before
-
-
-def test_expert_think_holds_the_observation_when_the_format_has_no_observation_tag():
-    env = make("FrozenLake")
-    env.reset(seed=2)
-    fields = expert_fields(env, ["Right"], ("think", "answer"))
-    assert fields["think"].startswith(env.state_facts().describe())
-    assert "Right" in fields["think"]
-
-
-def test_expert_prediction_stops_at_the_end_of_the_episode():
-    env = make("FrozenLake")
-    env.reset(seed=2)
-    plan = env.solve()
-    assert len(plan) == 1
-    fields = expert_fields(env, [*plan, "Left", "Left"], ("prediction",))
-    solved = copy.deepcopy(env)
-    solved.step(plan[0])
-    assert fields["prediction"] == solved.state_facts().describe()
 
 
 def test_expert_solves_an_episode_turn_by_turn():

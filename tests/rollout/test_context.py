@@ -624,3 +624,38 @@ def test_random_conversations(toks, name, system, users, answers, end_with_respo
         assert continued_render_ids(tok, chat)[: len(stream)] == stream
     else:
         assert stream == full_render_ids(tok, chat)
+
+
+# --------------------------------------------------------------------------- extra model inputs per turn
+def test_model_inputs_travel_with_their_turns(tiny_tokenizer):
+    import torch
+
+    def inputs(turn: int, images: int) -> dict:
+        return {"pixel_values": torch.full((4 * images, 2), float(turn)), "image_grid_thw": torch.ones(images, 3)}
+
+    tokens = EpisodeTokens(tiny_tokenizer, max_context_window=2)
+    tokens.start("sys", "first", model_inputs=inputs(0, 1))
+    assert tokens.prompt_model_inputs()["pixel_values"][:, 0].tolist() == [0.0] * 4
+    for turn, images in ((1, 2), (2, 1)):
+        tokens.add_response(tiny_tokenizer.encode("ok", add_special_tokens=False) + [tiny_tokenizer.eos_token_id])
+        tokens.add_observation(f"obs {turn}", model_inputs=inputs(turn, images))
+    tokens.add_response(tiny_tokenizer.encode("ok", add_special_tokens=False) + [tiny_tokenizer.eos_token_id])
+    # a window of two turns: each sample carries the inputs of the turns its prompt holds
+    samples = tokens.turn_samples()
+    assert [s.model_inputs["pixel_values"][:, 0].tolist() for s in samples] == [
+        [0.0] * 4, [0.0] * 4 + [1.0] * 8, [1.0] * 8 + [2.0] * 4]
+    assert [len(s.model_inputs["image_grid_thw"]) for s in samples] == [1, 3, 3]
+    unwindowed = EpisodeTokens(tiny_tokenizer)
+    unwindowed.start("sys", "first", model_inputs=inputs(0, 1))
+    unwindowed.add_response([tiny_tokenizer.eos_token_id])
+    unwindowed.add_observation("obs", model_inputs=inputs(1, 2))
+    unwindowed.add_response([tiny_tokenizer.eos_token_id])
+    stream = unwindowed.stream()
+    assert stream.model_inputs["pixel_values"][:, 0].tolist() == [0.0] * 4 + [1.0] * 8
+
+
+def test_text_turns_have_no_model_inputs(tiny_tokenizer):
+    tokens = EpisodeTokens(tiny_tokenizer)
+    tokens.start("sys", "first")
+    tokens.add_response([tiny_tokenizer.eos_token_id])
+    assert tokens.stream().model_inputs == {} and tokens.turn_samples()[0].model_inputs == {}

@@ -255,3 +255,44 @@ def test_collated_trajectory_samples_mark_sampled_tokens_only(played, tiny_token
     rewards = torch.zeros_like(batch.loss_mask)
     rewards[ends] = torch.tensor([r for s in samples for r in s.turn_rewards])
     assert torch.equal(rewards.sum(1), torch.tensor([t.total_reward for t in trajectories], dtype=torch.float32))
+
+
+# --------------------------------------------------------------------------- extra model inputs
+def image_samples() -> list[Sample]:
+    """Samples with 1, 0 and 2 images: pixel rows per image 4, a (t, h, w) grid per image."""
+    samples = make_samples()
+    images = [1, 0, 2]
+    for index, (sample, n) in enumerate(zip(samples, images)):
+        sample.model_inputs = {
+            "pixel_values": torch.full((4 * n, 3), float(index)),
+            "image_grid_thw": torch.tensor([[1, 2, 2]] * n, dtype=torch.long).reshape(n, 3),
+        }
+    return samples
+
+
+def test_collate_concatenates_extra_model_inputs_in_row_order():
+    batch = collate(image_samples(), pad_id=0)
+    assert batch.model_inputs["pixel_values"].shape == (12, 3)
+    assert batch.model_inputs["pixel_values"][:, 0].tolist() == [0.0] * 4 + [2.0] * 8
+    assert batch.model_inputs["image_grid_thw"].shape == (3, 3)
+    assert batch.model_input_rows["pixel_values"].tolist() == [4, 0, 8]
+    assert batch.model_input_rows["image_grid_thw"].tolist() == [1, 0, 2]
+
+
+def test_select_keeps_each_samples_model_inputs():
+    batch = collate(image_samples(), pad_id=0)
+    part = batch.select([2, 0])
+    assert part.model_inputs["pixel_values"][:, 0].tolist() == [2.0] * 8 + [0.0] * 4
+    assert part.model_input_rows["pixel_values"].tolist() == [8, 4]
+    assert part.model_inputs["image_grid_thw"].shape == (3, 3)
+    alone = batch.select([1])
+    assert alone.model_inputs["pixel_values"].shape == (0, 3) and alone.model_input_rows["pixel_values"].tolist() == [0]
+    moved = part.to(torch.device("cpu"))
+    assert torch.equal(moved.model_inputs["pixel_values"], part.model_inputs["pixel_values"])
+
+
+def test_collate_refuses_samples_with_different_model_inputs():
+    samples = image_samples()
+    del samples[1].model_inputs["image_grid_thw"]
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        collate(samples, pad_id=0)

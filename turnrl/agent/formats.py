@@ -390,7 +390,7 @@ class ResponseFormat:
         for action in actions:
             if not isinstance(action, str) or not action.strip() or action != action.strip():
                 raise ValueError(f"actions must be non-empty stripped strings, got {action!r}")
-            if len(actions) > 1 and self.separator in action:
+            if len(actions) > 1 and self.separator is not None and self.separator in action:
                 raise ValueError(f"action {action!r} contains the separator {self.separator!r}")
         if self.action_kind == "tuple":
             actions = [normalize_action_tuple(a) or a for a in actions]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "GroupStats",
+    "Placement",
     "bilevel_gae",
     "broadcast_to_tokens",
     "discounted_reverse_cumsum",
@@ -51,6 +52,8 @@ __all__ = [
     "turn_gae",
     "whiten",
 ]
+
+Placement = Literal["per_turn", "episode_end"]
 
 # Chunk length of the scan: each chunk is one (K x K) triangular matrix product,
 # and the chunk totals are scanned again at the next level (s / K values). 32
@@ -153,8 +156,8 @@ class _Packed(NamedTuple):
     scan needs no padding copy and leaves the zero column at zero.
     """
 
-    index: torch.Tensor  # (b, s) long: packed position, or `width` outside the mask
-    count: torch.Tensor  # (b,) long: masked tokens per row
+    position: torch.Tensor  # (b, s) long: packed position, or `width` outside the mask
+    tokens: torch.Tensor  # (b,) long: masked tokens per row
     width: int  # most masked tokens in any row
     columns: int  # width + 1, rounded up to a multiple of _CHUNK
 
@@ -175,7 +178,7 @@ def _pack(x: torch.Tensor, layout: _Packed, dtype: torch.dtype) -> torch.Tensor:
     """Pack masked entries left. Shape (b, s) -> (b, columns), zero behind each
     row's last masked token."""
     out = torch.zeros(x.shape[0], layout.columns, dtype=dtype, device=x.device)
-    out.scatter_(1, layout.index, x.to(dtype))
+    out.scatter_(1, layout.position, x.to(dtype))
     out[:, layout.width] = 0  # the slot that tokens outside the mask were written to
     return out
 
@@ -183,7 +186,7 @@ def _pack(x: torch.Tensor, layout: _Packed, dtype: torch.dtype) -> torch.Tensor:
 def _unpack(packed: torch.Tensor, layout: _Packed) -> torch.Tensor:
     """Inverse of :func:`_pack`: (b, columns) -> (b, s), zero outside the mask
     (as long as the zero column stayed zero)."""
-    return packed.gather(1, layout.index)
+    return packed.gather(1, layout.position)
 
 
 def _td_errors(
@@ -216,8 +219,8 @@ def _packed_turns(turn_end_mask: torch.Tensor, layout: _Packed) -> _Turns:
     ends = _pack(_as_bool(turn_end_mask), layout, torch.bool)
     # The last masked token of a row always ends a turn (a cut-off response).
     rows = torch.arange(ends.shape[0], device=ends.device)
-    last = (layout.count - 1).clamp(min=0)
-    ends[rows, last] |= layout.count > 0
+    last = (layout.tokens - 1).clamp(min=0)
+    ends[rows, last] |= layout.tokens > 0
     as_int = ends.long()
     before = as_int.cumsum(1)
     n_turns = int(before[:, -1].max().item()) if ends.shape[0] else 0
@@ -444,7 +447,7 @@ def place_rewards(
     turn_rewards: torch.Tensor,
     turn_end_index: torch.Tensor,
     seq_len: int,
-    mode: Literal["per_turn", "episode_end"] = "per_turn",
+    mode: Placement = "per_turn",
 ) -> torch.Tensor:
     """Put turn rewards on the token sequence.
 
@@ -508,7 +511,7 @@ class GroupStats(NamedTuple):
 
     group_ids: torch.Tensor  # (g,) the distinct group ids, ascending
     inverse: torch.Tensor  # (b,) long: row of each sample in group_ids
-    count: torch.Tensor  # (g,) samples per group
+    size: torch.Tensor  # (g,) samples per group
     mean: torch.Tensor  # (g,)
     std: torch.Tensor  # (g,) unbiased (n - 1); 0 for groups of one sample
     deviation: torch.Tensor  # (b,) each score minus its group's mean; exactly 0 in a group of equal scores
@@ -585,7 +588,7 @@ def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Te
         Shape (b,).
     """
     st = group_stats(scores, group_index)
-    n = st.count[st.inverse]
+    n = st.size[st.inverse]
     return st.deviation * n / (n - 1).clamp(min=1)
 
 

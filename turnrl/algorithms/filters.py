@@ -21,9 +21,11 @@ import torch
 
 from turnrl.algorithms.advantages import group_stats
 
-__all__ = ["GroupSelection", "select_groups"]
+__all__ = ["GroupSelection", "OnEmpty", "Strategy", "Weighting", "select_groups"]
 
 Strategy = Literal["top_k", "top_p", "min_p", "none"]
+Weighting = Literal["linear", "softmax"]
+OnEmpty = Literal["skip", "keep_all"]
 
 # Two reward spreads closer than this count as equal: zero variance means
 # "every rollout of the group got the same reward", up to float noise.
@@ -85,11 +87,11 @@ def select_groups(
     scores: torch.Tensor | None = None,
     strategy: Strategy = "top_k",
     value: float | int = 0.25,
-    weighting: Literal["linear", "softmax"] = "linear",
+    weighting: Weighting = "linear",
     temperature: float = 1.0,
     largest: bool = True,
     drop_zero_variance: bool = False,
-    on_empty: Literal["skip", "keep_all"] = "skip",
+    on_empty: OnEmpty = "skip",
 ) -> GroupSelection:
     """Select rollout groups by a per-group score (StarPO-S).
 
@@ -125,13 +127,13 @@ def select_groups(
     if rewards is None and (scores is None or drop_zero_variance):
         raise ValueError("rewards are needed for the reward-std metric and for drop_zero_variance")
     ids, inverse = torch.unique(group_index, sorted=True, return_inverse=True)
-    stats = group_stats(rewards, group_index) if rewards is not None else None
-    score = (scores if scores is not None else stats.std).to(torch.float64)
+    std = group_stats(rewards, group_index).std if rewards is not None else None
+    score = (scores if scores is not None else std).to(torch.float64)  # type: ignore[union-attr]  # checked above
     if score.shape != ids.shape:
         raise ValueError(f"scores must have one entry per group ({ids.numel()}), got {tuple(score.shape)}")
     candidate = torch.ones_like(ids, dtype=torch.bool)
-    if drop_zero_variance:
-        candidate = stats.std > _ZERO_STD
+    if std is not None and drop_zero_variance:
+        candidate = std > _ZERO_STD
     key = score if largest else -score
     # Stable sort of the descending key: equal keys keep ascending id order.
     order = torch.sort(key, descending=True, stable=True).indices

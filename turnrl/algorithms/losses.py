@@ -19,6 +19,8 @@ import torch
 
 __all__ = [
     "AGGREGATIONS",
+    "Aggregation",
+    "KLKind",
     "PolicyLossStats",
     "ValueLossStats",
     "aggregate",
@@ -30,6 +32,7 @@ __all__ = [
 ]
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLKind = Literal["k1", "k2", "k3"]
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
@@ -195,7 +198,7 @@ def value_loss(
 def kl_penalty(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
-    kind: Literal["k1", "k2", "k3"] = "k3",
+    kind: KLKind = "k3",
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens.

@@ -182,7 +182,7 @@ class TurnEnv(gym.Env[dict, str]):
     also implement ``image``; ``state_facts`` and ``solve`` where they exist.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi", "rgb_array"], "render_fps": 4}
+    metadata: dict[str, Any] = {"render_modes": ["ansi", "rgb_array"], "render_fps": 4}  # declared as Gymnasium does
     modes: ClassVar[tuple[str, ...]] = ("text",)
     description: ClassVar[str] = ""
     invalid_action_reward: float = 0.0

@@ -205,7 +205,9 @@ def _step(env: AgentEnv, action: str, report: _Report) -> tuple[dict[str, Any], 
 
 
 def _same_image(a: np.ndarray | None, b: np.ndarray | None) -> bool:
-    return (a is None) == (b is None) and (a is None or np.array_equal(a, b))
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(np.array_equal(a, b))
 
 
 # --------------------------------------------------------------------------- the checks
@@ -217,7 +219,7 @@ def _check_queries(env: AgentEnv, seed: int, report: _Report) -> None:
         report.add(f"instructions() must be a non-empty str (the task for the system prompt), got {text!r}")
     names = env.action_names()
     strs = isinstance(names, list) and all(isinstance(n, str) and n for n in names)
-    distinct_strs = strs and len(set(names)) == len(names)
+    distinct_strs = strs and names is not None and len(set(names)) == len(names)
     if names is not None and not (names and distinct_strs):
         report.add(f"action_names() must be None (free-form actions) or a non-empty list of distinct strs: {names!r}")
     facts = env.state_facts()

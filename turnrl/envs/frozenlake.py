@@ -70,7 +70,7 @@ def move_table(rows: int, cols: int) -> tuple[tuple[int, int, int, int], ...]:
         for dr, dc in _DELTAS:
             nr, nc = r + dr, c + dc
             targets.append(nr * cols + nc if 0 <= nr < rows and 0 <= nc < cols else index)
-        table.append(tuple(targets))
+        table.append((targets[0], targets[1], targets[2], targets[3]))
     return tuple(table)
 
 
@@ -146,7 +146,9 @@ def parse_level(level: str | list[str] | tuple[str, ...]) -> tuple[str, int, int
     starts = [i for i, ch in enumerate(flat) if ch in "PS"]
     goals = [i for i, ch in enumerate(flat) if ch == GOAL]
     if len(starts) != 1 or len(goals) != 1:
-        raise ValueError(f"a FrozenLake level needs exactly one start (P) and one goal (G); got {len(starts)} and {len(goals)}")
+        raise ValueError(
+            f"a FrozenLake level needs exactly one start (P) and one goal (G); got {len(starts)} and {len(goals)}"
+        )
     cells = "".join(_LEVEL_SYMBOLS[ch] for ch in flat)
     return cells, len(rows), cols, starts[0], goals[0]
 
@@ -191,7 +193,9 @@ class FrozenLakeEnv(TurnEnv):
             raise ValueError(f"p_frozen must be in (0, 1], got {p_frozen}")
         if success_rate is not None:
             if not is_slippery:
-                raise ValueError("success_rate only applies to slippery ice; pass is_slippery=True or success_rate=None")
+                raise ValueError(
+                    "success_rate only applies to slippery ice; pass is_slippery=True or success_rate=None"
+                )
             if not 0.0 <= success_rate <= 1.0:
                 raise ValueError(f"success_rate must be in [0, 1] or None, got {success_rate}")
         if not 4 <= cell_px <= 256:
@@ -282,7 +286,8 @@ class FrozenLakeEnv(TurnEnv):
             self._board_image = draw_grid([self._cells[r * n : (r + 1) * n] for r in range(n)], TILES, px)
         frame = self._board_image.copy()
         r, c = divmod(self._player, self.size)
-        frame[r * px : (r + 1) * px, c * px : (c + 1) * px] = draw_grid([[_PLAYER_ON[self._cells[self._player]]]], TILES, px)
+        player = draw_grid([[_PLAYER_ON[self._cells[self._player]]]], TILES, px)
+        frame[r * px : (r + 1) * px, c * px : (c + 1) * px] = player
         # Thin cell borders, so that neighbouring holes stay countable for a vision model.
         frame[::px, :] = GRID_LINE
         frame[:, ::px] = GRID_LINE

@@ -201,7 +201,8 @@ class Maze2DEnv(TurnEnv):
             raise ValueError(f"difficulty must be one of {list(DIFFICULTY_SIZES)}, got {difficulty!r}")
         if size is None:
             size = DIFFICULTY_SIZES[difficulty]
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 5 <= size <= MAX_SIZE or size % 2 == 0:
+        is_int = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
+        if not is_int or not 5 <= size <= MAX_SIZE or size % 2 == 0:
             raise ValueError(f"size must be an odd int from 5 to {MAX_SIZE} (border walls included), got {size!r}")
         if reward_on not in REWARD_RULES:
             raise ValueError(f"reward_on must be one of {list(REWARD_RULES)}, got {reward_on!r}")
@@ -293,7 +294,10 @@ class Maze2DEnv(TurnEnv):
     def instructions(self) -> str:
         n = self.size
         if self.is_image_mode:
-            legend = "In the image, walls are grey, paths are white, you are the blue circle and the target is the red square."
+            legend = (
+                "In the image, walls are grey, paths are white, you are the blue circle "
+                "and the target is the red square."
+            )
         else:
             legend = (
                 "The maze is drawn one row per line: # is a wall, . is a path, A is you, T is the target, "

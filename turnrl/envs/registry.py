@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 import gymnasium as gym
 from gymnasium.envs.registration import load_env_creator
@@ -180,7 +181,8 @@ def _make_registered(env_id: str, settings: dict[str, Any]) -> AgentEnv:
             "(integer actions, array observations) are not agent envs; wrap one in a class that provides "
             "these and pass it as module:Class."
         )
-    return AgentEnvWrapper(env)
+    # Wrapper.step is typed for any action and a SupportsFloat reward; the contract methods are the point here.
+    return cast(AgentEnv, AgentEnvWrapper(env))
 
 
 class AgentEnvWrapper(gym.Wrapper):

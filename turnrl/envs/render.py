@@ -72,11 +72,12 @@ def draw_grid(rows: list[list[str]] | list[str], tiles: dict[str, Tile], cell_px
     frame = np.empty((height * cell_px, width * cell_px, 3), dtype=np.uint8)
     for r, row in enumerate(rows):
         for c, symbol in enumerate(row):
-            frame[r * cell_px : (r + 1) * cell_px, c * cell_px : (c + 1) * cell_px] = _tile_image(tiles[symbol], cell_px)
+            tile = _tile_image(tiles[symbol], cell_px)
+            frame[r * cell_px : (r + 1) * cell_px, c * cell_px : (c + 1) * cell_px] = tile
     return frame
 
 
 @lru_cache(maxsize=8)
-def font(size: int) -> ImageFont.ImageFont:
+def font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
     """Pillow's built-in font at ``size`` pixels (no font files needed)."""
     return ImageFont.load_default(size=size)

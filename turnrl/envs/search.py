@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Hashable, Iterable, TypeVar
+from collections.abc import Callable, Hashable, Iterable
+from typing import TypeVar
 
 State = TypeVar("State", bound=Hashable)
 Label = TypeVar("Label")

@@ -116,7 +116,9 @@ class SokobanEnv(TurnEnv):
     costs -0.1 (``invalid_action_reward``), as a no-op step does in gym-sokoban.
     """
 
-    description: ClassVar[str] = "Sokoban: push every box onto a target (gym-sokoban rules; RAGEN grid, coordinates or images)"
+    description: ClassVar[str] = (
+        "Sokoban: push every box onto a target (gym-sokoban rules; RAGEN grid, coordinates or images)"
+    )
     modes: ClassVar[tuple[str, ...]] = ("text", "image")
     invalid_action_reward: float = STEP_REWARD
 
@@ -318,7 +320,7 @@ def _text_layout(rows: int, cols: int) -> tuple[tuple[int, ...], Callable]:
     ``rows * cols``) that stands for the newline ending each row but the last.
     """
     slot = tuple(cell + cell // cols for cell in range(rows * cols))
-    order = []
+    order: list[int] = []
     for row in range(rows):
         order.extend(range(row * cols, (row + 1) * cols))
         order.append(rows * cols)

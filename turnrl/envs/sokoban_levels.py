@@ -468,7 +468,7 @@ def solve(level: Level, max_states: int = 2_000_000) -> list[int] | None:
     parent = {start: -1}  # state -> previous state * 4 + direction
     frontier = [start]
     while frontier and len(parent) < max_states:
-        following = []
+        following: list[int] = []
         append = following.append
         for state in frontier:
             mask, player = divmod(state, size)

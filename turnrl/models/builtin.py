@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
+from turnrl.agent.expert import expert_fields
 from turnrl.agent.formats import format_names, get_format
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import ModelConfig
 from turnrl.envs import make
 from turnrl.envs.registry import env_names
 from turnrl.models.tiny import build_model
-from turnrl.policy.scripted import expert_fields
 
 # Env settings that change what the text looks like (sizes, vocabularies).
 _VARIANTS: dict[str, list[dict]] = {

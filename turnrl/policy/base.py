@@ -7,12 +7,13 @@ the sampled token ids with their sampling logprobs; HTTP backends read
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from turnrl.config import SamplingConfig
-    from turnrl.envs.base import TurnEnv
+    from turnrl.envs.base import AgentEnv
 
 
 @dataclass
@@ -23,7 +24,7 @@ class GenerationRequest:
     """Token ids of the context, generation prompt included; None for text-only rollouts."""
     messages: list[dict[str, Any]]
     """The same context as chat messages (for HTTP backends and logs)."""
-    env: TurnEnv | None = None
+    env: AgentEnv | None = None
     """The episode's env, for scripted policies that read the state."""
     max_new_tokens: int | None = None
     """Cap below the sampling setting (the context budget may leave less room)."""

@@ -8,7 +8,8 @@ top-k truncation, which is the distribution the PPO ratio is taken against).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -81,7 +82,7 @@ class HFPolicy:
     def __init__(self, model: PreTrainedModel, tokenizer: Any, max_batch_size: int = 64) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token: set tokenizer.pad_token (e.g. to its eos token)")
-        self.model = model
+        self.model: Any = model  # a transformers model; its generate() is what we call
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.eos_ids = end_of_turn_ids(tokenizer, model)
@@ -94,8 +95,8 @@ class HFPolicy:
         tokenizer = AutoTokenizer.from_pretrained(path)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(config.dtype, device)).to(device)
-        model.eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(config.dtype, device))
+        model = model.to(device).eval()
         return cls(model, tokenizer, max_batch_size=max_batch_size)
 
     @property
@@ -142,7 +143,9 @@ class HFPolicy:
             for row, r in enumerate(requests)
         ]
 
-    def _completion(self, tokens: torch.Tensor, logprobs: torch.Tensor, limit: int, sampling: SamplingConfig) -> Completion:
+    def _completion(
+        self, tokens: torch.Tensor, logprobs: torch.Tensor, limit: int, sampling: SamplingConfig
+    ) -> Completion:
         ids = tokens.tolist()[:limit]
         end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_ids), None)
         if sampling.stop:

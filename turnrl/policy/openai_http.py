@@ -24,15 +24,16 @@ identity), not once per turn it is resent.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 import base64
 import email.utils
 import io
 import random
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Sequence, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -274,11 +275,16 @@ class OpenAIPolicy:
         limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
         semaphore = asyncio.Semaphore(self.concurrency)
         timeout = httpx.Timeout(self.timeout_s)
-        async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout, transport=self.transport) as client:
+        client = httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout, transport=self.transport)
+        async with client:
             return list(await asyncio.gather(*(self._complete(client, semaphore, r, sampling) for r in requests)))
 
     async def _complete(
-        self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore, request: GenerationRequest, sampling: SamplingConfig
+        self,
+        client: httpx.AsyncClient,
+        semaphore: asyncio.Semaphore,
+        request: GenerationRequest,
+        sampling: SamplingConfig,
     ) -> Completion:
         try:
             body = self.request_body(request, sampling)
@@ -308,7 +314,9 @@ class OpenAIPolicy:
                 return await self._post_once(client, body)
             except _Retryable as failure:
                 if attempt + 1 == attempts:
-                    raise RequestFailed(f"{self.url}: gave up after {attempts} attempts; last error: {failure}") from None
+                    raise RequestFailed(
+                        f"{self.url}: gave up after {attempts} attempts; last error: {failure}"
+                    ) from None
                 with self._usage_lock:
                     self.usage.retries += 1
                 await asyncio.sleep(self._delay(attempt, failure.retry_after))
@@ -324,7 +332,9 @@ class OpenAIPolicy:
             try:
                 return response.json()
             except ValueError:
-                raise RequestFailed(f"the server answered 200 with a body that is not JSON: {response.text[:200]!r}")
+                raise RequestFailed(
+                    f"the server answered 200 with a body that is not JSON: {response.text[:200]!r}"
+                ) from None
         message = _error_message(response)
         if response.status_code in RETRY_STATUS or response.status_code >= 500:
             raise _Retryable(message, parse_retry_after(response.headers))
@@ -345,7 +355,8 @@ class OpenAIPolicy:
             raise RequestFailed(f"the response has no choices[0].message: {str(data)[:300]}") from None
         reason = choice.get("finish_reason")
         if reason not in FINISH_REASONS:
-            return Completion(text=text, finish_reason="error", error=f"the server stopped with finish_reason={reason!r}")
+            why = f"the server stopped with finish_reason={reason!r}"
+            return Completion(text=text, finish_reason="error", error=why)
         # Servers that say which stop string matched (vLLM, turnrl) cut it from the text;
         # restoring it keeps the text equal to what a local model returns.
         stop_reason = choice.get("stop_reason")
@@ -356,7 +367,8 @@ class OpenAIPolicy:
     def _messages(self, request: GenerationRequest) -> list[dict[str, Any]]:
         """The request's messages with every image placeholder turned into an ``image_url`` part."""
         if not any(
-            isinstance(m.get("content"), list) and any(_is_image_part(p) for p in m["content"]) for m in request.messages
+            isinstance(m.get("content"), list) and any(_is_image_part(p) for p in m["content"])
+            for m in request.messages
         ):
             return list(request.messages)
         spare = iter(request.images or [])

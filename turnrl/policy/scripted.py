@@ -10,41 +10,16 @@ expert's actions with random ones, for imperfect demos.
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from turnrl.agent.expert import expert_fields
 from turnrl.agent.formats import ResponseFormat
 from turnrl.config import SamplingConfig
-from turnrl.envs.base import TurnEnv
+from turnrl.envs.base import AgentEnv
 from turnrl.policy.base import Completion, GenerationRequest
-
-
-def _describe_after(env: TurnEnv, actions: list[str]) -> str:
-    """State facts after ``actions``, simulated on a copy of the env."""
-    shadow = copy.deepcopy(env)
-    for action in actions:
-        _, _, terminated, truncated, _ = shadow.step(action)
-        if terminated or truncated:
-            break
-    return shadow.state_facts().describe() or shadow.text()
-
-
-def expert_fields(env: TurnEnv, actions: list[str], needed: Sequence[str]) -> dict[str, str]:
-    """Reasoning text for each field the format needs, from the env's ground truth."""
-    fields: dict[str, str] = {}
-    observation = env.state_facts().describe() or env.text()
-    plan = ", ".join(actions)
-    if "observation" in needed:
-        fields["observation"] = observation
-    if "reasoning" in needed or "justification" in needed or "think" in needed:
-        reason = f"The shortest way to the goal starts with {plan}."
-        fields["reasoning"] = fields["justification"] = reason
-        fields["think"] = f"{observation} {reason}" if "observation" not in needed else reason
-    if "prediction" in needed:
-        fields["prediction"] = _describe_after(env, actions)
-    return fields
 
 
 class ScriptedPolicy:
@@ -69,23 +44,23 @@ class ScriptedPolicy:
                 completions.append(Completion(text="", finish_reason="error", error=f"{type(error).__name__}: {error}"))
         return completions
 
-    def respond(self, env: TurnEnv) -> str:
+    def respond(self, env: AgentEnv) -> str:
         raise NotImplementedError
 
-    def random_actions(self, env: TurnEnv, count: int) -> list[str]:
+    def random_actions(self, env: AgentEnv, count: int) -> list[str]:
         names = env.action_names()
         if not names:
             return ["0"]  # free-form envs: a well-formed but wrong answer
         return [str(names[i]) for i in self.rng.integers(0, len(names), size=count)]
 
-    def _render(self, env: TurnEnv, actions: list[str]) -> str:
+    def _render(self, env: AgentEnv, actions: list[str]) -> str:
         return self.fmt.render(actions, expert_fields(env, actions, self.fmt.tag_names))
 
 
 class RandomPolicy(ScriptedPolicy):
     """Uniformly random actions, well formatted: the floor any learner should beat."""
 
-    def respond(self, env: TurnEnv) -> str:
+    def respond(self, env: AgentEnv) -> str:
         count = int(self.rng.integers(1, self.max_actions_per_turn + 1)) if self.fmt.separator else 1
         return self._render(env, self.random_actions(env, count))
 
@@ -104,7 +79,7 @@ class ExpertPolicy(ScriptedPolicy):
             raise ValueError(f"random_action_share must be in [0, 1], got {random_action_share}")
         self.random_action_share = random_action_share
 
-    def respond(self, env: TurnEnv) -> str:
+    def respond(self, env: AgentEnv) -> str:
         plan = env.solve()
         limit = self.max_actions_per_turn if self.fmt.separator else 1
         actions = list(plan[:limit]) if plan else self.random_actions(env, 1)

@@ -204,7 +204,9 @@ def load_reward_fn(spec: RewardSpec) -> RewardFn:
         else:
             fn = obj
     except TypeError as error:
-        raise ConfigError(f"rewards.extra {spec.name!r}: bad settings {spec.settings} for {target!r}: {error}") from error
+        raise ConfigError(
+            f"rewards.extra {spec.name!r}: bad settings {spec.settings} for {target!r}: {error}"
+        ) from error
     if not callable(fn):
         raise ConfigError(f"rewards.extra {spec.name!r}: {target!r} is not callable")
     return fn

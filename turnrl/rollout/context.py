@@ -42,10 +42,11 @@ Notation: L tokens in the stream, T turns, R_t sampled tokens in turn t.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, Any]
@@ -181,16 +182,16 @@ class ChatTemplateDeltas:
             return cls(tokenizer, **kwargs)
         per_tok = cls._cache.setdefault(tokenizer, {})
         # The tokenizer's template may be replaced after caching: key on it too.
-        key = (tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None, key)
-        if key not in per_tok:
-            per_tok[key] = cls(tokenizer, **kwargs)
-        return per_tok[key]
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        if (template, key) not in per_tok:
+            per_tok[template, key] = cls(tokenizer, **kwargs)
+        return per_tok[template, key]
 
     # -- rendering ---------------------------------------------------------
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         """The template's text for ``messages``."""
-        return self.tokenizer.apply_chat_template(
+        return self.tokenizer.apply_chat_template(  # type: ignore[return-value]  # tokenize=False: a str
             list(messages),
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
@@ -490,6 +491,8 @@ class TurnTokens:
     """Ids before the response, not sampled. (O_t,). Turn 0: the head; later: the observation delta."""
     image_token_counts: tuple[int, ...] = ()
     """Placeholder tokens per image of ``user_message`` (empty for text-only messages)."""
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The model's extra inputs for this message (e.g. ``pixel_values``, ``image_grid_thw`` of its images)."""
     response_ids: list[int] | None = None
     """Sampled ids, untouched. (R_t,). None while the turn awaits its response."""
     logprobs: list[float] | None = None
@@ -518,6 +521,8 @@ class EpisodeStream:
     """Sampling logprob on response tokens, 0.0 elsewhere. (L,)."""
     turn_end_positions: list[int]
     """Index in the stream of each turn's last sampled token. (T,)."""
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Every turn's extra model inputs, concatenated along dim 0 in turn order."""
 
 
 @dataclass(frozen=True)
@@ -536,6 +541,14 @@ class TurnSample:
     """Template ids after the response, not sampled. (C_t,)."""
     stopped: bool
     """Whether the model ended the turn itself."""
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The extra model inputs of the turns in the prompt (the window), concatenated along dim 0."""
+
+
+def concat_model_inputs(turns: Sequence[TurnTokens]) -> dict[str, torch.Tensor]:
+    """The turns' extra model inputs, each concatenated along dim 0 in turn order (Qwen-VL's layout)."""
+    keys = sorted({key for turn in turns for key in turn.model_inputs})
+    return {key: torch.cat([turn.model_inputs[key] for turn in turns if key in turn.model_inputs]) for key in keys}
 
 
 class EpisodeTokens:
@@ -571,8 +584,9 @@ class EpisodeTokens:
             tokenizer = ChatTemplateDeltas.for_tokenizer(tokenizer)
         self.deltas = tokenizer
         self.max_context_window = max_context_window
-        self._image_token_id = (
-            None if image_token is None else self.deltas.tokenizer.convert_tokens_to_ids(image_token)
+        # One token in, one id out (the tokenizer's typing also allows lists).
+        self._image_token_id: int | None = (
+            None if image_token is None else self.deltas.tokenizer.convert_tokens_to_ids(image_token)  # type: ignore[assignment]
         )
         self.system: Message | None = None
         self.turns: list[TurnTokens] = []
@@ -585,13 +599,15 @@ class EpisodeTokens:
         system_message: str | Message | None,
         first_user_message: str | Message,
         image_token_counts: Sequence[int] = (),
+        model_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        """Begin (or restart) the episode with its system and first user message."""
+        """Begin (or restart) the episode with its system and first user message (and its model inputs)."""
         self.system = None if system_message is None else as_message(system_message, "system")
         user = as_message(first_user_message)
         counts = tuple(image_token_counts)
         head = self._expand(self.deltas.head(self.system, user), counts)
-        self.turns = [TurnTokens(user_message=user, observation_ids=head, image_token_counts=counts)]
+        self.turns = [TurnTokens(user_message=user, observation_ids=head, image_token_counts=counts,
+                                 model_inputs=dict(model_inputs or {}))]
         self._heads = {0: head}
 
     def add_response(self, ids: Sequence[int], logprobs: Sequence[float] | None = None) -> TurnTokens:
@@ -615,14 +631,20 @@ class EpisodeTokens:
         turn.closing_ids, turn.stopped = self.deltas.close(turn.response_ids)
         return turn
 
-    def add_observation(self, user_message: str | Message, image_token_counts: Sequence[int] = ()) -> None:
-        """Append the next user message (env observation); the prompt then awaits a response."""
+    def add_observation(
+        self,
+        user_message: str | Message,
+        image_token_counts: Sequence[int] = (),
+        model_inputs: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Append the next user message (env observation) and its model inputs; the prompt then awaits a response."""
         if self._current().response_ids is None:
             raise RuntimeError("the current turn has no response yet")
         user = as_message(user_message)
         counts = tuple(image_token_counts)
         ids = self._expand(self.deltas.observation(user), counts)
-        self.turns.append(TurnTokens(user_message=user, observation_ids=ids, image_token_counts=counts))
+        self.turns.append(TurnTokens(user_message=user, observation_ids=ids, image_token_counts=counts,
+                                     model_inputs=dict(model_inputs or {})))
 
     # -- reading -----------------------------------------------------------
 
@@ -642,6 +664,12 @@ class EpisodeTokens:
         if not self.awaiting_response:
             raise RuntimeError("no turn awaits a response: add an observation (or call start()) first")
         return self.prompt_ids(len(self.turns) - 1)
+
+    def prompt_model_inputs(self, t: int | None = None) -> dict[str, torch.Tensor]:
+        """The extra model inputs of turn ``t``'s prompt (default: the current one), those of the turns
+        in its window."""
+        t = len(self._require_started()) - 1 if t is None else t
+        return concat_model_inputs(self.turns[self._window_start(t) : t + 1])
 
     def prompt_ids(self, t: int) -> list[int]:
         """The prompt of turn ``t``, as it was (or is) given to the model. (P_t,).
@@ -702,7 +730,7 @@ class EpisodeTokens:
             extend(turn.response_ids, 1, t, turn.logprobs)
             ends.append(len(ids) - 1)
             extend(turn.closing_ids, 0, t)
-        return EpisodeStream(ids, mask, turn_index, logprobs, ends)
+        return EpisodeStream(ids, mask, turn_index, logprobs, ends, concat_model_inputs(self.turns))
 
     def turn_samples(self) -> list[TurnSample]:
         """Each answered turn as (its own prompt, its response): valid with any window."""
@@ -718,6 +746,7 @@ class EpisodeTokens:
                     logprobs=list(turn.logprobs or []),
                     closing_ids=list(turn.closing_ids),
                     stopped=turn.stopped,
+                    model_inputs=self.prompt_model_inputs(t),
                 )
             )
         return out

@@ -8,7 +8,8 @@ fixed and disjoint from training seeds (:class:`turnrl.envs.seeds.SeedSplits`).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from turnrl.envs.base import AgentEnv
 from turnrl.envs.seeds import SeedSplits
@@ -47,7 +48,9 @@ class EnvGroups:
         """The slots of training step ``step``: fresh seeds, one per group."""
         return self._slots(self.seeds.train_seeds(step, self.n_groups), self.group_size)
 
-    def val_slots(self, n_seeds: int, samples_per_seed: int = 1, options: dict[str, Any] | None = None) -> list[EpisodeSlot]:
+    def val_slots(
+        self, n_seeds: int, samples_per_seed: int = 1, options: dict[str, Any] | None = None
+    ) -> list[EpisodeSlot]:
         """The fixed validation slots: the first ``n_seeds`` validation seeds."""
         return self._slots(self.seeds.val_seeds(n_seeds), samples_per_seed, options)
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -241,10 +242,12 @@ class Rollout:
         trajectory.turns.append(turn)
         episode.messages.append({"role": "assistant", "content": completion.text})
         if completion.finish_reason == "error":
-            return self._fail(episode, turn, 0.0, completion.error or "policy error")
+            self._fail(episode, turn, 0.0, completion.error or "policy error")
+            return None
         if trajectory.tokens is not None:
             if not turn.response_ids:
-                return self._fail(episode, turn, 0.0, "the policy returned no tokens")
+                self._fail(episode, turn, 0.0, "the policy returned no tokens")
+                return None
             trajectory.tokens.add_response(turn.response_ids, turn.response_logprobs)
 
         facts_before = self._facts(env, turn)
@@ -255,7 +258,8 @@ class Rollout:
                 obs, reward, terminated, truncated, info = env.step(action)
             except Exception as error:
                 trace = traceback.format_exc(limit=3)
-                return self._fail(episode, turn, env_reward, f"env step failed: {type(error).__name__}: {error}\n{trace}")
+                self._fail(episode, turn, env_reward, f"env step failed: {type(error).__name__}: {error}\n{trace}")
+                return None
             valid = bool(info.get("action_is_valid", True))
             turn.actions.append(action)
             turn.actions_valid.append(valid)
@@ -310,7 +314,6 @@ class Rollout:
         """End an episode whose policy or env failed; the turn keeps the env reward it had, nothing else."""
         self._record(turn, self.rewards.base_scores(env_reward, 0.0))
         episode.finish(ERROR, error=error)
-        return None
 
     def _score(self, finished: list[tuple[_Episode, FinishedTurn]]) -> None:
         """Score a round's finished turns together (one call per reward function)."""

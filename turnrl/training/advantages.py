@@ -19,8 +19,8 @@ by name from :data:`ESTIMATORS`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -81,10 +81,6 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def model_kwargs(self) -> dict[str, torch.Tensor]:
-        """Everything the model's forward takes besides the mask: ``input_ids`` and the extra inputs."""
-        return {"input_ids": self.input_ids, **self.model_inputs}
-
     @property
     def turn_end_mask(self) -> torch.Tensor:
         """Shape (b, s), bool: True at each turn's last sampled token."""
@@ -134,6 +130,7 @@ def trajectory_samples(trajectories: list[Trajectory], episode_ids: list[int]) -
                 turn_rewards=[turn.reward for turn in trajectory.turns[: len(ends)]],
                 episode=episode,
                 group=trajectory.group,
+                model_inputs=stream.model_inputs,
             )
         )
     return samples
@@ -156,6 +153,7 @@ def turn_samples(trajectories: list[Trajectory], episode_ids: list[int]) -> list
                     episode=episode,
                     group=trajectory.group,
                     turn=sample.turn,
+                    model_inputs=sample.model_inputs,
                 )
             )
     return samples
@@ -185,7 +183,9 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     keys = sorted({key for sample in samples for key in sample.model_inputs})
     for key in keys:
         if any(key not in sample.model_inputs for sample in samples):
-            raise ValueError(f"model input {key!r} is missing from some samples: every sample must carry the same inputs")
+            raise ValueError(
+                f"model input {key!r} is missing from some samples: every sample must carry the same inputs"
+            )
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,

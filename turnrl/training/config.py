@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from turnrl.algorithms.advantages import Placement
+from turnrl.algorithms.filters import OnEmpty, Strategy, Weighting
+from turnrl.algorithms.losses import Aggregation, KLKind
 from turnrl.config import (
     AgentConfig,
     ConfigError,
@@ -26,17 +29,17 @@ CRITIC_ADVANTAGES = ("gae", "bilevel_gae", "turn_gae")
 class FilterConfig:
     """StarPO-S: keep the groups whose rollouts disagree most."""
 
-    method: str = "none"
+    method: Strategy = "none"
     """``none``, ``top_k``, ``top_p`` or ``min_p``."""
     value: float = 0.25
     """top_k: share of groups (<=1) or count (>1); top_p: cumulative mass; min_p: share of the best score."""
     metric: str = "reward_std"
     """Group score: ``reward_std``, ``reward_mean``, ``length_mean``."""
-    weighting: str = "linear"
+    weighting: Weighting = "linear"
     """top_p weighting of the scores: ``linear`` or ``softmax``."""
     drop_zero_variance: bool = False
     """Drop groups whose rewards are all equal (they carry no GRPO signal)."""
-    on_empty: str = "skip"
+    on_empty: OnEmpty = "skip"
     """When nothing is kept: ``skip`` the step or ``keep_all``."""
 
     def validate(self) -> None:
@@ -51,7 +54,7 @@ class FilterConfig:
 class AlgorithmConfig:
     advantage: str = "gae"
     """Estimator: ``gae``, ``bilevel_gae``, ``turn_gae``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp``."""
-    reward_placement: str = "per_turn"
+    reward_placement: Placement = "per_turn"
     """``per_turn``: each turn's reward at its last token; ``episode_end``: the sum at the last token."""
     sample_mode: str = "trajectory"
     """``trajectory``: a whole episode is one sample (StarPO); ``turn``: one sample per turn."""
@@ -80,11 +83,11 @@ class AlgorithmConfig:
     """Weight of the entropy bonus."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference policy (RAGEN: 0; paper 0.001)."""
-    kl_kind: str = "k3"
+    kl_kind: KLKind = "k3"
     """KL estimator: ``k1``, ``k2`` or ``k3``."""
     kl_in_reward: bool = False
     """Subtract the KL from the token rewards instead of adding it to the loss."""
-    loss_aggregation: str = "token-mean"
+    loss_aggregation: Aggregation = "token-mean"
     """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``."""
     old_logprobs: str = "sampler"
     """PPO's old log-probs: ``sampler`` (those sampled with) or ``recompute`` (a forward pass)."""
@@ -108,14 +111,18 @@ class AlgorithmConfig:
         check_choice("algorithm.sample_mode", self.sample_mode, ["trajectory", "turn"])
         check_choice("algorithm.kl_kind", self.kl_kind, ["k1", "k2", "k3"])
         check_choice(
-            "algorithm.loss_aggregation", self.loss_aggregation, ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+            "algorithm.loss_aggregation",
+            self.loss_aggregation,
+            ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
         )
         check_choice("algorithm.old_logprobs", self.old_logprobs, ["sampler", "recompute"])
         for key in ("gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
             check_range(f"algorithm.{key}", getattr(self, key), 0.0, 1.0)
         check_range("algorithm.ppo_epochs", self.ppo_epochs, 1)
         if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be above 1 (RAGEN: 3.0), or null to disable it")
+            raise ConfigError(
+                f"algorithm.dual_clip={self.dual_clip} must be above 1 (RAGEN: 3.0), or null to disable it"
+            )
         check_range("algorithm.micro_batch_size", self.micro_batch_size, 1)
         check_range("algorithm.mini_batch_size", self.mini_batch_size, self.micro_batch_size)
         self.filter.validate()
@@ -269,4 +276,7 @@ class TrainConfig:
                     f"agent.max_context_window=null (or >= agent.max_turns={self.agent.max_turns})"
                 )
         if self.algorithm.advantage in ("grpo", "drgrpo", "rloo") and self.groups.group_size < 2:
-            raise ConfigError(f"algorithm.advantage={self.algorithm.advantage} compares episodes within a group: set groups.group_size >= 2")
+            raise ConfigError(
+                f"algorithm.advantage={self.algorithm.advantage} compares episodes within a group: "
+                "set groups.group_size >= 2"
+            )

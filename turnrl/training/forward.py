@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 
-def _body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+def _body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
     """The base model (everything but the LM head) and the LM head of a causal LM or VLM, peft-wrapped or not."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.base_model, base.get_output_embeddings()
@@ -38,7 +39,8 @@ def last_hidden_states(
     model_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Shape (b, s, h): final-layer (normed) hidden states of ``body`` given the extra inputs."""
-    return body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(model_inputs or {})).last_hidden_state
+    output = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(model_inputs or {}))
+    return output.last_hidden_state
 
 
 def scored_positions(score_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +141,8 @@ class ValueModel(nn.Module):
         model_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Shape (b, s): ``values[i] = V(input_ids[:i])``; position 0 is 0."""
-        backbone = self.backbone.get_base_model() if hasattr(self.backbone, "get_base_model") else self.backbone
+        backbone: Any = self.backbone
+        backbone = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone
         hidden = last_hidden_states(backbone, input_ids, attention_mask, model_inputs)
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # value after token i
         return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)

@@ -55,12 +55,13 @@ def load_processor(path: Path | str) -> Any | None:
     return None if isinstance(processor, PreTrainedTokenizerBase) else processor
 
 
-def load_causal_lm(path: Path | str, device: torch.device) -> torch.nn.Module:
+def load_causal_lm(path: Path | str, device: torch.device) -> Any:
     """A causal LM (or VLM) for training: float32 weights (AdamW's master copy; bf16 comes from autocast)."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.to(device)
 
 
-def enable_checkpointing(model: torch.nn.Module) -> None:
+def enable_checkpointing(model: Any) -> None:
     """Recompute activations in the backward pass (the method's name changed in transformers 5)."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable()

@@ -10,8 +10,8 @@ come from :mod:`turnrl.training.advantages`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -159,6 +159,7 @@ def _actor_backward(
     loss = policy_loss
     metrics = {"losses/policy": policy_loss.item(), "actor/clip_frac": float(stats.clip_frac),
                "actor/approx_kl": float(stats.approx_kl), "actor/dual_clip_frac": float(stats.dual_clip_frac)}
+    assert entropy is not None  # asked for with_entropy
     bonus = entropy_bonus(entropy, mask, config.loss_aggregation)
     if config.entropy_coef != 0:
         loss = loss - config.entropy_coef * bonus

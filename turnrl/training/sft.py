@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -90,7 +91,8 @@ def conversation_samples(messages: list[Message], tokenizer: Any, window: int | 
     for index, message in enumerate(rest[1:], start=1):
         expected = "assistant" if index % 2 == 1 else "user"
         if message["role"] != expected:
-            raise ValueError(f"message {index + (system is not None)} has role {message['role']!r}, expected {expected!r}")
+            number = index + (system is not None)
+            raise ValueError(f"message {number} has role {message['role']!r}, expected {expected!r}")
         if expected == "assistant":
             ids = tokenizer.encode(message["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
             tokens.add_response(ids)
@@ -162,7 +164,8 @@ def sft_train(
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = math.ceil(len(samples) / config.batch_size)
     total = steps_per_epoch * config.epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.warmup_steps, total, config.schedule))
+    schedule = lambda s: _lr_factor(s, config.warmup_steps, total, config.schedule)  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(seed)
     model.train()
     step, epoch_loss, epoch_tokens = 0, 0.0, 0.0
@@ -189,11 +192,11 @@ def sft_train(
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
                 optimizer.step()
                 scheduler.step()
+                lr = float(scheduler.get_last_lr()[0])
                 epoch_loss += batch_loss * n_tokens
                 epoch_tokens += n_tokens
                 if log is not None:
-                    log(step, {"sft/loss": batch_loss, "sft/grad_norm": grad_norm, "sft/lr": scheduler.get_last_lr()[0],
-                               "sft/epoch": epoch})
+                    log(step, {"sft/loss": batch_loss, "sft/grad_norm": grad_norm, "sft/lr": lr, "sft/epoch": epoch})
                 step += 1
                 progress.update(task, advance=1, description=f"epoch {epoch + 1}/{config.epochs} loss {batch_loss:.3f}")
     model.eval()
@@ -234,7 +237,8 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
         chats = [trajectory_messages(t) for t in demos]
     window = config.agent.max_context_window
     samples = [sample for chat in chats for sample in conversation_samples(chat, tokenizer, window)]
-    console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({sum(sum(s.loss_mask) for s in samples)} target tokens)")
+    targets = sum(sum(s.loss_mask) for s in samples)
+    console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({targets} target tokens)")
     logger = MetricsLogger(out, tensorboard=config.run.tensorboard)
     with autocast(device, dtype):
         metrics = sft_train(model, tokenizer.pad_token_id, samples, config.sft, seed=config.seeds.seed, log=logger.log)

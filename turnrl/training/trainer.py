@@ -244,7 +244,8 @@ class Recipe:
         self.train_groups = EnvGroups(lambda: make(config.env.id, **train_settings), config.groups.n_groups,
                                       config.groups.group_size, seeds)
         self.val_groups = EnvGroups(lambda: make(config.env.id, **val_settings), 1, 1, seeds)
-        self.executor: Executor | None = ThreadPoolExecutor(config.groups.env_workers) if config.groups.env_workers else None
+        workers = config.groups.env_workers
+        self.executor: Executor | None = ThreadPoolExecutor(workers) if workers else None
 
     def _build_models(self, start_model: Path | str | None) -> None:
         """Actor, tokenizer (and processor), critic and reference: all from the model RL starts from."""
@@ -405,8 +406,9 @@ class Recipe:
         self.actor.eval()
         update_s = self._timed("update_s", time.time() - start)
         metrics["timing/update_s"] = update_s
-        metrics["throughput/trained_tokens_per_s"] = float(batch.attention_mask.sum()) * algo.ppo_epochs / max(update_s, 1e-9)
-        metrics["actor/lr"] = self.actor_scheduler.get_last_lr()[0]
+        trained = float(batch.attention_mask.sum()) * algo.ppo_epochs
+        metrics["throughput/trained_tokens_per_s"] = trained / max(update_s, 1e-9)
+        metrics["actor/lr"] = float(self.actor_scheduler.get_last_lr()[0])
         if self.device.type == "cuda":
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         metrics["timing/step_s"] = time.time() - step_start

@@ -23,7 +23,7 @@ from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.base import Completion, GenerationRequest
 from turnrl.policy.hf import HFPolicy
-from turnrl.policy.server import GenerationBatcher, create_app, load_policy
+from turnrl.serve.policy import GenerationBatcher, create_app, load_policy
 
 MODEL = "tiny"
 HI = [{"role": "user", "content": "Hello there"}]
@@ -261,3 +261,20 @@ def test_batcher_isolates_a_request_that_breaks_generation():
     results, _ = run_jobs(policy, [(1, 1, greedy), (666, 1, greedy), (3, 2, greedy)])
     assert results[0][0].text == "1" and [c.text for c in results[2]] == ["3", "3"]
     assert results[1].status == 500 and "poisoned prompt" in results[1].message
+
+
+def test_a_system_message_is_folded_for_a_template_without_a_system_role(tiny_path):
+    from transformers import AutoTokenizer
+
+    from tests.rollout.test_context import GEMMA2
+    from turnrl.serve.policy import with_system_folded
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert with_system_folded(chat, tokenizer) == chat  # ChatML has a system role
+    tokenizer.chat_template = GEMMA2
+    folded = with_system_folded(chat, tokenizer)
+    assert folded == [{"role": "user", "content": "Be brief.\n\nhi"}]
+    tokenizer.apply_chat_template(folded, add_generation_prompt=True, tokenize=False)  # renders, where chat raises
+    with pytest.raises(Exception, match="System role not supported"):
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)

@@ -44,10 +44,11 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.policy.base import Completion, GenerationRequest
 from turnrl.policy.hf import HFPolicy
+from turnrl.rollout.context import ChatTemplateDeltas, TemplateDeltaError, fold_system
 
 logger = logging.getLogger("turnrl.server")
 
@@ -364,6 +366,18 @@ def _template_messages(messages: list[ChatMessage], model_name: str) -> list[dic
     return out
 
 
+def with_system_folded(messages: list[dict[str, str]], tokenizer: Any) -> list[dict[str, str]]:
+    """A leading system message folded into the first user message where the template has no system role
+    (Gemma 2 raises on one), as the rollout's token context does: a client may always send one."""
+    if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
+        return messages
+    try:
+        system_role = ChatTemplateDeltas.for_tokenizer(tokenizer).system_role
+    except TemplateDeltaError:  # a template the rollout cannot use incrementally; leave it to render as it can
+        return messages
+    return messages if system_role else [fold_system(messages[0], messages[1]), *messages[2:]]
+
+
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:
     if body.top_logprobs:
         raise APIError(400, "top_logprobs > 0 is not supported: only the sampled tokens' logprobs are returned",
@@ -390,9 +404,11 @@ def prepare(body: ChatCompletionRequest, policy: Any, model_name: str, default_m
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
     _refuse_unsupported(body)
-    messages = _template_messages(body.messages, model_name)
+    messages = with_system_folded(_template_messages(body.messages, model_name), policy.tokenizer)
     try:
-        ids = policy.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = policy.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     except Exception as error:  # e.g. a template that insists on alternating roles
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
     prompt_ids = [int(i) for i in ids]
@@ -400,7 +416,8 @@ def prepare(body: ChatCompletionRequest, policy: Any, model_name: str, default_m
     room = default_max_tokens if limit is None else min(default_max_tokens, limit - len(prompt_ids))
     max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
     if limit is not None and len(prompt_ids) + max_tokens > limit:
-        raise APIError(400, f"this model's context is {limit} tokens; the request asks for {len(prompt_ids) + max_tokens} "
+        asked = len(prompt_ids) + max_tokens
+        raise APIError(400, f"this model's context is {limit} tokens; the request asks for {asked} "
                             f"({len(prompt_ids)} in the messages, {max_tokens} for the completion)",
                        param="messages", code="context_length_exceeded")
     top_k = body.top_k if body.top_k and body.top_k > 0 else 0
