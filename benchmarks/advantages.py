@@ -3,7 +3,8 @@
 Builds a batch shaped like a multi-turn rollout (default [512, 4096], 10 turns:
 a prompt, then per turn a response in the advantage mask followed by
 observation tokens outside it, rewards at each response's last token), times
-masked GAE, bi-level GAE and GRPO, and prints a table with the speedups.
+masked GAE (one discount, and a discount of its own across turns), bi-level
+GAE and GRPO, and prints a table with the speedups.
 
 The loop references (tests/algorithms/reference.py) take seconds per row batch,
 so they are timed on a subset of rows and scaled linearly to the full batch
@@ -133,6 +134,14 @@ def main() -> None:
             "masked_gae",
             lambda: masked_gae(on_dev["token_rewards"], on_dev["values"], on_dev["adv_mask"], gamma, lam),
             lambda: ref.ref_masked_gae(sub["token_rewards"], sub["values"], sub["adv_mask"], gamma, lam),
+            ref_rows,
+        ),
+        (
+            "gae_turns",  # masked GAE with its own discount across turns (a loop over turns, not tokens)
+            lambda: masked_gae(on_dev["token_rewards"], on_dev["values"], on_dev["adv_mask"], 1.0, lam,
+                               turn_end_mask=on_dev["turn_end_mask"], gamma_turn=gamma, lambda_turn=lam),
+            lambda: ref.ref_masked_gae(sub["token_rewards"], sub["values"], sub["adv_mask"], 1.0, lam,
+                                       sub["turn_end_mask"], gamma, lam),
             ref_rows,
         ),
         (

@@ -43,10 +43,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
     GenerationConfig,
-    PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -461,13 +458,3 @@ def _publish(tmp: Path, out: Path, key: str) -> None:
     except OSError:
         if _read_key(out) != key:
             raise
-
-
-def load_model(path: str | os.PathLike[str]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a built (or downloaded) causal LM and its tokenizer by path.
-
-    Just ``AutoModelForCausalLM`` / ``AutoTokenizer``: nothing turnrl-specific
-    is needed to read a build.
-    """
-    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-
