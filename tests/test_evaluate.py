@@ -173,3 +173,31 @@ def test_openai_policy_without_an_endpoint_is_a_config_error(monkeypatch):
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
     with pytest.raises(ConfigError, match="base_url"):
         run_eval(load_config(EvalConfig, None, ["env.id=Bandit", "policy=openai:some-model", "episodes=1"]))
+
+
+def test_eval_of_an_env_that_fails_every_reset_reports_errors(tmp_path):
+    summary, records = evaluate(tmp_path, "env.id=tests.test_evaluate:ResetFails", "policy=random", "episodes=2")
+    assert summary["errors"] == 2 and summary["success_rate"] == 0.0 and summary["mean_env_reward"] == 0.0
+    assert all(r["status"] == "error" and "reset failed" in r["error"] for r in records)
+
+
+class ResetFails:
+    """An env whose every reset raises."""
+
+    def reset(self, *, seed=None, options=None):
+        raise RuntimeError("no level")
+
+    def step(self, action):
+        raise AssertionError("never stepped")
+
+    def instructions(self):
+        return "x"
+
+    def action_names(self):
+        return ["a"]
+
+    def state_facts(self):
+        raise AssertionError("never asked")
+
+    def solve(self):
+        return None

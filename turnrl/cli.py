@@ -187,10 +187,9 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from turnrl.training.trainer import sft_only
 
     try:
-        config = load_config(TrainConfig, args.config, args.overrides)
+        sft_only(load_config(TrainConfig, args.config, args.overrides), data=args.data)
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
-    sft_only(config, data=args.data)
     return 0
 
 
@@ -205,10 +204,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if resume is not None and config_path is None:
         config_path = str(Path(resume) / "config.yaml")
     try:
-        config = load_config(TrainConfig, config_path, overrides)
-    except ConfigError as error:
+        train(load_config(TrainConfig, config_path, overrides))
+    except ConfigError as error:  # also those found once the run starts (a reward function that cannot load)
         raise SystemExit(f"error: {error}") from error
-    train(config)
     return 0
 
 

@@ -9,6 +9,7 @@ a message that lists what is allowed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -118,6 +119,18 @@ class RewardsConfig:
     ``[{name: overlong, fn: overlong, weight: 1.0, settings: {max_tokens: 256, buffer: 64}}]``."""
     on_error: float = 0.0
     """Score of a turn whose reward function failed (the failure is recorded and counted)."""
+    timeout_s: Optional[float] = None
+    """Time one call of a reward function may take before its turns score ``on_error``; None waits."""
+
+    def validate(self) -> None:
+        for key in ("env_weight", "format_weight", "on_error"):
+            if not math.isfinite(getattr(self, key)):
+                raise ConfigError(f"rewards.{key}={getattr(self, key)!r} must be a finite number")
+        for spec in self.extra:
+            if not math.isfinite(spec.weight):
+                raise ConfigError(f"rewards.extra {spec.name!r}: weight={spec.weight!r} must be a finite number")
+        if self.timeout_s is not None:
+            check_range("rewards.timeout_s", self.timeout_s, 1e-3)
 
 
 @dataclass
@@ -229,6 +242,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         self.agent.validate()
+        self.rewards.validate()
         self.sampling.validate()
         self.model.validate()
         self.seeds.validate()

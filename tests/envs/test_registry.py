@@ -48,7 +48,7 @@ def test_make_and_gymnasium_make_build_the_same_episode(name):
 
 
 @pytest.mark.parametrize(
-    "spelling", ["FrozenLake", "frozenlake", "FROZENLAKE", "turnrl/FrozenLake-v0", "frozenlake-v0"]
+    "spelling", ["FrozenLake", "frozenlake", "FROZENLAKE", "turnrl/FrozenLake-v0", "TurnRL/frozenlake-V0"]
 )
 def test_names_resolve_case_insensitively_with_or_without_the_gym_prefix(spelling):
     assert resolve_name(spelling) == "FrozenLake"
@@ -151,6 +151,16 @@ def test_a_registered_gymnasium_id_is_made_and_keeps_the_contract(registered_cor
     assert env.action_names() == ["Left", "Right"] and "corridor" in env.instructions()
     assert env.state_facts() == env.unwrapped.state_facts() and env.solve() == env.unwrapped.solve()
     check_env(env)
+
+
+def test_a_users_gymnasium_id_that_looks_like_a_builtin_name_stays_theirs():
+    gym.register("Bandit-v0", entry_point="tests.envs.toy_envs:CorridorTurnEnv")
+    try:
+        env = make("Bandit-v0")
+        assert isinstance(env.unwrapped, toy_envs.CorridorTurnEnv)
+    finally:
+        del gym.registry["Bandit-v0"]
+    assert type(make("Bandit")).__name__ == "BanditEnv" and type(make("turnrl/Bandit-v0")).__name__ == "BanditEnv"
 
 
 def test_gymnasium_wrappers_still_apply(registered_corridor):

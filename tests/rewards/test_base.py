@@ -200,3 +200,49 @@ def test_overlong_penalty_refuses_a_buffer_outside_the_limit():
         OverlongPenalty(max_tokens=10, buffer=0)
     with pytest.raises(ValueError, match="buffer"):
         OverlongPenalty(max_tokens=10, buffer=11)
+
+
+def test_a_turn_without_state_facts_scores_on_error_alone():
+    counted = Counted()
+    facts = StateFacts(player=None, extra={"count": 1})
+    with_facts = FinishedTurn(**{**vars(finished()), "facts_before": facts, "facts_after": facts})
+    scores = Rewards(RewardsConfig(on_error=-1.0), extra={"went_up": counted}).score([with_facts, finished(), with_facts])
+    assert [s.rewards["went_up"] for s in scores] == [0.0, -1.0, 0.0]
+    assert scores[1].errors == ["went_up: no state facts for this turn"] and scores[0].errors == []
+    assert len(counted.seen) == 2  # the function never saw the turn without facts
+
+
+def test_a_reward_function_that_hangs_times_out():
+    import threading
+
+    release = threading.Event()
+
+    def hangs(turns):
+        release.wait(10)
+        return [1.0] * len(turns)
+
+    try:
+        (scores,) = Rewards(RewardsConfig(timeout_s=0.05, on_error=-2.0), extra={"judge": hangs}).score([finished()])
+    finally:
+        release.set()
+    assert scores.rewards["judge"] == -2.0 and scores.errors == ["judge: timed out after 0.05 s"]
+    (fast,) = Rewards(RewardsConfig(timeout_s=5.0), extra={"length": response_length}).score([finished("ab")])
+    assert fast.rewards["length"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [("rewards.on_error=.nan", "rewards.on_error"), ("rewards.env_weight=.inf", "rewards.env_weight"),
+     ("rewards.timeout_s=0", "rewards.timeout_s")],
+)
+def test_rewards_config_refuses_non_finite_scores_and_weights(override, match):
+    from turnrl.config import load_config
+    from turnrl.training.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(TrainConfig, None, [override])
+
+
+def test_a_reward_class_that_refuses_its_settings_is_a_config_error():
+    with pytest.raises(ConfigError, match="bad settings"):
+        load_reward_fn(RewardSpec(name="o", fn="overlong", settings={"max_tokens": 10, "buffer": 0}))

@@ -225,11 +225,35 @@ def test_critic_estimators_without_values_fail_loudly():
 
 
 def test_a_group_of_equal_float32_scores_gets_no_advantage():
-    # Episodes 4 and 7 (group 1) both total 10.0 in float32 turn rewards: their GRPO advantage is exactly 0.
+    # Three episodes of one group, each a single turn worth 10.1: their GRPO advantage is exactly 0.
     samples = [Sample([5, 5], [0, 1], [0.0, 0.0], [1], rewards, episode=e, group=0)
                for e, rewards in enumerate(([10.1], [10.1], [10.1]))]
     out = compute_advantages(collate(samples, pad_id=0), config(advantage="grpo"))
     assert out.advantages.abs().max() == 0
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "turn"])
+def test_equal_totals_split_differently_across_turns_get_no_advantage(mode):
+    # Sokoban-like: five steps of -0.1 and a +10.9, cut into two turns at different points. Every
+    # total is 10.4; summed in float32 the totals differed by ~1e-7 and GRPO amplified that to +-0.23.
+    splits = [(1, 5), (2, 4), (3, 3), (4, 2)]
+    samples = []
+    for episode, (first, second) in enumerate(splits):
+        rewards = [-0.1] * first, [-0.1] * (second - 1) + [10.9]
+        turn_rewards = [sum(rewards[0]), sum(rewards[1])]
+        if mode == "trajectory":
+            samples.append(Sample([5] * 4, [1, 1, 1, 1], [0.0] * 4, [1, 3], turn_rewards, episode=episode, group=0))
+        else:
+            samples += [Sample([5, 5], [0, 1], [0.0, 0.0], [1], [reward], episode=episode, group=0, turn=t)
+                        for t, reward in enumerate(turn_rewards)]
+    out = compute_advantages(collate(samples, pad_id=0), config(advantage="grpo", sample_mode=mode))
+    assert out.advantages.abs().max() < 1e-6
+
+
+def test_a_turn_that_ends_on_an_unsampled_token_is_refused():
+    sample = Sample([5, 5, 5], [0, 1, 0], [0.0] * 3, [2], [1.0], episode=0, group=0)
+    with pytest.raises(ValueError, match="sampled token"):
+        compute_advantages(collate([sample], pad_id=0), config(advantage="grpo"))
 
 
 # --------------------------------------------------------------------------- turn mode's loss weights

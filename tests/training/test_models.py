@@ -27,3 +27,15 @@ def test_a_directory_without_model_files_has_no_processor(tmp_path):
 
 def test_step_seeds_differ_per_step_and_repeat_per_seed():
     assert step_seed(0, 1) != step_seed(0, 2) and step_seed(3, 5) == step_seed(3, 5)
+
+
+def test_a_processor_that_needs_a_missing_library_is_reported_and_left_out(tiny_model_dir, monkeypatch, caplog):
+    import turnrl.training.models as models
+
+    def needs_torchvision(path):
+        raise ImportError("Qwen2VLVideoProcessor requires the Torchvision library")
+
+    monkeypatch.setattr(models.AutoProcessor, "from_pretrained", needs_torchvision)
+    with caplog.at_level("WARNING"):
+        assert load_processor(tiny_model_dir) is None
+    assert "Torchvision" in caplog.text

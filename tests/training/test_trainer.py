@@ -280,6 +280,14 @@ def test_resume_from_a_directory_without_checkpoint_names_the_key(tiny_model_dir
         train(config(tiny_model_dir, tmp_path, f"resume={tmp_path / 'empty'}"))
 
 
+def test_a_bad_reward_spec_stops_the_run_before_sft(tiny_model_dir, tmp_path):
+    bad = config(tiny_model_dir, tmp_path, "sft.enabled=true",
+                 "rewards.extra=[{name: judge, fn: 'tests.nowhere:judge'}]")
+    with pytest.raises(ConfigError, match="cannot load"):
+        train(bad)
+    assert not (tmp_path / "run" / "sft").exists()
+
+
 # --------------------------------------------------------------------------- metrics files
 def test_metrics_logger_writes_json_lines_with_null_for_non_finite_values(tmp_path):
     logger = MetricsLogger(tmp_path, tensorboard=False)

@@ -50,8 +50,13 @@ def env_names() -> list[str]:
 
 
 def builtin_name(env_id: str) -> str | None:
-    """``"sokoban"``, ``"Sokoban"`` or ``"turnrl/Sokoban-v0"`` -> ``"Sokoban"``; None if not built in."""
-    bare = env_id.removeprefix("turnrl/").removesuffix("-v0").lower()
+    """``"sokoban"``, ``"Sokoban"`` or ``"turnrl/Sokoban-v0"`` -> ``"Sokoban"``; None if not built in.
+
+    Only a bare name or turnrl's own Gymnasium id: ``"Bandit-v0"`` may be someone else's registered env.
+    """
+    bare = env_id.lower()
+    if bare.startswith("turnrl/") and bare.endswith("-v0"):
+        bare = bare.removeprefix("turnrl/").removesuffix("-v0")
     return next((name for name in BUILTIN_ENVS if name.lower() == bare), None)
 
 

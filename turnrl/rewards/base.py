@@ -22,6 +22,7 @@ import importlib
 import inspect
 import logging
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -109,6 +110,7 @@ class Rewards:
     def __init__(self, config: RewardsConfig | None = None, extra: dict[str, RewardFn] | None = None) -> None:
         config = config or RewardsConfig()
         self.on_error = config.on_error
+        self.timeout_s = config.timeout_s
         self.weights: dict[str, float] = {ENV: config.env_weight, FORMAT: config.format_weight}
         self.functions: dict[str, RewardFn] = {}
         for spec in config.extra:
@@ -136,16 +138,24 @@ class Rewards:
         named: list[dict[str, float]] = [{ENV: turn.env_reward, FORMAT: turn.format_reward} for turn in turns]
         errors: list[list[str]] = [[] for _ in turns]
         for name, fn in self.functions.items():
-            if not turns:
-                break
-            values, error = _call(fn, turns)
+            # A turn whose env could not tell its facts is not shown to a function that reads them:
+            # it scores on_error alone, and the rest of the round is scored as usual.
+            needs_facts = getattr(fn, "needs_state_facts", False)
+            usable = [i for i, turn in enumerate(turns)
+                      if not needs_facts or (turn.facts_before is not None and turn.facts_after is not None)]
+            for i in sorted(set(range(len(turns))) - set(usable)):
+                named[i][name] = self.on_error
+                errors[i].append(f"{name}: no state facts for this turn")
+            if not usable:
+                continue
+            values, error = _call(fn, [turns[i] for i in usable], self.timeout_s)
             if error is not None:
-                logger.warning("reward %r failed on %d turns (scored %s): %s", name, len(turns), self.on_error, error)
-                values = [self.on_error] * len(turns)
-                for turn_errors in errors:
-                    turn_errors.append(f"{name}: {error}")
-            for rewards, value in zip(named, values):
-                rewards[name] = value
+                logger.warning("reward %r failed on %d turns (scored %s): %s", name, len(usable), self.on_error, error)
+                values = [self.on_error] * len(usable)
+                for i in usable:
+                    errors[i].append(f"{name}: {error}")
+            for i, value in zip(usable, values):
+                named[i][name] = value
         return [self._weighted(rewards, turn_errors) for rewards, turn_errors in zip(named, errors)]
 
     def base_scores(self, env_reward: float, format_reward: float) -> TurnScores:
@@ -157,12 +167,30 @@ class Rewards:
         return TurnScores(rewards, total, errors)
 
 
-def _call(fn: RewardFn, turns: Sequence[FinishedTurn]) -> tuple[list[float], str | None]:
-    """The scores of one reward function, or why it failed."""
-    try:
-        values = [float(value) for value in fn(turns)]
-    except Exception as error:  # a failing reward marks its turns; it never stops the run
-        return [], f"{type(error).__name__}: {error}"
+def _call(
+    fn: RewardFn, turns: Sequence[FinishedTurn], timeout_s: float | None = None
+) -> tuple[list[float], str | None]:
+    """The scores of one reward function, or why it failed (raised, timed out, wrong count, non-finite)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["values"] = [float(value) for value in fn(turns)]
+        except Exception as error:  # a failing reward marks its turns; it never stops the run
+            outcome["error"] = f"{type(error).__name__}: {error}"
+
+    if timeout_s is None:
+        run()
+    else:
+        # A daemon thread: a function that never returns is left behind, the rollout goes on.
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            return [], f"timed out after {timeout_s:g} s"
+    if "error" in outcome:
+        return [], outcome["error"]
+    values = outcome["values"]
     if len(values) != len(turns):
         return [], f"returned {len(values)} scores for {len(turns)} turns"
     bad = [value for value in values if not math.isfinite(value)]
@@ -203,7 +231,7 @@ def load_reward_fn(spec: RewardSpec) -> RewardFn:
             fn = functools.update_wrapper(functools.partial(obj, **spec.settings), obj)
         else:
             fn = obj
-    except TypeError as error:
+    except (TypeError, ValueError) as error:
         raise ConfigError(
             f"rewards.extra {spec.name!r}: bad settings {spec.settings} for {target!r}: {error}"
         ) from error

@@ -67,6 +67,6 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     }
     # Each named reward (env, format, every added one), summed over an episode, averaged over episodes.
     per_episode = [t.named_rewards() for t in trajectories]
-    for name in sorted({name for totals in per_episode for name in totals}):
+    for name in sorted({"env", "format"} | {name for totals in per_episode for name in totals}):
         metrics[f"reward_{name}_mean"] = _mean([totals.get(name, 0.0) for totals in per_episode])
     return metrics

@@ -104,8 +104,12 @@ def episode_view(batch: Batch, placement: str = "per_turn") -> EpisodeView:
     # Turn ends in view coordinates, numbered in order within each episode.
     has_end = batch.turn_end_index >= 0
     end_rows, end_turns = has_end.nonzero(as_tuple=True)
+    end_positions = batch.turn_end_index[end_rows, end_turns]
+    if not bool(sampled[end_rows, end_positions].all()):
+        raise ValueError("every turn must end on a sampled token (loss_mask 1 at turn_end_index); "
+                         "a turn without sampled tokens cannot carry a reward")
     end_episode = episode[end_rows]
-    end_column = column[end_rows, batch.turn_end_index[end_rows, end_turns]]
+    end_column = column[end_rows, end_positions]
     by_position = torch.argsort(end_episode * width + end_column)
     end_episode, end_column = end_episode[by_position], end_column[by_position]
     end_reward = batch.turn_rewards[end_rows, end_turns][by_position].to(torch.float64)

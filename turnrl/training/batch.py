@@ -16,7 +16,7 @@ Extra model inputs (a VLM's ``pixel_values`` and ``image_grid_thw``, say)
 travel with their samples: each is a tensor whose first dimension runs over
 the sample's items (image patches, images), concatenated over the samples of
 a batch in row order, the layout Qwen-VL style models take. Every forward
-pass of training passes them to the model (:meth:`Batch.model_kwargs`).
+pass of training passes them to the model.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class Batch:
     turn_end_index: torch.Tensor
     """Shape (b, t), long: position of each turn's last sampled token, -1 for padding turns."""
     turn_rewards: torch.Tensor
-    """Shape (b, t), float: reward of each turn, 0 for padding turns."""
+    """Shape (b, t), float64: reward of each turn, 0 for padding turns. Double precision, so that episodes
+    whose turns split the same total differently still have equal totals (GRPO compares them exactly)."""
     episode: torch.Tensor
     """Shape (b,), long."""
     group: torch.Tensor
@@ -171,7 +172,7 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     loss_mask = torch.zeros((b, width))
     logprobs = torch.zeros((b, width))
     turn_end_index = torch.full((b, turns), -1, dtype=torch.long)
-    turn_rewards = torch.zeros((b, turns))
+    turn_rewards = torch.zeros((b, turns), dtype=torch.float64)
     for row, sample in enumerate(samples):
         n = len(sample.input_ids)
         input_ids[row, :n] = torch.tensor(sample.input_ids)
@@ -179,7 +180,7 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float)
         logprobs[row, :n] = torch.tensor(sample.sampler_logprobs, dtype=torch.float)
         turn_end_index[row, : len(sample.turn_ends)] = torch.tensor(sample.turn_ends)
-        turn_rewards[row, : len(sample.turn_rewards)] = torch.tensor(sample.turn_rewards, dtype=torch.float)
+        turn_rewards[row, : len(sample.turn_rewards)] = torch.tensor(sample.turn_rewards, dtype=torch.float64)
     keys = sorted({key for sample in samples for key in sample.model_inputs})
     for key in keys:
         if any(key not in sample.model_inputs for sample in samples):

@@ -257,6 +257,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         self.agent.validate()
+        self.rewards.validate()
         self.sampling.validate()
         self.model.validate()
         self.groups.validate()

@@ -6,6 +6,7 @@ components differently; nothing here knows about the loop.
 
 from __future__ import annotations
 
+import logging
 import random
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -16,6 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer, PreTrainedTokenizerBase
 
 from turnrl.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -47,10 +50,18 @@ def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
 
 
 def load_processor(path: Path | str) -> Any | None:
-    """The model's processor where it has one beyond its tokenizer (a VLM's image processor), else None."""
+    """The model's processor where it has one beyond its tokenizer (a VLM's image processor), else None.
+
+    A processor that cannot load for want of a library (Qwen-VL processors need torchvision for their
+    video part) is reported and left out: a text env still trains; an image env then stops with a clear
+    error where the images would be processed.
+    """
     try:
         processor = AutoProcessor.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError):  # no processor files, or a tokenizer-only model
+        return None
+    except ImportError as error:
+        logger.warning("the processor of %s cannot load, images cannot be processed: %s", path, error)
         return None
     return None if isinstance(processor, PreTrainedTokenizerBase) else processor
 

@@ -193,6 +193,17 @@ def score_batch(
 
 
 # --------------------------------------------------------------------------- the recipe
+def start_run(config: TrainConfig) -> Path:
+    """Threads, seeds, the run directory and its ``config.yaml``: what every stage of a run starts from."""
+    if config.run.threads > 0:
+        torch.set_num_threads(config.run.threads)
+    seed_everything(config.seeds.seed)
+    run_dir = Path(config.resume) if config.resume else Path(config.run.output_dir) / config.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    return run_dir
+
+
 class Recipe:
     """Everything an RL run holds, built at once from a :class:`TrainConfig` (or restored from a checkpoint).
 
@@ -200,16 +211,15 @@ class Recipe:
         config: the run.
         start_model: the model RL starts from (the SFT stage's output); None: ``model.path`` or the
             built-in model. Ignored on resume, where the checkpoint says.
+        rewards: the run's rewards, when already built (``train`` builds them first, so that a bad reward
+            spec stops the run before SFT); None builds them from ``config.rewards``.
     """
 
-    def __init__(self, config: TrainConfig, start_model: Path | str | None = None) -> None:
+    def __init__(
+        self, config: TrainConfig, start_model: Path | str | None = None, rewards: Rewards | None = None
+    ) -> None:
         self.config = config
-        if config.run.threads > 0:
-            torch.set_num_threads(config.run.threads)
-        seed_everything(config.seeds.seed)
-        self.run_dir = Path(config.resume) if config.resume else Path(config.run.output_dir) / config.run.name
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(config))
+        self.run_dir = start_run(config)
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.timings: dict[str, float] = {}
@@ -224,7 +234,7 @@ class Recipe:
         self._build_optimizers()
         fmt = get_format(config.agent.format, action_separator=config.agent.action_separator,
                          max_actions_per_turn=config.agent.max_actions_per_turn)
-        rewards = Rewards(config.rewards)
+        rewards = rewards or Rewards(config.rewards)
         batch_size = max(64, config.groups.n_groups * config.groups.group_size)
         self.rollout = Rollout(HFPolicy(self.actor, self.tokenizer, max_batch_size=batch_size), fmt, config.agent,
                                env_id=config.env.id, executor=self.executor, rewards=rewards)
@@ -439,11 +449,7 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     """``turnrl sft``: warm up the configured model and save it under the run directory."""
     if data is not None:
         config.sft.data = data
-    seed_everything(config.seeds.seed)
-    run_dir = Path(config.run.output_dir) / config.run.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
-    path = sft_stage(config, run_dir).model_path
+    path = sft_stage(config, start_run(config)).model_path
     console.print(f"SFT model written to {path}")
     return path
 
@@ -462,14 +468,12 @@ def _every(n: int) -> Callable[[int], bool]:
 def train(config: TrainConfig) -> dict[str, Any]:
     """SFT (when enabled), validation, ``run.steps`` RL steps, validation, summary."""
     start = time.time()
-    run_dir = Path(config.resume) if config.resume else Path(config.run.output_dir) / config.run.name
+    rewards = Rewards(config.rewards)  # a bad reward spec stops here, not after SFT
     resumed = config.resume is not None
     sft = None
     if config.sft.enabled and not resumed:
-        seed_everything(config.seeds.seed)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        sft = sft_stage(config, run_dir)
-    recipe = Recipe(config, start_model=sft.model_path if sft is not None else None)
+        sft = sft_stage(config, start_run(config))
+    recipe = Recipe(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
     if sft is not None:
         recipe.summary.update(sft.metrics)
         recipe._timed("sft_s", sft.seconds)
