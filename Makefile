@@ -2,15 +2,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build is enough for the quickstart and the tests; pass TORCH=torch to take your platform's default build.
-TORCH ?= torch==2.13.0
+# torchvision is what transformers' Qwen-VL processors need. The pinned pair is a CUDA build, which runs on a
+# CPU too; pass TORCH="torch torchvision" (or a CPU build of your own) to choose another.
+TORCH ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: quickstart check test test-slow clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
