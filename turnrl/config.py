@@ -62,6 +62,10 @@ class AgentConfig:
     """Action budget per episode (RAGEN's max_actions_per_traj); exhausting it truncates."""
     max_context_window: Optional[int] = None
     """Turns kept in the prompt, the current one included; None keeps all."""
+    max_images: Optional[int] = None
+    """Images kept in the prompt (the latest ones); older observations lose their image and keep their text.
+    None keeps every image in the window. Dropping images changes earlier prompts, so training then needs
+    ``algorithm.sample_mode=turn``; the trajectory keeps every image the model saw."""
     max_context_tokens: int = 4096
     """Token budget of one episode's context; an episode that would exceed it is truncated."""
     format_reward: float = 0.0
@@ -88,6 +92,8 @@ class AgentConfig:
             check_range(f"agent.{key}", getattr(self, key), 1)
         if self.max_context_window is not None:
             check_range("agent.max_context_window", self.max_context_window, 1)
+        if self.max_images is not None:
+            check_range("agent.max_images", self.max_images, 0)
 
 
 @dataclass
@@ -169,9 +175,20 @@ class ModelConfig:
     """``auto`` (cuda if available), ``cpu``, ``cuda`` or ``cuda:N``."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in training."""
+    train_vision: bool = False
+    """VLMs: train the vision encoder too (full weights or LoRA); by default it is frozen."""
+    min_pixels: Optional[int] = None
+    """VLMs: the fewest pixels an image is resized to (Qwen-VL: multiples of 28 x 28); None keeps the model's."""
+    max_pixels: Optional[int] = None
+    """VLMs: the most pixels an image is resized to, which bounds its visual tokens; None keeps the model's."""
 
     def validate(self) -> None:
         check_choice("model.dtype", self.dtype, ["auto", "float32", "bfloat16", "float16"])
+        for key in ("min_pixels", "max_pixels"):
+            if getattr(self, key) is not None:
+                check_range(f"model.{key}", getattr(self, key), 1)
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ConfigError(f"model.min_pixels={self.min_pixels} exceeds model.max_pixels={self.max_pixels}")
         check_choice("model.builtin_template", self.builtin_template, ["chatml", "qwen3", "llama3"])
 
 

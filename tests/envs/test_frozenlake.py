@@ -9,6 +9,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from turnrl.envs.base import IMAGE_CAPTION
 from turnrl.envs.frozenlake import ACTIONS, FrozenLakeEnv, parse_level
 
 LEVEL = """
@@ -243,3 +244,10 @@ def test_constructor_validation(kwargs, message):
 def test_bad_levels(level, message):
     with pytest.raises(ValueError, match=message):
         make(size=2).reset(options={"level": level})
+
+
+def test_image_mode_text_gives_the_board_away_nowhere():
+    env = FrozenLakeEnv(mode="image", render_mode="ansi")
+    obs, _ = env.reset(seed=0)
+    assert obs["text"] == IMAGE_CAPTION and "P" not in obs["text"]
+    assert env.render() == FrozenLakeEnv().reset(seed=0)[0]["text"]  # ansi still draws the board

@@ -9,6 +9,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from turnrl.envs.base import IMAGE_CAPTION
 from turnrl.envs.maze import Maze2DEnv, parse_action, visgym_action
 
 LEVEL = """
@@ -37,7 +38,8 @@ def test_sizes(kwargs, side):
     env = Maze2DEnv(mode="image", **kwargs)
     obs, _ = env.reset(seed=0)
     assert obs["image"].shape == (side * 25, side * 25, 3)
-    assert [len(row) for row in obs["text"].split("\n")] == [side] * side
+    assert [len(row) for row in env.ansi().split("\n")] == [side] * side
+    assert obs["text"] == IMAGE_CAPTION  # the image is the observation: the text gives no maze away
 
 
 def open_cells(text):

@@ -65,7 +65,7 @@ def test_unknown_env_names_the_builtin_ones():
 def test_settings_reach_the_constructor():
     env = make("FrozenLake", size=6, mode="image")
     obs, _ = env.reset(seed=0)
-    assert len(obs["text"].splitlines()) == 6 and obs["image"].ndim == 3
+    assert len(env.ansi().splitlines()) == 6 and obs["image"].shape == (150, 150, 3)
 
 
 def test_unknown_setting_names_the_allowed_ones():

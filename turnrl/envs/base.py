@@ -40,6 +40,8 @@ Position = tuple[int, int]
 OBS_CHARSET = frozenset(string.printable) | frozenset("√·█░▒▓←→↑↓")
 ACTION_CHARSET = frozenset(string.printable)
 MAX_TEXT_LENGTH = 8192
+IMAGE_CAPTION = "The image shows the current state."
+"""The text of an image-mode observation of an env whose image is the whole state."""
 MAX_ACTION_LENGTH = 256
 
 
@@ -311,9 +313,13 @@ class TurnEnv(gym.Env[dict, str]):
         info.update(action_is_valid=valid, action_is_effective=effective, success=bool(success))
         return self.observation(), float(reward), self._terminated, truncated, info
 
+    def ansi(self) -> str:
+        """The state as text for ``render_mode="ansi"``, whatever the mode (default: :meth:`text`)."""
+        return self.text()
+
     def render(self):
         if self.render_mode == "ansi":
-            return self.text()
+            return self.ansi()
         if self.render_mode == "rgb_array":
             return self.image()
         return None

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs import search
-from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv, facts_from_positions
+from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv, facts_from_positions
 from turnrl.envs.render import Tile, draw_grid
 
 ACTIONS = ("Left", "Down", "Right", "Up")
@@ -264,6 +264,12 @@ class FrozenLakeEnv(TurnEnv):
         return divmod(self._player, self.size)
 
     def text(self) -> str:
+        if self.is_image_mode:  # the image is the observation; the text must not give the board away
+            return IMAGE_CAPTION
+        return self.ansi()
+
+    def ansi(self) -> str:
+        """The board as text (the coordinate listing with ``symbols="coords"``), in any mode."""
         if self.symbols == "coords":
             return self._coords_text()
         r, c = divmod(self._player, self.size)

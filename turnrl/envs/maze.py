@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs import search
-from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv, facts_from_positions
+from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv, facts_from_positions
 from turnrl.envs.render import Tile, draw_grid
 
 ACTIONS = ("up", "down", "left", "right", "stop")
@@ -275,6 +275,12 @@ class Maze2DEnv(TurnEnv):
         return divmod(self._target, self.size)
 
     def text(self) -> str:
+        if self.is_image_mode:  # the image is the observation; the text must not give the maze away
+            return IMAGE_CAPTION
+        return self.ansi()
+
+    def ansi(self) -> str:
+        """The maze as text, in any mode."""
         r, c = self.agent
         i = r * (self.size + 1) + c  # +1 for each newline before this row
         symbol = AGENT_ON_TARGET if self._agent == self._target else AGENT

@@ -254,10 +254,9 @@ class SokobanEnv(TurnEnv):
         rows = ["".join(symbols[code] for code in codes[start : start + cols]) for start in range(0, len(codes), cols)]
         return draw_grid(rows, _TILE_BY_SYMBOL, self.cell_px)
 
-    def render(self):
-        if self.render_mode == "ansi":  # the board, even in image mode, where the text is a status line
-            return self.text() if self.symbols == "coords" and not self.is_image_mode else self.grid_text()
-        return super().render()
+    def ansi(self) -> str:
+        """The board, even in image mode, where the text is a status line."""
+        return self.text() if self.symbols == "coords" and not self.is_image_mode else self.grid_text()
 
     # ----------------------------------------------------------------- agent API
     def instructions(self) -> str:

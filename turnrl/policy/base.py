@@ -30,6 +30,9 @@ class GenerationRequest:
     """Cap below the sampling setting (the context budget may leave less room)."""
     images: list[Any] | None = None
     """The ``HxWx3`` uint8 arrays of the image parts of ``messages``, in order (image modes)."""
+    model_inputs: dict[str, Any] | None = None
+    """The model's extra inputs for ``prompt_ids`` (a VLM's ``pixel_values`` and ``image_grid_thw`` of the
+    images in the prompt, each concatenated along dim 0), built with the context; None for text."""
 
 
 @dataclass

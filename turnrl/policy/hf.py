@@ -1,9 +1,14 @@
-"""The transformers backend: any causal LM by path, batched sampling with logprobs.
+"""The transformers backend: any causal LM or VLM by path, batched sampling with logprobs.
 
 Prompts arrive as token ids (the token-exact context) and are left-padded into
 one batch; ``generate`` returns the sampled ids and, for each, its log-probability
 under the sampling distribution ``softmax(logits / temperature)`` (before top-p /
 top-k truncation, which is the distribution the PPO ratio is taken against).
+
+A VLM takes the requests' extra model inputs (pixel values, grid sizes) with
+them, concatenated in request order, and its own ``generate`` places the
+image features and computes its positions (M-RoPE). The vision tokens are
+suppressed in sampling: a response never contains an image placeholder.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.models.loading import load_model, load_processor, load_tokenizer
+from turnrl.models.vision import ImageEncoder
 from turnrl.policy.base import Completion, GenerationRequest
 
 
@@ -54,6 +61,15 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return input_ids, attention_mask
 
 
+def batch_model_inputs(requests: Sequence[GenerationRequest], device: torch.device) -> dict[str, torch.Tensor]:
+    """The requests' extra model inputs, each concatenated along dim 0 in request order (Qwen-VL's layout)."""
+    keys = sorted({key for r in requests for key in (r.model_inputs or {})})
+    return {
+        key: torch.cat([r.model_inputs[key] for r in requests if r.model_inputs and key in r.model_inputs]).to(device)
+        for key in keys
+    }
+
+
 def sampled_logprobs(step_logits: Sequence[torch.Tensor], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """Log-probabilities of the sampled tokens under ``softmax(logits / temperature)``.
 
@@ -77,9 +93,12 @@ class HFPolicy:
         model: a loaded model (its device is used) — or use :meth:`from_config`.
         tokenizer: its tokenizer; ``pad_token_id`` must be set.
         max_batch_size: prompts sampled together at most.
+        processor: a VLM's processor (its image processor encodes images); None for a text model.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, max_batch_size: int = 64) -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: Any, max_batch_size: int = 64, processor: Any | None = None
+    ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token: set tokenizer.pad_token (e.g. to its eos token)")
         self.model: Any = model  # a transformers model; its generate() is what we call
@@ -88,16 +107,19 @@ class HFPolicy:
         self.eos_ids = end_of_turn_ids(tokenizer, model)
         if not self.eos_ids:
             raise ValueError("the tokenizer defines no eos token, so responses could never end")
+        self.image_encoder = ImageEncoder(processor) if processor is not None else None
+        """Encodes images for the context (None: a text model, which refuses image observations)."""
+
+    @property
+    def accepts_images(self) -> bool:
+        return self.image_encoder is not None
 
     @classmethod
     def from_config(cls, config: ModelConfig, path: str, max_batch_size: int = 64) -> HFPolicy:
         device = resolve_device(config.device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(config.dtype, device))
-        model = model.to(device).eval()
-        return cls(model, tokenizer, max_batch_size=max_batch_size)
+        model = load_model(path, dtype=resolve_dtype(config.dtype, device), device=device).eval()
+        processor = load_processor(path, config.min_pixels, config.max_pixels)
+        return cls(model, load_tokenizer(path), max_batch_size=max_batch_size, processor=processor)
 
     @property
     def device(self) -> torch.device:
@@ -131,8 +153,11 @@ class HFPolicy:
             options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if sampling.stop:
             options.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
+        if self.image_encoder is not None:
+            options.update(suppress_tokens=self.image_encoder.special_token_ids)
         output = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **options
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            **batch_model_inputs(requests, self.device), **options,
         )
         if was_training:
             self.model.train()

@@ -493,6 +493,8 @@ class TurnTokens:
     """Placeholder tokens per image of ``user_message`` (empty for text-only messages)."""
     model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     """The model's extra inputs for this message (e.g. ``pixel_values``, ``image_grid_thw`` of its images)."""
+    text_observation_ids: list[int] | None = None
+    """Observation ids of the message without its images, once a prompt has dropped them (``max_images``)."""
     response_ids: list[int] | None = None
     """Sampled ids, untouched. (R_t,). None while the turn awaits its response."""
     logprobs: list[float] | None = None
@@ -545,6 +547,15 @@ class TurnSample:
     """The extra model inputs of the turns in the prompt (the window), concatenated along dim 0."""
 
 
+def without_images(message: Message) -> Message:
+    """``message`` with its image parts left out (its text stays): how an observation reads once its
+    image is no longer in the prompt."""
+    content = message["content"]
+    if isinstance(content, str):
+        return message
+    return {**message, "content": [part for part in content if part.get("type") not in ("image", "image_url")]}
+
+
 def concat_model_inputs(turns: Sequence[TurnTokens]) -> dict[str, torch.Tensor]:
     """The turns' extra model inputs, each concatenated along dim 0 in turn order (Qwen-VL's layout)."""
     keys = sorted({key for turn in turns for key in turn.model_inputs})
@@ -570,6 +581,8 @@ class EpisodeTokens:
         max_context_window: turns kept in the prompt; None keeps all.
         image_token: the placeholder token that images render to (e.g.
             ``"<|image_pad|>"``), needed only when image token counts are given.
+        max_images: images kept in a prompt, the latest first; older observations in the window
+            are rendered without their images. None keeps every image of the window.
     """
 
     def __init__(
@@ -577,6 +590,7 @@ class EpisodeTokens:
         tokenizer: PreTrainedTokenizerBase | ChatTemplateDeltas,
         max_context_window: int | None = None,
         image_token: str | None = None,
+        max_images: int | None = None,
     ) -> None:
         if max_context_window is not None and max_context_window < 1:
             raise ValueError("max_context_window must be >= 1 or None")
@@ -584,6 +598,9 @@ class EpisodeTokens:
             tokenizer = ChatTemplateDeltas.for_tokenizer(tokenizer)
         self.deltas = tokenizer
         self.max_context_window = max_context_window
+        if max_images is not None and max_images < 0:
+            raise ValueError("max_images must be >= 0 or None")
+        self.max_images = max_images
         # One token in, one id out (the tokenizer's typing also allows lists).
         self._image_token_id: int | None = (
             None if image_token is None else self.deltas.tokenizer.convert_tokens_to_ids(image_token)  # type: ignore[assignment]
@@ -655,9 +672,24 @@ class EpisodeTokens:
 
     @property
     def window_cut(self) -> bool:
-        """True once a prompt has left out earlier turns (the stream is then not what the model saw)."""
+        """True once a prompt has left out earlier turns or images (the stream is then not what the model saw)."""
         k = self.max_context_window
-        return k is not None and len(self.turns) > k
+        if k is not None and len(self.turns) > k:
+            return True
+        return any(self._dropped_images(t) for t in range(len(self.turns)))
+
+    def _dropped_images(self, t: int) -> set[int]:
+        """The turns of turn ``t``'s window whose images its prompt leaves out: all but the latest
+        ``max_images`` images (a message's images are kept or dropped together)."""
+        if self.max_images is None:
+            return set()
+        window = [j for j in range(self._window_start(t), t + 1) if self.turns[j].image_token_counts]
+        room, dropped = self.max_images, set()
+        for j in reversed(window):
+            room -= len(self.turns[j].image_token_counts)
+            if room < 0:
+                dropped.add(j)
+        return dropped
 
     def prompt(self) -> list[int]:
         """What the model sees now: the windowed context ending with the current observation. (P,)."""
@@ -669,7 +701,8 @@ class EpisodeTokens:
         """The extra model inputs of turn ``t``'s prompt (default: the current one), those of the turns
         in its window."""
         t = len(self._require_started()) - 1 if t is None else t
-        return concat_model_inputs(self.turns[self._window_start(t) : t + 1])
+        dropped = self._dropped_images(t)
+        return concat_model_inputs([self.turns[j] for j in range(self._window_start(t), t + 1) if j not in dropped])
 
     def prompt_ids(self, t: int) -> list[int]:
         """The prompt of turn ``t``, as it was (or is) given to the model. (P_t,).
@@ -679,24 +712,21 @@ class EpisodeTokens:
         """
         self._require_started()
         s = self._window_start(t)
-        ids = list(self._head(s))
+        dropped = self._dropped_images(t)
+        ids = list(self._head(s, with_images=s not in dropped))
         for j in range(s, t):
             turn = self.turns[j]
             assert turn.response_ids is not None
-            ids += turn.response_ids + turn.closing_ids + self.turns[j + 1].observation_ids
+            ids += turn.response_ids + turn.closing_ids + self._observation(j + 1, with_images=j + 1 not in dropped)
         return ids
 
     def __len__(self) -> int:
         """Tokens in the current context (the prompt, plus the closed response when one was just added)."""
         if not self.turns:
             return 0
-        t = len(self.turns) - 1
-        s = self._window_start(t)
-        n = len(self._head(s)) + sum(len(turn.observation_ids) for turn in self.turns[s + 1 :])
-        for turn in self.turns[s:]:
-            if turn.response_ids is not None:
-                n += len(turn.response_ids) + len(turn.closing_ids)
-        return n
+        last = self.turns[-1]
+        answered = 0 if last.response_ids is None else len(last.response_ids) + len(last.closing_ids)
+        return len(self.prompt_ids(len(self.turns) - 1)) + answered
 
     def stream(self) -> EpisodeStream:
         """The whole episode as one aligned token stream, for training.
@@ -765,12 +795,27 @@ class EpisodeTokens:
         k = self.max_context_window
         return 0 if k is None else max(0, t - k + 1)
 
-    def _head(self, s: int) -> list[int]:
-        """Head ids when the context starts at turn ``s`` (system + user_s + generation prompt)."""
+    def _head(self, s: int, with_images: bool = True) -> list[int]:
+        """Head ids when the context starts at turn ``s`` (system + user_s + generation prompt), with
+        user_s's images or without them (when the prompt no longer shows them)."""
+        turn = self.turns[s]
+        if not with_images and turn.image_token_counts:
+            key = -1 - s  # heads without images are cached apart
+            if key not in self._heads:
+                self._heads[key] = self.deltas.head(self.system, without_images(turn.user_message))
+            return self._heads[key]
         if s not in self._heads:
-            turn = self.turns[s]
             self._heads[s] = self._expand(self.deltas.head(self.system, turn.user_message), turn.image_token_counts)
         return self._heads[s]
+
+    def _observation(self, j: int, with_images: bool) -> list[int]:
+        """Observation ids of turn ``j``, or those of its message without images (rendered once)."""
+        turn = self.turns[j]
+        if with_images or not turn.image_token_counts:
+            return turn.observation_ids
+        if turn.text_observation_ids is None:
+            turn.text_observation_ids = self.deltas.observation(without_images(turn.user_message))
+        return turn.text_observation_ids
 
     def _expand(self, ids: list[int], counts: tuple[int, ...]) -> list[int]:
         if not counts:

@@ -26,9 +26,10 @@ from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs.base import AgentEnv, StateFacts
+from turnrl.models.vision import ImageEncoder, join_inputs
 from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
-from turnrl.rollout.context import EpisodeTokens
+from turnrl.rollout.context import EpisodeTokens, without_images
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
 
 
@@ -55,6 +56,20 @@ def _user_message(text: str, image: np.ndarray | None) -> dict[str, Any]:
     if image is not None:
         return {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
     return {"role": "user", "content": text}
+
+
+def latest_images(messages: list[dict[str, Any]], max_images: int) -> list[dict[str, Any]]:
+    """``messages`` with the image parts of all but the latest ``max_images`` images left out (a message's
+    images are kept or dropped together, as in the token context)."""
+    out, room = [], max_images
+    for message in reversed(messages):
+        count = len(message_images([message]))
+        if count:
+            room -= count
+            if room < 0:
+                message = without_images(message)
+        out.append(message)
+    return out[::-1]
 
 
 def message_images(messages: list[dict[str, Any]]) -> list[np.ndarray]:
@@ -180,11 +195,14 @@ class Rollout:
         if window is not None:
             # system + the last `window` turns: user, assistant, ..., user
             messages = messages[:1] + messages[1:][-(2 * window - 1) :]
+        if self.agent.max_images is not None:
+            messages = latest_images(messages, self.agent.max_images)
         return GenerationRequest(
             prompt_ids=tokens.prompt() if tokens is not None else None,
             messages=messages,
             env=episode.slot.env,
             images=message_images(messages) or None,
+            model_inputs=tokens.prompt_model_inputs() if tokens is not None else None,
         )
 
     # ------------------------------------------------------------------ one episode
@@ -207,12 +225,28 @@ class Rollout:
         self._observe(episode, text, obs)
         tokenizer = getattr(self.policy, "tokenizer", None)
         if tokenizer is not None:
-            trajectory.tokens = EpisodeTokens(tokenizer, max_context_window=self.agent.max_context_window)
-            trajectory.tokens.start(episode.messages[0], episode.messages[1])
+            encoder = self._image_encoder()
+            trajectory.tokens = EpisodeTokens(
+                tokenizer, max_context_window=self.agent.max_context_window, max_images=self.agent.max_images,
+                image_token=encoder.image_token if encoder is not None else None,
+            )
+            trajectory.tokens.start(episode.messages[0], episode.messages[1], *self._encode(episode.images))
             # The same rule as for later turns: a response of max_new_tokens must fit.
             if len(trajectory.tokens.prompt()) + sampling.max_new_tokens > self.agent.max_context_tokens:
                 episode.finish(TRUNCATED, "context_budget")
         return episode
+
+    def _image_encoder(self) -> ImageEncoder | None:
+        return getattr(self.policy, "image_encoder", None)
+
+    def _encode(self, images: list[np.ndarray]) -> tuple[list[int], dict[str, Any]]:
+        """Placeholder counts and model inputs of an observation's images, encoded once, as it arrives
+        (nothing without an image encoder: a text model is refused image observations in ``run``)."""
+        encoder = self._image_encoder()
+        if encoder is None or not images:
+            return [], {}
+        encoded = encoder.encode(images)
+        return [image.placeholder_tokens for image in encoded], join_inputs(encoded)
 
     def _observe(self, episode: _Episode, text: str, obs: dict[str, Any]) -> dict[str, Any]:
         """Make ``obs`` the current observation; returns its user message."""
@@ -346,6 +380,6 @@ class Rollout:
         tokens = episode.trajectory.tokens
         if tokens is None:
             return
-        tokens.add_observation(message)
+        tokens.add_observation(message, *self._encode(episode.images))
         if len(tokens.prompt()) + sampling.max_new_tokens > self.agent.max_context_tokens:
             episode.finish(TRUNCATED, "context_budget")

@@ -269,6 +269,13 @@ class TrainConfig:
         check_range("validation.episodes", self.validation.episodes, 1, self.seeds.val_size)
         check_range("validation.batch_size", self.validation.batch_size, 1)
         check_range("validation.samples_per_seed", self.validation.samples_per_seed, 1)
+        if self.algorithm.sample_mode == "trajectory" and self.agent.max_images is not None:
+            if self.agent.max_images < self.agent.max_turns:
+                raise ConfigError(
+                    f"agent.max_images={self.agent.max_images} drops older images from later prompts, so a whole "
+                    "episode is not what the model saw; use algorithm.sample_mode=turn (one sample per turn) or "
+                    f"agent.max_images=null (or >= agent.max_turns={self.agent.max_turns})"
+                )
         if self.algorithm.sample_mode == "trajectory" and self.agent.max_context_window is not None:
             if self.agent.max_context_window < self.agent.max_turns:
                 raise ConfigError(

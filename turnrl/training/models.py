@@ -1,4 +1,5 @@
-"""The models of a run: where they come from, how they load, how they run.
+"""The models of a run: where they come from and how they run (loading itself is
+:mod:`turnrl.models.loading`).
 
 Shared by the stages of a run (SFT, RL) and by any recipe that wires the same
 components differently; nothing here knows about the loop.
@@ -6,7 +7,6 @@ components differently; nothing here knows about the loop.
 
 from __future__ import annotations
 
-import logging
 import random
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -14,11 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer, PreTrainedTokenizerBase
 
 from turnrl.config import ModelConfig
-
-logger = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -39,37 +36,6 @@ def base_model_path(config: ModelConfig) -> Path | str:
     from turnrl.models.builtin import builtin_model_path
 
     return builtin_model_path(config)
-
-
-def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
-    """The model's tokenizer, with a pad token (its eos token when it has none)."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_processor(path: Path | str) -> Any | None:
-    """The model's processor where it has one beyond its tokenizer (a VLM's image processor), else None.
-
-    A processor that cannot load for want of a library (Qwen-VL processors need torchvision for their
-    video part) is reported and left out: a text env still trains; an image env then stops with a clear
-    error where the images would be processed.
-    """
-    try:
-        processor = AutoProcessor.from_pretrained(path)
-    except (OSError, ValueError, TypeError, KeyError):  # no processor files, or a tokenizer-only model
-        return None
-    except ImportError as error:
-        logger.warning("the processor of %s cannot load, images cannot be processed: %s", path, error)
-        return None
-    return None if isinstance(processor, PreTrainedTokenizerBase) else processor
-
-
-def load_causal_lm(path: Path | str, device: torch.device) -> Any:
-    """A causal LM (or VLM) for training: float32 weights (AdamW's master copy; bf16 comes from autocast)."""
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.to(device)
 
 
 def enable_checkpointing(model: Any) -> None:

@@ -26,6 +26,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import AgentEnv, make
+from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer
+from turnrl.models.vision import ImageEncoder, join_inputs, load_image, part_images
 from turnrl.policy.hf import resolve_device, resolve_dtype
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens
@@ -35,14 +37,7 @@ from turnrl.training.batch import Sample, collate
 from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
 from turnrl.training.logger import MetricsLogger
-from turnrl.training.models import (
-    autocast,
-    base_model_path,
-    enable_checkpointing,
-    load_causal_lm,
-    load_processor,
-    load_tokenizer,
-)
+from turnrl.training.models import autocast, base_model_path, enable_checkpointing
 
 console = Console()
 Message = dict[str, Any]
@@ -66,19 +61,32 @@ def expert_demos(
 
 
 def trajectory_messages(trajectory: Trajectory) -> list[Message]:
-    """The chat of a text-only trajectory: system, then user/assistant per turn."""
+    """The chat of a trajectory: system, then user/assistant per turn (a user message carries its
+    observation's images as image parts, as the rollout sent them)."""
     messages: list[Message] = [{"role": "system", "content": trajectory.system_prompt}]
     for turn in trajectory.turns:
-        messages.append({"role": "user", "content": turn.observation})
+        if turn.images:
+            parts = [{"type": "image", "image": image} for image in turn.images]
+            messages.append({"role": "user", "content": [*parts, {"type": "text", "text": turn.observation}]})
+        else:
+            messages.append({"role": "user", "content": turn.observation})
         messages.append({"role": "assistant", "content": turn.response})
     return messages
 
 
-def conversation_samples(messages: list[Message], tokenizer: Any, window: int | None) -> list[Sample]:
+def conversation_samples(
+    messages: list[Message],
+    tokenizer: Any,
+    window: int | None,
+    encoder: ImageEncoder | None = None,
+    max_images: int | None = None,
+) -> list[Sample]:
     """Token samples of one chat with the loss on assistant tokens (each ended by the eos token).
 
-    Without a window the whole chat is one sample; with one, every assistant
-    turn is a sample with the windowed prompt it would be sampled from.
+    Without a window (of turns or of images) the whole chat is one sample;
+    with one, every assistant turn is a sample with the windowed prompt it
+    would be sampled from. Images of user messages (arrays, file paths or
+    data URLs in image parts) go through ``encoder``, as in the rollout.
     """
     if tokenizer.eos_token_id is None:
         raise ValueError("SFT needs a tokenizer with an eos token to end assistant turns")
@@ -86,8 +94,19 @@ def conversation_samples(messages: list[Message], tokenizer: Any, window: int | 
     rest = messages[1:] if system is not None else messages
     if len(rest) < 2 or rest[0]["role"] != "user":
         raise ValueError("a chat must start with a user message (after an optional system message) and have a reply")
-    tokens = EpisodeTokens(tokenizer, max_context_window=window)
-    tokens.start(system, rest[0])
+
+    def images_of(message: Message) -> tuple[list[int], dict[str, Any]]:
+        images = part_images(message["content"])
+        if not images:
+            return [], {}
+        if encoder is None:
+            raise ValueError("a chat has images but the model has no image processor: train a VLM on it")
+        encoded = encoder.encode([load_image(image) for image in images])
+        return [image.placeholder_tokens for image in encoded], join_inputs(encoded)
+
+    tokens = EpisodeTokens(tokenizer, max_context_window=window, max_images=max_images,
+                           image_token=encoder.image_token if encoder is not None else None)
+    tokens.start(system, rest[0], *images_of(rest[0]))
     for index, message in enumerate(rest[1:], start=1):
         expected = "assistant" if index % 2 == 1 else "user"
         if message["role"] != expected:
@@ -97,17 +116,17 @@ def conversation_samples(messages: list[Message], tokenizer: Any, window: int | 
             ids = tokenizer.encode(message["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
             tokens.add_response(ids)
         else:
-            tokens.add_observation(message)
+            tokens.add_observation(message, *images_of(message))
     if tokens.awaiting_response:  # a chat that ends with a user message: nothing to learn from the tail
         tokens.turns.pop()
-    if window is None:
+    if window is None and max_images is None:
         stream = tokens.stream()
         return [Sample(stream.input_ids, stream.loss_mask, [0.0] * len(stream.input_ids), stream.turn_end_positions,
-                       [0.0] * len(stream.turn_end_positions), episode=0, group=0)]
+                       [0.0] * len(stream.turn_end_positions), episode=0, group=0, model_inputs=stream.model_inputs)]
     return [
         Sample(s.prompt_ids + s.response_ids, [0] * len(s.prompt_ids) + [1] * len(s.response_ids),
                [0.0] * (len(s.prompt_ids) + len(s.response_ids)), [len(s.prompt_ids) + len(s.response_ids) - 1],
-               [0.0], episode=0, group=0, turn=s.turn)
+               [0.0], episode=0, group=0, turn=s.turn, model_inputs=s.model_inputs)
         for s in tokens.turn_samples()
     ]
 
@@ -220,8 +239,11 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     path = base_model_path(config.model)
-    tokenizer, processor = load_tokenizer(path), load_processor(path)
-    model = load_causal_lm(path, device)
+    tokenizer = load_tokenizer(path)
+    processor = load_processor(path, config.model.min_pixels, config.model.max_pixels)
+    model = load_model(path, device=device)
+    if not config.model.train_vision:
+        freeze_vision_tower(model)
     if config.model.gradient_checkpointing:
         enable_checkpointing(model)
     fmt = get_format(config.agent.format, action_separator=config.agent.action_separator,
@@ -236,7 +258,9 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
         write_trajectories(demos[:50], out, name="demos_sample.jsonl")
         chats = [trajectory_messages(t) for t in demos]
     window = config.agent.max_context_window
-    samples = [sample for chat in chats for sample in conversation_samples(chat, tokenizer, window)]
+    encoder = ImageEncoder(processor) if processor is not None else None
+    samples = [sample for chat in chats
+               for sample in conversation_samples(chat, tokenizer, window, encoder, config.agent.max_images)]
     targets = sum(sum(s.loss_mask) for s in samples)
     console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({targets} target tokens)")
     logger = MetricsLogger(out, tensorboard=config.run.tensorboard)

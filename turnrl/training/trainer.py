@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -42,6 +43,7 @@ from turnrl.algorithms import group_stats, kl_penalty, select_groups
 from turnrl.config import ConfigError, SamplingConfig, to_yaml
 from turnrl.envs import make
 from turnrl.envs.seeds import SeedSplits
+from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer, vision_tower
 from turnrl.policy.hf import HFPolicy, resolve_device, resolve_dtype
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
@@ -54,16 +56,7 @@ from turnrl.training.checkpoint import latest_checkpoint, load_trainer_state, sa
 from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
 from turnrl.training.logger import MetricsLogger
-from turnrl.training.models import (
-    autocast,
-    base_model_path,
-    enable_checkpointing,
-    load_causal_lm,
-    load_processor,
-    load_tokenizer,
-    seed_everything,
-    step_seed,
-)
+from turnrl.training.models import autocast, base_model_path, enable_checkpointing, seed_everything, step_seed
 from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.sft import sft_stage
 
@@ -193,6 +186,13 @@ def score_batch(
 
 
 # --------------------------------------------------------------------------- the recipe
+def vision_module_pattern(model: torch.nn.Module) -> str | None:
+    """A regex of the vision encoder's module names (for LoRA's ``exclude_modules``), None for text models."""
+    tower = vision_tower(model)
+    name = next((name for name, module in model.named_modules() if module is tower), None)
+    return None if name is None else rf"{re.escape(name)}(\..*)?"
+
+
 def start_run(config: TrainConfig) -> Path:
     """Threads, seeds, the run directory and its ``config.yaml``: what every stage of a run starts from."""
     if config.run.threads > 0:
@@ -236,9 +236,11 @@ class Recipe:
                          max_actions_per_turn=config.agent.max_actions_per_turn)
         rewards = rewards or Rewards(config.rewards)
         batch_size = max(64, config.groups.n_groups * config.groups.group_size)
-        self.rollout = Rollout(HFPolicy(self.actor, self.tokenizer, max_batch_size=batch_size), fmt, config.agent,
+        policy = HFPolicy(self.actor, self.tokenizer, max_batch_size=batch_size, processor=self.processor)
+        self.rollout = Rollout(policy, fmt, config.agent,
                                env_id=config.env.id, executor=self.executor, rewards=rewards)
-        val_policy = HFPolicy(self.actor, self.tokenizer, max_batch_size=config.validation.batch_size)
+        val_policy = HFPolicy(self.actor, self.tokenizer, max_batch_size=config.validation.batch_size,
+                              processor=self.processor)
         self.val_rollout = Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor,
                                    rewards=rewards)
         if self.checkpoint is not None:
@@ -267,8 +269,10 @@ class Recipe:
             start = self.checkpoint / "actor" if not config.lora.enabled else (
                 sft_model if sft_model.is_dir() else base_model_path(config.model))
         self.tokenizer = load_tokenizer(start)
-        self.processor = load_processor(start)
-        self.actor = load_causal_lm(start, self.device)
+        self.processor = load_processor(start, config.model.min_pixels, config.model.max_pixels)
+        self.actor = load_model(start, device=self.device)
+        if not config.model.train_vision:
+            freeze_vision_tower(self.actor)
         if config.model.gradient_checkpointing:
             enable_checkpointing(self.actor)
 
@@ -286,7 +290,7 @@ class Recipe:
             reference_path = self.run_dir / "reference"
             if self.checkpoint is None:
                 self.actor.save_pretrained(reference_path)
-            self.reference = load_causal_lm(reference_path, self.device)
+            self.reference = load_model(reference_path, device=self.device)
             self.reference.eval().requires_grad_(False)
         if config.lora.enabled:
             from peft import LoraConfig, PeftModel, get_peft_model
@@ -298,6 +302,7 @@ class Recipe:
                 self.actor = get_peft_model(self.actor, LoraConfig(
                     r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
                     target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+                    exclude_modules=None if config.model.train_vision else vision_module_pattern(self.actor),
                 ))
             if config.model.gradient_checkpointing:
                 self.actor.enable_input_require_grads()

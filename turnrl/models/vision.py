@@ -1,0 +1,135 @@
+"""Images for a token-exact context: the image half of a VLM's processor.
+
+A chat template writes one placeholder token per image (Qwen-VL:
+``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``); the
+model needs that placeholder repeated once per visual token of the image.
+:class:`ImageEncoder` runs the processor's image processor on each new image
+once, when its observation arrives, and says how many placeholders the image
+takes and what the model's forward needs for it (``pixel_values``,
+``image_grid_thw``). The token context expands the placeholder itself
+(:mod:`turnrl.rollout.context`), so images are never re-processed and earlier
+turns never re-tokenized.
+
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors are supported: their image
+processors return ``image_grid_thw`` and an image takes
+``t * h * w / merge_size**2`` placeholders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """One image, ready for the model."""
+
+    model_inputs: dict[str, torch.Tensor]
+    """What the model's forward takes for this image: ``pixel_values`` (patches, dim), ``image_grid_thw`` (1, 3)."""
+    placeholder_tokens: int
+    """How many image placeholder tokens stand for it in the context."""
+
+
+class ImageEncoder:
+    """Encodes images with a VLM processor's image processor.
+
+    Args:
+        processor: a ``transformers`` processor with ``image_processor``, ``tokenizer`` and an image
+            token (Qwen-VL's ``<|image_pad|>``).
+    """
+
+    def __init__(self, processor: Any) -> None:
+        image_processor = getattr(processor, "image_processor", None)
+        if image_processor is None:
+            raise ValueError(f"{type(processor).__name__} has no image processor: it cannot take images")
+        self.image_processor = image_processor
+        self.tokenizer = processor.tokenizer
+        self.image_token: str = getattr(processor, "image_token", None) or "<|image_pad|>"
+        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
+        self.merge_size = int(getattr(image_processor, "merge_size", 1))
+
+    @property
+    def special_token_ids(self) -> list[int]:
+        """Vision tokens a response must never contain: the model would read a sampled one as an image slot
+        (a sampled ``<|image_pad|>`` breaks the next forward), so generation suppresses them."""
+        names = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", self.image_token]
+        vocab = self.tokenizer.get_vocab()
+        return sorted({vocab[name] for name in names if name in vocab})
+
+    def encode(self, images: Sequence[np.ndarray]) -> list[EncodedImage]:
+        """Each ``HxWx3`` uint8 image as model inputs and its placeholder count."""
+        if not images:
+            return []
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        if "image_grid_thw" not in out:
+            raise ValueError(
+                f"{type(self.image_processor).__name__} gives no image_grid_thw: token contexts take "
+                "Qwen2-VL, Qwen2.5-VL and Qwen3-VL style processors"
+            )
+        grids = out["image_grid_thw"]
+        patches = grids.prod(-1)
+        starts = torch.cumsum(patches, 0) - patches
+        encoded = []
+        for index in range(len(images)):
+            rows = slice(int(starts[index]), int(starts[index] + patches[index]))
+            encoded.append(EncodedImage(
+                model_inputs={"pixel_values": out["pixel_values"][rows], "image_grid_thw": grids[index : index + 1]},
+                placeholder_tokens=int(patches[index]) // self.merge_size**2,
+            ))
+        return encoded
+
+
+def join_inputs(encoded: Sequence[EncodedImage]) -> dict[str, torch.Tensor]:
+    """The model inputs of several images, concatenated along dim 0 in order (empty for no image)."""
+    if not encoded:
+        return {}
+    return {key: torch.cat([image.model_inputs[key] for image in encoded]) for key in encoded[0].model_inputs}
+
+
+def load_image(value: Any) -> np.ndarray:
+    """An image part's image as an ``HxWx3`` uint8 array: an array, a Pillow image, a file path, or a
+    ``data:image/...;base64,`` URL (OpenAI's ``image_url``)."""
+    from PIL import Image
+
+    if isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, Image.Image):
+        array = np.asarray(value.convert("RGB"))
+    elif isinstance(value, str):
+        if value.startswith("data:"):
+            import base64
+            import io
+
+            header, _, data = value.partition(",")
+            if ";base64" not in header:
+                raise ValueError("an image data URL must be base64-encoded (data:image/png;base64,...)")
+            source: Any = io.BytesIO(base64.b64decode(data))
+        else:
+            source = value
+        with Image.open(source) as image:
+            array = np.asarray(image.convert("RGB"))
+    else:
+        raise ValueError(f"cannot read an image from a {type(value).__name__}")
+    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
+        raise ValueError(f"an image must be HxWx3 uint8, got shape {array.shape} and dtype {array.dtype}")
+    return array
+
+
+def part_images(content: Any) -> list[Any]:
+    """The images of a message's content parts, in order: ``{"type": "image", "image": ...}`` and OpenAI's
+    ``{"type": "image_url", "image_url": {"url": ...}}`` (values as they are; see :func:`load_image`)."""
+    if not isinstance(content, list):
+        return []
+    images = []
+    for part in content:
+        if part.get("type") == "image" and "image" in part:
+            images.append(part["image"])
+        elif part.get("type") == "image_url":
+            url = part.get("image_url")
+            images.append(url.get("url") if isinstance(url, dict) else url)
+    return images
