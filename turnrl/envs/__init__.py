@@ -1,7 +1,9 @@
-"""Environments: the contract (:class:`AgentEnv`), its checker, the built-in suite and :func:`make`."""
+"""Environments: the contract (:class:`AgentEnv`), its checker, the built-in suite, the Gymnasium image adapter
+(:class:`GymImageEnv`, ``gym:<id>``) and :func:`make`."""
 
 from turnrl.envs.base import AgentEnv, ObjectFact, StateFacts, StepOutcome, TurnEnv, facts_from_positions, relation
 from turnrl.envs.check import EnvCheckError, check_env
+from turnrl.envs.gym_adapter import GymImageEnv
 from turnrl.envs.registry import AgentEnvWrapper, env_class, env_names, gym_id, make, register_all
 from turnrl.envs.seeds import SeedSplits
 
@@ -11,6 +13,7 @@ __all__ = [
     "AgentEnv",
     "AgentEnvWrapper",
     "EnvCheckError",
+    "GymImageEnv",
     "ObjectFact",
     "SeedSplits",
     "StateFacts",

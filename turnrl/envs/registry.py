@@ -1,4 +1,4 @@
-"""Env ids: built-in names, ``module:Class`` and Gymnasium ids, resolved by :func:`make`.
+"""Env ids: built-in names, ``module:Class``, Gymnasium ids and ``gym:<id>``, resolved by :func:`make`.
 
 The built-in envs register with Gymnasium as ``turnrl/<Name>-v0`` when
 ``turnrl`` is imported (as ``import ale_py`` registers the Atari envs), by
@@ -16,6 +16,7 @@ import gymnasium as gym
 from gymnasium.envs.registration import load_env_creator
 
 from turnrl.envs.base import AgentEnv, StateFacts, TurnEnv, missing_methods
+from turnrl.envs.gym_adapter import GYM_PREFIX, make_image_env
 
 BUILTIN_ENVS: dict[str, str] = {
     "Sokoban": "turnrl.envs.sokoban:SokobanEnv",
@@ -73,7 +74,8 @@ def unknown_env_message(env_id: str) -> str:
         f"unknown env {env_id!r}; env.id takes one of:\n"
         f"  - a built-in name: {', '.join(BUILTIN_ENVS)} (or turnrl/<Name>-v0; see `turnrl envs`)\n"
         "  - a class as module:Class, e.g. my_package.envs:CorridorEnv\n"
-        "  - an id registered with gymnasium.register, e.g. my/Corridor-v0"
+        "  - an id registered with gymnasium.register, e.g. my/Corridor-v0\n"
+        "  - gym:<id> for any Gymnasium env that renders rgb_array images, e.g. gym:FrozenLake-v1"
     )
 
 
@@ -120,6 +122,10 @@ def make(env_id: str, **settings: Any) -> AgentEnv:
        **settings)`` (wrappers such as ``TimeLimit`` included) and wrapped in
        :class:`AgentEnvWrapper` so that the contract methods reach the env.
 
+    ``gym:<id>`` is any Gymnasium env that renders ``rgb_array`` frames, as an
+    image env (:func:`turnrl.envs.gym_adapter.make_image_env`): observations
+    are its frames, actions the names of an action map.
+
     Settings are checked against the constructor before anything is built.
     """
     name = builtin_name(env_id)
@@ -127,6 +133,9 @@ def make(env_id: str, **settings: Any) -> AgentEnv:
         cls = env_class(name)
         _check_settings(name, env_parameters(name), settings)
         return cls(**settings)
+    if env_id.startswith(GYM_PREFIX):
+        # Wrapper.step is typed for any action and a SupportsFloat reward; the contract methods are the point here.
+        return cast(AgentEnv, make_image_env(env_id.removeprefix(GYM_PREFIX), **settings))
     if ":" in env_id:
         return _make_entry_point(env_id, settings)
     if env_id in gym.registry:
@@ -170,13 +179,20 @@ def _not_an_agent_env(env_id: str, type_name: str, missing: list[str]) -> str:
     return f"env {env_id!r} is not an agent env: {type_name} has no {methods}. {CONTRACT_HINT}."
 
 
-def _make_registered(env_id: str, settings: dict[str, Any]) -> AgentEnv:
-    """``gymnasium.make`` a registered id; refuse an env without the contract methods."""
+def registered_settings(env_id: str) -> dict[str, Any] | None:
+    """What ``gymnasium.make(env_id, ...)`` accepts, with defaults; None if the env's creator takes ``**kwargs``.
+
+    The creator's parameters, the registration's kwargs and ``gymnasium.make``'s own settings.
+    """
     spec = gym.spec(env_id)
     creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
     allowed = _parameters(creator) if creator is not None else None
-    if allowed is not None:
-        _check_settings(env_id, {**allowed, **spec.kwargs, **_GYM_MAKE_SETTINGS}, settings)
+    return None if allowed is None else {**allowed, **spec.kwargs, **_GYM_MAKE_SETTINGS}
+
+
+def _make_registered(env_id: str, settings: dict[str, Any]) -> AgentEnv:
+    """``gymnasium.make`` a registered id; refuse an env without the contract methods."""
+    _check_settings(env_id, registered_settings(env_id), settings)
     env = gym.make(env_id, **settings)
     missing = missing_methods(env.unwrapped)
     if missing:
@@ -184,7 +200,8 @@ def _make_registered(env_id: str, settings: dict[str, Any]) -> AgentEnv:
         raise TypeError(
             f"{_not_an_agent_env(env_id, type(env.unwrapped).__name__, missing)} Gymnasium's own envs "
             "(integer actions, array observations) are not agent envs; wrap one in a class that provides "
-            "these and pass it as module:Class."
+            f"these and pass it as module:Class, or use env.id=gym:{env_id} for an env that renders rgb_array "
+            "images (observations are its frames, actions the names of an action map)."
         )
     # Wrapper.step is typed for any action and a SupportsFloat reward; the contract methods are the point here.
     return cast(AgentEnv, AgentEnvWrapper(env))
