@@ -41,7 +41,8 @@ def check_range(key: str, value: float, low: float | None = None, high: float | 
 @dataclass
 class EnvConfig:
     id: str = "FrozenLake"
-    """A built-in env (``turnrl envs`` lists them), any registered Gymnasium id, or ``module:Class``."""
+    """A built-in env (``turnrl envs`` lists them), any registered Gymnasium id, ``module:Class``, or
+    ``gym:<id>`` for a Gymnasium env with rgb_array frames (its images become the observations)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Constructor settings of the env, e.g. ``{size: 4, is_slippery: false}``."""
     val_settings: Optional[dict[str, Any]] = None

@@ -9,7 +9,8 @@ import pytest
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import GymImageEnv, StateFacts, check_env, make
-from turnrl.envs.gym_adapter import DEFAULT_TEXT, read_tuple
+from turnrl.envs.actions import parse_tuple
+from turnrl.envs.gym_adapter import DEFAULT_TEXT
 from turnrl.policy.base import Completion
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import DONE
@@ -111,10 +112,10 @@ def test_invalid_actions_never_step_the_env(lake, action):
 
 
 def test_the_tuple_reader_never_evaluates():
-    assert read_tuple("('move', 0)") == ("move", 0) and read_tuple("('left',)") == ("left",)
-    assert read_tuple('( "a b" , -3, )') == ("a b", -3)
-    for text in ("move, 0", "(move, 0)", "(('a',),)", "(1.5)", "('a' + 'b',)", "(" + "1," * 9 + ")", "()", "(x)"):
-        assert read_tuple(text) is None, text
+    assert parse_tuple("('move', 0)") == ("move", 0) and parse_tuple("('left',)") == ("left",)
+    assert parse_tuple('( "a b" , -3, )') == ("a b", -3) and parse_tuple("(1.5)") == (1.5,)
+    for text in ("move, 0", "(move, 0)", "(('a',),)", "('a' + 'b',)", "(" + "1," * 9 + ")", "()", "(x)"):
+        assert parse_tuple(text) is None, text
 
 
 def test_an_action_map_renames_and_restricts_actions():

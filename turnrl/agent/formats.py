@@ -64,6 +64,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, NamedTuple
 
+from turnrl.envs.actions import parse_tuple, tuple_text
+
 __all__ = [
     "ParsedResponse",
     "ResponseFormat",
@@ -182,54 +184,17 @@ def _last_pairs(text: str, tokens: list[_Token]) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- tuple actions
-_TUPLE_MAX_CHARS = 200
-_TUPLE_MAX_ITEMS = 8
-_STRING_ITEM = re.compile(r"'([A-Za-z0-9_ .\-]{1,32})'|\"([A-Za-z0-9_ .\-]{1,32})\"")
-_INT_ITEM = re.compile(r"[+-]?[0-9]{1,9}")
-_FLOAT_ITEM = re.compile(r"[+-]?[0-9]{1,9}\.[0-9]{1,9}")
-
-
-def _tuple_item(item: str) -> str | None:
-    """Canonical text of one tuple element, or None if it is not a plain literal."""
-    item = item.strip()
-    if m := _STRING_ITEM.fullmatch(item):
-        value = m.group(1) if m.group(1) is not None else m.group(2)
-        return f"'{value}'"
-    if _INT_ITEM.fullmatch(item):
-        return str(int(item))
-    if _FLOAT_ITEM.fullmatch(item):
-        return repr(float(item))
-    return None
-
-
 def normalize_action_tuple(text: str) -> str | None:
-    """Canonical form of a tuple action such as ``("move",0)``, or None if it is not one.
-
-    Accepts a parenthesized tuple of 1 to 8 plain literals: quoted strings
-    (letters, digits, ``_ . -`` and spaces; single or double quotes), integers
-    of up to 9 digits and decimals. Anything else -- names, calls, nested
-    tuples, lists, huge numbers, escapes -- is rejected without evaluating it.
+    """Canonical form of a tuple action such as ``("move",0)``, or None if it is not one
+    (the grammar of :mod:`turnrl.envs.actions`; nothing is evaluated).
 
     >>> normalize_action_tuple('( "move" ,0 )')
     "('move', 0)"
     >>> normalize_action_tuple("__import__('os')") is None
     True
     """
-    if not isinstance(text, str):
-        return None
-    text = text.strip()
-    if not 2 <= len(text) <= _TUPLE_MAX_CHARS or text[0] != "(" or text[-1] != ")":
-        return None
-    parts = text[1:-1].split(",")
-    if len(parts) > 1 and not parts[-1].strip():
-        parts = parts[:-1]  # a trailing comma, as in ('stop',)
-    if not 1 <= len(parts) <= _TUPLE_MAX_ITEMS:
-        return None
-    items = [_tuple_item(part) for part in parts]
-    if any(item is None for item in items):
-        return None
-    body = ", ".join(items)  # type: ignore[arg-type]
-    return f"({body},)" if len(items) == 1 else f"({body})"
+    items = parse_tuple(text)
+    return None if items is None else tuple_text(items)
 
 
 # --------------------------------------------------------------------------- the format

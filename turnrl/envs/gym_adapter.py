@@ -42,7 +42,6 @@ machines without a display.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -54,6 +53,7 @@ from gymnasium.envs.registration import load_env_creator
 from PIL import Image
 
 from turnrl.envs import search
+from turnrl.envs.actions import parse_tuple
 from turnrl.envs.base import (
     ACTION_CHARSET,
     MAX_ACTION_LENGTH,
@@ -73,7 +73,6 @@ __all__ = [
     "GymImageEnv",
     "KnownEnv",
     "make_image_env",
-    "read_tuple",
 ]
 
 GYM_PREFIX = "gym:"
@@ -85,45 +84,9 @@ DEFAULT_TEXT = "The image shows the current state."
 
 
 # --------------------------------------------------------------------------- tuple actions
-_TUPLE_MAX_CHARS = 200
-_TUPLE_MAX_ITEMS = 8
-_TUPLE_ITEM = re.compile(r"""\s*(?:'([A-Za-z0-9_ .\-]{1,32})'|"([A-Za-z0-9_ .\-]{1,32})"|([+-]?[0-9]{1,9}))\s*""")
-
-
-def read_tuple(text: str) -> tuple[str | int, ...] | None:
-    """The items of a tuple action such as ``('move', 0)``, or None if ``text`` is not one.
-
-    The grammar of ``turnrl.agent.formats.normalize_action_tuple`` (which envs
-    cannot import: the agent layer sits above them), less decimals: 1 to 8
-    quoted strings (letters, digits, ``_ . -`` and spaces) or integers of up
-    to 9 digits, a trailing comma allowed. Nothing is evaluated.
-
-    >>> read_tuple('( "move" ,0 )')
-    ('move', 0)
-    >>> read_tuple("__import__('os')") is None
-    True
-    """
-    text = text.strip()
-    if not 2 <= len(text) <= _TUPLE_MAX_CHARS or text[0] != "(" or text[-1] != ")":
-        return None
-    parts = text[1:-1].split(",")
-    if len(parts) > 1 and not parts[-1].strip():
-        parts = parts[:-1]  # ('left',)
-    if not 1 <= len(parts) <= _TUPLE_MAX_ITEMS:
-        return None
-    items: list[str | int] = []
-    for part in parts:
-        match = _TUPLE_ITEM.fullmatch(part)
-        if match is None:
-            return None
-        quoted = match[1] if match[1] is not None else match[2]
-        items.append(int(match[3]) if quoted is None else quoted)
-    return tuple(items)
-
-
 def _name_key(name: str) -> str:
     """Lookup key of an action name: case-insensitive, whitespace collapsed; tuples in one spelling."""
-    items = read_tuple(name)
+    items = parse_tuple(name)
     if items is not None:
         return repr(tuple(item.lower() if isinstance(item, str) else item for item in items))
     return " ".join(name.split()).lower()
@@ -422,7 +385,7 @@ class GymImageEnv(gym.Wrapper):
         if not isinstance(action, str) or len(action) > 2 * MAX_ACTION_LENGTH:
             return None
         name = self._lookup.get(_name_key(action))
-        items = read_tuple(action) if name is None else None
+        items = parse_tuple(action) if name is None else None
         if items is not None:
             if len(items) == 1 and isinstance(items[0], str):
                 name = self._lookup.get(_name_key(items[0]))
@@ -470,7 +433,7 @@ class GymImageEnv(gym.Wrapper):
     def _actions_line(self) -> str:
         names = list(self._actions)
         line = f"Actions: {', '.join(names)}."
-        if read_tuple(names[0]) is None:
+        if parse_tuple(names[0]) is None:
             line += f" Tuple spellings work too: ('{names[0]}',) is {names[0]}"
             if any(name != str(number) for number, name in self._by_number.items()):
                 numbered = ", ".join(f"{number} = {name}" for number, name in sorted(self._by_number.items()))

@@ -26,12 +26,12 @@ if the agent stands on the target, else 0. In both, ``stop`` ends the episode.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
 
 from turnrl.envs import search
+from turnrl.envs.actions import parse_tuple
 from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv, facts_from_positions
 from turnrl.envs.render import Tile, draw_grid
 
@@ -52,7 +52,6 @@ TILES = {
     AGENT_ON_TARGET: Tile((255, 0, 0), "circle", (0, 0, 255), 0.5),
 }
 
-_TUPLE_ACTION = re.compile(r"""\(\s*['"]?(move|stop)['"]?\s*,\s*['"]?(\w+)['"]?\s*\)""")
 _MAX_ACTION_CHARS = 64
 
 
@@ -73,13 +72,10 @@ def parse_action(action: Any) -> str | None:
     text = action.strip().strip("`").strip().lower()
     if text in MOVES or text == "stop":
         return text
-    match = _TUPLE_ACTION.fullmatch(text)
-    if match is None:
-        return None
-    kind, argument = match.groups()
-    if kind == "move" and argument in ("0", "1", "2", "3"):
-        return VISGYM_MOVES[int(argument)]
-    if kind == "stop" and argument == "stop":
+    items = parse_tuple(text)
+    if items is not None and len(items) == 2 and items[0] == "move" and items[1] in (0, 1, 2, 3):
+        return VISGYM_MOVES[int(items[1])]
+    if items == ("stop", "stop"):
         return "stop"
     return None
 
