@@ -60,3 +60,21 @@ def tiny_policy(tiny_model_dir):
     from turnrl.policy.hf import HFPolicy
 
     return HFPolicy.from_config(ModelConfig(device="cpu", dtype="float32"), str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(builtin_dir) -> Path:
+    """The built-in ``vlm-tiny`` Qwen2.5-VL with its processor, built once per session."""
+    from turnrl.config import ModelConfig
+    from turnrl.models.builtin import builtin_model_path
+
+    return builtin_model_path(ModelConfig(builtin_preset="vlm-tiny", builtin_dir=str(builtin_dir)))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_policy(tiny_vlm_dir):
+    """An ``HFPolicy`` over the tiny VLM on CPU (shared: do not change its model)."""
+    from turnrl.config import ModelConfig
+    from turnrl.policy.hf import HFPolicy
+
+    return HFPolicy.from_config(ModelConfig(device="cpu", dtype="float32"), str(tiny_vlm_dir))

@@ -1,0 +1,156 @@
+"""Image observations through a VLM's token context: token-exact against the processor's own render,
+one placeholder per visual token, vision tokens never sampled, the latest images kept, no image cut."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from turnrl.agent.formats import get_format
+from turnrl.config import AgentConfig, ModelConfig, SamplingConfig
+from turnrl.envs import make
+from turnrl.models.loading import load_processor
+from turnrl.models.templates import QWEN3
+from turnrl.models.vision import ImageEncoder
+from turnrl.policy.base import Completion
+from turnrl.policy.hf import HFPolicy
+from turnrl.rollout.runner import EpisodeSlot, Rollout, message_images
+from turnrl.training.batch import collate, trajectory_samples, turn_samples
+from turnrl.training.sft import trajectory_messages
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+class ScriptedVLM:
+    """Answers with the canonical ids of a fixed text and records its requests; sees images."""
+
+    def __init__(self, processor: Any, text: str = "<answer>Right</answer>") -> None:
+        self.tokenizer = processor.tokenizer
+        self.image_encoder = ImageEncoder(processor)
+        self.accepts_images = True
+        self.text = text
+        self.requests: list = []
+
+    def generate(self, requests, sampling):
+        self.requests.extend(requests)
+        ids = self.tokenizer.encode(self.text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return [Completion(text=self.text, token_ids=ids, logprobs=[-0.5] * len(ids)) for _ in requests]
+
+
+def play(policy, n_episodes: int = 2, max_turns: int = 3, env: str = "Maze2D", **agent: Any):
+    config = AgentConfig(format="no_think", max_turns=max_turns, max_actions_per_episode=20, **agent)
+    rollout = Rollout(policy, get_format("no_think"), config, env)
+    slots = [EpisodeSlot(env=make(env, mode="image"), seed=s, group=s) for s in range(n_episodes)]
+    return rollout.run(slots, SamplingConfig(max_new_tokens=12))
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_vlm_dir):
+    return load_processor(tiny_vlm_dir)
+
+
+def processor_ids(processor, messages, add_generation_prompt: bool) -> list[int]:
+    """The processor's own render of ``messages``, images expanded by the processor."""
+    parts = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in messages]
+    text = processor.apply_chat_template(parts, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return processor(text=[text], images=message_images(messages) or None, return_tensors="pt")["input_ids"][0].tolist()
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen3"])
+def test_the_incremental_stream_equals_the_processors_render_of_the_multi_image_chat(processor, template):
+    processor = copy.deepcopy(processor)
+    if template == "qwen3":  # Qwen3-VL's style: ChatML with reasoning handling
+        processor.tokenizer.chat_template = processor.chat_template = QWEN3
+    policy = ScriptedVLM(processor, "<answer>Right</answer>" if template == "chatml" else "<answer>Down</answer>")
+    trajectories = play(policy, max_turns=3)
+    for trajectory in trajectories:
+        assert len(trajectory.images) == len(trajectory.turns) >= 2  # a new image every turn
+        messages = trajectory_messages(trajectory)
+        # Every prompt the model was given is the processor's render of the chat so far.
+        for sample in trajectory.tokens.turn_samples():
+            upto = messages[: 2 + 2 * sample.turn]
+            assert sample.prompt_ids == processor_ids(processor, upto, add_generation_prompt=True)
+        stream = trajectory.tokens.stream()
+        if template == "chatml":  # and so is the whole episode (Qwen3's re-render adds a think block to
+            # the last answer that the model never saw: the stream keeps what it saw, see docs/context.md)
+            assert stream.input_ids == processor_ids(processor, messages, add_generation_prompt=False)
+        pads = stream.input_ids.count(policy.image_encoder.image_token_id)
+        grids = stream.model_inputs["image_grid_thw"]
+        assert pads == int(grids.prod(-1).sum()) // 4 and len(grids) == len(trajectory.images)
+
+
+def placeholder_and_feature_counts(sample, pad_id: int) -> tuple[int, int]:
+    """Placeholders in a training sample (or a turn's prompt) and the visual tokens of its images."""
+    ids = sample.input_ids if hasattr(sample, "input_ids") else sample.prompt_ids
+    grids = sample.model_inputs.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
+    return ids.count(pad_id), int(grids.prod(-1).sum()) // 4
+
+
+def test_every_sample_has_as_many_placeholders_as_image_features(processor):
+    policy = ScriptedVLM(processor)
+    trajectories = play(policy, n_episodes=3, max_turns=3)
+    pad = policy.image_encoder.image_token_id
+    for samples in (trajectory_samples(trajectories, [0, 1, 2]), turn_samples(trajectories, [0, 1, 2])):
+        for sample in samples:
+            placeholders, features = placeholder_and_feature_counts(sample, pad)
+            assert placeholders == features > 0
+    batch = collate(turn_samples(trajectories, [0, 1, 2]), pad_id=0)
+    assert batch.model_input_rows["image_grid_thw"].sum() == len(batch.model_inputs["image_grid_thw"])
+    for request in policy.requests:  # every prompt sent carried the features of its placeholders
+        features = int(request.model_inputs["image_grid_thw"].prod(-1).sum()) // 4
+        assert request.prompt_ids.count(pad) == features
+
+
+def test_the_latest_images_are_kept_and_older_observations_keep_their_text(processor):
+    policy = ScriptedVLM(processor)
+    (trajectory,) = play(policy, n_episodes=1, max_turns=4, max_images=2)
+    pad = policy.image_encoder.image_token_id
+    assert len(trajectory.images) == 4  # the record keeps every image the episode showed
+    for sample in trajectory.tokens.turn_samples():
+        placeholders, features = placeholder_and_feature_counts(sample, pad)
+        assert placeholders == features == 16 * min(sample.turn + 1, 2)
+    last = policy.requests[-1]
+    assert len(message_images(last.messages)) == 2  # the HTTP view drops the same images
+    assert "The image shows the current state." in processor.tokenizer.decode(last.prompt_ids)
+    with pytest.raises(RuntimeError, match="stream"):
+        trajectory.tokens.stream()
+
+
+def test_a_context_budget_never_cuts_through_an_image(processor):
+    policy = ScriptedVLM(processor)
+    trajectories = play(policy, n_episodes=2, max_turns=6, max_context_tokens=260)
+    pad = policy.image_encoder.image_token_id
+    assert all(t.truncation_reason == "context_budget" for t in trajectories)
+    for request in policy.requests:
+        features = int(request.model_inputs["image_grid_thw"].prod(-1).sum()) // 4
+        assert request.prompt_ids.count(pad) == features and len(request.prompt_ids) + 12 <= 260
+
+
+def test_vision_tokens_are_never_sampled(tiny_vlm_dir):
+    policy = HFPolicy.from_config(ModelConfig(device="cpu", dtype="float32"), str(tiny_vlm_dir))
+    vision = policy.image_encoder.special_token_ids
+    bias = torch.zeros(policy.model.get_output_embeddings().weight.shape[0])
+    bias[vision] = 100.0  # the vision tokens are by far the likeliest next tokens at every step
+    policy.model.get_output_embeddings().register_forward_hook(lambda module, inputs, output: output + bias)
+    trajectories = play(policy, n_episodes=2, max_turns=2)
+    sampled = [i for t in trajectories for turn in t.turns for i in turn.response_ids]
+    assert sampled and not set(sampled) & set(vision)
+
+
+def test_a_text_model_still_refuses_image_observations(tiny_policy):
+    with pytest.raises(ValueError, match="text-only model"):
+        play(tiny_policy, n_episodes=1, max_turns=1)
+
+
+def test_a_vlm_rollout_runs_end_to_end(tiny_vlm_policy):
+    trajectories = play(tiny_vlm_policy, n_episodes=2, max_turns=2)
+    assert all(t.status != "error" for t in trajectories), [t.error for t in trajectories]
+    for trajectory in trajectories:
+        stream = trajectory.tokens.stream()
+        assert len(stream.turn_end_positions) == len(trajectory.turns)
+        assert np.isfinite(sum(sum(turn.response_logprobs) for turn in trajectory.turns))

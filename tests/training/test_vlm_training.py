@@ -1,0 +1,81 @@
+"""RL and SFT with a VLM on image observations (the built-in tiny Qwen2.5-VL, visual FrozenLake):
+updates in both sample modes, with a critic on the VLM backbone, LoRA beside a frozen vision tower,
+and SFT on visual expert demos."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from turnrl.config import load_config
+from turnrl.training.config import TrainConfig
+from turnrl.training.trainer import train
+
+COMMON = [
+    "model.device=cpu", "model.dtype=float32", "run.tensorboard=false", "run.trajectories_every=1",
+    "env.id=FrozenLake", "env.settings.mode=image", "agent.format=no_think", "agent.env_instructions=false",
+    "agent.format_instructions=false", "agent.system_prompt=FrozenLake. Reach G. Answer <answer>Left|Down|Right|Up</answer>.",
+    "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=2", "groups.group_size=2",
+    "validation.episodes=2", "run.steps=2", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
+    "optim.actor_lr=1e-3", "optim.critic_lr=1e-3",
+]
+
+
+def run(model_dir, out: Path, *overrides: str) -> tuple[dict, list[dict]]:
+    config = load_config(TrainConfig, None, [*COMMON, f"model.path={model_dir}", f"run.output_dir={out}", *overrides])
+    summary = train(config)
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    return summary, [r for r in records if "rollout/success" in r]
+
+
+def vision_weights(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in load_file(path / "model.safetensors").items() if "visual" in k}
+
+
+@pytest.mark.parametrize(("mode", "advantage"), [("trajectory", "gae"), ("turn", "bilevel_gae")])
+def test_ppo_with_a_critic_on_image_observations(tiny_vlm_dir, tmp_path, mode, advantage):
+    summary, steps = run(tiny_vlm_dir, tmp_path, f"algorithm.sample_mode={mode}", f"algorithm.advantage={advantage}")
+    assert len(steps) == 2 and summary["steps"] == 2
+    for record in steps:
+        assert record["actor/grad_norm"] > 0 and record["critic/grad_norm"] > 0
+        assert record["actor/logprob_mismatch"] < 1e-4  # the batch holds the sampled tokens, images included
+    actor = tmp_path / "run" / "checkpoints" / "step_000001" / "actor"
+    before, after = vision_weights(Path(tiny_vlm_dir)), vision_weights(actor)
+    assert before and all(torch.equal(before[k], after[k]) for k in before)  # the vision tower stays frozen
+    language = load_file(actor / "model.safetensors")
+    base = load_file(Path(tiny_vlm_dir) / "model.safetensors")
+    assert any(not torch.equal(language[k], base[k]) for k in base if "visual" not in k)
+    step = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "step_000000.jsonl").read_text().splitlines()]
+    assert all(record["images"] for record in step)  # image files beside the trajectories
+
+
+def test_grpo_with_lora_leaves_the_vision_tower_out_and_trains_it_when_asked(tiny_vlm_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    run(tiny_vlm_dir, tmp_path / "frozen", "algorithm.advantage=grpo", "algorithm.sample_mode=turn", "lora.enabled=true",
+        "lora.r=4", "lora.alpha=8", "algorithm.kl_coef=0.05")
+    adapters = load_file(tmp_path / "frozen" / "run" / "checkpoints" / "step_000001" / "actor" / "adapter_model.safetensors")
+    assert adapters and not any("visual" in k for k in adapters)
+    run(tiny_vlm_dir, tmp_path / "trained", "algorithm.advantage=grpo", "lora.enabled=true", "lora.r=4", "lora.alpha=8",
+        "model.train_vision=true")
+    adapters = load_file(tmp_path / "trained" / "run" / "checkpoints" / "step_000001" / "actor" / "adapter_model.safetensors")
+    assert any("visual" in k for k in adapters)
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir),
+                                      tmp_path / "trained" / "run" / "checkpoints" / "step_000001" / "actor")
+    assert model is not None
+
+
+def test_sft_on_visual_expert_demos_then_rl(tiny_vlm_dir, tmp_path):
+    summary, steps = run(tiny_vlm_dir, tmp_path, "sft.enabled=true", "sft.episodes=24", "sft.epochs=1",
+                         "sft.batch_size=8", "sft.micro_batch_size=8", "sft.warmup_steps=1", "algorithm.advantage=grpo")
+    assert summary["sft/steps"] >= 3 and summary["sft/final_epoch_loss"] > 0
+    sft_model = tmp_path / "run" / "sft" / "model"
+    assert (sft_model / "preprocessor_config.json").exists() or (sft_model / "processor_config.json").exists()
+    demos = [json.loads(line) for line in (tmp_path / "run" / "sft" / "demos_sample.jsonl").read_text().splitlines()]
+    assert demos and all(d["images"] for d in demos)
+    assert len(steps) == 2
