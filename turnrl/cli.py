@@ -270,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("serve-policy", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", required=True, help="model directory, or 'builtin'")
+    p.add_argument("--model", required=True,
+                   help="model directory, 'builtin', or 'builtin:PRESET' (e.g. builtin:vlm-tiny)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="auto")

@@ -99,7 +99,7 @@ def load_image(value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         array = value
     elif isinstance(value, Image.Image):
-        array = np.asarray(value.convert("RGB"))
+        array = np.array(value.convert("RGB"))
     elif isinstance(value, str):
         if value.startswith("data:"):
             import base64
@@ -112,7 +112,7 @@ def load_image(value: Any) -> np.ndarray:
         else:
             source = value
         with Image.open(source) as image:
-            array = np.asarray(image.convert("RGB"))
+            array = np.array(image.convert("RGB"))  # a writable copy (torch warns on read-only arrays)
     else:
         raise ValueError(f"cannot read an image from a {type(value).__name__}")
     if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:

@@ -18,7 +18,10 @@ generation fails alone with a 500 and the server keeps serving.
 Behaviour worth knowing:
 
 - Prompts are the messages rendered with the tokenizer's chat template and a
-  generation prompt. Text-only: a request with image parts gets a 400.
+  generation prompt. A VLM takes ``image_url`` parts with data URLs (each image
+  processed once, its placeholder expanded to its visual tokens, as in the
+  rollout's context); a text model answers a request with image parts with a
+  400, and so does a VLM for an image that is not a readable data URL.
 - ``n`` samples per request, ``stop`` strings (cut from the returned text as
   OpenAI does; ``stop_reason`` names the one that matched, as vLLM does),
   ``top_k`` (an extension; 0 or -1 disables), ``max_tokens`` or
@@ -50,15 +53,17 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal, Optional, Union
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.models.vision import join_inputs, load_image
 from turnrl.policy.base import Completion, GenerationRequest
 from turnrl.policy.hf import HFPolicy
-from turnrl.rollout.context import ChatTemplateDeltas, TemplateDeltaError, fold_system
+from turnrl.rollout.context import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 
 logger = logging.getLogger("turnrl.server")
 
@@ -349,21 +354,52 @@ class PreparedRequest:
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingConfig
+    model_inputs: dict[str, Any] | None = None
+    """A VLM's inputs for the prompt's images."""
 
 
-def _template_messages(messages: list[ChatMessage], model_name: str) -> list[dict[str, str]]:
-    """Messages as ``{"role", "content": str}`` dicts for the chat template (text parts joined by newlines)."""
-    out = []
+def _template_messages(
+    messages: list[ChatMessage], model_name: str, sees_images: bool
+) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+    """Messages for the chat template and the images of their image parts, in order.
+
+    A text model gets string contents (text parts joined by newlines) and refuses image parts; a VLM
+    keeps the parts, each image as ``{"type": "image"}`` where its template writes the placeholder.
+    Images must be data URLs: the server fetches nothing.
+    """
+    out, images = [], []
     for index, message in enumerate(messages):
-        content = message.content
+        content: Any = message.content
         if isinstance(content, list):
-            if any(isinstance(part, ImagePart) for part in content):
+            if not sees_images and any(isinstance(part, ImagePart) for part in content):
                 raise APIError(400, f"model {model_name!r} is text-only: messages[{index}] has an image part",
                                param=f"messages.{index}.content")
-            content = "\n".join(part.text for part in content if isinstance(part, TextPart))
+            if sees_images:
+                parts = []
+                for part in content:
+                    if isinstance(part, ImagePart):
+                        images.append(_image(part, index))
+                        parts.append({"type": "image"})
+                    else:
+                        parts.append({"type": "text", "text": part.text})
+                content = parts
+            else:
+                content = "\n".join(part.text for part in content if isinstance(part, TextPart))
         role = "system" if message.role == "developer" else message.role
         out.append({"role": role, "content": content or ""})
-    return out
+    return out, images
+
+
+def _image(part: ImagePart, index: int) -> np.ndarray:
+    url = part.image_url.url
+    if not url.startswith("data:"):
+        raise APIError(400, f"messages[{index}]: images must be data URLs (data:image/png;base64,...); "
+                            "this server fetches nothing", param=f"messages.{index}.content")
+    try:
+        return load_image(url)
+    except Exception as error:  # a broken image is the client's error, never the server's
+        raise APIError(400, f"messages[{index}]: the image cannot be read: {error}",
+                       param=f"messages.{index}.content") from None
 
 
 def with_system_folded(messages: list[dict[str, str]], tokenizer: Any) -> list[dict[str, str]]:
@@ -393,8 +429,9 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
 
 def context_length(policy: Any) -> int | None:
     """The model's context window (``max_position_embeddings``), if it says."""
-    config = getattr(getattr(policy, "model", None), "config", None)
-    value = getattr(config, "max_position_embeddings", None)
+    config: Any = getattr(getattr(policy, "model", None), "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's is inside
+    value = getattr(text_config, "max_position_embeddings", None)
     return int(value) if isinstance(value, int) else None
 
 
@@ -404,7 +441,9 @@ def prepare(body: ChatCompletionRequest, policy: Any, model_name: str, default_m
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
     _refuse_unsupported(body)
-    messages = with_system_folded(_template_messages(body.messages, model_name), policy.tokenizer)
+    encoder = getattr(policy, "image_encoder", None)
+    messages, images = _template_messages(body.messages, model_name, sees_images=encoder is not None)
+    messages = with_system_folded(messages, policy.tokenizer)
     try:
         ids = policy.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -412,6 +451,11 @@ def prepare(body: ChatCompletionRequest, policy: Any, model_name: str, default_m
     except Exception as error:  # e.g. a template that insists on alternating roles
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
     prompt_ids = [int(i) for i in ids]
+    model_inputs = None
+    if images and encoder is not None:  # each placeholder expanded to its image's visual tokens, as in the rollout
+        encoded = encoder.encode(images)
+        prompt_ids = expand_placeholders(prompt_ids, encoder.image_token_id, [e.placeholder_tokens for e in encoded])
+        model_inputs = join_inputs(encoded)
     limit = context_length(policy)
     room = default_max_tokens if limit is None else min(default_max_tokens, limit - len(prompt_ids))
     max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
@@ -423,7 +467,7 @@ def prepare(body: ChatCompletionRequest, policy: Any, model_name: str, default_m
     top_k = body.top_k if body.top_k and body.top_k > 0 else 0
     sampling = SamplingConfig(temperature=body.temperature, top_p=body.top_p, top_k=top_k,
                               max_new_tokens=max_tokens, stop=body.stop_list())
-    return PreparedRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling)
+    return PreparedRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, model_inputs=model_inputs)
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
@@ -586,7 +630,8 @@ def create_app(
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         prepared = prepare(body, policy, model_name, default_max_tokens)
-        request = GenerationRequest(prompt_ids=prepared.prompt_ids, messages=[], max_new_tokens=prepared.max_tokens)
+        request = GenerationRequest(prompt_ids=prepared.prompt_ids, messages=[], max_new_tokens=prepared.max_tokens,
+                                    model_inputs=prepared.model_inputs)
         completions = await batcher.submit([request] * body.n, prepared.sampling)
         response = build_response(body, prepared, completions, policy, model_name)
         if body.stream:
@@ -599,12 +644,15 @@ def create_app(
 
 
 def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32) -> tuple[HFPolicy, str]:
-    """The policy for ``model_path`` (``builtin`` builds the default built-in model) and its served name."""
+    """The policy for ``model_path`` and its served name: a model directory, ``builtin`` (the default
+    built-in model) or ``builtin:<preset>`` (e.g. ``builtin:vlm-tiny``, a built-in VLM)."""
     config = ModelConfig(device=device)
     path = model_path
-    if model_path == "builtin":
+    if model_path == "builtin" or model_path.startswith("builtin:"):
         from turnrl.models.builtin import builtin_model_path
 
+        if ":" in model_path:
+            config.builtin_preset = model_path.split(":", 1)[1]
         path = str(builtin_model_path(config))
     return HFPolicy.from_config(config, path, max_batch_size=max_batch_size), model_path
 

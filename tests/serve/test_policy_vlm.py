@@ -1,0 +1,105 @@
+"""The policy server serving a VLM: image_url parts in, the rollout over HTTP with image observations,
+the same tokens as the in-process context, clear 400s for images it cannot take."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+from tests.serve.test_policy import free_port
+from turnrl.config import AgentConfig, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
+from turnrl.envs import make
+from turnrl.evaluate import run_eval
+from turnrl.policy.hf import HFPolicy
+from turnrl.policy.openai_http import image_data_url
+from turnrl.serve.policy import create_app, load_policy, prepare
+from turnrl.serve.policy import ChatCompletionRequest
+
+MODEL = "tiny-vlm"
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tiny_vlm_dir):
+    policy = HFPolicy.from_config(ModelConfig(device="cpu"), str(tiny_vlm_dir), max_batch_size=8)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(policy, MODEL), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}/v1", policy
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def frame() -> np.ndarray:
+    obs, _ = make("FrozenLake", mode="image").reset(seed=0)
+    return obs["image"]
+
+
+def image_message(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                          {"type": "text", "text": "Where are you?"}]}]
+
+
+def test_a_chat_with_an_image_is_answered(vlm_server):
+    base_url, _ = vlm_server
+    client = openai.OpenAI(base_url=base_url, api_key="x")
+    reply = client.chat.completions.create(model=MODEL, messages=image_message(image_data_url(frame())),
+                                           max_tokens=6, logprobs=True)
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 16
+
+
+def test_the_server_expands_each_image_as_the_rollout_context_does(vlm_server):
+    _, policy = vlm_server
+    body = ChatCompletionRequest(model=MODEL, messages=image_message(image_data_url(frame())) * 1)
+    prepared = prepare(body, policy, MODEL, 16)
+    pad = policy.image_encoder.image_token_id
+    features = int(prepared.model_inputs["image_grid_thw"].prod(-1).sum()) // 4
+    assert prepared.prompt_ids.count(pad) == features == 16
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [("https://example.com/a.png", "data URLs"), ("data:image/png;base64,AAAA", "cannot be read"),
+     ("data:image/png,raw", "cannot be read")],
+)
+def test_images_it_cannot_take_get_a_400(vlm_server, url, words):
+    base_url, _ = vlm_server
+    reply = httpx.post(f"{base_url}/chat/completions", json={"model": MODEL, "messages": image_message(url)})
+    assert reply.status_code == 400 and words in reply.json()["error"]["message"]
+    assert httpx.get(f"{base_url.removesuffix('/v1')}/health").status_code == 200  # still serving
+
+
+def test_eval_of_image_observations_over_http(vlm_server, tmp_path):
+    base_url, _ = vlm_server
+    config = EvalConfig(env=EnvConfig(id="FrozenLake", settings={"mode": "image"}), agent=AgentConfig(max_turns=2),
+                        sampling=SamplingConfig(max_new_tokens=8), policy=f"openai:{MODEL}", base_url=base_url,
+                        concurrency=2, episodes=2, out=str(tmp_path))
+    summary = run_eval(config)
+    assert summary["episodes"] == 2 and summary["errors"] == 0
+    assert len(list((tmp_path / "images").glob("*.png"))) >= 2
+
+
+def test_load_policy_builds_a_builtin_vlm(tiny_vlm_dir, monkeypatch):
+    monkeypatch.setattr("turnrl.models.builtin.default_cache_dir", lambda: tiny_vlm_dir.parent)
+    policy, name = load_policy("builtin:vlm-tiny", device="cpu")
+    assert name == "builtin:vlm-tiny" and policy.accepts_images
+
+
+def test_data_url_round_trip():
+    image = frame()
+    url = image_data_url(image)
+    from turnrl.models.vision import load_image
+
+    assert np.array_equal(load_image(url), image) and url.startswith("data:image/png;base64,")
+    assert base64.b64decode(url.split(",", 1)[1])[:4] == b"\x89PNG"
