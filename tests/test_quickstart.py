@@ -1,6 +1,7 @@
-"""The learning test: a reduced quickstart must improve validation success with RL.
+"""The learning tests: the reduced quickstarts (text, and images with the built-in VLM) must improve
+validation success with RL.
 
-Slow (several minutes on two CPU cores): ``make test-slow`` or
+Slow (several minutes each on two CPU cores): ``make test-slow`` or
 ``pytest -m slow tests/test_quickstart.py``.
 """
 
@@ -14,12 +15,13 @@ from turnrl.config import load_config
 from turnrl.training.config import TrainConfig
 from turnrl.training.trainer import train
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.mark.slow
-def test_reduced_quickstart_learns(tmp_path):
-    config = load_config(TrainConfig, QUICKSTART, [
+@pytest.mark.parametrize("recipe", ["quickstart", "vlm_quickstart"])
+def test_reduced_quickstart_learns(tmp_path, recipe):
+    config = load_config(TrainConfig, CONFIGS / f"{recipe}.yaml", [
         f"run.output_dir={tmp_path}",
         "run.tensorboard=false",
         "run.trajectories_every=0",
@@ -32,7 +34,7 @@ def test_reduced_quickstart_learns(tmp_path):
         summary = train(config)
     finally:
         torch.set_num_threads(threads)
-    saved = json.loads((tmp_path / "quickstart" / "summary.json").read_text())
+    saved = json.loads((tmp_path / recipe / "summary.json").read_text())
     assert saved["val_success_before_rl"] == summary["val_success_before_rl"]
     before, after = summary["val_success_before_rl"], summary["val_success_after_rl"]
     # SFT must have taught the task (random play succeeds far less often) ...

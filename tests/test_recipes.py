@@ -36,7 +36,8 @@ SHRINK = [
 
 
 def test_every_recipe_is_found():
-    assert {c.stem for c in CONFIGS} >= {"quickstart", "ragen_sokoban", "vagen_frozenlake", "grpo_bandit"}
+    assert {c.stem for c in CONFIGS} >= {"quickstart", "ragen_sokoban", "vagen_frozenlake", "grpo_bandit",
+                                         "vlm_quickstart", "vagen_sokoban_visual", "visgym_maze"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -48,8 +49,11 @@ def test_recipe_header_names_its_command(path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_recipe_trains_a_step_on_the_tiny_model(path, tiny_model_dir, tmp_path):
-    config = load_config(TrainConfig, path, [*SHRINK, f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}"])
+def test_recipe_trains_a_step_on_the_tiny_model(path, tiny_model_dir, tiny_vlm_dir, tmp_path):
+    recipe = load_config(TrainConfig, path)
+    visual = recipe.model.builtin_preset.startswith("vlm-") or "image" in str(recipe.env.settings.get("mode", ""))
+    model = tiny_vlm_dir if visual else tiny_model_dir  # a recipe that sees images trains the tiny VLM
+    config = load_config(TrainConfig, path, [*SHRINK, f"model.path={model}", f"run.output_dir={tmp_path}"])
     summary = train(config)
     assert "val_success_after_rl" in summary
     run_dir = tmp_path / config.run.name
