@@ -1,4 +1,4 @@
-"""Built-in small models: chat templates, a tokenizer builder and Qwen2 presets."""
+"""Built-in small models: chat templates, a tokenizer builder, Qwen2 presets and Qwen2.5-VL presets."""
 
 from turnrl.models.templates import CHATML, LLAMA3, QWEN3, TEMPLATES, TemplateSpec, template_spec
 from turnrl.models.tiny import (
@@ -12,6 +12,19 @@ from turnrl.models.tiny import (
     preset_config,
     tiny_qwen2_config,
 )
+from turnrl.models.vlm import (
+    VLM_PRESETS,
+    VisionPreset,
+    VLMPreset,
+    build_vlm,
+    count_vlm_parameters,
+    image_tokens,
+    is_vlm_preset,
+    mrope_section,
+    vlm_config,
+    vlm_preset,
+    vlm_processor,
+)
 
 __all__ = [
     "CHATML",
@@ -19,14 +32,25 @@ __all__ = [
     "PRESETS",
     "QWEN3",
     "TEMPLATES",
+    "VLM_PRESETS",
     "BuildRecipe",
     "ModelPreset",
     "TemplateSpec",
+    "VLMPreset",
+    "VisionPreset",
     "build_model",
     "build_tokenizer",
+    "build_vlm",
     "count_parameters",
+    "count_vlm_parameters",
+    "image_tokens",
+    "is_vlm_preset",
     "model_preset",
+    "mrope_section",
     "preset_config",
     "template_spec",
     "tiny_qwen2_config",
+    "vlm_config",
+    "vlm_preset",
+    "vlm_processor",
 ]

@@ -1,8 +1,10 @@
-"""The built-in model: a small Qwen2 with a tokenizer trained on what the envs say.
+"""The built-in model: a small Qwen2 (or Qwen2.5-VL) with a tokenizer trained on what the envs say.
 
 The tokenizer's corpus is every built-in env's instructions, observations along
 expert and random episodes, and responses in every reasoning format, so env
-texts and format tags encode into few tokens. The build is cached by recipe
+texts and format tags encode into few tokens. A VLM preset (``vlm-*``, see
+:data:`turnrl.models.vlm.VLM_PRESETS`) adds what the envs say in image mode
+(their instructions describe the picture). The build is cached by recipe
 (preset, template, corpus digest, seed) under ``~/.cache/turnrl/models``.
 """
 
@@ -18,8 +20,9 @@ from turnrl.agent.formats import format_names, get_format
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import ModelConfig
 from turnrl.envs import make
-from turnrl.envs.registry import env_names
+from turnrl.envs.registry import env_class, env_names
 from turnrl.models.tiny import build_model
+from turnrl.models.vlm import VLM_PREFIX, build_vlm, is_vlm_preset
 
 # Env settings that change what the text looks like (sizes, vocabularies).
 _VARIANTS: dict[str, list[dict]] = {
@@ -55,19 +58,43 @@ def _episode_texts(env, seed: int, rng: np.random.Generator, max_steps: int = 6)
     return texts
 
 
+def _env_texts(env, episodes: int, rng: np.random.Generator) -> list[str]:
+    """System prompts in every format, then observations and responses along ``episodes`` episodes."""
+    env.reset(seed=0)
+    texts = []
+    for fmt_name in format_names():
+        fmt = get_format(fmt_name, max_actions_per_turn=3)
+        texts.append(system_prompt(None, env.instructions(), fmt.instructions(env.action_names(), 3)))
+    for seed in range(episodes):
+        texts.extend(_episode_texts(env, seed, rng))
+    return texts
+
+
 def builtin_corpus(episodes_per_variant: int = 12) -> list[str]:
     """Texts the built-in tokenizer is trained on (deterministic)."""
     rng = np.random.default_rng(0)
     texts: list[str] = []
     for name in env_names():
         for settings in _VARIANTS.get(name, [{}]):
-            env = make(name, **settings)
-            env.reset(seed=0)
-            for fmt_name in format_names():
-                fmt = get_format(fmt_name, max_actions_per_turn=3)
-                texts.append(system_prompt(None, env.instructions(), fmt.instructions(env.action_names(), 3)))
-            for seed in range(episodes_per_variant):
-                texts.extend(_episode_texts(env, seed, rng))
+            texts.extend(_env_texts(make(name, **settings), episodes_per_variant, rng))
+    return texts
+
+
+def image_mode_corpus(episodes_per_variant: int = 4) -> list[str]:
+    """What the envs say in image mode (deterministic): their instructions describe the picture, and their
+    observation texts may differ from text mode's (Sokoban's is a status line). Variants that image mode
+    does not draw are skipped."""
+    rng = np.random.default_rng(1)
+    texts: list[str] = []
+    for name in env_names():
+        if "image" not in env_class(name).modes:
+            continue
+        for settings in _VARIANTS.get(name, [{}]):
+            try:
+                env = make(name, mode="image", **settings)
+            except ValueError:  # e.g. a symbol style that only text mode has
+                continue
+            texts.extend(_env_texts(env, episodes_per_variant, rng))
     return texts
 
 
@@ -76,7 +103,15 @@ def default_cache_dir() -> Path:
 
 
 def builtin_model_path(config: ModelConfig) -> Path:
-    """Build (or reuse) the built-in model described by ``config`` and return its directory."""
+    """Build (or reuse) the built-in model described by ``config`` and return its directory.
+
+    A ``vlm-*`` preset builds a Qwen2.5-VL (load it with ``AutoModelForImageTextToText`` and
+    ``AutoProcessor``); any other preset a Qwen2 text model (``AutoModelForCausalLM``).
+    """
     root = Path(config.builtin_dir) if config.builtin_dir else default_cache_dir()
-    out = root / f"qwen2-{config.builtin_preset}-{config.builtin_template}"
-    return build_model(out, builtin_corpus(), preset=config.builtin_preset, template=config.builtin_template)
+    preset, template = config.builtin_preset, config.builtin_template
+    if is_vlm_preset(preset):
+        out = root / f"qwen2.5-vl-{preset.removeprefix(VLM_PREFIX)}-{template}"
+        return build_vlm(out, builtin_corpus() + image_mode_corpus(), preset=preset, template=template)
+    out = root / f"qwen2-{preset}-{template}"
+    return build_model(out, builtin_corpus(), preset=preset, template=template)

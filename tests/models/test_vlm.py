@@ -1,0 +1,224 @@
+"""The built-in Qwen2.5-VL: presets, the build and its cache, loading by path, images through processor and model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessor,
+    Qwen2VLVideoProcessor,
+)
+
+from turnrl.config import ModelConfig
+from turnrl.models import (
+    CHATML,
+    VLM_PRESETS,
+    build_tokenizer,
+    build_vlm,
+    count_vlm_parameters,
+    image_tokens,
+    mrope_section,
+    vlm_config,
+    vlm_preset,
+)
+from turnrl.models.builtin import builtin_model_path
+from turnrl.models.tiny import RECIPE_FILE
+
+CORPUS = [
+    f"Turn {i}. {text}"
+    for i in range(12)
+    for text in [
+        "FrozenLake. The image shows the lake from above: light blue tiles are frozen and safe.",
+        "<think>The goal is below me.</think><answer>Down</answer>",
+        "Boxes on targets: 0 of 1.",
+    ]
+]
+
+# Parameter ranges the presets are documented with (turnrl/models/vlm.py).
+RANGES = {
+    "vlm-tiny": (500_000, 1_000_000),
+    "vlm-small": (3_500_000, 5_000_000),
+    "vlm-0.5b": (420_000_000, 500_000_000),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_vlm(tmp_path_factory.mktemp("vlm") / "tiny", CORPUS, preset="vlm-tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def loaded(built):
+    return AutoProcessor.from_pretrained(built), AutoModelForImageTextToText.from_pretrained(built).eval()
+
+
+def frame(height: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def two_image_chat() -> list[dict]:
+    """A multi-turn chat with one new image a turn, as the envs' image modes make it."""
+    return [
+        {"role": "system", "content": "FrozenLake."},
+        {"role": "user", "content": [{"type": "image", "image": frame(100, 100, 0)}, {"type": "text", "text": "Go."}]},
+        {"role": "assistant", "content": "<answer>Down</answer>"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "Turn 2."},
+            {"type": "image", "image": frame(112, 320, 1)},
+        ]},
+    ]
+
+
+def test_presets_sizes_and_parameter_counts():
+    assert set(VLM_PRESETS) == set(RANGES)
+    tok = build_tokenizer(CORPUS, vocab_size=512)
+    for name, (low, high) in RANGES.items():
+        preset = vlm_preset(name)
+        assert low < count_vlm_parameters(name) < high
+        config = vlm_config(name, tok)
+        head_dim = preset.text.hidden_size // preset.text.num_heads
+        assert sum(config.text_config.rope_parameters["mrope_section"]) == head_dim // 2
+        vision = config.vision_config
+        assert (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size) == (14, 2, 2)
+        assert vision.out_hidden_size == preset.text.hidden_size
+        with torch.device("meta"):  # counts the big one without allocating it
+            model = Qwen2_5_VLForConditionalGeneration(config)
+        assert sum(p.numel() for p in model.parameters()) == count_vlm_parameters(name, len(tok))
+    assert vlm_preset("vlm-0.5b").text.num_layers == 24 and vlm_preset("vlm-0.5b").text.hidden_size == 896
+    assert mrope_section(128) == [16, 24, 24] and mrope_section(64) == [8, 12, 12]
+    with pytest.raises(ValueError, match="unknown VLM preset"):
+        vlm_preset("vlm-huge")
+
+
+def test_image_sizes_per_preset():
+    # The tiny preset keeps every env image at 16 tokens or fewer; a 4x4 FrozenLake (100x100) is 4x4 tokens.
+    assert image_tokens(100, 100, "vlm-tiny") == 16
+    assert image_tokens(225, 225, "vlm-tiny") == 16
+    assert image_tokens(112, 320, "vlm-tiny") <= 16
+    assert image_tokens(225, 225, "vlm-small") == 64  # a 9x9 maze at its own size
+    assert image_tokens(20, 20, "vlm-small") == 4  # min_pixels: at least 2x2 tokens
+
+
+def test_loads_like_a_downloaded_vlm(built, loaded):
+    processor, model = loaded
+    assert isinstance(processor, Qwen2_5_VLProcessor)
+    assert isinstance(processor.image_processor, Qwen2VLImageProcessor)
+    assert isinstance(processor.video_processor, Qwen2VLVideoProcessor)
+    assert processor.chat_template == processor.tokenizer.chat_template == CHATML
+    assert isinstance(model, Qwen2_5_VLForConditionalGeneration)
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()  # tied, as saved
+    preset = vlm_preset("vlm-tiny")
+    for image_processor in (processor.image_processor, processor.video_processor):
+        assert image_processor.size["shortest_edge"] == preset.min_pixels
+        assert image_processor.size["longest_edge"] == preset.max_pixels
+        assert (image_processor.patch_size, image_processor.merge_size) == (14, 2)
+    info = json.loads((built / RECIPE_FILE).read_text())
+    assert info["architecture"] == "Qwen2_5_VLForConditionalGeneration"
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+def test_token_ids_come_from_the_tokenizer(loaded):
+    processor, model = loaded
+    tok, config = processor.tokenizer, model.config
+    assert config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>") == processor.image_token_id
+    assert config.video_token_id == tok.convert_tokens_to_ids("<|video_pad|>")
+    assert config.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
+    assert config.vision_end_token_id == tok.convert_tokens_to_ids("<|vision_end|>")
+    assert config.text_config.vocab_size >= len(tok) and config.text_config.vocab_size % 64 == 0
+    stops = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert model.generation_config.eos_token_id == stops
+    assert model.generation_config.pad_token_id == tok.pad_token_id
+
+
+def test_two_image_chat_placeholders_match_image_features(loaded):
+    processor, model = loaded
+    inputs = processor.apply_chat_template(
+        two_image_chat(), add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    grids = inputs["image_grid_thw"]
+    assert grids.tolist() == [[1, 8, 8], [1, 4, 12]]  # 112x112 and 56x168: both within 112*112 pixels
+    placeholders = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    assert placeholders == int(grids.prod(-1).sum()) // 2**2 == 16 + 12
+    with torch.no_grad():
+        features = model.get_image_features(inputs["pixel_values"], grids).pooler_output
+    assert [f.shape[0] for f in features] == [16, 12]
+    assert features[0].shape[1] == model.config.text_config.hidden_size
+    # The processor marks the image tokens, from which the model computes M-RoPE's 3D positions:
+    # the first image's 16 tokens share one temporal position and span 4 rows and 4 columns.
+    assert torch.equal(inputs["mm_token_type_ids"].bool(), inputs["input_ids"] == model.config.image_token_id)
+    positions, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], grids)
+    first = positions[:, 0, inputs["mm_token_type_ids"][0].bool()][:, :16]
+    assert [len(set(axis.tolist())) for axis in first] == [1, 4, 4]
+
+
+def test_forward_and_generate_with_images(loaded):
+    processor, model = loaded
+    chats = [two_image_chat(), two_image_chat()[:2]]
+    inputs = processor.apply_chat_template(
+        chats,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        processor_kwargs={"padding": True},
+    )
+    assert (inputs["attention_mask"][:, -1] == 1).all()  # left padding
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape == (2, inputs["input_ids"].shape[1], model.config.text_config.vocab_size)
+    assert torch.isfinite(logits).all()
+    torch.manual_seed(0)
+    out = model.generate(**inputs, max_new_tokens=5, do_sample=True)
+    prompt_length = inputs["input_ids"].shape[1]
+    assert out.shape[0] == 2 and prompt_length < out.shape[1] <= prompt_length + 5
+    assert torch.equal(out[:, :prompt_length], inputs["input_ids"])
+
+
+def test_build_is_cached_and_seeded(built, tmp_path):
+    weights = built / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert build_vlm(built, list(reversed(CORPUS)), preset="vlm-tiny", seed=0) == built
+    assert weights.stat().st_mtime_ns == stamp  # same recipe: reused, nothing written
+
+    same = build_vlm(tmp_path / "same", CORPUS, preset="vlm-tiny", seed=0)
+    other = build_vlm(tmp_path / "seed1", CORPUS, preset="vlm-tiny", seed=1)
+    a, b, c = (AutoModelForImageTextToText.from_pretrained(p).state_dict() for p in (built, same, other))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+    # Another recipe in the same directory replaces the build.
+    build_vlm(tmp_path / "same", CORPUS, preset="vlm-small", seed=0)
+    assert json.loads((tmp_path / "same" / RECIPE_FILE).read_text())["recipe"]["preset"] == "vlm-small"
+    assert json.loads((tmp_path / "same" / "config.json").read_text())["text_config"]["hidden_size"] == 256
+
+
+def test_build_refuses_foreign_directory_and_templates_without_vision_tokens(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        build_vlm(tmp_path / "mine", CORPUS, preset="vlm-tiny")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ValueError, match="vision tokens"):
+        build_vlm(tmp_path / "llama", CORPUS, preset="vlm-tiny", template="llama3")
+    with pytest.raises(ValueError, match="unknown VLM preset"):
+        build_vlm(tmp_path / "x", CORPUS, preset="vlm-huge")
+
+
+def test_builtin_model_path_builds_a_vlm_for_vlm_presets(tmp_path):
+    config = ModelConfig(builtin_preset="vlm-tiny", builtin_template="qwen3", builtin_dir=str(tmp_path))
+    path = builtin_model_path(config)
+    assert path == tmp_path / "qwen2.5-vl-tiny-qwen3"
+    processor = AutoProcessor.from_pretrained(path)
+    assert isinstance(processor, Qwen2_5_VLProcessor)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen2_5_vl"
+    # The corpus has what the envs say in image mode: their picture legends are few tokens.
+    legend = "light blue tiles are frozen and safe, dark blue tiles are holes"
+    assert len(processor.tokenizer.encode(legend)) < len(legend) / 3
+    assert builtin_model_path(config) == path  # cached
