@@ -135,8 +135,8 @@ VLM_PRESETS: dict[str, VLMPreset] = {
     # A forward+backward of 8 sequences of ~100 tokens with 16 such images
     # takes about 50 ms on two CPU cores. Fit to image -> expert action on
     # 4x4 FrozenLake (held-out maps), it chose an optimal move 95% of the time
-    # within 2,700 steps of 32 at lr 3e-4 (two seeds of two); at lr 1e-3 it
-    # stayed on the loss plateau.
+    # within 2,700 steps of 32 at lr 3e-4 (two seeds of two; 0.1 s a step on
+    # two cores, so under 5 minutes); at lr 1e-3 it stayed on the loss plateau.
     "vlm-tiny": VLMPreset(
         text=ModelPreset(
             hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384,
@@ -153,11 +153,11 @@ VLM_PRESETS: dict[str, VLMPreset] = {
     # merger hands each 28x28-pixel cell to the language model as one token.
     # Images keep their own size up to 224x224 (4 to 64 tokens), so a 9x9
     # maze (225x225) is 8x8 tokens. A forward+backward of the batch above
-    # takes about 150 ms on two CPU cores. Fit to image -> expert action, it
-    # chose an optimal move 90% of the time on held-out 4x4 FrozenLake maps
-    # after 650 to 1,050 steps of 32 at lr 1e-4 (three seeds of three; 0.35 s
-    # a step on two cores, so 4 to 6 minutes); at 3e-4 one seed of two left
-    # the loss plateau, at 1e-3 none. A one-block, 64-wide tower reached 74%
+    # takes about 140 ms on two CPU cores (350 ms with 64-token maze images).
+    # Fit to image -> expert action, it chose an optimal move 90% of the time
+    # on held-out 4x4 FrozenLake maps after 650 to 1,050 steps of 32 at lr
+    # 1e-4 (three seeds of three; 0.32 s a step on two cores, so 3.5 to 5.5
+    # minutes); at 3e-4 one seed of two left the loss plateau, at 1e-3 none. A one-block, 64-wide tower reached 74%
     # in 1,300 steps; 6x6 FrozenLake (25 tokens, cells not aligned with
     # tokens) reached 86% in 760 steps; a 9x9 maze (64 tokens, 1 s a step)
     # about 47% (chance 25%) in the 300 steps that were tried.
