@@ -154,3 +154,31 @@ def test_a_vlm_rollout_runs_end_to_end(tiny_vlm_policy):
         stream = trajectory.tokens.stream()
         assert len(stream.turn_end_positions) == len(trajectory.turns)
         assert np.isfinite(sum(sum(turn.response_logprobs) for turn in trajectory.turns))
+
+
+def test_greedy_generation_equals_the_model_given_the_processors_own_inputs(tiny_vlm_dir, processor):
+    from transformers import AutoModelForImageTextToText
+
+    policy = HFPolicy.from_config(ModelConfig(device="cpu", dtype="float32"), str(tiny_vlm_dir))
+    (trajectory,) = play(ScriptedVLM(processor), n_episodes=1, max_turns=2)
+    messages = trajectory_messages(trajectory)[:4]  # system, user 0, assistant 0, user 1: turn 1's prompt
+    parts = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in messages]
+    text = processor.apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=message_images(messages), return_tensors="pt")  # mm_token_type_ids too
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).eval()
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    logprobs = [torch.log_softmax(step[0], -1)[token].item() for step, token in zip(out.logits, expected)]
+    request = policy_request(policy, trajectory.tokens.turn_samples()[1])
+    (completion,) = policy.generate([request], SamplingConfig(temperature=0, max_new_tokens=8))
+    assert request.prompt_ids == inputs["input_ids"][0].tolist()
+    n = len(completion.token_ids)
+    assert n and completion.token_ids == expected[:n]
+    assert completion.logprobs == pytest.approx(logprobs[:n], abs=1e-4)  # the same positions, not just tokens
+
+
+def policy_request(policy, sample):
+    from turnrl.policy.base import GenerationRequest
+
+    return GenerationRequest(prompt_ids=sample.prompt_ids, messages=[], model_inputs=sample.model_inputs)

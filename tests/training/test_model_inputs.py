@@ -58,9 +58,12 @@ def batch():
     return collate([image_sample(gen, n, e) for e, n in enumerate((1, 2, 1))], pad_id=2)
 
 
-def full_forward_logprobs(model, batch) -> torch.Tensor:
-    """log p of each scored token from the model's own full forward (all logits)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **batch.model_inputs).logits
+def full_forward_logprobs(model, batch, positions: bool = True) -> torch.Tensor:
+    """log p of each scored token from the model's own full forward (all logits), given the token types a
+    processor returns (so that the image tokens get 3D positions), or without them (1D positions)."""
+    types = {"mm_token_type_ids": (batch.input_ids == IMAGE).int()} if positions else {}
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **batch.model_inputs,
+                   **types).logits
     logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(logprobs, (1, 0)) * batch.loss_mask
 
@@ -75,6 +78,9 @@ def test_token_logprobs_run_the_vlms_own_forward_with_the_images(vlm, batch):
                                     model_inputs=other_images)
     assert torch.allclose(got, expected, atol=1e-5)
     assert not torch.allclose(got, changed, atol=1e-4)  # the pixels reach the trained tokens' logprobs
+    with torch.no_grad():  # and the image tokens have their own positions (M-RoPE), not a row of 1D ones
+        flat = full_forward_logprobs(vlm, batch, positions=False)
+    assert not torch.allclose(got, flat, atol=1e-4)
 
 
 def test_micro_batches_carry_their_own_images(vlm, batch):

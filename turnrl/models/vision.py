@@ -17,6 +17,7 @@ processors return ``image_grid_thw`` and an image takes
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,3 +134,38 @@ def part_images(content: Any) -> list[Any]:
             url = part.get("image_url")
             images.append(url.get("url") if isinstance(url, dict) else url)
     return images
+
+
+def position_inputs(model: Any, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a VLM's forward needs, besides the pixels, to give its image tokens their own positions.
+
+    Qwen2-VL/2.5-VL/3-VL place image tokens with 3D rotary positions (M-RoPE). Recent transformers
+    compute them only when ``mm_token_type_ids`` (1 on image tokens, 2 on video tokens) is passed, and
+    otherwise fall back to 1D positions without a word; processors return it, token contexts do not, so
+    it is derived here from the ids. Empty for a model that does not take it (a text model, or a
+    transformers version that derives the positions from the ids itself).
+
+    Args:
+        model: the model (or its base model) whose forward is called.
+        input_ids: Shape (b, s).
+    """
+    config = getattr(model, "config", None)
+    image_token_id = getattr(config, "image_token_id", None)
+    if image_token_id is None or not _takes(model, "mm_token_type_ids"):
+        return {}
+    types = (input_ids == image_token_id).int()
+    video_token_id = getattr(config, "video_token_id", None)
+    if video_token_id is not None:
+        types = types.masked_fill(input_ids == video_token_id, 2)
+    return {"mm_token_type_ids": types}
+
+
+def _takes(model: Any, argument: str) -> bool:
+    """Whether ``model.forward`` names ``argument`` (read from the signature, once per class)."""
+    cls = type(model)
+    if cls not in _FORWARD_ARGUMENTS:
+        _FORWARD_ARGUMENTS[cls] = frozenset(inspect.signature(model.forward).parameters)
+    return argument in _FORWARD_ARGUMENTS[cls]
+
+
+_FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}

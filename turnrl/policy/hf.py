@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.models.loading import load_model, load_processor, load_tokenizer
-from turnrl.models.vision import ImageEncoder
+from turnrl.models.vision import ImageEncoder, position_inputs
 from turnrl.policy.base import Completion, GenerationRequest
 
 
@@ -155,9 +155,12 @@ class HFPolicy:
             options.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
         if self.image_encoder is not None:
             options.update(suppress_tokens=self.image_encoder.special_token_ids)
+        model_inputs = batch_model_inputs(requests, self.device)
+        if model_inputs:  # a VLM: its image tokens get their own (3D) positions
+            model_inputs.update(position_inputs(self.model, input_ids.to(self.device)))
         output = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            **batch_model_inputs(requests, self.device), **options,
+            **model_inputs, **options,
         )
         if was_training:
             self.model.train()

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
+from turnrl.models.vision import position_inputs
+
 
 def _body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
     """The base model (everything but the LM head) and the LM head of a causal LM or VLM, peft-wrapped or not."""
@@ -39,7 +41,10 @@ def last_hidden_states(
     model_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Shape (b, s, h): final-layer (normed) hidden states of ``body`` given the extra inputs."""
-    output = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(model_inputs or {}))
+    extra = dict(model_inputs or {})
+    if extra:  # a VLM: its image tokens get their own (3D) positions, as in generation
+        extra.update(position_inputs(body, input_ids))
+    output = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     return output.last_hidden_state
 
 
