@@ -165,7 +165,8 @@ class ModelConfig:
     path: Optional[str] = None
     """A transformers model directory or hub id; None builds the built-in small model."""
     builtin_preset: str = "small"
-    """Size of the built-in model when ``path`` is None (``tiny``, ``small``, ``base``)."""
+    """The built-in model when ``path`` is None: ``tiny``, ``small``, ``base``, ``0.5b`` (Qwen2), or a VLM
+    ``vlm-tiny``, ``vlm-small``, ``vlm-0.5b`` (Qwen2.5-VL)."""
     builtin_template: str = "chatml"
     """Chat template of the built-in model (``chatml``, ``qwen3``, ``llama3``)."""
     builtin_dir: Optional[str] = None

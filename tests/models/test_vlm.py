@@ -222,3 +222,14 @@ def test_builtin_model_path_builds_a_vlm_for_vlm_presets(tmp_path):
     legend = "light blue tiles are frozen and safe, dark blue tiles are holes"
     assert len(processor.tokenizer.encode(legend)) < len(legend) / 3
     assert builtin_model_path(config) == path  # cached
+
+
+@pytest.mark.parametrize(("preset", "template", "match"), [("nope", "chatml", "not a built-in model"),
+                                                           ("vlm-tiny", "llama3", "no Qwen vision tokens")])
+def test_builtin_model_path_names_a_bad_preset_as_a_config_error(tmp_path, preset, template, match):
+    from turnrl.config import ConfigError, ModelConfig
+    from turnrl.models.builtin import builtin_model_path
+
+    with pytest.raises(ConfigError, match=match):
+        builtin_model_path(ModelConfig(builtin_preset=preset, builtin_template=template, builtin_dir=str(tmp_path)))
+    assert not any(tmp_path.iterdir())

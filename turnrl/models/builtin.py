@@ -18,11 +18,11 @@ import numpy as np
 from turnrl.agent.expert import expert_fields
 from turnrl.agent.formats import format_names, get_format
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
-from turnrl.config import ModelConfig
+from turnrl.config import ConfigError, ModelConfig
 from turnrl.envs import make
 from turnrl.envs.registry import env_class, env_names
-from turnrl.models.tiny import build_model
-from turnrl.models.vlm import VLM_PREFIX, build_vlm, is_vlm_preset
+from turnrl.models.tiny import PRESETS, build_model
+from turnrl.models.vlm import VLM_PREFIX, VLM_PRESETS, build_vlm, is_vlm_preset
 
 # Env settings that change what the text looks like (sizes, vocabularies).
 _VARIANTS: dict[str, list[dict]] = {
@@ -110,7 +110,13 @@ def builtin_model_path(config: ModelConfig) -> Path:
     """
     root = Path(config.builtin_dir) if config.builtin_dir else default_cache_dir()
     preset, template = config.builtin_preset, config.builtin_template
+    if preset not in PRESETS and not is_vlm_preset(preset):
+        raise ConfigError(f"model.builtin_preset={preset!r} is not a built-in model; choose one of "
+                          f"{[*PRESETS, *VLM_PRESETS]}")
     if is_vlm_preset(preset):
+        if template not in ("chatml", "qwen3"):
+            raise ConfigError(f"model.builtin_template={template!r} has no Qwen vision tokens; a built-in VLM "
+                              "takes chatml or qwen3")
         out = root / f"qwen2.5-vl-{preset.removeprefix(VLM_PREFIX)}-{template}"
         return build_vlm(out, builtin_corpus() + image_mode_corpus(), preset=preset, template=template)
     out = root / f"qwen2-{preset}-{template}"
