@@ -36,3 +36,15 @@ def test_a_processor_that_needs_a_missing_library_is_reported_and_left_out(tiny_
     with caplog.at_level("WARNING"):
         assert load_processor(tiny_model_dir) is None
     assert "Torchvision" in caplog.text
+
+
+def test_image_size_bounds_set_the_visual_tokens_of_an_image(tiny_vlm_dir):
+    from turnrl.envs import make
+    from turnrl.models.vision import ImageEncoder
+
+    obs, _ = make("FrozenLake", mode="image").reset(seed=0)  # 100 x 100 pixels
+    default = ImageEncoder(load_processor(tiny_vlm_dir)).encode([obs["image"]])[0]
+    small = ImageEncoder(load_processor(tiny_vlm_dir, max_pixels=56 * 56)).encode([obs["image"]])[0]
+    large = ImageEncoder(load_processor(tiny_vlm_dir, min_pixels=224 * 224, max_pixels=224 * 224)).encode([obs["image"]])[0]
+    assert (small.placeholder_tokens, default.placeholder_tokens, large.placeholder_tokens) == (4, 16, 64)
+    assert small.model_inputs["pixel_values"].shape[0] == 4 * small.placeholder_tokens
