@@ -84,6 +84,12 @@ class ImageEncoder:
             ))
         return encoded
 
+    def message_inputs(self, images: Sequence[np.ndarray]) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """The placeholder count of each of a message's images and their model inputs, joined: what a
+        token context takes for the message (``EpisodeTokens.start`` / ``add_observation``)."""
+        encoded = self.encode(images)
+        return [image.placeholder_tokens for image in encoded], join_inputs(encoded)
+
 
 def join_inputs(encoded: Sequence[EncodedImage]) -> dict[str, torch.Tensor]:
     """The model inputs of several images, concatenated along dim 0 in order (empty for no image)."""

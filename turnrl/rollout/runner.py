@@ -26,7 +26,7 @@ from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs.base import AgentEnv, StateFacts
-from turnrl.models.vision import ImageEncoder, join_inputs
+from turnrl.models.vision import ImageEncoder
 from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens, without_images
@@ -245,8 +245,7 @@ class Rollout:
         encoder = self._image_encoder()
         if encoder is None or not images:
             return [], {}
-        encoded = encoder.encode(images)
-        return [image.placeholder_tokens for image in encoded], join_inputs(encoded)
+        return encoder.message_inputs(images)
 
     def _observe(self, episode: _Episode, text: str, obs: dict[str, Any]) -> dict[str, Any]:
         """Make ``obs`` the current observation; returns its user message."""

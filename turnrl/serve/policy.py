@@ -60,7 +60,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from turnrl.config import ModelConfig, SamplingConfig
-from turnrl.models.vision import join_inputs, load_image
+from turnrl.models.vision import load_image
 from turnrl.policy.base import Completion, GenerationRequest
 from turnrl.policy.hf import HFPolicy
 from turnrl.rollout.context import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
@@ -453,9 +453,8 @@ def prepare(body: ChatCompletionRequest, policy: Any, model_name: str, default_m
     prompt_ids = [int(i) for i in ids]
     model_inputs = None
     if images and encoder is not None:  # each placeholder expanded to its image's visual tokens, as in the rollout
-        encoded = encoder.encode(images)
-        prompt_ids = expand_placeholders(prompt_ids, encoder.image_token_id, [e.placeholder_tokens for e in encoded])
-        model_inputs = join_inputs(encoded)
+        counts, model_inputs = encoder.message_inputs(images)
+        prompt_ids = expand_placeholders(prompt_ids, encoder.image_token_id, counts)
     limit = context_length(policy)
     room = default_max_tokens if limit is None else min(default_max_tokens, limit - len(prompt_ids))
     max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)

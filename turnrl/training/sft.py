@@ -27,7 +27,7 @@ from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import AgentEnv, make
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer
-from turnrl.models.vision import ImageEncoder, join_inputs, load_image, part_images
+from turnrl.models.vision import ImageEncoder, load_image, part_images
 from turnrl.policy.hf import resolve_device, resolve_dtype
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens
@@ -101,8 +101,7 @@ def conversation_samples(
             return [], {}
         if encoder is None:
             raise ValueError("a chat has images but the model has no image processor: train a VLM on it")
-        encoded = encoder.encode([load_image(image) for image in images])
-        return [image.placeholder_tokens for image in encoded], join_inputs(encoded)
+        return encoder.message_inputs([load_image(image) for image in images])
 
     tokens = EpisodeTokens(tokenizer, max_context_window=window, max_images=max_images,
                            image_token=encoder.image_token if encoder is not None else None)
