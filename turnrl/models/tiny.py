@@ -36,7 +36,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -385,14 +385,26 @@ def build_model(
         n_texts=len(texts),
         seed=seed,
     )
+    return cached_build(out, recipe, lambda path: _build_into(path, texts, recipe))
+
+
+def cached_build(out: Path, recipe: BuildRecipe, build_into: Callable[[Path], dict]) -> Path:
+    """``out`` holding the build of ``recipe``: reused when its key matches, else built afresh.
+
+    ``build_into(path)`` writes the model into an empty ``path`` and returns
+    the information recorded beside it; the build happens in a temporary
+    directory next to ``out`` and is moved into place when complete, so an
+    interrupted build never leaves a half model that a later run would reuse.
+    A stale turnrl build in ``out`` is replaced; a directory that is not a
+    turnrl build is never overwritten.
+    """
     if _read_key(out) == recipe.key():
         return out
     _check_replaceable(out)
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
     try:
-        info = _build_into(tmp, texts, recipe)
+        info = build_into(tmp)
         (tmp / RECIPE_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         _publish(tmp, out, recipe.key())
     finally:

@@ -44,10 +44,7 @@ text half of a preset is a :class:`~turnrl.models.tiny.ModelPreset`.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,14 +63,11 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from turnrl.models.templates import template_spec
 from turnrl.models.tiny import (
-    RECIPE_FILE,
     BuildRecipe,
     ModelPreset,
-    _check_replaceable,
-    _publish,
-    _read_key,
     _round_up,
     build_tokenizer,
+    cached_build,
     count_parameters,
     texts_digest,
 )
@@ -379,19 +373,7 @@ def build_vlm(
         n_texts=len(texts),
         seed=seed,
     )
-    if _read_key(out) == recipe.key():
-        return out
-    _check_replaceable(out)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
-    try:
-        info = _build_into(tmp, texts, recipe)
-        (tmp / RECIPE_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        _publish(tmp, out, recipe.key())
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return cached_build(out, recipe, lambda path: _build_into(path, texts, recipe))
 
 
 def _build_into(path: Path, texts: Sequence[str], recipe: VLMBuildRecipe) -> dict:
