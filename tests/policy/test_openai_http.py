@@ -7,16 +7,14 @@ import base64
 import email.utils
 import io
 import json
-import socket
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from PIL import Image
 
+from tests.serve.running import free_port, running
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
 from turnrl.envs import make
@@ -25,8 +23,8 @@ from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.base import GenerationRequest, Policy
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.openai_http import OpenAIPolicy, chat_completions_url, parse_retry_after
-from turnrl.serve.policy import create_app
 from turnrl.rollout.runner import EpisodeSlot, Rollout
+from turnrl.serve.policy import create_app
 
 MODEL = "tiny"
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=8)
@@ -36,28 +34,13 @@ def ask(text: str) -> GenerationRequest:
     return GenerationRequest(prompt_ids=None, messages=[{"role": "user", "content": text}])
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
     """The tiny built-in model served for real on a free localhost port."""
     path = builtin_model_path(ModelConfig(builtin_preset="tiny", builtin_dir=str(tmp_path_factory.mktemp("models"))))
     policy = HFPolicy.from_config(ModelConfig(device="cpu"), str(path), max_batch_size=16)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(policy, MODEL), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with running(create_app(policy, MODEL)) as url:
+        yield url
 
 
 def ok_body(text: str = "hello", finish_reason: str = "stop", **choice) -> dict:

@@ -8,8 +8,6 @@ where timing cannot make the outcome vary.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,8 +15,8 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-import uvicorn
 
+from tests.serve.running import running
 from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.base import Completion, GenerationRequest
@@ -52,12 +50,6 @@ class Served:
     path: str
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory) -> str:
     config = ModelConfig(builtin_preset="tiny", builtin_dir=str(tmp_path_factory.mktemp("models")))
@@ -67,17 +59,8 @@ def tiny_path(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def served(tiny_path):
     policy = CountingPolicy(HFPolicy.from_config(ModelConfig(device="cpu"), tiny_path, max_batch_size=16))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(policy, MODEL), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    yield Served(base_url=f"http://127.0.0.1:{port}/v1", policy=policy, path=tiny_path)
-    server.should_exit = True
-    thread.join(timeout=10)
+    with running(create_app(policy, MODEL)) as url:
+        yield Served(base_url=url, policy=policy, path=tiny_path)
 
 
 @pytest.fixture(scope="module")

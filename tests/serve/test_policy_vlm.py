@@ -4,23 +4,19 @@ the same tokens as the in-process context, clear 400s for images it cannot take.
 from __future__ import annotations
 
 import base64
-import threading
-import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
-from tests.serve.test_policy import free_port
+from tests.serve.running import running
 from turnrl.config import AgentConfig, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
 from turnrl.envs import make
 from turnrl.evaluate import run_eval
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.openai_http import image_data_url
-from turnrl.serve.policy import create_app, load_policy, prepare
-from turnrl.serve.policy import ChatCompletionRequest
+from turnrl.serve.policy import ChatCompletionRequest, create_app, load_policy, prepare
 
 MODEL = "tiny-vlm"
 
@@ -28,17 +24,8 @@ MODEL = "tiny-vlm"
 @pytest.fixture(scope="module")
 def vlm_server(tiny_vlm_dir):
     policy = HFPolicy.from_config(ModelConfig(device="cpu"), str(tiny_vlm_dir), max_batch_size=8)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(policy, MODEL), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}/v1", policy
-    server.should_exit = True
-    thread.join(timeout=10)
+    with running(create_app(policy, MODEL)) as url:
+        yield url, policy
 
 
 def frame() -> np.ndarray:
