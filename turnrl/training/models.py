@@ -47,7 +47,14 @@ def enable_checkpointing(model: Any) -> None:
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
-    """bf16/fp16 autocast on a GPU when the run's dtype asks for it; a no-op otherwise."""
-    if device.type == "cuda" and dtype != torch.float32:
-        return torch.autocast("cuda", dtype=dtype)
-    return torch.autocast("cpu", enabled=False)
+    """Mixed precision where the run's dtype asks for it (``model.dtype``; ``auto`` is bf16 on a GPU),
+    over float32 weights; a no-op for float32.
+
+    The cache of weight casts is off. Autocast keeps the low-precision copy of each weight until the
+    outermost autocast region exits, and the SFT and PPO loops take optimizer steps inside one region:
+    with the cache, every forward after the first would still see the first batch's weights (the
+    float32 weights move, the copies the forward uses do not), which trained a 0.5B model into garbage.
+    """
+    if dtype == torch.float32:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
