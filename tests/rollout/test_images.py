@@ -123,12 +123,22 @@ def test_the_latest_images_are_kept_and_older_observations_keep_their_text(proce
 
 def test_a_context_budget_never_cuts_through_an_image(processor):
     policy = ScriptedVLM(processor)
-    trajectories = play(policy, n_episodes=2, max_turns=6, max_context_tokens=260)
+    # prompts grow by about 67 tokens a turn from 300 (16 of them an image): a budget of 460 takes 3 turns
+    trajectories = play(policy, n_episodes=2, max_turns=6, max_context_tokens=460)
     pad = policy.image_encoder.image_token_id
-    assert all(t.truncation_reason == "context_budget" for t in trajectories)
+    assert all(t.truncation_reason == "context_budget" and len(t.turns) == 3 for t in trajectories)
+    assert len(policy.requests) == 6
     for request in policy.requests:
         features = int(request.model_inputs["image_grid_thw"].prod(-1).sum()) // 4
-        assert request.prompt_ids.count(pad) == features and len(request.prompt_ids) + 12 <= 260
+        assert request.prompt_ids.count(pad) == features and len(request.prompt_ids) + 12 <= 460
+    # the observation that did not fit is in no training sample, and neither is its image
+    answered = [t for t in trajectories if t.trainable]
+    assert answered
+    ids = list(range(len(answered)))
+    for samples in (trajectory_samples(answered, ids), turn_samples(answered, ids)):
+        for sample in samples:
+            placeholders, features = placeholder_and_feature_counts(sample, pad)
+            assert placeholders == features > 0
 
 
 def test_vision_tokens_are_never_sampled(tiny_vlm_dir):

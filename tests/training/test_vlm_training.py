@@ -57,8 +57,10 @@ def test_grpo_with_lora_leaves_the_vision_tower_out_and_trains_it_when_asked(tin
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    run(tiny_vlm_dir, tmp_path / "frozen", "algorithm.advantage=grpo", "algorithm.sample_mode=turn", "lora.enabled=true",
-        "lora.r=4", "lora.alpha=8", "algorithm.kl_coef=0.05")
+    _, steps = run(tiny_vlm_dir, tmp_path / "frozen", "algorithm.advantage=grpo", "algorithm.sample_mode=turn",
+                   "lora.enabled=true", "lora.r=4", "lora.alpha=8", "algorithm.kl_coef=0.05")
+    # generation through the adapters gives image tokens the same 3D positions as training does
+    assert all(record["actor/logprob_mismatch"] < 1e-4 for record in steps)
     adapters = load_file(tmp_path / "frozen" / "run" / "checkpoints" / "step_000001" / "actor" / "adapter_model.safetensors")
     assert adapters and not any("visual" in k for k in adapters)
     run(tiny_vlm_dir, tmp_path / "trained", "algorithm.advantage=grpo", "lora.enabled=true", "lora.r=4", "lora.alpha=8",
@@ -79,3 +81,18 @@ def test_sft_on_visual_expert_demos_then_rl(tiny_vlm_dir, tmp_path):
     demos = [json.loads(line) for line in (tmp_path / "run" / "sft" / "demos_sample.jsonl").read_text().splitlines()]
     assert demos and all(d["images"] for d in demos)
     assert len(steps) == 2
+
+
+def test_an_episode_cut_by_the_context_budget_trains_in_trajectory_mode(tiny_vlm_dir, tmp_path):
+    _, steps = run(tiny_vlm_dir, tmp_path, "algorithm.advantage=grpo", "agent.max_turns=4", "agent.max_context_tokens=130")
+    assert len(steps) == 2 and all(record["rollout/truncated"] > 0 for record in steps)
+
+
+def test_the_critics_vision_tower_stays_frozen_after_resume(tiny_vlm_dir, tmp_path):
+    run(tiny_vlm_dir, tmp_path, "run.steps=1")
+    config = load_config(TrainConfig, None, [*COMMON, f"model.path={tiny_vlm_dir}", f"resume={tmp_path / 'run'}",
+                                             "run.steps=2"])
+    train(config)
+    critic = vision_weights(tmp_path / "run" / "checkpoints" / "step_000001" / "critic")
+    base = {k.removeprefix("model."): v for k, v in vision_weights(Path(tiny_vlm_dir)).items()}
+    assert critic and all(torch.equal(v, base[k]) for k, v in critic.items() if k in base)

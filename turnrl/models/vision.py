@@ -155,9 +155,10 @@ def position_inputs(model: Any, input_ids: torch.Tensor) -> dict[str, torch.Tens
         model: the model (or its base model) whose forward is called.
         input_ids: Shape (b, s).
     """
-    config = getattr(model, "config", None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes it through
+    config = getattr(base, "config", None)
     image_token_id = getattr(config, "image_token_id", None)
-    if image_token_id is None or not _takes(model, "mm_token_type_ids"):
+    if image_token_id is None or not _takes(base, "mm_token_type_ids"):
         return {}
     types = (input_ids == image_token_id).int()
     video_token_id = getattr(config, "video_token_id", None)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from turnrl.rollout.context import concat_model_inputs
 from turnrl.rollout.trajectory import Trajectory
 
 
@@ -131,7 +132,9 @@ def trajectory_samples(trajectories: list[Trajectory], episode_ids: list[int]) -
                 turn_rewards=[turn.reward for turn in trajectory.turns[: len(ends)]],
                 episode=episode,
                 group=trajectory.group,
-                model_inputs=stream.model_inputs,
+                # The sample ends with the last response: an observation after it (the episode was cut
+                # there) and its images are not part of it.
+                model_inputs=concat_model_inputs([t for t in trajectory.tokens.turns if t.response_ids is not None]),
             )
         )
     return samples

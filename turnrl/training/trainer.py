@@ -280,8 +280,10 @@ class Recipe:
         if config.algorithm.uses_critic:
             if self.checkpoint is not None:
                 self.critic = ValueModel.from_pretrained(self.checkpoint / "critic")
+                if not config.model.train_vision:  # loaded weights are all trainable again
+                    freeze_vision_tower(self.critic.backbone)
             else:
-                self.critic = ValueModel(copy.deepcopy(self.actor.base_model))
+                self.critic = ValueModel(copy.deepcopy(self.actor.base_model))  # a frozen tower stays frozen
             self.critic.to(self.device)
             if config.model.gradient_checkpointing:
                 enable_checkpointing(self.critic.backbone)
