@@ -192,3 +192,43 @@ def policy_request(policy, sample):
     from turnrl.policy.base import GenerationRequest
 
     return GenerationRequest(prompt_ids=sample.prompt_ids, messages=[], model_inputs=sample.model_inputs)
+
+
+class Sliver:
+    """An env whose frames are 5 x 2000 pixels: an aspect ratio Qwen-VL's processor refuses."""
+
+    def reset(self, *, seed=None, options=None):
+        return {"text": "look", "image": np.zeros((5, 2000, 3), dtype=np.uint8)}, {}
+
+    def step(self, action):
+        raise AssertionError("never stepped")
+
+    def instructions(self):
+        return "Look."
+
+    def action_names(self):
+        return ["Right"]
+
+    def state_facts(self):
+        from turnrl.envs import StateFacts
+
+        return StateFacts(player=None)
+
+    def solve(self):
+        return None
+
+
+def test_an_image_the_processor_refuses_ends_its_episode_not_the_run(processor):
+    policy = ScriptedVLM(processor)
+    config = AgentConfig(format="no_think", max_turns=2)
+    rollout = Rollout(policy, get_format("no_think"), config, "mixed")
+    slots = [EpisodeSlot(env=Sliver(), seed=0), EpisodeSlot(env=make("Maze2D", mode="image"), seed=0, group=1)]
+    bad, good = rollout.run(slots, SamplingConfig(max_new_tokens=12))
+    assert bad.status == "error" and "cannot be encoded" in bad.error
+    assert good.status != "error" and len(good.turns) == 2
+
+
+def test_thin_images_are_read_channels_last(processor):
+    encoder = ImageEncoder(processor)
+    (image,) = encoder.encode([np.zeros((3, 60, 3), dtype=np.uint8)])
+    assert image.placeholder_tokens >= 1 and image.model_inputs["image_grid_thw"].shape == (1, 3)

@@ -67,6 +67,18 @@ def test_images_it_cannot_take_get_a_400(vlm_server, url, words):
     assert httpx.get(f"{base_url.removesuffix('/v1')}/health").status_code == 200  # still serving
 
 
+def test_images_the_processor_refuses_get_a_400(vlm_server):
+    base_url, _ = vlm_server
+    sliver = image_data_url(np.zeros((5, 2000, 3), dtype=np.uint8))  # an aspect ratio Qwen-VL refuses
+    messages = [image_message(sliver)[0],
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data_url(frame())}},
+                                             {"type": "text", "text": "<|image_pad|> is not an image"}]}]
+    for body in ({"model": MODEL, "messages": messages[:1]}, {"model": MODEL, "messages": messages[1:]}):
+        reply = httpx.post(f"{base_url}/chat/completions", json=body)
+        assert reply.status_code == 400 and "images cannot be used" in reply.json()["error"]["message"]
+    assert httpx.get(f"{base_url.removesuffix('/v1')}/health").status_code == 200
+
+
 def test_eval_of_image_observations_over_http(vlm_server, tmp_path):
     base_url, _ = vlm_server
     config = EvalConfig(env=EnvConfig(id="FrozenLake", settings={"mode": "image"}), agent=AgentConfig(max_turns=2),

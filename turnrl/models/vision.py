@@ -66,7 +66,8 @@ class ImageEncoder:
         """Each ``HxWx3`` uint8 image as model inputs and its placeholder count."""
         if not images:
             return []
-        out = self.image_processor(images=list(images), return_tensors="pt")
+        # Channels last, always: a 3-pixel-high frame must not pass for a channels-first one.
+        out = self.image_processor(images=list(images), return_tensors="pt", input_data_format="channels_last")
         if "image_grid_thw" not in out:
             raise ValueError(
                 f"{type(self.image_processor).__name__} gives no image_grid_thw: token contexts take "

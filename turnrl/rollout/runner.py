@@ -230,7 +230,11 @@ class Rollout:
                 tokenizer, max_context_window=self.agent.max_context_window, max_images=self.agent.max_images,
                 image_token=encoder.image_token if encoder is not None else None,
             )
-            trajectory.tokens.start(episode.messages[0], episode.messages[1], *self._encode(episode.images))
+            try:
+                trajectory.tokens.start(episode.messages[0], episode.messages[1], *self._encode(episode.images))
+            except Exception as error:  # an image the processor cannot take ends this episode, not the run
+                episode.finish(ERROR, error=f"the first observation cannot be encoded: {type(error).__name__}: {error}")
+                return episode
             # The same rule as for later turns: a response of max_new_tokens must fit.
             if len(trajectory.tokens.prompt()) + sampling.max_new_tokens > self.agent.max_context_tokens:
                 episode.finish(TRUNCATED, "context_budget")
@@ -379,6 +383,10 @@ class Rollout:
         tokens = episode.trajectory.tokens
         if tokens is None:
             return
-        tokens.add_observation(message, *self._encode(episode.images))
+        try:
+            tokens.add_observation(message, *self._encode(episode.images))
+        except Exception as error:  # an image the processor cannot take ends this episode, not the run
+            episode.finish(ERROR, error=f"the observation cannot be encoded: {type(error).__name__}: {error}")
+            return
         if len(tokens.prompt()) + sampling.max_new_tokens > self.agent.max_context_tokens:
             episode.finish(TRUNCATED, "context_budget")

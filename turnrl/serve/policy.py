@@ -453,8 +453,11 @@ def prepare(body: ChatCompletionRequest, policy: Any, model_name: str, default_m
     prompt_ids = [int(i) for i in ids]
     model_inputs = None
     if images and encoder is not None:  # each placeholder expanded to its image's visual tokens, as in the rollout
-        counts, model_inputs = encoder.message_inputs(images)
-        prompt_ids = expand_placeholders(prompt_ids, encoder.image_token_id, counts)
+        try:
+            counts, model_inputs = encoder.message_inputs(images)
+            prompt_ids = expand_placeholders(prompt_ids, encoder.image_token_id, counts)
+        except ValueError as error:  # an image the processor refuses, or a text that writes image placeholders
+            raise APIError(400, f"the images cannot be used: {error}", param="messages") from None
     limit = context_length(policy)
     room = default_max_tokens if limit is None else min(default_max_tokens, limit - len(prompt_ids))
     max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
