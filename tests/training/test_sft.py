@@ -240,3 +240,56 @@ def test_sft_command_trains_on_a_jsonl_of_chats_and_saves_the_model(tiny_model_d
     trained = mean_nll(AutoModelForCausalLM.from_pretrained(path), [sample], tiny_tokenizer.pad_token_id)
     base = mean_nll(AutoModelForCausalLM.from_pretrained(tiny_model_dir), [sample], tiny_tokenizer.pad_token_id)
     assert trained < 0.5 * base
+
+
+# --------------------------------------------------------------------------- chats with images
+def image_chat(image_value) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_value}},
+                                                       {"type": "text", "text": "Where now?"}]},
+                         {"role": "assistant", "content": "<answer>Right</answer>"}]}
+
+
+def test_jsonl_images_are_read_from_data_urls_and_paths_beside_the_file(tmp_path, tiny_vlm_dir):
+    import numpy as np
+    from PIL import Image
+
+    from turnrl.models.loading import load_processor, load_tokenizer
+    from turnrl.models.vision import ImageEncoder
+    from turnrl.policy.openai_http import image_data_url
+
+    frame = np.full((56, 56, 3), 200, dtype=np.uint8)
+    (tmp_path / "frames").mkdir()
+    Image.fromarray(frame).save(tmp_path / "frames" / "a.png")
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps(image_chat(image_data_url(frame))) + "\n" + json.dumps(image_chat("frames/a.png")) + "\n")
+    chats = read_chat_jsonl(data)
+    for chat in chats:
+        assert np.array_equal(chat[0]["content"][0]["image"], frame)
+    encoder = ImageEncoder(load_processor(tiny_vlm_dir))
+    (sample,) = conversation_samples(chats[1], load_tokenizer(tiny_vlm_dir), None, encoder)
+    assert sample.input_ids.count(encoder.image_token_id) == int(sample.model_inputs["image_grid_thw"].prod()) // 4
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [("data:image/png;base64,AAAA", "cannot be read"), ("data:image/png;base64,!!!!", "cannot be read"),
+     ("frames/missing.png", "cannot be read"), ("https://example.com/a.png", "nothing is fetched")],
+)
+def test_a_bad_jsonl_image_is_named_by_its_line(tmp_path, value, match):
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps(CHAT_RECORD) + "\n" + json.dumps(image_chat(value)) + "\n")
+    with pytest.raises(ValueError, match=rf"chats.jsonl:2: .*{match}"):
+        read_chat_jsonl(data)
+
+
+CHAT_RECORD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+def test_sft_on_an_env_without_a_solver_is_refused(tiny_model_dir, tmp_path):
+    from turnrl.config import ConfigError
+
+    config = load_config(TrainConfig, None, [f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}",
+                                             "env.id=gym:FrozenLake-v1", "env.settings.is_slippery=true",
+                                             "model.device=cpu"])
+    with pytest.raises(ConfigError, match="no solver"):
+        sft_only(config)

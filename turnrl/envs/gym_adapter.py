@@ -217,7 +217,7 @@ KNOWN_ENVS: dict[str, KnownEnv] = {
     ),
 }
 """Envs the adapter knows, by the ``module:Class`` of ``env.unwrapped`` (any registered id of that class,
-e.g. FrozenLake-v1 and FrozenLake8x8-v1, CliffWalking-v1 and CliffWalkingSlippery-v1, Taxi-v3/v4)."""
+e.g. FrozenLake-v1 and FrozenLake8x8-v1, CliffWalking-v1 and CliffWalkingSlippery-v1, Taxi-v4)."""
 
 
 def _class_path(env: gym.Env) -> str:

@@ -116,7 +116,7 @@ def load_image(value: Any) -> np.ndarray:
             header, _, data = value.partition(",")
             if ";base64" not in header:
                 raise ValueError("an image data URL must be base64-encoded (data:image/png;base64,...)")
-            source: Any = io.BytesIO(base64.b64decode(data))
+            source: Any = io.BytesIO(base64.b64decode(data, validate=True))
         else:
             source = value
         with Image.open(source) as image:

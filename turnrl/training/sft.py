@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from turnrl.agent.formats import ResponseFormat, get_format
-from turnrl.config import AgentConfig, SamplingConfig
+from turnrl.config import AgentConfig, ConfigError, SamplingConfig
 from turnrl.envs import AgentEnv, make
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, load_image, part_images
@@ -131,7 +131,11 @@ def conversation_samples(
 
 
 def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
-    """Chats from a JSONL file: one ``{"messages": [...]}`` object per line."""
+    """Chats from a JSONL file: one ``{"messages": [...]}`` object per line.
+
+    Image parts (``{"type": "image", "image": ...}`` or OpenAI's ``image_url``) may hold a data URL or a
+    file path, relative to the JSONL's folder; each is read here, so a bad image is named by its line.
+    """
     chats = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -146,10 +150,31 @@ def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
         )
         if not well_formed:
             raise ValueError(f"{path}:{number}: 'messages' must be a list of objects with 'role' and 'content'")
-        chats.append(messages)
+        chats.append([_with_images_read(message, Path(path).parent, f"{path}:{number}") for message in messages])
     if not chats:
         raise ValueError(f"{path} holds no chats")
     return chats
+
+
+def _with_images_read(message: Message, folder: Path, where: str) -> Message:
+    """``message`` with each image part's image read into an array (see :func:`read_chat_jsonl`)."""
+    if not part_images(message["content"]):
+        return message
+    parts = []
+    for part in message["content"]:
+        (source,) = part_images([part]) or [None]
+        if source is None:
+            parts.append(part)
+            continue
+        if isinstance(source, str) and not source.startswith("data:"):
+            if "://" in source:
+                raise ValueError(f"{where}: image {source!r}: give a file path or a data URL (nothing is fetched)")
+            source = str(folder / source)
+        try:
+            parts.append({"type": "image", "image": load_image(source)})
+        except Exception as error:
+            raise ValueError(f"{where}: an image of a {message['role']} message cannot be read: {error}") from error
+    return {**message, "content": parts}
 
 
 # --------------------------------------------------------------------------- training
@@ -252,6 +277,11 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
         chats = read_chat_jsonl(config.sft.data)
     else:
         settings = dict(config.env.settings)
+        probe = make(config.env.id, **settings)
+        probe.reset(seed=config.sft.seed_start)
+        if probe.solve() is None:  # the expert would only play random actions
+            raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no expert "
+                              "demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
         demos = expert_demos(lambda: make(config.env.id, **settings), fmt, config.agent, config.sft, config.env.id,
                              seed=config.seeds.seed)
         write_trajectories(demos[:50], out, name="demos_sample.jsonl")
