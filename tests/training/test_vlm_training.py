@@ -73,9 +73,11 @@ def test_grpo_with_lora_leaves_the_vision_tower_out_and_trains_it_when_asked(tin
 
 
 def test_sft_on_visual_expert_demos_then_rl(tiny_vlm_dir, tmp_path):
-    summary, steps = run(tiny_vlm_dir, tmp_path, "sft.enabled=true", "sft.episodes=24", "sft.epochs=1",
+    summary, steps = run(tiny_vlm_dir, tmp_path, "sft.enabled=true", "sft.episodes=24", "sft.epochs=4", "sft.lr=3e-3",
                          "sft.batch_size=8", "sft.micro_batch_size=8", "sft.warmup_steps=1", "algorithm.advantage=grpo")
     assert summary["sft/steps"] >= 3 and summary["sft/final_epoch_loss"] > 0
+    sft_losses = [json.loads(line)["sft/loss"] for line in (tmp_path / "run" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert sft_losses[-1] < 0.5 * sft_losses[0]  # the demos are learned, images and all
     sft_model = tmp_path / "run" / "sft" / "model"
     assert (sft_model / "preprocessor_config.json").exists() or (sft_model / "processor_config.json").exists()
     demos = [json.loads(line) for line in (tmp_path / "run" / "sft" / "demos_sample.jsonl").read_text().splitlines()]
