@@ -161,6 +161,27 @@ class SamplingConfig:
 
 
 @dataclass
+class EngineConfig:
+    """The rollout engine's cache and batching (``model.backend=engine``)."""
+
+    kv_cache_gb: float = 4.0
+    """Memory for cached keys and values; it sets how many sequences run at once (rows of max_seq_len)."""
+    max_rows: int = 256
+    """Sequences cached at once at most, whatever the memory allows."""
+    max_seq_len: int = 4096
+    """Tokens a sequence holds at most (prompt and response); a longer prompt is an error for that request."""
+    prefill_chunk_tokens: int = 16384
+    """Padded prompt tokens prefilled in one forward pass at most."""
+    cuda_graphs: bool = True
+    """Capture decode steps in CUDA graphs on a GPU (ignored on a CPU)."""
+
+    def validate(self) -> None:
+        check_range("model.engine.kv_cache_gb", self.kv_cache_gb, 1e-6)
+        for key in ("max_rows", "max_seq_len", "prefill_chunk_tokens"):
+            check_range(f"model.engine.{key}", getattr(self, key), 1)
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None
     """A transformers model directory or hub id; None builds the built-in small model."""
@@ -183,6 +204,12 @@ class ModelConfig:
     """VLMs: the fewest pixels an image is resized to (Qwen-VL: multiples of 28 x 28); None keeps the model's."""
     max_pixels: Optional[int] = None
     """VLMs: the most pixels an image is resized to, which bounds its visual tokens; None keeps the model's."""
+    backend: str = "auto"
+    """How the policy generates: ``engine`` (KV cache kept across turns, continuous batching, CUDA graphs;
+    Llama-family text models), ``hf`` (transformers' ``generate``; any model, VLMs included) or ``auto``
+    (the engine where it can run the model, else hf)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The engine's settings."""
 
     def validate(self) -> None:
         check_choice("model.dtype", self.dtype, ["auto", "float32", "bfloat16", "float16"])
@@ -192,6 +219,8 @@ class ModelConfig:
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ConfigError(f"model.min_pixels={self.min_pixels} exceeds model.max_pixels={self.max_pixels}")
         check_choice("model.builtin_template", self.builtin_template, ["chatml", "qwen3", "llama3"])
+        check_choice("model.backend", self.backend, ["auto", "engine", "hf"])
+        self.engine.validate()
 
 
 @dataclass

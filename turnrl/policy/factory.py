@@ -4,9 +4,44 @@ from __future__ import annotations
 
 import os
 
+from typing import Any
+
+from torch import nn
+
 from turnrl.agent.formats import ResponseFormat
-from turnrl.config import ConfigError, EvalConfig
+from turnrl.config import ConfigError, EvalConfig, ModelConfig
 from turnrl.policy.base import Policy
+
+
+def model_policy(
+    model: nn.Module,
+    tokenizer: Any,
+    config: ModelConfig,
+    max_batch_size: int,
+    processor: Any | None = None,
+    dtype: Any | None = None,
+) -> Policy:
+    """The generation backend for a loaded model, as ``model.backend`` asks.
+
+    ``auto`` takes the engine where it can run the model (Llama-family text models) and transformers'
+    ``generate`` otherwise (VLMs, other architectures); ``engine`` refuses a model it cannot run.
+    ``dtype`` is the compute dtype (the run's mixed precision); None uses the weights' own.
+    """
+    from turnrl.engine.weights import UnsupportedModel
+    from turnrl.policy.engine import EnginePolicy
+    from turnrl.policy.hf import HFPolicy
+
+    if config.backend != "hf":
+        if processor is not None:
+            if config.backend == "engine":
+                raise ConfigError("model.backend=engine runs text models, and this is a VLM: use model.backend=hf")
+        else:
+            try:
+                return EnginePolicy(model, tokenizer, config.engine, dtype=dtype, max_sequences=max_batch_size)
+            except UnsupportedModel as error:
+                if config.backend == "engine":
+                    raise ConfigError(f"model.backend=engine: {error}") from error
+    return HFPolicy(model, tokenizer, max_batch_size=max_batch_size, processor=processor)
 
 
 def make_policy(config: EvalConfig, fmt: ResponseFormat) -> Policy:
@@ -33,11 +68,16 @@ def make_policy(config: EvalConfig, fmt: ResponseFormat) -> Policy:
             concurrency=config.concurrency,
         )
     from turnrl.models.builtin import builtin_model_path
-    from turnrl.policy.hf import HFPolicy
+    from turnrl.models.loading import load_model, load_processor, load_tokenizer
+    from turnrl.policy.hf import resolve_device, resolve_dtype
 
     path = str(builtin_model_path(config.model)) if name == "builtin" else name
     if name != "builtin" and not os.path.isdir(path) and "/" not in path:
         raise ConfigError(
             f"policy {name!r} is neither expert, random, builtin, openai:<model>, a model directory nor a hub id"
         )
-    return HFPolicy.from_config(config.model, path, max_batch_size=config.batch_size)
+    device = resolve_device(config.model.device)
+    model = load_model(path, dtype=resolve_dtype(config.model.dtype, device), device=device).eval()
+    processor = load_processor(path, config.model.min_pixels, config.model.max_pixels)
+    return model_policy(model, load_tokenizer(path), config.model, max_batch_size=config.batch_size,
+                        processor=processor)

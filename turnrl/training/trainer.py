@@ -44,6 +44,7 @@ from turnrl.config import ConfigError, SamplingConfig, to_yaml
 from turnrl.envs import make
 from turnrl.envs.seeds import SeedSplits
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer, vision_tower
+from turnrl.policy.factory import model_policy
 from turnrl.policy.hf import HFPolicy, resolve_device, resolve_dtype
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
@@ -236,11 +237,14 @@ class Recipe:
                          max_actions_per_turn=config.agent.max_actions_per_turn)
         rewards = rewards or Rewards(config.rewards)
         batch_size = max(64, config.groups.n_groups * config.groups.group_size)
-        policy = HFPolicy(self.actor, self.tokenizer, max_batch_size=batch_size, processor=self.processor)
+        policy = model_policy(self.actor, self.tokenizer, config.model,
+                              max_batch_size=max(batch_size, config.validation.batch_size),
+                              processor=self.processor, dtype=self.dtype)
         self.rollout = Rollout(policy, fmt, config.agent,
                                env_id=config.env.id, executor=self.executor, rewards=rewards)
-        val_policy = HFPolicy(self.actor, self.tokenizer, max_batch_size=config.validation.batch_size,
-                              processor=self.processor)
+        # The engine batches continuously whatever the batch size, and one cache serves both.
+        val_policy = policy if not isinstance(policy, HFPolicy) else HFPolicy(
+            self.actor, self.tokenizer, max_batch_size=config.validation.batch_size, processor=self.processor)
         self.val_rollout = Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor,
                                    rewards=rewards)
         if self.checkpoint is not None:

@@ -1,0 +1,283 @@
+"""The engine against transformers on real architectures (random weights, CPU, float32).
+
+Greedy tokens equal ``generate``'s; logprobs equal a full forward pass; a
+multi-turn episode gives the same tokens with its KV cache kept as with the
+history prefilled again; eviction and recompute change nothing; the weights
+are followed as they train (LoRA merged, float32 masters cast).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from turnrl.config import EngineConfig
+from turnrl.engine.engine import Engine, SamplingParams
+from turnrl.engine.weights import UnsupportedModel
+
+VOCAB = 300
+ARCHITECTURES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def build(name: str = "qwen2", seed: int = 0, **overrides) -> torch.nn.Module:
+    config_class, model_class = ARCHITECTURES[name]
+    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                    tie_word_embeddings=False)
+    if name == "mistral":
+        settings["sliding_window"] = None
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = model_class(config_class(**settings)).eval()
+    with torch.no_grad():  # larger weights than the init: peaked logits, so greedy has no near-ties
+        for parameter in model.parameters():
+            parameter.mul_(3)
+    return model
+
+
+def engine_for(model, rows: int = 8, max_len: int = 512, **config) -> Engine:
+    return Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=rows, max_seq_len=max_len, **config))
+
+
+def random_prompts(lengths, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def full_forward_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) + len(response) - 1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_greedy_tokens_equal_transformers_generate(name):
+    model = build(name)
+    prompts = random_prompts([5, 23, 11, 1])
+    results = engine_for(model).generate(prompts, [GREEDY] * len(prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy(model, prompt, 12)
+        assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_a_full_forward_pass(temperature):
+    model = build("qwen2")
+    prompts = random_prompts([7, 30, 2])
+    torch.manual_seed(0)
+    results = engine_for(model).generate(
+        prompts, [SamplingParams(temperature=temperature, max_new_tokens=20)] * 3)
+    for prompt, result in zip(prompts, results):
+        reference = full_forward_logprobs(model, prompt, result.token_ids, temperature)
+        torch.testing.assert_close(torch.tensor(result.logprobs), reference, atol=2e-4, rtol=1e-4)
+
+
+def test_stop_ids_end_a_sequence_and_are_kept():
+    model = build("qwen2")
+    prompts = random_prompts([6, 9])
+    free = engine_for(model).generate(prompts, [GREEDY] * 2)
+    stop = free[0].token_ids[4]
+    stopped = engine_for(model).generate(prompts, [SamplingParams(temperature=0, max_new_tokens=12,
+                                                                  stop_ids=(stop,))] * 2)
+    for before, after in zip(free, stopped):
+        cut = before.token_ids.index(stop) + 1 if stop in before.token_ids else len(before.token_ids)
+        assert after.token_ids == before.token_ids[:cut]
+        assert after.finish_reason == ("stop" if stop in before.token_ids else "length")
+    assert stopped[0].token_ids[-1] == stop
+
+
+def test_a_stop_string_cuts_at_the_token_that_completes_it():
+    model = build("qwen2")
+    prompt = random_prompts([8])[0]
+    tokens = engine_for(model).generate([prompt], [GREEDY])[0].token_ids
+    decode = lambda ids: "".join(f"<{t}>" for t in ids)  # noqa: E731  a text per token, for the test
+    stop = f"{tokens[5]}><{tokens[6]}"  # spans tokens 5 and 6
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=256), decode=decode)
+    result = engine.generate([prompt], [SamplingParams(temperature=0, max_new_tokens=12, stop_strings=(stop,))])[0]
+    first = next(end for end in range(1, 13) if stop in decode(tokens[:end]))
+    assert result.token_ids == tokens[:first] and result.finish_reason == "stop"
+
+
+def play_episode(engine: Engine, turns: int, forget: bool) -> tuple[list[list[int]], int]:
+    """Ten turns of a chat: each prompt is the last prompt, the sampled response and a new observation.
+
+    ``forget`` clears the cache before every turn (the history is prefilled again). Returns each turn's
+    response and the prompt tokens prefilled in all.
+    """
+    observations = random_prompts([9 + turn for turn in range(turns)], seed=5)
+    prompt = random_prompts([40], seed=4)[0]
+    responses = []
+    for turn in range(turns):
+        if forget:
+            engine.table.clear()
+        result = engine.generate([prompt], [SamplingParams(temperature=0, max_new_tokens=6)])[0]
+        responses.append(result.token_ids)
+        prompt = prompt + result.token_ids + observations[turn]
+    return responses, engine.stats.prefill_tokens
+
+
+def test_a_ten_turn_episode_gives_the_same_tokens_with_kv_reuse_as_with_re_prefill():
+    model = build("qwen2")
+    reused, reuse_prefill = play_episode(engine_for(model), 10, forget=False)
+    again, full_prefill = play_episode(engine_for(model), 10, forget=True)
+    assert reused == again
+    # Reuse prefills each turn's new tokens: the response's last token and the observation.
+    assert reuse_prefill == 40 + sum(1 + 9 + turn for turn in range(9))
+    assert full_prefill > 4 * reuse_prefill
+
+
+def test_sampling_with_a_seed_is_reproducible_for_a_fixed_batch():
+    model = build("qwen2")
+    prompts = random_prompts([5, 8, 13])
+    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_new_tokens=15)] * 3
+    torch.manual_seed(11)
+    first = engine_for(model).generate(prompts, params)
+    torch.manual_seed(11)
+    second = engine_for(model).generate(prompts, params)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    torch.manual_seed(12)
+    third = engine_for(model).generate(prompts, params)
+    assert [r.token_ids for r in first] != [r.token_ids for r in third]
+
+
+def test_more_sequences_than_rows_wait_for_a_row_and_give_the_same_tokens():
+    model = build("qwen2")
+    prompts = random_prompts([5, 30, 9, 17, 2, 11, 25])
+    params = [SamplingParams(temperature=0, max_new_tokens=4 + 3 * i) for i in range(len(prompts))]
+    wide = engine_for(model, rows=8).generate(prompts, params)
+    narrow_engine = engine_for(model, rows=2)
+    narrow = narrow_engine.generate(prompts, params)
+    assert [r.token_ids for r in narrow] == [r.token_ids for r in wide]
+    assert narrow_engine.rows == 2
+
+
+def test_evicted_episodes_are_prefilled_again_and_give_the_same_tokens():
+    """Three episodes take turns on two rows: each turn evicts another episode's cache."""
+    model = build("qwen2")
+    episodes = random_prompts([30, 35, 40], seed=8)
+    observations = random_prompts([7] * 12, seed=9)
+
+    def play(engine):
+        prompts, out = list(episodes), []
+        for turn in range(4):
+            for e in range(3):
+                tokens = engine.generate([prompts[e]], [SamplingParams(temperature=0, max_new_tokens=5)])[0].token_ids
+                out.append(tokens)
+                prompts[e] = prompts[e] + tokens + observations[turn * 3 + e]
+        return out
+
+    small = engine_for(model, rows=2)
+    assert play(small) == play(engine_for(model, rows=8))
+    assert small.stats.evictions >= 8
+
+
+def test_the_cache_grows_for_longer_sequences_without_changing_tokens():
+    model = build("qwen2")
+    prompts = random_prompts([20, 700])
+    engine = engine_for(model, max_len=1024)
+    assert engine.cache.capacity == 512
+    results = engine.generate(prompts, [GREEDY] * 2)
+    assert engine.cache.capacity == 1024
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_a_prompt_longer_than_a_row_fails_alone():
+    model = build("qwen2")
+    prompts = random_prompts([10, 300, 12])
+    results = engine_for(model, max_len=256).generate(prompts, [GREEDY] * 3)
+    assert results[1].finish_reason == "error" and "max_seq_len" in (results[1].error or "")
+    assert results[0].token_ids == hf_greedy(model, prompts[0], 12)
+    assert results[2].token_ids == hf_greedy(model, prompts[2], 12)
+
+
+def test_a_sequence_stops_at_the_row_length():
+    model = build("qwen2")
+    result = engine_for(model, max_len=64).generate(random_prompts([60]), [GREEDY])[0]
+    assert len(result.token_ids) == 4 and result.finish_reason == "length"
+
+
+def test_an_optimizer_step_is_seen_by_the_next_generation_and_drops_the_stale_cache():
+    model = build("qwen2")
+    engine = engine_for(model)
+    prompt = random_prompts([30])[0]
+    engine.generate([prompt], [GREEDY])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = model(input_ids=torch.tensor([prompt])).logits.float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    longer = prompt + random_prompts([5], seed=3)[0]
+    result = engine.generate([longer], [GREEDY])[0]
+    assert result.reused_tokens == 0  # the cached keys were computed with the old weights
+    assert result.token_ids == hf_greedy(model, longer, 12)
+
+
+def test_lora_adapters_are_merged_into_the_weights_the_engine_uses():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    prompts = random_prompts([6, 14])
+    engine = engine_for(model)
+    results = engine.generate(prompts, [GREEDY] * 2)
+    base = build("qwen2")
+    assert [r.token_ids for r in results] != [hf_greedy(base, p, 12) for p in prompts]
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 12) for p in prompts]
+    with torch.no_grad():  # an adapter update reaches the merged weights
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(-1)
+    assert [r.token_ids for r in engine.generate(prompts, [GREEDY] * 2)] == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_float32_weights_computed_in_bfloat16_follow_the_weights():
+    model = build("qwen2")
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=256), dtype=torch.bfloat16)
+    assert engine.cache.keys[0].dtype == torch.bfloat16
+    prompts = random_prompts([9, 16])
+    before = engine.generate(prompts, [GREEDY] * 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = [hf_greedy(model, p, 12) for p in prompts]
+    agree = sum(a == b for r, e in zip(before, expected) for a, b in zip(r.token_ids, e))
+    assert agree >= 20  # bf16 rounding differs from autocast's in places; most tokens agree
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)
+    after = engine.generate(prompts, [GREEDY] * 2)
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+
+
+def test_unsupported_models_are_refused_with_the_reason():
+    with pytest.raises(UnsupportedModel, match="sliding-window"):
+        engine_for(build("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0))
+    gpt2 = __import__("transformers").GPT2LMHeadModel(__import__("transformers").GPT2Config(n_layer=1, n_embd=32,
+                                                                                             n_head=2))
+    with pytest.raises(UnsupportedModel, match="gpt2"):
+        engine_for(gpt2)

@@ -1,0 +1,65 @@
+"""Top-k / top-p filtering and sampling against plain references."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from turnrl.engine.sampling import filter_top_k_top_p, sample_tokens
+
+
+def reference_keep(logits: list[float], top_k: int, top_p: float) -> set[int]:
+    """The tokens a plain loop keeps: the top k, then the smallest set of most likely tokens reaching top_p."""
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    if top_k > 0:
+        order = order[:top_k]
+    total = sum(math.exp(v) for v in logits)
+    kept, mass = [], 0.0
+    for i in order:
+        if kept and mass >= top_p:
+            break
+        kept.append(i)
+        mass += math.exp(logits[i]) / total
+    return set(kept)
+
+
+def test_filter_keeps_what_a_plain_loop_keeps():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.log_softmax(torch.randn(3, 12, generator=generator) * 2, -1)
+        top_k = torch.randint(0, 6, (3,), generator=generator)
+        top_p = torch.rand(3, generator=generator) * 0.9 + 0.1
+        filtered = filter_top_k_top_p(logits, top_k, top_p)
+        for row in range(3):
+            kept = {i for i in range(12) if filtered[row, i] > float("-inf")}
+            assert kept == reference_keep(logits[row].tolist(), int(top_k[row]), float(top_p[row]))
+            assert torch.equal(filtered[row][list(kept)], logits[row][list(kept)])
+
+
+def test_samples_follow_the_tempered_distribution_and_report_its_logprob():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20000, 4)
+    temperature = torch.full((20000,), 0.5)
+    torch.manual_seed(0)
+    tokens, logprobs = sample_tokens(logits, temperature, torch.zeros(20000, dtype=torch.long), torch.ones(20000),
+                                     truncate=False)
+    expected = torch.softmax(logits[0] / 0.5, -1)
+    frequencies = torch.bincount(tokens, minlength=4).float() / 20000
+    torch.testing.assert_close(frequencies, expected, atol=0.01, rtol=0)
+    torch.testing.assert_close(logprobs, expected.log()[tokens])
+
+
+def test_truncated_sampling_never_leaves_the_kept_set_and_scores_untruncated():
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]]).expand(5000, 4)
+    torch.manual_seed(0)
+    tokens, logprobs = sample_tokens(logits, torch.ones(5000), torch.full((5000,), 2), torch.ones(5000))
+    assert set(tokens.tolist()) == {0, 1}
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits[0], -1)[tokens])
+
+
+def test_greedy_rows_take_the_argmax_scored_at_temperature_one():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
+    tokens, logprobs = sample_tokens(logits, torch.tensor([0.0, 0.0]), torch.zeros(2, dtype=torch.long),
+                                     torch.ones(2))
+    assert tokens.tolist() == [1, 0]
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])

@@ -1,0 +1,375 @@
+"""Continuous batching over a KV cache that outlives each request.
+
+One :meth:`Engine.step` admits waiting sequences into free cache rows (a prompt
+that extends a row's cached tokens prefills only the new ones), prefills them,
+then decodes one token for every running sequence. A finished sequence leaves
+its row at once and a waiting one takes it: sequences never wait for each
+other. The cache is a fixed budget of rows (``EngineConfig.kv_cache_gb``);
+when every row is running, new sequences wait; when rows are only idle
+(finished sequences kept for their next turn), the least recently used one is
+evicted and its sequence is prefilled again if it returns. Nothing is dropped.
+
+On a GPU, decode runs as CUDA graphs captured per (batch bucket, key-length
+bucket); on a CPU, the same code runs eagerly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from turnrl.config import EngineConfig
+from turnrl.engine.forward import KVCache, decoder_forward, lm_logits, rotary_table
+from turnrl.engine.rows import RowTable
+from turnrl.engine.sampling import sample_tokens
+from turnrl.engine.weights import DecoderWeights, decoder_weights
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_ids: tuple[int, ...] = ()
+    """Token ids that end the sequence (kept as its last token)."""
+    stop_strings: tuple[str, ...] = ()
+    """Texts that end the sequence at the token that completes one (needs the engine's ``decode``)."""
+
+
+@dataclass
+class Result:
+    """A finished sequence."""
+
+    id: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """``stop`` (a stop id or string), ``length`` (max_new_tokens) or ``error``."""
+    error: str | None = None
+    reused_tokens: int = 0
+    """Prompt tokens found in the cache (not prefilled)."""
+
+
+@dataclass
+class _Sequence:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    row: int = -1
+    cached: int = 0
+    """Tokens whose keys and values are in the row."""
+    reused: int = 0
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    evictions: int = 0
+
+
+def _bucket(value: int, buckets: Sequence[int]) -> int:
+    return next(b for b in buckets if b >= value)
+
+
+def weights_version(model: nn.Module) -> int:
+    """A number that changes whenever a parameter is modified in place (an optimizer step, a load)."""
+    return sum(p._version for p in model.parameters())
+
+
+class Engine:
+    """Generation from ``model``'s own weights (a Llama-family decoder; see :mod:`turnrl.engine.weights`).
+
+    Args:
+        model: the policy, possibly peft-wrapped; its parameters are read where they live.
+        config: cache budget, sequence length, CUDA graphs.
+        dtype: the compute dtype (bf16 on a GPU in mixed precision).
+        decode: token ids to text, for stop strings.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EngineConfig,
+        dtype: torch.dtype | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.dtype = dtype or next(model.parameters()).dtype
+        self.weights: DecoderWeights = decoder_weights(model, self.dtype)
+        self.decode = decode
+        self.max_len = config.max_seq_len
+        per_row = KVCache.bytes_per_token(self.weights.shape, self.dtype) * (self.max_len + 1)
+        # The budget is counted at full length, so that growing the cache never exceeds it.
+        rows = max(1, min(config.max_rows, int(config.kv_cache_gb * 2**30 // per_row)))
+        self.cache = KVCache(self.weights.shape, rows, self.max_len, self.dtype, self.device)
+        """Rows of at most ``max_len`` positions; the positions are allocated as sequences grow."""
+        self.table = RowTable(rows)
+        self.rope = rotary_table(self.weights, self.max_len + 1, self.device)
+        self.waiting: deque[_Sequence] = deque()
+        self.running: dict[int, _Sequence] = {}  # by row
+        self.finished: list[Result] = []
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._version = weights_version(model)
+        self._batch_buckets = sorted({min(2**i, rows) for i in range(20) if 2 ** (i - 1) < rows} | {rows})
+        self._key_buckets = sorted({min(256 * 2**i, self.max_len) for i in range(16) if 256 * 2 ** (i - 1) < self.max_len}
+                                   | {self.max_len})
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._graph_pool = None
+        self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
+
+    @property
+    def rows(self) -> int:
+        return self.cache.rows
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt: list[int], params: SamplingParams) -> int:
+        """Queue a prompt; its :class:`Result` comes out of a later :meth:`step`."""
+        sequence = _Sequence(next(self._ids), list(prompt), params)
+        if not prompt:
+            self.finished.append(Result(sequence.id, [], [], "error", "empty prompt"))
+        elif len(prompt) >= self.max_len:
+            self.finished.append(Result(
+                sequence.id, [], [], "error",
+                f"the prompt has {len(prompt)} tokens; the engine holds {self.max_len} a sequence "
+                "(raise model.engine.max_seq_len)",
+            ))
+        else:
+            self.waiting.append(sequence)
+        return sequence.id
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.finished)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[Result]:
+        """Run ``prompts`` to completion; results in prompt order."""
+        ids = [self.submit(prompt, p) for prompt, p in zip(prompts, params)]
+        results: dict[int, Result] = {}
+        while len(results) < len(ids):
+            for result in self.step():
+                results[result.id] = result
+        return [results[i] for i in ids]
+
+    def abort(self, reason: str) -> list[Result]:
+        """End every waiting and running sequence with an error (after a failed step); rows are freed."""
+        aborted = [Result(s.id, s.generated, s.logprobs, "error", reason) for s in (*self.waiting, *self.running.values())]
+        self.waiting.clear()
+        for row in list(self.running):
+            del self.running[row]
+            self.table.release(row, [])
+        self.table.clear()
+        self.finished = []
+        return aborted
+
+    def sync_weights(self) -> None:
+        """Pick up changed weights: recompute merged/cast buffers and forget cached keys and values."""
+        version = weights_version(self.model)
+        if version != self._version:
+            if self.running:
+                raise RuntimeError("the weights changed while sequences were generating")
+            self.weights.refresh()
+            self.table.clear()
+            self._version = version
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load new weights into the engine's model (a rollout worker's copy); caches are cleared."""
+        self.model.load_state_dict(state_dict)
+        self.sync_weights()
+
+    # ------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def step(self) -> list[Result]:
+        """Admit, prefill, decode one token; returns the sequences that finished."""
+        with torch.autocast(self.device.type, enabled=False):
+            if not self.running:
+                self.sync_weights()
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted)
+            if self.running:
+                self._decode()
+        done, self.finished = self.finished, []
+        return done
+
+    def _admit(self) -> list[_Sequence]:
+        admitted = []
+        while self.waiting:
+            placement = self.table.place(self.waiting[0].prompt)
+            if placement is None:
+                break
+            sequence = self.waiting.popleft()
+            sequence.row, sequence.cached, sequence.reused = placement.row, placement.reused, placement.reused
+            self.stats.evictions += int(placement.evicted)
+            self.stats.reused_tokens += placement.reused
+            self.running[sequence.row] = sequence
+            admitted.append(sequence)
+        return admitted
+
+    def _prefill(self, sequences: list[_Sequence]) -> None:
+        """Run each sequence's uncached prompt tokens, in chunks of at most ``prefill_chunk_tokens`` padded tokens."""
+        pending = sorted(sequences, key=lambda s: len(s.prompt) - s.cached)
+        chunk: list[_Sequence] = []
+        for sequence in pending:
+            width = max([len(s.prompt) - s.cached for s in chunk] + [len(sequence.prompt) - sequence.cached])
+            if chunk and width * (len(chunk) + 1) > self.config.prefill_chunk_tokens:
+                self._prefill_chunk(chunk)
+                chunk = []
+            chunk.append(sequence)
+        if chunk:
+            self._prefill_chunk(chunk)
+
+    def _prefill_chunk(self, sequences: list[_Sequence]) -> None:
+        news = [s.prompt[s.cached :] for s in sequences]
+        width = max(len(n) for n in news)
+        b = len(sequences)
+        self._reserve(max(len(s.prompt) for s in sequences))
+        tokens = torch.zeros(b, width, dtype=torch.long)
+        positions = torch.zeros(b, width, dtype=torch.long)
+        write_pos = torch.full((b, width), self.cache.capacity, dtype=torch.long)
+        for i, (sequence, new) in enumerate(zip(sequences, news)):
+            tokens[i, : len(new)] = torch.tensor(new)
+            span = torch.arange(sequence.cached, sequence.cached + len(new))
+            positions[i, : len(new)] = span
+            positions[i, len(new) :] = span[-1]
+            write_pos[i, : len(new)] = span
+        rows = torch.tensor([s.row for s in sequences])
+        key_len = self._key_len(max(len(s.prompt) for s in sequences))
+        hidden = decoder_forward(
+            self.weights, self.cache, self.rope, tokens.to(self.device), positions.to(self.device),
+            write_pos.to(self.device), rows.to(self.device), key_len,
+        )
+        last = torch.tensor([len(n) - 1 for n in news], device=self.device)
+        logits = lm_logits(self.weights, hidden[torch.arange(b, device=self.device), last])
+        for sequence, new in zip(sequences, news):
+            sequence.cached += len(new)
+            self.table.rows[sequence.row].tokens.extend(new)
+        self.stats.prefill_tokens += sum(len(n) for n in news)
+        self._sample(sequences, logits)
+
+    def _decode(self) -> None:
+        """One token for every running sequence; rows ``0 .. B-1`` are computed, idle ones write to scratch."""
+        batch = _bucket(max(self.running) + 1, self._batch_buckets)
+        longest = max(s.cached for s in self.running.values()) + 1
+        self._reserve(longest)
+        key_len = self._key_len(longest)
+        tokens = torch.zeros(batch, dtype=torch.long)
+        positions = torch.full((batch,), self.cache.capacity, dtype=torch.long)
+        for row, sequence in self.running.items():
+            tokens[row] = sequence.generated[-1]
+            positions[row] = sequence.cached
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        if self.use_graphs:
+            logits = self._graph(batch, key_len).run(tokens, positions)
+        else:
+            logits = self._decode_logits(tokens, positions, key_len)
+        rows = sorted(self.running)
+        sequences = [self.running[row] for row in rows]
+        for sequence in sequences:
+            self.table.rows[sequence.row].tokens.append(sequence.generated[-1])
+            sequence.cached += 1
+        self.stats.decode_steps += 1
+        self._sample(sequences, logits[torch.tensor(rows, device=self.device)])
+
+    def _reserve(self, length: int) -> None:
+        """Grow the cache to hold ``length`` positions; graphs captured on the old tensors are dropped."""
+        if self.cache.grow(length):
+            self._graphs.clear()
+
+    def _key_len(self, length: int) -> int:
+        """Key positions attended for sequences of at most ``length`` tokens: a bucket, within the capacity."""
+        return min(_bucket(length, self._key_buckets), self.cache.capacity)
+
+    def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
+        """Logits of one token per row, Shape (B, vocab); a position of ``cache.capacity`` writes to scratch."""
+        hidden = decoder_forward(
+            self.weights, self.cache, self.rope, tokens.unsqueeze(1), positions.unsqueeze(1),
+            positions.unsqueeze(1), None, key_len,
+        )
+        return lm_logits(self.weights, hidden[:, 0])
+
+    def _graph(self, batch: int, key_len: int) -> _DecodeGraph:
+        key = (batch, key_len)
+        if key not in self._graphs:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            self._graphs[key] = _DecodeGraph(self, batch, key_len, self._graph_pool)
+        return self._graphs[key]
+
+    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+        params = [s.params for s in sequences]
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+        truncate = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+        tokens, logprobs = sample_tokens(logits, temperature, top_k, top_p, truncate=truncate)
+        for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist()):
+            sequence.generated.append(token)
+            sequence.logprobs.append(logprob)
+            self.stats.generated_tokens += 1
+            reason = self._finish_reason(sequence)
+            if reason is not None:
+                self._finish(sequence, reason)
+
+    def _finish_reason(self, sequence: _Sequence) -> str | None:
+        params = sequence.params
+        if sequence.generated[-1] in params.stop_ids:
+            return "stop"
+        if params.stop_strings and self.decode is not None:
+            tail = self.decode(sequence.generated[-(max(len(s) for s in params.stop_strings) + 8) :])
+            if any(stop in tail for stop in params.stop_strings):
+                return "stop"
+        if len(sequence.generated) >= params.max_new_tokens or len(sequence.prompt) + len(sequence.generated) >= self.max_len:
+            return "length"
+        return None
+
+    def _finish(self, sequence: _Sequence, reason: str) -> None:
+        del self.running[sequence.row]
+        # The last sampled token was never run through the model: the row holds everything before it.
+        self.table.release(sequence.row, sequence.tokens[: sequence.cached])
+        self.finished.append(Result(sequence.id, sequence.generated, sequence.logprobs, reason,
+                                    reused_tokens=sequence.reused))
+
+
+class _DecodeGraph:
+    """One decode step for ``batch`` rows over ``key_len`` positions, captured in a CUDA graph."""
+
+    def __init__(self, engine: Engine, batch: int, key_len: int, pool: object) -> None:
+        device = engine.device
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        # Scratch positions while warming up and capturing: nothing cached is written.
+        self.positions = torch.full((batch,), engine.cache.capacity, dtype=torch.long, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                engine._decode_logits(self.tokens, self.positions, key_len)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = engine._decode_logits(self.tokens, self.positions, key_len)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.logits

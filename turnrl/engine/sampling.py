@@ -1,0 +1,68 @@
+"""Sampling one token per sequence, with the logprob PPO needs.
+
+The logprob of a sampled token is taken under ``softmax(logits / temperature)``
+before top-k / top-p truncation, as the transformers backend reports it: that
+is the distribution the trainer's logprobs are compared with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside each row's top-k and nucleus (top-p).
+
+    Args:
+        logits: tempered logits, Shape (b, vocab).
+        top_k: tokens kept per row, Shape (b,); 0 keeps all.
+        top_p: nucleus mass per row, Shape (b,); 1 keeps all.
+
+    Returns:
+        Shape (b, vocab): ``logits`` with the dropped tokens at -inf. The most likely token is always kept.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)
+    drop = rank >= k
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
+    drop |= mass_before >= top_p.unsqueeze(-1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None = None,
+    truncate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its logprob under the tempered, untruncated distribution.
+
+    Args:
+        logits: raw logits, Shape (b, vocab).
+        temperature: per row, Shape (b,); 0 is greedy (scored at temperature 1).
+        top_k: per row, Shape (b,); 0 disables.
+        top_p: per row, Shape (b,); 1 disables.
+        generator: the engine's seeded generator (on the logits' device).
+        truncate: apply top-k / top-p; False skips the sort over the vocabulary when no row needs it.
+
+    Returns:
+        tokens Shape (b,) long, logprobs Shape (b,) float32.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
+    logprobs = torch.log_softmax(logits / scale, dim=-1)
+    filtered = filter_top_k_top_p(logprobs, top_k, top_p) if truncate else logprobs
+    # Exponential race (argmax of p / E, E ~ Exp(1)) samples from softmax(filtered) with one
+    # random draw per entry and no renormalisation; -inf entries can never win.
+    noise = torch.empty_like(filtered).exponential_(generator=generator)
+    sampled = torch.argmax(filtered - torch.log(noise), dim=-1)
+    tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,76 @@
+"""The engine backend: the policy's own weights, KV cache kept across turns, continuous batching.
+
+A drop-in for :class:`~turnrl.policy.hf.HFPolicy` on text models of the
+Llama family (see :mod:`turnrl.engine.weights`): same requests, same
+completions (sampled ids with their end-of-turn token, logprobs under the
+tempered untruncated distribution, stop strings cut at the token that
+completes them). The rollout loop needs no engine-specific call: a turn whose
+prompt extends the previous turn's tokens is found in the cache by its prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from turnrl.config import EngineConfig, SamplingConfig
+from turnrl.engine.engine import Engine, Result, SamplingParams
+from turnrl.policy.base import Completion, GenerationRequest
+from turnrl.policy.hf import end_of_turn_ids
+
+
+class EnginePolicy:
+    """Sampling from ``model`` through the engine.
+
+    Args:
+        model: a Llama-family causal LM (possibly peft-wrapped); generation follows its weights as they train.
+        tokenizer: its tokenizer.
+        config: the engine's cache and batching settings.
+        dtype: compute dtype; None uses the weights' own.
+        max_sequences: the most sequences ever generated at once (the rollout's batch): no more cache rows
+            than that are allocated.
+    """
+
+    accepts_images = False
+    image_encoder = None
+
+    def __init__(self, model: nn.Module, tokenizer: Any, config: EngineConfig, dtype: torch.dtype | None = None,
+                 max_sequences: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.eos_ids = end_of_turn_ids(tokenizer, model)  # type: ignore[arg-type]
+        if not self.eos_ids:
+            raise ValueError("the tokenizer defines no eos token, so responses could never end")
+        if max_sequences is not None:
+            config = replace(config, max_rows=max(1, min(config.max_rows, max_sequences)))
+        self.engine = Engine(model, config, dtype=dtype,
+                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        if any(r.prompt_ids is None for r in requests):
+            raise ValueError("EnginePolicy needs prompt_ids: the rollout must build token contexts with this tokenizer")
+        params = [
+            SamplingParams(
+                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_new_tokens=min(sampling.max_new_tokens, r.max_new_tokens or sampling.max_new_tokens),
+                stop_ids=tuple(self.eos_ids), stop_strings=tuple(sampling.stop),
+            )
+            for r in requests
+        ]
+        try:
+            results = self.engine.generate([list(r.prompt_ids or []) for r in requests], params)
+        except Exception:
+            self.engine.abort("generation failed")  # the next call starts from a clean engine
+            raise
+        return [self._completion(result) for result in results]
+
+    def _completion(self, result: Result) -> Completion:
+        if result.finish_reason == "error":
+            return Completion(text="", finish_reason="error", error=result.error)
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return Completion(text=text, token_ids=result.token_ids, logprobs=result.logprobs,
+                          finish_reason=result.finish_reason)
