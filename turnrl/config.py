@@ -84,6 +84,11 @@ class AgentConfig:
     """Put the env's task description in the system prompt (a model trained from scratch cannot read it)."""
     format_instructions: bool = True
     """Put the response format's description in the system prompt."""
+    wait_for_turns: bool = True
+    """Play turns in rounds: every episode's turn is generated together, then every env steps. False (with
+    the engine backend) hands an episode's next turn to the engine as soon as its env step returns, and
+    env steps (in ``groups.env_workers`` threads) run while the engine decodes: the choice for slow envs.
+    With fast envs, rounds were faster (docs/benchmarks.md). Reward functions then score one turn a call."""
 
     def validate(self) -> None:
         from turnrl.agent.formats import format_names
@@ -164,8 +169,9 @@ class SamplingConfig:
 class EngineConfig:
     """The rollout engine's cache and batching (``model.backend=engine``)."""
 
-    kv_cache_gb: float = 4.0
-    """Memory for cached keys and values; it sets how many sequences run at once (rows of max_seq_len)."""
+    kv_cache_gb: float = 0.0
+    """Memory for cached keys and values, which bounds the sequences run at once (rows of max_seq_len); 0 takes
+    30% of the GPU memory free when the engine starts, or 4 GiB on a CPU."""
     max_rows: int = 256
     """Sequences cached at once at most, whatever the memory allows."""
     max_seq_len: int = 4096
@@ -176,7 +182,7 @@ class EngineConfig:
     """Capture decode steps in CUDA graphs on a GPU (ignored on a CPU)."""
 
     def validate(self) -> None:
-        check_range("model.engine.kv_cache_gb", self.kv_cache_gb, 1e-6)
+        check_range("model.engine.kv_cache_gb", self.kv_cache_gb, 0.0)
         for key in ("max_rows", "max_seq_len", "prefill_chunk_tokens"):
             check_range(f"model.engine.{key}", getattr(self, key), 1)
 
@@ -207,7 +213,7 @@ class ModelConfig:
     backend: str = "auto"
     """How the policy generates: ``engine`` (KV cache kept across turns, continuous batching, CUDA graphs;
     Llama-family text models), ``hf`` (transformers' ``generate``; any model, VLMs included) or ``auto``
-    (the engine where it can run the model, else hf)."""
+    (the engine on a GPU where it can run the model, else hf)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The engine's settings."""
 

@@ -88,9 +88,12 @@ def test_multi_turn_rollouts_are_the_same_trajectories_with_the_engine(model, ti
     assert policy.engine.stats.reused_tokens > policy.engine.stats.prefill_tokens
 
 
-def test_auto_takes_the_engine_for_a_text_model_and_transformers_for_a_vlm(model, tiny_tokenizer, tiny_vlm_policy,
+def test_auto_takes_transformers_on_a_cpu_and_for_a_vlm(model, tiny_tokenizer, tiny_vlm_policy,
                                                                           tiny_vlm_dir):
-    assert isinstance(model_policy(model, tiny_tokenizer, ModelConfig(), max_batch_size=8), EnginePolicy)
+    # On a CPU, auto takes transformers (the engine was slower there on short prompts); on a GPU the engine.
+    assert isinstance(model_policy(model, tiny_tokenizer, ModelConfig(), max_batch_size=8), HFPolicy)
+    assert isinstance(model_policy(model, tiny_tokenizer, ModelConfig(backend="engine"), max_batch_size=8),
+                      EnginePolicy)
     assert isinstance(model_policy(model, tiny_tokenizer, ModelConfig(backend="hf"), max_batch_size=8), HFPolicy)
     vlm, processor = tiny_vlm_policy, load_processor(str(tiny_vlm_dir))
     chosen = model_policy(vlm.model, vlm.tokenizer, ModelConfig(), max_batch_size=8, processor=processor)
@@ -100,5 +103,37 @@ def test_auto_takes_the_engine_for_a_text_model_and_transformers_for_a_vlm(model
 
 
 def test_cache_rows_are_capped_by_the_batch(model, tiny_tokenizer):
-    policy = model_policy(model, tiny_tokenizer, ModelConfig(), max_batch_size=12)
+    policy = model_policy(model, tiny_tokenizer, ModelConfig(backend="engine"), max_batch_size=12)
     assert isinstance(policy, EnginePolicy) and policy.engine.rows == 12
+
+
+# --------------------------------------------------------------------------- episodes that do not wait
+def streaming_trajectories(policy, wait: bool, executor=None, envs=None):
+    agent = AgentConfig(format="no_think", max_turns=6, max_actions_per_episode=6, max_context_tokens=2048,
+                        wait_for_turns=wait)
+    rollout = Rollout(policy, get_format("no_think"), agent, "Sokoban", executor=executor)
+    envs = envs or [make("Sokoban") for _ in range(6)]
+    slots = [EpisodeSlot(env=env, seed=s, group=s // 2, sample=s % 2) for s, env in enumerate(envs)]
+    return rollout.run(slots, SamplingConfig(temperature=0, max_new_tokens=12))
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_episodes_that_do_not_wait_give_the_same_trajectories_as_rounds(model, tiny_tokenizer, threads):
+    from concurrent.futures import ThreadPoolExecutor
+
+    rounds = streaming_trajectories(engine_policy(model, tiny_tokenizer), wait=True)
+    executor = ThreadPoolExecutor(threads) if threads else None
+    free = streaming_trajectories(engine_policy(model, tiny_tokenizer), wait=False, executor=executor)
+    assert sum(len(t.turns) for t in free) > 12
+    for a, b in zip(rounds, free):
+        first, second = a.tokens.stream(), b.tokens.stream()
+        assert (first.input_ids, first.loss_mask) == (second.input_ids, second.loss_mask)
+        assert [(t.response, t.actions, t.rewards) for t in a.turns] == [(t.response, t.actions, t.rewards)
+                                                                        for t in b.turns]
+        assert (a.status, a.truncation_reason, a.success) == (b.status, b.truncation_reason, b.success)
+
+
+def test_not_waiting_needs_a_policy_that_streams(model, tiny_tokenizer):
+    agent = AgentConfig(format="no_think", wait_for_turns=False)
+    with pytest.raises(ValueError, match="model.backend=engine"):
+        Rollout(HFPolicy(model, tiny_tokenizer), get_format("no_think"), agent, "Sokoban")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -314,6 +315,41 @@ def test_env_that_raises_in_step_errors_only_its_episode():
     assert len(trajectories[0].turns) == 2
     assert [t.truncation_reason for t in trajectories[1:]] == ["max_turns", "max_turns"]
     assert all(len(t.turns) == 4 for t in trajectories[1:])
+
+
+class StreamingTextPolicy(TextPolicy):
+    """``TextPolicy`` through the streaming interface; a poll completes the oldest queued request only,
+    so episodes run at different paces."""
+
+    def __init__(self, respond) -> None:
+        super().__init__(respond)
+        self.queue: list[tuple[int, GenerationRequest]] = []
+        self.handles = 0
+
+    def submit(self, request, sampling):
+        self.handles += 1
+        self.queue.append((self.handles, request))
+        return self.handles
+
+    def poll(self):
+        if not self.queue:
+            return []
+        handle, request = self.queue.pop(0)
+        return [(handle, self.generate([request], None)[0])]
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_without_rounds_an_env_that_raises_errors_only_its_episode(threads):
+    slots = counter_slots(3)
+    slots[0].env.fail_step = 2
+    agent = AgentConfig(format="no_think", max_turns=4, wait_for_turns=False)
+    executor = ThreadPoolExecutor(threads) if threads else None
+    rollout = Rollout(StreamingTextPolicy(answer("inc")), get_format("no_think"), agent, "Counter", executor=executor)
+    trajectories = rollout.run(slots, SamplingConfig(max_new_tokens=16))
+    assert trajectories[0].status == ERROR and "step exploded" in trajectories[0].error
+    assert len(trajectories[0].turns) == 2
+    assert [t.truncation_reason for t in trajectories[1:]] == ["max_turns", "max_turns"]
+    assert [[turn.reward for turn in t.turns] for t in trajectories[1:]] == [[0.1] * 4] * 2
 
 
 def test_policy_that_raises_errors_every_active_episode_without_raising():

@@ -221,6 +221,26 @@ def test_lora_trains_adapters_against_the_adapters_off_reference(tiny_model_dir,
     assert_token_exact(steps)
 
 
+# --------------------------------------------------------------------------- the engine backend
+def test_the_engine_trains_token_exact_with_lora_and_episodes_that_do_not_wait(tiny_model_dir, tmp_path):
+    train(config(tiny_model_dir, tmp_path, "model.backend=engine", "agent.wait_for_turns=false",
+                 "groups.env_workers=2", "lora.enabled=true", "lora.r=4", "lora.alpha=8", "algorithm.advantage=grpo",
+                 "algorithm.kl_coef=0.1", "optim.actor_lr=1e-2"))
+    steps = step_records(tmp_path / "run")
+    assert steps[1]["actor/kl_ref"] == 0.0
+    assert steps[2]["actor/kl_ref"] > 0.0  # generation followed the adapters the first update moved
+    assert_token_exact(steps)  # the engine's sampling logprobs are the trainer's
+
+
+def test_resume_with_the_engine_continues_exactly(tiny_model_dir, tmp_path):
+    extra = ["model.backend=engine", "algorithm.micro_batch_size=2", "algorithm.mini_batch_size=4"]
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=3", name="straight"))
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=2", name="split"))
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=3", f"resume={tmp_path / 'split'}", name="split"))
+    one, two = step_records(tmp_path / "straight"), step_records(tmp_path / "split")
+    assert comparable(one[3]) == comparable(two[3])
+
+
 # --------------------------------------------------------------------------- StarPO-S filter
 def test_top_k_filter_keeps_the_most_varied_groups_and_drops_zero_variance(warm_model_dir, tmp_path):
     train(config(warm_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=4", "agent.max_turns=3",

@@ -19,6 +19,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,8 +84,22 @@ class EngineStats:
     evictions: int = 0
 
 
+ADMIT_AFTER_STEPS = 8
+"""Decode steps a waiting sequence waits at most for others to be prefilled with it."""
+
+
 def _bucket(value: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= value)
+
+
+def cache_budget_bytes(config: EngineConfig, device: torch.device) -> float:
+    """``kv_cache_gb``, or when it is 0: 30% of the free GPU memory, 4 GiB on a CPU."""
+    if config.kv_cache_gb > 0:
+        return config.kv_cache_gb * 2**30
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return 0.3 * free
+    return 4.0 * 2**30
 
 
 def weights_version(model: nn.Module) -> int:
@@ -118,7 +133,7 @@ class Engine:
         self.max_len = config.max_seq_len
         per_row = KVCache.bytes_per_token(self.weights.shape, self.dtype) * (self.max_len + 1)
         # The budget is counted at full length, so that growing the cache never exceeds it.
-        rows = max(1, min(config.max_rows, int(config.kv_cache_gb * 2**30 // per_row)))
+        rows = max(1, min(config.max_rows, int(cache_budget_bytes(config, self.device) // per_row)))
         self.cache = KVCache(self.weights.shape, rows, self.max_len, self.dtype, self.device)
         """Rows of at most ``max_len`` positions; the positions are allocated as sequences grow."""
         self.table = RowTable(rows)
@@ -128,12 +143,14 @@ class Engine:
         self.finished: list[Result] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._steps_waited = 0
         self._version = weights_version(model)
         self._batch_buckets = sorted({min(2**i, rows) for i in range(20) if 2 ** (i - 1) < rows} | {rows})
-        self._key_buckets = sorted({min(256 * 2**i, self.max_len) for i in range(16) if 256 * 2 ** (i - 1) < self.max_len}
-                                   | {self.max_len})
+        # Key lengths in steps of 256: decode reads every key position up to the bucket, so a coarser
+        # bucket wastes reads (512 + 256 tokens in a 1,024 bucket read a third more than needed).
+        self._key_buckets = sorted({min(256 * i, self.max_len) for i in range(1, self.max_len // 256 + 2)})
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
-        self._graph_pool = None
+        self._graph_pool: Any = None
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
 
     @property
@@ -171,7 +188,8 @@ class Engine:
 
     def abort(self, reason: str) -> list[Result]:
         """End every waiting and running sequence with an error (after a failed step); rows are freed."""
-        aborted = [Result(s.id, s.generated, s.logprobs, "error", reason) for s in (*self.waiting, *self.running.values())]
+        queued = (*self.waiting, *self.running.values())
+        aborted = [Result(s.id, s.generated, s.logprobs, "error", reason) for s in queued]
         self.waiting.clear()
         for row in list(self.running):
             del self.running[row]
@@ -202,13 +220,25 @@ class Engine:
         with torch.autocast(self.device.type, enabled=False):
             if not self.running:
                 self.sync_weights()
-            admitted = self._admit()
+            admitted = self._admit() if self._time_to_admit() else []
             if admitted:
                 self._prefill(admitted)
             if self.running:
                 self._decode()
         done, self.finished = self.finished, []
         return done
+
+    def _time_to_admit(self) -> bool:
+        """Prefill waiting sequences in batches: a prefill call costs about as much for one sequence as for
+        many, so while others decode, arrivals wait until they are a quarter of the running batch, or for
+        ``ADMIT_AFTER_STEPS`` decode steps at most."""
+        if not self.waiting:
+            return False
+        self._steps_waited += 1
+        if not self.running or len(self.waiting) * 4 >= len(self.running) or self._steps_waited > ADMIT_AFTER_STEPS:
+            self._steps_waited = 0
+            return True
+        return False
 
     def _admit(self) -> list[_Sequence]:
         admitted = []
@@ -267,36 +297,42 @@ class Engine:
 
     def _decode(self) -> None:
         """One token for every running sequence; rows ``0 .. B-1`` are computed, idle ones write to scratch."""
-        batch = _bucket(max(self.running) + 1, self._batch_buckets)
-        longest = max(s.cached for s in self.running.values()) + 1
-        self._reserve(longest)
-        key_len = self._key_len(longest)
-        tokens = torch.zeros(batch, dtype=torch.long)
-        positions = torch.full((batch,), self.cache.capacity, dtype=torch.long)
-        for row, sequence in self.running.items():
-            tokens[row] = sequence.generated[-1]
-            positions[row] = sequence.cached
-        tokens, positions = tokens.to(self.device), positions.to(self.device)
-        if self.use_graphs:
-            logits = self._graph(batch, key_len).run(tokens, positions)
-        else:
-            logits = self._decode_logits(tokens, positions, key_len)
         rows = sorted(self.running)
         sequences = [self.running[row] for row in rows]
+        # Graphs replay fixed shapes, so a graphed step pads the batch and the keys to buckets.
+        batch = _bucket(rows[-1] + 1, self._batch_buckets) if self.use_graphs else rows[-1] + 1
+        longest = max(s.cached for s in sequences) + 1
+        self._reserve(longest)
+        key_len = self._key_len(longest, graphed=self.use_graphs)
+        tokens = [0] * batch
+        positions = [self.cache.capacity] * batch
+        for row, sequence in zip(rows, sequences):
+            tokens[row] = sequence.generated[-1]
+            positions[row] = sequence.cached
+        tokens_t = torch.tensor(tokens, device=self.device)
+        positions_t = torch.tensor(positions, device=self.device)
+        if self.use_graphs:
+            logits = self._graph(batch, key_len).run(tokens_t, positions_t)
+        else:
+            logits = self._decode_logits(tokens_t, positions_t, key_len)
         for sequence in sequences:
             self.table.rows[sequence.row].tokens.append(sequence.generated[-1])
             sequence.cached += 1
         self.stats.decode_steps += 1
-        self._sample(sequences, logits[torch.tensor(rows, device=self.device)])
+        if rows != list(range(len(rows))):
+            logits = logits[torch.tensor(rows, device=self.device)]
+        self._sample(sequences, logits[: len(rows)])
 
     def _reserve(self, length: int) -> None:
         """Grow the cache to hold ``length`` positions; graphs captured on the old tensors are dropped."""
         if self.cache.grow(length):
             self._graphs.clear()
+            self._graph_pool = None  # a fresh pool: the old one's graphs are gone
 
-    def _key_len(self, length: int) -> int:
-        """Key positions attended for sequences of at most ``length`` tokens: a bucket, within the capacity."""
-        return min(_bucket(length, self._key_buckets), self.cache.capacity)
+    def _key_len(self, length: int, graphed: bool = False) -> int:
+        """Key positions attended for sequences of at most ``length`` tokens: exact, or a bucket for a CUDA
+        graph (a graph replays fixed shapes), within the capacity."""
+        return min(_bucket(length, self._key_buckets), self.cache.capacity) if graphed else length
 
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
         """Logits of one token per row, Shape (B, vocab); a position of ``cache.capacity`` writes to scratch."""
@@ -338,7 +374,7 @@ class Engine:
             tail = self.decode(sequence.generated[-(max(len(s) for s in params.stop_strings) + 8) :])
             if any(stop in tail for stop in params.stop_strings):
                 return "stop"
-        if len(sequence.generated) >= params.max_new_tokens or len(sequence.prompt) + len(sequence.generated) >= self.max_len:
+        if len(sequence.generated) >= params.max_new_tokens or len(sequence.tokens) >= self.max_len:
             return "length"
         return None
 
@@ -353,7 +389,7 @@ class Engine:
 class _DecodeGraph:
     """One decode step for ``batch`` rows over ``key_len`` positions, captured in a CUDA graph."""
 
-    def __init__(self, engine: Engine, batch: int, key_len: int, pool: object) -> None:
+    def __init__(self, engine: Engine, batch: int, key_len: int, pool: Any) -> None:
         device = engine.device
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         # Scratch positions while warming up and capturing: nothing cached is written.

@@ -3,8 +3,8 @@
 A row is free, running (a sequence is generating in it) or idle (it holds the
 tokens of a finished sequence, which the next turn of that episode will most
 likely extend). A new prompt takes the idle row with the longest cached
-prefix of it, else a free row, else the least recently used idle row (its
-cache is dropped: that sequence will be prefilled again if it comes back).
+prefix of it, else the lowest row that is free or idle (an idle row's cache
+is dropped: that sequence will be prefilled again if it comes back).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ class Row:
     state: str = FREE
     tokens: list[int] = field(default_factory=list)
     """The tokens whose keys and values are in this row, in order."""
-    last_used: int = 0
 
 
 @dataclass
@@ -39,7 +38,6 @@ class RowTable:
     def __init__(self, rows: int) -> None:
         self.rows = [Row(i) for i in range(rows)]
         self._by_prefix: dict[tuple[int, ...], set[int]] = {}
-        self._clock = 0
 
     def _key(self, tokens: list[int]) -> tuple[int, ...] | None:
         return tuple(tokens[:PREFIX_KEY_TOKENS]) if len(tokens) >= PREFIX_KEY_TOKENS else None
@@ -63,15 +61,14 @@ class RowTable:
                 best, best_len = self.rows[index], usable
         evicted = False
         if best is None:
-            free = [row for row in self.rows if row.state == FREE]
-            if free:
-                best = free[0]
-            else:
-                idle = [row for row in self.rows if row.state == IDLE]
-                if not idle:
-                    return None
-                best = min(idle, key=lambda row: row.last_used)
-                evicted = True
+            # The lowest row that is free or idle: decode computes rows 0 .. highest running, so low rows
+            # keep it short. An idle row's cache is given up for it; the sequence that left it (most
+            # likely finished, or windowed out of its next prompt) is prefilled again if it comes back.
+            open_rows = [row for row in self.rows if row.state != RUNNING]
+            if not open_rows:
+                return None
+            best = open_rows[0]
+            evicted = best.state == IDLE
         self._unindex(best)
         best.state = RUNNING
         best.tokens = list(prompt[:best_len])
@@ -80,8 +77,7 @@ class RowTable:
     def release(self, index: int, cached_tokens: list[int]) -> None:
         """A sequence finished in row ``index``; its ``cached_tokens`` stay for a later prompt to extend."""
         row = self.rows[index]
-        self._clock += 1
-        row.state, row.tokens, row.last_used = IDLE, list(cached_tokens), self._clock
+        row.state, row.tokens = IDLE, list(cached_tokens)
         key = self._key(row.tokens)
         if key is None:
             row.state, row.tokens = FREE, []

@@ -58,11 +58,12 @@ def sample_tokens(
     logits = logits.float()
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
-    logprobs = torch.log_softmax(logits / scale, dim=-1)
-    filtered = filter_top_k_top_p(logprobs, top_k, top_p) if truncate else logprobs
-    # Exponential race (argmax of p / E, E ~ Exp(1)) samples from softmax(filtered) with one
-    # random draw per entry and no renormalisation; -inf entries can never win.
-    noise = torch.empty_like(filtered).exponential_(generator=generator)
-    sampled = torch.argmax(filtered - torch.log(noise), dim=-1)
+    tempered = logits / scale
+    log_normalizer = torch.logsumexp(tempered, dim=-1)
+    candidates = filter_top_k_top_p(tempered, top_k, top_p) if truncate else tempered
+    # Gumbel-max (argmax of logits + Gumbel noise) samples from softmax(candidates) with one random draw
+    # per entry and no normalisation; -inf entries can never win.
+    noise = torch.empty_like(candidates).exponential_(generator=generator).log_()
+    sampled = torch.argmax(candidates - noise, dim=-1)
     tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
-    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, tempered.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_normalizer

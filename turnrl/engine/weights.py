@@ -121,12 +121,12 @@ def check_supported(model: nn.Module) -> None:
         raise UnsupportedModel("dynamic RoPE scaling depends on the sequence length; use model.backend=hf")
 
 
-def _linear_sources(module: nn.Module) -> tuple[nn.Parameter, nn.Parameter | None, Callable[[], torch.Tensor] | None]:
+def _linear_sources(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[], torch.Tensor] | None]:
     """A linear layer's weight and bias parameters, and how to compute its merged weight if it is LoRA."""
     base = getattr(module, "base_layer", None)
     if base is None:
         return module.weight, module.bias, None
-    lora: Any = module
+    lora = module
 
     def merged() -> torch.Tensor:
         weight = base.weight
@@ -146,7 +146,7 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype) -> DecoderWeights:
     A parameter already in ``dtype`` and not under LoRA is used as it is (no copy).
     """
     check_supported(model)
-    causal = base_causal_lm(model)
+    causal: Any = base_causal_lm(model)
     config: Any = causal.config
     decoder: Any = causal.model
     tensors: list[WeightRef] = []

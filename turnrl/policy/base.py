@@ -61,3 +61,21 @@ class Policy(Protocol):
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
         """Complete every request; one failed request yields a ``finish_reason="error"`` completion."""
         ...
+
+
+@runtime_checkable
+class StreamingPolicy(Protocol):
+    """A policy that takes requests one at a time and returns completions as they finish (the engine).
+
+    The rollout loop uses it to let episodes advance independently (``agent.wait_for_turns=false``).
+    """
+
+    tokenizer: Any
+
+    def submit(self, request: GenerationRequest, sampling: SamplingConfig) -> int:
+        """Queue one request; returns its handle."""
+        ...
+
+    def poll(self) -> list[tuple[int, Completion]]:
+        """Advance generation a little; returns the requests finished since the last call, by handle."""
+        ...

@@ -51,22 +51,31 @@ class EnginePolicy:
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
-        if any(r.prompt_ids is None for r in requests):
+        handles = [self.submit(request, sampling) for request in requests]
+        done: dict[int, Completion] = {}
+        while len(done) < len(handles):
+            done.update(self.poll())
+        return [done[handle] for handle in handles]
+
+    def submit(self, request: GenerationRequest, sampling: SamplingConfig) -> int:
+        """Queue one request; its completion comes out of a later :meth:`poll`."""
+        if request.prompt_ids is None:
             raise ValueError("EnginePolicy needs prompt_ids: the rollout must build token contexts with this tokenizer")
-        params = [
-            SamplingParams(
-                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_new_tokens=min(sampling.max_new_tokens, r.max_new_tokens or sampling.max_new_tokens),
-                stop_ids=tuple(self.eos_ids), stop_strings=tuple(sampling.stop),
-            )
-            for r in requests
-        ]
+        params = SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_new_tokens=min(sampling.max_new_tokens, request.max_new_tokens or sampling.max_new_tokens),
+            stop_ids=tuple(self.eos_ids), stop_strings=tuple(sampling.stop),
+        )
+        return self.engine.submit(list(request.prompt_ids), params)
+
+    def poll(self) -> list[tuple[int, Completion]]:
+        """One engine step: the requests that finished, by handle. A failed step ends every queued request
+        with an error completion, and the engine starts clean."""
         try:
-            results = self.engine.generate([list(r.prompt_ids or []) for r in requests], params)
-        except Exception:
-            self.engine.abort("generation failed")  # the next call starts from a clean engine
-            raise
-        return [self._completion(result) for result in results]
+            results = self.engine.step()
+        except Exception as error:
+            results = self.engine.abort(f"generation failed: {type(error).__name__}: {error}")
+        return [(result.id, self._completion(result)) for result in results]
 
     def _completion(self, result: Result) -> Completion:
         if result.finish_reason == "error":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-
 from typing import Any
 
 from torch import nn
@@ -23,25 +22,26 @@ def model_policy(
 ) -> Policy:
     """The generation backend for a loaded model, as ``model.backend`` asks.
 
-    ``auto`` takes the engine where it can run the model (Llama-family text models) and transformers'
-    ``generate`` otherwise (VLMs, other architectures); ``engine`` refuses a model it cannot run.
-    ``dtype`` is the compute dtype (the run's mixed precision); None uses the weights' own.
+    ``auto`` takes the engine on a GPU where it can run the model (Llama-family text models) and
+    transformers' ``generate`` otherwise: VLMs, other architectures, and CPUs, where the engine was
+    slower on the quickstart's short one-turn prompts (docs/engine.md). ``engine`` refuses a model it
+    cannot run. ``dtype`` is the compute dtype (the run's mixed precision); None uses the weights' own.
     """
     from turnrl.engine.weights import UnsupportedModel
     from turnrl.policy.engine import EnginePolicy
     from turnrl.policy.hf import HFPolicy
 
-    if config.backend != "hf":
-        if processor is not None:
-            if config.backend == "engine":
-                raise ConfigError("model.backend=engine runs text models, and this is a VLM: use model.backend=hf")
-        else:
-            try:
-                return EnginePolicy(model, tokenizer, config.engine, dtype=dtype, max_sequences=max_batch_size)
-            except UnsupportedModel as error:
-                if config.backend == "engine":
-                    raise ConfigError(f"model.backend=engine: {error}") from error
-    return HFPolicy(model, tokenizer, max_batch_size=max_batch_size, processor=processor)
+    wanted = config.backend
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    if wanted == "engine" and processor is not None:
+        raise ConfigError("model.backend=engine runs text models, and this is a VLM: use model.backend=hf")
+    if wanted == "engine" or (wanted == "auto" and on_gpu and processor is None):
+        try:
+            return EnginePolicy(model, tokenizer, config.engine, dtype=dtype, max_sequences=max_batch_size)
+        except UnsupportedModel as error:
+            if wanted == "engine":
+                raise ConfigError(f"model.backend=engine: {error}") from error
+    return HFPolicy(model, tokenizer, max_batch_size=max_batch_size, processor=processor)  # type: ignore[arg-type]
 
 
 def make_policy(config: EvalConfig, fmt: ResponseFormat) -> Policy:

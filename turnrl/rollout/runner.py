@@ -9,6 +9,10 @@ format reward and every added reward function, see :mod:`turnrl.rewards`), and
 the next observations are built. An unparseable response, an invalid action,
 a failing env or a failing reward function is data, recorded on the
 trajectory, never an exception that stops the batch.
+
+With ``agent.wait_for_turns=false`` and a streaming policy (the engine), there
+are no rounds: each episode's next prompt is submitted as soon as its env step
+returns, and its turn is scored alone.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +31,7 @@ from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs.base import AgentEnv, StateFacts
 from turnrl.models.vision import ImageEncoder
-from turnrl.policy.base import Completion, GenerationRequest, Policy
+from turnrl.policy.base import Completion, GenerationRequest, Policy, StreamingPolicy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens, without_images
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
@@ -134,6 +138,11 @@ class Rollout:
         self.executor = executor
         self.rewards = rewards or Rewards()
         self.timings = RolloutTimings()
+        if not agent.wait_for_turns and not isinstance(policy, StreamingPolicy):
+            raise ValueError(
+                f"agent.wait_for_turns=false needs a policy that streams completions (model.backend=engine); "
+                f"{type(policy).__name__} completes a whole batch at once"
+            )
 
     # ------------------------------------------------------------------ the loop
     def run(
@@ -142,10 +151,14 @@ class Rollout:
         sampling: SamplingConfig,
         on_turn: Callable[[int, int], None] | None = None,
     ) -> list[Trajectory]:
-        """Play every slot's episode to its end; ``on_turn(turn, active)`` reports progress."""
+        """Play every slot's episode to its end; ``on_turn(turn, active)`` reports progress (with
+        ``agent.wait_for_turns=false``: the turns played so far, and the episodes still playing)."""
         self.timings = RolloutTimings()
         episodes = self._map(lambda slot: self._start(slot, sampling), list(slots))
         self._check_can_see(episodes)
+        if not self.agent.wait_for_turns:
+            self._run_streaming(episodes, sampling, on_turn)
+            return [episode.trajectory for episode in episodes]
         for turn in range(self.agent.max_turns):
             active = [episode for episode in episodes if not episode.finished]
             if not active:
@@ -157,6 +170,62 @@ class Rollout:
             self._score([(episode, done) for episode, done in zip(active, finished) if done is not None])
             self._map(lambda episode: self._next_observation(episode, sampling), [e for e in active if not e.finished])
         return [episode.trajectory for episode in episodes]
+
+    def _run_streaming(
+        self, episodes: list[_Episode], sampling: SamplingConfig, on_turn: Callable[[int, int], None] | None
+    ) -> None:
+        """Every episode at its own pace: its next turn is submitted as soon as its env step returns.
+
+        Completions come back from the policy as they finish; each goes to the env (in the executor's
+        threads when there is one, so env steps overlap decoding), then its turn is scored and the next
+        prompt submitted. The records are the same as in rounds; only the order of work changes.
+        """
+        policy: Any = self.policy
+        pending: dict[int, _Episode] = {}
+        stepping: dict[Future[FinishedTurn | None], tuple[_Episode]] = {}
+        turns_done = 0
+
+        def submit(episode: _Episode) -> None:
+            pending[policy.submit(self._request(episode, sampling), sampling)] = episode
+
+        def after_step(episode: _Episode, done: FinishedTurn | None) -> None:
+            nonlocal turns_done
+            turns_done += 1
+            if done is not None:
+                self._score([(episode, done)])
+            if not episode.finished:
+                self._next_observation(episode, sampling)
+            if not episode.finished:
+                submit(episode)
+
+        for episode in episodes:
+            if not episode.finished:
+                submit(episode)
+        while pending or stepping:
+            if pending:
+                start = time.perf_counter()
+                finished = policy.poll()
+                self.timings.generate_s += time.perf_counter() - start
+                for handle, completion in finished:
+                    episode = pending.pop(handle)
+                    if self.executor is not None:
+                        stepping[self.executor.submit(self._act, episode, completion)] = (episode,)
+                    else:
+                        start = time.perf_counter()
+                        done = self._act(episode, completion)
+                        self.timings.env_s += time.perf_counter() - start
+                        after_step(episode, done)
+            if stepping:
+                start = time.perf_counter()
+                # With nothing to decode, wait for an env; otherwise take the env steps that are done.
+                ready = wait(stepping, return_when=FIRST_COMPLETED).done if not pending else [
+                    future for future in stepping if future.done()]
+                self.timings.env_s += time.perf_counter() - start
+                for future in ready:
+                    (episode,) = stepping.pop(future)
+                    after_step(episode, future.result())
+            if on_turn is not None:
+                on_turn(turns_done, len(pending) + len(stepping))
 
     def _check_can_see(self, episodes: list[_Episode]) -> None:
         """Refuse image observations for a token policy that cannot take pixels: it would play blind."""

@@ -1,0 +1,127 @@
+"""Multi-turn generation: KV reuse against re-prefilling the history, and turns that never wait.
+
+Synthetic episodes with the shape of an agent rollout: a first prompt of
+``--prompt`` tokens, then ``--turns`` turns, each a response of a random
+length between 8 and ``--new`` tokens (as responses vary in a real rollout)
+and an observation of ``--obs`` tokens that the next prompt appends. The same
+episodes (same lengths, same tokens) are played three ways by turnrl's engine:
+
+- ``rounds, re-prefill``: every turn waits for all episodes, and each prompt is
+  prefilled whole (what a generate call per turn does, as in RAGEN and VAGEN).
+- ``rounds, KV reuse``: every turn waits for all episodes; each prompt
+  prefills only the tokens after its cached history.
+- ``no wait, KV reuse``: an episode's next turn is submitted as soon as its
+  response is done, while the others are still decoding.
+
+Prefill tokens, generated tokens and wall time are printed with the speedup
+against the first row.
+
+    python benchmarks/multiturn.py --device cuda     # 0.5B, 256 episodes x 10 turns
+    python benchmarks/multiturn.py --quick           # CPU-sized, the small preset
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.generation import SHAPES, build, synchronize  # noqa: E402
+from turnrl.config import EngineConfig  # noqa: E402
+from turnrl.engine.engine import Engine, SamplingParams  # noqa: E402
+
+
+def episodes_plan(episodes: int, turns: int, prompt: int, obs: int, new: int, vocab: int, seed: int = 0):
+    """First prompts, observations and response lengths of every episode, fixed by ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, vocab, (episodes, prompt), generator=generator).tolist()
+    observations = torch.randint(0, vocab, (episodes, turns, obs), generator=generator).tolist()
+    lengths = torch.randint(8, new + 1, (episodes, turns), generator=generator).tolist()
+    return first, observations, lengths
+
+
+def play(engine: Engine, plan, turns: int, wait: bool, reuse: bool) -> int:
+    """Play every episode; returns the tokens generated."""
+    first, observations, lengths = plan
+    prompts = [list(p) for p in first]
+    turn = [0] * len(prompts)
+    generated = 0
+
+    def submit(e: int) -> int:
+        params = SamplingParams(temperature=1.0, max_new_tokens=lengths[e][turn[e]])
+        return engine.submit(prompts[e], params)
+
+    def record(e: int, tokens: list[int]) -> None:
+        nonlocal generated
+        generated += len(tokens)
+        prompts[e] = prompts[e] + tokens + observations[e][turn[e]]
+        turn[e] += 1
+
+    if wait:
+        for _ in range(turns):
+            if not reuse:
+                engine.table.clear()
+            results = engine.generate(prompts, [SamplingParams(temperature=1.0, max_new_tokens=lengths[e][turn[e]])
+                                                for e in range(len(prompts))])
+            for e, result in enumerate(results):
+                record(e, result.token_ids)
+        return generated
+    owner = {submit(e): e for e in range(len(prompts))}
+    while owner:
+        for result in engine.step():
+            e = owner.pop(result.id)
+            record(e, result.token_ids)
+            if turn[e] < turns:
+                owner[submit(e)] = e
+    return generated
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="CPU-sized: small preset, 32 episodes x 5 turns")
+    parser.add_argument("--episodes", type=int, default=None)
+    parser.add_argument("--turns", type=int, default=None)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--obs", type=int, default=48)
+    parser.add_argument("--new", type=int, default=64)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    quick = args.quick or device.type == "cpu"
+    preset = "small" if quick else "0.5b"
+    episodes = args.episodes or (32 if quick else 256)
+    turns = args.turns or (5 if quick else 10)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build(preset, device, dtype)
+    plan = episodes_plan(episodes, turns, args.prompt, args.obs, args.new, SHAPES[preset]["vocab_size"])
+    max_len = args.prompt + turns * (args.obs + args.new) + 1
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
+    print(f"{preset} Qwen2, {dtype}, {episodes} episodes x {turns} turns (prompt {args.prompt}, observations "
+          f"{args.obs}, responses 8-{args.new} tokens), on {name} (torch {torch.__version__})")
+    print(f"{'mode':<20} {'prefill tokens':>15} {'generated':>10} {'seconds':>8} {'tokens/s':>9} {'speedup':>8}")
+    baseline = None
+    for label, wait, reuse in [("rounds, re-prefill", True, False), ("rounds, KV reuse", True, True),
+                               ("no wait, KV reuse", False, True)]:
+        engine = Engine(model, EngineConfig(kv_cache_gb=40.0, max_rows=episodes, max_seq_len=max_len), dtype=dtype)
+        warm = episodes_plan(episodes, 2, args.prompt, args.obs, args.new, SHAPES[preset]["vocab_size"], seed=1)
+        play(engine, warm, 2, wait, reuse)  # graph capture and allocator warm-up
+        engine.table.clear()
+        engine.stats.prefill_tokens = 0
+        synchronize(device)
+        start = time.perf_counter()
+        generated = play(engine, plan, turns, wait, reuse)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        baseline = baseline or seconds
+        print(f"{label:<20} {engine.stats.prefill_tokens:>15,} {generated:>10,} {seconds:>8.2f} "
+              f"{generated / seconds:>9,.0f} {baseline / seconds:>7.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
