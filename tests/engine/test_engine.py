@@ -281,3 +281,12 @@ def test_unsupported_models_are_refused_with_the_reason():
                                                                                              n_head=2))
     with pytest.raises(UnsupportedModel, match="gpt2"):
         engine_for(gpt2)
+
+
+def test_a_separate_copy_takes_new_weights_from_a_state_dict():
+    trained, worker = build("qwen2", seed=0), build("qwen2", seed=1)
+    engine = engine_for(worker)
+    prompts = random_prompts([12, 7])
+    assert [r.token_ids for r in engine.generate(prompts, [GREEDY] * 2)] != [hf_greedy(trained, p, 12) for p in prompts]
+    engine.load_state_dict(trained.state_dict())
+    assert [r.token_ids for r in engine.generate(prompts, [GREEDY] * 2)] == [hf_greedy(trained, p, 12) for p in prompts]
