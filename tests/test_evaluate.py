@@ -25,7 +25,7 @@ SUMMARY_KEYS = {
 }
 TURN_KEYS = {
     "index", "prompt", "response", "finish_reason", "format_ok", "fields", "parse_errors", "actions",
-    "actions_valid", "rewards", "reward", "reward_errors", "num_response_tokens",
+    "actions_valid", "rewards", "reward", "reward_errors", "num_response_tokens", "state_key",
 }
 
 

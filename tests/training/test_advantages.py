@@ -67,6 +67,11 @@ class Mode:
         return out
 
 
+def state_key(turn: int) -> str:
+    """The env state a turn starts from: two states, so that anchor groups of several turns form (GiGPO)."""
+    return f"state-{turn % 2}"
+
+
 def both_modes(seed: int = 0) -> tuple[Mode, Mode]:
     """The same episodes as whole-trajectory samples and as shuffled turn samples.
 
@@ -85,7 +90,8 @@ def both_modes(seed: int = 0) -> tuple[Mode, Mode]:
             # turn sample: the prompt (earlier turns and this observation, any length) + the response
             prompt = 2 + 3 * turn
             turns.append(Sample([5] * (prompt + n_resp), [0] * prompt + [1] * n_resp, [-0.1] * (prompt + n_resp),
-                                [prompt + n_resp - 1], [reward], episode=episode, group=group, turn=turn))
+                                [prompt + n_resp - 1], [reward], episode=episode, group=group, turn=turn,
+                                turn_state_keys=[state_key(turn)]))
             values["turn"].append([0.0] * prompt + response_values)
             kls["turn"].append([0.0] * prompt + response_kl)
             # trajectory: observation, response, one closing token
@@ -95,7 +101,7 @@ def both_modes(seed: int = 0) -> tuple[Mode, Mode]:
             v_row += [0.0] * n_obs + response_values + [0.0]
             kl_row += [0.0] * n_obs + response_kl + [0.0]
         trajectory.append(Sample(ids, mask, [-0.1] * len(ids), ends, [r for _, _, r in spec], episode=episode,
-                                 group=group))
+                                 group=group, turn_state_keys=[state_key(t) for t in range(len(spec))]))
         values["trajectory"].append(v_row)
         kls["trajectory"].append(kl_row)
     order = torch.randperm(len(turns), generator=gen).tolist()
@@ -286,3 +292,35 @@ def test_episode_view_lays_turn_samples_end_to_end_in_turn_order():
     row = sorted(EPISODES).index(4)
     assert view.rewards[row][view.turn_end[row]].tolist() == pytest.approx([-0.1, -0.1, 0.0, 10.1])
     assert view.rewards.dtype == torch.float64
+
+
+def test_gigpo_gives_each_turns_tokens_the_turns_advantage_as_called_by_hand():
+    from turnrl.algorithms import gigpo_advantages
+
+    trajectory, _ = both_modes()
+    out = compute_advantages(trajectory.batch, config(advantage="gigpo", gigpo_gamma=0.9, gigpo_step_weight=0.5))
+    ids = list(EPISODES)
+    turns = max(len(spec) for _, spec in EPISODES.values())
+    rewards = torch.zeros(len(ids), turns, dtype=torch.float64)
+    states = torch.full((len(ids), turns), -1)
+    for row, episode in enumerate(ids):
+        for turn, (_, _, reward) in enumerate(EPISODES[episode][1]):
+            rewards[row, turn] = reward
+            states[row, turn] = turn % 2
+    valid = states >= 0
+    groups = torch.tensor([EPISODES[e][0] for e in ids])
+    per_turn, _ = gigpo_advantages(rewards, valid, states, groups, gamma=0.9, step_weight=0.5)
+    got = trajectory.per_episode(out.advantages)
+    for row, episode in enumerate(ids):
+        expected = [float(per_turn[row, turn]) for turn, (_, n_resp, _) in enumerate(EPISODES[episode][1])
+                    for _ in range(n_resp)]
+        assert got[episode] == pytest.approx(expected, abs=1e-6)
+
+
+def test_anchored_share_counts_the_turns_that_share_a_start_state_with_another_turn_of_their_group():
+    from turnrl.training.advantages import anchored_share
+
+    states = torch.tensor([[0, 1, -1], [0, 2, 2], [0, -1, -1]])
+    groups = torch.tensor([0, 0, 1])
+    # group 0: state 0 twice, state 1 once, state 2 twice; group 1: state 0 once -> 4 of 6 known turns
+    assert anchored_share(states, groups) == pytest.approx(4 / 6)

@@ -221,6 +221,60 @@ def test_lora_trains_adapters_against_the_adapters_off_reference(tiny_model_dir,
     assert_token_exact(steps)
 
 
+@pytest.mark.parametrize("sample_mode", ["trajectory", "turn"])
+def test_gigpo_trains_and_reports_its_anchored_turns(tiny_model_dir, tmp_path, sample_mode):
+    train(config(tiny_model_dir, tmp_path, "algorithm.advantage=gigpo", f"algorithm.sample_mode={sample_mode}",
+                 "agent.max_turns=3"))
+    steps = step_records(tmp_path / "run")
+    # Every episode of a group starts from the same state: at least the first turns are anchored.
+    assert all(0 < r["actor/gigpo_anchored_turns"] <= 1 for r in steps.values())
+    trajectory = trajectories(tmp_path / "run", 1)[0]
+    assert all(turn["state_key"] for turn in trajectory["turns"])
+    assert_token_exact(steps)
+
+
+def test_gspo_with_truncated_importance_weights_trains_and_reports_the_weights(tiny_model_dir, tmp_path):
+    train(config(tiny_model_dir, tmp_path, "algorithm.advantage=grpo", "algorithm.ratio_level=sequence",
+                 "algorithm.clip_low=3e-4", "algorithm.clip_high=4e-4", "algorithm.old_logprobs=recompute",
+                 "algorithm.tis_cap=2.0", "algorithm.ppo_epochs=2"))
+    steps = step_records(tmp_path / "run")
+    for record in steps.values():
+        # float32 CPU sampling and training agree closely: weights near 1, none at the cap
+        assert abs(record["actor/tis_weight_mean"] - 1) < 1e-3 and record["actor/tis_capped"] == 0.0
+        assert 0 <= record["actor/clip_frac"] <= 1
+
+
+def test_truncated_importance_weights_need_recomputed_old_logprobs(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="old_logprobs=recompute"):
+        config(tiny_model_dir, tmp_path, "algorithm.tis_cap=2.0").validate()
+
+
+@pytest.mark.parametrize("model", ["untrained", "warm"])
+def test_dynamic_sampling_rolls_out_more_groups_until_enough_have_varied_rewards(
+        tiny_model_dir, warm_model_dir, tmp_path, model):
+    # The untrained model fails every episode: no group varies, every round is played, the step is skipped.
+    # The SFT-warmed one succeeds sometimes: groups vary and are trained on.
+    train(config(tiny_model_dir if model == "untrained" else warm_model_dir, tmp_path, "algorithm.advantage=grpo",
+                 "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_rounds=2", "groups.n_groups=2",
+                 "groups.group_size=4"))
+    steps = step_records(tmp_path / "run")
+    kept = [record["rollout/dynamic_kept_groups"] for record in steps.values()]
+    assert (max(kept) > 0) == (model == "warm")
+    for step, record in steps.items():
+        rounds = record["rollout/dynamic_extra_rounds"]
+        assert 0 <= rounds <= 2 and record["rollout/dynamic_kept_groups"] <= 2
+        played = trajectories(tmp_path / "run", step - 1)
+        assert len(played) == 8 * (1 + rounds)  # every round's episodes are written
+        assert {t["group"] for t in played} == set(range(2 * (1 + int(rounds))))
+        if record["rollout/dynamic_kept_groups"] > 0:
+            assert record["batch/samples"] == 4 * record["rollout/dynamic_kept_groups"]
+
+
+def test_dynamic_sampling_and_the_starpo_filter_are_exclusive(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="filter.method=none"):
+        config(tiny_model_dir, tmp_path, "algorithm.dynamic_sampling=true", "algorithm.filter.method=top_k")
+
+
 # --------------------------------------------------------------------------- the engine backend
 def test_the_engine_trains_token_exact_with_lora_and_episodes_that_do_not_wait(tiny_model_dir, tmp_path):
     train(config(tiny_model_dir, tmp_path, "model.backend=engine", "agent.wait_for_turns=false",

@@ -9,6 +9,7 @@ from turnrl.algorithms.advantages import (
     bilevel_gae,
     broadcast_to_tokens,
     discounted_reverse_cumsum,
+    gigpo_advantages,
     group_stats,
     grpo_advantages,
     masked_gae,
@@ -28,6 +29,7 @@ from turnrl.algorithms.losses import (
     kl_in_reward,
     kl_penalty,
     ppo_policy_loss,
+    truncated_importance_weights,
     value_loss,
 )
 
@@ -41,6 +43,7 @@ __all__ = [
     "bilevel_gae",
     "broadcast_to_tokens",
     "discounted_reverse_cumsum",
+    "gigpo_advantages",
     "entropy_bonus",
     "group_stats",
     "grpo_advantages",
@@ -49,6 +52,7 @@ __all__ = [
     "masked_gae",
     "place_rewards",
     "ppo_policy_loss",
+    "truncated_importance_weights",
     "reinforce_pp_advantages",
     "rloo_advantages",
     "select_groups",

@@ -639,3 +639,56 @@ def broadcast_to_tokens(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tens
         Shape (b, s): ``seq_adv[b]`` where ``mask`` is set, 0 elsewhere.
     """
     return torch.where(_as_bool(mask), seq_adv[:, None], 0).to(seq_adv.dtype)
+
+
+def gigpo_advantages(
+    turn_rewards: torch.Tensor,
+    turn_valid: torch.Tensor,
+    turn_states: torch.Tensor,
+    group_index: torch.Tensor,
+    gamma: float = 0.95,
+    step_weight: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GiGPO: an episode advantage from the group, plus a step advantage from anchor-state groups.
+
+    Notation: e episodes, T turns (padded). The episode advantage is GRPO's on the total reward,
+    ``(R_i - mean_G R) / F_G``. Every valid turn ``(i, t)`` belongs to the anchor group of the turns of
+    its episode group that start from the same env state; its discounted return
+    ``G_it = sum_k gamma^k r_i(t+k)`` is compared with that anchor group's mean: ``(G_it - mean_A G) / F_A``.
+    ``F`` is the unbiased std (plus ``eps``), or 1 with ``norm_by_std=False`` (mean_norm). An anchor group
+    of one turn, or a turn whose state is unknown (-1), gets a step advantage of 0. A turn's advantage is
+    ``episode + step_weight * step``.
+
+    Args:
+        turn_rewards: Shape (e, T), each turn's reward (0 on padding turns).
+        turn_valid: Shape (e, T), bool: the episode's real turns (a prefix of each row).
+        turn_states: Shape (e, T), long: an id of the state each turn started from, equal ids for equal
+            states within a group; -1 for unknown.
+        group_index: Shape (e,), the episode groups.
+
+    Returns:
+        advantages Shape (e, T) (0 on padding turns) and the step advantages alone, Shape (e, T).
+    """
+    valid = _as_bool(turn_valid)
+    rewards = torch.where(valid, turn_rewards.to(torch.float64), 0.0)
+    episode = grpo_advantages(rewards.sum(1), group_index, eps=eps, norm_by_std=norm_by_std).to(torch.float64)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=torch.float64, device=rewards.device)
+    for t in range(rewards.shape[1] - 1, -1, -1):  # T is a handful of turns
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    known = valid & (turn_states >= 0)
+    step = torch.zeros_like(rewards)
+    if bool(known.any()):
+        rows, turns = known.nonzero(as_tuple=True)
+        keys = torch.stack([group_index[rows].to(torch.long), turn_states[rows, turns].to(torch.long)], dim=1)
+        _, anchor = torch.unique(keys, dim=0, return_inverse=True)
+        stats = group_stats(returns[rows, turns], anchor)
+        deviation = stats.deviation.to(torch.float64)
+        if norm_by_std:
+            deviation = deviation / (stats.std.to(torch.float64)[stats.inverse] + eps)
+        step[rows, turns] = torch.where(stats.size[stats.inverse] > 1, deviation, 0.0)
+    advantages = torch.where(valid, episode[:, None] + step_weight * step, 0.0)
+    return advantages.to(_float_dtype(turn_rewards)), step.to(_float_dtype(turn_rewards))

@@ -100,8 +100,10 @@ def ppo_policy_loss(
     dual_clip: float | None = 3.0,
     aggregation: Aggregation = "token-mean",
     sample_weights: torch.Tensor | None = None,
+    ratio_level: str = "token",
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
-    """Clipped PPO surrogate with asymmetric clipping and dual clip.
+    """Clipped PPO surrogate with asymmetric clipping and dual clip (token ratios, or GSPO's sequence ratio).
 
     With ``r = exp(logprobs - old_logprobs)`` (log-ratio clamped to [-20, 20] so
     that a stale sample cannot overflow) and advantage ``A``::
@@ -122,14 +124,27 @@ def ppo_policy_loss(
         aggregation: see :func:`aggregate`.
         sample_weights: Shape (b,), each sample's per-token losses are
             multiplied by its weight before aggregation; None weighs all 1.
+        ratio_level: ``token`` (PPO) or ``sequence`` (GSPO): every token of a sample takes the
+            sample's length-normalized ratio ``exp(mean_t(logprobs - old_logprobs))``, with the gradient
+            of its own log-prob (GSPO-token: ``sg[s] * p / sg[p]``, the same gradient as GSPO's
+            sequence objective under token-mean aggregation within a sample).
+        token_weights: Shape (b, s), no gradient: each token's loss is multiplied by it (truncated
+            importance weights between the sampler and the trainer, :func:`truncated_importance_weights`).
 
     Returns:
         ``(loss, stats)``: a scalar to minimize and :class:`PolicyLossStats`.
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"ratio_level must be token or sequence, got {ratio_level!r}")
     logprobs, old_logprobs, advantages = _masked(loss_mask, logprobs, old_logprobs, advantages)
-    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    log_ratio = logprobs - old_logprobs
+    if ratio_level == "sequence":
+        keep = _as_bool(loss_mask)
+        sequence = (log_ratio * keep).sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)
+        log_ratio = torch.where(keep, sequence.detach() + logprobs - logprobs.detach(), 0.0)
+    log_ratio = log_ratio.clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -147,7 +162,32 @@ def ppo_policy_loss(
         )
     if sample_weights is not None:
         loss = loss * sample_weights[:, None].to(loss.dtype)
+    if token_weights is not None:
+        loss = loss * _masked(loss_mask, token_weights.detach())[0].to(loss.dtype)
     return aggregate(loss, loss_mask, aggregation), stats
+
+
+def truncated_importance_weights(
+    trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, loss_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance weights ``min(exp(trainer - sampler), cap)`` of each sampled token.
+
+    The sampler (a generation engine, another precision) and the trainer compute slightly different
+    probabilities for the same tokens; weighting each token's loss by their ratio, capped, corrects the
+    policy gradient for sampling from the sampler's distribution (truncated IS, as in Yao et al. 2025).
+
+    Args:
+        trainer_logprobs, sampler_logprobs: Shape (b, s). loss_mask: Shape (b, s).
+        cap: the largest weight (> 0).
+
+    Returns:
+        Shape (b, s), no gradient; 1 off the mask.
+    """
+    if cap <= 0:
+        raise ValueError(f"the importance-weight cap must be positive, got {cap}")
+    trainer_logprobs, sampler_logprobs = _masked(loss_mask, trainer_logprobs.detach(), sampler_logprobs)
+    weights = torch.exp((trainer_logprobs - sampler_logprobs).clamp(max=20.0)).clamp(max=cap)
+    return torch.where(_as_bool(loss_mask), weights, 1.0)
 
 
 class ValueLossStats(NamedTuple):

@@ -317,6 +317,10 @@ class TurnEnv(gym.Env[dict, str]):
         """The state as text for ``render_mode="ansi"``, whatever the mode (default: :meth:`text`)."""
         return self.text()
 
+    def state_key(self) -> str:
+        """A key that is equal exactly for equal states (GiGPO groups turns by it): the board as text."""
+        return self.ansi()
+
     def render(self):
         if self.render_mode == "ansi":
             return self.ansi()

@@ -44,9 +44,18 @@ class EnvGroups:
             self._envs.append(self.make_env())
         return self._envs[:size]
 
-    def train_slots(self, step: int) -> list[EpisodeSlot]:
-        """The slots of training step ``step``: fresh seeds, one per group."""
-        return self._slots(self.seeds.train_seeds(step, self.n_groups), self.group_size)
+    def train_slots(self, step: int, round: int = 0, rounds_per_step: int = 1,
+                    first_group: int = 0) -> list[EpisodeSlot]:
+        """The slots of training step ``step``: fresh seeds, one per group.
+
+        A step that rolls out several rounds (dynamic sampling) takes ``rounds_per_step`` blocks of seeds
+        and its round ``round`` the block's; groups are numbered from ``first_group``.
+        """
+        seeds = self.seeds.train_seeds(step * rounds_per_step + round, self.n_groups)
+        slots = self._slots(seeds, self.group_size)
+        for slot in slots:
+            slot.group += first_group
+        return slots
 
     def val_slots(
         self, n_seeds: int, samples_per_seed: int = 1, options: dict[str, Any] | None = None

@@ -17,6 +17,7 @@ returns, and its turn is scored alone.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -85,6 +86,21 @@ def message_images(messages: list[dict[str, Any]]) -> list[np.ndarray]:
         for part in message["content"]
         if part.get("type") == "image" and "image" in part
     ]
+
+
+def state_key(env: AgentEnv, obs: dict[str, Any]) -> str | None:
+    """The env's ``state_key()`` where it has one, else a hash of the observation (text and image);
+    None when even that fails (the turn then joins no anchor group)."""
+    try:
+        own = getattr(env, "state_key", None)
+        if callable(own):
+            return str(own())
+        digest = hashlib.sha1(str(obs.get("text", "")).encode())
+        if "image" in obs:
+            digest.update(np.ascontiguousarray(obs["image"]).tobytes())
+        return digest.hexdigest()
+    except Exception:
+        return None
 
 
 @dataclass
@@ -344,6 +360,7 @@ class Rollout:
             finish_reason=completion.finish_reason,
             parsed=parsed,
             images=episode.images,
+            state_key=state_key(env, episode.last_obs),
         )
         trajectory.turns.append(turn)
         episode.messages.append({"role": "assistant", "content": completion.text})

@@ -57,6 +57,8 @@ class TurnRecord:
     """Images of the observation (image modes), ``HxWx3`` uint8."""
     reward_errors: list[str] = field(default_factory=list)
     """Reward functions that failed on this turn (scored as configured; the turn still counts)."""
+    state_key: str | None = None
+    """The env state the turn started from, equal for equal states (GiGPO's anchor states)."""
 
     @property
     def env_reward(self) -> float:
@@ -151,6 +153,7 @@ class Trajectory:
                     "rewards": turn.rewards,
                     "reward": turn.reward,
                     "reward_errors": turn.reward_errors,
+                    "state_key": turn.state_key,
                     "num_response_tokens": len(turn.response_ids),
                 }
                 for turn in self.turns

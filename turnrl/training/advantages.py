@@ -27,6 +27,7 @@ import torch
 from turnrl.algorithms import (
     bilevel_gae,
     broadcast_to_tokens,
+    gigpo_advantages,
     grpo_advantages,
     kl_in_reward,
     masked_gae,
@@ -58,6 +59,9 @@ class EpisodeView:
     """Rows and columns in the batch of every sampled token, each Shape (k,)."""
     view_index: tuple[torch.Tensor, torch.Tensor]
     """Rows and columns in the view of the same tokens, each Shape (k,)."""
+    turn_states: torch.Tensor | None = None
+    """Shape (e, T), long: the state each turn of the episode started from (see ``Batch.turn_states``),
+    -1 for unknown or padding turns; None when the batch has no states."""
 
     def place(self, per_token: torch.Tensor) -> torch.Tensor:
         """A batch tensor's sampled tokens in the view. Shape (b, s) -> (e, n), zero elsewhere."""
@@ -126,6 +130,10 @@ def episode_view(batch: Batch, placement: str = "per_turn") -> EpisodeView:
     turn_end[end_episode, end_column] = True
 
     group = torch.zeros(n_episodes, dtype=torch.long, device=device).scatter_(0, episode, batch.group)
+    turn_states = None
+    if batch.turn_states is not None:
+        turn_states = torch.full((n_episodes, n_turns), -1, dtype=torch.long, device=device)
+        turn_states[end_episode, slot] = batch.turn_states[end_rows, end_turns][by_position]
     return EpisodeView(
         rewards=place_rewards(turn_rewards, turn_end_index, width, mode=placement),  # type: ignore[arg-type]
         values=None,
@@ -134,6 +142,7 @@ def episode_view(batch: Batch, placement: str = "per_turn") -> EpisodeView:
         group=group,
         sample_index=(rows, cols),
         view_index=view_index,
+        turn_states=turn_states,
     )
 
 
@@ -182,6 +191,27 @@ def reinforce_pp_estimate(view: EpisodeView, config: AlgorithmConfig) -> Estimat
     )
 
 
+def gigpo_estimate(view: EpisodeView, config: AlgorithmConfig) -> Estimate:
+    """GiGPO: each turn gets its episode's group advantage plus its step advantage among the group's turns
+    that started from the same state; every token of a turn gets the turn's advantage. A turn's reward is
+    the sum of the view's rewards on its tokens (the KL penalty included when it is in the reward)."""
+    if view.turn_states is None:
+        raise ValueError("algorithm.advantage=gigpo needs each turn's env state (turn_states in the batch)")
+    turn_of_token = view.turn_end.long().cumsum(1) - view.turn_end.long()  # (e, n): the turn of each token
+    n_turns = view.turn_states.shape[1]
+    turn_of_token = turn_of_token.clamp(max=n_turns - 1)
+    turn_rewards = torch.zeros(view.turn_states.shape, dtype=torch.float64, device=view.mask.device)
+    turn_rewards.scatter_add_(1, turn_of_token, torch.where(view.mask, view.rewards.to(torch.float64), 0.0))
+    turns = torch.arange(n_turns, device=view.mask.device)
+    has_turn = turns[None, :] < view.turn_end.sum(1, keepdim=True)  # each episode's turns are a prefix
+    per_turn, _ = gigpo_advantages(
+        turn_rewards, has_turn, view.turn_states, view.group, gamma=config.gigpo_gamma,
+        step_weight=config.gigpo_step_weight, norm_by_std=config.gigpo_norm_by_std,
+    )
+    advantages = torch.where(view.mask, per_turn.gather(1, turn_of_token), 0.0)
+    return advantages, advantages
+
+
 ESTIMATORS: dict[str, Callable[[EpisodeView, AlgorithmConfig], Estimate]] = {
     "gae": critic_estimate,
     "bilevel_gae": critic_estimate,
@@ -190,8 +220,20 @@ ESTIMATORS: dict[str, Callable[[EpisodeView, AlgorithmConfig], Estimate]] = {
     "drgrpo": group_estimate,
     "rloo": group_estimate,
     "reinforce_pp": reinforce_pp_estimate,
+    "gigpo": gigpo_estimate,
 }
 """Estimator name (``algorithm.advantage``) -> the function that computes it on an :class:`EpisodeView`."""
+
+
+def anchored_share(turn_states: torch.Tensor, group: torch.Tensor) -> float:
+    """The share of known turns whose anchor group (same group, same start state) holds at least two turns:
+    the turns GiGPO gives a step advantage. turn_states Shape (b, t), -1 unknown; group Shape (b,)."""
+    rows, turns = (turn_states >= 0).nonzero(as_tuple=True)
+    if len(rows) == 0:
+        return 0.0
+    keys = torch.stack([group[rows], turn_states[rows, turns]], dim=1)
+    _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
+    return float((counts[inverse] > 1).float().mean())
 
 
 # --------------------------------------------------------------------------- the batch
@@ -242,7 +284,7 @@ def compute_advantages(
         view.rewards = kl_in_reward(view.rewards, view.place(kl).to(view.rewards.dtype), config.kl_coef, view.mask)
     advantages, returns = ESTIMATORS[config.advantage](view, config)
     weights = None
-    if config.sample_mode == "turn" and ESTIMATORS[config.advantage] is group_estimate:
+    if config.sample_mode == "turn" and ESTIMATORS[config.advantage] in (group_estimate, gigpo_estimate):
         weights = episode_weights(batch).to(batch.loss_mask.device)
     shape = batch.loss_mask.shape
     return Advantages(

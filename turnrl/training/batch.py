@@ -50,6 +50,8 @@ class Sample:
     """Turn number (turn mode); -1 for whole trajectories."""
     model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     """Extra inputs of the model for this sequence (e.g. ``pixel_values``), each concatenated along dim 0."""
+    turn_state_keys: list[str | None] = field(default_factory=list)
+    """The env state each turn in ``turn_ends`` started from (GiGPO); empty when unknown."""
 
 
 @dataclass
@@ -79,6 +81,9 @@ class Batch:
     """Extra model inputs, each the samples' tensors concatenated along dim 0 in row order."""
     model_input_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     """For each extra input, Shape (b,), long: how many of its dim-0 rows belong to each sample."""
+    turn_states: torch.Tensor | None = None
+    """Shape (b, t), long: an id of the env state each turn started from (equal ids for equal states in
+    the batch), -1 for unknown or padding turns; None when no sample knows its states."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -130,6 +135,7 @@ def trajectory_samples(trajectories: list[Trajectory], episode_ids: list[int]) -
                 sampler_logprobs=stream.logprobs[:cut],
                 turn_ends=list(ends),
                 turn_rewards=[turn.reward for turn in trajectory.turns[: len(ends)]],
+                turn_state_keys=[turn.state_key for turn in trajectory.turns[: len(ends)]],
                 episode=episode,
                 group=trajectory.group,
                 # The sample ends with the last response: an observation after it (the episode was cut
@@ -154,6 +160,7 @@ def turn_samples(trajectories: list[Trajectory], episode_ids: list[int]) -> list
                     sampler_logprobs=[0.0] * len(prompt) + sample.logprobs,
                     turn_ends=[len(prompt) + len(response) - 1],
                     turn_rewards=[turn.reward],
+                    turn_state_keys=[turn.state_key],
                     episode=episode,
                     group=trajectory.group,
                     turn=sample.turn,
@@ -184,6 +191,14 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         logprobs[row, :n] = torch.tensor(sample.sampler_logprobs, dtype=torch.float)
         turn_end_index[row, : len(sample.turn_ends)] = torch.tensor(sample.turn_ends)
         turn_rewards[row, : len(sample.turn_rewards)] = torch.tensor(sample.turn_rewards, dtype=torch.float64)
+    turn_states = None
+    if any(sample.turn_state_keys for sample in samples):
+        ids: dict[str, int] = {}
+        turn_states = torch.full((b, turns), -1, dtype=torch.long)
+        for row, sample in enumerate(samples):
+            for turn, key in enumerate(sample.turn_state_keys):
+                if key is not None:
+                    turn_states[row, turn] = ids.setdefault(key, len(ids))
     keys = sorted({key for sample in samples for key in sample.model_inputs})
     for key in keys:
         if any(key not in sample.model_inputs for sample in samples):
@@ -202,4 +217,5 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         turn=torch.tensor([s.turn for s in samples]),
         model_inputs={key: torch.cat([s.model_inputs[key] for s in samples]) for key in keys},
         model_input_rows={key: torch.tensor([len(s.model_inputs[key]) for s in samples]) for key in keys},
+        turn_states=turn_states,
     )

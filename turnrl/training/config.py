@@ -21,7 +21,7 @@ from turnrl.config import (
     check_range,
 )
 
-ADVANTAGES = ("gae", "bilevel_gae", "turn_gae", "grpo", "drgrpo", "rloo", "reinforce_pp")
+ADVANTAGES = ("gae", "bilevel_gae", "turn_gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "gigpo")
 CRITIC_ADVANTAGES = ("gae", "bilevel_gae", "turn_gae")
 
 
@@ -53,7 +53,8 @@ class FilterConfig:
 @dataclass
 class AlgorithmConfig:
     advantage: str = "gae"
-    """Estimator: ``gae``, ``bilevel_gae``, ``turn_gae``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp``."""
+    """Estimator: ``gae``, ``bilevel_gae``, ``turn_gae``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp``,
+    ``gigpo``."""
     reward_placement: Placement = "per_turn"
     """``per_turn``: each turn's reward at its last token; ``episode_end``: the sum at the last token."""
     sample_mode: str = "trajectory"
@@ -71,6 +72,12 @@ class AlgorithmConfig:
     """GAE lambda from a turn to the next (gae, bilevel_gae, turn_gae)."""
     whiten_advantages: bool = True
     """Whiten critic-based advantages over the batch's loss tokens."""
+    gigpo_gamma: float = 0.95
+    """GiGPO: discount of the turn returns compared within an anchor-state group."""
+    gigpo_step_weight: float = 1.0
+    """GiGPO: weight of the step advantage beside the episode advantage."""
+    gigpo_norm_by_std: bool = True
+    """GiGPO: divide both advantages by their group's std; false divides by 1 (``mean_norm``)."""
     clip_low: float = 0.2
     """PPO ratio clip below 1."""
     clip_high: float = 0.28
@@ -91,6 +98,18 @@ class AlgorithmConfig:
     """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``."""
     old_logprobs: str = "sampler"
     """PPO's old log-probs: ``sampler`` (those sampled with) or ``recompute`` (a forward pass)."""
+    ratio_level: str = "token"
+    """``token``: PPO's per-token ratio; ``sequence``: GSPO's length-normalized sequence ratio (GSPO clips
+    it tightly: clip_low 3e-4, clip_high 4e-4 in its paper)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling, instead of the StarPO-S filter: keep rolling out new groups until
+    ``groups.n_groups`` groups have rewards that differ (zero-variance groups and groups with an errored
+    episode are dropped), with at most ``dynamic_sampling_rounds`` extra rounds of ``n_groups`` groups."""
+    dynamic_sampling_rounds: int = 3
+    """Extra rollout rounds a step may take for dynamic sampling."""
+    tis_cap: Optional[float] = None
+    """Truncated importance weights between the trainer's recomputed log-probs and the sampler's, capped
+    here (e.g. 2.0), multiply each token's policy loss; None disables. Needs ``old_logprobs=recompute``."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batch_size: int = 32
@@ -116,6 +135,19 @@ class AlgorithmConfig:
             ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
         )
         check_choice("algorithm.old_logprobs", self.old_logprobs, ["sampler", "recompute"])
+        check_choice("algorithm.ratio_level", self.ratio_level, ["token", "sequence"])
+        check_range("algorithm.dynamic_sampling_rounds", self.dynamic_sampling_rounds, 0)
+        if self.dynamic_sampling and self.filter.method != "none":
+            raise ConfigError(
+                "algorithm.dynamic_sampling replaces the StarPO-S filter: set algorithm.filter.method=none"
+            )
+        if self.tis_cap is not None:
+            check_range("algorithm.tis_cap", self.tis_cap, 1e-6)
+            if self.old_logprobs != "recompute":
+                raise ConfigError(
+                    "algorithm.tis_cap weighs the sampler's tokens by the trainer's recomputed log-probs: "
+                    "set algorithm.old_logprobs=recompute (with sampler log-probs as old ones, every weight is 1)"
+                )
         for key in ("gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
             check_range(f"algorithm.{key}", getattr(self, key), 0.0, 1.0)
         check_range("algorithm.ppo_epochs", self.ppo_epochs, 1)
@@ -283,7 +315,7 @@ class TrainConfig:
                     "not what the model saw; use algorithm.sample_mode=turn (one sample per turn) or "
                     f"agent.max_context_window=null (or >= agent.max_turns={self.agent.max_turns})"
                 )
-        if self.algorithm.advantage in ("grpo", "drgrpo", "rloo") and self.groups.group_size < 2:
+        if self.algorithm.advantage in ("grpo", "drgrpo", "rloo", "gigpo") and self.groups.group_size < 2:
             raise ConfigError(
                 f"algorithm.advantage={self.algorithm.advantage} compares episodes within a group: "
                 "set groups.group_size >= 2"

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from turnrl.algorithms import aggregate, entropy_bonus, kl_penalty, ppo_policy_loss, value_loss
+from turnrl.algorithms import (
+    aggregate,
+    entropy_bonus,
+    kl_penalty,
+    ppo_policy_loss,
+    truncated_importance_weights,
+    value_loss,
+)
 from turnrl.training.batch import Batch
 from turnrl.training.config import AlgorithmConfig, OptimConfig
 from turnrl.training.forward import ValueModel, token_logprobs
@@ -151,14 +158,22 @@ def _actor_backward(
         actor, part.input_ids, part.attention_mask, mask, temperature, with_entropy=True, model_inputs=part.model_inputs
     )
     weights = inputs.sample_weights[index] if inputs.sample_weights is not None else None
+    token_weights, cap = None, config.tis_cap
+    if cap is not None:
+        token_weights = truncated_importance_weights(
+            inputs.old_logprobs[index], part.sampler_logprobs.to(logprobs.device), mask, cap)
     policy_loss, stats = ppo_policy_loss(
         logprobs, inputs.old_logprobs[index], inputs.advantages[index], mask,
         clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
-        aggregation=config.loss_aggregation, sample_weights=weights,
+        aggregation=config.loss_aggregation, sample_weights=weights, ratio_level=config.ratio_level,
+        token_weights=token_weights,
     )
     loss = policy_loss
     metrics = {"losses/policy": policy_loss.item(), "actor/clip_frac": float(stats.clip_frac),
                "actor/approx_kl": float(stats.approx_kl), "actor/dual_clip_frac": float(stats.dual_clip_frac)}
+    if token_weights is not None and cap is not None:
+        metrics["actor/tis_weight_mean"] = float(aggregate(token_weights, mask, "token-mean"))
+        metrics["actor/tis_capped"] = float(aggregate((token_weights >= cap).float(), mask, "token-mean"))
     assert entropy is not None  # asked for with_entropy
     bonus = entropy_bonus(entropy, mask, config.loss_aggregation)
     if config.entropy_coef != 0:

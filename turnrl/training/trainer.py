@@ -51,7 +51,7 @@ from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import Trajectory, write_trajectories
-from turnrl.training.advantages import compute_advantages
+from turnrl.training.advantages import anchored_share, compute_advantages
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
@@ -117,6 +117,42 @@ def select_trajectories(trajectories: list[Trajectory], config: FilterConfig) ->
         keep = []
     metrics["filter/skipped_step"] = float(not keep)
     return keep, metrics
+
+
+def varied_groups(trajectories: list[Trajectory]) -> list[int]:
+    """The groups, in order, whose rewards differ and whose episodes are all trainable (dynamic sampling)."""
+    rewards = torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64)
+    groups = torch.tensor([t.group for t in trajectories])
+    stats = group_stats(rewards, groups)
+    broken = {t.group for t in trajectories if not t.trainable}
+    return [int(g) for g, std in zip(stats.group_ids, stats.std) if std > 0 and int(g) not in broken]
+
+
+def dynamic_sample(
+    rollout: Rollout, groups: EnvGroups, step: int, config: TrainConfig, precision: AbstractContextManager
+) -> tuple[StepOutput, list[int]]:
+    """DAPO's dynamic sampling: roll out rounds of groups until ``n_groups`` of them have varied rewards,
+    or the extra rounds run out; returns every trajectory played and the indices of those to train on
+    (the first ``n_groups`` varied groups)."""
+    algo, n_groups = config.algorithm, config.groups.n_groups
+    rounds = 1 + algo.dynamic_sampling_rounds
+    outputs = [collect(rollout, groups.train_slots(step, 0, rounds), config.sampling, precision)]
+    trajectories = list(outputs[0].trajectories)
+    while len(varied_groups(trajectories)) < n_groups and len(outputs) < rounds:
+        slots = groups.train_slots(step, len(outputs), rounds, first_group=len(outputs) * n_groups)
+        outputs.append(collect(rollout, slots, config.sampling, precision))
+        trajectories += outputs[-1].trajectories
+    chosen = set(varied_groups(trajectories)[:n_groups])
+    keep = [i for i, t in enumerate(trajectories) if t.group in chosen]
+    metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
+    for key in ("timing/rollout_s", "timing/generate_s", "timing/env_s"):
+        metrics[key] = sum(output.metrics[key] for output in outputs)
+    generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
+    metrics["throughput/generated_tokens_per_s"] = generated / max(metrics["timing/generate_s"], 1e-9)
+    metrics["rollout/dynamic_extra_rounds"] = float(len(outputs) - 1)
+    metrics["rollout/dynamic_kept_groups"] = float(len(chosen))
+    metrics["filter/skipped_step"] = float(not keep)
+    return StepOutput(metrics, trajectories), keep
 
 
 def make_batch(trajectories: list[Trajectory], keep: list[int], sample_mode: str, pad_id: int,
@@ -370,13 +406,17 @@ class Recipe:
 
         # 1. rollout
         self.actor.eval()
-        rollout = collect(self.rollout, self.train_groups.train_slots(step), config.sampling, self.precision())
-        metrics = rollout.metrics
+        if algo.dynamic_sampling:
+            # 1-2. rounds of groups until enough of them have varied rewards (DAPO)
+            rollout, keep = dynamic_sample(self.rollout, self.train_groups, step, config, self.precision())
+            metrics = rollout.metrics
+        else:
+            rollout = collect(self.rollout, self.train_groups.train_slots(step), config.sampling, self.precision())
+            metrics = rollout.metrics
+            # 2. filter groups (StarPO-S), drop errored episodes
+            keep, filter_metrics = select_trajectories(rollout.trajectories, algo.filter)
+            metrics.update(filter_metrics)
         self._timed("rollout_s", metrics["timing/rollout_s"])
-
-        # 2. filter groups (StarPO-S), drop errored episodes
-        keep, filter_metrics = select_trajectories(rollout.trajectories, algo.filter)
-        metrics.update(filter_metrics)
         if not keep:
             metrics["timing/step_s"] = time.time() - step_start
             return StepOutput(metrics, rollout.trajectories)
@@ -401,6 +441,8 @@ class Recipe:
         if scores.ref_logprobs is not None:
             kl = kl_penalty(scores.old_logprobs, scores.ref_logprobs, kind=algo.kl_kind, mask=mask)
         advantages = compute_advantages(batch, algo, scores.values, kl)
+        if algo.advantage == "gigpo" and batch.turn_states is not None:
+            metrics["actor/gigpo_anchored_turns"] = anchored_share(batch.turn_states, batch.group)
         n_tokens = mask.sum().clamp(min=1)
         metrics["actor/advantage_mean"] = float((advantages.advantages * mask).sum() / n_tokens)
         metrics["actor/advantage_abs_mean"] = float((advantages.advantages.abs() * mask).sum() / n_tokens)
