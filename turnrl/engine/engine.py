@@ -173,9 +173,6 @@ class Engine:
             self.waiting.append(sequence)
         return sequence.id
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finished)
-
     @torch.no_grad()
     def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[Result]:
         """Run ``prompts`` to completion; results in prompt order."""

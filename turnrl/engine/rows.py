@@ -90,7 +90,3 @@ class RowTable:
             if row.state == IDLE:
                 self._unindex(row)
                 row.state, row.tokens = FREE, []
-
-    def counts(self) -> dict[str, int]:
-        states = [row.state for row in self.rows]
-        return {state: states.count(state) for state in (FREE, RUNNING, IDLE)}

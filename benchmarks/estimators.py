@@ -1,0 +1,99 @@
+"""Advantage estimators at equal budget, from one SFT start: the results table of docs/results.md.
+
+Every row trains the same SFT model with the same recipe, steps, groups and
+seeds and changes only the estimator (and what it needs: a critic, a filter,
+turn rewards). Rows:
+
+- ``PPO+GAE``: RAGEN's StarPO, a critic and GAE, no filter.
+- ``StarPO-S``: the same with the StarPO-S filter (the half of the groups whose rewards vary most).
+- ``GRPO``: group-normalized episode rewards, no critic.
+- ``GiGPO``: GRPO's episode advantage plus step advantages among turns that start from the same state.
+- ``bi-level GAE``: VAGEN's turn-level credit: per-turn rewards, a critic, bi-level GAE (gamma_turn 0.95).
+
+The SFT start is made once (``--sft-model`` reuses one), then each row runs
+``turnrl train`` as a subprocess with ``model.path`` set to it and SFT off. A
+markdown table with validation success before and after RL (mean and spread
+over seeds) and wall time is printed and written to ``--out``/table.md.
+
+    python benchmarks/estimators.py --seeds 0 1 2                         # the quickstart recipe (CPU)
+    python benchmarks/estimators.py --config configs/ragen_sokoban.yaml model.builtin_preset=0.5b --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROWS: dict[str, list[str]] = {
+    "PPO+GAE": ["algorithm.advantage=gae", "algorithm.filter.method=none"],
+    "StarPO-S": ["algorithm.advantage=gae", "algorithm.filter.method=top_k", "algorithm.filter.value=0.5"],
+    "GRPO": ["algorithm.advantage=grpo", "algorithm.filter.method=none"],
+    "GiGPO": ["algorithm.advantage=gigpo", "algorithm.filter.method=none"],
+    "bi-level GAE": ["algorithm.advantage=bilevel_gae", "algorithm.reward_placement=per_turn",
+                     "algorithm.gamma_turn=0.95", "algorithm.filter.method=none"],
+}
+
+
+def turnrl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "turnrl.cli", *args]
+
+
+def make_sft_start(config: str, overrides: list[str], out: Path) -> Path:
+    """Run the recipe's SFT stage alone (zero RL steps) and return the SFT model's directory."""
+    subprocess.run(turnrl("train", "--config", config, *overrides, "run.steps=0", f"run.output_dir={out}",
+                          "run.name=sft_start", "run.tensorboard=false"), check=True)
+    return out / "sft_start" / "sft" / "model"
+
+
+def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path) -> dict:
+    name = f"{row.replace(' ', '_').replace('+', '_')}_seed{seed}"
+    start = time.time()
+    subprocess.run(turnrl("train", "--config", config, *overrides, *ROWS[row], f"model.path={sft_model}",
+                          "sft.enabled=false", f"seeds.seed={seed}", f"run.output_dir={out}", f"run.name={name}",
+                          "run.tensorboard=false"), check=True)
+    summary = json.loads((out / name / "summary.json").read_text())
+    return {"row": row, "seed": seed, "before": summary["val_success_before_rl"],
+            "after": summary["val_success_after_rl"], "seconds": time.time() - start}
+
+
+def spread(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f} ± {statistics.stdev(values):.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/quickstart.yaml")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--sft-model", default=None, help="an SFT model to start every row from")
+    parser.add_argument("--out", default="runs/estimators")
+    parser.add_argument("overrides", nargs="*", help="key=value for every run (e.g. run.steps=40)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sft_model = Path(args.sft_model) if args.sft_model else make_sft_start(args.config, args.overrides, out)
+    results = []
+    for seed in args.seeds:
+        for row in args.rows:
+            results.append(run_row(args.config, args.overrides, row, seed, sft_model, out))
+            (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    lines = ["| estimator | after SFT | after RL | gain (points) | wall time a run |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for row in args.rows:
+        mine = [r for r in results if r["row"] == row]
+        gains = [100 * (r["after"] - r["before"]) for r in mine]
+        lines.append(f"| {row} | {spread([r['before'] for r in mine])} | {spread([r['after'] for r in mine])} | "
+                     f"{statistics.fmean(gains):+.0f} | {statistics.fmean(r['seconds'] for r in mine) / 60:.1f} min |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
