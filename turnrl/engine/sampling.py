@@ -49,7 +49,8 @@ def sample_tokens(
         temperature: per row, Shape (b,); 0 is greedy (scored at temperature 1).
         top_k: per row, Shape (b,); 0 disables.
         top_p: per row, Shape (b,); 1 disables.
-        generator: the engine's seeded generator (on the logits' device).
+        generator: a seeded generator on the logits' device; None draws from torch's global one (the engine
+            does, so that a run's step seed fixes what it samples).
         truncate: apply top-k / top-p; False skips the sort over the vocabulary when no row needs it.
 
     Returns:
@@ -61,8 +62,8 @@ def sample_tokens(
     tempered = logits / scale
     log_normalizer = torch.logsumexp(tempered, dim=-1)
     candidates = filter_top_k_top_p(tempered, top_k, top_p) if truncate else tempered
-    # Gumbel-max (argmax of logits + Gumbel noise) samples from softmax(candidates) with one random draw
-    # per entry and no normalisation; -inf entries can never win.
+    # Gumbel-max: argmax(logits + G) with G = -log(E), E ~ Exp(1), samples from softmax(candidates) with
+    # one random draw per entry and no normalisation; -inf entries can never win.
     noise = torch.empty_like(candidates).exponential_(generator=generator).log_()
     sampled = torch.argmax(candidates - noise, dim=-1)
     tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
