@@ -261,3 +261,28 @@ def test_a_system_message_is_folded_for_a_template_without_a_system_role(tiny_pa
     tokenizer.apply_chat_template(folded, add_generation_prompt=True, tokenize=False)  # renders, where chat raises
     with pytest.raises(Exception, match="System role not supported"):
         tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+
+
+def test_the_engine_serves_like_transformers_and_keeps_its_cache_between_requests(tiny_path):
+    from turnrl.policy.factory import load_model_policy
+
+    hf = HFPolicy.from_config(ModelConfig(device="cpu"), tiny_path)
+    engine = load_model_policy(ModelConfig(device="cpu", backend="engine"), tiny_path, max_batch_size=8)
+    first = [{"role": "user", "content": "You are playing Sokoban. Push the box onto the target."}]
+    answers = {}
+    for name, policy in (("hf", hf), ("engine", engine)):
+        with running(create_app(policy, MODEL)) as url:
+            client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+            reply = client.chat.completions.create(model=MODEL, messages=first, max_tokens=8, temperature=0)
+            follow_up = [*first, {"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "Turn 2. Where is the box now?"}]
+            again = client.chat.completions.create(model=MODEL, messages=follow_up, max_tokens=8, temperature=0)
+            answers[name] = (reply.choices[0].message.content, again.choices[0].message.content)
+            if name == "engine":
+                # The same conversation again: its prompt is found in the cache (a client's retry, or a
+                # second sample), not prefilled again. A follow-up reuses the cache only where the
+                # re-rendered text tokenizes as sampled, which a text API cannot promise.
+                before = engine.engine.stats.reused_tokens
+                client.chat.completions.create(model=MODEL, messages=follow_up, max_tokens=8, temperature=0)
+                assert engine.engine.stats.reused_tokens > before
+    assert answers["engine"] == answers["hf"]

@@ -44,6 +44,18 @@ def model_policy(
     return HFPolicy(model, tokenizer, max_batch_size=max_batch_size, processor=processor)  # type: ignore[arg-type]
 
 
+def load_model_policy(config: ModelConfig, path: str, max_batch_size: int) -> Policy:
+    """Load the model at ``path`` (with its tokenizer and, for a VLM, its processor) and wrap it in the
+    backend ``config.backend`` asks for (see :func:`model_policy`)."""
+    from turnrl.models.loading import load_model, load_processor, load_tokenizer
+    from turnrl.policy.hf import resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    model = load_model(path, dtype=resolve_dtype(config.dtype, device), device=device).eval()
+    processor = load_processor(path, config.min_pixels, config.max_pixels)
+    return model_policy(model, load_tokenizer(path), config, max_batch_size=max_batch_size, processor=processor)
+
+
 def make_policy(config: EvalConfig, fmt: ResponseFormat) -> Policy:
     name = config.policy
     max_actions = config.agent.max_actions_per_turn
@@ -68,16 +80,10 @@ def make_policy(config: EvalConfig, fmt: ResponseFormat) -> Policy:
             concurrency=config.concurrency,
         )
     from turnrl.models.builtin import builtin_model_path
-    from turnrl.models.loading import load_model, load_processor, load_tokenizer
-    from turnrl.policy.hf import resolve_device, resolve_dtype
 
     path = str(builtin_model_path(config.model)) if name == "builtin" else name
     if name != "builtin" and not os.path.isdir(path) and "/" not in path:
         raise ConfigError(
             f"policy {name!r} is neither expert, random, builtin, openai:<model>, a model directory nor a hub id"
         )
-    device = resolve_device(config.model.device)
-    model = load_model(path, dtype=resolve_dtype(config.model.dtype, device), device=device).eval()
-    processor = load_processor(path, config.model.min_pixels, config.model.max_pixels)
-    return model_policy(model, load_tokenizer(path), config.model, max_batch_size=config.batch_size,
-                        processor=processor)
+    return load_model_policy(config.model, path, max_batch_size=config.batch_size)

@@ -7,7 +7,7 @@ the server checks no API key.
 
 Batching. Concurrent requests share forward passes: a background task takes
 the first waiting request, waits ``batch_window_s`` (5 ms by default) for
-others, and runs up to ``max_batch_size`` prompts in one ``HFPolicy.generate``
+others, and runs up to ``max_batch_size`` prompts in one ``policy.generate``
 call per distinct sampling setting (temperature, top_p, top_k, stop; each
 prompt keeps its own ``max_tokens``). Requests arriving while the model is busy
 wait and form the next batch. Generation runs on one dedicated thread, so the
@@ -61,8 +61,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.models.vision import load_image
-from turnrl.policy.base import Completion, GenerationRequest
-from turnrl.policy.hf import HFPolicy
+from turnrl.policy.base import Completion, GenerationRequest, Policy
+from turnrl.policy.factory import load_model_policy
 from turnrl.rollout.context import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 
 logger = logging.getLogger("turnrl.server")
@@ -570,7 +570,7 @@ def stream_events(response: ChatCompletion, include_usage: bool) -> list[str]:
 
 # --------------------------------------------------------------------------- the app
 def create_app(
-    policy: HFPolicy,
+    policy: Policy,
     model_name: str,
     *,
     batch_window_s: float = 0.005,
@@ -580,7 +580,8 @@ def create_app(
     """An OpenAI-compatible app serving ``policy`` under the name ``model_name``.
 
     Args:
-        policy: an :class:`HFPolicy` (anything with ``tokenizer``, ``generate`` and optionally ``model``).
+        policy: a model policy (anything with ``tokenizer``, ``generate`` and optionally ``model``): the
+            transformers backend or the engine.
         model_name: the ``model`` clients must name.
         batch_window_s: how long a request waits for others to share its forward pass.
         max_batch_size: prompts per ``generate`` call; default the policy's own ``max_batch_size`` (else 32).
@@ -645,9 +646,11 @@ def create_app(
     return app
 
 
-def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32) -> tuple[HFPolicy, str]:
+def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32) -> tuple[Policy, str]:
     """The policy for ``model_path`` and its served name: a model directory, ``builtin`` (the default
-    built-in model) or ``builtin:<preset>`` (e.g. ``builtin:vlm-tiny``, a built-in VLM)."""
+    built-in model) or ``builtin:<preset>`` (e.g. ``builtin:vlm-tiny``, a built-in VLM). On a GPU a
+    Llama-family text model is served by the engine, which keeps each conversation's KV cache between
+    its requests (a request that extends an earlier one prefills only the new tokens)."""
     config = ModelConfig(device=device)
     path = model_path
     if model_path == "builtin" or model_path.startswith("builtin:"):
@@ -656,7 +659,7 @@ def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32)
         if ":" in model_path:
             config.builtin_preset = model_path.split(":", 1)[1]
         path = str(builtin_model_path(config))
-    return HFPolicy.from_config(config, path, max_batch_size=max_batch_size), model_path
+    return load_model_policy(config, path, max_batch_size=max_batch_size), model_path
 
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
@@ -665,5 +668,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: st
     import uvicorn
 
     policy, name = load_policy(model_path, device=device, max_batch_size=max_batch_size)
-    print(f"serving model {name!r} on {policy.device} at http://{host}:{port}/v1 (max batch {max_batch_size})")
+    model: Any = getattr(policy, "model", None)
+    device = next(model.parameters()).device if model is not None else "?"
+    backend = type(policy).__name__
+    print(f"serving model {name!r} ({backend}) on {device} at http://{host}:{port}/v1 (max batch {max_batch_size})")
     uvicorn.run(create_app(policy, name, max_batch_size=max_batch_size), host=host, port=port, log_level="info")
