@@ -198,7 +198,7 @@ class Rollout:
         """
         policy: Any = self.policy
         pending: dict[int, _Episode] = {}
-        stepping: dict[Future[FinishedTurn | None], tuple[_Episode]] = {}
+        stepping: dict[Future[FinishedTurn | None], _Episode] = {}
         turns_done = 0
 
         def submit(episode: _Episode) -> None:
@@ -225,7 +225,7 @@ class Rollout:
                 for handle, completion in finished:
                     episode = pending.pop(handle)
                     if self.executor is not None:
-                        stepping[self.executor.submit(self._act, episode, completion)] = (episode,)
+                        stepping[self.executor.submit(self._act, episode, completion)] = episode
                     else:
                         start = time.perf_counter()
                         done = self._act(episode, completion)
@@ -238,8 +238,7 @@ class Rollout:
                     future for future in stepping if future.done()]
                 self.timings.env_s += time.perf_counter() - start
                 for future in ready:
-                    (episode,) = stepping.pop(future)
-                    after_step(episode, future.result())
+                    after_step(stepping.pop(future), future.result())
             if on_turn is not None:
                 on_turn(turns_done, len(pending) + len(stepping))
 
