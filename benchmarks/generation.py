@@ -12,7 +12,7 @@ same shape:
   compiles the decode step; the warm-up pays for that).
 - ``generate_batch``: transformers' continuous batching with paged attention,
   where the installed version has it.
-- ``engine``: turnrl's engine (CUDA-graph decode on a GPU).
+- ``engine``: turnrl's engine (CUDA-graph decode on a GPU); on a GPU also without graphs.
 
 Tokens/s counts generated tokens over the wall time of the call (prefill
 included). The last column is the ratio against ``generate`` at the same batch.
@@ -83,10 +83,10 @@ def hf_generate_batch(model, prompts: torch.Tensor, new: int) -> Callable[[], ob
     return lambda: model.generate_batch(inputs=inputs, generation_config=config)
 
 
-def engine_run(model, prompts: torch.Tensor, new: int, dtype: torch.dtype) -> Callable[[], object]:
+def engine_run(model, prompts: torch.Tensor, new: int, dtype: torch.dtype, graphs: bool = True) -> Callable[[], object]:
     rows = prompts.shape[0]
-    engine = Engine(model, EngineConfig(kv_cache_gb=40.0, max_rows=rows, max_seq_len=prompts.shape[1] + new + 1),
-                    dtype=dtype)
+    engine = Engine(model, EngineConfig(kv_cache_gb=40.0, max_rows=rows, max_seq_len=prompts.shape[1] + new + 1,
+                                        cuda_graphs=graphs), dtype=dtype)
     inputs = prompts.tolist()
     params = [SamplingParams(temperature=1.0, max_new_tokens=new)] * rows
 
@@ -104,7 +104,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=None)
     parser.add_argument("--prompt", type=int, default=None)
     parser.add_argument("--new", type=int, default=None)
-    parser.add_argument("--skip", nargs="*", default=[], help="rows to leave out: generate static generate_batch")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        help="rows to leave out: static generate_batch no_graphs")
     parser.add_argument("--quick", action="store_true", help="CPU-sized: small preset, batch 8 and 32, 64 + 32")
     parser.add_argument("--profile", action="store_true", help="profile one engine run at the largest batch")
     args = parser.parse_args()
@@ -128,6 +129,8 @@ def main() -> None:
         if "generate_batch" not in args.skip and hasattr(model, "generate_batch"):
             rows.append(("generate_batch", hf_generate_batch(model, prompts, new)))
         rows.append(("engine", engine_run(model, prompts, new, dtype)))
+        if device.type == "cuda" and "no_graphs" not in args.skip:
+            rows.append(("engine, no graphs", engine_run(model, prompts, new, dtype, graphs=False)))
         baseline = None
         for label, run in rows:
             try:
