@@ -674,11 +674,7 @@ def gigpo_advantages(
     valid = _as_bool(turn_valid)
     rewards = torch.where(valid, turn_rewards.to(torch.float64), 0.0)
     episode = grpo_advantages(rewards.sum(1), group_index, eps=eps, norm_by_std=norm_by_std).to(torch.float64)
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros(rewards.shape[0], dtype=torch.float64, device=rewards.device)
-    for t in range(rewards.shape[1] - 1, -1, -1):  # T is a handful of turns
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
+    returns = discounted_reverse_cumsum(rewards, gamma)  # padding turns are 0 and come after the real ones
     known = valid & (turn_states >= 0)
     step = torch.zeros_like(rewards)
     if bool(known.any()):
