@@ -8,7 +8,16 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: quickstart check test test-slow clean
 
+# The 3D navigation env renders with OpenGL, which needs a display: Xvfb gives a virtual one on a headless
+# machine. The viewer's tests drive a real headless Chromium. Both are Debian packages, installed when missing
+# and when we are root (otherwise the tests that need them say why they cannot run).
+
 $(VENV)/.installed: pyproject.toml
+	@missing=""; command -v Xvfb >/dev/null || missing="$$missing xvfb"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	elif [ -n "$$missing" ]; then echo "note: missing system packages:$$missing (apt-get install$$missing as root)"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
