@@ -47,6 +47,9 @@ class EnvConfig:
     """Constructor settings of the env, e.g. ``{size: 4, is_slippery: false}``."""
     val_settings: Optional[dict[str, Any]] = None
     """Settings for validation envs when they differ (e.g. a test split); None reuses ``settings``."""
+    remote: list[str] = field(default_factory=list)
+    """URLs of ``turnrl serve-env`` servers; when set, every env of the run lives on one of them (tried in
+    order, failing over to the next) instead of in this process. Empty runs the envs here."""
 
 
 @dataclass
