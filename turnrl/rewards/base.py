@@ -158,6 +158,24 @@ class Rewards:
                 named[i][name] = value
         return [self._weighted(rewards, turn_errors) for rewards, turn_errors in zip(named, errors)]
 
+    def metrics(self) -> dict[str, float]:
+        """What the reward functions report about themselves since the last call, as ``<name>/<key>``.
+
+        A function (or its class) with a ``metrics()`` method returning a dict of numbers reports that way
+        (the state rewards report their mean match and their judge's calls, errors and latency); a
+        ``metrics()`` that fails is logged and skipped.
+        """
+        out: dict[str, float] = {}
+        for name, fn in self.functions.items():
+            report = getattr(fn, "metrics", None)
+            if not callable(report):
+                continue
+            try:
+                out.update({f"{name}/{key}": float(value) for key, value in report().items()})
+            except Exception as error:  # diagnostics must not stop a run
+                logger.warning("reward %r: metrics() failed: %s", name, error)
+        return out
+
     def base_scores(self, env_reward: float, format_reward: float) -> TurnScores:
         """The scores of a turn that no reward function sees (its policy or env failed)."""
         return self._weighted({ENV: env_reward, FORMAT: format_reward}, [])
@@ -202,6 +220,8 @@ def _call(
 # --------------------------------------------------------------------------- loading
 BUILTIN_REWARDS: dict[str, str] = {
     "overlong": "turnrl.rewards.shaping:OverlongPenalty",
+    "grounding": "turnrl.rewards.state:GroundingReward",
+    "worldmodel": "turnrl.rewards.state:WorldModelReward",
 }
 """Short names of the reward functions that come with turnrl."""
 

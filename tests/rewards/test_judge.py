@@ -1,0 +1,194 @@
+"""The LLM judge over real HTTP: a local server that judges correctly, answers garbage, stalls, fails with 500 or
+closes the connection; and ``turnrl serve-policy`` with the tiny built-in model as the judge."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+from collections import Counter
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.serve.running import running
+from turnrl.agent.formats import ParsedResponse
+from turnrl.config import ModelConfig
+from turnrl.envs.base import facts_from_positions
+from turnrl.models.builtin import builtin_model_path
+from turnrl.policy.hf import HFPolicy
+from turnrl.rewards import FinishedTurn
+from turnrl.rewards.judge import JudgeMatcher, JudgeSettings, parse_yes_no
+from turnrl.rewards.state import PROFILES, MatchItem, StateReward, parse_description
+from turnrl.serve.policy import create_app
+
+FACTS = facts_from_positions((3, 0), [("goal", (1, 0)), ("hole", (0, 2)), ("hole", (3, 3))])
+TRUTH = FACTS.describe()
+WRONG = "The goal is directly below the player."
+
+
+def reply(content: str) -> dict:
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+
+
+def judge_server() -> tuple[FastAPI, Counter]:
+    """A judge whose behaviour is its model name: ``honest`` judges right, the others misbehave."""
+    app, calls = FastAPI(), Counter()
+
+    @app.post("/v1/chat/completions")
+    async def complete(request: Request):
+        body = await request.json()
+        model, prompt = body["model"], body["messages"][-1]["content"]
+        calls[model] += 1
+        if model == "garbage":
+            return reply("I would rather talk about the weather.")
+        if model == "slow":
+            await asyncio.sleep(5)
+            return reply("YES")
+        if model == "broken":
+            return JSONResponse({"error": {"message": "judge overloaded"}}, status_code=500)
+        if "Answer with one word" in prompt:  # yes_no: compare the two lines
+            truth = re.search(r"True [^:]*: (.*)", prompt).group(1)
+            said = re.search(r"Agent's description[^:]*: (.*)", prompt).group(1)
+            return reply("YES" if truth == said else "NO, it is not.")
+        description = prompt.rsplit("Description: ", 1)[1]
+        claims = parse_description(description, ["goal", "hole"], PROFILES["FrozenLake"].aliases)
+        return reply(json.dumps([{"name": c.name, "vertical": c.vertical, "horizontal": c.horizontal}
+                                 for c in claims]))
+
+    return app, calls
+
+
+@pytest.fixture(scope="module")
+def server():
+    app, calls = judge_server()
+    with running(app) as url:
+        yield url, calls
+
+
+@pytest.fixture(scope="module")
+def closing_url():
+    """A server that accepts each connection and closes it at once, without an answer."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    stop = threading.Event()
+
+    def serve():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                continue
+            connection.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    stop.set()
+    thread.join(timeout=5)
+    listener.close()
+
+
+def item(text: str, field: str = "observation") -> MatchItem:
+    return MatchItem(text, FACTS, "FrozenLake", field)
+
+
+def judge(url: str, model: str, mode: str = "parse", **settings) -> JudgeMatcher:
+    options = {"timeout_s": 2.0, "max_retries": 1, "backoff_s": 0.01} | settings
+    return JudgeMatcher(JudgeSettings(base_url=url, model=model, mode=mode, **options))
+
+
+@given(st.text(max_size=200))
+def test_yes_no_answers_are_read_and_anything_else_is_unparseable(answer):
+    value = parse_yes_no(answer)
+    assert value in (None, 0.0, 1.0)
+
+
+def test_parse_yes_no_by_hand():
+    assert parse_yes_no("YES.") == 1.0 and parse_yes_no("no, the box is left") == 0.0
+    assert parse_yes_no("Yesterday") is None and parse_yes_no("") is None
+
+
+@pytest.mark.parametrize("mode", ["yes_no", "parse"])
+def test_an_honest_judge_scores_like_the_truth(server, mode):
+    url, _ = server
+    matcher = judge(url, "honest", mode)
+    scores = matcher.score([item(TRUTH), item(WRONG)])
+    # parse: the rule gives the wrong goal half a point (its column is right) and misses both holes
+    assert scores[0] == 1.0 and scores[1] == (0.0 if mode == "yes_no" else pytest.approx(0.7 * 0.5))
+    metrics = matcher.metrics()
+    assert metrics["judge_calls"] == 2 and metrics["judge_errors"] == 0 and metrics["judge_batch_latency_s"] > 0
+
+
+def test_the_cache_asks_each_state_and_text_once_across_calls(server):
+    url, calls = server
+    before = calls["honest"]
+    matcher = judge(url, "honest", "yes_no")
+    matcher.score([item(TRUTH), item(TRUTH), item(WRONG)])  # a repeat in one batch is asked once
+    matcher.score([item(TRUTH), item(WRONG, field="prediction")])  # another field is another question
+    assert calls["honest"] - before == 3
+    metrics = matcher.metrics()
+    assert metrics["judge_calls"] == 3 and metrics["judge_cache_hits"] == 1 and metrics["judge_cache_size"] == 3
+
+
+@pytest.mark.parametrize("model, counter, retried", [
+    ("garbage", "judge_unparseable", False),
+    ("slow", "judge_timeouts", True),
+    ("broken", "judge_errors", True),
+])
+def test_every_failure_is_counted_never_raised(server, model, counter, retried):
+    url, calls = server
+    before = calls[model]
+    matcher = judge(url, model, "yes_no", timeout_s=0.3)
+    assert matcher.score([item(TRUTH)]) == [None]
+    metrics = matcher.metrics()
+    assert metrics[counter] == 1
+    assert metrics["judge_retries"] == (1 if retried else 0)
+    assert calls[model] - before == (2 if retried else 1)
+    assert not matcher.cache  # failures are not cached: the next step asks again
+
+
+def test_a_connection_closed_without_an_answer_is_an_error(closing_url):
+    matcher = judge(closing_url, "any", "parse")
+    assert matcher.score([item(TRUTH), item(WRONG)]) == [None, None]
+    assert matcher.metrics()["judge_errors"] == 2
+
+
+def test_a_state_reward_scores_judge_failures_on_error_and_reports_them(server):
+    url, _ = server
+    reward = StateReward("observation", matcher="judge", repetition=False, on_error=-0.5,
+                         judge={"base_url": url, "model": "broken", "max_retries": 0})
+    turn = FinishedTurn(env_id="FrozenLake", seed=0, turn=0, observation="o", response=TRUTH, response_tokens=1,
+                        finish_reason="stop", parsed=ParsedResponse(("Up",), {"observation": TRUTH}, True),
+                        actions=("Up",), actions_valid=(True,), env_reward=0.0, format_reward=0.0,
+                        terminated=False, success=False, facts_before=FACTS, facts_after=FACTS)
+    assert reward([turn]) == [-0.5]
+    metrics = reward.metrics()
+    assert metrics["unscored"] == 1 and metrics["judge_errors"] == 1
+
+
+def test_judge_settings_are_checked():
+    with pytest.raises(ValueError, match="yes_no or parse"):
+        JudgeSettings(base_url="http://x", model="m", mode="maybe")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="judge settings"):
+        StateReward(matcher="judge")
+
+
+def test_serve_policy_as_the_judge_over_real_http(tmp_path):
+    """The tiny random model answers nonsense: every item is accounted for as scored or unparseable."""
+    path = builtin_model_path(ModelConfig(builtin_preset="tiny", builtin_dir=str(tmp_path)))
+    policy = HFPolicy.from_config(ModelConfig(device="cpu"), str(path), max_batch_size=8)
+    with running(create_app(policy, "judge")) as url:
+        for mode in ("yes_no", "parse"):
+            matcher = judge(url, "judge", mode, max_tokens=16, timeout_s=60.0)
+            scores = matcher.score([item(TRUTH), item(WRONG), item("The hole is left.")])
+            metrics = matcher.metrics()
+            assert metrics["judge_calls"] == 3 and metrics["judge_errors"] == 0
+            assert sum(s is not None for s in scores) + metrics["judge_unparseable"] == 3
