@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
-from turnrl.cli import main
+from turnrl.cli import (
+    action_shortcuts,
+    build_parser,
+    count_arg,
+    default_eval_dir,
+    expand_shortcut,
+    main,
+    pack,
+    seed_arg,
+    setting_lines,
+)
+from turnrl.config import config_keys
 from turnrl.envs import make
 from turnrl.envs.registry import env_class, env_names, gym_id
+from turnrl.training.config import TrainConfig
 
 TURNRL = Path(sys.executable).parent / "turnrl"
 
@@ -259,3 +275,179 @@ def test_eval_takes_a_training_recipe_for_its_env_and_agent_settings(tmp_path):
 def test_eval_bad_setting_is_a_clean_error(extra, needle, tmp_path):
     assert needle in error_exit(["eval", "--episodes", "2", "--out", str(tmp_path / "out"), *extra])
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+# --------------------------------------------------------------------------- rough edges a new user hits
+def test_envs_fits_80_columns_keeps_settings_whole_and_shows_allowed_values(monkeypatch):
+    result = run_turnrl("envs")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    words = {word for line in lines for word in line.split()}
+    for name in env_names():
+        for setting in setting_lines(name):
+            head = setting.split(" ", 1)[0]  # name=default, never folded
+            assert head in words, f"{head} cut in:\n{result.stdout}"
+    assert "symbols='ragen' (ragen|alt|coords)" in result.stdout
+    assert "reward_on='reach' (reach|stop)" in result.stdout
+
+
+def test_pack_never_splits_an_item():
+    items = ["a=1", "bb=22", "a_very_long_setting='x' (x|y|z)", "c=3"]
+    lines = pack(items, 20, first="  s: ", rest="     ")
+    assert lines == ["  s: a=1  bb=22", "     a_very_long_setting='x' (x|y|z)", "     c=3"]
+    assert pack([], 20, "x", "y") == []
+
+
+def test_play_understands_arrow_keys_and_single_letter_shortcuts(monkeypatch, capsys):
+    env = make("FrozenLake")
+    env.reset(seed=0)
+    plan = env.solve()
+    keys = {"Up": "\x1b[A", "Down": "s", "Left": "l", "Right": "\x1b[C"}
+    stdin = "\n".join(keys[action] for action in plan) + "\n"
+    code, out = run_main(["play", "FrozenLake", "--seed", "0"], monkeypatch, capsys, stdin)
+    assert code == 0 and "(invalid action)" not in out
+    assert f"Episode over: solved after {len(plan)} steps" in out
+    assert "Keys: l=Left, d=Down, r=Right, u=Up, w=Up, a=Left, s=Down and the arrow keys." in out
+
+
+def test_shortcuts_follow_the_env_s_own_action_names():
+    assert action_shortcuts(["up", "down", "left", "right", "stop"])["s"] == "stop"  # Maze2D: s is stop, not down
+    assert action_shortcuts(["Up", "Down", "Left", "Right"])["d"] == "Down"  # the first letter wins over WASD
+    assert action_shortcuts(["Dragon", "Phoenix"]) == {"d": "Dragon", "p": "Phoenix"}
+    assert action_shortcuts(None) == {}
+    shortcuts = action_shortcuts(["Up", "Down", "Left", "Right"])
+    assert expand_shortcut("U", shortcuts) == "Up" and expand_shortcut("\x1bOB", shortcuts) == "Down"
+    assert expand_shortcut("push", shortcuts) == "push" and expand_shortcut("", shortcuts) == ""
+
+
+def test_play_ctrl_c_ends_the_game_without_a_traceback(monkeypatch, capsys):
+    def interrupted(prompt=""):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", interrupted)
+    assert main(["play", "FrozenLake"]) == 0
+    assert "bye" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["play", "render", "check-env"])
+def test_a_negative_seed_is_a_usage_error_of_the_command(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "FrozenLake", "--seed", "-3", *(["-o", "x.png"] if command == "render" else [])])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: turnrl {command}" in err and "negative" in err
+
+
+def test_render_without_an_extension_writes_a_png_and_a_bad_one_is_named(tmp_path, capsys):
+    assert main(["render", "FrozenLake", "-o", str(tmp_path / "frame")]) == 0
+    assert Image.open(tmp_path / "frame.png").format == "PNG"
+    assert "frame.png" in capsys.readouterr().out
+    assert "'.xyz'" in error_exit(["render", "FrozenLake", "-o", str(tmp_path / "frame.xyz")])
+    assert not (tmp_path / "frame.xyz").exists()
+
+
+def test_version_and_every_option_has_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == "turnrl 0.1.0"
+
+    def check(parser, where):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    check(child, f"{where} {name}")
+            elif not isinstance(action, argparse._HelpAction | argparse._VersionAction):
+                assert action.help, f"{where} {action.dest} has no help"
+
+    check(build_parser(), "turnrl")
+
+
+def test_a_wrong_option_prints_the_usage_of_its_subcommand(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--env", "FrozenLake", "--policy", "expert", "--bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: turnrl eval") and "--bogus" in err
+
+
+def test_config_show_lists_every_key_with_its_value_and_doc(monkeypatch, capsys):
+    code, out = run_main(["config", "show"], monkeypatch, capsys)
+    assert code == 0
+    shown = {line.split(":", 1)[0] for line in out.splitlines() if line and not line.startswith("#")}
+    assert shown == {item.key for item in config_keys(TrainConfig)}
+    assert "agent.max_turns: 5  # Model responses per episode" in out
+    assert "run.keep_checkpoints: 0  # Keep only the newest N checkpoints" in out
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    code, out = run_main(["config", "show", "--config", str(recipe), "run.steps=7"], monkeypatch, capsys)
+    assert "run.name: 'quickstart'" in out and "run.steps: 7" in out
+    code, out = run_main(["config", "show", "--eval"], monkeypatch, capsys)
+    assert "policy: 'expert'" in out and "run.steps" not in out
+    assert "did you mean agent.max_turns" in error_exit(["config", "show", "agent.max_turn=3"])
+
+
+def test_eval_without_out_writes_a_run_folder_and_takes_the_env_budget(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--env", "Maze2D", "--policy", "expert", "--episodes", "3"]) == 0
+    (folder,) = (tmp_path / "runs" / "eval").iterdir()
+    assert folder.name.startswith("Maze2D-expert-")
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["success_rate"] == 1.0 and summary["budget"]["from"] == "env"
+    assert f"wrote runs/eval/{folder.name}/summary.json" in capsys.readouterr().out
+    # A budget given on the command line (or in --config) is kept.
+    out = tmp_path / "explicit"
+    main(["eval", "--env", "Maze2D", "--policy", "expert", "--episodes", "3", "--out", str(out), "agent.max_turns=2"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["budget"] == {"max_turns": 2, "max_actions_per_episode": 10, "from": "config"}
+    assert summary["cut_by_budget"] == 3
+
+
+def test_default_eval_dir_is_a_safe_folder_name():
+    path = default_eval_dir("gym:FrozenLake-v1", "runs/quickstart/checkpoints/step_000039/actor", now=0)
+    assert path.parent == Path("runs/eval")
+    assert re.fullmatch(r"gym_FrozenLake-v1-step_000039_actor-\d{8}-\d{6}", path.name)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["env.id=Chess"], "unknown env 'Chess'"),
+        (["env.settings.sizee=4"], "no setting sizee"),
+        (["env.id=Sokoban", "env.settings.size=abc"], "env.settings.size='abc'"),
+        (["sft.enabled=true", "sft.data=missing.jsonl"], "sft.data='missing.jsonl'"),
+        (["agent.max_turn=3"], "did you mean agent.max_turns"),
+    ],
+)
+def test_train_errors_are_one_clean_line_before_anything_is_written(overrides, needle, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    message = error_exit(["train", "model.path=no_model", *overrides])
+    assert needle in message
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_resume_of_a_folder_that_is_not_a_run(tmp_path):
+    assert "not a run directory" in error_exit(["train", f"resume={tmp_path}"])
+
+
+def test_serve_policy_takes_model_settings_and_names_a_bad_one(monkeypatch):
+    assert "dtypo" in error_exit(["serve-policy", "--model", "nowhere", "dtypo=bfloat16"])
+    assert "model.dtype" in error_exit(["serve-policy", "--model", "nowhere", "model.dtype=float8"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(line=st.text())
+def test_expand_shortcut_takes_any_line(line):
+    shortcuts = action_shortcuts(["Up", "Down", "Left", "Right"])
+    assert expand_shortcut(line, shortcuts) in {line, *shortcuts.values()}
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text())
+def test_seed_and_count_arguments_take_any_text(text):
+    for parse in (seed_arg, count_arg):
+        try:
+            value = parse(text)
+        except argparse.ArgumentTypeError as error:
+            assert str(error)
+        else:
+            assert value >= 0

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turnrl.agent.formats import format_names
 from turnrl.config import (
@@ -13,6 +17,11 @@ from turnrl.config import (
     ModelConfig,
     SamplingConfig,
     SeedConfig,
+    build_env,
+    close_keys,
+    config_keys,
+    field_docs,
+    given_keys,
     load_config,
     to_yaml,
 )
@@ -100,10 +109,22 @@ def test_to_yaml_round_trips(recipe, tmp_path):
 
 
 # --------------------------------------------------------------------------- errors
-def test_unknown_override_key_names_the_key_and_the_allowed_ones():
-    message = error_of(overrides=["agent.max_turn=3"])
-    assert "agent.max_turn" in message
-    assert "agent.max_turns" in message.split("allowed keys:", 1)[1]
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [("agent.max_turn=3", "agent.max_turns"), ("max_turns=3", "agent.max_turns"),
+     ("sampling.temprature=0.5", "sampling.temperature"), ("samplng.top_p=0.5", "sampling")],
+)
+def test_unknown_override_key_names_the_close_matches_on_one_line(override, suggestion):
+    message = error_of(overrides=[override])
+    assert override.split("=")[0].split(".")[0] in message
+    assert f"did you mean {suggestion}" in message
+    assert "\n" not in message and "turnrl config show" in message
+    assert "env.val_settings" not in message, "the whole list of keys is not printed"
+
+
+def test_an_unknown_key_far_from_any_other_still_says_where_to_look():
+    message = error_of(overrides=["zzz=1"])
+    assert "did you mean" not in message and "turnrl config show" in message
 
 
 def test_unknown_key_in_yaml_names_the_key(tmp_path):
@@ -209,3 +230,63 @@ def test_more_episodes_than_validation_seeds_are_rejected_at_load_time():
 def test_seed_config_accepts_training_right_after_validation():
     config = load_config(EvalConfig, None, ["seeds.val_start=100", "seeds.val_size=50", "seeds.train_start=150"])
     assert config.seeds == SeedConfig(seed=0, train_start=150, val_start=100, val_size=50)
+
+
+# --------------------------------------------------------------------------- documentation of keys
+def test_every_key_has_its_default_and_its_docstring():
+    keys = {item.key: item for item in config_keys(EvalConfig)}
+    assert keys["agent.max_turns"].default == AgentConfig().max_turns
+    assert keys["agent.max_turns"].doc.startswith("Model responses per episode")
+    assert keys["sampling.temperature"].default == 0.5  # the section's own default, not SamplingConfig's
+    assert keys["policy"].default == "expert"
+    undocumented = [key for key, item in keys.items() if not item.doc]
+    assert not undocumented, f"keys without a docstring: {undocumented}"
+    assert "\n" not in keys["agent.max_images"].doc, "a doc is one line"
+
+
+def test_field_docs_of_a_class_without_source_is_empty():
+    klass = type("Made", (), {})
+    assert field_docs(klass) == {}
+
+
+def test_given_keys_are_the_file_and_override_keys_with_their_sections(recipe):
+    keys = given_keys(recipe, ["agent.max_actions_per_turn=2", "out=x"], skip_sections={"sampling"})
+    assert {"env", "env.id", "env.settings.size", "agent.max_turns", "agent.max_actions_per_turn", "out"} <= keys
+    assert "sampling.temperature" not in keys and "agent.max_images" not in keys
+    assert given_keys(None, None) == set()
+    assert given_keys(recipe.parent / "missing.yaml", ["a.b=1"]) == {"a", "a.b"}
+
+
+# --------------------------------------------------------------------------- env settings
+@pytest.mark.parametrize(
+    ("env_id", "settings", "needle"),
+    [
+        ("Chess", {"size": 4}, "unknown env 'Chess'"),  # the id is at fault, not the setting
+        ("Sokoban", {"size": "abc", "num_boxes": 1}, "env.settings.size='abc' is refused by Sokoban"),
+        ("Countdown", {"max_steps": "abc"}, "env.settings.max_steps='abc'"),
+        ("FrozenLake", {"sizee": 4}, "no setting sizee"),
+        ("FrozenLake", {"size": 1}, "size must be"),
+    ],
+)
+def test_build_env_names_the_setting_at_fault(env_id, settings, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        build_env(env_id, settings)
+
+
+def test_build_env_builds_the_env():
+    assert build_env("FrozenLake", {"size": 5}).size == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(), overrides=st.lists(st.text(), max_size=4))
+def test_given_keys_takes_any_text_without_raising(tmp_path_factory, text, overrides):
+    path = tmp_path_factory.getbasetemp() / "any.yaml"
+    path.write_text(text)
+    keys = given_keys(path, overrides)
+    assert all(isinstance(key, str) for key in keys)
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.text())
+def test_close_keys_takes_any_key(key):
+    assert len(close_keys(key, [item.key for item in config_keys(EvalConfig)])) <= 3

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from turnrl.config import ConfigError, EvalConfig, load_config
+from turnrl.config import AgentConfig, ConfigError, EvalConfig, load_config
 from turnrl.envs import make
-from turnrl.evaluate import run_eval
+from turnrl.envs.registry import env_names
+from turnrl.evaluate import first_errors, run_eval
+from turnrl.rollout.trajectory import ERROR, Trajectory
 
 # The expert plays one action per turn, so an episode needs as many turns as
 # the solver's plan has steps. The default budget (5 turns, 10 actions) would
@@ -21,7 +23,8 @@ LONG_EPISODES = ["agent.max_turns=100", "agent.max_actions_per_episode=100"]
 
 SUMMARY_KEYS = {
     "episodes", "success_rate", "pass_at_k", "mean_turns", "format_valid_rate", "action_validity",
-    "mean_reward", "mean_env_reward", "errors", "truncated_rate", "env", "policy", "format",
+    "mean_reward", "mean_env_reward", "errors", "truncated_rate", "env", "policy", "format", "cut_by_budget",
+    "cut_by", "first_errors", "budget",
 }
 TURN_KEYS = {
     "index", "prompt", "response", "finish_reason", "format_ok", "fields", "parse_errors", "actions",
@@ -143,11 +146,40 @@ def test_text_mode_eval_writes_no_images(tmp_path):
     assert not (tmp_path / "eval" / "images").exists()
 
 
-def test_eval_without_out_writes_nothing(tmp_path, monkeypatch):
+def test_eval_without_out_writes_nothing_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     summary = run_eval(load_config(EvalConfig, None, ["env.id=Bandit", "policy=expert", "episodes=4"]))
     assert summary["success_rate"] == 1.0
     assert list(tmp_path.iterdir()) == []
+    assert "nothing written" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- budgets
+@pytest.mark.parametrize("env", env_names())
+def test_the_expert_finishes_every_env_within_the_env_budget(env, tmp_path):
+    """The budget an env asks for lets a competent agent finish: the expert never gets cut."""
+    config = load_config(EvalConfig, None, [f"env.id={env}", "policy=expert", "episodes=16", f"out={tmp_path}"])
+    summary = run_eval(config, budget_from_env=True)
+    budget = make(env).action_budget()
+    assert summary["budget"] == {"max_turns": budget, "max_actions_per_episode": budget, "from": "env"}
+    assert summary["success_rate"] == 1.0 and summary["cut_by_budget"] == 0 and summary["cut_by"] == {}
+    assert load_config(EvalConfig, tmp_path / "config.yaml").agent.max_turns == budget
+
+
+def test_the_agent_defaults_cut_the_expert_and_the_summary_counts_the_cuts(tmp_path):
+    """What a 5-turn budget did to Maze2D before budgets came from the env: every episode cut, and said so."""
+    summary, records = evaluate(tmp_path, "env.id=Maze2D", "policy=expert", "episodes=8")
+    assert summary["budget"] == {"max_turns": 5, "max_actions_per_episode": 10, "from": "config"}
+    assert summary["success_rate"] == 0.0
+    assert summary["cut_by_budget"] == 8 and summary["cut_by"] == {"max_turns": 8}
+    assert all(r["truncation_reason"] == "max_turns" for r in records)
+
+
+def test_an_env_without_a_budget_keeps_the_agent_budget(tmp_path):
+    summary, _ = evaluate(tmp_path, "env.id=tests.envs.toy_envs:Corridor", "policy=random", "episodes=2")
+    config = load_config(EvalConfig, None, ["env.id=tests.envs.toy_envs:Corridor", "policy=random", "episodes=2"])
+    assert run_eval(config, budget_from_env=True)["budget"]["max_turns"] == AgentConfig().max_turns
+    assert summary["budget"]["max_turns"] == AgentConfig().max_turns
 
 
 def test_bad_env_fails_before_a_model_loads(tmp_path, builtin_dir):
@@ -175,10 +207,25 @@ def test_openai_policy_without_an_endpoint_is_a_config_error(monkeypatch):
         run_eval(load_config(EvalConfig, None, ["env.id=Bandit", "policy=openai:some-model", "episodes=1"]))
 
 
-def test_eval_of_an_env_that_fails_every_reset_reports_errors(tmp_path):
+def test_eval_of_an_env_that_fails_every_reset_reports_errors(tmp_path, capsys):
     summary, records = evaluate(tmp_path, "env.id=tests.test_evaluate:ResetFails", "policy=random", "episodes=2")
     assert summary["errors"] == 2 and summary["success_rate"] == 0.0 and summary["mean_env_reward"] == 0.0
     assert all(r["status"] == "error" and "reset failed" in r["error"] for r in records)
+    # Why they errored is in the summary, not only in trajectories.jsonl.
+    assert summary["first_errors"] == ["env reset failed: RuntimeError: no level (2 episodes)"]
+    assert "env reset failed: RuntimeError: no level (2 episodes)" in capsys.readouterr().out
+
+
+def test_first_errors_count_errors_that_differ_only_in_numbers_as_one():
+    def errored(message: str) -> Trajectory:
+        return Trajectory(env_id="x", seed=0, group=0, sample=0, status=ERROR, error=message)
+
+    trajectories = [errored("HTTP 400: context is 2048 tokens; asked 2100\ntrace"),
+                    errored("HTTP 400: context is 2048 tokens; asked 2300"), errored("boom"), errored(""),
+                    Trajectory(env_id="x", seed=0, group=0, sample=0)]
+    assert first_errors(trajectories) == ["HTTP 400: context is 2048 tokens; asked 2100 (2 episodes)",
+                                          "boom (1 episode)", "unknown error (1 episode)"]
+    assert first_errors(trajectories, limit=1) == ["HTTP 400: context is 2048 tokens; asked 2100 (2 episodes)"]
 
 
 class ResetFails:

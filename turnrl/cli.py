@@ -8,6 +8,7 @@
     turnrl sft --config X.yaml [key=value ...]    supervised warm start
     turnrl train --config X.yaml [key=value ...]  RL training (SFT first when configured)
     turnrl serve-policy --model PATH --port N     OpenAI-compatible server
+    turnrl config show [--config X.yaml] [--eval] every config key, its value and its doc
 
 Heavy libraries are imported inside the commands that need them, so listing
 or playing an env starts at once.
@@ -17,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 console = Console()
 
@@ -39,30 +42,84 @@ def parse_settings(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _make_env(name: str, settings: dict[str, Any]):
-    from turnrl.envs import make
+    from turnrl.config import ConfigError, build_env
 
     try:
-        return make(name, **settings)
-    except (ValueError, TypeError) as error:
+        return build_env(name, settings, where="setting")
+    except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
+
+
+def seed_arg(text: str) -> int:
+    """An env seed from the command line: an int from 0 (numpy's seeds cannot be negative)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; seeds are whole numbers from 0")
+    return value
+
+
+def count_arg(text: str) -> int:
+    """A count from the command line: an int from 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 # --------------------------------------------------------------------------- envs
 def cmd_envs(args: argparse.Namespace) -> int:
-    from turnrl.envs.registry import env_class, env_names, env_parameters, gym_id
+    from turnrl.envs.registry import env_class, env_names, gym_id
 
-    table = Table(title="turnrl environments")
-    # Ids and modes are what users type: never wrap or cut them, even in a narrow terminal.
-    table.add_column("id", no_wrap=True)
-    table.add_column("modes", no_wrap=True)
-    table.add_column("description")
-    table.add_column("settings (defaults)", overflow="fold")
+    width = max(40, console.width)
     for name in env_names():
         cls = env_class(name)
-        params = ", ".join(f"{k}={v!r}" for k, v in env_parameters(name).items() if k != "render_mode")
-        table.add_row(gym_id(name), ", ".join(cls.modes), cls.description, params)
-    console.print(table)
+        lines = [f"{gym_id(name)}  modes: {', '.join(cls.modes)}"]
+        lines += textwrap.wrap(cls.description, width - 2, initial_indent="  ", subsequent_indent="  ")
+        lines += pack(setting_lines(name), width, first="  settings: ", rest=" " * 12)
+        for line in [*lines, ""]:
+            console.print(line, markup=False, highlight=False, no_wrap=True, overflow="ignore", crop=False)
+    console.print("Settings are key=value with their defaults and (allowed values): "
+                  "turnrl play Sokoban size=8 num_boxes=2; env.settings.size=8 in eval and train.",
+                  markup=False, highlight=False)
     return 0
+
+
+def pack(items: list[str], width: int, first: str, rest: str, gap: str = "  ") -> list[str]:
+    """Lines of at most ``width`` characters holding ``items`` in order, never splitting one (an item longer
+    than a line gets a line of its own): settings stay whole words a user can copy."""
+    lines: list[str] = []
+    line = first
+    for item in items:
+        start = line in (first, rest)
+        if not start and len(line) + len(gap) + len(item) > width:
+            lines.append(line)
+            line = rest
+            start = True
+        line += item if start else gap + item
+    if line not in (first, rest):
+        lines.append(line)
+    return lines
+
+
+def setting_lines(name: str) -> list[str]:
+    """One line per setting of a built-in env: ``name=default``, and the allowed values where there are few."""
+    from turnrl.envs.registry import env_class, env_parameters
+
+    cls = env_class(name)
+    choices = {**getattr(cls, "setting_choices", {}), "mode": tuple(cls.modes)}
+    lines = []
+    for key, default in env_parameters(name).items():
+        if key == "render_mode":  # Gymnasium's, for human viewers: not an agent setting
+            continue
+        allowed = f" ({'|'.join(str(c) for c in choices[key])})" if key in choices else ""
+        lines.append(f"{key}={default!r}{allowed}")
+    return lines
 
 
 # --------------------------------------------------------------------------- play / render
@@ -73,16 +130,59 @@ def _save_png(image: Any, path: Path) -> None:
     Image.fromarray(image).save(path)
 
 
+# Arrow keys arrive as ANSI escape sequences where no line editor takes them (xterm's "CSI" and
+# "application" forms), and WASD as letters: both name a direction.
+ARROW_KEYS = {"\x1b[A": "up", "\x1b[B": "down", "\x1b[C": "right", "\x1b[D": "left",
+              "\x1bOA": "up", "\x1bOB": "down", "\x1bOC": "right", "\x1bOD": "left"}
+WASD = {"w": "up", "a": "left", "s": "down", "d": "right"}
+PLAY_COMMANDS = ":hint (the solver's next actions), :reset (start the episode again), :quit (or Ctrl-D / Ctrl-C)"
+
+
+def action_shortcuts(names: Sequence[str] | None) -> dict[str, str]:
+    """Keys that stand for an action of the env: arrow keys for the actions named after directions, each
+    action's first letter where no other action starts with it (u/d/l/r), and w/a/s/d for directions where
+    the letter is no action's first letter (so ``d`` is Down, not WASD's right, when there is a Down)."""
+    if not names:
+        return {}
+    by_lower = {name.lower(): name for name in names}
+    keys = {key: by_lower[direction] for key, direction in ARROW_KEYS.items() if direction in by_lower}
+    initials: dict[str, list[str]] = {}
+    for name in names:
+        initials.setdefault(name[:1].lower(), []).append(name)
+    keys.update({letter: found[0] for letter, found in initials.items() if len(found) == 1 and letter.isalpha()})
+    for letter, direction in WASD.items():
+        if letter not in initials and direction in by_lower:
+            keys[letter] = by_lower[direction]
+    return keys
+
+
+def expand_shortcut(line: str, shortcuts: dict[str, str]) -> str:
+    """The action a typed line stands for: a shortcut key (case-insensitive; arrows as typed), else the line."""
+    key = line.strip()
+    return shortcuts.get(key, shortcuts.get(key.lower(), line)) if key else line
+
+
 def cmd_play(args: argparse.Namespace) -> int:
     env = _make_env(args.env, parse_settings(args.settings))
+    try:
+        return _play(env, args)
+    except KeyboardInterrupt:  # Ctrl-C ends the game like :quit
+        console.print("\nbye")
+        return 0
+
+
+def _play(env: Any, args: argparse.Namespace) -> int:
     obs, info = env.reset(seed=args.seed)
     out_dir = Path(args.out or f"play_{args.env}_{args.seed}")
     console.print(f"[bold]{type(env).__name__}[/bold] seed={args.seed}\n")
     console.print(env.instructions(), markup=False)
     names = env.action_names()
+    shortcuts = action_shortcuts(names)
+    letters = ", ".join(f"{k}={v}" for k, v in shortcuts.items() if not k.startswith("\x1b"))
+    arrows = " and the arrow keys" if any(k.startswith("\x1b") for k in shortcuts) else ""
+    keys = f"\nKeys: {letters}{arrows}." if letters else ""
     console.print(
-        f"\nActions: {', '.join(names) if names else 'free-form text'}. "
-        "Commands: :hint (solver's next actions), :reset, :quit\n",
+        f"\nActions: {', '.join(names) if names else 'free-form text'}.{keys}\nCommands: {PLAY_COMMANDS}\n",
         markup=False,
     )
     turn, total = 0, 0.0
@@ -111,7 +211,10 @@ def cmd_play(args: argparse.Namespace) -> int:
         if command == ":hint":
             console.print(f"solver: {env.solve()}", markup=False)
             continue
-        obs, reward, terminated, truncated, info = env.step(line)
+        action = expand_shortcut(line, shortcuts)
+        if action != line:
+            console.print(f"({action})", markup=False, highlight=False)
+        obs, reward, terminated, truncated, info = env.step(action)
         turn += 1
         total += reward
         valid = "" if info.get("action_is_valid", True) else " (invalid action)"
@@ -140,9 +243,24 @@ def cmd_render(args: argparse.Namespace) -> int:
     if "image" not in obs:
         hint = f"; pick one of {[m for m in env_class(name).modes if m != 'text']}" if name else ""
         raise SystemExit(f"error: {args.env} with {settings} observes no image{hint}")
-    _save_png(obs["image"], Path(args.output))
-    console.print(f"wrote {args.output} ({obs['image'].shape[1]}x{obs['image'].shape[0]})")
+    output = image_path(args.output)
+    _save_png(obs["image"], output)
+    console.print(f"wrote {output} ({obs['image'].shape[1]}x{obs['image'].shape[0]})")
     return 0
+
+
+def image_path(output: str) -> Path:
+    """Where ``render -o`` writes: the path as given when PIL knows its extension, with ``.png`` added when
+    it has none; an extension PIL cannot write is an error naming the ones it can."""
+    from PIL import Image
+
+    path = Path(output)
+    if not path.suffix:
+        return path.with_name(path.name + ".png")
+    Image.init()
+    if path.suffix.lower() not in Image.EXTENSION:
+        raise SystemExit(f"error: -o {output}: cannot write {path.suffix!r} images; use .png, .jpg, .webp, ...")
+    return path
 
 
 def cmd_check_env(args: argparse.Namespace) -> int:
@@ -160,22 +278,37 @@ def cmd_check_env(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- eval / sft / train / serve
+BUDGET_KEYS = ("agent.max_turns", "agent.max_actions_per_episode")
+
+
+def default_eval_dir(env: str, policy: str, now: float | None = None) -> Path:
+    """``runs/eval/<env>-<policy>-<YYYYmmdd-HHMMSS>``: where ``turnrl eval`` writes without ``--out`` (a
+    policy path keeps its last two parts, characters unsafe in a folder name become ``_``)."""
+    policy_name = "_".join(Path(policy).parts[-2:]) if "/" in policy else policy
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{env}-{policy_name}").strip("_")[:80]
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return Path("runs") / "eval" / f"{name}-{stamp}"
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from turnrl.config import ConfigError, EvalConfig, load_config
+    from turnrl.config import ConfigError, EvalConfig, given_keys, load_config
     from turnrl.evaluate import run_eval
     from turnrl.training.config import TrainConfig
 
     overrides = list(args.overrides)
     overrides += [f"env.id={args.env}", f"policy={args.policy}", f"episodes={args.episodes}"]
+    # A training recipe evaluates with its own env, agent and sampling settings.
+    training_only = {f.name for f in fields(TrainConfig)} - {f.name for f in fields(EvalConfig)}
+    given = given_keys(args.config, overrides, skip_sections=training_only)
     if args.out:
         overrides.append(f"out={args.out}")
+    elif "out" not in given:
+        overrides.append(f"out={default_eval_dir(args.env, args.policy)}")
     try:
-        # A training recipe evaluates with its own env, agent and sampling settings.
-        training_only = {f.name for f in fields(TrainConfig)} - {f.name for f in fields(EvalConfig)}
         config = load_config(EvalConfig, args.config, overrides, skip_sections=training_only)
-        run_eval(config)
+        run_eval(config, budget_from_env=not any(key in given for key in BUDGET_KEYS))
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
     return 0
@@ -202,81 +335,160 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     config_path = args.config
     if resume is not None and config_path is None:
+        if not (Path(resume) / "config.yaml").is_file():
+            raise SystemExit(f"error: resume={resume!r} is not a run directory (it has no config.yaml)")
         config_path = str(Path(resume) / "config.yaml")
     try:
-        train(load_config(TrainConfig, config_path, overrides))
+        summary = train(load_config(TrainConfig, config_path, overrides))
     except ConfigError as error:  # also those found once the run starts (a reward function that cannot load)
         raise SystemExit(f"error: {error}") from error
-    return 0
+    return 130 if "interrupted_at_step" in summary else 0  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def cmd_serve_policy(args: argparse.Namespace) -> int:
+    from turnrl.config import ConfigError, ModelConfig, load_config
     from turnrl.serve.policy import serve
 
-    serve(model_path=args.model, host=args.host, port=args.port, device=args.device, max_batch_size=args.max_batch_size)
+    overrides = [item.removeprefix("model.") for item in args.overrides]
+    try:
+        model_config = load_config(ModelConfig, None, [*overrides, f"device={args.device}"])
+    except ConfigError as error:
+        raise SystemExit(f"error: {error} (serve-policy takes model settings, e.g. dtype=bfloat16 backend=hf)") \
+            from error
+    serve(model_path=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
+          served_model_name=args.served_model_name, model_config=model_config)
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from turnrl.config import ConfigError, EvalConfig, config_keys, load_config
+    from turnrl.training.config import TrainConfig
+
+    cls: type = EvalConfig if args.eval else TrainConfig
+    try:
+        config = load_config(cls, args.config, args.overrides) if args.config or args.overrides else cls()
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}") from error
+    title = "turnrl eval" if args.eval else "turnrl train / sft"
+    source = f" from {args.config}" if args.config else ""
+    console.print(f"# every key of {title}{source}: key: value  # doc", markup=False, highlight=False)
+    if args.eval:
+        console.print(f"# unless set, {' and '.join(BUDGET_KEYS)} come from the env (what a competent agent needs)",
+                      markup=False, highlight=False, soft_wrap=True)
+    section = None
+    for item in config_keys(config):
+        head = item.key.split(".", 1)[0] if "." in item.key else None
+        if head != section and head is not None:
+            console.print(f"\n# {head}", markup=False, highlight=False)
+        section = head
+        value = "null" if item.default is None else repr(item.default)
+        console.print(f"{item.key}: {value}  # {item.doc}", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
 # --------------------------------------------------------------------------- wiring
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="turnrl", description="Multi-turn RL for language and vision-language agents."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+    from turnrl import __version__
 
-    p = sub.add_parser("envs", help="list environments with their modes and settings")
+    parser = argparse.ArgumentParser(
+        prog="turnrl", description="Multi-turn RL for language and vision-language agents.",
+        epilog="Run `turnrl COMMAND --help` for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"turnrl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    env_help = "a built-in env (turnrl envs lists them), module:Class, or a registered Gymnasium id"
+    settings_help = "env settings as key=value (e.g. size=8 mode=image); turnrl envs lists them"
+    overrides_help = "config overrides as key=value (e.g. agent.max_turns=20); turnrl config show lists every key"
+
+    p = sub.add_parser("envs", help="list environments with their modes and settings",
+                       description="List the built-in environments, their modes and settings with defaults.")
     p.set_defaults(fn=cmd_envs)
 
-    p = sub.add_parser("play", help="play an environment in the terminal")
-    p.add_argument("env")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="folder for the PNG of each turn (image modes)")
-    p.add_argument("settings", nargs="*", help="env settings as key=value (e.g. size=8 mode=image)")
+    p = sub.add_parser("play", help="play an environment in the terminal",
+                       description="Play an env in the terminal: type an action per line (or a shortcut key). "
+                                   f"Commands: {PLAY_COMMANDS}.")
+    p.add_argument("env", help=env_help)
+    p.add_argument("--seed", type=seed_arg, default=0, help="episode seed, from 0 (default: 0)")
+    p.add_argument("--out", help="folder for the PNG of each turn (image modes; default: play_ENV_SEED)")
+    p.add_argument("settings", nargs="*", help=settings_help)
     p.set_defaults(fn=cmd_play)
 
-    p = sub.add_parser("render", help="write an env's first frame as PNG")
-    p.add_argument("env")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-o", "--output", required=True)
-    p.add_argument("settings", nargs="*", help="env settings as key=value")
+    p = sub.add_parser("render", help="write an env's first frame as an image",
+                       description="Write the first frame of an env's episode as an image (PNG unless -o says).")
+    p.add_argument("env", help=env_help)
+    p.add_argument("--seed", type=seed_arg, default=0, help="episode seed, from 0 (default: 0)")
+    p.add_argument("-o", "--output", required=True, help="image file; .png is added when it has no extension")
+    p.add_argument("settings", nargs="*", help=settings_help)
     p.set_defaults(fn=cmd_render)
 
     p = sub.add_parser("check-env", help="check an env against turnrl's contract (and Gymnasium's checker)")
-    p.add_argument("env", help="a built-in name, module:Class, or a registered Gymnasium id")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("env", help=env_help)
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the episodes checked (default: 0)")
     p.add_argument("--stochastic", action="store_true", help="the env is random given its seed and actions "
                    "(e.g. slippery FrozenLake): do not require the solver's plan to succeed")
-    p.add_argument("settings", nargs="*", help="env settings as key=value")
+    p.add_argument("settings", nargs="*", help=settings_help)
     p.set_defaults(fn=cmd_check_env)
 
-    p = sub.add_parser("eval", help="evaluate a policy on validation seeds")
-    p.add_argument("--env", required=True)
-    p.add_argument("--policy", required=True, help="expert, random, builtin, a model directory, or openai:<model>")
-    p.add_argument("--episodes", type=int, default=32)
-    p.add_argument("--out", help="folder for summary.json and trajectories.jsonl")
+    p = sub.add_parser("eval", help="evaluate a policy on validation seeds",
+                       description="Play validation seeds with a policy and report success, rewards, budget cuts "
+                                   "and errors. Unless agent.max_turns or agent.max_actions_per_episode is set, "
+                                   "the env says how many turns a competent agent needs.")
+    p.add_argument("--env", required=True, help=env_help + "; gym:<id> for a Gymnasium env seen as images")
+    p.add_argument("--policy", required=True,
+                   help="expert, random, builtin, a model directory or hub id, or openai:<model> (with base_url=...)")
+    p.add_argument("--episodes", type=count_arg, default=32, help="validation seeds played (default: 32)")
+    p.add_argument("--out", help="folder for summary.json and trajectories.jsonl "
+                                 "(default: runs/eval/<env>-<policy>-<time>)")
     p.add_argument("--config", help="YAML with eval settings, or a training recipe (its training sections are skipped)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides (e.g. env.settings.size=6 sampling.temperature=0)")
+    p.add_argument("overrides", nargs="*", help=overrides_help)
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("sft", help="supervised fine-tuning on expert demos or a JSONL of chats")
-    p.add_argument("--config", help="recipe YAML")
-    p.add_argument("--data", help="JSONL of chat conversations instead of expert demos")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--config", help="recipe YAML (default: the built-in defaults)")
+    p.add_argument("--data", help="JSONL of chat conversations instead of expert demos (same as sft.data=...)")
+    p.add_argument("overrides", nargs="*", help=overrides_help)
     p.set_defaults(fn=cmd_sft)
 
-    p = sub.add_parser("train", help="RL training from a recipe")
+    p = sub.add_parser("train", help="RL training from a recipe",
+                       description="RL training (SFT first when sft.enabled). Ctrl-C stops after the current "
+                                   "step and saves a checkpoint; resume=RUN_DIR continues a run.")
     p.add_argument("--config", help="recipe YAML (omit with resume=RUN_DIR)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, or resume=RUN_DIR")
+    p.add_argument("overrides", nargs="*", help=overrides_help + ", or resume=RUN_DIR")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("serve-policy", help="serve a model over an OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve-policy", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model at http://HOST:PORT/v1 (chat completions, models, health).")
     p.add_argument("--model", required=True,
                    help="model directory, 'builtin', or 'builtin:PRESET' (e.g. builtin:vlm-tiny)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the --model text), "
+                                               "e.g. my-model for `turnrl eval --policy openai:my-model`")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
+    p.add_argument("--max-batch-size", type=count_arg, default=32,
+                   help="prompts generated together at most (default: 32)")
+    p.add_argument("overrides", nargs="*",
+                   help="model settings as key=value (the model section: dtype=bfloat16, backend=hf, ...)")
     p.set_defaults(fn=cmd_serve_policy)
+
+    p = sub.add_parser("config", help="show every config key with its value and doc",
+                       description="Print every config key, its value (the defaults, or a recipe's with --config) "
+                                   "and its one-line doc.")
+    config_sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    q = config_sub.add_parser("show", help="print every key, its value and its doc")
+    q.add_argument("--config", help="a recipe YAML whose values to show")
+    q.add_argument("--eval", action="store_true", help="the keys of turnrl eval instead of train")
+    q.add_argument("overrides", nargs="*", help="key=value overrides applied before showing")
+    q.set_defaults(fn=cmd_config_show)
+    return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The (sub)parser of the command named in ``argv``, for usage errors that show that command's usage."""
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for word in argv:
+        if actions and word in actions[0].choices:
+            return _subparser(actions[0].choices[word], argv[list(argv).index(word) + 1 :])
     return parser
 
 
@@ -284,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The run's own rich progress bars say what is happening; the per-file
     # bars of model loading and saving would only interleave with them.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     # argparse gives a trailing nargs="*" positional only the words before the
     # first option, so `play ENV --seed 3 mode=image` would stop at
@@ -293,9 +506,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = next((name for name in ("settings", "overrides") if hasattr(args, name)), None)
     if extra:
         if target is None or any(word.startswith("-") or "=" not in word for word in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            _subparser(parser, argv).error(f"unrecognized arguments: {' '.join(extra)}")
         setattr(args, target, [*getattr(args, target), *extra])
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the steps that stop cleanly
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@ a message that lists what is allowed.
 
 from __future__ import annotations
 
+import ast
+import difflib
+import inspect
 import math
+import textwrap
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -35,6 +39,40 @@ def check_range(key: str, value: float, low: float | None = None, high: float | 
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
         raise ConfigError(f"{key}={value!r} is out of range; allowed: {bounds}")
+
+
+def build_env(env_id: str, settings: dict[str, Any], where: str = "env.settings") -> Any:
+    """``turnrl.envs.make(env_id, **settings)``, with a config error that names the setting at fault.
+
+    An env that rejects a value in words of its own (``invalid literal for int()``) does not say which
+    setting it was; the settings are then tried one at a time to name it (``env.settings.size='abc'``).
+
+    Raises:
+        ConfigError: unknown env, unknown setting or a value the env refuses.
+    """
+    from turnrl.envs import make
+
+    try:
+        return make(env_id, **settings)
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        if settings and not any(name in message for name in settings) and _makes(env_id, {}):
+            for name, value in settings.items():
+                if not _makes(env_id, {name: value}):
+                    raise ConfigError(f"{where}.{name}={value!r} is refused by {env_id}: {message}") from error
+            message = f"{where} {settings}: {message}"
+        raise ConfigError(message) from error
+
+
+def _makes(env_id: str, settings: dict[str, Any]) -> bool:
+    """Whether ``env_id`` builds with ``settings`` (an unknown id builds with none)."""
+    from turnrl.envs import make
+
+    try:
+        make(env_id, **settings)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- sections
@@ -295,7 +333,8 @@ class EvalConfig:
     batch_size: int = 64
     """Episodes rolled out together."""
     out: Optional[str] = None
-    """Output directory for summary.json and trajectories.jsonl."""
+    """Output directory for summary.json and trajectories.jsonl; None writes nothing (``turnrl eval`` then
+    picks ``runs/eval/<env>-<policy>-<time>``)."""
 
     def validate(self) -> None:
         self.agent.validate()
@@ -318,14 +357,96 @@ def _format_omegaconf_error(error: OmegaConfBaseException) -> str:
     return f"config key {key!r}: {message}" if key else message
 
 
-def _allowed_keys(cls: type, prefix: str = "") -> list[str]:
+@dataclass(frozen=True)
+class KeyDoc:
+    """One settable key of a config: its dotted name, its default and its one-line documentation."""
+
+    key: str
+    default: Any
+    doc: str
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls`` (the string literal that follows it), by name.
+
+    Dataclass fields keep no docstrings at run time, so they are read from the class's source; a class
+    whose source cannot be read (built in a REPL) gives an empty mapping.
+    """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, after in zip(body, body[1:]):
+            is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
+                assert isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def config_keys(config: Any, prefix: str = "") -> list[KeyDoc]:
+    """Every settable key of a config dataclass or instance (sections flattened to ``a.b``), its value
+    (the default, for a class) and its doc. A section's defaults are its parent's (``EvalConfig``'s
+    sampling temperature is 0.5, not ``SamplingConfig``'s 1.0)."""
+    instance = config() if isinstance(config, type) else config
+    docs = field_docs(type(instance))
     keys = []
-    for f in fields(cls):
-        default = f.default_factory() if callable(f.default_factory) else f.default
-        if is_dataclass(default):
-            keys.extend(_allowed_keys(type(default), f"{prefix}{f.name}."))
+    for f in fields(instance):
+        value = getattr(instance, f.name)
+        if is_dataclass(value):
+            keys.extend(config_keys(value, f"{prefix}{f.name}."))
         else:
-            keys.append(f"{prefix}{f.name}")
+            keys.append(KeyDoc(f"{prefix}{f.name}", value, docs.get(f.name, "")))
+    return keys
+
+
+def _allowed_keys(cls: type) -> list[str]:
+    return [item.key for item in config_keys(cls)]
+
+
+def close_keys(key: str, allowed: list[str], n: int = 3) -> list[str]:
+    """The allowed keys closest to a mistyped ``key``: by the whole dotted name, then by its last part
+    (``max_turn`` finds ``agent.max_turns``; ``sampling.temprature`` finds ``sampling.temperature``); a
+    mistyped section (``samplng``) finds its section."""
+    sections = sorted({name.rsplit(".", 1)[0] for name in allowed if "." in name})
+    allowed = [*allowed, *sections]
+    matches = difflib.get_close_matches(key, allowed, n=n, cutoff=0.75)
+    leaf = key.rsplit(".", 1)[-1]
+    by_leaf: dict[str, list[str]] = {}
+    for name in allowed:
+        by_leaf.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+    for near in difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.75):
+        matches.extend(name for name in by_leaf[near] if name not in matches)
+    return matches[:n]
+
+
+def given_keys(path: str | Path | None = None, overrides: list[str] | None = None,
+               skip_sections: Collection[str] = ()) -> set[str]:
+    """The dotted keys that a YAML file and ``key=value`` overrides set (what a command was told, as
+    opposed to defaults); sections count as set with every key inside them. Unreadable input gives what
+    could be read: :func:`load_config` reports the problem."""
+    keys: set[str] = set()
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                keys.add(f"{prefix}{name}")
+                walk(value, f"{prefix}{name}.")
+
+    if path is not None and Path(path).is_file():
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError:
+            data = None
+        if isinstance(data, dict):
+            walk({k: v for k, v in data.items() if k not in skip_sections}, "")
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        parts = key.split(".")
+        keys.update(".".join(parts[: i + 1]) for i in range(len(parts)))
     return keys
 
 
@@ -374,7 +495,12 @@ def load_config(
     except OmegaConfBaseException as error:
         message = _format_omegaconf_error(error)
         if "not in" in message:
-            message += f"\nallowed keys: {', '.join(_allowed_keys(cls))}"
+            # One line, with the likely key: ~110 keys on a line help nobody.
+            message = message.split(". Did you mean", 1)[0].rstrip(".")
+            key = getattr(error, "full_key", None) or ""
+            near = close_keys(str(key), _allowed_keys(cls))
+            hint = f"did you mean {' or '.join(near)}? " if near else ""
+            message += f"; {hint}`turnrl config show` lists every key with its default"
         raise ConfigError(message) from error
     validate = getattr(config, "validate", None)
     if validate is not None:

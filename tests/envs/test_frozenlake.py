@@ -251,3 +251,14 @@ def test_image_mode_text_gives_the_board_away_nowhere():
     obs, _ = env.reset(seed=0)
     assert obs["text"] == IMAGE_CAPTION and "P" not in obs["text"]
     assert env.render() == FrozenLakeEnv().reset(seed=0)[0]["text"]  # ansi still draws the board
+
+
+@pytest.mark.parametrize("size", [4, 8])
+def test_action_budget_covers_the_shortest_path_and_slippery_ice_keeps_max_steps(size):
+    env = FrozenLakeEnv(size=size)
+    longest = 0
+    for seed in range(200):
+        env.reset(seed=seed)
+        longest = max(longest, len(env.solve()))
+    assert longest <= env.action_budget() == size**2 - 1
+    assert FrozenLakeEnv(size=size, is_slippery=True, max_steps=70).action_budget() == 70

@@ -240,3 +240,14 @@ def test_constructor_validation(kwargs, message):
 def test_bad_levels(level, message):
     with pytest.raises(ValueError, match=message):
         Maze2DEnv(size=5).reset(options={"level": level})
+
+
+@pytest.mark.parametrize(("difficulty", "reward_on"), [("easy", "reach"), ("hard", "stop")])
+def test_action_budget_covers_the_shortest_path(difficulty, reward_on):
+    env = Maze2DEnv(difficulty=difficulty, reward_on=reward_on)
+    longest = 0
+    for seed in range(200):
+        env.reset(seed=seed)
+        longest = max(longest, len(env.solve()))
+    assert longest <= env.action_budget() <= env.max_steps
+    assert Maze2DEnv(difficulty=difficulty, max_steps=9).action_budget() == 9

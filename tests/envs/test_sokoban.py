@@ -444,3 +444,14 @@ def test_state_facts_relations():
     assert (by_name["box"].position, by_name["box"].vertical, by_name["box"].horizontal) == ((1, 2), "above", "left")
     assert (by_name["target"].vertical, by_name["target"].horizontal) == ("below", "left")
     assert "box is above and to the left of the player" in facts.describe()
+
+
+@pytest.mark.parametrize(("size", "boxes"), [(6, 1), (7, 2)])
+def test_action_budget_covers_the_fewest_moves_solution(size, boxes):
+    env = SokobanEnv(size=size, num_boxes=boxes)
+    lengths = []
+    for seed in range(100):
+        env.reset(seed=seed)
+        lengths.append(len(env.solve()))
+    assert max(lengths) <= env.action_budget() <= env.max_steps
+    assert SokobanEnv(size=size, num_boxes=boxes, max_steps=5).action_budget() == 5

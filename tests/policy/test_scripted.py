@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections import Counter
 
 import numpy as np
@@ -13,7 +14,7 @@ from turnrl.config import SamplingConfig
 from turnrl.envs import make
 from turnrl.envs.registry import env_names
 from turnrl.policy.base import GenerationRequest
-from turnrl.policy.scripted import ExpertPolicy, RandomPolicy
+from turnrl.policy.scripted import RANDOM_REASON, ExpertPolicy, RandomPolicy
 
 # The visgym_tuple format carries one tuple literal, e.g. ('move', 0); a free-form
 # Countdown equation has no such spelling, so that one pairing cannot work.
@@ -177,3 +178,17 @@ def test_a_failing_solver_errors_only_its_own_request():
     )
     assert good.finish_reason == "stop" and good.text
     assert bad.finish_reason == "error" and "solver exploded" in bad.error
+
+
+@pytest.mark.parametrize("fmt_name", [f for f in format_names() if f != "visgym_tuple"])
+def test_random_policy_says_it_is_random_and_makes_up_no_plan(fmt_name):
+    fmt = get_format(fmt_name)
+    env = make("FrozenLake")
+    env.reset(seed=0)
+    text = respond(RandomPolicy(fmt, seed=0), env)
+    parsed = fmt.parse(text, env.action_names())
+    assert parsed.format_ok and len(parsed.actions) == 1
+    assert "shortest" not in text.lower() and "goal" not in text.lower()
+    for name, value in parsed.fields.items():
+        if name != fmt.answer_tag:  # a field that holds others (grounding's <think>) holds only their texts
+            assert set(filter(None, re.split(r"\s*<[^>]+>\s*", value))) == {RANDOM_REASON}, (name, value)

@@ -8,6 +8,7 @@ where timing cannot make the outcome vary.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.serve.running import running
 from turnrl.config import ModelConfig, SamplingConfig
@@ -153,7 +155,8 @@ def test_concurrent_requests_share_generate_calls(served):
         ({"model": MODEL, "messages": HI, "top_logprobs": 3, "logprobs": True}, 400, ["top_logprobs"]),
         ({"model": MODEL, "messages": HI, "presence_penalty": 0.5}, 400, ["presence_penalty"]),
         (
-            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+            {"model": MODEL,
+             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
             400,
             ["text-only"],
         ),
@@ -180,6 +183,42 @@ def test_malformed_json_and_server_keeps_serving(served, client):
 def test_load_policy_serves_under_the_given_name(served):
     policy, name = load_policy(served.path, device="cpu", max_batch_size=4)
     assert name == served.path and policy.max_batch_size == 4 and policy.tokenizer is not None
+    policy, name = load_policy(served.path, max_batch_size=4, served_model_name="my-model",
+                               model_config=ModelConfig(device="cpu", dtype="bfloat16"))
+    assert name == "my-model" and next(policy.model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "words"),
+    [("GET", "/chat/completions", 405, ["GET is not allowed", "POST /v1/chat/completions"]),
+     ("POST", "/nothing", 404, ["no endpoint /v1/nothing"]),
+     ("DELETE", "/models", 405, ["DELETE is not allowed"])],
+)
+def test_routing_errors_come_in_openai_s_shape(served, method, path, status, words):
+    response = httpx.request(method, served.base_url + path, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert all(word in error["message"] for word in words)
+    if status == 405:
+        assert "POST" in response.headers["allow"] or "GET" in response.headers["allow"]
+
+
+def test_the_readme_s_eval_against_serve_policy_works_as_written(served, tmp_path, capsys):
+    """``turnrl serve-policy --served-model-name my-model`` then ``turnrl eval --policy openai:my-model
+    base_url=...``: episodes play; a wrong model name errors every episode and the summary says why."""
+    from turnrl.cli import main
+
+    with running(create_app(served.policy, "my-model")) as url:
+        for model, errors in (("my-model", 0), ("other-model", 2)):
+            out = tmp_path / model
+            argv = ["eval", "--env", "Bandit", "--policy", f"openai:{model}", f"base_url={url}", "--episodes", "2",
+                    "--out", str(out), "sampling.max_new_tokens=8"]
+            assert main(argv) == 0
+            summary = json.loads((out / "summary.json").read_text())
+            assert summary["errors"] == errors, summary["first_errors"]
+    assert "model 'other-model' does not exist; this server serves 'my-model'" in summary["first_errors"][0]
+    assert "model 'other-model' does not exist" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- the batcher, deterministically
@@ -206,7 +245,8 @@ def run_jobs(policy, jobs, max_batch_size=16, window_s=0.05):
         batcher.start()
         try:
             submissions = [
-                batcher.submit([GenerationRequest(prompt_ids=[first], messages=[], max_new_tokens=first % 7 + 1)] * n, s)
+                batcher.submit(
+                    [GenerationRequest(prompt_ids=[first], messages=[], max_new_tokens=first % 7 + 1)] * n, s)
                 for first, n, s in jobs
             ]
             return await asyncio.gather(*submissions, return_exceptions=True), batcher.stats

@@ -11,8 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.training.checkpoint import (
+    checkpoint_steps,
     latest_checkpoint,
     load_trainer_state,
+    prune_checkpoints,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -107,3 +109,19 @@ def test_rng_state_round_trip_in_memory():
     first = draws()
     set_rng_state(state)
     assert draws() == first
+
+
+def test_keep_last_n_deletes_the_oldest_checkpoints_but_never_latest(actor, tiny_tokenizer, tmp_path):
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, actor, tiny_tokenizer, {})
+    (tmp_path / "checkpoints" / "step_000009.tmp").mkdir()  # an unfinished save is not a checkpoint
+    assert checkpoint_steps(tmp_path) == [1, 2, 3, 4]
+    assert prune_checkpoints(tmp_path, 0) == []
+    deleted = prune_checkpoints(tmp_path, 2)
+    assert [p.name for p in deleted] == ["step_000001", "step_000002"]
+    assert checkpoint_steps(tmp_path) == [3, 4] and latest_checkpoint(tmp_path).name == "step_000004"
+    # A resumed run that re-saved an older step keeps it while ``latest`` names it.
+    save_checkpoint(tmp_path, 2, actor, tiny_tokenizer, {})
+    assert prune_checkpoints(tmp_path, 1) == [tmp_path / "checkpoints" / "step_000003"]
+    assert checkpoint_steps(tmp_path) == [2, 4] and latest_checkpoint(tmp_path).name == "step_000002"
+    assert checkpoint_steps(tmp_path / "nothing") == []

@@ -57,6 +57,9 @@ def test_uses_critic_exactly_for_the_critic_estimators(advantage):
     "override, key",
     [
         ("algorithm.advantage=ppo", "algorithm.advantage"),
+        ("run.keep_checkpoints=-1", "run.keep_checkpoints"),
+        ("run.save_every=-2", "run.save_every"),
+        ("run.overwrite=maybe", "run.overwrite"),
         ("algorithm.reward_placement=middle", "algorithm.reward_placement"),
         ("algorithm.sample_mode=token", "algorithm.sample_mode"),
         ("algorithm.kl_kind=k4", "algorithm.kl_kind"),

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
+import os
+import re
+import signal
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.console import Console
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.config import ConfigError, load_config
 from turnrl.training.config import TrainConfig
-from turnrl.training.logger import MetricsLogger
-from turnrl.training.trainer import train
+from turnrl.training.logger import MetricsLogger, RunProgress
+from turnrl.training.trainer import GracefulStop, Recipe, train
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.
 COMMON = [
@@ -374,14 +382,169 @@ def test_metrics_logger_writes_json_lines_with_null_for_non_finite_values(tmp_pa
 
 
 def test_metrics_logger_appends_on_resume_and_starts_afresh_otherwise(tmp_path):
-    for resume, steps in ((False, [1, 2]), (True, [3])):
-        logger = MetricsLogger(tmp_path, tensorboard=False, resume=resume)
+    for resume_step, steps in ((None, [1, 2]), (2, [3])):
+        logger = MetricsLogger(tmp_path, tensorboard=False, resume_step=resume_step)
         for step in steps:
             logger.log(step, {"a/x": float(step)})
         logger.close()
     assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
     MetricsLogger(tmp_path, tensorboard=False).close()
     assert records(tmp_path) == []
+
+
+def test_metrics_logger_on_resume_drops_what_was_logged_after_the_checkpoint(tmp_path):
+    """A run that stopped after logging steps 3-4 past its checkpoint at 2 logs them once when resumed."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    for step in range(5):
+        logger.log(step, {"a/x": float(step)})
+    logger.close()
+    with (tmp_path / "metrics.jsonl").open("a") as torn:  # killed mid-write
+        torn.write('{"step": 5, "a/')
+    logger = MetricsLogger(tmp_path, tensorboard=True, resume_step=2)
+    for step in (3, 4):
+        logger.log(step, {"a/x": 10.0 + step})
+    logger.close()
+    assert [(r["step"], r["a/x"]) for r in records(tmp_path)] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard"))
+    accumulator.Reload()
+    assert [(e.step, e.value) for e in accumulator.Scalars("a/x")] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0),
+                                                                      (4, 14.0)]
+
+
+# --------------------------------------------------------------------------- progress
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_prints_plain_lines_every_interval_where_output_is_not_a_terminal():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=120)
+    clock = Clock()
+    with RunProgress(console, "rl", 10, completed=2, every_s=30.0, clock=clock) as progress:
+        for _ in range(8):
+            clock.now += 10.0
+            progress.update(1, "success 0.50")
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("rl 2/10 (20%), 0:00:00 elapsed")
+    # one line at the start, then one every 30 s (steps at 30 s, 60 s) and one at the end (80 s)
+    assert [line.split(",")[0] for line in lines] == ["rl 2/10 (20%)", "rl 5/10 (50%)", "rl 8/10 (80%)",
+                                                     "rl 10/10 (100%)"]
+    assert "~0:00:50 left" in lines[1] and lines[-1].endswith("success 0.50")
+
+
+def test_progress_in_a_terminal_draws_a_bar_and_nested_progress_stays_quiet():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    with RunProgress(console, "rl", 3) as outer:
+        with RunProgress(console, "validation", 4) as inner:  # rich allows one live display at a time
+            inner.update(4)
+        outer.update(3, "done")
+    text = out.getvalue()
+    assert "rl" in text and "3/3" in text and "validation 4/4" not in text
+
+
+# --------------------------------------------------------------------------- checks before anything is written
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["env.id=Chess"], "unknown env 'Chess'"),
+        (["env.settings.sizee=4"], "no setting sizee"),
+        (["env.settings.size=abc"], "size"),
+        (["env.id=Sokoban", "env.settings.size=abc"], "env.settings.size='abc'"),
+        (["env.val_settings={size: 1}"], "size"),
+        (["sft.enabled=true", "sft.data=nowhere.jsonl"], "sft.data='nowhere.jsonl'"),
+        (["sft.enabled=true", "sft.data=BROKEN"], "expected a JSON object"),
+        (["run.wandb_project=x"], "pip install wandb"),
+        (["model.path=./runs/old/sft/model"], "model.path='./runs/old/sft/model' does not exist"),
+    ],
+)
+def test_a_run_that_cannot_work_stops_before_writing_or_loading_anything(overrides, needle, tmp_path, monkeypatch):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
+    overrides = [o.replace("BROKEN", str(broken)) for o in overrides]
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else
+                        real_find_spec(name, *a))
+    # No model of this name exists: a check that came after loading would fail there instead.
+    with pytest.raises(ConfigError, match=re.escape(needle)) as info:
+        train(config("nobody/no-model", tmp_path / "runs", *overrides))
+    assert "\n" not in str(info.value) or needle.startswith("unknown env")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_resume_without_checkpoint_leaves_the_run_untouched(tmp_path):
+    run = tmp_path / "runs" / "old"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("run: {name: old}\n")
+    with pytest.raises(ConfigError, match="holds no checkpoint"):
+        train(config("nobody/no-model", tmp_path / "runs", f"resume={run}"))
+    assert (run / "config.yaml").read_text() == "run: {name: old}\n"
+    with pytest.raises(ConfigError, match="no such run directory"):
+        train(config("nobody/no-model", tmp_path / "runs", f"resume={tmp_path / 'nothing'}"))
+
+
+def test_a_new_run_refuses_a_directory_that_holds_a_run_unless_told_to_overwrite(tiny_model_dir, tmp_path):
+    train(config(tiny_model_dir, tmp_path, "run.steps=1", "algorithm.advantage=grpo"))
+    run = tmp_path / "run"
+    first = records(run)
+    with pytest.raises(ConfigError, match="already holds a run") as info:
+        train(config(tiny_model_dir, tmp_path, "run.steps=1", "algorithm.advantage=grpo"))
+    assert f"resume={run}" in str(info.value) and "run.overwrite=true" in str(info.value)
+    assert records(run) == first
+    (run / "checkpoints" / "step_000007").mkdir()  # a checkpoint of the old run, which must not survive
+    train(config(tiny_model_dir, tmp_path, "run.steps=1", "algorithm.advantage=grpo", "run.overwrite=true"))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000000"]
+    assert [r["step"] for r in records(run)] == [r["step"] for r in first]
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+def test_graceful_stop_asks_first_and_interrupts_on_the_second_ctrl_c():
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny_model_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    extra = ["algorithm.advantage=grpo", "run.steps=3", "run.save_every=0", "run.keep_checkpoints=1"]
+    step = Recipe.step
+
+    def step_then_ctrl_c(self, index):
+        output = step(self, index)
+        if index == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives during the first step
+        return output
+
+    monkeypatch.setattr(Recipe, "step", step_then_ctrl_c)
+    summary = train(config(tiny_model_dir, tmp_path, *extra))
+    monkeypatch.setattr(Recipe, "step", step)
+    run = tmp_path / "run"
+    assert summary["interrupted_at_step"] == 1
+    assert (run / "checkpoints" / "latest").read_text() == "step_000000"
+    out = capsys.readouterr().out
+    assert f"turnrl train resume={run}" in out
+    assert not (run / "summary.json").exists()
+    # The stopped run had logged step 1; a record past the checkpoint (as a crash leaves) is dropped too.
+    with (run / "metrics.jsonl").open("a") as file:
+        file.write(json.dumps({"step": 2, "rollout/success": 0.0}) + "\n")
+    summary = train(config(tiny_model_dir, tmp_path, *extra, f"resume={run}"))
+    steps = [r["step"] for r in records(run) if "rollout/success" in r]
+    assert steps == [1, 2, 3]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000002"]  # keep last 1
+    total = json.loads((run / "summary.json").read_text())["total_s"]
+    # Resuming a finished run changes nothing.
+    again = train(config(tiny_model_dir, tmp_path, *extra, f"resume={run}"))
+    assert json.loads((run / "summary.json").read_text())["total_s"] == total == again["total_s"]
+    assert [r["step"] for r in records(run) if "rollout/success" in r] == [1, 2, 3]
 
 
 # --------------------------------------------------------------------------- resume
@@ -421,3 +584,13 @@ def test_resume_after_sft_with_lora_continues_exactly(tiny_model_dir, tmp_path):
     train(config(tiny_model_dir, tmp_path, *extra, "run.steps=3", f"resume={tmp_path / 'split'}", name="split"))
     one, two = step_records(tmp_path / "straight"), step_records(tmp_path / "split")
     assert comparable(one[3]) == comparable(two[3])
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(), step=st.integers(-3, 10))
+def test_resuming_over_any_metrics_file_never_raises(tmp_path_factory, text, step):
+    folder = tmp_path_factory.mktemp("any")
+    (folder / "metrics.jsonl").write_text(text)
+    MetricsLogger(folder, tensorboard=False, resume_step=step).close()
+    for record in records(folder):
+        assert not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step)

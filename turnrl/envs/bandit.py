@@ -108,6 +108,7 @@ class BanditEnv(TurnEnv):
     """
 
     modes = ("text", "image")
+    setting_choices = {"split": tuple(SPLITS)}
     description = "Bandit: one pull of two symbolic arms, steady small reward vs rare large one (RAGEN)."
 
     def __init__(

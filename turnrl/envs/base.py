@@ -187,6 +187,9 @@ class TurnEnv(gym.Env[dict, str]):
     metadata: dict[str, Any] = {"render_modes": ["ansi", "rgb_array"], "render_fps": 4}  # declared as Gymnasium does
     modes: ClassVar[tuple[str, ...]] = ("text",)
     description: ClassVar[str] = ""
+    setting_choices: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    """The allowed values of settings that take one of a few (``turnrl envs`` shows them; ``mode`` is
+    ``modes``)."""
     invalid_action_reward: float = 0.0
 
     def __init__(
@@ -250,6 +253,12 @@ class TurnEnv(gym.Env[dict, str]):
     def solve(self) -> list[str] | None:
         """Expert actions from the current state, or None where no solver exists."""
         return None
+
+    def action_budget(self) -> int:
+        """Actions a competent agent needs at most to finish an episode under these settings (one action a
+        turn): the turn and action budget ``turnrl eval`` gives by default. The base class allows the
+        env's own step limit; envs that know a tighter bound say so."""
+        return self.max_steps
 
     # ----------------------------------------------------------------- shared logic
     @property

@@ -171,6 +171,7 @@ class FrozenLakeEnv(TurnEnv):
     """
 
     modes = ("text", "image")
+    setting_choices = {"symbols": ("ragen", "coords")}
     description = "FrozenLake: reach the goal across the ice without falling into a hole (optionally slippery)."
 
     def __init__(
@@ -256,6 +257,11 @@ class FrozenLakeEnv(TurnEnv):
             return None
         path = shortest_path(self._cells, self._moves, self._player, self._goal)
         return None if path is None else [ACTIONS[a] for a in path]
+
+    def action_budget(self) -> int:
+        """A shortest path visits a cell at most once: ``size**2 - 1`` steps on firm ice; slipping can take
+        any number, so slippery ice keeps ``max_steps``."""
+        return self.max_steps if self.is_slippery else min(self.max_steps, self.size**2 - 1)
 
     # ----------------------------------------------------------------- views
     @property

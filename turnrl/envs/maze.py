@@ -181,6 +181,7 @@ class Maze2DEnv(TurnEnv):
     """
 
     modes = ("text", "image")
+    setting_choices = {"difficulty": tuple(DIFFICULTY_SIZES), "reward_on": REWARD_RULES}
     description = "Maze2D: walk a perfect maze to the target; VisGym maze_2d sizes, colours and tuple actions."
 
     def __init__(
@@ -259,6 +260,12 @@ class Maze2DEnv(TurnEnv):
         if path is None:
             return None
         return path + ["stop"] if self.reward_on == "stop" else path
+
+    def action_budget(self) -> int:
+        """The open cells of the maze (a shortest path visits each at most once), plus ``stop`` when the
+        reward needs one; capped by ``max_steps``. 9x9 (easy): 31, where the longest path takes 28."""
+        open_cells = ((self.size - 1) // 2) ** 2 * 2 - 1  # k*k rooms and the k*k-1 passages of a perfect maze
+        return min(self.max_steps, open_cells + (self.reward_on == "stop"))
 
     # ----------------------------------------------------------------- views
     @property

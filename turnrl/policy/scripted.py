@@ -57,12 +57,21 @@ class ScriptedPolicy:
         return self.fmt.render(actions, expert_fields(env, actions, self.fmt.tag_names))
 
 
+RANDOM_REASON = "Random choice: this policy does not reason."
+"""What the random policy writes in every reasoning field: it must not pass off chance as a plan."""
+
+
 class RandomPolicy(ScriptedPolicy):
-    """Uniformly random actions, well formatted: the floor any learner should beat."""
+    """Uniformly random actions, well formatted: the floor any learner should beat.
+
+    Every reasoning field (``think``, ``observation``, ``prediction``, ...) says that the choice is random;
+    the policy makes up no reasoning, so its episodes never read like demonstrations.
+    """
 
     def respond(self, env: AgentEnv) -> str:
         count = int(self.rng.integers(1, self.max_actions_per_turn + 1)) if self.fmt.separator else 1
-        return self._render(env, self.random_actions(env, count))
+        fields = {name: RANDOM_REASON for name in self.fmt.tag_names if name != self.fmt.answer_tag}
+        return self.fmt.render(self.random_actions(env, count), fields)
 
 
 class ExpertPolicy(ScriptedPolicy):

@@ -34,9 +34,13 @@ Behaviour worth knowing:
   not incremental); ``stream_options.include_usage`` adds the usage chunk.
 - ``seed`` is accepted and ignored: batched requests share one sampling RNG.
   Penalties, tools and JSON response formats are refused with a 400.
-- Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
-  400 for invalid requests (validation errors included), 404 for an unknown
-  model (as OpenAI and vLLM answer), 500 when generation fails.
+- Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+  for every error the server answers: 400 for invalid requests (validation
+  errors and malformed JSON included), 404 for an unknown model (as OpenAI and
+  vLLM answer) or path, 405 for a wrong method (``GET /v1/chat/completions``),
+  500 when generation fails.
+- The served name is ``--served-model-name`` when given (vLLM's option), else
+  what ``--model`` said; clients must send it as ``model``.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.models.vision import load_image
@@ -610,6 +615,23 @@ def create_app(
         message, param = validation_message(error)
         return APIError(400, message, param=param).response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        # Routing errors (an unknown path, a GET on the chat endpoint) in OpenAI's shape too, so that a
+        # client's error handling sees a message rather than a bare {"detail": ...}.
+        if error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; see the server's endpoints: " \
+                      "POST /v1/chat/completions, GET /v1/models, GET /health"
+        elif error.status_code == 404:
+            message = f"no endpoint {request.url.path}; this server serves /v1/chat/completions, /v1/models, /health"
+        else:
+            message = str(error.detail)
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        response = APIError(error.status_code, message, type=kind).response()
+        for key, value in (error.headers or {}).items():  # e.g. Allow on a 405
+            response.headers[key] = value
+        return response
+
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "turnrl"}
 
@@ -646,12 +668,18 @@ def create_app(
     return app
 
 
-def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32) -> tuple[Policy, str]:
+def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32,
+                served_model_name: str | None = None, model_config: ModelConfig | None = None) -> tuple[Policy, str]:
     """The policy for ``model_path`` and its served name: a model directory, ``builtin`` (the default
     built-in model) or ``builtin:<preset>`` (e.g. ``builtin:vlm-tiny``, a built-in VLM). On a GPU a
     Llama-family text model is served by the engine, which keeps each conversation's KV cache between
-    its requests (a request that extends an earlier one prefills only the new tokens)."""
-    config = ModelConfig(device=device)
+    its requests (a request that extends an earlier one prefills only the new tokens).
+
+    Args:
+        served_model_name: the name clients send as ``model``; None serves it as ``model_path``.
+        model_config: dtype, backend, pixel bounds, ...; None takes the defaults on ``device``.
+    """
+    config = model_config if model_config is not None else ModelConfig(device=device)
     path = model_path
     if model_path == "builtin" or model_path.startswith("builtin:"):
         from turnrl.models.builtin import builtin_model_path
@@ -659,15 +687,18 @@ def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32)
         if ":" in model_path:
             config.builtin_preset = model_path.split(":", 1)[1]
         path = str(builtin_model_path(config))
-    return load_model_policy(config, path, max_batch_size=max_batch_size), model_path
+    return load_model_policy(config, path, max_batch_size=max_batch_size), served_model_name or model_path
 
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
-          max_batch_size: int = 32) -> None:
-    """Load ``model_path`` and serve it until interrupted; clients name it as ``model_path`` (e.g. ``builtin``)."""
+          max_batch_size: int = 32, served_model_name: str | None = None,
+          model_config: ModelConfig | None = None) -> None:
+    """Load ``model_path`` and serve it until interrupted; clients name it ``served_model_name``, else as
+    ``model_path`` (e.g. ``builtin``)."""
     import uvicorn
 
-    policy, name = load_policy(model_path, device=device, max_batch_size=max_batch_size)
+    policy, name = load_policy(model_path, device=device, max_batch_size=max_batch_size,
+                               served_model_name=served_model_name, model_config=model_config)
     model: Any = getattr(policy, "model", None)
     device = next(model.parameters()).device if model is not None else "?"
     backend = type(policy).__name__

@@ -74,6 +74,38 @@ def save_checkpoint(
     return final
 
 
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints of a run, oldest first (unfinished ``.tmp`` saves left out)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = []
+    for path in root.iterdir():
+        name = path.name
+        if path.is_dir() and name.startswith("step_") and name[5:].isdigit():
+            steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (0 keeps all); the one ``latest`` names always stays.
+
+    Returns:
+        The deleted checkpoint directories.
+    """
+    if keep <= 0:
+        return []
+    latest = latest_checkpoint(run_dir)
+    deleted = []
+    for step in checkpoint_steps(run_dir)[:-keep]:
+        path = run_dir / "checkpoints" / f"step_{step:06d}"
+        if latest is not None and path == latest:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.exists():

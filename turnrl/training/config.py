@@ -258,7 +258,12 @@ class RunConfig:
     steps: int = 100
     """RL steps (rollout + update)."""
     save_every: int = 0
-    """Checkpoint every N steps; 0 saves only at the end."""
+    """Checkpoint every N steps; 0 saves only at the end (and on Ctrl-C)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N checkpoints (older ones are deleted after each save); 0 keeps them all."""
+    overwrite: bool = False
+    """Start afresh in a run directory that already holds a run (its checkpoints, metrics and TensorBoard
+    files are deleted first); false refuses, so two runs never mix. ``resume=RUN_DIR`` continues one."""
     trajectories_every: int = 10
     """Write the step's trajectories every N steps."""
     tensorboard: bool = True
@@ -298,6 +303,8 @@ class TrainConfig:
         self.optim.validate()
         self.seeds.validate()
         check_range("run.steps", self.run.steps, 0)
+        check_range("run.save_every", self.run.save_every, 0)
+        check_range("run.keep_checkpoints", self.run.keep_checkpoints, 0)
         check_range("validation.episodes", self.validation.episodes, 1, self.seeds.val_size)
         check_range("validation.batch_size", self.validation.batch_size, 1)
         check_range("validation.samples_per_seed", self.validation.samples_per_seed, 1)

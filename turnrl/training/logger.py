@@ -1,12 +1,23 @@
-"""Metrics to ``metrics.jsonl``, TensorBoard and (when configured) Weights & Biases."""
+"""Metrics to ``metrics.jsonl``, TensorBoard and (when configured) Weights & Biases; progress on the console.
+
+:class:`RunProgress` draws rich's progress bar in a terminal and, where the
+output is a file or a pipe (a batch job's log), prints a plain line every
+``every_s`` seconds instead: a bar redrawn in place is invisible there.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import Any
+
+from rich.console import Console
+from rich.errors import LiveError
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 class MetricsLogger:
@@ -14,18 +25,25 @@ class MetricsLogger:
 
     Metric names use namespaces (``rollout/success``, ``losses/policy``,
     ``timing/generate_s``); non-finite values are written as null in JSON.
+
+    On resume (``resume_step`` given), what the interrupted run logged after its checkpoint (records of
+    later steps in ``metrics.jsonl``, TensorBoard events from ``resume_step + 1`` on) is dropped, since the
+    resumed run logs those steps again: every step appears once.
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, wandb_project: str | None = None,
-                 config: dict[str, Any] | None = None, resume: bool = False) -> None:
+                 config: dict[str, Any] | None = None, resume_step: int | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a" if resume else "w")
+        if resume_step is not None and self.path.exists():
+            _truncate_after(self.path, resume_step)
+        self._file = self.path.open("a" if resume_step is not None else "w")
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1  # events of steps >= purge are dropped
+            self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
         self._wandb = None
         if wandb_project:
             import wandb
@@ -50,3 +68,92 @@ class MetricsLogger:
             self._writer.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _truncate_after(path: Path, step: int) -> int:
+    """Drop the records of ``metrics.jsonl`` past ``step`` (and a torn last line); returns how many went."""
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short when the run was killed
+            dropped += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+    return dropped
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class RunProgress:
+    """A progress bar in a terminal; elsewhere a plain line at the start, every ``every_s`` seconds and at
+    the end. Use as a context manager; :meth:`update` advances and sets the description.
+
+    Args:
+        console: where to draw or print.
+        label: the phase (``rl``, ``eval``, ``validation``).
+        total: units of work (steps, episodes).
+        completed: units already done (a resumed run).
+        every_s: seconds between plain lines.
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(self, console: Console, label: str, total: int, completed: int = 0, every_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.console, self.label, self.total, self.done = console, label, total, completed
+        self.every_s, self.clock = every_s, clock
+        self.description = ""
+        self._first = completed
+        self._start = self._last = clock()
+        self._bar: Progress | None = None
+        self._task: Any = None
+        self._quiet = False
+
+    def __enter__(self) -> RunProgress:
+        if self.console.is_terminal:
+            columns = [TextColumn(f"[bold]{self.label}[/bold] {{task.description}}"), BarColumn(),
+                       MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+            bar = Progress(*columns, console=self.console)
+            try:
+                bar.__enter__()
+            except LiveError:  # inside another bar (validation mid-training): that one shows progress
+                self._quiet = True
+                return self
+            self._bar = bar
+            self._task = bar.add_task("", total=self.total, completed=self.done)
+        else:
+            self._line()
+        return self
+
+    def update(self, advance: int = 1, description: str | None = None) -> None:
+        self.done += advance
+        if description is not None:
+            self.description = description
+        if self._bar is not None:
+            self._bar.update(self._task, advance=advance, description=self.description)
+        elif not self._quiet and self.clock() - self._last >= self.every_s or self.done >= self.total:
+            self._line()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(kind, error, trace)
+
+    def _line(self) -> None:
+        now = self.clock()
+        self._last = now
+        elapsed = now - self._start
+        rate = (self.done - self._first) / elapsed if elapsed > 0 else 0.0
+        left = f", ~{_clock((self.total - self.done) / rate)} left" if rate > 0 and self.done < self.total else ""
+        share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        text = f"{self.label} {self.done}/{self.total}{share}, {_clock(elapsed)} elapsed{left}"
+        self.console.print(f"{text}  {self.description}".rstrip(), markup=False, highlight=False)

@@ -18,29 +18,37 @@ Each phase is a function that takes values (:func:`collect`,
 :func:`~turnrl.training.ppo.ppo_epochs`), so another recipe (a distributed
 one, say) wires the same components without branching this one.
 
-Run it with ``turnrl train --config configs/X.yaml key=value ...``.
+Run it with ``turnrl train --config configs/X.yaml key=value ...``. Everything the
+run needs that can be checked without a model (the env and its settings, SFT
+data, the checkpoint to resume, optional packages, the run directory) is
+checked by :func:`preflight` before anything is written or loaded. Ctrl-C
+stops after the step in progress, saves a checkpoint and says how to resume.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import re
+import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import group_stats, kl_penalty, select_groups
-from turnrl.config import ConfigError, SamplingConfig, to_yaml
+from turnrl.config import ConfigError, SamplingConfig, build_env, to_yaml
 from turnrl.envs import make
 from turnrl.envs.seeds import SeedSplits
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer, vision_tower
@@ -53,13 +61,19 @@ from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import Trajectory, write_trajectories
 from turnrl.training.advantages import anchored_share, compute_advantages
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
-from turnrl.training.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
+from turnrl.training.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    prune_checkpoints,
+    save_checkpoint,
+    set_rng_state,
+)
 from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
-from turnrl.training.logger import MetricsLogger
+from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.models import autocast, base_model_path, enable_checkpointing, seed_everything, step_seed
 from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
-from turnrl.training.sft import sft_stage
+from turnrl.training.sft import read_chat_jsonl, sft_stage
 
 console = Console()
 
@@ -230,15 +244,124 @@ def vision_module_pattern(model: torch.nn.Module) -> str | None:
     return None if name is None else rf"{re.escape(name)}(\..*)?"
 
 
-def start_run(config: TrainConfig) -> Path:
-    """Threads, seeds, the run directory and its ``config.yaml``: what every stage of a run starts from."""
+def run_directory(config: TrainConfig) -> Path:
+    """Where the run lives: the resumed directory, else ``run.output_dir/run.name``."""
+    return Path(config.resume) if config.resume else Path(config.run.output_dir) / config.run.name
+
+
+RL_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "summary.json", "trajectories", "reference")
+"""What an RL run writes at the top of its directory: a directory holding any of them holds a run."""
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step of a checkpoint directory ``step_000039`` (39)."""
+    return int(checkpoint.name.removeprefix("step_"))
+
+
+def preflight(config: TrainConfig, *, stage: str = "train") -> None:
+    """Check what a run needs before anything is written or a model loads: one-line errors, no traceback.
+
+    Checks: a local ``model.path`` exists; the env id and its settings (one env is built, for training and
+    validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver; the
+    checkpoint to resume; optional packages (wandb); and that a new run does not write into another run's
+    directory.
+
+    Args:
+        stage: ``train`` (``turnrl train``) or ``sft`` (``turnrl sft``, which writes only ``sft/``).
+
+    Raises:
+        ConfigError: naming the key at fault and what to do.
+    """
+    run_dir = run_directory(config)
+    if config.resume:
+        if not run_dir.is_dir():
+            raise ConfigError(f"resume={config.resume!r}: no such run directory")
+        if latest_checkpoint(run_dir) is None:
+            raise ConfigError(f"resume={config.resume!r} holds no checkpoint (no checkpoints/latest); a run saves one "
+                              "every run.save_every steps, at its end and on Ctrl-C")
+    path = config.model.path
+    # A local path (absolute, relative with ./, or deeper than a hub id's org/name) must exist; a hub id
+    # is left to the loader, which may find it in the local cache.
+    if path is not None and not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise ConfigError(f"model.path={path!r} does not exist; give a transformers model directory or a hub id "
+                          "(org/name), or leave model.path unset for the built-in model")
+    env = build_env(config.env.id, dict(config.env.settings))
+    if config.env.val_settings is not None:
+        build_env(config.env.id, dict(config.env.val_settings), where="env.val_settings")
+    sft_runs = stage == "sft" or (config.sft.enabled and not config.resume)
+    if sft_runs and config.sft.data:
+        try:
+            read_chat_jsonl(config.sft.data)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"sft.data={config.sft.data!r}: {error}") from error
+    elif sft_runs:
+        env.reset(seed=config.sft.seed_start)
+        if env.solve() is None:
+            raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no expert "
+                              "demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
+    if config.run.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"run.wandb_project={config.run.wandb_project!r} needs wandb: pip install wandb "
+                          "(or leave run.wandb_project unset)")
+    if config.resume or config.run.overwrite:
+        return
+    taken = [name for name in (RL_OUTPUTS if stage == "train" else ()) if (run_dir / name).exists()]
+    if sft_runs and (run_dir / "sft").exists():
+        taken.append("sft")
+    if taken:
+        resume = f"continue it with `turnrl train resume={run_dir}`, " if stage == "train" else ""
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run ({', '.join(taken)}); {resume}pick another run.name, "
+            "or pass run.overwrite=true to delete it and start afresh"
+        )
+
+
+def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
+    """Threads, seeds, the run directory and its ``config.yaml``: what every stage of a run starts from.
+
+    With ``run.overwrite`` (and no resume) the outputs of the run that was there are deleted first, so old
+    and new checkpoints, metrics and TensorBoard files never mix.
+    """
     if config.run.threads > 0:
         torch.set_num_threads(config.run.threads)
     seed_everything(config.seeds.seed)
-    run_dir = Path(config.resume) if config.resume else Path(config.run.output_dir) / config.run.name
+    run_dir = run_directory(config)
+    if config.run.overwrite and not config.resume:
+        for name in (*RL_OUTPUTS, "sft") if stage == "train" else ("sft",):
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     return run_dir
+
+
+class GracefulStop:
+    """Ctrl-C (SIGINT) as a request: the first asks the loop to stop after the step in progress (which then
+    saves a checkpoint); a second one interrupts at once. Outside the main thread, or where SIGINT is
+    ignored, it changes nothing."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> GracefulStop:
+        # A process started with SIGINT ignored (a background job of a script) keeps ignoring it.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        console.print("\n[bold]stopping after this step[/bold] to save a checkpoint (Ctrl-C again stops at once, "
+                      "without saving)")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 class Recipe:
@@ -265,6 +388,9 @@ class Recipe:
         if config.resume and self.checkpoint is None:
             raise ConfigError(f"resume={config.resume!r} holds no checkpoint (no checkpoints/latest)")
         self.first_step = 0
+        self.elapsed_before_s = 0.0
+        """Wall time of the run before this process (a resumed run's earlier sessions)."""
+        self.session_start = time.time()
 
         self._build_envs()
         self._build_models(start_model)
@@ -292,7 +418,7 @@ class Recipe:
         seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
         train_settings = dict(config.env.settings)
         val_settings = dict(config.env.val_settings if config.env.val_settings is not None else train_settings)
-        make(config.env.id, **train_settings)  # fail now, naming the bad setting, not mid-run
+        build_env(config.env.id, train_settings)  # fail now, naming the bad setting, not mid-run
         self.train_groups = EnvGroups(lambda: make(config.env.id, **train_settings), config.groups.n_groups,
                                       config.groups.group_size, seeds)
         self.val_groups = EnvGroups(lambda: make(config.env.id, **val_settings), 1, 1, seeds)
@@ -372,6 +498,7 @@ class Recipe:
         set_rng_state(state["rng"])
         self.summary = state.get("summary", {})
         self.timings = state.get("timings", {})
+        self.elapsed_before_s = float(state.get("elapsed_s", 0.0))
         self.first_step = state["step"] + 1
 
     def precision(self) -> AbstractContextManager:
@@ -390,10 +517,12 @@ class Recipe:
         torch.manual_seed(step_seed(config.seeds.seed, -1))  # the same sampling noise at every validation
         start = time.time()
         trajectories: list[Trajectory] = []
-        for begin in range(0, len(slots), config.validation.batch_size):
-            part = collect(self.val_rollout, slots[begin : begin + config.validation.batch_size], sampling,
-                           self.precision())
-            trajectories.extend(part.trajectories)
+        with RunProgress(console, "validation", len(slots)) as progress:
+            for begin in range(0, len(slots), config.validation.batch_size):
+                part = collect(self.val_rollout, slots[begin : begin + config.validation.batch_size], sampling,
+                               self.precision())
+                trajectories.extend(part.trajectories)
+                progress.update(len(part.trajectories), f"success {rollout_metrics(trajectories)['success']:.2f}")
         self._timed("validation_s", time.time() - start)
         return StepOutput({f"val/{k}": v for k, v in rollout_metrics(trajectories).items()}, trajectories)
 
@@ -485,13 +614,20 @@ class Recipe:
             "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer is not None else None,
             "summary": self.summary,
             "timings": self.timings,
+            "elapsed_s": self.elapsed_s(),
         }
-        return save_checkpoint(self.run_dir, step, self.actor, self.processor or self.tokenizer, state,
+        path = save_checkpoint(self.run_dir, step, self.actor, self.processor or self.tokenizer, state,
                                critic=self.critic)
+        prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
+        return path
 
-    def write_summary(self, total_s: float) -> Path:
+    def elapsed_s(self) -> float:
+        """Wall time of the whole run: earlier sessions (before a resume) and this one."""
+        return self.elapsed_before_s + time.time() - self.session_start
+
+    def write_summary(self) -> Path:
         self.summary["timings_s"] = {k: round(v, 2) for k, v in self.timings.items()}
-        self.summary["total_s"] = round(total_s, 2)
+        self.summary["total_s"] = round(self.elapsed_s(), 2)
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(self.summary, indent=2))
         return path
@@ -502,7 +638,8 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     """``turnrl sft``: warm up the configured model and save it under the run directory."""
     if data is not None:
         config.sft.data = data
-    path = sft_stage(config, start_run(config)).model_path
+    preflight(config, stage="sft")
+    path = sft_stage(config, start_run(config, stage="sft")).model_path
     console.print(f"SFT model written to {path}")
     return path
 
@@ -518,22 +655,50 @@ def _every(n: int) -> Callable[[int], bool]:
     return lambda count: n > 0 and count % n == 0
 
 
+def finished_summary(config: TrainConfig) -> dict[str, Any] | None:
+    """The summary of a resumed run that has already run its ``run.steps`` (None when steps are left)."""
+    checkpoint = latest_checkpoint(run_directory(config)) if config.resume else None
+    summary_path = run_directory(config) / "summary.json"
+    if checkpoint is None or checkpoint_step(checkpoint) + 1 < config.run.steps or not summary_path.is_file():
+        return None
+    try:
+        summary = json.loads(summary_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return summary if isinstance(summary, dict) and "val_success_after_rl" in summary else None
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
-    """SFT (when enabled), validation, ``run.steps`` RL steps, validation, summary."""
+    """SFT (when enabled), validation, ``run.steps`` RL steps, validation, summary.
+
+    Ctrl-C stops after the step in progress: a checkpoint is saved, the way to resume printed, and the
+    summary returned has ``interrupted_at_step``.
+
+    Raises:
+        ConfigError: before anything is written, for what :func:`preflight` checks.
+    """
     start = time.time()
+    preflight(config)
     rewards = Rewards(config.rewards)  # a bad reward spec stops here, not after SFT
+    done = finished_summary(config)
+    if done is not None:
+        console.print(f"run {config.resume} already ran its {config.run.steps} steps; nothing to do "
+                      f"(raise run.steps to continue it). Summary: {run_directory(config) / 'summary.json'}")
+        return done
     resumed = config.resume is not None
     sft = None
     if config.sft.enabled and not resumed:
         sft = sft_stage(config, start_run(config))
     recipe = Recipe(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
+    recipe.session_start = start
     if sft is not None:
         recipe.summary.update(sft.metrics)
         recipe._timed("sft_s", sft.seconds)
     console.print(f"[bold]turnrl train[/bold] {config.run.name}: {config.env.id}, {config.algorithm.advantage}, "
                   f"run dir {recipe.run_dir}")
     logger = MetricsLogger(recipe.run_dir, config.run.tensorboard, config.run.wandb_project,
-                           config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))), resume=resumed)
+                           config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))),
+                           resume_step=recipe.first_step if resumed else None)
 
     if not resumed:
         before = _validate_and_write(recipe, logger, 0, "val_before_rl.jsonl")
@@ -542,10 +707,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
     validate_now, save_now = _every(config.validation.every), _every(config.run.save_every)
     write_now = _every(config.run.trajectories_every)
-    columns = [TextColumn("[bold]rl[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("", total=config.run.steps, completed=recipe.first_step)
+    with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, recipe.first_step) as progress:
         for step in range(recipe.first_step, config.run.steps):
             output = recipe.step(step)
             metrics = output.metrics
@@ -555,8 +717,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
             logger.log(step + 1, metrics)
             if write_now(step):
                 write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=f"step_{step:06d}.jsonl")
-            progress.update(task, advance=1, description=(
-                f"success {metrics.get('rollout/success', 0):.2f} reward {metrics.get('rollout/reward_mean', 0):.2f}"))
+            progress.update(1, f"success {metrics.get('rollout/success', 0):.2f} "
+                               f"reward {metrics.get('rollout/reward_mean', 0):.2f}")
+            if stop.requested and not last:
+                return _stop(recipe, logger, step)
             if save_now(step + 1) and not last:
                 recipe.save(step)
 
@@ -566,10 +730,22 @@ def train(config: TrainConfig) -> dict[str, Any]:
     recipe.summary["steps"] = config.run.steps
     if config.run.steps > 0:
         recipe.save(config.run.steps - 1)
-    path = recipe.write_summary(time.time() - start)
+    path = recipe.write_summary()
     logger.close()
     before_value = recipe.summary.get("val_success_before_rl")
     console.print(f"validation success before RL: {before_value:.3f}, after RL: [bold]{after['val/success']:.3f}[/bold]"
                   if before_value is not None else f"validation success after RL: {after['val/success']:.3f}")
     console.print(f"summary: {path}")
     return recipe.summary
+
+
+def _stop(recipe: Recipe, logger: MetricsLogger, step: int) -> dict[str, Any]:
+    """Ctrl-C: save the finished ``step``, say how to resume; the summary says where the run stopped."""
+    checkpoint = recipe.save(step)
+    logger.close()
+    console.print(f"[bold]interrupted[/bold] after step {step + 1} of {recipe.config.run.steps}; checkpoint "
+                  f"{checkpoint}")
+    # One unwrapped line, to copy whole.
+    console.print(f"continue with: turnrl train resume={recipe.run_dir}", markup=False, highlight=False,
+                  soft_wrap=True)
+    return {**recipe.summary, "interrupted_at_step": step + 1}
