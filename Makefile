@@ -8,13 +8,14 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: quickstart check test test-slow clean
 
-# The 3D navigation env renders with OpenGL, which needs a display: Xvfb gives a virtual one on a headless
-# machine. The viewer's tests drive a real headless Chromium. Both are Debian packages, installed when missing
-# and when we are root (otherwise the tests that need them say why they cannot run).
-
+# The 3D envs render with OpenGL: headless through EGL (Mesa's software renderer on a machine without a GPU),
+# or through Xvfb (a virtual display) when EGL is unavailable. The viewer's tests drive a real headless
+# Chromium. All are Debian packages, installed when missing and when we are root (otherwise the tests that
+# need them say why they cannot run).
 $(VENV)/.installed: pyproject.toml
 	@missing=""; command -v Xvfb >/dev/null || missing="$$missing xvfb"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	ldconfig -p 2>/dev/null | grep -q libEGL_mesa || missing="$$missing libegl1 libegl-mesa0 libgl1-mesa-dri"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "installing$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	elif [ -n "$$missing" ]; then echo "note: missing system packages:$$missing (apt-get install$$missing as root)"; fi
@@ -25,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 quickstart: $(VENV)/.installed
-	$(VENV)/bin/turnrl train --config configs/quickstart.yaml
+	$(VENV)/bin/turnrl train --config configs/quickstart.yaml run.overwrite=true
 
 # Lint, one-way imports (the layers in pyproject.toml) and types, over the package.
 check: $(VENV)/.installed

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROWS: dict[str, list[str]] = {
@@ -53,9 +54,11 @@ def make_sft_start(config: str, overrides: list[str], out: Path) -> Path:
 def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path) -> dict:
     name = f"{row.replace(' ', '_').replace('+', '_')}_seed{seed}"
     start = time.time()
-    subprocess.run(turnrl("train", "--config", config, *overrides, *ROWS[row], f"model.path={sft_model}",
-                          "sft.enabled=false", f"seeds.seed={seed}", f"run.output_dir={out}", f"run.name={name}",
-                          "run.tensorboard=false"), check=True)
+    with open(out / f"{name}.log", "w") as log:
+        subprocess.run(turnrl("train", "--config", config, *overrides, *ROWS[row], f"model.path={sft_model}",
+                              "sft.enabled=false", f"seeds.seed={seed}", f"run.output_dir={out}", f"run.name={name}",
+                              "run.tensorboard=false"),
+                       check=True, stdout=log, stderr=subprocess.STDOUT)
     summary = json.loads((out / name / "summary.json").read_text())
     return {"row": row, "seed": seed, "before": summary["val_success_before_rl"],
             "after": summary["val_success_after_rl"], "seconds": time.time() - start}
@@ -72,24 +75,32 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--sft-model", default=None, help="an SFT model to start every row from")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="runs at once (on a GPU several small runs share the card; wall times then overlap)")
     parser.add_argument("--out", default="runs/estimators")
     parser.add_argument("overrides", nargs="*", help="key=value for every run (e.g. run.steps=40)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sft_model = Path(args.sft_model) if args.sft_model else make_sft_start(args.config, args.overrides, out)
-    results = []
-    for seed in args.seeds:
-        for row in args.rows:
-            results.append(run_row(args.config, args.overrides, row, seed, sft_model, out))
-            (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
-    lines = ["| estimator | after SFT | after RL | gain (points) | wall time a run |",
+    jobs = [(row, seed) for seed in args.seeds for row in args.rows]
+    results: list[dict] = []
+
+    def run(job: tuple[str, int]) -> dict:
+        result = run_row(args.config, args.overrides, job[0], job[1], sft_model, out)
+        results.append(result)
+        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+        return result
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        list(pool.map(run, jobs))
+    lines = ["| estimator | after SFT | after RL | gain (points), per seed | wall time a run |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for row in args.rows:
-        mine = [r for r in results if r["row"] == row]
-        gains = [100 * (r["after"] - r["before"]) for r in mine]
+        mine = sorted((r for r in results if r["row"] == row), key=lambda r: r["seed"])
+        gains = ", ".join(f"{100 * (r['after'] - r['before']):+.0f}" for r in mine)
         lines.append(f"| {row} | {spread([r['before'] for r in mine])} | {spread([r['after'] for r in mine])} | "
-                     f"{statistics.fmean(gains):+.0f} | {statistics.fmean(r['seconds'] for r in mine) / 60:.1f} min |")
+                     f"{gains} | {statistics.fmean(r['seconds'] for r in mine) / 60:.1f} min |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     print(table)

@@ -8,6 +8,8 @@
     turnrl sft --config X.yaml [key=value ...]    supervised warm start
     turnrl train --config X.yaml [key=value ...]  RL training (SFT first when configured)
     turnrl serve-policy --model PATH --port N     OpenAI-compatible server
+    turnrl serve-env [--port N] [--token T]       envs over HTTP (env.remote=[URL] uses them)
+    turnrl view RUN_OR_EVAL_DIR [--serve]         HTML report of what the agent did, and training curves
     turnrl config show [--config X.yaml] [--eval] every config key, its value and its doc
 
 Heavy libraries are imported inside the commands that need them, so listing
@@ -386,6 +388,18 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_env(args: argparse.Namespace) -> int:
+    from turnrl.serve.env import main as serve_env
+
+    return serve_env(args)
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from turnrl.viz.cli import main as view
+
+    return view(args)
+
+
 # --------------------------------------------------------------------------- wiring
 def build_parser() -> argparse.ArgumentParser:
     from turnrl import __version__
@@ -470,6 +484,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*",
                    help="model settings as key=value (the model section: dtype=bfloat16, backend=hf, ...)")
     p.set_defaults(fn=cmd_serve_policy)
+
+    # Both option modules are light: the server and the report load only when their command runs.
+    from turnrl.serve.env_options import add_arguments as add_serve_env_arguments
+    from turnrl.viz.cli import add_arguments as add_view_arguments
+
+    p = sub.add_parser("serve-env", help="serve envs over HTTP (sessions, batched reset/step, images as PNG)",
+                       description="Serve turnrl envs over HTTP for remote rollouts (env.remote=[URL] in a "
+                                   "recipe or turnrl eval); see docs/env_service.md.")
+    add_serve_env_arguments(p)
+    p.set_defaults(fn=cmd_serve_env)
+
+    p = sub.add_parser("view", help="write the HTML report of a run or eval folder, optionally serve it",
+                       description="Write RUN_OR_EVAL_DIR/report.html (episodes, images, rewards, advantages, "
+                                   "training curves) and plots/*.png; see docs/viewer.md.")
+    add_view_arguments(p)
+    p.set_defaults(fn=cmd_view)
 
     p = sub.add_parser("config", help="show every config key with its value and doc",
                        description="Print every config key, its value (the defaults, or a recipe's with --config) "

@@ -14,7 +14,7 @@ import difflib
 import inspect
 import math
 import textwrap
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, TypeVar
@@ -62,6 +62,29 @@ def build_env(env_id: str, settings: dict[str, Any], where: str = "env.settings"
                     raise ConfigError(f"{where}.{name}={value!r} is refused by {env_id}: {message}") from error
             message = f"{where} {settings}: {message}"
         raise ConfigError(message) from error
+
+
+def env_factory(env_id: str, settings: dict[str, Any], remote: list[str], where: str = "env.settings"
+                ) -> Callable[[], Any]:
+    """A ``make_env`` for the run's envs: built in this process, or opened on the servers of ``env.remote``.
+
+    The env id and settings are checked now, here or by the first server that answers.
+
+    Raises:
+        ConfigError: unknown env or a refused setting, or (remote) no server answered.
+    """
+    if not remote:
+        build_env(env_id, settings, where)
+        from turnrl.envs import make
+
+        return lambda: make(env_id, **settings)
+    from turnrl.envs.remote import RemoteEnvError, remote_env_factory
+
+    try:
+        return remote_env_factory(env_id, settings, list(remote))
+    except (ValueError, RemoteEnvError) as error:
+        raise ConfigError(f"env.id={env_id!r} with {where}={settings} on env.remote={list(remote)}: {error}") \
+            from error
 
 
 def _makes(env_id: str, settings: dict[str, Any]) -> bool:

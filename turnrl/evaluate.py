@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from turnrl.agent.formats import get_format
-from turnrl.config import AgentConfig, EvalConfig, build_env, to_yaml
+from turnrl.config import AgentConfig, EvalConfig, env_factory, to_yaml
 from turnrl.envs.seeds import SeedSplits
 from turnrl.policy.factory import make_policy
 from turnrl.rewards import Rewards
@@ -32,6 +32,7 @@ from turnrl.rollout.metrics import pass_at_k_by_seed, rollout_metrics
 from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import ERROR, TRUNCATED, Trajectory, write_trajectories
 from turnrl.training.logger import RunProgress
+from turnrl.viz.report import write_report
 
 console = Console()
 
@@ -118,7 +119,9 @@ def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any
     """
     settings = dict(config.env.val_settings if config.env.val_settings is not None else config.env.settings)
     where = "env.val_settings" if config.env.val_settings is not None else "env.settings"
-    probe = build_env(config.env.id, settings, where=where)  # unknown env or bad settings: a config error
+    # Here or on the env servers of env.remote; an unknown env or a bad setting is a config error.
+    make_env = env_factory(config.env.id, settings, config.env.remote, where=where)
+    probe = make_env()
     if budget_from_env:
         config = replace(config, agent=env_budget(probe, config.agent))
     fmt = get_format(
@@ -127,7 +130,7 @@ def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any
         max_actions_per_turn=config.agent.max_actions_per_turn,
     )
     seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
-    groups = EnvGroups(lambda: build_env(config.env.id, settings, where=where), 1, 1, seeds)
+    groups = EnvGroups(make_env, 1, 1, seeds)
     slots = groups.val_slots(config.episodes, config.samples_per_seed)  # builds the envs before a model loads
     policy = make_policy(config, fmt)
     rollout = Rollout(policy, fmt, config.agent, env_id=config.env.id, rewards=Rewards(config.rewards))
@@ -153,6 +156,12 @@ def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any
         write_trajectories(trajectories, out_dir)
         console.print(f"wrote {out_dir / 'summary.json'} and {out_dir / 'trajectories.jsonl'}", markup=False,
                       highlight=False, soft_wrap=True)  # whole paths, to copy
+        try:
+            report = write_report(out_dir)
+            console.print(f"report: {report}  (turnrl view {out_dir} --serve to serve it)", markup=False,
+                          highlight=False, soft_wrap=True)
+        except (OSError, ValueError) as error:  # the evaluation itself succeeded
+            console.print(f"no report: {error}", markup=False)
     else:
         console.print("nothing written (out is unset); pass --out DIR to keep the summary and trajectories")
     return summary

@@ -17,7 +17,8 @@ from turnrl.envs.registry import BUILTIN_ENVS, env_class, env_names, env_paramet
 
 def test_every_builtin_env_is_listed_with_a_gymnasium_id():
     assert env_names() == list(BUILTIN_ENVS)
-    assert set(env_names()) == {"Sokoban", "FrozenLake", "Bandit", "Countdown", "Maze2D"}
+    assert set(env_names()) == {"Sokoban", "FrozenLake", "Bandit", "Countdown", "Maze2D", "Navigation",
+                                "PrimitiveSkill", "SVG"}
     for name in env_names():
         assert gym_id(name) == f"turnrl/{name}-v0"
         assert gym_id(name) in gym.registry
@@ -36,7 +37,9 @@ def test_env_class_declares_modes_description_and_settings(name):
     assert issubclass(cls, TurnEnv)
     assert "text" in cls.modes and cls.description
     params = env_parameters(name)
-    assert "self" not in params and "mode" in params and params["mode"] == "text"
+    assert "self" not in params and "mode" in params and params["mode"] in cls.modes
+    # The grid and text envs start in text; the visual tasks (a 3D view, an icon to redraw) in images.
+    assert params["mode"] == ("image" if name in ("Navigation", "SVG") else "text")
 
 
 @pytest.mark.parametrize("name", env_names())

@@ -16,14 +16,17 @@ from turnrl.envs.registry import env_names
 from turnrl.policy.base import GenerationRequest
 from turnrl.policy.scripted import RANDOM_REASON, ExpertPolicy, RandomPolicy
 
-# The visgym_tuple format carries one tuple literal, e.g. ('move', 0); a free-form
-# Countdown equation has no such spelling, so that one pairing cannot work.
+# The visgym_tuple format carries one tuple literal, e.g. ('move', 0); a free-form Countdown
+# equation, a pick(x,y,z) skill or an SVG document has no such spelling, so those pairings cannot work.
+NO_TUPLE_SPELLING = ("Countdown", "PrimitiveSkill", "SVG")
 PAIRS = [
     (env, fmt)
     for env in env_names()
     for fmt in format_names()
-    if not (env == "Countdown" and fmt == "visgym_tuple")
+    if not (env in NO_TUPLE_SPELLING and fmt == "visgym_tuple")
 ]
+SEPARATOR = {"PrimitiveSkill": "|"}
+"""Envs whose actions hold the default separator: PrimitiveSkill's pick(x,y,z) holds commas (VAGEN uses |)."""
 
 
 def respond(policy, env) -> str:
@@ -39,7 +42,7 @@ def limit_of(fmt) -> int:
 
 @pytest.mark.parametrize(("env_name", "fmt_name"), PAIRS)
 def test_expert_response_parses_to_the_solver_plan_in_every_format(env_name, fmt_name):
-    fmt = get_format(fmt_name, max_actions_per_turn=3)
+    fmt = get_format(fmt_name, max_actions_per_turn=3, action_separator=SEPARATOR.get(env_name))
     env = make(env_name)
     env.reset(seed=11)
     plan = env.solve()

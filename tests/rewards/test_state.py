@@ -255,3 +255,23 @@ def test_the_expert_describes_and_predicts_the_state_exactly_in_a_real_rollout(e
     assert metrics["grounding/judged_share"] == 1.0 and metrics["worldmodel/match_mean"] == 1.0
     per_episode = rollout_metrics(trajectories)
     assert per_episode["reward_grounding_mean"] == pytest.approx(per_episode["turns_mean"])
+
+
+def test_a_training_run_logs_what_the_state_rewards_report(tiny_model_dir, tmp_path):
+    import json
+
+    from turnrl.config import load_config
+    from turnrl.training.config import TrainConfig
+    from turnrl.training.trainer import train
+
+    config = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", [
+        f"model.path={tiny_model_dir}", "model.device=cpu", "model.dtype=float32", f"run.output_dir={tmp_path}",
+        "run.steps=1", "run.tensorboard=false", "agent.max_turns=2", "sampling.max_new_tokens=12",
+        "groups.n_groups=2", "groups.group_size=2", "validation.episodes=2", "sft.enabled=false",
+        "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4"])
+    train(config)
+    records = [json.loads(line) for line in (tmp_path / config.run.name / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if "rollout/success" in r)
+    for name in ("grounding", "worldmodel"):
+        assert 0.0 <= step[f"rewards/{name}/judged_share"] <= 1.0
+        assert f"rewards/{name}/repetition_penalties" in step and f"rollout/reward_{name}_mean" in step

@@ -24,6 +24,9 @@ BUILTIN_ENVS: dict[str, str] = {
     "Bandit": "turnrl.envs.bandit:BanditEnv",
     "Countdown": "turnrl.envs.countdown:CountdownEnv",
     "Maze2D": "turnrl.envs.maze:Maze2DEnv",
+    "Navigation": "turnrl.envs.navigation:NavigationEnv",
+    "PrimitiveSkill": "turnrl.envs.primitive_skill:PrimitiveSkillEnv",
+    "SVG": "turnrl.envs.svg:SVGEnv",
 }
 
 CONTRACT_HINT = (
@@ -70,12 +73,11 @@ def resolve_name(env_id: str) -> str:
 
 
 def unknown_env_message(env_id: str) -> str:
+    """One line: what ``env.id`` takes, with the built-in names."""
     return (
-        f"unknown env {env_id!r}; env.id takes one of:\n"
-        f"  - a built-in name: {', '.join(BUILTIN_ENVS)} (or turnrl/<Name>-v0; see `turnrl envs`)\n"
-        "  - a class as module:Class, e.g. my_package.envs:CorridorEnv\n"
-        "  - an id registered with gymnasium.register, e.g. my/Corridor-v0\n"
-        "  - gym:<id> for any Gymnasium env that renders rgb_array images, e.g. gym:FrozenLake-v1"
+        f"unknown env {env_id!r}; env.id takes a built-in name ({', '.join(BUILTIN_ENVS)}; `turnrl envs` lists "
+        "them), module:Class (e.g. my_package.envs:CorridorEnv), an id registered with gymnasium.register, or "
+        "gym:<id> for a Gymnasium env with rgb_array frames (e.g. gym:FrozenLake-v1)"
     )
 
 

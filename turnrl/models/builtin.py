@@ -1,8 +1,8 @@
 """The built-in model: a small Qwen2 (or Qwen2.5-VL) with a tokenizer trained on what the envs say.
 
-The tokenizer's corpus is every built-in env's instructions, observations along
-expert and random episodes, and responses in every reasoning format, so env
-texts and format tags encode into few tokens. A VLM preset (``vlm-*``, see
+The tokenizer's corpus is the grid and text envs' instructions (:data:`CORPUS_ENVS`),
+observations along expert and random episodes, and responses in every
+reasoning format, so env texts and format tags encode into few tokens. A VLM preset (``vlm-*``, see
 :data:`turnrl.models.vlm.VLM_PRESETS`) adds what the envs say in image mode
 (their instructions describe the picture). The build is cached by recipe
 (preset, template, corpus digest, seed) under ``~/.cache/turnrl/models``.
@@ -20,9 +20,14 @@ from turnrl.agent.formats import format_names, get_format
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import ConfigError, ModelConfig
 from turnrl.envs import make
-from turnrl.envs.registry import env_class, env_names
+from turnrl.envs.registry import env_class
 from turnrl.models.tiny import PRESETS, build_model
 from turnrl.models.vlm import VLM_PREFIX, VLM_PRESETS, build_vlm, is_vlm_preset
+
+CORPUS_ENVS = ("Sokoban", "FrozenLake", "Bandit", "Countdown", "Maze2D")
+"""The envs whose texts train the built-in tokenizer: those a small model trained from scratch is for. The
+3D, physics and SVG envs are for pretrained VLMs; leaving them out keeps the tokenizer (and every result
+made with it) the same as envs are added, and the build free of their simulators."""
 
 # Env settings that change what the text looks like (sizes, vocabularies).
 _VARIANTS: dict[str, list[dict]] = {
@@ -74,7 +79,7 @@ def builtin_corpus(episodes_per_variant: int = 12) -> list[str]:
     """Texts the built-in tokenizer is trained on (deterministic)."""
     rng = np.random.default_rng(0)
     texts: list[str] = []
-    for name in env_names():
+    for name in CORPUS_ENVS:
         for settings in _VARIANTS.get(name, [{}]):
             texts.extend(_env_texts(make(name, **settings), episodes_per_variant, rng))
     return texts
@@ -86,7 +91,7 @@ def image_mode_corpus(episodes_per_variant: int = 4) -> list[str]:
     does not draw are skipped."""
     rng = np.random.default_rng(1)
     texts: list[str] = []
-    for name in env_names():
+    for name in CORPUS_ENVS:
         if "image" not in env_class(name).modes:
             continue
         for settings in _VARIANTS.get(name, [{}]):

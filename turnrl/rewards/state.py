@@ -551,11 +551,9 @@ class StateReward:
 
     def metrics(self) -> dict[str, float]:
         """Counters since the last call, then reset: judged turns, mean match, penalties, the matcher's own."""
-        out = {
-            "judged_share": self._judged / self._turns if self._turns else 0.0,
-            "match_mean": self._score_sum / self._judged if self._judged else 0.0,
-            "unscored": float(self._failed),
-        }
+        out = {"judged_share": self._judged / self._turns if self._turns else 0.0, "unscored": float(self._failed)}
+        if self._judged:  # no mean of nothing: a step without judged turns leaves a gap in the curve
+            out["match_mean"] = self._score_sum / self._judged
         if self.repetition is not None:
             out["repetition_penalties"] = float(self.repetition.applied - self._penalties_at_reset)
         out.update(self.matcher.metrics())

@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from turnrl.agent.formats import ResponseFormat, get_format
-from turnrl.config import AgentConfig, ConfigError, SamplingConfig
-from turnrl.envs import AgentEnv, make
+from turnrl.config import AgentConfig, ConfigError, SamplingConfig, env_factory
+from turnrl.envs import AgentEnv
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, load_image, part_images
 from turnrl.policy.hf import resolve_device, resolve_dtype
@@ -36,7 +35,7 @@ from turnrl.rollout.trajectory import ERROR, Trajectory, write_trajectories
 from turnrl.training.batch import Sample, collate
 from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
-from turnrl.training.logger import MetricsLogger
+from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.models import autocast, base_model_path, enable_checkpointing
 
 console = Console()
@@ -212,10 +211,7 @@ def sft_train(
     generator = torch.Generator().manual_seed(seed)
     model.train()
     step, epoch_loss, epoch_tokens = 0, 0.0, 0.0
-    columns = [TextColumn("[bold]sft[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task(f"{len(samples)} samples", total=total)
+    with RunProgress(console, "sft", total) as progress:
         for epoch in range(config.epochs):
             order = torch.randperm(len(samples), generator=generator).tolist()
             epoch_loss, epoch_tokens = 0.0, 0.0
@@ -241,7 +237,7 @@ def sft_train(
                 if log is not None:
                     log(step, {"sft/loss": batch_loss, "sft/grad_norm": grad_norm, "sft/lr": lr, "sft/epoch": epoch})
                 step += 1
-                progress.update(task, advance=1, description=f"epoch {epoch + 1}/{config.epochs} loss {batch_loss:.3f}")
+                progress.update(1, f"epoch {epoch + 1}/{config.epochs} loss {batch_loss:.3f}")
     model.eval()
     return {"sft/final_epoch_loss": epoch_loss / max(epoch_tokens, 1), "sft/steps": float(step)}
 
@@ -276,13 +272,13 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     if config.sft.data:
         chats = read_chat_jsonl(config.sft.data)
     else:
-        settings = dict(config.env.settings)
-        probe = make(config.env.id, **settings)
+        make_env = env_factory(config.env.id, dict(config.env.settings), config.env.remote)
+        probe = make_env()
         probe.reset(seed=config.sft.seed_start)
         if probe.solve() is None:  # the expert would only play random actions
             raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no expert "
                               "demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
-        demos = expert_demos(lambda: make(config.env.id, **settings), fmt, config.agent, config.sft, config.env.id,
+        demos = expert_demos(make_env, fmt, config.agent, config.sft, config.env.id,
                              seed=config.seeds.seed)
         write_trajectories(demos[:50], out, name="demos_sample.jsonl")
         chats = [trajectory_messages(t) for t in demos]

@@ -48,8 +48,7 @@ from rich.console import Console
 
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import group_stats, kl_penalty, select_groups
-from turnrl.config import ConfigError, SamplingConfig, build_env, to_yaml
-from turnrl.envs import make
+from turnrl.config import ConfigError, SamplingConfig, env_factory, to_yaml
 from turnrl.envs.seeds import SeedSplits
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer, vision_tower
 from turnrl.policy.factory import model_policy
@@ -74,6 +73,8 @@ from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.models import autocast, base_model_path, enable_checkpointing, seed_everything, step_seed
 from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.sft import read_chat_jsonl, sft_stage
+from turnrl.viz.records import token_advantage_records, write_token_advantages
+from turnrl.viz.report import write_report
 
 console = Console()
 
@@ -84,6 +85,9 @@ class StepOutput:
 
     metrics: dict[str, float]
     trajectories: list[Trajectory] = field(default_factory=list)
+    token_advantages: list[dict[str, Any]] = field(default_factory=list)
+    """Lines of ``trajectories/step_NNNNNN.advantages.jsonl`` (see :mod:`turnrl.viz.records`), on the steps
+    whose trajectories are written."""
 
 
 # --------------------------------------------------------------------------- the phases of a step
@@ -95,6 +99,8 @@ def collect(
     with precision:
         trajectories = rollout.run(slots, sampling)
     metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
+    # What the reward functions report about this rollout (state rewards: match, judge calls and errors).
+    metrics.update({f"rewards/{k}": v for k, v in rollout.rewards.metrics().items()})
     metrics["timing/rollout_s"] = time.time() - start
     metrics["timing/generate_s"] = rollout.timings.generate_s
     metrics["timing/env_s"] = rollout.timings.env_s
@@ -159,6 +165,9 @@ def dynamic_sample(
     chosen = set(varied_groups(trajectories)[:n_groups])
     keep = [i for i, t in enumerate(trajectories) if t.group in chosen]
     metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
+    for key in {key for output in outputs for key in output.metrics if key.startswith("rewards/")}:
+        # Each round reported its own; their mean (counts too: per round) stands for the step.
+        metrics[key] = sum(output.metrics.get(key, 0.0) for output in outputs) / len(outputs)
     for key in ("timing/rollout_s", "timing/generate_s", "timing/env_s"):
         metrics[key] = sum(output.metrics[key] for output in outputs)
     generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
@@ -285,9 +294,9 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     if path is not None and not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
         raise ConfigError(f"model.path={path!r} does not exist; give a transformers model directory or a hub id "
                           "(org/name), or leave model.path unset for the built-in model")
-    env = build_env(config.env.id, dict(config.env.settings))
+    env = env_factory(config.env.id, dict(config.env.settings), config.env.remote)()
     if config.env.val_settings is not None:
-        build_env(config.env.id, dict(config.env.val_settings), where="env.val_settings")
+        env_factory(config.env.id, dict(config.env.val_settings), config.env.remote, where="env.val_settings")
     sft_runs = stage == "sft" or (config.sft.enabled and not config.resume)
     if sft_runs and config.sft.data:
         try:
@@ -418,10 +427,11 @@ class Recipe:
         seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
         train_settings = dict(config.env.settings)
         val_settings = dict(config.env.val_settings if config.env.val_settings is not None else train_settings)
-        build_env(config.env.id, train_settings)  # fail now, naming the bad setting, not mid-run
-        self.train_groups = EnvGroups(lambda: make(config.env.id, **train_settings), config.groups.n_groups,
-                                      config.groups.group_size, seeds)
-        self.val_groups = EnvGroups(lambda: make(config.env.id, **val_settings), 1, 1, seeds)
+        # Here or on the env servers of env.remote; a bad id or setting fails now, not mid-run.
+        make_train = env_factory(config.env.id, train_settings, config.env.remote)
+        make_val = env_factory(config.env.id, val_settings, config.env.remote, where="env.val_settings")
+        self.train_groups = EnvGroups(make_train, config.groups.n_groups, config.groups.group_size, seeds)
+        self.val_groups = EnvGroups(make_val, 1, 1, seeds)
         workers = config.groups.env_workers
         self.executor: Executor | None = ThreadPoolExecutor(workers) if workers else None
 
@@ -570,6 +580,13 @@ class Recipe:
         if scores.ref_logprobs is not None:
             kl = kl_penalty(scores.old_logprobs, scores.ref_logprobs, kind=algo.kl_kind, mask=mask)
         advantages = compute_advantages(batch, algo, scores.values, kl)
+        token_advantages: list[dict[str, Any]] = []
+        every = config.run.trajectories_every
+        if every > 0 and step % every == 0:  # the steps whose trajectories train() writes: the viewer's heatmap
+            token_advantages = token_advantage_records(
+                batch.input_ids.tolist(), batch.loss_mask.tolist(), advantages.advantages.float().tolist(),
+                batch.turn_end_index.tolist(), batch.episode.tolist(), batch.turn.tolist(),
+                decode=lambda i: str(self.tokenizer.decode([i])))
         if algo.advantage == "gigpo" and batch.turn_states is not None:
             metrics["actor/gigpo_anchored_turns"] = anchored_share(batch.turn_states, batch.group)
         n_tokens = mask.sum().clamp(min=1)
@@ -604,7 +621,7 @@ class Recipe:
         if self.device.type == "cuda":
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         metrics["timing/step_s"] = time.time() - step_start
-        return StepOutput(metrics, rollout.trajectories)
+        return StepOutput(metrics, rollout.trajectories, token_advantages)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
@@ -717,6 +734,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
             logger.log(step + 1, metrics)
             if write_now(step):
                 write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=f"step_{step:06d}.jsonl")
+                if output.token_advantages:
+                    write_token_advantages(recipe.run_dir / "trajectories" / f"step_{step:06d}.advantages.jsonl",
+                                           output.token_advantages)
             progress.update(1, f"success {metrics.get('rollout/success', 0):.2f} "
                                f"reward {metrics.get('rollout/reward_mean', 0):.2f}")
             if stop.requested and not last:
@@ -736,7 +756,19 @@ def train(config: TrainConfig) -> dict[str, Any]:
     console.print(f"validation success before RL: {before_value:.3f}, after RL: [bold]{after['val/success']:.3f}[/bold]"
                   if before_value is not None else f"validation success after RL: {after['val/success']:.3f}")
     console.print(f"summary: {path}")
+    _report(recipe.run_dir)
     return recipe.summary
+
+
+def _report(run_dir: Path) -> None:
+    """The run's HTML report (``turnrl view``); a finished run never fails on it."""
+    try:
+        report = write_report(run_dir)
+    except (OSError, ValueError) as error:
+        console.print(f"no report: {error}", markup=False)
+        return
+    console.print(f"report: {report}  (turnrl view {run_dir} --serve to serve it)", markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 def _stop(recipe: Recipe, logger: MetricsLogger, step: int) -> dict[str, Any]:
@@ -748,4 +780,5 @@ def _stop(recipe: Recipe, logger: MetricsLogger, step: int) -> dict[str, Any]:
     # One unwrapped line, to copy whole.
     console.print(f"continue with: turnrl train resume={recipe.run_dir}", markup=False, highlight=False,
                   soft_wrap=True)
+    _report(recipe.run_dir)
     return {**recipe.summary, "interrupted_at_step": step + 1}

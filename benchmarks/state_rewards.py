@@ -1,0 +1,119 @@
+"""Do state rewards help? VAGEN-Full against VAGEN-Base at equal budget: the table of docs/results.md.
+
+Both rows train the same SFT model with the same recipe, steps, groups and
+seeds; VAGEN-Base keeps the grounding and world-model rewards at weight 0, so
+they are still measured (how well ``<observation>`` and ``<prediction>`` match
+the truth) but never rewarded. The SFT start is made once (``--sft-model``
+reuses one); each run is ``turnrl train`` as a subprocess, ``--parallel`` at a
+time (on a GPU several small runs share the card).
+
+Printed and written to ``--out``/table.md: validation success before and after
+RL, and the match of observations and predictions at the first and last steps,
+mean and spread over seeds; ``--out``/curves.json holds every step's values.
+
+    python benchmarks/state_rewards.py --seeds 0 1 2                       # text FrozenLake, built-in model
+    python benchmarks/state_rewards.py --config configs/vagen_full_sokoban.yaml --seeds 0 1 2 --parallel 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+STATE_REWARDS = ("grounding", "worldmodel")
+ROWS: dict[str, list[str]] = {
+    "VAGEN-Full": [],
+    "VAGEN-Base": ["rewards.extra=[" + ", ".join(
+        f"{{name: {name}, fn: {name}, weight: 0.0}}" for name in STATE_REWARDS) + "]"],
+}
+
+
+def turnrl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "turnrl.cli", *args]
+
+
+def make_sft_start(config: str, overrides: list[str], out: Path) -> Path:
+    """Run the recipe's SFT stage alone (zero RL steps) and return the SFT model's directory."""
+    subprocess.run(turnrl("train", "--config", config, *overrides, "run.steps=0", f"run.output_dir={out}",
+                          "run.name=sft_start", "run.tensorboard=false"), check=True)
+    return out / "sft_start" / "sft" / "model"
+
+
+def match_curve(run_dir: Path, name: str) -> list[float]:
+    """Per step: the mean score of the judged turns (``rewards/<name>/match_mean``)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[f"rewards/{name}/match_mean"] for r in records if f"rewards/{name}/match_mean" in r]
+
+
+def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path) -> dict:
+    name = f"{row.replace('-', '_').lower()}_seed{seed}"
+    start = time.time()
+    with open(out / f"{name}.log", "w") as log:
+        subprocess.run(turnrl("train", "--config", config, *overrides, *ROWS[row], f"model.path={sft_model}",
+                              "sft.enabled=false", f"seeds.seed={seed}", f"run.output_dir={out}", f"run.name={name}",
+                              "run.tensorboard=false"),
+                       check=True, stdout=log, stderr=subprocess.STDOUT)
+    summary = json.loads((out / name / "summary.json").read_text())
+    curves = {field: match_curve(out / name, field) for field in STATE_REWARDS}
+    return {"row": row, "seed": seed, "before": summary["val_success_before_rl"],
+            "after": summary["val_success_after_rl"], "seconds": time.time() - start, "curves": curves}
+
+
+def spread(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    return f"{mean:.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{mean:.3f}"
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| row | seeds | success before RL | success after RL | observation match first -> last | "
+             "prediction match first -> last | minutes a run |",
+             "|---|---|---|---|---|---|---|"]
+    for row in ROWS:
+        runs = [r for r in results if r["row"] == row]
+        if not runs:
+            continue
+        cells = []
+        for field in STATE_REWARDS:
+            first = [r["curves"][field][0] for r in runs if r["curves"][field]]
+            last = [r["curves"][field][-1] for r in runs if r["curves"][field]]
+            cells.append(f"{spread(first)} -> {spread(last)}" if first else "n/a")
+        lines.append(f"| {row} | {', '.join(str(r['seed']) for r in runs)} | {spread([r['before'] for r in runs])} "
+                     f"| {spread([r['after'] for r in runs])} | {cells[0]} | {cells[1]} "
+                     f"| {statistics.fmean(r['seconds'] for r in runs) / 60:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/vagen_full_frozenlake.yaml")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--sft-model", help="reuse this SFT start instead of making one")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once")
+    parser.add_argument("--out", default="runs/state_rewards")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe, for every run")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sft_model = Path(args.sft_model) if args.sft_model else make_sft_start(args.config, args.overrides, out)
+    jobs = [(row, seed) for seed in args.seeds for row in args.rows]
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        results = list(pool.map(lambda job: run_row(args.config, args.overrides, job[0], job[1], sft_model, out),
+                                jobs))
+    for result in results:
+        print(f"{result['row']} seed {result['seed']}: success {result['before']:.3f} -> {result['after']:.3f}, "
+              f"{result['seconds'] / 60:.1f} min")
+    text = table(results)
+    print(text)
+    (out / "table.md").write_text(text + "\n")
+    (out / "curves.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Reading run and evaluation files: typed records from good lines, warnings (never exceptions) from bad ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from turnrl.viz.records import (
+    TokenAdvantages,
+    parse_episode,
+    parse_episode_line,
+    parse_metrics_line,
+    parse_token_advantages,
+    read_metrics,
+    read_source,
+    safe_relative_path,
+    source_label,
+    token_advantage_records,
+    trajectory_files,
+    write_token_advantages,
+)
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+# Records shaped like trajectory lines, with any value in any field.
+RECORD_KEYS = ["env_id", "seed", "status", "success", "turns", "images", "total_reward", "error", "index", "prompt",
+               "response", "fields", "actions", "actions_valid", "rewards", "reward", "num_response_tokens"]
+RECORDS = st.recursive(
+    JSON, lambda inner: st.dictionaries(st.sampled_from(RECORD_KEYS), inner, max_size=8) | st.lists(inner, max_size=3),
+    max_leaves=30,
+)
+
+
+def no_images(value) -> list[str]:
+    return []
+
+
+def turn(index: int, response: str = "<answer>Up</answer>", **extra) -> dict:
+    return {"index": index, "prompt": f"obs {index}", "response": response, "finish_reason": "stop",
+            "format_ok": True, "fields": {"answer": "Up"}, "parse_errors": [], "actions": ["Up"],
+            "actions_valid": [True], "rewards": {"env": 1.0, "format": 0.0}, "reward": 1.0, "reward_errors": [],
+            "num_response_tokens": 3, **extra}
+
+
+def episode(n_turns: int = 2, images: list[str] | None = None, **extra) -> dict:
+    return {"env_id": "FrozenLake", "seed": 3, "group": 1, "sample": 0, "status": "done", "truncation_reason": None,
+            "success": True, "error": None, "total_reward": float(n_turns), "system_prompt": "s",
+            "final_observation": "end", "images": images or [], "turns": [turn(k) for k in range(n_turns)], **extra}
+
+
+def write_png(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (4, 4), (200, 10, 10)).save(path)
+
+
+# --------------------------------------------------------------------------- one line
+def test_a_trajectory_line_becomes_typed_turns():
+    view = parse_episode(episode(2), "step_000003", 7, no_images)
+    assert (view.source, view.index, view.env_id, view.seed, view.success, view.status) == (
+        "step_000003", 7, "FrozenLake", 3, True, "done")
+    assert [t.index for t in view.turns] == [0, 1]
+    assert view.turns[1].actions == ["Up"] and view.turns[1].actions_valid == [True]
+    assert view.named_rewards == {"env": 2.0, "format": 0.0}
+    assert not view.has_advantages
+
+
+def test_images_go_one_per_turn_then_to_the_final_observation_else_to_the_episode():
+    urls = lambda value: list(value or [])  # noqa: E731 - the paths as they are
+    one_each = parse_episode(episode(2, ["a.png", "b.png"]), "s", 0, urls)
+    assert [t.images for t in one_each.turns] == [["a.png"], ["b.png"]] and not one_each.images
+    with_final = parse_episode(episode(2, ["a.png", "b.png", "c.png"]), "s", 0, urls)
+    assert with_final.final_images == ["c.png"]
+    unknown = parse_episode(episode(2, ["a.png", "b.png", "c.png", "d.png"]), "s", 0, urls)
+    assert unknown.images == ["a.png", "b.png", "c.png", "d.png"] and not any(t.images for t in unknown.turns)
+    # A record that says which turn showed which image is taken at its word.
+    record = episode(2, ["a.png", "b.png"])
+    record["turns"][1]["images"] = ["b.png"]
+    own = parse_episode(record, "s", 0, urls)
+    assert [t.images for t in own.turns] == [[], ["b.png"]]
+
+
+def test_wrong_types_become_defaults():
+    record = {"env_id": 5, "seed": "x", "success": "yes", "total_reward": float("nan"), "turns": [
+        {"index": "0", "actions": "Up", "rewards": {"env": "1", "format": True, "x": 2}, "actions_valid": [1, 0]}, 3]}
+    view = parse_episode(record, "s", 0, no_images)
+    assert (view.env_id, view.seed, view.success, view.total_reward) == ("?", 0, False, 0.0)
+    assert view.turns[0].actions == [] and view.turns[0].rewards == {"x": 2.0}
+    assert view.turns[0].actions_valid == [True, False]
+    assert view.turns[1].parse_errors  # a turn that is not an object says so
+
+
+@pytest.mark.parametrize("line", ["", "not json", "[1, 2]", "3", "null", "{" * 5000 + "}" * 5000])
+def test_a_line_that_is_not_an_object_is_a_value_error(line):
+    with pytest.raises(ValueError):
+        parse_episode_line(line, "s", 0, no_images)
+
+
+@FAST
+@given(st.text(max_size=200))
+def test_any_text_line_parses_or_is_a_value_error(line):
+    try:
+        parse_episode_line(line, "s", 0, no_images)
+    except ValueError:
+        pass
+
+
+@FAST
+@given(RECORDS)
+def test_any_json_record_parses_or_is_a_value_error(record):
+    try:
+        view = parse_episode(record, "s", 0, no_images)
+    except ValueError:
+        assert not isinstance(record, dict)
+    else:
+        assert isinstance(record, dict) and all(isinstance(t.response, str) for t in view.turns)
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("images/a.png", True), ("a.png", True), ("../a.png", False), ("images/../../a.png", False), ("/etc/passwd", False),
+    ("javascript:alert(1)", False), ("", False), ("C:\\x.png", False), ("a\x00.png", False),
+])
+def test_image_paths_must_stay_inside_the_folder(text, ok):
+    assert (safe_relative_path(text) is not None) == ok
+
+
+@FAST
+@given(st.text(max_size=60))
+def test_safe_relative_paths_never_climb(text):
+    path = safe_relative_path(text)
+    assert path is None or (not path.is_absolute() and ".." not in path.parts)
+
+
+# --------------------------------------------------------------------------- files
+def test_read_source_resolves_images_and_warns_about_bad_lines_and_missing_files(tmp_path):
+    folder = tmp_path / "run"
+    write_png(folder / "trajectories" / "images" / "a.png")
+    lines = [json.dumps(episode(1, ["images/a.png"])), "garbage", json.dumps(episode(1, ["images/missing.png"])),
+             json.dumps(episode(1, ["../../outside.png"]))]
+    (folder / "trajectories" / "step_000004.jsonl").write_text("\n".join(lines) + "\n")
+    warnings: list[str] = []
+    source = read_source(folder / "trajectories" / "step_000004.jsonl", folder, 10, warnings)
+    assert (source.name, source.label, source.step, source.total) == ("step_000004", "step 4", 4, 4)
+    assert [ep.index for ep in source.episodes] == [0, 2, 3]
+    assert source.episodes[0].turns[0].images == ["trajectories/images/a.png"]
+    assert source.episodes[1].turns[0].images == [] and source.episodes[2].turns[0].images == []
+    assert any("1 line(s) could not be read" in w and "line 2" in w for w in warnings)
+    assert any("2 image(s) missing or outside" in w for w in warnings)
+
+
+def test_read_source_keeps_the_first_episodes_and_says_how_many_there_were(tmp_path):
+    (tmp_path / "trajectories.jsonl").write_text("".join(json.dumps(episode(1)) + "\n" for _ in range(5)))
+    warnings: list[str] = []
+    source = read_source(tmp_path / "trajectories.jsonl", tmp_path, 2, warnings)
+    assert len(source.episodes) == 2 and source.total == 5 and source.label == "evaluation"
+    assert any("first 2 of 5" in w for w in warnings)
+
+
+def test_token_advantages_attach_to_their_turns_and_set_the_file_scale(tmp_path):
+    (tmp_path / "trajectories").mkdir()
+    (tmp_path / "trajectories" / "step_000000.jsonl").write_text(json.dumps(episode(2)) + "\n")
+    write_token_advantages(tmp_path / "trajectories" / "step_000000.advantages.jsonl", [
+        {"episode": 0, "turn": 1, "tokens": ["<answer>", "Up", "</answer>"], "advantages": [0.5, -1.5, 0.25]},
+        {"episode": 0, "turn": 9, "tokens": [], "advantages": []},  # no such turn
+        {"episode": 5, "turn": 0, "tokens": ["x"], "advantages": [9.0]},  # an episode not shown
+    ])
+    with (tmp_path / "trajectories" / "step_000000.advantages.jsonl").open("a") as handle:
+        handle.write('{"episode": 0, "turn": 0, "tokens": ["a"], "advantages": []}\n')
+    warnings: list[str] = []
+    source = read_source(tmp_path / "trajectories" / "step_000000.jsonl", tmp_path, 10, warnings)
+    turns = source.episodes[0].turns
+    assert turns[0].advantages is None
+    assert turns[1].advantages == TokenAdvantages(("<answer>", "Up", "</answer>"), (0.5, -1.5, 0.25))
+    assert source.advantage_scale == 1.5 and source.episodes[0].has_advantages
+    assert any("2 line(s) skipped" in w and "no turn 9" in w and "1 tokens but 0" in w for w in warnings)
+
+
+@FAST
+@given(st.text(max_size=200) | JSON.map(json.dumps))
+def test_any_advantages_line_parses_or_is_a_value_error(line):
+    try:
+        episode_index, turn_index, values = parse_token_advantages(line)
+    except ValueError:
+        return
+    assert episode_index >= 0 and len(values.tokens) == len(values.advantages)
+
+
+def test_files_of_a_run_come_in_training_order(tmp_path):
+    trajectories = tmp_path / "trajectories"
+    trajectories.mkdir()
+    for name in ("val_after_rl", "step_000010", "step_000002", "val_before_rl", "step_000002.advantages"):
+        (trajectories / f"{name}.jsonl").write_text("")
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "demos_sample.jsonl").write_text("")
+    assert [p.name for p in trajectory_files(tmp_path)] == [
+        "demos_sample.jsonl", "val_before_rl.jsonl", "step_000002.jsonl", "step_000010.jsonl", "val_after_rl.jsonl"]
+    assert source_label("val_after_rl") == ("validation after RL", None)
+    assert source_label("something") == ("something", None)
+
+
+# --------------------------------------------------------------------------- metrics
+def test_metrics_lines_keep_finite_numbers_with_their_step(tmp_path):
+    assert parse_metrics_line('{"step": 3, "a": 1.5, "b": null, "c": "x", "d": true}') == {"a": 1.5, "step": 3.0}
+    assert parse_metrics_line('{"a": 1}') is None and parse_metrics_line("[]") is None
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1}\noops\n\n{"step": 2, "a": 2}\n')
+    warnings: list[str] = []
+    assert [r["a"] for r in read_metrics(path, warnings)] == [1.0, 2.0]
+    assert warnings == ["metrics.jsonl: 1 line(s) could not be read"]
+    assert read_metrics(tmp_path / "absent.jsonl") == []
+
+
+@FAST
+@given(st.text(max_size=200) | JSON.map(json.dumps))
+def test_any_metrics_line_parses_or_is_none(line):
+    record = parse_metrics_line(line)
+    assert record is None or "step" in record
+
+
+# --------------------------------------------------------------------------- written by training
+def test_token_advantage_records_of_one_turn_samples():
+    """Turn mode: each row is one turn; the prompt's tokens (loss mask 0) are left out."""
+    records = token_advantage_records(
+        input_ids=[[1, 2, 10, 11, 0], [1, 12, 13, 14, 0]],
+        loss_mask=[[0, 0, 1, 1, 0], [0, 1, 1, 1, 0]],
+        advantages=[[9, 9, 0.5, 0.5, 9], [9, -1, -1, -1, 9]],
+        turn_end_index=[[3], [3]],
+        episode=[4, 4],
+        turn=[0, 1],
+        decode=lambda i: f"t{i}",
+    )
+    assert records == [
+        {"episode": 4, "turn": 0, "tokens": ["t10", "t11"], "advantages": [0.5, 0.5]},
+        {"episode": 4, "turn": 1, "tokens": ["t12", "t13", "t14"], "advantages": [-1.0, -1.0, -1.0]},
+    ]
+
+
+def test_token_advantage_records_of_whole_trajectories_split_at_turn_ends():
+    """Trajectory mode: one row holds every turn; observation tokens between turns are left out."""
+    records = token_advantage_records(
+        input_ids=[[1, 10, 11, 2, 3, 12, 0]],
+        loss_mask=[[0, 1, 1, 0, 0, 1, 0]],
+        advantages=[[0, 0.25, 0.5, 0, 0, 0.75, 0]],
+        turn_end_index=[[2, 5, -1]],
+        episode=[0],
+        turn=[-1],
+        decode=str,
+    )
+    assert records == [
+        {"episode": 0, "turn": 0, "tokens": ["10", "11"], "advantages": [0.25, 0.5]},
+        {"episode": 0, "turn": 1, "tokens": ["12"], "advantages": [0.75]},
+    ]
+
+
+@pytest.mark.parametrize("mode", ["turn", "trajectory"])
+def test_token_advantage_records_of_a_real_batch_give_each_turn_its_sampled_tokens(tiny_tokenizer, mode):
+    """The trainer's batch (either sample mode) maps back to every turn's sampled ids, in order."""
+    import torch
+
+    from tests.training.test_batch import play
+    from turnrl.training.batch import collate, trajectory_samples, turn_samples
+
+    trajectories, _ = play(tiny_tokenizer)
+    episode_ids = [4, 5, 6]  # lines of the step's trajectories file
+    make = turn_samples if mode == "turn" else trajectory_samples
+    batch = collate(make(trajectories, episode_ids), tiny_tokenizer.pad_token_id)
+    advantages = torch.arange(batch.input_ids.numel(), dtype=torch.float).reshape(batch.input_ids.shape) / 64
+    records = token_advantage_records(
+        batch.input_ids.tolist(), batch.loss_mask.tolist(), advantages.tolist(), batch.turn_end_index.tolist(),
+        batch.episode.tolist(), batch.turn.tolist(), decode=lambda i: tiny_tokenizer.decode([i]))
+    by_turn = {(r["episode"], r["turn"]): r for r in records}
+    assert len(by_turn) == len(records) == sum(len(t.turns) for t in trajectories)
+    for episode, trajectory in zip(episode_ids, trajectories):
+        for turn in trajectory.turns:
+            record = by_turn[(episode, turn.index)]
+            assert record["tokens"] == [tiny_tokenizer.decode([i]) for i in turn.response_ids]
+            assert len(record["advantages"]) == len(turn.response_ids)
+            assert record["advantages"] == sorted(record["advantages"])  # positions in order, none skipped twice

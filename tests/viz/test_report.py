@@ -1,0 +1,176 @@
+"""The report of real folders (an evaluation with images, a short training run), and hostile records."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.viz.conftest import EVAL_EPISODES
+from turnrl.viz.records import EpisodeView
+from turnrl.viz.report import (
+    Pair,
+    flatten_summary,
+    folder_kind,
+    headline,
+    load_report,
+    render_html,
+    write_report,
+)
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def image_sources(html: str) -> list[str]:
+    return re.findall(r'<img src="([^"]+)"', html)
+
+
+def test_evaluation_report_shows_every_episode_with_its_images(eval_dir):
+    path = write_report(eval_dir)
+    html = path.read_text()
+    assert path == eval_dir / "report.html"
+    assert html.count('<details class="episode"') == EVAL_EPISODES
+    episodes = lines(eval_dir / "trajectories.jsonl")
+    shown = [src for src in image_sources(html)]
+    assert len(shown) == sum(len(e["images"]) for e in episodes) > 0
+    assert all((eval_dir / src).is_file() for src in shown)
+    assert html.count("<think>") == 0 and "&lt;think&gt;" in html  # the response's tags are shown as text
+    assert '<span class="f-think">Random choice' in html  # ... and its reasoning field highlighted
+    successes = sum(e["success"] for e in episodes)
+    assert html.count('data-success="1"') == successes
+    assert "success rate" in html and "Training curves" not in html
+    assert not (eval_dir / "plots").exists()  # an evaluation has no curves
+
+
+def test_run_report_has_curves_steps_and_before_after_pairs(run_dir):
+    data = load_report(run_dir)
+    assert data.kind == "training run"
+    assert [s.label for s in data.sources] == ["validation before RL", "step 0", "step 1", "validation after RL"]
+    assert [s.step for s in data.sources] == [0, 0, 1, None]
+    assert len(data.pairs) == 4 and all(p.before.seed == p.after.seed for p in data.pairs)
+    plots = {p.url for p in data.plots}
+    assert {"plots/success.png", "plots/reward.png", "plots/entropy.png", "plots/response_length.png",
+            "plots/reward_std.png", "plots/step_time.png"} <= plots
+    assert all((run_dir / url).is_file() for url in plots)
+    html = render_html(data)
+    assert html.count('<details class="pair"') == 4
+    assert html.count('<details class="episode"') == sum(len(s.episodes) for s in data.sources)
+    for source in data.sources:
+        assert f'<option value="{source.name}">{source.label}</option>' in html
+    assert "validation success before RL" in html and "config.yaml" in html
+
+
+def test_token_advantages_are_drawn_as_a_heatmap(run_with_advantages):
+    data = load_report(run_with_advantages, plots=False)
+    step = next(s for s in data.sources if s.name == "step_000000")
+    assert step.advantage_scale > 0 and all(ep.has_advantages for ep in step.episodes)
+    assert not any(ep.has_advantages for s in data.sources if s.name != "step_000000" for ep in s.episodes)
+    html = render_html(data)
+    expected = sum(len(t.advantages.tokens) for ep in step.episodes for t in ep.turns if t.advantages)
+    assert html.count('<span class="tok"') == expected
+    assert html.count("Per-token advantages</h4>") == sum(len(ep.turns) for ep in step.episodes)
+
+
+def hostile(eval_dir: Path, out: Path) -> Path:
+    """A copy of the evaluation whose first episode carries markup in every text field."""
+    shutil.copytree(eval_dir, out, ignore=shutil.ignore_patterns("report.html"))
+    episodes = lines(out / "trajectories.jsonl")
+    bad = '</pre><script>alert("x")</script><img src=x onerror=alert(1)>'
+    first = episodes[0]
+    first.update(env_id=f'Frozen"Lake{bad}', system_prompt=bad, final_observation=bad, error=bad,
+                 images=["javascript:alert(1)", "../../../etc/passwd", *first["images"][1:]])
+    first["turns"][0].update(prompt=bad, response=f"<think>{bad}</think><answer>{bad}</answer>", actions=[bad],
+                             rewards={bad: 1.0}, parse_errors=[bad], fields={'"><script>': "x", "think": bad})
+    (out / "trajectories.jsonl").write_text("".join(json.dumps(e) + "\n" for e in episodes))
+    (out / "config.yaml").write_text(bad)
+    (out / "summary.json").write_text(json.dumps({bad: bad}))
+    return out
+
+
+def test_model_output_is_escaped_everywhere(eval_dir, tmp_path):
+    folder = hostile(eval_dir, tmp_path / "hostile")
+    html = write_report(folder).read_text()
+    assert html.count("<script") == 1  # the page's own
+    assert "<img src=x" not in html and "</pre><script>" not in html
+    assert "&lt;/pre&gt;&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;" in html
+    assert 'data-env="Frozen&#34;Lake&lt;/pre&gt;' in html  # no way out of an attribute
+    # Image paths that leave the folder or are URLs are never linked, only reported.
+    assert all((folder / src).is_file() for src in image_sources(html))
+    assert "2 image(s) missing or outside the folder" in html
+
+
+def test_a_bad_line_is_a_note_on_the_page_not_a_crash(eval_dir, tmp_path):
+    folder = tmp_path / "eval"
+    shutil.copytree(eval_dir, folder, ignore=shutil.ignore_patterns("report.html"))
+    with (folder / "trajectories.jsonl").open("a") as handle:
+        handle.write("{truncated\n[1, 2]\n")
+    (folder / "summary.json").write_text("{not json")
+    data = load_report(folder)
+    assert data.episode_count == EVAL_EPISODES and data.summary == []
+    assert any("2 line(s) could not be read" in w for w in data.warnings)
+    assert any("summary.json could not be read" in w for w in data.warnings)
+    assert "Notes on reading this folder" in render_html(data)
+
+
+def test_max_episodes_caps_each_file(run_dir):
+    data = load_report(run_dir, max_episodes=1, plots=False)
+    assert [len(s.episodes) for s in data.sources] == [1, 1, 1, 1]
+    assert sum("showing the first 1 of" in w for w in data.warnings) == 4
+
+
+def test_folders_that_are_neither_say_what_to_pass(tmp_path, run_dir):
+    with pytest.raises(ValueError, match="is not a folder"):
+        folder_kind(tmp_path / "absent")
+    with pytest.raises(ValueError, match="neither a training run"):
+        folder_kind(tmp_path)
+    with pytest.raises(ValueError, match="pass the run folder above it"):
+        folder_kind(run_dir / "trajectories")
+
+
+def test_summary_is_flattened_and_headlined():
+    summary = {"success_rate": 0.5, "pass_at_k": {"1": 0.5}, "val_after_rl": {"val/success": 0.123456}, "env": "X",
+               "tags": [1, 2]}
+    assert flatten_summary(summary) == [("success_rate", "0.5"), ("pass_at_k / 1", "0.5"),
+                                        ("val_after_rl / val/success", "0.1235"), ("env", "X"), ("tags", "1, 2")]
+    assert headline(summary) == [("success rate", "0.5")]
+    assert headline([1]) == []
+
+
+def test_pairs_say_what_changed():
+    def ep(success: bool) -> EpisodeView:
+        return EpisodeView(source="s", index=0, success=success)
+
+    assert Pair(ep(False), ep(True)).change == "improved"
+    assert Pair(ep(True), ep(False)).change == "regressed"
+    assert Pair(ep(True), ep(True)).change == Pair(ep(False), ep(False)).change == "unchanged"
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(JSON)
+def test_any_summary_json_flattens_to_text_rows(summary):
+    rows = flatten_summary(summary) + headline(summary)
+    assert all(isinstance(key, str) and isinstance(value, str) for key, value in rows)
+
+
+def test_a_training_run_writes_the_per_token_advantages_of_the_steps_it_keeps(run_dir):
+    files = sorted(path.name for path in (run_dir / "trajectories").glob("step_*.advantages.jsonl"))
+    assert files == ["step_000000.advantages.jsonl", "step_000001.advantages.jsonl"]
+    data = load_report(run_dir, plots=False)
+    for name in ("step_000000", "step_000001"):
+        step = next(s for s in data.sources if s.name == name)
+        assert step.advantage_scale > 0 and any(ep.has_advantages for ep in step.episodes)
+    assert (run_dir / "report.html").is_file()  # written by train() at its end

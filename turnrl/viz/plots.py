@@ -1,0 +1,100 @@
+"""Training curves as PNG files: success, reward, KL, entropy, response length, in-group reward std,
+step time (and the SFT loss when the run had an SFT stage).
+
+Drawn with matplotlib's object API (``Figure``), which needs no display and
+no global state, from the records of ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One plot: several metrics over training steps."""
+
+    name: str
+    """File name (without ``.png``)."""
+    title: str
+    series: tuple[tuple[str, str], ...]
+    """``(metric, legend label)`` pairs, drawn in order."""
+    ylabel: str = ""
+
+
+CURVES = (
+    Curve("success", "Success rate", (("rollout/success", "training rollouts"), ("val/success", "validation")),
+          "share of episodes"),
+    Curve("reward", "Episode reward", (("rollout/reward_mean", "training rollouts"), ("val/reward_mean", "validation")),
+          "mean total reward"),
+    Curve("kl", "KL divergence", (("actor/kl_ref", "to the reference"), ("actor/approx_kl", "old to new policy")),
+          "per token"),
+    Curve("entropy", "Policy entropy", (("actor/entropy", "sampled tokens"),), "nats per token"),
+    Curve("response_length", "Response length",
+          (("rollout/response_tokens_mean", "training rollouts"), ("val/response_tokens_mean", "validation")),
+          "tokens per turn"),
+    Curve("reward_std", "In-group reward std", (("rollout/in_group_reward_std", "mean over groups"),),
+          "std of episode rewards"),
+    Curve("step_time", "Step time",
+          (("timing/step_s", "whole step"), ("timing/rollout_s", "rollout"), ("timing/update_s", "update")),
+          "seconds"),
+)
+SFT_CURVE = Curve("sft_loss", "SFT loss", (("sft/loss", "training loss"),), "cross-entropy per token")
+
+
+@dataclass(frozen=True)
+class Plot:
+    """A PNG written for one curve."""
+
+    curve: Curve
+    path: Path
+    points: int
+    """Points drawn over all its series."""
+
+
+def series(records: list[dict[str, float]], metric: str) -> tuple[list[int], list[float]]:
+    """``(steps, values)`` of ``metric``, sorted by step; a step logged twice (a resumed run) keeps its last value."""
+    by_step: dict[int, float] = {}
+    for record in records:
+        if metric in record and "step" in record:
+            by_step[int(record["step"])] = record[metric]
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def draw_curve(curve: Curve, records: list[dict[str, float]], path: Path) -> Plot | None:
+    """Write ``curve`` as a PNG at ``path``; None (and no file) when the records hold none of its metrics."""
+    drawn = [(label, *series(records, metric)) for metric, label in curve.series]
+    drawn = [(label, steps, values) for label, steps, values in drawn if steps]
+    if not drawn:
+        return None
+    figure = Figure(figsize=(5.0, 3.2), dpi=100, layout="constrained")
+    axes = figure.subplots()
+    for label, steps, values in drawn:
+        # Sparse series (validation at the start and the end) need markers to be seen at all.
+        marker = "o" if len(steps) <= 12 else None
+        axes.plot(steps, values, label=label, marker=marker, markersize=4, linewidth=1.5)
+    axes.set_title(curve.title)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    axes.set_xlabel("step")
+    axes.set_ylabel(curve.ylabel)
+    axes.grid(alpha=0.3)
+    if len(drawn) > 1:
+        axes.legend(fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    return Plot(curve, path, sum(len(steps) for _, steps, _ in drawn))
+
+
+def draw_training_curves(
+    records: list[dict[str, float]], out_dir: Path, sft_records: list[dict[str, float]] | None = None
+) -> list[Plot]:
+    """Every curve of :data:`CURVES` the records have (and the SFT loss), as ``out_dir/<name>.png``."""
+    plots = [draw_curve(curve, records, out_dir / f"{curve.name}.png") for curve in CURVES]
+    if sft_records:
+        plots.append(draw_curve(SFT_CURVE, sft_records, out_dir / f"{SFT_CURVE.name}.png"))
+    return [plot for plot in plots if plot is not None]

@@ -1,0 +1,498 @@
+"""What the viewer reads from a run or an evaluation folder, as typed records.
+
+A **run folder** (``turnrl train``) holds ``metrics.jsonl``, ``summary.json``,
+``config.yaml`` and ``trajectories/`` with ``val_before_rl.jsonl``,
+``step_NNNNNN.jsonl`` (every ``run.trajectories_every`` steps) and
+``val_after_rl.jsonl``, images under ``trajectories/images/``; the SFT stage
+adds ``sft/metrics.jsonl`` and ``sft/demos_sample.jsonl``. An **evaluation
+folder** (``turnrl eval --out``) holds ``summary.json``, ``config.yaml``,
+``trajectories.jsonl`` and ``images/``.
+
+Per-token advantages, where a run has them, sit beside a trajectories file
+as ``<stem>.advantages.jsonl``: one JSON line per trained turn,
+``{"episode": i, "turn": k, "tokens": [str, ...], "advantages": [float, ...]}``
+where ``episode`` is the line number (0-based) of the episode in
+``<stem>.jsonl``, ``turn`` its turn index, ``tokens`` the decoded text of
+each sampled token of that turn's response and ``advantages`` the advantage
+each token was trained with. :func:`token_advantage_records` builds these
+lines from a padded training batch and :func:`write_token_advantages` writes
+them.
+
+Everything here is read as untrusted data: a line that is not JSON, a field
+of the wrong type or an image path that leaves the folder becomes a warning
+or a default, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import quote
+
+ADVANTAGES_SUFFIX = ".advantages.jsonl"
+DEFAULT_MAX_EPISODES = 128
+"""Episodes shown per trajectories file: a long run's files together would make a page too heavy to open."""
+_STEP_FILE = re.compile(r"step_(\d+)")
+
+
+# --------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class TokenAdvantages:
+    """The advantage of every sampled token of one turn's response."""
+
+    tokens: tuple[str, ...]
+    """Decoded text of each sampled token, in order."""
+    advantages: tuple[float, ...]
+    """Advantage of each token (same length as ``tokens``)."""
+
+
+@dataclass
+class TurnView:
+    """One turn of an episode as the page shows it."""
+
+    index: int
+    prompt: str = ""
+    """The observation text the response answers."""
+    response: str = ""
+    finish_reason: str = ""
+    format_ok: bool = False
+    fields: dict[str, str] = field(default_factory=dict)
+    """Reasoning fields parsed from the response (``think``, ``observation``, ``answer``, ...)."""
+    parse_errors: list[str] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+    actions_valid: list[bool] = field(default_factory=list)
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Unweighted named rewards (``env``, ``format``, added rewards)."""
+    reward: float = 0.0
+    """The weighted turn reward."""
+    reward_errors: list[str] = field(default_factory=list)
+    num_response_tokens: int = 0
+    images: list[str] = field(default_factory=list)
+    """URLs (relative to the report) of the observation's images."""
+    advantages: TokenAdvantages | None = None
+
+
+@dataclass
+class EpisodeView:
+    """One episode as the page shows it."""
+
+    source: str
+    """The trajectories file's stem (``val_before_rl``, ``step_000005``, ``trajectories``)."""
+    index: int
+    """Line number (0-based) of the episode in its file."""
+    env_id: str = "?"
+    seed: int = 0
+    group: int = 0
+    sample: int = 0
+    status: str = "?"
+    truncation_reason: str | None = None
+    success: bool = False
+    error: str | None = None
+    total_reward: float = 0.0
+    system_prompt: str = ""
+    final_observation: str = ""
+    turns: list[TurnView] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
+    """Image URLs not tied to a turn (when the record does not say which turn showed which image)."""
+    final_images: list[str] = field(default_factory=list)
+    """Images of the observation after the last turn."""
+
+    @property
+    def named_rewards(self) -> dict[str, float]:
+        """Each named reward summed over the turns."""
+        totals: dict[str, float] = {}
+        for turn in self.turns:
+            for name, value in turn.rewards.items():
+                totals[name] = totals.get(name, 0.0) + value
+        return totals
+
+    @property
+    def has_advantages(self) -> bool:
+        return any(turn.advantages is not None for turn in self.turns)
+
+
+@dataclass
+class EpisodeSource:
+    """One trajectories file and the episodes read from it."""
+
+    name: str
+    """File stem, the filter value."""
+    label: str
+    """What the page calls it: ``validation before RL``, ``step 5``, ``evaluation``, ..."""
+    step: int | None
+    """The training step the episodes come from (None for evaluations and SFT demos)."""
+    episodes: list[EpisodeView] = field(default_factory=list)
+    total: int = 0
+    """Episodes in the file (more than ``len(episodes)`` when the page shows only the first ones)."""
+    advantage_scale: float = 0.0
+    """Largest absolute token advantage in the file (0 without advantages): the heatmap's full colour."""
+
+
+# --------------------------------------------------------------------------- untrusted values
+def _as_str(value: Any, default: str = "") -> str:
+    return value if isinstance(value, str) else default
+
+
+def _as_int(value: Any, default: int = 0) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return int(value)
+    return default
+
+
+def _as_float(value: Any, default: float = 0.0) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+        return number if math.isfinite(number) else default
+    return default
+
+
+def _as_bool(value: Any) -> bool:
+    return value is True or (isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0)
+
+
+def _as_str_list(value: Any) -> list[str]:
+    return [item for item in value if isinstance(item, str)] if isinstance(value, list) else []
+
+
+def _as_float_dict(value: Any) -> dict[str, float]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): _as_float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _as_str_dict(value: Any) -> dict[str, str]:
+    return {str(k): v for k, v in value.items() if isinstance(v, str)} if isinstance(value, dict) else {}
+
+
+def safe_relative_path(text: str) -> PurePosixPath | None:
+    """``text`` as a relative path that stays inside its folder, or None (absolute, ``..``, URL, empty)."""
+    if not text or "\\" in text or ":" in text or "\x00" in text:
+        return None
+    path = PurePosixPath(text)
+    if path.is_absolute() or any(part in ("..", "") for part in path.parts) or not path.parts:
+        return None
+    return path
+
+
+# --------------------------------------------------------------------------- one episode
+@dataclass
+class ImageResolver:
+    """Turns the image paths of a record (relative to its file's folder) into URLs relative to the report."""
+
+    base: Path
+    """The folder of the trajectories file."""
+    report_dir: Path
+    missing: list[str] = field(default_factory=list)
+    """Paths that were unsafe or had no file."""
+
+    def url(self, text: str) -> str | None:
+        relative = safe_relative_path(text)
+        path = self.base / relative if relative is not None else None
+        if path is None or not path.is_file():
+            self.missing.append(text)
+            return None
+        return quote(Path(os.path.relpath(path, self.report_dir)).as_posix())
+
+    def urls(self, value: Any) -> list[str]:
+        return [url for url in (self.url(text) for text in _as_str_list(value)) if url is not None]
+
+
+def parse_turn(record: Any, index: int, resolve: Callable[[Any], list[str]]) -> TurnView:
+    """One turn of a trajectory record (any JSON value; wrong types become defaults)."""
+    if not isinstance(record, dict):
+        return TurnView(index=index, parse_errors=["this turn's record is not a JSON object"])
+    valid = record.get("actions_valid")
+    return TurnView(
+        index=_as_int(record.get("index"), index),
+        prompt=_as_str(record.get("prompt")),
+        response=_as_str(record.get("response")),
+        finish_reason=_as_str(record.get("finish_reason")),
+        format_ok=_as_bool(record.get("format_ok")),
+        fields=_as_str_dict(record.get("fields")),
+        parse_errors=_as_str_list(record.get("parse_errors")),
+        actions=_as_str_list(record.get("actions")),
+        actions_valid=[_as_bool(v) for v in valid] if isinstance(valid, list) else [],
+        rewards=_as_float_dict(record.get("rewards")),
+        reward=_as_float(record.get("reward")),
+        reward_errors=_as_str_list(record.get("reward_errors")),
+        num_response_tokens=_as_int(record.get("num_response_tokens")),
+        images=resolve(record.get("images")),
+    )
+
+
+def parse_episode(record: Any, source: str, index: int, resolve: Callable[[Any], list[str]]) -> EpisodeView:
+    """One line of a trajectories file, already decoded from JSON.
+
+    Images: a turn's own ``images`` list when the record has one; otherwise the episode's ``images`` in
+    order, one per turn when there are as many as turns (image modes show one image per observation), the
+    one left over after that as the final observation's, and as a plain list when the counts do not fit.
+
+    Raises:
+        ValueError: ``record`` is not a JSON object.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    raw_turns = record.get("turns")
+    turns = [parse_turn(t, k, resolve) for k, t in enumerate(raw_turns)] if isinstance(raw_turns, list) else []
+    images = resolve(record.get("images"))
+    episode = EpisodeView(
+        source=source,
+        index=index,
+        env_id=_as_str(record.get("env_id"), "?"),
+        seed=_as_int(record.get("seed")),
+        group=_as_int(record.get("group")),
+        sample=_as_int(record.get("sample")),
+        status=_as_str(record.get("status"), "?"),
+        truncation_reason=record.get("truncation_reason") if isinstance(record.get("truncation_reason"), str) else None,
+        success=_as_bool(record.get("success")),
+        error=record.get("error") if isinstance(record.get("error"), str) else None,
+        total_reward=_as_float(record.get("total_reward"), sum(t.reward for t in turns)),
+        system_prompt=_as_str(record.get("system_prompt")),
+        final_observation=_as_str(record.get("final_observation")),
+        turns=turns,
+    )
+    if any(turn.images for turn in turns):
+        return episode  # the record says which turn showed which image
+    if turns and len(images) in (len(turns), len(turns) + 1):
+        for turn, url in zip(turns, images):
+            turn.images = [url]
+        episode.final_images = images[len(turns):]
+    else:
+        episode.images = images
+    return episode
+
+
+def parse_episode_line(line: str, source: str, index: int, resolve: Callable[[Any], list[str]]) -> EpisodeView:
+    """One line of a trajectories file.
+
+    Raises:
+        ValueError: the line is not a JSON object.
+    """
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(f"not JSON ({error})") from None
+    return parse_episode(record, source, index, resolve)
+
+
+def parse_token_advantages(line: str) -> tuple[int, int, TokenAdvantages]:
+    """One line of an ``.advantages.jsonl`` file: ``(episode, turn, advantages)``.
+
+    Raises:
+        ValueError: not JSON, missing fields, or tokens and advantages of different lengths.
+    """
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(f"not JSON ({error})") from None
+    if not isinstance(record, dict):
+        raise ValueError("expected a JSON object")
+    episode, turn = record.get("episode"), record.get("turn")
+    tokens, values = record.get("tokens"), record.get("advantages")
+    if not isinstance(episode, int) or not isinstance(turn, int) or isinstance(episode, bool) or episode < 0:
+        raise ValueError("'episode' and 'turn' must be non-negative integers")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("'tokens' must be a list of strings")
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ValueError("'advantages' must be a list of numbers")
+    if len(tokens) != len(values):
+        raise ValueError(f"{len(tokens)} tokens but {len(values)} advantages")
+    return episode, turn, TokenAdvantages(tuple(tokens), tuple(_as_float(v) for v in values))
+
+
+# --------------------------------------------------------------------------- files
+def _lines(path: Path) -> Iterable[tuple[int, str]]:
+    """Non-blank lines with their 1-based numbers (undecodable bytes replaced)."""
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                yield number, line
+
+
+def source_label(stem: str) -> tuple[str, int | None]:
+    """What the page calls a trajectories file, and its training step: ``step_000005`` -> ``("step 5", 5)``."""
+    if stem == "val_before_rl":
+        return "validation before RL", 0
+    if stem == "val_after_rl":
+        return "validation after RL", None
+    if stem == "trajectories":
+        return "evaluation", None
+    if stem == "demos_sample":
+        return "SFT demos", None
+    match = _STEP_FILE.fullmatch(stem)
+    if match:
+        return f"step {int(match.group(1))}", int(match.group(1))
+    return stem, None
+
+
+def read_source(path: Path, report_dir: Path, max_episodes: int, warnings: list[str]) -> EpisodeSource:
+    """The episodes of one trajectories file (the first ``max_episodes``), with its token advantages.
+
+    Problems (bad lines, missing images, advantages that fit no turn) are appended to ``warnings``.
+    """
+    stem = path.name.removesuffix(".jsonl")
+    label, step = source_label(stem)
+    source = EpisodeSource(name=stem, label=label, step=step)
+    resolver = ImageResolver(path.parent, report_dir)
+    bad: list[str] = []
+    for number, line in _lines(path):
+        source.total += 1
+        if len(source.episodes) >= max_episodes:
+            continue
+        try:
+            source.episodes.append(parse_episode_line(line, stem, number - 1, resolver.urls))
+        except ValueError as error:
+            bad.append(f"line {number}: {error}")
+    rel = path.relative_to(report_dir).as_posix()
+    if bad:
+        warnings.append(f"{rel}: {len(bad)} line(s) could not be read ({'; '.join(bad[:3])})")
+    if resolver.missing:
+        warnings.append(f"{rel}: {len(resolver.missing)} image(s) missing or outside the folder "
+                        f"(first: {resolver.missing[0]!r})")
+    if source.total > len(source.episodes) + len(bad):
+        warnings.append(f"{rel}: showing the first {max_episodes} of {source.total} episodes "
+                        "(turnrl view --max-episodes N shows more)")
+    advantages = path.with_name(stem + ADVANTAGES_SUFFIX)
+    if advantages.is_file():
+        _attach_advantages(source, advantages, report_dir, warnings)
+    return source
+
+
+def _attach_advantages(source: EpisodeSource, path: Path, report_dir: Path, warnings: list[str]) -> None:
+    by_line = {episode.index: episode for episode in source.episodes}
+    problems: list[str] = []
+    scale = 0.0
+    for number, line in _lines(path):
+        try:
+            episode_index, turn_index, values = parse_token_advantages(line)
+        except ValueError as error:
+            problems.append(f"line {number}: {error}")
+            continue
+        episode = by_line.get(episode_index)
+        if episode is None:
+            continue  # an episode past the ones shown
+        if not 0 <= turn_index < len(episode.turns):
+            problems.append(f"line {number}: episode {episode_index} has no turn {turn_index}")
+            continue
+        episode.turns[turn_index].advantages = values
+        scale = max([scale, *(abs(v) for v in values.advantages)])
+    source.advantage_scale = scale
+    if problems:
+        warnings.append(f"{path.relative_to(report_dir).as_posix()}: {len(problems)} line(s) skipped "
+                        f"({'; '.join(problems[:3])})")
+
+
+def source_order(stem: str) -> tuple[int, int, str]:
+    """Sort key of trajectories files: SFT demos, validation before RL, steps in order, after RL, the rest."""
+    label, step = source_label(stem)
+    rank = {"demos_sample": 0, "val_before_rl": 1, "val_after_rl": 3}.get(stem, 2 if step is not None else 4)
+    return rank, step if step is not None else 0, stem
+
+
+def trajectory_files(folder: Path) -> list[Path]:
+    """The trajectories files of a run or evaluation folder, in page order."""
+    candidates = [folder / "trajectories.jsonl", folder / "sft" / "demos_sample.jsonl"]
+    trajectories_dir = folder / "trajectories"
+    if trajectories_dir.is_dir():
+        candidates += sorted(trajectories_dir.glob("*.jsonl"))
+    files = [p for p in candidates if p.is_file() and not p.name.endswith(ADVANTAGES_SUFFIX)]
+    return sorted(files, key=lambda p: source_order(p.name.removesuffix(".jsonl")))
+
+
+def parse_metrics_line(line: str) -> dict[str, float] | None:
+    """One ``metrics.jsonl`` line as ``{name: value}`` with its integer ``step``; None for anything else.
+
+    Null (non-finite) values and non-numbers are left out.
+    """
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None
+    values = {k: float(v) for k, v in record.items()
+              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+    values["step"] = float(step)
+    return values
+
+
+def read_metrics(path: Path, warnings: list[str] | None = None) -> list[dict[str, float]]:
+    """The records of a ``metrics.jsonl`` (each with ``step``), unreadable lines left out; [] without the file."""
+    if not path.is_file():
+        return []
+    records, bad = [], 0
+    for _, line in _lines(path):
+        record = parse_metrics_line(line)
+        if record is None:
+            bad += 1
+        else:
+            records.append(record)
+    if bad and warnings is not None:
+        warnings.append(f"{path.name}: {bad} line(s) could not be read")
+    return records
+
+
+# --------------------------------------------------------------------------- written by training
+def token_advantage_records(
+    input_ids: Sequence[Sequence[int]],
+    loss_mask: Sequence[Sequence[float]],
+    advantages: Sequence[Sequence[float]],
+    turn_end_index: Sequence[Sequence[int]],
+    episode: Sequence[int],
+    turn: Sequence[int],
+    decode: Callable[[int], str],
+) -> list[dict[str, Any]]:
+    """The ``.advantages.jsonl`` lines of one training batch (see the module docstring).
+
+    Notation: b samples, s padded sequence length, t turns per sample. Pass the batch's tensors as
+    nested lists (``tensor.tolist()``).
+
+    Args:
+        input_ids: Shape (b, s).
+        loss_mask: Shape (b, s): 1 on sampled tokens.
+        advantages: Shape (b, s): the advantage each token is trained with.
+        turn_end_index: Shape (b, t): position of each turn's last sampled token, -1 for padding turns.
+        episode: Shape (b,): the sample's line in the step's trajectories file.
+        turn: Shape (b,): the turn of a one-turn sample, -1 for a whole trajectory.
+        decode: token id -> its text (e.g. ``lambda i: tokenizer.decode([i])``).
+
+    Returns:
+        One dict per (episode, turn): sampled tokens up to and including each turn's end go to that turn.
+    """
+    records = []
+    for row in range(len(input_ids)):
+        ends = [e for e in turn_end_index[row] if e >= 0]
+        first_turn = turn[row] if turn[row] >= 0 else 0
+        start = 0
+        for k, end in enumerate(ends):
+            positions = [p for p in range(start, end + 1) if loss_mask[row][p] > 0]
+            start = end + 1
+            records.append({
+                "episode": int(episode[row]),
+                "turn": int(first_turn + k),
+                "tokens": [decode(int(input_ids[row][p])) for p in positions],
+                "advantages": [round(float(advantages[row][p]), 6) for p in positions],
+            })
+    return records
+
+
+def write_token_advantages(path: Path, records: Iterable[dict[str, Any]]) -> Path:
+    """Write ``records`` (from :func:`token_advantage_records`) as JSON lines to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+    return path

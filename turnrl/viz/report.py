@@ -1,0 +1,254 @@
+"""The HTML report of a run or an evaluation folder: ``write_report(folder) -> folder/report.html``.
+
+The page is static: it links the folder's own image files (no copies) and
+the training curves written beside it as ``plots/*.png``, so it opens from
+disk (``file://``) or from ``turnrl view --serve``. It shows:
+
+- the summary (``summary.json``) and, for runs, the training curves;
+- before/after RL validation episodes side by side, matched by seed;
+- every episode of every trajectories file, each turn with its image(s),
+  observation, the response with its reasoning fields highlighted, the parsed
+  actions (invalid ones struck through), the named rewards, and per-token
+  advantages as a heatmap where the run saved them;
+- filters by outcome, env, status and training step (the file it came from).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import jinja2
+
+from turnrl.viz.highlight import FIELD_CLASSES, advantage_color, response_segments
+from turnrl.viz.plots import draw_training_curves
+from turnrl.viz.records import (
+    DEFAULT_MAX_EPISODES,
+    EpisodeSource,
+    EpisodeView,
+    read_metrics,
+    read_source,
+    trajectory_files,
+)
+from turnrl.viz.template import CSS, SCRIPT, TEMPLATE
+
+REPORT_NAME = "report.html"
+PLOTS_DIR = "plots"
+_MAX_CONFIG_CHARS = 200_000
+
+
+@dataclass(frozen=True)
+class PlotLink:
+    title: str
+    url: str
+    """Relative to the report."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The same validation episode (env, seed, sample) before and after RL."""
+
+    before: EpisodeView
+    after: EpisodeView
+
+    @property
+    def change(self) -> str:
+        """``improved`` (failure to success), ``regressed`` (success to failure) or ``unchanged``."""
+        if self.after.success and not self.before.success:
+            return "improved"
+        if self.before.success and not self.after.success:
+            return "regressed"
+        return "unchanged"
+
+
+@dataclass
+class ReportData:
+    """Everything the page shows."""
+
+    title: str
+    kind: str
+    """``training run`` or ``evaluation``."""
+    folder: str
+    summary: list[tuple[str, str]] = field(default_factory=list)
+    """Flattened ``summary.json`` as (key, formatted value)."""
+    headline: list[tuple[str, str]] = field(default_factory=list)
+    """The few figures shown first (success before/after RL, success rate, ...)."""
+    config_text: str = ""
+    sources: list[EpisodeSource] = field(default_factory=list)
+    plots: list[PlotLink] = field(default_factory=list)
+    pairs: list[Pair] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def episode_count(self) -> int:
+        return sum(len(source.episodes) for source in self.sources)
+
+    @property
+    def envs(self) -> list[str]:
+        return sorted({ep.env_id for source in self.sources for ep in source.episodes})
+
+    @property
+    def statuses(self) -> list[str]:
+        return sorted({ep.status for source in self.sources for ep in source.episodes})
+
+    @property
+    def env_options(self) -> list[tuple[str, str]]:
+        """(filter value, label) of each env."""
+        return [(env, env) for env in self.envs]
+
+    @property
+    def status_options(self) -> list[tuple[str, str]]:
+        return [(status, status) for status in self.statuses]
+
+    @property
+    def source_options(self) -> list[tuple[str, str]]:
+        """(file stem, label) of each trajectories file: the training-step filter."""
+        return [(source.name, source.label) for source in self.sources]
+
+    @property
+    def scales(self) -> dict[str, float]:
+        return {source.name: source.advantage_scale for source in self.sources}
+
+    @property
+    def pair_counts(self) -> dict[str, int]:
+        counts = {"improved": 0, "regressed": 0, "unchanged": 0}
+        for pair in self.pairs:
+            counts[pair.change] += 1
+        return counts
+
+
+# --------------------------------------------------------------------------- reading a folder
+def folder_kind(folder: Path) -> str:
+    """``evaluation`` or ``training run``.
+
+    Raises:
+        ValueError: ``folder`` is not a folder, or holds neither.
+    """
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder: pass the folder that `turnrl train` (run.output_dir/run.name) "
+                         "or `turnrl eval --out` wrote")
+    if (folder / "trajectories.jsonl").is_file():
+        return "evaluation"
+    if (folder / "metrics.jsonl").is_file() or (folder / "trajectories").is_dir():
+        return "training run"
+    hint = " (this looks like the trajectories folder of a run: pass the run folder above it)" if any(
+        folder.glob("step_*.jsonl")) or (folder / "val_before_rl.jsonl").is_file() else ""
+    raise ValueError(f"{folder} holds neither a training run (metrics.jsonl, trajectories/) nor an evaluation "
+                     f"(trajectories.jsonl){hint}")
+
+
+def flatten_summary(summary: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """``{"a": {"b": 0.5}}`` -> ``[("a / b", "0.5")]``; numbers to 4 significant digits."""
+    if isinstance(summary, dict):
+        rows = []
+        for key, value in summary.items():
+            rows += flatten_summary(value, f"{prefix} / {key}" if prefix else str(key))
+        return rows
+    if isinstance(summary, float):
+        return [(prefix, f"{summary:.4g}")]
+    if isinstance(summary, list):
+        return [(prefix, ", ".join(str(item) for item in summary))]
+    return [(prefix, str(summary))]
+
+
+# summary.json keys shown first, with the page's name for them.
+HEADLINE_KEYS = (
+    ("val_success_before_rl", "validation success before RL"),
+    ("val_success_after_rl", "validation success after RL"),
+    ("steps", "RL steps"),
+    ("success_rate", "success rate"),
+    ("episodes", "episodes"),
+    ("mean_reward", "mean reward"),
+    ("mean_turns", "mean turns"),
+    ("errors", "errors"),
+    ("total_s", "total time (s)"),
+)
+
+
+def headline(summary: Any) -> list[tuple[str, str]]:
+    """The :data:`HEADLINE_KEYS` that ``summary`` has, formatted."""
+    if not isinstance(summary, dict):
+        return []
+    return [(label, flatten_summary(summary[key])[0][1]) for key, label in HEADLINE_KEYS
+            if key in summary and isinstance(summary[key], (int, float, str))]
+
+
+def pair_validation(sources: Iterable[EpisodeSource]) -> list[Pair]:
+    """Validation episodes before and after RL matched by (env, seed, sample), in seed order."""
+    by_name = {source.name: source for source in sources}
+    before, after = by_name.get("val_before_rl"), by_name.get("val_after_rl")
+    if before is None or after is None:
+        return []
+    after_by_key = {(ep.env_id, ep.seed, ep.sample): ep for ep in after.episodes}
+    pairs = [Pair(ep, after_by_key[(ep.env_id, ep.seed, ep.sample)]) for ep in before.episodes
+             if (ep.env_id, ep.seed, ep.sample) in after_by_key]
+    return sorted(pairs, key=lambda pair: (pair.before.env_id, pair.before.seed, pair.before.sample))
+
+
+def _read_json(path: Path, warnings: list[str]) -> Any:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except (json.JSONDecodeError, RecursionError) as error:
+        warnings.append(f"{path.name} could not be read: {error}")
+        return None
+
+
+def load_report(folder: Path, max_episodes: int = DEFAULT_MAX_EPISODES, plots: bool = True) -> ReportData:
+    """Read ``folder`` (a run or an evaluation) and, with ``plots``, draw its curves into ``folder/plots``.
+
+    Raises:
+        ValueError: ``folder`` holds neither a run nor an evaluation.
+    """
+    folder = folder.resolve()
+    data = ReportData(title=folder.name, kind=folder_kind(folder), folder=str(folder))
+    summary = _read_json(folder / "summary.json", data.warnings)
+    data.summary = flatten_summary(summary) if summary is not None else []
+    data.headline = headline(summary)
+    config = folder / "config.yaml"
+    if config.is_file():
+        data.config_text = config.read_text(encoding="utf-8", errors="replace")[:_MAX_CONFIG_CHARS]
+    data.sources = [read_source(path, folder, max_episodes, data.warnings) for path in trajectory_files(folder)]
+    data.pairs = pair_validation(data.sources)
+    if plots:
+        records = read_metrics(folder / "metrics.jsonl", data.warnings)
+        sft_records = read_metrics(folder / "sft" / "metrics.jsonl", data.warnings)
+        for plot in draw_training_curves(records, folder / PLOTS_DIR, sft_records):
+            data.plots.append(PlotLink(plot.curve.title, quote(f"{PLOTS_DIR}/{plot.path.name}")))
+    return data
+
+
+# --------------------------------------------------------------------------- the page
+def _environment() -> jinja2.Environment:
+    environment = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    environment.globals.update(
+        segments=lambda response, fields: response_segments(response, frozenset(fields)),
+        color=advantage_color,
+        field_classes=FIELD_CLASSES,
+    )
+    return environment
+
+
+def render_html(data: ReportData) -> str:
+    """The page of ``data`` (every string escaped)."""
+    template = _environment().from_string(TEMPLATE)
+    return template.render(data=data, css=CSS, script=SCRIPT, nonce=secrets.token_urlsafe(16))
+
+
+def write_report(path: Path, max_episodes: int = DEFAULT_MAX_EPISODES) -> Path:
+    """Write ``report.html`` (and ``plots/*.png``) into the run or evaluation folder ``path``; returns the page.
+
+    Raises:
+        ValueError: ``path`` holds neither a run nor an evaluation.
+    """
+    folder = Path(path)
+    data = load_report(folder, max_episodes)
+    out = folder / REPORT_NAME
+    out.write_text(render_html(data), encoding="utf-8")
+    return out
