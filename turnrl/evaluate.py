@@ -101,9 +101,10 @@ def env_budget(env: Any, agent: AgentConfig) -> AgentConfig:
     """``agent`` with the turn and action budgets the env asks for (``env.action_budget()``): one action a
     turn is enough to finish. An env without ``action_budget`` keeps ``agent``'s budgets."""
     budget = getattr(env, "action_budget", None)
-    if not callable(budget):
+    wanted = budget() if callable(budget) else None  # a remote env answers None for an env without one
+    if wanted is None:
         return agent
-    actions = max(1, int(budget()))
+    actions = max(1, int(wanted))
     return replace(agent, max_turns=actions, max_actions_per_episode=actions)
 
 

@@ -540,3 +540,15 @@ def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path):
     assert "val_success_after_rl" in summary
     records = [json.loads(line) for line in (tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("rollout/episodes") == 4.0 and r.get("rollout/errors") == 0.0 for r in records)
+
+
+def test_a_remote_env_tells_eval_its_budget(tmp_path):
+    from turnrl.config import EvalConfig, load_config
+    from turnrl.envs import make
+    from turnrl.evaluate import run_eval
+
+    with env_server() as url:
+        summary = run_eval(load_config(EvalConfig, None, ["env.id=Sokoban", "policy=expert", "episodes=2",
+                                                           f"out={tmp_path}", f"env.remote=[{url}]"]),
+                           budget_from_env=True)
+    assert summary["budget"]["max_turns"] == make("Sokoban").action_budget()

@@ -63,7 +63,7 @@ TOKEN_ENV_VAR = "TURNRL_ENV_TOKEN"
 """Environment variable read for the bearer token when none is passed (by the server and the client)."""
 CLIENT_HEADER = "x-turnrl-client"
 """Header naming the client, for the server's per-client session limit (else the peer address counts)."""
-QUERIES = ("instructions", "action_names", "state_facts", "solve", "state_key", "text")
+QUERIES = ("instructions", "action_names", "state_facts", "solve", "state_key", "text", "action_budget")
 """Read-only calls a session answers; none changes the env's state."""
 STEP_QUERIES = ("action_names", "state_key")
 """Queries every step brings back: what the rollout asks each turn (``action_names`` outside its error
@@ -766,6 +766,11 @@ class RemoteEnv:
     def text(self) -> str:
         """The env's ``text()`` of its state where it has one, else ``""``."""
         return self._query("text")
+
+    def action_budget(self) -> int | None:
+        """The env's ``action_budget()`` (what ``turnrl eval`` gives by default), or None for an env without
+        one."""
+        return self._query("action_budget")
 
     def close(self) -> None:
         """Close the session on the server (the env can be reset again: it opens a new one)."""

@@ -95,7 +95,7 @@ class APIError(Exception):
 
 # --------------------------------------------------------------------------- request schema
 SessionId = Annotated[StrictStr, Field(pattern=SESSION_ID_PATTERN)]
-Query = Literal["instructions", "action_names", "state_facts", "solve", "state_key", "text"]
+Query = Literal["instructions", "action_names", "state_facts", "solve", "state_key", "text", "action_budget"]
 """One of :data:`turnrl.envs.remote.QUERIES` (spelled out: a ``Literal`` cannot be built from a tuple)."""
 
 
@@ -295,6 +295,9 @@ def run_query(session: Session, name: str) -> Any:
     if name == "text":
         text = getattr(env, "text", None)
         return encode_value(text()) if callable(text) else ""
+    if name == "action_budget":  # optional: None lets the caller keep its own budget
+        budget = getattr(env, "action_budget", None)
+        return int(budget()) if callable(budget) else None
     return encode_value(getattr(env, name)())
 
 
