@@ -26,23 +26,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.estimators import make_sft_start, spread, turnrl  # noqa: E402
+
 STATE_REWARDS = ("grounding", "worldmodel")
 ROWS: dict[str, list[str]] = {
     "VAGEN-Full": [],
     "VAGEN-Base": ["rewards.extra=[" + ", ".join(
         f"{{name: {name}, fn: {name}, weight: 0.0}}" for name in STATE_REWARDS) + "]"],
 }
-
-
-def turnrl(*args: str) -> list[str]:
-    return [sys.executable, "-m", "turnrl.cli", *args]
-
-
-def make_sft_start(config: str, overrides: list[str], out: Path) -> Path:
-    """Run the recipe's SFT stage alone (zero RL steps) and return the SFT model's directory."""
-    subprocess.run(turnrl("train", "--config", config, *overrides, "run.steps=0", f"run.output_dir={out}",
-                          "run.name=sft_start", "run.tensorboard=false"), check=True)
-    return out / "sft_start" / "sft" / "model"
 
 
 def match_curve(run_dir: Path, name: str) -> list[float]:
@@ -63,11 +56,6 @@ def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: P
     curves = {field: match_curve(out / name, field) for field in STATE_REWARDS}
     return {"row": row, "seed": seed, "before": summary["val_success_before_rl"],
             "after": summary["val_success_after_rl"], "seconds": time.time() - start, "curves": curves}
-
-
-def spread(values: list[float]) -> str:
-    mean = statistics.fmean(values)
-    return f"{mean:.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{mean:.3f}"
 
 
 def table(results: list[dict]) -> str:
