@@ -51,17 +51,24 @@ def make_sft_start(config: str, overrides: list[str], out: Path) -> Path:
     return out / "sft_start" / "sft" / "model"
 
 
-def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path) -> dict:
-    name = f"{row.replace(' ', '_').replace('+', '_')}_seed{seed}"
+def train_from(config: str, overrides: list[str], name: str, seed: int, sft_model: Path, out: Path
+               ) -> tuple[dict, float]:
+    """One RL run of the recipe from the SFT start, as a subprocess logged to ``out/name.log``: its summary
+    and wall seconds."""
     start = time.time()
     with open(out / f"{name}.log", "w") as log:
-        subprocess.run(turnrl("train", "--config", config, *overrides, *ROWS[row], f"model.path={sft_model}",
+        subprocess.run(turnrl("train", "--config", config, *overrides, f"model.path={sft_model}",
                               "sft.enabled=false", f"seeds.seed={seed}", f"run.output_dir={out}", f"run.name={name}",
                               "run.tensorboard=false"),
                        check=True, stdout=log, stderr=subprocess.STDOUT)
-    summary = json.loads((out / name / "summary.json").read_text())
+    return json.loads((out / name / "summary.json").read_text()), time.time() - start
+
+
+def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path) -> dict:
+    name = f"{row.replace(' ', '_').replace('+', '_')}_seed{seed}"
+    summary, seconds = train_from(config, [*overrides, *ROWS[row]], name, seed, sft_model, out)
     return {"row": row, "seed": seed, "before": summary["val_success_before_rl"],
-            "after": summary["val_success_after_rl"], "seconds": time.time() - start}
+            "after": summary["val_success_after_rl"], "seconds": seconds}
 
 
 def spread(values: list[float]) -> str:

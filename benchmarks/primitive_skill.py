@@ -26,24 +26,14 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import rate  # noqa: E402
 from turnrl.envs.primitive_skill import SPECS, TASKS, PrimitiveSkillEnv  # noqa: E402
-
-
-def rate(call: Callable[[int], object], seconds: float, least: int = 3) -> float:
-    """Calls per second of ``call(i)`` over about ``seconds`` (at least ``least`` calls), after one warm-up call."""
-    call(0)
-    count, start = 0, time.perf_counter()
-    while count < least or time.perf_counter() - start < seconds:
-        call(count + 1)
-        count += 1
-    return count / (time.perf_counter() - start)
 
 
 def random_action(rng: np.random.Generator, task: str) -> str:

@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.estimators import make_sft_start, spread, turnrl  # noqa: E402
+from benchmarks.estimators import make_sft_start, spread, train_from  # noqa: E402
 
 STATE_REWARDS = ("grounding", "worldmodel")
 ROWS: dict[str, list[str]] = {
@@ -46,16 +44,10 @@ def match_curve(run_dir: Path, name: str) -> list[float]:
 
 def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path) -> dict:
     name = f"{row.replace('-', '_').lower()}_seed{seed}"
-    start = time.time()
-    with open(out / f"{name}.log", "w") as log:
-        subprocess.run(turnrl("train", "--config", config, *overrides, *ROWS[row], f"model.path={sft_model}",
-                              "sft.enabled=false", f"seeds.seed={seed}", f"run.output_dir={out}", f"run.name={name}",
-                              "run.tensorboard=false"),
-                       check=True, stdout=log, stderr=subprocess.STDOUT)
-    summary = json.loads((out / name / "summary.json").read_text())
+    summary, seconds = train_from(config, [*overrides, *ROWS[row]], name, seed, sft_model, out)
     curves = {field: match_curve(out / name, field) for field in STATE_REWARDS}
     return {"row": row, "seed": seed, "before": summary["val_success_before_rl"],
-            "after": summary["val_success_after_rl"], "seconds": time.time() - start, "curves": curves}
+            "after": summary["val_success_after_rl"], "seconds": seconds, "curves": curves}
 
 
 def table(results: list[dict]) -> str:
