@@ -317,6 +317,29 @@ def test_env_that_raises_in_step_errors_only_its_episode():
     assert all(len(t.turns) == 4 for t in trajectories[1:])
 
 
+class ForgetsItsActions(CounterEnv):
+    """Lists its actions at reset, then fails to from the ``after``-th call on (a remote env whose server died)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after, self.calls = after, 0
+
+    def action_names(self):
+        self.calls += 1
+        if self.calls > self.after:
+            raise ConnectionError("server gone")
+        return super().action_names()
+
+
+@pytest.mark.parametrize("after", [1, 2])  # 1: fails when the response is parsed; 2: when the next turn is built
+def test_env_that_cannot_list_its_actions_errors_only_its_episode(after):
+    slots = counter_slots(3)
+    slots[1] = EpisodeSlot(env=ForgetsItsActions(after), seed=1, group=1)
+    trajectories = play(TextPolicy(answer("inc")), slots, max_turns=3)
+    assert trajectories[1].status == ERROR and "server gone" in trajectories[1].error
+    assert [t.truncation_reason for t in (trajectories[0], trajectories[2])] == ["max_turns", "max_turns"]
+
+
 class StreamingTextPolicy(TextPolicy):
     """``TextPolicy`` through the streaming interface; a poll completes the oldest queued request only,
     so episodes run at different paces."""

@@ -348,7 +348,10 @@ class Rollout:
     def _act(self, episode: _Episode, completion: Completion) -> FinishedTurn | None:
         """Parse one response and step the env; returns the finished turn for scoring (None on an error)."""
         env, trajectory = episode.slot.env, episode.trajectory
-        names = env.action_names()
+        try:
+            names, env_failure = env.action_names(), None
+        except Exception as error:  # an env that cannot list its actions ends its own episode, not the batch
+            names, env_failure = None, f"env action_names() failed: {type(error).__name__}: {error}"
         parsed = self.fmt.parse(completion.text, names)
         turn = TurnRecord(
             index=len(trajectory.turns),
@@ -365,6 +368,9 @@ class Rollout:
         episode.messages.append({"role": "assistant", "content": completion.text})
         if completion.finish_reason == "error":
             self._fail(episode, turn, 0.0, completion.error or "policy error")
+            return None
+        if env_failure is not None:
+            self._fail(episode, turn, 0.0, env_failure)
             return None
         if trajectory.tokens is not None:
             if not turn.response_ids:
@@ -451,6 +457,11 @@ class Rollout:
 
     def _next_observation(self, episode: _Episode, sampling: SamplingConfig) -> None:
         env, turn = episode.slot.env, episode.trajectory.turns[-1]
+        try:
+            names = env.action_names()
+        except Exception as error:  # as in _act: this episode ends, the batch goes on
+            episode.finish(ERROR, error=f"env action_names() failed: {type(error).__name__}: {error}")
+            return
         feedback = TurnFeedback(
             reward=turn.reward,
             no_valid_action=self.agent.feedback_on_invalid and not turn.has_valid_action,
@@ -461,7 +472,7 @@ class Rollout:
             turn=turn.index + 2,
             actions_left=episode.actions_left,
             feedback=feedback,
-            action_names=env.action_names(),
+            action_names=names,
             turn_info=self.agent.turn_info,
         )
         message = self._observe(episode, text, episode.last_obs)
