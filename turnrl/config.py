@@ -74,10 +74,19 @@ def env_factory(env_id: str, settings: dict[str, Any], remote: list[str], where:
         ConfigError: unknown env or a refused setting, or (remote) no server answered.
     """
     if not remote:
-        build_env(env_id, settings, where)
         from turnrl.envs import make
 
-        return lambda: make(env_id, **settings)
+        # The env built to check the settings is the first one handed out: an expensive env (a 3D world) is
+        # not built twice.
+        checked = [build_env(env_id, settings, where)]
+
+        def make_env() -> Any:
+            try:
+                return checked.pop()  # atomic: two threads never get the same env
+            except IndexError:
+                return make(env_id, **settings)
+
+        return make_env
     from turnrl.envs.remote import RemoteEnvError, remote_env_factory
 
     try:

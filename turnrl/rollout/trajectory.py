@@ -10,6 +10,7 @@ context (:class:`turnrl.rollout.context.EpisodeTokens`) that training reads.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,15 @@ DONE = "done"  # the env terminated (success or failure)
 TRUNCATED = "truncated"  # out of turns, action budget, env steps or context budget
 ERROR = "error"  # the env or the policy failed; the episode is kept out of training
 
+
+
+def sum_named_rewards(per_turn: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Each named reward summed over turns (a name missing from a turn counts 0 there)."""
+    totals: dict[str, float] = {}
+    for rewards in per_turn:
+        for name, value in rewards.items():
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
 
 @dataclass
 class TurnRecord:
@@ -109,11 +119,7 @@ class Trajectory:
 
     def named_rewards(self) -> dict[str, float]:
         """Each named reward summed over the episode's turns."""
-        totals: dict[str, float] = {}
-        for turn in self.turns:
-            for name, value in turn.rewards.items():
-                totals[name] = totals.get(name, 0.0) + value
-        return totals
+        return sum_named_rewards(turn.rewards for turn in self.turns)
 
     @property
     def num_actions(self) -> int:

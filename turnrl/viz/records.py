@@ -35,6 +35,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
+from turnrl.rollout.trajectory import sum_named_rewards
+
 ADVANTAGES_SUFFIX = ".advantages.jsonl"
 DEFAULT_MAX_EPISODES = 128
 """Episodes shown per trajectories file: a long run's files together would make a page too heavy to open."""
@@ -106,11 +108,7 @@ class EpisodeView:
     @property
     def named_rewards(self) -> dict[str, float]:
         """Each named reward summed over the turns."""
-        totals: dict[str, float] = {}
-        for turn in self.turns:
-            for name, value in turn.rewards.items():
-                totals[name] = totals.get(name, 0.0) + value
-        return totals
+        return sum_named_rewards(turn.rewards for turn in self.turns)
 
     @property
     def has_advantages(self) -> bool:
