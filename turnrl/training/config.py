@@ -275,6 +275,51 @@ class RunConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Training on several processes or GPUs (see docs/distributed.md)."""
+
+    backend: str = "none"
+    """``none``: one process (``fsdp`` is taken by itself under ``torchrun`` with several processes);
+    ``fsdp``: data parallel with FSDP2, one process per GPU (``torchrun`` or ``nproc_per_node``);
+    ``ray``: rollouts on Ray actors (``rollout_workers`` of them) that get new weights after each update."""
+    nproc_per_node: int = 1
+    """Above 1, ``turnrl train`` starts this many processes itself (through ``torchrun``) with ``fsdp``."""
+    timeout_s: float = 900.0
+    """Longest wait on a collective (or a Ray call) before the run stops with an error instead of hanging."""
+    ray_address: Optional[str] = None
+    """``ray``: the cluster to join (``auto``, or ``ray://host:10001``); None starts a local one."""
+    rollout_workers: int = 2
+    """``ray``: rollout actors, each with a copy of the policy; the groups are split between them."""
+    worker_gpus: float = 0.0
+    """``ray``: GPUs per rollout actor (0 on a CPU)."""
+    env_workers: int = 0
+    """Envs stepped inside this many Ray actors (expensive envs: 3D, physics) instead of this process;
+    0 keeps them here. Works with every backend."""
+    async_rollout: bool = False
+    """Roll out the next batches with the previous weights while the trainer updates (one process, the
+    rollout on ``rollout_device``); the loss corrects the lag with truncated importance weights."""
+    max_staleness: int = 1
+    """``async_rollout``: how many updates a batch's weights may lag behind; 0 is the synchronous algorithm."""
+    rollout_device: Optional[str] = None
+    """``async_rollout``: where the rollout copy of the policy lives (e.g. ``cuda:1``); None: the trainer's."""
+
+    def validate(self) -> None:
+        check_choice("distributed.backend", self.backend, ["none", "fsdp", "ray"])
+        check_range("distributed.nproc_per_node", self.nproc_per_node, 1)
+        check_range("distributed.timeout_s", self.timeout_s, 1.0)
+        check_range("distributed.rollout_workers", self.rollout_workers, 1)
+        check_range("distributed.worker_gpus", self.worker_gpus, 0.0)
+        check_range("distributed.env_workers", self.env_workers, 0)
+        check_range("distributed.max_staleness", self.max_staleness, 0)
+        if self.nproc_per_node > 1 and self.backend not in ("none", "fsdp"):
+            raise ConfigError(f"distributed.nproc_per_node={self.nproc_per_node} starts FSDP processes; it does "
+                              f"not go with distributed.backend={self.backend} (set one or the other)")
+        if self.async_rollout and self.backend != "none":
+            raise ConfigError("distributed.async_rollout runs in one process (rollout and trainer on their own "
+                              f"devices); it does not go with distributed.backend={self.backend}")
+
+
+@dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -289,6 +334,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     resume: Optional[str] = None
     """A run directory to continue from its latest checkpoint."""
 
@@ -302,6 +348,7 @@ class TrainConfig:
         self.sft.validate()
         self.optim.validate()
         self.seeds.validate()
+        self.distributed.validate()
         check_range("run.steps", self.run.steps, 0)
         check_range("run.save_every", self.run.save_every, 0)
         check_range("run.keep_checkpoints", self.run.keep_checkpoints, 0)

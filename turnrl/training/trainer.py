@@ -538,12 +538,17 @@ class Recipe:
 
     # ------------------------------------------------------------------ one RL step
     def step(self, step: int) -> StepOutput:
-        config, algo = self.config, self.config.algorithm
+        """Roll out the step's groups, then update on the kept episodes."""
         step_start = time.time()
-        torch.manual_seed(step_seed(config.seeds.seed, step))
-        generator = torch.Generator().manual_seed(step_seed(config.seeds.seed, step))
+        rollout, keep = self.roll_out(step)
+        output = self.update(step, rollout, keep) if keep else rollout
+        output.metrics["timing/step_s"] = time.time() - step_start
+        return output
 
-        # 1. rollout
+    def roll_out(self, step: int) -> tuple[StepOutput, list[int]]:
+        """1-2: the step's episodes and the indices of those to train on (empty: skip the update)."""
+        config, algo = self.config, self.config.algorithm
+        torch.manual_seed(step_seed(config.seeds.seed, step))
         self.actor.eval()
         if algo.dynamic_sampling:
             # 1-2. rounds of groups until enough of them have varied rewards (DAPO)
@@ -556,10 +561,13 @@ class Recipe:
             keep, filter_metrics = select_trajectories(rollout.trajectories, algo.filter)
             metrics.update(filter_metrics)
         self._timed("rollout_s", metrics["timing/rollout_s"])
-        if not keep:
-            metrics["timing/step_s"] = time.time() - step_start
-            return StepOutput(metrics, rollout.trajectories)
+        return rollout, keep
 
+    def update(self, step: int, rollout: StepOutput, keep: list[int]) -> StepOutput:
+        """3-6: batch, scores, advantages and the PPO epochs on the kept episodes of ``rollout``."""
+        config, algo = self.config, self.config.algorithm
+        metrics = rollout.metrics
+        generator = torch.Generator().manual_seed(step_seed(config.seeds.seed, step))
         # 3. samples -> padded batch
         batch = make_batch(rollout.trajectories, keep, algo.sample_mode, self.tokenizer.pad_token_id, self.device)
         metrics["batch/samples"] = float(len(batch))
@@ -567,8 +575,7 @@ class Recipe:
         metrics["batch/sequence_length_mean"] = float(batch.attention_mask.sum(1).float().mean())
 
         # 4. old logprobs, reference logprobs, values
-        scores = score_batch(batch, self.actor, self.reference, self.critic, algo, config.sampling.temperature,
-                             generator, self.precision())
+        scores = self.score(batch, generator)
         metrics.update(scores.metrics)
         for phase in ("old_logprobs_s", "reference_s", "values_s"):
             if f"timing/{phase}" in scores.metrics:
@@ -604,12 +611,7 @@ class Recipe:
         train_actor = step >= algo.critic_warmup_steps
         inputs = UpdateInputs(batch, scores.old_logprobs, advantages.advantages, advantages.returns, scores.values,
                               scores.ref_logprobs, advantages.sample_weights)
-        with self.precision():
-            metrics.update(ppo_epochs(
-                self.actor, self.critic, inputs, algo, config.optim,
-                self.actor_optimizer if train_actor else None, self.critic_optimizer,
-                config.sampling.temperature, generator,
-            ))
+        metrics.update(self.train_on(inputs, train_actor, generator))
         if train_actor:
             self.actor_scheduler.step()
         self.actor.eval()
@@ -620,8 +622,20 @@ class Recipe:
         metrics["actor/lr"] = float(self.actor_scheduler.get_last_lr()[0])
         if self.device.type == "cuda":
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        metrics["timing/step_s"] = time.time() - step_start
         return StepOutput(metrics, rollout.trajectories, token_advantages)
+
+    def score(self, batch: Batch, generator: torch.Generator) -> Scores:
+        """4: old logprobs, reference logprobs and values of ``batch`` (:func:`score_batch`)."""
+        return score_batch(batch, self.actor, self.reference, self.critic, self.config.algorithm,
+                           self.config.sampling.temperature, generator, self.precision())
+
+    def train_on(self, inputs: UpdateInputs, train_actor: bool, generator: torch.Generator) -> dict[str, float]:
+        """6: the PPO epochs (:func:`ppo_epochs`); the actor only when ``train_actor`` (after critic warm-up)."""
+        config = self.config
+        with self.precision():
+            return ppo_epochs(self.actor, self.critic, inputs, config.algorithm, config.optim,
+                              self.actor_optimizer if train_actor else None, self.critic_optimizer,
+                              config.sampling.temperature, generator)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
