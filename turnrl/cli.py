@@ -341,10 +341,25 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: resume={resume!r} is not a run directory (it has no config.yaml)")
         config_path = str(Path(resume) / "config.yaml")
     try:
-        summary = train(load_config(TrainConfig, config_path, overrides))
+        config = load_config(TrainConfig, config_path, overrides)
+        if config.distributed.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+            return launch_processes(config.distributed.nproc_per_node, args.config, overrides)
+        summary = train(config)
     except ConfigError as error:  # also those found once the run starts (a reward function that cannot load)
         raise SystemExit(f"error: {error}") from error
     return 130 if "interrupted_at_step" in summary else 0  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+def launch_processes(nproc: int, config_path: str | None, overrides: list[str]) -> int:
+    """``turnrl train ... distributed.nproc_per_node=N``: the same command in N processes under ``torchrun``
+    (one per GPU), which stops them all when one fails; returns its exit status."""
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "turnrl.cli", "train"]
+    command += ["--config", config_path] if config_path else []
+    command += [o for o in overrides if not o.startswith("distributed.nproc_per_node=")]
+    return subprocess.call(command)
 
 
 def cmd_serve_policy(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,13 @@ def save_checkpoint(
     tokenizer: Any,
     trainer_state: dict[str, Any],
     critic: Any | None = None,
+    before_publish: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and point ``latest`` at it."""
+    """Write checkpoint ``step`` atomically and point ``latest`` at it.
+
+    ``before_publish(tmp_dir)`` writes more into the checkpoint before it is renamed into place (the
+    optimizers' shards of a distributed run).
+    """
     root = run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -67,6 +73,8 @@ def save_checkpoint(
     if critic is not None:
         critic.save_pretrained(tmp / "critic")
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
+    if before_publish is not None:
+        before_publish(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -134,10 +134,18 @@ class ValueModel(nn.Module):
             critic.value_head.load_state_dict(torch.load(head, map_location="cpu", weights_only=True))
         return critic
 
-    def save_pretrained(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The backbone as a transformers model and ``value_head.pt``; ``state_dict`` (the critic's own keys,
+        gathered from a sharded critic) replaces the module's weights."""
         path = Path(path)
-        self.backbone.save_pretrained(path)
-        torch.save(self.value_head.state_dict(), path / "value_head.pt")
+        if state_dict is None:
+            self.backbone.save_pretrained(path)
+            torch.save(self.value_head.state_dict(), path / "value_head.pt")
+            return
+        backbone = {k.removeprefix("backbone."): v for k, v in state_dict.items() if k.startswith("backbone.")}
+        head = {k.removeprefix("value_head."): v for k, v in state_dict.items() if k.startswith("value_head.")}
+        self.backbone.save_pretrained(path, state_dict=backbone)
+        torch.save(head, path / "value_head.pt")
 
     def forward(
         self,

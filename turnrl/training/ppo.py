@@ -10,7 +10,7 @@ come from :mod:`turnrl.training.advantages`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +84,9 @@ def _step_optimizer(
     optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], optim: OptimConfig
 ) -> tuple[float, bool]:
     """Clip, then step unless the gradient is non-finite or above the skip threshold. Returns (norm, skipped)."""
-    norm = float(torch.nn.utils.clip_grad_norm_(params, optim.grad_clip))
+    total = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
+    # Sharded (FSDP) parameters give the norm over every process as a DTensor.
+    norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
     too_big = optim.skip_grad_norm_above is not None and norm > optim.skip_grad_norm_above
     if not math.isfinite(norm) or too_big:
         optimizer.zero_grad(set_to_none=True)
@@ -92,6 +94,35 @@ def _step_optimizer(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, False
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's share of each mini-batch in data-parallel training: rows ``rank::world``.
+
+    ``reduce`` sums a dict of floats over all processes (the per-micro-batch metric sums and weights), so
+    every process reports the metrics of the whole mini-batches.
+    """
+
+    rank: int
+    world: int
+    reduce: Callable[[dict[str, float]], dict[str, float]]
+
+
+def shard_micro_batches(mini: torch.Tensor, micro: int, shard: Shard | None) -> list[torch.Tensor | None]:
+    """This process's micro-batches of a mini-batch (rows of the whole batch).
+
+    Each process gets rows ``rank::world`` in micro-batches of ``micro``, and as many micro-batches as the
+    process with the most rows: a None is a turn with nothing to train on, in which the process still runs a
+    forward and backward (weighted 0) because FSDP's collectives need every process in every pass.
+    """
+    if shard is None:
+        return list(_chunks(mini, micro))
+    mine = mini[shard.rank :: shard.world]
+    most_rows = math.ceil(len(mini) / shard.world)
+    count = math.ceil(most_rows / micro)
+    parts: list[torch.Tensor | None] = list(_chunks(mine, micro))
+    return parts + [None] * (count - len(parts))
 
 
 def ppo_epochs(
@@ -104,34 +135,48 @@ def ppo_epochs(
     critic_optimizer: torch.optim.Optimizer | None,
     temperature: float,
     generator: torch.Generator,
+    shard: Shard | None = None,
 ) -> dict[str, float]:
     """Mini-batch PPO epochs over one rollout batch; returns mean metrics.
 
-    ``actor_optimizer`` None trains only the critic (critic warm-up).
+    ``actor_optimizer`` None trains only the critic (critic warm-up). Loss-side metrics (losses, clip
+    fractions, entropy...) are each mini-batch's, i.e. the micro-batches' values weighted by their share of
+    the mini-batch loss, averaged over mini-batches. With a ``shard`` (data parallel) this process trains on
+    its rows of each mini-batch; its losses are weighted by their share of the whole mini-batch times the
+    number of processes, since FSDP averages the gradients of the processes.
     """
     batch = inputs.batch
     actor_params = [p for p in actor.parameters() if p.requires_grad]
     critic_params = [p for p in critic.parameters() if p.requires_grad] if critic is not None else []
-    sums: dict[str, float] = {}
+    world = shard.world if shard is not None else 1
+    weighted: dict[str, float] = {}  # metric -> sum of weight * value over micro-batches
+    weights: dict[str, float] = {}  # metric -> sum of weights
+    sums: dict[str, float] = {}  # optimizer-step metrics (the same on every process)
     counts: dict[str, int] = {}
 
     def record(key: str, value: float) -> None:
         sums[key] = sums.get(key, 0.0) + value
         counts[key] = counts.get(key, 0) + 1
 
+    def record_weighted(values: dict[str, float], weight: float) -> None:
+        for key, value in values.items():
+            weighted[key] = weighted.get(key, 0.0) + weight * value
+            weights[key] = weights.get(key, 0.0) + weight
+
     for _ in range(config.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
         for mini in _chunks(order, config.mini_batch_size):
             whole = batch.select(mini)
-            for micro in _chunks(mini, config.micro_batch_size):
-                part = batch.select(micro)
-                weight = micro_weight(part, whole, config.loss_aggregation)
+            for micro in shard_micro_batches(mini, config.micro_batch_size, shard):
+                # A process without rows left still joins the pass, on one row weighted 0.
+                part = batch.select(micro if micro is not None else mini[:1])
+                weight = micro_weight(part, whole, config.loss_aggregation) if micro is not None else 0.0
+                rows = micro if micro is not None else mini[:1]
                 if actor_optimizer is not None:
-                    for key, value in _actor_backward(actor, part, inputs, micro, config, temperature, weight).items():
-                        record(key, value)
+                    values = _actor_backward(actor, part, inputs, rows, config, temperature, weight * world)
+                    record_weighted(values, weight)
                 if critic is not None and critic_optimizer is not None:
-                    for key, value in _critic_backward(critic, part, inputs, micro, config, weight).items():
-                        record(key, value)
+                    record_weighted(_critic_backward(critic, part, inputs, rows, config, weight * world), weight)
             if actor_optimizer is not None:
                 norm, skipped = _step_optimizer(actor_optimizer, actor_params, optim)
                 record("actor/grad_norm", norm)
@@ -140,7 +185,13 @@ def ppo_epochs(
                 norm, skipped = _step_optimizer(critic_optimizer, critic_params, optim)
                 record("critic/grad_norm", norm)
                 record("critic/skipped_steps", float(skipped))
-    metrics = {key: sums[key] / counts[key] for key in sums}
+    if shard is not None:
+        # Keys seen by any process (one may have had only weight-0 passes): sums over processes.
+        both = shard.reduce({**{f"v:{k}": v for k, v in weighted.items()}, **{f"w:{k}": v for k, v in weights.items()}})
+        weighted = {k[2:]: v for k, v in both.items() if k.startswith("v:")}
+        weights = {k[2:]: v for k, v in both.items() if k.startswith("w:")}
+    metrics = {key: weighted[key] / weights[key] for key in weighted if weights[key] > 0}
+    metrics.update({key: sums[key] / counts[key] for key in sums})
     for key in ("actor/skipped_steps", "critic/skipped_steps"):
         if key in metrics:
             metrics[key] = sums[key]  # a count, not a mean

@@ -58,6 +58,7 @@ from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import Trajectory, write_trajectories
+from turnrl.training import ranks
 from turnrl.training.advantages import anchored_share, compute_advantages
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.checkpoint import (
@@ -76,7 +77,7 @@ from turnrl.training.sft import read_chat_jsonl, sft_stage
 from turnrl.viz.records import token_advantage_records, write_token_advantages
 from turnrl.viz.report import write_report
 
-console = Console()
+console = Console(quiet=not ranks.is_main())  # one process of a distributed run speaks
 
 
 @dataclass
@@ -334,15 +335,17 @@ def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
         torch.set_num_threads(config.run.threads)
     seed_everything(config.seeds.seed)
     run_dir = run_directory(config)
-    if config.run.overwrite and not config.resume:
-        for name in (*RL_OUTPUTS, "sft") if stage == "train" else ("sft",):
-            path = run_dir / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
+    if ranks.is_main():  # the other processes of a distributed run wait for it
+        if config.run.overwrite and not config.resume:
+            for name in (*RL_OUTPUTS, "sft") if stage == "train" else ("sft",):
+                path = run_dir / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+    ranks.barrier()
     return run_dir
 
 
@@ -408,20 +411,25 @@ class Recipe:
                          max_actions_per_turn=config.agent.max_actions_per_turn)
         rewards = rewards or Rewards(config.rewards)
         batch_size = max(64, config.groups.n_groups * config.groups.group_size)
-        policy = model_policy(self.actor, self.tokenizer, config.model,
+        policy = model_policy(self.rollout_model(), self.tokenizer, config.model,
                               max_batch_size=max(batch_size, config.validation.batch_size),
                               processor=self.processor, dtype=self.dtype)
         self.rollout = Rollout(policy, fmt, config.agent,
                                env_id=config.env.id, executor=self.executor, rewards=rewards)
         # The engine batches continuously whatever the batch size, and one cache serves both.
         val_policy = policy if not isinstance(policy, HFPolicy) else HFPolicy(
-            self.actor, self.tokenizer, max_batch_size=config.validation.batch_size, processor=self.processor)
+            self.rollout_model(), self.tokenizer, max_batch_size=config.validation.batch_size,  # type: ignore[arg-type]
+            processor=self.processor)
         self.val_rollout = Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor,
                                    rewards=rewards)
         if self.checkpoint is not None:
             self._restore()
 
     # ------------------------------------------------------------------ setup
+    def rollout_model(self) -> torch.nn.Module:
+        """The model the rollouts sample from: the actor itself (its own weights, no copy)."""
+        return self.actor
+
     def _build_envs(self) -> None:
         config = self.config
         seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
@@ -466,8 +474,9 @@ class Recipe:
         self.reference: torch.nn.Module | None = None
         if config.algorithm.kl_coef > 0 and not config.lora.enabled:  # with LoRA: the adapters switched off
             reference_path = self.run_dir / "reference"
-            if self.checkpoint is None:
+            if self.checkpoint is None and ranks.is_main():
                 self.actor.save_pretrained(reference_path)
+            ranks.barrier()
             self.reference = load_model(reference_path, device=self.device)
             self.reference.eval().requires_grad_(False)
         if config.lora.enabled:
@@ -501,10 +510,15 @@ class Recipe:
     def _restore(self) -> None:
         assert self.checkpoint is not None
         state = load_trainer_state(self.checkpoint)
-        self.actor_optimizer.load_state_dict(state["actor_optimizer"])
-        self.actor_scheduler.load_state_dict(state["actor_scheduler"])
-        if self.critic_optimizer is not None:
+        processes = state.get("world_size", 1)
+        if processes != ranks.world_size() and ranks.world_size() == 1:
+            raise ConfigError(f"resume={self.config.resume!r} was saved by {processes} processes (FSDP); resume it "
+                              f"with them: torchrun --nproc-per-node {processes} -m turnrl.cli train resume=...")
+        if "actor_optimizer" in state:  # a distributed run keeps its optimizers' shards apart
+            self.actor_optimizer.load_state_dict(state["actor_optimizer"])
+        if self.critic_optimizer is not None and state.get("critic_optimizer") is not None:
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self.actor_scheduler.load_state_dict(state["actor_scheduler"])
         set_rng_state(state["rng"])
         self.summary = state.get("summary", {})
         self.timings = state.get("timings", {})
@@ -675,10 +689,11 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     return path
 
 
-def _validate_and_write(recipe: Recipe, logger: MetricsLogger, step: int, name: str) -> dict[str, float]:
+def _validate_and_write(recipe: Recipe, logger: MetricsLogger | None, step: int, name: str) -> dict[str, float]:
     output = recipe.validate()
-    logger.log(step, output.metrics)
-    write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=name)
+    if logger is not None:  # rank 0 of a distributed run
+        logger.log(step, output.metrics)
+        write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=name)
     return output.metrics
 
 
@@ -709,6 +724,20 @@ def train(config: TrainConfig) -> dict[str, Any]:
         ConfigError: before anything is written, for what :func:`preflight` checks.
     """
     start = time.time()
+    distributed = ranks.launched_by_torchrun()
+    if distributed:
+        config.model.device = str(ranks.init_process_group(config.model.device, config.distributed.timeout_s))
+    elif config.distributed.backend == "fsdp":
+        raise ConfigError("distributed.backend=fsdp runs one process per GPU: start them with "
+                          "`torchrun --nproc-per-node N -m turnrl.cli train ...` or distributed.nproc_per_node=N")
+    try:
+        return _train(config, start, distributed)
+    finally:
+        if distributed:
+            ranks.close_process_group()
+
+
+def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, Any]:
     preflight(config)
     rewards = Rewards(config.rewards)  # a bad reward spec stops here, not after SFT
     done = finished_summary(config)
@@ -719,17 +748,27 @@ def train(config: TrainConfig) -> dict[str, Any]:
     resumed = config.resume is not None
     sft = None
     if config.sft.enabled and not resumed:
-        sft = sft_stage(config, start_run(config))
-    recipe = Recipe(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
+        run_dir = start_run(config)
+        if ranks.is_main():
+            sft = sft_stage(config, run_dir)
+        ranks.wait_for_main()  # the other processes start RL from the SFT model rank 0 wrote
+    if distributed:
+        from turnrl.training.distributed import FSDPRecipe
+
+        recipe: Recipe = FSDPRecipe(config, start_model=_sft_model(config) if config.sft.enabled and not resumed
+                                    else None, rewards=rewards)
+    else:
+        recipe = Recipe(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
     recipe.session_start = start
     if sft is not None:
         recipe.summary.update(sft.metrics)
         recipe._timed("sft_s", sft.seconds)
+    processes = f", {ranks.world_size()} processes (FSDP)" if distributed else ""
     console.print(f"[bold]turnrl train[/bold] {config.run.name}: {config.env.id}, {config.algorithm.advantage}, "
-                  f"run dir {recipe.run_dir}")
+                  f"run dir {recipe.run_dir}{processes}")
     logger = MetricsLogger(recipe.run_dir, config.run.tensorboard, config.run.wandb_project,
                            config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))),
-                           resume_step=recipe.first_step if resumed else None)
+                           resume_step=recipe.first_step if resumed else None) if ranks.is_main() else None
 
     if not resumed:
         before = _validate_and_write(recipe, logger, 0, "val_before_rl.jsonl")
@@ -745,15 +784,18 @@ def train(config: TrainConfig) -> dict[str, Any]:
             last = step + 1 == config.run.steps
             if validate_now(step + 1) and not last:
                 metrics.update(recipe.validate().metrics)
-            logger.log(step + 1, metrics)
-            if write_now(step):
+            if logger is not None:
+                logger.log(step + 1, metrics)
+            if write_now(step) and logger is not None:
                 write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=f"step_{step:06d}.jsonl")
                 if output.token_advantages:
                     write_token_advantages(recipe.run_dir / "trajectories" / f"step_{step:06d}.advantages.jsonl",
                                            output.token_advantages)
             progress.update(1, f"success {metrics.get('rollout/success', 0):.2f} "
                                f"reward {metrics.get('rollout/reward_mean', 0):.2f}")
-            if stop.requested and not last:
+            # A Ctrl-C seen by any process stops them all after the same step.
+            stop_requested = ranks.any_rank(stop.requested) if distributed else stop.requested
+            if stop_requested and not last:
                 return _stop(recipe, logger, step)
             if save_now(step + 1) and not last:
                 recipe.save(step)
@@ -764,6 +806,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     recipe.summary["steps"] = config.run.steps
     if config.run.steps > 0:
         recipe.save(config.run.steps - 1)
+    if logger is None:
+        return recipe.summary
     path = recipe.write_summary()
     logger.close()
     before_value = recipe.summary.get("val_success_before_rl")
@@ -772,6 +816,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
     console.print(f"summary: {path}")
     _report(recipe.run_dir)
     return recipe.summary
+
+
+def _sft_model(config: TrainConfig) -> Path:
+    """Where the SFT stage (rank 0's) wrote the model RL starts from."""
+    return run_directory(config) / "sft" / "model"
 
 
 def _report(run_dir: Path) -> None:
@@ -785,9 +834,11 @@ def _report(run_dir: Path) -> None:
                   soft_wrap=True)
 
 
-def _stop(recipe: Recipe, logger: MetricsLogger, step: int) -> dict[str, Any]:
+def _stop(recipe: Recipe, logger: MetricsLogger | None, step: int) -> dict[str, Any]:
     """Ctrl-C: save the finished ``step``, say how to resume; the summary says where the run stopped."""
     checkpoint = recipe.save(step)
+    if logger is None:
+        return {**recipe.summary, "interrupted_at_step": step + 1}
     logger.close()
     console.print(f"[bold]interrupted[/bold] after step {step + 1} of {recipe.config.run.steps}; checkpoint "
                   f"{checkpoint}")

@@ -1,0 +1,142 @@
+"""Data-parallel training with FSDP2 on CPU processes (gloo): the same run as one process, within float error."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from turnrl.training.distributed import process_rows
+from turnrl.training.ppo import Shard, shard_micro_batches
+
+# A short PPO run with a critic (GAE), greedy rollouts: one process and two play the same episodes.
+ARGS = [
+    "model.device=cpu", "model.dtype=float32", "run.tensorboard=false", "run.trajectories_every=1", "run.threads=1",
+    "env.id=FrozenLake", "agent.format=no_think", "agent.env_instructions=false", "agent.format_instructions=false",
+    "agent.max_turns=2", "sampling.max_new_tokens=8", "sampling.temperature=0", "groups.n_groups=4",
+    "groups.group_size=2", "validation.episodes=4", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
+    "optim.actor_lr=1e-3", "optim.critic_lr=1e-3",
+]
+COMPARED = ("losses/", "actor/", "critic/", "rollout/", "batch/", "filter/")
+UNCOMPARED = ("actor/logprob_mismatch",)  # float noise of a check on a few rows, not part of the update
+
+
+def run_train(model_dir: Path, out: Path, name: str, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={model_dir}", f"run.output_dir={out}",
+               f"run.name={name}", *ARGS, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def step_records(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if "rollout/success" in r}
+
+
+def assert_same_metrics(one: dict, other: dict) -> None:
+    keys = [k for k in one if k.startswith(COMPARED) and not k.startswith(UNCOMPARED)]
+    assert keys
+    for key in keys:
+        assert other[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+
+
+# --------------------------------------------------------------------------- rows of a process
+@given(st.integers(1, 60), st.integers(1, 5))
+def test_process_rows_cover_the_batch_once_and_are_equal_in_count(n, world):
+    parts = [process_rows(n, rank, world) for rank in range(world)]
+    assert len({len(part) for part in parts}) == 1  # every process runs as many forward passes
+    real = [part[: len(range(rank, n, world))] for rank, part in enumerate(parts)]
+    assert sorted(torch.cat(real).tolist()) == list(range(n))
+
+
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 6))
+def test_micro_batches_of_the_processes_split_each_mini_batch(n, world, micro):
+    mini = torch.randperm(n)
+    shards = [Shard(rank, world, reduce=lambda d: d) for rank in range(world)]
+    per_process = [shard_micro_batches(mini, micro, shard) for shard in shards]
+    assert len({len(parts) for parts in per_process}) == 1  # the same passes everywhere (FSDP collectives)
+    rows = [row for parts in per_process for part in parts if part is not None for row in part.tolist()]
+    assert sorted(rows) == sorted(mini.tolist())
+    assert all(part is None or len(part) <= micro for parts in per_process for part in parts)
+    assert [p.tolist() for p in shard_micro_batches(mini, micro, None)] == [
+        mini[i : i + micro].tolist() for i in range(0, n, micro)]
+
+
+# --------------------------------------------------------------------------- whole runs
+def test_two_processes_train_as_one(tiny_model_dir, tmp_path):
+    """Two gloo processes (started by ``distributed.nproc_per_node``) and one process: the same advantages,
+    losses, gradient norms and weights after two PPO steps; the checkpoint is a transformers model."""
+    single = run_train(tiny_model_dir, tmp_path, "single", "run.steps=2")
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = run_train(tiny_model_dir, tmp_path, "double", "run.steps=2", "distributed.nproc_per_node=2")
+    assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
+    assert "2 processes (FSDP)" in " ".join(double.stdout.split())
+    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "double")
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+    assert one[2]["actor/advantage_abs_mean"] > 0 and one[2]["actor/grad_norm"] > 0  # a real update
+    # Rank 0 alone writes: one metrics line per step, one trajectories file per step.
+    assert len((tmp_path / "double" / "trajectories" / "step_000001.jsonl").read_text().splitlines()) == 8
+
+    checkpoint = tmp_path / "double" / "checkpoints" / "step_000001"
+    weights = load_file(checkpoint / "actor" / "model.safetensors")
+    reference = load_file(tmp_path / "single" / "checkpoints" / "step_000001" / "actor" / "model.safetensors")
+    assert weights.keys() == reference.keys()
+    for name in weights:
+        torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-5)
+    AutoModelForCausalLM.from_pretrained(checkpoint / "actor")  # a plain transformers model
+    assert (checkpoint / "optimizer" / ".metadata").is_file()  # the optimizers' shards
+    critic = load_file(checkpoint / "critic" / "model.safetensors")
+    assert critic.keys() == load_file(tmp_path / "single" / "checkpoints" / "step_000001" / "critic" /
+                                      "model.safetensors").keys()
+
+
+def test_fsdp_outside_torchrun_says_how_to_start(tiny_model_dir, tmp_path):
+    result = run_train(tiny_model_dir, tmp_path, "r", "run.steps=1", "distributed.backend=fsdp")
+    assert result.returncode != 0
+    assert "torchrun --nproc-per-node" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_dead_process_stops_the_run_and_it_resumes_exactly(tiny_model_dir, tmp_path):
+    """Kill one of two processes mid-run: the run stops with an error (no hang), its last checkpoint resumes
+    on two processes, and the resumed steps equal an uninterrupted single-process run."""
+    reference = run_train(tiny_model_dir, tmp_path, "single", "run.steps=4")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={tiny_model_dir}",
+               f"run.output_dir={tmp_path}", "run.name=double", *ARGS, "run.steps=4", "run.save_every=1",
+               "distributed.nproc_per_node=2", "distributed.timeout_s=60"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    first = tmp_path / "double" / "checkpoints" / "step_000000"
+    deadline = time.time() + 300
+    while not first.is_dir() and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.5)
+    assert first.is_dir(), "no checkpoint after the first step"
+    workers = subprocess.run(["pgrep", "-f", f"run.output_dir={tmp_path}.*run.name=double"], capture_output=True,
+                             text=True).stdout.split()
+    trainers = [int(pid) for pid in workers if int(pid) != launcher.pid]
+    os.kill(max(trainers), signal.SIGKILL)  # the youngest: a training process, not the launcher
+    start = time.time()
+    output, _ = launcher.communicate(timeout=240)
+    assert launcher.returncode != 0, output[-2000:]
+    assert time.time() - start < 200  # the others stop instead of waiting forever
+    resumed = run_train(tiny_model_dir, tmp_path, "double", "run.steps=4", "distributed.nproc_per_node=2",
+                        f"resume={tmp_path / 'double'}")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "double")
+    assert sorted(two) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert_same_metrics(one[step], two[step])

@@ -1,0 +1,319 @@
+"""Data-parallel RL with FSDP2: one process per GPU (gloo processes on a CPU), started by ``torchrun``.
+
+    torchrun --nproc-per-node 2 -m turnrl.cli train --config configs/X.yaml
+    turnrl train --config configs/X.yaml distributed.nproc_per_node=2      # the same, started for you
+
+A step on every process, in the single-process recipe's order:
+
+    rollout     this process's share of the env groups (whole groups: group g on process g % world), on
+                an unsharded copy of the actor (the engine needs whole weights), then every process's
+                trajectories gathered: all processes hold the batch the single-process recipe would
+    scores      old/reference logprobs and values of this process's rows of the batch, gathered
+    advantages  over the whole batch, the same on every process (group estimators see whole groups,
+                whitening sees every token)
+    PPO         each mini-batch split by rows; the loss weighted by its share of the whole mini-batch,
+                FSDP2 averages the gradients; then the new weights go to the rollout copy
+
+Actor, critic and reference are sharded with ``fully_shard`` (each decoder layer, then the model), with
+FSDP2's mixed precision when ``model.dtype`` is bf16/fp16. Rank 0 alone prints, logs and writes
+trajectories; checkpoints are HF models gathered from the shards plus the optimizers' shards through
+``torch.distributed.checkpoint``, so a run resumes exactly on the same number of processes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from turnrl.config import ConfigError, SamplingConfig
+from turnrl.rewards import Rewards
+from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
+from turnrl.rollout.trajectory import Trajectory
+from turnrl.training import ranks
+from turnrl.training.batch import Batch
+from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint
+from turnrl.training.config import TrainConfig
+from turnrl.training.ppo import Shard, UpdateInputs, ppo_epochs
+from turnrl.training.trainer import Recipe, Scores, score_batch
+
+OPTIMIZER_DIR = "optimizer"
+"""A checkpoint's sharded optimizer states (``torch.distributed.checkpoint`` files), beside ``actor/``."""
+
+
+# --------------------------------------------------------------------------- rows and groups of a process
+def process_rows(n: int, rank: int, world: int) -> torch.Tensor:
+    """This process's rows of a batch of ``n``: ``rank, rank + world, ...``, padded (with row 0) to
+    ``ceil(n / world)`` rows so that every process runs the same number of forward passes.
+
+    Returns:
+        Shape (ceil(n / world),) long.
+    """
+    mine = torch.arange(rank, max(rank, n), world)  # empty when the batch has fewer rows than processes
+    most = -(-n // world)
+    return torch.cat([mine, torch.zeros(most - len(mine), dtype=torch.long)])
+
+
+def gather_rows(local: torch.Tensor, n: int) -> torch.Tensor:
+    """The whole batch's (n, ...) tensor from every process's :func:`process_rows` rows of it.
+
+    Args:
+        local: this process's rows, Shape (ceil(n / world), ...), the same shape on every process.
+    """
+    world = ranks.world_size()
+    if world == 1:
+        return local[:n]
+    parts = [torch.empty_like(local) for _ in range(world)]
+    torch.distributed.all_gather(parts, local.contiguous())
+    out = torch.empty((n, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    for rank, part in enumerate(parts):
+        count = len(range(rank, n, world))
+        out[rank::world] = part[:count]
+    return out
+
+
+class RankRewards:
+    """A rollout's :class:`Rewards` whose ``metrics()`` are the mean over processes (each scored its share)."""
+
+    def __init__(self, rewards: Rewards) -> None:
+        self.rewards = rewards
+
+    def metrics(self) -> dict[str, float]:
+        parts = ranks.all_gather_objects(self.rewards.metrics())
+        keys = {key for part in parts for key in part}
+        return {key: sum(part.get(key, 0.0) for part in parts) / len(parts) for key in keys}
+
+
+class ShardedRollout:
+    """A :class:`Rollout` that plays this process's groups of the slots and returns every process's
+    trajectories, in the slots' order: what the single-process rollout returns.
+
+    Timings are the slowest process's (the step waits for it).
+    """
+
+    def __init__(self, rollout: Rollout) -> None:
+        self.rollout = rollout
+        self.rewards = RankRewards(rollout.rewards)
+        self.timings = RolloutTimings()
+
+    def run(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig) -> list[Trajectory]:
+        rank, world = ranks.rank(), ranks.world_size()
+        mine = [i for i, slot in enumerate(slots) if slot.group % world == rank]
+        played = self.rollout.run([slots[i] for i in mine], sampling) if mine else []
+        local = self.rollout.timings
+        gathered = ranks.all_gather_objects((list(zip(mine, played)), local.generate_s, local.env_s))
+        self.timings = RolloutTimings(max(part[1] for part in gathered), max(part[2] for part in gathered))
+        by_slot = dict(pair for part in gathered for pair in part[0])
+        return [by_slot[i] for i in range(len(slots))]
+
+
+# --------------------------------------------------------------------------- sharding the models
+def shard_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``fully_shard`` each decoder layer (a transformers model's ``_no_split_modules`` classes), then the
+    model; in place. bf16/fp16 runs gather the weights in that dtype and reduce gradients in float32.
+
+    The trainer runs a causal LM's body and its LM head as two calls (the head only on scored positions), so
+    body and head are one unit that stays gathered from the body's forward to the backward: a head tied to
+    the input embeddings reads the same gathered weight.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
+        else MixedPrecisionPolicy()
+    names: set[str] = set()
+    for module in model.modules():
+        inner: Any = module
+        names |= set(getattr(inner, "_no_split_modules", None) or [])
+    for layer in [module for module in model.modules() if type(module).__name__ in names and module is not model]:
+        fully_shard(layer, mp_policy=policy)
+    causal_lm: Any = model
+    head = causal_lm.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        fully_shard(model, mp_policy=policy)
+        return
+    fully_shard([causal_lm.base_model, head], mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mp_policy=policy)
+    # FSDP takes the module of the first forward call as the root of the units; the trainer calls the
+    # body first, so one forward of the whole model makes the model the root.
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+    reshard(model)
+
+
+def reshard(model: torch.nn.Module | None) -> None:
+    """Put every unit of ``model`` back to its shards: the body of a causal LM stays gathered after a forward
+    pass without gradient (it waits for a backward), and state dicts read the sharded parameters."""
+    for module in model.modules() if model is not None else ():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0's CPU (other processes get an empty dict); a collective."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def without_tied_copies(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` without the second name of each weight that ``model`` ties to another (an LM head tied to
+    the input embeddings): gathered from shards they are two tensors, and a checkpoint holds one."""
+    seen: set[int] = set()
+    tied = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            tied.add(name)
+        seen.add(id(tensor))
+    return {name: value for name, value in state.items() if name not in tied}
+
+
+@torch.no_grad()
+def copy_full_weights(sharded: torch.nn.Module, full: torch.nn.Module) -> None:
+    """Copy a sharded model's parameters into an unsharded model of the same architecture, one parameter
+    at a time (each gathered from the shards: a collective), so that no second whole copy is ever held."""
+    targets = dict(full.named_parameters())
+    for name, param in sharded.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        targets[name].copy_(value)
+
+
+# --------------------------------------------------------------------------- the recipe
+class FSDPRecipe(Recipe):
+    """:class:`Recipe` on ``torch.distributed`` processes, with FSDP2-sharded models (see the module docs).
+
+    The process group must be initialized (:func:`ranks.init_process_group`) and ``config.model.device``
+    be this process's device.
+    """
+
+    def __init__(self, config: TrainConfig, start_model: Path | str | None = None,
+                 rewards: Rewards | None = None) -> None:
+        if config.lora.enabled:
+            raise ConfigError("lora.enabled with several processes (FSDP) is not supported yet: train all weights "
+                              "(lora.enabled=false) or run one process")
+        self.weights_version = 0
+        self.rollout_version = 0
+        super().__init__(config, start_model, rewards)
+        self.rollout = ShardedRollout(self.rollout)  # type: ignore[assignment]
+        self.val_rollout = ShardedRollout(self.val_rollout)  # type: ignore[assignment]
+
+    def rollout_model(self) -> torch.nn.Module:
+        return self.rollout_actor
+
+    def _build_models(self, start_model: Path | str | None) -> None:
+        super()._build_models(start_model)
+        # The rollout's unsharded copy, refreshed from the shards after every update.
+        self.rollout_actor = copy.deepcopy(self.actor).eval().requires_grad_(False)
+        for model in (self.actor, self.critic, self.reference):
+            if model is not None:
+                shard_model(model, self.dtype)
+
+    def _restore(self) -> None:
+        super()._restore()  # everything but the optimizers' shards (the trainer state holds none)
+        assert self.checkpoint is not None
+        state = self._optimizer_state()
+        torch.distributed.checkpoint.load(state, checkpoint_id=str(self.checkpoint / OPTIMIZER_DIR))
+        set_optimizer_state_dict(self.actor, self.actor_optimizer, state["actor"])
+        if self.critic is not None and self.critic_optimizer is not None:
+            set_optimizer_state_dict(self.critic, self.critic_optimizer, state["critic"])
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        reshard(self.actor)
+        reshard(self.critic)
+        state = {"actor": get_optimizer_state_dict(self.actor, self.actor_optimizer)}
+        if self.critic is not None and self.critic_optimizer is not None:
+            state["critic"] = get_optimizer_state_dict(self.critic, self.critic_optimizer)
+        return state
+
+    def _sync_rollout_weights(self) -> None:
+        if self.rollout_version != self.weights_version:
+            copy_full_weights(self.actor, self.rollout_actor)
+            self.rollout_version = self.weights_version
+
+    # ------------------------------------------------------------------ the phases that differ
+    def roll_out(self, step: int) -> Any:
+        self._sync_rollout_weights()
+        return super().roll_out(step)
+
+    def validate(self) -> Any:
+        self._sync_rollout_weights()
+        return super().validate()
+
+    def score(self, batch: Batch, generator: torch.Generator) -> Scores:
+        """Each process scores its rows; the scores of the whole batch are gathered on every process."""
+        config, n = self.config, len(batch)
+        rows = process_rows(n, ranks.rank(), ranks.world_size())
+        # The single-process recipe draws the rows of its logprob check from the step's generator; the same
+        # draw keeps the PPO epochs' shuffling identical to it.
+        check_generator = torch.Generator().set_state(generator.get_state())
+        if config.algorithm.old_logprobs == "sampler":
+            torch.randperm(n, generator=generator)
+        local = score_batch(batch.select(rows), self.actor, self.reference, self.critic, config.algorithm,
+                            config.sampling.temperature, check_generator, self.precision())
+        for model in (self.actor, self.reference, self.critic):
+            reshard(model)
+        gather: Callable[[torch.Tensor | None], Any] = lambda t: None if t is None else gather_rows(t, n)  # noqa: E731
+        old_logprobs = batch.sampler_logprobs if config.algorithm.old_logprobs == "sampler" else gather(
+            local.old_logprobs)
+        metrics = {key: value / ranks.world_size() for key, value in ranks.sum_over_ranks(local.metrics).items()}
+        return Scores(old_logprobs, gather(local.ref_logprobs), gather(local.values), metrics)
+
+    def train_on(self, inputs: UpdateInputs, train_actor: bool, generator: torch.Generator) -> dict[str, float]:
+        config = self.config
+        shard = Shard(ranks.rank(), ranks.world_size(), ranks.sum_over_ranks)
+        with self.precision():
+            metrics = ppo_epochs(self.actor, self.critic, inputs, config.algorithm, config.optim,
+                                 self.actor_optimizer if train_actor else None, self.critic_optimizer,
+                                 config.sampling.temperature, generator, shard=shard)
+        self.weights_version += 1
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int) -> Path:
+        """HF models gathered from the shards (written by rank 0), the optimizers' shards by every process."""
+        actor = without_tied_copies(full_state_dict(self.actor), self.rollout_actor)
+        critic = full_state_dict(self.critic) if self.critic is not None else None
+        tmp = self.run_dir / "checkpoints" / f"step_{step:06d}.tmp"
+
+        def write_optimizer_shards(directory: Path) -> None:
+            ranks.barrier()  # rank 0 has made the directory
+            torch.distributed.checkpoint.save(self._optimizer_state(), checkpoint_id=str(directory / OPTIMIZER_DIR))
+            ranks.barrier()
+
+        state = {
+            "actor_scheduler": self.actor_scheduler.state_dict(),
+            "summary": self.summary,
+            "timings": self.timings,
+            "elapsed_s": self.elapsed_s(),
+            "world_size": ranks.world_size(),
+        }
+        if not ranks.is_main():
+            write_optimizer_shards(tmp)
+            ranks.barrier()  # rank 0 has published the checkpoint
+            return self.run_dir / "checkpoints" / f"step_{step:06d}"
+        path = save_checkpoint(self.run_dir, step, _WithStateDict(self.actor, actor),
+                               self.processor or self.tokenizer, state,
+                               critic=_WithStateDict(self.critic, critic) if critic is not None else None,
+                               before_publish=write_optimizer_shards)
+        prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
+        ranks.barrier()
+        return path
+
+
+class _WithStateDict:
+    """A model whose ``save_pretrained`` writes the given (gathered) weights instead of its own shards."""
+
+    def __init__(self, model: Any, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model, self.state_dict = model, state_dict
+
+    def save_pretrained(self, path: Path) -> None:
+        self.model.save_pretrained(path, state_dict=self.state_dict)
+

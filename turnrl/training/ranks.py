@@ -1,0 +1,102 @@
+"""Which process this is in a data-parallel run, and the few collectives the recipe needs.
+
+``torchrun`` starts one process per GPU and tells each its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``;
+outside ``torchrun`` this is rank 0 of a world of 1 and every function here is a no-op. Collectives are
+``torch.distributed``'s (NCCL between GPUs, gloo on CPUs), with the timeout of ``distributed.timeout_s``
+so that a process that dies or hangs stops the run with an error instead of a silent wait.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def rank() -> int:
+    """This process's rank (0 outside ``torchrun``)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """How many processes train together (1 outside ``torchrun``)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main() -> bool:
+    """Whether this process writes the run's files and prints (rank 0)."""
+    return rank() == 0
+
+
+def launched_by_torchrun() -> bool:
+    """Several processes started by ``torchrun`` (``WORLD_SIZE`` above 1)."""
+    return int(os.environ.get("WORLD_SIZE", 1)) > 1
+
+
+def init_process_group(device: str, timeout_s: float) -> torch.device:
+    """Join the run's process group (NCCL on GPUs, gloo on CPUs); returns this process's device.
+
+    Args:
+        device: ``model.device``: ``cpu``, or ``cuda``/``auto`` (each process takes the GPU of its
+            ``LOCAL_RANK``).
+        timeout_s: the longest wait on a collective.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    where = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(where)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                                device_id=where if use_cuda else None)
+    return where
+
+
+_long_wait_group: Any = None
+
+
+def wait_for_main() -> None:
+    """Hold every process until rank 0 has finished a long task of its own (an SFT stage: longer than any
+    collective's timeout), on a gloo group of its own that waits up to a day."""
+    global _long_wait_group
+    if world_size() == 1:
+        return
+    if _long_wait_group is None:
+        _long_wait_group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    dist.barrier(group=_long_wait_group)
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every process's ``value``, in rank order (pickled: trajectories, metric dicts)."""
+    if world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each key's sum over the processes (a key missing on a process counts 0 there)."""
+    total: dict[str, float] = {}
+    for part in all_gather_objects(values):
+        for key, value in part.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every process when ``flag`` is true on any (a Ctrl-C seen by one process stops all)."""
+    return any(all_gather_objects(flag))
+
+
+def close_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
