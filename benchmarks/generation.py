@@ -5,19 +5,30 @@ Qwen2.5-0.5B's shapes: 24 layers, 896 wide, 14 query and 2 key/value heads,
 a 151,936-token vocabulary), random prompts of ``--prompt`` tokens, and
 ``--new`` tokens sampled per prompt at temperature 1 (no end-of-turn token, so
 every row generates them all). Rows, each timed after a warm-up run of the
-same shape:
+same shape (compilation and graph capture happen there):
 
-- ``generate``: transformers' ``generate`` with its default (dynamic) cache.
-- ``generate static``: ``cache_implementation="static"`` (on a GPU, transformers
-  compiles the decode step; the warm-up pays for that).
-- ``generate_batch``: transformers' continuous batching with paged attention,
-  where the installed version has it.
-- ``engine``: turnrl's engine (CUDA-graph decode on a GPU); on a GPU also without graphs.
+- ``generate``: transformers' ``generate`` with its default (dynamic) cache,
+  the baseline of the last column (always run).
+- ``generate static`` (``--with static``): ``cache_implementation="static"``
+  (on a GPU, transformers compiles the decode step).
+- ``generate_batch`` (``--with generate_batch``): transformers' continuous
+  batching with paged attention, where the installed version has it.
+- ``engine <variant>`` for each of ``--engine-variants`` (:data:`VARIANTS`):
+  ``unfused`` (separate q/k/v and gate/up GEMMs, eager, CUDA graphs: the
+  engine before fusion and compilation), ``fused`` (stacked projections,
+  eager), ``compiled`` (stacked projections, torch.compile; the GPU default),
+  ``no_graphs`` and ``compiled_no_graphs``.
 
 Tokens/s counts generated tokens over the wall time of the call (prefill
-included). The last column is the ratio against ``generate`` at the same batch.
+included); ``x generate`` is the ratio against ``generate`` at the same batch;
+``lp err`` is the mean |logprob - full forward pass| over a few of the run's
+sampled sequences (a broken variant shows here, not only in its speed). Every
+row runs in its own try/except: a failing one prints its error and the table
+goes on. ``--profile`` ends with the top kernels of one decode step of a
+variant (torch.profiler, device time per step).
 
     python benchmarks/generation.py --device cuda                 # 0.5B, batch 64 and 256, 512 + 256
+    python benchmarks/generation.py --device cuda --batch 256 --profile --profile-variant compiled
     python benchmarks/generation.py --quick                       # CPU, the small preset, a minute
 """
 
@@ -28,6 +39,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,7 +48,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from turnrl.config import EngineConfig  # noqa: E402
-from turnrl.engine.engine import Engine, SamplingParams  # noqa: E402
+from turnrl.engine.engine import Engine, Result, SamplingParams  # noqa: E402
 
 SHAPES = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -83,18 +95,50 @@ def hf_generate_batch(model, prompts: torch.Tensor, new: int) -> Callable[[], ob
     return lambda: model.generate_batch(inputs=inputs, generation_config=config)
 
 
-def engine_run(model, prompts: torch.Tensor, new: int, dtype: torch.dtype, graphs: bool = True) -> Callable[[], object]:
-    rows = prompts.shape[0]
-    engine = Engine(model, EngineConfig(kv_cache_gb=40.0, max_rows=rows, max_seq_len=prompts.shape[1] + new + 1,
-                                        cuda_graphs=graphs), dtype=dtype)
-    inputs = prompts.tolist()
-    params = [SamplingParams(temperature=1.0, max_new_tokens=new)] * rows
+VARIANTS: dict[str, dict[str, object]] = {
+    "unfused": dict(fuse_projections=False, compile="false"),
+    "fused": dict(compile="false"),
+    "compiled": dict(compile="true"),
+    "no_graphs": dict(compile="false", cuda_graphs=False),
+    "compiled_no_graphs": dict(compile="true", cuda_graphs=False),
+}
+"""Engine settings compared by ``--engine-variants`` (``EngineConfig`` fields)."""
 
-    def run() -> object:
+
+def make_engine(model, prompts: torch.Tensor, new: int, dtype: torch.dtype, variant: str) -> Engine:
+    rows = prompts.shape[0]
+    config = EngineConfig(kv_cache_gb=40.0, max_rows=rows, max_seq_len=prompts.shape[1] + new + 1,
+                          **VARIANTS[variant])  # type: ignore[arg-type]
+    return Engine(model, config, dtype=dtype)
+
+
+def engine_run(engine: Engine, prompts: torch.Tensor, new: int) -> Callable[[], list[Result]]:
+    inputs = prompts.tolist()
+    params = [SamplingParams(temperature=1.0, max_new_tokens=new)] * len(inputs)
+
+    def run() -> list[Result]:
         engine.table.clear()  # every call prefills its prompts, as the other rows do
         return engine.generate(inputs, params)
 
     return run
+
+
+def logprob_error(model, prompts: torch.Tensor, results: list[Result], count: int = 4) -> float:
+    """Mean |engine logprob - full forward pass logprob| over the first ``count`` sampled sequences."""
+    errors = []
+    for prompt, result in zip(prompts[:count].tolist(), results[:count]):
+        ids = torch.tensor([prompt + result.token_ids], device=prompts.device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        sampled = torch.tensor(result.token_ids, device=prompts.device)
+        reference = torch.log_softmax(logits, -1).gather(-1, sampled[:, None])[:, 0]
+        errors.append((torch.tensor(result.logprobs, device=prompts.device) - reference).abs())
+    return torch.cat(errors).mean().item()
+
+
+def short_error(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:100] if lines else ''}"
 
 
 def main() -> None:
@@ -104,10 +148,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=None)
     parser.add_argument("--prompt", type=int, default=None)
     parser.add_argument("--new", type=int, default=None)
-    parser.add_argument("--skip", nargs="*", default=[],
-                        help="rows to leave out: static generate_batch no_graphs")
+    parser.add_argument("--engine-variants", default=None,
+                        help=f"comma-separated, of {','.join(VARIANTS)} (default: unfused,fused,compiled on a GPU, "
+                             "unfused,fused on a CPU)")
+    parser.add_argument("--with", dest="extra", nargs="*", default=[], choices=["static", "generate_batch"],
+                        help="slower transformers rows to add")
+    parser.add_argument("--skip", nargs="*", default=[], help="rows to leave out: static generate_batch (the default)")
     parser.add_argument("--quick", action="store_true", help="CPU-sized: small preset, batch 8 and 32, 64 + 32")
-    parser.add_argument("--profile", action="store_true", help="profile one engine run at the largest batch")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile decode steps of one variant at the largest batch")
+    parser.add_argument("--profile-variant", default=None,
+                        help="the variant --profile runs (default: the last listed)")
+    parser.add_argument("--profile-new", type=int, default=64, help="tokens per sequence in the profiled run")
     args = parser.parse_args()
     device = torch.device(args.device)
     quick = args.quick or device.type == "cpu"
@@ -115,52 +167,114 @@ def main() -> None:
     batches = args.batch or ([8, 32] if quick else [64, 256])
     prompt_len = args.prompt or (64 if quick else 512)
     new = args.new or (32 if quick else 256)
+    variants = (args.engine_variants or ("unfused,fused,compiled" if device.type == "cuda" else "unfused,fused")
+                ).split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown engine variants {unknown}; choose from {list(VARIANTS)}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build(preset, device, dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
     print(f"{preset} Qwen2, {dtype}, prompt {prompt_len} + {new} new tokens, on {name} "
-          f"(torch {torch.__version__}, transformers {__import__('transformers').__version__})")
-    print(f"{'batch':>5}  {'backend':<16} {'seconds':>8} {'tokens/s':>10} {'x generate':>10}")
+          f"(torch {torch.__version__}, transformers {__import__('transformers').__version__})", flush=True)
+    table: list[str] = []
+    header = (f"{'batch':>5}  {'row':<28} {'seconds':>8} {'tokens/s':>10} {'x generate':>10} {'lp err':>8} "
+              f"{'ms/step':>8}")
+    print(header, flush=True)
+    started = time.perf_counter()
     for batch in batches:
         prompts = torch.randint(0, SHAPES[preset]["vocab_size"], (batch, prompt_len), device=device)
-        rows: list[tuple[str, Callable[[], object]]] = [("generate", hf_generate(model, prompts, new))]
-        if "static" not in args.skip:
-            rows.append(("generate static", hf_generate(model, prompts, new, cache_implementation="static")))
-        if "generate_batch" not in args.skip and hasattr(model, "generate_batch"):
-            rows.append(("generate_batch", hf_generate_batch(model, prompts, new)))
-        rows.append(("engine", engine_run(model, prompts, new, dtype)))
-        if device.type == "cuda" and "no_graphs" not in args.skip:
-            rows.append(("engine, no graphs", engine_run(model, prompts, new, dtype, graphs=False)))
+        rows: list[tuple[str, Callable[[], Callable[[], object]]]] = [
+            ("generate", partial(hf_generate, model, prompts, new))]
+        if "static" in args.extra and "static" not in args.skip:
+            rows.append(("generate static", partial(hf_generate, model, prompts, new, cache_implementation="static")))
+        if "generate_batch" in args.extra and "generate_batch" not in args.skip:
+            rows.append(("generate_batch", partial(hf_generate_batch, model, prompts, new)))
         baseline = None
-        for label, run in rows:
+        for label, make in rows:
             try:
-                seconds = timed(run, device)
+                seconds = timed(make(), device)
             except Exception as error:  # a path the installed transformers lacks is reported, not fatal
-                print(f"{batch:>5}  {label:<16} failed: {type(error).__name__}: {str(error).splitlines()[0][:90]}")
+                table.append(f"{batch:>5}  {label:<28} failed: {short_error(error)}")
+                print(table[-1], flush=True)
                 continue
             rate = batch * new / seconds
             baseline = baseline or (rate if label == "generate" else None)
             ratio = f"{rate / baseline:.1f}x" if baseline else "-"
-            print(f"{batch:>5}  {label:<16} {seconds:>8.2f} {rate:>10,.0f} {ratio:>10}", flush=True)
+            table.append(f"{batch:>5}  {label:<28} {seconds:>8.2f} {rate:>10,.0f} {ratio:>10} {'-':>8} {'-':>8}")
+            print(table[-1], flush=True)
+        for variant in variants:
+            label = f"engine {variant}"
+            try:
+                engine = make_engine(model, prompts, new, dtype, variant)
+                run = engine_run(engine, prompts, new)
+                run()  # warm-up: compilation, graph capture, allocator
+                synchronize(device)
+                steps = engine.stats.decode_steps
+                start = time.perf_counter()
+                results = run()
+                synchronize(device)
+                seconds = time.perf_counter() - start
+                step_ms = 1000 * seconds / max(1, engine.stats.decode_steps - steps)
+                lp_error = logprob_error(model, prompts, results)
+                label += "" if engine.kernels.compiled or "compiled" not in variant else " (fell back)"
+            except Exception as failure:  # a variant that fails is reported; the others still run
+                table.append(f"{batch:>5}  {label:<28} failed: {short_error(failure)}")
+                print(table[-1], flush=True)
+                continue
+            finally:
+                engine = run = None  # type: ignore[assignment]
+            rate = batch * new / seconds
+            ratio = f"{rate / baseline:.1f}x" if baseline else "-"
+            table.append(f"{batch:>5}  {label:<28} {seconds:>8.2f} {rate:>10,.0f} {ratio:>10} {lp_error:>8.4f} "
+                         f"{step_ms:>8.2f}")
+            print(table[-1], flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    print(f"\nAll rows ({time.perf_counter() - started:.0f} s; ms/step is the wall time of the call over its "
+          "decode steps, prefill included):")
+    print(header)
+    print("\n".join(table), flush=True)
     if args.profile:
-        profile_engine(model, prompts, new, dtype, device)
+        variant = args.profile_variant or variants[-1]
+        try:
+            profile_engine(model, prompts, args.profile_new, dtype, device, variant)
+        except Exception as error:
+            print(f"profile of {variant} failed: {short_error(error)}")
 
 
-def profile_engine(model, prompts: torch.Tensor, new: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Where an engine run spends its time: the top operators by device time and by host time."""
+def profile_engine(model, prompts: torch.Tensor, new: int, dtype: torch.dtype, device: torch.device,
+                   variant: str, top: int = 25) -> None:
+    """Where one decode step spends its time: the top kernels by device time (host time on a CPU), per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    run = engine_run(model, prompts, new, dtype)
+    engine = make_engine(model, prompts, new, dtype, variant)
+    run = engine_run(engine, prompts, new)
     run()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    steps = engine.stats.decode_steps
     with profile(activities=activities) as profiler:
         run()
         synchronize(device)
-    for key in (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
-        print(profiler.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
-
+    steps = max(1, engine.stats.decode_steps - steps)
+    events = profiler.key_averages()
+    if cuda:
+        # Kernels only (device-side events), not the host operators that launched them.
+        kernels = [e for e in events if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+        timing = [(e.key, e.count, e.self_device_time_total) for e in kernels]
+    else:
+        timing = [(e.key, e.count, e.self_cpu_time_total) for e in events if e.self_cpu_time_total > 0]
+    timing.sort(key=lambda row: -row[2])
+    total = sum(row[2] for row in timing)
+    print(f"\nProfile: engine {variant}, batch {prompts.shape[0]}, prompt {prompts.shape[1]} + {new}; "
+          f"{steps} decode steps; {'device' if cuda else 'host'} time {total / 1000:.1f} ms in all "
+          f"({total / steps / 1000:.3f} ms per decode step, prefill included), "
+          f"{sum(row[1] for row in timing) / steps:.0f} {'kernels' if cuda else 'operators'} per step")
+    print(f"{'us/step':>9} {'share':>6} {'calls/step':>10}  name")
+    for key, count, time_us in timing[:top]:
+        print(f"{time_us / steps:>9.1f} {100 * time_us / total:>5.1f}% {count / steps:>10.1f}  {key[:100]}")
 
 if __name__ == "__main__":
     main()

@@ -64,15 +64,25 @@ def build_env(env_id: str, settings: dict[str, Any], where: str = "env.settings"
         raise ConfigError(message) from error
 
 
-def env_factory(env_id: str, settings: dict[str, Any], remote: list[str], where: str = "env.settings"
-                ) -> Callable[[], Any]:
-    """A ``make_env`` for the run's envs: built in this process, or opened on the servers of ``env.remote``.
+def env_factory(env_id: str, settings: dict[str, Any], remote: list[str], where: str = "env.settings",
+                ray_workers: int = 0, ray_address: str | None = None, timeout_s: float = 60.0) -> Callable[[], Any]:
+    """A ``make_env`` for the run's envs: built in this process, opened on the servers of ``env.remote``, or
+    (``ray_workers`` above 0, ``distributed.env_workers``) built inside that many Ray actors.
 
-    The env id and settings are checked now, here or by the first server that answers.
+    The env id and settings are checked now, here, by the first server that answers, or in a Ray actor.
 
     Raises:
         ConfigError: unknown env or a refused setting, or (remote) no server answered.
     """
+    if ray_workers > 0:
+        if remote:
+            raise ConfigError("env.remote and distributed.env_workers both say where the envs live; set one of them")
+        from turnrl.envs.ray_env import ray_env_factory
+
+        try:
+            return ray_env_factory(env_id, settings, ray_workers, timeout_s=timeout_s, address=ray_address)
+        except ValueError as error:
+            raise ConfigError(f"env.id={env_id!r} with {where}={settings} in Ray env workers: {error}") from error
     if not remote:
         from turnrl.envs import make
 
@@ -253,9 +263,15 @@ class EngineConfig:
     """Padded prompt tokens prefilled in one forward pass at most."""
     cuda_graphs: bool = True
     """Capture decode steps in CUDA graphs on a GPU (ignored on a CPU)."""
+    compile: str = "auto"
+    """Compile the decode step's layers and the sampler with torch.compile: ``auto`` (on a GPU), ``true``, ``false``;
+    a compilation that fails falls back to eager decoding with a warning."""
+    fuse_projections: bool = True
+    """Stack the q/k/v and gate/up weights into one buffer each (one GEMM per group; costs a copy of them)."""
 
     def validate(self) -> None:
         check_range("model.engine.kv_cache_gb", self.kv_cache_gb, 0.0)
+        check_choice("model.engine.compile", str(self.compile).lower(), ["auto", "true", "false"])
         for key in ("max_rows", "max_seq_len", "prefill_chunk_tokens"):
             check_range(f"model.engine.{key}", getattr(self, key), 1)
 

@@ -290,3 +290,37 @@ def test_a_separate_copy_takes_new_weights_from_a_state_dict():
     assert [r.token_ids for r in engine.generate(prompts, [GREEDY] * 2)] != [hf_greedy(trained, p, 12) for p in prompts]
     engine.load_state_dict(trained.state_dict())
     assert [r.token_ids for r in engine.generate(prompts, [GREEDY] * 2)] == [hf_greedy(trained, p, 12) for p in prompts]
+
+
+@pytest.mark.slow
+def test_compiled_decoding_gives_the_eager_tokens_and_compiles_once_for_every_bucket():
+    """torch.compile's CPU backend (a GPU's is Triton): same greedy tokens; a new batch and key length reuse it."""
+    import torch._dynamo.utils
+
+    model = build("qwen2")
+    prompts = random_prompts([5, 23, 11, 40])
+    eager = engine_for(model).generate(prompts, [GREEDY] * 4)
+    engine = engine_for(model, compile="true")
+    assert [r.token_ids for r in engine.generate(prompts, [GREEDY] * 4)] == [r.token_ids for r in eager]
+    assert engine.kernels.compiled
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    longer = random_prompts([300, 7, 9], seed=2)  # another batch and key length
+    results = engine.generate(longer, [SamplingParams(temperature=1.0, max_new_tokens=5)] * 3)
+    assert all(r.finish_reason == "length" for r in results)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_a_compilation_that_fails_falls_back_to_eager_decoding(caplog):
+    import torch._inductor.config
+
+    model = build("qwen2")
+    prompts = random_prompts([5, 23])
+    eager = engine_for(model).generate(prompts, [GREEDY] * 2)
+    engine = engine_for(model, compile="true")
+    torch._dynamo.reset()  # compile again, with a C++ compiler that does not exist
+    with torch._inductor.config.patch({"cpp.cxx": ("no-such-compiler",), "fx_graph_cache": False}):
+        results = engine.generate(prompts, [GREEDY] * 2)
+    assert [r.token_ids for r in results] == [r.token_ids for r in eager]
+    assert not engine.kernels.compiled
+    assert "torch.compile failed" in caplog.text

@@ -10,25 +10,42 @@ when every row is running, new sequences wait; when rows are only idle
 evicted and its sequence is prefilled again if it returns. Nothing is dropped.
 
 On a GPU, decode runs as CUDA graphs captured per (batch bucket, key-length
-bucket); on a CPU, the same code runs eagerly.
+bucket), of layer functions compiled by ``torch.compile`` (their elementwise
+work fused into a few kernels; compiled once for every bucket and layer); on a
+CPU, the same code runs eagerly. A compilation that fails falls back to eager
+decoding with a warning.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from turnrl.config import EngineConfig
-from turnrl.engine.forward import KVCache, decoder_forward, lm_logits, rotary_table
+from turnrl.engine.forward import (
+    EAGER,
+    DecoderKernels,
+    DynamicCompiled,
+    KVCache,
+    compiled_kernels,
+    decoder_forward,
+    final_logits,
+    rotary_table,
+    round_up,
+)
 from turnrl.engine.rows import RowTable
-from turnrl.engine.sampling import sample_tokens
+from turnrl.engine.sampling import sample_tokens, sample_untruncated
 from turnrl.engine.weights import DecoderWeights, decoder_weights
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -102,6 +119,12 @@ def cache_budget_bytes(config: EngineConfig, device: torch.device) -> float:
     return 4.0 * 2**30
 
 
+def compile_enabled(setting: str, device: torch.device) -> bool:
+    """``model.engine.compile``: ``auto`` compiles on a GPU only (on a CPU, compiling costs more than it saves)."""
+    value = str(setting).lower()
+    return device.type == "cuda" if value == "auto" else value == "true"
+
+
 def weights_version(model: nn.Module) -> int:
     """A number that changes whenever a parameter is modified in place (an optimizer step, a load)."""
     return sum(p._version for p in model.parameters())
@@ -112,7 +135,7 @@ class Engine:
 
     Args:
         model: the policy, possibly peft-wrapped; its parameters are read where they live.
-        config: cache budget, sequence length, CUDA graphs.
+        config: cache budget, sequence length, CUDA graphs, compilation, fused projections.
         dtype: the compute dtype (bf16 on a GPU in mixed precision).
         decode: token ids to text, for stop strings.
     """
@@ -128,16 +151,16 @@ class Engine:
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = dtype or next(model.parameters()).dtype
-        self.weights: DecoderWeights = decoder_weights(model, self.dtype)
+        self.weights: DecoderWeights = decoder_weights(model, self.dtype, fuse=config.fuse_projections)
         self.decode = decode
         self.max_len = config.max_seq_len
-        per_row = KVCache.bytes_per_token(self.weights.shape, self.dtype) * (self.max_len + 1)
+        per_row = KVCache.bytes_per_token(self.weights.shape, self.dtype) * (round_up(self.max_len) + 1)
         # The budget is counted at full length, so that growing the cache never exceeds it.
         rows = max(1, min(config.max_rows, int(cache_budget_bytes(config, self.device) // per_row)))
         self.cache = KVCache(self.weights.shape, rows, self.max_len, self.dtype, self.device)
         """Rows of at most ``max_len`` positions; the positions are allocated as sequences grow."""
         self.table = RowTable(rows)
-        self.rope = rotary_table(self.weights, self.max_len + 1, self.device)
+        self.rope = rotary_table(self.weights, round_up(self.max_len) + 1, self.device)  # scratch position too
         self.waiting: deque[_Sequence] = deque()
         self.running: dict[int, _Sequence] = {}  # by row
         self.finished: list[Result] = []
@@ -148,10 +171,15 @@ class Engine:
         self._batch_buckets = sorted({min(2**i, rows) for i in range(20) if 2 ** (i - 1) < rows} | {rows})
         # Key lengths in steps of 256: decode reads every key position up to the bucket, so a coarser
         # bucket wastes reads (512 + 256 tokens in a 1,024 bucket read a third more than needed).
-        self._key_buckets = sorted({min(256 * i, self.max_len) for i in range(1, self.max_len // 256 + 2)})
+        self._key_buckets = sorted({min(256 * i, round_up(self.max_len)) for i in range(1, self.max_len // 256 + 2)})
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool: Any = None
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
+        self.kernels: DecoderKernels = EAGER
+        self._sample_untruncated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sample_untruncated
+        if compile_enabled(config.compile, self.device):
+            self.kernels = compiled_kernels()
+            self._sample_untruncated = DynamicCompiled(sample_untruncated, {0: (0,), 1: (0,)})
 
     @property
     def rows(self) -> int:
@@ -285,7 +313,8 @@ class Engine:
             write_pos.to(self.device), rows.to(self.device), key_len,
         )
         last = torch.tensor([len(n) - 1 for n in news], device=self.device)
-        logits = lm_logits(self.weights, hidden[torch.arange(b, device=self.device), last])
+        logits = final_logits(hidden[torch.arange(b, device=self.device), last], self.weights.norm.value,
+                              self.weights.lm_head.value, self.weights.shape.rms_eps)
         for sequence, new in zip(sequences, news):
             sequence.cached += len(new)
             self.table.rows[sequence.row].tokens.extend(new)
@@ -327,34 +356,73 @@ class Engine:
             self._graph_pool = None  # a fresh pool: the old one's graphs are gone
 
     def _key_len(self, length: int, graphed: bool = False) -> int:
-        """Key positions attended for sequences of at most ``length`` tokens: exact, or a bucket for a CUDA
-        graph (a graph replays fixed shapes), within the capacity."""
-        return min(_bucket(length, self._key_buckets), self.cache.capacity) if graphed else length
+        """Key positions attended for sequences of at most ``length`` tokens, within the capacity: a bucket for
+        a CUDA graph (a graph replays fixed shapes), else ``length`` rounded up to aligned rows (the positions
+        past a sequence are masked)."""
+        return min(_bucket(length, self._key_buckets) if graphed else round_up(length), self.cache.capacity)
 
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
-        """Logits of one token per row, Shape (B, vocab); a position of ``cache.capacity`` writes to scratch."""
-        hidden = decoder_forward(
-            self.weights, self.cache, self.rope, tokens.unsqueeze(1), positions.unsqueeze(1),
-            positions.unsqueeze(1), None, key_len,
-        )
-        return lm_logits(self.weights, hidden[:, 0])
+        """Logits of one token per row, Shape (B, vocab), in the compute dtype; a position of ``cache.capacity``
+        writes to scratch."""
+
+        def run(kernels: DecoderKernels) -> torch.Tensor:
+            hidden = decoder_forward(
+                self.weights, self.cache, self.rope, tokens.unsqueeze(1), positions.unsqueeze(1),
+                positions.unsqueeze(1), None, key_len, kernels,
+            )
+            return kernels.final_logits(hidden[:, 0], self.weights.norm.value, self.weights.lm_head.value,
+                                        self.weights.shape.rms_eps)
+
+        # A failed compiled step may have written some layers' keys and values: the eager step rewrites them
+        # with the same values (they depend only on the inputs), so nothing cached goes wrong.
+        return self._compiled_or_eager(lambda: run(self.kernels), lambda: run(EAGER))
+
+    def _compiled_or_eager(self, compiled: Callable[[], T], eager: Callable[[], T]) -> T:
+        """``compiled()``, or ``eager()`` once compiling has failed (then for the rest of the run)."""
+        if self.kernels.compiled:
+            try:
+                return compiled()
+            except Exception as error:  # no triton, a compiler error: a slower run, never a failed one
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise  # the capture is broken: _graph retries it eagerly
+                self._disable_compile(error)
+        return eager()
+
+    def _disable_compile(self, error: Exception) -> None:
+        message = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        logger.warning("engine: torch.compile failed (%s: %s); decoding without it", type(error).__name__, message)
+        self.kernels = EAGER
+        self._sample_untruncated = sample_untruncated
 
     def _graph(self, batch: int, key_len: int) -> _DecodeGraph:
         key = (batch, key_len)
         if key not in self._graphs:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            self._graphs[key] = _DecodeGraph(self, batch, key_len, self._graph_pool)
+            try:
+                self._graphs[key] = _DecodeGraph(self, batch, key_len, self._graph_pool)
+            except Exception as error:
+                if not self.kernels.compiled:
+                    raise
+                # Compiled kernels that cannot be captured: capture the eager ones instead (in a fresh pool,
+                # since the broken capture may have left allocations in the old one).
+                self._disable_compile(error)
+                self._graphs.clear()
+                self._graph_pool = torch.cuda.graph_pool_handle()
+                self._graphs[key] = _DecodeGraph(self, batch, key_len, self._graph_pool)
         return self._graphs[key]
 
     def _sample(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
         params = [s.params for s in sequences]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
-        truncate = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
-        tokens, logprobs = sample_tokens(logits, temperature, top_k, top_p, truncate=truncate)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=device)
+            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+            tokens, logprobs = sample_tokens(logits, temperature, top_k, top_p)
+        else:
+            tokens, logprobs = self._compiled_or_eager(
+                lambda: self._sample_untruncated(logits, temperature), lambda: sample_untruncated(logits, temperature))
         for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist()):
             sequence.generated.append(token)
             sequence.logprobs.append(logprob)

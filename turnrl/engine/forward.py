@@ -9,45 +9,75 @@ a call writes the new tokens' keys and values at ``write_pos`` and attends
 over the row's first L positions, masked to the positions at or before each
 query's. Padding tokens write to the scratch column (the row's last) so that
 they never overwrite a cached token.
+
+A layer is two pure functions of tensors (:func:`attention_inputs` before the
+cache write, :func:`decode_layer_out` or :func:`layer_out` after attention),
+the same for every layer with the weights passed as arguments: on a GPU they
+are compiled once (:class:`DecoderKernels`) and fuse a decode step's
+elementwise work (norms, rotary, biases, softmax and mask, SwiGLU, residuals)
+into a few kernels around the GEMMs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from turnrl.engine.weights import DecoderShape, DecoderWeights, WeightRef
+
+KEY_ALIGN = 64
+"""Capacities and attended key lengths are multiples of this: the attention matmuls' rows then stay aligned for
+the fast GEMM kernels (an odd key length made cuBLAS fall back to kernels several times slower on an H100)."""
+
+
+def round_up(value: int, multiple: int = KEY_ALIGN) -> int:
+    return -(-value // multiple) * multiple
 
 
 class KVCache:
     """Keys and values of every layer, each Shape (rows, Hkv, capacity + 1, D); column ``capacity`` is scratch.
 
-    The capacity (positions per row) starts small and grows, by doubling up to ``max_len``, when a longer
-    sequence arrives: short-context runs do not pay for the longest context they might see.
+    A layer's keys and values are the two halves of one tensor, Shape (2, rows, Hkv, capacity + 1, D), so that
+    one indexed write stores both.
+
+    The capacity (positions per row) starts small and grows, by doubling up to ``max_len`` (rounded up to
+    :data:`KEY_ALIGN`), when a longer sequence arrives: short-context runs do not pay for the longest context
+    they might see.
     """
 
     def __init__(self, shape: DecoderShape, rows: int, max_len: int, dtype: torch.dtype, device: torch.device,
                  capacity: int = 512) -> None:
         self.shape, self.rows, self.max_len, self.dtype, self.device = shape, rows, max_len, dtype, device
         self.capacity = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.kv: list[torch.Tensor] = []
+        """Per layer, Shape (2, rows, Hkv, capacity + 1, D): keys then values."""
         self.grow(min(capacity, max_len))
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [kv[0] for kv in self.kv]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [kv[1] for kv in self.kv]
 
     def grow(self, needed: int) -> bool:
         """Make room for ``needed`` positions per row (keeping what is cached); True if the tensors changed."""
         if needed <= self.capacity:
             return False
-        capacity = max(needed, 1)
-        capacity = min(self.max_len, 2 ** (capacity - 1).bit_length())
-        size = (self.rows, self.shape.num_kv_heads, capacity + 1, self.shape.head_dim)
+        capacity = min(round_up(self.max_len), max(KEY_ALIGN, 2 ** (needed - 1).bit_length()))
+        size = (2, self.rows, self.shape.num_kv_heads, capacity + 1, self.shape.head_dim)
         old = self.capacity
         # Zeros, not empty: a padding query may attend to never-written positions, which must be finite.
-        keys = [torch.zeros(size, dtype=self.dtype, device=self.device) for _ in range(self.shape.num_layers)]
-        values = [torch.zeros(size, dtype=self.dtype, device=self.device) for _ in range(self.shape.num_layers)]
-        for new, previous in zip(keys + values, self.keys + self.values):
-            new[:, :, :old].copy_(previous[:, :, :old])
-        self.keys, self.values, self.capacity = keys, values, capacity
+        layers = [torch.zeros(size, dtype=self.dtype, device=self.device) for _ in range(self.shape.num_layers)]
+        for new, previous in zip(layers, self.kv):
+            new[..., :old, :].copy_(previous[..., :old, :])
+        self.kv, self.capacity = layers, capacity
         return True
 
     @staticmethod
@@ -72,32 +102,176 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary positions (half-split layout). x Shape (b, H, t, D); cos, sin Shape (b, 1, t, D)."""
+    """Rotary positions (half-split layout). x Shape (b, t, H, D); cos, sin Shape (b, t, 1, D)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of a few queries per head over a long cache, as two batched matmuls and a float32 softmax.
+def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None
+                 ) -> torch.Tensor:
+    """Linear layers of the same input, outputs concatenated: one GEMM for a fused weight, else one each."""
+    outputs = [F.linear(x, w, b) for w, b in zip(weights, biases if biases is not None else [None] * len(weights))]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
-    For one new token per sequence this reads each key and value once; the fused SDPA kernels tile the
-    queries in blocks of 64 or more, and with a handful of queries per head they ran several times slower
-    (on an H100, a third of the decode step).
+
+def attention_inputs(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    input_norm: torch.Tensor,
+    qkv: Sequence[torch.Tensor],
+    qkv_bias: Sequence[torch.Tensor] | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    shape: DecoderShape,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's queries, and the keys and values to cache, of the new tokens.
 
     Args:
-        q: Shape (b, Hkv, n, D). keys, values: Shape (b, Hkv, L, D). mask: Shape (b, 1, n, L), True to attend.
+        x: the residual stream, Shape (b, t, hidden).
+        positions: Shape (b, t). cos_table, sin_table: :func:`rotary_table`, Shape (length, D).
 
     Returns:
-        Shape (b, Hkv, n, D).
+        q Shape (b, Hq, t, D); kv Shape (b, t, 2, Hkv, D), keys (rotated) then values, as the cache takes them.
     """
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    b, t, _ = x.shape
+    heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    projected = linear_group(rms_norm(x, input_norm, shape.rms_eps), qkv, qkv_bias)
+    q, k, v = projected.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(b, t, heads, head_dim)
+    k = k.view(b, t, kv_heads, head_dim)
+    if q_norm is not None and k_norm is not None:
+        q = rms_norm(q, q_norm, shape.rms_eps)
+        k = rms_norm(k, k_norm, shape.rms_eps)
+    cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)  # (b, t, 1, D)
+    q = rotate(q, cos, sin).transpose(1, 2)
+    kv = torch.stack((rotate(k, cos, sin), v.view(b, t, kv_heads, head_dim)), dim=2)
+    return q, kv
+
+
+def layer_out(
+    x: torch.Tensor,
+    attended: torch.Tensor,
+    o: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    post_norm: torch.Tensor,
+    gate_up: Sequence[torch.Tensor],
+    down: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The residual stream after a layer: the attention output's projection, then the SwiGLU MLP.
+
+    Args:
+        x: the residual stream, Shape (b, t, hidden). attended: the attention output, Shape (b, t, Hq * D).
+    """
+    x = x + F.linear(attended, o, o_bias)
+    gate, up = linear_group(rms_norm(x, post_norm, eps), gate_up, None).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+                     ) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached keys, as two batched matmuls and a float32 softmax.
+
+    This reads each key and value once; the fused SDPA kernels tile the queries in blocks of 64 or more, and
+    with a handful of queries per key/value head they ran several times slower (on an H100, a third of the
+    decode step). Grouped-query attention without repeating keys: the query heads of a key/value head are
+    that head's queries.
+
+    Args:
+        q: Shape (b, Hq, 1, D). keys, values: Shape (b, Hkv, L, D). positions: the new tokens', Shape (b,);
+            a query attends to the key positions at or before its own.
+
+    Returns:
+        Shape (b, 1, Hq * D).
+    """
+    b, heads, _, head_dim = q.shape
+    kv_heads, key_len = keys.shape[1], keys.shape[2]
+    grouped = q.reshape(b, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * head_dim**-0.5
+    mask = torch.arange(key_len, device=q.device) <= positions.view(b, 1, 1, 1)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.matmul(probs.to(values.dtype), values)
+    return torch.matmul(probs.to(values.dtype), values).reshape(b, 1, heads * head_dim)
 
 
-def _linear(x: torch.Tensor, weight: WeightRef, bias: WeightRef | None = None) -> torch.Tensor:
-    return F.linear(x, weight.value, bias.value if bias is not None else None)
+def decode_layer_out(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    o: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    post_norm: torch.Tensor,
+    gate_up: Sequence[torch.Tensor],
+    down: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """A decode step's layer after the cache write: :func:`decode_attention` then :func:`layer_out`.
+
+    Shapes: x (b, 1, hidden); the rest as :func:`decode_attention`.
+    """
+    return layer_out(x, decode_attention(q, keys, values, positions), o, o_bias, post_norm, gate_up, down, eps)
+
+
+def final_logits(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
+    """Logits in the compute dtype (the sampler reads them in float32), Shape (..., vocab)."""
+    return F.linear(rms_norm(x, norm, eps), lm_head)
+
+
+@dataclass(frozen=True)
+class DecoderKernels:
+    """The functions a decode step runs: these plain ones, or the same compiled (:func:`compiled_kernels`)."""
+
+    attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = attention_inputs
+    decode_layer_out: Callable[..., torch.Tensor] = decode_layer_out
+    final_logits: Callable[..., torch.Tensor] = final_logits
+
+    @property
+    def compiled(self) -> bool:
+        return isinstance(self.attention_inputs, DynamicCompiled)
+
+
+EAGER = DecoderKernels()
+
+
+class DynamicCompiled:
+    """``torch.compile(fn)`` with the batch (and key-length) dims of its tensor arguments dynamic from the start.
+
+    Those dims are the only ones that vary between calls, so the first call compiles the one graph that every
+    bucket and layer reuses (a batch of 1 compiles once more: dynamo specializes sizes of 1). Marking them,
+    rather than ``dynamic=True``, keeps the model's constants (heads, head dim) static; and sizes are not
+    "duck-shaped" (a batch of 64 must not become the same symbol as a head dim of 64, which recompiles at the
+    next batch).
+    """
+
+    def __init__(self, fn: Callable[..., Any], dynamic_dims: dict[int, tuple[int, ...]]) -> None:
+        self.compiled = torch.compile(fn)
+        self.dynamic_dims = dynamic_dims
+        """Positional argument index -> its dims that vary."""
+
+    def __call__(self, *args: Any) -> Any:
+        for index, dims in self.dynamic_dims.items():
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(args[index], dim)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            return self.compiled(*args)
+
+
+def compiled_kernels() -> DecoderKernels:
+    """:data:`EAGER`'s functions through :class:`DynamicCompiled`: compiled on the first call of each (a CUDA
+    graph's warm-up makes it before capture), once for all layers and (batch, key-length) buckets."""
+    return DecoderKernels(
+        attention_inputs=DynamicCompiled(attention_inputs, {0: (0,), 1: (0,)}),
+        decode_layer_out=DynamicCompiled(decode_layer_out, {0: (0,), 1: (0,), 2: (0, 2), 3: (0, 2), 4: (0,)}),
+        final_logits=DynamicCompiled(final_logits, {0: (0,)}),
+    )
+
+
+def _values(refs: Sequence[WeightRef] | None) -> list[torch.Tensor] | None:
+    return None if refs is None else [ref.value for ref in refs]
 
 
 def decoder_forward(
@@ -109,6 +283,7 @@ def decoder_forward(
     write_pos: torch.Tensor,
     rows: torch.Tensor | None,
     key_len: int,
+    kernels: DecoderKernels = EAGER,
 ) -> torch.Tensor:
     """Final hidden states of the new tokens, writing their keys and values into the cache.
 
@@ -119,50 +294,42 @@ def decoder_forward(
         write_pos: where each token's key and value go in its row, Shape (b, t); ``cache.capacity`` for padding.
         rows: the cache row of each sequence, Shape (b,); None means rows ``0 .. b-1`` (read without a copy).
         key_len: L, the key positions attended; at least every sequence's length after this call.
+        kernels: the layer functions for a decode call (t = 1); a prefill runs :data:`EAGER`'s.
 
     Returns:
-        Shape (b, t, hidden), after the final norm.
+        Shape (b, t, hidden), before the final norm (:func:`final_logits` applies it).
     """
     shape = weights.shape
     b, t = tokens.shape
-    n_rep = shape.num_heads // shape.num_kv_heads
-    eps = shape.rms_eps
-    cos = rope[0][positions].unsqueeze(1)  # (b, 1, t, D)
-    sin = rope[1][positions].unsqueeze(1)
-    key_positions = torch.arange(key_len, device=tokens.device)
-    mask = key_positions.view(1, 1, key_len) <= positions.unsqueeze(-1)  # (b, t, L)
-    # Grouped-query attention without repeating keys: the n_rep query heads of a key/value head
-    # become n_rep * t queries of that head.
-    mask = mask.unsqueeze(1).expand(b, n_rep, t, key_len).reshape(b, 1, n_rep * t, key_len)
+    decode = t == 1
+    if not decode:
+        kernels = EAGER
+        # Grouped-query attention without repeating keys: the n_rep query heads of a key/value head become
+        # n_rep * t queries of that head.
+        n_rep = shape.num_heads // shape.num_kv_heads
+        mask = torch.arange(key_len, device=tokens.device).view(1, 1, key_len) <= positions.unsqueeze(-1)
+        mask = mask.unsqueeze(1).expand(b, n_rep, t, key_len).reshape(b, 1, n_rep * t, key_len)
     write_rows = (torch.arange(b, device=tokens.device) if rows is None else rows).unsqueeze(1).expand(b, t)
 
     x = F.embedding(tokens, weights.embed.value)
-    for layer, keys_cache, values_cache in zip(weights.layers, cache.keys, cache.values):
-        h = rms_norm(x, layer.input_norm.value, eps)
-        q = _linear(h, layer.q, layer.q_bias).view(b, t, shape.num_heads, shape.head_dim)
-        k = _linear(h, layer.k, layer.k_bias).view(b, t, shape.num_kv_heads, shape.head_dim)
-        v = _linear(h, layer.v, layer.v_bias).view(b, t, shape.num_kv_heads, shape.head_dim)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            q = rms_norm(q, layer.q_norm.value, eps)
-            k = rms_norm(k, layer.k_norm.value, eps)
-        q = rotate(q.transpose(1, 2), cos, sin)
-        k = rotate(k.transpose(1, 2), cos, sin)
-        keys_cache[write_rows, :, write_pos] = k.transpose(1, 2)
-        values_cache[write_rows, :, write_pos] = v
-        if rows is None:
-            keys, values = keys_cache[:b, :, :key_len], values_cache[:b, :, :key_len]
+    for layer, kv_cache in zip(weights.layers, cache.kv):
+        q, kv = kernels.attention_inputs(
+            x, positions, rope[0], rope[1], layer.input_norm.value, _values(layer.qkv), _values(layer.qkv_bias),
+            layer.q_norm.value if layer.q_norm is not None else None,
+            layer.k_norm.value if layer.k_norm is not None else None, shape,
+        )
+        kv_cache[:, write_rows, :, write_pos] = kv  # one indexed write for keys and values
+        cached = kv_cache[:, :b, :, :key_len] if rows is None else kv_cache[:, rows, :, :key_len]
+        keys, values = cached[0], cached[1]
+        o_bias = layer.o_bias.value if layer.o_bias is not None else None
+        gate_up = _values(layer.gate_up) or []
+        if decode:
+            x = kernels.decode_layer_out(x, q, keys, values, positions[:, 0], layer.o.value, o_bias,
+                                         layer.post_norm.value, gate_up, layer.down.value, shape.rms_eps)
         else:
-            keys, values = keys_cache[rows, :, :key_len], values_cache[rows, :, :key_len]
-        grouped = q.reshape(b, shape.num_kv_heads, n_rep * t, shape.head_dim)
-        out = decode_attention(grouped, keys, values, mask) if t == 1 else F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=mask)
-        out = out.reshape(b, shape.num_heads, t, shape.head_dim).transpose(1, 2).reshape(b, t, -1)
-        x = x + _linear(out, layer.o, layer.o_bias)
-        h = rms_norm(x, layer.post_norm.value, eps)
-        x = x + _linear(F.silu(_linear(h, layer.gate)) * _linear(h, layer.up), layer.down)
-    return rms_norm(x, weights.norm.value, eps)
-
-
-def lm_logits(weights: DecoderWeights, hidden: torch.Tensor) -> torch.Tensor:
-    """Float32 logits of hidden states, Shape (..., vocab)."""
-    return F.linear(hidden, weights.lm_head.value).float()
+            grouped = q.reshape(b, shape.num_kv_heads, n_rep * t, shape.head_dim)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+            attended = out.reshape(b, shape.num_heads, t, shape.head_dim).transpose(1, 2).reshape(b, t, -1)
+            x = layer_out(x, attended, layer.o.value, o_bias, layer.post_norm.value, gate_up, layer.down.value,
+                          shape.rms_eps)
+    return x

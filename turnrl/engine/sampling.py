@@ -45,26 +45,54 @@ def sample_tokens(
     """One token per row and its logprob under the tempered, untruncated distribution.
 
     Args:
-        logits: raw logits, Shape (b, vocab).
+        logits: raw logits, Shape (b, vocab), any float dtype (read in float32).
         temperature: per row, Shape (b,); 0 is greedy (scored at temperature 1).
         top_k: per row, Shape (b,); 0 disables.
         top_p: per row, Shape (b,); 1 disables.
         generator: a seeded generator on the logits' device; None draws from torch's global one (the engine
             does, so that a run's step seed fixes what it samples).
-        truncate: apply top-k / top-p; False skips the sort over the vocabulary when no row needs it.
+        truncate: apply top-k / top-p; False skips the sort over the vocabulary when no row needs it
+            (:func:`sample_untruncated`, which the engine compiles on a GPU).
 
     Returns:
         tokens Shape (b,) long, logprobs Shape (b,) float32.
     """
-    logits = logits.float()
+    if not truncate:
+        return sample_untruncated(logits, temperature, generator)
+    tempered, greedy = _tempered(logits, temperature)
+    log_normalizer = torch.logsumexp(tempered, dim=-1)
+    tokens = _gumbel_argmax(filter_top_k_top_p(tempered, top_k, top_p), greedy, generator)
+    return tokens, tempered.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_normalizer
+
+
+def sample_untruncated(
+    logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` without top-k / top-p: every step of it is elementwise or a row reduction.
+
+    Compiled, the float32 cast, the temperature, the log-normalizer and the Gumbel argmax become a couple of
+    passes over the (b, vocab) logits instead of about ten.
+    """
+    tempered, greedy = _tempered(logits, temperature)
+    log_normalizer = torch.logsumexp(tempered, dim=-1)
+    tokens = _gumbel_argmax(tempered, greedy, generator)
+    return tokens, tempered.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_normalizer
+
+
+def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``logits / temperature`` (greedy rows at temperature 1), and which rows are greedy, Shape (b,)."""
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
-    tempered = logits / scale
-    log_normalizer = torch.logsumexp(tempered, dim=-1)
-    candidates = filter_top_k_top_p(tempered, top_k, top_p) if truncate else tempered
-    # Gumbel-max: argmax(logits + G) with G = -log(E), E ~ Exp(1), samples from softmax(candidates) with
-    # one random draw per entry and no normalisation; -inf entries can never win.
+    return logits.float() / scale, greedy
+
+
+def _gumbel_argmax(candidates: torch.Tensor, greedy: torch.Tensor, generator: torch.Generator | None
+                   ) -> torch.Tensor:
+    """Sampled tokens of softmax(candidates) per row, the argmax for greedy rows, Shape (b,).
+
+    Gumbel-max: argmax(logits + G) with G = -log(E), E ~ Exp(1), samples from softmax(candidates) with one
+    random draw per entry and no normalisation; -inf entries can never win. A greedy row's candidates are
+    its logits (temperature 1), so one argmax serves both kinds of row.
+    """
     noise = torch.empty_like(candidates).exponential_(generator=generator).log_()
-    sampled = torch.argmax(candidates - noise, dim=-1)
-    tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
-    return tokens, tempered.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_normalizer
+    return torch.argmax(torch.where(greedy.unsqueeze(-1), candidates, candidates - noise), dim=-1)

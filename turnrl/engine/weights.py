@@ -6,14 +6,21 @@ so that it can keep a KV cache per sequence across turns and capture decode in
 CUDA graphs. It reads the model's parameters directly: an optimizer step on
 the policy is seen by the next generation with no weight sync.
 
-Two kinds of layers need a computed tensor instead, kept in a buffer that
-:meth:`DecoderWeights.refresh` rewrites in place before each generation:
+Three kinds of weights need a computed tensor instead, kept in a buffer that
+:meth:`DecoderWeights.refresh` rewrites in place before a generation when one
+of the parameters it is computed from changed (their in-place version counters
+tell):
 
 - LoRA layers (peft): the engine uses the merged weight ``W + scale * B A``, so
   adapters cost nothing in decode.
 - Float32 weights when the engine computes in bf16/fp16 (mixed-precision
   training keeps float32 weights): cast once per generation rather than in
   every decode step, as autocast would.
+- Fused projections: the query, key and value weights stacked into one matrix,
+  and the gate and up weights into another (with their biases), so that a
+  decode step runs one GEMM for each group instead of three and two. Small
+  decode GEMMs are bound by their launch and by reading the activations, not
+  by the weights, so fewer and wider ones are faster.
 """
 
 from __future__ import annotations
@@ -44,33 +51,48 @@ class DecoderShape:
     rms_eps: float
 
 
+def parameters_version(inputs: tuple[torch.Tensor, ...]) -> int:
+    """A number that changes whenever one of ``inputs`` is modified in place (an optimizer step, a load)."""
+    return sum(tensor._version for tensor in inputs)
+
+
 @dataclass
 class WeightRef:
-    """One weight: the model's parameter itself, or a buffer recomputed from it by ``source``."""
+    """One weight: the model's parameter itself, or a buffer recomputed from parameters by ``source``."""
 
     value: torch.Tensor
     source: Callable[[], torch.Tensor] | None = None
+    inputs: tuple[torch.Tensor, ...] = ()
+    """The parameters ``source`` reads; the buffer is recomputed only when one of them changed (empty: always)."""
+    seen_version: int = -1
+    """``inputs``' version when ``value`` was last computed."""
 
-    def refresh(self) -> None:
-        if self.source is not None:
-            with torch.no_grad():
-                self.value.copy_(self.source())
+    def refresh(self) -> bool:
+        """Recompute the buffer if its parameters changed; True if it was rewritten."""
+        if self.source is None:
+            return False
+        version = parameters_version(self.inputs)
+        if self.inputs and version == self.seen_version:
+            return False
+        with torch.no_grad():
+            self.value.copy_(self.source())
+        self.seen_version = version
+        return True
 
 
 @dataclass
 class LayerWeights:
     input_norm: WeightRef
-    q: WeightRef
-    k: WeightRef
-    v: WeightRef
+    qkv: list[WeightRef]
+    """The query, key and value projections, whose outputs are concatenated in that order: one buffer of
+    their weights stacked (one GEMM), or the three weights (``fuse=False``)."""
     o: WeightRef
     post_norm: WeightRef
-    gate: WeightRef
-    up: WeightRef
+    gate_up: list[WeightRef]
+    """The gate and up projections, outputs concatenated: one stacked buffer, or the two weights."""
     down: WeightRef
-    q_bias: WeightRef | None = None
-    k_bias: WeightRef | None = None
-    v_bias: WeightRef | None = None
+    qkv_bias: list[WeightRef] | None = None
+    """Biases matching ``qkv`` (Qwen2), or None."""
     o_bias: WeightRef | None = None
     q_norm: WeightRef | None = None
     """Qwen3's per-head RMSNorm of queries and keys; None elsewhere."""
@@ -89,10 +111,9 @@ class DecoderWeights:
     dtype: torch.dtype
     tensors: list[WeightRef] = field(default_factory=list)
 
-    def refresh(self) -> None:
-        """Recompute the merged and cast buffers from the model's current parameters."""
-        for tensor in self.tensors:
-            tensor.refresh()
+    def refresh(self) -> int:
+        """Recompute the merged, cast and fused buffers whose parameters changed; returns how many were."""
+        return sum(tensor.refresh() for tensor in self.tensors)
 
 
 def base_causal_lm(model: nn.Module) -> nn.Module:
@@ -112,6 +133,8 @@ def check_supported(model: nn.Module) -> None:
         )
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"the engine's MLP is SwiGLU; this model uses {config.hidden_act!r}")
+    if getattr(config, "mlp_bias", False):
+        raise UnsupportedModel("the engine's MLP has no biases; this model's has (use model.backend=hf)")
     if getattr(config, "use_sliding_window", False) or (
         model_type == "mistral" and getattr(config, "sliding_window", None)
     ):
@@ -121,11 +144,30 @@ def check_supported(model: nn.Module) -> None:
         raise UnsupportedModel("dynamic RoPE scaling depends on the sequence length; use model.backend=hf")
 
 
-def _linear_sources(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[], torch.Tensor] | None]:
-    """A linear layer's weight and bias parameters, and how to compute its merged weight if it is LoRA."""
+@dataclass
+class _Source:
+    """How to compute one weight from the model's parameters."""
+
+    parameter: torch.Tensor
+    """The tensor itself when nothing needs computing (no LoRA)."""
+    compute: Callable[[], torch.Tensor] | None = None
+    """The merged weight of a LoRA layer; None: the parameter as it is."""
+    inputs: tuple[torch.Tensor, ...] = ()
+    """Every parameter ``compute`` reads."""
+
+    def __call__(self) -> torch.Tensor:
+        return (self.compute() if self.compute is not None else self.parameter).detach()
+
+    @property
+    def all_inputs(self) -> tuple[torch.Tensor, ...]:
+        return self.inputs or (self.parameter,)
+
+
+def _linear_sources(module: Any) -> tuple[_Source, _Source | None]:
+    """A linear layer's weight and bias, the weight merged with its adapters if it is LoRA."""
     base = getattr(module, "base_layer", None)
     if base is None:
-        return module.weight, module.bias, None
+        return _Source(module.weight), _Source(module.bias) if module.bias is not None else None
     lora = module
 
     def merged() -> torch.Tensor:
@@ -137,13 +179,16 @@ def _linear_sources(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, Cal
                 weight = weight + lora.get_delta_weight(adapter).to(weight.dtype)
         return weight
 
-    return base.weight, base.bias, merged
+    weight = _Source(base.weight, merged, tuple(lora.parameters()))
+    return weight, _Source(base.bias) if base.bias is not None else None
 
 
-def decoder_weights(model: nn.Module, dtype: torch.dtype) -> DecoderWeights:
+def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> DecoderWeights:
     """The engine's view of ``model``'s weights, computing in ``dtype``.
 
-    A parameter already in ``dtype`` and not under LoRA is used as it is (no copy).
+    A parameter already in ``dtype`` and not under LoRA is used as it is (no copy), unless ``fuse`` stacks it
+    with its group (q/k/v, gate/up) into one buffer: that costs a copy of those weights, and saves three GEMM
+    launches per layer and decode step.
     """
     check_supported(model)
     causal: Any = base_causal_lm(model)
@@ -151,36 +196,49 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype) -> DecoderWeights:
     decoder: Any = causal.model
     tensors: list[WeightRef] = []
 
-    def tensor(parameter: torch.Tensor, source: Callable[[], torch.Tensor] | None = None) -> WeightRef:
-        if source is None and parameter.dtype == dtype:
-            return WeightRef(parameter)
-        compute = source or (lambda: parameter)
+    def buffer(sources: list[_Source]) -> WeightRef:
+        """A buffer in ``dtype`` holding ``sources`` stacked along the output dimension (one source: itself)."""
+        inputs = tuple(dict.fromkeys(t for s in sources for t in s.all_inputs))  # unique, in order
+
+        def compute() -> torch.Tensor:
+            return sources[0]() if len(sources) == 1 else torch.cat([source() for source in sources])
+
         with torch.no_grad():
-            value = compute().detach().to(dtype).clone()
-        made = WeightRef(value, lambda: compute().detach())
+            value = compute().to(dtype).clone()
+        made = WeightRef(value, compute, inputs, parameters_version(inputs))
         tensors.append(made)
         return made
 
-    def linear(module: nn.Module) -> tuple[WeightRef, WeightRef | None]:
-        weight, bias, merged = _linear_sources(module)
-        return tensor(weight, merged), tensor(bias) if bias is not None else None
+    def tensor(source: _Source) -> WeightRef:
+        if source.compute is None and source.parameter.dtype == dtype:
+            return WeightRef(source.parameter)
+        return buffer([source])
+
+    def group(modules: list[nn.Module]) -> tuple[list[WeightRef], list[WeightRef] | None]:
+        """Linear layers that read the same input, as one fused weight (and bias) or one per layer."""
+        weights, biases = zip(*(_linear_sources(module) for module in modules))
+        if any(bias is None for bias in biases) and not all(bias is None for bias in biases):
+            raise UnsupportedModel("the engine needs biases on all of q/k/v (or gate/up) or on none of them")
+        with_bias = biases[0] is not None
+        if fuse:
+            return [buffer(list(weights))], [buffer(list(biases))] if with_bias else None
+        return [tensor(w) for w in weights], [tensor(b) for b in biases] if with_bias else None
 
     layers = []
     for layer in decoder.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        q, q_bias = linear(attention.q_proj)
-        k, k_bias = linear(attention.k_proj)
-        v, v_bias = linear(attention.v_proj)
-        o, o_bias = linear(attention.o_proj)
+        qkv, qkv_bias = group([attention.q_proj, attention.k_proj, attention.v_proj])
+        gate_up, _ = group([mlp.gate_proj, mlp.up_proj])
+        o, o_bias = _linear_sources(attention.o_proj)
         q_norm = getattr(attention, "q_norm", None)
         k_norm = getattr(attention, "k_norm", None)
         layers.append(LayerWeights(
-            input_norm=tensor(layer.input_layernorm.weight), q=q, k=k, v=v, o=o,
-            q_bias=q_bias, k_bias=k_bias, v_bias=v_bias, o_bias=o_bias,
-            q_norm=tensor(q_norm.weight) if q_norm is not None else None,
-            k_norm=tensor(k_norm.weight) if k_norm is not None else None,
-            post_norm=tensor(layer.post_attention_layernorm.weight),
-            gate=linear(mlp.gate_proj)[0], up=linear(mlp.up_proj)[0], down=linear(mlp.down_proj)[0],
+            input_norm=tensor(_Source(layer.input_layernorm.weight)), qkv=qkv, qkv_bias=qkv_bias,
+            o=tensor(o), o_bias=tensor(o_bias) if o_bias is not None else None,
+            q_norm=tensor(_Source(q_norm.weight)) if q_norm is not None else None,
+            k_norm=tensor(_Source(k_norm.weight)) if k_norm is not None else None,
+            post_norm=tensor(_Source(layer.post_attention_layernorm.weight)),
+            gate_up=gate_up, down=tensor(_linear_sources(mlp.down_proj)[0]),
         ))
     embed_module = decoder.embed_tokens
     if getattr(embed_module, "base_layer", None) is not None or getattr(causal.lm_head, "base_layer", None) is not None:
@@ -196,10 +254,10 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype) -> DecoderWeights:
     )
     return DecoderWeights(
         shape=shape,
-        embed=tensor(embed_module.weight),
+        embed=tensor(_Source(embed_module.weight)),
         layers=layers,
-        norm=tensor(decoder.norm.weight),
-        lm_head=tensor(causal.lm_head.weight),
+        norm=tensor(_Source(decoder.norm.weight)),
+        lm_head=tensor(_Source(causal.lm_head.weight)),
         rotary=decoder.rotary_emb,
         dtype=dtype,
         tensors=tensors,

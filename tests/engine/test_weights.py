@@ -1,0 +1,76 @@
+"""The engine's weight buffers: fused projections equal the separate ones and follow the parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.engine.test_engine import build, random_prompts
+from turnrl.engine.forward import KVCache, decoder_forward, final_logits, rotary_table
+from turnrl.engine.weights import DecoderWeights, decoder_weights
+
+
+def logits_of(weights: DecoderWeights, prompts: list[list[int]]) -> torch.Tensor:
+    """Logits of a prefill of ``prompts`` (right-padded) and of one decode step after it, Shape (2, b, vocab)."""
+    b, width = len(prompts), max(len(p) for p in prompts)
+    cache = KVCache(weights.shape, b, 128, torch.float32, torch.device("cpu"))
+    rope = rotary_table(weights, cache.capacity + 1, torch.device("cpu"))
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    positions = torch.zeros(b, width, dtype=torch.long)
+    write_pos = torch.full((b, width), cache.capacity, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        tokens[i, : len(prompt)] = torch.tensor(prompt)
+        positions[i] = torch.arange(width).clamp(max=len(prompt) - 1)
+        write_pos[i, : len(prompt)] = torch.arange(len(prompt))
+    hidden = decoder_forward(weights, cache, rope, tokens, positions, write_pos, torch.arange(b), cache.capacity)
+    last = torch.tensor([len(p) - 1 for p in prompts])
+    eps = weights.shape.rms_eps
+    prefill = final_logits(hidden[torch.arange(b), last], weights.norm.value, weights.lm_head.value, eps)
+    next_tokens = prefill.argmax(-1, keepdim=True)
+    step = (last + 1).unsqueeze(1)
+    hidden = decoder_forward(weights, cache, rope, next_tokens, step, step, None, cache.capacity)
+    decode = final_logits(hidden[:, 0], weights.norm.value, weights.lm_head.value, eps)
+    return torch.stack([prefill, decode])
+
+
+def test_fused_projections_give_the_logits_of_separate_ones():
+    model = build("qwen2")  # q/k/v biases: fused too
+    prompts = random_prompts([9, 30, 4])
+    fused, separate = decoder_weights(model, torch.float32), decoder_weights(model, torch.float32, fuse=False)
+    assert len(fused.layers[0].qkv) == 1 and len(separate.layers[0].qkv) == 3
+    assert fused.layers[0].qkv_bias is not None and len(fused.layers[0].qkv_bias) == 1
+    torch.testing.assert_close(logits_of(fused, prompts), logits_of(separate, prompts), atol=1e-5, rtol=1e-5)
+
+
+def test_separate_weights_in_the_compute_dtype_are_the_parameters_themselves():
+    model: Any = build("llama")
+    weights = decoder_weights(model, torch.float32, fuse=False)
+    assert weights.layers[0].qkv[0].value is model.model.layers[0].self_attn.q_proj.weight
+    assert weights.tensors == []  # nothing to recompute
+
+
+def test_a_parameter_update_rebuilds_only_the_fused_buffers_that_read_it():
+    model: Any = build("qwen2")
+    weights = decoder_weights(model, torch.float32)
+    assert weights.refresh() == 0  # nothing changed since the buffers were built
+    attention = model.model.layers[1].self_attn
+    with torch.no_grad():
+        attention.k_proj.weight.mul_(-2)  # what an optimizer step does: an in-place update
+        attention.v_proj.bias.add_(1)
+    assert weights.refresh() == 2  # layer 1's q/k/v weight and bias buffers, nothing else
+    expected = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+    torch.testing.assert_close(weights.layers[1].qkv[0].value, expected, atol=0, rtol=0)
+    bias = weights.layers[1].qkv_bias
+    assert bias is not None
+    torch.testing.assert_close(bias[0].value[-attention.v_proj.bias.numel():], attention.v_proj.bias, atol=0, rtol=0)
+    assert weights.refresh() == 0
+
+
+def test_float32_parameters_are_cast_into_bfloat16_fused_buffers():
+    model: Any = build("qwen2")
+    weights = decoder_weights(model, torch.bfloat16)
+    mlp = model.model.layers[0].mlp
+    gate_up = weights.layers[0].gate_up[0].value
+    assert gate_up.dtype == torch.bfloat16 and gate_up.shape == (2 * mlp.gate_proj.out_features, 64)
+    torch.testing.assert_close(gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).bfloat16())
