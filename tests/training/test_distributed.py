@@ -140,3 +140,48 @@ def test_a_dead_process_stops_the_run_and_it_resumes_exactly(tiny_model_dir, tmp
     assert sorted(two) == [1, 2, 3, 4]
     for step in (3, 4):
         assert_same_metrics(one[step], two[step])
+
+
+# --------------------------------------------------------------------------- Ray and the asynchronous mode
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A local Ray cluster of two CPUs, started as a user would (``ray start --head``); a run joins it with
+    ``distributed.ray_address=auto``, as on the head machine of a cluster."""
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    temp = tmp_path_factory.mktemp("ray")
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    started = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                              f"--temp-dir={temp}", "--disable-usage-stats"], capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr[-2000:]
+    yield "auto"
+    subprocess.run([ray_bin, "stop", "--force"], capture_output=True)
+
+
+def test_ray_rollout_workers_train_as_one_process(tiny_model_dir, tmp_path, ray_cluster):
+    """``distributed.backend=ray`` on a running cluster: two rollout actors play the groups and get the new
+    weights after each update; the run is the single-process run."""
+    single = run_train(tiny_model_dir, tmp_path, "single", "run.steps=2")
+    assert single.returncode == 0, single.stderr[-3000:]
+    ray_run = run_train(tiny_model_dir, tmp_path, "ray", "run.steps=2", "distributed.backend=ray",
+                        "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}")
+    assert ray_run.returncode == 0, ray_run.stdout[-2000:] + ray_run.stderr[-3000:]
+    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "ray")
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+
+
+def test_asynchronous_run_with_no_staleness_is_the_synchronous_run(tiny_model_dir, tmp_path):
+    single = run_train(tiny_model_dir, tmp_path, "single", "run.steps=2")
+    assert single.returncode == 0, single.stderr[-3000:]
+    lagging = run_train(tiny_model_dir, tmp_path, "async", "run.steps=2", "distributed.async_rollout=true",
+                        "distributed.max_staleness=0")
+    assert lagging.returncode == 0, lagging.stdout[-2000:] + lagging.stderr[-3000:]
+    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "async")
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+        assert two[step]["async/staleness"] == 0

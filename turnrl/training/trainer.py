@@ -56,6 +56,7 @@ from turnrl.policy.hf import HFPolicy, resolve_device, resolve_dtype
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
+from turnrl.rollout.ray_workers import RayRollout, RolloutWorkerError
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import Trajectory, write_trajectories
 from turnrl.training import ranks
@@ -93,7 +94,7 @@ class StepOutput:
 
 # --------------------------------------------------------------------------- the phases of a step
 def collect(
-    rollout: Rollout, slots: list[EpisodeSlot], sampling: SamplingConfig, precision: AbstractContextManager
+    rollout: Rollout | RayRollout, slots: list[EpisodeSlot], sampling: SamplingConfig, precision: AbstractContextManager
 ) -> StepOutput:
     """Play the slots' episodes; metrics of the rollout, its timings and throughput."""
     start = time.time()
@@ -150,7 +151,7 @@ def varied_groups(trajectories: list[Trajectory]) -> list[int]:
 
 
 def dynamic_sample(
-    rollout: Rollout, groups: EnvGroups, step: int, config: TrainConfig, precision: AbstractContextManager
+    rollout: Rollout | RayRollout, groups: EnvGroups, step: int, config: TrainConfig, precision: AbstractContextManager
 ) -> tuple[StepOutput, list[int]]:
     """DAPO's dynamic sampling: roll out rounds of groups until ``n_groups`` of them have varied rewards,
     or the extra rounds run out; returns every trajectory played and the indices of those to train on
@@ -247,6 +248,27 @@ def score_batch(
 
 
 # --------------------------------------------------------------------------- the recipe
+def ray_rollout(config: TrainConfig, model_dir: Path, tokenizer: Any, batch_size: int) -> RayRollout:
+    """``distributed.backend=ray``: rollout workers as Ray actors, each with a copy of the policy built from
+    ``model_dir``'s config (its weights arrive before each rollout) and envs of its own."""
+    import dataclasses
+
+    from turnrl.rollout.ray_workers import EnvSpec, WorkerSpec, model_files
+
+    dist = config.distributed
+    spec = WorkerSpec(
+        model_files(model_dir),
+        dataclasses.replace(config.model, device="auto"),  # inside an actor: the GPU Ray gave it, if any
+        config.agent,
+        EnvSpec(config.env.id, dict(config.env.settings), tuple(config.env.remote),
+                env_workers=-(-dist.env_workers // dist.rollout_workers),  # each rollout worker its share
+                timeout_s=min(dist.timeout_s, 600.0)),
+        rewards=config.rewards, max_batch_size=batch_size, env_threads=config.groups.env_workers,
+        torch_threads=config.run.threads)
+    return RayRollout(spec, dist.rollout_workers, tokenizer, worker_gpus=dist.worker_gpus,
+                      timeout_s=dist.timeout_s, address=dist.ray_address)
+
+
 def vision_module_pattern(model: torch.nn.Module) -> str | None:
     """A regex of the vision encoder's module names (for LoRA's ``exclude_modules``), None for text models."""
     tower = vision_tower(model)
@@ -414,8 +436,10 @@ class Recipe:
         policy = model_policy(self.rollout_model(), self.tokenizer, config.model,
                               max_batch_size=max(batch_size, config.validation.batch_size),
                               processor=self.processor, dtype=self.dtype)
-        self.rollout = Rollout(policy, fmt, config.agent,
-                               env_id=config.env.id, executor=self.executor, rewards=rewards)
+        self.rollout: Rollout | RayRollout = Rollout(policy, fmt, config.agent, env_id=config.env.id,
+                                                     executor=self.executor, rewards=rewards)
+        if config.distributed.backend == "ray":
+            self.rollout = ray_rollout(config, self.start_path, self.tokenizer, batch_size)
         # The engine batches continuously whatever the batch size, and one cache serves both.
         val_policy = policy if not isinstance(policy, HFPolicy) else HFPolicy(
             self.rollout_model(), self.tokenizer, max_batch_size=config.validation.batch_size,  # type: ignore[arg-type]
@@ -435,12 +459,23 @@ class Recipe:
         seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
         train_settings = dict(config.env.settings)
         val_settings = dict(config.env.val_settings if config.env.val_settings is not None else train_settings)
-        # Here or on the env servers of env.remote; a bad id or setting fails now, not mid-run.
-        make_train = env_factory(config.env.id, train_settings, config.env.remote)
-        make_val = env_factory(config.env.id, val_settings, config.env.remote, where="env.val_settings")
+        dist = config.distributed
+        ray_rollouts = dist.backend == "ray"
+        # Ray rollout workers play on envs of their own (and start their own env workers); the trainer's
+        # envs are then only for validation.
+        env_workers = 0 if ray_rollouts else dist.env_workers
+        where = {"ray_workers": env_workers, "ray_address": dist.ray_address, "timeout_s": min(dist.timeout_s, 600.0)}
+        # Here, on the env servers of env.remote or in Ray env workers; a bad id or setting fails now, not mid-run.
+        make_train = env_factory(config.env.id, train_settings, config.env.remote, **where)  # type: ignore[arg-type]
+        make_val = make_train if config.env.val_settings is None else env_factory(
+            config.env.id, val_settings, config.env.remote, where="env.val_settings", **where)  # type: ignore[arg-type]
+        self.env_factories = [make_train, make_val]
+        if ray_rollouts:
+            stand_in = make_train()  # the slots only carry seeds to the workers; one local env stands in for all
+            make_train = lambda: stand_in  # noqa: E731
         self.train_groups = EnvGroups(make_train, config.groups.n_groups, config.groups.group_size, seeds)
         self.val_groups = EnvGroups(make_val, 1, 1, seeds)
-        workers = config.groups.env_workers
+        workers = config.groups.env_workers or (4 * env_workers)  # env workers step in parallel only from threads
         self.executor: Executor | None = ThreadPoolExecutor(workers) if workers else None
 
     def _build_models(self, start_model: Path | str | None) -> None:
@@ -452,6 +487,7 @@ class Recipe:
             sft_model = self.run_dir / "sft" / "model"
             start = self.checkpoint / "actor" if not config.lora.enabled else (
                 sft_model if sft_model.is_dir() else base_model_path(config.model))
+        self.start_path = Path(start)
         self.tokenizer = load_tokenizer(start)
         self.processor = load_processor(start, config.model.min_pixels, config.model.max_pixels)
         self.actor = load_model(start, device=self.device)
@@ -564,6 +600,9 @@ class Recipe:
         config, algo = self.config, self.config.algorithm
         torch.manual_seed(step_seed(config.seeds.seed, step))
         self.actor.eval()
+        if isinstance(self.rollout, RayRollout):
+            # The actor's update count: a step that did not update it (critic warm-up) sends nothing.
+            self.rollout.set_weights(self.actor, version=self.actor_scheduler.last_epoch)
         if algo.dynamic_sampling:
             # 1-2. rounds of groups until enough of them have varied rewards (DAPO)
             rollout, keep = dynamic_sample(self.rollout, self.train_groups, step, config, self.precision())
@@ -666,6 +705,15 @@ class Recipe:
         prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
         return path
 
+    def close(self) -> None:
+        """Release what the recipe holds beyond memory: an asynchronous recipe's rollout thread, Ray actors."""
+        if isinstance(self.rollout, RayRollout):
+            self.rollout.close()
+        for factory in self.env_factories:
+            close = getattr(factory, "close", None)
+            if close is not None:
+                close()
+
     def elapsed_s(self) -> float:
         """Wall time of the whole run: earlier sessions (before a resume) and this one."""
         return self.elapsed_before_s + time.time() - self.session_start
@@ -725,6 +773,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """
     start = time.time()
     distributed = ranks.launched_by_torchrun()
+    if distributed and (config.distributed.async_rollout or config.distributed.backend == "ray"):
+        raise ConfigError("several processes under torchrun train with FSDP; distributed.async_rollout and "
+                          "distributed.backend=ray run in one process: start them without torchrun")
     if distributed:
         config.model.device = str(ranks.init_process_group(config.model.device, config.distributed.timeout_s))
     elif config.distributed.backend == "fsdp":
@@ -757,8 +808,21 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
 
         recipe: Recipe = FSDPRecipe(config, start_model=_sft_model(config) if config.sft.enabled and not resumed
                                     else None, rewards=rewards)
+    elif config.distributed.async_rollout:
+        from turnrl.training.asynchronous import AsyncRecipe
+
+        recipe = AsyncRecipe(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
     else:
         recipe = Recipe(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
+    try:
+        return _run_steps(config, recipe, sft, resumed, start)
+    finally:
+        recipe.close()
+
+
+def _run_steps(config: TrainConfig, recipe: Recipe, sft: Any, resumed: bool, start: float) -> dict[str, Any]:
+    """Validation, the RL steps, validation, the last checkpoint and the summary (rank 0 writes)."""
+    distributed = ranks.world_size() > 1
     recipe.session_start = start
     if sft is not None:
         recipe.summary.update(sft.metrics)
@@ -779,7 +843,13 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
     write_now = _every(config.run.trajectories_every)
     with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, recipe.first_step) as progress:
         for step in range(recipe.first_step, config.run.steps):
-            output = recipe.step(step)
+            try:
+                output = recipe.step(step)
+            except RolloutWorkerError as error:
+                console.print(f"[bold red]rollout stopped:[/bold red] {error}", soft_wrap=True)
+                if step == 0:
+                    raise
+                return _stop(recipe, logger, step - 1)  # saves the last finished step, says how to resume
             metrics = output.metrics
             last = step + 1 == config.run.steps
             if validate_now(step + 1) and not last:

@@ -1,0 +1,103 @@
+"""The asynchronous mode against the synchronous recipe at equal wall time: steps, tokens/s and success.
+
+Both rows start from the same SFT model with the same config and seed, and train for ``--seconds`` of wall
+time each (validation before and after is not counted):
+
+- ``sync``: :class:`~turnrl.training.trainer.Recipe`, rollout and update in turn on ``model.device``;
+- ``async``: :class:`~turnrl.training.asynchronous.AsyncRecipe`, the rollout on ``--rollout-device`` one
+  batch ahead (``distributed.max_staleness``), truncated importance weights correcting the lag.
+
+Both use recomputed old log-probs and ``algorithm.tis_cap`` so that only the overlap differs. Printed per
+row: steps done, seconds a step, generated tokens/s, the mean training success of the last five steps,
+validation success after, and the steps ratio over ``sync`` measured in the same run.
+
+    python benchmarks/async_rollout.py --config configs/sokoban_quickstart.yaml --seconds 150 \\
+        --rollout-device cuda:1                                     # two GPUs: trainer cuda:0, rollout cuda:1
+    python benchmarks/async_rollout.py --quick                       # CPU, the tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from turnrl.config import load_config  # noqa: E402
+from turnrl.training.asynchronous import AsyncRecipe  # noqa: E402
+from turnrl.training.config import TrainConfig  # noqa: E402
+from turnrl.training.trainer import Recipe, start_run  # noqa: E402
+from turnrl.training.sft import sft_stage  # noqa: E402
+
+QUICK = ["model.builtin_preset=tiny", "model.device=cpu", "model.dtype=float32", "env.id=FrozenLake",
+         "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=2", "groups.group_size=2",
+         "validation.episodes=4", "sft.episodes=32", "run.threads=1"]
+COMMON = ["run.tensorboard=false", "run.trajectories_every=0", "run.steps=100000", "run.overwrite=true",
+          "algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
+
+
+def train_for(recipe: Recipe, seconds: float) -> dict[str, Any]:
+    """RL steps until ``seconds`` have passed; validation after (not timed)."""
+    rows = []
+    start = time.time()
+    step = 0
+    while time.time() - start < seconds:
+        rows.append(recipe.step(step).metrics)
+        step += 1
+    wall = time.time() - start
+    recipe.close()  # an async recipe drops the batch it rolled out ahead
+    after = recipe.validate().metrics["val/success"]
+    generated = sum(r["rollout/response_tokens_mean"] * r["rollout/turns_mean"] * r["rollout/episodes"] for r in rows)
+    last = rows[-5:]
+    return {"steps": step, "wall_s": wall, "step_s": wall / step, "generated_per_s": generated / wall,
+            "train_success_last5": sum(r["rollout/success"] for r in last) / len(last), "val_success_after": after,
+            "staleness_mean": sum(r.get("async/staleness", 0.0) for r in rows) / len(rows),
+            "tis_weight_mean": sum(r.get("actor/tis_weight_mean", 1.0) for r in rows) / len(rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--seconds", type=float, default=120.0)
+    parser.add_argument("--rollout-device", default=None, help="the async row's rollout device (e.g. cuda:1)")
+    parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="the tiny model on CPU, 20 s a row")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    seconds = 20.0 if args.quick else args.seconds
+    overrides = (QUICK if args.quick else []) + COMMON + args.overrides
+    with tempfile.TemporaryDirectory() as tmp:
+        base = load_config(TrainConfig, args.config, [*overrides, f"run.output_dir={tmp}", "run.name=sft"])
+        sft_model = sft_stage(base, start_run(base, stage="sft")).model_path if base.sft.enabled else None
+        rows: dict[str, dict[str, Any]] = {}
+        modes = {"sync": [], "async": ["distributed.async_rollout=true", f"distributed.max_staleness={args.staleness}",
+                                       *([f"distributed.rollout_device={args.rollout_device}"]
+                                         if args.rollout_device else [])]}
+        before = None
+        for name, extra in modes.items():
+            config = load_config(TrainConfig, args.config, [*overrides, *extra, f"run.output_dir={tmp}",
+                                                             f"run.name={name}", "sft.enabled=false"])
+            recipe = (AsyncRecipe if name == "async" else Recipe)(config, start_model=sft_model)
+            if before is None:
+                before = recipe.validate().metrics["val/success"]
+            rows[name] = train_for(recipe, seconds)
+            print(name, json.dumps({k: round(v, 4) for k, v in rows[name].items()}), flush=True)
+            del recipe
+    print(f"\nvalidation success before RL: {before:.3f}; {seconds:.0f} s of training each\n")
+    print("| mode | steps | s a step | generated tokens/s | training success (last 5) | validation success after "
+          "| staleness | TIS weight | steps / sync |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, row in rows.items():
+        print(f"| {name} | {row['steps']} | {row['step_s']:.2f} | {row['generated_per_s']:,.0f} | "
+              f"{row['train_success_last5']:.3f} | {row['val_success_after']:.3f} | {row['staleness_mean']:.2f} | "
+              f"{row['tis_weight_mean']:.3f} | {row['steps'] / rows['sync']['steps']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

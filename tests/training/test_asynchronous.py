@@ -1,0 +1,156 @@
+"""The asynchronous recipe on the tiny model: staleness 0 is the synchronous run, staleness 1 overlaps and
+corrects with truncated importance weights, failures surface in the trainer, the engine follows the copy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from turnrl.config import ConfigError, load_config
+from turnrl.engine.engine import weights_version
+from turnrl.training.asynchronous import AsyncRecipe, RolloutThreadError, check_async_config
+from turnrl.training.config import TrainConfig
+from turnrl.training.trainer import Recipe, StepOutput
+
+COMMON = [
+    "model.device=cpu", "model.dtype=float32", "run.tensorboard=false", "run.trajectories_every=1",
+    "env.id=FrozenLake", "agent.format=no_think", "agent.env_instructions=false", "agent.format_instructions=false",
+    "agent.system_prompt=FrozenLake. Reach G. Answer <answer>Left|Down|Right|Up</answer>.",
+    "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=2", "groups.group_size=2",
+    "validation.episodes=2", "run.steps=3", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
+    "optim.actor_lr=1e-3", "optim.critic_lr=1e-3",
+]
+TIS = ["algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
+VOLATILE = ("timing/", "throughput/", "async/")  # wall-clock measurements, and what only the async recipe reports
+
+
+def config(model_dir: Path, out: Path, *overrides: str, name: str = "run") -> TrainConfig:
+    return load_config(TrainConfig, None, [*COMMON, f"model.path={model_dir}", f"run.output_dir={out}",
+                                           f"run.name={name}", *overrides])
+
+
+def async_config(model_dir: Path, out: Path, staleness: int, *overrides: str, name: str = "async") -> TrainConfig:
+    return config(model_dir, out, "distributed.async_rollout=true", f"distributed.max_staleness={staleness}",
+                  *overrides, name=name)
+
+
+def comparable(output: StepOutput) -> tuple[dict[str, float], list[dict]]:
+    metrics = {k: v for k, v in output.metrics.items() if not k.startswith(VOLATILE)}
+    return metrics, [t.to_json() for t in output.trajectories]
+
+
+def run_steps(recipe: Recipe, steps: int) -> list[StepOutput]:
+    try:
+        return [recipe.step(step) for step in range(steps)]
+    finally:
+        if isinstance(recipe, AsyncRecipe):
+            recipe.close()
+
+
+def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
+    # GAE with a critic and sampler log-probs: every phase of the update is compared.
+    synchronous = run_steps(Recipe(config(tiny_model_dir, tmp_path, name="sync")), 3)
+    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0))
+    asynchronous = run_steps(recipe, 3)
+    for step, (one, two) in enumerate(zip(synchronous, asynchronous)):
+        assert comparable(one) == comparable(two), step
+        assert two.metrics["async/staleness"] == 0 and two.metrics["async/weights_version"] == step
+    assert synchronous[2].metrics["batch/samples"] > 0  # it trained on every step
+    assert recipe.weights.applied_version == 2  # the batch of step 2 used the weights of update 1
+
+
+def test_staleness_one_overlaps_and_corrects_with_importance_weights(tiny_model_dir, tmp_path):
+    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 1, *TIS, "run.steps=5"))
+    before = [p.detach().clone() for p in recipe.rollout_copy.parameters()]
+    outputs = [recipe.step(step) for step in range(3)]
+    staleness = [output.metrics["async/staleness"] for output in outputs]
+    assert staleness[0] == 0 and all(0 <= s <= 1 for s in staleness)
+    # Rollout 1 starts as soon as batch 0 is handed over, long before update 0 ends.
+    assert staleness[1] == 1
+    for output in outputs:
+        assert {"actor/tis_weight_mean", "actor/tis_capped", "async/wait_rollout_s", "async/wait_weights_s",
+                "async/queue_size"} <= set(output.metrics)
+        assert 0 < output.metrics["actor/tis_weight_mean"] <= 2.0
+    # A batch sampled with weights one update old disagrees with the trainer's log-probs; a fresh one does not.
+    stale = outputs[1].metrics
+    assert stale["actor/logprob_mismatch"] > 1e-4 and outputs[0].metrics["actor/logprob_mismatch"] < 1e-4
+    assert recipe.weights.applied_version >= 2  # the copy took published weights between batches
+    assert any(not torch.equal(a, b) for a, b in zip(before, recipe.rollout_copy.parameters()))
+    thread = recipe._thread
+    assert thread is not None and thread.is_alive()  # ahead of the trainer, or waiting for weights
+    recipe.close()
+    assert not thread.is_alive()
+    recipe.close()  # twice is fine
+
+
+def test_a_failure_in_the_rollout_thread_surfaces_in_step(tiny_model_dir, tmp_path):
+    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0))
+
+    def unreachable_env():  # an env that cannot be built, as when an env server is down
+        raise ConnectionError("env server unreachable")
+
+    recipe.train_groups.make_env = unreachable_env
+    try:
+        for _ in range(2):  # and again on the next call
+            with pytest.raises(RolloutThreadError, match="rollout of step 0 failed.*env server unreachable") as raised:
+                recipe.step(0)
+            assert isinstance(raised.value.__cause__, ConnectionError)
+            assert raised.value.__cause__.__traceback__ is not None  # the rollout thread's frames
+    finally:
+        recipe.close()
+
+
+def test_steps_run_in_order_and_not_past_run_steps(tiny_model_dir, tmp_path):
+    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0, "run.steps=1"))
+    try:
+        recipe.step(0)
+        with pytest.raises(RolloutThreadError, match="run.steps=1"):
+            recipe.step(1)
+    finally:
+        recipe.close()
+
+
+def test_stale_weights_need_truncated_importance_weights(tmp_path):
+    settings = ["distributed.async_rollout=true", "distributed.max_staleness=2"]
+    with pytest.raises(ConfigError, match="algorithm.old_logprobs=recompute algorithm.tis_cap=2.0"):
+        check_async_config(config(tmp_path, tmp_path, *settings))
+    with pytest.raises(ConfigError, match=r"set algorithm.tis_cap=2.0 \(or distributed.max_staleness=0"):
+        check_async_config(config(tmp_path, tmp_path, *settings, "algorithm.old_logprobs=recompute"))
+    check_async_config(config(tmp_path, tmp_path, *settings, *TIS))
+    check_async_config(config(tmp_path, tmp_path, "distributed.async_rollout=true", "distributed.max_staleness=0"))
+
+
+def test_the_engine_samples_with_the_published_weights(tiny_model_dir, tmp_path):
+    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0, "model.backend=engine"))
+    engine = recipe.rollout.policy.engine  # type: ignore[attr-defined]
+    assert engine.model is recipe.rollout_copy
+    assert recipe.val_rollout.policy.engine.model is recipe.actor  # type: ignore[attr-defined]
+    before = [p.detach().clone() for p in recipe.rollout_copy.parameters()]
+    outputs = run_steps(recipe, 3)
+    # Each batch after an update was sampled with that update's weights: the engine saw the copy change
+    # (and dropped its cache), so its log-probs are the trainer's.
+    assert all(output.metrics["actor/logprob_mismatch"] < 1e-4 for output in outputs)
+    assert recipe.weights.applied_version == 2 and engine._version == weights_version(recipe.rollout_copy)
+    assert any(not torch.equal(a, b) for a, b in zip(before, recipe.rollout_copy.parameters()))
+
+
+def test_validation_and_resume_continue_the_synchronous_run(tiny_model_dir, tmp_path):
+    # One run: validation between steps, a checkpoint after step 1; a second one resumes from it.
+    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0))
+    try:
+        recipe.step(0)
+        recipe.step(1)
+        assert recipe.validate().metrics["val/episodes"] == 2
+        recipe.save(1)
+        straight = recipe.step(2)
+    finally:
+        recipe.close()
+    resumed = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0, f"resume={tmp_path / 'async'}"))
+    assert resumed.first_step == 2 and resumed.weights.version == 2
+    try:
+        again = resumed.step(2)
+    finally:
+        resumed.close()
+    assert comparable(again) == comparable(straight)
