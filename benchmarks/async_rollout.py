@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 from turnrl.config import load_config  # noqa: E402
 from turnrl.training.asynchronous import AsyncRecipe  # noqa: E402
 from turnrl.training.config import TrainConfig  # noqa: E402
-from turnrl.training.trainer import Recipe, start_run  # noqa: E402
 from turnrl.training.sft import sft_stage  # noqa: E402
+from turnrl.training.trainer import Recipe, start_run  # noqa: E402
 
 QUICK = ["model.builtin_preset=tiny", "model.device=cpu", "model.dtype=float32", "env.id=FrozenLake",
          "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=2", "groups.group_size=2",

@@ -22,7 +22,11 @@ same shape (compilation and graph capture happen there):
 Tokens/s counts generated tokens over the wall time of the call (prefill
 included); ``x generate`` is the ratio against ``generate`` at the same batch;
 ``lp err`` is the mean |logprob - full forward pass| over a few of the run's
-sampled sequences (a broken variant shows here, not only in its speed). Every
+sampled sequences (a broken variant shows here, not only in its speed).
+An engine row splits its call's seconds into ``prefill`` and ``decode``
+(device time of that work, from CUDA events: forward passes and sampling) and
+``host`` (the rest of the wall time: the engine's Python between them, while
+the device waits). Every
 row runs in its own try/except: a failing one prints its error and the table
 goes on. ``--profile`` ends with the top kernels of one decode step of a
 variant (torch.profiler, device time per step).
@@ -41,6 +45,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -50,18 +55,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from turnrl.config import EngineConfig  # noqa: E402
 from turnrl.engine.engine import Engine, Result, SamplingParams  # noqa: E402
 
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936),
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                   intermediate_size=768, vocab_size=1024),
+    # The built-in ``tiny`` model's shape: compute is negligible, so a call's time is the engine's host work.
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=192, vocab_size=512),
 }
 
 
 def build(preset: str, device: torch.device, dtype: torch.dtype) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(**SHAPES[preset], max_position_embeddings=4096, tie_word_embeddings=True)
-    return Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval()
+    return Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
 
 
 def synchronize(device: torch.device) -> None:
@@ -105,10 +113,12 @@ VARIANTS: dict[str, dict[str, object]] = {
 """Engine settings compared by ``--engine-variants`` (``EngineConfig`` fields)."""
 
 
-def make_engine(model, prompts: torch.Tensor, new: int, dtype: torch.dtype, variant: str) -> Engine:
+def make_engine(model, prompts: torch.Tensor, new: int, dtype: torch.dtype, variant: str,
+                prefill_chunk_tokens: int | None = None) -> Engine:
     rows = prompts.shape[0]
+    chunk = {"prefill_chunk_tokens": prefill_chunk_tokens} if prefill_chunk_tokens else {}
     config = EngineConfig(kv_cache_gb=40.0, max_rows=rows, max_seq_len=prompts.shape[1] + new + 1,
-                          **VARIANTS[variant])  # type: ignore[arg-type]
+                          **chunk, **VARIANTS[variant])  # type: ignore[arg-type]
     return Engine(model, config, dtype=dtype)
 
 
@@ -160,6 +170,8 @@ def main() -> None:
     parser.add_argument("--profile-variant", default=None,
                         help="the variant --profile runs (default: the last listed)")
     parser.add_argument("--profile-new", type=int, default=64, help="tokens per sequence in the profiled run")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="the engine's prefill_chunk_tokens (default: EngineConfig's)")
     args = parser.parse_args()
     device = torch.device(args.device)
     quick = args.quick or device.type == "cpu"
@@ -179,7 +191,7 @@ def main() -> None:
           f"(torch {torch.__version__}, transformers {__import__('transformers').__version__})", flush=True)
     table: list[str] = []
     header = (f"{'batch':>5}  {'row':<28} {'seconds':>8} {'tokens/s':>10} {'x generate':>10} {'lp err':>8} "
-              f"{'ms/step':>8}")
+              f"{'ms/step':>8} {'prefill':>8} {'decode':>8} {'host':>8}")
     print(header, flush=True)
     started = time.perf_counter()
     for batch in batches:
@@ -201,20 +213,25 @@ def main() -> None:
             rate = batch * new / seconds
             baseline = baseline or (rate if label == "generate" else None)
             ratio = f"{rate / baseline:.1f}x" if baseline else "-"
-            table.append(f"{batch:>5}  {label:<28} {seconds:>8.2f} {rate:>10,.0f} {ratio:>10} {'-':>8} {'-':>8}")
+            table.append(f"{batch:>5}  {label:<28} {seconds:>8.2f} {rate:>10,.0f} {ratio:>10} {'-':>8} {'-':>8} "
+                         f"{'-':>8} {'-':>8} {'-':>8}")
             print(table[-1], flush=True)
         for variant in variants:
             label = f"engine {variant}"
             try:
-                engine = make_engine(model, prompts, new, dtype, variant)
+                engine = make_engine(model, prompts, new, dtype, variant, args.prefill_chunk)
                 run = engine_run(engine, prompts, new)
                 run()  # warm-up: compilation, graph capture, allocator
                 synchronize(device)
                 steps = engine.stats.decode_steps
+                engine.timer.enabled = True
+                engine.timer.reset()
                 start = time.perf_counter()
                 results = run()
                 synchronize(device)
                 seconds = time.perf_counter() - start
+                engine.timer.collect()
+                prefill_s, decode_s = engine.timer.seconds["prefill"], engine.timer.seconds["decode"]
                 step_ms = 1000 * seconds / max(1, engine.stats.decode_steps - steps)
                 lp_error = logprob_error(model, prompts, results)
                 label += "" if engine.kernels.compiled or "compiled" not in variant else " (fell back)"
@@ -227,28 +244,30 @@ def main() -> None:
             rate = batch * new / seconds
             ratio = f"{rate / baseline:.1f}x" if baseline else "-"
             table.append(f"{batch:>5}  {label:<28} {seconds:>8.2f} {rate:>10,.0f} {ratio:>10} {lp_error:>8.4f} "
-                         f"{step_ms:>8.2f}")
+                         f"{step_ms:>8.2f} {prefill_s:>8.3f} {decode_s:>8.3f} {seconds - prefill_s - decode_s:>8.3f}")
             print(table[-1], flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"\nAll rows ({time.perf_counter() - started:.0f} s; ms/step is the wall time of the call over its "
-          "decode steps, prefill included):")
+          "decode steps, prefill included; an engine row's prefill and decode are their device seconds, host the "
+          "rest of the call's seconds):")
     print(header)
     print("\n".join(table), flush=True)
     if args.profile:
         variant = args.profile_variant or variants[-1]
         try:
-            profile_engine(model, prompts, args.profile_new, dtype, device, variant)
+            profile_engine(model, prompts, args.profile_new, dtype, device, variant,
+                           prefill_chunk_tokens=args.prefill_chunk)
         except Exception as error:
             print(f"profile of {variant} failed: {short_error(error)}")
 
 
 def profile_engine(model, prompts: torch.Tensor, new: int, dtype: torch.dtype, device: torch.device,
-                   variant: str, top: int = 25) -> None:
+                   variant: str, top: int = 25, prefill_chunk_tokens: int | None = None) -> None:
     """Where one decode step spends its time: the top kernels by device time (host time on a CPU), per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = make_engine(model, prompts, new, dtype, variant)
+    engine = make_engine(model, prompts, new, dtype, variant, prefill_chunk_tokens)
     run = engine_run(engine, prompts, new)
     run()
     synchronize(device)

@@ -347,19 +347,32 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = train(config)
     except ConfigError as error:  # also those found once the run starts (a reward function that cannot load)
         raise SystemExit(f"error: {error}") from error
+    if summary.get("stopped_by") == "error":
+        return 1  # a lost rollout worker: stopped with a checkpoint to resume from, but not by request
+    if "WORLD_SIZE" in os.environ:
+        return 0  # a stop asked for under torchrun: any other status is a failed process to it
     return 130 if "interrupted_at_step" in summary else 0  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def launch_processes(nproc: int, config_path: str | None, overrides: list[str]) -> int:
     """``turnrl train ... distributed.nproc_per_node=N``: the same command in N processes under ``torchrun``
-    (one per GPU), which stops them all when one fails; returns its exit status."""
+    (one per GPU), which stops them all when one fails; returns its exit status.
+
+    The processes see ``WORLD_SIZE`` and do not launch again. On Ctrl-C, torchrun (which gets it too) stops
+    the processes; this waits for it instead of leaving them behind.
+    """
     import subprocess
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "turnrl.cli", "train"]
     command += ["--config", config_path] if config_path else []
-    command += [o for o in overrides if not o.startswith("distributed.nproc_per_node=")]
-    return subprocess.call(command)
+    launcher = subprocess.Popen([*command, *overrides])
+    while True:
+        try:
+            return launcher.wait()
+        except KeyboardInterrupt:
+            print("stopping the processes (a checkpoint is saved only by `touch RUN_DIR/stop`; the run resumes "
+                  "from its last one)", file=sys.stderr)
 
 
 def cmd_serve_policy(args: argparse.Namespace) -> int:

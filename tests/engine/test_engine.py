@@ -324,3 +324,27 @@ def test_a_compilation_that_fails_falls_back_to_eager_decoding(caplog):
     assert [r.token_ids for r in results] == [r.token_ids for r in eager]
     assert not engine.kernels.compiled
     assert "torch.compile failed" in caplog.text
+
+
+def test_prefill_inputs_equal_a_plain_loop():
+    from turnrl.engine.engine import prefill_inputs
+
+    news, starts, scratch = [[5, 6, 7], [8], [9, 10]], [0, 12, 3], 99
+    tokens, positions, write_pos = prefill_inputs(news, starts, scratch)
+    for i, (new, start) in enumerate(zip(news, starts)):
+        width = len(new)
+        assert tokens[i].tolist() == new + [0] * (3 - width)
+        assert positions[i].tolist() == [start + min(j, width - 1) for j in range(3)]
+        assert write_pos[i].tolist() == [start + j if j < width else scratch for j in range(3)]
+
+
+def test_the_device_timer_splits_a_call_into_prefill_and_decode_only_when_enabled():
+    model = build("qwen2")
+    engine = engine_for(model)
+    prompts = random_prompts([5, 9])
+    engine.generate(prompts, [GREEDY] * 2)
+    assert engine.timer.seconds == {"prefill": 0.0, "decode": 0.0}
+    engine.timer.enabled = True
+    engine.table.clear()
+    engine.generate(prompts, [GREEDY] * 2)
+    assert engine.timer.seconds["prefill"] > 0 and engine.timer.seconds["decode"] > 0

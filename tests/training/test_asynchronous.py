@@ -10,7 +10,7 @@ import torch
 
 from turnrl.config import ConfigError, load_config
 from turnrl.engine.engine import weights_version
-from turnrl.training.asynchronous import AsyncRecipe, RolloutThreadError, check_async_config
+from turnrl.training.asynchronous import AsyncRecipe, RolloutThreadError
 from turnrl.training.config import TrainConfig
 from turnrl.training.trainer import Recipe, StepOutput
 
@@ -115,11 +115,11 @@ def test_steps_run_in_order_and_not_past_run_steps(tiny_model_dir, tmp_path):
 def test_stale_weights_need_truncated_importance_weights(tmp_path):
     settings = ["distributed.async_rollout=true", "distributed.max_staleness=2"]
     with pytest.raises(ConfigError, match="algorithm.old_logprobs=recompute algorithm.tis_cap=2.0"):
-        check_async_config(config(tmp_path, tmp_path, *settings))
+        config(tmp_path, tmp_path, *settings)
     with pytest.raises(ConfigError, match=r"set algorithm.tis_cap=2.0 \(or distributed.max_staleness=0"):
-        check_async_config(config(tmp_path, tmp_path, *settings, "algorithm.old_logprobs=recompute"))
-    check_async_config(config(tmp_path, tmp_path, *settings, *TIS))
-    check_async_config(config(tmp_path, tmp_path, "distributed.async_rollout=true", "distributed.max_staleness=0"))
+        config(tmp_path, tmp_path, *settings, "algorithm.old_logprobs=recompute")
+    config(tmp_path, tmp_path, *settings, *TIS)
+    config(tmp_path, tmp_path, "distributed.async_rollout=true", "distributed.max_staleness=0")
 
 
 def test_the_engine_samples_with_the_published_weights(tiny_model_dir, tmp_path):

@@ -142,6 +142,25 @@ def test_a_dead_process_stops_the_run_and_it_resumes_exactly(tiny_model_dir, tmp
         assert_same_metrics(one[step], two[step])
 
 
+@pytest.mark.slow
+def test_the_stop_file_stops_every_process_after_the_same_step_with_a_checkpoint(tiny_model_dir, tmp_path):
+    """``touch RUN_DIR/stop`` under two processes: both stop after the step in progress, the checkpoint is
+    saved, the file is gone, and ``turnrl train resume=RUN_DIR`` (config.yaml says two processes) finishes."""
+    run_dir = tmp_path / "double"
+    run_dir.mkdir()
+    (run_dir / "stop").touch()  # before the first step: the run stops after it
+    stopped = run_train(tiny_model_dir, tmp_path, "double", "run.steps=3", "distributed.nproc_per_node=2",
+                        "run.overwrite=true")
+    assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-3000:]  # torchrun: 0 or a failure
+    assert "interrupted after step 1 of 3" in " ".join(stopped.stdout.split())
+    assert sorted(step_records(run_dir)) == [1] and not (run_dir / "stop").exists()
+    resumed = subprocess.run([sys.executable, "-m", "turnrl.cli", "train", f"resume={run_dir}"], capture_output=True,
+                             text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "2 processes (FSDP)" in " ".join(resumed.stdout.split())
+    assert sorted(step_records(run_dir)) == [1, 2, 3]
+
+
 # --------------------------------------------------------------------------- Ray and the asynchronous mode
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
@@ -185,3 +204,33 @@ def test_asynchronous_run_with_no_staleness_is_the_synchronous_run(tiny_model_di
     for step in one:
         assert_same_metrics(one[step], two[step])
         assert two[step]["async/staleness"] == 0
+
+
+@pytest.mark.slow
+def test_a_dead_rollout_worker_stops_the_run_with_a_checkpoint_that_resumes(tiny_model_dir, tmp_path, ray_cluster):
+    """Kill a Ray rollout worker after the first checkpoint: the run saves the last finished step, says how to
+    resume and exits; resuming finishes the run."""
+    command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={tiny_model_dir}",
+               f"run.output_dir={tmp_path}", "run.name=ray", *ARGS, "run.steps=6", "run.save_every=1",
+               "distributed.backend=ray", "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}",
+               "distributed.timeout_s=60"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    first = tmp_path / "ray" / "checkpoints" / "step_000000"
+    deadline = time.time() + 300
+    while not first.is_dir() and time.time() < deadline and run.poll() is None:
+        time.sleep(0.5)
+    assert first.is_dir(), "no checkpoint after the first step"
+    # Ray names an actor's process after its class.
+    workers = subprocess.run(["pgrep", "-f", "ray::RolloutHost"], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[1]), signal.SIGKILL)
+    output, _ = run.communicate(timeout=240)
+    text = " ".join(output.split())
+    assert run.returncode == 1, output[-3000:]  # a fault, with a checkpoint and how to resume
+    assert "rollout stopped" in text and "stopped by the error above" in text and "turnrl train resume=" in text
+    resumed = run_train(tiny_model_dir, tmp_path, "ray", "run.steps=6", "distributed.backend=ray",
+                        "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}",
+                        f"resume={tmp_path / 'ray'}")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert sorted(step_records(tmp_path / "ray"))[-1] == 6

@@ -14,17 +14,25 @@ bucket), of layer functions compiled by ``torch.compile`` (their elementwise
 work fused into a few kernels; compiled once for every bucket and layer); on a
 CPU, the same code runs eagerly. A compilation that fails falls back to eager
 decoding with a warning.
+
+The host work of a step is a few array operations for the whole batch, not
+Python per sequence: the running sequences' counters live in arrays by row
+(:class:`~turnrl.engine.running.RunningRows`), each row's next input token
+stays on the device where it was sampled, and a step copies its sampled
+tokens and logprobs to the host once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,7 +49,10 @@ from turnrl.engine.forward import (
     round_up,
 )
 from turnrl.engine.rows import RowTable
+from turnrl.engine.running import RunningRows
 from turnrl.engine.sampling import sample_tokens, sample_untruncated
+from turnrl.engine.stops import TAIL_SLACK_TOKENS, StopStringFilter, stop_string_in_tail
+from turnrl.engine.timing import DeviceTimer
 from turnrl.engine.weights import DecoderWeights, decoder_weights
 
 logger = logging.getLogger(__name__)
@@ -82,14 +93,9 @@ class _Sequence:
     params: SamplingParams
     row: int = -1
     cached: int = 0
-    """Tokens whose keys and values are in the row."""
+    """Prompt tokens whose keys and values are in the row (while it is prefilled; then the row's counters hold
+    the sequence's progress, :class:`RunningRows`)."""
     reused: int = 0
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.generated
 
 
 @dataclass
@@ -107,6 +113,26 @@ ADMIT_AFTER_STEPS = 8
 
 def _bucket(value: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= value)
+
+
+def prefill_inputs(news: Sequence[list[int]], starts: Sequence[int], scratch: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prefill call's right-padded inputs: each sequence's new tokens, from its position ``starts[i]`` on.
+
+    Notation: b sequences, t the most new tokens of one.
+
+    Returns:
+        tokens, positions (a padding token repeats its sequence's last position), write positions (``scratch``
+        for padding), each Shape (b, t) int64.
+    """
+    lengths = np.array([len(n) for n in news], dtype=np.int64)
+    begin = np.array(starts, dtype=np.int64)[:, None]
+    offsets = np.arange(int(lengths.max()), dtype=np.int64)[None, :]
+    real = offsets < lengths[:, None]
+    tokens = np.zeros(real.shape, dtype=np.int64)
+    tokens[real] = np.fromiter(itertools.chain.from_iterable(news), dtype=np.int64, count=int(lengths.sum()))
+    positions = begin + np.minimum(offsets, lengths[:, None] - 1)
+    return tokens, positions, np.where(real, positions, scratch)
 
 
 def cache_budget_bytes(config: EngineConfig, device: torch.device) -> float:
@@ -172,6 +198,24 @@ class Engine:
         # Key lengths in steps of 256: decode reads every key position up to the bucket, so a coarser
         # bucket wastes reads (512 + 256 tokens in a 1,024 bucket read a third more than needed).
         self._key_buckets = sorted({min(256 * i, round_up(self.max_len)) for i in range(1, self.max_len // 256 + 2)})
+        vocab = self.weights.shape.vocab_size
+        self.state = RunningRows(rows, vocab)
+        """The running sequences' tokens, logprobs and counters, by row."""
+        self._stop_filter = StopStringFilter(decode, vocab) if decode is not None else None
+        self._next_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
+        """Each running row's last sampled token, the input of its next decode step, Shape (rows,)."""
+        self._temperature = torch.ones(rows, dtype=torch.float32, device=self.device)
+        self._top_k = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._top_p = torch.ones(rows, dtype=torch.float32, device=self.device)
+        self._truncating = np.zeros(rows, dtype=bool)
+        """Rows whose sequence samples with top-k or top-p."""
+        # Positions are built on the host and copied in one transfer (from pinned memory on a GPU: no stall).
+        self._positions = torch.zeros(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._running_rows: tuple[np.ndarray, torch.Tensor | None] | None = None
+        """The running rows in order, and the same on the device (None while they are 0 .. n-1); None after the
+        running set changed."""
+        self.timer = DeviceTimer(self.device)
+        """Device time of prefill and decode work, when enabled (benchmarks split a call's time with it)."""
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool: Any = None
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
@@ -213,12 +257,13 @@ class Engine:
 
     def abort(self, reason: str) -> list[Result]:
         """End every waiting and running sequence with an error (after a failed step); rows are freed."""
-        queued = (*self.waiting, *self.running.values())
-        aborted = [Result(s.id, s.generated, s.logprobs, "error", reason) for s in queued]
+        aborted = [Result(s.id, [], [], "error", reason) for s in self.waiting]
+        aborted += [Result(s.id, *self.state.generated(row), "error", reason) for row, s in self.running.items()]
         self.waiting.clear()
         for row in list(self.running):
             del self.running[row]
             self.table.release(row, [])
+        self._running_rows = None
         self.table.clear()
         self.finished = []
         return aborted
@@ -242,7 +287,10 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[Result]:
         """Admit, prefill, decode one token; returns the sequences that finished."""
-        with torch.autocast(self.device.type, enabled=False):
+        # The engine computes in its own dtype: a caller's autocast is switched off (entering the context only
+        # when one is on: it costs more than the rest of a step's host work).
+        outer_autocast = torch.is_autocast_enabled(self.device.type)
+        with torch.autocast(self.device.type, enabled=False) if outer_autocast else contextlib.nullcontext():
             if not self.running:
                 self.sync_weights()
             admitted = self._admit() if self._time_to_admit() else []
@@ -250,6 +298,7 @@ class Engine:
                 self._prefill(admitted)
             if self.running:
                 self._decode()
+        self.timer.collect()
         done, self.finished = self.finished, []
         return done
 
@@ -277,7 +326,26 @@ class Engine:
             self.stats.reused_tokens += placement.reused
             self.running[sequence.row] = sequence
             admitted.append(sequence)
+        if admitted:
+            self._start_rows(admitted)
         return admitted
+
+    def _start_rows(self, sequences: list[_Sequence]) -> None:
+        """Set the rows' counters and sampling settings for the sequences that take them."""
+        for sequence in sequences:
+            params = sequence.params
+            # A sequence ends at max_new_tokens or when it fills its row, whichever comes first.
+            budget = min(params.max_new_tokens, self.max_len - len(sequence.prompt))
+            self.state.start(sequence.row, len(sequence.prompt), budget, params.stop_ids, params.stop_strings,
+                             self._stop_filter.candidates if self._stop_filter is not None else None)
+            self._truncating[sequence.row] = params.top_k > 0 or params.top_p < 1.0
+        rows = torch.tensor([s.row for s in sequences], device=self.device)
+        self._temperature[rows] = torch.tensor([s.params.temperature for s in sequences], dtype=torch.float32,
+                                               device=self.device)
+        self._top_k[rows] = torch.tensor([s.params.top_k for s in sequences], device=self.device)
+        self._top_p[rows] = torch.tensor([s.params.top_p for s in sequences], dtype=torch.float32,
+                                         device=self.device)
+        self._running_rows = None
 
     def _prefill(self, sequences: list[_Sequence]) -> None:
         """Run each sequence's uncached prompt tokens, in chunks of at most ``prefill_chunk_tokens`` padded tokens."""
@@ -294,60 +362,58 @@ class Engine:
 
     def _prefill_chunk(self, sequences: list[_Sequence]) -> None:
         news = [s.prompt[s.cached :] for s in sequences]
-        width = max(len(n) for n in news)
         b = len(sequences)
         self._reserve(max(len(s.prompt) for s in sequences))
-        tokens = torch.zeros(b, width, dtype=torch.long)
-        positions = torch.zeros(b, width, dtype=torch.long)
-        write_pos = torch.full((b, width), self.cache.capacity, dtype=torch.long)
-        for i, (sequence, new) in enumerate(zip(sequences, news)):
-            tokens[i, : len(new)] = torch.tensor(new)
-            span = torch.arange(sequence.cached, sequence.cached + len(new))
-            positions[i, : len(new)] = span
-            positions[i, len(new) :] = span[-1]
-            write_pos[i, : len(new)] = span
-        rows = torch.tensor([s.row for s in sequences])
+        tokens, positions, write_pos = (torch.from_numpy(a) for a in prefill_inputs(
+            news, [s.cached for s in sequences], self.cache.capacity))
+        rows = np.array([s.row for s in sequences], dtype=np.int64)
+        rows_t = torch.from_numpy(rows).to(self.device)
         key_len = self._key_len(max(len(s.prompt) for s in sequences))
+        self.timer.start("prefill")
         hidden = decoder_forward(
             self.weights, self.cache, self.rope, tokens.to(self.device), positions.to(self.device),
-            write_pos.to(self.device), rows.to(self.device), key_len,
+            write_pos.to(self.device), rows_t, key_len,
         )
         last = torch.tensor([len(n) - 1 for n in news], device=self.device)
         logits = final_logits(hidden[torch.arange(b, device=self.device), last], self.weights.norm.value,
                               self.weights.lm_head.value, self.weights.shape.rms_eps)
         for sequence, new in zip(sequences, news):
             sequence.cached += len(new)
-            self.table.rows[sequence.row].tokens.extend(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
-        self._sample(sequences, logits)
+        self._sample(rows, rows_t, logits)
 
     def _decode(self) -> None:
         """One token for every running sequence; rows ``0 .. B-1`` are computed, idle ones write to scratch."""
-        rows = sorted(self.running)
-        sequences = [self.running[row] for row in rows]
+        rows, rows_t = self._rows()
         # Graphs replay fixed shapes, so a graphed step pads the batch and the keys to buckets.
-        batch = _bucket(rows[-1] + 1, self._batch_buckets) if self.use_graphs else rows[-1] + 1
-        longest = max(s.cached for s in sequences) + 1
+        top = int(rows[-1]) + 1
+        batch = _bucket(top, self._batch_buckets) if self.use_graphs else top
+        cached = self.state.cached[rows]
+        longest = int(cached.max()) + 1
         self._reserve(longest)
         key_len = self._key_len(longest, graphed=self.use_graphs)
-        tokens = [0] * batch
-        positions = [self.cache.capacity] * batch
-        for row, sequence in zip(rows, sequences):
-            tokens[row] = sequence.generated[-1]
-            positions[row] = sequence.cached
-        tokens_t = torch.tensor(tokens, device=self.device)
-        positions_t = torch.tensor(positions, device=self.device)
+        positions = self._positions.numpy()
+        positions[:batch] = self.cache.capacity  # rows not running write to scratch
+        positions[rows] = cached
+        self.timer.start("decode")
+        positions_t = self._positions[:batch].to(self.device, non_blocking=True)
+        tokens_t = self._next_tokens[:batch]
         if self.use_graphs:
             logits = self._graph(batch, key_len).run(tokens_t, positions_t)
         else:
             logits = self._decode_logits(tokens_t, positions_t, key_len)
-        for sequence in sequences:
-            self.table.rows[sequence.row].tokens.append(sequence.generated[-1])
-            sequence.cached += 1
+        self.state.cached[rows] = cached + 1
         self.stats.decode_steps += 1
-        if rows != list(range(len(rows))):
-            logits = logits[torch.tensor(rows, device=self.device)]
-        self._sample(sequences, logits[: len(rows)])
+        self._sample(rows, rows_t, logits[rows_t] if rows_t is not None else logits[: len(rows)])
+
+    def _rows(self) -> tuple[np.ndarray, torch.Tensor | None]:
+        """The running rows in order, Shape (n,), and the same on the device (None while they are 0 .. n-1, which
+        slicing serves); kept until a sequence starts or finishes."""
+        if self._running_rows is None:
+            rows = np.array(sorted(self.running), dtype=np.int64)
+            dense = bool(rows[-1] == len(rows) - 1)
+            self._running_rows = rows, None if dense else torch.from_numpy(rows).to(self.device)
+        return self._running_rows
 
     def _reserve(self, length: int) -> None:
         """Grow the cache to hold ``length`` positions; graphs captured on the old tensors are dropped."""
@@ -412,43 +478,49 @@ class Engine:
                 self._graphs[key] = _DecodeGraph(self, batch, key_len, self._graph_pool)
         return self._graphs[key]
 
-    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
-        params = [s.params for s in sequences]
-        device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=device)
-            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
-            tokens, logprobs = sample_tokens(logits, temperature, top_k, top_p)
+    def _sample(self, rows: np.ndarray, rows_t: torch.Tensor | None, logits: torch.Tensor) -> None:
+        """Sample a token for each of ``rows`` from ``logits``, Shape (n, vocab), and end the sequences it finishes.
+
+        ``rows_t`` is ``rows`` on the device, or None when they are ``0 .. n-1``.
+        """
+        n = len(rows)
+        pick: Callable[[torch.Tensor], torch.Tensor] = (lambda t: t[:n]) if rows_t is None else (lambda t: t[rows_t])
+        temperature = pick(self._temperature)
+        if self._truncating[rows].any():
+            tokens, logprobs = sample_tokens(logits, temperature, pick(self._top_k), pick(self._top_p))
         else:
             tokens, logprobs = self._compiled_or_eager(
                 lambda: self._sample_untruncated(logits, temperature), lambda: sample_untruncated(logits, temperature))
-        for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist()):
-            sequence.generated.append(token)
-            sequence.logprobs.append(logprob)
-            self.stats.generated_tokens += 1
-            reason = self._finish_reason(sequence)
-            if reason is not None:
-                self._finish(sequence, reason)
+        self.timer.stop()
+        if rows_t is None:
+            self._next_tokens[:n] = tokens
+        else:
+            self._next_tokens[rows_t] = tokens
+        # The step's one copy to the host (and its one wait for the device): tokens and logprobs together.
+        sampled = torch.stack((tokens.double(), logprobs.double())).cpu().numpy()
+        new_tokens = sampled[0].astype(np.int64)
+        checks = self.state.record(rows, new_tokens, sampled[1].astype(np.float32))
+        self.stats.generated_tokens += n
+        stopped = checks.stop_id.copy()
+        for i in np.flatnonzero(checks.search & ~stopped).tolist():
+            stopped[i] = self._stop_string_found(int(rows[i]))
+        for i in np.flatnonzero(stopped | checks.spent).tolist():
+            self._finish(int(rows[i]), "stop" if stopped[i] else "length")
 
-    def _finish_reason(self, sequence: _Sequence) -> str | None:
-        params = sequence.params
-        if sequence.generated[-1] in params.stop_ids:
-            return "stop"
-        if params.stop_strings and self.decode is not None:
-            tail = self.decode(sequence.generated[-(max(len(s) for s in params.stop_strings) + 8) :])
-            if any(stop in tail for stop in params.stop_strings):
-                return "stop"
-        if len(sequence.generated) >= params.max_new_tokens or len(sequence.tokens) >= self.max_len:
-            return "length"
-        return None
+    def _stop_string_found(self, row: int) -> bool:
+        """Whether the row's generated text now holds one of its stop strings (after a token that can end one)."""
+        stop_strings = self.running[row].params.stop_strings
+        assert self.decode is not None  # rows are searched only where a decode was given
+        tail = self.state.tail(row, max(len(s) for s in stop_strings) + TAIL_SLACK_TOKENS)
+        return stop_string_in_tail(tail, stop_strings, self.decode)
 
-    def _finish(self, sequence: _Sequence, reason: str) -> None:
-        del self.running[sequence.row]
+    def _finish(self, row: int, reason: str) -> None:
+        sequence = self.running.pop(row)
+        generated, logprobs = self.state.generated(row)
         # The last sampled token was never run through the model: the row holds everything before it.
-        self.table.release(sequence.row, sequence.tokens[: sequence.cached])
-        self.finished.append(Result(sequence.id, sequence.generated, sequence.logprobs, reason,
-                                    reused_tokens=sequence.reused))
+        self.table.release(row, (sequence.prompt + generated)[: int(self.state.cached[row])])
+        self._running_rows = None
+        self.finished.append(Result(sequence.id, generated, logprobs, reason, reused_tokens=sequence.reused))
 
 
 class _DecodeGraph:
@@ -466,7 +538,9 @@ class _DecodeGraph:
                 engine._decode_logits(self.tokens, self.positions, key_len)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # On this engine's device: torch.cuda.graph's default capture stream is made once, on the device current
+        # at its first use (another engine's GPU), and a capture on a stream of another device records nothing.
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             self.logits = engine._decode_logits(self.tokens, self.positions, key_len)
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ class Row:
     index: int
     state: str = FREE
     tokens: list[int] = field(default_factory=list)
-    """The tokens whose keys and values are in this row, in order."""
+    """The tokens whose keys and values are in this row, in order (of a running row: the reused prefix only, until
+    its sequence finishes and :meth:`RowTable.release` records them all)."""
 
 
 @dataclass

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs.base import AgentEnv, StateFacts
-from turnrl.envs.remote import EnvRaisedError, RemoteEnvError, SessionLostError
+from turnrl.envs.remote import EnvRaisedError, QueriedEnv, RemoteEnvError, SessionLostError
 
 QUERIES = ("instructions", "action_names", "state_facts", "solve", "state_key", "text", "image", "action_budget")
 """Read-only calls an env worker answers; none changes the env's state."""
@@ -381,7 +381,7 @@ class EnvWorkerPool:
 
 
 # --------------------------------------------------------------------------- one env
-class RayEnv:
+class RayEnv(QueriedEnv):
     """One env in an env worker; an :class:`~turnrl.envs.base.AgentEnv`.
 
     Args:
@@ -477,34 +477,9 @@ class RayEnv:
             raise RemoteEnvError(f"env worker {self.worker} ({self.env_id}): {value.message}")
         return copy.deepcopy(value)  # callers may change what they get; the cache must not change
 
-    def instructions(self) -> str:
-        return self._query("instructions")
-
-    def action_names(self) -> list[str] | None:
-        return self._query("action_names")
-
-    def state_facts(self) -> StateFacts:
-        return self._query("state_facts")
-
-    def solve(self) -> list[str] | None:
-        return self._query("solve")
-
-    def state_key(self) -> str:
-        """The env's ``state_key()``; for an env without one, the hash the rollout would take of its
-        observation (computed in the worker)."""
-        return self._query("state_key")
-
-    def text(self) -> str:
-        """The env's ``text()`` of its state where it has one, else ``""``."""
-        return self._query("text")
-
     def image(self) -> np.ndarray:
         """The env's ``image()`` of its state (image modes); RemoteEnvError for an env without one."""
         return self._query("image")
-
-    def action_budget(self) -> int | None:
-        """The env's ``action_budget()``, or None for an env without one."""
-        return self._query("action_budget")
 
     def close(self) -> None:
         """Close the env in its worker (it can be reset again: the worker builds another)."""

@@ -603,7 +603,41 @@ class _Session:
     """Resets and steps applied so far; the next one is ``seq + 1``."""
 
 
-class RemoteEnv:
+class QueriedEnv:
+    """The read-only half of the env contract for an env that lives elsewhere (an env server, a Ray actor):
+    each answer comes from ``_query(name)``, which asks where the env lives (or a cache of its answers)."""
+
+    def _query(self, name: str) -> Any:
+        raise NotImplementedError
+
+    def instructions(self) -> str:
+        return self._query("instructions")
+
+    def action_names(self) -> list[str] | None:
+        return self._query("action_names")
+
+    def state_facts(self) -> StateFacts:
+        return self._query("state_facts")
+
+    def solve(self) -> list[str] | None:
+        return self._query("solve")
+
+    def state_key(self) -> str:
+        """The env's ``state_key()``; for an env without one, the hash the rollout would take of its
+        observation (computed where the env lives)."""
+        return self._query("state_key")
+
+    def text(self) -> str:
+        """The env's ``text()`` of its state where it has one, else ``""``."""
+        return self._query("text")
+
+    def action_budget(self) -> int | None:
+        """The env's ``action_budget()`` (what ``turnrl eval`` gives by default), or None for an env without
+        one."""
+        return self._query("action_budget")
+
+
+class RemoteEnv(QueriedEnv):
     """An :class:`~turnrl.envs.base.AgentEnv` whose env lives on an env server.
 
     The session opens on first use (so building envs never fails for a server that is down); one thread
@@ -745,32 +779,6 @@ class RemoteEnv:
         if isinstance(value, RemoteEnvError):
             raise value
         return copy.deepcopy(value)  # callers may change what they get; the cache must not change
-
-    def instructions(self) -> str:
-        return self._query("instructions")
-
-    def action_names(self) -> list[str] | None:
-        return self._query("action_names")
-
-    def state_facts(self) -> StateFacts:
-        return self._query("state_facts")
-
-    def solve(self) -> list[str] | None:
-        return self._query("solve")
-
-    def state_key(self) -> str:
-        """The env's ``state_key()``; for an env without one, the hash the rollout would take of its
-        observation (computed on the server)."""
-        return self._query("state_key")
-
-    def text(self) -> str:
-        """The env's ``text()`` of its state where it has one, else ``""``."""
-        return self._query("text")
-
-    def action_budget(self) -> int | None:
-        """The env's ``action_budget()`` (what ``turnrl eval`` gives by default), or None for an env without
-        one."""
-        return self._query("action_budget")
 
     def close(self) -> None:
         """Close the session on the server (the env can be reset again: it opens a new one)."""

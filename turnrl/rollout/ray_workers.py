@@ -143,7 +143,9 @@ class RolloutHost:
 
         if spec.torch_threads > 0:
             torch.set_num_threads(spec.torch_threads)
-        self.directory = Path(tempfile.mkdtemp(prefix="turnrl-rollout-worker-"))
+        # Removed with the worker (the object is kept on it; its finalizer deletes the directory).
+        self._files = tempfile.TemporaryDirectory(prefix="turnrl-rollout-worker-")
+        self.directory = Path(self._files.name)
         for name, data in spec.model_files.items():
             (self.directory / name).parent.mkdir(parents=True, exist_ok=True)
             (self.directory / name).write_bytes(data)
@@ -218,25 +220,36 @@ def env_maker(spec: EnvSpec) -> Callable[[], AgentEnv]:
 def policy_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The weights of ``model`` as a plain transformers model holds them, on the CPU (in ``dtype`` for floats).
 
-    A peft model's LoRA adapters are merged into the weights they adapt (the worker runs a plain model):
-    merged in place for the copy, then unmerged.
+    A peft model's LoRA adapters are merged into the weights they adapt (the worker runs a plain model), out
+    of place: ``W + delta`` is computed for the copy and the trainer's frozen base weights are never touched
+    (merging and unmerging in place would round them a little at every send).
     """
 
-    def to_cpu(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
         cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        return tensor.detach().to(device="cpu", dtype=cast, copy=copy)
+        return tensor.detach().to(device="cpu", dtype=cast, copy=True)
 
-    merge, unmerge = getattr(model, "merge_adapter", None), getattr(model, "unmerge_adapter", None)
-    if not (callable(merge) and callable(unmerge)):
-        return {name: to_cpu(tensor, copy=False) for name, tensor in model.state_dict().items()}
+    if not hasattr(model, "get_base_model"):
+        return {name: to_cpu(tensor) for name, tensor in model.state_dict().items()}
     base: Any = model.get_base_model()  # type: ignore[operator]
-    merge()
-    try:
-        # Copies: unmerging changes the merged tensors back in place.
-        return {name.replace(".base_layer.", "."): to_cpu(tensor, copy=True)
-                for name, tensor in base.state_dict().items() if ".lora_" not in name}
-    finally:
-        unmerge()
+    merged: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            layer: Any = module
+            if getattr(layer, "base_layer", None) is None or not hasattr(layer, "lora_A"):
+                continue
+            weight = layer.base_layer.weight
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A and not layer.disable_adapters:
+                    weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+            merged[f"{name}.weight"] = weight
+    weights = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        plain = name.replace(".base_layer.", ".")
+        weights[plain] = to_cpu(merged.get(plain, tensor))
+    return weights
 
 
 def split_groups(slots: Sequence[EpisodeSlot], parts: int) -> list[list[int]]:

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from turnrl.config import ConfigError
 from turnrl.policy.factory import model_policy
 from turnrl.policy.hf import resolve_device
 from turnrl.rewards import Rewards
@@ -45,22 +44,6 @@ from turnrl.training.models import autocast, step_seed
 from turnrl.training.trainer import Recipe, StepOutput, collect, dynamic_sample, select_trajectories
 
 console = Console()
-
-
-def check_async_config(config: TrainConfig) -> None:
-    """Refuse an asynchronous run whose loss would not correct for stale weights.
-
-    Raises:
-        ConfigError: ``max_staleness > 0`` without ``algorithm.old_logprobs=recompute`` and ``algorithm.tis_cap``.
-    """
-    staleness, algo = config.distributed.max_staleness, config.algorithm
-    missing = [key for key, ok in (("algorithm.old_logprobs=recompute", algo.old_logprobs == "recompute"),
-                                   ("algorithm.tis_cap=2.0", algo.tis_cap is not None)) if not ok]
-    if staleness > 0 and missing:
-        raise ConfigError(
-            f"distributed.async_rollout with distributed.max_staleness={staleness} samples with weights up to "
-            f"{staleness} update(s) old, and the loss corrects for that with truncated importance weights: set "
-            f"{' '.join(missing)} (or distributed.max_staleness=0 for the synchronous algorithm)")
 
 
 def roll_out_batch(
@@ -185,14 +168,11 @@ class AsyncRecipe(Recipe):
     Args: as :class:`~turnrl.training.trainer.Recipe`; ``config.distributed`` gives ``max_staleness`` and
     ``rollout_device``. Call :meth:`close` at the end of a run (and on Ctrl-C) to stop the thread.
 
-    Raises:
-        ConfigError: ``max_staleness > 0`` without truncated importance weights (:func:`check_async_config`).
     """
 
     def __init__(
         self, config: TrainConfig, start_model: Path | str | None = None, rewards: Rewards | None = None
     ) -> None:
-        check_async_config(config)
         super().__init__(config, start_model=start_model, rewards=rewards)
         dist = config.distributed
         self.max_staleness = dist.max_staleness
@@ -203,8 +183,9 @@ class AsyncRecipe(Recipe):
         batch_size = max(64, config.groups.n_groups * config.groups.group_size)
         policy = model_policy(self.rollout_copy, self.tokenizer, config.model, max_batch_size=batch_size,
                               processor=self.processor, dtype=self.dtype)
-        self.rollout = Rollout(policy, self.rollout.fmt, config.agent, env_id=config.env.id,
-                               executor=self.executor, rewards=self.rollout.rewards)
+        assert isinstance(self.rollout, Rollout)  # Ray rollouts are refused with async_rollout (the config says)
+        self.rollout = self.copy_rollout = Rollout(policy, self.rollout.fmt, config.agent, env_id=config.env.id,
+                                                   executor=self.executor, rewards=self.rollout.rewards)
         self.weights = StagedWeights(self.actor, self.rollout_copy, version=self.first_step)
         self._batches: queue.Queue[RolloutBatch | RolloutFailure] = queue.Queue()
         self._stop = threading.Event()
@@ -235,7 +216,7 @@ class AsyncRecipe(Recipe):
                     return
                 version = self.weights.apply()
                 with self._sampling:
-                    output, keep = roll_out_batch(self.rollout, self.train_groups, step, self.config,
+                    output, keep = roll_out_batch(self.copy_rollout, self.train_groups, step, self.config,
                                                   self.rollout_precision())
                 self._batches.put(RolloutBatch(step, output, keep, version, wait_s))
         except BaseException as error:  # noqa: BLE001 - every failure goes to the trainer, which raises it
@@ -305,3 +286,4 @@ class AsyncRecipe(Recipe):
                               "it is left to end with the process")
         while not self._batches.empty():
             self._batches.get_nowait()
+        super().close()  # Ray env workers, when the envs live in them

@@ -349,11 +349,14 @@ class TrainConfig:
         self.optim.validate()
         self.seeds.validate()
         self.distributed.validate()
-        dist, algo = self.distributed, self.algorithm
-        if dist.async_rollout and dist.max_staleness > 0 and (algo.old_logprobs != "recompute" or algo.tis_cap is None):
-            raise ConfigError(f"distributed.async_rollout with distributed.max_staleness={dist.max_staleness} samples "
-                              "with stale weights, which the loss corrects with truncated importance weights: set "
-                              "algorithm.old_logprobs=recompute algorithm.tis_cap=2.0 (or distributed.max_staleness=0)")
+        staleness, algo = self.distributed.max_staleness, self.algorithm
+        missing = [key for key, ok in (("algorithm.old_logprobs=recompute", algo.old_logprobs == "recompute"),
+                                       ("algorithm.tis_cap=2.0", algo.tis_cap is not None)) if not ok]
+        if self.distributed.async_rollout and staleness > 0 and missing:
+            raise ConfigError(
+                f"distributed.async_rollout with distributed.max_staleness={staleness} samples with weights up to "
+                f"{staleness} update(s) old, and the loss corrects for that with truncated importance weights: set "
+                f"{' '.join(missing)} (or distributed.max_staleness=0 for the synchronous algorithm)")
         check_range("run.steps", self.run.steps, 0)
         check_range("run.save_every", self.run.save_every, 0)
         check_range("run.keep_checkpoints", self.run.keep_checkpoints, 0)

@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from turnrl.config import ConfigError, SamplingConfig
 from turnrl.rewards import Rewards
+from turnrl.rollout.context import ChatTemplateDeltas
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
@@ -84,13 +85,15 @@ def gather_rows(local: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class RankRewards:
-    """A rollout's :class:`Rewards` whose ``metrics()`` are the mean over processes (each scored its share)."""
+    """A rollout's :class:`Rewards` whose ``metrics()`` are the mean over the processes that scored turns in
+    the last rollout (counts, such as judge calls, are per process, as with Ray workers)."""
 
     def __init__(self, rewards: Rewards) -> None:
         self.rewards = rewards
+        self.played = True
 
     def metrics(self) -> dict[str, float]:
-        parts = ranks.all_gather_objects(self.rewards.metrics())
+        parts = [part for part, played in ranks.all_gather_objects((self.rewards.metrics(), self.played)) if played]
         keys = {key for part in parts for key in part}
         return {key: sum(part.get(key, 0.0) for part in parts) / len(parts) for key in keys}
 
@@ -99,23 +102,37 @@ class ShardedRollout:
     """A :class:`Rollout` that plays this process's groups of the slots and returns every process's
     trajectories, in the slots' order: what the single-process rollout returns.
 
-    Timings are the slowest process's (the step waits for it).
+    Timings are the slowest process's (the step waits for it). Trajectories travel without the chat template
+    object their token context refers to (the tokenizer): each process attaches its own.
     """
 
-    def __init__(self, rollout: Rollout) -> None:
+    def __init__(self, rollout: Rollout, tokenizer: Any) -> None:
         self.rollout = rollout
         self.rewards = RankRewards(rollout.rewards)
         self.timings = RolloutTimings()
+        self.tokenizer = tokenizer
+        self.deltas: Any = None  # the rollout's own, once it has played a trajectory
 
     def run(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig) -> list[Trajectory]:
         rank, world = ranks.rank(), ranks.world_size()
         mine = [i for i, slot in enumerate(slots) if slot.group % world == rank]
         played = self.rollout.run([slots[i] for i in mine], sampling) if mine else []
-        local = self.rollout.timings
+        local = self.rollout.timings if mine else RolloutTimings()
+        self.rewards.played = bool(mine)
+        for trajectory in played:
+            if trajectory.tokens is not None:
+                self.deltas = trajectory.tokens.deltas
+                trajectory.tokens.deltas = None  # type: ignore[assignment]
         gathered = ranks.all_gather_objects((list(zip(mine, played)), local.generate_s, local.env_s))
         self.timings = RolloutTimings(max(part[1] for part in gathered), max(part[2] for part in gathered))
         by_slot = dict(pair for part in gathered for pair in part[0])
-        return [by_slot[i] for i in range(len(slots))]
+        trajectories = [by_slot[i] for i in range(len(slots))]
+        if self.deltas is None and any(t.tokens is not None for t in trajectories):
+            self.deltas = ChatTemplateDeltas.for_tokenizer(self.tokenizer)  # this process has played nothing yet
+        for trajectory in trajectories:
+            if trajectory.tokens is not None:
+                trajectory.tokens.deltas = self.deltas
+        return trajectories
 
 
 # --------------------------------------------------------------------------- sharding the models
@@ -202,8 +219,9 @@ class FSDPRecipe(Recipe):
         self.weights_version = 0
         self.rollout_version = 0
         super().__init__(config, start_model, rewards)
-        self.rollout = ShardedRollout(self.rollout)  # type: ignore[assignment]
-        self.val_rollout = ShardedRollout(self.val_rollout)  # type: ignore[assignment]
+        assert isinstance(self.rollout, Rollout)  # Ray rollouts and torchrun do not go together (train() says)
+        self.rollout = ShardedRollout(self.rollout, self.tokenizer)  # type: ignore[assignment]
+        self.val_rollout = ShardedRollout(self.val_rollout, self.tokenizer)  # type: ignore[assignment]
 
     def rollout_model(self) -> torch.nn.Module:
         return self.rollout_actor
@@ -273,7 +291,8 @@ class FSDPRecipe(Recipe):
             metrics = ppo_epochs(self.actor, self.critic, inputs, config.algorithm, config.optim,
                                  self.actor_optimizer if train_actor else None, self.critic_optimizer,
                                  config.sampling.temperature, generator, shard=shard)
-        self.weights_version += 1
+        if train_actor:  # a critic warm-up step leaves the rollout copy as it is
+            self.weights_version += 1
         return metrics
 
     # ------------------------------------------------------------------ checkpoints

@@ -36,6 +36,14 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", 1)) > 1
 
 
+_process_device: torch.device | None = None
+
+
+def process_device() -> torch.device | None:
+    """This process's device in a distributed run (the GPU of its ``LOCAL_RANK``), None otherwise."""
+    return _process_device
+
+
 def init_process_group(device: str, timeout_s: float) -> torch.device:
     """Join the run's process group (NCCL on GPUs, gloo on CPUs); returns this process's device.
 
@@ -44,6 +52,7 @@ def init_process_group(device: str, timeout_s: float) -> torch.device:
             ``LOCAL_RANK``).
         timeout_s: the longest wait on a collective.
     """
+    global _process_device
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = device != "cpu" and torch.cuda.is_available()
     where = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -52,6 +61,7 @@ def init_process_group(device: str, timeout_s: float) -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                                 device_id=where if use_cuda else None)
+    _process_device = where
     return where
 
 

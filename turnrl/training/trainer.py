@@ -262,7 +262,7 @@ def ray_rollout(config: TrainConfig, model_dir: Path, tokenizer: Any, batch_size
         config.agent,
         EnvSpec(config.env.id, dict(config.env.settings), tuple(config.env.remote),
                 env_workers=-(-dist.env_workers // dist.rollout_workers),  # each rollout worker its share
-                timeout_s=min(dist.timeout_s, 600.0)),
+                timeout_s=dist.timeout_s),
         rewards=config.rewards, max_batch_size=batch_size, env_threads=config.groups.env_workers,
         torch_threads=config.run.threads)
     return RayRollout(spec, dist.rollout_workers, tokenizer, worker_gpus=dist.worker_gpus,
@@ -280,6 +280,10 @@ def run_directory(config: TrainConfig) -> Path:
     """Where the run lives: the resumed directory, else ``run.output_dir/run.name``."""
     return Path(config.resume) if config.resume else Path(config.run.output_dir) / config.run.name
 
+
+STOP_FILE = "stop"
+"""``touch RUN_DIR/stop``: the run stops after the step in progress and saves a checkpoint (as Ctrl-C does in one
+process; under ``torchrun``, Ctrl-C ends the processes at once). The file is removed when the run stops."""
 
 RL_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "summary.json", "trajectories", "reference")
 """What an RL run writes at the top of its directory: a directory holding any of them holds a run."""
@@ -351,7 +355,8 @@ def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
     """Threads, seeds, the run directory and its ``config.yaml``: what every stage of a run starts from.
 
     With ``run.overwrite`` (and no resume) the outputs of the run that was there are deleted first, so old
-    and new checkpoints, metrics and TensorBoard files never mix.
+    and new checkpoints, metrics and TensorBoard files never mix: every output (``stage=train``), the SFT
+    model (``sft``), or the RL outputs only (``rl``: after this run's own SFT stage).
     """
     if config.run.threads > 0:
         torch.set_num_threads(config.run.threads)
@@ -359,7 +364,7 @@ def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
     run_dir = run_directory(config)
     if ranks.is_main():  # the other processes of a distributed run wait for it
         if config.run.overwrite and not config.resume:
-            for name in (*RL_OUTPUTS, "sft") if stage == "train" else ("sft",):
+            for name in {"train": (*RL_OUTPUTS, "sft"), "sft": ("sft",), "rl": RL_OUTPUTS}[stage]:
                 path = run_dir / name
                 if path.is_dir():
                     shutil.rmtree(path)
@@ -413,8 +418,9 @@ class Recipe:
         self, config: TrainConfig, start_model: Path | str | None = None, rewards: Rewards | None = None
     ) -> None:
         self.config = config
-        self.run_dir = start_run(config)
-        self.device = resolve_device(config.model.device)
+        # After this run's SFT stage, its model stays (run.overwrite deletes only the RL outputs).
+        self.run_dir = start_run(config, stage="rl" if config.sft.enabled else "train")
+        self.device = ranks.process_device() or resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.timings: dict[str, float] = {}
         self.summary: dict[str, Any] = {}
@@ -464,7 +470,7 @@ class Recipe:
         # Ray rollout workers play on envs of their own (and start their own env workers); the trainer's
         # envs are then only for validation.
         env_workers = 0 if ray_rollouts else dist.env_workers
-        where = {"ray_workers": env_workers, "ray_address": dist.ray_address, "timeout_s": min(dist.timeout_s, 600.0)}
+        where = {"ray_workers": env_workers, "ray_address": dist.ray_address, "timeout_s": dist.timeout_s}
         # Here, on the env servers of env.remote or in Ray env workers; a bad id or setting fails now, not mid-run.
         make_train = env_factory(config.env.id, train_settings, config.env.remote, **where)  # type: ignore[arg-type]
         make_val = make_train if config.env.val_settings is None else env_factory(
@@ -546,10 +552,12 @@ class Recipe:
     def _restore(self) -> None:
         assert self.checkpoint is not None
         state = load_trainer_state(self.checkpoint)
-        processes = state.get("world_size", 1)
-        if processes != ranks.world_size() and ranks.world_size() == 1:
-            raise ConfigError(f"resume={self.config.resume!r} was saved by {processes} processes (FSDP); resume it "
-                              f"with them: torchrun --nproc-per-node {processes} -m turnrl.cli train resume=...")
+        processes, now = state.get("world_size", 1), ranks.world_size()
+        if processes != now:
+            how = (f"distributed.nproc_per_node={processes} (or torchrun --nproc-per-node {processes})"
+                   if processes > 1 else "one process (without torchrun, distributed.nproc_per_node=1)")
+            raise ConfigError(f"resume={self.config.resume!r} was saved by {processes} process(es) and this run has "
+                              f"{now}: its optimizer states are split that way; resume it with {how}")
         if "actor_optimizer" in state:  # a distributed run keeps its optimizers' shards apart
             self.actor_optimizer.load_state_dict(state["actor_optimizer"])
         if self.critic_optimizer is not None and state.get("critic_optimizer") is not None:
@@ -777,7 +785,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
         raise ConfigError("several processes under torchrun train with FSDP; distributed.async_rollout and "
                           "distributed.backend=ray run in one process: start them without torchrun")
     if distributed:
-        config.model.device = str(ranks.init_process_group(config.model.device, config.distributed.timeout_s))
+        ranks.init_process_group(config.model.device, config.distributed.timeout_s)
+        # config.yaml then says how many processes a resume needs (`turnrl train resume=RUN_DIR` starts them).
+        config.distributed.nproc_per_node = ranks.world_size()
     elif config.distributed.backend == "fsdp":
         raise ConfigError("distributed.backend=fsdp runs one process per GPU: start them with "
                           "`torchrun --nproc-per-node N -m turnrl.cli train ...` or distributed.nproc_per_node=N")
@@ -849,7 +859,7 @@ def _run_steps(config: TrainConfig, recipe: Recipe, sft: Any, resumed: bool, sta
                 console.print(f"[bold red]rollout stopped:[/bold red] {error}", soft_wrap=True)
                 if step == 0:
                     raise
-                return _stop(recipe, logger, step - 1)  # saves the last finished step, says how to resume
+                return _stop(recipe, logger, step - 1, error=True)  # saves the last finished step
             metrics = output.metrics
             last = step + 1 == config.run.steps
             if validate_now(step + 1) and not last:
@@ -863,8 +873,9 @@ def _run_steps(config: TrainConfig, recipe: Recipe, sft: Any, resumed: bool, sta
                                            output.token_advantages)
             progress.update(1, f"success {metrics.get('rollout/success', 0):.2f} "
                                f"reward {metrics.get('rollout/reward_mean', 0):.2f}")
-            # A Ctrl-C seen by any process stops them all after the same step.
-            stop_requested = ranks.any_rank(stop.requested) if distributed else stop.requested
+            # Ctrl-C, or the stop file (what stops every process of a torchrun run after the same step).
+            requested = stop.requested or (recipe.run_dir / STOP_FILE).exists()
+            stop_requested = ranks.any_rank(requested) if distributed else requested
             if stop_requested and not last:
                 return _stop(recipe, logger, step)
             if save_now(step + 1) and not last:
@@ -904,16 +915,20 @@ def _report(run_dir: Path) -> None:
                   soft_wrap=True)
 
 
-def _stop(recipe: Recipe, logger: MetricsLogger | None, step: int) -> dict[str, Any]:
-    """Ctrl-C: save the finished ``step``, say how to resume; the summary says where the run stopped."""
+def _stop(recipe: Recipe, logger: MetricsLogger | None, step: int, error: bool = False) -> dict[str, Any]:
+    """Ctrl-C, the stop file or a lost rollout worker (``error``): save the finished ``step``, say how to
+    resume; the summary says where the run stopped and why."""
     checkpoint = recipe.save(step)
+    if ranks.is_main():
+        (recipe.run_dir / STOP_FILE).unlink(missing_ok=True)
+    stopped = {"interrupted_at_step": step + 1, "stopped_by": "error" if error else "request"}
     if logger is None:
-        return {**recipe.summary, "interrupted_at_step": step + 1}
+        return {**recipe.summary, **stopped}
     logger.close()
-    console.print(f"[bold]interrupted[/bold] after step {step + 1} of {recipe.config.run.steps}; checkpoint "
-                  f"{checkpoint}")
+    console.print(f"[bold]{'stopped by the error above' if error else 'interrupted'}[/bold] after step {step + 1} "
+                  f"of {recipe.config.run.steps}; checkpoint {checkpoint}")
     # One unwrapped line, to copy whole.
     console.print(f"continue with: turnrl train resume={recipe.run_dir}", markup=False, highlight=False,
                   soft_wrap=True)
     _report(recipe.run_dir)
-    return {**recipe.summary, "interrupted_at_step": step + 1}
+    return {**recipe.summary, **stopped}

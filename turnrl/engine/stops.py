@@ -1,0 +1,85 @@
+"""Stop strings without decoding every sequence at every step.
+
+A stop string ends a sequence at the token that completes it: the engine
+decodes the last few generated tokens and searches the text
+(:func:`stop_string_in_tail`). Decoding costs tens of microseconds per
+sequence with a real tokenizer, so at every step only the sequences whose
+new token *can* complete a stop string are checked: the new token's text
+must contain the stop string's last character (a match that ended before
+it was found at an earlier step).
+
+A token's text in context can differ from its text decoded alone: a
+SentencePiece word piece loses its leading space at the start of a text,
+and a byte-level piece holding part of a multi-byte character decodes to
+U+FFFD alone. So a token's characters are taken from its lone decoding and
+from its decoding twice in a row (``"▁bar"`` gives ``"bar bar"``), and a token
+whose text holds U+FFFD, or that fails to decode, is always checked.
+The filter is exact for decoders where appending tokens only appends text
+(apart from completing a broken character), as byte-level BPE and
+SentencePiece decoders do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+REPLACEMENT = "\ufffd"
+"""What a decoder prints for bytes that are not (yet) a whole UTF-8 character."""
+
+TAIL_SLACK_TOKENS = 8
+"""Tokens decoded beyond the longest stop string's length in characters (a character can take several tokens)."""
+
+
+def stop_string_in_tail(generated: Sequence[int], stop_strings: Sequence[str], decode: Callable[[list[int]], str]
+                        ) -> bool:
+    """Whether the text of the last generated tokens holds a stop string (the check run after a candidate token).
+
+    Only the last ``longest stop + TAIL_SLACK_TOKENS`` tokens are decoded: a stop string that ends in the newest
+    token lies within them.
+    """
+    tail = decode(list(generated[-(max(len(s) for s in stop_strings) + TAIL_SLACK_TOKENS) :]))
+    return any(stop in tail for stop in stop_strings)
+
+
+def token_characters(decode: Callable[[list[int]], str], token: int) -> str | None:
+    """The characters ``token`` can add to a text: its lone decoding and its decoding twice in a row; None when
+    it can add any (a broken multi-byte character, or a decoder error)."""
+    try:
+        text = decode([token]) + decode([token, token])
+    except Exception:  # an id the tokenizer lacks (a padded vocabulary): check it like any unknown text
+        return None
+    return None if REPLACEMENT in text else text
+
+
+class StopStringFilter:
+    """Which sampled tokens can complete a stop string, per set of stop strings.
+
+    Args:
+        decode: token ids to text, as the engine searches it.
+        vocab_size: the model's vocabulary (sampled ids are below it).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], vocab_size: int) -> None:
+        self.decode = decode
+        self.vocab_size = vocab_size
+        self._characters: list[str | None] | None = None
+        self._masks: dict[tuple[str, ...], np.ndarray] = {}
+
+    def characters(self) -> list[str | None]:
+        """Every token's :func:`token_characters`, computed once (a decode or two per token of the vocabulary)."""
+        if self._characters is None:
+            self._characters = [token_characters(self.decode, token) for token in range(self.vocab_size)]
+        return self._characters
+
+    def candidates(self, stop_strings: tuple[str, ...]) -> np.ndarray:
+        """Shape (vocab,) bool: True for the tokens after which the text must be searched for ``stop_strings``."""
+        if stop_strings not in self._masks:
+            last = {stop[-1] for stop in stop_strings if stop}
+            if "" in stop_strings:  # the empty string is in every text: the first token completes it
+                self._masks[stop_strings] = np.ones(self.vocab_size, dtype=bool)
+            else:
+                self._masks[stop_strings] = np.array(
+                    [text is None or any(c in text for c in last) for text in self.characters()], dtype=bool)
+        return self._masks[stop_strings]

@@ -1,0 +1,58 @@
+"""Device time of the engine's prefill and decode work, so that a call's time splits into device work and host
+overhead (the rest of the wall time: Python between kernels, waiting for results).
+
+Off by default (it costs two events per step). On a GPU the spans are CUDA events on the current stream, read
+after the step's one synchronisation; on a CPU, where operators run as they are called, they are wall time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class DeviceTimer:
+    """Seconds of device work per phase (``prefill``, ``decode``) while :attr:`enabled`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.enabled = False
+        self.seconds: dict[str, float] = {"prefill": 0.0, "decode": 0.0}
+        self._open: tuple[str, torch.cuda.Event | float] | None = None
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def reset(self) -> None:
+        self.collect()
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+    def start(self, phase: str) -> None:
+        """The device work of ``phase`` begins (queued after everything queued so far)."""
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._open = (phase, event)
+        else:
+            self._open = (phase, time.perf_counter())
+
+    def stop(self) -> None:
+        """The device work begun by :meth:`start` is all queued."""
+        if self._open is None:
+            return
+        phase, begin = self._open
+        self._open = None
+        if isinstance(begin, torch.cuda.Event):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((phase, begin, end))
+        else:
+            self.seconds[phase] += time.perf_counter() - begin
+
+    def collect(self) -> None:
+        """Add up the finished spans (waits for their end events)."""
+        for phase, begin, end in self._pending:
+            end.synchronize()
+            self.seconds[phase] += begin.elapsed_time(end) / 1000
+        self._pending = []
