@@ -13,7 +13,7 @@ import torch
 
 from turnrl.config import load_config
 from turnrl.training.config import TrainConfig
-from turnrl.training.trainer import train
+from turnrl.training.commands import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

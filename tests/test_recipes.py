@@ -12,7 +12,7 @@ import pytest
 
 from turnrl.config import load_config
 from turnrl.training.config import TrainConfig
-from turnrl.training.trainer import train
+from turnrl.training.commands import train
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 SHRINK = [

@@ -318,8 +318,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, load_config
+    from turnrl.training.commands import sft_only
     from turnrl.training.config import TrainConfig
-    from turnrl.training.trainer import sft_only
 
     try:
         sft_only(load_config(TrainConfig, args.config, args.overrides), data=args.data)
@@ -330,8 +330,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, load_config
+    from turnrl.training.commands import train
     from turnrl.training.config import TrainConfig
-    from turnrl.training.trainer import train
 
     overrides = list(args.overrides)
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)

@@ -262,7 +262,7 @@ def test_a_training_run_logs_what_the_state_rewards_report(tiny_model_dir, tmp_p
 
     from turnrl.config import load_config
     from turnrl.training.config import TrainConfig
-    from turnrl.training.trainer import train
+    from turnrl.training.commands import train
 
     config = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", [
         f"model.path={tiny_model_dir}", "model.device=cpu", "model.dtype=float32", f"run.output_dir={tmp_path}",

@@ -527,7 +527,7 @@ def test_env_remote_without_a_server_is_a_config_error_before_anything_runs(tmp_
 def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path):
     from turnrl.config import load_config
     from turnrl.training.config import TrainConfig
-    from turnrl.training.trainer import train
+    from turnrl.training.commands import train
 
     with env_server() as url:
         config = load_config(TrainConfig, None, [

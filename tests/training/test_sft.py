@@ -22,7 +22,7 @@ from turnrl.training.sft import (
     sft_train,
     trajectory_messages,
 )
-from turnrl.training.trainer import sft_only
+from turnrl.training.commands import sft_only
 
 CHAT = [
     {"role": "system", "content": "You play a game."},

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from turnrl.config import ConfigError, load_config
 from turnrl.training.config import TrainConfig
 from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.trainer import GracefulStop, Recipe, train
+from turnrl.training.commands import GracefulStop, train
+from turnrl.training.trainer import Recipe
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.
 COMMON = [

@@ -1,12 +1,9 @@
-"""The RL recipe: setup, (SFT,) the loop of rollout + update, cleanup.
+"""The RL recipe: everything a run holds (models, optimizers, envs, rollout) and one step of it.
 
-    train(config)
-      sft_stage          the base model, fine-tuned on expert demos (when enabled)
-      Recipe(config)     setup builds everything: models, optimizers, envs, rollout
-      loop               recipe.step(step) -> StepOutput; the loop owns progress,
-                         validation, trajectory files and checkpoints
+    Recipe(config)       setup builds everything, or restores it from a checkpoint
+    recipe.step(step)    roll_out (rollout, group filter) then update -> StepOutput
 
-One step reads top to bottom in :meth:`Recipe.step`:
+One step reads top to bottom in :meth:`Recipe.roll_out` and :meth:`Recipe.update`:
 
     rollout -> filter groups -> batch -> old logprobs (sampler's; recomputed
     ones reported as a mismatch) -> reference logprobs -> values -> advantages
@@ -15,14 +12,16 @@ One step reads top to bottom in :meth:`Recipe.step`:
 Each phase is a function that takes values (:func:`collect`,
 :func:`select_trajectories`, :func:`make_batch`, :func:`score_batch`, then
 :func:`~turnrl.training.advantages.compute_advantages` and
-:func:`~turnrl.training.ppo.ppo_epochs`), so another recipe (a distributed
-one, say) wires the same components without branching this one.
+:func:`~turnrl.training.ppo.ppo_epochs`), so the other recipes wire the same
+components without branching this one: :class:`~turnrl.training.distributed.FSDPRecipe`
+(several processes) and :class:`~turnrl.training.asynchronous.AsyncRecipe`
+(rollouts a batch ahead) replace :meth:`Recipe.score`, :meth:`Recipe.train_on` or
+:meth:`Recipe.roll_out`.
 
-Run it with ``turnrl train --config configs/X.yaml key=value ...``. Everything the
-run needs that can be checked without a model (the env and its settings, SFT
-data, the checkpoint to resume, optional packages, the run directory) is
-checked by :func:`preflight` before anything is written or loaded. Ctrl-C
-stops after the step in progress, saves a checkpoint and says how to resume.
+The commands around the steps (``turnrl train``, ``turnrl sft``: SFT, validation,
+checkpoints, Ctrl-C) are in :mod:`turnrl.training.commands`. Everything a run
+needs that can be checked without a model is checked by :func:`preflight` before
+anything is written or loaded.
 """
 
 from __future__ import annotations
@@ -32,15 +31,11 @@ import importlib.util
 import json
 import re
 import shutil
-import signal
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -56,9 +51,9 @@ from turnrl.policy.hf import HFPolicy, resolve_device, resolve_dtype
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
-from turnrl.rollout.ray_workers import RayRollout, RolloutWorkerError
+from turnrl.rollout.ray_workers import RayRollout
 from turnrl.rollout.runner import EpisodeSlot, Rollout
-from turnrl.rollout.trajectory import Trajectory, write_trajectories
+from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
 from turnrl.training.advantages import anchored_share, compute_advantages
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
@@ -71,12 +66,11 @@ from turnrl.training.checkpoint import (
 )
 from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
-from turnrl.training.logger import MetricsLogger, RunProgress
+from turnrl.training.logger import RunProgress
 from turnrl.training.models import autocast, base_model_path, enable_checkpointing, seed_everything, step_seed
 from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
-from turnrl.training.sft import read_chat_jsonl, sft_stage
-from turnrl.viz.records import token_advantage_records, write_token_advantages
-from turnrl.viz.report import write_report
+from turnrl.training.sft import read_chat_jsonl
+from turnrl.viz.records import token_advantage_records
 
 console = Console(quiet=not ranks.is_main())  # one process of a distributed run speaks
 
@@ -281,10 +275,6 @@ def run_directory(config: TrainConfig) -> Path:
     return Path(config.resume) if config.resume else Path(config.run.output_dir) / config.run.name
 
 
-STOP_FILE = "stop"
-"""``touch RUN_DIR/stop``: the run stops after the step in progress and saves a checkpoint (as Ctrl-C does in one
-process; under ``torchrun``, Ctrl-C ends the processes at once). The file is removed when the run stops."""
-
 RL_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "summary.json", "trajectories", "reference")
 """What an RL run writes at the top of its directory: a directory holding any of them holds a run."""
 
@@ -374,33 +364,6 @@ def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
         (run_dir / "config.yaml").write_text(to_yaml(config))
     ranks.barrier()
     return run_dir
-
-
-class GracefulStop:
-    """Ctrl-C (SIGINT) as a request: the first asks the loop to stop after the step in progress (which then
-    saves a checkpoint); a second one interrupts at once. Outside the main thread, or where SIGINT is
-    ignored, it changes nothing."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def __enter__(self) -> GracefulStop:
-        # A process started with SIGINT ignored (a background job of a script) keeps ignoring it.
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        console.print("\n[bold]stopping after this step[/bold] to save a checkpoint (Ctrl-C again stops at once, "
-                      "without saving)")
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 class Recipe:
@@ -732,203 +695,3 @@ class Recipe:
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(self.summary, indent=2))
         return path
-
-
-# --------------------------------------------------------------------------- the commands
-def sft_only(config: TrainConfig, data: str | None = None) -> Path:
-    """``turnrl sft``: warm up the configured model and save it under the run directory."""
-    if data is not None:
-        config.sft.data = data
-    preflight(config, stage="sft")
-    path = sft_stage(config, start_run(config, stage="sft")).model_path
-    console.print(f"SFT model written to {path}")
-    return path
-
-
-def _validate_and_write(recipe: Recipe, logger: MetricsLogger | None, step: int, name: str) -> dict[str, float]:
-    output = recipe.validate()
-    if logger is not None:  # rank 0 of a distributed run
-        logger.log(step, output.metrics)
-        write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=name)
-    return output.metrics
-
-
-def _every(n: int) -> Callable[[int], bool]:
-    return lambda count: n > 0 and count % n == 0
-
-
-def finished_summary(config: TrainConfig) -> dict[str, Any] | None:
-    """The summary of a resumed run that has already run its ``run.steps`` (None when steps are left)."""
-    checkpoint = latest_checkpoint(run_directory(config)) if config.resume else None
-    summary_path = run_directory(config) / "summary.json"
-    if checkpoint is None or checkpoint_step(checkpoint) + 1 < config.run.steps or not summary_path.is_file():
-        return None
-    try:
-        summary = json.loads(summary_path.read_text())
-    except json.JSONDecodeError:
-        return None
-    return summary if isinstance(summary, dict) and "val_success_after_rl" in summary else None
-
-
-def train(config: TrainConfig) -> dict[str, Any]:
-    """SFT (when enabled), validation, ``run.steps`` RL steps, validation, summary.
-
-    Ctrl-C stops after the step in progress: a checkpoint is saved, the way to resume printed, and the
-    summary returned has ``interrupted_at_step``.
-
-    Raises:
-        ConfigError: before anything is written, for what :func:`preflight` checks.
-    """
-    start = time.time()
-    distributed = ranks.launched_by_torchrun()
-    if distributed and (config.distributed.async_rollout or config.distributed.backend == "ray"):
-        raise ConfigError("several processes under torchrun train with FSDP; distributed.async_rollout and "
-                          "distributed.backend=ray run in one process: start them without torchrun")
-    if distributed:
-        ranks.init_process_group(config.model.device, config.distributed.timeout_s)
-        # config.yaml then says how many processes a resume needs (`turnrl train resume=RUN_DIR` starts them).
-        config.distributed.nproc_per_node = ranks.world_size()
-    elif config.distributed.backend == "fsdp":
-        raise ConfigError("distributed.backend=fsdp runs one process per GPU: start them with "
-                          "`torchrun --nproc-per-node N -m turnrl.cli train ...` or distributed.nproc_per_node=N")
-    try:
-        return _train(config, start, distributed)
-    finally:
-        if distributed:
-            ranks.close_process_group()
-
-
-def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, Any]:
-    preflight(config)
-    rewards = Rewards(config.rewards)  # a bad reward spec stops here, not after SFT
-    done = finished_summary(config)
-    if done is not None:
-        console.print(f"run {config.resume} already ran its {config.run.steps} steps; nothing to do "
-                      f"(raise run.steps to continue it). Summary: {run_directory(config) / 'summary.json'}")
-        return done
-    resumed = config.resume is not None
-    sft = None
-    if config.sft.enabled and not resumed:
-        run_dir = start_run(config)
-        if ranks.is_main():
-            sft = sft_stage(config, run_dir)
-        ranks.wait_for_main()  # the other processes start RL from the SFT model rank 0 wrote
-    if distributed:
-        from turnrl.training.distributed import FSDPRecipe
-
-        recipe: Recipe = FSDPRecipe(config, start_model=_sft_model(config) if config.sft.enabled and not resumed
-                                    else None, rewards=rewards)
-    elif config.distributed.async_rollout:
-        from turnrl.training.asynchronous import AsyncRecipe
-
-        recipe = AsyncRecipe(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
-    else:
-        recipe = Recipe(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
-    try:
-        return _run_steps(config, recipe, sft, resumed, start)
-    finally:
-        recipe.close()
-
-
-def _run_steps(config: TrainConfig, recipe: Recipe, sft: Any, resumed: bool, start: float) -> dict[str, Any]:
-    """Validation, the RL steps, validation, the last checkpoint and the summary (rank 0 writes)."""
-    distributed = ranks.world_size() > 1
-    recipe.session_start = start
-    if sft is not None:
-        recipe.summary.update(sft.metrics)
-        recipe._timed("sft_s", sft.seconds)
-    processes = f", {ranks.world_size()} processes (FSDP)" if distributed else ""
-    console.print(f"[bold]turnrl train[/bold] {config.run.name}: {config.env.id}, {config.algorithm.advantage}, "
-                  f"run dir {recipe.run_dir}{processes}")
-    logger = MetricsLogger(recipe.run_dir, config.run.tensorboard, config.run.wandb_project,
-                           config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))),
-                           resume_step=recipe.first_step if resumed else None) if ranks.is_main() else None
-
-    if not resumed:
-        before = _validate_and_write(recipe, logger, 0, "val_before_rl.jsonl")
-        recipe.summary["val_success_before_rl"] = before["val/success"]
-        console.print(f"validation success before RL: [bold]{before['val/success']:.3f}[/bold]")
-
-    validate_now, save_now = _every(config.validation.every), _every(config.run.save_every)
-    write_now = _every(config.run.trajectories_every)
-    with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, recipe.first_step) as progress:
-        for step in range(recipe.first_step, config.run.steps):
-            try:
-                output = recipe.step(step)
-            except RolloutWorkerError as error:
-                console.print(f"[bold red]rollout stopped:[/bold red] {error}", soft_wrap=True)
-                if step == 0:
-                    raise
-                return _stop(recipe, logger, step - 1, error=True)  # saves the last finished step
-            metrics = output.metrics
-            last = step + 1 == config.run.steps
-            if validate_now(step + 1) and not last:
-                metrics.update(recipe.validate().metrics)
-            if logger is not None:
-                logger.log(step + 1, metrics)
-            if write_now(step) and logger is not None:
-                write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=f"step_{step:06d}.jsonl")
-                if output.token_advantages:
-                    write_token_advantages(recipe.run_dir / "trajectories" / f"step_{step:06d}.advantages.jsonl",
-                                           output.token_advantages)
-            progress.update(1, f"success {metrics.get('rollout/success', 0):.2f} "
-                               f"reward {metrics.get('rollout/reward_mean', 0):.2f}")
-            # Ctrl-C, or the stop file (what stops every process of a torchrun run after the same step).
-            requested = stop.requested or (recipe.run_dir / STOP_FILE).exists()
-            stop_requested = ranks.any_rank(requested) if distributed else requested
-            if stop_requested and not last:
-                return _stop(recipe, logger, step)
-            if save_now(step + 1) and not last:
-                recipe.save(step)
-
-    after = _validate_and_write(recipe, logger, config.run.steps, "val_after_rl.jsonl")
-    recipe.summary["val_success_after_rl"] = after["val/success"]
-    recipe.summary["val_after_rl"] = after
-    recipe.summary["steps"] = config.run.steps
-    if config.run.steps > 0:
-        recipe.save(config.run.steps - 1)
-    if logger is None:
-        return recipe.summary
-    path = recipe.write_summary()
-    logger.close()
-    before_value = recipe.summary.get("val_success_before_rl")
-    console.print(f"validation success before RL: {before_value:.3f}, after RL: [bold]{after['val/success']:.3f}[/bold]"
-                  if before_value is not None else f"validation success after RL: {after['val/success']:.3f}")
-    console.print(f"summary: {path}")
-    _report(recipe.run_dir)
-    return recipe.summary
-
-
-def _sft_model(config: TrainConfig) -> Path:
-    """Where the SFT stage (rank 0's) wrote the model RL starts from."""
-    return run_directory(config) / "sft" / "model"
-
-
-def _report(run_dir: Path) -> None:
-    """The run's HTML report (``turnrl view``); a finished run never fails on it."""
-    try:
-        report = write_report(run_dir)
-    except (OSError, ValueError) as error:
-        console.print(f"no report: {error}", markup=False)
-        return
-    console.print(f"report: {report}  (turnrl view {run_dir} --serve to serve it)", markup=False, highlight=False,
-                  soft_wrap=True)
-
-
-def _stop(recipe: Recipe, logger: MetricsLogger | None, step: int, error: bool = False) -> dict[str, Any]:
-    """Ctrl-C, the stop file or a lost rollout worker (``error``): save the finished ``step``, say how to
-    resume; the summary says where the run stopped and why."""
-    checkpoint = recipe.save(step)
-    if ranks.is_main():
-        (recipe.run_dir / STOP_FILE).unlink(missing_ok=True)
-    stopped = {"interrupted_at_step": step + 1, "stopped_by": "error" if error else "request"}
-    if logger is None:
-        return {**recipe.summary, **stopped}
-    logger.close()
-    console.print(f"[bold]{'stopped by the error above' if error else 'interrupted'}[/bold] after step {step + 1} "
-                  f"of {recipe.config.run.steps}; checkpoint {checkpoint}")
-    # One unwrapped line, to copy whole.
-    console.print(f"continue with: turnrl train resume={recipe.run_dir}", markup=False, highlight=False,
-                  soft_wrap=True)
-    _report(recipe.run_dir)
-    return {**recipe.summary, **stopped}
