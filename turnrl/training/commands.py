@@ -227,6 +227,7 @@ def _run_steps(config: TrainConfig, recipe: Recipe, sft: Any, resumed: bool, sta
         recipe.save(config.run.steps - 1)
     if logger is None:
         return recipe.summary
+    (recipe.run_dir / STOP_FILE).unlink(missing_ok=True)  # asked for during the last step: the run has ended
     path = recipe.write_summary()
     logger.close()
     before_value = recipe.summary.get("val_success_before_rl")
