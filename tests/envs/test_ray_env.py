@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.rollout.trajectory_checks import same_trajectory
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import check_env, make
@@ -53,17 +54,6 @@ def play(make_env, env_id: str, fmt_name: str, seeds: list[int], threads: int = 
     policy = ExpertPolicy(fmt, max_actions_per_turn=2, seed=0, random_action_share=0.3)
     slots = [EpisodeSlot(env=make_env(), seed=seed, group=k) for k, seed in enumerate(seeds)]
     return Rollout(policy, fmt, agent, env_id, executor=executor).run(slots, SamplingConfig())
-
-
-def same_trajectory(a, b) -> None:
-    assert (a.status, a.success, a.error, a.system_prompt, a.final_observation) == (
-        b.status, b.success, b.error, b.system_prompt, b.final_observation)
-    assert len(a.turns) == len(b.turns)
-    for x, y in zip(a.turns, b.turns):
-        assert (x.observation, x.response, x.actions, x.actions_valid, x.rewards, x.reward, x.state_key) == (
-            y.observation, y.response, y.actions, y.actions_valid, y.rewards, y.reward, y.state_key)
-    assert len(a.images) == len(b.images)
-    assert all(np.array_equal(i, j) and i.dtype == j.dtype for i, j in zip(a.images, b.images))
 
 
 SEEDS = [0, 1, 2, 3, 11, 12]
@@ -202,7 +192,7 @@ def test_the_host_answers_queries_and_forks_without_ray():
     obs, _ = local.reset(seed=5)
     assert answer.observation["text"] == obs["text"]
     assert answer.queries["action_names"] == local.action_names()
-    assert "unknown query" in answer.queries["nonsense"].message
+    assert "unknown query" in str(answer.queries["nonsense"])
     host.fork(0, -1)
     host.step(-1, local.solve()[0], [])
     assert host.query(0, ["text"])["text"] == obs["text"]  # the copy moved, the original did not

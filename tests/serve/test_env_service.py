@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.rollout.trajectory_checks import same_trajectory
 from tests.serve.env_helpers import PROBE, LoseAnswers, ProbeEnv, ServerProcess, env_server
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
@@ -90,17 +91,6 @@ def play(make_env, env_id: str, fmt_name: str, seeds: list[int]):
     rollout = Rollout(ExpertPolicy(fmt, max_actions_per_turn=2, seed=0, random_action_share=0.3), fmt, agent, env_id)
     slots = [EpisodeSlot(env=make_env(), seed=seed, group=k) for k, seed in enumerate(seeds)]
     return rollout.run(slots, SamplingConfig())
-
-
-def same_trajectory(a, b) -> None:
-    assert (a.status, a.success, a.error, a.system_prompt, a.final_observation) == (
-        b.status, b.success, b.error, b.system_prompt, b.final_observation)
-    assert len(a.turns) == len(b.turns)
-    for x, y in zip(a.turns, b.turns):
-        assert (x.observation, x.response, x.actions, x.actions_valid, x.rewards, x.reward, x.state_key) == (
-            y.observation, y.response, y.actions, y.actions_valid, y.rewards, y.reward, y.state_key)
-    assert len(a.images) == len(b.images)
-    assert all(np.array_equal(i, j) and i.dtype == j.dtype for i, j in zip(a.images, b.images))
 
 
 @pytest.mark.parametrize(("env_id", "mode", "fmt_name"), [
@@ -513,9 +503,9 @@ def test_eval_with_env_remote_gives_the_summary_of_the_env_in_process(tmp_path):
 
 
 def test_env_remote_without_a_server_is_a_config_error_before_anything_runs(tmp_path):
+    from tests.serve.running import free_port
     from turnrl.config import ConfigError, EvalConfig, load_config
     from turnrl.evaluate import run_eval
-    from tests.serve.running import free_port
 
     config = load_config(EvalConfig, None, ["env.id=Sokoban", "policy=expert", "episodes=2", f"out={tmp_path}",
                                             f"env.remote=[http://127.0.0.1:{free_port()}]"])
@@ -526,8 +516,8 @@ def test_env_remote_without_a_server_is_a_config_error_before_anything_runs(tmp_
 
 def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path):
     from turnrl.config import load_config
-    from turnrl.training.config import TrainConfig
     from turnrl.training.commands import train
+    from turnrl.training.config import TrainConfig
 
     with env_server() as url:
         config = load_config(TrainConfig, None, [

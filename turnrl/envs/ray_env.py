@@ -32,13 +32,13 @@ import itertools
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from turnrl.envs.base import AgentEnv, StateFacts
-from turnrl.envs.remote import EnvRaisedError, QueriedEnv, RemoteEnvError, SessionLostError
+from turnrl.envs.remote import EnvRaisedError, ItemResult, QueriedEnv, RemoteEnvError, SessionLostError
 
 QUERIES = ("instructions", "action_names", "state_facts", "solve", "state_key", "text", "image", "action_budget")
 """Read-only calls an env worker answers; none changes the env's state."""
@@ -76,24 +76,6 @@ def ensure_ray(address: str | None = None) -> Any:
 
 
 # --------------------------------------------------------------------------- inside the worker
-@dataclass(frozen=True)
-class QueryFailed:
-    """A query that raised in the worker; the proxy raises it when the query is asked."""
-
-    message: str
-
-
-@dataclass
-class HostAnswer:
-    """One env's reset or step, as the worker reports it."""
-
-    observation: dict[str, Any]
-    info: dict[str, Any]
-    reward: float = 0.0
-    terminated: bool = False
-    truncated: bool = False
-    queries: dict[str, Any] = field(default_factory=dict)
-    """Query name -> its result, or a :class:`QueryFailed`."""
 
 
 def observation_key(obs: dict[str, Any]) -> str:
@@ -131,7 +113,7 @@ class EnvHost:
         self._env(index)
 
     def reset(self, index: int, seed: int | None, options: dict[str, Any] | None,
-              queries: Sequence[str]) -> HostAnswer:
+              queries: Sequence[str]) -> ItemResult:
         env = self._env(index)
         try:
             obs, info = env.reset(seed=seed, options=options)
@@ -139,9 +121,9 @@ class EnvHost:
             self.close(index)
             raise
         self.last_obs[index] = obs
-        return HostAnswer(obs, info, queries=self.query(index, queries))
+        return ItemResult(obs, info, queries=self.query(index, queries))
 
-    def step(self, index: int, action: str, queries: Sequence[str]) -> HostAnswer:
+    def step(self, index: int, action: str, queries: Sequence[str]) -> ItemResult:
         env = self.envs.get(index)
         if env is None:  # a worker that replaced a dead one never saw this env's reset
             raise RemoteEnvError(f"env {index} has no episode on this worker; call reset() first")
@@ -151,17 +133,17 @@ class EnvHost:
             self.close(index)
             raise
         self.last_obs[index] = obs
-        return HostAnswer(obs, info, float(reward), bool(terminated), bool(truncated), self.query(index, queries))
+        return ItemResult(obs, info, float(reward), bool(terminated), bool(truncated), self.query(index, queries))
 
     def query(self, index: int, names: Sequence[str]) -> dict[str, Any]:
-        """Each query's result, or a :class:`QueryFailed` where it raised (the env goes on)."""
+        """Each query's result, or a :class:`RemoteEnvError` where it raised (the env goes on)."""
         env = self._env(index)
         out: dict[str, Any] = {}
         for name in dict.fromkeys(names):
             try:
                 out[name] = self._answer(index, env, name)
             except Exception as error:
-                out[name] = QueryFailed(f"{name}() failed: {type(error).__name__}: {error}")
+                out[name] = RemoteEnvError(f"{name}() failed: {type(error).__name__}: {error}")
         return out
 
     def _answer(self, index: int, env: AgentEnv, name: str) -> Any:
@@ -473,8 +455,8 @@ class RayEnv(QueriedEnv):
             self._bind(generation)
             self._cache.update(answer)
         value = self._cache[name]
-        if isinstance(value, QueryFailed):
-            raise RemoteEnvError(f"env worker {self.worker} ({self.env_id}): {value.message}")
+        if isinstance(value, RemoteEnvError):
+            raise RemoteEnvError(f"env worker {self.worker} ({self.env_id}): {value}")
         return copy.deepcopy(value)  # callers may change what they get; the cache must not change
 
     def image(self) -> np.ndarray:

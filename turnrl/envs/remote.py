@@ -536,7 +536,8 @@ def _no_server_message(what: str, env_id: str, reasons: dict[str, str]) -> str:
 # --------------------------------------------------------------------------- one result
 @dataclass
 class ItemResult:
-    """One session's part of a reset or step answer, decoded."""
+    """One env's reset or step answer: from a server (one session's part of an answer, decoded) or from a Ray
+    env worker."""
 
     observation: dict[str, Any]
     info: dict[str, Any]
@@ -544,7 +545,7 @@ class ItemResult:
     terminated: bool = False
     truncated: bool = False
     queries: dict[str, Any] = field(default_factory=dict)
-    """Query name -> its decoded result, or a :class:`RemoteEnvError` when the query raised on the server."""
+    """Query name -> its result, or a :class:`RemoteEnvError` when the query raised where the env lives."""
 
 
 def decode_item(url: str, item: Any, step: bool) -> ItemResult:
