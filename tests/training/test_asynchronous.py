@@ -8,20 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.training.test_trainer import COMMON as TRAINER_COMMON
 from turnrl.config import ConfigError, load_config
 from turnrl.engine.engine import weights_version
 from turnrl.training.asynchronous import AsyncRecipe, RolloutThreadError
 from turnrl.training.config import TrainConfig
 from turnrl.training.trainer import Recipe, StepOutput
 
-COMMON = [
-    "model.device=cpu", "model.dtype=float32", "run.tensorboard=false", "run.trajectories_every=1",
-    "env.id=FrozenLake", "agent.format=no_think", "agent.env_instructions=false", "agent.format_instructions=false",
-    "agent.system_prompt=FrozenLake. Reach G. Answer <answer>Left|Down|Right|Up</answer>.",
-    "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=2", "groups.group_size=2",
-    "validation.episodes=2", "run.steps=3", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
-    "optim.actor_lr=1e-3", "optim.critic_lr=1e-3",
-]
+COMMON = [*TRAINER_COMMON, "run.steps=3"]  # the trainer tests' short FrozenLake run, one step longer
 TIS = ["algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
 VOLATILE = ("timing/", "throughput/", "async/")  # wall-clock measurements, and what only the async recipe reports
 
