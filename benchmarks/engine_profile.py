@@ -4,7 +4,9 @@
 sampling included); this script times the decode step itself, the part that
 runs once per generated token: a cache filled to ``--context`` tokens for
 ``--batch`` rows, then ``--steps`` decode steps (CUDA-graph replays on a GPU)
-and the sampler, timed and profiled per step.
+and the sampler, timed and profiled per step. ``--prefill`` times a prefill
+call instead: ``--batch`` fresh prompts of ``--context`` tokens in one forward
+pass.
 
 ``--host-profile`` measures the other side, on a CPU: the engine's own Python
 per decode step (scheduling, bookkeeping, stop checks, building inputs), with
@@ -13,7 +15,8 @@ It prints the wall time of a ``generate`` call per decode step, then, from
 cProfile, the engine's functions by cumulative time and the costliest
 functions overall, per step.
 
-    python benchmarks/engine_profile.py --device cuda --batch 256 --context 640 --variants fused,compiled
+    python benchmarks/engine_profile.py --device cuda --batch 256 --context 640 --variants compiled,triton
+    python benchmarks/engine_profile.py --device cuda --prefill --batch 32 --context 512 --variants compiled,triton
     python benchmarks/engine_profile.py --host-profile --batch 256 --context 64 --new 128
 """
 
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.generation import SHAPES, VARIANTS, build, short_error, synchronize  # noqa: E402
 from turnrl.config import EngineConfig  # noqa: E402
 from turnrl.engine.engine import Engine, SamplingParams  # noqa: E402
+from turnrl.engine.forward import decoder_forward, final_logits  # noqa: E402
 from turnrl.engine.sampling import sample_untruncated  # noqa: E402
 
 
@@ -59,10 +63,32 @@ def decode_step(engine: Engine, batch: int, context: int):
     return step, key_len
 
 
-def profile_variant(model, dtype, device, variant: str, batch: int, context: int, steps: int, top: int) -> None:
+def prefill_step(engine: Engine, batch: int, context: int):
+    """A function that prefills ``batch`` fresh prompts of ``context`` tokens in one forward pass (one prefill
+    chunk of the engine: ``prefill_chunk_tokens`` caps batch x context) and samples each one's first token."""
+    engine._reserve(context)
+    key_len = engine._key_len(context)
+    tokens = torch.randint(0, engine.weights.shape.vocab_size, (batch, context), device=engine.device)
+    positions = torch.arange(context, device=engine.device).expand(batch, context)
+    rows = torch.arange(batch, device=engine.device)
+    temperature = torch.ones(batch, device=engine.device)
+    weights = engine.weights
+
+    @torch.no_grad()
+    def step() -> torch.Tensor:
+        hidden = decoder_forward(weights, engine.cache, engine.rope, tokens, positions, positions, rows, key_len,
+                                 triton_attention=engine.triton_attention)
+        logits = final_logits(hidden[:, -1], weights.norm.value, weights.lm_head.value, weights.shape.rms_eps)
+        return sample_untruncated(logits, temperature)[0]
+
+    return step, key_len
+
+
+def profile_variant(model, dtype, device, variant: str, batch: int, context: int, steps: int, top: int,
+                    prefill: bool = False) -> None:
     config = EngineConfig(kv_cache_gb=40.0, max_rows=batch, max_seq_len=context + 2, **VARIANTS[variant])  # type: ignore[arg-type]
     engine = Engine(model, config, dtype=dtype)
-    step, key_len = decode_step(engine, batch, context)
+    step, key_len = (prefill_step if prefill else decode_step)(engine, batch, context)
     for _ in range(3):  # compilation, capture
         step()
     synchronize(device)
@@ -71,7 +97,8 @@ def profile_variant(model, dtype, device, variant: str, batch: int, context: int
         step()
     synchronize(device)
     wall_ms = 1000 * (time.perf_counter() - start) / steps
-    print(f"\nengine {variant}: batch {batch}, key length {key_len}: {wall_ms:.3f} ms per step (wall, with sampling)"
+    what = f"prefill of {batch} x {context} tokens" if prefill else f"decode, batch {batch}, key length {key_len}"
+    print(f"\nengine {variant}: {what}: {wall_ms:.3f} ms per step (wall, with sampling)"
           f"{'' if engine.kernels.compiled or 'compiled' not in variant else ' -- compile fell back to eager'}")
     if device.type != "cuda":
         return
@@ -234,6 +261,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--variants", default="fused,compiled", help=f"comma-separated, of {','.join(VARIANTS)}")
+    parser.add_argument("--prefill", action="store_true",
+                        help="profile a prefill call of --batch prompts of --context tokens instead of a decode step")
     parser.add_argument("--host-profile", action="store_true",
                         help="the engine's host time per decode step on a CPU (tiny model; --batch, --context as "
                              "the prompt length, --new)")
@@ -252,7 +281,7 @@ def main() -> None:
     batch, context = args.batch or (256 if cuda else 16), args.context or (640 if cuda else 64)
     for variant in args.variants.split(","):
         try:
-            profile_variant(model, dtype, device, variant, batch, context, args.steps, args.top)
+            profile_variant(model, dtype, device, variant, batch, context, args.steps, args.top, args.prefill)
         except Exception as error:  # one variant's failure is printed; the others still run
             print(f"\nengine {variant}: failed: {short_error(error)}")
         if cuda:

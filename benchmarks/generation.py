@@ -16,8 +16,10 @@ same shape (compilation and graph capture happen there):
 - ``engine <variant>`` for each of ``--engine-variants`` (:data:`VARIANTS`):
   ``unfused`` (separate q/k/v and gate/up GEMMs, eager, CUDA graphs: the
   engine before fusion and compilation), ``fused`` (stacked projections,
-  eager), ``compiled`` (stacked projections, torch.compile; the GPU default),
-  ``no_graphs`` and ``compiled_no_graphs``.
+  eager), ``compiled`` (stacked projections, torch.compile), all three with
+  torch's attention up to the longest sequence; ``triton`` (``compiled`` with
+  the Triton attention kernel, which reads each row to its own length: the GPU
+  default), ``no_graphs`` and ``compiled_no_graphs``.
 
 Tokens/s counts generated tokens over the wall time of the call (prefill
 included); ``x generate`` is the ratio against ``generate`` at the same batch;
@@ -104,11 +106,12 @@ def hf_generate_batch(model, prompts: torch.Tensor, new: int) -> Callable[[], ob
 
 
 VARIANTS: dict[str, dict[str, object]] = {
-    "unfused": dict(fuse_projections=False, compile="false"),
-    "fused": dict(compile="false"),
-    "compiled": dict(compile="true"),
-    "no_graphs": dict(compile="false", cuda_graphs=False),
-    "compiled_no_graphs": dict(compile="true", cuda_graphs=False),
+    "unfused": dict(fuse_projections=False, compile="false", attention="torch"),
+    "fused": dict(compile="false", attention="torch"),
+    "compiled": dict(compile="true", attention="torch"),
+    "triton": dict(compile="true", attention="triton"),
+    "no_graphs": dict(compile="false", cuda_graphs=False, attention="torch"),
+    "compiled_no_graphs": dict(compile="true", cuda_graphs=False, attention="torch"),
 }
 """Engine settings compared by ``--engine-variants`` (``EngineConfig`` fields)."""
 
@@ -159,7 +162,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=None)
     parser.add_argument("--new", type=int, default=None)
     parser.add_argument("--engine-variants", default=None,
-                        help=f"comma-separated, of {','.join(VARIANTS)} (default: unfused,fused,compiled on a GPU, "
+                        help=f"comma-separated, of {','.join(VARIANTS)} (default: fused,compiled,triton on a GPU, "
                              "unfused,fused on a CPU)")
     parser.add_argument("--with", dest="extra", nargs="*", default=[], choices=["static", "generate_batch"],
                         help="slower transformers rows to add")
@@ -179,7 +182,7 @@ def main() -> None:
     batches = args.batch or ([8, 32] if quick else [64, 256])
     prompt_len = args.prompt or (64 if quick else 512)
     new = args.new or (32 if quick else 256)
-    variants = (args.engine_variants or ("unfused,fused,compiled" if device.type == "cuda" else "unfused,fused")
+    variants = (args.engine_variants or ("fused,compiled,triton" if device.type == "cuda" else "unfused,fused")
                 ).split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--obs", type=int, default=48)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"],
+                        help="the engine's attention (model.engine.attention)")
     args = parser.parse_args()
     device = torch.device(args.device)
     quick = args.quick or device.type == "cpu"
@@ -103,12 +105,14 @@ def main() -> None:
     max_len = args.prompt + turns * (args.obs + args.new) + 1
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
     print(f"{preset} Qwen2, {dtype}, {episodes} episodes x {turns} turns (prompt {args.prompt}, observations "
-          f"{args.obs}, responses 8-{args.new} tokens), on {name} (torch {torch.__version__})")
+          f"{args.obs}, responses 8-{args.new} tokens), attention {args.attention}, on {name} "
+          f"(torch {torch.__version__})")
     print(f"{'mode':<20} {'prefill tokens':>15} {'generated':>10} {'seconds':>8} {'tokens/s':>9} {'speedup':>8}")
     baseline = None
     for label, wait, reuse in [("rounds, re-prefill", True, False), ("rounds, KV reuse", True, True),
                                ("no wait, KV reuse", False, True)]:
-        engine = Engine(model, EngineConfig(kv_cache_gb=40.0, max_rows=episodes, max_seq_len=max_len), dtype=dtype)
+        engine = Engine(model, EngineConfig(kv_cache_gb=40.0, max_rows=episodes, max_seq_len=max_len,
+                                            attention=args.attention), dtype=dtype)
         warm = episodes_plan(episodes, 2, args.prompt, args.obs, args.new, SHAPES[preset]["vocab_size"], seed=1)
         play(engine, warm, 2, wait, reuse)  # graph capture and allocator warm-up
         engine.table.clear()

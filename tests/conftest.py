@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels (the engine's attention) run in Triton's interpreter on CPU tensors when no GPU is there: the
+# switch is read when Triton is imported, so it is set before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The tiny models are far too small for intra-op threads to pay off: on a
 # shared machine they only add contention (a forward pass runs ~40x slower
 # with two busy threads than with one).

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from turnrl.config import EngineConfig
+from turnrl.engine.attention import triton_available
 from turnrl.engine.forward import (
     EAGER,
     DecoderKernels,
@@ -151,6 +152,19 @@ def compile_enabled(setting: str, device: torch.device) -> bool:
     return device.type == "cuda" if value == "auto" else value == "true"
 
 
+def triton_attention_enabled(setting: str, device: torch.device) -> bool:
+    """``model.engine.attention``: ``auto`` takes the Triton kernel on a GPU when Triton is installed."""
+    value = str(setting).lower()
+    if value == "torch":
+        return False
+    if value == "triton":
+        if not triton_available():
+            raise RuntimeError("model.engine.attention=triton needs Triton, which this torch install lacks "
+                               "(CUDA builds of torch ship it); set model.engine.attention=torch or auto")
+        return True
+    return device.type == "cuda" and triton_available()
+
+
 def weights_version(model: nn.Module) -> int:
     """A number that changes whenever a parameter is modified in place (an optimizer step, a load)."""
     return sum(p._version for p in model.parameters())
@@ -219,6 +233,7 @@ class Engine:
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool: Any = None
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
+        self.triton_attention = triton_attention_enabled(config.attention, self.device)
         self.kernels: DecoderKernels = EAGER
         self._sample_untruncated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sample_untruncated
         if compile_enabled(config.compile, self.device):
@@ -372,7 +387,7 @@ class Engine:
         self.timer.start("prefill")
         hidden = decoder_forward(
             self.weights, self.cache, self.rope, tokens.to(self.device), positions.to(self.device),
-            write_pos.to(self.device), rows_t, key_len,
+            write_pos.to(self.device), rows_t, key_len, triton_attention=self.triton_attention,
         )
         last = torch.tensor([len(n) - 1 for n in news], device=self.device)
         logits = final_logits(hidden[torch.arange(b, device=self.device), last], self.weights.norm.value,
@@ -424,7 +439,10 @@ class Engine:
     def _key_len(self, length: int, graphed: bool = False) -> int:
         """Key positions attended for sequences of at most ``length`` tokens, within the capacity: a bucket for
         a CUDA graph (a graph replays fixed shapes), else ``length`` rounded up to aligned rows (the positions
-        past a sequence are masked)."""
+        past a sequence are masked). The Triton kernel reads each row to its own length whatever this is: its
+        graphs are captured per batch bucket alone, at the capacity."""
+        if self.triton_attention:
+            return self.cache.capacity
         return min(_bucket(length, self._key_buckets) if graphed else round_up(length), self.cache.capacity)
 
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
@@ -434,7 +452,7 @@ class Engine:
         def run(kernels: DecoderKernels) -> torch.Tensor:
             hidden = decoder_forward(
                 self.weights, self.cache, self.rope, tokens.unsqueeze(1), positions.unsqueeze(1),
-                positions.unsqueeze(1), None, key_len, kernels,
+                positions.unsqueeze(1), None, key_len, kernels, self.triton_attention,
             )
             return kernels.final_logits(hidden[:, 0], self.weights.norm.value, self.weights.lm_head.value,
                                         self.weights.shape.rms_eps)

@@ -28,6 +28,7 @@ import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
+from turnrl.engine.attention import cached_attention
 from turnrl.engine.weights import DecoderShape, DecoderWeights, WeightRef
 
 KEY_ALIGN = 64
@@ -227,6 +228,8 @@ class DecoderKernels:
 
     attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = attention_inputs
     decode_layer_out: Callable[..., torch.Tensor] = decode_layer_out
+    layer_out: Callable[..., torch.Tensor] = layer_out
+    """After :func:`~turnrl.engine.attention.cached_attention` (which replaces :func:`decode_attention`)."""
     final_logits: Callable[..., torch.Tensor] = final_logits
 
     @property
@@ -266,6 +269,7 @@ def compiled_kernels() -> DecoderKernels:
     return DecoderKernels(
         attention_inputs=DynamicCompiled(attention_inputs, {0: (0,), 1: (0,)}),
         decode_layer_out=DynamicCompiled(decode_layer_out, {0: (0,), 1: (0,), 2: (0, 2), 3: (0, 2), 4: (0,)}),
+        layer_out=DynamicCompiled(layer_out, {0: (0,), 1: (0,)}),
         final_logits=DynamicCompiled(final_logits, {0: (0,)}),
     )
 
@@ -284,6 +288,7 @@ def decoder_forward(
     rows: torch.Tensor | None,
     key_len: int,
     kernels: DecoderKernels = EAGER,
+    triton_attention: bool = False,
 ) -> torch.Tensor:
     """Final hidden states of the new tokens, writing their keys and values into the cache.
 
@@ -295,6 +300,9 @@ def decoder_forward(
         rows: the cache row of each sequence, Shape (b,); None means rows ``0 .. b-1`` (read without a copy).
         key_len: L, the key positions attended; at least every sequence's length after this call.
         kernels: the layer functions for a decode call (t = 1); a prefill runs :data:`EAGER`'s.
+        triton_attention: attend with :func:`~turnrl.engine.attention.cached_attention` (each row read only up to
+            its own length; ``key_len`` is then unused), else with torch's batched matmuls (decode) or SDPA over a
+            mask (prefill), up to ``key_len``.
 
     Returns:
         Shape (b, t, hidden), before the final norm (:func:`final_logits` applies it).
@@ -304,6 +312,7 @@ def decoder_forward(
     decode = t == 1
     if not decode:
         kernels = EAGER
+    if not decode and not triton_attention:
         # Grouped-query attention without repeating keys: the n_rep query heads of a key/value head become
         # n_rep * t queries of that head.
         n_rep = shape.num_heads // shape.num_kv_heads
@@ -319,17 +328,19 @@ def decoder_forward(
             layer.k_norm.value if layer.k_norm is not None else None, shape,
         )
         kv_cache[:, write_rows, :, write_pos] = kv  # one indexed write for keys and values
-        cached = kv_cache[:, :b, :, :key_len] if rows is None else kv_cache[:, rows, :, :key_len]
-        keys, values = cached[0], cached[1]
         o_bias = layer.o_bias.value if layer.o_bias is not None else None
         gate_up = _values(layer.gate_up) or []
+        after_attention = (layer.o.value, o_bias, layer.post_norm.value, gate_up, layer.down.value, shape.rms_eps)
+        if triton_attention:
+            x = kernels.layer_out(x, cached_attention(q, kv_cache, rows, positions, cache.capacity), *after_attention)
+            continue
+        cached = kv_cache[:, :b, :, :key_len] if rows is None else kv_cache[:, rows, :, :key_len]
+        keys, values = cached[0], cached[1]
         if decode:
-            x = kernels.decode_layer_out(x, q, keys, values, positions[:, 0], layer.o.value, o_bias,
-                                         layer.post_norm.value, gate_up, layer.down.value, shape.rms_eps)
+            x = kernels.decode_layer_out(x, q, keys, values, positions[:, 0], *after_attention)
         else:
             grouped = q.reshape(b, shape.num_kv_heads, n_rep * t, shape.head_dim)
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
             attended = out.reshape(b, shape.num_heads, t, shape.head_dim).transpose(1, 2).reshape(b, t, -1)
-            x = layer_out(x, attended, layer.o.value, o_bias, layer.post_norm.value, gate_up, layer.down.value,
-                          shape.rms_eps)
+            x = layer_out(x, attended, *after_attention)
     return x

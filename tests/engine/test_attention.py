@@ -1,0 +1,96 @@
+"""The Triton attention kernel against a plain loop of softmax attention (Triton's interpreter on a CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turnrl.engine.attention import cached_attention, triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+
+CAPACITY = 128
+
+
+def reference(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v over each query's keys 0 .. position, one query and head at a time, float64."""
+    b, heads, t, head_dim = q.shape
+    n_rep = heads // kv.shape[2]
+    out = torch.zeros(b, t, heads, head_dim, dtype=torch.float64)
+    for i in range(b):
+        row = i if rows is None else int(rows[i])
+        for j in range(t):
+            position = int(positions[i, j])
+            position = 0 if position >= CAPACITY else position
+            for h in range(heads):
+                keys = kv[0, row, h // n_rep, : position + 1].double()
+                values = kv[1, row, h // n_rep, : position + 1].double()
+                scores = keys @ q[i, h, j].double() * head_dim**-0.5
+                out[i, j, h] = torch.softmax(scores, 0) @ values
+    return out.reshape(b, t, heads * head_dim)
+
+
+def cache(rows: int, kv_heads: int, head_dim: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(2, rows, kv_heads, CAPACITY + 1, head_dim, generator=generator).to(dtype)
+
+
+def queries(b: int, heads: int, t: int, head_dim: int, dtype=torch.float32, seed: int = 1) -> torch.Tensor:
+    """Shape (b, Hq, t, D) as the engine's queries are: a transposed view of (b, t, Hq, D)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(b, t, heads, head_dim, generator=generator).to(dtype).transpose(1, 2)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (14, 2, 64), (6, 6, 24), (8, 1, 128)])
+def test_prefill_extending_cached_rows_equals_plain_attention(heads, kv_heads, head_dim):
+    """Three sequences on rows 4, 0, 2: one fresh, two extending cached tokens, one right-padded."""
+    kv = cache(6, kv_heads, head_dim)
+    q = queries(3, heads, 5, head_dim)
+    rows = torch.tensor([4, 0, 2])
+    positions = torch.tensor([0, 70, 3])[:, None] + torch.arange(5)[None]
+    positions[2, 3:] = positions[2, 2]  # padding repeats the sequence's last position
+    out = cached_attention(q, kv, rows, positions, CAPACITY)
+    assert out.shape == (3, 5, heads * head_dim)
+    torch.testing.assert_close(out.double(), reference(q, kv, rows, positions), atol=2e-5, rtol=1e-5)
+
+
+def test_a_long_prefill_spans_several_query_and_key_blocks():
+    kv = cache(2, 2, 32)
+    q = queries(2, 4, 100, 32)
+    positions = torch.arange(100)[None].repeat(2, 1) + torch.tensor([[0], [20]])
+    out = cached_attention(q, kv, None, positions, CAPACITY)
+    torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-5, rtol=1e-5)
+
+
+def test_decode_rows_at_the_scratch_position_attend_to_the_first_key_alone():
+    kv = cache(4, 2, 64)
+    q = queries(4, 14, 1, 64)
+    positions = torch.tensor([[5], [CAPACITY], [100], [0]])
+    out = cached_attention(q, kv, None, positions, CAPACITY)
+    torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1].view(14, 64), kv[1, 1, :, 0].repeat_interleave(7, dim=0))
+
+
+def test_nothing_past_a_sequence_is_read():
+    """Every cache position past what the call attends to is NaN: the outputs stay finite and equal."""
+    kv = cache(5, 2, 32)
+    rows = torch.tensor([3, 1])
+    positions = torch.tensor([[40, 41, 42], [7, 8, 8]])
+    poisoned = kv.clone()
+    for row, last in ((3, 42), (1, 8)):
+        poisoned[:, row, :, last + 1 :] = float("nan")
+    for row in (0, 2, 4):
+        poisoned[:, row] = float("nan")
+    q = queries(2, 4, 3, 32)
+    out = cached_attention(q, poisoned, rows, positions, CAPACITY)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, cached_attention(q, kv, rows, positions, CAPACITY))
+
+
+def test_half_precision_inputs_give_half_precision_outputs_close_to_float64():
+    kv = cache(3, 2, 64, torch.float16)
+    q = queries(3, 14, 2, 64, torch.float16)
+    positions = torch.tensor([[10, 11], [60, 61], [0, 1]])
+    out = cached_attention(q, kv, None, positions, CAPACITY)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-3, rtol=2e-3)
