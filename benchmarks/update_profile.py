@@ -1,0 +1,79 @@
+"""Where a training step's time goes: its phases, then the update (scores and PPO epochs) under torch.profiler.
+
+Builds the recipe of ``--config`` and its overrides (as ``turnrl train`` does), runs ``--steps`` steps
+(the first ones warm up: compilation, graph capture, allocator), printing each step's phase timings, then
+rolls out once more and profiles the update of that rollout: the operators by device time and by host time,
+and the wall time against the device's busy time (a host-bound update shows a large gap).
+
+    python benchmarks/update_profile.py --config configs/ragen_sokoban.yaml model.builtin_preset=0.5b \\
+        validation.every=0 run.name=profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from turnrl.config import load_config  # noqa: E402
+from turnrl.training.config import TrainConfig  # noqa: E402
+from turnrl.training.trainer import Recipe  # noqa: E402
+
+PHASES = ("timing/rollout_s", "timing/old_logprobs_s", "timing/values_s", "timing/update_s", "timing/step_s")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--steps", type=int, default=3, help="steps before the profiled one")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as runs:
+        config = load_config(TrainConfig, args.config, [f"run.output_dir={runs}", "validation.every=0",
+                                                         *args.overrides])
+        recipe = Recipe(config)
+        device = recipe.device
+        for step in range(args.steps):
+            metrics = recipe.step(step).metrics
+            print(f"step {step}: " + ", ".join(f"{p.split('/')[1]} {metrics[p]:.2f}" for p in PHASES
+                                                if p in metrics), flush=True)
+        rollout, keep = recipe.roll_out(args.steps)
+        if not keep:
+            print("the profiled step kept no episodes: nothing to update")
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        synchronize(device)
+        start = time.perf_counter()
+        with profile(activities=activities) as profiler:
+            metrics = recipe.update(args.steps, rollout, keep).metrics
+            synchronize(device)
+        wall = time.perf_counter() - start
+        print(f"profiled update (step {args.steps}): {wall:.2f} s wall under the profiler; "
+              + ", ".join(f"{p.split('/')[1]} {metrics[p]:.2f}" for p in PHASES if p in metrics)
+              + f"; {metrics.get('batch/samples', 0):.0f} samples, {metrics.get('batch/trained_tokens', 0):.0f} "
+              f"trained tokens, mean length {metrics.get('batch/sequence_length_mean', 0):.0f}")
+        events = profiler.key_averages()
+        if device.type == "cuda":
+            busy = sum(e.self_device_time_total for e in events) / 1e6
+            kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
+            print(f"device busy {busy:.2f} s of {wall:.2f} s ({kernels} kernels)")
+            print(events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=70))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
