@@ -42,22 +42,22 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--preset", default=None, choices=list(SHAPES))
     parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"],
-                        help="the engine's attention (model.engine.attention)")
+    parser.add_argument("--triton", default="auto", choices=["auto", "true", "false"],
+                        help="the engine's Triton kernels (model.engine.triton)")
     args = parser.parse_args()
     device = torch.device(args.device)
     preset = args.preset or ("0.5b" if device.type == "cuda" else "small")
     vocab = SHAPES[preset]["vocab_size"]
     prompts = prompts_of([37, 64, 100, 200, 5, 150, 80, 20], vocab, device)
-    config = EngineConfig(kv_cache_gb=8.0, max_rows=16, max_seq_len=512, attention=args.attention)
+    config = EngineConfig(kv_cache_gb=8.0, max_rows=16, max_seq_len=512, triton=args.triton)
 
     model = build(preset, device, torch.float32)
     engine = Engine(model, config)
     results = engine.generate(prompts, [SamplingParams(temperature=0, max_new_tokens=args.new)] * len(prompts))
     exact = sum(r.token_ids == greedy_reference(model, p, args.new, device) for p, r in zip(prompts, results))
     print(f"float32 greedy, {preset}: {exact}/{len(prompts)} sequences of {args.new} tokens equal generate's "
-          f"(graphs {'on' if engine.use_graphs else 'off'}, attention {args.attention}: "
-          f"{'triton' if engine.triton_attention else 'torch'})")
+          f"(graphs {'on' if engine.use_graphs else 'off'}, triton {args.triton}: "
+          f"{engine.triton})")
 
     model = build(preset, device, torch.bfloat16)
     engine = Engine(model, config)

@@ -40,7 +40,6 @@ from benchmarks.generation import SHAPES, VARIANTS, build, short_error, synchron
 from turnrl.config import EngineConfig  # noqa: E402
 from turnrl.engine.engine import Engine, SamplingParams  # noqa: E402
 from turnrl.engine.forward import decoder_forward, final_logits  # noqa: E402
-from turnrl.engine.sampling import sample_untruncated  # noqa: E402
 
 
 def decode_step(engine: Engine, batch: int, context: int):
@@ -51,14 +50,13 @@ def decode_step(engine: Engine, batch: int, context: int):
     # Writing at the scratch column keeps the cache as it is; attention reads key_len positions all the same.
     positions = torch.full((batch,), context, dtype=torch.long, device=engine.device)
     temperature = torch.ones(batch, device=engine.device)
-    sampler = engine._sample_untruncated if engine.kernels.compiled else sample_untruncated
 
     def step() -> torch.Tensor:
         if engine.use_graphs:
             logits = engine._graph(batch, key_len).run(tokens, positions)
         else:
             logits = engine._decode_logits(tokens, positions, key_len)
-        return sampler(logits, temperature)[0]
+        return engine._sample_full(logits, temperature)[0]
 
     return step, key_len
 
@@ -77,9 +75,9 @@ def prefill_step(engine: Engine, batch: int, context: int):
     @torch.no_grad()
     def step() -> torch.Tensor:
         hidden = decoder_forward(weights, engine.cache, engine.rope, tokens, positions, positions, rows, key_len,
-                                 triton_attention=engine.triton_attention)
+                                 engine.kernels, engine.triton)
         logits = final_logits(hidden[:, -1], weights.norm.value, weights.lm_head.value, weights.shape.rms_eps)
-        return sample_untruncated(logits, temperature)[0]
+        return engine._sample_full(logits, temperature)[0]
 
     return step, key_len
 

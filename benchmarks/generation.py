@@ -17,9 +17,9 @@ same shape (compilation and graph capture happen there):
   ``unfused`` (separate q/k/v and gate/up GEMMs, eager, CUDA graphs: the
   engine before fusion and compilation), ``fused`` (stacked projections,
   eager), ``compiled`` (stacked projections, torch.compile), all three with
-  torch's attention up to the longest sequence; ``triton`` (``compiled`` with
-  the Triton attention kernel, which reads each row to its own length: the GPU
-  default), ``no_graphs`` and ``compiled_no_graphs``.
+  torch's attention up to the longest sequence and a compiled torch sampler;
+  ``triton`` (``compiled`` with the Triton kernels: attention that reads each
+  row to its own length and one-pass sampling; the GPU default), ``no_graphs`` and ``compiled_no_graphs``.
 
 Tokens/s counts generated tokens over the wall time of the call (prefill
 included); ``x generate`` is the ratio against ``generate`` at the same batch;
@@ -106,12 +106,12 @@ def hf_generate_batch(model, prompts: torch.Tensor, new: int) -> Callable[[], ob
 
 
 VARIANTS: dict[str, dict[str, object]] = {
-    "unfused": dict(fuse_projections=False, compile="false", attention="torch"),
-    "fused": dict(compile="false", attention="torch"),
-    "compiled": dict(compile="true", attention="torch"),
-    "triton": dict(compile="true", attention="triton"),
-    "no_graphs": dict(compile="false", cuda_graphs=False, attention="torch"),
-    "compiled_no_graphs": dict(compile="true", cuda_graphs=False, attention="torch"),
+    "unfused": dict(fuse_projections=False, compile="false", triton="false"),
+    "fused": dict(compile="false", triton="false"),
+    "compiled": dict(compile="true", triton="false"),
+    "triton": dict(compile="true", triton="true"),
+    "no_graphs": dict(compile="false", cuda_graphs=False, triton="false"),
+    "compiled_no_graphs": dict(compile="true", cuda_graphs=False, triton="false"),
 }
 """Engine settings compared by ``--engine-variants`` (``EngineConfig`` fields)."""
 

@@ -23,7 +23,9 @@ against the first row.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import platform
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.generation import SHAPES, build, synchronize  # noqa: E402
 from turnrl.config import EngineConfig  # noqa: E402
-from turnrl.engine.engine import Engine, SamplingParams  # noqa: E402
+from turnrl.engine.engine import Engine, EngineStats, SamplingParams  # noqa: E402
 
 
 def episodes_plan(episodes: int, turns: int, prompt: int, obs: int, new: int, vocab: int, seed: int = 0):
@@ -91,8 +93,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--obs", type=int, default=48)
     parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"],
-                        help="the engine's attention (model.engine.attention)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the table, cProfile each mode's play (host time by function, cumulative)")
+    parser.add_argument("--triton", default="auto", choices=["auto", "true", "false"],
+                        help="the engine's Triton kernels (model.engine.triton)")
     args = parser.parse_args()
     device = torch.device(args.device)
     quick = args.quick or device.type == "cpu"
@@ -105,26 +109,41 @@ def main() -> None:
     max_len = args.prompt + turns * (args.obs + args.new) + 1
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
     print(f"{preset} Qwen2, {dtype}, {episodes} episodes x {turns} turns (prompt {args.prompt}, observations "
-          f"{args.obs}, responses 8-{args.new} tokens), attention {args.attention}, on {name} "
+          f"{args.obs}, responses 8-{args.new} tokens), triton {args.triton}, on {name} "
           f"(torch {torch.__version__})")
-    print(f"{'mode':<20} {'prefill tokens':>15} {'generated':>10} {'seconds':>8} {'tokens/s':>9} {'speedup':>8}")
+    print(f"{'mode':<20} {'prefill tokens':>15} {'calls':>6} {'decode steps':>12} {'generated':>10} {'seconds':>8} "
+          f"{'tokens/s':>9} {'speedup':>8}")
     baseline = None
-    for label, wait, reuse in [("rounds, re-prefill", True, False), ("rounds, KV reuse", True, True),
-                               ("no wait, KV reuse", False, True)]:
+    modes = [("rounds, re-prefill", True, False), ("rounds, KV reuse", True, True), ("no wait, KV reuse", False, True)]
+    engines = {}
+    for label, wait, reuse in modes:
         engine = Engine(model, EngineConfig(kv_cache_gb=40.0, max_rows=episodes, max_seq_len=max_len,
-                                            attention=args.attention), dtype=dtype)
+                                            triton=args.triton), dtype=dtype)
         warm = episodes_plan(episodes, 2, args.prompt, args.obs, args.new, SHAPES[preset]["vocab_size"], seed=1)
         play(engine, warm, 2, wait, reuse)  # graph capture and allocator warm-up
         engine.table.clear()
-        engine.stats.prefill_tokens = 0
+        engine.stats = EngineStats()
         synchronize(device)
         start = time.perf_counter()
         generated = play(engine, plan, turns, wait, reuse)
         synchronize(device)
         seconds = time.perf_counter() - start
         baseline = baseline or seconds
-        print(f"{label:<20} {engine.stats.prefill_tokens:>15,} {generated:>10,} {seconds:>8.2f} "
-              f"{generated / seconds:>9,.0f} {baseline / seconds:>7.1f}x", flush=True)
+        stats = engine.stats
+        print(f"{label:<20} {stats.prefill_tokens:>15,} {stats.prefill_calls:>6,} {stats.decode_steps:>12,} "
+              f"{generated:>10,} {seconds:>8.2f} {generated / seconds:>9,.0f} {baseline / seconds:>7.1f}x", flush=True)
+        engines[label] = engine
+    if args.profile:
+        for label, wait, reuse in modes[1:]:
+            engine = engines[label]
+            engine.table.clear()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            play(engine, plan, turns, wait, reuse)
+            synchronize(device)
+            profiler.disable()
+            print(f"\n{label}: cProfile, by cumulative time")
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,10 @@ def main() -> None:
     parser.add_argument("--config", default=None)
     parser.add_argument("--steps", type=int, default=3, help="steps before the profiled one")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="only the steps' phase timings")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     with tempfile.TemporaryDirectory() as runs:
         config = load_config(TrainConfig, args.config, [f"run.output_dir={runs}", "validation.every=0",
                                                          *args.overrides])
@@ -49,6 +51,8 @@ def main() -> None:
             metrics = recipe.step(step).metrics
             print(f"step {step}: " + ", ".join(f"{p.split('/')[1]} {metrics[p]:.2f}" for p in PHASES
                                                 if p in metrics), flush=True)
+        if not args.profile:
+            return
         rollout, keep = recipe.roll_out(args.steps)
         if not keep:
             print("the profiled step kept no episodes: nothing to update")

@@ -268,15 +268,15 @@ class EngineConfig:
     a compilation that fails falls back to eager decoding with a warning."""
     fuse_projections: bool = True
     """Stack the q/k/v and gate/up weights into one buffer each (one GEMM per group; costs a copy of them)."""
-    attention: str = "auto"
-    """``triton``: one Triton kernel attends prefill and decode, reading each cached row only up to its own length;
-    ``torch``: batched matmuls (decode) and SDPA (prefill) up to the longest sequence of the batch; ``auto``:
-    Triton on a GPU when it is installed, else torch."""
+    triton: str = "auto"
+    """Triton kernels for attention (one kernel for prefill and decode, reading each cached row only up to its own
+    length) and sampling (one pass over the logits): ``true``, ``false`` (torch: batched matmuls or SDPA up to the
+    longest sequence of the batch, a compiled torch sampler), ``auto`` (on a GPU when Triton is installed)."""
 
     def validate(self) -> None:
         check_range("model.engine.kv_cache_gb", self.kv_cache_gb, 0.0)
         check_choice("model.engine.compile", str(self.compile).lower(), ["auto", "true", "false"])
-        check_choice("model.engine.attention", str(self.attention).lower(), ["auto", "triton", "torch"])
+        check_choice("model.engine.triton", str(self.triton).lower(), ["auto", "true", "false"])
         for key in ("max_rows", "max_seq_len", "prefill_chunk_tokens"):
             check_range(f"model.engine.{key}", getattr(self, key), 1)
 

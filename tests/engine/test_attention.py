@@ -94,3 +94,13 @@ def test_half_precision_inputs_give_half_precision_outputs_close_to_float64():
     out = cached_attention(q, kv, None, positions, CAPACITY)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 8])
+def test_decode_split_into_key_stretches_equals_plain_attention(split):
+    """Rows of very different lengths (one shorter than a block per stretch) and a scratch row, over rows 0..b-1."""
+    kv = cache(5, 2, 64)
+    q = queries(5, 14, 1, 64)
+    positions = torch.tensor([[0], [3], [CAPACITY], [127], [64]])
+    out = cached_attention(q, kv, None, positions, CAPACITY, split=split)
+    torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-5, rtol=1e-5)

@@ -50,19 +50,20 @@ def build(name: str = "qwen2", seed: int = 0, **overrides) -> torch.nn.Module:
     return model
 
 
-ATTENTION = {"attention": "torch"}
-"""The engine's attention in :func:`engine_for`; the :func:`attention` fixture runs a test with each."""
+KERNELS = {"triton": "false"}
+"""The engine's kernels in :func:`engine_for`; the :func:`kernels` fixture runs a test with each."""
 
 
 @pytest.fixture(params=["torch", "triton"])
-def attention(request, monkeypatch):
-    """Run the test with torch's attention and with the Triton kernel (in Triton's interpreter on a CPU)."""
-    monkeypatch.setitem(ATTENTION, "attention", request.param)
+def kernels(request, monkeypatch):
+    """Run the test with torch's attention and sampler and with the Triton kernels (Triton's interpreter on a
+    CPU)."""
+    monkeypatch.setitem(KERNELS, "triton", "true" if request.param == "triton" else "false")
     return request.param
 
 
 def engine_for(model, rows: int = 8, max_len: int = 512, **config) -> Engine:
-    return Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=rows, max_seq_len=max_len, **{**ATTENTION, **config}))
+    return Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=rows, max_seq_len=max_len, **{**KERNELS, **config}))
 
 
 def random_prompts(lengths, seed: int = 1) -> list[list[int]]:
@@ -88,7 +89,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_greedy_tokens_equal_transformers_generate(name, attention):
+def test_greedy_tokens_equal_transformers_generate(name, kernels):
     model = build(name)
     prompts = random_prompts([5, 23, 11, 1])
     results = engine_for(model).generate(prompts, [GREEDY] * len(prompts))
@@ -98,7 +99,7 @@ def test_greedy_tokens_equal_transformers_generate(name, attention):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampled_logprobs_equal_a_full_forward_pass(temperature, attention):
+def test_sampled_logprobs_equal_a_full_forward_pass(temperature, kernels):
     model = build("qwen2")
     prompts = random_prompts([7, 30, 2])
     torch.manual_seed(0)
@@ -153,7 +154,7 @@ def play_episode(engine: Engine, turns: int, forget: bool) -> tuple[list[list[in
     return responses, engine.stats.prefill_tokens
 
 
-def test_a_ten_turn_episode_gives_the_same_tokens_with_kv_reuse_as_with_re_prefill(attention):
+def test_a_ten_turn_episode_gives_the_same_tokens_with_kv_reuse_as_with_re_prefill(kernels):
     model = build("qwen2")
     reused, reuse_prefill = play_episode(engine_for(model), 10, forget=False)
     again, full_prefill = play_episode(engine_for(model), 10, forget=True)
@@ -177,7 +178,7 @@ def test_sampling_with_a_seed_is_reproducible_for_a_fixed_batch():
     assert [r.token_ids for r in first] != [r.token_ids for r in third]
 
 
-def test_more_sequences_than_rows_wait_for_a_row_and_give_the_same_tokens(attention):
+def test_more_sequences_than_rows_wait_for_a_row_and_give_the_same_tokens(kernels):
     model = build("qwen2")
     prompts = random_prompts([5, 30, 9, 17, 2, 11, 25])
     params = [SamplingParams(temperature=0, max_new_tokens=4 + 3 * i) for i in range(len(prompts))]
@@ -188,7 +189,7 @@ def test_more_sequences_than_rows_wait_for_a_row_and_give_the_same_tokens(attent
     assert narrow_engine.rows == 2
 
 
-def test_evicted_episodes_are_prefilled_again_and_give_the_same_tokens(attention):
+def test_evicted_episodes_are_prefilled_again_and_give_the_same_tokens(kernels):
     """Three episodes take turns on two rows: each turn evicts another episode's cache."""
     model = build("qwen2")
     episodes = random_prompts([30, 35, 40], seed=8)
@@ -208,7 +209,7 @@ def test_evicted_episodes_are_prefilled_again_and_give_the_same_tokens(attention
     assert small.stats.evictions >= 8
 
 
-def test_the_cache_grows_for_longer_sequences_without_changing_tokens(attention):
+def test_the_cache_grows_for_longer_sequences_without_changing_tokens(kernels):
     model = build("qwen2")
     prompts = random_prompts([20, 700])
     engine = engine_for(model, max_len=1024)

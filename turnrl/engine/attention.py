@@ -18,6 +18,8 @@ interpreter, which is how the tests check it without a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -35,19 +37,22 @@ if triton is not None:
 
     @triton.jit
     def _cached_attention_kernel(
-        Q, KV, Rows, Pos, Out,
+        Q, KV, Rows, Pos, Out, Partial, PartialMax, PartialSum,
         scale_log2,
         q_sb, q_sh, q_st,
         kv_s2, kv_sr, kv_sh, kv_sp,
         pos_sb, pos_st,
         o_sb, o_st, o_sh,
-        t, scratch,
+        t, scratch, m_blocks, splits,
         N_REP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DENSE_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
-        query_rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_block = tl.program_id(2) % m_blocks
+        split = tl.program_id(2) // m_blocks
+        query_rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         token = query_rows // N_REP
         head = kv_head * N_REP + query_rows % N_REP
         real = token < t
@@ -65,13 +70,17 @@ if triton is not None:
         keys = KV + row.to(tl.int64) * kv_sr + kv_head * kv_sh
         values = keys + kv_s2
         end = tl.max(pos, axis=0) + 1
+        # With SPLIT (decode), this program takes one of ``splits`` stretches of the keys, whole blocks each.
+        stretch = tl.cdiv(tl.cdiv(end, splits), BLOCK_N) * BLOCK_N
+        begin = split * stretch
+        stop = tl.minimum(end, begin + stretch)
 
         running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
-        for start in range(0, end, BLOCK_N):
+        for start in range(begin, stop, BLOCK_N):
             key_pos = start + tl.arange(0, BLOCK_N)
-            in_row = key_pos < end
+            in_row = key_pos < stop
             k = tl.load(keys + key_pos[None, :] * kv_sp + dims[:, None], mask=in_row[None, :] & in_dims[:, None],
                         other=0.0)
             # Scores in log2 units: exp2 is the hardware's exponential.
@@ -86,13 +95,54 @@ if triton is not None:
             acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
             running_max = new_max
 
-        out = acc / running_sum[:, None]
-        tl.store(Out + seq * o_sb + token[:, None] * o_st + head[:, None] * o_sh + dims[None, :],
-                 out.to(Out.dtype.element_ty), mask=real[:, None] & in_dims[None, :])
+        if SPLIT:  # t = 1: rows are heads; the stretch's unnormalized output, its max and sum
+            part = (seq * N_REP * tl.num_programs(1) + head) * splits + split
+            tl.store(Partial + part[:, None] * D_PAD + dims[None, :], acc, mask=real[:, None])
+            tl.store(PartialMax + part, running_max, mask=real)
+            tl.store(PartialSum + part, running_sum, mask=real)
+        else:
+            out = acc / running_sum[:, None]
+            tl.store(Out + seq * o_sb + token[:, None] * o_st + head[:, None] * o_sh + dims[None, :],
+                     out.to(Out.dtype.element_ty), mask=real[:, None] & in_dims[None, :])
+
+    @triton.jit
+    def _combine_splits_kernel(
+        Partial, PartialMax, PartialSum, Out,
+        o_sb, o_sh, heads, splits,
+        D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    ):
+        """One (sequence, head)'s output from its key stretches: softmax-weighted by each stretch's max."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        index = tl.arange(0, SPLITS_PAD)
+        present = index < splits
+        part = (seq * heads + head) * splits + index
+        maxima = tl.load(PartialMax + part, mask=present, other=float("-inf"))
+        top = tl.max(maxima, axis=0)
+        # An empty stretch (a row shorter than the others of its bucket) has max -inf: weight 0.
+        weights = tl.where(maxima == float("-inf"), 0.0, tl.math.exp2(maxima - top))
+        total = tl.sum(tl.load(PartialSum + part, mask=present, other=0.0) * weights, axis=0)
+        dims = tl.arange(0, D_PAD)
+        acc = tl.load(Partial + part[:, None] * D_PAD + dims[None, :], mask=present[:, None], other=0.0)
+        out = tl.sum(acc * weights[:, None], axis=0) / total
+        tl.store(Out + seq * o_sb + head * o_sh + dims, out.to(Out.dtype.element_ty), mask=dims < D)
 
 
 def _next_power_of_2(value: int) -> int:
     return 1 << (max(1, value) - 1).bit_length()
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def decode_splits(b: int, kv_heads: int, device: torch.device) -> int:
+    """Key stretches per (sequence, key/value head) in a decode step: 1 when the b * Hkv programs fill the GPU
+    (at batch 256 on an H100 a split only added the combining work), else enough for about two programs per
+    multiprocessor, at most 8."""
+    programs, multiprocessors_ = b * kv_heads, multiprocessors(device)
+    return 1 if programs >= multiprocessors_ else min(8, -(-2 * multiprocessors_ // programs))
 
 
 def cached_attention(
@@ -101,6 +151,10 @@ def cached_attention(
     rows: torch.Tensor | None,
     positions: torch.Tensor,
     scratch: int,
+    split: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of new tokens over their rows' cached keys and values (their own already written).
 
@@ -111,13 +165,16 @@ def cached_attention(
         positions: each query's position, Shape (b, t); it attends to key positions ``0 .. position``. A query
             at ``scratch`` (or beyond) is not a running sequence's: it attends to position 0 alone.
         scratch: the cache's scratch column (its capacity C).
+        split: a decode call's key stretches per sequence and key/value head (None: :func:`decode_splits`);
+            a prefill call is never split.
+        block_n, num_warps, num_stages: the kernel's key block and launch settings (benchmarks sweep them).
 
     Returns:
         Shape (b, t, Hq * D), in q's dtype.
     """
     if triton is None:
         raise RuntimeError("cached_attention needs Triton; install a CUDA build of torch, or use torch attention "
-                           "(model.engine.attention=torch)")
+                           "(model.engine.triton=false)")
     b, heads, t, head_dim = q.shape
     kv_heads = kv.shape[2]
     if q.stride(-1) != 1 or kv.stride(-1) != 1:
@@ -126,21 +183,34 @@ def cached_attention(
     out = torch.empty(b, t, heads, head_dim, dtype=q.dtype, device=q.device)
     decode = t == 1
     block_m = max(16, _next_power_of_2(n_rep)) if decode else 64
-    block_n = 64
-    grid = (b, kv_heads, triton.cdiv(t * n_rep, block_m))
+    m_blocks = triton.cdiv(t * n_rep, block_m)
+    d_pad = max(16, _next_power_of_2(head_dim))
+    splits = 1 if not decode else decode_splits(b, kv_heads, q.device) if split is None else split
+    if splits > 1:
+        partial = torch.empty(b * heads * splits, d_pad, dtype=torch.float32, device=q.device)
+        partial_max = torch.empty(b * heads * splits, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial = partial_max = partial_sum = out  # unused
     dense = rows is None
-    _cached_attention_kernel[grid](
-        q, kv, positions if dense else rows, positions, out,
+    _cached_attention_kernel[(b, kv_heads, m_blocks * splits)](
+        q, kv, positions if dense else rows, positions, out, partial, partial_max, partial_sum,
         head_dim**-0.5 * 1.4426950408889634,  # log2(e): softmax through exp2
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        t, scratch,
-        N_REP=n_rep, D=head_dim, D_PAD=max(16, _next_power_of_2(head_dim)),
+        t, scratch, m_blocks, splits,
+        N_REP=n_rep, D=head_dim, D_PAD=d_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, DENSE_ROWS=dense,
         # float32 stays float32 (tl.dot would take TF32: a float32 engine is expected to match transformers).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        SPLIT=splits > 1,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    if splits > 1:
+        _combine_splits_kernel[(b, heads)](
+            partial, partial_max, partial_sum, out, out.stride(0), out.stride(2), heads, splits,
+            D=head_dim, D_PAD=d_pad, SPLITS_PAD=_next_power_of_2(splits),
+        )
     return out.view(b, t, heads * head_dim)

@@ -9,11 +9,13 @@ when every row is running, new sequences wait; when rows are only idle
 (finished sequences kept for their next turn), the least recently used one is
 evicted and its sequence is prefilled again if it returns. Nothing is dropped.
 
-On a GPU, decode runs as CUDA graphs captured per (batch bucket, key-length
-bucket), of layer functions compiled by ``torch.compile`` (their elementwise
-work fused into a few kernels; compiled once for every bucket and layer); on a
-CPU, the same code runs eagerly. A compilation that fails falls back to eager
-decoding with a warning.
+On a GPU, decode runs as CUDA graphs captured per batch bucket, of layer
+functions compiled by ``torch.compile`` (their elementwise work fused into a
+few kernels; compiled once for every bucket and layer, and once for prefill
+calls), with attention in one Triton kernel that reads each row only as far as
+its sequence goes (:mod:`turnrl.engine.attention`); on a CPU, the same code
+runs eagerly with torch's attention. A compilation that fails falls back to
+eager work with a warning.
 
 The host work of a step is a few array operations for the whole batch, not
 Python per sequence: the running sequences' counters live in arrays by row
@@ -49,6 +51,7 @@ from turnrl.engine.forward import (
     rotary_table,
     round_up,
 )
+from turnrl.engine.gumbel import sample_one_pass
 from turnrl.engine.rows import RowTable
 from turnrl.engine.running import RunningRows
 from turnrl.engine.sampling import sample_tokens, sample_untruncated
@@ -102,6 +105,7 @@ class _Sequence:
 @dataclass
 class EngineStats:
     prefill_tokens: int = 0
+    prefill_calls: int = 0
     reused_tokens: int = 0
     decode_steps: int = 0
     generated_tokens: int = 0
@@ -152,15 +156,15 @@ def compile_enabled(setting: str, device: torch.device) -> bool:
     return device.type == "cuda" if value == "auto" else value == "true"
 
 
-def triton_attention_enabled(setting: str, device: torch.device) -> bool:
-    """``model.engine.attention``: ``auto`` takes the Triton kernel on a GPU when Triton is installed."""
+def triton_enabled(setting: str, device: torch.device) -> bool:
+    """``model.engine.triton``: ``auto`` takes the Triton kernels on a GPU when Triton is installed."""
     value = str(setting).lower()
-    if value == "torch":
+    if value == "false":
         return False
-    if value == "triton":
+    if value == "true":
         if not triton_available():
-            raise RuntimeError("model.engine.attention=triton needs Triton, which this torch install lacks "
-                               "(CUDA builds of torch ship it); set model.engine.attention=torch or auto")
+            raise RuntimeError("model.engine.triton=true needs Triton, which this torch install lacks (CUDA builds "
+                               "of torch ship it); set model.engine.triton=false or auto")
         return True
     return device.type == "cuda" and triton_available()
 
@@ -233,7 +237,8 @@ class Engine:
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool: Any = None
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
-        self.triton_attention = triton_attention_enabled(config.attention, self.device)
+        self.triton = triton_enabled(config.triton, self.device)
+        """Attention and sampling in Triton kernels (:mod:`turnrl.engine.attention`, :mod:`turnrl.engine.gumbel`)."""
         self.kernels: DecoderKernels = EAGER
         self._sample_untruncated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sample_untruncated
         if compile_enabled(config.compile, self.device):
@@ -385,16 +390,19 @@ class Engine:
         rows_t = torch.from_numpy(rows).to(self.device)
         key_len = self._key_len(max(len(s.prompt) for s in sequences))
         self.timer.start("prefill")
-        hidden = decoder_forward(
-            self.weights, self.cache, self.rope, tokens.to(self.device), positions.to(self.device),
-            write_pos.to(self.device), rows_t, key_len, triton_attention=self.triton_attention,
-        )
+        inputs = (self.weights, self.cache, self.rope, tokens.to(self.device), positions.to(self.device),
+                  write_pos.to(self.device), rows_t, key_len)
+        # As in decode, a failed compiled pass is run again eagerly: it rewrites the same keys and values.
+        hidden = self._compiled_or_eager(
+            lambda: decoder_forward(*inputs, self.kernels, self.triton),
+            lambda: decoder_forward(*inputs, EAGER, self.triton))
         last = torch.tensor([len(n) - 1 for n in news], device=self.device)
         logits = final_logits(hidden[torch.arange(b, device=self.device), last], self.weights.norm.value,
                               self.weights.lm_head.value, self.weights.shape.rms_eps)
         for sequence, new in zip(sequences, news):
             sequence.cached += len(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
+        self.stats.prefill_calls += 1
         self._sample(rows, rows_t, logits)
 
     def _decode(self) -> None:
@@ -441,7 +449,7 @@ class Engine:
         a CUDA graph (a graph replays fixed shapes), else ``length`` rounded up to aligned rows (the positions
         past a sequence are masked). The Triton kernel reads each row to its own length whatever this is: its
         graphs are captured per batch bucket alone, at the capacity."""
-        if self.triton_attention:
+        if self.triton:
             return self.cache.capacity
         return min(_bucket(length, self._key_buckets) if graphed else round_up(length), self.cache.capacity)
 
@@ -452,7 +460,7 @@ class Engine:
         def run(kernels: DecoderKernels) -> torch.Tensor:
             hidden = decoder_forward(
                 self.weights, self.cache, self.rope, tokens.unsqueeze(1), positions.unsqueeze(1),
-                positions.unsqueeze(1), None, key_len, kernels, self.triton_attention,
+                positions.unsqueeze(1), None, key_len, kernels, self.triton,
             )
             return kernels.final_logits(hidden[:, 0], self.weights.norm.value, self.weights.lm_head.value,
                                         self.weights.shape.rms_eps)
@@ -507,8 +515,7 @@ class Engine:
         if self._truncating[rows].any():
             tokens, logprobs = sample_tokens(logits, temperature, pick(self._top_k), pick(self._top_p))
         else:
-            tokens, logprobs = self._compiled_or_eager(
-                lambda: self._sample_untruncated(logits, temperature), lambda: sample_untruncated(logits, temperature))
+            tokens, logprobs = self._sample_full(logits, temperature)
         self.timer.stop()
         if rows_t is None:
             self._next_tokens[:n] = tokens
@@ -524,6 +531,13 @@ class Engine:
             stopped[i] = self._stop_string_found(int(rows[i]))
         for i in np.flatnonzero(stopped | checks.spent).tolist():
             self._finish(int(rows[i]), "stop" if stopped[i] else "length")
+
+    def _sample_full(self, logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~turnrl.engine.sampling.sample_untruncated` through the Triton kernel, compiled, or eager."""
+        if self.triton:
+            return sample_one_pass(logits, temperature)
+        return self._compiled_or_eager(lambda: self._sample_untruncated(logits, temperature),
+                                       lambda: sample_untruncated(logits, temperature))
 
     def _stop_string_found(self, row: int) -> bool:
         """Whether the row's generated text now holds one of its stop strings (after a token that can end one)."""

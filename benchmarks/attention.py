@@ -1,0 +1,90 @@
+"""Decode attention alone: the Triton kernel's settings beside torch's batched matmuls, in one run.
+
+One layer of the 0.5B shape (14 query and 2 key/value heads of 64 dims) at a decode step of ``--batch`` rows:
+rows all ``--context`` long, or of lengths spread evenly from a quarter of it to all of it (``varied``: episodes
+that drifted apart). torch's attention reads every row up to the longest (its key length rounded up to 64); the
+kernel reads each row to its own length. Each setting (key stretches per row, key block, warps, stages) is
+timed as the engine runs it, in a CUDA graph (``--iters`` calls captured and replayed, timed with CUDA events);
+the ratio is against torch in the same run.
+
+    python benchmarks/attention.py --batch 64 256 --context 640
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from turnrl.engine.attention import cached_attention, decode_splits  # noqa: E402
+from turnrl.engine.forward import decode_attention, round_up  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
+
+
+def timed_ms(fn, iters: int) -> float:
+    """Device time of one call: ``iters`` calls captured in a CUDA graph and replayed (the engine replays its
+    decode step so; timing launches from Python would time the launches)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compilation, autotuning, allocator
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--context", type=int, default=640)
+    parser.add_argument("--iters", type=int, default=200)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; one layer, bf16, {HEADS} query and "
+          f"{KV_HEADS} key/value heads of {HEAD_DIM}; microseconds per call")
+    print(f"{'batch':>5} {'lengths':<8} {'row':<34} {'us':>8} {'x torch':>8}")
+    for batch, lengths in itertools.product(args.batch, ("equal", "varied")):
+        capacity = round_up(args.context + 1)
+        kv = torch.randn(2, batch, KV_HEADS, capacity + 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        q = torch.randn(batch, 1, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16).transpose(1, 2)
+        if lengths == "equal":
+            last = torch.full((batch,), args.context - 1, device=device)
+        else:
+            last = torch.linspace(args.context // 4, args.context - 1, batch, device=device).long()
+        positions = last[:, None]
+        key_len = round_up(int(last.max()) + 1)
+        baseline = timed_ms(lambda: decode_attention(q, kv[0, :, :, :key_len], kv[1, :, :, :key_len], last),
+                            args.iters)
+        print(f"{batch:>5} {lengths:<8} {'torch (batched matmuls)':<34} {1000 * baseline:>8.1f} {1.0:>7.2f}x")
+        auto = decode_splits(batch, KV_HEADS, device)
+        for split, block_n, warps, stages in itertools.product(sorted({1, 2, 4, auto}), (32, 64, 128), (4, 8),
+                                                               (1, 2, 3)):
+            try:
+                ms = timed_ms(lambda: cached_attention(q, kv, None, positions, capacity, split=split, block_n=block_n,
+                                                       num_warps=warps, num_stages=stages), args.iters)
+            except Exception as error:  # a setting the GPU cannot run (shared memory): printed, not fatal
+                print(f"{batch:>5} {lengths:<8} split {split} block {block_n} w{warps} s{stages}: "
+                      f"{type(error).__name__}")
+                continue
+            label = f"triton split {split}{' (auto)' if split == auto else ''} block {block_n} w{warps} s{stages}"
+            print(f"{batch:>5} {lengths:<8} {label:<34} {1000 * ms:>8.1f} {baseline / ms:>7.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
