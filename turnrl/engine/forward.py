@@ -254,13 +254,23 @@ class DynamicCompiled:
         self.compiled = torch.compile(fn)
         self.dynamic_dims = dynamic_dims
         """Positional argument index -> its dims that vary."""
+        self._compiled_classes: set[tuple[bool, ...]] = set()
+        """The shape classes (which varying dims are 1) compiled so far."""
 
     def __call__(self, *args: Any) -> Any:
+        # A graph serves every call whose varying dims are 1 where its first call's were (dynamo specializes 1s):
+        # the dims are marked only for the first call of each such class. Marking costs about 0.1 ms a tensor,
+        # which a prefill's 48 calls (two per layer) paid on every call.
+        shape_class = tuple(args[index].shape[dim] == 1 for index, dims in self.dynamic_dims.items() for dim in dims)
+        if shape_class in self._compiled_classes:
+            return self.compiled(*args)
         for index, dims in self.dynamic_dims.items():
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(args[index], dim)
         with torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
-            return self.compiled(*args)
+            result = self.compiled(*args)
+        self._compiled_classes.add(shape_class)
+        return result
 
 
 def compiled_kernels() -> DecoderKernels:

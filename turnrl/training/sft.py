@@ -36,7 +36,7 @@ from turnrl.training.batch import Sample, collate
 from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
 from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.models import autocast, base_model_path, enable_checkpointing
+from turnrl.training.models import autocast, base_model_path, enable_checkpointing, skip_cudnn_attention
 
 console = Console()
 Message = dict[str, Any]
@@ -258,6 +258,7 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     start = time.time()
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
+    skip_cudnn_attention(device)
     path = base_model_path(config.model)
     tokenizer = load_tokenizer(path)
     processor = load_processor(path, config.model.min_pixels, config.model.max_pixels)

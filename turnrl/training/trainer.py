@@ -67,7 +67,14 @@ from turnrl.training.checkpoint import (
 from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
 from turnrl.training.logger import RunProgress
-from turnrl.training.models import autocast, base_model_path, enable_checkpointing, seed_everything, step_seed
+from turnrl.training.models import (
+    autocast,
+    base_model_path,
+    enable_checkpointing,
+    seed_everything,
+    skip_cudnn_attention,
+    step_seed,
+)
 from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.sft import read_chat_jsonl
 from turnrl.viz.records import token_advantage_records
@@ -385,6 +392,7 @@ class Recipe:
         self.run_dir = start_run(config, stage="rl" if config.sft.enabled else "train")
         self.device = ranks.process_device() or resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        skip_cudnn_attention(self.device)
         self.timings: dict[str, float] = {}
         self.summary: dict[str, Any] = {}
         self.checkpoint = latest_checkpoint(self.run_dir) if config.resume else None
