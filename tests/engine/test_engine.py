@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from turnrl.config import EngineConfig
+from turnrl.engine.attention import triton_available
 from turnrl.engine.engine import Engine, SamplingParams
 from turnrl.engine.weights import UnsupportedModel
 
@@ -58,6 +59,8 @@ KERNELS = {"triton": "false"}
 def kernels(request, monkeypatch):
     """Run the test with torch's attention and sampler and with the Triton kernels (Triton's interpreter on a
     CPU)."""
+    if request.param == "triton" and not triton_available():
+        pytest.skip("Triton is not installed")
     monkeypatch.setitem(KERNELS, "triton", "true" if request.param == "triton" else "false")
     return request.param
 
