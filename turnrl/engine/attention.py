@@ -4,12 +4,13 @@ Notation: b sequences in the call, t new tokens per sequence (right-padded), Hq 
 (n_rep = Hq / Hkv query heads share one), D head dim, R cache rows, C row capacity.
 
 Each query attends to the keys of its row at positions up to its own, and reads nothing past them: a row is read
-only as far as its sequence goes, not up to the longest sequence of the batch (which the batched-matmul decode of
-:mod:`turnrl.engine.forward` must, and which made episodes that drift apart in length slower than rounds of
-turns), and no mask is built. One program handles a block of a sequence's query rows for one key/value head: the
-rows are (token, query head of that key/value head) pairs, so a decode step's n_rep heads of a key/value head
-share every key and value read (grouped-query attention without repeating keys), and a prefill's blocks stop at
-the last position they hold (causal). Softmax in float32, online (flash attention's running max and sum).
+only as far as its sequence goes, not up to the longest sequence of the batch (as the batched-matmul decode of
+:mod:`turnrl.engine.forward` must), and no mask is built. One program handles a block of a sequence's query rows
+for one key/value head: the rows are (token, query head of that key/value head) pairs, so a decode step's n_rep
+heads of a key/value head share every key and value read (grouped-query attention without repeating keys), and a
+prefill's blocks stop at the last position they hold (causal). Softmax in float32, online (flash attention's
+running max and sum). A decode batch too small to fill the GPU splits each row's keys into stretches, each a
+program, whose partial results a second kernel combines (flash-decoding).
 
 Needs Triton (CUDA builds of torch ship it). On a CPU the engine runs :mod:`turnrl.engine.forward`'s torch
 attention; with ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernel runs on CPU tensors in Triton's
