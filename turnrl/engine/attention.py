@@ -129,12 +129,9 @@ if triton is not None:
         tl.store(Out + seq * o_sb + head * o_sh + dims, out.to(Out.dtype.element_ty), mask=dims < D)
 
 
-def _next_power_of_2(value: int) -> int:
-    return 1 << (max(1, value) - 1).bit_length()
-
-
 @functools.cache
 def multiprocessors(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (8 stands in for a CPU, where the kernels run in the interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
@@ -142,8 +139,8 @@ def decode_splits(b: int, kv_heads: int, device: torch.device) -> int:
     """Key stretches per (sequence, key/value head) in a decode step: 1 when the b * Hkv programs fill the GPU
     (at batch 256 on an H100 a split only added the combining work), else enough for about two programs per
     multiprocessor, at most 8."""
-    programs, multiprocessors_ = b * kv_heads, multiprocessors(device)
-    return 1 if programs >= multiprocessors_ else min(8, -(-2 * multiprocessors_ // programs))
+    programs, available = b * kv_heads, multiprocessors(device)
+    return 1 if programs >= available else min(8, triton.cdiv(2 * available, programs))
 
 
 def cached_attention(
@@ -183,9 +180,9 @@ def cached_attention(
     n_rep = heads // kv_heads
     out = torch.empty(b, t, heads, head_dim, dtype=q.dtype, device=q.device)
     decode = t == 1
-    block_m = max(16, _next_power_of_2(n_rep)) if decode else 64
+    block_m = max(16, triton.next_power_of_2(n_rep)) if decode else 64
     m_blocks = triton.cdiv(t * n_rep, block_m)
-    d_pad = max(16, _next_power_of_2(head_dim))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
     splits = 1 if not decode else decode_splits(b, kv_heads, q.device) if split is None else split
     if splits > 1:
         partial = torch.empty(b * heads * splits, d_pad, dtype=torch.float32, device=q.device)
@@ -212,6 +209,6 @@ def cached_attention(
     if splits > 1:
         _combine_splits_kernel[(b, heads)](
             partial, partial_max, partial_sum, out, out.stride(0), out.stride(2), heads, splits,
-            D=head_dim, D_PAD=d_pad, SPLITS_PAD=_next_power_of_2(splits),
+            D=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(splits),
         )
     return out.view(b, t, heads * head_dim)
