@@ -289,6 +289,18 @@ def test_float32_weights_computed_in_bfloat16_follow_the_weights():
     assert [r.token_ids for r in after] != [r.token_ids for r in before]
 
 
+def test_triton_kernels_asked_for_on_a_cpu_without_the_interpreter_are_refused_with_what_to_do(monkeypatch):
+    from turnrl.engine.engine import triton_enabled
+
+    if not triton_available():
+        pytest.skip("Triton is not installed")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="model.engine.triton=auto or false"):
+        triton_enabled("true", torch.device("cpu"))
+    assert not triton_enabled("auto", torch.device("cpu"))
+    assert not triton_enabled("false", torch.device("cuda"))
+
+
 def test_unsupported_models_are_refused_with_the_reason():
     with pytest.raises(UnsupportedModel, match="sliding-window"):
         engine_for(build("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0))

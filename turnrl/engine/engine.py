@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -165,6 +166,10 @@ def triton_enabled(setting: str, device: torch.device) -> bool:
         if not triton_available():
             raise RuntimeError("model.engine.triton=true needs Triton, which this torch install lacks (CUDA builds "
                                "of torch ship it); set model.engine.triton=false or auto")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"model.engine.triton=true runs Triton kernels on a GPU, and this engine is on "
+                               f"{device.type} (only Triton's interpreter, TRITON_INTERPRET=1, runs them on a CPU, "
+                               "slowly: the tests do); set model.engine.triton=auto or false")
         return True
     return device.type == "cuda" and triton_available()
 
