@@ -84,6 +84,23 @@ def play(engine: Engine, plan, turns: int, wait: bool, reuse: bool) -> int:
     return generated
 
 
+def time_prefill_calls(engine: Engine, device: torch.device) -> list[tuple[float, int, int]]:
+    """Time each of ``engine``'s prefill calls from now on; returns a list it appends (seconds, sequences,
+    longest new tokens) to."""
+    calls: list[tuple[float, int, int]] = []
+    prefill_chunk = engine._prefill_chunk
+
+    def timed(sequences):
+        longest = max(len(s.prompt) - s.cached for s in sequences)
+        synchronize(device)
+        start = time.perf_counter()
+        prefill_chunk(sequences)  # ends reading its sampled tokens on the host
+        calls.append((time.perf_counter() - start, len(sequences), longest))
+
+    engine._prefill_chunk = timed  # type: ignore[method-assign]
+    return calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -138,12 +155,18 @@ def main() -> None:
         for label, wait, reuse in modes[1:]:
             engine = engines[label]
             engine.table.clear()
+            calls = time_prefill_calls(engine, device)
             profiler = cProfile.Profile()
             profiler.enable()
             play(engine, plan, turns, wait, reuse)
             synchronize(device)
             profiler.disable()
-            print(f"\n{label}: cProfile, by cumulative time")
+            seconds = sorted(calls, key=lambda call: call[0])
+            print(f"\n{label}: {len(calls)} prefill calls, seconds each (to its tokens on the host): min "
+                  f"{seconds[0][0]:.4f}, median {seconds[len(seconds) // 2][0]:.4f}, max {seconds[-1][0]:.4f}, "
+                  f"total {sum(c[0] for c in calls):.2f}; slowest (seconds, sequences, longest new): "
+                  + ", ".join(f"({c[0]:.3f}, {c[1]}, {c[2]})" for c in seconds[-5:]))
+            print(f"{label}: cProfile, by cumulative time")
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
 
 

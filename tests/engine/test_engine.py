@@ -127,6 +127,28 @@ def test_stop_ids_end_a_sequence_and_are_kept():
     assert stopped[0].token_ids[-1] == stop
 
 
+def test_sequences_that_stop_while_the_next_step_runs_keep_their_tokens_and_their_whole_cache(kernels):
+    """A step is launched before the previous step's tokens are read: a sequence that stopped has decoded one
+    token more, which is dropped from its response, and its stop token's keys and values are cached for its next
+    turn. A sequence that spent its budget is not decoded further."""
+    model = build("qwen2")
+    prompts = random_prompts([16, 20, 27])
+    free = engine_for(model).generate(prompts, [GREEDY] * 3)
+    stops = (free[0].token_ids[2], free[1].token_ids[6])
+    cuts = [next((i + 1 for i, t in enumerate(r.token_ids) if t in stops), None) for r in free]
+    engine = engine_for(model)
+    first = engine.generate(prompts, [SamplingParams(temperature=0, max_new_tokens=12, stop_ids=stops)] * 3)
+    for before, after, cut in zip(free, first, cuts):
+        assert after.token_ids == before.token_ids[:cut]
+        assert after.finish_reason == ("length" if cut is None else "stop")
+    observation = random_prompts([5], seed=3)[0]
+    turns = [prompt + result.token_ids + observation for prompt, result in zip(prompts, first)]
+    second = engine.generate(turns, [GREEDY] * 3)
+    assert [r.token_ids for r in second] == [hf_greedy(model, turn, 12) for turn in turns]
+    stopped_or_spent = [len(p) + len(r.token_ids) - (cut is None) for p, r, cut in zip(prompts, first, cuts)]
+    assert [r.reused_tokens for r in second] == stopped_or_spent
+
+
 def test_a_stop_string_cuts_at_the_token_that_completes_it():
     model = build("qwen2")
     prompt = random_prompts([8])[0]

@@ -21,7 +21,11 @@ The host work of a step is a few array operations for the whole batch, not
 Python per sequence: the running sequences' counters live in arrays by row
 (:class:`~turnrl.engine.running.RunningRows`), each row's next input token
 stays on the device where it was sampled, and a step copies its sampled
-tokens and logprobs to the host once.
+tokens and logprobs to the host once. That host work overlaps the device's:
+a step launches decode step n, then reads step n-1's tokens while step n runs
+(a row's next input is already on the device, and its next position is known).
+A row whose step n-1 token ended its sequence has decoded one token more,
+which is dropped; a row whose budget ends at step n-1 is left out of step n.
 """
 
 from __future__ import annotations
@@ -111,6 +115,18 @@ class EngineStats:
     decode_steps: int = 0
     generated_tokens: int = 0
     evictions: int = 0
+
+
+@dataclass
+class _Launched:
+    """A sampling launched on the device whose tokens the host has not read yet."""
+
+    rows: np.ndarray
+    """The rows sampled, Shape (n,)."""
+    sampled: torch.Tensor
+    """Tokens and logprobs, Shape (2, n) float64, on the host (pinned on a GPU); filled when ``done`` is."""
+    done: torch.cuda.Event | None
+    """Recorded after the copy to the host; None on a CPU (the copy is synchronous)."""
 
 
 ADMIT_AFTER_STEPS = 8
@@ -232,8 +248,18 @@ class Engine:
         self._top_p = torch.ones(rows, dtype=torch.float32, device=self.device)
         self._truncating = np.zeros(rows, dtype=bool)
         """Rows whose sequence samples with top-k or top-p."""
+        pinned = self.device.type == "cuda"
         # Positions are built on the host and copied in one transfer (from pinned memory on a GPU: no stall).
-        self._positions = torch.zeros(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        # Two of each host buffer, used in turn: a step fills one while the previous step's may still be copied.
+        self._positions = [torch.zeros(rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._sampled = [torch.zeros(2, rows, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
+        self._turn = 0
+        self._launched: _Launched | None = None
+        """The decode step whose tokens the host reads during the next step's decode."""
+        self._live = np.zeros(rows, dtype=bool)
+        """Rows whose sequence is running (a launched step's row that finished since is dropped when read)."""
+        self._in_flight = np.zeros(rows, dtype=np.int64)
+        """Tokens sampled for each row that the host has not read yet (0 or 1)."""
         self._running_rows: tuple[np.ndarray, torch.Tensor | None] | None = None
         """The running rows in order, and the same on the device (None while they are 0 .. n-1); None after the
         running set changed."""
@@ -282,6 +308,9 @@ class Engine:
 
     def abort(self, reason: str) -> list[Result]:
         """End every waiting and running sequence with an error (after a failed step); rows are freed."""
+        self._launched = None
+        self._in_flight[:] = 0
+        self._live[:] = False
         aborted = [Result(s.id, [], [], "error", reason) for s in self.waiting]
         aborted += [Result(s.id, *self.state.generated(row), "error", reason) for row, s in self.running.items()]
         self.waiting.clear()
@@ -311,18 +340,27 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     @torch.no_grad()
     def step(self) -> list[Result]:
-        """Admit, prefill, decode one token; returns the sequences that finished."""
+        """Admit, prefill, launch a decode step, then read the previous one's tokens; returns the sequences that
+        finished."""
         # The engine computes in its own dtype: a caller's autocast is switched off (entering the context only
         # when one is on: it costs more than the rest of a step's host work).
         outer_autocast = torch.is_autocast_enabled(self.device.type)
         with torch.autocast(self.device.type, enabled=False) if outer_autocast else contextlib.nullcontext():
+            admitting = self._time_to_admit()
+            # Rows change hands, and the cache grows (dropping the graphs), only with no step in flight.
+            if self._launched is not None and (admitting or self._cache_must_grow()):
+                self._read(self._launched)
+                self._launched = None
             if not self.running:
                 self.sync_weights()
-            admitted = self._admit() if self._time_to_admit() else []
+            admitted = self._admit() if admitting else []
             if admitted:
                 self._prefill(admitted)
-            if self.running:
-                self._decode()
+            launched = self._decode() if self.running else None
+            if self._launched is not None:
+                self._read(self._launched)
+            # With no sequence left, the step just launched decoded only finished rows: nothing to read.
+            self._launched = launched if self.running else None
         self.timer.collect()
         done, self.finished = self.finished, []
         return done
@@ -364,6 +402,7 @@ class Engine:
             self.state.start(sequence.row, len(sequence.prompt), budget, params.stop_ids, params.stop_strings,
                              self._stop_filter.candidates if self._stop_filter is not None else None)
             self._truncating[sequence.row] = params.top_k > 0 or params.top_p < 1.0
+            self._live[sequence.row] = True
         rows = torch.tensor([s.row for s in sequences], device=self.device)
         self._temperature[rows] = torch.tensor([s.params.temperature for s in sequences], dtype=torch.float32,
                                                device=self.device)
@@ -408,11 +447,22 @@ class Engine:
             sequence.cached += len(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
         self.stats.prefill_calls += 1
-        self._sample(rows, rows_t, logits)
+        self._read(self._sample(rows, rows_t, logits))
 
-    def _decode(self) -> None:
-        """One token for every running sequence; rows ``0 .. B-1`` are computed, idle ones write to scratch."""
+    def _cache_must_grow(self) -> bool:
+        return bool(self.running) and int(self.state.cached[self._rows()[0]].max()) + 1 > self.cache.capacity
+
+    def _decode(self) -> _Launched | None:
+        """Launch one token for every running sequence that may still generate one (None if none may); rows
+        ``0 .. B-1`` are computed, idle ones write to scratch."""
         rows, rows_t = self._rows()
+        # A row whose in-flight token is its last (its budget) has nothing more to decode.
+        spent = self.state.count[rows] + self._in_flight[rows] >= self.state.budget[rows]
+        if spent.any():
+            rows = rows[~spent]
+            if not len(rows):
+                return None
+            rows_t = None if rows[-1] == len(rows) - 1 else torch.from_numpy(rows).to(self.device)
         # Graphs replay fixed shapes, so a graphed step pads the batch and the keys to buckets.
         top = int(rows[-1]) + 1
         batch = _bucket(top, self._batch_buckets) if self.use_graphs else top
@@ -420,11 +470,12 @@ class Engine:
         longest = int(cached.max()) + 1
         self._reserve(longest)
         key_len = self._key_len(longest, graphed=self.use_graphs)
-        positions = self._positions.numpy()
+        host_positions = self._positions[self._turn]
+        positions = host_positions.numpy()
         positions[:batch] = self.cache.capacity  # rows not running write to scratch
         positions[rows] = cached
         self.timer.start("decode")
-        positions_t = self._positions[:batch].to(self.device, non_blocking=True)
+        positions_t = host_positions[:batch].to(self.device, non_blocking=True)
         tokens_t = self._next_tokens[:batch]
         if self.use_graphs:
             logits = self._graph(batch, key_len).run(tokens_t, positions_t)
@@ -432,7 +483,7 @@ class Engine:
             logits = self._decode_logits(tokens_t, positions_t, key_len)
         self.state.cached[rows] = cached + 1
         self.stats.decode_steps += 1
-        self._sample(rows, rows_t, logits[rows_t] if rows_t is not None else logits[: len(rows)])
+        return self._sample(rows, rows_t, logits[rows_t] if rows_t is not None else logits[: len(rows)])
 
     def _rows(self) -> tuple[np.ndarray, torch.Tensor | None]:
         """The running rows in order, Shape (n,), and the same on the device (None while they are 0 .. n-1, which
@@ -509,8 +560,9 @@ class Engine:
                 self._graphs[key] = _DecodeGraph(self, batch, key_len, self._graph_pool)
         return self._graphs[key]
 
-    def _sample(self, rows: np.ndarray, rows_t: torch.Tensor | None, logits: torch.Tensor) -> None:
-        """Sample a token for each of ``rows`` from ``logits``, Shape (n, vocab), and end the sequences it finishes.
+    def _sample(self, rows: np.ndarray, rows_t: torch.Tensor | None, logits: torch.Tensor) -> _Launched:
+        """Launch sampling a token for each of ``rows`` from ``logits``, Shape (n, vocab); :meth:`_read` takes
+        the tokens.
 
         ``rows_t`` is ``rows`` on the device, or None when they are ``0 .. n-1``.
         """
@@ -526,11 +578,33 @@ class Engine:
             self._next_tokens[:n] = tokens
         else:
             self._next_tokens[rows_t] = tokens
-        # The step's one copy to the host (and its one wait for the device): tokens and logprobs together.
-        sampled = torch.stack((tokens.double(), logprobs.double())).cpu().numpy()
+        # The step's one copy to the host: tokens and logprobs together.
+        sampled = self._sampled[self._turn][:, :n]
+        sampled.copy_(torch.stack((tokens.double(), logprobs.double())), non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self._turn ^= 1
+        self._in_flight[rows] += 1
+        return _Launched(rows, sampled, done)
+
+    def _read(self, launched: _Launched) -> None:
+        """Wait for a launched sampling's tokens (the step's one wait for the device), record them, and end the
+        sequences they finish; rows that finished since the launch are skipped."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        self._in_flight[launched.rows] -= 1
+        alive = self._live[launched.rows]
+        sampled = launched.sampled.numpy()
+        rows = launched.rows
+        if not alive.all():
+            rows, sampled = rows[alive], sampled[:, alive]
+        if not len(rows):
+            return
         new_tokens = sampled[0].astype(np.int64)
         checks = self.state.record(rows, new_tokens, sampled[1].astype(np.float32))
-        self.stats.generated_tokens += n
+        self.stats.generated_tokens += len(rows)
         stopped = checks.stop_id.copy()
         for i in np.flatnonzero(checks.search & ~stopped).tolist():
             stopped[i] = self._stop_string_found(int(rows[i]))
@@ -553,8 +627,10 @@ class Engine:
 
     def _finish(self, row: int, reason: str) -> None:
         sequence = self.running.pop(row)
+        self._live[row] = False
         generated, logprobs = self.state.generated(row)
-        # The last sampled token was never run through the model: the row holds everything before it.
+        # The row holds the keys and values of its ``cached`` tokens: all but the last sampled one, or all of them
+        # when the next step was launched before this one's tokens were read.
         self.table.release(row, (sequence.prompt + generated)[: int(self.state.cached[row])])
         self._running_rows = None
         self.finished.append(Result(sequence.id, generated, logprobs, reason, reused_tokens=sequence.reused))
