@@ -132,6 +132,12 @@ class _Launched:
 ADMIT_AFTER_STEPS = 8
 """Decode steps a waiting sequence waits at most for others to be prefilled with it."""
 
+PREFILL_GRAPH_TOKENS = 8192
+"""Prefill calls of at most this many padded tokens (sequences and new tokens in power-of-two buckets) replay CUDA
+graphs: launching a prefill's layers from Python cost about 25 ms a call on an H100 whatever its size, which
+turns that prefill a few arrivals at a time paid dearly. Larger calls keep the device busy longer than their
+launches take."""
+
 
 def _bucket(value: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= value)
@@ -155,6 +161,10 @@ def prefill_inputs(news: Sequence[list[int]], starts: Sequence[int], scratch: in
     tokens[real] = np.fromiter(itertools.chain.from_iterable(news), dtype=np.int64, count=int(lengths.sum()))
     positions = begin + np.minimum(offsets, lengths[:, None] - 1)
     return tokens, positions, np.where(real, positions, scratch)
+
+
+def power_of_two_at_least(value: int, smallest: int = 1) -> int:
+    return max(smallest, 1 << (value - 1).bit_length())
 
 
 def cache_budget_bytes(config: EngineConfig, device: torch.device) -> float:
@@ -252,7 +262,8 @@ class Engine:
         # Positions are built on the host and copied in one transfer (from pinned memory on a GPU: no stall).
         # Two of each host buffer, used in turn: a step fills one while the previous step's may still be copied.
         self._positions = [torch.zeros(rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
-        self._sampled = [torch.zeros(2, rows, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
+        # Flat, so that a step's (2, n) view is contiguous: a copy into a strided view waits for the device.
+        self._sampled = [torch.zeros(2 * rows, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
         self._launched: _Launched | None = None
         """The decode step whose tokens the host reads during the next step's decode."""
@@ -266,10 +277,14 @@ class Engine:
         self.timer = DeviceTimer(self.device)
         """Device time of prefill and decode work, when enabled (benchmarks split a call's time with it)."""
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}
         self._graph_pool: Any = None
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.triton = triton_enabled(config.triton, self.device)
         """Attention and sampling in Triton kernels (:mod:`turnrl.engine.attention`, :mod:`turnrl.engine.gumbel`)."""
+        self.graph_prefill = self.use_graphs and self.triton
+        """Small prefill calls replay CUDA graphs (:data:`PREFILL_GRAPH_TOKENS`); the Triton attention reads each row
+        to its own length, so a graph needs no key-length bucket."""
         self.kernels: DecoderKernels = EAGER
         self._sample_untruncated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sample_untruncated
         if compile_enabled(config.compile, self.device):
@@ -428,26 +443,58 @@ class Engine:
         news = [s.prompt[s.cached :] for s in sequences]
         b = len(sequences)
         self._reserve(max(len(s.prompt) for s in sequences))
-        tokens, positions, write_pos = (torch.from_numpy(a) for a in prefill_inputs(
-            news, [s.cached for s in sequences], self.cache.capacity))
+        inputs = prefill_inputs(news, [s.cached for s in sequences], self.cache.capacity)
         rows = np.array([s.row for s in sequences], dtype=np.int64)
-        rows_t = torch.from_numpy(rows).to(self.device)
-        key_len = self._key_len(max(len(s.prompt) for s in sequences))
+        last = np.array([len(n) - 1 for n in news], dtype=np.int64)
         self.timer.start("prefill")
-        inputs = (self.weights, self.cache, self.rope, tokens.to(self.device), positions.to(self.device),
-                  write_pos.to(self.device), rows_t, key_len)
-        # As in decode, a failed compiled pass is run again eagerly: it rewrites the same keys and values.
-        hidden = self._compiled_or_eager(
-            lambda: decoder_forward(*inputs, self.kernels, self.triton),
-            lambda: decoder_forward(*inputs, EAGER, self.triton))
-        last = torch.tensor([len(n) - 1 for n in news], device=self.device)
-        logits = final_logits(hidden[torch.arange(b, device=self.device), last], self.weights.norm.value,
-                              self.weights.lm_head.value, self.weights.shape.rms_eps)
+        graph = self._prefill_graph(b, inputs[0].shape[1])
+        if graph is not None:
+            logits = graph.run(*inputs, rows, last)[:b]
+        else:
+            logits = self._prefill_logits(*(torch.from_numpy(a).to(self.device) for a in (*inputs, rows, last)),
+                                          key_len=self._key_len(max(len(s.prompt) for s in sequences)))
         for sequence, new in zip(sequences, news):
             sequence.cached += len(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
         self.stats.prefill_calls += 1
-        self._read(self._sample(rows, rows_t, logits))
+        self._read(self._sample(rows, torch.from_numpy(rows).to(self.device), logits))
+
+    def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
+                        rows: torch.Tensor, last: torch.Tensor, key_len: int) -> torch.Tensor:
+        """The logits after each sequence's last new token, Shape (b, vocab), writing the new tokens' keys and
+        values into the cache.
+
+        Args:
+            tokens, positions, write_pos: :func:`prefill_inputs`, Shape (b, t). rows: each sequence's cache row,
+                Shape (b,). last: the index of each sequence's last new token, Shape (b,).
+        """
+        inputs = (self.weights, self.cache, self.rope, tokens, positions, write_pos, rows, key_len)
+        # As in decode, a failed compiled pass is run again eagerly: it rewrites the same keys and values.
+        hidden = self._compiled_or_eager(
+            lambda: decoder_forward(*inputs, self.kernels, self.triton),
+            lambda: decoder_forward(*inputs, EAGER, self.triton))
+        return final_logits(hidden[torch.arange(len(last), device=self.device), last], self.weights.norm.value,
+                            self.weights.lm_head.value, self.weights.shape.rms_eps)
+
+    def _prefill_graph(self, batch: int, width: int) -> _PrefillGraph | None:
+        """The CUDA graph for a prefill call of ``batch`` sequences and ``width`` new tokens, captured on first use;
+        None when the call is run without one (too large, no graphs, or capturing failed)."""
+        if not self.graph_prefill:
+            return None
+        key = (power_of_two_at_least(batch), power_of_two_at_least(width, 16))
+        if key[0] * key[1] > PREFILL_GRAPH_TOKENS:
+            return None
+        if key not in self._prefill_graphs:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            try:
+                self._prefill_graphs[key] = _PrefillGraph(self, *key, self._graph_pool)
+            except Exception as error:
+                logger.warning("engine: capturing a prefill graph failed (%s: %s); prefilling without graphs",
+                               type(error).__name__, str(error).strip()[:200])
+                self.graph_prefill = False
+                return None
+        return self._prefill_graphs[key]
 
     def _cache_must_grow(self) -> bool:
         return bool(self.running) and int(self.state.cached[self._rows()[0]].max()) + 1 > self.cache.capacity
@@ -498,6 +545,7 @@ class Engine:
         """Grow the cache to hold ``length`` positions; graphs captured on the old tensors are dropped."""
         if self.cache.grow(length):
             self._graphs.clear()
+            self._prefill_graphs.clear()
             self._graph_pool = None  # a fresh pool: the old one's graphs are gone
 
     def _key_len(self, length: int, graphed: bool = False) -> int:
@@ -579,7 +627,7 @@ class Engine:
         else:
             self._next_tokens[rows_t] = tokens
         # The step's one copy to the host: tokens and logprobs together.
-        sampled = self._sampled[self._turn][:, :n]
+        sampled = self._sampled[self._turn][: 2 * n].view(2, n)
         sampled.copy_(torch.stack((tokens.double(), logprobs.double())), non_blocking=True)
         done = None
         if self.device.type == "cuda":
@@ -659,5 +707,46 @@ class _DecodeGraph:
     def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
+        self.graph.replay()
+        return self.logits
+
+
+class _PrefillGraph:
+    """A prefill call of at most ``batch`` sequences of at most ``width`` new tokens, captured in a CUDA graph.
+
+    A call's inputs are padded to the graph's: padding tokens write to the scratch column, and padding sequences
+    are a token at position 0 of row 0 (read, never written: their writes go to scratch too).
+    """
+
+    def __init__(self, engine: Engine, batch: int, width: int, pool: Any) -> None:
+        device, self.scratch = engine.device, engine.cache.capacity
+        self.inputs = torch.zeros(3, batch, width, dtype=torch.long, device=device)
+        """Tokens, positions, write positions."""
+        self.inputs[2] = self.scratch
+        self.sequences = torch.zeros(2, batch, dtype=torch.long, device=device)
+        """Each sequence's row and the index of its last new token."""
+        args = (*self.inputs, *self.sequences)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                engine._prefill_logits(*args, key_len=engine.cache.capacity)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            self.logits = engine._prefill_logits(*args, key_len=engine.cache.capacity)
+
+    def run(self, tokens: np.ndarray, positions: np.ndarray, write_pos: np.ndarray, rows: np.ndarray,
+            last: np.ndarray) -> torch.Tensor:
+        """Logits of the graph's batch, Shape (batch, vocab): the call's sequences first."""
+        _, batch, width = self.inputs.shape
+        b, t = tokens.shape
+        packed = np.zeros((3, batch, width), dtype=np.int64)
+        packed[2] = self.scratch
+        packed[:, :b, :t] = (tokens, positions, write_pos)
+        sequences = np.zeros((2, batch), dtype=np.int64)
+        sequences[:, :b] = (rows, last)
+        self.inputs.copy_(torch.from_numpy(packed))
+        self.sequences.copy_(torch.from_numpy(sequences))
         self.graph.replay()
         return self.logits
