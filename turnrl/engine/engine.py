@@ -167,6 +167,15 @@ def power_of_two_at_least(value: int, smallest: int = 1) -> int:
     return max(smallest, 1 << (value - 1).bit_length())
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device`` without waiting for the device: through pinned memory on a GPU (a copy from pageable
+    memory waits for all the work queued before it, which undid the overlap of a step's host and device work)."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def cache_budget_bytes(config: EngineConfig, device: torch.device) -> float:
     """``kv_cache_gb``, or when it is 0: 30% of the free GPU memory, 4 GiB on a CPU."""
     if config.kv_cache_gb > 0:
@@ -418,12 +427,12 @@ class Engine:
                              self._stop_filter.candidates if self._stop_filter is not None else None)
             self._truncating[sequence.row] = params.top_k > 0 or params.top_p < 1.0
             self._live[sequence.row] = True
-        rows = torch.tensor([s.row for s in sequences], device=self.device)
-        self._temperature[rows] = torch.tensor([s.params.temperature for s in sequences], dtype=torch.float32,
-                                               device=self.device)
-        self._top_k[rows] = torch.tensor([s.params.top_k for s in sequences], device=self.device)
-        self._top_p[rows] = torch.tensor([s.params.top_p for s in sequences], dtype=torch.float32,
-                                         device=self.device)
+        rows = to_device(np.array([s.row for s in sequences], dtype=np.int64), self.device)
+        settings = to_device(np.array([[s.params.temperature, s.params.top_k, s.params.top_p] for s in sequences],
+                                      dtype=np.float32), self.device)
+        self._temperature[rows] = settings[:, 0]
+        self._top_k[rows] = settings[:, 1].long()
+        self._top_p[rows] = settings[:, 2]
         self._running_rows = None
 
     def _prefill(self, sequences: list[_Sequence]) -> None:
@@ -451,13 +460,13 @@ class Engine:
         if graph is not None:
             logits = graph.run(*inputs, rows, last)[:b]
         else:
-            logits = self._prefill_logits(*(torch.from_numpy(a).to(self.device) for a in (*inputs, rows, last)),
+            logits = self._prefill_logits(*(to_device(a, self.device) for a in (*inputs, rows, last)),
                                           key_len=self._key_len(max(len(s.prompt) for s in sequences)))
         for sequence, new in zip(sequences, news):
             sequence.cached += len(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
         self.stats.prefill_calls += 1
-        self._read(self._sample(rows, torch.from_numpy(rows).to(self.device), logits))
+        self._read(self._sample(rows, to_device(rows, self.device), logits))
 
     def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
                         rows: torch.Tensor, last: torch.Tensor, key_len: int) -> torch.Tensor:
@@ -509,7 +518,7 @@ class Engine:
             rows = rows[~spent]
             if not len(rows):
                 return None
-            rows_t = None if rows[-1] == len(rows) - 1 else torch.from_numpy(rows).to(self.device)
+            rows_t = None if rows[-1] == len(rows) - 1 else to_device(rows, self.device)
         # Graphs replay fixed shapes, so a graphed step pads the batch and the keys to buckets.
         top = int(rows[-1]) + 1
         batch = _bucket(top, self._batch_buckets) if self.use_graphs else top
@@ -538,7 +547,7 @@ class Engine:
         if self._running_rows is None:
             rows = np.array(sorted(self.running), dtype=np.int64)
             dense = bool(rows[-1] == len(rows) - 1)
-            self._running_rows = rows, None if dense else torch.from_numpy(rows).to(self.device)
+            self._running_rows = rows, None if dense else to_device(rows, self.device)
         return self._running_rows
 
     def _reserve(self, length: int) -> None:
@@ -746,7 +755,7 @@ class _PrefillGraph:
         packed[:, :b, :t] = (tokens, positions, write_pos)
         sequences = np.zeros((2, batch), dtype=np.int64)
         sequences[:, :b] = (rows, last)
-        self.inputs.copy_(torch.from_numpy(packed))
-        self.sequences.copy_(torch.from_numpy(sequences))
+        self.inputs.copy_(to_device(packed, self.inputs.device))
+        self.sequences.copy_(to_device(sequences, self.inputs.device))
         self.graph.replay()
         return self.logits
