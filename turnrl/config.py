@@ -171,7 +171,9 @@ class AgentConfig:
     """Play turns in rounds: every episode's turn is generated together, then every env steps. False (with
     the engine backend) hands an episode's next turn to the engine as soon as its env step returns, and
     env steps (in ``groups.env_workers`` threads) run while the engine decodes: the choice for slow envs.
-    With fast envs, rounds were faster (docs/benchmarks.md). Reward functions then score one turn a call."""
+    In RAGEN's Sokoban recipe (env steps well under a millisecond) rounds were faster; in a synthetic benchmark
+    of responses of spread lengths, not waiting was (docs/benchmarks.md). Reward functions then score one turn
+    a call."""
 
     def validate(self) -> None:
         from turnrl.agent.formats import format_names
@@ -262,7 +264,8 @@ class EngineConfig:
     prefill_chunk_tokens: int = 16384
     """Padded prompt tokens prefilled in one forward pass at most."""
     cuda_graphs: bool = True
-    """Capture decode steps in CUDA graphs on a GPU (ignored on a CPU)."""
+    """Capture decode steps, and prefill calls of at most 8,192 padded tokens (with the Triton kernels), in CUDA
+    graphs on a GPU (ignored on a CPU)."""
     compile: str = "auto"
     """Compile the decode step's layers and the sampler with torch.compile: ``auto`` (on a GPU), ``true``, ``false``;
     a compilation that fails falls back to eager decoding with a warning."""
