@@ -253,6 +253,19 @@ def test_a_prompt_longer_than_a_row_fails_alone():
     assert results[2].token_ids == hf_greedy(model, prompts[2], 12)
 
 
+def test_a_text_model_refuses_a_prompt_with_images_alone():
+    model = build("qwen2")
+    engine = engine_for(model)
+    prompts = random_prompts([6, 9])
+    bad = engine.submit(prompts[0], GREEDY, {"pixel_values": torch.zeros(4, 12)})
+    good = engine.submit(prompts[1], GREEDY)
+    results = {}
+    while len(results) < 2:
+        results.update({r.id: r for r in engine.step()})
+    assert results[bad].finish_reason == "error" and "takes no images" in (results[bad].error or "")
+    assert results[good].token_ids == hf_greedy(model, prompts[1], 12)
+
+
 def test_a_sequence_stops_at_the_row_length():
     model = build("qwen2")
     result = engine_for(model, max_len=64).generate(random_prompts([60]), [GREEDY])[0]

@@ -88,8 +88,7 @@ def test_multi_turn_rollouts_are_the_same_trajectories_with_the_engine(model, ti
     assert policy.engine.stats.reused_tokens > policy.engine.stats.prefill_tokens
 
 
-def test_auto_takes_transformers_on_a_cpu_and_for_a_vlm(model, tiny_tokenizer, tiny_vlm_policy,
-                                                                          tiny_vlm_dir):
+def test_auto_takes_transformers_on_a_cpu_and_for_a_vlm(model, tiny_tokenizer, tiny_vlm_policy, tiny_vlm_dir):
     # On a CPU, auto takes transformers (the engine was slower there on short prompts); on a GPU the engine.
     assert isinstance(model_policy(model, tiny_tokenizer, ModelConfig(), max_batch_size=8), HFPolicy)
     assert isinstance(model_policy(model, tiny_tokenizer, ModelConfig(backend="engine"), max_batch_size=8),
@@ -98,8 +97,20 @@ def test_auto_takes_transformers_on_a_cpu_and_for_a_vlm(model, tiny_tokenizer, t
     vlm, processor = tiny_vlm_policy, load_processor(str(tiny_vlm_dir))
     chosen = model_policy(vlm.model, vlm.tokenizer, ModelConfig(), max_batch_size=8, processor=processor)
     assert isinstance(chosen, HFPolicy) and chosen.accepts_images
-    with pytest.raises(ConfigError, match="model.backend=hf"):
-        model_policy(vlm.model, vlm.tokenizer, ModelConfig(backend="engine"), max_batch_size=8, processor=processor)
+    engine = model_policy(vlm.model, vlm.tokenizer, ModelConfig(backend="engine"), max_batch_size=8,
+                          processor=processor)
+    assert isinstance(engine, EnginePolicy) and engine.accepts_images and engine.engine.weights.vision is not None
+    with pytest.raises(ConfigError, match="model.backend=engine"):
+        model_policy(Unsupported(), tiny_tokenizer, ModelConfig(backend="engine"), max_batch_size=8)
+
+
+class Unsupported(torch.nn.Module):
+    """A model of an architecture the engine does not run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = type("Config", (), {"model_type": "gpt2"})()
 
 
 def test_cache_rows_are_capped_by_the_batch(model, tiny_tokenizer):
@@ -137,3 +148,72 @@ def test_not_waiting_needs_a_policy_that_streams(model, tiny_tokenizer):
     agent = AgentConfig(format="no_think", wait_for_turns=False)
     with pytest.raises(ValueError, match="model.backend=engine"):
         Rollout(HFPolicy(model, tiny_tokenizer), get_format("no_think"), agent, "Sokoban")
+
+
+# --------------------------------------------------------------------------- a VLM's images
+def image_rollouts(policy, wait: bool = True):
+    agent = AgentConfig(format="no_think", max_turns=3, max_actions_per_episode=20, wait_for_turns=wait)
+    rollout = Rollout(policy, get_format("no_think"), agent, "Maze2D")
+    slots = [EpisodeSlot(env=make("Maze2D", mode="image"), seed=s, group=s) for s in range(3)]
+    return rollout.run(slots, SamplingConfig(temperature=0, max_new_tokens=12))
+
+
+def vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir) -> EnginePolicy:
+    return EnginePolicy(tiny_vlm_policy.model, tiny_vlm_policy.tokenizer,
+                        EngineConfig(kv_cache_gb=0.5, max_rows=8, max_seq_len=4096),
+                        processor=load_processor(str(tiny_vlm_dir)))
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_vlm_rollouts_with_images_are_the_same_trajectories_with_the_engine(tiny_vlm_policy, tiny_vlm_dir, wait):
+    """A new image every turn: the engine's image features, M-RoPE positions, suppressed vision tokens and KV
+    reuse give transformers' tokens and logprobs."""
+    hf = image_rollouts(tiny_vlm_policy)
+    policy = vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir)
+    engine = image_rollouts(policy, wait)
+    assert sum(len(t.images) for t in engine) >= 6
+    for a, b in zip(hf, engine):
+        first, second = a.tokens.stream(), b.tokens.stream()
+        assert (first.input_ids, first.loss_mask) == (second.input_ids, second.loss_mask)
+        torch.testing.assert_close(first.logprobs, second.logprobs, atol=1e-4, rtol=1e-4)
+        assert (a.status, [t.reward for t in a.turns]) == (b.status, [t.reward for t in b.turns])
+    assert policy.engine.stats.reused_tokens > policy.engine.stats.prefill_tokens
+
+
+def test_a_cached_row_is_reused_only_by_a_prompt_with_the_same_images(tiny_vlm_policy, tiny_vlm_dir):
+    (trajectory,) = image_rollouts(tiny_vlm_policy)[:1]
+    sample = trajectory.tokens.turn_samples()[0]
+    inputs = sample.model_inputs
+    other = {**inputs, "pixel_values": inputs["pixel_values"].flip(0)}
+    image_token = tiny_vlm_policy.model.config.image_token_id
+    first_image = sample.prompt_ids.index(image_token)
+
+    def complete(policy, model_inputs):
+        request = GenerationRequest(prompt_ids=list(sample.prompt_ids), messages=[], model_inputs=model_inputs)
+        handle = policy.submit(request, SamplingConfig(temperature=0, max_new_tokens=6))
+        results = {}
+        while handle not in results:
+            results.update(policy.poll())
+        return results[handle], policy.engine.stats.reused_tokens
+
+    policy = vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir)
+    complete(policy, inputs)
+    # The same tokens with other pixels: the cached row (its placeholders stand for the first image) is not
+    # extended; a row is reused only by a prompt that extends all of it.
+    changed, reused = complete(policy, other)
+    assert reused == 0 and first_image > 0
+    fresh, _ = complete(vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir), other)
+    assert changed.token_ids == fresh.token_ids
+    again, reused_again = complete(policy, other)  # the same images: the row is reused
+    assert reused_again == len(sample.prompt_ids) - 1 and again.token_ids == changed.token_ids
+
+
+def test_a_request_whose_images_do_not_fit_its_placeholders_fails_alone(tiny_vlm_policy, tiny_vlm_dir):
+    (trajectory,) = image_rollouts(tiny_vlm_policy)[:1]
+    sample = trajectory.tokens.turn_samples()[0]
+    good = GenerationRequest(prompt_ids=list(sample.prompt_ids), messages=[], model_inputs=sample.model_inputs)
+    bad = GenerationRequest(prompt_ids=list(sample.prompt_ids), messages=[], model_inputs={})
+    policy = vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir)
+    completions = policy.generate([good, bad], SamplingConfig(temperature=0, max_new_tokens=6))
+    assert completions[0].finish_reason != "error" and completions[0].token_ids
+    assert completions[1].finish_reason == "error" and "image placeholders" in (completions[1].error or "")

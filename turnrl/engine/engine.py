@@ -53,13 +53,15 @@ from turnrl.engine.forward import (
     compiled_kernels,
     decoder_forward,
     final_logits,
+    mrope_rows,
     rotary_table,
     round_up,
 )
 from turnrl.engine.gumbel import sample_one_pass
+from turnrl.engine.images import PromptImages, prompt_images
 from turnrl.engine.rows import RowTable
 from turnrl.engine.running import RunningRows
-from turnrl.engine.sampling import sample_tokens, sample_untruncated
+from turnrl.engine.sampling import logprobs_before_suppression, sample_tokens, sample_untruncated
 from turnrl.engine.stops import TAIL_SLACK_TOKENS, StopStringFilter, stop_string_in_tail
 from turnrl.engine.timing import DeviceTimer
 from turnrl.engine.weights import DecoderWeights, decoder_weights
@@ -100,11 +102,18 @@ class _Sequence:
     id: int
     prompt: list[int]
     params: SamplingParams
+    images: PromptImages | None = None
+    """A VLM prompt's images (None: text)."""
     row: int = -1
     cached: int = 0
     """Prompt tokens whose keys and values are in the row (while it is prefilled; then the row's counters hold
     the sequence's progress, :class:`RunningRows`)."""
     reused: int = 0
+
+    @property
+    def keys(self) -> list[int]:
+        """What the cache rows are matched on: the prompt, with each image's placeholders standing for its pixels."""
+        return self.images.keys if self.images is not None else self.prompt
 
 
 @dataclass
@@ -291,9 +300,16 @@ class Engine:
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.triton = triton_enabled(config.triton, self.device)
         """Attention and sampling in Triton kernels (:mod:`turnrl.engine.attention`, :mod:`turnrl.engine.gumbel`)."""
-        self.graph_prefill = self.use_graphs and self.triton
+        vision = self.weights.vision
+        self.graph_prefill = self.use_graphs and self.triton and vision is None
         """Small prefill calls replay CUDA graphs (:data:`PREFILL_GRAPH_TOKENS`); the Triton attention reads each row
-        to its own length, so a graph needs no key-length bucket."""
+        to its own length, so a graph needs no key-length bucket. (A VLM's prefill, with images and 3D positions,
+        runs without.)"""
+        self._rope_delta = torch.zeros(rows, dtype=torch.long, device=self.device)
+        """A VLM's rows: a generated token at index i turns by M-RoPE position i + delta (0 for text)."""
+        self._suppressed = (torch.tensor(vision.special_token_ids, device=self.device)
+                            if vision is not None and vision.special_token_ids else None)
+        """Tokens never sampled (a VLM's image placeholders and vision markers), or None."""
         self.kernels: DecoderKernels = EAGER
         self._sample_untruncated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sample_untruncated
         if compile_enabled(config.compile, self.device):
@@ -305,10 +321,26 @@ class Engine:
         return self.cache.rows
 
     # ------------------------------------------------------------------ requests
-    def submit(self, prompt: list[int], params: SamplingParams) -> int:
-        """Queue a prompt; its :class:`Result` comes out of a later :meth:`step`."""
+    def submit(self, prompt: list[int], params: SamplingParams, model_inputs: dict[str, Any] | None = None) -> int:
+        """Queue a prompt; its :class:`Result` comes out of a later :meth:`step`.
+
+        ``model_inputs``: a VLM prompt's images (``pixel_values``, ``image_grid_thw``, as its processor makes them),
+        one per run of image placeholders in ``prompt``.
+        """
         sequence = _Sequence(next(self._ids), list(prompt), params)
-        if not prompt:
+        error = None
+        vision = self.weights.vision
+        if vision is not None:
+            try:
+                sequence.images = prompt_images(sequence.prompt, model_inputs, vision.image_token_id,
+                                                vision.merge_size)
+            except ValueError as invalid:
+                error = str(invalid)
+        elif model_inputs and model_inputs.get("pixel_values") is not None:
+            error = "this model takes no images (a text model); send the prompt without them"
+        if error is not None:
+            self.finished.append(Result(sequence.id, [], [], "error", error))
+        elif not prompt:
             self.finished.append(Result(sequence.id, [], [], "error", "empty prompt"))
         elif len(prompt) >= self.max_len:
             self.finished.append(Result(
@@ -404,7 +436,7 @@ class Engine:
     def _admit(self) -> list[_Sequence]:
         admitted = []
         while self.waiting:
-            placement = self.table.place(self.waiting[0].prompt)
+            placement = self.table.place(self.waiting[0].keys)
             if placement is None:
                 break
             sequence = self.waiting.popleft()
@@ -427,6 +459,10 @@ class Engine:
                              self._stop_filter.candidates if self._stop_filter is not None else None)
             self._truncating[sequence.row] = params.top_k > 0 or params.top_p < 1.0
             self._live[sequence.row] = True
+        if self.weights.vision is not None:
+            deltas = np.array([s.images.delta if s.images is not None else 0 for s in sequences], dtype=np.int64)
+            rows_np = np.array([s.row for s in sequences], dtype=np.int64)
+            self._rope_delta[to_device(rows_np, self.device)] = to_device(deltas, self.device)
         rows = to_device(np.array([s.row for s in sequences], dtype=np.int64), self.device)
         settings = to_device(np.array([[s.params.temperature, s.params.top_k, s.params.top_p] for s in sequences],
                                       dtype=np.float32), self.device)
@@ -452,16 +488,23 @@ class Engine:
         news = [s.prompt[s.cached :] for s in sequences]
         b = len(sequences)
         self._reserve(max(len(s.prompt) for s in sequences))
-        inputs = prefill_inputs(news, [s.cached for s in sequences], self.cache.capacity)
+        tokens, positions, write_pos = prefill_inputs(news, [s.cached for s in sequences], self.cache.capacity)
         rows = np.array([s.row for s in sequences], dtype=np.int64)
         last = np.array([len(n) - 1 for n in news], dtype=np.int64)
         self.timer.start("prefill")
-        graph = self._prefill_graph(b, inputs[0].shape[1])
+        graph = self._prefill_graph(b, tokens.shape[1])
         if graph is not None:
-            logits = graph.run(*inputs, rows, last)[:b]
+            logits = graph.run(tokens, positions, write_pos, rows, last)[:b]
         else:
-            logits = self._prefill_logits(*(to_device(a, self.device) for a in (*inputs, rows, last)),
-                                          key_len=self._key_len(max(len(s.prompt) for s in sequences)))
+            tokens_t, positions_t, write_t, rows_t, last_t = (
+                to_device(a, self.device) for a in (tokens, positions, write_pos, rows, last))
+            rope_positions = embeddings = None
+            rope = self.rope
+            if self.weights.vision is not None:
+                rope, rope_positions, embeddings = self._vlm_prefill_inputs(sequences, tokens_t)
+            key_len = self._key_len(max(len(s.prompt) for s in sequences))
+            logits = self._prefill_logits(tokens_t, positions_t, write_t, rows_t, last_t, key_len, rope=rope,
+                                          rope_positions=rope_positions, embeddings=embeddings)
         for sequence, new in zip(sequences, news):
             sequence.cached += len(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
@@ -469,21 +512,74 @@ class Engine:
         self._read(self._sample(rows, to_device(rows, self.device), logits))
 
     def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
-                        rows: torch.Tensor, last: torch.Tensor, key_len: int) -> torch.Tensor:
+                        rows: torch.Tensor, last: torch.Tensor, key_len: int,
+                        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        rope_positions: torch.Tensor | None = None,
+                        embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """The logits after each sequence's last new token, Shape (b, vocab), writing the new tokens' keys and
         values into the cache.
 
         Args:
             tokens, positions, write_pos: :func:`prefill_inputs`, Shape (b, t). rows: each sequence's cache row,
                 Shape (b,). last: the index of each sequence's last new token, Shape (b,).
+            rope, rope_positions, embeddings: a VLM's (:meth:`_vlm_prefill_inputs`); None: the text model's.
         """
-        inputs = (self.weights, self.cache, self.rope, tokens, positions, write_pos, rows, key_len)
+        def run(kernels: DecoderKernels) -> torch.Tensor:
+            return decoder_forward(self.weights, self.cache, rope or self.rope, tokens, positions, write_pos, rows,
+                                   key_len, kernels, self.triton, rope_positions=rope_positions, embeddings=embeddings)
+
         # As in decode, a failed compiled pass is run again eagerly: it rewrites the same keys and values.
-        hidden = self._compiled_or_eager(
-            lambda: decoder_forward(*inputs, self.kernels, self.triton),
-            lambda: decoder_forward(*inputs, EAGER, self.triton))
+        hidden = self._compiled_or_eager(lambda: run(self.kernels), lambda: run(EAGER))
         return final_logits(hidden[torch.arange(len(last), device=self.device), last], self.weights.norm.value,
                             self.weights.lm_head.value, self.weights.shape.rms_eps)
+
+    def _vlm_prefill_inputs(self, sequences: list[_Sequence], tokens: torch.Tensor
+                            ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """A VLM prefill's rotary rows, the rows each token takes, and input embeddings with the images in them.
+
+        Each new token turns by its own M-RoPE position (three axes; :func:`~turnrl.engine.images.mrope_positions`),
+        so the call gets its own table: one cos/sin row per token, Shape (b * t, D), and rope positions
+        ``0 .. b*t-1``. The images whose placeholders are among the new tokens run through the vision tower, and
+        their features replace those placeholders' embeddings.
+
+        Args:
+            tokens: the call's tokens on the device, Shape (b, t).
+        """
+        vision = self.weights.vision
+        assert vision is not None
+        b, t = tokens.shape
+        turns = np.zeros((b, t, 3), dtype=np.int64)  # padding turns by position 0: its output is never read
+        pixels: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        slots: list[tuple[int, int]] = []
+        feature_rows: list[int] = []
+        features_before = 0
+        for i, sequence in enumerate(sequences):
+            start, length = sequence.cached, len(sequence.prompt) - sequence.cached
+            images = sequence.images
+            if images is None:
+                turns[i, :length] = np.arange(start, start + length)[:, None]
+                continue
+            turns[i, :length] = images.positions[:, start:].T
+            for (begin, end), image, grid in zip(images.spans, images.pixel_values, images.grids):
+                if end <= start:
+                    continue  # cached in the row already
+                pixels.append(image)
+                grids.append(grid)
+                first = max(begin, start)  # a row may hold the start of an image: only the rest is prefilled
+                slots += [(i, position - start) for position in range(first, end)]
+                feature_rows += range(features_before + first - begin, features_before + end - begin)
+                features_before += end - begin
+        positions = to_device(turns.reshape(-1, 3), self.device)
+        axes = vision.rope_axes
+        rope = (mrope_rows(self.rope[0], positions, axes), mrope_rows(self.rope[1], positions, axes))
+        embeddings = torch.nn.functional.embedding(tokens, self.weights.embed.value)
+        if pixels:
+            features = vision.image_features(torch.cat(pixels).to(self.device), torch.stack(grids).to(self.device))
+            index = to_device(np.array(slots, dtype=np.int64).T.copy(), self.device)
+            embeddings[index[0], index[1]] = features[to_device(np.array(feature_rows, dtype=np.int64),
+                                                                self.device)].to(embeddings.dtype)
+        return rope, torch.arange(b * t, device=self.device).view(b, t), embeddings
 
     def _prefill_graph(self, batch: int, width: int) -> _PrefillGraph | None:
         """The CUDA graph for a prefill call of ``batch`` sequences and ``width`` new tokens, captured on first use;
@@ -570,10 +666,16 @@ class Engine:
         """Logits of one token per row, Shape (B, vocab), in the compute dtype; a position of ``cache.capacity``
         writes to scratch."""
 
+        # A VLM's generated tokens turn by their index plus the row's M-RoPE delta (within the table: a row
+        # writing to scratch may have a stale delta).
+        turns = None
+        if self.weights.vision is not None:
+            turns = (positions + self._rope_delta[: len(positions)]).clamp(0, self.rope[0].shape[0] - 1).unsqueeze(1)
+
         def run(kernels: DecoderKernels) -> torch.Tensor:
             hidden = decoder_forward(
                 self.weights, self.cache, self.rope, tokens.unsqueeze(1), positions.unsqueeze(1),
-                positions.unsqueeze(1), None, key_len, kernels, self.triton,
+                positions.unsqueeze(1), None, key_len, kernels, self.triton, rope_positions=turns,
             )
             return kernels.final_logits(hidden[:, 0], self.weights.norm.value, self.weights.lm_head.value,
                                         self.weights.shape.rms_eps)
@@ -626,10 +728,16 @@ class Engine:
         n = len(rows)
         pick: Callable[[torch.Tensor], torch.Tensor] = (lambda t: t[:n]) if rows_t is None else (lambda t: t[rows_t])
         temperature = pick(self._temperature)
+        if self._suppressed is not None:
+            suppressed_logits = logits[:, self._suppressed]  # a copy: kept for the logprobs
+            logits[:, self._suppressed] = float("-inf")
         if self._truncating[rows].any():
             tokens, logprobs = sample_tokens(logits, temperature, pick(self._top_k), pick(self._top_p))
         else:
             tokens, logprobs = self._sample_full(logits, temperature)
+        if self._suppressed is not None:
+            token_logits = logits.gather(1, tokens.view(-1, 1)).squeeze(1)
+            logprobs = logprobs_before_suppression(logprobs, token_logits, suppressed_logits, temperature)
         self.timer.stop()
         if rows_t is None:
             self._next_tokens[:n] = tokens
@@ -688,7 +796,7 @@ class Engine:
         generated, logprobs = self.state.generated(row)
         # The row holds the keys and values of its ``cached`` tokens: all but the last sampled one, or all of them
         # when the next step was launched before this one's tokens were read.
-        self.table.release(row, (sequence.prompt + generated)[: int(self.state.cached[row])])
+        self.table.release(row, (sequence.keys + generated)[: int(self.state.cached[row])])
         self._running_rows = None
         self.finished.append(Result(sequence.id, generated, logprobs, reason, reused_tokens=sequence.reused))
 
@@ -734,16 +842,17 @@ class _PrefillGraph:
         self.inputs[2] = self.scratch
         self.sequences = torch.zeros(2, batch, dtype=torch.long, device=device)
         """Each sequence's row and the index of its last new token."""
-        args = (*self.inputs, *self.sequences)
+        tokens, positions, write_pos = self.inputs
+        rows, last = self.sequences
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                engine._prefill_logits(*args, key_len=engine.cache.capacity)
+                engine._prefill_logits(tokens, positions, write_pos, rows, last, engine.cache.capacity)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            self.logits = engine._prefill_logits(*args, key_len=engine.cache.capacity)
+            self.logits = engine._prefill_logits(tokens, positions, write_pos, rows, last, engine.cache.capacity)
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, write_pos: np.ndarray, rows: np.ndarray,
             last: np.ndarray) -> torch.Tensor:

@@ -92,7 +92,24 @@ def rotary_table(weights: DecoderWeights, length: int, device: torch.device) -> 
     positions = torch.arange(length, device=device).unsqueeze(0)
     probe = torch.zeros(1, dtype=torch.float32, device=device)
     cos, sin = weights.rotary(probe, positions)
-    return cos[0].to(weights.dtype), sin[0].to(weights.dtype)
+    # An M-RoPE module may return one table per axis, Shape (3, 1, length, D): with equal positions on the three
+    # axes they are equal.
+    cos, sin = (table.reshape(-1, length, table.shape[-1])[0].to(weights.dtype) for table in (cos, sin))
+    return cos, sin
+
+
+def mrope_rows(table: torch.Tensor, positions: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
+    """Rows of a rotary table for 3D positions: each dim from the row of its axis' position.
+
+    Args:
+        table: :func:`rotary_table`'s cos or sin, Shape (length, D). positions: Shape (n, 3). axes: each dim's axis,
+            Shape (D,).
+
+    Returns:
+        Shape (n, D).
+    """
+    rows = table[positions]  # (n, 3, D)
+    return rows.gather(1, axes.view(1, 1, -1).expand(len(positions), 1, -1)).squeeze(1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -300,6 +317,8 @@ def decoder_forward(
     key_len: int,
     kernels: DecoderKernels = EAGER,
     triton_attention: bool = False,
+    rope_positions: torch.Tensor | None = None,
+    embeddings: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Final hidden states of the new tokens, writing their keys and values into the cache.
 
@@ -314,6 +333,10 @@ def decoder_forward(
         triton_attention: attend with :func:`~turnrl.engine.attention.cached_attention` (each row read only up to
             its own length; ``key_len`` is then unused), else with torch's batched matmuls (decode) or SDPA over a
             mask (prefill), up to ``key_len``.
+        rope_positions: the rows of ``rope`` each token turns by, Shape (b, t); None: ``positions`` (a VLM's
+            tokens turn by their M-RoPE positions, not by their index).
+        embeddings: the new tokens' input embeddings, Shape (b, t, hidden) (a VLM's images in them); None: the
+            tokens' own.
 
     Returns:
         Shape (b, t, hidden), before the final norm (:func:`final_logits` applies it).
@@ -329,10 +352,11 @@ def decoder_forward(
         mask = mask.unsqueeze(1).expand(b, n_rep, t, key_len).reshape(b, 1, n_rep * t, key_len)
     write_rows = (torch.arange(b, device=tokens.device) if rows is None else rows).unsqueeze(1).expand(b, t)
 
-    x = F.embedding(tokens, weights.embed.value)
+    x = F.embedding(tokens, weights.embed.value) if embeddings is None else embeddings
+    turns = positions if rope_positions is None else rope_positions
     for layer, kv_cache in zip(weights.layers, cache.kv):
         q, kv = kernels.attention_inputs(
-            x, positions, rope[0], rope[1], layer.input_norm.value, _values(layer.qkv), _values(layer.qkv_bias),
+            x, turns, rope[0], rope[1], layer.input_norm.value, _values(layer.qkv), _values(layer.qkv_bias),
             layer.q_norm.value if layer.q_norm is not None else None,
             layer.k_norm.value if layer.k_norm is not None else None, shape,
         )

@@ -96,3 +96,32 @@ def _gumbel_argmax(candidates: torch.Tensor, greedy: torch.Tensor, generator: to
     """
     noise = torch.empty_like(candidates).exponential_(generator=generator).log_()
     return torch.argmax(torch.where(greedy.unsqueeze(-1), candidates, candidates - noise), dim=-1)
+
+
+def logprobs_before_suppression(
+    logprobs: torch.Tensor,
+    token_logits: torch.Tensor,
+    suppressed_logits: torch.Tensor,
+    temperature: torch.Tensor,
+) -> torch.Tensor:
+    """The sampled tokens' logprobs under the whole vocabulary, from their logprobs with some tokens suppressed.
+
+    A VLM never samples its vision tokens (they are masked to -inf before sampling), and its logprobs are
+    reported, like top-k/top-p truncation, under the untruncated tempered softmax. The two differ only by the
+    normalizer: ``lse_all = logaddexp(lse_kept, lse_suppressed)``, and ``lse_kept`` is the token's tempered logit
+    minus its suppressed logprob; so a few gathered columns give it, with no second pass over the logits.
+
+    Args:
+        logprobs: the sampled tokens' logprobs with the suppressed tokens removed, Shape (n,).
+        token_logits: the sampled tokens' logits, Shape (n,).
+        suppressed_logits: the suppressed tokens' logits, before masking, Shape (n, s).
+        temperature: Shape (n,); 0 (greedy) counts as 1.
+
+    Returns:
+        Shape (n,), float32.
+    """
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+    tempered = token_logits.float() / scale
+    kept = tempered - logprobs.float()
+    suppressed = torch.logsumexp(suppressed_logits.float() / scale.unsqueeze(-1), dim=-1)
+    return tempered - torch.logaddexp(kept, suppressed)

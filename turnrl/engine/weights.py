@@ -33,6 +33,9 @@ import torch
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+VLM_MODEL_TYPES = ("qwen2_5_vl",)
+"""VLMs whose language model is one of the decoders above: the engine runs it, and the model's own vision tower
+makes the image features its prefill takes (:class:`VisionWeights`)."""
 
 
 class UnsupportedModel(ValueError):
@@ -100,6 +103,36 @@ class LayerWeights:
 
 
 @dataclass
+class VisionWeights:
+    """A VLM's image side: its vision tower, which the engine's prefill calls, and how its decoder places images."""
+
+    model: nn.Module
+    """The VLM's inner model, whose ``get_image_features`` runs the vision tower."""
+    image_token_id: int
+    merge_size: int
+    """Patches merged into one token along each spatial side."""
+    rope_axes: torch.Tensor
+    """Which M-RoPE position (0 temporal, 1 height, 2 width) each rotary dim turns by, Shape (D,) int64."""
+    special_token_ids: list[int]
+    """Vision tokens never sampled: a sampled placeholder would be read as an image slot."""
+
+    def image_features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        """The decoder-side features of images, one row per placeholder token, in order, Shape (tokens, hidden)."""
+        out = self.model.get_image_features(pixel_values, grids)  # type: ignore[operator]
+        features = getattr(out, "pooler_output", out)  # an output object (recent transformers) or the tensors
+        return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+
+
+def rope_axes(mrope_section: list[int], head_dim: int) -> torch.Tensor:
+    """Each rotary dim's M-RoPE axis: the half dims split into ``mrope_section`` runs taking axes 0, 1, 2, 0, ...
+    (as Qwen2-VL's rotary embedding composes them), the second half as the first, Shape (head_dim,)."""
+    half = torch.cat([torch.full((size,), index % 3, dtype=torch.long) for index, size in enumerate(mrope_section)])
+    if len(half) != head_dim // 2:
+        raise UnsupportedModel(f"mrope_section {mrope_section} does not cover half the head dim ({head_dim // 2})")
+    return torch.cat((half, half))
+
+
+@dataclass
 class DecoderWeights:
     shape: DecoderShape
     embed: WeightRef
@@ -110,6 +143,8 @@ class DecoderWeights:
     """The model's rotary embedding module (it knows the model's RoPE scaling)."""
     dtype: torch.dtype
     tensors: list[WeightRef] = field(default_factory=list)
+    vision: VisionWeights | None = None
+    """A VLM's image side; None for a text model."""
 
     def refresh(self) -> int:
         """Recompute the merged, cast and fused buffers whose parameters changed; returns how many were."""
@@ -122,15 +157,20 @@ def base_causal_lm(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's config: a VLM's ``text_config``, or the config itself."""
+    return config.text_config if getattr(config, "model_type", None) in VLM_MODEL_TYPES else config
+
+
 def check_supported(model: nn.Module) -> None:
     """Raise :class:`UnsupportedModel` with the reason when the engine cannot run ``model``."""
-    config: Any = base_causal_lm(model).config
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    model_type = getattr(base_causal_lm(model).config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES + VLM_MODEL_TYPES:
         raise UnsupportedModel(
-            f"the engine runs {', '.join(SUPPORTED_MODEL_TYPES)} decoders, not {model_type!r} "
-            "(VLMs and other architectures use model.backend=hf)"
+            f"the engine runs {', '.join(SUPPORTED_MODEL_TYPES)} decoders and {', '.join(VLM_MODEL_TYPES)} VLMs, "
+            f"not {model_type!r} (other architectures use model.backend=hf)"
         )
+    config: Any = text_config(base_causal_lm(model).config)
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"the engine's MLP is SwiGLU; this model uses {config.hidden_act!r}")
     if getattr(config, "mlp_bias", False):
@@ -192,8 +232,21 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
     """
     check_supported(model)
     causal: Any = base_causal_lm(model)
-    config: Any = causal.config
+    config: Any = text_config(causal.config)
     decoder: Any = causal.model
+    vision = None
+    if config is not causal.config:  # a VLM: the decoder is its language model
+        decoder = causal.model.language_model
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        vision = VisionWeights(
+            model=causal.model, image_token_id=causal.config.image_token_id,
+            merge_size=causal.config.vision_config.spatial_merge_size,
+            rope_axes=rope_axes(list(rope["mrope_section"]), head_dim).to(causal.lm_head.weight.device),
+            special_token_ids=sorted({getattr(causal.config, name) for name in names
+                                      if getattr(causal.config, name, None) is not None}),
+        )
     tensors: list[WeightRef] = []
 
     def buffer(sources: list[_Source]) -> WeightRef:
@@ -261,4 +314,5 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
         rotary=decoder.rotary_emb,
         dtype=dtype,
         tensors=tensors,
+        vision=vision,
     )

@@ -1,7 +1,7 @@
 """The engine backend: the policy's own weights, KV cache kept across turns, continuous batching.
 
 A drop-in for :class:`~turnrl.policy.hf.HFPolicy` on text models of the
-Llama family (see :mod:`turnrl.engine.weights`): same requests, same
+Llama family and Qwen2.5-VL (see :mod:`turnrl.engine.weights`): same requests, same
 completions (sampled ids with their end-of-turn token, logprobs under the
 tempered untruncated distribution, stop strings cut at the token that
 completes them). The rollout loop needs no engine-specific call: a turn whose
@@ -19,6 +19,7 @@ from torch import nn
 
 from turnrl.config import EngineConfig, SamplingConfig
 from turnrl.engine.engine import Engine, Result, SamplingParams
+from turnrl.models.vision import ImageEncoder
 from turnrl.policy.base import Completion, GenerationRequest
 from turnrl.policy.hf import end_of_turn_ids
 
@@ -33,13 +34,11 @@ class EnginePolicy:
         dtype: compute dtype; None uses the weights' own.
         max_sequences: the most sequences ever generated at once (the rollout's batch): no more cache rows
             than that are allocated.
+        processor: a VLM's processor (its image processor encodes the rollout's images); None for a text model.
     """
 
-    accepts_images = False
-    image_encoder = None
-
     def __init__(self, model: nn.Module, tokenizer: Any, config: EngineConfig, dtype: torch.dtype | None = None,
-                 max_sequences: int | None = None) -> None:
+                 max_sequences: int | None = None, processor: Any | None = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.eos_ids = end_of_turn_ids(tokenizer, model)  # type: ignore[arg-type]
@@ -47,6 +46,8 @@ class EnginePolicy:
             raise ValueError("the tokenizer defines no eos token, so responses could never end")
         if max_sequences is not None:
             config = replace(config, max_rows=max(1, min(config.max_rows, max_sequences)))
+        self.image_encoder = ImageEncoder(processor) if processor is not None else None
+        self.accepts_images = processor is not None
         self.engine = Engine(model, config, dtype=dtype,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
@@ -66,7 +67,7 @@ class EnginePolicy:
             max_new_tokens=min(sampling.max_new_tokens, request.max_new_tokens or sampling.max_new_tokens),
             stop_ids=tuple(self.eos_ids), stop_strings=tuple(sampling.stop),
         )
-        return self.engine.submit(list(request.prompt_ids), params)
+        return self.engine.submit(list(request.prompt_ids), params, request.model_inputs)
 
     def poll(self) -> list[tuple[int, Completion]]:
         """One engine step: the requests that finished, by handle. A failed step ends every queued request

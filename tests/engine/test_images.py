@@ -1,0 +1,110 @@
+"""A VLM prompt's images for the engine: placeholder runs, M-RoPE positions against the model's own, match keys
+drawn from pixels, clear errors for images that do not fit their placeholders; logprobs with vision tokens
+suppressed."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turnrl.engine.images import mrope_positions, placeholder_spans, prompt_images
+from turnrl.engine.sampling import logprobs_before_suppression
+from turnrl.engine.weights import rope_axes
+
+PAD = 7  # the image placeholder id in these tests
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=60))
+def test_placeholder_spans_are_the_runs_of_the_placeholder(tokens):
+    spans = placeholder_spans(tokens, PAD)
+    expected, start = [], None
+    for index, token in enumerate(tokens + [-1]):
+        if token == PAD and start is None:
+            start = index
+        elif token != PAD and start is not None:
+            expected.append((start, index))
+            start = None
+    assert spans == expected
+
+
+def image_prompt(grids: list[tuple[int, int, int]], text: list[int]) -> tuple[list[int], dict]:
+    """Text runs of the given lengths around one placeholder run per grid (merge size 2), with random pixels."""
+    prompt: list[int] = []
+    for index, grid in enumerate(grids):
+        prompt += [1] * text[index] + [PAD] * (grid[0] * grid[1] * grid[2] // 4)
+    prompt += [2] * text[len(grids)]
+    patches = sum(t * h * w for t, h, w in grids)
+    inputs = {"pixel_values": torch.randn(patches, 12), "image_grid_thw": torch.tensor(grids)}
+    return prompt, inputs
+
+
+def test_mrope_positions_equal_the_models_own(tiny_vlm_policy):
+    model = tiny_vlm_policy.model.model
+    config = tiny_vlm_policy.model.config
+    grids = [(1, 4, 6), (1, 8, 4)]
+    prompt, inputs = image_prompt(grids, [3, 5, 4])
+    prompt = [config.image_token_id if t == PAD else t for t in prompt]
+    ids = torch.tensor([prompt])
+    arguments = {"input_ids": ids, "image_grid_thw": inputs["image_grid_thw"],
+                 "mm_token_type_ids": (ids == config.image_token_id).int(), "attention_mask": torch.ones_like(ids)}
+    accepted = inspect.signature(model.get_rope_index).parameters
+    expected, delta = model.get_rope_index(**{k: v for k, v in arguments.items() if k in accepted})
+    positions, ours = mrope_positions(len(prompt), placeholder_spans(prompt, config.image_token_id),
+                                      inputs["image_grid_thw"], 2)
+    np.testing.assert_array_equal(positions, expected[:, 0].numpy())
+    assert ours == int(delta) < 0
+
+
+def test_text_alone_counts_up_with_no_delta():
+    positions, delta = mrope_positions(5, [], torch.zeros(0, 3, dtype=torch.long), 2)
+    np.testing.assert_array_equal(positions, np.tile(np.arange(5), (3, 1)))
+    assert delta == 0
+
+
+def test_match_keys_stand_for_the_pixels_not_the_placeholders():
+    prompt, inputs = image_prompt([(1, 4, 4)], [3, 2])
+    same = prompt_images(prompt, inputs, PAD, 2)
+    again = prompt_images(prompt, {k: v.clone() for k, v in inputs.items()}, PAD, 2)
+    other = prompt_images(prompt, {**inputs, "pixel_values": inputs["pixel_values"] + 1}, PAD, 2)
+    assert same.keys == again.keys
+    assert same.keys[:3] == other.keys[:3] == prompt[:3] and same.keys[3] != other.keys[3]
+    assert all(key < 0 for key in same.keys[3:7]) and same.keys[7:] == prompt[7:]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda p, i: (p + [PAD, 3], i), "2 runs of image placeholders and its model inputs 1 images"),
+    (lambda p, i: (p[:4] + p[5:], i), "image 0 has 3 placeholder tokens"),
+    (lambda p, i: (p, {**i, "pixel_values": i["pixel_values"][:-1]}), "pixel_values has 15 patches"),
+    (lambda p, i: (p, {"image_grid_thw": i["image_grid_thw"]}), "no pixel_values"),
+])
+def test_images_that_do_not_fit_their_placeholders_are_refused_with_what_differs(change, message):
+    prompt, inputs = change(*image_prompt([(1, 4, 4)], [3, 2]))
+    with pytest.raises(ValueError, match=message):
+        prompt_images(prompt, inputs, PAD, 2)
+
+
+def test_rope_axes_follow_the_sections_in_both_halves():
+    axes = rope_axes([2, 3, 3], 16).tolist()
+    assert axes == [0, 0, 1, 1, 1, 2, 2, 2] * 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_logprobs_before_suppression_equal_the_untruncated_softmax(temperature):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 50, generator=generator) * 3
+    suppressed = torch.tensor([3, 17, 40])
+    tokens = torch.tensor([0, 5, 9, 22, 49])
+    scale = temperature or 1.0
+    masked = logits.clone()
+    masked[:, suppressed] = float("-inf")
+    with_suppression = torch.log_softmax(masked / scale, -1).gather(1, tokens[:, None]).squeeze(1)
+    result = logprobs_before_suppression(with_suppression, logits.gather(1, tokens[:, None]).squeeze(1),
+                                         logits[:, suppressed], torch.full((5,), temperature))
+    expected = torch.log_softmax(logits / scale, -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(result, expected)

@@ -1,0 +1,124 @@
+"""A VLM prompt's images, as the engine's prefill and KV reuse need them (Qwen2.5-VL).
+
+A prompt holds one run of image placeholder tokens per image (``<|image_pad|>``
+repeated once per visual token), and the model inputs of those images in order
+(``pixel_values`` concatenated along dim 0, ``image_grid_thw`` one row each):
+:func:`prompt_images` checks that they agree and derives
+
+- the M-RoPE positions of every prompt token (:func:`mrope_positions`): text
+  tokens count up by one, an image's tokens take (temporal, height, width)
+  positions from where the text before it ends, and the text after it resumes
+  past the image's larger side; a token sampled after the prompt is at its
+  index plus the prompt's ``delta``.
+- the prompt's match keys: its tokens with each image's placeholders replaced
+  by a number drawn from the image's pixels, so that a cached row is reused
+  only by a prompt with the same images, not merely the same placeholders.
+
+Notation: n prompt tokens, m images.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PromptImages:
+    """The images of one prompt."""
+
+    pixel_values: list[torch.Tensor]
+    """Each image's patches, Shape (patches_i, patch_dim)."""
+    grids: torch.Tensor
+    """Each image's (temporal, height, width) patch grid, Shape (m, 3)."""
+    spans: list[tuple[int, int]]
+    """Each image's placeholder tokens, [start, end) in the prompt."""
+    positions: np.ndarray
+    """M-RoPE positions of the prompt's tokens, Shape (3, n)."""
+    delta: int
+    """A token at index i after the prompt is at position i + delta on all three axes."""
+    keys: list[int]
+    """The prompt's tokens with each image's placeholders replaced by the image's digest (a negative number)."""
+
+
+def placeholder_spans(prompt: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
+    """The runs of ``image_token_id`` in ``prompt``, [start, end) each, in order."""
+    tokens = np.asarray(prompt, dtype=np.int64)
+    is_image = np.concatenate(([False], tokens == image_token_id, [False]))
+    edges = np.flatnonzero(is_image[1:] != is_image[:-1])
+    return [(int(start), int(end)) for start, end in zip(edges[::2], edges[1::2])]
+
+
+def mrope_positions(length: int, spans: Sequence[tuple[int, int]], grids: torch.Tensor, merge_size: int
+                    ) -> tuple[np.ndarray, int]:
+    """Qwen2-VL's 3D rotary positions of a prompt of ``length`` tokens whose images fill ``spans``.
+
+    Args:
+        spans: each image's placeholder tokens, [start, end). grids: each image's patch grid (t, h, w), Shape (m, 3);
+            its tokens are t x (h / merge_size) x (w / merge_size), row-major.
+
+    Returns:
+        The positions, Shape (3, length) int64, and the delta of the tokens after the prompt.
+    """
+    positions = np.zeros((3, length), dtype=np.int64)
+    next_position, cursor = 0, 0
+    for (start, end), grid in zip(spans, grids.tolist()):
+        text = start - cursor
+        positions[:, cursor:start] = next_position + np.arange(text)
+        next_position += text
+        t, h, w = grid[0], grid[1] // merge_size, grid[2] // merge_size
+        temporal, height, width = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        positions[:, start:end] = next_position + np.stack((temporal, height, width)).reshape(3, -1)
+        next_position += max(t, h, w)
+        cursor = end
+    positions[:, cursor:] = next_position + np.arange(length - cursor)
+    delta = int(positions.max(initial=-1)) + 1 - length
+    return positions, delta
+
+
+def image_digest(pixel_values: torch.Tensor, grid: torch.Tensor) -> int:
+    """A negative number that stands for one image's content in match keys (token ids are never negative)."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(np.asarray(grid.tolist(), dtype=np.int64).tobytes())
+    digest.update(pixel_values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return -1 - (int.from_bytes(digest.digest(), "little") >> 1)
+
+
+def prompt_images(prompt: Sequence[int], model_inputs: dict[str, Any] | None, image_token_id: int,
+                  merge_size: int) -> PromptImages:
+    """The images of ``prompt`` from its ``model_inputs`` (``pixel_values``, ``image_grid_thw``).
+
+    Raises:
+        ValueError: the placeholders and the images do not agree (with what each says).
+    """
+    spans = placeholder_spans(prompt, image_token_id)
+    inputs = model_inputs or {}
+    grids = inputs.get("image_grid_thw")
+    pixels = inputs.get("pixel_values")
+    grids = torch.zeros(0, 3, dtype=torch.long) if grids is None else torch.as_tensor(grids).reshape(-1, 3).cpu()
+    if len(spans) != len(grids):
+        raise ValueError(f"the prompt has {len(spans)} runs of image placeholders and its model inputs "
+                         f"{len(grids)} images (image_grid_thw rows): build both from the same messages")
+    patches = grids.prod(-1).tolist()
+    for index, ((start, end), count) in enumerate(zip(spans, patches)):
+        if end - start != count // merge_size**2:
+            raise ValueError(f"image {index} has {end - start} placeholder tokens, and its grid "
+                             f"{grids[index].tolist()} makes {count // merge_size**2}")
+    pixel_values: list[torch.Tensor] = []
+    if spans:
+        if pixels is None:
+            raise ValueError("the prompt has images but its model inputs have no pixel_values")
+        pixels = torch.as_tensor(pixels)
+        if sum(patches) != len(pixels):
+            raise ValueError(f"pixel_values has {len(pixels)} patches, the grids make {sum(patches)}")
+        pixel_values = list(torch.split(pixels, patches))
+    positions, delta = mrope_positions(len(prompt), spans, grids, merge_size)
+    keys = list(prompt)
+    for (start, end), image, grid in zip(spans, pixel_values, grids):
+        keys[start:end] = [image_digest(image, grid)] * (end - start)
+    return PromptImages(pixel_values, grids, spans, positions, delta, keys)
