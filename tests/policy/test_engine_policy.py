@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, ConfigError, EngineConfig, ModelConfig, SamplingConfig
+from turnrl.engine.attention import triton_available
 from turnrl.envs import make
 from turnrl.models.loading import load_processor
 from turnrl.policy.base import GenerationRequest
@@ -158,18 +159,22 @@ def image_rollouts(policy, wait: bool = True):
     return rollout.run(slots, SamplingConfig(temperature=0, max_new_tokens=12))
 
 
-def vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir) -> EnginePolicy:
+def vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir, triton: str = "false") -> EnginePolicy:
     return EnginePolicy(tiny_vlm_policy.model, tiny_vlm_policy.tokenizer,
-                        EngineConfig(kv_cache_gb=0.5, max_rows=8, max_seq_len=4096),
+                        EngineConfig(kv_cache_gb=0.5, max_rows=8, max_seq_len=4096, triton=triton),
                         processor=load_processor(str(tiny_vlm_dir)))
 
 
-@pytest.mark.parametrize("wait", [True, False])
-def test_vlm_rollouts_with_images_are_the_same_trajectories_with_the_engine(tiny_vlm_policy, tiny_vlm_dir, wait):
+@pytest.mark.parametrize(("wait", "triton"), [(True, "false"), (False, "false"), (True, "true")])
+def test_vlm_rollouts_with_images_are_the_same_trajectories_with_the_engine(tiny_vlm_policy, tiny_vlm_dir, wait,
+                                                                            triton):
     """A new image every turn: the engine's image features, M-RoPE positions, suppressed vision tokens and KV
-    reuse give transformers' tokens and logprobs."""
+    reuse give transformers' tokens and logprobs (with torch's kernels, and with the Triton ones in Triton's
+    interpreter)."""
+    if triton == "true" and not triton_available():
+        pytest.skip("Triton is not installed")
     hf = image_rollouts(tiny_vlm_policy)
-    policy = vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir)
+    policy = vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir, triton)
     engine = image_rollouts(policy, wait)
     assert sum(len(t.images) for t in engine) >= 6
     for a, b in zip(hf, engine):

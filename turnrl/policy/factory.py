@@ -25,7 +25,8 @@ def model_policy(
     ``auto`` takes the engine on a GPU where it can run the model (Llama-family text models) and
     transformers' ``generate`` otherwise: other architectures, CPUs, where the engine was slower on the
     quickstart's short one-turn prompts (docs/engine.md), and VLMs, whose engine path (``engine``) is
-    not measured on a GPU yet. ``engine`` refuses a model it cannot run. ``dtype`` is the compute dtype (the run's mixed precision); None uses the weights' own.
+    not measured on a GPU yet. ``engine`` refuses a model it cannot run. ``dtype`` is the compute dtype
+    (the run's mixed precision); None uses the weights' own.
     """
     from turnrl.engine.weights import UnsupportedModel
     from turnrl.policy.engine import EnginePolicy
