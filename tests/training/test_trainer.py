@@ -304,6 +304,17 @@ def test_resume_with_the_engine_continues_exactly(tiny_model_dir, tmp_path):
     assert comparable(one[3]) == comparable(two[3])
 
 
+def test_the_engine_trains_a_vlm_on_images_token_exact(tiny_vlm_dir, tmp_path):
+    """The engine samples a VLM's turns from images (and keeps its cache across them); the trainer's forward with
+    the same images recomputes the sampler's logprobs, and the second step generates from the updated weights."""
+    train(config(tiny_vlm_dir, tmp_path, "model.backend=engine", "env.settings.mode=image", "algorithm.advantage=grpo",
+                 "algorithm.kl_coef=0.1", "optim.actor_lr=1e-2"))
+    steps = step_records(tmp_path / "run")
+    assert any((tmp_path / "run" / "trajectories" / "images").iterdir())  # the episodes were played from images
+    assert steps[2]["actor/kl_ref"] > 0.0
+    assert_token_exact(steps)
+
+
 # --------------------------------------------------------------------------- StarPO-S filter
 def test_top_k_filter_keeps_the_most_varied_groups_and_drops_zero_variance(warm_model_dir, tmp_path):
     train(config(warm_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=4", "agent.max_turns=3",
