@@ -14,6 +14,7 @@ from tests.serve.running import running
 from turnrl.config import AgentConfig, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
 from turnrl.envs import make
 from turnrl.evaluate import run_eval
+from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.openai_http import image_data_url
 from turnrl.serve.policy import ChatCompletionRequest, create_app, load_policy, prepare
@@ -87,6 +88,22 @@ def test_eval_of_image_observations_over_http(vlm_server, tmp_path):
     summary = run_eval(config)
     assert summary["episodes"] == 2 and summary["errors"] == 0
     assert len(list((tmp_path / "images").glob("*.png"))) >= 2
+
+
+def test_the_engine_serves_the_vlm_with_the_transformers_backends_tokens(vlm_server, tiny_vlm_dir):
+    hf_url, _ = vlm_server
+    engine, _ = load_policy(str(tiny_vlm_dir), model_config=ModelConfig(device="cpu", backend="engine"))
+    assert isinstance(engine, EnginePolicy) and engine.accepts_images
+    messages = image_message(image_data_url(frame()))
+    with running(create_app(engine, MODEL)) as engine_url:
+        replies = [openai.OpenAI(base_url=url, api_key="x").chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True) for url in (hf_url, engine_url)]
+    (hf_choice,), (engine_choice,) = (reply.choices for reply in replies)
+    assert hf_choice.logprobs.content  # tokens were generated
+    assert engine_choice.message.content == hf_choice.message.content
+    assert [t.token for t in engine_choice.logprobs.content] == [t.token for t in hf_choice.logprobs.content]
+    np.testing.assert_allclose([t.logprob for t in engine_choice.logprobs.content],
+                               [t.logprob for t in hf_choice.logprobs.content], atol=1e-4)
 
 
 def test_load_policy_builds_a_builtin_vlm(tiny_vlm_dir, monkeypatch):
