@@ -81,3 +81,23 @@ def test_a_prefill_call_too_large_for_a_graph_runs_without_one():
     results = engine.generate(prompts, [GREEDY] * 16)
     assert not engine._prefill_graphs and engine.stats.prefill_calls == 1
     assert [r.token_ids for r in results[:3]] == [hf_greedy(model, p, 12) for p in prompts[:3]]
+
+
+def test_vlm_rollouts_with_images_equal_transformers_on_a_gpu(tiny_vlm_dir):
+    """The VLM path with the GPU's kernels: compiled layers over per-call M-RoPE rows, the Triton attention, graphed
+    decode with each row's rope delta."""
+    from tests.policy.test_engine_policy import image_rollouts
+    from turnrl.config import ModelConfig
+    from turnrl.models.loading import load_processor
+    from turnrl.policy.engine import EnginePolicy
+    from turnrl.policy.hf import HFPolicy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = HFPolicy.from_config(ModelConfig(device="cuda", dtype="float32"), str(tiny_vlm_dir))
+    engine = EnginePolicy(hf.model, hf.tokenizer, EngineConfig(kv_cache_gb=1.0, max_rows=8, max_seq_len=4096),
+                          processor=load_processor(str(tiny_vlm_dir)))
+    for a, b in zip(image_rollouts(hf), image_rollouts(engine)):
+        first, second = a.tokens.stream(), b.tokens.stream()
+        assert (first.input_ids, first.loss_mask) == (second.input_ids, second.loss_mask)
+        torch.testing.assert_close(first.logprobs, second.logprobs, atol=1e-3, rtol=1e-3)
+    assert engine.engine.stats.reused_tokens > 0

@@ -5,17 +5,22 @@ that extends a row's cached tokens prefills only the new ones), prefills them,
 then decodes one token for every running sequence. A finished sequence leaves
 its row at once and a waiting one takes it: sequences never wait for each
 other. The cache is a fixed budget of rows (``EngineConfig.kv_cache_gb``);
-when every row is running, new sequences wait; when rows are only idle
-(finished sequences kept for their next turn), the least recently used one is
-evicted and its sequence is prefilled again if it returns. Nothing is dropped.
+when every row is running, new sequences wait; when the open rows are idle
+(finished sequences kept for their next turn), the lowest one is evicted and
+its sequence is prefilled again if it returns. Nothing is dropped.
 
-On a GPU, decode runs as CUDA graphs captured per batch bucket, of layer
+On a GPU, decode runs as CUDA graphs captured per batch bucket, and so do
+small prefill calls (per bucket of sequences and new tokens), of layer
 functions compiled by ``torch.compile`` (their elementwise work fused into a
 few kernels; compiled once for every bucket and layer, and once for prefill
 calls), with attention in one Triton kernel that reads each row only as far as
 its sequence goes (:mod:`turnrl.engine.attention`); on a CPU, the same code
 runs eagerly with torch's attention. A compilation that fails falls back to
 eager work with a warning.
+
+A VLM (Qwen2.5-VL) runs the same way: its prompts' images go through the
+model's own vision tower at prefill, its tokens turn by their M-RoPE positions,
+and its cache rows are matched on the images' pixels (:mod:`turnrl.engine.images`).
 
 The host work of a step is a few array operations for the whole batch, not
 Python per sequence: the running sequences' counters live in arrays by row
