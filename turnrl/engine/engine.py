@@ -59,6 +59,7 @@ from turnrl.engine.forward import (
     decoder_forward,
     final_logits,
     mrope_rows,
+    power_of_two_at_least,
     rotary_table,
     round_up,
 )
@@ -175,10 +176,6 @@ def prefill_inputs(news: Sequence[list[int]], starts: Sequence[int], scratch: in
     tokens[real] = np.fromiter(itertools.chain.from_iterable(news), dtype=np.int64, count=int(lengths.sum()))
     positions = begin + np.minimum(offsets, lengths[:, None] - 1)
     return tokens, positions, np.where(real, positions, scratch)
-
-
-def power_of_two_at_least(value: int, smallest: int = 1) -> int:
-    return max(smallest, 1 << (value - 1).bit_length())
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -464,11 +461,10 @@ class Engine:
                              self._stop_filter.candidates if self._stop_filter is not None else None)
             self._truncating[sequence.row] = params.top_k > 0 or params.top_p < 1.0
             self._live[sequence.row] = True
+        rows = to_device(np.array([s.row for s in sequences], dtype=np.int64), self.device)
         if self.weights.vision is not None:
             deltas = np.array([s.images.delta if s.images is not None else 0 for s in sequences], dtype=np.int64)
-            rows_np = np.array([s.row for s in sequences], dtype=np.int64)
-            self._rope_delta[to_device(rows_np, self.device)] = to_device(deltas, self.device)
-        rows = to_device(np.array([s.row for s in sequences], dtype=np.int64), self.device)
+            self._rope_delta[rows] = to_device(deltas, self.device)
         settings = to_device(np.array([[s.params.temperature, s.params.top_k, s.params.top_p] for s in sequences],
                                       dtype=np.float32), self.device)
         self._temperature[rows] = settings[:, 0]

@@ -40,6 +40,10 @@ def round_up(value: int, multiple: int = KEY_ALIGN) -> int:
     return -(-value // multiple) * multiple
 
 
+def power_of_two_at_least(value: int, smallest: int = 1) -> int:
+    return max(smallest, 1 << (value - 1).bit_length())
+
+
 class KVCache:
     """Keys and values of every layer, each Shape (rows, Hkv, capacity + 1, D); column ``capacity`` is scratch.
 
@@ -71,7 +75,7 @@ class KVCache:
         """Make room for ``needed`` positions per row (keeping what is cached); True if the tensors changed."""
         if needed <= self.capacity:
             return False
-        capacity = min(round_up(self.max_len), max(KEY_ALIGN, 2 ** (needed - 1).bit_length()))
+        capacity = min(round_up(self.max_len), power_of_two_at_least(needed, KEY_ALIGN))
         size = (2, self.rows, self.shape.num_kv_heads, capacity + 1, self.shape.head_dim)
         old = self.capacity
         # Zeros, not empty: a padding query may attend to never-written positions, which must be finite.
