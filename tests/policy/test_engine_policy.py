@@ -218,7 +218,10 @@ def test_a_request_whose_images_do_not_fit_its_placeholders_fails_alone(tiny_vlm
     sample = trajectory.tokens.turn_samples()[0]
     good = GenerationRequest(prompt_ids=list(sample.prompt_ids), messages=[], model_inputs=sample.model_inputs)
     bad = GenerationRequest(prompt_ids=list(sample.prompt_ids), messages=[], model_inputs={})
+    video = GenerationRequest(prompt_ids=list(sample.prompt_ids) + [tiny_vlm_policy.model.config.video_token_id],
+                              messages=[], model_inputs=sample.model_inputs)
     policy = vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir)
-    completions = policy.generate([good, bad], SamplingConfig(temperature=0, max_new_tokens=6))
+    completions = policy.generate([good, bad, video], SamplingConfig(temperature=0, max_new_tokens=6))
     assert completions[0].finish_reason != "error" and completions[0].token_ids
     assert completions[1].finish_reason == "error" and "image placeholders" in (completions[1].error or "")
+    assert completions[2].finish_reason == "error" and "not videos" in (completions[2].error or "")

@@ -333,11 +333,14 @@ class Engine:
         error = None
         vision = self.weights.vision
         if vision is not None:
-            try:
-                sequence.images = prompt_images(sequence.prompt, model_inputs, vision.image_token_id,
-                                                vision.merge_size)
-            except ValueError as invalid:
-                error = str(invalid)
+            if vision.video_token_id in sequence.prompt or (model_inputs or {}).get("pixel_values_videos") is not None:
+                error = "the engine runs images, not videos: use model.backend=hf for a prompt with a video"
+            else:
+                try:
+                    sequence.images = prompt_images(sequence.prompt, model_inputs, vision.image_token_id,
+                                                    vision.merge_size)
+                except ValueError as invalid:
+                    error = str(invalid)
         elif model_inputs and model_inputs.get("pixel_values") is not None:
             error = "this model takes no images (a text model); send the prompt without them"
         if error is not None:

@@ -115,6 +115,8 @@ class VisionWeights:
     """Which M-RoPE position (0 temporal, 1 height, 2 width) each rotary dim turns by, Shape (D,) int64."""
     special_token_ids: list[int]
     """Vision tokens never sampled: a sampled placeholder would be read as an image slot."""
+    video_token_id: int | None = None
+    """Videos are not run by the engine: a prompt with their placeholder is refused."""
 
     def image_features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         """The decoder-side features of images, one row per placeholder token, in order, Shape (tokens, hidden)."""
@@ -246,6 +248,7 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
             rope_axes=rope_axes(list(rope["mrope_section"]), head_dim).to(causal.lm_head.weight.device),
             special_token_ids=sorted({getattr(causal.config, name) for name in names
                                       if getattr(causal.config, name, None) is not None}),
+            video_token_id=getattr(causal.config, "video_token_id", None),
         )
     tensors: list[WeightRef] = []
 
