@@ -63,6 +63,7 @@ from turnrl.engine.forward import (
     rotary_table,
     round_up,
 )
+from turnrl.engine.graphs import DecodeGraph, PrefillGraph, to_device
 from turnrl.engine.gumbel import sample_one_pass
 from turnrl.engine.images import PromptImages, prompt_images
 from turnrl.engine.rows import RowTable
@@ -178,15 +179,6 @@ def prefill_inputs(news: Sequence[list[int]], starts: Sequence[int], scratch: in
     return tokens, positions, np.where(real, positions, scratch)
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``array`` on ``device`` without waiting for the device: through pinned memory on a GPU (a copy from pageable
-    memory waits for all the work queued before it, which undid the overlap of a step's host and device work)."""
-    tensor = torch.from_numpy(array)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def cache_budget_bytes(config: EngineConfig, device: torch.device) -> float:
     """``kv_cache_gb``, or when it is 0: 30% of the free GPU memory, 4 GiB on a CPU."""
     if config.kv_cache_gb > 0:
@@ -296,8 +288,8 @@ class Engine:
         running set changed."""
         self.timer = DeviceTimer(self.device)
         """Device time of prefill and decode work, when enabled (benchmarks split a call's time with it)."""
-        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
-        self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}
+        self._graphs: dict[tuple[int, int], DecodeGraph] = {}
+        self._prefill_graphs: dict[tuple[int, int], PrefillGraph] = {}
         self._graph_pool: Any = None
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.triton = triton_enabled(config.triton, self.device)
@@ -585,7 +577,7 @@ class Engine:
                                                                 self.device)].to(embeddings.dtype)
         return rope, torch.arange(b * t, device=self.device).view(b, t), embeddings
 
-    def _prefill_graph(self, batch: int, width: int) -> _PrefillGraph | None:
+    def _prefill_graph(self, batch: int, width: int) -> PrefillGraph | None:
         """The CUDA graph for a prefill call of ``batch`` sequences and ``width`` new tokens, captured on first use;
         None when the call is run without one (too large, no graphs, or capturing failed)."""
         if not self.graph_prefill:
@@ -597,7 +589,10 @@ class Engine:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             try:
-                self._prefill_graphs[key] = _PrefillGraph(self, *key, self._graph_pool)
+                self._prefill_graphs[key] = PrefillGraph(
+                    lambda tokens, positions, write_pos, rows, last: self._prefill_logits(
+                        tokens, positions, write_pos, rows, last, self.cache.capacity),
+                    *key, self.cache.capacity, self.device, self._graph_pool)
             except Exception as error:
                 logger.warning("engine: capturing a prefill graph failed (%s: %s); prefilling without graphs",
                                type(error).__name__, str(error).strip()[:200])
@@ -705,13 +700,18 @@ class Engine:
         self.kernels = EAGER
         self._sample_untruncated = sample_untruncated
 
-    def _graph(self, batch: int, key_len: int) -> _DecodeGraph:
+    def _graph(self, batch: int, key_len: int) -> DecodeGraph:
         key = (batch, key_len)
+
+        def capture() -> DecodeGraph:
+            return DecodeGraph(lambda tokens, positions: self._decode_logits(tokens, positions, key_len), batch,
+                               self.cache.capacity, self.device, self._graph_pool)
+
         if key not in self._graphs:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             try:
-                self._graphs[key] = _DecodeGraph(self, batch, key_len, self._graph_pool)
+                self._graphs[key] = capture()
             except Exception as error:
                 if not self.kernels.compiled:
                     raise
@@ -720,7 +720,7 @@ class Engine:
                 self._disable_compile(error)
                 self._graphs.clear()
                 self._graph_pool = torch.cuda.graph_pool_handle()
-                self._graphs[key] = _DecodeGraph(self, batch, key_len, self._graph_pool)
+                self._graphs[key] = capture()
         return self._graphs[key]
 
     def _sample(self, rows: np.ndarray, rows_t: torch.Tensor | None, logits: torch.Tensor) -> _Launched:
@@ -804,71 +804,3 @@ class Engine:
         self._running_rows = None
         self.finished.append(Result(sequence.id, generated, logprobs, reason, reused_tokens=sequence.reused))
 
-
-class _DecodeGraph:
-    """One decode step for ``batch`` rows over ``key_len`` positions, captured in a CUDA graph."""
-
-    def __init__(self, engine: Engine, batch: int, key_len: int, pool: Any) -> None:
-        device = engine.device
-        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
-        # Scratch positions while warming up and capturing: nothing cached is written.
-        self.positions = torch.full((batch,), engine.cache.capacity, dtype=torch.long, device=device)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                engine._decode_logits(self.tokens, self.positions, key_len)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # On this engine's device: torch.cuda.graph's default capture stream is made once, on the device current
-        # at its first use (another engine's GPU), and a capture on a stream of another device records nothing.
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            self.logits = engine._decode_logits(self.tokens, self.positions, key_len)
-
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions)
-        self.graph.replay()
-        return self.logits
-
-
-class _PrefillGraph:
-    """A prefill call of at most ``batch`` sequences of at most ``width`` new tokens, captured in a CUDA graph.
-
-    A call's inputs are padded to the graph's: padding tokens write to the scratch column, and padding sequences
-    are a token at position 0 of row 0 (read, never written: their writes go to scratch too).
-    """
-
-    def __init__(self, engine: Engine, batch: int, width: int, pool: Any) -> None:
-        device, self.scratch = engine.device, engine.cache.capacity
-        self.inputs = torch.zeros(3, batch, width, dtype=torch.long, device=device)
-        """Tokens, positions, write positions."""
-        self.inputs[2] = self.scratch
-        self.sequences = torch.zeros(2, batch, dtype=torch.long, device=device)
-        """Each sequence's row and the index of its last new token."""
-        tokens, positions, write_pos = self.inputs
-        rows, last = self.sequences
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                engine._prefill_logits(tokens, positions, write_pos, rows, last, engine.cache.capacity)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            self.logits = engine._prefill_logits(tokens, positions, write_pos, rows, last, engine.cache.capacity)
-
-    def run(self, tokens: np.ndarray, positions: np.ndarray, write_pos: np.ndarray, rows: np.ndarray,
-            last: np.ndarray) -> torch.Tensor:
-        """Logits of the graph's batch, Shape (batch, vocab): the call's sequences first."""
-        _, batch, width = self.inputs.shape
-        b, t = tokens.shape
-        packed = np.zeros((3, batch, width), dtype=np.int64)
-        packed[2] = self.scratch
-        packed[:, :b, :t] = (tokens, positions, write_pos)
-        sequences = np.zeros((2, batch), dtype=np.int64)
-        sequences[:, :b] = (rows, last)
-        self.inputs.copy_(to_device(packed, self.inputs.device))
-        self.sequences.copy_(to_device(sequences, self.inputs.device))
-        self.graph.replay()
-        return self.logits
