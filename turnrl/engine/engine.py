@@ -488,12 +488,13 @@ class Engine:
         rows = np.array([s.row for s in sequences], dtype=np.int64)
         last = np.array([len(n) - 1 for n in news], dtype=np.int64)
         self.timer.start("prefill")
+        rows_t = to_device(rows, self.device)
         graph = self._prefill_graph(b, tokens.shape[1])
         if graph is not None:
             logits = graph.run(tokens, positions, write_pos, rows, last)[:b]
         else:
-            tokens_t, positions_t, write_t, rows_t, last_t = (
-                to_device(a, self.device) for a in (tokens, positions, write_pos, rows, last))
+            tokens_t, positions_t, write_t, last_t = (
+                to_device(a, self.device) for a in (tokens, positions, write_pos, last))
             rope_positions = embeddings = None
             rope = self.rope
             if self.weights.vision is not None:
@@ -505,7 +506,7 @@ class Engine:
             sequence.cached += len(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
         self.stats.prefill_calls += 1
-        self._read(self._sample(rows, to_device(rows, self.device), logits))
+        self._read(self._sample(rows, rows_t, logits))
 
     def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
                         rows: torch.Tensor, last: torch.Tensor, key_len: int,
