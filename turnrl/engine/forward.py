@@ -29,6 +29,7 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from turnrl.engine.attention import cached_attention
+from turnrl.engine.cache_write import rotate_and_write, supported_head_dim
 from turnrl.engine.weights import DecoderShape, DecoderWeights, WeightRef
 
 KEY_ALIGN = 64
@@ -94,6 +95,10 @@ class KVCache:
 def rotary_table(weights: DecoderWeights, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position below ``length`` from the model's own rotary module, each Shape (length, D)."""
     positions = torch.arange(length, device=device).unsqueeze(0)
+    if weights.vision is not None:
+        # An M-RoPE module takes one row of positions per axis, Shape (3, batch, length) (some transformers
+        # versions also take (batch, length), others do not).
+        positions = positions.expand(3, 1, length)
     probe = torch.zeros(1, dtype=torch.float32, device=device)
     cos, sin = weights.rotary(probe, positions)
     # An M-RoPE module may return one table per axis, Shape (3, 1, length, D): with equal positions on the three
@@ -173,6 +178,13 @@ def attention_inputs(
     return q, kv
 
 
+def qkv_projection(x: torch.Tensor, input_norm: torch.Tensor, qkv: Sequence[torch.Tensor],
+                   qkv_bias: Sequence[torch.Tensor] | None, eps: float) -> torch.Tensor:
+    """The q/k/v projection of the normed residual stream, Shape (b, t, (Hq + 2 Hkv) * D): what
+    :func:`~turnrl.engine.cache_write.rotate_and_write` takes (the rest of :func:`attention_inputs`, in one kernel)."""
+    return linear_group(rms_norm(x, input_norm, eps), qkv, qkv_bias)
+
+
 def layer_out(
     x: torch.Tensor,
     attended: torch.Tensor,
@@ -248,6 +260,8 @@ class DecoderKernels:
     """The functions a decode step runs: these plain ones, or the same compiled (:func:`compiled_kernels`)."""
 
     attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = attention_inputs
+    qkv_projection: Callable[..., torch.Tensor] = qkv_projection
+    """Before :func:`~turnrl.engine.cache_write.rotate_and_write` (which replaces the rest of attention_inputs)."""
     decode_layer_out: Callable[..., torch.Tensor] = decode_layer_out
     layer_out: Callable[..., torch.Tensor] = layer_out
     """After :func:`~turnrl.engine.attention.cached_attention` (which replaces :func:`decode_attention`)."""
@@ -300,6 +314,7 @@ def compiled_kernels() -> DecoderKernels:
     for prefill calls (t > 1, any t: a prefill's elementwise work, eager, took half of its time on an H100)."""
     return DecoderKernels(
         attention_inputs=DynamicCompiled(attention_inputs, {0: (0, 1), 1: (0, 1)}),
+        qkv_projection=DynamicCompiled(qkv_projection, {0: (0, 1)}),
         decode_layer_out=DynamicCompiled(decode_layer_out, {0: (0,), 1: (0,), 2: (0, 2), 3: (0, 2), 4: (0,)}),
         layer_out=DynamicCompiled(layer_out, {0: (0, 1), 1: (0, 1)}),
         final_logits=DynamicCompiled(final_logits, {0: (0,)}),
@@ -354,20 +369,29 @@ def decoder_forward(
         n_rep = shape.num_heads // shape.num_kv_heads
         mask = torch.arange(key_len, device=tokens.device).view(1, 1, key_len) <= positions.unsqueeze(-1)
         mask = mask.unsqueeze(1).expand(b, n_rep, t, key_len).reshape(b, 1, n_rep * t, key_len)
-    write_rows = (torch.arange(b, device=tokens.device) if rows is None else rows).unsqueeze(1).expand(b, t)
 
     x = F.embedding(tokens, weights.embed.value) if embeddings is None else embeddings
     turns = positions if rope_positions is None else rope_positions
+    # With the Triton kernels, one kernel rotates and writes the cache (per-head q/k norms keep the compiled path).
+    fused_write = triton_attention and weights.layers[0].q_norm is None and supported_head_dim(shape.head_dim)
+    if not fused_write:
+        write_rows = (torch.arange(b, device=tokens.device) if rows is None else rows).unsqueeze(1).expand(b, t)
     for layer, kv_cache in zip(weights.layers, cache.kv):
+        o_bias = layer.o_bias.value if layer.o_bias is not None else None
+        gate_up = _values(layer.gate_up) or []
+        after_attention = (layer.o.value, o_bias, layer.post_norm.value, gate_up, layer.down.value, shape.rms_eps)
+        if fused_write:
+            projected = kernels.qkv_projection(x, layer.input_norm.value, _values(layer.qkv), _values(layer.qkv_bias),
+                                               shape.rms_eps)
+            q = rotate_and_write(projected, rope[0], rope[1], turns, write_pos, rows, kv_cache, shape.num_heads)
+            x = kernels.layer_out(x, cached_attention(q, kv_cache, rows, positions, cache.capacity), *after_attention)
+            continue
         q, kv = kernels.attention_inputs(
             x, turns, rope[0], rope[1], layer.input_norm.value, _values(layer.qkv), _values(layer.qkv_bias),
             layer.q_norm.value if layer.q_norm is not None else None,
             layer.k_norm.value if layer.k_norm is not None else None, shape,
         )
         kv_cache[:, write_rows, :, write_pos] = kv  # one indexed write for keys and values
-        o_bias = layer.o_bias.value if layer.o_bias is not None else None
-        gate_up = _values(layer.gate_up) or []
-        after_attention = (layer.o.value, o_bias, layer.post_norm.value, gate_up, layer.down.value, shape.rms_eps)
         if triton_attention:
             x = kernels.layer_out(x, cached_attention(q, kv_cache, rows, positions, cache.capacity), *after_attention)
             continue

@@ -22,11 +22,10 @@ def model_policy(
 ) -> Policy:
     """The generation backend for a loaded model, as ``model.backend`` asks.
 
-    ``auto`` takes the engine on a GPU where it can run the model (Llama-family text models) and
-    transformers' ``generate`` otherwise: other architectures, CPUs, where the engine was slower on the
-    quickstart's short one-turn prompts (docs/engine.md), and VLMs, whose engine path (``engine``) is
-    not measured on a GPU yet. ``engine`` refuses a model it cannot run. ``dtype`` is the compute dtype
-    (the run's mixed precision); None uses the weights' own.
+    ``auto`` takes the engine on a GPU where it can run the model (Llama-family text models, Qwen2.5-VL)
+    and transformers' ``generate`` otherwise: other architectures, and CPUs, where the engine was slower on
+    the quickstart's short one-turn prompts (docs/engine.md). ``engine`` refuses a model it cannot run.
+    ``dtype`` is the compute dtype (the run's mixed precision); None uses the weights' own.
     """
     from turnrl.engine.weights import UnsupportedModel
     from turnrl.policy.engine import EnginePolicy
@@ -34,7 +33,7 @@ def model_policy(
 
     wanted = config.backend
     on_gpu = next(model.parameters()).device.type == "cuda"
-    if wanted == "engine" or (wanted == "auto" and on_gpu and processor is None):
+    if wanted == "engine" or (wanted == "auto" and on_gpu):
         try:
             return EnginePolicy(model, tokenizer, config.engine, dtype=dtype, max_sequences=max_batch_size,
                                 processor=processor)

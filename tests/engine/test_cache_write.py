@@ -1,0 +1,84 @@
+"""The rotary-and-cache-write kernel against the compiled path's torch definition (Triton's interpreter on a CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turnrl.engine.attention import triton_available
+from turnrl.engine.cache_write import rotate_and_write
+from turnrl.engine.forward import attention_inputs, qkv_projection
+from turnrl.engine.weights import DecoderShape
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""Where the kernel runs: a GPU, else Triton's interpreter on CPU tensors."""
+
+
+def reference(x, rope, positions, write_pos, rows, kv, weights, shape):
+    """:func:`attention_inputs` and the indexed cache write of :func:`~turnrl.engine.forward.decoder_forward`."""
+    b, t, _ = x.shape
+    q, new_kv = attention_inputs(x, positions, *rope, weights["norm"], [weights["qkv"]], [weights["bias"]], None,
+                                 None, shape)
+    write_rows = (torch.arange(b, device=DEVICE) if rows is None else rows).unsqueeze(1).expand(b, t)
+    kv[:, write_rows, :, write_pos] = new_kv
+    return q
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (4, 4, 16), (8, 2, 128)])
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("indexed_rows", [False, True])
+def test_rotated_queries_and_cache_equal_the_torch_path(heads, kv_heads, head_dim, t, indexed_rows):
+    torch.manual_seed(0)
+    hidden, b, capacity, cache_rows = 48, 3, 32, 5
+    shape = DecoderShape(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=10,
+                         rms_eps=1e-6)
+    width = (heads + 2 * kv_heads) * head_dim
+    weights = {"norm": torch.rand(hidden) + 0.5, "qkv": torch.randn(width, hidden) * 0.1, "bias": torch.randn(width)}
+    angles = torch.arange(capacity + 1.0)[:, None] * torch.rand(head_dim // 2)
+    rope = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
+    x = torch.randn(b, t, hidden)
+    rows = torch.tensor([4, 0, 2]) if indexed_rows else None
+    starts = torch.tensor([0, 7, 20])
+    positions = starts[:, None] + torch.arange(t)
+    write_pos = positions.clone()
+    write_pos[2, t - 1] = capacity  # a padding token: the scratch column
+    kv = torch.randn(2, cache_rows, kv_heads, capacity + 1, head_dim)
+    weights = {name: value.to(DEVICE) for name, value in weights.items()}
+    rope = (rope[0].to(DEVICE), rope[1].to(DEVICE))
+    x, positions, write_pos, kv = x.to(DEVICE), positions.to(DEVICE), write_pos.to(DEVICE), kv.to(DEVICE)
+    rows = rows.to(DEVICE) if rows is not None else None
+    expected_kv = kv.clone()
+    expected_q = reference(x, rope, positions, write_pos, rows, expected_kv, weights, shape)
+
+    projected = qkv_projection(x, weights["norm"], [weights["qkv"]], [weights["bias"]], shape.rms_eps)
+    q = rotate_and_write(projected, *rope, positions, write_pos, rows, kv, heads)
+
+    assert q.shape == (b, heads, t, head_dim)
+    torch.testing.assert_close(q, expected_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv, expected_kv, atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_rounds_once_from_float32():
+    """bf16 in and out: within one bf16 rounding of the float32 result (eager bf16 rounds after each operation)."""
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, capacity = 2, 1, 16, 8
+    projected = torch.randn(2, 1, (heads + 2 * kv_heads) * head_dim, device=DEVICE)
+    angles = torch.arange(capacity + 1.0, device=DEVICE)[:, None] * torch.rand(head_dim // 2, device=DEVICE)
+    rope = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
+    positions = torch.tensor([[3], [5]], device=DEVICE)
+    exact_kv = torch.zeros(2, 2, kv_heads, capacity + 1, head_dim, device=DEVICE)
+    exact_q = rotate_and_write(projected, *rope, positions, positions, None, exact_kv, heads)
+    half_kv = torch.zeros_like(exact_kv, dtype=torch.bfloat16)
+    half_q = rotate_and_write(projected.bfloat16(), rope[0].bfloat16(), rope[1].bfloat16(), positions, positions,
+                              None, half_kv, heads)
+    assert half_q.dtype == torch.bfloat16
+    torch.testing.assert_close(half_q.float(), exact_q, atol=0.03, rtol=0.02)
+    torch.testing.assert_close(half_kv.float(), exact_kv, atol=0.03, rtol=0.02)
+
+
+def test_a_projection_of_another_width_is_refused():
+    with pytest.raises(ValueError, match="not 2 query and 1 key/value heads of 16"):
+        rotate_and_write(torch.zeros(1, 1, 70), torch.zeros(4, 16), torch.zeros(4, 16), torch.zeros(1, 1).long(),
+                         torch.zeros(1, 1).long(), None, torch.zeros(2, 1, 1, 4, 16), 2)  # refused before a launch
