@@ -52,7 +52,7 @@ def test_rotated_queries_and_cache_equal_the_torch_path(heads, kv_heads, head_di
     expected_kv = kv.clone()
     expected_q = reference(x, rope, positions, write_pos, rows, expected_kv, weights, shape)
 
-    projected = qkv_projection(x, weights["norm"], [weights["qkv"]], [weights["bias"]], shape.rms_eps)
+    _, projected = qkv_projection(x, None, weights["norm"], [weights["qkv"]], [weights["bias"]], shape.rms_eps)
     q = rotate_and_write(projected, *rope, positions, write_pos, rows, kv, heads)
 
     assert q.shape == (b, heads, t, head_dim)

@@ -64,7 +64,7 @@ from turnrl.engine.forward import (
     round_up,
 )
 from turnrl.engine.graphs import DecodeGraph, PrefillGraph, to_device
-from turnrl.engine.gumbel import sample_one_pass
+from turnrl.engine.sampler_kernels import sample_two_pass
 from turnrl.engine.images import PromptImages, prompt_images
 from turnrl.engine.rows import RowTable
 from turnrl.engine.running import RunningRows
@@ -784,7 +784,7 @@ class Engine:
     def _sample_full(self, logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`~turnrl.engine.sampling.sample_untruncated` through the Triton kernel, compiled, or eager."""
         if self.triton:
-            return sample_one_pass(logits, temperature)
+            return sample_two_pass(logits, temperature)
         return self._compiled_or_eager(lambda: self._sample_untruncated(logits, temperature),
                                        lambda: sample_untruncated(logits, temperature))
 

@@ -178,11 +178,22 @@ def attention_inputs(
     return q, kv
 
 
-def qkv_projection(x: torch.Tensor, input_norm: torch.Tensor, qkv: Sequence[torch.Tensor],
-                   qkv_bias: Sequence[torch.Tensor] | None, eps: float) -> torch.Tensor:
-    """The q/k/v projection of the normed residual stream, Shape (b, t, (Hq + 2 Hkv) * D): what
-    :func:`~turnrl.engine.cache_write.rotate_and_write` takes (the rest of :func:`attention_inputs`, in one kernel)."""
-    return linear_group(rms_norm(x, input_norm, eps), qkv, qkv_bias)
+def qkv_projection(x: torch.Tensor, mlp_out: torch.Tensor | None, input_norm: torch.Tensor,
+                   qkv: Sequence[torch.Tensor], qkv_bias: Sequence[torch.Tensor] | None, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream with the last layer's MLP output added (:func:`pending_layer_out`), and the q/k/v
+    projection of it normed: what :func:`~turnrl.engine.cache_write.rotate_and_write` takes (the rest of
+    :func:`attention_inputs`, in one kernel).
+
+    Args:
+        x, mlp_out: Shape (b, t, hidden); ``mlp_out`` None before the first layer.
+
+    Returns:
+        x Shape (b, t, hidden); the projection Shape (b, t, (Hq + 2 Hkv) * D).
+    """
+    if mlp_out is not None:
+        x = x + mlp_out
+    return x, linear_group(rms_norm(x, input_norm, eps), qkv, qkv_bias)
 
 
 def layer_out(
@@ -200,9 +211,25 @@ def layer_out(
     Args:
         x: the residual stream, Shape (b, t, hidden). attended: the attention output, Shape (b, t, Hq * D).
     """
+    x, mlp_out = pending_layer_out(x, attended, o, o_bias, post_norm, gate_up, down, eps)
+    return x + mlp_out
+
+
+def pending_layer_out(
+    x: torch.Tensor,
+    attended: torch.Tensor,
+    o: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    post_norm: torch.Tensor,
+    gate_up: Sequence[torch.Tensor],
+    down: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`layer_out` with the MLP's output returned, not added: the next layer's :func:`qkv_projection` adds
+    it in its norm's kernel, which saves a pass over the residual stream a layer. Shapes as :func:`layer_out`."""
     x = x + F.linear(attended, o, o_bias)
     gate, up = linear_group(rms_norm(x, post_norm, eps), gate_up, None).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down)
+    return x, F.linear(F.silu(gate) * up, down)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
@@ -260,8 +287,9 @@ class DecoderKernels:
     """The functions a decode step runs: these plain ones, or the same compiled (:func:`compiled_kernels`)."""
 
     attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = attention_inputs
-    qkv_projection: Callable[..., torch.Tensor] = qkv_projection
+    qkv_projection: Callable[..., tuple[torch.Tensor, torch.Tensor]] = qkv_projection
     """Before :func:`~turnrl.engine.cache_write.rotate_and_write` (which replaces the rest of attention_inputs)."""
+    pending_layer_out: Callable[..., tuple[torch.Tensor, torch.Tensor]] = pending_layer_out
     decode_layer_out: Callable[..., torch.Tensor] = decode_layer_out
     layer_out: Callable[..., torch.Tensor] = layer_out
     """After :func:`~turnrl.engine.attention.cached_attention` (which replaces :func:`decode_attention`)."""
@@ -289,19 +317,22 @@ class DynamicCompiled:
         self.compiled = torch.compile(fn)
         self.dynamic_dims = dynamic_dims
         """Positional argument index -> its dims that vary."""
-        self._compiled_classes: set[tuple[bool, ...]] = set()
+        self._compiled_classes: set[tuple[bool | None, ...]] = set()
         """The shape classes (which varying dims are 1) compiled so far."""
 
     def __call__(self, *args: Any) -> Any:
         # A graph serves every call whose varying dims are 1 where its first call's were (dynamo specializes 1s):
         # the dims are marked only for the first call of each such class. Marking costs about 0.1 ms a tensor,
         # which a prefill's 48 calls (two per layer) paid on every call.
-        shape_class = tuple(args[index].shape[dim] == 1 for index, dims in self.dynamic_dims.items() for dim in dims)
+        # An argument that may be None (dynamo specializes on it) is a class of its own.
+        shape_class = tuple(None if args[index] is None else args[index].shape[dim] == 1
+                            for index, dims in self.dynamic_dims.items() for dim in dims)
         if shape_class in self._compiled_classes:
             return self.compiled(*args)
         for index, dims in self.dynamic_dims.items():
             for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(args[index], dim)
+                if args[index] is not None:
+                    torch._dynamo.maybe_mark_dynamic(args[index], dim)
         with torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
             result = self.compiled(*args)
         self._compiled_classes.add(shape_class)
@@ -314,7 +345,8 @@ def compiled_kernels() -> DecoderKernels:
     for prefill calls (t > 1, any t: a prefill's elementwise work, eager, took half of its time on an H100)."""
     return DecoderKernels(
         attention_inputs=DynamicCompiled(attention_inputs, {0: (0, 1), 1: (0, 1)}),
-        qkv_projection=DynamicCompiled(qkv_projection, {0: (0, 1)}),
+        qkv_projection=DynamicCompiled(qkv_projection, {0: (0, 1), 1: (0, 1)}),
+        pending_layer_out=DynamicCompiled(pending_layer_out, {0: (0, 1), 1: (0, 1)}),
         decode_layer_out=DynamicCompiled(decode_layer_out, {0: (0,), 1: (0,), 2: (0, 2), 3: (0, 2), 4: (0,)}),
         layer_out=DynamicCompiled(layer_out, {0: (0, 1), 1: (0, 1)}),
         final_logits=DynamicCompiled(final_logits, {0: (0,)}),
@@ -376,15 +408,17 @@ def decoder_forward(
     fused_write = triton_attention and weights.layers[0].q_norm is None and supported_head_dim(shape.head_dim)
     if not fused_write:
         write_rows = (torch.arange(b, device=tokens.device) if rows is None else rows).unsqueeze(1).expand(b, t)
+    mlp_out = None  # the fused path's last MLP output, not yet added to x
     for layer, kv_cache in zip(weights.layers, cache.kv):
         o_bias = layer.o_bias.value if layer.o_bias is not None else None
         gate_up = _values(layer.gate_up) or []
         after_attention = (layer.o.value, o_bias, layer.post_norm.value, gate_up, layer.down.value, shape.rms_eps)
         if fused_write:
-            projected = kernels.qkv_projection(x, layer.input_norm.value, _values(layer.qkv), _values(layer.qkv_bias),
-                                               shape.rms_eps)
+            x, projected = kernels.qkv_projection(x, mlp_out, layer.input_norm.value, _values(layer.qkv),
+                                                  _values(layer.qkv_bias), shape.rms_eps)
             q = rotate_and_write(projected, rope[0], rope[1], turns, write_pos, rows, kv_cache, shape.num_heads)
-            x = kernels.layer_out(x, cached_attention(q, kv_cache, rows, positions, cache.capacity), *after_attention)
+            attended = cached_attention(q, kv_cache, rows, positions, cache.capacity)
+            x, mlp_out = kernels.pending_layer_out(x, attended, *after_attention)
             continue
         q, kv = kernels.attention_inputs(
             x, turns, rope[0], rope[1], layer.input_norm.value, _values(layer.qkv), _values(layer.qkv_bias),
@@ -404,4 +438,4 @@ def decoder_forward(
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
             attended = out.reshape(b, shape.num_heads, t, shape.head_dim).transpose(1, 2).reshape(b, t, -1)
             x = kernels.layer_out(x, attended, *after_attention)
-    return x
+    return x if mlp_out is None else x + mlp_out

@@ -147,7 +147,7 @@ if triton is not None:
             cumulative = running + tl.cumsum(mass, axis=0)
             # mass > 0: a column that can be sampled, even where the scan's rounding leaves a column without mass a
             # hair above the one before it, or the target a hair below 0.
-            token = tl.min(tl.where((cumulative > target), columns, vocab), axis=0)
+            token = tl.min(tl.where((cumulative > target) & (mass > 0), columns, vocab), axis=0)
             # Rounding (the partials summed in another order) may leave the target past the split's last mass.
             last = tl.maximum(last, tl.max(tl.where(mass > 0, columns, -1), axis=0))
             running = tl.max(cumulative, axis=0)
