@@ -19,7 +19,8 @@ same shape (compilation and graph capture happen there):
   eager), ``compiled`` (stacked projections, torch.compile), all three with
   torch's attention up to the longest sequence and a compiled torch sampler;
   ``triton`` (``compiled`` with the Triton kernels: attention that reads each
-  row to its own length and one-pass sampling; the GPU default), ``no_graphs`` and ``compiled_no_graphs``.
+  row to its own length, the fused rotary and cache write, the Triton sampler;
+  the GPU default), ``no_graphs`` and ``compiled_no_graphs``.
 
 Tokens/s counts generated tokens over the wall time of the call (prefill
 included); ``x generate`` is the ratio against ``generate`` at the same batch;

@@ -273,8 +273,9 @@ class EngineConfig:
     """Stack the q/k/v and gate/up weights into one buffer each (one GEMM per group; costs a copy of them)."""
     triton: str = "auto"
     """Triton kernels for attention (one kernel for prefill and decode, reading each cached row only up to its own
-    length) and sampling (one pass over the logits): ``true``, ``false`` (torch: batched matmuls or SDPA up to the
-    longest sequence of the batch, a compiled torch sampler), ``auto`` (on a GPU when Triton is installed)."""
+    length), the rotary turn and cache write, and sampling (by the inverse CDF): ``true``, ``false`` (torch:
+    batched matmuls or SDPA up to the longest sequence of the batch, a compiled torch sampler), ``auto`` (on a GPU
+    when Triton is installed)."""
 
     def validate(self) -> None:
         check_range("model.engine.kv_cache_gb", self.kv_cache_gb, 0.0)

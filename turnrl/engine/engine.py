@@ -64,10 +64,10 @@ from turnrl.engine.forward import (
     round_up,
 )
 from turnrl.engine.graphs import DecodeGraph, PrefillGraph, to_device
-from turnrl.engine.sampler_kernels import sample_two_pass
 from turnrl.engine.images import PromptImages, prompt_images
 from turnrl.engine.rows import RowTable
 from turnrl.engine.running import RunningRows
+from turnrl.engine.sampler_kernels import sample_two_pass
 from turnrl.engine.sampling import logprobs_before_suppression, sample_tokens, sample_untruncated
 from turnrl.engine.stops import TAIL_SLACK_TOKENS, StopStringFilter, stop_string_in_tail
 from turnrl.engine.timing import DeviceTimer
@@ -293,7 +293,8 @@ class Engine:
         self._graph_pool: Any = None
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.triton = triton_enabled(config.triton, self.device)
-        """Attention and sampling in Triton kernels (:mod:`turnrl.engine.attention`, :mod:`turnrl.engine.gumbel`)."""
+        """Attention and sampling in Triton kernels (:mod:`turnrl.engine.attention`,
+        :mod:`turnrl.engine.cache_write`, :mod:`turnrl.engine.sampler_kernels`)."""
         vision = self.weights.vision
         self.graph_prefill = self.use_graphs and self.triton and vision is None
         """Small prefill calls replay CUDA graphs (:data:`PREFILL_GRAPH_TOKENS`); the Triton attention reads each row

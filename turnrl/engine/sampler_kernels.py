@@ -1,16 +1,16 @@
 """Sampling without top-k / top-p by the inverse CDF: two Triton kernels, no per-element random numbers (GPU).
 
-:func:`~turnrl.engine.gumbel.sample_one_pass` reads a step's (b, vocab) logits once, but at batch 256 and a
-151,936-token vocabulary (bf16) its kernel took 166 us on an H100 where reading the logits alone takes ~23 us: it
-is bound by the arithmetic of a Philox random number and two logs per element (the Gumbel noise), and ~10 small
-torch kernels (~2 us each) finish its job. A row needs only one random number: draw u uniform, and take the first
-token whose cumulative probability exceeds u.
+The engine's earlier sampler, one Triton kernel reading each row once (Gumbel-max), took 166 us of an H100's decode
+step at batch 256 and a 151,936-token vocabulary (bf16), where reading the logits takes ~23 us: it was bound by
+the arithmetic of a Philox random number and two logs per element (the Gumbel noise), and ~10 small torch kernels
+finished its job. A row needs only one random number: draw u uniform, and take the first token whose cumulative
+probability exceeds u. These two kernels took 77 us together in the same step (``benchmarks/sampler.py``).
 
-The first kernel reads each row once, one slice (a split) per program, as the one-pass kernel does but with no
-noise: per split the max and sum of exponentials of the tempered logits (the log-normalizer) and the argmax. The
-second kernel, one program per row, combines the splits, picks the split holding the u-quantile from their
-weights, and scans that split alone (a fraction of the row) for the token, with a cumulative sum per block. It
-also computes the logprob, so nothing is left to torch but the ``torch.rand`` of the uniforms.
+The first kernel reads each row once, one slice (a split) per program: per split the max and sum of exponentials
+of the tempered logits (the log-normalizer) and the argmax. The second kernel, one program per row, combines the
+splits, picks the split holding the u-quantile from their weights, and scans that split alone (a fraction of the
+row) for the token, with a cumulative sum per block. It also computes the logprob, so nothing is left to torch but
+the ``torch.rand`` of the uniforms.
 
 The same distribution as the torch sampler (the tempered, untruncated softmax), greedy rows the plain argmax (first
 index of the max) scored at temperature 1, the logprob under the tempered, untruncated distribution; the
@@ -167,7 +167,7 @@ SCAN = 2048
 
 def _splits(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
     """Splits per row and columns per split (a whole number of blocks): enough programs to fill the GPU (four per
-    multiprocessor) at any batch, each at least one block, as :func:`~turnrl.engine.gumbel.sample_one_pass`."""
+    multiprocessor) at any batch, each at least one block."""
     splits = max(1, min(triton.cdiv(vocab, BLOCK), triton.cdiv(4 * multiprocessors(device), rows)))
     per_split = triton.cdiv(triton.cdiv(vocab, splits), BLOCK) * BLOCK
     return triton.cdiv(vocab, per_split), per_split
