@@ -94,8 +94,10 @@ def time_prefill_calls(engine: Engine, device: torch.device) -> list[tuple[float
         longest = max(len(s.prompt) - s.cached for s in sequences)
         synchronize(device)
         start = time.perf_counter()
-        prefill_chunk(sequences)  # ends reading its sampled tokens on the host
+        launched = prefill_chunk(sequences)
+        synchronize(device)  # the call's GPU work done (its tokens are read by the engine later)
         calls.append((time.perf_counter() - start, len(sequences), longest))
+        return launched
 
     engine._prefill_chunk = timed  # type: ignore[method-assign]
     return calls

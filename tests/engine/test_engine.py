@@ -113,6 +113,25 @@ def test_sampled_logprobs_equal_a_full_forward_pass(temperature, kernels):
         torch.testing.assert_close(torch.tensor(result.logprobs), reference, atol=2e-4, rtol=1e-4)
 
 
+def test_prefill_chunks_read_after_the_next_one_is_launched_give_the_tokens_of_one_chunk(kernels):
+    """A chunk's first tokens are read after the next chunk is launched: with a chunk a sequence (five in flight
+    one after another, the sampled-token buffers taken in turn), the same tokens, logprobs and finish reasons as
+    one chunk, including a sequence whose first token stops it. (Greedy: sampled draws depend on the batch.)"""
+    model = build("qwen2")
+    prompts = random_prompts([9, 31, 4, 17, 12])
+    first_token_stop = (engine_for(model).generate(prompts, [GREEDY] * 5)[2].token_ids[0],)
+    params = [SamplingParams(temperature=0, max_new_tokens=6, stop_ids=first_token_stop)] * 5
+    whole = engine_for(model).generate(prompts, params)
+    chunked_engine = engine_for(model, prefill_chunk_tokens=16)
+    chunked = chunked_engine.generate(prompts, params)
+    assert chunked_engine.stats.prefill_calls == 5
+    assert [r.token_ids for r in chunked] == [r.token_ids for r in whole]
+    assert [r.finish_reason for r in chunked] == [r.finish_reason for r in whole]
+    assert chunked[2].token_ids == list(first_token_stop) and chunked[2].finish_reason == "stop"
+    for a, b in zip(chunked, whole):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+
+
 def test_stop_ids_end_a_sequence_and_are_kept():
     model = build("qwen2")
     prompts = random_prompts([6, 9])

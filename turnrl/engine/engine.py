@@ -469,22 +469,34 @@ class Engine:
         self._running_rows = None
 
     def _prefill(self, sequences: list[_Sequence]) -> None:
-        """Run each sequence's uncached prompt tokens, in chunks of at most ``prefill_chunk_tokens`` padded tokens."""
+        """Run each sequence's uncached prompt tokens, in chunks of at most ``prefill_chunk_tokens`` padded tokens.
+
+        A chunk's sampled tokens are read after the next chunk is launched, so that the host builds and launches
+        a chunk while the GPU runs the one before (reading each chunk at once left the GPU idle for the host's
+        part of every chunk: about 6 ms each, 50 ms of a batch-256 call on an H100)."""
         pending = sorted(sequences, key=lambda s: len(s.prompt) - s.cached)
-        chunk: list[_Sequence] = []
+        chunks: list[list[_Sequence]] = [[]]
         for sequence in pending:
+            chunk = chunks[-1]
             width = max([len(s.prompt) - s.cached for s in chunk] + [len(sequence.prompt) - sequence.cached])
             if chunk and width * (len(chunk) + 1) > self.config.prefill_chunk_tokens:
-                self._prefill_chunk(chunk)
-                chunk = []
-            chunk.append(sequence)
-        if chunk:
-            self._prefill_chunk(chunk)
+                chunks.append([])
+            chunks[-1].append(sequence)
+        # Grown once, before any chunk is in flight (growing drops the graphs that a launched chunk may replay).
+        self._reserve(max(len(s.prompt) for s in sequences))
+        previous = None
+        for chunk in chunks:
+            launched = self._prefill_chunk(chunk)
+            if previous is not None:
+                self._read(previous)
+            previous = launched
+        if previous is not None:
+            self._read(previous)
 
-    def _prefill_chunk(self, sequences: list[_Sequence]) -> None:
+    def _prefill_chunk(self, sequences: list[_Sequence]) -> _Launched:
+        """Launch a chunk's prefill and the sampling of each sequence's first token (read with :meth:`_read`)."""
         news = [s.prompt[s.cached :] for s in sequences]
         b = len(sequences)
-        self._reserve(max(len(s.prompt) for s in sequences))
         tokens, positions, write_pos = prefill_inputs(news, [s.cached for s in sequences], self.cache.capacity)
         rows = np.array([s.row for s in sequences], dtype=np.int64)
         last = np.array([len(n) - 1 for n in news], dtype=np.int64)
@@ -507,7 +519,7 @@ class Engine:
             sequence.cached += len(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
         self.stats.prefill_calls += 1
-        self._read(self._sample(rows, rows_t, logits))
+        return self._sample(rows, rows_t, logits)
 
     def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
                         rows: torch.Tensor, last: torch.Tensor, key_len: int,
