@@ -358,6 +358,7 @@ class Engine:
         while len(results) < len(ids):
             for result in self.step():
                 results[result.id] = result
+        self.timer.collect()  # the spans still pending (none unless the timer is on)
         return [results[i] for i in ids]
 
     def abort(self, reason: str) -> list[Result]:
@@ -415,7 +416,7 @@ class Engine:
                 self._read(self._launched)
             # With no sequence left, the step just launched decoded only finished rows: nothing to read.
             self._launched = launched if self.running else None
-        self.timer.collect()
+        self.timer.collect(wait=False)
         done, self.finished = self.finished, []
         return done
 

@@ -1,8 +1,9 @@
 """Device time of the engine's prefill and decode work, so that a call's time splits into device work and host
 overhead (the rest of the wall time: Python between kernels, waiting for results).
 
-Off by default (it costs two events per step). On a GPU the spans are CUDA events on the current stream, read
-after the step's one synchronisation; on a CPU, where operators run as they are called, they are wall time.
+Off by default (it costs two events per step). On a GPU the spans are CUDA events on the current stream, added
+up once their end has passed (a step never waits for one); on a CPU, where operators run as they are called, they
+are wall time.
 """
 
 from __future__ import annotations
@@ -50,9 +51,16 @@ class DeviceTimer:
         else:
             self.seconds[phase] += time.perf_counter() - begin
 
-    def collect(self) -> None:
-        """Add up the finished spans (waits for their end events)."""
+    def collect(self, wait: bool = True) -> None:
+        """Add up the finished spans: all of them, waiting for their end events, or (``wait=False``, as each engine
+        step does) those already done. A step that waited for the decode step it had just launched would undo the
+        overlap of host and device work that it measures."""
+        pending = []
         for phase, begin, end in self._pending:
-            end.synchronize()
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                pending.append((phase, begin, end))
+                continue
             self.seconds[phase] += begin.elapsed_time(end) / 1000
-        self._pending = []
+        self._pending = pending
