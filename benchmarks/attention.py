@@ -5,9 +5,11 @@ rows all ``--context`` long, or of lengths spread evenly from a quarter of it to
 that drifted apart). torch's attention reads every row up to the longest (its key length rounded up to 64); the
 kernel reads each row to its own length. Each setting (key stretches per row, key block, warps, stages) is
 timed as the engine runs it, in a CUDA graph (``--iters`` calls captured and replayed, timed with CUDA events);
-the ratio is against torch in the same run.
+the ratio is against torch in the same run. With ``--layers 24`` each call reads the next of 24 caches, as a
+decode step's layers do: a single cache stays partly in the GPU's L2 between calls, which flatters every row.
 
     python benchmarks/attention.py --batch 64 256 --context 640
+    python benchmarks/attention.py --batch 256 --lengths equal --layers 24 --splits 1 2 --warps 2 4 8 --stages 2 3 4
 """
 
 from __future__ import annotations
@@ -54,14 +56,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--context", type=int, default=640)
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=1, help="caches read in turn (24: L2 cold, as in a step)")
+    parser.add_argument("--lengths", nargs="+", default=["equal", "varied"], choices=["equal", "varied"])
+    parser.add_argument("--splits", type=int, nargs="+", default=None, help="default: 1, 2, 4 and the engine's")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; one layer, bf16, {HEADS} query and "
           f"{KV_HEADS} key/value heads of {HEAD_DIM}; microseconds per call")
     print(f"{'batch':>5} {'lengths':<8} {'row':<34} {'us':>8} {'x torch':>8}")
-    for batch, lengths in itertools.product(args.batch, ("equal", "varied")):
+    for batch, lengths in itertools.product(args.batch, args.lengths):
         capacity = round_up(args.context + 1)
-        kv = torch.randn(2, batch, KV_HEADS, capacity + 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        caches = [torch.randn(2, batch, KV_HEADS, capacity + 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+                  for _ in range(args.layers)]
         q = torch.randn(batch, 1, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16).transpose(1, 2)
         if lengths == "equal":
             last = torch.full((batch,), args.context - 1, device=device)
@@ -69,15 +78,16 @@ def main() -> None:
             last = torch.linspace(args.context // 4, args.context - 1, batch, device=device).long()
         positions = last[:, None]
         key_len = round_up(int(last.max()) + 1)
-        baseline = timed_ms(lambda: decode_attention(q, kv[0, :, :, :key_len], kv[1, :, :, :key_len], last),
-                            args.iters)
+        baseline = timed_ms(lambda: [decode_attention(q, kv[0, :, :, :key_len], kv[1, :, :, :key_len], last)
+                                     for kv in caches], args.iters) / args.layers
         print(f"{batch:>5} {lengths:<8} {'torch (batched matmuls)':<34} {1000 * baseline:>8.1f} {1.0:>7.2f}x")
         auto = decode_splits(batch, KV_HEADS, device)
-        for split, block_n, warps, stages in itertools.product(sorted({1, 2, 4, auto}), (32, 64, 128), (4, 8),
-                                                               (1, 2, 3)):
+        splits = sorted(set(args.splits or [1, 2, 4, auto]))
+        for split, block_n, warps, stages in itertools.product(splits, args.blocks, args.warps, args.stages):
             try:
-                ms = timed_ms(lambda: cached_attention(q, kv, None, positions, capacity, split=split, block_n=block_n,
-                                                       num_warps=warps, num_stages=stages), args.iters)
+                ms = timed_ms(lambda: [cached_attention(q, kv, None, positions, capacity, split=split,
+                                                        block_n=block_n, num_warps=warps, num_stages=stages)
+                                       for kv in caches], args.iters) / args.layers
             except Exception as error:  # a setting the GPU cannot run (shared memory): printed, not fatal
                 print(f"{batch:>5} {lengths:<8} split {split} block {block_n} w{warps} s{stages}: "
                       f"{type(error).__name__}")
