@@ -15,7 +15,11 @@ cache write, :func:`decode_layer_out` or :func:`layer_out` after attention),
 the same for every layer with the weights passed as arguments: on a GPU they
 are compiled once (:class:`DecoderKernels`) and fuse a decode step's
 elementwise work (norms, rotary, biases, softmax and mask, SwiGLU, residuals)
-into a few kernels around the GEMMs.
+into a few kernels around the GEMMs. With the Triton kernels (and no
+per-head query/key norms) a layer is :func:`qkv_projection`, then
+:func:`~turnrl.engine.cache_write.rotate_and_write` (rotary and cache write
+in one kernel), the attention kernel and :func:`pending_layer_out`, whose MLP
+output the next layer's projection adds.
 """
 
 from __future__ import annotations
