@@ -132,6 +132,39 @@ def test_prefill_chunks_read_after_the_next_one_is_launched_give_the_tokens_of_o
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
 
 
+def test_identical_prompts_are_prefilled_once_and_each_gets_the_tokens_of_its_own_prefill(kernels):
+    """A group's episodes on one seed: the first of each identical prompt is prefilled, the others copy its keys and
+    values (into their own rows) and sample from its logits; greedy tokens equal generate's, and each copy's next
+    turn extends its own row."""
+    model = build("qwen2")
+    a, b, c = random_prompts([21, 9, 14], seed=4)
+    prompts = [a, b, a, a, c, b]
+    engine = engine_for(model, prefill_chunk_tokens=24)  # a and its copies in one chunk, b and c in others
+    results = engine.generate(prompts, [GREEDY] * 6)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 12) for p in prompts]
+    assert engine.stats.prefill_tokens == len(a) + len(b) + len(c)
+    assert engine.stats.shared_tokens == 2 * len(a) + len(b)
+    observations = random_prompts([3, 4, 5, 6, 7, 8], seed=5)
+    turns = [p + r.token_ids + o for p, r, o in zip(prompts, results, observations)]
+    second = engine.generate(turns, [GREEDY] * 6)
+    assert [r.token_ids for r in second] == [hf_greedy(model, turn, 12) for turn in turns]
+    # Each row holds its prompt and all but the last of its 12 tokens (whose keys were never computed).
+    assert [r.reused_tokens for r in second] == [len(p) + 11 for p in prompts]
+
+
+def test_copies_of_a_prompt_sample_their_own_tokens_with_logprobs_of_a_full_forward_pass(kernels):
+    model = build("qwen2")
+    prompt = random_prompts([13], seed=6)[0]
+    torch.manual_seed(0)
+    engine = engine_for(model)
+    results = engine.generate([prompt] * 4, [SamplingParams(temperature=1.0, max_new_tokens=8)] * 4)
+    assert engine.stats.prefill_tokens == len(prompt) and engine.stats.shared_tokens == 3 * len(prompt)
+    assert len({tuple(r.token_ids) for r in results}) > 1  # each copy samples for itself
+    for result in results:
+        reference = full_forward_logprobs(model, prompt, result.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(result.logprobs), reference, atol=2e-4, rtol=1e-4)
+
+
 def test_stop_ids_end_a_sequence_and_are_kept():
     model = build("qwen2")
     prompts = random_prompts([6, 9])

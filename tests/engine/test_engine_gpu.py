@@ -36,9 +36,11 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 def test_greedy_tokens_with_graphed_decode_and_prefill_equal_transformers_generate():
     model = gpu_model()
     prompts = random_prompts([5, 23, 11, 1, 40, 17])
+    prompts += [prompts[1], prompts[4], prompts[1]]  # copies: prefilled once, the keys and values copied
     engine = gpu_engine(model)
     results = engine.generate(prompts, [GREEDY] * len(prompts))
     assert engine.graph_prefill and engine._prefill_graphs, "a small prefill call replays a graph"
+    assert engine.stats.shared_tokens == 2 * 23 + 40
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 12) for p in prompts]
 
 

@@ -128,6 +128,8 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_calls: int = 0
     reused_tokens: int = 0
+    shared_tokens: int = 0
+    """Prompt tokens copied from the prefill of an identical prompt admitted with them, not computed again."""
     decode_steps: int = 0
     generated_tokens: int = 0
     evictions: int = 0
@@ -474,8 +476,16 @@ class Engine:
 
         A chunk's sampled tokens are read after the next chunk is launched, so that the host builds and launches
         a chunk while the GPU runs the one before, instead of the GPU waiting for the host's part of every chunk
-        (two chunks at most in flight: the sampled-token buffers are two)."""
-        pending = sorted(sequences, key=lambda s: len(s.prompt) - s.cached)
+        (two chunks at most in flight: the sampled-token buffers are two).
+
+        Identical prompts (a group's episodes on one seed, n samples of one prompt) are prefilled once: the first
+        is run, and the others ("followers") ride in its chunk, taking copies of its keys and values and
+        sampling their first token from its logits."""
+        groups: dict[tuple[int, ...], list[_Sequence]] = {}
+        for sequence in sequences:
+            groups.setdefault(tuple(sequence.keys), []).append(sequence)
+        followers = {id(group[0]): group[1:] for group in groups.values()}
+        pending = sorted((group[0] for group in groups.values()), key=lambda s: len(s.prompt) - s.cached)
         chunks: list[list[_Sequence]] = [[]]
         for sequence in pending:
             chunk = chunks[-1]
@@ -487,15 +497,21 @@ class Engine:
         self._reserve(max(len(s.prompt) for s in sequences))
         previous = None
         for chunk in chunks:
-            launched = self._prefill_chunk(chunk)
+            launched = self._prefill_chunk(chunk, [(i, f) for i, s in enumerate(chunk) for f in followers[id(s)]])
             if previous is not None:
                 self._read(previous)
             previous = launched
         if previous is not None:
             self._read(previous)
 
-    def _prefill_chunk(self, sequences: list[_Sequence]) -> _Launched:
-        """Launch a chunk's prefill and the sampling of each sequence's first token (read with :meth:`_read`)."""
+    def _prefill_chunk(self, sequences: list[_Sequence], followers: Sequence[tuple[int, _Sequence]] = ()
+                       ) -> _Launched:
+        """Launch a chunk's prefill and the sampling of each sequence's first token (read with :meth:`_read`).
+
+        Args:
+            followers: (index in ``sequences`` of the sequence whose prompt it repeats, follower); see
+                :meth:`_prefill`.
+        """
         news = [s.prompt[s.cached :] for s in sequences]
         b = len(sequences)
         tokens, positions, write_pos = prefill_inputs(news, [s.cached for s in sequences], self.cache.capacity)
@@ -520,6 +536,16 @@ class Engine:
             sequence.cached += len(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
         self.stats.prefill_calls += 1
+        if followers:
+            leaders = np.array([i for i, _ in followers], dtype=np.int64)
+            copies = np.array([f.row for _, f in followers], dtype=np.int64)
+            self.cache.copy_rows(rows[leaders], copies, max(len(f.prompt) for _, f in followers))
+            for _, follower in followers:
+                self.stats.shared_tokens += len(follower.prompt) - follower.cached
+                follower.cached = len(follower.prompt)
+            logits = torch.cat((logits, logits[to_device(leaders, self.device)]))
+            rows = np.concatenate((rows, copies))
+            rows_t = to_device(rows, self.device)
         return self._sample(rows, rows_t, logits)
 
     def _prefill_logits(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,

@@ -28,12 +28,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from turnrl.engine.attention import cached_attention
 from turnrl.engine.cache_write import rotate_and_write, supported_head_dim
+from turnrl.engine.graphs import to_device
 from turnrl.engine.weights import DecoderShape, DecoderWeights, WeightRef
 
 KEY_ALIGN = 64
@@ -89,6 +91,13 @@ class KVCache:
             new[..., :old, :].copy_(previous[..., :old, :])
         self.kv, self.capacity = layers, capacity
         return True
+
+    def copy_rows(self, sources: np.ndarray, targets: np.ndarray, length: int) -> None:
+        """Copy the first ``length`` positions of rows ``sources`` into rows ``targets`` (each Shape (n,)), in every
+        layer: an identical prompt's keys and values, computed once."""
+        sources_t, targets_t = (to_device(rows, self.device) for rows in (sources, targets))
+        for layer in self.kv:
+            layer[:, targets_t, :, :length] = layer[:, sources_t, :, :length]
 
     @staticmethod
     def bytes_per_token(shape: DecoderShape, dtype: torch.dtype) -> int:
