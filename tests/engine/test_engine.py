@@ -113,7 +113,7 @@ def test_sampled_logprobs_equal_a_full_forward_pass(temperature, kernels):
         torch.testing.assert_close(torch.tensor(result.logprobs), reference, atol=2e-4, rtol=1e-4)
 
 
-def test_prefill_chunks_read_after_the_next_one_is_launched_give_the_tokens_of_one_chunk(kernels):
+def test_prefill_chunks_read_after_the_next_one_is_launched_give_the_tokens_of_one_chunk():
     """A chunk's first tokens are read after the next chunk is launched: with a chunk a sequence (five in flight
     one after another, the sampled-token buffers taken in turn), the same tokens, logprobs and finish reasons as
     one chunk, including a sequence whose first token stops it. (Greedy: sampled draws depend on the batch.)"""
@@ -132,7 +132,7 @@ def test_prefill_chunks_read_after_the_next_one_is_launched_give_the_tokens_of_o
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
 
 
-def test_identical_prompts_are_prefilled_once_and_each_gets_the_tokens_of_its_own_prefill(kernels):
+def test_identical_prompts_are_prefilled_once_and_each_gets_the_tokens_of_its_own_prefill():
     """A group's episodes on one seed: the first of each identical prompt is prefilled, the others copy its keys and
     values (into their own rows) and sample from its logits; greedy tokens equal generate's, and each copy's next
     turn extends its own row."""
