@@ -152,6 +152,27 @@ def test_identical_prompts_are_prefilled_once_and_each_gets_the_tokens_of_its_ow
     assert [r.reused_tokens for r in second] == [len(p) + 11 for p in prompts]
 
 
+def test_identical_prompts_are_grouped_by_their_whole_tokens_and_images():
+    import numpy as np
+
+    from turnrl.engine.engine import _Sequence, identical_prompts
+    from turnrl.engine.images import PromptImages
+
+    shared = list(range(40))
+
+    def sequence(index, prompt, digest=None):
+        images = None if digest is None else PromptImages(
+            [torch.zeros(4, 8)], torch.tensor([[1, 2, 2]]), [(2, 3)], np.zeros((3, len(prompt)), dtype=np.int64), 0,
+            prompt[:2] + [digest] + prompt[3:])
+        return _Sequence(index, prompt, GREEDY, images)
+
+    sequences = [sequence(0, shared), sequence(1, shared[:-1] + [99]), sequence(2, shared), sequence(3, shared[:30]),
+                 sequence(4, shared, digest=-5), sequence(5, shared, digest=-6), sequence(6, shared, digest=-5)]
+    leaders, followers = identical_prompts(sequences)
+    assert [s.id for s in leaders] == [0, 1, 3, 4, 5]  # same tokens, other pixels: another prompt
+    assert {s.id: [f.id for f in followers[id(s)]] for s in leaders} == {0: [2], 1: [], 3: [], 4: [6], 5: []}
+
+
 def test_copies_of_a_prompt_sample_their_own_tokens_with_logprobs_of_a_full_forward_pass(kernels):
     model = build("qwen2")
     prompt = random_prompts([13], seed=6)[0]

@@ -65,7 +65,7 @@ from turnrl.engine.forward import (
 )
 from turnrl.engine.graphs import DecodeGraph, PrefillGraph, to_device
 from turnrl.engine.images import PromptImages, prompt_images
-from turnrl.engine.rows import RowTable
+from turnrl.engine.rows import PREFIX_KEY_TOKENS, RowTable
 from turnrl.engine.running import RunningRows
 from turnrl.engine.sampler_kernels import sample_two_pass
 from turnrl.engine.sampling import logprobs_before_suppression, sample_tokens, sample_untruncated
@@ -212,6 +212,26 @@ def triton_enabled(setting: str, device: torch.device) -> bool:
                                "slowly: the tests do); set model.engine.triton=auto or false")
         return True
     return device.type == "cuda" and triton_available()
+
+
+def identical_prompts(sequences: list[_Sequence]) -> tuple[list[_Sequence], dict[int, list[_Sequence]]]:
+    """The first of each distinct prompt (with its images), in order, and by ``id`` of each the later sequences with
+    the same one. Prompts are compared whole only within a bucket of equal length and first tokens: a pass that
+    hashed every prompt would cost the host as much as the prefill's own bookkeeping."""
+    leaders: list[_Sequence] = []
+    followers: dict[int, list[_Sequence]] = {}
+    buckets: dict[tuple[int, ...], list[_Sequence]] = {}
+    for sequence in sequences:
+        keys = sequence.keys
+        bucket = buckets.setdefault((len(keys), *keys[:PREFIX_KEY_TOKENS]), [])
+        leader = next((other for other in bucket if other.keys == keys), None)
+        if leader is None:
+            bucket.append(sequence)
+            leaders.append(sequence)
+            followers[id(sequence)] = []
+        else:
+            followers[id(leader)].append(sequence)
+    return leaders, followers
 
 
 def weights_version(model: nn.Module) -> int:
@@ -481,11 +501,8 @@ class Engine:
         Identical prompts (a group's episodes on one seed, n samples of one prompt) are prefilled once: the first
         is run, and the others ("followers") ride in its chunk, taking copies of its keys and values and
         sampling their first token from its logits."""
-        groups: dict[tuple[int, ...], list[_Sequence]] = {}
-        for sequence in sequences:
-            groups.setdefault(tuple(sequence.keys), []).append(sequence)
-        followers = {id(group[0]): group[1:] for group in groups.values()}
-        pending = sorted((group[0] for group in groups.values()), key=lambda s: len(s.prompt) - s.cached)
+        leaders, followers = identical_prompts(sequences)
+        pending = sorted(leaders, key=lambda s: len(s.prompt) - s.cached)
         chunks: list[list[_Sequence]] = [[]]
         for sequence in pending:
             chunk = chunks[-1]
