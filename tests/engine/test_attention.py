@@ -1,4 +1,5 @@
-"""The Triton attention kernel against a plain loop of softmax attention (Triton's interpreter on a CPU)."""
+"""The Triton attention kernel against a plain loop of softmax attention (on a GPU, else Triton's interpreter on a
+CPU)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ from turnrl.engine.attention import cached_attention, triton_available
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 
 CAPACITY = 128
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""Where the kernel runs: a GPU, else Triton's interpreter on CPU tensors."""
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | None, positions: torch.Tensor,
+           **settings) -> torch.Tensor:
+    """:func:`cached_attention` on :data:`DEVICE`, its output back on the CPU (where the reference runs)."""
+    rows = rows.to(DEVICE) if rows is not None else None
+    out = cached_attention(q.to(DEVICE), kv.to(DEVICE), rows, positions.to(DEVICE), CAPACITY, **settings)
+    return out.cpu()
 
 
 def reference(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
@@ -49,7 +61,7 @@ def test_prefill_extending_cached_rows_equals_plain_attention(heads, kv_heads, h
     rows = torch.tensor([4, 0, 2])
     positions = torch.tensor([0, 70, 3])[:, None] + torch.arange(5)[None]
     positions[2, 3:] = positions[2, 2]  # padding repeats the sequence's last position
-    out = cached_attention(q, kv, rows, positions, CAPACITY)
+    out = attend(q, kv, rows, positions)
     assert out.shape == (3, 5, heads * head_dim)
     torch.testing.assert_close(out.double(), reference(q, kv, rows, positions), atol=2e-5, rtol=1e-5)
 
@@ -58,7 +70,7 @@ def test_a_long_prefill_spans_several_query_and_key_blocks():
     kv = cache(2, 2, 32)
     q = queries(2, 4, 100, 32)
     positions = torch.arange(100)[None].repeat(2, 1) + torch.tensor([[0], [20]])
-    out = cached_attention(q, kv, None, positions, CAPACITY)
+    out = attend(q, kv, None, positions)
     torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-5, rtol=1e-5)
 
 
@@ -66,7 +78,7 @@ def test_decode_rows_at_the_scratch_position_attend_to_the_first_key_alone():
     kv = cache(4, 2, 64)
     q = queries(4, 14, 1, 64)
     positions = torch.tensor([[5], [CAPACITY], [100], [0]])
-    out = cached_attention(q, kv, None, positions, CAPACITY)
+    out = attend(q, kv, None, positions)
     torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(out[1].view(14, 64), kv[1, 1, :, 0].repeat_interleave(7, dim=0))
 
@@ -82,16 +94,16 @@ def test_nothing_past_a_sequence_is_read():
     for row in (0, 2, 4):
         poisoned[:, row] = float("nan")
     q = queries(2, 4, 3, 32)
-    out = cached_attention(q, poisoned, rows, positions, CAPACITY)
+    out = attend(q, poisoned, rows, positions)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, cached_attention(q, kv, rows, positions, CAPACITY))
+    torch.testing.assert_close(out, attend(q, kv, rows, positions))
 
 
 def test_half_precision_inputs_give_half_precision_outputs_close_to_float64():
     kv = cache(3, 2, 64, torch.float16)
     q = queries(3, 14, 2, 64, torch.float16)
     positions = torch.tensor([[10, 11], [60, 61], [0, 1]])
-    out = cached_attention(q, kv, None, positions, CAPACITY)
+    out = attend(q, kv, None, positions)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-3, rtol=2e-3)
 
@@ -102,5 +114,5 @@ def test_decode_split_into_key_stretches_equals_plain_attention(split):
     kv = cache(5, 2, 64)
     q = queries(5, 14, 1, 64)
     positions = torch.tensor([[0], [3], [CAPACITY], [127], [64]])
-    out = cached_attention(q, kv, None, positions, CAPACITY, split=split)
+    out = attend(q, kv, None, positions, split=split)
     torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-5, rtol=1e-5)

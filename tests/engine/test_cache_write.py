@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnrl.engine.attention import triton_available
+from turnrl.engine.attention import cached_attention, rotate_write_attend, triton_available
 from turnrl.engine.cache_write import rotate_and_write
 from turnrl.engine.forward import attention_inputs, qkv_projection
 from turnrl.engine.weights import DecoderShape
@@ -82,3 +82,38 @@ def test_a_projection_of_another_width_is_refused():
     with pytest.raises(ValueError, match="not 2 query and 1 key/value heads of 16"):
         rotate_and_write(torch.zeros(1, 1, 70), torch.zeros(4, 16), torch.zeros(4, 16), torch.zeros(1, 1).long(),
                          torch.zeros(1, 1).long(), None, torch.zeros(2, 1, 1, 4, 16), 2)  # refused before a launch
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "split", "indexed_rows", "dtype"), [
+    (14, 2, 64, 1, False, torch.bfloat16), (14, 2, 64, 2, True, torch.float32), (4, 4, 16, 3, True, torch.float32),
+    (8, 2, 128, 3, False, torch.bfloat16),
+])
+def test_decode_attention_with_the_write_inside_equals_write_then_attend(heads, kv_heads, head_dim, split,
+                                                                         indexed_rows, dtype):
+    """Rows of different lengths (one at position 0, one past a stretch's first block) and a padding row at the
+    scratch column: same output and same cache, bit for bit, as the two kernels one after the other."""
+    torch.manual_seed(2)
+    b, capacity, cache_rows = 4, 160, 6
+    width = (heads + 2 * kv_heads) * head_dim
+    angles = torch.arange(capacity + 1.0)[:, None] * torch.rand(head_dim // 2)
+    rope = tuple(table.to(DEVICE, dtype) for table in (torch.cat((angles, angles), -1).cos(),
+                                                       torch.cat((angles, angles), -1).sin()))
+    projected = torch.randn(b, 1, width, device=DEVICE).to(dtype)
+    positions = torch.tensor([[0], [70], [capacity], [159]], device=DEVICE)
+    rows = torch.tensor([5, 0, 3, 1], device=DEVICE) if indexed_rows else None
+    kv = torch.randn(2, cache_rows, kv_heads, capacity + 1, head_dim, device=DEVICE).to(dtype)
+    expected_kv = kv.clone()
+    q = rotate_and_write(projected, *rope, positions, positions, rows, expected_kv, heads)
+    expected = cached_attention(q, expected_kv, rows, positions, capacity, split=split)
+
+    out = rotate_write_attend(projected, *rope, positions, kv, rows, positions, capacity, heads, split=split)
+
+    assert out.shape == (b, 1, heads * head_dim) and out.dtype == dtype
+    assert torch.equal(kv, expected_kv)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_decode_attention_with_the_write_inside_refuses_a_prefill():
+    with pytest.raises(ValueError, match="one token per sequence, not 2"):
+        rotate_write_attend(torch.zeros(1, 2, 64), torch.zeros(4, 16), torch.zeros(4, 16), torch.zeros(1, 2).long(),
+                            torch.zeros(2, 1, 1, 4, 16), None, torch.zeros(1, 2).long(), 3, 2)

@@ -731,8 +731,8 @@ class Engine:
 
         def run(kernels: DecoderKernels) -> torch.Tensor:
             hidden = decoder_forward(
-                self.weights, self.cache, self.rope, tokens.unsqueeze(1), positions.unsqueeze(1),
-                positions.unsqueeze(1), None, key_len, kernels, self.triton, rope_positions=turns,
+                self.weights, self.cache, self.rope, tokens.unsqueeze(1), positions.unsqueeze(1), None, None,
+                key_len, kernels, self.triton, rope_positions=turns,
             )
             return kernels.final_logits(hidden[:, 0], self.weights.norm.value, self.weights.lm_head.value,
                                         self.weights.shape.rms_eps)

@@ -19,7 +19,8 @@ into a few kernels around the GEMMs. With the Triton kernels (and no
 per-head query/key norms) a layer is :func:`qkv_projection`, then
 :func:`~turnrl.engine.cache_write.rotate_and_write` (rotary and cache write
 in one kernel), the attention kernel and :func:`pending_layer_out`, whose MLP
-output the next layer's projection adds.
+output the next layer's projection adds; a decode step's rotary and cache write run inside the attention kernel
+(:func:`~turnrl.engine.attention.rotate_write_attend`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
-from turnrl.engine.attention import cached_attention
+from turnrl.engine.attention import cached_attention, rotate_write_attend
 from turnrl.engine.cache_write import rotate_and_write, supported_head_dim
 from turnrl.engine.graphs import to_device
 from turnrl.engine.weights import DecoderShape, DecoderWeights, WeightRef
@@ -376,7 +377,7 @@ def decoder_forward(
     rope: tuple[torch.Tensor, torch.Tensor],
     tokens: torch.Tensor,
     positions: torch.Tensor,
-    write_pos: torch.Tensor,
+    write_pos: torch.Tensor | None,
     rows: torch.Tensor | None,
     key_len: int,
     kernels: DecoderKernels = EAGER,
@@ -391,6 +392,7 @@ def decoder_forward(
         tokens: Shape (b, t).
         positions: each token's position in its sequence, Shape (b, t); a padding token's is any valid one.
         write_pos: where each token's key and value go in its row, Shape (b, t); ``cache.capacity`` for padding.
+            None: at ``positions`` (a decode step: rows not running are at ``cache.capacity`` there).
         rows: the cache row of each sequence, Shape (b,); None means rows ``0 .. b-1`` (read without a copy).
         key_len: L, the key positions attended; at least every sequence's length after this call.
         kernels: the layer functions (eager or compiled).
@@ -408,6 +410,8 @@ def decoder_forward(
     shape = weights.shape
     b, t = tokens.shape
     decode = t == 1
+    at_positions = write_pos is None
+    write_pos = positions if write_pos is None else write_pos
     if not decode and not triton_attention:
         # Grouped-query attention without repeating keys: the n_rep query heads of a key/value head become
         # n_rep * t queries of that head.
@@ -429,8 +433,12 @@ def decoder_forward(
         if fused_write:
             x, projected = kernels.qkv_projection(x, mlp_out, layer.input_norm.value, _values(layer.qkv),
                                                   _values(layer.qkv_bias), shape.rms_eps)
-            q = rotate_and_write(projected, rope[0], rope[1], turns, write_pos, rows, kv_cache, shape.num_heads)
-            attended = cached_attention(q, kv_cache, rows, positions, cache.capacity)
+            if at_positions and decode:  # one kernel rotates, writes and attends
+                attended = rotate_write_attend(projected, rope[0], rope[1], turns, kv_cache, rows, positions,
+                                               cache.capacity, shape.num_heads)
+            else:
+                q = rotate_and_write(projected, rope[0], rope[1], turns, write_pos, rows, kv_cache, shape.num_heads)
+                attended = cached_attention(q, kv_cache, rows, positions, cache.capacity)
             x, mlp_out = kernels.pending_layer_out(x, attended, *after_attention)
             continue
         q, kv = kernels.attention_inputs(
