@@ -27,13 +27,14 @@ def tempered_log_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> tor
 
 
 def sample_at(logits: torch.Tensor, uniform: torch.Tensor, temperature: float = 1.0,
-              inflate_first_split: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+              inflate_first_split: float = 1.0, per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One row's samples at given uniforms: the first kernel once on the row (Shape (vocab,)), the second once per
     uniform (Shape (n,)) on the same partials, the n rows reading the one row (stride 0). ``inflate_first_split``
-    scales the first split's sum of exponentials, as if rounding had made it larger than the scan finds."""
+    scales the first split's sum of exponentials, as if rounding had made it larger than the scan finds;
+    ``per_split`` sets the columns per split (None: the kernels' own choice)."""
     row = logits[None]
     temperatures = torch.tensor([temperature])
-    split_max, split_sum, split_argmax, per_split = _split_partials(row, temperatures)
+    split_max, split_sum, split_argmax, per_split = _split_partials(row, temperatures, per_split)
     split_sum[:, 0] *= inflate_first_split
     n = uniform.shape[0]
     return _sample_rows(row.expand(n, -1), temperatures.expand(n).contiguous(), uniform.float().contiguous(),
@@ -61,8 +62,20 @@ def test_logprobs_are_the_tempered_log_softmax_across_vocabulary_splits():
     assert tokens[1] == logits[1].argmax()
 
 
-def test_greedy_rows_take_the_first_of_equal_maxima_as_argmax_does():
-    """Three splits of two blocks each: ties across splits, blocks, sub-blocks of one lane, lanes."""
+def test_splits_are_two_blocks_unless_the_gpu_would_be_left_idle(monkeypatch):
+    """The second kernel scans one split serially: short splits, one block where two would leave fewer than four
+    programs a multiprocessor (an H100's 132)."""
+    monkeypatch.setattr(sampler_kernels, "multiprocessors", lambda device: 132)
+    assert _splits(256, 151_936, CPU) == (38, 4096)
+    assert _splits(64, 151_936, CPU) == (38, 4096)
+    assert _splits(8, 151_936, CPU) == (75, 2048)
+    assert _splits(1, 1000, CPU) == (1, 2048)
+
+
+def test_greedy_rows_take_the_first_of_equal_maxima_as_argmax_does(monkeypatch):
+    """Three splits of two blocks each (a GPU of one multiprocessor): ties across splits, blocks, sub-blocks of one
+    lane, lanes."""
+    monkeypatch.setattr(sampler_kernels, "multiprocessors", lambda device: 1)
     assert _splits(8, 9000, CPU) == (3, 4096)
     logits = torch.zeros(8, 9000)
     logits[0, [7, 5000]] = 2.0  # in different splits
@@ -91,20 +104,18 @@ def test_half_precision_logits_are_read_in_float32(dtype):
     assert tokens[1] == logits[1].float().argmax()
 
 
-@pytest.mark.parametrize(("multiprocessors", "splits"), [(8, (6, 2048)), (1, (3, 4096))])
-def test_tokens_are_the_inverse_cdf_of_the_uniforms(monkeypatch, multiprocessors, splits):
+@pytest.mark.parametrize("per_split", [2048, 4096])
+def test_tokens_are_the_inverse_cdf_of_the_uniforms(per_split):
     """Uniforms over [0, 1) on a row of several splits (of one block, or two scanned in turn; a split's worth
     suppressed, and every third column): the float64 inverse CDF's token wherever the uniform is not within
     rounding of a step of the CDF, never a suppressed one, nondecreasing in the uniform."""
-    monkeypatch.setattr(sampler_kernels, "multiprocessors", lambda device: multiprocessors)
-    assert _splits(1, 12_000, CPU) == splits
     torch.manual_seed(3)
     logits = torch.randn(12_000) * 2
     logits[::3] = float("-inf")
     logits[4096:8192] = float("-inf")
     uniform = torch.cat([torch.linspace(0, 1, 200)[:-1], torch.tensor([LARGEST_UNIFORM])])
     for temperature in (1.0, 0.7):
-        tokens, logprobs = sample_at(logits, uniform, temperature)
+        tokens, logprobs = sample_at(logits, uniform, temperature, per_split=per_split)
         log_softmax = torch.log_softmax(logits.double() / temperature, dim=0)
         cdf = log_softmax.exp().cumsum(0)
         expected = torch.searchsorted(cdf, uniform.double(), right=True)

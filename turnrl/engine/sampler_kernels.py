@@ -4,7 +4,8 @@ The engine's earlier sampler, one Triton kernel reading each row once (Gumbel-ma
 step at batch 256 and a 151,936-token vocabulary (bf16), where reading the logits takes ~23 us: it was bound by
 the arithmetic of a Philox random number and two logs per element (the Gumbel noise), and ~10 small torch kernels
 finished its job. A row needs only one random number: draw u uniform, and take the first token whose cumulative
-probability exceeds u. These two kernels took 77 us together in the same step (``benchmarks/sampler.py``).
+probability exceeds u. These two kernels took 77 us together in the same step, 45 us with short splits
+(``benchmarks/sampler.py``).
 
 The first kernel reads each row once, one slice (a split) per program: per split the max and sum of exponentials
 of the tempered logits (the log-normalizer) and the argmax. The second kernel, one program per row, combines the
@@ -166,24 +167,34 @@ SCAN = 2048
 
 
 def _splits(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
-    """Splits per row and columns per split (a whole number of blocks): enough programs to fill the GPU (four per
-    multiprocessor) at any batch, each at least one block."""
-    splits = max(1, min(triton.cdiv(vocab, BLOCK), triton.cdiv(4 * multiprocessors(device), rows)))
-    per_split = triton.cdiv(triton.cdiv(vocab, splits), BLOCK) * BLOCK
+    """Splits per row and columns per split (a whole number of blocks).
+
+    The second kernel scans one split of its row serially, so splits are short: two blocks, or one where two-block
+    splits would leave fewer than four programs a multiprocessor (a small batch). At batch 256 on an H100 (151,936
+    columns, bf16) that took the two kernels from 77 to 45 us: with three long splits a row (as many as filled the
+    GPU), the scan of 51,200 columns was half of it.
+    """
+    blocks = triton.cdiv(vocab, BLOCK)
+    blocks_per_split = 2 if rows * triton.cdiv(blocks, 2) >= 4 * multiprocessors(device) else 1
+    per_split = blocks_per_split * BLOCK
     return triton.cdiv(vocab, per_split), per_split
 
 
-def _split_partials(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                            torch.Tensor, int]:
+def _split_partials(logits: torch.Tensor, temperature: torch.Tensor, per_split: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The first kernel: per split of each row, the max of the tempered logits, the sum of exponentials relative
     to it, and the argmax, each Shape (b, splits) (float32, float32, int32); and the columns per split.
 
     Args:
         logits: Shape (b, vocab), the vocab dim contiguous.
         temperature: Shape (b,) float32, contiguous.
+        per_split: columns per split, a multiple of :data:`BLOCK` (None: :func:`_splits`'s).
     """
     rows, vocab = logits.shape
-    splits, per_split = _splits(rows, vocab, logits.device)
+    if per_split is None:
+        splits, per_split = _splits(rows, vocab, logits.device)
+    else:
+        splits = triton.cdiv(vocab, per_split)
     split_max = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     split_sum = torch.empty_like(split_max)
     split_argmax = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
