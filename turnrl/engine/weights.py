@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-VLM_MODEL_TYPES = ("qwen2_5_vl",)
-"""VLMs whose language model is one of the decoders above: the engine runs it, and the model's own vision tower
-makes the image features its prefill takes (:class:`VisionWeights`)."""
+VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+"""VLMs whose language model is a Qwen2 decoder with M-RoPE: the engine runs it, and the model's own vision tower
+makes the image features its prefill takes (:class:`VisionWeights`). Qwen2-VL and Qwen2.5-VL differ only in their
+towers (Qwen2.5-VL's attends within windows and has an RMSNorm SwiGLU MLP), which the engine calls as a whole."""
 
 
 class UnsupportedModel(ValueError):
@@ -107,7 +108,8 @@ class VisionWeights:
     """A VLM's image side: its vision tower, which the engine's prefill calls, and how its decoder places images."""
 
     model: nn.Module
-    """The VLM's inner model, whose ``get_image_features`` runs the vision tower."""
+    """The VLM's inner model (``Qwen2VLModel``, ``Qwen2_5_VLModel``), whose ``get_image_features`` runs the vision
+    tower and its patch merger."""
     image_token_id: int
     merge_size: int
     """Patches merged into one token along each spatial side."""
@@ -119,10 +121,40 @@ class VisionWeights:
     """Videos are not run by the engine: a prompt with their placeholder is refused."""
 
     def image_features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
-        """The decoder-side features of images, one row per placeholder token, in order, Shape (tokens, hidden)."""
-        out = self.model.get_image_features(pixel_values, grids)  # type: ignore[operator]
-        features = getattr(out, "pooler_output", out)  # an output object (recent transformers) or the tensors
-        return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+        """The decoder-side features of images, one row per placeholder token, in order.
+
+        Args:
+            pixel_values: the images' patches, concatenated, Shape (patches, patch_dim). grids: each image's
+                (temporal, height, width) patch grid, Shape (m, 3).
+
+        Returns:
+            Shape (tokens, hidden), tokens = sum over images of t * h * w / merge_size**2.
+        """
+        # transformers 5.x returns an output object whose pooler_output holds the merged features, one tensor per
+        # image; a config with return_dict=False would make it a tuple, so the object is asked for.
+        out = self.model.get_image_features(pixel_values, grids, return_dict=True)  # type: ignore[operator]
+        features = torch.cat(list(out.pooler_output))
+        tokens = int((grids.prod(-1) // self.merge_size**2).sum())
+        if features.shape[0] != tokens:
+            raise ValueError(f"the vision tower made {features.shape[0]} image features for {tokens} placeholders")
+        return features
+
+
+def mrope_section(rotary: nn.Module, config: Any) -> list[int]:
+    """The temporal, height and width sections of a VLM decoder's rotary half dims, as its rotary module splits them.
+
+    The module's own ``mrope_section`` is what it rotates by: it is the config's ``rope_parameters["mrope_section"]``
+    (where transformers 5 puts a checkpoint's ``rope_scaling: {"type": "mrope", ...}``), or [16, 24, 24] when the
+    config names none. Early 5.x versions, whose module has no such attribute, read the config's in their attention
+    layers.
+    """
+    section = getattr(rotary, "mrope_section", None)
+    if section is None:
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        section = rope.get("mrope_section") if isinstance(rope, dict) else None
+    if section is None:
+        raise UnsupportedModel("this VLM's config names no mrope_section (its M-RoPE sections); use model.backend=hf")
+    return [int(size) for size in section]
 
 
 def rope_axes(mrope_section: list[int], head_dim: int) -> torch.Tensor:
@@ -240,12 +272,11 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
     if config is not causal.config:  # a VLM: the decoder is its language model
         decoder = causal.model.language_model
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
         vision = VisionWeights(
             model=causal.model, image_token_id=causal.config.image_token_id,
             merge_size=causal.config.vision_config.spatial_merge_size,
-            rope_axes=rope_axes(list(rope["mrope_section"]), head_dim).to(causal.lm_head.weight.device),
+            rope_axes=rope_axes(mrope_section(decoder.rotary_emb, config), head_dim).to(causal.lm_head.weight.device),
             special_token_ids=sorted({getattr(causal.config, name) for name in names
                                       if getattr(causal.config, name, None) is not None}),
             video_token_id=getattr(causal.config, "video_token_id", None),

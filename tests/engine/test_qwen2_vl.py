@@ -1,0 +1,202 @@
+"""The engine on Qwen2-VL (random weights, CPU, float32), whose vision tower differs from Qwen2.5-VL's: M-RoPE
+positions equal the model's own ``get_rope_index``, greedy tokens of image turns (a second turn adds a new image
+and extends the first turn's cached row) equal transformers' ``generate``, logprobs equal a full forward pass, the
+M-RoPE sections are the rotary module's own, and a VLM the engine cannot run is refused with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    GenerationConfig,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
+
+from turnrl.config import EngineConfig
+from turnrl.engine.engine import Engine, Result, SamplingParams
+from turnrl.engine.images import prompt_images
+from turnrl.engine.weights import UnsupportedModel, decoder_weights, rope_axes
+
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+MROPE_SECTION = [1, 4, 3]
+"""Temporal, height and width sections unlike the usual 1/4, 3/8, 3/8 split and unlike their reverse: sections
+read from the wrong place turn the image tokens wrongly."""
+
+
+VISION_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                 "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+"""A Qwen-VL config's vision token fields, and the tokens they name."""
+
+
+def vision_token_ids(tokenizer) -> dict[str, int]:
+    return {field: tokenizer.convert_tokens_to_ids(token) for field, token in VISION_TOKENS.items()}
+
+
+def qwen2_vl_config(tokenizer, **text) -> Qwen2VLConfig:
+    """A Qwen2-VL config laid out as the released checkpoints' (the decoder's fields at the top level, M-RoPE
+    sections in ``rope_scaling``), at a tiny size."""
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, vocab_size=len(tokenizer) + 64,
+                  rope_scaling={"type": "mrope", "mrope_section": MROPE_SECTION},
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    fields.update(text)
+    vision = dict(depth=2, embed_dim=32, hidden_size=fields["hidden_size"], num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    return Qwen2VLConfig(**fields, vision_config=vision, **vision_token_ids(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_tokenizer) -> Qwen2VLForConditionalGeneration:
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(qwen2_vl_config(tiny_tokenizer)).eval()
+    with torch.no_grad():  # larger weights than the init: peaked logits, so greedy has no near-ties
+        for parameter in model.parameters():
+            parameter.mul_(3)
+    # No end-of-sequence token: generate runs every sequence to NEW_TOKENS, as the engine does without stop ids.
+    model.generation_config = GenerationConfig(pad_token_id=tiny_tokenizer.pad_token_id)
+    return model
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_tokenizer) -> Qwen2VLProcessor:
+    pixels = dict(min_pixels=28 * 28, max_pixels=112 * 112)
+    return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels),
+                            video_processor=Qwen2VLVideoProcessor(**pixels), tokenizer=tiny_tokenizer,
+                            chat_template=tiny_tokenizer.chat_template)
+
+
+def image(height: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def message(processor, text: str, picture: np.ndarray, first: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """A user message with one image (after the previous response when not ``first``) and the assistant's header:
+    its tokens, placeholders expanded by the processor, and its image's model inputs."""
+    opening = "" if first else "<|im_end|>\n"
+    chat = (f"{opening}<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{text}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    out = processor(text=[chat], images=[picture], return_tensors="pt")
+    return out["input_ids"][0].tolist(), {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def joined(*inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: torch.cat([part[key] for part in inputs]) for key in inputs[0]}
+
+
+def model_arguments(model, prompt: list[int], inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What transformers' forward and generate take for one prompt: the 3D positions need ``mm_token_type_ids``."""
+    ids = torch.tensor([prompt])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == model.config.image_token_id).int(), **inputs}
+
+
+def hf_greedy(model, prompt: list[int], inputs: dict[str, torch.Tensor]) -> list[int]:
+    """``generate``'s greedy tokens with the vision tokens suppressed, as the engine never samples them."""
+    suppressed = [getattr(model.config, field) for field in VISION_TOKENS]
+    out = model.generate(**model_arguments(model, prompt, inputs), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         suppress_tokens=suppressed)
+    return out[0, len(prompt):].tolist()
+
+
+def full_forward_logprobs(model, prompt: list[int], response: list[int], inputs: dict[str, torch.Tensor]
+                          ) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(**model_arguments(model, prompt + response, inputs)).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) + len(response) - 1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
+
+
+def run(engine: Engine, requests: list[tuple[list[int], dict[str, torch.Tensor]]]) -> list[Result]:
+    ids = [engine.submit(prompt, GREEDY, inputs) for prompt, inputs in requests]
+    results: dict[int, Result] = {}
+    while len(results) < len(ids):
+        results.update({result.id: result for result in engine.step()})
+    return [results[i] for i in ids]
+
+
+def episodes(processor) -> tuple[list, list]:
+    """Two episodes' first and second turns; images of different shapes (their height and width positions differ),
+    each turn a new one."""
+    sizes = [((56, 84), (112, 56)), ((84, 84), (28, 112))]
+    firsts = [message(processor, "Where next?", image(*first, seed=episode), first=True)
+              for episode, (first, _) in enumerate(sizes)]
+    observations = [message(processor, "And now?", image(*second, seed=10 + episode), first=False)
+                    for episode, (_, second) in enumerate(sizes)]
+    return firsts, observations
+
+
+def test_mrope_positions_equal_the_models_get_rope_index(model, processor):
+    (first, _), (observation, _) = episodes(processor)
+    response = processor.tokenizer.encode("Go left")
+    requests = [first, (first[0] + response + observation[0], joined(first[1], observation[1]))]
+    merge_size = model.config.vision_config.spatial_merge_size
+    for prompt, inputs in requests:
+        images = prompt_images(prompt, inputs, model.config.image_token_id, merge_size)
+        arguments = model_arguments(model, prompt, inputs)
+        expected, delta = model.model.get_rope_index(
+            arguments["input_ids"], arguments["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"],
+            attention_mask=arguments["attention_mask"])
+        np.testing.assert_array_equal(images.positions, expected[:, 0].numpy())
+        assert images.delta == int(delta) < 0
+
+
+def test_greedy_image_turns_equal_generate_and_the_second_extends_the_cached_row(model, processor):
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=512, triton="false"))
+    firsts, observations = episodes(processor)
+    first_results = run(engine, firsts)
+    seconds = [(prompt + result.token_ids + observation, joined(inputs, observation_inputs))
+               for (prompt, inputs), result, (observation, observation_inputs)
+               in zip(firsts, first_results, observations)]
+    second_results = run(engine, seconds)
+    for (prompt, inputs), result in zip(firsts + seconds, first_results + second_results):
+        assert result.token_ids == hf_greedy(model, prompt, inputs)
+        torch.testing.assert_close(torch.tensor(result.logprobs),
+                                   full_forward_logprobs(model, prompt, result.token_ids, inputs),
+                                   atol=1e-4, rtol=0)
+    # Each second turn prefilled only its observation: its row held the first prompt and all but the last token.
+    assert [r.reused_tokens for r in second_results] == [len(p) + NEW_TOKENS - 1 for p, _ in firsts]
+
+
+def test_image_features_are_the_towers_even_where_the_config_asks_for_tuples(model, processor, monkeypatch):
+    """``return_dict=False`` in a config makes ``get_image_features`` return a tuple; the engine asks for the
+    output object, whose ``pooler_output`` holds each image's merged features."""
+    (first, _), (observation, _) = episodes(processor)
+    inputs = joined(first[1], observation[1])
+    pixels, grids = inputs["pixel_values"], inputs["image_grid_thw"]
+    expected = model.model.get_image_features(pixels, grids, return_dict=True).pooler_output
+    vision = decoder_weights(model, torch.float32).vision
+    monkeypatch.setattr(model.config, "return_dict", False)
+    torch.testing.assert_close(vision.image_features(pixels, grids), torch.cat(expected))
+    assert [len(features) for features in expected] == (grids.prod(-1) // vision.merge_size**2).tolist()
+
+
+def test_mrope_sections_are_the_rotary_modules_own(tiny_tokenizer):
+    """A config that names no sections rotates by the module's default, Qwen2-VL's [16, 24, 24] (head dim 128),
+    where reading the config alone found none."""
+    config = qwen2_vl_config(tiny_tokenizer, hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                             num_hidden_layers=1, intermediate_size=64, rope_scaling=None)
+    model = Qwen2VLForConditionalGeneration(config)
+    assert "mrope_section" not in config.text_config.rope_parameters
+    assert model.model.language_model.rotary_emb.mrope_section == [16, 24, 24]
+    assert decoder_weights(model, torch.float32).vision.rope_axes.tolist() == rope_axes([16, 24, 24], 128).tolist()
+
+
+def test_a_vlm_the_engine_cannot_run_is_refused_with_the_reason(tiny_tokenizer):
+    """Qwen3-VL's decoder adds image features to its first layers' outputs (deepstack), which the engine's does not."""
+    config = Qwen3VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=len(tiny_tokenizer) + 64,
+                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, deepstack_visual_indexes=[0]),
+        **vision_token_ids(tiny_tokenizer))
+    with pytest.raises(UnsupportedModel, match=r"qwen2_vl, qwen2_5_vl VLMs, not 'qwen3_vl' .*model.backend=hf"):
+        Engine(Qwen3VLForConditionalGeneration(config), EngineConfig(kv_cache_gb=0.1, max_rows=1, triton="false"))
