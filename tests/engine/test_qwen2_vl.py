@@ -15,8 +15,8 @@ from transformers import (
     Qwen2VLImageProcessor,
     Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
-    Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 from turnrl.config import EngineConfig
@@ -174,7 +174,7 @@ def test_image_features_are_the_towers_even_where_the_config_asks_for_tuples(mod
     expected = model.model.get_image_features(pixels, grids, return_dict=True).pooler_output
     vision = decoder_weights(model, torch.float32).vision
     monkeypatch.setattr(model.config, "return_dict", False)
-    torch.testing.assert_close(vision.image_features(pixels, grids), torch.cat(expected))
+    torch.testing.assert_close(vision.features(pixels, grids).merged, torch.cat(expected))
     assert [len(features) for features in expected] == (grids.prod(-1) // vision.merge_size**2).tolist()
 
 
@@ -190,13 +190,14 @@ def test_mrope_sections_are_the_rotary_modules_own(tiny_tokenizer):
 
 
 def test_a_vlm_the_engine_cannot_run_is_refused_with_the_reason(tiny_tokenizer):
-    """Qwen3-VL's decoder adds image features to its first layers' outputs (deepstack), which the engine's does not."""
-    config = Qwen3VLConfig(
-        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=len(tiny_tokenizer) + 64,
+    """Qwen3-VL-MoE's decoder layers are mixtures of experts, which the engine's are not."""
+    config = Qwen3VLMoeConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=len(tiny_tokenizer) + 64,
                          rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=16, deepstack_visual_indexes=[0]),
         **vision_token_ids(tiny_tokenizer))
-    with pytest.raises(UnsupportedModel, match=r"qwen2_vl, qwen2_5_vl VLMs, not 'qwen3_vl' .*model.backend=hf"):
-        Engine(Qwen3VLForConditionalGeneration(config), EngineConfig(kv_cache_gb=0.1, max_rows=1, triton="false"))
+    with pytest.raises(UnsupportedModel, match=r"qwen3_vl VLMs, not 'qwen3_vl_moe' .*model.backend=hf"):
+        Engine(Qwen3VLMoeForConditionalGeneration(config), EngineConfig(kv_cache_gb=0.1, max_rows=1, triton="false"))

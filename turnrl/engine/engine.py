@@ -18,9 +18,11 @@ its sequence goes (:mod:`turnrl.engine.attention`); on a CPU, the same code
 runs eagerly with torch's attention. A compilation that fails falls back to
 eager work with a warning.
 
-A VLM (Qwen2.5-VL) runs the same way: its prompts' images go through the
-model's own vision tower at prefill, its tokens turn by their M-RoPE positions,
-and its cache rows are matched on the images' pixels (:mod:`turnrl.engine.images`).
+A VLM (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) runs the same way: its prompts' images
+go through the model's own vision tower at prefill (Qwen3-VL's deepstack
+features added to its first layers' outputs there), its tokens turn by their
+M-RoPE positions, and its cache rows are matched on the images' pixels
+(:mod:`turnrl.engine.images`).
 
 The host work of a step is a few array operations for the whole batch, not
 Python per sequence: the running sequences' counters live in arrays by row
@@ -53,6 +55,7 @@ from turnrl.engine.attention import triton_available
 from turnrl.engine.forward import (
     EAGER,
     DecoderKernels,
+    Deepstack,
     DynamicCompiled,
     KVCache,
     compiled_kernels,
@@ -542,13 +545,13 @@ class Engine:
         else:
             tokens_t, positions_t, write_t, last_t = (
                 to_device(a, self.device) for a in (tokens, positions, write_pos, last))
-            rope_positions = embeddings = None
+            rope_positions = embeddings = deepstack = None
             rope = self.rope
             if self.weights.vision is not None:
-                rope, rope_positions, embeddings = self._vlm_prefill_inputs(sequences, tokens_t)
+                rope, rope_positions, embeddings, deepstack = self._vlm_prefill_inputs(sequences, tokens_t)
             key_len = self._key_len(max(len(s.prompt) for s in sequences))
             logits = self._prefill_logits(tokens_t, positions_t, write_t, rows_t, last_t, key_len, rope=rope,
-                                          rope_positions=rope_positions, embeddings=embeddings)
+                                          rope_positions=rope_positions, embeddings=embeddings, deepstack=deepstack)
         for sequence, new in zip(sequences, news):
             sequence.cached += len(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
@@ -569,18 +572,20 @@ class Engine:
                         rows: torch.Tensor, last: torch.Tensor, key_len: int,
                         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                         rope_positions: torch.Tensor | None = None,
-                        embeddings: torch.Tensor | None = None) -> torch.Tensor:
+                        embeddings: torch.Tensor | None = None, deepstack: Deepstack | None = None) -> torch.Tensor:
         """The logits after each sequence's last new token, Shape (b, vocab), writing the new tokens' keys and
         values into the cache.
 
         Args:
             tokens, positions, write_pos: :func:`prefill_inputs`, Shape (b, t). rows: each sequence's cache row,
                 Shape (b,). last: the index of each sequence's last new token, Shape (b,).
-            rope, rope_positions, embeddings: a VLM's (:meth:`_vlm_prefill_inputs`); None: the text model's.
+            rope, rope_positions, embeddings, deepstack: a VLM's (:meth:`_vlm_prefill_inputs`); None: the text
+                model's.
         """
         def run(kernels: DecoderKernels) -> torch.Tensor:
             return decoder_forward(self.weights, self.cache, rope or self.rope, tokens, positions, write_pos, rows,
-                                   key_len, kernels, self.triton, rope_positions=rope_positions, embeddings=embeddings)
+                                   key_len, kernels, self.triton, rope_positions=rope_positions, embeddings=embeddings,
+                                   deepstack=deepstack)
 
         # As in decode, a failed compiled pass is run again eagerly: it rewrites the same keys and values.
         hidden = self._compiled_or_eager(lambda: run(self.kernels), lambda: run(EAGER))
@@ -588,13 +593,14 @@ class Engine:
                             self.weights.lm_head.value, self.weights.shape.rms_eps)
 
     def _vlm_prefill_inputs(self, sequences: list[_Sequence], tokens: torch.Tensor
-                            ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """A VLM prefill's rotary rows, the rows each token takes, and input embeddings with the images in them.
+                            ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor, Deepstack | None]:
+        """A VLM prefill's rotary rows, the rows each token takes, input embeddings with the images in them, and the
+        images' deepstack features (Qwen3-VL; None for other VLMs and calls without image tokens).
 
         Each new token turns by its own M-RoPE position (three axes; :func:`~turnrl.engine.images.mrope_positions`),
         so the call gets its own table: one cos/sin row per token, Shape (b * t, D), and rope positions
         ``0 .. b*t-1``. The images whose placeholders are among the new tokens run through the vision tower, and
-        their features replace those placeholders' embeddings.
+        their features replace those placeholders' embeddings (their deepstack features go to the same tokens).
 
         Args:
             tokens: the call's tokens on the device, Shape (b, t).
@@ -628,12 +634,16 @@ class Engine:
         axes = vision.rope_axes
         rope = (mrope_rows(self.rope[0], positions, axes), mrope_rows(self.rope[1], positions, axes))
         embeddings = torch.nn.functional.embedding(tokens, self.weights.embed.value)
+        deepstack = None
         if pixels:
-            features = vision.image_features(torch.cat(pixels).to(self.device), torch.stack(grids).to(self.device))
+            features = vision.features(torch.cat(pixels).to(self.device), torch.stack(grids).to(self.device))
             index = to_device(np.array(slots, dtype=np.int64).T.copy(), self.device)
-            embeddings[index[0], index[1]] = features[to_device(np.array(feature_rows, dtype=np.int64),
-                                                                self.device)].to(embeddings.dtype)
-        return rope, torch.arange(b * t, device=self.device).view(b, t), embeddings
+            taken = to_device(np.array(feature_rows, dtype=np.int64), self.device)
+            embeddings[index[0], index[1]] = features.merged[taken].to(embeddings.dtype)
+            if features.deepstack:
+                deepstack = Deepstack((index[0], index[1]),
+                                      [layer[taken].to(embeddings.dtype) for layer in features.deepstack])
+        return rope, torch.arange(b * t, device=self.device).view(b, t), embeddings, deepstack
 
     def _prefill_graph(self, batch: int, width: int) -> PrefillGraph | None:
         """The CUDA graph for a prefill call of ``batch`` sequences and ``width`` new tokens, captured on first use;

@@ -20,7 +20,8 @@ per-head query/key norms) a layer is :func:`qkv_projection`, then
 :func:`~turnrl.engine.cache_write.rotate_and_write` (rotary and cache write
 in one kernel), the attention kernel and :func:`pending_layer_out`, whose MLP
 output the next layer's projection adds; a decode step's rotary and cache write run inside the attention kernel
-(:func:`~turnrl.engine.attention.rotate_write_attend`).
+(:func:`~turnrl.engine.attention.rotate_write_attend`). A Qwen3-VL prefill adds its images' deepstack features to
+the first layers' outputs (:class:`Deepstack`).
 """
 
 from __future__ import annotations
@@ -133,6 +134,29 @@ def mrope_rows(table: torch.Tensor, positions: torch.Tensor, axes: torch.Tensor)
     """
     rows = table[positions]  # (n, 3, D)
     return rows.gather(1, axes.view(1, 1, -1).expand(len(positions), 1, -1)).squeeze(1)
+
+
+@dataclass
+class Deepstack:
+    """Features added to a prefill's residual stream at its image tokens after each of the first layers (Qwen3-VL's
+    deepstack: the vision tower's intermediate features, fed to the decoder's early layers).
+
+    Notation: n image tokens in the call.
+    """
+
+    slots: tuple[torch.Tensor, torch.Tensor]
+    """Each image token's sequence and token index in the call, each Shape (n,)."""
+    features: list[torch.Tensor]
+    """``features[l]`` is added to layer l's output, each Shape (n, hidden) in the compute dtype."""
+
+
+def add_at(x: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], features: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``features`` added at ``slots`` (as transformers' Qwen3-VL adds them: the sum written back).
+
+    Args:
+        x: Shape (b, t, hidden). slots: sequence and token indices, each Shape (n,). features: Shape (n, hidden).
+    """
+    return x.index_put(slots, x[slots] + features)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -384,6 +408,7 @@ def decoder_forward(
     triton_attention: bool = False,
     rope_positions: torch.Tensor | None = None,
     embeddings: torch.Tensor | None = None,
+    deepstack: Deepstack | None = None,
 ) -> torch.Tensor:
     """Final hidden states of the new tokens, writing their keys and values into the cache.
 
@@ -403,6 +428,7 @@ def decoder_forward(
             tokens turn by their M-RoPE positions, not by their index).
         embeddings: the new tokens' input embeddings, Shape (b, t, hidden) (a VLM's images in them); None: the
             tokens' own.
+        deepstack: features added to the first layers' outputs at the image tokens (a Qwen3-VL prefill), or None.
 
     Returns:
         Shape (b, t, hidden), before the final norm (:func:`final_logits` applies it).
@@ -426,7 +452,7 @@ def decoder_forward(
     if not fused_write:
         write_rows = (torch.arange(b, device=tokens.device) if rows is None else rows).unsqueeze(1).expand(b, t)
     mlp_out = None  # the fused path's last MLP output, not yet added to x
-    for layer, kv_cache in zip(weights.layers, cache.kv):
+    for index, (layer, kv_cache) in enumerate(zip(weights.layers, cache.kv)):
         o_bias = layer.o_bias.value if layer.o_bias is not None else None
         gate_up = _values(layer.gate_up) or []
         after_attention = (layer.o.value, o_bias, layer.post_norm.value, gate_up, layer.down.value, shape.rms_eps)
@@ -440,23 +466,28 @@ def decoder_forward(
                 q = rotate_and_write(projected, rope[0], rope[1], turns, write_pos, rows, kv_cache, shape.num_heads)
                 attended = cached_attention(q, kv_cache, rows, positions, cache.capacity)
             x, mlp_out = kernels.pending_layer_out(x, attended, *after_attention)
-            continue
-        q, kv = kernels.attention_inputs(
-            x, turns, rope[0], rope[1], layer.input_norm.value, _values(layer.qkv), _values(layer.qkv_bias),
-            layer.q_norm.value if layer.q_norm is not None else None,
-            layer.k_norm.value if layer.k_norm is not None else None, shape,
-        )
-        kv_cache[:, write_rows, :, write_pos] = kv  # one indexed write for keys and values
-        if triton_attention:
-            x = kernels.layer_out(x, cached_attention(q, kv_cache, rows, positions, cache.capacity), *after_attention)
-            continue
-        cached = kv_cache[:, :b, :, :key_len] if rows is None else kv_cache[:, rows, :, :key_len]
-        keys, values = cached[0], cached[1]
-        if decode:
-            x = kernels.decode_layer_out(x, q, keys, values, positions[:, 0], *after_attention)
         else:
-            grouped = q.reshape(b, shape.num_kv_heads, n_rep * t, shape.head_dim)
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-            attended = out.reshape(b, shape.num_heads, t, shape.head_dim).transpose(1, 2).reshape(b, t, -1)
-            x = kernels.layer_out(x, attended, *after_attention)
+            q, kv = kernels.attention_inputs(
+                x, turns, rope[0], rope[1], layer.input_norm.value, _values(layer.qkv), _values(layer.qkv_bias),
+                layer.q_norm.value if layer.q_norm is not None else None,
+                layer.k_norm.value if layer.k_norm is not None else None, shape,
+            )
+            kv_cache[:, write_rows, :, write_pos] = kv  # one indexed write for keys and values
+            if triton_attention:
+                attended = cached_attention(q, kv_cache, rows, positions, cache.capacity)
+                x = kernels.layer_out(x, attended, *after_attention)
+            else:
+                cached = kv_cache[:, :b, :, :key_len] if rows is None else kv_cache[:, rows, :, :key_len]
+                keys, values = cached[0], cached[1]
+                if decode:
+                    x = kernels.decode_layer_out(x, q, keys, values, positions[:, 0], *after_attention)
+                else:
+                    grouped = q.reshape(b, shape.num_kv_heads, n_rep * t, shape.head_dim)
+                    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+                    attended = out.reshape(b, shape.num_heads, t, shape.head_dim).transpose(1, 2).reshape(b, t, -1)
+                    x = kernels.layer_out(x, attended, *after_attention)
+        if deepstack is not None and index < len(deepstack.features):
+            # Added to the layer's whole output (the fused path's pending MLP output first), as transformers does.
+            x = add_at(x if mlp_out is None else x + mlp_out, deepstack.slots, deepstack.features[index])
+            mlp_out = None
     return x if mlp_out is None else x + mlp_out

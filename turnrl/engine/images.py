@@ -1,4 +1,4 @@
-"""A VLM prompt's images, as the engine's prefill and KV reuse need them (Qwen2-VL, Qwen2.5-VL).
+"""A VLM prompt's images, as the engine's prefill and KV reuse need them (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
 A prompt holds one run of image placeholder tokens per image (``<|image_pad|>``
 repeated once per visual token), and the model inputs of those images in order
@@ -9,9 +9,10 @@ repeated once per visual token), and the model inputs of those images in order
   tokens count up by one, an image's tokens take (temporal, height, width)
   positions from where the text before it ends, and the text after it resumes
   past the image's larger side; a token sampled after the prompt is at its
-  index plus the prompt's ``delta``. Qwen2-VL and Qwen2.5-VL place images
-  alike (Qwen2.5-VL's temporal spacing, ``second_per_grid_ts``, spaces video
-  frames apart; an image is one frame).
+  index plus the prompt's ``delta``. Qwen2-VL, Qwen2.5-VL and Qwen3-VL place
+  images alike (Qwen2.5-VL's temporal spacing, ``second_per_grid_ts``, spaces
+  video frames apart, and Qwen3-VL's text resumes past an image's larger
+  spatial side, not counting frames; an image is one frame).
 - the prompt's match keys: its tokens with each image's placeholders replaced
   by a number drawn from the image's pixels, so that a cached row is reused
   only by a prompt with the same images, not merely the same placeholders.

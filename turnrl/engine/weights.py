@@ -25,18 +25,24 @@ tell):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-"""VLMs whose language model is a Qwen2 decoder with M-RoPE: the engine runs it, and the model's own vision tower
-makes the image features its prefill takes (:class:`VisionWeights`). Qwen2-VL and Qwen2.5-VL differ only in their
-towers (Qwen2.5-VL's attends within windows and has an RMSNorm SwiGLU MLP), which the engine calls as a whole."""
+VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""VLMs whose language model is a Qwen2 or Qwen3 decoder with M-RoPE: the engine runs it, and the model's own vision
+tower makes the image features its prefill takes (:class:`VisionWeights`). Qwen2-VL and Qwen2.5-VL differ only in
+their towers (Qwen2.5-VL's attends within windows and has an RMSNorm SwiGLU MLP), which the engine calls as a whole.
+Qwen3-VL's decoder is Qwen3's (per-head query and key norms); it interleaves the M-RoPE axes over the rotary dims
+(:data:`INTERLEAVED_MROPE_TYPES`) and adds the tower's deepstack features to its first layers' outputs at the image
+tokens (:class:`ImageFeatures`)."""
+INTERLEAVED_MROPE_TYPES = ("qwen3_vl",)
+"""VLMs whose rotary module interleaves the M-RoPE axes over the half dims (:func:`rope_axes`). Qwen3-VL's does so
+whatever its config's ``mrope_interleaved`` says (transformers 5.17 to 5.24 read only ``mrope_section``)."""
 
 
 class UnsupportedModel(ValueError):
@@ -103,13 +109,26 @@ class LayerWeights:
     k_norm: WeightRef | None = None
 
 
+class ImageFeatures(NamedTuple):
+    """A vision tower's features of some images, one row per placeholder token, in order.
+
+    Notation: n the images' placeholder tokens.
+    """
+
+    merged: torch.Tensor
+    """What replaces the placeholders' input embeddings, Shape (n, hidden)."""
+    deepstack: list[torch.Tensor]
+    """Qwen3-VL's deepstack features: ``deepstack[l]`` is added to the output of decoder layer l at the
+    placeholders, each Shape (n, hidden); empty for a tower without them."""
+
+
 @dataclass
 class VisionWeights:
     """A VLM's image side: its vision tower, which the engine's prefill calls, and how its decoder places images."""
 
     model: nn.Module
-    """The VLM's inner model (``Qwen2VLModel``, ``Qwen2_5_VLModel``), whose ``get_image_features`` runs the vision
-    tower and its patch merger."""
+    """The VLM's inner model (``Qwen2VLModel``, ``Qwen2_5_VLModel``, ``Qwen3VLModel``), whose ``get_image_features``
+    runs the vision tower and its patch merger."""
     image_token_id: int
     merge_size: int
     """Patches merged into one token along each spatial side."""
@@ -120,7 +139,7 @@ class VisionWeights:
     video_token_id: int | None = None
     """Videos are not run by the engine: a prompt with their placeholder is refused."""
 
-    def image_features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    def features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> ImageFeatures:
         """The decoder-side features of images, one row per placeholder token, in order.
 
         Args:
@@ -128,25 +147,35 @@ class VisionWeights:
                 (temporal, height, width) patch grid, Shape (m, 3).
 
         Returns:
-            Shape (tokens, hidden), tokens = sum over images of t * h * w / merge_size**2.
+            Each tensor Shape (tokens, hidden), tokens = sum over images of t * h * w / merge_size**2.
         """
         # transformers 5.x returns an output object whose pooler_output holds the merged features, one tensor per
-        # image; a config with return_dict=False would make it a tuple, so the object is asked for.
+        # image; a config with return_dict=False would make it a tuple, so the object is asked for. Its
+        # deepstack_features (Qwen3-VL) hold a layer's features split per image like pooler_output (5.24), or
+        # whole (5.17).
         out = self.model.get_image_features(pixel_values, grids, return_dict=True)  # type: ignore[operator]
-        features = torch.cat(list(out.pooler_output))
+        features = ImageFeatures(_concatenated(out.pooler_output),
+                                 [_concatenated(layer) for layer in getattr(out, "deepstack_features", None) or []])
         tokens = int((grids.prod(-1) // self.merge_size**2).sum())
-        if features.shape[0] != tokens:
-            raise ValueError(f"the vision tower made {features.shape[0]} image features for {tokens} placeholders")
+        for made in (features.merged, *features.deepstack):
+            if made.shape[0] != tokens:
+                raise ValueError(f"the vision tower made {made.shape[0]} image features for {tokens} placeholders")
         return features
 
 
+def _concatenated(features: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """Features split per image, joined along dim 0 (a tensor already whole: itself)."""
+    return features if isinstance(features, torch.Tensor) else torch.cat(list(features))
+
+
 def mrope_section(rotary: nn.Module, config: Any) -> list[int]:
-    """The temporal, height and width sections of a VLM decoder's rotary half dims, as its rotary module splits them.
+    """The temporal, height and width sections of a VLM decoder's rotary half dims, as its rotary module lays them out
+    (:func:`rope_axes`).
 
     The module's own ``mrope_section`` is what it rotates by: it is the config's ``rope_parameters["mrope_section"]``
-    (where transformers 5 puts a checkpoint's ``rope_scaling: {"type": "mrope", ...}``), or [16, 24, 24] when the
-    config names none. Early 5.x versions, whose module has no such attribute, read the config's in their attention
-    layers.
+    (where transformers 5 puts a checkpoint's ``rope_scaling: {"type": "mrope", ...}``), or when the config names
+    none the module's default ([16, 24, 24] for Qwen2-VL, [24, 20, 20] for Qwen3-VL). Early 5.x versions of
+    Qwen2-VL, whose module has no such attribute, read the config's in their attention layers.
     """
     section = getattr(rotary, "mrope_section", None)
     if section is None:
@@ -157,9 +186,18 @@ def mrope_section(rotary: nn.Module, config: Any) -> list[int]:
     return [int(size) for size in section]
 
 
-def rope_axes(mrope_section: list[int], head_dim: int) -> torch.Tensor:
-    """Each rotary dim's M-RoPE axis: the half dims split into ``mrope_section`` runs taking axes 0, 1, 2, 0, ...
-    (as Qwen2-VL's rotary embedding composes them), the second half as the first, Shape (head_dim,)."""
+def rope_axes(mrope_section: list[int], head_dim: int, interleaved: bool = False) -> torch.Tensor:
+    """Each rotary dim's M-RoPE axis (0 temporal, 1 height, 2 width), the second half as the first, Shape (head_dim,).
+
+    Split (Qwen2-VL's rotary embedding): the half dims in ``mrope_section`` runs taking axes 0, 1, 2, 0, ...
+    Interleaved (Qwen3-VL's): half dim j turns by height where j % 3 == 1 and j < 3 * mrope_section[1], by width
+    where j % 3 == 2 and j < 3 * mrope_section[2], else by time.
+    """
+    if interleaved:
+        half = torch.zeros(head_dim // 2, dtype=torch.long)
+        for axis in (1, 2):
+            half[axis : 3 * mrope_section[axis] : 3] = axis
+        return torch.cat((half, half))
     half = torch.cat([torch.full((size,), index % 3, dtype=torch.long) for index, size in enumerate(mrope_section)])
     if len(half) != head_dim // 2:
         raise UnsupportedModel(f"mrope_section {mrope_section} does not cover half the head dim ({head_dim // 2})")
@@ -276,7 +314,9 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
         vision = VisionWeights(
             model=causal.model, image_token_id=causal.config.image_token_id,
             merge_size=causal.config.vision_config.spatial_merge_size,
-            rope_axes=rope_axes(mrope_section(decoder.rotary_emb, config), head_dim).to(causal.lm_head.weight.device),
+            rope_axes=rope_axes(mrope_section(decoder.rotary_emb, config), head_dim,
+                                interleaved=causal.config.model_type in INTERLEAVED_MROPE_TYPES
+                                ).to(causal.lm_head.weight.device),
             special_token_ids=sorted({getattr(causal.config, name) for name in names
                                       if getattr(causal.config, name, None) is not None}),
             video_token_id=getattr(causal.config, "video_token_id", None),

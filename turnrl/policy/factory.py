@@ -22,9 +22,9 @@ def model_policy(
 ) -> Policy:
     """The generation backend for a loaded model, as ``model.backend`` asks.
 
-    ``auto`` takes the engine on a GPU where it can run the model (Llama-family text models, Qwen2.5-VL)
-    and transformers' ``generate`` otherwise: other architectures, and CPUs, where the engine was slower on
-    the quickstart's short one-turn prompts (docs/engine.md). ``engine`` refuses a model it cannot run.
+    ``auto`` takes the engine on a GPU where it can run the model (Llama-family text models; Qwen2-VL, Qwen2.5-VL
+    and Qwen3-VL) and transformers' ``generate`` otherwise: other architectures, and CPUs, where the engine was
+    slower on the quickstart's short one-turn prompts (docs/engine.md). ``engine`` refuses a model it cannot run.
     ``dtype`` is the compute dtype (the run's mixed precision); None uses the weights' own.
     """
     from turnrl.engine.weights import UnsupportedModel

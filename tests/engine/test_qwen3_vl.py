@@ -1,0 +1,204 @@
+"""The engine on Qwen3-VL (random weights, CPU, float32), whose decoder differs from Qwen2-VL's: M-RoPE positions
+equal the model's own ``get_rope_index`` and its tokens turn by the cos/sin rows its rotary module gives them (the
+axes interleaved over the rotary dims); greedy tokens of image turns (a second turn adds a new image and extends the
+first turn's cached row) equal transformers' ``generate``, and logprobs a full forward pass, which needs the vision
+tower's deepstack features added to the right decoder layers' outputs, with torch's kernels and the Triton ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    GenerationConfig,
+    Qwen2VLImageProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
+)
+
+from tests.engine.test_qwen2_vl import (
+    VISION_TOKENS,
+    full_forward_logprobs,
+    image,
+    joined,
+    message,
+    model_arguments,
+    vision_token_ids,
+)
+from turnrl.config import EngineConfig
+from turnrl.engine.attention import triton_available
+from turnrl.engine.engine import Engine, Result, SamplingParams
+from turnrl.engine.forward import Deepstack, KVCache, decoder_forward, mrope_rows, rotary_table
+from turnrl.engine.images import placeholder_spans, prompt_images
+from turnrl.engine.weights import decoder_weights, rope_axes
+
+HEAD_DIM = 32
+MROPE_SECTION = [6, 4, 6]
+"""Interleaved over 16 half dims: height at 1, 4, 7, 10 (below 3 * 4), width at 2, 5, 8, 11, 14, time at the rest
+(seven dims, not six): laid out in runs, or from the default [24, 20, 20], they would turn image tokens wrongly."""
+DEEPSTACK_INDEXES = [0, 1]
+"""Vision blocks whose features the decoder's first two layers (of three) add: added after the wrong layer, or not
+at all, the image tokens' hidden states differ."""
+
+
+def qwen3_vl_config(tokenizer, **text) -> Qwen3VLConfig:
+    """A Qwen3-VL config laid out as the released checkpoints' (M-RoPE sections and the interleaved flag in the text
+    config's ``rope_scaling``), at a tiny size."""
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=1024,
+                  vocab_size=len(tokenizer) + 64,
+                  rope_scaling={"rope_type": "default", "mrope_section": MROPE_SECTION, "mrope_interleaved": True})
+    fields.update(text)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=fields["hidden_size"],
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=DEEPSTACK_INDEXES)
+    return Qwen3VLConfig(text_config=fields, vision_config=vision, **vision_token_ids(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_tokenizer) -> Qwen3VLForConditionalGeneration:
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(qwen3_vl_config(tiny_tokenizer)).eval()
+    with torch.no_grad():  # larger weights than the init: peaked logits, so greedy has no near-ties
+        for parameter in model.parameters():
+            parameter.mul_(3)
+    # No end-of-sequence token: generate runs every sequence to max_new_tokens, as the engine does without stop ids.
+    model.generation_config = GenerationConfig(pad_token_id=tiny_tokenizer.pad_token_id)
+    return model
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_tokenizer) -> Qwen3VLProcessor:
+    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, min_pixels=32 * 32,
+                                                                  max_pixels=128 * 128),
+                            video_processor=Qwen3VLVideoProcessor(), tokenizer=tiny_tokenizer,
+                            chat_template=tiny_tokenizer.chat_template)
+
+
+def run(engine: Engine, requests: list[tuple[list[int], dict[str, torch.Tensor]]], new_tokens: int) -> list[Result]:
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    ids = [engine.submit(prompt, greedy, inputs) for prompt, inputs in requests]
+    results: dict[int, Result] = {}
+    while len(results) < len(ids):
+        results.update({result.id: result for result in engine.step()})
+    return [results[i] for i in ids]
+
+
+def hf_greedy(model, prompt: list[int], inputs: dict[str, torch.Tensor], new_tokens: int) -> list[int]:
+    """``generate``'s greedy tokens with the vision tokens suppressed, as the engine never samples them."""
+    suppressed = [getattr(model.config, field) for field in VISION_TOKENS]
+    out = model.generate(**model_arguments(model, prompt, inputs), max_new_tokens=new_tokens, do_sample=False,
+                         suppress_tokens=suppressed)
+    return out[0, len(prompt):].tolist()
+
+
+def episodes(processor) -> tuple[list, list]:
+    """Two episodes' first and second turns; images of different shapes (their height and width positions differ),
+    each turn a new one."""
+    sizes = [((64, 96), (128, 64)), ((96, 96), (32, 128))]
+    firsts = [message(processor, "Where next?", image(*first, seed=episode), first=True)
+              for episode, (first, _) in enumerate(sizes)]
+    observations = [message(processor, "And now?", image(*second, seed=10 + episode), first=False)
+                    for episode, (_, second) in enumerate(sizes)]
+    return firsts, observations
+
+
+def test_mrope_positions_and_rotary_rows_equal_the_models_own(model, processor):
+    (first, _), (observation, _) = episodes(processor)
+    response = processor.tokenizer.encode("Go left")
+    requests = [first, (first[0] + response + observation[0], joined(first[1], observation[1]))]
+    weights = decoder_weights(model, torch.float32)
+    table = rotary_table(weights, 512, torch.device("cpu"))
+    for prompt, inputs in requests:
+        images = prompt_images(prompt, inputs, model.config.image_token_id, weights.vision.merge_size)
+        arguments = model_arguments(model, prompt, inputs)
+        expected, delta = model.model.get_rope_index(
+            arguments["input_ids"], arguments["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"],
+            attention_mask=arguments["attention_mask"])
+        np.testing.assert_array_equal(images.positions, expected[:, 0].numpy())
+        assert images.delta == int(delta) < 0
+        cos, sin = model.model.language_model.rotary_emb(torch.zeros(1), expected)
+        positions = torch.from_numpy(images.positions.T)
+        for ours, theirs in zip(table, (cos[0], sin[0])):
+            torch.testing.assert_close(mrope_rows(ours, positions, weights.vision.rope_axes), theirs)
+
+
+def test_mrope_sections_are_the_rotary_modules_own_and_interleaved(tiny_tokenizer):
+    """A config that names no sections rotates by the module's default, Qwen3-VL's [24, 20, 20] (head dim 128)."""
+    config = qwen3_vl_config(tiny_tokenizer, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
+                             head_dim=128, num_hidden_layers=1, intermediate_size=64, rope_scaling=None)
+    model = Qwen3VLForConditionalGeneration(config)
+    assert "mrope_section" not in config.text_config.rope_parameters
+    axes = decoder_weights(model, torch.float32).vision.rope_axes
+    assert axes.tolist() == rope_axes([24, 20, 20], 128, interleaved=True).tolist()
+    assert axes[:64].bincount().tolist() == [24, 20, 20] and axes[:6].tolist() == [0, 1, 2, 0, 1, 2]
+
+
+@pytest.mark.parametrize(("triton", "new_tokens"), [("false", 8), ("true", 2)])
+def test_greedy_image_turns_equal_generate_and_the_second_extends_the_cached_row(model, processor, triton,
+                                                                                new_tokens):
+    """With the Triton kernels (Triton's interpreter) the turns are short: their prefills, which take the images,
+    are what differs from text Qwen3, whose decode those kernels run elsewhere."""
+    if triton == "true" and not triton_available():
+        pytest.skip("Triton is not installed")
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=128, triton=triton))
+    firsts, observations = episodes(processor)
+    first_results = run(engine, firsts, new_tokens)
+    seconds = [(prompt + result.token_ids + observation, joined(inputs, observation_inputs))
+               for (prompt, inputs), result, (observation, observation_inputs)
+               in zip(firsts, first_results, observations)]
+    second_results = run(engine, seconds, new_tokens)
+    for (prompt, inputs), result in zip(firsts + seconds, first_results + second_results):
+        assert result.token_ids == hf_greedy(model, prompt, inputs, new_tokens)
+        torch.testing.assert_close(torch.tensor(result.logprobs),
+                                   full_forward_logprobs(model, prompt, result.token_ids, inputs),
+                                   atol=1e-4, rtol=0)
+    # Each second turn prefilled only its observation: its row held the first prompt and all but the last token.
+    assert [r.reused_tokens for r in second_results] == [len(p) + new_tokens - 1 for p, _ in firsts]
+
+
+def test_an_image_partly_in_the_cached_row_adds_the_deepstack_features_of_its_tokens_prefilled(model, processor):
+    """A prompt that ends in an image, sent again, reuses its row but for the last token (its logits are needed):
+    that placeholder alone is prefilled, with its own row of the merged and deepstack features. (Tokens are checked
+    against a forward pass, not ``generate``: after a prompt that ends in an image, ``generate`` turns the next
+    token by the image's last position plus one on each axis, where the model's forward and the engine put it past
+    the image's larger side on all three.)"""
+    prompt, inputs = message(processor, "", image(128, 128, seed=3), first=True)
+    prompt = prompt[: max(end for _, end in placeholder_spans(prompt, model.config.image_token_id))]
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=2, max_seq_len=128, triton="false"))
+    first, again = run(engine, [(prompt, inputs)], 4) + run(engine, [(prompt, inputs)], 4)
+    assert again.reused_tokens == len(prompt) - 1 >= 16
+    with torch.no_grad():
+        logits = model(**model_arguments(model, prompt + again.token_ids, inputs)).logits[0, len(prompt) - 1 : -1]
+    logits[:, [getattr(model.config, field) for field in VISION_TOKENS]] = float("-inf")  # never sampled
+    assert again.token_ids == first.token_ids == logits.argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(again.logprobs),
+                               full_forward_logprobs(model, prompt, again.token_ids, inputs), atol=1e-4, rtol=0)
+
+
+def test_deepstack_features_are_added_to_whole_layer_outputs_where_the_mlp_output_is_pending(model):
+    """With the Triton kernels and no per-head norms (not Qwen3-VL's decoder: its layers' norms taken out for both
+    runs), a layer's MLP output is added in the next layer's projection: the deepstack features are added to the
+    completed output there, as on the torch path."""
+    if not triton_available():
+        pytest.skip("Triton is not installed")
+    weights = decoder_weights(model, torch.float32)
+    for layer in weights.layers:
+        layer.q_norm = layer.k_norm = None
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 100, (2, 12), generator=generator)
+    positions = torch.arange(12).expand(2, 12)
+    slots = (torch.tensor([0, 0, 1, 1, 1]), torch.tensor([3, 4, 5, 6, 11]))
+    deepstack = Deepstack(slots, [torch.randn(5, 64, generator=generator) for _ in DEEPSTACK_INDEXES])
+    rope = rotary_table(weights, 64, torch.device("cpu"))
+    hidden = []
+    for triton in (False, True):
+        cache = KVCache(weights.shape, 2, 64, torch.float32, torch.device("cpu"))
+        hidden.append(decoder_forward(weights, cache, rope, tokens, positions, positions, torch.arange(2), 64,
+                                      triton_attention=triton, deepstack=deepstack))
+    without = decoder_forward(weights, KVCache(weights.shape, 2, 64, torch.float32, torch.device("cpu")), rope,
+                              tokens, positions, positions, torch.arange(2), 64)
+    torch.testing.assert_close(hidden[1], hidden[0], atol=1e-4, rtol=1e-4)
+    assert (hidden[0] - without).abs().amax() > 0.1
