@@ -17,6 +17,22 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """``cpu_triton`` tests run the engine's Triton kernels on CPU tensors, which only the interpreter can (set above
+    when no GPU is there): skipped without Triton, or on a GPU machine (tests/engine/test_engine_gpu.py runs the
+    kernels there)."""
+    from turnrl.engine.attention import triton_available
+
+    reason = ("Triton is not installed" if not triton_available() else
+              "a GPU is here: Triton's interpreter (CPU tensors) is off" if torch.cuda.is_available() else None)
+    if reason is None:
+        return
+    for item in items:
+        if item.get_closest_marker("cpu_triton") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 # The tiny models are far too small for intra-op threads to pay off: on a
 # shared machine they only add contention (a forward pass runs ~40x slower
 # with two busy threads than with one).

@@ -55,14 +55,18 @@ KERNELS = {"triton": "false"}
 """The engine's kernels in :func:`engine_for`; the :func:`kernels` fixture runs a test with each."""
 
 
-@pytest.fixture(params=["torch", "triton"])
+@pytest.fixture(params=["torch", pytest.param("triton", marks=pytest.mark.cpu_triton)])
 def kernels(request, monkeypatch):
     """Run the test with torch's attention and sampler and with the Triton kernels (Triton's interpreter on a
     CPU)."""
-    if request.param == "triton" and not triton_available():
-        pytest.skip("Triton is not installed")
     monkeypatch.setitem(KERNELS, "triton", "true" if request.param == "triton" else "false")
     return request.param
+
+
+SLOW_ON_TRITON = pytest.mark.parametrize(
+    "kernels", ["torch", pytest.param("triton", marks=[pytest.mark.cpu_triton, pytest.mark.slow])], indirect=True)
+"""For the longest scheduling tests: their Triton variant takes 25-55 s in the interpreter, so it runs with
+``make test-slow`` (the kernels' own tests and the other engine tests cover them in the default run)."""
 
 
 def engine_for(model, rows: int = 8, max_len: int = 512, **config) -> Engine:
@@ -276,6 +280,7 @@ def test_sampling_with_a_seed_is_reproducible_for_a_fixed_batch():
     assert [r.token_ids for r in first] != [r.token_ids for r in third]
 
 
+@SLOW_ON_TRITON
 def test_more_sequences_than_rows_wait_for_a_row_and_give_the_same_tokens(kernels):
     model = build("qwen2")
     prompts = random_prompts([5, 30, 9, 17, 2, 11, 25])
@@ -287,6 +292,7 @@ def test_more_sequences_than_rows_wait_for_a_row_and_give_the_same_tokens(kernel
     assert narrow_engine.rows == 2
 
 
+@SLOW_ON_TRITON
 def test_evicted_episodes_are_prefilled_again_and_give_the_same_tokens(kernels):
     """Three episodes take turns on two rows: each turn evicts another episode's cache."""
     model = build("qwen2")
@@ -307,6 +313,7 @@ def test_evicted_episodes_are_prefilled_again_and_give_the_same_tokens(kernels):
     assert small.stats.evictions >= 8
 
 
+@SLOW_ON_TRITON
 def test_the_cache_grows_for_longer_sequences_without_changing_tokens(kernels):
     model = build("qwen2")
     prompts = random_prompts([20, 700])

@@ -28,7 +28,6 @@ from tests.engine.test_qwen2_vl import (
     vision_token_ids,
 )
 from turnrl.config import EngineConfig
-from turnrl.engine.attention import triton_available
 from turnrl.engine.engine import Engine, Result, SamplingParams
 from turnrl.engine.forward import Deepstack, KVCache, decoder_forward, mrope_rows, rotary_table
 from turnrl.engine.images import placeholder_spans, prompt_images
@@ -136,13 +135,12 @@ def test_mrope_sections_are_the_rotary_modules_own_and_interleaved(tiny_tokenize
     assert axes[:64].bincount().tolist() == [24, 20, 20] and axes[:6].tolist() == [0, 1, 2, 0, 1, 2]
 
 
-@pytest.mark.parametrize(("triton", "new_tokens"), [("false", 8), ("true", 2)])
+@pytest.mark.parametrize(("triton", "new_tokens"),
+                         [("false", 8), pytest.param("true", 2, marks=pytest.mark.cpu_triton)])
 def test_greedy_image_turns_equal_generate_and_the_second_extends_the_cached_row(model, processor, triton,
                                                                                 new_tokens):
     """With the Triton kernels (Triton's interpreter) the turns are short: their prefills, which take the images,
     are what differs from text Qwen3, whose decode those kernels run elsewhere."""
-    if triton == "true" and not triton_available():
-        pytest.skip("Triton is not installed")
     engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=128, triton=triton))
     firsts, observations = episodes(processor)
     first_results = run(engine, firsts, new_tokens)
@@ -178,12 +176,11 @@ def test_an_image_partly_in_the_cached_row_adds_the_deepstack_features_of_its_to
                                full_forward_logprobs(model, prompt, again.token_ids, inputs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.cpu_triton
 def test_deepstack_features_are_added_to_whole_layer_outputs_where_the_mlp_output_is_pending(model):
     """With the Triton kernels and no per-head norms (not Qwen3-VL's decoder: its layers' norms taken out for both
     runs), a layer's MLP output is added in the next layer's projection: the deepstack features are added to the
     completed output there, as on the torch path."""
-    if not triton_available():
-        pytest.skip("Triton is not installed")
     weights = decoder_weights(model, torch.float32)
     for layer in weights.layers:
         layer.q_norm = layer.k_norm = None

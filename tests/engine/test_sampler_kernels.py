@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from turnrl.engine import sampler_kernels
-from turnrl.engine.attention import triton_available
 from turnrl.engine.sampler_kernels import _sample_rows, _split_partials, _splits, sample_two_pass
 
-pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+pytestmark = pytest.mark.cpu_triton
 
 CPU = torch.device("cpu")
 LARGEST_UNIFORM = 1 - 2**-24
