@@ -25,7 +25,6 @@ from turnrl.engine.images import prompt_images
 from turnrl.engine.weights import UnsupportedModel, decoder_weights, rope_axes
 
 NEW_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
 MROPE_SECTION = [1, 4, 3]
 """Temporal, height and width sections unlike the usual 1/4, 3/8, 3/8 split and unlike their reverse: sections
 read from the wrong place turn the image tokens wrongly."""
@@ -98,10 +97,10 @@ def model_arguments(model, prompt: list[int], inputs: dict[str, torch.Tensor]) -
             "mm_token_type_ids": (ids == model.config.image_token_id).int(), **inputs}
 
 
-def hf_greedy(model, prompt: list[int], inputs: dict[str, torch.Tensor]) -> list[int]:
+def hf_greedy(model, prompt: list[int], inputs: dict[str, torch.Tensor], new_tokens: int = NEW_TOKENS) -> list[int]:
     """``generate``'s greedy tokens with the vision tokens suppressed, as the engine never samples them."""
     suppressed = [getattr(model.config, field) for field in VISION_TOKENS]
-    out = model.generate(**model_arguments(model, prompt, inputs), max_new_tokens=NEW_TOKENS, do_sample=False,
+    out = model.generate(**model_arguments(model, prompt, inputs), max_new_tokens=new_tokens, do_sample=False,
                          suppress_tokens=suppressed)
     return out[0, len(prompt):].tolist()
 
@@ -114,18 +113,19 @@ def full_forward_logprobs(model, prompt: list[int], response: list[int], inputs:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
 
 
-def run(engine: Engine, requests: list[tuple[list[int], dict[str, torch.Tensor]]]) -> list[Result]:
-    ids = [engine.submit(prompt, GREEDY, inputs) for prompt, inputs in requests]
+def run(engine: Engine, requests: list[tuple[list[int], dict[str, torch.Tensor]]], new_tokens: int = NEW_TOKENS
+        ) -> list[Result]:
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    ids = [engine.submit(prompt, greedy, inputs) for prompt, inputs in requests]
     results: dict[int, Result] = {}
     while len(results) < len(ids):
         results.update({result.id: result for result in engine.step()})
     return [results[i] for i in ids]
 
 
-def episodes(processor) -> tuple[list, list]:
-    """Two episodes' first and second turns; images of different shapes (their height and width positions differ),
-    each turn a new one."""
-    sizes = [((56, 84), (112, 56)), ((84, 84), (28, 112))]
+def episodes(processor, sizes=(((56, 84), (112, 56)), ((84, 84), (28, 112)))) -> tuple[list, list]:
+    """Two episodes' first and second turns; images of different shapes (their height and width positions differ;
+    ``sizes`` per episode, whole patches of the processor's), each turn a new one."""
     firsts = [message(processor, "Where next?", image(*first, seed=episode), first=True)
               for episode, (first, _) in enumerate(sizes)]
     observations = [message(processor, "And now?", image(*second, seed=10 + episode), first=False)

@@ -21,14 +21,17 @@ from transformers import (
 from tests.engine.test_qwen2_vl import (
     VISION_TOKENS,
     full_forward_logprobs,
+    hf_greedy,
     image,
     joined,
     message,
     model_arguments,
+    run,
     vision_token_ids,
 )
+from tests.engine.test_qwen2_vl import episodes as qwen2_vl_episodes
 from turnrl.config import EngineConfig
-from turnrl.engine.engine import Engine, Result, SamplingParams
+from turnrl.engine.engine import Engine
 from turnrl.engine.forward import Deepstack, KVCache, decoder_forward, mrope_rows, rotary_table
 from turnrl.engine.images import placeholder_spans, prompt_images
 from turnrl.engine.weights import decoder_weights, rope_axes
@@ -76,32 +79,9 @@ def processor(tiny_tokenizer) -> Qwen3VLProcessor:
                             chat_template=tiny_tokenizer.chat_template)
 
 
-def run(engine: Engine, requests: list[tuple[list[int], dict[str, torch.Tensor]]], new_tokens: int) -> list[Result]:
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
-    ids = [engine.submit(prompt, greedy, inputs) for prompt, inputs in requests]
-    results: dict[int, Result] = {}
-    while len(results) < len(ids):
-        results.update({result.id: result for result in engine.step()})
-    return [results[i] for i in ids]
-
-
-def hf_greedy(model, prompt: list[int], inputs: dict[str, torch.Tensor], new_tokens: int) -> list[int]:
-    """``generate``'s greedy tokens with the vision tokens suppressed, as the engine never samples them."""
-    suppressed = [getattr(model.config, field) for field in VISION_TOKENS]
-    out = model.generate(**model_arguments(model, prompt, inputs), max_new_tokens=new_tokens, do_sample=False,
-                         suppress_tokens=suppressed)
-    return out[0, len(prompt):].tolist()
-
-
 def episodes(processor) -> tuple[list, list]:
-    """Two episodes' first and second turns; images of different shapes (their height and width positions differ),
-    each turn a new one."""
-    sizes = [((64, 96), (128, 64)), ((96, 96), (32, 128))]
-    firsts = [message(processor, "Where next?", image(*first, seed=episode), first=True)
-              for episode, (first, _) in enumerate(sizes)]
-    observations = [message(processor, "And now?", image(*second, seed=10 + episode), first=False)
-                    for episode, (_, second) in enumerate(sizes)]
-    return firsts, observations
+    """:func:`tests.engine.test_qwen2_vl.episodes` with images in Qwen3-VL's patches of 16 pixels."""
+    return qwen2_vl_episodes(processor, sizes=(((64, 96), (128, 64)), ((96, 96), (32, 128))))
 
 
 def test_mrope_positions_and_rotary_rows_equal_the_models_own(model, processor):
