@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from turnrl.config import EngineConfig
+from turnrl.engine import attention
 from turnrl.engine.attention import triton_available
 from turnrl.engine.engine import Engine, SamplingParams
 from turnrl.engine.weights import UnsupportedModel
@@ -58,14 +59,16 @@ KERNELS = {"triton": "false"}
 @pytest.fixture(params=["torch", pytest.param("triton", marks=pytest.mark.cpu_triton)])
 def kernels(request, monkeypatch):
     """Run the test with torch's attention and sampler and with the Triton kernels (Triton's interpreter on a
-    CPU)."""
+    CPU). The interpreter's time grows with the programs launched: decode attention is not split into key
+    stretches here (test_attention.py and test_cache_write.py check the splits, the GPU tests the engine's)."""
     monkeypatch.setitem(KERNELS, "triton", "true" if request.param == "triton" else "false")
+    monkeypatch.setattr(attention, "multiprocessors", lambda device: 1)
     return request.param
 
 
 SLOW_ON_TRITON = pytest.mark.parametrize(
     "kernels", ["torch", pytest.param("triton", marks=[pytest.mark.cpu_triton, pytest.mark.slow])], indirect=True)
-"""For the longest scheduling tests: their Triton variant takes 25-55 s in the interpreter, so it runs with
+"""For the longest scheduling tests: their Triton variant takes 20-26 s in the interpreter, so it runs with
 ``make test-slow`` (the kernels' own tests and the other engine tests cover them in the default run)."""
 
 

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, ConfigError, EngineConfig, ModelConfig, SamplingConfig
+from turnrl.engine import attention
 from turnrl.envs import make
 from turnrl.models.loading import load_processor
 from turnrl.policy.base import GenerationRequest
@@ -168,10 +169,11 @@ def vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir, triton: str = "false") -> E
 @pytest.mark.parametrize(("wait", "triton"), [(True, "false"), (False, "false"),
                                              pytest.param(True, "true", marks=pytest.mark.cpu_triton)])
 def test_vlm_rollouts_with_images_are_the_same_trajectories_with_the_engine(tiny_vlm_policy, tiny_vlm_dir, wait,
-                                                                            triton):
+                                                                            triton, monkeypatch):
     """A new image every turn: the engine's image features, M-RoPE positions, suppressed vision tokens and KV
     reuse give transformers' tokens and logprobs (with torch's kernels, and with the Triton ones in Triton's
-    interpreter)."""
+    interpreter, its decode attention unsplit: the interpreter's time grows with the programs launched)."""
+    monkeypatch.setattr(attention, "multiprocessors", lambda device: 1)
     hf = image_rollouts(tiny_vlm_policy)
     policy = vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir, triton)
     engine = image_rollouts(policy, wait)
