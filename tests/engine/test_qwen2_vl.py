@@ -21,7 +21,7 @@ from transformers import (
 
 from turnrl.config import EngineConfig
 from turnrl.engine.engine import Engine, Result, SamplingParams
-from turnrl.engine.images import prompt_images
+from turnrl.engine.images import PromptImages, prompt_images
 from turnrl.engine.weights import UnsupportedModel, decoder_weights, rope_axes
 
 NEW_TOKENS = 8
@@ -52,16 +52,22 @@ def qwen2_vl_config(tokenizer, **text) -> Qwen2VLConfig:
     return Qwen2VLConfig(**fields, vision_config=vision, **vision_token_ids(tokenizer))
 
 
-@pytest.fixture(scope="module")
-def model(tiny_tokenizer) -> Qwen2VLForConditionalGeneration:
+def greedy_ready(model_class, config, tokenizer):
+    """``model_class(config)`` with seeded weights three times the init's (peaked logits: greedy meets no
+    near-ties) and no end-of-sequence token (generate runs every sequence to its budget, as the engine does
+    without stop ids)."""
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(qwen2_vl_config(tiny_tokenizer)).eval()
-    with torch.no_grad():  # larger weights than the init: peaked logits, so greedy has no near-ties
+    model = model_class(config).eval()
+    with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(3)
-    # No end-of-sequence token: generate runs every sequence to NEW_TOKENS, as the engine does without stop ids.
-    model.generation_config = GenerationConfig(pad_token_id=tiny_tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id)
     return model
+
+
+@pytest.fixture(scope="module")
+def model(tiny_tokenizer) -> Qwen2VLForConditionalGeneration:
+    return greedy_ready(Qwen2VLForConditionalGeneration, qwen2_vl_config(tiny_tokenizer), tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -133,19 +139,29 @@ def episodes(processor, sizes=(((56, 84), (112, 56)), ((84, 84), (28, 112)))) ->
     return firsts, observations
 
 
-def test_mrope_positions_equal_the_models_get_rope_index(model, processor):
+def one_and_two_image_prompts(processor, episodes=episodes) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+    """An episode's first prompt, and its second (first prompt, a response, a new image)."""
     (first, _), (observation, _) = episodes(processor)
     response = processor.tokenizer.encode("Go left")
-    requests = [first, (first[0] + response + observation[0], joined(first[1], observation[1]))]
-    merge_size = model.config.vision_config.spatial_merge_size
-    for prompt, inputs in requests:
-        images = prompt_images(prompt, inputs, model.config.image_token_id, merge_size)
-        arguments = model_arguments(model, prompt, inputs)
-        expected, delta = model.model.get_rope_index(
-            arguments["input_ids"], arguments["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"],
-            attention_mask=arguments["attention_mask"])
-        np.testing.assert_array_equal(images.positions, expected[:, 0].numpy())
-        assert images.delta == int(delta) < 0
+    return [first, (first[0] + response + observation[0], joined(first[1], observation[1]))]
+
+
+def checked_positions(model, prompt: list[int], inputs: dict[str, torch.Tensor]) -> tuple[PromptImages, torch.Tensor]:
+    """The engine's view of a prompt's images, its M-RoPE positions and delta checked against the model's own
+    ``get_rope_index``; and those positions, Shape (3, 1, length)."""
+    images = prompt_images(prompt, inputs, model.config.image_token_id, model.config.vision_config.spatial_merge_size)
+    arguments = model_arguments(model, prompt, inputs)
+    expected, delta = model.model.get_rope_index(
+        arguments["input_ids"], arguments["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"],
+        attention_mask=arguments["attention_mask"])
+    np.testing.assert_array_equal(images.positions, expected[:, 0].numpy())
+    assert images.delta == int(delta) < 0
+    return images, expected
+
+
+def test_mrope_positions_equal_the_models_get_rope_index(model, processor):
+    for prompt, inputs in one_and_two_image_prompts(processor):
+        checked_positions(model, prompt, inputs)
 
 
 def test_greedy_image_turns_equal_generate_and_the_second_extends_the_cached_row(model, processor):

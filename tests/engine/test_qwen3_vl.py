@@ -6,11 +6,9 @@ tower's deepstack features added to the right decoder layers' outputs, with torc
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import (
-    GenerationConfig,
     Qwen2VLImageProcessor,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
@@ -20,12 +18,15 @@ from transformers import (
 
 from tests.engine.test_qwen2_vl import (
     VISION_TOKENS,
+    checked_positions,
     full_forward_logprobs,
+    greedy_ready,
     hf_greedy,
     image,
     joined,
     message,
     model_arguments,
+    one_and_two_image_prompts,
     run,
     vision_token_ids,
 )
@@ -33,7 +34,7 @@ from tests.engine.test_qwen2_vl import episodes as qwen2_vl_episodes
 from turnrl.config import EngineConfig
 from turnrl.engine.engine import Engine
 from turnrl.engine.forward import Deepstack, KVCache, decoder_forward, mrope_rows, rotary_table
-from turnrl.engine.images import placeholder_spans, prompt_images
+from turnrl.engine.images import placeholder_spans
 from turnrl.engine.weights import decoder_weights, rope_axes
 
 HEAD_DIM = 32
@@ -61,14 +62,7 @@ def qwen3_vl_config(tokenizer, **text) -> Qwen3VLConfig:
 
 @pytest.fixture(scope="module")
 def model(tiny_tokenizer) -> Qwen3VLForConditionalGeneration:
-    torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(qwen3_vl_config(tiny_tokenizer)).eval()
-    with torch.no_grad():  # larger weights than the init: peaked logits, so greedy has no near-ties
-        for parameter in model.parameters():
-            parameter.mul_(3)
-    # No end-of-sequence token: generate runs every sequence to max_new_tokens, as the engine does without stop ids.
-    model.generation_config = GenerationConfig(pad_token_id=tiny_tokenizer.pad_token_id)
-    return model
+    return greedy_ready(Qwen3VLForConditionalGeneration, qwen3_vl_config(tiny_tokenizer), tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -85,19 +79,10 @@ def episodes(processor) -> tuple[list, list]:
 
 
 def test_mrope_positions_and_rotary_rows_equal_the_models_own(model, processor):
-    (first, _), (observation, _) = episodes(processor)
-    response = processor.tokenizer.encode("Go left")
-    requests = [first, (first[0] + response + observation[0], joined(first[1], observation[1]))]
     weights = decoder_weights(model, torch.float32)
     table = rotary_table(weights, 512, torch.device("cpu"))
-    for prompt, inputs in requests:
-        images = prompt_images(prompt, inputs, model.config.image_token_id, weights.vision.merge_size)
-        arguments = model_arguments(model, prompt, inputs)
-        expected, delta = model.model.get_rope_index(
-            arguments["input_ids"], arguments["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"],
-            attention_mask=arguments["attention_mask"])
-        np.testing.assert_array_equal(images.positions, expected[:, 0].numpy())
-        assert images.delta == int(delta) < 0
+    for prompt, inputs in one_and_two_image_prompts(processor, episodes):
+        images, expected = checked_positions(model, prompt, inputs)
         cos, sin = model.model.language_model.rotary_emb(torch.zeros(1), expected)
         positions = torch.from_numpy(images.positions.T)
         for ours, theirs in zip(table, (cos[0], sin[0])):
