@@ -203,6 +203,23 @@ def cached_attention(
                    None, split, block_n, num_warps, num_stages)
 
 
+def supported_head_dim(head_dim: int) -> bool:
+    """Head dims the rotating kernels take: powers of two of 16 or more (a rotary half is a whole block)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def check_projection(caller: str, projected: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int) -> None:
+    """Refuse a q/k/v projection, Shape (b, t, width), that a rotating kernel cannot read, before it launches."""
+    width = projected.shape[-1]
+    if width != (num_heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"{caller}: a projection of width {width} is not {num_heads} query and "
+                         f"{kv_heads} key/value heads of {head_dim}")
+    if not supported_head_dim(head_dim):
+        raise ValueError(f"{caller} takes power-of-two head dims of 16 or more, not {head_dim}")
+    if projected.stride(2) != 1:
+        raise ValueError(f"{caller}: the projection's last dim must be contiguous")
+
+
 def rotate_write_attend(
     projected: torch.Tensor,
     cos_table: torch.Tensor,
@@ -234,17 +251,11 @@ def rotate_write_attend(
     Returns:
         Shape (b, 1, Hq * D).
     """
-    b, t, width = projected.shape
+    t = projected.shape[1]
     kv_heads, head_dim = kv.shape[2], kv.shape[4]
     if t != 1:
         raise ValueError(f"rotate_write_attend decodes one token per sequence, not {t}")
-    if width != (num_heads + 2 * kv_heads) * head_dim:
-        raise ValueError(f"rotate_write_attend: a projection of width {width} is not {num_heads} query and "
-                         f"{kv_heads} key/value heads of {head_dim}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"rotate_write_attend takes power-of-two head dims of 16 or more, not {head_dim}")
-    if projected.stride(2) != 1:
-        raise ValueError("rotate_write_attend: the projection's last dim must be contiguous")
+    check_projection("rotate_write_attend", projected, num_heads, kv_heads, head_dim)
     rotary = (cos_table.contiguous(), sin_table.contiguous(), rope_positions)
     return _attend(projected, (projected.stride(0), head_dim, 0), num_heads, 1, head_dim, kv, rows, positions,
                    scratch, rotary, split)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from turnrl.engine.attention import triton
+from turnrl.engine.attention import check_projection, triton
 
 if triton is not None:
     import triton.language as tl
@@ -67,10 +67,6 @@ if triton is not None:
         tl.store(cached + kv_s2, v.to(KV.dtype.element_ty), mask=kv_in)
 
 
-def supported_head_dim(head_dim: int) -> bool:
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
-
-
 def rotate_and_write(
     projected: torch.Tensor,
     cos_table: torch.Tensor,
@@ -100,15 +96,11 @@ def rotate_and_write(
     if triton is None:
         raise RuntimeError("rotate_and_write needs Triton; install a CUDA build of torch, or set "
                            "model.engine.triton=false")
-    b, t, width = projected.shape
+    b, t, _ = projected.shape
     kv_heads, head_dim = kv.shape[2], kv.shape[4]
-    if width != (num_heads + 2 * kv_heads) * head_dim:
-        raise ValueError(f"rotate_and_write: a projection of width {width} is not {num_heads} query and "
-                         f"{kv_heads} key/value heads of {head_dim}")
-    if not supported_head_dim(head_dim):
-        raise ValueError(f"rotate_and_write takes power-of-two head dims of 16 or more, not {head_dim}")
-    if projected.stride(2) != 1 or kv.stride(-1) != 1:
-        raise ValueError("rotate_and_write: the projection's and the cache's last dims must be contiguous")
+    check_projection("rotate_and_write", projected, num_heads, kv_heads, head_dim)
+    if kv.stride(-1) != 1:
+        raise ValueError("rotate_and_write: the cache's last dim must be contiguous")
     cos_table, sin_table = cos_table.contiguous(), sin_table.contiguous()
     q = torch.empty(b, t, num_heads, head_dim, dtype=projected.dtype, device=projected.device)
     dense = rows is None

@@ -35,8 +35,8 @@ import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
-from turnrl.engine.attention import cached_attention, rotate_write_attend
-from turnrl.engine.cache_write import rotate_and_write, supported_head_dim
+from turnrl.engine.attention import cached_attention, rotate_write_attend, supported_head_dim
+from turnrl.engine.cache_write import rotate_and_write
 from turnrl.engine.graphs import to_device
 from turnrl.engine.weights import DecoderShape, DecoderWeights, WeightRef
 
