@@ -66,11 +66,13 @@ def test_prefill_extending_cached_rows_equals_plain_attention(heads, kv_heads, h
     torch.testing.assert_close(out.double(), reference(q, kv, rows, positions), atol=2e-5, rtol=1e-5)
 
 
-def test_a_long_prefill_spans_several_query_and_key_blocks():
+@pytest.mark.parametrize("settings", [{}, dict(block_n=32, num_stages=3), dict(block_m=128, block_n=16)],
+                         ids=["defaults", "gpu-prefill-defaults", "tall-query-blocks"])
+def test_a_long_prefill_spans_several_query_and_key_blocks(settings):
     kv = cache(2, 2, 32)
     q = queries(2, 4, 100, 32)
     positions = torch.arange(100)[None].repeat(2, 1) + torch.tensor([[0], [20]])
-    out = attend(q, kv, None, positions)
+    out = attend(q, kv, None, positions, **settings)
     torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-5, rtol=1e-5)
 
 

@@ -176,9 +176,10 @@ def cached_attention(
     positions: torch.Tensor,
     scratch: int,
     split: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over their rows' cached keys and values (their own already written).
 
@@ -191,7 +192,8 @@ def cached_attention(
         scratch: the cache's scratch column (its capacity C).
         split: a decode call's key stretches per sequence and key/value head (None: :func:`decode_splits`);
             a prefill call is never split.
-        block_n, num_warps, num_stages: the kernel's key block and launch settings (benchmarks sweep them).
+        block_n, num_warps, num_stages, block_m: the kernel's key block, launch settings and query block (None:
+            the defaults for a decode or a prefill call; benchmarks sweep them).
 
     Returns:
         Shape (b, t, Hq * D), in q's dtype.
@@ -200,7 +202,7 @@ def cached_attention(
     if q.stride(-1) != 1:
         raise ValueError("cached_attention: the head dim of q must be contiguous")
     return _attend(q, (q.stride(0), q.stride(1), q.stride(2)), heads, t, head_dim, kv, rows, positions, scratch,
-                   None, split, block_n, num_warps, num_stages)
+                   None, split, block_n, num_warps, num_stages, block_m)
 
 
 def supported_head_dim(head_dim: int) -> bool:
@@ -273,9 +275,10 @@ def _attend(
     scratch: int,
     rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     split: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """The kernel's launch: queries at ``q`` with strides (sequence, head, token) in elements; ``rotary`` the
     cos and sin tables and the rope positions when ``q`` is an unrotated projection (:func:`rotate_write_attend`)."""
@@ -289,7 +292,13 @@ def _attend(
     n_rep = heads // kv_heads
     out = torch.empty(b, t, heads, head_dim, dtype=q.dtype, device=q.device)
     decode = t == 1
-    block_m = max(16, triton.next_power_of_2(n_rep)) if decode else 64
+    # Settings measured on an H100 (docs/benchmarks.md): a decode step streams its keys in blocks of 64; a
+    # prefill's small query blocks do best with key blocks of 32 and one more stage (in the interpreter, on a
+    # CPU, fewer blocks run faster).
+    gpu_prefill = not decode and q.device.type == "cuda"
+    block_m = block_m or (max(16, triton.next_power_of_2(n_rep)) if decode else 64)
+    block_n = block_n or (32 if gpu_prefill else 64)
+    num_stages = num_stages or (3 if gpu_prefill else 2)
     m_blocks = triton.cdiv(t * n_rep, block_m)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     splits = 1 if not decode else decode_splits(b, kv_heads, q.device) if split is None else split
