@@ -336,6 +336,18 @@ def test_a_prompt_longer_than_a_row_fails_alone():
     assert results[2].token_ids == hf_greedy(model, prompts[2], 12)
 
 
+@pytest.mark.parametrize("bad_token", [-1, "vocab"])
+def test_a_prompt_with_a_token_outside_the_vocabulary_fails_alone(bad_token):
+    model = build("qwen2")
+    prompts = random_prompts([10, 12, 9])
+    vocab = model.config.vocab_size
+    prompts[1][5] = vocab if bad_token == "vocab" else bad_token
+    results = engine_for(model).generate(prompts, [GREEDY] * 3)
+    assert results[1].finish_reason == "error" and f"token id {prompts[1][5]}" in (results[1].error or "")
+    assert results[0].token_ids == hf_greedy(model, prompts[0], 12)
+    assert results[2].token_ids == hf_greedy(model, prompts[2], 12)
+
+
 def test_a_text_model_refuses_a_prompt_with_images_alone():
     model = build("qwen2")
     engine = engine_for(model)

@@ -202,6 +202,17 @@ def test_requests_without_prompt_ids_are_refused(tiny_policy):
         tiny_policy.generate([GenerationRequest(prompt_ids=None, messages=[])], SamplingConfig())
 
 
+@pytest.mark.parametrize("bad_token", [-1, "vocab"])
+def test_a_prompt_with_a_token_outside_the_vocabulary_fails_alone(tiny_policy, prompts, bad_token):
+    vocab = tiny_policy.model.get_input_embeddings().num_embeddings
+    bad = list(prompts[1])
+    bad[3] = vocab if bad_token == "vocab" else bad_token
+    completions = sample(tiny_policy, [prompts[0], bad, prompts[2]], temperature=0, max_new_tokens=6)
+    assert completions[1].finish_reason == "error" and f"token id {bad[3]}" in (completions[1].error or "")
+    alone = sample(tiny_policy, [prompts[0], prompts[2]], temperature=0, max_new_tokens=6)
+    assert [completions[0].token_ids, completions[2].token_ids] == [c.token_ids for c in alone]
+
+
 def test_tokenizer_without_pad_token_is_refused(tiny_model_dir, tiny_policy):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.pad_token = None

@@ -350,6 +350,7 @@ class Engine:
         sequence = _Sequence(next(self._ids), list(prompt), params)
         error = None
         vision = self.weights.vision
+        vocab = len(self.weights.embed.value)
         if vision is not None:
             if vision.video_token_id in sequence.prompt or (model_inputs or {}).get("pixel_values_videos") is not None:
                 error = "the engine runs images, not videos: use model.backend=hf for a prompt with a video"
@@ -365,6 +366,14 @@ class Engine:
             self.finished.append(Result(sequence.id, [], [], "error", error))
         elif not prompt:
             self.finished.append(Result(sequence.id, [], [], "error", "empty prompt"))
+        elif min(prompt) < 0 or max(prompt) >= vocab:
+            # Caught here, alone: in the batch's forward pass it would fail every sequence (on a GPU, the process).
+            outside = next(token for token in prompt if not 0 <= token < vocab)
+            self.finished.append(Result(
+                sequence.id, [], [], "error",
+                f"the prompt holds token id {outside}, outside the model's {vocab} embeddings (a tokenizer that does "
+                "not match the model, or tokens added to it without resizing the embeddings)",
+            ))
         elif len(prompt) >= self.max_len:
             self.finished.append(Result(
                 sequence.id, [], [], "error",

@@ -49,6 +49,15 @@ def end_of_turn_ids(tokenizer: Any, model: PreTrainedModel | None = None) -> lis
     return ids
 
 
+def outside_vocabulary(prompt_ids: Sequence[int] | None, vocab: int) -> str | None:
+    """Why ``prompt_ids`` cannot go through a model of ``vocab`` embeddings (a token id outside them), or None."""
+    outside = next((token for token in prompt_ids or () if not 0 <= token < vocab), None)
+    if outside is None:
+        return None
+    return (f"the prompt holds token id {outside}, outside the model's {vocab} embeddings (a tokenizer that does not "
+            "match the model, or tokens added to it without resizing the embeddings)")
+
+
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad prompts into ``input_ids`` and ``attention_mask``, both Shape (b, max_len)."""
     width = max(len(p) for p in prompts)
@@ -126,10 +135,18 @@ class HFPolicy:
         return next(self.model.parameters()).device
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        # A token id outside the embeddings fails its request alone: in the batch it would fail them all (on a GPU,
+        # the process).
+        vocab = self.model.get_input_embeddings().num_embeddings
+        refused = {index: Completion(text="", finish_reason="error", error=error)
+                   for index, request in enumerate(requests)
+                   if (error := outside_vocabulary(request.prompt_ids, vocab)) is not None}
+        valid = [request for index, request in enumerate(requests) if index not in refused]
         completions: list[Completion] = []
-        for start in range(0, len(requests), self.max_batch_size):
-            completions.extend(self._generate_batch(requests[start : start + self.max_batch_size], sampling))
-        return completions
+        for start in range(0, len(valid), self.max_batch_size):
+            completions.extend(self._generate_batch(valid[start : start + self.max_batch_size], sampling))
+        generated = iter(completions)
+        return [refused[index] if index in refused else next(generated) for index in range(len(requests))]
 
     @torch.no_grad()
     def _generate_batch(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
