@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import threading
 import time
@@ -134,6 +135,29 @@ def test_a_deep_copy_forks_the_session_with_its_state(server):
     twin.step("inc")
     assert twin.text() == f"count={count + 2}" and env.text() == f"count={count}"
     assert env.step("inc")[0]["text"] == f"count={count + 1}"
+
+
+def test_a_collected_env_sends_nothing_then_and_its_session_closes_at_the_next_open(server):
+    requests: list[str] = []
+
+    def record(request: httpx.Request) -> None:
+        requests.append(request.url.path)
+
+    pool = EnvServerPool([server], ClientOptions(**FAST))
+    pool.http.event_hooks["request"].append(record)
+    env = RemoteEnv(pool, PROBE)
+    env.reset(seed=0)
+    gone = env.session_id
+    del env
+    gc.collect()
+    # The garbage collector may run in the middle of one of this pool's requests: its finalizer must not send one.
+    assert requests[-1] == "/v1/reset"
+    other = RemoteEnv(pool, PROBE)
+    other.reset(seed=0)
+    assert "/v1/sessions/close" in requests
+    closed = post(server, "/v1/step", {"items": [{"session": gone, "action": "inc"}]})
+    assert closed.status_code == 404 and "closed by its client" in closed.json()["error"]["message"]
+    assert other.step("inc")[0]["text"].startswith("count=")
 
 
 def test_many_sessions_step_in_one_request(server):

@@ -43,6 +43,7 @@ import json
 import math
 import operator
 import os
+import queue
 import random
 import socket
 import threading
@@ -386,6 +387,8 @@ class EnvServerPool:
         self._lock = threading.Lock()
         self._down_until: dict[str, float] = {}
         self._rng = random.Random()
+        self._abandoned: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        """(URL, session id) of envs garbage-collected with a session open, closed at the next :meth:`open`."""
 
     # ------------------------------------------------------------------ requests
     def post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -488,6 +491,7 @@ class EnvServerPool:
             EnvSpecError: the env or a setting was refused.
             NoServerError: every server failed or was full.
         """
+        self.close_abandoned()
         ids = [uuid.uuid4().hex for _ in range(count)]
         body = {"env_id": env_id, "settings": encode_value(settings), "ids": ids}
         reasons: dict[str, str] = {}
@@ -513,6 +517,26 @@ class EnvServerPool:
         except Exception:  # closing is a courtesy: the server reaps idle sessions anyway
             pass
 
+    def abandon(self, url: str, session: str) -> None:
+        """Queue a session to close at the next :meth:`open` (or :meth:`close`): what a garbage-collected env's
+        finalizer calls. The garbage collector runs a finalizer in whatever thread allocates, possibly inside this
+        pool's own HTTP client holding its locks: a request from there stalled that thread, and every other
+        request of the pool, until the close timed out (2 s). A put on a ``SimpleQueue`` does no I/O and is safe
+        there."""
+        self._abandoned.put((url, session))
+
+    def close_abandoned(self) -> None:
+        """Close the sessions :meth:`abandon` queued, one request per server."""
+        by_url: dict[str, list[str]] = {}
+        while True:
+            try:
+                url, session = self._abandoned.get_nowait()
+            except queue.Empty:
+                break
+            by_url.setdefault(url, []).append(session)
+        for url, sessions in by_url.items():
+            self.close_sessions(url, sessions)
+
     def health(self) -> dict[str, dict[str, Any] | str]:
         """Each server's ``/health`` answer, or the error it gave."""
         out: dict[str, dict[str, Any] | str] = {}
@@ -524,6 +548,7 @@ class EnvServerPool:
         return out
 
     def close(self) -> None:
+        self.close_abandoned()
         self.http.close()
 
 
@@ -680,8 +705,9 @@ class RemoteEnv(QueriedEnv):
     def _adopt(self, session: _Session) -> _Session:
         self._drop()
         self._session = session
-        # Close the session when this env is garbage collected; at interpreter exit idle reaping does it.
-        self._finalizer = weakref.finalize(self, self.pool.close_sessions, session.url, [session.id])
+        # Close the session after this env is garbage collected (the pool's next open); at interpreter exit idle
+        # reaping does it.
+        self._finalizer = weakref.finalize(self, self.pool.abandon, session.url, session.id)
         self._finalizer.atexit = False
         return session
 
