@@ -520,9 +520,9 @@ class EnvServerPool:
     def abandon(self, url: str, session: str) -> None:
         """Queue a session to close at the next :meth:`open` (or :meth:`close`): what a garbage-collected env's
         finalizer calls. The garbage collector runs a finalizer in whatever thread allocates, possibly inside this
-        pool's own HTTP client holding its locks: a request from there stalled that thread, and every other
-        request of the pool, until the close timed out (2 s). A put on a ``SimpleQueue`` does no I/O and is safe
-        there."""
+        pool's own HTTP client holding its locks; when the finalizer sent the close itself, a test saw two threads'
+        requests of the pool wait together for the close's 2 s timeout. A put on a ``SimpleQueue`` does no I/O and
+        is safe there."""
         self._abandoned.put((url, session))
 
     def close_abandoned(self) -> None:
