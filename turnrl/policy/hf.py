@@ -51,9 +51,9 @@ def end_of_turn_ids(tokenizer: Any, model: PreTrainedModel | None = None) -> lis
 
 def outside_vocabulary(prompt_ids: Sequence[int] | None, vocab: int) -> str | None:
     """Why ``prompt_ids`` cannot go through a model of ``vocab`` embeddings (a token id outside them), or None."""
-    outside = next((token for token in prompt_ids or () if not 0 <= token < vocab), None)
-    if outside is None:
+    if not prompt_ids or (min(prompt_ids) >= 0 and max(prompt_ids) < vocab):  # builtins: 9 us for 512 tokens
         return None
+    outside = next(token for token in prompt_ids if not 0 <= token < vocab)
     return (f"the prompt holds token id {outside}, outside the model's {vocab} embeddings (a tokenizer that does not "
             "match the model, or tokens added to it without resizing the embeddings)")
 
