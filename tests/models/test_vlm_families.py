@@ -99,3 +99,8 @@ def test_a_vlm_of_each_family_trains_on_the_tokens_it_sampled(family, tiny_model
                                      model_inputs=batch.model_inputs)
     mismatch = ((logprobs - batch.sampler_logprobs).abs() * batch.loss_mask).max()
     assert mismatch < 1e-3, f"{family}: training forward and sampler disagree by {float(mismatch):.2e}"
+    # Packed end to end, each row keeps its images' M-RoPE positions and attends only to itself.
+    with torch.no_grad():
+        packed, _ = token_logprobs(policy.model, batch.input_ids, batch.attention_mask, batch.loss_mask,
+                                   model_inputs=batch.model_inputs, packed=True)
+    torch.testing.assert_close(packed, logprobs, atol=1e-5, rtol=1e-5)

@@ -142,7 +142,10 @@ def test_value_is_the_head_on_the_hidden_state_of_the_previous_token(critic, inp
     input_ids, attention_mask, _ = inputs
     hidden = critic.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     after_each = critic.value_head(hidden).squeeze(-1)
-    assert torch.allclose(critic(input_ids, attention_mask)[:, 1:], after_each[:, :-1], atol=1e-6)
+    values = critic(input_ids, attention_mask)
+    real = attention_mask[:, 1:].bool()
+    assert torch.allclose(values[:, 1:][real], after_each[:, :-1][real], atol=1e-6)
+    assert not values[:, 1:][~real].any() and not values[:, 0].any()  # padding and the first token: no value
 
 
 @torch.no_grad()

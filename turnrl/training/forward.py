@@ -8,8 +8,10 @@ scores. ``logprobs[i] = log p(input_ids[i] | input_ids[:i])`` and
 ``values[i] = V(input_ids[:i])`` (the value of the state in which token ``i``
 is chosen); position 0 is never scored. Masks use the same indexing.
 
-Only the scored positions go through the LM head, in chunks: a full
-``(b, s, v)`` logits tensor for a 150k vocabulary would not fit. The body
+Only the scored positions go through the LM head, in chunks whose logits are
+never kept (:mod:`turnrl.training.head`): a full ``(b, s, v)`` logits tensor
+for a 150k vocabulary would not fit. Rows may run packed, end to end without
+padding (:mod:`turnrl.training.packing`). The body
 runs as the model's own base model with every extra input of the batch
 (``pixel_values``, ``image_grid_thw``, ...), so a VLM merges its image
 features and computes its own positions (M-RoPE) exactly as in ``generate``.
@@ -26,6 +28,8 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 from turnrl.models.vision import position_inputs
+from turnrl.training.head import DEFAULT_CHUNK, ScoringHead, chosen_logprobs
+from turnrl.training.packing import pack
 
 
 def _body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
@@ -37,13 +41,19 @@ def _body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
 def last_hidden_states(
     body: nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     model_inputs: Mapping[str, torch.Tensor] | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Shape (b, s, h): final-layer (normed) hidden states of ``body`` given the extra inputs."""
+    """Shape (b, s, h): final-layer (normed) hidden states of ``body`` given the extra inputs.
+
+    ``position_ids`` (packed sequences, see :mod:`turnrl.training.packing`) go with ``attention_mask`` None.
+    """
     extra = dict(model_inputs or {})
     if extra:  # a VLM: its image tokens get their own (3D) positions, as in generation
         extra.update(position_inputs(body, input_ids))
+    if position_ids is not None:
+        extra["position_ids"] = position_ids
     output = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     return output.last_hidden_state
 
@@ -63,6 +73,30 @@ def scored_positions(score_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return rows, cols
 
 
+def states_before(
+    body: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    model_inputs: Mapping[str, torch.Tensor] | None = None,
+    packed: bool = False,
+) -> torch.Tensor:
+    """Shape (n, h): the hidden state before each token at ``(rows, cols)`` (every col at least 1).
+
+    ``packed`` runs the rows end to end without their padding (:func:`~turnrl.training.packing.pack`); the
+    states are the same up to rounding.
+    """
+    if not packed:
+        hidden = last_hidden_states(body, input_ids, attention_mask, model_inputs)
+        return hidden[rows, cols - 1]
+    layout = pack(input_ids, attention_mask, body.config, model_inputs)
+    hidden = last_hidden_states(body, layout.input_ids, None, model_inputs, layout.position_ids)[0]
+    lengths = attention_mask.sum(1)
+    starts = lengths.cumsum(0) - lengths  # where each row begins in the packed sequence
+    return hidden[starts[rows] + cols - 1]
+
+
 def token_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -70,10 +104,14 @@ def token_logprobs(
     score_mask: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    chunk_size: int = 4096,
+    chunk_size: int = DEFAULT_CHUNK,
     model_inputs: Mapping[str, torch.Tensor] | None = None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities (and entropies) of the scored tokens under ``softmax(logits / temperature)``.
+
+    The head scores chunks of ``chunk_size`` tokens without keeping their logits (a :class:`ScoringHead`, with
+    its vocabulary limit, when the model has one; see :mod:`turnrl.training.head`).
 
     Args:
         input_ids: Shape (b, s).
@@ -81,31 +119,27 @@ def token_logprobs(
         score_mask: Shape (b, s); which tokens to score (usually the loss mask).
         temperature: the sampling temperature (0 is treated as 1).
         model_inputs: extra inputs of the model (a VLM's pixel values and grid sizes), passed to its forward.
+        packed: run the rows end to end without padding (right-padded rows).
 
     Returns:
         ``logprobs`` Shape (b, s) and ``entropy`` Shape (b, s) or None; zero where not scored.
     """
     body, head = _body_and_head(model)
-    hidden = last_hidden_states(body, input_ids, attention_mask, model_inputs)
     rows, cols = scored_positions(score_mask)
+    states = states_before(body, input_ids, attention_mask, rows, cols, model_inputs, packed)
     targets = input_ids[rows, cols]
-    states = hidden[rows, cols - 1]  # the state before each scored token
-    scale = temperature if temperature > 0 else 1.0
-    logprob_chunks, entropy_chunks = [], []
-    # At least one (possibly empty) chunk: with nothing scored the zeros still hang
-    # off the graph, so backward() on a loss of a batch without trained tokens works.
-    for start in range(0, max(states.shape[0], 1), chunk_size):
-        logits = head(states[start : start + chunk_size]).float() / scale  # (chunk, v)
-        log_probs = torch.log_softmax(logits, dim=-1)
-        logprob_chunks.append(log_probs.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1))
-        if with_entropy:
-            entropy_chunks.append(-(log_probs.exp() * log_probs).sum(-1))
+    if isinstance(head, ScoringHead):
+        scored, entropies = head(states, targets=targets, temperature=temperature, chunk=chunk_size)
+    else:
+        scored, entropies = chosen_logprobs(states, head.weight, targets, temperature, chunk=chunk_size)
+    # Even with nothing scored the zeros hang off the graph, so backward() on a loss of a batch without
+    # trained tokens works.
     logprobs = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    logprobs = logprobs.index_put((rows, cols), torch.cat(logprob_chunks))
+    logprobs = logprobs.index_put((rows, cols), scored)
     entropy = None
     if with_entropy:
         entropy = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-        entropy = entropy.index_put((rows, cols), torch.cat(entropy_chunks))
+        entropy = entropy.index_put((rows, cols), entropies)
     return logprobs, entropy
 
 
@@ -152,11 +186,17 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         model_inputs: Mapping[str, torch.Tensor] | None = None,
+        packed: bool = False,
     ) -> torch.Tensor:
-        """Shape (b, s): ``values[i] = V(input_ids[:i])``; position 0 is 0."""
+        """Shape (b, s): ``values[i] = V(input_ids[:i])`` on the real tokens; position 0 and padding are 0.
+
+        ``packed`` runs the rows end to end without padding (right-padded rows).
+        """
         backbone: Any = self.backbone
         backbone = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone
-        hidden = last_hidden_states(backbone, input_ids, attention_mask, model_inputs)
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # value after token i
-        return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)
+        rows, cols = scored_positions(attention_mask)
+        states = states_before(backbone, input_ids, attention_mask, rows, cols, model_inputs, packed)
+        values = self.value_head(states.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        return out.index_put((rows, cols), values)
 

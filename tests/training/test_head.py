@@ -1,0 +1,107 @@
+"""The scoring head against plain logits: values and gradients, chunked or not, with a vocabulary limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turnrl.models.loading import load_model
+from turnrl.training.head import ScoringHead, chosen_logprobs, install_scoring_head
+
+
+def reference(states, weight, targets, temperature, vocab_limit):
+    """Whole logits in float64 over the rows below the limit (the others are no tokens): log-softmax, gathered,
+    and the entropy."""
+    logits = states.double() @ weight[:vocab_limit].double().T / temperature
+    log_p = torch.log_softmax(logits, dim=-1)
+    return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+def _inputs(n=13, h=8, v=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    states = torch.randn(n, h, generator=g, dtype=torch.float64) * 2
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64)
+    return states, weight, g
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 13, 100])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("vocab_limit", [40, 29])
+def test_values_and_gradients_equal_the_whole_logits(chunk, temperature, vocab_limit):
+    states, weight, g = _inputs()
+    targets = torch.randint(0, vocab_limit, (13,), generator=g)
+    grad_lp, grad_ent = torch.randn(13, generator=g, dtype=torch.float64), torch.randn(13, generator=g,
+                                                                                       dtype=torch.float64)
+    a_states, a_weight = states.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = chosen_logprobs(a_states, a_weight, targets, temperature, vocab_limit, chunk)
+    ((lp * grad_lp).sum() + (ent * grad_ent).sum()).backward()
+    b_states, b_weight = states.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_lp, ref_ent = reference(b_states, b_weight, targets, temperature, vocab_limit)
+    ((ref_lp * grad_lp).sum() + (ref_ent * grad_ent).sum()).backward()
+    # The head computes in float32 (its logits), the reference in float64.
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a_states.grad, b_states.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(a_weight.grad, b_weight.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_rows_past_the_limit_get_no_probability_and_no_gradient():
+    states, weight, g = _inputs()
+    targets = torch.randint(0, 29, (13,), generator=g)
+    a_weight = weight.clone().requires_grad_()
+    lp, ent = chosen_logprobs(states, a_weight, targets, vocab_limit=29)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    assert torch.equal(a_weight.grad[29:], torch.zeros_like(a_weight.grad[29:]))
+    # The rows past the limit change nothing: the same as a head of 29 rows.
+    lp29, ent29 = chosen_logprobs(states, weight[:29], targets)
+    torch.testing.assert_close(lp, lp29)
+    torch.testing.assert_close(ent, ent29)
+
+
+def test_a_peaked_distribution_has_finite_entropy_gradient():
+    """Logits so far apart that most probabilities underflow to 0: no NaN (0 log 0 is 0)."""
+    states = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    weight = torch.tensor([[1e4, 0.0], [0.0, 1.0], [-1e4, 0.0]], dtype=torch.float64, requires_grad=True)
+    lp, ent = chosen_logprobs(states, weight, torch.tensor([0]))
+    (lp + ent).sum().backward()
+    assert torch.isfinite(weight.grad).all()
+    assert float(ent.detach()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_bf16_states_compute_the_product_in_bf16_like_the_plain_head():
+    states, weight, g = _inputs(n=6, h=16, v=50)
+    targets = torch.randint(0, 50, (6,), generator=g)
+    lp, _ = chosen_logprobs(states.bfloat16(), weight.float(), targets)
+    logits = torch.nn.functional.linear(states.bfloat16(), weight.bfloat16()).float()
+    expected = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(lp, expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(0, 9), v=st.integers(2, 30), chunk=st.integers(1, 10), data=st.data())
+def test_any_shape_matches_the_reference(n, v, chunk, data):
+    limit = data.draw(st.integers(1, v))
+    states, weight, g = _inputs(n=n, h=5, v=v, seed=n * 31 + v)
+    targets = torch.randint(0, limit, (n,), generator=g)
+    lp, ent = chosen_logprobs(states, weight, targets, 1.0, limit, chunk)
+    ref_lp, ref_ent = reference(states, weight, targets, 1.0, limit)
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+
+
+def test_installed_head_keeps_logits_and_ties(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    embeddings = model.get_input_embeddings().weight
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = model(input_ids=ids).logits
+    head = install_scoring_head(model, vocab_limit=100)
+    assert isinstance(model.get_output_embeddings(), ScoringHead)
+    assert head.weight is embeddings  # a tied head stays tied
+    torch.testing.assert_close(model(input_ids=ids).logits, before)
+    hidden = model.base_model(input_ids=ids).last_hidden_state[0]
+    lp, _ = head(hidden[:-1], targets=ids[0, 1:])
+    expected = torch.log_softmax(before[0, :-1, :100].double(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(lp.double(), expected, atol=1e-5, rtol=1e-5)

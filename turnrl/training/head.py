@@ -1,0 +1,177 @@
+"""The LM head as the trainer uses it: log-probs and entropies of chosen tokens, never the whole logits.
+
+Notation: n scored tokens, h hidden size, v rows of the head (the embedding's vocabulary), c a chunk of rows.
+
+A head of 152k rows turns each scored token into 152k float32 logits: 4,096 tokens make 2.5 GB, and autograd
+keeps the log-softmax of every chunk for the backward pass, so a micro-batch of 16k tokens held about 20 GB of
+logits. :class:`ScoringHead` computes, chunk by chunk, only what the loss reads (the chosen token's log-prob
+and the entropy, through the log-sum-exp), keeps ``(n,)`` tensors for the backward pass and recomputes each
+chunk's logits there. Peak memory is one chunk's logits, forward and backward.
+
+No library of the field does this for log-probs *and* entropy under a temperature and a vocabulary limit
+(fused linear cross-entropy kernels return a mean loss only), so it is written here, in plain torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+DEFAULT_CHUNK = 2048
+"""Scored tokens per chunk. At a 152k vocabulary one chunk's float32 logits take 1.2 GB, and a pass holds two
+such buffers; a (2048 x h) @ (h x 152k) product still runs near the GPU's peak."""
+
+_LOG_P_FLOOR = -1e4
+"""Log-probs are clamped to it: exp(-1e4) is exactly 0 in float32 (as is any p below about exp(-104)), so
+nothing changes for real rows, while the -inf of the rows past the vocabulary limit turn into a finite number:
+``p * log p`` and ``p * (log p + H) * g`` are then 0 there, not NaN."""
+
+
+def _compute_dtype(states: torch.Tensor) -> torch.dtype:
+    """The dtype ``head(states)`` would multiply in: autocast's where it is on (bf16 runs), else the states'."""
+    device = states.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else states.dtype
+
+
+def _chunk_log_probs(
+    states: torch.Tensor, weight: torch.Tensor, scale: float, vocab_limit: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(states @ weight.T / scale)`` over the rows below ``vocab_limit``, and its log-sum-exp.
+
+    The product runs in ``dtype`` (see :func:`_compute_dtype`), then in float32. Rows at or past
+    ``vocab_limit`` get probability 0 (and the log-prob floor).
+
+    Returns:
+        ``log_p`` Shape (c, v) float32 and ``lse`` Shape (c,).
+    """
+    log_p = F.linear(states.to(dtype), weight.to(dtype)).float()
+    if scale != 1.0:
+        log_p.div_(scale)
+    if vocab_limit < log_p.shape[-1]:
+        log_p[:, vocab_limit:] = float("-inf")
+    lse = torch.logsumexp(log_p, dim=-1)
+    log_p.sub_(lse[:, None]).clamp_(min=_LOG_P_FLOOR)
+    return log_p, lse
+
+
+class _ChosenLogprobs(torch.autograd.Function):
+    """Log-probs of ``targets`` and the entropies, over chunks of rows; the backward pass recomputes logits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: float,
+        vocab_limit: int, chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, dtype = states.shape[0], _compute_dtype(states)
+        logprobs = torch.empty(n, dtype=torch.float32, device=states.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=states.device)
+        with torch.autocast(states.device.type, enabled=False):  # the dtypes are explicit
+            for start in range(0, n, chunk):
+                part = slice(start, start + chunk)
+                log_p, _ = _chunk_log_probs(states[part], weight, scale, vocab_limit, dtype)
+                logprobs[part] = log_p.gather(-1, targets[part, None]).squeeze(-1)
+                entropy[part] = -log_p.exp().mul_(log_p).sum(-1)
+        ctx.save_for_backward(states, weight, targets, entropy)
+        ctx.scale, ctx.vocab_limit, ctx.chunk, ctx.dtype = scale, vocab_limit, chunk, dtype
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[Any, ...]:
+        states, weight, targets, entropy = ctx.saved_tensors
+        dtype = ctx.dtype
+        grad_states = torch.empty_like(states) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for start in range(0, states.shape[0], ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            log_p, _ = _chunk_log_probs(states[part], weight, ctx.scale, ctx.vocab_limit, dtype)
+            # d logprob / d z = onehot - p  and  d entropy / d z = -p (log p + H), so
+            # d loss / d z = onehot g_lp - p (g_lp + g_H (log p + H)).
+            p = log_p.exp()
+            inner = log_p.add_(entropy[part, None]).mul_(grad_entropy[part, None]).add_(grad_logprobs[part, None])
+            grad = p.mul_(inner).neg_()
+            grad.scatter_add_(-1, targets[part, None], grad_logprobs[part, None])
+            if ctx.scale != 1.0:
+                grad.div_(ctx.scale)
+            grad = grad.to(dtype)
+            if grad_states is not None:
+                grad_states[part] = grad @ weight.to(dtype)
+            if grad_weight is not None:
+                grad_weight += (grad.T @ states[part].to(dtype)).float()
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_states, grad_weight, None, None, None, None
+
+
+def chosen_logprobs(
+    states: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    vocab_limit: int | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` and entropies under ``softmax(states @ weight.T / temperature)``.
+
+    Args:
+        states: Shape (n, h), the hidden state before each scored token.
+        weight: Shape (v, h), the LM head's weight.
+        targets: Shape (n,), the scored tokens.
+        temperature: the sampling temperature (0 is treated as 1).
+        vocab_limit: rows at or past it are not tokens (a checkpoint's padding rows, or the rows past a small
+            tokenizer): they get probability 0, as in sampling. None: every row.
+        chunk: scored tokens per chunk (peak memory: one chunk's float32 logits).
+
+    Returns:
+        ``logprobs`` and ``entropy``, each Shape (n,) float32, differentiable with respect to ``states`` and
+        ``weight``.
+    """
+    scale = temperature if temperature > 0 else 1.0
+    limit = weight.shape[0] if vocab_limit is None else min(vocab_limit, weight.shape[0])
+    return _ChosenLogprobs.apply(states, weight, targets, scale, limit, max(chunk, 1))
+
+
+class ScoringHead(nn.Linear):
+    """An LM head (``nn.Linear`` without bias) that also scores chosen tokens without materializing logits.
+
+    ``head(hidden)`` returns logits as any LM head (generation uses it); ``head(states, targets=...)`` returns
+    :func:`chosen_logprobs`. Scoring through the module's own ``forward`` keeps FSDP's hooks in the loop: the
+    head's weight is gathered and its gradient reduced as for any module.
+    """
+
+    vocab_limit: int | None = None
+    """Rows at or past it get probability 0 when scoring (see :func:`chosen_logprobs`)."""
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        chunk: int = DEFAULT_CHUNK,
+    ) -> Any:
+        if targets is None:
+            return super().forward(hidden)
+        return chosen_logprobs(hidden, self.weight, targets, temperature, self.vocab_limit, chunk)
+
+
+def install_scoring_head(model: Any, vocab_limit: int | None) -> ScoringHead:
+    """Replace the LM head of a transformers causal LM or VLM by a :class:`ScoringHead` holding the same
+    weight (a head tied to the input embeddings stays tied); returns it.
+
+    Args:
+        vocab_limit: the number of rows that are tokens (``len(tokenizer)``); None: every row.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise TypeError(f"the LM head of {type(model).__name__} is a {type(head).__name__}; the trainer scores "
+                        "through a bias-free nn.Linear head")
+    if not isinstance(head, ScoringHead):
+        scoring = ScoringHead(head.in_features, head.out_features, bias=False, device="meta")
+        scoring.weight = head.weight
+        model.set_output_embeddings(scoring)
+        head = scoring
+    head.vocab_limit = vocab_limit
+    return head
