@@ -32,6 +32,7 @@ from turnrl.policy.hf import HFPolicy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.training.batch import collate, turn_samples
 from turnrl.training.forward import token_logprobs
+from turnrl.training.head import install_scoring_head
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 VISION = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, spatial_merge_size=2,
@@ -94,6 +95,7 @@ def test_a_vlm_of_each_family_trains_on_the_tokens_it_sampled(family, tiny_model
         batch.model_input_rows["image_grid_thw"].tolist())
     for row, tokens in enumerate(visual_tokens):
         assert int((batch.input_ids[row] == pad).sum()) == int(tokens.sum()) > 0
+    install_scoring_head(policy.model, len(policy.tokenizer))  # as the trainer does: the sampler's vocabulary
     with torch.no_grad():
         logprobs, _ = token_logprobs(policy.model, batch.input_ids, batch.attention_mask, batch.loss_mask,
                                      model_inputs=batch.model_inputs)

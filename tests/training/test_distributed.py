@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from turnrl.training.distributed import process_rows
-from turnrl.training.ppo import Shard, shard_micro_batches
+from turnrl.training.ppo import MicroBatching, Shard, shard_micro_batches, shard_rows
 
 # A short PPO run with a critic (GAE), greedy rollouts: one process and two play the same episodes.
 ARGS = [
@@ -63,14 +63,38 @@ def test_process_rows_cover_the_batch_once_and_are_equal_in_count(n, world):
 @given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 6))
 def test_micro_batches_of_the_processes_split_each_mini_batch(n, world, micro):
     mini = torch.randperm(n)
+    lengths = torch.randint(1, 50, (n,))
+    batching = MicroBatching(micro)
     shards = [Shard(rank, world, reduce=lambda d: d) for rank in range(world)]
-    per_process = [shard_micro_batches(mini, micro, shard) for shard in shards]
+    per_process = [shard_micro_batches(mini, lengths, batching, shard) for shard in shards]
     assert len({len(parts) for parts in per_process}) == 1  # the same passes everywhere (FSDP collectives)
     rows = [row for parts in per_process for part in parts if part is not None for row in part.tolist()]
     assert sorted(rows) == sorted(mini.tolist())
     assert all(part is None or len(part) <= micro for parts in per_process for part in parts)
-    assert [p.tolist() for p in shard_micro_batches(mini, micro, None)] == [
+    assert [p.tolist() for p in shard_micro_batches(mini, lengths, batching, None)] == [
         mini[i : i + micro].tolist() for i in range(0, n, micro)]
+
+
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(20, 200))
+def test_packed_micro_batches_fit_the_token_budget_and_balance_the_processes(n, world, budget):
+    mini = torch.randperm(n)
+    lengths = torch.randint(1, 60, (n,))
+    batching = MicroBatching(rows=1, tokens=budget)
+
+    def count(rank: int) -> int:
+        mine = shard_rows(mini, lengths, Shard(rank, world, reduce=lambda d: d), by_tokens=True)
+        return len(batching.split(mine, lengths)) if len(mine) else 0
+
+    most = max(count(rank) for rank in range(world))
+    shards = [Shard(rank, world, reduce=lambda d: d, most=lambda _: most) for rank in range(world)]
+    per_process = [shard_micro_batches(mini, lengths, batching, shard) for shard in shards]
+    assert all(len(parts) == most for parts in per_process)
+    rows = [row for parts in per_process for part in parts if part is not None for row in part.tolist()]
+    assert sorted(rows) == sorted(mini.tolist())
+    for part in (part for parts in per_process for part in parts if part is not None):
+        assert len(part) == 1 or int(lengths[part].sum()) <= budget  # only a row over the budget runs alone
+    tokens = [sum(int(lengths[p].sum()) for p in parts if p is not None) for parts in per_process]
+    assert max(tokens) - min(tokens) <= int(lengths.max())  # dealt longest first: within one row's tokens
 
 
 # --------------------------------------------------------------------------- whole runs

@@ -15,7 +15,7 @@ import torch
 from turnrl.training.batch import Sample, collate
 from turnrl.training.config import AlgorithmConfig, OptimConfig, SFTConfig
 from turnrl.training.forward import ValueModel, token_logprobs
-from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
+from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.sft import sft_train
 
 IMAGE, START, END = 290, 292, 293
@@ -90,18 +90,18 @@ def test_micro_batches_carry_their_own_images(vlm, batch):
         whole = full_forward_logprobs(vlm, batch)
         values = critic(batch.input_ids, batch.attention_mask, batch.model_inputs) * batch.loss_mask
     for micro in (1, 2):
-        assert torch.allclose(batched_logprobs(vlm, batch, micro, 1.0), whole, atol=1e-5)
-        assert torch.allclose(batched_values(critic, batch, micro), values, atol=1e-5)
+        assert torch.allclose(batched_logprobs(vlm, batch, MicroBatching(micro), 1.0), whole, atol=1e-5)
+        assert torch.allclose(batched_values(critic, batch, MicroBatching(micro)), values, atol=1e-5)
     assert values.abs().sum() > 0
 
 
 def test_a_ppo_update_trains_the_vision_tower_too(vlm, batch):
     actor = copy.deepcopy(vlm)
     critic = ValueModel(copy.deepcopy(vlm.base_model))
-    old = batched_logprobs(actor, batch, 2, 1.0)
+    old = batched_logprobs(actor, batch, MicroBatching(2), 1.0)
     gen = torch.Generator().manual_seed(3)
     advantages = torch.randn(batch.input_ids.shape, generator=gen) * batch.loss_mask
-    inputs = UpdateInputs(batch, old, advantages, advantages, batched_values(critic, batch, 2), old.clone())
+    inputs = UpdateInputs(batch, old, advantages, advantages, batched_values(critic, batch, MicroBatching(2)), old.clone())
     vision_before = {n: p.clone() for n, p in actor.named_parameters() if "visual" in n}
     metrics = ppo_epochs(actor, critic, inputs, AlgorithmConfig(mini_batch_size=3, micro_batch_size=2, kl_coef=0.1),
                          OptimConfig(), torch.optim.SGD(actor.parameters(), lr=0.1),

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from turnrl.training.batch import Sample, collate
-from turnrl.training.config import ADVANTAGES, AlgorithmConfig, OptimConfig
+from turnrl.training.config import AlgorithmConfig, OptimConfig
 from turnrl.training.forward import ValueModel, token_logprobs
-from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
+from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 
 
 def config(**overrides) -> AlgorithmConfig:
@@ -46,9 +45,9 @@ def test_batched_forward_passes_equal_one_pass_over_the_batch(actor, critic):
     with torch.no_grad():
         full, _ = token_logprobs(actor, batch.input_ids, batch.attention_mask, batch.loss_mask, 0.8)
         values = critic(batch.input_ids, batch.attention_mask) * batch.loss_mask
-    assert torch.allclose(batched_logprobs(actor, batch, 1, 0.8), full, atol=1e-6)
-    assert torch.allclose(batched_logprobs(actor, batch, 3, 0.8), full, atol=1e-6)
-    assert torch.allclose(batched_values(critic, batch, 3), values, atol=1e-6)
+    assert torch.allclose(batched_logprobs(actor, batch, MicroBatching(1), 0.8), full, atol=1e-6)
+    assert torch.allclose(batched_logprobs(actor, batch, MicroBatching(3), 0.8), full, atol=1e-6)
+    assert torch.allclose(batched_values(critic, batch, MicroBatching(3)), values, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- PPO epochs
@@ -56,8 +55,8 @@ def update_inputs(actor, critic, batch, seed=0):
     gen = torch.Generator().manual_seed(seed)
     mask = batch.loss_mask
     noise = lambda: torch.randn(batch.input_ids.shape, generator=gen) * mask  # noqa: E731
-    old = batched_logprobs(actor, batch, 4, 1.0) + 0.3 * noise()  # ratios off 1: some tokens clip
-    values = batched_values(critic, batch, 4)
+    old = batched_logprobs(actor, batch, MicroBatching(4), 1.0) + 0.3 * noise()  # ratios off 1: some tokens clip
+    values = batched_values(critic, batch, MicroBatching(4))
     return UpdateInputs(batch, old, noise(), noise(), values + 0.2 * noise(), old + 0.1 * noise())
 
 
@@ -142,7 +141,7 @@ def test_without_an_actor_optimizer_only_the_critic_trains(actor, critic):
 
 def test_actor_only_update_leaves_no_critic_metrics(actor):
     batch = model_batch(actor.config.vocab_size)
-    old = batched_logprobs(actor, batch, 4, 1.0)
+    old = batched_logprobs(actor, batch, MicroBatching(4), 1.0)
     inputs = UpdateInputs(batch, old, batch.loss_mask.clone(), batch.loss_mask.clone())
     before = params(actor)
     metrics = ppo_epochs(actor, None, inputs, config(mini_batch_size=4, micro_batch_size=4), OptimConfig(),

@@ -13,6 +13,7 @@ from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, load_config
 from turnrl.envs import make
 from turnrl.training.batch import collate
+from turnrl.training.commands import sft_only
 from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
 from turnrl.training.sft import (
@@ -22,7 +23,6 @@ from turnrl.training.sft import (
     sft_train,
     trajectory_messages,
 )
-from turnrl.training.commands import sft_only
 
 CHAT = [
     {"role": "system", "content": "You play a game."},

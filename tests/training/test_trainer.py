@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.config import ConfigError, load_config
+from turnrl.training.commands import GracefulStop, train
 from turnrl.training.config import TrainConfig
 from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.commands import GracefulStop, train
 from turnrl.training.trainer import Recipe
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.models.loading import load_model, load_processor, load_tokenizer
@@ -79,20 +79,36 @@ def batch_model_inputs(requests: Sequence[GenerationRequest], device: torch.devi
     }
 
 
-def sampled_logprobs(step_logits: Sequence[torch.Tensor], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+def sampled_logprobs(
+    step_logits: Sequence[torch.Tensor], tokens: torch.Tensor, temperature: float, vocab_limit: int | None = None
+) -> torch.Tensor:
     """Log-probabilities of the sampled tokens under ``softmax(logits / temperature)``.
 
     Args:
         step_logits: one raw logits tensor per generated position, each Shape (b, vocab).
         tokens: the generated ids, Shape (b, n).
         temperature: sampling temperature; 0 (greedy) scores with temperature 1.
+        vocab_limit: rows at or past it are no tokens (see :class:`VocabularyLimit`); None: every row.
 
     Returns:
         Shape (b, n), float32.
     """
     scale = temperature if temperature > 0 else 1.0
-    logits = torch.stack(list(step_logits), dim=1).float() / scale  # (b, n, vocab)
+    logits = torch.stack(list(step_logits), dim=1)[..., :vocab_limit].float() / scale  # (b, n, vocab)
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+class VocabularyLimit(LogitsProcessor):
+    """Rows of the LM head at or past ``limit`` are no tokens (a checkpoint's padding rows, or the rows past a
+    small tokenizer): they are never sampled, and the log-probs are taken over the rows below (as the trainer
+    takes them)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores[:, self.limit :] = float("-inf")
+        return scores
 
 
 class HFPolicy:
@@ -118,6 +134,8 @@ class HFPolicy:
             raise ValueError("the tokenizer defines no eos token, so responses could never end")
         self.image_encoder = ImageEncoder(processor) if processor is not None else None
         """Encodes images for the context (None: a text model, which refuses image observations)."""
+        self.vocab_limit = len(tokenizer)
+        """The head's rows that are tokens; the rows past it are never sampled (:class:`VocabularyLimit`)."""
 
     @property
     def accepts_images(self) -> bool:
@@ -172,6 +190,8 @@ class HFPolicy:
             options.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
         if self.image_encoder is not None:
             options.update(suppress_tokens=self.image_encoder.special_token_ids)
+        if self.vocab_limit < self.model.get_output_embeddings().out_features:
+            options.update(logits_processor=LogitsProcessorList([VocabularyLimit(self.vocab_limit)]))
         model_inputs = batch_model_inputs(requests, self.device)
         if model_inputs:  # a VLM: its image tokens get their own (3D) positions
             model_inputs.update(position_inputs(self.model, input_ids.to(self.device)))
@@ -182,7 +202,8 @@ class HFPolicy:
         if was_training:
             self.model.train()
         generated = output.sequences[:, input_ids.shape[1] :].cpu()
-        logprobs = sampled_logprobs(output.logits, generated.to(output.logits[0].device), sampling.temperature).cpu()
+        logprobs = sampled_logprobs(output.logits, generated.to(output.logits[0].device), sampling.temperature,
+                                    self.vocab_limit).cpu()
         return [
             self._completion(generated[row], logprobs[row], min(max_new, r.max_new_tokens or max_new), sampling)
             for row, r in enumerate(requests)

@@ -115,7 +115,12 @@ class AlgorithmConfig:
     mini_batch_size: int = 32
     """Samples per optimizer step."""
     micro_batch_size: int = 8
-    """Samples per forward/backward (gradient accumulation up to the mini-batch)."""
+    """Samples per forward/backward (gradient accumulation up to the mini-batch), when
+    ``micro_batch_tokens`` is 0."""
+    micro_batch_tokens: int = 0
+    """Above 0: forward/backward passes take as many samples as fit in this many tokens, laid end to end
+    without padding (packed; each sample attends only to itself); a longer sample runs alone. 0: passes of
+    ``micro_batch_size`` samples, padded to the longest."""
     critic_warmup_steps: int = 0
     """Steps that train only the critic."""
     filter: FilterConfig = field(default_factory=FilterConfig)
@@ -156,6 +161,7 @@ class AlgorithmConfig:
                 f"algorithm.dual_clip={self.dual_clip} must be above 1 (RAGEN: 3.0), or null to disable it"
             )
         check_range("algorithm.micro_batch_size", self.micro_batch_size, 1)
+        check_range("algorithm.micro_batch_tokens", self.micro_batch_tokens, 0)
         check_range("algorithm.mini_batch_size", self.mini_batch_size, self.micro_batch_size)
         self.filter.validate()
 

@@ -46,6 +46,7 @@ from turnrl.training import ranks
 from turnrl.training.batch import Batch
 from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint
 from turnrl.training.config import TrainConfig
+from turnrl.training.head import ScoringHead
 from turnrl.training.ppo import Shard, UpdateInputs, ppo_epochs
 from turnrl.training.trainer import Recipe, Scores, score_batch
 
@@ -157,6 +158,8 @@ def shard_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
     if head is None:
         fully_shard(model, mp_policy=policy)
         return
+    if not isinstance(head, ScoringHead):  # the trainer scores through the head's forward, which FSDP hooks
+        raise TypeError("shard_model needs the model's LM head to be a ScoringHead (install_scoring_head)")
     fully_shard([causal_lm.base_model, head], mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mp_policy=policy)
     # FSDP takes the module of the first forward call as the root of the units; the trainer calls the
@@ -275,7 +278,7 @@ class FSDPRecipe(Recipe):
         if config.algorithm.old_logprobs == "sampler":
             torch.randperm(n, generator=generator)
         local = score_batch(batch.select(rows), self.actor, self.reference, self.critic, config.algorithm,
-                            config.sampling.temperature, check_generator, self.precision())
+                            config.sampling.temperature, check_generator, self.precision(), ranks.max_over_ranks)
         for model in (self.actor, self.reference, self.critic):
             reshard(model)
         gather: Callable[[torch.Tensor | None], Any] = lambda t: None if t is None else gather_rows(t, n)  # noqa: E731
@@ -286,7 +289,7 @@ class FSDPRecipe(Recipe):
 
     def train_on(self, inputs: UpdateInputs, train_actor: bool, generator: torch.Generator) -> dict[str, float]:
         config = self.config
-        shard = Shard(ranks.rank(), ranks.world_size(), ranks.sum_over_ranks)
+        shard = Shard(ranks.rank(), ranks.world_size(), ranks.sum_over_ranks, ranks.max_over_ranks)
         with self.precision():
             metrics = ppo_epochs(self.actor, self.critic, inputs, config.algorithm, config.optim,
                                  self.actor_optimizer if train_actor else None, self.critic_optimizer,

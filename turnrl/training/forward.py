@@ -110,8 +110,10 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities (and entropies) of the scored tokens under ``softmax(logits / temperature)``.
 
-    The head scores chunks of ``chunk_size`` tokens without keeping their logits (a :class:`ScoringHead`, with
-    its vocabulary limit, when the model has one; see :mod:`turnrl.training.head`).
+    The head scores chunks of ``chunk_size`` tokens without keeping their logits
+    (:func:`~turnrl.training.head.chosen_logprobs`): through the module when it is a
+    :class:`~turnrl.training.head.ScoringHead` (the trainer installs one: it carries the vocabulary limit, and
+    FSDP needs the module's forward), else from its weight over every row.
 
     Args:
         input_ids: Shape (b, s).
@@ -128,7 +130,7 @@ def token_logprobs(
     rows, cols = scored_positions(score_mask)
     states = states_before(body, input_ids, attention_mask, rows, cols, model_inputs, packed)
     targets = input_ids[rows, cols]
-    if isinstance(head, ScoringHead):
+    if isinstance(head, ScoringHead):  # through the module: FSDP gathers its weight and reduces its gradient
         scored, entropies = head(states, targets=targets, temperature=temperature, chunk=chunk_size)
     else:
         scored, entropies = chosen_logprobs(states, head.weight, targets, temperature, chunk=chunk_size)

@@ -28,33 +28,91 @@ from turnrl.training.config import AlgorithmConfig, OptimConfig
 from turnrl.training.forward import ValueModel, token_logprobs
 
 
-# --------------------------------------------------------------------------- forward passes without grad
-@torch.no_grad()
-def batched_logprobs(model: torch.nn.Module, batch: Batch, micro: int, temperature: float) -> torch.Tensor:
-    """Shape (b, s): log-probs of the sampled tokens under ``model``, computed ``micro`` samples at a time."""
-    out = torch.zeros_like(batch.loss_mask)
-    for rows in _chunks(torch.arange(len(batch)), micro):
-        part = batch.select(rows)
-        lp, _ = token_logprobs(
-            model, part.input_ids, part.attention_mask, part.loss_mask, temperature, model_inputs=part.model_inputs
-        )
-        out[rows.to(out.device), : lp.shape[1]] = lp
-    return out
+# --------------------------------------------------------------------------- micro-batches
+@dataclass(frozen=True)
+class MicroBatching:
+    """How rows are cut into forward/backward passes: ``rows`` at a time, padded, or (``tokens`` above 0) as
+    many as fit in ``tokens`` tokens, packed end to end (:mod:`turnrl.training.packing`)."""
 
+    rows: int
+    """Samples per pass when ``tokens`` is 0."""
+    tokens: int = 0
+    """Token budget of a packed pass; 0: passes of ``rows`` samples."""
 
-@torch.no_grad()
-def batched_values(critic: ValueModel, batch: Batch, micro: int) -> torch.Tensor:
-    """Shape (b, s): the critic's values, zero outside the loss mask."""
-    out = torch.zeros_like(batch.loss_mask)
-    for rows in _chunks(torch.arange(len(batch)), micro):
-        part = batch.select(rows)
-        out[rows.to(out.device)] = critic(part.input_ids, part.attention_mask, part.model_inputs) * part.loss_mask
-    return out
+    @classmethod
+    def of(cls, config: AlgorithmConfig) -> MicroBatching:
+        return cls(config.micro_batch_size, config.micro_batch_tokens)
+
+    @property
+    def packed(self) -> bool:
+        return self.tokens > 0
+
+    def split(self, index: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """The passes over the batch rows ``index``; ``lengths`` Shape (b,) counts every batch row's tokens.
+
+        By tokens, rows are taken longest first and a pass is closed when the next row would overflow it
+        (next-fit decreasing: a pass is at least half full unless the next row is longer than the rest).
+        """
+        if not self.packed:
+            return list(_chunks(index, self.rows))
+        order = index[torch.argsort(lengths[index], descending=True, stable=True)].tolist()
+        parts: list[list[int]] = []
+        used = 0
+        for row in order:
+            n = int(lengths[row])
+            if not parts or used + n > self.tokens:
+                parts.append([])
+                used = 0
+            parts[-1].append(row)
+            used += n
+        return [torch.tensor(part, dtype=torch.long) for part in parts]
 
 
 def _chunks(index: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
     for start in range(0, len(index), size):
         yield index[start : start + size]
+
+
+# --------------------------------------------------------------------------- forward passes without grad
+@torch.no_grad()
+def batched_logprobs(
+    model: torch.nn.Module, batch: Batch, batching: MicroBatching, temperature: float,
+    passes: Callable[[int], int] = lambda n: n,
+) -> torch.Tensor:
+    """Shape (b, s): log-probs of the sampled tokens under ``model``, one micro-batch at a time.
+
+    ``passes`` turns this process's number of passes into the number to run (data parallel: the most of any
+    process, since FSDP's collectives need every process in every pass); extra passes score row 0 and are
+    dropped.
+    """
+    out = torch.zeros_like(batch.loss_mask)
+    parts = batching.split(torch.arange(len(batch)), batch.attention_mask.sum(1).cpu())
+    for rows in _padded_passes(parts, passes):
+        part = batch.select(rows if rows is not None else [0])
+        lp, _ = token_logprobs(model, part.input_ids, part.attention_mask, part.loss_mask, temperature,
+                               model_inputs=part.model_inputs, packed=batching.packed)
+        if rows is not None:
+            out[rows.to(out.device), : lp.shape[1]] = lp
+    return out
+
+
+@torch.no_grad()
+def batched_values(
+    critic: ValueModel, batch: Batch, batching: MicroBatching, passes: Callable[[int], int] = lambda n: n
+) -> torch.Tensor:
+    """Shape (b, s): the critic's values, zero outside the loss mask (``passes`` as :func:`batched_logprobs`)."""
+    out = torch.zeros_like(batch.loss_mask)
+    parts = batching.split(torch.arange(len(batch)), batch.attention_mask.sum(1).cpu())
+    for rows in _padded_passes(parts, passes):
+        part = batch.select(rows if rows is not None else [0])
+        values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=batching.packed)
+        if rows is not None:
+            out[rows.to(out.device)] = values * part.loss_mask
+    return out
+
+
+def _padded_passes(parts: list[torch.Tensor], passes: Callable[[int], int]) -> list[torch.Tensor | None]:
+    return [*parts, *[None] * (passes(len(parts)) - len(parts))]
 
 
 # --------------------------------------------------------------------------- the PPO epochs
@@ -98,30 +156,52 @@ def _step_optimizer(
 
 @dataclass(frozen=True)
 class Shard:
-    """This process's share of each mini-batch in data-parallel training: rows ``rank::world``.
+    """This process's share of each mini-batch in data-parallel training (see :func:`shard_rows`).
 
     ``reduce`` sums a dict of floats over all processes (the per-micro-batch metric sums and weights), so
-    every process reports the metrics of the whole mini-batches.
+    every process reports the metrics of the whole mini-batches; ``most`` is the largest of a number over
+    all processes.
     """
 
     rank: int
     world: int
     reduce: Callable[[dict[str, float]], dict[str, float]]
+    most: Callable[[int], int] = lambda n: n
 
 
-def shard_micro_batches(mini: torch.Tensor, micro: int, shard: Shard | None) -> list[torch.Tensor | None]:
-    """This process's micro-batches of a mini-batch (rows of the whole batch).
+def shard_rows(mini: torch.Tensor, lengths: torch.Tensor, shard: Shard, by_tokens: bool) -> torch.Tensor:
+    """This process's rows of a mini-batch: ``rank::world``, or (``by_tokens``) rows dealt longest first to
+    the process with the fewest tokens so far, so that no process waits for one with twice its tokens."""
+    if not by_tokens:
+        return mini[shard.rank :: shard.world]
+    order = mini[torch.argsort(lengths[mini], descending=True, stable=True)].tolist()
+    load = [0] * shard.world
+    mine = []
+    for row in order:
+        owner = min(range(shard.world), key=lambda r: (load[r], r))
+        load[owner] += int(lengths[row])
+        if owner == shard.rank:
+            mine.append(row)
+    return torch.tensor(mine, dtype=torch.long)
 
-    Each process gets rows ``rank::world`` in micro-batches of ``micro``, and as many micro-batches as the
-    process with the most rows: a None is a turn with nothing to train on, in which the process still runs a
+
+def shard_micro_batches(
+    mini: torch.Tensor, lengths: torch.Tensor, batching: MicroBatching, shard: Shard | None
+) -> list[torch.Tensor | None]:
+    """This process's micro-batches of a mini-batch (rows of the whole batch; ``lengths`` Shape (b,)).
+
+    With a ``shard`` each process gets its rows (:func:`shard_rows`), and as many micro-batches as the
+    process with the most: a None is a turn with nothing to train on, in which the process still runs a
     forward and backward (weighted 0) because FSDP's collectives need every process in every pass.
     """
     if shard is None:
-        return list(_chunks(mini, micro))
-    mine = mini[shard.rank :: shard.world]
-    most_rows = math.ceil(len(mini) / shard.world)
-    count = math.ceil(most_rows / micro)
-    parts: list[torch.Tensor | None] = list(_chunks(mine, micro))
+        return list(batching.split(mini, lengths))
+    mine = shard_rows(mini, lengths, shard, batching.packed)
+    parts: list[torch.Tensor | None] = list(batching.split(mine, lengths)) if len(mine) else []
+    if batching.packed:
+        count = shard.most(len(parts))
+    else:
+        count = math.ceil(math.ceil(len(mini) / shard.world) / batching.rows)
     return parts + [None] * (count - len(parts))
 
 
@@ -163,20 +243,24 @@ def ppo_epochs(
             weighted[key] = weighted.get(key, 0.0) + weight * value
             weights[key] = weights.get(key, 0.0) + weight
 
+    batching = MicroBatching.of(config)
+    lengths = batch.attention_mask.sum(1).cpu()
     for _ in range(config.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
         for mini in _chunks(order, config.mini_batch_size):
             whole = batch.select(mini)
-            for micro in shard_micro_batches(mini, config.micro_batch_size, shard):
+            for micro in shard_micro_batches(mini, lengths, batching, shard):
                 # A process without rows left still joins the pass, on one row weighted 0.
                 part = batch.select(micro if micro is not None else mini[:1])
                 weight = micro_weight(part, whole, config.loss_aggregation) if micro is not None else 0.0
                 rows = micro if micro is not None else mini[:1]
                 if actor_optimizer is not None:
-                    values = _actor_backward(actor, part, inputs, rows, config, temperature, weight * world)
+                    values = _actor_backward(actor, part, inputs, rows, config, temperature, weight * world,
+                                             batching.packed)
                     record_weighted(values, weight)
                 if critic is not None and critic_optimizer is not None:
-                    record_weighted(_critic_backward(critic, part, inputs, rows, config, weight * world), weight)
+                    record_weighted(_critic_backward(critic, part, inputs, rows, config, weight * world,
+                                                     batching.packed), weight)
             if actor_optimizer is not None:
                 norm, skipped = _step_optimizer(actor_optimizer, actor_params, optim)
                 record("actor/grad_norm", norm)
@@ -200,13 +284,14 @@ def ppo_epochs(
 
 def _actor_backward(
     actor: torch.nn.Module, part: Batch, inputs: UpdateInputs, rows: torch.Tensor, config: AlgorithmConfig,
-    temperature: float, weight: float,
+    temperature: float, weight: float, packed: bool,
 ) -> dict[str, float]:
     index = rows.to(inputs.old_logprobs.device)
     mask = part.loss_mask
     # Entropy is watched even without a bonus: its fall is the first sign of collapse.
     logprobs, entropy = token_logprobs(
-        actor, part.input_ids, part.attention_mask, mask, temperature, with_entropy=True, model_inputs=part.model_inputs
+        actor, part.input_ids, part.attention_mask, mask, temperature, with_entropy=True,
+        model_inputs=part.model_inputs, packed=packed,
     )
     weights = inputs.sample_weights[index] if inputs.sample_weights is not None else None
     token_weights, cap = None, config.tis_cap
@@ -242,11 +327,12 @@ def _actor_backward(
 
 
 def _critic_backward(
-    critic: ValueModel, part: Batch, inputs: UpdateInputs, rows: torch.Tensor, config: AlgorithmConfig, weight: float
+    critic: ValueModel, part: Batch, inputs: UpdateInputs, rows: torch.Tensor, config: AlgorithmConfig,
+    weight: float, packed: bool,
 ) -> dict[str, float]:
     assert inputs.old_values is not None
     index = rows.to(inputs.returns.device)
-    values = critic(part.input_ids, part.attention_mask, part.model_inputs)
+    values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=packed)
     loss, stats = value_loss(
         values, inputs.old_values[index], inputs.returns[index], part.loss_mask,
         clip=config.value_clip, aggregation=config.loss_aggregation,

@@ -102,6 +102,11 @@ def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
     return total
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` of any process."""
+    return max(all_gather_objects(value))
+
+
 def any_rank(flag: bool) -> bool:
     """True on every process when ``flag`` is true on any (a Ctrl-C seen by one process stops all)."""
     return any(all_gather_objects(flag))

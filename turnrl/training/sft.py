@@ -35,6 +35,7 @@ from turnrl.rollout.trajectory import ERROR, Trajectory, write_trajectories
 from turnrl.training.batch import Sample, collate
 from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
+from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.models import autocast, base_model_path, enable_checkpointing, skip_cudnn_attention
 
@@ -263,6 +264,7 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     tokenizer = load_tokenizer(path)
     processor = load_processor(path, config.model.min_pixels, config.model.max_pixels)
     model = load_model(path, device=device)
+    install_scoring_head(model, len(tokenizer))
     if not config.model.train_vision:
         freeze_vision_tower(model)
     if config.model.gradient_checkpointing:

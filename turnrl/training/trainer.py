@@ -32,6 +32,7 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from turnrl.training.checkpoint import (
 )
 from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
+from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import RunProgress
 from turnrl.training.models import (
     autocast,
@@ -75,7 +77,7 @@ from turnrl.training.models import (
     skip_cudnn_attention,
     step_seed,
 )
-from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
+from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.sft import read_chat_jsonl
 from turnrl.viz.records import token_advantage_records
 
@@ -207,25 +209,27 @@ def score_batch(
     temperature: float,
     generator: torch.Generator,
     precision: AbstractContextManager,
+    passes: Callable[[int], int] = lambda n: n,
 ) -> Scores:
     """PPO's old logprobs, the reference's logprobs (when there is a KL), the critic's values.
 
-    ``reference`` None with a KL means LoRA: the reference is the actor with its adapters off.
+    ``reference`` None with a KL means LoRA: the reference is the actor with its adapters off. ``passes``: see
+    :func:`~turnrl.training.ppo.batched_logprobs` (data parallel).
     """
     metrics: dict[str, float] = {}
     start = time.time()
-    micro = config.micro_batch_size
+    micro = MicroBatching.of(config)
     with precision:
         if config.old_logprobs == "recompute":
-            old_logprobs = batched_logprobs(actor, batch, micro, temperature)
+            old_logprobs = batched_logprobs(actor, batch, micro, temperature, passes)
             checked, recomputed = batch, old_logprobs
         else:
             # The sampler's logprobs are PPO's old logprobs; recomputing one micro-batch is enough to
             # watch how far training's forward pass drifts from the sampler's (bf16, kernels, padding).
             old_logprobs = batch.sampler_logprobs
-            rows = torch.randperm(len(batch), generator=generator)[:micro].sort().values
+            rows = torch.randperm(len(batch), generator=generator)[: config.micro_batch_size].sort().values
             checked = batch.select(rows)
-            recomputed = batched_logprobs(actor, checked, micro, temperature)
+            recomputed = batched_logprobs(actor, checked, micro, temperature, passes)
         checked_tokens = checked.loss_mask.sum().clamp(min=1)
         metrics["actor/logprob_mismatch"] = float(
             ((recomputed - checked.sampler_logprobs).abs() * checked.loss_mask).sum() / checked_tokens
@@ -236,14 +240,14 @@ def score_batch(
             start = time.time()
             if reference is None:
                 with actor.disable_adapter():  # type: ignore[operator]
-                    ref_logprobs = batched_logprobs(actor, batch, micro, temperature)
+                    ref_logprobs = batched_logprobs(actor, batch, micro, temperature, passes)
             else:
-                ref_logprobs = batched_logprobs(reference, batch, micro, temperature)
+                ref_logprobs = batched_logprobs(reference, batch, micro, temperature, passes)
             metrics["timing/reference_s"] = time.time() - start
         values = None
         if critic is not None:
             start = time.time()
-            values = batched_values(critic, batch, micro)
+            values = batched_values(critic, batch, micro, passes)
             metrics["timing/values_s"] = time.time() - start
     return Scores(old_logprobs, ref_logprobs, values, metrics)
 
@@ -468,6 +472,7 @@ class Recipe:
         self.tokenizer = load_tokenizer(start)
         self.processor = load_processor(start, config.model.min_pixels, config.model.max_pixels)
         self.actor = load_model(start, device=self.device)
+        install_scoring_head(self.actor, len(self.tokenizer))
         if not config.model.train_vision:
             freeze_vision_tower(self.actor)
         if config.model.gradient_checkpointing:
@@ -491,6 +496,7 @@ class Recipe:
                 self.actor.save_pretrained(reference_path)
             ranks.barrier()
             self.reference = load_model(reference_path, device=self.device)
+            install_scoring_head(self.reference, len(self.tokenizer))
             self.reference.eval().requires_grad_(False)
         if config.lora.enabled:
             from peft import LoraConfig, PeftModel, get_peft_model
