@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,7 +214,7 @@ def test_unknown_content_part_is_an_error(tokenizers, name):
 
 
 def test_presets_and_parameter_counts():
-    assert set(PRESETS) == {"tiny", "small", "base", "0.5b"}
+    assert set(PRESETS) == {"tiny", "small", "base", "0.5b", "1.5b", "3b", "7b"}
     assert count_parameters("tiny") < 200_000
     assert 2_000_000 < count_parameters("small") < 5_000_000
     assert 50_000_000 < count_parameters("base") < 100_000_000
@@ -225,6 +226,56 @@ def test_presets_and_parameter_counts():
         assert sum(p.numel() for p in model.parameters()) == count_parameters(name, len(tok))
     with pytest.raises(ValueError, match="unknown model preset"):
         model_preset("huge")
+
+
+@pytest.mark.parametrize(("name", "parameters", "rows"), [
+    ("1.5b", 1_543_714_304, 151_936), ("3b", 3_085_938_688, 151_936), ("7b", 7_615_616_512, 152_064)])
+def test_real_size_presets_have_the_released_shapes(name, parameters, rows):
+    """Qwen2.5-1.5B, 3B and 7B as released: the parameter counts of their checkpoints, whatever the tokenizer."""
+    tok = build_tokenizer(CORPUS, vocab_size=512)
+    config = preset_config(name, tok)
+    assert config.vocab_size == rows and config.rope_parameters["rope_theta"] == 1e6
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(name, len(tok)) == parameters
+    assert model_preset(name).real_size and not model_preset("0.5b").real_size
+
+
+def _build_once(out: str, log: str, barrier) -> str:
+    """One of several processes building the same recipe at once; the build itself logs its process."""
+    import os
+    import time
+
+    from turnrl.models.tiny import BuildRecipe, cached_build
+
+    recipe = BuildRecipe(preset="tiny", sizes={}, template="chatml", vocab_size=512, texts_digest="x", n_texts=1,
+                         seed=0)
+
+    def build_into(path):
+        with open(log, "a") as file:
+            file.write(f"{os.getpid()}\n")
+        time.sleep(0.5)  # long enough for the others to arrive while it builds
+        (path / "config.json").write_text("{}")
+        (path / "tokenizer.json").write_text("{}")
+        (path / "tokenizer_config.json").write_text("{}")
+        return {"key": recipe.key()}
+
+    barrier.wait()
+    return str(cached_build(Path(out), recipe, build_into))
+
+
+def test_processes_building_the_same_model_at_once_build_it_once(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Manager().Barrier(4)
+    out, log = tmp_path / "cache" / "model", tmp_path / "builds.log"
+    with context.Pool(4) as pool:
+        paths = pool.starmap(_build_once, [(str(out), str(log), barrier)] * 4)
+    assert paths == [str(out)] * 4
+    assert len(log.read_text().splitlines()) == 1  # one process built; three waited and reused it
+    assert json.loads((out / RECIPE_FILE).read_text())["key"]
+    assert not [p for p in out.parent.iterdir() if ".build-" in p.name or ".stale-" in p.name]
 
 
 def test_config_takes_ids_from_tokenizer(tokenizers):

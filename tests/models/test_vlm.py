@@ -28,6 +28,8 @@ from turnrl.models import (
     vlm_config,
     vlm_preset,
 )
+from turnrl.models.tiny import ModelPreset
+from turnrl.models.vlm import VisionPreset, VLMPreset
 from turnrl.models.builtin import builtin_model_path
 from turnrl.models.tiny import RECIPE_FILE
 
@@ -46,6 +48,9 @@ RANGES = {
     "vlm-tiny": (500_000, 1_000_000),
     "vlm-small": (3_500_000, 5_000_000),
     "vlm-0.5b": (420_000_000, 500_000_000),
+    "vlm-3b": (3_700_000_000, 3_800_000_000),
+    "vlm-7b": (8_250_000_000, 8_350_000_000),
+    "vlm-8b": (8_700_000_000, 8_800_000_000),
 }
 
 
@@ -86,15 +91,48 @@ def test_presets_sizes_and_parameter_counts():
         head_dim = preset.text.hidden_size // preset.text.num_heads
         assert sum(config.text_config.rope_parameters["mrope_section"]) == head_dim // 2
         vision = config.vision_config
-        assert (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size) == (14, 2, 2)
+        patch = 16 if preset.family == "qwen3_vl" else 14
+        assert (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size) == (patch, 2, 2)
         assert vision.out_hidden_size == preset.text.hidden_size
+        if preset.family == "qwen3_vl":
+            continue  # counted on the meta device already
         with torch.device("meta"):  # counts the big one without allocating it
             model = Qwen2_5_VLForConditionalGeneration(config)
         assert sum(p.numel() for p in model.parameters()) == count_vlm_parameters(name, len(tok))
+    # The released embedding rows, whatever the tokenizer; Qwen3-VL-8B's interleaved sections.
+    assert [vlm_config(name, tok).text_config.vocab_size for name in ("vlm-3b", "vlm-7b", "vlm-8b")] == [
+        151_936, 152_064, 151_936]
+    rope = vlm_config("vlm-8b", tok).text_config.rope_parameters
+    assert rope["mrope_section"] == [24, 20, 20] and rope["mrope_interleaved"]
     assert vlm_preset("vlm-0.5b").text.num_layers == 24 and vlm_preset("vlm-0.5b").text.hidden_size == 896
     assert mrope_section(128) == [16, 24, 24] and mrope_section(64) == [8, 12, 12]
     with pytest.raises(ValueError, match="unknown VLM preset"):
         vlm_preset("vlm-huge")
+
+
+def test_a_qwen3_vl_preset_builds_loads_and_generates_from_an_image(tmp_path, monkeypatch):
+    """The Qwen3-VL family through the same build as the others, at a small size: saved, loaded by path with
+    its processor, an image chat through processor and model."""
+    small = VLMPreset(
+        text=ModelPreset(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                         max_position_embeddings=4096, vocab_size=512),
+        vision=VisionPreset(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, fullatt_block_indexes=(),
+                            patch_size=16, deepstack_visual_indexes=(0,)),
+        min_pixels=64 * 64, max_pixels=128 * 128, family="qwen3_vl")
+    monkeypatch.setitem(VLM_PRESETS, "vlm-test3", small)
+    path = build_vlm(tmp_path / "q3", CORPUS, preset="vlm-test3", seed=0)
+    assert json.loads((path / RECIPE_FILE).read_text())["architecture"] == "Qwen3VLForConditionalGeneration"
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert count_vlm_parameters(small, len(processor.tokenizer)) == sum(p.numel() for p in model.parameters())
+    chat = two_image_chat()[:2]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[chat[1]["content"][0]["image"]], return_tensors="pt")
+    assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == image_tokens(100, 100, small)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 3
 
 
 def test_image_sizes_per_preset():

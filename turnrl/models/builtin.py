@@ -22,7 +22,7 @@ from turnrl.config import ConfigError, ModelConfig
 from turnrl.envs import make
 from turnrl.envs.registry import env_class
 from turnrl.models.tiny import PRESETS, build_model
-from turnrl.models.vlm import VLM_PREFIX, VLM_PRESETS, build_vlm, is_vlm_preset
+from turnrl.models.vlm import VLM_PREFIX, VLM_PRESETS, build_vlm, is_vlm_preset, vlm_preset
 
 CORPUS_ENVS = ("Sokoban", "FrozenLake", "Bandit", "Countdown", "Maze2D")
 """The envs whose texts train the built-in tokenizer: those a small model trained from scratch is for. The
@@ -122,7 +122,8 @@ def builtin_model_path(config: ModelConfig) -> Path:
         if template not in ("chatml", "qwen3"):
             raise ConfigError(f"model.builtin_template={template!r} has no Qwen vision tokens; a built-in VLM "
                               "takes chatml or qwen3")
-        out = root / f"qwen2.5-vl-{preset.removeprefix(VLM_PREFIX)}-{template}"
+        family = {"qwen3_vl": "qwen3-vl"}.get(vlm_preset(preset).family, "qwen2.5-vl")
+        out = root / f"{family}-{preset.removeprefix(VLM_PREFIX)}-{template}"
         return build_vlm(out, builtin_corpus() + image_mode_corpus(), preset=preset, template=template)
     out = root / f"qwen2-{preset}-{template}"
     return build_model(out, builtin_corpus(), preset=preset, template=template)

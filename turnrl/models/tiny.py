@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
@@ -175,6 +176,21 @@ class ModelPreset:
     """Default tokenizer vocabulary size for :func:`build_model`."""
     tie_word_embeddings: bool = True
     """Share the input embedding and the output head (as small Qwen models do)."""
+    rope_theta: float = 10_000.0
+    """Base of the rotary frequencies (the Qwen2.5 releases: 1e6)."""
+    embedding_rows: int | None = None
+    """Rows of the embedding and the LM head; None: the tokenizer's size rounded up to 64. A real-shape preset
+    has its release's (151,936 for Qwen2.5 up to 3B, 152,064 at 7B): the rows past the tokenizer are never
+    sampled nor scored (samplers and trainer stop at ``len(tokenizer)``) but cost what they cost in the real
+    model, in memory, in the LM head's matrix products and in log-prob memory."""
+    weights_dtype: str = "float32"
+    """dtype of the saved weights. Real-size presets save ``bfloat16`` (half the disk and the loading time) and
+    are initialized on a GPU when there is one (a 7B model took 99 s on a CPU)."""
+
+    @property
+    def real_size(self) -> bool:
+        """Whether the preset has a released model's full shape (built on a GPU when there is one)."""
+        return self.embedding_rows is not None
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -221,6 +237,45 @@ PRESETS: dict[str, ModelPreset] = {
         intermediate_size=4864,
         max_position_embeddings=32768,
         vocab_size=8192,
+    ),
+    # Qwen2.5-1.5B, 3B and 7B whole: their decoders, their embedding rows and rotary base, random weights
+    # (bf16) and the project's tokenizer, so that memory and speed are those of the released models.
+    "1.5b": ModelPreset(
+        hidden_size=1536,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        intermediate_size=8960,
+        max_position_embeddings=32768,
+        vocab_size=8192,
+        rope_theta=1_000_000.0,
+        embedding_rows=151_936,
+        weights_dtype="bfloat16",
+    ),
+    "3b": ModelPreset(
+        hidden_size=2048,
+        num_layers=36,
+        num_heads=16,
+        num_kv_heads=2,
+        intermediate_size=11008,
+        max_position_embeddings=32768,
+        vocab_size=8192,
+        rope_theta=1_000_000.0,
+        embedding_rows=151_936,
+        weights_dtype="bfloat16",
+    ),
+    "7b": ModelPreset(
+        hidden_size=3584,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        intermediate_size=18944,
+        max_position_embeddings=32768,
+        vocab_size=8192,
+        tie_word_embeddings=False,
+        rope_theta=1_000_000.0,
+        embedding_rows=152_064,
+        weights_dtype="bfloat16",
     ),
 }
 
@@ -277,11 +332,22 @@ def tiny_qwen2_config(
     )
 
 
+def embedding_rows(preset: ModelPreset, tokenizer_size: int) -> int:
+    """Rows of the preset's embedding for a tokenizer of ``tokenizer_size``: its own, else the size rounded up
+    to 64."""
+    if preset.embedding_rows is not None:
+        if preset.embedding_rows < tokenizer_size:
+            raise ValueError(f"the preset has {preset.embedding_rows} embedding rows, fewer than the tokenizer's "
+                             f"{tokenizer_size} tokens")
+        return preset.embedding_rows
+    return _round_up(tokenizer_size, 64)
+
+
 def preset_config(preset: str | ModelPreset, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
-    """The config of ``preset`` for ``tokenizer``; embeddings padded to a multiple of 64."""
+    """The config of ``preset`` for ``tokenizer`` (see :func:`embedding_rows`)."""
     p = model_preset(preset) if isinstance(preset, str) else preset
     return tiny_qwen2_config(
-        _round_up(len(tokenizer), 64),
+        embedding_rows(p, len(tokenizer)),
         hidden_size=p.hidden_size,
         num_layers=p.num_layers,
         num_heads=p.num_heads,
@@ -289,6 +355,7 @@ def preset_config(preset: str | ModelPreset, tokenizer: PreTrainedTokenizerBase)
         intermediate_size=p.intermediate_size,
         max_position_embeddings=p.max_position_embeddings,
         tie_word_embeddings=p.tie_word_embeddings,
+        rope_theta=p.rope_theta,
         tokenizer=tokenizer,
     )
 
@@ -300,7 +367,7 @@ def _round_up(n: int, multiple: int) -> int:
 def count_parameters(preset: str | ModelPreset, vocab_size: int | None = None) -> int:
     """Parameters of a preset's model (tied embeddings counted once), without building it."""
     p = model_preset(preset) if isinstance(preset, str) else preset
-    v = _round_up(vocab_size or p.vocab_size, 64)
+    v = embedding_rows(p, vocab_size or p.vocab_size)
     head_dim = p.hidden_size // p.num_heads
     q = p.hidden_size * p.hidden_size + p.hidden_size  # q_proj (with bias)
     kv = 2 * (p.hidden_size * p.num_kv_heads * head_dim + p.num_kv_heads * head_dim)  # k, v (with bias)
@@ -395,21 +462,41 @@ def cached_build(out: Path, recipe: BuildRecipe, build_into: Callable[[Path], di
     the information recorded beside it; the build happens in a temporary
     directory next to ``out`` and is moved into place when complete, so an
     interrupted build never leaves a half model that a later run would reuse.
-    A stale turnrl build in ``out`` is replaced; a directory that is not a
-    turnrl build is never overwritten.
+    One process builds while the others (the processes of a distributed run)
+    wait on a lock file beside ``out`` and then reuse its build. A stale turnrl
+    build in ``out`` is replaced; a directory that is not a turnrl build is
+    never overwritten.
     """
     if _read_key(out) == recipe.key():
         return out
-    _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
-    try:
-        info = build_into(tmp)
-        (tmp / RECIPE_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        _publish(tmp, out, recipe.key())
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with FileLock(out.parent / f".{out.name}.lock"):
+        if _read_key(out) == recipe.key():  # built by another process while this one waited
+            return out
+        _check_replaceable(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+        try:
+            info = build_into(tmp)
+            (tmp / RECIPE_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            _publish(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def random_weights(make: Callable[[], torch.nn.Module], seed: int, real_size: bool, dtype: torch.dtype
+                   ) -> torch.nn.Module:
+    """A model from ``make()`` with seeded random weights, in ``dtype``.
+
+    A real-size model is initialized on this process's GPU when there is one (seconds, where a 7B model took 99 s
+    on a CPU); only a forked RNG is seeded, so building a model never moves the caller's RNG.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if real_size and torch.cuda.is_available() \
+        else torch.device("cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+        torch.manual_seed(seed)
+        model = make()
+    return model.to(dtype)
 
 
 def _build_into(path: Path, texts: Sequence[str], recipe: BuildRecipe) -> dict:
@@ -417,10 +504,9 @@ def _build_into(path: Path, texts: Sequence[str], recipe: BuildRecipe) -> dict:
     config = preset_config(recipe.preset, tokenizer)
     tokenizer.model_max_length = config.max_position_embeddings
     spec = template_spec(recipe.template)
-    # Seed only a forked RNG: building a model must not move the caller's RNG.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(recipe.seed)
-        model = Qwen2ForCausalLM(config)
+    preset = model_preset(recipe.preset)
+    model = random_weights(lambda: Qwen2ForCausalLM(config), recipe.seed, preset.real_size,
+                           getattr(torch, preset.weights_dtype))
     # Sampling stops at the end of a turn or at the end of text, as with Qwen's
     # released generation configs.
     stop_tokens = [spec.end_of_turn, spec.end_of_text]
@@ -458,15 +544,12 @@ def _check_replaceable(out: Path) -> None:
         raise FileExistsError(f"{out} exists and is not a turnrl model build; refusing to overwrite it")
 
 
-def _publish(tmp: Path, out: Path, key: str) -> None:
-    """Move a finished build into place; tolerate a concurrent identical build."""
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished build into place (under the build lock); a stale build is moved aside first, so that
+    ``out`` is at every moment absent or a complete build."""
+    stale = out.with_name(f".{out.name}.stale-{os.getpid()}")
     if out.exists():
-        if _read_key(out) == key:  # another process finished the same build first
-            return
         _check_replaceable(out)
-        shutil.rmtree(out)
-    try:
-        tmp.rename(out)
-    except OSError:
-        if _read_key(out) != key:
-            raise
+        out.rename(stale)
+    tmp.rename(out)
+    shutil.rmtree(stale, ignore_errors=True)

@@ -48,6 +48,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -58,6 +59,10 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
 )
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
@@ -65,10 +70,11 @@ from turnrl.models.templates import template_spec
 from turnrl.models.tiny import (
     BuildRecipe,
     ModelPreset,
-    _round_up,
     build_tokenizer,
     cached_build,
     count_parameters,
+    embedding_rows,
+    random_weights,
     texts_digest,
 )
 
@@ -84,12 +90,11 @@ _VLM_VERSION = 1
 _PATCH = 14
 _TEMPORAL_PATCH = 2
 _MERGE = 2
-_FACTOR = _PATCH * _MERGE  # an image side is resized to a multiple of 28 pixels
 
 
 @dataclass(frozen=True)
 class VisionPreset:
-    """Sizes of a Qwen2.5-VL vision tower (patch 14, temporal patch 2, 2x2 merge, as Qwen2.5-VL)."""
+    """Sizes of a Qwen-VL vision tower (temporal patch 2, 2x2 merge)."""
 
     depth: int
     """Number of transformer blocks."""
@@ -103,6 +108,10 @@ class VisionPreset:
     """Blocks that attend over the whole image; the others attend within 112x112-pixel windows."""
     window_size: int = 112
     """Side of an attention window, in pixels (Qwen2.5-VL: 112, i.e. 8x8 patches, 4x4 tokens)."""
+    patch_size: int = _PATCH
+    """Side of a patch in pixels (Qwen2.5-VL 14, Qwen3-VL 16)."""
+    deepstack_visual_indexes: tuple[int, ...] = ()
+    """Qwen3-VL: blocks whose features are also added to the first decoder layers' outputs."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,14 @@ class VLMPreset:
     """Largest image area after resizing: at most ``max_pixels / 784`` image tokens an image."""
     rope_theta: float = 1_000_000.0
     """Base of the rotary frequencies (Qwen2.5-VL: 1e6)."""
+    family: str = "qwen2_5_vl"
+    """``qwen2_5_vl`` (a Qwen2 decoder, windowed tower) or ``qwen3_vl`` (a Qwen3 decoder with q/k norms,
+    interleaved M-RoPE, a tower with learned positions whose deepstack features enter the first layers)."""
+
+    @property
+    def factor(self) -> int:
+        """An image side is resized to a multiple of this many pixels (patch x merge)."""
+        return self.vision.patch_size * _MERGE
 
 
 VLM_PRESETS: dict[str, VLMPreset] = {
@@ -185,6 +202,45 @@ VLM_PRESETS: dict[str, VLMPreset] = {
         min_pixels=56 * 56,
         max_pixels=448 * 448,
     ),
+    # The released shapes whole (random bf16 weights, the project's tokenizer): Qwen2.5-VL-3B and 7B (the
+    # 32-block, 1280-wide windowed tower; about 3.75B and 8.3B parameters at the release's embedding rows)
+    # and Qwen3-VL-8B (36 decoder layers 4096 wide, a 27-block, 1152-wide tower with deepstack features at
+    # blocks 8, 16 and 24; about 8.8B). Images up to 448x448 (256 tokens a 28-pixel grid, 196 at 32).
+    "vlm-3b": VLMPreset(
+        text=ModelPreset(
+            hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2, intermediate_size=11008,
+            max_position_embeddings=128000, vocab_size=8192, rope_theta=1_000_000.0, embedding_rows=151_936,
+            weights_dtype="bfloat16",
+        ),
+        vision=VisionPreset(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420,
+                            fullatt_block_indexes=(7, 15, 23, 31)),
+        min_pixels=56 * 56,
+        max_pixels=448 * 448,
+    ),
+    "vlm-7b": VLMPreset(
+        text=ModelPreset(
+            hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944,
+            max_position_embeddings=128000, vocab_size=8192, tie_word_embeddings=False, rope_theta=1_000_000.0,
+            embedding_rows=152_064, weights_dtype="bfloat16",
+        ),
+        vision=VisionPreset(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420,
+                            fullatt_block_indexes=(7, 15, 23, 31)),
+        min_pixels=56 * 56,
+        max_pixels=448 * 448,
+    ),
+    "vlm-8b": VLMPreset(
+        text=ModelPreset(
+            hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=12288,
+            max_position_embeddings=262144, vocab_size=8192, tie_word_embeddings=False, rope_theta=5_000_000.0,
+            embedding_rows=151_936, weights_dtype="bfloat16",
+        ),
+        vision=VisionPreset(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                            fullatt_block_indexes=(), patch_size=16, deepstack_visual_indexes=(8, 16, 24)),
+        min_pixels=64 * 64,
+        max_pixels=448 * 448,
+        rope_theta=5_000_000.0,
+        family="qwen3_vl",
+    ),
 }
 """Built-in VLM presets by name; every name starts with :data:`VLM_PREFIX`."""
 
@@ -218,12 +274,13 @@ def mrope_section(head_dim: int) -> list[int]:
 def image_tokens(height: int, width: int, preset: str | VLMPreset) -> int:
     """How many ``<|image_pad|>`` tokens a ``height x width`` image takes with ``preset``'s processor."""
     p = vlm_preset(preset) if isinstance(preset, str) else preset
-    h, w = smart_resize(height, width, factor=_FACTOR, min_pixels=p.min_pixels, max_pixels=p.max_pixels)
-    return (h // _FACTOR) * (w // _FACTOR)
+    h, w = smart_resize(height, width, factor=p.factor, min_pixels=p.min_pixels, max_pixels=p.max_pixels)
+    return (h // p.factor) * (w // p.factor)
 
 
-def vlm_config(preset: str | VLMPreset, tokenizer: PreTrainedTokenizerBase) -> Qwen2_5_VLConfig:
-    """The ``Qwen2_5_VLConfig`` of ``preset`` for ``tokenizer``; embeddings padded to a multiple of 64.
+def vlm_config(preset: str | VLMPreset, tokenizer: PreTrainedTokenizerBase) -> Qwen2_5_VLConfig | Qwen3VLConfig:
+    """The config of ``preset`` for ``tokenizer`` (a ``Qwen2_5_VLConfig`` or a ``Qwen3VLConfig``, by the
+    preset's family); embedding rows as :func:`~turnrl.models.tiny.embedding_rows`.
 
     The vision token ids are the tokenizer's; the tokenizer must have :data:`VISION_TOKENS`.
     """
@@ -234,10 +291,12 @@ def vlm_config(preset: str | VLMPreset, tokenizer: PreTrainedTokenizerBase) -> Q
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
     if v.hidden_size % v.num_heads or (v.hidden_size // v.num_heads) % 4:
         raise ValueError("the vision head size (hidden_size / num_heads) must divide by 4")
-    if not all(0 <= i < v.depth for i in v.fullatt_block_indexes):
-        raise ValueError(f"fullatt_block_indexes {v.fullatt_block_indexes} must lie in 0..{v.depth - 1}")
-    text_config = {
-        "vocab_size": _round_up(len(tokenizer), 64),
+    if not all(0 <= i < v.depth for i in (*v.fullatt_block_indexes, *v.deepstack_visual_indexes)):
+        raise ValueError(f"block indexes {v.fullatt_block_indexes} {v.deepstack_visual_indexes} must lie in "
+                         f"0..{v.depth - 1}")
+    head_dim = t.hidden_size // t.num_heads
+    text_config: dict = {
+        "vocab_size": embedding_rows(t, len(tokenizer)),
         "hidden_size": t.hidden_size,
         "intermediate_size": t.intermediate_size,
         "num_hidden_layers": t.num_layers,
@@ -245,37 +304,60 @@ def vlm_config(preset: str | VLMPreset, tokenizer: PreTrainedTokenizerBase) -> Q
         "num_key_value_heads": t.num_kv_heads,
         "max_position_embeddings": t.max_position_embeddings,
         "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": p.rope_theta,
-            "mrope_section": mrope_section(t.hidden_size // t.num_heads),
-        },
+            "rope_type": "default", "rope_theta": p.rope_theta, "mrope_section": mrope_section(head_dim)},
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    vision_config = {
+    vision_config: dict = {
         "depth": v.depth,
         "hidden_size": v.hidden_size,
         "num_heads": v.num_heads,
         "intermediate_size": v.intermediate_size,
-        "hidden_act": "silu",
-        "patch_size": _PATCH,
+        "patch_size": v.patch_size,
         "temporal_patch_size": _TEMPORAL_PATCH,
         "spatial_merge_size": _MERGE,
-        "window_size": v.window_size,
-        "fullatt_block_indexes": list(v.fullatt_block_indexes),
-        "tokens_per_second": 2,  # as Qwen2.5-VL's released configs (videos only)
         "out_hidden_size": t.hidden_size,
     }
-    return Qwen2_5_VLConfig(
-        text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=t.tie_word_embeddings,
-    )
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if p.family == "qwen3_vl":
+        # Qwen3-VL-8B's released sections for head_dim 128, laid out interleaved (t, h, w, t, h, w, ...).
+        text_config["head_dim"] = head_dim
+        text_config["rope_parameters"].update(mrope_section=qwen3_mrope_section(head_dim), mrope_interleaved=True)
+        text_config["tie_word_embeddings"] = t.tie_word_embeddings
+        vision_config.update(hidden_act="gelu_pytorch_tanh", num_position_embeddings=2304,
+                             deepstack_visual_indexes=list(v.deepstack_visual_indexes))
+        return Qwen3VLConfig(text_config=text_config, vision_config=vision_config,
+                             tie_word_embeddings=t.tie_word_embeddings, **tokens)
+    vision_config.update(hidden_act="silu", window_size=v.window_size,
+                         fullatt_block_indexes=list(v.fullatt_block_indexes),
+                         tokens_per_second=2)  # as Qwen2.5-VL's released configs (videos only)
+    return Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config,
+                            tie_word_embeddings=t.tie_word_embeddings, **tokens)
+
+
+def qwen3_mrope_section(head_dim: int) -> list[int]:
+    """Qwen3-VL's temporal, height and width sections: ``[24, 20, 20]`` for head_dim 128, scaled for others."""
+    half = head_dim // 2
+    temporal = half * 24 // 64
+    height = (half - temporal) // 2
+    return [temporal, height, half - temporal - height]
+
+
+class _SizedTokenizer:
+    """What :func:`vlm_config` reads of a tokenizer, for counting parameters without building one."""
+
+    bos_token_id = eos_token_id = pad_token_id = None
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get_vocab(self) -> dict[str, int]:
+        return {token: self.size - 1 - i for i, token in enumerate(VISION_TOKENS)}
 
 
 def _vision_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
@@ -287,8 +369,14 @@ def _vision_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
 
 
 def count_vlm_parameters(preset: str | VLMPreset, vocab_size: int | None = None) -> int:
-    """Parameters of a preset's VLM (tied embeddings counted once), without building it."""
+    """Parameters of a preset's VLM (tied embeddings counted once), without building it (a Qwen3-VL preset is
+    built on the meta device, which allocates nothing)."""
     p = vlm_preset(preset) if isinstance(preset, str) else preset
+    if p.family == "qwen3_vl":
+        tokenizer_size = vocab_size or p.text.vocab_size
+        with torch.device("meta"):
+            model = Qwen3VLForConditionalGeneration(vlm_config(p, _SizedTokenizer(tokenizer_size)))  # type: ignore[arg-type]
+        return sum(t.numel() for t in model.parameters())
     v, d = p.vision, p.vision.hidden_size
     patch_embed = 3 * _TEMPORAL_PATCH * _PATCH * _PATCH * d  # Conv3d, no bias
     attention = d * 3 * d + 3 * d + d * d + d  # qkv and proj, with biases
@@ -299,23 +387,17 @@ def count_vlm_parameters(preset: str | VLMPreset, vocab_size: int | None = None)
     return count_parameters(p.text, vocab_size) + patch_embed + v.depth * block + merger
 
 
-def vlm_processor(preset: str | VLMPreset, tokenizer: PreTrainedTokenizerBase) -> Qwen2_5_VLProcessor:
-    """Qwen2.5-VL's processor for ``preset``: its image sizes, ``tokenizer`` and the tokenizer's chat template."""
+def vlm_processor(preset: str | VLMPreset, tokenizer: PreTrainedTokenizerBase
+                  ) -> Qwen2_5_VLProcessor | Qwen3VLProcessor:
+    """The family's processor for ``preset``: its image sizes, ``tokenizer`` and the tokenizer's chat template."""
     p = vlm_preset(preset) if isinstance(preset, str) else preset
-    image_processor = Qwen2VLImageProcessor(
-        min_pixels=p.min_pixels,
-        max_pixels=p.max_pixels,
-        patch_size=_PATCH,
-        temporal_patch_size=_TEMPORAL_PATCH,
-        merge_size=_MERGE,
-    )
-    video_processor = Qwen2VLVideoProcessor(  # video frames get the same size range as images
-        min_pixels=p.min_pixels,
-        max_pixels=p.max_pixels,
-        patch_size=_PATCH,
-        temporal_patch_size=_TEMPORAL_PATCH,
-        merge_size=_MERGE,
-    )
+    sizes = dict(min_pixels=p.min_pixels, max_pixels=p.max_pixels, patch_size=p.vision.patch_size,
+                 temporal_patch_size=_TEMPORAL_PATCH, merge_size=_MERGE)
+    image_processor = Qwen2VLImageProcessor(**sizes)
+    if p.family == "qwen3_vl":
+        return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                video_processor=Qwen3VLVideoProcessor(**sizes), chat_template=tokenizer.chat_template)
+    video_processor = Qwen2VLVideoProcessor(**sizes)  # video frames get the same size range as images
     return Qwen2_5_VLProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
@@ -328,8 +410,8 @@ def vlm_processor(preset: str | VLMPreset, tokenizer: PreTrainedTokenizerBase) -
 class VLMBuildRecipe(BuildRecipe):
     """A :class:`~turnrl.models.tiny.BuildRecipe` for a VLM; its hash keys the cache."""
 
-    architecture: str = "Qwen2_5_VLForConditionalGeneration"
-    """The model class built."""
+    family: str = "qwen2_5_vl"
+    """The preset's family (the model class built)."""
     vlm_version: int = _VLM_VERSION
     """Version of the VLM build procedure."""
 
@@ -365,6 +447,7 @@ def build_vlm(
     out = Path(out_dir)
     texts = list(texts)
     recipe = VLMBuildRecipe(
+        family=p.family,
         preset=preset,
         sizes=asdict(p),
         template=template,
@@ -382,10 +465,9 @@ def _build_into(path: Path, texts: Sequence[str], recipe: VLMBuildRecipe) -> dic
     tokenizer.model_max_length = p.text.max_position_embeddings
     config = vlm_config(p, tokenizer)
     spec = template_spec(recipe.template)
-    # Seed only a forked RNG: building a model must not move the caller's RNG.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(recipe.seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
+    model_class = Qwen3VLForConditionalGeneration if p.family == "qwen3_vl" else Qwen2_5_VLForConditionalGeneration
+    model: Any = random_weights(lambda: model_class(config), recipe.seed, p.text.real_size,
+                                getattr(torch, p.text.weights_dtype))
     # Sampling stops at the end of a turn or at the end of text, as with Qwen's
     # released generation configs.
     model.generation_config = GenerationConfig(
@@ -398,7 +480,7 @@ def _build_into(path: Path, texts: Sequence[str], recipe: VLMBuildRecipe) -> dic
     return {
         "recipe": asdict(recipe),
         "key": recipe.key(),
-        "architecture": recipe.architecture,
+        "architecture": model_class.__name__,
         "parameters": sum(t.numel() for t in model.parameters()),
         "vision_parameters": sum(t.numel() for t in model.model.visual.parameters()),
         "tokenizer_size": len(tokenizer),
