@@ -18,8 +18,9 @@ its sequence goes (:mod:`turnrl.engine.attention`); on a CPU, the same code
 runs eagerly with torch's attention. A compilation that fails falls back to
 eager work with a warning.
 
-A VLM (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) runs the same way: its prompts' images
-go through the model's own vision tower at prefill (Qwen3-VL's deepstack
+A VLM (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: the families with a vision side in
+:mod:`turnrl.engine.families`) runs the same way: its prompts' images go
+through the model's own vision tower at prefill (Qwen3-VL's deepstack
 features added to its first layers' outputs there), its tokens turn by their
 M-RoPE positions, and its cache rows are matched on the images' pixels
 (:mod:`turnrl.engine.images`).
@@ -243,7 +244,8 @@ def weights_version(model: nn.Module) -> int:
 
 
 class Engine:
-    """Generation from ``model``'s own weights (a Llama-family decoder; see :mod:`turnrl.engine.weights`).
+    """Generation from ``model``'s own weights (a model of a family in :mod:`turnrl.engine.families`; see
+    :mod:`turnrl.engine.weights`).
 
     Args:
         model: the policy, possibly peft-wrapped; its parameters are read where they live.
@@ -493,7 +495,7 @@ class Engine:
             self._truncating[sequence.row] = params.top_k > 0 or params.top_p < 1.0
             self._live[sequence.row] = True
         rows = to_device(np.array([s.row for s in sequences], dtype=np.int64), self.device)
-        if self.weights.vision is not None:
+        if self.weights.family.rotary.mrope:
             deltas = np.array([s.images.delta if s.images is not None else 0 for s in sequences], dtype=np.int64)
             self._rope_delta[rows] = to_device(deltas, self.device)
         settings = to_device(np.array([[s.params.temperature, s.params.top_k, s.params.top_p] for s in sequences],
@@ -745,7 +747,7 @@ class Engine:
         # A VLM's generated tokens turn by their index plus the row's M-RoPE delta (within the table: a row
         # writing to scratch may have a stale delta).
         turns = None
-        if self.weights.vision is not None:
+        if self.weights.family.rotary.mrope:
             turns = (positions + self._rope_delta[: len(positions)]).clamp(0, self.rope[0].shape[0] - 1).unsqueeze(1)
 
         def run(kernels: DecoderKernels) -> torch.Tensor:

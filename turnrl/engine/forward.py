@@ -110,7 +110,7 @@ class KVCache:
 def rotary_table(weights: DecoderWeights, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position below ``length`` from the model's own rotary module, each Shape (length, D)."""
     positions = torch.arange(length, device=device).unsqueeze(0)
-    if weights.vision is not None:
+    if weights.family.rotary.mrope:
         # An M-RoPE module takes one row of positions per axis, Shape (3, batch, length) (some transformers
         # versions also take (batch, length), others do not).
         positions = positions.expand(3, 1, length)
@@ -448,7 +448,7 @@ def decoder_forward(
     x = F.embedding(tokens, weights.embed.value) if embeddings is None else embeddings
     turns = positions if rope_positions is None else rope_positions
     # With the Triton kernels, one kernel rotates and writes the cache (per-head q/k norms keep the compiled path).
-    fused_write = triton_attention and weights.layers[0].q_norm is None and supported_head_dim(shape.head_dim)
+    fused_write = triton_attention and not weights.family.qk_norm and supported_head_dim(shape.head_dim)
     if not fused_write:
         write_rows = (torch.arange(b, device=tokens.device) if rows is None else rows).unsqueeze(1).expand(b, t)
     mlp_out = None  # the fused path's last MLP output, not yet added to x

@@ -1,10 +1,9 @@
 """The weights the engine computes with: the policy's own tensors, read where they live.
 
-The engine runs Llama-family decoders (Llama, Qwen2, Qwen3, Mistral: RMSNorm,
-rotary positions, grouped-query attention, SwiGLU) with its own forward pass,
-so that it can keep a KV cache per sequence across turns and capture decode in
-CUDA graphs. It reads the model's parameters directly: an optimizer step on
-the policy is seen by the next generation with no weight sync.
+The engine runs pre-norm decoders (RMSNorm, rotary positions, grouped-query attention, SwiGLU) of the families
+in :mod:`turnrl.engine.families` with its own forward pass, so that it can keep a KV cache per sequence across
+turns and capture decode in CUDA graphs. It reads the model's parameters directly, where the family's record
+says they are: an optimizer step on the policy is seen by the next generation with no weight sync.
 
 Three kinds of weights need a computed tensor instead, kept in a buffer that
 :meth:`DecoderWeights.refresh` rewrites in place before a generation when one
@@ -32,21 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-"""VLMs whose language model is a Qwen2 or Qwen3 decoder with M-RoPE: the engine runs it, and the model's own vision
-tower makes the image features its prefill takes (:class:`VisionWeights`). Qwen2-VL and Qwen2.5-VL differ only in
-their towers (Qwen2.5-VL's attends within windows and has an RMSNorm SwiGLU MLP), which the engine calls as a whole.
-Qwen3-VL's decoder is Qwen3's (per-head query and key norms); it interleaves the M-RoPE axes over the rotary dims
-(:data:`INTERLEAVED_MROPE_TYPES`) and adds the tower's deepstack features to its first layers' outputs at the image
-tokens (:class:`ImageFeatures`)."""
-INTERLEAVED_MROPE_TYPES = ("qwen3_vl",)
-"""VLMs whose rotary module interleaves the M-RoPE axes over the half dims (:func:`rope_axes`). Qwen3-VL's does so
-whatever its config's ``mrope_interleaved`` says (transformers 5.17 to 5.24 read only ``mrope_section``)."""
-
-
-class UnsupportedModel(ValueError):
-    """The engine cannot run this model; the transformers backend can."""
+from turnrl.engine.families import Family, Rotary, UnsupportedModel, family_of
 
 
 @dataclass
@@ -105,7 +90,7 @@ class LayerWeights:
     """Biases matching ``qkv`` (Qwen2), or None."""
     o_bias: WeightRef | None = None
     q_norm: WeightRef | None = None
-    """Qwen3's per-head RMSNorm of queries and keys; None elsewhere."""
+    """The per-head RMSNorm of queries and keys where the family has one (Qwen3's); None elsewhere."""
     k_norm: WeightRef | None = None
 
 
@@ -127,8 +112,9 @@ class VisionWeights:
     """A VLM's image side: its vision tower, which the engine's prefill calls, and how its decoder places images."""
 
     model: nn.Module
-    """The VLM's inner model (``Qwen2VLModel``, ``Qwen2_5_VLModel``, ``Qwen3VLModel``), whose ``get_image_features``
-    runs the vision tower and its patch merger."""
+    """The family's tower module (:attr:`~turnrl.engine.families.VisionParts.tower`: a Qwen-VL's inner model,
+    ``Qwen2VLModel``, ``Qwen2_5_VLModel``, ``Qwen3VLModel``), whose ``get_image_features`` runs the vision tower and
+    its patch merger."""
     image_token_id: int
     merge_size: int
     """Patches merged into one token along each spatial side."""
@@ -138,6 +124,8 @@ class VisionWeights:
     """Vision tokens never sampled: a sampled placeholder would be read as an image slot."""
     video_token_id: int | None = None
     """Videos are not run by the engine: a prompt with their placeholder is refused."""
+    deepstack: bool = False
+    """The tower returns deepstack features too (the family's :attr:`~turnrl.engine.families.VisionParts.deepstack`)."""
 
     def features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> ImageFeatures:
         """The decoder-side features of images, one row per placeholder token, in order.
@@ -154,8 +142,8 @@ class VisionWeights:
         # deepstack_features (Qwen3-VL) hold a layer's features split per image like pooler_output (5.24), or
         # whole (5.17).
         out = self.model.get_image_features(pixel_values, grids, return_dict=True)  # type: ignore[operator]
-        features = ImageFeatures(_concatenated(out.pooler_output),
-                                 [_concatenated(layer) for layer in getattr(out, "deepstack_features", None) or []])
+        deepstack = (out.deepstack_features or []) if self.deepstack else []
+        features = ImageFeatures(_concatenated(out.pooler_output), [_concatenated(layer) for layer in deepstack])
         tokens = int((grids.prod(-1) // self.merge_size**2).sum())
         for made in (features.merged, *features.deepstack):
             if made.shape[0] != tokens:
@@ -214,6 +202,8 @@ class DecoderWeights:
     rotary: nn.Module
     """The model's rotary embedding module (it knows the model's RoPE scaling)."""
     dtype: torch.dtype
+    family: Family
+    """The model's family: what the forward pass computes beyond these tensors (rotary kind, q/k norms)."""
     tensors: list[WeightRef] = field(default_factory=list)
     vision: VisionWeights | None = None
     """A VLM's image side; None for a text model."""
@@ -229,31 +219,12 @@ def base_causal_lm(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def text_config(config: Any) -> Any:
-    """The decoder's config: a VLM's ``text_config``, or the config itself."""
-    return config.text_config if getattr(config, "model_type", None) in VLM_MODEL_TYPES else config
-
-
-def check_supported(model: nn.Module) -> None:
-    """Raise :class:`UnsupportedModel` with the reason when the engine cannot run ``model``."""
-    model_type = getattr(base_causal_lm(model).config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES + VLM_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"the engine runs {', '.join(SUPPORTED_MODEL_TYPES)} decoders and {', '.join(VLM_MODEL_TYPES)} VLMs, "
-            f"not {model_type!r} (other architectures use model.backend=hf)"
-        )
-    config: Any = text_config(base_causal_lm(model).config)
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"the engine's MLP is SwiGLU; this model uses {config.hidden_act!r}")
-    if getattr(config, "mlp_bias", False):
-        raise UnsupportedModel("the engine's MLP has no biases; this model's has (use model.backend=hf)")
-    if getattr(config, "use_sliding_window", False) or (
-        model_type == "mistral" and getattr(config, "sliding_window", None)
-    ):
-        raise UnsupportedModel("the engine has no sliding-window attention; use model.backend=hf")
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
-        raise UnsupportedModel("dynamic RoPE scaling depends on the sequence length; use model.backend=hf")
+def check_supported(model: nn.Module) -> Family:
+    """The family that runs ``model``; :class:`UnsupportedModel` with the reason when the engine cannot run it."""
+    config = base_causal_lm(model).config
+    family = family_of(config)
+    family.check(config)
+    return family
 
 
 @dataclass
@@ -302,24 +273,26 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
     with its group (q/k/v, gate/up) into one buffer: that costs a copy of those weights, and saves three GEMM
     launches per layer and decode step.
     """
-    check_supported(model)
+    family = check_supported(model)
+    names = family.weights
     causal: Any = base_causal_lm(model)
-    config: Any = text_config(causal.config)
-    decoder: Any = causal.model
+    config: Any = family.decoder_config(causal.config)
+    decoder = causal.get_submodule(names.decoder)
+    rotary = decoder.get_submodule(names.rotary)
+    lm_head = causal.get_submodule(names.lm_head)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     vision = None
-    if config is not causal.config:  # a VLM: the decoder is its language model
-        decoder = causal.model.language_model
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    if family.vision is not None:
+        parts = family.vision
         vision = VisionWeights(
-            model=causal.model, image_token_id=causal.config.image_token_id,
-            merge_size=causal.config.vision_config.spatial_merge_size,
-            rope_axes=rope_axes(mrope_section(decoder.rotary_emb, config), head_dim,
-                                interleaved=causal.config.model_type in INTERLEAVED_MROPE_TYPES
-                                ).to(causal.lm_head.weight.device),
-            special_token_ids=sorted({getattr(causal.config, name) for name in names
+            model=causal.get_submodule(parts.tower), image_token_id=getattr(causal.config, parts.image_token),
+            merge_size=getattr(causal.config.vision_config, parts.merge_size),
+            rope_axes=rope_axes(mrope_section(rotary, config), head_dim,
+                                interleaved=family.rotary is Rotary.MROPE_INTERLEAVED).to(lm_head.weight.device),
+            special_token_ids=sorted({getattr(causal.config, name) for name in parts.never_sampled
                                       if getattr(causal.config, name, None) is not None}),
-            video_token_id=getattr(causal.config, "video_token_id", None),
+            video_token_id=getattr(causal.config, parts.video_token, None),
+            deepstack=parts.deepstack,
         )
     tensors: list[WeightRef] = []
 
@@ -351,42 +324,43 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
             return [buffer(list(weights))], [buffer(list(biases))] if with_bias else None
         return [tensor(w) for w in weights], [tensor(b) for b in biases] if with_bias else None
 
+    def norm(parent: nn.Module, name: str) -> WeightRef:
+        module: Any = parent.get_submodule(name)
+        return tensor(_Source(module.weight))
+
     layers = []
-    for layer in decoder.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        qkv, qkv_bias = group([attention.q_proj, attention.k_proj, attention.v_proj])
-        gate_up, _ = group([mlp.gate_proj, mlp.up_proj])
-        o, o_bias = _linear_sources(attention.o_proj)
-        q_norm = getattr(attention, "q_norm", None)
-        k_norm = getattr(attention, "k_norm", None)
+    for layer in decoder.get_submodule(names.layers):
+        qkv, qkv_bias = group([layer.get_submodule(name) for name in names.qkv])
+        gate_up, _ = group([layer.get_submodule(name) for name in names.gate_up])
+        o, o_bias = _linear_sources(layer.get_submodule(names.o))
         layers.append(LayerWeights(
-            input_norm=tensor(_Source(layer.input_layernorm.weight)), qkv=qkv, qkv_bias=qkv_bias,
+            input_norm=norm(layer, names.input_norm), qkv=qkv, qkv_bias=qkv_bias,
             o=tensor(o), o_bias=tensor(o_bias) if o_bias is not None else None,
-            q_norm=tensor(_Source(q_norm.weight)) if q_norm is not None else None,
-            k_norm=tensor(_Source(k_norm.weight)) if k_norm is not None else None,
-            post_norm=tensor(_Source(layer.post_attention_layernorm.weight)),
-            gate_up=gate_up, down=tensor(_linear_sources(mlp.down_proj)[0]),
+            q_norm=norm(layer, names.q_norm) if family.qk_norm else None,
+            k_norm=norm(layer, names.k_norm) if family.qk_norm else None,
+            post_norm=norm(layer, names.post_norm),
+            gate_up=gate_up, down=tensor(_linear_sources(layer.get_submodule(names.down))[0]),
         ))
-    embed_module = decoder.embed_tokens
-    if getattr(embed_module, "base_layer", None) is not None or getattr(causal.lm_head, "base_layer", None) is not None:
+    embed_module = decoder.get_submodule(names.embed)
+    if getattr(embed_module, "base_layer", None) is not None or getattr(lm_head, "base_layer", None) is not None:
         raise UnsupportedModel("LoRA on the embeddings or the LM head is not supported by the engine")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = DecoderShape(
         num_layers=len(layers),
         num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim,
-        vocab_size=causal.lm_head.weight.shape[0],
+        vocab_size=lm_head.weight.shape[0],
         rms_eps=config.rms_norm_eps,
     )
     return DecoderWeights(
         shape=shape,
         embed=tensor(_Source(embed_module.weight)),
         layers=layers,
-        norm=tensor(_Source(decoder.norm.weight)),
-        lm_head=tensor(_Source(causal.lm_head.weight)),
-        rotary=decoder.rotary_emb,
+        norm=norm(decoder, names.final_norm),
+        lm_head=tensor(_Source(lm_head.weight)),
+        rotary=rotary,
         dtype=dtype,
+        family=family,
         tensors=tensors,
         vision=vision,
     )

@@ -27,7 +27,7 @@ def model_policy(
     slower on the quickstart's short one-turn prompts (docs/engine.md). ``engine`` refuses a model it cannot run.
     ``dtype`` is the compute dtype (the run's mixed precision); None uses the weights' own.
     """
-    from turnrl.engine.weights import UnsupportedModel
+    from turnrl.engine.families import UnsupportedModel
     from turnrl.policy.engine import EnginePolicy
     from turnrl.policy.hf import HFPolicy
 

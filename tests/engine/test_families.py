@@ -1,0 +1,134 @@
+"""The engine's model families: each record's names, norms, sliding-window field and vision side match its
+transformers models (tiny, random weights), a record that would run a model wrongly cannot be made, a model no
+record names is refused with the families that exist and how to add one, and a Llama 3 model (its RoPE scaling,
+tied embeddings) runs on the Llama record."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
+
+from tests.engine.test_engine import ARCHITECTURES, GREEDY, build, engine_for, hf_greedy, random_prompts
+from tests.engine.test_qwen2_vl import qwen2_vl_config
+from tests.engine.test_qwen3_vl import qwen3_vl_config
+from turnrl.engine.families import (
+    FAMILIES,
+    Family,
+    Rotary,
+    UnsupportedModel,
+    VisionParts,
+    by_model_type,
+    family_of,
+)
+from turnrl.engine.weights import decoder_weights
+from turnrl.models.vlm import vlm_config
+
+MODEL_TYPES = [model_type for family in FAMILIES for model_type in family.model_types]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_tokenizer) -> dict[str, torch.nn.Module]:
+    """A tiny model of every model type the records name."""
+    made = {name: build(name) for name in ARCHITECTURES}
+    made["qwen2_vl"] = Qwen2VLForConditionalGeneration(qwen2_vl_config(tiny_tokenizer))
+    made["qwen2_5_vl"] = Qwen2_5_VLForConditionalGeneration(vlm_config("vlm-tiny", tiny_tokenizer))
+    made["qwen3_vl"] = Qwen3VLForConditionalGeneration(qwen3_vl_config(tiny_tokenizer))
+    return made
+
+
+def test_every_model_type_of_the_records_is_checked_here(models):
+    assert sorted(models) == sorted(MODEL_TYPES)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_a_record_names_its_models_weights_norms_and_vision_side(models, model_type):
+    model = models[model_type]
+    family = family_of(model.config)
+    assert model.config.model_type == model_type and model_type in family.model_types
+    names = family.weights
+    decoder = model.get_submodule(names.decoder)
+    for name in (names.layers, names.embed, names.final_norm, names.rotary):
+        decoder.get_submodule(name)
+    model.get_submodule(names.lm_head)
+    for layer in decoder.get_submodule(names.layers):
+        modules = dict(layer.named_modules())
+        for name in (names.input_norm, *names.qkv, names.o, names.post_norm, *names.gate_up, names.down):
+            assert name in modules
+        # A family without q/k norms whose model had them would compute other queries and keys.
+        assert (names.q_norm in modules, names.k_norm in modules) == (family.qk_norm, family.qk_norm)
+    decoder_config = family.decoder_config(model.config)
+    if family.sliding_window is not None:
+        assert hasattr(decoder_config, family.sliding_window)
+    else:  # nothing the engine would have to refuse
+        assert not getattr(decoder_config, "use_sliding_window", False)
+        assert getattr(decoder_config, "sliding_window", None) is None
+    weights = decoder_weights(model, torch.float32)
+    assert weights.family is family and weights.shape.num_layers == len(decoder.get_submodule(names.layers))
+    assert (weights.vision is not None) == (family.vision is not None)
+    if family.vision is not None:
+        parts = family.vision
+        assert callable(model.get_submodule(parts.tower).get_image_features)
+        for field in (parts.image_token, parts.video_token, *parts.never_sampled):
+            assert isinstance(getattr(model.config, field), int)
+        assert isinstance(getattr(model.config.vision_config, parts.merge_size), int)
+        assert parts.deepstack == bool(getattr(model.config.vision_config, "deepstack_visual_indexes", None))
+
+
+def test_a_model_no_family_names_is_refused_with_the_families_that_exist_and_how_to_add_one():
+    config = type("Config", (), {"model_type": "gemma"})()
+    with pytest.raises(UnsupportedModel) as refused:
+        family_of(config)
+    message = str(refused.value)
+    assert "not 'gemma'" in message and "model.backend=hf" in message
+    assert all(model_type in message for model_type in MODEL_TYPES)
+    assert "turnrl/engine/families.py" in message and "Adding a model family" in message
+
+
+def test_a_model_type_in_two_families_is_refused():
+    with pytest.raises(ValueError, match="'x' is in two families: A and B"):
+        by_model_type((Family("A", ("x",)), Family("B", ("y", "x"))))
+
+
+def test_a_vision_side_goes_with_m_rope_and_m_rope_with_a_vision_side():
+    """Image tokens take M-RoPE positions (images.py), and M-RoPE positions come from images."""
+    with pytest.raises(ValueError, match="rotary=rope and a vision side"):
+        Family("X", ("x",), vision=VisionParts())
+    with pytest.raises(ValueError, match="rotary=mrope and no vision side"):
+        Family("X", ("x",), rotary=Rotary.MROPE)
+
+
+@pytest.mark.parametrize(("config", "reason"), [
+    (MistralConfig(sliding_window=16), "sliding-window"),
+    (LlamaConfig(mlp_bias=True), "MLP has no biases"),
+    (LlamaConfig(hidden_act="gelu"), "SwiGLU"),
+    (LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "dynamic RoPE"),
+])
+def test_settings_the_decoder_does_not_compute_are_refused_with_the_reason(config, reason):
+    with pytest.raises(UnsupportedModel, match=reason):
+        family_of(config).check(config)
+
+
+def test_a_mistral_model_without_a_sliding_window_is_run():
+    config = MistralConfig(sliding_window=None)
+    family_of(config).check(config)
+
+
+def test_a_llama_3_model_runs_on_the_llama_record_with_generates_greedy_tokens():
+    """Llama 3's RoPE scaling (``rope_type: llama3``: long wavelengths stretched, fixed whatever the length) is in
+    the rotary module's table, which the engine takes; Llama 3.2's embeddings are tied to the LM head. A wavelength
+    bound of 64 positions stretches some of the tiny model's frequencies."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model = build("llama", rope_scaling=rope, tie_word_embeddings=True)
+    assert model.model.rotary_emb.rope_type == "llama3" and model.lm_head.weight is model.model.embed_tokens.weight
+    prompts = random_prompts([5, 40, 11])
+    results = engine_for(model).generate(prompts, [GREEDY] * len(prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy(model, prompt, 12)
