@@ -120,6 +120,28 @@ def test_sampled_logprobs_equal_a_full_forward_pass(temperature, kernels):
         torch.testing.assert_close(torch.tensor(result.logprobs), reference, atol=2e-4, rtol=1e-4)
 
 
+def test_rows_past_the_vocabulary_limit_are_never_sampled_nor_in_the_logprobs(kernels):
+    """A head with more rows than the tokenizer has tokens (a real checkpoint's padding rows, or a real-size
+    built-in model's 152k rows over a small tokenizer): the rows past ``vocab_limit`` are never sampled, and the
+    log-probs are over the rows below it (what the trainer's scoring head computes)."""
+    model = build("qwen2")
+    limit = 40  # most of the head's mass lies past it: unlimited sampling would pick those rows
+    with torch.no_grad():
+        model.lm_head.weight[limit:] *= 3
+    prompts = random_prompts([7, 30, 2])
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=8, max_seq_len=512, **KERNELS),
+                    vocab_limit=limit)
+    torch.manual_seed(0)
+    results = engine.generate(prompts, [SamplingParams(temperature=1.0, max_new_tokens=20)] * 3)
+    for prompt, result in zip(prompts, results):
+        assert max(result.token_ids) < limit
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + result.token_ids])).logits[0, :, :limit].float()
+        logits = logits[len(prompt) - 1 : len(prompt) + len(result.token_ids) - 1]
+        reference = torch.log_softmax(logits, -1).gather(-1, torch.tensor(result.token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(result.logprobs), reference, atol=2e-4, rtol=1e-4)
+
+
 def test_prefill_chunks_read_after_the_next_one_is_launched_give_the_tokens_of_one_chunk():
     """A chunk's first tokens are read after the next chunk is launched: with a chunk a sequence (five in flight
     one after another, the sampled-token buffers taken in turn), the same tokens, logprobs and finish reasons as

@@ -69,6 +69,25 @@ def test_sampled_logprobs_equal_full_forward_log_softmax_over_temperature(tiny_p
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=2e-4, rtol=1e-4)
 
 
+def test_rows_past_the_vocabulary_limit_are_never_sampled_nor_in_the_logprobs(tiny_model_dir, tiny_tokenizer,
+                                                                                prompts):
+    """A head with rows past the tokenizer's tokens: they are never sampled and the log-probs are over the rows
+    below the limit, as the trainer's scoring head takes them."""
+    model = fresh_model(tiny_model_dir)
+    policy = HFPolicy(model, tiny_tokenizer)
+    assert policy.vocab_limit == len(tiny_tokenizer)
+    policy.vocab_limit = limit = 100
+    with torch.no_grad():  # most of the mass past the limit: unlimited sampling would pick those rows
+        model.get_output_embeddings().weight[limit:] *= 4
+    completions = sample(policy, prompts, seed=3, max_new_tokens=16, temperature=1.0)
+    for prompt, completion in zip(prompts, completions):
+        ids = completion.token_ids
+        assert ids and max(ids) < limit
+        logits = reference_logits(model, prompt, ids)[:, :limit]
+        expected = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=2e-4, rtol=1e-4)
+
+
 def test_left_padding_does_not_change_what_a_prompt_samples(tiny_policy, prompts):
     """Greedy ids of each prompt are the same alone and in a left-padded batch."""
     batched = sample(tiny_policy, prompts, temperature=0, max_new_tokens=10)

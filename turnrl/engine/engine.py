@@ -260,6 +260,7 @@ class Engine:
         config: EngineConfig,
         dtype: torch.dtype | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        vocab_limit: int | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -332,6 +333,10 @@ class Engine:
         self._suppressed = (torch.tensor(vision.special_token_ids, device=self.device)
                             if vision is not None and vision.special_token_ids else None)
         """Tokens never sampled (a VLM's image placeholders and vision markers), or None."""
+        head_rows = self.weights.shape.vocab_size
+        self.vocab_limit = head_rows if vocab_limit is None else min(vocab_limit, head_rows)
+        """The LM head's rows that are tokens (the tokenizer's): the rows past it are no token, never sampled,
+        and out of the log-probs' normalizer, as in the trainer."""
         self.kernels: DecoderKernels = EAGER
         self._sample_untruncated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sample_untruncated
         if compile_enabled(config.compile, self.device):
@@ -811,6 +816,7 @@ class Engine:
         n = len(rows)
         pick: Callable[[torch.Tensor], torch.Tensor] = (lambda t: t[:n]) if rows_t is None else (lambda t: t[rows_t])
         temperature = pick(self._temperature)
+        logits = logits[:, : self.vocab_limit]  # a view: rows stay contiguous in the vocabulary dim
         if self._suppressed is not None:
             suppressed_logits = logits[:, self._suppressed]  # a copy: kept for the logprobs
             logits[:, self._suppressed] = float("-inf")

@@ -49,7 +49,8 @@ class EnginePolicy:
         self.image_encoder = ImageEncoder(processor) if processor is not None else None
         self.accepts_images = processor is not None
         self.engine = Engine(model, config, dtype=dtype,
-                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                             vocab_limit=len(tokenizer))
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
         handles = [self.submit(request, sampling) for request in requests]
