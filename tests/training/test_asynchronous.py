@@ -17,7 +17,8 @@ from turnrl.training.trainer import Recipe, StepOutput
 
 COMMON = [*TRAINER_COMMON, "run.steps=3"]  # the trainer tests' short FrozenLake run, one step longer
 TIS = ["algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
-VOLATILE = ("timing/", "throughput/", "async/")  # wall-clock measurements, and what only the async recipe reports
+# Measurements of the machine, and what only the async recipe reports.
+VOLATILE = ("timing/", "throughput/", "startup/", "memory/", "async/")
 
 
 def config(model_dir: Path, out: Path, *overrides: str, name: str = "run") -> TrainConfig:

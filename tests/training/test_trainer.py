@@ -33,7 +33,7 @@ COMMON = [
     "validation.episodes=2", "run.steps=2", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
     "optim.actor_lr=1e-3", "optim.critic_lr=1e-3",
 ]
-VOLATILE = ("timing/", "throughput/")  # wall-clock measurements
+VOLATILE = ("timing/", "throughput/", "startup/", "memory/")  # measurements of the machine, not of the run
 
 
 def config(model_dir, out: Path, *overrides: str, name: str = "run") -> TrainConfig:

@@ -278,6 +278,9 @@ class RunConfig:
     """Log to this Weights & Biases project too (needs ``wandb``)."""
     threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
+    peak_tflops: float = 0.0
+    """Dense bf16 peak of one device in TFLOP/s, the denominator of ``throughput/update_mfu``; 0 detects it
+    (H100, H200, A100 and others by name); a CPU or an unknown GPU logs no MFU."""
 
 
 @dataclass
@@ -366,6 +369,7 @@ class TrainConfig:
         check_range("run.steps", self.run.steps, 0)
         check_range("run.save_every", self.run.save_every, 0)
         check_range("run.keep_checkpoints", self.run.keep_checkpoints, 0)
+        check_range("run.peak_tflops", self.run.peak_tflops, 0.0)
         check_range("validation.episodes", self.validation.episodes, 1, self.seeds.val_size)
         check_range("validation.batch_size", self.validation.batch_size, 1)
         check_range("validation.samples_per_seed", self.validation.samples_per_seed, 1)

@@ -79,6 +79,7 @@ from turnrl.training.models import (
 )
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.sft import read_chat_jsonl
+from turnrl.training.throughput import mfu, peak_flops, phase_peak_gib, start_phase, training_flops_per_token
 from turnrl.viz.records import token_advantage_records
 
 console = Console(quiet=not ranks.is_main())  # one process of a distributed run speaks
@@ -377,6 +378,14 @@ def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
     return run_dir
 
 
+def _lookup_only(model: Any) -> torch.Tensor | None:
+    """The input embeddings of a transformers model (peft-wrapped or not) unless they double as its LM head:
+    a lookup, no FLOPs (see :func:`~turnrl.training.throughput.training_flops_per_token`)."""
+    embeddings = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    return None if head is not None and head.weight is embeddings else embeddings
+
+
 class Recipe:
     """Everything an RL run holds, built at once from a :class:`TrainConfig` (or restored from a checkpoint).
 
@@ -408,12 +417,17 @@ class Recipe:
         self.session_start = time.time()
 
         self._build_envs()
+        self.startup: dict[str, float] = {}
+        """Seconds of each part of the start, logged with the first step (``startup/``)."""
+        started = time.time()
         self._build_models(start_model)
+        self.startup["models_s"] = time.time() - started
         self._build_optimizers()
         fmt = get_format(config.agent.format, action_separator=config.agent.action_separator,
                          max_actions_per_turn=config.agent.max_actions_per_turn)
         rewards = rewards or Rewards(config.rewards)
         batch_size = max(64, config.groups.n_groups * config.groups.group_size)
+        started = time.time()
         policy = model_policy(self.rollout_model(), self.tokenizer, config.model,
                               max_batch_size=max(batch_size, config.validation.batch_size),
                               processor=self.processor, dtype=self.dtype)
@@ -427,8 +441,10 @@ class Recipe:
             processor=self.processor)
         self.val_rollout = Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor,
                                    rewards=rewards)
+        self.startup["policy_s"] = time.time() - started
         if self.checkpoint is not None:
             self._restore()
+        self.peak_flops = peak_flops(self.device, config.run.peak_tflops * 1e12)
 
     # ------------------------------------------------------------------ setup
     def rollout_model(self) -> torch.nn.Module:
@@ -512,6 +528,9 @@ class Recipe:
                 ))
             if config.model.gradient_checkpointing:
                 self.actor.enable_input_require_grads()
+        self.actor_flops_per_token = training_flops_per_token(self.actor, _lookup_only(self.actor))
+        self.critic_flops_per_token = 0.0 if self.critic is None else training_flops_per_token(
+            self.critic, _lookup_only(self.critic.backbone))
 
     def _build_optimizers(self) -> None:
         optim = self.config.optim
@@ -575,9 +594,21 @@ class Recipe:
     def step(self, step: int) -> StepOutput:
         """Roll out the step's groups, then update on the kept episodes."""
         step_start = time.time()
+        first = bool(self.startup) and "to_first_rollout_s" not in self.startup
+        if first:
+            self.startup["to_first_rollout_s"] = step_start - self.session_start
+        start_phase(self.device)
         rollout, keep = self.roll_out(step)
+        rollout_peak = phase_peak_gib(self.device)
         output = self.update(step, rollout, keep) if keep else rollout
         output.metrics["timing/step_s"] = time.time() - step_start
+        if rollout_peak is not None:
+            output.metrics["memory/rollout_peak_gib"] = rollout_peak
+            output.metrics["memory/peak_allocated_gib"] = max(
+                rollout_peak, output.metrics.get("memory/scores_peak_gib", 0.0),
+                output.metrics.get("memory/update_peak_gib", 0.0))
+        if first:
+            output.metrics.update({f"startup/{key}": value for key, value in self.startup.items()})
         return output
 
     def roll_out(self, step: int) -> tuple[StepOutput, list[int]]:
@@ -613,7 +644,9 @@ class Recipe:
         metrics["batch/sequence_length_mean"] = float(batch.attention_mask.sum(1).float().mean())
 
         # 4. old logprobs, reference logprobs, values
+        start_phase(self.device)
         scores = self.score(batch, generator)
+        scores_peak = phase_peak_gib(self.device)
         metrics.update(scores.metrics)
         for phase in ("old_logprobs_s", "reference_s", "values_s"):
             if f"timing/{phase}" in scores.metrics:
@@ -642,6 +675,7 @@ class Recipe:
             metrics["critic/returns_mean"] = float((advantages.returns * mask).sum() / n_tokens)
 
         # 6. PPO epochs
+        start_phase(self.device)
         start = time.time()
         self.actor.train()
         if self.critic is not None:
@@ -657,9 +691,16 @@ class Recipe:
         metrics["timing/update_s"] = update_s
         trained = float(batch.attention_mask.sum()) * algo.ppo_epochs
         metrics["throughput/trained_tokens_per_s"] = trained / max(update_s, 1e-9)
+        # Model FLOPs of the update (actor once it trains, critic) over the devices' peak.
+        flops = (self.actor_flops_per_token if train_actor else 0.0) + self.critic_flops_per_token
+        utilization = mfu(flops, trained, update_s, self.peak_flops, ranks.world_size())
+        if utilization is not None:
+            metrics["throughput/update_mfu"] = utilization
         metrics["actor/lr"] = float(self.actor_scheduler.get_last_lr()[0])
-        if self.device.type == "cuda":
-            metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        update_peak = phase_peak_gib(self.device)
+        if update_peak is not None and scores_peak is not None:
+            metrics["memory/scores_peak_gib"] = scores_peak
+            metrics["memory/update_peak_gib"] = update_peak
         return StepOutput(metrics, rollout.trajectories, token_advantages)
 
     def score(self, batch: Batch, generator: torch.Generator) -> Scores:

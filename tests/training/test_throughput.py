@@ -1,0 +1,49 @@
+"""MFU's parts: the FLOPs a trained token costs, and the device's peak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from turnrl.training.throughput import mfu, peak_flops, training_flops_per_token
+
+
+def model(tied: bool) -> Qwen2ForCausalLM:
+    config = Qwen2Config(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_fully_trained_model_costs_six_times_its_parameters_less_the_embedding_lookup(tied):
+    m = model(tied)
+    embeddings = m.get_input_embeddings().weight
+    total = sum(p.numel() for p in m.parameters())  # tied weights counted once
+    expected = 6 * (total if tied else total - embeddings.numel())
+    assert training_flops_per_token(m, None if tied else embeddings) == expected
+
+
+def test_a_frozen_base_costs_four_times_and_the_trained_part_six():
+    m = model(tied=False)
+    embeddings = m.get_input_embeddings().weight
+    for name, parameter in m.named_parameters():
+        parameter.requires_grad_("layers.1." in name)
+    trained = sum(p.numel() for n, p in m.named_parameters() if "layers.1." in n)
+    frozen = sum(p.numel() for n, p in m.named_parameters() if "layers.1." not in n) - embeddings.numel()
+    assert training_flops_per_token(m, embeddings) == 6 * trained + 4 * frozen
+
+
+def test_mfu_is_model_flops_over_time_and_peak():
+    assert mfu(6e9, 1000, 2.0, 1e12, processes=2) == pytest.approx(6e12 / 2 / 2e12)
+    assert mfu(6e9, 1000, 2.0, None) is None
+
+
+def test_peak_is_configured_or_detected_by_name(monkeypatch):
+    cpu = torch.device("cpu")
+    assert peak_flops(cpu) is None and peak_flops(cpu, 500e12) == 500e12
+    gpu = torch.device("cuda", 0)
+    for name, expected in [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989.4e12),
+                           ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GH200 480GB", 989.4e12), ("Some GPU", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert peak_flops(gpu) == expected, name

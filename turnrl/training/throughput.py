@@ -1,0 +1,85 @@
+"""How close an update runs to the hardware: model FLOPs utilization (MFU) and the device's peak.
+
+MFU counts the FLOPs the model's math needs, not what the implementation spends: a fully trained model costs
+6 x its parameters per token (2 forward, 4 backward), a frozen base under LoRA 4 x (no weight gradients; the
+adapters' own FLOPs are negligible). Recomputation for gradient checkpointing, attention's quadratic term and
+padding are not counted, as in PaLM's and torchtitan's figures, so an implementation that wastes work shows a
+lower MFU. The denominator is the device's dense bf16 peak (detected for the GPUs below, or configured).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H100 SXM": 989.4e12,
+    "H100 NVL": 835.5e12,
+    "H100 PCIe": 756.0e12,
+    "H200": 989.4e12,
+    "H20": 148.0e12,
+    "GH200": 989.4e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362.1e12,
+    "A10G": 70e12,
+    "L4": 121e12,
+}
+"""Dense bf16 matrix FLOP/s by GPU, from the vendors' datasheets (without sparsity)."""
+
+
+def peak_flops(device: torch.device, configured: float = 0.0) -> float | None:
+    """The device's dense bf16 peak in FLOP/s: ``configured`` when above 0, else looked up by the GPU's name;
+    None on a CPU or an unknown GPU (the MFU metric is then left out)."""
+    if configured > 0:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    if "H100" in name:
+        kind = "H100 NVL" if "NVL" in name else "H100 PCIe" if "PCIe" in name else "H100 SXM"
+        return PEAK_BF16_FLOPS[kind]
+    for kind in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):  # "GH200" before "H200", "A100" before "A10"
+        if kind in name:
+            return PEAK_BF16_FLOPS[kind]
+    return None
+
+
+def training_flops_per_token(model: torch.nn.Module, lookup_only: torch.Tensor | None = None) -> float:
+    """Model FLOPs of one trained token (forward and backward) through ``model``: 6 x its trained parameters
+    plus 4 x the frozen ones (a LoRA base: the forward pass and the input gradients run through them).
+
+    Args:
+        lookup_only: the input embeddings when they are not also the LM head: a lookup costs no FLOPs.
+            A vision tower's parameters (names with ``visual`` or ``vision``) are left out too: they see image
+            patches, not the tokens counted.
+    """
+    seen = {id(lookup_only)} if lookup_only is not None else set()
+    trained = frozen = 0
+    for name, parameter in model.named_parameters():
+        if id(parameter) in seen or "visual" in name or "vision" in name:
+            continue
+        seen.add(id(parameter))
+        if parameter.requires_grad:
+            trained += parameter.numel()
+        else:
+            frozen += parameter.numel()
+    return 6.0 * trained + 4.0 * frozen
+
+
+def mfu(flops_per_token: float, tokens: float, seconds: float, peak: float | None, processes: int = 1) -> float | None:
+    """Model FLOPs utilization: ``flops_per_token * tokens / seconds`` over ``processes`` devices of ``peak``."""
+    if peak is None or seconds <= 0:
+        return None
+    return flops_per_token * tokens / seconds / (peak * processes)
+
+
+def start_phase(device: torch.device) -> None:
+    """Start measuring a phase's peak memory (the allocator's peak since now)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def phase_peak_gib(device: torch.device) -> float | None:
+    """The most memory torch held allocated on ``device`` since :func:`start_phase`, in GiB (None on a CPU)."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
