@@ -19,14 +19,14 @@ from turnrl.envs.base import AgentEnv, StateFacts, TurnEnv, missing_methods
 from turnrl.envs.gym_adapter import GYM_PREFIX, make_image_env
 
 BUILTIN_ENVS: dict[str, str] = {
-    "Sokoban": "turnrl.envs.sokoban:SokobanEnv",
-    "FrozenLake": "turnrl.envs.frozenlake:FrozenLakeEnv",
-    "Bandit": "turnrl.envs.bandit:BanditEnv",
-    "Countdown": "turnrl.envs.countdown:CountdownEnv",
-    "Maze2D": "turnrl.envs.maze:Maze2DEnv",
-    "Navigation": "turnrl.envs.navigation:NavigationEnv",
-    "PrimitiveSkill": "turnrl.envs.primitive_skill:PrimitiveSkillEnv",
-    "SVG": "turnrl.envs.svg:SVGEnv",
+    "Sokoban": "turnrl.envs.games.sokoban:SokobanEnv",
+    "FrozenLake": "turnrl.envs.games.frozenlake:FrozenLakeEnv",
+    "Bandit": "turnrl.envs.games.bandit:BanditEnv",
+    "Countdown": "turnrl.envs.games.countdown:CountdownEnv",
+    "Maze2D": "turnrl.envs.games.maze:Maze2DEnv",
+    "Navigation": "turnrl.envs.games.navigation:NavigationEnv",
+    "PrimitiveSkill": "turnrl.envs.games.primitive_skill:PrimitiveSkillEnv",
+    "SVG": "turnrl.envs.games.svg:SVGEnv",
 }
 
 CONTRACT_HINT = (

@@ -9,7 +9,7 @@ resvg, the renderer every answer goes through as well.
 An action is the agent's answer: text that contains ``<svg ...>...</svg>``
 (free-form, like Countdown: any string is an attempt, only a non-string is
 an invalid action). The answer is checked, rendered in a sandbox and compared
-with the target (:mod:`turnrl.envs.svg_render`); the reward of the step is
+with the target (:mod:`turnrl.envs.games.svg.render`); the reward of the step is
 the similarity ``total`` in ``[0, 1]`` (VAGEN pays the score of every
 attempt). An answer that cannot be rendered (malformed, hostile, too large,
 too slow) scores 0 and the next observation says why. The episode ends with
@@ -30,7 +30,14 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv
-from turnrl.envs.svg_render import Reference, Similarity, SimilarityWeights, check_svg, shared_renderer, similarity
+from turnrl.envs.games.svg.render import (
+    Reference,
+    Similarity,
+    SimilarityWeights,
+    check_svg,
+    shared_renderer,
+    similarity,
+)
 
 CANVAS = 256
 """Side of the icons' coordinate system (viewBox 0 0 256 256)."""

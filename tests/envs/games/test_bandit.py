@@ -8,7 +8,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
-from turnrl.envs.bandit import SPLITS, TEST_PAIRS, TRAIN_PAIRS, BanditEnv, odds_in_words
+from turnrl.envs.games.bandit import SPLITS, TEST_PAIRS, TRAIN_PAIRS, BanditEnv, odds_in_words
 
 
 @pytest.mark.parametrize("mode", ["text", "image"])

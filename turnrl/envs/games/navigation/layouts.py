@@ -3,7 +3,7 @@
 A :class:`Layout` says everything that makes one episode's world: rectangular
 rooms (metres, MiniWorld's x and z axes, no ceilings), the openings between
 them, the objects on the floor and the agent's start. MiniWorld builds and
-draws it (:mod:`turnrl.envs.navigation_gl`); whether the target can be reached
+draws it (:mod:`turnrl.envs.games.navigation.gl`); whether the target can be reached
 is decided there, with MiniWorld's own collision test.
 
 Layout kinds (``LAYOUT_KINDS``), each with random sizes, textures and objects:

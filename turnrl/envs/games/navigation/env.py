@@ -4,12 +4,12 @@ VAGEN's Navigation puts a first-person robot in an AI2-THOR house and asks it
 to "navigate to the X and be as close as possible to it". AI2-THOR downloads
 a Unity build at run time, so this env builds the same task on Farama's
 MiniWorld, which installs from PyPI and renders with OpenGL on a CPU
-(:mod:`turnrl.envs.navigation_gl` gets the context; no display is needed).
+(:mod:`turnrl.envs.games.navigation.gl` gets the context; no display is needed).
 
 The task, as in VAGEN:
 
 - Each seed draws a floor plan (one, two, three or four rooms; see
-  :mod:`turnrl.envs.navigation_layouts`), ``num_objects`` objects from
+  :mod:`turnrl.envs.games.navigation.layouts`), ``num_objects`` objects from
   MiniWorld's boxes, balls and meshes (the target and its distractors, names
   unique) and the agent's start. The instruction names the target:
   ``"Navigate to the red box and be as close as possible to it."``
@@ -50,8 +50,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from turnrl.envs.base import ObjectFact, StateFacts, StepOutcome, TurnEnv
-from turnrl.envs.navigation_gl import build_world
-from turnrl.envs.navigation_layouts import LAYOUT_KINDS, Layout, draw_layout
+from turnrl.envs.games.navigation.gl import build_world
+from turnrl.envs.games.navigation.layouts import LAYOUT_KINDS, Layout, draw_layout
 
 ACTIONS = ("moveahead", "moveback", "moveright", "moveleft", "rotateright", "rotateleft", "lookup", "lookdown")
 """VAGEN's action names, in VAGEN's order."""
@@ -175,7 +175,7 @@ class NavigationEnv(TurnEnv):
         render_mode: ``None``, ``"ansi"`` (the view described) or ``"rgb_array"`` (the frame).
 
     ``reset(options={"layout": layout})`` plays a given
-    :class:`~turnrl.envs.navigation_layouts.Layout`. ``top_view()`` draws the
+    :class:`~turnrl.envs.games.navigation.layouts.Layout`. ``top_view()`` draws the
     floor plan from above (for people, not agents).
     """
 
@@ -320,7 +320,7 @@ class NavigationEnv(TurnEnv):
             layout = options["layout"]
             if not isinstance(layout, Layout) or not layout.objects or not layout.rooms:
                 raise ValueError(
-                    "options['layout'] must be a navigation_layouts.Layout with at least one room and one object "
+                    "options['layout'] must be a navigation.layouts.Layout with at least one room and one object "
                     f"(the first is the target), got {layout!r:.200}"
                 )
             self._start(layout)

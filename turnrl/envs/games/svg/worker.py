@@ -1,6 +1,6 @@
 """The SVG render worker: a sandboxed process that turns SVG text into PNG bytes with resvg.
 
-:class:`turnrl.envs.svg_render.SvgRenderer` starts this file as a script (not
+:class:`turnrl.envs.games.svg.render.SvgRenderer` starts this file as a script (not
 as a turnrl module, so it imports nothing but the standard library and
 ``resvg_py``) and talks to it over stdin/stdout:
 

@@ -16,8 +16,8 @@ from PIL import Image
 
 from turnrl.envs import check_env
 from turnrl.envs.base import MAX_TEXT_LENGTH, OBS_CHARSET
-from turnrl.envs.svg import SVGEnv, generate_icon
-from turnrl.envs.svg_render import (
+from turnrl.envs.games.svg.env import SVGEnv, generate_icon
+from turnrl.envs.games.svg.render import (
     MAX_DEPTH,
     MAX_ELEMENTS,
     SvgRenderer,
@@ -27,7 +27,7 @@ from turnrl.envs.svg_render import (
 )
 
 if "turnrl/SVG-v0" not in gym.registry:  # registered by turnrl.envs once the registry lists it
-    gym.register(id="turnrl/SVG-v0", entry_point="turnrl.envs.svg:SVGEnv")
+    gym.register(id="turnrl/SVG-v0", entry_point="turnrl.envs.games.svg:SVGEnv")
 
 NS = 'xmlns="http://www.w3.org/2000/svg"'
 

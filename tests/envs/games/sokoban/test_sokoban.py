@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers turnrl/Sokoban-v0)
-from turnrl.envs.render import draw_grid
-from turnrl.envs.sokoban import TILES, SokobanEnv
-from turnrl.envs.sokoban_levels import (
+from turnrl.envs.games.sokoban.env import TILES, SokobanEnv
+from turnrl.envs.games.sokoban.levels import (
     ALT_SYMBOLS,
     DIRECTIONS,
     RAGEN_SYMBOLS,
@@ -26,6 +25,7 @@ from turnrl.envs.sokoban_levels import (
     parse_level,
     solve,
 )
+from turnrl.envs.render import draw_grid
 
 ACTIONS = list(DIRECTIONS)
 

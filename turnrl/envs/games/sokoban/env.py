@@ -7,7 +7,7 @@ text observation is RAGEN's grid (``#`` wall, ``_`` empty, ``O`` target,
 ``√`` box on target, ``X`` box, ``P`` player, ``S`` player on target), RAGEN's
 alternative vocabulary, or a list of coordinates.
 
-Levels come from :mod:`turnrl.envs.sokoban_levels`: generated from the seed by
+Levels come from :mod:`turnrl.envs.games.sokoban.levels`: generated from the seed by
 reverse play (always solvable, never already solved, solvable within
 ``max_steps``) or given as text with ``reset(options={"level": ...})``.
 """
@@ -22,8 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from turnrl.envs.base import MAX_TEXT_LENGTH, StateFacts, StepOutcome, TurnEnv, facts_from_positions
-from turnrl.envs.render import Tile, draw_grid
-from turnrl.envs.sokoban_levels import (
+from turnrl.envs.games.sokoban.levels import (
     ALT_SYMBOLS,
     BOX,
     BOX_ON_TARGET,
@@ -40,6 +39,7 @@ from turnrl.envs.sokoban_levels import (
     parse_level,
     solve,
 )
+from turnrl.envs.render import Tile, draw_grid
 
 STEP_REWARD = -0.1
 BOX_ON_TARGET_REWARD = 1.0

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrl.envs.arith import MAX_DEPTH, MAX_DIGITS, MAX_EXPRESSION_LENGTH, ArithResult, evaluate, tokenize, uses_exactly
+from turnrl.envs.games.countdown.arith import (
+    MAX_DEPTH,
+    MAX_DIGITS,
+    MAX_EXPRESSION_LENGTH,
+    ArithResult,
+    evaluate,
+    tokenize,
+    uses_exactly,
+)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ message that says what to change; nothing here raises on bad input:
    ``MAX_DEPTH`` deep, no event handlers, and references (``href``,
    ``url(...)``) only to ids inside the document.
 2. :class:`SvgRenderer` renders the checked text with resvg in a worker
-   process (:mod:`turnrl.envs.svg_worker`) limited in memory, unable to open
+   process (:mod:`turnrl.envs.games.svg.worker`) limited in memory, unable to open
    files or sockets, and killed when a render takes longer than its timeout.
    resvg can panic on extreme coordinates (e.g. ``1e30``), which in-process
    would reach Python as a ``BaseException``; the worker makes a crash or a
@@ -61,7 +61,7 @@ ALLOWED_ELEMENTS = frozenset(
 """Elements an answer may use. Text is left out on purpose: fonts differ between machines, so text would
 render differently from run to run (draw letters as paths)."""
 _URL = re.compile(r"url\s*\(\s*(['\"]?)\s*([^)'\"]*?)\s*\1\s*\)", re.IGNORECASE)
-_WORKER = Path(__file__).with_name("svg_worker.py")
+_WORKER = Path(__file__).with_name("worker.py")
 _PRINTABLE = re.compile(r"[^ -~]")
 
 

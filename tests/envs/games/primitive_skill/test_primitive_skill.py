@@ -14,11 +14,11 @@ from turnrl.agent.expert import expert_fields
 from turnrl.agent.formats import get_format
 from turnrl.envs import check_env
 from turnrl.envs.base import MAX_TEXT_LENGTH, OBS_CHARSET
-from turnrl.envs.primitive_skill import TASKS, PrimitiveSkillEnv, Skill, parse_skill, skill_text
-from turnrl.envs.primitive_skill_sim import CUBE_HALF
+from turnrl.envs.games.primitive_skill.env import TASKS, PrimitiveSkillEnv, Skill, parse_skill, skill_text
+from turnrl.envs.games.primitive_skill.sim import CUBE_HALF
 
 if "turnrl/PrimitiveSkill-v0" not in gym.registry:  # registered by turnrl.envs once the registry lists it
-    gym.register(id="turnrl/PrimitiveSkill-v0", entry_point="turnrl.envs.primitive_skill:PrimitiveSkillEnv")
+    gym.register(id="turnrl/PrimitiveSkill-v0", entry_point="turnrl.envs.games.primitive_skill:PrimitiveSkillEnv")
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +284,7 @@ def test_expert_succeeds_on_95_percent_of_100_validation_seeds(task):
 
 
 def test_missing_opengl_is_a_clear_error(monkeypatch):
-    import turnrl.envs.primitive_skill as module
+    import turnrl.envs.games.primitive_skill.env as module
 
     def no_context(*args, **kwargs):
         raise module.mujoco.FatalError("an OpenGL platform library has not been loaded into this process")

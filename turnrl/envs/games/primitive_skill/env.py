@@ -8,7 +8,7 @@ millimetres (integers; decimals are rounded)::
     push(x1, y1, z1, x2, y2, z2)     push an object from (x1, y1, z1) to (x2, y2, z2)
 
 Each action is one env step: a controller moves the gripper through the
-skill's waypoints (:mod:`turnrl.envs.primitive_skill_sim`) and MuJoCo decides
+skill's waypoints (:mod:`turnrl.envs.games.primitive_skill.sim`) and MuJoCo decides
 what happens; success is read from the simulated state. Coordinates are
 clipped to the task's workspace, as in VAGEN. A malformed action (an unknown
 name, the wrong number of coordinates, text that is not a number) is invalid
@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv
-from turnrl.envs.primitive_skill_sim import (
+from turnrl.envs.games.primitive_skill.sim import (
     APPLE_RADIUS,
     CUBE_HALF,
     DRAWER_INNER,

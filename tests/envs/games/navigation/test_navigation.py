@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -17,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnrl.envs import check_env
-from turnrl.envs.navigation import ACTIONS, NavigationEnv, NavigationFacts, bearing, move_delta, sector
-from turnrl.envs.navigation_gl import GL_ENV_VAR, choose_backend, miniworld_modules
-from turnrl.envs.navigation_layouts import (
+from turnrl.envs.games.navigation.env import ACTIONS, NavigationEnv, NavigationFacts, bearing, move_delta, sector
+from turnrl.envs.games.navigation.gl import GL_ENV_VAR, choose_backend, miniworld_modules
+from turnrl.envs.games.navigation.layouts import (
     CATALOG,
     FOOTPRINT,
     LAYOUT_KINDS,
@@ -30,7 +31,7 @@ from turnrl.envs.navigation_layouts import (
 )
 from turnrl.envs.seeds import SeedSplits
 
-SPEC = EnvSpec("turnrl/Navigation-v0", entry_point="turnrl.envs.navigation:NavigationEnv")
+SPEC = EnvSpec("turnrl/Navigation-v0", entry_point="turnrl.envs.games.navigation:NavigationEnv")
 
 
 def open_room(objects, start=(2.0, 4.0), heading=0, size=8.0):
@@ -79,7 +80,7 @@ def test_bad_settings_say_what_to_do():
     with pytest.raises(ValueError, match="unknown mode"):
         NavigationEnv(mode="video")
     env = NavigationEnv()
-    with pytest.raises(ValueError, match="navigation_layouts.Layout"):
+    with pytest.raises(ValueError, match="navigation.layouts.Layout"):
         env.reset(seed=0, options={"layout": "one room please"})
 
 
@@ -348,15 +349,15 @@ def test_xvfb_route_renders_the_same_frame(image_env):
     with different ones (a GPU's EGL driver here) they agree to a few grey levels.
     """
     script = (
-        "import json, sys; sys.path.insert(0, 'tests/envs');"
+        "import json, sys; sys.path.insert(0, 'tests/envs/games/navigation');"
         "from test_navigation import open_room, RED_BOX, BLUE_BALL;"
-        "from turnrl.envs.navigation import NavigationEnv; from turnrl.envs.navigation_gl import ensure_gl;"
+        "from turnrl.envs.games.navigation import NavigationEnv; from turnrl.envs.games.navigation.gl import ensure_gl;"
         "env = NavigationEnv(); obs, _ = env.reset(seed=0, options={'layout': open_room([RED_BOX, BLUE_BALL])});"
         "from pyglet.gl import gl_info;"
         "print(json.dumps([ensure_gl(), gl_info.get_renderer(), obs['image'].tolist()]))"
     )
     environ = {k: v for k, v in os.environ.items() if k != "DISPLAY"} | {GL_ENV_VAR: "xvfb"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = Path(__file__).resolve().parents[4]
     done = subprocess.run([sys.executable, "-c", script], env=environ, cwd=root, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

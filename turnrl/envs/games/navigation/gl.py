@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from turnrl.envs.navigation_layouts import Layout, ObjectSpec
+from turnrl.envs.games.navigation.layouts import Layout, ObjectSpec
 
 GL_ENV_VAR = "TURNRL_GL"
 GL_BACKENDS = ("display", "egl", "xvfb")

@@ -6,7 +6,7 @@ once with an arithmetic expression; the episode then ends.
 Scoring (as RAGEN): 1 when the expression equals the target and uses exactly
 the given numbers, each once; 0.1 when it uses exactly the given numbers but
 misses the target; 0 otherwise. Expressions are judged by the safe, exact
-evaluator in :mod:`turnrl.envs.arith`, never by Python ``eval``.
+evaluator in :mod:`turnrl.envs.games.countdown.arith`, never by Python ``eval``.
 
 Actions are free-form. Any *string* is a valid action: it is the agent's
 answer, and a malformed expression is a wrong answer that scores 0 (the
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from turnrl.envs.arith import evaluate, uses_exactly
 from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.games.countdown.arith import evaluate, uses_exactly
 from turnrl.envs.render import font
 
 MAX_GENERATION_TRIES = 10_000
