@@ -24,6 +24,7 @@ handling of bad actions, so that every env behaves the same way:
 
 from __future__ import annotations
 
+import hashlib
 import string
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -153,6 +154,22 @@ class AgentEnv(Protocol):
     def solve(self) -> list[str] | None:
         """Expert actions from the current state, or None where no solver exists."""
         ...
+
+
+def observation_key(obs: dict[str, Any]) -> str:
+    """A hash of an observation, text and image: the state key of an env without ``state_key()``."""
+    digest = hashlib.sha1(str(obs.get("text", "")).encode())
+    if "image" in obs:
+        digest.update(np.ascontiguousarray(obs["image"]).tobytes())
+    return digest.hexdigest()
+
+
+def state_key(env: AgentEnv, obs: dict[str, Any]) -> str:
+    """A key of the state ``env`` is in, equal exactly for equal states (GiGPO groups turns by it): the env's
+    ``state_key()`` where it has one (an optional method of the contract), else :func:`observation_key` of
+    ``obs``, the env's latest observation. Raises what the env's ``state_key()`` raises."""
+    own = getattr(env, "state_key", None)
+    return str(own()) if callable(own) else observation_key(obs)
 
 
 AGENT_ENV_METHODS: tuple[str, ...] = ("reset", "step", "instructions", "action_names", "state_facts", "solve")

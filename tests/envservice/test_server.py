@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import gc
 import json
@@ -19,40 +20,51 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.envservice.env_helpers import PROBE, LoseAnswers, ProbeEnv, ServerProcess, env_server
 from tests.rollout.trajectory_checks import same_trajectory
-from tests.serve.env_helpers import PROBE, LoseAnswers, ProbeEnv, ServerProcess, env_server
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import check_env, make
-from turnrl.envs.remote import (
-    QUERIES,
+from turnrl.envs.base import observation_key
+from turnrl.envs.seeds import SeedSplits
+from turnrl.envservice.client import (
     ClientOptions,
-    EnvRaisedError,
     EnvServerPool,
+    RemoteEnv,
+    RemoteEnvBatch,
+    remote_env_factory,
+)
+from turnrl.envservice.options import ServerLimits, add_arguments
+from turnrl.envservice.protocol import (
+    QUERIES,
+    APIError,
+    EnvRaisedError,
     EnvSpecError,
     LimitError,
     NoServerError,
-    RemoteEnv,
-    RemoteEnvBatch,
+    Query,
     RemoteEnvError,
     SessionLostError,
-    remote_env_factory,
+    answer_query,
+    decode_item,
 )
-from turnrl.envs.seeds import SeedSplits
-from turnrl.policy.scripted import ExpertPolicy
-from turnrl.rollout.groups import EnvGroups
-from turnrl.rollout.runner import EpisodeSlot, Rollout
-from turnrl.rollout.trajectory import DONE, ERROR
-from turnrl.serve.env import (
-    Query,
-    ServerLimits,
-    add_arguments,
+from turnrl.envservice.server import (
+    EnvServer,
+    OpenBody,
+    ResetBody,
+    ResetItem,
+    SessionsBody,
+    StepBody,
+    StepItem,
     build_app,
     exposure_warning,
     is_loopback,
     main,
-    observation_key,
 )
+from turnrl.policy.scripted import ExpertPolicy
+from turnrl.rollout.groups import EnvGroups
+from turnrl.rollout.runner import EpisodeSlot, Rollout
+from turnrl.rollout.trajectory import DONE, ERROR
 
 FAST = {"retries": 1, "backoff_s": 0.01, "cooldown_s": 0.5, "timeout_s": 20.0}
 """Client options for tests: a dead server is given up on within milliseconds."""
@@ -73,6 +85,45 @@ def open_one(url: str, env_id: str = PROBE, settings: dict | None = None, header
     answer = post(url, "/v1/sessions", {"env_id": env_id, "settings": settings or {}}, headers)
     assert answer.status_code == 200, answer.text
     return answer.json()["sessions"][0]
+
+
+# --------------------------------------------------------------------------- the server without HTTP
+def test_the_server_class_answers_without_http():
+    async def scenario() -> None:
+        server = EnvServer([PROBE], limits=ServerLimits(max_sessions_per_client=2))
+        server.start()
+        try:
+            assert (await server.open_sessions(OpenBody(env_id=PROBE, ids=["a"]), "me"))["sessions"] == ["a"]
+            reset = await server.reset(ResetBody(items=[ResetItem(session="a", seq=1, seed=3, queries=["text"])]))
+            local = ProbeEnv()
+            obs, _ = local.reset(seed=3)
+            result = decode_item("here", reset["items"][0], step=False)
+            assert result.observation == obs and result.queries["text"] == local.text()
+            step = await server.step(StepBody(items=[StepItem(session="a", seq=2, action="inc")]))
+            again = await server.step(StepBody(items=[StepItem(session="a", seq=2, action="inc")]))
+            assert again == step and server.metrics.steps == 1  # a retried step is answered, not applied again
+            assert decode_item("here", step["items"][0], step=True).observation == local.step("inc")[0]
+            with pytest.raises(APIError, match="unknown session") as caught:
+                await server.step(StepBody(items=[StepItem(session="b", action="inc")]))
+            assert caught.value.status == 404
+            with pytest.raises(APIError, match="this client holds 1 sessions of at most 2"):
+                await server.open_sessions(OpenBody(env_id=PROBE, count=2), "me")
+            assert server.authorize("", "me", "10.0.0.1") == "me" and server.authorize("", None, None) == "unknown"
+            assert (await server.close(SessionsBody(sessions=["a", "b"]))) == {"closed": ["a"], "unknown": ["b"]}
+            assert server.health()["sessions"] == 0 and "image" in server.envs()["queries"]
+        finally:
+            server.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_the_server_class_checks_the_token():
+    server = EnvServer([PROBE], token="s3cret")
+    assert server.authorize("Bearer s3cret", None, "10.0.0.1") == "10.0.0.1"
+    for header, words in (("", "bearer token"), ("Bearer guess", "wrong token"), ("Basic s3cret", "bearer token")):
+        with pytest.raises(APIError, match=words):
+            server.authorize(header, None, None)
+    server.shutdown()
 
 
 # --------------------------------------------------------------------------- the same env, here or there
@@ -370,11 +421,12 @@ def test_idle_sessions_are_closed_and_saying_so():
 
 
 def test_the_state_key_of_an_env_without_one_is_the_rollouts_hash_of_its_observation():
-    from turnrl.rollout.runner import state_key
+    from turnrl.rollout.runner import turn_state_key
 
     obs = {"text": "a board", "image": np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3)[:, ::-1]}
-    assert observation_key(obs) == state_key(object(), obs)  # type: ignore[arg-type]
-    assert observation_key({"text": "x"}) == state_key(object(), {"text": "x"})  # type: ignore[arg-type]
+    assert observation_key(obs) == turn_state_key(object(), obs)  # type: ignore[arg-type]
+    assert observation_key({"text": "x"}) == turn_state_key(object(), {"text": "x"})  # type: ignore[arg-type]
+    assert answer_query(object(), "state_key", obs) == observation_key(obs)  # type: ignore[arg-type]
 
 
 def test_the_server_takes_exactly_the_queries_the_client_knows():
@@ -504,8 +556,8 @@ def test_a_server_killed_mid_episode_ends_its_episodes_as_errors_and_the_batches
 
 
 def test_server_and_client_read_the_same_token_variable():
-    from turnrl.envs.remote import TOKEN_ENV_VAR as client_variable
-    from turnrl.serve.env_options import TOKEN_ENV_VAR as server_variable
+    from turnrl.envservice.client import TOKEN_ENV_VAR as client_variable
+    from turnrl.envservice.server import TOKEN_ENV_VAR as server_variable
 
     assert server_variable == client_variable
 

@@ -1,4 +1,5 @@
-"""Envs that live on ``turnrl serve-env`` servers: an HTTP client that is an :class:`~turnrl.envs.base.AgentEnv`.
+"""The env-service client: envs that live on ``turnrl serve-env`` servers, each an
+:class:`~turnrl.envs.base.AgentEnv`.
 
 :class:`RemoteEnv` holds one session on one server and answers the env
 contract (``reset``, ``step``, ``instructions``, ``action_names``,
@@ -11,10 +12,8 @@ servers; :class:`RemoteEnvBatch` steps many sessions in one request.
 What a caller can rely on:
 
 - **Same trajectories.** Observations, rewards, flags, ``info`` and the query
-  results cross the wire losslessly (:func:`encode_value`: tuples stay tuples,
-  non-finite floats survive, images travel as PNG and come back as the same
-  ``HxWx3`` uint8 arrays), so a seeded episode on a server equals the same
-  episode in process.
+  results cross the wire losslessly (:func:`~turnrl.envservice.protocol.encode_value`),
+  so a seeded episode on a server equals the same episode in process.
 - **Exactly-once steps.** Every reset and step carries the session's next
   sequence number; a retry of a request whose answer was lost is answered from
   the server's record of it, never applied twice.
@@ -29,18 +28,15 @@ What a caller can rely on:
   ``state_key``; ``instructions`` after a reset); results are cached until the
   state changes, so a turn costs one request per action.
 
-The client imports only from ``turnrl.envs`` and third-party libraries (it is
-in the bottom layer); the server is :mod:`turnrl.serve.env`.
+The queries, the encoding and the errors are :mod:`turnrl.envservice.protocol`'s; the server is
+:mod:`turnrl.envservice.server`.
 """
 
 from __future__ import annotations
 
-import base64
 import copy
-import io
 import itertools
 import json
-import math
 import operator
 import os
 import queue
@@ -55,238 +51,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import numpy as np
-from PIL import Image
 
-from turnrl.envs.base import ObjectFact, StateFacts
-
-TOKEN_ENV_VAR = "TURNRL_ENV_TOKEN"
-"""Environment variable read for the bearer token when none is passed (by the server and the client)."""
-CLIENT_HEADER = "x-turnrl-client"
-"""Header naming the client, for the server's per-client session limit (else the peer address counts)."""
-QUERIES = ("instructions", "action_names", "state_facts", "solve", "state_key", "text", "action_budget")
-"""Read-only calls a session answers; none changes the env's state."""
-STEP_QUERIES = ("action_names", "state_key")
-"""Queries every step brings back: what the rollout asks each turn (``action_names`` outside its error
-handling, so it must never need a request of its own)."""
-RESET_QUERIES = ("instructions", "action_names", "state_key")
-"""Queries every reset brings back."""
-
-
-# --------------------------------------------------------------------------- errors
-class RemoteEnvError(RuntimeError):
-    """A remote env cannot do what was asked; the episode in progress (if any) cannot go on."""
-
-
-class EnvRaisedError(RemoteEnvError):
-    """The env raised inside the server; the server closed its session (the next reset opens another)."""
-
-
-class SessionLostError(RemoteEnvError):
-    """The session's server died, restarted or closed it (idle too long): the episode's state is gone."""
-
-
-class ServerUnavailableError(RemoteEnvError):
-    """A server did not answer (refused, timed out, broken connection or 502/503/504) after every retry."""
-
-
-class NoServerError(RemoteEnvError):
-    """No server of the pool could open a session; ``reasons`` holds each one's error."""
-
-    def __init__(self, message: str, reasons: dict[str, str]) -> None:
-        super().__init__(message)
-        self.reasons = reasons
-
-
-class RequestError(RemoteEnvError):
-    """The server refused a request (a 4xx): ``status``, its error ``code`` and message."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"{message} (HTTP {status}, {code})")
-        self.status = status
-        self.code = code
-
-
-class EnvSpecError(RequestError, ValueError):
-    """The server refused the env id or its settings (a configuration problem, hence also a ValueError)."""
-
-
-class LimitError(RequestError):
-    """A server limit was reached (sessions per client or in total); another server may have room."""
-
-
-# --------------------------------------------------------------------------- the wire format of values
-_TAGS = ("$float", "$tuple", "$dict", "$png", "$array", "$repr")
-
-
-def _png(image: np.ndarray) -> str:
-    buffer = io.BytesIO()
-    # Level 1: PNG is lossless at every level; the lowest costs least time for nearly the same size.
-    Image.fromarray(image).save(buffer, format="PNG", compress_level=1)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _is_png_image(array: np.ndarray) -> bool:
-    """Arrays PNG stores exactly and gives back with the same shape: ``HxW`` and ``HxWx3`` (``x4``) uint8."""
-    if array.dtype != np.uint8 or array.size == 0:
-        return False
-    return array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))
-
-
-def encode_value(value: Any) -> Any:
-    """A JSON-ready form of ``value`` that :func:`decode_value` turns back into an equal value.
-
-    Kept exactly: None, bools, ints, strs, floats (``nan`` and infinities as ``{"$float": "nan"}``),
-    lists, tuples (``{"$tuple": [...]}``), dicts (with any encodable keys; a dict whose keys are not all
-    plain strs, or that has a key starting with ``$``, as ``{"$dict": [[key, value], ...]}``), numpy
-    scalars (as Python numbers) and numpy arrays: uint8 images as PNG (``{"$png": base64}``), other
-    numeric arrays as raw bytes with dtype and shape. Anything else travels as its ``repr`` (a str).
-    """
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)  # an IntEnum would otherwise dump by name in some encoders
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"$float": repr(value)}
-    if isinstance(value, np.generic):
-        return encode_value(value.item())
-    if isinstance(value, np.ndarray):
-        return _encode_array(value)
-    if isinstance(value, tuple):
-        return {"$tuple": [encode_value(item) for item in value]}
-    if isinstance(value, list):
-        return [encode_value(item) for item in value]
-    if isinstance(value, dict):
-        if all(isinstance(key, str) and not key.startswith("$") for key in value):
-            return {key: encode_value(item) for key, item in value.items()}
-        return {"$dict": [[encode_value(key), encode_value(item)] for key, item in value.items()]}
-    return {"$repr": repr(value)}
-
-
-def _encode_array(array: np.ndarray) -> Any:
-    if _is_png_image(array):
-        return {"$png": _png(np.ascontiguousarray(array))}
-    if array.dtype.kind in "biufc" and array.dtype.byteorder in "=<|":
-        data = base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
-        return {"$array": {"dtype": array.dtype.str, "shape": list(array.shape), "data": data}}
-    return {"$repr": repr(array)}
-
-
-def decode_value(data: Any) -> Any:
-    """The value :func:`encode_value` encoded; ValueError for anything it cannot have written."""
-    if data is None or isinstance(data, (bool, int, float, str)):
-        return data
-    if isinstance(data, list):
-        return [decode_value(item) for item in data]
-    if not isinstance(data, dict):
-        raise ValueError(f"not an encoded value: a {type(data).__name__}")
-    if len(data) == 1:
-        (tag, body), = data.items()
-        if tag in _TAGS:
-            return _decode_tagged(tag, body)
-    if any(key.startswith("$") for key in data):
-        raise ValueError(f"unknown tag in {sorted(data)[:3]}: plain dict keys never start with '$'")
-    return {key: decode_value(item) for key, item in data.items()}
-
-
-def _decode_tagged(tag: str, body: Any) -> Any:
-    if tag == "$float":
-        if body not in ("nan", "inf", "-inf"):
-            raise ValueError(f"$float takes 'nan', 'inf' or '-inf', got {body!r}")
-        return float(body)
-    if tag == "$tuple":
-        if not isinstance(body, list):
-            raise ValueError("$tuple takes a list")
-        return tuple(decode_value(item) for item in body)
-    if tag == "$dict":
-        if not isinstance(body, list) or not all(isinstance(pair, list) and len(pair) == 2 for pair in body):
-            raise ValueError("$dict takes a list of [key, value] pairs")
-        out = {}
-        for key, item in body:
-            key = decode_value(key)
-            try:
-                out[key] = decode_value(item)
-            except TypeError as error:  # an unhashable key
-                raise ValueError(f"$dict key {key!r} cannot be a key: {error}") from None
-        return out
-    if tag == "$png":
-        return _decode_png(body)
-    if tag == "$array":
-        return _decode_array(body)
-    if not isinstance(body, str):
-        raise ValueError("$repr takes a str")
-    return body
-
-
-def _decode_png(body: Any) -> np.ndarray:
-    if not isinstance(body, str):
-        raise ValueError("$png takes base64 text")
-    try:
-        with Image.open(io.BytesIO(base64.b64decode(body, validate=True))) as image:
-            if image.format != "PNG" or image.mode not in ("L", "RGB", "RGBA"):
-                raise ValueError(f"a {image.format} image in mode {image.mode}")
-            return np.array(image)  # a copy, writable like an env's own array
-    except ValueError as error:
-        raise ValueError(f"$png is not a readable PNG: {error}") from None
-    except Exception as error:  # pillow raises its own types for corrupt files
-        raise ValueError(f"$png is not a readable PNG: {type(error).__name__}: {error}") from None
-
-
-def _decode_array(body: Any) -> np.ndarray:
-    if not (isinstance(body, dict) and isinstance(body.get("dtype"), str) and isinstance(body.get("shape"), list)
-            and isinstance(body.get("data"), str)):
-        raise ValueError("$array takes {dtype: str, shape: [int], data: base64}")
-    try:
-        dtype = np.dtype(body["dtype"])
-        if dtype.kind not in "biufc":
-            raise ValueError(f"dtype {dtype} is not numeric")
-        shape = tuple(int(n) for n in body["shape"])
-        raw = base64.b64decode(body["data"], validate=True)
-        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
-    except Exception as error:
-        raise ValueError(f"$array cannot be read: {type(error).__name__}: {error}") from None
-
-
-def encode_facts(facts: StateFacts) -> dict[str, Any]:
-    """:class:`StateFacts` as JSON-ready data (see :func:`decode_facts`)."""
-    return {
-        "player": None if facts.player is None else list(facts.player),
-        "objects": [[o.name, list(o.position), o.vertical, o.horizontal] for o in facts.objects],
-        "extra": encode_value(facts.extra),
-    }
-
-
-def decode_facts(data: Any) -> StateFacts:
-    """The :class:`StateFacts` that :func:`encode_facts` encoded; ValueError for anything else."""
-    if not isinstance(data, dict) or not {"player", "objects", "extra"} <= set(data):
-        raise ValueError("state facts take {player, objects, extra}")
-
-    def position(value: Any) -> tuple[int, int]:
-        if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)):
-            raise ValueError(f"a position is [row, col] ints, got {value!r}")
-        return int(value[0]), int(value[1])
-
-    objects = data["objects"]
-    if not isinstance(objects, list):
-        raise ValueError("objects must be a list")
-    facts = []
-    for item in objects:
-        if not (isinstance(item, list) and len(item) == 4 and all(isinstance(item[k], str) for k in (0, 2, 3))):
-            raise ValueError(f"an object is [name, [row, col], vertical, horizontal], got {item!r}")
-        facts.append(ObjectFact(item[0], position(item[1]), item[2], item[3]))
-    extra = decode_value(data["extra"])
-    if not isinstance(extra, dict):
-        raise ValueError("extra must be a dict")
-    player = None if data["player"] is None else position(data["player"])
-    return StateFacts(player=player, objects=tuple(facts), extra=extra)
-
-
-def decode_observation(data: Any) -> dict[str, Any]:
-    """An observation dict (``"text"``, and ``"image"`` as ``HxWx3`` uint8) from its encoding."""
-    obs = decode_value(data)
-    if not isinstance(obs, dict) or not isinstance(obs.get("text"), str):
-        raise ValueError("an observation is a dict with a 'text' str")
-    return obs
+from turnrl.envservice.protocol import (
+    CLIENT_HEADER,
+    RESET_QUERIES,
+    STEP_QUERIES,
+    TOKEN_ENV_VAR,
+    EnvRaisedError,
+    EnvSpecError,
+    ItemResult,
+    LimitError,
+    NoServerError,
+    QueriedEnv,
+    RemoteEnvError,
+    RequestError,
+    ServerUnavailableError,
+    SessionLostError,
+    check_prefetch,
+    decode_item,
+    decode_queries,
+    encode_value,
+    queries_to_bring,
+)
 
 
 # --------------------------------------------------------------------------- options and the pool
@@ -319,9 +105,7 @@ class ClientOptions:
             raise ValueError(f"timeouts must be > 0, got {self.timeout_s} and {self.connect_timeout_s}")
         if self.retries < 0 or self.backoff_s < 0 or self.max_backoff_s < 0 or self.cooldown_s < 0:
             raise ValueError("retries, backoff_s, max_backoff_s and cooldown_s must be >= 0")
-        unknown = sorted(set(self.prefetch) - set(QUERIES))
-        if unknown:
-            raise ValueError(f"prefetch names unknown queries {unknown}; choose from {list(QUERIES)}")
+        check_prefetch(self.prefetch)
 
 
 def check_url(url: str) -> str:
@@ -558,68 +342,6 @@ def _no_server_message(what: str, env_id: str, reasons: dict[str, str]) -> str:
             "start one with `turnrl serve-env`, or check env.remote, the token and the servers' limits")
 
 
-# --------------------------------------------------------------------------- one result
-@dataclass
-class ItemResult:
-    """One env's reset or step answer: from a server (one session's part of an answer, decoded) or from a Ray
-    env worker."""
-
-    observation: dict[str, Any]
-    info: dict[str, Any]
-    reward: float = 0.0
-    terminated: bool = False
-    truncated: bool = False
-    queries: dict[str, Any] = field(default_factory=dict)
-    """Query name -> its result, or a :class:`RemoteEnvError` when the query raised where the env lives."""
-
-
-def decode_item(url: str, item: Any, step: bool) -> ItemResult:
-    """An item of a reset or step answer; EnvRaisedError where the env raised, RemoteEnvError where the item
-    is malformed."""
-    if not isinstance(item, dict):
-        raise RemoteEnvError(f"env server {url} answered a malformed item: {str(item)[:200]}")
-    if item.get("ok") is not True:
-        error = item.get("error")
-        message = error.get("message") if isinstance(error, dict) else None
-        if isinstance(error, dict) and error.get("code") == "unknown_session":
-            raise SessionLostError(f"env server {url}: {message}")
-        raise EnvRaisedError(f"env server {url}: {message or 'the env failed'}")
-    try:
-        result = ItemResult(observation=decode_observation(item.get("observation")),
-                            info=decode_value(item.get("info", {})))
-        if not isinstance(result.info, dict):
-            raise ValueError("info must be a dict")
-        if step:
-            reward = decode_value(item.get("reward"))
-            if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-                raise ValueError(f"reward must be a number, got {reward!r}")
-            terminated, truncated = item.get("terminated"), item.get("truncated")
-            if not isinstance(terminated, bool) or not isinstance(truncated, bool):
-                raise ValueError("terminated and truncated must be bools")
-            result.reward, result.terminated, result.truncated = float(reward), terminated, truncated
-        result.queries = decode_queries(url, item.get("queries", {}))
-    except ValueError as error:
-        raise RemoteEnvError(f"env server {url} answered a malformed item: {error}") from None
-    return result
-
-
-def decode_queries(url: str, data: Any) -> dict[str, Any]:
-    """Query results keyed by name; a query that raised on the server becomes a RemoteEnvError value."""
-    if not isinstance(data, dict):
-        raise ValueError("queries must be an object")
-    out: dict[str, Any] = {}
-    for name, value in data.items():
-        if name not in QUERIES:
-            raise ValueError(f"unknown query {name!r}")
-        if isinstance(value, dict) and set(value) == {"error"}:
-            out[name] = RemoteEnvError(f"env server {url}: {name}() failed: {value['error']}")
-        elif name == "state_facts":
-            out[name] = decode_facts(value)
-        else:
-            out[name] = decode_value(value)
-    return out
-
-
 # --------------------------------------------------------------------------- one env
 @dataclass
 class _Session:
@@ -627,40 +349,6 @@ class _Session:
     id: str
     seq: int = 0
     """Resets and steps applied so far; the next one is ``seq + 1``."""
-
-
-class QueriedEnv:
-    """The read-only half of the env contract for an env that lives elsewhere (an env server, a Ray actor):
-    each answer comes from ``_query(name)``, which asks where the env lives (or a cache of its answers)."""
-
-    def _query(self, name: str) -> Any:
-        raise NotImplementedError
-
-    def instructions(self) -> str:
-        return self._query("instructions")
-
-    def action_names(self) -> list[str] | None:
-        return self._query("action_names")
-
-    def state_facts(self) -> StateFacts:
-        return self._query("state_facts")
-
-    def solve(self) -> list[str] | None:
-        return self._query("solve")
-
-    def state_key(self) -> str:
-        """The env's ``state_key()``; for an env without one, the hash the rollout would take of its
-        observation (computed where the env lives)."""
-        return self._query("state_key")
-
-    def text(self) -> str:
-        """The env's ``text()`` of its state where it has one, else ``""``."""
-        return self._query("text")
-
-    def action_budget(self) -> int | None:
-        """The env's ``action_budget()`` (what ``turnrl eval`` gives by default), or None for an env without
-        one."""
-        return self._query("action_budget")
 
 
 class RemoteEnv(QueriedEnv):
@@ -736,7 +424,7 @@ class RemoteEnv(QueriedEnv):
             session = self._session or self._open()  # a server that did not answer is tried last
             item = {"session": session.id, "seq": session.seq + 1, "seed": seed,
                     "options": encode_value(options) if options is not None else None,
-                    "queries": _wanted(RESET_QUERIES, self.pool.options.prefetch)}
+                    "queries": queries_to_bring(RESET_QUERIES, self.pool.options.prefetch)}
             try:
                 result = self._call(session, "/v1/reset", item, step=False)
             except (SessionLostError, ServerUnavailableError) as error:
@@ -765,7 +453,7 @@ class RemoteEnv(QueriedEnv):
         if session is None or not self._episode:
             raise RemoteEnvError(f"{self.env_id}: step() with no episode running; call reset() first")
         item = {"session": session.id, "seq": session.seq + 1, "action": action,
-                "queries": _wanted(STEP_QUERIES, self.pool.options.prefetch)}
+                "queries": queries_to_bring(STEP_QUERIES, self.pool.options.prefetch)}
         try:
             result = self._call(session, "/v1/step", item, step=True)
         except ServerUnavailableError as error:
@@ -830,10 +518,6 @@ class RemoteEnv(QueriedEnv):
     def __repr__(self) -> str:
         where = f"{self.server} session {self.session_id}" if self._session else "no session"
         return f"RemoteEnv({self.env_id!r}, {self.settings!r}, {where})"
-
-
-def _wanted(base: tuple[str, ...], extra: tuple[str, ...]) -> list[str]:
-    return list(dict.fromkeys(base + extra))
 
 
 # --------------------------------------------------------------------------- many sessions at once

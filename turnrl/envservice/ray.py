@@ -3,12 +3,13 @@ env worker.
 
 An env worker is a Ray actor (the body is :class:`EnvHost`) that holds many envs of one id and settings, each
 built by ``turnrl.envs.make`` the first time it is used. :class:`RayEnv` is the proxy a rollout holds: it answers
-the env contract (``reset``, ``step``, ``instructions``, ``action_names``, ``state_facts``, ``solve``,
-``state_key``, ``text``, ``image``, ``action_budget``, ``close``) by calling its worker.
-:func:`ray_env_factory` is what a recipe calls when ``distributed.env_workers`` is above 0: it starts the
-workers (joining or starting Ray) and hands out proxies spread round robin over them.
+the env contract (``reset``, ``step``, ``close`` and the queries of :mod:`turnrl.envservice.protocol`:
+``instructions``, ``action_names``, ``state_facts``, ``solve``, ``state_key``, ``text``, ``image``,
+``action_budget``) by calling its worker. :func:`ray_env_factory` is what a recipe calls when
+``distributed.env_workers`` is above 0: it starts the workers (joining or starting Ray) and hands out proxies
+spread round robin over them.
 
-What a caller can rely on (the contract of :class:`~turnrl.envs.remote.RemoteEnv`, whose errors these are):
+What a caller can rely on (the contract of :class:`~turnrl.envservice.client.RemoteEnv`, whose errors these are):
 
 - **Same trajectories.** Values cross as Python objects (Ray pickles them): observations, images, ``info``,
   tuples and numpy numbers come back equal, so a seeded episode in a worker equals the same episode in process.
@@ -16,18 +17,16 @@ What a caller can rely on (the contract of :class:`~turnrl.envs.remote.RemoteEnv
   (``action_names``, ``state_key``; ``instructions`` after a reset), cached until the state changes.
 - **Faults end one episode, never the run.** A worker that dies (or does not answer within ``timeout_s``,
   and is then killed) is replaced at once by a fresh one. The steps of the episodes it held raise
-  :class:`EnvWorkerLostError` (a :class:`~turnrl.envs.remote.SessionLostError`), which the rollout records as
-  an env error of that episode; the next reset of the same env starts on the new worker. An env that raises
-  gives :class:`~turnrl.envs.remote.EnvRaisedError` and is rebuilt at its next reset.
+  :class:`EnvWorkerLostError` (a :class:`~turnrl.envservice.protocol.SessionLostError`), which the rollout
+  records as an env error of that episode; the next reset of the same env starts on the new worker. An env that
+  raises gives :class:`~turnrl.envservice.protocol.EnvRaisedError` and is rebuilt at its next reset.
 
-The module imports only from ``turnrl.envs`` and third-party libraries (it is in the bottom layer); Ray is
-imported when a worker is started, so that ``turnrl.envs`` works without it.
+Ray is imported when a worker is started, so that the env service works without it.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import itertools
 import threading
 import weakref
@@ -35,17 +34,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from turnrl.envs.base import AgentEnv
+from turnrl.envs.registry import make
+from turnrl.envservice.protocol import (
+    RESET_QUERIES,
+    STEP_QUERIES,
+    EnvRaisedError,
+    ItemResult,
+    QueriedEnv,
+    RemoteEnvError,
+    SessionLostError,
+    answer_query,
+    check_prefetch,
+    queries_to_bring,
+    query_failure,
+)
 
-from turnrl.envs.base import AgentEnv, StateFacts
-from turnrl.envs.remote import EnvRaisedError, ItemResult, QueriedEnv, RemoteEnvError, SessionLostError
-
-QUERIES = ("instructions", "action_names", "state_facts", "solve", "state_key", "text", "image", "action_budget")
-"""Read-only calls an env worker answers; none changes the env's state."""
-STEP_QUERIES = ("action_names", "state_key")
-"""Queries every step brings back: what the rollout asks each turn."""
-RESET_QUERIES = ("instructions", "action_names", "state_key")
-"""Queries every reset brings back."""
 RAY_INSTALL_HINT = "pip install 'ray>=2.40'"
 
 
@@ -76,17 +80,6 @@ def ensure_ray(address: str | None = None) -> Any:
 
 
 # --------------------------------------------------------------------------- inside the worker
-
-
-def observation_key(obs: dict[str, Any]) -> str:
-    """The key the rollout gives a state whose env has no ``state_key()``: a hash of its observation (as
-    ``turnrl.rollout.runner.state_key`` computes it; repeated here because this layer cannot import it)."""
-    digest = hashlib.sha1(str(obs.get("text", "")).encode())
-    if "image" in obs:
-        digest.update(np.ascontiguousarray(obs["image"]).tobytes())
-    return digest.hexdigest()
-
-
 class EnvHost:
     """The body of an env worker: envs of one id and settings, by index, built on first use.
 
@@ -103,8 +96,6 @@ class EnvHost:
     def _env(self, index: int) -> AgentEnv:
         env = self.envs.get(index)
         if env is None:
-            from turnrl.envs.registry import make  # the registry imports every env module's dependencies lazily
-
             env = self.envs[index] = make(self.env_id, **self.settings)
         return env
 
@@ -141,31 +132,10 @@ class EnvHost:
         out: dict[str, Any] = {}
         for name in dict.fromkeys(names):
             try:
-                out[name] = self._answer(index, env, name)
+                out[name] = answer_query(env, name, self.last_obs.get(index, {}))
             except Exception as error:
-                out[name] = RemoteEnvError(f"{name}() failed: {type(error).__name__}: {error}")
+                out[name] = RemoteEnvError(f"{name}() failed: {query_failure(error)}")
         return out
-
-    def _answer(self, index: int, env: AgentEnv, name: str) -> Any:
-        if name not in QUERIES:
-            raise ValueError(f"unknown query {name!r}; choose from {list(QUERIES)}")
-        own = getattr(env, name, None)
-        if name == "state_key" and not callable(own):
-            return observation_key(self.last_obs.get(index, {}))
-        if name == "text" and not callable(own):
-            return ""
-        if name == "action_budget" and not callable(own):
-            return None  # the caller keeps its own budget
-        if not callable(own):
-            raise AttributeError(f"{type(env).__name__} has no {name}()")
-        value = own()
-        if name == "state_facts" and not isinstance(value, StateFacts):
-            raise TypeError(f"state_facts() returned a {type(value).__name__}, not a StateFacts")
-        if name == "state_key":
-            return str(value)
-        if name == "action_budget":
-            return int(value)
-        return value
 
     def fork(self, index: int, new_index: int) -> None:
         """Env ``new_index`` becomes a deep copy of env ``index``, state included."""
@@ -210,9 +180,7 @@ class RayEnvOptions:
             raise ValueError(f"timeouts must be > 0, got {self.timeout_s} and {self.start_timeout_s}")
         if self.num_cpus is not None and self.num_cpus < 0:
             raise ValueError(f"num_cpus must be >= 0 or None, got {self.num_cpus}")
-        unknown = sorted(set(self.prefetch) - set(QUERIES))
-        if unknown:
-            raise ValueError(f"prefetch names unknown queries {unknown}; choose from {list(QUERIES)}")
+        check_prefetch(self.prefetch)
 
 
 class EnvWorkerPool:
@@ -401,7 +369,7 @@ class RayEnv(QueriedEnv):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
               ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Start an episode; on a worker that died just now, on its replacement instead (once)."""
-        queries = list(dict.fromkeys(RESET_QUERIES + self.pool.options.prefetch))
+        queries = queries_to_bring(RESET_QUERIES, self.pool.options.prefetch)
         seed = None if seed is None else int(seed)  # a numpy integer pickles as one, but prints oddly in errors
         for attempt in range(2):
             _, generation = self.pool.current(self.worker)
@@ -431,7 +399,7 @@ class RayEnv(QueriedEnv):
         """
         if not self._episode or self._generation is None:
             raise RemoteEnvError(f"{self.env_id}: step() with no episode running; call reset() first")
-        queries = list(dict.fromkeys(STEP_QUERIES + self.pool.options.prefetch))
+        queries = queries_to_bring(STEP_QUERIES, self.pool.options.prefetch)
         try:
             answer = self.pool.call(self.worker, self._generation, "step", self.index, action, queries)
         except RemoteEnvError:
@@ -458,10 +426,6 @@ class RayEnv(QueriedEnv):
         if isinstance(value, RemoteEnvError):
             raise RemoteEnvError(f"env worker {self.worker} ({self.env_id}): {value}")
         return copy.deepcopy(value)  # callers may change what they get; the cache must not change
-
-    def image(self) -> np.ndarray:
-        """The env's ``image()`` of its state (image modes); RemoteEnvError for an env without one."""
-        return self._query("image")
 
     def close(self) -> None:
         """Close the env in its worker (it can be reset again: the worker builds another)."""

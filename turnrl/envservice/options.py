@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-TOKEN_ENV_VAR = "TURNRL_ENV_TOKEN"
-"""The environment variable that holds the bearer token (server and client; ``turnrl.envs.remote`` reads the
-same name)."""
+from turnrl.envservice.protocol import TOKEN_ENV_VAR
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,6 @@ class ServerLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
-
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

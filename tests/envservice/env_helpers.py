@@ -1,6 +1,6 @@
 """Helpers of the env-service tests: a probe env, servers in a thread and in a subprocess, a lossy transport.
 
-``ProbeEnv`` is served by name (``tests.serve.env_helpers:ProbeEnv``), so a server in a subprocess must run
+``ProbeEnv`` is served by name (``tests.envservice.env_helpers:ProbeEnv``), so a server in a subprocess must run
 from the repository root with it on ``PYTHONPATH`` (:class:`ServerProcess` does that).
 """
 
@@ -22,10 +22,11 @@ import numpy as np
 
 from tests.serve.running import free_port, running
 from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv
-from turnrl.serve.env import ServerLimits, build_app
+from turnrl.envservice.options import ServerLimits
+from turnrl.envservice.server import build_app
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = "tests.serve.env_helpers:ProbeEnv"
+PROBE = "tests.envservice.env_helpers:ProbeEnv"
 SERVED = ["Sokoban", "FrozenLake", "Countdown", "Bandit", "Maze2D", PROBE]
 
 
@@ -85,7 +86,7 @@ def env_server(token: str | None = None, limits: ServerLimits | None = None,
 
 
 class ServerProcess:
-    """``python -m turnrl.serve.env`` in a subprocess on a fixed port, to be killed and started again."""
+    """``python -m turnrl.envservice.server`` in a subprocess on a fixed port, to be killed and started again."""
 
     def __init__(self, port: int | None = None, extra: list[str] | None = None) -> None:
         self.port = port or free_port()
@@ -94,7 +95,7 @@ class ServerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 60.0) -> ServerProcess:
-        command = [sys.executable, "-m", "turnrl.serve.env", "--port", str(self.port), "--log-level", "warning",
+        command = [sys.executable, "-m", "turnrl.envservice.server", "--port", str(self.port), "--log-level", "warning",
                    "--envs", *SERVED, *self.extra]
         environment = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL,

@@ -14,9 +14,10 @@ from tests.rollout.trajectory_checks import same_trajectory
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import check_env, make
-from turnrl.envs.ray_env import EnvHost, EnvWorkerLostError, RayEnvOptions, observation_key, ray_env_factory
-from turnrl.envs.remote import EnvRaisedError, RemoteEnvError
+from turnrl.envs.base import observation_key
 from turnrl.envs.seeds import SeedSplits
+from turnrl.envservice.protocol import EnvRaisedError, RemoteEnvError
+from turnrl.envservice.ray import EnvHost, EnvWorkerLostError, RayEnvOptions, ray_env_factory
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.runner import EpisodeSlot, Rollout
@@ -27,7 +28,7 @@ ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[2]
 CORRIDOR = "tests.envs.toy_envs:Corridor"
 RAISING = "tests.envs.toy_envs:BrokenRaisesOnBadAction"
-PROBE = "tests.serve.env_helpers:ProbeEnv"
+PROBE = "tests.envservice.env_helpers:ProbeEnv"
 
 
 @pytest.fixture(scope="module", autouse=True)
