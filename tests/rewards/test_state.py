@@ -14,10 +14,11 @@ from turnrl.agent.formats import ParsedResponse, get_format
 from turnrl.config import AgentConfig, RewardsConfig, RewardSpec, SamplingConfig
 from turnrl.envs import make
 from turnrl.envs.base import StateFacts, facts_from_positions
+from turnrl.envs.games.frozenlake import FrozenLakeEnv
+from turnrl.envs.games.sokoban import SokobanEnv
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rewards import FinishedTurn, Rewards
 from turnrl.rewards.state import (
-    PROFILES,
     Claim,
     MatchItem,
     RepetitionPenalty,
@@ -26,13 +27,14 @@ from turnrl.rewards.state import (
     claim_similarity,
     parse_description,
     parse_relation,
+    profile_for,
     weighted_f1,
 )
 from turnrl.rollout.groups import EpisodeSlot
 from turnrl.rollout.metrics import rollout_metrics
 from turnrl.rollout.runner import Rollout
 
-LAKE = PROFILES["FrozenLake"]
+LAKE = FrozenLakeEnv.state_reward_profile
 # Player at (3, 0); goal straight above at (1, 0); holes at (0, 2) (above right) and (3, 3) (right).
 FACTS = facts_from_positions((3, 0), [("goal", (1, 0)), ("hole", (0, 2)), ("hole", (3, 3))])
 TRUE_TEXT = ("The goal is directly above the player. The hole is above and to the right of the player. "
@@ -181,6 +183,12 @@ def test_hungarian_weighted_f1_equals_the_brute_force_reference(player, goals, h
     claims = [Claim(name, v, h, position) for name, v, h, position in claims]
     got = weighted_f1(claims, facts, LAKE.weights).score
     assert got == pytest.approx(reference_f1(claims, facts, LAKE.weights))
+
+
+def test_a_built_in_envs_profile_is_what_its_class_declares():
+    assert profile_for("frozenlake", FACTS) is FrozenLakeEnv.state_reward_profile
+    assert profile_for("turnrl/Sokoban-v0", FACTS) is SokobanEnv.state_reward_profile
+    assert profile_for("Bandit", FACTS).weights == {"goal": 1.0, "hole": 1.0}  # none declared: equal weights
 
 
 def test_object_weights_from_settings_replace_the_built_in_ones():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -90,6 +91,17 @@ class StateFacts:
         lines.extend(f"The {fact.describe()}." for fact in self.objects)
         lines.extend(f"{key}: {value}" for key, value in self.extra.items())
         return " ".join(lines)
+
+
+@dataclass(frozen=True)
+class StateRewardProfile:
+    """How state rewards (:mod:`turnrl.rewards.state`) score a description of an env's state against its
+    :class:`StateFacts`: the weight of each object kind and other names for the kinds."""
+
+    weights: Mapping[str, float]
+    """Weight of each object kind in the F1 (kinds not listed are not scored)."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """Other names of a kind, e.g. ``{"gift": "goal"}``."""
 
 
 def relation(player: Position, position: Position) -> tuple[str, str]:
@@ -207,6 +219,12 @@ class TurnEnv(gym.Env[dict, str]):
     setting_choices: ClassVar[dict[str, tuple[Any, ...]]] = {}
     """The allowed values of settings that take one of a few (``turnrl envs`` shows them; ``mode`` is
     ``modes``)."""
+    state_reward_profile: ClassVar[StateRewardProfile | None] = None
+    """How grounding and world-model rewards weigh the object kinds of :meth:`state_facts`, and other names
+    for them; None weighs every kind in the facts the same."""
+    corpus_variants: ClassVar[tuple[dict[str, Any], ...]] = ({},)
+    """Settings that change what the env's texts look like (sizes, vocabularies): the built-in tokenizer's
+    corpus plays each of them (:mod:`turnrl.models.builtin`, for the envs it names)."""
     invalid_action_reward: float = 0.0
 
     def __init__(

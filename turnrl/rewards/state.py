@@ -13,7 +13,8 @@ score in [0, 1]. Two come with turnrl:
   objects with relations or positions) into claims, and scores them against
   :meth:`~turnrl.envs.base.AgentEnv.state_facts` with a weighted F1 over
   object kinds, matching claims to true objects with the Hungarian algorithm
-  (:func:`weighted_f1`).
+  (:func:`weighted_f1`), weighting the kinds as the env's class says
+  (``state_reward_profile``).
 - :class:`turnrl.rewards.judge.JudgeMatcher`: an LLM behind any
   OpenAI-compatible endpoint, either as a YES/NO judge or as a parser to JSON
   whose output is scored by the rule.
@@ -42,14 +43,14 @@ import math
 import re
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from turnrl.envs.base import ObjectFact, StateFacts
-from turnrl.envs.registry import builtin_name
+from turnrl.envs.base import ObjectFact, StateFacts, StateRewardProfile
+from turnrl.envs.registry import builtin_name, env_class
 from turnrl.rewards.base import FinishedTurn
 
 # --------------------------------------------------------------------------- vocabulary
@@ -74,38 +75,14 @@ MAX_TEXT_CHARS = 4000
 """Descriptions are cut to this length before parsing: a runaway response costs no more than a long one."""
 
 
-@dataclass(frozen=True)
-class EnvProfile:
-    """How one env's facts are scored: weights of object kinds and other names for them."""
-
-    weights: Mapping[str, float]
-    """Weight of each object kind in the F1 (kinds not listed are not scored)."""
-    aliases: Mapping[str, str] = field(default_factory=dict)
-    """Other names of a kind, e.g. ``{"gift": "goal"}``."""
-
-
-PROFILES: dict[str, EnvProfile] = {
-    # VAGEN's weights: FrozenLake target 0.7 and hole 0.3; Sokoban box 0.5 and target 0.5.
-    "FrozenLake": EnvProfile(
-        {"goal": 0.7, "hole": 0.3},
-        {"target": "goal", "gift": "goal", "present": "goal", "destination": "goal", "g": "goal",
-         "pit": "hole", "water": "hole", "trap": "hole", "o": "hole"},
-    ),
-    "Sokoban": EnvProfile(
-        {"box": 0.5, "target": 0.5},
-        {"crate": "box", "goal": "target", "storage": "target", "spot": "target", "dock": "target"},
-    ),
-    "Maze2D": EnvProfile({"target": 1.0}, {"goal": "target", "exit": "target"}),
-}
-"""Built-in envs' scoring; any other env weighs every kind in its facts equally (:func:`profile_for`)."""
-
-
-def profile_for(env_id: str, facts: StateFacts) -> EnvProfile:
-    """The profile of a built-in env, or equal weights over the kinds in ``facts`` for any other env."""
+def profile_for(env_id: str, facts: StateFacts) -> StateRewardProfile:
+    """The profile a built-in env's class declares (``state_reward_profile``), or equal weights over the kinds
+    in ``facts`` for any other env."""
     name = builtin_name(env_id)
-    if name in PROFILES:
-        return PROFILES[name]
-    return EnvProfile({fact.name.lower(): 1.0 for fact in facts.objects})
+    profile = env_class(name).state_reward_profile if name is not None else None
+    if profile is not None:
+        return profile
+    return StateRewardProfile({fact.name.lower(): 1.0 for fact in facts.objects})
 
 
 # --------------------------------------------------------------------------- parsing
@@ -404,10 +381,10 @@ class RuleMatcher:
         profiles: per-env weights and aliases that replace the built-in ones (keyed by env id).
     """
 
-    def __init__(self, profiles: Mapping[str, EnvProfile] | None = None) -> None:
+    def __init__(self, profiles: Mapping[str, StateRewardProfile] | None = None) -> None:
         self.profiles = dict(profiles or {})
 
-    def profile(self, env_id: str, facts: StateFacts) -> EnvProfile:
+    def profile(self, env_id: str, facts: StateFacts) -> StateRewardProfile:
         return self.profiles.get(env_id) or profile_for(env_id, facts)
 
     def score_one(self, item: MatchItem) -> float:
@@ -423,9 +400,9 @@ class RuleMatcher:
         return {}
 
 
-def profiles_from_settings(settings: Mapping[str, Any] | None) -> dict[str, EnvProfile]:
+def profiles_from_settings(settings: Mapping[str, Any] | None) -> dict[str, StateRewardProfile]:
     """``{FrozenLake: {weights: {goal: 0.7, hole: 0.3}, aliases: {gift: goal}}}`` -> profiles (config form)."""
-    profiles: dict[str, EnvProfile] = {}
+    profiles: dict[str, StateRewardProfile] = {}
     for env_id, spec in (settings or {}).items():
         if not isinstance(spec, Mapping) or not isinstance(spec.get("weights"), Mapping):
             raise ValueError(f"object_weights[{env_id!r}] needs a 'weights' mapping of object kind to weight")
@@ -433,7 +410,7 @@ def profiles_from_settings(settings: Mapping[str, Any] | None) -> dict[str, EnvP
         if any(not math.isfinite(w) or w < 0 for w in weights.values()):
             raise ValueError(f"object_weights[{env_id!r}]: weights must be finite and >= 0, got {weights}")
         aliases = {str(k).lower(): str(v).lower() for k, v in (spec.get("aliases") or {}).items()}
-        profiles[env_id] = EnvProfile(weights, aliases)
+        profiles[env_id] = StateRewardProfile(weights, aliases)
     return profiles
 
 

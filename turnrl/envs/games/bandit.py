@@ -109,6 +109,7 @@ class BanditEnv(TurnEnv):
 
     modes = ("text", "image")
     setting_choices = {"split": tuple(SPLITS)}
+    corpus_variants = ({"split": "train"}, {"split": "test"})
     description = "Bandit: one pull of two symbolic arms, steady small reward vs rare large one (RAGEN)."
 
     def __init__(

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs import search
-from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv, facts_from_positions
+from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
 from turnrl.envs.render import Tile, draw_grid
 
 ACTIONS = ("Left", "Down", "Right", "Up")
@@ -172,6 +172,13 @@ class FrozenLakeEnv(TurnEnv):
 
     modes = ("text", "image")
     setting_choices = {"symbols": ("ragen", "coords")}
+    # VAGEN's weights: goal 0.7, hole 0.3.
+    state_reward_profile = StateRewardProfile(
+        {"goal": 0.7, "hole": 0.3},
+        {"target": "goal", "gift": "goal", "present": "goal", "destination": "goal", "g": "goal",
+         "pit": "hole", "water": "hole", "trap": "hole", "o": "hole"},
+    )
+    corpus_variants = ({}, {"size": 6}, {"size": 8})
     description = "FrozenLake: reach the goal across the ice without falling into a hole (optionally slippery)."
 
     def __init__(

@@ -32,7 +32,7 @@ import numpy as np
 
 from turnrl.envs import search
 from turnrl.envs.actions import parse_tuple
-from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv, facts_from_positions
+from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
 from turnrl.envs.render import Tile, draw_grid
 
 ACTIONS = ("up", "down", "left", "right", "stop")
@@ -182,6 +182,8 @@ class Maze2DEnv(TurnEnv):
 
     modes = ("text", "image")
     setting_choices = {"difficulty": tuple(DIFFICULTY_SIZES), "reward_on": REWARD_RULES}
+    state_reward_profile = StateRewardProfile({"target": 1.0}, {"goal": "target", "exit": "target"})
+    corpus_variants = ({}, {"difficulty": "hard"})
     description = "Maze2D: walk a perfect maze to the target; VisGym maze_2d sizes, colours and tuple actions."
 
     def __init__(

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from turnrl.envs.base import MAX_TEXT_LENGTH, StateFacts, StepOutcome, TurnEnv, facts_from_positions
+from turnrl.envs.base import MAX_TEXT_LENGTH, StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
 from turnrl.envs.games.sokoban.levels import (
     ALT_SYMBOLS,
     BOX,
@@ -121,6 +121,14 @@ class SokobanEnv(TurnEnv):
     )
     modes: ClassVar[tuple[str, ...]] = ("text", "image")
     setting_choices: ClassVar[dict[str, tuple[Any, ...]]] = {"symbols": SYMBOL_STYLES}
+    # VAGEN's weights: box 0.5, target 0.5.
+    state_reward_profile: ClassVar[StateRewardProfile | None] = StateRewardProfile(
+        {"box": 0.5, "target": 0.5},
+        {"crate": "box", "goal": "target", "storage": "target", "spot": "target", "dock": "target"},
+    )
+    corpus_variants: ClassVar[tuple[dict[str, Any], ...]] = (
+        {}, {"size": 8, "num_boxes": 2}, {"symbols": "alt"}, {"symbols": "coords"},
+    )
     invalid_action_reward: float = STEP_REWARD
 
     def __init__(
