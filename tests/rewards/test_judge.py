@@ -25,7 +25,8 @@ from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.hf import HFPolicy
 from turnrl.rewards import FinishedTurn
 from turnrl.rewards.judge import JudgeMatcher, JudgeSettings, parse_yes_no
-from turnrl.rewards.state import MatchItem, StateReward, parse_description
+from turnrl.rewards.matching import MatchItem, parse_description
+from turnrl.rewards.state import StateReward
 from turnrl.serve.policy import create_app
 
 FACTS = facts_from_positions((3, 0), [("goal", (1, 0)), ("hole", (0, 2)), ("hole", (3, 3))])
