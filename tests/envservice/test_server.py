@@ -175,6 +175,17 @@ def test_state_facts_and_info_round_trip_through_the_server(server):
     assert remote.text() == local.text() and remote.state_key() == local.state_key()
 
 
+def test_every_query_of_the_protocol_is_answered_over_http_as_in_process(server):
+    remote = remote_env_factory(PROBE, {"mode": "image"}, [server], **FAST)()
+    local = ProbeEnv(mode="image")
+    for env in (remote, local):
+        env.reset(seed=5)
+        env.step("inc")
+    assert np.array_equal(remote.image(), local.image()) and remote.action_budget() == local.action_budget()
+    assert remote.action_names() == local.action_names()
+    remote.close()
+
+
 def test_a_deep_copy_forks_the_session_with_its_state(server):
     env = remote_env_factory(PROBE, {}, [server], **FAST)()
     env.reset(seed=1)
