@@ -3,14 +3,14 @@
 Rows, for Sokoban 6x6 with one box in text and image mode:
 
 - in process: ``env.step`` on one env, random valid actions (what the rollout does without a server);
-- one at a time: :class:`turnrl.envs.remote.RemoteEnv`, one HTTP request per step (what the rollout does
+- one at a time: :class:`turnrl.envservice.client.RemoteEnv`, one HTTP request per step (what the rollout does
   with ``env.remote``: every env is stepped on its own);
-- batched xN: :class:`turnrl.envs.remote.RemoteEnvBatch`, one request steps N sessions; steps/s counts
+- batched xN: :class:`turnrl.envservice.client.RemoteEnvBatch`, one request steps N sessions; steps/s counts
   every session's step.
 
 An episode that ends is reset and the reset time is left out of the rate (as in
 ``benchmarks/env_throughput.py``). The server runs in a subprocess on this machine
-(``python -m turnrl.serve.env``), so client and server do not share an interpreter
+(``python -m turnrl.envservice.server``), so client and server do not share an interpreter
 lock; pass ``--url`` to measure a server started elsewhere instead. Each row runs
 about ``--seconds`` (default 3) after a warm-up.
 
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from turnrl.envs import make  # noqa: E402
-from turnrl.envs.remote import ClientOptions, EnvServerPool, RemoteEnv, RemoteEnvBatch  # noqa: E402
+from turnrl.envservice.client import ClientOptions, EnvServerPool, RemoteEnv, RemoteEnvBatch  # noqa: E402
 
 ENV_ID = "Sokoban"
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -136,7 +136,7 @@ def free_port() -> int:
 
 def start_server() -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, "-m", "turnrl.serve.env", "--port", str(port), "--envs", ENV_ID,
+    command = [sys.executable, "-m", "turnrl.envservice.server", "--port", str(port), "--envs", ENV_ID,
                "--log-level", "warning"]
     process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                stdout=subprocess.DEVNULL)

@@ -38,9 +38,10 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # From a 2-core machine (PEERS.md): gym-sokoban's generator and env.
 REFERENCE = {"gs_reset_6x6": 453.0, "gs_reset_8x8": 184.0, "gs_step_6x6": 484.0}
@@ -110,16 +111,16 @@ def step_rate(env: Any, actions: list[Any], seconds: float, done_of: Callable[[t
 # ---------------------------------------------------------------------- turnrl
 def measure_turnrl(seconds: float) -> list[Row]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from turnrl.envs.sokoban import SokobanEnv
+    from turnrl.envs.games.sokoban.env import SokobanEnv
 
     factories: list[tuple[str, Callable[[], Any] | None, str]] = [
         ("turnrl Sokoban 6x6, 1 box", lambda: SokobanEnv(size=6, num_boxes=1), ""),
         ("turnrl Sokoban 8x8, 2 boxes", lambda: SokobanEnv(size=8, num_boxes=2), ""),
     ]
     try:
-        from turnrl.envs.frozenlake import FrozenLakeEnv
+        from turnrl.envs.games.frozenlake import FrozenLakeEnv
     except ImportError as error:
-        note = f"skipped: turnrl.envs.frozenlake not importable ({error})"
+        note = f"skipped: turnrl.envs.games.frozenlake not importable ({error})"
         factories += [("turnrl FrozenLake 4x4", None, note), ("turnrl FrozenLake 8x8", None, note)]
     else:
         factories += [

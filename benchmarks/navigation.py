@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from turnrl.envs.navigation import ACTIONS, NavigationEnv
-from turnrl.envs.navigation_gl import ensure_gl
+from turnrl.envs.games.navigation.env import ACTIONS, NavigationEnv
+from turnrl.envs.games.navigation.gl import ensure_gl
 
 
 def rate(fn: Callable[[], int], seconds: float) -> float:

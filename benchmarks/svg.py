@@ -36,8 +36,8 @@ import resvg_py  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from benchmarks.timing import rate  # noqa: E402
-from turnrl.envs.svg import SVGEnv  # noqa: E402
-from turnrl.envs.svg_render import Reference, SvgRenderer, similarity  # noqa: E402
+from turnrl.envs.games.svg.env import SVGEnv  # noqa: E402
+from turnrl.envs.games.svg.render import Reference, SvgRenderer, similarity  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 
 import pytest
 from hypothesis import given, settings
@@ -17,7 +16,6 @@ from turnrl.config import (
     ModelConfig,
     SamplingConfig,
     SeedConfig,
-    build_env,
     close_keys,
     config_keys,
     field_docs,
@@ -255,26 +253,6 @@ def test_given_keys_are_the_file_and_override_keys_with_their_sections(recipe):
     assert "sampling.temperature" not in keys and "agent.max_images" not in keys
     assert given_keys(None, None) == set()
     assert given_keys(recipe.parent / "missing.yaml", ["a.b=1"]) == {"a", "a.b"}
-
-
-# --------------------------------------------------------------------------- env settings
-@pytest.mark.parametrize(
-    ("env_id", "settings", "needle"),
-    [
-        ("Chess", {"size": 4}, "unknown env 'Chess'"),  # the id is at fault, not the setting
-        ("Sokoban", {"size": "abc", "num_boxes": 1}, "env.settings.size='abc' is refused by Sokoban"),
-        ("Countdown", {"max_steps": "abc"}, "env.settings.max_steps='abc'"),
-        ("FrozenLake", {"sizee": 4}, "no setting sizee"),
-        ("FrozenLake", {"size": 1}, "size must be"),
-    ],
-)
-def test_build_env_names_the_setting_at_fault(env_id, settings, needle):
-    with pytest.raises(ConfigError, match=re.escape(needle)):
-        build_env(env_id, settings)
-
-
-def test_build_env_builds_the_env():
-    assert build_env("FrozenLake", {"size": 5}).size == 5
 
 
 @settings(max_examples=200, deadline=None)

@@ -44,7 +44,8 @@ def parse_settings(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _make_env(name: str, settings: dict[str, Any]):
-    from turnrl.config import ConfigError, build_env
+    from turnrl.config import ConfigError
+    from turnrl.envservice.placement import build_env
 
     try:
         return build_env(name, settings, where="setting")
@@ -417,7 +418,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_env(args: argparse.Namespace) -> int:
-    from turnrl.serve.env import main as serve_env
+    from turnrl.envservice.server import main as serve_env
 
     return serve_env(args)
 
@@ -514,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_serve_policy)
 
     # Both option modules are light: the server and the report load only when their command runs.
-    from turnrl.serve.env_options import add_arguments as add_serve_env_arguments
+    from turnrl.envservice.options import add_arguments as add_serve_env_arguments
     from turnrl.viz.cli import add_arguments as add_view_arguments
 
     p = sub.add_parser("serve-env", help="serve envs over HTTP (sessions, batched reset/step, images as PNG)",

@@ -14,7 +14,7 @@ import difflib
 import inspect
 import math
 import textwrap
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, TypeVar
@@ -39,82 +39,6 @@ def check_range(key: str, value: float, low: float | None = None, high: float | 
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
         raise ConfigError(f"{key}={value!r} is out of range; allowed: {bounds}")
-
-
-def build_env(env_id: str, settings: dict[str, Any], where: str = "env.settings") -> Any:
-    """``turnrl.envs.make(env_id, **settings)``, with a config error that names the setting at fault.
-
-    An env that rejects a value in words of its own (``invalid literal for int()``) does not say which
-    setting it was; the settings are then tried one at a time to name it (``env.settings.size='abc'``).
-
-    Raises:
-        ConfigError: unknown env, unknown setting or a value the env refuses.
-    """
-    from turnrl.envs import make
-
-    try:
-        return make(env_id, **settings)
-    except (ValueError, TypeError) as error:
-        message = str(error)
-        if settings and not any(name in message for name in settings) and _makes(env_id, {}):
-            for name, value in settings.items():
-                if not _makes(env_id, {name: value}):
-                    raise ConfigError(f"{where}.{name}={value!r} is refused by {env_id}: {message}") from error
-            message = f"{where} {settings}: {message}"
-        raise ConfigError(message) from error
-
-
-def env_factory(env_id: str, settings: dict[str, Any], remote: list[str], where: str = "env.settings",
-                ray_workers: int = 0, ray_address: str | None = None, timeout_s: float = 60.0) -> Callable[[], Any]:
-    """A ``make_env`` for the run's envs: built in this process, opened on the servers of ``env.remote``, or
-    (``ray_workers`` above 0, ``distributed.env_workers``) built inside that many Ray actors.
-
-    The env id and settings are checked now, here, by the first server that answers, or in a Ray actor.
-
-    Raises:
-        ConfigError: unknown env or a refused setting, or (remote) no server answered.
-    """
-    if ray_workers > 0:
-        if remote:
-            raise ConfigError("env.remote and distributed.env_workers both say where the envs live; set one of them")
-        from turnrl.envs.ray_env import ray_env_factory
-
-        try:
-            return ray_env_factory(env_id, settings, ray_workers, timeout_s=timeout_s, address=ray_address)
-        except ValueError as error:
-            raise ConfigError(f"env.id={env_id!r} with {where}={settings} in Ray env workers: {error}") from error
-    if not remote:
-        from turnrl.envs import make
-
-        # The env built to check the settings is the first one handed out: an expensive env (a 3D world) is
-        # not built twice.
-        checked = [build_env(env_id, settings, where)]
-
-        def make_env() -> Any:
-            try:
-                return checked.pop()  # atomic: two threads never get the same env
-            except IndexError:
-                return make(env_id, **settings)
-
-        return make_env
-    from turnrl.envs.remote import RemoteEnvError, remote_env_factory
-
-    try:
-        return remote_env_factory(env_id, settings, list(remote))
-    except (ValueError, RemoteEnvError) as error:
-        raise ConfigError(f"env.id={env_id!r} with {where}={settings} on env.remote={list(remote)}: {error}") \
-            from error
-
-
-def _makes(env_id: str, settings: dict[str, Any]) -> bool:
-    """Whether ``env_id`` builds with ``settings`` (an unknown id builds with none)."""
-    from turnrl.envs import make
-
-    try:
-        make(env_id, **settings)
-    except (ValueError, TypeError):
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------- sections

@@ -23,8 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from turnrl.agent.formats import get_format
-from turnrl.config import AgentConfig, EvalConfig, env_factory, to_yaml
+from turnrl.config import AgentConfig, EvalConfig, to_yaml
 from turnrl.envs.seeds import SeedSplits
+from turnrl.envservice.placement import env_factory
 from turnrl.policy.factory import make_policy
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups

@@ -282,7 +282,7 @@ def test_tuple_format_with_keyword_env_names_passes_tuples_on():
 
 
 def test_maze2d_accepts_what_the_visgym_formats_parse():
-    maze = pytest.importorskip("turnrl.envs.maze")
+    maze = pytest.importorskip("turnrl.envs.games.maze")
     env = maze.Maze2DEnv()
     env.reset(seed=0)
     names = env.action_names()

@@ -94,7 +94,7 @@ def test_builtin_envs_satisfy_the_agent_env_protocol():
 def test_import_turnrl_registers_the_builtin_envs_without_importing_them():
     code = (
         "import sys, gymnasium, turnrl\n"
-        "assert 'turnrl.envs.sokoban' not in sys.modules\n"
+        "assert 'turnrl.envs.games.sokoban' not in sys.modules\n"
         "env = gymnasium.make('turnrl/Sokoban-v0')\n"
         "print(type(env.unwrapped).__name__, env.reset(seed=0)[0]['text'].count('#') > 0)\n"
     )

@@ -20,11 +20,13 @@ from tests.serve.running import running
 from turnrl.agent.formats import ParsedResponse
 from turnrl.config import ModelConfig
 from turnrl.envs.base import facts_from_positions
+from turnrl.envs.games.frozenlake import FrozenLakeEnv
 from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.hf import HFPolicy
 from turnrl.rewards import FinishedTurn
 from turnrl.rewards.judge import JudgeMatcher, JudgeSettings, parse_yes_no
-from turnrl.rewards.state import PROFILES, MatchItem, StateReward, parse_description
+from turnrl.rewards.matching import MatchItem, parse_description
+from turnrl.rewards.state import StateReward
 from turnrl.serve.policy import create_app
 
 FACTS = facts_from_positions((3, 0), [("goal", (1, 0)), ("hole", (0, 2)), ("hole", (3, 3))])
@@ -57,7 +59,7 @@ def judge_server() -> tuple[FastAPI, Counter]:
             said = re.search(r"Agent's description[^:]*: (.*)", prompt).group(1)
             return reply("YES" if truth == said else "NO, it is not.")
         description = prompt.rsplit("Description: ", 1)[1]
-        claims = parse_description(description, ["goal", "hole"], PROFILES["FrozenLake"].aliases)
+        claims = parse_description(description, ["goal", "hole"], FrozenLakeEnv.state_reward_profile.aliases)
         return reply(json.dumps([{"name": c.name, "vertical": c.vertical, "horizontal": c.horizontal}
                                  for c in claims]))
 

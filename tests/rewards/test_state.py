@@ -1,186 +1,22 @@
-"""State rewards: the description parser, the weighted F1 against a brute-force reference, the repetition
-penalty, and grounding/world-model rewards in a real rollout of the built-in envs."""
+"""State rewards: the repetition penalty, per-env weights from settings, and grounding/world-model rewards in a
+real rollout of the built-in envs (the matching they score with: tests/rewards/test_matching.py)."""
 
 from __future__ import annotations
 
-import itertools
-import json
-
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from tests.rewards.test_matching import FACTS, TRUE_TEXT
 from turnrl.agent.formats import ParsedResponse, get_format
 from turnrl.config import AgentConfig, RewardsConfig, RewardSpec, SamplingConfig
 from turnrl.envs import make
 from turnrl.envs.base import StateFacts, facts_from_positions
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rewards import FinishedTurn, Rewards
-from turnrl.rewards.state import (
-    PROFILES,
-    Claim,
-    MatchItem,
-    RepetitionPenalty,
-    RuleMatcher,
-    StateReward,
-    claim_similarity,
-    parse_description,
-    parse_relation,
-    weighted_f1,
-)
+from turnrl.rewards.matching import MatchItem
+from turnrl.rewards.state import RepetitionPenalty, StateReward
 from turnrl.rollout.groups import EpisodeSlot
 from turnrl.rollout.metrics import rollout_metrics
 from turnrl.rollout.runner import Rollout
-
-LAKE = PROFILES["FrozenLake"]
-# Player at (3, 0); goal straight above at (1, 0); holes at (0, 2) (above right) and (3, 3) (right).
-FACTS = facts_from_positions((3, 0), [("goal", (1, 0)), ("hole", (0, 2)), ("hole", (3, 3))])
-TRUE_TEXT = ("The goal is directly above the player. The hole is above and to the right of the player. "
-             "The hole is directly to the right of the player.")
-
-
-def score(text: str, facts: StateFacts = FACTS, env_id: str = "FrozenLake") -> float:
-    return RuleMatcher().score_one(MatchItem(text, facts, env_id, "observation"))
-
-
-# --------------------------------------------------------------------------- parsing
-@pytest.mark.parametrize("phrase, relation", [
-    ("above and to the left of the player", ("above", "left")),
-    ("directly above the player", ("above", "same")),
-    ("straight to the right", ("same", "right")),
-    ("up and left", ("above", "left")),
-    ("north-east of you", ("above", "right")),
-    ("below, in the same column", ("below", "same")),
-    ("in the same row, to the west", ("same", "left")),
-    ("at the player's position", ("same", "same")),
-    ("somewhere", (None, None)),
-])
-def test_relations_and_their_synonyms(phrase, relation):
-    assert parse_relation(phrase) == relation
-
-
-def test_prose_with_counts_aliases_plurals_and_cells():
-    claims = parse_description(
-        "The player is at row 3, column 0. The gift is up; two holes are to the right, and the goal is at (1, 0).",
-        ["goal", "hole"], LAKE.aliases)
-    assert claims == [
-        Claim("player", position=(3, 0)),
-        Claim("goal", "above", None),
-        Claim("hole", None, "right"), Claim("hole", None, "right"),
-        Claim("goal", position=(1, 0)),
-    ]
-
-
-@pytest.mark.parametrize("text", [
-    json.dumps([{"name": "goal", "vertical": "above", "horizontal": "same"},
-                {"name": "hole", "vertical": "above", "horizontal": "right"},
-                {"name": "hole", "vertical": "same", "horizontal": "right"}]),
-    json.dumps({"goal": "directly above", "holes": ["above right", {"vertical": "same", "horizontal": "right"}]}),
-    "Here you go: " + json.dumps({"objects": [{"object": "target", "position": [1, 0]},
-                                               {"type": "hole", "row": 0, "col": 2},
-                                               {"kind": "hole", "relation": "directly right"}]}),
-    json.dumps({"goal": [1, 0], "hole": [[0, 2], [3, 3]]}),
-])
-def test_json_descriptions_in_every_accepted_shape_score_like_the_truth(text):
-    assert score(text) == pytest.approx(1.0)
-
-
-@given(st.text(max_size=400))
-@settings(max_examples=300, deadline=None)
-def test_any_string_parses_and_scores_without_raising(text):
-    claims = parse_description(text, ["goal", "hole"], LAKE.aliases)
-    assert all(isinstance(claim, Claim) for claim in claims)
-    assert 0.0 <= score(text) <= 1.0
-
-
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-                        st.sampled_from(["goal", "hole", "name", "objects", "position", "row", "col", "vertical",
-                                         "horizontal", "relation", "player", "x"]), inner, max_size=4),
-                    max_leaves=20))
-@settings(max_examples=300, deadline=None)
-def test_any_json_parses_and_scores_without_raising(value):
-    assert 0.0 <= score(json.dumps(value)) <= 1.0
-
-
-def test_deeply_nested_json_and_huge_texts_are_bounded():
-    assert score("[" * 100_000 + "]" * 100_000) == 0.0
-    assert score(TRUE_TEXT + " x" * 1_000_000) == pytest.approx(1.0)
-    assert len(parse_description("9999999 holes are left", ["hole"])) == 10  # a count is capped
-
-
-# --------------------------------------------------------------------------- scoring
-@pytest.mark.parametrize("text, expected", [
-    (TRUE_TEXT, 1.0),  # exact
-    ("The hole is directly to the right of the player. The goal is directly above the player. "
-     "The hole is above and to the right of the player.", 1.0),  # permuted
-    # partial: goal fully right (F1 1), one of two holes right (P 1, R 1/2, F1 2/3)
-    ("The goal is directly above the player. The hole is directly to the right of the player.", 0.7 + 0.3 * 2 / 3),
-    # missing: no holes at all
-    ("The goal is directly above the player.", 0.7),
-    # hallucinated: a third hole (P 2/3, R 1 -> F1 0.8)
-    (TRUE_TEXT + " The hole is directly below the player.", 0.7 + 0.3 * 0.8),
-    # half-right relations: goal said above-left (one axis of two)
-    ("The goal is above and to the left of the player. The hole is above and to the right of the player. "
-     "The hole is directly to the right of the player.", 0.7 * 0.5 + 0.3),
-    ("", 0.0),
-    ("The dragon is directly above the player. " + TRUE_TEXT, 1.0),  # kinds the env does not score are ignored
-])
-def test_frozenlake_scores_by_hand(text, expected):
-    assert score(text) == pytest.approx(expected)
-
-
-def test_sokoban_weighs_boxes_and_targets_equally():
-    facts = facts_from_positions((2, 2), [("box", (2, 1)), ("target", (0, 1))])
-    assert score("The crate is directly to the left of the player. The goal is up and left.", facts,
-                 "Sokoban") == pytest.approx(1.0)
-    assert score("The box is directly to the left of the player.", facts, "Sokoban") == pytest.approx(0.5)
-
-
-def test_other_envs_weigh_every_kind_of_their_facts_equally():
-    facts = facts_from_positions((0, 0), [("key", (1, 0)), ("door", (0, 3))])
-    assert score("The key is directly below the player.", facts, "my.module:DoorEnv") == pytest.approx(0.5)
-
-
-def reference_f1(claims, facts, weights):
-    """Plain reference: every assignment of claims to true objects tried, per kind."""
-    total, weight_sum = 0.0, 0.0
-    for kind, weight in weights.items():
-        claimed = [c for c in claims if c.name == kind]
-        true = [f for f in facts.objects if f.name == kind]
-        if not claimed and not true:
-            continue
-        weight_sum += weight
-        if not claimed or not true:
-            continue
-        best = 0.0
-        small, large = (claimed, true) if len(claimed) <= len(true) else (true, claimed)
-        for chosen in itertools.permutations(range(len(large)), len(small)):
-            pairs = [(small[i], large[j]) for i, j in enumerate(chosen)]
-            if small is claimed:
-                value = sum(claim_similarity(c, t, facts.player) for c, t in pairs)
-            else:
-                value = sum(claim_similarity(c, t, facts.player) for t, c in pairs)
-            best = max(best, value)
-        p, r = best / len(claimed), best / len(true)
-        total += weight * (0.0 if best == 0 else 2 * p * r / (p + r))
-    return 1.0 if weight_sum == 0 else total / weight_sum
-
-
-cells = st.tuples(st.integers(0, 4), st.integers(0, 4))
-
-
-@given(player=cells, goals=st.lists(cells, max_size=2), holes=st.lists(cells, max_size=4),
-       claims=st.lists(st.tuples(st.sampled_from(["goal", "hole"]),
-                                 st.sampled_from(["above", "below", "same", None]),
-                                 st.sampled_from(["left", "right", "same", None]),
-                                 st.none() | cells), max_size=5))
-@settings(max_examples=300, deadline=None)
-def test_hungarian_weighted_f1_equals_the_brute_force_reference(player, goals, holes, claims):
-    facts = facts_from_positions(player, [("goal", g) for g in goals] + [("hole", h) for h in holes])
-    claims = [Claim(name, v, h, position) for name, v, h, position in claims]
-    got = weighted_f1(claims, facts, LAKE.weights).score
-    assert got == pytest.approx(reference_f1(claims, facts, LAKE.weights))
 
 
 def test_object_weights_from_settings_replace_the_built_in_ones():

@@ -1,5 +1,5 @@
-"""Environments: the contract (:class:`AgentEnv`), its checker, the built-in suite, the Gymnasium image adapter
-(:class:`GymImageEnv`, ``gym:<id>``) and :func:`make`."""
+"""Environments: the contract (:class:`AgentEnv`), its checker, the registry of the built-in games (which live in
+:mod:`turnrl.envs.games`), the Gymnasium image adapter (:class:`GymImageEnv`, ``gym:<id>``) and :func:`make`."""
 
 from turnrl.envs.base import AgentEnv, ObjectFact, StateFacts, StepOutcome, TurnEnv, facts_from_positions, relation
 from turnrl.envs.check import EnvCheckError, check_env

@@ -24,7 +24,9 @@ handling of bad actions, so that every env behaves the same way:
 
 from __future__ import annotations
 
+import hashlib
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -91,6 +93,17 @@ class StateFacts:
         return " ".join(lines)
 
 
+@dataclass(frozen=True)
+class StateRewardProfile:
+    """How state rewards (:mod:`turnrl.rewards.state`) score a description of an env's state against its
+    :class:`StateFacts`: the weight of each object kind and other names for the kinds."""
+
+    weights: Mapping[str, float]
+    """Weight of each object kind in the F1 (kinds not listed are not scored)."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """Other names of a kind, e.g. ``{"gift": "goal"}``."""
+
+
 def relation(player: Position, position: Position) -> tuple[str, str]:
     """Vertical and horizontal relation of ``position`` to ``player``.
 
@@ -155,6 +168,22 @@ class AgentEnv(Protocol):
         ...
 
 
+def observation_key(obs: dict[str, Any]) -> str:
+    """A hash of an observation, text and image: the state key of an env without ``state_key()``."""
+    digest = hashlib.sha1(str(obs.get("text", "")).encode())
+    if "image" in obs:
+        digest.update(np.ascontiguousarray(obs["image"]).tobytes())
+    return digest.hexdigest()
+
+
+def state_key(env: AgentEnv, obs: dict[str, Any]) -> str:
+    """A key of the state ``env`` is in, equal exactly for equal states (GiGPO groups turns by it): the env's
+    ``state_key()`` where it has one (an optional method of the contract), else :func:`observation_key` of
+    ``obs``, the env's latest observation. Raises what the env's ``state_key()`` raises."""
+    own = getattr(env, "state_key", None)
+    return str(own()) if callable(own) else observation_key(obs)
+
+
 AGENT_ENV_METHODS: tuple[str, ...] = ("reset", "step", "instructions", "action_names", "state_facts", "solve")
 """The methods of :class:`AgentEnv`, in the order an error message lists them."""
 
@@ -190,6 +219,12 @@ class TurnEnv(gym.Env[dict, str]):
     setting_choices: ClassVar[dict[str, tuple[Any, ...]]] = {}
     """The allowed values of settings that take one of a few (``turnrl envs`` shows them; ``mode`` is
     ``modes``)."""
+    state_reward_profile: ClassVar[StateRewardProfile | None] = None
+    """How grounding and world-model rewards weigh the object kinds of :meth:`state_facts`, and other names
+    for them; None weighs every kind in the facts the same."""
+    corpus_variants: ClassVar[tuple[dict[str, Any], ...]] = ({},)
+    """Settings that change what the env's texts look like (sizes, vocabularies): the built-in tokenizer's
+    corpus plays each of them (:mod:`turnrl.models.builtin`, for the envs it names)."""
     invalid_action_reward: float = 0.0
 
     def __init__(

@@ -64,6 +64,7 @@ from turnrl.envs.base import (
     facts_from_positions,
     missing_methods,
 )
+from turnrl.envs.settings import registered_settings
 
 __all__ = [
     "ADAPTER_KEYS",
@@ -518,8 +519,6 @@ def make_image_env(env_id: str, **settings: Any) -> GymImageEnv:
     ``gymnasium.make`` itself, e.g. ``max_episode_steps``) before anything is
     built, and an env whose class declares no ``rgb_array`` rendering is refused.
     """
-    from turnrl.envs.registry import registered_settings  # imported on use: the registry imports this module
-
     label = f"{GYM_PREFIX}{env_id}"
     if env_id not in gym.registry:
         raise ValueError(f"{label}: {env_id!r} is not a registered Gymnasium id (e.g. gym:FrozenLake-v1)")

@@ -9,33 +9,29 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
 from typing import Any, cast
 
 import gymnasium as gym
-from gymnasium.envs.registration import load_env_creator
 
 from turnrl.envs.base import AgentEnv, StateFacts, TurnEnv, missing_methods
 from turnrl.envs.gym_adapter import GYM_PREFIX, make_image_env
+from turnrl.envs.settings import check_settings, keyword_parameters, registered_settings
 
 BUILTIN_ENVS: dict[str, str] = {
-    "Sokoban": "turnrl.envs.sokoban:SokobanEnv",
-    "FrozenLake": "turnrl.envs.frozenlake:FrozenLakeEnv",
-    "Bandit": "turnrl.envs.bandit:BanditEnv",
-    "Countdown": "turnrl.envs.countdown:CountdownEnv",
-    "Maze2D": "turnrl.envs.maze:Maze2DEnv",
-    "Navigation": "turnrl.envs.navigation:NavigationEnv",
-    "PrimitiveSkill": "turnrl.envs.primitive_skill:PrimitiveSkillEnv",
-    "SVG": "turnrl.envs.svg:SVGEnv",
+    "Sokoban": "turnrl.envs.games.sokoban:SokobanEnv",
+    "FrozenLake": "turnrl.envs.games.frozenlake:FrozenLakeEnv",
+    "Bandit": "turnrl.envs.games.bandit:BanditEnv",
+    "Countdown": "turnrl.envs.games.countdown:CountdownEnv",
+    "Maze2D": "turnrl.envs.games.maze:Maze2DEnv",
+    "Navigation": "turnrl.envs.games.navigation:NavigationEnv",
+    "PrimitiveSkill": "turnrl.envs.games.primitive_skill:PrimitiveSkillEnv",
+    "SVG": "turnrl.envs.games.svg:SVGEnv",
 }
 
 CONTRACT_HINT = (
     "turnrl needs string actions, dict observations with a 'text' key, instructions() and action_names() "
     "(and state_facts() and solve(); see turnrl.envs.AgentEnv, or subclass turnrl.envs.TurnEnv)"
 )
-
-_GYM_MAKE_SETTINGS = {"max_episode_steps": None, "disable_env_checker": None}
-"""Settings that ``gymnasium.make`` takes itself rather than passing to the env."""
 
 
 def gym_id(name: str) -> str:
@@ -89,25 +85,7 @@ def env_class(env_id: str) -> type[TurnEnv]:
 
 def env_parameters(env_id: str) -> dict[str, Any]:
     """Constructor parameters of a built-in env and their defaults."""
-    return _parameters(env_class(env_id)) or {}
-
-
-def _parameters(factory: Callable[..., Any]) -> dict[str, Any] | None:
-    """Keyword parameters of ``factory`` and their defaults; None if it takes ``**kwargs``."""
-    params = inspect.signature(factory).parameters.values()
-    if any(param.kind is inspect.Parameter.VAR_KEYWORD for param in params):
-        return None
-    return {param.name: param.default for param in params if param.kind is not inspect.Parameter.VAR_POSITIONAL}
-
-
-def _check_settings(label: str, allowed: dict[str, Any] | None, settings: dict[str, Any]) -> None:
-    """Fail here, naming the allowed settings, rather than with a TypeError deep in a run."""
-    if allowed is None:  # the constructor takes **kwargs: it checks its own settings
-        return
-    unknown = sorted(set(settings) - set(allowed))
-    if unknown:
-        listing = ", ".join(f"{k}={v!r}" for k, v in allowed.items())
-        raise ValueError(f"{label} has no setting {', '.join(unknown)}; allowed: {listing}")
+    return keyword_parameters(env_class(env_id)) or {}
 
 
 def make(env_id: str, **settings: Any) -> AgentEnv:
@@ -133,7 +111,7 @@ def make(env_id: str, **settings: Any) -> AgentEnv:
     name = builtin_name(env_id)
     if name is not None:
         cls = env_class(name)
-        _check_settings(name, env_parameters(name), settings)
+        check_settings(name, env_parameters(name), settings)
         return cls(**settings)
     if env_id.startswith(GYM_PREFIX):
         # Wrapper.step is typed for any action and a SupportsFloat reward; the contract methods are the point here.
@@ -159,7 +137,7 @@ def _make_entry_point(env_id: str, settings: dict[str, Any]) -> AgentEnv:
         raise ValueError(f"env {env_id!r}: module {module_name!r} has no attribute {attribute!r}")
     if inspect.isclass(factory) and missing_methods(factory):
         raise TypeError(_not_an_agent_env(env_id, factory.__name__, missing_methods(factory)))
-    _check_settings(env_id, _parameters(factory), settings)
+    check_settings(env_id, keyword_parameters(factory), settings)
     env = factory(**settings)
     if missing_methods(env):
         raise TypeError(_not_an_agent_env(env_id, type(env).__name__, missing_methods(env)))
@@ -181,20 +159,9 @@ def _not_an_agent_env(env_id: str, type_name: str, missing: list[str]) -> str:
     return f"env {env_id!r} is not an agent env: {type_name} has no {methods}. {CONTRACT_HINT}."
 
 
-def registered_settings(env_id: str) -> dict[str, Any] | None:
-    """What ``gymnasium.make(env_id, ...)`` accepts, with defaults; None if the env's creator takes ``**kwargs``.
-
-    The creator's parameters, the registration's kwargs and ``gymnasium.make``'s own settings.
-    """
-    spec = gym.spec(env_id)
-    creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
-    allowed = _parameters(creator) if creator is not None else None
-    return None if allowed is None else {**allowed, **spec.kwargs, **_GYM_MAKE_SETTINGS}
-
-
 def _make_registered(env_id: str, settings: dict[str, Any]) -> AgentEnv:
     """``gymnasium.make`` a registered id; refuse an env without the contract methods."""
-    _check_settings(env_id, registered_settings(env_id), settings)
+    check_settings(env_id, registered_settings(env_id), settings)
     env = gym.make(env_id, **settings)
     missing = missing_methods(env.unwrapped)
     if missing:

@@ -25,18 +25,10 @@ from turnrl.models.tiny import PRESETS, build_model
 from turnrl.models.vlm import VLM_PREFIX, VLM_PRESETS, build_vlm, is_vlm_preset, vlm_preset
 
 CORPUS_ENVS = ("Sokoban", "FrozenLake", "Bandit", "Countdown", "Maze2D")
-"""The envs whose texts train the built-in tokenizer: those a small model trained from scratch is for. The
-3D, physics and SVG envs are for pretrained VLMs; leaving them out keeps the tokenizer (and every result
-made with it) the same as envs are added, and the build free of their simulators."""
-
-# Env settings that change what the text looks like (sizes, vocabularies).
-_VARIANTS: dict[str, list[dict]] = {
-    "Sokoban": [{}, {"size": 8, "num_boxes": 2}, {"symbols": "alt"}, {"symbols": "coords"}],
-    "FrozenLake": [{}, {"size": 6}, {"size": 8}],
-    "Bandit": [{"split": "train"}, {"split": "test"}],
-    "Countdown": [{}],
-    "Maze2D": [{}, {"difficulty": "hard"}],
-}
+"""The envs whose texts train the built-in tokenizer: those a small model trained from scratch is for, each
+played in the settings its class lists (``corpus_variants``: sizes, vocabularies). The 3D, physics and SVG
+envs are for pretrained VLMs; leaving them out keeps the tokenizer (and every result made with it) the same as
+envs are added, and the build free of their simulators."""
 
 
 def _episode_texts(env, seed: int, rng: np.random.Generator, max_steps: int = 6) -> list[str]:
@@ -80,7 +72,7 @@ def builtin_corpus(episodes_per_variant: int = 12) -> list[str]:
     rng = np.random.default_rng(0)
     texts: list[str] = []
     for name in CORPUS_ENVS:
-        for settings in _VARIANTS.get(name, [{}]):
+        for settings in env_class(name).corpus_variants:
             texts.extend(_env_texts(make(name, **settings), episodes_per_variant, rng))
     return texts
 
@@ -94,7 +86,7 @@ def image_mode_corpus(episodes_per_variant: int = 4) -> list[str]:
     for name in CORPUS_ENVS:
         if "image" not in env_class(name).modes:
             continue
-        for settings in _VARIANTS.get(name, [{}]):
+        for settings in env_class(name).corpus_variants:
             try:
                 env = make(name, mode="image", **settings)
             except ValueError:  # e.g. a symbol style that only text mode has

@@ -5,7 +5,7 @@ Two modes:
 - ``yes_no``: the judge sees the true state (``StateFacts.describe()``) and the
   agent's description, and answers YES (score 1) or NO (score 0).
 - ``parse``: the judge turns the description into JSON objects with their
-  relations to the player; the rule (:func:`turnrl.rewards.state.weighted_f1`)
+  relations to the player; the rule (:func:`turnrl.rewards.matching.weighted_f1`)
   scores the JSON. The judge never sees the truth, so it cannot be argued
   into a YES, and the score keeps partial credit.
 
@@ -32,7 +32,7 @@ from typing import Literal
 from turnrl.config import SamplingConfig
 from turnrl.policy.base import GenerationRequest
 from turnrl.policy.openai_http import OpenAIPolicy
-from turnrl.rewards.state import MatchItem, RuleMatcher, parse_json, weighted_f1
+from turnrl.rewards.matching import MatchItem, RuleMatcher, parse_json, weighted_f1
 
 JudgeMode = Literal["yes_no", "parse"]
 
@@ -96,7 +96,7 @@ def parse_yes_no(answer: str) -> float | None:
 
 
 class JudgeMatcher:
-    """Scores descriptions with an LLM judge (a :class:`~turnrl.rewards.state.Matcher`).
+    """Scores descriptions with an LLM judge (a :class:`~turnrl.rewards.matching.Matcher`).
 
     Args:
         settings: the endpoint and how to use it.

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 from turnrl.agent.formats import get_format
-from turnrl.config import AgentConfig, ModelConfig, RewardsConfig, SamplingConfig, env_factory
+from turnrl.config import AgentConfig, ModelConfig, RewardsConfig, SamplingConfig
 from turnrl.envs.base import AgentEnv
-from turnrl.envs.ray_env import ensure_ray, ray_env_factory
+from turnrl.envservice.placement import env_factory
+from turnrl.envservice.ray import ensure_ray, ray_env_factory
 from turnrl.rewards import Rewards
 from turnrl.rollout.context import ChatTemplateDeltas
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings

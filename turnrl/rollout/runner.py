@@ -17,7 +17,6 @@ returns, and its turn is scored alone.
 
 from __future__ import annotations
 
-import hashlib
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ import numpy as np
 from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, SamplingConfig
-from turnrl.envs.base import AgentEnv, StateFacts
+from turnrl.envs.base import AgentEnv, StateFacts, state_key
 from turnrl.models.vision import ImageEncoder
 from turnrl.policy.base import Completion, GenerationRequest, Policy, StreamingPolicy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
@@ -88,17 +87,11 @@ def message_images(messages: list[dict[str, Any]]) -> list[np.ndarray]:
     ]
 
 
-def state_key(env: AgentEnv, obs: dict[str, Any]) -> str | None:
-    """The env's ``state_key()`` where it has one, else a hash of the observation (text and image);
-    None when even that fails (the turn then joins no anchor group)."""
+def turn_state_key(env: AgentEnv, obs: dict[str, Any]) -> str | None:
+    """:func:`~turnrl.envs.base.state_key` of the env's state, or None when it fails (the turn then joins no
+    anchor group)."""
     try:
-        own = getattr(env, "state_key", None)
-        if callable(own):
-            return str(own())
-        digest = hashlib.sha1(str(obs.get("text", "")).encode())
-        if "image" in obs:
-            digest.update(np.ascontiguousarray(obs["image"]).tobytes())
-        return digest.hexdigest()
+        return state_key(env, obs)
     except Exception:
         return None
 
@@ -362,7 +355,7 @@ class Rollout:
             finish_reason=completion.finish_reason,
             parsed=parsed,
             images=episode.images,
-            state_key=state_key(env, episode.last_obs),
+            state_key=turn_state_key(env, episode.last_obs),
         )
         trajectory.turns.append(turn)
         episode.messages.append({"role": "assistant", "content": completion.text})

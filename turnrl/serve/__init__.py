@@ -1,1 +1,2 @@
-"""Serving over HTTP: an OpenAI-compatible server for transformers policies (and, next, envs)."""
+"""Serving over HTTP: an OpenAI-compatible server for transformers policies (envs are served by
+:mod:`turnrl.envservice`)."""

@@ -23,8 +23,9 @@ import torch
 from rich.console import Console
 
 from turnrl.agent.formats import ResponseFormat, get_format
-from turnrl.config import AgentConfig, ConfigError, SamplingConfig, env_factory
+from turnrl.config import AgentConfig, ConfigError, SamplingConfig
 from turnrl.envs import AgentEnv
+from turnrl.envservice.placement import env_factory
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, load_image, part_images
 from turnrl.policy.hf import resolve_device, resolve_dtype

@@ -44,8 +44,9 @@ from rich.console import Console
 
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import group_stats, kl_penalty, select_groups
-from turnrl.config import ConfigError, SamplingConfig, env_factory, to_yaml
+from turnrl.config import ConfigError, SamplingConfig, to_yaml
 from turnrl.envs.seeds import SeedSplits
+from turnrl.envservice.placement import env_factory
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer, vision_tower
 from turnrl.policy.factory import model_policy
 from turnrl.policy.hf import HFPolicy, resolve_device, resolve_dtype

@@ -1,0 +1,457 @@
+"""Sokoban: Gymnasium conformance, push rules and rewards, generator, solver, views."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import gymnasium
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import turnrl.envs  # noqa: F401  (registers turnrl/Sokoban-v0)
+from turnrl.envs.games.sokoban.env import TILES, SokobanEnv
+from turnrl.envs.games.sokoban.levels import (
+    ALT_SYMBOLS,
+    DIRECTIONS,
+    RAGEN_SYMBOLS,
+    Level,
+    apply_moves,
+    generate_level,
+    level_text,
+    live_cells,
+    parse_level,
+    solve,
+)
+from turnrl.envs.render import draw_grid
+
+ACTIONS = list(DIRECTIONS)
+
+
+def board(text: str, **kwargs) -> SokobanEnv:
+    """An env reset to a hand-written level (image mode needs the env sized to it)."""
+    if kwargs.get("mode") == "image":
+        level = parse_level(text)
+        kwargs["dim_room"] = (level.rows, level.cols)
+    env = SokobanEnv(**kwargs)
+    env.reset(seed=0, options={"level": text})
+    return env
+
+
+# ---------------------------------------------------------------------- conformance
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"mode": "image"},
+        {"render_mode": "rgb_array"},
+        {"render_mode": "ansi"},
+        {"mode": "image", "render_mode": "rgb_array"},
+        {"mode": "image", "render_mode": "ansi"},
+        {"symbols": "alt", "render_mode": "ansi"},
+        {"symbols": "coords", "render_mode": "ansi"},
+        {"size": 8, "num_boxes": 2},
+    ],
+)
+def test_check_env(kwargs):
+    check_env(gymnasium.make("turnrl/Sokoban-v0", **kwargs).unwrapped)
+
+
+def test_registry_make_and_description():
+    env = turnrl.envs.make("sokoban", size=8, num_boxes=2)
+    obs, info = env.reset(seed=1)
+    assert len(obs["text"].splitlines()) == 8 and info["success"] is False
+    assert SokobanEnv.description and SokobanEnv.modes == ("text", "image")
+    assert env.action_names() == ["Up", "Down", "Left", "Right"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dim_room": (6, 6), "size": 7}, "disagree"),
+        ({"symbols": "emoji"}, "symbols"),
+        ({"size": 3, "num_boxes": 1}, "inner cells"),
+        ({"size": 2}, "3x3"),
+        ({"num_boxes": 0}, "num_boxes"),
+        ({"mode": "video"}, "mode"),
+        ({"size": 200}, "characters"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SokobanEnv(**kwargs)
+
+
+def test_dim_room_is_rows_by_cols():
+    env = SokobanEnv(dim_room=(5, 9), mode="image", cell_px=10)
+    obs, _ = env.reset(seed=0)
+    assert obs["image"].shape == (50, 90, 3)
+    assert env.grid_text().count("\n") == 4 and len(env.grid_text().splitlines()[0]) == 9
+
+
+# ---------------------------------------------------------------------- determinism
+def test_same_seed_same_episode():
+    a, b = SokobanEnv(), SokobanEnv()
+    b.reset(seed=99)  # history must not matter
+    for env in (a, b):
+        env.reset(seed=7)
+    assert a.text() == b.text()
+    for action in ["Up", "Left", "Left", "Down", "Right", "Right", "Up", "Down"]:
+        assert a.step(action) == b.step(action)
+    a2 = SokobanEnv()
+    assert a2.reset(seed=7)[0] == SokobanEnv().reset(seed=7)[0]
+
+
+def test_different_seeds_mostly_different_levels():
+    env = SokobanEnv()
+    texts = {env.reset(seed=seed)[0]["text"] for seed in range(200)}
+    assert len(texts) >= 190
+
+
+def test_generate_level_is_a_pure_function_of_the_seed():
+    assert generate_level(8, 8, 2, 1234) == generate_level(8, 8, 2, 1234)
+    assert generate_level(8, 8, 2, 1234, max_moves=50) == generate_level(8, 8, 2, 1234, max_moves=50)
+
+
+# ---------------------------------------------------------------------- generator + solver
+@pytest.mark.parametrize("size, num_boxes", [(6, 1), (8, 2)])
+def test_generated_levels_are_solved_by_replaying_the_solver(size, num_boxes):
+    env = SokobanEnv(size=size, num_boxes=num_boxes)
+    lengths = []
+    for seed in range(1000):
+        env.reset(seed=seed)
+        level = env.initial_level
+        assert not env.success(), "a level must not start solved"
+        assert len(level.boxes) == len(level.targets) == num_boxes
+        assert all(level.walls[cell] for cell in range(size)), "top border is wall"
+        plan = env.solve()
+        assert plan is not None and 0 < len(plan) <= env.max_steps
+        lengths.append(len(plan))
+        for i, action in enumerate(plan):
+            _, reward, terminated, truncated, info = env.step(action)
+            assert info["action_is_valid"] and not truncated
+            assert terminated == (i == len(plan) - 1)
+        assert env.success() and info["success"] and reward == pytest.approx(10.9)
+    # Harder than one push on average (gym-sokoban's levels average about 3 moves at 6x6, 14 at 8x8/2).
+    assert np.mean(lengths) > (3 if num_boxes == 1 else 9)
+
+
+def naive_shortest(level: Level, limit: int = 200_000) -> int | None:
+    """Length of a shortest solution by plain BFS over the reference rules."""
+    start = (level.player, level.boxes)
+    seen, queue = {start}, deque([(level, 0)])
+    while queue and len(seen) < limit:
+        current, depth = queue.popleft()
+        if current.is_solved():
+            return depth
+        for d in range(4):
+            nxt = apply_moves(current, [d])
+            key = (nxt.player, nxt.boxes)
+            if key not in seen:
+                seen.add(key)
+                queue.append((nxt, depth + 1))
+    return None
+
+
+@pytest.mark.parametrize("size, num_boxes, count", [(6, 1, 200), (7, 2, 40), (8, 2, 20)])
+def test_solver_is_optimal(size, num_boxes, count):
+    for seed in range(count):
+        level = generate_level(size, size, num_boxes, seed)
+        plan = solve(level)
+        assert plan is not None and len(plan) == naive_shortest(level)
+        assert apply_moves(level, plan).is_solved()
+
+
+def test_solver_none_when_stuck_and_empty_when_solved():
+    stuck = parse_level(
+        """
+        #####
+        #X__#
+        #_P_#
+        #__O#
+        #####
+        """
+    )
+    assert solve(stuck) is None
+    # Every box on a live cell, but the front box blocks the one behind it: the search runs dry.
+    assert solve(parse_level("########\n#PXX_OO#\n########")) is None
+    assert solve(parse_level("########\n#P_X_O_#\n########")) == [3, 3, 3]
+    assert solve(parse_level("#####\n#P√_#\n#####")) == []
+    env = board("######\n#P_XO#\n#____#\n######")
+    assert env.solve() == ["Right", "Right"]
+    env = board("######\n#_PX_#\n#___O#\n######")
+    env.step("Right")  # box into the right corner, off target
+    assert env.current_level().boxes == (10,)
+    assert env.solve() is None
+
+
+def test_dead_cells_exclude_corners_without_targets():
+    level = parse_level("#####\n#P__#\n#_X_#\n#__O#\n#####")
+    live = live_cells(level.rows, level.cols, level.walls, level.targets)
+    corner, target = 1 * 5 + 1, 3 * 5 + 3
+    assert live[target] == 1 and live[corner] == 0
+    assert all(live[cell] == 0 for cell in range(25) if level.walls[cell])
+
+
+def test_generator_respects_max_moves_and_odd_shapes():
+    for seed in range(100):
+        level = generate_level(8, 8, 2, seed, max_moves=12)
+        plan = solve(level)
+        assert plan is not None and len(plan) <= 12
+    for rows, cols, boxes in [(3, 5, 1), (5, 12, 3), (12, 7, 4)]:
+        level = generate_level(rows, cols, boxes, seed=3)
+        assert (level.rows, level.cols) == (rows, cols) and not level.is_solved()
+        assert solve(level) is not None
+
+
+# ---------------------------------------------------------------------- push rules and rewards
+def test_move_and_walk_onto_target_shows_S():
+    env = board("#####\n#PO_#\n#_X_#\n#####")
+    _, reward, terminated, truncated, info = env.step("Right")
+    assert env.text().splitlines()[1] == "#_S_#"
+    assert reward == pytest.approx(-0.1) and not terminated and not truncated
+    assert info["action_is_valid"] and info["action_is_effective"]
+    env.step("Right")
+    assert env.text().splitlines()[1] == "#_OP#"
+
+
+def test_push_into_wall_is_a_costly_no_op():
+    env = board("#####\n#_PX#\n#__O#\n#####")
+    before = env.text()
+    _, reward, terminated, _, info = env.step("right")
+    assert env.text() == before and reward == pytest.approx(-0.1) and not terminated
+    assert info["action_is_valid"] and not info["action_is_effective"]
+    _, reward, _, _, info = env.step("Up")  # walking into a wall
+    assert env.text() == before and not info["action_is_effective"]
+
+
+def test_box_behind_box_does_not_move():
+    env = board("#######\n#PXX_O#\n#____O#\n#######")
+    before = env.text()
+    _, reward, _, _, info = env.step("Right")
+    assert env.text() == before and reward == pytest.approx(-0.1) and not info["action_is_effective"]
+
+
+def test_onto_target_off_target_and_solved():
+    env = board("#######\n#PX_O_#\n#_X__O#\n#######")
+    env.step("Right")
+    _, reward, terminated, _, _ = env.step("Right")  # box onto the first target: +1
+    assert reward == pytest.approx(0.9) and not terminated
+    assert env.text().splitlines()[1] == "#__P√_#"
+    _, reward, _, _, _ = env.step("Right")  # pushed off again: -1
+    assert reward == pytest.approx(-1.1)
+    assert env.text().splitlines()[1] == "#___SX#"
+    assert env.state_facts().player == (1, 4)
+
+
+def test_solving_pays_ten_and_terminates():
+    env = board("######\n#PXO_#\n#_X_O#\n#____#\n######")
+    rewards = []
+    for action in ["Right", "Left", "Down", "Right", "Right"]:
+        obs, reward, terminated, truncated, info = env.step(action)
+        rewards.append(reward)
+    assert terminated and not truncated and info["success"] and env.success()
+    assert rewards == pytest.approx([0.9, -0.1, -0.1, -0.1, -0.1 + 1 + 10])
+    assert "X" not in obs["text"] and obs["text"].count("√") == 2
+    _, reward, terminated, _, info = env.step("Left")  # after the end: ignored, not valid
+    assert not info["action_is_valid"] and terminated
+
+
+def test_truncation_at_max_steps():
+    env = board("######\n#P__O#\n#__X_#\n######", max_steps=3)
+    outcomes = [env.step(a) for a in ["Right", "Left", "Right"]]
+    assert [o[3] for o in outcomes] == [False, False, True]
+    assert not any(o[2] for o in outcomes)
+
+
+def test_levels_without_border_walls_block_at_the_edge():
+    env = board("PX_O")
+    _, _, _, _, info = env.step("Left")
+    assert not info["action_is_effective"]
+    env.step("Right")
+    _, reward, terminated, _, _ = env.step("Right")
+    assert terminated and reward == pytest.approx(10.9)
+    env = board("P_XO")
+    env.step("Up")
+    assert env.text() == "P_XO"
+
+
+# ---------------------------------------------------------------------- bad actions
+BAD_ACTIONS = ["", " ", "jump", "Up Up", "Up,", "x" * 100_000, "上", "Ⓤp", "\x00"]
+BAD_ACTIONS += [None, 3, 1.5, b"Up", ["Up"], {"a": 1}]  # not strings at all
+
+
+@pytest.mark.parametrize("action", BAD_ACTIONS)
+def test_bad_actions_never_raise(action):
+    env = SokobanEnv()
+    env.reset(seed=5)
+    before = env.text()
+    _, reward, terminated, truncated, info = env.step(action)
+    assert env.text() == before and env.steps == 1
+    assert reward == pytest.approx(-0.1) and not terminated and not truncated
+    assert not info["action_is_valid"] and not info["action_is_effective"]
+
+
+def test_actions_are_case_insensitive():
+    env = board("#####\n#P_O#\n#_X_#\n#####")
+    env.step("  rIGHT ")
+    assert env.state_facts().player == (1, 2)
+
+
+# ---------------------------------------------------------------------- invariants (hypothesis)
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    size=st.sampled_from([(6, 6), (8, 8, 2), (7, 9, 3), (6, 6, 3)]),
+    actions=st.lists(
+        # Mostly valid moves (so boxes get pushed into each other), some odd spellings and junk.
+        st.one_of(
+            st.sampled_from(ACTIONS), st.sampled_from(ACTIONS), st.sampled_from(["up", "LEFT"]), st.text(max_size=5)
+        ),
+        max_size=80,
+    ),
+)
+def test_random_play_keeps_invariants_and_matches_reference_rules(seed, size, actions):
+    rows, cols, *boxes = size
+    env = SokobanEnv(dim_room=(rows, cols), num_boxes=boxes[0] if boxes else 1, max_steps=1000)
+    env.reset(seed=seed)
+    reference = env.initial_level
+    for action in actions:
+        before = env.current_level()
+        on_before = len(set(before.boxes) & set(before.targets))
+        _, reward, terminated, _, info = env.step(action)
+        if info["action_is_valid"]:
+            reference = apply_moves(reference, [ACTIONS.index(action.strip().capitalize())])
+        state = env.current_level()
+        assert state == reference
+        assert len(state.boxes) == len(state.targets)
+        assert not state.walls[state.player] and state.player not in state.boxes
+        assert not any(state.walls[b] for b in state.boxes)
+        on_after = len(set(state.boxes) & set(state.targets))
+        if info["action_is_valid"]:
+            expected = -0.1 + (on_after - on_before) + (10 if terminated else 0)
+            assert reward == pytest.approx(expected)
+        grid = env.text()
+        assert sum(grid.count(s) for s in "PS") == 1
+        assert grid.count("X") + grid.count("√") == len(state.boxes)
+        assert level_text(state) == grid
+        if terminated:
+            break
+
+
+# ---------------------------------------------------------------------- levels as text
+def test_parse_level_round_trip_and_indentation():
+    text = "######\n#_P__#\n#_X√_#\n#_O__#\n#____#\n######"
+    assert level_text(parse_level(text)) == text
+    indented = "\n        " + text.replace("\n", "\n        ") + "\n    "
+    assert parse_level(indented) == parse_level(text)
+    alt = level_text(parse_level(text), ALT_SYMBOLS)
+    assert alt.splitlines()[2] == "W.BC.W"
+    assert parse_level(alt, ALT_SYMBOLS) == parse_level(text)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "empty"),
+        ("####\n#P#\n####", "not rectangular"),
+        ("#####\n#_XO#\n#####", "exactly one player"),
+        ("#####\n#PXP#\n#O__#\n#####", "exactly one player"),
+        ("#####\n#P_O#\n#####", "at least one box"),
+        ("#####\n#PXX#\n#O__#\n#####", "as many boxes as targets"),
+        ("#####\n#PX?#\n#O__#\n#####", "unknown symbol '\\?' at row 1, column 3"),
+    ],
+)
+def test_bad_levels_are_rejected_with_a_reason(text, message):
+    env = SokobanEnv()
+    with pytest.raises(ValueError, match=message):
+        env.reset(options={"level": text})
+
+
+def test_bad_reset_options():
+    with pytest.raises(ValueError, match="unknown"):
+        SokobanEnv().reset(options={"lvl": "#"})
+    with pytest.raises(ValueError, match="draws 6x6"):
+        SokobanEnv(mode="image").reset(options={"level": "#####\n#PXO#\n#####"})
+    with pytest.raises(ValueError, match="must be a string"):
+        SokobanEnv().reset(options={"level": 5})
+
+
+# ---------------------------------------------------------------------- views
+def test_alt_vocabulary():
+    env = board("#######\n#PO__√#\n#_X___#\n#######", symbols="alt")
+    assert env.text() == "WWWWWWW\nWAG..CW\nW.B...W\nWWWWWWW"
+    env.step("Right")
+    assert env.text().splitlines()[1] == "W.@..CW"
+    legend = env.instructions()
+    for symbol in "W.GCBA@":
+        assert f"{symbol} " in legend
+    assert env.render() is None
+
+
+def test_coords_mode_lists_positions():
+    env = board("######\n#PX_O#\n#__√_#\n######", symbols="coords", render_mode="ansi")
+    lines = dict(line.split(": ", 1) for line in env.text().splitlines())
+    assert lines["Player"] == "(1, 1)"
+    assert lines["Boxes"] == "(1, 2), (2, 3)"
+    assert lines["Targets"] == "(1, 4), (2, 3)"
+    assert lines["Boxes on targets"] == "1 of 2"
+    assert lines["Walls"].startswith("(0, 0), (0, 1)") and lines["Walls"].count("(") == 6 + 6 + 4
+    env.step("Right")
+    assert "Player: (1, 2)" in env.render() and "Boxes: (1, 3), (2, 3)" in env.text()
+    assert "(row, column)" in env.instructions()
+
+
+def test_instructions_name_the_symbols_and_actions():
+    text = SokobanEnv().instructions()
+    for symbol in "#_O√XPS":
+        assert symbol in text
+    for action in ACTIONS:
+        assert action in text
+    assert "image" in SokobanEnv(mode="image").instructions()
+
+
+def test_image_mode_tiles_and_status_text():
+    env = board("######\n#SX_√#\n#____#\n######", mode="image", cell_px=12)
+    obs = env.observation()
+    assert obs["image"].shape == env.observation_space["image"].shape == (48, 72, 3)
+    assert obs["image"].dtype == np.uint8
+    assert obs["text"] == "Boxes on targets: 1 of 2."
+    assert env.render() is None
+    # Every cell kind has its own tile, and the frame is made of them.
+    tile_of = dict(zip(RAGEN_SYMBOLS.symbols, TILES))
+    pictures = {symbol: draw_grid([symbol], tile_of, 12) for symbol in RAGEN_SYMBOLS.symbols}
+    assert len({picture.tobytes() for picture in pictures.values()}) == len(TILES)
+    for r, line in enumerate(env.grid_text().splitlines()):
+        for c, symbol in enumerate(line):
+            assert np.array_equal(obs["image"][r * 12 : (r + 1) * 12, c * 12 : (c + 1) * 12], pictures[symbol])
+
+
+def test_ansi_render_shows_the_grid_in_image_mode():
+    env = board("#####\n#PXO#\n#####", mode="image", render_mode="ansi")
+    assert env.render() == "#####\n#PXO#\n#####"
+    env = board("#####\n#PXO#\n#####", render_mode="rgb_array", cell_px=4)
+    assert env.render().shape == (12, 20, 3)
+
+
+def test_state_facts_relations():
+    env = board("######\n#_X__#\n#__P_#\n#O___#\n######")
+    facts = env.state_facts()
+    assert facts.player == (2, 3)
+    by_name = {fact.name: fact for fact in facts.objects}
+    assert (by_name["box"].position, by_name["box"].vertical, by_name["box"].horizontal) == ((1, 2), "above", "left")
+    assert (by_name["target"].vertical, by_name["target"].horizontal) == ("below", "left")
+    assert "box is above and to the left of the player" in facts.describe()
+
+
+@pytest.mark.parametrize(("size", "boxes"), [(6, 1), (7, 2)])
+def test_action_budget_covers_the_fewest_moves_solution(size, boxes):
+    env = SokobanEnv(size=size, num_boxes=boxes)
+    lengths = []
+    for seed in range(100):
+        env.reset(seed=seed)
+        lengths.append(len(env.solve()))
+    assert max(lengths) <= env.action_budget() <= env.max_steps
+    assert SokobanEnv(size=size, num_boxes=boxes, max_steps=5).action_budget() == 5

@@ -1,0 +1,264 @@
+"""FrozenLake: Gymnasium conformance, dynamics on hand-written maps, solvable generation."""
+
+import warnings
+from collections import Counter
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from turnrl.envs.base import IMAGE_CAPTION
+from turnrl.envs.games.frozenlake import ACTIONS, FrozenLakeEnv, parse_level
+
+LEVEL = """
+P_O_
+__O_
+____
+O__G
+"""
+
+
+def make(**kwargs) -> FrozenLakeEnv:
+    return FrozenLakeEnv(**kwargs)
+
+
+@pytest.mark.parametrize("mode", ["text", "image"])
+@pytest.mark.parametrize("render_mode", [None, "ansi", "rgb_array"])
+@pytest.mark.parametrize("slippery", [False, True])
+def test_check_env(mode, render_mode, slippery):
+    env = gym.make("turnrl/FrozenLake-v0", mode=mode, render_mode=render_mode, is_slippery=slippery)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a checker warning is a failure
+        check_env(env.unwrapped)
+
+
+def test_render_modes():
+    env = make(render_mode="ansi")
+    obs, _ = env.reset(seed=0)
+    assert env.render() == obs["text"]
+    env = make(render_mode="rgb_array", size=6, cell_px=10)
+    env.reset(seed=0)
+    assert env.render().shape == (60, 60, 3)
+
+
+def test_text_symbols_and_facts():
+    env = make()
+    obs, info = env.reset(seed=0, options={"level": LEVEL})
+    assert obs["text"] == "P_O_\n__O_\n____\nO__G"
+    assert info == {"success": False}
+    facts = env.state_facts()
+    assert facts.player == (0, 0)
+    assert ("goal", (3, 3), "below", "right") in [(f.name, f.position, f.vertical, f.horizontal) for f in facts.objects]
+    assert sorted(f.position for f in facts.objects if f.name == "hole") == [(0, 2), (1, 2), (3, 0)]
+    assert "goal is below and to the right of the player" in facts.describe()
+
+
+def test_gymnasium_symbols_accepted():
+    cells, rows, cols, start, goal = parse_level(["SFFH", "FHFF", "FFFF", "HFFG"])
+    assert (rows, cols, start, goal) == (4, 4, 0, 15)
+    assert cells == "___O" + "_O__" + "____" + "O__G"
+
+
+def test_edge_is_a_valid_no_move():
+    env = make()
+    env.reset(seed=0, options={"level": LEVEL})
+    obs, reward, terminated, truncated, info = env.step("Up")
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    assert info["action_is_valid"] and not info["action_is_effective"]
+    assert env.player == (0, 0) and obs["text"].startswith("P_O_")
+
+
+def test_hole_terminates_with_zero():
+    env = make()
+    env.reset(seed=0, options={"level": LEVEL})
+    env.step("Right")
+    obs, reward, terminated, truncated, info = env.step("Right")
+    assert (reward, terminated, truncated, info["success"]) == (0.0, True, False, False)
+    assert obs["text"].splitlines()[0] == "__X_"
+    assert env.solve() is None
+    # After the end every action is invalid and changes nothing.
+    _, reward, terminated, _, info = env.step("Left")
+    assert not info["action_is_valid"] and terminated and env.player == (0, 2)
+
+
+def test_goal_pays_one_and_terminates():
+    env = make()
+    env.reset(seed=0, options={"level": LEVEL})
+    for action in ["Down", "Down", "Right", "Right", "Right"]:
+        env.step(action)
+    obs, reward, terminated, truncated, info = env.step("Down")
+    assert (reward, terminated, info["success"]) == (1.0, True, True)
+    assert obs["text"].splitlines()[3] == "O__√"
+    assert env.success() and env.solve() == []
+
+
+def test_solve_is_shortest_and_none_when_blocked():
+    env = make()
+    env.reset(options={"level": LEVEL})
+    assert len(env.solve()) == 6
+    env_3 = make(size=3)
+    env_3.reset(options={"level": "P_O\n_OO\nO_G"})
+    assert env_3.solve() is None
+
+
+def test_truncation_at_max_steps():
+    env = make(max_steps=3)
+    env.reset(options={"level": LEVEL})
+    results = [env.step("Up")[2:4] for _ in range(3)]
+    assert results == [(False, False), (False, False), (False, True)]
+
+
+@pytest.mark.parametrize("success_rate", [None, 0.8])
+def test_slippery_distribution(success_rate):
+    env = make(size=5, is_slippery=True, success_rate=success_rate)
+    level = "_____\n_____\n__P__\n_____\n____G"
+    env.reset(seed=123)
+    counts = Counter()
+    trials = 3000
+    for _ in range(trials):
+        env.reset(options={"level": level})  # no seed: the generator keeps running
+        counts[env.step("Up")[4]["moved"]] += 1
+    p = 1 / 3 if success_rate is None else success_rate
+    assert counts["Down"] == 0
+    assert abs(counts["Up"] / trials - p) < 0.04
+    assert abs(counts["Left"] / trials - (1 - p) / 2) < 0.04
+    assert abs(counts["Right"] / trials - (1 - p) / 2) < 0.04
+
+
+def test_slippery_is_reproducible():
+    def rollout(seed):
+        env = make(size=6, is_slippery=True)
+        obs, _ = env.reset(seed=seed)
+        texts = [obs["text"]]
+        for k in range(30):
+            obs, _, terminated, truncated, _ = env.step(ACTIONS[k % 4])
+            texts.append(obs["text"])
+            if terminated or truncated:
+                break
+        return texts
+
+    assert rollout(7) == rollout(7)
+    assert any(rollout(7) != rollout(s) for s in range(8, 12))
+
+
+def test_maps_are_a_function_of_the_seed():
+    env = make(size=5)
+    first = [env.reset(seed=s)[0]["text"] for s in range(50)]
+    again = [make(size=5).reset(seed=s)[0]["text"] for s in range(50)]
+    assert first == again
+    assert len(set(first)) > 45
+    # Start and goal positions vary.
+    starts = {text.replace("\n", "").index("P") for text in first}
+    goals = {text.replace("\n", "").index("G") for text in first}
+    assert len(starts) > 10 and len(goals) > 10
+
+
+@pytest.mark.parametrize("size", [4, 8])
+def test_generated_maps_are_solved_by_the_solver(size):
+    env = make(size=size)
+    for seed in range(1000):
+        env.reset(seed=seed)
+        plan = env.solve()
+        assert plan is not None and 0 < len(plan) <= env.max_steps
+        for k, action in enumerate(plan):
+            _, reward, terminated, truncated, info = env.step(action)
+            assert info["action_is_valid"] and not truncated
+            assert terminated == (k == len(plan) - 1)
+        assert reward == 1.0 and env.success()
+
+
+def test_low_p_frozen_still_solvable():
+    env = make(size=8, p_frozen=0.05)
+    for seed in range(20):
+        env.reset(seed=seed)
+        plan = env.solve()
+        assert plan is not None
+        for action in plan:
+            env.step(action)
+        assert env.success()
+
+
+BAD_ACTIONS = ["", "   ", "Jump", "Left Right", "x" * 100_000, "↑", "左", "\x00", None, 3, 2.5, b"Up", ["Up"], {"a": 1}]
+
+
+@pytest.mark.parametrize("action", BAD_ACTIONS, ids=range(len(BAD_ACTIONS)))
+def test_bad_actions_never_raise(action):
+    env = make(mode="image")
+    obs, _ = env.reset(seed=3)
+    state = (env.player, obs["text"], env.solve())
+    new_obs, reward, terminated, truncated, info = env.step(action)
+    assert not info["action_is_valid"] and not info["action_is_effective"]
+    assert (reward, terminated) == (0.0, False)
+    assert (env.player, new_obs["text"], env.solve()) == state
+    assert np.array_equal(new_obs["image"], obs["image"])
+    assert env.steps == 1
+    assert env.observation_space.contains(new_obs)
+
+
+def test_action_names_are_case_insensitive():
+    env = make()
+    env.reset(options={"level": LEVEL})
+    assert env.step("  down ")[4]["action_is_valid"]
+    assert env.player == (1, 0)
+
+
+def test_image_tiles_are_distinct():
+    env = make(mode="image", cell_px=20)
+    obs, _ = env.reset(options={"level": LEVEL})
+    image = obs["image"]
+    centre = {pos: tuple(image[pos[0] * 20 + 10, pos[1] * 20 + 10]) for pos in [(0, 0), (0, 1), (0, 2), (3, 3)]}
+    assert len(set(centre.values())) == 4  # player, ice, hole, goal
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"size": 1}, "size"),
+        ({"size": 100}, "size"),
+        ({"p_frozen": 0.0}, "p_frozen"),
+        ({"success_rate": 0.5}, "slippery"),
+        ({"is_slippery": True, "success_rate": 1.5}, "success_rate"),
+        ({"mode": "video"}, "mode"),
+        ({"max_steps": 0}, "max_steps"),
+    ],
+)
+def test_constructor_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("level", "message"),
+    [
+        ("P_\n_Z", "unknown"),
+        ("P_\nPG", "exactly one"),
+        ("P__\n_G", "same length"),
+        ("X_\n_G", "unknown"),
+        ("", "empty"),
+        (42, "string"),
+        ("P__\n___\n__G", "size=3"),
+    ],
+)
+def test_bad_levels(level, message):
+    with pytest.raises(ValueError, match=message):
+        make(size=2).reset(options={"level": level})
+
+
+def test_image_mode_text_gives_the_board_away_nowhere():
+    env = FrozenLakeEnv(mode="image", render_mode="ansi")
+    obs, _ = env.reset(seed=0)
+    assert obs["text"] == IMAGE_CAPTION and "P" not in obs["text"]
+    assert env.render() == FrozenLakeEnv().reset(seed=0)[0]["text"]  # ansi still draws the board
+
+
+@pytest.mark.parametrize("size", [4, 8])
+def test_action_budget_covers_the_shortest_path_and_slippery_ice_keeps_max_steps(size):
+    env = FrozenLakeEnv(size=size)
+    longest = 0
+    for seed in range(200):
+        env.reset(seed=seed)
+        longest = max(longest, len(env.solve()))
+    assert longest <= env.action_budget() == size**2 - 1
+    assert FrozenLakeEnv(size=size, is_slippery=True, max_steps=70).action_budget() == 70

@@ -1,0 +1,253 @@
+"""Maze2D: conformance, perfect mazes, walls, stop rules, VisGym tuple actions."""
+
+import warnings
+from collections import deque
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from turnrl.envs.base import IMAGE_CAPTION
+from turnrl.envs.games.maze import Maze2DEnv, parse_action, visgym_action
+
+LEVEL = """
+#######
+#A..#.#
+###.#.#
+#...#.#
+#.###.#
+#....T#
+#######
+"""
+
+
+@pytest.mark.parametrize("mode", ["text", "image"])
+@pytest.mark.parametrize("render_mode", [None, "ansi", "rgb_array"])
+@pytest.mark.parametrize("reward_on", ["reach", "stop"])
+def test_check_env(mode, render_mode, reward_on):
+    env = gym.make("turnrl/Maze2D-v0", mode=mode, render_mode=render_mode, reward_on=reward_on)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_env(env.unwrapped)
+
+
+@pytest.mark.parametrize(("kwargs", "side"), [({}, 9), ({"difficulty": "hard"}, 11), ({"size": 7, "difficulty": "hard"}, 7)])
+def test_sizes(kwargs, side):
+    env = Maze2DEnv(mode="image", **kwargs)
+    obs, _ = env.reset(seed=0)
+    assert obs["image"].shape == (side * 25, side * 25, 3)
+    assert [len(row) for row in env.ansi().split("\n")] == [side] * side
+    assert obs["text"] == IMAGE_CAPTION  # the image is the observation: the text gives no maze away
+
+
+def open_cells(text):
+    rows = text.split("\n")
+    return {(r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch != "#"}
+
+
+def reachable(cells, start):
+    seen, queue = {start}, deque([start])
+    while queue:
+        r, c = queue.popleft()
+        for nxt in ((r + 1, c), (r - 1, c), (r, c + 1), (r, c - 1)):
+            if nxt in cells and nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    return seen
+
+
+@pytest.mark.parametrize("size", [5, 9, 11, 15])
+def test_mazes_are_perfect(size):
+    env = Maze2DEnv(size=size)
+    m = (size - 1) // 2
+    for seed in range(20):
+        obs, _ = env.reset(seed=seed)
+        rows = obs["text"].split("\n")
+        assert set(rows[0]) == set(rows[-1]) == {"#"}
+        assert all(row[0] == row[-1] == "#" for row in rows)
+        cells = open_cells(obs["text"])
+        # A spanning tree of the m*m rooms: m*m rooms plus m*m - 1 opened walls, all connected.
+        assert len(cells) == 2 * m * m - 1
+        assert reachable(cells, env.agent) == cells
+        corners = {(1, 1), (1, size - 2), (size - 2, 1), (size - 2, size - 2)}
+        assert env.agent in corners and env.target in corners
+        assert env.agent[0] != env.target[0] and env.agent[1] != env.target[1]  # opposite corners
+
+
+def test_same_seed_same_maze():
+    first = [Maze2DEnv().reset(seed=s)[0]["text"] for s in range(30)]
+    again = [Maze2DEnv().reset(seed=s)[0]["text"] for s in range(30)]
+    assert first == again and len(set(first)) == 30
+
+
+@pytest.mark.parametrize(("difficulty", "reward_on"), [("easy", "reach"), ("hard", "stop")])
+def test_generated_mazes_are_solved(difficulty, reward_on):
+    env = Maze2DEnv(difficulty=difficulty, reward_on=reward_on)
+    for seed in range(1000):
+        env.reset(seed=seed)
+        plan = env.solve()
+        assert plan and len(plan) <= env.max_steps
+        assert (plan[-1] == "stop") == (reward_on == "stop")
+        for k, action in enumerate(plan):
+            _, reward, terminated, truncated, info = env.step(action)
+            assert info["action_is_valid"] and info["action_is_effective"] and not truncated
+            assert terminated == (k == len(plan) - 1)
+        assert reward == 1.0 and env.success()
+
+
+def test_text_symbols_and_facts():
+    env = Maze2DEnv(size=7)
+    obs, _ = env.reset(options={"level": LEVEL})
+    assert obs["text"] == LEVEL.strip()
+    facts = env.state_facts()
+    assert facts.player == (1, 1)
+    assert [(f.name, f.position, f.vertical, f.horizontal) for f in facts.objects] == [("target", (5, 5), "below", "right")]
+
+
+def test_walls_block_without_ending():
+    env = Maze2DEnv(size=7)
+    env.reset(options={"level": LEVEL})
+    for action in ["up", "left", "down"]:
+        obs, reward, terminated, truncated, info = env.step(action)
+        assert info["action_is_valid"] and not info["action_is_effective"]
+        assert (reward, terminated, truncated) == (0.0, False, False)
+        assert env.agent == (1, 1)
+    assert env.step("right")[4]["action_is_effective"] and env.agent == (1, 2)
+
+
+def walk_to_target(env):
+    for action in env.solve():
+        if action != "stop":
+            result = env.step(action)
+    return result
+
+
+def test_reach_rule():
+    env = Maze2DEnv(size=7, reward_on="reach")
+    env.reset(options={"level": LEVEL})
+    assert env.solve() == ["right", "right", "down", "down", "left", "left", "down", "down", "right", "right", "right", "right"]
+    obs, reward, terminated, _, info = walk_to_target(env)
+    assert (reward, terminated, info["success"]) == (1.0, True, True)
+    assert "*" in obs["text"] and env.solve() == []
+    # stop elsewhere ends the game with nothing
+    env.reset(options={"level": LEVEL})
+    _, reward, terminated, _, info = env.step("stop")
+    assert (reward, terminated, info["success"]) == (0.0, True, False)
+
+
+def test_stop_rule():
+    env = Maze2DEnv(size=7, reward_on="stop")
+    env.reset(options={"level": LEVEL})
+    _, reward, terminated, _, info = walk_to_target(env)
+    assert (reward, terminated, info["success"]) == (0.0, False, False)  # no pay before stop
+    assert env.solve() == ["stop"] and not env.success()
+    # Leaving the target and stopping elsewhere pays 0.
+    env.step("left")
+    _, reward, terminated, _, info = env.step("stop")
+    assert (reward, terminated, info["success"]) == (0.0, True, False)
+    # Stopping on the target pays 1.
+    env.reset(options={"level": LEVEL})
+    walk_to_target(env)
+    _, reward, terminated, _, info = env.step("('stop', 'stop')")
+    assert (reward, terminated, info["success"]) == (1.0, True, True)
+    assert env.solve() == []
+    assert not env.step("up")[4]["action_is_valid"]  # the episode is over
+
+
+@pytest.mark.parametrize(
+    ("action", "name"),
+    [
+        ("('move', 0)", "right"),
+        ("('move', 1)", "up"),
+        ("('move', 2)", "left"),
+        ("('move', 3)", "down"),
+        ('("move", 3)', "down"),
+        ("(move,3)", None),  # one tuple grammar everywhere: strings are quoted
+        ("`('move', 0)`", "right"),
+        (" ('stop', 'stop') ", "stop"),
+        ("UP", "up"),
+        (" Stop ", "stop"),
+    ],
+)
+def test_action_forms(action, name):
+    assert parse_action(action) == name
+
+
+def test_visgym_action_round_trip():
+    for name in ["up", "down", "left", "right", "stop"]:
+        assert parse_action(visgym_action(name)) == name
+
+
+BAD_ACTIONS = [
+    "", "  ", "north", "('move', 4)", "('move', -1)", "('move', '0', 1)", "('jump', 1)", "('stop', 0)",
+    "move 0", "__import__('os').system('ls')", "('move', 0) ('move', 1)", "x" * 100_000, "↑", "上",
+    "('move', ٣)", None, 0, 2.5, b"up", ("move", 0), ["up"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("action", BAD_ACTIONS, ids=range(len(BAD_ACTIONS)))
+def test_bad_actions_never_raise(action):
+    env = Maze2DEnv(mode="image", reward_on="stop")
+    obs, _ = env.reset(seed=4)
+    state = (env.agent, obs["text"], env.solve())
+    new_obs, reward, terminated, truncated, info = env.step(action)
+    assert not info["action_is_valid"] and (reward, terminated) == (0.0, False)
+    assert (env.agent, new_obs["text"], env.solve()) == state
+    assert np.array_equal(new_obs["image"], obs["image"])
+    assert env.observation_space.contains(new_obs)
+
+
+def test_instructions_document_the_mapping():
+    for mode in ["text", "image"]:
+        text = Maze2DEnv(mode=mode, reward_on="stop").instructions()
+        assert "('move', 0) = right" in text and "('move', 3) = down" in text and "stop" in text
+
+
+def test_image_agent_and_target_are_distinct():
+    env = Maze2DEnv(size=7, mode="image")
+    obs, _ = env.reset(options={"level": LEVEL})
+    image = obs["image"]
+    pixel = lambda r, c: tuple(image[r * 25 + 12, c * 25 + 12])  # noqa: E731
+    assert len({pixel(1, 1), pixel(5, 5), pixel(0, 0), pixel(1, 2)}) == 4  # agent, target, wall, path
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"difficulty": "medium"}, "difficulty"),
+        ({"size": 8}, "odd"),
+        ({"size": 3}, "odd"),
+        ({"reward_on": "goal"}, "reward_on"),
+        ({"cell_px": 1}, "cell_px"),
+    ],
+)
+def test_constructor_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Maze2DEnv(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("level", "message"),
+    [
+        ("#####\n#A.T#\n#####", "square"),
+        ("#####\n#A..#\n#...#\n#...#\n#####", "exactly one"),
+        ("#####\n#A.T#\n#.?.#\n#...#\n#####", "unknown"),
+        (LEVEL, "size=7"),
+    ],
+)
+def test_bad_levels(level, message):
+    with pytest.raises(ValueError, match=message):
+        Maze2DEnv(size=5).reset(options={"level": level})
+
+
+@pytest.mark.parametrize(("difficulty", "reward_on"), [("easy", "reach"), ("hard", "stop")])
+def test_action_budget_covers_the_shortest_path(difficulty, reward_on):
+    env = Maze2DEnv(difficulty=difficulty, reward_on=reward_on)
+    longest = 0
+    for seed in range(200):
+        env.reset(seed=seed)
+        longest = max(longest, len(env.solve()))
+    assert longest <= env.action_budget() <= env.max_steps
+    assert Maze2DEnv(difficulty=difficulty, max_steps=9).action_budget() == 9

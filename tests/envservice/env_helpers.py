@@ -1,0 +1,151 @@
+"""Helpers of the env-service tests: a probe env, servers in a thread and in a subprocess, a lossy transport.
+
+``ProbeEnv`` is served by name (``tests.envservice.env_helpers:ProbeEnv``), so a server in a subprocess must run
+from the repository root with it on ``PYTHONPATH`` (:class:`ServerProcess` does that).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from tests.serve.running import free_port, running
+from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv
+from turnrl.envservice.options import ServerLimits
+from turnrl.envservice.server import build_app
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = "tests.envservice.env_helpers:ProbeEnv"
+SERVED = ["Sokoban", "FrozenLake", "Countdown", "Bandit", "Maze2D", PROBE]
+
+
+class ProbeEnv(TurnEnv):
+    """A counter for the service tests. ``inc`` adds one (reward 1); ``win`` ends the episode; ``slow``
+    sleeps ``delay_s`` then adds one; ``explode`` raises. The text shows the count, so a lost or doubled
+    step shows; ``info`` carries values JSON cannot hold as they are (a tuple, numpy numbers, an array)."""
+
+    modes = ("text", "image")
+    description = "a counter for the env-service tests"
+
+    def __init__(self, mode: str = "text", max_steps: int = 10_000, delay_s: float = 0.5) -> None:
+        super().__init__(mode=mode, max_steps=max_steps, image_shape=(5, 7) if mode == "image" else None)
+        self.delay_s = delay_s
+        self.count = 0
+
+    def _reset(self, rng: np.random.Generator, options: dict[str, Any]) -> None:
+        self.count = int(options.get("start", rng.integers(0, 100)))
+
+    def _step(self, action: str) -> StepOutcome:
+        if action == "explode":
+            raise RuntimeError("the probe exploded")
+        if action == "slow":
+            time.sleep(self.delay_s)
+        if action == "win":
+            return StepOutcome(10.0, terminated=True, success=True)
+        self.count += 1
+        info = {"pair": (self.count, "x"), "half": np.float32(0.5), "row": np.arange(3, dtype=np.int64)}
+        return StepOutcome(1.0, info=info)
+
+    def text(self) -> str:
+        return f"count={self.count}"
+
+    def image(self) -> np.ndarray:
+        return np.full((5, 7, 3), self.count % 256, dtype=np.uint8)
+
+    def instructions(self) -> str:
+        return "Count with inc; win ends it."
+
+    def action_names(self) -> list[str]:
+        return ["inc", "win", "slow", "explode"]
+
+    def state_facts(self) -> StateFacts:
+        return StateFacts(player=(0, self.count % 7), extra={"count": self.count, "pair": (1, 2)})
+
+    def solve(self) -> list[str]:
+        return ["win"]
+
+
+@contextmanager
+def env_server(token: str | None = None, limits: ServerLimits | None = None,
+               envs: list[str] | None = None) -> Iterator[str]:
+    """An env server on a free loopback port in this process; yields its base URL."""
+    app = build_app(envs if envs is not None else SERVED, token=token, limits=limits)
+    with running(app) as url:
+        yield url.removesuffix("/v1")
+
+
+class ServerProcess:
+    """``python -m turnrl.envservice.server`` in a subprocess on a fixed port, to be killed and started again."""
+
+    def __init__(self, port: int | None = None, extra: list[str] | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra = list(extra or [])
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 60.0) -> ServerProcess:
+        command = [sys.executable, "-m", "turnrl.envservice.server", "--port", str(self.port), "--log-level", "warning",
+                   "--envs", *SERVED, *self.extra]
+        environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                error = self.process.stderr.read().decode() if self.process.stderr else ""
+                raise RuntimeError(f"the env server exited with {self.process.returncode}: {error[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"the env server did not start on port {self.port} in {timeout_s} s")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no goodbye to the clients."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.kill()
+
+
+class LoseAnswers(httpx.BaseTransport):
+    """Sends every request to the real server, then loses the answer of the ones ``lose(request)`` picks
+    (raises ``ReadError`` as a dropped connection would): the server did the work, the client never heard."""
+
+    def __init__(self, lose: Any) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.lose = lose
+        self.lost = 0
+        self._lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        response.read()
+        if self.lose(request):
+            with self._lock:
+                self.lost += 1
+            raise httpx.ReadError("the connection dropped before the answer arrived", request=request)
+        return response
+
+    def close(self) -> None:
+        self.inner.close()

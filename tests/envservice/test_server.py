@@ -1,0 +1,631 @@
+"""The env server with its client over real loopback HTTP: same trajectories as in process, bad input as
+4xx, envs that raise or hang, limits, lost answers, load, and a server killed mid-episode under a rollout."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import gc
+import json
+import threading
+import time
+import typing
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.envservice.env_helpers import PROBE, LoseAnswers, ProbeEnv, ServerProcess, env_server
+from tests.rollout.trajectory_checks import same_trajectory
+from turnrl.agent.formats import get_format
+from turnrl.config import AgentConfig, SamplingConfig
+from turnrl.envs import check_env, make
+from turnrl.envs.base import observation_key
+from turnrl.envs.seeds import SeedSplits
+from turnrl.envservice.client import (
+    ClientOptions,
+    EnvServerPool,
+    RemoteEnv,
+    RemoteEnvBatch,
+    remote_env_factory,
+)
+from turnrl.envservice.options import ServerLimits, add_arguments
+from turnrl.envservice.protocol import (
+    QUERIES,
+    APIError,
+    EnvRaisedError,
+    EnvSpecError,
+    LimitError,
+    NoServerError,
+    Query,
+    RemoteEnvError,
+    SessionLostError,
+    answer_query,
+    decode_item,
+)
+from turnrl.envservice.server import (
+    EnvServer,
+    OpenBody,
+    ResetBody,
+    ResetItem,
+    SessionsBody,
+    StepBody,
+    StepItem,
+    build_app,
+    exposure_warning,
+    is_loopback,
+    main,
+)
+from turnrl.policy.scripted import ExpertPolicy
+from turnrl.rollout.groups import EnvGroups
+from turnrl.rollout.runner import EpisodeSlot, Rollout
+from turnrl.rollout.trajectory import DONE, ERROR
+
+FAST = {"retries": 1, "backoff_s": 0.01, "cooldown_s": 0.5, "timeout_s": 20.0}
+"""Client options for tests: a dead server is given up on within milliseconds."""
+
+
+@pytest.fixture(scope="module")
+def server():
+    with env_server() as url:
+        yield url
+
+
+def post(url: str, path: str, body, headers: dict | None = None) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(url + path, content=content, headers={"content-type": "application/json", **(headers or {})})
+
+
+def open_one(url: str, env_id: str = PROBE, settings: dict | None = None, headers: dict | None = None) -> str:
+    answer = post(url, "/v1/sessions", {"env_id": env_id, "settings": settings or {}}, headers)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["sessions"][0]
+
+
+# --------------------------------------------------------------------------- the server without HTTP
+def test_the_server_class_answers_without_http():
+    async def scenario() -> None:
+        server = EnvServer([PROBE], limits=ServerLimits(max_sessions_per_client=2))
+        server.start()
+        try:
+            assert (await server.open_sessions(OpenBody(env_id=PROBE, ids=["a"]), "me"))["sessions"] == ["a"]
+            reset = await server.reset(ResetBody(items=[ResetItem(session="a", seq=1, seed=3, queries=["text"])]))
+            local = ProbeEnv()
+            obs, _ = local.reset(seed=3)
+            result = decode_item("here", reset["items"][0], step=False)
+            assert result.observation == obs and result.queries["text"] == local.text()
+            step = await server.step(StepBody(items=[StepItem(session="a", seq=2, action="inc")]))
+            again = await server.step(StepBody(items=[StepItem(session="a", seq=2, action="inc")]))
+            assert again == step and server.metrics.steps == 1  # a retried step is answered, not applied again
+            assert decode_item("here", step["items"][0], step=True).observation == local.step("inc")[0]
+            with pytest.raises(APIError, match="unknown session") as caught:
+                await server.step(StepBody(items=[StepItem(session="b", action="inc")]))
+            assert caught.value.status == 404
+            with pytest.raises(APIError, match="this client holds 1 sessions of at most 2"):
+                await server.open_sessions(OpenBody(env_id=PROBE, count=2), "me")
+            assert server.authorize("", "me", "10.0.0.1") == "me" and server.authorize("", None, None) == "unknown"
+            assert (await server.close(SessionsBody(sessions=["a", "b"]))) == {"closed": ["a"], "unknown": ["b"]}
+            assert server.health()["sessions"] == 0 and "image" in server.envs()["queries"]
+        finally:
+            server.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_the_server_class_checks_the_token():
+    server = EnvServer([PROBE], token="s3cret")
+    assert server.authorize("Bearer s3cret", None, "10.0.0.1") == "10.0.0.1"
+    for header, words in (("", "bearer token"), ("Bearer guess", "wrong token"), ("Basic s3cret", "bearer token")):
+        with pytest.raises(APIError, match=words):
+            server.authorize(header, None, None)
+    server.shutdown()
+
+
+# --------------------------------------------------------------------------- the same env, here or there
+@pytest.mark.parametrize(("env_id", "settings"), [
+    ("Sokoban", {"mode": "image"}), ("FrozenLake", {"mode": "image"}), ("Countdown", {}), ("Bandit", {}),
+    ("Maze2D", {"mode": "image"}),
+])
+def test_a_served_env_passes_the_env_checker(server, env_id, settings):
+    env = remote_env_factory(env_id, settings, [server], **FAST)()
+    check_env(env, seed=3)
+    env.close()
+
+
+def play(make_env, env_id: str, fmt_name: str, seeds: list[int]):
+    fmt = get_format(fmt_name, max_actions_per_turn=2)
+    agent = AgentConfig(format=fmt_name, max_actions_per_turn=2, max_turns=6, max_actions_per_episode=12)
+    rollout = Rollout(ExpertPolicy(fmt, max_actions_per_turn=2, seed=0, random_action_share=0.3), fmt, agent, env_id)
+    slots = [EpisodeSlot(env=make_env(), seed=seed, group=k) for k, seed in enumerate(seeds)]
+    return rollout.run(slots, SamplingConfig())
+
+
+@pytest.mark.parametrize(("env_id", "mode", "fmt_name"), [
+    ("Sokoban", "text", "free_think"), ("Sokoban", "image", "grounding_worldmodeling"),
+    ("FrozenLake", "text", "grounding_worldmodeling"), ("FrozenLake", "image", "free_think"),
+])
+def test_an_env_behind_a_server_gives_the_trajectories_of_the_same_env_in_process(server, env_id, mode, fmt_name):
+    settings = {"mode": mode}
+    seeds = [0, 1, 2, 3, 11, 12]
+    here = play(lambda: make(env_id, **settings), env_id, fmt_name, seeds)
+    there = play(remote_env_factory(env_id, settings, [server], **FAST), env_id, fmt_name, seeds)
+    assert {t.status for t in here} <= {DONE, "truncated"} and any(t.success for t in here)
+    for a, b in zip(here, there):
+        same_trajectory(a, b)
+    if mode == "image":
+        assert there[0].images and there[0].images[0].shape[2] == 3 and there[0].images[0].dtype == np.uint8
+
+
+def test_state_facts_and_info_round_trip_through_the_server(server):
+    remote = remote_env_factory(PROBE, {}, [server], **FAST)()
+    local = ProbeEnv()
+    for env in (remote, local):
+        env.reset(seed=5)
+    a, b = remote.step("inc"), local.step("inc")
+    assert a[0] == b[0] and a[1:4] == b[1:4]
+    assert a[4]["pair"] == (b[4]["pair"]) and isinstance(a[4]["pair"], tuple)
+    assert a[4]["half"] == 0.5 and np.array_equal(a[4]["row"], b[4]["row"]) and a[4]["row"].dtype == np.int64
+    assert remote.state_facts() == local.state_facts()
+    assert remote.instructions() == local.instructions() and remote.solve() == local.solve()
+    assert remote.text() == local.text() and remote.state_key() == local.state_key()
+
+
+def test_every_query_of_the_protocol_is_answered_over_http_as_in_process(server):
+    remote = remote_env_factory(PROBE, {"mode": "image"}, [server], **FAST)()
+    local = ProbeEnv(mode="image")
+    for env in (remote, local):
+        env.reset(seed=5)
+        env.step("inc")
+    assert np.array_equal(remote.image(), local.image()) and remote.action_budget() == local.action_budget()
+    assert remote.action_names() == local.action_names()
+    remote.close()
+
+
+def test_a_deep_copy_forks_the_session_with_its_state(server):
+    env = remote_env_factory(PROBE, {}, [server], **FAST)()
+    env.reset(seed=1)
+    env.step("inc")
+    count = int(env.text().split("=")[1])
+    twin = copy.deepcopy(env)
+    assert twin.session_id != env.session_id
+    twin.step("inc")
+    twin.step("inc")
+    assert twin.text() == f"count={count + 2}" and env.text() == f"count={count}"
+    assert env.step("inc")[0]["text"] == f"count={count + 1}"
+
+
+def test_a_collected_env_sends_nothing_then_and_its_session_closes_at_the_next_open(server):
+    requests: list[str] = []
+
+    def record(request: httpx.Request) -> None:
+        requests.append(request.url.path)
+
+    pool = EnvServerPool([server], ClientOptions(**FAST))
+    pool.http.event_hooks["request"].append(record)
+    env = RemoteEnv(pool, PROBE)
+    env.reset(seed=0)
+    gone = env.session_id
+    del env
+    gc.collect()
+    # The garbage collector may run in the middle of one of this pool's requests: its finalizer must not send one.
+    assert requests[-1] == "/v1/reset"
+    other = RemoteEnv(pool, PROBE)
+    other.reset(seed=0)
+    assert "/v1/sessions/close" in requests
+    closed = post(server, "/v1/step", {"items": [{"session": gone, "action": "inc"}]})
+    assert closed.status_code == 404 and "closed by its client" in closed.json()["error"]["message"]
+    assert other.step("inc")[0]["text"].startswith("count=")
+
+
+def test_many_sessions_step_in_one_request(server):
+    pool = EnvServerPool([server], ClientOptions(**FAST))
+    batch = RemoteEnvBatch(pool, PROBE, {"mode": "image"}, 8)
+    local = [ProbeEnv(mode="image") for _ in range(8)]
+    seeds = list(range(8))
+    for env, seed, got in zip(local, seeds, batch.reset(seeds)):
+        assert not isinstance(got, RemoteEnvError)
+        want = env.reset(seed=seed)[0]
+        assert got[0]["text"] == want["text"] and np.array_equal(got[0]["image"], want["image"])
+    for _ in range(5):
+        for env, got in zip(local, batch.step(["inc"] * 8)):
+            obs, reward, terminated, truncated, info = env.step("inc")
+            assert got.error is None and (got.observation["text"], got.reward, got.terminated) == (
+                obs["text"], reward, terminated)
+            assert np.array_equal(got.observation["image"], obs["image"])
+    batch.close()
+    assert all("reset first" in str(r.error) for r in batch.step(["inc"] * 8))
+    with pytest.raises(SessionLostError, match="closed by its client"):
+        batch.reset(seeds)
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.fixture(scope="module")
+def guarded():
+    limits = ServerLimits(max_body_bytes=4096, max_batch=4, max_sessions_per_client=3, max_sessions=5)
+    with env_server(token="s3cret", limits=limits) as url:
+        yield url
+
+
+AUTH = {"authorization": "Bearer s3cret"}
+
+
+def test_bad_input_is_a_4xx_that_says_what_is_wrong_and_the_server_stays_up(guarded):
+    def call(path, body, headers=AUTH):
+        return post(guarded, path, body, headers)
+
+    session = open_one(guarded, headers=AUTH)
+    cases = [
+        (call("/v1/step", b"{not json"), 400, "not valid JSON"),
+        (call("/v1/step", {"items": [{"session": "nope", "action": "inc"}]}), 404, "unknown session"),
+        (call("/v1/sessions", {"env_id": "Chess"}), 400, "not served here"),
+        (call("/v1/sessions", {"env_id": "Sokoban", "settings": {"size": 6, "colour": "red"}}), 400, "colour"),
+        (call("/v1/sessions", {"env_id": "Sokoban", "settings": {"mode": "video"}}), 400, "unknown mode"),
+        (call("/v1/step", b"[" * 5000), 413, "over 4096 bytes"),
+        (call("/v1/sessions", {"env_id": PROBE}, headers={}), 401, "bearer token"),
+        (call("/v1/sessions", {"env_id": PROBE}, headers={"authorization": "Bearer guess"}), 401, "wrong token"),
+        (call("/v1/step", {"items": [{"session": session, "action": 3}]}), 400, "valid string"),
+        (call("/v1/step", {"items": [{"session": session, "action": "inc"}]}), 409, "never reset"),
+        (call("/v1/reset", {"items": [{"session": session, "seed": -1}]}), 400, "seed"),
+        (call("/v1/reset", {"items": [{"session": session, "sead": 1}]}), 400, "sead"),
+        (call("/v1/query", {"items": [{"session": session, "queries": ["render"]}]}), 400, "queries"),
+        (call("/v1/step", {"items": [{"session": session, "action": "inc"}] * 2}), 400, "twice"),
+        (call("/v1/step", {"items": [{"session": f"s{k}", "action": "inc"} for k in range(5)]}), 400, "at most 4"),
+        (call("/v1/stepp", {}), 404, "/v1/stepp"),
+    ]
+    for response, status, words in cases:
+        assert response.status_code == status, (response.status_code, response.text)
+        error = response.json()["error"]
+        assert words in error["message"], error
+    # A step after the episode ended, and a step numbered out of order.
+    assert call("/v1/reset", {"items": [{"session": session, "seq": 1, "seed": 0}]}).status_code == 200
+    assert call("/v1/step", {"items": [{"session": session, "seq": 5, "action": "inc"}]}).status_code == 409
+    assert call("/v1/step", {"items": [{"session": session, "seq": 2, "action": "win"}]}).status_code == 200
+    over = call("/v1/step", {"items": [{"session": session, "seq": 3, "action": "inc"}]})
+    assert over.status_code == 409 and "ended" in over.json()["error"]["message"]
+    health = httpx.get(guarded + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    metrics = httpx.get(guarded + "/metrics", headers=AUTH).text
+    assert 'turnrl_env_errors_total{code="unauthorized"} 2' in metrics
+    assert httpx.get(guarded + "/metrics").status_code == 401
+
+
+def test_the_client_sends_the_token_from_its_options_or_the_environment(guarded, monkeypatch):
+    monkeypatch.delenv("TURNRL_ENV_TOKEN", raising=False)
+    with pytest.raises(NoServerError, match="bearer token"):
+        remote_env_factory(PROBE, {}, [guarded], **FAST)
+    with pytest.raises(NoServerError, match="wrong token"):
+        remote_env_factory(PROBE, {}, [guarded], token="guess", **FAST)
+    env = remote_env_factory(PROBE, {}, [guarded], token="s3cret", **FAST)()
+    assert env.reset(seed=1)[0] == ProbeEnv().reset(seed=1)[0]
+    env.close()
+    monkeypatch.setenv("TURNRL_ENV_TOKEN", "s3cret")
+    env = remote_env_factory(PROBE, {}, [guarded], **FAST)()
+    assert env.reset(seed=1)[0] == ProbeEnv().reset(seed=1)[0]
+    env.close()
+
+
+def test_the_command_line_refuses_bad_limits_before_serving(capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert main(parser.parse_args(["--workers", "0"])) == 2
+    assert "workers must be >= 1" in capsys.readouterr().err
+    args = parser.parse_args([])
+    assert (args.host, args.port, args.envs, args.token) == ("127.0.0.1", 8100, None, None)
+
+
+def test_the_client_names_a_refused_env_or_setting_as_a_value_error(server):
+    with pytest.raises(EnvSpecError, match="not served here"):
+        remote_env_factory("Chess", {}, [server], **FAST)
+    with pytest.raises(ValueError, match="colour"):
+        remote_env_factory("Sokoban", {"colour": "red"}, [server], **FAST)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.one_of(st.binary(max_size=300), st.text(max_size=300).map(str.encode),
+                      st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                                   lambda inner: st.lists(inner, max_size=3)
+                                   | st.dictionaries(st.sampled_from(["items", "session", "action", "seq", "env_id",
+                                                                      "settings", "queries", "sessions"]), inner,
+                                                     max_size=4),
+                                   max_leaves=12).map(lambda v: json.dumps(v).encode())),
+       path=st.sampled_from(["/v1/reset", "/v1/step", "/v1/query", "/v1/sessions", "/v1/sessions/close",
+                             "/v1/sessions/fork", "/v1/validate"]))
+def test_any_body_on_any_endpoint_is_answered_without_a_server_error(fuzz_client, body, path):
+    response = fuzz_client.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code < 500, response.text
+    assert fuzz_client.get("/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def fuzz_client():
+    with TestClient(build_app(["Bandit"], limits=ServerLimits(max_sessions=50))) as client:
+        yield client
+
+
+# --------------------------------------------------------------------------- envs that fail or hang
+def test_an_env_that_raises_ends_its_session_only(server):
+    pool = EnvServerPool([server], ClientOptions(**FAST))
+    batch = RemoteEnvBatch(pool, PROBE, {}, 3)
+    assert not any(isinstance(r, RemoteEnvError) for r in batch.reset([0, 1, 2]))
+    results = batch.step(["inc", "explode", "inc"])
+    assert results[0].error is None and results[2].error is None
+    assert isinstance(results[1].error, EnvRaisedError) and "the probe exploded" in str(results[1].error)
+    gone = post(server, "/v1/step", {"items": [{"session": batch.ids[1], "action": "inc"}]})
+    assert gone.status_code == 404 and "its env raised" in gone.json()["error"]["message"]
+    again = batch.step(["inc", "inc", "inc"])
+    assert again[0].error is None and again[2].error is None and "reset first" in str(again[1].error)
+    assert not any(isinstance(r, RemoteEnvError) for r in batch.reset([0, 1, 2]))  # a new session for the second
+    assert all(r.error is None for r in batch.step(["inc", "inc", "inc"]))
+    # Through RemoteEnv: the error is the episode's; the next reset opens a fresh session.
+    env = RemoteEnv(pool, PROBE)
+    env.reset(seed=0)
+    with pytest.raises(EnvRaisedError, match="exploded"):
+        env.step("explode")
+    assert env.reset(seed=0)[0]["text"] == ProbeEnv().reset(seed=0)[0]["text"]
+
+
+def test_a_slow_env_does_not_hold_up_other_sessions(server):
+    make_env = remote_env_factory(PROBE, {"delay_s": 2.0}, [server], **FAST)
+    slow, fast = make_env(), make_env()
+    slow.reset(seed=0)
+    fast.reset(seed=0)
+    finished: dict[str, float] = {}
+
+    def slow_step() -> None:
+        slow.step("slow")
+        finished["slow"] = time.monotonic()
+
+    start = time.monotonic()
+    thread = threading.Thread(target=slow_step)
+    thread.start()
+    time.sleep(0.1)
+    for _ in range(20):
+        fast.step("inc")
+    finished["fast"] = time.monotonic()
+    thread.join()
+    assert finished["fast"] < finished["slow"] and finished["slow"] - start >= 2.0, finished
+
+
+# --------------------------------------------------------------------------- limits
+def test_session_limits_answer_429_and_the_client_moves_to_a_server_with_room():
+    limits = ServerLimits(max_sessions_per_client=2, max_sessions=3)
+    with env_server(limits=limits) as full, env_server() as roomy:
+        pool = EnvServerPool([full], ClientOptions(client_id="a", **FAST))
+        held = [RemoteEnv(pool, PROBE) for _ in range(2)]  # kept: a collected env closes its session
+        for env in held:
+            env.reset(seed=0)
+        with pytest.raises(RemoteEnvError, match="max-sessions-per-client"):
+            RemoteEnv(pool, PROBE).reset(seed=0)
+        other = EnvServerPool([full], ClientOptions(client_id="b", **FAST))
+        held.append(RemoteEnv(other, PROBE))
+        held[-1].reset(seed=0)
+        with pytest.raises(RemoteEnvError, match=r"at most 3 \(--max-sessions\)"):
+            RemoteEnv(other, PROBE).reset(seed=0)
+        with pytest.raises(LimitError):
+            other.post(full, "/v1/sessions", {"env_id": PROBE})
+        both = EnvServerPool([full, roomy], ClientOptions(client_id="a", **FAST))
+        env = RemoteEnv(both, PROBE)
+        env.reset(seed=0)
+        assert env.server == roomy
+
+
+def test_idle_sessions_are_closed_and_saying_so():
+    with env_server(limits=ServerLimits(idle_timeout_s=0.2)) as url:
+        session = open_one(url)
+        time.sleep(0.6)
+        response = post(url, "/v1/reset", {"items": [{"session": session}]})
+        assert response.status_code == 404 and "idle for more than 0.2 s" in response.json()["error"]["message"]
+        assert 'turnrl_env_sessions_closed_total{reason="idle"} 1' in httpx.get(url + "/metrics").text
+        # A RemoteEnv whose session was reaped between episodes just opens another.
+        env = remote_env_factory(PROBE, {}, [url], **FAST)()
+        env.reset(seed=0)
+        time.sleep(0.6)
+        assert env.reset(seed=2)[0] == ProbeEnv().reset(seed=2)[0]
+        with pytest.raises(SessionLostError, match="idle"):
+            time.sleep(0.6)
+            env.step("inc")
+
+
+def test_the_state_key_of_an_env_without_one_is_the_rollouts_hash_of_its_observation():
+    from turnrl.rollout.runner import turn_state_key
+
+    obs = {"text": "a board", "image": np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3)[:, ::-1]}
+    assert observation_key(obs) == turn_state_key(object(), obs)  # type: ignore[arg-type]
+    assert observation_key({"text": "x"}) == turn_state_key(object(), {"text": "x"})  # type: ignore[arg-type]
+    assert answer_query(object(), "state_key", obs) == observation_key(obs)  # type: ignore[arg-type]
+
+
+def test_the_server_takes_exactly_the_queries_the_client_knows():
+    assert typing.get_args(Query) == QUERIES
+
+
+def test_loopback_and_the_warning_for_an_open_server_without_a_token():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.org")
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("0.0.0.0", "t") is None
+    assert "--token" in exposure_warning("0.0.0.0", None)
+
+
+# --------------------------------------------------------------------------- exactly once
+def test_a_step_whose_answer_was_lost_is_retried_and_applied_once(server):
+    lossy = LoseAnswers(lambda request: request.url.path == "/v1/step" and lossy.lost < 3)
+    pool = EnvServerPool([server], ClientOptions(retries=3, backoff_s=0.01), transport=lossy)
+    env, local = RemoteEnv(pool, PROBE), ProbeEnv()
+    assert env.reset(seed=4)[0] == local.reset(seed=4)[0]
+    for _ in range(5):
+        assert env.step("inc")[0] == local.step("inc")[0]
+    assert lossy.lost == 3 and env.text() == local.text()
+
+
+# --------------------------------------------------------------------------- load
+def run_clients(url: str, clients: int, steps: int) -> list[float]:
+    """``clients`` threads, each stepping its own session ``steps`` times; checks every count; latencies (s)."""
+    make_env = remote_env_factory(PROBE, {}, [url], **FAST)
+
+    def one(k: int) -> list[float]:
+        env = make_env()
+        obs, _ = env.reset(seed=k)
+        count = int(obs["text"].split("=")[1])
+        latencies = []
+        for i in range(steps):
+            start = time.perf_counter()
+            obs, reward, *_ = env.step("inc")
+            latencies.append(time.perf_counter() - start)
+            assert obs["text"] == f"count={count + i + 1}" and reward == 1.0  # none lost, none doubled
+        env.close()
+        return latencies
+
+    with ThreadPoolExecutor(clients) as pool:
+        return [lat for part in pool.map(one, range(clients)) for lat in part]
+
+
+def report(label: str, latencies: list[float], seconds: float) -> str:
+    p50, p99 = np.percentile(latencies, [50, 99]) * 1e3
+    return f"{label}: {len(latencies)} steps in {seconds:.1f} s ({len(latencies) / seconds:,.0f}/s), " \
+           f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+
+
+def test_concurrent_clients_lose_and_double_no_step(server, capsys):
+    before = httpx.get(server + "/health").json()["steps"]
+    start = time.perf_counter()
+    latencies = run_clients(server, clients=16, steps=60)
+    line = report("16 clients x 60 steps, server in process", latencies, time.perf_counter() - start)
+    assert httpx.get(server + "/health").json()["steps"] - before == 16 * 60
+    with capsys.disabled():
+        print("\n" + line)
+
+
+@pytest.mark.slow
+def test_64_clients_of_500_steps_against_one_server_process(capsys):
+    with ServerProcess() as served:
+        start = time.perf_counter()
+        latencies = run_clients(served.url, clients=64, steps=500)
+        line = report("64 clients x 500 steps, server in a subprocess", latencies, time.perf_counter() - start)
+        assert httpx.get(served.url + "/health").json()["steps"] == 64 * 500
+    with capsys.disabled():
+        print("\n" + line)
+
+
+# --------------------------------------------------------------------------- a server killed under a rollout
+class KillingPolicy(ExpertPolicy):
+    """The expert, which after its ``at``-th batch of responses runs ``then`` (kills a server)."""
+
+    def __init__(self, fmt, at: int, then) -> None:
+        super().__init__(fmt, max_actions_per_turn=1)
+        self.at, self.then, self.calls = at, then, 0
+
+    def generate(self, requests, sampling):
+        out = super().generate(requests, sampling)
+        self.calls += 1
+        if self.calls == self.at:
+            self.then()
+        return out
+
+
+def test_a_server_killed_mid_episode_ends_its_episodes_as_errors_and_the_batches_go_on():
+    fmt = get_format("free_think")
+    agent = AgentConfig(format="free_think", max_turns=12, max_actions_per_episode=12)
+    with ServerProcess() as doomed, env_server() as steady:
+        make_env = remote_env_factory("Sokoban", {}, [doomed.url, steady], **FAST)
+        groups = EnvGroups(make_env, n_groups=2, group_size=2, seeds=SeedSplits())
+
+        # 1. SIGKILL after the first turn: the episodes on that server end as errors; the others finish.
+        rollout = Rollout(KillingPolicy(fmt, 1, doomed.kill), fmt, agent, "Sokoban")
+        first = rollout.run(groups.train_slots(0), SamplingConfig())
+        doomed_at = [env.start % 2 == 0 for env in groups._envs]  # the k-th env prefers server k mod 2
+        assert doomed_at == [True, False, True, False]
+        assert [t.status for t, lost in zip(first, doomed_at) if lost] == [ERROR, ERROR]
+        assert all("SessionLostError" in t.error and doomed.url in t.error for t, lost in zip(first, doomed_at) if lost)
+        assert all(t.status == DONE and t.success for t, lost in zip(first, doomed_at) if not lost)
+
+        # 2. The next batch: its resets fail over to the live server; every episode succeeds.
+        second = Rollout(ExpertPolicy(fmt), fmt, agent, "Sokoban").run(groups.train_slots(1), SamplingConfig())
+        assert all(t.status == DONE and t.success for t in second)
+        assert {env.server for env in groups._envs} == {steady}
+
+        # 3. Restarted (same port) mid-episode: the new server never knew the sessions, and says so.
+        doomed.start()
+        time.sleep(0.6)  # past the client's cooldown for a server that did not answer
+        fresh = EnvGroups(make_env, n_groups=2, group_size=1, seeds=SeedSplits())
+
+        def restart() -> None:
+            doomed.kill()
+            doomed.start()
+
+        third = Rollout(KillingPolicy(fmt, 1, restart), fmt, agent, "Sokoban").run(fresh.train_slots(0),
+                                                                                    SamplingConfig())
+        lost = [env.start % 2 == 0 for env in fresh._envs]
+        assert lost == [True, False]
+        assert third[0].status == ERROR and "restarted" in third[0].error
+        assert third[1].status == DONE
+        assert Rollout(ExpertPolicy(fmt), fmt, agent, "Sokoban").run(fresh.train_slots(1), SamplingConfig())[0].success
+
+
+def test_server_and_client_read_the_same_token_variable():
+    from turnrl.envservice.client import TOKEN_ENV_VAR as client_variable
+    from turnrl.envservice.server import TOKEN_ENV_VAR as server_variable
+
+    assert server_variable == client_variable
+
+
+# --------------------------------------------------------------------------- env.remote in eval and train
+def test_eval_with_env_remote_gives_the_summary_of_the_env_in_process(tmp_path):
+    from turnrl.config import EvalConfig, load_config
+    from turnrl.evaluate import run_eval
+
+    common = ["env.id=Sokoban", "policy=expert", "episodes=6", "agent.max_turns=10"]
+    local = run_eval(load_config(EvalConfig, None, [*common, f"out={tmp_path / 'local'}"]))
+    with env_server() as url:
+        remote = run_eval(load_config(EvalConfig, None, [*common, f"out={tmp_path / 'remote'}",
+                                                          f"env.remote=[{url}]"]))
+    keys = ("success_rate", "mean_reward", "mean_turns", "action_validity", "errors")
+    assert {k: remote[k] for k in keys} == {k: local[k] for k in keys} and remote["success_rate"] == 1.0
+    assert (tmp_path / "remote" / "trajectories.jsonl").read_text() == (tmp_path / "local" /
+                                                                         "trajectories.jsonl").read_text()
+
+
+def test_env_remote_without_a_server_is_a_config_error_before_anything_runs(tmp_path):
+    from tests.serve.running import free_port
+    from turnrl.config import ConfigError, EvalConfig, load_config
+    from turnrl.evaluate import run_eval
+
+    config = load_config(EvalConfig, None, ["env.id=Sokoban", "policy=expert", "episodes=2", f"out={tmp_path}",
+                                            f"env.remote=[http://127.0.0.1:{free_port()}]"])
+    with pytest.raises(ConfigError, match="env.remote"):
+        run_eval(config)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path):
+    from turnrl.config import load_config
+    from turnrl.training.commands import train
+    from turnrl.training.config import TrainConfig
+
+    with env_server() as url:
+        config = load_config(TrainConfig, None, [
+            f"model.path={tiny_model_dir}", "model.device=cpu", "model.dtype=float32", f"run.output_dir={tmp_path}",
+            "run.name=remote", "run.steps=1", "run.tensorboard=false", "env.id=FrozenLake", f"env.remote=[{url}]",
+            "agent.format=no_think", "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=2",
+            "groups.group_size=2", "validation.episodes=2", "sft.enabled=false",
+            "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4"])
+        summary = train(config)
+    assert "val_success_after_rl" in summary
+    records = [json.loads(line) for line in (tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("rollout/episodes") == 4.0 and r.get("rollout/errors") == 0.0 for r in records)
+
+
+def test_a_remote_env_tells_eval_its_budget(tmp_path):
+    from turnrl.config import EvalConfig, load_config
+    from turnrl.envs import make
+    from turnrl.evaluate import run_eval
+
+    with env_server() as url:
+        summary = run_eval(load_config(EvalConfig, None, ["env.id=Sokoban", "policy=expert", "episodes=2",
+                                                           f"out={tmp_path}", f"env.remote=[{url}]"]),
+                           budget_from_env=True)
+    assert summary["budget"]["max_turns"] == make("Sokoban").action_budget()

@@ -1,0 +1,5 @@
+"""Countdown: the env (:mod:`.env`) and its safe arithmetic evaluator (:mod:`.arith`)."""
+
+from turnrl.envs.games.countdown.env import CountdownEnv
+
+__all__ = ["CountdownEnv"]

@@ -1,0 +1,5 @@
+"""Sokoban: the env (:mod:`.env`) and its level generator and solver (:mod:`.levels`)."""
+
+from turnrl.envs.games.sokoban.env import SokobanEnv
+
+__all__ = ["SokobanEnv"]

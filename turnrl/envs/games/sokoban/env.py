@@ -1,0 +1,369 @@
+"""Sokoban: push every box onto a target.
+
+Rules and rewards follow gym-sokoban, which RAGEN and VAGEN use: -0.1 per
+step, +1 for a box pushed onto a target, -1 for a box pushed off one, +10 when
+the last box lands (that step also pays its -0.1 and +1: 10.9 in all). The
+text observation is RAGEN's grid (``#`` wall, ``_`` empty, ``O`` target,
+``√`` box on target, ``X`` box, ``P`` player, ``S`` player on target), RAGEN's
+alternative vocabulary, or a list of coordinates.
+
+Levels come from :mod:`turnrl.envs.games.sokoban.levels`: generated from the seed by
+reverse play (always solvable, never already solved, solvable within
+``max_steps``) or given as text with ``reset(options={"level": ...})``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from operator import itemgetter
+from typing import Any, ClassVar
+
+import numpy as np
+
+from turnrl.envs.base import MAX_TEXT_LENGTH, StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
+from turnrl.envs.games.sokoban.levels import (
+    ALT_SYMBOLS,
+    BOX,
+    BOX_ON_TARGET,
+    DIRECTIONS,
+    FLOOR,
+    PLAYER,
+    RAGEN_SYMBOLS,
+    Level,
+    Vocabulary,
+    cell_codes,
+    check_room,
+    generate_level,
+    neighbour_table,
+    parse_level,
+    solve,
+)
+from turnrl.envs.render import Tile, draw_grid
+
+STEP_REWARD = -0.1
+BOX_ON_TARGET_REWARD = 1.0
+SOLVED_REWARD = 10.0
+
+VOCABULARIES: dict[str, Vocabulary] = {"ragen": RAGEN_SYMBOLS, "alt": ALT_SYMBOLS}
+SYMBOL_STYLES = ("ragen", "alt", "coords")
+
+# Image tiles, by cell code. Targets tint the floor red so that a player or box
+# standing on one still shows it; boxes on targets turn green.
+_FLOOR_RGB, _TARGET_RGB = (225, 215, 190), (240, 170, 160)
+TILES: tuple[Tile, ...] = (
+    Tile((70, 70, 80)),  # wall
+    Tile(_FLOOR_RGB),  # floor
+    Tile(_TARGET_RGB, "ring", (200, 30, 30), scale=0.6),  # target
+    Tile(_TARGET_RGB, "square", (40, 160, 60), scale=0.8),  # box on target
+    Tile(_FLOOR_RGB, "square", (180, 110, 40), scale=0.8),  # box
+    Tile(_FLOOR_RGB, "circle", (40, 80, 220)),  # player
+    Tile(_TARGET_RGB, "circle", (40, 80, 220)),  # player on target
+)
+_TILE_BY_SYMBOL = dict(zip(RAGEN_SYMBOLS.symbols, TILES))
+
+
+def _outcome_table() -> dict[tuple[int, bool, bool], StepOutcome]:
+    """Every possible step result, built once: StepOutcome is frozen, so steps share them.
+
+    Keyed by (boxes-on-target change, solved after the step, player moved).
+    """
+    table = {}
+    for delta in (-1, 0, 1):
+        for solved in (False, True):
+            for moved in (False, True):
+                reward = STEP_REWARD + delta * BOX_ON_TARGET_REWARD + (SOLVED_REWARD if solved else 0.0)
+                table[delta, solved, moved] = StepOutcome(reward, terminated=solved, success=solved, effective=moved)
+    return table
+
+
+_OUTCOMES = _outcome_table()
+_DIRECTION_INDEX = {name: index for index, name in enumerate(DIRECTIONS)}
+
+
+class SokobanEnv(TurnEnv):
+    """Sokoban with RAGEN's text grid (or an alternative vocabulary, or coordinates) or images.
+
+    Args:
+        dim_room: ``(rows, cols)`` of the room, outer walls included (6x6
+            has a 4x4 inside, as in gym-sokoban and RAGEN).
+        size: shorthand for a square ``dim_room=(size, size)``.
+        num_boxes: boxes (and targets) per generated level.
+        max_steps: steps per episode before truncation; generated levels
+            are always solvable within it.
+        mode: ``"text"`` (observation ``{"text": grid}``) or ``"image"``
+            (``{"text": status line, "image": HxWx3 uint8}``; the status line
+            says how many boxes are on targets, never where things are).
+        symbols: how the text observation is written: ``"ragen"`` (``# _ O √ X
+            P S``, the default), ``"alt"`` (RAGEN's alternative vocabulary
+            ``W . G C B A @``: wall, empty, goal, completed box on a goal,
+            box, agent, agent on a goal) or ``"coords"`` (the player, boxes,
+            targets and walls listed as ``(row, column)``).
+        cell_px: pixels per cell in images.
+        render_mode: ``None``, ``"ansi"`` (the text grid, also in image mode)
+            or ``"rgb_array"``.
+
+    ``reset(options={"level": text})`` plays a given level written in RAGEN's
+    symbols (any size in text mode, the env's ``dim_room`` in image mode);
+    a malformed level raises ValueError saying what is wrong. ``solve()``
+    gives a fewest-moves plan from the current state (None once a box is
+    stuck), ``current_level()`` the state as a :class:`Level`.
+
+    Actions are ``Up``, ``Down``, ``Left``, ``Right`` (case-insensitive).
+    Walking into a wall, or pushing a box into a wall or another box, leaves
+    the state unchanged and still costs -0.1 (``info["action_is_effective"]``
+    is False). An invalid action (not one of the four) is a no-op that also
+    costs -0.1 (``invalid_action_reward``), as a no-op step does in gym-sokoban.
+    """
+
+    description: ClassVar[str] = (
+        "Sokoban: push every box onto a target (gym-sokoban rules; RAGEN grid, coordinates or images)"
+    )
+    modes: ClassVar[tuple[str, ...]] = ("text", "image")
+    setting_choices: ClassVar[dict[str, tuple[Any, ...]]] = {"symbols": SYMBOL_STYLES}
+    # VAGEN's weights: box 0.5, target 0.5.
+    state_reward_profile: ClassVar[StateRewardProfile | None] = StateRewardProfile(
+        {"box": 0.5, "target": 0.5},
+        {"crate": "box", "goal": "target", "storage": "target", "spot": "target", "dock": "target"},
+    )
+    corpus_variants: ClassVar[tuple[dict[str, Any], ...]] = (
+        {}, {"size": 8, "num_boxes": 2}, {"symbols": "alt"}, {"symbols": "coords"},
+    )
+    invalid_action_reward: float = STEP_REWARD
+
+    def __init__(
+        self,
+        dim_room: tuple[int, int] | None = None,
+        size: int | None = None,
+        num_boxes: int = 1,
+        max_steps: int = 100,
+        mode: str = "text",
+        symbols: str = "ragen",
+        cell_px: int = 25,
+        render_mode: str | None = None,
+    ) -> None:
+        rows, cols = _room_shape(dim_room, size)
+        check_room(rows, cols, num_boxes)
+        if symbols not in SYMBOL_STYLES:
+            raise ValueError(f"symbols must be one of {list(SYMBOL_STYLES)}, got {symbols!r}")
+        if cell_px < 1:
+            raise ValueError(f"cell_px must be >= 1, got {cell_px}")
+        self.dim_room = (rows, cols)
+        self.num_boxes = int(num_boxes)
+        self.symbols = symbols
+        self.cell_px = int(cell_px)
+        _check_text_fits(rows, cols, symbols)
+        image_shape = (rows * self.cell_px, cols * self.cell_px)
+        super().__init__(mode=mode, max_steps=max_steps, image_shape=image_shape, render_mode=render_mode)
+        self._vocabulary = VOCABULARIES.get(symbols, RAGEN_SYMBOLS)
+        self._symbols = self._vocabulary.symbols + ("\n",)
+        self._load(generate_level(rows, cols, self.num_boxes, seed=0, max_moves=self.max_steps))
+
+    def action_budget(self) -> int:
+        """Twice the interior cells per box, capped by ``max_steps``: 32 for 6x6 with one box, where the
+        longest fewest-moves solution over 3,000 seeds takes 15 (7x7, two boxes: 100 for at most 45)."""
+        inside = (self.dim_room[0] - 2) * (self.dim_room[1] - 2)
+        return min(self.max_steps, 2 * inside * self.num_boxes)
+
+    # ----------------------------------------------------------------- episode state
+    def _load(self, level: Level) -> None:
+        """Make ``level`` the current state (flat tables, so a step touches three cells)."""
+        self.initial_level = level
+        size = level.rows * level.cols
+        self._cols = level.cols
+        self._table = neighbour_table(level.rows, level.cols)
+        self._walls = level.walls
+        target = bytearray(size)
+        for cell in level.targets:
+            target[cell] = 1
+        box = bytearray(size)
+        for cell in level.boxes:
+            box[cell] = 1
+        self._target, self._box = bytes(target), box
+        self._player = level.player
+        self._on_target = sum(target[cell] for cell in level.boxes)
+        self._num_boxes = len(level.boxes)
+        self._codes = codes = cell_codes(level)
+        # The text grid is kept as a list of symbols (newlines included) and
+        # edited in place, so a step rewrites three entries, not the grid.
+        self._slot, pick = _text_layout(level.rows, level.cols)
+        self._chars = list(map(self._symbols.__getitem__, pick(codes + _NEWLINE_CODE)))
+        self._text: str | None = None
+        self._wall_listing: str | None = None
+
+    def _set(self, cell: int, code: int) -> None:
+        self._codes[cell] = code
+        self._chars[self._slot[cell]] = self._symbols[code]
+
+    def _reset(self, rng: np.random.Generator, options: dict[str, Any]) -> None:
+        unknown = set(options) - {"level"}
+        if unknown:
+            raise ValueError(f"Sokoban reset options: unknown {sorted(unknown)}; the only option is 'level'")
+        if "level" in options:
+            level = options["level"]
+            if not isinstance(level, Level):
+                level = parse_level(level)
+            if self.is_image_mode and (level.rows, level.cols) != self.dim_room:
+                raise ValueError(
+                    f"the level is {level.rows}x{level.cols} but this image-mode env draws "
+                    f"{self.dim_room[0]}x{self.dim_room[1]} rooms; "
+                    f"make the env with dim_room=({level.rows}, {level.cols})"
+                )
+            _check_text_fits(level.rows, level.cols, self.symbols)
+        else:
+            seed = int(rng.integers(0, 2**63 - 1))
+            level = generate_level(*self.dim_room, self.num_boxes, seed, max_moves=self.max_steps)
+        self._load(level)
+
+    def _step(self, action: str) -> StepOutcome:
+        d = _DIRECTION_INDEX[action]
+        player = self._player
+        nxt = self._table[d][player]
+        if nxt < 0 or self._walls[nxt]:
+            return _OUTCOMES[0, self._on_target == self._num_boxes, False]
+        box, target = self._box, self._target
+        delta = 0
+        if box[nxt]:
+            behind = self._table[d][nxt]
+            if behind < 0 or self._walls[behind] or box[behind]:
+                return _OUTCOMES[0, self._on_target == self._num_boxes, False]
+            box[nxt] = 0
+            box[behind] = 1
+            delta = target[behind] - target[nxt]
+            self._on_target += delta
+            self._set(behind, BOX_ON_TARGET if target[behind] else BOX)
+        self._set(player, FLOOR + target[player])
+        self._set(nxt, PLAYER + target[nxt])
+        self._player = nxt
+        self._text = None
+        return _OUTCOMES[delta, self._on_target == self._num_boxes, True]
+
+    # ----------------------------------------------------------------- views
+    def text(self) -> str:
+        if self.is_image_mode:
+            return f"Boxes on targets: {self._on_target} of {self._num_boxes}."
+        if self._text is None:
+            self._text = self._coords_text() if self.symbols == "coords" else "".join(self._chars)
+        return self._text
+
+    def grid_text(self) -> str:
+        """The current grid in the active vocabulary (RAGEN's for ``symbols="coords"``)."""
+        return "".join(self._chars)
+
+    def _coords_text(self) -> str:
+        level, cols = self.initial_level, self._cols
+        if self._wall_listing is None:  # walls never move: list them once per level
+            self._wall_listing = _listing((cell for cell, wall in enumerate(self._walls) if wall), cols)
+        boxes = [cell for cell, here in enumerate(self._box) if here]
+        return (
+            f"Grid: {level.rows} rows x {cols} columns; (row, column), (0, 0) is the top left.\n"
+            f"Player: {_listing([self._player], cols)}\n"
+            f"Boxes: {_listing(boxes, cols)}\n"
+            f"Targets: {_listing(level.targets, cols)}\n"
+            f"Boxes on targets: {self._on_target} of {self._num_boxes}\n"
+            f"Walls: {self._wall_listing}"
+        )
+
+    def image(self) -> np.ndarray:
+        symbols, cols, codes = RAGEN_SYMBOLS.symbols, self._cols, self._codes
+        rows = ["".join(symbols[code] for code in codes[start : start + cols]) for start in range(0, len(codes), cols)]
+        return draw_grid(rows, _TILE_BY_SYMBOL, self.cell_px)
+
+    def ansi(self) -> str:
+        """The board, even in image mode, where the text is a status line."""
+        return self.text() if self.symbols == "coords" and not self.is_image_mode else self.grid_text()
+
+    # ----------------------------------------------------------------- agent API
+    def instructions(self) -> str:
+        if self.is_image_mode:
+            observation = (
+                "Each observation is an image of the room: dark grey walls, sand floor, red rings on targets, "
+                "brown boxes (green once on a target), and the player as a blue circle."
+            )
+        elif self.symbols == "coords":
+            observation = (
+                "Each observation lists the player, boxes, targets and walls as (row, column) positions, "
+                "row 0 at the top and column 0 at the left."
+            )
+        else:
+            observation = f"Each observation is the room as a grid of symbols: {self._vocabulary.legend()}."
+        return (
+            "You are playing Sokoban. Push every box onto a target.\n"
+            f"{observation}\n"
+            "You move one cell per action. Walking into a box pushes it one cell in the same direction if the "
+            "cell behind it is empty floor or a target; boxes cannot be pulled, and a box pushed into a corner "
+            "cannot be moved out.\n"
+            "Actions: Up, Down, Left, Right (Up moves towards row 0).\n"
+            "Rewards: -0.1 per step, +1 for a box pushed onto a target, -1 for a box pushed off one, "
+            "+10 when every box is on a target."
+        )
+
+    def action_names(self) -> list[str]:
+        return list(DIRECTIONS)
+
+    def state_facts(self) -> StateFacts:
+        level, cols = self.initial_level, self._cols
+        objects = [("box", divmod(cell, cols)) for cell, here in enumerate(self._box) if here]
+        objects += [("target", divmod(cell, cols)) for cell in level.targets]
+        return facts_from_positions(divmod(self._player, cols), objects)
+
+    def success(self) -> bool:
+        return self._on_target == self._num_boxes
+
+    def current_level(self) -> Level:
+        """The current state as a :class:`Level` (e.g. to print or to solve)."""
+        level = self.initial_level
+        boxes = tuple(cell for cell, here in enumerate(self._box) if here)
+        return Level(level.rows, level.cols, level.walls, level.targets, boxes, self._player)
+
+    def solve(self) -> list[str] | None:
+        """Fewest-moves solution from the current state; ``[]`` if solved, None if it cannot be solved."""
+        moves = solve(self.current_level())
+        return None if moves is None else [DIRECTIONS[d] for d in moves]
+
+
+# ---------------------------------------------------------------------- helpers
+_NEWLINE_CODE = bytes([7])  # one past the cell codes: the "\n" entry of ``_symbols``
+
+
+@lru_cache(maxsize=64)
+def _text_layout(rows: int, cols: int) -> tuple[tuple[int, ...], Callable]:
+    """Where each cell's symbol sits in the text grid, and a picker of codes in text order.
+
+    The picker takes the cell codes with one extra code appended (index
+    ``rows * cols``) that stands for the newline ending each row but the last.
+    """
+    slot = tuple(cell + cell // cols for cell in range(rows * cols))
+    order: list[int] = []
+    for row in range(rows):
+        order.extend(range(row * cols, (row + 1) * cols))
+        order.append(rows * cols)
+    order.pop()
+    return slot, itemgetter(*order)
+
+
+def _room_shape(dim_room: tuple[int, int] | None, size: int | None) -> tuple[int, int]:
+    """Resolve ``dim_room`` / ``size`` to ``(rows, cols)``; 6x6 when neither is given."""
+    if dim_room is not None:
+        rows, cols = (int(n) for n in dim_room)
+        if size is not None and (rows, cols) != (size, size):
+            raise ValueError(f"dim_room={tuple(dim_room)} and size={size} disagree; give one of them")
+        return rows, cols
+    side = 6 if size is None else int(size)
+    return side, side
+
+
+def _check_text_fits(rows: int, cols: int, symbols: str) -> None:
+    """Raise ValueError if the longest text observation could exceed the observation space."""
+    longest = rows * (cols + 1) if symbols != "coords" else 200 + rows * cols * (10 + 2 * len(str(max(rows, cols))))
+    if longest > MAX_TEXT_LENGTH:
+        raise ValueError(
+            f"a {rows}x{cols} room with symbols={symbols!r} can need {longest} characters, "
+            f"more than the {MAX_TEXT_LENGTH} an observation may hold"
+        )
+
+
+def _listing(cells, cols: int) -> str:
+    """``"(r, c), (r, c)"`` for cell numbers, or ``"none"``."""
+    text = ", ".join(f"({cell // cols}, {cell % cols})" for cell in cells)
+    return text or "none"

@@ -1,0 +1,60 @@
+"""The options of ``turnrl serve-env`` and the server's limits, apart from the server itself.
+
+The command line builds every subcommand's parser at start; this module imports nothing heavy, so that
+``turnrl envs`` does not pay for FastAPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from turnrl.envservice.protocol import TOKEN_ENV_VAR
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one server accepts."""
+
+    max_body_bytes: int = 1 << 20
+    """Largest request body (bytes); a larger one is a 413."""
+    max_batch: int = 1024
+    """Most items (sessions) in one request."""
+    max_sessions: int = 4096
+    """Open sessions in total."""
+    max_sessions_per_client: int = 1024
+    """Open sessions per client."""
+    idle_timeout_s: float = 600.0
+    """A session not used for this long is closed."""
+    workers: int = 16
+    """Threads that run env calls (a slow env holds one of them)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_batch", "max_sessions", "max_sessions_per_client", "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``turnrl serve-env``."""
+    defaults = ServerLimits()
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8100, help="port to listen on (default: 8100)")
+    parser.add_argument("--token", default=None,
+                        help=f"bearer token clients must send (default: ${TOKEN_ENV_VAR} if set, else no auth)")
+    parser.add_argument("--envs", nargs="+", default=None, metavar="ENV_ID",
+                        help="env ids clients may open (default: every built-in env)")
+    parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
+                        help=f"open sessions in total at most (default: {defaults.max_sessions})")
+    parser.add_argument("--max-sessions-per-client", type=int, default=defaults.max_sessions_per_client,
+                        help=f"open sessions per client at most (default: {defaults.max_sessions_per_client})")
+    parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s,
+                        help="seconds before an unused session is closed")
+    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+                        help=f"largest request body in bytes (default: {defaults.max_body_bytes})")
+    parser.add_argument("--max-batch", type=int, default=defaults.max_batch, help="items per request at most")
+    parser.add_argument("--workers", type=int, default=defaults.workers, help="threads running env calls")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="server log level (default: info)")

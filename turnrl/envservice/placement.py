@@ -1,0 +1,86 @@
+"""Where a run's envs live: in this process, on the env servers of ``env.remote``, or in Ray actors.
+
+:func:`env_factory` is the one place a command turns ``env.id``, its settings and where they run into a
+``make_env`` for :class:`~turnrl.rollout.groups.EnvGroups`; :func:`build_env` builds one env here, with a
+configuration error that names the setting at fault. Either way the env id and settings are checked before
+the command goes on (before any model loads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from turnrl.config import ConfigError
+from turnrl.envs import make
+from turnrl.envservice.protocol import RemoteEnvError
+
+
+def build_env(env_id: str, settings: dict[str, Any], where: str = "env.settings") -> Any:
+    """``turnrl.envs.make(env_id, **settings)``, with a config error that names the setting at fault.
+
+    An env that rejects a value in words of its own (``invalid literal for int()``) does not say which
+    setting it was; the settings are then tried one at a time to name it (``env.settings.size='abc'``).
+
+    Raises:
+        ConfigError: unknown env, unknown setting or a value the env refuses.
+    """
+    try:
+        return make(env_id, **settings)
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        if settings and not any(name in message for name in settings) and _makes(env_id, {}):
+            for name, value in settings.items():
+                if not _makes(env_id, {name: value}):
+                    raise ConfigError(f"{where}.{name}={value!r} is refused by {env_id}: {message}") from error
+            message = f"{where} {settings}: {message}"
+        raise ConfigError(message) from error
+
+
+def env_factory(env_id: str, settings: dict[str, Any], remote: list[str], where: str = "env.settings",
+                ray_workers: int = 0, ray_address: str | None = None, timeout_s: float = 60.0) -> Callable[[], Any]:
+    """A ``make_env`` for the run's envs: built in this process, opened on the servers of ``env.remote``, or
+    (``ray_workers`` above 0, ``distributed.env_workers``) built inside that many Ray actors.
+
+    The env id and settings are checked now, here, by the first server that answers, or in a Ray actor.
+
+    Raises:
+        ConfigError: unknown env or a refused setting, or (remote) no server answered.
+    """
+    if ray_workers > 0:
+        if remote:
+            raise ConfigError("env.remote and distributed.env_workers both say where the envs live; set one of them")
+        from turnrl.envservice.ray import ray_env_factory  # Ray is imported only where it is used
+
+        try:
+            return ray_env_factory(env_id, settings, ray_workers, timeout_s=timeout_s, address=ray_address)
+        except ValueError as error:
+            raise ConfigError(f"env.id={env_id!r} with {where}={settings} in Ray env workers: {error}") from error
+    if not remote:
+        # The env built to check the settings is the first one handed out: an expensive env (a 3D world) is
+        # not built twice.
+        checked = [build_env(env_id, settings, where)]
+
+        def make_env() -> Any:
+            try:
+                return checked.pop()  # atomic: two threads never get the same env
+            except IndexError:
+                return make(env_id, **settings)
+
+        return make_env
+    from turnrl.envservice.client import remote_env_factory  # the HTTP client is imported only where it is used
+
+    try:
+        return remote_env_factory(env_id, settings, list(remote))
+    except (ValueError, RemoteEnvError) as error:
+        raise ConfigError(f"env.id={env_id!r} with {where}={settings} on env.remote={list(remote)}: {error}") \
+            from error
+
+
+def _makes(env_id: str, settings: dict[str, Any]) -> bool:
+    """Whether ``env_id`` builds with ``settings`` (an unknown id builds with none)."""
+    try:
+        make(env_id, **settings)
+    except (ValueError, TypeError):
+        return False
+    return True

@@ -1,0 +1,837 @@
+"""``turnrl serve-env``: turnrl envs as a service over HTTP, so that heavy simulators can live on other machines.
+
+A client opens *sessions* (one env each), resets and steps them, asks them
+read-only *queries* and closes them. Every call but ``/health`` and ``/metrics``
+takes a list, so one request can reset, step or query many sessions; a
+session's part of the answer is its own (an env that raises fails its item
+only). :class:`turnrl.envservice.client.RemoteEnv` is the client; ``env.remote``
+in a recipe or ``turnrl eval`` uses it.
+
+The server is :class:`EnvServer`, a plain class: each endpoint is a method that takes the parsed body (and the
+client's name) and returns the answer, or raises :class:`~turnrl.envservice.protocol.APIError`, so that it runs
+and is tested without HTTP. :func:`build_app` puts it behind a thin FastAPI router.
+
+Endpoints (JSON bodies; values in the tagged encoding of
+:func:`turnrl.envservice.protocol.encode_value`, images as PNG):
+
+- ``POST /v1/validate`` ``{env_id, settings}``: builds the env once, to check the id and settings.
+- ``POST /v1/sessions`` ``{env_id, settings, count | ids}``: opens sessions (ids chosen by the client make
+  a retried request idempotent).
+- ``POST /v1/reset`` ``{items: [{session, seq, seed, options, queries}]}``
+- ``POST /v1/step`` ``{items: [{session, seq, action, queries}]}``
+- ``POST /v1/query`` ``{items: [{session, queries}]}``: the queries of
+  :data:`turnrl.envservice.protocol.QUERIES`.
+- ``POST /v1/sessions/fork`` ``{sessions, ids}``: copies sessions, env state included.
+- ``POST /v1/sessions/close`` ``{sessions}``
+- ``GET /v1/envs``, ``GET /health`` (no token needed), ``GET /metrics`` (Prometheus text).
+
+Guarantees:
+
+- **Exactly-once steps.** ``seq`` is the number the reset or step will have in
+  its session (1, 2, ...). The next number is applied; the last one again is
+  answered from the server's record of it (a client retrying a request whose
+  answer was lost); any other is a 409. Without ``seq`` a call is simply applied.
+- **Bad input is a 4xx and the server stays up**: malformed JSON or fields
+  (400), a missing or wrong token (401), an unknown session (404), a step with
+  no episode running (409), an oversized body (413), a full server (429), an
+  env or setting not served (400). An env that raises ends its session with an
+  error item; the server and the other sessions go on.
+- **Limits**: request size, items per request, sessions per client (named by
+  the ``x-turnrl-client`` header, else the peer address) and in total, and idle
+  time (an idle session is closed; using it later is a 404 that says so).
+- **Isolation**: env calls run on a thread pool, one call at a time per
+  session; a slow env holds one thread, not the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import ipaddress
+import logging
+import os
+import secrets
+import sys
+import time
+import traceback
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any, Optional
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from turnrl.envs import AgentEnv, make
+from turnrl.envs.registry import builtin_name, env_names
+from turnrl.envservice.options import ServerLimits, add_arguments
+from turnrl.envservice.protocol import (
+    CLIENT_HEADER,
+    QUERIES,
+    TOKEN_ENV_VAR,
+    APIError,
+    Query,
+    answer_query,
+    decode_value,
+    encode_answer,
+    error_item,
+    query_failure,
+    reset_item,
+    step_item,
+)
+
+logger = logging.getLogger("turnrl.env_server")
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+RECENTLY_CLOSED = 100_000
+"""Closed session ids remembered, so that using one says why it is gone."""
+
+
+# --------------------------------------------------------------------------- request schema
+SessionId = Annotated[StrictStr, Field(pattern=SESSION_ID_PATTERN)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EnvSpec(_Body):
+    env_id: StrictStr = Field(min_length=1, max_length=512)
+    settings: Any = Field(default_factory=dict)
+    """Encoded settings (a dict)."""
+
+
+class OpenBody(EnvSpec):
+    count: Optional[StrictInt] = Field(None, ge=1)
+    ids: Optional[list[SessionId]] = Field(None, min_length=1)
+
+
+class ResetItem(_Body):
+    session: SessionId
+    seq: Optional[StrictInt] = Field(None, ge=1)
+    seed: Optional[StrictInt] = Field(None, ge=0)
+    options: Any = None
+    queries: list[Query] = Field(default_factory=list)
+
+
+class StepItem(_Body):
+    session: SessionId
+    seq: Optional[StrictInt] = Field(None, ge=1)
+    action: StrictStr
+    queries: list[Query] = Field(default_factory=list)
+
+
+class QueryItem(_Body):
+    session: SessionId
+    queries: list[Query] = Field(min_length=1)
+
+
+class ResetBody(_Body):
+    items: list[ResetItem] = Field(min_length=1)
+
+
+class StepBody(_Body):
+    items: list[StepItem] = Field(min_length=1)
+
+
+class QueryBody(_Body):
+    items: list[QueryItem] = Field(min_length=1)
+
+
+class SessionsBody(_Body):
+    sessions: list[SessionId] = Field(min_length=1)
+
+
+class ForkBody(SessionsBody):
+    ids: Optional[list[SessionId]] = None
+
+
+def validation_message(error: RequestValidationError) -> str:
+    """A readable summary of pydantic's errors (malformed JSON included)."""
+    lines = []
+    for item in error.errors()[:10]:
+        location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+        if item.get("type") == "json_invalid":
+            lines.append(f"the body is not valid JSON ({item.get('ctx', {}).get('error', 'parse error')})")
+        else:
+            lines.append(f"{location or 'body'}: {item.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(lines)
+
+
+# --------------------------------------------------------------------------- sessions
+@dataclass(eq=False)
+class Session:
+    """One env on the server and what it last did."""
+
+    id: str
+    env_id: str
+    settings: dict[str, Any]
+    owner: str
+    env: AgentEnv
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+    seq: int = 0
+    """Resets and steps applied."""
+    last: tuple[str, dict[str, Any]] | None = None
+    """The last reset's or step's kind and answer item (to answer a retry of it again)."""
+    state: str = "new"
+    """``new`` (never reset), ``running`` or ``over`` (terminated or truncated)."""
+    last_obs: dict[str, Any] = field(default_factory=dict)
+    """The env's latest observation (for the observation hash of an env without ``state_key``)."""
+    closed: bool = False
+
+
+class SessionTable:
+    """Open sessions by id and per owner; remembers why recently closed ones closed."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.per_owner: dict[str, int] = {}
+        self.closed: OrderedDict[str, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def add(self, session: Session) -> None:
+        self.sessions[session.id] = session
+        self.per_owner[session.owner] = self.per_owner.get(session.owner, 0) + 1
+
+    def remove(self, session: Session, reason: str) -> None:
+        if self.sessions.pop(session.id, None) is None:
+            return
+        session.closed = True
+        left = self.per_owner.get(session.owner, 1) - 1
+        if left:
+            self.per_owner[session.owner] = left
+        else:
+            self.per_owner.pop(session.owner, None)
+        self.closed[session.id] = reason
+        while len(self.closed) > RECENTLY_CLOSED:
+            self.closed.popitem(last=False)
+
+
+@dataclass
+class ServerMetrics:
+    """Counters behind ``/health`` and ``/metrics``."""
+
+    started: float = field(default_factory=time.time)
+    steps: int = 0
+    resets: int = 0
+    sessions_opened: int = 0
+    sessions_closed: dict[str, int] = field(default_factory=dict)
+    """By reason: ``client``, ``idle``, ``env_error``, ``shutdown``."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """By code: ``env_error`` (an env raised) and each 4xx/5xx code answered."""
+    _window: deque = field(default_factory=deque)
+    """``(whole second, steps in it)`` for the last ``WINDOW_S`` seconds."""
+
+    WINDOW_S = 10
+
+    def count_steps(self, n: int) -> None:
+        self.steps += n
+        second = int(time.monotonic())
+        if self._window and self._window[-1][0] == second:
+            self._window[-1][1] += n
+        else:
+            self._window.append([second, n])
+        while self._window and self._window[0][0] <= second - self.WINDOW_S:
+            self._window.popleft()
+
+    def steps_per_s(self) -> float:
+        """Steps per second over the last ``WINDOW_S`` whole seconds."""
+        now = int(time.monotonic())
+        return sum(n for second, n in self._window if now - self.WINDOW_S <= second < now) / self.WINDOW_S
+
+    def count(self, table: dict[str, int], key: str, n: int = 1) -> None:
+        table[key] = table.get(key, 0) + n
+
+
+def prometheus_text(metrics: ServerMetrics, sessions: int) -> str:
+    """The counters in Prometheus' text exposition format."""
+    lines = [
+        "# HELP turnrl_env_sessions Open sessions.", "# TYPE turnrl_env_sessions gauge",
+        f"turnrl_env_sessions {sessions}",
+        "# HELP turnrl_env_steps_total Env steps applied.", "# TYPE turnrl_env_steps_total counter",
+        f"turnrl_env_steps_total {metrics.steps}",
+        "# HELP turnrl_env_resets_total Env resets applied.", "# TYPE turnrl_env_resets_total counter",
+        f"turnrl_env_resets_total {metrics.resets}",
+        "# HELP turnrl_env_steps_per_second Steps per second over the last 10 s.",
+        "# TYPE turnrl_env_steps_per_second gauge", f"turnrl_env_steps_per_second {metrics.steps_per_s():.3f}",
+        "# HELP turnrl_env_sessions_opened_total Sessions opened.", "# TYPE turnrl_env_sessions_opened_total counter",
+        f"turnrl_env_sessions_opened_total {metrics.sessions_opened}",
+        "# HELP turnrl_env_sessions_closed_total Sessions closed, by reason.",
+        "# TYPE turnrl_env_sessions_closed_total counter",
+    ]
+    closed = sorted(metrics.sessions_closed.items())
+    lines += [f'turnrl_env_sessions_closed_total{{reason="{k}"}} {v}' for k, v in closed]
+    lines += ["# HELP turnrl_env_errors_total Errors, by code.", "# TYPE turnrl_env_errors_total counter"]
+    lines += [f'turnrl_env_errors_total{{code="{k}"}} {v}' for k, v in sorted(metrics.errors.items())]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- env calls (worker threads)
+def _failure(session: Session, what: str, error: BaseException) -> str:
+    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-3))
+    return f"{session.env_id}: {what} raised {type(error).__name__}: {error}\n{trace}"
+
+
+def run_queries(session: Session, names: Sequence[str]) -> dict[str, Any]:
+    """Each query's encoded answer, or ``{"error": message}`` where it raised (the session goes on)."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(names):
+        try:
+            out[name] = encode_answer(name, answer_query(session.env, name, session.last_obs))
+        except Exception as error:
+            out[name] = {"error": query_failure(error)}
+    return out
+
+
+def run_reset(session: Session, item: ResetItem, options: Any) -> dict[str, Any]:
+    try:
+        obs, info = session.env.reset(seed=item.seed, options=options)
+        session.last_obs = obs
+        return reset_item(session.id, obs, info, run_queries(session, item.queries))
+    except Exception as error:
+        return error_item(session.id, _failure(session, "reset()", error))
+
+
+def run_step(session: Session, item: StepItem) -> dict[str, Any]:
+    try:
+        obs, reward, terminated, truncated, info = session.env.step(item.action)
+        session.last_obs = obs
+        return step_item(session.id, obs, reward, terminated, truncated, info, run_queries(session, item.queries))
+    except Exception as error:
+        return error_item(session.id, _failure(session, "step()", error))
+
+
+def close_env(env: AgentEnv) -> None:
+    closer = getattr(env, "close", None)
+    if callable(closer):
+        try:
+            closer()
+        except Exception:  # an env that fails to close must not take the server with it
+            logger.exception("closing an env failed")
+
+
+def canonical_env_id(env_id: str) -> str:
+    """A built-in's name (``sokoban`` -> ``Sokoban``); any other id as given."""
+    return builtin_name(env_id) or env_id
+
+
+# --------------------------------------------------------------------------- the server
+class EnvServer:
+    """The env server without HTTP: sessions, limits and counters, one method per endpoint.
+
+    Methods that touch envs are coroutines of the server's event loop; env calls run on its thread pool.
+    Call :meth:`start` in the running loop before serving (it starts the reaper of idle sessions) and
+    :meth:`shutdown` at the end.
+
+    Args:
+        envs: env ids clients may open (built-in names in any case, ``module:Class``, Gymnasium ids,
+            ``gym:<id>``); None: every built-in env. Only these are ever built: a client cannot make the
+            server import anything else.
+        token: the bearer token every request but ``/health`` must carry; None: no auth.
+        limits: request size, batch, session and idle limits, worker threads.
+    """
+
+    def __init__(self, envs: list[str] | None = None, *, token: str | None = None,
+                 limits: ServerLimits | None = None) -> None:
+        self.limits = limits or ServerLimits()
+        self.allowed = sorted({canonical_env_id(env_id) for env_id in (envs if envs is not None else env_names())})
+        if not self.allowed:
+            raise ValueError("serve at least one env")
+        self.token = token
+        self.table = SessionTable()
+        self.metrics = ServerMetrics()
+        self.instance = uuid.uuid4().hex[:12]
+        self.executor = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="turnrl-env")
+        self.idle_check_s = max(0.05, min(self.limits.idle_timeout_s / 4, 10.0))
+        self._reaper: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifetime
+    def start(self) -> None:
+        """Start reaping idle sessions (in the running event loop)."""
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_idle(), name="turnrl-env-reaper")
+
+    def shutdown(self) -> None:
+        """Close every session and its env, and stop the threads."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for session in list(self.table.sessions.values()):
+            self.table.remove(session, "the server shut down")
+            close_env(session.env)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(self.idle_check_s)
+            cutoff = time.monotonic() - self.limits.idle_timeout_s
+            for session in list(self.table.sessions.values()):
+                if session.last_used < cutoff and not session.lock.locked():
+                    self._drop(session, f"idle for more than {self.limits.idle_timeout_s:g} s")
+
+    # ------------------------------------------------------------------ who asks
+    def authorize(self, authorization: str, client_name: str | None, peer: str | None) -> str:
+        """Check the bearer token of the ``authorization`` header; the client's name (for the per-client limit):
+        its ``x-turnrl-client`` header, else its address."""
+        if self.token is not None:
+            scheme, _, given = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not given:
+                raise APIError(401, "unauthorized", "this server needs a bearer token: send 'Authorization: Bearer "
+                                                    f"<token>' (the client reads {TOKEN_ENV_VAR})")
+            if not secrets.compare_digest(given.strip().encode(), self.token.encode()):
+                raise APIError(401, "unauthorized", "wrong token")
+        return client_name[:128] if client_name else (peer or "unknown")
+
+    def count_error(self, code: str) -> None:
+        """Count an error answered (``/metrics``)."""
+        self.metrics.count(self.metrics.errors, code)
+
+    # ------------------------------------------------------------------ endpoints
+    def health(self) -> dict[str, Any]:
+        """``GET /health``."""
+        return {"status": "ok", "instance": self.instance, "sessions": len(self.table),
+                "steps_per_s": self.metrics.steps_per_s(), "steps": self.metrics.steps,
+                "errors": sum(self.metrics.errors.values()), "uptime_s": time.time() - self.metrics.started}
+
+    def prometheus(self) -> str:
+        """``GET /metrics``."""
+        return prometheus_text(self.metrics, len(self.table))
+
+    def envs(self) -> dict[str, Any]:
+        """``GET /v1/envs``."""
+        return {"envs": self.allowed, "queries": list(QUERIES), "limits": asdict(self.limits)}
+
+    async def validate(self, body: EnvSpec) -> dict[str, Any]:
+        """``POST /v1/validate``."""
+        env_id, settings = self._env_spec(body)
+        env = await self._in_thread(self._build_env, env_id, settings)
+        self.executor.submit(close_env, env)
+        return {"ok": True, "env_id": env_id}
+
+    async def open_sessions(self, body: OpenBody, client: str) -> dict[str, Any]:
+        """``POST /v1/sessions``."""
+        env_id, settings = self._env_spec(body)
+        if body.ids is not None and body.count is not None and body.count != len(body.ids):
+            raise APIError(400, "invalid_request", f"count={body.count} but {len(body.ids)} ids")
+        ids = body.ids if body.ids is not None else [uuid.uuid4().hex for _ in range(body.count or 1)]
+        if len(ids) > self.limits.max_batch:
+            raise APIError(400, "batch_too_large",
+                           f"{len(ids)} sessions in one request; at most {self.limits.max_batch}")
+        if len(set(ids)) != len(ids):
+            raise APIError(400, "invalid_request", "the ids repeat")
+        existing = [self.table.sessions.get(i) for i in ids]
+        if any(existing):
+            # A retried open: the same client asking for the same sessions gets them again.
+            same = all(s is not None and s.owner == client and s.env_id == env_id and s.settings == settings
+                       for s in existing)
+            if not same:
+                raise APIError(409, "session_exists", "a session with one of these ids exists; choose other ids")
+            return {"sessions": ids, "instance": self.instance}
+        self._check_room(client, len(ids))
+        built: list[AgentEnv] = []
+        try:
+            for _ in ids:
+                built.append(await self._in_thread(self._build_env, env_id, settings))
+            self._check_room(client, len(ids))  # others may have opened sessions meanwhile
+        except BaseException:
+            for env in built:
+                self.executor.submit(close_env, env)
+            raise
+        for session_id, env in zip(ids, built):
+            self.table.add(Session(session_id, env_id, settings, client, env))
+        self.metrics.sessions_opened += len(ids)
+        return {"sessions": ids, "instance": self.instance}
+
+    async def reset(self, body: ResetBody) -> dict[str, Any]:
+        """``POST /v1/reset``."""
+        sessions = self._check_batch([item.session for item in body.items])
+        try:
+            options = [None if item.options is None else decode_value(item.options) for item in body.items]
+        except ValueError as error:
+            raise APIError(400, "invalid_request", f"options cannot be read: {error}") from None
+        if any(opt is not None and not isinstance(opt, dict) for opt in options):
+            raise APIError(400, "invalid_request", "options must be an object")
+        work = self._apply("reset", sessions, body.items, lambda k: run_reset(sessions[k], body.items[k], options[k]))
+        return {"items": await asyncio.shield(work)}
+
+    async def step(self, body: StepBody) -> dict[str, Any]:
+        """``POST /v1/step``."""
+        sessions = self._check_batch([item.session for item in body.items])
+        work = self._apply("step", sessions, body.items, lambda k: run_step(sessions[k], body.items[k]))
+        return {"items": await asyncio.shield(work)}
+
+    async def query(self, body: QueryBody) -> dict[str, Any]:
+        """``POST /v1/query``."""
+        sessions = self._check_batch([item.session for item in body.items])
+        async with self._holding(sessions):
+            def work() -> list[dict[str, Any]]:
+                return [{"session": s.id, "ok": True, "queries": run_queries(s, item.queries)}
+                        for s, item in zip(sessions, body.items)]
+
+            items = await self._in_thread(work)
+        return {"items": items}
+
+    async def fork(self, body: ForkBody, client: str) -> dict[str, Any]:
+        """``POST /v1/sessions/fork``."""
+        sessions = self._check_batch(body.sessions)
+        ids = body.ids if body.ids is not None else [uuid.uuid4().hex for _ in sessions]
+        if len(ids) != len(sessions) or len(set(ids)) != len(ids) or any(i in self.table.sessions for i in ids):
+            raise APIError(400, "invalid_request", "fork takes one new, unused id per session")
+        self._check_room(client, len(ids))
+        async with self._holding(sessions):
+            def work() -> list[AgentEnv]:
+                return [copy.deepcopy(s.env) for s in sessions]
+
+            try:
+                envs = await self._in_thread(work)
+            except Exception as error:
+                raise APIError(500, "env_error", f"the env cannot be copied: {type(error).__name__}: {error}") from None
+            for new_id, source, env in zip(ids, sessions, envs):
+                twin = Session(new_id, source.env_id, source.settings, client, env, seq=source.seq, state=source.state,
+                               last_obs=copy.deepcopy(source.last_obs))
+                self.table.add(twin)
+        self.metrics.sessions_opened += len(ids)
+        return {"sessions": ids, "instance": self.instance}
+
+    async def close(self, body: SessionsBody) -> dict[str, Any]:
+        """``POST /v1/sessions/close``."""
+        if len(body.sessions) > self.limits.max_batch:
+            raise APIError(400, "batch_too_large", f"{len(body.sessions)} sessions in one request; at most "
+                                                   f"{self.limits.max_batch} (--max-batch)")
+        closed, unknown = [], []
+        for session_id in body.sessions:
+            session = self.table.sessions.get(session_id)
+            if session is None:
+                unknown.append(session_id)
+                continue
+            async with session.lock:
+                self._drop(session, "client: closed by its client")
+            closed.append(session_id)
+        return {"closed": closed, "unknown": unknown}
+
+    # ------------------------------------------------------------------ helpers
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _drop(self, session: Session, reason: str) -> None:
+        """Close a session now; its env is closed on a worker thread."""
+        if session.closed:
+            return
+        self.table.remove(session, reason)
+        self.metrics.count(self.metrics.sessions_closed, reason.split(" ")[0])
+        self.executor.submit(close_env, session.env)
+
+    def _env_spec(self, spec: EnvSpec) -> tuple[str, dict[str, Any]]:
+        env_id = canonical_env_id(spec.env_id)
+        if env_id not in self.allowed:
+            raise APIError(400, "unknown_env", f"env {spec.env_id!r} is not served here; this server serves "
+                                               f"{', '.join(self.allowed)} (turnrl serve-env --envs ...)")
+        try:
+            settings = decode_value(spec.settings)
+        except ValueError as error:
+            raise APIError(400, "bad_settings", f"settings cannot be read: {error}") from None
+        if not isinstance(settings, dict) or not all(isinstance(key, str) for key in settings):
+            raise APIError(400, "bad_settings", f"settings must be an object of named settings, got {spec.settings!r}")
+        return env_id, settings
+
+    @staticmethod
+    def _build_env(env_id: str, settings: dict[str, Any]) -> AgentEnv:
+        try:
+            return make(env_id, **settings)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, "bad_settings", f"{env_id} with settings {settings}: {error}") from None
+        except Exception as error:
+            raise APIError(500, "env_error", f"building {env_id} raised {type(error).__name__}: {error}") from None
+
+    def _check_room(self, owner: str, count: int) -> None:
+        if len(self.table) + count > self.limits.max_sessions:
+            raise APIError(429, "too_many_sessions", f"this server holds {len(self.table)} sessions of at most "
+                                                     f"{self.limits.max_sessions} (--max-sessions); close some or "
+                                                     "use another server")
+        held = self.table.per_owner.get(owner, 0)
+        if held + count > self.limits.max_sessions_per_client:
+            raise APIError(429, "too_many_sessions", f"this client holds {held} sessions of at most "
+                                                     f"{self.limits.max_sessions_per_client} "
+                                                     "(--max-sessions-per-client); close some first")
+
+    def _check_batch(self, ids: list[str]) -> list[Session]:
+        if len(ids) > self.limits.max_batch:
+            raise APIError(400, "batch_too_large", f"{len(ids)} items in one request; at most "
+                                                   f"{self.limits.max_batch} (--max-batch)")
+        if len(set(ids)) != len(ids):
+            repeated = sorted({i for i in ids if ids.count(i) > 1})
+            raise APIError(400, "invalid_request", f"sessions {repeated[:5]} appear twice in one request")
+        return [self._session_of(i) for i in ids]
+
+    def _session_of(self, session_id: str) -> Session:
+        session = self.table.sessions.get(session_id)
+        if session is None:
+            raise self._gone(session_id)
+        return session
+
+    def _gone(self, session_id: str) -> APIError:
+        reason = self.table.closed.get(session_id)
+        if reason is not None:
+            return APIError(404, "unknown_session", f"session {session_id} is closed ({reason}); open a new one")
+        return APIError(404, "unknown_session", f"unknown session {session_id}: this server (instance "
+                                                f"{self.instance}) never opened it; it may have restarted since")
+
+    @asynccontextmanager
+    async def _holding(self, sessions: list[Session]) -> AsyncIterator[None]:
+        """Hold the sessions' locks (in a fixed order, so two batches never wait on each other)."""
+        async with AsyncExitStack() as stack:
+            for session in sorted(sessions, key=lambda s: s.id):
+                await stack.enter_async_context(session.lock)
+            for session in sessions:
+                if session.closed:  # closed while this request waited
+                    raise self._gone(session.id)
+                session.last_used = time.monotonic()
+            try:
+                yield
+            finally:
+                now = time.monotonic()
+                for session in sessions:
+                    session.last_used = now
+
+    @staticmethod
+    def _replay_or_check(session: Session, kind: str, seq: int | None) -> dict[str, Any] | None:
+        """The recorded answer when ``seq`` repeats the last call; None when ``seq`` is next (or absent)."""
+        if seq is None or seq == session.seq + 1:
+            return None
+        if seq == session.seq and session.last is not None and session.last[0] == kind:
+            return session.last[1]
+        raise APIError(409, "out_of_order", f"session {session.id} has applied {session.seq} resets and steps; "
+                                            f"this {kind} is numbered {seq} (expected {session.seq + 1})")
+
+    def _settle(self, session: Session, kind: str, item: dict[str, Any], replayed: bool) -> None:
+        """Record one applied reset or step (or close the session of an env that raised)."""
+        if replayed:
+            return
+        if not item["ok"]:
+            self.count_error("env_error")
+            self._drop(session, "env_error: its env raised")
+            return
+        session.seq += 1
+        session.last = (kind, item)
+        if kind == "reset":
+            session.state = "running"
+        elif item["terminated"] or item["truncated"]:
+            session.state = "over"
+
+    async def _apply(self, kind: str, sessions: list[Session], items: list[Any],
+                     call: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]]:
+        """Apply a batch of resets or steps under the sessions' locks: each item's recorded answer where its
+        ``seq`` repeats the last call, else ``call(k)`` on a worker thread; then record what was applied.
+
+        Shielded from cancellation by the caller: a client that hangs up mid-request must not leave an env
+        stepped without the record of it (its retry would step it again)."""
+        async with self._holding(sessions):
+            replays = [self._replay_or_check(s, kind, item.seq) for s, item in zip(sessions, items)]
+            if kind == "step":
+                for session, replay in zip(sessions, replays):
+                    if replay is None and session.state != "running":
+                        why = "was never reset" if session.state == "new" else "ended (terminated or truncated)"
+                        raise APIError(409, "no_episode", f"session {session.id}: its episode {why}; reset it first")
+            todo = [k for k, replay in enumerate(replays) if replay is None]
+            done = dict(zip(todo, await self._in_thread(lambda: [call(k) for k in todo])))
+            answers = []
+            for k, session in enumerate(sessions):
+                replay = replays[k]
+                answer = replay if replay is not None else done[k]
+                self._settle(session, kind, answer, replay is not None)
+                answers.append(answer)
+        if kind == "step":
+            self.metrics.count_steps(len(todo))
+        else:
+            self.metrics.resets += len(todo)
+        return answers
+
+
+# --------------------------------------------------------------------------- body size
+class BodyLimit:
+    """ASGI middleware: reads the whole body first and answers 413 when it exceeds ``limit`` bytes."""
+
+    def __init__(self, app: Any, limit: int, on_reject: Callable[[], None]) -> None:
+        self.app, self.limit, self.on_reject = app, limit, on_reject
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = error_response(APIError(413, "body_too_large",
+                                            f"the request body is over {self.limit} bytes (--max-body-bytes)"))
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            self.on_reject()
+            await too_large(scope, receive, send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                self.on_reject()
+                await too_large(scope, receive, send)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+# --------------------------------------------------------------------------- the router
+def error_response(error: APIError) -> JSONResponse:
+    """An :class:`APIError` as its HTTP answer."""
+    headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def build_app(envs: list[str] | None = None, *, token: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
+    """The env server's app: an :class:`EnvServer` (built with these arguments) behind HTTP routes; the server
+    is ``app.state.server``."""
+    server = EnvServer(envs, token=token, limits=limits)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.start()
+        yield
+        server.shutdown()
+
+    app = FastAPI(title="turnrl env server", lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(BodyLimit, limit=server.limits.max_body_bytes,
+                       on_reject=lambda: server.count_error("body_too_large"))
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        server.count_error(error.code)
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        return await _api_error(request, APIError(400, "invalid_request", validation_message(error)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        message = f"{request.method} {request.url.path}: {error.detail}; see GET /v1/envs and the endpoints in the docs"
+        return await _api_error(request, APIError(error.status_code, code, message))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return await _api_error(request, APIError(500, "server_error", f"{type(error).__name__}: {error}"))
+
+    async def authorize(request: Request) -> str:
+        return server.authorize(request.headers.get("authorization", ""), request.headers.get(CLIENT_HEADER),
+                                request.client.host if request.client else None)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse(server.health())
+
+    @app.get("/metrics")
+    async def prometheus(client: str = Depends(authorize)) -> PlainTextResponse:
+        return PlainTextResponse(server.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/envs")
+    async def list_envs(client: str = Depends(authorize)) -> JSONResponse:
+        return JSONResponse(server.envs())
+
+    @app.post("/v1/validate")
+    async def validate(body: EnvSpec, client: str = Depends(authorize)) -> JSONResponse:
+        return JSONResponse(await server.validate(body))
+
+    @app.post("/v1/sessions")
+    async def open_sessions(body: OpenBody, client: str = Depends(authorize)) -> JSONResponse:
+        return JSONResponse(await server.open_sessions(body, client))
+
+    @app.post("/v1/reset")
+    async def reset(body: ResetBody, client: str = Depends(authorize)) -> JSONResponse:
+        return JSONResponse(await server.reset(body))
+
+    @app.post("/v1/step")
+    async def step(body: StepBody, client: str = Depends(authorize)) -> JSONResponse:
+        return JSONResponse(await server.step(body))
+
+    @app.post("/v1/query")
+    async def query(body: QueryBody, client: str = Depends(authorize)) -> JSONResponse:
+        return JSONResponse(await server.query(body))
+
+    @app.post("/v1/sessions/fork")
+    async def fork(body: ForkBody, client: str = Depends(authorize)) -> JSONResponse:
+        return JSONResponse(await server.fork(body, client))
+
+    @app.post("/v1/sessions/close")
+    async def close(body: SessionsBody, client: str = Depends(authorize)) -> JSONResponse:
+        return JSONResponse(await server.close(body))
+
+    return app
+
+
+# --------------------------------------------------------------------------- command line
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, token: str | None) -> str | None:
+    """The warning for a server that anyone on the network can use (bound beyond loopback, no token)."""
+    if token or is_loopback(host):
+        return None
+    return (f"serving on {host} without a token: anyone who can reach this port can open envs and use this "
+            f"machine's CPU; pass --token or set {TOKEN_ENV_VAR}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Serve until interrupted; 0 on a clean stop, 2 for bad options."""
+    import uvicorn
+
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV_VAR) or None
+    try:
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_batch=args.max_batch,
+                              max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
+                              idle_timeout_s=args.idle_timeout, workers=args.workers)
+        app = build_app(args.envs, token=token, limits=limits)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    warning = exposure_warning(args.host, token)
+    if warning is not None:
+        logger.warning(warning)
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"serving envs {', '.join(app.state.server.allowed)} at http://{args.host}:{args.port} "
+          f"(token {'required' if token else 'off'}, {limits.workers} env threads)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":  # python -m turnrl.envservice.server: the server without the rest of the command line
+    _parser = argparse.ArgumentParser(prog="turnrl serve-env", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
