@@ -39,6 +39,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from filelock import FileLock
@@ -80,6 +81,8 @@ PRETOKENIZE_PATTERN = (
 # vocabulary a word seen once gets no merges; "system" cost five tokens).
 _TEMPLATE_TEXTS = ("system", "user", "assistant", DEFAULT_SYSTEM_MESSAGE)
 _TEMPLATE_REPEATS = 16
+
+ModelT = TypeVar("ModelT", bound=torch.nn.Module)
 
 RECIPE_FILE = "turnrl_model.json"
 """The JSON that :func:`build_model` writes next to the weights."""
@@ -484,8 +487,7 @@ def cached_build(out: Path, recipe: BuildRecipe, build_into: Callable[[Path], di
     return out
 
 
-def random_weights(make: Callable[[], torch.nn.Module], seed: int, real_size: bool, dtype: torch.dtype
-                   ) -> torch.nn.Module:
+def random_weights(make: Callable[[], ModelT], seed: int, real_size: bool, dtype: torch.dtype) -> ModelT:
     """A model from ``make()`` with seeded random weights, in ``dtype``.
 
     A real-size model is initialized on this process's GPU when there is one (seconds, where a 7B model took 99 s

@@ -319,7 +319,7 @@ def vlm_config(preset: str | VLMPreset, tokenizer: PreTrainedTokenizerBase) -> Q
         "spatial_merge_size": _MERGE,
         "out_hidden_size": t.hidden_size,
     }
-    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+    tokens: dict[str, Any] = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     if p.family == "qwen3_vl":
         # Qwen3-VL-8B's released sections for head_dim 128, laid out interleaved (t, h, w, t, h, w, ...).
@@ -391,7 +391,7 @@ def vlm_processor(preset: str | VLMPreset, tokenizer: PreTrainedTokenizerBase
                   ) -> Qwen2_5_VLProcessor | Qwen3VLProcessor:
     """The family's processor for ``preset``: its image sizes, ``tokenizer`` and the tokenizer's chat template."""
     p = vlm_preset(preset) if isinstance(preset, str) else preset
-    sizes = dict(min_pixels=p.min_pixels, max_pixels=p.max_pixels, patch_size=p.vision.patch_size,
+    sizes: dict[str, Any] = dict(min_pixels=p.min_pixels, max_pixels=p.max_pixels, patch_size=p.vision.patch_size,
                  temporal_patch_size=_TEMPORAL_PATCH, merge_size=_MERGE)
     image_processor = Qwen2VLImageProcessor(**sizes)
     if p.family == "qwen3_vl":
@@ -463,7 +463,7 @@ def _build_into(path: Path, texts: Sequence[str], recipe: VLMBuildRecipe) -> dic
     p = vlm_preset(recipe.preset)
     tokenizer = build_tokenizer(texts, vocab_size=recipe.vocab_size, template=recipe.template)
     tokenizer.model_max_length = p.text.max_position_embeddings
-    config = vlm_config(p, tokenizer)
+    config: Any = vlm_config(p, tokenizer)
     spec = template_spec(recipe.template)
     model_class = Qwen3VLForConditionalGeneration if p.family == "qwen3_vl" else Qwen2_5_VLForConditionalGeneration
     model: Any = random_weights(lambda: model_class(config), recipe.seed, p.text.real_size,

@@ -133,7 +133,8 @@ def token_logprobs(
     if isinstance(head, ScoringHead):  # through the module: FSDP gathers its weight and reduces its gradient
         scored, entropies = head(states, targets=targets, temperature=temperature, chunk=chunk_size)
     else:
-        scored, entropies = chosen_logprobs(states, head.weight, targets, temperature, chunk=chunk_size)
+        scored, entropies = chosen_logprobs(states, head.get_parameter("weight"), targets, temperature,
+                                            chunk=chunk_size)
     # Even with nothing scored the zeros hang off the graph, so backward() on a loss of a batch without
     # trained tokens works.
     logprobs = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)

@@ -61,7 +61,7 @@ class _ChosenLogprobs(torch.autograd.Function):
     """Log-probs of ``targets`` and the entropies, over chunks of rows; the backward pass recomputes logits."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: float,
         vocab_limit: int, chunk: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +145,7 @@ class ScoringHead(nn.Linear):
     vocab_limit: int | None = None
     """Rows at or past it get probability 0 when scoring (see :func:`chosen_logprobs`)."""
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         hidden: torch.Tensor,
         targets: torch.Tensor | None = None,

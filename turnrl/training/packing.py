@@ -82,7 +82,7 @@ def _mrope_rows(
     parts, used = [], 0
     ids = input_ids.cpu().numpy()
     for row, length in enumerate(lengths.tolist()):
-        spans = placeholder_spans(ids[row, :length], image_token_id)
+        spans = placeholder_spans(ids[row, :length].tolist(), image_token_id)
         positions, _ = mrope_positions(length, spans, all_grids[used : used + len(spans)], merge)
         used += len(spans)
         parts.append(positions)
