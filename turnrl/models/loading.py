@@ -30,10 +30,16 @@ def is_vision_language(path: Path | str) -> bool:
     return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
 
 
-def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Any:
-    """The causal LM or VLM at ``path`` on ``device``, with weights in ``dtype``."""
+def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               attention: str | None = None) -> Any:
+    """The causal LM or VLM at ``path`` on ``device``, with weights in ``dtype``.
+
+    Args:
+        attention: transformers' ``attn_implementation`` (``sdpa``, ``flex_attention``, ...); None: its default.
+    """
     auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
-    model: Any = auto.from_pretrained(path, dtype=dtype)
+    options = {"attn_implementation": attention} if attention is not None else {}
+    model: Any = auto.from_pretrained(path, dtype=dtype, **options)
     return model.to(device)
 
 

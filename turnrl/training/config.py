@@ -295,6 +295,10 @@ class DistributedConfig:
     """Above 1, ``turnrl train`` starts this many processes itself (through ``torchrun``) with ``fsdp``."""
     timeout_s: float = 900.0
     """Longest wait on a collective (or a Ray call) before the run stops with an error instead of hanging."""
+    cpu_offload: bool = False
+    """``fsdp``: keep the sharded weights, gradients and optimizer states of actor, critic and reference in
+    host memory (FSDP2's ``CPUOffloadPolicy``); the GPU gathers a layer's weights when it runs it, and the
+    optimizer steps on the CPU. What lets a model whose training states do not fit the GPUs train, slower."""
     ray_address: Optional[str] = None
     """``ray``: the cluster to join (``auto``, or ``ray://host:10001``); None starts a local one."""
     rollout_workers: int = 2

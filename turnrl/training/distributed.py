@@ -23,6 +23,7 @@ trajectories; checkpoints are HF models gathered from the shards plus the optimi
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
-from turnrl.config import ConfigError, SamplingConfig
+from turnrl.config import SamplingConfig
 from turnrl.rewards import Rewards
 from turnrl.rollout.context import ChatTemplateDeltas
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
@@ -46,6 +48,7 @@ from turnrl.training import ranks
 from turnrl.training.batch import Batch
 from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint
 from turnrl.training.config import TrainConfig
+from turnrl.training.forward import ValueModel, body_and_head
 from turnrl.training.head import ScoringHead
 from turnrl.training.ppo import Shard, UpdateInputs, ppo_epochs
 from turnrl.training.trainer import Recipe, Scores, score_batch
@@ -137,36 +140,39 @@ class ShardedRollout:
 
 
 # --------------------------------------------------------------------------- sharding the models
-def shard_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def shard_model(model: torch.nn.Module, dtype: torch.dtype, cpu_offload: bool = False) -> None:
     """``fully_shard`` each decoder layer (a transformers model's ``_no_split_modules`` classes), then the
-    model; in place. bf16/fp16 runs gather the weights in that dtype and reduce gradients in float32.
+    model; in place. A model on the CPU moves to the process's GPU shard by shard (no process ever holds it
+    whole there); with ``cpu_offload`` the shards stay in host memory and each unit's weights are gathered onto
+    the GPU when it runs. bf16/fp16 runs gather the weights in that dtype and reduce gradients in float32.
 
     The trainer runs a causal LM's body and its LM head as two calls (the head only on scored positions), so
     body and head are one unit that stays gathered from the body's forward to the backward: a head tied to
     the input embeddings reads the same gathered weight.
     """
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
+    precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
         else MixedPrecisionPolicy()
+    options: dict[str, Any] = {"mp_policy": precision}
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
     names: set[str] = set()
     for module in model.modules():
         inner: Any = module
         names |= set(getattr(inner, "_no_split_modules", None) or [])
     for layer in [module for module in model.modules() if type(module).__name__ in names and module is not model]:
-        fully_shard(layer, mp_policy=policy)
-    causal_lm: Any = model
-    head = causal_lm.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        fully_shard(model, mp_policy=policy)
+        fully_shard(layer, **options)
+    if isinstance(model, ValueModel):
+        fully_shard(model, **options)
         return
+    body, head = body_and_head(model)  # a peft model's too
     if not isinstance(head, ScoringHead):  # the trainer scores through the head's forward, which FSDP hooks
         raise TypeError("shard_model needs the model's LM head to be a ScoringHead (install_scoring_head)")
-    fully_shard([causal_lm.base_model, head], mp_policy=policy, reshard_after_forward=False)
-    fully_shard(model, mp_policy=policy)
+    fully_shard([body, head], reshard_after_forward=False, **options)
+    fully_shard(model, **options)
     # FSDP takes the module of the first forward call as the root of the units; the trainer calls the
     # body first, so one forward of the whole model makes the model the root.
-    device = next(model.parameters()).device
     with torch.no_grad():
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=ranks.process_device()), use_cache=False)
     reshard(model)
 
 
@@ -198,12 +204,13 @@ def without_tied_copies(state: dict[str, torch.Tensor], model: torch.nn.Module) 
 
 @torch.no_grad()
 def copy_full_weights(sharded: torch.nn.Module, full: torch.nn.Module) -> None:
-    """Copy a sharded model's parameters into an unsharded model of the same architecture, one parameter
-    at a time (each gathered from the shards: a collective), so that no second whole copy is ever held."""
+    """Copy a sharded model's trained parameters into an unsharded copy of it, one parameter at a time (each
+    gathered from the shards: a collective), so that no second whole copy is ever held. Frozen parameters (a
+    LoRA base, a frozen vision tower) never change, so the copy keeps its own."""
     targets = dict(full.named_parameters())
     for name, param in sharded.named_parameters():
-        value = param.full_tensor() if hasattr(param, "full_tensor") else param
-        targets[name].copy_(value)
+        if param.requires_grad:
+            targets[name].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
 
 
 # --------------------------------------------------------------------------- the recipe
@@ -216,9 +223,6 @@ class FSDPRecipe(Recipe):
 
     def __init__(self, config: TrainConfig, start_model: Path | str | None = None,
                  rewards: Rewards | None = None) -> None:
-        if config.lora.enabled:
-            raise ConfigError("lora.enabled with several processes (FSDP) is not supported yet: train all weights "
-                              "(lora.enabled=false) or run one process")
         self.weights_version = 0
         self.rollout_version = 0
         super().__init__(config, start_model, rewards)
@@ -229,13 +233,21 @@ class FSDPRecipe(Recipe):
     def rollout_model(self) -> torch.nn.Module:
         return self.rollout_actor
 
+    def load_device(self) -> torch.device:
+        """Models load on the CPU; sharding moves each process's shards to its GPU (see :func:`shard_model`)."""
+        return torch.device("cpu")
+
     def _build_models(self, start_model: Path | str | None) -> None:
         super()._build_models(start_model)
-        # The rollout's unsharded copy, refreshed from the shards after every update.
-        self.rollout_actor = copy.deepcopy(self.actor).eval().requires_grad_(False)
+        # The rollout's unsharded copy in the compute dtype, refreshed from the shards after every update.
+        started = time.time()
+        self.rollout_actor = copy.deepcopy(self.actor).to(self.device, self.dtype).eval().requires_grad_(False)
+        self.startup["rollout_copy_s"] = time.time() - started
+        started = time.time()
         for model in (self.actor, self.critic, self.reference):
             if model is not None:
-                shard_model(model, self.dtype)
+                shard_model(model, self.dtype, self.config.distributed.cpu_offload)
+        self.startup["shard_s"] = time.time() - started
 
     def _restore(self) -> None:
         super()._restore()  # everything but the optimizers' shards (the trainer state holds none)

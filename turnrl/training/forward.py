@@ -32,7 +32,7 @@ from turnrl.training.head import DEFAULT_CHUNK, ScoringHead, chosen_logprobs
 from turnrl.training.packing import pack
 
 
-def _body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
+def body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
     """The base model (everything but the LM head) and the LM head of a causal LM or VLM, peft-wrapped or not."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.base_model, base.get_output_embeddings()
@@ -126,7 +126,7 @@ def token_logprobs(
     Returns:
         ``logprobs`` Shape (b, s) and ``entropy`` Shape (b, s) or None; zero where not scored.
     """
-    body, head = _body_and_head(model)
+    body, head = body_and_head(model)
     rows, cols = scored_positions(score_mask)
     states = states_before(body, input_ids, attention_mask, rows, cols, model_inputs, packed)
     targets = input_ids[rows, cols]
@@ -162,9 +162,11 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ValueModel:
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, attention: str | None = None
+                        ) -> ValueModel:
         path = Path(path)
-        backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        options = {"attn_implementation": attention} if attention is not None else {}
+        backbone = AutoModel.from_pretrained(path, dtype=dtype, **options)
         critic = cls(backbone)
         head = path / "value_head.pt"
         if head.exists():

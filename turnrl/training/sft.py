@@ -264,7 +264,7 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     path = base_model_path(config.model)
     tokenizer = load_tokenizer(path)
     processor = load_processor(path, config.model.min_pixels, config.model.max_pixels)
-    model = load_model(path, device=device)
+    model = load_model(path, device=device, attention=config.model.attention)
     install_scoring_head(model, len(tokenizer))
     if not config.model.train_vision:
         freeze_vision_tower(model)

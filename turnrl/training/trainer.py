@@ -452,6 +452,10 @@ class Recipe:
         """The model the rollouts sample from: the actor itself (its own weights, no copy)."""
         return self.actor
 
+    def load_device(self) -> torch.device:
+        """Where models are loaded: the training device (a sharded recipe loads on the CPU and shards onto it)."""
+        return self.device
+
     def _build_envs(self) -> None:
         config = self.config
         seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
@@ -488,7 +492,7 @@ class Recipe:
         self.start_path = Path(start)
         self.tokenizer = load_tokenizer(start)
         self.processor = load_processor(start, config.model.min_pixels, config.model.max_pixels)
-        self.actor = load_model(start, device=self.device)
+        self.actor = load_model(start, device=self.load_device(), attention=config.model.attention)
         install_scoring_head(self.actor, len(self.tokenizer))
         if not config.model.train_vision:
             freeze_vision_tower(self.actor)
@@ -498,22 +502,28 @@ class Recipe:
         self.critic: ValueModel | None = None
         if config.algorithm.uses_critic:
             if self.checkpoint is not None:
-                self.critic = ValueModel.from_pretrained(self.checkpoint / "critic")
+                self.critic = ValueModel.from_pretrained(self.checkpoint / "critic", attention=config.model.attention)
                 if not config.model.train_vision:  # loaded weights are all trainable again
                     freeze_vision_tower(self.critic.backbone)
             else:
                 self.critic = ValueModel(copy.deepcopy(self.actor.base_model))  # a frozen tower stays frozen
-            self.critic.to(self.device)
+            self.critic.to(self.load_device())
             if config.model.gradient_checkpointing:
                 enable_checkpointing(self.critic.backbone)
         self.reference: torch.nn.Module | None = None
         if config.algorithm.kl_coef > 0 and not config.lora.enabled:  # with LoRA: the adapters switched off
+            # Never trained: held in the compute dtype (bf16 on a GPU), half the memory of float32 weights, and
+            # saved with the run (a resumed run reads it back).
             reference_path = self.run_dir / "reference"
-            if self.checkpoint is None and ranks.is_main():
-                self.actor.save_pretrained(reference_path)
-            ranks.barrier()
-            self.reference = load_model(reference_path, device=self.device)
-            install_scoring_head(self.reference, len(self.tokenizer))
+            if self.checkpoint is None:
+                reference: Any = copy.deepcopy(self.actor).to(self.dtype)
+                if ranks.is_main():
+                    reference.save_pretrained(reference_path)
+                self.reference = reference
+            else:
+                self.reference = load_model(reference_path, dtype=self.dtype, device=self.load_device(),
+                                            attention=config.model.attention)
+                install_scoring_head(self.reference, len(self.tokenizer))
             self.reference.eval().requires_grad_(False)
         if config.lora.enabled:
             from peft import LoraConfig, PeftModel, get_peft_model
