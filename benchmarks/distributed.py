@@ -1,12 +1,15 @@
-"""Step time and tokens/s of the same training run on 1, 2, ... processes (FSDP2, one GPU each).
+"""Scale rows: a recipe's step time, phases, throughput, update MFU and memory on 1, 2, ... processes.
 
-Each row is ``turnrl train`` with ``distributed.nproc_per_node=N`` on the same config, seed and steps; the
-first step (warm-up: CUDA graphs, allocator) is left out of the means. Printed per row: step time, its
-rollout and update phases, generated tokens/s (all processes together) and trained tokens/s, and the
-speed-up of the step over one process, measured in the same run of this script.
+Each row is ``turnrl train`` with ``distributed.nproc_per_node=N`` (FSDP2, one GPU a process) on the same
+config, seed and steps; the first step (warm-up: CUDA graphs, compilation, allocator) is left out of the
+means. Printed per row: step time, its rollout / old-logprob / update phases, generated and trained tokens/s
+(all processes together), the update's model FLOPs utilization (``throughput/update_mfu``), the peak memory
+of a GPU over the phases, and the time from the command to the first rollout; with the speed-up of the step
+over the first row, measured in the same run of this script. A row that fails (out of memory, say) prints
+what it failed on instead, and the next row runs.
 
-    python benchmarks/distributed.py --processes 1 2 --config configs/ragen_sokoban.yaml \\
-        model.builtin_preset=0.5b run.steps=4                               # GPUs
+    python benchmarks/distributed.py --processes 1 2 4 --config configs/ragen_sokoban.yaml \\
+        model.builtin_preset=3b run.steps=3                                 # GPUs
     python benchmarks/distributed.py --quick                                 # CPU, the tiny model, gloo
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -29,19 +33,24 @@ QUICK = ["model.builtin_preset=tiny", "model.device=cpu", "model.dtype=float32",
          "run.steps=3", "run.threads=1"]
 COMMON = ["run.tensorboard=false", "run.trajectories_every=0", "validation.episodes=8", "validation.every=0",
           "run.overwrite=true", "sft.enabled=false"]
+PEAKS = ("memory/rollout_peak_gib", "memory/scores_peak_gib", "memory/update_peak_gib")
 
 
-def run(processes: int, config: str | None, overrides: list[str], out: Path) -> dict[str, float]:
+def run(processes: int, config: str | None, overrides: list[str], out: Path, timeout: float) -> dict[str, float]:
     name = f"p{processes}"
     command = [sys.executable, "-m", "turnrl.cli", "train", *(["--config", config] if config else []),
                *COMMON, *overrides, f"run.output_dir={out}", f"run.name={name}",
                f"distributed.nproc_per_node={processes}"]
     start = time.time()
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ})
+    log = out / f"{name}.log"
+    with log.open("w") as output:
+        result = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ},
+                                timeout=timeout)
     if result.returncode != 0:
-        raise RuntimeError(f"{processes} processes failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise RuntimeError(failure(log.read_text()))
     lines = (out / name / "metrics.jsonl").read_text().splitlines()
-    steps = [r for r in map(json.loads, lines) if "timing/step_s" in r][1:]  # the first step warms up
+    records = [r for r in map(json.loads, lines) if "timing/step_s" in r]
+    steps = records[1:]  # the first step warms up
     if not steps:
         raise RuntimeError("run.steps must be at least 2 (the first step is a warm-up)")
     mean = lambda key: statistics.mean(r.get(key, 0.0) for r in steps)  # noqa: E731
@@ -50,33 +59,63 @@ def run(processes: int, config: str | None, overrides: list[str], out: Path) -> 
     trained = sum(r.get("batch/trained_tokens", 0.0) for r in steps)
     total_step_s = sum(r["timing/step_s"] for r in steps)
     return {
-        "step_s": mean("timing/step_s"), "rollout_s": mean("timing/rollout_s"), "update_s": mean("timing/update_s"),
+        "step_s": mean("timing/step_s"), "rollout_s": mean("timing/rollout_s"),
+        "old_logprobs_s": mean("timing/old_logprobs_s"), "update_s": mean("timing/update_s"),
         "generated_per_s": generated / total_step_s, "trained_per_s": trained / total_step_s,
-        "peak_gib": mean("memory/peak_allocated_gib"), "wall_s": time.time() - start,
+        "trained_tokens_per_update_s": mean("throughput/trained_tokens_per_s"),
+        "update_mfu": mean("throughput/update_mfu"),
+        "peak_gib": max(r.get(key, 0.0) for r in records for key in PEAKS),
+        "to_first_rollout_s": records[0].get("startup/to_first_rollout_s", 0.0),
+        "first_step_s": records[0]["timing/step_s"], "wall_s": time.time() - start,
+        **{f"startup/{k.split('/')[1]}": v for k, v in records[0].items() if k.startswith("startup/")},
     }
+
+
+def failure(log: str) -> str:
+    """The line a failed run died on (out of memory: how much was asked and held), else its last lines."""
+    memory = re.findall(r"CUDA out of memory\. Tried to allocate [^.]+\.[^.]*?(?:of which|Including)[^\n]*", log)
+    if memory:
+        return memory[-1][:400]
+    errors = [line for line in log.splitlines() if re.search(r"Error|error:", line)]
+    return (errors[-1] if errors else log.strip().splitlines()[-1] if log.strip() else "no output")[:400]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--config", default=None)
+    parser.add_argument("--label", default="", help="the row's name in the table (a recipe and size)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds a row may take")
     parser.add_argument("--quick", action="store_true", help="the tiny model on CPU processes (gloo)")
+    parser.add_argument("--out", default=None, help="keep the runs' directories and logs here")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     overrides = (QUICK if args.quick else []) + args.overrides
-    rows = {}
+    rows: dict[int, dict[str, float] | str] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.out) if args.out else Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
         for processes in args.processes:
-            rows[processes] = run(processes, args.config, overrides, Path(tmp))
-            print(f"{processes} processes: {json.dumps({k: round(v, 3) for k, v in rows[processes].items()})}",
-                  flush=True)
-    base = rows[args.processes[0]]["step_s"]
-    print("\n| processes | step | rollout | update | generated tokens/s | trained tokens/s | peak GiB | speed-up |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            try:
+                rows[processes] = run(processes, args.config, overrides, out, args.timeout)
+                shown = {k: round(v, 3) for k, v in rows[processes].items()}  # type: ignore[union-attr]
+                print(f"{args.label} {processes} processes: {json.dumps(shown)}", flush=True)
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                rows[processes] = str(error)
+                print(f"{args.label} {processes} processes failed: {error}", flush=True)
+    measured = [row for row in rows.values() if isinstance(row, dict)]
+    base = measured[0]["step_s"] if measured else 0.0
+    print("\n| row | GPUs | step | rollout | old logprobs | update | generated tok/s | trained tok/s | update MFU "
+          "| peak GiB/GPU | to first rollout | speed-up |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for processes, row in rows.items():
-        print(f"| {processes} | {row['step_s']:.2f} s | {row['rollout_s']:.2f} s | {row['update_s']:.2f} s | "
-              f"{row['generated_per_s']:,.0f} | {row['trained_per_s']:,.0f} | {row['peak_gib']:.1f} | "
-              f"{base / row['step_s']:.2f}x |")
+        if isinstance(row, str):
+            print(f"| {args.label} | {processes} | does not run: {row} |")
+            continue
+        print(f"| {args.label} | {processes} | {row['step_s']:.1f} s | {row['rollout_s']:.1f} s | "
+              f"{row['old_logprobs_s']:.1f} s | {row['update_s']:.1f} s | {row['generated_per_s']:,.0f} | "
+              f"{row['trained_per_s']:,.0f} | {row['update_mfu']:.1%} | {row['peak_gib']:.1f} | "
+              f"{row['to_first_rollout_s']:.0f} s | {base / row['step_s']:.2f}x |")
 
 
 if __name__ == "__main__":

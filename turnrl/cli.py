@@ -343,8 +343,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         config_path = str(Path(resume) / "config.yaml")
     try:
         config = load_config(TrainConfig, config_path, overrides)
-        if config.distributed.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
-            return launch_processes(config.distributed.nproc_per_node, args.config, overrides)
+        # Several processes, or FSDP on one (its CPU offload lets a model too large for the GPU train there).
+        dist = config.distributed
+        if (dist.nproc_per_node > 1 or dist.backend == "fsdp") and "WORLD_SIZE" not in os.environ:
+            return launch_processes(dist.nproc_per_node, args.config, overrides)
         summary = train(config)
     except ConfigError as error:  # also those found once the run starts (a reward function that cannot load)
         raise SystemExit(f"error: {error}") from error

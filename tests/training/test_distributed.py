@@ -17,6 +17,9 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from turnrl.config import ConfigError, load_config
+from turnrl.training.commands import train
+from turnrl.training.config import TrainConfig
 from turnrl.training.distributed import process_rows
 from turnrl.training.ppo import MicroBatching, Shard, shard_micro_batches, shard_rows
 
@@ -172,10 +175,16 @@ def test_lora_on_two_processes_trains_as_on_one(tiny_model_dir, tmp_path):
         torch.testing.assert_close(adapters[0][name], adapters[1][name], rtol=1e-4, atol=1e-5)
 
 
-def test_fsdp_outside_torchrun_says_how_to_start(tiny_model_dir, tmp_path):
+def test_fsdp_on_one_process_runs_under_torchrun_and_train_outside_it_says_how_to_start(tiny_model_dir, tmp_path):
+    """``distributed.backend=fsdp`` from the command line starts one FSDP process (CPU offload then lets a
+    model larger than its GPU train); ``train()`` called outside torchrun with fsdp says how to start it."""
     result = run_train(tiny_model_dir, tmp_path, "r", "run.steps=1", "distributed.backend=fsdp")
-    assert result.returncode != 0
-    assert "torchrun --nproc-per-node" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "1 process (FSDP)" in " ".join(result.stdout.split())
+    config = load_config(TrainConfig, None, [f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}",
+                                             "run.name=s", *ARGS, "distributed.backend=fsdp"])
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node"):
+        train(config)
 
 
 @pytest.mark.slow

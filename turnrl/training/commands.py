@@ -170,12 +170,13 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
 
 def _run_steps(config: TrainConfig, recipe: Recipe, sft: Any, resumed: bool, start: float) -> dict[str, Any]:
     """Validation, the RL steps, validation, the last checkpoint and the summary (rank 0 writes)."""
-    distributed = ranks.world_size() > 1
+    distributed = ranks.launched_by_torchrun()
     recipe.session_start = start
     if sft is not None:
         recipe.summary.update(sft.metrics)
         recipe._timed("sft_s", sft.seconds)
-    processes = f", {ranks.world_size()} processes (FSDP)" if distributed else ""
+    world = ranks.world_size()
+    processes = f", {world} process{'es' if world > 1 else ''} (FSDP)" if distributed else ""
     console.print(f"[bold]turnrl train[/bold] {config.run.name}: {config.env.id}, {config.algorithm.advantage}, "
                   f"run dir {recipe.run_dir}{processes}")
     logger = MetricsLogger(recipe.run_dir, config.run.tensorboard, config.run.wandb_project,

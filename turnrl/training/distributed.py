@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from turnrl.config import SamplingConfig
+from turnrl.config import ConfigError, SamplingConfig
 from turnrl.rewards import Rewards
 from turnrl.rollout.context import ChatTemplateDeltas
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
@@ -223,6 +223,10 @@ class FSDPRecipe(Recipe):
 
     def __init__(self, config: TrainConfig, start_model: Path | str | None = None,
                  rewards: Rewards | None = None) -> None:
+        device = ranks.process_device()
+        if config.distributed.cpu_offload and (device is None or device.type != "cuda"):
+            raise ConfigError("distributed.cpu_offload moves a GPU run's shards to host memory; processes on the "
+                              "CPU hold them there already: set distributed.cpu_offload=false")
         self.weights_version = 0
         self.rollout_version = 0
         super().__init__(config, start_model, rewards)

@@ -32,8 +32,8 @@ def is_main() -> bool:
 
 
 def launched_by_torchrun() -> bool:
-    """Several processes started by ``torchrun`` (``WORLD_SIZE`` above 1)."""
-    return int(os.environ.get("WORLD_SIZE", 1)) > 1
+    """Processes started by ``torchrun``: several (``WORLD_SIZE`` above 1), or one (its run id is set)."""
+    return int(os.environ.get("WORLD_SIZE", 1)) > 1 or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 _process_device: torch.device | None = None
