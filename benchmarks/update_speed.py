@@ -2,9 +2,10 @@
 against flex attention, and the scoring head against whole logits; tokens/s, MFU and peak memory.
 
 A batch of ragged rows (lengths drawn between ``--min-len`` and ``--max-len``, the second half of each row
-scored, as the responses of a multi-turn episode are) goes through ``token_logprobs`` with gradient
-checkpointing, the way the PPO epochs run it, in micro-batches of ``--rows`` rows (padded) or of
-``--tokens`` tokens (packed). The weights are bf16, as FSDP's mixed precision gathers them. MFU counts
+scored, as the responses of a multi-turn episode are) goes through ``token_logprobs``, the way the PPO
+epochs run it (with gradient checkpointing unless ``--no-checkpointing``), in micro-batches of ``--rows``
+rows (padded) or of ``--tokens`` tokens (packed: each sequence attends to itself only, SDPA sequence by
+sequence). The weights are bf16, as FSDP's mixed precision gathers them. MFU counts
 6 x parameters per real (unpadded) token over the device's bf16 peak; the ratio of each variant to the
 padded one is measured in the same run.
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import Qwen2ForCausalLM  # noqa: E402
 
 from turnrl.models.tiny import model_preset, tiny_qwen2_config  # noqa: E402
+from turnrl.training.attention import implementation  # noqa: E402
 from turnrl.training.forward import token_logprobs  # noqa: E402
 from turnrl.training.head import chosen_logprobs, install_scoring_head  # noqa: E402
 from turnrl.training.models import enable_checkpointing  # noqa: E402
@@ -33,18 +35,20 @@ from turnrl.training.ppo import MicroBatching  # noqa: E402
 from turnrl.training.throughput import peak_flops, training_flops_per_token  # noqa: E402
 
 
-def build(preset: str, device: torch.device, attention: str, vocab_limit: int) -> torch.nn.Module:
+def build(preset: str, device: torch.device, attention: str, vocab_limit: int, checkpointing: bool
+          ) -> torch.nn.Module:
     p = model_preset(preset)
     rows = p.embedding_rows or vocab_limit
     config = tiny_qwen2_config(rows, hidden_size=p.hidden_size, num_layers=p.num_layers, num_heads=p.num_heads,
                                num_kv_heads=p.num_kv_heads, intermediate_size=p.intermediate_size,
                                max_position_embeddings=p.max_position_embeddings,
                                tie_word_embeddings=p.tie_word_embeddings, rope_theta=p.rope_theta)
-    config._attn_implementation = attention
+    config._attn_implementation = implementation(attention)
     with device:
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     install_scoring_head(model, vocab_limit)
-    enable_checkpointing(model)
+    if checkpointing:
+        enable_checkpointing(model)
     return model.train()
 
 
@@ -130,7 +134,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens of a packed micro-batch")
     parser.add_argument("--vocab-limit", type=int, default=8192, help="the tokenizer's size")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--attention", nargs="+", default=["sdpa", "flex_attention"])
+    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--attention", nargs="+", default=["sdpa"])
     args = parser.parse_args()
     device = torch.device(args.device)
     peak = peak_flops(device)
@@ -138,12 +143,10 @@ def main() -> None:
     tokens = int(data[3].sum())
     rows = []
     for attention in args.attention:
-        model = build(args.preset, device, attention, args.vocab_limit)
+        model = build(args.preset, device, attention, args.vocab_limit, args.checkpointing)
         flops = training_flops_per_token(model, None if model.config.tie_word_embeddings
                                          else model.get_input_embeddings().weight)
         variants = [("padded", MicroBatching(args.rows)), ("packed", MicroBatching(args.rows, args.tokens))]
-        if attention != "sdpa":
-            variants = variants[1:]  # flex pays off on packed rows only
         for name, batching in variants:
             seconds, memory = measure(model, data, batching, args.repeats, device)
             utilization = flops * tokens / seconds / peak if peak else float("nan")
@@ -155,13 +158,15 @@ def main() -> None:
             torch.cuda.empty_cache()
     base = rows[0][1]
     print(f"\n{args.preset}: {args.batch} rows of {args.min_len}-{args.max_len} tokens ({tokens:,} real, "
-          f"{args.batch * int(data[3].max()):,} padded), forward + backward with checkpointing, bf16")
+          f"{args.batch * int(data[3].max()):,} padded), forward + backward, "
+          f"{'with' if args.checkpointing else 'without'} checkpointing, bf16")
     print("| variant | seconds | tokens/s | MFU | peak GiB | speed-up |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, seconds, rate, utilization, memory in rows:
         print(f"| {name} | {seconds:.3f} | {rate:,.0f} | {utilization:.1%} | {memory:.1f} | {base / seconds:.2f}x |")
     p = model_preset(args.preset)
     head_rows = p.embedding_rows or args.vocab_limit
-    print(f"\nLM head alone, {args.tokens} scored tokens, {head_rows} rows, hidden {p.hidden_size}, forward + backward:")
+    print(f"\nLM head alone, {args.tokens} scored tokens, {head_rows} rows, hidden {p.hidden_size}, "
+          "forward + backward:")
     print("| head | seconds | peak GiB |\n| --- | ---: | ---: |")
     for name, seconds, memory in head_memory(p.hidden_size, head_rows, args.vocab_limit, args.tokens, device):
         print(f"| {name} | {seconds:.3f} | {memory:.1f} |")

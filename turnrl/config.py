@@ -227,9 +227,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Trade compute for memory in training."""
     attention: str = "sdpa"
-    """The attention of the trainer's forward passes (transformers' ``attn_implementation``): ``sdpa``, or
-    ``flex_attention``, which skips the blocks that packed sequences (``algorithm.micro_batch_tokens``) do not
-    attend to where sdpa computes the whole masked square (compiled on first use; a GPU's choice); ``eager``."""
+    """The attention of the trainer's forward passes: ``sdpa`` (PyTorch's; packed rows of
+    ``algorithm.micro_batch_tokens`` attend sequence by sequence, see :mod:`turnrl.training.attention`) or
+    ``eager`` (transformers' plain implementation; no packed rows)."""
     train_vision: bool = False
     """VLMs: train the vision encoder too (full weights or LoRA); by default it is frozen."""
     min_pixels: Optional[int] = None
@@ -252,7 +252,7 @@ class ModelConfig:
             raise ConfigError(f"model.min_pixels={self.min_pixels} exceeds model.max_pixels={self.max_pixels}")
         check_choice("model.builtin_template", self.builtin_template, ["chatml", "qwen3", "llama3"])
         check_choice("model.backend", self.backend, ["auto", "engine", "hf"])
-        check_choice("model.attention", self.attention, ["sdpa", "flex_attention", "eager"])
+        check_choice("model.attention", self.attention, ["sdpa", "eager"])
         self.engine.validate()
 
 

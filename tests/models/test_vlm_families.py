@@ -31,6 +31,7 @@ from turnrl.envs import make
 from turnrl.policy.hf import HFPolicy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.training.batch import collate, turn_samples
+from turnrl.training.attention import ATTENTION
 from turnrl.training.forward import token_logprobs
 from turnrl.training.head import install_scoring_head
 
@@ -102,6 +103,7 @@ def test_a_vlm_of_each_family_trains_on_the_tokens_it_sampled(family, tiny_model
     mismatch = ((logprobs - batch.sampler_logprobs).abs() * batch.loss_mask).max()
     assert mismatch < 1e-3, f"{family}: training forward and sampler disagree by {float(mismatch):.2e}"
     # Packed end to end, each row keeps its images' M-RoPE positions and attends only to itself.
+    policy.model.set_attn_implementation(ATTENTION)
     with torch.no_grad():
         packed, _ = token_logprobs(policy.model, batch.input_ids, batch.attention_mask, batch.loss_mask,
                                    model_inputs=batch.model_inputs, packed=True)

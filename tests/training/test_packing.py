@@ -6,13 +6,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from turnrl.training.attention import ATTENTION
 from turnrl.training.forward import ValueModel, token_logprobs
+from turnrl.training.models import enable_checkpointing
 from turnrl.training.packing import pack, unpack
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
 
 
 def padded_batch(vocab: int, lengths=(12, 5, 9, 1), seed=0):
@@ -35,6 +37,21 @@ def test_pack_lays_rows_end_to_end_with_restarting_positions():
     assert packed.rows.tolist() == [0, 0, 0, 1, 2, 2] and packed.cols.tolist() == [0, 1, 2, 0, 0, 1]
     values = torch.arange(6.0)
     assert unpack(values, packed, (3, 4)).tolist() == [[0, 1, 2, 0], [3, 0, 0, 0], [4, 5, 0, 0]]
+
+
+def test_a_model_without_the_trainers_attention_refuses_packed_rows(tiny_model_dir):
+    """Plain sdpa would let packed rows attend to each other: refused, with the setting to use."""
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with pytest.raises(ValueError, match="model.attention=sdpa"):
+        token_logprobs(plain, *padded_batch(plain.config.vocab_size), packed=True)
+
+
+def test_unpacked_rows_attend_as_plain_sdpa(model, tiny_model_dir):
+    """Without sequence bounds the trainer's attention is transformers' sdpa, mask and all."""
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    inputs = padded_batch(model.config.vocab_size, seed=5)
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(model, *inputs)[0], token_logprobs(plain, *inputs)[0])
 
 
 def test_pack_refuses_left_padding():
@@ -83,3 +100,19 @@ def test_packed_values_equal_padded(model):
     critic.zero_grad()
     packed.sum().backward()
     torch.testing.assert_close(critic.value_head.weight.grad, padded_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_rows_with_gradient_checkpointing_give_the_same_gradients(tiny_model_dir):
+    """The layers recomputed in the backward pass (after the packed forward has returned) attend per sequence
+    as the forward did."""
+    grads = []
+    for checkpointing in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                     attn_implementation=ATTENTION).train()
+        if checkpointing:
+            enable_checkpointing(model)
+        logprobs, _ = token_logprobs(model, *padded_batch(model.config.vocab_size, seed=7), packed=True)
+        logprobs.sum().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)

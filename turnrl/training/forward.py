@@ -19,6 +19,7 @@ features and computes its own positions (M-RoPE) exactly as in ``generate``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 from turnrl.models.vision import position_inputs
+from turnrl.training.attention import BOUNDS, packed_forward, packs
 from turnrl.training.head import DEFAULT_CHUNK, ScoringHead, chosen_logprobs
 from turnrl.training.packing import pack
 
@@ -43,19 +45,42 @@ def last_hidden_states(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     model_inputs: Mapping[str, torch.Tensor] | None = None,
-    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Shape (b, s, h): final-layer (normed) hidden states of ``body`` given the extra inputs.
-
-    ``position_ids`` (packed sequences, see :mod:`turnrl.training.packing`) go with ``attention_mask`` None.
-    """
+    """Shape (b, s, h): final-layer (normed) hidden states of ``body`` given the extra inputs."""
     extra = dict(model_inputs or {})
     if extra:  # a VLM: its image tokens get their own (3D) positions, as in generation
         extra.update(position_inputs(body, input_ids))
-    if position_ids is not None:
-        extra["position_ids"] = position_ids
     output = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     return output.last_hidden_state
+
+
+def packed_hidden_states(
+    body: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    model_inputs: Mapping[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Shape (t, h): the hidden states of the real tokens of a right-padded batch, its rows run end to end
+    without padding (:func:`~turnrl.training.packing.pack`), each attending only to itself.
+
+    Raises:
+        ValueError: the model's attention cannot keep packed rows apart (loaded without ``model.attention=sdpa``).
+    """
+    config: Any = body.config
+    if not packs(config.get_text_config()):
+        raise ValueError(f"packed rows (algorithm.micro_batch_tokens) need the trainer's attention (model.attention="
+                         f"sdpa); this model attends with {config.get_text_config()._attn_implementation}")
+    layout = pack(input_ids, attention_mask, config, model_inputs)
+    lengths = attention_mask.sum(1).tolist()
+    ends = list(itertools.accumulate(lengths))
+    bounds = [(end - n, end) for n, end in zip(lengths, ends) if n]
+    extra = dict(model_inputs or {})
+    if extra:
+        extra.update(position_inputs(body, layout.input_ids))
+    with packed_forward(config.get_text_config()):
+        output = body(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=None,
+                      use_cache=False, **{BOUNDS: bounds}, **extra)
+    return output.last_hidden_state[0]
 
 
 def scored_positions(score_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,8 +115,7 @@ def states_before(
     if not packed:
         hidden = last_hidden_states(body, input_ids, attention_mask, model_inputs)
         return hidden[rows, cols - 1]
-    layout = pack(input_ids, attention_mask, body.config, model_inputs)
-    hidden = last_hidden_states(body, layout.input_ids, None, model_inputs, layout.position_ids)[0]
+    hidden = packed_hidden_states(body, input_ids, attention_mask, model_inputs)
     lengths = attention_mask.sum(1)
     starts = lengths.cumsum(0) - lengths  # where each row begins in the packed sequence
     return hidden[starts[rows] + cols - 1]

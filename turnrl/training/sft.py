@@ -33,6 +33,7 @@ from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import ERROR, Trajectory, write_trajectories
+from turnrl.training.attention import implementation
 from turnrl.training.batch import Sample, collate
 from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
@@ -264,7 +265,7 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     path = base_model_path(config.model)
     tokenizer = load_tokenizer(path)
     processor = load_processor(path, config.model.min_pixels, config.model.max_pixels)
-    model = load_model(path, device=device, attention=config.model.attention)
+    model = load_model(path, device=device, attention=implementation(config.model.attention))
     install_scoring_head(model, len(tokenizer))
     if not config.model.train_vision:
         freeze_vision_tower(model)

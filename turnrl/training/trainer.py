@@ -58,6 +58,7 @@ from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
 from turnrl.training.advantages import anchored_share, compute_advantages
+from turnrl.training.attention import implementation
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.checkpoint import (
     latest_checkpoint,
@@ -492,7 +493,8 @@ class Recipe:
         self.start_path = Path(start)
         self.tokenizer = load_tokenizer(start)
         self.processor = load_processor(start, config.model.min_pixels, config.model.max_pixels)
-        self.actor = load_model(start, device=self.load_device(), attention=config.model.attention)
+        attention = implementation(config.model.attention)
+        self.actor = load_model(start, device=self.load_device(), attention=attention)
         install_scoring_head(self.actor, len(self.tokenizer))
         if not config.model.train_vision:
             freeze_vision_tower(self.actor)
@@ -502,7 +504,7 @@ class Recipe:
         self.critic: ValueModel | None = None
         if config.algorithm.uses_critic:
             if self.checkpoint is not None:
-                self.critic = ValueModel.from_pretrained(self.checkpoint / "critic", attention=config.model.attention)
+                self.critic = ValueModel.from_pretrained(self.checkpoint / "critic", attention=attention)
                 if not config.model.train_vision:  # loaded weights are all trainable again
                     freeze_vision_tower(self.critic.backbone)
             else:
@@ -522,7 +524,7 @@ class Recipe:
                 self.reference = reference
             else:
                 self.reference = load_model(reference_path, dtype=self.dtype, device=self.load_device(),
-                                            attention=config.model.attention)
+                                            attention=attention)
                 install_scoring_head(self.reference, len(self.tokenizer))
             self.reference.eval().requires_grad_(False)
         if config.lora.enabled:
