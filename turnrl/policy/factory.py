@@ -46,8 +46,8 @@ def model_policy(
 def load_model_policy(config: ModelConfig, path: str, max_batch_size: int) -> Policy:
     """Load the model at ``path`` (with its tokenizer and, for a VLM, its processor) and wrap it in the
     backend ``config.backend`` asks for (see :func:`model_policy`)."""
+    from turnrl.models.devices import resolve_device, resolve_dtype
     from turnrl.models.loading import load_model, load_processor, load_tokenizer
-    from turnrl.policy.hf import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
     model = load_model(path, dtype=resolve_dtype(config.dtype, device), device=device).eval()

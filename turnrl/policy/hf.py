@@ -20,21 +20,10 @@ import torch
 from transformers import PreTrainedModel
 
 from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, position_inputs
 from turnrl.policy.base import Completion, GenerationRequest
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def end_of_turn_ids(tokenizer: Any, model: PreTrainedModel | None = None) -> list[int]:

@@ -137,9 +137,9 @@ class RolloutHost:
     """
 
     def __init__(self, spec: WorkerSpec) -> None:
+        from turnrl.models.devices import resolve_device, resolve_dtype
         from turnrl.models.loading import is_vision_language, load_processor, load_tokenizer
         from turnrl.policy.factory import model_policy
-        from turnrl.policy.hf import resolve_device, resolve_dtype
 
         if spec.torch_threads > 0:
             torch.set_num_threads(spec.torch_threads)

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from turnrl.models.devices import resolve_device
 from turnrl.policy.factory import model_policy
-from turnrl.policy.hf import resolve_device
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.runner import Rollout

@@ -25,9 +25,9 @@ from rich.console import Console
 from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig, env_factory
 from turnrl.envs import AgentEnv
+from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, load_image, part_images
-from turnrl.policy.hf import resolve_device, resolve_dtype
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout

@@ -45,9 +45,10 @@ from turnrl.agent.formats import get_format
 from turnrl.algorithms import group_stats, kl_penalty, select_groups
 from turnrl.config import ConfigError, SamplingConfig, env_factory, to_yaml
 from turnrl.envs.seeds import SeedSplits
+from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer, vision_tower
 from turnrl.policy.factory import model_policy
-from turnrl.policy.hf import HFPolicy, resolve_device, resolve_dtype
+from turnrl.policy.hf import HFPolicy
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
