@@ -36,8 +36,8 @@ from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, ModelConfig, RewardsConfig, SamplingConfig, env_factory
 from turnrl.envs.base import AgentEnv
 from turnrl.envs.ray_env import ensure_ray, ray_env_factory
+from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
-from turnrl.rollout.context import ChatTemplateDeltas
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
 

@@ -65,10 +65,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.models.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 from turnrl.models.vision import load_image
 from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.policy.factory import load_model_policy
-from turnrl.rollout.context import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 
 logger = logging.getLogger("turnrl.server")
 

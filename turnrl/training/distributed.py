@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from turnrl.config import ConfigError, SamplingConfig
+from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
-from turnrl.rollout.context import ChatTemplateDeltas
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
