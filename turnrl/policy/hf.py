@@ -23,7 +23,7 @@ from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, position_inputs
-from turnrl.policy.base import Completion, GenerationRequest
+from turnrl.policy.base import Completion, GenerationRequest, Policy
 
 
 def end_of_turn_ids(tokenizer: Any, model: PreTrainedModel | None = None) -> list[int]:
@@ -84,7 +84,7 @@ def sampled_logprobs(step_logits: Sequence[torch.Tensor], tokens: torch.Tensor, 
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-class HFPolicy:
+class HFPolicy(Policy):
     """Sampling from a transformers causal LM.
 
     Args:
@@ -101,16 +101,11 @@ class HFPolicy:
             raise ValueError("the tokenizer has no pad token: set tokenizer.pad_token (e.g. to its eos token)")
         self.model: Any = model  # a transformers model; its generate() is what we call
         self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
+        self.max_batch_size: int = max_batch_size
         self.eos_ids = end_of_turn_ids(tokenizer, model)
         if not self.eos_ids:
             raise ValueError("the tokenizer defines no eos token, so responses could never end")
         self.image_encoder = ImageEncoder(processor) if processor is not None else None
-        """Encodes images for the context (None: a text model, which refuses image observations)."""
-
-    @property
-    def accepts_images(self) -> bool:
-        return self.image_encoder is not None
 
     @classmethod
     def from_config(cls, config: ModelConfig, path: str, max_batch_size: int = 64) -> HFPolicy:

@@ -47,8 +47,7 @@ from turnrl.config import ConfigError, SamplingConfig, env_factory, to_yaml
 from turnrl.envs.seeds import SeedSplits
 from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer, vision_tower
-from turnrl.policy.factory import model_policy
-from turnrl.policy.hf import HFPolicy
+from turnrl.policy.factory import rollout_policies
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
@@ -411,17 +410,12 @@ class Recipe:
                          max_actions_per_turn=config.agent.max_actions_per_turn)
         rewards = rewards or Rewards(config.rewards)
         batch_size = max(64, config.groups.n_groups * config.groups.group_size)
-        policy = model_policy(self.rollout_model(), self.tokenizer, config.model,
-                              max_batch_size=max(batch_size, config.validation.batch_size),
-                              processor=self.processor, dtype=self.dtype)
+        policy, val_policy = rollout_policies(self.rollout_model(), self.tokenizer, config.model, batch_size,
+                                              config.validation.batch_size, processor=self.processor, dtype=self.dtype)
         self.rollout: Rollout | RayRollout = Rollout(policy, fmt, config.agent, env_id=config.env.id,
                                                      executor=self.executor, rewards=rewards)
         if config.distributed.backend == "ray":
             self.rollout = ray_rollout(config, self.start_path, self.tokenizer, batch_size)
-        # The engine batches continuously whatever the batch size, and one cache serves both.
-        val_policy = policy if not isinstance(policy, HFPolicy) else HFPolicy(
-            self.rollout_model(), self.tokenizer, max_batch_size=config.validation.batch_size,  # type: ignore[arg-type]
-            processor=self.processor)
         self.val_rollout = Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor,
                                    rewards=rewards)
         if self.checkpoint is not None:
