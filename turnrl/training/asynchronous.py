@@ -40,7 +40,8 @@ from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.runner import Rollout
 from turnrl.training.config import TrainConfig
-from turnrl.training.models import autocast, step_seed
+from turnrl.training.precision import autocast
+from turnrl.training.seeding import step_seed
 from turnrl.training.trainer import Recipe, StepOutput, collect, dynamic_sample, select_trajectories
 
 console = Console()

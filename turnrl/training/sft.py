@@ -26,7 +26,14 @@ from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig, env_factory
 from turnrl.envs import AgentEnv
 from turnrl.models.devices import resolve_device, resolve_dtype
-from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer
+from turnrl.models.loading import (
+    base_model_path,
+    enable_checkpointing,
+    freeze_vision_tower,
+    load_model,
+    load_processor,
+    load_tokenizer,
+)
 from turnrl.models.vision import ImageEncoder, load_image, part_images
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens
@@ -36,7 +43,7 @@ from turnrl.training.batch import Sample, collate
 from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
 from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.models import autocast, base_model_path, enable_checkpointing, skip_cudnn_attention
+from turnrl.training.precision import autocast, skip_cudnn_attention
 
 console = Console()
 Message = dict[str, Any]

@@ -46,7 +46,15 @@ from turnrl.algorithms import group_stats, kl_penalty, select_groups
 from turnrl.config import ConfigError, SamplingConfig, env_factory, to_yaml
 from turnrl.envs.seeds import SeedSplits
 from turnrl.models.devices import resolve_device, resolve_dtype
-from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer, vision_tower
+from turnrl.models.loading import (
+    base_model_path,
+    enable_checkpointing,
+    freeze_vision_tower,
+    load_model,
+    load_processor,
+    load_tokenizer,
+    vision_tower,
+)
 from turnrl.policy.factory import rollout_policies
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
@@ -67,15 +75,9 @@ from turnrl.training.checkpoint import (
 from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
 from turnrl.training.logger import RunProgress
-from turnrl.training.models import (
-    autocast,
-    base_model_path,
-    enable_checkpointing,
-    seed_everything,
-    skip_cudnn_attention,
-    step_seed,
-)
 from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
+from turnrl.training.precision import autocast, skip_cudnn_attention
+from turnrl.training.seeding import seed_everything, step_seed
 from turnrl.training.sft import read_chat_jsonl
 from turnrl.viz.records import token_advantage_records
 
