@@ -31,7 +31,7 @@ from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs.base import AgentEnv, StateFacts
-from turnrl.policy.base import Completion, GenerationRequest, Policy, StreamingPolicy
+from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens, without_images
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
@@ -171,9 +171,8 @@ class Rollout:
         self.timings = RolloutTimings()
         episodes = self._map(lambda slot: self._start(slot, sampling), list(slots))
         self._check_can_see(episodes)
-        stream = self.policy.streaming()
-        if not self.agent.wait_for_turns and stream is not None:  # __init__ refused the rest
-            self._run_streaming(stream, episodes, sampling, on_turn)
+        if not self.agent.wait_for_turns:
+            self._run_streaming(episodes, sampling, on_turn)
             return [episode.trajectory for episode in episodes]
         for turn in range(self.agent.max_turns):
             active = [episode for episode in episodes if not episode.finished]
@@ -188,11 +187,7 @@ class Rollout:
         return [episode.trajectory for episode in episodes]
 
     def _run_streaming(
-        self,
-        policy: StreamingPolicy,
-        episodes: list[_Episode],
-        sampling: SamplingConfig,
-        on_turn: Callable[[int, int], None] | None,
+        self, episodes: list[_Episode], sampling: SamplingConfig, on_turn: Callable[[int, int], None] | None
     ) -> None:
         """Every episode at its own pace: its next turn is submitted as soon as its env step returns.
 
@@ -200,6 +195,8 @@ class Rollout:
         threads when there is one, so env steps overlap decoding), then its turn is scored and the next
         prompt submitted. The records are the same as in rounds; only the order of work changes.
         """
+        policy = self.policy.streaming()
+        assert policy is not None  # __init__ refuses a policy that cannot stream without rounds
         pending: dict[int, _Episode] = {}
         stepping: dict[Future[FinishedTurn | None], _Episode] = {}
         turns_done = 0
