@@ -1,10 +1,10 @@
-"""The asynchronous mode against the synchronous recipe at equal wall time: steps, tokens/s and success.
+"""The asynchronous mode against the synchronous trainer at equal wall time: steps, tokens/s and success.
 
 Both rows start from the same SFT model with the same config and seed, and train for ``--seconds`` of wall
 time each (validation before and after is not counted):
 
-- ``sync``: :class:`~turnrl.training.trainer.Recipe`, rollout and update in turn on ``model.device``;
-- ``async``: :class:`~turnrl.training.asynchronous.AsyncRecipe`, the rollout on ``--rollout-device`` one
+- ``sync``: :class:`~turnrl.training.trainer.Trainer`, rollout and update in turn on ``model.device``;
+- ``async``: :class:`~turnrl.training.asynchronous.AsyncTrainer`, the rollout on ``--rollout-device`` one
   batch ahead (``distributed.max_staleness``), truncated importance weights correcting the lag.
 
 Both use recomputed old log-probs and ``algorithm.tis_cap`` so that only the overlap differs. Printed per
@@ -30,10 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from turnrl.config import load_config  # noqa: E402
-from turnrl.training.asynchronous import AsyncRecipe  # noqa: E402
+from turnrl.training.asynchronous import AsyncTrainer  # noqa: E402
 from turnrl.training.config import TrainConfig  # noqa: E402
+from turnrl.training.run_dir import start_run  # noqa: E402
 from turnrl.training.sft import sft_stage  # noqa: E402
-from turnrl.training.trainer import Recipe, start_run  # noqa: E402
+from turnrl.training.trainer import Trainer  # noqa: E402
 
 QUICK = ["model.builtin_preset=tiny", "model.device=cpu", "model.dtype=float32", "env.id=FrozenLake",
          "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=2", "groups.group_size=2",
@@ -42,17 +43,17 @@ COMMON = ["run.tensorboard=false", "run.trajectories_every=0", "run.steps=100000
           "algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
 
 
-def train_for(recipe: Recipe, seconds: float) -> dict[str, Any]:
+def train_for(trainer: Trainer, seconds: float) -> dict[str, Any]:
     """RL steps until ``seconds`` have passed; validation after (not timed)."""
     rows = []
     start = time.time()
     step = 0
     while time.time() - start < seconds:
-        rows.append(recipe.step(step).metrics)
+        rows.append(trainer.step(step).metrics)
         step += 1
     wall = time.time() - start
-    recipe.close()  # an async recipe drops the batch it rolled out ahead
-    after = recipe.validate().metrics["val/success"]
+    trainer.close()  # an async trainer drops the batch it rolled out ahead
+    after = trainer.validate().metrics["val/success"]
     generated = sum(r["rollout/response_tokens_mean"] * r["rollout/turns_mean"] * r["rollout/episodes"] for r in rows)
     last = rows[-5:]
     return {"steps": step, "wall_s": wall, "step_s": wall / step, "generated_per_s": generated / wall,
@@ -83,12 +84,12 @@ def main() -> None:
         for name, extra in modes.items():
             config = load_config(TrainConfig, args.config, [*overrides, *extra, f"run.output_dir={tmp}",
                                                              f"run.name={name}", "sft.enabled=false"])
-            recipe = (AsyncRecipe if name == "async" else Recipe)(config, start_model=sft_model)
+            trainer = (AsyncTrainer if name == "async" else Trainer)(config, start_model=sft_model)
             if before is None:
-                before = recipe.validate().metrics["val/success"]
-            rows[name] = train_for(recipe, seconds)
+                before = trainer.validate().metrics["val/success"]
+            rows[name] = train_for(trainer, seconds)
             print(name, json.dumps({k: round(v, 4) for k, v in rows[name].items()}), flush=True)
-            del recipe
+            del trainer
     print(f"\nvalidation success before RL: {before:.3f}; {seconds:.0f} s of training each\n")
     print("| mode | steps | s a step | generated tokens/s | training success (last 5) | validation success after "
           "| staleness | TIS weight | steps / sync |")

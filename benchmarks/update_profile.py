@@ -1,6 +1,6 @@
 """Where a training step's time goes: its phases, then the update (scores and PPO epochs) under torch.profiler.
 
-Builds the recipe of ``--config`` and its overrides (as ``turnrl train`` does), runs ``--steps`` steps
+Builds the trainer of ``--config`` and its overrides (as ``turnrl train`` does), runs ``--steps`` steps
 (the first ones warm up: compilation, graph capture, allocator), printing each step's phase timings, then
 rolls out once more and profiles the update of that rollout: the operators by device time and by host time,
 and the wall time against the device's busy time (a host-bound update shows a large gap).
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from turnrl.config import load_config  # noqa: E402
 from turnrl.training.config import TrainConfig  # noqa: E402
-from turnrl.training.trainer import Recipe  # noqa: E402
+from turnrl.training.trainer import Trainer  # noqa: E402
 
 PHASES = ("timing/rollout_s", "timing/old_logprobs_s", "timing/values_s", "timing/update_s", "timing/step_s")
 
@@ -45,15 +45,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as runs:
         config = load_config(TrainConfig, args.config, [f"run.output_dir={runs}", "validation.every=0",
                                                          *args.overrides])
-        recipe = Recipe(config)
-        device = recipe.device
+        trainer = Trainer(config)
+        device = trainer.device
         for step in range(args.steps):
-            metrics = recipe.step(step).metrics
+            metrics = trainer.step(step).metrics
             print(f"step {step}: " + ", ".join(f"{p.split('/')[1]} {metrics[p]:.2f}" for p in PHASES
                                                 if p in metrics), flush=True)
         if not args.profile:
             return
-        rollout, keep = recipe.roll_out(args.steps)
+        rollout, keep = trainer.roll_out(args.steps)
         if not keep:
             print("the profiled step kept no episodes: nothing to update")
             return
@@ -63,7 +63,7 @@ def main() -> None:
         synchronize(device)
         start = time.perf_counter()
         with profile(activities=activities) as profiler:
-            metrics = recipe.update(args.steps, rollout, keep).metrics
+            metrics = trainer.update(args.steps, rollout, keep).metrics
             synchronize(device)
         wall = time.perf_counter() - start
         print(f"profiled update (step {args.steps}): {wall:.2f} s wall under the profiler; "

@@ -11,7 +11,7 @@ from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import GymImageEnv, StateFacts, check_env, make
 from turnrl.envs.actions import parse_tuple
 from turnrl.envs.gym_adapter import DEFAULT_TEXT
-from turnrl.policy.base import Completion
+from turnrl.policy.base import Completion, Policy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import DONE
 
@@ -390,10 +390,8 @@ def test_the_registry_points_gymnasium_ids_at_the_adapter():
 
 
 # --------------------------------------------------------------------------- through the rollout loop
-class ExpertPolicy:
+class ExpertPolicy(Policy):
     """A text-only policy that answers with the env's expert action; its first answer has no valid action."""
-
-    tokenizer = None
 
     def __init__(self, answer) -> None:
         self.answer = answer

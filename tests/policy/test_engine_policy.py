@@ -14,7 +14,7 @@ from turnrl.envs import make
 from turnrl.models.loading import load_processor
 from turnrl.policy.base import GenerationRequest
 from turnrl.policy.engine import EnginePolicy
-from turnrl.policy.factory import model_policy
+from turnrl.policy.factory import model_policy, rollout_policies
 from turnrl.policy.hf import HFPolicy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 
@@ -104,6 +104,16 @@ def test_auto_takes_transformers_on_a_cpu_for_text_and_vlms(model, tiny_tokenize
     assert isinstance(engine, EnginePolicy) and engine.accepts_images and engine.engine.weights.vision is not None
     with pytest.raises(ConfigError, match="model.backend=engine"):
         model_policy(Unsupported(), tiny_tokenizer, ModelConfig(backend="engine"), max_batch_size=8)
+
+
+def test_training_and_validation_share_one_engine_and_get_a_generate_batch_each(model, tiny_tokenizer):
+    train, val = rollout_policies(model, tiny_tokenizer, ModelConfig(), batch_size=64, validation_batch_size=32)
+    assert isinstance(train, HFPolicy) and isinstance(val, HFPolicy)
+    assert (train.max_batch_size, val.max_batch_size) == (64, 32) and train.model is val.model is model
+    train, val = rollout_policies(model, tiny_tokenizer, ModelConfig(backend="engine"), batch_size=8,
+                                  validation_batch_size=12)
+    assert isinstance(train, EnginePolicy) and train is val and train.engine.config.max_rows == 12
+    assert train.streaming() is train and train.max_batch_size is None
 
 
 class Unsupported(torch.nn.Module):

@@ -9,37 +9,14 @@ from tokenizers import AddedToken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from turnrl.models import TEMPLATES, build_tokenizer
-from turnrl.rollout.context import (
-    HEAD_TURN,
-    ChatTemplateDeltas,
-    EpisodeTokens,
-    TemplateDeltaError,
-    expand_placeholders,
-    fold_system,
-)
-
-CORPUS = [
-    f"Turn {i}. {c}"
-    for i in range(10)
-    for c in (
-        "You are playing Sokoban. Move the player P to push box X onto target O.\n#####\n#_OX#\n#_P_#\n#####",
-        "<think>The box is left of me, so I push left.</think><answer>Left || Up</answer>",
-        "Reward: -0.1. The player moved. Current observation follows.",
-        "Target 24, nums [3, 8, 1, 6]. Answer with an equation like (8 - 6) * 12.",
-        "FrozenLake: avoid the holes O and reach the goal G.",
-    )
-]
-NAMES = sorted(TEMPLATES)
+from tests.models.test_template_deltas import LLAMA2_STYLE, NAMES, SYSTEM, encode, template_tokenizers
+from turnrl.models.template_deltas import ChatTemplateDeltas
+from turnrl.rollout.context import HEAD_TURN, EpisodeTokens
 
 
 @pytest.fixture(scope="module")
 def toks():
-    return {name: build_tokenizer(CORPUS, vocab_size=512, template=name) for name in NAMES}
-
-
-def encode(tok, text):
-    return tok.encode(text, add_special_tokens=False)
+    return template_tokenizers()
 
 
 def full_render_ids(tok, messages, gen=True, **kwargs):
@@ -87,31 +64,8 @@ def messages(system, users, answers):
     return out
 
 
-SYSTEM = "You are playing Sokoban."
 USERS = ["#####\n#_OX#\n#_P_#\n#####\nYour move?", "Reward: -0.1. #_X_#", "Reward: 1.0. Solved?"]
 ANSWERS = ["<answer>Left</answer>", "Up || Left"]
-
-
-# -- pieces of the templates ------------------------------------------------------
-
-
-def test_pieces(toks):
-    chatml, qwen3, llama3 = (ChatTemplateDeltas(toks[n]) for n in ("chatml", "qwen3", "llama3"))
-    tok = toks["chatml"]
-    assert chatml.response_closing() == [tok.convert_tokens_to_ids("<|im_end|>"), *encode(tok, "\n")]
-    assert tok.decode(chatml.observation("hi")) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert [m["role"] for m in chatml.observation_base] == ["user", "assistant"]
-    # Qwen3 renders the last assistant turn with a think block: a base ending with a user message is used.
-    assert [m["role"] for m in qwen3.observation_base] == ["system", "user"]
-    assert toks["llama3"].decode(llama3.response_closing()) == "<|eot_id|>"
-    assert toks["llama3"].decode(llama3.head(None, "u")) == (
-        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nu<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n"
-    )
-    assert ChatTemplateDeltas.for_tokenizer(tok) is ChatTemplateDeltas.for_tokenizer(tok)
-    assert ChatTemplateDeltas.for_tokenizer(toks["qwen3"], enable_thinking=False) is not (
-        ChatTemplateDeltas.for_tokenizer(toks["qwen3"])
-    )
 
 
 # -- incremental stream == full render ------------------------------------------------
@@ -235,19 +189,6 @@ def test_closing_after_stop_and_after_cut(toks, name):
     assert s.input_ids == expected
 
 
-def test_other_stop_id_counts_as_stopped(toks):
-    tok = toks["chatml"]
-    eot = tok.convert_tokens_to_ids("<|endoftext|>")
-    deltas = ChatTemplateDeltas(tok, stop_ids=[tok.eos_token_id, eot])
-    closing, stopped = deltas.close(encode(tok, "Left") + [eot])
-    assert stopped and closing == deltas.response_closing()
-
-
-# The issue's Llama-2-style template: a space, then the end-of-turn token, closes an answer.
-LLAMA2_STYLE = (
-    "{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + m.content + ' [/INST]' }}"
-    "{% else %}{{ ' ' + m.content + ' ' + eos_token }}{% endif %}{% endfor %}"
-)
 # Llama-2-chat's own template: the system message goes into the first user message, BOS before each.
 LLAMA2 = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
@@ -304,22 +245,6 @@ def test_closing_with_text_before_end_of_turn_against_full_render(toks, template
     assert s.input_ids.count(eos) == 2
     assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == bare[0] + bare[1]
     assert [s.input_ids[i] for i in s.turn_end_positions] == [eos, eos]
-
-
-def test_verify_probes_with_a_sampled_end_of_turn_token(tiny_tokenizer):
-    """A close() that does not see a sampled eos behind the closing's leading text fails verify()."""
-
-    class OldClose(ChatTemplateDeltas):
-        def close(self, response_ids):
-            # Recognises the end-of-turn token only as the first token of the closing.
-            for k in range(min(len(self.closing), len(response_ids)), 0, -1):
-                if tuple(response_ids[-k:]) == self.closing[:k]:
-                    return list(self.closing[k:]), True
-            return list(self.closing), response_ids[-1] in self.stop_ids
-
-    with pytest.raises(TemplateDeltaError, match="tokenize differently"):
-        OldClose(tiny_tokenizer, chat_template=LLAMA2_STYLE)
-    OldClose(tiny_tokenizer)  # right where the closing starts with its end-of-turn token (ChatML)
 
 
 # -- token exactness -----------------------------------------------------------------
@@ -410,12 +335,9 @@ def test_image_placeholders_expand(toks):
     ep.add_response(sampled(tok, "Left"))
     ep.add_observation(image_msg, image_token_counts=[6])
     assert ep.prompt().count(pad) == 6  # the window dropped turn 0 and its image; the new head is expanded
-    assert expand_placeholders([1, pad, 2, pad], pad, [2, 0]) == [1, pad, pad, 2]
-    with pytest.raises(ValueError, match="placeholders"):
-        expand_placeholders([1, pad], pad, [1, 1])
 
 
-# -- misuse and unsupported templates -----------------------------------------------------
+# -- misuse ------------------------------------------------------------------------
 
 
 def test_misuse_is_loud(toks):
@@ -435,51 +357,6 @@ def test_misuse_is_loud(toks):
         ep.add_response(sampled(tok, "ok"))
     with pytest.raises(RuntimeError, match="awaits"):
         ep.prompt()
-
-
-def test_template_that_cannot_be_incremental(toks):
-    tok = toks["chatml"]
-    # Renders the number of messages first: no rendering is a prefix of a longer one.
-    counting = "{{ messages|length }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-    with pytest.raises(TemplateDeltaError, match="cannot be rendered incrementally"):
-        ChatTemplateDeltas(tok, chat_template=counting)
-    # The last user message is marked: the head is not how the template renders that message later.
-    marked = (
-        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
-        "{{ ' (your turn)' if loop.last and m.role == 'user' else '' }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant:{% endif %}"
-    )
-    with pytest.raises(TemplateDeltaError, match="differs from a full render"):
-        ChatTemplateDeltas(tok, chat_template=marked)
-    assert ChatTemplateDeltas(tok, chat_template=marked, verify=False).response_closing() == encode(tok, "\n")
-
-
-def test_template_whose_rerender_differs_only_in_the_past_answer(toks):
-    tok = toks["chatml"]
-    # The generation prompt is "assistant:" but a past answer renders as "assistant: <content>": the
-    # pieces are right, a re-render just differs from what was sampled, as with Qwen3's reasoning.
-    spaced = (
-        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant:{% endif %}"
-    )
-    deltas = ChatTemplateDeltas(tok, chat_template=spaced)
-    assert deltas.matches_full_render is False
-    assert deltas.response_closing() == encode(tok, "\n")
-    assert ChatTemplateDeltas.for_tokenizer(tok).matches_full_render is True
-    assert ChatTemplateDeltas.for_tokenizer(toks["qwen3"], enable_thinking=False).matches_full_render is False
-
-
-def test_closing_is_taken_from_a_past_answer(toks):
-    tok = toks["chatml"]
-    # The final assistant message of a chat ends with <|endoftext|>, past ones with <|im_end|>\n.
-    ends_differently = (
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-        "{% if m.role == 'assistant' and loop.last %}<|endoftext|>{% else %}<|im_end|>\n{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    deltas = ChatTemplateDeltas(tok, chat_template=ends_differently)
-    assert tok.decode(deltas.response_closing()) == "<|im_end|>\n"
-    assert deltas.matches_full_render
 
 
 # -- templates of other families ---------------------------------------------------------
@@ -552,33 +429,6 @@ def test_window_head_folds_the_system_message(toks):
     # Turn 2's prompt starts at turn 1, whose user message now carries the system text.
     expected = messages(None, [f"{SYSTEM}\n\n{USERS[1]}", USERS[2]], ANSWERS[1:])
     assert ep.prompt() == full_render_ids(tok, expected, chat_template=GEMMA2)
-
-
-def test_template_that_drops_the_system_message(toks):
-    tok = toks["chatml"]
-    drops = (
-        "{% for m in messages if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    deltas = ChatTemplateDeltas(tok, chat_template=drops)
-    assert deltas.system_role is False
-    assert tok.decode(deltas.head(SYSTEM, "hi")) == f"<|im_start|>user\n{SYSTEM}\n\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert ChatTemplateDeltas.for_tokenizer(tok).system_role is True
-
-
-def test_fold_system():
-    system = {"role": "system", "content": "Rules."}
-    assert fold_system(system, {"role": "user", "content": "Go."}) == {"role": "user", "content": "Rules.\n\nGo."}
-    image_msg = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where?"}]}
-    assert fold_system(system, image_msg) == {
-        "role": "user",
-        "content": [
-            {"type": "text", "text": "Rules."},
-            {"type": "text", "text": "\n\n"},
-            {"type": "image"},
-            {"type": "text", "text": "Where?"},
-        ],
-    }
 
 
 # -- random conversations --------------------------------------------------------------

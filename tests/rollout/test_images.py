@@ -16,7 +16,7 @@ from turnrl.envs import make
 from turnrl.models.loading import load_processor
 from turnrl.models.templates import QWEN3
 from turnrl.models.vision import ImageEncoder
-from turnrl.policy.base import Completion
+from turnrl.policy.base import Completion, Policy
 from turnrl.policy.hf import HFPolicy
 from turnrl.rollout.runner import EpisodeSlot, Rollout, message_images
 from turnrl.training.batch import collate, trajectory_samples, turn_samples
@@ -25,13 +25,12 @@ from turnrl.training.sft import trajectory_messages
 IMAGE_PAD = "<|image_pad|>"
 
 
-class ScriptedVLM:
+class ScriptedVLM(Policy):
     """Answers with the canonical ids of a fixed text and records its requests; sees images."""
 
     def __init__(self, processor: Any, text: str = "<answer>Right</answer>") -> None:
         self.tokenizer = processor.tokenizer
         self.image_encoder = ImageEncoder(processor)
-        self.accepts_images = True
         self.text = text
         self.requests: list = []
 

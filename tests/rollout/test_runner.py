@@ -13,7 +13,7 @@ from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import make
 from turnrl.envs.base import StepOutcome, TurnEnv
-from turnrl.policy.base import Completion, GenerationRequest
+from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED
 
@@ -69,10 +69,8 @@ class CounterEnv(TurnEnv):
         return ["inc", "win", "jam"]
 
 
-class TextPolicy:
+class TextPolicy(Policy):
     """Answers each request with ``respond(request)``; records every request."""
-
-    tokenizer = None
 
     def __init__(self, respond: Callable[[GenerationRequest], str]) -> None:
         self.respond = respond
@@ -100,7 +98,7 @@ class TokenPolicy(TextPolicy):
         return out
 
 
-class Recording:
+class Recording(Policy):
     """Passes requests to a real policy and keeps what it was asked and what it answered."""
 
     def __init__(self, policy) -> None:
@@ -348,6 +346,9 @@ class StreamingTextPolicy(TextPolicy):
         super().__init__(respond)
         self.queue: list[tuple[int, GenerationRequest]] = []
         self.handles = 0
+
+    def streaming(self):
+        return self
 
     def submit(self, request, sampling):
         self.handles += 1

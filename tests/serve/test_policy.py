@@ -22,7 +22,7 @@ import torch
 from tests.serve.running import running
 from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.models.builtin import builtin_model_path
-from turnrl.policy.base import Completion, GenerationRequest
+from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.policy.hf import HFPolicy
 from turnrl.serve.policy import GenerationBatcher, create_app, load_policy
 
@@ -30,7 +30,7 @@ MODEL = "tiny"
 HI = [{"role": "user", "content": "Hello there"}]
 
 
-class CountingPolicy:
+class CountingPolicy(Policy):
     """Wraps a policy and records the size of every ``generate`` call."""
 
     def __init__(self, policy: HFPolicy) -> None:
@@ -226,7 +226,7 @@ def test_the_readme_s_eval_against_serve_policy_works_as_written(served, tmp_pat
 
 
 # --------------------------------------------------------------------------- the batcher, deterministically
-class FakePolicy:
+class FakePolicy(Policy):
     """Answers each prompt with its first id as text; fails any batch holding the id 666."""
 
     def __init__(self, delay_s: float = 0.0) -> None:

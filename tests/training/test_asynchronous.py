@@ -1,4 +1,4 @@
-"""The asynchronous recipe on the tiny model: staleness 0 is the synchronous run, staleness 1 overlaps and
+"""The asynchronous trainer on the tiny model: staleness 0 is the synchronous run, staleness 1 overlaps and
 corrects with truncated importance weights, failures surface in the trainer, the engine follows the copy."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 from tests.training.test_trainer import COMMON as TRAINER_COMMON
 from turnrl.config import ConfigError, load_config
 from turnrl.engine.engine import weights_version
-from turnrl.training.asynchronous import AsyncRecipe, RolloutThreadError
+from turnrl.training.asynchronous import AsyncTrainer, RolloutThreadError
 from turnrl.training.config import TrainConfig
-from turnrl.training.trainer import Recipe, StepOutput
+from turnrl.training.trainer import StepOutput, Trainer
 
 COMMON = [*TRAINER_COMMON, "run.steps=3"]  # the trainer tests' short FrozenLake run, one step longer
 TIS = ["algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
-# Measurements of the machine, and what only the async recipe reports.
+# Measurements of the machine, and what only the async trainer reports.
 VOLATILE = ("timing/", "throughput/", "startup/", "memory/", "async/")
 
 
@@ -36,30 +36,30 @@ def comparable(output: StepOutput) -> tuple[dict[str, float], list[dict]]:
     return metrics, [t.to_json() for t in output.trajectories]
 
 
-def run_steps(recipe: Recipe, steps: int) -> list[StepOutput]:
+def run_steps(trainer: Trainer, steps: int) -> list[StepOutput]:
     try:
-        return [recipe.step(step) for step in range(steps)]
+        return [trainer.step(step) for step in range(steps)]
     finally:
-        if isinstance(recipe, AsyncRecipe):
-            recipe.close()
+        if isinstance(trainer, AsyncTrainer):
+            trainer.close()
 
 
 def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
     # GAE with a critic and sampler log-probs: every phase of the update is compared.
-    synchronous = run_steps(Recipe(config(tiny_model_dir, tmp_path, name="sync")), 3)
-    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0))
-    asynchronous = run_steps(recipe, 3)
+    synchronous = run_steps(Trainer(config(tiny_model_dir, tmp_path, name="sync")), 3)
+    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0))
+    asynchronous = run_steps(trainer, 3)
     for step, (one, two) in enumerate(zip(synchronous, asynchronous)):
         assert comparable(one) == comparable(two), step
         assert two.metrics["async/staleness"] == 0 and two.metrics["async/weights_version"] == step
     assert synchronous[2].metrics["batch/samples"] > 0  # it trained on every step
-    assert recipe.weights.applied_version == 2  # the batch of step 2 used the weights of update 1
+    assert trainer.weights.applied_version == 2  # the batch of step 2 used the weights of update 1
 
 
 def test_staleness_one_overlaps_and_corrects_with_importance_weights(tiny_model_dir, tmp_path):
-    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 1, *TIS, "run.steps=5"))
-    before = [p.detach().clone() for p in recipe.rollout_copy.parameters()]
-    outputs = [recipe.step(step) for step in range(3)]
+    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 1, *TIS, "run.steps=5"))
+    before = [p.detach().clone() for p in trainer.rollout_copy.parameters()]
+    outputs = [trainer.step(step) for step in range(3)]
     staleness = [output.metrics["async/staleness"] for output in outputs]
     assert staleness[0] == 0 and all(0 <= s <= 1 for s in staleness)
     # Rollout 1 starts as soon as batch 0 is handed over, long before update 0 ends.
@@ -71,40 +71,40 @@ def test_staleness_one_overlaps_and_corrects_with_importance_weights(tiny_model_
     # A batch sampled with weights one update old disagrees with the trainer's log-probs; a fresh one does not.
     stale = outputs[1].metrics
     assert stale["actor/logprob_mismatch"] > 1e-4 and outputs[0].metrics["actor/logprob_mismatch"] < 1e-4
-    assert recipe.weights.applied_version >= 2  # the copy took published weights between batches
-    assert any(not torch.equal(a, b) for a, b in zip(before, recipe.rollout_copy.parameters()))
-    thread = recipe._thread
+    assert trainer.weights.applied_version >= 2  # the copy took published weights between batches
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.rollout_copy.parameters()))
+    thread = trainer._thread
     assert thread is not None and thread.is_alive()  # ahead of the trainer, or waiting for weights
-    recipe.close()
+    trainer.close()
     assert not thread.is_alive()
-    recipe.close()  # twice is fine
+    trainer.close()  # twice is fine
 
 
 def test_a_failure_in_the_rollout_thread_surfaces_in_step(tiny_model_dir, tmp_path):
-    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0))
+    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0))
 
     def unreachable_env():  # an env that cannot be built, as when an env server is down
         raise ConnectionError("env server unreachable")
 
-    recipe.train_groups.make_env = unreachable_env
+    trainer.train_groups.make_env = unreachable_env
     try:
         for _ in range(2):  # and again on the next call
             with pytest.raises(RolloutThreadError, match="rollout of step 0 failed.*env server unreachable") as raised:
-                recipe.step(0)
+                trainer.step(0)
             assert isinstance(raised.value.__cause__, ConnectionError)
             assert raised.value.__cause__.__traceback__ is not None  # the rollout thread's frames
     finally:
-        recipe.close()
+        trainer.close()
 
 
 def test_steps_run_in_order_and_not_past_run_steps(tiny_model_dir, tmp_path):
-    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0, "run.steps=1"))
+    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0, "run.steps=1"))
     try:
-        recipe.step(0)
+        trainer.step(0)
         with pytest.raises(RolloutThreadError, match="run.steps=1"):
-            recipe.step(1)
+            trainer.step(1)
     finally:
-        recipe.close()
+        trainer.close()
 
 
 def test_stale_weights_need_truncated_importance_weights(tmp_path):
@@ -118,31 +118,31 @@ def test_stale_weights_need_truncated_importance_weights(tmp_path):
 
 
 def test_the_engine_samples_with_the_published_weights(tiny_model_dir, tmp_path):
-    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0, "model.backend=engine"))
-    engine = recipe.rollout.policy.engine  # type: ignore[attr-defined]
-    assert engine.model is recipe.rollout_copy
-    assert recipe.val_rollout.policy.engine.model is recipe.actor  # type: ignore[attr-defined]
-    before = [p.detach().clone() for p in recipe.rollout_copy.parameters()]
-    outputs = run_steps(recipe, 3)
+    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0, "model.backend=engine"))
+    engine = trainer.rollout.policy.engine  # type: ignore[attr-defined]
+    assert engine.model is trainer.rollout_copy
+    assert trainer.val_rollout.policy.engine.model is trainer.actor  # type: ignore[attr-defined]
+    before = [p.detach().clone() for p in trainer.rollout_copy.parameters()]
+    outputs = run_steps(trainer, 3)
     # Each batch after an update was sampled with that update's weights: the engine saw the copy change
     # (and dropped its cache), so its log-probs are the trainer's.
     assert all(output.metrics["actor/logprob_mismatch"] < 1e-4 for output in outputs)
-    assert recipe.weights.applied_version == 2 and engine._version == weights_version(recipe.rollout_copy)
-    assert any(not torch.equal(a, b) for a, b in zip(before, recipe.rollout_copy.parameters()))
+    assert trainer.weights.applied_version == 2 and engine._version == weights_version(trainer.rollout_copy)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.rollout_copy.parameters()))
 
 
 def test_validation_and_resume_continue_the_synchronous_run(tiny_model_dir, tmp_path):
     # One run: validation between steps, a checkpoint after step 1; a second one resumes from it.
-    recipe = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0))
+    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0))
     try:
-        recipe.step(0)
-        recipe.step(1)
-        assert recipe.validate().metrics["val/episodes"] == 2
-        recipe.save(1)
-        straight = recipe.step(2)
+        trainer.step(0)
+        trainer.step(1)
+        assert trainer.validate().metrics["val/episodes"] == 2
+        trainer.save(1)
+        straight = trainer.step(2)
     finally:
-        recipe.close()
-    resumed = AsyncRecipe(async_config(tiny_model_dir, tmp_path, 0, f"resume={tmp_path / 'async'}"))
+        trainer.close()
+    resumed = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0, f"resume={tmp_path / 'async'}"))
     assert resumed.first_step == 2 and resumed.weights.version == 2
     try:
         again = resumed.step(2)

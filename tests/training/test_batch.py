@@ -10,7 +10,7 @@ import torch
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs.base import StepOutcome, TurnEnv
-from turnrl.policy.base import Completion
+from turnrl.policy.base import Completion, Policy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.training.batch import Sample, collate, trajectory_samples, turn_samples
 
@@ -44,7 +44,7 @@ class StairsEnv(TurnEnv):
 RESPONSES = ["<answer>up</answer>", "let me think <answer>up</answer>", "no idea", "<answer>up</answer>"]
 
 
-class ScriptedTokenPolicy:
+class ScriptedTokenPolicy(Policy):
     """Samples the ids of scripted texts, each with a distinct logprob; records the prompts it was given.
 
     Episode ``k`` plays ``RESPONSES`` rotated by ``k``; a response whose text starts with ``"let"`` is returned

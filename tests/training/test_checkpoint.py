@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.training.checkpoint import (
+    checkpoint_step,
     checkpoint_steps,
     latest_checkpoint,
     load_trainer_state,
@@ -125,3 +126,4 @@ def test_keep_last_n_deletes_the_oldest_checkpoints_but_never_latest(actor, tiny
     assert prune_checkpoints(tmp_path, 1) == [tmp_path / "checkpoints" / "step_000003"]
     assert checkpoint_steps(tmp_path) == [2, 4] and latest_checkpoint(tmp_path).name == "step_000002"
     assert checkpoint_steps(tmp_path / "nothing") == []
+    assert checkpoint_step(latest_checkpoint(tmp_path)) == 2

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from turnrl.training.attention import ATTENTION
 from turnrl.training.forward import ValueModel, token_logprobs
-from turnrl.training.models import enable_checkpointing
+from turnrl.models.loading import enable_checkpointing
 from turnrl.training.packing import pack, unpack
 
 

@@ -190,7 +190,7 @@ def test_short_sft_on_expert_demos_lowers_the_loss_on_held_out_demos(tiny_model_
 def test_sft_under_bf16_autocast_learns_like_float32(tiny_model_dir, tiny_tokenizer):
     # Autocast's cache of weight casts outlives optimizer steps taken inside one region: with it, every
     # forward kept seeing the first batch's weights and bf16 training went nowhere (a 0.5B VLM into garbage).
-    from turnrl.training.models import autocast
+    from turnrl.training.precision import autocast
 
     train = demo_samples(tiny_tokenizer, seed_start=1_000, episodes=48)
     held_out = demo_samples(tiny_tokenizer, seed_start=5_000, episodes=16)

@@ -1,12 +1,10 @@
-"""The RL recipe end to end on the tiny model: every estimator path, LoRA, filters, SFT warm start, outputs, resume."""
+"""The RL trainer end to end on the tiny model: every estimator path, LoRA, filters, SFT warm start, outputs, resume."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
-import re
 import signal
 from pathlib import Path
 
@@ -22,7 +20,8 @@ from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import GracefulStop, train
 from turnrl.training.config import TrainConfig
 from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.trainer import Recipe
+from turnrl.training.commands import GracefulStop, train
+from turnrl.training.trainer import Trainer
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.
 COMMON = [
@@ -461,60 +460,6 @@ def test_progress_in_a_terminal_draws_a_bar_and_nested_progress_stays_quiet():
     assert "rl" in text and "3/3" in text and "validation 4/4" not in text
 
 
-# --------------------------------------------------------------------------- checks before anything is written
-@pytest.mark.parametrize(
-    ("overrides", "needle"),
-    [
-        (["env.id=Chess"], "unknown env 'Chess'"),
-        (["env.settings.sizee=4"], "no setting sizee"),
-        (["env.settings.size=abc"], "size"),
-        (["env.id=Sokoban", "env.settings.size=abc"], "env.settings.size='abc'"),
-        (["env.val_settings={size: 1}"], "size"),
-        (["sft.enabled=true", "sft.data=nowhere.jsonl"], "sft.data='nowhere.jsonl'"),
-        (["sft.enabled=true", "sft.data=BROKEN"], "expected a JSON object"),
-        (["run.wandb_project=x"], "pip install wandb"),
-        (["model.path=./runs/old/sft/model"], "model.path='./runs/old/sft/model' does not exist"),
-    ],
-)
-def test_a_run_that_cannot_work_stops_before_writing_or_loading_anything(overrides, needle, tmp_path, monkeypatch):
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
-    overrides = [o.replace("BROKEN", str(broken)) for o in overrides]
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else
-                        real_find_spec(name, *a))
-    # No model of this name exists: a check that came after loading would fail there instead.
-    with pytest.raises(ConfigError, match=re.escape(needle)) as info:
-        train(config("nobody/no-model", tmp_path / "runs", *overrides))
-    assert "\n" not in str(info.value)
-    assert not (tmp_path / "runs").exists()
-
-
-def test_a_resume_without_checkpoint_leaves_the_run_untouched(tmp_path):
-    run = tmp_path / "runs" / "old"
-    run.mkdir(parents=True)
-    (run / "config.yaml").write_text("run: {name: old}\n")
-    with pytest.raises(ConfigError, match="holds no checkpoint"):
-        train(config("nobody/no-model", tmp_path / "runs", f"resume={run}"))
-    assert (run / "config.yaml").read_text() == "run: {name: old}\n"
-    with pytest.raises(ConfigError, match="no such run directory"):
-        train(config("nobody/no-model", tmp_path / "runs", f"resume={tmp_path / 'nothing'}"))
-
-
-def test_a_new_run_refuses_a_directory_that_holds_a_run_unless_told_to_overwrite(tiny_model_dir, tmp_path):
-    train(config(tiny_model_dir, tmp_path, "run.steps=1", "algorithm.advantage=grpo"))
-    run = tmp_path / "run"
-    first = records(run)
-    with pytest.raises(ConfigError, match="already holds a run") as info:
-        train(config(tiny_model_dir, tmp_path, "run.steps=1", "algorithm.advantage=grpo"))
-    assert f"resume={run}" in str(info.value) and "run.overwrite=true" in str(info.value)
-    assert records(run) == first
-    (run / "checkpoints" / "step_000007").mkdir()  # a checkpoint of the old run, which must not survive
-    train(config(tiny_model_dir, tmp_path, "run.steps=1", "algorithm.advantage=grpo", "run.overwrite=true"))
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000000"]
-    assert [r["step"] for r in records(run)] == [r["step"] for r in first]
-
-
 # --------------------------------------------------------------------------- Ctrl-C
 def test_graceful_stop_asks_first_and_interrupts_on_the_second_ctrl_c():
     with GracefulStop() as stop:
@@ -528,7 +473,7 @@ def test_graceful_stop_asks_first_and_interrupts_on_the_second_ctrl_c():
 def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny_model_dir, tmp_path, monkeypatch,
                                                                              capsys):
     extra = ["algorithm.advantage=grpo", "run.steps=3", "run.save_every=0", "run.keep_checkpoints=1"]
-    step = Recipe.step
+    step = Trainer.step
 
     def step_then_ctrl_c(self, index):
         output = step(self, index)
@@ -536,9 +481,9 @@ def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny
             os.kill(os.getpid(), signal.SIGINT)  # arrives during the first step
         return output
 
-    monkeypatch.setattr(Recipe, "step", step_then_ctrl_c)
+    monkeypatch.setattr(Trainer, "step", step_then_ctrl_c)
     summary = train(config(tiny_model_dir, tmp_path, *extra))
-    monkeypatch.setattr(Recipe, "step", step)
+    monkeypatch.setattr(Trainer, "step", step)
     run = tmp_path / "run"
     assert summary["interrupted_at_step"] == 1
     assert (run / "checkpoints" / "latest").read_text() == "step_000000"

@@ -1,4 +1,5 @@
-"""Loading a model, its tokenizer and its processor by path, text model or VLM alike.
+"""Loading a model, its tokenizer and its processor by path, text model or VLM alike, and readying it
+to train (the path a run starts from, activation checkpointing, a frozen vision tower).
 
 Everything is ``transformers``' own loading: a built-in model and a downloaded
 checkpoint take the same path. A VLM is any checkpoint whose config has a
@@ -21,6 +22,8 @@ from transformers import (
     AutoTokenizer,
     PreTrainedTokenizerBase,
 )
+
+from turnrl.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -96,3 +99,20 @@ def freeze_vision_tower(model: Any) -> int:
         return 0
     tower.requires_grad_(False)
     return sum(p.numel() for p in tower.parameters())
+
+
+def base_model_path(config: ModelConfig) -> Path | str:
+    """``model.path``, or the built-in model of ``model.builtin_preset`` (built on first use)."""
+    if config.path is not None:
+        return config.path
+    from turnrl.models.builtin import builtin_model_path
+
+    return builtin_model_path(config)
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Recompute activations in the backward pass (the method's name changed in transformers 5)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable()

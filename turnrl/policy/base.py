@@ -3,6 +3,11 @@
 Model backends read ``prompt_ids`` (the exact tokens of the context) and return
 the sampled token ids with their sampling logprobs; HTTP backends read
 ``messages``; scripted policies (expert, random) read ``env``.
+
+:class:`Policy` declares everything its callers (the rollout, the policy
+server, the trainer) read of a policy, each with its default: a backend
+subclasses it and sets what differs, and a caller never probes for an
+attribute.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from turnrl.config import SamplingConfig
     from turnrl.envs.base import AgentEnv
+    from turnrl.models.vision import ImageEncoder
 
 
 @dataclass
@@ -53,24 +61,47 @@ class Completion:
 
 @runtime_checkable
 class Policy(Protocol):
-    """Anything that completes a batch of prompts."""
+    """Anything that completes a batch of prompts.
 
-    tokenizer: Any
-    """The tokenizer whose ids ``generate`` returns, or None for text-only policies."""
+    The built-in backends subclass it and inherit the defaults below; a class that does not must
+    define every member itself.
+    """
+
+    tokenizer: Any = None
+    """The tokenizer whose ids ``generate`` returns; None for text-only policies (an API, a script),
+    which get chat messages and return text."""
+    model: nn.Module | None = None
+    """The weights that sample (a transformers model); None for policies without local weights."""
+    image_encoder: ImageEncoder | None = None
+    """Encodes the images of a token context for the model (a VLM's processor); None for a text model
+    and for text-only policies."""
+    eos_ids: Sequence[int] = ()
+    """The token ids that end a response (empty for text-only policies)."""
+    max_batch_size: int | None = None
+    """Prompts one ``generate`` call samples together at most; None where no such limit is set (the
+    engine batches continuously, an API or a script takes any batch)."""
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether image observations can go to this policy: a text-only policy takes them as message
+        parts, a token policy only with an image encoder (a text model would play blind)."""
+        return self.tokenizer is None or self.image_encoder is not None
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
         """Complete every request; one failed request yields a ``finish_reason="error"`` completion."""
         ...
 
+    def streaming(self) -> StreamingPolicy | None:
+        """This policy as one that takes requests one at a time and returns completions as they finish,
+        or None when it completes whole batches only (the default)."""
+        return None
 
-@runtime_checkable
+
 class StreamingPolicy(Protocol):
     """A policy that takes requests one at a time and returns completions as they finish (the engine).
 
     The rollout loop uses it to let episodes advance independently (``agent.wait_for_turns=false``).
     """
-
-    tokenizer: Any
 
     def submit(self, request: GenerationRequest, sampling: SamplingConfig) -> int:
         """Queue one request; returns its handle."""

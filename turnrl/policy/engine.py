@@ -20,11 +20,11 @@ from torch import nn
 from turnrl.config import EngineConfig, SamplingConfig
 from turnrl.engine.engine import Engine, Result, SamplingParams
 from turnrl.models.vision import ImageEncoder
-from turnrl.policy.base import Completion, GenerationRequest
+from turnrl.policy.base import Completion, GenerationRequest, Policy, StreamingPolicy
 from turnrl.policy.hf import end_of_turn_ids
 
 
-class EnginePolicy:
+class EnginePolicy(Policy):
     """Sampling from ``model`` through the engine.
 
     Args:
@@ -47,10 +47,14 @@ class EnginePolicy:
         if max_sequences is not None:
             config = replace(config, max_rows=max(1, min(config.max_rows, max_sequences)))
         self.image_encoder = ImageEncoder(processor) if processor is not None else None
-        self.accepts_images = processor is not None
         self.engine = Engine(model, config, dtype=dtype,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                              vocab_limit=len(tokenizer))
+
+    def streaming(self) -> StreamingPolicy:
+        """The engine takes requests one at a time (:meth:`submit`) and returns completions as they finish
+        (:meth:`poll`)."""
+        return self
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
         handles = [self.submit(request, sampling) for request in requests]

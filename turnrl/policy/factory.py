@@ -27,9 +27,50 @@ def model_policy(
     slower on the quickstart's short one-turn prompts (docs/engine.md). ``engine`` refuses a model it cannot run.
     ``dtype`` is the compute dtype (the run's mixed precision); None uses the weights' own.
     """
+    from turnrl.policy.hf import HFPolicy
+
+    engine = _engine_policy(model, tokenizer, config, max_batch_size, processor, dtype)
+    if engine is not None:
+        return engine
+    return HFPolicy(model, tokenizer, max_batch_size=max_batch_size, processor=processor)  # type: ignore[arg-type]
+
+
+def rollout_policies(
+    model: nn.Module,
+    tokenizer: Any,
+    config: ModelConfig,
+    batch_size: int,
+    validation_batch_size: int,
+    processor: Any | None = None,
+    dtype: Any | None = None,
+) -> tuple[Policy, Policy]:
+    """The policies of a training run's rollouts and of its validation, both sampling from ``model``, as
+    ``model.backend`` asks (see :func:`model_policy`).
+
+    The engine batches continuously whatever the batch size, so one engine (and its one cache) serves
+    both; transformers' ``generate`` gets a policy for each batch size: training's at most
+    ``max(batch_size, validation_batch_size)`` prompts at once, validation's ``validation_batch_size``.
+    """
+    from turnrl.policy.hf import HFPolicy
+
+    largest = max(batch_size, validation_batch_size)
+    engine = _engine_policy(model, tokenizer, config, largest, processor, dtype)
+    if engine is not None:
+        return engine, engine
+    return (HFPolicy(model, tokenizer, max_batch_size=largest, processor=processor),  # type: ignore[arg-type]
+            HFPolicy(model, tokenizer, max_batch_size=validation_batch_size, processor=processor))  # type: ignore[arg-type]
+
+
+def _engine_policy(
+    model: nn.Module, tokenizer: Any, config: ModelConfig, max_batch_size: int, processor: Any | None, dtype: Any | None
+) -> Policy | None:
+    """The engine where ``model.backend`` asks for it and can have it, else None (transformers' ``generate``).
+
+    Raises:
+        ConfigError: ``model.backend=engine`` for a model the engine cannot run.
+    """
     from turnrl.engine.families import UnsupportedModel
     from turnrl.policy.engine import EnginePolicy
-    from turnrl.policy.hf import HFPolicy
 
     wanted = config.backend
     on_gpu = next(model.parameters()).device.type == "cuda"
@@ -40,14 +81,14 @@ def model_policy(
         except UnsupportedModel as error:
             if wanted == "engine":
                 raise ConfigError(f"model.backend=engine: {error}") from error
-    return HFPolicy(model, tokenizer, max_batch_size=max_batch_size, processor=processor)  # type: ignore[arg-type]
+    return None
 
 
 def load_model_policy(config: ModelConfig, path: str, max_batch_size: int) -> Policy:
     """Load the model at ``path`` (with its tokenizer and, for a VLM, its processor) and wrap it in the
     backend ``config.backend`` asks for (see :func:`model_policy`)."""
+    from turnrl.models.devices import resolve_device, resolve_dtype
     from turnrl.models.loading import load_model, load_processor, load_tokenizer
-    from turnrl.policy.hf import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
     model = load_model(path, dtype=resolve_dtype(config.dtype, device), device=device).eval()

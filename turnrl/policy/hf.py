@@ -20,21 +20,10 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, position_inputs
-from turnrl.policy.base import Completion, GenerationRequest
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+from turnrl.policy.base import Completion, GenerationRequest, Policy
 
 
 def end_of_turn_ids(tokenizer: Any, model: PreTrainedModel | None = None) -> list[int]:
@@ -111,7 +100,7 @@ class VocabularyLimit(LogitsProcessor):
         return scores
 
 
-class HFPolicy:
+class HFPolicy(Policy):
     """Sampling from a transformers causal LM.
 
     Args:
@@ -128,7 +117,7 @@ class HFPolicy:
             raise ValueError("the tokenizer has no pad token: set tokenizer.pad_token (e.g. to its eos token)")
         self.model: Any = model  # a transformers model; its generate() is what we call
         self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
+        self.max_batch_size: int = max_batch_size
         self.eos_ids = end_of_turn_ids(tokenizer, model)
         if not self.eos_ids:
             raise ValueError("the tokenizer defines no eos token, so responses could never end")
@@ -136,10 +125,6 @@ class HFPolicy:
         """Encodes images for the context (None: a text model, which refuses image observations)."""
         self.vocab_limit = len(tokenizer)
         """The head's rows that are tokens; the rows past it are never sampled (:class:`VocabularyLimit`)."""
-
-    @property
-    def accepts_images(self) -> bool:
-        return self.image_encoder is not None
 
     @classmethod
     def from_config(cls, config: ModelConfig, path: str, max_batch_size: int = 64) -> HFPolicy:

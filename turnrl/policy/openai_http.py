@@ -40,7 +40,7 @@ import httpx
 import numpy as np
 
 from turnrl.config import SamplingConfig
-from turnrl.policy.base import Completion, GenerationRequest
+from turnrl.policy.base import Completion, GenerationRequest, Policy
 
 T = TypeVar("T")
 
@@ -186,7 +186,7 @@ class _PngCache:
 
 
 # --------------------------------------------------------------------------- the policy
-class OpenAIPolicy:
+class OpenAIPolicy(Policy):
     """Chat completions from an OpenAI-compatible server.
 
     Args:
@@ -203,8 +203,6 @@ class OpenAIPolicy:
         extra_body: fields added to every request body (server-specific options).
         transport: an ``httpx`` transport to send through instead of the network (tests, proxies).
     """
-
-    tokenizer = None
 
     def __init__(
         self,
@@ -225,7 +223,8 @@ class OpenAIPolicy:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.url = chat_completions_url(base_url)
-        self.model = model
+        self.model_name = model
+        """The model the requests name (``model`` of their bodies)."""
         self.api_key = api_key
         self.concurrency = concurrency
         self.timeout_s = timeout_s
@@ -256,7 +255,7 @@ class OpenAIPolicy:
         if request.max_new_tokens is not None:
             limit = min(limit, request.max_new_tokens)
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": self.model_name,
             "messages": self._messages(request),
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,

@@ -11,7 +11,6 @@ expert's actions with random ones, for imperfect demos.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -19,13 +18,11 @@ from turnrl.agent.expert import expert_fields
 from turnrl.agent.formats import ResponseFormat
 from turnrl.config import SamplingConfig
 from turnrl.envs.base import AgentEnv
-from turnrl.policy.base import Completion, GenerationRequest
+from turnrl.policy.base import Completion, GenerationRequest, Policy
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(Policy):
     """Base of the expert and random policies: text-only, one response per request."""
-
-    tokenizer: Any = None
 
     def __init__(self, fmt: ResponseFormat, max_actions_per_turn: int = 1, seed: int = 0) -> None:
         self.fmt = fmt

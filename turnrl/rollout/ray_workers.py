@@ -37,8 +37,8 @@ from turnrl.config import AgentConfig, ModelConfig, RewardsConfig, SamplingConfi
 from turnrl.envs.base import AgentEnv
 from turnrl.envservice.placement import env_factory
 from turnrl.envservice.ray import ensure_ray, ray_env_factory
+from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
-from turnrl.rollout.context import ChatTemplateDeltas
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
 
@@ -138,9 +138,9 @@ class RolloutHost:
     """
 
     def __init__(self, spec: WorkerSpec) -> None:
+        from turnrl.models.devices import resolve_device, resolve_dtype
         from turnrl.models.loading import is_vision_language, load_processor, load_tokenizer
         from turnrl.policy.factory import model_policy
-        from turnrl.policy.hf import resolve_device, resolve_dtype
 
         if spec.torch_threads > 0:
             torch.set_num_threads(spec.torch_threads)

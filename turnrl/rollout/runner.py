@@ -30,8 +30,7 @@ from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs.base import AgentEnv, StateFacts, state_key
-from turnrl.models.vision import ImageEncoder
-from turnrl.policy.base import Completion, GenerationRequest, Policy, StreamingPolicy
+from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens, without_images
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
@@ -147,7 +146,7 @@ class Rollout:
         self.executor = executor
         self.rewards = rewards or Rewards()
         self.timings = RolloutTimings()
-        if not agent.wait_for_turns and not isinstance(policy, StreamingPolicy):
+        if not agent.wait_for_turns and policy.streaming() is None:
             raise ValueError(
                 f"agent.wait_for_turns=false needs a policy that streams completions (model.backend=engine); "
                 f"{type(policy).__name__} completes a whole batch at once"
@@ -189,7 +188,8 @@ class Rollout:
         threads when there is one, so env steps overlap decoding), then its turn is scored and the next
         prompt submitted. The records are the same as in rounds; only the order of work changes.
         """
-        policy: Any = self.policy
+        policy = self.policy.streaming()
+        assert policy is not None  # __init__ refuses a policy that cannot stream without rounds
         pending: dict[int, _Episode] = {}
         stepping: dict[Future[FinishedTurn | None], _Episode] = {}
         turns_done = 0
@@ -237,8 +237,7 @@ class Rollout:
 
     def _check_can_see(self, episodes: list[_Episode]) -> None:
         """Refuse image observations for a token policy that cannot take pixels: it would play blind."""
-        token_policy = getattr(self.policy, "tokenizer", None) is not None
-        if token_policy and not getattr(self.policy, "accepts_images", False):
+        if not self.policy.accepts_images:
             image_envs = {type(episode.slot.env).__name__ for episode in episodes if "image" in episode.last_obs}
             if image_envs:
                 raise ValueError(
@@ -300,9 +299,9 @@ class Rollout:
         episode.messages = [{"role": "system", "content": trajectory.system_prompt}]
         text = observation_text(obs["text"], turn=1, actions_left=episode.actions_left, turn_info=self.agent.turn_info)
         self._observe(episode, text, obs)
-        tokenizer = getattr(self.policy, "tokenizer", None)
+        tokenizer = self.policy.tokenizer
         if tokenizer is not None:
-            encoder = self._image_encoder()
+            encoder = self.policy.image_encoder
             trajectory.tokens = EpisodeTokens(
                 tokenizer, max_context_window=self.agent.max_context_window, max_images=self.agent.max_images,
                 image_token=encoder.image_token if encoder is not None else None,
@@ -317,13 +316,10 @@ class Rollout:
                 episode.finish(TRUNCATED, "context_budget")
         return episode
 
-    def _image_encoder(self) -> ImageEncoder | None:
-        return getattr(self.policy, "image_encoder", None)
-
     def _encode(self, images: list[np.ndarray]) -> tuple[list[int], dict[str, Any]]:
         """Placeholder counts and model inputs of an observation's images, encoded once, as it arrives
         (nothing without an image encoder: a text model is refused image observations in ``run``)."""
-        encoder = self._image_encoder()
+        encoder = self.policy.image_encoder
         if encoder is None or not images:
             return [], {}
         return encoder.message_inputs(images)

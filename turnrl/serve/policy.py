@@ -65,10 +65,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.models.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 from turnrl.models.vision import load_image
 from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.policy.factory import load_model_policy
-from turnrl.rollout.context import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 
 logger = logging.getLogger("turnrl.server")
 
@@ -243,12 +243,12 @@ class GenerationBatcher:
     """Collects concurrent requests into shared ``generate`` calls on one worker thread.
 
     Args:
-        policy: anything with ``generate(requests, sampling)``.
+        policy: the policy whose ``generate`` the batches go to.
         max_batch_size: prompts per ``generate`` call at most (a larger request runs alone).
         window_s: how long the first waiting request waits for others to join it.
     """
 
-    def __init__(self, policy: Any, max_batch_size: int, window_s: float) -> None:
+    def __init__(self, policy: Policy, max_batch_size: int, window_s: float) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.policy = policy
@@ -432,21 +432,23 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
 
 
-def context_length(policy: Any) -> int | None:
+def context_length(policy: Policy) -> int | None:
     """The model's context window (``max_position_embeddings``), if it says."""
-    config: Any = getattr(getattr(policy, "model", None), "config", None)
+    if policy.model is None:
+        return None
+    config: Any = policy.model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's is inside
     value = getattr(text_config, "max_position_embeddings", None)
     return int(value) if isinstance(value, int) else None
 
 
-def prepare(body: ChatCompletionRequest, policy: Any, model_name: str, default_max_tokens: int) -> PreparedRequest:
+def prepare(body: ChatCompletionRequest, policy: Policy, model_name: str, default_max_tokens: int) -> PreparedRequest:
     """Validate what pydantic cannot (model, unsupported options, context length) and tokenize the prompt."""
     if body.model != model_name:
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
     _refuse_unsupported(body)
-    encoder = getattr(policy, "image_encoder", None)
+    encoder = policy.image_encoder
     messages, images = _template_messages(body.messages, model_name, sees_images=encoder is not None)
     messages = with_system_folded(messages, policy.tokenizer)
     try:
@@ -535,8 +537,8 @@ def _token_logprobs(completion: Completion, tokenizer: Any, end_ids: set[int]) -
 
 
 def build_response(body: ChatCompletionRequest, prepared: PreparedRequest, completions: list[Completion],
-                   policy: Any, model_name: str) -> ChatCompletion:
-    end_ids = set(getattr(policy, "eos_ids", []) or [])
+                   policy: Policy, model_name: str) -> ChatCompletion:
+    end_ids = set(policy.eos_ids)
     choices = []
     for index, completion in enumerate(completions):
         text, stop_reason = completion.text, None
@@ -585,14 +587,13 @@ def create_app(
     """An OpenAI-compatible app serving ``policy`` under the name ``model_name``.
 
     Args:
-        policy: a model policy (anything with ``tokenizer``, ``generate`` and optionally ``model``): the
-            transformers backend or the engine.
+        policy: a model policy (one with a ``tokenizer``): the transformers backend or the engine.
         model_name: the ``model`` clients must name.
         batch_window_s: how long a request waits for others to share its forward pass.
         max_batch_size: prompts per ``generate`` call; default the policy's own ``max_batch_size`` (else 32).
         default_max_tokens: completion budget when a request names none (the context may leave less).
     """
-    batch_size = max_batch_size or getattr(policy, "max_batch_size", None) or 32
+    batch_size = max_batch_size or policy.max_batch_size or 32
     batcher = GenerationBatcher(policy, max_batch_size=batch_size, window_s=batch_window_s)
     created = int(time.time())
 
@@ -699,8 +700,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: st
 
     policy, name = load_policy(model_path, device=device, max_batch_size=max_batch_size,
                                served_model_name=served_model_name, model_config=model_config)
-    model: Any = getattr(policy, "model", None)
-    device = next(model.parameters()).device if model is not None else "?"
+    placed = next(policy.model.parameters()).device if policy.model is not None else "?"
     backend = type(policy).__name__
-    print(f"serving model {name!r} ({backend}) on {device} at http://{host}:{port}/v1 (max batch {max_batch_size})")
+    print(f"serving model {name!r} ({backend}) on {placed} at http://{host}:{port}/v1 (max batch {max_batch_size})")
     uvicorn.run(create_app(policy, name, max_batch_size=max_batch_size), host=host, port=port, log_level="info")

@@ -13,7 +13,7 @@ One process, two pools of the same policy:
                 importance weights ``min(pi_old / pi_sampler, cap)`` correct for the lag
 
 ``max_staleness=0`` is the synchronous algorithm: rollout s+1 waits for update s, every phase draws the same
-random numbers as in :class:`~turnrl.training.trainer.Recipe`, and the run is the same run. With a larger
+random numbers as in :class:`~turnrl.training.trainer.Trainer`, and the run is the same run. With a larger
 bound, the trainer and the rollout share no state but the staged weights and the queue of batches; validation
 (on the trainer's actor) and a rollout batch never run at the same time, since both reseed torch's global
 generator and score with the same reward functions (state rewards keep a history).
@@ -34,14 +34,15 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from turnrl.models.devices import resolve_device
 from turnrl.policy.factory import model_policy
-from turnrl.policy.hf import resolve_device
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.runner import Rollout
 from turnrl.training.config import TrainConfig
-from turnrl.training.models import autocast, step_seed
-from turnrl.training.trainer import Recipe, StepOutput, collect, dynamic_sample, select_trajectories
+from turnrl.training.precision import autocast
+from turnrl.training.seeding import step_seed
+from turnrl.training.trainer import StepOutput, Trainer, collect, dynamic_sample, select_trajectories
 
 console = Console()
 
@@ -49,7 +50,7 @@ console = Console()
 def roll_out_batch(
     rollout: Rollout, groups: EnvGroups, step: int, config: TrainConfig, precision: AbstractContextManager
 ) -> tuple[StepOutput, list[int]]:
-    """The episodes of ``step`` and the indices of those to train on, as :meth:`Recipe.roll_out` makes them
+    """The episodes of ``step`` and the indices of those to train on, as :meth:`Trainer.roll_out` makes them
     (dynamic sampling, or one round and the StarPO-S filter), seeded the same way."""
     torch.manual_seed(step_seed(config.seeds.seed, step))
     algo = config.algorithm
@@ -162,10 +163,10 @@ class RolloutThreadError(RuntimeError):
     """An exception in the rollout thread, raised again in the trainer's ``step`` (the original is its cause)."""
 
 
-class AsyncRecipe(Recipe):
-    """:class:`~turnrl.training.trainer.Recipe` with rollouts in a background thread on a copy of the actor.
+class AsyncTrainer(Trainer):
+    """:class:`~turnrl.training.trainer.Trainer` with rollouts in a background thread on a copy of the actor.
 
-    Args: as :class:`~turnrl.training.trainer.Recipe`; ``config.distributed`` gives ``max_staleness`` and
+    Args: as :class:`~turnrl.training.trainer.Trainer`; ``config.distributed`` gives ``max_staleness`` and
     ``rollout_device``. Call :meth:`close` at the end of a run (and on Ctrl-C) to stop the thread.
 
     """
@@ -238,7 +239,7 @@ class AsyncRecipe(Recipe):
                 break
             if item.step != step:
                 raise RolloutThreadError(f"step {step} was asked for, but the rollout thread rolled out step "
-                                         f"{item.step}: an async recipe runs its steps in order")
+                                         f"{item.step}: an asynchronous trainer runs its steps in order")
             return item
         failure = self._failure
         raise RolloutThreadError(f"the rollout of step {failure.step} failed in the rollout thread: "

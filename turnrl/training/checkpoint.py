@@ -114,6 +114,11 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
     return deleted
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step of a checkpoint directory ``step_000039`` (39)."""
+    return int(checkpoint.name.removeprefix("step_"))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.exists():

@@ -3,12 +3,12 @@
     train(config)
       preflight          what can be checked before anything is written or loaded
       sft_stage          the base model, fine-tuned on expert demos (rank 0, when enabled)
-      the recipe         Recipe, or FSDPRecipe (several processes under torchrun), or AsyncRecipe
-                         (distributed.async_rollout); each step is recipe.step(step)
+      the trainer        Trainer, or FSDPTrainer (several processes under torchrun), or AsyncTrainer
+                         (distributed.async_rollout); each step is trainer.step(step)
       loop               validation, metrics, trajectory files, checkpoints; Ctrl-C or ``RUN_DIR/stop``
                          stops after the step in progress with a checkpoint
 
-The recipes (:mod:`turnrl.training.trainer` and the two built on it) hold the models and run a step; this
+The trainers (:mod:`turnrl.training.trainer` and the two built on it) hold the models and run a step; this
 module owns everything around the steps.
 """
 
@@ -28,20 +28,15 @@ from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RolloutWorkerError
 from turnrl.rollout.trajectory import write_trajectories
 from turnrl.training import ranks
-from turnrl.training.asynchronous import AsyncRecipe
-from turnrl.training.checkpoint import latest_checkpoint
+from turnrl.training.asynchronous import AsyncTrainer
+from turnrl.training.checkpoint import checkpoint_step, latest_checkpoint
 from turnrl.training.config import TrainConfig
-from turnrl.training.distributed import FSDPRecipe
+from turnrl.training.distributed import FSDPTrainer
 from turnrl.training.logger import MetricsLogger, RunProgress
+from turnrl.training.preflight import preflight
+from turnrl.training.run_dir import run_directory, start_run
 from turnrl.training.sft import sft_stage
-from turnrl.training.trainer import (
-    Recipe,
-    checkpoint_step,
-    console,
-    preflight,
-    run_directory,
-    start_run,
-)
+from turnrl.training.trainer import Trainer, console
 from turnrl.viz.records import write_token_advantages
 from turnrl.viz.report import write_report
 
@@ -87,11 +82,11 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     return path
 
 
-def _validate_and_write(recipe: Recipe, logger: MetricsLogger | None, step: int, name: str) -> dict[str, float]:
-    output = recipe.validate()
+def _validate_and_write(trainer: Trainer, logger: MetricsLogger | None, step: int, name: str) -> dict[str, float]:
+    output = trainer.validate()
     if logger is not None:  # rank 0 of a distributed run
         logger.log(step, output.metrics)
-        write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=name)
+        write_trajectories(output.trajectories, trainer.run_dir / "trajectories", name=name)
     return output.metrics
 
 
@@ -156,87 +151,87 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
             sft = sft_stage(config, run_dir)
         ranks.wait_for_main()  # the other processes start RL from the SFT model rank 0 wrote
     if distributed:
-        recipe: Recipe = FSDPRecipe(config, start_model=_sft_model(config) if config.sft.enabled and not resumed
-                                    else None, rewards=rewards)
+        trainer: Trainer = FSDPTrainer(config, start_model=_sft_model(config) if config.sft.enabled and not resumed
+                                       else None, rewards=rewards)
     elif config.distributed.async_rollout:
-        recipe = AsyncRecipe(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
+        trainer = AsyncTrainer(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
     else:
-        recipe = Recipe(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
+        trainer = Trainer(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
     try:
-        return _run_steps(config, recipe, sft, resumed, start)
+        return _run_steps(config, trainer, sft, resumed, start)
     finally:
-        recipe.close()
+        trainer.close()
 
 
-def _run_steps(config: TrainConfig, recipe: Recipe, sft: Any, resumed: bool, start: float) -> dict[str, Any]:
+def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, start: float) -> dict[str, Any]:
     """Validation, the RL steps, validation, the last checkpoint and the summary (rank 0 writes)."""
     distributed = ranks.launched_by_torchrun()
-    recipe.session_start = start
+    trainer.session_start = start
     if sft is not None:
-        recipe.summary.update(sft.metrics)
-        recipe._timed("sft_s", sft.seconds)
+        trainer.summary.update(sft.metrics)
+        trainer._timed("sft_s", sft.seconds)
     world = ranks.world_size()
     processes = f", {world} process{'es' if world > 1 else ''} (FSDP)" if distributed else ""
     console.print(f"[bold]turnrl train[/bold] {config.run.name}: {config.env.id}, {config.algorithm.advantage}, "
-                  f"run dir {recipe.run_dir}{processes}")
-    logger = MetricsLogger(recipe.run_dir, config.run.tensorboard, config.run.wandb_project,
+                  f"run dir {trainer.run_dir}{processes}")
+    logger = MetricsLogger(trainer.run_dir, config.run.tensorboard, config.run.wandb_project,
                            config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))),
-                           resume_step=recipe.first_step if resumed else None) if ranks.is_main() else None
+                           resume_step=trainer.first_step if resumed else None) if ranks.is_main() else None
 
     if not resumed:
-        before = _validate_and_write(recipe, logger, 0, "val_before_rl.jsonl")
-        recipe.summary["val_success_before_rl"] = before["val/success"]
+        before = _validate_and_write(trainer, logger, 0, "val_before_rl.jsonl")
+        trainer.summary["val_success_before_rl"] = before["val/success"]
         console.print(f"validation success before RL: [bold]{before['val/success']:.3f}[/bold]")
 
     validate_now, save_now = _every(config.validation.every), _every(config.run.save_every)
     write_now = _every(config.run.trajectories_every)
-    with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, recipe.first_step) as progress:
-        for step in range(recipe.first_step, config.run.steps):
+    with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
+        for step in range(trainer.first_step, config.run.steps):
             try:
-                output = recipe.step(step)
+                output = trainer.step(step)
             except RolloutWorkerError as error:
                 console.print(f"[bold red]rollout stopped:[/bold red] {error}", soft_wrap=True)
                 if step == 0:
                     raise
-                return _stop(recipe, logger, step - 1, error=True)  # saves the last finished step
+                return _stop(trainer, logger, step - 1, error=True)  # saves the last finished step
             metrics = output.metrics
             last = step + 1 == config.run.steps
             if validate_now(step + 1) and not last:
-                metrics.update(recipe.validate().metrics)
+                metrics.update(trainer.validate().metrics)
             if logger is not None:
                 logger.log(step + 1, metrics)
             if write_now(step) and logger is not None:
-                write_trajectories(output.trajectories, recipe.run_dir / "trajectories", name=f"step_{step:06d}.jsonl")
+                write_trajectories(output.trajectories, trainer.run_dir / "trajectories", name=f"step_{step:06d}.jsonl")
                 if output.token_advantages:
-                    write_token_advantages(recipe.run_dir / "trajectories" / f"step_{step:06d}.advantages.jsonl",
+                    write_token_advantages(trainer.run_dir / "trajectories" / f"step_{step:06d}.advantages.jsonl",
                                            output.token_advantages)
             progress.update(1, f"success {metrics.get('rollout/success', 0):.2f} "
                                f"reward {metrics.get('rollout/reward_mean', 0):.2f}")
             # Ctrl-C, or the stop file (what stops every process of a torchrun run after the same step).
-            requested = stop.requested or (recipe.run_dir / STOP_FILE).exists()
+            requested = stop.requested or (trainer.run_dir / STOP_FILE).exists()
             stop_requested = ranks.any_rank(requested) if distributed else requested
             if stop_requested and not last:
-                return _stop(recipe, logger, step)
+                return _stop(trainer, logger, step)
             if save_now(step + 1) and not last:
-                recipe.save(step)
+                trainer.save(step)
 
-    after = _validate_and_write(recipe, logger, config.run.steps, "val_after_rl.jsonl")
-    recipe.summary["val_success_after_rl"] = after["val/success"]
-    recipe.summary["val_after_rl"] = after
-    recipe.summary["steps"] = config.run.steps
+    after = _validate_and_write(trainer, logger, config.run.steps, "val_after_rl.jsonl")
+    trainer.summary["val_success_after_rl"] = after["val/success"]
+    trainer.summary["val_after_rl"] = after
+    trainer.summary["steps"] = config.run.steps
     if config.run.steps > 0:
-        recipe.save(config.run.steps - 1)
+        trainer.save(config.run.steps - 1)
     if logger is None:
-        return recipe.summary
-    (recipe.run_dir / STOP_FILE).unlink(missing_ok=True)  # asked for during the last step: the run has ended
-    path = recipe.write_summary()
+        return trainer.summary
+    (trainer.run_dir / STOP_FILE).unlink(missing_ok=True)  # asked for during the last step: the run has ended
+    path = trainer.write_summary()
     logger.close()
-    before_value = recipe.summary.get("val_success_before_rl")
+    before_value = trainer.summary.get("val_success_before_rl")
     console.print(f"validation success before RL: {before_value:.3f}, after RL: [bold]{after['val/success']:.3f}[/bold]"
                   if before_value is not None else f"validation success after RL: {after['val/success']:.3f}")
     console.print(f"summary: {path}")
-    _report(recipe.run_dir)
-    return recipe.summary
+    _report(trainer.run_dir)
+    return trainer.summary
 
 
 def _sft_model(config: TrainConfig) -> Path:
@@ -255,20 +250,20 @@ def _report(run_dir: Path) -> None:
                   soft_wrap=True)
 
 
-def _stop(recipe: Recipe, logger: MetricsLogger | None, step: int, error: bool = False) -> dict[str, Any]:
+def _stop(trainer: Trainer, logger: MetricsLogger | None, step: int, error: bool = False) -> dict[str, Any]:
     """Ctrl-C, the stop file or a lost rollout worker (``error``): save the finished ``step``, say how to
     resume; the summary says where the run stopped and why."""
-    checkpoint = recipe.save(step)
+    checkpoint = trainer.save(step)
     if ranks.is_main():
-        (recipe.run_dir / STOP_FILE).unlink(missing_ok=True)
+        (trainer.run_dir / STOP_FILE).unlink(missing_ok=True)
     stopped = {"interrupted_at_step": step + 1, "stopped_by": "error" if error else "request"}
     if logger is None:
-        return {**recipe.summary, **stopped}
+        return {**trainer.summary, **stopped}
     logger.close()
     console.print(f"[bold]{'stopped by the error above' if error else 'interrupted'}[/bold] after step {step + 1} "
-                  f"of {recipe.config.run.steps}; checkpoint {checkpoint}")
+                  f"of {trainer.config.run.steps}; checkpoint {checkpoint}")
     # One unwrapped line, to copy whole.
-    console.print(f"continue with: turnrl train resume={recipe.run_dir}", markup=False, highlight=False,
+    console.print(f"continue with: turnrl train resume={trainer.run_dir}", markup=False, highlight=False,
                   soft_wrap=True)
-    _report(recipe.run_dir)
-    return {**recipe.summary, **stopped}
+    _report(trainer.run_dir)
+    return {**trainer.summary, **stopped}

@@ -3,11 +3,11 @@
     torchrun --nproc-per-node 2 -m turnrl.cli train --config configs/X.yaml
     turnrl train --config configs/X.yaml distributed.nproc_per_node=2      # the same, started for you
 
-A step on every process, in the single-process recipe's order:
+A step on every process, in the single-process trainer's order:
 
     rollout     this process's share of the env groups (whole groups: group g on process g % world), on
                 an unsharded copy of the actor (the engine needs whole weights), then every process's
-                trajectories gathered: all processes hold the batch the single-process recipe would
+                trajectories gathered: all processes hold the batch the single-process trainer would
     scores      old/reference logprobs and values of this process's rows of the batch, gathered
     advantages  over the whole batch, the same on every process (group estimators see whole groups,
                 whitening sees every token)
@@ -40,8 +40,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from turnrl.config import ConfigError, SamplingConfig
+from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
-from turnrl.rollout.context import ChatTemplateDeltas
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
@@ -51,7 +51,7 @@ from turnrl.training.config import TrainConfig
 from turnrl.training.forward import ValueModel, body_and_head
 from turnrl.training.head import ScoringHead
 from turnrl.training.ppo import Shard, UpdateInputs, ppo_epochs
-from turnrl.training.trainer import Recipe, Scores, score_batch
+from turnrl.training.trainer import TokenScores, Trainer, score_batch
 
 OPTIMIZER_DIR = "optimizer"
 """A checkpoint's sharded optimizer states (``torch.distributed.checkpoint`` files), beside ``actor/``."""
@@ -213,9 +213,9 @@ def copy_full_weights(sharded: torch.nn.Module, full: torch.nn.Module) -> None:
             targets[name].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
 
 
-# --------------------------------------------------------------------------- the recipe
-class FSDPRecipe(Recipe):
-    """:class:`Recipe` on ``torch.distributed`` processes, with FSDP2-sharded models (see the module docs).
+# --------------------------------------------------------------------------- the trainer
+class FSDPTrainer(Trainer):
+    """:class:`Trainer` on ``torch.distributed`` processes, with FSDP2-sharded models (see the module docs).
 
     The process group must be initialized (:func:`ranks.init_process_group`) and ``config.model.device``
     be this process's device.
@@ -284,11 +284,11 @@ class FSDPRecipe(Recipe):
         self._sync_rollout_weights()
         return super().validate()
 
-    def score(self, batch: Batch, generator: torch.Generator) -> Scores:
+    def score(self, batch: Batch, generator: torch.Generator) -> TokenScores:
         """Each process scores its rows; the scores of the whole batch are gathered on every process."""
         config, n = self.config, len(batch)
         rows = process_rows(n, ranks.rank(), ranks.world_size())
-        # The single-process recipe draws the rows of its logprob check from the step's generator; the same
+        # The single-process trainer draws the rows of its logprob check from the step's generator; the same
         # draw keeps the PPO epochs' shuffling identical to it.
         check_generator = torch.Generator().set_state(generator.get_state())
         if config.algorithm.old_logprobs == "sampler":
@@ -301,7 +301,7 @@ class FSDPRecipe(Recipe):
         old_logprobs = batch.sampler_logprobs if config.algorithm.old_logprobs == "sampler" else gather(
             local.old_logprobs)
         metrics = {key: value / ranks.world_size() for key, value in ranks.sum_over_ranks(local.metrics).items()}
-        return Scores(old_logprobs, gather(local.ref_logprobs), gather(local.values), metrics)
+        return TokenScores(old_logprobs, gather(local.ref_logprobs), gather(local.values), metrics)
 
     def train_on(self, inputs: UpdateInputs, train_actor: bool, generator: torch.Generator) -> dict[str, float]:
         config = self.config

@@ -26,9 +26,16 @@ from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
 from turnrl.envs import AgentEnv
 from turnrl.envservice.placement import env_factory
-from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer
+from turnrl.models.devices import resolve_device, resolve_dtype
+from turnrl.models.loading import (
+    base_model_path,
+    enable_checkpointing,
+    freeze_vision_tower,
+    load_model,
+    load_processor,
+    load_tokenizer,
+)
 from turnrl.models.vision import ImageEncoder, load_image, part_images
-from turnrl.policy.hf import resolve_device, resolve_dtype
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout
@@ -39,7 +46,7 @@ from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
 from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.models import autocast, base_model_path, enable_checkpointing, skip_cudnn_attention
+from turnrl.training.precision import autocast, skip_cudnn_attention
 
 console = Console()
 Message = dict[str, Any]

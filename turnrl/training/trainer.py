@@ -1,9 +1,9 @@
-"""The RL recipe: everything a run holds (models, optimizers, envs, rollout) and one step of it.
+"""The RL trainer: everything a run holds (models, optimizers, envs, rollout) and one step of it.
 
-    Recipe(config)       setup builds everything, or restores it from a checkpoint
-    recipe.step(step)    roll_out (rollout, group filter) then update -> StepOutput
+    Trainer(config)       setup builds everything, or restores it from a checkpoint
+    trainer.step(step)    roll_out (rollout, group filter) then update -> StepOutput
 
-One step reads top to bottom in :meth:`Recipe.roll_out` and :meth:`Recipe.update`:
+One step reads top to bottom in :meth:`Trainer.roll_out` and :meth:`Trainer.update`:
 
     rollout -> filter groups -> batch -> old logprobs (sampler's; recomputed
     ones reported as a mismatch) -> reference logprobs -> values -> advantages
@@ -12,25 +12,24 @@ One step reads top to bottom in :meth:`Recipe.roll_out` and :meth:`Recipe.update
 Each phase is a function that takes values (:func:`collect`,
 :func:`select_trajectories`, :func:`make_batch`, :func:`score_batch`, then
 :func:`~turnrl.training.advantages.compute_advantages` and
-:func:`~turnrl.training.ppo.ppo_epochs`), so the other recipes wire the same
-components without branching this one: :class:`~turnrl.training.distributed.FSDPRecipe`
-(several processes) and :class:`~turnrl.training.asynchronous.AsyncRecipe`
-(rollouts a batch ahead) replace :meth:`Recipe.score`, :meth:`Recipe.train_on` or
-:meth:`Recipe.roll_out`.
+:func:`~turnrl.training.ppo.ppo_epochs`), so the other trainers wire the same
+components without branching this one: :class:`~turnrl.training.distributed.FSDPTrainer`
+(several processes) and :class:`~turnrl.training.asynchronous.AsyncTrainer`
+(rollouts a batch ahead) replace :meth:`Trainer.score`, :meth:`Trainer.train_on` or
+:meth:`Trainer.roll_out`.
 
 The commands around the steps (``turnrl train``, ``turnrl sft``: SFT, validation,
-checkpoints, Ctrl-C) are in :mod:`turnrl.training.commands`. Everything a run
-needs that can be checked without a model is checked by :func:`preflight` before
-anything is written or loaded.
+checkpoints, Ctrl-C) are in :mod:`turnrl.training.commands`; what they check before
+anything is written or loaded in :mod:`turnrl.training.preflight`; the run
+directory in :mod:`turnrl.training.run_dir`. Backends are the policy factory's
+choice (:func:`~turnrl.policy.factory.rollout_policies`).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
-import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -44,12 +43,20 @@ from rich.console import Console
 
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import group_stats, kl_penalty, select_groups
-from turnrl.config import ConfigError, SamplingConfig, to_yaml
+from turnrl.config import ConfigError, SamplingConfig
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
-from turnrl.models.loading import freeze_vision_tower, load_model, load_processor, load_tokenizer, vision_tower
-from turnrl.policy.factory import model_policy
-from turnrl.policy.hf import HFPolicy, resolve_device, resolve_dtype
+from turnrl.models.devices import resolve_device, resolve_dtype
+from turnrl.models.loading import (
+    base_model_path,
+    enable_checkpointing,
+    freeze_vision_tower,
+    load_model,
+    load_processor,
+    load_tokenizer,
+    vision_tower,
+)
+from turnrl.policy.factory import rollout_policies
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
@@ -71,16 +78,10 @@ from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
 from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import RunProgress
-from turnrl.training.models import (
-    autocast,
-    base_model_path,
-    enable_checkpointing,
-    seed_everything,
-    skip_cudnn_attention,
-    step_seed,
-)
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
-from turnrl.training.sft import read_chat_jsonl
+from turnrl.training.precision import autocast, skip_cudnn_attention
+from turnrl.training.run_dir import start_run
+from turnrl.training.seeding import step_seed
 from turnrl.training.throughput import mfu, peak_flops, phase_peak_gib, start_phase, training_flops_per_token
 from turnrl.viz.records import token_advantage_records
 
@@ -194,8 +195,8 @@ def make_batch(trajectories: list[Trajectory], keep: list[int], sample_mode: str
 
 
 @dataclass
-class Scores:
-    """Per-token scores of a batch from forward passes without gradient, all Shape (b, s)."""
+class TokenScores:
+    """The log-probs and values of a batch's tokens, from forward passes without gradient, all Shape (b, s)."""
 
     old_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor | None
@@ -213,7 +214,7 @@ def score_batch(
     generator: torch.Generator,
     precision: AbstractContextManager,
     passes: Callable[[int], int] = lambda n: n,
-) -> Scores:
+) -> TokenScores:
     """PPO's old logprobs, the reference's logprobs (when there is a KL), the critic's values.
 
     ``reference`` None with a KL means LoRA: the reference is the actor with its adapters off. ``passes``: see
@@ -252,10 +253,10 @@ def score_batch(
             start = time.time()
             values = batched_values(critic, batch, micro, passes)
             metrics["timing/values_s"] = time.time() - start
-    return Scores(old_logprobs, ref_logprobs, values, metrics)
+    return TokenScores(old_logprobs, ref_logprobs, values, metrics)
 
 
-# --------------------------------------------------------------------------- the recipe
+# --------------------------------------------------------------------------- the trainer
 def ray_rollout(config: TrainConfig, model_dir: Path, tokenizer: Any, batch_size: int) -> RayRollout:
     """``distributed.backend=ray``: rollout workers as Ray actors, each with a copy of the policy built from
     ``model_dir``'s config (its weights arrive before each rollout) and envs of its own."""
@@ -284,102 +285,6 @@ def vision_module_pattern(model: torch.nn.Module) -> str | None:
     return None if name is None else rf"{re.escape(name)}(\..*)?"
 
 
-def run_directory(config: TrainConfig) -> Path:
-    """Where the run lives: the resumed directory, else ``run.output_dir/run.name``."""
-    return Path(config.resume) if config.resume else Path(config.run.output_dir) / config.run.name
-
-
-RL_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "summary.json", "trajectories", "reference")
-"""What an RL run writes at the top of its directory: a directory holding any of them holds a run."""
-
-
-def checkpoint_step(checkpoint: Path) -> int:
-    """The step of a checkpoint directory ``step_000039`` (39)."""
-    return int(checkpoint.name.removeprefix("step_"))
-
-
-def preflight(config: TrainConfig, *, stage: str = "train") -> None:
-    """Check what a run needs before anything is written or a model loads: one-line errors, no traceback.
-
-    Checks: a local ``model.path`` exists; the env id and its settings (one env is built, for training and
-    validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver; the
-    checkpoint to resume; optional packages (wandb); and that a new run does not write into another run's
-    directory.
-
-    Args:
-        stage: ``train`` (``turnrl train``) or ``sft`` (``turnrl sft``, which writes only ``sft/``).
-
-    Raises:
-        ConfigError: naming the key at fault and what to do.
-    """
-    run_dir = run_directory(config)
-    if config.resume:
-        if not run_dir.is_dir():
-            raise ConfigError(f"resume={config.resume!r}: no such run directory")
-        if latest_checkpoint(run_dir) is None:
-            raise ConfigError(f"resume={config.resume!r} holds no checkpoint (no checkpoints/latest); a run saves one "
-                              "every run.save_every steps, at its end and on Ctrl-C")
-    path = config.model.path
-    # A local path (absolute, relative with ./, or deeper than a hub id's org/name) must exist; a hub id
-    # is left to the loader, which may find it in the local cache.
-    if path is not None and not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
-        raise ConfigError(f"model.path={path!r} does not exist; give a transformers model directory or a hub id "
-                          "(org/name), or leave model.path unset for the built-in model")
-    env = env_factory(config.env.id, dict(config.env.settings), config.env.remote)()
-    if config.env.val_settings is not None:
-        env_factory(config.env.id, dict(config.env.val_settings), config.env.remote, where="env.val_settings")
-    sft_runs = stage == "sft" or (config.sft.enabled and not config.resume)
-    if sft_runs and config.sft.data:
-        try:
-            read_chat_jsonl(config.sft.data)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"sft.data={config.sft.data!r}: {error}") from error
-    elif sft_runs:
-        env.reset(seed=config.sft.seed_start)
-        if env.solve() is None:
-            raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no expert "
-                              "demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
-    if config.run.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"run.wandb_project={config.run.wandb_project!r} needs wandb: pip install wandb "
-                          "(or leave run.wandb_project unset)")
-    if config.resume or config.run.overwrite:
-        return
-    taken = [name for name in (RL_OUTPUTS if stage == "train" else ()) if (run_dir / name).exists()]
-    if sft_runs and (run_dir / "sft").exists():
-        taken.append("sft")
-    if taken:
-        resume = f"continue it with `turnrl train resume={run_dir}`, " if stage == "train" else ""
-        raise ConfigError(
-            f"run directory {run_dir} already holds a run ({', '.join(taken)}); {resume}pick another run.name, "
-            "or pass run.overwrite=true to delete it and start afresh"
-        )
-
-
-def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
-    """Threads, seeds, the run directory and its ``config.yaml``: what every stage of a run starts from.
-
-    With ``run.overwrite`` (and no resume) the outputs of the run that was there are deleted first, so old
-    and new checkpoints, metrics and TensorBoard files never mix: every output (``stage=train``), the SFT
-    model (``sft``), or the RL outputs only (``rl``: after this run's own SFT stage).
-    """
-    if config.run.threads > 0:
-        torch.set_num_threads(config.run.threads)
-    seed_everything(config.seeds.seed)
-    run_dir = run_directory(config)
-    if ranks.is_main():  # the other processes of a distributed run wait for it
-        if config.run.overwrite and not config.resume:
-            for name in {"train": (*RL_OUTPUTS, "sft"), "sft": ("sft",), "rl": RL_OUTPUTS}[stage]:
-                path = run_dir / name
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(config))
-    ranks.barrier()
-    return run_dir
-
-
 def _lookup_only(model: Any) -> torch.Tensor | None:
     """The input embeddings of a transformers model (peft-wrapped or not) unless they double as its LM head:
     a lookup, no FLOPs (see :func:`~turnrl.training.throughput.training_flops_per_token`)."""
@@ -388,7 +293,7 @@ def _lookup_only(model: Any) -> torch.Tensor | None:
     return None if head is not None and head.weight is embeddings else embeddings
 
 
-class Recipe:
+class Trainer:
     """Everything an RL run holds, built at once from a :class:`TrainConfig` (or restored from a checkpoint).
 
     Args:
@@ -430,17 +335,12 @@ class Recipe:
         rewards = rewards or Rewards(config.rewards)
         batch_size = max(64, config.groups.n_groups * config.groups.group_size)
         started = time.time()
-        policy = model_policy(self.rollout_model(), self.tokenizer, config.model,
-                              max_batch_size=max(batch_size, config.validation.batch_size),
-                              processor=self.processor, dtype=self.dtype)
+        policy, val_policy = rollout_policies(self.rollout_model(), self.tokenizer, config.model, batch_size,
+                                              config.validation.batch_size, processor=self.processor, dtype=self.dtype)
         self.rollout: Rollout | RayRollout = Rollout(policy, fmt, config.agent, env_id=config.env.id,
                                                      executor=self.executor, rewards=rewards)
         if config.distributed.backend == "ray":
             self.rollout = ray_rollout(config, self.start_path, self.tokenizer, batch_size)
-        # The engine batches continuously whatever the batch size, and one cache serves both.
-        val_policy = policy if not isinstance(policy, HFPolicy) else HFPolicy(
-            self.rollout_model(), self.tokenizer, max_batch_size=config.validation.batch_size,  # type: ignore[arg-type]
-            processor=self.processor)
         self.val_rollout = Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor,
                                    rewards=rewards)
         self.startup["policy_s"] = time.time() - started
@@ -716,7 +616,7 @@ class Recipe:
             metrics["memory/update_peak_gib"] = update_peak
         return StepOutput(metrics, rollout.trajectories, token_advantages)
 
-    def score(self, batch: Batch, generator: torch.Generator) -> Scores:
+    def score(self, batch: Batch, generator: torch.Generator) -> TokenScores:
         """4: old logprobs, reference logprobs and values of ``batch`` (:func:`score_batch`)."""
         return score_batch(batch, self.actor, self.reference, self.critic, self.config.algorithm,
                            self.config.sampling.temperature, generator, self.precision())
@@ -745,7 +645,7 @@ class Recipe:
         return path
 
     def close(self) -> None:
-        """Release what the recipe holds beyond memory: an asynchronous recipe's rollout thread, Ray actors."""
+        """Release what the trainer holds beyond memory: an asynchronous trainer's rollout thread, Ray actors."""
         if isinstance(self.rollout, RayRollout):
             self.rollout.close()
         for factory in self.env_factories:

@@ -1,8 +1,8 @@
-"""The run-level helpers of training: seeds per step."""
+"""The seeds of a run: one per step."""
 
 from __future__ import annotations
 
-from turnrl.training.models import step_seed
+from turnrl.training.seeding import step_seed
 
 
 def test_step_seeds_differ_per_step_and_repeat_per_seed():

@@ -1,0 +1,171 @@
+"""A chat template's pieces as token ids: what each template writes, the self-check, folding a system
+message, expanding image placeholders. (Whole episodes built from them: tests/rollout/test_context.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from turnrl.models import TEMPLATES, build_tokenizer
+from turnrl.models.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
+
+CORPUS = [
+    f"Turn {i}. {c}"
+    for i in range(10)
+    for c in (
+        "You are playing Sokoban. Move the player P to push box X onto target O.\n#####\n#_OX#\n#_P_#\n#####",
+        "<think>The box is left of me, so I push left.</think><answer>Left || Up</answer>",
+        "Reward: -0.1. The player moved. Current observation follows.",
+        "Target 24, nums [3, 8, 1, 6]. Answer with an equation like (8 - 6) * 12.",
+        "FrozenLake: avoid the holes O and reach the goal G.",
+    )
+]
+NAMES = sorted(TEMPLATES)
+
+
+def template_tokenizers() -> dict:
+    """A test tokenizer for each built-in template, by name."""
+    return {name: build_tokenizer(CORPUS, vocab_size=512, template=name) for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def toks():
+    return template_tokenizers()
+
+
+def encode(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+SYSTEM = "You are playing Sokoban."
+
+
+# The issue's Llama-2-style template: a space, then the end-of-turn token, closes an answer.
+LLAMA2_STYLE = (
+    "{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + m.content + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m.content + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+# -- pieces of the templates ------------------------------------------------------
+
+
+def test_pieces(toks):
+    chatml, qwen3, llama3 = (ChatTemplateDeltas(toks[n]) for n in ("chatml", "qwen3", "llama3"))
+    tok = toks["chatml"]
+    assert chatml.response_closing() == [tok.convert_tokens_to_ids("<|im_end|>"), *encode(tok, "\n")]
+    assert tok.decode(chatml.observation("hi")) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert [m["role"] for m in chatml.observation_base] == ["user", "assistant"]
+    # Qwen3 renders the last assistant turn with a think block: a base ending with a user message is used.
+    assert [m["role"] for m in qwen3.observation_base] == ["system", "user"]
+    assert toks["llama3"].decode(llama3.response_closing()) == "<|eot_id|>"
+    assert toks["llama3"].decode(llama3.head(None, "u")) == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nu<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert ChatTemplateDeltas.for_tokenizer(tok) is ChatTemplateDeltas.for_tokenizer(tok)
+    assert ChatTemplateDeltas.for_tokenizer(toks["qwen3"], enable_thinking=False) is not (
+        ChatTemplateDeltas.for_tokenizer(toks["qwen3"])
+    )
+
+
+def test_other_stop_id_counts_as_stopped(toks):
+    tok = toks["chatml"]
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    deltas = ChatTemplateDeltas(tok, stop_ids=[tok.eos_token_id, eot])
+    closing, stopped = deltas.close(encode(tok, "Left") + [eot])
+    assert stopped and closing == deltas.response_closing()
+
+
+def test_verify_probes_with_a_sampled_end_of_turn_token(tiny_tokenizer):
+    """A close() that does not see a sampled eos behind the closing's leading text fails verify()."""
+
+    class OldClose(ChatTemplateDeltas):
+        def close(self, response_ids):
+            # Recognises the end-of-turn token only as the first token of the closing.
+            for k in range(min(len(self.closing), len(response_ids)), 0, -1):
+                if tuple(response_ids[-k:]) == self.closing[:k]:
+                    return list(self.closing[k:]), True
+            return list(self.closing), response_ids[-1] in self.stop_ids
+
+    with pytest.raises(TemplateDeltaError, match="tokenize differently"):
+        OldClose(tiny_tokenizer, chat_template=LLAMA2_STYLE)
+    OldClose(tiny_tokenizer)  # right where the closing starts with its end-of-turn token (ChatML)
+
+
+def test_template_that_cannot_be_incremental(toks):
+    tok = toks["chatml"]
+    # Renders the number of messages first: no rendering is a prefix of a longer one.
+    counting = "{{ messages|length }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(TemplateDeltaError, match="cannot be rendered incrementally"):
+        ChatTemplateDeltas(tok, chat_template=counting)
+    # The last user message is marked: the head is not how the template renders that message later.
+    marked = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{{ ' (your turn)' if loop.last and m.role == 'user' else '' }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    with pytest.raises(TemplateDeltaError, match="differs from a full render"):
+        ChatTemplateDeltas(tok, chat_template=marked)
+    assert ChatTemplateDeltas(tok, chat_template=marked, verify=False).response_closing() == encode(tok, "\n")
+
+
+def test_template_whose_rerender_differs_only_in_the_past_answer(toks):
+    tok = toks["chatml"]
+    # The generation prompt is "assistant:" but a past answer renders as "assistant: <content>": the
+    # pieces are right, a re-render just differs from what was sampled, as with Qwen3's reasoning.
+    spaced = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    deltas = ChatTemplateDeltas(tok, chat_template=spaced)
+    assert deltas.matches_full_render is False
+    assert deltas.response_closing() == encode(tok, "\n")
+    assert ChatTemplateDeltas.for_tokenizer(tok).matches_full_render is True
+    assert ChatTemplateDeltas.for_tokenizer(toks["qwen3"], enable_thinking=False).matches_full_render is False
+
+
+def test_closing_is_taken_from_a_past_answer(toks):
+    tok = toks["chatml"]
+    # The final assistant message of a chat ends with <|endoftext|>, past ones with <|im_end|>\n.
+    ends_differently = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% if m.role == 'assistant' and loop.last %}<|endoftext|>{% else %}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    deltas = ChatTemplateDeltas(tok, chat_template=ends_differently)
+    assert tok.decode(deltas.response_closing()) == "<|im_end|>\n"
+    assert deltas.matches_full_render
+
+
+def test_template_that_drops_the_system_message(toks):
+    tok = toks["chatml"]
+    drops = (
+        "{% for m in messages if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    deltas = ChatTemplateDeltas(tok, chat_template=drops)
+    assert deltas.system_role is False
+    assert tok.decode(deltas.head(SYSTEM, "hi")) == f"<|im_start|>user\n{SYSTEM}\n\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ChatTemplateDeltas.for_tokenizer(tok).system_role is True
+
+
+def test_fold_system():
+    system = {"role": "system", "content": "Rules."}
+    assert fold_system(system, {"role": "user", "content": "Go."}) == {"role": "user", "content": "Rules.\n\nGo."}
+    image_msg = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where?"}]}
+    assert fold_system(system, image_msg) == {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "Rules."},
+            {"type": "text", "text": "\n\n"},
+            {"type": "image"},
+            {"type": "text", "text": "Where?"},
+        ],
+    }
+
+
+def test_expand_placeholders(toks):
+    pad = toks["chatml"].convert_tokens_to_ids("<|image_pad|>")
+    assert expand_placeholders([1, pad, 2, pad], pad, [2, 0]) == [1, pad, pad, 2]
+    with pytest.raises(ValueError, match="placeholders"):
+        expand_placeholders([1, pad], pad, [1, 1])

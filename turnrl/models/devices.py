@@ -1,0 +1,23 @@
+"""Where a model runs and in which dtype: ``model.device`` and ``model.dtype`` resolved to torch's.
+
+``auto`` picks the GPU when there is one (and bf16 on it), else the CPU in float32. Every stage that
+places a model (training, rollout workers, policies loaded by path) resolves the settings here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the GPU when there is one, else the CPU; any other name as torch reads it (``cuda:1``)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on a GPU, float32 elsewhere; else ``float32``, ``bfloat16`` or ``float16``."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -1,0 +1,74 @@
+"""What ``turnrl train`` and ``turnrl sft`` check before anything is written or a model loads.
+
+A run that would fail on a missing model, a bad env setting, unreadable SFT data, a checkpoint that is not
+there or a directory that holds another run stops at once with a one-line error naming the key at fault.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from turnrl.config import ConfigError
+from turnrl.envservice.placement import env_factory
+from turnrl.training.checkpoint import latest_checkpoint
+from turnrl.training.config import TrainConfig
+from turnrl.training.run_dir import RL_OUTPUTS, run_directory
+from turnrl.training.sft import read_chat_jsonl
+
+
+def preflight(config: TrainConfig, *, stage: str = "train") -> None:
+    """Check what a run needs before anything is written or a model loads: one-line errors, no traceback.
+
+    Checks: a local ``model.path`` exists; the env id and its settings (one env is built, for training and
+    validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver; the
+    checkpoint to resume; optional packages (wandb); and that a new run does not write into another run's
+    directory.
+
+    Args:
+        stage: ``train`` (``turnrl train``) or ``sft`` (``turnrl sft``, which writes only ``sft/``).
+
+    Raises:
+        ConfigError: naming the key at fault and what to do.
+    """
+    run_dir = run_directory(config)
+    if config.resume:
+        if not run_dir.is_dir():
+            raise ConfigError(f"resume={config.resume!r}: no such run directory")
+        if latest_checkpoint(run_dir) is None:
+            raise ConfigError(f"resume={config.resume!r} holds no checkpoint (no checkpoints/latest); a run saves one "
+                              "every run.save_every steps, at its end and on Ctrl-C")
+    path = config.model.path
+    # A local path (absolute, relative with ./, or deeper than a hub id's org/name) must exist; a hub id
+    # is left to the loader, which may find it in the local cache.
+    if path is not None and not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise ConfigError(f"model.path={path!r} does not exist; give a transformers model directory or a hub id "
+                          "(org/name), or leave model.path unset for the built-in model")
+    env = env_factory(config.env.id, dict(config.env.settings), config.env.remote)()
+    if config.env.val_settings is not None:
+        env_factory(config.env.id, dict(config.env.val_settings), config.env.remote, where="env.val_settings")
+    sft_runs = stage == "sft" or (config.sft.enabled and not config.resume)
+    if sft_runs and config.sft.data:
+        try:
+            read_chat_jsonl(config.sft.data)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"sft.data={config.sft.data!r}: {error}") from error
+    elif sft_runs:
+        env.reset(seed=config.sft.seed_start)
+        if env.solve() is None:
+            raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no expert "
+                              "demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
+    if config.run.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"run.wandb_project={config.run.wandb_project!r} needs wandb: pip install wandb "
+                          "(or leave run.wandb_project unset)")
+    if config.resume or config.run.overwrite:
+        return
+    taken = [name for name in (RL_OUTPUTS if stage == "train" else ()) if (run_dir / name).exists()]
+    if sft_runs and (run_dir / "sft").exists():
+        taken.append("sft")
+    if taken:
+        resume = f"continue it with `turnrl train resume={run_dir}`, " if stage == "train" else ""
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run ({', '.join(taken)}); {resume}pick another run.name, "
+            "or pass run.overwrite=true to delete it and start afresh"
+        )

@@ -1,0 +1,51 @@
+"""A run's directory: where it lives, what a run writes there, and how a run starts in it.
+
+A directory holds one run: a new run refuses one that holds another (:mod:`turnrl.training.preflight`
+says so before anything is written), ``run.overwrite`` deletes the old outputs first, and ``resume``
+continues the run it names.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from turnrl.config import to_yaml
+from turnrl.training import ranks
+from turnrl.training.config import TrainConfig
+from turnrl.training.seeding import seed_everything
+
+RL_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "summary.json", "trajectories", "reference")
+"""What an RL run writes at the top of its directory: a directory holding any of them holds a run."""
+
+
+def run_directory(config: TrainConfig) -> Path:
+    """Where the run lives: the resumed directory, else ``run.output_dir/run.name``."""
+    return Path(config.resume) if config.resume else Path(config.run.output_dir) / config.run.name
+
+
+def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
+    """Threads, seeds, the run directory and its ``config.yaml``: what every stage of a run starts from.
+
+    With ``run.overwrite`` (and no resume) the outputs of the run that was there are deleted first, so old
+    and new checkpoints, metrics and TensorBoard files never mix: every output (``stage=train``), the SFT
+    model (``sft``), or the RL outputs only (``rl``: after this run's own SFT stage).
+    """
+    if config.run.threads > 0:
+        torch.set_num_threads(config.run.threads)
+    seed_everything(config.seeds.seed)
+    run_dir = run_directory(config)
+    if ranks.is_main():  # the other processes of a distributed run wait for it
+        if config.run.overwrite and not config.resume:
+            for name in {"train": (*RL_OUTPUTS, "sft"), "sft": ("sft",), "rl": RL_OUTPUTS}[stage]:
+                path = run_dir / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+    ranks.barrier()
+    return run_dir
