@@ -264,6 +264,19 @@ def _build_once(out: str, log: str, barrier) -> str:
     return str(cached_build(Path(out), recipe, build_into))
 
 
+def test_a_build_that_writes_no_complete_model_is_never_published(tmp_path):
+    """transformers writes weights on rank 0 only under torch.distributed: a build elsewhere finds an empty
+    directory, which must fail loudly rather than become a cache entry that other processes read."""
+    from turnrl.models.tiny import BuildRecipe, cached_build
+
+    recipe = BuildRecipe(preset="tiny", sizes={}, template="chatml", vocab_size=512, texts_digest="x", n_texts=1,
+                         seed=0)
+    with pytest.raises(RuntimeError, match="no complete model"):
+        cached_build(tmp_path / "model", recipe, lambda path: {"key": recipe.key()})
+    assert not (tmp_path / "model").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [".model.lock"]
+
+
 def test_processes_building_the_same_model_at_once_build_it_once(tmp_path):
     import multiprocessing
 

@@ -156,6 +156,21 @@ def test_four_processes_train_as_one_with_packed_micro_batches_and_a_reference(t
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=5e-5)
 
 
+def test_four_processes_start_cleanly_from_an_empty_model_cache(tmp_path):
+    """The built-in model is built once (on rank 0, which transformers lets write) while the others wait,
+    and every process loads the complete build: no half-written cache entry is read."""
+    cache = tmp_path / "cache"
+    command = [sys.executable, "-m", "turnrl.cli", "train", "model.builtin_preset=tiny", f"model.builtin_dir={cache}",
+               f"run.output_dir={tmp_path}", "run.name=quad", *ARGS, "run.steps=1", "distributed.nproc_per_node=4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert sorted(step_records(tmp_path / "quad")) == [1]
+    builds = [path for path in cache.iterdir() if not path.name.startswith(".")]
+    assert len(builds) == 1 and (builds[0] / "config.json").is_file()
+    assert not [path for path in cache.iterdir() if ".build-" in path.name or ".stale-" in path.name]
+
+
 def test_lora_on_two_processes_trains_as_on_one(tiny_model_dir, tmp_path):
     """LoRA under FSDP2 (the base frozen in the shards, the adapters trained, the reference the adapters
     switched off): the metrics and the adapters after two steps equal one process's."""

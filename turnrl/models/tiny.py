@@ -481,6 +481,9 @@ def cached_build(out: Path, recipe: BuildRecipe, build_into: Callable[[Path], di
         try:
             info = build_into(tmp)
             (tmp / RECIPE_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            if _read_key(tmp) != recipe.key():  # never publish a half model
+                raise RuntimeError(f"building {out.name} wrote no complete model (config.json, tokenizer files): under "
+                                   "torch.distributed, transformers writes weights on rank 0 only; build it there")
             _publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from turnrl.config import ConfigError
+from turnrl.models.loading import base_model_path
 from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RolloutWorkerError
 from turnrl.rollout.trajectory import write_trajectories
@@ -144,6 +145,12 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
                       f"(raise run.steps to continue it). Summary: {run_directory(config) / 'summary.json'}")
         return done
     resumed = config.resume is not None
+    if distributed and config.model.path is None:
+        # transformers writes a model only on rank 0 of a process group, so rank 0 builds the built-in model
+        # (or finds it cached) while the others wait: they all load a complete one.
+        if ranks.is_main():
+            base_model_path(config.model)
+        ranks.wait_for_main()
     sft = None
     if config.sft.enabled and not resumed:
         run_dir = start_run(config)
