@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from turnrl.training.batch import Sample, collate
-from turnrl.training.config import ADVANTAGES, AlgorithmConfig, OptimConfig
+from turnrl.training.config import AlgorithmConfig, OptimConfig
 from turnrl.training.forward import ValueModel, token_logprobs
 from turnrl.training.ppo import UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 
