@@ -14,6 +14,7 @@ from turnrl.algorithms import (
     AGGREGATIONS,
     aggregate,
     entropy_bonus,
+    entropy_of_log_probs,
     kl_in_reward,
     kl_penalty,
     ppo_policy_loss,
@@ -186,6 +187,27 @@ def test_entropy_bonus_aggregates_like_the_losses():
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
     for mode in AGGREGATIONS:
         close(entropy_bonus(h, mask, mode), aggregate(h, mask, mode))
+
+
+def test_entropy_of_a_masked_vocabulary_is_finite_in_value_and_gradient():
+    # -inf logits (a masked vocabulary): 0 * log 0 is NaN unguarded. The reference is the entropy of the
+    # softmax over the allowed entries only, written out per row; the masked entries get no gradient.
+    logits = t([[1.0, -math.inf, 0.5, -2.0], [-math.inf, 0.3, -math.inf, 0.3], [0.2, 0.1, 0.0, -0.1]])
+    allowed = torch.isfinite(logits)
+    x = logits.clone().requires_grad_()
+    h = entropy_of_log_probs(torch.log_softmax(x, -1))
+    h.sum().backward()
+    for row in range(len(logits)):
+        z = logits[row][allowed[row]].clone().requires_grad_()
+        p = [math.exp(v) for v in z.tolist()]
+        p = [v / sum(p) for v in p]
+        close(h[row], -sum(v * math.log(v) for v in p))
+        expected = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum()
+        expected.backward()
+        close(x.grad[row][allowed[row]], z.grad)
+        assert not x.grad[row][~allowed[row]].any()
+    unguarded = torch.log_softmax(logits, -1)
+    assert torch.isnan(-(unguarded.exp() * unguarded).sum(-1)[:2]).all()  # what the guard is for
 
 # --- nothing outside the mask reaches a gradient --------------------------------
 

@@ -55,6 +55,36 @@ def test_token_logprobs_and_entropy_equal_a_full_logits_computation(model, input
     assert bool((entropy[~scored] == 0).all())
 
 
+def test_entropy_of_a_head_with_masked_vocabulary_is_finite_and_trains(model, inputs):
+    # A head that masks part of the vocabulary with -inf logits: entropy and its gradient stay finite and
+    # equal those of the allowed entries' softmax.
+    trained = copy.deepcopy(model)
+    vocab = trained.config.vocab_size
+    masked = torch.arange(vocab) % 3 == 0
+    masked[int(inputs[0].max()) + 1 :] = True  # no scored token is masked: only the entropy meets -inf
+    masked[inputs[0].flatten()] = False
+    trained.lm_head.register_forward_hook(lambda module, args, out: out.masked_fill(masked, -torch.inf))
+    _, entropy = token_logprobs(trained, *inputs, with_entropy=True)
+    _, expected_h = naive(trained, *inputs, 1.0)
+    assert torch.isfinite(entropy).all() and not torch.isfinite(expected_h).all()  # the naive sum is NaN
+    allowed_h = naive_allowed_entropy(trained, *inputs, ~masked)
+    assert torch.allclose(entropy, allowed_h, atol=1e-5)
+    entropy.sum().backward()
+    grads = [p.grad for p in trained.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def naive_allowed_entropy(model, input_ids, attention_mask, score_mask, allowed):
+    """The entropy of the softmax over the ``allowed`` vocabulary entries only, at the scored positions."""
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()[:, :-1][..., allowed]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    mask = score_mask.bool().clone()
+    mask[:, 0] = False
+    return torch.cat([torch.zeros(input_ids.shape[0], 1), entropy], 1) * mask
+
+
 @torch.no_grad()
 def test_temperature_zero_scores_like_temperature_one(model, inputs):
     greedy, _ = token_logprobs(model, *inputs, temperature=0.0)

@@ -25,6 +25,7 @@ __all__ = [
     "ValueLossStats",
     "aggregate",
     "entropy_bonus",
+    "entropy_of_log_probs",
     "kl_in_reward",
     "kl_penalty",
     "ppo_policy_loss",
@@ -290,6 +291,23 @@ def kl_in_reward(
         Shape (b, s).
     """
     return token_rewards - torch.where(_as_bool(loss_mask), coef * kl.detach(), 0)
+
+
+def entropy_of_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    """Entropy ``H = -sum_v p_v log p_v`` of each row of normalized log-probabilities, with ``0 log 0 = 0``.
+
+    A masked vocabulary entry (a ``-inf`` logit) has ``p = 0`` and ``log p = -inf``: the plain product is
+    ``0 * -inf = nan`` in the value and in the gradient. Its log-prob is replaced by 0 before the product, so
+    it adds nothing and no gradient reaches it; the other entries' terms and gradients are unchanged.
+
+    Args:
+        log_probs: Shape (..., V), e.g. ``torch.log_softmax(logits, -1)``.
+
+    Returns:
+        Shape (...), differentiable.
+    """
+    finite = log_probs.masked_fill(log_probs == -torch.inf, 0.0)
+    return -(log_probs.exp() * finite).sum(-1)
 
 
 def entropy_bonus(

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
+from turnrl.algorithms import entropy_of_log_probs
 from turnrl.models.vision import position_inputs
 
 
@@ -99,7 +100,7 @@ def token_logprobs(
         log_probs = torch.log_softmax(logits, dim=-1)
         logprob_chunks.append(log_probs.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1))
         if with_entropy:
-            entropy_chunks.append(-(log_probs.exp() * log_probs).sum(-1))
+            entropy_chunks.append(entropy_of_log_probs(log_probs))
     logprobs = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     logprobs = logprobs.index_put((rows, cols), torch.cat(logprob_chunks))
     entropy = None
