@@ -15,13 +15,14 @@ from turnrl.algorithms import (
     grpo_advantages,
     masked_gae,
     place_rewards,
+    ppo_policy_loss,
     reinforce_pp_advantages,
     rloo_advantages,
     turn_gae,
     whiten,
 )
 from turnrl.algorithms.estimators import estimator_names, get_estimator
-from turnrl.training.advantages import compute_advantages, episode_view, episode_weights
+from turnrl.training.advantages import compute_advantages, episode_view, turn_sample_weights
 from turnrl.training.batch import Sample, collate
 from turnrl.training.config import AlgorithmConfig
 
@@ -268,17 +269,47 @@ def test_a_turn_that_ends_on_an_unsampled_token_is_refused():
 
 # --------------------------------------------------------------------------- turn mode's loss weights
 def test_turn_mode_group_estimators_weigh_each_episode_once_in_the_loss():
+    # Under seq-mean-token-mean a turn sample weighs its share of its episode's sampled tokens, times the
+    # samples per episode of the batch; the other aggregations need no weights (turn_sample_weights).
     trajectory, turns = both_modes()
-    out = compute_advantages(turns.batch, config(advantage="grpo", sample_mode="turn"))
-    weights = episode_weights(turns.batch)
+    out = compute_advantages(turns.batch, config(advantage="grpo", sample_mode="turn",
+                                                 loss_aggregation="seq-mean-token-mean"))
+    weights = turn_sample_weights(turns.batch, "seq-mean-token-mean")
     assert torch.equal(out.sample_weights, weights)
-    counts = {e: len(spec) for e, (_, spec) in EPISODES.items()}
-    mean_turns = sum(counts.values()) / len(counts)
+    tokens = {e: sum(n for _, n, _ in spec) for e, (_, spec) in EPISODES.items()}
+    mean_turns = len(turns.batch) / len(EPISODES)
     for row in range(len(turns.batch)):
-        assert float(weights[row]) == pytest.approx(mean_turns / counts[int(turns.batch.episode[row])])
+        episode = int(turns.batch.episode[row])
+        share = float(turns.batch.loss_mask[row].sum()) / tokens[episode]
+        assert float(weights[row]) == pytest.approx(mean_turns * share)
     assert float(weights.mean()) == pytest.approx(1.0)
-    assert compute_advantages(turns.batch, config(advantage="gae", sample_mode="turn"), turns.values).sample_weights is None
-    assert compute_advantages(trajectory.batch, config(advantage="grpo")).sample_weights is None
+    for aggregation in ("token-mean", "seq-mean-token-sum"):
+        cfg = config(advantage="grpo", sample_mode="turn", loss_aggregation=aggregation)
+        assert compute_advantages(turns.batch, cfg).sample_weights is None
+    cfg = config(advantage="gae", sample_mode="turn", loss_aggregation="seq-mean-token-mean")
+    assert compute_advantages(turns.batch, cfg, turns.values).sample_weights is None
+    cfg = config(advantage="grpo", loss_aggregation="seq-mean-token-mean")
+    assert compute_advantages(trajectory.batch, cfg).sample_weights is None
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("estimator", ["grpo", "gigpo"])
+def test_turn_samples_give_the_trajectory_policy_gradient_of_the_same_episodes(estimator, aggregation):
+    # The policy loss as the PPO epochs build it, differentiated by each sampled token's log-prob (ratio 1).
+    trajectory, turns = both_modes()
+    gradients = []
+    for mode, name in ((trajectory, "trajectory"), (turns, "turn")):
+        batch = mode.batch
+        out = compute_advantages(batch, config(advantage=estimator, sample_mode=name, loss_aggregation=aggregation))
+        logprobs = torch.full(batch.loss_mask.shape, -1.0, requires_grad=True)
+        loss, _ = ppo_policy_loss(logprobs, logprobs.detach(), out.advantages, batch.loss_mask,
+                                  aggregation=aggregation, sample_weights=out.sample_weights)
+        loss.backward()
+        gradients.append(mode.per_episode(logprobs.grad))
+    assert any(g != 0 for grads in gradients[0].values() for g in grads)
+    # seq-mean-token-sum divides by the samples: the turn mode's gradient is the trajectory mode's times E / N.
+    scale = len(turns.batch) / len(trajectory.batch) if aggregation == "seq-mean-token-sum" else 1.0
+    assert_same_per_episode(gradients[0], {e: [g * scale for g in grads] for e, grads in gradients[1].items()})
 
 
 # --------------------------------------------------------------------------- the episode view

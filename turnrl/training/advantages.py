@@ -12,7 +12,7 @@ and each discount means the same in both (``gamma_token`` from one token to the 
 outside their mask anyway, so leaving them out changes nothing.
 
 The estimator that ``algorithm.advantage`` names says what it reads (the critic's values, each turn's state)
-and whether its turn samples are weighed per episode (:func:`episode_weights`).
+and whether its turn samples are weighed per episode (:func:`turn_sample_weights`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from turnrl.algorithms import EpisodeView, kl_in_reward, place_rewards
+from turnrl.algorithms.losses import Aggregation
 from turnrl.training.batch import Batch
 from turnrl.training.config import AlgorithmConfig
 
@@ -107,24 +108,40 @@ class Advantages:
     returns: torch.Tensor
     """Shape (b, s), float32: the critic's targets (the advantages for estimators without a critic)."""
     sample_weights: torch.Tensor | None
-    """Shape (b,): each sample's weight in the policy loss, or None for all 1 (see :func:`episode_weights`)."""
+    """Shape (b,): each sample's weight in the policy loss, or None for all 1 (see :func:`turn_sample_weights`)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The estimator's metrics of this batch, under ``actor/`` (e.g. ``actor/gigpo_anchored_turns``)."""
 
 
-def episode_weights(batch: Batch) -> torch.Tensor:
-    """Shape (b,): ``mean turns per episode / turns of this sample's episode`` (turn mode).
+def turn_sample_weights(batch: Batch, aggregation: Aggregation) -> torch.Tensor | None:
+    """Shape (b,): weights of turn samples in the policy loss that make it the loss of the same episodes as
+    whole-trajectory samples, under the loss's aggregation; None where no weights are needed.
 
-    A group estimator gives every turn of an episode the episode's advantage.
-    Unweighted, an episode of 8 turn samples would count 8 times as much as
-    one of 2, and since failed episodes tend to be the long ones (out of
-    turns), the batch's advantages would no longer balance: every sampled
-    token, format tokens included, would be pushed down a little at each step
-    until responses break. With these weights each episode counts once, as in
-    the trajectory-level objective; the mean weight per turn sample stays 1.
+    With ``x`` the per-token loss terms, ``l_it`` the sampled tokens of turn ``t`` of episode ``i`` and
+    ``L_i = sum_t l_it``, the trajectory-mode loss (E samples) and the unweighted turn-mode loss (N samples)
+    of one batch are:
+
+    - ``token-mean``: ``sum_ij x_ij / sum_i L_i`` in both modes (the same tokens over the same count): no
+      weights. Weights would scale whole episodes against each other.
+    - ``seq-mean-token-sum``: ``(1/E) sum_ij x_ij`` against ``(1/N) sum_ij x_ij``: the same but for the
+      factor ``E/N`` on the whole batch, which the entropy and KL terms share, so the actor's gradient has
+      the trajectory mode's direction: no weights.
+    - ``seq-mean-token-mean``: ``(1/E) sum_i (1/L_i) sum_j x_ij`` against ``(1/N) sum_it (1/l_it) sum_(j in t)
+      x_ij``, where an episode counts once per turn. Weights ``w_it = (N/E) * l_it / L_i`` (mean 1) make the
+      turn-mode policy loss the trajectory mode's exactly (the entropy and KL terms stay per turn sample).
+
+    Each equality holds for the whole batch; a mini-batch of turn samples is a random share of it, as one of
+    episodes is. Returns None for a batch of one sample per episode. Only estimators that declare
+    ``episode_weights`` get these weights; the critic's estimators count each turn sample once, as a step of
+    the turn-level MDP.
     """
-    _, inverse, turns = torch.unique(batch.episode, return_inverse=True, return_counts=True)
-    return (turns.float().mean() / turns.float())[inverse]
+    _, episode, turns = torch.unique(batch.episode, return_inverse=True, return_counts=True)
+    if aggregation != "seq-mean-token-mean" or bool((turns == 1).all()):
+        return None
+    tokens = batch.loss_mask.sum(1).to(torch.float64)  # (b,) l_it
+    episode_tokens = torch.zeros(len(turns), dtype=torch.float64, device=tokens.device).index_add_(0, episode, tokens)
+    samples_per_episode = len(batch) / len(turns)  # N / E
+    return (samples_per_episode * tokens / episode_tokens[episode]).float()
 
 
 def compute_advantages(
@@ -150,11 +167,11 @@ def compute_advantages(
     estimate = estimator(view, config.shared_settings, config.params)
     weights = None
     if config.sample_mode == "turn" and "episode_weights" in estimator.needs:
-        weights = episode_weights(batch).to(batch.loss_mask.device)
+        weights = turn_sample_weights(batch, config.loss_aggregation)
     shape = batch.loss_mask.shape
     return Advantages(
         view.to_batch(estimate.advantages.float(), shape),
         view.to_batch(estimate.returns.float(), shape),
-        weights,
+        weights if weights is None else weights.to(batch.loss_mask.device),
         {f"actor/{name}": value for name, value in estimate.metrics.items()},
     )
