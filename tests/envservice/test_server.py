@@ -440,6 +440,15 @@ def test_the_state_key_of_an_env_without_one_is_the_rollouts_hash_of_its_observa
     assert answer_query(object(), "state_key", obs) == observation_key(obs)  # type: ignore[arg-type]
 
 
+def test_an_env_without_a_step_limit_answers_no_budget():
+    """A Gymnasium env without max_episode_steps names no budget; the query passes None on, not int(None)."""
+    from turnrl.envs import make
+
+    cliff = make("gym:CliffWalking-v1")
+    assert answer_query(cliff, "action_budget", {}) is None
+    assert answer_query(make("gym:FrozenLake-v1"), "action_budget", {}) == 100
+
+
 def test_the_server_takes_exactly_the_queries_the_client_knows():
     assert typing.get_args(Query) == QUERIES
 

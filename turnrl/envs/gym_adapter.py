@@ -24,6 +24,10 @@ render_mode="rgb_array", is_slippery=False)`` and wraps it in
   the state for the envs in :data:`KNOWN_ENVS` and taken from the env's own
   ``info["success"]`` or ``info["is_success"]`` for any other (False if it
   has neither).
+- **The turn budget** ``turnrl eval`` gives by default (``action_budget()``)
+  is the env's own step limit (``max_episode_steps`` of its spec, which
+  ``gymnasium.make`` enforces with ``TimeLimit``); an env without one keeps
+  the agent's budget.
 - **A turnrl env underneath** (one with the :class:`~turnrl.envs.base.AgentEnv`
   methods, e.g. ``gym:turnrl/Maze2D-v0`` with ``mode="image"``) keeps its own
   action names, instructions, state facts and solver, and the spellings its
@@ -336,6 +340,17 @@ class GymImageEnv(gym.Wrapper):
 
     def action_names(self) -> list[str]:
         return list(self._actions)
+
+    def action_budget(self) -> int | None:
+        """Actions a competent agent needs at most (the budget ``turnrl eval`` gives by default): the step limit
+        of the env's ``TimeLimit`` (``max_episode_steps`` of its spec: 100 for FrozenLake-v1, or the setting),
+        or a turnrl env's own ``action_budget()`` where that is tighter; None for an env with neither
+        (CliffWalking-v1), which keeps the agent's budget."""
+        limit = self.env.spec.max_episode_steps if self.env.spec is not None else None
+        own_budget = getattr(self.agent_env, "action_budget", None)  # an optional method of the contract
+        own = own_budget() if callable(own_budget) else None
+        budgets = [int(b) for b in (limit, own) if b is not None]
+        return min(budgets) if budgets else None
 
     def state_facts(self) -> StateFacts:
         """The player and objects of a known or a turnrl env; an empty ``StateFacts`` for any other env."""
