@@ -238,6 +238,21 @@ def test_check_env_bad_id_is_a_clean_error():
     assert "unknown env 'Nope'" in error_exit(["check-env", "Nope"])
 
 
+def test_a_module_class_env_imports_from_the_folder_the_command_runs_in(tmp_path):
+    """The docs' ``my_package`` next to where the user types: the ``turnrl`` script (unlike ``python -m``)
+    starts without the current folder on the import path, and once failed with "No module named 'my_package'"."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    env_code = next(block for block in re.findall(r"```python\n(.*?)```", docs, re.S) if "class CorridorEnv" in block)
+    package = tmp_path / "my_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "envs.py").write_text(env_code)
+    result = run_turnrl("check-env", "my_package.envs:CorridorEnv", "length=6", cwd=tmp_path)
+    assert result.returncode == 0 and "passes" in result.stdout, result.stdout + result.stderr
+    played = run_turnrl("play", "my_package.envs:CorridorEnv", stdin=":hint\n:quit\n", cwd=tmp_path)
+    assert played.returncode == 0 and "solver: [" in played.stdout, played.stdout + played.stderr
+
+
 # --------------------------------------------------------------------------- eval
 def test_eval_command_writes_summary_and_trajectories(tmp_path):
     out = tmp_path / "eval"

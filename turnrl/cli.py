@@ -553,10 +553,19 @@ def _subparser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
     return parser
 
 
+def import_from_current_folder() -> None:
+    """Put the current folder first on the import path, as ``python -m`` does, so that a ``module:Class`` env
+    (or a ``module:function`` reward) of a package in the folder a command runs from imports; the ``turnrl``
+    script alone would start with only its own folder there."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # The run's own rich progress bars say what is happening; the per-file
     # bars of model loading and saving would only interleave with them.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import_from_current_folder()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     # argparse gives a trailing nargs="*" positional only the words before the
