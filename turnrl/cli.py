@@ -112,10 +112,9 @@ def pack(items: list[str], width: int, first: str, rest: str, gap: str = "  ") -
 
 def setting_lines(name: str) -> list[str]:
     """One line per setting of a built-in env: ``name=default``, and the allowed values where there are few."""
-    from turnrl.envs.registry import env_class, env_parameters
+    from turnrl.envs.registry import env_parameters, env_setting_choices
 
-    cls = env_class(name)
-    choices = {**getattr(cls, "setting_choices", {}), "mode": tuple(cls.modes)}
+    choices = env_setting_choices(name)
     lines = []
     for key, default in env_parameters(name).items():
         if key == "render_mode":  # Gymnasium's, for human viewers: not an agent setting

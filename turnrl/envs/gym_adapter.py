@@ -68,7 +68,7 @@ from turnrl.envs.base import (
     facts_from_positions,
     missing_methods,
 )
-from turnrl.envs.settings import registered_settings
+from turnrl.envs.settings import close_names, did_you_mean, registered_settings
 
 __all__ = [
     "ADAPTER_KEYS",
@@ -536,7 +536,9 @@ def make_image_env(env_id: str, **settings: Any) -> GymImageEnv:
     """
     label = f"{GYM_PREFIX}{env_id}"
     if env_id not in gym.registry:
-        raise ValueError(f"{label}: {env_id!r} is not a registered Gymnasium id (e.g. gym:FrozenLake-v1)")
+        near = [f"{GYM_PREFIX}{name}" for name in close_names(env_id, gym.registry)]
+        hint = f"did you mean {' or '.join(near)}?" if near else "e.g. gym:FrozenLake-v1"
+        raise ValueError(f"{label}: {env_id!r} is not a registered Gymnasium id ({hint})")
     own = {key: settings.pop(key) for key in ADAPTER_KEYS if key in settings}
     if "render_mode" in settings:
         raise ValueError(f"{label}: render_mode is not a setting here; the gym: adapter always renders rgb_array")
@@ -547,8 +549,8 @@ def make_image_env(env_id: str, **settings: Any) -> GymImageEnv:
         if unknown:
             env_listing = ", ".join(f"{k}={v!r}" for k, v in allowed.items())
             raise ValueError(
-                f"{label} has no setting {', '.join(unknown)}; the adapter's settings: {', '.join(ADAPTER_KEYS)}; "
-                f"{env_id}'s: {env_listing}"
+                f"{label} has no setting {', '.join(unknown)}; {did_you_mean(unknown, [*ADAPTER_KEYS, *allowed])}"
+                f"the adapter's settings: {', '.join(ADAPTER_KEYS)}; {env_id}'s: {env_listing}"
             )
     modes = _render_modes(env_id)
     if modes is not None and "rgb_array" not in modes:
