@@ -28,7 +28,7 @@ def literal_choices(factory: Callable[..., Any]) -> dict[str, tuple[Any, ...]]:
     """The allowed values of the keyword parameters of ``factory`` (a class: its ``__init__``) typed as a
     ``Literal`` (or a ``Literal`` or None): ``task: Literal["align", "place"]`` -> ``{"task": ("align",
     "place")}``. Annotations that cannot be read here (names imported only for type checkers) give none."""
-    target = factory.__init__ if inspect.isclass(factory) else factory  # type: ignore[misc]
+    target = factory.__init__ if inspect.isclass(factory) else factory
     try:
         hints = get_type_hints(target)
     except (NameError, TypeError, AttributeError):
