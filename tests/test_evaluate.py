@@ -133,8 +133,9 @@ def test_image_mode_eval_writes_pngs_beside_the_trajectories(tmp_path):
     assert summary["success_rate"] == 1.0
     out = tmp_path / "eval"
     written = sorted((out / "images").glob("*.png"))
-    listed = [path for record in records for path in record["images"]]
-    assert len(written) == len(listed) == sum(len(r["turns"]) for r in records), "one image per observation"
+    listed = [path for record in records for path in record["images"] + record["final_images"]]
+    assert all(len(r["images"]) == len(r["turns"]) for r in records), "one image per observation shown"
+    assert all(len(r["final_images"]) == 1 for r in records), "and the one the episode ended on"
     assert sorted(str(p.relative_to(out)) for p in written) == sorted(listed)
     first = make("Maze2D", mode="image").reset(seed=records[0]["seed"])[0]["image"]
     np.testing.assert_array_equal(np.asarray(Image.open(out / records[0]["images"][0]).convert("RGB")), first)
