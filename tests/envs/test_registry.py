@@ -80,6 +80,21 @@ def test_unknown_setting_names_the_allowed_ones():
         assert f"{key}=" in message
 
 
+@pytest.mark.parametrize(
+    ("env_id", "settings", "hint"),
+    [
+        ("Sokobn", {}, "unknown env 'Sokobn'; did you mean Sokoban?"),
+        ("Sokoban", {"sise": 6}, "Sokoban has no setting sise; did you mean size?"),
+        ("tests.envs.toy_envs:Coridor", {}, "has no attribute 'Coridor'; did you mean Corridor?"),
+        ("gym:FrozenLake-v2", {}, "did you mean gym:FrozenLake-v1"),
+        ("gym:FrozenLake-v1", {"is_slipery": False}, "has no setting is_slipery; did you mean is_slippery?"),
+    ],
+)
+def test_a_typo_in_an_env_name_or_setting_gets_the_likely_one(env_id, settings, hint):
+    with pytest.raises(ValueError, match=re.escape(hint)):
+        make(env_id, **settings)
+
+
 def test_unknown_env_lists_the_three_accepted_forms():
     message = str(pytest.raises(ValueError, make, "Tetris-v9").value)
     assert "module:Class" in message and "gymnasium.register" in message and "built-in name" in message
