@@ -189,6 +189,23 @@ def test_state_facts_list_what_was_observed():
     assert "chair is directly above the player" in facts.describe()
 
 
+def test_grounding_rewards_read_the_facts_of_two_word_objects():
+    from turnrl.rewards.matching import MatchItem, RuleMatcher
+
+    matcher, env = RuleMatcher(), SpatialEnv()
+    for seed in range(30):
+        env.reset(seed=seed)
+        for action in env.solve()[:-1]:
+            env.step(action)
+        facts = env.state_facts()
+        assert matcher.score_one(MatchItem(facts.describe(), facts, "Spatial", "observation")) == 1.0
+    room = Room(6, (Thing("air conditioner", (2, 4), 2), Thing("trash can", (3, 3), None), *ROOM.things[2:]), (2, 2))
+    env.reset(seed=0, options={"room": room})
+    env.step("Actions: [Observe()]")
+    text = "The air conditioner is directly above the player; the trash can is above and to the right."
+    assert matcher.score_one(MatchItem(text, env.state_facts(), "Spatial", "observation")) == pytest.approx(2 / 3)
+
+
 def test_image_map_shows_what_was_observed():
     env, obs = hand_made(mode="image", cell_px=20)
     image = obs["image"]

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv, facts_from_positions
+from turnrl.envs.base import StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
 from turnrl.envs.games.spatial.actions import Action, parse_sequence, sequence_text
 from turnrl.envs.games.spatial.geometry import HEADING_NAMES, HEADINGS, Cell, in_view, offset
 from turnrl.envs.games.spatial.knowledge import Knowledge
@@ -72,6 +72,13 @@ class SpatialEnv(TurnEnv):
     """
 
     modes = ("text", "image")
+    # Every object counts the same; the aliases let a description name the two-word objects by their telling word
+    # (state rewards read one word at a time) or by a common other name.
+    state_reward_profile = StateRewardProfile(
+        {name: 1.0 for name in OBJECT_NAMES},
+        {"conditioner": "air conditioner", "trash": "trash can", "bin": "trash can", "tv": "television",
+         "fridge": "refrigerator", "couch": "sofa", "bookcase": "bookshelf", "pc": "computer", "screen": "monitor"},
+    )
     description = (
         "Spatial: explore a room by turning, jumping and observing, then answer a multiple-choice spatial "
         "question (RAGEN)."
