@@ -297,6 +297,8 @@ def test_constructor_validation(kwargs, message):
 
 
 def test_tasks_setting_and_bad_options():
+    assert SpatialEnv().tasks == SpatialEnv(tasks="all").tasks == TASKS
+    assert SpatialEnv(tasks=["e2a"]).tasks == ("e2a",)
     env = SpatialEnv(tasks="rot, rot_dual")
     assert {env.reset(seed=s)[0] and env.question.task for s in range(20)} == {"rot", "rot_dual"}
     with pytest.raises(ValueError, match="options\\['task'\\]"):

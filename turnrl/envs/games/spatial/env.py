@@ -61,7 +61,8 @@ class SpatialEnv(TurnEnv):
         mode: ``"text"`` or ``"image"`` (a top-down map of what has been observed).
         room_size: side of the square room in cells (3 to 20; RAGEN: 6).
         n_objects: objects in the room (3 to 20, fewer than the cells; RAGEN: 5).
-        tasks: the question tasks drawn from (RAGEN's ten by default, see :mod:`.questions`).
+        tasks: the question tasks drawn from: ``"all"`` (RAGEN's ten, see :mod:`.questions`), a list of task
+            names, or their names separated by commas.
         correct_reward: paid for a right answer (RAGEN: 10).
         wrong_reward: paid for a wrong answer (RAGEN: -1).
         step_reward: paid for every step that does not answer (RAGEN: -0.1).
@@ -89,7 +90,7 @@ class SpatialEnv(TurnEnv):
         mode: str = "text",
         room_size: int = 6,
         n_objects: int = 5,
-        tasks: Sequence[str] = TASKS,
+        tasks: Sequence[str] | str = "all",
         correct_reward: float = 10.0,
         wrong_reward: float = -1.0,
         step_reward: float = -0.1,
@@ -105,11 +106,11 @@ class SpatialEnv(TurnEnv):
         if not isinstance(n_objects, (int, np.integer)) or isinstance(n_objects, bool) or not 3 <= n_objects <= most:
             raise ValueError(f"n_objects must be an int from 3 to {most} for room_size={room_size}, got {n_objects!r}")
         if isinstance(tasks, str):
-            tasks = [t.strip() for t in tasks.split(",")]
+            tasks = TASKS if tasks.strip() == "all" else [t.strip() for t in tasks.split(",")]
         tasks = tuple(tasks)
         unknown = [t for t in tasks if t not in TASKS]
         if not tasks or unknown:
-            raise ValueError(f"tasks must be a non-empty list drawn from {list(TASKS)}, got {list(tasks)}")
+            raise ValueError(f"tasks must be 'all' or a non-empty list drawn from {list(TASKS)}, got {list(tasks)}")
         rewards = {"correct_reward": correct_reward, "wrong_reward": wrong_reward, "step_reward": step_reward,
                    "invalid_reward": invalid_reward}
         for key, value in rewards.items():
