@@ -266,13 +266,15 @@ def test_expert_success_on_500_validation_seeds():
     assert rate >= 0.99
 
 
-@pytest.mark.parametrize(("room_size", "n_objects"), [(3, 3), (8, 12), (12, 20)])
-def test_other_sizes_generate_and_solve(room_size, n_objects):
-    env = SpatialEnv(room_size=room_size, n_objects=n_objects)
+@pytest.mark.parametrize(("room_size", "n_objects"), [(3, 3), (3, 8), (5, 20), (8, 12), (20, 20)])
+def test_other_sizes_generate_solve_and_fit_the_spaces(room_size, n_objects):
+    env = SpatialEnv(room_size=room_size, n_objects=n_objects, mode="image", cell_px=8)
     for seed in range(10):
-        env.reset(seed=seed)
+        obs, _ = env.reset(seed=seed)
+        assert env.observation_space.contains(obs)
         for action in env.solve():
-            *_, info = env.step(action)
+            obs, *_, info = env.step(action)
+            assert env.observation_space.contains(obs)
         assert info["success"]
 
 
