@@ -26,6 +26,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "Navigation": "turnrl.envs.games.navigation:NavigationEnv",
     "PrimitiveSkill": "turnrl.envs.games.primitive_skill:PrimitiveSkillEnv",
     "SVG": "turnrl.envs.games.svg:SVGEnv",
+    "Spatial": "turnrl.envs.games.spatial:SpatialEnv",
 }
 
 CONTRACT_HINT = (
