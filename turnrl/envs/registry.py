@@ -26,6 +26,9 @@ BUILTIN_ENVS: dict[str, str] = {
     "Navigation": "turnrl.envs.games.navigation:NavigationEnv",
     "PrimitiveSkill": "turnrl.envs.games.primitive_skill:PrimitiveSkillEnv",
     "SVG": "turnrl.envs.games.svg:SVGEnv",
+    "Sudoku": "turnrl.envs.games.sudoku:SudokuEnv",
+    "Game2048": "turnrl.envs.games.game2048:Game2048Env",
+    "RubiksCube": "turnrl.envs.games.rubiks:RubiksCubeEnv",
 }
 
 CONTRACT_HINT = (
