@@ -82,7 +82,8 @@ def geometry(size: int) -> Geometry:
     ]
     units = tuple(rows + cols + boxes)
     peers = tuple(
-        tuple(sorted({other for unit in units if cell in unit for other in unit} - {cell})) for cell in range(size * size)
+        tuple(sorted({other for unit in units if cell in unit for other in unit} - {cell}))
+        for cell in range(size * size)
     )
     return Geometry(size, box, units, peers)
 
@@ -143,10 +144,10 @@ def _propagate(values: list[int], masks: list[int], geo: Geometry) -> bool:
                 bit = 1 << bit_index
                 if singles & bit:
                     # None when an assignment above took this digit's only cell for another digit.
-                    cell = next((c for c in unit if masks[c] & bit), None)
-                    if cell is None:
+                    place = next((c for c in unit if masks[c] & bit), None)
+                    if place is None:
                         return False
-                    _assign(values, masks, geo.peers, cell, bit)
+                    _assign(values, masks, geo.peers, place, bit)
                     changed = True
     return True
 
