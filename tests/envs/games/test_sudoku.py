@@ -357,7 +357,6 @@ def test_the_expert_solves_validation_seeds_within_the_budget(difficulty):
         assert solved and length == env.action_budget() == env.empty_cells
 
 
-@pytest.mark.slow
 def test_the_expert_solves_200_validation_seeds():
     env = SudokuEnv()
     results = [play_expert(env) for seed in range(200) if env.reset(seed=seed)]
