@@ -18,7 +18,7 @@ from turnrl.envs.registry import BUILTIN_ENVS, env_class, env_names, env_paramet
 def test_every_builtin_env_is_listed_with_a_gymnasium_id():
     assert env_names() == list(BUILTIN_ENVS)
     assert set(env_names()) == {"Sokoban", "FrozenLake", "Bandit", "Countdown", "Maze2D", "Navigation",
-                                "PrimitiveSkill", "SVG", "Spatial"}
+                                "PrimitiveSkill", "SVG", "Spatial", "Sudoku", "Game2048", "RubiksCube"}
     for name in env_names():
         assert gym_id(name) == f"turnrl/{name}-v0"
         assert gym_id(name) in gym.registry

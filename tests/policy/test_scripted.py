@@ -17,17 +17,19 @@ from turnrl.policy.base import GenerationRequest
 from turnrl.policy.scripted import RANDOM_REASON, ExpertPolicy, RandomPolicy
 
 # The visgym_tuple format carries one tuple literal, e.g. ('move', 0); a free-form Countdown
-# equation, a pick(x,y,z) skill, an SVG document or a Spatial action sequence has no such spelling, so those
-# pairings cannot work.
-NO_TUPLE_SPELLING = ("Countdown", "PrimitiveSkill", "SVG", "Spatial")
+# equation, a pick(x,y,z) skill, an SVG document, a Spatial action sequence or a Sudoku placement has no such
+# spelling, so those pairings cannot work.
+NO_TUPLE_SPELLING = ("Countdown", "PrimitiveSkill", "SVG", "Spatial", "Sudoku")
 PAIRS = [
     (env, fmt)
     for env in env_names()
     for fmt in format_names()
     if not (env in NO_TUPLE_SPELLING and fmt == "visgym_tuple")
 ]
-SEPARATOR = {"PrimitiveSkill": "|"}
-"""Envs whose actions hold the default separator: PrimitiveSkill's pick(x,y,z) holds commas (VAGEN uses |)."""
+SEPARATOR = {"PrimitiveSkill": "|", "Sudoku": "||"}
+"""Envs whose actions hold the default separator: PrimitiveSkill's pick(x,y,z) holds commas (VAGEN uses |); and
+free-form envs with several actions a turn, whose answers are split only on a separator given explicitly (Sudoku's
+recipe gives RAGEN's ||)."""
 
 
 def respond(policy, env) -> str:

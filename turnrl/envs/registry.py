@@ -27,6 +27,9 @@ BUILTIN_ENVS: dict[str, str] = {
     "PrimitiveSkill": "turnrl.envs.games.primitive_skill:PrimitiveSkillEnv",
     "SVG": "turnrl.envs.games.svg:SVGEnv",
     "Spatial": "turnrl.envs.games.spatial:SpatialEnv",
+    "Sudoku": "turnrl.envs.games.sudoku:SudokuEnv",
+    "Game2048": "turnrl.envs.games.game2048:Game2048Env",
+    "RubiksCube": "turnrl.envs.games.rubiks:RubiksCubeEnv",
 }
 
 CONTRACT_HINT = (
