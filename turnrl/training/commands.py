@@ -23,6 +23,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import torch
+
 from turnrl.config import ConfigError
 from turnrl.models.devices import resolve_device
 from turnrl.models.loading import base_model_path
@@ -126,6 +128,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
                           "distributed.backend=ray run in one process: start them without torchrun")
     if distributed:
         ranks.init_process_group(config.model.device, config.distributed.timeout_s)
+        if config.run.threads == 0:
+            torch.set_num_threads(ranks.threads_per_process())
         # config.yaml then says how many processes a resume needs (`turnrl train resume=RUN_DIR` starts them).
         config.distributed.nproc_per_node = ranks.world_size()
     elif config.distributed.backend == "fsdp":

@@ -337,7 +337,8 @@ class RunConfig:
     wandb_project: Optional[str] = None
     """Log to this Weights & Biases project too (needs ``wandb``)."""
     threads: int = 0
-    """torch CPU threads; 0 keeps torch's default."""
+    """torch CPU threads; 0 keeps torch's default (under torchrun: the host's cores shared among its processes,
+    where torchrun would leave one each)."""
     peak_tflops: float = 0.0
     """Dense bf16 peak of one device in TFLOP/s, the denominator of ``throughput/update_mfu``; 0 detects it
     (H100, H200, A100 and others by name); a CPU or an unknown GPU logs no MFU."""

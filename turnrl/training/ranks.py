@@ -36,6 +36,15 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", 1)) > 1 or "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def threads_per_process() -> int:
+    """The host's cores shared evenly among the processes of this machine (``LOCAL_WORLD_SIZE``).
+
+    torchrun sets ``OMP_NUM_THREADS=1`` in every process it starts, which leaves a GPU run's CPU work on one
+    core a process: loading and copying the models (minutes at 7B) and, with ``distributed.cpu_offload``,
+    the optimizer's steps."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
 _process_device: torch.device | None = None
 
 
