@@ -121,13 +121,3 @@ def test_activations_grow_with_the_micro_batch_and_shrink_with_checkpointing(tmp
     assert activation_bytes(counts, 8192, False) == pytest.approx(
         36 * 2 * 8192 * (14 * 2048 + 4 * 11008) + 8 * 2048 * 151936)
 
-
-def test_processes_of_a_host_share_its_cores(monkeypatch):
-    """torchrun leaves each process one thread (OMP_NUM_THREADS=1); a run gives each its share of the host."""
-    from turnrl.training import ranks
-
-    monkeypatch.setattr("os.cpu_count", lambda: 64)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert ranks.threads_per_process() == 16
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")
-    assert ranks.threads_per_process() == 1
