@@ -22,7 +22,7 @@ from turnrl.cli import main
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import GracefulStop, train
 from turnrl.training.config import TrainConfig
-from turnrl.training.logger import MetricsLogger, RunProgress
+from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
 from turnrl.training.trainer import Trainer
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.
@@ -449,6 +449,16 @@ def test_progress_prints_plain_lines_every_interval_where_output_is_not_a_termin
     assert [line.split(",")[0] for line in lines] == ["rl 2/10 (20%)", "rl 5/10 (50%)", "rl 8/10 (80%)",
                                                      "rl 10/10 (100%)"]
     assert "~0:00:50 left" in lines[1] and lines[-1].endswith("success 0.50")
+
+
+def test_a_run_console_whose_reader_is_gone_goes_on_on_stderr(capsys):
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as stream:
+        console = RunConsole(file=stream)
+        console.print("meets the broken pipe")  # rich's own console exits here
+        console.print("on stderr")
+    assert capsys.readouterr().err.endswith("on stderr\n")
 
 
 def test_progress_in_a_terminal_draws_a_bar_and_nested_progress_stays_quiet():

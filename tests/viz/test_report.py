@@ -52,8 +52,11 @@ def test_evaluation_report_shows_every_episode_with_its_images(eval_dir):
 def test_run_report_has_curves_steps_and_before_after_pairs(run_dir):
     data = load_report(run_dir)
     assert data.kind == "training run"
-    assert [s.label for s in data.sources] == ["validation before RL", "step 0", "step 1", "validation after RL"]
-    assert [s.step for s in data.sources] == [0, 0, 1, None]
+    assert [s.label for s in data.sources] == ["validation before RL", "step 1", "step 2", "validation after RL"]
+    assert [s.step for s in data.sources] == [0, 1, 2, None]
+    # The page's steps are those of metrics.jsonl (and of the checkpoints): one numbering.
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [0, 1, 2, 2] and (run_dir / "checkpoints" / "step_000002").is_dir()
     assert len(data.pairs) == 4 and all(p.before.seed == p.after.seed for p in data.pairs)
     plots = {p.url for p in data.plots}
     assert {"plots/success.png", "plots/reward.png", "plots/entropy.png", "plots/response_length.png",

@@ -31,8 +31,7 @@ class RunConsole(Console):
     rich exits on a broken pipe; a run must carry on to its checkpoint instead (``turnrl train ... | tee
     log``, where the Ctrl-C that asks the run to stop ends ``tee`` too). The broken stream is pointed at
     ``os.devnull``, so that later writes to it and the interpreter's flush at exit succeed, and what follows
-    is printed on stderr, or nowhere when stderr is the stream that broke. The message that met the broken
-    pipe is lost with it.
+    is printed on stderr, or nowhere when stderr is the stream that broke.
     """
 
     def on_broken_pipe(self) -> None:
