@@ -150,6 +150,8 @@ def test_a_checkpoint_is_complete_with_its_state_config_and_whole_weights(actor,
         (lambda: cut(path / "actor" / "model.safetensors"), "actor/model.safetensors is damaged"),
         (lambda: cut(path / "actor" / "model.safetensors", keep=1000), "actor/model.safetensors is damaged"),
         (lambda: (path / "actor" / "config.json").unlink(), "no actor/config.json"),
+        (lambda: (path / "actor" / "tokenizer.json").unlink(), "no actor/tokenizer.json"),
+        (lambda: (path / "actor" / "tokenizer_config.json").unlink(), "no actor/tokenizer_config.json"),
         (lambda: shutil.rmtree(path / "critic"), "no critic/"),
         (lambda: (path / "critic" / "value_head.pt").unlink(), "no critic/value_head.pt"),
     ]
@@ -168,6 +170,7 @@ def test_a_sharded_model_needs_every_shard_its_index_names(actor, tiny_tokenizer
     path = save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {})
     shutil.rmtree(path / "actor")
     actor.save_pretrained(path / "actor", max_shard_size="200KB")
+    tiny_tokenizer.save_pretrained(path / "actor")
     shards = sorted((path / "actor").glob("model-*.safetensors"))
     assert len(shards) > 1 and checkpoint_problem(path) is None
     shards[-1].unlink()

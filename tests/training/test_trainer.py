@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -622,6 +623,16 @@ def test_a_resume_over_damaged_checkpoints_goes_on_from_a_complete_one_or_change
     torch.save({**state, "world_size": 2}, checkpoints / "step_000003" / "trainer_state.pt")
     recorded = (run / "config.yaml").read_text()
     assert "was saved by 2 process(es)" in resume_error(run, "run.steps=5")
+    assert (run / "config.yaml").read_text() == recorded
+    # So does a trainer state whose archive is whole but whose contents are not.
+    with zipfile.ZipFile(checkpoints / "step_000003" / "trainer_state.pt") as archive:
+        entries = {info.filename: archive.read(info) for info in archive.infolist()}
+    with zipfile.ZipFile(checkpoints / "step_000003" / "trainer_state.pt", "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, b"not a pickle" if name.endswith("data.pkl") else data)
+    message = resume_error(run, "run.steps=5")
+    assert f"{checkpoints / 'step_000003' / 'trainer_state.pt'} cannot be read (" in message
+    assert "move step_000003 away to resume from an earlier checkpoint" in message
     assert (run / "config.yaml").read_text() == recorded
 
 

@@ -159,17 +159,27 @@ def _torch_file_problem(path: Path, name: str) -> str | None:
         return f"{name} is damaged: {error}"
 
 
-def _model_problem(directory: Path, name: str) -> str | None:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""What a saved tokenizer's vocabulary is in (a fast tokenizer, sentencepiece, a BPE vocabulary): one is there."""
+
+
+def _model_problem(directory: Path, name: str, tokenizer: bool = False) -> str | None:
     """What keeps a ``save_pretrained`` directory (a model, or LoRA adapters) from loading, None if nothing.
 
     Its config and every weights file must be there, each with a safetensors header that covers the whole file
-    (a file cut short fails that).
+    (a file cut short fails that); with ``tokenizer``, a full model's tokenizer too (a resumed run loads it from
+    there; LoRA adapters resume with the tokenizer of the model under them).
     """
     if not directory.is_dir():
         return f"no {name}/"
     adapters = (directory / "adapter_config.json").is_file()
     if not adapters and not (directory / "config.json").is_file():
         return f"no {name}/config.json"
+    if tokenizer and not adapters:
+        if not (directory / "tokenizer_config.json").is_file():
+            return f"no {name}/tokenizer_config.json"
+        if not any((directory / file).is_file() for file in TOKENIZER_FILES):
+            return f"no {name}/tokenizer.json"
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -194,13 +204,14 @@ def checkpoint_problem(checkpoint: Path, critic: bool = False) -> str | None:
     """What keeps ``checkpoint`` from being resumed, in a few words (``no trainer_state.pt``); None if nothing.
 
     A complete checkpoint holds ``trainer_state.pt`` (a readable ``torch.save`` archive), ``actor/`` (and
-    ``critic/`` with its ``value_head.pt`` when the run has a critic) with its config and whole weights files.
+    ``critic/`` with its ``value_head.pt`` when the run has a critic) with its config and whole weights files,
+    and the actor's tokenizer.
     Cheap: only file names, the archive's index and the safetensors headers are read, no tensor.
     """
     if not checkpoint.is_dir():
         return "not there"
     problem = _torch_file_problem(checkpoint / "trainer_state.pt", "trainer_state.pt")
-    problem = problem or _model_problem(checkpoint / "actor", "actor")
+    problem = problem or _model_problem(checkpoint / "actor", "actor", tokenizer=True)
     if critic:
         problem = problem or _model_problem(checkpoint / "critic", "critic")
         problem = problem or _torch_file_problem(checkpoint / "critic" / "value_head.pt", "critic/value_head.pt")

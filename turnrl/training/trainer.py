@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import re
 import time
 from collections.abc import Callable
@@ -465,7 +466,12 @@ class Trainer:
 
     def _restore(self) -> None:
         assert self.checkpoint is not None
-        state = load_trainer_state(self.checkpoint)
+        try:
+            state = load_trainer_state(self.checkpoint)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:  # damaged past its zip index
+            raise ConfigError(f"resume={self.config.resume!r}: {self.checkpoint / 'trainer_state.pt'} cannot be read "
+                              f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); move "
+                              f"{self.checkpoint.name} away to resume from an earlier checkpoint") from error
         processes, now = state.get("world_size", 1), ranks.world_size()
         if processes != now:
             how = (f"distributed.nproc_per_node={processes} (or torchrun --nproc-per-node {processes})"
