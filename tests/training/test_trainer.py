@@ -618,6 +618,10 @@ def test_a_resume_over_damaged_checkpoints_goes_on_from_a_complete_one_or_change
     assert [r["step"] for r in records(run)] == [0, 1, 2, 3, 3]
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000001", "step_000002", "step_000003"]
     assert load_config(TrainConfig, run / "config.yaml").run.steps == 3
+    # Fewer steps than the run has done would label a later state as an earlier step: refused, nothing changed.
+    recorded = (run / "config.yaml").read_text()
+    assert "goes on after step 3, past run.steps=2: give run.steps=3 or more" in resume_error(run, "run.steps=2")
+    assert (run / "config.yaml").read_text() == recorded
     # A failure found only when the checkpoint loads (saved by two processes) leaves config.yaml as it was too.
     state = torch.load(checkpoints / "step_000003" / "trainer_state.pt", weights_only=False)
     torch.save({**state, "world_size": 2}, checkpoints / "step_000003" / "trainer_state.pt")

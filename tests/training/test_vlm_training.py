@@ -49,7 +49,8 @@ def test_ppo_with_a_critic_on_image_observations(tiny_vlm_dir, tmp_path, mode, a
     language = load_file(actor / "model.safetensors")
     base = load_file(Path(tiny_vlm_dir) / "model.safetensors")
     assert any(not torch.equal(language[k], base[k]) for k in base if "visual" not in k)
-    step = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "step_000001.jsonl").read_text().splitlines()]
+    step_file = tmp_path / "run" / "trajectories" / "step_000001.jsonl"
+    step = [json.loads(line) for line in step_file.read_text().splitlines()]
     assert all(record["images"] for record in step)  # image files beside the trajectories
 
 
@@ -61,11 +62,13 @@ def test_grpo_with_lora_leaves_the_vision_tower_out_and_trains_it_when_asked(tin
                    "lora.enabled=true", "lora.r=4", "lora.alpha=8", "algorithm.kl_coef=0.05")
     # generation through the adapters gives image tokens the same 3D positions as training does
     assert all(record["actor/logprob_mismatch"] < 1e-4 for record in steps)
-    adapters = load_file(tmp_path / "frozen" / "run" / "checkpoints" / "step_000002" / "actor" / "adapter_model.safetensors")
+    adapters = load_file(tmp_path / "frozen" / "run" / "checkpoints" / "step_000002" / "actor" /
+                         "adapter_model.safetensors")
     assert adapters and not any("visual" in k for k in adapters)
     run(tiny_vlm_dir, tmp_path / "trained", "algorithm.advantage=grpo", "lora.enabled=true", "lora.r=4", "lora.alpha=8",
         "model.train_vision=true")
-    adapters = load_file(tmp_path / "trained" / "run" / "checkpoints" / "step_000002" / "actor" / "adapter_model.safetensors")
+    adapters = load_file(tmp_path / "trained" / "run" / "checkpoints" / "step_000002" / "actor" /
+                         "adapter_model.safetensors")
     assert any("visual" in k for k in adapters)
     model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir),
                                       tmp_path / "trained" / "run" / "checkpoints" / "step_000002" / "actor")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from turnrl.config import ConfigError
 from turnrl.envservice.placement import env_factory
+from turnrl.training.checkpoint import checkpoint_step
 from turnrl.training.config import TrainConfig
 from turnrl.training.run_dir import RL_OUTPUTS, resumed_checkpoint, run_directory
 from turnrl.training.sft import read_chat_jsonl
@@ -21,8 +22,8 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
 
     Checks: a local ``model.path`` exists; the env id and its settings (one env is built, for training and
     validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver; that the
-    run to resume holds a complete checkpoint; optional packages (wandb); and that a new run does not write
-    into another run's directory.
+    run to resume holds a complete checkpoint, not past ``run.steps``; optional packages (wandb); and that a
+    new run does not write into another run's directory.
 
     Args:
         stage: ``train`` (``turnrl train``) or ``sft`` (``turnrl sft``, which writes only ``sft/``).
@@ -34,7 +35,10 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     if config.resume:
         if not run_dir.is_dir():
             raise ConfigError(f"resume={config.resume!r}: no such run directory")
-        resumed_checkpoint(config)
+        checkpoint = resumed_checkpoint(config).checkpoint  # one there (else ConfigError)
+        if checkpoint is not None and (done := checkpoint_step(checkpoint)) > config.run.steps:
+            raise ConfigError(f"resume={config.resume!r} goes on after step {done}, past run.steps="
+                              f"{config.run.steps}: give run.steps={done} or more, or leave run.steps out")
     path = config.model.path
     # A local path (absolute, relative with ./, or deeper than a hub id's org/name) must exist; a hub id
     # is left to the loader, which may find it in the local cache.
