@@ -25,8 +25,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+# A second run stops with how to continue the first (resume) or start afresh (run.overwrite=true): a run is
+# never deleted unasked.
 quickstart: $(VENV)/.installed
-	$(VENV)/bin/turnrl train --config configs/quickstart.yaml run.overwrite=true
+	$(VENV)/bin/turnrl train --config configs/quickstart.yaml
 
 # Lint, one-way imports (the layers in pyproject.toml) and types, over the package.
 check: $(VENV)/.installed

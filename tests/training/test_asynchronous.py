@@ -138,7 +138,7 @@ def test_validation_and_resume_continue_the_synchronous_run(tiny_model_dir, tmp_
         trainer.step(0)
         trainer.step(1)
         assert trainer.validate().metrics["val/episodes"] == 2
-        trainer.save(1)
+        trainer.save(2)  # the run after its 2 steps
         straight = trainer.step(2)
     finally:
         trainer.close()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -11,14 +13,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.training.checkpoint import (
+    checkpoint_problem,
     checkpoint_step,
     checkpoint_steps,
     latest_checkpoint,
     load_trainer_state,
     prune_checkpoints,
+    resume_point,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    steps_done,
 )
 from turnrl.training.forward import ValueModel
 
@@ -42,7 +47,7 @@ def test_checkpoint_layout_and_latest_pointer(actor, tiny_tokenizer, tmp_path):
     assert latest_checkpoint(tmp_path) == path
     assert leftovers(tmp_path) == []
     state = load_trainer_state(path)
-    assert state["step"] == 3 and state["note"] == "x" and set(state["rng"]) >= {"python", "numpy", "torch"}
+    assert state["steps_done"] == 3 and state["note"] == "x" and set(state["rng"]) >= {"python", "numpy", "torch"}
 
 
 def test_checkpoint_actor_and_tokenizer_load_with_plain_transformers(actor, tiny_tokenizer, tmp_path):
@@ -127,3 +132,85 @@ def test_keep_last_n_deletes_the_oldest_checkpoints_but_never_latest(actor, tiny
     assert checkpoint_steps(tmp_path) == [2, 4] and latest_checkpoint(tmp_path).name == "step_000002"
     assert checkpoint_steps(tmp_path / "nothing") == []
     assert checkpoint_step(latest_checkpoint(tmp_path)) == 2
+
+
+def cut(path, keep=None):
+    """Cut ``path`` short: to ``keep`` bytes, else by one."""
+    os.truncate(path, os.path.getsize(path) - 1 if keep is None else keep)
+
+
+def test_a_checkpoint_is_complete_with_its_state_config_and_whole_weights(actor, tiny_tokenizer, tmp_path):
+    critic = ValueModel(copy.deepcopy(actor.base_model))
+    path = save_checkpoint(tmp_path, 2, actor, tiny_tokenizer, {}, critic=critic)
+    assert checkpoint_problem(path, critic=True) is None
+    damage = [
+        (lambda: (path / "trainer_state.pt").unlink(), "no trainer_state.pt"),
+        (lambda: cut(path / "trainer_state.pt"), "trainer_state.pt is damaged"),
+        (lambda: (path / "actor" / "model.safetensors").unlink(), "no actor/model.safetensors"),
+        (lambda: cut(path / "actor" / "model.safetensors"), "actor/model.safetensors is damaged"),
+        (lambda: cut(path / "actor" / "model.safetensors", keep=1000), "actor/model.safetensors is damaged"),
+        (lambda: (path / "actor" / "config.json").unlink(), "no actor/config.json"),
+        (lambda: (path / "actor" / "tokenizer.json").unlink(), "no actor/tokenizer.json"),
+        (lambda: (path / "actor" / "tokenizer_config.json").unlink(), "no actor/tokenizer_config.json"),
+        (lambda: shutil.rmtree(path / "critic"), "no critic/"),
+        (lambda: (path / "critic" / "value_head.pt").unlink(), "no critic/value_head.pt"),
+    ]
+    for harm, problem in damage:
+        shutil.copytree(path, tmp_path / "intact")
+        harm()
+        assert checkpoint_problem(path, critic=True).startswith(problem), problem
+        shutil.rmtree(path)
+        os.replace(tmp_path / "intact", path)
+    shutil.rmtree(path / "critic")
+    assert checkpoint_problem(path) is None  # a run without a critic saves none
+    assert checkpoint_problem(tmp_path / "nowhere") == "not there"
+
+
+def test_a_sharded_model_needs_every_shard_its_index_names(actor, tiny_tokenizer, tmp_path):
+    path = save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {})
+    shutil.rmtree(path / "actor")
+    actor.save_pretrained(path / "actor", max_shard_size="200KB")
+    tiny_tokenizer.save_pretrained(path / "actor")
+    shards = sorted((path / "actor").glob("model-*.safetensors"))
+    assert len(shards) > 1 and checkpoint_problem(path) is None
+    shards[-1].unlink()
+    assert checkpoint_problem(path) == f"no actor/{shards[-1].name}"
+    (path / "actor" / "model.safetensors.index.json").write_text("{")
+    assert checkpoint_problem(path).startswith("actor/model.safetensors.index.json is damaged")
+
+
+def test_resume_falls_back_to_the_newest_complete_checkpoint_and_says_why(actor, tiny_tokenizer, tmp_path):
+    assert resume_point(tmp_path).note == f"there is no {tmp_path / 'checkpoints'}"
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, actor, tiny_tokenizer, {})
+    root = tmp_path / "checkpoints"
+    assert resume_point(tmp_path) == resume_point(tmp_path, critic=False)
+    assert resume_point(tmp_path).checkpoint == root / "step_000003" and resume_point(tmp_path).note is None
+    (root / "step_000003" / "trainer_state.pt").unlink()
+    point = resume_point(tmp_path)
+    assert point.checkpoint == root / "step_000002"
+    assert point.note == ("step_000003, the checkpoint checkpoints/latest names, is incomplete (no trainer_state.pt); "
+                          "resuming from step_000002, the newest complete checkpoint")
+    (root / "latest").unlink()
+    point = resume_point(tmp_path)
+    assert point.checkpoint == root / "step_000002"
+    assert point.note == "there is no checkpoints/latest; resuming from step_000002, the newest complete checkpoint"
+    (root / "latest").write_text("step_000009\n")
+    assert resume_point(tmp_path).note.startswith("checkpoints/latest names step_000009, which is not there; "
+                                                  "resuming from step_000002")
+    cut(root / "step_000002" / "actor" / "model.safetensors")
+    shutil.rmtree(root / "step_000001" / "actor")
+    point = resume_point(tmp_path)
+    assert point.checkpoint is None
+    assert point.note.startswith("checkpoints/latest names step_000009, which is not there; step_000003 is "
+                                 "incomplete (no trainer_state.pt); step_000002 is incomplete "
+                                 "(actor/model.safetensors is damaged: ")
+    assert point.note.endswith("; step_000001 is incomplete (no actor/)") and "\n" not in point.note
+    shutil.rmtree(root)
+    root.mkdir()
+    assert resume_point(tmp_path).note == f"{root} holds no checkpoint"
+
+
+def test_steps_done_reads_checkpoints_named_by_their_last_step_index_too(actor, tiny_tokenizer, tmp_path):
+    assert steps_done(load_trainer_state(save_checkpoint(tmp_path, 4, actor, tiny_tokenizer, {}))) == 4
+    assert steps_done({"step": 39, "rng": {}}) == 40  # saved as step_000039 after 40 steps

@@ -116,18 +116,18 @@ def test_two_processes_train_as_one(tiny_model_dir, tmp_path):
         assert_same_metrics(one[step], two[step])
     assert one[2]["actor/advantage_abs_mean"] > 0 and one[2]["actor/grad_norm"] > 0  # a real update
     # Rank 0 alone writes: one metrics line per step, one trajectories file per step.
-    assert len((tmp_path / "double" / "trajectories" / "step_000001.jsonl").read_text().splitlines()) == 8
+    assert len((tmp_path / "double" / "trajectories" / "step_000002.jsonl").read_text().splitlines()) == 8
 
-    checkpoint = tmp_path / "double" / "checkpoints" / "step_000001"
+    checkpoint = tmp_path / "double" / "checkpoints" / "step_000002"
     weights = load_file(checkpoint / "actor" / "model.safetensors")
-    reference = load_file(tmp_path / "single" / "checkpoints" / "step_000001" / "actor" / "model.safetensors")
+    reference = load_file(tmp_path / "single" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
     assert weights.keys() == reference.keys()
     for name in weights:
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-5)
     AutoModelForCausalLM.from_pretrained(checkpoint / "actor")  # a plain transformers model
     assert (checkpoint / "optimizer" / ".metadata").is_file()  # the optimizers' shards
     critic = load_file(checkpoint / "critic" / "model.safetensors")
-    assert critic.keys() == load_file(tmp_path / "single" / "checkpoints" / "step_000001" / "critic" /
+    assert critic.keys() == load_file(tmp_path / "single" / "checkpoints" / "step_000002" / "critic" /
                                       "model.safetensors").keys()
 
 
@@ -148,8 +148,8 @@ def test_four_processes_train_as_one_with_packed_micro_batches_and_a_reference(t
     for step in one:
         assert_same_metrics(one[step], four[step])
     assert one[2]["actor/kl_ref"] != 0
-    weights = load_file(tmp_path / "quad" / "checkpoints" / "step_000001" / "actor" / "model.safetensors")
-    reference = load_file(tmp_path / "single" / "checkpoints" / "step_000001" / "actor" / "model.safetensors")
+    weights = load_file(tmp_path / "quad" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
+    reference = load_file(tmp_path / "single" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
     for name in weights:
         # Adam divides by the gradient's running scale: where a gradient is near 0, the rounding of a four-way
         # sum moves a weight by up to a few percent of the step (lr 1e-3); seen: 2.6e-5 on 1 weight of 12,288.
@@ -183,7 +183,7 @@ def test_lora_on_two_processes_trains_as_on_one(tiny_model_dir, tmp_path):
     for step in one:
         assert_same_metrics(one[step], two[step])
     assert one[2]["actor/grad_norm"] > 0 and one[2]["actor/kl_ref"] != 0
-    adapters = [load_file(tmp_path / name / "checkpoints" / "step_000001" / "actor" / "adapter_model.safetensors")
+    adapters = [load_file(tmp_path / name / "checkpoints" / "step_000002" / "actor" / "adapter_model.safetensors")
                 for name in ("double", "single")]
     assert adapters[0].keys() == adapters[1].keys() and adapters[0]
     for name in adapters[0]:
@@ -213,7 +213,7 @@ def test_a_dead_process_stops_the_run_and_it_resumes_exactly(tiny_model_dir, tmp
                "distributed.nproc_per_node=2", "distributed.timeout_s=60"]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-    first = tmp_path / "double" / "checkpoints" / "step_000000"
+    first = tmp_path / "double" / "checkpoints" / "step_000001"
     deadline = time.time() + 300
     while not first.is_dir() and time.time() < deadline and launcher.poll() is None:
         time.sleep(0.5)
@@ -309,7 +309,7 @@ def test_a_dead_rollout_worker_stops_the_run_with_a_checkpoint_that_resumes(tiny
                "distributed.timeout_s=60"]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    first = tmp_path / "ray" / "checkpoints" / "step_000000"
+    first = tmp_path / "ray" / "checkpoints" / "step_000001"
     deadline = time.time() + 300
     while not first.is_dir() and time.time() < deadline and run.poll() is None:
         time.sleep(0.5)

@@ -6,6 +6,9 @@ import io
 import json
 import os
 import signal
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,11 +19,11 @@ from rich.console import Console
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from turnrl.cli import main
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import GracefulStop, train
 from turnrl.training.config import TrainConfig
-from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.commands import GracefulStop, train
+from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
 from turnrl.training.trainer import Trainer
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.
@@ -55,7 +58,7 @@ def trajectories(run_dir: Path, step: int) -> list[dict]:
 
 
 def actor_weights(run_dir: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / "step_000001" / "actor" / name)
+    return load_file(run_dir / "checkpoints" / "step_000002" / "actor" / name)
 
 
 def base_weights(model_dir) -> dict[str, torch.Tensor]:
@@ -94,7 +97,7 @@ def test_sft_then_rl_writes_summary_with_validation_before_and_after(warm_run):
     assert before["step"] == 0 and before["val/success"] == summary["val_success_before_rl"]
     assert before["val/format_ok"] > 0  # the SFT model writes well-formed answers now and then
     names = {p.name for p in (warm_run / "trajectories").iterdir()}
-    assert {"val_before_rl.jsonl", "val_after_rl.jsonl", "step_000000.jsonl", "step_000001.jsonl"} <= names
+    assert {"val_before_rl.jsonl", "val_after_rl.jsonl", "step_000001.jsonl", "step_000002.jsonl"} <= names
     assert (warm_run / "sft" / "demos_sample.jsonl").exists()
 
 
@@ -123,7 +126,7 @@ def test_ppo_with_critic_trains_actor_and_critic(warm_run, warm_model_dir):
     steps = step_records(warm_run)
     assert all(r["losses/value"] > 0 and r["critic/grad_norm"] > 0 and r["actor/grad_norm"] > 0 for r in steps.values())
     assert all(abs(r["actor/advantage_mean"]) < 1e-5 for r in steps.values())  # whitened
-    checkpoint = warm_run / "checkpoints" / "step_000001"
+    checkpoint = warm_run / "checkpoints" / "step_000002"
     critic_head = torch.load(checkpoint / "critic" / "value_head.pt")
     assert critic_head["weight"].abs().sum() > 0  # the value head starts at zero
     sft = load_file(warm_model_dir / "model.safetensors")
@@ -147,15 +150,15 @@ def test_tensorboard_event_files_hold_the_scalars(warm_run):
 
 def test_checkpoint_holds_an_hf_actor_with_tokenizer_and_the_trainer_state(warm_run):
     root = warm_run / "checkpoints"
-    assert (root / "latest").read_text().strip() == "step_000001"
+    assert (root / "latest").read_text().strip() == "step_000002"
     assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
-    model = AutoModelForCausalLM.from_pretrained(root / "step_000001" / "actor")
-    tokenizer = AutoTokenizer.from_pretrained(root / "step_000001" / "actor")
+    model = AutoModelForCausalLM.from_pretrained(root / "step_000002" / "actor")
+    tokenizer = AutoTokenizer.from_pretrained(root / "step_000002" / "actor")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert model(torch.tensor([ids])).logits.shape[-1] == model.config.vocab_size
-    state = torch.load(root / "step_000001" / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 1 and state["actor_optimizer"]["state"] and state["critic_optimizer"]["state"]
+    state = torch.load(root / "step_000002" / "trainer_state.pt", weights_only=False)
+    assert state["steps_done"] == 2 and state["actor_optimizer"]["state"] and state["critic_optimizer"]["state"]
     saved = load_config(TrainConfig, warm_run / "config.yaml")
     assert saved.sft.enabled and saved.algorithm.advantage == "gae"
 
@@ -167,7 +170,7 @@ def test_grpo_trains_without_a_critic(warm_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     steps = step_records(run_dir)
     assert not any(k.startswith("critic/") or k == "losses/value" for r in steps.values() for k in r)
-    assert not (run_dir / "checkpoints" / "step_000001" / "critic").exists()
+    assert not (run_dir / "checkpoints" / "step_000002" / "critic").exists()
     assert any(r["actor/advantage_abs_mean"] > 0 for r in steps.values())  # the warm model's groups disagree
     assert "val_success_after_rl" in summary and "val_success_before_rl" in summary
     assert_token_exact(steps)
@@ -178,7 +181,7 @@ def test_turn_credit_estimators_with_a_critic(tiny_model_dir, tmp_path, advantag
     train(config(tiny_model_dir, tmp_path, f"algorithm.advantage={advantage}", "algorithm.gamma_turn=0.9"))
     steps = step_records(tmp_path / "run")
     assert all(r["losses/value"] > 0 and r["actor/advantage_abs_mean"] > 0 for r in steps.values())
-    assert (tmp_path / "run" / "checkpoints" / "step_000001" / "critic" / "value_head.pt").exists()
+    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "critic" / "value_head.pt").exists()
     assert_token_exact(steps)
 
 
@@ -189,7 +192,7 @@ def test_turn_samples_with_a_context_window(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     steps = step_records(run_dir)
     for step, record in steps.items():
-        played = trajectories(run_dir, step - 1)
+        played = trajectories(run_dir, step)
         assert record["batch/samples"] == sum(len(t["turns"]) for t in played)  # one sample per turn
         assert max(len(t["turns"]) for t in played) == 3
     assert_token_exact(steps)
@@ -216,7 +219,7 @@ def test_lora_trains_adapters_against_the_adapters_off_reference(tiny_model_dir,
     assert steps[1]["actor/kl_ref"] == 0.0  # adapters start as the identity: the policy is the reference
     assert steps[2]["actor/kl_ref"] > 0.0  # after one update the adapters moved the policy away
     assert not (run_dir / "reference").exists()  # no copy of the model: the reference is the adapters switched off
-    actor_dir = run_dir / "checkpoints" / "step_000001" / "actor"
+    actor_dir = run_dir / "checkpoints" / "step_000002" / "actor"
     assert (actor_dir / "adapter_config.json").exists() and not (actor_dir / "model.safetensors").exists()
     adapters = load_file(actor_dir / "adapter_model.safetensors")
     assert adapters and all("lora_" in k for k in adapters)
@@ -236,7 +239,7 @@ def test_gigpo_trains_and_reports_its_anchored_turns(tiny_model_dir, tmp_path, s
     steps = step_records(tmp_path / "run")
     # Every episode of a group starts from the same state: at least the first turns are anchored.
     assert all(0 < r["actor/gigpo_anchored_turns"] <= 1 for r in steps.values())
-    trajectory = trajectories(tmp_path / "run", 1)[0]
+    trajectory = trajectories(tmp_path / "run", 2)[0]
     assert all(turn["state_key"] for turn in trajectory["turns"])
     assert_token_exact(steps)
 
@@ -271,7 +274,7 @@ def test_dynamic_sampling_rolls_out_more_groups_until_enough_have_varied_rewards
     for step, record in steps.items():
         rounds = record["rollout/dynamic_extra_rounds"]
         assert 0 <= rounds <= 2 and record["rollout/dynamic_kept_groups"] <= 2
-        played = trajectories(tmp_path / "run", step - 1)
+        played = trajectories(tmp_path / "run", step)
         assert len(played) == 8 * (1 + rounds)  # every round's episodes are written
         assert {t["group"] for t in played} == set(range(2 * (1 + int(rounds))))
         if record["rollout/dynamic_kept_groups"] > 0:
@@ -325,7 +328,7 @@ def test_top_k_filter_keeps_the_most_varied_groups_and_drops_zero_variance(warm_
     dropped_some = kept_some = False
     for step, record in steps.items():
         rewards: dict[int, list[float]] = {}
-        for t in trajectories(run_dir, step - 1):
+        for t in trajectories(run_dir, step):
             rewards.setdefault(t["group"], []).append(t["total_reward"])
         varied = sum(max(r) - min(r) > 1e-8 for r in rewards.values())
         expected = min(2, varied)  # top 50% of 4 groups, among those whose rewards differ
@@ -346,7 +349,7 @@ def test_top_k_filter_by_mean_response_length_keeps_the_longest_group(warm_model
     run_dir = tmp_path / "run"
     for step, record in step_records(run_dir).items():
         tokens: dict[int, list[int]] = {}
-        for t in trajectories(run_dir, step - 1):
+        for t in trajectories(run_dir, step):
             tokens.setdefault(t["group"], []).append(sum(turn["num_response_tokens"] for turn in t["turns"]))
         longest = max(sorted(tokens), key=lambda g: sum(tokens[g]) / len(tokens[g]))  # ties: the smaller id
         assert record["filter/kept_ratio"] == pytest.approx(1 / 3)
@@ -449,6 +452,16 @@ def test_progress_prints_plain_lines_every_interval_where_output_is_not_a_termin
     assert "~0:00:50 left" in lines[1] and lines[-1].endswith("success 0.50")
 
 
+def test_a_run_console_whose_reader_is_gone_goes_on_on_stderr(capsys):
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as stream:
+        console = RunConsole(file=stream)
+        console.print("meets the broken pipe")  # rich's own console exits here
+        console.print("on stderr")
+    assert capsys.readouterr().err.endswith("on stderr\n")
+
+
 def test_progress_in_a_terminal_draws_a_bar_and_nested_progress_stays_quiet():
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=100)
@@ -486,8 +499,12 @@ def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny
     monkeypatch.setattr(Trainer, "step", step)
     run = tmp_path / "run"
     assert summary["interrupted_at_step"] == 1
-    assert (run / "checkpoints" / "latest").read_text() == "step_000000"
+    assert (run / "checkpoints" / "latest").read_text() == "step_000001"
     out = capsys.readouterr().out
+    # One numbering: the step in the message is the checkpoint's and the last one in metrics.jsonl.
+    assert f"interrupted after step 1 of 3; checkpoint {run / 'checkpoints' / 'step_000001'}" in out
+    assert [r["step"] for r in records(run)] == [0, 1]
+    assert sorted((run / "trajectories").glob("step_*[0-9].jsonl")) == [run / "trajectories" / "step_000001.jsonl"]
     assert f"turnrl train resume={run}" in out
     assert not (run / "summary.json").exists()
     # The stopped run had logged step 1; a record past the checkpoint (as a crash leaves) is dropped too.
@@ -496,12 +513,37 @@ def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny
     summary = train(config(tiny_model_dir, tmp_path, *extra, f"resume={run}"))
     steps = [r["step"] for r in records(run) if "rollout/success" in r]
     assert steps == [1, 2, 3]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000002"]  # keep last 1
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000003"]  # keep last 1
     total = json.loads((run / "summary.json").read_text())["total_s"]
     # Resuming a finished run changes nothing.
     again = train(config(tiny_model_dir, tmp_path, *extra, f"resume={run}"))
     assert json.loads((run / "summary.json").read_text())["total_s"] == total == again["total_s"]
     assert [r["step"] for r in records(run) if "rollout/success" in r] == [1, 2, 3]
+
+
+def test_ctrl_c_saves_the_checkpoint_after_the_reader_of_the_output_is_gone(tiny_model_dir, tmp_path):
+    """``turnrl train ... | tee log``, then Ctrl-C, which ends ``tee`` too: the run still stops with its checkpoint,
+    and what it says after that goes to stderr."""
+    command = [sys.executable, "-m", "turnrl.cli", "train", *COMMON, f"model.path={tiny_model_dir}",
+               f"run.output_dir={tmp_path}", "run.name=run", "algorithm.advantage=grpo", "run.steps=50",
+               "run.threads=1", "validation.episodes=1"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        for line in process.stdout:  # the run prints "rl 0/50 ..." as its first step starts
+            if line.startswith("rl "):
+                break
+        process.stdout.close()  # the reader is gone: printing to stdout is now a broken pipe
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    run = tmp_path / "run"
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "continue with: turnrl train resume=" in err
+    latest = (run / "checkpoints" / "latest").read_text()
+    assert f"checkpoint {run / 'checkpoints' / latest}" in err
+    assert (run / "checkpoints" / latest / "trainer_state.pt").is_file()
 
 
 # --------------------------------------------------------------------------- resume
@@ -516,7 +558,7 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tiny_model_dir, tmp_pa
     split = tmp_path / "split"
     summary = train(config(tiny_model_dir, tmp_path, *extra, "run.steps=4", f"resume={split}", name="split"))
     straight = tmp_path / "straight"
-    final = "checkpoints/step_000003"
+    final = "checkpoints/step_000004"
     a = load_file(straight / final / "actor" / "model.safetensors")
     b = load_file(split / final / "actor" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -541,6 +583,61 @@ def test_resume_after_sft_with_lora_continues_exactly(tiny_model_dir, tmp_path):
     train(config(tiny_model_dir, tmp_path, *extra, "run.steps=3", f"resume={tmp_path / 'split'}", name="split"))
     one, two = step_records(tmp_path / "straight"), step_records(tmp_path / "split")
     assert comparable(one[3]) == comparable(two[3])
+
+
+def resume_error(run: Path, *overrides: str) -> str:
+    """The one-line error of ``turnrl train resume=RUN ...``, which must stop cleanly."""
+    with pytest.raises(SystemExit) as info:
+        main(["train", f"resume={run}", *overrides])
+    message = str(info.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def test_a_resume_over_damaged_checkpoints_goes_on_from_a_complete_one_or_changes_nothing(tiny_model_dir, tmp_path,
+                                                                                          capsys):
+    extra = ["algorithm.advantage=grpo", "run.save_every=1"]
+    train(config(tiny_model_dir, tmp_path, *extra))
+    run, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    recorded = (run / "config.yaml").read_text()
+    first_weights = (checkpoints / "step_000001" / "actor" / "model.safetensors").read_bytes()
+    # Nothing complete to resume from: one line says what is broken, and the run is left as it was.
+    (checkpoints / "step_000002" / "trainer_state.pt").unlink()
+    os.truncate(checkpoints / "step_000001" / "actor" / "model.safetensors", 1000)
+    message = resume_error(run, "run.steps=4")
+    assert ("holds no complete checkpoint (step_000002, the checkpoint checkpoints/latest names, is incomplete "
+            "(no trainer_state.pt); step_000001 is incomplete (actor/model.safetensors is damaged: ") in message
+    assert f"turnrl train --config {run / 'config.yaml'} run.overwrite=true" in message
+    assert (run / "config.yaml").read_text() == recorded
+    # With step 1 whole again, the resume goes on from it and says so.
+    (checkpoints / "step_000001" / "actor" / "model.safetensors").write_bytes(first_weights)
+    capsys.readouterr()
+    assert main(["train", f"resume={run}", "run.steps=3"]) == 0
+    assert ("step_000002, the checkpoint checkpoints/latest names, is incomplete (no trainer_state.pt); resuming "
+            "from step_000001, the newest complete checkpoint") in capsys.readouterr().out
+    assert [r["step"] for r in records(run)] == [0, 1, 2, 3, 3]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000001", "step_000002", "step_000003"]
+    assert load_config(TrainConfig, run / "config.yaml").run.steps == 3
+    # Fewer steps than the run has done would label a later state as an earlier step: refused, nothing changed.
+    recorded = (run / "config.yaml").read_text()
+    assert "goes on after step 3, past run.steps=2: give run.steps=3 or more" in resume_error(run, "run.steps=2")
+    assert (run / "config.yaml").read_text() == recorded
+    # A failure found only when the checkpoint loads (saved by two processes) leaves config.yaml as it was too.
+    state = torch.load(checkpoints / "step_000003" / "trainer_state.pt", weights_only=False)
+    torch.save({**state, "world_size": 2}, checkpoints / "step_000003" / "trainer_state.pt")
+    recorded = (run / "config.yaml").read_text()
+    assert "was saved by 2 process(es)" in resume_error(run, "run.steps=5")
+    assert (run / "config.yaml").read_text() == recorded
+    # So does a trainer state whose archive is whole but whose contents are not.
+    with zipfile.ZipFile(checkpoints / "step_000003" / "trainer_state.pt") as archive:
+        entries = {info.filename: archive.read(info) for info in archive.infolist()}
+    with zipfile.ZipFile(checkpoints / "step_000003" / "trainer_state.pt", "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, b"not a pickle" if name.endswith("data.pkl") else data)
+    message = resume_error(run, "run.steps=5")
+    assert f"{checkpoints / 'step_000003' / 'trainer_state.pt'} cannot be read (" in message
+    assert "move step_000003 away to resume from an earlier checkpoint" in message
+    assert (run / "config.yaml").read_text() == recorded
 
 
 @settings(max_examples=100, deadline=None)

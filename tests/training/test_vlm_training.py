@@ -43,13 +43,14 @@ def test_ppo_with_a_critic_on_image_observations(tiny_vlm_dir, tmp_path, mode, a
     for record in steps:
         assert record["actor/grad_norm"] > 0 and record["critic/grad_norm"] > 0
         assert record["actor/logprob_mismatch"] < 1e-4  # the batch holds the sampled tokens, images included
-    actor = tmp_path / "run" / "checkpoints" / "step_000001" / "actor"
+    actor = tmp_path / "run" / "checkpoints" / "step_000002" / "actor"
     before, after = vision_weights(Path(tiny_vlm_dir)), vision_weights(actor)
     assert before and all(torch.equal(before[k], after[k]) for k in before)  # the vision tower stays frozen
     language = load_file(actor / "model.safetensors")
     base = load_file(Path(tiny_vlm_dir) / "model.safetensors")
     assert any(not torch.equal(language[k], base[k]) for k in base if "visual" not in k)
-    step = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "step_000000.jsonl").read_text().splitlines()]
+    step_file = tmp_path / "run" / "trajectories" / "step_000001.jsonl"
+    step = [json.loads(line) for line in step_file.read_text().splitlines()]
     assert all(record["images"] for record in step)  # image files beside the trajectories
 
 
@@ -61,14 +62,16 @@ def test_grpo_with_lora_leaves_the_vision_tower_out_and_trains_it_when_asked(tin
                    "lora.enabled=true", "lora.r=4", "lora.alpha=8", "algorithm.kl_coef=0.05")
     # generation through the adapters gives image tokens the same 3D positions as training does
     assert all(record["actor/logprob_mismatch"] < 1e-4 for record in steps)
-    adapters = load_file(tmp_path / "frozen" / "run" / "checkpoints" / "step_000001" / "actor" / "adapter_model.safetensors")
+    adapters = load_file(tmp_path / "frozen" / "run" / "checkpoints" / "step_000002" / "actor" /
+                         "adapter_model.safetensors")
     assert adapters and not any("visual" in k for k in adapters)
     run(tiny_vlm_dir, tmp_path / "trained", "algorithm.advantage=grpo", "lora.enabled=true", "lora.r=4", "lora.alpha=8",
         "model.train_vision=true")
-    adapters = load_file(tmp_path / "trained" / "run" / "checkpoints" / "step_000001" / "actor" / "adapter_model.safetensors")
+    adapters = load_file(tmp_path / "trained" / "run" / "checkpoints" / "step_000002" / "actor" /
+                         "adapter_model.safetensors")
     assert any("visual" in k for k in adapters)
     model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir),
-                                      tmp_path / "trained" / "run" / "checkpoints" / "step_000001" / "actor")
+                                      tmp_path / "trained" / "run" / "checkpoints" / "step_000002" / "actor")
     assert model is not None
 
 
@@ -95,6 +98,6 @@ def test_the_critics_vision_tower_stays_frozen_after_resume(tiny_vlm_dir, tmp_pa
     config = load_config(TrainConfig, None, [*COMMON, f"model.path={tiny_vlm_dir}", f"resume={tmp_path / 'run'}",
                                              "run.steps=2"])
     train(config)
-    critic = vision_weights(tmp_path / "run" / "checkpoints" / "step_000001" / "critic")
+    critic = vision_weights(tmp_path / "run" / "checkpoints" / "step_000002" / "critic")
     base = {k.removeprefix("model."): v for k, v in vision_weights(Path(tiny_vlm_dir)).items()}
     assert critic and all(torch.equal(v, base[k]) for k, v in critic.items() if k in base)

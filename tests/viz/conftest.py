@@ -32,8 +32,8 @@ def eval_dir(tmp_path_factory) -> Path:
 def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """Two RL steps of the tiny model on text FrozenLake (metrics, validation before/after, step files)."""
     from turnrl.config import load_config
-    from turnrl.training.config import TrainConfig
     from turnrl.training.commands import train
+    from turnrl.training.config import TrainConfig
 
     out = tmp_path_factory.mktemp("viz_run")
     train(load_config(TrainConfig, None, [*RUN_OVERRIDES, f"model.path={tiny_model_dir}", f"run.output_dir={out}",
@@ -51,7 +51,7 @@ def response_pieces(response: str) -> list[str]:
 @pytest.fixture(scope="session")
 def run_with_advantages(run_dir, tmp_path_factory) -> Path:
     """A copy of the run (no checkpoints) whose first step file has per-token advantages beside it, in the
-    format the viewer reads (``step_000000.advantages.jsonl``): positive for even episodes, negative for odd
+    format the viewer reads (``step_000001.advantages.jsonl``): positive for even episodes, negative for odd
     ones, growing along each response, so that the heatmap has both colours and every strength."""
     import json
     import shutil
@@ -62,7 +62,7 @@ def run_with_advantages(run_dir, tmp_path_factory) -> Path:
     # The trainer's own advantage files are left out: here only the first step has (made-up) ones.
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "reference", "report.html", "plots",
                                                                  "*.advantages.jsonl"))
-    step_file = copy / "trajectories" / "step_000000.jsonl"
+    step_file = copy / "trajectories" / "step_000001.jsonl"
     episodes = [json.loads(line) for line in step_file.read_text().splitlines()]
     records = []
     for index, episode in enumerate(episodes):
@@ -71,5 +71,5 @@ def run_with_advantages(run_dir, tmp_path_factory) -> Path:
             tokens = response_pieces(turn["response"])
             records.append({"episode": index, "turn": turn["index"], "tokens": tokens,
                             "advantages": [sign * (k + 1) / len(tokens) for k in range(len(tokens))]})
-    write_token_advantages(step_file.with_name("step_000000.advantages.jsonl"), records)
+    write_token_advantages(step_file.with_name("step_000001.advantages.jsonl"), records)
     return copy

@@ -146,8 +146,8 @@ def test_run_page_shows_curves_pairs_steps_and_advantages(browser, served, run_w
     keep_screenshot(page, tmp_path, "viewer_run_top.png")
 
     assert visible(page, "#pairs details.pair") == counts["val_before_rl"]
-    page.select_option("#filter-source", "step_000000")
-    assert visible(page, "#episodes details.episode") == counts["step_000000"]
+    page.select_option("#filter-source", "step_000001")
+    assert visible(page, "#episodes details.episode") == counts["step_000001"]
     page.click("#expand-all")
     assert visible(page, "#episodes .heatmap .tok") > 0
     page.locator("#episodes details.episode[open] .heatmap").first.scroll_into_view_if_needed()

@@ -55,8 +55,11 @@ def test_evaluation_report_shows_every_episode_with_its_images(eval_dir):
 def test_run_report_has_curves_steps_and_before_after_pairs(run_dir):
     data = load_report(run_dir)
     assert data.kind == "training run"
-    assert [s.label for s in data.sources] == ["validation before RL", "step 0", "step 1", "validation after RL"]
-    assert [s.step for s in data.sources] == [0, 0, 1, None]
+    assert [s.label for s in data.sources] == ["validation before RL", "step 1", "step 2", "validation after RL"]
+    assert [s.step for s in data.sources] == [0, 1, 2, None]
+    # The page's steps are those of metrics.jsonl (and of the checkpoints): one numbering.
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [0, 1, 2, 2] and (run_dir / "checkpoints" / "step_000002").is_dir()
     assert len(data.pairs) == 4 and all(p.before.seed == p.after.seed for p in data.pairs)
     plots = {p.url for p in data.plots}
     assert {"plots/success.png", "plots/reward.png", "plots/entropy.png", "plots/response_length.png",
@@ -75,9 +78,9 @@ def test_run_report_has_curves_steps_and_before_after_pairs(run_dir):
 
 def test_token_advantages_are_drawn_as_a_heatmap(run_with_advantages):
     data = load_report(run_with_advantages, plots=False)
-    step = next(s for s in data.sources if s.name == "step_000000")
+    step = next(s for s in data.sources if s.name == "step_000001")
     assert step.advantage_scale > 0 and all(ep.has_advantages for ep in step.episodes)
-    assert not any(ep.has_advantages for s in data.sources if s.name != "step_000000" for ep in s.episodes)
+    assert not any(ep.has_advantages for s in data.sources if s.name != "step_000001" for ep in s.episodes)
     html = render_html(data)
     expected = sum(len(t.advantages.tokens) for ep in step.episodes for t in ep.turns if t.advantages)
     assert html.count('<span class="tok"') == expected
@@ -174,9 +177,9 @@ def test_any_summary_json_flattens_to_text_rows(summary):
 
 def test_a_training_run_writes_the_per_token_advantages_of_the_steps_it_keeps(run_dir):
     files = sorted(path.name for path in (run_dir / "trajectories").glob("step_*.advantages.jsonl"))
-    assert files == ["step_000000.advantages.jsonl", "step_000001.advantages.jsonl"]
+    assert files == ["step_000001.advantages.jsonl", "step_000002.advantages.jsonl"]
     data = load_report(run_dir, plots=False)
-    for name in ("step_000000", "step_000001"):
+    for name in ("step_000001", "step_000002"):
         step = next(s for s in data.sources if s.name == name)
         assert step.advantage_scale > 0 and any(ep.has_advantages for ep in step.episodes)
     assert (run_dir / "report.html").is_file()  # written by train() at its end

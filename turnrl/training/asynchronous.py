@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.console import Console
 
 from turnrl.models.devices import resolve_device
 from turnrl.policy.factory import model_policy
@@ -40,11 +39,12 @@ from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.runner import Rollout
 from turnrl.training.config import TrainConfig
+from turnrl.training.logger import RunConsole
 from turnrl.training.precision import autocast
 from turnrl.training.seeding import step_seed
 from turnrl.training.trainer import StepOutput, Trainer, collect, dynamic_sample, select_trajectories
 
-console = Console()
+console = RunConsole()
 
 
 def roll_out_batch(

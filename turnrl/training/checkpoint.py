@@ -1,27 +1,34 @@
 """Checkpoints: HF-format model and tokenizer plus the trainer state for exact resume.
 
-Layout of ``RUN_DIR/checkpoints/step_000100/``:
+Layout of ``RUN_DIR/checkpoints/step_000100/`` (the run after its 100th step: steps count from 1, as in
+``metrics.jsonl``):
 
     actor/               save_pretrained of the policy (LoRA: the adapters) and its tokenizer
     critic/              the critic's backbone and value head (PPO only)
-    trainer_state.pt     optimizers, schedulers, RNG states, step
+    trainer_state.pt     optimizers, schedulers, RNG states, steps done
 
 A checkpoint is written into ``step_N.tmp`` and renamed when complete, and the
 ``latest`` pointer is replaced atomically, so a crash mid-save never leaves a
-half checkpoint that resume would pick up.
+half checkpoint that resume would pick up. A checkpoint damaged later (a file
+deleted or cut short) is found by :func:`checkpoint_problem`, and
+:func:`resume_point` then falls back to the newest complete one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
+import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
 
 def rng_state() -> dict[str, Any]:
@@ -58,7 +65,7 @@ def save_checkpoint(
     critic: Any | None = None,
     before_publish: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and point ``latest`` at it.
+    """Write checkpoint ``step`` (the run after ``step`` steps) atomically and point ``latest`` at it.
 
     ``before_publish(tmp_dir)`` writes more into the checkpoint before it is renamed into place (the
     optimizers' shards of a distributed run).
@@ -72,7 +79,7 @@ def save_checkpoint(
     tokenizer.save_pretrained(tmp / "actor")
     if critic is not None:
         critic.save_pretrained(tmp / "critic")
-    torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
+    torch.save({**trainer_state, "steps_done": step, "rng": rng_state()}, tmp / "trainer_state.pt")
     if before_publish is not None:
         before_publish(tmp)
     if final.exists():
@@ -115,11 +122,12 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
 
 
 def checkpoint_step(checkpoint: Path) -> int:
-    """The step of a checkpoint directory ``step_000039`` (39)."""
+    """The step of a checkpoint directory: ``step_000040`` (40, the run after its 40th step)."""
     return int(checkpoint.name.removeprefix("step_"))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint ``checkpoints/latest`` names (the last one saved), None without one."""
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.exists():
         return None
@@ -130,3 +138,123 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
     # Our own file: optimizer states and RNG states need full unpickling.
     return torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
+
+
+def steps_done(trainer_state: dict[str, Any]) -> int:
+    """How many steps the run had finished when it saved ``trainer_state``."""
+    if "steps_done" in trainer_state:
+        return int(trainer_state["steps_done"])
+    # Saved before checkpoints were named by steps done: "step" is the last step's index, counted from 0.
+    return int(trainer_state["step"]) + 1
+
+
+def _torch_file_problem(path: Path, name: str) -> str | None:
+    """What is wrong with a ``torch.save`` file (a zip archive whose index is at its end), None if nothing."""
+    if not path.is_file():
+        return f"no {name}"
+    try:
+        with zipfile.ZipFile(path):
+            return None
+    except (zipfile.BadZipFile, OSError) as error:
+        return f"{name} is damaged: {error}"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""What a saved tokenizer's vocabulary is in (a fast tokenizer, sentencepiece, a BPE vocabulary): one is there."""
+
+
+def _model_problem(directory: Path, name: str, tokenizer: bool = False) -> str | None:
+    """What keeps a ``save_pretrained`` directory (a model, or LoRA adapters) from loading, None if nothing.
+
+    Its config and every weights file must be there, each with a safetensors header that covers the whole file
+    (a file cut short fails that); with ``tokenizer``, a full model's tokenizer too (a resumed run loads it from
+    there; LoRA adapters resume with the tokenizer of the model under them).
+    """
+    if not directory.is_dir():
+        return f"no {name}/"
+    adapters = (directory / "adapter_config.json").is_file()
+    if not adapters and not (directory / "config.json").is_file():
+        return f"no {name}/config.json"
+    if tokenizer and not adapters:
+        if not (directory / "tokenizer_config.json").is_file():
+            return f"no {name}/tokenizer_config.json"
+        if not any((directory / file).is_file() for file in TOKENIZER_FILES):
+            return f"no {name}/tokenizer.json"
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            return f"{name}/{index.name} is damaged: {error}"
+    else:
+        files = ["adapter_model.safetensors" if adapters else "model.safetensors"]
+    for file in files:
+        path = directory / file
+        if not path.is_file():
+            return f"no {name}/{file}"
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            return f"{name}/{file} is damaged: {error}"
+    return None
+
+
+def checkpoint_problem(checkpoint: Path, critic: bool = False) -> str | None:
+    """What keeps ``checkpoint`` from being resumed, in a few words (``no trainer_state.pt``); None if nothing.
+
+    A complete checkpoint holds ``trainer_state.pt`` (a readable ``torch.save`` archive), ``actor/`` (and
+    ``critic/`` with its ``value_head.pt`` when the run has a critic) with its config and whole weights files,
+    and the actor's tokenizer.
+    Cheap: only file names, the archive's index and the safetensors headers are read, no tensor.
+    """
+    if not checkpoint.is_dir():
+        return "not there"
+    problem = _torch_file_problem(checkpoint / "trainer_state.pt", "trainer_state.pt")
+    problem = problem or _model_problem(checkpoint / "actor", "actor", tokenizer=True)
+    if critic:
+        problem = problem or _model_problem(checkpoint / "critic", "critic")
+        problem = problem or _torch_file_problem(checkpoint / "critic" / "value_head.pt", "critic/value_head.pt")
+    return problem
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run continues: the checkpoint ``latest`` names when complete, else the newest complete one."""
+
+    checkpoint: Path | None
+    """The checkpoint to load; None when the run holds no complete one."""
+    note: str | None
+    """One line: why ``checkpoint`` is not the one ``latest`` names, or (``checkpoint`` None) what is broken."""
+
+
+def resume_point(run_dir: Path, critic: bool = False) -> ResumePoint:
+    """The checkpoint a resumed run loads (see :class:`ResumePoint`; ``critic``: the run has one).
+
+    A checkpoint ``latest`` names is the run's last save; when that pointer is missing, names a checkpoint that
+    is not there, or names a damaged one, the newest complete checkpoint (by step) is as good a place to go on
+    from: the resumed run repeats the steps after it exactly.
+    """
+    root = run_dir / "checkpoints"
+    pointer = root / "latest"
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    steps = [f"step_{step:06d}" for step in reversed(checkpoint_steps(run_dir))]
+    if not named and not steps:
+        return ResumePoint(None, f"{root} holds no checkpoint" if root.is_dir() else f"there is no {root}")
+    if named:
+        problem = checkpoint_problem(root / named, critic)
+        if problem is None:
+            return ResumePoint(root / named, None)
+        why = (f"checkpoints/latest names {named}, which is not there" if problem == "not there" else
+               f"{named}, the checkpoint checkpoints/latest names, is incomplete ({problem})")
+    else:
+        why = "there is no checkpoints/latest"
+    broken = []
+    for name in steps:
+        if name == named:
+            continue
+        problem = checkpoint_problem(root / name, critic)
+        if problem is None:
+            return ResumePoint(root / name, f"{why}; resuming from {name}, the newest complete checkpoint")
+        broken.append(f"{name} is incomplete ({problem})")
+    return ResumePoint(None, "; ".join([why, *broken]))

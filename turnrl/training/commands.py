@@ -10,6 +10,11 @@
 
 The trainers (:mod:`turnrl.training.trainer` and the two built on it) hold the models and run a step; this
 module owns everything around the steps.
+
+Steps are numbered from 1 wherever a user sees them: step N is the run's N-th rollout and update, logged as
+``step`` N in ``metrics.jsonl`` (0 is the validation before RL), with its trajectories in
+``trajectories/step_N.jsonl``, and ``checkpoints/step_N`` holds the run after it. ``trainer.step`` takes the
+step's index (N - 1), from which its seeds derive.
 """
 
 from __future__ import annotations
@@ -33,13 +38,13 @@ from turnrl.rollout.ray_workers import RolloutWorkerError
 from turnrl.rollout.trajectory import write_trajectories
 from turnrl.training import ranks
 from turnrl.training.asynchronous import AsyncTrainer
-from turnrl.training.checkpoint import checkpoint_step, latest_checkpoint
+from turnrl.training.checkpoint import checkpoint_step
 from turnrl.training.config import TrainConfig
 from turnrl.training.distributed import FSDPTrainer
 from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.memory import GIB, check_memory
 from turnrl.training.preflight import preflight
-from turnrl.training.run_dir import run_directory, start_run
+from turnrl.training.run_dir import resumed_checkpoint, run_directory, start_run
 from turnrl.training.sft import sft_stage
 from turnrl.training.trainer import Trainer, console
 from turnrl.viz.records import write_token_advantages
@@ -101,9 +106,9 @@ def _every(n: int) -> Callable[[int], bool]:
 
 def finished_summary(config: TrainConfig) -> dict[str, Any] | None:
     """The summary of a resumed run that has already run its ``run.steps`` (None when steps are left)."""
-    checkpoint = latest_checkpoint(run_directory(config)) if config.resume else None
+    checkpoint = resumed_checkpoint(config).checkpoint if config.resume else None
     summary_path = run_directory(config) / "summary.json"
-    if checkpoint is None or checkpoint_step(checkpoint) + 1 < config.run.steps or not summary_path.is_file():
+    if checkpoint is None or checkpoint_step(checkpoint) < config.run.steps or not summary_path.is_file():
         return None
     try:
         summary = json.loads(summary_path.read_text())
@@ -207,21 +212,21 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     validate_now, save_now = _every(config.validation.every), _every(config.run.save_every)
     write_now = _every(config.run.trajectories_every)
     with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
-        for step in range(trainer.first_step, config.run.steps):
+        for step in range(trainer.first_step + 1, config.run.steps + 1):
             try:
-                output = trainer.step(step)
+                output = trainer.step(step - 1)
             except RolloutWorkerError as error:
                 console.print(f"[bold red]rollout stopped:[/bold red] {error}", soft_wrap=True)
-                if step == 0:
+                if step == 1:
                     raise
                 return _stop(trainer, logger, step - 1, error=True)  # saves the last finished step
             metrics = output.metrics
-            last = step + 1 == config.run.steps
-            if validate_now(step + 1) and not last:
+            last = step == config.run.steps
+            if validate_now(step) and not last:
                 metrics.update(trainer.validate().metrics)
             if logger is not None:
-                logger.log(step + 1, metrics)
-            if write_now(step) and logger is not None:
+                logger.log(step, metrics)
+            if write_now(step - 1) and logger is not None:  # steps 1, 1 + N, 1 + 2N, ...
                 write_trajectories(output.trajectories, trainer.run_dir / "trajectories", name=f"step_{step:06d}.jsonl")
                 if output.token_advantages:
                     write_token_advantages(trainer.run_dir / "trajectories" / f"step_{step:06d}.advantages.jsonl",
@@ -233,7 +238,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             stop_requested = ranks.any_rank(requested) if distributed else requested
             if stop_requested and not last:
                 return _stop(trainer, logger, step)
-            if save_now(step + 1) and not last:
+            if save_now(step) and not last:
                 trainer.save(step)
 
     after = _validate_and_write(trainer, logger, config.run.steps, "val_after_rl.jsonl")
@@ -241,7 +246,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     trainer.summary["val_after_rl"] = after
     trainer.summary["steps"] = config.run.steps
     if config.run.steps > 0:
-        trainer.save(config.run.steps - 1)
+        trainer.save(config.run.steps)
     if logger is None:
         return trainer.summary
     (trainer.run_dir / STOP_FILE).unlink(missing_ok=True)  # asked for during the last step: the run has ended
@@ -272,17 +277,17 @@ def _report(run_dir: Path) -> None:
 
 
 def _stop(trainer: Trainer, logger: MetricsLogger | None, step: int, error: bool = False) -> dict[str, Any]:
-    """Ctrl-C, the stop file or a lost rollout worker (``error``): save the finished ``step``, say how to
-    resume; the summary says where the run stopped and why."""
+    """Ctrl-C, the stop file or a lost rollout worker (``error``): save the run after its last finished
+    ``step``, say how to resume; the summary says where the run stopped and why."""
     checkpoint = trainer.save(step)
     if ranks.is_main():
         (trainer.run_dir / STOP_FILE).unlink(missing_ok=True)
-    stopped = {"interrupted_at_step": step + 1, "stopped_by": "error" if error else "request"}
+    stopped = {"interrupted_at_step": step, "stopped_by": "error" if error else "request"}
     if logger is None:
         return {**trainer.summary, **stopped}
     logger.close()
-    console.print(f"[bold]{'stopped by the error above' if error else 'interrupted'}[/bold] after step {step + 1} "
-                  f"of {trainer.config.run.steps}; checkpoint {checkpoint}")
+    console.print(f"[bold]{'stopped by the error above' if error else 'interrupted'}[/bold] after step {step} "
+                  f"of {trainer.config.run.steps}; checkpoint {checkpoint}", soft_wrap=True)
     # One unwrapped line, to copy whole.
     console.print(f"continue with: turnrl train resume={trainer.run_dir}", markup=False, highlight=False,
                   soft_wrap=True)

@@ -324,14 +324,16 @@ class RunConfig:
     steps: int = 100
     """RL steps (rollout + update)."""
     save_every: int = 0
-    """Checkpoint every N steps; 0 saves only at the end (and on Ctrl-C)."""
+    """Checkpoint every N steps (``checkpoints/step_N``: the run after step N, steps counted from 1); 0 saves
+    only at the end (and on Ctrl-C)."""
     keep_checkpoints: int = 0
     """Keep only the newest N checkpoints (older ones are deleted after each save); 0 keeps them all."""
     overwrite: bool = False
     """Start afresh in a run directory that already holds a run (its checkpoints, metrics and TensorBoard
     files are deleted first); false refuses, so two runs never mix. ``resume=RUN_DIR`` continues one."""
     trajectories_every: int = 10
-    """Write the step's trajectories every N steps."""
+    """Write the trajectories of step 1 and of every N-th step after it (1, 1 + N, 1 + 2N, ...) to
+    ``trajectories/step_N.jsonl``; 0 writes none."""
     tensorboard: bool = True
     """Write TensorBoard event files."""
     wandb_project: Optional[str] = None

@@ -3,12 +3,17 @@
 :class:`RunProgress` draws rich's progress bar in a terminal and, where the
 output is a file or a pipe (a batch job's log), prints a plain line every
 ``every_s`` seconds instead: a bar redrawn in place is invisible there.
+:class:`RunConsole` is the console a run prints on: one whose reader went away
+never stops the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +23,27 @@ from typing import Any
 from rich.console import Console
 from rich.errors import LiveError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class RunConsole(Console):
+    """rich's console for what a run prints, which a reader that went away never stops.
+
+    rich exits on a broken pipe; a run must carry on to its checkpoint instead (``turnrl train ... | tee
+    log``, where the Ctrl-C that asks the run to stop ends ``tee`` too). The broken stream is pointed at
+    ``os.devnull``, so that later writes to it and the interpreter's flush at exit succeed, and what follows
+    is printed on stderr, or nowhere when stderr is the stream that broke.
+    """
+
+    def on_broken_pipe(self) -> None:
+        broken = self.file
+        with contextlib.suppress(OSError, ValueError):  # a stream without a file descriptor (a StringIO)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, broken.fileno())
+            os.close(devnull)
+        if broken is sys.stderr:
+            self.quiet = True
+        else:
+            self.file = sys.stderr
 
 
 class MetricsLogger:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from turnrl.config import ConfigError
 from turnrl.envservice.placement import env_factory
-from turnrl.training.checkpoint import latest_checkpoint
+from turnrl.training.checkpoint import checkpoint_step
 from turnrl.training.config import TrainConfig
-from turnrl.training.run_dir import RL_OUTPUTS, run_directory
+from turnrl.training.run_dir import RL_OUTPUTS, resumed_checkpoint, run_directory
 from turnrl.training.sft import read_chat_jsonl
 
 
@@ -21,9 +21,9 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     """Check what a run needs before anything is written or a model loads: one-line errors, no traceback.
 
     Checks: a local ``model.path`` exists; the env id and its settings (one env is built, for training and
-    validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver; the
-    checkpoint to resume; optional packages (wandb); and that a new run does not write into another run's
-    directory.
+    validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver; that the
+    run to resume holds a complete checkpoint, not past ``run.steps``; optional packages (wandb); and that a
+    new run does not write into another run's directory.
 
     Args:
         stage: ``train`` (``turnrl train``) or ``sft`` (``turnrl sft``, which writes only ``sft/``).
@@ -35,9 +35,10 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     if config.resume:
         if not run_dir.is_dir():
             raise ConfigError(f"resume={config.resume!r}: no such run directory")
-        if latest_checkpoint(run_dir) is None:
-            raise ConfigError(f"resume={config.resume!r} holds no checkpoint (no checkpoints/latest); a run saves one "
-                              "every run.save_every steps, at its end and on Ctrl-C")
+        checkpoint = resumed_checkpoint(config).checkpoint  # one there (else ConfigError)
+        if checkpoint is not None and (done := checkpoint_step(checkpoint)) > config.run.steps:
+            raise ConfigError(f"resume={config.resume!r} goes on after step {done}, past run.steps="
+                              f"{config.run.steps}: give run.steps={done} or more, or leave run.steps out")
     path = config.model.path
     # A local path (absolute, relative with ./, or deeper than a hub id's org/name) must exist; a hub id
     # is left to the loader, which may find it in the local cache.

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 
 from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
@@ -45,10 +44,10 @@ from turnrl.training.batch import Sample, collate
 from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
 from turnrl.training.head import install_scoring_head
-from turnrl.training.logger import MetricsLogger, RunProgress
+from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
 from turnrl.training.precision import autocast, skip_cudnn_attention
 
-console = Console()
+console = RunConsole()
 Message = dict[str, Any]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import re
 import time
 from collections.abc import Callable
@@ -39,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import group_stats, kl_penalty, select_groups
@@ -68,24 +68,24 @@ from turnrl.training.advantages import compute_advantages
 from turnrl.training.attention import implementation
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.checkpoint import (
-    latest_checkpoint,
     load_trainer_state,
     prune_checkpoints,
     save_checkpoint,
     set_rng_state,
+    steps_done,
 )
 from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
 from turnrl.training.head import install_scoring_head
-from turnrl.training.logger import RunProgress
+from turnrl.training.logger import RunConsole, RunProgress
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
-from turnrl.training.run_dir import start_run
+from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config
 from turnrl.training.seeding import step_seed
 from turnrl.training.throughput import mfu, peak_flops, phase_peak_gib, start_phase, training_flops_per_token
 from turnrl.viz.records import token_advantage_records
 
-console = Console(quiet=not ranks.is_main())  # one process of a distributed run speaks
+console = RunConsole(quiet=not ranks.is_main())  # one process of a distributed run speaks
 
 
 @dataclass
@@ -315,10 +315,15 @@ class Trainer:
         skip_cudnn_attention(self.device)
         self.timings: dict[str, float] = {}
         self.summary: dict[str, Any] = {}
-        self.checkpoint = latest_checkpoint(self.run_dir) if config.resume else None
-        if config.resume and self.checkpoint is None:
-            raise ConfigError(f"resume={config.resume!r} holds no checkpoint (no checkpoints/latest)")
+        self.checkpoint: Path | None = None
+        """The checkpoint a resumed run continues from."""
+        if config.resume:
+            point = resumed_checkpoint(config)
+            self.checkpoint = point.checkpoint
+            if point.note is not None:
+                console.print(point.note, markup=False, highlight=False, soft_wrap=True)
         self.first_step = 0
+        """How many steps were done before this process: the index (from 0) of the first step it runs."""
         self.elapsed_before_s = 0.0
         """Wall time of the run before this process (a resumed run's earlier sessions)."""
         self.session_start = time.time()
@@ -346,6 +351,7 @@ class Trainer:
         self.startup["policy_s"] = time.time() - started
         if self.checkpoint is not None:
             self._restore()
+            write_config(config)  # only now: a resume that fails leaves the run's config.yaml as it was
         self.peak_flops = peak_flops(self.device, config.run.peak_tflops * 1e12)
 
     # ------------------------------------------------------------------ setup
@@ -460,7 +466,12 @@ class Trainer:
 
     def _restore(self) -> None:
         assert self.checkpoint is not None
-        state = load_trainer_state(self.checkpoint)
+        try:
+            state = load_trainer_state(self.checkpoint)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:  # damaged past its zip index
+            raise ConfigError(f"resume={self.config.resume!r}: {self.checkpoint / 'trainer_state.pt'} cannot be read "
+                              f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); move "
+                              f"{self.checkpoint.name} away to resume from an earlier checkpoint") from error
         processes, now = state.get("world_size", 1), ranks.world_size()
         if processes != now:
             how = (f"distributed.nproc_per_node={processes} (or torchrun --nproc-per-node {processes})"
@@ -476,7 +487,7 @@ class Trainer:
         self.summary = state.get("summary", {})
         self.timings = state.get("timings", {})
         self.elapsed_before_s = float(state.get("elapsed_s", 0.0))
-        self.first_step = state["step"] + 1
+        self.first_step = steps_done(state)
 
     def precision(self) -> AbstractContextManager:
         return autocast(self.device, self.dtype)
@@ -630,6 +641,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
+        """Checkpoint ``checkpoints/step_{step}``: the run after ``step`` steps (its step numbers count from 1)."""
         state = {
             "actor_optimizer": self.actor_optimizer.state_dict(),
             "actor_scheduler": self.actor_scheduler.state_dict(),
