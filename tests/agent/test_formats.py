@@ -453,7 +453,7 @@ def test_reasoning_is_the_content_of_the_first_think_pair_without_surrounding_wh
 
 
 def test_formats_without_think_reason_before_their_answer_or_not_at_all():
-    tuple_response = "<observation>Wall ahead.</observation><justification>Turn.</justification><action>('move', 1)</action>"
+    tuple_response = "<observation>Wall.</observation><justification>Turn.</justification><action>('move', 1)</action>"
     assert reasoning("visgym_tuple", tuple_response) == tuple_response[: tuple_response.index("<action>")]
     assert reasoning("visgym_keyword", "I should go left. <action>left</action>") == "I should go left."
     assert reasoning("visgym_keyword", "no action tag") is None

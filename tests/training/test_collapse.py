@@ -3,14 +3,19 @@ pair, the metrics of a step against the plain references, how pairs are cut, dra
 
 from __future__ import annotations
 
-import math
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.algorithms.test_collapse import ref_information, ref_retrieval
+from tests.training.test_trainer import config, records, step_records
 from turnrl.agent.formats import get_format
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.trajectory import Trajectory
@@ -28,9 +33,11 @@ from turnrl.training.collapse import (
     episode_pairs,
     reasoning_tokens,
 )
-from turnrl.training.config import CollapseConfig
+from turnrl.training.commands import train
+from turnrl.training.config import CollapseConfig, TrainConfig
 from turnrl.training.ppo import MicroBatching, batched_logprobs
 from turnrl.training.seeding import step_seed
+from turnrl.training.trainer import StepOutput, Trainer
 
 RAGEN = get_format("ragen")
 
@@ -46,8 +53,8 @@ def decoder(tokenizer):
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def scorer(model, batching=MicroBatching(2), temperature=1.0):
-    return lambda batch: batched_logprobs(model, batch, batching, temperature)
+def scorer(model, batching: MicroBatching | None = None, temperature=1.0):
+    return lambda batch: batched_logprobs(model, batch, batching or MicroBatching(2), temperature)
 
 
 @torch.no_grad()
@@ -92,7 +99,7 @@ def pairs_of(tokenizer, prompts: list[str], reasonings: list[str]) -> list[Reaso
 
 
 PROMPTS = ["<|im_start|>user\nThe box is left.<|im_end|>\n<|im_start|>assistant\n<think>",
-           "<|im_start|>user\nA hole lies below, the goal to the right of it.<|im_end|>\n<|im_start|>assistant\n<think>",
+           "<|im_start|>user\nA hole lies below, the goal right of it.<|im_end|>\n<|im_start|>assistant\n<think>",
            "<|im_start|>user\nUp.<|im_end|>\n<|im_start|>assistant\n<think>"]
 REASONINGS = ["I push it left.", "Go right, never down into the hole below me.", "Up"]
 
@@ -285,4 +292,106 @@ def test_early_stops_stay_quiet_when_nothing_is_turned_on():
     assert all(stops.observe(metrics) is None for _ in range(30))
     assert set(metrics) == {"rollout/in_group_reward_std", "filter/skipped_step", "val/success"}
     assert EarlyStops(CollapseConfig()).summary(3) == {}
+
+
+
+# --------------------------------------------------------------------------- in a run
+def test_the_trainer_scores_pairs_with_its_actor_before_the_update(model, tiny_model_dir, tmp_path):
+    trainer = Trainer(config(tiny_model_dir, tmp_path, "agent.format=ragen", "collapse.every=2", "collapse.samples=0",
+                             "algorithm.micro_batch_size=3"))
+    assert [s for s in range(6) if trainer.collapse.due(s)] == [0, 1, 3, 5]
+    trajectories = rollout(trainer.tokenizer)
+    output = StepOutput({"rollout/success": 0.0}, trajectories)
+    trainer.measure_collapse(3, output)
+    plain = CollapseDiagnostics(CollapseConfig(every=2, samples=0), RAGEN, decoder(trainer.tokenizer),
+                                trainer.tokenizer.pad_token_id, seed=trainer.config.seeds.seed)
+    expected = plain.measure(3, trajectories, scorer(model))
+    assert expected.keys() == output.metrics.keys() - {"rollout/success"}
+    for key, value in expected.items():
+        if not key.startswith("timing/"):
+            assert output.metrics[key] == pytest.approx(value, abs=1e-4), key
+    assert trainer.timings["collapse_s"] == output.metrics["timing/collapse_s"]
+    trainer.close()
+
+
+@pytest.mark.parametrize("trainer", [[], ["distributed.async_rollout=true", "distributed.max_staleness=0"]],
+                         ids=["synchronous", "asynchronous"])
+def test_a_run_logs_collapse_metrics_at_the_measured_steps(tiny_model_dir, tmp_path, trainer):
+    train(config(tiny_model_dir, tmp_path, "agent.format=ragen", "collapse.every=2", "run.steps=3", *trainer))
+    steps = step_records(tmp_path / "run")
+    # The untrained model writes no <think>: the rate is measured, there is no pair to score.
+    assert [s for s, r in steps.items() if "collapse/valid_thinking_rate" in r] == [1, 2]
+    assert all(r.get("collapse/valid_thinking_rate", 0.0) == 0.0 and "collapse/empty_filter_steps" in r
+               for r in steps.values())
+
+
+def test_empty_filter_steps_end_the_run_with_validation_a_checkpoint_the_summary_and_the_report(tiny_model_dir,
+                                                                                              tmp_path):
+    # The untrained model never writes an action: every group's rewards are equal, and the filter drops them all.
+    empty = ["algorithm.filter.drop_zero_variance=true", "collapse.stop_after_empty_steps=3"]
+    summary = train(config(tiny_model_dir, tmp_path, *empty, "run.steps=2"))
+    assert summary["steps"] == 2 and "early_stop" not in summary  # 2 empty steps: not yet
+    run = tmp_path / "run"
+    summary = train(config(tiny_model_dir, tmp_path, *empty, "run.steps=6", f"resume={run}"))
+    # The resumed run remembers its 2 empty steps: the third stops it.
+    assert summary["steps"] == 3 and summary["stopped_by"] == "early_stop"
+    assert summary["early_stop"] == {"rule": "empty_filter_steps", "step": 3,
+                                     "reason": "the group filter kept nothing to train on for 3 steps in a row"}
+    assert json.loads((run / "summary.json").read_text())["early_stop"]["step"] == 3
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "step_000002" / "actor").is_dir() and not (checkpoints / "step_000003").exists()
+    logged = records(run)
+    assert [r["step"] for r in logged if "early_stop/empty_filter_steps" in r] == [3]
+    assert [r["collapse/empty_filter_steps"] for r in logged if "filter/skipped_step" in r] == [1, 2, 3]
+    assert logged[-1]["step"] == 3 and "val/success" in logged[-1]  # validated after the last step run
+    assert "after step 3: the group filter kept nothing" in (run / "report.html").read_text()
+
+
+FSDP_SCRIPT = """
+import json, sys
+import torch
+from turnrl.config import load_config
+from turnrl.training import ranks
+from turnrl.training.config import TrainConfig
+from turnrl.training.distributed import FSDPTrainer
+from turnrl.training.trainer import StepOutput
+from tests.training.test_collapse import rollout
+
+torch.set_num_threads(1)
+config = load_config(TrainConfig, None, sys.argv[2:])
+ranks.init_process_group("cpu", 120)
+trainer = FSDPTrainer(config)
+output = StepOutput({}, rollout(trainer.tokenizer))
+trainer.measure_collapse(0, output)
+if ranks.is_main():
+    open(sys.argv[1], "w").write(json.dumps(output.metrics))
+trainer.close()
+ranks.close_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_score_the_pairs_as_one_process(model, tiny_model_dir, tmp_path):
+    """Each process scores its rows of the cross batch with the sharded actor; the gathered matrix gives the
+    single process's metrics."""
+    overrides = [f"model.path={tiny_model_dir}", "model.device=cpu", "model.dtype=float32", "run.tensorboard=false",
+                 f"run.output_dir={tmp_path}", "run.name=fsdp", "agent.format=ragen", "collapse.every=1",
+                 "collapse.samples=0", "algorithm.micro_batch_size=2"]
+    script, out = tmp_path / "fsdp_collapse.py", tmp_path / "metrics.json"
+    script.write_text(FSDP_SCRIPT)
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), str(out)]
+    done = subprocess.run([*command, *overrides], capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    found = json.loads(out.read_text())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain = CollapseDiagnostics(CollapseConfig(every=1, samples=0), RAGEN, decoder(tokenizer), tokenizer.pad_token_id,
+                                seed=TrainConfig().seeds.seed)
+    expected = plain.measure(0, rollout(tokenizer), scorer(model))
+    assert found.keys() == expected.keys() and any(key.startswith("collapse/multi_turn/") for key in found)
+    for key, value in expected.items():
+        if not key.startswith("timing/"):
+            assert found[key] == pytest.approx(value, abs=1e-4), key
 

@@ -147,6 +147,9 @@ def test_summary_is_flattened_and_headlined():
                                         ("val_after_rl / val/success", "0.1235"), ("env", "X"), ("tags", "1, 2")]
     assert headline(summary) == [("success rate", "0.5")]
     assert headline([1]) == []
+    early = {"steps": 23, "stopped_by": "early_stop",
+             "early_stop": {"rule": "empty_filter_steps", "reason": "nothing kept", "step": 23}}
+    assert headline(early) == [("RL steps", "23"), ("stopped early", "after step 23: nothing kept")]
 
 
 def test_pairs_say_what_changed():
