@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.algorithms.test_collapse import ref_information, ref_retrieval
+from tests.algorithms.test_collapse import ref_information, ref_retrieval, ref_zscore
 from tests.training.test_trainer import config, records, step_records
 from turnrl.agent.formats import get_format
 from turnrl.rollout.context import EpisodeTokens
@@ -148,10 +149,15 @@ def rollout(tokenizer) -> list[Trajectory]:
 
 
 def check(found: dict[str, float], prefix: str, token, sequence, columns, classes) -> None:
-    expected = {**ref_information(token, columns), **ref_retrieval(token, columns, classes)}
+    """Every metric of a kind against the plain loops on the matrices of pairs scored one by one (a first
+    measurement: no moving average of the std yet)."""
+    expected = {**ref_information(token, columns), **ref_retrieval(token, columns, classes),
+                **ref_zscore(token, columns, 1e-3, None)}
     expected.update({f"{k}_seq": v for k, v in ref_information(sequence, columns).items() if k != "mi_upper_bound"})
+    expected.update({f"{k}_seq": v for k, v in ref_zscore(sequence, columns, 1e-3, None).items()})
+    assert len(expected) == 27
     for name, value in expected.items():
-        assert found[f"{prefix}/{name}"] == pytest.approx(value, abs=2e-4), name
+        assert found[f"{prefix}/{name}"] == pytest.approx(value, rel=1e-4, abs=2e-4), name
 
 
 def test_a_steps_metrics_equal_the_reference_on_pairs_scored_one_by_one(model, tiny_tokenizer):
@@ -325,26 +331,78 @@ def test_a_run_logs_collapse_metrics_at_the_measured_steps(tiny_model_dir, tmp_p
                for r in steps.values())
 
 
+def assert_stopped_early(run: Path, console: str, step: int, rule: str, reason: str) -> None:
+    """The run ended after ``step`` as a finished one, and says why in the console, the summary, the metrics and
+    the report: validated after its last step, its checkpoint saved, no step past it."""
+    said = f"early stop after step {step}: {reason}"
+    assert said in " ".join(console.split()), console[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == step and summary["stopped_by"] == "early_stop"
+    assert summary["early_stop"] == {"rule": rule, "step": step, "reason": reason}
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "latest").read_text() == f"step_{step - 1:06d}"
+    assert (checkpoints / f"step_{step - 1:06d}" / "actor").is_dir()
+    logged = records(run)
+    assert [r["step"] for r in logged if f"early_stop/{rule}" in r] == [step]
+    assert max(r["step"] for r in logged) == step
+    assert logged[-1]["step"] == step and "val/success" in logged[-1]  # validated after the last step run
+    assert f"after step {step}: {reason}" in (run / "report.html").read_text()
+
+
 def test_empty_filter_steps_end_the_run_with_validation_a_checkpoint_the_summary_and_the_report(tiny_model_dir,
-                                                                                              tmp_path):
+                                                                                              tmp_path, capsys):
     # The untrained model never writes an action: every group's rewards are equal, and the filter drops them all.
     empty = ["algorithm.filter.drop_zero_variance=true", "collapse.stop_after_empty_steps=3"]
     summary = train(config(tiny_model_dir, tmp_path, *empty, "run.steps=2"))
     assert summary["steps"] == 2 and "early_stop" not in summary  # 2 empty steps: not yet
+    assert "early stop" not in capsys.readouterr().out
     run = tmp_path / "run"
     summary = train(config(tiny_model_dir, tmp_path, *empty, "run.steps=6", f"resume={run}"))
     # The resumed run remembers its 2 empty steps: the third stops it.
-    assert summary["steps"] == 3 and summary["stopped_by"] == "early_stop"
-    assert summary["early_stop"] == {"rule": "empty_filter_steps", "step": 3,
-                                     "reason": "the group filter kept nothing to train on for 3 steps in a row"}
-    assert json.loads((run / "summary.json").read_text())["early_stop"]["step"] == 3
-    checkpoints = run / "checkpoints"
-    assert (checkpoints / "step_000002" / "actor").is_dir() and not (checkpoints / "step_000003").exists()
-    logged = records(run)
-    assert [r["step"] for r in logged if "early_stop/empty_filter_steps" in r] == [3]
-    assert [r["collapse/empty_filter_steps"] for r in logged if "filter/skipped_step" in r] == [1, 2, 3]
-    assert logged[-1]["step"] == 3 and "val/success" in logged[-1]  # validated after the last step run
-    assert "after step 3: the group filter kept nothing" in (run / "report.html").read_text()
+    assert summary["steps"] == 3 and summary["early_stop"]["rule"] == "empty_filter_steps"
+    assert_stopped_early(run, capsys.readouterr().out, 3, "empty_filter_steps",
+                         "the group filter kept nothing to train on for 3 steps in a row")
+    assert [r["collapse/empty_filter_steps"] for r in records(run) if "filter/skipped_step" in r] == [1, 2, 3]
+
+
+def varied_reward(turns: list, until_seed: int) -> list[float]:
+    """A reward that differs between the samples of a group (a function of the sampled text) on env seeds below
+    ``until_seed``, and is 0 on the others: a spread that collapses once the steps reach those seeds."""
+    return [zlib.crc32(turn.response.encode()) % 4 / 3 if turn.seed < until_seed else 0.0 for turn in turns]
+
+
+def test_reward_spread_collapse_ends_the_run_and_says_why(tiny_model_dir, tmp_path, capsys):
+    # RAGEN's rule as configured by default: the first 10 steps (2 groups a step: seeds 10000-10019) have a
+    # spread, the next 10 none; the 10th step below 0.1x the baseline, step 20, stops the run.
+    spread = ["rewards.extra=[{name: varied, fn: 'tests.training.test_collapse:varied_reward', "
+              "settings: {until_seed: 10020}}]", "seeds.train_start=10000", "collapse.stop_on_reward_spread=true",
+              "run.steps=30", "run.trajectories_every=0", "validation.episodes=1", "sampling.max_new_tokens=4"]
+    summary = train(config(tiny_model_dir, tmp_path, *spread))
+    run = tmp_path / "run"
+    steps = step_records(run)
+    spreads = [steps[s]["rollout/in_group_reward_std"] for s in sorted(steps)]
+    baseline = sum(spreads[:10]) / 10
+    assert baseline > 0 and spreads[10:] == [0.0] * 10
+    assert steps[11]["collapse/reward_spread_baseline"] == pytest.approx(baseline)
+    assert steps[11]["collapse/reward_spread_threshold"] == pytest.approx(0.1 * baseline)
+    assert summary["early_stop"]["rule"] == "reward_spread_collapse"
+    assert_stopped_early(run, capsys.readouterr().out, 20, "reward_spread_collapse",
+                         f"the in-group reward std stayed below 0.1 x its baseline {baseline:.4g} (the mean of the "
+                         "first 10 training steps) for 10 training steps in a row")
+
+
+def test_low_validation_success_ends_the_run_and_says_why(tiny_model_dir, tmp_path, capsys):
+    # RAGEN's rule as configured by default (5 validations under 0.01). The untrained model never reaches the
+    # goal: the validations after steps 1 to 5 all fail, and the fifth stops the run.
+    low = ["validation.every=1", "collapse.stop_on_low_success=true", "run.steps=8", "run.trajectories_every=0",
+           "sampling.max_new_tokens=4"]
+    summary = train(config(tiny_model_dir, tmp_path, *low))
+    run = tmp_path / "run"
+    assert summary["early_stop"]["rule"] == "low_validation_success"
+    counts = [r["collapse/low_success_validations"] for r in records(run) if "filter/skipped_step" in r]
+    assert counts == [1, 2, 3, 4, 5]
+    assert_stopped_early(run, capsys.readouterr().out, 5, "low_validation_success",
+                         "validation success stayed below 0.01 for 5 validations in a row")
 
 
 FSDP_SCRIPT = """
