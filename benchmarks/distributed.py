@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,15 +45,32 @@ def run(processes: int, config: str | None, overrides: list[str], out: Path, tim
     start = time.time()
     log = out / f"{name}.log"
     with log.open("w") as output:
-        result = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ},
-                                timeout=timeout)
-    if result.returncode != 0:
-        raise RuntimeError(failure(log.read_text()))
-    lines = (out / name / "metrics.jsonl").read_text().splitlines()
+        # A session of its own: at the time limit the launcher and torchrun are ended together, and torchrun
+        # ends its processes (killing the launcher alone would leave them holding the GPUs).
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ},
+                                   start_new_session=True)
+        try:
+            code: int | None = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # torchrun ends its workers (sessions of their own) on SIGTERM; whatever is left, SIGKILL.
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            code = None
+    metrics = out / name / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
     records = [r for r in map(json.loads, lines) if "timing/step_s" in r]
     steps = records[1:]  # the first step warms up
+    if code != 0 and (code is not None or not steps):
+        raise RuntimeError(failure(log.read_text()) if code is not None else
+                           f"no measured step within {timeout:.0f} s ({len(records)} steps logged)")
     if not steps:
         raise RuntimeError("run.steps must be at least 2 (the first step is a warm-up)")
+    # A run stopped at the time limit after its measured steps (in the final validation or checkpoint, which
+    # at 7B write over 100 GB of optimizer states) still gives its row.
     mean = lambda key: statistics.mean(r.get(key, 0.0) for r in steps)  # noqa: E731
     generated = sum(r["rollout/response_tokens_mean"] * r["rollout/turns_mean"] * r["rollout/episodes"]
                     for r in steps)
@@ -67,6 +85,7 @@ def run(processes: int, config: str | None, overrides: list[str], out: Path, tim
         "peak_gib": max(r.get(key, 0.0) for r in records for key in PEAKS),
         "to_first_rollout_s": records[0].get("startup/to_first_rollout_s", 0.0),
         "first_step_s": records[0]["timing/step_s"], "wall_s": time.time() - start,
+        "stopped_at_time_limit": float(code is None),
         **{f"startup/{k.split('/')[1]}": v for k, v in records[0].items() if k.startswith("startup/")},
     }
 

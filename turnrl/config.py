@@ -215,7 +215,9 @@ class ModelConfig:
     """A transformers model directory or hub id; None builds the built-in small model."""
     builtin_preset: str = "small"
     """The built-in model when ``path`` is None: ``tiny``, ``small``, ``base``, ``0.5b`` (Qwen2), or a VLM
-    ``vlm-tiny``, ``vlm-small``, ``vlm-0.5b`` (Qwen2.5-VL)."""
+    ``vlm-tiny``, ``vlm-small``, ``vlm-0.5b`` (Qwen2.5-VL); with the released models' full shapes and random
+    weights (to measure speed and memory): ``1.5b``, ``3b``, ``7b``, ``vlm-3b``, ``vlm-7b`` (Qwen2.5-VL) and
+    ``vlm-8b`` (Qwen3-VL)."""
     builtin_template: str = "chatml"
     """Chat template of the built-in model (``chatml``, ``qwen3``, ``llama3``)."""
     builtin_dir: Optional[str] = None

@@ -77,7 +77,7 @@ def load_processor(path: Path | str, min_pixels: int | None = None, max_pixels: 
     return processor
 
 
-_VISION_TOWERS = ("visual", "vision_tower", "vision_model")
+VISION_TOWERS = ("visual", "vision_tower", "vision_model")
 """Attribute names of a VLM's vision encoder on its base model (Qwen-VL: ``visual``; LLaVA-style: the others)."""
 
 
@@ -85,7 +85,7 @@ def vision_tower(model: Any) -> torch.nn.Module | None:
     """The vision encoder of a VLM (peft-wrapped or not), or None for a text model."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for owner in (getattr(base, "base_model", None), base):
-        for name in _VISION_TOWERS:
+        for name in VISION_TOWERS:
             tower = getattr(owner, name, None)
             if isinstance(tower, torch.nn.Module):
                 return tower

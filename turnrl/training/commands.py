@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from turnrl.config import ConfigError
+from turnrl.models.devices import resolve_device
 from turnrl.models.loading import base_model_path
 from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RolloutWorkerError
@@ -35,6 +36,7 @@ from turnrl.training.collapse import EarlyStops, logged_steps
 from turnrl.training.config import TrainConfig
 from turnrl.training.distributed import FSDPTrainer
 from turnrl.training.logger import MetricsLogger, RunProgress
+from turnrl.training.memory import GIB, check_memory
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import run_directory, start_run
 from turnrl.training.sft import sft_stage
@@ -152,6 +154,11 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
         if ranks.is_main():
             base_model_path(config.model)
         ranks.wait_for_main()
+    device = ranks.process_device() or resolve_device(config.model.device)
+    memory = check_memory(config, base_model_path(config.model), device, ranks.world_size() if distributed else 1)
+    if memory is not None and config.model.engine.kv_cache_gb == 0:
+        # The engine's default (30% of what is free when it starts) does not know the optimizer's states to come.
+        config.model.engine.kv_cache_gb = round(memory.parts.get("key/value cache", 0.0) / GIB, 1) or 0.1
     sft = None
     if config.sft.enabled and not resumed:
         run_dir = start_run(config)
@@ -165,6 +172,9 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
         trainer = AsyncTrainer(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
     else:
         trainer = Trainer(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
+    if memory is not None:
+        trainer.startup["memory_estimate_gib"] = memory.total / GIB
+        console.print(f"memory per GPU, estimated: {memory.table()}")
     try:
         return _run_steps(config, trainer, sft, resumed, start)
     finally:

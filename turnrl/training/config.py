@@ -342,6 +342,9 @@ class RunConfig:
     peak_tflops: float = 0.0
     """Dense bf16 peak of one device in TFLOP/s, the denominator of ``throughput/update_mfu``; 0 detects it
     (H100, H200, A100 and others by name); a CPU or an unknown GPU logs no MFU."""
+    check_memory: bool = True
+    """On a GPU, estimate each GPU's memory before the models load and stop a run that cannot fit, with what
+    to turn on (see :mod:`turnrl.training.memory`); false skips the check."""
 
 
 @dataclass

@@ -1,0 +1,122 @@
+"""The memory estimate: parameter counts against the presets' and peft's own, and the parts a run holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from turnrl.config import ConfigError, load_config
+from turnrl.models.tiny import build_tokenizer, count_parameters, preset_config
+from turnrl.models.vlm import count_vlm_parameters, vlm_config
+from turnrl.training.config import TrainConfig
+from turnrl.training.memory import GIB, activation_bytes, count_model, estimate_memory, require_fit
+
+H100 = 79.1 * GIB
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(["the agent moves the box onto the goal"] * 8, vocab_size=300)
+
+
+def _saved_config(tmp_path: Path, config) -> Path:
+    config.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_the_counts_of_the_real_shape_presets_are_their_published_sizes(tmp_path, tokenizer):
+    counts = count_model(_saved_config(tmp_path / "3b", preset_config("3b", tokenizer)))
+    assert counts.total == count_parameters("3b") == 3_085_938_688  # Qwen2.5-3B
+    assert counts.trained == counts.total and counts.head == 0  # tied embedding and head
+    assert (counts.layers, counts.hidden, counts.intermediate, counts.vocab) == (36, 2048, 11008, 151936)
+    # q, k, v (2048 + 2 x 256 outputs) and gate, up (2 x 11008) in each of 36 layers
+    assert counts.stacked == 36 * 2048 * (2048 + 2 * 256 + 2 * 11008)
+
+
+def test_a_vlm_trains_its_decoder_and_not_its_frozen_tower(tmp_path, tokenizer):
+    counts = count_model(_saved_config(tmp_path / "vlm", vlm_config("vlm-3b", tokenizer)))
+    assert counts.total == count_vlm_parameters("vlm-3b")
+    assert counts.trained == count_parameters("3b")  # the decoder of Qwen2.5-VL-3B is Qwen2.5-3B's shape
+    with_tower = count_model(tmp_path / "vlm", train_vision=True)
+    assert with_tower.trained == with_tower.total
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])
+def test_lora_trained_parameters_are_peft_s_count(tmp_path, tokenizer, targets):
+    path = _saved_config(tmp_path / "tiny", preset_config("tiny", tokenizer))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=8, target_modules=targets if targets == "all-linear"
+                                            else targets.split(",")))
+    trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    assert count_model(path, lora_rank=8, lora_targets=targets).trained == trainable
+
+
+def _counts(tmp_path: Path, tokenizer, preset: str):
+    return count_model(_saved_config(tmp_path / preset, preset_config(preset, tokenizer)))
+
+
+def test_ppo_with_a_critic_at_3b_does_not_fit_one_h100_and_fits_four(tmp_path, tokenizer):
+    """One H100 ran out of memory on the 3B recipe (docs/benchmarks.md: 94 GB of float32 training states)."""
+    counts = _counts(tmp_path, tokenizer, "3b")
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [])
+    one = estimate_memory(config, counts, 1, H100)
+    assert one.parts["actor"] == 16 * counts.total
+    assert one.parts["critic"] == 16 * (counts.total + counts.hidden)  # keeps the tied embedding; a value head
+    assert not one.fits()
+    four = estimate_memory(config, counts, 4, H100)
+    assert four.fits()
+    assert four.parts["actor"] == pytest.approx(one.parts["actor"] / 4)
+    assert four.parts["rollout weights"] == 2 * counts.total + 2 * counts.stacked  # unsharded copy + stacked
+    # The engine's default cache (30% of what is free when it starts, before the optimizer's states exist),
+    # capped so that the update's peak stays within 95% of the GPU.
+    others = sum(value for name, value in four.parts.items() if name != "key/value cache")
+    weights = others - four.parts["activations"] - 0.75 * (four.parts["actor"] + four.parts["critic"])
+    assert four.parts["key/value cache"] == pytest.approx(min(0.3 * (H100 - weights), 0.95 * H100 - others))
+    assert four.total <= 0.95 * H100 + 1
+
+
+def test_the_default_cache_never_takes_what_the_optimizer_needs(tmp_path, tokenizer):
+    """8B GRPO + reference on 4 GPUs: 30% of what is free at the engine's start would leave the first optimizer
+    step short by several GiB; the estimate's cache is what the update leaves."""
+    path = _saved_config(tmp_path / "vlm-8b", vlm_config("vlm-8b", tokenizer))
+    config = load_config(TrainConfig, "configs/visgym_maze.yaml", ["algorithm.micro_batch_tokens=8192"])
+    estimate = require_fit(config, count_model(path), 4, H100)
+    assert estimate.total == pytest.approx(0.95 * H100)
+    assert 2 * GIB < estimate.parts["key/value cache"] < 0.3 * (H100 - 40 * GIB)
+
+
+def test_offload_takes_the_training_states_off_the_gpu(tmp_path, tokenizer):
+    counts = _counts(tmp_path, tokenizer, "7b")
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", ["model.engine.kv_cache_gb=8"])
+    with pytest.raises(ConfigError, match=r"distributed.cpu_offload=true \(moves \d+ GiB") as error:
+        require_fit(config, counts, 4, H100)
+    assert "GiB of the GPU's 79.1 GiB" in str(error.value) and "run.check_memory=false" in str(error.value)
+    config.distributed.cpu_offload = True
+    estimate = require_fit(config, counts, 4, H100)
+    assert "actor" in estimate.parts and estimate.parts["actor"] == estimate.parts["critic"] == 0.0
+    assert estimate.parts["key/value cache"] == 8 * GIB
+
+
+def test_one_process_is_told_to_shard_to_offload(tmp_path, tokenizer):
+    counts = _counts(tmp_path, tokenizer, "3b")
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [])
+    with pytest.raises(ConfigError, match="distributed.backend=fsdp distributed.cpu_offload=true"):
+        require_fit(config, counts, 1, H100)
+
+
+def test_lora_and_no_reference_shrink_the_estimate(tmp_path, tokenizer):
+    path = _saved_config(tmp_path / "3b", preset_config("3b", tokenizer))
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", ["lora.enabled=true", "algorithm.advantage=grpo"])
+    estimate = estimate_memory(config, count_model(path, lora_rank=64), 1, H100)
+    assert "critic" not in estimate.parts and "reference" not in estimate.parts
+    assert estimate.parts["actor"] < 14 * GIB and estimate.fits()  # float32 base 12.3 GB + adapters
+
+
+def test_activations_grow_with_the_micro_batch_and_shrink_with_checkpointing(tmp_path, tokenizer):
+    counts = _counts(tmp_path, tokenizer, "3b")
+    assert activation_bytes(counts, 16384, True) < activation_bytes(counts, 8192, False)
+    assert activation_bytes(counts, 8192, False) == pytest.approx(
+        36 * 2 * 8192 * (14 * 2048 + 4 * 11008) + 8 * 2048 * 151936)

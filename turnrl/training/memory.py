@@ -1,0 +1,241 @@
+"""Whether a run fits its GPUs: an estimate of each GPU's memory by part, checked before the models load.
+
+A run that cannot fit should say so in seconds, with what to turn on, rather than after minutes of loading
+and a first rollout, in an out-of-memory traceback. The estimate counts what the trainer holds (see
+:mod:`turnrl.training.trainer` and :mod:`turnrl.training.distributed`):
+
+    actor, critic     float32 weights, gradients and AdamW's two moments (16 bytes a trained parameter,
+                      4 a frozen one), divided among the processes under FSDP, on the host with
+                      ``distributed.cpu_offload``
+    reference         the compute dtype (2 bytes a parameter), sharded likewise
+    rollout weights   the engine's bf16 weights: under FSDP an unsharded copy of the actor plus the engine's
+                      stacked q/k/v and gate/up buffers; in one process the engine's bf16 buffers of the
+                      float32 actor (the ``hf`` backend reads the actor itself)
+    gathered layers   FSDP's all-gathered layer and the one prefetched beside it
+    key/value cache   ``model.engine.kv_cache_gb``; when 0, the engine's default (30% of what is free when
+                      it starts) capped at what the update leaves free (:func:`default_cache_bytes`): a run
+                      sets ``kv_cache_gb`` to it, since the engine starts before the optimizer's states exist
+    activations       one micro-batch of the update: with checkpointing every layer's input plus one
+                      layer's working set; without, every layer's working set; plus the scoring head's chunk
+
+Parameters are counted on the ``meta`` device from the model's own config (no weights are read). The
+activations are an approximation fitted to measured peaks (docs/benchmarks.md compares the estimate with the
+measured peak of each scale row); the check fails only when the estimate exceeds the GPU's memory, and
+``run.check_memory=false`` skips it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from turnrl.config import ConfigError
+from turnrl.models.loading import VISION_TOWERS
+from turnrl.training.config import TrainConfig
+from turnrl.training.head import DEFAULT_CHUNK
+
+GIB = 2**30
+_STACKED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+"""Projections the engine stacks into one buffer each (q/k/v, gate/up): a second copy under FSDP."""
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """A model's parameter counts and the sizes its activations scale with."""
+
+    total: int
+    """Every parameter (a tied embedding and head once)."""
+    trained: int
+    """Parameters the optimizer steps: all but a frozen vision tower, or the LoRA adapters."""
+    stacked: int
+    """Weights of the q/k/v and gate/up projections of the decoder."""
+    head: int
+    """Parameters of the LM head (0 when tied to the embedding; a critic has a value head instead)."""
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated bytes a GPU holds at the peak of a step, by part, and the GPU's memory."""
+
+    parts: dict[str, float]
+    device_bytes: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def fits(self) -> bool:
+        return self.total <= self.device_bytes
+
+    def table(self) -> str:
+        """``actor 30.4 + critic 30.3 + ... = 92.1 GiB of 79.1 GiB``: the parts above 0.05 GiB."""
+        shown = " + ".join(f"{name} {value / GIB:.1f}" for name, value in self.parts.items() if value >= 0.05 * GIB)
+        return f"{shown} = {self.total / GIB:.1f} GiB of the GPU's {self.device_bytes / GIB:.1f} GiB"
+
+
+def _text_config(config: Any) -> Any:
+    """The decoder's config of a causal LM or a VLM."""
+    return config.text_config if getattr(config, "vision_config", None) is not None else config
+
+
+def _lora_targets(target_modules: str) -> list[str] | None:
+    """None for peft's ``all-linear``, else the listed module names."""
+    return None if target_modules == "all-linear" else [name.strip() for name in target_modules.split(",")]
+
+
+def count_model(path: Path | str, *, lora_rank: int = 0, lora_targets: str = "all-linear",
+                train_vision: bool = False) -> ModelCounts:
+    """Parameter counts of the model at ``path`` (a directory or hub id with a config), built on ``meta``.
+
+    Args:
+        lora_rank: above 0, the trained parameters are LoRA adapters of that rank on ``lora_targets`` (peft's
+            ``all-linear``: every linear layer but the output head) of the decoder, and of the vision tower
+            only when ``train_vision``.
+    """
+    config = AutoConfig.from_pretrained(path)
+    vlm = getattr(config, "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    text = _text_config(config)
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is model.get_input_embeddings().weight
+    head = 0 if output is None or tied else output.weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    tower = [p for name, m in model.named_modules() if name.split(".")[-1] in VISION_TOWERS for p in m.parameters()]
+    frozen_tower = 0 if train_vision else sum(p.numel() for p in {id(p): p for p in tower}.values())
+    stacked = 0
+    adapters = 0
+    targets = _lora_targets(lora_targets)
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is output:
+            continue
+        short = name.split(".")[-1]
+        in_tower = any(part in VISION_TOWERS for part in name.split("."))
+        if short in _STACKED and not in_tower:
+            stacked += module.weight.numel()
+        if (targets is None or short in targets) and (train_vision or not in_tower):
+            adapters += lora_rank * (module.in_features + module.out_features)
+    trained = adapters if lora_rank > 0 else total - frozen_tower
+    return ModelCounts(total=total, trained=trained, stacked=stacked, head=head, layers=text.num_hidden_layers,
+                       hidden=text.hidden_size, intermediate=text.intermediate_size, vocab=text.vocab_size)
+
+
+def _training_states(trained: int, frozen: int, shards: int, offload: bool) -> float:
+    """float32 weights, gradients and AdamW's two moments of the trained parameters; float32 frozen ones."""
+    return 0.0 if offload else (16 * trained + 4 * frozen) / shards
+
+
+def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool) -> float:
+    """One micro-batch of ``tokens`` through the model, forward and backward, in bf16.
+
+    A layer's working set (what autograd keeps of one layer: the normed inputs, q/k/v, attention output,
+    the MLP's three wide products) is about ``14 h + 4 i`` values a token (fitted to a 3B model's measured
+    peak at 8k tokens without checkpointing, docs/benchmarks.md). With checkpointing each layer keeps only its
+    input and one layer is recomputed at a time. The scoring head holds two float32 chunks of logits.
+    """
+    working = 2 * tokens * (14 * counts.hidden + 4 * counts.intermediate)
+    kept = counts.layers * 2 * tokens * counts.hidden if checkpointing else counts.layers * working
+    head = 2 * 4 * min(tokens, DEFAULT_CHUNK) * counts.vocab
+    return kept + (working if checkpointing else 0) + head
+
+
+def default_cache_bytes(parts: dict[str, float], device_bytes: float) -> float:
+    """The key/value cache that ``model.engine.kv_cache_gb=0`` gets: the engine's own default (30% of the memory
+    free when it starts: the weights are in place, the gradients and optimizer moments not yet), but no more
+    than the update leaves free at its peak (95% of the GPU less every other part), so that the optimizer's
+    first step does not run out of memory where the cache took it."""
+    weights_only = {"actor": 0.25, "critic": 0.25}  # float32 weights: a quarter of the 16 bytes of states
+    at_start = sum(value * weights_only.get(name, 1.0) for name, value in parts.items() if name != "activations")
+    engine_default = 0.3 * max(0.0, device_bytes - at_start)
+    headroom = 0.95 * device_bytes - sum(parts.values())
+    return max(0.0, min(engine_default, headroom))
+
+
+def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float) -> MemoryEstimate:
+    """Each GPU's estimated peak by part (see the module docs) for ``config`` on ``processes`` processes."""
+    sharded = processes > 1 or config.distributed.backend == "fsdp"
+    offload = sharded and config.distributed.cpu_offload
+    lora = config.lora.enabled
+    parts: dict[str, float] = {}
+    parts["actor"] = _training_states(counts.trained, counts.total - counts.trained, processes, offload)
+    if config.algorithm.uses_critic:
+        critic_total = counts.total - counts.head + counts.hidden  # a value head in place of the LM head
+        critic_trained = counts.trained if lora else critic_total - (counts.total - counts.trained)
+        parts["critic"] = _training_states(critic_trained, critic_total - critic_trained, processes, offload)
+    if config.algorithm.kl_coef > 0 and not lora:
+        parts["reference"] = 0.0 if offload else 2 * counts.total / processes
+    engine = config.model.backend != "hf"
+    if sharded:
+        stacked = 2 * counts.stacked if engine and config.model.engine.fuse_projections else 0
+        parts["rollout weights"] = 2 * counts.total + stacked
+        parts["gathered layers"] = 2 * 2 * counts.total / max(1, counts.layers)
+    elif engine:
+        parts["rollout weights"] = 2 * counts.total
+    algorithm = config.algorithm
+    tokens = algorithm.micro_batch_tokens or algorithm.micro_batch_size * config.model.engine.max_seq_len
+    parts["activations"] = activation_bytes(counts, tokens, config.model.gradient_checkpointing)
+    if engine:
+        kv_gb = config.model.engine.kv_cache_gb
+        parts["key/value cache"] = kv_gb * GIB if kv_gb > 0 else default_cache_bytes(parts, device_bytes)
+    return MemoryEstimate(parts, device_bytes)
+
+
+def _advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> list[str]:
+    """What would make the run fit, the largest saving first."""
+    options: list[tuple[float, str]] = []
+    states = sum(estimate.parts.get(name, 0.0) for name in ("actor", "critic", "reference"))
+    sharded = processes > 1 or config.distributed.backend == "fsdp"
+    if states > 0:
+        offload = "distributed.cpu_offload=true" if sharded else \
+            "distributed.backend=fsdp distributed.cpu_offload=true (one process, FSDP's CPU offload)"
+        options.append((states, f"{offload} (moves {states / GIB:.0f} GiB of training states to host memory)"))
+        options.append((states * (1 - processes / (2 * processes)),
+                        f"distributed.nproc_per_node={2 * processes} (training states are divided among the GPUs)"))
+    if not config.lora.enabled:
+        options.append((0.9 * states, "lora.enabled=true (trains adapters only; the reference is the base)"))
+    if not config.model.gradient_checkpointing:
+        options.append((0.5 * estimate.parts["activations"], "model.gradient_checkpointing=true"))
+    if config.algorithm.micro_batch_tokens > 4096:
+        options.append((0.5 * estimate.parts["activations"],
+                        f"algorithm.micro_batch_tokens={config.algorithm.micro_batch_tokens // 2}"))
+    if estimate.parts.get("key/value cache", 0.0) > 0:
+        options.append((estimate.parts["key/value cache"] / 2, "a smaller model.engine.kv_cache_gb"))
+    return [text for _, text in sorted(options, key=lambda option: -option[0])]
+
+
+def require_fit(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float) -> MemoryEstimate:
+    """The estimate of :func:`estimate_memory`, or a ConfigError with its parts and what to turn on when it
+    exceeds ``device_bytes``."""
+    estimate = estimate_memory(config, counts, processes, device_bytes)
+    if not estimate.fits():
+        advice = "; or ".join(_advice(config, estimate, processes)[:3])
+        raise ConfigError(f"this run needs about {estimate.table()} (estimated per GPU, {processes} process"
+                          f"{'es' if processes > 1 else ''}): turn on {advice}; or set run.check_memory=false to "
+                          "try anyway")
+    return estimate
+
+
+def check_memory(config: TrainConfig, model_path: Path | str, device: torch.device,
+                 processes: int) -> MemoryEstimate | None:
+    """Estimate each GPU's peak and stop a run that cannot fit, before any model loads.
+
+    Returns:
+        The estimate on a GPU (logged with the run); None on a CPU or with ``run.check_memory=false``.
+
+    Raises:
+        ConfigError: the estimate exceeds the GPU's memory: the parts and what to turn on.
+    """
+    if device.type != "cuda" or not config.run.check_memory:
+        return None
+    counts = count_model(model_path, lora_rank=config.lora.r if config.lora.enabled else 0,
+                         lora_targets=config.lora.target_modules, train_vision=config.model.train_vision)
+    return require_fit(config, counts, processes, torch.cuda.get_device_properties(device).total_memory)
