@@ -16,14 +16,13 @@ from turnrl.training.commands import train
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 SHRINK = [
-    "run.steps=1",
+    "run.steps=1",  # validation runs before and after the one step (never during it): validation.every stays
     "run.tensorboard=false",
     "run.trajectories_every=0",
     "run.save_every=0",
     "groups.n_groups=2",
     "groups.group_size=2",
     "validation.episodes=2",
-    "validation.every=0",
     "sampling.max_new_tokens=12",
     "agent.max_turns=2",
     "sft.episodes=4",

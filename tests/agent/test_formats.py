@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -433,3 +434,46 @@ def test_megabyte_adversarial_inputs_parse_fast():
     # 72 parses of about 1 MB take about 5 s on one slow core (linear time); any
     # quadratic behaviour would take hours.
     assert time.perf_counter() - start < 30.0
+
+
+# --------------------------------------------------------------------------- where the reasoning lies
+def reasoning(name: str, text: str) -> str | None:
+    span = get_format(name).reasoning_span(text)
+    return None if span is None else text[span[0] : span[1]]
+
+
+def test_reasoning_is_the_content_of_the_first_think_pair_without_surrounding_whitespace():
+    assert reasoning("ragen", "<think> Box is left.\n</think><answer>Left</answer>") == "Box is left."
+    assert reasoning("free_think", "x <think>a</think> <think>b</think><answer>Up</answer>") == "a"
+    nested = "<think><observation>I see G.</observation><reasoning>Go.</reasoning></think><answer>Up</answer>"
+    assert reasoning("grounding", nested) == "<observation>I see G.</observation><reasoning>Go.</reasoning>"
+    assert reasoning("ragen", "<think>cut short") is None  # no closing tag
+    assert reasoning("ragen", "<think>  </think><answer>Up</answer>") is None  # blank
+    assert reasoning("ragen", "</think><think>") is None
+
+
+def test_formats_without_think_reason_before_their_answer_or_not_at_all():
+    tuple_response = "<observation>Wall.</observation><justification>Turn.</justification><action>('move', 1)</action>"
+    assert reasoning("visgym_tuple", tuple_response) == tuple_response[: tuple_response.index("<action>")]
+    assert reasoning("visgym_keyword", "I should go left. <action>left</action>") == "I should go left."
+    assert reasoning("visgym_keyword", "no action tag") is None
+    for name in ("no_think", "ragen_no_think"):
+        assert not get_format(name).has_reasoning
+        assert reasoning(name, "thinking <answer>Up</answer>") is None
+    assert all(get_format(name).has_reasoning for name in ALL_FORMATS if "no_think" not in name)
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@FAST
+@given(text=RESPONSES)
+def test_reasoning_span_never_raises_and_matches_a_regex_reading(name, text):
+    fmt = get_format(name)
+    span = fmt.reasoning_span(text)
+    if "think" in fmt.tag_names:
+        match = re.search(r"<think>(.*?)</think>", text, re.DOTALL)  # RAGEN's reading
+        expected = match.group(1).strip() if match else ""
+    elif fmt.has_reasoning:
+        expected = text.split(f"<{fmt.answer_tag}>")[0].strip() if f"<{fmt.answer_tag}>" in text else ""
+    else:
+        expected = ""
+    assert (None if span is None else text[span[0] : span[1]]) == (expected or None)

@@ -194,3 +194,17 @@ def test_dual_clip_not_above_one_is_rejected_at_load_time():
 
 def test_zero_validation_batch_size_is_rejected_at_load_time():
     assert "validation.batch_size" in error_of("validation.batch_size=0")
+
+
+def test_collapse_settings_that_cannot_work_say_what_to_change():
+    assert "agent.format=no_think has none" in error_of("collapse.every=5", "agent.format=no_think")
+    assert "collapse.first_turn=true or collapse.multi_turn=true" in error_of(
+        "collapse.every=5", "agent.format=ragen", "collapse.first_turn=false", "collapse.multi_turn=false")
+    assert "algorithm.dynamic_sampling" in error_of("collapse.stop_on_reward_spread=true",
+                                                    "algorithm.dynamic_sampling=true", "algorithm.advantage=grpo")
+    assert "validation.every=0 runs none" in error_of("collapse.stop_on_low_success=true", "validation.every=0")
+    assert "collapse.spread_window" in error_of("collapse.spread_window=0")
+    assert "collapse.ema_decay" in error_of("collapse.ema_decay=1.5")
+    ragen = load_config(TrainConfig, "configs/ragen_sokoban.yaml").collapse
+    assert (ragen.every, ragen.samples, ragen.stop_after_empty_steps) == (5, 64, 5)
+    assert ragen.stop_on_reward_spread and ragen.stop_on_low_success

@@ -44,4 +44,20 @@ def test_curves_are_written_as_png_files_for_the_metrics_a_run_has(tmp_path):
 
 def test_every_issue_curve_is_defined():
     assert [c.name for c in CURVES] == ["success", "reward", "kl", "entropy", "response_length", "reward_std",
+                                        "collapse_mi", "collapse_mi_seq", "collapse_entropy", "collapse_retrieval",
                                         "step_time"]
+
+
+def test_collapse_curves_are_drawn_when_a_run_measured_them(tmp_path):
+    measured = records()
+    for record in measured[1:-1:2]:  # steps 1, 3, 5: every other step, as collapse.every does
+        for kind in ("first_turn", "multi_turn"):
+            record.update({f"collapse/{kind}/mi": 0.1 * record["step"], f"collapse/{kind}/mi_seq": record["step"],
+                           f"collapse/{kind}/conditional_entropy": 0.5, f"collapse/{kind}/retrieval_acc": 0.6,
+                           f"collapse/{kind}/retrieval_chance": 0.25})
+        record["collapse/reward_spread_threshold"] = 0.03
+    plots = {plot.curve.name: plot for plot in draw_training_curves(measured, tmp_path)}
+    assert {"collapse_mi", "collapse_mi_seq", "collapse_entropy", "collapse_retrieval"} <= set(plots)
+    assert plots["collapse_retrieval"].points == 4 * 3 and plots["reward_std"].points == 5 + 3
+    assert not {"collapse_mi", "collapse_retrieval"} & {plot.curve.name for plot in draw_training_curves(
+        records(), tmp_path / "plain")}

@@ -76,6 +76,31 @@ def test_run_report_has_curves_steps_and_before_after_pairs(run_dir):
     assert "validation success before RL" in html and "config.yaml" in html
 
 
+def test_a_run_that_measured_collapse_shows_its_curves_and_why_it_stopped(run_dir, tmp_path):
+    run = shutil.copytree(run_dir, tmp_path / "run")
+    records = lines(run / "metrics.jsonl")
+    for record in records:
+        if "rollout/success" in record:  # the RL steps, as collapse.every=1 logs them
+            for kind in ("first_turn", "multi_turn"):
+                record.update({f"collapse/{kind}/mi": 0.2, f"collapse/{kind}/mi_seq": 3.0,
+                               f"collapse/{kind}/conditional_entropy": 0.8, f"collapse/{kind}/retrieval_acc": 0.5,
+                               f"collapse/{kind}/retrieval_chance": 0.25})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update({"stopped_by": "early_stop", "early_stop": {
+        "rule": "low_validation_success", "step": 2, "reason": "validation success stayed below 0.01 for 5 "
+                                                               "validations in a row"}})
+    (run / "summary.json").write_text(json.dumps(summary))
+    html = write_report(run).read_text()
+    urls = set(image_sources(html))
+    assert {f"plots/{name}.png" for name in ("collapse_mi", "collapse_mi_seq", "collapse_entropy",
+                                             "collapse_retrieval")} <= urls
+    assert all((run / url).is_file() for url in urls if url.startswith("plots/"))
+    assert "Prompt retrieval from reasoning" in html
+    assert "stopped early" in html and "after step 2: validation success stayed below 0.01" in html
+    assert not {"plots/collapse_mi.png"} & set(image_sources(write_report(run_dir).read_text()))
+
+
 def test_token_advantages_are_drawn_as_a_heatmap(run_with_advantages):
     data = load_report(run_with_advantages, plots=False)
     step = next(s for s in data.sources if s.name == "step_000001")
@@ -150,6 +175,9 @@ def test_summary_is_flattened_and_headlined():
                                         ("val_after_rl / val/success", "0.1235"), ("env", "X"), ("tags", "1, 2")]
     assert headline(summary) == [("success rate", "0.5")]
     assert headline([1]) == []
+    early = {"steps": 23, "stopped_by": "early_stop",
+             "early_stop": {"rule": "empty_filter_steps", "reason": "nothing kept", "step": 23}}
+    assert headline(early) == [("RL steps", "23"), ("stopped early", "after step 23: nothing kept")]
 
 
 def test_pairs_say_what_changed():

@@ -247,6 +247,37 @@ class ResponseFormat:
         """Every tag of the format, in document order."""
         return tuple(tag.name for top in self.structure for tag in top.walk())
 
+    @property
+    def has_reasoning(self) -> bool:
+        """Whether a response can hold reasoning before its answer (see :meth:`reasoning_span`): a ``think``
+        tag, tags before the answer tag, or free text around the tags."""
+        return "think" in self.tag_names or self.structure[0].name != self.answer_tag or self.outside_text_ok
+
+    def reasoning_span(self, text: str) -> tuple[int, int] | None:
+        """Where a response's reasoning lies: ``text[start:end]``, surrounding whitespace left out; None when the
+        response has none (or it is blank). Never raises.
+
+        The reasoning is what lies between the first ``<think>`` and the first ``</think>`` after it, both
+        tags left out (RAGEN's reading); in a format without a think tag, the text before the first answer
+        tag (``visgym_tuple``'s observation and justification, ``visgym_keyword``'s free text). Formats
+        without reasoning (``no_think``, ``ragen_no_think``) give None.
+        """
+        if not isinstance(text, str) or not self.has_reasoning:
+            return None
+        if "think" in self.tag_names:
+            opening = text.find("<think>")
+            start = opening + len("<think>")
+            end = text.find("</think>", start) if opening >= 0 else -1
+        else:
+            start, end = 0, text.find(f"<{self.answer_tag}>")
+        if end < 0:
+            return None
+        while start < end and text[start].isspace():
+            start += 1
+        while end > start and text[end - 1].isspace():
+            end -= 1
+        return (start, end) if start < end else None
+
     def _split_separator(self, action_names: Sequence[str] | None) -> str | None:
         """The separator in force: free-form answers are one action unless splitting was asked for."""
         if action_names is None and not self.split_free_form:

@@ -255,6 +255,7 @@ class AsyncTrainer(Trainer):
         batch = self._next_batch(step)
         wait_rollout_s = time.time() - step_start
         self._timed("rollout_s", batch.output.metrics["timing/rollout_s"])
+        self.measure_collapse(step, batch.output)
         output = self.update(step, batch.output, batch.keep) if batch.keep else batch.output
         publish_s = self.weights.publish(step + 1, changed=bool(batch.keep))
         output.metrics.update({

@@ -39,6 +39,7 @@ from turnrl.rollout.trajectory import write_trajectories
 from turnrl.training import ranks
 from turnrl.training.asynchronous import AsyncTrainer
 from turnrl.training.checkpoint import checkpoint_step
+from turnrl.training.collapse import EarlyStops, logged_steps
 from turnrl.training.config import TrainConfig
 from turnrl.training.distributed import FSDPTrainer
 from turnrl.training.logger import MetricsLogger, RunProgress
@@ -211,6 +212,9 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
 
     validate_now, save_now = _every(config.validation.every), _every(config.run.save_every)
     write_now = _every(config.run.trajectories_every)
+    history = logged_steps(trainer.run_dir, trainer.first_step) if resumed else []
+    early_stops, ran = EarlyStops(config.collapse, history), config.run.steps
+    trainer.collapse.resume(history)
     with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, config.run.steps + 1):
             try:
@@ -224,6 +228,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             last = step == config.run.steps
             if validate_now(step) and not last:
                 metrics.update(trainer.validate().metrics)
+            early_stop = early_stops.observe(metrics)
             if logger is not None:
                 logger.log(step, metrics)
             if write_now(step - 1) and logger is not None:  # steps 1, 1 + N, 1 + 2N, ...
@@ -238,15 +243,20 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             stop_requested = ranks.any_rank(requested) if distributed else requested
             if stop_requested and not last:
                 return _stop(trainer, logger, step)
+            if early_stop is not None:  # the run ends as a finished one: validation, checkpoint, summary
+                ran = step
+                console.print(f"[bold]early stop[/bold] after step {ran}: {early_stop.reason}", soft_wrap=True)
+                break
             if save_now(step) and not last:
                 trainer.save(step)
 
-    after = _validate_and_write(trainer, logger, config.run.steps, "val_after_rl.jsonl")
+    after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl")
     trainer.summary["val_success_after_rl"] = after["val/success"]
     trainer.summary["val_after_rl"] = after
-    trainer.summary["steps"] = config.run.steps
-    if config.run.steps > 0:
-        trainer.save(config.run.steps)
+    trainer.summary["steps"] = ran
+    if ran > 0:
+        trainer.save(ran)
+    trainer.summary.update(early_stops.summary(ran))  # why the run stopped early (after the save: a resume forgets it)
     if logger is None:
         return trainer.summary
     (trainer.run_dir / STOP_FILE).unlink(missing_ok=True)  # asked for during the last step: the run has ended

@@ -9,6 +9,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from turnrl.agent.formats import get_format
 from turnrl.algorithms.advantages import Placement
 from turnrl.algorithms.estimators import (
     EstimatorSpec,
@@ -399,6 +400,63 @@ class DistributedConfig:
 
 
 @dataclass
+class CollapseConfig:
+    """RAGEN's collapse diagnostics and early stops (docs/collapse.md)."""
+
+    every: int = 0
+    """Measure how much the reasoning depends on the prompt (mutual information, conditional entropy, retrieval
+    accuracy: ``collapse/``) at the first step and every N steps; 0 never does. Each measurement scores every
+    drawn reasoning after every drawn prompt: ``samples`` x ``samples`` forward passes without gradient (RAGEN's
+    recipes: every 5)."""
+    samples: int = 64
+    """(prompt, reasoning) pairs drawn from the step's rollouts for each kind of measurement; 0 takes all (RAGEN:
+    64)."""
+    first_turn: bool = True
+    """Measure on first turns: pairs drawn among the episodes' first turns, one column per group's prompt."""
+    multi_turn: bool = True
+    """Measure on all turns: an episode drawn uniformly, then one of its turns, each pair its own column."""
+    std_eps: float = 1e-3
+    """Keeps the MI z-scores' division by the marginal log-prob's std finite."""
+    ema_decay: float = 0.9
+    """Decay of the moving average of that std (``mi_zscore_ema``)."""
+    stop_on_reward_spread: bool = False
+    """Stop the run once the in-group reward std (``rollout/in_group_reward_std``) of ``spread_window``
+    training steps in a row lies below ``spread_ratio`` times its mean over the first ``spread_baseline_steps``
+    training steps (RAGEN's reward-variance collapse; steps whose filter kept nothing do not count)."""
+    spread_baseline_steps: int = 10
+    """Training steps whose mean reward std is the baseline (RAGEN: 10)."""
+    spread_window: int = 10
+    """Training steps in a row below the threshold that stop the run (RAGEN: 10)."""
+    spread_ratio: float = 0.1
+    """The threshold, a share of the baseline (RAGEN: 0.1)."""
+    stop_on_low_success: bool = False
+    """Stop the run once ``low_success_validations`` validations in a row (those every ``validation.every``
+    steps) had a success rate below ``low_success`` (RAGEN: 5 under 0.01)."""
+    low_success: float = 0.01
+    """The success rate a validation must reach to reset the count."""
+    low_success_validations: int = 5
+    """Validations in a row under ``low_success`` that stop the run."""
+    stop_after_empty_steps: int = 0
+    """Stop the run after this many steps in a row whose group filter kept nothing to train on; 0 never stops
+    (RAGEN's rollout_filter_empty_stop_steps: 5)."""
+
+    def validate(self) -> None:
+        check_range("collapse.every", self.every, 0)
+        check_range("collapse.samples", self.samples, 0)
+        check_range("collapse.std_eps", self.std_eps, 0.0)
+        check_range("collapse.ema_decay", self.ema_decay, 0.0, 1.0)
+        check_range("collapse.spread_baseline_steps", self.spread_baseline_steps, 1)
+        check_range("collapse.spread_window", self.spread_window, 1)
+        check_range("collapse.spread_ratio", self.spread_ratio, 0.0)
+        check_range("collapse.low_success", self.low_success, 0.0, 1.0)
+        check_range("collapse.low_success_validations", self.low_success_validations, 1)
+        check_range("collapse.stop_after_empty_steps", self.stop_after_empty_steps, 0)
+        if self.every > 0 and not (self.first_turn or self.multi_turn):
+            raise ConfigError(f"collapse.every={self.every} measures on first turns, all turns or both: set "
+                              "collapse.first_turn=true or collapse.multi_turn=true (or collapse.every=0)")
+
+
+@dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -414,6 +472,7 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
     resume: Optional[str] = None
     """A run directory to continue from its latest checkpoint."""
 
@@ -428,6 +487,8 @@ class TrainConfig:
         self.optim.validate()
         self.seeds.validate()
         self.distributed.validate()
+        self.collapse.validate()
+        self._validate_collapse()
         staleness, algo = self.distributed.max_staleness, self.algorithm
         missing = [key for key, ok in (("algorithm.old_logprobs=recompute", algo.old_logprobs == "recompute"),
                                        ("algorithm.tis_cap=2.0", algo.tis_cap is not None)) if not ok]
@@ -462,3 +523,17 @@ class TrainConfig:
                 f"algorithm.advantage={self.algorithm.advantage} compares episodes within a group: "
                 "set groups.group_size >= 2"
             )
+
+    def _validate_collapse(self) -> None:
+        """What the collapse diagnostics and early stops need from the rest of the run."""
+        collapse = self.collapse
+        if collapse.every > 0 and not get_format(self.agent.format).has_reasoning:
+            raise ConfigError(f"collapse.every={collapse.every} measures how the reasoning depends on the prompt, and "
+                              f"agent.format={self.agent.format} has none: choose a format with reasoning (ragen, "
+                              "free_think, ...) or set collapse.every=0")
+        if collapse.stop_on_reward_spread and self.algorithm.dynamic_sampling:
+            raise ConfigError("collapse.stop_on_reward_spread watches the spread of all rolled-out groups, which "
+                              "algorithm.dynamic_sampling does not report (it keeps only varied groups): turn one off")
+        if collapse.stop_on_low_success and self.validation.every == 0:
+            raise ConfigError("collapse.stop_on_low_success counts the validations during training, and "
+                              "validation.every=0 runs none: set validation.every (RAGEN: 10) or turn the stop off")

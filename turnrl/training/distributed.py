@@ -50,7 +50,7 @@ from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint
 from turnrl.training.config import TrainConfig
 from turnrl.training.forward import ValueModel, body_and_head
 from turnrl.training.head import ScoringHead
-from turnrl.training.ppo import Shard, UpdateInputs, ppo_epochs
+from turnrl.training.ppo import MicroBatching, Shard, UpdateInputs, batched_logprobs, ppo_epochs
 from turnrl.training.trainer import TokenScores, Trainer, score_batch
 
 OPTIMIZER_DIR = "optimizer"
@@ -302,6 +302,18 @@ class FSDPTrainer(Trainer):
             local.old_logprobs)
         metrics = {key: value / ranks.world_size() for key, value in ranks.sum_over_ranks(local.metrics).items()}
         return TokenScores(old_logprobs, gather(local.ref_logprobs), gather(local.values), metrics)
+
+    def cross_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Each process scores its rows of the collapse diagnostics' batch (the same batch on every process:
+        the pairs are drawn from the gathered trajectories); the whole batch's log-probs are gathered."""
+        n = len(batch)
+        rows = process_rows(n, ranks.rank(), ranks.world_size())
+        with self.precision():
+            local = batched_logprobs(self.actor, batch.select(rows).to(self.device),
+                                     MicroBatching.of(self.config.algorithm), self.config.sampling.temperature,
+                                     ranks.max_over_ranks)
+        reshard(self.actor)
+        return gather_rows(local, n)
 
     def train_on(self, inputs: UpdateInputs, train_actor: bool, generator: torch.Generator) -> dict[str, float]:
         config = self.config

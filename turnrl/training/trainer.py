@@ -74,6 +74,7 @@ from turnrl.training.checkpoint import (
     set_rng_state,
     steps_done,
 )
+from turnrl.training.collapse import CollapseDiagnostics
 from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
 from turnrl.training.head import install_scoring_head
@@ -349,6 +350,8 @@ class Trainer:
         self.val_rollout = Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor,
                                    rewards=rewards)
         self.startup["policy_s"] = time.time() - started
+        self.collapse = CollapseDiagnostics(config.collapse, fmt, self.decode, self.tokenizer.pad_token_id,
+                                            config.seeds.seed)
         if self.checkpoint is not None:
             self._restore()
             write_config(config)  # only now: a resume that fails leaves the run's config.yaml as it was
@@ -524,6 +527,7 @@ class Trainer:
         start_phase(self.device)
         rollout, keep = self.roll_out(step)
         rollout_peak = phase_peak_gib(self.device)
+        self.measure_collapse(step, rollout)
         output = self.update(step, rollout, keep) if keep else rollout
         output.metrics["timing/step_s"] = time.time() - step_start
         if rollout_peak is not None:
@@ -555,6 +559,24 @@ class Trainer:
             metrics.update(filter_metrics)
         self._timed("rollout_s", metrics["timing/rollout_s"])
         return rollout, keep
+
+    def measure_collapse(self, step: int, rollout: StepOutput) -> None:
+        """RAGEN's collapse diagnostics (``collapse.every``) on all the step's episodes, scored by the actor that
+        rolled them out, before its update; adds ``collapse/`` metrics to the rollout's."""
+        if self.collapse.due(step):
+            metrics = self.collapse.measure(step, rollout.trajectories, self.cross_logprobs)
+            self._timed("collapse_s", metrics["timing/collapse_s"])
+            rollout.metrics.update(metrics)
+
+    def cross_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Shape (b, s): the actor's log-probs of ``batch``'s scored tokens (the collapse diagnostics' scorer)."""
+        with self.precision():
+            return batched_logprobs(self.actor, batch.to(self.device), MicroBatching.of(self.config.algorithm),
+                                    self.config.sampling.temperature)
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens kept (where a response's reasoning lies)."""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def update(self, step: int, rollout: StepOutput, keep: list[int]) -> StepOutput:
         """3-6: batch, scores, advantages and the PPO epochs on the kept episodes of ``rollout``."""

@@ -1,5 +1,6 @@
 """Training curves as PNG files: success, reward, KL, entropy, response length, in-group reward std,
-step time (and the SFT loss when the run had an SFT stage).
+step time, the collapse diagnostics when the run measured them (and the SFT loss when the run had an SFT
+stage).
 
 Drawn with matplotlib's object API (``Figure``), which needs no display and
 no global state, from the records of ``metrics.jsonl``.
@@ -24,6 +25,8 @@ class Curve:
     series: tuple[tuple[str, str], ...]
     """``(metric, legend label)`` pairs, drawn in order."""
     ylabel: str = ""
+    dashed: tuple[str, ...] = ()
+    """Metrics drawn dashed in the colour of the series before them (a baseline such as chance)."""
 
 
 CURVES = (
@@ -37,10 +40,27 @@ CURVES = (
     Curve("response_length", "Response length",
           (("rollout/response_tokens_mean", "training rollouts"), ("val/response_tokens_mean", "validation")),
           "tokens per turn"),
-    Curve("reward_std", "In-group reward std", (("rollout/in_group_reward_std", "mean over groups"),),
-          "std of episode rewards"),
+    Curve("reward_std", "In-group reward std",
+          (("rollout/in_group_reward_std", "mean over groups"),
+           ("collapse/reward_spread_threshold", "early-stop threshold")), "std of episode rewards"),
+    # RAGEN's collapse diagnostics (collapse.every): drawn when the run measured them.
+    Curve("collapse_mi", "Mutual information of reasoning and prompt",
+          (("collapse/first_turn/mi", "first turns"), ("collapse/multi_turn/mi", "all turns")), "nats per token"),
+    Curve("collapse_mi_seq", "Mutual information per reasoning",
+          (("collapse/first_turn/mi_seq", "first turns"), ("collapse/multi_turn/mi_seq", "all turns")),
+          "nats per sequence"),
+    Curve("collapse_entropy", "Conditional entropy of reasoning H(Z|X)",
+          (("collapse/first_turn/conditional_entropy", "first turns"),
+           ("collapse/multi_turn/conditional_entropy", "all turns")), "nats per token"),
+    Curve("collapse_retrieval", "Prompt retrieval from reasoning",
+          (("collapse/first_turn/retrieval_acc", "first turns"),
+           ("collapse/first_turn/retrieval_chance", "first turns: chance"),
+           ("collapse/multi_turn/retrieval_acc", "all turns"),
+           ("collapse/multi_turn/retrieval_chance", "all turns: chance")),
+          "top-1 accuracy", dashed=("collapse/first_turn/retrieval_chance", "collapse/multi_turn/retrieval_chance")),
     Curve("step_time", "Step time",
-          (("timing/step_s", "whole step"), ("timing/rollout_s", "rollout"), ("timing/update_s", "update")),
+          (("timing/step_s", "whole step"), ("timing/rollout_s", "rollout"), ("timing/update_s", "update"),
+           ("timing/collapse_s", "collapse diagnostics")),
           "seconds"),
 )
 SFT_CURVE = Curve("sft_loss", "SFT loss", (("sft/loss", "training loss"),), "cross-entropy per token")
@@ -68,16 +88,18 @@ def series(records: list[dict[str, float]], metric: str) -> tuple[list[int], lis
 
 def draw_curve(curve: Curve, records: list[dict[str, float]], path: Path) -> Plot | None:
     """Write ``curve`` as a PNG at ``path``; None (and no file) when the records hold none of its metrics."""
-    drawn = [(label, *series(records, metric)) for metric, label in curve.series]
-    drawn = [(label, steps, values) for label, steps, values in drawn if steps]
+    drawn = [(metric, label, *series(records, metric)) for metric, label in curve.series]
+    drawn = [(metric, label, steps, values) for metric, label, steps, values in drawn if steps]
     if not drawn:
         return None
     figure = Figure(figsize=(5.0, 3.2), dpi=100, layout="constrained")
     axes = figure.subplots()
-    for label, steps, values in drawn:
+    lines: list = []
+    for metric, label, steps, values in drawn:
         # Sparse series (validation at the start and the end) need markers to be seen at all.
         marker = "o" if len(steps) <= 12 else None
-        axes.plot(steps, values, label=label, marker=marker, markersize=4, linewidth=1.5)
+        style = {"linestyle": "--", "color": lines[-1].get_color()} if metric in curve.dashed and lines else {}
+        lines += axes.plot(steps, values, label=label, marker=marker, markersize=4, linewidth=1.5, **style)
     axes.set_title(curve.title)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     axes.set_xlabel("step")
@@ -87,7 +109,7 @@ def draw_curve(curve: Curve, records: list[dict[str, float]], path: Path) -> Plo
         axes.legend(fontsize="small")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
-    return Plot(curve, path, sum(len(steps) for _, steps, _ in drawn))
+    return Plot(curve, path, sum(len(steps) for _, _, steps, _ in drawn))
 
 
 def draw_training_curves(

@@ -174,8 +174,12 @@ def headline(summary: Any) -> list[tuple[str, str]]:
     """The :data:`HEADLINE_KEYS` that ``summary`` has, formatted."""
     if not isinstance(summary, dict):
         return []
-    return [(label, flatten_summary(summary[key])[0][1]) for key, label in HEADLINE_KEYS
+    rows = [(label, flatten_summary(summary[key])[0][1]) for key, label in HEADLINE_KEYS
             if key in summary and isinstance(summary[key], (int, float, str))]
+    early = summary.get("early_stop")  # why an early-stopped run ended (turnrl.training.collapse)
+    if isinstance(early, dict) and {"step", "reason"} <= set(early):
+        rows.append(("stopped early", f"after step {early['step']}: {early['reason']}"))
+    return rows
 
 
 def pair_validation(sources: Iterable[EpisodeSource]) -> list[Pair]:
