@@ -98,10 +98,13 @@ def head_memory(hidden: int, rows: int, limit: int, n: int, device: torch.device
         lp, ent = chosen_logprobs(states, weight, targets, vocab_limit=limit)
         (lp.sum() + ent.sum()).backward()
 
-    def whole():
-        logits = (states @ weight.T).float()[:, :limit]
+    def whole():  # what a trainer without the scoring head does: every row's logits kept for the backward pass
+        logits = (states @ weight.T).float()
+        logits[:, limit:] = float("-inf")
         log_p = torch.log_softmax(logits, -1)
-        (log_p.gather(-1, targets[:, None]).sum() - (log_p.exp() * log_p).sum()).backward()
+        p = log_p.exp()
+        entropy = -(p * log_p.masked_fill(p == 0, 0.0)).sum()
+        (log_p.gather(-1, targets[:, None]).sum() + entropy).backward()
 
     out = []
     for name, fn in (("scoring head", scoring), ("whole logits", whole)):

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +19,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from turnrl.cli import (
-    action_shortcuts,
     build_parser,
     count_arg,
     default_eval_dir,
-    expand_shortcut,
     main,
     pack,
     seed_arg,
@@ -238,6 +237,21 @@ def test_check_env_bad_id_is_a_clean_error():
     assert "unknown env 'Nope'" in error_exit(["check-env", "Nope"])
 
 
+def test_a_module_class_env_imports_from_the_folder_the_command_runs_in(tmp_path):
+    """The docs' ``my_package`` next to where the user types: the ``turnrl`` script (unlike ``python -m``)
+    starts without the current folder on the import path, and once failed with "No module named 'my_package'"."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    env_code = next(block for block in re.findall(r"```python\n(.*?)```", docs, re.S) if "class CorridorEnv" in block)
+    package = tmp_path / "my_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "envs.py").write_text(env_code)
+    result = run_turnrl("check-env", "my_package.envs:CorridorEnv", "length=6", cwd=tmp_path)
+    assert result.returncode == 0 and "passes" in result.stdout, result.stdout + result.stderr
+    played = run_turnrl("play", "my_package.envs:CorridorEnv", stdin=":hint\n:quit\n", cwd=tmp_path)
+    assert played.returncode == 0 and "solver: [" in played.stdout, played.stdout + played.stderr
+
+
 # --------------------------------------------------------------------------- eval
 def test_eval_command_writes_summary_and_trajectories(tmp_path):
     out = tmp_path / "eval"
@@ -290,6 +304,7 @@ def test_envs_fits_80_columns_keeps_settings_whole_and_shows_allowed_values(monk
             assert head in words, f"{head} cut in:\n{result.stdout}"
     assert "symbols='ragen' (ragen|alt|coords)" in result.stdout
     assert "reward_on='reach' (reach|stop)" in result.stdout
+    assert "task='place' (align|place|stack|drawer)" in result.stdout  # from the Literal type of the setting
 
 
 def test_pack_never_splits_an_item():
@@ -299,26 +314,35 @@ def test_pack_never_splits_an_item():
     assert pack([], 20, "x", "y") == []
 
 
-def test_play_understands_arrow_keys_and_single_letter_shortcuts(monkeypatch, capsys):
+def test_play_reads_wasd_and_arrow_keys_as_directions(monkeypatch, capsys):
+    """W/A/S/D are up/left/down/right: d is Right (it once was Down, FrozenLake's first letter)."""
     env = make("FrozenLake")
     env.reset(seed=0)
     plan = env.solve()
-    keys = {"Up": "\x1b[A", "Down": "s", "Left": "l", "Right": "\x1b[C"}
+    keys = {"Up": "w", "Down": "\x1b[B", "Left": "a", "Right": "d"}
     stdin = "\n".join(keys[action] for action in plan) + "\n"
     code, out = run_main(["play", "FrozenLake", "--seed", "0"], monkeypatch, capsys, stdin)
     assert code == 0 and "(invalid action)" not in out
     assert f"Episode over: solved after {len(plan)} steps" in out
-    assert "Keys: l=Left, d=Down, r=Right, u=Up, w=Up, a=Left, s=Down and the arrow keys." in out
+    assert "Keys: w=Up, a=Left, s=Down, d=Right or the arrow keys." in out
 
 
-def test_shortcuts_follow_the_env_s_own_action_names():
-    assert action_shortcuts(["up", "down", "left", "right", "stop"])["s"] == "stop"  # Maze2D: s is stop, not down
-    assert action_shortcuts(["Up", "Down", "Left", "Right"])["d"] == "Down"  # the first letter wins over WASD
-    assert action_shortcuts(["Dragon", "Phoenix"]) == {"d": "Dragon", "p": "Phoenix"}
-    assert action_shortcuts(None) == {}
-    shortcuts = action_shortcuts(["Up", "Down", "Left", "Right"])
-    assert expand_shortcut("U", shortcuts) == "Up" and expand_shortcut("\x1bOB", shortcuts) == "Down"
-    assert expand_shortcut("push", shortcuts) == "push" and expand_shortcut("", shortcuts) == ""
+def test_play_writes_frames_only_where_asked_or_to_a_temporary_folder(monkeypatch, capsys, tmp_path):
+    """Image frames go to --out, else to a new temporary folder the game names, never into the folder the
+    command runs in (it once made play_<env>_<seed>/ there)."""
+    here, temporary = tmp_path / "here", tmp_path / "tmp"
+    here.mkdir()
+    temporary.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    code, out = run_main(["play", "Sokoban", "--seed", "1", "mode=image"], monkeypatch, capsys, "Up\n:quit\n")
+    assert code == 0 and list(here.iterdir()) == []
+    (folder,) = temporary.iterdir()
+    assert folder.name.startswith("turnrl-play-Sokoban-1-") and f"frames go to {folder}" in out
+    assert sorted(p.name for p in folder.iterdir()) == ["turn_000.png", "turn_001.png"]
+    code, out = run_main(["play", "Sokoban", "--seed", "1", "--out", "frames", "mode=image"], monkeypatch, capsys,
+                         ":quit\n")
+    assert [p.name for p in here.iterdir()] == ["frames"] and (here / "frames" / "turn_000.png").is_file()
 
 
 def test_play_ctrl_c_ends_the_game_without_a_traceback(monkeypatch, capsys):
@@ -432,13 +456,6 @@ def test_train_resume_of_a_folder_that_is_not_a_run(tmp_path):
 def test_serve_policy_takes_model_settings_and_names_a_bad_one(monkeypatch):
     assert "dtypo" in error_exit(["serve-policy", "--model", "nowhere", "dtypo=bfloat16"])
     assert "model.dtype" in error_exit(["serve-policy", "--model", "nowhere", "model.dtype=float8"])
-
-
-@settings(max_examples=300, deadline=None)
-@given(line=st.text())
-def test_expand_shortcut_takes_any_line(line):
-    shortcuts = action_shortcuts(["Up", "Down", "Left", "Right"])
-    assert expand_shortcut(line, shortcuts) in {line, *shortcuts.values()}
 
 
 @settings(max_examples=300, deadline=None)

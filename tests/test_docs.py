@@ -47,3 +47,18 @@ def test_extending_reward_example_scores_turns(namespace):
     ]
     scores = Rewards(extra={"brevity": namespace["brevity"]}).score(turns)
     assert [s.rewards["brevity"] for s in scores] == [0.0, -1.0]
+
+
+def test_extending_estimator_example_is_chosen_by_the_config_and_runs(namespace):
+    from turnrl.config import load_config
+    from turnrl.training.advantages import compute_advantages
+    from turnrl.training.batch import Sample, collate
+    from turnrl.training.config import TrainConfig
+
+    config = load_config(TrainConfig, None, ["algorithm.advantage=batch_baseline",
+                                             "algorithm.estimator_params.batch_baseline.scale=0.5"])
+    batch = collate([Sample([5, 5], [0, 1], [0.0, 0.0], [1], [reward], episode=e, group=0)
+                     for e, reward in enumerate((1.0, 3.0))], pad_id=0)
+    out = compute_advantages(batch, config.algorithm)
+    assert out.advantages[:, 1].tolist() == [-0.5, 0.5]
+    assert out.metrics == {"actor/batch_return_mean": 2.0}

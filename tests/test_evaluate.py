@@ -133,8 +133,9 @@ def test_image_mode_eval_writes_pngs_beside_the_trajectories(tmp_path):
     assert summary["success_rate"] == 1.0
     out = tmp_path / "eval"
     written = sorted((out / "images").glob("*.png"))
-    listed = [path for record in records for path in record["images"]]
-    assert len(written) == len(listed) == sum(len(r["turns"]) for r in records), "one image per observation"
+    listed = [path for record in records for path in record["images"] + record["final_images"]]
+    assert all(len(r["images"]) == len(r["turns"]) for r in records), "one image per observation shown"
+    assert all(len(r["final_images"]) == 1 for r in records), "and the one the episode ended on"
     assert sorted(str(p.relative_to(out)) for p in written) == sorted(listed)
     first = make("Maze2D", mode="image").reset(seed=records[0]["seed"])[0]["image"]
     np.testing.assert_array_equal(np.asarray(Image.open(out / records[0]["images"][0]).convert("RGB")), first)
@@ -155,12 +156,20 @@ def test_eval_without_out_writes_nothing_and_says_so(tmp_path, monkeypatch, caps
 
 
 # --------------------------------------------------------------------------- budgets
+SHORT_GAMES = {"Game2048": {"target_tile": 128}}
+"""Settings that keep an env's expert episodes short here: a game of 2048 to the 2048 tile takes about 1000
+expectimax moves (its own tests measure that)."""
+
+
 @pytest.mark.parametrize("env", env_names())
 def test_the_expert_finishes_every_env_within_the_env_budget(env, tmp_path):
     """The budget an env asks for lets a competent agent finish: the expert never gets cut."""
-    config = load_config(EvalConfig, None, [f"env.id={env}", "policy=expert", "episodes=16", f"out={tmp_path}"])
+    settings = SHORT_GAMES.get(env, {})
+    overrides = [f"env.settings.{key}={value}" for key, value in settings.items()]
+    config = load_config(EvalConfig, None, [f"env.id={env}", "policy=expert", "episodes=16", f"out={tmp_path}",
+                                            *overrides])
     summary = run_eval(config, budget_from_env=True)
-    budget = make(env).action_budget()
+    budget = make(env, **settings).action_budget()
     assert summary["budget"] == {"max_turns": budget, "max_actions_per_episode": budget, "from": "env"}
     assert summary["success_rate"] == 1.0 and summary["cut_by_budget"] == 0 and summary["cut_by"] == {}
     assert load_config(EvalConfig, tmp_path / "config.yaml").agent.max_turns == budget
@@ -175,11 +184,24 @@ def test_the_agent_defaults_cut_the_expert_and_the_summary_counts_the_cuts(tmp_p
     assert all(r["truncation_reason"] == "max_turns" for r in records)
 
 
-def test_an_env_without_a_budget_keeps_the_agent_budget(tmp_path):
+def test_an_env_without_a_budget_keeps_the_agent_budget_and_says_so(tmp_path):
     summary, _ = evaluate(tmp_path, "env.id=tests.envs.toy_envs:Corridor", "policy=random", "episodes=2")
     config = load_config(EvalConfig, None, ["env.id=tests.envs.toy_envs:Corridor", "policy=random", "episodes=2"])
-    assert run_eval(config, budget_from_env=True)["budget"]["max_turns"] == AgentConfig().max_turns
-    assert summary["budget"]["max_turns"] == AgentConfig().max_turns
+    from_env = run_eval(config, budget_from_env=True)["budget"]
+    assert from_env == {"max_turns": AgentConfig().max_turns,
+                        "max_actions_per_episode": AgentConfig().max_actions_per_episode, "from": "agent defaults"}
+    assert summary["budget"]["max_turns"] == AgentConfig().max_turns and summary["budget"]["from"] == "config"
+
+
+def test_a_gymnasium_env_gets_its_own_step_limit(tmp_path):
+    """gym:FrozenLake-v1 once got the agent's 5 turns, labelled as the env's: the expert (6 moves) always cut."""
+    config = load_config(EvalConfig, None, ["env.id=gym:FrozenLake-v1", "env.settings.is_slippery=false",
+                                            "policy=expert", "episodes=2", f"out={tmp_path}"])
+    summary = run_eval(config, budget_from_env=True)
+    assert summary["budget"] == {"max_turns": 100, "max_actions_per_episode": 100, "from": "env"}
+    assert summary["success_rate"] == 1.0 and summary["cut_by_budget"] == 0
+    cliff = load_config(EvalConfig, None, ["env.id=gym:CliffWalking-v1", "policy=random", "episodes=1"])
+    assert run_eval(cliff, budget_from_env=True)["budget"]["from"] == "agent defaults"  # no step limit to take
 
 
 def test_bad_env_fails_before_a_model_loads(tmp_path, builtin_dir):

@@ -39,7 +39,7 @@ def test_every_recipe_is_found():
     assert {c.stem for c in CONFIGS} >= {"quickstart", "ragen_sokoban", "vagen_frozenlake", "grpo_bandit",
                                          "vlm_quickstart", "vagen_sokoban_visual", "visgym_maze", "vagen_full_frozenlake",
                                          "vagen_full_sokoban", "vagen_full_sokoban_visual", "sokoban_quickstart",
-                                         "navigation", "primitive_skill", "svg"}
+                                         "navigation", "primitive_skill", "svg", "ragen_spatial"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

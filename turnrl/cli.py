@@ -112,10 +112,9 @@ def pack(items: list[str], width: int, first: str, rest: str, gap: str = "  ") -
 
 def setting_lines(name: str) -> list[str]:
     """One line per setting of a built-in env: ``name=default``, and the allowed values where there are few."""
-    from turnrl.envs.registry import env_class, env_parameters
+    from turnrl.envs.registry import env_parameters, env_setting_choices
 
-    cls = env_class(name)
-    choices = {**getattr(cls, "setting_choices", {}), "mode": tuple(cls.modes)}
+    choices = env_setting_choices(name)
     lines = []
     for key, default in env_parameters(name).items():
         if key == "render_mode":  # Gymnasium's, for human viewers: not an agent setting
@@ -133,101 +132,11 @@ def _save_png(image: Any, path: Path) -> None:
     Image.fromarray(image).save(path)
 
 
-# Arrow keys arrive as ANSI escape sequences where no line editor takes them (xterm's "CSI" and
-# "application" forms), and WASD as letters: both name a direction.
-ARROW_KEYS = {"\x1b[A": "up", "\x1b[B": "down", "\x1b[C": "right", "\x1b[D": "left",
-              "\x1bOA": "up", "\x1bOB": "down", "\x1bOC": "right", "\x1bOD": "left"}
-WASD = {"w": "up", "a": "left", "s": "down", "d": "right"}
-PLAY_COMMANDS = ":hint (the solver's next actions), :reset (start the episode again), :quit (or Ctrl-D / Ctrl-C)"
-
-
-def action_shortcuts(names: Sequence[str] | None) -> dict[str, str]:
-    """Keys that stand for an action of the env: arrow keys for the actions named after directions, each
-    action's first letter where no other action starts with it (u/d/l/r), and w/a/s/d for directions where
-    the letter is no action's first letter (so ``d`` is Down, not WASD's right, when there is a Down)."""
-    if not names:
-        return {}
-    by_lower = {name.lower(): name for name in names}
-    keys = {key: by_lower[direction] for key, direction in ARROW_KEYS.items() if direction in by_lower}
-    initials: dict[str, list[str]] = {}
-    for name in names:
-        initials.setdefault(name[:1].lower(), []).append(name)
-    keys.update({letter: found[0] for letter, found in initials.items() if len(found) == 1 and letter.isalpha()})
-    for letter, direction in WASD.items():
-        if letter not in initials and direction in by_lower:
-            keys[letter] = by_lower[direction]
-    return keys
-
-
-def expand_shortcut(line: str, shortcuts: dict[str, str]) -> str:
-    """The action a typed line stands for: a shortcut key (case-insensitive; arrows as typed), else the line."""
-    key = line.strip()
-    return shortcuts.get(key, shortcuts.get(key.lower(), line)) if key else line
-
-
 def cmd_play(args: argparse.Namespace) -> int:
+    from turnrl.play import play
+
     env = _make_env(args.env, parse_settings(args.settings))
-    try:
-        return _play(env, args)
-    except KeyboardInterrupt:  # Ctrl-C ends the game like :quit
-        console.print("\nbye")
-        return 0
-
-
-def _play(env: Any, args: argparse.Namespace) -> int:
-    obs, info = env.reset(seed=args.seed)
-    out_dir = Path(args.out or f"play_{args.env}_{args.seed}")
-    console.print(f"[bold]{type(env).__name__}[/bold] seed={args.seed}\n")
-    console.print(env.instructions(), markup=False)
-    names = env.action_names()
-    shortcuts = action_shortcuts(names)
-    letters = ", ".join(f"{k}={v}" for k, v in shortcuts.items() if not k.startswith("\x1b"))
-    arrows = " and the arrow keys" if any(k.startswith("\x1b") for k in shortcuts) else ""
-    keys = f"\nKeys: {letters}{arrows}." if letters else ""
-    console.print(
-        f"\nActions: {', '.join(names) if names else 'free-form text'}.{keys}\nCommands: {PLAY_COMMANDS}\n",
-        markup=False,
-    )
-    turn, total = 0, 0.0
-
-    def show(obs: dict[str, Any]) -> None:
-        console.print(obs["text"], markup=False, highlight=False)
-        if "image" in obs:
-            path = out_dir / f"turn_{turn:03d}.png"
-            _save_png(obs["image"], path)
-            console.print(f"[dim](image written to {path})[/dim]")
-
-    show(obs)
-    while True:
-        try:
-            line = input("action> ")
-        except EOFError:
-            break
-        command = line.strip()
-        if command in (":quit", ":q"):
-            break
-        if command == ":reset":
-            obs, info = env.reset(seed=args.seed)
-            turn, total = 0, 0.0
-            show(obs)
-            continue
-        if command == ":hint":
-            console.print(f"solver: {env.solve()}", markup=False)
-            continue
-        action = expand_shortcut(line, shortcuts)
-        if action != line:
-            console.print(f"({action})", markup=False, highlight=False)
-        obs, reward, terminated, truncated, info = env.step(action)
-        turn += 1
-        total += reward
-        valid = "" if info.get("action_is_valid", True) else " (invalid action)"
-        console.print(f"reward {reward:g}{valid}, total {total:g}", markup=False)
-        show(obs)
-        if terminated or truncated:
-            outcome = "solved" if info.get("success") else ("truncated" if truncated else "failed")
-            console.print(f"[bold]Episode over: {outcome}[/bold] after {turn} steps, return {total:g}")
-            break
-    return 0
+    return play(env, args.env, args.seed, args.out, console)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -480,12 +389,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List the built-in environments, their modes and settings with defaults.")
     p.set_defaults(fn=cmd_envs)
 
+    from turnrl.play import PLAY_COMMANDS  # light: the game's keys and commands
+
     p = sub.add_parser("play", help="play an environment in the terminal",
-                       description="Play an env in the terminal: type an action per line (or a shortcut key). "
+                       description="Play an env in the terminal: press a key (W/A/S/D or the arrow keys for "
+                                   "directions, a letter for each other action) or type an action and Enter. "
                                    f"Commands: {PLAY_COMMANDS}.")
     p.add_argument("env", help=env_help)
     p.add_argument("--seed", type=seed_arg, default=0, help="episode seed, from 0 (default: 0)")
-    p.add_argument("--out", help="folder for the PNG of each turn (image modes; default: play_ENV_SEED)")
+    p.add_argument("--out", help="folder for the PNG of each turn (image modes; default: a new temporary folder, "
+                                 "named when the game starts)")
     p.add_argument("settings", nargs="*", help=settings_help)
     p.set_defaults(fn=cmd_play)
 
@@ -584,10 +497,19 @@ def _subparser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
     return parser
 
 
+def import_from_current_folder() -> None:
+    """Put the current folder first on the import path, as ``python -m`` does, so that a ``module:Class`` env
+    (or a ``module:function`` reward) of a package in the folder a command runs from imports; the ``turnrl``
+    script alone would start with only its own folder there."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # The run's own rich progress bars say what is happening; the per-file
     # bars of model loading and saving would only interleave with them.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import_from_current_folder()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     # argparse gives a trailing nargs="*" positional only the words before the

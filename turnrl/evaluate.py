@@ -7,7 +7,9 @@ turn: prompt, response, parsed fields, actions, rewards; images as PNG files in
 The turn and action budgets are the agent section's, or, with
 ``budget_from_env``, what the env says a competent agent needs under its
 settings (``env.action_budget()``): the expert finishes every built-in env with
-them. The summary counts the episodes a budget cut, and shows the first errors.
+them. The summary says where the budget came from (``env``, ``config``, or
+``agent defaults`` for an env that names none), counts the episodes a budget
+cut, and shows the first errors.
 """
 
 from __future__ import annotations
@@ -116,13 +118,14 @@ def run_config_of(policy: str) -> Path | None:
     return None
 
 
-def env_budget(env: Any, agent: AgentConfig) -> AgentConfig:
+def env_budget(env: Any, agent: AgentConfig) -> AgentConfig | None:
     """``agent`` with the turn and action budgets the env asks for (``env.action_budget()``): one action a
-    turn is enough to finish. An env without ``action_budget`` keeps ``agent``'s budgets."""
+    turn is enough to finish. None for an env that names no budget (no ``action_budget``, or one that
+    answers None: a Gymnasium env without a step limit)."""
     budget = getattr(env, "action_budget", None)
     wanted = budget() if callable(budget) else None  # a remote env answers None for an env without one
     if wanted is None:
-        return agent
+        return None
     actions = max(1, int(wanted))
     return replace(agent, max_turns=actions, max_actions_per_episode=actions)
 
@@ -142,8 +145,11 @@ def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any
     # Here or on the env servers of env.remote; an unknown env or a bad setting is a config error.
     make_env = env_factory(config.env.id, settings, config.env.remote, where=where)
     probe = make_env()
+    budget_source = "config"
     if budget_from_env:
-        config = replace(config, agent=env_budget(probe, config.agent))
+        budgeted = env_budget(probe, config.agent)
+        budget_source = "env" if budgeted is not None else "agent defaults"  # the env names none: say so
+        config = replace(config, agent=budgeted or config.agent)
     fmt = get_format(
         config.agent.format,
         action_separator=config.agent.action_separator,
@@ -166,7 +172,7 @@ def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any
     summary.update(env=config.env.id, policy=config.policy, format=config.agent.format,
                    budget={"max_turns": config.agent.max_turns,
                            "max_actions_per_episode": config.agent.max_actions_per_episode,
-                           "from": "env" if budget_from_env else "config"})
+                           "from": budget_source})
     print_summary(summary, f"{config.env.id}: {config.policy}")
     if config.out:
         out_dir = Path(config.out)

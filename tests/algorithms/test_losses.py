@@ -187,6 +187,7 @@ def test_entropy_bonus_aggregates_like_the_losses():
     for mode in AGGREGATIONS:
         close(entropy_bonus(h, mask, mode), aggregate(h, mask, mode))
 
+
 # --- nothing outside the mask reaches a gradient --------------------------------
 
 NON_FINITE = [float("nan"), float("inf"), -float("inf")]

@@ -9,6 +9,8 @@ from turnrl.envs import AgentEnv, EnvCheckError, check_env, make
 from turnrl.envs.registry import BUILTIN_ENVS, env_class
 
 BUILTIN_MODES = [(name, mode) for name in BUILTIN_ENVS for mode in env_class(name).modes]
+REPLANNING = ("Game2048",)
+"""Envs whose solver gives one move at a time because chance decides the next state (a new 2048 tile)."""
 
 
 @pytest.mark.filterwarnings("error")  # a warning of Gymnasium's checker is a failure too
@@ -17,7 +19,7 @@ def test_every_builtin_env_passes_in_every_mode(name, mode):
     env = make(name, mode=mode)
     assert isinstance(env, AgentEnv)
     for seed in (0, 1):
-        check_env(env, seed=seed)
+        check_env(env, seed=seed, deterministic=name not in REPLANNING)
 
 
 def test_slippery_frozenlake_passes_without_the_solve_success_check():

@@ -202,6 +202,16 @@ def test_truncation_is_not_termination():
     assert env.step("down")[4]["action_is_valid"] is False  # truncated: over too
 
 
+def test_the_action_budget_is_the_envs_own_step_limit():
+    """What ``turnrl eval`` gives by default: the step limit of the env's spec, never the agent's 5 turns."""
+    assert make(LAKE, is_slippery=False).action_budget() == 100  # FrozenLake-v1 registers max_episode_steps=100
+    assert make(LAKE, is_slippery=False, max_episode_steps=7).action_budget() == 7
+    assert make(TAXI).action_budget() == gym.spec(TAXI.removeprefix("gym:")).max_episode_steps
+    assert make(CLIFF).action_budget() is None  # no step limit: the caller keeps its own budget
+    maze = make("gym:turnrl/Maze2D-v0", mode="image")
+    assert maze.action_budget() == make("Maze2D").action_budget()  # a turnrl env's own, tighter budget
+
+
 def test_cliffwalking_rewards_and_success():
     env = make(CLIFF)
     env.reset(seed=0)

@@ -18,7 +18,7 @@ from turnrl.envs.registry import BUILTIN_ENVS, env_class, env_names, env_paramet
 def test_every_builtin_env_is_listed_with_a_gymnasium_id():
     assert env_names() == list(BUILTIN_ENVS)
     assert set(env_names()) == {"Sokoban", "FrozenLake", "Bandit", "Countdown", "Maze2D", "Navigation",
-                                "PrimitiveSkill", "SVG"}
+                                "PrimitiveSkill", "SVG", "Spatial", "Sudoku", "Game2048", "RubiksCube"}
     for name in env_names():
         assert gym_id(name) == f"turnrl/{name}-v0"
         assert gym_id(name) in gym.registry
@@ -78,6 +78,21 @@ def test_unknown_setting_names_the_allowed_ones():
     assert "colour" in message
     for key in ("size", "num_boxes", "mode", "max_steps"):
         assert f"{key}=" in message
+
+
+@pytest.mark.parametrize(
+    ("env_id", "settings", "hint"),
+    [
+        ("Sokobn", {}, "unknown env 'Sokobn'; did you mean Sokoban?"),
+        ("Sokoban", {"sise": 6}, "Sokoban has no setting sise; did you mean size?"),
+        ("tests.envs.toy_envs:Coridor", {}, "has no attribute 'Coridor'; did you mean Corridor?"),
+        ("gym:FrozenLake-v2", {}, "did you mean gym:FrozenLake-v1"),
+        ("gym:FrozenLake-v1", {"is_slipery": False}, "has no setting is_slipery; did you mean is_slippery?"),
+    ],
+)
+def test_a_typo_in_an_env_name_or_setting_gets_the_likely_one(env_id, settings, hint):
+    with pytest.raises(ValueError, match=re.escape(hint)):
+        make(env_id, **settings)
 
 
 def test_unknown_env_lists_the_three_accepted_forms():

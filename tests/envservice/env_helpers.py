@@ -88,22 +88,29 @@ def env_server(token: str | None = None, limits: ServerLimits | None = None,
 class ServerProcess:
     """``python -m turnrl.envservice.server`` in a subprocess on a fixed port, to be killed and started again."""
 
-    def __init__(self, port: int | None = None, extra: list[str] | None = None) -> None:
+    def __init__(self, port: int | None = None, extra: list[str] | None = None, log: Path | None = None) -> None:
+        """``extra``: more options of the server; ``log``: a file for its output (else the options hold
+        ``--log-level warning`` and stderr is kept only to quote a failed start)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.extra = list(extra or [])
+        self.extra = list(extra or []) if log is not None else ["--log-level", "warning", *(extra or [])]
+        self.log = log
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 60.0) -> ServerProcess:
-        command = [sys.executable, "-m", "turnrl.envservice.server", "--port", str(self.port), "--log-level", "warning",
-                   "--envs", *SERVED, *self.extra]
+        command = [sys.executable, "-m", "turnrl.envservice.server", "--port", str(self.port), "--envs", *SERVED,
+                   *self.extra]
         environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE)
+        if self.log is None:
+            self.process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE)
+        else:
+            with self.log.open("wb") as log:  # the server writes to its own copy of the file
+                self.process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=log, stderr=log)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                error = self.process.stderr.read().decode() if self.process.stderr else ""
+                error = self.process.stderr.read().decode() if self.process.stderr else self.log_text()
                 raise RuntimeError(f"the env server exited with {self.process.returncode}: {error[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
@@ -113,6 +120,10 @@ class ServerProcess:
             time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"the env server did not start on port {self.port} in {timeout_s} s")
+
+    def log_text(self) -> str:
+        """What the server wrote to ``log`` so far."""
+        return self.log.read_text() if self.log is not None else ""
 
     def kill(self) -> None:
         """SIGKILL: no shutdown, no goodbye to the clients."""

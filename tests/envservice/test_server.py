@@ -440,6 +440,31 @@ def test_the_state_key_of_an_env_without_one_is_the_rollouts_hash_of_its_observa
     assert answer_query(object(), "state_key", obs) == observation_key(obs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("access_log", [False, True])
+def test_requests_are_logged_only_with_access_log(access_log, tmp_path):
+    """An eval's thousands of requests once logged a line each at info: access logs are asked for by a flag."""
+    log = tmp_path / "server.log"
+    with ServerProcess(extra=["--access-log"] if access_log else [], log=log) as served:
+        env = remote_env_factory(PROBE, {}, [served.url], **FAST)()
+        env.reset(seed=0)
+        env.step("inc")
+        env.close()
+        for _ in range(3):
+            httpx.get(served.url + "/health", timeout=5.0)
+        time.sleep(0.3)  # the log lines of the last requests reach the file
+        text = served.log_text()
+    assert "Uvicorn running on" in text  # info-level lines of the server itself are kept
+    requests = [line for line in text.splitlines() if '"GET /health' in line or '"POST /v1/' in line]
+    assert len(requests) >= 5 if access_log else requests == [], text
+
+
+def test_an_env_without_a_step_limit_answers_no_budget():
+    """A Gymnasium env without max_episode_steps names no budget; the query passes None on, not int(None)."""
+    cliff = make("gym:CliffWalking-v1")
+    assert answer_query(cliff, "action_budget", {}) is None
+    assert answer_query(make("gym:FrozenLake-v1"), "action_budget", {}) == 100
+
+
 def test_the_server_takes_exactly_the_queries_the_client_knows():
     assert typing.get_args(Query) == QUERIES
 

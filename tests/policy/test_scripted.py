@@ -17,16 +17,19 @@ from turnrl.policy.base import GenerationRequest
 from turnrl.policy.scripted import RANDOM_REASON, ExpertPolicy, RandomPolicy
 
 # The visgym_tuple format carries one tuple literal, e.g. ('move', 0); a free-form Countdown
-# equation, a pick(x,y,z) skill or an SVG document has no such spelling, so those pairings cannot work.
-NO_TUPLE_SPELLING = ("Countdown", "PrimitiveSkill", "SVG")
+# equation, a pick(x,y,z) skill, an SVG document, a Spatial action sequence or a Sudoku placement has no such
+# spelling, so those pairings cannot work.
+NO_TUPLE_SPELLING = ("Countdown", "PrimitiveSkill", "SVG", "Spatial", "Sudoku")
 PAIRS = [
     (env, fmt)
     for env in env_names()
     for fmt in format_names()
     if not (env in NO_TUPLE_SPELLING and fmt == "visgym_tuple")
 ]
-SEPARATOR = {"PrimitiveSkill": "|"}
-"""Envs whose actions hold the default separator: PrimitiveSkill's pick(x,y,z) holds commas (VAGEN uses |)."""
+SEPARATOR = {"PrimitiveSkill": "|", "Sudoku": "||"}
+"""Envs whose actions hold the default separator: PrimitiveSkill's pick(x,y,z) holds commas (VAGEN uses |); and
+free-form envs with several actions a turn, whose answers are split only on a separator given explicitly (Sudoku's
+recipe gives RAGEN's ||)."""
 
 
 def respond(policy, env) -> str:
@@ -36,8 +39,10 @@ def respond(policy, env) -> str:
     return completion.text
 
 
-def limit_of(fmt) -> int:
-    return fmt.max_actions_per_turn if fmt.separator else 1
+def limit_of(fmt, env=None) -> int:
+    """Actions in one expert response: a free-form answer is one action unless the separator was given."""
+    free_form = env is not None and env.action_names() is None and not fmt.split_free_form
+    return fmt.max_actions_per_turn if fmt.separator and not free_form else 1
 
 
 @pytest.mark.parametrize(("env_name", "fmt_name"), PAIRS)
@@ -50,7 +55,23 @@ def test_expert_response_parses_to_the_solver_plan_in_every_format(env_name, fmt
     parsed = fmt.parse(text, env.action_names())
     assert parsed.format_ok, parsed.errors
     assert parsed.errors == ()
-    assert list(parsed.actions) == plan[: limit_of(fmt)]
+    assert list(parsed.actions) == plan[: limit_of(fmt, env)]
+
+
+def test_free_form_plans_go_one_action_a_turn_unless_the_separator_is_given():
+    # Spatial's plan is several action sequences, each holding commas: one per response by default, and RAGEN's
+    # "A || B" when the separator is given explicitly.
+    env = make("Spatial")
+    env.reset(seed=2)
+    plan = env.solve()
+    for name in ("free_think", "ragen"):
+        fmt = get_format(name, max_actions_per_turn=3)
+        parsed = fmt.parse(respond(ExpertPolicy(fmt, max_actions_per_turn=3), env), env.action_names())
+        assert parsed.format_ok and list(parsed.actions) == plan[:1]
+    fmt = get_format("ragen", max_actions_per_turn=3, action_separator="||")
+    text = respond(ExpertPolicy(fmt, max_actions_per_turn=3), env)
+    assert "<answer>Actions: [Observe()] || Actions: [Rotate(90), Observe()] || " in text
+    assert list(fmt.parse(text, env.action_names()).actions) == plan[:3]
 
 
 @pytest.mark.parametrize("fmt_name", ["grounding", "worldmodeling", "grounding_worldmodeling", "visgym_tuple"])

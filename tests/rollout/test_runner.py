@@ -497,6 +497,17 @@ def test_image_mode_puts_each_observation_image_in_its_user_message():
     assert last.images == trajectory.images
 
 
+def test_the_final_observations_image_is_kept_apart_from_the_images_shown():
+    """The frame after the last turn (no turn shows it to the model) is the trajectory's final image."""
+    (slot,) = counter_slots(mode="image")
+    (trajectory,) = play(TextPolicy(answer("inc")), [slot], max_turns=3)
+    assert [int(image[0, 0, 0]) for image in trajectory.images] == [0, 1, 2]
+    assert [int(image[0, 0, 0]) for image in trajectory.final_images] == [3]
+    assert trajectory.final_observation == "count=3"
+    (text_slot,) = counter_slots()
+    assert play(TextPolicy(answer("inc")), [text_slot], max_turns=2)[0].final_images == []
+
+
 def test_a_text_only_model_refuses_image_observations(tiny_policy):
     (slot,) = counter_slots(mode="image")
     with pytest.raises(ValueError, match="text-only model"):

@@ -13,5 +13,6 @@ def same_trajectory(a, b) -> None:
     for x, y in zip(a.turns, b.turns):
         assert (x.observation, x.response, x.actions, x.actions_valid, x.rewards, x.reward, x.state_key) == (
             y.observation, y.response, y.actions, y.actions_valid, y.rewards, y.reward, y.state_key)
-    assert len(a.images) == len(b.images)
-    assert all(np.array_equal(i, j) and i.dtype == j.dtype for i, j in zip(a.images, b.images))
+    for mine, theirs in ((a.images, b.images), (a.final_images, b.final_images)):
+        assert len(mine) == len(theirs)
+        assert all(np.array_equal(i, j) and i.dtype == j.dtype for i, j in zip(mine, theirs))

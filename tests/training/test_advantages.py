@@ -15,26 +15,31 @@ from turnrl.algorithms import (
     grpo_advantages,
     masked_gae,
     place_rewards,
+    ppo_policy_loss,
     reinforce_pp_advantages,
     rloo_advantages,
     turn_gae,
     whiten,
 )
-from turnrl.training.advantages import ESTIMATORS, compute_advantages, episode_view, episode_weights
+from turnrl.algorithms.estimators import estimator_names, get_estimator
+from turnrl.training.advantages import compute_advantages, episode_view, turn_sample_weights
 from turnrl.training.batch import Sample, collate
-from turnrl.training.config import ADVANTAGES, AlgorithmConfig
+from turnrl.training.config import AlgorithmConfig
 
 # Distinct values for every discount, so that a parameter wired to the wrong place changes the result.
 DISCOUNTS = dict(gamma_turn=0.8, lambda_turn=0.7, gamma_token=0.95, lambda_token=0.85)
 GROUP = ("grpo", "drgrpo", "rloo")
+ADVANTAGES = ("gae", "bilevel_gae", "turn_gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "gigpo")
 
 
 def config(**overrides) -> AlgorithmConfig:
     return AlgorithmConfig(**{**DISCOUNTS, **overrides})
 
 
-def test_every_configurable_estimator_has_a_function():
-    assert set(ESTIMATORS) == set(ADVANTAGES)
+def test_every_built_in_estimator_is_registered():
+    module = "turnrl.algorithms.estimators"
+    built_in = {name for name in estimator_names() if get_estimator(name).fn.__module__ == module}
+    assert built_in == set(ADVANTAGES)
 
 
 # --------------------------------------------------------------------------- one set of episodes, two sample modes
@@ -264,17 +269,47 @@ def test_a_turn_that_ends_on_an_unsampled_token_is_refused():
 
 # --------------------------------------------------------------------------- turn mode's loss weights
 def test_turn_mode_group_estimators_weigh_each_episode_once_in_the_loss():
+    # Under seq-mean-token-mean a turn sample weighs its share of its episode's sampled tokens, times the
+    # samples per episode of the batch; the other aggregations need no weights (turn_sample_weights).
     trajectory, turns = both_modes()
-    out = compute_advantages(turns.batch, config(advantage="grpo", sample_mode="turn"))
-    weights = episode_weights(turns.batch)
+    out = compute_advantages(turns.batch, config(advantage="grpo", sample_mode="turn",
+                                                 loss_aggregation="seq-mean-token-mean"))
+    weights = turn_sample_weights(turns.batch, "seq-mean-token-mean")
     assert torch.equal(out.sample_weights, weights)
-    counts = {e: len(spec) for e, (_, spec) in EPISODES.items()}
-    mean_turns = sum(counts.values()) / len(counts)
+    tokens = {e: sum(n for _, n, _ in spec) for e, (_, spec) in EPISODES.items()}
+    mean_turns = len(turns.batch) / len(EPISODES)
     for row in range(len(turns.batch)):
-        assert float(weights[row]) == pytest.approx(mean_turns / counts[int(turns.batch.episode[row])])
+        episode = int(turns.batch.episode[row])
+        share = float(turns.batch.loss_mask[row].sum()) / tokens[episode]
+        assert float(weights[row]) == pytest.approx(mean_turns * share)
     assert float(weights.mean()) == pytest.approx(1.0)
-    assert compute_advantages(turns.batch, config(advantage="gae", sample_mode="turn"), turns.values).sample_weights is None
-    assert compute_advantages(trajectory.batch, config(advantage="grpo")).sample_weights is None
+    for aggregation in ("token-mean", "seq-mean-token-sum"):
+        cfg = config(advantage="grpo", sample_mode="turn", loss_aggregation=aggregation)
+        assert compute_advantages(turns.batch, cfg).sample_weights is None
+    cfg = config(advantage="gae", sample_mode="turn", loss_aggregation="seq-mean-token-mean")
+    assert compute_advantages(turns.batch, cfg, turns.values).sample_weights is None
+    cfg = config(advantage="grpo", loss_aggregation="seq-mean-token-mean")
+    assert compute_advantages(trajectory.batch, cfg).sample_weights is None
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("estimator", ["grpo", "gigpo"])
+def test_turn_samples_give_the_trajectory_policy_gradient_of_the_same_episodes(estimator, aggregation):
+    # The policy loss as the PPO epochs build it, differentiated by each sampled token's log-prob (ratio 1).
+    trajectory, turns = both_modes()
+    gradients = []
+    for mode, name in ((trajectory, "trajectory"), (turns, "turn")):
+        batch = mode.batch
+        out = compute_advantages(batch, config(advantage=estimator, sample_mode=name, loss_aggregation=aggregation))
+        logprobs = torch.full(batch.loss_mask.shape, -1.0, requires_grad=True)
+        loss, _ = ppo_policy_loss(logprobs, logprobs.detach(), out.advantages, batch.loss_mask,
+                                  aggregation=aggregation, sample_weights=out.sample_weights)
+        loss.backward()
+        gradients.append(mode.per_episode(logprobs.grad))
+    assert any(g != 0 for grads in gradients[0].values() for g in grads)
+    # seq-mean-token-sum divides by the samples: the turn mode's gradient is the trajectory mode's times E / N.
+    scale = len(turns.batch) / len(trajectory.batch) if aggregation == "seq-mean-token-sum" else 1.0
+    assert_same_per_episode(gradients[0], {e: [g * scale for g in grads] for e, grads in gradients[1].items()})
 
 
 # --------------------------------------------------------------------------- the episode view
@@ -298,7 +333,8 @@ def test_gigpo_gives_each_turns_tokens_the_turns_advantage_as_called_by_hand():
     from turnrl.algorithms import gigpo_advantages
 
     trajectory, _ = both_modes()
-    out = compute_advantages(trajectory.batch, config(advantage="gigpo", gigpo_gamma=0.9, gigpo_step_weight=0.5))
+    cfg = config(advantage="gigpo", estimator_params={"gigpo": {"gamma": 0.9, "step_weight": 0.5}})
+    out = compute_advantages(trajectory.batch, cfg)
     ids = list(EPISODES)
     turns = max(len(spec) for _, spec in EPISODES.values())
     rewards = torch.zeros(len(ids), turns, dtype=torch.float64)
@@ -318,7 +354,7 @@ def test_gigpo_gives_each_turns_tokens_the_turns_advantage_as_called_by_hand():
 
 
 def test_anchored_share_counts_the_turns_that_share_a_start_state_with_another_turn_of_their_group():
-    from turnrl.training.advantages import anchored_share
+    from turnrl.algorithms import anchored_share
 
     states = torch.tensor([[0, 1, -1], [0, 2, 2], [0, -1, -1]])
     groups = torch.tensor([0, 0, 1])

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from turnrl.algorithms import NoParams
 from turnrl.config import ConfigError, load_config, to_yaml
-from turnrl.training.config import ADVANTAGES, CRITIC_ADVANTAGES, TrainConfig
+from turnrl.training.config import TrainConfig
+
+ADVANTAGES = ("gae", "bilevel_gae", "turn_gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "gigpo")
+CRITIC_ADVANTAGES = ("gae", "bilevel_gae", "turn_gae")
 
 
 def error_of(*overrides: str) -> str:
@@ -127,6 +131,41 @@ def test_context_window_is_fine_in_turn_mode_or_when_it_never_cuts():
 def test_group_estimator_with_groups_of_one_names_group_size(advantage):
     message = error_of(f"algorithm.advantage={advantage}", "groups.group_size=1")
     assert "groups.group_size" in message and advantage in message
+
+
+# --------------------------------------------------------------------------- each estimator's own parameters
+def test_estimator_parameters_come_from_a_mapping_by_estimator_name(tmp_path):
+    from turnrl.algorithms import GiGPOParams
+
+    default = load_config(TrainConfig, None, ["algorithm.advantage=gigpo"])
+    assert default.algorithm.estimator_params["gigpo"] == {"gamma": 0.95, "step_weight": 1.0, "norm_by_std": True}
+    assert default.algorithm.params == GiGPOParams()
+    path = tmp_path / "recipe.yaml"
+    path.write_text("algorithm:\n  advantage: gigpo\n  estimator_params:\n    gigpo: {gamma: 1, norm_by_std: false}\n")
+    config = load_config(TrainConfig, path, ["algorithm.estimator_params.gigpo.step_weight=0.5"])
+    assert config.algorithm.params == GiGPOParams(gamma=1.0, step_weight=0.5, norm_by_std=False)
+    assert isinstance(config.algorithm.params.gamma, float)
+    # another estimator ignores them, so a recipe keeps its GiGPO settings when the estimator is switched
+    assert load_config(TrainConfig, path, ["algorithm.advantage=grpo"]).algorithm.params == NoParams()
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(config))
+    assert load_config(TrainConfig, saved) == config
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("algorithm.estimator_params.gigpo.gama=0.9", ["algorithm.estimator_params.gigpo.gama", "did you mean gamma",
+                                                       "gamma, step_weight, norm_by_std"]),
+        ("algorithm.estimator_params.gigpo.gamma=abc", ["algorithm.estimator_params.gigpo.gamma", "'abc'"]),
+        ("algorithm.estimator_params.gigpo.gamma=1.5", ["algorithm.estimator_params.gigpo", "gamma=1.5"]),
+        ("algorithm.estimator_params.grpo.gamma=0.9", ["algorithm.estimator_params.grpo.gamma", "takes none"]),
+        ("algorithm.estimator_params.gipgo.gamma=0.9", ["algorithm.estimator_params.gipgo", "'gigpo'"]),
+    ],
+)
+def test_a_bad_estimator_parameter_is_rejected_naming_its_key(override, words):
+    message = error_of(override)
+    assert all(word in message for word in words), message
 
 
 def test_critic_estimators_accept_groups_of_one():

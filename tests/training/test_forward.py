@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from turnrl.training.forward import ValueModel, token_logprobs
+from turnrl.training.head import install_scoring_head
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,40 @@ def test_token_logprobs_and_entropy_equal_a_full_logits_computation(model, input
     scored[:, 0] = False
     assert bool((logprobs[scored] < 0).all()) and bool((logprobs[~scored] == 0).all())
     assert bool((entropy[~scored] == 0).all())
+
+
+def test_entropy_of_a_head_with_masked_vocabulary_is_finite_and_trains(model, inputs):
+    # Rows past the scoring head's vocabulary limit get -inf logits: entropy and its gradient stay finite and
+    # equal those of the allowed rows' softmax (0 log 0 is 0), where a plain -sum(p log p) is NaN.
+    trained = copy.deepcopy(model)
+    vocab = trained.config.vocab_size
+    limit = vocab // 3
+    limited = (inputs[0] % limit, *inputs[1:])  # no scored token is masked: only the entropy meets -inf
+    install_scoring_head(trained, limit)
+    _, entropy = token_logprobs(trained, *limited, with_entropy=True)
+    allowed = torch.arange(vocab) < limit
+    with torch.no_grad():
+        logits = trained(input_ids=limited[0], attention_mask=limited[1]).logits.float()
+    logits = logits.masked_fill(~allowed, -torch.inf)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    assert not torch.isfinite(-(log_probs.exp() * log_probs).sum(-1)).all()  # the plain sum is NaN
+    assert torch.isfinite(entropy).all()
+    allowed_h = naive_allowed_entropy(trained, *limited, allowed)
+    assert torch.allclose(entropy, allowed_h, atol=1e-5)
+    entropy.sum().backward()
+    grads = [p.grad for p in trained.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def naive_allowed_entropy(model, input_ids, attention_mask, score_mask, allowed):
+    """The entropy of the softmax over the ``allowed`` vocabulary entries only, at the scored positions."""
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()[:, :-1][..., allowed]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    mask = score_mask.bool().clone()
+    mask[:, 0] = False
+    return torch.cat([torch.zeros(input_ids.shape[0], 1), entropy], 1) * mask
 
 
 @torch.no_grad()

@@ -113,7 +113,7 @@ def test_evaluation_page_loads_shows_images_and_filters(browser, served, eval_di
     page.click("#expand-all")
     assert page.locator("#episodes details.episode[open]").count() == EVAL_EPISODES
     images = decode_all_images(page)
-    assert len(images) == sum(len(e["images"]) for e in episodes) > 0
+    assert len(images) == sum(len(e["images"]) + len(e["final_images"]) for e in episodes) > 0
     assert all(image["width"] > 0 for image in images), [i for i in images if not i["width"]]
 
     page.select_option("#filter-success", "1")

@@ -88,6 +88,17 @@ def test_images_go_one_per_turn_then_to_the_final_observation_else_to_the_episod
     assert [t.images for t in own.turns] == [[], ["b.png"]]
 
 
+def test_the_records_final_images_are_the_final_observations():
+    urls = lambda value: list(value or [])  # noqa: E731 - the paths as they are
+    view = parse_episode(episode(2, ["a.png", "b.png"], final_images=["end.png"]), "s", 0, urls)
+    assert [t.images for t in view.turns] == [["a.png"], ["b.png"]] and view.final_images == ["end.png"]
+    # Truncated by the context budget: the last image was shown, for a turn that never came; the final one wins.
+    cut = parse_episode(episode(2, ["a.png", "b.png", "c.png"], final_images=["c2.png"]), "s", 0, urls)
+    assert cut.final_images == ["c2.png"]
+    paths = lambda value: [v for v in value if isinstance(v, str)] if isinstance(value, list) else []  # noqa: E731
+    assert parse_episode(episode(2, final_images="end.png"), "s", 0, paths).final_images == []  # not a list
+
+
 def test_wrong_types_become_defaults():
     record = {"env_id": 5, "seed": "x", "success": "yes", "total_reward": float("nan"), "turns": [
         {"index": "0", "actions": "Up", "rewards": {"env": "1", "format": True, "x": 2}, "actions_valid": [1, 0]}, 3]}

@@ -39,8 +39,11 @@ def test_evaluation_report_shows_every_episode_with_its_images(eval_dir):
     assert html.count('<details class="episode"') == EVAL_EPISODES
     episodes = lines(eval_dir / "trajectories.jsonl")
     shown = [src for src in image_sources(html)]
-    assert len(shown) == sum(len(e["images"]) for e in episodes) > 0
+    assert len(shown) == sum(len(e["images"]) + len(e["final_images"]) for e in episodes) > 0
     assert all((eval_dir / src).is_file() for src in shown)
+    # Every episode ends on its final frame (the hole it fell into, the goal), not on a caption alone.
+    finals = re.findall(r'<img src="([^"]+)" alt="final observation"', html)
+    assert finals == [e["final_images"][0] for e in episodes] and len(finals) == EVAL_EPISODES
     assert html.count("<think>") == 0 and "&lt;think&gt;" in html  # the response's tags are shown as text
     assert '<span class="f-think">Random choice' in html  # ... and its reasoning field highlighted
     successes = sum(e["success"] for e in episodes)
@@ -61,6 +64,9 @@ def test_run_report_has_curves_steps_and_before_after_pairs(run_dir):
     assert all((run_dir / url).is_file() for url in plots)
     html = render_html(data)
     assert html.count('<details class="pair"') == 4
+    # Each side of a pair says what its numbers are: the episode's reward and its turns.
+    result = r'<span class="badge (ok|bad)">(success|failure)</span> reward <strong>[-+.\de]+</strong> in \d+ turns?'
+    assert len(re.findall(rf"before: {result} ·\s+after: {result} · <em>", html)) == 4
     assert html.count('<details class="episode"') == sum(len(s.episodes) for s in data.sources)
     for source in data.sources:
         assert f'<option value="{source.name}">{source.label}</option>' in html

@@ -1,11 +1,14 @@
 """The math of turnrl: advantage estimators, losses and group filters.
 
 Pure functions over padded ``(b, s)`` tensors with masks, vectorized, each
-checked against a plain loop reference in ``tests/algorithms``.
+checked against a plain loop reference in ``tests/algorithms``. The
+estimators that ``algorithm.advantage`` names are registered in
+:mod:`turnrl.algorithms.estimators`.
 """
 
 from turnrl.algorithms.advantages import (
     GroupStats,
+    anchored_share,
     bilevel_gae,
     broadcast_to_tokens,
     discounted_reverse_cumsum,
@@ -18,6 +21,17 @@ from turnrl.algorithms.advantages import (
     rloo_advantages,
     turn_gae,
     whiten,
+)
+from turnrl.algorithms.estimators import (
+    EpisodeView,
+    Estimate,
+    EstimatorSpec,
+    GiGPOParams,
+    NoParams,
+    SharedSettings,
+    estimator,
+    estimator_names,
+    get_estimator,
 )
 from turnrl.algorithms.filters import GroupSelection, select_groups
 from turnrl.algorithms.losses import (
@@ -35,16 +49,26 @@ from turnrl.algorithms.losses import (
 
 __all__ = [
     "AGGREGATIONS",
+    "EpisodeView",
+    "Estimate",
+    "EstimatorSpec",
+    "GiGPOParams",
     "GroupSelection",
     "GroupStats",
+    "NoParams",
     "PolicyLossStats",
+    "SharedSettings",
     "ValueLossStats",
     "aggregate",
+    "anchored_share",
     "bilevel_gae",
     "broadcast_to_tokens",
     "discounted_reverse_cumsum",
-    "gigpo_advantages",
     "entropy_bonus",
+    "estimator",
+    "estimator_names",
+    "get_estimator",
+    "gigpo_advantages",
     "group_stats",
     "grpo_advantages",
     "kl_in_reward",

@@ -40,9 +40,11 @@ import torch.nn.functional as F
 __all__ = [
     "GroupStats",
     "Placement",
+    "anchored_share",
     "bilevel_gae",
     "broadcast_to_tokens",
     "discounted_reverse_cumsum",
+    "gigpo_advantages",
     "group_stats",
     "grpo_advantages",
     "masked_gae",
@@ -688,3 +690,22 @@ def gigpo_advantages(
         step[rows, turns] = torch.where(stats.size[stats.inverse] > 1, deviation, 0.0)
     advantages = torch.where(valid, episode[:, None] + step_weight * step, 0.0)
     return advantages.to(_float_dtype(turn_rewards)), step.to(_float_dtype(turn_rewards))
+
+
+def anchored_share(turn_states: torch.Tensor, group_index: torch.Tensor) -> float:
+    """The share of known turns whose anchor group (same group, same start state) holds at least two turns:
+    the turns :func:`gigpo_advantages` gives a step advantage.
+
+    Args:
+        turn_states: Shape (e, T), long: each turn's start state, -1 for unknown or padding turns.
+        group_index: Shape (e,).
+
+    Returns:
+        A share in [0, 1]; 0 without known turns.
+    """
+    rows, turns = (turn_states >= 0).nonzero(as_tuple=True)
+    if len(rows) == 0:
+        return 0.0
+    keys = torch.stack([group_index[rows], turn_states[rows, turns]], dim=1)
+    _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
+    return float((counts[inverse] > 1).float().mean())

@@ -24,6 +24,10 @@ render_mode="rgb_array", is_slippery=False)`` and wraps it in
   the state for the envs in :data:`KNOWN_ENVS` and taken from the env's own
   ``info["success"]`` or ``info["is_success"]`` for any other (False if it
   has neither).
+- **The turn budget** ``turnrl eval`` gives by default (``action_budget()``)
+  is the env's own step limit (``max_episode_steps`` of its spec, which
+  ``gymnasium.make`` enforces with ``TimeLimit``); an env without one keeps
+  the agent's budget.
 - **A turnrl env underneath** (one with the :class:`~turnrl.envs.base.AgentEnv`
   methods, e.g. ``gym:turnrl/Maze2D-v0`` with ``mode="image"``) keeps its own
   action names, instructions, state facts and solver, and the spellings its
@@ -64,7 +68,7 @@ from turnrl.envs.base import (
     facts_from_positions,
     missing_methods,
 )
-from turnrl.envs.settings import registered_settings
+from turnrl.envs.settings import close_names, did_you_mean, registered_settings
 
 __all__ = [
     "ADAPTER_KEYS",
@@ -337,6 +341,17 @@ class GymImageEnv(gym.Wrapper):
     def action_names(self) -> list[str]:
         return list(self._actions)
 
+    def action_budget(self) -> int | None:
+        """Actions a competent agent needs at most (the budget ``turnrl eval`` gives by default): the step limit
+        of the env's ``TimeLimit`` (``max_episode_steps`` of its spec: 100 for FrozenLake-v1, or the setting),
+        or a turnrl env's own ``action_budget()`` where that is tighter; None for an env with neither
+        (CliffWalking-v1), which keeps the agent's budget."""
+        limit = self.env.spec.max_episode_steps if self.env.spec is not None else None
+        own_budget = getattr(self.agent_env, "action_budget", None)  # an optional method of the contract
+        own = own_budget() if callable(own_budget) else None
+        budgets = [int(b) for b in (limit, own) if b is not None]
+        return min(budgets) if budgets else None
+
     def state_facts(self) -> StateFacts:
         """The player and objects of a known or a turnrl env; an empty ``StateFacts`` for any other env."""
         if self.agent_env is not None:
@@ -521,7 +536,9 @@ def make_image_env(env_id: str, **settings: Any) -> GymImageEnv:
     """
     label = f"{GYM_PREFIX}{env_id}"
     if env_id not in gym.registry:
-        raise ValueError(f"{label}: {env_id!r} is not a registered Gymnasium id (e.g. gym:FrozenLake-v1)")
+        near = [f"{GYM_PREFIX}{name}" for name in close_names(env_id, gym.registry)]
+        hint = f"did you mean {' or '.join(near)}?" if near else "e.g. gym:FrozenLake-v1"
+        raise ValueError(f"{label}: {env_id!r} is not a registered Gymnasium id ({hint})")
     own = {key: settings.pop(key) for key in ADAPTER_KEYS if key in settings}
     if "render_mode" in settings:
         raise ValueError(f"{label}: render_mode is not a setting here; the gym: adapter always renders rgb_array")
@@ -532,8 +549,8 @@ def make_image_env(env_id: str, **settings: Any) -> GymImageEnv:
         if unknown:
             env_listing = ", ".join(f"{k}={v!r}" for k, v in allowed.items())
             raise ValueError(
-                f"{label} has no setting {', '.join(unknown)}; the adapter's settings: {', '.join(ADAPTER_KEYS)}; "
-                f"{env_id}'s: {env_listing}"
+                f"{label} has no setting {', '.join(unknown)}; {did_you_mean(unknown, [*ADAPTER_KEYS, *allowed])}"
+                f"the adapter's settings: {', '.join(ADAPTER_KEYS)}; {env_id}'s: {env_listing}"
             )
     modes = _render_modes(env_id)
     if modes is not None and "rgb_array" not in modes:

@@ -15,7 +15,7 @@ import gymnasium as gym
 
 from turnrl.envs.base import AgentEnv, StateFacts, TurnEnv, missing_methods
 from turnrl.envs.gym_adapter import GYM_PREFIX, make_image_env
-from turnrl.envs.settings import check_settings, keyword_parameters, registered_settings
+from turnrl.envs.settings import check_settings, did_you_mean, keyword_parameters, literal_choices, registered_settings
 
 BUILTIN_ENVS: dict[str, str] = {
     "Sokoban": "turnrl.envs.games.sokoban:SokobanEnv",
@@ -26,6 +26,10 @@ BUILTIN_ENVS: dict[str, str] = {
     "Navigation": "turnrl.envs.games.navigation:NavigationEnv",
     "PrimitiveSkill": "turnrl.envs.games.primitive_skill:PrimitiveSkillEnv",
     "SVG": "turnrl.envs.games.svg:SVGEnv",
+    "Spatial": "turnrl.envs.games.spatial:SpatialEnv",
+    "Sudoku": "turnrl.envs.games.sudoku:SudokuEnv",
+    "Game2048": "turnrl.envs.games.game2048:Game2048Env",
+    "RubiksCube": "turnrl.envs.games.rubiks:RubiksCubeEnv",
 }
 
 CONTRACT_HINT = (
@@ -69,9 +73,10 @@ def resolve_name(env_id: str) -> str:
 
 
 def unknown_env_message(env_id: str) -> str:
-    """One line: what ``env.id`` takes, with the built-in names."""
+    """One line: what ``env.id`` takes, with the built-in names (and the likely one of a typo)."""
     return (
-        f"unknown env {env_id!r}; env.id takes a built-in name ({', '.join(BUILTIN_ENVS)}; `turnrl envs` lists "
+        f"unknown env {env_id!r}; {did_you_mean([env_id], BUILTIN_ENVS)}"
+        f"env.id takes a built-in name ({', '.join(BUILTIN_ENVS)}; `turnrl envs` lists "
         "them), module:Class (e.g. my_package.envs:CorridorEnv), an id registered with gymnasium.register, or "
         "gym:<id> for a Gymnasium env with rgb_array frames (e.g. gym:FrozenLake-v1)"
     )
@@ -86,6 +91,13 @@ def env_class(env_id: str) -> type[TurnEnv]:
 def env_parameters(env_id: str) -> dict[str, Any]:
     """Constructor parameters of a built-in env and their defaults."""
     return keyword_parameters(env_class(env_id)) or {}
+
+
+def env_setting_choices(env_id: str) -> dict[str, tuple[Any, ...]]:
+    """The allowed values of a built-in env's settings that take one of a fixed set: those its constructor
+    types as ``Literal``, those its class declares in ``setting_choices``, and ``mode`` (its ``modes``)."""
+    cls = env_class(env_id)
+    return {**literal_choices(cls), **cls.setting_choices, "mode": tuple(cls.modes)}
 
 
 def make(env_id: str, **settings: Any) -> AgentEnv:
@@ -134,7 +146,9 @@ def _make_entry_point(env_id: str, settings: dict[str, Any]) -> AgentEnv:
     if factory is None:
         if attribute in gym.registry:  # gymnasium's own "module:id" form
             return _make_registered(attribute, settings)
-        raise ValueError(f"env {env_id!r}: module {module_name!r} has no attribute {attribute!r}")
+        hint = did_you_mean([attribute], [name for name in dir(module) if not name.startswith("_")])
+        raise ValueError(f"env {env_id!r}: module {module_name!r} has no attribute {attribute!r}"
+                         + (f"; {hint.strip()}" if hint else ""))
     if inspect.isclass(factory) and missing_methods(factory):
         raise TypeError(_not_an_agent_env(env_id, factory.__name__, missing_methods(factory)))
     check_settings(env_id, keyword_parameters(factory), settings)

@@ -3,9 +3,11 @@ built (the registry and the Gymnasium adapter both check them)."""
 
 from __future__ import annotations
 
+import difflib
 import inspect
-from collections.abc import Callable
-from typing import Any
+import types
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import gymnasium as gym
 from gymnasium.envs.registration import load_env_creator
@@ -22,14 +24,51 @@ def keyword_parameters(factory: Callable[..., Any]) -> dict[str, Any] | None:
     return {param.name: param.default for param in params if param.kind is not inspect.Parameter.VAR_POSITIONAL}
 
 
+def literal_choices(factory: Callable[..., Any]) -> dict[str, tuple[Any, ...]]:
+    """The allowed values of the keyword parameters of ``factory`` (a class: its ``__init__``) typed as a
+    ``Literal`` (or a ``Literal`` or None): ``task: Literal["align", "place"]`` -> ``{"task": ("align",
+    "place")}``. Annotations that cannot be read here (names imported only for type checkers) give none."""
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        hints = get_type_hints(target)
+    except (NameError, TypeError, AttributeError):
+        return {}
+    choices: dict[str, tuple[Any, ...]] = {}
+    for name, hint in hints.items():
+        options = [hint] if get_origin(hint) is Literal else []
+        if get_origin(hint) is Union or isinstance(hint, types.UnionType):  # Literal[...] | None
+            options = [arg for arg in get_args(hint) if arg is not type(None)]
+        if name != "return" and len(options) == 1 and get_origin(options[0]) is Literal:
+            choices[name] = get_args(options[0])
+    return choices
+
+
+def close_names(word: str, names: Iterable[str], n: int = 3) -> list[str]:
+    """The ``names`` closest to a mistyped ``word`` (case ignored), for a "did you mean" hint; none if no name
+    is close (difflib's ratio under 0.75, the cut-off of config keys)."""
+    by_lower: dict[str, str] = {}
+    for name in names:
+        by_lower.setdefault(name.lower(), name)
+    return [by_lower[near] for near in difflib.get_close_matches(word.lower(), list(by_lower), n=n, cutoff=0.75)]
+
+
+def did_you_mean(words: Iterable[str], names: Iterable[str]) -> str:
+    """``"did you mean size? "`` for the names close to any of ``words``, else ``""``."""
+    names = list(names)
+    near = list(dict.fromkeys(name for word in words for name in close_names(word, names)))
+    return f"did you mean {' or '.join(near)}? " if near else ""
+
+
 def check_settings(label: str, allowed: dict[str, Any] | None, settings: dict[str, Any]) -> None:
-    """Fail here, naming the allowed settings, rather than with a TypeError deep in a run."""
+    """Fail here, naming the allowed settings (and the likely one of a typo), rather than with a TypeError deep
+    in a run."""
     if allowed is None:  # the constructor takes **kwargs: it checks its own settings
         return
     unknown = sorted(set(settings) - set(allowed))
     if unknown:
         listing = ", ".join(f"{k}={v!r}" for k, v in allowed.items())
-        raise ValueError(f"{label} has no setting {', '.join(unknown)}; allowed: {listing}")
+        hint = did_you_mean(unknown, allowed)
+        raise ValueError(f"{label} has no setting {', '.join(unknown)}; {hint}allowed: {listing}")
 
 
 def registered_settings(env_id: str) -> dict[str, Any] | None:

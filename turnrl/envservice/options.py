@@ -58,3 +58,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=defaults.workers, help="threads running env calls")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level (default: info)")
+    parser.add_argument("--access-log", action="store_true",
+                        help="log every request (one line each, at info); off by default: a run makes thousands")

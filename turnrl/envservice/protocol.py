@@ -315,7 +315,7 @@ def answer_query(env: AgentEnv, name: str, last_obs: dict[str, Any]) -> Any:
     if name == "state_facts" and not isinstance(value, StateFacts):
         raise TypeError(f"state_facts() returned a {type(value).__name__}, not a StateFacts")
     if name == "action_budget":
-        return int(value)
+        return None if value is None else int(value)  # None: the env names no budget
     return value
 
 

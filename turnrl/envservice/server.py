@@ -827,7 +827,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     print(f"serving envs {', '.join(app.state.server.allowed)} at http://{args.host}:{args.port} "
           f"(token {'required' if token else 'off'}, {limits.workers} env threads)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+                timeout_graceful_shutdown=5)
     return 0
 
 

@@ -138,6 +138,10 @@ class VLMPreset:
         return self.vision.patch_size * _MERGE
 
 
+QWEN2_5_VL_TOWER = VisionPreset(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420,
+                                fullatt_block_indexes=(7, 15, 23, 31))
+"""The vision tower of every released Qwen2.5-VL (3B, 7B, 72B): 32 blocks 1280 wide, full attention every 8th."""
+
 VLM_PRESETS: dict[str, VLMPreset] = {
     # Unit tests and the CPU quickstart: about 0.78M parameters at vocab 1024
     # (0.26M of them the vision tower and merger). Images become 4 to 16
@@ -212,8 +216,7 @@ VLM_PRESETS: dict[str, VLMPreset] = {
             max_position_embeddings=128000, vocab_size=8192, rope_theta=1_000_000.0, embedding_rows=151_936,
             weights_dtype="bfloat16",
         ),
-        vision=VisionPreset(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420,
-                            fullatt_block_indexes=(7, 15, 23, 31)),
+        vision=QWEN2_5_VL_TOWER,
         min_pixels=56 * 56,
         max_pixels=448 * 448,
     ),
@@ -223,8 +226,7 @@ VLM_PRESETS: dict[str, VLMPreset] = {
             max_position_embeddings=128000, vocab_size=8192, tie_word_embeddings=False, rope_theta=1_000_000.0,
             embedding_rows=152_064, weights_dtype="bfloat16",
         ),
-        vision=VisionPreset(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420,
-                            fullatt_block_indexes=(7, 15, 23, 31)),
+        vision=QWEN2_5_VL_TOWER,
         min_pixels=56 * 56,
         max_pixels=448 * 448,
     ),

@@ -53,6 +53,12 @@ class ScriptedPolicy(Policy):
     def _render(self, env: AgentEnv, actions: list[str]) -> str:
         return self.fmt.render(actions, expert_fields(env, actions, self.fmt.tag_names))
 
+    def _actions_per_turn(self, env: AgentEnv) -> int:
+        """How many actions one response can carry: ``max_actions_per_turn`` where the format splits the env's
+        answers, else one (a free-form answer is one action unless a separator was given explicitly)."""
+        splits = self.fmt.separator is not None and (env.action_names() is not None or self.fmt.split_free_form)
+        return self.max_actions_per_turn if splits else 1
+
 
 RANDOM_REASON = "Random choice: this policy does not reason."
 """What the random policy writes in every reasoning field: it must not pass off chance as a plan."""
@@ -87,8 +93,7 @@ class ExpertPolicy(ScriptedPolicy):
 
     def respond(self, env: AgentEnv) -> str:
         plan = env.solve()
-        limit = self.max_actions_per_turn if self.fmt.separator else 1
-        actions = list(plan[:limit]) if plan else self.random_actions(env, 1)
+        actions = list(plan[: self._actions_per_turn(env)]) if plan else self.random_actions(env, 1)
         if self.random_action_share > 0:
             noise = self.rng.random(len(actions)) < self.random_action_share
             actions = [self.random_actions(env, 1)[0] if flip else a for a, flip in zip(actions, noise)]

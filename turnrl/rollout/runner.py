@@ -391,6 +391,7 @@ class Rollout:
             if not valid or terminated or truncated:
                 break
         trajectory.final_observation = episode.last_obs["text"]
+        trajectory.final_images = [episode.last_obs["image"]] if "image" in episode.last_obs else []
 
         if terminated:
             episode.finish(DONE)

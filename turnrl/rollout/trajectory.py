@@ -108,6 +108,9 @@ class Trajectory:
     """The token-exact context (None for text-only policies)."""
     images: list[np.ndarray] = field(default_factory=list)
     """Every image shown, in order (the first observation's first)."""
+    final_images: list[np.ndarray] = field(default_factory=list)
+    """Images of the observation after the last turn (image modes), which no turn showed the model: where the
+    episode ended (the hole the agent fell into), for the record and the viewer."""
 
     @property
     def total_reward(self) -> float:
@@ -130,8 +133,10 @@ class Trajectory:
         """Has sampled tokens and ended cleanly."""
         return self.status != ERROR and self.tokens is not None and bool(self.turns)
 
-    def to_json(self, image_paths: list[str] | None = None) -> dict[str, Any]:
-        """A JSON-ready record of the episode (images by path, tokens left out)."""
+    def to_json(self, image_paths: list[str] | None = None, final_image_paths: list[str] | None = None
+                ) -> dict[str, Any]:
+        """A JSON-ready record of the episode (images by path: ``images`` those shown, ``final_images`` those of
+        the final observation; tokens left out)."""
         return {
             "env_id": self.env_id,
             "seed": self.seed,
@@ -145,6 +150,7 @@ class Trajectory:
             "system_prompt": self.system_prompt,
             "final_observation": self.final_observation,
             "images": image_paths or [],
+            "final_images": final_image_paths or [],
             "turns": [
                 {
                     "index": turn.index,
@@ -168,18 +174,23 @@ class Trajectory:
 
 
 def write_trajectories(trajectories: list[Trajectory], out_dir: Path, name: str = "trajectories.jsonl") -> Path:
-    """One JSON line per episode; images saved as PNG under ``out_dir/images``."""
+    """One JSON line per episode; images saved as PNG under ``out_dir/images`` (``<stem>_<episode>_<k>.png``
+    those shown, ``<stem>_<episode>_final<k>.png`` those of the final observation)."""
     from PIL import Image
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
+
+    def save(image: np.ndarray, file_name: str) -> str:
+        relative = Path("images") / file_name
+        (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(out_dir / relative)
+        return str(relative)
+
     with path.open("w") as handle:
         for index, trajectory in enumerate(trajectories):
-            image_paths = []
-            for k, image in enumerate(trajectory.images):
-                relative = Path("images") / f"{path.stem}_{index:05d}_{k:03d}.png"
-                (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
-                Image.fromarray(image).save(out_dir / relative)
-                image_paths.append(str(relative))
-            handle.write(json.dumps(trajectory.to_json(image_paths)) + "\n")
+            shown = [save(image, f"{path.stem}_{index:05d}_{k:03d}.png") for k, image in enumerate(trajectory.images)]
+            final = [save(image, f"{path.stem}_{index:05d}_final{k}.png")
+                     for k, image in enumerate(trajectory.final_images)]
+            handle.write(json.dumps(trajectory.to_json(shown, final)) + "\n")
     return path

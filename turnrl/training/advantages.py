@@ -1,88 +1,40 @@
-"""From a training batch to advantages: the estimators of :mod:`turnrl.algorithms`, wired.
+"""From a training batch to advantages: the registered estimators of :mod:`turnrl.algorithms.estimators`, wired.
 
-Notation: b samples, s sequence length, e episodes, n sampled tokens of the
-longest episode, k sampled tokens of the batch.
+Notation: b samples, s sequence length, e episodes, n sampled tokens of the longest episode, k sampled tokens of
+the batch, E episodes and N samples of a batch.
 
-Every estimator runs on an :class:`EpisodeView`: one row per episode that
-holds only its sampled tokens, in order. In trajectory mode a sample is an
-episode; in turn mode an episode's turn samples are laid end to end. The same
-episode therefore gets the same advantages in both sample modes: the rewards
-and KL penalties of later turns reach earlier turns in turn mode exactly as in
-trajectory mode, and each discount means the same in both (``gamma_token``
-from one token to the next inside a turn, ``gamma_turn`` from a turn to the
-next). Observation tokens are never in the view; the estimators skip tokens
+Every estimator runs on an :class:`~turnrl.algorithms.estimators.EpisodeView`: one row per episode that
+holds only its sampled tokens, in order. In trajectory mode a sample is an episode; in turn mode an episode's
+turn samples are laid end to end. The same episode therefore gets the same advantages in both sample modes:
+the rewards and KL penalties of later turns reach earlier turns in turn mode exactly as in trajectory mode,
+and each discount means the same in both (``gamma_token`` from one token to the next inside a turn,
+``gamma_turn`` from a turn to the next). Observation tokens are never in the view; the estimators skip tokens
 outside their mask anyway, so leaving them out changes nothing.
 
-One small function per estimator family (critic, group, REINFORCE++), chosen
-by name from :data:`ESTIMATORS`.
+The estimator that ``algorithm.advantage`` names says what it reads (the critic's values, each turn's state)
+and whether its turn samples are weighed per episode (:func:`turn_sample_weights`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from turnrl.algorithms import (
-    bilevel_gae,
-    broadcast_to_tokens,
-    gigpo_advantages,
-    grpo_advantages,
-    kl_in_reward,
-    masked_gae,
-    place_rewards,
-    reinforce_pp_advantages,
-    rloo_advantages,
-    turn_gae,
-    whiten,
-)
+from turnrl.algorithms import EpisodeView, kl_in_reward, place_rewards
+from turnrl.algorithms.losses import Aggregation
 from turnrl.training.batch import Batch
 from turnrl.training.config import AlgorithmConfig
 
 
-@dataclass
-class EpisodeView:
-    """The sampled tokens of a batch, one row per episode (see the module docstring)."""
-
-    rewards: torch.Tensor
-    """Shape (e, n), float64: turn rewards placed on turn ends (and the KL penalty when it is in the reward)."""
-    values: torch.Tensor | None
-    """Shape (e, n): the critic's value of each token, or None."""
-    mask: torch.Tensor
-    """Shape (e, n), bool: True on the episode's sampled tokens (left-aligned)."""
-    turn_end: torch.Tensor
-    """Shape (e, n), bool: True at each turn's last sampled token."""
-    group: torch.Tensor
-    """Shape (e,), long: the group of each episode."""
-    sample_index: tuple[torch.Tensor, torch.Tensor]
-    """Rows and columns in the batch of every sampled token, each Shape (k,)."""
-    view_index: tuple[torch.Tensor, torch.Tensor]
-    """Rows and columns in the view of the same tokens, each Shape (k,)."""
-    turn_states: torch.Tensor | None = None
-    """Shape (e, T), long: the state each turn of the episode started from (see ``Batch.turn_states``),
-    -1 for unknown or padding turns; None when the batch has no states."""
-
-    def place(self, per_token: torch.Tensor) -> torch.Tensor:
-        """A batch tensor's sampled tokens in the view. Shape (b, s) -> (e, n), zero elsewhere."""
-        out = torch.zeros(self.mask.shape, dtype=per_token.dtype, device=per_token.device)
-        out[self.view_index] = per_token[self.sample_index]
-        return out
-
-    def to_batch(self, per_token: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """Inverse of :meth:`place`: Shape (e, n) -> ``shape`` (b, s), zero off the sampled tokens."""
-        out = torch.zeros(shape, dtype=per_token.dtype, device=per_token.device)
-        out[self.sample_index] = per_token[self.view_index]
-        return out
-
-
-def episode_view(batch: Batch, placement: str = "per_turn") -> EpisodeView:
+def episode_view(batch: Batch, placement: str = "per_turn", with_turn_states: bool = False) -> EpisodeView:
     """Lay each episode's sampled tokens end to end, its samples in turn order.
 
     Args:
         placement: where turn rewards go, as :func:`~turnrl.algorithms.place_rewards`:
             ``per_turn`` (each turn's last token) or ``episode_end`` (the
             episode's total at its last turn's last token).
+        with_turn_states: lay out each turn's start state too (``batch.turn_states``, where the batch has them).
     """
     device = batch.input_ids.device
     sampled = batch.loss_mask != 0
@@ -131,7 +83,7 @@ def episode_view(batch: Batch, placement: str = "per_turn") -> EpisodeView:
 
     group = torch.zeros(n_episodes, dtype=torch.long, device=device).scatter_(0, episode, batch.group)
     turn_states = None
-    if batch.turn_states is not None:
+    if with_turn_states and batch.turn_states is not None:
         turn_states = torch.full((n_episodes, n_turns), -1, dtype=torch.long, device=device)
         turn_states[end_episode, slot] = batch.turn_states[end_rows, end_turns][by_position]
     return EpisodeView(
@@ -146,96 +98,6 @@ def episode_view(batch: Batch, placement: str = "per_turn") -> EpisodeView:
     )
 
 
-# --------------------------------------------------------------------------- the estimator families
-Estimate = tuple[torch.Tensor, torch.Tensor]
-
-
-def critic_estimate(view: EpisodeView, config: AlgorithmConfig) -> Estimate:
-    """GAE, bi-level GAE or turn-level GAE against the critic's values, whitened when configured."""
-    if view.values is None:
-        raise ValueError(f"algorithm.advantage={config.advantage} needs the critic's values")
-    if config.advantage == "gae":
-        advantages, returns = masked_gae(
-            view.rewards, view.values, view.mask, config.gamma_token, config.lambda_token,
-            turn_end_mask=view.turn_end, gamma_turn=config.gamma_turn, lambda_turn=config.lambda_turn,
-        )
-    elif config.advantage == "bilevel_gae":
-        advantages, returns = bilevel_gae(
-            view.rewards, view.values, view.mask, view.turn_end, gamma_turn=config.gamma_turn,
-            lambda_turn=config.lambda_turn, gamma_token=config.gamma_token, lambda_token=config.lambda_token,
-        )
-    else:
-        advantages, returns = turn_gae(
-            view.rewards, view.values, view.mask, view.turn_end, gamma=config.gamma_turn, lam=config.lambda_turn
-        )
-    if config.whiten_advantages:
-        advantages = whiten(advantages, view.mask)
-    return advantages, returns
-
-
-def group_estimate(view: EpisodeView, config: AlgorithmConfig) -> Estimate:
-    """GRPO, Dr.GRPO or RLOO: each episode's total reward against its group; no critic."""
-    scores = view.rewards.sum(1)
-    if config.advantage == "rloo":
-        per_episode = rloo_advantages(scores, view.group)
-    else:
-        per_episode = grpo_advantages(scores, view.group, norm_by_std=config.advantage == "grpo")
-    advantages = broadcast_to_tokens(per_episode, view.mask)
-    return advantages, advantages
-
-
-def reinforce_pp_estimate(view: EpisodeView, config: AlgorithmConfig) -> Estimate:
-    """REINFORCE++: discounted returns over the episode's tokens, whitened over the batch."""
-    return reinforce_pp_advantages(
-        view.rewards, view.mask, config.gamma_token, turn_end_mask=view.turn_end, gamma_turn=config.gamma_turn
-    )
-
-
-def gigpo_estimate(view: EpisodeView, config: AlgorithmConfig) -> Estimate:
-    """GiGPO: each turn gets its episode's group advantage plus its step advantage among the group's turns
-    that started from the same state; every token of a turn gets the turn's advantage. A turn's reward is
-    the sum of the view's rewards on its tokens (the KL penalty included when it is in the reward)."""
-    if view.turn_states is None:
-        raise ValueError("algorithm.advantage=gigpo needs each turn's env state (turn_states in the batch)")
-    turn_of_token = view.turn_end.long().cumsum(1) - view.turn_end.long()  # (e, n): the turn of each token
-    n_turns = view.turn_states.shape[1]
-    turn_of_token = turn_of_token.clamp(max=n_turns - 1)
-    turn_rewards = torch.zeros(view.turn_states.shape, dtype=torch.float64, device=view.mask.device)
-    turn_rewards.scatter_add_(1, turn_of_token, torch.where(view.mask, view.rewards.to(torch.float64), 0.0))
-    turns = torch.arange(n_turns, device=view.mask.device)
-    has_turn = turns[None, :] < view.turn_end.sum(1, keepdim=True)  # each episode's turns are a prefix
-    per_turn, _ = gigpo_advantages(
-        turn_rewards, has_turn, view.turn_states, view.group, gamma=config.gigpo_gamma,
-        step_weight=config.gigpo_step_weight, norm_by_std=config.gigpo_norm_by_std,
-    )
-    advantages = torch.where(view.mask, per_turn.gather(1, turn_of_token), 0.0)
-    return advantages, advantages
-
-
-ESTIMATORS: dict[str, Callable[[EpisodeView, AlgorithmConfig], Estimate]] = {
-    "gae": critic_estimate,
-    "bilevel_gae": critic_estimate,
-    "turn_gae": critic_estimate,
-    "grpo": group_estimate,
-    "drgrpo": group_estimate,
-    "rloo": group_estimate,
-    "reinforce_pp": reinforce_pp_estimate,
-    "gigpo": gigpo_estimate,
-}
-"""Estimator name (``algorithm.advantage``) -> the function that computes it on an :class:`EpisodeView`."""
-
-
-def anchored_share(turn_states: torch.Tensor, group: torch.Tensor) -> float:
-    """The share of known turns whose anchor group (same group, same start state) holds at least two turns:
-    the turns GiGPO gives a step advantage. turn_states Shape (b, t), -1 unknown; group Shape (b,)."""
-    rows, turns = (turn_states >= 0).nonzero(as_tuple=True)
-    if len(rows) == 0:
-        return 0.0
-    keys = torch.stack([group[rows], turn_states[rows, turns]], dim=1)
-    _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
-    return float((counts[inverse] > 1).float().mean())
-
-
 # --------------------------------------------------------------------------- the batch
 @dataclass
 class Advantages:
@@ -246,22 +108,40 @@ class Advantages:
     returns: torch.Tensor
     """Shape (b, s), float32: the critic's targets (the advantages for estimators without a critic)."""
     sample_weights: torch.Tensor | None
-    """Shape (b,): each sample's weight in the policy loss, or None for all 1 (see :func:`episode_weights`)."""
+    """Shape (b,): each sample's weight in the policy loss, or None for all 1 (see :func:`turn_sample_weights`)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The estimator's metrics of this batch, under ``actor/`` (e.g. ``actor/gigpo_anchored_turns``)."""
 
 
-def episode_weights(batch: Batch) -> torch.Tensor:
-    """Shape (b,): ``mean turns per episode / turns of this sample's episode`` (turn mode).
+def turn_sample_weights(batch: Batch, aggregation: Aggregation) -> torch.Tensor | None:
+    """Shape (b,): weights of turn samples in the policy loss that make it the loss of the same episodes as
+    whole-trajectory samples, under the loss's aggregation; None where no weights are needed.
 
-    A group estimator gives every turn of an episode the episode's advantage.
-    Unweighted, an episode of 8 turn samples would count 8 times as much as
-    one of 2, and since failed episodes tend to be the long ones (out of
-    turns), the batch's advantages would no longer balance: every sampled
-    token, format tokens included, would be pushed down a little at each step
-    until responses break. With these weights each episode counts once, as in
-    the trajectory-level objective; the mean weight per turn sample stays 1.
+    With ``x`` the per-token loss terms, ``l_it`` the sampled tokens of turn ``t`` of episode ``i`` and
+    ``L_i = sum_t l_it``, the trajectory-mode loss (E samples) and the unweighted turn-mode loss (N samples)
+    of one batch are:
+
+    - ``token-mean``: ``sum_ij x_ij / sum_i L_i`` in both modes (the same tokens over the same count): no
+      weights. Weights would scale whole episodes against each other.
+    - ``seq-mean-token-sum``: ``(1/E) sum_ij x_ij`` against ``(1/N) sum_ij x_ij``: the same but for the
+      factor ``E/N`` on the whole batch, which the entropy and KL terms share, so the actor's gradient has
+      the trajectory mode's direction: no weights.
+    - ``seq-mean-token-mean``: ``(1/E) sum_i (1/L_i) sum_j x_ij`` against ``(1/N) sum_it (1/l_it) sum_(j in t)
+      x_ij``, where an episode counts once per turn. Weights ``w_it = (N/E) * l_it / L_i`` (mean 1) make the
+      turn-mode policy loss the trajectory mode's exactly (the entropy and KL terms stay per turn sample).
+
+    Each equality holds for the whole batch; a mini-batch of turn samples is a random share of it, as one of
+    episodes is. Returns None for a batch of one sample per episode. Only estimators that declare
+    ``episode_weights`` get these weights; the critic's estimators count each turn sample once, as a step of
+    the turn-level MDP.
     """
-    _, inverse, turns = torch.unique(batch.episode, return_inverse=True, return_counts=True)
-    return (turns.float().mean() / turns.float())[inverse]
+    _, episode, turns = torch.unique(batch.episode, return_inverse=True, return_counts=True)
+    if aggregation != "seq-mean-token-mean" or bool((turns == 1).all()):
+        return None
+    tokens = batch.loss_mask.sum(1).to(torch.float64)  # (b,) l_it
+    episode_tokens = torch.zeros(len(turns), dtype=torch.float64, device=tokens.device).index_add_(0, episode, tokens)
+    samples_per_episode = len(batch) / len(turns)  # N / E
+    return (samples_per_episode * tokens / episode_tokens[episode]).float()
 
 
 def compute_advantages(
@@ -270,23 +150,28 @@ def compute_advantages(
     values: torch.Tensor | None = None,
     kl: torch.Tensor | None = None,
 ) -> Advantages:
-    """Advantages and value targets for every sampled token of ``batch``.
+    """Advantages and value targets for every sampled token of ``batch``, from the estimator that
+    ``config.advantage`` names.
 
     Args:
         values: Shape (b, s), the critic's values (critic estimators only).
         kl: Shape (b, s), per-token KL to the reference; subtracted from the
             rewards (times ``config.kl_coef``) when ``config.kl_in_reward``.
     """
-    view = episode_view(batch, config.reward_placement)
+    estimator = config.estimator
+    view = episode_view(batch, config.reward_placement, with_turn_states="turn_states" in estimator.needs)
     if values is not None:
         view.values = view.place(values)
     if kl is not None and config.kl_in_reward:
         view.rewards = kl_in_reward(view.rewards, view.place(kl).to(view.rewards.dtype), config.kl_coef, view.mask)
-    advantages, returns = ESTIMATORS[config.advantage](view, config)
+    estimate = estimator(view, config.shared_settings, config.params)
     weights = None
-    if config.sample_mode == "turn" and ESTIMATORS[config.advantage] in (group_estimate, gigpo_estimate):
-        weights = episode_weights(batch).to(batch.loss_mask.device)
+    if config.sample_mode == "turn" and "episode_weights" in estimator.needs:
+        weights = turn_sample_weights(batch, config.loss_aggregation)
     shape = batch.loss_mask.shape
     return Advantages(
-        view.to_batch(advantages.float(), shape), view.to_batch(returns.float(), shape), weights
+        view.to_batch(estimate.advantages.float(), shape),
+        view.to_batch(estimate.returns.float(), shape),
+        weights if weights is None else weights.to(batch.loss_mask.device),
+        {f"actor/{name}": value for name, value in estimate.metrics.items()},
     )

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from turnrl.algorithms.advantages import Placement
+from turnrl.algorithms.estimators import (
+    EstimatorSpec,
+    SharedSettings,
+    estimator_names,
+    get_estimator,
+    param_names,
+)
 from turnrl.algorithms.filters import OnEmpty, Strategy, Weighting
 from turnrl.algorithms.losses import Aggregation, KLKind
 from turnrl.config import (
@@ -19,10 +30,40 @@ from turnrl.config import (
     SeedConfig,
     check_choice,
     check_range,
+    close_keys,
 )
 
-ADVANTAGES = ("gae", "bilevel_gae", "turn_gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "gigpo")
-CRITIC_ADVANTAGES = ("gae", "bilevel_gae", "turn_gae")
+
+def default_estimator_params() -> dict[str, dict[str, Any]]:
+    """The defaults of every registered estimator that has parameters, by name (what ``turnrl config show``
+    lists and a run's config.yaml records)."""
+    return {name: asdict(get_estimator(name).params()) for name in estimator_names()
+            if param_names(get_estimator(name))}
+
+
+def parse_estimator_params(spec: EstimatorSpec, given: Mapping[str, Any]) -> Any:
+    """``spec.params`` built from ``algorithm.estimator_params.<name>``, each value checked (and converted)
+    against its field's type as every other key is.
+
+    Raises:
+        ConfigError: a key the estimator does not take (naming those it takes), or a value it refuses.
+    """
+    key = f"algorithm.estimator_params.{spec.name}"
+    allowed = param_names(spec)
+    for name in given:
+        if name not in allowed:
+            near = close_keys(name, list(allowed))
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            takes = f"its parameters: {', '.join(allowed)}" if allowed else "it takes none"
+            raise ConfigError(f"{key}.{name} is not a parameter of the {spec.name} estimator ({takes}){hint}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.params), dict(given)))
+    except OmegaConfBaseException as error:
+        name = getattr(error, "full_key", None) or ""
+        value = given.get(name, "") if name else ""
+        raise ConfigError(f"{key}.{name}={value!r}: {str(error).splitlines()[0]}") from error
+    except ValueError as error:  # the params' own check (__post_init__)
+        raise ConfigError(f"{key}: {error}") from error
 
 
 @dataclass
@@ -53,8 +94,12 @@ class FilterConfig:
 @dataclass
 class AlgorithmConfig:
     advantage: str = "gae"
-    """Estimator: ``gae``, ``bilevel_gae``, ``turn_gae``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp``,
-    ``gigpo``."""
+    """Estimator, by its registered name (turnrl/algorithms/estimators.py): ``gae``, ``bilevel_gae``,
+    ``turn_gae``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp``, ``gigpo``, or one registered by you."""
+    estimator_params: dict[str, dict[str, Any]] = field(default_factory=default_estimator_params)
+    """Each estimator's own settings, by estimator name, checked against its parameters (only the chosen
+    estimator's are used): ``gigpo: {gamma: 0.95, step_weight: 1.0, norm_by_std: true}``, or
+    ``algorithm.estimator_params.gigpo.gamma=0.9`` on the command line."""
     reward_placement: Placement = "per_turn"
     """``per_turn``: each turn's reward at its last token; ``episode_end``: the sum at the last token."""
     sample_mode: str = "trajectory"
@@ -72,12 +117,6 @@ class AlgorithmConfig:
     """GAE lambda from a turn to the next (gae, bilevel_gae, turn_gae)."""
     whiten_advantages: bool = True
     """Whiten critic-based advantages over the batch's loss tokens."""
-    gigpo_gamma: float = 0.95
-    """GiGPO: discount of the turn returns compared within an anchor-state group."""
-    gigpo_step_weight: float = 1.0
-    """GiGPO: weight of the step advantage beside the episode advantage."""
-    gigpo_norm_by_std: bool = True
-    """GiGPO: divide both advantages by their group's std; false divides by 1 (``mean_norm``)."""
     clip_low: float = 0.2
     """PPO ratio clip below 1."""
     clip_high: float = 0.28
@@ -126,11 +165,32 @@ class AlgorithmConfig:
     filter: FilterConfig = field(default_factory=FilterConfig)
 
     @property
+    def estimator(self) -> EstimatorSpec:
+        """The registered estimator that ``advantage`` names."""
+        return get_estimator(self.advantage)
+
+    @property
     def uses_critic(self) -> bool:
-        return self.advantage in CRITIC_ADVANTAGES
+        return self.estimator.critic
+
+    @property
+    def params(self) -> Any:
+        """The chosen estimator's parameters (its params dataclass) from ``estimator_params``."""
+        return parse_estimator_params(self.estimator, self.estimator_params.get(self.advantage, {}))
+
+    @property
+    def shared_settings(self) -> SharedSettings:
+        """The settings that every estimator may read."""
+        return SharedSettings(self.gamma_token, self.lambda_token, self.gamma_turn, self.lambda_turn,
+                              self.whiten_advantages)
 
     def validate(self) -> None:
-        check_choice("algorithm.advantage", self.advantage, ADVANTAGES)
+        check_choice("algorithm.advantage", self.advantage, estimator_names())
+        for name, given in self.estimator_params.items():
+            if name not in estimator_names():
+                raise ConfigError(f"algorithm.estimator_params.{name}: no estimator is registered as {name!r}; "
+                                  f"choose one of {list(estimator_names())}")
+            parse_estimator_params(get_estimator(name), given)
         check_choice("algorithm.reward_placement", self.reward_placement, ["per_turn", "episode_end"])
         check_choice("algorithm.sample_mode", self.sample_mode, ["trajectory", "turn"])
         check_choice("algorithm.kl_kind", self.kl_kind, ["k1", "k2", "k3"])
@@ -391,7 +451,7 @@ class TrainConfig:
                     "not what the model saw; use algorithm.sample_mode=turn (one sample per turn) or "
                     f"agent.max_context_window=null (or >= agent.max_turns={self.agent.max_turns})"
                 )
-        if self.algorithm.advantage in ("grpo", "drgrpo", "rloo", "gigpo") and self.groups.group_size < 2:
+        if "groups" in self.algorithm.estimator.needs and self.groups.group_size < 2:
             raise ConfigError(
                 f"algorithm.advantage={self.algorithm.advantage} compares episodes within a group: "
                 "set groups.group_size >= 2"

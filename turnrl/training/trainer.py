@@ -64,7 +64,7 @@ from turnrl.rollout.ray_workers import RayRollout
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
-from turnrl.training.advantages import anchored_share, compute_advantages
+from turnrl.training.advantages import compute_advantages
 from turnrl.training.attention import implementation
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.checkpoint import (
@@ -578,8 +578,7 @@ class Trainer:
                 batch.input_ids.tolist(), batch.loss_mask.tolist(), advantages.advantages.float().tolist(),
                 batch.turn_end_index.tolist(), batch.episode.tolist(), batch.turn.tolist(),
                 decode=lambda i: str(self.tokenizer.decode([i])))
-        if algo.advantage == "gigpo" and batch.turn_states is not None:
-            metrics["actor/gigpo_anchored_turns"] = anchored_share(batch.turn_states, batch.group)
+        metrics.update(advantages.metrics)
         n_tokens = mask.sum().clamp(min=1)
         metrics["actor/advantage_mean"] = float((advantages.advantages * mask).sum() / n_tokens)
         metrics["actor/advantage_abs_mean"] = float((advantages.advantages.abs() * mask).sum() / n_tokens)

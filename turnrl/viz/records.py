@@ -234,6 +234,7 @@ def parse_episode(record: Any, source: str, index: int, resolve: Callable[[Any],
     Images: a turn's own ``images`` list when the record has one; otherwise the episode's ``images`` in
     order, one per turn when there are as many as turns (image modes show one image per observation), the
     one left over after that as the final observation's, and as a plain list when the counts do not fit.
+    The record's ``final_images`` are the final observation's, where it has them.
 
     Raises:
         ValueError: ``record`` is not a JSON object.
@@ -243,6 +244,7 @@ def parse_episode(record: Any, source: str, index: int, resolve: Callable[[Any],
     raw_turns = record.get("turns")
     turns = [parse_turn(t, k, resolve) for k, t in enumerate(raw_turns)] if isinstance(raw_turns, list) else []
     images = resolve(record.get("images"))
+    final_images = resolve(record.get("final_images"))
     episode = EpisodeView(
         source=source,
         index=index,
@@ -258,13 +260,14 @@ def parse_episode(record: Any, source: str, index: int, resolve: Callable[[Any],
         system_prompt=_as_str(record.get("system_prompt")),
         final_observation=_as_str(record.get("final_observation")),
         turns=turns,
+        final_images=final_images,
     )
     if any(turn.images for turn in turns):
         return episode  # the record says which turn showed which image
     if turns and len(images) in (len(turns), len(turns) + 1):
         for turn, url in zip(turns, images):
             turn.images = [url]
-        episode.final_images = images[len(turns):]
+        episode.final_images = final_images or images[len(turns):]
     else:
         episode.images = images
     return episode

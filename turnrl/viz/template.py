@@ -146,6 +146,10 @@ TEMPLATE = r"""<!doctype html>
 {%- macro outcome(success) -%}
 {% if success %}<span class="badge ok">success</span>{% else %}<span class="badge bad">failure</span>{% endif %}
 {%- endmacro -%}
+{%- macro result(ep) -%}
+{{ outcome(ep.success) }} reward <strong>{{ num(ep.total_reward) }}</strong> in {{ ep.turns|length }}
+{{- " turn" if ep.turns|length == 1 else " turns" }}
+{%- endmacro -%}
 
 {%- macro response_block(turn) -%}
 <pre class="response">{% for seg in segments(turn.response, turn.fields) -%}
@@ -311,10 +315,8 @@ TEMPLATE = r"""<!doctype html>
   <details class="pair" data-change="{{ pair.change }}">
     <summary><strong>{{ pair.before.env_id }}</strong> seed {{ pair.before.seed }}
       {%- if pair.before.sample %} #{{ pair.before.sample }}{% endif %} ·
-      before: {{ outcome(pair.before.success) }} {{ num(pair.before.total_reward) }}
-      in {{ pair.before.turns|length }} ·
-      after: {{ outcome(pair.after.success) }} {{ num(pair.after.total_reward) }}
-      in {{ pair.after.turns|length }} · <em>{{ pair.change }}</em></summary>
+      before: {{ result(pair.before) }} ·
+      after: {{ result(pair.after) }} · <em>{{ pair.change }}</em></summary>
     <div class="pair-grid">
       <div><h3>Before RL</h3>{{ episode_body(pair.before, data.scales[pair.before.source]) }}</div>
       <div><h3>After RL</h3>{{ episode_body(pair.after, data.scales[pair.after.source]) }}</div>

@@ -1,5 +1,6 @@
-"""The built-in envs, one home each: a module (``bandit``, ``frozenlake``, ``maze``) or, for an env with helper
-modules of its own, a package (``countdown``, ``navigation``, ``primitive_skill``, ``sokoban``, ``svg``).
+"""The built-in envs, one home each: a module (``bandit``, ``frozenlake``, ``maze``, ``sudoku``, ``game2048``,
+``rubiks``) or, for an env with helper modules of its own, a package (``countdown``, ``navigation``,
+``primitive_skill``, ``sokoban``, ``spatial``, ``svg``).
 
 Each is registered by name in :data:`turnrl.envs.registry.BUILTIN_ENVS`; nothing here is imported until an env
 is made. What other layers need to know about an env (its state-reward profile, the settings the built-in

@@ -58,7 +58,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -81,7 +81,9 @@ from turnrl.envs.games.primitive_skill.sim import (
 Vec3 = tuple[float, float, float]
 """A point in metres."""
 
-TASKS = ("align", "place", "stack", "drawer")
+Task = Literal["align", "place", "stack", "drawer"]
+"""The tasks (``turnrl envs`` lists them, as it does any setting typed as a ``Literal``)."""
+TASKS: tuple[Task, ...] = get_args(Task)
 HOME = (-0.02, 0.2, SAFE_HEIGHT)
 """Where the gripper waits between skills: high and to the right, out of the camera's way."""
 SUCCESS_WORTH, STAGE_WORTH, STEP_COST = 10.0, 2.0, 0.1
@@ -166,7 +168,7 @@ class TaskSpec:
 
 
 RED, GREEN, PURPLE = "0.85 0.12 0.1 1", "0.15 0.7 0.2 1", "0.6 0.2 0.8 1"
-SPECS = {
+SPECS: dict[Task, TaskSpec] = {
     "align": TaskSpec(
         "align",
         "Align the cubes along the y-axis: push or move both cubes so that their x-coordinates are 0 (+-10 mm), "
@@ -215,7 +217,7 @@ class PrimitiveSkillEnv(TurnEnv):
 
     def __init__(
         self,
-        task: str = "place",
+        task: Task = "place",
         mode: str = "text",
         image_size: int = 256,
         max_steps: int = 10,

@@ -1,0 +1,93 @@
+"""The estimator registry: what each built-in estimator declares, and what registration and a call refuse.
+
+The built-in estimators' numbers are checked against the algorithms called by hand in
+tests/training/test_advantages.py; tests/training/test_adding_an_estimator.py adds one from outside.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turnrl.algorithms.estimators import (
+    EpisodeView,
+    Estimate,
+    GiGPOParams,
+    NoParams,
+    SharedSettings,
+    estimator,
+    get_estimator,
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "critic", "needs", "params"),
+    [
+        ("gae", True, set(), NoParams),
+        ("bilevel_gae", True, set(), NoParams),
+        ("turn_gae", True, set(), NoParams),
+        ("grpo", False, {"groups", "episode_weights"}, NoParams),
+        ("drgrpo", False, {"groups", "episode_weights"}, NoParams),
+        ("rloo", False, {"groups", "episode_weights"}, NoParams),
+        ("reinforce_pp", False, set(), NoParams),
+        ("gigpo", False, {"turn_states", "groups", "episode_weights"}, GiGPOParams),
+    ],
+)
+def test_each_built_in_estimator_declares_what_it_needs(name, critic, needs, params):
+    spec = get_estimator(name)
+    assert (spec.name, spec.critic, set(spec.needs), spec.params) == (name, critic, needs, params)
+
+
+def test_an_unknown_name_lists_the_registered_ones():
+    with pytest.raises(ValueError, match=r"no estimator named 'ppo'; registered: \[.*'gae'.*'gigpo'"):
+        get_estimator("ppo")
+
+
+def test_registration_refuses_a_taken_name_an_unknown_need_and_untyped_params():
+    def noop(view: EpisodeView, shared: SharedSettings, params: NoParams) -> Estimate:
+        return Estimate(view.rewards, view.rewards)
+
+    with pytest.raises(ValueError, match="already registered"):
+        estimator("gae")(noop)
+    with pytest.raises(ValueError, match="unknown needs"):
+        estimator("test_unknown_need", needs=("values",))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dataclass"):
+        estimator("test_untyped_params", params=dict)
+    assert get_estimator("gae").fn is not noop
+
+
+def view(values: bool = False, turn_states: bool = False) -> EpisodeView:
+    """Two episodes of two one-token turns, rewards on the last turn."""
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    index = (torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]))
+    return EpisodeView(
+        rewards=torch.tensor([[0.0, 1.0], [0.0, 0.0]], dtype=torch.float64),
+        values=torch.zeros(2, 2) if values else None,
+        mask=mask,
+        turn_end=mask.clone(),
+        group=torch.tensor([0, 0]),
+        sample_index=index,
+        view_index=index,
+        turn_states=torch.tensor([[0, 1], [0, 2]]) if turn_states else None,
+    )
+
+
+def test_a_call_checks_that_the_view_holds_what_the_estimator_needs():
+    with pytest.raises(ValueError, match="critic"):
+        get_estimator("gae")(view(), SharedSettings())
+    assert get_estimator("gae")(view(values=True), SharedSettings()).advantages.shape == (2, 2)
+    with pytest.raises(ValueError, match="env state"):
+        get_estimator("gigpo")(view(), SharedSettings())
+    with pytest.raises(TypeError, match="GiGPOParams"):
+        get_estimator("gigpo")(view(turn_states=True), SharedSettings(), NoParams())
+
+
+def test_gigpo_reports_the_share_of_its_turns_in_anchor_groups():
+    # Both episodes start from state 0 (an anchor group of two); their second turns differ.
+    out = get_estimator("gigpo")(view(turn_states=True), SharedSettings(), GiGPOParams(gamma=1.0))
+    assert out.metrics == {"gigpo_anchored_turns": pytest.approx(0.5)}
+
+
+def test_params_check_their_own_ranges():
+    with pytest.raises(ValueError, match="gamma"):
+        GiGPOParams(gamma=1.5)
