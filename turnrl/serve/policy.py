@@ -41,6 +41,8 @@ Behaviour worth knowing:
   500 when generation fails.
 - The served name is ``--served-model-name`` when given (vLLM's option), else
   what ``--model`` said; clients must send it as ``model``.
+- The port is taken before the model loads, so a busy port, a model path that
+  does not exist or a hub id that cannot be fetched fails in one line at once.
 """
 
 from __future__ import annotations
