@@ -99,3 +99,22 @@ def tiny_vlm_policy(tiny_vlm_dir):
     from turnrl.policy.hf import HFPolicy
 
     return HFPolicy.from_config(ModelConfig(device="cpu", dtype="float32"), str(tiny_vlm_dir))
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch, tmp_path) -> None:
+    """No internet, as on the developers' machines: the Hugging Face hub at a closed port of this machine (every
+    request refused at once), an empty Hugging Face cache, no token and no offline mode."""
+    import socket
+
+    import huggingface_hub
+    from huggingface_hub import hf_api
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(hf_api.api, "endpoint", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)

@@ -468,3 +468,99 @@ def test_seed_and_count_arguments_take_any_text(text):
             assert str(error)
         else:
             assert value >= 0
+
+
+# --------------------------------------------------------------------------- models not there, busy ports
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+@pytest.mark.parametrize(
+    ("policy", "needle"),
+    [
+        ("/nonexistent", "policy='/nonexistent' does not exist"),
+        ("runs/quikstart/checkpoints/step_000039/actor", "did you mean runs/quickstart/checkpoints/step_000039/actor"),
+        ("runs/quickstart", "is a run directory, not a model"),
+        ("Qwen/Qwen2.5-0.5B-Instruct", "nor in the local Hugging Face cache, and the hub cannot be reached"),
+    ],
+)
+def test_eval_of_a_model_that_is_not_there_is_one_line(policy, needle, unreachable_hub, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "quickstart" / "checkpoints" / "step_000039" / "actor").mkdir(parents=True)
+    message = error_exit(["eval", "--env", "FrozenLake", "--policy", policy, "--episodes", "2", "--out", "out"])
+    assert needle in message and "\n" not in message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("model", "needle"),
+    [("runs/nothere", "--model='runs/nothere' does not exist"),
+     ("nobody/nothere", "--model='nobody/nothere' is neither a local directory nor in the local Hugging Face cache")],
+)
+def test_serve_policy_of_a_model_that_is_not_there_is_one_line(model, needle, unreachable_hub, tmp_path,
+                                                               monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    message = error_exit(["serve-policy", "--model", model, "--port", "0"])
+    assert needle in message and "\n" not in message
+    assert "serving" not in capsys.readouterr().out
+
+
+def test_serve_policy_on_a_busy_port_stops_before_the_model_loads(monkeypatch, capsys):
+    import socket
+
+    import turnrl.serve.policy as server
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded although the port is busy")
+
+    monkeypatch.setattr(server, "load_policy", never)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        message = error_exit(["serve-policy", "--model", "builtin:tiny", "--port", str(port)])
+    assert message == f"error: port {port} on 127.0.0.1 is in use (another server, or a serve-policy still " \
+                      "running); pick a free one with --port N, or stop what listens there"
+    assert "serving" not in capsys.readouterr().out
+    assert "not an address" in error_exit(["serve-policy", "--model", "builtin:tiny", "--host", "no.such.host."])
+
+
+def test_train_from_a_hub_id_without_internet_is_one_line_and_writes_nothing(unreachable_hub, tmp_path):
+    message = error_exit(["train", "--config", str(QUICKSTART), "model.path=Qwen/Qwen2.5-0.5B-Instruct",
+                          f"run.output_dir={tmp_path / 'runs'}"])
+    assert "model.path='Qwen/Qwen2.5-0.5B-Instruct' is neither a local directory nor in the local Hugging Face " \
+           "cache, and the hub cannot be reached" in message
+    assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- a checkpoint keeps its run's prompts
+@pytest.fixture
+def run_with_checkpoint(tmp_path, tiny_model_dir) -> Path:
+    """A run directory as ``turnrl train`` leaves it: config.yaml (the quickstart's recipe, with its own short
+    system prompt) beside checkpoints/step_000001/actor (the tiny model)."""
+    import shutil
+
+    run = tmp_path / "runs" / "quickstart"
+    shutil.copytree(tiny_model_dir, run / "checkpoints" / "step_000001" / "actor")
+    shutil.copy(QUICKSTART, run / "config.yaml")
+    return run
+
+
+def test_eval_of_a_checkpoint_takes_its_run_s_config_and_says_so(run_with_checkpoint, tmp_path, monkeypatch, capsys):
+    policy = run_with_checkpoint / "checkpoints" / "step_000001" / "actor"
+    argv = ["eval", "--env", "FrozenLake", "--policy", str(policy), "--episodes", "2", "--out", str(tmp_path / "out"),
+            "model.device=cpu"]
+    assert main(argv) == 0
+    assert f"evaluating with the run's config {run_with_checkpoint / 'config.yaml'}" in capsys.readouterr().out
+    trajectory = json.loads((tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()[0])
+    assert trajectory["system_prompt"] == "FrozenLake: reach G without falling into O."
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["budget"] == {"max_turns": 8, "max_actions_per_episode": 8, "from": "config"}
+
+
+def test_eval_of_a_checkpoint_on_another_env_says_what_to_run(run_with_checkpoint, tmp_path):
+    policy = run_with_checkpoint / "checkpoints" / "step_000001" / "actor"
+    message = error_exit(["eval", "--env", "Sokoban", "--policy", str(policy), "--episodes", "2"])
+    assert f"trained on FrozenLake, not Sokoban: evaluate it there (turnrl eval --env FrozenLake --policy {policy})" \
+           in message
+    assert not (tmp_path / "runs" / "eval").exists()

@@ -50,6 +50,13 @@ def test_recipe_header_names_its_command(path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_a_recipe_made_for_a_pretrained_model_declares_it(path):
+    """The recipes whose command passes model.path= expect a pretrained model (and a run without one says so)."""
+    command = path.read_text().splitlines()[0]
+    assert load_config(TrainConfig, path).model.expects_pretrained == ("model.path=" in command)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_recipe_trains_a_step_on_the_tiny_model(path, tiny_model_dir, tiny_vlm_dir, tmp_path):
     recipe = load_config(TrainConfig, path)
     visual = recipe.model.builtin_preset.startswith("vlm-") or "image" in str(recipe.env.settings.get("mode", ""))

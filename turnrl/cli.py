@@ -213,17 +213,45 @@ def cmd_eval(args: argparse.Namespace) -> int:
     overrides += [f"env.id={args.env}", f"policy={args.policy}", f"episodes={args.episodes}"]
     # A training recipe evaluates with its own env, agent and sampling settings.
     training_only = {f.name for f in fields(TrainConfig)} - {f.name for f in fields(EvalConfig)}
-    given = given_keys(args.config, overrides, skip_sections=training_only)
+    try:
+        config_path = args.config or run_config(args.env, args.policy, training_only)
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}") from error
+    given = given_keys(config_path, overrides, skip_sections=training_only)
     if args.out:
         overrides.append(f"out={args.out}")
     elif "out" not in given:
         overrides.append(f"out={default_eval_dir(args.env, args.policy)}")
     try:
-        config = load_config(EvalConfig, args.config, overrides, skip_sections=training_only)
+        config = load_config(EvalConfig, config_path, overrides, skip_sections=training_only)
         run_eval(config, budget_from_env=not any(key in given for key in BUDGET_KEYS))
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
     return 0
+
+
+def run_config(env: str, policy: str, training_only: set[str]) -> str | None:
+    """For ``turnrl eval`` without ``--config``: the config of the training run whose model ``policy`` is, so
+    that it is evaluated with the prompts, format and settings it learned (said in one line); None for a
+    policy from no run.
+
+    Raises:
+        ConfigError: the run trained on another env than ``env`` (its prompts and settings would not fit).
+    """
+    from turnrl.config import ConfigError, EvalConfig, load_config
+    from turnrl.evaluate import run_config_of
+
+    path = run_config_of(policy)
+    if path is None:
+        return None
+    trained_on = load_config(EvalConfig, path, [], skip_sections=training_only).env.id
+    if trained_on != env:
+        raise ConfigError(f"--policy {policy} is a model of the run {path.parent}, trained on {trained_on}, not "
+                           f"{env}: evaluate it there (turnrl eval --env {trained_on} --policy {policy}), or pass "
+                           f"--config FILE with the prompts and settings to evaluate it with on {env}")
+    console.print(f"evaluating with the run's config {path} (the prompts, format, env settings and sampling it "
+                  "trained with; --config FILE evaluates with others)", markup=False, highlight=False, soft_wrap=True)
+    return str(path)
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -297,8 +325,11 @@ def cmd_serve_policy(args: argparse.Namespace) -> int:
     except ConfigError as error:
         raise SystemExit(f"error: {error} (serve-policy takes model settings, e.g. dtype=bfloat16 backend=hf)") \
             from error
-    serve(model_path=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
-          served_model_name=args.served_model_name, model_config=model_config)
+    try:
+        serve(model_path=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
+              served_model_name=args.served_model_name, model_config=model_config)
+    except ConfigError as error:  # a busy port or a model that is not there: before the model loads
+        raise SystemExit(f"error: {error}") from error
     return 0
 
 

@@ -222,6 +222,9 @@ class ModelConfig:
     """Chat template of the built-in model (``chatml``, ``qwen3``, ``llama3``)."""
     builtin_dir: Optional[str] = None
     """Where the built-in model is built and cached; None uses ``~/.cache/turnrl/models``."""
+    expects_pretrained: bool = False
+    """The recipe is made for a pretrained model given as ``path``: without one, a run says at start that it
+    trains the built-in model from random weights (a smoke run: success stays near 0)."""
     dtype: str = "auto"
     """``auto`` (bf16 on GPU, fp32 on CPU), ``float32``, ``bfloat16`` or ``float16``."""
     device: str = "auto"

@@ -100,6 +100,24 @@ def print_summary(summary: dict[str, Any], title: str) -> None:
             console.print(f"  {message}", markup=False, highlight=False)
 
 
+RUN_MODEL_FOLDERS = ("checkpoints", "sft")
+"""Where a training run keeps its models: ``checkpoints/step_N/actor`` and the SFT stage's ``sft/model``."""
+
+
+def run_config_of(policy: str) -> Path | None:
+    """The ``config.yaml`` of the training run whose model ``policy`` is (a checkpoint's ``actor/`` or
+    ``sft/model`` in a run directory), which holds the prompts, format and env settings it was trained
+    with; None for any other policy."""
+    path = Path(policy)
+    if not path.is_dir():
+        return None
+    for run_dir in path.parents:
+        inside = path.relative_to(run_dir).parts
+        if inside[0] in RUN_MODEL_FOLDERS and (run_dir / "config.yaml").is_file():
+            return run_dir / "config.yaml"
+    return None
+
+
 def env_budget(env: Any, agent: AgentConfig) -> AgentConfig | None:
     """``agent`` with the turn and action budgets the env asks for (``env.action_budget()``): one action a
     turn is enough to finish. None for an env that names no budget (no ``action_budget``, or one that

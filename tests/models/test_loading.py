@@ -1,10 +1,22 @@
-"""Loading models by path: the tokenizer with a pad token, the processor where the model has one."""
+"""Loading models by path: the tokenizer with a pad token, the processor where the model has one; and the check
+that a model path can load (a local directory, or a hub id cached or on the hub) before anything loads."""
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
+import time
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from huggingface_hub import hf_api
 from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
 
-from turnrl.models.loading import load_processor, load_tokenizer
+from turnrl.config import ConfigError, ModelConfig
+from turnrl.models import loading
+from turnrl.models.loading import load_processor, load_tokenizer, locate_model, model_line
 
 
 def test_a_text_model_has_no_processor_beyond_its_tokenizer(tiny_model_dir):
@@ -48,3 +60,129 @@ def test_image_size_bounds_set_the_visual_tokens_of_an_image(tiny_vlm_dir):
     large = ImageEncoder(load_processor(tiny_vlm_dir, min_pixels=224 * 224, max_pixels=224 * 224)).encode([obs["image"]])[0]
     assert (small.placeholder_tokens, default.placeholder_tokens, large.placeholder_tokens) == (4, 16, 64)
     assert small.model_inputs["pixel_values"].shape[0] == 4 * small.placeholder_tokens
+
+
+# --------------------------------------------------------------------------- locate_model: one line, at once
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """The hub's model API for three repos: ``org/there``, ``org/gated`` (terms to accept) and ``org/slow``
+    (answers after 5 s); any other repo is not found, with the hub's own error code."""
+
+    def do_GET(self) -> None:
+        repo = self.path.split("?")[0].removeprefix("/api/models/")
+        if repo == "org/slow":
+            time.sleep(5)
+        if repo in ("org/there", "org/gated", "org/slow"):
+            body = json.dumps({"id": repo, "gated": "manual" if repo == "org/gated" else False}).encode()
+            self.send_response(200)
+        else:
+            body = json.dumps({"error": "Repository not found"}).encode()
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # org/slow: the client gave up waiting, as it should
+            pass
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def hub(unreachable_hub, monkeypatch, tmp_path):
+    """A hub on localhost (with the empty cache and no token of ``unreachable_hub``), and ``tmp_path`` as the
+    current directory."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(hf_api.api, "endpoint", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.chdir(tmp_path)
+    yield server
+    server.shutdown()
+
+
+def cache_model(cache: Path, repo: str) -> None:
+    """``repo`` in the Hugging Face cache layout, as a download leaves it (refs/main, a snapshot)."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text("0" * 40)
+    (root / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (root / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
+
+
+def located_error(path: str, key: str = "model.path") -> str:
+    with pytest.raises(ConfigError) as info:
+        locate_model(path, key)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{key}={path!r} ")
+    return message
+
+
+def test_a_model_directory_and_a_cached_hub_id_are_found_without_asking_the_hub(unreachable_hub, tmp_path,
+                                                                                  tiny_model_dir):
+    cache_model(tmp_path / "hf_cache", "org/cached")
+    assert locate_model(str(tiny_model_dir), "policy") == "local"
+    assert locate_model("org/cached", "model.path") == "cache"
+
+
+@pytest.mark.parametrize("path", ["/nonexistent", "./runs/old/sft/model", "~/no/such", "a/b/c", "bad name"])
+def test_a_local_path_that_does_not_exist_is_one_line_without_asking_the_hub(path, unreachable_hub, monkeypatch,
+                                                                            tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert "does not exist" in located_error(path)
+
+
+def test_a_typo_in_a_checkpoint_path_names_the_path_meant(hub, tmp_path):
+    (tmp_path / "runs" / "quickstart" / "checkpoints" / "step_000039" / "actor").mkdir(parents=True)
+    message = located_error("runs/quikstart/checkpoints/step_000039/actor", "policy")
+    assert "(did you mean runs/quickstart/checkpoints/step_000039/actor?)" in message
+    # org/name under a folder that exists here is a path: said so, even though a hub id looks the same
+    assert "does not exist (did you mean runs/quickstart?)" in located_error("runs/quikstart", "--model")
+
+
+def test_a_run_directory_a_file_and_a_folder_without_config_are_not_models(hub, tmp_path, tiny_model_dir):
+    run = tmp_path / "runs" / "quickstart"
+    for step in ("step_000001", "step_000003"):
+        (run / "checkpoints" / step / "actor").mkdir(parents=True)
+    (run / "sft" / "model").mkdir(parents=True)
+    message = located_error("runs/quickstart", "policy")
+    assert "is a run directory, not a model; its models: runs/quickstart/checkpoints/step_000003/actor and " \
+           "runs/quickstart/sft/model" in message
+    assert "is a file" in located_error(str(tiny_model_dir / "config.json"))
+    assert "without config.json" in located_error("runs")
+
+
+def test_a_hub_id_is_checked_on_the_hub(hub, tmp_path):
+    assert locate_model("org/there", "model.path") == "hub"
+    assert "neither a local directory nor a model on the Hugging Face hub" in located_error("org/missing")
+    assert "gated model: accept its terms at https://huggingface.co/org/gated" in located_error("org/gated")
+
+
+def test_an_unreachable_hub_fails_at_once_with_what_to_do(unreachable_hub):
+    start = time.monotonic()
+    message = located_error("Qwen/Qwen2.5-0.5B-Instruct")
+    assert time.monotonic() - start < 2
+    assert "neither a local directory nor in the local Hugging Face cache, and the hub cannot be reached" in message
+    assert "hf download Qwen/Qwen2.5-0.5B-Instruct" in message
+
+
+def test_a_hub_that_does_not_answer_is_given_up_after_the_probe_timeout(hub, monkeypatch):
+    monkeypatch.setattr(loading, "HUB_PROBE_TIMEOUT_S", 0.5)
+    start = time.monotonic()
+    assert "the hub cannot be reached" in located_error("org/slow")
+    assert time.monotonic() - start < 3
+
+
+def test_offline_mode_never_asks_the_hub(hub, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert "HF_HUB_OFFLINE is set" in located_error("org/there")
+
+
+def test_the_model_line_says_which_model_and_warns_where_a_pretrained_one_is_expected():
+    assert model_line(ModelConfig(path="org/name"), "cache") == "model: org/name (from the local Hugging Face cache)"
+    builtin = model_line(ModelConfig(builtin_preset="small"), None)
+    assert builtin.startswith("model: the built-in 'small' preset") and "expects" not in builtin
+    warned = model_line(ModelConfig(builtin_preset="small", expects_pretrained=True), None)
+    assert "this recipe expects a pretrained model (model.path=ORG/NAME" in warned
+    assert "expects" not in model_line(ModelConfig(path="org/name", expects_pretrained=True), "hub")

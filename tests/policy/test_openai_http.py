@@ -174,6 +174,39 @@ def test_client_errors_are_not_retried():
     assert completion.error == "HTTP 400: max_tokens is too large" and len(calls) == 1
 
 
+@pytest.mark.parametrize(
+    "error",
+    [{"message": "this model's context is 4096 tokens; the request asks for 4109", "code": "context_length_exceeded"},
+     {"message": "This model's maximum context length is 4096 tokens. However, you requested 4109 tokens.",
+      "type": "BadRequestError", "code": 400}],
+    ids=["openai", "vllm"],
+)
+def test_a_conversation_longer_than_the_model_s_context_is_a_context_completion(error):
+    [completion] = fake(lambda r: httpx.Response(400, json={"error": error})).generate([ask("x")], SAMPLING)
+    assert completion.finish_reason == "context" and "4096" in completion.error
+
+
+def test_eval_over_http_cuts_an_episode_that_outgrows_the_served_model_by_its_context_budget(tmp_path):
+    """serve-policy + eval on a long env: a model with an 800-token context, Sokoban episodes that outgrow it
+    after a turn or more. The episodes are cut by the context budget (as a local model's are), none errors."""
+    import shutil
+
+    source = builtin_model_path(ModelConfig(builtin_preset="tiny", builtin_dir=str(tmp_path / "models")))
+    short = tmp_path / "short"
+    shutil.copytree(source, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 800}))
+    policy = HFPolicy.from_config(ModelConfig(device="cpu"), str(short), max_batch_size=4)
+    with running(create_app(policy, MODEL)) as url:
+        summary = run_eval(EvalConfig(
+            env=EnvConfig(id="Sokoban"), agent=AgentConfig(max_turns=6, max_actions_per_episode=6),
+            sampling=SamplingConfig(temperature=1.0, max_new_tokens=24), policy=f"openai:{MODEL}", base_url=url,
+            episodes=2, out=str(tmp_path / "eval"),
+        ))
+    assert summary["errors"] == 0, summary["first_errors"]
+    assert summary["cut_by"] == {"context_budget": 2} and 1 <= summary["mean_turns"] < 6
+
+
 def test_rate_limit_waits_for_retry_after():
     times = []
 

@@ -13,6 +13,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -208,20 +209,34 @@ def test_routing_errors_come_in_openai_s_shape(served, method, path, status, wor
         assert "POST" in response.headers["allow"] or "GET" in response.headers["allow"]
 
 
-def test_the_readme_s_eval_against_serve_policy_works_as_written(served, tmp_path, capsys):
-    """``turnrl serve-policy --served-model-name my-model`` then ``turnrl eval --policy openai:my-model
-    base_url=...``: episodes play; a wrong model name errors every episode and the summary says why."""
+def readme_command(*words: str) -> list[str]:
+    """The arguments of the README's ``turnrl`` command line that holds every one of ``words``."""
+    lines = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    line = next(line for line in lines if line.startswith("turnrl ") and all(word in line for word in words))
+    return line.split("  #")[0].split()[1:]
+
+
+def test_the_readme_s_eval_against_serve_policy_works_as_written(served, tmp_path, capsys, monkeypatch):
+    """The README's ``turnrl serve-policy ... --served-model-name my-model`` then its ``turnrl eval ...
+    --policy openai:my-model ...`` with the server's URL: episodes play, none errors; a wrong model name
+    errors every episode and the summary says why."""
     from turnrl.cli import main
 
-    with running(create_app(served.policy, "my-model")) as url:
-        for model, errors in (("my-model", 0), ("other-model", 2)):
+    serve = readme_command("serve-policy", "--served-model-name")
+    name = serve[serve.index("--served-model-name") + 1]
+    evaluate = readme_command("eval", f"openai:{name}")
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the README's paths are the repository's
+    with running(create_app(served.policy, name)) as url:
+        for model, errors in ((name, 0), ("other-model", 2)):
             out = tmp_path / model
-            argv = ["eval", "--env", "Bandit", "--policy", f"openai:{model}", f"base_url={url}", "--episodes", "2",
-                    "--out", str(out), "sampling.max_new_tokens=8"]
-            assert main(argv) == 0
+            argv = [word.replace(f"openai:{name}", f"openai:{model}") for word in evaluate]
+            argv = [f"base_url={url}" if word.startswith("base_url=") else word for word in argv]
+            assert main([*argv, "--episodes", "2", "--out", str(out)]) == 0
             summary = json.loads((out / "summary.json").read_text())
             assert summary["errors"] == errors, summary["first_errors"]
-    assert "model 'other-model' does not exist; this server serves 'my-model'" in summary["first_errors"][0]
+            if errors == 0:
+                assert summary["episodes"] == 2 and summary["mean_turns"] > 0
+    assert f"model 'other-model' does not exist; this server serves '{name}'" in summary["first_errors"][0]
     assert "model 'other-model' does not exist" in capsys.readouterr().out
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 
 from tests.training.test_trainer import config
-from turnrl.config import ConfigError
+from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import train
+from turnrl.training.config import TrainConfig
+from turnrl.training.preflight import preflight
 
 
 @pytest.mark.parametrize(
@@ -49,3 +52,29 @@ def test_a_resume_without_checkpoint_leaves_the_run_untouched(tmp_path):
     assert (run / "config.yaml").read_text() == "run: {name: old}\n"
     with pytest.raises(ConfigError, match="no such run directory"):
         train(config("nobody/no-model", tmp_path / "runs", f"resume={tmp_path / 'nothing'}"))
+
+
+def test_a_new_run_says_which_model_it_starts_from(tmp_path, tiny_model_dir, capsys):
+    preflight(config(tiny_model_dir, tmp_path / "runs"))
+    assert capsys.readouterr().out == f"model: {tiny_model_dir} (from a local directory)\n"
+    preflight(config(None, tmp_path / "runs", "model.builtin_preset=tiny"))
+    assert capsys.readouterr().out.startswith("model: the built-in 'tiny' preset, built from a config with random "
+                                              "weights\n")
+
+
+def test_a_recipe_that_expects_a_pretrained_model_says_so_when_it_has_none(tmp_path, capsys):
+    """configs/ragen_sokoban.yaml without model.path: the run starts (a smoke run is allowed) and says at once
+    that it trains the built-in model from random weights."""
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "ragen_sokoban.yaml"
+    preflight(load_config(TrainConfig, recipe, [f"run.output_dir={tmp_path}"]))
+    line = capsys.readouterr().out.replace("\n", " ")
+    assert "model: the built-in 'small' preset, built from a config with random weights; this recipe expects a " \
+           "pretrained model (model.path=ORG/NAME or a model directory" in line
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_a_hub_id_that_cannot_be_fetched_stops_the_run_at_once(unreachable_hub, tmp_path):
+    with pytest.raises(ConfigError, match="the hub cannot be reached") as info:
+        train(config("Qwen/Qwen2.5-0.5B-Instruct", tmp_path / "runs"))
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "runs").exists()

@@ -1,5 +1,6 @@
 """Loading a model, its tokenizer and its processor by path, text model or VLM alike, and readying it
-to train (the path a run starts from, activation checkpointing, a frozen vision tower).
+to train (the path a run starts from, activation checkpointing, a frozen vision tower); and the quick check
+that a model path can load at all (:func:`locate_model`), which every command runs before it writes or loads.
 
 Everything is ``transformers``' own loading: a built-in model and a downloaded
 checkpoint take the same path. A VLM is any checkpoint whose config has a
@@ -9,11 +10,15 @@ Qwen2-VL, Qwen2.5-VL and Qwen3-VL), a text model with ``AutoModelForCausalLM``.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import huggingface_hub
 import torch
+from huggingface_hub.errors import HFValidationError, HTTPError, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -23,9 +28,121 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from turnrl.config import ModelConfig
+from turnrl.config import ConfigError, ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+"""How long :func:`locate_model` waits for the Hugging Face hub to say whether it has a model."""
+
+MODEL_FILES = ("config.json", "adapter_config.json")
+"""A directory holding one of these is a model transformers loads (a full model, or LoRA adapters)."""
+
+ModelSource = Literal["local", "cache", "hub"]
+
+
+def locate_model(path: str, key: str) -> ModelSource:
+    """Where the model ``path`` names loads from, checked in well under a second without a network.
+
+    ``local``: a model directory here; ``cache``: a hub id (``org/name``) in the local Hugging Face cache;
+    ``hub``: a hub id the hub has (downloaded when it loads). A path that looks local (``/``, ``.``, ``~``,
+    deeper than ``org/name``, or under a folder that exists here) must exist. A hub id that is not cached
+    is asked of the hub with a timeout of :data:`HUB_PROBE_TIMEOUT_S` (not at all under ``HF_HUB_OFFLINE``).
+
+    Args:
+        key: how the command line names the path (``model.path``, ``--policy``), for the message.
+
+    Raises:
+        ConfigError: one line: which of the two ``path`` is, what is wrong, and what to do.
+    """
+    local = Path(path).expanduser()
+    if local.exists():
+        return _check_model_directory(local, path, key)
+    if _looks_local(path):
+        raise ConfigError(f"{key}={path!r} does not exist{_near_miss(local)}; give a model directory "
+                          "(with config.json) or a Hugging Face hub id (org/name)")
+    for name in MODEL_FILES:
+        if isinstance(huggingface_hub.try_to_load_from_cache(path, name), str):
+            return "cache"
+    if len(local.parts) > 1 and local.parent.is_dir():  # runs/nothere: a folder here, not an organization
+        raise ConfigError(f"{key}={path!r} does not exist{_near_miss(local)}, and no model of that hub id is in "
+                          "the local Hugging Face cache; give a model directory (with config.json)")
+    return _ask_hub(path, key)
+
+
+def model_line(config: ModelConfig, source: ModelSource | None) -> str:
+    """One line saying which model a run starts from: ``config.path`` and where it loads from (``source``, as
+    :func:`locate_model` found it), or the built-in preset; and, for a recipe that expects a pretrained model
+    (``config.expects_pretrained``) but has none, that the built-in one starts from random weights."""
+    if config.path is not None:
+        where = {"local": "a local directory", "cache": "the local Hugging Face cache",
+                 "hub": "the Hugging Face hub, downloaded on first use", None: "its path"}[source]
+        return f"model: {config.path} (from {where})"
+    line = f"model: the built-in {config.builtin_preset!r} preset, built from a config with random weights"
+    if config.expects_pretrained:
+        line += ("; this recipe expects a pretrained model (model.path=ORG/NAME or a model directory; its first "
+                 "line names one): without one it is a smoke run, and success stays near 0")
+    return line
+
+
+def _looks_local(path: str) -> bool:
+    """Whether ``path`` can only be a path on this machine: not of a hub id's form ``name`` or ``org/name``."""
+    if path.startswith((".", "/", "~")) or "\\" in path or path.count("/") > 1:
+        return True
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return True
+    return False
+
+
+def _check_model_directory(local: Path, path: str, key: str) -> ModelSource:
+    if local.is_dir() and any((local / name).is_file() for name in MODEL_FILES):
+        return "local"
+    if not local.is_dir():
+        raise ConfigError(f"{key}={path!r} is a file; give the model directory that holds config.json")
+    if (local / "checkpoints").is_dir() or (local / "sft").is_dir():
+        models = [*sorted(Path(path).glob("checkpoints/step_*/actor"))[-1:], *Path(path).glob("sft/model")]
+        found = f"its models: {' and '.join(map(str, models))}" if models else "it holds no model yet"
+        raise ConfigError(f"{key}={path!r} is a run directory, not a model; {found}")
+    raise ConfigError(f"{key}={path!r} is a directory without config.json, not a model; give a directory that "
+                      "transformers' save_pretrained wrote")
+
+
+def _near_miss(local: Path) -> str:
+    """``" (did you mean runs/quickstart/...?)"``: the path with its first missing part replaced by the closest
+    name in the deepest folder that exists; empty when there is no close name."""
+    parts = local.parts
+    for depth in range(len(parts) - 1, -1, -1):
+        folder = Path(*parts[:depth]) if depth else Path(".")
+        if folder.is_dir():
+            names = [child.name for child in folder.iterdir()]
+            close = difflib.get_close_matches(parts[depth], names, n=1)
+            return f" (did you mean {Path(folder, close[0], *parts[depth + 1:])}?)" if close else ""
+    return ""
+
+
+def _ask_hub(path: str, key: str) -> ModelSource:
+    """``hub`` when the hub has the model ``path``; else a one-line error (not there, gated, or no answer)."""
+    advice = "give a local model directory, or download it where there is internet (`hf download " \
+             f"{path}`) and copy the Hugging Face cache (~/.cache/huggingface) here"
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"{key}={path!r} is neither a local directory nor in the local Hugging Face cache, and "
+                          f"HF_HUB_OFFLINE is set; {advice}")
+    try:
+        info = huggingface_hub.model_info(path, timeout=HUB_PROBE_TIMEOUT_S)
+    except RepositoryNotFoundError as error:
+        raise ConfigError(f"{key}={path!r} is neither a local directory nor a model on the Hugging Face hub; check "
+                          "the name (org/name), or log in (`hf auth login`) for a private model") from error
+    except (HTTPError, OSError) as error:  # no network, no DNS, a proxy, a timeout
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(f"{key}={path!r} is neither a local directory nor in the local Hugging Face cache, and "
+                          f"the hub cannot be reached ({reason}); {advice}") from error
+    if info.gated and huggingface_hub.get_token() is None:
+        raise ConfigError(f"{key}={path!r} is a gated model: accept its terms at https://huggingface.co/{path} "
+                          "and log in with `hf auth login`")
+    return "hub"
 
 
 def is_vision_language(path: Path | str) -> bool:

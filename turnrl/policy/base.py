@@ -54,9 +54,10 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     """Log-probability of each sampled token under the sampling distribution (logits / temperature)."""
     finish_reason: str = "stop"
-    """``stop`` (end of turn or a stop string), ``length`` (max tokens) or ``error``."""
+    """``stop`` (end of turn or a stop string), ``length`` (max tokens), ``context`` (nothing generated: the
+    prompt no longer fits the model's context, which ends the episode as its context budget does) or ``error``."""
     error: str | None = None
-    """Why the request failed, when ``finish_reason == "error"``."""
+    """Why the request failed, when ``finish_reason`` is ``error`` (or the server's words for ``context``)."""
 
 
 @runtime_checkable

@@ -97,6 +97,12 @@ def load_model_policy(config: ModelConfig, path: str, max_batch_size: int) -> Po
 
 
 def make_policy(config: EvalConfig, fmt: ResponseFormat) -> Policy:
+    """The policy ``config.policy`` names.
+
+    Raises:
+        ConfigError: an unknown name, a model path that does not exist, a hub id that cannot be fetched, or an
+            ``openai:`` policy without ``base_url``.
+    """
     name = config.policy
     max_actions = config.agent.max_actions_per_turn
     if name == "expert":
@@ -120,10 +126,13 @@ def make_policy(config: EvalConfig, fmt: ResponseFormat) -> Policy:
             concurrency=config.concurrency,
         )
     from turnrl.models.builtin import builtin_model_path
+    from turnrl.models.loading import locate_model
 
     path = str(builtin_model_path(config.model)) if name == "builtin" else name
-    if name != "builtin" and not os.path.isdir(path) and "/" not in path:
+    if name != "builtin" and not os.path.exists(path) and "/" not in path:
         raise ConfigError(
             f"policy {name!r} is neither expert, random, builtin, openai:<model>, a model directory nor a hub id"
         )
+    if name != "builtin":
+        locate_model(path, "policy")  # a missing directory or an unreachable hub id: one line, before loading
     return load_model_policy(config.model, path, max_batch_size=config.batch_size)

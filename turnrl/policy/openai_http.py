@@ -6,7 +6,11 @@ retries what is worth retrying: connection errors, timeouts, 408, 409, 429 and
 5xx, with exponential backoff and jitter, honouring ``Retry-After``. A request
 that still fails (or gets a 4xx the server will never accept) becomes
 ``Completion(finish_reason="error", error=...)``; the other requests of the
-batch are unaffected and ``generate`` never raises for a single request.
+batch are unaffected and ``generate`` never raises for a single request. A
+conversation that has outgrown the model's context (the server's
+``context_length_exceeded``) becomes ``Completion(finish_reason="context")``:
+the rollout cuts that episode by its context budget, as it does for a local
+model, rather than counting an error.
 
 The policy is text-only (``tokenizer = None``): the rollout sends it chat
 messages, and it returns text without token ids or logprobs.
@@ -69,6 +73,30 @@ class HTTPUsage:
 
 class RequestFailed(Exception):
     """A request that cannot succeed (bad response, 4xx, unresolvable image); not retried."""
+
+
+class ContextFull(RequestFailed):
+    """The server's answer that the conversation no longer fits the model's context window."""
+
+
+CONTEXT_FULL_CODES = ("context_length_exceeded",)
+"""The ``error.code`` of OpenAI (and ``turnrl serve-policy``) for a prompt longer than the model's context."""
+CONTEXT_FULL_WORDS = ("maximum context length",)
+"""How servers that leave the code out say it (vLLM: "This model's maximum context length is N tokens")."""
+
+
+def is_context_full(response: httpx.Response) -> bool:
+    """Whether a 400 answer says the prompt no longer fits the model's context."""
+    if response.status_code != 400:
+        return False
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(error, dict):
+        return False
+    message = str(error.get("message") or "").lower()
+    return error.get("code") in CONTEXT_FULL_CODES or any(words in message for words in CONTEXT_FULL_WORDS)
 
 
 class _Retryable(Exception):
@@ -290,6 +318,8 @@ class OpenAIPolicy(Policy):
             async with semaphore:
                 data = await self._post_with_retries(client, body)
             completion = self._completion(data, sampling)
+        except ContextFull as full:  # the episode has outgrown the model: cut by its context budget
+            return Completion(text="", finish_reason="context", error=str(full))
         except Exception as error:  # one request's failure is its own error completion
             message = str(error) if isinstance(error, RequestFailed) else f"{type(error).__name__}: {error}"
             with self._usage_lock:
@@ -337,7 +367,7 @@ class OpenAIPolicy(Policy):
         message = _error_message(response)
         if response.status_code in RETRY_STATUS or response.status_code >= 500:
             raise _Retryable(message, parse_retry_after(response.headers))
-        raise RequestFailed(message)
+        raise (ContextFull if is_context_full(response) else RequestFailed)(message)
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         """Seconds before the next attempt: the server's ``Retry-After`` if given, else jittered exponential backoff."""

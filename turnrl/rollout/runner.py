@@ -335,7 +335,11 @@ class Rollout:
         return message
 
     def _act(self, episode: _Episode, completion: Completion) -> FinishedTurn | None:
-        """Parse one response and step the env; returns the finished turn for scoring (None on an error)."""
+        """Parse one response and step the env; returns the finished turn for scoring (None on an error, or
+        when the episode no longer fits the model's context: a server's answer, cut as a local context budget)."""
+        if completion.finish_reason == "context":
+            episode.finish(TRUNCATED, "context_budget")
+            return None
         env, trajectory = episode.slot.env, episode.trajectory
         try:
             names, env_failure = env.action_names(), None

@@ -41,13 +41,17 @@ Behaviour worth knowing:
   500 when generation fails.
 - The served name is ``--served-model-name`` when given (vLLM's option), else
   what ``--model`` said; clients must send it as ``model``.
+- The port is taken before the model loads, so a busy port, a model path that
+  does not exist or a hub id that cannot be fetched fails in one line at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import socket
 import time
 import uuid
 from collections import deque
@@ -64,7 +68,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.config import ConfigError, ModelConfig, SamplingConfig
 from turnrl.models.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 from turnrl.models.vision import load_image
 from turnrl.policy.base import Completion, GenerationRequest, Policy
@@ -679,6 +683,9 @@ def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32,
     Args:
         served_model_name: the name clients send as ``model``; None serves it as ``model_path``.
         model_config: dtype, backend, pixel bounds, ...; None takes the defaults on ``device``.
+
+    Raises:
+        ConfigError: ``model_path`` is neither a model directory nor a hub id that can be fetched.
     """
     config = model_config if model_config is not None else ModelConfig(device=device)
     path = model_path
@@ -688,19 +695,66 @@ def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32,
         if ":" in model_path:
             config.builtin_preset = model_path.split(":", 1)[1]
         path = str(builtin_model_path(config))
+    else:
+        from turnrl.models.loading import locate_model
+
+        locate_model(model_path, "--model")  # a missing directory or an unreachable hub id: one line, at once
     return load_model_policy(config, path, max_batch_size=max_batch_size), served_model_name or model_path
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, not yet listening (the server listens once the model is loaded).
+
+    Taken before the model loads, so that a busy port fails at once rather than after the load, and no
+    other process can take the port meanwhile.
+
+    Raises:
+        ConfigError: the port is in use or not allowed, or ``host`` is no address of this machine.
+    """
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise ConfigError(f"--host {host!r} is not an address to listen on ({error}); give an address of this "
+                          "machine, e.g. 127.0.0.1 or 0.0.0.0") from error
+    sock = socket.socket(family, kind)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait for TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is in use (another server, or a serve-policy still running); "
+                              "pick a free one with --port N, or stop what listens there") from error
+        if error.errno == errno.EACCES:
+            raise ConfigError(f"port {port} needs administrator rights here; pick one from 1024 with --port N") \
+                from error
+        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror}; pick another --host or --port") \
+            from error
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           max_batch_size: int = 32, served_model_name: str | None = None,
           model_config: ModelConfig | None = None) -> None:
     """Load ``model_path`` and serve it until interrupted; clients name it ``served_model_name``, else as
-    ``model_path`` (e.g. ``builtin``)."""
+    ``model_path`` (e.g. ``builtin``).
+
+    Raises:
+        ConfigError: before the model loads, when the port cannot be had or the model cannot be found.
+    """
     import uvicorn
 
-    policy, name = load_policy(model_path, device=device, max_batch_size=max_batch_size,
-                               served_model_name=served_model_name, model_config=model_config)
-    placed = next(policy.model.parameters()).device if policy.model is not None else "?"
-    backend = type(policy).__name__
-    print(f"serving model {name!r} ({backend}) on {placed} at http://{host}:{port}/v1 (max batch {max_batch_size})")
-    uvicorn.run(create_app(policy, name, max_batch_size=max_batch_size), host=host, port=port, log_level="info")
+    sock = bind_port(host, port)
+    try:
+        policy, name = load_policy(model_path, device=device, max_batch_size=max_batch_size,
+                                   served_model_name=served_model_name, model_config=model_config)
+        placed = next(policy.model.parameters()).device if policy.model is not None else "?"
+        backend = type(policy).__name__
+        print(f"serving model {name!r} ({backend}) on {placed} at http://{host}:{port}/v1 "
+              f"(max batch {max_batch_size})", flush=True)
+        app = create_app(policy, name, max_batch_size=max_batch_size)
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run(sockets=[sock])
+    finally:
+        sock.close()

@@ -7,10 +7,13 @@ there or a directory that holds another run stops at once with a one-line error 
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
+
+from rich.console import Console
 
 from turnrl.config import ConfigError
 from turnrl.envservice.placement import env_factory
+from turnrl.models.loading import ModelSource, locate_model, model_line
+from turnrl.training import ranks
 from turnrl.training.checkpoint import checkpoint_step
 from turnrl.training.config import TrainConfig
 from turnrl.training.run_dir import RL_OUTPUTS, resumed_checkpoint, run_directory
@@ -20,7 +23,8 @@ from turnrl.training.sft import read_chat_jsonl
 def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     """Check what a run needs before anything is written or a model loads: one-line errors, no traceback.
 
-    Checks: a local ``model.path`` exists; the env id and its settings (one env is built, for training and
+    Checks: ``model.path`` is a model directory, or a hub id in the local cache or on a reachable hub
+    (:func:`~turnrl.models.loading.locate_model`); the env id and its settings (one env is built, for training and
     validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver; that the
     run to resume holds a complete checkpoint, not past ``run.steps``; optional packages (wandb); and that a
     new run does not write into another run's directory.
@@ -39,12 +43,6 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
         if checkpoint is not None and (done := checkpoint_step(checkpoint)) > config.run.steps:
             raise ConfigError(f"resume={config.resume!r} goes on after step {done}, past run.steps="
                               f"{config.run.steps}: give run.steps={done} or more, or leave run.steps out")
-    path = config.model.path
-    # A local path (absolute, relative with ./, or deeper than a hub id's org/name) must exist; a hub id
-    # is left to the loader, which may find it in the local cache.
-    if path is not None and not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
-        raise ConfigError(f"model.path={path!r} does not exist; give a transformers model directory or a hub id "
-                          "(org/name), or leave model.path unset for the built-in model")
     env = env_factory(config.env.id, dict(config.env.settings), config.env.remote)()
     if config.env.val_settings is not None:
         env_factory(config.env.id, dict(config.env.val_settings), config.env.remote, where="env.val_settings")
@@ -62,7 +60,10 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     if config.run.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"run.wandb_project={config.run.wandb_project!r} needs wandb: pip install wandb "
                           "(or leave run.wandb_project unset)")
+    # After the cheaper checks: it may ask the hub (a few seconds at most).
+    source = locate_model(config.model.path, "model.path") if config.model.path is not None else None
     if config.resume or config.run.overwrite:
+        _say_model(config, source)
         return
     taken = [name for name in (RL_OUTPUTS if stage == "train" else ()) if (run_dir / name).exists()]
     if sft_runs and (run_dir / "sft").exists():
@@ -73,3 +74,14 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
             f"run directory {run_dir} already holds a run ({', '.join(taken)}); {resume}pick another run.name, "
             "or pass run.overwrite=true to delete it and start afresh"
         )
+    _say_model(config, source)
+
+
+def _say_model(config: TrainConfig, source: ModelSource | None) -> None:
+    """Once every check has passed, the line saying which model the run starts from (not for a resumed run,
+    which continues from its checkpoint's); in yellow where the recipe expects a pretrained model and has none."""
+    if config.resume or not ranks.is_main():
+        return
+    warn = source is None and config.model.expects_pretrained
+    Console().print(model_line(config.model, source), markup=False, highlight=False, soft_wrap=True,
+                    style="bold yellow" if warn else None)
