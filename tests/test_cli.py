@@ -27,7 +27,7 @@ from turnrl.cli import (
     seed_arg,
     setting_lines,
 )
-from turnrl.config import config_keys
+from turnrl.config import EvalConfig, config_keys, load_config
 from turnrl.envs import make
 from turnrl.envs.registry import env_class, env_names, gym_id
 from turnrl.training.config import TrainConfig
@@ -468,3 +468,58 @@ def test_seed_and_count_arguments_take_any_text(text):
             assert str(error)
         else:
             assert value >= 0
+
+
+# --------------------------------------------------------------------------- eval on env variants
+def test_eval_variants_from_a_yaml_file_print_one_table(tmp_path, monkeypatch, capsys):
+    listing = tmp_path / "variants.yaml"
+    listing.write_text("- {name: small, env: Sokoban, settings: {size: 5}}\n- {name: lake, env: FrozenLake}\n")
+    monkeypatch.chdir(tmp_path)
+    code, printed = run_main(["eval", "--policy", "expert", "--variants", str(listing), "--episodes", "2"],
+                             monkeypatch, capsys)
+    assert code == 0
+    (folder,) = (tmp_path / "runs" / "eval").iterdir()
+    assert folder.name.startswith("variants-expert-")
+    summary = json.loads((folder / "summary.json").read_text())
+    assert [(row["variant"], row["env"], row["success_rate"]) for row in summary["variants"]] == [
+        ("small", "Sokoban", 1.0), ("lake", "FrozenLake", 1.0)]
+    table = printed[printed.index("expert on 2 env variants"):]
+    assert "variant" in table and "format valid" in table and "mean turns" in table
+    assert re.search(r"small\s+│ Sokoban\s+│ size=5\s+│\s+2 │\s+1\.000 │", table), table
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("variants: [{name: lake, env: FrozenLake, settings: {size: 3}}]\n")
+    out = tmp_path / "nested"
+    assert main(["eval", "--policy", "expert", "--variants", str(nested), "--episodes", "1", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["variants"][0]["settings"] == {"size": 3}
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--variants", "nosuch"], "--variants 'nosuch' is neither a named list (ragen) nor a YAML file"),
+    (["--variants", "{bad}"], "neither a named list"),
+    ([], "no env to evaluate on: pass --env ENV, --variants ragen"),
+    (["--variants", "ragen", "variants.0.settings.size=8"], "override 'variants.0.settings.size=8' sets an item of a "
+                                                             "list by its index"),
+])
+def test_eval_without_an_env_or_with_bad_variants_is_a_clean_error(argv, needle, tmp_path):
+    assert needle in error_exit(["eval", "--policy", "expert", "--episodes", "1", "--out", str(tmp_path / "o"), *argv])
+    assert not (tmp_path / "o").exists()
+
+
+def test_eval_variants_file_that_holds_no_list_is_a_clean_error(tmp_path):
+    listing = tmp_path / "variants.yaml"
+    for text, needle in (("3\n", "must hold a list of variants"), ("[unclosed\n", "not valid YAML"),
+                         ("variants: []\n", "must hold a list of variants")):
+        listing.write_text(text)
+        assert needle in error_exit(["eval", "--policy", "expert", "--variants", str(listing)])
+
+
+def test_eval_of_a_training_recipe_takes_its_env_and_samples_at_its_validation_temperature(tmp_path):
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "ragen_sokoban.yaml"
+    out = tmp_path / "eval"
+    assert main(["eval", "--config", str(recipe), "--policy", "expert", "--episodes", "1", "--out", str(out)]) == 0
+    config = load_config(EvalConfig, out / "config.yaml")
+    assert (config.env.id, config.env.settings) == ("Sokoban", {"size": 6, "num_boxes": 1})
+    assert config.sampling.temperature == 0.5 and config.sampling.max_new_tokens == 128  # validation's, recipe's
+    assert main(["eval", "--config", str(recipe), "--policy", "expert", "--episodes", "1", "--out", str(out),
+                 "sampling.temperature=0.8"]) == 0
+    assert load_config(EvalConfig, out / "config.yaml").sampling.temperature == 0.8

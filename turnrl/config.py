@@ -522,6 +522,11 @@ def load_config(
     try:
         merged = OmegaConf.merge(base, *layers)
         config = OmegaConf.to_object(merged)
+    except TypeError as error:  # OmegaConf cannot merge a key=value whose dotted key goes into a list
+        indexed = [item for item in overrides or [] if re.search(r"\.\d+(\.|=)", item.split("=", 1)[0] + "=")]
+        named = f"override {indexed[0]!r} sets" if indexed else "an override sets"
+        raise ConfigError(f"{named} an item of a list by its index, which overrides cannot do ({error}); set the "
+                          "whole list, e.g. variants=[{name: big, settings: {size: 8}}]") from error
     except OmegaConfBaseException as error:
         message = _format_omegaconf_error(error)
         if "not in" in message:
