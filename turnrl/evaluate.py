@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from turnrl.agent.formats import get_format
+from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, ConfigError, EnvConfig, EvalConfig, to_yaml
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
@@ -156,8 +157,8 @@ class PreparedEnv:
     """An env checked and ready to play: how to make it and the agent settings it is played with."""
 
     target: EvalEnv
-    make_env: Any
-    """Zero-argument callable that builds one env (here or on ``env.remote``)."""
+    make_env: Callable[[], Any]
+    """Builds one env (here or on ``env.remote``)."""
     agent: AgentConfig
     budget_source: str
     """``config``, ``env`` or ``agent defaults``: where the turn and action budgets come from."""
@@ -178,13 +179,13 @@ def prepare_env(config: EvalConfig, target: EvalEnv, budget_from_env: bool) -> P
         raise ConfigError(f"variant {target.name!r} ({target.env_id} with {target.settings}): {error}") from error
     agent, budget_source = config.agent, "config"
     if budget_from_env:
-        budgeted = env_budget(make_env(), config.agent)  # the env built to check is handed out again
+        budgeted = env_budget(make_env(), config.agent)
         budget_source = "env" if budgeted is not None else "agent defaults"  # the env names none: say so
         agent = budgeted or config.agent
     return PreparedEnv(target, make_env, agent, budget_source)
 
 
-def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: Any) -> list[Trajectory]:
+def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat) -> list[Trajectory]:
     """``config.episodes`` validation seeds (``samples_per_seed`` episodes each) of ``prepared``'s env."""
     seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
     slots = EnvGroups(prepared.make_env, 1, 1, seeds).val_slots(config.episodes, config.samples_per_seed)
@@ -262,7 +263,7 @@ def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any
     return evaluate_variants(config, prepared, policy, fmt)
 
 
-def evaluate_one(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: Any) -> dict[str, Any]:
+def evaluate_one(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat) -> dict[str, Any]:
     trajectories = play(config, prepared, policy, fmt)
     summary = env_summary(config, prepared, trajectories)
     print_summary(summary, f"{config.env.id}: {config.policy}")
@@ -307,7 +308,9 @@ def print_variants(rows: list[dict[str, Any]], title: str) -> None:
     wide.print(table)
 
 
-def evaluate_variants(config: EvalConfig, prepared: list[PreparedEnv], policy: Policy, fmt: Any) -> dict[str, Any]:
+def evaluate_variants(
+    config: EvalConfig, prepared: list[PreparedEnv], policy: Policy, fmt: ResponseFormat
+) -> dict[str, Any]:
     """Play every variant with the one policy; write each variant's folder, then the table."""
     out_dir = Path(config.out) if config.out else None
     rows = []
