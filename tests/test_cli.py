@@ -523,3 +523,12 @@ def test_eval_of_a_training_recipe_takes_its_env_and_samples_at_its_validation_t
     assert main(["eval", "--config", str(recipe), "--policy", "expert", "--episodes", "1", "--out", str(out),
                  "sampling.temperature=0.8"]) == 0
     assert load_config(EvalConfig, out / "config.yaml").sampling.temperature == 0.8
+
+
+def test_eval_of_another_env_than_the_recipes_leaves_the_recipes_env_settings_behind(tmp_path):
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "ragen_sokoban.yaml"  # Sokoban: size, num_boxes
+    out = tmp_path / "eval"
+    assert main(["eval", "--config", str(recipe), "--env", "FrozenLake", "--policy", "expert", "--episodes", "1",
+                 "--out", str(out), "env.settings.size=3"]) == 0
+    config = load_config(EvalConfig, out / "config.yaml")
+    assert (config.env.id, config.env.settings, config.agent.format) == ("FrozenLake", {"size": 3}, "ragen")

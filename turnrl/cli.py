@@ -242,6 +242,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         overrides.append(f"out={default_eval_dir(label, policy)}")
     try:
         config = load_config(EvalConfig, config_path, overrides, skip_sections=training_only)
+        if args.env and config_env(config_path) not in (None, args.env):
+            # The file's env settings are its own env's: another env takes only those given here.
+            given_env = load_config(EvalConfig, None, overrides).env
+            config.env.settings, config.env.val_settings = given_env.settings, given_env.val_settings
         run_eval(config, budget_from_env=not any(key in given for key in BUDGET_KEYS))
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
@@ -274,6 +278,20 @@ def variants_override(value: str) -> str:
         raise SystemExit(f"error: --variants {value} must hold a list of variants ({{name, env, settings}} each), "
                          "or a variants: key holding one")
     return "variants=" + json.dumps(data)
+
+
+def config_env(config_path: str | None) -> str | None:
+    """The ``env.id`` a YAML config names, or None."""
+    import yaml
+
+    if config_path is None or not Path(config_path).is_file():
+        return None
+    try:
+        data = yaml.safe_load(Path(config_path).read_text())
+    except yaml.YAMLError:
+        return None
+    env = data.get("env") if isinstance(data, dict) else None
+    return str(env["id"]) if isinstance(env, dict) and "id" in env else None
 
 
 def validation_temperature(config_path: str | None, training_only: set[str]) -> float | None:
