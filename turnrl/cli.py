@@ -280,34 +280,33 @@ def variants_override(value: str) -> str:
     return "variants=" + json.dumps(data)
 
 
-def config_env(config_path: str | None) -> str | None:
-    """The ``env.id`` a YAML config names, or None."""
+def yaml_mapping(path: str | None) -> dict[str, Any]:
+    """The top-level mapping of a YAML file; empty when there is none (no file, not YAML, not a mapping:
+    :func:`turnrl.config.load_config` says what is wrong with it)."""
     import yaml
 
-    if config_path is None or not Path(config_path).is_file():
-        return None
+    if path is None or not Path(path).is_file():
+        return {}
     try:
-        data = yaml.safe_load(Path(config_path).read_text())
+        data = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError:
-        return None
-    env = data.get("env") if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def config_env(config_path: str | None) -> str | None:
+    """The ``env.id`` a YAML config names, or None."""
+    env = yaml_mapping(config_path).get("env")
     return str(env["id"]) if isinstance(env, dict) and "id" in env else None
 
 
 def validation_temperature(config_path: str | None, training_only: set[str]) -> float | None:
     """The validation temperature of a training recipe (or a run's ``config.yaml``), which its evaluations
     sample at as its validation did; None for an eval YAML or none."""
-    import yaml
-
     from turnrl.training.config import ValidationConfig
 
-    if config_path is None or not Path(config_path).is_file():
-        return None
-    try:
-        data = yaml.safe_load(Path(config_path).read_text())
-    except yaml.YAMLError:
-        return None  # load_config says what is wrong with it
-    if not isinstance(data, dict) or not training_only & set(data):
+    data = yaml_mapping(config_path)
+    if not training_only & set(data):
         return None
     validation = data.get("validation")
     temperature = validation.get("temperature") if isinstance(validation, dict) else None
