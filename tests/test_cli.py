@@ -27,7 +27,7 @@ from turnrl.cli import (
     seed_arg,
     setting_lines,
 )
-from turnrl.config import config_keys
+from turnrl.config import EvalConfig, config_keys, load_config
 from turnrl.envs import make
 from turnrl.envs.registry import env_class, env_names, gym_id
 from turnrl.training.config import TrainConfig
@@ -551,16 +551,72 @@ def test_eval_of_a_checkpoint_takes_its_run_s_config_and_says_so(run_with_checkp
     argv = ["eval", "--env", "FrozenLake", "--policy", str(policy), "--episodes", "2", "--out", str(tmp_path / "out"),
             "model.device=cpu"]
     assert main(argv) == 0
-    assert f"evaluating with the run's config {run_with_checkpoint / 'config.yaml'}" in capsys.readouterr().out
+    assert f"with the run's config {run_with_checkpoint / 'config.yaml'}" in " ".join(capsys.readouterr().out.split())
     trajectory = json.loads((tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()[0])
     assert trajectory["system_prompt"] == "FrozenLake: reach G without falling into O."
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["budget"] == {"max_turns": 8, "max_actions_per_episode": 8, "from": "config"}
 
 
-def test_eval_of_a_checkpoint_on_another_env_says_what_to_run(run_with_checkpoint, tmp_path):
-    policy = run_with_checkpoint / "checkpoints" / "step_000001" / "actor"
-    message = error_exit(["eval", "--env", "Sokoban", "--policy", str(policy), "--episodes", "2"])
-    assert f"trained on FrozenLake, not Sokoban: evaluate it there (turnrl eval --env FrozenLake --policy {policy})" \
-           in message
-    assert not (tmp_path / "runs" / "eval").exists()
+# --------------------------------------------------------------------------- eval on env variants
+def test_eval_variants_from_a_yaml_file_print_one_table(tmp_path, monkeypatch, capsys):
+    listing = tmp_path / "variants.yaml"
+    listing.write_text("- {name: small, env: Sokoban, settings: {size: 5}}\n- {name: lake, env: FrozenLake}\n")
+    monkeypatch.chdir(tmp_path)
+    code, printed = run_main(["eval", "--policy", "expert", "--variants", str(listing), "--episodes", "2"],
+                             monkeypatch, capsys)
+    assert code == 0
+    (folder,) = (tmp_path / "runs" / "eval").iterdir()
+    assert folder.name.startswith("variants-expert-")
+    summary = json.loads((folder / "summary.json").read_text())
+    assert [(row["variant"], row["env"], row["success_rate"]) for row in summary["variants"]] == [
+        ("small", "Sokoban", 1.0), ("lake", "FrozenLake", 1.0)]
+    table = printed[printed.index("expert on 2 env variants"):]
+    assert "variant" in table and "format valid" in table and "mean turns" in table
+    assert re.search(r"small\s+│ Sokoban\s+│ size=5\s+│\s+2 │\s+1\.000 │", table), table
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("variants: [{name: lake, env: FrozenLake, settings: {size: 3}}]\n")
+    out = tmp_path / "nested"
+    assert main(["eval", "--policy", "expert", "--variants", str(nested), "--episodes", "1", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["variants"][0]["settings"] == {"size": 3}
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--variants", "nosuch"], "--variants 'nosuch' is neither a named list (ragen) nor a YAML file"),
+    (["--variants", "{bad}"], "neither a named list"),
+    ([], "no env to evaluate on: pass --env ENV, --variants ragen"),
+    (["--variants", "ragen", "variants.0.settings.size=8"], "override 'variants.0.settings.size=8' sets an item of a "
+                                                             "list by its index"),
+])
+def test_eval_without_an_env_or_with_bad_variants_is_a_clean_error(argv, needle, tmp_path):
+    assert needle in error_exit(["eval", "--policy", "expert", "--episodes", "1", "--out", str(tmp_path / "o"), *argv])
+    assert not (tmp_path / "o").exists()
+
+
+def test_eval_variants_file_that_holds_no_list_is_a_clean_error(tmp_path):
+    listing = tmp_path / "variants.yaml"
+    for text, needle in (("3\n", "must hold a list of variants"), ("[unclosed\n", "not valid YAML"),
+                         ("variants: []\n", "must hold a list of variants")):
+        listing.write_text(text)
+        assert needle in error_exit(["eval", "--policy", "expert", "--variants", str(listing)])
+
+
+def test_eval_of_a_training_recipe_takes_its_env_and_samples_at_its_validation_temperature(tmp_path):
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "ragen_sokoban.yaml"
+    out = tmp_path / "eval"
+    assert main(["eval", "--config", str(recipe), "--policy", "expert", "--episodes", "1", "--out", str(out)]) == 0
+    config = load_config(EvalConfig, out / "config.yaml")
+    assert (config.env.id, config.env.settings) == ("Sokoban", {"size": 6, "num_boxes": 1})
+    assert config.sampling.temperature == 0.5 and config.sampling.max_new_tokens == 128  # validation's, recipe's
+    assert main(["eval", "--config", str(recipe), "--policy", "expert", "--episodes", "1", "--out", str(out),
+                 "sampling.temperature=0.8"]) == 0
+    assert load_config(EvalConfig, out / "config.yaml").sampling.temperature == 0.8
+
+
+def test_eval_of_another_env_than_the_recipes_leaves_the_recipes_env_settings_behind(tmp_path):
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "ragen_sokoban.yaml"  # Sokoban: size, num_boxes
+    out = tmp_path / "eval"
+    assert main(["eval", "--config", str(recipe), "--env", "FrozenLake", "--policy", "expert", "--episodes", "1",
+                 "--out", str(out), "env.settings.size=3"]) == 0
+    config = load_config(EvalConfig, out / "config.yaml")
+    assert (config.env.id, config.env.settings, config.agent.format) == ("FrozenLake", {"size": 3}, "ragen")

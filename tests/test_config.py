@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from turnrl.agent.formats import format_names
 from turnrl.config import (
+    VARIANT_SETS,
     AgentConfig,
     ConfigError,
     EnvConfig,
@@ -16,6 +17,7 @@ from turnrl.config import (
     ModelConfig,
     SamplingConfig,
     SeedConfig,
+    VariantConfig,
     close_keys,
     config_keys,
     field_docs,
@@ -268,3 +270,38 @@ def test_given_keys_takes_any_text_without_raising(tmp_path_factory, text, overr
 @given(key=st.text())
 def test_close_keys_takes_any_key(key):
     assert len(close_keys(key, [item.key for item in config_keys(EvalConfig)])) <= 3
+
+
+# --------------------------------------------------------------------------- env variants
+def test_variants_load_as_typed_records_and_the_ragen_set_is_valid(tmp_path):
+    path = tmp_path / "variants.yaml"
+    path.write_text("env: {id: Sokoban}\nvariants:\n  - {name: larger, settings: {size: 8, num_boxes: 2}}\n"
+                    "  - {name: lake, env: FrozenLake}\n")
+    config = load_config(EvalConfig, path)
+    assert config.variants == [VariantConfig("larger", None, {"size": 8, "num_boxes": 2}),
+                               VariantConfig("lake", "FrozenLake", {})]
+    ragen = EvalConfig(variants=list(VARIANT_SETS["ragen"]))
+    ragen.validate()
+    assert [(v.env, v.settings) for v in ragen.variants] == [
+        ("Sokoban", {"size": 6, "num_boxes": 1}), ("Sokoban", {"size": 8, "num_boxes": 2}),
+        ("Sokoban", {"size": 6, "num_boxes": 1, "symbols": "alt"}),
+        ("FrozenLake", {"size": 4, "p_frozen": 0.8, "is_slippery": True})]
+
+
+@pytest.mark.parametrize(("variants", "needle"), [
+    ("[{env: Sokoban}]", "'variants[0].name'"),
+    ("[{name: a, envv: Sokoban}]", "'envv' not in 'VariantConfig'; did you mean env?"),
+    ("[{name: a, settings: 3}]", "'settings': Cannot assign int"),
+    ("[{name: a}, {name: a}]", "variants[1].name='a' is used twice"),
+    ("[{name: a/b}]", "variants[0].name='a/b' must be a folder name"),
+    ("[{name: ''}]", "must be a folder name"),
+    ("[{name: a, env: ' '}]", "variants[0].env is empty"),
+])
+def test_a_bad_variant_is_a_config_error_naming_it(variants, needle):
+    assert needle in error_of(overrides=[f"variants={variants}"])
+
+
+def test_an_override_into_a_list_item_says_to_set_the_whole_list():
+    message = error_of(overrides=["variants=[{name: a}]", "variants.0.settings.size=8"])
+    assert message.startswith("override 'variants.0.settings.size=8' sets an item of a list by its index")
+    assert "variants=[{name: big, settings: {size: 8}}]" in message

@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from turnrl.config import AgentConfig, ConfigError, EvalConfig, load_config
+from turnrl.config import VARIANT_SETS, AgentConfig, ConfigError, EvalConfig, load_config
 from turnrl.envs import make
 from turnrl.envs.registry import env_names
-from turnrl.evaluate import first_errors, run_eval
+from turnrl.evaluate import eval_envs, first_errors, run_eval
 from turnrl.rollout.trajectory import ERROR, Trajectory
+from turnrl.training.config import TrainConfig
 
 # The expert plays one action per turn, so an episode needs as many turns as
 # the solver's plan has steps. The default budget (5 turns, 10 actions) would
 # truncate longer plans (a 6x6 Sokoban level or a maze can take 15+ moves) and
 # count them as failures; 100 matches the envs' own max_steps, so only the
 # policy decides the outcome.
+RECIPES = Path(__file__).resolve().parents[1] / "configs"
+TRAINING_SECTIONS = {f.name for f in fields(TrainConfig)} - {f.name for f in fields(EvalConfig)}
 LONG_EPISODES = ["agent.max_turns=100", "agent.max_actions_per_episode=100"]
 
 SUMMARY_KEYS = {
@@ -270,3 +275,161 @@ class ResetFails:
 
     def solve(self):
         return None
+
+
+# --------------------------------------------------------------------------- env variants
+def variant_rows(summary: dict) -> dict[str, dict]:
+    return {row["variant"]: row for row in summary["variants"]}
+
+
+def read_records(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "trajectories.jsonl").read_text().splitlines()]
+
+
+def check_rows_against_trajectories(out, summary: dict) -> None:
+    """Each row's figures are those of its variant's own summary and trajectories."""
+    for row in summary["variants"]:
+        folder = out / "variants" / row["variant"]
+        assert row["folder"] == f"variants/{row['variant']}"
+        own = json.loads((folder / "summary.json").read_text())
+        assert {key: own[key] for key in ("episodes", "success_rate", "mean_reward", "format_valid_rate",
+                                          "mean_turns", "errors", "budget")} == {
+            key: row[key] for key in ("episodes", "success_rate", "mean_reward", "format_valid_rate", "mean_turns",
+                                      "errors", "budget")}
+        records = read_records(folder)
+        assert len(records) == row["episodes"]
+        assert {r["env_id"] for r in records} == {row["env"]}
+        assert row["success_rate"] == pytest.approx(np.mean([r["success"] for r in records]))
+        assert row["mean_reward"] == pytest.approx(np.mean([r["total_reward"] for r in records]))
+        assert row["mean_turns"] == pytest.approx(np.mean([len(r["turns"]) for r in records]))
+        turns = [t for r in records for t in r["turns"]]
+        assert row["format_valid_rate"] == pytest.approx(np.mean([t["format_ok"] for t in turns]))
+
+
+def test_the_expert_solves_every_sokoban_variant_of_ragens_set(tmp_path):
+    out = tmp_path / "eval"
+    config = load_config(EvalConfig, None, ["policy=expert", "episodes=6", f"out={out}"])
+    config.variants = list(VARIANT_SETS["ragen"])
+    summary = run_eval(config, budget_from_env=True)
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert [row["variant"] for row in summary["variants"]] == [
+        "sokoban-6x6-1box", "sokoban-8x8-2boxes", "sokoban-alt-vocab", "frozenlake-4x4"]
+    rows = variant_rows(summary)
+    for name in ("sokoban-6x6-1box", "sokoban-8x8-2boxes", "sokoban-alt-vocab"):
+        assert rows[name]["env"] == "Sokoban"
+        assert rows[name]["success_rate"] == 1.0 and rows[name]["format_valid_rate"] == 1.0
+        assert rows[name]["errors"] == 0 and rows[name]["budget"]["from"] == "env"
+    assert rows["frozenlake-4x4"]["settings"] == {"size": 4, "p_frozen": 0.8, "is_slippery": True}
+    assert summary["episodes"] == 24 and summary["policy"] == "expert"
+    check_rows_against_trajectories(out, summary)
+    # Each variant plays its own env: 8x8 rooms, RAGEN's alternative symbols, FrozenLake's lake.
+    first = {name: read_records(out / "variants" / name)[0]["turns"][0]["prompt"] for name in rows}
+    assert len([line for line in first["sokoban-8x8-2boxes"].splitlines() if line.startswith("#")]) == 8
+    assert "W" in first["sokoban-alt-vocab"] and "A" in first["sokoban-alt-vocab"]
+    assert "#" not in first["sokoban-alt-vocab"]
+    assert "#" not in first["frozenlake-4x4"]
+    # A variant's folder holds the config that evaluates it alone.
+    alone = load_config(EvalConfig, out / "variants" / "sokoban-alt-vocab" / "config.yaml")
+    assert (alone.env.id, alone.env.settings, alone.variants) == (
+        "Sokoban", {"size": 6, "num_boxes": 1, "symbols": "alt"}, [])
+    page = (out / "report.html").read_text()
+    assert '<section id="variants">' in page
+    for name, row in rows.items():
+        assert f"<strong>{name}</strong>" in page and f"variant {name}" in page
+        assert f"{row['success_rate']:.3f}" in page
+
+
+def test_variants_of_the_trained_env_keep_its_settings_and_other_envs_take_their_own():
+    config = load_config(EvalConfig, None, [
+        "env.id=Sokoban", "env.settings={size: 6, num_boxes: 1, max_steps: 50}", "variants=[{name: larger, settings: "
+        "{size: 8, num_boxes: 2}}, {name: lake, env: FrozenLake, settings: {size: 5}}, {name: same}]"])
+    larger, lake, same = eval_envs(config)
+    assert (larger.env_id, larger.settings, larger.own_settings) == (
+        "Sokoban", {"size": 8, "num_boxes": 2, "max_steps": 50}, {"size": 8, "num_boxes": 2})
+    assert (lake.env_id, lake.settings) == ("FrozenLake", {"size": 5})
+    assert (same.env_id, same.settings, same.own_settings) == ("Sokoban", {"size": 6, "num_boxes": 1, "max_steps": 50},
+                                                               {})
+    config.env.val_settings = {"size": 7}  # validation's settings are the ones a variant starts from
+    assert eval_envs(config)[0].settings == {"size": 8, "num_boxes": 2}
+    (alone,) = eval_envs(load_config(EvalConfig, None, ["env.id=Sokoban", "env.settings.size=7"]))
+    assert (alone.name, alone.env_id, alone.settings) == ("", "Sokoban", {"size": 7})
+
+
+@pytest.mark.parametrize(("variant", "needles"), [
+    ("{name: big, settings: {num_boxs: 2}}", ["variant 'big'", "no setting num_boxs", "did you mean num_boxes"]),
+    ("{name: big, settings: {symbols: klingon}}", ["variant 'big'", "symbols must be one of"]),
+    ("{name: lake, env: FrozenLak}", ["variant 'lake'", "unknown env 'FrozenLak'", "did you mean FrozenLake"]),
+])
+def test_a_bad_variant_setting_is_a_config_error_naming_the_variant_before_a_model_loads(variant, needles, tmp_path):
+    config = load_config(EvalConfig, None, [
+        "env.id=Sokoban", "policy=builtin", "model.builtin_preset=tiny", f"model.builtin_dir={tmp_path / 'never'}",
+        f"out={tmp_path / 'out'}", f"variants=[{{name: fine}}, {variant}]"])
+    with pytest.raises(ConfigError) as info:
+        run_eval(config)
+    for needle in needles:
+        assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "never").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def ragen_run(tiny_model_dir, tmp_path_factory):
+    """A one-step run of RAGEN's Sokoban recipe from the tiny model: a real run folder with its checkpoint."""
+    from turnrl.training.commands import train
+    from turnrl.training.config import TrainConfig
+
+    out = tmp_path_factory.mktemp("runs")
+    train(load_config(TrainConfig, RECIPES / "ragen_sokoban.yaml", [
+        f"model.path={tiny_model_dir}", "model.device=cpu", "model.gradient_checkpointing=false",
+        f"run.output_dir={out}", "run.name=ragen", "run.steps=1", "run.tensorboard=false", "sft.enabled=false",
+        "env.settings.max_steps=60", "groups.n_groups=2", "groups.group_size=2", "validation.episodes=1",
+        "sampling.max_new_tokens=8", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4"]))
+    return out / "ragen"
+
+
+def test_a_checkpoint_plays_every_variant_with_its_runs_agent_settings(ragen_run, tmp_path, capsys):
+    from turnrl.cli import main
+
+    out = tmp_path / "generalization"
+    # The run folder names its latest checkpoint; its config.yaml gives the agent, prompt and sampling settings.
+    assert main(["eval", "--policy", str(ragen_run), "--variants", "ragen", "--episodes", "2", "--out", str(out),
+                 "sampling.max_new_tokens=8"]) == 0
+    printed = capsys.readouterr().out
+    actor = ragen_run / "checkpoints" / "step_000001" / "actor"
+    assert f"with the run's config {ragen_run / 'config.yaml'}" in " ".join(printed.split())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["policy"] == str(actor) and summary["format"] == "ragen"
+    assert summary["temperature"] == 0.5, "the run's validation temperature, not its training one (1.0)"
+    rows = variant_rows(summary)
+    assert list(rows) == [variant.name for variant in VARIANT_SETS["ragen"]]
+    for name, row in rows.items():
+        assert row["episodes"] == 2 and row["errors"] == 0
+        assert row["budget"] == {"max_turns": 5, "max_actions_per_episode": 10, "from": "config"}
+        assert 0.0 <= row["success_rate"] <= 1.0 and 0.0 <= row["format_valid_rate"] <= 1.0
+        assert 1 <= row["mean_turns"] <= 5
+        assert name in printed
+    check_rows_against_trajectories(out, summary)
+    trained = load_config(EvalConfig, ragen_run / "config.yaml", skip_sections=TRAINING_SECTIONS)
+    for name in rows:
+        alone = load_config(EvalConfig, out / "variants" / name / "config.yaml")
+        assert alone.agent == trained.agent, "only the env changes from variant to variant"
+        assert alone.sampling.max_new_tokens == 8 and alone.sampling.temperature == 0.5
+        assert alone.policy == str(actor)
+        record = read_records(out / "variants" / name)[0]
+        assert "<answer>" in record["system_prompt"], "RAGEN's response format is asked for in every variant"
+    settings = {name: load_config(EvalConfig, out / "variants" / name / "config.yaml").env.settings for name in rows}
+    assert settings["sokoban-8x8-2boxes"] == {"size": 8, "num_boxes": 2, "max_steps": 60}, "the run's other settings"
+    assert settings["frozenlake-4x4"] == {"size": 4, "p_frozen": 0.8, "is_slippery": True}
+    page = (out / "report.html").read_text()
+    assert all(f"<strong>{name}</strong>" in page for name in rows)
+
+
+def test_a_checkpoint_evaluates_at_a_temperature_the_command_sets(ragen_run, tmp_path):
+    from turnrl.cli import main
+
+    out = tmp_path / "eval"
+    actor = ragen_run / "checkpoints" / "step_000001" / "actor"
+    assert main(["eval", "--policy", str(actor), "--episodes", "1", "--out", str(out), "sampling.temperature=0.9",
+                 "sampling.max_new_tokens=4"]) == 0
+    alone = load_config(EvalConfig, out / "config.yaml")
+    assert (alone.env.id, alone.agent.format, alone.sampling.temperature) == ("Sokoban", "ragen", 0.9)

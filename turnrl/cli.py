@@ -5,6 +5,7 @@
     turnrl render ENV --seed N -o out.png         draw an env's first frame
     turnrl check-env ENV [key=value ...]          check an env against the contract
     turnrl eval --env ENV --policy P --episodes N evaluate a policy
+    turnrl eval --policy RUN --variants ragen     ... on RAGEN's generalization variants
     turnrl sft --config X.yaml [key=value ...]    supervised warm start
     turnrl train --config X.yaml [key=value ...]  RL training (SFT first when configured)
     turnrl serve-policy --model PATH --port N     OpenAI-compatible server
@@ -208,50 +209,109 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, EvalConfig, given_keys, load_config
     from turnrl.evaluate import run_eval
     from turnrl.training.config import TrainConfig
+    from turnrl.training.run_dir import run_of_model
 
+    policy, config_path = args.policy, args.config
+    # A run's model plays as it was trained: with the run's env, agent, prompt and sampling settings.
+    run = run_of_model(policy)
+    if run is not None:
+        policy = str(run[0])
+        if config_path is None:
+            config_path = str(run[1] / "config.yaml")
+            console.print(f"evaluating {policy} with the run's config {config_path} (the prompts, format, env "
+                          "settings and sampling it trained with; --config FILE evaluates with others)",
+                          markup=False, highlight=False, soft_wrap=True)
     overrides = list(args.overrides)
-    overrides += [f"env.id={args.env}", f"policy={args.policy}", f"episodes={args.episodes}"]
-    # A training recipe evaluates with its own env, agent and sampling settings.
+    overrides += [f"policy={policy}", f"episodes={args.episodes}"]
+    if args.env:
+        overrides.append(f"env.id={args.env}")
+    if args.variants:
+        overrides.append(variants_override(args.variants))
+    # A training recipe evaluates with its own env, agent and sampling settings, at its validation temperature.
     training_only = {f.name for f in fields(TrainConfig)} - {f.name for f in fields(EvalConfig)}
-    try:
-        config_path = args.config or run_config(args.env, args.policy, training_only)
-    except ConfigError as error:
-        raise SystemExit(f"error: {error}") from error
+    temperature = validation_temperature(config_path, training_only)
+    if temperature is not None and "sampling.temperature" not in given_keys(None, args.overrides):
+        overrides.append(f"sampling.temperature={temperature}")
     given = given_keys(config_path, overrides, skip_sections=training_only)
+    if "env.id" not in given and "variants" not in given:
+        raise SystemExit("error: no env to evaluate on: pass --env ENV, --variants ragen (or a YAML list of "
+                         "variants), or --config with a recipe or a run's config.yaml")
     if args.out:
         overrides.append(f"out={args.out}")
     elif "out" not in given:
-        overrides.append(f"out={default_eval_dir(args.env, args.policy)}")
+        label = args.env or (Path(args.variants).stem if args.variants else "eval")
+        overrides.append(f"out={default_eval_dir(label, policy)}")
     try:
         config = load_config(EvalConfig, config_path, overrides, skip_sections=training_only)
+        if args.env and config_env(config_path) not in (None, args.env):
+            # The file's env settings are its own env's: another env takes only those given here.
+            given_env = load_config(EvalConfig, None, overrides).env
+            config.env.settings, config.env.val_settings = given_env.settings, given_env.val_settings
         run_eval(config, budget_from_env=not any(key in given for key in BUDGET_KEYS))
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
     return 0
 
 
-def run_config(env: str, policy: str, training_only: set[str]) -> str | None:
-    """For ``turnrl eval`` without ``--config``: the config of the training run whose model ``policy`` is, so
-    that it is evaluated with the prompts, format and settings it learned (said in one line); None for a
-    policy from no run.
+def variants_override(value: str) -> str:
+    """``--variants NAME|FILE``: a named list of env variants (``ragen``) or a YAML file holding a list of
+    ``{name, env, settings}`` (or a ``variants:`` key holding one), as a ``variants=[...]`` override."""
+    import json
+    from dataclasses import asdict
 
-    Raises:
-        ConfigError: the run trained on another env than ``env`` (its prompts and settings would not fit).
-    """
-    from turnrl.config import ConfigError, EvalConfig, load_config
-    from turnrl.evaluate import run_config_of
+    import yaml
 
-    path = run_config_of(policy)
-    if path is None:
+    from turnrl.config import VARIANT_SETS
+
+    if value in VARIANT_SETS:
+        return "variants=" + json.dumps([asdict(variant) for variant in VARIANT_SETS[value]])
+    path = Path(value)
+    if not path.is_file():
+        raise SystemExit(f"error: --variants {value!r} is neither a named list ({', '.join(VARIANT_SETS)}) nor a "
+                         "YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise SystemExit(f"error: --variants {value}: not valid YAML: {error}") from error
+    if isinstance(data, dict) and "variants" in data:
+        data = data["variants"]
+    if not isinstance(data, list) or not data:
+        raise SystemExit(f"error: --variants {value} must hold a list of variants ({{name, env, settings}} each), "
+                         "or a variants: key holding one")
+    return "variants=" + json.dumps(data)
+
+
+def yaml_mapping(path: str | None) -> dict[str, Any]:
+    """The top-level mapping of a YAML file; empty when there is none (no file, not YAML, not a mapping:
+    :func:`turnrl.config.load_config` says what is wrong with it)."""
+    import yaml
+
+    if path is None or not Path(path).is_file():
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def config_env(config_path: str | None) -> str | None:
+    """The ``env.id`` a YAML config names, or None."""
+    env = yaml_mapping(config_path).get("env")
+    return str(env["id"]) if isinstance(env, dict) and "id" in env else None
+
+
+def validation_temperature(config_path: str | None, training_only: set[str]) -> float | None:
+    """The validation temperature of a training recipe (or a run's ``config.yaml``), which its evaluations
+    sample at as its validation did; None for an eval YAML or none."""
+    from turnrl.training.config import ValidationConfig
+
+    data = yaml_mapping(config_path)
+    if not training_only & set(data):
         return None
-    trained_on = load_config(EvalConfig, path, [], skip_sections=training_only).env.id
-    if trained_on != env:
-        raise ConfigError(f"--policy {policy} is a model of the run {path.parent}, trained on {trained_on}, not "
-                           f"{env}: evaluate it there (turnrl eval --env {trained_on} --policy {policy}), or pass "
-                           f"--config FILE with the prompts and settings to evaluate it with on {env}")
-    console.print(f"evaluating with the run's config {path} (the prompts, format, env settings and sampling it "
-                  "trained with; --config FILE evaluates with others)", markup=False, highlight=False, soft_wrap=True)
-    return str(path)
+    validation = data.get("validation")
+    temperature = validation.get("temperature") if isinstance(validation, dict) else None
+    return temperature if isinstance(temperature, (int, float)) else ValidationConfig.temperature
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -420,15 +480,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a policy on validation seeds",
                        description="Play validation seeds with a policy and report success, rewards, budget cuts "
-                                   "and errors. Unless agent.max_turns or agent.max_actions_per_episode is set, "
-                                   "the env says how many turns a competent agent needs.")
-    p.add_argument("--env", required=True, help=env_help + "; gym:<id> for a Gymnasium env seen as images")
+                                   "and errors, on one env or (--variants) on each of a list of env variants with "
+                                   "the same agent settings. Unless agent.max_turns or agent.max_actions_per_episode "
+                                   "is set, the env says how many turns a competent agent needs.")
+    p.add_argument("--env", help=env_help + "; gym:<id> for a Gymnasium env seen as images (default: the "
+                                            "--config recipe's env)")
     p.add_argument("--policy", required=True,
-                   help="expert, random, builtin, a model directory or hub id, or openai:<model> (with base_url=...)")
-    p.add_argument("--episodes", type=count_arg, default=32, help="validation seeds played (default: 32)")
+                   help="expert, random, builtin, a model directory or hub id, or openai:<model> (with base_url=...); "
+                        "a run's checkpoint (RUN/checkpoints/step_N/actor), SFT model or RUN itself (its latest "
+                        "checkpoint) plays with the run's settings unless --config says otherwise")
+    p.add_argument("--episodes", type=count_arg, default=32,
+                   help="validation seeds played (of each variant; default: 32)")
+    p.add_argument("--variants", help="evaluate on a list of env variants, one table: ragen (RAGEN's generalization "
+                                      "set: Sokoban 6x6/1 box, 8x8/2 boxes, the alternative vocabulary, FrozenLake) "
+                                      "or a YAML file listing {name, env, settings}")
     p.add_argument("--out", help="folder for summary.json and trajectories.jsonl "
                                  "(default: runs/eval/<env>-<policy>-<time>)")
-    p.add_argument("--config", help="YAML with eval settings, or a training recipe (its training sections are skipped)")
+    p.add_argument("--config", help="YAML with eval settings, or a training recipe (its training sections are "
+                                    "skipped; it samples at its validation temperature)")
     p.add_argument("overrides", nargs="*", help=overrides_help)
     p.set_defaults(fn=cmd_eval)
 

@@ -13,6 +13,7 @@ import ast
 import difflib
 import inspect
 import math
+import re
 import textwrap
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -300,6 +301,36 @@ class SeedConfig:
 
 
 @dataclass
+class VariantConfig:
+    """One env variant of a generalization evaluation: the policy and its agent settings stay, the env changes."""
+
+    name: str = "???"
+    """Its row of the table and its folder under ``variants/`` (letters, digits, ``.``, ``_`` and ``-``)."""
+    env: Optional[str] = None
+    """The env id; None is ``env.id``, the env the policy was trained on."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Env settings. For the trained env (``env.id``) they go over its settings (``env.val_settings``, else
+    ``env.settings``), so ``{size: 8}`` changes the size alone; another env takes them alone."""
+
+
+VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""A variant's name: its folder under ``variants/``."""
+
+VARIANT_SETS: dict[str, tuple[VariantConfig, ...]] = {
+    # RAGEN's generalization claim: trained on 6x6 Sokoban with one box, evaluated as trained, on 8x8 rooms
+    # with two boxes, on its alternative grid vocabulary (W . G C B A @) and on FrozenLake (RAGEN's defaults:
+    # 4x4, 80% frozen, slippery ice with gymnasium's 1/3 chance of moving as intended).
+    "ragen": (
+        VariantConfig("sokoban-6x6-1box", "Sokoban", {"size": 6, "num_boxes": 1}),
+        VariantConfig("sokoban-8x8-2boxes", "Sokoban", {"size": 8, "num_boxes": 2}),
+        VariantConfig("sokoban-alt-vocab", "Sokoban", {"size": 6, "num_boxes": 1, "symbols": "alt"}),
+        VariantConfig("frozenlake-4x4", "FrozenLake", {"size": 4, "p_frozen": 0.8, "is_slippery": True}),
+    ),
+}
+"""Named lists of variants (``turnrl eval --variants ragen``)."""
+
+
+@dataclass
 class EvalConfig:
     """What ``turnrl eval`` runs."""
 
@@ -326,6 +357,9 @@ class EvalConfig:
     out: Optional[str] = None
     """Output directory for summary.json and trajectories.jsonl; None writes nothing (``turnrl eval`` then
     picks ``runs/eval/<env>-<policy>-<time>``)."""
+    variants: list[VariantConfig] = field(default_factory=list)
+    """Env variants to evaluate the policy on, one row of a table each (``turnrl eval --variants ragen``: RAGEN's
+    generalization set), with their trajectories in ``variants/<name>/``; empty evaluates ``env`` alone."""
 
     def validate(self) -> None:
         self.agent.validate()
@@ -339,6 +373,16 @@ class EvalConfig:
             raise ConfigError(
                 f"episodes={self.episodes} exceeds the {self.seeds.val_size} validation seeds (seeds.val_size)"
             )
+        seen: set[str] = set()
+        for index, variant in enumerate(self.variants):
+            if not VARIANT_NAME.fullmatch(variant.name):
+                raise ConfigError(f"variants[{index}].name={variant.name!r} must be a folder name: letters, digits, "
+                                  "'.', '_' and '-', starting with a letter or digit")
+            if variant.name in seen:
+                raise ConfigError(f"variants[{index}].name={variant.name!r} is used twice; give each variant its own")
+            seen.add(variant.name)
+            if variant.env is not None and not variant.env.strip():
+                raise ConfigError(f"variants[{index}].env is empty; name an env, or leave it out for env.id")
 
 
 # --------------------------------------------------------------------------- loading
@@ -483,6 +527,11 @@ def load_config(
     try:
         merged = OmegaConf.merge(base, *layers)
         config = OmegaConf.to_object(merged)
+    except TypeError as error:  # OmegaConf cannot merge a key=value whose dotted key goes into a list
+        indexed = [item for item in overrides or [] if re.search(r"\.\d+(\.|=)", item.split("=", 1)[0] + "=")]
+        named = f"override {indexed[0]!r} sets" if indexed else "an override sets"
+        raise ConfigError(f"{named} an item of a list by its index, which overrides cannot do ({error}); set the "
+                          "whole list, e.g. variants=[{name: big, settings: {size: 8}}]") from error
     except OmegaConfBaseException as error:
         message = _format_omegaconf_error(error)
         if "not in" in message:

@@ -10,6 +10,12 @@ settings (``env.action_budget()``): the expert finishes every built-in env with
 them. The summary says where the budget came from (``env``, ``config``, or
 ``agent defaults`` for an env that names none), counts the episodes a budget
 cut, and shows the first errors.
+
+With ``variants`` (``turnrl eval --variants ragen``) one policy plays each
+env variant in turn with the same agent, prompt and sampling settings, and
+the run prints one table (variant, episodes, success, mean reward, format
+validity, mean turns) that ``summary.json`` holds as ``variants``; each
+variant's summary, config and trajectories go to ``variants/<name>/``.
 """
 
 from __future__ import annotations
@@ -17,17 +23,19 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from turnrl.agent.formats import get_format
-from turnrl.config import AgentConfig, EvalConfig, to_yaml
+from turnrl.agent.formats import ResponseFormat, get_format
+from turnrl.config import AgentConfig, ConfigError, EnvConfig, EvalConfig, to_yaml
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
+from turnrl.policy.base import Policy
 from turnrl.policy.factory import make_policy
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
@@ -35,6 +43,7 @@ from turnrl.rollout.metrics import pass_at_k_by_seed, rollout_metrics
 from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import ERROR, TRUNCATED, Trajectory, write_trajectories
 from turnrl.training.logger import RunProgress
+from turnrl.viz.records import VARIANT_COLUMNS, VARIANTS_DIR
 from turnrl.viz.report import write_report
 
 console = Console()
@@ -100,24 +109,6 @@ def print_summary(summary: dict[str, Any], title: str) -> None:
             console.print(f"  {message}", markup=False, highlight=False)
 
 
-RUN_MODEL_FOLDERS = ("checkpoints", "sft")
-"""Where a training run keeps its models: ``checkpoints/step_N/actor`` and the SFT stage's ``sft/model``."""
-
-
-def run_config_of(policy: str) -> Path | None:
-    """The ``config.yaml`` of the training run whose model ``policy`` is (a checkpoint's ``actor/`` or
-    ``sft/model`` in a run directory), which holds the prompts, format and env settings it was trained
-    with; None for any other policy."""
-    path = Path(policy)
-    if not path.is_dir():
-        return None
-    for run_dir in path.parents:
-        inside = path.relative_to(run_dir).parts
-        if inside[0] in RUN_MODEL_FOLDERS and (run_dir / "config.yaml").is_file():
-            return run_dir / "config.yaml"
-    return None
-
-
 def env_budget(env: Any, agent: AgentConfig) -> AgentConfig | None:
     """``agent`` with the turn and action budgets the env asks for (``env.action_budget()``): one action a
     turn is enough to finish. None for an env that names no budget (no ``action_budget``, or one that
@@ -130,64 +121,220 @@ def env_budget(env: Any, agent: AgentConfig) -> AgentConfig | None:
     return replace(agent, max_turns=actions, max_actions_per_episode=actions)
 
 
-def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any]:
-    """Evaluate ``config.policy`` on ``config.episodes`` validation seeds.
+@dataclass(frozen=True)
+class EvalEnv:
+    """One env a policy is evaluated on: a variant of a generalization table, or ``env`` alone."""
 
-    Args:
-        budget_from_env: take ``agent.max_turns`` and ``agent.max_actions_per_episode`` from the env's
-            ``action_budget()`` (``turnrl eval`` does unless they are set).
+    name: str
+    """The variant's name (its row and folder); empty for a single evaluation."""
+    env_id: str
+    settings: dict[str, Any]
+    """Every setting the env is built with (the trained env's merged under a variant's own)."""
+    own_settings: dict[str, Any]
+    """What the variant itself sets (the table's settings column)."""
+    where: str
+    """The config key the settings come from, for error messages."""
+
+
+def eval_envs(config: EvalConfig) -> list[EvalEnv]:
+    """The envs of an evaluation: ``env`` alone, or one per variant. A variant of the trained env (``env.id``)
+    takes its settings over the trained ones (``env.val_settings``, else ``env.settings``); another env takes
+    its own alone."""
+    trained = dict(config.env.val_settings if config.env.val_settings is not None else config.env.settings)
+    where = "env.val_settings" if config.env.val_settings is not None else "env.settings"
+    if not config.variants:
+        return [EvalEnv("", config.env.id, trained, trained, where)]
+    envs = []
+    for index, variant in enumerate(config.variants):
+        env_id = variant.env or config.env.id
+        settings = {**trained, **variant.settings} if env_id == config.env.id else dict(variant.settings)
+        envs.append(EvalEnv(variant.name, env_id, settings, dict(variant.settings), f"variants[{index}].settings"))
+    return envs
+
+
+@dataclass
+class PreparedEnv:
+    """An env checked and ready to play: how to make it and the agent settings it is played with."""
+
+    target: EvalEnv
+    make_env: Callable[[], Any]
+    """Builds one env (here or on ``env.remote``)."""
+    agent: AgentConfig
+    budget_source: str
+    """``config``, ``env`` or ``agent defaults``: where the turn and action budgets come from."""
+
+
+def prepare_env(config: EvalConfig, target: EvalEnv, budget_from_env: bool) -> PreparedEnv:
+    """Build ``target``'s first env (so that a bad id or setting fails before a model loads) and its budget.
 
     Raises:
-        ConfigError: the env, its settings or the policy cannot be built.
+        ConfigError: the env or its settings are refused (naming the variant, for a variant).
     """
-    settings = dict(config.env.val_settings if config.env.val_settings is not None else config.env.settings)
-    where = "env.val_settings" if config.env.val_settings is not None else "env.settings"
-    # Here or on the env servers of env.remote; an unknown env or a bad setting is a config error.
-    make_env = env_factory(config.env.id, settings, config.env.remote, where=where)
-    probe = make_env()
-    budget_source = "config"
+    try:
+        # Here or on the env servers of env.remote; an unknown env or a bad setting is a config error.
+        make_env = env_factory(target.env_id, target.settings, config.env.remote, where=target.where)
+    except ConfigError as error:
+        if not target.name:
+            raise
+        raise ConfigError(f"variant {target.name!r} ({target.env_id} with {target.settings}): {error}") from error
+    agent, budget_source = config.agent, "config"
     if budget_from_env:
-        budgeted = env_budget(probe, config.agent)
+        budgeted = env_budget(make_env(), config.agent)
         budget_source = "env" if budgeted is not None else "agent defaults"  # the env names none: say so
-        config = replace(config, agent=budgeted or config.agent)
-    fmt = get_format(
-        config.agent.format,
-        action_separator=config.agent.action_separator,
-        max_actions_per_turn=config.agent.max_actions_per_turn,
-    )
-    seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
-    groups = EnvGroups(make_env, 1, 1, seeds)
-    slots = groups.val_slots(config.episodes, config.samples_per_seed)  # builds the envs before a model loads
-    policy = make_policy(config, fmt)
-    rollout = Rollout(policy, fmt, config.agent, env_id=config.env.id, rewards=Rewards(config.rewards))
+        agent = budgeted or config.agent
+    return PreparedEnv(target, make_env, agent, budget_source)
 
+
+def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat) -> list[Trajectory]:
+    """``config.episodes`` validation seeds (``samples_per_seed`` episodes each) of ``prepared``'s env."""
+    seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
+    slots = EnvGroups(prepared.make_env, 1, 1, seeds).val_slots(config.episodes, config.samples_per_seed)
+    env_id = prepared.target.env_id
+    rollout = Rollout(policy, fmt, prepared.agent, env_id=env_id, rewards=Rewards(config.rewards))
+    label = f"{prepared.target.name} ({env_id})" if prepared.target.name else env_id
     trajectories: list[Trajectory] = []
     with RunProgress(console, "eval", len(slots)) as progress:
         for start in range(0, len(slots), config.batch_size):
             batch = slots[start : start + config.batch_size]
             trajectories.extend(rollout.run(batch, config.sampling))
-            progress.update(len(batch), f"{config.env.id} / {config.policy}")
+            progress.update(len(batch), f"{label} / {config.policy}")
+    return trajectories
 
+
+def env_summary(config: EvalConfig, prepared: PreparedEnv, trajectories: list[Trajectory]) -> dict[str, Any]:
+    """:func:`summarize` with what was evaluated: env, policy, format and budget."""
     summary = summarize(trajectories)
-    summary.update(env=config.env.id, policy=config.policy, format=config.agent.format,
-                   budget={"max_turns": config.agent.max_turns,
-                           "max_actions_per_episode": config.agent.max_actions_per_episode,
-                           "from": budget_source})
-    print_summary(summary, f"{config.env.id}: {config.policy}")
-    if config.out:
-        out_dir = Path(config.out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        (out_dir / "config.yaml").write_text(to_yaml(config))
-        write_trajectories(trajectories, out_dir)
-        console.print(f"wrote {out_dir / 'summary.json'} and {out_dir / 'trajectories.jsonl'}", markup=False,
-                      highlight=False, soft_wrap=True)  # whole paths, to copy
-        try:
-            report = write_report(out_dir)
-            console.print(f"report: {report}  (turnrl view {out_dir} --serve to serve it)", markup=False,
-                          highlight=False, soft_wrap=True)
-        except (OSError, ValueError) as error:  # the evaluation itself succeeded
-            console.print(f"no report: {error}", markup=False)
-    else:
-        console.print("nothing written (out is unset); pass --out DIR to keep the summary and trajectories")
+    summary.update(env=prepared.target.env_id, policy=config.policy, format=config.agent.format,
+                   budget={"max_turns": prepared.agent.max_turns,
+                           "max_actions_per_episode": prepared.agent.max_actions_per_episode,
+                           "from": prepared.budget_source})
     return summary
+
+
+def single_config(config: EvalConfig, prepared: PreparedEnv) -> EvalConfig:
+    """The config that evaluates ``prepared``'s env alone (a variant's folder holds it: its row again)."""
+    env = EnvConfig(id=prepared.target.env_id, settings=dict(prepared.target.settings), remote=list(config.env.remote))
+    return replace(config, env=env, agent=prepared.agent, variants=[])
+
+
+def write_eval(out_dir: Path, summary: dict[str, Any], config: EvalConfig,
+               trajectories: list[Trajectory] | None = None) -> None:
+    """``summary.json``, ``config.yaml`` and (when given) ``trajectories.jsonl`` with its images."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out_dir / "config.yaml").write_text(to_yaml(config))
+    if trajectories is not None:
+        write_trajectories(trajectories, out_dir)
+
+
+def write_page(out_dir: Path) -> None:
+    try:
+        report = write_report(out_dir)
+        console.print(f"report: {report}  (turnrl view {out_dir} --serve to serve it)", markup=False,
+                      highlight=False, soft_wrap=True)
+    except (OSError, ValueError) as error:  # the evaluation itself succeeded
+        console.print(f"no report: {error}", markup=False)
+
+
+def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any]:
+    """Evaluate ``config.policy`` on ``config.episodes`` validation seeds of ``env``, or of each of ``variants``.
+
+    Args:
+        budget_from_env: take ``agent.max_turns`` and ``agent.max_actions_per_episode`` from the env's
+            ``action_budget()`` (``turnrl eval`` does unless they are set), for each variant its own.
+
+    Returns:
+        The summary written to ``summary.json``: the figures of the env, or (with variants) the policy and
+        the table, ``{"variants": [row, ...], ...}`` (see :func:`variant_row`).
+
+    Raises:
+        ConfigError: an env, its settings or the policy cannot be built (every env is checked before the model
+            loads).
+    """
+    prepared = [prepare_env(config, target, budget_from_env) for target in eval_envs(config)]
+    fmt = get_format(
+        config.agent.format,
+        action_separator=config.agent.action_separator,
+        max_actions_per_turn=config.agent.max_actions_per_turn,
+    )
+    policy = make_policy(config, fmt)  # one model for every variant
+    if not config.variants:
+        return evaluate_one(config, prepared[0], policy, fmt)
+    return evaluate_variants(config, prepared, policy, fmt)
+
+
+def evaluate_one(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat) -> dict[str, Any]:
+    trajectories = play(config, prepared, policy, fmt)
+    summary = env_summary(config, prepared, trajectories)
+    print_summary(summary, f"{config.env.id}: {config.policy}")
+    if not config.out:
+        console.print("nothing written (out is unset); pass --out DIR to keep the summary and trajectories")
+        return summary
+    out_dir = Path(config.out)
+    write_eval(out_dir, summary, replace(config, agent=prepared.agent), trajectories)
+    console.print(f"wrote {out_dir / 'summary.json'} and {out_dir / 'trajectories.jsonl'}", markup=False,
+                  highlight=False, soft_wrap=True)  # whole paths, to copy
+    write_page(out_dir)
+    return summary
+
+
+def variant_row(prepared: PreparedEnv, summary: dict[str, Any]) -> dict[str, Any]:
+    """One row of the generalization table: the variant, its env and settings, the figures of
+    :data:`VARIANT_COLUMNS` and the budget it was played with."""
+    target = prepared.target
+    row: dict[str, Any] = {"variant": target.name, "env": target.env_id, "settings": target.own_settings}
+    row.update({key: summary[key] for key, _ in VARIANT_COLUMNS})
+    row.update(truncated_rate=summary["truncated_rate"], budget=summary["budget"],
+               folder=f"{VARIANTS_DIR}/{target.name}")
+    return row
+
+
+def settings_text(settings: dict[str, Any]) -> str:
+    """``{"size": 8, "num_boxes": 2}`` -> ``size=8 num_boxes=2`` (``-`` for none)."""
+    return " ".join(f"{key}={value}" for key, value in settings.items()) or "-"
+
+
+def print_variants(rows: list[dict[str, Any]], title: str) -> None:
+    """The table, a line per variant: in a terminal as wide as it is, elsewhere (a log) up to 160 columns."""
+    table = Table(title=title)
+    for column in ("variant", "env", "settings"):
+        table.add_column(column, no_wrap=column != "settings")
+    for _, column in VARIANT_COLUMNS:
+        table.add_column(column, justify="right")
+    for row in rows:
+        figures = [f"{row[key]:.3f}" if isinstance(row[key], float) else str(row[key]) for key, _ in VARIANT_COLUMNS]
+        table.add_row(row["variant"], row["env"], settings_text(row["settings"]), *figures)
+    wide = console if console.is_terminal else Console(file=console.file, width=max(console.width, 160))
+    wide.print(table)
+
+
+def evaluate_variants(
+    config: EvalConfig, prepared: list[PreparedEnv], policy: Policy, fmt: ResponseFormat
+) -> dict[str, Any]:
+    """Play every variant with the one policy; write each variant's folder, then the table."""
+    out_dir = Path(config.out) if config.out else None
+    rows = []
+    for item in prepared:
+        trajectories = play(config, item, policy, fmt)
+        summary = env_summary(config, item, trajectories)
+        rows.append(variant_row(item, summary))
+        if summary["first_errors"]:
+            console.print(f"[bold red]{item.target.name}: {summary['errors']} episode(s) errored[/bold red]; "
+                          "first errors:")
+            for message in summary["first_errors"]:
+                console.print(f"  {message}", markup=False, highlight=False)
+        if out_dir is not None:
+            write_eval(out_dir / VARIANTS_DIR / item.target.name, summary, single_config(config, item), trajectories)
+    result: dict[str, Any] = {
+        "policy": config.policy, "format": config.agent.format, "temperature": config.sampling.temperature,
+        "episodes": sum(row["episodes"] for row in rows), "variants": rows,
+    }
+    print_variants(rows, f"{config.policy} on {len(rows)} env variants")
+    if out_dir is None:
+        console.print("nothing written (out is unset); pass --out DIR to keep the table and trajectories")
+        return result
+    write_eval(out_dir, result, config)
+    console.print(f"wrote {out_dir / 'summary.json'} (the table) and {out_dir / VARIANTS_DIR}/<variant>/",
+                  markup=False, highlight=False, soft_wrap=True)
+    write_page(out_dir)
+    return result

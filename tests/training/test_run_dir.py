@@ -8,7 +8,7 @@ from tests.training.test_trainer import config, records
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import train
 from turnrl.training.config import TrainConfig
-from turnrl.training.run_dir import run_directory, start_run
+from turnrl.training.run_dir import run_directory, run_of_model, start_run
 
 
 def test_a_run_lives_in_its_resumed_directory_else_under_output_dir_and_name(tmp_path):
@@ -41,3 +41,28 @@ def test_overwrite_deletes_the_old_report_and_plots_before_the_new_run_starts(tm
     (run / "notes.txt").write_text("the user's own")
     start_run(load_config(TrainConfig, None, [f"run.output_dir={tmp_path}", "run.name=mine", "run.overwrite=true"]))
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "notes.txt"]
+
+
+def test_a_runs_models_are_found_with_the_run_that_saved_them(tmp_path):
+    run = tmp_path / "ragen"
+    for folder in ("checkpoints/step_000003/actor", "checkpoints/step_000007/actor", "sft/model"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")  # a transformers model folder
+    (run / "config.yaml").write_text("env: {id: Sokoban}\n")
+    (run / "checkpoints" / "latest").write_text("step_000003\n")
+    actor = run / "checkpoints" / "step_000003" / "actor"
+    assert run_of_model(actor) == (actor, run)
+    assert run_of_model(str(actor.parent)) == (actor, run)
+    assert run_of_model(run / "sft" / "model") == (run / "sft" / "model", run)
+    assert run_of_model(run) == (actor, run), "a run means its latest checkpoint"
+    (run / "checkpoints" / "latest").unlink()
+    assert run_of_model(run) == (run / "sft" / "model", run), "a run stopped after SFT means its SFT model"
+    # Anything else is no run's model: a hub id, a model of its own, a run folder without its config.
+    model = tmp_path / "my_model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "config.yaml").write_text("mine: 1\n")
+    assert run_of_model("Qwen/Qwen2.5-0.5B-Instruct") is None and run_of_model(model) is None
+    assert run_of_model(tmp_path / "absent") is None
+    (run / "config.yaml").unlink()
+    assert run_of_model(actor) is None and run_of_model(run) is None

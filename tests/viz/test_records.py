@@ -20,6 +20,7 @@ from turnrl.viz.records import (
     read_source,
     safe_relative_path,
     source_label,
+    source_name,
     token_advantage_records,
     trajectory_files,
     write_token_advantages,
@@ -295,3 +296,16 @@ def test_token_advantage_records_of_a_real_batch_give_each_turn_its_sampled_toke
             assert record["tokens"] == [tiny_tokenizer.decode([i]) for i in turn.response_ids]
             assert len(record["advantages"]) == len(turn.response_ids)
             assert record["advantages"] == sorted(record["advantages"])  # positions in order, none skipped twice
+
+
+def test_each_variants_file_has_a_name_of_its_own_and_comes_in_table_order(tmp_path):
+    for name in ("b-8x8", "a-lake", "c-extra"):
+        (tmp_path / "variants" / name).mkdir(parents=True)
+        (tmp_path / "variants" / name / "trajectories.jsonl").write_text("")
+    (tmp_path / "variants" / "no-file").mkdir()
+    files = trajectory_files(tmp_path, ["b-8x8", "a-lake", "gone"])
+    assert [p.parent.name for p in files] == ["b-8x8", "a-lake", "c-extra"]
+    assert [source_name(p, tmp_path) for p in files] == [
+        "variants/b-8x8/trajectories", "variants/a-lake/trajectories", "variants/c-extra/trajectories"]
+    assert source_label("variants/b-8x8/trajectories") == ("variant b-8x8", None)
+    assert source_name(tmp_path / "trajectories" / "step_000002.jsonl", tmp_path) == "step_000002"

@@ -20,6 +20,7 @@ from turnrl.viz.report import (
     headline,
     load_report,
     render_html,
+    variant_rows,
     write_report,
 )
 
@@ -211,3 +212,58 @@ def test_a_training_run_writes_the_per_token_advantages_of_the_steps_it_keeps(ru
         step = next(s for s in data.sources if s.name == name)
         assert step.advantage_scale > 0 and any(ep.has_advantages for ep in step.episodes)
     assert (run_dir / "report.html").is_file()  # written by train() at its end
+
+
+# --------------------------------------------------------------------------- an evaluation on env variants
+def test_a_variants_evaluation_shows_its_table_and_each_variants_episodes_with_images(tmp_path):
+    from turnrl.config import EvalConfig, load_config
+    from turnrl.evaluate import run_eval
+
+    out = tmp_path / "variants_eval"
+    # Table order, not folder-name order: "lake" comes before "box".
+    run_eval(load_config(EvalConfig, None, [
+        "policy=random", "episodes=3", f"out={out}", "agent.max_turns=3", "agent.max_actions_per_episode=3",
+        "variants=[{name: lake, env: FrozenLake, settings: {mode: image}}, {name: box, env: Sokoban, settings: "
+        "{mode: image, size: 5}}]"]))
+    assert folder_kind(out) == "evaluation"
+    data = load_report(out)
+    assert [(row.name, row.env, row.settings) for row in data.variants] == [
+        ("lake", "FrozenLake", "mode=image"), ("box", "Sokoban", "mode=image size=5")]
+    summary = json.loads((out / "summary.json").read_text())
+    for row, figures in zip(data.variants, summary["variants"]):
+        assert row.figures == (str(figures["episodes"]), f"{figures['success_rate']:.3f}",
+                               f"{figures['mean_reward']:.3f}", f"{figures['format_valid_rate']:.3f}",
+                               f"{figures['mean_turns']:.3f}", str(figures["errors"]))
+    assert [(source.name, source.label) for source in data.sources] == [
+        ("variants/lake/trajectories", "variant lake"), ("variants/box/trajectories", "variant box")]
+    assert {ep.env_id for ep in data.sources[1].episodes} == {"Sokoban"} and data.episode_count == 6
+    assert not any(key.startswith("variants") for key, _ in data.summary), "the table is not repeated as figures"
+    html = (out / "report.html").read_text()
+    assert '<a href="#variants">Variants (2)</a>' in html
+    assert html.index("<strong>lake</strong>") < html.index("<strong>box</strong>")
+    sources = image_sources(html)
+    assert any(src.startswith("variants/lake/images/") for src in sources)
+    assert any(src.startswith("variants/box/images/") for src in sources)
+    assert all((out / src).is_file() for src in sources)
+    assert "line 1 of variants/box/trajectories.jsonl" in html
+
+
+def test_a_bad_table_in_summary_json_is_a_note_and_its_values_are_escaped(tmp_path):
+    (tmp_path / "variants").mkdir()
+    bad = "<script>alert(1)</script>"
+    (tmp_path / "summary.json").write_text(json.dumps({"variants": [
+        {"variant": bad, "env": bad, "settings": {bad: bad}, "episodes": True, "success_rate": "high"}, [1], 3]}))
+    data = load_report(tmp_path, plots=False)
+    assert [row.name for row in data.variants] == [bad]
+    assert data.variants[0].figures == ("-",) * 6
+    assert sum("is not a row of the table" in warning for warning in data.warnings) == 2
+    html = render_html(data)
+    assert html.count("<script") == 1 and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(JSON, max_size=4) | st.lists(st.dictionaries(st.sampled_from(
+    ["variant", "env", "settings", "episodes", "success_rate", "mean_turns"]), JSON, max_size=6), max_size=4) | JSON)
+def test_any_variants_table_reads_to_text_rows(rows):
+    table = variant_rows({"variants": rows}, [])
+    assert all(isinstance(value, str) for row in table for value in (row.name, row.env, row.settings, *row.figures))

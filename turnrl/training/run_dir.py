@@ -77,3 +77,30 @@ def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
         write_config(config)
     ranks.barrier()
     return run_dir
+
+
+def run_of_model(path: str | Path) -> tuple[Path, Path] | None:
+    """The model a run saved at ``path`` and that run's directory, or None when ``path`` is no run's model.
+
+    A run's models are ``RUN/checkpoints/step_N/actor`` (a checkpoint: ``RUN/checkpoints/step_N`` means its
+    actor) and ``RUN/sft/model``; ``RUN`` itself means its latest checkpoint's actor, else its SFT model. The
+    directory must hold the run's ``config.yaml``, whose agent and prompt settings the model was trained with.
+    """
+    from turnrl.training.checkpoint import latest_checkpoint
+
+    given = Path(path)
+    if not given.is_dir():
+        return None
+    if (given / "config.yaml").is_file() and not (given / "config.json").is_file():  # a run, not a model
+        checkpoint = latest_checkpoint(given)
+        model = checkpoint / "actor" if checkpoint is not None else given / "sft" / "model"
+        return (model, given) if model.is_dir() else None
+    if given.name == "actor" and given.parent.parent.name == "checkpoints":
+        model, run = given, given.parents[2]
+    elif given.parent.name == "checkpoints" and (given / "actor").is_dir():
+        model, run = given / "actor", given.parents[1]
+    elif given.name == "model" and given.parent.name == "sft":
+        model, run = given, given.parents[1]
+    else:
+        return None
+    return (model, run) if (run / "config.yaml").is_file() else None

@@ -6,7 +6,9 @@ A **run folder** (``turnrl train``) holds ``metrics.jsonl``, ``summary.json``,
 ``val_after_rl.jsonl``, images under ``trajectories/images/``; the SFT stage
 adds ``sft/metrics.jsonl`` and ``sft/demos_sample.jsonl``. An **evaluation
 folder** (``turnrl eval --out``) holds ``summary.json``, ``config.yaml``,
-``trajectories.jsonl`` and ``images/``.
+``trajectories.jsonl`` and ``images/``; one of several env variants
+(``turnrl eval --variants``) holds the same in ``variants/<name>/`` for each
+variant, and the table of all of them in ``summary.json`` (``variants``).
 
 Per-token advantages, where a run has them, sit beside a trajectories file
 as ``<stem>.advantages.jsonl``: one JSON line per trained turn,
@@ -41,6 +43,18 @@ ADVANTAGES_SUFFIX = ".advantages.jsonl"
 DEFAULT_MAX_EPISODES = 128
 """Episodes shown per trajectories file: a long run's files together would make a page too heavy to open."""
 _STEP_FILE = re.compile(r"step_(\d+)")
+VARIANTS_DIR = "variants"
+"""The folder of a variants evaluation that holds one evaluation folder per variant."""
+VARIANT_COLUMNS = (
+    ("episodes", "episodes"),
+    ("success_rate", "success"),
+    ("mean_reward", "mean reward"),
+    ("format_valid_rate", "format valid"),
+    ("mean_turns", "mean turns"),
+    ("errors", "errors"),
+)
+"""The figures of a row of a variants evaluation's table (``summary.json``'s ``variants``): (the key in the row,
+the column's title), printed by ``turnrl eval`` and shown by the page."""
 
 
 # --------------------------------------------------------------------------- records
@@ -320,8 +334,21 @@ def _lines(path: Path) -> Iterable[tuple[int, str]]:
                 yield number, line
 
 
+def source_name(path: Path, folder: Path) -> str:
+    """The name of a trajectories file of ``folder``: its stem (``step_000005``), or for a variant's file its
+    path without ``.jsonl`` (``variants/sokoban-8x8/trajectories``), since every variant's file is
+    ``trajectories.jsonl``."""
+    relative = path.relative_to(folder).as_posix() if path.is_relative_to(folder) else path.name
+    if relative.startswith(f"{VARIANTS_DIR}/"):
+        return relative.removesuffix(".jsonl")
+    return path.name.removesuffix(".jsonl")
+
+
 def source_label(stem: str) -> tuple[str, int | None]:
-    """What the page calls a trajectories file, and its training step: ``step_000005`` -> ``("step 5", 5)``."""
+    """What the page calls a trajectories file, and its training step: ``step_000005`` -> ``("step 5", 5)``,
+    ``variants/NAME/trajectories`` -> ``("variant NAME", None)``."""
+    if stem.startswith(f"{VARIANTS_DIR}/"):
+        return f"variant {stem.split('/')[1]}", None
     if stem == "val_before_rl":
         return "validation before RL", 0
     if stem == "val_after_rl":
@@ -341,7 +368,7 @@ def read_source(path: Path, report_dir: Path, max_episodes: int, warnings: list[
 
     Problems (bad lines, missing images, advantages that fit no turn) are appended to ``warnings``.
     """
-    stem = path.name.removesuffix(".jsonl")
+    stem = source_name(path, report_dir)
     label, step = source_label(stem)
     source = EpisodeSource(name=stem, label=label, step=step)
     resolver = ImageResolver(path.parent, report_dir)
@@ -363,7 +390,7 @@ def read_source(path: Path, report_dir: Path, max_episodes: int, warnings: list[
     if source.total > len(source.episodes) + len(bad):
         warnings.append(f"{rel}: showing the first {max_episodes} of {source.total} episodes "
                         "(turnrl view --max-episodes N shows more)")
-    advantages = path.with_name(stem + ADVANTAGES_SUFFIX)
+    advantages = path.with_name(path.name.removesuffix(".jsonl") + ADVANTAGES_SUFFIX)
     if advantages.is_file():
         _attach_advantages(source, advantages, report_dir, warnings)
     return source
@@ -400,14 +427,18 @@ def source_order(stem: str) -> tuple[int, int, str]:
     return rank, step if step is not None else 0, stem
 
 
-def trajectory_files(folder: Path) -> list[Path]:
-    """The trajectories files of a run or evaluation folder, in page order."""
+def trajectory_files(folder: Path, variants: Sequence[str] = ()) -> list[Path]:
+    """The trajectories files of a run or evaluation folder, in page order; a variants evaluation's in the
+    order of ``variants`` (the table's), then any other variant folder's by name."""
     candidates = [folder / "trajectories.jsonl", folder / "sft" / "demos_sample.jsonl"]
     trajectories_dir = folder / "trajectories"
     if trajectories_dir.is_dir():
         candidates += sorted(trajectories_dir.glob("*.jsonl"))
     files = [p for p in candidates if p.is_file() and not p.name.endswith(ADVANTAGES_SUFFIX)]
-    return sorted(files, key=lambda p: source_order(p.name.removesuffix(".jsonl")))
+    files = sorted(files, key=lambda p: source_order(p.name.removesuffix(".jsonl")))
+    found = {p.parent.name: p for p in sorted((folder / VARIANTS_DIR).glob("*/trajectories.jsonl")) if p.is_file()}
+    ordered = [name for name in variants if name in found] + [name for name in found if name not in variants]
+    return files + [found[name] for name in ordered]
 
 
 def parse_metrics_line(line: str) -> dict[str, float] | None:

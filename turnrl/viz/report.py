@@ -5,6 +5,7 @@ the training curves written beside it as ``plots/*.png``, so it opens from
 disk (``file://``) or from ``turnrl view --serve``. It shows:
 
 - the summary (``summary.json``) and, for runs, the training curves;
+- for an evaluation on several env variants, their table (one row each);
 - before/after RL validation episodes side by side, matched by seed;
 - every episode of every trajectories file, each turn with its image(s),
   observation, the response with its reasoning fields highlighted, the parsed
@@ -29,6 +30,8 @@ from turnrl.viz.highlight import FIELD_CLASSES, advantage_color, response_segmen
 from turnrl.viz.plots import draw_training_curves
 from turnrl.viz.records import (
     DEFAULT_MAX_EPISODES,
+    VARIANT_COLUMNS,
+    VARIANTS_DIR,
     EpisodeSource,
     EpisodeView,
     read_metrics,
@@ -66,6 +69,17 @@ class Pair:
         return "unchanged"
 
 
+@dataclass(frozen=True)
+class VariantRow:
+    """One row of a variants evaluation's table, formatted for the page."""
+
+    name: str
+    env: str
+    settings: str
+    figures: tuple[str, ...]
+    """The values of :data:`VARIANT_COLUMNS`, in order (``-`` where the row has none)."""
+
+
 @dataclass
 class ReportData:
     """Everything the page shows."""
@@ -82,7 +96,13 @@ class ReportData:
     sources: list[EpisodeSource] = field(default_factory=list)
     plots: list[PlotLink] = field(default_factory=list)
     pairs: list[Pair] = field(default_factory=list)
+    variants: list[VariantRow] = field(default_factory=list)
+    """The table of an evaluation on several env variants (empty otherwise)."""
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def variant_columns(self) -> list[str]:
+        return [title for _, title in VARIANT_COLUMNS]
 
     @property
     def episode_count(self) -> int:
@@ -132,14 +152,14 @@ def folder_kind(folder: Path) -> str:
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder: pass the folder that `turnrl train` (run.output_dir/run.name) "
                          "or `turnrl eval --out` wrote")
-    if (folder / "trajectories.jsonl").is_file():
+    if (folder / "trajectories.jsonl").is_file() or (folder / VARIANTS_DIR).is_dir():
         return "evaluation"
     if (folder / "metrics.jsonl").is_file() or (folder / "trajectories").is_dir():
         return "training run"
     hint = " (this looks like the trajectories folder of a run: pass the run folder above it)" if any(
         folder.glob("step_*.jsonl")) or (folder / "val_before_rl.jsonl").is_file() else ""
     raise ValueError(f"{folder} holds neither a training run (metrics.jsonl, trajectories/) nor an evaluation "
-                     f"(trajectories.jsonl){hint}")
+                     f"(trajectories.jsonl, or variants/){hint}")
 
 
 def flatten_summary(summary: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -182,6 +202,31 @@ def headline(summary: Any) -> list[tuple[str, str]]:
     return rows
 
 
+def _figure(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def variant_rows(summary: Any, warnings: list[str]) -> list[VariantRow]:
+    """The table of a variants evaluation (``summary["variants"]``: one dict per variant, see
+    ``turnrl.evaluate.variant_row``), formatted; rows that are not dicts are skipped with a warning."""
+    rows = summary.get("variants") if isinstance(summary, dict) else None
+    if not isinstance(rows, list):
+        return []
+    table = []
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            warnings.append(f"summary.json: variants[{index}] is not a row of the table")
+            continue
+        settings = row.get("settings")
+        settings_text = " ".join(f"{key}={value}" for key, value in settings.items()) if isinstance(
+            settings, dict) else ""
+        table.append(VariantRow(str(row.get("variant", f"#{index}")), str(row.get("env", "")), settings_text or "-",
+                                tuple(_figure(row.get(key)) for key, _ in VARIANT_COLUMNS)))
+    return table
+
+
 def pair_validation(sources: Iterable[EpisodeSource]) -> list[Pair]:
     """Validation episodes before and after RL matched by (env, seed, sample), in seed order."""
     by_name = {source.name: source for source in sources}
@@ -213,12 +258,15 @@ def load_report(folder: Path, max_episodes: int = DEFAULT_MAX_EPISODES, plots: b
     folder = folder.resolve()
     data = ReportData(title=folder.name, kind=folder_kind(folder), folder=str(folder))
     summary = _read_json(folder / "summary.json", data.warnings)
-    data.summary = flatten_summary(summary) if summary is not None else []
+    data.variants = variant_rows(summary, data.warnings)
+    figures = {k: v for k, v in summary.items() if k != "variants"} if data.variants else summary
+    data.summary = flatten_summary(figures) if summary is not None else []
     data.headline = headline(summary)
     config = folder / "config.yaml"
     if config.is_file():
         data.config_text = config.read_text(encoding="utf-8", errors="replace")[:_MAX_CONFIG_CHARS]
-    data.sources = [read_source(path, folder, max_episodes, data.warnings) for path in trajectory_files(folder)]
+    files = trajectory_files(folder, [row.name for row in data.variants])
+    data.sources = [read_source(path, folder, max_episodes, data.warnings) for path in files]
     data.pairs = pair_validation(data.sources)
     if plots:
         records = read_metrics(folder / "metrics.jsonl", data.warnings)

@@ -33,6 +33,9 @@ h2 { font-size: 17px; border-bottom: 1px solid var(--line); padding-bottom: 4px;
                  font-variant-numeric: tabular-nums; }
 .plots { display: flex; flex-wrap: wrap; gap: 12px; }
 .plots figure { margin: 0; background: var(--card); border: 1px solid var(--line); border-radius: 6px; padding: 6px; }
+table.variants { border-collapse: collapse; font-variant-numeric: tabular-nums; }
+table.variants th, table.variants td { border-bottom: 1px solid var(--line); padding: 4px 12px; text-align: left; }
+table.variants .num { text-align: right; }
 .plots img { display: block; width: 440px; max-width: 100%; }
 .filters { position: sticky; top: 0; z-index: 2; background: var(--bg); padding: 8px 0;
            display: flex; flex-wrap: wrap; gap: 14px; align-items: center; border-bottom: 1px solid var(--line); }
@@ -257,6 +260,7 @@ TEMPLATE = r"""<!doctype html>
   <div class="muted">{{ data.kind }} · {{ data.folder }}</div>
   <nav>
     <a href="#summary">Summary</a>
+    {% if data.variants %}<a href="#variants">Variants ({{ data.variants|length }})</a>{% endif %}
     {% if data.plots %}<a href="#curves">Training curves</a>{% endif %}
     {% if data.pairs %}<a href="#pairs">Before / after RL</a>{% endif %}
     <a href="#episodes">Episodes ({{ data.episode_count }})</a>
@@ -289,6 +293,24 @@ TEMPLATE = r"""<!doctype html>
   </details>
   {% else %}<p class="muted">No summary.json (the run has not finished).</p>{% endif %}
 </section>
+
+{% if data.variants %}
+<section id="variants">
+  <h2>Env variants</h2>
+  <p class="muted">One policy with the same agent settings on each env; each variant's episodes are below
+    (filter "from"), and its folder is variants/&lt;variant&gt;/.</p>
+  <table class="variants">
+    <thead><tr><th>variant</th><th>env</th><th>settings</th>
+      {%- for title in data.variant_columns %}<th class="num">{{ title }}</th>{% endfor %}</tr></thead>
+    <tbody>
+    {%- for row in data.variants %}
+    <tr><td><strong>{{ row.name }}</strong></td><td>{{ row.env }}</td><td><code>{{ row.settings }}</code></td>
+      {%- for value in row.figures %}<td class="num">{{ value }}</td>{% endfor %}</tr>
+    {%- endfor %}
+    </tbody>
+  </table>
+</section>
+{% endif %}
 
 {% if data.plots %}
 <section id="curves">
