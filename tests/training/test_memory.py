@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -12,7 +13,7 @@ from turnrl.config import ConfigError, load_config
 from turnrl.models.tiny import build_tokenizer, count_parameters, preset_config
 from turnrl.models.vlm import count_vlm_parameters, vlm_config
 from turnrl.training.config import TrainConfig
-from turnrl.training.memory import GIB, activation_bytes, count_model, estimate_memory, require_fit
+from turnrl.training.memory import GIB, activation_bytes, check_memory, count_model, estimate_memory, require_fit
 
 H100 = 79.1 * GIB
 
@@ -121,3 +122,13 @@ def test_activations_grow_with_the_micro_batch_and_shrink_with_checkpointing(tmp
     assert activation_bytes(counts, 8192, False) == pytest.approx(
         36 * 2 * 8192 * (14 * 2048 + 4 * 11008) + 8 * 2048 * 151936)
 
+
+
+
+def test_a_model_that_cannot_be_counted_starts_unchecked(tmp_path):
+    """The estimate never stops a run by failing itself: a config transformers cannot build is skipped (a GPU
+    run's check, reached here without a GPU since the count fails first); a CPU run is never checked."""
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [])
+    assert check_memory(config, tmp_path, torch.device("cuda"), 4) is None
+    assert check_memory(config, tmp_path, torch.device("cpu"), 1) is None

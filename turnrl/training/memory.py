@@ -26,6 +26,7 @@ measured peak of each scale row); the check fails only when the estimate exceeds
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from turnrl.config import ConfigError
 from turnrl.models.loading import VISION_TOWERS
 from turnrl.training.config import TrainConfig
 from turnrl.training.head import DEFAULT_CHUNK
+
+logger = logging.getLogger(__name__)
 
 GIB = 2**30
 _STACKED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -198,7 +201,7 @@ def _advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> li
         offload = "distributed.cpu_offload=true" if sharded else \
             "distributed.backend=fsdp distributed.cpu_offload=true (one process, FSDP's CPU offload)"
         options.append((states, f"{offload} (moves {states / GIB:.0f} GiB of training states to host memory)"))
-        options.append((states * (1 - processes / (2 * processes)),
+        options.append((states / 2,
                         f"distributed.nproc_per_node={2 * processes} (training states are divided among the GPUs)"))
     if not config.lora.enabled:
         options.append((0.9 * states, "lora.enabled=true (trains adapters only; the reference is the base)"))
@@ -207,7 +210,7 @@ def _advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> li
     if config.algorithm.micro_batch_tokens > 4096:
         options.append((0.5 * estimate.parts["activations"],
                         f"algorithm.micro_batch_tokens={config.algorithm.micro_batch_tokens // 2}"))
-    if estimate.parts.get("key/value cache", 0.0) > 0:
+    if config.model.engine.kv_cache_gb > 0:  # the default cache is sized to fit already
         options.append((estimate.parts["key/value cache"] / 2, "a smaller model.engine.kv_cache_gb"))
     return [text for _, text in sorted(options, key=lambda option: -option[0])]
 
@@ -236,6 +239,11 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
     """
     if device.type != "cuda" or not config.run.check_memory:
         return None
-    counts = count_model(model_path, lora_rank=config.lora.r if config.lora.enabled else 0,
-                         lora_targets=config.lora.target_modules, train_vision=config.model.train_vision)
+    try:
+        counts = count_model(model_path, lora_rank=config.lora.r if config.lora.enabled else 0,
+                             lora_targets=config.lora.target_modules, train_vision=config.model.train_vision)
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        # A model transformers cannot build from its config alone (remote code, say): the run goes on unchecked.
+        logger.warning("no memory estimate for %s (%s); the run starts without one", model_path, error)
+        return None
     return require_fit(config, counts, processes, torch.cuda.get_device_properties(device).total_memory)
