@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from turnrl.config import ConfigError
-from turnrl.models.devices import resolve_device
 from turnrl.models.loading import base_model_path
 from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RolloutWorkerError
@@ -163,8 +162,8 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
         if ranks.is_main():
             base_model_path(config.model)
         ranks.wait_for_main()
-    device = ranks.process_device() or resolve_device(config.model.device)
-    memory = check_memory(config, base_model_path(config.model), device, ranks.world_size() if distributed else 1)
+    memory = check_memory(config, base_model_path(config.model), ranks.training_device(config.model.device),
+                          ranks.world_size() if distributed else 1)
     if memory is not None and config.model.engine.kv_cache_gb == 0:
         # The engine's default (30% of what is free when it starts) does not know the optimizer's states to come.
         config.model.engine.kv_cache_gb = round(memory.parts.get("key/value cache", 0.0) / GIB, 1) or 0.1

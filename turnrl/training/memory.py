@@ -163,9 +163,14 @@ def default_cache_bytes(parts: dict[str, float], device_bytes: float) -> float:
     return max(0.0, min(engine_default, headroom))
 
 
+def _sharded(config: TrainConfig, processes: int) -> bool:
+    """Whether the models are FSDP-sharded (several processes, or ``distributed.backend=fsdp`` on one)."""
+    return processes > 1 or config.distributed.backend == "fsdp"
+
+
 def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float) -> MemoryEstimate:
     """Each GPU's estimated peak by part (see the module docs) for ``config`` on ``processes`` processes."""
-    sharded = processes > 1 or config.distributed.backend == "fsdp"
+    sharded = _sharded(config, processes)
     offload = sharded and config.distributed.cpu_offload
     lora = config.lora.enabled
     parts: dict[str, float] = {}
@@ -196,9 +201,8 @@ def _advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> li
     """What would make the run fit, the largest saving first."""
     options: list[tuple[float, str]] = []
     states = sum(estimate.parts.get(name, 0.0) for name in ("actor", "critic", "reference"))
-    sharded = processes > 1 or config.distributed.backend == "fsdp"
     if states > 0:
-        offload = "distributed.cpu_offload=true" if sharded else \
+        offload = "distributed.cpu_offload=true" if _sharded(config, processes) else \
             "distributed.backend=fsdp distributed.cpu_offload=true (one process, FSDP's CPU offload)"
         options.append((states, f"{offload} (moves {states / GIB:.0f} GiB of training states to host memory)"))
         options.append((states / 2,

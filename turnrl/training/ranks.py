@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from turnrl.models.devices import resolve_device
+
 
 def rank() -> int:
     """This process's rank (0 outside ``torchrun``)."""
@@ -51,6 +53,11 @@ _process_device: torch.device | None = None
 def process_device() -> torch.device | None:
     """This process's device in a distributed run (the GPU of its ``LOCAL_RANK``), None otherwise."""
     return _process_device
+
+
+def training_device(setting: str) -> torch.device:
+    """Where this process trains: its GPU in a distributed run, else ``model.device`` (``setting``) resolved."""
+    return process_device() or resolve_device(setting)
 
 
 def init_process_group(device: str, timeout_s: float) -> torch.device:

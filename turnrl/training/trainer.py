@@ -46,7 +46,7 @@ from turnrl.algorithms import group_stats, kl_penalty, select_groups
 from turnrl.config import ConfigError, SamplingConfig
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
-from turnrl.models.devices import resolve_device, resolve_dtype
+from turnrl.models.devices import resolve_dtype
 from turnrl.models.loading import (
     base_model_path,
     enable_checkpointing,
@@ -311,7 +311,7 @@ class Trainer:
         self.config = config
         # After this run's SFT stage, its model stays (run.overwrite deletes only the RL outputs).
         self.run_dir = start_run(config, stage="rl" if config.sft.enabled else "train")
-        self.device = ranks.process_device() or resolve_device(config.model.device)
+        self.device = ranks.training_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         skip_cudnn_attention(self.device)
         self.timings: dict[str, float] = {}
