@@ -363,10 +363,12 @@ def launch_processes(nproc: int, config_path: str | None, overrides: list[str]) 
     """
     import subprocess
 
+    from turnrl.training.ranks import COMMAND_START
+
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "turnrl.cli", "train"]
     command += ["--config", config_path] if config_path else []
-    launcher = subprocess.Popen([*command, *overrides])
+    launcher = subprocess.Popen([*command, *overrides], env={**os.environ, COMMAND_START: str(time.time())})
     while True:
         try:
             return launcher.wait()

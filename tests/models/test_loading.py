@@ -11,6 +11,7 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
+import torch
 from huggingface_hub import hf_api
 from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
 
@@ -186,3 +187,24 @@ def test_the_model_line_says_which_model_and_warns_where_a_pretrained_one_is_exp
     warned = model_line(ModelConfig(builtin_preset="small", expects_pretrained=True), None)
     assert "this recipe expects a pretrained model (model.path=ORG/NAME" in warned
     assert "expects" not in model_line(ModelConfig(path="org/name", expects_pretrained=True), "hub")
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_vlm_dir"])
+def test_a_model_on_meta_is_the_loaded_model_without_its_weights(fixture, request):
+    """The structure a sharded trainer's other processes build: the same parameters (names, shapes, dtypes,
+    the tied LM head), none with storage, and the same buffers (rotary frequencies) computed for real."""
+    path = request.getfixturevalue(fixture)
+    loaded = loading.load_model(path)
+    structure = loading.load_model(path, device="meta")
+    assert type(structure) is type(loaded)
+    real = {name: (p.shape, p.dtype) for name, p in loaded.named_parameters(remove_duplicate=False)}
+    empty = {name: (p.shape, p.dtype) for name, p in structure.named_parameters(remove_duplicate=False)}
+    assert empty == real
+    assert all(p.is_meta for p in structure.parameters())
+    assert (structure.get_output_embeddings().weight is structure.get_input_embeddings().weight) == \
+        (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight)
+    buffers = dict(loaded.named_buffers())
+    assert dict(structure.named_buffers()).keys() == buffers.keys() and buffers
+    for name, buffer in structure.named_buffers():
+        assert not buffer.is_meta
+        assert torch.equal(buffer, buffers[name]), name

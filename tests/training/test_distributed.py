@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from turnrl.config import ConfigError, load_config
+from turnrl.models.loading import load_model
 from turnrl.training.commands import train
 from turnrl.training.config import TrainConfig
-from turnrl.training.distributed import process_rows
+from turnrl.training.distributed import allocate, copy_full_weights, process_rows, structure_of
 from turnrl.training.ppo import MicroBatching, Shard, shard_micro_batches, shard_rows
 
 # A short PPO run with a critic (GAE), greedy rollouts: one process and two play the same episodes.
@@ -98,6 +99,26 @@ def test_packed_micro_batches_fit_the_token_budget_and_balance_the_processes(n, 
         assert len(part) == 1 or int(lengths[part].sum()) <= budget  # only a row over the budget runs alone
     tokens = [sum(int(lengths[p].sum()) for p in parts if p is not None) for parts in per_process]
     assert max(tokens) - min(tokens) <= int(lengths.max())  # dealt longest first: within one row's tokens
+
+
+# --------------------------------------------------------------------------- the rollout copy
+def test_a_copy_allocated_from_the_structure_and_filled_is_the_model(tiny_model_dir):
+    """The rollout copy a sharded trainer makes: the actor's structure (no parameter memory), allocated in the
+    compute dtype, filled parameter by parameter; its LM head stays tied and its rotary buffers are the
+    model's, so it computes what the model does."""
+    model = load_model(tiny_model_dir).eval()
+    structure = structure_of(model)
+    assert all(p.is_meta for p in structure.parameters()) and not any(p.is_meta for p in model.parameters())
+    copied = allocate(structure, torch.device("cpu"), torch.bfloat16)
+    copy_full_weights(model, copied, every_parameter=True)
+    assert copied.lm_head.weight is copied.model.embed_tokens.weight
+    assert all(p.dtype == torch.bfloat16 for p in copied.parameters())
+    for name, buffer in model.named_buffers():
+        assert torch.equal(dict(copied.named_buffers())[name], buffer.to(torch.bfloat16)), name
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    with torch.no_grad():
+        expected = model.to(torch.bfloat16)(input_ids=ids).logits
+        torch.testing.assert_close(copied(input_ids=ids).logits, expected, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- whole runs

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import huggingface_hub
 import torch
+from accelerate import init_empty_weights
 from huggingface_hub.errors import HFValidationError, HTTPError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 from transformers import (
@@ -154,11 +155,20 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: tor
                attention: str | None = None) -> Any:
     """The causal LM or VLM at ``path`` on ``device``, with weights in ``dtype``.
 
+    On the ``meta`` device it is the model's structure only, read from its config in well under a second:
+    parameters without storage, buffers (rotary frequencies) computed for real. A sharded trainer's processes
+    other than rank 0 build this and receive their shards of rank 0's weights.
+
     Args:
         attention: transformers' ``attn_implementation`` (``sdpa``, ``flex_attention``, ...); None: its default.
     """
     auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
     options = {"attn_implementation": attention} if attention is not None else {}
+    if torch.device(device).type == "meta":
+        with init_empty_weights(include_buffers=False):
+            structure: Any = auto.from_config(AutoConfig.from_pretrained(path), dtype=dtype, **options)
+        structure.tie_weights()  # the context makes a new parameter of each one assigned, the tied head too
+        return structure
     model: Any = auto.from_pretrained(path, dtype=dtype, **options)
     return model.to(device)
 

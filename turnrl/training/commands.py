@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -126,7 +125,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     Raises:
         ConfigError: before anything is written, for what :func:`preflight` checks.
     """
-    start = time.time()
+    start = ranks.command_start()
     distributed = ranks.launched_by_torchrun()
     if distributed and (config.distributed.async_rollout or config.distributed.backend == "ray"):
         raise ConfigError("several processes under torchrun train with FSDP; distributed.async_rollout and "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -140,11 +141,16 @@ class ShardedRollout:
 
 
 # --------------------------------------------------------------------------- sharding the models
-def shard_model(model: torch.nn.Module, dtype: torch.dtype, cpu_offload: bool = False) -> None:
+def shard_model(model: torch.nn.Module, dtype: torch.dtype, weights: Mapping[str, torch.Tensor],
+                cpu_offload: bool = False) -> None:
     """``fully_shard`` each decoder layer (a transformers model's ``_no_split_modules`` classes), then the
-    model; in place. A model on the CPU moves to the process's GPU shard by shard (no process ever holds it
-    whole there); with ``cpu_offload`` the shards stay in host memory and each unit's weights are gathered onto
-    the GPU when it runs. bf16/fp16 runs gather the weights in that dtype and reduce gradients in float32.
+    model, and fill the shards with ``weights``; in place.
+
+    The model's parameters are on the ``meta`` device on every process (its buffers real); rank 0 holds the
+    whole model's ``weights`` in host memory (the others pass an empty mapping) and sends each process its
+    shards: one process reads the weights, and no process holds them whole on a GPU. With ``cpu_offload`` the
+    shards stay in host memory and each unit's weights are gathered onto the GPU when it runs. bf16/fp16 runs
+    gather the weights in that dtype and reduce gradients in float32.
 
     The trainer runs a causal LM's body and its LM head as two calls (the head only on scored positions), so
     body and head are one unit that stays gathered from the body's forward to the backward: a head tied to
@@ -163,17 +169,59 @@ def shard_model(model: torch.nn.Module, dtype: torch.dtype, cpu_offload: bool = 
         fully_shard(layer, **options)
     if isinstance(model, ValueModel):
         fully_shard(model, **options)
+    else:
+        body, head = body_and_head(model)  # a peft model's too
+        if not isinstance(head, ScoringHead):  # the trainer scores through the head's forward, which FSDP hooks
+            raise TypeError("shard_model needs the model's LM head to be a ScoringHead (install_scoring_head)")
+        fully_shard([body, head], reshard_after_forward=False, **options)
+        fully_shard(model, **options)
+    device = ranks.process_device()
+    assert device is not None, "shard_model runs in a process group (ranks.init_process_group)"
+    to_empty(model, torch.device("cpu") if cpu_offload else device, device)
+    set_model_state_dict(model, dict(weights),
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if isinstance(model, ValueModel):
         return
-    body, head = body_and_head(model)  # a peft model's too
-    if not isinstance(head, ScoringHead):  # the trainer scores through the head's forward, which FSDP hooks
-        raise TypeError("shard_model needs the model's LM head to be a ScoringHead (install_scoring_head)")
-    fully_shard([body, head], reshard_after_forward=False, **options)
-    fully_shard(model, **options)
     # FSDP takes the module of the first forward call as the root of the units; the trainer calls the
     # body first, so one forward of the whole model makes the model the root.
     with torch.no_grad():
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=ranks.process_device()), use_cache=False)
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
     reshard(model)
+
+
+def structure_of(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters are on the ``meta`` device (shapes, dtypes, tied weights and
+    ``requires_grad`` kept) and whose buffers are copies of its own; costs no parameter memory."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    return copy.deepcopy(model, memo)
+
+
+def to_empty(model: torch.nn.Module, device: torch.device, buffer_device: torch.device) -> None:
+    """``model.to_empty(device=device)`` keeping what it loses: parameters tied to each other (an LM head tied
+    to the input embeddings) are tied again, and the buffers (rotary frequencies, computed at construction and
+    not loaded) keep their values, on ``buffer_device`` (the GPU also where parameters are offloaded)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    buffers = dict(model.named_buffers())
+    model.to_empty(device=device)
+    for first, *others in names.values():
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, model.get_parameter(first))
+    for name, value in buffers.items():
+        owner, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, value.to(buffer_device))
+
+
+def allocate(structure: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``structure`` (parameters on ``meta``, see :func:`structure_of`) with its parameters allocated on
+    ``device`` in ``dtype`` and not initialized, its buffers kept (cast to ``dtype`` as ``Module.to`` does); in
+    place. :func:`copy_full_weights` with ``every_parameter`` fills it."""
+    to_empty(structure.to(dtype), device, device)
+    return structure
 
 
 def reshard(model: torch.nn.Module | None) -> None:
@@ -203,13 +251,14 @@ def without_tied_copies(state: dict[str, torch.Tensor], model: torch.nn.Module) 
 
 
 @torch.no_grad()
-def copy_full_weights(sharded: torch.nn.Module, full: torch.nn.Module) -> None:
+def copy_full_weights(sharded: torch.nn.Module, full: torch.nn.Module, every_parameter: bool = False) -> None:
     """Copy a sharded model's trained parameters into an unsharded copy of it, one parameter at a time (each
     gathered from the shards: a collective), so that no second whole copy is ever held. Frozen parameters (a
-    LoRA base, a frozen vision tower) never change, so the copy keeps its own."""
+    LoRA base, a frozen vision tower) never change, so the copy keeps its own, unless ``every_parameter``
+    (the copy's first filling)."""
     targets = dict(full.named_parameters())
     for name, param in sharded.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad or every_parameter:
             targets[name].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
 
 
@@ -238,20 +287,30 @@ class FSDPTrainer(Trainer):
         return self.rollout_actor
 
     def load_device(self) -> torch.device:
-        """Models load on the CPU; sharding moves each process's shards to its GPU (see :func:`shard_model`)."""
-        return torch.device("cpu")
+        """Rank 0 reads the models into host memory; the other processes build their structure on ``meta``
+        and receive their shards from it (see :func:`shard_model`)."""
+        return torch.device("cpu") if ranks.is_main() else torch.device("meta")
 
     def _build_models(self, start_model: Path | str | None) -> None:
         super()._build_models(start_model)
+        started = time.time()
+        whole = ranks.is_main()
+        weights = {name: model.state_dict() if whole else {}
+                   for name, model in (("actor", self.actor), ("critic", self.critic), ("reference", self.reference))
+                   if model is not None}
+        self.actor = structure_of(self.actor)
+        self.critic = structure_of(self.critic) if self.critic is not None else None  # type: ignore[assignment]
+        self.reference = structure_of(self.reference) if self.reference is not None else None
+        rollout_structure = structure_of(self.actor)  # before sharding changes the actor's modules
+        for name, model in (("actor", self.actor), ("critic", self.critic), ("reference", self.reference)):
+            if model is not None:
+                shard_model(model, self.dtype, weights.pop(name), self.config.distributed.cpu_offload)
+        self.startup["shard_s"] = time.time() - started
         # The rollout's unsharded copy in the compute dtype, refreshed from the shards after every update.
         started = time.time()
-        self.rollout_actor = copy.deepcopy(self.actor).to(self.device, self.dtype).eval().requires_grad_(False)
+        self.rollout_actor = allocate(rollout_structure, self.device, self.dtype).eval().requires_grad_(False)
+        copy_full_weights(self.actor, self.rollout_actor, every_parameter=True)
         self.startup["rollout_copy_s"] = time.time() - started
-        started = time.time()
-        for model in (self.actor, self.critic, self.reference):
-            if model is not None:
-                shard_model(model, self.dtype, self.config.distributed.cpu_offload)
-        self.startup["shard_s"] = time.time() - started
 
     def _restore(self) -> None:
         super()._restore()  # everything but the optimizers' shards (the trainer state holds none)

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
-from transformers import AutoModel, PreTrainedModel
+from transformers import AutoConfig, AutoModel, PreTrainedModel
 
 from turnrl.models.vision import position_inputs
 from turnrl.training.attention import BOUNDS, packed_forward, packs
@@ -181,21 +182,26 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         hidden_size = backbone.config.get_text_config().hidden_size  # a VLM keeps it in its text config
-        self.value_head = nn.Linear(hidden_size, 1)
+        self.value_head = nn.Linear(hidden_size, 1, device=next(backbone.parameters()).device)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, attention: str | None = None
-                        ) -> ValueModel:
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, attention: str | None = None,
+                        device: torch.device | str = "cpu") -> ValueModel:
+        """The critic saved at ``path`` on ``device``; on ``meta``, its structure only (see
+        :func:`~turnrl.models.loading.load_model`)."""
         path = Path(path)
         options = {"attn_implementation": attention} if attention is not None else {}
+        if torch.device(device).type == "meta":
+            with init_empty_weights(include_buffers=False):
+                return cls(AutoModel.from_config(AutoConfig.from_pretrained(path), dtype=dtype, **options))
         backbone = AutoModel.from_pretrained(path, dtype=dtype, **options)
         critic = cls(backbone)
         head = path / "value_head.pt"
         if head.exists():
             critic.value_head.load_state_dict(torch.load(head, map_location="cpu", weights_only=True))
-        return critic
+        return critic.to(device)
 
     def save_pretrained(self, path: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
         """The backbone as a transformers model and ``value_head.pt``; ``state_dict`` (the critic's own keys,

@@ -9,6 +9,7 @@ so that a process that dies or hangs stops the run with an error instead of a si
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +37,20 @@ def is_main() -> bool:
 def launched_by_torchrun() -> bool:
     """Processes started by ``torchrun``: several (``WORLD_SIZE`` above 1), or one (its run id is set)."""
     return int(os.environ.get("WORLD_SIZE", 1)) > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+COMMAND_START = "TURNRL_COMMAND_START"
+"""The environment variable in which ``turnrl train distributed.nproc_per_node=N`` hands its processes the time
+it was started (seconds since the epoch): their start counts from the command, not from their own launch."""
+
+
+def command_start() -> float:
+    """When the command that started this process began: :data:`COMMAND_START` when the launcher set it, else
+    now."""
+    try:
+        return float(os.environ[COMMAND_START])
+    except (KeyError, ValueError):
+        return time.time()
 
 
 def threads_per_process() -> int:

@@ -363,7 +363,8 @@ class Trainer:
         return self.actor
 
     def load_device(self) -> torch.device:
-        """Where models are loaded: the training device (a sharded recipe loads on the CPU and shards onto it)."""
+        """Where models are loaded: the training device (a sharded trainer's rank 0 loads on the CPU, the other
+        processes build the models' structure on ``meta``; sharding fills every process's shards)."""
         return self.device
 
     def _build_envs(self) -> None:
@@ -413,12 +414,12 @@ class Trainer:
         self.critic: ValueModel | None = None
         if config.algorithm.uses_critic:
             if self.checkpoint is not None:
-                self.critic = ValueModel.from_pretrained(self.checkpoint / "critic", attention=attention)
+                self.critic = ValueModel.from_pretrained(self.checkpoint / "critic", attention=attention,
+                                                         device=self.load_device())
                 if not config.model.train_vision:  # loaded weights are all trainable again
                     freeze_vision_tower(self.critic.backbone)
             else:
                 self.critic = ValueModel(copy.deepcopy(self.actor.base_model))  # a frozen tower stays frozen
-            self.critic.to(self.load_device())
             if config.model.gradient_checkpointing:
                 enable_checkpointing(self.critic.backbone)
         self.reference: torch.nn.Module | None = None
@@ -457,15 +458,18 @@ class Trainer:
     def _build_optimizers(self) -> None:
         optim = self.config.optim
         warmup = lambda s: min(1.0, (s + 1) / optim.warmup_steps) if optim.warmup_steps > 0 else 1.0  # noqa: E731
+        # One fused kernel for every parameter's update where the parameters are on a GPU (offloaded shards
+        # are stepped on the host).
+        fused = self.device.type == "cuda" and not self.config.distributed.cpu_offload
         self.actor_optimizer = torch.optim.AdamW(
             [p for p in self.actor.parameters() if p.requires_grad], lr=optim.actor_lr, weight_decay=optim.weight_decay,
-            eps=optim.adam_eps,
+            eps=optim.adam_eps, fused=fused,
         )
         self.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(self.actor_optimizer, warmup)
         self.critic_optimizer = None
         if self.critic is not None:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=optim.critic_lr,
-                                                      weight_decay=optim.weight_decay, eps=optim.adam_eps)
+                                                      weight_decay=optim.weight_decay, eps=optim.adam_eps, fused=fused)
 
     def _restore(self) -> None:
         assert self.checkpoint is not None
