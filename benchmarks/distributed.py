@@ -33,6 +33,7 @@ QUICK = ["model.builtin_preset=tiny", "model.device=cpu", "model.dtype=float32",
          "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=4", "groups.group_size=2",
          "run.steps=3", "run.threads=1"]
 COMMON = ["run.tensorboard=false", "run.trajectories_every=0", "validation.episodes=8", "validation.every=0",
+          "collapse.stop_on_low_success=false",  # it counts validations during training, which this turns off
           "run.overwrite=true", "sft.enabled=false"]
 PEAKS = ("memory/rollout_peak_gib", "memory/scores_peak_gib", "memory/update_peak_gib")
 

@@ -251,6 +251,25 @@ def test_sequences_that_stop_while_the_next_step_runs_keep_their_tokens_and_thei
     assert [r.reused_tokens for r in second] == stopped_or_spent
 
 
+def test_a_row_whose_sequence_stopped_as_the_last_one_serves_its_next_sequence_its_whole_budget(kernels):
+    """The last running sequence stops while the next step runs: that step is dropped unread, and the row's next
+    sequence (the episode's next turn) still gets every token of its budget, and ends."""
+    model = build("qwen2")
+    prompt = random_prompts([16])[0]
+    engine = engine_for(model)
+    free = engine.generate([prompt], [GREEDY])[0].token_ids
+    stopped = engine.generate([prompt], [SamplingParams(temperature=0, max_new_tokens=12, stop_ids=(free[4],))])[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 5
+    turn = prompt + stopped.token_ids + random_prompts([5], seed=3)[0]
+    engine.submit(turn, GREEDY)
+    results = []
+    for _ in range(60):  # 12 tokens take about 13 steps; a row that miscounts its budget never ends
+        results += engine.step()
+        if results:
+            break
+    assert [r.token_ids for r in results] == [hf_greedy(model, turn, 12)]
+
+
 def test_a_stop_string_cuts_at_the_token_that_completes_it():
     model = build("qwen2")
     prompt = random_prompts([8])[0]

@@ -203,6 +203,7 @@ def test_a_model_on_meta_is_the_loaded_model_without_its_weights(fixture, reques
     assert all(p.is_meta for p in structure.parameters())
     assert (structure.get_output_embeddings().weight is structure.get_input_embeddings().weight) == \
         (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight)
+    assert structure.generation_config.eos_token_id == loaded.generation_config.eos_token_id  # where turns end
     buffers = dict(loaded.named_buffers())
     assert dict(structure.named_buffers()).keys() == buffers.keys() and buffers
     for name, buffer in structure.named_buffers():

@@ -455,8 +455,13 @@ class Engine:
             launched = self._decode() if self.running else None
             if self._launched is not None:
                 self._read(self._launched)
-            # With no sequence left, the step just launched decoded only finished rows: nothing to read.
-            self._launched = launched if self.running else None
+            if launched is not None and not self.running:
+                # With no sequence left, the step just launched decoded only finished rows: nothing to read, and
+                # its rows are no longer in flight (a row's next sequence would count that token against its
+                # budget, and stop one token early or never end).
+                self._in_flight[launched.rows] -= 1
+                launched = None
+            self._launched = launched
         self.timer.collect(wait=False)
         done, self.finished = self.finished, []
         return done

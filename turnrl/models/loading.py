@@ -26,6 +26,7 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedTokenizerBase,
 )
 
@@ -168,6 +169,10 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: tor
         with init_empty_weights(include_buffers=False):
             structure: Any = auto.from_config(AutoConfig.from_pretrained(path), dtype=dtype, **options)
         structure.tie_weights()  # the context makes a new parameter of each one assigned, the tied head too
+        try:  # its end-of-turn ids, as from_pretrained reads them (from_config knows only config.json's)
+            structure.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # the model has no generation_config.json
+            pass
         return structure
     model: Any = auto.from_pretrained(path, dtype=dtype, **options)
     return model.to(device)
