@@ -196,6 +196,12 @@ class EngineConfig:
     a compilation that fails falls back to eager decoding with a warning."""
     fuse_projections: bool = True
     """Stack the q/k/v and gate/up weights into one buffer each (one GEMM per group; costs a copy of them)."""
+    free_during_update: bool = False
+    """Free the key/value cache, the engine's computed weights (stacked projections, bf16 casts) and, with several
+    processes, the rollout copy of the actor while the trainer scores and updates, and build them again before the
+    next rollout: the update's peak holds none of them (a 7B actor and critic on 80 GB cards), at the cost of
+    capturing the CUDA graphs and gathering the whole actor again each step. Their contents are stale after an
+    update anyway."""
     triton: str = "auto"
     """Triton kernels for attention (one kernel for prefill and decode, reading each cached row only up to its own
     length), the rotary turn and cache write, and sampling (by the inverse CDF): ``true``, ``false`` (torch:

@@ -270,6 +270,38 @@ def test_a_row_whose_sequence_stopped_as_the_last_one_serves_its_next_sequence_i
     assert [r.token_ids for r in results] == [hf_greedy(model, turn, 12)]
 
 
+def test_memory_freed_between_generations_is_rebuilt_and_gives_the_same_tokens(kernels):
+    """``release_memory`` (for a training update) frees the cache and the computed weights; the next
+    generation, after an optimizer step or none, samples exactly what an engine that kept them samples."""
+    model = build("qwen2")
+    prompts = random_prompts([12, 30])
+    released, kept = engine_for(model), engine_for(model)
+    assert [r.token_ids for r in released.generate(prompts, [GREEDY] * 2)] == \
+        [r.token_ids for r in kept.generate(prompts, [GREEDY] * 2)]
+    stacked = [t for t in released.weights.tensors if t.source is not None]
+    assert stacked  # the fused q/k/v and gate/up buffers
+    released.release_memory()
+    assert released.cache.capacity == 0 and not released.cache.kv
+    assert all(t.value.untyped_storage().size() == 0 for t in stacked)
+    turns = [prompt + random_prompts([7], seed=9)[0] for prompt in prompts]
+    assert [r.token_ids for r in released.generate(turns, [GREEDY] * 2)] == \
+        [r.token_ids for r in kept.generate(turns, [GREEDY] * 2)]
+    with torch.no_grad():  # an optimizer step between generations, as in training
+        for param in model.parameters():
+            param.mul_(1.01)
+    released.release_memory()
+    assert [r.token_ids for r in released.generate(prompts, [GREEDY] * 2)] == \
+        [r.token_ids for r in kept.generate(prompts, [GREEDY] * 2)] == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_memory_is_not_freed_while_sequences_generate():
+    engine = engine_for(build("qwen2"))
+    engine.submit(random_prompts([8])[0], GREEDY)
+    engine.step()
+    with pytest.raises(RuntimeError, match="between generations"):
+        engine.release_memory()
+
+
 def test_a_stop_string_cuts_at_the_token_that_completes_it():
     model = build("qwen2")
     prompt = random_prompts([8])[0]

@@ -152,6 +152,23 @@ def test_two_processes_train_as_one(tiny_model_dir, tmp_path):
                                       "model.safetensors").keys()
 
 
+def test_two_processes_that_free_the_rollout_during_the_update_train_as_one(tiny_model_dir, tmp_path):
+    """``model.engine.free_during_update``: the engine's cache and computed weights and the unsharded rollout copy
+    are freed before each update and rebuilt (gathered from the shards) before the next rollout; the run is the
+    one-process run that keeps them, step for step."""
+    engine = ("model.backend=engine", "run.steps=3")
+    single = run_train(tiny_model_dir, tmp_path, "single", *engine)
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = run_train(tiny_model_dir, tmp_path, "double", *engine, "model.engine.free_during_update=true",
+                       "distributed.nproc_per_node=2")
+    assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
+    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "double")
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+    assert one[3]["actor/grad_norm"] > 0
+
+
 PACKED_WITH_REFERENCE = ("algorithm.micro_batch_tokens=160", "algorithm.kl_coef=0.05")
 
 

@@ -101,6 +101,27 @@ def test_offload_takes_the_training_states_off_the_gpu(tmp_path, tokenizer):
     assert estimate.parts["key/value cache"] == 8 * GIB
 
 
+def test_freeing_the_rollout_during_the_update_fits_7b_ppo_on_four_h100s(tmp_path, tokenizer):
+    """7B PPO + critic on 4 x 80 GB: the states (55 GiB) and the rollout copy (22 GiB) leave no room for the
+    update; with the rollout copy and the cache freed during the update, the peak is the larger phase."""
+    counts = _counts(tmp_path, tokenizer, "7b")
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [])
+    with pytest.raises(ConfigError, match=r"model.engine.free_during_update=true \(frees the rollout's \d+ GiB"):
+        require_fit(config, counts, 4, H100)
+    config.model.engine.free_during_update = True
+    estimate = require_fit(config, counts, 4, H100)
+    parts = estimate.parts
+    gradients = 4 * (counts.total + counts.total - counts.head + counts.hidden) / 4  # actor and critic, float32
+    assert estimate.gradients == pytest.approx(gradients)
+    kept = parts["actor"] + parts["critic"] - gradients  # weights and AdamW's moments stay through the rollout
+    rollout = parts["rollout weights"] + parts["key/value cache"]
+    update = parts["gathered layers"] + parts["activations"] + gradients
+    assert estimate.total == pytest.approx(kept + max(rollout, update))
+    assert sum(parts.values()) > H100 >= estimate.total  # every part at once would not fit
+    assert parts["key/value cache"] > 8 * GIB  # what the rollout leaves, not what the update leaves (nothing)
+    assert "max(rollout weights" in estimate.table() and f"= {estimate.total / GIB:.1f} GiB" in estimate.table()
+
+
 def test_one_process_is_told_to_shard_to_offload(tmp_path, tokenizer):
     counts = _counts(tmp_path, tokenizer, "3b")
     config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [])

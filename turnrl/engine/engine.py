@@ -283,6 +283,8 @@ class Engine:
         self._ids = itertools.count()
         self._steps_waited = 0
         self._version = weights_version(model)
+        self._released = False
+        """Whether :meth:`release_memory` freed the computed weights, which the next generation computes again."""
         self._batch_buckets = sorted({min(2**i, rows) for i in range(20) if 2 ** (i - 1) < rows} | {rows})
         # Key lengths in steps of 256: decode reads every key position up to the bucket, so a coarser
         # bucket wastes reads (512 + 256 tokens in a 1,024 bucket read a third more than needed).
@@ -421,12 +423,32 @@ class Engine:
     def sync_weights(self) -> None:
         """Pick up changed weights: recompute merged/cast buffers and forget cached keys and values."""
         version = weights_version(self.model)
-        if version != self._version:
+        if version != self._version or self._released:
             if self.running:
                 raise RuntimeError("the weights changed while sequences were generating")
             self.weights.refresh()
             self.table.clear()
             self._version = version
+            self._released = False
+
+    def release_memory(self) -> None:
+        """Free the key/value cache, the CUDA graphs captured on it and the computed weights (stacked
+        projections, casts, merged adapters) between generations, for a training update to use: the next
+        generation computes the weights again and allocates the cache as its sequences need. The model's own
+        parameters are left alone.
+
+        Raises:
+            RuntimeError: sequences are generating or waiting.
+        """
+        if self.running or self.waiting or self._launched is not None:
+            raise RuntimeError("the engine frees its memory between generations only; sequences are generating")
+        self.table.clear()
+        self.cache.release()
+        self._graphs.clear()
+        self._prefill_graphs.clear()
+        self._graph_pool = None
+        self.weights.release()
+        self._released = True
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load new weights into the engine's model (a rollout worker's copy); caches are cleared."""

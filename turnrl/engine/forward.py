@@ -94,6 +94,10 @@ class KVCache:
         self.kv, self.capacity = layers, capacity
         return True
 
+    def release(self) -> None:
+        """Free every layer's keys and values; the next :meth:`grow` allocates them again (empty)."""
+        self.kv, self.capacity = [], 0
+
     def copy_rows(self, sources: np.ndarray, targets: np.ndarray, length: int) -> None:
         """Copy the first ``length`` positions of rows ``sources`` into rows ``targets`` (each Shape (n,)), in every
         layer: an identical prompt's keys and values, computed once."""

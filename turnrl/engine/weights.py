@@ -63,16 +63,26 @@ class WeightRef:
     """``inputs``' version when ``value`` was last computed."""
 
     def refresh(self) -> bool:
-        """Recompute the buffer if its parameters changed; True if it was rewritten."""
+        """Recompute the buffer if its parameters changed or it was released; True if it was rewritten."""
         if self.source is None:
             return False
         version = parameters_version(self.inputs)
-        if self.inputs and version == self.seen_version:
+        storage = self.value.untyped_storage()
+        released = storage.size() == 0 and self.value.numel() > 0
+        if self.inputs and version == self.seen_version and not released:
             return False
+        if released:
+            storage.resize_(self.value.numel() * self.value.element_size())
         with torch.no_grad():
             self.value.copy_(self.source())
         self.seen_version = version
         return True
+
+    def release(self) -> None:
+        """Free a computed buffer's memory (the tensor keeps its shape); :meth:`refresh` computes it again. The
+        model's own parameters are left alone."""
+        if self.source is not None:
+            self.value.untyped_storage().resize_(0)
 
 
 @dataclass
@@ -211,6 +221,11 @@ class DecoderWeights:
     def refresh(self) -> int:
         """Recompute the merged, cast and fused buffers whose parameters changed; returns how many were."""
         return sum(tensor.refresh() for tensor in self.tensors)
+
+    def release(self) -> None:
+        """Free the merged, cast and fused buffers until the next :meth:`refresh`."""
+        for tensor in self.tensors:
+            tensor.release()
 
 
 def base_causal_lm(model: nn.Module) -> nn.Module:

@@ -97,6 +97,11 @@ class Policy(Protocol):
         or None when it completes whole batches only (the default)."""
         return None
 
+    def release_memory(self) -> None:
+        """Free what the policy holds between generations (the engine's key/value cache and computed weights)
+        for a training update to use; the next ``generate`` builds it again. The default holds nothing."""
+        return None
+
 
 class StreamingPolicy(Protocol):
     """A policy that takes requests one at a time and returns completions as they finish (the engine).

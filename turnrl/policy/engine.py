@@ -83,6 +83,9 @@ class EnginePolicy(Policy):
             results = self.engine.abort(f"generation failed: {type(error).__name__}: {error}")
         return [(result.id, self._completion(result)) for result in results]
 
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
     def _completion(self, result: Result) -> Completion:
         if result.finish_reason == "error":
             return Completion(text="", finish_reason="error", error=result.error)

@@ -497,6 +497,9 @@ class TrainConfig:
                 f"distributed.async_rollout with distributed.max_staleness={staleness} samples with weights up to "
                 f"{staleness} update(s) old, and the loss corrects for that with truncated importance weights: set "
                 f"{' '.join(missing)} (or distributed.max_staleness=0 for the synchronous algorithm)")
+        if self.distributed.async_rollout and self.model.engine.free_during_update:
+            raise ConfigError("model.engine.free_during_update frees the rollout's memory while the trainer "
+                              "updates, and distributed.async_rollout rolls out during the update: turn one off")
         check_range("run.steps", self.run.steps, 0)
         check_range("run.save_every", self.run.save_every, 0)
         check_range("run.keep_checkpoints", self.run.keep_checkpoints, 0)

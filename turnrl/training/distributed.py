@@ -224,6 +224,21 @@ def allocate(structure: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     return structure
 
 
+def free_parameters(model: torch.nn.Module) -> None:
+    """Free the memory of every parameter of ``model`` (each keeps its shape and place in the model);
+    :func:`reallocate_parameters` gives it back, uninitialized."""
+    for param in model.parameters():
+        param.untyped_storage().resize_(0)
+
+
+def reallocate_parameters(model: torch.nn.Module) -> None:
+    """Allocate again the parameters :func:`free_parameters` freed (their values are to be copied in)."""
+    for param in model.parameters():
+        storage = param.untyped_storage()
+        if storage.size() == 0 and param.numel() > 0:
+            storage.resize_(param.numel() * param.element_size())
+
+
 def reshard(model: torch.nn.Module | None) -> None:
     """Put every unit of ``model`` back to its shards: the body of a causal LM stays gathered after a forward
     pass without gradient (it waits for a backward), and state dicts read the sharded parameters."""
@@ -278,6 +293,8 @@ class FSDPTrainer(Trainer):
                               "CPU hold them there already: set distributed.cpu_offload=false")
         self.weights_version = 0
         self.rollout_version = 0
+        self.rollout_freed = False
+        """Whether the rollout copy's parameters were freed for the update (``model.engine.free_during_update``)."""
         super().__init__(config, start_model, rewards)
         assert isinstance(self.rollout, Rollout)  # Ray rollouts and torchrun do not go together (train() says)
         self.rollout = ShardedRollout(self.rollout, self.tokenizer)  # type: ignore[assignment]
@@ -329,8 +346,20 @@ class FSDPTrainer(Trainer):
             state["critic"] = get_optimizer_state_dict(self.critic, self.critic_optimizer)
         return state
 
+    def release_rollout_memory(self) -> None:
+        """The engine's memory and the rollout copy's parameters, gathered whole from the shards again before the
+        next rollout: the update does not hold a second, unsharded actor."""
+        super().release_rollout_memory()
+        free_parameters(self.rollout_actor)
+        self.rollout_freed = True
+
     def _sync_rollout_weights(self) -> None:
-        if self.rollout_version != self.weights_version:
+        if self.rollout_freed:
+            reallocate_parameters(self.rollout_actor)
+            copy_full_weights(self.actor, self.rollout_actor, every_parameter=True)
+            self.rollout_freed = False
+            self.rollout_version = self.weights_version
+        elif self.rollout_version != self.weights_version:
             copy_full_weights(self.actor, self.rollout_actor)
             self.rollout_version = self.weights_version
 

@@ -18,6 +18,11 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
     activations       one micro-batch of the update: with checkpointing every layer's input plus one
                       layer's working set; without, every layer's working set; plus the scoring head's chunk
 
+With ``model.engine.free_during_update`` the rollout weights and the key/value cache are freed before the scores
+and the update, so they are never held with the gathered layers, the activations and the gradients (a quarter
+of the trained parameters' states, freed after each optimizer step): the peak counts the larger of the two
+groups.
+
 Parameters are counted on the ``meta`` device from the model's own config (no weights are read). The
 activations are an approximation fitted to measured peaks (docs/benchmarks.md compares the estimate with the
 measured peak of each scale row); the check fails only when the estimate exceeds the GPU's memory, and
@@ -64,23 +69,54 @@ class ModelCounts:
     vocab: int
 
 
+ROLLOUT_ONLY = ("rollout weights", "key/value cache")
+"""Parts that ``model.engine.free_during_update`` frees before the scores and the update."""
+UPDATE_ONLY = ("gathered layers", "activations")
+"""Parts held only while scoring and updating."""
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Estimated bytes a GPU holds at the peak of a step, by part, and the GPU's memory."""
 
     parts: dict[str, float]
     device_bytes: float
+    apart: bool = False
+    """Whether the :data:`ROLLOUT_ONLY` parts are freed before the :data:`UPDATE_ONLY` ones and the gradients
+    are held (``model.engine.free_during_update``): the peak holds the larger group only."""
+    gradients: float = 0.0
+    """The gradients within the actor's and critic's states: held only while updating."""
+
+    def groups(self) -> tuple[float, float]:
+        """The bytes held only while rolling out, and only while scoring and updating (the gradients too)."""
+        rollout, update = (sum(self.parts.get(name, 0.0) for name in group) for group in (ROLLOUT_ONLY, UPDATE_ONLY))
+        return rollout, update + self.gradients
 
     @property
     def total(self) -> float:
-        return sum(self.parts.values())
+        if not self.apart:
+            return sum(self.parts.values())
+        rollout, update = self.groups()
+        return sum(self.parts.values()) - rollout - update + max(rollout, update)
 
     def fits(self) -> bool:
         return self.total <= self.device_bytes
 
     def table(self) -> str:
-        """``actor 30.4 + critic 30.3 + ... = 92.1 GiB of 79.1 GiB``: the parts above 0.05 GiB."""
-        shown = " + ".join(f"{name} {value / GIB:.1f}" for name, value in self.parts.items() if value >= 0.05 * GIB)
+        """``actor 30.4 + critic 30.3 + ... = 92.1 GiB of 79.1 GiB``: the parts above 0.05 GiB; the groups that
+        are never held together as ``max(..., ...)``."""
+        def listed(names: list[str]) -> str:
+            return " + ".join(f"{name} {self.parts[name] / GIB:.1f}" for name in names
+                              if self.parts[name] >= 0.05 * GIB)
+
+        if self.apart:
+            rest = listed([name for name in self.parts if name not in ROLLOUT_ONLY + UPDATE_ONLY])
+            rollout = listed([name for name in ROLLOUT_ONLY if name in self.parts]) or "0"
+            update = listed([name for name in UPDATE_ONLY if name in self.parts])
+            shown = (f"{rest} (gradients {self.gradients / GIB:.1f} of them while updating only) + "
+                     f"max({rollout}; {update}{' + ' if update else ''}gradients {self.gradients / GIB:.1f})")
+        else:
+            shown = listed(list(self.parts))
         return f"{shown} = {self.total / GIB:.1f} GiB of the GPU's {self.device_bytes / GIB:.1f} GiB"
 
 
@@ -151,15 +187,19 @@ def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool) -> f
     return kept + (working if checkpointing else 0) + head
 
 
-def default_cache_bytes(parts: dict[str, float], device_bytes: float) -> float:
+def default_cache_bytes(parts: dict[str, float], device_bytes: float, apart: bool = False,
+                        gradients: float = 0.0) -> float:
     """The key/value cache that ``model.engine.kv_cache_gb=0`` gets: the engine's own default (30% of the memory
     free when it starts: the weights are in place, the gradients and optimizer moments not yet), but no more
     than the update leaves free at its peak (95% of the GPU less every other part), so that the optimizer's
-    first step does not run out of memory where the cache took it."""
+    first step does not run out of memory where the cache took it; with ``apart`` (the cache freed during the
+    update), no more than the rollout leaves free (the update's own parts and the ``gradients`` not counted)."""
     weights_only = {"actor": 0.25, "critic": 0.25}  # float32 weights: a quarter of the 16 bytes of states
     at_start = sum(value * weights_only.get(name, 1.0) for name, value in parts.items() if name != "activations")
     engine_default = 0.3 * max(0.0, device_bytes - at_start)
-    headroom = 0.95 * device_bytes - sum(parts.values())
+    held = sum(value for name, value in parts.items() if not (apart and name in UPDATE_ONLY)) - \
+        (gradients if apart else 0.0)
+    headroom = 0.95 * device_bytes - held
     return max(0.0, min(engine_default, headroom))
 
 
@@ -175,10 +215,12 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     lora = config.lora.enabled
     parts: dict[str, float] = {}
     parts["actor"] = _training_states(counts.trained, counts.total - counts.trained, processes, offload)
+    trained = counts.trained
     if config.algorithm.uses_critic:
         critic_total = counts.total - counts.head + counts.hidden  # a value head in place of the LM head
         critic_trained = counts.trained if lora else critic_total - (counts.total - counts.trained)
         parts["critic"] = _training_states(critic_trained, critic_total - critic_trained, processes, offload)
+        trained += critic_trained
     if config.algorithm.kl_coef > 0 and not lora:
         parts["reference"] = 0.0 if offload else 2 * counts.total / processes
     engine = config.model.backend != "hf"
@@ -191,10 +233,13 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     algorithm = config.algorithm
     tokens = algorithm.micro_batch_tokens or algorithm.micro_batch_size * config.model.engine.max_seq_len
     parts["activations"] = activation_bytes(counts, tokens, config.model.gradient_checkpointing)
+    apart = engine and config.model.engine.free_during_update
+    gradients = 0.0 if offload else 4 * trained / processes  # float32, divided as the states are
     if engine:
         kv_gb = config.model.engine.kv_cache_gb
-        parts["key/value cache"] = kv_gb * GIB if kv_gb > 0 else default_cache_bytes(parts, device_bytes)
-    return MemoryEstimate(parts, device_bytes)
+        parts["key/value cache"] = kv_gb * GIB if kv_gb > 0 else default_cache_bytes(parts, device_bytes, apart,
+                                                                                     gradients)
+    return MemoryEstimate(parts, device_bytes, apart, gradients)
 
 
 def _advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> list[str]:
@@ -214,6 +259,10 @@ def _advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> li
     if config.algorithm.micro_batch_tokens > 4096:
         options.append((0.5 * estimate.parts["activations"],
                         f"algorithm.micro_batch_tokens={config.algorithm.micro_batch_tokens // 2}"))
+    if config.model.backend != "hf" and not estimate.apart:
+        rollout, update = estimate.groups()
+        options.append((min(rollout, update), f"model.engine.free_during_update=true (frees the rollout's "
+                                              f"{rollout / GIB:.0f} GiB while the update runs)"))
     if config.model.engine.kv_cache_gb > 0:  # the default cache is sized to fit already
         options.append((estimate.parts["key/value cache"] / 2, "a smaller model.engine.kv_cache_gb"))
     return [text for _, text in sorted(options, key=lambda option: -option[0])]
@@ -224,7 +273,7 @@ def require_fit(config: TrainConfig, counts: ModelCounts, processes: int, device
     exceeds ``device_bytes``."""
     estimate = estimate_memory(config, counts, processes, device_bytes)
     if not estimate.fits():
-        advice = "; or ".join(_advice(config, estimate, processes)[:3])
+        advice = "; or ".join(_advice(config, estimate, processes)[:4])
         raise ConfigError(f"this run needs about {estimate.table()} (estimated per GPU, {processes} process"
                           f"{'es' if processes > 1 else ''}): turn on {advice}; or set run.check_memory=false to "
                           "try anyway")

@@ -343,6 +343,7 @@ class Trainer:
         started = time.time()
         policy, val_policy = rollout_policies(self.rollout_model(), self.tokenizer, config.model, batch_size,
                                               config.validation.batch_size, processor=self.processor, dtype=self.dtype)
+        self.policies = (policy, val_policy)
         self.rollout: Rollout | RayRollout = Rollout(policy, fmt, config.agent, env_id=config.env.id,
                                                      executor=self.executor, rewards=rewards)
         if config.distributed.backend == "ray":
@@ -582,9 +583,17 @@ class Trainer:
         """Token ids as text, special tokens kept (where a response's reasoning lies)."""
         return str(self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
+    def release_rollout_memory(self) -> None:
+        """Free what the rollouts hold between generations (the engine's cache and computed weights) for the
+        scores and the update to use; the next rollout builds it again (``model.engine.free_during_update``)."""
+        for policy in {id(policy): policy for policy in self.policies}.values():
+            policy.release_memory()
+
     def update(self, step: int, rollout: StepOutput, keep: list[int]) -> StepOutput:
         """3-6: batch, scores, advantages and the PPO epochs on the kept episodes of ``rollout``."""
         config, algo = self.config, self.config.algorithm
+        if config.model.engine.free_during_update:
+            self.release_rollout_memory()
         metrics = rollout.metrics
         generator = torch.Generator().manual_seed(step_seed(config.seeds.seed, step))
         # 3. samples -> padded batch
