@@ -283,8 +283,6 @@ class Engine:
         self._ids = itertools.count()
         self._steps_waited = 0
         self._version = weights_version(model)
-        self._released = False
-        """Whether :meth:`release_memory` freed the computed weights, which the next generation computes again."""
         self._batch_buckets = sorted({min(2**i, rows) for i in range(20) if 2 ** (i - 1) < rows} | {rows})
         # Key lengths in steps of 256: decode reads every key position up to the bucket, so a coarser
         # bucket wastes reads (512 + 256 tokens in a 1,024 bucket read a third more than needed).
@@ -423,13 +421,12 @@ class Engine:
     def sync_weights(self) -> None:
         """Pick up changed weights: recompute merged/cast buffers and forget cached keys and values."""
         version = weights_version(self.model)
-        if version != self._version or self._released:
+        if version != self._version:
             if self.running:
                 raise RuntimeError("the weights changed while sequences were generating")
             self.weights.refresh()
             self.table.clear()
             self._version = version
-            self._released = False
 
     def release_memory(self) -> None:
         """Free the key/value cache, the CUDA graphs captured on it and the computed weights (stacked
@@ -448,7 +445,7 @@ class Engine:
         self._prefill_graphs.clear()
         self._graph_pool = None
         self.weights.release()
-        self._released = True
+        self._version = -1  # no version of the weights: the next generation computes the buffers again
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load new weights into the engine's model (a rollout worker's copy); caches are cleared."""

@@ -67,11 +67,10 @@ class WeightRef:
         if self.source is None:
             return False
         version = parameters_version(self.inputs)
-        storage = self.value.untyped_storage()
-        released = storage.size() == 0 and self.value.numel() > 0
-        if self.inputs and version == self.seen_version and not released:
+        if self.inputs and version == self.seen_version:
             return False
-        if released:
+        storage = self.value.untyped_storage()
+        if storage.size() == 0:  # released
             storage.resize_(self.value.numel() * self.value.element_size())
         with torch.no_grad():
             self.value.copy_(self.source())
@@ -83,6 +82,7 @@ class WeightRef:
         model's own parameters are left alone."""
         if self.source is not None:
             self.value.untyped_storage().resize_(0)
+            self.seen_version = -1  # no version of its inputs: computed again whatever they are
 
 
 @dataclass

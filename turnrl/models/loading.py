@@ -164,18 +164,27 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: tor
         attention: transformers' ``attn_implementation`` (``sdpa``, ``flex_attention``, ...); None: its default.
     """
     auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
-    options = {"attn_implementation": attention} if attention is not None else {}
     if torch.device(device).type == "meta":
-        with init_empty_weights(include_buffers=False):
-            structure: Any = auto.from_config(AutoConfig.from_pretrained(path), dtype=dtype, **options)
-        structure.tie_weights()  # the context makes a new parameter of each one assigned, the tied head too
-        try:  # its end-of-turn ids, as from_pretrained reads them (from_config knows only config.json's)
-            structure.generation_config = GenerationConfig.from_pretrained(path)
-        except OSError:  # the model has no generation_config.json
-            pass
-        return structure
+        return model_structure(auto, path, dtype, attention)
+    options = {"attn_implementation": attention} if attention is not None else {}
     model: Any = auto.from_pretrained(path, dtype=dtype, **options)
     return model.to(device)
+
+
+def model_structure(auto: Any, path: Path | str, dtype: torch.dtype = torch.float32,
+                    attention: str | None = None) -> Any:
+    """The model that ``auto`` (a transformers auto class) builds for the checkpoint at ``path``, from its config
+    alone: parameters on the ``meta`` device, buffers (rotary frequencies) computed for real, tied weights
+    tied, and the checkpoint's generation config (its end-of-turn ids)."""
+    options = {"attn_implementation": attention} if attention is not None else {}
+    with init_empty_weights(include_buffers=False):
+        structure: Any = auto.from_config(AutoConfig.from_pretrained(path), dtype=dtype, **options)
+    structure.tie_weights()  # the context makes a new parameter of each one assigned, the tied head too
+    try:  # as from_pretrained reads it (from_config knows only config.json's ids)
+        structure.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # the model has no generation_config.json
+        pass
+    return structure
 
 
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import init_empty_weights
 from torch import nn
-from transformers import AutoConfig, AutoModel, PreTrainedModel
+from transformers import AutoModel, PreTrainedModel
 
+from turnrl.models.loading import model_structure
 from turnrl.models.vision import position_inputs
 from turnrl.training.attention import BOUNDS, packed_forward, packs
 from turnrl.training.head import DEFAULT_CHUNK, ScoringHead, chosen_logprobs
@@ -192,10 +192,9 @@ class ValueModel(nn.Module):
         """The critic saved at ``path`` on ``device``; on ``meta``, its structure only (see
         :func:`~turnrl.models.loading.load_model`)."""
         path = Path(path)
-        options = {"attn_implementation": attention} if attention is not None else {}
         if torch.device(device).type == "meta":
-            with init_empty_weights(include_buffers=False):
-                return cls(AutoModel.from_config(AutoConfig.from_pretrained(path), dtype=dtype, **options))
+            return cls(model_structure(AutoModel, path, dtype, attention))
+        options = {"attn_implementation": attention} if attention is not None else {}
         backbone = AutoModel.from_pretrained(path, dtype=dtype, **options)
         critic = cls(backbone)
         head = path / "value_head.pt"

@@ -37,10 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from turnrl.config import ConfigError
-from turnrl.models.loading import VISION_TOWERS
+from turnrl.models.loading import VISION_TOWERS, load_model
 from turnrl.training.config import TrainConfig
 from turnrl.training.head import DEFAULT_CHUNK
 
@@ -139,12 +138,8 @@ def count_model(path: Path | str, *, lora_rank: int = 0, lora_targets: str = "al
             ``all-linear``: every linear layer but the output head) of the decoder, and of the vision tower
             only when ``train_vision``.
     """
-    config = AutoConfig.from_pretrained(path)
-    vlm = getattr(config, "vision_config", None) is not None
-    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(config)
-    text = _text_config(config)
+    model = load_model(path, device="meta")
+    text = _text_config(model.config)
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is model.get_input_embeddings().weight
     head = 0 if output is None or tied else output.weight.numel()
