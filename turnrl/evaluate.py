@@ -103,8 +103,14 @@ def print_summary(summary: dict[str, Any], title: str) -> None:
             value = f"{value:.3f}"
         table.add_row(key, str(value))
     console.print(table)
+    print_errors(summary)
+
+
+def print_errors(summary: dict[str, Any], name: str = "") -> None:
+    """How many episodes errored and the first errors (nothing when none did); ``name``: the variant's."""
     if summary.get("first_errors"):
-        console.print(f"[bold red]{summary['errors']} episode(s) errored[/bold red]; first errors:")
+        console.print(f"[bold red]{name}{': ' if name else ''}{summary['errors']} episode(s) errored[/bold red]; "
+                      "first errors:")
         for message in summary["first_errors"]:
             console.print(f"  {message}", markup=False, highlight=False)
 
@@ -318,11 +324,7 @@ def evaluate_variants(
         trajectories = play(config, item, policy, fmt)
         summary = env_summary(config, item, trajectories)
         rows.append(variant_row(item, summary))
-        if summary["first_errors"]:
-            console.print(f"[bold red]{item.target.name}: {summary['errors']} episode(s) errored[/bold red]; "
-                          "first errors:")
-            for message in summary["first_errors"]:
-                console.print(f"  {message}", markup=False, highlight=False)
+        print_errors(summary, item.target.name)
         if out_dir is not None:
             write_eval(out_dir / VARIANTS_DIR / item.target.name, summary, single_config(config, item), trajectories)
     result: dict[str, Any] = {
