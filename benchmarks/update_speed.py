@@ -5,9 +5,9 @@ A batch of ragged rows (lengths drawn between ``--min-len`` and ``--max-len``, t
 scored, as the responses of a multi-turn episode are) goes through ``token_logprobs``, the way the PPO
 epochs run it (with gradient checkpointing unless ``--no-checkpointing``), in micro-batches of ``--rows``
 rows (padded) or of ``--tokens`` tokens (packed: each sequence attends to itself only, SDPA sequence by
-sequence). The weights are bf16, as FSDP's mixed precision gathers them. MFU counts
-6 x parameters per real (unpadded) token over the device's bf16 peak; the ratio of each variant to the
-padded one is measured in the same run.
+sequence). The weights are bf16, as FSDP's mixed precision gathers them. MFU counts 6 x parameters per real
+(unpadded) token plus each sequence's causal attention (the trainer's ``throughput/update_mfu``) over the
+device's bf16 peak; the ratio of each variant to the padded one is measured in the same run.
 
     python benchmarks/update_speed.py --preset 3b
     python benchmarks/update_speed.py --preset tiny --device cpu --rows 4 --tokens 512 --batch 8   # a smoke run
@@ -32,7 +32,12 @@ from turnrl.training.attention import implementation  # noqa: E402
 from turnrl.training.forward import token_logprobs  # noqa: E402
 from turnrl.training.head import chosen_logprobs, install_scoring_head  # noqa: E402
 from turnrl.training.ppo import MicroBatching  # noqa: E402
-from turnrl.training.throughput import peak_flops, training_flops_per_token  # noqa: E402
+from turnrl.training.throughput import (  # noqa: E402
+    attention_flops,
+    attention_shape,
+    peak_flops,
+    training_flops_per_token,
+)
 
 
 def build(preset: str, device: torch.device, attention: str, vocab_limit: int, checkpointing: bool
@@ -147,12 +152,13 @@ def main() -> None:
     rows = []
     for attention in args.attention:
         model = build(args.preset, device, attention, args.vocab_limit, args.checkpointing)
-        flops = training_flops_per_token(model, None if model.config.tie_word_embeddings
-                                         else model.get_input_embeddings().weight)
+        flops = tokens * training_flops_per_token(model, None if model.config.tie_word_embeddings
+                                                  else model.get_input_embeddings().weight)
+        flops += attention_flops(*attention_shape(model.config), data[3])
         variants = [("padded", MicroBatching(args.rows)), ("packed", MicroBatching(args.rows, args.tokens))]
         for name, batching in variants:
             seconds, memory = measure(model, data, batching, args.repeats, device)
-            utilization = flops * tokens / seconds / peak if peak else float("nan")
+            utilization = flops / seconds / peak if peak else float("nan")
             rows.append((f"{name}, {attention}", seconds, tokens / seconds, utilization, memory))
             print(f"{rows[-1][0]}: {seconds:.3f} s, {tokens / seconds:,.0f} tokens/s, MFU {utilization:.1%}, "
                   f"peak {memory:.1f} GiB", flush=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3VLConfig
 
-from turnrl.training.throughput import mfu, peak_flops, training_flops_per_token
+from turnrl.training.throughput import attention_flops, attention_shape, mfu, peak_flops, training_flops_per_token
 
 
 def model(tied: bool) -> Qwen2ForCausalLM:
@@ -35,8 +35,28 @@ def test_a_frozen_base_costs_four_times_and_the_trained_part_six():
 
 
 def test_mfu_is_model_flops_over_time_and_peak():
-    assert mfu(6e9, 1000, 2.0, 1e12, processes=2) == pytest.approx(6e12 / 2 / 2e12)
-    assert mfu(6e9, 1000, 2.0, None) is None
+    assert mfu(6e12, 2.0, 1e12, processes=2) == pytest.approx(6e12 / 2 / 2e12)
+    assert mfu(6e12, 2.0, None) is None
+
+
+def test_attention_flops_count_each_causal_pair_once_forward_and_twice_backward():
+    layers, width, lengths = 3, 16, [1, 5, 8]
+    expected = 0
+    for s in lengths:  # a plain count: each query i against the keys j <= i (the diagonal halved, as s^2 / 2 is)
+        for i in range(s):
+            for j in range(i + 1):
+                pair = 0.5 if i == j else 1.0
+                forward = pair * (2 * width + 2 * width)  # a score (q . k) and a weighted value (p * v)
+                expected += layers * 3 * forward  # the backward pass: twice the forward
+    assert attention_flops(layers, width, torch.tensor(lengths)) == pytest.approx(expected)
+
+
+def test_attention_shape_reads_text_and_vision_language_configs():
+    qwen2 = Qwen2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=3)
+    assert attention_shape(qwen2) == (3, 64)
+    qwen3_vl = Qwen3VLConfig(text_config={"hidden_size": 64, "num_attention_heads": 8, "head_dim": 16,
+                                          "num_hidden_layers": 5})
+    assert attention_shape(qwen3_vl) == (5, 128)
 
 
 def test_peak_is_configured_or_detected_by_name(monkeypatch):

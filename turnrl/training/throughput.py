@@ -2,12 +2,17 @@
 
 MFU counts the FLOPs the model's math needs, not what the implementation spends: a fully trained model costs
 6 x its parameters per token (2 forward, 4 backward), a frozen base under LoRA 4 x (no weight gradients; the
-adapters' own FLOPs are negligible). Recomputation for gradient checkpointing, attention's quadratic term and
-padding are not counted, as in PaLM's and torchtitan's figures, so an implementation that wastes work shows a
-lower MFU. The denominator is the device's dense bf16 peak (detected for the GPUs below, or configured).
+adapters' own FLOPs are negligible), plus attention's scores and weighted sums over each sequence's causal
+triangle (:func:`attention_flops`). Recomputation for gradient checkpointing and padding are not counted, so an
+implementation that wastes work shows a lower MFU. PaLM's and torchtitan's figures count attention too, but over
+the whole (t, t) square (12 x layers x width x t a token): half of it is masked out in a causal model, so the
+figure here is the lower of the two for the same run. The denominator is the device's dense bf16 peak (detected
+for the GPUs below, or configured).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -67,11 +72,35 @@ def training_flops_per_token(model: torch.nn.Module, lookup_only: torch.Tensor |
     return 6.0 * trained + 4.0 * frozen
 
 
-def mfu(flops_per_token: float, tokens: float, seconds: float, peak: float | None, processes: int = 1) -> float | None:
-    """Model FLOPs utilization: ``flops_per_token * tokens / seconds`` over ``processes`` devices of ``peak``."""
+def attention_flops(layers: int, query_width: int, sequence_lengths: torch.Tensor) -> float:
+    """FLOPs of causal attention in one training pass (forward and backward) over a batch of sequences.
+
+    Per layer and sequence of ``s`` tokens the forward pass takes ``s^2 / 2`` query-key dot products and as many
+    weighted sums of values, each ``2 x query_width`` FLOPs (``s^2 x query_width`` apiece); the backward pass
+    twice the forward. Attention has no weights, so a frozen base (LoRA) costs the same.
+
+    Args:
+        layers: the decoder's layers.
+        query_width: query heads x head dimension (keys and values shared among heads (GQA) change nothing).
+        sequence_lengths: Shape (n,), each sequence's tokens.
+    """
+    squares = float((sequence_lengths.double() ** 2).sum())
+    return 6.0 * layers * query_width * squares
+
+
+def attention_shape(model_config: Any) -> tuple[int, int]:
+    """(layers, query heads x head dimension) of a transformers config (a VLM's text config)."""
+    text = model_config.get_text_config()
+    # transformers' own rule: Qwen3's config names its head dimension, Qwen2's leaves it to width / heads.
+    head_dim = text.head_dim if getattr(text, "head_dim", None) else text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, text.num_attention_heads * head_dim
+
+
+def mfu(flops: float, seconds: float, peak: float | None, processes: int = 1) -> float | None:
+    """Model FLOPs utilization: ``flops / seconds`` over ``processes`` devices of ``peak``."""
     if peak is None or seconds <= 0:
         return None
-    return flops_per_token * tokens / seconds / (peak * processes)
+    return flops / seconds / (peak * processes)
 
 
 def start_phase(device: torch.device) -> None:

@@ -83,7 +83,15 @@ from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, b
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config
 from turnrl.training.seeding import step_seed
-from turnrl.training.throughput import mfu, peak_flops, phase_peak_gib, start_phase, training_flops_per_token
+from turnrl.training.throughput import (
+    attention_flops,
+    attention_shape,
+    mfu,
+    peak_flops,
+    phase_peak_gib,
+    start_phase,
+    training_flops_per_token,
+)
 from turnrl.viz.records import token_advantage_records
 
 console = RunConsole(quiet=not ranks.is_main())  # one process of a distributed run speaks
@@ -650,8 +658,14 @@ class Trainer:
         trained = float(batch.attention_mask.sum()) * algo.ppo_epochs
         metrics["throughput/trained_tokens_per_s"] = trained / max(update_s, 1e-9)
         # Model FLOPs of the update (actor once it trains, critic) over the devices' peak.
-        flops = (self.actor_flops_per_token if train_actor else 0.0) + self.critic_flops_per_token
-        utilization = mfu(flops, trained, update_s, self.peak_flops, ranks.world_size())
+        trained_models = [self.actor] if train_actor else []
+        if self.critic is not None:
+            trained_models.append(self.critic.backbone)
+        lengths = batch.attention_mask.sum(1)
+        flops = trained * ((self.actor_flops_per_token if train_actor else 0.0) + self.critic_flops_per_token)
+        flops += algo.ppo_epochs * sum(attention_flops(*attention_shape(model.config), lengths)
+                                       for model in trained_models)
+        utilization = mfu(flops, update_s, self.peak_flops, ranks.world_size())
         if utilization is not None:
             metrics["throughput/update_mfu"] = utilization
         metrics["actor/lr"] = float(self.actor_scheduler.get_last_lr()[0])
