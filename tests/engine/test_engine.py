@@ -26,6 +26,7 @@ from turnrl.engine import attention
 from turnrl.engine.attention import triton_available
 from turnrl.engine.engine import Engine, SamplingParams
 from turnrl.engine.weights import UnsupportedModel
+from turnrl.training.trainer import adamw
 
 VOCAB = 300
 ARCHITECTURES = {
@@ -440,12 +441,15 @@ def test_a_sequence_stops_at_the_row_length():
     assert len(result.token_ids) == 4 and result.finish_reason == "length"
 
 
-def test_an_optimizer_step_is_seen_by_the_next_generation_and_drops_the_stale_cache():
+@pytest.mark.parametrize("optimizer_kind", ["sgd", "trainer's fused adamw"])
+def test_an_optimizer_step_is_seen_by_the_next_generation_and_drops_the_stale_cache(optimizer_kind):
     model = build("qwen2")
     engine = engine_for(model)
     prompt = random_prompts([30])[0]
     engine.generate([prompt], [GREEDY])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    # The fused AdamW kernel (the trainer's on a GPU) writes parameters without counting their versions.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5) if optimizer_kind == "sgd" else \
+        adamw(list(model.parameters()), lr=0.5, weight_decay=0.0, eps=1e-8, fused=True)
     loss = model(input_ids=torch.tensor([prompt])).logits.float().pow(2).mean()
     loss.backward()
     optimizer.step()

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import group_stats, kl_penalty, select_groups
@@ -294,6 +295,23 @@ def vision_module_pattern(model: torch.nn.Module) -> str | None:
     return None if name is None else rf"{re.escape(name)}(\..*)?"
 
 
+def adamw(parameters: list[torch.nn.Parameter], lr: float, weight_decay: float, eps: float, fused: bool
+          ) -> torch.optim.AdamW:
+    """AdamW whose every step marks its parameters modified (their in-place version counters).
+
+    The engine and the rollout policies recompute their cast and stacked weights when a parameter's version
+    changes. torch's fused AdamW kernel writes the parameters without counting a version (the foreach and
+    per-tensor ones count), so after a fused step the engine would keep sampling from the weights it first
+    saw; the hook counts one for every step, fused or not. Sharded parameters (FSDP) are left out: they reach
+    the engine through the rollout copy, whose filling counts.
+    """
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, eps=eps, fused=fused)
+    whole = [p for p in parameters if not isinstance(p, DTensor)]
+    if whole:
+        optimizer.register_step_post_hook(lambda *_: torch.autograd.graph.increment_version(whole))
+    return optimizer
+
+
 def _lookup_only(model: Any) -> torch.Tensor | None:
     """The input embeddings of a transformers model (peft-wrapped or not) unless they double as its LM head:
     a lookup, no FLOPs (see :func:`~turnrl.training.throughput.training_flops_per_token`)."""
@@ -470,15 +488,13 @@ class Trainer:
         # One fused kernel for every parameter's update where the parameters are on a GPU (offloaded shards
         # are stepped on the host).
         fused = self.device.type == "cuda" and not self.config.distributed.cpu_offload
-        self.actor_optimizer = torch.optim.AdamW(
-            [p for p in self.actor.parameters() if p.requires_grad], lr=optim.actor_lr, weight_decay=optim.weight_decay,
-            eps=optim.adam_eps, fused=fused,
-        )
+        self.actor_optimizer = adamw([p for p in self.actor.parameters() if p.requires_grad], optim.actor_lr,
+                                     optim.weight_decay, optim.adam_eps, fused)
         self.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(self.actor_optimizer, warmup)
         self.critic_optimizer = None
         if self.critic is not None:
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=optim.critic_lr,
-                                                      weight_decay=optim.weight_decay, eps=optim.adam_eps, fused=fused)
+            self.critic_optimizer = adamw(list(self.critic.parameters()), optim.critic_lr, optim.weight_decay,
+                                          optim.adam_eps, fused)
 
     def _restore(self) -> None:
         assert self.checkpoint is not None
