@@ -142,6 +142,13 @@ def test_a_typo_in_a_checkpoint_path_names_the_path_meant(hub, tmp_path):
     assert "does not exist (did you mean runs/quickstart?)" in located_error("runs/quikstart", "--model")
 
 
+def test_a_file_is_no_near_miss_for_a_model_folder(hub, tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "sft_start.log").write_text("the run's log, beside where its folder would be")
+    message = located_error(str(tmp_path / "runs" / "sft_start" / "sft" / "model"), "model.path")
+    assert "does not exist" in message and "did you mean" not in message
+
+
 def test_a_run_directory_a_file_and_a_folder_without_config_are_not_models(hub, tmp_path, tiny_model_dir):
     run = tmp_path / "runs" / "quickstart"
     for step in ("step_000001", "step_000003"):

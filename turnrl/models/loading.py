@@ -114,12 +114,13 @@ def _check_model_directory(local: Path, path: str, key: str) -> ModelSource:
 
 def _near_miss(local: Path) -> str:
     """``" (did you mean runs/quickstart/...?)"``: the path with its first missing part replaced by the closest
-    name in the deepest folder that exists; empty when there is no close name."""
+    folder name in the deepest folder that exists (a model is a folder: a run's log file beside the run's folder
+    is no near miss); empty when there is no close name."""
     parts = local.parts
     for depth in range(len(parts) - 1, -1, -1):
         folder = Path(*parts[:depth]) if depth else Path(".")
         if folder.is_dir():
-            names = [child.name for child in folder.iterdir()]
+            names = [child.name for child in folder.iterdir() if child.is_dir()]
             close = difflib.get_close_matches(parts[depth], names, n=1)
             return f" (did you mean {Path(folder, close[0], *parts[depth + 1:])}?)" if close else ""
     return ""
