@@ -160,8 +160,8 @@ class Panel:
     """What one panel of a comparison figure shows, read back from its lines."""
 
     title: str
-    seed_lines: int
-    """Thin lines: one per run that has the metric."""
+    runs: dict[str, int]
+    """Row label -> how many of its runs have the metric (a thin line each)."""
     means: dict[str, tuple[list[int], list[float]]]
     """Row label -> the ``(steps, values)`` of its bold mean line."""
 
@@ -222,7 +222,7 @@ def draw_comparison(
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlabel("step")
         axes.grid(alpha=0.3)
-        panels.append(Panel(metric.title, sum(len(runs) for runs in per_row.values()), means))
+        panels.append(Panel(metric.title, {row: len(runs) for row, runs in per_row.items()}, means))
     handles = [Line2D([], [], color=colors[row], linewidth=2.2, label=f"{row} ({len(runs)} runs)")
                for row, runs in rows.items()]
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize="small")
