@@ -108,9 +108,12 @@ def test_comparison_draws_a_panel_per_metric_a_run_has_with_every_seed_and_the_m
         assert len(np.unique(np.asarray(image.convert("L")))) > 10
     panels = {panel.title: panel for panel in comparison.panels}
     assert list(panels) == [metric.title for metric in COLLAPSE_METRICS]  # the KL panel is left out
-    assert all(panel.runs == {"GRPO": 3, "PPO": 3} for title, panel in panels.items() if "gradient" not in title)
+    for title, panel in panels.items():
+        if "gradient" not in title:
+            assert panel.runs == {"GRPO": 3, "PPO": 3} and panel.lines == 6 + 2  # every seed and each row's mean
     grad = panels["Actor gradient norm (before clipping)"]
     assert grad.runs == {"GRPO": 3, "PPO": 0} and list(grad.means) == ["GRPO"]  # PPO's runs have no gradient norm
+    assert grad.lines == 3 + 1
     steps, values = panels["Training success"].means["GRPO"]
     assert steps == list(range(1, 11))  # the steps all three seeds have
     assert values == pytest.approx([statistics.fmean((s + seed) / 20 for seed in range(3)) for s in steps])

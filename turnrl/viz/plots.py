@@ -157,13 +157,15 @@ Records = list[dict[str, float]]
 
 @dataclass(frozen=True)
 class Panel:
-    """What one panel of a comparison figure shows, read back from its lines."""
+    """What one panel of a comparison figure shows."""
 
     title: str
     runs: dict[str, int]
     """Row label -> how many of its runs have the metric (a thin line each)."""
     means: dict[str, tuple[list[int], list[float]]]
     """Row label -> the ``(steps, values)`` of its bold mean line."""
+    lines: int
+    """Lines in the panel, thin and bold."""
 
 
 @dataclass(frozen=True)
@@ -216,13 +218,13 @@ def draw_comparison(
                 axes.plot(steps, values, color=colors[row], alpha=0.35, linewidth=0.8, marker=marker, markersize=3)
             steps, values = mean_over_seeds(runs)
             if steps:
-                (line,) = axes.plot(steps, values, color=colors[row], linewidth=2.2, marker=marker, markersize=5)
-                means[row] = ([int(x) for x in line.get_xdata()], [float(y) for y in line.get_ydata()])
+                axes.plot(steps, values, color=colors[row], linewidth=2.2, marker=marker, markersize=5)
+                means[row] = (steps, values)
         axes.set_title(metric.title, fontsize="medium")
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlabel("step")
         axes.grid(alpha=0.3)
-        panels.append(Panel(metric.title, {row: len(runs) for row, runs in per_row.items()}, means))
+        panels.append(Panel(metric.title, {row: len(runs) for row, runs in per_row.items()}, means, len(axes.lines)))
     handles = [Line2D([], [], color=colors[row], linewidth=2.2, label=f"{row} ({len(runs)} runs)")
                for row, runs in rows.items()]
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize="small")
