@@ -6,6 +6,7 @@ turn rewards). Rows:
 
 - ``PPO+GAE``: RAGEN's StarPO, a critic and GAE, no filter.
 - ``StarPO-S``: the same with the StarPO-S filter (the half of the groups whose rewards vary most).
+- ``StarPO-S 25%``: RAGEN's StarPO-S setting, the quarter of the groups whose rewards vary most.
 - ``GRPO``: group-normalized episode rewards, no critic.
 - ``GiGPO``: GRPO's episode advantage plus step advantages among turns that start from the same state.
 - ``bi-level GAE``: VAGEN's turn-level credit: per-turn rewards, a critic, bi-level GAE (gamma_turn 0.95).
@@ -13,7 +14,10 @@ turn rewards). Rows:
 The SFT start is made once (``--sft-model`` reuses one), then each row runs
 ``turnrl train`` as a subprocess with ``model.path`` set to it and SFT off. A
 markdown table with validation success before and after RL (mean and spread
-over seeds) and wall time is printed and written to ``--out``/table.md.
+over seeds) and wall time is printed and written to ``--out``/table.md;
+``--curves PATH`` also draws every row's runs with the collapse metrics
+(success, in-group reward std, entropy, gradient norm, validation success;
+``benchmarks/learning_curves.py``) into PATH.
 
     python benchmarks/estimators.py --seeds 0 1 2                         # the quickstart recipe (CPU)
     python benchmarks/estimators.py --config configs/ragen_sokoban.yaml model.builtin_preset=0.5b --seeds 0 1 2
@@ -30,9 +34,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.learning_curves import draw, read_rows  # noqa: E402
+from turnrl.viz.plots import COLLAPSE_METRICS  # noqa: E402
+
 ROWS: dict[str, list[str]] = {
     "PPO+GAE": ["algorithm.advantage=gae", "algorithm.filter.method=none"],
     "StarPO-S": ["algorithm.advantage=gae", "algorithm.filter.method=top_k", "algorithm.filter.value=0.5"],
+    "StarPO-S 25%": ["algorithm.advantage=gae", "algorithm.filter.method=top_k", "algorithm.filter.value=0.25"],
     "GRPO": ["algorithm.advantage=grpo", "algorithm.filter.method=none"],
     "GiGPO": ["algorithm.advantage=gigpo", "algorithm.filter.method=none"],
     "bi-level GAE": ["algorithm.advantage=bilevel_gae", "algorithm.reward_placement=per_turn",
@@ -64,8 +74,13 @@ def train_from(config: str, overrides: list[str], name: str, seed: int, sft_mode
     return json.loads((out / name / "summary.json").read_text()), time.time() - start
 
 
+def run_name(row: str, seed: int) -> str:
+    """The run's folder under ``--out``: ``StarPO-S_25pct_seed0``, ``PPO_GAE_seed1``, ..."""
+    return f"{row.replace(' ', '_').replace('+', '_').replace('%', 'pct')}_seed{seed}"
+
+
 def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path) -> dict:
-    name = f"{row.replace(' ', '_').replace('+', '_')}_seed{seed}"
+    name = run_name(row, seed)
     summary, seconds = train_from(config, [*overrides, *ROWS[row]], name, seed, sft_model, out)
     return {"row": row, "seed": seed, "before": summary["val_success_before_rl"],
             "after": summary["val_success_after_rl"], "seconds": seconds}
@@ -85,6 +100,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=1,
                         help="runs at once (on a GPU several small runs share the card; wall times then overlap)")
     parser.add_argument("--out", default="runs/estimators")
+    parser.add_argument("--curves", type=Path, help="also draw the rows' runs with the collapse metrics into this PNG")
     parser.add_argument("overrides", nargs="*", help="key=value for every run (e.g. run.steps=40)")
     args = parser.parse_args()
     out = Path(args.out)
@@ -111,6 +127,9 @@ def main() -> None:
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     print(table)
+    if args.curves:
+        runs = {row: [out / run_name(row, seed) for seed in args.seeds] for row in args.rows}
+        draw(args.curves, read_rows(runs), COLLAPSE_METRICS, "Estimators at equal budget")
 
 
 if __name__ == "__main__":

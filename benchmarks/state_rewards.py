@@ -10,6 +10,8 @@ time (on a GPU several small runs share the card).
 Printed and written to ``--out``/table.md: validation success before and after
 RL, and the match of observations and predictions at the first and last steps,
 mean and spread over seeds; ``--out``/curves.json holds every step's values.
+``--curves PATH`` also draws both rows' runs (training and validation success,
+observation and prediction match; ``benchmarks/learning_curves.py``) into PATH.
 
     python benchmarks/state_rewards.py --seeds 0 1 2                       # text FrozenLake, built-in model
     python benchmarks/state_rewards.py --config configs/vagen_full_sokoban.yaml --seeds 0 1 2 --parallel 6
@@ -27,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.estimators import make_sft_start, spread, train_from  # noqa: E402
+from benchmarks.learning_curves import draw, read_rows  # noqa: E402
+from turnrl.viz.plots import STATE_REWARD_METRICS  # noqa: E402
 
 STATE_REWARDS = ("grounding", "worldmodel")
 ROWS: dict[str, list[str]] = {
@@ -42,8 +46,13 @@ def match_curve(run_dir: Path, name: str) -> list[float]:
     return [r[f"rewards/{name}/match_mean"] for r in records if f"rewards/{name}/match_mean" in r]
 
 
+def run_name(row: str, seed: int) -> str:
+    """The run's folder under ``--out``: ``vagen_full_seed0``, ..."""
+    return f"{row.replace('-', '_').lower()}_seed{seed}"
+
+
 def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path) -> dict:
-    name = f"{row.replace('-', '_').lower()}_seed{seed}"
+    name = run_name(row, seed)
     summary, seconds = train_from(config, [*overrides, *ROWS[row]], name, seed, sft_model, out)
     curves = {field: match_curve(out / name, field) for field in STATE_REWARDS}
     return {"row": row, "seed": seed, "before": summary["val_success_before_rl"],
@@ -77,6 +86,7 @@ def main() -> None:
     parser.add_argument("--sft-model", help="reuse this SFT start instead of making one")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once")
     parser.add_argument("--out", default="runs/state_rewards")
+    parser.add_argument("--curves", type=Path, help="also draw the rows' runs with the state-reward metrics here")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe, for every run")
     args = parser.parse_args()
     out = Path(args.out)
@@ -93,6 +103,9 @@ def main() -> None:
     print(text)
     (out / "table.md").write_text(text + "\n")
     (out / "curves.json").write_text(json.dumps(results, indent=1))
+    if args.curves:
+        runs = {row: [out / run_name(row, seed) for seed in args.seeds] for row in args.rows}
+        draw(args.curves, read_rows(runs), STATE_REWARD_METRICS, "State rewards at equal budget")
 
 
 if __name__ == "__main__":

@@ -114,6 +114,16 @@ def test_gradient_norm_above_the_threshold_skips_and_counts_every_step(actor, cr
     assert all(p.grad is None for p in actor.parameters())
 
 
+def test_the_actor_gradient_norm_is_measured_before_clipping(actor, critic):
+    """``actor/grad_norm`` is the norm the update had, whatever the clip (RAGEN's collapse shows as its spikes)."""
+    batch = model_batch(actor.config.vocab_size)
+    inputs = update_inputs(actor, critic, batch)
+    cfg = config(mini_batch_size=4, micro_batch_size=4, ppo_epochs=1)  # one optimizer step
+    clipped, unclipped = (run_epochs(copy.deepcopy(actor), copy.deepcopy(critic), inputs, cfg,
+                                     OptimConfig(grad_clip=clip))["actor/grad_norm"] for clip in (1e-6, 1e9))
+    assert clipped == pytest.approx(unclipped) and clipped > 1e-3
+
+
 def test_non_finite_loss_skips_only_its_own_step(actor, critic):
     batch = model_batch(actor.config.vocab_size)
     inputs = update_inputs(actor, critic, batch)

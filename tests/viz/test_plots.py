@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
+import pytest
 from PIL import Image
 
-from turnrl.viz.plots import CURVES, Curve, draw_curve, draw_training_curves, series
+from turnrl.viz.plots import (
+    COLLAPSE_METRICS,
+    CURVES,
+    Curve,
+    Metric,
+    draw_comparison,
+    draw_curve,
+    draw_training_curves,
+    mean_over_seeds,
+    series,
+)
+from turnrl.viz.records import read_metrics
 
 
 def records() -> list[dict[str, float]]:
@@ -61,3 +75,63 @@ def test_collapse_curves_are_drawn_when_a_run_measured_them(tmp_path):
     assert plots["collapse_retrieval"].points == 4 * 3 and plots["reward_std"].points == 5 + 3
     assert not {"collapse_mi", "collapse_retrieval"} & {plot.curve.name for plot in draw_training_curves(
         records(), tmp_path / "plain")}
+
+
+# --------------------------------------------------------------------------- comparison of rows over seeds
+def seed_records(seed: int, steps: int, grad_norm: bool = True) -> list[dict[str, float]]:
+    """A run with training metrics every step and validation at steps 0, 4, 8, ..."""
+    out = []
+    for step in range(1, steps + 1):
+        record = {"step": float(step), "rollout/success": (step + seed) / 20, "actor/entropy": 2.0 - 0.1 * step - seed,
+                  "rollout/in_group_reward_std": 0.1 * seed}
+        if grad_norm:
+            record["actor/grad_norm"] = float(step * (seed + 1))
+        out.append(record)
+    out += [{"step": float(step), "val/success": 0.1 * seed + step / 100} for step in range(0, steps + 1, 4)]
+    return out
+
+
+def test_mean_over_seeds_is_the_plain_mean_at_the_common_steps():
+    assert mean_over_seeds([([1, 2, 3], [1.0, 2.0, 3.0]), ([2, 3, 4], [4.0, 6.0, 8.0])]) == ([2, 3], [3.0, 4.5])
+    assert mean_over_seeds([([1], [1.0]), ([2], [2.0])]) == ([], [])
+    assert mean_over_seeds([]) == ([], [])
+
+
+def test_comparison_draws_a_panel_per_metric_a_run_has_with_every_seed_and_the_mean(tmp_path):
+    rows = {"GRPO": [seed_records(seed, 12 - seed) for seed in range(3)],  # seeds of 12, 11 and 10 steps
+            "PPO": [seed_records(seed, 12, grad_norm=False) for seed in range(3)]}
+    metrics = [*COLLAPSE_METRICS, Metric("actor/kl_ref", "KL")]  # no run logs the KL
+    comparison = draw_comparison(rows, metrics, tmp_path / "figs" / "collapse.png", title="Collapse")
+    assert comparison is not None and comparison.path.is_file()
+    with Image.open(comparison.path) as image:
+        assert image.format == "PNG" and image.size == (1260, 650)  # 3 columns x 2 rows of panels and the legend
+        assert len(np.unique(np.asarray(image.convert("L")))) > 10
+    panels = {panel.title: panel for panel in comparison.panels}
+    assert list(panels) == [metric.title for metric in COLLAPSE_METRICS]  # the KL panel is left out
+    for title, panel in panels.items():
+        if "gradient" not in title:
+            assert panel.runs == {"GRPO": 3, "PPO": 3} and panel.lines == 6 + 2  # every seed and each row's mean
+    grad = panels["Actor gradient norm (before clipping)"]
+    assert grad.runs == {"GRPO": 3, "PPO": 0} and list(grad.means) == ["GRPO"]  # PPO's runs have no gradient norm
+    assert grad.lines == 3 + 1
+    steps, values = panels["Training success"].means["GRPO"]
+    assert steps == list(range(1, 11))  # the steps all three seeds have
+    assert values == pytest.approx([statistics.fmean((s + seed) / 20 for seed in range(3)) for s in steps])
+    steps, values = panels["Validation success"].means["PPO"]
+    assert steps == [0, 4, 8, 12]
+    assert values == pytest.approx([statistics.fmean(0.1 * seed + s / 100 for seed in range(3)) for s in steps])
+
+
+def test_comparison_without_any_of_the_metrics_writes_nothing(tmp_path):
+    rows = {"GRPO": [seed_records(0, 5)], "empty": []}
+    assert draw_comparison(rows, [Metric("actor/kl_ref", "KL")], tmp_path / "kl.png") is None
+    assert draw_comparison({"empty": [[]]}, COLLAPSE_METRICS, tmp_path / "none.png") is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_collapse_metrics_are_what_a_training_run_writes(run_dir, tmp_path):
+    records = read_metrics(run_dir / "metrics.jsonl")
+    comparison = draw_comparison({"run": [records]}, COLLAPSE_METRICS, tmp_path / "run.png")
+    assert comparison is not None
+    assert [panel.title for panel in comparison.panels] == [metric.title for metric in COLLAPSE_METRICS]
+    assert comparison.panels[-1].means["run"][0] == [0, 2]  # validation before RL and after the last step

@@ -1,6 +1,6 @@
 """Training curves as PNG files: success, reward, KL, entropy, response length, in-group reward std,
 step time, the collapse diagnostics when the run measured them (and the SFT loss when the run had an SFT
-stage).
+stage); and comparison figures of several rows (recipes, estimators) over seeds, one panel per metric.
 
 Drawn with matplotlib's object API (``Figure``), which needs no display and
 no global state, from the records of ``metrics.jsonl``.
@@ -8,10 +8,12 @@ no global state, from the records of ``metrics.jsonl``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 
@@ -120,3 +122,114 @@ def draw_training_curves(
     if sft_records:
         plots.append(draw_curve(SFT_CURVE, sft_records, out_dir / f"{SFT_CURVE.name}.png"))
     return [plot for plot in plots if plot is not None]
+
+
+# --------------------------------------------------------------------------- comparison of rows over seeds
+@dataclass(frozen=True)
+class Metric:
+    """One panel of a comparison figure."""
+
+    name: str
+    """Key in ``metrics.jsonl``."""
+    title: str
+
+
+# RAGEN's Echo Trap: success rises, then the in-group reward spread and the entropy fall and the gradient
+# norm spikes before success drops.
+COLLAPSE_METRICS = (
+    Metric("rollout/success", "Training success"),
+    Metric("rollout/in_group_reward_std", "In-group reward std"),
+    Metric("actor/entropy", "Policy entropy (nats per token)"),
+    Metric("actor/grad_norm", "Actor gradient norm (before clipping)"),
+    Metric("val/success", "Validation success"),
+)
+# VAGEN: do rewards for <observation> and <prediction> make the model describe and predict states better?
+STATE_REWARD_METRICS = (
+    Metric("rollout/success", "Training success"),
+    Metric("val/success", "Validation success"),
+    Metric("rewards/grounding/match_mean", "Observation match"),
+    Metric("rewards/worldmodel/match_mean", "Prediction match"),
+)
+METRIC_SETS = {"collapse": COLLAPSE_METRICS, "state_rewards": STATE_REWARD_METRICS}
+
+Records = list[dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Panel:
+    """What one panel of a comparison figure shows."""
+
+    title: str
+    runs: dict[str, int]
+    """Row label -> how many of its runs have the metric (a thin line each)."""
+    means: dict[str, tuple[list[int], list[float]]]
+    """Row label -> the ``(steps, values)`` of its bold mean line."""
+    lines: int
+    """Lines in the panel, thin and bold."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A comparison figure written as a PNG."""
+
+    path: Path
+    panels: tuple[Panel, ...]
+
+
+def runs_with(runs: list[Records], metric: str) -> list[tuple[list[int], list[float]]]:
+    """``(steps, values)`` of ``metric`` for each run that has it."""
+    return [(steps, values) for steps, values in (series(records, metric) for records in runs) if steps]
+
+
+def mean_over_seeds(runs: list[tuple[list[int], list[float]]]) -> tuple[list[int], list[float]]:
+    """The mean of several runs' ``(steps, values)`` at the steps every one of them has."""
+    common = set.intersection(*(set(steps) for steps, _ in runs)) if runs else set()
+    by_step = [dict(zip(steps, values)) for steps, values in runs]
+    steps = sorted(common)
+    return steps, [sum(run[s] for run in by_step) / len(by_step) for s in steps]
+
+
+def draw_comparison(
+    rows: dict[str, list[Records]], metrics: Sequence[Metric], path: Path, title: str = ""
+) -> Comparison | None:
+    """Write one PNG at ``path`` with a panel per metric that any run has: each run of a row a thin line, the
+    row's mean over its runs (those with the metric, at the steps all of them have) a bold line of the same
+    colour. None (and no file) when no run has any of the metrics.
+
+    ``rows`` maps a row label (a recipe, an estimator) to the records of each of its runs (seeds), in the
+    order of the legend.
+    """
+    drawn = [(metric, {row: runs_with(runs, metric.name) for row, runs in rows.items()}) for metric in metrics]
+    drawn = [(metric, per_row) for metric, per_row in drawn if any(per_row.values())]
+    if not drawn:
+        return None
+    columns = min(3, len(drawn))
+    grid_rows = -(-len(drawn) // columns)
+    figure = Figure(figsize=(4.2 * columns, 3.0 * grid_rows + 0.5), dpi=100, layout="constrained")
+    colors = {row: f"C{i}" for i, row in enumerate(rows)}  # a row keeps its colour in every panel
+    panels = []
+    for index, (metric, per_row) in enumerate(drawn):
+        axes = figure.add_subplot(grid_rows, columns, index + 1)
+        # Validation is logged every few steps only: markers show where its points are.
+        marker = "o" if metric.name.startswith("val/") else None
+        means = {}
+        for row, runs in per_row.items():
+            for steps, values in runs:
+                axes.plot(steps, values, color=colors[row], alpha=0.35, linewidth=0.8, marker=marker, markersize=3)
+            steps, values = mean_over_seeds(runs)
+            if steps:
+                axes.plot(steps, values, color=colors[row], linewidth=2.2, marker=marker, markersize=5)
+                means[row] = (steps, values)
+        axes.set_title(metric.title, fontsize="medium")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.set_xlabel("step")
+        axes.grid(alpha=0.3)
+        panels.append(Panel(metric.title, {row: len(runs) for row, runs in per_row.items()}, means, len(axes.lines)))
+    handles = [Line2D([], [], color=colors[row], linewidth=2.2, label=f"{row} ({len(runs)} runs)")
+               for row, runs in rows.items()]
+    figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize="small")
+    if title:
+        figure.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    return Comparison(path, tuple(panels))

@@ -1,0 +1,89 @@
+"""The comparison-figure script: rows of run folders (globs too), the drawn figure and the first/last table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+
+from benchmarks.learning_curves import first_last, main, row_argument, table
+from turnrl.viz.plots import COLLAPSE_METRICS, Metric
+
+
+def write_run(folder, steps: int, seed: int) -> None:
+    """A run folder as ``turnrl train`` leaves it: metrics every step, validation at the start and the end."""
+    folder.mkdir(parents=True)
+    lines = [{"step": 0, "val/success": 0.25}]
+    lines += [{"step": s, "rollout/success": s / steps + seed / 100, "actor/grad_norm": 1.0 + seed}
+              for s in range(1, steps + 1)]
+    lines.append({"step": steps, "val/success": 0.5})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder.parent / f"{folder.name}.log").write_text("the run's log\n")
+
+
+@pytest.fixture
+def runs(tmp_path):
+    for row in ("GRPO", "PPO"):
+        for seed in range(3):
+            write_run(tmp_path / f"{row}_seed{seed}", 10, seed)
+    (tmp_path / "empty_seed0").mkdir()
+    return tmp_path
+
+
+def test_a_row_is_its_run_folders_listed_or_globbed(runs):
+    label, dirs = row_argument(f"GRPO={runs}/GRPO_seed*")
+    assert label == "GRPO" and [d.name for d in dirs] == ["GRPO_seed0", "GRPO_seed1", "GRPO_seed2"]  # no logs
+    _, dirs = row_argument(f"PPO={runs}/PPO_seed2,{runs}/PPO_seed0")
+    assert [d.name for d in dirs] == ["PPO_seed2", "PPO_seed0"]
+    for bad, message in [("GRPO", "LABEL=RUN_DIR"), (f"x={runs}/empty_seed0", "no run folder"),
+                         (f"x={runs}/missing*", "no run folder"), (f"={runs}/GRPO_seed0", "LABEL=RUN_DIR")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            row_argument(bad)
+
+
+def test_first_and_last_are_means_of_windows_that_never_overlap():
+    assert first_last([float(v) for v in range(20)]) == (2.0, 17.0)  # 0..4 and 15..19
+    assert first_last([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.5, 4.5)  # 2 each side
+    assert first_last([0.25, 0.5]) == (0.25, 0.5)  # validation before and after RL
+    assert first_last([3.0]) == (3.0, 3.0)
+
+
+def test_the_table_has_a_line_per_run_and_a_column_per_metric_a_run_has(runs):
+    _, dirs = row_argument(f"GRPO={runs}/GRPO_seed0,{runs}/GRPO_seed1")
+    records = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in dirs]
+    records[1] = [{k: v for k, v in r.items() if k != "actor/grad_norm"} for r in records[1]]
+    metrics = [Metric("rollout/success", "Success"), Metric("actor/grad_norm", "Grad"), Metric("actor/kl", "KL"),
+               Metric("val/success", "Validation")]
+    assert table(dirs, records, metrics).splitlines() == [
+        "| run | Success | Grad | Validation |",
+        "| --- | ---: | ---: | ---: |",
+        "| GRPO_seed0 | 0.300 -> 0.800 | 1.000 -> 1.000 | 0.250 -> 0.500 |",
+        "| GRPO_seed1 | 0.310 -> 0.810 | - | 0.250 -> 0.500 |",
+    ]
+
+
+def test_the_script_draws_the_rows_and_prints_what_it_drew(runs, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "figures" / "collapse.png"
+    monkeypatch.setattr(sys, "argv", ["learning_curves.py", "--metrics", "collapse", "--out", str(out), "--table",
+                                      f"GRPO={runs}/GRPO_seed*", f"PPO={runs}/PPO_seed*"])
+    main()
+    printed = capsys.readouterr().out
+    assert out.is_file()
+    assert f"wrote {out}" in printed and "  Training success: GRPO 3 run(s), PPO 3 run(s)" in printed
+    assert "In-group reward std" not in printed.split("wrote")[1]  # no run logged it: no panel
+    assert printed.count("| PPO_seed") == 3 and "**GRPO**" in printed
+    assert len([m for m in COLLAPSE_METRICS if f"  {m.title}:" in printed]) == 3
+
+
+def test_the_script_exits_with_an_error_when_nothing_is_drawn(runs, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "state.png"
+    (runs / "other").mkdir()
+    (runs / "other" / "metrics.jsonl").write_text('{"step": 1, "timing/step_s": 2.0}\n')
+    monkeypatch.setattr(sys, "argv", ["learning_curves.py", "--metrics", "state_rewards", "--out", str(out),
+                                      f"other={runs}/other"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 1 and not out.exists()
+    assert "nothing drawn" in capsys.readouterr().out
