@@ -31,6 +31,7 @@ from transformers import (
 )
 
 from turnrl.config import ConfigError, ModelConfig
+from turnrl.models.vision_attention import use_chunked_attention
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: tor
         return model_structure(auto, path, dtype, attention)
     options = {"attn_implementation": attention} if attention is not None else {}
     model: Any = auto.from_pretrained(path, dtype=dtype, **options)
+    chunk_vision_attention(model)
     return model.to(device)
 
 
@@ -181,6 +183,7 @@ def model_structure(auto: Any, path: Path | str, dtype: torch.dtype = torch.floa
     with init_empty_weights(include_buffers=False):
         structure: Any = auto.from_config(AutoConfig.from_pretrained(path), dtype=dtype, **options)
     structure.tie_weights()  # the context makes a new parameter of each one assigned, the tied head too
+    chunk_vision_attention(structure)
     try:  # as from_pretrained reads it (from_config knows only config.json's ids)
         structure.generation_config = GenerationConfig.from_pretrained(path)
     except OSError:  # the model has no generation_config.json
@@ -232,6 +235,15 @@ def vision_tower(model: Any) -> torch.nn.Module | None:
             if isinstance(tower, torch.nn.Module):
                 return tower
     return None
+
+
+def chunk_vision_attention(model: Any) -> None:
+    """A VLM's vision tower attends each image (or window) in one SDPA call a layer for all of them
+    (:mod:`turnrl.models.vision_attention`) where it would call SDPA once per chunk; text models are left alone."""
+    tower = vision_tower(model)
+    if tower is not None:
+        use_chunked_attention(tower.config)
+        use_chunked_attention(model.config.vision_config)
 
 
 def freeze_vision_tower(model: Any) -> int:

@@ -1,0 +1,86 @@
+"""A VLM's vision tower over a batch of rollout images: transformers' attention chunk by chunk (``sdpa``)
+against the chunked attention the loader gives every VLM (one SDPA call a layer); seconds a pass and the ratio.
+
+A built-in VLM preset's vision tower (random weights, bf16 on a GPU, float32 on a CPU) encodes ``--images``
+images of ``--size`` x ``--size`` pixels, as a training update's forward pass or a rollout's prefill does:
+Qwen2.5-VL's windows of 8 x 8 patches in most layers and whole images in the others.
+
+    python benchmarks/vision_attention.py --preset vlm-3b --images 128 --size 224
+    python benchmarks/vision_attention.py --preset vlm-tiny --device cpu --images 16 --size 224   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import AutoModelForImageTextToText  # noqa: E402
+
+from turnrl.models import build_tokenizer, vlm_config  # noqa: E402
+from turnrl.models.vision_attention import VISION_ATTENTION  # noqa: E402
+
+
+def tower_of(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The preset's vision tower alone, random weights."""
+    tokenizer = build_tokenizer(["an image"], template="chatml")
+    config = vlm_config(preset, tokenizer)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    return model.model.visual.eval()
+
+
+def images(tower: torch.nn.Module, count: int, size: int, device: torch.device, dtype: torch.dtype):
+    """Patches of ``count`` images of ``size`` pixels a side and their (t, h, w) grids."""
+    config = tower.config
+    side = size // config.patch_size // config.spatial_merge_size * config.spatial_merge_size
+    width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    grids = torch.tensor([[1, side, side]] * count, device=device)
+    return torch.randn(count * side * side, width, device=device, dtype=dtype), grids
+
+
+def seconds_a_pass(tower, pixels, grids, repeats: int) -> float:
+    with torch.no_grad():
+        tower(pixels, grid_thw=grids)  # warm-up
+        if pixels.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            tower(pixels, grid_thw=grids)
+        if pixels.is_cuda:
+            torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="vlm-3b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--images", type=int, default=128)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tower = tower_of(args.preset, device, dtype)
+    pixels, grids = images(tower, args.images, args.size, device, dtype)
+    rows = []
+    for name, implementation in (("transformers, a call a chunk (sdpa)", "sdpa"),
+                                 ("chunked, a call a layer", VISION_ATTENTION)):
+        tower.config._attn_implementation = implementation
+        rows.append((name, seconds_a_pass(tower, pixels, grids, args.repeats)))
+        print(f"{name}: {rows[-1][1]:.4f} s a pass", flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"\n{args.preset} vision tower, {args.images} images of {args.size} px, {name}, {dtype}")
+    print("| attention | s a pass | speed-up |\n| --- | ---: | ---: |")
+    for label, seconds in rows:
+        print(f"| {label} | {seconds:.4f} | {rows[0][1] / seconds:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

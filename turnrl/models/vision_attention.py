@@ -1,0 +1,106 @@
+"""A Qwen-VL vision tower's attention in one SDPA call a layer, in place of transformers' call per chunk.
+
+The vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL attend within chunks of patches: each image in their
+full-attention layers, and each 8x8-patch window in Qwen2.5-VL's windowed ones. Under ``sdpa`` transformers
+calls SDPA once per chunk and reads the chunks' lengths to the host in every layer, so a batch of rollout images
+costs thousands of small calls a layer (a 32-block Qwen2.5-VL-3B tower, 20 windows an image, 100 images: about
+60,000 calls a forward pass). Under a flash implementation it hands the chunks' bounds (``cu_seq_lens_q``) to
+one call instead, but flash-attn is a package built for each machine, and PyTorch's own variable-length
+attention changed its signature between releases. So this registers :data:`VISION_ATTENTION` with transformers,
+a name with ``flash`` in it (what transformers reads to pass the bounds), whose one call pads the chunks into a
+batch, masks the padded keys and runs SDPA once (:func:`chunked_attention`): the same attention, computed for
+each chunk on its own, in one kernel. :func:`use_chunked_attention` puts a tower on it (the loader does so for
+every VLM it loads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+VISION_ATTENTION = "turnrl_chunked_sdpa_flash_api"
+"""The vision tower's ``_attn_implementation`` (transformers passes chunk bounds to names holding ``flash``)."""
+
+
+def chunk_layout(bounds: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each token goes in a batch of chunks padded to the longest, and which keys are real.
+
+    Args:
+        bounds: Shape (c + 1,), the chunks' cumulative bounds (0 first, ``tokens`` last).
+        tokens: t, the tokens of all chunks.
+
+    Returns:
+        ``slots``: Shape (t,), each token's row in the padded batch flattened to (c * longest);
+        ``real``: Shape (c, longest), True where a chunk has a token. Computed on the bounds' device without
+        reading them to the host.
+    """
+    lengths = bounds[1:] - bounds[:-1]
+    chunks = lengths.shape[0]
+    longest = tokens  # a bound every chunk respects, known without reading the lengths
+    if chunks > 0:
+        longest = int(lengths.max())  # one read a layer (transformers reads every length a layer)
+    chunk_of_token = torch.repeat_interleave(torch.arange(chunks, device=bounds.device), lengths, output_size=tokens)
+    slots = torch.arange(tokens, device=bounds.device) - bounds[:-1][chunk_of_token] + chunk_of_token * longest
+    real = torch.arange(longest, device=bounds.device)[None, :] < lengths[:, None]
+    return slots, real
+
+
+def chunked_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    is_causal: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention within each chunk of a vision tower's patches, one SDPA call for all chunks.
+
+    Args:
+        query, key, value: Shape (1, heads, t, d), the chunks' patches one after another.
+        cu_seq_lens_q: Shape (c + 1,), the chunks' bounds; the keys' (``cu_seq_lens_k``) must be the same.
+            Without bounds the tokens are one chunk (transformers' ``sdpa``).
+
+    Returns:
+        The attention output, Shape (1, t, heads, d), and no weights.
+    """
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      is_causal=is_causal, **kwargs)
+    if is_causal or attention_mask is not None or (cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q
+                                                   and not torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
+        raise ValueError("chunked vision attention takes non-causal self-attention within chunks, without a mask")
+    tokens, heads, width = query.shape[2], query.shape[1], query.shape[3]
+    slots, real = chunk_layout(cu_seq_lens_q.long(), tokens)
+    chunks, longest = real.shape
+
+    def padded(states: torch.Tensor) -> torch.Tensor:  # (1, heads, t, d) -> (chunks, heads, longest, d)
+        rows = states[0].transpose(0, 1)
+        batch = rows.new_zeros(chunks * longest, rows.shape[1], width).index_copy(0, slots, rows)
+        return batch.view(chunks, longest, rows.shape[1], width).transpose(1, 2)
+
+    # The first key of an empty chunk (a padded zero) stays visible so that no softmax row is all masked; an empty
+    # chunk has no token to read its output.
+    visible = (real | (torch.arange(longest, device=real.device) == 0))[:, None, None, :]
+    output = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=visible,
+                                            dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != heads)
+    output = output.transpose(1, 2).reshape(chunks * longest, heads, width).index_select(0, slots)
+    return output.unsqueeze(0), None
+
+
+AttentionInterface.register(VISION_ATTENTION, chunked_attention)
+
+
+def use_chunked_attention(vision_config: Any) -> None:
+    """Switch a vision tower's config to :func:`chunked_attention` where it names an SDPA implementation (a
+    flash, flex or eager choice is left as it is). The tower's attention modules read it at each call."""
+    if "sdpa" in (vision_config._attn_implementation or "sdpa"):
+        vision_config._attn_implementation = VISION_ATTENTION
