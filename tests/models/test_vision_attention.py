@@ -25,7 +25,7 @@ def per_chunk(query, key, value, bounds):
     return torch.cat(parts, dim=2).transpose(1, 2)
 
 
-@pytest.mark.parametrize("lengths", [[3, 7, 1, 5], [4], [2, 0, 6]])
+@pytest.mark.parametrize("lengths", [[3, 7, 1, 5], [4], [4, 4, 4], [2, 0, 6]])
 def test_one_call_over_padded_chunks_equals_attention_chunk_by_chunk_forward_and_backward(lengths):
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     tokens = int(bounds[-1])
@@ -42,7 +42,7 @@ def test_one_call_over_padded_chunks_equals_attention_chunk_by_chunk_forward_and
 
 
 def test_the_layout_places_each_token_in_its_chunks_row_and_marks_the_real_keys():
-    slots, real = chunk_layout(torch.tensor([0, 2, 5, 6]), 6)
+    slots, real = chunk_layout(torch.tensor([0, 2, 5, 6]), 6, 3)
     assert slots.tolist() == [0, 1, 3, 4, 5, 6]  # chunks padded to 3: rows 0-2, 3-5, 6-8
     assert real.tolist() == [[True, True, False], [True, True, True], [True, False, False]]
 

@@ -26,24 +26,21 @@ VISION_ATTENTION = "turnrl_chunked_sdpa_flash_api"
 """The vision tower's ``_attn_implementation`` (transformers passes chunk bounds to names holding ``flash``)."""
 
 
-def chunk_layout(bounds: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_layout(bounds: torch.Tensor, tokens: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each token goes in a batch of chunks padded to the longest, and which keys are real.
 
     Args:
         bounds: Shape (c + 1,), the chunks' cumulative bounds (0 first, ``tokens`` last).
         tokens: t, the tokens of all chunks.
+        longest: the longest chunk's tokens.
 
     Returns:
         ``slots``: Shape (t,), each token's row in the padded batch flattened to (c * longest);
-        ``real``: Shape (c, longest), True where a chunk has a token. Computed on the bounds' device without
-        reading them to the host.
+        ``real``: Shape (c, longest), True where a chunk has a token.
     """
     lengths = bounds[1:] - bounds[:-1]
-    chunks = lengths.shape[0]
-    longest = tokens  # a bound every chunk respects, known without reading the lengths
-    if chunks > 0:
-        longest = int(lengths.max())  # one read a layer (transformers reads every length a layer)
-    chunk_of_token = torch.repeat_interleave(torch.arange(chunks, device=bounds.device), lengths, output_size=tokens)
+    chunk_of_token = torch.repeat_interleave(torch.arange(lengths.shape[0], device=bounds.device), lengths,
+                                             output_size=tokens)
     slots = torch.arange(tokens, device=bounds.device) - bounds[:-1][chunk_of_token] + chunk_of_token * longest
     real = torch.arange(longest, device=bounds.device)[None, :] < lengths[:, None]
     return slots, real
@@ -64,6 +61,9 @@ def chunked_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention within each chunk of a vision tower's patches, one SDPA call for all chunks.
 
+    Chunks of one length (images of one size, whole windows) are a reshape of the tokens, attended without a
+    mask (SDPA's flash kernel on a GPU); otherwise they are padded to the longest and the padded keys masked.
+
     Args:
         query, key, value: Shape (1, heads, t, d), the chunks' patches one after another.
         cu_seq_lens_q: Shape (c + 1,), the chunks' bounds; the keys' (``cu_seq_lens_k``) must be the same.
@@ -78,11 +78,24 @@ def chunked_attention(
     if is_causal or attention_mask is not None or (cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q
                                                    and not torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
         raise ValueError("chunked vision attention takes non-causal self-attention within chunks, without a mask")
-    tokens, heads, width = query.shape[2], query.shape[1], query.shape[3]
-    slots, real = chunk_layout(cu_seq_lens_q.long(), tokens)
-    chunks, longest = real.shape
+    heads, tokens, width = query.shape[1], query.shape[2], query.shape[3]
+    bounds = cu_seq_lens_q.long()
+    lengths = bounds[1:] - bounds[:-1]
+    chunks = lengths.shape[0]
+    if tokens == 0 or chunks == 0:
+        return query.new_zeros(1, tokens, heads, width), None
+    shortest, longest = (int(n) for n in torch.stack(torch.aminmax(lengths)).tolist())  # one read a layer
+    gqa = key.shape[1] != heads
+    if shortest == longest:
+        def batched(states: torch.Tensor) -> torch.Tensor:  # (1, h, t, d) -> (chunks, h, longest, d)
+            return states[0].view(states.shape[1], chunks, longest, width).transpose(0, 1)
 
-    def padded(states: torch.Tensor) -> torch.Tensor:  # (1, heads, t, d) -> (chunks, heads, longest, d)
+        output = F.scaled_dot_product_attention(batched(query), batched(key), batched(value), dropout_p=dropout,
+                                                scale=scaling, enable_gqa=gqa)
+        return output.transpose(1, 2).reshape(1, tokens, heads, width), None
+    slots, real = chunk_layout(bounds, tokens, longest)
+
+    def padded(states: torch.Tensor) -> torch.Tensor:  # (1, h, t, d) -> (chunks, h, longest, d)
         rows = states[0].transpose(0, 1)
         batch = rows.new_zeros(chunks * longest, rows.shape[1], width).index_copy(0, slots, rows)
         return batch.view(chunks, longest, rows.shape[1], width).transpose(1, 2)
@@ -91,7 +104,7 @@ def chunked_attention(
     # chunk has no token to read its output.
     visible = (real | (torch.arange(longest, device=real.device) == 0))[:, None, None, :]
     output = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=visible,
-                                            dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != heads)
+                                            dropout_p=dropout, scale=scaling, enable_gqa=gqa)
     output = output.transpose(1, 2).reshape(chunks * longest, heads, width).index_select(0, slots)
     return output.unsqueeze(0), None
 
