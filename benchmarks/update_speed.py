@@ -32,12 +32,7 @@ from turnrl.training.attention import implementation  # noqa: E402
 from turnrl.training.forward import token_logprobs  # noqa: E402
 from turnrl.training.head import chosen_logprobs, install_scoring_head  # noqa: E402
 from turnrl.training.ppo import MicroBatching  # noqa: E402
-from turnrl.training.throughput import (  # noqa: E402
-    attention_flops,
-    attention_shape,
-    peak_flops,
-    training_flops_per_token,
-)
+from turnrl.training.throughput import peak_flops, training_flops, training_flops_per_token  # noqa: E402
 
 
 def build(preset: str, device: torch.device, attention: str, vocab_limit: int, checkpointing: bool
@@ -152,9 +147,9 @@ def main() -> None:
     rows = []
     for attention in args.attention:
         model = build(args.preset, device, attention, args.vocab_limit, args.checkpointing)
-        flops = tokens * training_flops_per_token(model, None if model.config.tie_word_embeddings
-                                                  else model.get_input_embeddings().weight)
-        flops += attention_flops(*attention_shape(model.config), data[3])
+        flops = training_flops(training_flops_per_token(model, None if model.config.tie_word_embeddings
+                                                        else model.get_input_embeddings().weight),
+                               model.config, data[3])
         variants = [("padded", MicroBatching(args.rows)), ("packed", MicroBatching(args.rows, args.tokens))]
         for name, batching in variants:
             seconds, memory = measure(model, data, batching, args.repeats, device)

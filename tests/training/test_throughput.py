@@ -6,7 +6,14 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3VLConfig
 
-from turnrl.training.throughput import attention_flops, attention_shape, mfu, peak_flops, training_flops_per_token
+from turnrl.training.throughput import (
+    attention_flops,
+    attention_shape,
+    mfu,
+    peak_flops,
+    training_flops,
+    training_flops_per_token,
+)
 
 
 def model(tied: bool) -> Qwen2ForCausalLM:
@@ -67,3 +74,9 @@ def test_peak_is_configured_or_detected_by_name(monkeypatch):
                            ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GH200 480GB", 989.4e12), ("Some GPU", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert peak_flops(gpu) == expected, name
+
+
+def test_a_training_pass_costs_its_tokens_and_their_attention():
+    config = Qwen2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=3)
+    lengths = torch.tensor([5, 9])
+    assert training_flops(1000.0, config, lengths) == pytest.approx(1000.0 * 14 + 6 * 3 * 64 * (25 + 81))

@@ -96,6 +96,18 @@ def attention_shape(model_config: Any) -> tuple[int, int]:
     return text.num_hidden_layers, text.num_attention_heads * head_dim
 
 
+def training_flops(flops_per_token: float, model_config: Any, sequence_lengths: torch.Tensor) -> float:
+    """Model FLOPs of one training pass of a model over sequences: ``flops_per_token``
+    (:func:`training_flops_per_token`) for each token, plus their causal attention (:func:`attention_flops`).
+
+    Args:
+        model_config: the model's transformers config (its layers and attention width).
+        sequence_lengths: Shape (n,), each sequence's tokens.
+    """
+    attention = attention_flops(*attention_shape(model_config), sequence_lengths)
+    return flops_per_token * float(sequence_lengths.sum()) + attention
+
+
 def mfu(flops: float, seconds: float, peak: float | None, processes: int = 1) -> float | None:
     """Model FLOPs utilization: ``flops / seconds`` over ``processes`` devices of ``peak``."""
     if peak is None or seconds <= 0:

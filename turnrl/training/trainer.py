@@ -85,12 +85,11 @@ from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config
 from turnrl.training.seeding import step_seed
 from turnrl.training.throughput import (
-    attention_flops,
-    attention_shape,
     mfu,
     peak_flops,
     phase_peak_gib,
     start_phase,
+    training_flops,
     training_flops_per_token,
 )
 from turnrl.viz.records import token_advantage_records
@@ -624,7 +623,8 @@ class Trainer:
         batch = make_batch(rollout.trajectories, keep, algo.sample_mode, self.tokenizer.pad_token_id, self.device)
         metrics["batch/samples"] = float(len(batch))
         metrics["batch/trained_tokens"] = float(batch.loss_mask.sum())
-        metrics["batch/sequence_length_mean"] = float(batch.attention_mask.sum(1).float().mean())
+        lengths = batch.attention_mask.sum(1)
+        metrics["batch/sequence_length_mean"] = float(lengths.float().mean())
 
         # 4. old logprobs, reference logprobs, values
         start_phase(self.device)
@@ -671,16 +671,14 @@ class Trainer:
         self.actor.eval()
         update_s = self._timed("update_s", time.time() - start)
         metrics["timing/update_s"] = update_s
-        trained = float(batch.attention_mask.sum()) * algo.ppo_epochs
+        trained = float(lengths.sum()) * algo.ppo_epochs
         metrics["throughput/trained_tokens_per_s"] = trained / max(update_s, 1e-9)
         # Model FLOPs of the update (actor once it trains, critic) over the devices' peak.
-        trained_models = [self.actor] if train_actor else []
+        trained_models = [(self.actor_flops_per_token, self.actor.config)] if train_actor else []
         if self.critic is not None:
-            trained_models.append(self.critic.backbone)
-        lengths = batch.attention_mask.sum(1)
-        flops = trained * ((self.actor_flops_per_token if train_actor else 0.0) + self.critic_flops_per_token)
-        flops += algo.ppo_epochs * sum(attention_flops(*attention_shape(model.config), lengths)
-                                       for model in trained_models)
+            trained_models.append((self.critic_flops_per_token, self.critic.backbone.config))
+        flops = algo.ppo_epochs * sum(training_flops(per_token, model_config, lengths)
+                                      for per_token, model_config in trained_models)
         utilization = mfu(flops, update_s, self.peak_flops, ranks.world_size())
         if utilization is not None:
             metrics["throughput/update_mfu"] = utilization
