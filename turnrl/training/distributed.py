@@ -278,6 +278,10 @@ def copy_full_weights(sharded: torch.nn.Module, full: torch.nn.Module, every_par
 
 
 # --------------------------------------------------------------------------- the trainer
+FREED = -1
+"""The rollout copy's weights version while its parameters are freed: no version the trainer's weights take."""
+
+
 class FSDPTrainer(Trainer):
     """:class:`Trainer` on ``torch.distributed`` processes, with FSDP2-sharded models (see the module docs).
 
@@ -293,8 +297,8 @@ class FSDPTrainer(Trainer):
                               "CPU hold them there already: set distributed.cpu_offload=false")
         self.weights_version = 0
         self.rollout_version = 0
-        self.rollout_freed = False
-        """Whether the rollout copy's parameters were freed for the update (``model.engine.free_during_update``)."""
+        """The weights version the rollout copy holds; :data:`FREED` while its parameters are freed for the update
+        (``model.engine.free_during_update``)."""
         super().__init__(config, start_model, rewards)
         assert isinstance(self.rollout, Rollout)  # Ray rollouts and torchrun do not go together (train() says)
         self.rollout = ShardedRollout(self.rollout, self.tokenizer)  # type: ignore[assignment]
@@ -351,17 +355,16 @@ class FSDPTrainer(Trainer):
         next rollout: the update does not hold a second, unsharded actor."""
         super().release_rollout_memory()
         free_parameters(self.rollout_actor)
-        self.rollout_freed = True
+        self.rollout_version = FREED
 
     def _sync_rollout_weights(self) -> None:
-        if self.rollout_freed:
+        if self.rollout_version == self.weights_version:
+            return
+        freed = self.rollout_version == FREED  # then the frozen parameters are gathered too
+        if freed:
             reallocate_parameters(self.rollout_actor)
-            copy_full_weights(self.actor, self.rollout_actor, every_parameter=True)
-            self.rollout_freed = False
-            self.rollout_version = self.weights_version
-        elif self.rollout_version != self.weights_version:
-            copy_full_weights(self.actor, self.rollout_actor)
-            self.rollout_version = self.weights_version
+        copy_full_weights(self.actor, self.rollout_actor, every_parameter=freed)
+        self.rollout_version = self.weights_version
 
     # ------------------------------------------------------------------ the phases that differ
     def roll_out(self, step: int) -> Any:
