@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.estimators import make_sft_start, spread, train_from  # noqa: E402
 from benchmarks.learning_curves import draw, read_rows  # noqa: E402
-from turnrl.viz.plots import STATE_REWARD_METRICS  # noqa: E402
+from turnrl.viz.plots import STATE_REWARD_METRICS, series  # noqa: E402
+from turnrl.viz.records import read_metrics  # noqa: E402
 
 STATE_REWARDS = ("grounding", "worldmodel")
 ROWS: dict[str, list[str]] = {
@@ -42,8 +43,7 @@ ROWS: dict[str, list[str]] = {
 
 def match_curve(run_dir: Path, name: str) -> list[float]:
     """Per step: the mean score of the judged turns (``rewards/<name>/match_mean``)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r[f"rewards/{name}/match_mean"] for r in records if f"rewards/{name}/match_mean" in r]
+    return series(read_metrics(run_dir / "metrics.jsonl"), f"rewards/{name}/match_mean")[1]
 
 
 def run_name(row: str, seed: int) -> str:
