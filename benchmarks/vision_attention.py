@@ -27,33 +27,45 @@ from turnrl.models.vision_attention import VISION_ATTENTION  # noqa: E402
 
 
 def tower_of(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The preset's vision tower alone, random weights."""
+    """The preset's model body (its vision tower is what is timed), random weights."""
     tokenizer = build_tokenizer(["an image"], template="chatml")
     config = vlm_config(preset, tokenizer)
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
-    return model.model.visual.eval()
+    return model.model.eval()
 
 
 def images(tower: torch.nn.Module, count: int, size: int, device: torch.device, dtype: torch.dtype):
     """Patches of ``count`` images of ``size`` pixels a side and their (t, h, w) grids."""
-    config = tower.config
+    config = tower.visual.config
     side = size // config.patch_size // config.spatial_merge_size * config.spatial_merge_size
     width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
     grids = torch.tensor([[1, side, side]] * count, device=device)
     return torch.randn(count * side * side, width, device=device, dtype=dtype), grids
 
 
-def seconds_a_pass(tower, pixels, grids, repeats: int) -> float:
-    with torch.no_grad():
-        tower(pixels, grid_thw=grids)  # warm-up
-        if pixels.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            tower(pixels, grid_thw=grids)
-        if pixels.is_cuda:
-            torch.cuda.synchronize()
+def one_pass(tower, pixels, grids, backward: bool) -> None:
+    """The tower's forward pass (a rollout's prefill), or forward and backward (a training update's)."""
+    if not backward:
+        with torch.no_grad():
+            tower.get_image_features(pixels, grids, return_dict=True)
+        return
+    features = tower.get_image_features(pixels, grids, return_dict=True).pooler_output
+    # transformers 5.17 returns one tensor of every image's merged features, later 5.x one tensor an image.
+    features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+    features.float().square().mean().backward()
+    tower.zero_grad(set_to_none=True)
+
+
+def seconds_a_pass(tower, pixels, grids, repeats: int, backward: bool) -> float:
+    one_pass(tower, pixels, grids, backward)  # warm-up
+    if pixels.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        one_pass(tower, pixels, grids, backward)
+    if pixels.is_cuda:
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeats
 
 
@@ -70,16 +82,19 @@ def main() -> None:
     tower = tower_of(args.preset, device, dtype)
     pixels, grids = images(tower, args.images, args.size, device, dtype)
     rows = []
-    for name, implementation in (("transformers, a call a chunk (sdpa)", "sdpa"),
-                                 ("chunked, a call a layer", VISION_ATTENTION)):
-        tower.config._attn_implementation = implementation
-        rows.append((name, seconds_a_pass(tower, pixels, grids, args.repeats)))
-        print(f"{name}: {rows[-1][1]:.4f} s a pass", flush=True)
+    for backward in (False, True):
+        for name, implementation in (("transformers, a call a chunk (sdpa)", "sdpa"),
+                                     ("chunked, a call a layer", VISION_ATTENTION)):
+            tower.visual.config._attn_implementation = implementation
+            label = f"{name}, {'forward + backward' if backward else 'forward'}"
+            rows.append((label, seconds_a_pass(tower, pixels, grids, args.repeats, backward)))
+            print(f"{label}: {rows[-1][1]:.4f} s a pass", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{args.preset} vision tower, {args.images} images of {args.size} px, {name}, {dtype}")
     print("| attention | s a pass | speed-up |\n| --- | ---: | ---: |")
-    for label, seconds in rows:
-        print(f"| {label} | {seconds:.4f} | {rows[0][1] / seconds:.2f}x |")
+    for index, (label, seconds) in enumerate(rows):
+        baseline = rows[index - index % 2][1]
+        print(f"| {label} | {seconds:.4f} | {baseline / seconds:.2f}x |")
 
 
 if __name__ == "__main__":
