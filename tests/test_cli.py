@@ -620,3 +620,21 @@ def test_eval_of_another_env_than_the_recipes_leaves_the_recipes_env_settings_be
                  "--out", str(out), "env.settings.size=3"]) == 0
     config = load_config(EvalConfig, out / "config.yaml")
     assert (config.env.id, config.env.settings, config.agent.format) == ("FrozenLake", {"size": 3}, "ragen")
+
+
+def test_memory_estimates_a_recipe_on_several_gpu_counts_without_a_gpu(monkeypatch, capsys, builtin_dir):
+    argv = ["memory", "--config", "configs/ragen_sokoban.yaml", "--gpus", "1,4", "--gpu-gib", "79.2",
+            "model.builtin_preset=tiny", f"model.builtin_dir={builtin_dir}"]
+    code, out = run_main(argv, monkeypatch, capsys)
+    assert code == 0, out
+    assert "the built-in 'tiny': " in out and "M parameters" in out
+    assert "  1 GPU: fits (" in out and "  4 GPUs: fits (" in out
+    code, out = run_main([*argv[:6], "0.001", *argv[7:]], monkeypatch, capsys)  # a GPU of 1 MiB
+    assert code == 1 and "1 GPU: does not fit" in out and "turn on " in out
+
+
+@pytest.mark.parametrize("gpus", ["0", "two", "1,,2"])
+def test_memory_refuses_gpu_counts_that_are_not_counts(gpus, monkeypatch):
+    with pytest.raises(SystemExit) as info:
+        main(["memory", "--gpus", gpus])
+    assert info.value.code == 2

@@ -377,6 +377,63 @@ def launch_processes(nproc: int, config_path: str | None, overrides: list[str]) 
                   "from its last one)", file=sys.stderr)
 
 
+H100_BYTES = int(79.2 * 2**30)
+"""An H100 80GB's memory as torch reports it (``total_memory``): ``turnrl memory``'s GPU where there is none."""
+
+
+def gpu_counts(text: str) -> list[int]:
+    """``1,2,4`` as [1, 2, 4]: the GPU counts of ``turnrl memory --gpus``."""
+    try:
+        counts = [int(word) for word in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of GPU counts such as 1,2,4")
+    return counts
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+
+    from turnrl.config import ConfigError, load_config
+    from turnrl.models.builtin import builtin_model_config
+    from turnrl.training.config import TrainConfig
+    from turnrl.training.memory import GIB, count_model, fit_report
+
+    try:
+        config = load_config(TrainConfig, args.config, args.overrides)
+        model = config.model
+        with tempfile.TemporaryDirectory() as folder:
+            if model.path is None:  # the built-in model's config, saved where count_model reads one
+                builtin_model_config(model).save_pretrained(folder)
+            counts = count_model(model.path or folder, lora_rank=config.lora.r if config.lora.enabled else 0,
+                                 lora_targets=config.lora.target_modules, train_vision=model.train_vision)
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}") from error
+    except (OSError, ValueError) as error:  # a model.path without a config transformers can read
+        raise SystemExit(f"error: model.path={model.path!r} has no model config to count ({error})") from error
+    if args.gpu_gib is not None:
+        device_bytes, gpu = args.gpu_gib * GIB, f"{args.gpu_gib:g} GiB (--gpu-gib)"
+    elif torch.cuda.is_available():
+        device_bytes = torch.cuda.get_device_properties(0).total_memory
+        gpu = f"{device_bytes / GIB:.1f} GiB ({torch.cuda.get_device_name(0)})"
+    else:
+        device_bytes, gpu = H100_BYTES, f"{H100_BYTES / GIB:.1f} GiB (an H100 80GB; --gpu-gib sets another)"
+    name = model.path or f"the built-in {model.builtin_preset!r}"
+    def size(parameters: int) -> str:
+        return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
+
+    print(f"{name}: {size(counts.total)} parameters, {size(counts.trained)} trained; "
+          f"estimated peak per GPU of {gpu}:")
+    verdicts = [fit_report(config, counts, processes, device_bytes)
+                for processes in args.gpus or [config.distributed.nproc_per_node]]
+    for _, line in verdicts:
+        print(f"  {line}")
+    return 0 if all(fits for fits, _ in verdicts) else 1
+
+
 def cmd_serve_policy(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, ModelConfig, load_config
     from turnrl.serve.policy import serve
@@ -515,6 +572,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="recipe YAML (omit with resume=RUN_DIR)")
     p.add_argument("overrides", nargs="*", help=overrides_help + ", or resume=RUN_DIR")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("memory", help="estimate a recipe's GPU memory on 1, 2, 4... GPUs (no GPU needed)",
+                       description="Estimate each GPU's peak memory for a training recipe, by part (training "
+                                   "states, reference, rollout weights, key/value cache, activations), on the "
+                                   "GPU counts asked, and say what to turn on where it does not fit: the check "
+                                   "`turnrl train` makes before loading, without a GPU or the model's weights. "
+                                   "Exit status 1 when some count does not fit.")
+    p.add_argument("--config", help="the recipe YAML")
+    p.add_argument("--gpus", type=gpu_counts, help="GPU counts (processes) to estimate, as 1,2,4; default: the "
+                                                    "recipe's distributed.nproc_per_node")
+    p.add_argument("--gpu-gib", type=float, help="memory of one GPU in GiB; default: this machine's GPU, or an "
+                                                 "H100 80GB's 79.2")
+    p.add_argument("overrides", nargs="*", help="key=value overrides (model.builtin_preset=7b, lora.enabled=true)")
+    p.set_defaults(fn=cmd_memory)
 
     p = sub.add_parser("serve-policy", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model at http://HOST:PORT/v1 (chat completions, models, health).")

@@ -9,11 +9,20 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from turnrl.config import ConfigError, load_config
+from turnrl.config import ConfigError, ModelConfig, load_config
+from turnrl.models.builtin import builtin_model_config
 from turnrl.models.tiny import build_tokenizer, count_parameters, preset_config
 from turnrl.models.vlm import count_vlm_parameters, vlm_config
 from turnrl.training.config import TrainConfig
-from turnrl.training.memory import GIB, activation_bytes, check_memory, count_model, estimate_memory, require_fit
+from turnrl.training.memory import (
+    GIB,
+    activation_bytes,
+    check_memory,
+    count_model,
+    estimate_memory,
+    fit_report,
+    require_fit,
+)
 
 H100 = 79.1 * GIB
 
@@ -153,3 +162,24 @@ def test_a_model_that_cannot_be_counted_starts_unchecked(tmp_path):
     config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [])
     assert check_memory(config, tmp_path, torch.device("cuda"), 4) is None
     assert check_memory(config, tmp_path, torch.device("cpu"), 1) is None
+
+
+@pytest.mark.parametrize("fixture, preset", [("tiny_model_dir", "tiny"), ("tiny_vlm_dir", "vlm-tiny")])
+def test_a_built_in_model_is_counted_from_its_config_alone_as_its_build(fixture, preset, builtin_dir, tmp_path,
+                                                                       request):
+    built = count_model(request.getfixturevalue(fixture))
+    config = builtin_model_config(ModelConfig(builtin_preset=preset, builtin_dir=str(builtin_dir)))
+    assert count_model(_saved_config(tmp_path, config)) == built
+
+
+def test_the_fit_report_names_the_parts_and_what_to_turn_on(tmp_path, tokenizer):
+    counts = _counts(tmp_path, tokenizer, "7b")
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [])
+    fits, line = fit_report(config, counts, 4, H100)
+    assert not fits and line.startswith("4 GPUs: does not fit (actor ")
+    assert "model.engine.free_during_update=true" in line and "distributed.cpu_offload=true" in line
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml",
+                         ["model.engine.free_during_update=true", "model.engine.kv_cache_gb=12"])
+    fits, line = fit_report(config, counts, 4, H100)
+    assert fits and line.startswith("4 GPUs: fits (actor ") and "turn on" not in line
+    assert fit_report(config, counts, 1, H100)[1].startswith("1 GPU: does not fit")

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from transformers import PretrainedConfig
 
 from turnrl.agent.expert import expert_fields
 from turnrl.agent.formats import format_names, get_format
@@ -21,8 +22,8 @@ from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import ConfigError, ModelConfig
 from turnrl.envs import make
 from turnrl.envs.registry import env_class
-from turnrl.models.tiny import PRESETS, build_model
-from turnrl.models.vlm import VLM_PREFIX, VLM_PRESETS, build_vlm, is_vlm_preset, vlm_preset
+from turnrl.models.tiny import PRESETS, build_model, build_tokenizer, model_preset, preset_config
+from turnrl.models.vlm import VLM_PREFIX, VLM_PRESETS, build_vlm, is_vlm_preset, vlm_config, vlm_preset
 
 CORPUS_ENVS = ("Sokoban", "FrozenLake", "Bandit", "Countdown", "Maze2D")
 """The envs whose texts train the built-in tokenizer: those a small model trained from scratch is for, each
@@ -99,23 +100,43 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TURNRL_CACHE", Path.home() / ".cache" / "turnrl")) / "models"
 
 
+def _builtin_build(config: ModelConfig) -> tuple[str, str, Path]:
+    """The preset, template and cache directory of the built-in model ``config`` names, checked."""
+    root = Path(config.builtin_dir) if config.builtin_dir else default_cache_dir()
+    preset, template = config.builtin_preset, config.builtin_template
+    if preset not in PRESETS and not is_vlm_preset(preset):
+        raise ConfigError(f"model.builtin_preset={preset!r} is not a built-in model; choose one of "
+                          f"{[*PRESETS, *VLM_PRESETS]}")
+    if not is_vlm_preset(preset):
+        return preset, template, root / f"qwen2-{preset}-{template}"
+    if template not in ("chatml", "qwen3"):
+        raise ConfigError(f"model.builtin_template={template!r} has no Qwen vision tokens; a built-in VLM "
+                          "takes chatml or qwen3")
+    family = {"qwen3_vl": "qwen3-vl"}.get(vlm_preset(preset).family, "qwen2.5-vl")
+    return preset, template, root / f"{family}-{preset.removeprefix(VLM_PREFIX)}-{template}"
+
+
 def builtin_model_path(config: ModelConfig) -> Path:
     """Build (or reuse) the built-in model described by ``config`` and return its directory.
 
     A ``vlm-*`` preset builds a Qwen2.5-VL (load it with ``AutoModelForImageTextToText`` and
     ``AutoProcessor``); any other preset a Qwen2 text model (``AutoModelForCausalLM``).
     """
-    root = Path(config.builtin_dir) if config.builtin_dir else default_cache_dir()
-    preset, template = config.builtin_preset, config.builtin_template
-    if preset not in PRESETS and not is_vlm_preset(preset):
-        raise ConfigError(f"model.builtin_preset={preset!r} is not a built-in model; choose one of "
-                          f"{[*PRESETS, *VLM_PRESETS]}")
+    preset, template, out = _builtin_build(config)
     if is_vlm_preset(preset):
-        if template not in ("chatml", "qwen3"):
-            raise ConfigError(f"model.builtin_template={template!r} has no Qwen vision tokens; a built-in VLM "
-                              "takes chatml or qwen3")
-        family = {"qwen3_vl": "qwen3-vl"}.get(vlm_preset(preset).family, "qwen2.5-vl")
-        out = root / f"{family}-{preset.removeprefix(VLM_PREFIX)}-{template}"
         return build_vlm(out, builtin_corpus() + image_mode_corpus(), preset=preset, template=template)
-    out = root / f"qwen2-{preset}-{template}"
     return build_model(out, builtin_corpus(), preset=preset, template=template)
+
+
+def builtin_model_config(config: ModelConfig) -> PretrainedConfig:
+    """The transformers config of the built-in model ``config`` names, without building its weights: the one
+    a build writes (its preset with the tokenizer the build trains: a few seconds, where building a 7B model
+    takes minutes and a 30 GB save). What ``turnrl memory`` counts."""
+    preset, template, _ = _builtin_build(config)
+    if is_vlm_preset(preset):
+        p = vlm_preset(preset)
+        tokenizer = build_tokenizer(builtin_corpus() + image_mode_corpus(), vocab_size=p.text.vocab_size,
+                                    template=template)
+        return vlm_config(p, tokenizer)
+    tokenizer = build_tokenizer(builtin_corpus(), vocab_size=model_preset(preset).vocab_size, template=template)
+    return preset_config(preset, tokenizer)

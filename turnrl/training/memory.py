@@ -237,7 +237,7 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     return MemoryEstimate(parts, device_bytes, apart, gradients)
 
 
-def _advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> list[str]:
+def fit_advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> list[str]:
     """What would make the run fit, the largest saving first."""
     options: list[tuple[float, str]] = []
     states = sum(estimate.parts.get(name, 0.0) for name in ("actor", "critic", "reference"))
@@ -268,11 +268,22 @@ def require_fit(config: TrainConfig, counts: ModelCounts, processes: int, device
     exceeds ``device_bytes``."""
     estimate = estimate_memory(config, counts, processes, device_bytes)
     if not estimate.fits():
-        advice = "; or ".join(_advice(config, estimate, processes)[:4])
+        advice = "; or ".join(fit_advice(config, estimate, processes)[:4])
         raise ConfigError(f"this run needs about {estimate.table()} (estimated per GPU, {processes} process"
                           f"{'es' if processes > 1 else ''}): turn on {advice}; or set run.check_memory=false to "
                           "try anyway")
     return estimate
+
+
+def fit_report(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float) -> tuple[bool, str]:
+    """Whether ``config`` fits ``processes`` GPUs of ``device_bytes`` each, and a line that says so: the estimate
+    by part, and when it does not fit what to turn on (what ``turnrl memory`` prints for each GPU count)."""
+    estimate = estimate_memory(config, counts, processes, device_bytes)
+    gpus = f"{processes} GPU{'s' if processes > 1 else ''}"
+    if estimate.fits():
+        return True, f"{gpus}: fits ({estimate.table()})"
+    return False, (f"{gpus}: does not fit ({estimate.table()}); turn on "
+                   + "; or ".join(fit_advice(config, estimate, processes)[:4]))
 
 
 def check_memory(config: TrainConfig, model_path: Path | str, device: torch.device,
