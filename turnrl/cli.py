@@ -392,28 +392,26 @@ def gpu_counts(text: str) -> list[int]:
     return counts
 
 
-def cmd_memory(args: argparse.Namespace) -> int:
-    import tempfile
+def parameters_text(count: int) -> str:
+    """``7.62B`` or ``3.4M``."""
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
+
+def cmd_memory(args: argparse.Namespace) -> int:
     import torch
 
     from turnrl.config import ConfigError, load_config
-    from turnrl.models.builtin import builtin_model_config
     from turnrl.training.config import TrainConfig
-    from turnrl.training.memory import GIB, count_model, fit_report
+    from turnrl.training.memory import GIB, count_recipe_model, fit_report
 
     try:
         config = load_config(TrainConfig, args.config, args.overrides)
-        model = config.model
-        with tempfile.TemporaryDirectory() as folder:
-            if model.path is None:  # the built-in model's config, saved where count_model reads one
-                builtin_model_config(model).save_pretrained(folder)
-            counts = count_model(model.path or folder, lora_rank=config.lora.r if config.lora.enabled else 0,
-                                 lora_targets=config.lora.target_modules, train_vision=model.train_vision)
+        counts = count_recipe_model(config)
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
     except (OSError, ValueError) as error:  # a model.path without a config transformers can read
-        raise SystemExit(f"error: model.path={model.path!r} has no model config to count ({error})") from error
+        raise SystemExit(f"error: model.path={config.model.path!r} has no model config to count ({error})") \
+            from error
     if args.gpu_gib is not None:
         device_bytes, gpu = args.gpu_gib * GIB, f"{args.gpu_gib:g} GiB (--gpu-gib)"
     elif torch.cuda.is_available():
@@ -421,11 +419,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         gpu = f"{device_bytes / GIB:.1f} GiB ({torch.cuda.get_device_name(0)})"
     else:
         device_bytes, gpu = H100_BYTES, f"{H100_BYTES / GIB:.1f} GiB (an H100 80GB; --gpu-gib sets another)"
-    name = model.path or f"the built-in {model.builtin_preset!r}"
-    def size(parameters: int) -> str:
-        return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
-
-    print(f"{name}: {size(counts.total)} parameters, {size(counts.trained)} trained; "
+    name = config.model.path or f"the built-in {config.model.builtin_preset!r}"
+    print(f"{name}: {parameters_text(counts.total)} parameters, {parameters_text(counts.trained)} trained; "
           f"estimated peak per GPU of {gpu}:")
     verdicts = [fit_report(config, counts, processes, device_bytes)
                 for processes in args.gpus or [config.distributed.nproc_per_node]]

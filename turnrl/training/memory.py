@@ -32,6 +32,7 @@ measured peak of each scale row); the check fails only when the estimate exceeds
 from __future__ import annotations
 
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from turnrl.config import ConfigError
+from turnrl.models.builtin import builtin_model_config
 from turnrl.models.loading import VISION_TOWERS, load_model
 from turnrl.training.config import TrainConfig
 from turnrl.training.head import DEFAULT_CHUNK
@@ -161,6 +163,17 @@ def count_model(path: Path | str, *, lora_rank: int = 0, lora_targets: str = "al
     trained = adapters if lora_rank > 0 else total - frozen_tower
     return ModelCounts(total=total, trained=trained, stacked=stacked, head=head, layers=text.num_hidden_layers,
                        hidden=text.hidden_size, intermediate=text.intermediate_size, vocab=text.vocab_size)
+
+
+def count_recipe_model(config: TrainConfig) -> ModelCounts:
+    """:func:`count_model` of the run's model: ``model.path``'s config, or the built-in preset's, made without
+    building the model (:func:`~turnrl.models.builtin.builtin_model_config`), with the run's LoRA and tower."""
+    model = config.model
+    with tempfile.TemporaryDirectory() as folder:
+        if model.path is None:  # saved where count_model reads a config
+            builtin_model_config(model).save_pretrained(folder)
+        return count_model(model.path or folder, lora_rank=config.lora.r if config.lora.enabled else 0,
+                           lora_targets=config.lora.target_modules, train_vision=model.train_vision)
 
 
 def _training_states(trained: int, frozen: int, shards: int, offload: bool) -> float:
