@@ -61,6 +61,13 @@ def make_sft_start(config: str, overrides: list[str], out: Path) -> Path:
     return out / "sft_start" / "sft" / "model"
 
 
+def sharing_the_card(parallel: int, overrides: list[str]) -> list[str]:
+    """The overrides of runs played ``parallel`` at once: each may use 1/parallel of the GPU's memory
+    (``run.gpu_share``: a run that cannot fit its share stops at its start, alone); the caller's own
+    ``run.gpu_share`` comes later and wins."""
+    return [f"run.gpu_share={1 / parallel:.4g}", *overrides] if parallel > 1 else list(overrides)
+
+
 def train_from(config: str, overrides: list[str], name: str, seed: int, sft_model: Path, out: Path
                ) -> tuple[dict, float]:
     """One RL run of the recipe from the SFT start, as a subprocess logged to ``out/name.log``: its summary
@@ -98,7 +105,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--sft-model", default=None, help="an SFT model to start every row from")
     parser.add_argument("--parallel", type=int, default=1,
-                        help="runs at once (on a GPU several small runs share the card; wall times then overlap)")
+                        help="runs at once (on a GPU several small runs share the card, each capped to its share of "
+                             "its memory, run.gpu_share; wall times then overlap)")
     parser.add_argument("--out", default="runs/estimators")
     parser.add_argument("--curves", type=Path, help="also draw the rows' runs with the collapse metrics into this PNG")
     parser.add_argument("overrides", nargs="*", help="key=value for every run (e.g. run.steps=40)")
@@ -110,7 +118,7 @@ def main() -> None:
     results: list[dict] = []
 
     def run(job: tuple[str, int]) -> dict:
-        result = run_row(args.config, args.overrides, job[0], job[1], sft_model, out)
+        result = run_row(args.config, sharing_the_card(args.parallel, args.overrides), job[0], job[1], sft_model, out)
         results.append(result)
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
         return result

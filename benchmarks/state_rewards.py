@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.estimators import make_sft_start, spread, train_from  # noqa: E402
+from benchmarks.estimators import make_sft_start, sharing_the_card, spread, train_from  # noqa: E402
 from benchmarks.learning_curves import draw, read_rows  # noqa: E402
 from turnrl.viz.plots import STATE_REWARD_METRICS, series  # noqa: E402
 from turnrl.viz.records import read_metrics  # noqa: E402
@@ -84,7 +84,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--sft-model", help="reuse this SFT start instead of making one")
-    parser.add_argument("--parallel", type=int, default=1, help="runs at once")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="runs at once, each capped to its share of the GPU's memory (run.gpu_share)")
     parser.add_argument("--out", default="runs/state_rewards")
     parser.add_argument("--curves", type=Path, help="also draw the rows' runs with the state-reward metrics here")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe, for every run")
@@ -93,9 +94,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     sft_model = Path(args.sft_model) if args.sft_model else make_sft_start(args.config, args.overrides, out)
     jobs = [(row, seed) for seed in args.seeds for row in args.rows]
+    overrides = sharing_the_card(args.parallel, args.overrides)
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        results = list(pool.map(lambda job: run_row(args.config, args.overrides, job[0], job[1], sft_model, out),
-                                jobs))
+        results = list(pool.map(lambda job: run_row(args.config, overrides, job[0], job[1], sft_model, out), jobs))
     for result in results:
         print(f"{result['row']} seed {result['seed']}: success {result['before']:.3f} -> {result['after']:.3f}, "
               f"{result['seconds'] / 60:.1f} min")

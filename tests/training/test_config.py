@@ -87,6 +87,8 @@ def test_uses_critic_exactly_for_the_critic_estimators(advantage):
         ("sft.epochs=0", "sft.epochs"),
         ("sft.micro_batch_size=0", "sft.micro_batch_size"),
         ("run.steps=-1", "run.steps"),
+        ("run.gpu_share=0", "run.gpu_share"),
+        ("run.gpu_share=1.5", "run.gpu_share"),
         ("validation.episodes=0", "validation.episodes"),
         ("agent.format=telepathy", "agent.format"),
         ("agent.max_turns=0", "agent.max_turns"),

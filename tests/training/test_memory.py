@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,3 +184,16 @@ def test_the_fit_report_names_the_parts_and_what_to_turn_on(tmp_path, tokenizer)
     fits, line = fit_report(config, counts, 4, H100)
     assert fits and line.startswith("4 GPUs: fits (actor ") and "turn on" not in line
     assert fit_report(config, counts, 1, H100)[1].startswith("1 GPU: does not fit")
+
+
+def test_a_run_sharing_the_card_is_checked_against_its_share(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+    path = _saved_config(tmp_path / "3b", preset_config("3b", tokenizer))
+    grpo = ["algorithm.advantage=grpo", "algorithm.kl_coef=0", "model.engine.kv_cache_gb=1"]
+    whole = check_memory(load_config(TrainConfig, "configs/ragen_sokoban.yaml", grpo), path, torch.device("cuda"), 4)
+    assert whole is not None and whole.device_bytes == 80 * GIB and whole.fits()
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [*grpo, "run.gpu_share=0.25"])
+    with pytest.raises(ConfigError, match=r"GPU's 20.0 GiB.*run.gpu_share=0.25 of a 80.0 GiB GPU: run fewer"):
+        check_memory(config, path, torch.device("cuda"), 4)
+    config.run.gpu_share = 0.5
+    assert check_memory(config, path, torch.device("cuda"), 4).device_bytes == 40 * GIB

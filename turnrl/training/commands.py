@@ -161,8 +161,10 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
         if ranks.is_main():
             base_model_path(config.model)
         ranks.wait_for_main()
-    memory = check_memory(config, base_model_path(config.model), ranks.training_device(config.model.device),
-                          ranks.world_size() if distributed else 1)
+    device = ranks.training_device(config.model.device)
+    if device.type == "cuda" and config.run.gpu_share < 1:  # before anything of this run is on the GPU
+        torch.cuda.set_per_process_memory_fraction(config.run.gpu_share, device)
+    memory = check_memory(config, base_model_path(config.model), device, ranks.world_size() if distributed else 1)
     if memory is not None and config.model.engine.kv_cache_gb == 0:
         # The engine's default (30% of what is free when it starts) does not know the optimizer's states to come.
         config.model.engine.kv_cache_gb = round(memory.parts.get("key/value cache", 0.0) / GIB, 1) or 0.1

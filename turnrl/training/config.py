@@ -348,6 +348,12 @@ class RunConfig:
     check_memory: bool = True
     """On a GPU, estimate each GPU's memory before the models load and stop a run that cannot fit, with what
     to turn on (see :mod:`turnrl.training.memory`); false skips the check."""
+    gpu_share: float = 1.0
+    """The share of each GPU's memory this run may use, for several runs on one card (``1/N`` each; the
+    estimator benchmarks set it from ``--parallel``): the memory check counts that share, and torch's
+    allocator is capped to it, so a run that outgrows it stops alone, at its start where the estimate
+    says so, instead of taking the memory its neighbours hold. With ``run.check_memory=false`` set
+    ``model.engine.kv_cache_gb`` too (the engine's own default takes 30% of the card's free memory)."""
 
 
 @dataclass
@@ -503,6 +509,9 @@ class TrainConfig:
         check_range("run.steps", self.run.steps, 0)
         check_range("run.save_every", self.run.save_every, 0)
         check_range("run.keep_checkpoints", self.run.keep_checkpoints, 0)
+        if not 0 < self.run.gpu_share <= 1:
+            raise ConfigError(f"run.gpu_share={self.run.gpu_share!r} is out of range; allowed: (0, 1], the share of "
+                              "each GPU's memory this run may use")
         check_range("run.peak_tflops", self.run.peak_tflops, 0.0)
         check_range("validation.episodes", self.validation.episodes, 1, self.seeds.val_size)
         check_range("validation.batch_size", self.validation.batch_size, 1)

@@ -303,6 +303,8 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
                  processes: int) -> MemoryEstimate | None:
     """Estimate each GPU's peak and stop a run that cannot fit, before any model loads.
 
+    The GPU's memory is ``run.gpu_share`` of its total (several runs sharing a card).
+
     Returns:
         The estimate on a GPU (logged with the run); None on a CPU or with ``run.check_memory=false``.
 
@@ -318,4 +320,12 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
         # A model transformers cannot build from its config alone (remote code, say): the run goes on unchecked.
         logger.warning("no memory estimate for %s (%s); the run starts without one", model_path, error)
         return None
-    return require_fit(config, counts, processes, torch.cuda.get_device_properties(device).total_memory)
+    total = torch.cuda.get_device_properties(device).total_memory
+    share = config.run.gpu_share
+    try:
+        return require_fit(config, counts, processes, share * total)
+    except ConfigError as error:
+        if share == 1:
+            raise
+        raise ConfigError(f"{error} (with run.gpu_share={share:g} of a {total / GIB:.1f} GiB GPU: run fewer "
+                          "runs on the card, each with a larger share)") from error
