@@ -197,3 +197,12 @@ def test_a_run_sharing_the_card_is_checked_against_its_share(tmp_path, tokenizer
         check_memory(config, path, torch.device("cuda"), 4)
     config.run.gpu_share = 0.5
     assert check_memory(config, path, torch.device("cuda"), 4).device_bytes == 40 * GIB
+
+
+def test_rows_counted_at_max_seq_len_are_named_among_what_to_turn_on(tmp_path, tokenizer):
+    counts = _counts(tmp_path, tokenizer, "small")
+    config = load_config(TrainConfig, "configs/quickstart.yaml", ["model.engine.max_seq_len=4096"])
+    fits, line = fit_report(config, counts, 1, 8 * GIB)
+    assert not fits and "a smaller model.engine.max_seq_len, the longest sample (the estimate counts 64 samples " \
+                        "of 4096 tokens a micro-batch)" in line
+    assert fit_report(load_config(TrainConfig, "configs/quickstart.yaml", []), counts, 1, 8 * GIB)[0]

@@ -264,6 +264,11 @@ def fit_advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) ->
         options.append((0.9 * states, "lora.enabled=true (trains adapters only; the reference is the base)"))
     if not config.model.gradient_checkpointing:
         options.append((0.5 * estimate.parts["activations"], "model.gradient_checkpointing=true"))
+    if config.algorithm.micro_batch_tokens == 0 and config.model.engine.max_seq_len > 512:
+        options.append((0.5 * estimate.parts["activations"],
+                        f"a smaller model.engine.max_seq_len, the longest sample (the estimate counts "
+                        f"{config.algorithm.micro_batch_size} samples of {config.model.engine.max_seq_len} tokens "
+                        "a micro-batch)"))
     if config.algorithm.micro_batch_tokens > 4096:
         options.append((0.5 * estimate.parts["activations"],
                         f"algorithm.micro_batch_tokens={config.algorithm.micro_batch_tokens // 2}"))
