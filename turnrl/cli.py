@@ -328,7 +328,6 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, load_config
-    from turnrl.training.commands import train
     from turnrl.training.config import TrainConfig
 
     overrides = list(args.overrides)
@@ -344,6 +343,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         dist = config.distributed
         if (dist.nproc_per_node > 1 or dist.backend == "fsdp") and "WORLD_SIZE" not in os.environ:
             return launch_processes(dist.nproc_per_node, args.config, overrides)
+        # Imported once this process trains: the launcher above starts its processes without loading the models.
+        from turnrl.training.commands import train
+
         summary = train(config)
     except ConfigError as error:  # also those found once the run starts (a reward function that cannot load)
         raise SystemExit(f"error: {error}") from error

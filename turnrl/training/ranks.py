@@ -16,8 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from turnrl.models.devices import resolve_device
-
 
 def rank() -> int:
     """This process's rank (0 outside ``torchrun``)."""
@@ -72,6 +70,10 @@ def process_device() -> torch.device | None:
 
 def training_device(setting: str) -> torch.device:
     """Where this process trains: its GPU in a distributed run, else ``model.device`` (``setting``) resolved."""
+    # Imported here: turnrl.models loads transformers' model classes, which the launcher that reads
+    # COMMAND_START (``turnrl train distributed.nproc_per_node=N``) does not need.
+    from turnrl.models.devices import resolve_device
+
     return process_device() or resolve_device(setting)
 
 
