@@ -352,7 +352,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if summary.get("stopped_by") == "error":
         return 1  # a lost rollout worker: stopped with a checkpoint to resume from, but not by request
     if "WORLD_SIZE" in os.environ:
-        return 0  # a stop asked for under torchrun: any other status is a failed process to it
+        from turnrl.training import ranks
+
+        ranks.end_process(0)  # a stop asked for too: torchrun takes any other status for a failed process
     return 130 if "interrupted_at_step" in summary else 0  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
