@@ -453,6 +453,23 @@ def test_train_resume_of_a_folder_that_is_not_a_run(tmp_path):
     assert "not a run directory" in error_exit(["train", f"resume={tmp_path}"])
 
 
+def test_train_on_several_processes_launches_them_without_loading_the_models(tmp_path):
+    """``distributed.nproc_per_node=N`` starts N processes that each load the models; the launcher before them
+    reads the config only (transformers' model classes took it seconds to import, every distributed start)."""
+    code = (
+        "import sys\n"
+        "from turnrl import cli\n"
+        "cli.launch_processes = lambda nproc, config, overrides: print('launch', nproc) or 0\n"
+        f"status = cli.main(['train', 'model.device=cpu', 'run.output_dir={tmp_path}', "
+        "'distributed.nproc_per_node=2'])\n"
+        "print(sorted(m for m in ('transformers', 'turnrl.models', 'turnrl.training.commands') if m in sys.modules))\n"
+        "sys.exit(status)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:2] == ["launch 2", "[]"]
+
+
 def test_serve_policy_takes_model_settings_and_names_a_bad_one(monkeypatch):
     assert "dtypo" in error_exit(["serve-policy", "--model", "nowhere", "dtypo=bfloat16"])
     assert "model.dtype" in error_exit(["serve-policy", "--model", "nowhere", "model.dtype=float8"])

@@ -328,7 +328,6 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, load_config
-    from turnrl.training.commands import train
     from turnrl.training.config import TrainConfig
 
     overrides = list(args.overrides)
@@ -344,13 +343,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         dist = config.distributed
         if (dist.nproc_per_node > 1 or dist.backend == "fsdp") and "WORLD_SIZE" not in os.environ:
             return launch_processes(dist.nproc_per_node, args.config, overrides)
+        # Imported once this process trains: the launcher above starts its processes without loading the models.
+        from turnrl.training.commands import train
+
         summary = train(config)
     except ConfigError as error:  # also those found once the run starts (a reward function that cannot load)
         raise SystemExit(f"error: {error}") from error
     if summary.get("stopped_by") == "error":
         return 1  # a lost rollout worker: stopped with a checkpoint to resume from, but not by request
     if "WORLD_SIZE" in os.environ:
-        return 0  # a stop asked for under torchrun: any other status is a failed process to it
+        from turnrl.training import ranks
+
+        ranks.end_process(0)  # a stop asked for too: torchrun takes any other status for a failed process
     return 130 if "interrupted_at_step" in summary else 0  # 128 + SIGINT, as a shell reports Ctrl-C
 
 

@@ -37,10 +37,26 @@ UNCOMPARED = ("actor/logprob_mismatch",)  # float noise of a check on a few rows
 
 
 def run_train(model_dir: Path, out: Path, name: str, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``turnrl train`` in a process of its own (how several processes, Ray or a kill are started)."""
     command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={model_dir}", f"run.output_dir={out}",
                f"run.name={name}", *ARGS, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def train_in_process(model_dir: Path, out: Path, name: str, *extra: str) -> Path:
+    """The one-process reference run, in this process (what ``turnrl train`` runs, without a new interpreter's
+    start); returns its run directory."""
+    train(load_config(TrainConfig, None, [f"model.path={model_dir}", f"run.output_dir={out}", f"run.name={name}",
+                                          *ARGS, *extra]))
+    return out / name
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir, tmp_path_factory) -> Path:
+    """Two PPO steps on one process: the run the two-process, Ray and asynchronous runs of the same settings
+    equal (read, never changed, by the tests)."""
+    return train_in_process(tiny_model_dir, tmp_path_factory.mktemp("reference"), "single", "run.steps=2")
 
 
 def step_records(run_dir: Path) -> dict[int, dict]:
@@ -122,16 +138,14 @@ def test_a_copy_allocated_from_the_structure_and_filled_is_the_model(tiny_model_
 
 
 # --------------------------------------------------------------------------- whole runs
-def test_two_processes_train_as_one(tiny_model_dir, tmp_path):
+def test_two_processes_train_as_one(tiny_model_dir, tmp_path, single):
     """Two gloo processes (started by ``distributed.nproc_per_node``) and one process: the same advantages,
     losses, gradient norms and weights after two PPO steps; the checkpoint is a transformers model."""
-    single = run_train(tiny_model_dir, tmp_path, "single", "run.steps=2")
-    assert single.returncode == 0, single.stderr[-3000:]
     double = run_train(tiny_model_dir, tmp_path, "double", "run.steps=2", "distributed.nproc_per_node=2")
     assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
     assert "2 processes (FSDP)" in " ".join(double.stdout.split())
     assert "did not run forward before backward" not in double.stderr  # the units FSDP wraps run together
-    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "double")
+    one, two = step_records(single), step_records(tmp_path / "double")
     assert sorted(one) == sorted(two) == [1, 2]
     for step in one:
         assert_same_metrics(one[step], two[step])
@@ -141,15 +155,14 @@ def test_two_processes_train_as_one(tiny_model_dir, tmp_path):
 
     checkpoint = tmp_path / "double" / "checkpoints" / "step_000002"
     weights = load_file(checkpoint / "actor" / "model.safetensors")
-    reference = load_file(tmp_path / "single" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
+    reference = load_file(single / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
     assert weights.keys() == reference.keys()
     for name in weights:
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-5)
     AutoModelForCausalLM.from_pretrained(checkpoint / "actor")  # a plain transformers model
     assert (checkpoint / "optimizer" / ".metadata").is_file()  # the optimizers' shards
     critic = load_file(checkpoint / "critic" / "model.safetensors")
-    assert critic.keys() == load_file(tmp_path / "single" / "checkpoints" / "step_000002" / "critic" /
-                                      "model.safetensors").keys()
+    assert critic.keys() == load_file(single / "checkpoints" / "step_000002" / "critic" / "model.safetensors").keys()
 
 
 def test_two_processes_that_free_the_rollout_during_the_update_train_as_one(tiny_model_dir, tmp_path):
@@ -157,12 +170,11 @@ def test_two_processes_that_free_the_rollout_during_the_update_train_as_one(tiny
     are freed before each update and rebuilt (gathered from the shards) before the next rollout; the run is the
     one-process run that keeps them, step for step."""
     engine = ("model.backend=engine", "run.steps=3")
-    single = run_train(tiny_model_dir, tmp_path, "single", *engine)
-    assert single.returncode == 0, single.stderr[-3000:]
+    single = train_in_process(tiny_model_dir, tmp_path, "single", *engine)
     double = run_train(tiny_model_dir, tmp_path, "double", *engine, "model.engine.free_during_update=true",
                        "distributed.nproc_per_node=2")
     assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
-    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "double")
+    one, two = step_records(single), step_records(tmp_path / "double")
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in one:
         assert_same_metrics(one[step], two[step])
@@ -213,11 +225,10 @@ def test_lora_on_two_processes_trains_as_on_one(tiny_model_dir, tmp_path):
     """LoRA under FSDP2 (the base frozen in the shards, the adapters trained, the reference the adapters
     switched off): the metrics and the adapters after two steps equal one process's."""
     lora = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "algorithm.kl_coef=0.05", "algorithm.advantage=grpo")
-    single = run_train(tiny_model_dir, tmp_path, "single", "run.steps=2", *lora)
-    assert single.returncode == 0, single.stderr[-3000:]
+    single = train_in_process(tiny_model_dir, tmp_path, "single", "run.steps=2", *lora)
     double = run_train(tiny_model_dir, tmp_path, "double", "run.steps=2", "distributed.nproc_per_node=2", *lora)
     assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
-    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "double")
+    one, two = step_records(single), step_records(tmp_path / "double")
     for step in one:
         assert_same_metrics(one[step], two[step])
     assert one[2]["actor/grad_norm"] > 0 and one[2]["actor/kl_ref"] != 0
@@ -312,26 +323,21 @@ def ray_cluster(tmp_path_factory):
     subprocess.run([ray_bin, "stop", "--force"], capture_output=True)
 
 
-def test_ray_rollout_workers_train_as_one_process(tiny_model_dir, tmp_path, ray_cluster):
+def test_ray_rollout_workers_train_as_one_process(tiny_model_dir, tmp_path, ray_cluster, single):
     """``distributed.backend=ray`` on a running cluster: two rollout actors play the groups and get the new
     weights after each update; the run is the single-process run."""
-    single = run_train(tiny_model_dir, tmp_path, "single", "run.steps=2")
-    assert single.returncode == 0, single.stderr[-3000:]
     ray_run = run_train(tiny_model_dir, tmp_path, "ray", "run.steps=2", "distributed.backend=ray",
                         "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}")
     assert ray_run.returncode == 0, ray_run.stdout[-2000:] + ray_run.stderr[-3000:]
-    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "ray")
+    one, two = step_records(single), step_records(tmp_path / "ray")
     for step in one:
         assert_same_metrics(one[step], two[step])
 
 
-def test_asynchronous_run_with_no_staleness_is_the_synchronous_run(tiny_model_dir, tmp_path):
-    single = run_train(tiny_model_dir, tmp_path, "single", "run.steps=2")
-    assert single.returncode == 0, single.stderr[-3000:]
-    lagging = run_train(tiny_model_dir, tmp_path, "async", "run.steps=2", "distributed.async_rollout=true",
-                        "distributed.max_staleness=0")
-    assert lagging.returncode == 0, lagging.stdout[-2000:] + lagging.stderr[-3000:]
-    one, two = step_records(tmp_path / "single"), step_records(tmp_path / "async")
+def test_asynchronous_run_with_no_staleness_is_the_synchronous_run(tiny_model_dir, tmp_path, single):
+    lagging = train_in_process(tiny_model_dir, tmp_path, "async", "run.steps=2", "distributed.async_rollout=true",
+                         "distributed.max_staleness=0")
+    one, two = step_records(single), step_records(lagging)
     for step in one:
         assert_same_metrics(one[step], two[step])
         assert two[step]["async/staleness"] == 0

@@ -8,15 +8,15 @@ so that a process that dies or hangs stops the run with an error instead of a si
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-
-from turnrl.models.devices import resolve_device
 
 
 def rank() -> int:
@@ -72,6 +72,10 @@ def process_device() -> torch.device | None:
 
 def training_device(setting: str) -> torch.device:
     """Where this process trains: its GPU in a distributed run, else ``model.device`` (``setting``) resolved."""
+    # Imported here: turnrl.models loads transformers' model classes, which the launcher that reads
+    # COMMAND_START (``turnrl train distributed.nproc_per_node=N``) does not need.
+    from turnrl.models.devices import resolve_device
+
     return process_device() or resolve_device(setting)
 
 
@@ -146,3 +150,20 @@ def any_rank(flag: bool) -> bool:
 def close_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_process(status: int) -> NoReturn:
+    """End a process that torchrun started, once its run is over and its process group closed: the exit
+    handlers run and the output is flushed, then the process exits with ``status`` without the interpreter's
+    teardown.
+
+    gloo's worker threads release a finished collective's tensors after the collective has returned, taking the
+    GIL to do it; one that gets there once the interpreter is tearing down (a process that leaves right after its
+    last collective, on a loaded host) is ended by Python mid-destructor, and C++ aborts the process (``terminate
+    called without an active exception``, SIGABRT), which torchrun reports as a failed run. Closing the group does
+    not stop those threads: FSDP's device meshes keep the groups alive.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
