@@ -286,7 +286,9 @@ class GroupsConfig:
 @dataclass
 class SeedConfig:
     seed: int = 0
-    """Seed of torch, numpy and Python's random (model init, sampling, shuffling)."""
+    """Seed of torch, numpy and Python's random (model init, sampling, shuffling). The envs' levels do not
+    depend on it: runs that differ only in ``seed`` train on the same levels, step for step, and differ in
+    what they sample (set ``train_start`` apart too for runs on different levels)."""
     train_start: int = 10_000
     """First env seed of training; each step takes fresh seeds."""
     val_start: int = 0
