@@ -116,6 +116,11 @@ def _builtin_build(config: ModelConfig) -> tuple[str, str, Path]:
     return preset, template, root / f"{family}-{preset.removeprefix(VLM_PREFIX)}-{template}"
 
 
+def _corpus(preset: str) -> list[str]:
+    """The texts a built-in preset's tokenizer is trained on (a VLM's add what the envs say in image mode)."""
+    return builtin_corpus() + image_mode_corpus() if is_vlm_preset(preset) else builtin_corpus()
+
+
 def builtin_model_path(config: ModelConfig) -> Path:
     """Build (or reuse) the built-in model described by ``config`` and return its directory.
 
@@ -124,8 +129,8 @@ def builtin_model_path(config: ModelConfig) -> Path:
     """
     preset, template, out = _builtin_build(config)
     if is_vlm_preset(preset):
-        return build_vlm(out, builtin_corpus() + image_mode_corpus(), preset=preset, template=template)
-    return build_model(out, builtin_corpus(), preset=preset, template=template)
+        return build_vlm(out, _corpus(preset), preset=preset, template=template)
+    return build_model(out, _corpus(preset), preset=preset, template=template)
 
 
 def builtin_model_config(config: ModelConfig) -> PretrainedConfig:
@@ -135,8 +140,6 @@ def builtin_model_config(config: ModelConfig) -> PretrainedConfig:
     preset, template, _ = _builtin_build(config)
     if is_vlm_preset(preset):
         p = vlm_preset(preset)
-        tokenizer = build_tokenizer(builtin_corpus() + image_mode_corpus(), vocab_size=p.text.vocab_size,
-                                    template=template)
-        return vlm_config(p, tokenizer)
-    tokenizer = build_tokenizer(builtin_corpus(), vocab_size=model_preset(preset).vocab_size, template=template)
+        return vlm_config(p, build_tokenizer(_corpus(preset), vocab_size=p.text.vocab_size, template=template))
+    tokenizer = build_tokenizer(_corpus(preset), vocab_size=model_preset(preset).vocab_size, template=template)
     return preset_config(preset, tokenizer)

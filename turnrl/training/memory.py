@@ -165,15 +165,22 @@ def count_model(path: Path | str, *, lora_rank: int = 0, lora_targets: str = "al
                        hidden=text.hidden_size, intermediate=text.intermediate_size, vocab=text.vocab_size)
 
 
-def count_recipe_model(config: TrainConfig) -> ModelCounts:
-    """:func:`count_model` of the run's model: ``model.path``'s config, or the built-in preset's, made without
-    building the model (:func:`~turnrl.models.builtin.builtin_model_config`), with the run's LoRA and tower."""
+def count_recipe_model(config: TrainConfig, path: Path | str | None = None) -> ModelCounts:
+    """:func:`count_model` with the run's LoRA and tower settings, of the model at ``path``; without one, of
+    ``model.path``, or of the built-in preset's config, made without building the model
+    (:func:`~turnrl.models.builtin.builtin_model_config`)."""
     model = config.model
-    with tempfile.TemporaryDirectory() as folder:
-        if model.path is None:  # saved where count_model reads a config
-            builtin_model_config(model).save_pretrained(folder)
-        return count_model(model.path or folder, lora_rank=config.lora.r if config.lora.enabled else 0,
+
+    def counted(source: Path | str) -> ModelCounts:
+        return count_model(source, lora_rank=config.lora.r if config.lora.enabled else 0,
                            lora_targets=config.lora.target_modules, train_vision=model.train_vision)
+
+    source = path if path is not None else model.path
+    if source is not None:
+        return counted(source)
+    with tempfile.TemporaryDirectory() as folder:  # the preset's config, saved where count_model reads one
+        builtin_model_config(model).save_pretrained(folder)
+        return counted(folder)
 
 
 def _training_states(trained: int, frozen: int, shards: int, offload: bool) -> float:
@@ -281,15 +288,19 @@ def fit_advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) ->
     return [text for _, text in sorted(options, key=lambda option: -option[0])]
 
 
+def _turn_on(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> str:
+    """The four largest savings of :func:`fit_advice`, as ``A; or B; or ...``."""
+    return "; or ".join(fit_advice(config, estimate, processes)[:4])
+
+
 def require_fit(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float) -> MemoryEstimate:
     """The estimate of :func:`estimate_memory`, or a ConfigError with its parts and what to turn on when it
     exceeds ``device_bytes``."""
     estimate = estimate_memory(config, counts, processes, device_bytes)
     if not estimate.fits():
-        advice = "; or ".join(fit_advice(config, estimate, processes)[:4])
         raise ConfigError(f"this run needs about {estimate.table()} (estimated per GPU, {processes} process"
-                          f"{'es' if processes > 1 else ''}): turn on {advice}; or set run.check_memory=false to "
-                          "try anyway")
+                          f"{'es' if processes > 1 else ''}): turn on {_turn_on(config, estimate, processes)}; or set "
+                          "run.check_memory=false to try anyway")
     return estimate
 
 
@@ -300,8 +311,7 @@ def fit_report(config: TrainConfig, counts: ModelCounts, processes: int, device_
     gpus = f"{processes} GPU{'s' if processes > 1 else ''}"
     if estimate.fits():
         return True, f"{gpus}: fits ({estimate.table()})"
-    return False, (f"{gpus}: does not fit ({estimate.table()}); turn on "
-                   + "; or ".join(fit_advice(config, estimate, processes)[:4]))
+    return False, f"{gpus}: does not fit ({estimate.table()}); turn on {_turn_on(config, estimate, processes)}"
 
 
 def check_memory(config: TrainConfig, model_path: Path | str, device: torch.device,
@@ -319,8 +329,7 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
     if device.type != "cuda" or not config.run.check_memory:
         return None
     try:
-        counts = count_model(model_path, lora_rank=config.lora.r if config.lora.enabled else 0,
-                             lora_targets=config.lora.target_modules, train_vision=config.model.train_vision)
+        counts = count_recipe_model(config, model_path)
     except (OSError, ValueError, TypeError, AttributeError) as error:
         # A model transformers cannot build from its config alone (remote code, say): the run goes on unchecked.
         logger.warning("no memory estimate for %s (%s); the run starts without one", model_path, error)
