@@ -26,7 +26,7 @@ from turnrl.models import build_tokenizer, vlm_config  # noqa: E402
 from turnrl.models.vision_attention import VISION_ATTENTION  # noqa: E402
 
 
-def tower_of(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def body_of(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The preset's model body (its vision tower is what is timed), random weights."""
     tokenizer = build_tokenizer(["an image"], template="chatml")
     config = vlm_config(preset, tokenizer)
@@ -35,35 +35,35 @@ def tower_of(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.
     return model.model.eval()
 
 
-def images(tower: torch.nn.Module, count: int, size: int, device: torch.device, dtype: torch.dtype):
+def images(body: torch.nn.Module, count: int, size: int, device: torch.device, dtype: torch.dtype):
     """Patches of ``count`` images of ``size`` pixels a side and their (t, h, w) grids."""
-    config = tower.visual.config
+    config = body.visual.config
     side = size // config.patch_size // config.spatial_merge_size * config.spatial_merge_size
     width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
     grids = torch.tensor([[1, side, side]] * count, device=device)
     return torch.randn(count * side * side, width, device=device, dtype=dtype), grids
 
 
-def one_pass(tower, pixels, grids, backward: bool) -> None:
+def one_pass(body, pixels, grids, backward: bool) -> None:
     """The tower's forward pass (a rollout's prefill), or forward and backward (a training update's)."""
     if not backward:
         with torch.no_grad():
-            tower.get_image_features(pixels, grids, return_dict=True)
+            body.get_image_features(pixels, grids, return_dict=True)
         return
-    features = tower.get_image_features(pixels, grids, return_dict=True).pooler_output
+    features = body.get_image_features(pixels, grids, return_dict=True).pooler_output
     # transformers 5.17 returns one tensor of every image's merged features, later 5.x one tensor an image.
     features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
     features.float().square().mean().backward()
-    tower.zero_grad(set_to_none=True)
+    body.zero_grad(set_to_none=True)
 
 
-def seconds_a_pass(tower, pixels, grids, repeats: int, backward: bool) -> float:
-    one_pass(tower, pixels, grids, backward)  # warm-up
+def seconds_a_pass(body, pixels, grids, repeats: int, backward: bool) -> float:
+    one_pass(body, pixels, grids, backward)  # warm-up
     if pixels.is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
-        one_pass(tower, pixels, grids, backward)
+        one_pass(body, pixels, grids, backward)
     if pixels.is_cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeats
@@ -79,15 +79,15 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tower = tower_of(args.preset, device, dtype)
-    pixels, grids = images(tower, args.images, args.size, device, dtype)
+    body = body_of(args.preset, device, dtype)
+    pixels, grids = images(body, args.images, args.size, device, dtype)
     rows = []
     for backward in (False, True):
         for name, implementation in (("transformers, a call a chunk (sdpa)", "sdpa"),
                                      ("chunked, a call a layer", VISION_ATTENTION)):
-            tower.visual.config._attn_implementation = implementation
+            body.visual.config._attn_implementation = implementation
             label = f"{name}, {'forward + backward' if backward else 'forward'}"
-            rows.append((label, seconds_a_pass(tower, pixels, grids, args.repeats, backward)))
+            rows.append((label, seconds_a_pass(body, pixels, grids, args.repeats, backward)))
             print(f"{label}: {rows[-1][1]:.4f} s a pass", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{args.preset} vision tower, {args.images} images of {args.size} px, {name}, {dtype}")
