@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import queue
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -54,10 +59,48 @@ def turnrl(*args: str) -> list[str]:
     return [sys.executable, "-m", "turnrl.cli", *args]
 
 
-def make_sft_start(config: str, overrides: list[str], out: Path) -> Path:
+Job = TypeVar("Job")
+Result = TypeVar("Result")
+
+
+def card_env(gpu: str | None) -> dict[str, str]:
+    """The environment of a run on ``gpu`` (all visible GPUs when None)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else dict(os.environ)
+
+
+def runs_per_card(parallel: int, gpus: Sequence[str]) -> int:
+    """How many of ``parallel`` runs at once share one of ``gpus`` (all on one card when none are named)."""
+    return math.ceil(parallel / len(gpus)) if gpus else parallel
+
+
+def spread_over_cards(jobs: Sequence[Job], parallel: int, gpus: Sequence[str],
+                      run: Callable[[Job, dict[str, str]], Result]) -> list[Result]:
+    """``run(job, env)`` for every job, ``parallel`` at a time, results in the jobs' order.
+
+    With ``gpus`` each job holds a slot of one card while it runs (``CUDA_VISIBLE_DEVICES`` in ``env``):
+    a card has :func:`runs_per_card` slots, so it never plays more runs at once than its memory share
+    (:func:`sharing_the_card`) was made for, whichever runs finish first.
+    """
+    slots: queue.Queue[str | None] = queue.Queue()
+    for _ in range(runs_per_card(parallel, gpus)):
+        for gpu in gpus or [None]:
+            slots.put(gpu)
+
+    def one(job: Job) -> Result:
+        gpu = slots.get()
+        try:
+            return run(job, card_env(gpu))
+        finally:
+            slots.put(gpu)
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        return list(pool.map(one, jobs))
+
+
+def make_sft_start(config: str, overrides: list[str], out: Path, env: dict[str, str] | None = None) -> Path:
     """Run the recipe's SFT stage alone (zero RL steps) and return the SFT model's directory."""
     subprocess.run(turnrl("train", "--config", config, *overrides, "run.steps=0", f"run.output_dir={out}",
-                          "run.name=sft_start", "run.tensorboard=false"), check=True)
+                          "run.name=sft_start", "run.tensorboard=false"), check=True, env=env)
     return out / "sft_start" / "sft" / "model"
 
 
@@ -68,16 +111,16 @@ def sharing_the_card(parallel: int, overrides: list[str]) -> list[str]:
     return [f"run.gpu_share={1 / parallel:.4g}", *overrides] if parallel > 1 else list(overrides)
 
 
-def train_from(config: str, overrides: list[str], name: str, seed: int, sft_model: Path, out: Path
-               ) -> tuple[dict, float]:
-    """One RL run of the recipe from the SFT start, as a subprocess logged to ``out/name.log``: its summary
-    and wall seconds."""
+def train_from(config: str, overrides: list[str], name: str, seed: int, sft_model: Path, out: Path,
+               env: dict[str, str] | None = None) -> tuple[dict, float]:
+    """One RL run of the recipe from the SFT start, as a subprocess (in ``env``) logged to ``out/name.log``:
+    its summary and wall seconds."""
     start = time.time()
     with open(out / f"{name}.log", "w") as log:
         subprocess.run(turnrl("train", "--config", config, *overrides, f"model.path={sft_model}",
                               "sft.enabled=false", f"seeds.seed={seed}", f"run.output_dir={out}", f"run.name={name}",
                               "run.tensorboard=false"),
-                       check=True, stdout=log, stderr=subprocess.STDOUT)
+                       check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
     return json.loads((out / name / "summary.json").read_text()), time.time() - start
 
 
@@ -86,9 +129,10 @@ def run_name(row: str, seed: int) -> str:
     return f"{row.replace(' ', '_').replace('+', '_').replace('%', 'pct')}_seed{seed}"
 
 
-def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path) -> dict:
+def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path,
+            env: dict[str, str] | None = None) -> dict:
     name = run_name(row, seed)
-    summary, seconds = train_from(config, [*overrides, *ROWS[row]], name, seed, sft_model, out)
+    summary, seconds = train_from(config, [*overrides, *ROWS[row]], name, seed, sft_model, out, env)
     return {"row": row, "seed": seed, "before": summary["val_success_before_rl"],
             "after": summary["val_success_after_rl"], "seconds": seconds}
 
@@ -107,24 +151,28 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=1,
                         help="runs at once (on a GPU several small runs share the card, each capped to its share of "
                              "its memory, run.gpu_share; wall times then overlap)")
+    parser.add_argument("--gpus", nargs="+", default=[],
+                        help="GPU numbers to deal the runs to (CUDA_VISIBLE_DEVICES, --parallel spread evenly; "
+                             "the SFT start on the first); default: every run sees all GPUs")
     parser.add_argument("--out", default="runs/estimators")
     parser.add_argument("--curves", type=Path, help="also draw the rows' runs with the collapse metrics into this PNG")
     parser.add_argument("overrides", nargs="*", help="key=value for every run (e.g. run.steps=40)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sft_model = Path(args.sft_model) if args.sft_model else make_sft_start(args.config, args.overrides, out)
+    first_card = card_env(args.gpus[0] if args.gpus else None)
+    sft_model = Path(args.sft_model) if args.sft_model else make_sft_start(args.config, args.overrides, out, first_card)
     jobs = [(row, seed) for seed in args.seeds for row in args.rows]
+    overrides = sharing_the_card(runs_per_card(args.parallel, args.gpus), args.overrides)
     results: list[dict] = []
 
-    def run(job: tuple[str, int]) -> dict:
-        result = run_row(args.config, sharing_the_card(args.parallel, args.overrides), job[0], job[1], sft_model, out)
+    def run(job: tuple[str, int], env: dict[str, str]) -> dict:
+        result = run_row(args.config, overrides, job[0], job[1], sft_model, out, env)
         results.append(result)
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
         return result
 
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        list(pool.map(run, jobs))
+    spread_over_cards(jobs, args.parallel, args.gpus, run)
     lines = ["| estimator | after SFT | after RL | gain (points), per seed | wall time a run |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for row in args.rows:

@@ -23,12 +23,19 @@ import argparse
 import json
 import statistics
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.estimators import make_sft_start, sharing_the_card, spread, train_from  # noqa: E402
+from benchmarks.estimators import (  # noqa: E402
+    card_env,
+    make_sft_start,
+    runs_per_card,
+    sharing_the_card,
+    spread,
+    spread_over_cards,
+    train_from,
+)
 from benchmarks.learning_curves import draw, read_rows  # noqa: E402
 from turnrl.viz.plots import STATE_REWARD_METRICS, series  # noqa: E402
 from turnrl.viz.records import read_metrics  # noqa: E402
@@ -51,9 +58,10 @@ def run_name(row: str, seed: int) -> str:
     return f"{row.replace('-', '_').lower()}_seed{seed}"
 
 
-def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path) -> dict:
+def run_row(config: str, overrides: list[str], row: str, seed: int, sft_model: Path, out: Path,
+            env: dict[str, str] | None = None) -> dict:
     name = run_name(row, seed)
-    summary, seconds = train_from(config, [*overrides, *ROWS[row]], name, seed, sft_model, out)
+    summary, seconds = train_from(config, [*overrides, *ROWS[row]], name, seed, sft_model, out, env)
     curves = {field: match_curve(out / name, field) for field in STATE_REWARDS}
     return {"row": row, "seed": seed, "before": summary["val_success_before_rl"],
             "after": summary["val_success_after_rl"], "seconds": seconds, "curves": curves}
@@ -86,17 +94,20 @@ def main() -> None:
     parser.add_argument("--sft-model", help="reuse this SFT start instead of making one")
     parser.add_argument("--parallel", type=int, default=1,
                         help="runs at once, each capped to its share of the GPU's memory (run.gpu_share)")
+    parser.add_argument("--gpus", nargs="+", default=[],
+                        help="GPU numbers to deal the runs to (--parallel spread evenly; the SFT start on the first)")
     parser.add_argument("--out", default="runs/state_rewards")
     parser.add_argument("--curves", type=Path, help="also draw the rows' runs with the state-reward metrics here")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe, for every run")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sft_model = Path(args.sft_model) if args.sft_model else make_sft_start(args.config, args.overrides, out)
+    first_card = card_env(args.gpus[0] if args.gpus else None)
+    sft_model = Path(args.sft_model) if args.sft_model else make_sft_start(args.config, args.overrides, out, first_card)
     jobs = [(row, seed) for seed in args.seeds for row in args.rows]
-    overrides = sharing_the_card(args.parallel, args.overrides)
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        results = list(pool.map(lambda job: run_row(args.config, overrides, job[0], job[1], sft_model, out), jobs))
+    overrides = sharing_the_card(runs_per_card(args.parallel, args.gpus), args.overrides)
+    results = spread_over_cards(jobs, args.parallel, args.gpus,
+                                lambda job, env: run_row(args.config, overrides, job[0], job[1], sft_model, out, env))
     for result in results:
         print(f"{result['row']} seed {result['seed']}: success {result['before']:.3f} -> {result['after']:.3f}, "
               f"{result['seconds'] / 60:.1f} min")

@@ -648,6 +648,8 @@ def test_memory_estimates_a_recipe_on_several_gpu_counts_without_a_gpu(monkeypat
     assert "  1 GPU: fits (" in out and "  4 GPUs: fits (" in out
     code, out = run_main([*argv[:6], "0.001", *argv[7:]], monkeypatch, capsys)  # a GPU of 1 MiB
     assert code == 1 and "1 GPU: does not fit" in out and "turn on " in out
+    code, out = run_main([*argv, "run.gpu_share=0.000001"], monkeypatch, capsys)  # its share of 79.2 GiB: 83 KiB
+    assert code == 1 and "run.gpu_share=1e-06 is 0.0 GiB" in out and "1 GPU: does not fit" in out
 
 
 @pytest.mark.parametrize("gpus", ["0", "two", "1,,2"])

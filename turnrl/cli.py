@@ -423,6 +423,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
         gpu = f"{device_bytes / GIB:.1f} GiB ({torch.cuda.get_device_name(0)})"
     else:
         device_bytes, gpu = H100_BYTES, f"{H100_BYTES / GIB:.1f} GiB (an H100 80GB; --gpu-gib sets another)"
+    if config.run.gpu_share < 1:  # a run sharing the card: the start's check counts its share, so does this
+        device_bytes *= config.run.gpu_share
+        gpu += f", of which run.gpu_share={config.run.gpu_share:g} is {device_bytes / GIB:.1f} GiB"
     name = config.model.path or f"the built-in {config.model.builtin_preset!r}"
     print(f"{name}: {parameters_text(counts.total)} parameters, {parameters_text(counts.trained)} trained; "
           f"estimated peak per GPU of {gpu}:")
