@@ -18,6 +18,7 @@ from turnrl.training.config import TrainConfig
 from turnrl.training.memory import (
     GIB,
     activation_bytes,
+    cap_gpu_memory,
     check_memory,
     count_model,
     estimate_memory,
@@ -197,6 +198,21 @@ def test_a_run_sharing_the_card_is_checked_against_its_share(tmp_path, tokenizer
         check_memory(config, path, torch.device("cuda"), 4)
     config.run.gpu_share = 0.5
     assert check_memory(config, path, torch.device("cuda"), 4).device_bytes == 40 * GIB
+
+
+def test_the_cap_of_a_shared_card_names_the_card_by_index_as_torch_needs(monkeypatch):
+    capped = []
+
+    def set_fraction(share: float, device: int | torch.device) -> None:  # torch's own check of its argument
+        if not isinstance(device, int):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        capped.append((share, device))
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    cap_gpu_memory(0.25, torch.device("cuda"))  # a run's device as ``model.device=cuda`` resolves it
+    cap_gpu_memory(0.5, torch.device("cuda:1"))
+    assert capped == [(0.25, 2), (0.5, 1)]
 
 
 def test_rows_counted_at_max_seq_len_are_named_among_what_to_turn_on(tmp_path, tokenizer):

@@ -41,7 +41,7 @@ from turnrl.training.collapse import EarlyStops, logged_steps
 from turnrl.training.config import TrainConfig
 from turnrl.training.distributed import FSDPTrainer
 from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.memory import GIB, check_memory
+from turnrl.training.memory import GIB, cap_gpu_memory, check_memory
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import resumed_checkpoint, run_directory, start_run
 from turnrl.training.sft import sft_stage
@@ -163,7 +163,7 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
         ranks.wait_for_main()
     device = ranks.training_device(config.model.device)
     if device.type == "cuda" and config.run.gpu_share < 1:  # before anything of this run is on the GPU
-        torch.cuda.set_per_process_memory_fraction(config.run.gpu_share, device)
+        cap_gpu_memory(config.run.gpu_share, device)
     memory = check_memory(config, base_model_path(config.model), device, ranks.world_size() if distributed else 1)
     if memory is not None and config.model.engine.kv_cache_gb == 0:
         # The engine's default (30% of what is free when it starts) does not know the optimizer's states to come.

@@ -314,6 +314,14 @@ def fit_report(config: TrainConfig, counts: ModelCounts, processes: int, device_
     return False, f"{gpus}: does not fit ({estimate.table()}); turn on {_turn_on(config, estimate, processes)}"
 
 
+def cap_gpu_memory(share: float, device: torch.device) -> None:
+    """Cap torch's allocator on ``device`` to ``share`` of the card's memory (``run.gpu_share``): past it the
+    run gets torch's out-of-memory error, not its neighbours on the card. Torch takes the card by index, and
+    a run's device is often plain ``cuda`` (the current card)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(share, index)
+
+
 def check_memory(config: TrainConfig, model_path: Path | str, device: torch.device,
                  processes: int) -> MemoryEstimate | None:
     """Estimate each GPU's peak and stop a run that cannot fit, before any model loads.
