@@ -18,12 +18,14 @@ from turnrl.training.config import TrainConfig
 from turnrl.training.memory import (
     GIB,
     activation_bytes,
+    cache_rows,
     cap_gpu_memory,
     check_memory,
     count_model,
     estimate_memory,
     fit_report,
     require_fit,
+    rollout_in_waves,
 )
 
 H100 = 79.1 * GIB
@@ -198,6 +200,31 @@ def test_a_run_sharing_the_card_is_checked_against_its_share(tmp_path, tokenizer
         check_memory(config, path, torch.device("cuda"), 4)
     config.run.gpu_share = 0.5
     assert check_memory(config, path, torch.device("cuda"), 4).device_bytes == 40 * GIB
+
+
+def test_a_cache_that_holds_fewer_sequences_than_a_step_plays_is_named_with_what_gives_it_room(tmp_path, tokenizer):
+    """The 3B recipe without checkpointing at 8k-token micro-batches on 4 H100s: the update left the cache
+    0.5 GiB, 3 rows of 4,096 tokens, and 32 episodes a process rolled out 3 at a time (docs/benchmarks.md)."""
+    shape = preset_config("3b", tokenizer)
+    counts = _counts(tmp_path, tokenizer, "3b")
+    assert counts.key_width == shape.num_hidden_layers * shape.num_key_value_heads * \
+        (shape.hidden_size // shape.num_attention_heads)
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml",
+                         ["model.gradient_checkpointing=false", "algorithm.micro_batch_tokens=8192"])
+    estimate = require_fit(config, counts, 4, H100)
+    cache = estimate.parts["key/value cache"]
+    row = 2 * 2 * counts.key_width * (4096 + 1)  # keys and values in bf16, a row at full length
+    assert cache_rows(config, counts, cache) == int(cache // row) < 32
+    note = rollout_in_waves(config, counts, estimate, 4)
+    assert note is not None and f"holds {int(cache // row)} sequence" in note and "plays 32 episodes" in note
+    assert "model.engine.free_during_update=true" in note and "model.gradient_checkpointing=true" in note
+    fits, line = fit_report(config, counts, 4, H100)
+    assert fits and line.endswith(f"; but {note}")
+    config.model.engine.free_during_update = True  # the cache no longer shares the update's memory
+    assert rollout_in_waves(config, counts, require_fit(config, counts, 4, H100), 4) is None
+    config.model.engine.kv_cache_gb = 0.25  # a cache set by hand: make it larger
+    note = rollout_in_waves(config, counts, require_fit(config, counts, 4, H100), 4)
+    assert note is not None and "a larger model.engine.kv_cache_gb" in note
 
 
 def test_the_cap_of_a_shared_card_names_the_card_by_index_as_torch_needs(monkeypatch):

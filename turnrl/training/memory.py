@@ -32,6 +32,7 @@ measured peak of each scale row); the check fails only when the estimate exceeds
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from turnrl.config import ConfigError
+from turnrl.engine.forward import round_up
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.loading import VISION_TOWERS, load_model
 from turnrl.training.config import TrainConfig
@@ -68,6 +70,9 @@ class ModelCounts:
     hidden: int
     intermediate: int
     vocab: int
+    key_width: int = 0
+    """The decoder's key projections' outputs summed over its layers (key heads x head size x layers): a
+    token's cached keys, and as many values; 0 for a model without ``k_proj`` layers."""
 
 
 ROLLOUT_ONLY = ("rollout weights", "key/value cache")
@@ -149,6 +154,7 @@ def count_model(path: Path | str, *, lora_rank: int = 0, lora_targets: str = "al
     tower = [p for name, m in model.named_modules() if name.split(".")[-1] in VISION_TOWERS for p in m.parameters()]
     frozen_tower = 0 if train_vision else sum(p.numel() for p in {id(p): p for p in tower}.values())
     stacked = 0
+    key_width = 0
     adapters = 0
     targets = _lora_targets(lora_targets)
     for name, module in model.named_modules():
@@ -158,11 +164,14 @@ def count_model(path: Path | str, *, lora_rank: int = 0, lora_targets: str = "al
         in_tower = any(part in VISION_TOWERS for part in name.split("."))
         if short in _STACKED and not in_tower:
             stacked += module.weight.numel()
+        if short == "k_proj" and not in_tower:
+            key_width += module.out_features
         if (targets is None or short in targets) and (train_vision or not in_tower):
             adapters += lora_rank * (module.in_features + module.out_features)
     trained = adapters if lora_rank > 0 else total - frozen_tower
     return ModelCounts(total=total, trained=trained, stacked=stacked, head=head, layers=text.num_hidden_layers,
-                       hidden=text.hidden_size, intermediate=text.intermediate_size, vocab=text.vocab_size)
+                       hidden=text.hidden_size, intermediate=text.intermediate_size, vocab=text.vocab_size,
+                       key_width=key_width)
 
 
 def count_recipe_model(config: TrainConfig, path: Path | str | None = None) -> ModelCounts:
@@ -257,6 +266,40 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     return MemoryEstimate(parts, device_bytes, apart, gradients)
 
 
+def cache_rows(config: TrainConfig, counts: ModelCounts, cache_bytes: float) -> int:
+    """Sequences a key/value cache of ``cache_bytes`` holds at once, as the engine counts them: rows of
+    ``model.engine.max_seq_len`` tokens at full length, bf16 keys and values, at most ``model.engine.max_rows``
+    (0 when the model's key width is unknown)."""
+    if counts.key_width == 0:
+        return 0
+    per_row = 2 * 2 * counts.key_width * (round_up(config.model.engine.max_seq_len) + 1)
+    return min(config.model.engine.max_rows, int(cache_bytes // per_row))
+
+
+def rollout_in_waves(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate,
+                     processes: int) -> str | None:
+    """A note when a process's episodes of a step do not fit the engine's key/value cache at once: the rollout
+    then plays them in waves, each as long as a whole episode (a 3B recipe whose update left a 0.5 GiB cache
+    played 32 episodes 3 at a time: its rollout took 10x its update). None when they fit, or off the engine."""
+    cache = estimate.parts.get("key/value cache")
+    rows = cache_rows(config, counts, cache) if cache is not None else 0
+    episodes = math.ceil(config.groups.n_groups / processes) * config.groups.group_size
+    wanted = min(episodes, config.model.engine.max_rows)
+    if rows == 0 or rows >= wanted:
+        return None
+    more = ["a smaller model.engine.max_seq_len (a row is reserved at its full length)"]
+    if config.model.engine.kv_cache_gb > 0:
+        more.insert(0, "a larger model.engine.kv_cache_gb")
+    else:
+        if not estimate.apart:
+            more.insert(0, "model.engine.free_during_update=true (the cache then need not fit beside the update)")
+        if not config.model.gradient_checkpointing:
+            more.append("model.gradient_checkpointing=true (smaller activations leave the cache more)")
+    return (f"the key/value cache ({cache / GIB:.1f} GiB) holds {rows} sequence{'s' if rows > 1 else ''} of "
+            f"{config.model.engine.max_seq_len} tokens at once, and a process plays {episodes} episodes a step: "
+            f"the rollout plays them {rows} at a time. For more at once: {'; or '.join(more)}")
+
+
 def fit_advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> list[str]:
     """What would make the run fit, the largest saving first."""
     options: list[tuple[float, str]] = []
@@ -310,7 +353,8 @@ def fit_report(config: TrainConfig, counts: ModelCounts, processes: int, device_
     estimate = estimate_memory(config, counts, processes, device_bytes)
     gpus = f"{processes} GPU{'s' if processes > 1 else ''}"
     if estimate.fits():
-        return True, f"{gpus}: fits ({estimate.table()})"
+        waves = rollout_in_waves(config, counts, estimate, processes)
+        return True, f"{gpus}: fits ({estimate.table()})" + (f"; but {waves}" if waves else "")
     return False, f"{gpus}: does not fit ({estimate.table()}); turn on {_turn_on(config, estimate, processes)}"
 
 
@@ -345,9 +389,13 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
     total = torch.cuda.get_device_properties(device).total_memory
     share = config.run.gpu_share
     try:
-        return require_fit(config, counts, processes, share * total)
+        estimate = require_fit(config, counts, processes, share * total)
     except ConfigError as error:
         if share == 1:
             raise
         raise ConfigError(f"{error} (with run.gpu_share={share:g} of a {total / GIB:.1f} GiB GPU: run fewer "
                           "runs on the card, each with a larger share)") from error
+    waves = rollout_in_waves(config, counts, estimate, processes)
+    if waves is not None:
+        logger.warning(waves)
+    return estimate
