@@ -281,8 +281,8 @@ def rollout_in_waves(config: TrainConfig, counts: ModelCounts, estimate: MemoryE
     """A note when a process's episodes of a step do not fit the engine's key/value cache at once: the rollout
     then plays them in waves, each as long as a whole episode (a 3B recipe whose update left a 0.5 GiB cache
     played 32 episodes 3 at a time: its rollout took 10x its update). None when they fit, or off the engine."""
-    cache = estimate.parts.get("key/value cache")
-    rows = cache_rows(config, counts, cache) if cache is not None else 0
+    cache = estimate.parts.get("key/value cache", 0.0)  # none on the hf backend
+    rows = cache_rows(config, counts, cache)
     episodes = math.ceil(config.groups.n_groups / processes) * config.groups.group_size
     wanted = min(episodes, config.model.engine.max_rows)
     if rows == 0 or rows >= wanted:
