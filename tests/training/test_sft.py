@@ -17,7 +17,10 @@ from turnrl.training.commands import sft_only
 from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
 from turnrl.training.sft import (
+    PARALLEL_CHATS,
+    chat_samples,
     conversation_samples,
+    data_workers,
     expert_demos,
     read_chat_jsonl,
     sft_train,
@@ -154,6 +157,24 @@ def test_demo_samples_mask_only_the_experts_responses(tiny_tokenizer):
                      for t in demo.turns]
         assert [t for t, m in zip(sample.input_ids, sample.loss_mask) if m] == [i for r in responses for i in r]
         assert len(sample.turn_ends) == len(demo.turns)
+
+
+def test_chats_tokenized_in_several_processes_are_the_samples_of_one(tiny_tokenizer):
+    window = 1  # a sample per turn, each prompt its own window (the Sokoban and FrozenLake recipes)
+    agent, config, fmt = demo_setup(episodes=10, random_action_share=0.3)
+    chats = [trajectory_messages(d) for d in expert_demos(lambda: make("FrozenLake"), fmt, agent, config,
+                                                          "FrozenLake")]
+    one = chat_samples(chats, tiny_tokenizer, window)
+    assert len(one) >= len(chats)
+    assert chat_samples(chats, tiny_tokenizer, window, workers=2) == one  # spawned processes, chunks in order
+
+
+def test_the_tokenizing_processes_are_counted_from_the_cores_for_many_chats(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert data_workers(0, PARALLEL_CHATS) == 8 and data_workers(0, PARALLEL_CHATS - 1) == 1
+    assert data_workers(3, 10) == 3
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert data_workers(0, 20_000) == 1
 
 
 def mean_nll(model, samples, pad_id) -> float:

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,6 +139,55 @@ def conversation_samples(
                [0.0], episode=0, group=0, turn=s.turn, model_inputs=s.model_inputs)
         for s in tokens.turn_samples()
     ]
+
+
+PARALLEL_CHATS = 2000
+"""Chats from which ``sft.data_workers=0`` tokenizes in several processes (below, starting them costs more)."""
+
+
+def data_workers(configured: int, chats: int) -> int:
+    """Processes to tokenize ``chats`` chats: ``configured``, or (0) half the cores, at most 8, for many chats."""
+    if configured > 0:
+        return configured
+    return max(1, min(8, (os.cpu_count() or 1) // 2)) if chats >= PARALLEL_CHATS else 1
+
+
+_worker_settings: tuple[Any, int | None, ImageEncoder | None, int | None] | None = None
+"""A tokenizing process's tokenizer, window, image encoder and image limit (set once by its initializer)."""
+
+
+def _start_worker(tokenizer: Any, window: int | None, encoder: ImageEncoder | None, max_images: int | None) -> None:
+    global _worker_settings
+    _worker_settings = (tokenizer, window, encoder, max_images)
+
+
+def _worker_samples(chats: list[list[Message]]) -> list[Sample]:
+    assert _worker_settings is not None, "a tokenizing process runs only after its initializer"
+    return [sample for chat in chats for sample in conversation_samples(chat, *_worker_settings)]
+
+
+def chat_samples(
+    chats: Sequence[list[Message]],
+    tokenizer: Any,
+    window: int | None,
+    encoder: ImageEncoder | None = None,
+    max_images: int | None = None,
+    workers: int = 1,
+) -> list[Sample]:
+    """Every chat's :func:`conversation_samples`, in the chats' order.
+
+    With ``workers`` above 1 the chats are tokenized in that many processes, in contiguous chunks (each
+    process gets the tokenizer once); the samples are those of one process. Processes are spawned, not forked:
+    the caller may hold a GPU and threads (the tokenizer's, torch's) that a fork would copy mid-flight.
+    """
+    if workers <= 1 or len(chats) < 2 * workers:
+        return [sample for chat in chats for sample in conversation_samples(chat, tokenizer, window, encoder,
+                                                                            max_images)]
+    size = math.ceil(len(chats) / (4 * workers))  # a few chunks a process, so that none waits long for the last
+    chunks = [list(chats[start : start + size]) for start in range(0, len(chats), size)]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                             initargs=(tokenizer, window, encoder, max_images)) as pool:
+        return [sample for part in pool.map(_worker_samples, chunks) for sample in part]
 
 
 def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
@@ -295,8 +347,8 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
         chats = [trajectory_messages(t) for t in demos]
     window = config.agent.max_context_window
     encoder = ImageEncoder(processor) if processor is not None else None
-    samples = [sample for chat in chats
-               for sample in conversation_samples(chat, tokenizer, window, encoder, config.agent.max_images)]
+    samples = chat_samples(chats, tokenizer, window, encoder, config.agent.max_images,
+                           workers=data_workers(config.sft.data_workers, len(chats)))
     targets = sum(sum(s.loss_mask) for s in samples)
     console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({targets} target tokens)")
     logger = MetricsLogger(out, tensorboard=config.run.tensorboard)
