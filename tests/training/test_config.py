@@ -88,6 +88,8 @@ def test_uses_critic_exactly_for_the_critic_estimators(advantage):
         ("sft.micro_batch_size=0", "sft.micro_batch_size"),
         ("run.steps=-1", "run.steps"),
         ("run.gpu_share=0", "run.gpu_share"),
+        ("run.time_limit_minutes=-1", "run.time_limit_minutes"),
+        ("sft.data_workers=-1", "sft.data_workers"),
         ("run.gpu_share=1.5", "run.gpu_share"),
         ("validation.episodes=0", "validation.episodes"),
         ("agent.format=telepathy", "agent.format"),

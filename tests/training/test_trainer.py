@@ -473,6 +473,23 @@ def test_progress_in_a_terminal_draws_a_bar_and_nested_progress_stays_quiet():
     assert "rl" in text and "3/3" in text and "validation 4/4" not in text
 
 
+# --------------------------------------------------------------------------- a time limit
+def test_a_time_limit_ends_the_run_as_a_finished_one_and_a_resume_goes_on(tiny_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=4", "run.time_limit_minutes=1e-6"))
+    assert summary["steps"] == 1 and summary["stopped_by"] == "time_limit"
+    assert summary["time_limit"] == {"minutes": 1e-6, "step": 1}
+    assert "time limit of 1e-06 minutes reached after step 1" in " ".join(capsys.readouterr().out.split())
+    assert (run / "checkpoints" / "latest").read_text() == "step_000001"
+    logged = records(run)
+    assert max(r["step"] for r in logged) == 1 and "val/success" in logged[-1]  # validated after its last step
+    assert json.loads((run / "summary.json").read_text())["time_limit"]["step"] == 1
+    assert "after step 1: 1e-06 minutes" in (run / "report.html").read_text()
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=4", f"resume={run}"))  # no limit this time
+    assert summary["steps"] == 4 and "stopped_by" not in summary and "time_limit" not in summary
+    assert sorted(step_records(run)) == [1, 2, 3, 4]
+
+
 # --------------------------------------------------------------------------- Ctrl-C
 def test_graceful_stop_asks_first_and_interrupts_on_the_second_ctrl_c():
     with GracefulStop() as stop:

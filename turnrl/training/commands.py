@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -214,6 +215,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     write_now = _every(config.run.trajectories_every)
     history = logged_steps(trainer.run_dir, trainer.first_step) if resumed else []
     early_stops, ran = EarlyStops(config.collapse, history), config.run.steps
+    stopped: dict[str, Any] = {}  # why a run ended before run.steps, other than an early stop's rule
     trainer.collapse.resume(history)
     with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, config.run.steps + 1):
@@ -247,6 +249,13 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 ran = step
                 console.print(f"[bold]early stop[/bold] after step {ran}: {early_stop.reason}", soft_wrap=True)
                 break
+            limit = config.run.time_limit_minutes
+            out_of_time = limit > 0 and time.time() - start > 60 * limit
+            if (ranks.any_rank(out_of_time) if distributed else out_of_time) and not last:  # so too at a time limit
+                ran = step
+                stopped = {"stopped_by": "time_limit", "time_limit": {"minutes": limit, "step": step}}
+                console.print(f"[bold]time limit[/bold] of {limit:g} minutes reached after step {ran}", soft_wrap=True)
+                break
             if save_now(step) and not last:
                 trainer.save(step)
 
@@ -256,7 +265,8 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     trainer.summary["steps"] = ran
     if ran > 0:
         trainer.save(ran)
-    trainer.summary.update(early_stops.summary(ran))  # why the run stopped early (after the save: a resume forgets it)
+    # Why the run stopped early (after the save: a resume forgets it).
+    trainer.summary.update({**early_stops.summary(ran), **stopped})
     if logger is None:
         return trainer.summary
     (trainer.run_dir / STOP_FILE).unlink(missing_ok=True)  # asked for during the last step: the run has ended

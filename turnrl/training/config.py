@@ -329,6 +329,10 @@ class RunConfig:
     """Parent folder of run directories."""
     steps: int = 100
     """RL steps (rollout + update)."""
+    time_limit_minutes: float = 0.0
+    """End RL after the first step that finishes this many minutes after the command started, as a finished
+    run ends (the last validation, a checkpoint, the summary with ``stopped_by: time_limit``), so a job with
+    a wall-clock limit keeps its results; leave room for them. 0: no limit."""
     save_every: int = 0
     """Checkpoint every N steps (``checkpoints/step_N``: the run after step N, steps counted from 1); 0 saves
     only at the end (and on Ctrl-C)."""
@@ -514,6 +518,9 @@ class TrainConfig:
         check_range("run.steps", self.run.steps, 0)
         check_range("run.save_every", self.run.save_every, 0)
         check_range("run.keep_checkpoints", self.run.keep_checkpoints, 0)
+        if self.run.time_limit_minutes < 0:
+            raise ConfigError(f"run.time_limit_minutes={self.run.time_limit_minutes!r} is out of range; allowed: "
+                              "0 (no limit) or more")
         if not 0 < self.run.gpu_share <= 1:
             raise ConfigError(f"run.gpu_share={self.run.gpu_share!r} is out of range; allowed: (0, 1], the share of "
                               "each GPU's memory this run may use")

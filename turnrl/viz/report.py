@@ -199,6 +199,9 @@ def headline(summary: Any) -> list[tuple[str, str]]:
     early = summary.get("early_stop")  # why an early-stopped run ended (turnrl.training.collapse)
     if isinstance(early, dict) and {"step", "reason"} <= set(early):
         rows.append(("stopped early", f"after step {early['step']}: {early['reason']}"))
+    limit = summary.get("time_limit")  # a run ended by run.time_limit_minutes
+    if isinstance(limit, dict) and {"step", "minutes"} <= set(limit):
+        rows.append(("stopped at its time limit", f"after step {limit['step']}: {limit['minutes']:g} minutes"))
     return rows
 
 
