@@ -251,7 +251,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 break
             limit = config.run.time_limit_minutes
             out_of_time = limit > 0 and time.time() - start > 60 * limit
-            if (ranks.any_rank(out_of_time) if distributed else out_of_time) and not last:  # so too at a time limit
+            if (ranks.any_rank(out_of_time) if distributed else out_of_time) and not last:  # ends as an early stop
                 ran = step
                 stopped = {"stopped_by": "time_limit", "time_limit": {"minutes": limit, "step": step}}
                 console.print(f"[bold]time limit[/bold] of {limit:g} minutes reached after step {ran}", soft_wrap=True)
