@@ -68,6 +68,24 @@ def test_pieces(toks):
     )
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_remembered_heads_and_observations_are_the_templates_renderings(toks, name):
+    tok = toks[name]
+    deltas = ChatTemplateDeltas(tok)
+    for _ in range(2):  # rendered, then remembered
+        for board in ("#####\n#P X#", "#####\n# PX#"):
+            head = deltas.head(SYSTEM, board)
+            assert head == encode(tok, deltas.render(deltas.opening(SYSTEM, board), add_generation_prompt=True))
+            assert deltas.observation(board) == encode(tok, deltas._observation_text({"role": "user", "content": board}))
+    head = deltas.head(SYSTEM, "#####")
+    head.append(-1)  # a caller's list is its own: the memo keeps the ids
+    assert deltas.head(SYSTEM, "#####")[-1] != -1
+    hits = deltas._text_ids.cache_info().hits
+    named = {"role": "user", "content": "#####", "name": "env"}  # a field beyond role and text: not remembered
+    assert deltas.observation(named) == encode(tok, deltas._observation_text(named))
+    assert deltas._text_ids.cache_info().hits == hits
+
+
 def test_other_stop_id_counts_as_stopped(toks):
     tok = toks["chatml"]
     eot = tok.convert_tokens_to_ids("<|endoftext|>")

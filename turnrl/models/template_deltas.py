@@ -28,7 +28,8 @@ render when a :class:`ChatTemplateDeltas` is made.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -100,10 +101,25 @@ def expand_placeholders(ids: Sequence[int], placeholder_id: int, counts: Sequenc
     return out
 
 
+TEXT_MEMO_SIZE = 65536
+"""Heads and observations whose ids a :class:`ChatTemplateDeltas` remembers (the least recently used go)."""
+
+
+def _text_key(messages: Sequence[Message]) -> tuple[tuple[str, str], ...] | None:
+    """``(role, content)`` of each message when every one is exactly a role and a text (what a memo of its
+    rendering may be keyed on); None for messages with images or other fields."""
+    if all(set(message) == {"role", "content"} and isinstance(message["content"], str) for message in messages):
+        return tuple((message["role"], message["content"]) for message in messages)
+    return None
+
+
 class ChatTemplateDeltas:
     """Token pieces of a chat template, for building contexts incrementally.
 
-    Stateless once made; :meth:`for_tokenizer` caches one per tokenizer and
+    Stateless once made but for a memo of the ids of text-only heads and
+    observations (a pure function of the messages: a rollout's episodes of a
+    group start from the same message and revisit states, and validation
+    replays its levels); :meth:`for_tokenizer` caches one per tokenizer and
     template arguments. ``template_kwargs`` go to every render (e.g.
     ``enable_thinking=False`` for Qwen3 templates). A template without a
     system role (:attr:`system_role` False) gets the system message folded
@@ -117,6 +133,7 @@ class ChatTemplateDeltas:
         verify: check at construction that ``head + response + closing +
             observation`` agrees with the full render of a probe
             conversation (see :meth:`verify`); raise :class:`TemplateDeltaError` if not.
+        memo_size: text-only heads and observations whose ids are remembered (0: none).
     """
 
     # Tokenizer -> {(template, arguments): instance}. The instances refer to
@@ -131,6 +148,7 @@ class ChatTemplateDeltas:
         chat_template: str | None = None,
         stop_ids: Sequence[int] | None = None,
         verify: bool = True,
+        memo_size: int = TEXT_MEMO_SIZE,
         **template_kwargs: Any,
     ) -> None:
         self.tokenizer = tokenizer
@@ -148,6 +166,8 @@ class ChatTemplateDeltas:
         self.end_of_turn_index = self._find_end_of_turn()
         """Position in ``closing`` of the token a model samples to end its turn (0 for most templates)."""
         self._closing_lead_text = self._split_closing()
+        self._text_ids: Callable[[str, tuple[tuple[str, str], ...]], tuple[int, ...]] = \
+            lru_cache(maxsize=memo_size)(self._render_text_ids)
         self.matches_full_render: bool | None = None
         """True when the probe's incremental ids equal its full render; None if not verified."""
         if verify:
@@ -326,11 +346,26 @@ class ChatTemplateDeltas:
 
     def head(self, system: str | Message | None, user: str | Message) -> list[int]:
         """Ids of ``render(opening(system, user), add_generation_prompt=True)``. Shape (H,)."""
-        return self.encode(self.render(self.opening(system, user), add_generation_prompt=True))
+        messages = self.opening(system, user)
+        key = _text_key(messages)
+        if key is not None:
+            return list(self._text_ids("head", key))
+        return self.encode(self.render(messages, add_generation_prompt=True))
 
     def observation(self, user: str | Message) -> list[int]:
         """Ids a new user message adds after a closed assistant turn, generation prompt included. Shape (O,)."""
-        return self.encode(self._observation_text(as_message(user)))
+        message = as_message(user)
+        key = _text_key([message])
+        if key is not None:
+            return list(self._text_ids("observation", key))
+        return self.encode(self._observation_text(message))
+
+    def _render_text_ids(self, piece: str, key: tuple[tuple[str, str], ...]) -> tuple[int, ...]:
+        """The ids of a head or an observation of text-only messages given as ``(role, content)`` pairs."""
+        messages = [{"role": role, "content": content} for role, content in key]
+        if piece == "head":
+            return tuple(self.encode(self.render(messages, add_generation_prompt=True)))
+        return tuple(self.encode(self._observation_text(messages[0])))
 
     def _observation_text(self, user: Message) -> str:
         text = self.render([*self.observation_base, user], add_generation_prompt=True)
