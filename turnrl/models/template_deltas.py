@@ -101,7 +101,7 @@ def expand_placeholders(ids: Sequence[int], placeholder_id: int, counts: Sequenc
     return out
 
 
-TEXT_MEMO_SIZE = 65536
+TEXT_MEMO_SIZE = 8192
 """Heads and observations whose ids a :class:`ChatTemplateDeltas` remembers (the least recently used go)."""
 
 
