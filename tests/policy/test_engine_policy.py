@@ -89,6 +89,25 @@ def test_multi_turn_rollouts_are_the_same_trajectories_with_the_engine(model, ti
     assert policy.engine.stats.reused_tokens > policy.engine.stats.prefill_tokens
 
 
+def test_an_episode_that_outgrows_an_engine_row_ends_at_its_budget_not_in_an_error(model, tiny_tokenizer):
+    """The agent allows 4,096 tokens an episode, an engine row holds 640 (the first prompt is 469): the rollout
+    ends the episode where the next prompt and response would not fit the row (as at agent.max_context_tokens),
+    no request fails, and no response is cut short by the row's end."""
+    policy = EnginePolicy(model, tiny_tokenizer, EngineConfig(kv_cache_gb=0.5, max_rows=16, max_seq_len=640))
+    assert policy.max_sequence_tokens == 640
+    agent = AgentConfig(format="no_think", max_turns=8, max_actions_per_episode=8, max_context_tokens=4096)
+    rollout = Rollout(policy, get_format("no_think"), agent, "Sokoban")
+    assert rollout.context_budget == 640
+    slots = [EpisodeSlot(env=make("Sokoban"), seed=s, group=s, sample=0) for s in range(3)]
+    sampling = SamplingConfig(temperature=0, max_new_tokens=12)
+    trajectories = rollout.run(slots, sampling)
+    assert all(t.status != "error" and t.error is None for t in trajectories), [t.error for t in trajectories]
+    assert all(t.turns for t in trajectories) and any(t.truncation_reason == "context_budget" for t in trajectories)
+    for trajectory in trajectories:
+        for index in range(len(trajectory.turns)):
+            assert len(trajectory.tokens.prompt_ids(index)) + sampling.max_new_tokens <= 640
+
+
 def test_auto_takes_transformers_on_a_cpu_for_text_and_vlms(model, tiny_tokenizer, tiny_vlm_policy, tiny_vlm_dir):
     # On a CPU, auto takes transformers (the engine was slower there on short prompts); on a GPU the engine, for
     # VLMs too (1.8x generate's speed in image rollouts on an H100).

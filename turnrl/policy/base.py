@@ -81,6 +81,10 @@ class Policy(Protocol):
     max_batch_size: int | None = None
     """Prompts one ``generate`` call samples together at most; None where no such limit is set (the
     engine batches continuously, an API or a script takes any batch)."""
+    max_sequence_tokens: int | None = None
+    """Tokens one sequence (prompt and response) may hold at most (the engine's ``model.engine.max_seq_len``);
+    None where the policy sets no such limit. The rollout ends an episode whose next prompt and response
+    would not fit, as at ``agent.max_context_tokens``, instead of sending a request that would fail or be cut."""
 
     @property
     def accepts_images(self) -> bool:

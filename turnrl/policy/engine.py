@@ -47,6 +47,7 @@ class EnginePolicy(Policy):
         if max_sequences is not None:
             config = replace(config, max_rows=max(1, min(config.max_rows, max_sequences)))
         self.image_encoder = ImageEncoder(processor) if processor is not None else None
+        self.max_sequence_tokens = config.max_seq_len
         self.engine = Engine(model, config, dtype=dtype,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                              vocab_limit=len(tokenizer))

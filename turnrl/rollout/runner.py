@@ -146,6 +146,10 @@ class Rollout:
         self.executor = executor
         self.rewards = rewards or Rewards()
         self.timings = RolloutTimings()
+        limits = [agent.max_context_tokens, policy.max_sequence_tokens]
+        self.context_budget = min(limit for limit in limits if limit is not None)
+        """Tokens an episode's prompt and next response may hold: the agent's budget, or less where the policy
+        holds less a sequence (an engine row)."""
         if not agent.wait_for_turns and policy.streaming() is None:
             raise ValueError(
                 f"agent.wait_for_turns=false needs a policy that streams completions (model.backend=engine); "
@@ -312,7 +316,7 @@ class Rollout:
                 episode.finish(ERROR, error=f"the first observation cannot be encoded: {type(error).__name__}: {error}")
                 return episode
             # The same rule as for later turns: a response of max_new_tokens must fit.
-            if len(trajectory.tokens.prompt()) + sampling.max_new_tokens > self.agent.max_context_tokens:
+            if len(trajectory.tokens.prompt()) + sampling.max_new_tokens > self.context_budget:
                 episode.finish(TRUNCATED, "context_budget")
         return episode
 
@@ -478,5 +482,5 @@ class Rollout:
         except Exception as error:  # an image the processor cannot take ends this episode, not the run
             episode.finish(ERROR, error=f"the observation cannot be encoded: {type(error).__name__}: {error}")
             return
-        if len(tokens.prompt()) + sampling.max_new_tokens > self.agent.max_context_tokens:
+        if len(tokens.prompt()) + sampling.max_new_tokens > self.context_budget:
             episode.finish(TRUNCATED, "context_budget")
