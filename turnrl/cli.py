@@ -406,7 +406,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     from turnrl.config import ConfigError, load_config
     from turnrl.training.config import TrainConfig
-    from turnrl.training.memory import GIB, count_recipe_model, fit_report
+    from turnrl.training.memory import GIB, count_recipe_model, fit_report, rows_shorter_than_episodes
 
     try:
         config = load_config(TrainConfig, args.config, args.overrides)
@@ -433,6 +433,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
                 for processes in args.gpus or [config.distributed.nproc_per_node]]
     for _, line in verdicts:
         print(f"  {line}")
+    short_rows = rows_shorter_than_episodes(config)
+    if short_rows is not None:
+        print(f"  and {short_rows}")
     return 0 if all(fits for fits, _ in verdicts) else 1
 
 

@@ -26,6 +26,7 @@ from turnrl.training.memory import (
     fit_report,
     require_fit,
     rollout_in_waves,
+    rows_shorter_than_episodes,
 )
 
 H100 = 79.1 * GIB
@@ -225,6 +226,18 @@ def test_a_cache_that_holds_fewer_sequences_than_a_step_plays_is_named_with_what
     config.model.engine.kv_cache_gb = 0.25  # a cache set by hand: make it larger
     note = rollout_in_waves(config, counts, require_fit(config, counts, 4, H100), 4)
     assert note is not None and "a larger model.engine.kv_cache_gb" in note
+
+
+def test_rows_shorter_than_a_whole_history_episode_may_grow_are_named():
+    visgym = load_config(TrainConfig, "configs/visgym_maze.yaml", [])  # 16,384 tokens an episode, rows of 4,096
+    note = rows_shorter_than_episodes(visgym)
+    assert note is not None and "model.engine.max_seq_len=4096" in note and "max_seq_len=16384 to give" in note
+    assert rows_shorter_than_episodes(load_config(TrainConfig, "configs/visgym_maze.yaml",
+                                                  ["model.engine.max_seq_len=16384"])) is None
+    assert rows_shorter_than_episodes(load_config(TrainConfig, "configs/visgym_maze.yaml",
+                                                  ["model.backend=hf"])) is None
+    # A one-turn window bounds every prompt, whatever the agent's budget: the Sokoban recipe's 512-token rows
+    assert rows_shorter_than_episodes(load_config(TrainConfig, "configs/sokoban_quickstart.yaml", [])) is None
 
 
 def test_the_cap_of_a_shared_card_names_the_card_by_index_as_torch_needs(monkeypatch):

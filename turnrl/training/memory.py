@@ -300,6 +300,18 @@ def rollout_in_waves(config: TrainConfig, counts: ModelCounts, estimate: MemoryE
             f"the rollout plays them {rows} at a time. For more at once: {'; or '.join(more)}")
 
 
+def rows_shorter_than_episodes(config: TrainConfig) -> str | None:
+    """A note when an engine row holds less than the agent lets an episode grow to (a whole-history context):
+    the rollout then ends episodes at the row's length (``context_budget``), short of the recipe's budget.
+    None when the rows are long enough, a context window bounds the prompts, or off the engine."""
+    rows, budget = config.model.engine.max_seq_len, config.agent.max_context_tokens
+    if config.model.backend == "hf" or config.agent.max_context_window is not None or budget <= rows:
+        return None
+    return (f"episodes end at model.engine.max_seq_len={rows} tokens, short of agent.max_context_tokens={budget}: "
+            f"set model.engine.max_seq_len={budget} to give them the agent's budget (a row is reserved at its full "
+            "length, so fewer sequences run at once)")
+
+
 def fit_advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> list[str]:
     """What would make the run fit, the largest saving first."""
     options: list[tuple[float, str]] = []
@@ -395,7 +407,7 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
             raise
         raise ConfigError(f"{error} (with run.gpu_share={share:g} of a {total / GIB:.1f} GiB GPU: run fewer "
                           "runs on the card, each with a larger share)") from error
-    waves = rollout_in_waves(config, counts, estimate, processes)
-    if waves is not None:
-        logger.warning(waves)
+    for note in (rollout_in_waves(config, counts, estimate, processes), rows_shorter_than_episodes(config)):
+        if note is not None:
+            logger.warning(note)
     return estimate
