@@ -269,9 +269,8 @@ class Engine:
         self.weights: DecoderWeights = decoder_weights(model, self.dtype, fuse=config.fuse_projections)
         self.decode = decode
         self.max_len = config.max_seq_len
-        per_row = KVCache.bytes_per_token(self.weights.shape, self.dtype) * (round_up(self.max_len) + 1)
-        # The budget is counted at full length, so that growing the cache never exceeds it.
-        rows = max(1, min(config.max_rows, int(cache_budget_bytes(config, self.device) // per_row)))
+        rows = KVCache.rows_in(cache_budget_bytes(config, self.device),
+                               KVCache.bytes_per_token(self.weights.shape, self.dtype), self.max_len, config.max_rows)
         self.cache = KVCache(self.weights.shape, rows, self.max_len, self.dtype, self.device)
         """Rows of at most ``max_len`` positions; the positions are allocated as sequences grow."""
         self.table = RowTable(rows)

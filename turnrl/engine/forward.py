@@ -106,6 +106,13 @@ class KVCache:
             layer[:, targets_t, :, :length] = layer[:, sources_t, :, :length]
 
     @staticmethod
+    def rows_in(budget_bytes: float, bytes_per_token: int, max_len: int, max_rows: int) -> int:
+        """Rows of ``max_len`` positions that ``budget_bytes`` holds, each counted at its full length (with the
+        scratch position), so that growing the cache never exceeds the budget; at least 1, at most ``max_rows``."""
+        per_row = bytes_per_token * (round_up(max_len) + 1)
+        return max(1, min(max_rows, int(budget_bytes // per_row)))
+
+    @staticmethod
     def bytes_per_token(shape: DecoderShape, dtype: torch.dtype) -> int:
         element = torch.tensor([], dtype=dtype).element_size()
         return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element

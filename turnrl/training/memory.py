@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from turnrl.config import ConfigError
-from turnrl.engine.forward import round_up
+from turnrl.engine.forward import KVCache
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.loading import VISION_TOWERS, load_model
 from turnrl.training.config import TrainConfig
@@ -267,13 +267,13 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
 
 
 def cache_rows(config: TrainConfig, counts: ModelCounts, cache_bytes: float) -> int:
-    """Sequences a key/value cache of ``cache_bytes`` holds at once, as the engine counts them: rows of
-    ``model.engine.max_seq_len`` tokens at full length, bf16 keys and values, at most ``model.engine.max_rows``
-    (0 when the model's key width is unknown)."""
+    """Sequences a key/value cache of ``cache_bytes`` holds at once, as the engine counts them
+    (:meth:`~turnrl.engine.forward.KVCache.rows_in`: rows of ``model.engine.max_seq_len`` tokens at full length),
+    with bf16 keys and values; 0 when the model's key width is unknown."""
     if counts.key_width == 0:
         return 0
-    per_row = 2 * 2 * counts.key_width * (round_up(config.model.engine.max_seq_len) + 1)
-    return min(config.model.engine.max_rows, int(cache_bytes // per_row))
+    engine = config.model.engine
+    return KVCache.rows_in(cache_bytes, 2 * 2 * counts.key_width, engine.max_seq_len, engine.max_rows)
 
 
 def rollout_in_waves(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate,
