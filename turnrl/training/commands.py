@@ -249,9 +249,9 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 ran = step
                 console.print(f"[bold]early stop[/bold] after step {ran}: {early_stop.reason}", soft_wrap=True)
                 break
-            limit = config.run.time_limit_minutes
+            limit = config.run.time_limit_minutes  # the same on every process: no collective without one
             out_of_time = limit > 0 and time.time() - start > 60 * limit
-            if (ranks.any_rank(out_of_time) if distributed else out_of_time) and not last:  # ends as an early stop
+            if limit > 0 and (ranks.any_rank(out_of_time) if distributed else out_of_time) and not last:
                 ran = step
                 stopped = {"stopped_by": "time_limit", "time_limit": {"minutes": limit, "step": step}}
                 console.print(f"[bold]time limit[/bold] of {limit:g} minutes reached after step {ran}", soft_wrap=True)
