@@ -166,8 +166,8 @@ class ChatTemplateDeltas:
         self.end_of_turn_index = self._find_end_of_turn()
         """Position in ``closing`` of the token a model samples to end its turn (0 for most templates)."""
         self._closing_lead_text = self._split_closing()
-        self._text_ids: Callable[[str, tuple[tuple[str, str], ...]], tuple[int, ...]] = \
-            lru_cache(maxsize=memo_size)(self._render_text_ids)
+        self._text_ids: Callable[[str, tuple[tuple[str, str], ...]], tuple[int, ...]] = lru_cache(maxsize=memo_size)(
+            lambda piece, key: tuple(self._rendered_ids(piece, [{"role": r, "content": c} for r, c in key])))
         self.matches_full_render: bool | None = None
         """True when the probe's incremental ids equal its full render; None if not verified."""
         if verify:
@@ -346,26 +346,22 @@ class ChatTemplateDeltas:
 
     def head(self, system: str | Message | None, user: str | Message) -> list[int]:
         """Ids of ``render(opening(system, user), add_generation_prompt=True)``. Shape (H,)."""
-        messages = self.opening(system, user)
-        key = _text_key(messages)
-        if key is not None:
-            return list(self._text_ids("head", key))
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        return self._ids("head", self.opening(system, user))
 
     def observation(self, user: str | Message) -> list[int]:
         """Ids a new user message adds after a closed assistant turn, generation prompt included. Shape (O,)."""
-        message = as_message(user)
-        key = _text_key([message])
-        if key is not None:
-            return list(self._text_ids("observation", key))
-        return self.encode(self._observation_text(message))
+        return self._ids("observation", [as_message(user)])
 
-    def _render_text_ids(self, piece: str, key: tuple[tuple[str, str], ...]) -> tuple[int, ...]:
-        """The ids of a head or an observation of text-only messages given as ``(role, content)`` pairs."""
-        messages = [{"role": role, "content": content} for role, content in key]
-        if piece == "head":
-            return tuple(self.encode(self.render(messages, add_generation_prompt=True)))
-        return tuple(self.encode(self._observation_text(messages[0])))
+    def _ids(self, piece: str, messages: list[Message]) -> list[int]:
+        """The ids of a ``head`` (of ``messages``) or an ``observation`` (of its one message): remembered for
+        text-only messages, a list of the caller's own."""
+        key = _text_key(messages)
+        return list(self._text_ids(piece, key)) if key is not None else self._rendered_ids(piece, messages)
+
+    def _rendered_ids(self, piece: str, messages: list[Message]) -> list[int]:
+        text = self.render(messages, add_generation_prompt=True) if piece == "head" else \
+            self._observation_text(messages[0])
+        return self.encode(text)
 
     def _observation_text(self, user: Message) -> str:
         text = self.render([*self.observation_base, user], add_generation_prompt=True)

@@ -161,9 +161,14 @@ def _start_worker(tokenizer: Any, window: int | None, encoder: ImageEncoder | No
     _worker_settings = (tokenizer, window, encoder, max_images)
 
 
+def _samples_of(chats: Sequence[list[Message]], tokenizer: Any, window: int | None, encoder: ImageEncoder | None,
+                max_images: int | None) -> list[Sample]:
+    return [sample for chat in chats for sample in conversation_samples(chat, tokenizer, window, encoder, max_images)]
+
+
 def _worker_samples(chats: list[list[Message]]) -> list[Sample]:
     assert _worker_settings is not None, "a tokenizing process runs only after its initializer"
-    return [sample for chat in chats for sample in conversation_samples(chat, *_worker_settings)]
+    return _samples_of(chats, *_worker_settings)
 
 
 def chat_samples(
@@ -181,8 +186,7 @@ def chat_samples(
     the caller may hold a GPU and threads (the tokenizer's, torch's) that a fork would copy mid-flight.
     """
     if workers <= 1 or len(chats) < 2 * workers:
-        return [sample for chat in chats for sample in conversation_samples(chat, tokenizer, window, encoder,
-                                                                            max_images)]
+        return _samples_of(chats, tokenizer, window, encoder, max_images)
     size = math.ceil(len(chats) / (4 * workers))  # a few chunks a process, so that none waits long for the last
     chunks = [list(chats[start : start + size]) for start in range(0, len(chats), size)]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
