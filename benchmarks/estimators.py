@@ -104,11 +104,19 @@ def make_sft_start(config: str, overrides: list[str], out: Path, env: dict[str, 
     return out / "sft_start" / "sft" / "model"
 
 
-def sharing_the_card(parallel: int, overrides: list[str]) -> list[str]:
-    """The overrides of runs played ``parallel`` at once: each may use 1/parallel of the GPU's memory
-    (``run.gpu_share``: a run that cannot fit its share stops at its start, alone); the caller's own
-    ``run.gpu_share`` comes later and wins."""
-    return [f"run.gpu_share={1 / parallel:.4g}", *overrides] if parallel > 1 else list(overrides)
+def sharing_the_card(parallel: int, overrides: list[str], gpus: Sequence[str] = ()) -> list[str]:
+    """The overrides of runs played ``parallel`` at once (dealt to ``gpus``, or all on one card): each may use
+    its share of a card's memory, 1 / :func:`runs_per_card` (``run.gpu_share``: a run that cannot fit its share
+    stops at its start, alone); the caller's own ``run.gpu_share`` comes later and wins."""
+    sharing = runs_per_card(parallel, gpus)
+    return [f"run.gpu_share={1 / sharing:.4g}", *overrides] if sharing > 1 else list(overrides)
+
+
+def sft_start(args: argparse.Namespace, out: Path) -> Path:
+    """``--sft-model``, or the recipe's SFT start made under ``out`` on the first of ``--gpus``."""
+    if args.sft_model:
+        return Path(args.sft_model)
+    return make_sft_start(args.config, args.overrides, out, card_env(args.gpus[0] if args.gpus else None))
 
 
 def train_from(config: str, overrides: list[str], name: str, seed: int, sft_model: Path, out: Path,
@@ -160,10 +168,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    first_card = card_env(args.gpus[0] if args.gpus else None)
-    sft_model = Path(args.sft_model) if args.sft_model else make_sft_start(args.config, args.overrides, out, first_card)
+    sft_model = sft_start(args, out)
     jobs = [(row, seed) for seed in args.seeds for row in args.rows]
-    overrides = sharing_the_card(runs_per_card(args.parallel, args.gpus), args.overrides)
+    overrides = sharing_the_card(args.parallel, args.overrides, args.gpus)
     results: list[dict] = []
 
     def run(job: tuple[str, int], env: dict[str, str]) -> dict:

@@ -28,9 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.estimators import (  # noqa: E402
-    card_env,
-    make_sft_start,
-    runs_per_card,
+    sft_start,
     sharing_the_card,
     spread,
     spread_over_cards,
@@ -102,10 +100,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    first_card = card_env(args.gpus[0] if args.gpus else None)
-    sft_model = Path(args.sft_model) if args.sft_model else make_sft_start(args.config, args.overrides, out, first_card)
+    sft_model = sft_start(args, out)
     jobs = [(row, seed) for seed in args.seeds for row in args.rows]
-    overrides = sharing_the_card(runs_per_card(args.parallel, args.gpus), args.overrides)
+    overrides = sharing_the_card(args.parallel, args.overrides, args.gpus)
     results = spread_over_cards(jobs, args.parallel, args.gpus,
                                 lambda job, env: run_row(args.config, overrides, job[0], job[1], sft_model, out, env))
     for result in results:
