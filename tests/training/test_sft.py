@@ -169,6 +169,26 @@ def test_chats_tokenized_in_several_processes_are_the_samples_of_one(tiny_tokeni
     assert chat_samples(chats, tiny_tokenizer, window, workers=2) == one  # spawned processes, chunks in order
 
 
+def test_a_vlms_chats_are_tokenized_in_the_training_process_whatever_the_workers(tiny_vlm_dir, monkeypatch):
+    # Their samples carry pixel tensors, which torch passes between processes as file descriptors: thousands
+    # of them ran a spawned pool out of descriptors. Asking for workers must still give every sample.
+    from turnrl.models.loading import load_processor, load_tokenizer
+    from turnrl.models.vision import ImageEncoder
+
+    agent, config, fmt = demo_setup(episodes=6, random_action_share=0.3)
+    chats = [trajectory_messages(d) for d in expert_demos(lambda: make("FrozenLake", mode="image"), fmt, agent,
+                                                          config, "FrozenLake")]
+    tokenizer, encoder = load_tokenizer(tiny_vlm_dir), ImageEncoder(load_processor(tiny_vlm_dir))
+    one = chat_samples(chats, tokenizer, 1, encoder)
+    monkeypatch.setattr("turnrl.training.sft.ProcessPoolExecutor", None)  # a pool would fail calling it
+    asked = chat_samples(chats, tokenizer, 1, encoder, workers=2)
+    assert len(asked) == len(one) >= len(chats)
+    for a, b in zip(asked, one, strict=True):
+        assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask
+        assert a.model_inputs.keys() == b.model_inputs.keys() and "pixel_values" in a.model_inputs
+        assert all(torch.equal(a.model_inputs[k], b.model_inputs[k]) for k in a.model_inputs)
+
+
 def test_the_tokenizing_processes_are_counted_from_the_cores_for_many_chats(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     assert data_workers(0, PARALLEL_CHATS) == 8 and data_workers(0, PARALLEL_CHATS - 1) == 1

@@ -295,7 +295,8 @@ class SFTConfig:
     data_workers: int = 0
     """Processes that tokenize the chats into samples (rendering the chat template is most of making the data:
     20,000 Sokoban demos took 28 s in one process of a 2-core VM); 0: half the machine's cores, at most 8,
-    when there are 2,000 chats or more, else one."""
+    when there are 2,000 chats or more, else one. A VLM's chats (with their images' pixels) are tokenized in
+    the training process whatever this says."""
 
     def validate(self) -> None:
         check_range("sft.random_action_share", self.random_action_share, 0.0, 1.0)
