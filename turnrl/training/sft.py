@@ -356,10 +356,13 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
         chats = [trajectory_messages(t) for t in demos]
     window = config.agent.max_context_window
     encoder = ImageEncoder(processor) if processor is not None else None
+    console.print(f"SFT data: {len(chats)} chats after {time.time() - start:.0f} s; tokenizing them")
+    tokenizing = time.time()
     samples = chat_samples(chats, tokenizer, window, encoder, config.agent.max_images,
                            workers=data_workers(config.sft.data_workers, len(chats)))
     targets = sum(sum(s.loss_mask) for s in samples)
-    console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({targets} target tokens)")
+    console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({targets} target tokens; tokenized in "
+                  f"{time.time() - tokenizing:.0f} s)")
     logger = MetricsLogger(out, tensorboard=config.run.tensorboard)
     with autocast(device, dtype):
         metrics = sft_train(model, tokenizer.pad_token_id, samples, config.sft, seed=config.seeds.seed, log=logger.log)
