@@ -22,7 +22,7 @@ import statistics
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,7 +32,7 @@ from turnrl.envs.games.sokoban.levels import DIRECTIONS, Level, apply_moves, sol
 from turnrl.envs.seeds import SeedSplits  # noqa: E402
 
 
-@lru_cache(maxsize=None)
+@cache
 def plan(level: Level) -> tuple[int, ...] | None:
     """The solver's fewest-moves plan from ``level`` (empty when solved), None on a deadlocked grid."""
     moves = solve(level)
