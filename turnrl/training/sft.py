@@ -186,9 +186,9 @@ def chat_samples(
     the caller may hold a GPU and threads (the tokenizer's, torch's) that a fork would copy mid-flight.
 
     A VLM's chats (``encoder`` given) are always made here: their samples carry pixel tensors, and torch
-    sends each tensor between processes as a shared-memory file descriptor, so the thousands of a VAGEN
-    SFT set ran out of them ("received 0 items of ancdata") or hung. Made here, 3,000 of VAGEN's image
-    FrozenLake chats take about 15 s on two cores, a small part of SFT.
+    sends each tensor between processes as a shared-memory file descriptor, so the thousands of samples of
+    a VAGEN SFT set ran a pool out of descriptors ("received 0 items of ancdata") or hung it. Made here,
+    3,000 of VAGEN's image FrozenLake chats take about 15 s on two cores, a small part of SFT.
     """
     if workers <= 1 or len(chats) < 2 * workers or encoder is not None:
         return _samples_of(chats, tokenizer, window, encoder, max_images)
