@@ -228,6 +228,22 @@ def test_short_sft_on_expert_demos_lowers_the_loss_on_held_out_demos(tiny_model_
     assert not model.training
 
 
+def test_sft_logs_every_step_in_order_however_seldom_it_reads_the_device(tiny_model_dir, tiny_tokenizer):
+    train = demo_samples(tiny_tokenizer, seed_start=1_000, episodes=12)
+    config = SFTConfig(epochs=2, lr=1e-2, warmup_steps=2, batch_size=4, micro_batch_size=2)
+    runs = []
+    for read_every in (1, 5):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        logged: list = []
+        metrics = sft_train(model, tiny_tokenizer.pad_token_id, train, config, read_every=read_every,
+                            log=lambda step, m, logged=logged: logged.append((step, m)))
+        runs.append((logged, metrics))
+    (every, metrics_every), (seldom, metrics_seldom) = runs
+    assert len(every) == metrics_every["sft/steps"] > 5 and [s for s, _ in seldom] == list(range(len(every)))
+    assert seldom == every and metrics_seldom == metrics_every
+
+
 def test_sft_under_bf16_autocast_learns_like_float32(tiny_model_dir, tiny_tokenizer):
     # Autocast's cache of weight casts outlives optimizer steps taken inside one region: with it, every
     # forward kept seeing the first batch's weights and bf16 training went nowhere (a 0.5B VLM into garbage).

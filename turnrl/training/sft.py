@@ -264,8 +264,13 @@ def sft_train(
     config: SFTConfig,
     seed: int = 0,
     log: Callable[[int, dict[str, float]], None] | None = None,
+    read_every: int = 32,
 ) -> dict[str, float]:
     """Cross-entropy on the loss-masked tokens, AdamW with warm-up and cosine decay.
+
+    Each step's loss and gradient norm stay on the device and are read (then logged, in step order) every
+    ``read_every`` steps and at the end: a read waits for the device, and a small model's step is bound by
+    the host queuing its kernels, so reading every step would leave host and device taking turns.
 
     Returns the final metrics (mean loss of the last epoch, token accuracy).
     """
@@ -273,23 +278,37 @@ def sft_train(
     params = [p for p in model.parameters() if p.requires_grad]
     # beta2 = 0.95: the first steps learn the response format with large gradients; with 0.999 the
     # second moment would remember them for ~1000 steps and shrink every later update.
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                                  fused=device.type == "cuda")
     steps_per_epoch = math.ceil(len(samples) / config.batch_size)
     total = steps_per_epoch * config.epochs
     schedule = lambda s: _lr_factor(s, config.warmup_steps, total, config.schedule)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(seed)
     model.train()
-    step, epoch_loss, epoch_tokens = 0, 0.0, 0.0
+    step, epoch_loss, epoch_tokens, last_loss = 0, torch.zeros((), device=device), 0, float("nan")
+    unread: list[tuple[int, dict[str, float], torch.Tensor]] = []  # (step, host metrics, [loss, grad norm])
+
+    def read() -> None:
+        nonlocal last_loss
+        if not unread:
+            return
+        values = torch.stack([pair for _, _, pair in unread]).tolist()
+        for (logged_step, metrics, _), (loss, grad_norm) in zip(unread, values, strict=True):
+            if log is not None:
+                log(logged_step, {"sft/loss": loss, "sft/grad_norm": grad_norm, **metrics})
+            last_loss = loss
+        unread.clear()
+
     with RunProgress(console, "sft", total) as progress:
         for epoch in range(config.epochs):
             order = torch.randperm(len(samples), generator=generator).tolist()
-            epoch_loss, epoch_tokens = 0.0, 0.0
+            epoch_loss, epoch_tokens = torch.zeros((), device=device), 0
             for start in range(0, len(order), config.batch_size):
                 batch_ids = order[start : start + config.batch_size]
                 n_tokens = sum(sum(samples[i].loss_mask) for i in batch_ids)
                 optimizer.zero_grad(set_to_none=True)
-                batch_loss = 0.0
+                batch_loss = torch.zeros((), device=device)
                 for micro in range(0, len(batch_ids), config.micro_batch_size):
                     batch = collate([samples[i] for i in batch_ids[micro : micro + config.micro_batch_size]], pad_id)
                     batch = batch.to(device)
@@ -297,19 +316,22 @@ def sft_train(
                                                  model_inputs=batch.model_inputs)
                     loss = -(logprobs * batch.loss_mask).sum() / max(n_tokens, 1)
                     loss.backward()
-                    batch_loss += loss.item()
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+                    batch_loss += loss.detach().float()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 scheduler.step()
-                lr = float(scheduler.get_last_lr()[0])
                 epoch_loss += batch_loss * n_tokens
                 epoch_tokens += n_tokens
-                if log is not None:
-                    log(step, {"sft/loss": batch_loss, "sft/grad_norm": grad_norm, "sft/lr": lr, "sft/epoch": epoch})
+                unread.append((step, {"sft/lr": float(scheduler.get_last_lr()[0]), "sft/epoch": epoch},
+                               torch.stack([batch_loss, grad_norm.detach().float().to(device)])))
                 step += 1
-                progress.update(1, f"epoch {epoch + 1}/{config.epochs} loss {batch_loss:.3f}")
+                if len(unread) >= read_every:
+                    read()
+                read_loss = f" loss {last_loss:.3f}" if not math.isnan(last_loss) else ""
+                progress.update(1, f"epoch {epoch + 1}/{config.epochs}{read_loss}")
+            read()
     model.eval()
-    return {"sft/final_epoch_loss": epoch_loss / max(epoch_tokens, 1), "sft/steps": float(step)}
+    return {"sft/final_epoch_loss": float(epoch_loss) / max(epoch_tokens, 1), "sft/steps": float(step)}
 
 
 # --------------------------------------------------------------------------- the stage
