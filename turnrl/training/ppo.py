@@ -130,12 +130,14 @@ class UpdateInputs:
     """Shape (b,): each sample's weight in the policy loss (None: all 1)."""
 
 
-def micro_weight(part: Batch, whole: Batch, aggregation: str) -> float:
-    """Share of a micro-batch in its mini-batch's loss, so accumulated gradients equal the mini-batch loss."""
+def micro_weight(micro: torch.Tensor, mini: torch.Tensor, row_tokens: torch.Tensor, aggregation: str) -> float:
+    """Share of a micro-batch (rows ``micro``) in its mini-batch's (rows ``mini``) loss, so accumulated gradients
+    equal the mini-batch loss. ``row_tokens`` Shape (b,): each row's trained tokens, on the host (reading them
+    from the device for each micro-batch would wait for the passes in flight)."""
     if aggregation == "token-mean":
-        return float(part.loss_mask.sum() / whole.loss_mask.sum().clamp(min=1))
-    has_tokens = lambda b: float((b.loss_mask.sum(1) > 0).sum())  # noqa: E731
-    return has_tokens(part) / max(has_tokens(whole), 1.0)
+        return float(row_tokens[micro].sum()) / max(float(row_tokens[mini].sum()), 1.0)
+    has_tokens = lambda rows: float((row_tokens[rows] > 0).sum())  # noqa: E731
+    return has_tokens(micro) / max(has_tokens(mini), 1.0)
 
 
 def _step_optimizer(
@@ -229,7 +231,9 @@ def ppo_epochs(
     actor_params = [p for p in actor.parameters() if p.requires_grad]
     critic_params = [p for p in critic.parameters() if p.requires_grad] if critic is not None else []
     world = shard.world if shard is not None else 1
-    weighted: dict[str, float] = {}  # metric -> sum of weight * value over micro-batches
+    # metric -> sum of weight * value over micro-batches, on the device until the epochs end: a read of the
+    # device in every pass would make the host wait for each pass before queuing the next one.
+    weighted: dict[str, torch.Tensor] = {}
     weights: dict[str, float] = {}  # metric -> sum of weights
     sums: dict[str, float] = {}  # optimizer-step metrics (the same on every process)
     counts: dict[str, int] = {}
@@ -238,21 +242,21 @@ def ppo_epochs(
         sums[key] = sums.get(key, 0.0) + value
         counts[key] = counts.get(key, 0) + 1
 
-    def record_weighted(values: dict[str, float], weight: float) -> None:
+    def record_weighted(values: dict[str, torch.Tensor], weight: float) -> None:
         for key, value in values.items():
-            weighted[key] = weighted.get(key, 0.0) + weight * value
+            weighted[key] = weighted[key] + weight * value if key in weighted else weight * value
             weights[key] = weights.get(key, 0.0) + weight
 
     batching = MicroBatching.of(config)
     lengths = batch.attention_mask.sum(1).cpu()
+    row_tokens = batch.loss_mask.sum(1).cpu()
     for _ in range(config.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
         for mini in _chunks(order, config.mini_batch_size):
-            whole = batch.select(mini)
             for micro in shard_micro_batches(mini, lengths, batching, shard):
                 # A process without rows left still joins the pass, on one row weighted 0.
                 part = batch.select(micro if micro is not None else mini[:1])
-                weight = micro_weight(part, whole, config.loss_aggregation) if micro is not None else 0.0
+                weight = micro_weight(micro, mini, row_tokens, config.loss_aggregation) if micro is not None else 0.0
                 rows = micro if micro is not None else mini[:1]
                 if actor_optimizer is not None:
                     values = _actor_backward(actor, part, inputs, rows, config, temperature, weight * world,
@@ -269,12 +273,13 @@ def ppo_epochs(
                 norm, skipped = _step_optimizer(critic_optimizer, critic_params, optim)
                 record("critic/grad_norm", norm)
                 record("critic/skipped_steps", float(skipped))
+    totals = dict(zip(weighted, torch.stack(list(weighted.values())).tolist(), strict=True)) if weighted else {}
     if shard is not None:
         # Keys seen by any process (one may have had only weight-0 passes): sums over processes.
-        both = shard.reduce({**{f"v:{k}": v for k, v in weighted.items()}, **{f"w:{k}": v for k, v in weights.items()}})
-        weighted = {k[2:]: v for k, v in both.items() if k.startswith("v:")}
+        both = shard.reduce({**{f"v:{k}": v for k, v in totals.items()}, **{f"w:{k}": v for k, v in weights.items()}})
+        totals = {k[2:]: v for k, v in both.items() if k.startswith("v:")}
         weights = {k[2:]: v for k, v in both.items() if k.startswith("w:")}
-    metrics = {key: weighted[key] / weights[key] for key in weighted if weights[key] > 0}
+    metrics = {key: totals[key] / weights[key] for key in totals if weights[key] > 0}
     metrics.update({key: sums[key] / counts[key] for key in sums})
     for key in ("actor/skipped_steps", "critic/skipped_steps"):
         if key in metrics:
@@ -285,7 +290,8 @@ def ppo_epochs(
 def _actor_backward(
     actor: torch.nn.Module, part: Batch, inputs: UpdateInputs, rows: torch.Tensor, config: AlgorithmConfig,
     temperature: float, weight: float, packed: bool,
-) -> dict[str, float]:
+) -> dict[str, torch.Tensor]:
+    """One micro-batch's actor loss and its backward; its metrics as 0-dim tensors, not read from the device."""
     index = rows.to(inputs.old_logprobs.device)
     mask = part.loss_mask
     # Entropy is watched even without a bonus: its fall is the first sign of collapse.
@@ -305,31 +311,32 @@ def _actor_backward(
         token_weights=token_weights,
     )
     loss = policy_loss
-    metrics = {"losses/policy": policy_loss.item(), "actor/clip_frac": float(stats.clip_frac),
-               "actor/approx_kl": float(stats.approx_kl), "actor/dual_clip_frac": float(stats.dual_clip_frac)}
+    metrics = {"losses/policy": policy_loss, "actor/clip_frac": stats.clip_frac, "actor/approx_kl": stats.approx_kl,
+               "actor/dual_clip_frac": stats.dual_clip_frac}
     if token_weights is not None and cap is not None:
-        metrics["actor/tis_weight_mean"] = float(aggregate(token_weights, mask, "token-mean"))
-        metrics["actor/tis_capped"] = float(aggregate((token_weights >= cap).float(), mask, "token-mean"))
+        metrics["actor/tis_weight_mean"] = aggregate(token_weights, mask, "token-mean")
+        metrics["actor/tis_capped"] = aggregate((token_weights >= cap).float(), mask, "token-mean")
     assert entropy is not None  # asked for with_entropy
     bonus = entropy_bonus(entropy, mask, config.loss_aggregation)
     if config.entropy_coef != 0:
         loss = loss - config.entropy_coef * bonus
-    metrics["actor/entropy"] = bonus.item()
+    metrics["actor/entropy"] = bonus
     if inputs.ref_logprobs is not None and config.kl_coef > 0:
         kl = kl_penalty(logprobs, inputs.ref_logprobs[index], kind=config.kl_kind, mask=mask)
         kl_term = aggregate(kl, mask, config.loss_aggregation)
         if not config.kl_in_reward:
             loss = loss + config.kl_coef * kl_term
-        metrics["actor/kl_ref"] = kl_term.item()
+        metrics["actor/kl_ref"] = kl_term
     (loss * weight).backward()
-    metrics["losses/actor_total"] = loss.item()
-    return metrics
+    metrics["losses/actor_total"] = loss
+    return {key: value.detach().float() for key, value in metrics.items()}
 
 
 def _critic_backward(
     critic: ValueModel, part: Batch, inputs: UpdateInputs, rows: torch.Tensor, config: AlgorithmConfig,
     weight: float, packed: bool,
-) -> dict[str, float]:
+) -> dict[str, torch.Tensor]:
+    """One micro-batch's value loss and its backward; its metrics as 0-dim tensors, not read from the device."""
     assert inputs.old_values is not None
     index = rows.to(inputs.returns.device)
     values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=packed)
@@ -338,4 +345,5 @@ def _critic_backward(
         clip=config.value_clip, aggregation=config.loss_aggregation,
     )
     (loss * weight).backward()
-    return {"losses/value": loss.item(), "critic/clip_frac": float(stats.clip_frac), "critic/error": float(stats.error)}
+    return {key: value.detach().float() for key, value in
+            {"losses/value": loss, "critic/clip_frac": stats.clip_frac, "critic/error": stats.error}.items()}
