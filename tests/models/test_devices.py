@@ -20,3 +20,29 @@ def test_auto_dtype_is_bf16_on_a_gpu_and_float32_elsewhere():
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
     with pytest.raises(KeyError):
         resolve_dtype("int8", torch.device("cpu"))
+
+
+def test_host_values_reach_the_device_as_they_are():
+    import numpy as np
+
+    from turnrl.models.devices import to_device
+
+    index = torch.tensor([3, 0, 2])
+    assert torch.equal(to_device(index, torch.device("cpu")), index)
+    assert torch.equal(to_device(np.array([1, 2]), torch.device("cpu")), torch.tensor([1, 2]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_copy_to_the_gpu_queued_behind_work_reads_the_host_values():
+    # Pinned and not waited for: the values must still be the host's when the copy finally runs.
+    from turnrl.models.devices import to_device
+
+    device = torch.device("cuda")
+    busy = torch.randn(4096, 4096, device=device)
+    for _ in range(20):  # work queued ahead of the copy
+        busy = busy @ busy / 64
+    index = torch.arange(1000)
+    copied = to_device(index, device)
+    assert torch.equal(copied.cpu(), torch.arange(1000))
+    selected = torch.arange(1000, device=device) * 2
+    assert torch.equal(selected[to_device(torch.tensor([5, 1]), device)].cpu(), torch.tensor([10, 2]))

@@ -67,7 +67,7 @@ from turnrl.engine.forward import (
     rotary_table,
     round_up,
 )
-from turnrl.engine.graphs import DecodeGraph, PrefillGraph, to_device
+from turnrl.engine.graphs import DecodeGraph, PrefillGraph
 from turnrl.engine.images import PromptImages, prompt_images
 from turnrl.engine.rows import PREFIX_KEY_TOKENS, RowTable
 from turnrl.engine.running import RunningRows
@@ -76,6 +76,7 @@ from turnrl.engine.sampling import logprobs_before_suppression, sample_tokens, s
 from turnrl.engine.stops import TAIL_SLACK_TOKENS, StopStringFilter, stop_string_in_tail
 from turnrl.engine.timing import DeviceTimer
 from turnrl.engine.weights import DecoderWeights, decoder_weights
+from turnrl.models.devices import to_device
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from turnrl.engine.attention import cached_attention, rotate_write_attend, supported_head_dim
 from turnrl.engine.cache_write import rotate_and_write
-from turnrl.engine.graphs import to_device
 from turnrl.engine.weights import DecoderShape, DecoderWeights, WeightRef
+from turnrl.models.devices import to_device
 
 KEY_ALIGN = 64
 """Capacities and attended key lengths are multiples of this: the attention matmuls' rows then stay aligned for

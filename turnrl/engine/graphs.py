@@ -1,4 +1,4 @@
-"""CUDA graphs of the engine's calls, and copies to the device that do not wait for it.
+"""CUDA graphs of the engine's calls.
 
 A decode step is captured per batch bucket, and a small prefill call per bucket of sequences and new tokens
 (:data:`~turnrl.engine.engine.PREFILL_GRAPH_TOKENS`): a graph replays its kernels with no Python between them,
@@ -14,14 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``array`` on ``device`` without waiting for the device: through pinned memory on a GPU (a copy from pageable
-    memory waits for all the work queued before it, which undid the overlap of a step's host and device work)."""
-    tensor = torch.from_numpy(array)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+from turnrl.models.devices import to_device
 
 
 def capture(call: Callable[[], torch.Tensor], device: torch.device, pool: Any) -> tuple[torch.cuda.CUDAGraph,

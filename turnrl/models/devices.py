@@ -1,4 +1,5 @@
-"""Where a model runs and in which dtype: ``model.device`` and ``model.dtype`` resolved to torch's.
+"""Where a model runs and in which dtype: ``model.device`` and ``model.dtype`` resolved to torch's; and host
+values copied to the device without waiting for it.
 
 ``auto`` picks the GPU when there is one (and bf16 on it), else the CPU in float32. Every stage that
 places a model (training, rollout workers, policies loaded by path) resolves the settings here.
@@ -6,6 +7,7 @@ places a model (training, rollout workers, policies loaded by path) resolves the
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -21,3 +23,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host ``values`` on ``device`` without waiting for the device: through pinned memory on a GPU. A copy from
+    pageable memory waits for all the work queued before it, which undid the overlap of host and device work
+    (the engine's steps; the update's passes, each selecting its rows with a host index)."""
+    tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from turnrl.models.devices import to_device
 from turnrl.rollout.context import concat_model_inputs
 from turnrl.rollout.trajectory import Trajectory
 
@@ -107,15 +108,21 @@ class Batch:
     def select(self, index: torch.Tensor | list[int]) -> Batch:
         """The samples at ``index``, in that order, with their extra model inputs."""
         index = torch.as_tensor(index, dtype=torch.long)
-        picked = {
-            name: value[index.to(value.device)] for name, value in vars(self).items() if isinstance(value, torch.Tensor)
-        }
+        placed: dict[torch.device, torch.Tensor] = {}  # the index copied once to each device it selects on
+
+        def on(device: torch.device) -> torch.Tensor:
+            if device not in placed:
+                placed[device] = to_device(index, device)
+            return placed[device]
+
+        picked = {name: value[on(value.device)] for name, value in vars(self).items()
+                  if isinstance(value, torch.Tensor)}
         inputs, rows = {}, {}
         for key, value in self.model_inputs.items():
             counts = self.model_input_rows[key]
             starts = counts.cumsum(0) - counts
             keep = [torch.arange(int(starts[i]), int(starts[i] + counts[i])) for i in index.tolist()]
-            inputs[key] = value[torch.cat(keep).to(value.device)] if keep else value[:0]
+            inputs[key] = value[to_device(torch.cat(keep), value.device)] if keep else value[:0]
             rows[key] = counts[index]
         return Batch(**picked, model_inputs=inputs, model_input_rows=rows)
 

@@ -23,6 +23,7 @@ from turnrl.algorithms import (
     truncated_importance_weights,
     value_loss,
 )
+from turnrl.models.devices import to_device
 from turnrl.training.batch import Batch
 from turnrl.training.config import AlgorithmConfig, OptimConfig
 from turnrl.training.forward import ValueModel, token_logprobs
@@ -92,7 +93,7 @@ def batched_logprobs(
         lp, _ = token_logprobs(model, part.input_ids, part.attention_mask, part.loss_mask, temperature,
                                model_inputs=part.model_inputs, packed=batching.packed)
         if rows is not None:
-            out[rows.to(out.device), : lp.shape[1]] = lp
+            out[to_device(rows, out.device), : lp.shape[1]] = lp
     return out
 
 
@@ -107,7 +108,7 @@ def batched_values(
         part = batch.select(rows if rows is not None else [0])
         values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=batching.packed)
         if rows is not None:
-            out[rows.to(out.device)] = values * part.loss_mask
+            out[to_device(rows, out.device)] = values * part.loss_mask
     return out
 
 
@@ -292,7 +293,7 @@ def _actor_backward(
     temperature: float, weight: float, packed: bool,
 ) -> dict[str, torch.Tensor]:
     """One micro-batch's actor loss and its backward; its metrics as 0-dim tensors, not read from the device."""
-    index = rows.to(inputs.old_logprobs.device)
+    index = to_device(rows, inputs.old_logprobs.device)
     mask = part.loss_mask
     # Entropy is watched even without a bonus: its fall is the first sign of collapse.
     logprobs, entropy = token_logprobs(
@@ -338,7 +339,7 @@ def _critic_backward(
 ) -> dict[str, torch.Tensor]:
     """One micro-batch's value loss and its backward; its metrics as 0-dim tensors, not read from the device."""
     assert inputs.old_values is not None
-    index = rows.to(inputs.returns.device)
+    index = to_device(rows, inputs.returns.device)
     values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=packed)
     loss, stats = value_loss(
         values, inputs.old_values[index], inputs.returns[index], part.loss_mask,
