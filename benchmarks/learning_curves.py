@@ -15,6 +15,8 @@ of every metric, the mean of its first 5 and of its last 5 logged values
 
     python benchmarks/learning_curves.py --metrics collapse --out docs/figures/estimators_collapse.png \\
         "GRPO=runs/estimators/GRPO_seed*" "StarPO-S=runs/estimators/StarPO-S_seed*"
+    python benchmarks/learning_curves.py --out docs/figures/sokoban_gigpo70_4gpu.png \\
+        --reference "val/success=a policy ignoring the grid:0.265" "GiGPO=runs/sokoban_g16_70_alone/GiGPO_seed*"
     python benchmarks/learning_curves.py --metrics state_rewards --table \\
         "VAGEN-Full=runs/state_rewards/vagen_full_seed*" "VAGEN-Base=runs/state_rewards/vagen_base_seed*"
 """
@@ -63,11 +65,24 @@ def read_rows(rows: dict[str, list[Path]]) -> dict[str, list[list[dict[str, floa
     return {label: [read(run) for run in runs] for label, runs in rows.items()}
 
 
-def draw(path: Path, rows: dict[str, list[list[dict[str, float]]]], metrics: Sequence[Metric], title: str = ""
-         ) -> Comparison | None:
-    """Draw the rows' runs (their records, see :func:`read_rows`) into ``path`` and print what each panel shows,
-    or that nothing was drawn."""
-    comparison = draw_comparison(rows, metrics, path, title)
+def reference_argument(text: str) -> tuple[str, str, float]:
+    """``METRIC=LABEL:VALUE`` (``val/success=a random policy:0.265``) as (metric, label, value)."""
+    metric, _, rest = text.partition("=")
+    label, _, value = rest.rpartition(":")
+    try:
+        return metric, label, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a reference as METRIC=LABEL:VALUE") from None
+
+
+def draw(path: Path, rows: dict[str, list[list[dict[str, float]]]], metrics: Sequence[Metric], title: str = "",
+         references: Sequence[tuple[str, str, float]] = ()) -> Comparison | None:
+    """Draw the rows' runs (their records, see :func:`read_rows`) into ``path``, with the ``references`` as
+    dashed levels on their metrics' panels, and print what each panel shows, or that nothing was drawn."""
+    levels: dict[str, list[tuple[str, float]]] = {}
+    for metric, label, value in references:
+        levels.setdefault(metric, []).append((label, value))
+    comparison = draw_comparison(rows, metrics, path, title, levels)
     if comparison is None:
         print(f"nothing drawn: no run has any of {', '.join(metric.name for metric in metrics)}")
         return None
@@ -102,6 +117,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="the PNG to write")
     parser.add_argument("--title", default="", help="a title over the panels")
     parser.add_argument("--table", action="store_true", help="print each row's first and last values")
+    parser.add_argument("--reference", action="append", default=[], type=reference_argument,
+                        metavar="METRIC=LABEL:VALUE", help="a dashed level on a metric's panel (repeatable)")
     parser.add_argument("rows", nargs="+", type=row_argument, metavar="ROW=RUN_DIR[,RUN_DIR...]")
     args = parser.parse_args()
     if args.out is None and not args.table:
@@ -115,7 +132,7 @@ def main() -> None:
         for label, runs in rows.items():
             print(f"\n**{label}** (first -> last: mean of the first and last {WINDOW} logged values)\n")
             print(table(runs, records[label], metrics))
-    if args.out is not None and draw(args.out, records, metrics, args.title) is None:
+    if args.out is not None and draw(args.out, records, metrics, args.title, args.reference) is None:
         sys.exit(1)
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.learning_curves import first_last, main, row_argument, table
+from benchmarks.learning_curves import first_last, main, reference_argument, row_argument, table
 from turnrl.viz.plots import COLLAPSE_METRICS, Metric
 
 
@@ -87,3 +87,9 @@ def test_the_script_exits_with_an_error_when_nothing_is_drawn(runs, tmp_path, mo
         main()
     assert exit_info.value.code == 1 and not out.exists()
     assert "nothing drawn" in capsys.readouterr().out
+
+
+def test_a_reference_level_is_read_as_metric_label_and_value():
+    assert reference_argument("val/success=random: no grid:0.265") == ("val/success", "random: no grid", 0.265)
+    with pytest.raises(argparse.ArgumentTypeError, match="METRIC=LABEL:VALUE"):
+        reference_argument("val/success=random")

@@ -122,6 +122,16 @@ def test_comparison_draws_a_panel_per_metric_a_run_has_with_every_seed_and_the_m
     assert values == pytest.approx([statistics.fmean(0.1 * seed + s / 100 for seed in range(3)) for s in steps])
 
 
+def test_reference_levels_go_on_their_metrics_panel_only(tmp_path):
+    rows = {"GRPO": [seed_records(seed, 8) for seed in range(2)]}
+    references = {"val/success": [("a random policy", 0.1), ("the target", 0.6)], "actor/kl_ref": [("unused", 1.0)]}
+    comparison = draw_comparison(rows, COLLAPSE_METRICS, tmp_path / "levels.png", references=references)
+    assert comparison is not None
+    lines = {panel.title: panel.lines for panel in comparison.panels}
+    assert lines["Validation success"] == 2 + 1 + 2  # the seeds, their mean and the two levels
+    assert lines["Training success"] == 2 + 1
+
+
 def test_comparison_without_any_of_the_metrics_writes_nothing(tmp_path):
     rows = {"GRPO": [seed_records(0, 5)], "empty": []}
     assert draw_comparison(rows, [Metric("actor/kl_ref", "KL")], tmp_path / "kl.png") is None

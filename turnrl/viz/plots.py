@@ -8,7 +8,7 @@ no global state, from the records of ``metrics.jsonl``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,14 +190,16 @@ def mean_over_seeds(runs: list[tuple[list[int], list[float]]]) -> tuple[list[int
 
 
 def draw_comparison(
-    rows: dict[str, list[Records]], metrics: Sequence[Metric], path: Path, title: str = ""
+    rows: dict[str, list[Records]], metrics: Sequence[Metric], path: Path, title: str = "",
+    references: Mapping[str, Sequence[tuple[str, float]]] | None = None,
 ) -> Comparison | None:
     """Write one PNG at ``path`` with a panel per metric that any run has: each run of a row a thin line, the
     row's mean over its runs (those with the metric, at the steps all of them have) a bold line of the same
     colour. None (and no file) when no run has any of the metrics.
 
     ``rows`` maps a row label (a recipe, an estimator) to the records of each of its runs (seeds), in the
-    order of the legend.
+    order of the legend. ``references`` maps a metric to labelled levels drawn across its panel as dashed
+    lines (what a random policy scores, a target).
     """
     drawn = [(metric, {row: runs_with(runs, metric.name) for row, runs in rows.items()}) for metric in metrics]
     drawn = [(metric, per_row) for metric, per_row in drawn if any(per_row.values())]
@@ -220,6 +222,10 @@ def draw_comparison(
             if steps:
                 axes.plot(steps, values, color=colors[row], linewidth=2.2, marker=marker, markersize=5)
                 means[row] = (steps, values)
+        for label, level in (references or {}).get(metric.name, ()):
+            axes.axhline(level, color="0.4", linestyle="--", linewidth=1.0)
+            axes.annotate(label, (0.01, level), xycoords=("axes fraction", "data"), fontsize="x-small",
+                          color="0.3", va="bottom")
         axes.set_title(metric.title, fontsize="medium")
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlabel("step")
