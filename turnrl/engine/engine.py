@@ -271,7 +271,8 @@ class Engine:
         self.decode = decode
         self.max_len = config.max_seq_len
         rows = KVCache.rows_in(cache_budget_bytes(config, self.device),
-                               KVCache.bytes_per_token(self.weights.shape, self.dtype), self.max_len, config.max_rows)
+                               KVCache.bytes_per_token(self.weights.shape.key_width, self.dtype), self.max_len,
+                               config.max_rows)
         self.cache = KVCache(self.weights.shape, rows, self.max_len, self.dtype, self.device)
         """Rows of at most ``max_len`` positions; the positions are allocated as sequences grow."""
         self.table = RowTable(rows)

@@ -113,9 +113,9 @@ class KVCache:
         return max(1, min(max_rows, int(budget_bytes // per_row)))
 
     @staticmethod
-    def bytes_per_token(shape: DecoderShape, dtype: torch.dtype) -> int:
-        element = torch.tensor([], dtype=dtype).element_size()
-        return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element
+    def bytes_per_token(key_width: int, dtype: torch.dtype) -> int:
+        """A token's keys and values in ``dtype``, ``key_width`` of each (:attr:`DecoderShape.key_width`)."""
+        return 2 * key_width * torch.tensor([], dtype=dtype).element_size()
 
 
 def rotary_table(weights: DecoderWeights, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

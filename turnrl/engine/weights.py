@@ -45,6 +45,11 @@ class DecoderShape:
     vocab_size: int
     rms_eps: float
 
+    @property
+    def key_width(self) -> int:
+        """A token's cached keys over every layer (layers x key/value heads x head size), and as many values."""
+        return self.num_layers * self.num_kv_heads * self.head_dim
+
 
 def parameters_version(inputs: tuple[torch.Tensor, ...]) -> int:
     """A number that changes whenever one of ``inputs`` is modified in place (an optimizer step, a load)."""

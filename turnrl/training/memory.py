@@ -273,7 +273,8 @@ def cache_rows(config: TrainConfig, counts: ModelCounts, cache_bytes: float) -> 
     if counts.key_width == 0:
         return 0
     engine = config.model.engine
-    return KVCache.rows_in(cache_bytes, 2 * 2 * counts.key_width, engine.max_seq_len, engine.max_rows)
+    return KVCache.rows_in(cache_bytes, KVCache.bytes_per_token(counts.key_width, torch.bfloat16), engine.max_seq_len,
+                           engine.max_rows)
 
 
 def rollout_in_waves(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate,
