@@ -33,7 +33,8 @@ from turnrl.training.config import TrainConfig  # noqa: E402
 from turnrl.training.distributed import FSDPTrainer  # noqa: E402
 from turnrl.training.trainer import Trainer  # noqa: E402
 
-PHASES = ("timing/rollout_s", "timing/old_logprobs_s", "timing/values_s", "timing/update_s", "timing/step_s")
+PHASES = ("timing/rollout_s", "timing/old_logprobs_s", "timing/values_s", "timing/update_s", "timing/step_s",
+          "throughput/update_mfu")
 
 
 def synchronize(device: torch.device) -> None:
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="only the steps' phase timings")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="write rank 0's profile as a Chrome trace (gzipped when the name ends in .gz)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     sharded = ranks.launched_by_torchrun()
@@ -103,6 +106,9 @@ def profile_update(trainer: Trainer, args: argparse.Namespace) -> None:
         say(f"device busy {busy:.2f} s of {wall:.2f} s ({kernels} kernels)")
         say(events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=70))
     say(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
+    if args.trace is not None and ranks.is_main():
+        profiler.export_chrome_trace(str(args.trace))
+        say(f"trace: {args.trace}")
 
 
 if __name__ == "__main__":
