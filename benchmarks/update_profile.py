@@ -55,8 +55,9 @@ def main() -> None:
     args = parser.parse_intermixed_args()
     sharded = ranks.launched_by_torchrun()
     with tempfile.TemporaryDirectory() as runs:
+        # No validation during the steps (a recipe's stop on low validation success is switched off with it).
         config = load_config(TrainConfig, args.config, [f"run.output_dir={runs}", "validation.every=0",
-                                                         *args.overrides])
+                                                         "collapse.stop_on_low_success=false", *args.overrides])
         if sharded:
             ranks.init_process_group(config.model.device, config.distributed.timeout_s)
             if ranks.is_main():  # builds the built-in model once, as `turnrl train` does

@@ -7,7 +7,8 @@ epochs run it (with gradient checkpointing unless ``--no-checkpointing``), in mi
 rows (padded) or of ``--tokens`` tokens (packed: each sequence attends to itself only, SDPA sequence by
 sequence). The weights are bf16, as FSDP's mixed precision gathers them. MFU counts 6 x parameters per real
 (unpadded) token plus each sequence's causal attention (the trainer's ``throughput/update_mfu``) over the
-device's bf16 peak; the ratio of each variant to the padded one is measured in the same run.
+device's bf16 peak; the ratio of each variant to the padded one is measured in the same run. ``--compile``
+adds the packed passes with each layer's norms and MLP compiled (``model.compile``), after the eager ones.
 
     python benchmarks/update_speed.py --preset 3b
     python benchmarks/update_speed.py --preset tiny --device cpu --rows 4 --tokens 512 --batch 8   # a smoke run
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import Qwen2ForCausalLM  # noqa: E402
 
-from turnrl.models.loading import enable_checkpointing  # noqa: E402
+from turnrl.models.loading import compile_layer_parts, enable_checkpointing  # noqa: E402
 from turnrl.models.tiny import model_preset, tiny_qwen2_config  # noqa: E402
 from turnrl.training.attention import implementation  # noqa: E402
 from turnrl.training.forward import token_logprobs  # noqa: E402
@@ -139,6 +140,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--attention", nargs="+", default=["sdpa"])
+    parser.add_argument("--compile", action="store_true", help="also the packed passes with compiled layer parts")
     args = parser.parse_args()
     device = torch.device(args.device)
     peak = peak_flops(device)
@@ -151,7 +153,11 @@ def main() -> None:
                                                         else model.get_input_embeddings().weight),
                                model.config, data[3])
         variants = [("padded", MicroBatching(args.rows)), ("packed", MicroBatching(args.rows, args.tokens))]
+        if args.compile:
+            variants.append(("packed, compiled", MicroBatching(args.rows, args.tokens)))
         for name, batching in variants:
+            if name.endswith("compiled"):
+                compile_layer_parts(model)  # in place: the eager variants ran before
             seconds, memory = measure(model, data, batching, args.repeats, device)
             utilization = flops / seconds / peak if peak else float("nan")
             rows.append((f"{name}, {attention}", seconds, tokens / seconds, utilization, memory))

@@ -238,6 +238,10 @@ class ModelConfig:
     """``auto`` (cuda if available), ``cpu``, ``cuda`` or ``cuda:N``."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in training."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer's norms and MLP for the training and scoring passes (SFT and RL):
+    their elementwise kernels fuse (see :func:`turnrl.models.loading.compile_layer_parts`); the first passes
+    compile."""
     attention: str = "sdpa"
     """The attention of the trainer's forward passes: ``sdpa`` (PyTorch's; packed rows of
     ``algorithm.micro_batch_tokens`` attend sequence by sequence, see :mod:`turnrl.training.attention`) or

@@ -216,3 +216,39 @@ def test_a_model_on_meta_is_the_loaded_model_without_its_weights(fixture, reques
     for name, buffer in structure.named_buffers():
         assert not buffer.is_meta
         assert torch.equal(buffer, buffers[name]), name
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_vlm_dir"])
+def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, request):
+    """Each decoder layer's norms and MLP compiled (the attention and a VLM's vision blocks eager): the same
+    logits and gradients as the eager model over token counts that change from pass to pass, and a copy of
+    the model (the critic, the reference) runs its own weights through the compiled code."""
+    import copy
+
+    path = request.getfixturevalue(fixture)
+    eager = loading.load_model(path)
+    compiled = copy.deepcopy(eager)
+    layers = [m for m in eager.modules() if loading.ATTENTION_PART in dict(m.named_children())]
+    parts = loading.compile_layer_parts(compiled)
+    assert parts == 3 * len(layers) > 0  # two norms and the MLP
+    vision = loading.vision_tower(compiled)
+    if vision is not None:
+        assert all("forward" not in vars(m) for m in vision.modules())  # the tower stays eager
+    generator = torch.Generator().manual_seed(0)
+    for tokens in (37, 52, 29):
+        ids = torch.randint(0, 200, (1, tokens), generator=generator)
+        for model in (eager, compiled):
+            model.zero_grad()
+            model(input_ids=ids).logits.square().mean().backward()
+        torch.testing.assert_close(compiled(input_ids=ids).logits, eager(input_ids=ids).logits)
+        for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
+            if b.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+    twin = copy.deepcopy(compiled)
+    mlp = next(m.mlp for m in twin.modules() if loading.ATTENTION_PART in dict(m.named_children()))
+    assert mlp.forward.__self__ is mlp  # bound to the copy's own part
+    with torch.no_grad():
+        for param in twin.parameters():
+            param.mul_(0.5)
+        ids = torch.randint(0, 200, (1, 20), generator=generator)
+        assert not torch.allclose(twin(input_ids=ids).logits, compiled(input_ids=ids).logits)

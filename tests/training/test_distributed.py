@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,6 +180,23 @@ def test_two_processes_that_free_the_rollout_during_the_update_train_as_one(tiny
     for step in one:
         assert_same_metrics(one[step], two[step])
     assert one[3]["actor/grad_norm"] > 0
+
+
+def test_two_processes_with_compiled_layer_parts_train_as_one_eager_process(tiny_model_dir, tmp_path, single):
+    """``model.compile``: each shard's layers run compiled norms and MLPs (actor, critic and the rollout copy
+    made from them); two steps give the eager single-process run's metrics and weights."""
+    double = run_train(tiny_model_dir, tmp_path, "double", "run.steps=2", "distributed.nproc_per_node=2",
+                       "model.compile=true")
+    assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
+    assert re.search(r"[1-9]\d* layer parts compiled", " ".join(double.stdout.split()))
+    one, two = step_records(single), step_records(tmp_path / "double")
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+    weights = load_file(tmp_path / "double" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
+    reference = load_file(single / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
+    for name in weights:
+        torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-5)
 
 
 PACKED_WITH_REFERENCE = ("algorithm.micro_batch_tokens=160", "algorithm.kl_coef=0.05")

@@ -200,8 +200,9 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
         trainer._timed("sft_s", sft.seconds)
     world = ranks.world_size()
     processes = f", {world} process{'es' if world > 1 else ''} (FSDP)" if distributed else ""
+    compiled = f", {trainer.compiled_parts} layer parts compiled" if trainer.compiled_parts else ""
     console.print(f"[bold]turnrl train[/bold] {config.run.name}: {config.env.id}, {config.algorithm.advantage}, "
-                  f"run dir {trainer.run_dir}{processes}")
+                  f"run dir {trainer.run_dir}{processes}{compiled}")
     logger = MetricsLogger(trainer.run_dir, config.run.tensorboard, config.run.wandb_project,
                            config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))),
                            resume_step=trainer.first_step if resumed else None) if ranks.is_main() else None

@@ -31,6 +31,7 @@ from turnrl.envservice.placement import env_factory
 from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import (
     base_model_path,
+    compile_layer_parts,
     enable_checkpointing,
     freeze_vision_tower,
     load_model,
@@ -360,6 +361,8 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
         freeze_vision_tower(model)
     if config.model.gradient_checkpointing:
         enable_checkpointing(model)
+    if config.model.compile:
+        compile_layer_parts(model)
     fmt = get_format(config.agent.format, action_separator=config.agent.action_separator,
                      max_actions_per_turn=config.agent.max_actions_per_turn)
     out = run_dir / "sft"

@@ -50,6 +50,7 @@ from turnrl.envservice.placement import env_factory
 from turnrl.models.devices import resolve_dtype
 from turnrl.models.loading import (
     base_model_path,
+    compile_layer_parts,
     enable_checkpointing,
     freeze_vision_tower,
     load_model,
@@ -477,6 +478,8 @@ class Trainer:
                 ))
             if config.model.gradient_checkpointing:
                 self.actor.enable_input_require_grads()
+        self.compiled_parts = sum(compile_layer_parts(model) for model in (self.actor, self.critic, self.reference)
+                                  if model is not None and config.model.compile)
         self.actor_flops_per_token = training_flops_per_token(self.actor, _lookup_only(self.actor))
         self.critic_flops_per_token = 0.0 if self.critic is None else training_flops_per_token(
             self.critic, _lookup_only(self.critic.backbone))
