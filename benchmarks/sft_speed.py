@@ -5,7 +5,7 @@ A small model's SFT step is bound by the host queuing its kernels (the `base` pr
 the device, so with a read every step host and device take turns; ``sft_train`` reads every 32 steps.
 Samples are Sokoban-sized (``--length`` tokens, the last ``--targets`` of them trained), random ids below
 the tokenizer's size; the bf16 autocast of a GPU run. Printed: ms a step for each, and the ratio measured in
-the same run.
+the same run; then the same every-32 schedule with each layer's norms and MLP compiled (``model.compile``).
 
     python benchmarks/sft_speed.py --preset base
     python benchmarks/sft_speed.py --preset tiny --device cpu --steps 20     # a smoke run
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from turnrl.config import ModelConfig  # noqa: E402
 from turnrl.models.devices import resolve_dtype  # noqa: E402
-from turnrl.models.loading import base_model_path, load_model, load_tokenizer  # noqa: E402
+from turnrl.models.loading import base_model_path, compile_layer_parts, load_model, load_tokenizer  # noqa: E402
 from turnrl.training.batch import Sample  # noqa: E402
 from turnrl.training.config import SFTConfig  # noqa: E402
 from turnrl.training.head import install_scoring_head  # noqa: E402
@@ -39,11 +39,13 @@ def samples(count: int, length: int, targets: int, vocab: int, seed: int = 0) ->
                    turn_ends=[length - 1], turn_rewards=[0.0], episode=i, group=0) for i, row in enumerate(ids)]
 
 
-def seconds_a_step(preset: str, device: torch.device, data: list[Sample], config: SFTConfig, read_every: int
-                   ) -> float:
+def seconds_a_step(preset: str, device: torch.device, data: list[Sample], config: SFTConfig, read_every: int,
+                   compiled: bool = False) -> float:
     path = base_model_path(ModelConfig(builtin_preset=preset))
     model = load_model(path, device=device, attention="sdpa")
     install_scoring_head(model, len(load_tokenizer(path)))
+    if compiled:
+        compile_layer_parts(model)  # the warm-up steps below compile
     warm = SFTConfig(epochs=1, batch_size=config.batch_size, micro_batch_size=config.micro_batch_size,
                      warmup_steps=0)
     with autocast(device, resolve_dtype("auto", device)):
@@ -75,7 +77,9 @@ def main() -> None:
     every = seconds_a_step(args.preset, device, data, config, read_every=1)
     seldom = seconds_a_step(args.preset, device, data, config, read_every=32)
     print(f"  read every step       {every * 1000:8.1f} ms a step   1.00x")
-    print(f"  read every 32 steps   {seldom * 1000:8.1f} ms a step   {every / seldom:.2f}x")
+    print(f"  read every 32 steps   {seldom * 1000:8.1f} ms a step   {every / seldom:.2f}x", flush=True)
+    fused = seconds_a_step(args.preset, device, data, config, read_every=32, compiled=True)
+    print(f"  the same, compiled    {fused * 1000:8.1f} ms a step   {every / fused:.2f}x")
 
 
 if __name__ == "__main__":

@@ -279,6 +279,9 @@ ATTENTION_PART = "self_attn"
 """The attention's name among a decoder layer's parts in every family turnrl builds (Qwen2, Qwen3, Llama, the
 text decoders of Qwen2.5-VL and Qwen3-VL); their vision blocks call theirs ``attn``."""
 
+RECOMPILE_LIMIT = 32
+"""Graphs a compiled part's code may hold (see :func:`compile_layer_parts`)."""
+
 _compiled_forwards: dict[type, Callable[..., Any]] = {}
 """One compiled ``forward`` a part's class, shared by every layer, model and copy of a process."""
 
@@ -298,6 +301,10 @@ def compile_layer_parts(model: torch.nn.Module) -> int:
     the model (``copy.deepcopy``: the critic, the reference, FSDP's structures) bind it to their own parts.
     The vision tower's blocks (no ``self_attn``) stay eager.
     """
+    # A part's code is compiled once for each kind of call a run makes: with and without gradients, trainable
+    # or frozen weights (the reference), one row or several, one token or many (0/1 sizes are specialized).
+    # Past torch's default of 8 such graphs a function falls back to eager mode.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     parts = 0
     for layer in list(model.modules()):
         children = dict(layer.named_children())
