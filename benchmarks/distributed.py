@@ -92,12 +92,22 @@ def run(processes: int, config: str | None, overrides: list[str], out: Path, tim
 
 
 def failure(log: str) -> str:
-    """The line a failed run died on (out of memory: how much was asked and held), else its last lines."""
-    memory = re.findall(r"CUDA out of memory\. Tried to allocate [^.]+\.[^.]*?(?:of which|Including)[^\n]*", log)
+    """The line a failed run died on: out of memory (how much was asked and held); else the first exception a
+    process raised (the others' come after, as they react to it), not torchrun's ``ChildFailedError`` that
+    closes the log; else the signal or exit code torchrun reports for a process killed without one; else the
+    last line naming an error, or the last line."""
+    memory = re.findall(r"CUDA out of memory\. Tried to allocate [\d.]+ [KMGT]?i?B\.[^\n]*", log)
     if memory:
         return memory[-1][:400]
-    errors = [line for line in log.splitlines() if re.search(r"Error|error:", line)]
-    return (errors[-1] if errors else log.strip().splitlines()[-1] if log.strip() else "no output")[:400]
+    lines = [line for line in log.splitlines() if "ChildFailedError" not in line]
+    raised = [line.strip() for line in lines if re.match(r"\s*(\[rank\d+\]:\s*)?[\w.]*(Error|Exception)\b.*?: ", line)]
+    if raised:
+        return raised[0][:400]
+    killed = re.search(r"Signal \d+ \(\w+\) received by PID \d+", log) or re.search(r"exitcode\s*:\s*-?\d+[^\n]*", log)
+    if killed:
+        return f"a process ended without a Python error: {killed.group(0).strip()}"[:400]
+    errors = [line for line in lines if re.search(r"Error|error:", line)]
+    return (errors[-1] if errors else lines[-1] if lines and log.strip() else "no output")[:400]
 
 
 def main() -> None:
