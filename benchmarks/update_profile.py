@@ -3,7 +3,12 @@
 Builds the trainer of ``--config`` and its overrides (as ``turnrl train`` does), runs ``--steps`` steps
 (the first ones warm up: compilation, graph capture, allocator), printing each step's phase timings, then
 rolls out once more and profiles the update of that rollout: the operators by device time and by host time,
-and the wall time against the device's busy time (a host-bound update shows a large gap).
+and the wall time against the device's busy time (a host-bound update shows a large gap). On a GPU it also
+reads rank 0's kernel timeline: how long compute kernels ran (the union of their intervals), how long the
+collectives ran, how much of that at once, and the gaps in which no compute kernel ran (waits on a
+collective or on the host). ``--device-only`` records the kernels alone: the host then runs at its own speed
+(recording every operator on the host slows it several times, and the timeline's gaps with it), at the cost
+of the host table.
 
 Under ``torchrun`` it profiles the FSDP trainer's sharded update, every process under its profiler (the
 collectives included), and rank 0 prints its own tables.
@@ -17,10 +22,13 @@ collectives included), and rank 0 prints its own tables.
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,6 +59,8 @@ def main() -> None:
                         help="only the steps' phase timings")
     parser.add_argument("--trace", type=Path, default=None,
                         help="write rank 0's profile as a Chrome trace (gzipped when the name ends in .gz)")
+    parser.add_argument("--device-only", action="store_true",
+                        help="record the GPU's kernels alone (no host operators: the host is not slowed)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     sharded = ranks.launched_by_torchrun()
@@ -68,6 +78,65 @@ def main() -> None:
         finally:
             if sharded:
                 ranks.close_process_group()
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """[start, end) intervals, sorted, the overlapping ones joined."""
+    joined: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if joined and start <= joined[-1][1]:
+            joined[-1] = (joined[-1][0], max(joined[-1][1], end))
+        else:
+            joined.append((start, end))
+    return joined
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the time both lists of :func:`merged` intervals cover."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def kernel_timeline(trace: dict[str, Any], gap_s: float = 1e-3) -> dict[str, float]:
+    """Seconds of a Chrome trace's GPU kernels (torch.profiler's export; times in microseconds): ``span`` from
+    the first kernel's start to the last one's end, ``compute`` in which some non-collective kernel ran,
+    ``collectives`` in which an NCCL kernel ran, ``both`` at once, and the ``gaps`` of at least ``gap_s`` with
+    no compute kernel (``gap_count``, ``gap_longest``)."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if not kernels:
+        return {}
+    compute, collectives = [], []
+    for event in kernels:
+        interval = (event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6)
+        (collectives if event["name"].lower().startswith("nccl") else compute).append(interval)
+    compute_busy, collective_busy = merged(compute), merged(collectives)
+    span = max(end for _, end in compute_busy + collective_busy) - min(start for start, _ in compute_busy
+                                                                      + collective_busy)
+    gaps = [b[0] - a[1] for a, b in zip(compute_busy, compute_busy[1:]) if b[0] - a[1] >= gap_s]
+    return {"span": span, "compute": sum(e - s for s, e in compute_busy),
+            "collectives": sum(e - s for s, e in collective_busy), "both": overlap(compute_busy, collective_busy),
+            "gaps": sum(gaps), "gap_count": float(len(gaps)), "gap_longest": max(gaps, default=0.0)}
+
+
+def timeline_line(times: dict[str, float]) -> str:
+    span = times["span"]
+    return (f"kernels over {span:.2f} s: compute {times['compute']:.2f} s ({times['compute'] / span:.0%}), "
+            f"collectives {times['collectives']:.2f} s, both at once {times['both']:.2f} s; no compute kernel "
+            f"for {span - times['compute']:.2f} s, {times['gap_count']:.0f} gaps of 1 ms or more "
+            f"({times['gaps']:.2f} s, the longest {1000 * times['gap_longest']:.1f} ms)")
+
+
+def read_trace(path: Path) -> dict[str, Any]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as file:
+        trace: dict[str, Any] = json.load(file)
+    return trace
 
 
 def profile_update(trainer: Trainer, args: argparse.Namespace) -> None:
@@ -88,7 +157,9 @@ def profile_update(trainer: Trainer, args: argparse.Namespace) -> None:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    on_gpu = device.type == "cuda"
+    activities = ([] if args.device_only and on_gpu else [ProfilerActivity.CPU]) + \
+        ([ProfilerActivity.CUDA] if on_gpu else [])
     synchronize(device)
     start = time.perf_counter()
     with profile(activities=activities) as profiler:
@@ -106,9 +177,17 @@ def profile_update(trainer: Trainer, args: argparse.Namespace) -> None:
         kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
         say(f"device busy {busy:.2f} s of {wall:.2f} s ({kernels} kernels)")
         say(events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=70))
-    say(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
-    if args.trace is not None and ranks.is_main():
-        profiler.export_chrome_trace(str(args.trace))
+    if ProfilerActivity.CPU in activities:
+        say(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
+    if not ranks.is_main() or not (on_gpu or args.trace is not None):
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        trace = args.trace if args.trace is not None else Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        times = kernel_timeline(read_trace(trace))
+    if times:
+        say(timeline_line(times))
+    if args.trace is not None:
         say(f"trace: {args.trace}")
 
 
