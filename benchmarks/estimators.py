@@ -8,6 +8,8 @@ turn rewards). Rows:
 - ``StarPO-S``: the same with the StarPO-S filter (the half of the groups whose rewards vary most).
 - ``StarPO-S 25%``: RAGEN's StarPO-S setting, the quarter of the groups whose rewards vary most.
 - ``GRPO``: group-normalized episode rewards, no critic.
+- ``GRPO+StarPO-S 25%``: GRPO on the quarter of the groups whose rewards vary most (RAGEN's filter without
+  a critic: whether the filter, not the critic, keeps a run out of the Echo Trap).
 - ``GiGPO``: GRPO's episode advantage plus step advantages among turns that start from the same state.
 - ``bi-level GAE``: VAGEN's turn-level credit: per-turn rewards, a critic, bi-level GAE (gamma_turn 0.95).
 
@@ -49,6 +51,7 @@ ROWS: dict[str, list[str]] = {
     "StarPO-S": ["algorithm.advantage=gae", "algorithm.filter.method=top_k", "algorithm.filter.value=0.5"],
     "StarPO-S 25%": ["algorithm.advantage=gae", "algorithm.filter.method=top_k", "algorithm.filter.value=0.25"],
     "GRPO": ["algorithm.advantage=grpo", "algorithm.filter.method=none"],
+    "GRPO+StarPO-S 25%": ["algorithm.advantage=grpo", "algorithm.filter.method=top_k", "algorithm.filter.value=0.25"],
     "GiGPO": ["algorithm.advantage=gigpo", "algorithm.filter.method=none"],
     "bi-level GAE": ["algorithm.advantage=bilevel_gae", "algorithm.reward_placement=per_turn",
                      "algorithm.gamma_turn=0.95", "algorithm.filter.method=none"],
