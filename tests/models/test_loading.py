@@ -218,15 +218,20 @@ def test_a_model_on_meta_is_the_loaded_model_without_its_weights(fixture, reques
         assert torch.equal(buffer, buffers[name]), name
 
 
-@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_vlm_dir"])
-def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, request):
+@pytest.mark.parametrize(("fixture", "checkpointing"),
+                         [("tiny_model_dir", False), ("tiny_model_dir", True), ("tiny_vlm_dir", False)])
+def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, checkpointing, request):
     """Each decoder layer's norms and MLP compiled (the attention and a VLM's vision blocks eager): the same
-    logits and gradients as the eager model over token counts that change from pass to pass, and a copy of
-    the model (the critic, the reference) runs its own weights through the compiled code."""
+    logits and gradients as the eager model over token counts that change from pass to pass (with activation
+    checkpointing too, which runs the compiled parts again in the backward pass), and a copy of the model (the
+    critic, the reference) runs its own weights through the compiled code."""
     import copy
 
     path = request.getfixturevalue(fixture)
     eager = loading.load_model(path)
+    if checkpointing:
+        loading.enable_checkpointing(eager)
+        eager.train()
     compiled = copy.deepcopy(eager)
     layers = [m for m in eager.modules() if loading.ATTENTION_PART in dict(m.named_children())]
     parts = loading.compile_layer_parts(compiled)
