@@ -34,7 +34,8 @@ QUICK = ["model.builtin_preset=tiny", "model.device=cpu", "model.dtype=float32",
          "run.steps=3", "run.threads=1"]
 COMMON = ["run.tensorboard=false", "run.trajectories_every=0", "validation.episodes=8", "validation.every=0",
           "collapse.stop_on_low_success=false",  # it counts validations during training, which this turns off
-          "run.overwrite=true", "sft.enabled=false"]
+          "run.overwrite=true", "sft.enabled=false",
+          "run.save_at_end=false"]  # a row keeps no weights (at 7B with a critic a checkpoint is some 180 GB)
 PEAKS = ("memory/rollout_peak_gib", "memory/scores_peak_gib", "memory/update_peak_gib")
 
 
@@ -70,8 +71,7 @@ def run(processes: int, config: str | None, overrides: list[str], out: Path, tim
                            f"no measured step within {timeout:.0f} s ({len(records)} steps logged)")
     if not steps:
         raise RuntimeError("run.steps must be at least 2 (the first step is a warm-up)")
-    # A run stopped at the time limit after its measured steps (in the final validation or checkpoint, which
-    # at 7B write over 100 GB of optimizer states) still gives its row.
+    # A run stopped at the time limit after its measured steps (in its final validation) still gives its row.
     mean = lambda key: statistics.mean(r.get(key, 0.0) for r in steps)  # noqa: E731
     generated = sum(r["rollout/response_tokens_mean"] * r["rollout/turns_mean"] * r["rollout/episodes"]
                     for r in steps)

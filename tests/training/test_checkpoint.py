@@ -13,9 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.training.checkpoint import (
+    checkpoint_bytes,
     checkpoint_problem,
     checkpoint_step,
     checkpoint_steps,
+    disk_space_problem,
     latest_checkpoint,
     load_trainer_state,
     prune_checkpoints,
@@ -214,3 +216,39 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint_and_says_why(actor,
 def test_steps_done_reads_checkpoints_named_by_their_last_step_index_too(actor, tiny_tokenizer, tmp_path):
     assert steps_done(load_trainer_state(save_checkpoint(tmp_path, 4, actor, tiny_tokenizer, {}))) == 4
     assert steps_done({"step": 39, "rng": {}}) == 40  # saved as step_000039 after 40 steps
+
+
+def test_a_checkpoints_size_counts_saved_weights_and_adams_moments(actor, tiny_tokenizer, tmp_path):
+    """Weights in their dtype for every parameter, AdamW's two float32 moments for each trained one; a LoRA
+    model saves its adapters alone. The estimate is within 10% of what a save writes (its optimizer states
+    stand in for a real AdamW's)."""
+    from peft import LoraConfig, get_peft_model
+
+    actor = copy.deepcopy(actor)  # the module's fixture stays untrained
+    critic = ValueModel(copy.deepcopy(actor.base_model))
+    weights = sum(p.numel() * 4 for p in actor.parameters()) + sum(p.numel() * 4 for p in critic.parameters())
+    assert checkpoint_bytes([actor, critic]) == 3 * weights  # all trained, float32
+    lora = get_peft_model(copy.deepcopy(actor), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert checkpoint_bytes([lora]) == 3 * 4 * adapters
+    optimizers = [torch.optim.AdamW(m.parameters()) for m in (actor, critic)]
+    for model, optimizer in zip((actor, critic), optimizers):
+        model.zero_grad()
+        sum(p.sum() for p in model.parameters()).backward()
+        optimizer.step()
+    path = save_checkpoint(tmp_path, 1, actor, tiny_tokenizer,
+                           {"optimizers": [o.state_dict() for o in optimizers]}, critic=critic)
+    written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    assert 0.9 < checkpoint_bytes([actor, critic]) / written < 1.1
+
+
+def test_a_checkpoint_that_would_not_fit_is_refused_with_what_to_do(tmp_path, monkeypatch):
+    free = {"bytes": 10 * 10**9}
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - free["bytes"],
+                                                                                 free["bytes"]))
+    root = tmp_path / "run" / "checkpoints"  # not made yet: its nearest existing folder's disk is asked
+    assert disk_space_problem(root, 9 * 10**9) is None
+    problem = disk_space_problem(root, 180 * 10**9)
+    assert problem is not None
+    assert "180.0 GB" in problem and "10.0 GB free" in problem and str(tmp_path) in problem
+    assert "run.save_at_end=false" in problem and "run.output_dir" in problem

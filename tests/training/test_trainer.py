@@ -665,3 +665,22 @@ def test_resuming_over_any_metrics_file_never_raises(tmp_path_factory, text, ste
     MetricsLogger(folder, tensorboard=False, resume_step=step).close()
     for record in records(folder):
         assert not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step)
+
+
+def test_a_run_that_keeps_no_weights_and_a_checkpoint_that_would_not_fit_end_with_their_summary(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """``run.save_at_end=false`` ends without a checkpoint; a checkpoint the disk cannot hold is not written
+    (no partial folder), and the run still ends with its summary, which says why."""
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=1", "run.save_at_end=false", name="nosave"))
+    assert summary["steps"] == 1 and not (tmp_path / "nosave" / "checkpoints").exists()
+    assert (tmp_path / "nosave" / "summary.json").is_file()
+
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=2", "run.save_every=1", name="full"))
+    assert summary["steps"] == 2
+    assert summary["checkpoint_not_written"]["step"] == 2  # the periodic save at step 1 was refused too
+    assert "GB free" in summary["checkpoint_not_written"]["why"]
+    assert not (tmp_path / "full" / "checkpoints").exists()
+    assert json.loads((tmp_path / "full" / "summary.json").read_text())["checkpoint_not_written"]["step"] == 2

@@ -21,7 +21,7 @@ import os
 import random
 import shutil
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,38 @@ def save_checkpoint(
     os.replace(tmp, final)
     _atomic_write_text(root / "latest", final.name)
     return final
+
+
+def checkpoint_bytes(models: Sequence[torch.nn.Module]) -> int:
+    """About the bytes a checkpoint of ``models`` takes: each model's saved weights in their dtype (a LoRA
+    model saves its adapters alone) and AdamW's two float32 moments for each trained parameter. At 7B with a
+    critic that is some 180 GB (float32 weights of both, 16 bytes a parameter of optimizer states)."""
+    from peft import PeftModel
+
+    total = 0
+    for model in models:
+        saved_only_trained = isinstance(model, PeftModel)
+        for param in model.parameters():
+            if param.requires_grad or not saved_only_trained:
+                total += param.numel() * param.element_size()
+            if param.requires_grad:
+                total += 2 * 4 * param.numel()
+    return total
+
+
+def disk_space_problem(root: Path, needed: int, margin: float = 1.05) -> str | None:
+    """Why a checkpoint of ``needed`` bytes would not fit under ``root`` (the disk's free space, with a margin
+    for tokenizer and trainer files), or None when it fits. A save that runs out of space mid-way fails after
+    minutes of writing and leaves a partial ``.tmp`` folder, so a run checks first."""
+    existing = root
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free >= needed * margin:
+        return None
+    return (f"a checkpoint needs about {needed / 1e9:.1f} GB and {existing} has {free / 1e9:.1f} GB free: free "
+            "some space, put run.output_dir on a larger disk, keep fewer checkpoints (run.keep_checkpoints), or "
+            "set run.save_at_end=false where the weights are not needed")
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:

@@ -258,14 +258,14 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 console.print(f"[bold]time limit[/bold] of {limit:g} minutes reached after step {ran}", soft_wrap=True)
                 break
             if save_now(step) and not last:
-                trainer.save(step)
+                _save(trainer, step)
 
     after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl")
     trainer.summary["val_success_after_rl"] = after["val/success"]
     trainer.summary["val_after_rl"] = after
     trainer.summary["steps"] = ran
-    if ran > 0:
-        trainer.save(ran)
+    if ran > 0 and config.run.save_at_end:
+        _save(trainer, ran)
     # Why the run stopped early (after the save: a resume forgets it).
     trainer.summary.update({**early_stops.summary(ran), **stopped})
     if logger is None:
@@ -279,6 +279,17 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     console.print(f"summary: {path}")
     _report(trainer.run_dir)
     return trainer.summary
+
+
+def _save(trainer: Trainer, step: int) -> Path | None:
+    """The checkpoint after ``step``, or None where it would not fit on its disk: then the run goes on (or
+    ends with its summary) and the summary and the console say why no checkpoint was written."""
+    problem = trainer.checkpoint_space_problem()
+    if problem is None:
+        return trainer.save(step)
+    console.print(f"[bold red]checkpoint after step {step} not written:[/bold red] {problem}", soft_wrap=True)
+    trainer.summary["checkpoint_not_written"] = {"step": step, "why": problem}
+    return None
 
 
 def _sft_model(config: TrainConfig) -> Path:
@@ -300,7 +311,7 @@ def _report(run_dir: Path) -> None:
 def _stop(trainer: Trainer, logger: MetricsLogger | None, step: int, error: bool = False) -> dict[str, Any]:
     """Ctrl-C, the stop file or a lost rollout worker (``error``): save the run after its last finished
     ``step``, say how to resume; the summary says where the run stopped and why."""
-    checkpoint = trainer.save(step)
+    checkpoint = _save(trainer, step)
     if ranks.is_main():
         (trainer.run_dir / STOP_FILE).unlink(missing_ok=True)
     stopped = {"interrupted_at_step": step, "stopped_by": "error" if error else "request"}
@@ -308,9 +319,9 @@ def _stop(trainer: Trainer, logger: MetricsLogger | None, step: int, error: bool
         return {**trainer.summary, **stopped}
     logger.close()
     console.print(f"[bold]{'stopped by the error above' if error else 'interrupted'}[/bold] after step {step} "
-                  f"of {trainer.config.run.steps}; checkpoint {checkpoint}", soft_wrap=True)
-    # One unwrapped line, to copy whole.
-    console.print(f"continue with: turnrl train resume={trainer.run_dir}", markup=False, highlight=False,
-                  soft_wrap=True)
+                  f"of {trainer.config.run.steps}; checkpoint {checkpoint or 'not written (above)'}", soft_wrap=True)
+    if checkpoint is not None:  # one unwrapped line, to copy whole
+        console.print(f"continue with: turnrl train resume={trainer.run_dir}", markup=False, highlight=False,
+                      soft_wrap=True)
     _report(trainer.run_dir)
     return {**trainer.summary, **stopped}

@@ -337,6 +337,10 @@ class RunConfig:
     save_every: int = 0
     """Checkpoint every N steps (``checkpoints/step_N``: the run after step N, steps counted from 1); 0 saves
     only at the end (and on Ctrl-C)."""
+    save_at_end: bool = True
+    """Checkpoint the run when it ends (finished, stopped early or at its time limit); false for runs whose
+    weights are not kept (speed measurements, sweeps): at 7B with a critic a checkpoint is some 180 GB. A
+    Ctrl-C or stop file still saves, to resume from."""
     keep_checkpoints: int = 0
     """Keep only the newest N checkpoints (older ones are deleted after each save); 0 keeps them all."""
     overwrite: bool = False

@@ -70,6 +70,8 @@ from turnrl.training.advantages import compute_advantages
 from turnrl.training.attention import implementation
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.checkpoint import (
+    checkpoint_bytes,
+    disk_space_problem,
     load_trainer_state,
     prune_checkpoints,
     save_checkpoint,
@@ -706,6 +708,13 @@ class Trainer:
                               config.sampling.temperature, generator)
 
     # ------------------------------------------------------------------ checkpoints
+    def checkpoint_space_problem(self) -> str | None:
+        """Why the next checkpoint would not fit on its disk (:func:`disk_space_problem`), or None; the same
+        answer on every process (each saves its part only if all do)."""
+        models = [model for model in (self.actor, self.critic) if model is not None]
+        problem = disk_space_problem(self.run_dir / "checkpoints", checkpoint_bytes(models))
+        return next((p for p in ranks.all_gather_objects(problem) if p is not None), None)
+
     def save(self, step: int) -> Path:
         """Checkpoint ``checkpoints/step_{step}``: the run after ``step`` steps (its step numbers count from 1)."""
         state = {
