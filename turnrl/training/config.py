@@ -336,7 +336,7 @@ class RunConfig:
     a wall-clock limit keeps its results; leave room for them. 0: no limit."""
     save_every: int = 0
     """Checkpoint every N steps (``checkpoints/step_N``: the run after step N, steps counted from 1); 0 saves
-    only at the end (and on Ctrl-C)."""
+    only at the end (``save_at_end``) and on Ctrl-C."""
     save_at_end: bool = True
     """Checkpoint the run when it ends (finished, stopped early or at its time limit); false for runs whose
     weights are not kept (speed measurements, sweeps): at 7B with a critic a checkpoint is some 180 GB. A
