@@ -2,20 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("distributed_rows", ROOT / "benchmarks" / "distributed.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from benchmarks.distributed import failure
 
 
 TORCHRUN_END = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -33,23 +20,21 @@ def test_a_process_exception_is_reported_not_torchruns_closing_error():
     log = ("rl 4/4 (100%)\n[rank2]: Traceback (most recent call last):\n[rank2]:   File 'x.py', line 3, in f\n"
            "[rank2]: RuntimeError: shapes cannot be multiplied (4x8 and 9x2)\n"
            "[rank0]: torch.distributed.DistBackendError: NCCL communicator was aborted\n" + TORCHRUN_END)
-    assert load_script().failure(log) == "[rank2]: RuntimeError: shapes cannot be multiplied (4x8 and 9x2)"
+    assert failure(log) == "[rank2]: RuntimeError: shapes cannot be multiplied (4x8 and 9x2)"
 
 
 def test_out_of_memory_names_what_was_asked():
     log = ("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total "
            "capacity of 79.1 GiB of which 1.2 GiB is free.\n" + TORCHRUN_END)
-    assert load_script().failure(log).startswith("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert failure(log).startswith("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
 def test_a_process_killed_without_an_exception_reports_its_signal_or_exit_code():
-    script = load_script()
     killed = "Signal 9 (SIGKILL) received by PID 4242\n" + TORCHRUN_END.replace("exitcode  : 1", "exitcode  : -9")
-    assert script.failure(killed) == "a process ended without a Python error: Signal 9 (SIGKILL) received by PID 4242"
-    assert script.failure(TORCHRUN_END) == "a process ended without a Python error: exitcode  : 1 (pid: 4242)"
+    assert failure(killed) == "a process ended without a Python error: Signal 9 (SIGKILL) received by PID 4242"
+    assert failure(TORCHRUN_END) == "a process ended without a Python error: exitcode  : 1 (pid: 4242)"
 
 
 def test_a_plain_error_line_and_no_output():
-    script = load_script()
-    assert script.failure("starting\nerror: model.path=x does not exist\n") == "error: model.path=x does not exist"
-    assert script.failure("") == "no output"
+    assert failure("starting\nerror: model.path=x does not exist\n") == "error: model.path=x does not exist"
+    assert failure("") == "no output"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks import update_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,17 +27,6 @@ def test_two_processes_profile_the_sharded_update_and_rank_0_prints(tiny_model_d
     assert "process 0 of 2" in done.stdout and "FSDP::all_gather" in done.stdout  # the sharded update's gathers
 
 
-def load_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("update_profile", ROOT / "benchmarks" / "update_profile.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def kernel(name: str, start_us: float, duration_us: float, stream: int) -> dict:
     return {"ph": "X", "cat": "kernel", "name": name, "ts": start_us, "dur": duration_us, "args": {"stream": stream}}
 
@@ -41,7 +34,6 @@ def kernel(name: str, start_us: float, duration_us: float, stream: int) -> dict:
 def test_the_kernel_timeline_counts_each_busy_moment_once_and_finds_the_waits(tmp_path):
     """Compute kernels on two streams overlap (counted once), a gather runs beside them and alone, and the
     compute stream waits 3 ms and 0.5 ms (only the first is a gap of 1 ms or more); host events are ignored."""
-    script = load_script()
     trace = {"traceEvents": [
         kernel("nvjet_gemm", 0, 1000, 7), kernel("vectorized_elementwise", 500, 1000, 8),  # 0-1.5 ms
         kernel("ncclDevKernel_AllGather_RING_LL", 1000, 3000, 20),                          # 1-4 ms
@@ -49,18 +41,15 @@ def test_the_kernel_timeline_counts_each_busy_moment_once_and_finds_the_waits(tm
         kernel("nvjet_gemm", 5500, 1500, 7),                                                # after 0.5 ms
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000},
     ]}
-    times = script.kernel_timeline(trace)
+    times = update_profile.kernel_timeline(trace)
     expected = {"span": 7e-3, "compute": 3.5e-3, "collectives": 3e-3, "both": 0.5e-3, "gaps": 3e-3,
                 "gap_count": 1, "gap_longest": 3e-3}
     assert times.keys() == expected.keys()
     for key, value in expected.items():
         assert abs(times[key] - value) < 1e-9, key
-    assert "compute 0.00 s (50%)" in script.timeline_line(times)
+    assert "compute 0.00 s (50%)" in update_profile.timeline_line(times)
     path = tmp_path / "trace.json.gz"
-    import gzip
-    import json
-
     with gzip.open(path, "wt") as file:
         json.dump(trace, file)
-    assert script.read_trace(path) == trace
-    assert script.kernel_timeline({"traceEvents": [trace["traceEvents"][-1]]}) == {}  # no kernels: nothing
+    assert update_profile.read_trace(path) == trace
+    assert update_profile.kernel_timeline({"traceEvents": [trace["traceEvents"][-1]]}) == {}  # no kernels: nothing
