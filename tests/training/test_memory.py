@@ -23,6 +23,7 @@ from turnrl.training.memory import (
     check_memory,
     count_model,
     estimate_memory,
+    fit_advice,
     fit_report,
     require_fit,
     rollout_in_waves,
@@ -134,6 +135,31 @@ def test_freeing_the_rollout_during_the_update_fits_7b_ppo_on_four_h100s(tmp_pat
     assert sum(parts.values()) > H100 >= estimate.total  # every part at once would not fit
     assert parts["key/value cache"] > 8 * GIB  # what the rollout leaves, not what the update leaves (nothing)
     assert "max(rollout weights" in estimate.table() and f"= {estimate.total / GIB:.1f} GiB" in estimate.table()
+
+
+H200 = 139.8 * GIB
+
+
+def test_one_process_without_checkpointing_counts_the_weight_casts_and_compiled_layers_keep_less(tmp_path, tokenizer):
+    """PPO + critic at 3B on one H200 without checkpointing (docs/benchmarks.md): eager ran out of memory in
+    its first update, compiled peaked at 134.3 GiB; the estimate without the casts had said 134.2 for both."""
+    counts = _counts(tmp_path, tokenizer, "3b")
+    overrides = ["model.gradient_checkpointing=false", "algorithm.micro_batch_tokens=8192",
+                 "model.engine.free_during_update=true", "model.engine.kv_cache_gb=12"]
+    eager = load_config(TrainConfig, "configs/ragen_sokoban.yaml", overrides)
+    one = estimate_memory(eager, counts, 1, H200)
+    assert one.parts["weight casts"] == 2 * (counts.total + counts.hidden)  # the critic's: tied embedding + value head
+    assert not one.fits()
+    assert "model.compile=true (its layers keep 9 GiB fewer activations)" in fit_advice(eager, counts, one, 1)
+    compiled = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [*overrides, "model.compile=true"])
+    one_compiled = estimate_memory(compiled, counts, 1, H200)
+    assert one.parts["activations"] - one_compiled.parts["activations"] == 36 * 2 * 8192 * 8 * 2048
+    assert one_compiled.fits() and abs(one_compiled.total / GIB - 134.3) < 5
+    # FSDP gathers the layers in bf16 and frees them after their forward; checkpointing recomputes the casts.
+    assert "weight casts" not in estimate_memory(eager, counts, 4, H100).parts
+    checkpointing = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [])
+    assert "weight casts" not in estimate_memory(checkpointing, counts, 1, H200).parts
+    assert activation_bytes(counts, 8192, True, compiled=True) == activation_bytes(counts, 8192, True)
 
 
 def test_one_process_is_told_to_shard_to_offload(tmp_path, tokenizer):

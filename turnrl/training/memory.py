@@ -16,7 +16,11 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
                       it starts) capped at what the update leaves free (:func:`default_cache_bytes`): a run
                       sets ``kv_cache_gb`` to it, since the engine starts before the optimizer's states exist
     activations       one micro-batch of the update: with checkpointing every layer's input plus one
-                      layer's working set; without, every layer's working set; plus the scoring head's chunk
+                      layer's working set; without, every layer's working set (less the norms' float32
+                      copies under ``model.compile``); plus the scoring head's chunk
+    weight casts      one process under mixed precision without checkpointing: the bf16 copy of each float32
+                      weight that autocast makes for a forward pass and autograd keeps for its backward
+                      (under FSDP the layers are gathered in bf16 and freed after their forward instead)
 
 With ``model.engine.free_during_update`` the rollout weights and the key/value cache are freed before the scores
 and the update, so they are never held with the gathered layers, the activations and the gradients (a quarter
@@ -77,7 +81,7 @@ class ModelCounts:
 
 ROLLOUT_ONLY = ("rollout weights", "key/value cache")
 """Parts that ``model.engine.free_during_update`` frees before the scores and the update."""
-UPDATE_ONLY = ("gathered layers", "activations")
+UPDATE_ONLY = ("gathered layers", "activations", "weight casts")
 """Parts held only while scoring and updating."""
 
 
@@ -197,16 +201,27 @@ def _training_states(trained: int, frozen: int, shards: int, offload: bool) -> f
     return 0.0 if offload else (16 * trained + 4 * frozen) / shards
 
 
-def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool) -> float:
+NORM_COPIES = 8
+"""Values a token (times the hidden size) of a layer's working set that are its two RMSNorms' float32 copies
+of the hidden states (two floats of bf16 size each, input and normalized, per norm): eager autograd keeps
+them, a compiled layer (``model.compile``) recomputes them in its backward. Measured: the 3B pass at 8k tokens
+without checkpointing peaked at 52.5 GiB eager and 42.6 GiB compiled (docs/benchmarks.md); this counts 9.0
+GiB of the 9.9."""
+
+
+def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool, compiled: bool = False) -> float:
     """One micro-batch of ``tokens`` through the model, forward and backward, in bf16.
 
     A layer's working set (what autograd keeps of one layer: the normed inputs, q/k/v, attention output,
     the MLP's three wide products) is about ``14 h + 4 i`` values a token (fitted to a 3B model's measured
-    peak at 8k tokens without checkpointing, docs/benchmarks.md). With checkpointing each layer keeps only its
-    input and one layer is recomputed at a time. The scoring head holds two float32 chunks of logits.
+    peak at 8k tokens without checkpointing, docs/benchmarks.md), ``NORM_COPIES h`` fewer for ``compiled``
+    layers. With checkpointing each layer keeps only its input and one layer is recomputed at a time (the
+    7B pass with checkpointing peaked at 38.1 GiB compiled or not). The scoring head holds two float32 chunks
+    of logits.
     """
     working = 2 * tokens * (14 * counts.hidden + 4 * counts.intermediate)
-    kept = counts.layers * 2 * tokens * counts.hidden if checkpointing else counts.layers * working
+    kept_working = working - (2 * tokens * NORM_COPIES * counts.hidden if compiled else 0)
+    kept = counts.layers * 2 * tokens * counts.hidden if checkpointing else counts.layers * kept_working
     head = 2 * 4 * min(tokens, DEFAULT_CHUNK) * counts.vocab
     return kept + (working if checkpointing else 0) + head
 
@@ -256,7 +271,13 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
         parts["rollout weights"] = 2 * counts.total
     algorithm = config.algorithm
     tokens = algorithm.micro_batch_tokens or algorithm.micro_batch_size * config.model.engine.max_seq_len
-    parts["activations"] = activation_bytes(counts, tokens, config.model.gradient_checkpointing)
+    checkpointing = config.model.gradient_checkpointing
+    parts["activations"] = activation_bytes(counts, tokens, checkpointing, config.model.compile)
+    if not sharded and not checkpointing and config.model.dtype != "float32":
+        # Actor and critic update one after the other: the larger model's casts (a 3B model's are 5.8 GiB,
+        # what one H200 ran short by on PPO + critic at 3B, eager, where the estimate without them fitted).
+        parts["weight casts"] = 2 * max(counts.total, counts.total - counts.head + counts.hidden
+                                        if config.algorithm.uses_critic else 0)
     apart = engine and config.model.engine.free_during_update
     gradients = 0.0 if offload else 4 * trained / processes  # float32, divided as the states are
     if engine:
@@ -313,7 +334,7 @@ def rows_shorter_than_episodes(config: TrainConfig) -> str | None:
             "length, so fewer sequences run at once)")
 
 
-def fit_advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> list[str]:
+def fit_advice(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate, processes: int) -> list[str]:
     """What would make the run fit, the largest saving first."""
     options: list[tuple[float, str]] = []
     states = sum(estimate.parts.get(name, 0.0) for name in ("actor", "critic", "reference"))
@@ -327,6 +348,11 @@ def fit_advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) ->
         options.append((0.9 * states, "lora.enabled=true (trains adapters only; the reference is the base)"))
     if not config.model.gradient_checkpointing:
         options.append((0.5 * estimate.parts["activations"], "model.gradient_checkpointing=true"))
+        if not config.model.compile:
+            tokens = config.algorithm.micro_batch_tokens or \
+                config.algorithm.micro_batch_size * config.model.engine.max_seq_len
+            saved = activation_bytes(counts, tokens, False) - activation_bytes(counts, tokens, False, compiled=True)
+            options.append((saved, f"model.compile=true (its layers keep {saved / GIB:.0f} GiB fewer activations)"))
     if config.algorithm.micro_batch_tokens == 0 and config.model.engine.max_seq_len > 512:
         options.append((0.5 * estimate.parts["activations"],
                         f"a smaller model.engine.max_seq_len, the longest sample (the estimate counts "
@@ -344,9 +370,9 @@ def fit_advice(config: TrainConfig, estimate: MemoryEstimate, processes: int) ->
     return [text for _, text in sorted(options, key=lambda option: -option[0])]
 
 
-def _turn_on(config: TrainConfig, estimate: MemoryEstimate, processes: int) -> str:
+def _turn_on(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate, processes: int) -> str:
     """The four largest savings of :func:`fit_advice`, as ``A; or B; or ...``."""
-    return "; or ".join(fit_advice(config, estimate, processes)[:4])
+    return "; or ".join(fit_advice(config, counts, estimate, processes)[:4])
 
 
 def require_fit(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float) -> MemoryEstimate:
@@ -355,8 +381,8 @@ def require_fit(config: TrainConfig, counts: ModelCounts, processes: int, device
     estimate = estimate_memory(config, counts, processes, device_bytes)
     if not estimate.fits():
         raise ConfigError(f"this run needs about {estimate.table()} (estimated per GPU, {processes} process"
-                          f"{'es' if processes > 1 else ''}): turn on {_turn_on(config, estimate, processes)}; or set "
-                          "run.check_memory=false to try anyway")
+                          f"{'es' if processes > 1 else ''}): turn on {_turn_on(config, counts, estimate, processes)}; "
+                          "or set run.check_memory=false to try anyway")
     return estimate
 
 
@@ -368,7 +394,7 @@ def fit_report(config: TrainConfig, counts: ModelCounts, processes: int, device_
     if estimate.fits():
         waves = rollout_in_waves(config, counts, estimate, processes)
         return True, f"{gpus}: fits ({estimate.table()})" + (f"; but {waves}" if waves else "")
-    return False, f"{gpus}: does not fit ({estimate.table()}); turn on {_turn_on(config, estimate, processes)}"
+    return False, f"{gpus}: does not fit ({estimate.table()}); turn on {_turn_on(config, counts, estimate, processes)}"
 
 
 def cap_gpu_memory(share: float, device: torch.device) -> None:
