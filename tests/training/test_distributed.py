@@ -199,6 +199,20 @@ def test_two_processes_with_compiled_layer_parts_train_as_one_eager_process(tiny
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-5)
 
 
+def test_two_processes_stop_at_the_target_kl_together_as_one(tiny_model_dir, tmp_path):
+    """``algorithm.target_kl``: each process holds part of a mini-batch, and the mini-batch's KL (summed over
+    the processes) stops the actor on both at the mini-batch where one process stops."""
+    stop = ("run.steps=2", "algorithm.ppo_epochs=2", "algorithm.target_kl=1e-5")
+    single = train_in_process(tiny_model_dir, tmp_path, "single", *stop)
+    double = run_train(tiny_model_dir, tmp_path, "double", *stop, "distributed.nproc_per_node=2")
+    assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
+    one, two = step_records(single), step_records(tmp_path / "double")
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+    assert any(record["actor/kl_stopped"] == 1 and record["actor/optimizer_steps"] >= 1 for record in one.values())
+
+
 PACKED_WITH_REFERENCE = ("algorithm.micro_batch_tokens=160", "algorithm.kl_coef=0.05")
 
 

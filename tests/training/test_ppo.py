@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from turnrl.config import ConfigError
 from turnrl.training.batch import Sample, collate
 from turnrl.training.config import AlgorithmConfig, OptimConfig
 from turnrl.training.forward import ValueModel, token_logprobs
@@ -159,3 +160,44 @@ def test_actor_only_update_leaves_no_critic_metrics(actor):
     assert not any(k.startswith("critic/") for k in metrics)
     assert metrics["losses/policy"] < 0  # positive advantages at ratio 1: loss -1 per token
     assert any(not torch.equal(p, before[n]) for n, p in params(actor).items())
+
+
+# --------------------------------------------------------------------------- target KL
+def test_a_mini_batch_past_the_target_kl_stops_the_actor_before_its_step_and_the_critic_trains_on(actor, critic):
+    """The old log-probs are 0.3-nats noise off the policy: the first mini-batch's approximate KL is past any
+    small target, so the actor takes no step at all; the critic takes all four."""
+    batch = model_batch(actor.config.vocab_size)
+    inputs = update_inputs(actor, critic, batch)
+    before_actor, before_critic = params(actor), params(critic)
+    metrics = run_epochs(actor, critic, inputs, config(mini_batch_size=2, micro_batch_size=1, ppo_epochs=2,
+                                                       target_kl=1e-3))
+    assert metrics["actor/approx_kl"] > 1.5e-3
+    assert metrics["actor/kl_stopped"] == 1.0 and metrics["actor/optimizer_steps"] == 0.0
+    assert "actor/grad_norm" not in metrics
+    assert all(torch.equal(p, before_actor[n]) for n, p in params(actor).items())
+    assert all(p.grad is None for p in actor.parameters())
+    assert any(not torch.equal(p, before_critic[n]) for n, p in params(critic).items())
+
+
+def test_the_target_kl_stops_at_the_first_mini_batch_the_policy_has_moved_past_it(actor, critic):
+    """Old log-probs the policy's own: the first mini-batch is at KL 0 and steps; the step moves the policy
+    (SGD at 0.5), and the next mini-batch, past the target, stops the actor. A target never reached is no
+    target: the same update as none."""
+    batch = model_batch(actor.config.vocab_size)
+    inputs = update_inputs(actor, critic, batch)
+    inputs.old_logprobs = batched_logprobs(actor, batch, MicroBatching(4), 1.0)
+    epochs = dict(mini_batch_size=2, micro_batch_size=1, ppo_epochs=2)
+    stopped = run_epochs(copy.deepcopy(actor), copy.deepcopy(critic), inputs, config(**epochs, target_kl=1e-6))
+    assert stopped["actor/kl_stopped"] == 1.0 and stopped["actor/optimizer_steps"] == 1.0
+    models = [(copy.deepcopy(actor), copy.deepcopy(critic)) for _ in range(2)]
+    never, none = (run_epochs(a, c, inputs, config(**epochs, target_kl=target))
+                   for (a, c), target in zip(models, (1e9, None), strict=True))
+    assert never["actor/kl_stopped"] == 0.0 and never["actor/optimizer_steps"] == none["actor/optimizer_steps"] == 4
+    assert "actor/kl_stopped" not in none
+    for (name, p), q in zip(models[0][0].named_parameters(), models[1][0].parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_the_target_kl_must_be_positive():
+    with pytest.raises(ConfigError, match="algorithm.target_kl"):
+        config(target_kl=0.0).validate()

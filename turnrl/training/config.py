@@ -152,6 +152,11 @@ class AlgorithmConfig:
     here (e.g. 2.0), multiply each token's policy loss; None disables. Needs ``old_logprobs=recompute``."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    target_kl: Optional[float] = None
+    """Stop the actor's epochs for the step at the first mini-batch whose approximate KL to the sampling
+    policy (``actor/approx_kl``) exceeds 1.5 x this, before its optimizer step (Stable-Baselines3's rule;
+    e.g. 0.02); the critic trains on. Bounds how far the many optimizer steps of a step (mini-batches x
+    epochs) move the policy. Costs a read of the device a mini-batch. None: every mini-batch steps."""
     mini_batch_size: int = 32
     """Samples per optimizer step."""
     micro_batch_size: int = 8
@@ -217,6 +222,8 @@ class AlgorithmConfig:
         for key in ("gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
             check_range(f"algorithm.{key}", getattr(self, key), 0.0, 1.0)
         check_range("algorithm.ppo_epochs", self.ppo_epochs, 1)
+        if self.target_kl is not None:
+            check_range("algorithm.target_kl", self.target_kl, 1e-9)
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError(
                 f"algorithm.dual_clip={self.dual_clip} must be above 1 (RAGEN: 3.0), or null to disable it"

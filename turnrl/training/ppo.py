@@ -251,22 +251,34 @@ def ppo_epochs(
     batching = MicroBatching.of(config)
     lengths = batch.attention_mask.sum(1).cpu()
     row_tokens = batch.loss_mask.sum(1).cpu()
+    actor_trains = actor_optimizer is not None
+    kl_stopped = False
     for _ in range(config.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
         for mini in _chunks(order, config.mini_batch_size):
+            if not actor_trains and (critic is None or critic_optimizer is None):
+                break
+            mini_kl: torch.Tensor | float = 0.0  # on the device until the optimizer step reads it
             for micro in shard_micro_batches(mini, lengths, batching, shard):
                 # A process without rows left still joins the pass, on one row weighted 0.
                 part = batch.select(micro if micro is not None else mini[:1])
                 weight = micro_weight(micro, mini, row_tokens, config.loss_aggregation) if micro is not None else 0.0
                 rows = micro if micro is not None else mini[:1]
-                if actor_optimizer is not None:
+                if actor_trains:
                     values = _actor_backward(actor, part, inputs, rows, config, temperature, weight * world,
                                              batching.packed)
                     record_weighted(values, weight)
+                    mini_kl = mini_kl + weight * values["actor/approx_kl"]
                 if critic is not None and critic_optimizer is not None:
                     record_weighted(_critic_backward(critic, part, inputs, rows, config, weight * world,
                                                      batching.packed), weight)
-            if actor_optimizer is not None:
+            if actor_trains and config.target_kl is not None and \
+                    _mini_batch_kl(float(mini_kl), shard) > 1.5 * config.target_kl:
+                assert actor_optimizer is not None
+                actor_optimizer.zero_grad(set_to_none=True)  # this mini-batch's gradient is not applied
+                actor_trains, kl_stopped = False, True
+            if actor_trains:
+                assert actor_optimizer is not None
                 norm, skipped = _step_optimizer(actor_optimizer, actor_params, optim)
                 record("actor/grad_norm", norm)
                 record("actor/skipped_steps", float(skipped))
@@ -285,7 +297,17 @@ def ppo_epochs(
     for key in ("actor/skipped_steps", "critic/skipped_steps"):
         if key in metrics:
             metrics[key] = sums[key]  # a count, not a mean
+    if actor_optimizer is not None:
+        metrics["actor/optimizer_steps"] = float(counts.get("actor/grad_norm", 0))
+        if config.target_kl is not None:
+            metrics["actor/kl_stopped"] = float(kl_stopped)
     return metrics
+
+
+def _mini_batch_kl(local: float, shard: Shard | None) -> float:
+    """A mini-batch's approximate KL from this process's weighted share of it: the same number on every
+    process, which all stop together (FSDP's passes need every process)."""
+    return local if shard is None else shard.reduce({"kl": local})["kl"]
 
 
 def _actor_backward(
