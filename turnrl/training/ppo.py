@@ -251,12 +251,12 @@ def ppo_epochs(
     batching = MicroBatching.of(config)
     lengths = batch.attention_mask.sum(1).cpu()
     row_tokens = batch.loss_mask.sum(1).cpu()
-    actor_trains = actor_optimizer is not None
+    stepping = actor_optimizer  # None once the target KL stops the actor for this step
     kl_stopped = False
     for _ in range(config.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
         for mini in _chunks(order, config.mini_batch_size):
-            if not actor_trains and (critic is None or critic_optimizer is None):
+            if stepping is None and (critic is None or critic_optimizer is None):
                 break
             mini_kl: torch.Tensor | float = 0.0  # on the device until the optimizer step reads it
             for micro in shard_micro_batches(mini, lengths, batching, shard):
@@ -264,7 +264,7 @@ def ppo_epochs(
                 part = batch.select(micro if micro is not None else mini[:1])
                 weight = micro_weight(micro, mini, row_tokens, config.loss_aggregation) if micro is not None else 0.0
                 rows = micro if micro is not None else mini[:1]
-                if actor_trains:
+                if stepping is not None:
                     values = _actor_backward(actor, part, inputs, rows, config, temperature, weight * world,
                                              batching.packed)
                     record_weighted(values, weight)
@@ -272,14 +272,12 @@ def ppo_epochs(
                 if critic is not None and critic_optimizer is not None:
                     record_weighted(_critic_backward(critic, part, inputs, rows, config, weight * world,
                                                      batching.packed), weight)
-            if actor_trains and config.target_kl is not None and \
+            if stepping is not None and config.target_kl is not None and \
                     _mini_batch_kl(float(mini_kl), shard) > 1.5 * config.target_kl:
-                assert actor_optimizer is not None
-                actor_optimizer.zero_grad(set_to_none=True)  # this mini-batch's gradient is not applied
-                actor_trains, kl_stopped = False, True
-            if actor_trains:
-                assert actor_optimizer is not None
-                norm, skipped = _step_optimizer(actor_optimizer, actor_params, optim)
+                stepping.zero_grad(set_to_none=True)  # this mini-batch's gradient is not applied
+                stepping, kl_stopped = None, True
+            if stepping is not None:
+                norm, skipped = _step_optimizer(stepping, actor_params, optim)
                 record("actor/grad_norm", norm)
                 record("actor/skipped_steps", float(skipped))
             if critic is not None and critic_optimizer is not None:
