@@ -274,8 +274,7 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     checkpointing = config.model.gradient_checkpointing
     parts["activations"] = activation_bytes(counts, tokens, checkpointing, config.model.compile)
     if not sharded and not checkpointing and config.model.dtype != "float32":
-        # Actor and critic update one after the other: the larger model's casts (a 3B model's are 5.8 GiB,
-        # what one H200 ran short by on PPO + critic at 3B, eager, where the estimate without them fitted).
+        # Actor and critic update one after the other: the larger model's casts (5.7 GiB at 3B).
         parts["weight casts"] = 2 * max(counts.total, counts.total - counts.head + counts.hidden
                                         if config.algorithm.uses_critic else 0)
     apart = engine and config.model.engine.free_during_update
