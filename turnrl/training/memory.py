@@ -242,6 +242,13 @@ def default_cache_bytes(parts: dict[str, float], device_bytes: float, apart: boo
     return max(0.0, min(engine_default, headroom))
 
 
+def _pass_tokens(config: TrainConfig) -> int:
+    """Tokens of one forward/backward pass of the update as the estimate counts them: the token budget, or
+    ``micro_batch_size`` rows of ``model.engine.max_seq_len``."""
+    algorithm = config.algorithm
+    return algorithm.micro_batch_tokens or algorithm.micro_batch_size * config.model.engine.max_seq_len
+
+
 def _sharded(config: TrainConfig, processes: int) -> bool:
     """Whether the models are FSDP-sharded (several processes, or ``distributed.backend=fsdp`` on one)."""
     return processes > 1 or config.distributed.backend == "fsdp"
@@ -255,8 +262,8 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     parts: dict[str, float] = {}
     parts["actor"] = _training_states(counts.trained, counts.total - counts.trained, processes, offload)
     trained = counts.trained
+    critic_total = counts.total - counts.head + counts.hidden  # a value head in place of the LM head
     if config.algorithm.uses_critic:
-        critic_total = counts.total - counts.head + counts.hidden  # a value head in place of the LM head
         critic_trained = counts.trained if lora else critic_total - (counts.total - counts.trained)
         parts["critic"] = _training_states(critic_trained, critic_total - critic_trained, processes, offload)
         trained += critic_trained
@@ -269,14 +276,11 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
         parts["gathered layers"] = 2 * 2 * counts.total / max(1, counts.layers)
     elif engine:
         parts["rollout weights"] = 2 * counts.total
-    algorithm = config.algorithm
-    tokens = algorithm.micro_batch_tokens or algorithm.micro_batch_size * config.model.engine.max_seq_len
     checkpointing = config.model.gradient_checkpointing
-    parts["activations"] = activation_bytes(counts, tokens, checkpointing, config.model.compile)
+    parts["activations"] = activation_bytes(counts, _pass_tokens(config), checkpointing, config.model.compile)
     if not sharded and not checkpointing and config.model.dtype != "float32":
         # Actor and critic update one after the other: the larger model's casts (5.7 GiB at 3B).
-        parts["weight casts"] = 2 * max(counts.total, counts.total - counts.head + counts.hidden
-                                        if config.algorithm.uses_critic else 0)
+        parts["weight casts"] = 2 * max(counts.total, critic_total if config.algorithm.uses_critic else 0)
     apart = engine and config.model.engine.free_during_update
     gradients = 0.0 if offload else 4 * trained / processes  # float32, divided as the states are
     if engine:
@@ -348,8 +352,7 @@ def fit_advice(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimat
     if not config.model.gradient_checkpointing:
         options.append((0.5 * estimate.parts["activations"], "model.gradient_checkpointing=true"))
         if not config.model.compile:
-            tokens = config.algorithm.micro_batch_tokens or \
-                config.algorithm.micro_batch_size * config.model.engine.max_seq_len
+            tokens = _pass_tokens(config)
             saved = activation_bytes(counts, tokens, False) - activation_bytes(counts, tokens, False, compiled=True)
             options.append((saved, f"model.compile=true (its layers keep {saved / GIB:.0f} GiB fewer activations)"))
     if config.algorithm.micro_batch_tokens == 0 and config.model.engine.max_seq_len > 512:
