@@ -7,10 +7,17 @@ directory for the whole session, and the tiny model is built there once.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
+
+# The Ctrl-C tests send SIGINT to this process and to the commands they start. A suite started as a background
+# job of a script (`make test &`, some CI runners) inherits SIGINT ignored, which turnrl rightly keeps ignoring;
+# the tests need the terminal's default, so they get it (the commands they start inherit it too).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Triton kernels (the engine's attention) run in Triton's interpreter on CPU tensors when no GPU is there: the
 # switch is read when Triton is imported, so it is set before any test imports it.
