@@ -27,13 +27,14 @@ TRAINING_SECTIONS = {f.name for f in fields(TrainConfig)} - {f.name for f in fie
 LONG_EPISODES = ["agent.max_turns=100", "agent.max_actions_per_episode=100"]
 
 SUMMARY_KEYS = {
-    "episodes", "success_rate", "pass_at_k", "mean_turns", "format_valid_rate", "action_validity",
+    "episodes", "success_rate", "pass_at_k", "mean_turns", "format_valid_rate", "action_validity", "action_effective",
+    "env_metrics",
     "mean_reward", "mean_env_reward", "errors", "truncated_rate", "env", "policy", "format", "cut_by_budget",
     "cut_by", "first_errors", "budget",
 }
 TURN_KEYS = {
     "index", "prompt", "response", "finish_reason", "format_ok", "fields", "parse_errors", "actions",
-    "actions_valid", "rewards", "reward", "reward_errors", "num_response_tokens", "state_key",
+    "actions_valid", "actions_effective", "rewards", "reward", "reward_errors", "num_response_tokens", "state_key",
 }
 
 
@@ -54,7 +55,7 @@ def check_records(records: list[dict]) -> None:
         for turn in turns:
             assert set(turn) == TURN_KEYS
             assert turn["prompt"].startswith(f"Turn {turn['index'] + 1}.")
-            assert len(turn["actions"]) == len(turn["actions_valid"])
+            assert len(turn["actions"]) == len(turn["actions_valid"]) == len(turn["actions_effective"])
             assert set(turn["rewards"]) == {"env", "format"}
             assert turn["reward"] == pytest.approx(turn["rewards"]["env"] + turn["rewards"]["format"])
         assert record["total_reward"] == pytest.approx(sum(turn["reward"] for turn in turns))
@@ -70,6 +71,9 @@ def test_expert_solves_every_episode(env, tmp_path):
     assert len(records) == 24
     assert all(r["status"] == "done" and r["success"] for r in records)
     assert [r["seed"] for r in records] == list(range(24)), "validation seeds from val_start"
+    if env == "Sokoban":  # the solver's plans only push boxes onto targets and never waste a move
+        assert summary["env_metrics"] == {"boxes_on_target": 1.0, "deadlocked": 0.0}
+        assert summary["action_effective"] == 1.0
     check_records(records)
     # Each turn's actions are the solver's plan from that state: replaying them solves the level.
     replay = make(env)
@@ -86,6 +90,8 @@ def test_random_policy_does_worse_than_the_expert(env, tmp_path):
     assert summary["success_rate"] < 0.75
     assert summary["success_rate"] == np.mean([r["success"] for r in records])
     assert summary["format_valid_rate"] == 1.0, "random actions are still well formatted"
+    if env == "Sokoban":  # random moves walk into walls and push boxes where no target can be reached
+        assert summary["action_effective"] < 1.0 and summary["env_metrics"]["deadlocked"] > 0.0
 
 
 def test_samples_per_seed_give_pass_at_k_and_groups(tmp_path):

@@ -79,6 +79,8 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
         "mean_turns": metrics["turns_mean"],
         "format_valid_rate": metrics["format_ok"],
         "action_validity": metrics["action_valid"],
+        "action_effective": metrics["action_effective"],
+        "env_metrics": {name.removeprefix("env_"): value for name, value in metrics.items() if name.startswith("env_")},
         "mean_reward": metrics["reward_mean"],
         "mean_env_reward": metrics["reward_env_mean"],
         "errors": int(metrics["errors"]),

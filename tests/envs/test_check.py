@@ -44,6 +44,7 @@ def test_a_plain_class_without_gymnasium_passes():
         (toy_envs.BrokenSolvePlan, "following solve() from reset(seed=0) did not end with info['success'] True"),
         (toy_envs.BrokenAcceptsGarbage, "none of action_names() was not rejected"),
         (toy_envs.BrokenRejectChangesState, "a rejected action changed the observation"),
+        (toy_envs.BrokenMetrics, "info['metrics'] must map names to numbers, got 'distance': 'far'"),
     ],
 )
 def test_a_broken_env_fails_with_a_message_naming_the_problem(cls, expected):

@@ -97,6 +97,12 @@ class BrokenRejectChangesState(Corridor):
         return obs, reward, terminated, truncated, info
 
 
+class BrokenMetrics(Corridor):
+    def step(self, action: str):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, reward, terminated, truncated, {**info, "metrics": {"distance": "far"}}
+
+
 class NoInstructions:
     """Has reset and step but none of the agent methods."""
 

@@ -42,20 +42,20 @@ def test_pass_at_k_refuses_impossible_counts(n, c, k):
 
 
 # --------------------------------------------------------------------------- hand-built trajectories
-def turn(index, *, actions=(), valid=(), env_reward=0.0, format_reward=0.0, format_ok=True, ids=3,
+def turn(index, *, actions=(), valid=(), effective=None, env_reward=0.0, format_reward=0.0, format_ok=True, ids=3,
          finish="stop", reward_errors=(), extra=None):
     parsed = ParsedResponse(actions=tuple(actions), fields={}, format_ok=format_ok)
     rewards = {"env": env_reward, "format": format_reward, **(extra or {})}
     return TurnRecord(
         index=index, observation=f"Turn {index + 1}.", response="r", response_ids=list(range(ids)),
         response_logprobs=[0.0] * ids, finish_reason=finish, parsed=parsed, actions=list(actions),
-        actions_valid=list(valid), rewards=rewards, reward=sum(rewards.values()), reward_errors=list(reward_errors),
+        actions_valid=list(valid), actions_effective=list(valid if effective is None else effective), rewards=rewards, reward=sum(rewards.values()), reward_errors=list(reward_errors),
     )
 
 
-def trajectory(seed, turns, *, success=False, status=DONE, sample=0):
+def trajectory(seed, turns, *, success=False, status=DONE, sample=0, env_metrics=None):
     return Trajectory(env_id="Test", seed=seed, group=seed, sample=sample, turns=turns, success=success,
-                      status=status)
+                      status=status, env_metrics=env_metrics or {})
 
 
 @pytest.fixture
@@ -96,6 +96,24 @@ def test_rollout_metrics_on_hand_built_trajectories(batch):
     assert m["truncated"] == pytest.approx(1 / 3)
     assert m["errors"] == 1.0
     assert m["reward_errors"] == 1.0
+
+
+def test_action_effective_is_the_share_of_accepted_actions_that_changed_the_state():
+    batch = [trajectory(0, [turn(0, actions=["a", "b", "c"], valid=[True, True, False], effective=[True, False, False]),
+                            turn(1, actions=["a"], valid=[True], effective=[True])]),
+             trajectory(1, [turn(0, actions=["x"], valid=[False], effective=[False])])]
+    assert rollout_metrics(batch)["action_effective"] == pytest.approx(2 / 3)  # rejected actions are not counted
+
+
+def test_env_figures_average_over_the_episodes_that_report_them():
+    batch = [trajectory(0, [turn(0)], env_metrics={"boxes_on_target": 1.0, "box_cornered": 0.0}),
+             trajectory(1, [turn(0)], env_metrics={"boxes_on_target": 0.5, "box_cornered": 1.0}),
+             trajectory(2, [turn(0)], env_metrics={"boxes_on_target": 0.0}),
+             trajectory(3, [], status=ERROR)]
+    m = rollout_metrics(batch)
+    assert m["env_boxes_on_target"] == pytest.approx(0.5)
+    assert m["env_box_cornered"] == pytest.approx(0.5)
+    assert not any(key.startswith("env_") for key in rollout_metrics(batch[3:]))
 
 
 def test_rollout_metrics_of_nothing_are_zeros():

@@ -315,6 +315,35 @@ def test_env_that_raises_in_step_errors_only_its_episode():
     assert all(len(t.turns) == 4 for t in trajectories[1:])
 
 
+class CountsInItsFigures(CounterEnv):
+    """Reports its count in ``info["metrics"]``, or ``figures`` where given (a malformed report)."""
+
+    def __init__(self, figures: Any = None) -> None:
+        super().__init__()
+        self.figures = figures
+
+    def episode_metrics(self):
+        return {"count": self.count} if self.figures is None else self.figures
+
+
+def test_an_episode_keeps_the_figures_of_its_last_step_and_which_actions_changed_the_state():
+    env = CountsInItsFigures()
+    replies = iter(["<answer>inc</answer>", "<answer>inc</answer>", "<answer>win</answer>"])
+    (trajectory,) = play(TextPolicy(lambda request: next(replies)), [EpisodeSlot(env=env, seed=0, group=0)],
+                         max_turns=5)
+    assert trajectory.success and trajectory.env_metrics == {"count": 2.0}
+    assert [turn.actions_effective for turn in trajectory.turns] == [[True], [True], [True]]
+    (rejected,) = play(TextPolicy(answer("jam")), counter_slots(1), max_turns=1)
+    assert rejected.turns[0].actions_effective == [False] and rejected.env_metrics == {}
+
+
+def test_an_env_whose_figures_are_not_numbers_errors_only_its_episode():
+    slots = [EpisodeSlot(env=CountsInItsFigures({"count": "many"}), seed=0, group=0), *counter_slots(1)]
+    broken, fine = play(TextPolicy(answer("inc")), slots, max_turns=2)
+    assert broken.status == ERROR and "info['metrics'] must map names to numbers, got 'count': 'many'" in broken.error
+    assert fine.status == TRUNCATED and len(fine.turns) == 2
+
+
 class ForgetsItsActions(CounterEnv):
     """Lists its actions at reset, then fails to from the ``after``-th call on (a remote env whose server died)."""
 

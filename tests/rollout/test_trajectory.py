@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
+from turnrl.envs.base import env_metrics
 from turnrl.rollout.trajectory import DONE, Trajectory, write_trajectories
 
 
@@ -27,3 +33,37 @@ def test_the_final_observations_image_is_written_beside_the_images_shown(tmp_pat
     written = [np.asarray(Image.open(tmp_path / name)) for name in first["images"] + first["final_images"]]
     assert [int(image[0, 0, 0]) for image in written] == [1, 2, 3]
     assert second["images"] == [] and second["final_images"] == []
+
+
+# --------------------------------------------------------------------------- the env's figures
+def test_the_envs_figures_are_read_as_floats_and_written_with_the_episode(tmp_path):
+    assert env_metrics({"success": True}) is None
+    figures = env_metrics({"metrics": {"boxes_on_target": 1, "box_cornered": np.float32(0.5), "solved": np.bool_(True)}})
+    assert figures == {"boxes_on_target": 1.0, "box_cornered": 0.5, "solved": 1.0}
+    assert all(type(value) is float for value in figures.values())
+    episode = Trajectory(env_id="Sokoban", seed=0, group=0, sample=0, env_metrics=figures)
+    record = json.loads(write_trajectories([episode], tmp_path).read_text())
+    assert record["env_metrics"] == figures
+
+
+@pytest.mark.parametrize("metrics, says", [
+    ([1.0], "a dict of names to numbers, got a list"),
+    ({"boxes": "two"}, "map names to numbers, got 'boxes': 'two'"),
+    ({3: 1.0}, "map names to numbers, got 3: 1.0"),
+    ({"boxes": None}, "map names to numbers, got 'boxes': None"),
+    ({"boxes": float("nan")}, "info['metrics']['boxes'] must be finite"),
+])
+def test_figures_that_are_not_names_to_finite_numbers_are_refused_saying_what(metrics, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        env_metrics({"metrics": metrics})
+
+
+@given(st.dictionaries(st.text(max_size=5), st.one_of(st.none(), st.text(max_size=3), st.floats(), st.integers(),
+                                                       st.booleans(), st.lists(st.integers(), max_size=2)),
+                       max_size=4))
+def test_any_figures_give_floats_or_a_value_error(metrics):
+    try:
+        figures = env_metrics({"metrics": metrics})
+    except ValueError:
+        return
+    assert figures is not None and all(isinstance(value, float) and math.isfinite(value) for value in figures.values())

@@ -25,9 +25,11 @@ handling of bad actions, so that every env behaves the same way:
 from __future__ import annotations
 
 import hashlib
+import math
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import gymnasium as gym
@@ -41,6 +43,8 @@ Position = tuple[int, int]
 # grid envs draw with. Used for the gymnasium Text spaces.
 OBS_CHARSET = frozenset(string.printable) | frozenset("√·█░▒▓←→↑↓")
 ACTION_CHARSET = frozenset(string.printable)
+NO_METRICS: Mapping[str, float] = MappingProxyType({})
+"""What :meth:`TurnEnv.episode_metrics` reports by default: nothing (one shared, read-only mapping)."""
 MAX_TEXT_LENGTH = 8192
 IMAGE_CAPTION = "The image shows the current state."
 """The text of an image-mode observation of an env whose image is the whole state."""
@@ -125,6 +129,32 @@ def facts_from_positions(player: Position | None, objects: list[tuple[str, Posit
     return StateFacts(player=player, objects=facts)
 
 
+def env_metrics(info: Mapping[str, Any]) -> dict[str, float] | None:
+    """The figures an env step reports in ``info["metrics"]`` (names to numbers: what the episode has reached so
+    far, such as boxes on targets), or None where the step reports none.
+
+    Raises:
+        ValueError: ``info["metrics"]`` is not a dict of names to finite numbers (the message says what).
+    """
+    if "metrics" not in info:
+        return None
+    figures = info["metrics"]
+    if not isinstance(figures, Mapping):
+        raise ValueError(f"info['metrics'] must be a dict of names to numbers, got a {type(figures).__name__}")
+    out: dict[str, float] = {}
+    for name, value in figures.items():
+        if not isinstance(name, str) or not isinstance(value, (int, float, np.number, np.bool_)):
+            raise ValueError(f"info['metrics'] must map names to numbers, got {name!r}: {value!r}")
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range
+            number = math.inf
+        if not math.isfinite(number):
+            raise ValueError(f"info['metrics'][{name!r}] must be finite, got {value!r}")
+        out[name] = number
+    return out
+
+
 @runtime_checkable
 class AgentEnv(Protocol):
     """What the rollout needs of an environment.
@@ -147,7 +177,11 @@ class AgentEnv(Protocol):
 
         ``info["action_is_valid"]`` is False for an action the env rejects
         (the state is then unchanged); ``info["success"]`` says whether the
-        task is solved.
+        task is solved. Optional: ``info["action_is_effective"]``, False for
+        an accepted action that changed nothing (a push into a wall), and
+        ``info["metrics"]``, a dict of names to numbers saying what the
+        episode has reached so far (Sokoban: boxes on targets); the rollout
+        keeps an episode's last and averages them as ``env_<name>``.
         """
         ...
 
@@ -289,6 +323,12 @@ class TurnEnv(gym.Env[dict, str]):
         """Expert actions from the current state, or None where no solver exists."""
         return None
 
+    def episode_metrics(self) -> Mapping[str, float]:
+        """What the episode has reached so far, as numbers by name: every step's ``info["metrics"]`` (nothing
+        by default; omitted when empty). Called on every step, so it must be cheap, and return a new dict each
+        time (an info's data is the caller's to keep, as Gymnasium requires)."""
+        return NO_METRICS
+
     def action_budget(self) -> int:
         """Actions a competent agent needs at most to finish an episode under these settings (one action a
         turn): the turn and action budget ``turnrl eval`` gives by default. The base class allows the
@@ -355,6 +395,9 @@ class TurnEnv(gym.Env[dict, str]):
         self._terminated = bool(terminated)
         truncated = not self._terminated and self._steps >= self.max_steps
         info.update(action_is_valid=valid, action_is_effective=effective, success=bool(success))
+        figures = self.episode_metrics()
+        if figures:
+            info["metrics"] = figures
         return self.observation(), float(reward), self._terminated, truncated, info
 
     def ansi(self) -> str:

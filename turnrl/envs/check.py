@@ -10,7 +10,8 @@ the turnrl contract (:class:`~turnrl.envs.base.AgentEnv`):
 
 - observations are dicts with a ``"text"`` str and, optionally, an
   ``"image"`` (``HxWx3`` uint8 array) and nothing else; rewards are finite
-  numbers, ``terminated`` and ``truncated`` bools, ``info`` a dict;
+  numbers, ``terminated`` and ``truncated`` bools, ``info`` a dict, whose
+  ``"metrics"``, where given, maps names to finite numbers;
 - ``instructions()`` is a non-empty str; ``action_names()`` None or a
   non-empty list of distinct strs; ``state_facts()`` a ``StateFacts``;
   ``solve()`` None or a list of strs, and asking for it leaves the state alone;
@@ -38,7 +39,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.utils import env_checker
 
-from turnrl.envs.base import AGENT_ENV_METHODS, AgentEnv, StateFacts, missing_methods
+from turnrl.envs.base import AGENT_ENV_METHODS, AgentEnv, StateFacts, env_metrics, missing_methods
 
 OBS_KEYS = ("text", "image")
 GARBAGE_ACTIONS = ("", "   ", "not an action", "<answer>?</answer>", "\x00\u2603\u00fc", "x" * 10_000)
@@ -201,6 +202,10 @@ def _step(env: AgentEnv, action: str, report: _Report) -> tuple[dict[str, Any], 
     if not isinstance(info, dict):
         report.add(f"step()'s info must be a dict, got a {type(info).__name__}", call)
     obs, info = (obs if isinstance(obs, dict) else {}), (info if isinstance(info, dict) else {})
+    try:
+        env_metrics(info)
+    except ValueError as error:
+        report.add(str(error), call)
     return obs, reward, terminated, truncated, info
 
 

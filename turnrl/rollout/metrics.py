@@ -38,13 +38,16 @@ def _mean(values: list[float]) -> float:
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Success, rewards, turn counts, format and action validity over a batch.
+    """Success, rewards, turn counts, format, action validity and effect, and the env's own figures over a batch.
 
     Errored episodes count as failures in ``success`` and are also counted
     separately in ``errors`` so that a broken env is visible; failed reward
     functions are counted in ``reward_errors`` (one per turn and function).
     ``reward_<name>_mean`` is each named reward summed over an episode,
-    averaged over episodes.
+    averaged over episodes. ``action_effective`` is the share of accepted
+    actions that changed the env's state (a push into a wall does not);
+    ``env_<name>`` is each figure of the envs' ``info["metrics"]`` (as an
+    episode's last step left it) averaged over the episodes that report it.
     """
     turns = [turn for t in trajectories for turn in t.turns]
     actions_valid = [v for turn in turns for v in turn.actions_valid]
@@ -56,6 +59,8 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "actions_mean": _mean([t.num_actions for t in trajectories]),
         "format_ok": _mean([float(turn.parsed.format_ok) for turn in turns]),
         "action_valid": _mean([float(v) for v in actions_valid]),
+        "action_effective": _mean([float(effective) for turn in turns
+                                   for valid, effective in zip(turn.actions_valid, turn.actions_effective) if valid]),
         "turns_without_valid_action": _mean([float(not turn.has_valid_action) for turn in turns]),
         "response_tokens_mean": _mean([len(turn.response_ids) for turn in turns]),
         "response_truncated": _mean([float(turn.finish_reason == "length") for turn in turns]),
@@ -69,4 +74,6 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     per_episode = [t.named_rewards() for t in trajectories]
     for name in sorted({"env", "format"} | {name for totals in per_episode for name in totals}):
         metrics[f"reward_{name}_mean"] = _mean([totals.get(name, 0.0) for totals in per_episode])
+    for name in sorted({name for t in trajectories for name in t.env_metrics}):
+        metrics[f"env_{name}"] = _mean([t.env_metrics[name] for t in trajectories if name in t.env_metrics])
     return metrics

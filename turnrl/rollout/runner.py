@@ -29,7 +29,7 @@ import numpy as np
 from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, SamplingConfig
-from turnrl.envs.base import AgentEnv, StateFacts, state_key
+from turnrl.envs.base import AgentEnv, StateFacts, env_metrics, state_key
 from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens, without_images
@@ -381,6 +381,7 @@ class Rollout:
         for action in parsed.actions[: min(self.agent.max_actions_per_turn, episode.actions_left)]:
             try:
                 obs, reward, terminated, truncated, info = env.step(action)
+                figures = env_metrics(info)
             except Exception as error:
                 trace = traceback.format_exc(limit=3)
                 self._fail(episode, turn, env_reward, f"env step failed: {type(error).__name__}: {error}\n{trace}")
@@ -388,6 +389,9 @@ class Rollout:
             valid = bool(info.get("action_is_valid", True))
             turn.actions.append(action)
             turn.actions_valid.append(valid)
+            turn.actions_effective.append(valid and bool(info.get("action_is_effective", True)))
+            if figures is not None:
+                trajectory.env_metrics = figures
             env_reward += float(reward)
             trajectory.success = bool(info.get("success", False))
             episode.actions_left -= 1

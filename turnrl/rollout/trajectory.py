@@ -58,6 +58,9 @@ class TurnRecord:
     """Actions sent to the env, in order (stepping stops at the first invalid one or at episode end)."""
     actions_valid: list[bool] = field(default_factory=list)
     """Whether the env accepted each action in ``actions``."""
+    actions_effective: list[bool] = field(default_factory=list)
+    """Whether each action in ``actions`` changed the env's state (``info["action_is_effective"]``; an accepted
+    action counts as effective where the env does not say, a rejected one never)."""
     rewards: dict[str, float] = field(default_factory=dict)
     """Unweighted named rewards: ``env`` (the env's rewards for this turn's steps), ``format`` (the format
     reward or the no-valid-action penalty) and every added reward (see :mod:`turnrl.rewards`)."""
@@ -111,6 +114,9 @@ class Trajectory:
     final_images: list[np.ndarray] = field(default_factory=list)
     """Images of the observation after the last turn (image modes), which no turn showed the model: where the
     episode ended (the hole the agent fell into), for the record and the viewer."""
+    env_metrics: dict[str, float] = field(default_factory=dict)
+    """The env's own figures of the episode as its last step left them (``info["metrics"]``, see
+    :func:`turnrl.envs.base.env_metrics`): e.g. Sokoban's share of boxes on targets; empty where none."""
 
     @property
     def total_reward(self) -> float:
@@ -151,6 +157,7 @@ class Trajectory:
             "final_observation": self.final_observation,
             "images": image_paths or [],
             "final_images": final_image_paths or [],
+            "env_metrics": self.env_metrics,
             "turns": [
                 {
                     "index": turn.index,
@@ -162,6 +169,7 @@ class Trajectory:
                     "parse_errors": list(turn.parsed.errors),
                     "actions": turn.actions,
                     "actions_valid": turn.actions_valid,
+                    "actions_effective": turn.actions_effective,
                     "rewards": turn.rewards,
                     "reward": turn.reward,
                     "reward_errors": turn.reward_errors,

@@ -187,6 +187,35 @@ def test_solver_none_when_stuck_and_empty_when_solved():
     assert env.solve() is None
 
 
+def test_figures_say_boxes_on_targets_and_when_a_box_is_past_saving():
+    env = board("######\n#P___#\n#_X__#\n#___O#\n######")
+    assert env.episode_metrics() == {"boxes_on_target": 0.0, "deadlocked": 0.0}
+    for action in ("Down", "Right", "Right", "Down", "Right"):  # the box along row 2 to the right wall: still live
+        assert env.step(action)[4]["metrics"] == {"boxes_on_target": 0.0, "deadlocked": 0.0}
+    assert env.step("Up")[4]["metrics"] == {"boxes_on_target": 0.0, "deadlocked": 1.0}  # into the top right corner
+    # Against a wall without a target: no corner, but no push takes it to a target any more.
+    wall = board("#######\n#_____#\n#__X__#\n#__P_O#\n#######")
+    assert wall.step("Up")[4]["metrics"]["deadlocked"] == 1.0
+    two = board("#######\n#_P___#\n#_XX__#\n#_OO__#\n#######")
+    assert two.step("Down")[4]["metrics"] == {"boxes_on_target": 0.5, "deadlocked": 0.0}
+    # A given level is checked from its start: this box can only slide along the top wall.
+    assert board("######\n#_PX_#\n#___O#\n######").episode_metrics()["deadlocked"] == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), actions=st.lists(st.sampled_from(ACTIONS), max_size=30))
+def test_a_deadlocked_level_has_no_solution_and_a_generated_one_starts_live(seed, actions):
+    env = SokobanEnv(size=6, max_steps=1000)
+    env.reset(seed=seed)
+    assert env.episode_metrics()["deadlocked"] == 0.0
+    for action in actions:
+        figures = env.step(action)[4]["metrics"]
+        state = env.current_level()
+        assert figures["boxes_on_target"] == len(set(state.boxes) & set(state.targets)) / len(state.boxes)
+        if figures["deadlocked"]:
+            assert env.solve() is None
+
+
 def test_dead_cells_exclude_corners_without_targets():
     level = parse_level("#####\n#P__#\n#_X_#\n#__O#\n#####")
     live = live_cells(level.rows, level.cols, level.walls, level.targets)

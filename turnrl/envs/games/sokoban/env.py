@@ -14,7 +14,7 @@ reverse play (always solvable, never already solved, solvable within
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from operator import itemgetter
 from typing import Any, ClassVar
@@ -35,6 +35,7 @@ from turnrl.envs.games.sokoban.levels import (
     cell_codes,
     check_room,
     generate_level,
+    live_cells,
     neighbour_table,
     parse_level,
     solve,
@@ -157,7 +158,7 @@ class SokobanEnv(TurnEnv):
         super().__init__(mode=mode, max_steps=max_steps, image_shape=image_shape, render_mode=render_mode)
         self._vocabulary = VOCABULARIES.get(symbols, RAGEN_SYMBOLS)
         self._symbols = self._vocabulary.symbols + ("\n",)
-        self._load(generate_level(rows, cols, self.num_boxes, seed=0, max_moves=self.max_steps))
+        self._load(generate_level(rows, cols, self.num_boxes, seed=0, max_moves=self.max_steps), generated=True)
 
     def action_budget(self) -> int:
         """Twice the interior cells per box, capped by ``max_steps``: 32 for 6x6 with one box, where the
@@ -166,8 +167,9 @@ class SokobanEnv(TurnEnv):
         return min(self.max_steps, 2 * inside * self.num_boxes)
 
     # ----------------------------------------------------------------- episode state
-    def _load(self, level: Level) -> None:
-        """Make ``level`` the current state (flat tables, so a step touches three cells)."""
+    def _load(self, level: Level, generated: bool = False) -> None:
+        """Make ``level`` the current state (flat tables, so a step touches three cells); ``generated`` for a
+        level of the generator, solvable from its start."""
         self.initial_level = level
         size = level.rows * level.cols
         self._cols = level.cols
@@ -182,6 +184,10 @@ class SokobanEnv(TurnEnv):
         self._target, self._box = bytes(target), box
         self._player = level.player
         self._on_target = sum(target[cell] for cell in level.boxes)
+        # Boxes on dead cells (no push takes them to a target). Generated levels start with none; a given
+        # level is checked at once. The table of dead cells is built at the first push, not at every reset.
+        self._live: bytes | None = None
+        self._dead_boxes = 0 if generated else sum(1 - self._live_cells()[cell] for cell in level.boxes)
         self._num_boxes = len(level.boxes)
         self._codes = codes = cell_codes(level)
         # The text grid is kept as a list of symbols (newlines included) and
@@ -210,10 +216,12 @@ class SokobanEnv(TurnEnv):
                     f"make the env with dim_room=({level.rows}, {level.cols})"
                 )
             _check_text_fits(level.rows, level.cols, self.symbols)
+            generated = False
         else:
             seed = int(rng.integers(0, 2**63 - 1))
             level = generate_level(*self.dim_room, self.num_boxes, seed, max_moves=self.max_steps)
-        self._load(level)
+            generated = True
+        self._load(level, generated)
 
     def _step(self, action: str) -> StepOutcome:
         d = _DIRECTION_INDEX[action]
@@ -231,6 +239,8 @@ class SokobanEnv(TurnEnv):
             box[behind] = 1
             delta = target[behind] - target[nxt]
             self._on_target += delta
+            live = self._live or self._live_cells()
+            self._dead_boxes += live[nxt] - live[behind]
             self._set(behind, BOX_ON_TARGET if target[behind] else BOX)
         self._set(player, FLOOR + target[player])
         self._set(nxt, PLAYER + target[nxt])
@@ -309,6 +319,17 @@ class SokobanEnv(TurnEnv):
 
     def success(self) -> bool:
         return self._on_target == self._num_boxes
+
+    def episode_metrics(self) -> Mapping[str, float]:
+        """``boxes_on_target``: the share of boxes on targets; ``deadlocked``: 1 while a box sits on a dead cell,
+        one from which no push takes it to a target (a corner or a wall without targets: the level is lost,
+        however many steps are left; boxes that only block each other are not counted)."""
+        return {"boxes_on_target": self._on_target / self._num_boxes, "deadlocked": float(self._dead_boxes > 0)}
+
+    def _live_cells(self) -> bytes:
+        level = self.initial_level
+        self._live = live_cells(level.rows, level.cols, level.walls, level.targets)
+        return self._live
 
     def current_level(self) -> Level:
         """The current state as a :class:`Level` (e.g. to print or to solve)."""
