@@ -6,8 +6,10 @@ them (a glob keeps only the run folders it matches, not the runs' logs). Every
 metric of the chosen set that a run has gets a panel; each run is a thin line
 and the row's mean over its runs a bold one (``turnrl.viz.plots.draw_comparison``).
 Sets: ``collapse`` (RAGEN's Echo Trap: training success, in-group reward std,
-entropy, the actor's gradient norm, validation success) and ``state_rewards``
-(VAGEN: training and validation success, observation and prediction match).
+entropy, the actor's gradient norm, validation success), ``state_rewards``
+(VAGEN: training and validation success, observation and prediction match) and
+``sokoban`` (where failures come from: boxes on targets, deadlocks, moves into
+walls, from the env's figures).
 
 ``--table`` prints a markdown table per row: each run's first and last value
 of every metric, the mean of its first 5 and of its last 5 logged values

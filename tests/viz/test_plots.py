@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from turnrl.agent.formats import get_format
+from turnrl.config import AgentConfig, SamplingConfig
+from turnrl.envs import make
+from turnrl.policy.scripted import ExpertPolicy
+from turnrl.rollout.metrics import rollout_metrics
+from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.viz.plots import (
     COLLAPSE_METRICS,
     CURVES,
+    SOKOBAN_METRICS,
     Curve,
     Metric,
     draw_comparison,
@@ -145,3 +152,14 @@ def test_the_collapse_metrics_are_what_a_training_run_writes(run_dir, tmp_path):
     assert comparison is not None
     assert [panel.title for panel in comparison.panels] == [metric.title for metric in COLLAPSE_METRICS]
     assert comparison.panels[-1].means["run"][0] == [0, 2]  # validation before RL and after the last step
+
+
+def test_the_sokoban_metrics_are_what_a_sokoban_rollout_reports():
+    """The ``sokoban`` set's names, less their ``rollout/`` or ``val/`` prefix, are rollout metrics of Sokoban
+    episodes (the trainer logs them under those prefixes)."""
+    fmt = get_format("no_think")
+    slots = [EpisodeSlot(env=make("Sokoban"), seed=seed, group=seed) for seed in range(4)]
+    trajectories = Rollout(ExpertPolicy(fmt, random_action_share=0.5, seed=1), fmt, AgentConfig(format="no_think"),
+                           "Sokoban").run(slots, SamplingConfig())
+    reported = rollout_metrics(trajectories)
+    assert {metric.name.split("/", 1)[1] for metric in SOKOBAN_METRICS} <= set(reported)

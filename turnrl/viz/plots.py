@@ -150,7 +150,17 @@ STATE_REWARD_METRICS = (
     Metric("rewards/grounding/match_mean", "Observation match"),
     Metric("rewards/worldmodel/match_mean", "Prediction match"),
 )
-METRIC_SETS = {"collapse": COLLAPSE_METRICS, "state_rewards": STATE_REWARD_METRICS}
+# Where a Sokoban run's failures come from: boxes left off target, boxes pushed where no target can be reached,
+# moves into walls (from the env's own figures, logged as env_<name>).
+SOKOBAN_METRICS = (
+    Metric("rollout/success", "Training success"),
+    Metric("rollout/env_boxes_on_target", "Boxes on targets at the end"),
+    Metric("rollout/env_deadlocked", "Episodes ended with a box on a dead cell"),
+    Metric("rollout/action_effective", "Moves that changed the state"),
+    Metric("val/success", "Validation success"),
+    Metric("val/env_deadlocked", "Validation: ended deadlocked"),
+)
+METRIC_SETS = {"collapse": COLLAPSE_METRICS, "state_rewards": STATE_REWARD_METRICS, "sokoban": SOKOBAN_METRICS}
 
 Records = list[dict[str, float]]
 
