@@ -74,6 +74,14 @@ def test_a_trajectory_line_becomes_typed_turns():
     assert not view.has_advantages
 
 
+def test_the_envs_figures_and_which_moves_changed_nothing_are_read():
+    record = episode(2, env_metrics={"boxes_on_target": 0.5, "deadlocked": 1, "bad": "x"})
+    record["turns"][1]["actions_effective"] = [False]
+    view = parse_episode(record, "trajectories", 0, no_images)
+    assert view.env_metrics == {"boxes_on_target": 0.5, "deadlocked": 1.0}
+    assert view.turns[1].actions_effective == [False] and view.turns[0].actions_effective == []
+
+
 def test_images_go_one_per_turn_then_to_the_final_observation_else_to_the_episode():
     urls = lambda value: list(value or [])  # noqa: E731 - the paths as they are
     one_each = parse_episode(episode(2, ["a.png", "b.png"]), "s", 0, urls)

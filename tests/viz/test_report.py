@@ -53,6 +53,19 @@ def test_evaluation_report_shows_every_episode_with_its_images(eval_dir):
     assert not (eval_dir / "plots").exists()  # an evaluation has no curves
 
 
+def test_moves_that_changed_nothing_and_the_envs_figures_are_shown(tmp_path):
+    from turnrl.cli import main
+
+    out = tmp_path / "eval"
+    main(["eval", "--env", "Sokoban", "--policy", "random", "--episodes", "6", "--out", str(out)])
+    html = write_report(out).read_text()
+    turns = [turn for e in lines(out / "trajectories.jsonl") for turn in e["turns"]]
+    wasted = sum(valid and not effective for turn in turns
+                 for valid, effective in zip(turn["actions_valid"], turn["actions_effective"]))
+    assert wasted > 0 and html.count('class="chip no-effect"') == wasted
+    assert html.count("deadlocked") >= 6 and html.count("boxes_on_target") >= 6  # in every episode's figures
+
+
 def test_run_report_has_curves_steps_and_before_after_pairs(run_dir):
     data = load_report(run_dir)
     assert data.kind == "training run"

@@ -83,6 +83,8 @@ class TurnView:
     parse_errors: list[str] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)
     actions_valid: list[bool] = field(default_factory=list)
+    actions_effective: list[bool] = field(default_factory=list)
+    """Whether each action changed the env's state (empty in records written before it was kept)."""
     rewards: dict[str, float] = field(default_factory=dict)
     """Unweighted named rewards (``env``, ``format``, added rewards)."""
     reward: float = 0.0
@@ -118,6 +120,8 @@ class EpisodeView:
     """Image URLs not tied to a turn (when the record does not say which turn showed which image)."""
     final_images: list[str] = field(default_factory=list)
     """Images of the observation after the last turn."""
+    env_metrics: dict[str, float] = field(default_factory=dict)
+    """The env's own figures of the episode (Sokoban: boxes on targets, deadlocked)."""
 
     @property
     def named_rewards(self) -> dict[str, float]:
@@ -223,7 +227,7 @@ def parse_turn(record: Any, index: int, resolve: Callable[[Any], list[str]]) -> 
     """One turn of a trajectory record (any JSON value; wrong types become defaults)."""
     if not isinstance(record, dict):
         return TurnView(index=index, parse_errors=["this turn's record is not a JSON object"])
-    valid = record.get("actions_valid")
+    valid, effective = record.get("actions_valid"), record.get("actions_effective")
     return TurnView(
         index=_as_int(record.get("index"), index),
         prompt=_as_str(record.get("prompt")),
@@ -234,6 +238,7 @@ def parse_turn(record: Any, index: int, resolve: Callable[[Any], list[str]]) -> 
         parse_errors=_as_str_list(record.get("parse_errors")),
         actions=_as_str_list(record.get("actions")),
         actions_valid=[_as_bool(v) for v in valid] if isinstance(valid, list) else [],
+        actions_effective=[_as_bool(v) for v in effective] if isinstance(effective, list) else [],
         rewards=_as_float_dict(record.get("rewards")),
         reward=_as_float(record.get("reward")),
         reward_errors=_as_str_list(record.get("reward_errors")),
@@ -275,6 +280,7 @@ def parse_episode(record: Any, source: str, index: int, resolve: Callable[[Any],
         final_observation=_as_str(record.get("final_observation")),
         turns=turns,
         final_images=final_images,
+        env_metrics=_as_float_dict(record.get("env_metrics")),
     )
     if any(turn.images for turn in turns):
         return episode  # the record says which turn showed which image

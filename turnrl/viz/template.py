@@ -52,6 +52,7 @@ details > summary { cursor: pointer; padding: 6px 10px; list-style-position: ins
 .chip { display: inline-block; margin: 1px 4px 1px 0; padding: 0 6px; border-radius: 4px; background: #eef1f5;
         font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 12px; }
 .chip.invalid { background: #fde2e2; color: var(--bad); text-decoration: line-through; }
+.chip.no-effect { background: #fff8e1; color: var(--warn); }
 .turn { display: grid; grid-template-columns: minmax(0, auto) minmax(0, 1fr); gap: 12px;
         border-top: 1px dashed var(--line); padding: 10px 0; }
 .turn-images img, .episode-images img { image-rendering: pixelated; width: 192px; max-width: 100%;
@@ -193,7 +194,11 @@ TEMPLATE = r"""<!doctype html>
     <div>
     {%- for action in turn.actions -%}
       {%- set valid = turn.actions_valid[loop.index0] if loop.index0 < turn.actions_valid|length else true -%}
-      <span class="chip{{ '' if valid else ' invalid' }}" title="{{ 'valid' if valid else 'invalid' }}">
+      {%- set effective = turn.actions_effective[loop.index0] if loop.index0 < turn.actions_effective|length
+                          else true -%}
+      {%- set kind = 'invalid' if not valid else ('no-effect' if not effective else '') -%}
+      <span class="chip{{ ' ' ~ kind if kind }}"
+            title="{{ 'invalid' if not valid else ('valid, changed nothing' if not effective else 'valid') }}">
         {{- action -}}
       </span>
     {%- else -%}
@@ -235,6 +240,10 @@ TEMPLATE = r"""<!doctype html>
     {% for name, value in ep.named_rewards.items() -%}
       <span class="chip">{{ name }} {{ signed(value) }}</span>
     {%- else %}none{% endfor %}
+    {%- if ep.env_metrics %} · env:
+    {% for name, value in ep.env_metrics.items() -%}
+      <span class="chip">{{ name }} {{ num(value) }}</span>
+    {%- endfor %}{% endif %}
     · group {{ ep.group }} · line {{ ep.index + 1 }} of {{ ep.source }}.jsonl
   </div>
   {% if ep.error %}<ul class="errors"><li>{{ ep.error }}</li></ul>{% endif %}
