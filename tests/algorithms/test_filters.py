@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.algorithms import reference as ref
-from turnrl.algorithms import GroupSelection, select_groups
+from turnrl.algorithms import GroupSelection, seeded_group_scores, select_groups
 
 F64 = torch.float64
 
@@ -168,3 +168,32 @@ def test_select_groups_matches_reference(seed, b, n_groups, case, weighting, lar
     assert sel.kept_groups.tolist() == expected
     assert sel.keep_mask.tolist() == [g in expected for g in index.tolist()]
     assert math.isclose(sel.kept_ratio, len(expected) / n_ids)
+
+
+# --------------------------------------------------------------------------- random scores (the control)
+def test_seeded_scores_depend_on_the_env_seeds_alone():
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    seeds = torch.tensor([10, 10, 11, 11, 12, 12])
+    scores = seeded_group_scores(seeds, groups)
+    assert scores.shape == (3,) and bool(((scores >= 0) & (scores < 1)).all())
+    assert torch.equal(scores, seeded_group_scores(seeds, groups))  # the same batch, the same scores
+    # The samples in another order, the groups under other ids: each seed keeps its score.
+    shuffled = seeded_group_scores(torch.tensor([12, 11, 10, 12, 11, 10]), torch.tensor([7, 5, 3, 7, 5, 3]))
+    assert torch.equal(shuffled, scores)
+    assert not torch.equal(seeded_group_scores(seeds + 3, groups), scores)
+
+
+def test_top_k_by_seeded_scores_keeps_each_group_equally_often_whatever_its_rewards():
+    """Over 4,000 batches of 4 groups, the kept group of top-1 is uniform (within 4 standard errors), and a
+    group whose rewards vary most is kept no more often than the others (it would be always by reward std)."""
+    kept = torch.zeros(4)
+    groups = torch.arange(4).repeat_interleave(2)
+    rewards = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # group 0 alone varies
+    batches = 4000
+    for batch in range(batches):
+        seeds = (torch.arange(4) + 4 * batch).repeat_interleave(2)
+        selection = select_groups(groups, rewards=rewards, scores=seeded_group_scores(seeds, groups), value=1)
+        kept[selection.kept_groups] += 1
+    share = kept / batches
+    assert float((share - 0.25).abs().max()) < 4 * math.sqrt(0.25 * 0.75 / batches)
+    assert select_groups(groups, rewards=rewards, value=1).kept_groups.tolist() == [0]

@@ -19,6 +19,7 @@ from rich.console import Console
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from turnrl.algorithms import seeded_group_scores
 from turnrl.cli import main
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import GracefulStop, train
@@ -354,6 +355,21 @@ def test_top_k_filter_by_mean_response_length_keeps_the_longest_group(warm_model
         longest = max(sorted(tokens), key=lambda g: sum(tokens[g]) / len(tokens[g]))  # ties: the smaller id
         assert record["filter/kept_ratio"] == pytest.approx(1 / 3)
         assert record["batch/samples"] == 2 and record["batch/trained_tokens"] == sum(tokens[longest])
+
+
+def test_top_k_filter_by_random_scores_keeps_the_group_its_env_seed_ranks_first(tiny_model_dir, tmp_path):
+    train(config(tiny_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=3", "run.steps=2",
+                 "algorithm.filter.method=top_k", "algorithm.filter.value=0.34", "algorithm.filter.metric=random",
+                 "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=4"))
+    run_dir = tmp_path / "run"
+    for step, record in step_records(run_dir).items():
+        episodes = trajectories(run_dir, step)
+        groups = torch.tensor([t["group"] for t in episodes])
+        scores = seeded_group_scores(torch.tensor([t["seed"] for t in episodes]), groups)
+        chosen = int(torch.unique(groups)[int(scores.argmax())])
+        tokens = sum(turn["num_response_tokens"] for t in episodes if t["group"] == chosen for turn in t["turns"])
+        assert record["filter/kept_ratio"] == pytest.approx(1 / 3)
+        assert record["batch/trained_tokens"] == tokens
 
 
 def test_top_k_filter_with_a_group_count(tiny_model_dir, tmp_path):

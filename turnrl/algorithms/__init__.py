@@ -33,7 +33,7 @@ from turnrl.algorithms.estimators import (
     estimator_names,
     get_estimator,
 )
-from turnrl.algorithms.filters import GroupSelection, select_groups
+from turnrl.algorithms.filters import GroupSelection, seeded_group_scores, select_groups
 from turnrl.algorithms.losses import (
     AGGREGATIONS,
     PolicyLossStats,
@@ -79,6 +79,7 @@ __all__ = [
     "truncated_importance_weights",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "seeded_group_scores",
     "select_groups",
     "turn_gae",
     "value_loss",

@@ -17,11 +17,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from turnrl.algorithms.advantages import group_stats
 
-__all__ = ["GroupSelection", "OnEmpty", "Strategy", "Weighting", "select_groups"]
+__all__ = ["GroupSelection", "OnEmpty", "Strategy", "Weighting", "seeded_group_scores", "select_groups"]
 
 Strategy = Literal["top_k", "top_p", "min_p", "none"]
 Weighting = Literal["linear", "softmax"]
@@ -48,6 +49,27 @@ class GroupSelection:
     """k / g: share of groups kept (0 when the step is skipped)."""
     skip_step: bool
     """True when nothing was selected and the policy was ``"skip"``: do not update."""
+
+
+# Set apart from any other use of the env seeds: the scores are not the env's own draws.
+_SCORE_STREAM = 0x5C0E
+
+
+def seeded_group_scores(seeds: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Shape (g,): a number in [0, 1) for each group (ascending ids), drawn from the env seed its samples share.
+
+    A ranking blind to rewards: top-k by it keeps as many groups as StarPO-S does, chosen at random, which is
+    the control that tells the reward spread's choice from keeping fewer samples. The same batch always gets
+    the same scores, on every process and after a resume, with no generator state to carry.
+
+    Args:
+        seeds: Shape (b,), each sample's env seed (shared by its group).
+        group_index: Shape (b,), integer group id of each sample.
+    """
+    ids = torch.unique(group_index, sorted=True)
+    first = [int(torch.nonzero(group_index == group)[0]) for group in ids]
+    return torch.tensor([np.random.default_rng([int(seeds[i]), _SCORE_STREAM]).random() for i in first],
+                        dtype=torch.float64)
 
 
 def _count_top_k(value: float | int, n_groups: int) -> int:

@@ -76,7 +76,8 @@ class FilterConfig:
     value: float = 0.25
     """top_k: share of groups (<=1) or count (>1); top_p: cumulative mass; min_p: share of the best score."""
     metric: str = "reward_std"
-    """Group score: ``reward_std``, ``reward_mean``, ``length_mean``."""
+    """Group score: ``reward_std``, ``reward_mean``, ``length_mean``, or ``random`` (a number drawn from the
+    group's env seed: as many groups, chosen blind to their rewards, the control for ``reward_std``)."""
     weighting: Weighting = "linear"
     """top_p weighting of the scores: ``linear`` or ``softmax``."""
     drop_zero_variance: bool = False
@@ -86,7 +87,7 @@ class FilterConfig:
 
     def validate(self) -> None:
         check_choice("algorithm.filter.method", self.method, ["none", "top_k", "top_p", "min_p"])
-        check_choice("algorithm.filter.metric", self.metric, ["reward_std", "reward_mean", "length_mean"])
+        check_choice("algorithm.filter.metric", self.metric, ["reward_std", "reward_mean", "length_mean", "random"])
         check_choice("algorithm.filter.weighting", self.weighting, ["linear", "softmax"])
         check_choice("algorithm.filter.on_empty", self.on_empty, ["skip", "keep_all"])
         check_range("algorithm.filter.value", self.value, 0.0)

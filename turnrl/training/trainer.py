@@ -43,7 +43,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from turnrl.agent.formats import get_format
-from turnrl.algorithms import group_stats, kl_penalty, select_groups
+from turnrl.algorithms import group_stats, kl_penalty, seeded_group_scores, select_groups
 from turnrl.config import ConfigError, SamplingConfig
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
@@ -145,7 +145,9 @@ def select_trajectories(trajectories: list[Trajectory], config: FilterConfig) ->
     # FilterConfig.value above 1 is a count of groups, at most 1 a share.
     value: float | int = int(config.value) if config.method == "top_k" and config.value > 1 else config.value
     scores = None  # select_groups scores a group by its reward std unless given other scores
-    if config.metric != "reward_std":
+    if config.metric == "random":
+        scores = seeded_group_scores(torch.tensor([t.seed for t in trajectories]), groups)
+    elif config.metric != "reward_std":
         per_sample = rewards if config.metric == "reward_mean" else torch.tensor(
             [float(sum(len(turn.response_ids) for turn in t.turns)) for t in trajectories])
         scores = group_stats(per_sample, groups).mean
