@@ -343,33 +343,39 @@ def test_top_k_filter_keeps_the_most_varied_groups_and_drops_zero_variance(warm_
     assert dropped_some and kept_some, "the warm model should give both varied and uniform groups"
 
 
+TOP_THIRD = ("algorithm.advantage=grpo", "groups.n_groups=3", "algorithm.filter.method=top_k",
+             "algorithm.filter.value=0.34", "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=4")
+"""The top third of three groups: one group kept a step."""
+
+
+def response_tokens_by_group(episodes: list[dict]) -> dict[int, list[int]]:
+    """Each group's episodes' response tokens, by group id."""
+    tokens: dict[int, list[int]] = {}
+    for t in episodes:
+        tokens.setdefault(t["group"], []).append(sum(turn["num_response_tokens"] for turn in t["turns"]))
+    return tokens
+
+
 def test_top_k_filter_by_mean_response_length_keeps_the_longest_group(warm_model_dir, tmp_path):
-    train(config(warm_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=3", "agent.max_turns=3",
-                 "algorithm.filter.method=top_k", "algorithm.filter.value=0.34", "algorithm.filter.metric=length_mean",
-                 "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=4"))
+    train(config(warm_model_dir, tmp_path, *TOP_THIRD, "agent.max_turns=3", "algorithm.filter.metric=length_mean"))
     run_dir = tmp_path / "run"
     for step, record in step_records(run_dir).items():
-        tokens: dict[int, list[int]] = {}
-        for t in trajectories(run_dir, step):
-            tokens.setdefault(t["group"], []).append(sum(turn["num_response_tokens"] for turn in t["turns"]))
+        tokens = response_tokens_by_group(trajectories(run_dir, step))
         longest = max(sorted(tokens), key=lambda g: sum(tokens[g]) / len(tokens[g]))  # ties: the smaller id
         assert record["filter/kept_ratio"] == pytest.approx(1 / 3)
         assert record["batch/samples"] == 2 and record["batch/trained_tokens"] == sum(tokens[longest])
 
 
 def test_top_k_filter_by_random_scores_keeps_the_group_its_env_seed_ranks_first(tiny_model_dir, tmp_path):
-    train(config(tiny_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=3", "run.steps=2",
-                 "algorithm.filter.method=top_k", "algorithm.filter.value=0.34", "algorithm.filter.metric=random",
-                 "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=4"))
+    train(config(tiny_model_dir, tmp_path, *TOP_THIRD, "run.steps=2", "algorithm.filter.metric=random"))
     run_dir = tmp_path / "run"
     for step, record in step_records(run_dir).items():
         episodes = trajectories(run_dir, step)
         groups = torch.tensor([t["group"] for t in episodes])
         scores = seeded_group_scores(torch.tensor([t["seed"] for t in episodes]), groups)
         chosen = int(torch.unique(groups)[int(scores.argmax())])
-        tokens = sum(turn["num_response_tokens"] for t in episodes if t["group"] == chosen for turn in t["turns"])
         assert record["filter/kept_ratio"] == pytest.approx(1 / 3)
-        assert record["batch/trained_tokens"] == tokens
+        assert record["batch/trained_tokens"] == sum(response_tokens_by_group(episodes)[chosen])
 
 
 def test_top_k_filter_with_a_group_count(tiny_model_dir, tmp_path):

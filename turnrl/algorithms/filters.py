@@ -66,9 +66,9 @@ def seeded_group_scores(seeds: torch.Tensor, group_index: torch.Tensor) -> torch
         seeds: Shape (b,), each sample's env seed (shared by its group).
         group_index: Shape (b,), integer group id of each sample.
     """
-    ids = torch.unique(group_index, sorted=True)
-    first = [int(torch.nonzero(group_index == group)[0]) for group in ids]
-    return torch.tensor([np.random.default_rng([int(seeds[i]), _SCORE_STREAM]).random() for i in first],
+    ids, inverse = torch.unique(group_index, sorted=True, return_inverse=True)
+    group_seeds = torch.zeros(len(ids), dtype=torch.long).scatter_(0, inverse, seeds.long())  # a group's own
+    return torch.tensor([np.random.default_rng([seed, _SCORE_STREAM]).random() for seed in group_seeds.tolist()],
                         dtype=torch.float64)
 
 

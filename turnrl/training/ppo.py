@@ -268,7 +268,8 @@ def ppo_epochs(
                     values = _actor_backward(actor, part, inputs, rows, config, temperature, weight * world,
                                              batching.packed)
                     record_weighted(values, weight)
-                    mini_kl = mini_kl + weight * values["actor/approx_kl"]
+                    if config.target_kl is not None:
+                        mini_kl = mini_kl + weight * values["actor/approx_kl"]
                 if critic is not None and critic_optimizer is not None:
                     record_weighted(_critic_backward(critic, part, inputs, rows, config, weight * world,
                                                      batching.packed), weight)
