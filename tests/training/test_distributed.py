@@ -196,7 +196,9 @@ def test_two_processes_with_compiled_layer_parts_train_as_one_eager_process(tiny
     weights = load_file(tmp_path / "double" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
     reference = load_file(single / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
     for name in weights:
-        torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-5)
+        # Compiled norms and MLPs sum in another order: where a gradient is near 0, Adam's division by its
+        # running scale makes that rounding a few percent of a step (lr 1e-3); seen: 4.4e-5 on 1 weight of 12,288.
+        torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=5e-5)
 
 
 def test_two_processes_stop_at_the_target_kl_together_as_one(tiny_model_dir, tmp_path):

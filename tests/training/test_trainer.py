@@ -512,6 +512,20 @@ def test_a_time_limit_ends_the_run_as_a_finished_one_and_a_resume_goes_on(tiny_m
     assert sorted(step_records(run)) == [1, 2, 3, 4]
 
 
+def test_a_run_stopped_right_after_a_validation_ends_with_it_and_logs_the_step_once(tiny_model_dir, tmp_path):
+    """The step's validation saw the final weights: validating again would cost its time and log a second
+    record of the step (which a mean over the last validations would count twice)."""
+    run = tmp_path / "run"
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=4", "run.time_limit_minutes=1e-6",
+                           "validation.every=1"))
+    assert summary["steps"] == 1
+    at_step_1 = [r for r in records(run) if r["step"] == 1]
+    assert len(at_step_1) == 1 and "rollout/success" in at_step_1[0]
+    assert summary["val_success_after_rl"] == at_step_1[0]["val/success"]
+    assert summary["val_after_rl"]["val/episodes"] == at_step_1[0]["val/episodes"]
+    assert (run / "trajectories" / "val_after_rl.jsonl").read_text().strip()
+
+
 # --------------------------------------------------------------------------- Ctrl-C
 def test_graceful_stop_asks_first_and_interrupts_on_the_second_ctrl_c():
     with GracefulStop() as stop:

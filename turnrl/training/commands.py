@@ -46,7 +46,7 @@ from turnrl.training.memory import GIB, cap_gpu_memory, check_memory
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import resumed_checkpoint, run_directory, start_run
 from turnrl.training.sft import sft_stage
-from turnrl.training.trainer import Trainer, console
+from turnrl.training.trainer import StepOutput, Trainer, console
 from turnrl.viz.records import write_token_advantages
 from turnrl.viz.report import write_report
 
@@ -92,10 +92,15 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     return path
 
 
-def _validate_and_write(trainer: Trainer, logger: MetricsLogger | None, step: int, name: str) -> dict[str, float]:
-    output = trainer.validate()
+def _validate_and_write(trainer: Trainer, logger: MetricsLogger | None, step: int, name: str,
+                        done: StepOutput | None = None) -> dict[str, float]:
+    """Validate after ``step`` and write its record and trajectories; ``done``: a validation of these same
+    weights that the step's record already holds (a run stopped right after it), so only its trajectories
+    are written (validating again would cost the time and log the step twice)."""
+    output = trainer.validate() if done is None else done
     if logger is not None:  # rank 0 of a distributed run
-        logger.log(step, output.metrics)
+        if done is None:
+            logger.log(step, output.metrics)
         write_trajectories(output.trajectories, trainer.run_dir / "trajectories", name=name)
     return output.metrics
 
@@ -217,6 +222,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     history = logged_steps(trainer.run_dir, trainer.first_step) if resumed else []
     early_stops, ran = EarlyStops(config.collapse, history), config.run.steps
     stopped: dict[str, Any] = {}  # why a run ended before run.steps, other than an early stop's rule
+    validation: StepOutput | None = None  # the last step's, when it validated
     trainer.collapse.resume(history)
     with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, config.run.steps + 1):
@@ -229,8 +235,9 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 return _stop(trainer, logger, step - 1, error=True)  # saves the last finished step
             metrics = output.metrics
             last = step == config.run.steps
-            if validate_now(step) and not last:
-                metrics.update(trainer.validate().metrics)
+            validation = trainer.validate() if validate_now(step) and not last else None
+            if validation is not None:
+                metrics.update(validation.metrics)
             early_stop = early_stops.observe(metrics)
             if logger is not None:
                 logger.log(step, metrics)
@@ -260,7 +267,9 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             if save_now(step) and not last:
                 _save(trainer, step)
 
-    after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl")
+    # A run that stopped early right after a validation ends with that one: the weights are the same.
+    last_validation = validation if ran < config.run.steps else None
+    after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl", done=last_validation)
     trainer.summary["val_success_after_rl"] = after["val/success"]
     trainer.summary["val_after_rl"] = after
     trainer.summary["steps"] = ran
