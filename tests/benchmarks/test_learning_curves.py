@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.learning_curves import first_last, main, reference_argument, row_argument, table
+from benchmarks.learning_curves import first_last, gains, gains_table, main, reference_argument, row_argument, table
 from turnrl.viz.plots import COLLAPSE_METRICS, Metric
 
 
@@ -93,3 +93,45 @@ def test_a_reference_level_is_read_as_metric_label_and_value():
     assert reference_argument("val/success=random: no grid:0.265") == ("val/success", "random: no grid", 0.265)
     with pytest.raises(argparse.ArgumentTypeError, match="METRIC=LABEL:VALUE"):
         reference_argument("val/success=random")
+
+
+def validations(*pairs: tuple[int, float]) -> list[dict]:
+    return [{"step": step, "val/success": value} for step, value in pairs]
+
+
+def test_gains_are_the_start_the_best_the_last_and_the_mean_of_the_last_three():
+    g = gains(validations((0, 0.4), (10, 0.6), (20, 0.7), (30, 0.6), (40, 0.65)))
+    assert (g.start, g.best, g.best_step, g.last, g.last_step) == (0.4, 0.7, 20, 0.65, 40)
+    assert g.last_mean == pytest.approx((0.7 + 0.6 + 0.65) / 3)
+    assert g.gain_at_best == pytest.approx(0.3) and g.gain_over_last == pytest.approx(0.25)
+
+
+def test_a_step_validated_twice_counts_once_and_an_equal_best_is_the_earliest():
+    """A run stopped right after a validation once logged that step twice: the mean must not count it twice."""
+    g = gains(validations((0, 0.4), (10, 0.7), (20, 0.5), (30, 0.7), (30, 0.7)))
+    assert g.best_step == 10 and g.last_mean == pytest.approx((0.7 + 0.5 + 0.7) / 3)
+
+
+def test_gains_need_two_validations_and_average_what_there_is():
+    assert gains(validations((0, 0.4))) is None and gains([]) is None
+    assert gains(validations((0, 0.4), (10, 0.6))).last_mean == pytest.approx(0.5)
+
+
+def test_the_gains_table_has_a_line_per_run_and_the_rows_mean(tmp_path):
+    runs = [tmp_path / "s0", tmp_path / "s1", tmp_path / "s2"]
+    records = [validations((0, 0.4), (10, 0.6), (20, 0.7)), validations((0, 0.5), (10, 0.6), (20, 0.6)),
+               validations((0, 0.5))]
+    assert gains_table(runs, records).splitlines()[2:] == [
+        "| s0 | 0.400 | 0.700 (20) | 0.700 (20) | 0.567 | +30 | +17 |",
+        "| s1 | 0.500 | 0.600 (10) | 0.600 (20) | 0.567 | +10 | +7 |",
+        "| s2 | - | - | - | - | - | - |",
+        "| mean of 2 | 0.450 | 0.650 | | 0.567 | +20 | +12 |",
+    ]
+
+
+def test_the_script_prints_the_gains_without_drawing(runs, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["learning_curves.py", "--gains", f"GRPO={runs}/GRPO_seed*"])
+    main()
+    out = capsys.readouterr().out
+    assert "**GRPO**" in out and "| GRPO_seed2 | 0.250 | 0.500 (10) | 0.500 (10) | 0.375 | +25 | +12 |" in out
+    assert "| mean of 3 |" in out
