@@ -526,6 +526,16 @@ def test_a_run_stopped_right_after_a_validation_ends_with_it_and_logs_the_step_o
     assert (run / "trajectories" / "val_after_rl.jsonl").read_text().strip()
 
 
+def test_a_run_of_no_steps_validates_once(tiny_model_dir, tmp_path):
+    """``run.steps=0`` (an SFT start and its validation): before and after RL are one validation."""
+    run = tmp_path / "run"
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=0"))
+    assert [r["step"] for r in records(run) if "val/success" in r] == [0]
+    assert summary["val_success_after_rl"] == summary["val_success_before_rl"]
+    before, after = ((run / "trajectories" / f"val_{when}_rl.jsonl").read_text() for when in ("before", "after"))
+    assert before and before == after
+
+
 # --------------------------------------------------------------------------- Ctrl-C
 def test_graceful_stop_asks_first_and_interrupts_on_the_second_ctrl_c():
     with GracefulStop() as stop:

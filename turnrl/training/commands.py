@@ -93,16 +93,16 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
 
 
 def _validate_and_write(trainer: Trainer, logger: MetricsLogger | None, step: int, name: str,
-                        done: StepOutput | None = None) -> dict[str, float]:
+                        done: StepOutput | None = None) -> StepOutput:
     """Validate after ``step`` and write its record and trajectories; ``done``: a validation of these same
-    weights that the step's record already holds (a run stopped right after it), so only its trajectories
-    are written (validating again would cost the time and log the step twice)."""
+    weights that the log already holds (a run stopped right after it, or one that ran no step), so only its
+    trajectories are written (validating again would cost the time and log the step twice)."""
     output = trainer.validate() if done is None else done
     if logger is not None:  # rank 0 of a distributed run
         if done is None:
             logger.log(step, output.metrics)
         write_trajectories(output.trajectories, trainer.run_dir / "trajectories", name=name)
-    return output.metrics
+    return output
 
 
 def _every(n: int) -> Callable[[int], bool]:
@@ -212,17 +212,18 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                            config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))),
                            resume_step=trainer.first_step if resumed else None) if ranks.is_main() else None
 
+    validation: StepOutput | None = None  # the latest validation, while the weights are still the ones it saw
     if not resumed:
-        before = _validate_and_write(trainer, logger, 0, "val_before_rl.jsonl")
-        trainer.summary["val_success_before_rl"] = before["val/success"]
-        console.print(f"validation success before RL: [bold]{before['val/success']:.3f}[/bold]")
+        validation = _validate_and_write(trainer, logger, 0, "val_before_rl.jsonl")
+        success = validation.metrics["val/success"]
+        trainer.summary["val_success_before_rl"] = success
+        console.print(f"validation success before RL: [bold]{success:.3f}[/bold]")
 
     validate_now, save_now = _every(config.validation.every), _every(config.run.save_every)
     write_now = _every(config.run.trajectories_every)
     history = logged_steps(trainer.run_dir, trainer.first_step) if resumed else []
     early_stops, ran = EarlyStops(config.collapse, history), config.run.steps
     stopped: dict[str, Any] = {}  # why a run ended before run.steps, other than an early stop's rule
-    validation: StepOutput | None = None  # the last step's, when it validated
     trainer.collapse.resume(history)
     with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, config.run.steps + 1):
@@ -267,9 +268,11 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             if save_now(step) and not last:
                 _save(trainer, step)
 
-    # A run that stopped early right after a validation ends with that one: the weights are the same.
-    last_validation = validation if ran < config.run.steps else None
-    after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl", done=last_validation)
+    # A run that stopped early right after a validation, or ran no step, ends with that validation: the
+    # weights are the ones it saw. (A run that ran all its steps skipped the last step's.)
+    unchanged = ran < config.run.steps or ran == trainer.first_step
+    after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl",
+                                done=validation if unchanged else None).metrics
     trainer.summary["val_success_after_rl"] = after["val/success"]
     trainer.summary["val_after_rl"] = after
     trainer.summary["steps"] = ran
