@@ -158,7 +158,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {args.env} with {settings} observes no image{hint}")
     output = image_path(args.output)
     _save_png(obs["image"], output)
-    console.print(f"wrote {output} ({obs['image'].shape[1]}x{obs['image'].shape[0]})")
+    # One unwrapped line: a path broken across lines cannot be copied.
+    console.print(f"wrote {output} ({obs['image'].shape[1]}x{obs['image'].shape[0]})", markup=False, highlight=False,
+                  soft_wrap=True)
     return 0
 
 

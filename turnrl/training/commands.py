@@ -88,7 +88,7 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
         config.sft.data = data
     preflight(config, stage="sft")
     path = sft_stage(config, start_run(config, stage="sft")).model_path
-    console.print(f"SFT model written to {path}")
+    console.print(f"SFT model written to {path}", markup=False, highlight=False, soft_wrap=True)
     return path
 
 
@@ -288,7 +288,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     before_value = trainer.summary.get("val_success_before_rl")
     console.print(f"validation success before RL: {before_value:.3f}, after RL: [bold]{after['val/success']:.3f}[/bold]"
                   if before_value is not None else f"validation success after RL: {after['val/success']:.3f}")
-    console.print(f"summary: {path}")
+    console.print(f"summary: {path}", markup=False, highlight=False, soft_wrap=True)
     _report(trainer.run_dir)
     return trainer.summary
 
