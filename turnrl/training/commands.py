@@ -269,10 +269,8 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 _save(trainer, step)
 
     # A run that stopped early right after a validation, or ran no step, ends with that validation: the
-    # weights are the ones it saw. (A run that ran all its steps skipped the last step's.)
-    unchanged = ran < config.run.steps or ran == trainer.first_step
-    after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl",
-                                done=validation if unchanged else None).metrics
+    # weights are the ones it saw. (Every other way out of the loop leaves none: the last step skips its own.)
+    after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl", done=validation).metrics
     trainer.summary["val_success_after_rl"] = after["val/success"]
     trainer.summary["val_after_rl"] = after
     trainer.summary["steps"] = ran
