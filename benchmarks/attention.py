@@ -5,8 +5,10 @@ rows all ``--context`` long, or of lengths spread evenly from a quarter of it to
 that drifted apart). torch's attention reads every row up to the longest (its key length rounded up to 64); the
 kernel reads each row to its own length. Each setting (key stretches per row, key block, warps, stages) is
 timed as the engine runs it, in a CUDA graph (``--iters`` calls captured and replayed, timed with CUDA events);
-the ratio is against torch in the same run. With ``--layers 24`` each call reads the next of 24 caches, as a
-decode step's layers do: a single cache stays partly in the GPU's L2 between calls, which flatters every row.
+the ratio is against torch in the same run. The kernel reads the engine's paged cache, each row's pages in a
+shuffled order (as a long run leaves them); torch reads the same keys and values as contiguous rows. With
+``--layers 24`` each call reads the next of 24 caches, as a decode step's layers do: a single cache stays partly
+in the GPU's L2 between calls, which flatters every row.
 
     python benchmarks/attention.py --batch 64 256 --context 640
     python benchmarks/attention.py --batch 256 --lengths equal --layers 24 --splits 1 2 --warps 2 4 8 --stages 2 3 4
@@ -24,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from turnrl.engine.attention import cached_attention, decode_splits  # noqa: E402
+from turnrl.engine.cache import PAGE_TOKENS, pages_for  # noqa: E402
 from turnrl.engine.forward import decode_attention, round_up  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
@@ -51,6 +54,20 @@ def timed_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def paged(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows Shape (2, b, Hkv, C + 1, D) as the engine's pages in a shuffled order, and their table."""
+    two, rows, heads, columns, dim = kv.shape
+    per_row = pages_for(columns - 1)
+    padded = torch.zeros(two, rows, heads, per_row * PAGE_TOKENS, dim, device=kv.device, dtype=kv.dtype)
+    padded[:, :, :, : columns - 1] = kv[:, :, :, : columns - 1]
+    by_page = padded.view(two, rows, heads, per_row, PAGE_TOKENS, dim).permute(0, 1, 3, 2, 4, 5)
+    order = torch.randperm(rows * per_row, device=kv.device) + 1  # page 0: scratch
+    pages = torch.zeros(two, rows * per_row + 1, heads, PAGE_TOKENS, dim, device=kv.device, dtype=kv.dtype)
+    pages[:, order] = by_page.reshape(two, rows * per_row, heads, PAGE_TOKENS, dim)
+    table = torch.cat((order.view(rows, per_row), torch.zeros(rows, 1, dtype=order.dtype, device=kv.device)), 1)
+    return pages, table.int()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
@@ -71,6 +88,8 @@ def main() -> None:
         capacity = round_up(args.context + 1)
         caches = [torch.randn(2, batch, KV_HEADS, capacity + 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
                   for _ in range(args.layers)]
+        paged_caches = [paged(kv) for kv in caches]
+        scratch = pages_for(capacity) * PAGE_TOKENS
         q = torch.randn(batch, 1, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16).transpose(1, 2)
         if lengths == "equal":
             last = torch.full((batch,), args.context - 1, device=device)
@@ -85,9 +104,9 @@ def main() -> None:
         splits = sorted(set(args.splits or [1, 2, 4, auto]))
         for split, block_n, warps, stages in itertools.product(splits, args.blocks, args.warps, args.stages):
             try:
-                ms = timed_ms(lambda: [cached_attention(q, kv, None, positions, capacity, split=split,
+                ms = timed_ms(lambda: [cached_attention(q, pages, table, None, positions, scratch, split=split,
                                                         block_n=block_n, num_warps=warps, num_stages=stages)
-                                       for kv in caches], args.iters) / args.layers
+                                       for pages, table in paged_caches], args.iters) / args.layers
             except Exception as error:  # a setting the GPU cannot run (shared memory): printed, not fatal
                 print(f"{batch:>5} {lengths:<8} split {split} block {block_n} w{warps} s{stages}: "
                       f"{type(error).__name__}")

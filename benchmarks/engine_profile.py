@@ -42,12 +42,21 @@ from turnrl.engine.engine import Engine, SamplingParams  # noqa: E402
 from turnrl.engine.forward import decoder_forward, final_logits  # noqa: E402
 
 
+def give_rows_pages(engine: Engine, batch: int, positions: int) -> None:
+    """Rows ``0 .. batch-1`` hold the pages of ``positions`` positions, as admitted sequences of that length do."""
+    for row in range(batch):
+        if not engine.cache.resize(row, positions):
+            raise SystemExit(f"the key/value cache holds fewer than {batch} sequences of {positions} tokens: "
+                             "raise kv_cache_gb in profile_variant")
+    engine.cache.sync()
+
+
 def decode_step(engine: Engine, batch: int, context: int):
     """A function that runs one decode step of ``batch`` rows at position ``context`` and samples from it."""
-    engine._reserve(context + 1)
+    give_rows_pages(engine, batch, context + 1)
     key_len = engine._key_len(context + 1, graphed=engine.use_graphs)
     tokens = torch.randint(0, engine.weights.shape.vocab_size, (batch,), device=engine.device)
-    # Writing at the scratch column keeps the cache as it is; attention reads key_len positions all the same.
+    # Every step writes position ``context`` again; attention reads key_len positions all the same.
     positions = torch.full((batch,), context, dtype=torch.long, device=engine.device)
     temperature = torch.ones(batch, device=engine.device)
 
@@ -64,7 +73,7 @@ def decode_step(engine: Engine, batch: int, context: int):
 def prefill_step(engine: Engine, batch: int, context: int):
     """A function that prefills ``batch`` fresh prompts of ``context`` tokens in one forward pass (one prefill
     chunk of the engine: ``prefill_chunk_tokens`` caps batch x context) and samples each one's first token."""
-    engine._reserve(context)
+    give_rows_pages(engine, batch, context)
     key_len = engine._key_len(context)
     tokens = torch.randint(0, engine.weights.shape.vocab_size, (batch, context), device=engine.device)
     positions = torch.arange(context, device=engine.device).expand(batch, context)

@@ -180,8 +180,9 @@ class EngineConfig:
     """The rollout engine's cache and batching (``model.backend=engine``)."""
 
     kv_cache_gb: float = 0.0
-    """Memory for cached keys and values, which bounds the sequences run at once (rows of max_seq_len); 0 takes
-    30% of the GPU memory free when the engine starts, or 4 GiB on a CPU."""
+    """Memory for cached keys and values, in pages of 128 positions: a sequence takes the pages of its prompt and
+    generation budget when it starts, so the budget bounds the tokens run at once; 0 takes 30% of the GPU memory
+    free when the engine starts, or 4 GiB on a CPU."""
     max_rows: int = 256
     """Sequences cached at once at most, whatever the memory allows."""
     max_seq_len: int = 4096

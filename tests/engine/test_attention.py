@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.paging import paged
 from turnrl.engine.attention import cached_attention, triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 
 CAPACITY = 128
+PAGE = 64
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 """Where the kernel runs: a GPU, else Triton's interpreter on CPU tensors."""
@@ -18,9 +20,11 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | None, positions: torch.Tensor,
            **settings) -> torch.Tensor:
-    """:func:`cached_attention` on :data:`DEVICE`, its output back on the CPU (where the reference runs)."""
+    """:func:`cached_attention` on :data:`DEVICE` over ``kv``'s rows in shuffled pages, its output back on the CPU
+    (where the reference runs)."""
     rows = rows.to(DEVICE) if rows is not None else None
-    out = cached_attention(q.to(DEVICE), kv.to(DEVICE), rows, positions.to(DEVICE), CAPACITY, **settings)
+    pages, table = paged(kv.to(DEVICE), PAGE)
+    out = cached_attention(q.to(DEVICE), pages, table, rows, positions.to(DEVICE), CAPACITY, **settings)
     return out.cpu()
 
 
@@ -118,3 +122,9 @@ def test_decode_split_into_key_stretches_equals_plain_attention(split):
     positions = torch.tensor([[0], [3], [CAPACITY], [127], [64]])
     out = attend(q, kv, None, positions, split=split)
     torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-5, rtol=1e-5)
+
+
+def test_a_key_block_that_would_cross_a_page_is_refused():
+    pages, table = paged(cache(1, 2, 32), 32)
+    with pytest.raises(ValueError, match="key blocks of 64 cross pages of 32 positions"):
+        cached_attention(queries(1, 4, 1, 32), pages, table, None, torch.tensor([[3]]), CAPACITY, block_n=64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.paging import paged, unpaged
 from turnrl.engine.attention import cached_attention, rotate_write_attend, triton_available
 from turnrl.engine.cache_write import rotate_and_write
 from turnrl.engine.forward import attention_inputs, qkv_projection
@@ -53,11 +54,16 @@ def test_rotated_queries_and_cache_equal_the_torch_path(heads, kv_heads, head_di
     expected_q = reference(x, rope, positions, write_pos, rows, expected_kv, weights, shape)
 
     _, projected = qkv_projection(x, None, weights["norm"], [weights["qkv"]], [weights["bias"]], shape.rms_eps)
-    q = rotate_and_write(projected, *rope, positions, write_pos, rows, kv, heads)
+    pages, table = paged(kv, page=16)
+    q = rotate_and_write(projected, *rope, positions, write_pos, rows, pages, table, heads)
 
     assert q.shape == (b, heads, t, head_dim)
     torch.testing.assert_close(q, expected_q, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kv, expected_kv, atol=1e-5, rtol=1e-5)
+    written = unpaged(pages, table)
+    torch.testing.assert_close(written[..., :capacity, :], expected_kv[..., :capacity, :], atol=1e-5, rtol=1e-5)
+    # The padding token's key and value went to the scratch page, not into a row.
+    padding_row = 2 if rows is None else int(rows[2])
+    torch.testing.assert_close(pages[:, 0, :, 0], expected_kv[:, padding_row, :, capacity], atol=1e-5, rtol=1e-5)
 
 
 def test_half_precision_rounds_once_from_float32():
@@ -68,11 +74,11 @@ def test_half_precision_rounds_once_from_float32():
     angles = torch.arange(capacity + 1.0, device=DEVICE)[:, None] * torch.rand(head_dim // 2, device=DEVICE)
     rope = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
     positions = torch.tensor([[3], [5]], device=DEVICE)
-    exact_kv = torch.zeros(2, 2, kv_heads, capacity + 1, head_dim, device=DEVICE)
-    exact_q = rotate_and_write(projected, *rope, positions, positions, None, exact_kv, heads)
+    exact_kv, table = paged(torch.zeros(2, 2, kv_heads, capacity + 1, head_dim, device=DEVICE), page=8)
+    exact_q = rotate_and_write(projected, *rope, positions, positions, None, exact_kv, table, heads)
     half_kv = torch.zeros_like(exact_kv, dtype=torch.bfloat16)
     half_q = rotate_and_write(projected.bfloat16(), rope[0].bfloat16(), rope[1].bfloat16(), positions, positions,
-                              None, half_kv, heads)
+                              None, half_kv, table, heads)
     assert half_q.dtype == torch.bfloat16
     torch.testing.assert_close(half_q.float(), exact_q, atol=0.03, rtol=0.02)
     torch.testing.assert_close(half_kv.float(), exact_kv, atol=0.03, rtol=0.02)
@@ -81,7 +87,8 @@ def test_half_precision_rounds_once_from_float32():
 def test_a_projection_of_another_width_is_refused():
     with pytest.raises(ValueError, match="not 2 query and 1 key/value heads of 16"):
         rotate_and_write(torch.zeros(1, 1, 70), torch.zeros(4, 16), torch.zeros(4, 16), torch.zeros(1, 1).long(),
-                         torch.zeros(1, 1).long(), None, torch.zeros(2, 1, 1, 4, 16), 2)  # refused before a launch
+                         torch.zeros(1, 1).long(), None, torch.zeros(2, 1, 1, 4, 16), torch.zeros(1, 2).int(),
+                         2)  # refused before a launch
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "split", "indexed_rows", "dtype"), [
@@ -93,20 +100,20 @@ def test_decode_attention_with_the_write_inside_equals_write_then_attend(heads, 
     """Rows of different lengths (one at position 0, one past a stretch's first block) and a padding row at the
     scratch column: same output and same cache, bit for bit, as the two kernels one after the other."""
     torch.manual_seed(2)
-    b, capacity, cache_rows = 4, 160, 6
+    b, capacity, cache_rows = 4, 192, 6
     width = (heads + 2 * kv_heads) * head_dim
     angles = torch.arange(capacity + 1.0)[:, None] * torch.rand(head_dim // 2)
     rope = tuple(table.to(DEVICE, dtype) for table in (torch.cat((angles, angles), -1).cos(),
                                                        torch.cat((angles, angles), -1).sin()))
     projected = torch.randn(b, 1, width, device=DEVICE).to(dtype)
-    positions = torch.tensor([[0], [70], [capacity], [159]], device=DEVICE)
+    positions = torch.tensor([[0], [70], [capacity], [191]], device=DEVICE)
     rows = torch.tensor([5, 0, 3, 1], device=DEVICE) if indexed_rows else None
-    kv = torch.randn(2, cache_rows, kv_heads, capacity + 1, head_dim, device=DEVICE).to(dtype)
+    kv, table = paged(torch.randn(2, cache_rows, kv_heads, capacity + 1, head_dim, device=DEVICE).to(dtype), page=64)
     expected_kv = kv.clone()
-    q = rotate_and_write(projected, *rope, positions, positions, rows, expected_kv, heads)
-    expected = cached_attention(q, expected_kv, rows, positions, capacity, split=split)
+    q = rotate_and_write(projected, *rope, positions, positions, rows, expected_kv, table, heads)
+    expected = cached_attention(q, expected_kv, table, rows, positions, capacity, split=split)
 
-    out = rotate_write_attend(projected, *rope, positions, kv, rows, positions, capacity, heads, split=split)
+    out = rotate_write_attend(projected, *rope, positions, kv, table, rows, positions, capacity, heads, split=split)
 
     assert out.shape == (b, 1, heads * head_dim) and out.dtype == dtype
     assert torch.equal(kv, expected_kv)
@@ -116,4 +123,5 @@ def test_decode_attention_with_the_write_inside_equals_write_then_attend(heads, 
 def test_decode_attention_with_the_write_inside_refuses_a_prefill():
     with pytest.raises(ValueError, match="one token per sequence, not 2"):
         rotate_write_attend(torch.zeros(1, 2, 64), torch.zeros(4, 16), torch.zeros(4, 16), torch.zeros(1, 2).long(),
-                            torch.zeros(2, 1, 1, 4, 16), None, torch.zeros(1, 2).long(), 3, 2)
+                            torch.zeros(2, 1, 1, 4, 16), torch.zeros(1, 2).int(), None, torch.zeros(1, 2).long(), 3,
+                            2)

@@ -24,6 +24,7 @@ from transformers import (
 from turnrl.config import EngineConfig
 from turnrl.engine import attention
 from turnrl.engine.attention import triton_available
+from turnrl.engine.cache import INITIAL_PAGES, PAGE_TOKENS, KVCache, pages_for
 from turnrl.engine.engine import Engine, SamplingParams
 from turnrl.engine.weights import UnsupportedModel
 from turnrl.training.trainer import adamw
@@ -74,7 +75,8 @@ SLOW_ON_TRITON = pytest.mark.parametrize(
 
 
 def engine_for(model, rows: int = 8, max_len: int = 512, **config) -> Engine:
-    return Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=rows, max_seq_len=max_len, **{**KERNELS, **config}))
+    settings = {"kv_cache_gb": 1.0, **KERNELS, **config}
+    return Engine(model, EngineConfig(max_rows=rows, max_seq_len=max_len, **settings))
 
 
 def random_prompts(lengths, seed: int = 1) -> list[list[int]]:
@@ -284,7 +286,7 @@ def test_memory_freed_between_generations_is_rebuilt_and_gives_the_same_tokens(k
     stacked = [t for t in released.weights.tensors if t.source is not None]
     assert stacked  # the fused q/k/v and gate/up buffers
     released.release_memory()
-    assert released.cache.capacity == 0 and not released.cache.kv
+    assert released.cache.pages == 0 and not released.cache.kv
     assert all(t.value.untyped_storage().size() == 0 for t in stacked)
     turns = [prompt + random_prompts([7], seed=9)[0] for prompt in prompts]
     assert [r.token_ids for r in released.generate(turns, [GREEDY] * 2)] == \
@@ -394,15 +396,77 @@ def test_evicted_episodes_are_prefilled_again_and_give_the_same_tokens(kernels):
     assert small.stats.evictions >= 8
 
 
-@SLOW_ON_TRITON
-def test_the_cache_grows_for_longer_sequences_without_changing_tokens(kernels):
+def test_the_page_pool_grows_for_more_sequences_without_changing_tokens():
+    """Fourteen sequences need more pages than the pool starts with: it doubles (keeping the pages in use) and
+    every sequence samples what it samples alone. (With torch's kernels only: growing is the engine's
+    bookkeeping, and 9,000 prompt tokens would take minutes in Triton's interpreter.)"""
     model = build("qwen2")
-    prompts = random_prompts([20, 700])
-    engine = engine_for(model, max_len=1024)
-    assert engine.cache.capacity == 512
-    results = engine.generate(prompts, [GREEDY] * 2)
-    assert engine.cache.capacity == 1024
-    assert [r.token_ids for r in results] == [hf_greedy(model, p, 12) for p in prompts]
+    prompts = random_prompts([20, 700] + [640] * 12)
+    engine = engine_for(model, rows=16, max_len=1024)
+    assert engine.cache.pages == INITIAL_PAGES + 1
+    results = engine.generate(prompts, [GREEDY] * len(prompts))
+    assert engine.cache.pages > INITIAL_PAGES + 1
+    assert [r.token_ids for r in results[:2]] == [hf_greedy(model, p, 12) for p in prompts[:2]]
+    alone = [engine_for(model, rows=1, max_len=1024).generate([p], [GREEDY])[0].token_ids for p in prompts[2:]]
+    assert [r.token_ids for r in results[2:]] == alone
+
+
+def engine_with_pages(model, pages: int, **settings) -> Engine:
+    """An engine whose cache budget is ``pages`` pages (scratch included)."""
+    probe = engine_for(model)
+    page_bytes = KVCache.bytes_per_token(probe.weights.shape.key_width, probe.dtype) * PAGE_TOKENS
+    engine = engine_for(model, kv_cache_gb=pages * page_bytes / 2**30, **settings)
+    assert engine.cache.max_pages == pages
+    return engine
+
+
+@SLOW_ON_TRITON
+def test_sequences_wait_for_pages_and_give_the_same_tokens(kernels):
+    """Eight rows but pages for four one-page sequences at once: the rest wait for pages, not for rows."""
+    model = build("qwen2")
+    prompts = random_prompts([5, 30, 9, 17, 2, 11, 25])
+    params = [SamplingParams(temperature=0, max_new_tokens=4 + 3 * i) for i in range(len(prompts))]
+    roomy = engine_for(model).generate(prompts, params)
+    tight = engine_with_pages(model, 5, max_len=256)
+    assert [r.token_ids for r in tight.generate(prompts, params)] == [r.token_ids for r in roomy]
+
+
+@SLOW_ON_TRITON
+def test_idle_rows_give_up_their_pages_to_a_longer_turn(kernels):
+    """Two episodes finish a turn and keep their rows; the first one's next turn needs more pages than are free,
+    so the second one's idle row gives them up: its next turn is prefilled again, with the same tokens."""
+    model = build("qwen2")
+    first = random_prompts([40, 40], seed=3)
+    params = SamplingParams(temperature=0, max_new_tokens=5)
+
+    def play(engine):
+        outs = [r.token_ids for r in engine.generate(first, [params] * 2)]
+        long_turn = first[0] + outs[0] + random_prompts([400], seed=4)[0]
+        short_turn = first[1] + outs[1] + random_prompts([7], seed=5)[0]
+        results = [engine.generate([turn], [params])[0] for turn in (long_turn, short_turn)]
+        return outs + [r.token_ids for r in results], [r.reused_tokens for r in results]
+
+    tight = engine_with_pages(model, 5)  # scratch + the four pages of one 512-token row
+    tokens, reused = play(tight)
+    roomy_tokens, roomy_reused = play(engine_for(model))
+    assert tokens == roomy_tokens
+    assert reused[0] > 0 and roomy_reused[1] > 0 and reused[1] == 0
+    assert tight.stats.evictions >= 1
+
+
+def test_a_finished_sequence_keeps_only_the_pages_of_its_cached_tokens():
+    """Admitted with the pages of its prompt and budget (200 + 300 positions: four pages), a sequence that stops
+    early gives back those its cached tokens do not use."""
+    model = build("qwen2")
+    prompt = random_prompts([200])[0]
+    free_run = engine_for(model).generate([prompt], [SamplingParams(temperature=0, max_new_tokens=30)])[0].token_ids
+    stop = free_run[10]
+    engine = engine_for(model)
+    result = engine.generate([prompt], [SamplingParams(temperature=0, max_new_tokens=300, stop_ids=(stop,))])[0]
+    assert result.token_ids == free_run[: free_run.index(stop) + 1]
+    row = next(r for r in engine.table.rows if r.tokens)
+    assert engine.cache.held(row.index) == pages_for(len(row.tokens)) == 2
+    assert engine.cache.free_pages == engine.cache.max_pages - 1 - 2
 
 
 def test_a_prompt_longer_than_a_row_fails_alone():

@@ -16,6 +16,7 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
+from tests.engine.paging import filled_cache
 from tests.engine.test_qwen2_vl import (
     VISION_TOKENS,
     checked_positions,
@@ -33,7 +34,7 @@ from tests.engine.test_qwen2_vl import (
 from tests.engine.test_qwen2_vl import episodes as qwen2_vl_episodes
 from turnrl.config import EngineConfig
 from turnrl.engine.engine import Engine
-from turnrl.engine.forward import Deepstack, KVCache, decoder_forward, mrope_rows, rotary_table
+from turnrl.engine.forward import Deepstack, decoder_forward, mrope_rows, rotary_table
 from turnrl.engine.images import placeholder_spans
 from turnrl.engine.weights import decoder_weights, rope_axes
 
@@ -157,10 +158,10 @@ def test_deepstack_features_are_added_to_whole_layer_outputs_where_the_mlp_outpu
     rope = rotary_table(weights, 64, torch.device("cpu"))
     hidden = []
     for triton in (False, True):
-        cache = KVCache(weights.shape, 2, 64, torch.float32, torch.device("cpu"))
+        cache = filled_cache(weights.shape, 2, 64)
         hidden.append(decoder_forward(weights, cache, rope, tokens, positions, positions, torch.arange(2), 64,
                                       triton_attention=triton, deepstack=deepstack))
-    without = decoder_forward(weights, KVCache(weights.shape, 2, 64, torch.float32, torch.device("cpu")), rope,
+    without = decoder_forward(weights, filled_cache(weights.shape, 2, 64), rope,
                               tokens, positions, positions, torch.arange(2), 64)
     torch.testing.assert_close(hidden[1], hidden[0], atol=1e-4, rtol=1e-4)
     assert (hidden[0] - without).abs().amax() > 0.1

@@ -6,15 +6,16 @@ from typing import Any
 
 import torch
 
+from tests.engine.paging import filled_cache
 from tests.engine.test_engine import build, random_prompts
-from turnrl.engine.forward import KVCache, decoder_forward, final_logits, rotary_table
+from turnrl.engine.forward import decoder_forward, final_logits, rotary_table
 from turnrl.engine.weights import DecoderWeights, decoder_weights
 
 
 def logits_of(weights: DecoderWeights, prompts: list[list[int]]) -> torch.Tensor:
     """Logits of a prefill of ``prompts`` (right-padded) and of one decode step after it, Shape (2, b, vocab)."""
     b, width = len(prompts), max(len(p) for p in prompts)
-    cache = KVCache(weights.shape, b, 128, torch.float32, torch.device("cpu"))
+    cache = filled_cache(weights.shape, b, 128)
     rope = rotary_table(weights, cache.capacity + 1, torch.device("cpu"))
     tokens = torch.zeros(b, width, dtype=torch.long)
     positions = torch.zeros(b, width, dtype=torch.long)

@@ -11,6 +11,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from turnrl.config import ConfigError, ModelConfig, load_config
+from turnrl.engine.cache import PAGE_TOKENS, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.tiny import build_tokenizer, count_parameters, preset_config
 from turnrl.models.vlm import count_vlm_parameters, vlm_config
@@ -18,7 +19,7 @@ from turnrl.training.config import TrainConfig
 from turnrl.training.memory import (
     GIB,
     activation_bytes,
-    cache_rows,
+    full_length_sequences,
     cap_gpu_memory,
     check_memory,
     count_model,
@@ -240,10 +241,11 @@ def test_a_cache_that_holds_fewer_sequences_than_a_step_plays_is_named_with_what
                          ["model.gradient_checkpointing=false", "algorithm.micro_batch_tokens=8192"])
     estimate = require_fit(config, counts, 4, H100)
     cache = estimate.parts["key/value cache"]
-    row = 2 * 2 * counts.key_width * (4096 + 1)  # keys and values in bf16, a row at full length
-    assert cache_rows(config, counts, cache) == int(cache // row) < 32
+    page = 2 * 2 * counts.key_width * PAGE_TOKENS  # keys and values in bf16
+    sequences = (int(cache // page) - 1) // pages_for(4096)  # at full length, beside the scratch page
+    assert full_length_sequences(config, counts, cache) == sequences < 32
     note = rollout_in_waves(config, counts, estimate, 4)
-    assert note is not None and f"holds {int(cache // row)} sequence" in note and "plays 32 episodes" in note
+    assert note is not None and f"holds {sequences} sequence" in note and "plays 32 episodes" in note
     assert "model.engine.free_during_update=true" in note and "model.gradient_checkpointing=true" in note
     fits, line = fit_report(config, counts, 4, H100)
     assert fits and line.endswith(f"; but {note}")

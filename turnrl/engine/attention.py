@@ -1,9 +1,11 @@
 """Attention over the KV cache's rows in one Triton kernel, for prefill and decode alike (GPU).
 
 Notation: b sequences in the call, t new tokens per sequence (right-padded), Hq query heads, Hkv key/value heads
-(n_rep = Hq / Hkv query heads share one), D head dim, R cache rows, C row capacity.
+(n_rep = Hq / Hkv query heads share one), D head dim, R cache rows, C row capacity, N cache pages of P positions.
 
-Each query attends to the keys of its row at positions up to its own, and reads nothing past them: a row is read
+The cache is paged (:class:`~turnrl.engine.cache.KVCache`): a row's position p is in page ``pages[row, p // P]``
+at offset ``p % P``; a key block never crosses a page (P is a multiple of the block), so a block costs one table
+read. Each query attends to the keys of its row at positions up to its own, and reads nothing past them: a row is read
 only as far as its sequence goes, not up to the longest sequence of the batch (as the batched-matmul decode of
 :mod:`turnrl.engine.forward` must), and no mask is built. One program handles a block of a sequence's query rows
 for one key/value head: the rows are (token, query head of that key/value head) pairs, so a decode step's n_rep
@@ -38,17 +40,17 @@ if triton is not None:
 
     @triton.jit
     def _cached_attention_kernel(
-        Q, KV, Rows, Pos, Out, Partial, PartialMax, PartialSum, Cos, Sin, RopePos,
+        Q, KV, Pages, Rows, Pos, Out, Partial, PartialMax, PartialSum, Cos, Sin, RopePos,
         scale_log2,
         q_sb, q_sh, q_st,
-        kv_s2, kv_sr, kv_sh, kv_sp,
+        kv_s2, kv_sn, kv_sh, kv_sp, pages_sr,
         pos_sb, pos_st,
         o_sb, o_st, o_sh,
         rope_sb, table_s,
         t, scratch, m_blocks, splits,
         N_REP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DENSE_ROWS: tl.constexpr, PRECISION: tl.constexpr,
-        SPLIT: tl.constexpr, ROTATE: tl.constexpr,
+        SPLIT: tl.constexpr, ROTATE: tl.constexpr, PAGE: tl.constexpr,
     ):
         """With ROTATE (decode), Q is the q/k/v projection, Shape (b, (Hq + 2 Hkv) * D): the program rotates its
         queries, and the program whose stretch holds the new token writes its rotated key and its value into the
@@ -83,8 +85,8 @@ if triton is not None:
             q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_partner * sin[None, :]).to(Q.dtype.element_ty)
 
         row = seq if DENSE_ROWS else tl.load(Rows + seq)
-        keys = KV + row.to(tl.int64) * kv_sr + kv_head * kv_sh
-        values = keys + kv_s2
+        table = Pages + row.to(tl.int64) * pages_sr
+        head_keys = KV + kv_head * kv_sh
         end = tl.max(pos, axis=0) + 1
         # With SPLIT (decode), this program takes one of ``splits`` stretches of the keys, whole blocks each.
         stretch = tl.cdiv(tl.cdiv(end, splits), BLOCK_N) * BLOCK_N
@@ -96,7 +98,9 @@ if triton is not None:
                 k = tl.load(k_at + dims).to(tl.float32)
                 k_partner = tl.load(k_at + partner).to(tl.float32)
                 v = tl.load(k_at + tl.num_programs(1) * D + dims)
-                cached = keys + tl.max(slot, axis=0).to(tl.int64) * kv_sp + dims
+                write_at = tl.max(slot, axis=0)
+                write_page = tl.load(table + write_at // PAGE).to(tl.int64)
+                cached = head_keys + write_page * kv_sn + (write_at % PAGE).to(tl.int64) * kv_sp + dims
                 tl.store(cached, (k * cos + sign * k_partner * sin).to(KV.dtype.element_ty))
                 tl.store(cached + kv_s2, v.to(KV.dtype.element_ty))
             # The stores are read below by other threads of this program: a barrier makes them visible.
@@ -108,7 +112,9 @@ if triton is not None:
         for start in range(begin, stop, BLOCK_N):
             key_pos = start + tl.arange(0, BLOCK_N)
             in_row = key_pos < stop
-            k = tl.load(keys + key_pos[None, :] * kv_sp + dims[:, None], mask=in_row[None, :] & in_dims[:, None],
+            keys = head_keys + tl.load(table + start // PAGE).to(tl.int64) * kv_sn
+            offsets = (start % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k = tl.load(keys + offsets[None, :] * kv_sp + dims[:, None], mask=in_row[None, :] & in_dims[:, None],
                         other=0.0)
             # Scores in log2 units: exp2 is the hardware's exponential.
             scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2
@@ -117,8 +123,8 @@ if triton is not None:
             probs = tl.math.exp2(scores - new_max[:, None])
             correction = tl.math.exp2(running_max - new_max)
             running_sum = running_sum * correction + tl.sum(probs, axis=1)
-            v = tl.load(values + key_pos[:, None] * kv_sp + dims[None, :], mask=in_row[:, None] & in_dims[None, :],
-                        other=0.0)
+            v = tl.load(keys + kv_s2 + offsets[:, None] * kv_sp + dims[None, :],
+                        mask=in_row[:, None] & in_dims[None, :], other=0.0)
             acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
             running_max = new_max
 
@@ -172,6 +178,7 @@ def decode_splits(b: int, kv_heads: int, device: torch.device) -> int:
 def cached_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
+    pages: torch.Tensor,
     rows: torch.Tensor | None,
     positions: torch.Tensor,
     scratch: int,
@@ -185,11 +192,12 @@ def cached_attention(
 
     Args:
         q: the new tokens' queries, Shape (b, Hq, t, D), any strides with the head dim contiguous.
-        kv: one layer's cache, Shape (2, R, Hkv, C + 1, D): keys then values (:class:`~turnrl.engine.forward.KVCache`).
+        kv: one layer's cache pages, Shape (2, N, Hkv, P, D): keys then values (:class:`~turnrl.engine.cache.KVCache`).
+        pages: each row's pages, Shape (R, C / P + 1) int32 (the last column: the scratch page).
         rows: the cache row of each sequence, Shape (b,); None means rows ``0 .. b-1``.
         positions: each query's position, Shape (b, t); it attends to key positions ``0 .. position``. A query
             at ``scratch`` (or beyond) is not a running sequence's: it attends to position 0 alone.
-        scratch: the cache's scratch column (its capacity C).
+        scratch: the cache's scratch position (its capacity C).
         split: a decode call's key stretches per sequence and key/value head (None: :func:`decode_splits`);
             a prefill call is never split.
         block_n, num_warps, num_stages, block_m: the kernel's key block, launch settings and query block (None:
@@ -201,8 +209,8 @@ def cached_attention(
     b, heads, t, head_dim = q.shape
     if q.stride(-1) != 1:
         raise ValueError("cached_attention: the head dim of q must be contiguous")
-    return _attend(q, (q.stride(0), q.stride(1), q.stride(2)), heads, t, head_dim, kv, rows, positions, scratch,
-                   None, split, block_n, num_warps, num_stages, block_m)
+    return _attend(q, (q.stride(0), q.stride(1), q.stride(2)), heads, t, head_dim, kv, pages, rows, positions,
+                   scratch, None, split, block_n, num_warps, num_stages, block_m)
 
 
 def supported_head_dim(head_dim: int) -> bool:
@@ -228,6 +236,7 @@ def rotate_write_attend(
     sin_table: torch.Tensor,
     rope_positions: torch.Tensor,
     kv: torch.Tensor,
+    pages: torch.Tensor,
     rows: torch.Tensor | None,
     positions: torch.Tensor,
     scratch: int,
@@ -246,7 +255,7 @@ def rotate_write_attend(
         projected: Shape (b, 1, (Hq + 2 Hkv) * D): queries, keys, values (the last dim contiguous).
         cos_table, sin_table: :func:`~turnrl.engine.forward.rotary_table`'s, Shape (length, D).
         rope_positions: the table row each token turns by, Shape (b, 1).
-        kv, rows, scratch, split: as :func:`cached_attention`.
+        kv, pages, rows, scratch, split: as :func:`cached_attention`.
         positions: each token's position, Shape (b, 1): it is written there and attends to ``0 .. position``.
         num_heads: Hq.
 
@@ -259,8 +268,8 @@ def rotate_write_attend(
         raise ValueError(f"rotate_write_attend decodes one token per sequence, not {t}")
     check_projection("rotate_write_attend", projected, num_heads, kv_heads, head_dim)
     rotary = (cos_table.contiguous(), sin_table.contiguous(), rope_positions)
-    return _attend(projected, (projected.stride(0), head_dim, 0), num_heads, 1, head_dim, kv, rows, positions,
-                   scratch, rotary, split)
+    return _attend(projected, (projected.stride(0), head_dim, 0), num_heads, 1, head_dim, kv, pages, rows,
+                   positions, scratch, rotary, split)
 
 
 def _attend(
@@ -270,6 +279,7 @@ def _attend(
     t: int,
     head_dim: int,
     kv: torch.Tensor,
+    pages: torch.Tensor,
     rows: torch.Tensor | None,
     positions: torch.Tensor,
     scratch: int,
@@ -299,6 +309,9 @@ def _attend(
     block_m = block_m or (max(16, triton.next_power_of_2(n_rep)) if decode else 64)
     block_n = block_n or (32 if gpu_prefill else 64)
     num_stages = num_stages or (3 if gpu_prefill else 2)
+    page = kv.shape[3]
+    if page % block_n:
+        raise ValueError(f"cached_attention: key blocks of {block_n} cross pages of {page} positions")
     m_blocks = triton.cdiv(t * n_rep, block_m)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     splits = 1 if not decode else decode_splits(b, kv_heads, q.device) if split is None else split
@@ -311,11 +324,11 @@ def _attend(
     cos, sin, rope_positions = rotary if rotary is not None else (out, out, positions)  # unused without rotary
     dense = rows is None
     _cached_attention_kernel[(b, kv_heads, m_blocks * splits)](
-        q, kv, positions if dense else rows, positions, out, partial, partial_max, partial_sum,
+        q, kv, pages, positions if dense else rows, positions, out, partial, partial_max, partial_sum,
         cos, sin, rope_positions,
         head_dim**-0.5 * 1.4426950408889634,  # log2(e): softmax through exp2
         *q_strides,
-        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), pages.stride(0),
         positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         rope_positions.stride(0), cos.stride(0),
@@ -324,7 +337,7 @@ def _attend(
         BLOCK_M=block_m, BLOCK_N=block_n, DENSE_ROWS=dense,
         # float32 stays float32 (tl.dot would take TF32: a float32 engine is expected to match transformers).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SPLIT=splits > 1, ROTATE=rotary is not None,
+        SPLIT=splits > 1, ROTATE=rotary is not None, PAGE=page,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:

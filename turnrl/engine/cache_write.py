@@ -23,13 +23,13 @@ if triton is not None:
 
     @triton.jit
     def _rotate_and_write_kernel(
-        Projected, Cos, Sin, RopePos, WritePos, Rows, Q, KV,
+        Projected, Cos, Sin, RopePos, WritePos, Rows, Q, KV, Pages,
         p_sb, p_st, rope_sb, rope_st, write_sb, write_st, table_s,
         q_sb, q_st, q_sh,
-        kv_s2, kv_sr, kv_sh, kv_sp,
+        kv_s2, kv_sn, kv_sh, kv_sp, pages_sr,
         t,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-        DENSE_ROWS: tl.constexpr,
+        DENSE_ROWS: tl.constexpr, PAGE: tl.constexpr,
     ):
         seq = tl.program_id(0) // t
         token = tl.program_id(0) % t
@@ -62,7 +62,8 @@ if triton is not None:
         k_partner = tl.load(k_at + partner[None, :], mask=kv_in, other=0.0).to(tl.float32)
         k_rotated = k * cos[None, :] + sign[None, :] * k_partner * sin[None, :]
         v = tl.load(projected + (HQ + HKV + kv_heads) * D + dims[None, :], mask=kv_in, other=0.0)
-        cached = KV + row.to(tl.int64) * kv_sr + kv_heads * kv_sh + slot.to(tl.int64) * kv_sp + dims[None, :]
+        page = tl.load(Pages + row.to(tl.int64) * pages_sr + slot // PAGE).to(tl.int64)
+        cached = KV + page * kv_sn + kv_heads * kv_sh + (slot % PAGE).to(tl.int64) * kv_sp + dims[None, :]
         tl.store(cached, k_rotated.to(KV.dtype.element_ty), mask=kv_in)
         tl.store(cached + kv_s2, v.to(KV.dtype.element_ty), mask=kv_in)
 
@@ -75,6 +76,7 @@ def rotate_and_write(
     write_pos: torch.Tensor,
     rows: torch.Tensor | None,
     kv: torch.Tensor,
+    pages: torch.Tensor,
     num_heads: int,
 ) -> torch.Tensor:
     """The new tokens' rotated queries; their rotated keys and their values written into the cache.
@@ -86,7 +88,8 @@ def rotate_and_write(
         rope_positions: the table row each token turns by, Shape (b, t).
         write_pos: each token's position in its cache row, Shape (b, t) (the scratch column for padding).
         rows: the cache row of each sequence, Shape (b,); None means rows ``0 .. b-1``.
-        kv: one layer's cache, Shape (2, R, Hkv, C + 1, D) (:class:`~turnrl.engine.forward.KVCache`).
+        kv: one layer's cache pages, Shape (2, N, Hkv, P, D) (:class:`~turnrl.engine.cache.KVCache`).
+        pages: each row's pages, Shape (R, C / P + 1) int32 (the last column: the scratch page).
         num_heads: Hq.
 
     Returns:
@@ -105,14 +108,14 @@ def rotate_and_write(
     q = torch.empty(b, t, num_heads, head_dim, dtype=projected.dtype, device=projected.device)
     dense = rows is None
     _rotate_and_write_kernel[(b * t,)](
-        projected, cos_table, sin_table, rope_positions, write_pos, write_pos if dense else rows, q, kv,
+        projected, cos_table, sin_table, rope_positions, write_pos, write_pos if dense else rows, q, kv, pages,
         projected.stride(0), projected.stride(1), rope_positions.stride(0), rope_positions.stride(1),
         write_pos.stride(0), write_pos.stride(1), cos_table.stride(0),
         q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), pages.stride(0),
         t,
         HQ=num_heads, HKV=kv_heads, D=head_dim, HQ_PAD=triton.next_power_of_2(num_heads),
-        HKV_PAD=triton.next_power_of_2(kv_heads), DENSE_ROWS=dense,
+        HKV_PAD=triton.next_power_of_2(kv_heads), DENSE_ROWS=dense, PAGE=kv.shape[3],
         num_warps=2 if num_heads * head_dim <= 2048 else 4,
     )
     return q.transpose(1, 2)

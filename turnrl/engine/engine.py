@@ -4,10 +4,13 @@ One :meth:`Engine.step` admits waiting sequences into free cache rows (a prompt
 that extends a row's cached tokens prefills only the new ones), prefills them,
 then decodes one token for every running sequence. A finished sequence leaves
 its row at once and a waiting one takes it: sequences never wait for each
-other. The cache is a fixed budget of rows (``EngineConfig.kv_cache_gb``);
-when every row is running, new sequences wait; when the open rows are idle
-(finished sequences kept for their next turn), the lowest one is evicted and
-its sequence is prefilled again if it returns. Nothing is dropped.
+other. The cache is a budget of pages (``EngineConfig.kv_cache_gb``;
+:mod:`turnrl.engine.cache`): a sequence takes, when it is admitted, the pages
+of its prompt and its generation budget, not of ``max_seq_len``, so that short
+turns share the budget among many. When the pages run short, the idle rows
+(finished sequences kept for their next turn) give theirs up, those idle
+longest first, and an evicted sequence is prefilled again if it returns; when
+running sequences hold them all, new sequences wait. Nothing is dropped.
 
 On a GPU, decode runs as CUDA graphs captured per batch bucket, and so do
 small prefill calls (per bucket of sequences and new tokens), of layer
@@ -53,12 +56,12 @@ from torch import nn
 
 from turnrl.config import EngineConfig
 from turnrl.engine.attention import triton_available
+from turnrl.engine.cache import KVCache, pages_for
 from turnrl.engine.forward import (
     EAGER,
     DecoderKernels,
     Deepstack,
     DynamicCompiled,
-    KVCache,
     compiled_kernels,
     decoder_forward,
     final_logits,
@@ -270,13 +273,16 @@ class Engine:
         self.weights: DecoderWeights = decoder_weights(model, self.dtype, fuse=config.fuse_projections)
         self.decode = decode
         self.max_len = config.max_seq_len
-        rows = KVCache.rows_in(cache_budget_bytes(config, self.device),
-                               KVCache.bytes_per_token(self.weights.shape.key_width, self.dtype), self.max_len,
-                               config.max_rows)
-        self.cache = KVCache(self.weights.shape, rows, self.max_len, self.dtype, self.device)
-        """Rows of at most ``max_len`` positions; the positions are allocated as sequences grow."""
+        rows = config.max_rows
+        pages = KVCache.pages_in(cache_budget_bytes(config, self.device),
+                                 KVCache.bytes_per_token(self.weights.shape.key_width, self.dtype))
+        # At least one sequence of max_len, whatever the budget (as a cache of rows held one row at least).
+        pages = max(pages, pages_for(self.max_len) + 1)
+        self.cache = KVCache(self.weights.shape, rows, self.max_len, pages, self.dtype, self.device)
+        """Pages of keys and values; a row (a sequence's slot) takes them as it is admitted."""
+        self.cache.reserve_scratch()
         self.table = RowTable(rows)
-        self.rope = rotary_table(self.weights, round_up(self.max_len) + 1, self.device)  # scratch position too
+        self.rope = rotary_table(self.weights, self.cache.capacity + 1, self.device)  # scratch position too
         self.waiting: deque[_Sequence] = deque()
         self.running: dict[int, _Sequence] = {}  # by row
         self.finished: list[Result] = []
@@ -287,7 +293,7 @@ class Engine:
         self._batch_buckets = sorted({min(2**i, rows) for i in range(20) if 2 ** (i - 1) < rows} | {rows})
         # Key lengths in steps of 256: decode reads every key position up to the bucket, so a coarser
         # bucket wastes reads (512 + 256 tokens in a 1,024 bucket read a third more than needed).
-        self._key_buckets = sorted({min(256 * i, round_up(self.max_len)) for i in range(1, self.max_len // 256 + 2)})
+        self._key_buckets = sorted({min(256 * i, self.cache.capacity) for i in range(1, self.max_len // 256 + 2)})
         vocab = self.weights.shape.vocab_size
         self.state = RunningRows(rows, vocab)
         """The running sequences' tokens, logprobs and counters, by row."""
@@ -414,8 +420,9 @@ class Engine:
         for row in list(self.running):
             del self.running[row]
             self.table.release(row, [])
+            self.cache.resize(row, 0)
         self._running_rows = None
-        self.table.clear()
+        self._drop_idle_rows()
         self.finished = []
         return aborted
 
@@ -426,7 +433,7 @@ class Engine:
             if self.running:
                 raise RuntimeError("the weights changed while sequences were generating")
             self.weights.refresh()
-            self.table.clear()
+            self._drop_idle_rows()
             self._version = version
 
     def release_memory(self) -> None:
@@ -440,7 +447,7 @@ class Engine:
         """
         if self.running or self.waiting or self._launched is not None:
             raise RuntimeError("the engine frees its memory between generations only; sequences are generating")
-        self.table.clear()
+        self._drop_idle_rows()
         self.cache.release()
         self._graphs.clear()
         self._prefill_graphs.clear()
@@ -463,8 +470,8 @@ class Engine:
         outer_autocast = torch.is_autocast_enabled(self.device.type)
         with torch.autocast(self.device.type, enabled=False) if outer_autocast else contextlib.nullcontext():
             admitting = self._time_to_admit()
-            # Rows change hands, and the cache grows (dropping the graphs), only with no step in flight.
-            if self._launched is not None and (admitting or self._cache_must_grow()):
+            # Rows and pages change hands, and the cache grows (dropping the graphs), only with no step in flight.
+            if self._launched is not None and admitting:
                 self._read(self._launched)
                 self._launched = None
             if not self.running:
@@ -500,27 +507,65 @@ class Engine:
 
     def _admit(self) -> list[_Sequence]:
         admitted = []
+        self.cache.reserve_scratch()  # after release_memory
         while self.waiting:
-            placement = self.table.place(self.waiting[0].keys)
+            sequence = self.waiting[0]
+            placement = self.table.place(sequence.keys)
             if placement is None:
                 break
-            sequence = self.waiting.popleft()
+            if not self._take_pages(placement.row, len(sequence.prompt) + self._budget(sequence)):
+                # Running sequences hold the pages: it waits for one to finish, keeping the row's cached prefix.
+                self.table.release(placement.row, sequence.keys[: placement.reused])
+                self.cache.resize(placement.row, len(self.table.rows[placement.row].tokens))
+                break
+            self.waiting.popleft()
             sequence.row, sequence.cached, sequence.reused = placement.row, placement.reused, placement.reused
             self.stats.evictions += int(placement.evicted)
             self.stats.reused_tokens += placement.reused
             self.running[sequence.row] = sequence
             admitted.append(sequence)
+        if self.cache.grown:  # graphs captured on the old tensors are dropped
+            self.cache.grown = False
+            self._graphs.clear()
+            self._prefill_graphs.clear()
+            self._graph_pool = None  # a fresh pool: the old one's graphs are gone
+        # The page table reaches the device only here, where no step is in flight (a copy from pageable memory
+        # would wait for one). Between admissions it may still show pages that finished sequences gave back:
+        # only rows not running read those (their output is discarded), and no page changes hands until now.
+        self.cache.sync()
         if admitted:
             self._start_rows(admitted)
         return admitted
+
+    def _budget(self, sequence: _Sequence) -> int:
+        """Tokens it may generate: ``max_new_tokens``, or what is left of ``max_len`` after its prompt."""
+        return min(sequence.params.max_new_tokens, self.max_len - len(sequence.prompt))
+
+    def _take_pages(self, row: int, positions: int) -> bool:
+        """Give ``row`` the pages of ``positions`` positions, evicting idle rows (those idle longest first) when the
+        pool lacks them; False when running sequences hold too many."""
+        missing = pages_for(positions) - self.cache.held(row)
+        for index in self.table.idle_rows():
+            if self.cache.free_pages >= missing:
+                break
+            if index != row:
+                self.table.evict(index)
+                self.cache.resize(index, 0)
+                self.stats.evictions += 1
+        return self.cache.resize(row, positions)
+
+    def _drop_idle_rows(self) -> None:
+        """Forget every idle row's cached tokens and free their pages (the weights changed, or the memory goes)."""
+        for index in self.table.clear():
+            self.cache.resize(index, 0)
 
     def _start_rows(self, sequences: list[_Sequence]) -> None:
         """Set the rows' counters and sampling settings for the sequences that take them."""
         for sequence in sequences:
             params = sequence.params
             # A sequence ends at max_new_tokens or when it fills its row, whichever comes first.
-            budget = min(params.max_new_tokens, self.max_len - len(sequence.prompt))
-            self.state.start(sequence.row, len(sequence.prompt), budget, params.stop_ids, params.stop_strings,
+            self.state.start(sequence.row, len(sequence.prompt), self._budget(sequence), params.stop_ids,
+                             params.stop_strings,
                              self._stop_filter.candidates if self._stop_filter is not None else None)
             self._truncating[sequence.row] = params.top_k > 0 or params.top_p < 1.0
             self._live[sequence.row] = True
@@ -554,8 +599,6 @@ class Engine:
             if chunk and width * (len(chunk) + 1) > self.config.prefill_chunk_tokens:
                 chunks.append([])
             chunks[-1].append(sequence)
-        # Grown once, before any chunk is in flight (growing drops the graphs that a launched chunk may replay).
-        self._reserve(max(len(s.prompt) for s in sequences))
         previous = None
         for chunk in chunks:
             launched = self._prefill_chunk(chunk, [(i, f) for i, s in enumerate(chunk) for f in followers[id(s)]])
@@ -709,9 +752,6 @@ class Engine:
                 return None
         return self._prefill_graphs[key]
 
-    def _cache_must_grow(self) -> bool:
-        return bool(self.running) and int(self.state.cached[self._rows()[0]].max()) + 1 > self.cache.capacity
-
     def _decode(self) -> _Launched | None:
         """Launch one token for every running sequence that may still generate one (None if none may); rows
         ``0 .. B-1`` are computed, idle ones write to scratch."""
@@ -728,7 +768,6 @@ class Engine:
         batch = _bucket(top, self._batch_buckets) if self.use_graphs else top
         cached = self.state.cached[rows]
         longest = int(cached.max()) + 1
-        self._reserve(longest)
         key_len = self._key_len(longest, graphed=self.use_graphs)
         host_positions = self._positions[self._turn]
         positions = host_positions.numpy()
@@ -753,13 +792,6 @@ class Engine:
             dense = bool(rows[-1] == len(rows) - 1)
             self._running_rows = rows, None if dense else to_device(rows, self.device)
         return self._running_rows
-
-    def _reserve(self, length: int) -> None:
-        """Grow the cache to hold ``length`` positions; graphs captured on the old tensors are dropped."""
-        if self.cache.grow(length):
-            self._graphs.clear()
-            self._prefill_graphs.clear()
-            self._graph_pool = None  # a fresh pool: the old one's graphs are gone
 
     def _key_len(self, length: int, graphed: bool = False) -> int:
         """Key positions attended for sequences of at most ``length`` tokens, within the capacity: a bucket for
@@ -911,6 +943,7 @@ class Engine:
         # The row holds the keys and values of its ``cached`` tokens: all but the last sampled one, or all of them
         # when the next step was launched before this one's tokens were read.
         self.table.release(row, (sequence.keys + generated)[: int(self.state.cached[row])])
+        self.cache.resize(row, len(self.table.rows[row].tokens))  # the budget's unused pages go back
         self._running_rows = None
         self.finished.append(Result(sequence.id, generated, logprobs, reason, reused_tokens=sequence.reused))
 

@@ -4,11 +4,12 @@ Notation: b sequences in the call, t new tokens per sequence (right-padded),
 L key positions attended (a bucket at least the longest sequence), Hq query
 heads, Hkv key/value heads, D head dim.
 
-Each row of the cache holds one sequence's keys and values at their positions;
-a call writes the new tokens' keys and values at ``write_pos`` and attends
-over the row's first L positions, masked to the positions at or before each
-query's. Padding tokens write to the scratch column (the row's last) so that
-they never overwrite a cached token.
+Each row of the cache holds one sequence's keys and values at their positions
+(in pages: :mod:`turnrl.engine.cache`); a call writes the new tokens' keys and
+values at ``write_pos`` and attends over the row's first L positions, masked to
+the positions at or before each query's. Padding tokens write to the scratch
+position (``capacity``, in the scratch page) so that they never overwrite a
+cached token.
 
 A layer is two pure functions of tensors (:func:`attention_inputs` before the
 cache write, :func:`decode_layer_out` or :func:`layer_out` after attention),
@@ -30,15 +31,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from turnrl.engine.attention import cached_attention, rotate_write_attend, supported_head_dim
+from turnrl.engine.cache import KVCache
 from turnrl.engine.cache_write import rotate_and_write
 from turnrl.engine.weights import DecoderShape, DecoderWeights, WeightRef
-from turnrl.models.devices import to_device
 
 KEY_ALIGN = 64
 """Capacities and attended key lengths are multiples of this: the attention matmuls' rows then stay aligned for
@@ -51,71 +51,6 @@ def round_up(value: int, multiple: int = KEY_ALIGN) -> int:
 
 def power_of_two_at_least(value: int, smallest: int = 1) -> int:
     return max(smallest, 1 << (value - 1).bit_length())
-
-
-class KVCache:
-    """Keys and values of every layer, each Shape (rows, Hkv, capacity + 1, D); column ``capacity`` is scratch.
-
-    A layer's keys and values are the two halves of one tensor, Shape (2, rows, Hkv, capacity + 1, D), so that
-    one indexed write stores both.
-
-    The capacity (positions per row) starts small and grows, by doubling up to ``max_len`` (rounded up to
-    :data:`KEY_ALIGN`), when a longer sequence arrives: short-context runs do not pay for the longest context
-    they might see.
-    """
-
-    def __init__(self, shape: DecoderShape, rows: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                 capacity: int = 512) -> None:
-        self.shape, self.rows, self.max_len, self.dtype, self.device = shape, rows, max_len, dtype, device
-        self.capacity = 0
-        self.kv: list[torch.Tensor] = []
-        """Per layer, Shape (2, rows, Hkv, capacity + 1, D): keys then values."""
-        self.grow(min(capacity, max_len))
-
-    @property
-    def keys(self) -> list[torch.Tensor]:
-        return [kv[0] for kv in self.kv]
-
-    @property
-    def values(self) -> list[torch.Tensor]:
-        return [kv[1] for kv in self.kv]
-
-    def grow(self, needed: int) -> bool:
-        """Make room for ``needed`` positions per row (keeping what is cached); True if the tensors changed."""
-        if needed <= self.capacity:
-            return False
-        capacity = min(round_up(self.max_len), power_of_two_at_least(needed, KEY_ALIGN))
-        size = (2, self.rows, self.shape.num_kv_heads, capacity + 1, self.shape.head_dim)
-        old = self.capacity
-        # Zeros, not empty: a padding query may attend to never-written positions, which must be finite.
-        layers = [torch.zeros(size, dtype=self.dtype, device=self.device) for _ in range(self.shape.num_layers)]
-        for new, previous in zip(layers, self.kv):
-            new[..., :old, :].copy_(previous[..., :old, :])
-        self.kv, self.capacity = layers, capacity
-        return True
-
-    def release(self) -> None:
-        """Free every layer's keys and values; the next :meth:`grow` allocates them again (empty)."""
-        self.kv, self.capacity = [], 0
-
-    def copy_rows(self, sources: np.ndarray, targets: np.ndarray, length: int) -> None:
-        """Copy the first ``length`` positions of rows ``sources`` into rows ``targets`` (each Shape (n,)), in every
-        layer: an identical prompt's keys and values, computed once."""
-        sources_t, targets_t = (to_device(rows, self.device) for rows in (sources, targets))
-        for layer in self.kv:
-            layer[:, targets_t, :, :length] = layer[:, sources_t, :, :length]
-
-    @staticmethod
-    def rows_in(budget_bytes: float, bytes_per_token: int, max_len: int, max_rows: int) -> int:
-        """Rows of ``max_len`` positions that ``budget_bytes`` holds, each counted at its full length (with the
-        scratch position), so that growing the cache never exceeds the budget; at least 1, at most ``max_rows``."""
-        per_row = bytes_per_token * (round_up(max_len) + 1)
-        return max(1, min(max_rows, int(budget_bytes // per_row)))
-
-    @staticmethod
-    def bytes_per_token(key_width: int, dtype: torch.dtype) -> int:
-        """A token's keys and values in ``dtype``, ``key_width`` of each (:attr:`DecoderShape.key_width`)."""
-        return 2 * key_width * torch.tensor([], dtype=dtype).element_size()
 
 
 def rotary_table(weights: DecoderWeights, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -429,7 +364,7 @@ def decoder_forward(
         positions: each token's position in its sequence, Shape (b, t); a padding token's is any valid one.
         write_pos: where each token's key and value go in its row, Shape (b, t); ``cache.capacity`` for padding.
             None: at ``positions`` (a decode step: rows not running are at ``cache.capacity`` there).
-        rows: the cache row of each sequence, Shape (b,); None means rows ``0 .. b-1`` (read without a copy).
+        rows: the cache row of each sequence, Shape (b,); None means rows ``0 .. b-1``.
         key_len: L, the key positions attended; at least every sequence's length after this call.
         kernels: the layer functions (eager or compiled).
         triton_attention: attend with :func:`~turnrl.engine.attention.cached_attention` (each row read only up to
@@ -471,11 +406,12 @@ def decoder_forward(
             x, projected = kernels.qkv_projection(x, mlp_out, layer.input_norm.value, _values(layer.qkv),
                                                   _values(layer.qkv_bias), shape.rms_eps)
             if at_positions and decode:  # one kernel rotates, writes and attends
-                attended = rotate_write_attend(projected, rope[0], rope[1], turns, kv_cache, rows, positions,
-                                               cache.capacity, shape.num_heads)
+                attended = rotate_write_attend(projected, rope[0], rope[1], turns, kv_cache, cache.table, rows,
+                                               positions, cache.capacity, shape.num_heads)
             else:
-                q = rotate_and_write(projected, rope[0], rope[1], turns, write_pos, rows, kv_cache, shape.num_heads)
-                attended = cached_attention(q, kv_cache, rows, positions, cache.capacity)
+                q = rotate_and_write(projected, rope[0], rope[1], turns, write_pos, rows, kv_cache, cache.table,
+                                     shape.num_heads)
+                attended = cached_attention(q, kv_cache, cache.table, rows, positions, cache.capacity)
             x, mlp_out = kernels.pending_layer_out(x, attended, *after_attention)
         else:
             q, kv = kernels.attention_inputs(
@@ -483,12 +419,12 @@ def decoder_forward(
                 layer.q_norm.value if layer.q_norm is not None else None,
                 layer.k_norm.value if layer.k_norm is not None else None, shape,
             )
-            kv_cache[:, write_rows, :, write_pos] = kv  # one indexed write for keys and values
+            cache.write(kv_cache, write_rows, write_pos, kv)  # one indexed write for keys and values
             if triton_attention:
-                attended = cached_attention(q, kv_cache, rows, positions, cache.capacity)
+                attended = cached_attention(q, kv_cache, cache.table, rows, positions, cache.capacity)
                 x = kernels.layer_out(x, attended, *after_attention)
             else:
-                cached = kv_cache[:, :b, :, :key_len] if rows is None else kv_cache[:, rows, :, :key_len]
+                cached = cache.gather(kv_cache, write_rows[:, 0], key_len)
                 keys, values = cached[0], cached[1]
                 if decode:
                     x = kernels.decode_layer_out(x, q, keys, values, positions[:, 0], *after_attention)

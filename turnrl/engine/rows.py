@@ -4,7 +4,9 @@ A row is free, running (a sequence is generating in it) or idle (it holds the
 tokens of a finished sequence, which the next turn of that episode will most
 likely extend). A new prompt takes the idle row with the longest cached
 prefix of it, else the lowest row that is free or idle (an idle row's cache
-is dropped: that sequence will be prefilled again if it comes back).
+is dropped: that sequence will be prefilled again if it comes back). When the
+cache's pages run short, the engine evicts idle rows, those idle longest first
+(:meth:`RowTable.idle_rows`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     """The tokens whose keys and values are in this row, in order (of a running row: the reused prefix only, until
     its sequence finishes and :meth:`RowTable.release` records them all)."""
+    released: int = 0
+    """When it last became idle (a count of releases)."""
 
 
 @dataclass
@@ -39,6 +43,7 @@ class RowTable:
     def __init__(self, rows: int) -> None:
         self.rows = [Row(i) for i in range(rows)]
         self._by_prefix: dict[tuple[int, ...], set[int]] = {}
+        self._releases = 0
 
     def _key(self, tokens: list[int]) -> tuple[int, ...] | None:
         return tuple(tokens[:PREFIX_KEY_TOKENS]) if len(tokens) >= PREFIX_KEY_TOKENS else None
@@ -78,16 +83,29 @@ class RowTable:
     def release(self, index: int, cached_tokens: list[int]) -> None:
         """A sequence finished in row ``index``; its ``cached_tokens`` stay for a later prompt to extend."""
         row = self.rows[index]
-        row.state, row.tokens = IDLE, list(cached_tokens)
+        self._releases += 1
+        row.state, row.tokens, row.released = IDLE, list(cached_tokens), self._releases
         key = self._key(row.tokens)
         if key is None:
             row.state, row.tokens = FREE, []
         else:
             self._by_prefix.setdefault(key, set()).add(index)
 
-    def clear(self) -> None:
-        """Drop every idle row's tokens (the weights changed: cached keys and values are stale)."""
-        for row in self.rows:
-            if row.state == IDLE:
-                self._unindex(row)
-                row.state, row.tokens = FREE, []
+    def idle_rows(self) -> list[int]:
+        """The idle rows, those idle longest first."""
+        return [row.index for row in sorted((r for r in self.rows if r.state == IDLE), key=lambda r: r.released)]
+
+    def evict(self, index: int) -> None:
+        """Drop an idle row's tokens (its cache pages are given to another sequence)."""
+        row = self.rows[index]
+        if row.state != IDLE:
+            raise ValueError(f"row {index} is {row.state}, not idle: only an idle row's tokens can be evicted")
+        self._unindex(row)
+        row.state, row.tokens = FREE, []
+
+    def clear(self) -> list[int]:
+        """Drop every idle row's tokens (the weights changed: cached keys and values are stale); returns those rows."""
+        cleared = self.idle_rows()
+        for index in cleared:
+            self.evict(index)
+        return cleared

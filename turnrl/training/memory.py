@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from turnrl.config import ConfigError
-from turnrl.engine.forward import KVCache
+from turnrl.engine.cache import KVCache, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.loading import VISION_TOWERS, load_model
 from turnrl.training.config import TrainConfig
@@ -290,15 +290,16 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     return MemoryEstimate(parts, device_bytes, apart, gradients)
 
 
-def cache_rows(config: TrainConfig, counts: ModelCounts, cache_bytes: float) -> int:
-    """Sequences a key/value cache of ``cache_bytes`` holds at once, as the engine counts them
-    (:meth:`~turnrl.engine.forward.KVCache.rows_in`: rows of ``model.engine.max_seq_len`` tokens at full length),
-    with bf16 keys and values; 0 when the model's key width is unknown."""
+def full_length_sequences(config: TrainConfig, counts: ModelCounts, cache_bytes: float) -> int:
+    """Sequences of ``model.engine.max_seq_len`` tokens that a key/value cache of ``cache_bytes`` holds at once
+    (bf16 keys and values, in the engine's pages: :class:`~turnrl.engine.cache.KVCache`), at most
+    ``model.engine.max_rows``; 0 when the model's key width is unknown. The fewest at once: a sequence takes the
+    pages of its prompt and generation budget only, so shorter turns run more."""
     if counts.key_width == 0:
         return 0
     engine = config.model.engine
-    return KVCache.rows_in(cache_bytes, KVCache.bytes_per_token(counts.key_width, torch.bfloat16), engine.max_seq_len,
-                           engine.max_rows)
+    pages = KVCache.pages_in(cache_bytes, KVCache.bytes_per_token(counts.key_width, torch.bfloat16))
+    return max(1, min(engine.max_rows, (pages - 1) // pages_for(engine.max_seq_len)))
 
 
 def rollout_in_waves(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate,
@@ -307,22 +308,24 @@ def rollout_in_waves(config: TrainConfig, counts: ModelCounts, estimate: MemoryE
     then plays them in waves, each as long as a whole episode (a 3B recipe whose update left a 0.5 GiB cache
     played 32 episodes 3 at a time: its rollout took 10x its update). None when they fit, or off the engine."""
     cache = estimate.parts.get("key/value cache", 0.0)  # none on the hf backend
-    rows = cache_rows(config, counts, cache)
+    rows = full_length_sequences(config, counts, cache)
     episodes = math.ceil(config.groups.n_groups / processes) * config.groups.group_size
     wanted = min(episodes, config.model.engine.max_rows)
     if rows == 0 or rows >= wanted:
         return None
-    more = ["a smaller model.engine.max_seq_len (a row is reserved at its full length)"]
+    more = []
     if config.model.engine.kv_cache_gb > 0:
-        more.insert(0, "a larger model.engine.kv_cache_gb")
+        more.append("a larger model.engine.kv_cache_gb")
     else:
         if not estimate.apart:
             more.insert(0, "model.engine.free_during_update=true (the cache then need not fit beside the update)")
         if not config.model.gradient_checkpointing:
             more.append("model.gradient_checkpointing=true (smaller activations leave the cache more)")
+    advice = f" For more at once: {'; or '.join(more)}" if more else ""
     return (f"the key/value cache ({cache / GIB:.1f} GiB) holds {rows} sequence{'s' if rows > 1 else ''} of "
             f"{config.model.engine.max_seq_len} tokens at once, and a process plays {episodes} episodes a step: "
-            f"the rollout plays them {rows} at a time. For more at once: {'; or '.join(more)}")
+            f"once the turns grow that long, the rollout plays them {rows} at a time (shorter turns take fewer "
+            f"pages, so more run at once).{advice}")
 
 
 def rows_shorter_than_episodes(config: TrainConfig) -> str | None:
@@ -333,8 +336,7 @@ def rows_shorter_than_episodes(config: TrainConfig) -> str | None:
     if config.model.backend == "hf" or config.agent.max_context_window is not None or budget <= rows:
         return None
     return (f"episodes end at model.engine.max_seq_len={rows} tokens, short of agent.max_context_tokens={budget}: "
-            f"set model.engine.max_seq_len={budget} to give them the agent's budget (a row is reserved at its full "
-            "length, so fewer sequences run at once)")
+            f"set model.engine.max_seq_len={budget} to give them the agent's budget")
 
 
 def fit_advice(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate, processes: int) -> list[str]:

@@ -1,0 +1,98 @@
+"""The paged key/value cache: which pages a row holds, the table the kernels read, and the pool's growth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from turnrl.engine.cache import INITIAL_PAGES, SCRATCH_PAGE, KVCache, pages_for
+from turnrl.engine.weights import DecoderShape
+
+SHAPE = DecoderShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=10, rms_eps=1e-6)
+
+
+def cache(max_pages: int = 200, rows: int = 4, max_len: int = 300, page: int = 16) -> KVCache:
+    built = KVCache(SHAPE, rows, max_len, max_pages, torch.float32, torch.device("cpu"), page=page)
+    built.reserve_scratch()
+    return built
+
+
+def test_a_row_takes_and_gives_back_the_pages_of_its_positions():
+    kv = cache()
+    assert kv.capacity == 304 and kv.row_pages == 19  # 300 rounded up to whole pages of 16
+    assert kv.resize(1, 40) and kv.held(1) == 3
+    assert kv.resize(1, 33) and kv.held(1) == 3  # positions 32 and 33 share the third page
+    assert kv.resize(1, 16) and kv.held(1) == 1
+    kv.sync()
+    table = kv.table[1].tolist()
+    assert table[0] != SCRATCH_PAGE and table[1:] == [SCRATCH_PAGE] * 19  # past its pages, and the scratch column
+    assert kv.resize(1, 0) and kv.held(1) == 0
+
+
+def test_rows_never_share_a_page_and_pages_come_back_to_the_pool():
+    kv = cache(max_pages=11, max_len=64)  # scratch + 10
+    assert kv.resize(0, 64) and kv.resize(1, 64)  # 4 pages each
+    assert kv.free_pages == 2
+    assert not kv.resize(2, 48)  # 3 pages: refused, nothing taken
+    assert kv.held(2) == 0 and kv.free_pages == 2
+    kv.sync()
+    held = set(kv.table[0, :4].tolist()) | set(kv.table[1, :4].tolist())
+    assert len(held) == 8 and SCRATCH_PAGE not in held
+    assert kv.resize(0, 16) and kv.resize(2, 48)
+    kv.sync()
+    assert set(kv.table[2, :3].tolist()).isdisjoint(kv.table[0, :1].tolist()) and kv.free_pages == 2
+
+
+def test_the_pool_doubles_up_to_the_budget_keeping_what_its_pages_hold():
+    kv = cache(max_pages=400, rows=8, max_len=2000, page=16)
+    assert kv.pages == INITIAL_PAGES + 1
+    assert kv.resize(0, 16 * 60)
+    kv.sync()
+    first = kv.table[0, :60].long()
+    kv.kv[1][:, first] = torch.arange(60.0).view(1, 60, 1, 1, 1)
+    kv.grown = False
+    assert kv.resize(1, 16 * 100)  # 160 pages in use: 65 + the 96 missing (more than doubling)
+    assert kv.grown and kv.pages == 161
+    assert torch.equal(kv.kv[1][0, first, 0, 0, 0], torch.arange(60.0))
+    assert not kv.resize(2, 2000) or kv.pages <= 400
+
+
+def test_a_budget_below_one_sequence_is_refused():
+    with pytest.raises(ValueError, match="cannot hold one sequence of 300 tokens"):
+        cache(max_pages=10)
+
+
+def test_writes_and_gathers_through_the_table_equal_a_plain_row():
+    """The torch path's write and gather: positions land in the row's pages, padding in scratch."""
+    kv = cache(page=16)
+    assert kv.resize(2, 50) and kv.resize(0, 20)
+    kv.sync()
+    layer = kv.kv[0]
+    rows = torch.tensor([[2, 2, 2], [0, 0, 0]])
+    positions = torch.tensor([[3, 17, 49], [0, 19, kv.capacity]])
+    values = torch.randn(2, 3, 2, SHAPE.num_kv_heads, SHAPE.head_dim)
+    kv.write(layer, rows, positions, values)
+    gathered = kv.gather(layer, torch.tensor([2, 0]), 50)
+    assert gathered.shape == (2, 2, SHAPE.num_kv_heads, 50, SHAPE.head_dim)
+    for i, position in enumerate([3, 17, 49]):
+        torch.testing.assert_close(gathered[:, 0, :, position], values[0, i])
+    torch.testing.assert_close(gathered[:, 1, :, 19], values[1, 1])
+    torch.testing.assert_close(layer[:, SCRATCH_PAGE, :, 0], values[1, 2])  # the padding token
+
+
+def test_copied_rows_hold_the_source_rows_positions():
+    kv = cache(page=16)
+    for row, positions in ((0, 40), (3, 48)):
+        assert kv.resize(row, positions)
+    kv.sync()
+    for layer in kv.kv:
+        layer.normal_()
+    before = [kv.gather(layer, torch.tensor([0]), 40) for layer in kv.kv]
+    kv.copy_rows(np.array([0]), np.array([3]), 40)
+    for layer, source in zip(kv.kv, before):
+        torch.testing.assert_close(kv.gather(layer, torch.tensor([3]), 40), source)
+
+
+def test_pages_for_rounds_up():
+    assert [pages_for(n, 16) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
