@@ -551,7 +551,7 @@ def test_lora_adapters_are_merged_into_the_weights_the_engine_uses():
 def test_float32_weights_computed_in_bfloat16_follow_the_weights():
     model = build("qwen2")
     engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=256), dtype=torch.bfloat16)
-    assert engine.cache.keys[0].dtype == torch.bfloat16
+    assert engine.cache.kv[0].dtype == torch.bfloat16
     prompts = random_prompts([9, 16])
     before = engine.generate(prompts, [GREEDY] * 2)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -82,14 +82,6 @@ class KVCache:
         return 2 * key_width * torch.tensor([], dtype=dtype).element_size()
 
     @property
-    def keys(self) -> list[torch.Tensor]:
-        return [kv[0] for kv in self.kv]
-
-    @property
-    def values(self) -> list[torch.Tensor]:
-        return [kv[1] for kv in self.kv]
-
-    @property
     def free_pages(self) -> int:
         """Pages a row can take: free in the pool, or not yet allocated within the budget."""
         return len(self._free) + self.max_pages - max(self.pages, 1)

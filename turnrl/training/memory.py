@@ -308,23 +308,23 @@ def rollout_in_waves(config: TrainConfig, counts: ModelCounts, estimate: MemoryE
     then plays them in waves, each as long as a whole episode (a 3B recipe whose update left a 0.5 GiB cache
     played 32 episodes 3 at a time: its rollout took 10x its update). None when they fit, or off the engine."""
     cache = estimate.parts.get("key/value cache", 0.0)  # none on the hf backend
-    rows = full_length_sequences(config, counts, cache)
+    at_once = full_length_sequences(config, counts, cache)
     episodes = math.ceil(config.groups.n_groups / processes) * config.groups.group_size
     wanted = min(episodes, config.model.engine.max_rows)
-    if rows == 0 or rows >= wanted:
+    if at_once == 0 or at_once >= wanted:
         return None
-    more = []
+    more: list[str] = []
     if config.model.engine.kv_cache_gb > 0:
         more.append("a larger model.engine.kv_cache_gb")
     else:
         if not estimate.apart:
-            more.insert(0, "model.engine.free_during_update=true (the cache then need not fit beside the update)")
+            more.append("model.engine.free_during_update=true (the cache then need not fit beside the update)")
         if not config.model.gradient_checkpointing:
             more.append("model.gradient_checkpointing=true (smaller activations leave the cache more)")
     advice = f" For more at once: {'; or '.join(more)}" if more else ""
-    return (f"the key/value cache ({cache / GIB:.1f} GiB) holds {rows} sequence{'s' if rows > 1 else ''} of "
+    return (f"the key/value cache ({cache / GIB:.1f} GiB) holds {at_once} sequence{'s' if at_once > 1 else ''} of "
             f"{config.model.engine.max_seq_len} tokens at once, and a process plays {episodes} episodes a step: "
-            f"once the turns grow that long, the rollout plays them {rows} at a time (shorter turns take fewer "
+            f"once the turns grow that long, the rollout plays them {at_once} at a time (shorter turns take fewer "
             f"pages, so more run at once).{advice}")
 
 
