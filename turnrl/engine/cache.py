@@ -159,9 +159,10 @@ class KVCache:
         n = pages_for(length, self.page)
         pages = self.table[rows, :n].long()  # (b, n)
         two, _, heads, page, dim = layer.shape
-        b = pages.shape[0]
-        gathered = layer[:, pages]  # (2, b, n, Hkv, P, D)
-        return gathered.permute(0, 1, 3, 2, 4, 5).reshape(two, b, heads, n * page, dim)[:, :, :, :length]
+        # Indexed with the heads in front, the one copy comes out as (2, Hkv, b, n, P, D): its pages merge into
+        # positions without a second copy, and the heads go back to their place as a view.
+        gathered = layer.transpose(1, 2)[:, :, pages]
+        return gathered.view(two, heads, len(pages), n * page, dim).transpose(1, 2)[:, :, :, :length]
 
     def write(self, layer: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> None:
         """Store keys and values ``kv`` (Shape (b, t, 2, Hkv, D)) of ``rows`` (Shape (b, t)) at ``positions``
