@@ -7,9 +7,11 @@ metric of the chosen set that a run has gets a panel; each run is a thin line
 and the row's mean over its runs a bold one (``turnrl.viz.plots.draw_comparison``).
 Sets: ``collapse`` (RAGEN's Echo Trap: training success, in-group reward std,
 entropy, the actor's gradient norm, validation success), ``state_rewards``
-(VAGEN: training and validation success, observation and prediction match) and
+(VAGEN: training and validation success, observation and prediction match),
 ``sokoban`` (where failures come from: boxes on targets, deadlocks, moves into
-walls, from the env's figures).
+walls, from the env's figures) and ``plateau`` (why a run that holds stops
+rising: groups whose episodes all score alike, entropy, KL to the reference,
+turns an episode).
 
 ``--table`` prints a markdown table per row: each run's first and last value
 of every metric, the mean of its first 5 and of its last 5 logged values

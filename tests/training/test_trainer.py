@@ -730,3 +730,10 @@ def test_a_run_that_keeps_no_weights_and_a_checkpoint_that_would_not_fit_end_wit
     assert "GB free" in summary["checkpoint_not_written"]["why"]
     assert not (tmp_path / "full" / "checkpoints").exists()
     assert json.loads((tmp_path / "full" / "summary.json").read_text())["checkpoint_not_written"]["step"] == 2
+
+
+def test_a_run_logs_every_metric_the_collapse_and_plateau_figures_draw(warm_run):
+    from turnrl.viz.plots import COLLAPSE_METRICS, PLATEAU_METRICS
+
+    logged = {key for record in records(warm_run) for key in record}
+    assert {metric.name for metric in (*COLLAPSE_METRICS, *PLATEAU_METRICS)} <= logged

@@ -160,7 +160,19 @@ SOKOBAN_METRICS = (
     Metric("val/success", "Validation success"),
     Metric("val/env_deadlocked", "Validation: ended deadlocked"),
 )
-METRIC_SETS = {"collapse": COLLAPSE_METRICS, "state_rewards": STATE_REWARD_METRICS, "sokoban": SOKOBAN_METRICS}
+# Why a run that holds stops rising: groups whose episodes all score alike carry no episode advantage (a
+# sharpened policy wins or loses a level eight times in eight), the entropy that would make them differ, and how
+# far the policy went from its start.
+PLATEAU_METRICS = (
+    Metric("rollout/success", "Training success"),
+    Metric("rollout/zero_variance_groups", "Groups whose episodes all score alike"),
+    Metric("actor/entropy", "Policy entropy (nats per token)"),
+    Metric("actor/kl_ref", "KL to the reference"),
+    Metric("rollout/turns_mean", "Turns an episode"),
+    Metric("val/success", "Validation success"),
+)
+METRIC_SETS = {"collapse": COLLAPSE_METRICS, "state_rewards": STATE_REWARD_METRICS, "sokoban": SOKOBAN_METRICS,
+               "plateau": PLATEAU_METRICS}
 
 Records = list[dict[str, float]]
 
