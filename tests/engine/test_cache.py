@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turnrl.engine.cache import INITIAL_PAGES, SCRATCH_PAGE, KVCache, pages_for
 from turnrl.engine.weights import DecoderShape
@@ -96,3 +98,23 @@ def test_copied_rows_hold_the_source_rows_positions():
 
 def test_pages_for_rounds_up():
     assert [pages_for(n, 16) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 300)), max_size=40))
+def test_any_sequence_of_resizes_keeps_every_page_in_one_place(operations):
+    """Whatever rows ask for, in any order: a page is held by one row or free, never both or twice; a row's
+    table lists its pages then scratch; a refused resize changes nothing; the pool stays within its budget."""
+    kv = cache(max_pages=45, rows=6, max_len=300, page=16)  # 19 pages a full row: two full rows and change
+    for row, positions in operations:
+        before = [kv.held(r) for r in range(6)], kv.free_pages
+        if not kv.resize(row, positions):
+            assert ([kv.held(r) for r in range(6)], kv.free_pages) == before
+            assert pages_for(positions, 16) - kv.held(row) > kv.free_pages
+        kv.sync()
+        table = kv.table.tolist()
+        held = [page for r in range(6) for page in table[r][: kv.held(r)]]
+        assert len(held) == len(set(held)) and SCRATCH_PAGE not in held
+        assert all(set(table[r][kv.held(r):]) == {SCRATCH_PAGE} for r in range(6))
+        assert kv.pages <= kv.max_pages
+        assert len(held) + kv.free_pages == kv.max_pages - 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -75,8 +77,8 @@ SLOW_ON_TRITON = pytest.mark.parametrize(
 
 
 def engine_for(model, rows: int = 8, max_len: int = 512, **config) -> Engine:
-    settings = {"kv_cache_gb": 1.0, **KERNELS, **config}
-    return Engine(model, EngineConfig(max_rows=rows, max_seq_len=max_len, **settings))
+    fields = {"kv_cache_gb": 1.0, **KERNELS, **config}
+    return Engine(model, EngineConfig(max_rows=rows, max_seq_len=max_len, **fields))
 
 
 def random_prompts(lengths, seed: int = 1) -> list[list[int]]:
@@ -411,11 +413,11 @@ def test_the_page_pool_grows_for_more_sequences_without_changing_tokens():
     assert [r.token_ids for r in results[2:]] == alone
 
 
-def engine_with_pages(model, pages: int, **settings) -> Engine:
+def engine_with_pages(model, pages: int, **fields) -> Engine:
     """An engine whose cache budget is ``pages`` pages (scratch included)."""
     probe = engine_for(model)
     page_bytes = KVCache.bytes_per_token(probe.weights.shape.key_width, probe.dtype) * PAGE_TOKENS
-    engine = engine_for(model, kv_cache_gb=pages * page_bytes / 2**30, **settings)
+    engine = engine_for(model, kv_cache_gb=pages * page_bytes / 2**30, **fields)
     assert engine.cache.max_pages == pages
     return engine
 
@@ -452,6 +454,24 @@ def test_idle_rows_give_up_their_pages_to_a_longer_turn(kernels):
     assert tokens == roomy_tokens
     assert reused[0] > 0 and roomy_reused[1] > 0 and reused[1] == 0
     assert tight.stats.evictions >= 1
+
+
+@settings(max_examples=8, deadline=None)
+@given(turns=st.lists(st.tuples(st.integers(1, 120), st.integers(1, 40)), min_size=2, max_size=9),
+       pages=st.integers(3, 6))
+def test_any_turns_under_a_tight_page_budget_give_a_roomy_engines_tokens(turns, pages):
+    """Episodes whose turns extend their last prompt, three sequences a call, under 3-6 pages of 128 positions:
+    waiting, evicting and prefilling again never change a token."""
+    model = build("qwen2")
+    tight, roomy = engine_with_pages(model, pages, max_len=256), engine_for(model, max_len=256)
+    histories: list[list[int]] = [[] for _ in range(3)]
+    for index, (observation, new) in enumerate(turns):
+        prompts = [(history + random_prompts([observation], seed=index * 3 + e)[0])[-200:]
+                   for e, history in enumerate(histories)]
+        params = [SamplingParams(temperature=0, max_new_tokens=new)] * 3
+        got = [r.token_ids for r in tight.generate(prompts, params)]
+        assert got == [r.token_ids for r in roomy.generate(prompts, params)]
+        histories = [prompt + tokens for prompt, tokens in zip(prompts, got)]
 
 
 def test_a_finished_sequence_keeps_only_the_pages_of_its_cached_tokens():
