@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from turnrl.agent.formats import format_names
 from turnrl.config import (
+    LEVELS_PER_SEED,
     VARIANT_SETS,
     AgentConfig,
     ConfigError,
@@ -308,3 +309,10 @@ def test_an_override_into_a_list_item_says_to_set_the_whole_list():
     message = error_of(overrides=["variants=[{name: a}]", "variants.0.settings.size=8"])
     assert message.startswith("override 'variants.0.settings.size=8' sets an item of a list by its index")
     assert "variants=[{name: big, settings: {size: 8}}]" in message
+
+
+def test_levels_follow_the_seed_from_a_seed_of_zero_or_more():
+    assert SeedConfig(seed=2).first_train_seed() == 10_000
+    assert SeedConfig(seed=2, levels_follow_seed=True).first_train_seed() == 10_000 + 2 * LEVELS_PER_SEED
+    assert SeedConfig(seed=0, levels_follow_seed=True).first_train_seed() == 10_000
+    assert "seeds.seed=-1 is out of range" in error_of(overrides=["seeds.seed=-1", "seeds.levels_follow_seed=true"])

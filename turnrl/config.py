@@ -288,22 +288,37 @@ class GroupsConfig:
         check_range("groups.env_workers", self.env_workers, 0)
 
 
+LEVELS_PER_SEED = 10_000_000
+"""Training levels a seed has to itself with ``seeds.levels_follow_seed``: a step takes ``groups.n_groups`` (times
+the rounds of dynamic sampling), so 10 million last 100,000 steps of 100 groups."""
+
+
 @dataclass
 class SeedConfig:
     seed: int = 0
-    """Seed of torch, numpy and Python's random (model init, sampling, shuffling). The envs' levels do not
-    depend on it: runs that differ only in ``seed`` train on the same levels, step for step, and differ in
-    what they sample (set ``train_start`` apart too for runs on different levels)."""
+    """Seed of torch, numpy and Python's random (model init, sampling, shuffling). By default the envs' levels
+    do not depend on it: runs that differ only in ``seed`` train on the same levels, step for step, and differ
+    in what they sample (``levels_follow_seed`` draws each seed's own levels)."""
     train_start: int = 10_000
     """First env seed of training; each step takes fresh seeds."""
     val_start: int = 0
     """First env seed of validation; validation seeds are fixed."""
     val_size: int = 10_000
     """Seeds reserved for validation; they never overlap training seeds."""
+    levels_follow_seed: bool = False
+    """Train seed ``s`` on levels from ``train_start + s * LEVELS_PER_SEED`` on: runs of different seeds are then
+    independent replicates, levels and all (validation keeps its levels, so their numbers compare). Off: every
+    seed trains on the same levels step for step, a paired design (two rows of one seed see the same levels)."""
+
+    def first_train_seed(self) -> int:
+        """The env seed of the first training level."""
+        return self.train_start + (self.seed * LEVELS_PER_SEED if self.levels_follow_seed else 0)
 
     def validate(self) -> None:
         # The rule of turnrl.envs.seeds.SeedSplits, checked here to name the keys.
         check_range("seeds.val_size", self.val_size, 1)
+        if self.levels_follow_seed:
+            check_range("seeds.seed", self.seed, 0)  # a negative seed would draw validation levels
         val_end = self.val_start + self.val_size
         if self.train_start < val_end:
             raise ConfigError(

@@ -739,3 +739,17 @@ def test_a_run_logs_every_metric_the_collapse_and_plateau_figures_draw(warm_run)
     drawn = {metric.name for metric in (*COLLAPSE_METRICS, *PLATEAU_METRICS)}
     # This run has no KL term (no reference model): its figure leaves that panel out.
     assert drawn - logged == {"actor/kl_ref"}
+
+
+def test_levels_follow_the_seed_only_when_asked(tiny_model_dir, tmp_path):
+    """Two runs of seed 1: on the paired levels by default, on the seed's own with seeds.levels_follow_seed."""
+    from turnrl.config import LEVELS_PER_SEED
+
+    first_levels = {}
+    for follow in (False, True):
+        name = f"follow_{follow}"
+        train(config(tiny_model_dir, tmp_path, "sft.enabled=false", "run.steps=1", "seeds.seed=1",
+                     f"seeds.levels_follow_seed={str(follow).lower()}", name=name))
+        first_levels[follow] = min(t["seed"] for t in trajectories(tmp_path / name, 1))
+    assert first_levels[False] == 10_000
+    assert first_levels[True] == 10_000 + LEVELS_PER_SEED

@@ -400,7 +400,7 @@ class Trainer:
 
     def _build_envs(self) -> None:
         config = self.config
-        seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
+        seeds = SeedSplits(config.seeds.first_train_seed(), config.seeds.val_start, config.seeds.val_size)
         train_settings = dict(config.env.settings)
         val_settings = dict(config.env.val_settings if config.env.val_settings is not None else train_settings)
         dist = config.distributed
