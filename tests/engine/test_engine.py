@@ -28,6 +28,7 @@ from turnrl.engine import attention
 from turnrl.engine.attention import triton_available
 from turnrl.engine.cache import INITIAL_PAGES, PAGE_TOKENS, KVCache, pages_for
 from turnrl.engine.engine import Engine, SamplingParams
+from turnrl.engine.rows import IDLE
 from turnrl.engine.weights import UnsupportedModel
 from turnrl.training.trainer import adamw
 
@@ -454,6 +455,22 @@ def test_idle_rows_give_up_their_pages_to_a_longer_turn(kernels):
     assert tokens == roomy_tokens
     assert reused[0] > 0 and roomy_reused[1] > 0 and reused[1] == 0
     assert tight.stats.evictions >= 1
+
+
+def test_a_sequence_that_cannot_fit_yet_evicts_no_idle_row():
+    """While a running sequence holds pages, a waiting one that would not fit even with every idle row's pages
+    waits, and the idle rows keep their tokens for their episodes' next turns."""
+    model = build("qwen2")
+    engine = engine_with_pages(model, 5)  # scratch + 4 pages of 128 positions
+    short = SamplingParams(temperature=0, max_new_tokens=5)
+    firsts = random_prompts([40, 40, 40], seed=6)
+    outs = [r.token_ids for r in engine.generate(firsts, [short] * 3)]  # three idle rows of one page each
+    grown = engine.submit(firsts[0] + outs[0] + random_prompts([100], seed=7)[0],
+                          SamplingParams(temperature=0, max_new_tokens=40))  # 2 pages: takes the last free one
+    engine.submit(firsts[1] + outs[1] + random_prompts([400], seed=8)[0], short)  # 4 pages: 3 more, 1 evictable
+    engine.step()
+    assert [s.id for s in engine.running.values()] == [grown] and len(engine.waiting) == 1
+    assert [row.state for row in engine.table.rows[1:3]] == [IDLE, IDLE] and engine.stats.evictions == 0
 
 
 @settings(max_examples=8, deadline=None)

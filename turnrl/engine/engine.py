@@ -543,15 +543,17 @@ class Engine:
 
     def _take_pages(self, row: int, positions: int) -> bool:
         """Give ``row`` the pages of ``positions`` positions, evicting idle rows (those idle longest first) when the
-        pool lacks them; False when running sequences hold too many."""
+        pool lacks them; False, evicting none, when running sequences hold too many."""
         missing = pages_for(positions) - self.cache.held(row)
-        for index in self.table.idle_rows():
+        idle = [index for index in self.table.idle_rows() if index != row]
+        if missing > self.cache.free_pages + sum(self.cache.held(index) for index in idle):
+            return False  # the idle rows keep their tokens for their episodes' next turns
+        for index in idle:
             if self.cache.free_pages >= missing:
                 break
-            if index != row:
-                self.table.evict(index)
-                self.cache.resize(index, 0)
-                self.stats.evictions += 1
+            self.table.evict(index)
+            self.cache.resize(index, 0)
+            self.stats.evictions += 1
         return self.cache.resize(row, positions)
 
     def _drop_idle_rows(self) -> None:
