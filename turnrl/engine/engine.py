@@ -545,15 +545,16 @@ class Engine:
         """Give ``row`` the pages of ``positions`` positions, evicting idle rows (those idle longest first) when the
         pool lacks them; False, evicting none, when running sequences hold too many."""
         missing = pages_for(positions) - self.cache.held(row)
-        idle = [index for index in self.table.idle_rows() if index != row]
-        if missing > self.cache.free_pages + sum(self.cache.held(index) for index in idle):
-            return False  # the idle rows keep their tokens for their episodes' next turns
-        for index in idle:
-            if self.cache.free_pages >= missing:
-                break
-            self.table.evict(index)
-            self.cache.resize(index, 0)
-            self.stats.evictions += 1
+        if missing > self.cache.free_pages:  # rare: the idle rows are looked at only then
+            idle = [index for index in self.table.idle_rows() if index != row]
+            if missing > self.cache.free_pages + sum(self.cache.held(index) for index in idle):
+                return False  # the idle rows keep their tokens for their episodes' next turns
+            for index in idle:
+                if self.cache.free_pages >= missing:
+                    break
+                self.table.evict(index)
+                self.cache.resize(index, 0)
+                self.stats.evictions += 1
         return self.cache.resize(row, positions)
 
     def _drop_idle_rows(self) -> None:
