@@ -161,19 +161,20 @@ def gains(records: list[dict[str, float]], metric: str = "val/success", last: in
 
 
 def gains_table(runs: list[Path], records: list[list[dict[str, float]]], metric: str = "val/success") -> str:
-    """A markdown table of :func:`gains`, a line per run and the mean over the runs that have two values."""
+    """A markdown table of :func:`gains`, a line per run and the mean over the runs that have two values; gains in
+    points to a tenth (near a bar such as +30, +29.7 and +30.2 are different answers)."""
     header = ["| run | after SFT | best (step) | last (step) | last three | gain at best | gain over the last three |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     found = [(run.name, gains(run_records, metric)) for run, run_records in zip(runs, records)]
     lines = [f"| {name} | - | - | - | - | - | - |" if g is None else
              f"| {name} | {g.start:.3f} | {g.best:.3f} ({g.best_step}) | {g.last:.3f} ({g.last_step}) | "
-             f"{g.last_mean:.3f} | {100 * g.gain_at_best:+.0f} | {100 * g.gain_over_last:+.0f} |"
+             f"{g.last_mean:.3f} | {100 * g.gain_at_best:+.1f} | {100 * g.gain_over_last:+.1f} |"
              for name, g in found]
     complete = [g for _, g in found if g is not None]
     if complete:
         start, top, tail = (fmean(getattr(g, key) for g in complete) for key in ("start", "best", "last_mean"))
         lines.append(f"| mean of {len(complete)} | {start:.3f} | {top:.3f} | | {tail:.3f} | "
-                     f"{100 * (top - start):+.0f} | {100 * (tail - start):+.0f} |")
+                     f"{100 * (top - start):+.1f} | {100 * (tail - start):+.1f} |")
     return "\n".join(header + lines)
 
 

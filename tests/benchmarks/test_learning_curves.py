@@ -122,10 +122,10 @@ def test_the_gains_table_has_a_line_per_run_and_the_rows_mean(tmp_path):
     records = [validations((0, 0.4), (10, 0.6), (20, 0.7)), validations((0, 0.5), (10, 0.6), (20, 0.6)),
                validations((0, 0.5))]
     assert gains_table(runs, records).splitlines()[2:] == [
-        "| s0 | 0.400 | 0.700 (20) | 0.700 (20) | 0.567 | +30 | +17 |",
-        "| s1 | 0.500 | 0.600 (10) | 0.600 (20) | 0.567 | +10 | +7 |",
+        "| s0 | 0.400 | 0.700 (20) | 0.700 (20) | 0.567 | +30.0 | +16.7 |",
+        "| s1 | 0.500 | 0.600 (10) | 0.600 (20) | 0.567 | +10.0 | +6.7 |",
         "| s2 | - | - | - | - | - | - |",
-        "| mean of 2 | 0.450 | 0.650 | | 0.567 | +20 | +12 |",
+        "| mean of 2 | 0.450 | 0.650 | | 0.567 | +20.0 | +11.7 |",
     ]
 
 
@@ -133,5 +133,5 @@ def test_the_script_prints_the_gains_without_drawing(runs, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["learning_curves.py", "--gains", f"GRPO={runs}/GRPO_seed*"])
     main()
     out = capsys.readouterr().out
-    assert "**GRPO**" in out and "| GRPO_seed2 | 0.250 | 0.500 (10) | 0.500 (10) | 0.375 | +25 | +12 |" in out
+    assert "**GRPO**" in out and "| GRPO_seed2 | 0.250 | 0.500 (10) | 0.500 (10) | 0.375 | +25.0 | +12.5 |" in out
     assert "| mean of 3 |" in out
