@@ -419,8 +419,7 @@ class Engine:
         self.waiting.clear()
         for row in list(self.running):
             del self.running[row]
-            self.table.release(row, [])
-            self.cache.resize(row, 0)
+            self._release_row(row, [])
         self._running_rows = None
         self._drop_idle_rows()
         self.finished = []
@@ -449,9 +448,7 @@ class Engine:
             raise RuntimeError("the engine frees its memory between generations only; sequences are generating")
         self._drop_idle_rows()
         self.cache.release()
-        self._graphs.clear()
-        self._prefill_graphs.clear()
-        self._graph_pool = None
+        self._drop_graphs()
         self.weights.release()
         self._version = -1  # no version of the weights: the next generation computes the buffers again
 
@@ -515,8 +512,7 @@ class Engine:
                 break
             if not self._take_pages(placement.row, len(sequence.prompt) + self._budget(sequence)):
                 # Running sequences hold the pages: it waits for one to finish, keeping the row's cached prefix.
-                self.table.release(placement.row, sequence.keys[: placement.reused])
-                self.cache.resize(placement.row, len(self.table.rows[placement.row].tokens))
+                self._release_row(placement.row, sequence.keys[: placement.reused])
                 break
             self.waiting.popleft()
             sequence.row, sequence.cached, sequence.reused = placement.row, placement.reused, placement.reused
@@ -526,9 +522,7 @@ class Engine:
             admitted.append(sequence)
         if self.cache.grown:  # graphs captured on the old tensors are dropped
             self.cache.grown = False
-            self._graphs.clear()
-            self._prefill_graphs.clear()
-            self._graph_pool = None  # a fresh pool: the old one's graphs are gone
+            self._drop_graphs()
         # The page table reaches the device only here, where no step is in flight (a copy from pageable memory
         # would wait for one). Between admissions it may still show pages that finished sequences gave back:
         # only rows not running read those (their output is discarded), and no page changes hands until now.
@@ -556,6 +550,19 @@ class Engine:
                 self.cache.resize(index, 0)
                 self.stats.evictions += 1
         return self.cache.resize(row, positions)
+
+    def _release_row(self, row: int, cached_tokens: list[int]) -> None:
+        """The row's sequence has ended (or was not admitted): the row keeps ``cached_tokens`` for a later prompt
+        to extend (when the table indexes them) and the pages that hold them; its other pages go back."""
+        self.table.release(row, cached_tokens)
+        self.cache.resize(row, len(self.table.rows[row].tokens))
+
+    def _drop_graphs(self) -> None:
+        """Forget every CUDA graph, and their memory pool with them (the cache's tensors they were captured on are
+        gone)."""
+        self._graphs.clear()
+        self._prefill_graphs.clear()
+        self._graph_pool = None
 
     def _drop_idle_rows(self) -> None:
         """Forget every idle row's cached tokens and free their pages (the weights changed, or the memory goes)."""
@@ -945,8 +952,7 @@ class Engine:
         generated, logprobs = self.state.generated(row)
         # The row holds the keys and values of its ``cached`` tokens: all but the last sampled one, or all of them
         # when the next step was launched before this one's tokens were read.
-        self.table.release(row, (sequence.keys + generated)[: int(self.state.cached[row])])
-        self.cache.resize(row, len(self.table.rows[row].tokens))  # the budget's unused pages go back
+        self._release_row(row, (sequence.keys + generated)[: int(self.state.cached[row])])
         self._running_rows = None
         self.finished.append(Result(sequence.id, generated, logprobs, reason, reused_tokens=sequence.reused))
 
