@@ -280,6 +280,12 @@ def test_dynamic_sampling_rolls_out_more_groups_until_enough_have_varied_rewards
         assert {t["group"] for t in played} == set(range(2 * (1 + int(rounds))))
         if record["rollout/dynamic_kept_groups"] > 0:
             assert record["batch/samples"] == 4 * record["rollout/dynamic_kept_groups"]
+        # The share alike counts every group played, as it does without dynamic sampling.
+        rewards: dict[int, set[float]] = {}
+        for t in played:
+            rewards.setdefault(t["group"], set()).add(t["total_reward"])
+        alike = sum(len(r) == 1 for r in rewards.values()) / len(rewards)
+        assert record["rollout/zero_variance_groups"] == pytest.approx(alike)
 
 
 def test_dynamic_sampling_and_the_starpo_filter_are_exclusive(tiny_model_dir, tmp_path):

@@ -43,7 +43,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from turnrl.agent.formats import get_format
-from turnrl.algorithms import group_stats, kl_penalty, seeded_group_scores, select_groups
+from turnrl.algorithms import GroupStats, group_stats, kl_penalty, seeded_group_scores, select_groups
 from turnrl.config import ConfigError, SamplingConfig
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
@@ -130,6 +130,15 @@ def collect(
     return StepOutput(metrics, trajectories)
 
 
+def group_spread_metrics(stats: GroupStats) -> dict[str, float]:
+    """How much the groups' rewards differ: the mean in-group std and the share of groups whose episodes all
+    score alike (no episode advantage; what holds a run that stops rising)."""
+    return {
+        "rollout/in_group_reward_std": float(stats.std.mean()),
+        "rollout/zero_variance_groups": float((stats.std == 0).float().mean()),
+    }
+
+
 def select_trajectories(trajectories: list[Trajectory], config: FilterConfig) -> tuple[list[int], dict[str, float]]:
     """StarPO-S: the indices of the trajectories to train on (kept groups, no errors), and the filter's metrics.
 
@@ -137,11 +146,7 @@ def select_trajectories(trajectories: list[Trajectory], config: FilterConfig) ->
     """
     rewards = torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64)
     groups = torch.tensor([t.group for t in trajectories])
-    stats = group_stats(rewards, groups)
-    metrics = {
-        "rollout/in_group_reward_std": float(stats.std.mean()),
-        "rollout/zero_variance_groups": float((stats.std == 0).float().mean()),
-    }
+    metrics = group_spread_metrics(group_stats(rewards, groups))
     # FilterConfig.value above 1 is a count of groups, at most 1 a share.
     value: float | int = int(config.value) if config.method == "top_k" and config.value > 1 else config.value
     scores = None  # select_groups scores a group by its reward std unless given other scores
@@ -188,6 +193,10 @@ def dynamic_sample(
     chosen = set(varied_groups(trajectories)[:n_groups])
     keep = [i for i, t in enumerate(trajectories) if t.group in chosen]
     metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
+    # Over every group played, so that the share alike reads as it does without dynamic sampling.
+    metrics.update(group_spread_metrics(group_stats(
+        torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64),
+        torch.tensor([t.group for t in trajectories]))))
     for key in {key for output in outputs for key in output.metrics if key.startswith("rewards/")}:
         # Each round reported its own; their mean (counts too: per round) stands for the step.
         metrics[key] = sum(output.metrics.get(key, 0.0) for output in outputs) / len(outputs)
