@@ -130,6 +130,12 @@ def collect(
     return StepOutput(metrics, trajectories)
 
 
+def rewards_and_groups(trajectories: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shapes (n,), (n,): each episode's total reward (float64) and its group."""
+    return (torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64),
+            torch.tensor([t.group for t in trajectories]))
+
+
 def group_spread_metrics(stats: GroupStats) -> dict[str, float]:
     """How much the groups' rewards differ: the mean in-group std and the share of groups whose episodes all
     score alike (no episode advantage; what holds a run that stops rising)."""
@@ -144,8 +150,7 @@ def select_trajectories(trajectories: list[Trajectory], config: FilterConfig) ->
 
     An empty list means: skip the update.
     """
-    rewards = torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64)
-    groups = torch.tensor([t.group for t in trajectories])
+    rewards, groups = rewards_and_groups(trajectories)
     metrics = group_spread_metrics(group_stats(rewards, groups))
     # FilterConfig.value above 1 is a count of groups, at most 1 a share.
     value: float | int = int(config.value) if config.method == "top_k" and config.value > 1 else config.value
@@ -169,9 +174,7 @@ def select_trajectories(trajectories: list[Trajectory], config: FilterConfig) ->
 
 def varied_groups(trajectories: list[Trajectory]) -> list[int]:
     """The groups, in order, whose rewards differ and whose episodes are all trainable (dynamic sampling)."""
-    rewards = torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64)
-    groups = torch.tensor([t.group for t in trajectories])
-    stats = group_stats(rewards, groups)
+    stats = group_stats(*rewards_and_groups(trajectories))
     broken = {t.group for t in trajectories if not t.trainable}
     return [int(g) for g, std in zip(stats.group_ids, stats.std) if std > 0 and int(g) not in broken]
 
@@ -194,9 +197,7 @@ def dynamic_sample(
     keep = [i for i, t in enumerate(trajectories) if t.group in chosen]
     metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
     # Over every group played, so that the share alike reads as it does without dynamic sampling.
-    metrics.update(group_spread_metrics(group_stats(
-        torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64),
-        torch.tensor([t.group for t in trajectories]))))
+    metrics.update(group_spread_metrics(group_stats(*rewards_and_groups(trajectories))))
     for key in {key for output in outputs for key in output.metrics if key.startswith("rewards/")}:
         # Each round reported its own; their mean (counts too: per round) stands for the step.
         metrics[key] = sum(output.metrics.get(key, 0.0) for output in outputs) / len(outputs)
