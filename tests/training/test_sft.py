@@ -18,6 +18,7 @@ from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
 from turnrl.training.sft import (
     PARALLEL_CHATS,
+    chat_picture_samples,
     chat_samples,
     conversation_samples,
     data_workers,
@@ -25,6 +26,7 @@ from turnrl.training.sft import (
     read_chat_jsonl,
     sft_train,
     trajectory_messages,
+    with_pixels,
 )
 
 CHAT = [
@@ -187,6 +189,63 @@ def test_a_vlms_chats_are_tokenized_in_the_training_process_whatever_the_workers
         assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask
         assert a.model_inputs.keys() == b.model_inputs.keys() and "pixel_values" in a.model_inputs
         assert all(torch.equal(a.model_inputs[k], b.model_inputs[k]) for k in a.model_inputs)
+
+
+def image_demo_chats(episodes: int) -> list:
+    agent, config, fmt = demo_setup(episodes=episodes, random_action_share=0.3)
+    return [trajectory_messages(d) for d in expert_demos(lambda: make("FrozenLake", mode="image"), fmt, agent, config,
+                                                        "FrozenLake")]
+
+
+@pytest.mark.parametrize(("window", "max_images"), [(1, None), (None, None), (3, 2)])
+def test_sft_keeps_pictures_that_make_each_samples_model_inputs_again(tiny_vlm_dir, window, max_images):
+    # (3, 2): a window of three turns whose prompts hold the latest two images only.
+    from turnrl.models.loading import load_processor, load_tokenizer
+    from turnrl.models.vision import ImageEncoder
+
+    chats = image_demo_chats(6)
+    tokenizer, encoder = load_tokenizer(tiny_vlm_dir), ImageEncoder(load_processor(tiny_vlm_dir))
+    full = chat_samples(chats, tokenizer, window, encoder, max_images)
+    samples, pictures = chat_picture_samples(chats, tokenizer, window, encoder, max_images)
+    assert len(samples) == len(pictures) == len(full) >= len(chats)
+    counts = {len(p) for p in pictures}
+    if window == 1:
+        assert counts == {1}
+    elif max_images == 2:
+        assert counts == {1, 2}
+    else:  # whole chats: every turn's picture
+        assert max(counts) > 2
+    for sample, its_pictures, expected in zip(samples, pictures, full, strict=True):
+        assert sample.model_inputs == {}  # pictures, not pixels, until batched
+        made = with_pixels(sample, its_pictures, encoder)
+        assert made.input_ids == expected.input_ids and made.loss_mask == expected.loss_mask
+        assert made.model_inputs.keys() == expected.model_inputs.keys() == {"pixel_values", "image_grid_thw"}
+        assert all(torch.equal(made.model_inputs[k], expected.model_inputs[k]) for k in made.model_inputs)
+        assert made.input_ids.count(encoder.image_token_id) == int(
+            made.model_inputs["image_grid_thw"].prod(-1).sum()) // encoder.merge_size**2
+
+
+def test_sft_on_pictures_trains_as_on_pixels(tiny_vlm_dir):
+    from turnrl.models.loading import load_model, load_processor, load_tokenizer
+    from turnrl.models.vision import ImageEncoder
+
+    chats = image_demo_chats(3)
+    tokenizer, encoder = load_tokenizer(tiny_vlm_dir), ImageEncoder(load_processor(tiny_vlm_dir))
+    config = SFTConfig(epochs=1, lr=1e-3, warmup_steps=0, batch_size=4, micro_batch_size=2)
+    full = chat_samples(chats, tokenizer, 1, encoder)
+    samples, pictures = chat_picture_samples(chats, tokenizer, 1, encoder)
+    runs = []
+    for kwargs in ({"samples": full}, {"samples": samples, "pictures": pictures, "encoder": encoder}):
+        model = load_model(tiny_vlm_dir, device=torch.device("cpu"))
+        logged: list = []
+        sft_train(model, tokenizer.pad_token_id, config=config, log=lambda step, m: logged.append(m["sft/loss"]),
+                  **kwargs)
+        runs.append((logged, [p.detach().clone() for p in model.parameters()]))
+    (losses, weights), (picture_losses, picture_weights) = runs
+    assert len(losses) > 1 and losses == pytest.approx(picture_losses, rel=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(weights, picture_weights, strict=True))
+    with pytest.raises(ValueError, match="image encoder"):
+        sft_train(load_model(tiny_vlm_dir, device=torch.device("cpu")), 0, samples, config, pictures=pictures)
 
 
 def test_the_tokenizing_processes_are_counted_from_the_cores_for_many_chats(monkeypatch):

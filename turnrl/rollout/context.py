@@ -263,8 +263,13 @@ class EpisodeTokens:
         """The extra model inputs of turn ``t``'s prompt (default: the current one), those of the turns
         in its window."""
         t = len(self._require_started()) - 1 if t is None else t
+        return concat_model_inputs([self.turns[j] for j in self.image_turns(t)])
+
+    def image_turns(self, t: int) -> list[int]:
+        """The turns, in order, whose observations' images turn ``t``'s prompt holds (its window, less the
+        turns whose images ``max_images`` leaves out)."""
         dropped = self._dropped_images(t)
-        return concat_model_inputs([self.turns[j] for j in range(self._window_start(t), t + 1) if j not in dropped])
+        return [j for j in range(self._window_start(t), t + 1) if j not in dropped]
 
     def prompt_ids(self, t: int) -> list[int]:
         """The prompt of turn ``t``, as it was (or is) given to the model. (P_t,).

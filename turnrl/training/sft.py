@@ -18,10 +18,11 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from turnrl.agent.formats import ResponseFormat, get_format
@@ -100,20 +101,53 @@ def conversation_samples(
     would be sampled from. Images of user messages (arrays, file paths or
     data URLs in image parts) go through ``encoder``, as in the rollout.
     """
+    return [sample for sample, _ in _samples_and_pictures(messages, tokenizer, window, encoder, max_images)]
+
+
+def conversation_picture_samples(
+    messages: list[Message],
+    tokenizer: Any,
+    window: int | None,
+    encoder: ImageEncoder,
+    max_images: int | None = None,
+) -> list[tuple[Sample, list[np.ndarray]]]:
+    """:func:`conversation_samples` of a VLM's chat with each sample's pictures in place of its model inputs
+    (:func:`with_pixels` makes them again): a picture is a fraction of its pixel tensors (Qwen-VL's are
+    float32 and hold each patch twice), so an SFT set of image chats keeps its pictures, not its pixels."""
+    return [(replace(sample, model_inputs={}), pictures)
+            for sample, pictures in _samples_and_pictures(messages, tokenizer, window, encoder, max_images)]
+
+
+def with_pixels(sample: Sample, pictures: list[np.ndarray], encoder: ImageEncoder) -> Sample:
+    """``sample`` with the model inputs of its prompt's ``pictures``, made now."""
+    return replace(sample, model_inputs=encoder.message_inputs(pictures)[1])
+
+
+def _samples_and_pictures(
+    messages: list[Message],
+    tokenizer: Any,
+    window: int | None,
+    encoder: ImageEncoder | None,
+    max_images: int | None,
+) -> list[tuple[Sample, list[np.ndarray]]]:
+    """The chat's samples (see :func:`conversation_samples`), each with the pictures of its prompt, in the
+    order of its model inputs."""
     if tokenizer.eos_token_id is None:
         raise ValueError("SFT needs a tokenizer with an eos token to end assistant turns")
     system = messages[0] if messages and messages[0]["role"] == "system" else None
     rest = messages[1:] if system is not None else messages
     if len(rest) < 2 or rest[0]["role"] != "user":
         raise ValueError("a chat must start with a user message (after an optional system message) and have a reply")
+    turn_pictures: list[list[np.ndarray]] = []  # each turn's observation's pictures
 
     def images_of(message: Message) -> tuple[list[int], dict[str, Any]]:
         images = part_images(message["content"])
-        if not images:
-            return [], {}
-        if encoder is None:
+        if images and encoder is None:
             raise ValueError("a chat has images but the model has no image processor: train a VLM on it")
-        return encoder.message_inputs([load_image(image) for image in images])
+        turn_pictures.append([load_image(image) for image in images])
+        if encoder is None or not images:
+            return [], {}
+        return encoder.message_inputs(turn_pictures[-1])
 
     tokens = EpisodeTokens(tokenizer, max_context_window=window, max_images=max_images,
                            image_token=encoder.image_token if encoder is not None else None)
@@ -130,14 +164,17 @@ def conversation_samples(
             tokens.add_observation(message, *images_of(message))
     if tokens.awaiting_response:  # a chat that ends with a user message: nothing to learn from the tail
         tokens.turns.pop()
+        turn_pictures.pop()
     if window is None and max_images is None:
         stream = tokens.stream()
-        return [Sample(stream.input_ids, stream.loss_mask, [0.0] * len(stream.input_ids), stream.turn_end_positions,
-                       [0.0] * len(stream.turn_end_positions), episode=0, group=0, model_inputs=stream.model_inputs)]
+        whole = Sample(stream.input_ids, stream.loss_mask, [0.0] * len(stream.input_ids), stream.turn_end_positions,
+                       [0.0] * len(stream.turn_end_positions), episode=0, group=0, model_inputs=stream.model_inputs)
+        return [(whole, [picture for pictures in turn_pictures for picture in pictures])]
     return [
-        Sample(s.prompt_ids + s.response_ids, [0] * len(s.prompt_ids) + [1] * len(s.response_ids),
-               [0.0] * (len(s.prompt_ids) + len(s.response_ids)), [len(s.prompt_ids) + len(s.response_ids) - 1],
-               [0.0], episode=0, group=0, turn=s.turn, model_inputs=s.model_inputs)
+        (Sample(s.prompt_ids + s.response_ids, [0] * len(s.prompt_ids) + [1] * len(s.response_ids),
+                [0.0] * (len(s.prompt_ids) + len(s.response_ids)), [len(s.prompt_ids) + len(s.response_ids) - 1],
+                [0.0], episode=0, group=0, turn=s.turn, model_inputs=s.model_inputs),
+         [picture for j in tokens.image_turns(s.turn) for picture in turn_pictures[j]])
         for s in tokens.turn_samples()
     ]
 
@@ -188,8 +225,10 @@ def chat_samples(
 
     A VLM's chats (``encoder`` given) are always made here: their samples carry pixel tensors, and torch
     sends each tensor between processes as a shared-memory file descriptor, so the thousands of samples of
-    a VAGEN SFT set ran a pool out of descriptors ("received 0 items of ancdata") or hung it. Made here,
-    3,000 of VAGEN's image FrozenLake chats take about 15 s on two cores, a small part of SFT.
+    a VAGEN SFT set ran a pool out of descriptors ("received 0 items of ancdata") or hung it; sent as bytes
+    instead, 3,000 Sokoban image chats took longer in two processes than in one (68 s against 39 s on two
+    cores: their 8.6 GB of pixels cost more to move than to make). SFT itself keeps pictures
+    (:func:`chat_picture_samples`).
     """
     if workers <= 1 or len(chats) < 2 * workers or encoder is not None:
         return _samples_of(chats, tokenizer, window, encoder, max_images)
@@ -198,6 +237,20 @@ def chat_samples(
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
                              initargs=(tokenizer, window, encoder, max_images)) as pool:
         return [sample for part in pool.map(_worker_samples, chunks) for sample in part]
+
+
+def chat_picture_samples(
+    chats: Sequence[list[Message]],
+    tokenizer: Any,
+    window: int | None,
+    encoder: ImageEncoder,
+    max_images: int | None = None,
+) -> tuple[list[Sample], list[list[np.ndarray]]]:
+    """Every VLM chat's :func:`conversation_picture_samples`, in the chats' order: the samples (no model
+    inputs) and, for each, its prompt's pictures."""
+    pairs = [pair for chat in chats for pair in conversation_picture_samples(chat, tokenizer, window, encoder,
+                                                                              max_images)]
+    return [sample for sample, _ in pairs], [pictures for _, pictures in pairs]
 
 
 def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
@@ -266,8 +319,13 @@ def sft_train(
     seed: int = 0,
     log: Callable[[int, dict[str, float]], None] | None = None,
     read_every: int = 32,
+    pictures: Sequence[list[np.ndarray]] | None = None,
+    encoder: ImageEncoder | None = None,
 ) -> dict[str, float]:
     """Cross-entropy on the loss-masked tokens, AdamW with warm-up and cosine decay.
+
+    With ``pictures`` (a VLM's samples from :func:`chat_picture_samples`) each micro-batch's model inputs
+    are made from its samples' pictures by ``encoder`` when it is batched.
 
     Each step's loss and gradient norm stay on the device and are read (then logged, in step order) every
     ``read_every`` steps and at the end: a read waits for the device, and a small model's step is bound by
@@ -275,6 +333,8 @@ def sft_train(
 
     Returns the final metrics (mean loss of the last epoch, token accuracy).
     """
+    if pictures is not None and (encoder is None or len(pictures) != len(samples)):
+        raise ValueError("pictures need an image encoder and a list of pictures for each sample")
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     # beta2 = 0.95: the first steps learn the response format with large gradients; with 0.999 the
@@ -311,7 +371,11 @@ def sft_train(
                 optimizer.zero_grad(set_to_none=True)
                 batch_loss = torch.zeros((), device=device)
                 for micro in range(0, len(batch_ids), config.micro_batch_size):
-                    batch = collate([samples[i] for i in batch_ids[micro : micro + config.micro_batch_size]], pad_id)
+                    micro_ids = batch_ids[micro : micro + config.micro_batch_size]
+                    if pictures is None or encoder is None:
+                        batch = collate([samples[i] for i in micro_ids], pad_id)
+                    else:
+                        batch = collate([with_pixels(samples[i], pictures[i], encoder) for i in micro_ids], pad_id)
                     batch = batch.to(device)
                     logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask,
                                                  model_inputs=batch.model_inputs)
@@ -383,14 +447,19 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     encoder = ImageEncoder(processor) if processor is not None else None
     console.print(f"SFT data: {len(chats)} chats after {time.time() - start:.0f} s; tokenizing them")
     tokenizing = time.time()
-    samples = chat_samples(chats, tokenizer, window, encoder, config.agent.max_images,
-                           workers=data_workers(config.sft.data_workers, len(chats)))
+    pictures: list[list[np.ndarray]] | None = None
+    if encoder is None:
+        samples = chat_samples(chats, tokenizer, window, max_images=config.agent.max_images,
+                               workers=data_workers(config.sft.data_workers, len(chats)))
+    else:
+        samples, pictures = chat_picture_samples(chats, tokenizer, window, encoder, config.agent.max_images)
     targets = sum(sum(s.loss_mask) for s in samples)
     console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({targets} target tokens; tokenized in "
                   f"{time.time() - tokenizing:.0f} s)")
     logger = MetricsLogger(out, tensorboard=config.run.tensorboard)
     with autocast(device, dtype):
-        metrics = sft_train(model, tokenizer.pad_token_id, samples, config.sft, seed=config.seeds.seed, log=logger.log)
+        metrics = sft_train(model, tokenizer.pad_token_id, samples, config.sft, seed=config.seeds.seed, log=logger.log,
+                            pictures=pictures, encoder=encoder)
     logger.close()
     model_path = out / "model"
     model.save_pretrained(model_path)
