@@ -209,7 +209,8 @@ without checkpointing peaked at 52.5 GiB eager and 42.6 GiB compiled (docs/bench
 GiB of the 9.9."""
 
 
-def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool, compiled: bool = False) -> float:
+def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool, compiled: bool = False,
+                     trains_head: bool = True) -> float:
     """One micro-batch of ``tokens`` through the model, forward and backward, in bf16.
 
     A layer's working set (what autograd keeps of one layer: the normed inputs, q/k/v, attention output,
@@ -217,12 +218,13 @@ def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool, comp
     peak at 8k tokens without checkpointing, docs/benchmarks.md), ``NORM_COPIES h`` fewer for ``compiled``
     layers. With checkpointing each layer keeps only its input and one layer is recomputed at a time (the
     7B pass with checkpointing peaked at 38.1 GiB compiled or not). The scoring head holds two float32 chunks
-    of logits.
+    of logits, and in its backward pass (``trains_head``: not under LoRA) the float32 sum of its weight's
+    gradient beside one chunk's bf16 product (2.3 + 1.2 GiB for an 8B VLM's 152k x 4096 head).
     """
     working = 2 * tokens * (14 * counts.hidden + 4 * counts.intermediate)
     kept_working = working - (2 * tokens * NORM_COPIES * counts.hidden if compiled else 0)
     kept = counts.layers * 2 * tokens * counts.hidden if checkpointing else counts.layers * kept_working
-    head = 2 * 4 * min(tokens, DEFAULT_CHUNK) * counts.vocab
+    head = 2 * 4 * min(tokens, DEFAULT_CHUNK) * counts.vocab + (6 * counts.vocab * counts.hidden if trains_head else 0)
     return kept + (working if checkpointing else 0) + head
 
 
@@ -277,7 +279,8 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     elif engine:
         parts["rollout weights"] = 2 * counts.total
     checkpointing = config.model.gradient_checkpointing
-    parts["activations"] = activation_bytes(counts, _pass_tokens(config), checkpointing, config.model.compile)
+    parts["activations"] = activation_bytes(counts, _pass_tokens(config), checkpointing, config.model.compile,
+                                            trains_head=not lora)
     if not sharded and not checkpointing and config.model.dtype != "float32":
         # Actor and critic update one after the other: the larger model's casts (5.7 GiB at 3B).
         parts["weight casts"] = 2 * max(counts.total, critic_total if config.algorithm.uses_critic else 0)
