@@ -110,9 +110,14 @@ def make_sft_start(config: str, overrides: list[str], out: Path, env: dict[str, 
 def sharing_the_card(parallel: int, overrides: list[str], gpus: Sequence[str] = ()) -> list[str]:
     """The overrides of runs played ``parallel`` at once (dealt to ``gpus``, or all on one card): each may use
     its share of a card's memory, 1 / :func:`runs_per_card` (``run.gpu_share``: a run that cannot fit its share
-    stops at its start, alone); the caller's own ``run.gpu_share`` comes later and wins."""
+    stops at its start, alone), and its share of the host's cores (``run.threads``: with torch's default each
+    run takes every core, and the image processor's small operations, waiting on threads that other runs hold,
+    took 18x longer); the caller's own settings come later and win."""
+    if parallel <= 1:
+        return list(overrides)
+    threads = [f"run.threads={max(1, (os.cpu_count() or 1) // parallel)}"]
     sharing = runs_per_card(parallel, gpus)
-    return [f"run.gpu_share={1 / sharing:.4g}", *overrides] if sharing > 1 else list(overrides)
+    return [*([f"run.gpu_share={1 / sharing:.4g}"] if sharing > 1 else []), *threads, *overrides]
 
 
 def sft_start(args: argparse.Namespace, out: Path) -> Path:

@@ -15,8 +15,16 @@ def test_runs_played_at_once_each_get_their_share_and_an_explicit_share_wins():
     assert load_config(TrainConfig, "configs/quickstart.yaml", shared).run.gpu_share == 0.3333
     dealt = sharing_the_card(6, ["run.steps=3"], ["2", "3"])  # three runs a card
     assert load_config(TrainConfig, "configs/quickstart.yaml", dealt).run.gpu_share == 0.3333
-    explicit = sharing_the_card(3, ["run.gpu_share=0.5"])
+    explicit = sharing_the_card(3, ["run.gpu_share=0.5", "run.threads=7"])
     assert load_config(TrainConfig, "configs/quickstart.yaml", explicit).run.gpu_share == 0.5
+    assert load_config(TrainConfig, "configs/quickstart.yaml", explicit).run.threads == 7
+
+
+def test_runs_played_at_once_share_the_hosts_cores(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert load_config(TrainConfig, "configs/quickstart.yaml", sharing_the_card(6, [], ["2", "3"])).run.threads == 10
+    assert load_config(TrainConfig, "configs/quickstart.yaml", sharing_the_card(128, [])).run.threads == 1
+    assert sharing_the_card(1, []) == []  # one run keeps torch's default
 
 
 def test_runs_dealt_to_gpus_never_crowd_a_card_past_its_share():

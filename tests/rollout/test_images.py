@@ -231,3 +231,19 @@ def test_thin_images_are_read_channels_last(processor):
     encoder = ImageEncoder(processor)
     (image,) = encoder.encode([np.zeros((3, 60, 3), dtype=np.uint8)])
     assert image.placeholder_tokens >= 1 and image.model_inputs["image_grid_thw"].shape == (1, 3)
+
+
+@pytest.mark.parametrize("patch_size, pixels", [(None, {}), (None, {"min_pixels": 56 * 56, "max_pixels": 84 * 84}),
+                                                (16, {"min_pixels": 32 * 32, "max_pixels": 128 * 128})])
+def test_placeholders_counted_from_sizes_equal_the_encoded_ones(tiny_vlm_dir, patch_size, pixels):
+    """SFT counts its images' placeholders from their sizes; the rollout encodes them: the same counts for
+    thin, odd, tiny and oversized images, with the checkpoint's limits, overridden ones and Qwen3-VL's patches."""
+    from transformers import Qwen2VLImageProcessor
+
+    encoder = ImageEncoder(load_processor(tiny_vlm_dir, **pixels))
+    if patch_size is not None:
+        encoder.image_processor = Qwen2VLImageProcessor(patch_size=patch_size, **pixels)
+    sizes = [(3, 60), (150, 150), (37, 211), (500, 400), (10, 10), (28, 29), (1000, 30)]
+    images = [np.zeros((h, w, 3), dtype=np.uint8) for h, w in sizes]
+    assert encoder.placeholder_counts(images) == [image.placeholder_tokens for image in encoder.encode(images)]
+    assert len(set(encoder.placeholder_counts(images))) > 2  # the sizes do change the counts

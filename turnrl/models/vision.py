@@ -85,6 +85,14 @@ class ImageEncoder:
             ))
         return encoded
 
+    def placeholder_counts(self, images: Sequence[np.ndarray]) -> list[int]:
+        """Each ``HxWx3`` image's placeholder count, as :meth:`encode` counts it, from its size alone: the
+        processor's own patch arithmetic (``get_number_of_image_patches``), no pixels made. Counting by making
+        pixels was most of the time to tokenize a VLM's SFT chats, and many times more on a host whose cores
+        other processes hold (torch's small tensor operations wait on threads they share)."""
+        return [int(self.image_processor.get_number_of_image_patches(int(image.shape[0]), int(image.shape[1])))
+                // self.merge_size**2 for image in images]
+
     def message_inputs(self, images: Sequence[np.ndarray]) -> tuple[list[int], dict[str, torch.Tensor]]:
         """The placeholder count of each of a message's images and their model inputs, joined: what a
         token context takes for the message (``EpisodeTokens.start`` / ``add_observation``)."""

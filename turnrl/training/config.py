@@ -363,7 +363,9 @@ class RunConfig:
     """Log to this Weights & Biases project too (needs ``wandb``)."""
     threads: int = 0
     """torch CPU threads; 0 keeps torch's default (under torchrun: the host's cores shared among its processes,
-    where torchrun would leave one each)."""
+    where torchrun would leave one each). Several runs on one host: give each its share of the cores; with
+    every run on every core, small tensor operations (a VLM's image processing) wait on threads the others
+    hold, 10-18x slower."""
     peak_tflops: float = 0.0
     """Dense bf16 peak of one device in TFLOP/s, the denominator of ``throughput/update_mfu``; 0 detects it
     (H100, H200, A100 and others by name); a CPU or an unknown GPU logs no MFU."""

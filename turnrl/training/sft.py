@@ -101,7 +101,8 @@ def conversation_samples(
     would be sampled from. Images of user messages (arrays, file paths or
     data URLs in image parts) go through ``encoder``, as in the rollout.
     """
-    return [sample for sample, _ in _samples_and_pictures(messages, tokenizer, window, encoder, max_images)]
+    return [sample for sample, _ in _samples_and_pictures(messages, tokenizer, window, encoder, max_images,
+                                                          pixels=True)]
 
 
 def conversation_picture_samples(
@@ -114,8 +115,7 @@ def conversation_picture_samples(
     """:func:`conversation_samples` of a VLM's chat with each sample's pictures in place of its model inputs
     (:func:`with_pixels` makes them again): a picture is a fraction of its pixel tensors (Qwen-VL's are
     float32 and hold each patch twice), so an SFT set of image chats keeps its pictures, not its pixels."""
-    return [(replace(sample, model_inputs={}), pictures)
-            for sample, pictures in _samples_and_pictures(messages, tokenizer, window, encoder, max_images)]
+    return _samples_and_pictures(messages, tokenizer, window, encoder, max_images, pixels=False)
 
 
 def with_pixels(sample: Sample, pictures: list[np.ndarray], encoder: ImageEncoder) -> Sample:
@@ -129,9 +129,11 @@ def _samples_and_pictures(
     window: int | None,
     encoder: ImageEncoder | None,
     max_images: int | None,
+    pixels: bool,
 ) -> list[tuple[Sample, list[np.ndarray]]]:
     """The chat's samples (see :func:`conversation_samples`), each with the pictures of its prompt, in the
-    order of its model inputs."""
+    order of its model inputs; without ``pixels`` the samples have no model inputs (their images' placeholders
+    are counted from the pictures' sizes)."""
     if tokenizer.eos_token_id is None:
         raise ValueError("SFT needs a tokenizer with an eos token to end assistant turns")
     system = messages[0] if messages and messages[0]["role"] == "system" else None
@@ -147,6 +149,8 @@ def _samples_and_pictures(
         turn_pictures.append([load_image(image) for image in images])
         if encoder is None or not images:
             return [], {}
+        if not pixels:
+            return encoder.placeholder_counts(turn_pictures[-1]), {}
         return encoder.message_inputs(turn_pictures[-1])
 
     tokens = EpisodeTokens(tokenizer, max_context_window=window, max_images=max_images,
