@@ -89,6 +89,31 @@ def test_multi_turn_rollouts_are_the_same_trajectories_with_the_engine(model, ti
     assert policy.engine.stats.reused_tokens > policy.engine.stats.prefill_tokens
 
 
+def test_a_rollout_logs_the_engines_work_of_that_rollout_alone(model, tiny_tokenizer):
+    """``timings.policy_work``: what the engine counted during one ``run`` (a second run's own counts, not the
+    engine's running totals); a policy that counts nothing logs nothing."""
+    agent = AgentConfig(format="no_think", max_turns=4, max_actions_per_episode=4, max_context_tokens=2048)
+    policy = engine_policy(model, tiny_tokenizer)
+    rollout = Rollout(policy, get_format("no_think"), agent, "Sokoban")
+    works = []
+    for _ in range(2):
+        slots = [EpisodeSlot(env=make("Sokoban"), seed=s, group=s, sample=0) for s in range(3)]
+        trajectories = rollout.run(slots, SamplingConfig(temperature=0, max_new_tokens=8))
+        works.append(rollout.timings.policy_work)
+        generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
+        assert works[-1]["generated_tokens"] == generated
+        assert works[-1]["reused_tokens"] > 0 and works[-1]["decode_steps"] >= 8
+    # The same greedy episodes, counted afresh: the same tokens generated and prompt tokens met; the second
+    # run finds more of its prompts still cached.
+    seen = [w["prefill_tokens"] + w["reused_tokens"] + w["shared_tokens"] for w in works]
+    assert works[0]["generated_tokens"] == works[1]["generated_tokens"] and seen[0] == seen[1]
+    assert works[1]["reused_tokens"] > works[0]["reused_tokens"]
+    assert policy.counters()["generated_tokens"] == 2 * works[0]["generated_tokens"]
+    hf = Rollout(HFPolicy(model, tiny_tokenizer), get_format("no_think"), agent, "Sokoban")
+    hf.run([EpisodeSlot(env=make("Sokoban"), seed=0, group=0, sample=0)], SamplingConfig(max_new_tokens=4))
+    assert hf.timings.policy_work == {}
+
+
 def test_an_episode_that_outgrows_an_engine_row_ends_at_its_budget_not_in_an_error(model, tiny_tokenizer):
     """The agent allows 4,096 tokens an episode, an engine row holds 640 (the first prompt is 469): the rollout
     ends the episode where the next prompt and response would not fit the row (as at agent.max_context_tokens),

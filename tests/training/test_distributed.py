@@ -179,6 +179,8 @@ def test_two_processes_that_free_the_rollout_during_the_update_train_as_one(tiny
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in one:
         assert_same_metrics(one[step], two[step])
+        # Each process's engine generated its groups' tokens: together, the one process's.
+        assert two[step]["generation/generated_tokens"] == one[step]["generation/generated_tokens"] > 0
     assert one[3]["actor/grad_norm"] > 0
 
 

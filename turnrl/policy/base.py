@@ -106,6 +106,12 @@ class Policy(Protocol):
         for a training update to use; the next ``generate`` builds it again. The default holds nothing."""
         return None
 
+    def counters(self) -> dict[str, float]:
+        """Running totals of the policy's own work since it was made (the engine's prefilled, reused and
+        generated tokens, prefill calls, decode steps): a rollout logs how much each grew. The default counts
+        nothing."""
+        return {}
+
 
 class StreamingPolicy(Protocol):
     """A policy that takes requests one at a time and returns completions as they finish (the engine).

@@ -11,7 +11,7 @@ prompt extends the previous turn's tokens is found in the cache by its prefix.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -86,6 +86,9 @@ class EnginePolicy(Policy):
 
     def release_memory(self) -> None:
         self.engine.release_memory()
+
+    def counters(self) -> dict[str, float]:
+        return {name: float(value) for name, value in asdict(self.engine.stats).items()}
 
     def _completion(self, result: Result) -> Completion:
         if result.finish_reason == "error":

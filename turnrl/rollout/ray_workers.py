@@ -39,7 +39,7 @@ from turnrl.envservice.placement import env_factory
 from turnrl.envservice.ray import ensure_ray, ray_env_factory
 from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
-from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
+from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings, summed_counters
 from turnrl.rollout.trajectory import Trajectory
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -380,7 +380,8 @@ class RayRollout:
         self.last_results = [results[k] for k in ordered]
         # The workers play at once: the batch waited for the slowest of each.
         self.timings = RolloutTimings(generate_s=max((r.timings.generate_s for r in self.last_results), default=0.0),
-                                      env_s=max((r.timings.env_s for r in self.last_results), default=0.0))
+                                      env_s=max((r.timings.env_s for r in self.last_results), default=0.0),
+                                      policy_work=summed_counters([r.timings.policy_work for r in self.last_results]))
         self.rewards = WorkerRewardMetrics([r.reward_metrics for r in self.last_results])
         missing = [i for i, t in enumerate(trajectories) if t is None]
         if missing:

@@ -52,6 +52,23 @@ class EpisodeSlot:
 class RolloutTimings:
     generate_s: float = 0.0
     env_s: float = 0.0
+    policy_work: dict[str, float] = field(default_factory=dict)
+    """How much each of the policy's :meth:`~turnrl.policy.base.Policy.counters` grew over the run (the
+    engine's prefill tokens, decode steps, ...): where the generation's seconds went."""
+
+
+def counters_grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each counter's growth from ``before`` to ``after``."""
+    return {name: value - before.get(name, 0.0) for name, value in after.items()}
+
+
+def summed_counters(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The counters of several policies (rollout workers) added up, name by name."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for name, value in part.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
 
 
 def _user_message(text: str, image: np.ndarray | None) -> dict[str, Any]:
@@ -166,6 +183,14 @@ class Rollout:
         """Play every slot's episode to its end; ``on_turn(turn, active)`` reports progress (with
         ``agent.wait_for_turns=false``: the turns played so far, and the episodes still playing)."""
         self.timings = RolloutTimings()
+        before = self.policy.counters()
+        try:
+            return self._play(slots, sampling, on_turn)
+        finally:
+            self.timings.policy_work = counters_grown(before, self.policy.counters())
+
+    def _play(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig,
+              on_turn: Callable[[int, int], None] | None) -> list[Trajectory]:
         episodes = self._map(lambda slot: self._start(slot, sampling), list(slots))
         self._check_can_see(episodes)
         if not self.agent.wait_for_turns:

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from turnrl.config import ConfigError, SamplingConfig
 from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
-from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
+from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings, summed_counters
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
 from turnrl.training.batch import Batch
@@ -107,8 +107,9 @@ class ShardedRollout:
     """A :class:`Rollout` that plays this process's groups of the slots and returns every process's
     trajectories, in the slots' order: what the single-process rollout returns.
 
-    Timings are the slowest process's (the step waits for it). Trajectories travel without the chat template
-    object their token context refers to (the tokenizer): each process attaches its own.
+    Timings are the slowest process's (the step waits for it); the policies' work counters are summed over the
+    processes. Trajectories travel without the chat template object their token context refers to (the
+    tokenizer): each process attaches its own.
     """
 
     def __init__(self, rollout: Rollout, tokenizer: Any) -> None:
@@ -128,8 +129,10 @@ class ShardedRollout:
             if trajectory.tokens is not None:
                 self.deltas = trajectory.tokens.deltas
                 trajectory.tokens.deltas = None  # type: ignore[assignment]
-        gathered = ranks.all_gather_objects((list(zip(mine, played)), local.generate_s, local.env_s))
-        self.timings = RolloutTimings(max(part[1] for part in gathered), max(part[2] for part in gathered))
+        gathered = ranks.all_gather_objects((list(zip(mine, played)), local.generate_s, local.env_s,
+                                             local.policy_work))
+        self.timings = RolloutTimings(max(part[1] for part in gathered), max(part[2] for part in gathered),
+                                      summed_counters([part[3] for part in gathered]))
         by_slot = dict(pair for part in gathered for pair in part[0])
         trajectories = [by_slot[i] for i in range(len(slots))]
         if self.deltas is None and any(t.tokens is not None for t in trajectories):

@@ -125,6 +125,7 @@ def collect(
     metrics["timing/rollout_s"] = time.time() - start
     metrics["timing/generate_s"] = rollout.timings.generate_s
     metrics["timing/env_s"] = rollout.timings.env_s
+    metrics.update({f"generation/{name}": value for name, value in rollout.timings.policy_work.items()})
     generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
     metrics["throughput/generated_tokens_per_s"] = generated / max(rollout.timings.generate_s, 1e-9)
     return StepOutput(metrics, trajectories)
