@@ -112,7 +112,7 @@ def sharing_the_card(parallel: int, overrides: list[str], gpus: Sequence[str] = 
     its share of a card's memory, 1 / :func:`runs_per_card` (``run.gpu_share``: a run that cannot fit its share
     stops at its start, alone), and its share of the host's cores (``run.threads``: with torch's default each
     run takes every core, and the image processor's small operations, waiting on threads that other runs hold,
-    took 18x longer); the caller's own settings come later and win."""
+    took 17x longer); the caller's own settings come later and win."""
     if parallel <= 1:
         return list(overrides)
     threads = [f"run.threads={max(1, (os.cpu_count() or 1) // parallel)}"]

@@ -18,7 +18,7 @@ def test_the_peak_and_its_live_allocations_come_from_replaying_the_trace():
         event("free_requested", 1, 100), event("free_completed", 1, 100),
         event("alloc", 3, 120),  # 170: the peak, with 2 and 3 live
         event("free_completed", 77, 500),  # a block allocated before the trace began, freed: below the start
-        event("alloc", 4, 400),  # 70 - 500 + ... = 70 + 400 - 500: never past 170 again
+        event("alloc", 4, 400),  # 170 - 500 + 400 = 70: below the peak
     ]
     peak, live = live_at_peak(events)
     assert peak == 170
