@@ -39,8 +39,8 @@ from turnrl.envservice.placement import env_factory
 from turnrl.envservice.ray import ensure_ray, ray_env_factory
 from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
-from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings, summed_counters
-from turnrl.rollout.trajectory import Trajectory
+from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
+from turnrl.rollout.trajectory import Trajectory, sum_by_name
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 """Files a worker does not need from the model directory: its weights come from ``set_weights``."""
@@ -381,7 +381,7 @@ class RayRollout:
         # The workers play at once: the batch waited for the slowest of each.
         self.timings = RolloutTimings(generate_s=max((r.timings.generate_s for r in self.last_results), default=0.0),
                                       env_s=max((r.timings.env_s for r in self.last_results), default=0.0),
-                                      policy_work=summed_counters([r.timings.policy_work for r in self.last_results]))
+                                      policy_work=sum_by_name([r.timings.policy_work for r in self.last_results]))
         self.rewards = WorkerRewardMetrics([r.reward_metrics for r in self.last_results])
         missing = [i for i, t in enumerate(trajectories) if t is None]
         if missing:

@@ -62,15 +62,6 @@ def counters_grown(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {name: value - before.get(name, 0.0) for name, value in after.items()}
 
 
-def summed_counters(parts: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The counters of several policies (rollout workers) added up, name by name."""
-    total: dict[str, float] = {}
-    for part in parts:
-        for name, value in part.items():
-            total[name] = total.get(name, 0.0) + value
-    return total
-
-
 def _user_message(text: str, image: np.ndarray | None) -> dict[str, Any]:
     """A user message; an image goes in an image part, as transformers processors expect."""
     if image is not None:

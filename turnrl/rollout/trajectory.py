@@ -28,11 +28,12 @@ ERROR = "error"  # the env or the policy failed; the episode is kept out of trai
 
 
 
-def sum_named_rewards(per_turn: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """Each named reward summed over turns (a name missing from a turn counts 0 there)."""
+def sum_by_name(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Each name's values summed over ``parts`` (a name missing from a part counts 0 there): a trajectory's
+    named rewards over its turns, rollout workers' counters."""
     totals: dict[str, float] = {}
-    for rewards in per_turn:
-        for name, value in rewards.items():
+    for part in parts:
+        for name, value in part.items():
             totals[name] = totals.get(name, 0.0) + value
     return totals
 
@@ -128,7 +129,7 @@ class Trajectory:
 
     def named_rewards(self) -> dict[str, float]:
         """Each named reward summed over the episode's turns."""
-        return sum_named_rewards(turn.rewards for turn in self.turns)
+        return sum_by_name(turn.rewards for turn in self.turns)
 
     @property
     def num_actions(self) -> int:

@@ -43,8 +43,8 @@ from torch.distributed.tensor import DTensor
 from turnrl.config import ConfigError, SamplingConfig
 from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
-from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings, summed_counters
-from turnrl.rollout.trajectory import Trajectory
+from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
+from turnrl.rollout.trajectory import Trajectory, sum_by_name
 from turnrl.training import ranks
 from turnrl.training.batch import Batch
 from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint
@@ -132,7 +132,7 @@ class ShardedRollout:
         gathered = ranks.all_gather_objects((list(zip(mine, played)), local.generate_s, local.env_s,
                                              local.policy_work))
         self.timings = RolloutTimings(max(part[1] for part in gathered), max(part[2] for part in gathered),
-                                      summed_counters([part[3] for part in gathered]))
+                                      sum_by_name([part[3] for part in gathered]))
         by_slot = dict(pair for part in gathered for pair in part[0])
         trajectories = [by_slot[i] for i in range(len(slots))]
         if self.deltas is None and any(t.tokens is not None for t in trajectories):

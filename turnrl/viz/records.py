@@ -37,7 +37,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
-from turnrl.rollout.trajectory import sum_named_rewards
+from turnrl.rollout.trajectory import sum_by_name
 
 ADVANTAGES_SUFFIX = ".advantages.jsonl"
 DEFAULT_MAX_EPISODES = 128
@@ -126,7 +126,7 @@ class EpisodeView:
     @property
     def named_rewards(self) -> dict[str, float]:
         """Each named reward summed over the turns."""
-        return sum_named_rewards(turn.rewards for turn in self.turns)
+        return sum_by_name(turn.rewards for turn in self.turns)
 
     @property
     def has_advantages(self) -> bool:
