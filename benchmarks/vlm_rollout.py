@@ -12,9 +12,9 @@ each turn's new tokens and runs only the new image through the vision tower.
 
 With ``--memory`` (a GPU) it plays the engine's rollout alone and reports its working memory: the peak
 allocated during the rollout above what the weights and the key/value cache hold at rest, and the
-allocations live at that peak, largest first, each at the first frame of turnrl or transformers that made it
-(from the allocator's trace; ``--snapshot PATH`` also saves it for pytorch.org/memory_viz). The memory
-estimate of a training run (``turnrl memory``) counts the weights and the cache; this is what it leaves out.
+allocations live at that peak by the line of turnrl or transformers that made them (the allocator's trace,
+saved at ``--snapshot`` for pytorch.org/memory_viz; :mod:`turnrl.training.memory_trace`). The memory estimate
+of a training run (``turnrl memory``) counts the weights and the cache; this is what it leaves out.
 
     python benchmarks/vlm_rollout.py                                   # CPU, vlm-tiny
     python benchmarks/vlm_rollout.py --device cuda --preset vlm-0.5b --episodes 64
@@ -25,13 +25,10 @@ estimate of a training run (``turnrl memory``) counts the weights and the cache;
 from __future__ import annotations
 
 import argparse
-import pickle
 import platform
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -46,6 +43,7 @@ from turnrl.policy.engine import EnginePolicy  # noqa: E402
 from turnrl.policy.hf import HFPolicy  # noqa: E402
 from turnrl.rollout.runner import EpisodeSlot, Rollout  # noqa: E402
 from turnrl.rollout.trajectory import Trajectory  # noqa: E402
+from turnrl.training.memory_trace import GIB, recorded  # noqa: E402
 
 
 def rollout(policy, args: argparse.Namespace, first_seed: int) -> tuple[list[Trajectory], float]:
@@ -63,63 +61,18 @@ def rollout(policy, args: argparse.Namespace, first_seed: int) -> tuple[list[Tra
     return trajectories, time.perf_counter() - start
 
 
-def live_at_peak(events: Sequence[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
-    """Replay an allocator trace (``torch.cuda.memory._snapshot()["device_traces"][device]``): the most bytes
-    allocated at once above where the trace began, and the allocations the trace made that were live then,
-    largest first. Blocks allocated before the trace and freed during it lower the count.
-
-    Args:
-        events: in order, each with ``action`` (``alloc``, ``free_completed``; others are ignored), ``addr``,
-            ``size`` and ``frames``.
-    """
-    live: dict[int, dict[str, Any]] = {}
-    total = peak = 0
-    at_peak: list[dict[str, Any]] = []
-    for event in events:
-        if event["action"] == "alloc":
-            live[event["addr"]] = event
-            total += event["size"]
-            if total > peak:
-                peak, at_peak = total, list(live.values())
-        elif event["action"] == "free_completed":
-            live.pop(event["addr"], None)
-            total -= event["size"]
-    return peak, sorted(at_peak, key=lambda event: -event["size"])
-
-
-def made_at(event: dict[str, Any]) -> str:
-    """Where an allocation was made: its first frame in turnrl or transformers (``file:line function``)."""
-    for frame in event.get("frames", []):
-        name = frame["filename"]
-        for package in ("turnrl/", "transformers/"):
-            if package in name:
-                return f"{package}{name.split(package, 1)[1]}:{frame['line']} {frame['name']}"
-    return "(outside turnrl and transformers)"
-
-
 def engine_memory(engine: EnginePolicy, args: argparse.Namespace, device: torch.device) -> None:
     """The engine's rollout alone: its peak above the weights and cache at rest, and what was live then."""
     rollout(engine, argparse.Namespace(**{**vars(args), "episodes": min(args.episodes, 4), "turns": 2}), 1000)
     torch.cuda.synchronize(device)
     at_rest = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    torch.cuda.memory._record_memory_history(max_entries=4_000_000, device=device)
-    _, seconds = rollout(engine, args, first_seed=0)
-    snapshot = torch.cuda.memory._snapshot(device)
-    torch.cuda.memory._record_memory_history(enabled=None, device=device)
-    if args.snapshot:
-        Path(args.snapshot).write_bytes(pickle.dumps(snapshot))
-    peak, live = live_at_peak(snapshot["device_traces"][device.index or 0])
-    gib = 2**30
-    print(f"rollout {seconds:.1f} s; at rest (weights, engine buffers, key/value cache) {at_rest / gib:.2f} GiB; "
-          f"peak {torch.cuda.max_memory_allocated(device) / gib:.2f} GiB, {peak / gib:.2f} GiB above rest by the "
-          "trace")
-    by_place: dict[str, int] = {}
-    for event in live:
-        by_place[made_at(event)] = by_place.get(made_at(event), 0) + event["size"]
-    print("live at the peak, by where it was made:")
-    for place, size in sorted(by_place.items(), key=lambda item: -item[1])[:15]:
-        print(f"  {size / gib:8.3f} GiB  {place}")
+    snapshot = Path(args.snapshot)
+    with recorded(snapshot, device):
+        _, seconds = rollout(engine, args, first_seed=0)
+    print(f"rollout {seconds:.1f} s; at rest (weights, engine buffers, key/value cache) {at_rest / GIB:.2f} GiB; "
+          f"peak {torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB; the snapshot: {snapshot}")
+    print(snapshot.with_suffix(".txt").read_text(), end="")
 
 
 def main() -> None:
@@ -133,7 +86,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192, help="agent.max_context_tokens")
     parser.add_argument("--memory", action="store_true", help="the engine's working memory in its rollout (a GPU)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.0, help="the engine's cache (0: its default)")
-    parser.add_argument("--snapshot", default=None, help="with --memory, save the allocator's snapshot here")
+    parser.add_argument("--snapshot", default="runs/vlm_rollout_memory.pickle",
+                        help="with --memory, the allocator's snapshot (and its report, .txt)")
     args = parser.parse_args()
     device = torch.device(args.device)
     preset = args.preset or ("vlm-0.5b" if device.type == "cuda" else "vlm-tiny")

@@ -167,9 +167,11 @@ def test_checkpoint_holds_an_hf_actor_with_tokenizer_and_the_trainer_state(warm_
 # --------------------------------------------------------------------------- estimators
 def test_grpo_trains_without_a_critic(warm_model_dir, tmp_path):
     summary = train(config(warm_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=4",
-                           "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=4", "agent.max_turns=3"))
+                           "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=4", "agent.max_turns=3",
+                           "run.memory_snapshot_steps=1"))  # a GPU's allocator history: on a CPU, none
     run_dir = tmp_path / "run"
     steps = step_records(run_dir)
+    assert not (run_dir / "memory").exists()
     assert not any(k.startswith("critic/") or k == "losses/value" for r in steps.values() for k in r)
     assert not (run_dir / "checkpoints" / "step_000002" / "critic").exists()
     assert any(r["actor/advantage_abs_mean"] > 0 for r in steps.values())  # the warm model's groups disagree

@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -43,6 +44,7 @@ from turnrl.training.config import TrainConfig
 from turnrl.training.distributed import FSDPTrainer
 from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.memory import GIB, cap_gpu_memory, check_memory
+from turnrl.training.memory_trace import recorded
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import resumed_checkpoint, run_directory, start_run
 from turnrl.training.sft import sft_stage
@@ -228,7 +230,8 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, config.run.steps + 1):
             try:
-                output = trainer.step(step - 1)
+                with _memory_recorded(config, trainer, step):
+                    output = trainer.step(step - 1)
             except RolloutWorkerError as error:
                 console.print(f"[bold red]rollout stopped:[/bold red] {error}", soft_wrap=True)
                 if step == 1:
@@ -289,6 +292,13 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     console.print(f"summary: {path}", markup=False, highlight=False, soft_wrap=True)
     _report(trainer.run_dir)
     return trainer.summary
+
+
+def _memory_recorded(config: TrainConfig, trainer: Trainer, step: int) -> AbstractContextManager[None]:
+    """The allocator's history of ``step`` saved under ``memory/`` (``run.memory_snapshot_steps``), or nothing."""
+    if step > config.run.memory_snapshot_steps:
+        return nullcontext()
+    return recorded(trainer.run_dir / "memory" / f"rank{ranks.rank()}_step{step}.pickle", trainer.device)
 
 
 def _save(trainer: Trainer, step: int) -> Path | None:

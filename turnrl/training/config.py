@@ -372,6 +372,12 @@ class RunConfig:
     check_memory: bool = True
     """On a GPU, estimate each GPU's memory before the models load and stop a run that cannot fit, with what
     to turn on (see :mod:`turnrl.training.memory`); false skips the check."""
+    memory_snapshot_steps: int = 0
+    """On a GPU, record the CUDA allocator's history over RL steps 1-N and write, for each step and process,
+    ``memory/rank{R}_step{N}.pickle`` (for pytorch.org/memory_viz) and ``.txt``: the step's peak and what was
+    live then, by the line that made it (:mod:`turnrl.training.memory_trace`); a step that runs out of memory
+    writes them before it fails. For finding what the memory estimate misses; recording slows those steps.
+    0: off."""
     gpu_share: float = 1.0
     """The share of each GPU's memory this run may use, for several runs on one card (``1/N`` each; the
     estimator benchmarks set it from ``--parallel``): the memory check counts that share, and torch's
@@ -540,6 +546,7 @@ class TrainConfig:
             raise ConfigError(f"run.gpu_share={self.run.gpu_share!r} is out of range; allowed: (0, 1], the share of "
                               "each GPU's memory this run may use")
         check_range("run.peak_tflops", self.run.peak_tflops, 0.0)
+        check_range("run.memory_snapshot_steps", self.run.memory_snapshot_steps, 0)
         check_range("validation.episodes", self.validation.episodes, 1, self.seeds.val_size)
         check_range("validation.batch_size", self.validation.batch_size, 1)
         check_range("validation.samples_per_seed", self.validation.samples_per_seed, 1)

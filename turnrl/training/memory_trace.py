@@ -1,0 +1,91 @@
+"""The CUDA allocator's history over a run's first steps: what was live at the peak, by the line that made it.
+
+The memory estimate (:mod:`turnrl.training.memory`) counts a recipe's parts from the model's config; where a
+run's measured peak (``memory/*_peak_gib``) differs from it, the difference is in allocations the estimate
+does not know of. ``run.memory_snapshot_steps=N`` records the allocator's history (torch's
+``_record_memory_history``) over steps 1-N and writes, for each, ``memory/rank{R}_step{N}.pickle`` (for
+pytorch.org/memory_viz) and ``memory/rank{R}_step{N}.txt``: the step's peak above where it began and the
+allocations live at that peak, summed by their first frame in turnrl or transformers. A step that runs out of
+memory writes them too before the error goes on, so what led to it is kept.
+
+The replay of the trace is written here: torch's own viewer draws a snapshot but gives no peak breakdown as text.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GIB = 2**30
+MAX_EVENTS = 4_000_000
+"""Trace entries kept (the oldest dropped past it): a step of a 3B-8B recipe makes some hundreds of thousands."""
+
+
+def live_at_peak(events: Sequence[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """Replay an allocator trace (``torch.cuda.memory._snapshot()["device_traces"][device]``): the most bytes
+    allocated at once above where the trace began, and the allocations the trace made that were live then,
+    largest first. Blocks allocated before the trace and freed during it lower the count.
+
+    Args:
+        events: in order, each with ``action`` (``alloc``, ``free_completed``; others are ignored), ``addr``,
+            ``size`` and ``frames``.
+    """
+    live: dict[int, dict[str, Any]] = {}
+    total = peak = 0
+    at_peak: list[dict[str, Any]] = []
+    for event in events:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+            total -= event["size"]
+    return peak, sorted(at_peak, key=lambda event: -event["size"])
+
+
+def made_at(event: dict[str, Any]) -> str:
+    """Where an allocation was made: its first frame in turnrl or transformers (``file:line function``)."""
+    for frame in event.get("frames", []):
+        name = frame["filename"]
+        for package in ("turnrl/", "transformers/"):
+            if package in name:
+                return f"{package}{name.split(package, 1)[1]}:{frame['line']} {frame['name']}"
+    return "(outside turnrl and transformers)"
+
+
+def peak_report(events: Sequence[dict[str, Any]], top: int = 15) -> list[str]:
+    """Lines: the peak above the trace's start, then the ``top`` places by bytes live at that peak."""
+    peak, live = live_at_peak(events)
+    by_place: dict[str, int] = {}
+    for event in live:
+        by_place[made_at(event)] = by_place.get(made_at(event), 0) + event["size"]
+    lines = [f"peak {peak / GIB:.2f} GiB above the start of the trace; live then, by where it was made:"]
+    lines += [f"  {size / GIB:8.3f} GiB  {place}"
+              for place, size in sorted(by_place.items(), key=lambda item: -item[1])[:top]]
+    return lines
+
+
+@contextmanager
+def recorded(path: Path, device: torch.device) -> Iterator[None]:
+    """Record ``device``'s allocator history while the body runs; then (also when it raises) save the snapshot
+    to ``path`` and its :func:`peak_report` beside it (``.txt``). On a CPU nothing is recorded."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=MAX_EVENTS, stacks="python", device=device)
+    try:
+        yield
+    finally:
+        snapshot = torch.cuda.memory._snapshot(device)
+        torch.cuda.memory._record_memory_history(enabled=None, device=device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps(snapshot))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        path.with_suffix(".txt").write_text("\n".join(peak_report(snapshot["device_traces"][index])) + "\n")
