@@ -65,7 +65,8 @@ def peak_report(events: Sequence[dict[str, Any]], top: int = 15) -> list[str]:
     peak, live = live_at_peak(events)
     by_place: dict[str, int] = {}
     for event in live:
-        by_place[made_at(event)] = by_place.get(made_at(event), 0) + event["size"]
+        place = made_at(event)
+        by_place[place] = by_place.get(place, 0) + event["size"]
     lines = [f"peak {peak / GIB:.2f} GiB above the start of the trace; live then, by where it was made:"]
     lines += [f"  {size / GIB:8.3f} GiB  {place}"
               for place, size in sorted(by_place.items(), key=lambda item: -item[1])[:top]]
