@@ -291,6 +291,15 @@ def test_select_keeps_each_samples_model_inputs():
     assert torch.equal(moved.model_inputs["pixel_values"], part.model_inputs["pixel_values"])
 
 
+def test_a_batch_on_a_device_keeps_its_pixels_on_the_host_and_selects_across_both():
+    """The pixel values (most of a visual batch's bytes) wait on the host for the micro-batch's forward pass."""
+    placed = collate(image_samples(), pad_id=0).to(torch.device("meta"))
+    assert placed.input_ids.device.type == "meta" and placed.model_inputs["pixel_values"].device.type == "cpu"
+    part = placed.select([2, 0])
+    assert part.input_ids.device.type == "meta"
+    assert part.model_inputs["pixel_values"][:, 0].tolist() == [2.0] * 8 + [0.0] * 4
+
+
 def test_collate_refuses_samples_with_different_model_inputs():
     samples = image_samples()
     del samples[1].model_inputs["image_grid_thw"]

@@ -8,13 +8,14 @@ import torch
 
 from turnrl.config import ConfigError, load_config
 from turnrl.training.config import TrainConfig
-from turnrl.training.memory_trace import live_at_peak, made_at, peak_report, recorded
+from turnrl.training.memory_trace import live_at_peak, made_at, peak_report, phase_spans, recorded
 
 
-def event(action: str, addr: int, size: int, where: str = "turnrl/engine/engine.py") -> dict:
+def event(action: str, addr: int, size: int, where: str = "turnrl/engine/engine.py", phase: str = "step") -> dict:
     return {"action": action, "addr": addr, "size": size,
             "frames": [{"filename": "/usr/lib/python3/torch/functional.py", "line": 1, "name": "f"},
-                       {"filename": f"/site/{where}", "line": 7, "name": "g"}]}
+                       {"filename": f"/site/{where}", "line": 7, "name": "g"},
+                       {"filename": "/site/turnrl/training/trainer.py", "line": 9, "name": phase}]}
 
 
 def test_the_peak_and_its_live_allocations_come_from_replaying_the_trace():
@@ -32,7 +33,25 @@ def test_the_peak_and_its_live_allocations_come_from_replaying_the_trace():
     assert made_at(live[1]) == "transformers/models/x.py:7 g"
     assert made_at({"frames": [{"filename": "/torch/a.py", "line": 1, "name": "h"}]}).startswith("(outside")
     lines = peak_report(events)
+    assert lines[0].startswith("step: peak 0.00 GiB")
     assert lines[1].endswith("turnrl/engine/engine.py:7 g") and lines[2].endswith("transformers/models/x.py:7 g")
+
+
+def test_each_phase_has_its_own_peak_counted_from_the_start_of_the_trace():
+    events = [
+        event("alloc", 1, 300, phase="roll_out"), event("alloc", 2, 200, phase="roll_out"),  # 500: the rollout's
+        event("free_completed", 2, 200, phase="roll_out"),
+        event("alloc", 3, 100, phase="update"), event("alloc", 4, 50, phase="update"),  # 450: the update's
+        event("free_completed", 4, 50, phase="update"),
+    ]
+    assert live_at_peak(events)[0] == 500
+    spans = phase_spans(events, ["roll_out", "update", "validate"])
+    assert spans == {"roll_out": (0, 2), "update": (3, 5)}
+    span = spans["update"]
+    peak, live = live_at_peak(events, span)
+    assert peak == 450 and [e["addr"] for e in live] == [1, 3, 4]  # the rollout's block 1 still live
+    headings = [line.split(":")[0] for line in peak_report(events, top=1) if not line.startswith(" ")]
+    assert headings == ["step", "roll_out", "update"]
 
 
 def test_nothing_is_recorded_on_a_cpu_and_the_setting_is_checked(tmp_path):
@@ -54,5 +73,5 @@ def test_a_recorded_step_names_what_was_live_at_its_peak(tmp_path):
     assert path.is_file()
     report = path.with_suffix(".txt").read_text().splitlines()
     assert "tests/training/test_memory_trace.py" in report[1] or "outside" in report[1]
-    assert float(report[0].split()[1]) >= 0.09  # 96 MiB at once
+    assert float(report[0].split()[2]) >= 0.09  # 96 MiB at once
     del kept

@@ -30,3 +30,36 @@ def test_a_process_that_ends_runs_its_exit_handlers_flushes_its_output_and_exits
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (3, "buffered", "")
     assert handler_ran.is_file()
+
+
+GATHER = """
+import numpy as np, torch, torch.distributed as dist
+from turnrl.training import ranks
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+value = {"rank": rank, "pixels": torch.arange(1000 * (rank + 1), dtype=torch.float32),
+         "image": np.full((rank * 37, 3), rank, dtype=np.uint8), "text": "x" * (rank * 5000)}
+plain = [None] * dist.get_world_size()
+dist.all_gather_object(plain, value)
+for chunk in (999, 5000, 2**26):
+    got = ranks.all_gather_objects(value, chunk_bytes=chunk)
+    assert [g["rank"] for g in got] == [0, 1, 2]
+    for g, p in zip(got, plain):
+        assert torch.equal(g["pixels"], p["pixels"]) and np.array_equal(g["image"], p["image"])
+        assert g["text"] == p["text"]
+assert ranks.any_rank(rank == 2) and not ranks.any_rank(False) and ranks.max_over_ranks(rank * 3) == 6
+print("gathered", rank)
+dist.destroy_process_group()
+"""
+
+
+def test_objects_gathered_a_chunk_at_a_time_are_what_torch_gathers_whole(tmp_path):
+    """Three processes' pickles of different sizes, through buffers smaller than any of them, larger than all,
+    and between: what ``all_gather_object`` returns."""
+    script = tmp_path / "gather.py"
+    script.write_text(GATHER)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                             "--standalone", str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("gathered")) == \
+        ["gathered 0", "gathered 1", "gathered 2"]

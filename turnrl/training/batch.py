@@ -98,12 +98,11 @@ class Batch:
         return mask
 
     def to(self, device: torch.device) -> Batch:
+        """The token tensors on ``device``; the extra model inputs stay where they are (a VLM's pixel values, the
+        largest part of a visual batch: a forward pass moves its own micro-batch's, :func:`~turnrl.training.
+        forward.states_before`)."""
         moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
-        return Batch(
-            **moved,
-            model_inputs={key: value.to(device) for key, value in self.model_inputs.items()},
-            model_input_rows=dict(self.model_input_rows),
-        )
+        return Batch(**moved, model_inputs=dict(self.model_inputs), model_input_rows=dict(self.model_input_rows))
 
     def select(self, index: torch.Tensor | list[int]) -> Batch:
         """The samples at ``index``, in that order, with their extra model inputs."""

@@ -111,8 +111,10 @@ def states_before(
     """Shape (n, h): the hidden state before each token at ``(rows, cols)`` (every col at least 1).
 
     ``packed`` runs the rows end to end without their padding (:func:`~turnrl.training.packing.pack`); the
-    states are the same up to rounding.
+    states are the same up to rounding. ``model_inputs`` may be on the host (a batch keeps its pixel values
+    there): they are moved to the tokens' device for this pass only.
     """
+    model_inputs = {key: value.to(input_ids.device) for key, value in (model_inputs or {}).items()}
     if not packed:
         hidden = last_hidden_states(body, input_ids, attention_mask, model_inputs)
         return hidden[rows, cols - 1]

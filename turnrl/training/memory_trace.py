@@ -5,7 +5,8 @@ run's measured peak (``memory/*_peak_gib``) differs from it, the difference is i
 does not know of. ``run.memory_snapshot_steps=N`` records the allocator's history (torch's
 ``_record_memory_history``) over steps 1-N and writes, for each, ``memory/rank{R}_step{N}.pickle`` (for
 pytorch.org/memory_viz) and ``memory/rank{R}_step{N}.txt``: the step's peak above where it began and the
-allocations live at that peak, summed by their first frame in turnrl or transformers. A step that runs out of
+allocations live at that peak, summed by their first frame in turnrl or transformers, then the same for the
+peak within each of the step's phases (the rollout, the update), which need not be the step's. A step that runs out of
 memory writes them too before the error goes on, so what led to it is kept.
 
 The replay of the trace is written here: torch's own viewer draws a snapshot but gives no peak breakdown as text.
@@ -26,7 +27,12 @@ MAX_EVENTS = 4_000_000
 """Trace entries kept (the oldest dropped past it): a step of a 3B-8B recipe makes some hundreds of thousands."""
 
 
-def live_at_peak(events: Sequence[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+PHASES = ("roll_out", "update")
+"""The trainer's methods whose peaks a report gives apart: a step's rollout and its update (scores included)."""
+
+
+def live_at_peak(events: Sequence[dict[str, Any]],
+                 within: tuple[int, int] | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Replay an allocator trace (``torch.cuda.memory._snapshot()["device_traces"][device]``): the most bytes
     allocated at once above where the trace began, and the allocations the trace made that were live then,
     largest first. Blocks allocated before the trace and freed during it lower the count.
@@ -34,15 +40,18 @@ def live_at_peak(events: Sequence[dict[str, Any]]) -> tuple[int, list[dict[str, 
     Args:
         events: in order, each with ``action`` (``alloc``, ``free_completed``; others are ignored), ``addr``,
             ``size`` and ``frames``.
+        within: the peak is looked for among events ``first .. last`` (inclusive) only; the ones before still
+            count towards what is live.
     """
+    first, last = within if within is not None else (0, len(events) - 1)
     live: dict[int, dict[str, Any]] = {}
     total = peak = 0
     at_peak: list[dict[str, Any]] = []
-    for event in events:
+    for index, event in enumerate(events[:last + 1]):
         if event["action"] == "alloc":
             live[event["addr"]] = event
             total += event["size"]
-            if total > peak:
+            if total > peak and index >= first:
                 peak, at_peak = total, list(live.values())
         elif event["action"] == "free_completed":
             live.pop(event["addr"], None)
@@ -60,16 +69,35 @@ def made_at(event: dict[str, Any]) -> str:
     return "(outside turnrl and transformers)"
 
 
-def peak_report(events: Sequence[dict[str, Any]], top: int = 15) -> list[str]:
-    """Lines: the peak above the trace's start, then the ``top`` places by bytes live at that peak."""
-    peak, live = live_at_peak(events)
+def phase_spans(events: Sequence[dict[str, Any]], functions: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Each of ``functions`` that the trace has events inside (a frame of that name in turnrl): its first and
+    last event's indices."""
+    spans: dict[str, tuple[int, int]] = {}
+    for index, event in enumerate(events):
+        for frame in event.get("frames", []):
+            name = frame["name"]
+            if name in functions and "turnrl/" in frame["filename"]:
+                spans[name] = (spans[name][0] if name in spans else index, index)
+    return spans
+
+
+def _by_place(peak: int, live: Sequence[dict[str, Any]], heading: str, top: int) -> list[str]:
     by_place: dict[str, int] = {}
     for event in live:
         place = made_at(event)
         by_place[place] = by_place.get(place, 0) + event["size"]
-    lines = [f"peak {peak / GIB:.2f} GiB above the start of the trace; live then, by where it was made:"]
+    lines = [f"{heading}: peak {peak / GIB:.2f} GiB above the start of the trace; live then, by where it was made:"]
     lines += [f"  {size / GIB:8.3f} GiB  {place}"
               for place, size in sorted(by_place.items(), key=lambda item: -item[1])[:top]]
+    return lines
+
+
+def peak_report(events: Sequence[dict[str, Any]], top: int = 15, phases: Sequence[str] = PHASES) -> list[str]:
+    """Lines: the peak above the trace's start and the ``top`` places by bytes live at that peak; then the same
+    for the peak within each of ``phases`` (functions, :func:`phase_spans`) that the trace has events in."""
+    lines = _by_place(*live_at_peak(events), "step", top)
+    for function, span in phase_spans(events, phases).items():
+        lines += _by_place(*live_at_peak(events, span), function, top)
     return lines
 
 
