@@ -153,7 +153,7 @@ def all_gather_objects(value: Any, chunk_bytes: int = OBJECT_CHUNK_BYTES) -> lis
             count = min(width, size - start)
             if count > 0:
                 out[start:start + count].copy_(part[:count])
-    return [pickle.loads(memoryview(out.numpy())) for out in received]
+    return [pickle.loads(out.numpy().data) for out in received]
 
 
 def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
