@@ -33,7 +33,8 @@ def test_a_process_that_ends_runs_its_exit_handlers_flushes_its_output_and_exits
 
 
 GATHER = """
-import numpy as np, torch, torch.distributed as dist
+import sys, numpy as np, torch, torch.distributed as dist
+from pathlib import Path
 from turnrl.training import ranks
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -48,7 +49,7 @@ for chunk in (999, 5000, 2**26):
         assert torch.equal(g["pixels"], p["pixels"]) and np.array_equal(g["image"], p["image"])
         assert g["text"] == p["text"]
 assert ranks.any_rank(rank == 2) and not ranks.any_rank(False) and ranks.max_over_ranks(rank * 3) == 6
-print("gathered", rank)
+Path(sys.argv[1], f"gathered{rank}").write_text("ok")  # printed lines of processes can interleave
 dist.destroy_process_group()
 """
 
@@ -59,7 +60,6 @@ def test_objects_gathered_a_chunk_at_a_time_are_what_torch_gathers_whole(tmp_pat
     script = tmp_path / "gather.py"
     script.write_text(GATHER)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-                             "--standalone", str(script)], capture_output=True, text=True, timeout=300)
+                             "--standalone", str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert sorted(line for line in result.stdout.splitlines() if line.startswith("gathered")) == \
-        ["gathered 0", "gathered 1", "gathered 2"]
+    assert sorted(path.name for path in tmp_path.glob("gathered*")) == ["gathered0", "gathered1", "gathered2"]
