@@ -5,6 +5,8 @@ tied embeddings) runs on the Llama record."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -31,6 +33,8 @@ from turnrl.engine.weights import decoder_weights
 from turnrl.models.vlm import vlm_config
 
 MODEL_TYPES = [model_type for family in FAMILIES for model_type in family.model_types]
+VISION_MODEL_TYPES = [model_type for family in FAMILIES if family.vision is not None
+                      for model_type in family.model_types]
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +136,22 @@ def test_a_llama_3_model_runs_on_the_llama_record_with_generates_greedy_tokens()
     results = engine_for(model).generate(prompts, [GREEDY] * len(prompts))
     for prompt, result in zip(prompts, results):
         assert result.token_ids == hf_greedy(model, prompt, 12)
+
+
+@pytest.mark.parametrize("model_type", VISION_MODEL_TYPES)
+def test_a_tower_sees_the_same_pixels_kept_in_its_dtype_as_in_float32(models, model_type):
+    """The engine keeps a rollout's pixel values in its own dtype (``ImageEncoder``'s ``pixel_dtype``: half the
+    bytes to carry, gather and move): the tower's first step casts its pixels to that dtype, so its features
+    from pixels kept in it are the features from the processor's float32, bit for bit."""
+    model = copy.deepcopy(models[model_type]).to(torch.bfloat16)
+    vision = decoder_weights(model, torch.bfloat16).vision
+    assert vision is not None
+    tower = model.config.vision_config
+    grids = torch.tensor([[1, 4, 4], [1, 2, 6]])
+    pixels = torch.randn(int(grids.prod(-1).sum()), tower.in_channels * tower.temporal_patch_size * tower.patch_size**2,
+                         generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        made, kept = vision.features(pixels, grids), vision.features(pixels.to(torch.bfloat16), grids)
+    assert torch.equal(made.merged, kept.merged)
+    assert len(made.deepstack) == len(kept.deepstack)
+    assert all(torch.equal(a, b) for a, b in zip(made.deepstack, kept.deepstack))

@@ -227,6 +227,18 @@ def test_an_image_the_processor_refuses_ends_its_episode_not_the_run(processor):
     assert good.status != "error" and len(good.turns) == 2
 
 
+def test_pixels_are_kept_in_the_dtype_asked_for(processor):
+    """The engine's policy keeps pixels in its dtype (the tower casts to it: tests/engine/test_families.py)."""
+    images = [np.random.default_rng(0).integers(0, 255, (h, w, 3), dtype=np.uint8) for h, w in ((60, 90), (33, 33))]
+    full, half = ImageEncoder(processor).encode(images), ImageEncoder(processor, torch.bfloat16).encode(images)
+    for made, kept in zip(full, half):
+        assert made.model_inputs["pixel_values"].dtype == torch.float32
+        assert kept.model_inputs["pixel_values"].dtype == torch.bfloat16
+        assert torch.equal(kept.model_inputs["pixel_values"], made.model_inputs["pixel_values"].to(torch.bfloat16))
+        assert torch.equal(kept.model_inputs["image_grid_thw"], made.model_inputs["image_grid_thw"])
+        assert kept.placeholder_tokens == made.placeholder_tokens
+
+
 def test_thin_images_are_read_channels_last(processor):
     encoder = ImageEncoder(processor)
     (image,) = encoder.encode([np.zeros((3, 60, 3), dtype=np.uint8)])

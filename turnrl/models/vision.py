@@ -42,9 +42,13 @@ class ImageEncoder:
     Args:
         processor: a ``transformers`` processor with ``image_processor``, ``tokenizer`` and an image
             token (Qwen-VL's ``<|image_pad|>``).
+        pixel_dtype: the dtype ``pixel_values`` are kept in: the dtype the vision tower computes in. A Qwen-VL
+            tower's first step casts its pixels to that dtype, so keeping them in it gives the same features
+            from half the bytes of the processor's float32 (what a rollout's trajectories carry, gather across
+            processes and move to the GPU).
     """
 
-    def __init__(self, processor: Any) -> None:
+    def __init__(self, processor: Any, pixel_dtype: torch.dtype = torch.float32) -> None:
         image_processor = getattr(processor, "image_processor", None)
         if image_processor is None:
             raise ValueError(f"{type(processor).__name__} has no image processor: it cannot take images")
@@ -53,6 +57,7 @@ class ImageEncoder:
         self.image_token: str = getattr(processor, "image_token", None) or "<|image_pad|>"
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
         self.merge_size = int(getattr(image_processor, "merge_size", 1))
+        self.pixel_dtype = pixel_dtype
 
     @property
     def special_token_ids(self) -> list[int]:
@@ -74,13 +79,14 @@ class ImageEncoder:
                 "Qwen2-VL, Qwen2.5-VL and Qwen3-VL style processors"
             )
         grids = out["image_grid_thw"]
+        pixels = out["pixel_values"].to(self.pixel_dtype)
         patches = grids.prod(-1)
         starts = torch.cumsum(patches, 0) - patches
         encoded = []
         for index in range(len(images)):
             rows = slice(int(starts[index]), int(starts[index] + patches[index]))
             encoded.append(EncodedImage(
-                model_inputs={"pixel_values": out["pixel_values"][rows], "image_grid_thw": grids[index : index + 1]},
+                model_inputs={"pixel_values": pixels[rows], "image_grid_thw": grids[index : index + 1]},
                 placeholder_tokens=int(patches[index]) // self.merge_size**2,
             ))
         return encoded

@@ -46,11 +46,12 @@ class EnginePolicy(Policy):
             raise ValueError("the tokenizer defines no eos token, so responses could never end")
         if max_sequences is not None:
             config = replace(config, max_rows=max(1, min(config.max_rows, max_sequences)))
-        self.image_encoder = ImageEncoder(processor) if processor is not None else None
         self.max_sequence_tokens = config.max_seq_len
         self.engine = Engine(model, config, dtype=dtype,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                              vocab_limit=len(tokenizer))
+        # Pixels in the engine's dtype, the run's: the tower's first step casts to it, here and in training.
+        self.image_encoder = ImageEncoder(processor, self.engine.dtype) if processor is not None else None
 
     def streaming(self) -> StreamingPolicy:
         """The engine takes requests one at a time (:meth:`submit`) and returns completions as they finish
