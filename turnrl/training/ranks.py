@@ -128,9 +128,10 @@ def all_gather_objects(value: Any, chunk_bytes: int = OBJECT_CHUNK_BYTES) -> lis
     """Every process's ``value``, in rank order (pickled: trajectories, metric dicts).
 
     The pickles travel ``chunk_bytes`` a process at a time through buffers on the device of the group's
-    collectives (the GPU under NCCL), so that gathering a rollout costs the GPU ``(world + 1) * chunk_bytes``
-    whatever its size. Written here because torch's ``all_gather_object`` puts every process's whole pickle on
-    the GPU at once: a VisGym rollout's trajectories with their images took 9.8 GiB of each GPU at 4 processes.
+    collectives (the GPU under NCCL), so that gathering a rollout costs the GPU a few buffers of
+    ``world * chunk_bytes`` whatever its size. Written here because torch's ``all_gather_object`` puts every
+    process's whole pickle on the GPU at once: a VisGym rollout's trajectories with their images took 9.8 GiB
+    of each GPU at 4 processes.
     """
     world = world_size()
     if world == 1:
