@@ -19,6 +19,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from turnrl.rollout.trajectory import sum_by_name
+
 
 def rank() -> int:
     """This process's rank (0 outside ``torchrun``)."""
@@ -159,11 +161,7 @@ def all_gather_objects(value: Any, chunk_bytes: int = OBJECT_CHUNK_BYTES) -> lis
 
 def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
     """Each key's sum over the processes (a key missing on a process counts 0 there)."""
-    total: dict[str, float] = {}
-    for part in all_gather_objects(values):
-        for key, value in part.items():
-            total[key] = total.get(key, 0.0) + value
-    return total
+    return sum_by_name(all_gather_objects(values))
 
 
 def max_over_ranks(value: int) -> int:
