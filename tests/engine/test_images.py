@@ -1,6 +1,6 @@
 """A VLM prompt's images for the engine: placeholder runs, M-RoPE positions against the model's own, match keys
-drawn from pixels, clear errors for images that do not fit their placeholders; logprobs with vision tokens
-suppressed."""
+drawn from pixels or given with the prompt, clear errors for images that do not fit their placeholders; logprobs
+with vision tokens suppressed."""
 
 from __future__ import annotations
 
@@ -75,6 +75,23 @@ def test_match_keys_stand_for_the_pixels_not_the_placeholders():
     assert same.keys == again.keys
     assert same.keys[:3] == other.keys[:3] == prompt[:3] and same.keys[3] != other.keys[3]
     assert all(key < 0 for key in same.keys[3:7]) and same.keys[7:] == prompt[7:]
+
+
+def test_match_keys_take_the_digests_given_with_the_prompt():
+    prompt, inputs = image_prompt([(1, 4, 4), (1, 2, 4)], [3, 2, 1])
+    given = prompt_images(prompt, inputs, PAD, 2, digests=[-11, -12])
+    assert given.keys == prompt[:3] + [-11] * 4 + prompt[7:9] + [-12] * 2 + prompt[11:]
+    hashed = prompt_images(prompt, inputs, PAD, 2)
+    assert hashed.keys != given.keys and [hashed.keys[i] < 0 for i in range(len(prompt))] == [k < 0 for k in given.keys]
+    np.testing.assert_array_equal(given.positions, hashed.positions)
+
+
+@pytest.mark.parametrize(("digests", "why"), [([-1], "2 images and 1 image digests"), ([-1, 5], "negative integers"),
+                                              ([-1, -2, -3], "2 images and 3")])
+def test_digests_that_do_not_fit_the_images_are_refused(digests, why):
+    prompt, inputs = image_prompt([(1, 4, 4), (1, 2, 4)], [3, 2, 1])
+    with pytest.raises(ValueError, match=why):
+        prompt_images(prompt, inputs, PAD, 2, digests=digests)
 
 
 @pytest.mark.parametrize(("change", "message"), [

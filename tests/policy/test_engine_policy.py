@@ -16,6 +16,7 @@ from turnrl.policy.base import GenerationRequest
 from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.factory import model_policy, rollout_policies
 from turnrl.policy.hf import HFPolicy
+from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 
 QUESTIONS = ["hi", "Turn 3.\nState:\n_P__\nOO__\nActions left: 7.", "You are playing Sokoban."]
@@ -241,6 +242,19 @@ def test_vlm_rollouts_with_images_are_the_same_trajectories_with_the_engine(tiny
         torch.testing.assert_close(first.logprobs, second.logprobs, atol=1e-4, rtol=1e-4)
         assert (a.status, [t.reward for t in a.turns]) == (b.status, [t.reward for t in b.turns])
     assert policy.engine.stats.reused_tokens > policy.engine.stats.prefill_tokens
+
+
+def test_the_encoders_digests_reuse_the_cache_as_the_hashed_pixels_do(tiny_vlm_policy, tiny_vlm_dir, monkeypatch):
+    """The rollout's requests carry each image's digest from the encoder; without them the engine hashes the
+    pixel values: the same trajectories, prefill and reuse either way."""
+    given = vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir)
+    with_digests = image_rollouts(given)
+    monkeypatch.setattr(EpisodeTokens, "prompt_image_digests", lambda self, t=None: None)
+    hashed = vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir)
+    without = image_rollouts(hashed)
+    assert [t.tokens.stream().input_ids for t in with_digests] == [t.tokens.stream().input_ids for t in without]
+    stats = given.engine.stats, hashed.engine.stats
+    assert stats[0].reused_tokens == stats[1].reused_tokens > stats[0].prefill_tokens == stats[1].prefill_tokens
 
 
 def test_a_cached_row_is_reused_only_by_a_prompt_with_the_same_images(tiny_vlm_policy, tiny_vlm_dir):

@@ -15,9 +15,11 @@ from turnrl.config import AgentConfig, ModelConfig, SamplingConfig
 from turnrl.envs import make
 from turnrl.models.loading import load_processor
 from turnrl.models.templates import QWEN3
-from turnrl.models.vision import ImageEncoder
+from turnrl.engine.images import prompt_images
+from turnrl.models.vision import ImageEncoder, content_digest
 from turnrl.policy.base import Completion, Policy
 from turnrl.policy.hf import HFPolicy
+from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout, message_images
 from turnrl.training.batch import collate, trajectory_samples, turn_samples
 from turnrl.training.sft import trajectory_messages
@@ -118,6 +120,40 @@ def test_the_latest_images_are_kept_and_older_observations_keep_their_text(proce
     assert "The image shows the current state." in processor.tokenizer.decode(last.prompt_ids)
     with pytest.raises(RuntimeError, match="stream"):
         trajectory.tokens.stream()
+
+
+def test_every_request_carries_the_digests_of_the_images_in_its_prompt(processor):
+    """A digest an image, hashed once from the image; a request's digests are those of the images its prompt
+    holds, in order (the latest two here), and the engine takes them as the prompt's images."""
+    policy = ScriptedVLM(processor)
+    (trajectory,) = play(policy, n_episodes=1, max_turns=4, max_images=2)
+    digests = [content_digest([image]) for image in trajectory.images]
+    assert len(set(digests)) == len(digests) and all(d < 0 for d in digests)  # the maze's frames all differ
+    pad = policy.image_encoder.image_token_id
+    for turn, request in enumerate(policy.requests):
+        assert request.image_digests == digests[max(0, turn - 1) : turn + 1]
+        keys = prompt_images(request.prompt_ids, request.model_inputs, pad, 2, request.image_digests).keys
+        assert sorted(set(k for k in keys if k < 0)) == sorted(request.image_digests)
+
+
+def test_a_context_gives_digests_only_when_every_image_of_the_prompt_has_one(processor):
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "where now?"}]}
+    tokens = EpisodeTokens(processor.tokenizer, image_token=IMAGE_PAD)
+    with pytest.raises(ValueError, match="2 image digests for a message with 1 images"):
+        tokens.start("system", user, [4], {}, [-1, -2])
+    tokens.start("system", user, [4], {}, [-3])
+    assert tokens.prompt_image_digests() == [-3]
+    tokens.add_response([5])
+    tokens.add_observation(user, [4], {})  # counted, not digested (as SFT counts images): the engine hashes
+    assert tokens.prompt_image_digests() is None and tokens.prompt_image_digests(0) == [-3]
+
+
+def test_an_images_digest_stands_for_its_content():
+    image = np.random.default_rng(0).integers(0, 255, (30, 40, 3), dtype=np.uint8)
+    changed = image.copy()
+    changed[7, 9, 1] ^= 1
+    digests = [content_digest([a]) for a in (image, image.copy(), changed, image.reshape(40, 30, 3))]
+    assert digests[0] == digests[1] and len(set(digests[1:])) == 3 and max(digests) < 0
 
 
 def test_a_context_budget_never_cuts_through_an_image(processor):
@@ -236,7 +272,7 @@ def test_pixels_are_kept_in_the_dtype_asked_for(processor):
         assert kept.model_inputs["pixel_values"].dtype == torch.bfloat16
         assert torch.equal(kept.model_inputs["pixel_values"], made.model_inputs["pixel_values"].to(torch.bfloat16))
         assert torch.equal(kept.model_inputs["image_grid_thw"], made.model_inputs["image_grid_thw"])
-        assert kept.placeholder_tokens == made.placeholder_tokens
+        assert kept.placeholder_tokens == made.placeholder_tokens and kept.digest == made.digest
 
 
 def test_thin_images_are_read_channels_last(processor):

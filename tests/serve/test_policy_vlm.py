@@ -13,6 +13,7 @@ import pytest
 from tests.serve.running import running
 from turnrl.config import AgentConfig, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
 from turnrl.envs import make
+from turnrl.models.vision import content_digest
 from turnrl.evaluate import run_eval
 from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.hf import HFPolicy
@@ -54,6 +55,7 @@ def test_the_server_expands_each_image_as_the_rollout_context_does(vlm_server):
     pad = policy.image_encoder.image_token_id
     features = int(prepared.model_inputs["image_grid_thw"].prod(-1).sum()) // 4
     assert prepared.prompt_ids.count(pad) == features == 16
+    assert prepared.image_digests == [content_digest([frame()])]  # the engine's cache key for the image
 
 
 @pytest.mark.parametrize(

@@ -355,11 +355,13 @@ class Engine:
         return self.cache.rows
 
     # ------------------------------------------------------------------ requests
-    def submit(self, prompt: list[int], params: SamplingParams, model_inputs: dict[str, Any] | None = None) -> int:
+    def submit(self, prompt: list[int], params: SamplingParams, model_inputs: dict[str, Any] | None = None,
+               image_digests: Sequence[int] | None = None) -> int:
         """Queue a prompt; its :class:`Result` comes out of a later :meth:`step`.
 
         ``model_inputs``: a VLM prompt's images (``pixel_values``, ``image_grid_thw``, as its processor makes them),
-        one per run of image placeholders in ``prompt``.
+        one per run of image placeholders in ``prompt``; ``image_digests``: theirs, as the image encoder made them
+        (None: hashed from the pixel values; see :mod:`turnrl.engine.images`).
         """
         sequence = _Sequence(next(self._ids), list(prompt), params)
         error = None
@@ -371,7 +373,7 @@ class Engine:
             else:
                 try:
                     sequence.images = prompt_images(sequence.prompt, model_inputs, vision.image_token_id,
-                                                    vision.merge_size)
+                                                    vision.merge_size, image_digests)
                 except ValueError as invalid:
                     error = str(invalid)
         elif model_inputs and model_inputs.get("pixel_values") is not None:
@@ -885,8 +887,10 @@ class Engine:
         temperature = pick(self._temperature)
         logits = logits[:, : self.vocab_limit]  # a view: rows stay contiguous in the vocabulary dim
         if self._suppressed is not None:
-            suppressed_logits = logits[:, self._suppressed]  # a copy: kept for the logprobs
-            logits[:, self._suppressed] = float("-inf")
+            suppressed_logits = logits.index_select(1, self._suppressed)  # a copy: kept for the logprobs
+            # index_fill_, not `logits[:, ids] = -inf`: that assignment copies its value to the GPU from pageable
+            # memory, which waits for the decode step in flight, so the host could not prepare the next one.
+            logits.index_fill_(1, self._suppressed, float("-inf"))
         if self._truncating[rows].any():
             tokens, logprobs = sample_tokens(logits, temperature, pick(self._top_k), pick(self._top_p))
         else:

@@ -14,21 +14,27 @@ repeated once per visual token), and the model inputs of those images in order
   video frames apart, and Qwen3-VL's text resumes past an image's larger
   spatial side, not counting frames; an image is one frame).
 - the prompt's match keys: its tokens with each image's placeholders replaced
-  by a number drawn from the image's pixels, so that a cached row is reused
-  only by a prompt with the same images, not merely the same placeholders.
+  by the image's digest, so that a cached row is reused only by a prompt with
+  the same images, not merely the same placeholders. The digests come with the
+  prompt when its images were encoded by :class:`~turnrl.models.vision.ImageEncoder`
+  (hashed once from each image); otherwise they are hashed here from the pixel
+  values, which at every turn of a long multi-turn rollout re-hashes every
+  earlier image: most of a 3B VLM rollout's time when it was done for all
+  prompts (docs/benchmarks.md).
 
 Notation: n prompt tokens, m images.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from turnrl.models.vision import content_digest
 
 
 @dataclass
@@ -85,19 +91,22 @@ def mrope_positions(length: int, spans: Sequence[tuple[int, int]], grids: torch.
 
 
 def image_digest(pixel_values: torch.Tensor, grid: torch.Tensor) -> int:
-    """A negative number that stands for one image's content in match keys (token ids are never negative)."""
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(np.asarray(grid.tolist(), dtype=np.int64).tobytes())
-    digest.update(pixel_values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return -1 - (int.from_bytes(digest.digest(), "little") >> 1)
+    """The digest of one image from its model inputs: the pixel values' bytes (bf16 read as int16, which numpy
+    lacks) and its grid."""
+    pixels = pixel_values.detach().cpu().contiguous()
+    if pixels.dtype == torch.bfloat16:
+        pixels = pixels.view(torch.int16)
+    return content_digest([grid.to(torch.int64).numpy(), pixels.numpy()])
 
 
 def prompt_images(prompt: Sequence[int], model_inputs: dict[str, Any] | None, image_token_id: int,
-                  merge_size: int) -> PromptImages:
-    """The images of ``prompt`` from its ``model_inputs`` (``pixel_values``, ``image_grid_thw``).
+                  merge_size: int, digests: Sequence[int] | None = None) -> PromptImages:
+    """The images of ``prompt`` from its ``model_inputs`` (``pixel_values``, ``image_grid_thw``) and, if given,
+    ``digests``: each image's digest as its encoder made it (:attr:`~turnrl.models.vision.EncodedImage.digest`);
+    None hashes the pixel values (:func:`image_digest`).
 
     Raises:
-        ValueError: the placeholders and the images do not agree (with what each says).
+        ValueError: the placeholders and the images (or the digests) do not agree (with what each says).
     """
     spans = placeholder_spans(prompt, image_token_id)
     inputs = model_inputs or {}
@@ -120,8 +129,13 @@ def prompt_images(prompt: Sequence[int], model_inputs: dict[str, Any] | None, im
         if sum(patches) != len(pixels):
             raise ValueError(f"pixel_values has {len(pixels)} patches, the grids make {sum(patches)}")
         pixel_values = list(torch.split(pixels, patches))
+    if digests is None:
+        digests = [image_digest(image, grid) for image, grid in zip(pixel_values, grids)]
+    elif len(digests) != len(spans) or any(not isinstance(d, int) or d >= 0 for d in digests):
+        raise ValueError(f"the prompt has {len(spans)} images and {len(digests)} image digests (negative integers, "
+                         "one an image, as the image encoder makes them): send the encoder's, or none")
     positions, delta = mrope_positions(len(prompt), spans, grids, merge_size)
     keys = list(prompt)
-    for (start, end), image, grid in zip(spans, pixel_values, grids):
-        keys[start:end] = [image_digest(image, grid)] * (end - start)
+    for (start, end), digest in zip(spans, digests):
+        keys[start:end] = [int(digest)] * (end - start)
     return PromptImages(pixel_values, grids, spans, positions, delta, keys)

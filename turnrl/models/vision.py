@@ -8,7 +8,9 @@ once, when its observation arrives, and says how many placeholders the image
 takes and what the model's forward needs for it (``pixel_values``,
 ``image_grid_thw``). The token context expands the placeholder itself
 (:mod:`turnrl.rollout.context`), so images are never re-processed and earlier
-turns never re-tokenized.
+turns never re-tokenized. Each encoded image also carries its digest, the
+number that stands for it in the engine's cache keys, hashed once from the
+image rather than from its pixel values at every turn that shows it again.
 
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors are supported: their image
 processors return ``image_grid_thw`` and an image takes
@@ -17,10 +19,11 @@ processors return ``image_grid_thw`` and an image takes
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +37,31 @@ class EncodedImage:
     """What the model's forward takes for this image: ``pixel_values`` (patches, dim), ``image_grid_thw`` (1, 3)."""
     placeholder_tokens: int
     """How many image placeholder tokens stand for it in the context."""
+    digest: int
+    """:func:`content_digest` of the source image: what stands for it in the engine's cache keys."""
+
+
+class MessageImages(NamedTuple):
+    """A message's images as a token context takes them (``EpisodeTokens.start`` / ``add_observation``)."""
+
+    token_counts: list[int]
+    """Each image's placeholder count."""
+    model_inputs: dict[str, torch.Tensor]
+    """Their model inputs, concatenated along dim 0 (empty for none)."""
+    digests: list[int]
+    """Each image's :attr:`EncodedImage.digest` (empty where only the counts were made)."""
+
+
+def content_digest(arrays: Sequence[np.ndarray]) -> int:
+    """A negative number that stands for the arrays' contents (dtypes, shapes and bytes) in the engine's cache
+    keys, among token ids (never negative). A collision would hand one image's cached keys and values to
+    another, so it is 63 bits of a cryptographic hash (BLAKE2b), not a checksum's 32."""
+    digest = hashlib.blake2b(digest_size=8)
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.data)
+    return -1 - (int.from_bytes(digest.digest(), "little") >> 1)
 
 
 class ImageEncoder:
@@ -88,6 +116,10 @@ class ImageEncoder:
             encoded.append(EncodedImage(
                 model_inputs={"pixel_values": pixels[rows], "image_grid_thw": grids[index : index + 1]},
                 placeholder_tokens=int(patches[index]) // self.merge_size**2,
+                # The image, not its pixel values: the processor makes the same pixels from the same image, and
+                # the image is a fraction of their bytes (uint8 against one bf16 or float32 number a channel
+                # of each patch, and each patch twice, the processor's temporal pair).
+                digest=content_digest([np.asarray(images[index])]),
             ))
         return encoded
 
@@ -99,11 +131,11 @@ class ImageEncoder:
         return [int(self.image_processor.get_number_of_image_patches(int(image.shape[0]), int(image.shape[1])))
                 // self.merge_size**2 for image in images]
 
-    def message_inputs(self, images: Sequence[np.ndarray]) -> tuple[list[int], dict[str, torch.Tensor]]:
-        """The placeholder count of each of a message's images and their model inputs, joined: what a
-        token context takes for the message (``EpisodeTokens.start`` / ``add_observation``)."""
+    def message_inputs(self, images: Sequence[np.ndarray]) -> MessageImages:
+        """A message's images encoded: their placeholder counts, model inputs and digests."""
         encoded = self.encode(images)
-        return [image.placeholder_tokens for image in encoded], join_inputs(encoded)
+        return MessageImages([image.placeholder_tokens for image in encoded], join_inputs(encoded),
+                             [image.digest for image in encoded])
 
 
 def join_inputs(encoded: Sequence[EncodedImage]) -> dict[str, torch.Tensor]:

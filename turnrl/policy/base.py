@@ -41,6 +41,9 @@ class GenerationRequest:
     model_inputs: dict[str, Any] | None = None
     """The model's extra inputs for ``prompt_ids`` (a VLM's ``pixel_values`` and ``image_grid_thw`` of the
     images in the prompt, each concatenated along dim 0), built with the context; None for text."""
+    image_digests: list[int] | None = None
+    """The digest of each image in ``model_inputs``, in order, as the image encoder made them: the engine's cache
+    keys for the images (None: it hashes their pixel values)."""
 
 
 @dataclass

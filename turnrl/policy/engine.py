@@ -74,7 +74,7 @@ class EnginePolicy(Policy):
             max_new_tokens=min(sampling.max_new_tokens, request.max_new_tokens or sampling.max_new_tokens),
             stop_ids=tuple(self.eos_ids), stop_strings=tuple(sampling.stop),
         )
-        return self.engine.submit(list(request.prompt_ids), params, request.model_inputs)
+        return self.engine.submit(list(request.prompt_ids), params, request.model_inputs, request.image_digests)
 
     def poll(self) -> list[tuple[int, Completion]]:
         """One engine step: the requests that finished, by handle. A failed step ends every queued request

@@ -55,6 +55,8 @@ class TurnTokens:
     """Placeholder tokens per image of ``user_message`` (empty for text-only messages)."""
     model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     """The model's extra inputs for this message (e.g. ``pixel_values``, ``image_grid_thw`` of its images)."""
+    image_digests: tuple[int, ...] = ()
+    """Each image's digest (:attr:`~turnrl.models.vision.EncodedImage.digest`), or empty when not made."""
     text_observation_ids: list[int] | None = None
     """Observation ids of the message without its images, once a prompt has dropped them (``max_images``)."""
     response_ids: list[int] | None = None
@@ -118,6 +120,14 @@ def without_images(message: Message) -> Message:
     return {**message, "content": [part for part in content if part.get("type") not in ("image", "image_url")]}
 
 
+def _checked_digests(digests: Sequence[int], counts: tuple[int, ...]) -> tuple[int, ...]:
+    """``digests`` as a tuple: one an image of the message, or none."""
+    if digests and len(digests) != len(counts):
+        raise ValueError(f"{len(digests)} image digests for a message with {len(counts)} images: give one an image, "
+                         "or none")
+    return tuple(int(digest) for digest in digests)
+
+
 def concat_model_inputs(turns: Sequence[TurnTokens]) -> dict[str, torch.Tensor]:
     """The turns' extra model inputs, each concatenated along dim 0 in turn order (Qwen-VL's layout)."""
     keys = sorted({key for turn in turns for key in turn.model_inputs})
@@ -179,14 +189,17 @@ class EpisodeTokens:
         first_user_message: str | Message,
         image_token_counts: Sequence[int] = (),
         model_inputs: Mapping[str, torch.Tensor] | None = None,
+        image_digests: Sequence[int] = (),
     ) -> None:
-        """Begin (or restart) the episode with its system and first user message (and its model inputs)."""
+        """Begin (or restart) the episode with its system and first user message (and its images' model inputs
+        and digests)."""
         self.system = None if system_message is None else as_message(system_message, "system")
         user = as_message(first_user_message)
         counts = tuple(image_token_counts)
         head = self._expand(self.deltas.head(self.system, user), counts)
         self.turns = [TurnTokens(user_message=user, observation_ids=head, image_token_counts=counts,
-                                 model_inputs=dict(model_inputs or {}))]
+                                 model_inputs=dict(model_inputs or {}),
+                                 image_digests=_checked_digests(image_digests, counts))]
         self._heads = {0: head}
 
     def add_response(self, ids: Sequence[int], logprobs: Sequence[float] | None = None) -> TurnTokens:
@@ -215,15 +228,18 @@ class EpisodeTokens:
         user_message: str | Message,
         image_token_counts: Sequence[int] = (),
         model_inputs: Mapping[str, torch.Tensor] | None = None,
+        image_digests: Sequence[int] = (),
     ) -> None:
-        """Append the next user message (env observation) and its model inputs; the prompt then awaits a response."""
+        """Append the next user message (env observation) and its images' model inputs and digests; the prompt
+        then awaits a response."""
         if self._current().response_ids is None:
             raise RuntimeError("the current turn has no response yet")
         user = as_message(user_message)
         counts = tuple(image_token_counts)
         ids = self._expand(self.deltas.observation(user), counts)
         self.turns.append(TurnTokens(user_message=user, observation_ids=ids, image_token_counts=counts,
-                                     model_inputs=dict(model_inputs or {})))
+                                     model_inputs=dict(model_inputs or {}),
+                                     image_digests=_checked_digests(image_digests, counts)))
 
     # -- reading -----------------------------------------------------------
 
@@ -264,6 +280,15 @@ class EpisodeTokens:
         in its window."""
         t = len(self._require_started()) - 1 if t is None else t
         return concat_model_inputs([self.turns[j] for j in self.image_turns(t)])
+
+    def prompt_image_digests(self, t: int | None = None) -> list[int] | None:
+        """The digests of the images in turn ``t``'s prompt (default: the current one), in order, as
+        :meth:`prompt_model_inputs` holds them; None when some were not made."""
+        t = len(self._require_started()) - 1 if t is None else t
+        turns = [self.turns[j] for j in self.image_turns(t)]
+        if any(len(turn.image_digests) != len(turn.image_token_counts) for turn in turns):
+            return None
+        return [digest for turn in turns for digest in turn.image_digests]
 
     def image_turns(self, t: int) -> list[int]:
         """The turns, in order, whose observations' images turn ``t``'s prompt holds (its window, less the

@@ -30,6 +30,7 @@ from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs.base import AgentEnv, StateFacts, env_metrics, state_key
+from turnrl.models.vision import MessageImages
 from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens, without_images
@@ -299,6 +300,7 @@ class Rollout:
             env=episode.slot.env,
             images=message_images(messages) or None,
             model_inputs=tokens.prompt_model_inputs() if tokens is not None else None,
+            image_digests=tokens.prompt_image_digests() if tokens is not None else None,
         )
 
     # ------------------------------------------------------------------ one episode
@@ -336,12 +338,12 @@ class Rollout:
                 episode.finish(TRUNCATED, "context_budget")
         return episode
 
-    def _encode(self, images: list[np.ndarray]) -> tuple[list[int], dict[str, Any]]:
-        """Placeholder counts and model inputs of an observation's images, encoded once, as it arrives
+    def _encode(self, images: list[np.ndarray]) -> MessageImages:
+        """Placeholder counts, model inputs and digests of an observation's images, encoded once, as it arrives
         (nothing without an image encoder: a text model is refused image observations in ``run``)."""
         encoder = self.policy.image_encoder
         if encoder is None or not images:
-            return [], {}
+            return MessageImages([], {}, [])
         return encoder.message_inputs(images)
 
     def _observe(self, episode: _Episode, text: str, obs: dict[str, Any]) -> dict[str, Any]:

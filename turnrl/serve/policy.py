@@ -365,6 +365,8 @@ class PreparedRequest:
     sampling: SamplingConfig
     model_inputs: dict[str, Any] | None = None
     """A VLM's inputs for the prompt's images."""
+    image_digests: list[int] | None = None
+    """Their digests (the engine's cache keys for them)."""
 
 
 def _template_messages(
@@ -462,10 +464,10 @@ def prepare(body: ChatCompletionRequest, policy: Policy, model_name: str, defaul
     except Exception as error:  # e.g. a template that insists on alternating roles
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
     prompt_ids = [int(i) for i in ids]
-    model_inputs = None
+    model_inputs, digests = None, None
     if images and encoder is not None:  # each placeholder expanded to its image's visual tokens, as in the rollout
         try:
-            counts, model_inputs = encoder.message_inputs(images)
+            counts, model_inputs, digests = encoder.message_inputs(images)
             prompt_ids = expand_placeholders(prompt_ids, encoder.image_token_id, counts)
         except ValueError as error:  # an image the processor refuses, or a text that writes image placeholders
             raise APIError(400, f"the images cannot be used: {error}", param="messages") from None
@@ -480,7 +482,8 @@ def prepare(body: ChatCompletionRequest, policy: Policy, model_name: str, defaul
     top_k = body.top_k if body.top_k and body.top_k > 0 else 0
     sampling = SamplingConfig(temperature=body.temperature, top_p=body.top_p, top_k=top_k,
                               max_new_tokens=max_tokens, stop=body.stop_list())
-    return PreparedRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, model_inputs=model_inputs)
+    return PreparedRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, model_inputs=model_inputs,
+                           image_digests=digests)
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
@@ -661,7 +664,7 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         prepared = prepare(body, policy, model_name, default_max_tokens)
         request = GenerationRequest(prompt_ids=prepared.prompt_ids, messages=[], max_new_tokens=prepared.max_tokens,
-                                    model_inputs=prepared.model_inputs)
+                                    model_inputs=prepared.model_inputs, image_digests=prepared.image_digests)
         completions = await batcher.submit([request] * body.n, prepared.sampling)
         response = build_response(body, prepared, completions, policy, model_name)
         if body.stream:

@@ -39,7 +39,7 @@ from turnrl.models.loading import (
     load_processor,
     load_tokenizer,
 )
-from turnrl.models.vision import ImageEncoder, load_image, part_images
+from turnrl.models.vision import ImageEncoder, MessageImages, load_image, part_images
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout
@@ -120,7 +120,7 @@ def conversation_picture_samples(
 
 def with_pixels(sample: Sample, pictures: list[np.ndarray], encoder: ImageEncoder) -> Sample:
     """``sample`` with the model inputs of its prompt's ``pictures``, made now."""
-    return replace(sample, model_inputs=encoder.message_inputs(pictures)[1])
+    return replace(sample, model_inputs=encoder.message_inputs(pictures).model_inputs)
 
 
 def _samples_and_pictures(
@@ -142,15 +142,15 @@ def _samples_and_pictures(
         raise ValueError("a chat must start with a user message (after an optional system message) and have a reply")
     turn_pictures: list[list[np.ndarray]] = []  # each turn's observation's pictures
 
-    def images_of(message: Message) -> tuple[list[int], dict[str, Any]]:
+    def images_of(message: Message) -> MessageImages:
         images = part_images(message["content"])
         if images and encoder is None:
             raise ValueError("a chat has images but the model has no image processor: train a VLM on it")
         turn_pictures.append([load_image(image) for image in images])
         if encoder is None or not images:
-            return [], {}
+            return MessageImages([], {}, [])
         if not pixels:
-            return encoder.placeholder_counts(turn_pictures[-1]), {}
+            return MessageImages(encoder.placeholder_counts(turn_pictures[-1]), {}, [])
         return encoder.message_inputs(turn_pictures[-1])
 
     tokens = EpisodeTokens(tokenizer, max_context_window=window, max_images=max_images,
