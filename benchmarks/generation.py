@@ -61,6 +61,9 @@ from turnrl.engine.engine import Engine, Result, SamplingParams  # noqa: E402
 SHAPES: dict[str, dict[str, Any]] = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936),
+    # Qwen2.5-3B's decoder (and the built-in vlm-3b's language model): tied embeddings of 151,936 rows.
+    "3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+               intermediate_size=11008, vocab_size=151936),
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                   intermediate_size=768, vocab_size=1024),
     # The built-in ``tiny`` model's shape: compute is negligible, so a call's time is the engine's host work.

@@ -16,8 +16,17 @@ allocations live at that peak by the line of turnrl or transformers that made th
 saved at ``--snapshot`` for pytorch.org/memory_viz; :mod:`turnrl.training.memory_trace`). The memory estimate
 of a training run (``turnrl memory``) counts the weights and the cache; this is what it leaves out.
 
+With ``--profile`` it plays the engine's rollout alone and splits its wall time: the environments, the engine's
+device work (prefill with the vision tower, decode steps, from CUDA events), and the host work between them
+(the rest), with the decode step's milliseconds against the step's own device time; with ``--top N``, the N host
+functions that took the most time (cProfile, by cumulative time). ``--baseline`` plays the same rollout again
+with the requests' image digests left off, so that the engine hashes each prompt's pixel values as it did
+before the digests came with them, and prints the ratio.
+
     python benchmarks/vlm_rollout.py                                   # CPU, vlm-tiny
     python benchmarks/vlm_rollout.py --device cuda --preset vlm-0.5b --episodes 64
+    python benchmarks/vlm_rollout.py --profile --device cuda --preset vlm-3b --episodes 64 --turns 15 --new 128 \
+        --context 4032 --baseline                                       # where a rollout's seconds go
     python benchmarks/vlm_rollout.py --memory --preset vlm-8b --episodes 64 --turns 15 --new 128 \
         --context 4032 --kv-cache-gb 12.5                               # VisGym's rollout, one GPU
 """
@@ -25,9 +34,13 @@ of a training run (``turnrl memory``) counts the weights and the cache; this is 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import platform
+import pstats
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,15 +52,18 @@ from turnrl.config import AgentConfig, EngineConfig, ModelConfig, SamplingConfig
 from turnrl.envs import make  # noqa: E402
 from turnrl.models.builtin import builtin_model_path  # noqa: E402
 from turnrl.models.loading import load_processor  # noqa: E402
+from turnrl.models.vision import ImageEncoder, MessageImages  # noqa: E402
 from turnrl.policy.engine import EnginePolicy  # noqa: E402
 from turnrl.policy.hf import HFPolicy  # noqa: E402
-from turnrl.rollout.runner import EpisodeSlot, Rollout  # noqa: E402
+from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings, counters_grown  # noqa: E402
 from turnrl.rollout.trajectory import Trajectory  # noqa: E402
 from turnrl.training.memory_trace import GIB, recorded  # noqa: E402
 
 
-def rollout(policy, args: argparse.Namespace, first_seed: int) -> tuple[list[Trajectory], float]:
-    """Play ``args.episodes`` episodes from ``first_seed`` on; returns them and the wall seconds."""
+def rollout(policy, args: argparse.Namespace, first_seed: int,
+            timings: RolloutTimings | None = None) -> tuple[list[Trajectory], float]:
+    """Play ``args.episodes`` episodes from ``first_seed`` on; returns them and the wall seconds (and fills
+    ``timings`` with the runner's own, when given)."""
     agent = AgentConfig(format="no_think", max_turns=args.turns, max_actions_per_episode=4 * args.turns,
                         max_context_tokens=args.context)
     runner = Rollout(policy, get_format("no_think"), agent, args.env)
@@ -58,7 +74,93 @@ def rollout(policy, args: argparse.Namespace, first_seed: int) -> tuple[list[Tra
     trajectories = runner.run(slots, SamplingConfig(temperature=0, max_new_tokens=args.new))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if timings is not None:
+        timings.__dict__.update(runner.timings.__dict__)
     return trajectories, time.perf_counter() - start
+
+
+class EncoderWithoutDigests(ImageEncoder):
+    """The image encoder less its images' digests: the engine hashes each prompt's pixel values at submission
+    (what it did for every request before the digests came with them)."""
+
+    def message_inputs(self, images):
+        counts, inputs, _ = super().message_inputs(images)
+        return MessageImages(counts, inputs, [])
+
+
+@dataclass
+class Split:
+    """Where one rollout's seconds went."""
+
+    seconds: float
+    env_s: float
+    generate_s: float
+    prefill_s: float
+    decode_s: float
+    work: dict[str, float]
+    responses: list[list[int]]
+    """Every turn's response ids, episode by episode."""
+
+    @property
+    def host_s(self) -> float:
+        return self.generate_s - self.prefill_s - self.decode_s
+
+    def row(self, label: str) -> str:
+        steps = max(self.work["decode_steps"], 1)
+        return (f"{label:<34} {self.seconds:>8.1f} {self.env_s:>8.1f} {self.generate_s:>8.1f} {self.prefill_s:>8.1f} "
+                f"{self.decode_s:>8.1f} {1000 * self.decode_s / steps:>8.2f} {self.host_s:>8.1f}")
+
+
+def profiled_rollout(engine: EnginePolicy, args: argparse.Namespace, profiler: cProfile.Profile | None) -> Split:
+    """Play the rollout with the engine's device timer on (and ``profiler`` running, if given)."""
+    timer = engine.engine.timer
+    timer.enabled = True
+    timer.reset()
+    before = engine.counters()
+    timings = RolloutTimings()
+    if profiler is not None:
+        profiler.enable()
+    trajectories, seconds = rollout(engine, args, first_seed=0, timings=timings)
+    if profiler is not None:
+        profiler.disable()
+    timer.collect()
+    timer.enabled = False
+    responses = [turn.response_ids for t in trajectories for turn in t.turns]
+    return Split(seconds, timings.env_s, timings.generate_s, timer.seconds["prefill"], timer.seconds["decode"],
+                 counters_grown(before, engine.counters()), responses)
+
+
+def engine_profile(engine: EnginePolicy, processor, args: argparse.Namespace) -> None:
+    """The engine's rollout alone, its wall time split into environments, device work and host work; with
+    ``--baseline``, the same rollout again with its images hashed by the engine."""
+    rollout(engine, argparse.Namespace(**{**vars(args), "episodes": min(args.episodes, 4), "turns": 2}), 1000)
+    profiler = cProfile.Profile() if args.top else None
+    split = profiled_rollout(engine, args, profiler)
+    work = split.work
+    generated, steps = work["generated_tokens"], work["decode_steps"]
+    print(f"{len(split.responses)} turns, {generated:,.0f} tokens generated in {steps:,.0f} decode steps "
+          f"({generated / max(steps, 1):.1f} rows a step), "
+          f"{work['prefill_tokens']:,.0f} tokens prefilled in {work['prefill_calls']:,.0f} calls, "
+          f"{work['reused_tokens']:,.0f} read from the cache; seconds (a decode step in ms):")
+    print(f"{'':<34} {'rollout':>8} {'envs':>8} {'generate':>8} {'prefill':>8} {'decode':>8} {'a step':>8} "
+          f"{'host':>8}")
+    print(split.row("digests from the encoder"))
+    if args.baseline:
+        encoder = engine.image_encoder
+        engine.image_encoder = EncoderWithoutDigests(processor, engine.engine.dtype)
+        hashed = profiled_rollout(engine, args, None)
+        engine.image_encoder = encoder
+        print(hashed.row("pixels hashed at each submission"))
+        print(f"generation {hashed.generate_s / split.generate_s:.2f}x faster with the encoder's digests, "
+              f"the rollout {hashed.seconds / split.seconds:.2f}x (the same responses: "
+              f"{'yes' if hashed.responses == split.responses else 'no'})")
+    if profiler is None:
+        return
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(r"turnrl|transformers", args.top)
+    print("host functions by cumulative time (cProfile; its overhead inflates Python-heavy functions):")
+    print(text.getvalue().strip("\n"))
 
 
 def engine_memory(engine: EnginePolicy, args: argparse.Namespace, device: torch.device) -> None:
@@ -85,6 +187,11 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=24)
     parser.add_argument("--context", type=int, default=8192, help="agent.max_context_tokens")
     parser.add_argument("--memory", action="store_true", help="the engine's working memory in its rollout (a GPU)")
+    parser.add_argument("--profile", action="store_true", help="where the engine's rollout time goes")
+    parser.add_argument("--baseline", action="store_true",
+                        help="with --profile, play it again with the images hashed by the engine (the ratio)")
+    parser.add_argument("--top", type=int, default=0,
+                        help="with --profile, list this many host functions (cProfile, which slows the host work)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.0, help="the engine's cache (0: its default)")
     parser.add_argument("--snapshot", default="runs/vlm_rollout_memory.pickle",
                         help="with --memory, the allocator's snapshot (and its report, .txt)")
@@ -94,9 +201,10 @@ def main() -> None:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     path = str(builtin_model_path(ModelConfig(builtin_preset=preset)))
     hf = HFPolicy.from_config(ModelConfig(device=args.device, dtype=dtype), path, max_batch_size=args.episodes)
+    processor = load_processor(path)
     engine = EnginePolicy(hf.model, hf.tokenizer, EngineConfig(max_rows=args.episodes, max_seq_len=args.context + 64,
                                                                kv_cache_gb=args.kv_cache_gb),
-                          processor=load_processor(path))
+                          processor=processor)
     if args.memory:
         if device.type != "cuda":
             raise SystemExit("--memory reads the GPU allocator's trace: run it with --device cuda")
@@ -104,6 +212,12 @@ def main() -> None:
               f"turns of at most {args.new} tokens, on {torch.cuda.get_device_name(device)} "
               f"(torch {torch.__version__})")
         engine_memory(engine, args, device)
+        return
+    if args.profile:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(f"{preset} (random weights), {dtype}, {args.env} images, {args.episodes} episodes x {args.turns} "
+              f"turns of at most {args.new} tokens, on {name} (torch {torch.__version__})")
+        engine_profile(engine, processor, args)
         return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
     print(f"{preset} (random weights), {dtype}, {args.env} images, {args.episodes} episodes x {args.turns} turns, "
