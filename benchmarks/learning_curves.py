@@ -11,7 +11,9 @@ entropy, the actor's gradient norm, validation success), ``state_rewards``
 ``sokoban`` (where failures come from: boxes on targets, deadlocks, moves into
 walls, from the env's figures) and ``plateau`` (why a run that holds stops
 rising: groups whose episodes all score alike, entropy, KL to the reference,
-turns an episode).
+turns an episode) and ``format`` (how a format breaks: turns in the format,
+responses cut at the token cap, their length, KL to the reference, the clipped
+share of tokens, the gradient norm).
 
 ``--table`` prints a markdown table per row: each run's first and last value
 of every metric, the mean of its first 5 and of its last 5 logged values

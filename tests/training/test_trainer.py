@@ -740,11 +740,11 @@ def test_a_run_that_keeps_no_weights_and_a_checkpoint_that_would_not_fit_end_wit
     assert json.loads((tmp_path / "full" / "summary.json").read_text())["checkpoint_not_written"]["step"] == 2
 
 
-def test_a_run_logs_every_metric_the_collapse_and_plateau_figures_draw(warm_run):
-    from turnrl.viz.plots import COLLAPSE_METRICS, PLATEAU_METRICS
+def test_a_run_logs_every_metric_the_collapse_plateau_and_format_figures_draw(warm_run):
+    from turnrl.viz.plots import COLLAPSE_METRICS, FORMAT_METRICS, PLATEAU_METRICS
 
     logged = {key for record in records(warm_run) for key in record}
-    drawn = {metric.name for metric in (*COLLAPSE_METRICS, *PLATEAU_METRICS)}
+    drawn = {metric.name for metric in (*COLLAPSE_METRICS, *PLATEAU_METRICS, *FORMAT_METRICS)}
     # This run has no KL term (no reference model): its figure leaves that panel out.
     assert drawn - logged == {"actor/kl_ref"}
 

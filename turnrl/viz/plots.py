@@ -171,8 +171,20 @@ PLATEAU_METRICS = (
     Metric("rollout/turns_mean", "Turns an episode"),
     Metric("val/success", "Validation success"),
 )
+# How a run's format breaks: responses grow to the token cap, a cut response has no action to parse, and the
+# updates that led there (KL to the reference, the share of clipped tokens, the gradient norm).
+FORMAT_METRICS = (
+    Metric("rollout/success", "Training success"),
+    Metric("rollout/format_ok", "Turns in the format"),
+    Metric("rollout/response_truncated", "Responses cut at the token cap"),
+    Metric("rollout/response_tokens_mean", "Response tokens"),
+    Metric("actor/kl_ref", "KL to the reference"),
+    Metric("actor/clip_frac", "Clipped share of tokens"),
+    Metric("actor/grad_norm", "Actor gradient norm (before clipping)"),
+    Metric("val/success", "Validation success"),
+)
 METRIC_SETS = {"collapse": COLLAPSE_METRICS, "state_rewards": STATE_REWARD_METRICS, "sokoban": SOKOBAN_METRICS,
-               "plateau": PLATEAU_METRICS}
+               "plateau": PLATEAU_METRICS, "format": FORMAT_METRICS}
 
 Records = list[dict[str, float]]
 
