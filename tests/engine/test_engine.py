@@ -414,6 +414,23 @@ def test_the_page_pool_grows_for_more_sequences_without_changing_tokens():
     assert [r.token_ids for r in results[2:]] == alone
 
 
+def part_only_at_near_ties(model, prompts: list[list[int]], got: list[list[int]], want: list[list[int]]) -> bool:
+    """Whether each pair of greedy responses is equal or first parts where the model's two likeliest tokens are
+    within float32 noise of each other (a re-prefill and a cached decode add up in other orders, so such a tie
+    may break either way; the test models' scaled weights make them rare, not impossible)."""
+    for prompt, a, b in zip(prompts, got, want):
+        if a == b:
+            continue
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None:  # one stopped where the other did not: not a tie
+            return False
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + b[:k]])).logits[0, -1].double()
+        if not logits.max() - min(logits[a[k]], logits[b[k]]) < 1e-4:
+            return False
+    return True
+
+
 def engine_with_pages(model, pages: int, **fields) -> Engine:
     """An engine whose cache budget is ``pages`` pages (scratch included)."""
     probe = engine_for(model)
@@ -478,7 +495,8 @@ def test_a_sequence_that_cannot_fit_yet_evicts_no_idle_row():
        pages=st.integers(3, 6))
 def test_any_turns_under_a_tight_page_budget_give_a_roomy_engines_tokens(turns, pages):
     """Episodes whose turns extend their last prompt, three sequences a call, under 3-6 pages of 128 positions:
-    waiting, evicting and prefilling again never change a token."""
+    waiting, evicting and prefilling again never change a token (but at a float32 near-tie of the two likeliest,
+    which hypothesis found once: 1.4e-6 apart)."""
     model = build("qwen2")
     tight, roomy = engine_with_pages(model, pages, max_len=256), engine_for(model, max_len=256)
     histories: list[list[int]] = [[] for _ in range(3)]
@@ -487,7 +505,8 @@ def test_any_turns_under_a_tight_page_budget_give_a_roomy_engines_tokens(turns, 
                    for e, history in enumerate(histories)]
         params = [SamplingParams(temperature=0, max_new_tokens=new)] * 3
         got = [r.token_ids for r in tight.generate(prompts, params)]
-        assert got == [r.token_ids for r in roomy.generate(prompts, params)]
+        want = [r.token_ids for r in roomy.generate(prompts, params)]
+        assert got == want or part_only_at_near_ties(model, prompts, got, want)
         histories = [prompt + tokens for prompt, tokens in zip(prompts, got)]
 
 

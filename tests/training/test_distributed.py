@@ -184,6 +184,7 @@ def test_two_processes_that_free_the_rollout_during_the_update_train_as_one(tiny
     assert one[3]["actor/grad_norm"] > 0
 
 
+@pytest.mark.slow  # 38 s on two cores, most of it compiling; two eager processes train as one by default
 def test_two_processes_with_compiled_layer_parts_train_as_one_eager_process(tiny_model_dir, tmp_path, single):
     """``model.compile``: each shard's layers run compiled norms and MLPs (actor, critic and the rollout copy
     made from them); two steps give the eager single-process run's metrics and weights."""
@@ -242,6 +243,7 @@ def test_four_processes_train_as_one_with_packed_micro_batches_and_a_reference(t
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=5e-5)
 
 
+@pytest.mark.slow  # 43 s of four torchrun processes; the build lock itself: tests/models/test_tiny.py
 def test_four_processes_start_cleanly_from_an_empty_model_cache(tmp_path):
     """The built-in model is built once (on rank 0, which transformers lets write) while the others wait,
     and every process loads the complete build: no half-written cache entry is read."""
