@@ -12,10 +12,10 @@ import torch
 
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, ModelConfig, SamplingConfig
+from turnrl.engine.images import prompt_images
 from turnrl.envs import make
 from turnrl.models.loading import load_processor
 from turnrl.models.templates import QWEN3
-from turnrl.engine.images import prompt_images
 from turnrl.models.vision import ImageEncoder, content_digest
 from turnrl.policy.base import Completion, Policy
 from turnrl.policy.hf import HFPolicy

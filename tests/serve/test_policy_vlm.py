@@ -13,8 +13,8 @@ import pytest
 from tests.serve.running import running
 from turnrl.config import AgentConfig, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
 from turnrl.envs import make
-from turnrl.models.vision import content_digest
 from turnrl.evaluate import run_eval
+from turnrl.models.vision import content_digest
 from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.openai_http import image_data_url
