@@ -26,12 +26,24 @@ over the start at the best and over the last three. One validation of 128
 levels has a standard error of about 4 points and the best of many is
 biased upward, so the last three are the gain to quote.
 
+``--paired FROM_STEP`` compares two rows whose runs pair up (the same seeds,
+given in the same order: seed S of both rows samples alike and plays the same
+levels each step), step by step: for each pair and metric, the mean of the
+first row's value minus the second's over the steps both logged before
+``FROM_STEP`` and from it on, and at how many of the later steps the first
+row is ahead. The levels' difficulty, which moves both rows together, drops
+out of a paired difference, so it finds an effect too small to see in the
+rows' means. Steps of one run follow each other, so they are not independent
+draws: count the pairs (seeds), not the steps, as the evidence.
+
     python benchmarks/learning_curves.py --metrics collapse --out docs/figures/estimators_collapse.png \\
         "GRPO=runs/estimators/GRPO_seed*" "StarPO-S=runs/estimators/StarPO-S_seed*"
     python benchmarks/learning_curves.py --out docs/figures/sokoban_gigpo70_4gpu.png \\
         --reference "val/success=a policy ignoring the grid:0.265" "GiGPO=runs/sokoban_g16_70_alone/GiGPO_seed*"
     python benchmarks/learning_curves.py --gains "lr 1e-5=runs/lr1e-5_s*" "lr 1e-4=runs/lr1e-4_s*"
     python benchmarks/learning_curves.py --metrics state_rewards --table \\
+        "VAGEN-Full=runs/state_rewards/vagen_full_seed*" "VAGEN-Base=runs/state_rewards/vagen_base_seed*"
+    python benchmarks/learning_curves.py --metrics state_rewards --paired 4 \\
         "VAGEN-Full=runs/state_rewards/vagen_full_seed*" "VAGEN-Base=runs/state_rewards/vagen_base_seed*"
 """
 
@@ -180,6 +192,65 @@ def gains_table(runs: list[Path], records: list[list[dict[str, float]]], metric:
     return "\n".join(header + lines)
 
 
+@dataclass(frozen=True)
+class PairedDifference:
+    """One pair of runs' step-by-step difference in a metric (the first run's value minus the second's)."""
+
+    before: float | None
+    """The mean difference over the steps both runs logged before the split; None when there are none."""
+    after: float | None
+    """The same from the split on."""
+    steps_after: int
+    ahead_after: int
+    """Steps from the split on where the first run's value is the larger."""
+
+
+def paired_difference(first: list[dict[str, float]], second: list[dict[str, float]], metric: str,
+                      split: int) -> PairedDifference:
+    """``metric`` of two runs' records (:func:`series`), differenced at the steps both logged, summed up before
+    and from step ``split`` on."""
+    first_steps, first_values = series(first, metric)
+    second_by_step = dict(zip(*series(second, metric)))
+    shared = [(step, value - second_by_step[step]) for step, value in zip(first_steps, first_values)
+              if step in second_by_step]
+    before = [difference for step, difference in shared if step < split]
+    after = [difference for step, difference in shared if step >= split]
+    return PairedDifference(fmean(before) if before else None, fmean(after) if after else None, len(after),
+                            sum(difference > 0 for difference in after))
+
+
+def paired_table(first: tuple[str, list[Path]], second: tuple[str, list[Path]],
+                 records: dict[str, list[list[dict[str, float]]]], metrics: Sequence[Metric], split: int) -> str:
+    """A markdown table of :func:`paired_difference`: a line per pair of runs (in the order given), a column per
+    metric both rows have: ``before -> after (ahead/steps)``, differences in points of a share (x 100); and the
+    mean over the pairs, with how many pairs moved the first row ahead."""
+    (first_label, first_runs), (second_label, second_runs) = first, second
+    if len(first_runs) != len(second_runs):
+        raise ValueError(f"--paired needs as many runs in {first_label} ({len(first_runs)}) as in {second_label} "
+                         f"({len(second_runs)}), seed by seed in the same order")
+    pairs = list(zip(records[first_label], records[second_label]))
+    shown = [metric for metric in metrics
+             if any(series(a, metric.name)[0] and series(b, metric.name)[0] for a, b in pairs)]
+
+    def points(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:+.1f}"
+
+    lines = [f"| {first_label} minus {second_label} | " + " | ".join(metric.title for metric in shown) + " |",
+             "| --- |" + " ---: |" * len(shown)]
+    found = [[paired_difference(a, b, metric.name, split) for metric in shown] for a, b in pairs]
+    for a, b, differences in zip(first_runs, second_runs, found):
+        cells = [f"{points(d.before)} -> {points(d.after)} ({d.ahead_after}/{d.steps_after})" for d in differences]
+        lines.append(f"| {a.name} - {b.name} | " + " | ".join(cells) + " |")
+    cells = []
+    for column in zip(*found):
+        befores = [d.before for d in column if d.before is not None]
+        afters = [d.after for d in column if d.after is not None]
+        cells.append(f"{points(fmean(befores) if befores else None)} -> {points(fmean(afters) if afters else None)} "
+                     f"({sum(a > 0 for a in afters)}/{len(afters)} pairs ahead)")
+    lines.append(f"| mean of {len(pairs)} pairs | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--metrics", default="collapse", choices=list(METRIC_SETS), help="the panels")
@@ -188,12 +259,16 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="print each row's first and last values")
     parser.add_argument("--gains", action="store_true",
                         help="print each run's validation success: after SFT, best, last, the last three's mean")
+    parser.add_argument("--paired", type=int, metavar="FROM_STEP",
+                        help="print two rows' paired step-by-step differences before and from FROM_STEP on")
     parser.add_argument("--reference", action="append", default=[], type=reference_argument,
                         metavar="METRIC=LABEL:VALUE", help="a dashed level on a metric's panel (repeatable)")
     parser.add_argument("rows", nargs="+", type=row_argument, metavar="ROW=RUN_DIR[,RUN_DIR...]")
     args = parser.parse_args()
-    if args.out is None and not args.table and not args.gains:
-        parser.error("nothing to do: pass --out PATH.png, --table, --gains or several")
+    if args.out is None and not args.table and not args.gains and args.paired is None:
+        parser.error("nothing to do: pass --out PATH.png, --table, --gains, --paired FROM_STEP or several")
+    if args.paired is not None and len(args.rows) != 2:
+        parser.error(f"--paired compares two rows; {len(args.rows)} were given")
     rows = dict(args.rows)
     if len(rows) < len(args.rows):
         parser.error("a row label is given twice: give each row once, with all its runs")
@@ -207,6 +282,13 @@ def main() -> None:
         for label, runs in rows.items():
             print(f"\n**{label}** (validation success; the last three's mean is the gain to quote)\n")
             print(gains_table(runs, records[label]))
+    if args.paired is not None:
+        print(f"\n**{args.rows[0][0]} minus {args.rows[1][0]}, pair by pair** (points: mean difference over the "
+              f"steps before {args.paired} -> from {args.paired} on, and at how many of those the first is ahead)\n")
+        try:
+            print(paired_table(args.rows[0], args.rows[1], records, metrics, args.paired))
+        except ValueError as error:
+            parser.error(str(error))
     if args.out is not None and draw(args.out, records, metrics, args.title, args.reference) is None:
         sys.exit(1)
 

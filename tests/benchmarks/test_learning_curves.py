@@ -8,7 +8,17 @@ import sys
 
 import pytest
 
-from benchmarks.learning_curves import first_last, gains, gains_table, main, reference_argument, row_argument, table
+from benchmarks.learning_curves import (
+    first_last,
+    gains,
+    gains_table,
+    main,
+    paired_difference,
+    paired_table,
+    reference_argument,
+    row_argument,
+    table,
+)
 from turnrl.viz.plots import COLLAPSE_METRICS, Metric
 
 
@@ -135,3 +145,56 @@ def test_the_script_prints_the_gains_without_drawing(runs, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "**GRPO**" in out and "| GRPO_seed2 | 0.250 | 0.500 (10) | 0.500 (10) | 0.375 | +25.0 | +12.5 |" in out
     assert "| mean of 3 |" in out
+
+
+def matched(*values: float, metric: str = "rollout/success", first_step: int = 1) -> list[dict]:
+    return [{"step": first_step + i, metric: value} for i, value in enumerate(values)]
+
+
+def test_a_paired_difference_is_the_mean_step_by_step_difference_before_and_from_the_split():
+    first = matched(0.5, 0.4, 0.6, 0.7, 0.5)
+    second = matched(0.5, 0.5, 0.5, 0.6, 0.6)
+    d = paired_difference(first, second, "rollout/success", split=3)
+    assert d.before == pytest.approx(((0.5 - 0.5) + (0.4 - 0.5)) / 2)  # steps 1, 2
+    assert d.after == pytest.approx(((0.6 - 0.5) + (0.7 - 0.6) + (0.5 - 0.6)) / 3)  # steps 3, 4, 5
+    assert (d.steps_after, d.ahead_after) == (3, 2)
+
+
+def test_a_paired_difference_uses_only_the_steps_both_runs_logged():
+    first = matched(0.5, 0.4, 0.6, 0.7) + [{"step": 9, "val/success": 1.0}]
+    second = matched(0.2, 0.3, first_step=3)  # a run that logged steps 3 and 4 only
+    d = paired_difference(first, second, "rollout/success", split=2)
+    assert d.before is None and d.after == pytest.approx(((0.6 - 0.2) + (0.7 - 0.3)) / 2) and d.steps_after == 2
+    assert paired_difference(first, [], "rollout/success", split=2) == paired_difference([], [], "x", 1)
+
+
+def test_the_paired_table_has_a_line_per_pair_and_the_pairs_mean(tmp_path):
+    metrics = [Metric("rollout/success", "Success"), Metric("actor/kl", "KL")]
+    records = {"Full": [matched(0.5, 0.6, 0.8), matched(0.4, 0.5, 0.5)],
+               "Base": [matched(0.5, 0.5, 0.5), matched(0.4, 0.6, 0.6)]}
+    first = ("Full", [tmp_path / "full_seed0", tmp_path / "full_seed1"])
+    second = ("Base", [tmp_path / "base_seed0", tmp_path / "base_seed1"])
+    assert paired_table(first, second, records, metrics, split=2).splitlines() == [
+        "| Full minus Base | Success |",
+        "| --- | ---: |",
+        "| full_seed0 - base_seed0 | +0.0 -> +20.0 (2/2) |",
+        "| full_seed1 - base_seed1 | +0.0 -> -10.0 (0/2) |",
+        "| mean of 2 pairs | +0.0 -> +5.0 (1/2 pairs ahead) |",
+    ]
+    with pytest.raises(ValueError, match="as many runs in Full"):
+        paired_table(first, ("Base", second[1][:1]), {**records, "Base": records["Base"][:1]}, metrics, split=2)
+
+
+def test_the_script_pairs_two_rows_and_refuses_other_counts(runs, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["learning_curves.py", "--paired", "6", f"GRPO={runs}/GRPO_seed*",
+                                      f"PPO={runs}/PPO_seed*"])
+    main()
+    out = capsys.readouterr().out
+    assert "**GRPO minus PPO, pair by pair**" in out and "| GRPO_seed1 - PPO_seed1 | +0.0 -> +0.0 (0/5) |" in out
+    for argv in (["--paired", "6", f"GRPO={runs}/GRPO_seed*"],
+                 ["--paired", "6", f"GRPO={runs}/GRPO_seed*", f"PPO={runs}/PPO_seed0"]):
+        monkeypatch.setattr(sys, "argv", ["learning_curves.py", *argv])
+        with pytest.raises(SystemExit):
+            main()
+    err = capsys.readouterr().err
+    assert "compares two rows; 1 were given" in err and "as many runs in GRPO (3) as in PPO (1)" in err
