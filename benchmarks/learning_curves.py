@@ -207,7 +207,7 @@ class PairedDifference:
 
 def paired_difference(first: list[dict[str, float]], second: list[dict[str, float]], metric: str,
                       split: int) -> PairedDifference:
-    """``metric`` of two runs' records (:func:`series`), differenced at the steps both logged, summed up before
+    """``metric`` of two runs' records (:func:`series`), differenced at the steps both logged and averaged before
     and from step ``split`` on."""
     first_steps, first_values = series(first, metric)
     second_by_step = dict(zip(*series(second, metric)))
@@ -222,8 +222,8 @@ def paired_difference(first: list[dict[str, float]], second: list[dict[str, floa
 def paired_table(first: tuple[str, list[Path]], second: tuple[str, list[Path]],
                  records: dict[str, list[list[dict[str, float]]]], metrics: Sequence[Metric], split: int) -> str:
     """A markdown table of :func:`paired_difference`: a line per pair of runs (in the order given), a column per
-    metric both rows have: ``before -> after (ahead/steps)``, differences in points of a share (x 100); and the
-    mean over the pairs, with how many pairs moved the first row ahead."""
+    metric both rows have: ``before -> after (ahead/steps)``, differences in the metric's units; and the mean over
+    the pairs, with how many pairs moved the first row ahead."""
     (first_label, first_runs), (second_label, second_runs) = first, second
     if len(first_runs) != len(second_runs):
         raise ValueError(f"--paired needs as many runs in {first_label} ({len(first_runs)}) as in {second_label} "
@@ -232,20 +232,20 @@ def paired_table(first: tuple[str, list[Path]], second: tuple[str, list[Path]],
     shown = [metric for metric in metrics
              if any(series(a, metric.name)[0] and series(b, metric.name)[0] for a, b in pairs)]
 
-    def points(value: float | None) -> str:
-        return "-" if value is None else f"{100 * value:+.1f}"
+    def signed(value: float | None) -> str:
+        return "-" if value is None else f"{value:+.3f}"
 
     lines = [f"| {first_label} minus {second_label} | " + " | ".join(metric.title for metric in shown) + " |",
              "| --- |" + " ---: |" * len(shown)]
     found = [[paired_difference(a, b, metric.name, split) for metric in shown] for a, b in pairs]
     for a, b, differences in zip(first_runs, second_runs, found):
-        cells = [f"{points(d.before)} -> {points(d.after)} ({d.ahead_after}/{d.steps_after})" for d in differences]
+        cells = [f"{signed(d.before)} -> {signed(d.after)} ({d.ahead_after}/{d.steps_after})" for d in differences]
         lines.append(f"| {a.name} - {b.name} | " + " | ".join(cells) + " |")
     cells = []
     for column in zip(*found):
         befores = [d.before for d in column if d.before is not None]
         afters = [d.after for d in column if d.after is not None]
-        cells.append(f"{points(fmean(befores) if befores else None)} -> {points(fmean(afters) if afters else None)} "
+        cells.append(f"{signed(fmean(befores) if befores else None)} -> {signed(fmean(afters) if afters else None)} "
                      f"({sum(a > 0 for a in afters)}/{len(afters)} pairs ahead)")
     lines.append(f"| mean of {len(pairs)} pairs | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -283,7 +283,7 @@ def main() -> None:
             print(f"\n**{label}** (validation success; the last three's mean is the gain to quote)\n")
             print(gains_table(runs, records[label]))
     if args.paired is not None:
-        print(f"\n**{args.rows[0][0]} minus {args.rows[1][0]}, pair by pair** (points: mean difference over the "
+        print(f"\n**{args.rows[0][0]} minus {args.rows[1][0]}, pair by pair** (the mean difference over the "
               f"steps before {args.paired} -> from {args.paired} on, and at how many of those the first is ahead)\n")
         try:
             print(paired_table(args.rows[0], args.rows[1], records, metrics, args.paired))

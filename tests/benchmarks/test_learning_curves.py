@@ -177,9 +177,9 @@ def test_the_paired_table_has_a_line_per_pair_and_the_pairs_mean(tmp_path):
     assert paired_table(first, second, records, metrics, split=2).splitlines() == [
         "| Full minus Base | Success |",
         "| --- | ---: |",
-        "| full_seed0 - base_seed0 | +0.0 -> +20.0 (2/2) |",
-        "| full_seed1 - base_seed1 | +0.0 -> -10.0 (0/2) |",
-        "| mean of 2 pairs | +0.0 -> +5.0 (1/2 pairs ahead) |",
+        "| full_seed0 - base_seed0 | +0.000 -> +0.200 (2/2) |",
+        "| full_seed1 - base_seed1 | +0.000 -> -0.100 (0/2) |",
+        "| mean of 2 pairs | +0.000 -> +0.050 (1/2 pairs ahead) |",
     ]
     with pytest.raises(ValueError, match="as many runs in Full"):
         paired_table(first, ("Base", second[1][:1]), {**records, "Base": records["Base"][:1]}, metrics, split=2)
@@ -190,7 +190,7 @@ def test_the_script_pairs_two_rows_and_refuses_other_counts(runs, monkeypatch, c
                                       f"PPO={runs}/PPO_seed*"])
     main()
     out = capsys.readouterr().out
-    assert "**GRPO minus PPO, pair by pair**" in out and "| GRPO_seed1 - PPO_seed1 | +0.0 -> +0.0 (0/5) |" in out
+    assert "**GRPO minus PPO, pair by pair**" in out and "| GRPO_seed1 - PPO_seed1 | +0.000 -> +0.000 (0/5) |" in out
     for argv in (["--paired", "6", f"GRPO={runs}/GRPO_seed*"],
                  ["--paired", "6", f"GRPO={runs}/GRPO_seed*", f"PPO={runs}/PPO_seed0"]):
         monkeypatch.setattr(sys, "argv", ["learning_curves.py", *argv])
