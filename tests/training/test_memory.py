@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,16 +20,19 @@ from turnrl.training.config import TrainConfig
 from turnrl.training.memory import (
     GIB,
     activation_bytes,
-    full_length_sequences,
     cap_gpu_memory,
     check_memory,
+    check_sft_memory,
     count_model,
     estimate_memory,
     fit_advice,
     fit_report,
+    full_length_sequences,
     require_fit,
     rollout_in_waves,
     rows_shorter_than_episodes,
+    sft_estimate,
+    sft_fit_advice,
 )
 
 H100 = 79.1 * GIB
@@ -294,3 +298,73 @@ def test_rows_counted_at_max_seq_len_are_named_among_what_to_turn_on(tmp_path, t
     assert not fits and "a smaller model.engine.max_seq_len, the longest sample (the estimate counts 64 samples " \
                         "of 4096 tokens a micro-batch)" in line
     assert fit_report(load_config(TrainConfig, "configs/quickstart.yaml", []), counts, 1, 8 * GIB)[0]
+
+
+def _vlm_counts(tmp_path: Path, tokenizer, preset: str = "vlm-0.5b"):
+    return count_model(_saved_config(tmp_path / preset, vlm_config(preset, tokenizer)))
+
+
+def test_sft_holds_the_whole_model_s_states_one_micro_batch_and_the_weight_casts(tmp_path, tokenizer):
+    counts = _vlm_counts(tmp_path, tokenizer)
+    config = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", ["model.builtin_preset=vlm-0.5b"])
+    estimate = sft_estimate(config, counts, 32 * 300, H200)
+    assert estimate.parts == {
+        "model": 16 * counts.trained + 4 * (counts.total - counts.trained),  # the tower frozen: weights only
+        "activations": activation_bytes(counts, 32 * 300, False),
+        "weight casts": 2 * counts.total,
+    }
+    lora = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", ["lora.enabled=true"])
+    assert sft_estimate(lora, counts, 9600, H200).parts == estimate.parts  # SFT trains the whole model
+    checkpointed = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml",
+                               ["model.gradient_checkpointing=true"])
+    assert set(sft_estimate(checkpointed, counts, 9600, H200).parts) == {"model", "activations"}
+
+
+def test_sft_that_cannot_fit_its_share_is_told_the_micro_batch_that_does(tmp_path, tokenizer, monkeypatch):
+    """vlm-0.5b's SFT on a sixth of an H200 (several runs on the card), 32 samples a micro-batch: long samples
+    (600 tokens) are stopped before the model loads, with the micro-batch that fits; the whole card fits them."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200))
+    path = _saved_config(tmp_path / "vlm", vlm_config("vlm-0.5b", tokenizer))
+    counts = count_model(path)
+    overrides = ["sft.batch_size=32", "sft.micro_batch_size=32"]
+    whole = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", overrides)
+    assert check_sft_memory(whole, path, 600, 10_000, torch.device("cuda")).fits()
+    shared = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", [*overrides, "run.gpu_share=0.16"])
+    budget = 0.16 * H200
+    fitting = max(m for m in range(1, 33) if sft_estimate(shared, counts, m * 600, budget).fits())
+    assert 1 < fitting < 32 and not sft_estimate(shared, counts, (fitting + 1) * 600, budget).fits()
+    with pytest.raises(ConfigError) as error:
+        check_sft_memory(shared, path, 600, 10_000, torch.device("cuda"))
+    message = str(error.value)
+    assert "micro-batches of 32 samples of up to 600 tokens" in message
+    assert f"sft.micro_batch_size={fitting} (sft.batch_size=32 stays" in message
+    assert "model.gradient_checkpointing=true" in message and "run.gpu_share=0.16 of a 139.8 GiB GPU" in message
+    # Fewer samples than a micro-batch: the micro-batch is the samples.
+    assert check_sft_memory(shared, path, 600, fitting, torch.device("cuda")).fits()
+    shared.run.check_memory = False
+    assert check_sft_memory(shared, path, 600, 10_000, torch.device("cuda")) is None
+    assert check_sft_memory(whole, path, 600, 10_000, torch.device("cpu")) is None
+
+
+def test_sft_of_a_model_whose_states_alone_outgrow_the_gpu_is_told_it_runs_in_one_process(tmp_path, tokenizer,
+                                                                                         monkeypatch):
+    """SFT runs in one process (rank 0 under torchrun): 7B's float32 training states alone (122 GB) exceed an
+    H100, whatever the micro-batch."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H100))
+    path = _saved_config(tmp_path / "7b", preset_config("7b", tokenizer))
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", ["distributed.nproc_per_node=4"])
+    with pytest.raises(ConfigError, match=r"SFT needs about model 1\d\d\.\d .* a GPU with more memory .* "
+                                          r"sft.enabled=false model.path=DIR"):
+        check_sft_memory(config, path, 256, 10_000, torch.device("cuda"))
+
+
+def test_sft_that_fits_only_with_checkpointing_and_a_smaller_micro_batch_is_told_both(tmp_path, tokenizer):
+    counts = _vlm_counts(tmp_path, tokenizer)
+    config = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", ["sft.micro_batch_size=32"])
+    states = sft_estimate(config, counts, 0, H200).parts["model"]
+    checkpointed = replace(config, model=replace(config.model, gradient_checkpointing=True))
+    # Room for the states and 4 checkpointed rows of 2,000 tokens, not for one row without checkpointing.
+    budget = states + sft_estimate(checkpointed, counts, 4 * 2000, H200).parts["activations"] + GIB / 100
+    assert not sft_estimate(config, counts, 2000, budget).fits()
+    assert sft_fit_advice(config, counts, 2000, budget) == ["model.gradient_checkpointing=true sft.micro_batch_size=4"]
+    assert sft_fit_advice(config, counts, 2000, states / 2)[0].startswith("a GPU with more memory")

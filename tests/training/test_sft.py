@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from turnrl.agent.formats import get_format
-from turnrl.config import AgentConfig, load_config
+from turnrl.config import AgentConfig, ConfigError, load_config
 from turnrl.envs import make
 from turnrl.training.batch import collate
 from turnrl.training.commands import sft_only
@@ -339,6 +339,44 @@ def test_sft_micro_batches_accumulate_to_the_same_update(tiny_model_dir, tiny_to
         assert float((results[0][name] - p).abs().max()) <= 1e-3 * float(delta.abs().max()) + 1e-6, name
 
 
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 102.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+             "116.74 GiB is free. 22.37 GiB allowed; Of the allocated memory 22.26 GiB is allocated by PyTorch")
+
+
+def test_sft_out_of_gpu_memory_says_what_to_change(tiny_model_dir, tiny_tokenizer, monkeypatch):
+    """An out-of-memory error in a micro-batch or in the optimizer's first step becomes the run's error: where,
+    what to set, and torch's first line; nothing else is caught."""
+    import turnrl.training.sft as sft
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    samples = conversation_samples(CHAT, tiny_tokenizer, window=1)
+    config = SFTConfig(epochs=1, lr=1e-3, warmup_steps=0, batch_size=4, micro_batch_size=2)
+    first = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()[:2]  # seed 0's order
+    longest = max(len(samples[i].input_ids) for i in first)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(TORCH_OOM)
+
+    monkeypatch.setattr(sft, "token_logprobs", out_of_memory)
+    with pytest.raises(ConfigError) as error:
+        sft_train(model, tiny_tokenizer.pad_token_id, samples, config)
+    assert str(error.value).startswith(f"SFT ran out of GPU memory in a micro-batch of 2 samples of {longest} tokens "
+                                       "(padded to the longest): ")
+    assert "set sft.micro_batch_size=1 (sft.batch_size=4 stays" in str(error.value)
+    assert "model.gradient_checkpointing=true" in str(error.value)
+    assert str(error.value).endswith(f"torch: {TORCH_OOM}")
+    assert isinstance(error.value.__cause__, torch.OutOfMemoryError)
+
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.optim.AdamW, "step", out_of_memory)
+    with pytest.raises(ConfigError, match=r"in the optimizer's step \(AdamW's moments\): set sft.micro_batch_size=1"):
+        sft_train(model, tiny_tokenizer.pad_token_id, samples, config)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("x")))
+    with pytest.raises(RuntimeError, match="^x$"):  # any other error is left as it is
+        sft_train(model, tiny_tokenizer.pad_token_id, samples, config)
+
+
 def test_sft_command_trains_on_a_jsonl_of_chats_and_saves_the_model(tiny_model_dir, tiny_tokenizer, tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(json.dumps({"messages": CHAT}) for _ in range(8)) + "\n")
@@ -356,6 +394,30 @@ def test_sft_command_trains_on_a_jsonl_of_chats_and_saves_the_model(tiny_model_d
     trained = mean_nll(AutoModelForCausalLM.from_pretrained(path), [sample], tiny_tokenizer.pad_token_id)
     base = mean_nll(AutoModelForCausalLM.from_pretrained(tiny_model_dir), [sample], tiny_tokenizer.pad_token_id)
     assert trained < 0.5 * base
+
+
+def test_the_sft_stage_checks_its_memory_with_the_longest_sample_before_the_model_loads(tiny_model_dir, tiny_tokenizer,
+                                                                                       tmp_path, monkeypatch):
+    import turnrl.training.sft as sft
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": CHAT}) for _ in range(3)) + "\n")
+    config = load_config(TrainConfig, None, [
+        f"model.path={tiny_model_dir}", "model.device=cpu", f"run.output_dir={tmp_path}", "run.name=sft",
+        "run.tensorboard=false", "sft.batch_size=4", "sft.micro_batch_size=2", "agent.max_context_window=2",
+        "algorithm.sample_mode=turn"])
+    checked = []
+
+    def too_large(config, path, longest, samples, device):
+        checked.append((path, longest, samples, device.type))
+        raise ConfigError("SFT needs about ...")
+
+    monkeypatch.setattr(sft, "check_sft_memory", too_large)
+    monkeypatch.setattr(sft, "load_model", lambda *args, **kwargs: pytest.fail("the model loaded before the check"))
+    with pytest.raises(ConfigError, match="SFT needs about"):
+        sft_only(config, data=str(data))
+    samples = [s for _ in range(3) for s in conversation_samples(CHAT, tiny_tokenizer, window=2)]
+    assert checked == [(str(tiny_model_dir), max(len(s.input_ids) for s in samples), len(samples), "cpu")]
 
 
 # --------------------------------------------------------------------------- chats with images

@@ -592,6 +592,34 @@ def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny
     assert [r["step"] for r in records(run) if "rollout/success" in r] == [1, 2, 3]
 
 
+def test_an_rl_step_out_of_gpu_memory_stops_the_run_with_what_to_set_and_where_to_resume(tiny_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """Nothing is saved after it (the update may have stopped halfway); the message names the last checkpoint."""
+    extra = ["algorithm.advantage=grpo", "run.steps=3", "run.save_every=1", "algorithm.micro_batch_tokens=512",
+             "run.gpu_share=0.5"]
+    step = Trainer.step
+
+    def out_of_memory_at_the_second_step(self, index):
+        if index == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore of torch's advice")
+        return step(self, index)
+
+    monkeypatch.setattr(Trainer, "step", out_of_memory_at_the_second_step)
+    with pytest.raises(ConfigError) as error:
+        train(config(tiny_model_dir, tmp_path, *extra))
+    run = tmp_path / "run"
+    assert str(error.value) == (
+        "RL step 2 ran out of GPU memory: set algorithm.micro_batch_tokens=256; or model.gradient_checkpointing=true; "
+        "or model.engine.free_during_update=true; or a run.gpu_share above 0.5; then continue from step_000001 with "
+        f"`turnrl train resume={run}` and the change. `turnrl memory` estimates each GPU's peak by part. "
+        "torch: CUDA out of memory. Tried to allocate 2.00 GiB.")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000001"]
+    assert [r["step"] for r in records(run) if "rollout/success" in r] == [1]
+    monkeypatch.setattr(Trainer, "step", lambda self, index: (_ for _ in ()).throw(torch.OutOfMemoryError("")))
+    with pytest.raises(ConfigError, match="no checkpoint was saved before it .* torch: OutOfMemoryError$"):
+        train(config(tiny_model_dir, tmp_path, *extra, "run.name=second"))
+
+
 def test_ctrl_c_saves_the_checkpoint_after_the_reader_of_the_output_is_gone(tiny_model_dir, tmp_path):
     """``turnrl train ... | tee log``, then Ctrl-C, which ends ``tee`` too: the run still stops with its checkpoint,
     and what it says after that goes to stderr."""

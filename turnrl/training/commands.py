@@ -38,12 +38,12 @@ from turnrl.rollout.ray_workers import RolloutWorkerError
 from turnrl.rollout.trajectory import write_trajectories
 from turnrl.training import ranks
 from turnrl.training.asynchronous import AsyncTrainer
-from turnrl.training.checkpoint import checkpoint_step
+from turnrl.training.checkpoint import checkpoint_step, latest_checkpoint
 from turnrl.training.collapse import EarlyStops, logged_steps
 from turnrl.training.config import TrainConfig
 from turnrl.training.distributed import FSDPTrainer
 from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.memory import GIB, cap_gpu_memory, check_memory
+from turnrl.training.memory import GIB, cap_gpu_memory, check_memory, rl_out_of_memory
 from turnrl.training.memory_trace import recorded
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import resumed_checkpoint, run_directory, start_run
@@ -237,6 +237,8 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 if step == 1:
                     raise
                 return _stop(trainer, logger, step - 1, error=True)  # saves the last finished step
+            except torch.OutOfMemoryError as error:
+                raise rl_out_of_memory(error, config, step, latest_checkpoint(trainer.run_dir)) from error
             metrics = output.metrics
             last = step == config.run.steps
             validation = trainer.validate() if validate_now(step) and not last else None

@@ -22,6 +22,9 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
                       weight that autocast makes for a forward pass and autograd keeps for its backward
                       (under FSDP the layers are gathered in bf16 and freed after their forward instead)
 
+The SFT stage, which runs in one process, is checked on its own once its samples' lengths are known
+(:func:`check_sft_memory`): the model's training states, one micro-batch and the weight casts.
+
 With ``model.engine.free_during_update`` the rollout weights and the key/value cache are freed before the scores
 and the update, so they are never held with the gathered layers, the activations and the gradients (a quarter
 of the trained parameters' states, freed after each optimizer step): the peak counts the larger of the two
@@ -38,7 +41,7 @@ from __future__ import annotations
 import logging
 import math
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +51,7 @@ from turnrl.config import ConfigError
 from turnrl.engine.cache import KVCache, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.loading import VISION_TOWERS, load_model
-from turnrl.training.config import TrainConfig
+from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.head import DEFAULT_CHUNK
 
 logger = logging.getLogger(__name__)
@@ -402,6 +405,125 @@ def fit_report(config: TrainConfig, counts: ModelCounts, processes: int, device_
         waves = rollout_in_waves(config, counts, estimate, processes)
         return True, f"{gpus}: fits ({estimate.table()})" + (f"; but {waves}" if waves else "")
     return False, f"{gpus}: does not fit ({estimate.table()}); turn on {_turn_on(config, counts, estimate, processes)}"
+
+
+def sft_estimate(config: TrainConfig, counts: ModelCounts, tokens: int, device_bytes: float) -> MemoryEstimate:
+    """The SFT stage's peak on its GPU, for micro-batches of ``tokens`` (rows padded to the longest): the model's
+    float32 weights, gradients and AdamW moments (SFT trains the whole model but a frozen vision tower, LoRA
+    or not, in one process on one GPU), one micro-batch forward and backward (:func:`activation_bytes`, an
+    approximation), and without checkpointing in mixed precision autocast's bf16 copy of each weight."""
+    checkpointing = config.model.gradient_checkpointing
+    parts = {"model": _training_states(counts.trained, counts.total - counts.trained, 1, False),
+             "activations": activation_bytes(counts, tokens, checkpointing, config.model.compile)}
+    if not checkpointing and config.model.dtype != "float32":
+        parts["weight casts"] = 2.0 * counts.total
+    return MemoryEstimate(parts, device_bytes)
+
+
+def sft_fit_advice(config: TrainConfig, counts: ModelCounts, longest: int, device_bytes: float) -> list[str]:
+    """What makes SFT fit: the largest ``sft.micro_batch_size`` that does (the batch stays, as gradients
+    add up), gradient checkpointing (with the largest micro-batch that fits then); else an SFT model made
+    elsewhere, as SFT runs in one process."""
+    def largest_fitting(fitting: TrainConfig) -> int:
+        return max((size for size in range(1, config.sft.micro_batch_size)
+                    if sft_estimate(fitting, counts, size * longest, device_bytes).fits()), default=0)
+
+    advice = []
+    size = largest_fitting(config)
+    if size:
+        advice.append(f"sft.micro_batch_size={size} (sft.batch_size={config.sft.batch_size} stays: the "
+                      "micro-batches' gradients add up)")
+    if not config.model.gradient_checkpointing:
+        checkpointed = replace(config, model=replace(config.model, gradient_checkpointing=True))
+        if sft_estimate(checkpointed, counts, config.sft.micro_batch_size * longest, device_bytes).fits():
+            advice.append("model.gradient_checkpointing=true")
+        elif size := largest_fitting(checkpointed):
+            advice.append(f"model.gradient_checkpointing=true sft.micro_batch_size={size}")
+    if not advice:
+        advice.append("a GPU with more memory (SFT trains the whole model in one process); or start RL from "
+                      "an SFT model made elsewhere: sft.enabled=false model.path=DIR")
+    return advice
+
+
+def check_sft_memory(config: TrainConfig, model_path: Path | str, longest: int, samples: int,
+                     device: torch.device) -> MemoryEstimate | None:
+    """Estimate the SFT stage's peak (:func:`sft_estimate`) for its data, ``samples`` samples of which the longest
+    has ``longest`` tokens, and stop it before the model loads when it cannot fit ``run.gpu_share`` of the GPU.
+    The activations are approximate, so a run the estimate lets through can still run out of memory; that
+    error then says what to change (:func:`~turnrl.training.sft.sft_train`).
+
+    Returns:
+        The estimate on a GPU; None on a CPU, with ``run.check_memory=false`` or for a model that cannot be
+        counted from its config.
+
+    Raises:
+        ConfigError: the estimate exceeds the GPU's share: the parts and what makes it fit.
+    """
+    if device.type != "cuda" or not config.run.check_memory:
+        return None
+    try:
+        counts = count_model(model_path, train_vision=config.model.train_vision)
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        logger.warning("no SFT memory estimate for %s (%s); SFT starts without one", model_path, error)
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    share = config.run.gpu_share
+    micro = min(config.sft.micro_batch_size, samples)
+    estimate = sft_estimate(config, counts, micro * longest, share * total)
+    if estimate.fits():
+        return estimate
+    shared = f" (with run.gpu_share={share:g} of a {total / GIB:.1f} GiB GPU: or a larger share)" if share < 1 else ""
+    raise ConfigError(f"SFT needs about {estimate.table()} for micro-batches of {micro} samples of up to {longest} "
+                      f"tokens: set {'; or '.join(sft_fit_advice(config, counts, longest, share * total))}{shared}; "
+                      "or set run.check_memory=false to try anyway")
+
+
+def torch_said(error: torch.OutOfMemoryError) -> str:
+    """The first line of torch's out-of-memory message: what it tried to allocate (the rest is its advice)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def sft_out_of_memory(error: torch.OutOfMemoryError, config: SFTConfig,
+                      micro_batch: tuple[int, int] | None) -> ConfigError:
+    """An SFT step that ran out of GPU memory, as an error that says what to change: half the micro-batch (the
+    batch stays, its micro-batches' gradients add up), gradient checkpointing, more of the card; and torch's
+    first line. ``micro_batch``: the (rows, tokens a row) of the micro-batch that failed; None for the
+    optimizer's step."""
+    where = (f"a micro-batch of {micro_batch[0]} samples of {micro_batch[1]} tokens (padded to the longest)"
+             if micro_batch is not None else "the optimizer's step (AdamW's moments)")
+    options = [f"sft.micro_batch_size={config.micro_batch_size // 2} (sft.batch_size={config.batch_size} stays: "
+               "the micro-batches' gradients add up)"] if config.micro_batch_size > 1 else []
+    options += ["model.gradient_checkpointing=true (if off)", "a larger run.gpu_share if the run shares the card"]
+    return ConfigError(f"SFT ran out of GPU memory in {where}: set {'; or '.join(options)}. "
+                       f"torch: {torch_said(error)}")
+
+
+def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: int,
+                     checkpoint: Path | None) -> ConfigError:
+    """An RL step that ran out of GPU memory, as the run's error: what to change, largest saving first as far
+    as the config says (smaller micro-batches, checkpointing, the rollout freed during the update, more of the
+    card), and the checkpoint to resume from with the change. Nothing is saved: the step's update may have
+    stopped halfway."""
+    algorithm, engine = config.algorithm, config.model.engine
+    options = []
+    if algorithm.micro_batch_tokens > 0:
+        options.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens // 2}")
+    elif algorithm.micro_batch_size > 1:
+        options.append(f"algorithm.micro_batch_size={algorithm.micro_batch_size // 2}")
+    if not config.model.gradient_checkpointing:
+        options.append("model.gradient_checkpointing=true")
+    if config.model.backend != "hf" and not engine.free_during_update:
+        options.append("model.engine.free_during_update=true")
+    if engine.kv_cache_gb > 0:
+        options.append(f"model.engine.kv_cache_gb={engine.kv_cache_gb / 2:g}")
+    if config.run.gpu_share < 1:
+        options.append(f"a run.gpu_share above {config.run.gpu_share:g}")
+    then = (f"; then continue from {checkpoint.name} with `turnrl train resume={checkpoint.parent.parent}` and the "
+            "change" if checkpoint is not None else "; no checkpoint was saved before it (run.save_every=N saves one "
+            "every N steps)")
+    return ConfigError(f"RL step {step} ran out of GPU memory: set {'; or '.join(options) or 'a GPU with more memory'}"
+                       f"{then}. `turnrl memory` estimates each GPU's peak by part. torch: {torch_said(error)}")
 
 
 def cap_gpu_memory(share: float, device: torch.device) -> None:

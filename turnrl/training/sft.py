@@ -50,6 +50,7 @@ from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.forward import token_logprobs
 from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
+from turnrl.training.memory import check_sft_memory, sft_out_of_memory
 from turnrl.training.precision import autocast, skip_cudnn_attention
 
 console = RunConsole()
@@ -381,13 +382,20 @@ def sft_train(
                     else:
                         batch = collate([with_pixels(samples[i], pictures[i], encoder) for i in micro_ids], pad_id)
                     batch = batch.to(device)
-                    logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask,
-                                                 model_inputs=batch.model_inputs)
-                    loss = -(logprobs * batch.loss_mask).sum() / max(n_tokens, 1)
-                    loss.backward()
+                    try:
+                        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask,
+                                                     model_inputs=batch.model_inputs)
+                        loss = -(logprobs * batch.loss_mask).sum() / max(n_tokens, 1)
+                        loss.backward()
+                    except torch.OutOfMemoryError as error:
+                        rows, length = batch.input_ids.shape
+                        raise sft_out_of_memory(error, config, (rows, length)) from error
                     batch_loss += loss.detach().float()
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
+                try:
+                    optimizer.step()  # its first step makes AdamW's moments
+                except torch.OutOfMemoryError as error:
+                    raise sft_out_of_memory(error, config, None) from error
                 scheduler.step()
                 epoch_loss += batch_loss * n_tokens
                 epoch_tokens += n_tokens
@@ -423,14 +431,6 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     path = base_model_path(config.model)
     tokenizer = load_tokenizer(path)
     processor = load_processor(path, config.model.min_pixels, config.model.max_pixels)
-    model = load_model(path, device=device, attention=implementation(config.model.attention))
-    install_scoring_head(model, len(tokenizer))
-    if not config.model.train_vision:
-        freeze_vision_tower(model)
-    if config.model.gradient_checkpointing:
-        enable_checkpointing(model)
-    if config.model.compile:
-        compile_layer_parts(model)
     fmt = get_format(config.agent.format, action_separator=config.agent.action_separator,
                      max_actions_per_turn=config.agent.max_actions_per_turn)
     out = run_dir / "sft"
@@ -460,6 +460,20 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     targets = sum(sum(s.loss_mask) for s in samples)
     console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({targets} target tokens; tokenized in "
                   f"{time.time() - tokenizing:.0f} s)")
+    # Checked once the samples' lengths are known and before the model is on the GPU: a micro-batch too large
+    # for the card is said in seconds, with the micro-batch that fits, not as an out-of-memory traceback.
+    longest = max((len(s.input_ids) for s in samples), default=0)
+    memory = check_sft_memory(config, path, longest, len(samples), device) if samples else None
+    if memory is not None:
+        console.print(f"SFT memory, estimated: {memory.table()}")
+    model = load_model(path, device=device, attention=implementation(config.model.attention))
+    install_scoring_head(model, len(tokenizer))
+    if not config.model.train_vision:
+        freeze_vision_tower(model)
+    if config.model.gradient_checkpointing:
+        enable_checkpointing(model)
+    if config.model.compile:
+        compile_layer_parts(model)
     logger = MetricsLogger(out, tensorboard=config.run.tensorboard)
     with autocast(device, dtype):
         metrics = sft_train(model, tokenizer.pad_token_id, samples, config.sft, seed=config.seeds.seed, log=logger.log,
