@@ -12,6 +12,10 @@ RL, and the match of observations and predictions at the first and last steps,
 mean and spread over seeds; ``--out``/curves.json holds every step's values.
 ``--curves PATH`` also draws both rows' runs (training and validation success,
 observation and prediction match; ``benchmarks/learning_curves.py``) into PATH.
+With both rows, ``--out``/paired.md holds their step-by-step differences seed
+by seed (``learning_curves.py --paired``): seed S of both rows samples alike
+and plays the same levels, so a pair's difference is free of the levels'
+difficulty; ``--paired-from`` is the step from which the rows are compared.
 
     python benchmarks/state_rewards.py --seeds 0 1 2                       # text FrozenLake, built-in model
     python benchmarks/state_rewards.py --config configs/vagen_full_sokoban.yaml --seeds 0 1 2 --parallel 6
@@ -34,7 +38,7 @@ from benchmarks.estimators import (  # noqa: E402
     spread_over_cards,
     train_from,
 )
-from benchmarks.learning_curves import draw, read_rows  # noqa: E402
+from benchmarks.learning_curves import draw, paired_table, read_rows  # noqa: E402
 from turnrl.viz.plots import STATE_REWARD_METRICS, series  # noqa: E402
 from turnrl.viz.records import read_metrics  # noqa: E402
 
@@ -84,6 +88,14 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paired(out: Path, seeds: list[int], split: int) -> str:
+    """VAGEN-Full minus VAGEN-Base, seed by seed, on the state-reward metrics (see ``learning_curves.py --paired``):
+    the runs under ``out`` as :func:`run_name` names them."""
+    rows = {row: [out / run_name(row, seed) for seed in seeds] for row in ROWS}
+    first, second = rows.items()
+    return paired_table(first, second, read_rows(rows), STATE_REWARD_METRICS, split)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/vagen_full_frozenlake.yaml")
@@ -96,6 +108,8 @@ def main() -> None:
                         help="GPU numbers to deal the runs to (--parallel spread evenly; the SFT start on the first)")
     parser.add_argument("--out", default="runs/state_rewards")
     parser.add_argument("--curves", type=Path, help="also draw the rows' runs with the state-reward metrics here")
+    parser.add_argument("--paired-from", type=int, default=4,
+                        help="the step from which the paired table compares the rows (default 4)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe, for every run")
     args = parser.parse_args()
     out = Path(args.out)
@@ -112,6 +126,10 @@ def main() -> None:
     print(text)
     (out / "table.md").write_text(text + "\n")
     (out / "curves.json").write_text(json.dumps(results, indent=1))
+    if set(args.rows) == set(ROWS):
+        text = paired(out, args.seeds, args.paired_from)
+        print(text)
+        (out / "paired.md").write_text(text + "\n")
     if args.curves:
         runs = {row: [out / run_name(row, seed) for seed in args.seeds] for row in args.rows}
         draw(args.curves, read_rows(runs), STATE_REWARD_METRICS, "State rewards at equal budget")

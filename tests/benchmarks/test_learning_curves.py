@@ -198,3 +198,20 @@ def test_the_script_pairs_two_rows_and_refuses_other_counts(runs, monkeypatch, c
             main()
     err = capsys.readouterr().err
     assert "compares two rows; 1 were given" in err and "as many runs in GRPO (3) as in PPO (1)" in err
+
+
+def test_the_state_rewards_script_pairs_its_rows_seed_by_seed(tmp_path):
+    from benchmarks.state_rewards import paired, run_name
+
+    for row, offset in (("VAGEN-Full", 0.1), ("VAGEN-Base", 0.0)):
+        for seed in (0, 1):
+            folder = tmp_path / run_name(row, seed)
+            folder.mkdir()
+            lines = [{"step": s, "rewards/grounding/match_mean": 0.4 + (offset if s >= 3 else 0.0) + seed / 10}
+                     for s in range(1, 6)]
+            (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text = paired(tmp_path, [0, 1], split=3).splitlines()
+    assert text[0] == "| VAGEN-Full minus VAGEN-Base | Observation match |"
+    assert text[2:] == ["| vagen_full_seed0 - vagen_base_seed0 | +0.000 -> +0.100 (3/3) |",
+                        "| vagen_full_seed1 - vagen_base_seed1 | +0.000 -> +0.100 (3/3) |",
+                        "| mean of 2 pairs | +0.000 -> +0.100 (2/2 pairs ahead) |"]
