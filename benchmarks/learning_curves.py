@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -219,15 +220,33 @@ def paired_difference(first: list[dict[str, float]], second: list[dict[str, floa
                             sum(difference > 0 for difference in after))
 
 
+def seed_of(run: Path) -> int | None:
+    """The seed a run folder's name ends in (``vagen_full_seed2``: 2), or None."""
+    found = re.search(r"seed(\d+)$", run.name)
+    return int(found.group(1)) if found else None
+
+
+def unpaired(first: list[Path], second: list[Path]) -> str | None:
+    """Why two rows' runs do not pair in the order given, or None: the counts differ, or two folders paired
+    end in different seeds (``..._seed2`` against ``..._seed3``)."""
+    if len(first) != len(second):
+        return f"as many runs in each row, seed by seed in the same order ({len(first)} against {len(second)})"
+    for a, b in zip(first, second):
+        seed_a, seed_b = seed_of(a), seed_of(b)
+        if seed_a is not None and seed_b is not None and seed_a != seed_b:
+            return f"pairs of one seed: {a.name} is paired with {b.name}; give both rows the same seeds"
+    return None
+
+
 def paired_table(first: tuple[str, list[Path]], second: tuple[str, list[Path]],
                  records: dict[str, list[list[dict[str, float]]]], metrics: Sequence[Metric], split: int) -> str:
     """A markdown table of :func:`paired_difference`: a line per pair of runs (in the order given), a column per
     metric both rows have: ``before -> after (ahead/steps)``, differences in the metric's units; and the mean over
     the pairs, with how many pairs moved the first row ahead."""
     (first_label, first_runs), (second_label, second_runs) = first, second
-    if len(first_runs) != len(second_runs):
-        raise ValueError(f"--paired needs as many runs in {first_label} ({len(first_runs)}) as in {second_label} "
-                         f"({len(second_runs)}), seed by seed in the same order")
+    problem = unpaired(first_runs, second_runs)
+    if problem is not None:
+        raise ValueError(f"--paired needs {problem} ({first_label}, {second_label})")
     pairs = list(zip(records[first_label], records[second_label]))
     shown = [metric for metric in metrics
              if any(series(a, metric.name)[0] and series(b, metric.name)[0] for a, b in pairs)]
@@ -269,6 +288,8 @@ def main() -> None:
         parser.error("nothing to do: pass --out PATH.png, --table, --gains, --paired FROM_STEP or several")
     if args.paired is not None and len(args.rows) != 2:
         parser.error(f"--paired compares two rows; {len(args.rows)} were given")
+    if args.paired is not None and (problem := unpaired(args.rows[0][1], args.rows[1][1])) is not None:
+        parser.error(f"--paired needs {problem}")
     rows = dict(args.rows)
     if len(rows) < len(args.rows):
         parser.error("a row label is given twice: give each row once, with all its runs")
@@ -285,10 +306,7 @@ def main() -> None:
     if args.paired is not None:
         print(f"\n**{args.rows[0][0]} minus {args.rows[1][0]}, pair by pair** (the mean difference over the "
               f"steps before {args.paired} -> from {args.paired} on, and at how many of those the first is ahead)\n")
-        try:
-            print(paired_table(args.rows[0], args.rows[1], records, metrics, args.paired))
-        except ValueError as error:
-            parser.error(str(error))
+        print(paired_table(args.rows[0], args.rows[1], records, metrics, args.paired))
     if args.out is not None and draw(args.out, records, metrics, args.title, args.reference) is None:
         sys.exit(1)
 

@@ -17,7 +17,9 @@ from benchmarks.learning_curves import (
     paired_table,
     reference_argument,
     row_argument,
+    seed_of,
     table,
+    unpaired,
 )
 from turnrl.viz.plots import COLLAPSE_METRICS, Metric
 
@@ -181,8 +183,13 @@ def test_the_paired_table_has_a_line_per_pair_and_the_pairs_mean(tmp_path):
         "| full_seed1 - base_seed1 | +0.000 -> -0.100 (0/2) |",
         "| mean of 2 pairs | +0.000 -> +0.050 (1/2 pairs ahead) |",
     ]
-    with pytest.raises(ValueError, match="as many runs in Full"):
+    with pytest.raises(ValueError, match=r"as many runs in each row, .* \(2 against 1\) \(Full, Base\)"):
         paired_table(first, ("Base", second[1][:1]), {**records, "Base": records["Base"][:1]}, metrics, split=2)
+    crossed = ("Base", [tmp_path / "base_seed0", tmp_path / "base_seed2"])
+    with pytest.raises(ValueError, match="full_seed1 is paired with base_seed2"):
+        paired_table(first, crossed, records, metrics, split=2)
+    assert unpaired([tmp_path / "a_seed3", tmp_path / "mine"], [tmp_path / "b_seed3", tmp_path / "b_seed1"]) is None
+    assert seed_of(tmp_path / "vagen_full_seed12") == 12 and seed_of(tmp_path / "seed1_run") is None
 
 
 def test_the_script_pairs_two_rows_and_refuses_other_counts(runs, monkeypatch, capsys):
@@ -197,7 +204,7 @@ def test_the_script_pairs_two_rows_and_refuses_other_counts(runs, monkeypatch, c
         with pytest.raises(SystemExit):
             main()
     err = capsys.readouterr().err
-    assert "compares two rows; 1 were given" in err and "as many runs in GRPO (3) as in PPO (1)" in err
+    assert "compares two rows; 1 were given" in err and "seed by seed in the same order (3 against 1)" in err
 
 
 def test_the_state_rewards_script_pairs_its_rows_seed_by_seed(tmp_path):

@@ -16,9 +16,10 @@ from turnrl.engine.cache import PAGE_TOKENS, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.tiny import build_tokenizer, count_parameters, preset_config
 from turnrl.models.vlm import count_vlm_parameters, vlm_config
-from turnrl.training.config import TrainConfig
+from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.memory import (
     GIB,
+    SFT_ELSEWHERE,
     activation_bytes,
     cap_gpu_memory,
     check_memory,
@@ -29,10 +30,13 @@ from turnrl.training.memory import (
     fit_report,
     full_length_sequences,
     require_fit,
+    rl_out_of_memory,
     rollout_in_waves,
     rows_shorter_than_episodes,
     sft_estimate,
     sft_fit_advice,
+    sft_out_of_memory,
+    torch_said,
 )
 
 H100 = 79.1 * GIB
@@ -313,8 +317,6 @@ def test_sft_holds_the_whole_model_s_states_one_micro_batch_and_the_weight_casts
         "activations": activation_bytes(counts, 32 * 300, False),
         "weight casts": 2 * counts.total,
     }
-    lora = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", ["lora.enabled=true"])
-    assert sft_estimate(lora, counts, 9600, H200).parts == estimate.parts  # SFT trains the whole model
     checkpointed = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml",
                                ["model.gradient_checkpointing=true"])
     assert set(sft_estimate(checkpointed, counts, 9600, H200).parts) == {"model", "activations"}
@@ -339,8 +341,14 @@ def test_sft_that_cannot_fit_its_share_is_told_the_micro_batch_that_does(tmp_pat
     assert "micro-batches of 32 samples of up to 600 tokens" in message
     assert f"sft.micro_batch_size={fitting} (sft.batch_size=32 stays" in message
     assert "model.gradient_checkpointing=true" in message and "run.gpu_share=0.16 of a 139.8 GiB GPU" in message
-    # Fewer samples than a micro-batch: the micro-batch is the samples.
+    # Fewer samples than a micro-batch: the micro-batch is the samples, and the advice stays below them.
     assert check_sft_memory(shared, path, 600, fitting, torch.device("cuda")).fits()
+    with pytest.raises(ConfigError, match=f"micro-batches of {fitting + 1} samples .* sft.micro_batch_size={fitting} "):
+        check_sft_memory(shared, path, 600, fitting + 1, torch.device("cuda"))
+    # SFT trains the whole model, LoRA or not: it is counted without adapters.
+    lora = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", [*overrides, "lora.enabled=true"])
+    assert check_sft_memory(lora, path, 600, 10_000, torch.device("cuda")).parts["model"] == \
+        16 * counts.trained + 4 * (counts.total - counts.trained)
     shared.run.check_memory = False
     assert check_sft_memory(shared, path, 600, 10_000, torch.device("cuda")) is None
     assert check_sft_memory(whole, path, 600, 10_000, torch.device("cpu")) is None
@@ -366,5 +374,49 @@ def test_sft_that_fits_only_with_checkpointing_and_a_smaller_micro_batch_is_told
     # Room for the states and 4 checkpointed rows of 2,000 tokens, not for one row without checkpointing.
     budget = states + sft_estimate(checkpointed, counts, 4 * 2000, H200).parts["activations"] + GIB / 100
     assert not sft_estimate(config, counts, 2000, budget).fits()
-    assert sft_fit_advice(config, counts, 2000, budget) == ["model.gradient_checkpointing=true sft.micro_batch_size=4"]
-    assert sft_fit_advice(config, counts, 2000, states / 2)[0].startswith("a GPU with more memory")
+    assert sft_fit_advice(config, counts, 32, 2000, budget) == [
+        "set model.gradient_checkpointing=true sft.micro_batch_size=4"]
+    assert sft_fit_advice(config, counts, 4, 2000, budget) == ["set model.gradient_checkpointing=true"]
+    assert sft_fit_advice(config, counts, 32, 2000, states / 2) == [SFT_ELSEWHERE]
+
+
+REAL_OOM = ("CUDA out of memory. Tried to allocate 102.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+            "116.74 GiB is free. 22.37 GiB allowed; Of the allocated memory 22.26 GiB is allocated by PyTorch, and "
+            "58.40 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
+            "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation")
+
+
+def test_torch_s_message_is_kept_without_its_general_advice():
+    said = torch_said(torch.OutOfMemoryError(REAL_OOM))
+    assert said.startswith("CUDA out of memory. Tried to allocate 102.00 MiB.") and said.endswith("but unallocated.")
+    assert torch_said(torch.OutOfMemoryError("")) == "OutOfMemoryError"
+
+
+def test_sft_out_of_memory_halves_the_rows_that_failed_not_the_setting():
+    config = SFTConfig(batch_size=64, micro_batch_size=64)
+    few = str(sft_out_of_memory(torch.OutOfMemoryError(REAL_OOM), config, (5, 300)))
+    assert few.startswith("SFT ran out of GPU memory in a micro-batch of 5 samples of 300 tokens (padded to the "
+                          "longest): set sft.micro_batch_size=2 (sft.batch_size=64 stays")
+    assert few.endswith("torch: " + torch_said(torch.OutOfMemoryError(REAL_OOM)))
+    one = str(sft_out_of_memory(torch.OutOfMemoryError(REAL_OOM), config, (1, 9000)))
+    assert "sft.micro_batch_size" not in one and ": set model.gradient_checkpointing=true (if off); or give" in one
+    optimizer = str(sft_out_of_memory(torch.OutOfMemoryError(REAL_OOM), config, None))
+    assert "micro_batch" not in optimizer and "checkpointing" not in optimizer and SFT_ELSEWHERE in optimizer
+
+
+def test_rl_out_of_memory_names_only_what_the_run_can_change():
+    def said(*overrides: str) -> str:
+        config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", list(overrides))
+        return str(rl_out_of_memory(torch.OutOfMemoryError(REAL_OOM), config, 7, None))
+
+    engine = said("algorithm.micro_batch_tokens=8192", "model.gradient_checkpointing=false")
+    assert engine.startswith("RL step 7 ran out of GPU memory: set algorithm.micro_batch_tokens=4096; or "
+                             "model.gradient_checkpointing=true; or model.engine.free_during_update=true; "
+                             "no checkpoint")
+    assert "run.overwrite=true" in engine and "gpu_share" not in engine and "kv_cache" not in engine
+    assert "free_during_update" not in said("model.backend=hf")
+    assert "free_during_update" not in said("distributed.async_rollout=true", "distributed.max_staleness=0")
+    assert said("run.gpu_share=0.25").count("run.gpu_share above 0.25") == 1
+    nothing = said("algorithm.micro_batch_tokens=0", "algorithm.micro_batch_size=1",
+                   "model.gradient_checkpointing=true", "model.engine.free_during_update=true")
+    assert nothing.startswith("RL step 7 ran out of GPU memory: use a GPU with more memory (see `turnrl memory`);")

@@ -78,3 +78,16 @@ def test_a_hub_id_that_cannot_be_fetched_stops_the_run_at_once(unreachable_hub, 
         train(config("Qwen/Qwen2.5-0.5B-Instruct", tmp_path / "runs"))
     assert "\n" not in str(info.value)
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_sft_stage_that_stopped_before_its_model_holds_no_run(tmp_path, tiny_model_dir):
+    """An SFT refused by its memory check or out of memory leaves ``sft/`` without a model: rerunning it with the
+    change it was told must not need ``run.overwrite``."""
+    (tmp_path / "run" / "sft").mkdir(parents=True)
+    (tmp_path / "run" / "sft" / "metrics.jsonl").write_text("")
+    for stage in ("train", "sft"):
+        preflight(config(tiny_model_dir, tmp_path, "sft.enabled=true"), stage=stage)
+    (tmp_path / "run" / "sft" / "model").mkdir()
+    for stage in ("train", "sft"):
+        with pytest.raises(ConfigError, match=r"already holds a run \(sft\)"):
+            preflight(config(tiny_model_dir, tmp_path, "sft.enabled=true"), stage=stage)

@@ -369,7 +369,8 @@ def test_sft_out_of_gpu_memory_says_what_to_change(tiny_model_dir, tiny_tokenize
 
     monkeypatch.undo()
     monkeypatch.setattr(torch.optim.AdamW, "step", out_of_memory)
-    with pytest.raises(ConfigError, match=r"in the optimizer's step \(AdamW's moments\): set sft.micro_batch_size=1"):
+    with pytest.raises(ConfigError, match=r"in the optimizer's step \(AdamW's moments\): give the run more of the "
+                                          r"card \(run.gpu_share\) if it shares one; or use a GPU with more memory"):
         sft_train(model, tiny_tokenizer.pad_token_id, samples, config)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("x")))

@@ -601,7 +601,8 @@ def test_an_rl_step_out_of_gpu_memory_stops_the_run_with_what_to_set_and_where_t
 
     def out_of_memory_at_the_second_step(self, index):
         if index == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore of torch's advice")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. If reserved but "
+                                         "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF")
         return step(self, index)
 
     monkeypatch.setattr(Trainer, "step", out_of_memory_at_the_second_step)
@@ -610,7 +611,7 @@ def test_an_rl_step_out_of_gpu_memory_stops_the_run_with_what_to_set_and_where_t
     run = tmp_path / "run"
     assert str(error.value) == (
         "RL step 2 ran out of GPU memory: set algorithm.micro_batch_tokens=256; or model.gradient_checkpointing=true; "
-        "or model.engine.free_during_update=true; or a run.gpu_share above 0.5; then continue from step_000001 with "
+        "or model.engine.free_during_update=true; or run.gpu_share above 0.5; then continue from step_000001 with "
         f"`turnrl train resume={run}` and the change. `turnrl memory` estimates each GPU's peak by part. "
         "torch: CUDA out of memory. Tried to allocate 2.00 GiB.")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000001"]

@@ -420,29 +420,32 @@ def sft_estimate(config: TrainConfig, counts: ModelCounts, tokens: int, device_b
     return MemoryEstimate(parts, device_bytes)
 
 
-def sft_fit_advice(config: TrainConfig, counts: ModelCounts, longest: int, device_bytes: float) -> list[str]:
-    """What makes SFT fit: the largest ``sft.micro_batch_size`` that does (the batch stays, as gradients
-    add up), gradient checkpointing (with the largest micro-batch that fits then); else an SFT model made
-    elsewhere, as SFT runs in one process."""
+SFT_ELSEWHERE = ("use a GPU with more memory (SFT trains the whole model in one process), or start RL from an SFT "
+                 "model made elsewhere: sft.enabled=false model.path=DIR")
+
+
+def sft_fit_advice(config: TrainConfig, counts: ModelCounts, rows: int, longest: int,
+                   device_bytes: float) -> list[str]:
+    """What makes SFT's micro-batches of ``rows`` samples of up to ``longest`` tokens fit: the largest
+    ``sft.micro_batch_size`` that does (the batch stays, as gradients add up), gradient checkpointing (with the
+    largest micro-batch that fits then); else a larger GPU or an SFT model made elsewhere, as SFT runs in one
+    process."""
     def largest_fitting(fitting: TrainConfig) -> int:
-        return max((size for size in range(1, config.sft.micro_batch_size)
+        return max((size for size in range(1, rows)
                     if sft_estimate(fitting, counts, size * longest, device_bytes).fits()), default=0)
 
     advice = []
     size = largest_fitting(config)
     if size:
-        advice.append(f"sft.micro_batch_size={size} (sft.batch_size={config.sft.batch_size} stays: the "
+        advice.append(f"set sft.micro_batch_size={size} (sft.batch_size={config.sft.batch_size} stays: the "
                       "micro-batches' gradients add up)")
     if not config.model.gradient_checkpointing:
         checkpointed = replace(config, model=replace(config.model, gradient_checkpointing=True))
-        if sft_estimate(checkpointed, counts, config.sft.micro_batch_size * longest, device_bytes).fits():
-            advice.append("model.gradient_checkpointing=true")
+        if sft_estimate(checkpointed, counts, rows * longest, device_bytes).fits():
+            advice.append("set model.gradient_checkpointing=true")
         elif size := largest_fitting(checkpointed):
-            advice.append(f"model.gradient_checkpointing=true sft.micro_batch_size={size}")
-    if not advice:
-        advice.append("a GPU with more memory (SFT trains the whole model in one process); or start RL from "
-                      "an SFT model made elsewhere: sft.enabled=false model.path=DIR")
-    return advice
+            advice.append(f"set model.gradient_checkpointing=true sft.micro_batch_size={size}")
+    return advice or [SFT_ELSEWHERE]
 
 
 def check_sft_memory(config: TrainConfig, model_path: Path | str, longest: int, samples: int,
@@ -468,44 +471,51 @@ def check_sft_memory(config: TrainConfig, model_path: Path | str, longest: int, 
         return None
     total = torch.cuda.get_device_properties(device).total_memory
     share = config.run.gpu_share
-    micro = min(config.sft.micro_batch_size, samples)
-    estimate = sft_estimate(config, counts, micro * longest, share * total)
+    rows = min(config.sft.micro_batch_size, samples)
+    estimate = sft_estimate(config, counts, rows * longest, share * total)
     if estimate.fits():
         return estimate
+    advice = sft_fit_advice(config, counts, rows, longest, share * total)
     shared = f" (with run.gpu_share={share:g} of a {total / GIB:.1f} GiB GPU: or a larger share)" if share < 1 else ""
-    raise ConfigError(f"SFT needs about {estimate.table()} for micro-batches of {micro} samples of up to {longest} "
-                      f"tokens: set {'; or '.join(sft_fit_advice(config, counts, longest, share * total))}{shared}; "
-                      "or set run.check_memory=false to try anyway")
+    raise ConfigError(f"SFT needs about {estimate.table()} for micro-batches of {rows} samples of up to {longest} "
+                      f"tokens: {'; or '.join(advice)}{shared}; or set run.check_memory=false to try anyway")
 
 
 def torch_said(error: torch.OutOfMemoryError) -> str:
-    """The first line of torch's out-of-memory message: what it tried to allocate (the rest is its advice)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    """torch's out-of-memory message without its general advice (``PYTORCH_CUDA_ALLOC_CONF``, the docs): what it
+    tried to allocate, what the GPU has free and what this process holds and may use."""
+    text = str(error).strip().split(" If reserved but unallocated")[0].strip()
+    return text or type(error).__name__
 
 
 def sft_out_of_memory(error: torch.OutOfMemoryError, config: SFTConfig,
                       micro_batch: tuple[int, int] | None) -> ConfigError:
-    """An SFT step that ran out of GPU memory, as an error that says what to change: half the micro-batch (the
-    batch stays, its micro-batches' gradients add up), gradient checkpointing, more of the card; and torch's
-    first line. ``micro_batch``: the (rows, tokens a row) of the micro-batch that failed; None for the
-    optimizer's step."""
-    where = (f"a micro-batch of {micro_batch[0]} samples of {micro_batch[1]} tokens (padded to the longest)"
-             if micro_batch is not None else "the optimizer's step (AdamW's moments)")
-    options = [f"sft.micro_batch_size={config.micro_batch_size // 2} (sft.batch_size={config.batch_size} stays: "
-               "the micro-batches' gradients add up)"] if config.micro_batch_size > 1 else []
-    options += ["model.gradient_checkpointing=true (if off)", "a larger run.gpu_share if the run shares the card"]
-    return ConfigError(f"SFT ran out of GPU memory in {where}: set {'; or '.join(options)}. "
-                       f"torch: {torch_said(error)}")
+    """An SFT step that ran out of GPU memory, as an error that says what to change, and torch's message.
+
+    Args:
+        micro_batch: the (rows, tokens a row) of the micro-batch that failed: half its rows, gradient
+            checkpointing or more of the card; None for the optimizer's step, whose AdamW moments (8 bytes a
+            trained parameter) no micro-batch changes: more of the card, or an SFT model made elsewhere.
+    """
+    share = "give the run more of the card (run.gpu_share) if it shares one"
+    if micro_batch is None:
+        where, options = "the optimizer's step (AdamW's moments)", [share, SFT_ELSEWHERE]
+    else:
+        rows, length = micro_batch
+        where = f"a micro-batch of {rows} samples of {length} tokens (padded to the longest)"
+        options = [f"set sft.micro_batch_size={rows // 2} (sft.batch_size={config.batch_size} stays: the "
+                   "micro-batches' gradients add up)"] if rows > 1 else []
+        options += ["set model.gradient_checkpointing=true (if off)", share]
+    return ConfigError(f"SFT ran out of GPU memory in {where}: {'; or '.join(options)}. torch: {torch_said(error)}")
 
 
 def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: int,
                      checkpoint: Path | None) -> ConfigError:
-    """An RL step that ran out of GPU memory, as the run's error: what to change, largest saving first as far
-    as the config says (smaller micro-batches, checkpointing, the rollout freed during the update, more of the
-    card), and the checkpoint to resume from with the change. Nothing is saved: the step's update may have
-    stopped halfway."""
-    algorithm, engine = config.algorithm, config.model.engine
+    """An RL step that ran out of GPU memory, as the run's error: what to change as far as the config has it
+    (smaller micro-batches, checkpointing, the rollout freed during the update, more of the card), the
+    checkpoint to continue from with the change, and torch's message. Nothing is saved: the step's update may
+    have stopped halfway."""
+    algorithm = config.algorithm
     options = []
     if algorithm.micro_batch_tokens > 0:
         options.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens // 2}")
@@ -513,17 +523,17 @@ def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: i
         options.append(f"algorithm.micro_batch_size={algorithm.micro_batch_size // 2}")
     if not config.model.gradient_checkpointing:
         options.append("model.gradient_checkpointing=true")
-    if config.model.backend != "hf" and not engine.free_during_update:
+    engine_rollout = config.model.backend != "hf" and not config.distributed.async_rollout
+    if engine_rollout and not config.model.engine.free_during_update:
         options.append("model.engine.free_during_update=true")
-    if engine.kv_cache_gb > 0:
-        options.append(f"model.engine.kv_cache_gb={engine.kv_cache_gb / 2:g}")
     if config.run.gpu_share < 1:
-        options.append(f"a run.gpu_share above {config.run.gpu_share:g}")
+        options.append(f"run.gpu_share above {config.run.gpu_share:g}")
+    change = f"set {'; or '.join(options)}" if options else "use a GPU with more memory (see `turnrl memory`)"
     then = (f"; then continue from {checkpoint.name} with `turnrl train resume={checkpoint.parent.parent}` and the "
-            "change" if checkpoint is not None else "; no checkpoint was saved before it (run.save_every=N saves one "
-            "every N steps)")
-    return ConfigError(f"RL step {step} ran out of GPU memory: set {'; or '.join(options) or 'a GPU with more memory'}"
-                       f"{then}. `turnrl memory` estimates each GPU's peak by part. torch: {torch_said(error)}")
+            "change" if checkpoint is not None else "; no checkpoint was saved before it (run.save_every=N saves "
+            "one every N steps): start again with run.overwrite=true and the change")
+    return ConfigError(f"RL step {step} ran out of GPU memory: {change}{then}. `turnrl memory` estimates each GPU's "
+                       f"peak by part. torch: {torch_said(error)}")
 
 
 def cap_gpu_memory(share: float, device: torch.device) -> None:

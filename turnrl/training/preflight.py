@@ -66,7 +66,7 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
         _say_model(config, source)
         return
     taken = [name for name in (RL_OUTPUTS if stage == "train" else ()) if (run_dir / name).exists()]
-    if sft_runs and (run_dir / "sft").exists():
+    if sft_runs and (run_dir / "sft" / "model").exists():  # an SFT stage that stopped before its model ran no run
         taken.append("sft")
     if taken:
         resume = f"continue it with `turnrl train resume={run_dir}`, " if stage == "train" else ""

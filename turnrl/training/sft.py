@@ -381,8 +381,8 @@ def sft_train(
                         batch = collate([samples[i] for i in micro_ids], pad_id)
                     else:
                         batch = collate([with_pixels(samples[i], pictures[i], encoder) for i in micro_ids], pad_id)
-                    batch = batch.to(device)
                     try:
+                        batch = batch.to(device)
                         logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask,
                                                      model_inputs=batch.model_inputs)
                         loss = -(logprobs * batch.loss_mask).sum() / max(n_tokens, 1)
@@ -391,8 +391,8 @@ def sft_train(
                         rows, length = batch.input_ids.shape
                         raise sft_out_of_memory(error, config, (rows, length)) from error
                     batch_loss += loss.detach().float()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
                 try:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
                     optimizer.step()  # its first step makes AdamW's moments
                 except torch.OutOfMemoryError as error:
                     raise sft_out_of_memory(error, config, None) from error
@@ -434,6 +434,7 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     fmt = get_format(config.agent.format, action_separator=config.agent.action_separator,
                      max_actions_per_turn=config.agent.max_actions_per_turn)
     out = run_dir / "sft"
+    demos: list[Trajectory] = []
     if config.sft.data:
         chats = read_chat_jsonl(config.sft.data)
     else:
@@ -445,7 +446,6 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
                               "demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
         demos = expert_demos(make_env, fmt, config.agent, config.sft, config.env.id,
                              seed=config.seeds.seed)
-        write_trajectories(demos[:50], out, name="demos_sample.jsonl")
         chats = [trajectory_messages(t) for t in demos]
     window = config.agent.max_context_window
     encoder = ImageEncoder(processor) if processor is not None else None
@@ -466,6 +466,8 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     memory = check_sft_memory(config, path, longest, len(samples), device) if samples else None
     if memory is not None:
         console.print(f"SFT memory, estimated: {memory.table()}")
+    if demos:  # written once SFT will run: a run stopped by the check leaves no SFT folder behind
+        write_trajectories(demos[:50], out, name="demos_sample.jsonl")
     model = load_model(path, device=device, attention=implementation(config.model.attention))
     install_scoring_head(model, len(tokenizer))
     if not config.model.train_vision:
