@@ -249,6 +249,10 @@ class ModelConfig:
     ``eager`` (transformers' plain implementation; no packed rows)."""
     train_vision: bool = False
     """VLMs: train the vision encoder too (full weights or LoRA); by default it is frozen."""
+    encode_images_once: bool = True
+    """VLMs with a frozen vision encoder: encode each image of an RL step once and give its features to every
+    pass of the step (logprob check, reference, values, PPO epochs; see turnrl/training/image_features.py);
+    false encodes them again in every pass. A trained encoder always encodes in every pass."""
     min_pixels: Optional[int] = None
     """VLMs: the fewest pixels an image is resized to (Qwen-VL: multiples of 28 x 28); None keeps the model's."""
     max_pixels: Optional[int] = None

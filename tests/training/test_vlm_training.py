@@ -101,3 +101,19 @@ def test_the_critics_vision_tower_stays_frozen_after_resume(tiny_vlm_dir, tmp_pa
     critic = vision_weights(tmp_path / "run" / "checkpoints" / "step_000002" / "critic")
     base = {k.removeprefix("model."): v for k, v in vision_weights(Path(tiny_vlm_dir)).items()}
     assert critic and all(torch.equal(v, base[k]) for k, v in critic.items() if k in base)
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "turn"])
+def test_images_encoded_once_a_step_train_as_when_every_pass_encodes(tiny_vlm_dir, tmp_path, mode):
+    """A frozen tower's features made once a step (the images named by the rollout's digests, so an image
+    a later turn's prompt shows again is encoded once) give the update every pass's own encoding gives."""
+    options = (f"algorithm.sample_mode={mode}", "algorithm.advantage=gae", "algorithm.kl_coef=0.05")
+    _, once = run(tiny_vlm_dir, tmp_path / "once", *options)
+    _, every = run(tiny_vlm_dir, tmp_path / "every", *options, "model.encode_images_once=false")
+    for a, b in zip(once, every):
+        assert a["vision/images_encoded"] > 0 and a["vision/images_reused"] > 0
+        assert "vision/images_encoded" not in b
+        for key in ("actor/grad_norm", "critic/grad_norm", "losses/policy", "actor/kl_ref", "actor/logprob_mismatch"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    if mode == "turn":  # each turn's prompt shows the earlier turns' images again: encoded once
+        assert once[0]["vision/images_reused"] > once[0]["vision/images_encoded"]

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from turnrl.models.devices import to_device
-from turnrl.rollout.context import concat_model_inputs
+from turnrl.rollout.context import EpisodeTokens, TurnTokens, concat_model_inputs
 from turnrl.rollout.trajectory import Trajectory
+from turnrl.training.image_features import IMAGE_KEYS, ImageFeatures
 
 
 @dataclass
@@ -85,6 +86,9 @@ class Batch:
     turn_states: torch.Tensor | None = None
     """Shape (b, t), long: an id of the env state each turn started from (equal ids for equal states in
     the batch), -1 for unknown or padding turns; None when no sample knows its states."""
+    image_features: ImageFeatures | None = None
+    """A frozen vision tower's features of the batch's images, encoded once and shared by every pass over
+    the batch and its parts (see :mod:`~turnrl.training.image_features`); None encodes in every pass."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -102,7 +106,8 @@ class Batch:
         largest part of a visual batch: a forward pass moves its own micro-batch's, :func:`~turnrl.training.
         forward.states_before`)."""
         moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
-        return Batch(**moved, model_inputs=dict(self.model_inputs), model_input_rows=dict(self.model_input_rows))
+        return Batch(**moved, model_inputs=dict(self.model_inputs), model_input_rows=dict(self.model_input_rows),
+                     image_features=self.image_features)
 
     def select(self, index: torch.Tensor | list[int]) -> Batch:
         """The samples at ``index``, in that order, with their extra model inputs."""
@@ -123,7 +128,17 @@ class Batch:
             keep = [torch.arange(int(starts[i]), int(starts[i] + counts[i])) for i in index.tolist()]
             inputs[key] = value[to_device(torch.cat(keep), value.device)] if keep else value[:0]
             rows[key] = counts[index]
-        return Batch(**picked, model_inputs=inputs, model_input_rows=rows)
+        return Batch(**picked, model_inputs=inputs, model_input_rows=rows, image_features=self.image_features)
+
+    def with_image_features(self) -> Batch:
+        """This batch sharing one store of image features (a frozen tower's) among all its passes; its images
+        named by their place in the batch where the samples carry no :data:`IMAGE_KEYS`."""
+        inputs, rows = dict(self.model_inputs), dict(self.model_input_rows)
+        if IMAGE_KEYS not in inputs and "image_grid_thw" in inputs:
+            inputs[IMAGE_KEYS] = torch.arange(len(inputs["image_grid_thw"]))
+            rows[IMAGE_KEYS] = rows["image_grid_thw"]
+        tensors = {name: value for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
+        return Batch(**tensors, model_inputs=inputs, model_input_rows=rows, image_features=ImageFeatures())
 
 
 def trajectory_samples(trajectories: list[Trajectory], episode_ids: list[int]) -> list[Sample]:
@@ -146,10 +161,28 @@ def trajectory_samples(trajectories: list[Trajectory], episode_ids: list[int]) -
                 group=trajectory.group,
                 # The sample ends with the last response: an observation after it (the episode was cut
                 # there) and its images are not part of it.
-                model_inputs=concat_model_inputs([t for t in trajectory.tokens.turns if t.response_ids is not None]),
+                model_inputs=keyed_inputs([t for t in trajectory.tokens.turns if t.response_ids is not None]),
             )
         )
     return samples
+
+
+def keyed_inputs(turns: list[TurnTokens]) -> dict[str, torch.Tensor]:
+    """The turns' model inputs, with :data:`IMAGE_KEYS` (their images' digests) where every image has one."""
+    inputs = concat_model_inputs(turns)
+    if any(turn.image_token_counts for turn in turns) and all(
+            len(turn.image_digests) == len(turn.image_token_counts) for turn in turns):
+        inputs[IMAGE_KEYS] = torch.tensor([digest for turn in turns for digest in turn.image_digests])
+    return inputs
+
+
+def prompt_inputs(tokens: EpisodeTokens, turn: int, model_inputs: dict[str, torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+    """A turn sample's model inputs, with :data:`IMAGE_KEYS` (its prompt's images' digests) where all are known."""
+    digests = tokens.prompt_image_digests(turn)
+    if not digests:
+        return model_inputs
+    return {**model_inputs, IMAGE_KEYS: torch.tensor(digests)}
 
 
 def turn_samples(trajectories: list[Trajectory], episode_ids: list[int]) -> list[Sample]:
@@ -170,7 +203,7 @@ def turn_samples(trajectories: list[Trajectory], episode_ids: list[int]) -> list
                     episode=episode,
                     group=trajectory.group,
                     turn=sample.turn,
-                    model_inputs=sample.model_inputs,
+                    model_inputs=prompt_inputs(trajectory.tokens, sample.turn, sample.model_inputs),
                 )
             )
     return samples
@@ -206,6 +239,8 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
                 if key is not None:
                     turn_states[row, turn] = ids.setdefault(key, len(ids))
     keys = sorted({key for sample in samples for key in sample.model_inputs})
+    if IMAGE_KEYS in keys and any(IMAGE_KEYS not in sample.model_inputs for sample in samples):
+        keys.remove(IMAGE_KEYS)  # names, not inputs: where some images have none, the batch names them by place
     for key in keys:
         if any(key not in sample.model_inputs for sample in samples):
             raise ValueError(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from turnrl.models.loading import model_structure
 from turnrl.models.vision import position_inputs
 from turnrl.training.attention import BOUNDS, packed_forward, packs
 from turnrl.training.head import DEFAULT_CHUNK, ScoringHead, chosen_logprobs
+from turnrl.training.image_features import IMAGE_KEYS, ImageFeatures
 from turnrl.training.packing import pack
 
 
@@ -107,21 +109,40 @@ def states_before(
     cols: torch.Tensor,
     model_inputs: Mapping[str, torch.Tensor] | None = None,
     packed: bool = False,
+    image_features: ImageFeatures | None = None,
 ) -> torch.Tensor:
     """Shape (n, h): the hidden state before each token at ``(rows, cols)`` (every col at least 1).
 
     ``packed`` runs the rows end to end without their padding (:func:`~turnrl.training.packing.pack`); the
     states are the same up to rounding. ``model_inputs`` may be on the host (a batch keeps its pixel values
-    there): they are moved to the tokens' device for this pass only.
+    there): they are moved to the tokens' device for this pass only. ``image_features``: a frozen tower's
+    features of the step's images (:mod:`~turnrl.training.image_features`), used where the inputs name their
+    images (:data:`~turnrl.training.image_features.IMAGE_KEYS`); the pixels of stored images stay on the host.
     """
-    model_inputs = {key: value.to(input_ids.device) for key, value in (model_inputs or {}).items()}
-    if not packed:
-        hidden = last_hidden_states(body, input_ids, attention_mask, model_inputs)
-        return hidden[rows, cols - 1]
-    hidden = packed_hidden_states(body, input_ids, attention_mask, model_inputs)
+    inputs, serving = image_inputs(body, model_inputs, image_features)
+    inputs = {key: value.to(input_ids.device) for key, value in inputs.items()}
+    with serving:
+        if not packed:
+            hidden = last_hidden_states(body, input_ids, attention_mask, inputs)
+            return hidden[rows, cols - 1]
+        hidden = packed_hidden_states(body, input_ids, attention_mask, inputs)
     lengths = attention_mask.sum(1)
     starts = lengths.cumsum(0) - lengths  # where each row begins in the packed sequence
     return hidden[starts[rows] + cols - 1]
+
+
+def image_inputs(
+    body: nn.Module, model_inputs: Mapping[str, torch.Tensor] | None, image_features: ImageFeatures | None
+) -> tuple[dict[str, torch.Tensor], AbstractContextManager]:
+    """The inputs a pass gives ``body`` (never the image keys) and the context it runs in: the tower served
+    from ``image_features`` where the inputs name their images, else as it is."""
+    inputs = dict(model_inputs or {})
+    keys = inputs.pop(IMAGE_KEYS, None)
+    if image_features is None or keys is None or "pixel_values" not in inputs:
+        return inputs, nullcontext()
+    if image_features.holds(keys):  # the model still takes its image path; the served tower reads no pixel
+        inputs["pixel_values"] = inputs["pixel_values"][:0]
+    return inputs, image_features.serving(body, keys)
 
 
 def token_logprobs(
@@ -134,6 +155,7 @@ def token_logprobs(
     chunk_size: int = DEFAULT_CHUNK,
     model_inputs: Mapping[str, torch.Tensor] | None = None,
     packed: bool = False,
+    image_features: ImageFeatures | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities (and entropies) of the scored tokens under ``softmax(logits / temperature)``.
 
@@ -149,13 +171,14 @@ def token_logprobs(
         temperature: the sampling temperature (0 is treated as 1).
         model_inputs: extra inputs of the model (a VLM's pixel values and grid sizes), passed to its forward.
         packed: run the rows end to end without padding (right-padded rows).
+        image_features: the step's stored image features (a frozen tower), see :func:`states_before`.
 
     Returns:
         ``logprobs`` Shape (b, s) and ``entropy`` Shape (b, s) or None; zero where not scored.
     """
     body, head = body_and_head(model)
     rows, cols = scored_positions(score_mask)
-    states = states_before(body, input_ids, attention_mask, rows, cols, model_inputs, packed)
+    states = states_before(body, input_ids, attention_mask, rows, cols, model_inputs, packed, image_features)
     targets = input_ids[rows, cols]
     if isinstance(head, ScoringHead):  # through the module: FSDP gathers its weight and reduces its gradient
         scored, entropies = head(states, targets=targets, temperature=temperature, chunk=chunk_size)
@@ -223,15 +246,18 @@ class ValueModel(nn.Module):
         attention_mask: torch.Tensor,
         model_inputs: Mapping[str, torch.Tensor] | None = None,
         packed: bool = False,
+        image_features: ImageFeatures | None = None,
     ) -> torch.Tensor:
         """Shape (b, s): ``values[i] = V(input_ids[:i])`` on the real tokens; position 0 and padding are 0.
 
-        ``packed`` runs the rows end to end without padding (right-padded rows).
+        ``packed`` runs the rows end to end without padding (right-padded rows); ``image_features`` as
+        :func:`states_before`.
         """
         backbone: Any = self.backbone
         backbone = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone
         rows, cols = scored_positions(attention_mask)
-        states = states_before(backbone, input_ids, attention_mask, rows, cols, model_inputs, packed)
+        states = states_before(backbone, input_ids, attention_mask, rows, cols, model_inputs, packed,
+                               image_features)
         values = self.value_head(states.to(self.value_head.weight.dtype)).squeeze(-1).float()
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         return out.index_put((rows, cols), values)

@@ -91,7 +91,8 @@ def batched_logprobs(
     for rows in _padded_passes(parts, passes):
         part = batch.select(rows if rows is not None else [0])
         lp, _ = token_logprobs(model, part.input_ids, part.attention_mask, part.loss_mask, temperature,
-                               model_inputs=part.model_inputs, packed=batching.packed)
+                               model_inputs=part.model_inputs, packed=batching.packed,
+                               image_features=part.image_features)
         if rows is not None:
             out[to_device(rows, out.device), : lp.shape[1]] = lp
     return out
@@ -106,7 +107,8 @@ def batched_values(
     parts = batching.split(torch.arange(len(batch)), batch.attention_mask.sum(1).cpu())
     for rows in _padded_passes(parts, passes):
         part = batch.select(rows if rows is not None else [0])
-        values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=batching.packed)
+        values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=batching.packed,
+                        image_features=part.image_features)
         if rows is not None:
             out[to_device(rows, out.device)] = values * part.loss_mask
     return out
@@ -319,7 +321,7 @@ def _actor_backward(
     # Entropy is watched even without a bonus: its fall is the first sign of collapse.
     logprobs, entropy = token_logprobs(
         actor, part.input_ids, part.attention_mask, mask, temperature, with_entropy=True,
-        model_inputs=part.model_inputs, packed=packed,
+        model_inputs=part.model_inputs, packed=packed, image_features=part.image_features,
     )
     weights = inputs.sample_weights[index] if inputs.sample_weights is not None else None
     token_weights, cap = None, config.tis_cap
@@ -361,7 +363,8 @@ def _critic_backward(
     """One micro-batch's value loss and its backward; its metrics as 0-dim tensors, not read from the device."""
     assert inputs.old_values is not None
     index = to_device(rows, inputs.returns.device)
-    values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=packed)
+    values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=packed,
+                    image_features=part.image_features)
     loss, stats = value_loss(
         values, inputs.old_values[index], inputs.returns[index], part.loss_mask,
         clip=config.value_clip, aggregation=config.loss_aggregation,

@@ -639,6 +639,8 @@ class Trainer:
         generator = torch.Generator().manual_seed(step_seed(config.seeds.seed, step))
         # 3. samples -> padded batch
         batch = make_batch(rollout.trajectories, keep, algo.sample_mode, self.tokenizer.pad_token_id, self.device)
+        if config.model.encode_images_once and not config.model.train_vision and "pixel_values" in batch.model_inputs:
+            batch = batch.with_image_features()
         metrics["batch/samples"] = float(len(batch))
         metrics["batch/trained_tokens"] = float(batch.loss_mask.sum())
         lengths = batch.attention_mask.sum(1)
@@ -700,6 +702,9 @@ class Trainer:
         utilization = mfu(flops, update_s, self.peak_flops, ranks.world_size())
         if utilization is not None:
             metrics["throughput/update_mfu"] = utilization
+        if batch.image_features is not None:  # this process's: each encodes the images of its own rows
+            metrics["vision/images_encoded"] = float(batch.image_features.encoded)
+            metrics["vision/images_reused"] = float(batch.image_features.served)
         metrics["actor/lr"] = float(self.actor_scheduler.get_last_lr()[0])
         update_peak = phase_peak_gib(self.device)
         if update_peak is not None and scores_peak is not None:
