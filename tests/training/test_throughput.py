@@ -13,6 +13,7 @@ from turnrl.training.throughput import (
     peak_flops,
     training_flops,
     training_flops_per_token,
+    vision_training_flops,
 )
 
 
@@ -80,3 +81,37 @@ def test_a_training_pass_costs_its_tokens_and_their_attention():
     config = Qwen2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=3)
     lengths = torch.tensor([5, 9])
     assert training_flops(1000.0, config, lengths) == pytest.approx(1000.0 * 14 + 6 * 3 * 64 * (25 + 81))
+
+
+def test_a_trained_vision_towers_flops_match_a_count_of_its_forward():
+    """6 x the tower's parameters a patch (its mergers' a merged token) and its non-causal attention, against
+    torch's own count of one forward pass (x 3: the backward costs twice the forward), full-attention and
+    windowed blocks, two image sizes."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=256, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1],
+                           window_size=56),
+    )
+    tower = Qwen2_5_VLForConditionalGeneration(config).model.visual.float()
+    grids = torch.tensor([[1, 4, 4], [1, 8, 8]])  # 16 and 64 patches; windows of 4x4 patches
+    pixels = torch.randn(80, 3 * 2 * 14 * 14)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        tower(pixels, grid_thw=grids)
+    counted = vision_training_flops(tower, config.vision_config, grids)
+    # attention by hand (torch counts no CPU attention kernel): every pair of an image's patches in the full
+    # block, 16 a patch in the windowed one; the weights' FLOPs as torch counts them (it leaves out biases)
+    width = 64
+    pairs = (16**2 + 64**2) + (16 * 16 + 64 * 16)
+    assert set(counter.get_flop_counts()["Global"]) == {torch.ops.aten.convolution, torch.ops.aten.addmm}
+    assert counted == pytest.approx(3 * counter.get_total_flops() + 12 * width * pairs, rel=0.01)
+    parameters = sum(p.numel() for n, p in tower.named_parameters() if "merger" not in n)
+    merger = sum(p.numel() for n, p in tower.named_parameters() if "merger" in n)
+    assert counted == pytest.approx(6 * (parameters * 80 + merger * 20) + 12 * width * pairs)
+    tower.requires_grad_(False)  # a frozen base (LoRA on the tower): 4 x its parameters
+    frozen = vision_training_flops(tower, config.vision_config, grids)
+    assert frozen == pytest.approx(4 * (parameters * 80 + merger * 20) + 12 * width * pairs)

@@ -65,8 +65,11 @@ def test_grpo_with_lora_leaves_the_vision_tower_out_and_trains_it_when_asked(tin
     adapters = load_file(tmp_path / "frozen" / "run" / "checkpoints" / "step_000002" / "actor" /
                          "adapter_model.safetensors")
     assert adapters and not any("visual" in k for k in adapters)
-    run(tiny_vlm_dir, tmp_path / "trained", "algorithm.advantage=grpo", "lora.enabled=true", "lora.r=4", "lora.alpha=8",
-        "model.train_vision=true")
+    assert all(record["throughput/update_mfu_counts_vision"] == 0.0 for record in steps)
+    _, trained = run(tiny_vlm_dir, tmp_path / "trained", "algorithm.advantage=grpo", "lora.enabled=true", "lora.r=4",
+                     "lora.alpha=8", "model.train_vision=true")
+    assert all(record["throughput/update_mfu_counts_vision"] == 1.0 for record in trained)
+    assert not any("vision/images_encoded" in record for record in trained)  # a trained tower encodes each pass
     adapters = load_file(tmp_path / "trained" / "run" / "checkpoints" / "step_000002" / "actor" /
                          "adapter_model.safetensors")
     assert any("visual" in k for k in adapters)

@@ -3,11 +3,13 @@
 MFU counts the FLOPs the model's math needs, not what the implementation spends: a fully trained model costs
 6 x its parameters per token (2 forward, 4 backward), a frozen base under LoRA 4 x (no weight gradients; the
 adapters' own FLOPs are negligible), plus attention's scores and weighted sums over each sequence's causal
-triangle (:func:`attention_flops`). Recomputation for gradient checkpointing and padding are not counted, so an
-implementation that wastes work shows a lower MFU. PaLM's and torchtitan's figures count attention too, but over
-the whole (t, t) square (12 x layers x width x t a token): half of it is masked out in a causal model, so the
-figure here is the lower of the two for the same run. The denominator is the device's dense bf16 peak (detected
-for the GPUs below, or configured).
+triangle (:func:`attention_flops`). A VLM's vision tower counts only when it is trained
+(:func:`vision_training_flops`): a frozen tower's forward is work the step does, not training, and the
+trainer says which it counted (``throughput/update_mfu_counts_vision``). Recomputation for gradient
+checkpointing and padding are not counted, so an implementation that wastes work shows a lower MFU. PaLM's
+and torchtitan's figures count attention too, but over the whole (t, t) square (12 x layers x width x t a
+token): half of it is masked out in a causal model, so the figure here is the lower of the two for the same
+run. The denominator is the device's dense bf16 peak (detected for the GPUs below, or configured).
 """
 
 from __future__ import annotations
@@ -106,6 +108,45 @@ def training_flops(flops_per_token: float, model_config: Any, sequence_lengths: 
     """
     attention = attention_flops(*attention_shape(model_config), sequence_lengths)
     return flops_per_token * float(sequence_lengths.sum()) + attention
+
+
+def vision_training_flops(tower: torch.nn.Module, vision_config: Any, grids: torch.Tensor) -> float:
+    """Model FLOPs of one training pass (forward and backward) of a trained vision tower over images.
+
+    A Qwen-VL tower runs its blocks over every patch and its mergers (the final one and Qwen3-VL's deepstack
+    ones) over every group of ``spatial_merge_size**2`` patches: 6 x the blocks' trained parameters a patch
+    plus 6 x the mergers' a merged token, 4 x for frozen ones (a LoRA base; the position-embedding table of
+    Qwen3-VL is a lookup). Its attention is not
+    causal: each layer costs ``12 x width`` FLOPs a pair of patches that attend to each other (forward and
+    backward), each image's patches all pairs in the full-attention blocks
+    (``fullatt_block_indexes``; every block when the config names none) and, in Qwen2.5-VL's windowed ones,
+    each patch the patches of its window (``window_size / patch_size`` squared; fewer at a cut image's edge,
+    which is not counted: a slight overcount).
+
+    Args:
+        tower: the vision encoder (its parameters are counted).
+        vision_config: its transformers config.
+        grids: Shape (n, 3): each image's ``image_grid_thw`` (frames, patch rows, patch columns).
+    """
+    per_patch = per_merged = 0.0  # FLOPs a patch, a merged token
+    for name, parameter in tower.named_parameters():
+        if "pos_embed" in name and "patch" not in name:
+            continue
+        flops = (6.0 if parameter.requires_grad else 4.0) * parameter.numel()
+        if "merger" in name:
+            per_merged += flops
+        else:
+            per_patch += flops
+    patches = grids.reshape(-1, 3).prod(-1).double()
+    merged = float(patches.sum()) / vision_config.spatial_merge_size**2
+    weights = per_patch * float(patches.sum()) + per_merged * merged
+    depth, width = vision_config.depth, vision_config.hidden_size
+    full = getattr(vision_config, "fullatt_block_indexes", None)
+    full_blocks = depth if full is None else len(full)
+    window = (vision_config.window_size // vision_config.patch_size) ** 2 if full is not None else 0
+    pairs = full_blocks * float((patches**2).sum()) + (depth - full_blocks) * float(
+        (patches * patches.clamp(max=window)).sum())
+    return weights + 12.0 * width * pairs
 
 
 def mfu(flops: float, seconds: float, peak: float | None, processes: int = 1) -> float | None:

@@ -94,6 +94,7 @@ from turnrl.training.throughput import (
     start_phase,
     training_flops,
     training_flops_per_token,
+    vision_training_flops,
 )
 from turnrl.viz.records import token_advantage_records
 
@@ -699,6 +700,15 @@ class Trainer:
             trained_models.append((self.critic_flops_per_token, self.critic.backbone.config))
         flops = algo.ppo_epochs * sum(training_flops(per_token, model_config, lengths)
                                       for per_token, model_config in trained_models)
+        grids = batch.model_inputs.get("image_grid_thw")
+        if grids is not None:  # a VLM: its tower's FLOPs where it is trained (each pass encodes then)
+            towers = [vision_tower(self.actor)] if train_actor else []
+            towers += [vision_tower(self.critic.backbone)] if self.critic is not None else []
+            trained_towers = [tower for tower in towers if tower is not None and any(
+                parameter.requires_grad for parameter in tower.parameters())]
+            flops += algo.ppo_epochs * sum(vision_training_flops(tower, self.actor.config.vision_config, grids)
+                                           for tower in trained_towers)
+            metrics["throughput/update_mfu_counts_vision"] = float(bool(trained_towers))
         utilization = mfu(flops, update_s, self.peak_flops, ranks.world_size())
         if utilization is not None:
             metrics["throughput/update_mfu"] = utilization
