@@ -112,6 +112,8 @@ def test_a_trained_vision_towers_flops_match_a_count_of_its_forward():
     parameters = sum(p.numel() for n, p in tower.named_parameters() if "merger" not in n)
     merger = sum(p.numel() for n, p in tower.named_parameters() if "merger" in n)
     assert counted == pytest.approx(6 * (parameters * 80 + merger * 20) + 12 * width * pairs)
+    forward = vision_training_flops(tower, config.vision_config, grids, forward_only=True)
+    assert forward == pytest.approx(counter.get_total_flops() + 4 * width * pairs, rel=0.01)
     tower.requires_grad_(False)  # a frozen base (LoRA on the tower): 4 x its parameters
     frozen = vision_training_flops(tower, config.vision_config, grids)
     assert frozen == pytest.approx(4 * (parameters * 80 + merger * 20) + 12 * width * pairs)

@@ -347,8 +347,9 @@ def qwen3_mrope_section(head_dim: int) -> list[int]:
     return [temporal, height, half - temporal - height]
 
 
-class _SizedTokenizer:
-    """What :func:`vlm_config` reads of a tokenizer, for counting parameters without building one."""
+class SizedTokenizer:
+    """What :func:`vlm_config` reads of a tokenizer of ``size`` tokens (the vision tokens last), for counting
+    parameters or building a model's structure without building a tokenizer."""
 
     bos_token_id = eos_token_id = pad_token_id = None
 
@@ -377,7 +378,7 @@ def count_vlm_parameters(preset: str | VLMPreset, vocab_size: int | None = None)
     if p.family == "qwen3_vl":
         tokenizer_size = vocab_size or p.text.vocab_size
         with torch.device("meta"):
-            model = Qwen3VLForConditionalGeneration(vlm_config(p, _SizedTokenizer(tokenizer_size)))  # type: ignore[arg-type]
+            model = Qwen3VLForConditionalGeneration(vlm_config(p, SizedTokenizer(tokenizer_size)))  # type: ignore[arg-type]
         return sum(t.numel() for t in model.parameters())
     v, d = p.vision, p.vision.hidden_size
     patch_embed = 3 * _TEMPORAL_PATCH * _PATCH * _PATCH * d  # Conv3d, no bias

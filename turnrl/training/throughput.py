@@ -110,8 +110,10 @@ def training_flops(flops_per_token: float, model_config: Any, sequence_lengths: 
     return flops_per_token * float(sequence_lengths.sum()) + attention
 
 
-def vision_training_flops(tower: torch.nn.Module, vision_config: Any, grids: torch.Tensor) -> float:
-    """Model FLOPs of one training pass (forward and backward) of a trained vision tower over images.
+def vision_training_flops(tower: torch.nn.Module, vision_config: Any, grids: torch.Tensor,
+                          forward_only: bool = False) -> float:
+    """Model FLOPs of one training pass (forward and backward) of a trained vision tower over images; with
+    ``forward_only``, of its forward pass alone (2 x a parameter, a third of the attention's).
 
     A Qwen-VL tower runs its blocks over every patch and its mergers (the final one and Qwen3-VL's deepstack
     ones) over every group of ``spatial_merge_size**2`` patches: 6 x the blocks' trained parameters a patch
@@ -132,7 +134,7 @@ def vision_training_flops(tower: torch.nn.Module, vision_config: Any, grids: tor
     for name, parameter in tower.named_parameters():
         if "pos_embed" in name and "patch" not in name:
             continue
-        flops = (6.0 if parameter.requires_grad else 4.0) * parameter.numel()
+        flops = (2.0 if forward_only else 6.0 if parameter.requires_grad else 4.0) * parameter.numel()
         if "merger" in name:
             per_merged += flops
         else:
@@ -146,7 +148,7 @@ def vision_training_flops(tower: torch.nn.Module, vision_config: Any, grids: tor
     window = (vision_config.window_size // vision_config.patch_size) ** 2 if full is not None else 0
     pairs = full_blocks * float((patches**2).sum()) + (depth - full_blocks) * float(
         (patches * patches.clamp(max=window)).sum())
-    return weights + 12.0 * width * pairs
+    return weights + (4.0 if forward_only else 12.0) * width * pairs
 
 
 def mfu(flops: float, seconds: float, peak: float | None, processes: int = 1) -> float | None:
