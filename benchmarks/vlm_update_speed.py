@@ -1,9 +1,10 @@
 """A VLM's reference and update passes at a real size on one device: padded against packed micro-batches, and
 packed with a frozen tower's features encoded once a step; seconds, tokens/s, MFU and peak memory.
 
-A batch of multi-turn episodes laid out as the VisGym recipe's (``--images`` turns, each an image of
+A batch of multi-turn episodes laid out as the VisGym recipe's (``--images`` turns at most, each an image of
 ``--image-size`` pixels square, ``--text`` observation tokens and a ``--response``-token scored answer; an
-image a turn kept in the conversation) goes through what an RL step runs over it: a pass without gradients
+image a turn kept in the conversation; an episode plays between half and all of the turns, as episodes end
+apart) goes through what an RL step runs over it: a pass without gradients
 (the reference's, or the old log-probs') and a training pass (forward and backward, as the PPO epochs run
 it, checkpointed unless ``--no-checkpointing``), one micro-batch at a time: ``--rows`` rows padded, or
 ``--tokens`` tokens packed (each episode attends to itself; its image tokens keep their M-RoPE positions).
@@ -76,11 +77,13 @@ def episodes(model, n: int, images: int, side: int, text: int, response: int, vo
     image_tokens = grid[1] * grid[2] // p.spatial_merge_size**2
     pad_dim = 3 * p.temporal_patch_size * patch * patch
     g = torch.Generator().manual_seed(seed)
-    rows, masks = [], []
+    rows, masks, counts = [], [], []
     for _ in range(n):
         ids: list[int] = []
         mask: list[int] = []
-        for _ in range(images):
+        turns = int(torch.randint((images + 1) // 2, images + 1, (1,), generator=g))  # episodes end apart
+        counts.append(turns)
+        for _ in range(turns):
             ids += torch.randint(0, vocab - 8, (text,), generator=g).tolist()
             ids += [config.vision_start_token_id] + [config.image_token_id] * image_tokens + [config.vision_end_token_id]
             ids += torch.randint(0, vocab - 8, (response,), generator=g).tolist()
@@ -95,9 +98,9 @@ def episodes(model, n: int, images: int, side: int, text: int, response: int, vo
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention[i, : len(ids)] = 1
         loss_mask[i, : len(ids)] = torch.tensor(mask, dtype=torch.float)
-    total = n * images
+    total = sum(counts)
     pixels = torch.randn(total * grid[1] * grid[2], pad_dim, generator=g).to(torch.bfloat16)
-    per_row = torch.full((n,), images)
+    per_row = torch.tensor(counts)
     return Batch(input_ids, attention, loss_mask, torch.zeros(n, width), torch.full((n, 1), width - 1),
                  torch.zeros(n, 1, dtype=torch.float64), torch.arange(n), torch.arange(n), torch.full((n,), -1),
                  model_inputs={"pixel_values": pixels, "image_grid_thw": torch.tensor([grid] * total),
@@ -178,7 +181,7 @@ def main() -> None:
         print(f"{name}: no-grad pass {scoring:.3f} s, training pass {training:.3f} s "
               f"({tokens / training:,.0f} tokens/s, MFU {utilization:.1%}), peak {memory:.1f} GiB", flush=True)
     p = vlm_preset(args.preset)
-    print(f"\n{args.preset}: {args.batch} episodes x {args.images} turns ({args.image_size}px images, "
+    print(f"\n{args.preset}: {args.batch} episodes of up to {args.images} turns ({args.image_size}px images, "
           f"{len(grids)} in all; {args.text} + {args.response} text tokens a turn): {tokens:,} tokens, bf16, "
           f"{'with' if args.checkpointing else 'without'} checkpointing{', compiled' if args.compile else ''}; "
           f"tower frozen ({p.vision.depth} blocks, {p.vision.hidden_size} wide): its forward "
