@@ -642,11 +642,11 @@ class Trainer:
     def update_or_retry(self, step: int, rollout: StepOutput, keep: list[int]) -> StepOutput:
         """:meth:`update`; one that runs out of GPU memory before any optimizer step began runs again once, with
         half the micro-batches (:func:`halved_micro_batches`), on the same episodes from the same random state,
-        as a run set so from the start would: the gradients it accumulated are dropped and its metrics undone.
+        as a run set so from the start would (the gradients the failed pass accumulated are dropped).
         The halved setting stays for the rest of the run, also in ``config.yaml`` for a resume, since the later
         steps are as large. One that began an optimizer step, or runs out again, raises (the run stops with
         what to set). Not with ``retries_out_of_memory`` off."""
-        metrics, random_state = dict(rollout.metrics), rng_state()
+        random_state = rng_state()
         watch = OptimizerSteps([self.actor_optimizer, self.critic_optimizer])
         try:
             with watch:
@@ -662,8 +662,6 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # new segments can then be cut to the smaller passes
-        rollout.metrics.clear()
-        rollout.metrics.update(metrics)
         set_rng_state(random_state)
         self.memory_retries[step + 1] = halved
         self.summary.setdefault("memory_retries", []).append({"step": step + 1, "setting": halved})
