@@ -472,12 +472,13 @@ def _turn_on(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate,
 
 
 def _margin_note(estimate: MemoryEstimate) -> str:
-    """What the allocator margin is, for a misfit that only the margin makes one; else nothing."""
+    """What the allocator margin is for, said after the estimate's table where only the margin makes it a misfit;
+    else nothing."""
     if estimate.margin == 0 or estimate.total > estimate.device_bytes:
         return ""
     fragmentation = " and what an allocator without expandable segments cannot reuse" \
         if estimate.margin > CUDA_CONTEXT_BYTES else ""
-    return f" (the allocator margin, {estimate.margin / GIB:.1f} GiB, keeps room for the CUDA context{fragmentation})"
+    return f", which keeps room for the CUDA context{fragmentation}"
 
 
 def require_fit(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float,
@@ -486,8 +487,8 @@ def require_fit(config: TrainConfig, counts: ModelCounts, processes: int, device
     exceeds ``device_bytes`` less the allocator's ``margin``."""
     estimate = estimate_memory(config, counts, processes, device_bytes, margin)
     if not estimate.fits():
-        raise ConfigError(f"this run needs about {estimate.table()} (estimated per GPU, {processes} process"
-                          f"{'es' if processes > 1 else ''}){_margin_note(estimate)}: turn on "
+        raise ConfigError(f"this run needs about {estimate.table()}{_margin_note(estimate)} (estimated per GPU, "
+                          f"{processes} process{'es' if processes > 1 else ''}): turn on "
                           f"{_turn_on(config, counts, estimate, processes)}; or set run.check_memory=false to try "
                           "anyway")
     return estimate
@@ -503,7 +504,7 @@ def fit_report(config: TrainConfig, counts: ModelCounts, processes: int, device_
     if estimate.fits():
         waves = rollout_in_waves(config, counts, estimate, processes)
         return True, f"{gpus}: fits ({estimate.table()})" + (f"; but {waves}" if waves else "")
-    return False, (f"{gpus}: does not fit ({estimate.table()}){_margin_note(estimate)}; turn on "
+    return False, (f"{gpus}: does not fit ({estimate.table()}{_margin_note(estimate)}); turn on "
                    f"{_turn_on(config, counts, estimate, processes)}")
 
 
