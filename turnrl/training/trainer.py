@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 from torch.distributed.tensor import DTensor
 
 from turnrl.agent.formats import get_format
@@ -669,7 +670,7 @@ class Trainer:
             write_config(self.config)
         console.print(f"[bold]RL step {step + 1} ran out of GPU memory before its first optimizer step[/bold]: "
                       f"running it again on the same episodes with {halved}, kept for the rest of the run. "
-                      f"torch: {said}", soft_wrap=True)
+                      f"torch: {escape(said)}", soft_wrap=True)
         output = self.update(step, rollout, keep)
         output.metrics["memory/oom_retries"] = 1.0
         return output
