@@ -39,6 +39,7 @@ from turnrl.models.loading import base_model_path  # noqa: E402
 from turnrl.training import ranks  # noqa: E402
 from turnrl.training.config import TrainConfig  # noqa: E402
 from turnrl.training.distributed import FSDPTrainer  # noqa: E402
+from turnrl.training.memory import set_allocator_settings  # noqa: E402
 from turnrl.training.trainer import Trainer  # noqa: E402
 
 PHASES = ("timing/rollout_s", "timing/old_logprobs_s", "timing/values_s", "timing/update_s", "timing/step_s",
@@ -68,6 +69,9 @@ def main() -> None:
         # No validation during the steps (a recipe's stop on low validation success is switched off with it).
         config = load_config(TrainConfig, args.config, [f"run.output_dir={runs}", "validation.every=0",
                                                          "collapse.stop_on_low_success=false", *args.overrides])
+        allocator = set_allocator_settings(config)  # before CUDA starts, as `turnrl train` sets it
+        if allocator is not None and ranks.is_main():
+            print(allocator, flush=True)
         if sharded:
             ranks.init_process_group(config.model.device, config.distributed.timeout_s)
             if ranks.is_main():  # builds the built-in model once, as `turnrl train` does

@@ -408,7 +408,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     from turnrl.config import ConfigError, load_config
     from turnrl.training.config import TrainConfig
-    from turnrl.training.memory import GIB, count_recipe_model, fit_report, rows_shorter_than_episodes
+    from turnrl.training.memory import GIB, count_recipe_model, fit_report, rows_shorter_than_episodes, run_margin
 
     try:
         config = load_config(TrainConfig, args.config, args.overrides)
@@ -431,7 +431,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     name = config.model.path or f"the built-in {config.model.builtin_preset!r}"
     print(f"{name}: {parameters_text(counts.total)} parameters, {parameters_text(counts.trained)} trained; "
           f"estimated peak per GPU of {gpu}:")
-    verdicts = [fit_report(config, counts, processes, device_bytes)
+    margin = run_margin(config, device_bytes)  # this shell's allocator variables, as the run would have them
+    verdicts = [fit_report(config, counts, processes, device_bytes, margin)
                 for processes in args.gpus or [config.distributed.nproc_per_node]]
     for _, line in verdicts:
         print(f"  {line}")

@@ -18,21 +18,29 @@ from turnrl.models.tiny import build_tokenizer, count_parameters, preset_config
 from turnrl.models.vlm import count_vlm_parameters, vlm_config
 from turnrl.training.config import SFTConfig, TrainConfig
 from turnrl.training.memory import (
+    CUDA_CONTEXT_BYTES,
     GIB,
     SFT_ELSEWHERE,
+    OptimizerSteps,
     activation_bytes,
+    allocator_margin,
+    allocator_settings,
     cap_gpu_memory,
     check_memory,
     check_sft_memory,
     count_model,
     estimate_memory,
+    expandable_segments,
     fit_advice,
     fit_report,
     full_length_sequences,
+    halved_micro_batches,
     require_fit,
     rl_out_of_memory,
     rollout_in_waves,
     rows_shorter_than_episodes,
+    run_margin,
+    set_allocator_settings,
     sft_estimate,
     sft_fit_advice,
     sft_out_of_memory,
@@ -332,9 +340,9 @@ def test_sft_that_cannot_fit_its_share_is_told_the_micro_batch_that_does(tmp_pat
     whole = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", overrides)
     assert check_sft_memory(whole, path, 600, 10_000, torch.device("cuda")).fits()
     shared = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", [*overrides, "run.gpu_share=0.16"])
-    budget = 0.16 * H200
-    fitting = max(m for m in range(1, 33) if sft_estimate(shared, counts, m * 600, budget).fits())
-    assert 1 < fitting < 32 and not sft_estimate(shared, counts, (fitting + 1) * 600, budget).fits()
+    budget, margin = 0.16 * H200, run_margin(shared, 0.16 * H200)  # the margin of the check's environment
+    fitting = max(m for m in range(1, 33) if sft_estimate(shared, counts, m * 600, budget, margin).fits())
+    assert 1 < fitting < 32 and not sft_estimate(shared, counts, (fitting + 1) * 600, budget, margin).fits()
     with pytest.raises(ConfigError) as error:
         check_sft_memory(shared, path, 600, 10_000, torch.device("cuda"))
     message = str(error.value)
@@ -420,3 +428,97 @@ def test_rl_out_of_memory_names_only_what_the_run_can_change():
     nothing = said("algorithm.micro_batch_tokens=0", "algorithm.micro_batch_size=1",
                    "model.gradient_checkpointing=true", "model.engine.free_during_update=true")
     assert nothing.startswith("RL step 7 ran out of GPU memory: use a GPU with more memory (see `turnrl memory`);")
+
+
+# --------------------------------------------------------------------------- the allocator and its margin
+def test_the_documented_one_h200_row_fits_with_expandable_segments_and_is_flagged_without_them(tmp_path, tokenizer):
+    """3B PPO + critic (StarPO-S), compiled, one process on an H200 (docs/benchmarks.md): without expandable
+    segments it ran out of memory with 7.15 GiB reserved but unallocated; with them it peaked at 132.1 GiB."""
+    counts = _counts(tmp_path, tokenizer, "3b")
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [
+        "model.gradient_checkpointing=false", "algorithm.micro_batch_tokens=8192", "model.compile=true",
+        "model.engine.free_during_update=true", "model.engine.kv_cache_gb=12"])
+    without = allocator_margin(H200, expandable=False)
+    assert without - CUDA_CONTEXT_BYTES >= 7.15 * GIB and allocator_margin(H200, expandable=True) < 1.1 * GIB
+    assert estimate_memory(config, counts, 1, H200).fits()  # the estimate alone fits: only the margin tells
+    estimate = require_fit(config, counts, 1, H200, allocator_margin(H200, expandable=True))
+    assert 132.1 * GIB <= estimate.total <= 134 * GIB
+    with pytest.raises(ConfigError) as error:
+        require_fit(config, counts, 1, H200, without)
+    message = str(error.value)
+    assert ("of the GPU's 139.8 GiB less a 8.3 GiB allocator margin, which keeps room for the CUDA context and what "
+            "an allocator without expandable segments cannot reuse (estimated per GPU, 1 process): turn on") in message
+    assert "turn on expandable segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the allocator margin " \
+           "then leaves 7.3 GiB more)" in message
+    fits, line = fit_report(config, counts, 1, H200, without)
+    assert not fits and "allocator margin" in line
+
+
+def test_a_default_cache_leaves_the_margin_free_where_it_is_larger_than_the_usual_five_percent(tmp_path, tokenizer):
+    """8B GRPO + reference on 4 GPUs, whose default cache is what the update leaves."""
+    counts = count_model(_saved_config(tmp_path / "vlm-8b", vlm_config("vlm-8b", tokenizer)))
+    config = load_config(TrainConfig, "configs/visgym_maze.yaml", ["algorithm.micro_batch_tokens=8192"])
+    margin = allocator_margin(H100, expandable=False)
+    assert margin > 0.05 * H100
+    estimate = require_fit(config, counts, 4, H100, margin)  # the default cache takes what the margin leaves
+    assert estimate.total + margin == pytest.approx(H100) and estimate.fits()
+    usual = require_fit(config, counts, 4, H100, allocator_margin(H100, expandable=True))
+    assert usual.total == pytest.approx(0.95 * H100)
+
+
+def test_the_users_allocator_variable_wins_and_a_gpu_run_sets_expandable_segments_otherwise():
+    config = load_config(TrainConfig, None, [])
+    assert config.run.cuda_alloc_conf == "expandable_segments:True"
+    environ: dict[str, str] = {}
+    line = set_allocator_settings(config, environ)
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert line == ("CUDA allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (run.cuda_alloc_conf; set the "
+                    "variable to choose otherwise)")
+    for users in ({"PYTORCH_CUDA_ALLOC_CONF": ""}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},
+                  {"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "x"}):
+        environ = dict(users)
+        variable = next(iter(users))
+        assert set_allocator_settings(config, environ) == (f"CUDA allocator: {variable}={users[variable]} from the "
+                                                           "environment (it wins over run.cuda_alloc_conf)")
+        assert environ == users and allocator_settings(config, environ) == (users[variable], variable)
+    cpu = load_config(TrainConfig, None, ["model.device=cpu"])
+    environ = {}
+    assert set_allocator_settings(cpu, environ) is None and environ == {}
+    none = load_config(TrainConfig, None, ["run.cuda_alloc_conf=''"])
+    assert set_allocator_settings(none, environ) is None and environ == {}
+    # The margin follows what the run gets: the user's variable over the config.
+    assert run_margin(config, H200, {}) == allocator_margin(H200, expandable=True)
+    assert run_margin(config, H200, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == \
+        allocator_margin(H200, expandable=False)
+    assert run_margin(none, H200, {}) == allocator_margin(H200, expandable=False)
+
+
+@pytest.mark.parametrize("settings, expandable", [
+    ("expandable_segments:True", True), ("max_split_size_mb:128, expandable_segments:True", True),
+    ("expandable_segments:False", False), ("", False), ("backend:cudaMallocAsync", False),
+    ("garbage_collection_threshold:0.6,expandable_segments:True,max_split_size_mb:256", True)])
+def test_expandable_segments_are_read_as_torch_reads_its_settings(settings, expandable):
+    assert expandable_segments(settings) is expandable
+
+
+def test_halving_the_micro_batches_halves_the_tokens_or_else_the_rows():
+    config = load_config(TrainConfig, None, ["algorithm.micro_batch_tokens=8192"])
+    assert halved_micro_batches(config.algorithm) == "algorithm.micro_batch_tokens=4096"
+    assert config.algorithm.micro_batch_tokens == 4096
+    rows = load_config(TrainConfig, None, ["algorithm.micro_batch_size=3"]).algorithm
+    assert halved_micro_batches(rows) == "algorithm.micro_batch_size=1" and rows.micro_batch_size == 1
+    assert halved_micro_batches(rows) is None and rows.micro_batch_size == 1
+
+
+def test_optimizer_steps_are_seen_from_their_start_and_only_while_watched():
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    with OptimizerSteps([optimizer, None]) as watch:
+        (weight * 2).sum().backward()
+        assert not watch.began
+        optimizer.step()
+        assert watch.began
+    with OptimizerSteps([optimizer]) as again:
+        assert not again.began
+    optimizer.step()
+    assert not again.began and not optimizer._optimizer_step_pre_hooks  # the hooks are gone

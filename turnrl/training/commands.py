@@ -43,7 +43,7 @@ from turnrl.training.collapse import EarlyStops, logged_steps
 from turnrl.training.config import TrainConfig
 from turnrl.training.distributed import FSDPTrainer
 from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.memory import GIB, cap_gpu_memory, check_memory, rl_out_of_memory
+from turnrl.training.memory import GIB, cap_gpu_memory, check_memory, rl_out_of_memory, set_allocator_settings
 from turnrl.training.memory_trace import recorded
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import resumed_checkpoint, run_directory, start_run
@@ -88,6 +88,7 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     """``turnrl sft``: warm up the configured model and save it under the run directory."""
     if data is not None:
         config.sft.data = data
+    _set_allocator(config)
     preflight(config, stage="sft")
     path = sft_stage(config, start_run(config, stage="sft")).model_path
     console.print(f"SFT model written to {path}", markup=False, highlight=False, soft_wrap=True)
@@ -133,6 +134,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     Raises:
         ConfigError: before anything is written, for what :func:`preflight` checks.
     """
+    _set_allocator(config)  # before CUDA starts (the process group's device, the models)
     start = ranks.command_start()
     distributed = ranks.launched_by_torchrun()
     if distributed and (config.distributed.async_rollout or config.distributed.backend == "ray"):
@@ -238,7 +240,8 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                     raise
                 return _stop(trainer, logger, step - 1, error=True)  # saves the last finished step
             except torch.OutOfMemoryError as error:
-                raise rl_out_of_memory(error, config, step, latest_checkpoint(trainer.run_dir)) from error
+                raise rl_out_of_memory(error, config, step, latest_checkpoint(trainer.run_dir),
+                                       trainer.memory_retries.get(step)) from error
             metrics = output.metrics
             last = step == config.run.steps
             validation = trainer.validate() if validate_now(step) and not last else None
@@ -294,6 +297,13 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     console.print(f"summary: {path}", markup=False, highlight=False, soft_wrap=True)
     _report(trainer.run_dir)
     return trainer.summary
+
+
+def _set_allocator(config: TrainConfig) -> None:
+    """Torch's CUDA allocator settings (``run.cuda_alloc_conf`` or the user's variable), said in one line."""
+    line = set_allocator_settings(config)
+    if line is not None and torch.cuda.is_available():
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _memory_recorded(config: TrainConfig, trainer: Trainer, step: int) -> AbstractContextManager[None]:

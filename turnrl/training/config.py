@@ -384,6 +384,12 @@ class RunConfig:
     allocator is capped to it, so a run that outgrows it stops alone, at its start where the estimate
     says so, instead of taking the memory its neighbours hold. With ``run.check_memory=false`` set
     ``model.engine.kv_cache_gb`` too (the engine's own default takes 30% of the card's free memory)."""
+    cuda_alloc_conf: str = "expandable_segments:True"
+    """Torch's CUDA allocator settings for a GPU run, set as ``PYTORCH_CUDA_ALLOC_CONF`` before CUDA starts
+    (torch's format, ``key:value,...``); the variable set in the environment (or ``PYTORCH_ALLOC_CONF``) wins
+    and is logged. Expandable segments let freed memory be reused where the default allocator's cached blocks
+    can strand gigabytes (docs/benchmarks.md); the memory check keeps a larger margin without them. ``""``:
+    torch's defaults."""
 
 
 @dataclass

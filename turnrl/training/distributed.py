@@ -292,6 +292,9 @@ class FSDPTrainer(Trainer):
     be this process's device.
     """
 
+    # A process out of memory leaves the others waiting in a collective, and its own layers gathered.
+    retries_out_of_memory = False
+
     def __init__(self, config: TrainConfig, start_model: Path | str | None = None,
                  rewards: Rewards | None = None) -> None:
         device = ranks.process_device()

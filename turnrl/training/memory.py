@@ -32,17 +32,24 @@ groups.
 
 Parameters are counted on the ``meta`` device from the model's own config (no weights are read). The
 activations are an approximation fitted to measured peaks (docs/benchmarks.md compares the estimate with the
-measured peak of each scale row); the check fails only when the estimate exceeds the GPU's memory, and
-``run.check_memory=false`` skips it.
+measured peak of each scale row); the check fails only when the estimate exceeds the GPU's memory less the
+allocator's margin (:func:`allocator_margin`: what a process holds outside torch's allocator, and without
+expandable segments what the allocator holds but cannot hand out), and ``run.check_memory=false`` skips it.
+
+A GPU run sets torch's allocator to expandable segments (``run.cuda_alloc_conf``) before CUDA starts, unless
+``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) is set already: :func:`set_allocator_settings`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import tempfile
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -51,7 +58,7 @@ from turnrl.config import ConfigError
 from turnrl.engine.cache import KVCache, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.loading import VISION_TOWERS, load_model
-from turnrl.training.config import SFTConfig, TrainConfig
+from turnrl.training.config import AlgorithmConfig, SFTConfig, TrainConfig
 from turnrl.training.head import DEFAULT_CHUNK
 
 logger = logging.getLogger(__name__)
@@ -99,6 +106,8 @@ class MemoryEstimate:
     are held (``model.engine.free_during_update``): the peak holds the larger group only."""
     gradients: float = 0.0
     """The gradients within the actor's and critic's states: held only while updating."""
+    margin: float = 0.0
+    """Bytes of the GPU kept free of the estimate: the allocator's margin (:func:`allocator_margin`)."""
 
     def groups(self) -> tuple[float, float]:
         """The bytes held only while rolling out, and only while scoring and updating (the gradients too)."""
@@ -113,7 +122,7 @@ class MemoryEstimate:
         return sum(self.parts.values()) - rollout - update + max(rollout, update)
 
     def fits(self) -> bool:
-        return self.total <= self.device_bytes
+        return self.total + self.margin <= self.device_bytes
 
     def table(self) -> str:
         """``actor 30.4 + critic 30.3 + ... = 92.1 GiB of 79.1 GiB``: the parts above 0.05 GiB; the groups that
@@ -130,7 +139,74 @@ class MemoryEstimate:
                      f"max({rollout}; {update}{' + ' if update else ''}gradients {self.gradients / GIB:.1f})")
         else:
             shown = listed(list(self.parts))
-        return f"{shown} = {self.total / GIB:.1f} GiB of the GPU's {self.device_bytes / GIB:.1f} GiB"
+        less = f" less a {self.margin / GIB:.1f} GiB allocator margin" if self.margin > 0 else ""
+        return f"{shown} = {self.total / GIB:.1f} GiB of the GPU's {self.device_bytes / GIB:.1f} GiB{less}"
+
+
+# --------------------------------------------------------------------------- the allocator
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""Where torch reads its allocator's settings, the first one set winning (the second is the older name)."""
+
+CUDA_CONTEXT_BYTES = 1.05 * GIB
+"""What a process holds on its GPU outside torch's allocator (the CUDA context, the libraries' handles and
+kernels), at most: the one-H200 3B row (PPO + critic, StarPO-S, compiled, one process; docs/benchmarks.md), run
+without expandable segments, ran out of memory with 131.6 GiB allocated and 7.15 GiB reserved but unallocated
+of the card's 139.8 GiB, so everything else the process held was at most the 1.05 GiB left."""
+
+FRAGMENTATION_SHARE = 0.052
+"""The share of the GPU's memory that torch's allocator holds but cannot hand out without expandable segments:
+the 7.15 GiB reserved but unallocated of that run (5.1% of 139.8 GiB), rounded up. With expandable segments
+(freed pages are unmapped and mapped again where they are asked for) the same command ran at a peak of 132.1
+GiB allocated against an estimate of 132.7, so no share is counted for them; their page rounding is within
+the 7.7 GiB that run left free, not measured apart."""
+
+
+def allocator_settings(config: TrainConfig, environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """The settings torch's CUDA allocator gets and the variable of ``environ`` that set them: the first of
+    :data:`ALLOC_CONF_VARIABLES` set (any value: the user's choice wins), else ``run.cuda_alloc_conf`` (None)."""
+    variable = next((name for name in ALLOC_CONF_VARIABLES if name in environ), None)
+    return (environ[variable], variable) if variable is not None else (config.run.cuda_alloc_conf, None)
+
+
+def expandable_segments(settings: str) -> bool:
+    """Whether allocator settings (``key:value,key:value``, torch's format) turn expandable segments on."""
+    pairs = (item.split(":", 1) for item in settings.replace(" ", "").split(",") if ":" in item)
+    return any(key == "expandable_segments" and value == "True" for key, value in pairs)
+
+
+def allocator_margin(device_bytes: float, expandable: bool) -> float:
+    """Bytes of a GPU of ``device_bytes`` that the estimate must leave free: the CUDA context and, without
+    expandable segments, the allocator's fragmentation (:data:`CUDA_CONTEXT_BYTES`, :data:`FRAGMENTATION_SHARE`)."""
+    return CUDA_CONTEXT_BYTES + (0.0 if expandable else FRAGMENTATION_SHARE * device_bytes)
+
+
+def run_margin(config: TrainConfig, device_bytes: float, environ: Mapping[str, str] = os.environ) -> float:
+    """:func:`allocator_margin` for the allocator settings a run of ``config`` gets in ``environ``."""
+    return allocator_margin(device_bytes, expandable_segments(allocator_settings(config, environ)[0]))
+
+
+def set_allocator_settings(config: TrainConfig, environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Before CUDA starts in this process: ``PYTORCH_CUDA_ALLOC_CONF`` set to ``run.cuda_alloc_conf`` (expandable
+    segments, as torchtitan and verl set it) unless the user set the allocator's settings. Torch reads them once,
+    when CUDA starts; expandable segments let freed memory be mapped again where it is asked for, where the
+    default allocator's cached blocks can leave gigabytes it cannot reuse (docs/benchmarks.md).
+
+    Returns:
+        The line that says which settings the run has and why; None on a CPU run, or with no settings.
+    """
+    if config.model.device == "cpu":
+        return None
+    settings, variable = allocator_settings(config, environ)
+    if variable is not None:
+        return f"CUDA allocator: {variable}={settings} from the environment (it wins over run.cuda_alloc_conf)"
+    if not settings:
+        return None
+    if torch.cuda.is_initialized():
+        return (f"CUDA allocator: run.cuda_alloc_conf={settings} not applied: CUDA had started in this process "
+                "(set PYTORCH_CUDA_ALLOC_CONF before it starts)")
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = settings
+    return (f"CUDA allocator: PYTORCH_CUDA_ALLOC_CONF={settings} (run.cuda_alloc_conf; set the variable to "
+            "choose otherwise)")
 
 
 def _text_config(config: Any) -> Any:
@@ -232,18 +308,19 @@ def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool, comp
 
 
 def default_cache_bytes(parts: dict[str, float], device_bytes: float, apart: bool = False,
-                        gradients: float = 0.0) -> float:
+                        gradients: float = 0.0, margin: float = 0.0) -> float:
     """The key/value cache that ``model.engine.kv_cache_gb=0`` gets: the engine's own default (30% of the memory
     free when it starts: the weights are in place, the gradients and optimizer moments not yet), but no more
-    than the update leaves free at its peak (95% of the GPU less every other part), so that the optimizer's
-    first step does not run out of memory where the cache took it; with ``apart`` (the cache freed during the
-    update), no more than the rollout leaves free (the update's own parts and the ``gradients`` not counted)."""
+    than the update leaves free at its peak (95% of the GPU, or less the allocator's ``margin`` where that is
+    more, less every other part), so that the optimizer's first step does not run out of memory where the
+    cache took it; with ``apart`` (the cache freed during the update), no more than the rollout leaves free
+    (the update's own parts and the ``gradients`` not counted)."""
     weights_only = {"actor": 0.25, "critic": 0.25}  # float32 weights: a quarter of the 16 bytes of states
     at_start = sum(value * weights_only.get(name, 1.0) for name, value in parts.items() if name != "activations")
     engine_default = 0.3 * max(0.0, device_bytes - at_start)
     held = sum(value for name, value in parts.items() if not (apart and name in UPDATE_ONLY)) - \
         (gradients if apart else 0.0)
-    headroom = 0.95 * device_bytes - held
+    headroom = device_bytes - max(0.05 * device_bytes, margin) - held
     return max(0.0, min(engine_default, headroom))
 
 
@@ -259,8 +336,10 @@ def _sharded(config: TrainConfig, processes: int) -> bool:
     return processes > 1 or config.distributed.backend == "fsdp"
 
 
-def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float) -> MemoryEstimate:
-    """Each GPU's estimated peak by part (see the module docs) for ``config`` on ``processes`` processes."""
+def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float,
+                    margin: float = 0.0) -> MemoryEstimate:
+    """Each GPU's estimated peak by part (see the module docs) for ``config`` on ``processes`` processes, against
+    ``device_bytes`` less the allocator's ``margin``."""
     sharded = _sharded(config, processes)
     offload = sharded and config.distributed.cpu_offload
     lora = config.lora.enabled
@@ -292,8 +371,8 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     if engine:
         kv_gb = config.model.engine.kv_cache_gb
         parts["key/value cache"] = kv_gb * GIB if kv_gb > 0 else default_cache_bytes(parts, device_bytes, apart,
-                                                                                     gradients)
-    return MemoryEstimate(parts, device_bytes, apart, gradients)
+                                                                                     gradients, margin)
+    return MemoryEstimate(parts, device_bytes, apart, gradients, margin)
 
 
 def full_length_sequences(config: TrainConfig, counts: ModelCounts, cache_bytes: float) -> int:
@@ -377,6 +456,13 @@ def fit_advice(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimat
                                               f"{rollout / GIB:.0f} GiB while the update runs)"))
     if config.model.engine.kv_cache_gb > 0:  # the default cache is sized to fit already
         options.append((estimate.parts["key/value cache"] / 2, "a smaller model.engine.kv_cache_gb"))
+    fragmentation = estimate.margin - CUDA_CONTEXT_BYTES
+    if fragmentation > 0:
+        # First where it alone makes the run fit: it costs nothing.
+        alone = estimate.total + CUDA_CONTEXT_BYTES <= estimate.device_bytes
+        options.append((math.inf if alone else fragmentation,
+                        f"expandable segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the allocator margin "
+                        f"then leaves {fragmentation / GIB:.1f} GiB more)"))
     return [text for _, text in sorted(options, key=lambda option: -option[0])]
 
 
@@ -385,39 +471,56 @@ def _turn_on(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate,
     return "; or ".join(fit_advice(config, counts, estimate, processes)[:4])
 
 
-def require_fit(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float) -> MemoryEstimate:
+def _margin_note(estimate: MemoryEstimate) -> str:
+    """What the allocator margin is for, said after the estimate's table where only the margin makes it a misfit;
+    else nothing."""
+    if estimate.margin == 0 or estimate.total > estimate.device_bytes:
+        return ""
+    fragmentation = " and what an allocator without expandable segments cannot reuse" \
+        if estimate.margin > CUDA_CONTEXT_BYTES else ""
+    return f", which keeps room for the CUDA context{fragmentation}"
+
+
+def require_fit(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float,
+                margin: float = 0.0) -> MemoryEstimate:
     """The estimate of :func:`estimate_memory`, or a ConfigError with its parts and what to turn on when it
-    exceeds ``device_bytes``."""
-    estimate = estimate_memory(config, counts, processes, device_bytes)
+    exceeds ``device_bytes`` less the allocator's ``margin``."""
+    estimate = estimate_memory(config, counts, processes, device_bytes, margin)
     if not estimate.fits():
-        raise ConfigError(f"this run needs about {estimate.table()} (estimated per GPU, {processes} process"
-                          f"{'es' if processes > 1 else ''}): turn on {_turn_on(config, counts, estimate, processes)}; "
-                          "or set run.check_memory=false to try anyway")
+        raise ConfigError(f"this run needs about {estimate.table()}{_margin_note(estimate)} (estimated per GPU, "
+                          f"{processes} process{'es' if processes > 1 else ''}): turn on "
+                          f"{_turn_on(config, counts, estimate, processes)}; or set run.check_memory=false to try "
+                          "anyway")
     return estimate
 
 
-def fit_report(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float) -> tuple[bool, str]:
-    """Whether ``config`` fits ``processes`` GPUs of ``device_bytes`` each, and a line that says so: the estimate
-    by part, and when it does not fit what to turn on (what ``turnrl memory`` prints for each GPU count)."""
-    estimate = estimate_memory(config, counts, processes, device_bytes)
+def fit_report(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float,
+               margin: float = 0.0) -> tuple[bool, str]:
+    """Whether ``config`` fits ``processes`` GPUs of ``device_bytes`` each, less the allocator's ``margin``, and a
+    line that says so: the estimate by part, and when it does not fit what to turn on (what ``turnrl memory``
+    prints for each GPU count)."""
+    estimate = estimate_memory(config, counts, processes, device_bytes, margin)
     gpus = f"{processes} GPU{'s' if processes > 1 else ''}"
     if estimate.fits():
         waves = rollout_in_waves(config, counts, estimate, processes)
         return True, f"{gpus}: fits ({estimate.table()})" + (f"; but {waves}" if waves else "")
-    return False, f"{gpus}: does not fit ({estimate.table()}); turn on {_turn_on(config, counts, estimate, processes)}"
+    return False, (f"{gpus}: does not fit ({estimate.table()}{_margin_note(estimate)}); turn on "
+                   f"{_turn_on(config, counts, estimate, processes)}")
 
 
-def sft_estimate(config: TrainConfig, counts: ModelCounts, tokens: int, device_bytes: float) -> MemoryEstimate:
+def sft_estimate(config: TrainConfig, counts: ModelCounts, tokens: int, device_bytes: float,
+                 margin: float = 0.0) -> MemoryEstimate:
     """The SFT stage's peak on its GPU, for micro-batches of ``tokens`` (rows padded to the longest): the model's
     float32 weights, gradients and AdamW moments (SFT trains the whole model but a frozen vision tower, LoRA
     or not, in one process on one GPU), one micro-batch forward and backward (:func:`activation_bytes`, an
-    approximation), and without checkpointing in mixed precision autocast's bf16 copy of each weight."""
+    approximation), and without checkpointing in mixed precision autocast's bf16 copy of each weight; against
+    ``device_bytes`` less the allocator's ``margin``."""
     checkpointing = config.model.gradient_checkpointing
     parts = {"model": _training_states(counts.trained, counts.total - counts.trained, 1, False),
              "activations": activation_bytes(counts, tokens, checkpointing, config.model.compile)}
     if not checkpointing and config.model.dtype != "float32":
         parts["weight casts"] = 2.0 * counts.total
-    return MemoryEstimate(parts, device_bytes)
+    return MemoryEstimate(parts, device_bytes, margin=margin)
 
 
 SFT_ELSEWHERE = ("use a GPU with more memory (SFT trains the whole model in one process), or start RL from an SFT "
@@ -425,14 +528,14 @@ SFT_ELSEWHERE = ("use a GPU with more memory (SFT trains the whole model in one 
 
 
 def sft_fit_advice(config: TrainConfig, counts: ModelCounts, rows: int, longest: int,
-                   device_bytes: float) -> list[str]:
+                   device_bytes: float, margin: float = 0.0) -> list[str]:
     """What makes SFT's micro-batches of ``rows`` samples of up to ``longest`` tokens fit: the largest
     ``sft.micro_batch_size`` that does (the batch stays, as gradients add up), gradient checkpointing (with the
     largest micro-batch that fits then); else a larger GPU or an SFT model made elsewhere, as SFT runs in one
     process."""
     def largest_fitting(fitting: TrainConfig) -> int:
         return max((size for size in range(1, rows)
-                    if sft_estimate(fitting, counts, size * longest, device_bytes).fits()), default=0)
+                    if sft_estimate(fitting, counts, size * longest, device_bytes, margin).fits()), default=0)
 
     advice = []
     size = largest_fitting(config)
@@ -441,7 +544,7 @@ def sft_fit_advice(config: TrainConfig, counts: ModelCounts, rows: int, longest:
                       "micro-batches' gradients add up)")
     if not config.model.gradient_checkpointing:
         checkpointed = replace(config, model=replace(config.model, gradient_checkpointing=True))
-        if sft_estimate(checkpointed, counts, rows * longest, device_bytes).fits():
+        if sft_estimate(checkpointed, counts, rows * longest, device_bytes, margin).fits():
             advice.append("set model.gradient_checkpointing=true")
         elif size := largest_fitting(checkpointed):
             advice.append(f"set model.gradient_checkpointing=true sft.micro_batch_size={size}")
@@ -472,10 +575,11 @@ def check_sft_memory(config: TrainConfig, model_path: Path | str, longest: int, 
     total = torch.cuda.get_device_properties(device).total_memory
     share = config.run.gpu_share
     rows = min(config.sft.micro_batch_size, samples)
-    estimate = sft_estimate(config, counts, rows * longest, share * total)
+    margin = run_margin(config, share * total)
+    estimate = sft_estimate(config, counts, rows * longest, share * total, margin)
     if estimate.fits():
         return estimate
-    advice = sft_fit_advice(config, counts, rows, longest, share * total)
+    advice = sft_fit_advice(config, counts, rows, longest, share * total, margin)
     shared = f" (with run.gpu_share={share:g} of a {total / GIB:.1f} GiB GPU: or a larger share)" if share < 1 else ""
     raise ConfigError(f"SFT needs about {estimate.table()} for micro-batches of {rows} samples of up to {longest} "
                       f"tokens: {'; or '.join(advice)}{shared}; or set run.check_memory=false to try anyway")
@@ -510,11 +614,12 @@ def sft_out_of_memory(error: torch.OutOfMemoryError, config: SFTConfig,
 
 
 def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: int,
-                     checkpoint: Path | None) -> ConfigError:
+                     checkpoint: Path | None, retried_with: str | None = None) -> ConfigError:
     """An RL step that ran out of GPU memory, as the run's error: what to change as far as the config has it
     (smaller micro-batches, checkpointing, the rollout freed during the update, more of the card), the
     checkpoint to continue from with the change, and torch's message. Nothing is saved: the step's update may
-    have stopped halfway."""
+    have stopped halfway. ``retried_with``: the setting the step was run again with (:class:`OptimizerSteps`),
+    which ran out of memory too."""
     algorithm = config.algorithm
     options = []
     if algorithm.micro_batch_tokens > 0:
@@ -532,8 +637,51 @@ def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: i
     then = (f"; then continue from {checkpoint.name} with `turnrl train resume={checkpoint.parent.parent}` and the "
             "change" if checkpoint is not None else "; no checkpoint was saved before it (run.save_every=N saves "
             "one every N steps): start again with run.overwrite=true and the change")
-    return ConfigError(f"RL step {step} ran out of GPU memory: {change}{then}. `turnrl memory` estimates each GPU's "
-                       f"peak by part. torch: {torch_said(error)}")
+    again = f", also when run again with {retried_with}" if retried_with is not None else ""
+    return ConfigError(f"RL step {step} ran out of GPU memory{again}: {change}{then}. `turnrl memory` estimates each "
+                       f"GPU's peak by part. torch: {torch_said(error)}")
+
+
+def halved_micro_batches(algorithm: AlgorithmConfig) -> str | None:
+    """Halve the update's micro-batches in place: ``micro_batch_tokens``, or ``micro_batch_size`` when the
+    micro-batches are counted in rows. Returns the new setting as ``key=value``, or None (nothing changed) when
+    a micro-batch is one row already."""
+    if algorithm.micro_batch_tokens > 1:
+        algorithm.micro_batch_tokens //= 2
+        return f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens}"
+    if algorithm.micro_batch_tokens == 0 and algorithm.micro_batch_size > 1:
+        algorithm.micro_batch_size //= 2
+        return f"algorithm.micro_batch_size={algorithm.micro_batch_size}"
+    return None
+
+
+class OptimizerSteps:
+    """Whether any of some optimizers began a step while this context is open (torch's step pre-hooks).
+
+    An update that runs out of memory before any optimizer step began has changed no weight, moment or
+    learning rate (the gradients it accumulated are dropped with ``zero_grad``), so the step can run again;
+    one that began a step may have changed some parameters and not others, since the fused and ``foreach``
+    updates work through the parameters in several kernels.
+    """
+
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer | None]) -> None:
+        self.optimizers = [optimizer for optimizer in optimizers if optimizer is not None]
+        self.began = False
+        self._handles: list[Any] = []
+
+    def _began(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.began = True
+
+    def __enter__(self) -> OptimizerSteps:
+        self.began = False
+        self._handles = [optimizer.register_step_pre_hook(self._began) for optimizer in self.optimizers]
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def cap_gpu_memory(share: float, device: torch.device) -> None:
@@ -567,7 +715,7 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
     total = torch.cuda.get_device_properties(device).total_memory
     share = config.run.gpu_share
     try:
-        estimate = require_fit(config, counts, processes, share * total)
+        estimate = require_fit(config, counts, processes, share * total, run_margin(config, share * total))
     except ConfigError as error:
         if share == 1:
             raise

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 from torch.distributed.tensor import DTensor
 
 from turnrl.agent.formats import get_format
@@ -74,6 +75,7 @@ from turnrl.training.checkpoint import (
     disk_space_problem,
     load_trainer_state,
     prune_checkpoints,
+    rng_state,
     save_checkpoint,
     set_rng_state,
     steps_done,
@@ -83,6 +85,7 @@ from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.training.forward import ValueModel
 from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import RunConsole, RunProgress
+from turnrl.training.memory import OptimizerSteps, halved_micro_batches, torch_said
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config
@@ -339,6 +342,9 @@ def _lookup_only(model: Any) -> torch.Tensor | None:
 class Trainer:
     """Everything an RL run holds, built at once from a :class:`TrainConfig` (or restored from a checkpoint).
 
+    ``retries_out_of_memory``: whether an update that runs out of GPU memory before its first optimizer step is
+    run again once with half the micro-batches (:meth:`update_or_retry`).
+
     Args:
         config: the run.
         start_model: the model RL starts from (the SFT stage's output); None: ``model.path`` or the
@@ -347,10 +353,14 @@ class Trainer:
             spec stops the run before SFT); None builds them from ``config.rewards``.
     """
 
+    retries_out_of_memory = True
+
     def __init__(
         self, config: TrainConfig, start_model: Path | str | None = None, rewards: Rewards | None = None
     ) -> None:
         self.config = config
+        self.memory_retries: dict[int, str] = {}
+        """Steps (counted from 1) of this process that ran out of memory and were run again, with the setting."""
         # After this run's SFT stage, its model stays (run.overwrite deletes only the RL outputs).
         self.run_dir = start_run(config, stage="rl" if config.sft.enabled else "train")
         self.device = ranks.training_device(config.model.device)
@@ -575,7 +585,7 @@ class Trainer:
         rollout, keep = self.roll_out(step)
         rollout_peak = phase_peak_gib(self.device)
         self.measure_collapse(step, rollout)
-        output = self.update(step, rollout, keep) if keep else rollout
+        output = self.update_or_retry(step, rollout, keep) if keep else rollout
         output.metrics["timing/step_s"] = time.time() - step_start
         if rollout_peak is not None:
             output.metrics["memory/rollout_peak_gib"] = rollout_peak
@@ -630,6 +640,41 @@ class Trainer:
         scores and the update to use; the next rollout builds it again (``model.engine.free_during_update``)."""
         for policy in {id(policy): policy for policy in self.policies}.values():
             policy.release_memory()
+
+    def update_or_retry(self, step: int, rollout: StepOutput, keep: list[int]) -> StepOutput:
+        """:meth:`update`; one that runs out of GPU memory before any optimizer step began runs again once, with
+        half the micro-batches (:func:`halved_micro_batches`), on the same episodes from the same random state,
+        as a run set so from the start would (the gradients the failed pass accumulated are dropped).
+        The halved setting stays for the rest of the run, also in ``config.yaml`` for a resume, since the later
+        steps are as large. One that began an optimizer step, or runs out again, raises (the run stops with
+        what to set). Not with ``retries_out_of_memory`` off."""
+        random_state = rng_state()
+        watch = OptimizerSteps([self.actor_optimizer, self.critic_optimizer])
+        try:
+            with watch:
+                return self.update(step, rollout, keep)
+        except torch.OutOfMemoryError as error:
+            halved = halved_micro_batches(self.config.algorithm) if self.retries_out_of_memory and not watch.began \
+                else None
+            if halved is None:
+                raise
+            said = torch_said(error)
+        # Outside the except clause, whose traceback holds the failed attempt's tensors.
+        for optimizer in watch.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # new segments can then be cut to the smaller passes
+        set_rng_state(random_state)
+        self.memory_retries[step + 1] = halved
+        self.summary.setdefault("memory_retries", []).append({"step": step + 1, "setting": halved})
+        if ranks.is_main():
+            write_config(self.config)
+        console.print(f"[bold]RL step {step + 1} ran out of GPU memory before its first optimizer step[/bold]: "
+                      f"running it again on the same episodes with {halved}, kept for the rest of the run. "
+                      f"torch: {escape(said)}", soft_wrap=True)
+        output = self.update(step, rollout, keep)
+        output.metrics["memory/oom_retries"] = 1.0
+        return output
 
     def update(self, step: int, rollout: StepOutput, keep: list[int]) -> StepOutput:
         """3-6: batch, scores, advantages and the PPO epochs on the kept episodes of ``rollout``."""
