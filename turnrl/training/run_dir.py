@@ -140,14 +140,15 @@ class RunLock:
         self.create = create
         """Make the directory when it is not there (a new run); else (a resume) lock only one that is."""
         self._lock: FileLock | None = None
-        self._created = False
+        self._created: list[Path] = []
+        """The folders made to hold the lock, deepest first (the run's, then those above it that were missing)."""
 
     def __enter__(self) -> RunLock:
         if not self.run_dir.is_dir():
             if not self.create:
                 return self
+            self._created = [folder for folder in (self.run_dir, *self.run_dir.parents) if not folder.exists()]
             self.run_dir.mkdir(parents=True)
-            self._created = True
         lock = FileLock(str(self.run_dir / LOCK_FILE), timeout=0)
         try:
             lock.acquire()
@@ -179,11 +180,11 @@ class RunLock:
         self._remove_if_created()
 
     def _remove_if_created(self) -> None:
-        if self._created:
+        for folder in self._created:
             try:
-                self.run_dir.rmdir()  # only when empty
+                folder.rmdir()  # only when empty
             except OSError:
-                pass
+                return
 
 
 def _read_owner(path: Path) -> str | None:
