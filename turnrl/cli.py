@@ -338,6 +338,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if resume is not None and config_path is None:
         if not (Path(resume) / "config.yaml").is_file():
             raise SystemExit(f"error: resume={resume!r} is not a run directory (it has no config.yaml)")
+        from turnrl.training.run_dir import damaged_run_config
+
+        damage = damaged_run_config(Path(resume))
+        if damage is not None:
+            raise SystemExit(f"error: {damage}")
         config_path = str(Path(resume) / "config.yaml")
     try:
         config = load_config(TrainConfig, config_path, overrides)

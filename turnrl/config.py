@@ -13,7 +13,10 @@ import ast
 import difflib
 import inspect
 import math
+import os
 import re
+import shutil
+import sys
 import textwrap
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -29,6 +32,28 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says which key and what is allowed."""
+
+
+def turnrl_command(argv0: str | None = None) -> str:
+    """``turnrl`` as the user can type it again, for the commands a message prints (``turnrl train resume=...``).
+
+    A process started as a ``turnrl`` script that the shell would not find by that name (``.venv/bin/turnrl``
+    while the virtualenv is not activated) gives that script's path, relative to the current folder when it is
+    below it; anything else (``turnrl`` on the PATH, ``python -m turnrl.cli``, a test) gives ``turnrl``.
+    ``argv0``: how the process was started (``sys.argv[0]``).
+    """
+    started = argv0 if argv0 is not None else sys.argv[0]
+    if Path(started).name != "turnrl" or not Path(started).is_file():
+        return "turnrl"
+    found = shutil.which("turnrl")
+    if found is not None and Path(found).resolve() == Path(started).resolve():
+        return "turnrl"
+    script = Path(os.path.abspath(started))
+    try:
+        relative = script.relative_to(Path.cwd())
+    except ValueError:
+        return str(script)
+    return str(relative) if len(relative.parts) > 1 else f"./{relative}"
 
 
 def check_choice(key: str, value: Any, allowed: list[Any] | tuple[Any, ...]) -> None:

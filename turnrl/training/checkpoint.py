@@ -7,19 +7,27 @@ Layout of ``RUN_DIR/checkpoints/step_000100/`` (the run after its 100th step: st
     critic/              the critic's backbone and value head (PPO only)
     trainer_state.pt     optimizers, schedulers, RNG states, steps done
 
-A checkpoint is written into ``step_N.tmp`` and renamed when complete, and the
-``latest`` pointer is replaced atomically, so a crash mid-save never leaves a
-half checkpoint that resume would pick up. A checkpoint damaged later (a file
-deleted or cut short) is found by :func:`checkpoint_problem`, and
+    config.yaml          the run's config.yaml as it was at this step (to restore a damaged one from)
+
+A checkpoint is written into ``step_N.tmp-PID-RANDOM`` (a name no other writer
+uses) and renamed when complete, and the ``latest`` pointer is replaced
+atomically, so a crash mid-save never leaves a half checkpoint that resume would
+pick up; a save that fails part-way (a full disk, a file-size limit) stops with
+what to do and leaves the previous checkpoint as it was. A checkpoint damaged
+later (a file deleted or cut short) is found by :func:`checkpoint_problem`, and
 :func:`resume_point` then falls back to the newest complete one.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import resource
+import secrets
 import shutil
+import tempfile
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
+
+from turnrl.config import ConfigError, turnrl_command
 
 
 def rng_state() -> dict[str, Any]:
@@ -50,10 +60,57 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` whole or not at all: written to a temporary file of its folder (a name no
+    other process uses: ``tempfile`` creates it exclusively), flushed to the disk, then renamed over ``path``.
+    A failed write (a full disk, a file-size limit) leaves the old file as it was and no temporary file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def unique_tmp_name(step: int) -> str:
+    """The folder checkpoint ``step`` is written into before it is renamed: ``step_000040.tmp-PID-RANDOM``, so
+    that no two writers (a process and one left from an earlier session) ever share one."""
+    return f"step_{step:06d}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+WRITE_FAILURES = (OSError, RuntimeError, SafetensorError)
+"""What a write that fails part-way raises: ``OSError`` from Python's files, ``RuntimeError`` from torch's zip
+writer ("unexpected pos"), ``SafetensorError`` from safetensors' writer."""
+
+_DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def write_failure_cause(error: BaseException, folder: Path) -> str | None:
+    """Why a write into ``folder`` failed, when the disk is the cause: the error's own errno (no space, file
+    too large, quota), this process's file-size limit (``ulimit -f``), or a disk with (almost) no space left;
+    None when none of these holds (a fault of another kind, whose traceback should be seen).
+
+    torch's and safetensors' writers turn the disk's error into one of their own, without its errno, so the
+    limit and the free space are looked at as well."""
+    chained: BaseException | None = error
+    while chained is not None:
+        if isinstance(chained, OSError) and chained.errno in _DISK_ERRNOS:
+            return f"{os.strerror(chained.errno)} ({chained.strerror or chained})"
+        chained = chained.__cause__ or chained.__context__
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"this process may write files of at most {limit / 1e6:.1f} MB (its file-size limit, `ulimit -f`)"
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free < 64 * 2**20:
+        return f"{existing} has {free / 1e6:.1f} MB free"
+    return None
 
 
 def save_checkpoint(
@@ -64,28 +121,51 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     critic: Any | None = None,
     before_publish: Callable[[Path], None] | None = None,
+    config_yaml: str | None = None,
+    tmp_name: str | None = None,
 ) -> Path:
     """Write checkpoint ``step`` (the run after ``step`` steps) atomically and point ``latest`` at it.
 
     ``before_publish(tmp_dir)`` writes more into the checkpoint before it is renamed into place (the
-    optimizers' shards of a distributed run).
+    optimizers' shards of a distributed run, whose processes all write into ``tmp_name``); ``config_yaml``,
+    the run's settings, is kept with it as ``config.yaml``. The caller is the run directory's one writer
+    (:class:`~turnrl.training.run_dir.RunLock`), so unfinished folders of earlier sessions are its to delete.
+
+    Raises:
+        ConfigError: the disk or a file-size limit stopped the write part-way (:func:`write_failure_cause`);
+            the unfinished folder is deleted and ``latest`` still names the previous checkpoint.
     """
     root = run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
-    tmp = root / f"step_{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    actor.save_pretrained(tmp / "actor")
-    tokenizer.save_pretrained(tmp / "actor")
-    if critic is not None:
-        critic.save_pretrained(tmp / "critic")
-    torch.save({**trainer_state, "steps_done": step, "rng": rng_state()}, tmp / "trainer_state.pt")
-    if before_publish is not None:
-        before_publish(tmp)
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.glob("step_*.tmp*"):  # sessions killed mid-save
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = root / (tmp_name or unique_tmp_name(step))
+    try:
+        tmp.mkdir()
+        actor.save_pretrained(tmp / "actor")
+        tokenizer.save_pretrained(tmp / "actor")
+        if critic is not None:
+            critic.save_pretrained(tmp / "critic")
+        torch.save({**trainer_state, "steps_done": step, "rng": rng_state()}, tmp / "trainer_state.pt")
+        if config_yaml is not None:
+            (tmp / "config.yaml").write_text(config_yaml)
+        if before_publish is not None:
+            before_publish(tmp)
+    except WRITE_FAILURES as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = write_failure_cause(error, tmp)
+        if cause is None:
+            raise
+        latest = latest_checkpoint(run_dir)
+        then = (f", then continue from {latest.name} (intact) with `{turnrl_command()} train resume={run_dir}`"
+                if latest is not None else " (no earlier checkpoint was saved)")
+        raise ConfigError(f"checkpoint after step {step} could not be written: {cause}. Free some space, raise the "
+                          f"limit, or put run.output_dir on a larger disk{then}") from error
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _atomic_write_text(root / "latest", final.name)
+    atomic_write_text(root / "latest", final.name)
     return final
 
 

@@ -5,8 +5,11 @@
       sft_stage          the base model, fine-tuned on expert demos (rank 0, when enabled)
       the trainer        Trainer, or FSDPTrainer (several processes under torchrun), or AsyncTrainer
                          (distributed.async_rollout); each step is trainer.step(step)
-      loop               validation, metrics, trajectory files, checkpoints; Ctrl-C or ``RUN_DIR/stop``
-                         stops after the step in progress with a checkpoint
+      loop               validation, metrics, trajectory files, checkpoints; Ctrl-C, SIGTERM (a batch
+                         scheduler's) or ``RUN_DIR/stop`` stops after the step in progress with a checkpoint
+
+A run holds its directory's lock (:class:`~turnrl.training.run_dir.RunLock`) from its checks to its end, so a
+second process writing into the same run is refused.
 
 The trainers (:mod:`turnrl.training.trainer` and the two built on it) hold the models and run a step; this
 module owns everything around the steps.
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-from turnrl.config import ConfigError
+from turnrl.config import ConfigError, turnrl_command
 from turnrl.models.loading import base_model_path
 from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RolloutWorkerError
@@ -46,7 +49,7 @@ from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.memory import GIB, cap_gpu_memory, check_memory, rl_out_of_memory, set_allocator_settings
 from turnrl.training.memory_trace import recorded
 from turnrl.training.preflight import preflight
-from turnrl.training.run_dir import resumed_checkpoint, run_directory, start_run
+from turnrl.training.run_dir import RunLock, resumed_checkpoint, run_directory, run_lock, start_run
 from turnrl.training.sft import sft_stage
 from turnrl.training.trainer import StepOutput, Trainer, console
 from turnrl.viz.records import write_token_advantages
@@ -56,32 +59,37 @@ STOP_FILE = "stop"
 """``touch RUN_DIR/stop``: the run stops after the step in progress and saves a checkpoint (as Ctrl-C does in one
 process; under ``torchrun``, Ctrl-C ends the processes at once). The file is removed when the run stops."""
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Ctrl-C, and what a batch scheduler (Slurm, Kubernetes) sends some time before it kills a job."""
+
 
 class GracefulStop:
-    """Ctrl-C (SIGINT) as a request: the first asks the loop to stop after the step in progress (which then
-    saves a checkpoint); a second one interrupts at once. Outside the main thread, or where SIGINT is
-    ignored, it changes nothing."""
+    """Ctrl-C (SIGINT) or SIGTERM as a request: the first asks the loop to stop after the step in progress
+    (which then saves a checkpoint); a second one interrupts at once. Outside the main thread it changes
+    nothing, and a signal the process was started ignoring (a background job of a script) stays ignored."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> GracefulStop:
-        # A process started with SIGINT ignored (a background job of a script) keeps ignoring it.
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            for number in STOP_SIGNALS:
+                if signal.getsignal(number) != signal.SIG_IGN:
+                    self._previous[number] = signal.signal(number, self._handle)
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        console.print("\n[bold]stopping after this step[/bold] to save a checkpoint (Ctrl-C again stops at once, "
-                      "without saving)")
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        console.print(f"\n[bold]{name}: stopping after this step[/bold] to save a checkpoint (Ctrl-C again stops "
+                      "at once, without saving)")
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
 
 
 def sft_only(config: TrainConfig, data: str | None = None) -> Path:
@@ -89,8 +97,9 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     if data is not None:
         config.sft.data = data
     _set_allocator(config)
-    preflight(config, stage="sft")
-    path = sft_stage(config, start_run(config, stage="sft")).model_path
+    with RunLock(run_directory(config)):
+        preflight(config, stage="sft")
+        path = sft_stage(config, start_run(config, stage="sft")).model_path
     console.print(f"SFT model written to {path}", markup=False, highlight=False, soft_wrap=True)
     return path
 
@@ -106,6 +115,18 @@ def _validate_and_write(trainer: Trainer, logger: MetricsLogger | None, step: in
             logger.log(step, output.metrics)
         write_trajectories(output.trajectories, trainer.run_dir / "trajectories", name=name)
     return output
+
+
+def _drop_trajectories_after(folder: Path, step: int) -> None:
+    """Delete the trajectory files of steps after ``step`` (a resumed run's checkpoint), which an interrupted
+    session wrote and the resumed run either writes again or (with fewer steps) never reaches: the files, like
+    ``metrics.jsonl``, hold every step the run has once."""
+    if not folder.is_dir():
+        return
+    for path in folder.glob("step_*.jsonl"):
+        number = path.name.removeprefix("step_").split(".", 1)[0]
+        if number.isdigit() and int(number) > step:
+            path.unlink()
 
 
 def _every(n: int) -> Callable[[int], bool]:
@@ -150,7 +171,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
         raise ConfigError("distributed.backend=fsdp runs one process per GPU: start them with "
                           "`torchrun --nproc-per-node N -m turnrl.cli train ...` or distributed.nproc_per_node=N")
     try:
-        return _train(config, start, distributed)
+        with run_lock(config):  # before the checks: a run that starts in between would pass them too
+            return _train(config, start, distributed)
     finally:
         if distributed:
             ranks.close_process_group()
@@ -216,6 +238,8 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                            config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))),
                            resume_step=trainer.first_step if resumed else None) if ranks.is_main() else None
 
+    if resumed and logger is not None:
+        _drop_trajectories_after(trainer.run_dir / "trajectories", trainer.first_step)
     validation: StepOutput | None = None  # the latest validation, while the weights are still the ones it saw
     if not resumed:
         validation = _validate_and_write(trainer, logger, 0, "val_before_rl.jsonl")
@@ -276,14 +300,20 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             if save_now(step) and not last:
                 _save(trainer, step)
 
-    # A run that stopped early right after a validation, or ran no step, ends with that validation: the
-    # weights are the ones it saw. (Every other way out of the loop leaves none: the last step skips its own.)
-    after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl", done=validation).metrics
-    trainer.summary["val_success_after_rl"] = after["val/success"]
-    trainer.summary["val_after_rl"] = after
-    trainer.summary["steps"] = ran
-    if ran > 0 and config.run.save_at_end:
-        _save(trainer, ran)
+    if ran == trainer.first_step and resumed and trainer.summary.get("steps") == ran and \
+            "val_after_rl" in trainer.summary:
+        # Killed after its last checkpoint and before its summary: that checkpoint was saved after the final
+        # validation was logged and its trajectories written, so neither is repeated, nor the checkpoint.
+        after = trainer.summary["val_after_rl"]
+    else:
+        # A run that stopped early right after a validation, or ran no step, ends with that validation: the
+        # weights are the ones it saw. (Every other way out of the loop leaves none: the last step skips its own.)
+        after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl", done=validation).metrics
+        trainer.summary["val_success_after_rl"] = after["val/success"]
+        trainer.summary["val_after_rl"] = after
+        trainer.summary["steps"] = ran
+        if ran > 0 and config.run.save_at_end:
+            _save(trainer, ran)
     # Why the run stopped early (after the save: a resume forgets it).
     trainer.summary.update({**early_stops.summary(ran), **stopped})
     if logger is None:
@@ -353,7 +383,7 @@ def _stop(trainer: Trainer, logger: MetricsLogger | None, step: int, error: bool
     console.print(f"[bold]{'stopped by the error above' if error else 'interrupted'}[/bold] after step {step} "
                   f"of {trainer.config.run.steps}; checkpoint {checkpoint or 'not written (above)'}", soft_wrap=True)
     if checkpoint is not None:  # one unwrapped line, to copy whole
-        console.print(f"continue with: turnrl train resume={trainer.run_dir}", markup=False, highlight=False,
-                      soft_wrap=True)
+        console.print(f"continue with: {turnrl_command()} train resume={trainer.run_dir}", markup=False,
+                      highlight=False, soft_wrap=True)
     _report(trainer.run_dir)
     return {**trainer.summary, **stopped}

@@ -40,14 +40,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from turnrl.config import ConfigError, SamplingConfig
+from turnrl.config import ConfigError, SamplingConfig, to_yaml
 from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory, sum_by_name
 from turnrl.training import ranks
 from turnrl.training.batch import Batch
-from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint
+from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint, unique_tmp_name
 from turnrl.training.config import TrainConfig
 from turnrl.training.forward import ValueModel, body_and_head
 from turnrl.training.head import ScoringHead
@@ -428,7 +428,9 @@ class FSDPTrainer(Trainer):
         """HF models gathered from the shards (written by rank 0), the optimizers' shards by every process."""
         actor = without_tied_copies(full_state_dict(self.actor), self.rollout_actor)
         critic = full_state_dict(self.critic) if self.critic is not None else None
-        tmp = self.run_dir / "checkpoints" / f"step_{step:06d}.tmp"
+        # Every process writes its optimizer shards into the folder rank 0 names (a name no other writer uses).
+        tmp_name = ranks.all_gather_objects(unique_tmp_name(step))[0]
+        tmp = self.run_dir / "checkpoints" / tmp_name
 
         def write_optimizer_shards(directory: Path) -> None:
             ranks.barrier()  # rank 0 has made the directory
@@ -449,7 +451,8 @@ class FSDPTrainer(Trainer):
         path = save_checkpoint(self.run_dir, step, _WithStateDict(self.actor, actor),
                                self.processor or self.tokenizer, state,
                                critic=_WithStateDict(self.critic, critic) if critic is not None else None,
-                               before_publish=write_optimizer_shards)
+                               before_publish=write_optimizer_shards, config_yaml=to_yaml(self.config),
+                               tmp_name=tmp_name)
         prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
         ranks.barrier()
         return path

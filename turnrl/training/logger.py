@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.errors import LiveError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from turnrl.training.checkpoint import atomic_write_text
+
 
 class RunConsole(Console):
     """rich's console for what a run prints, which a reader that went away never stops.
@@ -109,9 +111,7 @@ def _truncate_after(path: Path, step: int) -> int:
             dropped += 1
         else:
             kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    tmp.replace(path)
+    atomic_write_text(path, "".join(f"{line}\n" for line in kept))
     return dropped
 
 

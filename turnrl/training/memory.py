@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from turnrl.config import ConfigError
+from turnrl.config import ConfigError, turnrl_command
 from turnrl.engine.cache import KVCache, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.loading import VISION_TOWERS, load_model
@@ -634,9 +634,10 @@ def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: i
     if config.run.gpu_share < 1:
         options.append(f"run.gpu_share above {config.run.gpu_share:g}")
     change = f"set {'; or '.join(options)}" if options else "use a GPU with more memory (see `turnrl memory`)"
-    then = (f"; then continue from {checkpoint.name} with `turnrl train resume={checkpoint.parent.parent}` and the "
-            "change" if checkpoint is not None else "; no checkpoint was saved before it (run.save_every=N saves "
-            "one every N steps): start again with run.overwrite=true and the change")
+    resume = f"`{turnrl_command()} train resume={checkpoint.parent.parent}`" if checkpoint is not None else ""
+    then = (f"; then continue from {checkpoint.name} with {resume} and the change" if checkpoint is not None else
+            "; no checkpoint was saved before it (run.save_every=N saves one every N steps): start again with "
+            "run.overwrite=true and the change")
     again = f", also when run again with {retried_with}" if retried_with is not None else ""
     return ConfigError(f"RL step {step} ran out of GPU memory{again}: {change}{then}. `turnrl memory` estimates each "
                        f"GPU's peak by part. torch: {torch_said(error)}")

@@ -10,11 +10,11 @@ import importlib.util
 
 from rich.console import Console
 
-from turnrl.config import ConfigError
+from turnrl.config import ConfigError, turnrl_command
 from turnrl.envservice.placement import env_factory
 from turnrl.models.loading import ModelSource, locate_model, model_line
 from turnrl.training import ranks
-from turnrl.training.checkpoint import checkpoint_step
+from turnrl.training.checkpoint import checkpoint_step, resume_point
 from turnrl.training.config import TrainConfig
 from turnrl.training.run_dir import RL_OUTPUTS, resumed_checkpoint, run_directory
 from turnrl.training.sft import read_chat_jsonl
@@ -69,7 +69,10 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     if sft_runs and (run_dir / "sft" / "model").exists():  # an SFT stage that stopped before its model ran no run
         taken.append("sft")
     if taken:
-        resume = f"continue it with `turnrl train resume={run_dir}`, " if stage == "train" else ""
+        # Offered only where it can work: a run stopped before its first checkpoint has nothing to resume.
+        resumable = stage == "train" and resume_point(run_dir).checkpoint is not None
+        resume = (f"continue it with `{turnrl_command()} train resume={run_dir}`, " if resumable else
+                  "it holds no checkpoint to continue from; " if stage == "train" else "")
         raise ConfigError(
             f"run directory {run_dir} already holds a run ({', '.join(taken)}); {resume}pick another run.name, "
             "or pass run.overwrite=true to delete it and start afresh"

@@ -2,19 +2,35 @@
 
 A directory holds one run: a new run refuses one that holds another (:mod:`turnrl.training.preflight`
 says so before anything is written), ``run.overwrite`` deletes the old outputs first, and ``resume``
-continues the run it names, from the checkpoint :func:`resumed_checkpoint` picks.
+continues the run it names, from the checkpoint :func:`resumed_checkpoint` picks. One process writes into
+a directory at a time (:class:`RunLock`), and its ``config.yaml`` is replaced whole or not at all.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
+import time
+from contextlib import nullcontext
 from pathlib import Path
+from types import TracebackType
 
 import torch
+import yaml
+from filelock import FileLock, Timeout
+from rich.console import Console
 
-from turnrl.config import ConfigError, to_yaml
+from turnrl.config import ConfigError, to_yaml, turnrl_command
 from turnrl.training import ranks
-from turnrl.training.checkpoint import ResumePoint, checkpoint_steps, resume_point
+from turnrl.training.checkpoint import (
+    ResumePoint,
+    atomic_write_text,
+    checkpoint_step,
+    checkpoint_steps,
+    latest_checkpoint,
+    resume_point,
+)
 from turnrl.training.config import TrainConfig
 from turnrl.training.seeding import seed_everything
 from turnrl.viz.report import PLOTS_DIR, REPORT_NAME
@@ -41,14 +57,153 @@ def resumed_checkpoint(config: TrainConfig) -> ResumePoint:
         none = "no complete checkpoint" if checkpoint_steps(run_dir) else "no checkpoint"
         raise ConfigError(f"resume={config.resume!r} holds {none} ({point.note}); a run saves one every "
                           "run.save_every steps, at its end and on Ctrl-C; start it afresh with "
-                          f"`turnrl train --config {run_dir / 'config.yaml'} run.overwrite=true`")
+                          f"`{turnrl_command()} train --config {run_dir / 'config.yaml'} run.overwrite=true`")
     return point
 
 
 def write_config(config: TrainConfig) -> None:
-    """The run's ``config.yaml``: what ``resume=RUN_DIR`` reads back (written by rank 0)."""
+    """The run's ``config.yaml``: what ``resume=RUN_DIR`` reads back (written by rank 0, whole or not at all:
+    a resume reads it before anything else, so a file cut short would stop every later resume)."""
     if ranks.is_main():
-        (run_directory(config) / "config.yaml").write_text(to_yaml(config))
+        atomic_write_text(run_directory(config) / "config.yaml", to_yaml(config))
+
+
+def _config_damage(path: Path) -> str | None:
+    """What makes a run's ``config.yaml`` unreadable as its settings (``empty``, ``not UTF-8 text``), or None.
+
+    An empty file would read as every default: a resume would then check the checkpoints against the wrong
+    algorithm (a critic it never had) or go on with the wrong env, so it counts as damaged here.
+    """
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as error:
+        return f"cannot be read: {error.strerror or error}"
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    if not text.strip():
+        return "empty"
+    try:
+        settings = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        return f"not valid YAML: {' '.join(str(error).split())}"
+    if not isinstance(settings, dict) or not settings:
+        return "no mapping of settings"
+    return None
+
+
+def _config_copy(run_dir: Path) -> Path | None:
+    """The copy of the run's settings that its latest checkpoint (else its newest one holding one) keeps."""
+    latest = latest_checkpoint(run_dir)
+    candidates = [latest] if latest is not None else []
+    candidates += [run_dir / "checkpoints" / f"step_{step:06d}" for step in reversed(checkpoint_steps(run_dir))]
+    return next((path / "config.yaml" for path in candidates if _config_damage(path / "config.yaml") is None),
+                None)
+
+
+def damaged_run_config(run_dir: Path) -> str | None:
+    """One line, when ``RUN_DIR/config.yaml`` is damaged (empty, not text, not YAML), saying so and how to
+    repair it, else None. Nothing is changed on disk: the checkpoints are intact, only the settings to resume
+    them with are lost."""
+    path = run_dir / "config.yaml"
+    damage = _config_damage(path)
+    if damage is None:
+        return None
+    copy = _config_copy(run_dir)
+    command = turnrl_command()
+    if copy is not None:
+        repair = (f"restore it from the copy checkpoint {checkpoint_step(copy.parent)} keeps (`cp {copy} {path}`) "
+                  f"and resume again")
+    else:
+        repair = (f"resume with the recipe the run started from (`{command} train --config RECIPE resume={run_dir}` "
+                  "writes it again), or start afresh under another run.name")
+    return f"{path} is damaged ({damage}); {repair}. Nothing was changed"
+
+
+LOCK_FILE = ".lock"
+"""``RUN_DIR/.lock``: held (a kernel file lock) by the one process that writes into the run."""
+OWNER_FILE = ".lock.owner"
+"""``RUN_DIR/.lock.owner``: who holds the lock (``pid``, ``host``, ``since``), for the line refusing another."""
+
+
+class RunLock:
+    """One writer per run directory: ``turnrl train`` and ``turnrl sft`` hold ``RUN_DIR/.lock`` while they run.
+
+    A second process (another ``turnrl train`` with the same run name, ``resume=RUN_DIR`` while the run trains)
+    is refused with one line naming the owner, from ``RUN_DIR/.lock.owner``. The lock is filelock's (the
+    operating system's file lock), which ends with the process holding it, however it ends: a killed owner
+    leaves no lock to go stale, only its owner file, which the next writer replaces with a note. A directory
+    made only to be locked (a start that then failed its checks) is removed again.
+    """
+
+    def __init__(self, run_dir: Path, create: bool = True) -> None:
+        self.run_dir = run_dir
+        self.create = create
+        """Make the directory when it is not there (a new run); else (a resume) lock only one that is."""
+        self._lock: FileLock | None = None
+        self._created: list[Path] = []
+        """The folders made to hold the lock, deepest first (the run's, then those above it that were missing)."""
+
+    def __enter__(self) -> RunLock:
+        if not self.run_dir.is_dir():
+            if not self.create:
+                return self
+            self._created = [folder for folder in (self.run_dir, *self.run_dir.parents) if not folder.exists()]
+            self.run_dir.mkdir(parents=True)
+        lock = FileLock(str(self.run_dir / LOCK_FILE), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            self._remove_if_created()
+            owner = _read_owner(self.run_dir / OWNER_FILE) or "another process"
+            raise ConfigError(f"run directory {self.run_dir} is in use by {owner}: one process writes into a run "
+                              f"at a time; wait for it to end, stop it (`touch {self.run_dir / 'stop'}` stops it "
+                              "after its step, with a checkpoint), or pick another run.name") from None
+        self._lock = lock
+        left = _read_owner(self.run_dir / OWNER_FILE)
+        if left is not None:
+            Console(stderr=True).print(f"note: {self.run_dir} was last written by {left}, which ended without "
+                                       "releasing it (killed); this process takes it over", markup=False,
+                                       highlight=False, soft_wrap=True)
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        atomic_write_text(self.run_dir / OWNER_FILE, "".join(f"{key}: {value}\n" for key, value in record.items()))
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if self._lock is None:
+            return
+        (self.run_dir / OWNER_FILE).unlink(missing_ok=True)
+        if self._created and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
+            (self.run_dir / LOCK_FILE).unlink()  # while still held: no other process took it in between
+        self._lock.release()
+        self._lock = None
+        self._remove_if_created()
+
+    def _remove_if_created(self) -> None:
+        for folder in self._created:
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                return
+
+
+def _read_owner(path: Path) -> str | None:
+    """``pid 123 on host node7 (since 2026-11-29 10:00:00)`` from an owner file, None when there is none."""
+    try:
+        fields = dict(line.split(": ", 1) for line in path.read_text().splitlines() if ": " in line)
+    except (OSError, UnicodeDecodeError):
+        return None
+    if "pid" not in fields:
+        return None
+    return f"pid {fields['pid']} on host {fields.get('host', '?')} (since {fields.get('since', '?')})"
+
+
+def run_lock(config: TrainConfig) -> RunLock | nullcontext[None]:
+    """The lock of the run's directory, taken by rank 0 (the one process of a distributed run that writes
+    its shared files); a resume locks the directory it names only when it is there (else its check says so)."""
+    if not ranks.is_main():
+        return nullcontext()
+    return RunLock(run_directory(config), create=not config.resume)
 
 
 def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
@@ -91,7 +246,9 @@ def run_of_model(path: str | Path) -> tuple[Path, Path] | None:
     given = Path(path)
     if not given.is_dir():
         return None
-    if (given / "config.yaml").is_file() and not (given / "config.json").is_file():  # a run, not a model
+    # A run, not a model (which has a config.json) nor a checkpoint (which keeps a copy of its run's config.yaml).
+    if (given / "config.yaml").is_file() and not (given / "config.json").is_file() and \
+            not (given / "trainer_state.pt").is_file():
         checkpoint = latest_checkpoint(given)
         model = checkpoint / "actor" if checkpoint is not None else given / "sft" / "model"
         return (model, given) if model.is_dir() else None

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import GroupStats, group_stats, kl_penalty, seeded_group_scores, select_groups
-from turnrl.config import ConfigError, SamplingConfig
+from turnrl.config import ConfigError, SamplingConfig, to_yaml
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
 from turnrl.models.devices import resolve_dtype
@@ -71,6 +71,7 @@ from turnrl.training.advantages import compute_advantages
 from turnrl.training.attention import implementation
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.checkpoint import (
+    atomic_write_text,
     checkpoint_bytes,
     disk_space_problem,
     load_trainer_state,
@@ -799,7 +800,7 @@ class Trainer:
             "elapsed_s": self.elapsed_s(),
         }
         path = save_checkpoint(self.run_dir, step, self.actor, self.processor or self.tokenizer, state,
-                               critic=self.critic)
+                               critic=self.critic, config_yaml=to_yaml(self.config))
         prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
         return path
 
@@ -820,5 +821,5 @@ class Trainer:
         self.summary["timings_s"] = {k: round(v, 2) for k, v in self.timings.items()}
         self.summary["total_s"] = round(self.elapsed_s(), 2)
         path = self.run_dir / "summary.json"
-        path.write_text(json.dumps(self.summary, indent=2))
+        atomic_write_text(path, json.dumps(self.summary, indent=2))
         return path

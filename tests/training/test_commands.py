@@ -1,0 +1,377 @@
+"""A run's directory under crashes and a second writer: real processes killed at chosen moments, a file-size
+limit, two ``turnrl train`` at once, SIGTERM; and the commands the messages print."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from turnrl.cli import main
+from turnrl.config import ConfigError, load_config, turnrl_command
+from turnrl.training.checkpoint import checkpoint_problem, latest_checkpoint
+from turnrl.training.commands import train
+from turnrl.training.config import TrainConfig
+from turnrl.training.preflight import preflight
+from turnrl.training.run_dir import OWNER_FILE, RunLock, write_config
+
+ROOT = Path(__file__).resolve().parents[2]
+# A short GRPO run of the tiny model (no critic: the cheapest step), one thread.
+FAST = [
+    "model.device=cpu", "model.dtype=float32", "run.tensorboard=false", "run.trajectories_every=1", "run.threads=1",
+    "env.id=FrozenLake", "agent.format=no_think", "agent.env_instructions=false", "agent.format_instructions=false",
+    "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=2", "groups.group_size=2",
+    "validation.episodes=2", "algorithm.advantage=grpo", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
+]
+
+
+def overrides(model_dir: Path, out: Path, *extra: str, name: str = "run") -> list[str]:
+    return [f"model.path={model_dir}", f"run.output_dir={out}", f"run.name={name}", *FAST, *extra]
+
+
+def config(model_dir: Path, out: Path, *extra: str, name: str = "run") -> TrainConfig:
+    return load_config(TrainConfig, None, overrides(model_dir, out, *extra, name=name))
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def kinds(run: Path) -> list[tuple[int, str]]:
+    """Each record of ``metrics.jsonl`` as (step, what): an RL step's, or a validation's alone."""
+    return [(r["step"], "step" if "rollout/success" in r else "val") for r in records(run)]
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+
+
+def python(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``code`` in a new interpreter (where a signal, a kill or a resource limit touches only it)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                          env=environment(), cwd=ROOT)
+
+
+def turnrl_train(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "turnrl.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=environment(), cwd=ROOT)
+
+
+def wait_for(condition, what: str, process: subprocess.Popen | None = None, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the process ended before {what}: {process.communicate()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s")
+        time.sleep(0.1)
+
+
+def error_line(*args: str) -> str:
+    """The one-line error of ``turnrl ARGS`` run in this process."""
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+    message = str(info.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_model_dir, tmp_path_factory) -> Path:
+    """A finished 2-step run with a checkpoint after each step (read, never changed, by the tests)."""
+    out = tmp_path_factory.mktemp("finished")
+    train(config(tiny_model_dir, out, "run.steps=2", "run.save_every=1"))
+    return out / "run"
+
+
+# --------------------------------------------------------------------------- 1. config.yaml, whole or not at all
+WRITE_UNDER_A_LIMIT = """
+import resource, sys
+from turnrl.config import load_config
+from turnrl.training.config import TrainConfig
+from turnrl.training.run_dir import write_config
+config = load_config(TrainConfig, None, [f"run.output_dir={sys.argv[1]}", "run.name=run", "run.steps=7"])
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))  # `ulimit -f 1`
+try:
+    write_config(config)
+except OSError as error:
+    print("failed:", error.strerror)
+"""
+
+
+def test_a_config_write_that_fails_leaves_the_old_config_yaml_whole(tmp_path):
+    """A resume rewrites config.yaml; under a file-size limit that write fails, and the old file must stay
+    whole (it was cut to the limit before), with no temporary file left beside it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    write_config(load_config(TrainConfig, None, [f"run.output_dir={tmp_path}", "run.name=run", "run.steps=3"]))
+    before = (run / "config.yaml").read_bytes()
+    assert len(before) > 1024
+    done = python(WRITE_UNDER_A_LIMIT, str(tmp_path))
+    assert "failed: File too large" in done.stdout, done.stderr
+    assert (run / "config.yaml").read_bytes() == before
+    assert [p.name for p in run.iterdir()] == ["config.yaml"]
+
+
+# --------------------------------------------------------------------------- 2. a damaged config.yaml
+@pytest.mark.parametrize("damage", [b"", b"\n  \n", b"\x9f\xd3\x00\xffrandom\xfe bytes", b"run: [unclosed",
+                                    b"- a list\n"])
+def test_a_damaged_config_yaml_stops_a_resume_with_one_line_and_changes_nothing(finished, tmp_path, damage):
+    run = tmp_path / "run"
+    run.mkdir()
+    for path, data in listing(finished).items():  # a copy of the finished run, summary.json left out
+        if path != "summary.json":
+            (run / path).parent.mkdir(parents=True, exist_ok=True)
+            (run / path).write_bytes(data)
+    recorded = (run / "config.yaml").read_bytes()
+    (run / "config.yaml").write_bytes(damage)
+    before = listing(run)
+    message = error_line("train", f"resume={run}", "run.steps=3")
+    copy = run / "checkpoints" / "step_000002" / "config.yaml"
+    assert message.startswith(f"error: {run / 'config.yaml'} is damaged (")
+    assert f"restore it from the copy checkpoint 2 keeps (`cp {copy} {run / 'config.yaml'}`)" in message
+    assert "overwrite" not in message and message.endswith("Nothing was changed")
+    assert listing(run) == before
+    assert copy.read_bytes() == recorded  # the copy is the run's settings
+    # Without a copy (checkpoints saved before they kept one): resume with the recipe, nothing deleted.
+    for checkpoint in ("step_000001", "step_000002"):
+        (run / "checkpoints" / checkpoint / "config.yaml").unlink()
+    message = error_line("train", f"resume={run}")
+    assert f"`turnrl train --config RECIPE resume={run}` writes it again" in message
+    assert "overwrite" not in message
+
+
+def test_a_checkpoint_that_keeps_its_runs_config_is_still_read_as_a_checkpoint(finished):
+    from turnrl.training.run_dir import run_of_model
+
+    checkpoint = finished / "checkpoints" / "step_000002"
+    assert run_of_model(checkpoint) == (checkpoint / "actor", finished)
+    assert run_of_model(finished) == (checkpoint / "actor", finished)
+
+
+# --------------------------------------------------------------------------- 3. one writer per run directory
+def test_a_second_train_or_resume_into_a_training_run_is_refused_with_its_owner(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    first = turnrl_train(*overrides(tiny_model_dir, tmp_path, "run.steps=200", "run.save_every=1"))
+    try:
+        wait_for(lambda: (run / "checkpoints" / "latest").is_file(), "first checkpoint", first)
+        for args in (overrides(tiny_model_dir, tmp_path, "run.steps=3"), [f"resume={run}", "run.steps=300"]):
+            second = turnrl_train(*args)
+            out, err = second.communicate(timeout=240)
+            assert second.returncode == 1, out + err
+            assert err.strip() == (f"error: run directory {run} is in use by pid {first.pid} on host "
+                                   f"{os.uname().nodename} (since {err.split('(since ')[1].split(')')[0]}): one "
+                                   "process writes into a run at a time; wait for it to end, stop it (`touch "
+                                   f"{run / 'stop'}` stops it after its step, with a checkpoint), or pick another "
+                                   "run.name")
+        (run / "stop").touch()
+        out, err = first.communicate(timeout=240)
+    finally:
+        first.kill()
+    assert first.returncode == 130, out + err
+    steps = [step for step, kind in kinds(run) if kind == "step"]
+    assert steps == list(range(1, len(steps) + 1))  # each step once, no torn line
+    assert not (run / OWNER_FILE).exists()
+
+
+HOLD_THE_LOCK = """
+import sys, time
+from pathlib import Path
+from turnrl.training.run_dir import RunLock
+with RunLock(Path(sys.argv[1])):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_lock_of_a_killed_writer_is_taken_over_with_a_note(tmp_path, capsys):
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(run)], stdout=subprocess.PIPE, text=True,
+                              env=environment(), cwd=ROOT)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(ConfigError, match=f"is in use by pid {holder.pid} on host "):
+            RunLock(run).__enter__()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    finally:
+        holder.kill()
+    with RunLock(run):
+        assert f"pid: {os.getpid()}\n" in (run / OWNER_FILE).read_text()
+    note = " ".join(capsys.readouterr().err.split())
+    assert f"note: {run} was last written by pid {holder.pid} on host" in note and "takes it over" in note
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]
+
+
+def test_a_start_that_fails_its_checks_leaves_no_directory_behind(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="Chess"):
+        train(config(tiny_model_dir, tmp_path / "runs", "env.id=Chess"))
+    assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- 4. every record once, whatever the kill
+KILLED_AT = """
+import os, signal, sys
+from turnrl.config import load_config
+from turnrl.training.commands import train
+from turnrl.training.config import TrainConfig
+from turnrl.training.trainer import Trainer
+
+point = sys.argv[1]
+save, write_summary = Trainer.save, Trainer.write_summary
+
+def save_then_maybe_die(self, step):
+    if point == "before_final_checkpoint" and step == self.config.run.steps:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return save(self, step)
+
+def die(self):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+Trainer.save = save_then_maybe_die
+if point == "before_summary":
+    Trainer.write_summary = die
+train(load_config(TrainConfig, None, sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("point", ["before_summary", "before_final_checkpoint"])
+def test_a_run_killed_at_its_end_and_resumed_logs_every_record_once(tiny_model_dir, tmp_path, point):
+    """SIGKILL after the final checkpoint and ``latest`` (before summary.json), or just before that checkpoint:
+    the resumed run's metrics.jsonl holds each step and each validation once, as an uninterrupted run's."""
+    run = tmp_path / "run"
+    killed = python(KILLED_AT, point, *overrides(tiny_model_dir, tmp_path, "run.steps=2", "run.save_every=1"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert not (run / "summary.json").exists()
+    assert latest_checkpoint(run).name == ("step_000002" if point == "before_summary" else "step_000001")
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=2", "run.save_every=1", f"resume={run}"))
+    assert kinds(run) == [(0, "val"), (1, "step"), (2, "step"), (2, "val")]
+    assert json.loads((run / "summary.json").read_text())["val_success_after_rl"] == summary["val_success_after_rl"]
+    assert sorted(p.name for p in (run / "trajectories").glob("*.jsonl") if ".advantages." not in p.name) == [
+        "step_000001.jsonl", "step_000002.jsonl", "val_after_rl.jsonl", "val_before_rl.jsonl"]
+
+
+def test_a_resume_with_fewer_steps_keeps_no_trajectories_of_steps_it_never_logged(tiny_model_dir, tmp_path):
+    """Stopped at step 3 with checkpoint 1 (its own copy of the finished run), resumed to 2 steps: the files of
+    step 3 go with its record."""
+    run = tmp_path / "run"
+    train(config(tiny_model_dir, tmp_path, "run.steps=3", "run.save_every=1", "run.keep_checkpoints=0"))
+    for name in ("summary.json", "checkpoints/step_000002", "checkpoints/step_000003"):
+        path = run / name
+        if path.is_dir():
+            import shutil
+
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    (run / "checkpoints" / "latest").write_text("step_000001")
+    train(config(tiny_model_dir, tmp_path, "run.steps=2", f"resume={run}"))
+    assert [step for step, kind in kinds(run) if kind == "step"] == [1, 2]
+    assert not (run / "trajectories" / "step_000003.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- 5. a checkpoint the disk cannot hold
+RESUME_UNDER_A_LIMIT = """
+import resource, sys
+from turnrl.cli import main
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
+sys.exit(main(["train", *sys.argv[2:]]))
+"""
+
+
+def test_a_checkpoint_write_cut_by_a_file_size_limit_stops_with_the_cause_and_keeps_the_last_one(tiny_model_dir,
+                                                                                                 tmp_path):
+    """The limit lets the actor's weights through and stops torch's zip writer in the optimizer states (its
+    "unexpected pos"): one line naming the limit, the previous checkpoint whole and still ``latest``."""
+    run = tmp_path / "run"
+    train(config(tiny_model_dir, tmp_path, "run.steps=1"))
+    first = run / "checkpoints" / "step_000001"
+    weights = (first / "actor" / "model.safetensors").stat().st_size
+    assert (first / "trainer_state.pt").stat().st_size > 1.5 * weights
+    done = python(RESUME_UNDER_A_LIMIT, str(int(1.5 * weights)), f"resume={run}", "run.steps=2")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint after step 2 could not be written: this process may write files of "
+                           "at most ")
+    assert "(its file-size limit, `ulimit -f`)" in last
+    assert f"then continue from step_000001 (intact) with `turnrl train resume={run}`" in last
+    assert latest_checkpoint(run) == first and checkpoint_problem(first) is None
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000001"]
+
+
+# --------------------------------------------------------------------------- 11. SIGTERM, and no resume offered in vain
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tiny_model_dir, tmp_path):
+    """What a batch scheduler sends before it kills: the run saves, as on Ctrl-C, and the resume it offers works."""
+    run = tmp_path / "run"
+    process = turnrl_train(*overrides(tiny_model_dir, tmp_path, "run.steps=200"))
+    try:
+        wait_for(lambda: any(kind == "step" for _, kind in kinds(run)) if (run / "metrics.jsonl").is_file()
+                 else False, "first step", process)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=240)
+    finally:
+        process.kill()
+    text = " ".join((out + err).split())
+    assert process.returncode == 130, text[-3000:]
+    assert "SIGTERM: stopping after this step" in text and "Traceback" not in text
+    latest = latest_checkpoint(run)
+    assert latest is not None and f"checkpoint {latest}" in text
+    assert f"continue with: turnrl train resume={run}" in text
+    done = latest.name.removeprefix("step_").lstrip("0")
+    train(config(tiny_model_dir, tmp_path, f"run.steps={int(done) + 1}", f"resume={run}"))
+    assert json.loads((run / "summary.json").read_text())["steps"] == int(done) + 1
+
+
+def test_a_start_into_a_run_without_a_checkpoint_offers_no_resume(tiny_model_dir, tmp_path, finished):
+    """A run stopped before its first checkpoint (killed in step 1) holds metrics but nothing to resume."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "val/success": 0.0}\n')
+    with pytest.raises(ConfigError) as error:
+        preflight(config(tiny_model_dir, tmp_path))
+    assert "resume=" not in str(error.value)
+    assert (f"run directory {run} already holds a run (metrics.jsonl); it holds no checkpoint to continue from; "
+            "pick another run.name, or pass run.overwrite=true") in str(error.value)
+    with pytest.raises(ConfigError, match=f"continue it with `turnrl train resume={finished}`"):
+        preflight(config(tiny_model_dir, finished.parent))
+
+
+# --------------------------------------------------------------------------- 14. commands as they can be run
+def test_turnrl_is_printed_as_it_can_be_run(tmp_path, monkeypatch):
+    script = tmp_path / ".venv" / "bin" / "turnrl"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert turnrl_command(str(script)) == ".venv/bin/turnrl"  # started as .venv/bin/turnrl, not activated
+    assert turnrl_command(".venv/bin/turnrl") == ".venv/bin/turnrl"
+    monkeypatch.chdir(tmp_path / ".venv" / "bin")
+    assert turnrl_command(str(script)) == "./turnrl"  # a bare name would be looked up on the PATH
+    monkeypatch.chdir(ROOT)
+    assert turnrl_command(str(script)) == str(script)  # not below the current folder: the whole path
+    monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}/usr/bin")
+    assert turnrl_command(str(script)) == "turnrl"  # activated: the shell finds it
+    assert turnrl_command(str(ROOT / "turnrl" / "cli.py")) == "turnrl"  # python -m turnrl.cli
+
+
+def test_the_messages_print_the_command_the_run_was_started_with(tiny_model_dir, tmp_path, monkeypatch, finished):
+    script = tmp_path / "venv" / "bin" / "turnrl"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(sys, "argv", [str(script), "train"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with pytest.raises(ConfigError, match=f"continue it with `{script} train resume={finished}`"):
+        preflight(config(tiny_model_dir, finished.parent))
