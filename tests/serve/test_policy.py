@@ -345,3 +345,40 @@ def test_the_engine_serves_like_transformers_and_keeps_its_cache_between_request
                 client.chat.completions.create(model=MODEL, messages=follow_up, max_tokens=8, temperature=0)
                 assert engine.engine.stats.reused_tokens > before
     assert answers["engine"] == answers["hf"]
+
+
+# --------------------------------------------------------------------------- hostile requests
+def post_raw(base_url: str, text: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    """POST a JSON body as written (JSON's escapes reach the server as they are, lone surrogates included)."""
+    return httpx.post(base_url + "/chat/completions", content=text.encode(), timeout=60,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+def test_a_temperature_below_the_greedy_bound_answers_greedily(served):
+    """1e-40 made every tempered logit infinite (a 500): it is greedy, as vLLM treats it."""
+    answers = []
+    for temperature in (0, 1e-40):
+        body = {"model": MODEL, "messages": HI, "max_tokens": 8, "temperature": temperature, "logprobs": True}
+        response = httpx.post(served.base_url + "/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        answers.append((choice["message"]["content"], [e["token"] for e in choice["logprobs"]["content"]]))
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [('"stop": ["\\udfff"]', "stop"), ('"stop": "a\\ud800"', "stop"),
+     ('"messages": [{"role": "user", "content": "hi \\udfff"}]', "messages.0.content"),
+     ('"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc80"}]}]', "messages.0.content")],
+)
+def test_a_lone_surrogate_in_a_request_string_is_a_400_that_names_the_field(served, client, body, where):
+    """A lone surrogate cannot be encoded: it broke the tokenizer with a UnicodeEncodeError (a 500)."""
+    fields = {"model": f'"{MODEL}"', "messages": json.dumps(HI), "max_tokens": "4"}
+    name = body.split('"')[1]
+    fields[name] = body.split(":", 1)[1].strip()
+    response = post_raw(served.base_url, "{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}")
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert where in message and "lone surrogate" in message and "valid Unicode" in message
+    assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices  # still serving
