@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from gymnasium.utils.env_checker import check_env
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
