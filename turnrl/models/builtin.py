@@ -11,7 +11,6 @@ reasoning format, so env texts and format tags encode into few tokens. A VLM pre
 from __future__ import annotations
 
 import difflib
-
 import os
 from pathlib import Path
 
