@@ -657,3 +657,22 @@ def test_memory_refuses_gpu_counts_that_are_not_counts(gpus, monkeypatch):
     with pytest.raises(SystemExit) as info:
         main(["memory", "--gpus", gpus])
     assert info.value.code == 2
+
+
+def test_play_commands_are_never_moves_and_an_unknown_one_says_so(monkeypatch, capsys):
+    """``:help`` and ``q`` were stepped as actions (reward -0.1, invalid action each); an unknown ``:word`` too."""
+    stdin = ":help\n:jump\n?\nq\nDown\n"
+    code, out = run_main(["play", "FrozenLake", "--seed", "0"], monkeypatch, capsys, stdin)
+    assert code == 0
+    assert "reward" not in out and "(invalid action)" not in out  # no step was taken
+    assert out.count("Commands: :hint") == 4  # the start, :help, the unknown :jump and ?
+    assert "unknown command :jump; no step taken" in out
+    assert out.count("action> ") == 4  # Down after q is never read
+
+
+def test_play_an_action_named_like_a_command_stays_an_action():
+    from turnrl.play import play_command
+
+    assert play_command("q", ["Up", "Down"]) == "quit" and play_command(" :HELP ", None) == "help"
+    assert play_command("q", ["q", "w"]) is None and play_command("Up", ["Up"]) is None
+    assert play_command(":teleport", ["Up"]) == "unknown" and play_command("Jump", ["Up"]) is None

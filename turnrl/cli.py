@@ -448,8 +448,10 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_policy(args: argparse.Namespace) -> int:
+    import os
+
     from turnrl.config import ConfigError, ModelConfig, load_config
-    from turnrl.serve.policy import serve
+    from turnrl.serve.policy import TOKEN_ENV_VAR, serve
 
     overrides = [item.removeprefix("model.") for item in args.overrides]
     try:
@@ -459,7 +461,9 @@ def cmd_serve_policy(args: argparse.Namespace) -> int:
             from error
     try:
         serve(model_path=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
-              served_model_name=args.served_model_name, model_config=model_config)
+              served_model_name=args.served_model_name, model_config=model_config,
+              token=args.token if args.token is not None else os.environ.get(TOKEN_ENV_VAR) or None,
+              prepare_threads=args.prepare_threads, max_image_pixels=args.max_image_pixels)
     except ConfigError as error:  # a busy port or a model that is not there: before the model loads
         raise SystemExit(f"error: {error}") from error
     return 0
@@ -611,6 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--max-batch-size", type=count_arg, default=32,
                    help="prompts generated together at most (default: 32)")
+    p.add_argument("--token", default=None,
+                   help="API key clients must send as 'Authorization: Bearer KEY' (every path but /health; "
+                        "default: $TURNRL_POLICY_TOKEN if set, else no key)")
+    p.add_argument("--prepare-threads", type=count_arg, default=2,
+                   help="requests prepared at once (chat template, image decoding; default: 2)")
+    p.add_argument("--max-image-pixels", type=count_arg, default=4096 * 4096,
+                   help="images with more pixels are refused undecoded (default: 16777216, 4096 x 4096)")
     p.add_argument("overrides", nargs="*",
                    help="model settings as key=value (the model section: dtype=bfloat16, backend=hf, ...)")
     p.set_defaults(fn=cmd_serve_policy)

@@ -180,10 +180,21 @@ class RewardsConfig:
             check_range("rewards.timeout_s", self.timeout_s, 1e-3)
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily and score their tokens at temperature 1, as 0 does (vLLM's
+``_SAMPLING_EPS``): the limit of sampling as the temperature goes to 0 is the argmax, and dividing logits by a
+tinier temperature overflows float32 (``1e-40`` made every logit infinite)."""
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether ``temperature`` samples greedily (below :data:`GREEDY_BELOW_TEMPERATURE`, 0 included)."""
+    return temperature < GREEDY_BELOW_TEMPERATURE
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 1.0
-    """Sampling temperature; 0 means greedy."""
+    """Sampling temperature; 0 (or below 1e-5) means greedy."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
     top_k: int = 0

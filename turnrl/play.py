@@ -6,7 +6,9 @@ that no other key took (Maze2D's ``stop`` is ``t``, since ``s`` is down).
 In a terminal, keys are read as they are pressed (cbreak mode: no Enter, no
 ``^[[A`` echo); any other key starts a typed line (an action by name, or a
 command such as ``:hint``). When input is not a terminal (a pipe, a file),
-every line is an action, a command or a key.
+every line is an action, a command or a key. Commands (``:hint``, ``:reset``,
+``:help``, ``:quit`` or ``q``) never reach the env, and an unknown ``:word``
+is said to be one, without a step.
 
 Image observations are written as PNG files, one per turn, into ``out`` when
 given, else into a new temporary folder, which the game names: never into
@@ -33,7 +35,11 @@ DIRECTION_KEYS = {"w": "up", "a": "left", "s": "down", "d": "right"}
 ARROW_KEYS = {"\x1b[A": "up", "\x1b[B": "down", "\x1b[C": "right", "\x1b[D": "left",
               "\x1bOA": "up", "\x1bOB": "down", "\x1bOC": "right", "\x1bOD": "left"}
 """Arrow keys as terminals send them (xterm's normal and application cursor modes)."""
-PLAY_COMMANDS = ":hint (the solver's next actions), :reset (start the episode again), :quit (or Ctrl-D / Ctrl-C)"
+PLAY_COMMANDS = (":hint (the solver's next actions), :reset (start the episode again), :help (this list), "
+                 ":quit (or q, Ctrl-D / Ctrl-C)")
+COMMANDS = {":hint": "hint", ":reset": "reset", ":help": "help", ":h": "help", "?": "help", ":quit": "quit",
+            ":q": "quit", "q": "quit", "quit": "quit", "exit": "quit"}
+"""What a typed line may say to the game rather than to the env, and the command it stands for."""
 ESCAPE_WAIT_S = 0.05
 """How long a lone Escape waits for the rest of a key's sequence (terminals send one at once)."""
 MAX_KEY_LENGTH = 16
@@ -101,6 +107,19 @@ def key_complete(buffer: str) -> bool:
     if buffer[1] == "O":
         return len(buffer) >= 3
     return True
+
+
+def play_command(line: str, names: Sequence[str] | None) -> str | None:
+    """The command a typed line stands for (``hint``, ``reset``, ``help``, ``quit``, or ``unknown`` for any
+    other ``:word``), or None for an action. A command is never stepped: ``q`` or ``:help`` as an env's move
+    would cost a turn and a penalty. A word that is one of the env's own action names stays an action."""
+    word = line.strip()
+    if names is not None and word.lower() in (name.lower() for name in names):
+        return None
+    command = COMMANDS.get(word.lower())
+    if command is None and word.startswith(":"):
+        return "unknown"
+    return command
 
 
 # --------------------------------------------------------------------------- input
@@ -293,16 +312,25 @@ def _play(env: Any, env_name: str, seed: int, out: str | None, console: Console,
         action = actions.next(keys)
         if action is None:
             break
-        command = action.strip()
-        if command in (":quit", ":q"):
+        command = play_command(action, names)
+        if command == "quit":
             break
-        if command == ":reset":
+        if command == "reset":
             obs, info = env.reset(seed=seed)
             turn, total = 0, 0.0
             show(obs)
             continue
-        if command == ":hint":
+        if command == "hint":
             console.print(f"solver: {env.solve()}", markup=False, highlight=False)
+            continue
+        if command == "help":
+            console.print(f"Actions: {', '.join(names) if names else 'free-form text'}.\n"
+                          + (f"Keys: {shown}.\n" if shown else "") + f"Commands: {PLAY_COMMANDS}",
+                          markup=False, highlight=False)
+            continue
+        if command == "unknown":
+            console.print(f"unknown command {action.strip()}; no step taken. Commands: {PLAY_COMMANDS}",
+                          markup=False, highlight=False)
             continue
         obs, reward, terminated, truncated, info = env.step(action)
         turn += 1

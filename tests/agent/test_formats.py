@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import re
-import time
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -411,29 +412,62 @@ def test_parse_never_raises_and_keeps_its_invariants(name, text, with_names, str
     assert isinstance(turn_format_reward(parsed), float)
 
 
-ADVERSARIAL = [
-    "<think>" * 150_000,
-    "<answer>" * 120_000 + "</answer>",
-    "<" * 1_000_000,
-    "<answer>" + "Up," * 330_000 + "</answer>",
-    "<think><observation>" + "</observation><observation>" * 40_000,
-    "</answer><answer>" * 60_000,
-    "<action>('move', " + "0" * 1_000_000 + ")</action>",
-    "<answer>" + "(" * 1_000_000 + "</answer>",
+ADVERSARIAL = [  # (head, unit, repeats in about a megabyte, tail)
+    ("", "<think>", 150_000, ""),
+    ("", "<answer>", 120_000, "</answer>"),
+    ("", "<", 1_000_000, ""),
+    ("<answer>", "Up,", 330_000, "</answer>"),
+    ("<think><observation>", "</observation><observation>", 40_000, ""),
+    ("", "</answer><answer>", 60_000, ""),
+    ("<action>('move', ", "0", 1_000_000, ")</action>"),
+    ("<answer>", "(", 1_000_000, "</answer>"),
 ]
+"""Inputs that would trip a parser with quadratic (or worse) work; ``benchmarks/format_parse.py`` times them."""
 
 
-def test_megabyte_adversarial_inputs_parse_fast():
-    start = time.perf_counter()
-    for name in ALL_FORMATS:
-        fmt = get_format(name, max_actions_per_turn=3)
-        for i, text in enumerate(ADVERSARIAL):
-            parsed = fmt.parse(text, names_for(name) if i % 2 else None)
-            assert len(parsed.actions) <= 3
-            assert all(len(error) < 200 for error in parsed.errors)
-    # 72 parses of about 1 MB take about 5 s on one slow core (linear time); any
-    # quadratic behaviour would take hours.
-    assert time.perf_counter() - start < 30.0
+def adversarial(index: int, fraction: float) -> str:
+    """The ``index``-th adversarial input at ``fraction`` of its megabyte size."""
+    head, unit, repeats, tail = ADVERSARIAL[index]
+    return head + unit * int(repeats * fraction) + tail
+
+
+def calls_made(work) -> int:
+    """Function calls (Python's and C's, the regex engine's entry points included) that ``work()`` makes."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_adversarial_inputs_parse_with_bounded_results(name):
+    fmt = get_format(name, max_actions_per_turn=3)
+    for index in range(len(ADVERSARIAL)):
+        parsed = fmt.parse(adversarial(index, 0.25), names_for(name) if index % 2 else None)
+        assert len(parsed.actions) <= 3
+        assert all(len(error) < 200 for error in parsed.errors)
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_adversarial_inputs_parse_in_work_linear_in_their_length(name):
+    """Counted, not timed (a busy machine makes any time limit flaky): four times the input makes at most about
+    four times the function calls, so no Python loop nests over the input (nested loops make sixteen times as
+    many). The work inside one call (a regex's backtracking, a search per position) is not counted: the
+    megabyte inputs are timed by ``benchmarks/format_parse.py`` instead."""
+    fmt = get_format(name, max_actions_per_turn=3)
+    for index in range(len(ADVERSARIAL)):
+        names = names_for(name) if index % 2 else None
+        fmt.parse(adversarial(index, 0.001), names)  # compiles what the parser caches
+        small, large = (calls_made(functools.partial(fmt.parse, adversarial(index, f), names)) for f in (0.01, 0.04))
+        assert large <= 4.5 * small + 100, f"{ADVERSARIAL[index][1]!r}: {small} calls, then {large} at 4x"
 
 
 # --------------------------------------------------------------------------- where the reasoning lies

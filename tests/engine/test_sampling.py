@@ -63,3 +63,21 @@ def test_greedy_rows_take_the_argmax_scored_at_temperature_one():
                                      torch.ones(2))
     assert tokens.tolist() == [1, 0]
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+def test_a_temperature_below_the_greedy_bound_is_greedy_and_finite():
+    """1e-40 would make every tempered logit infinite (a NaN softmax): it is greedy, scored at temperature 1."""
+    from turnrl.engine.sampling import logprobs_before_suppression, sample_untruncated
+
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
+    tiny = torch.tensor([1e-40, 9e-6])
+    expected = torch.log_softmax(logits, -1)[[0, 1], [1, 0]]
+    for tokens, logprobs in (sample_tokens(logits, tiny, torch.zeros(2, dtype=torch.long), torch.ones(2)),
+                             sample_untruncated(logits, tiny)):
+        assert tokens.tolist() == [1, 0]
+        torch.testing.assert_close(logprobs, expected)
+    # The same token scored with a suppressed column: the normalizer at temperature 1 too.
+    kept, suppressed = logits[:, :2], logits[:, 2:]
+    kept_logprobs = torch.log_softmax(kept, -1)[[0, 1], [1, 0]]
+    whole = logprobs_before_suppression(kept_logprobs, kept[[0, 1], [1, 0]], suppressed, tiny)
+    torch.testing.assert_close(whole, expected)

@@ -18,7 +18,9 @@ from turnrl.envservice.placement import build_env, env_factory
         ("Sokoban", {"size": "abc", "num_boxes": 1}, "env.settings.size='abc' is refused by Sokoban"),
         ("Countdown", {"max_steps": "abc"}, "env.settings.max_steps='abc'"),
         ("FrozenLake", {"sizee": 4}, "no setting sizee"),
-        ("FrozenLake", {"size": 1}, "size must be"),
+        ("FrozenLake", {"size": 1}, "env.settings.size=1 is refused by FrozenLake: size must be"),
+        ("FrozenLake", {"size": "banana", "is_slippery": False}, "env.settings.size='banana' is refused by "
+                                                                 "FrozenLake: size must be an int"),
     ],
 )
 def test_build_env_names_the_setting_at_fault(env_id, settings, needle):

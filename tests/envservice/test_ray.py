@@ -29,6 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CORRIDOR = "tests.envs.toy_envs:Corridor"
 RAISING = "tests.envs.toy_envs:BrokenRaisesOnBadAction"
 PROBE = "tests.envservice.env_helpers:ProbeEnv"
+RAY_BUDGET_S = 600.0
+"""How long a worker may take to start or answer before the test fails: a guard against a hang, met by a CI
+machine whose cores other jobs hold (two workers loading torch on two busy cores took over 120 s)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,7 +46,7 @@ def local_ray():
 @pytest.fixture(scope="module")
 def sokoban():
     """Two workers of text Sokoban, shared by the module's tests (starting a worker takes seconds)."""
-    make_env = ray_env_factory("Sokoban", {}, workers=2, timeout_s=30)
+    make_env = ray_env_factory("Sokoban", {}, workers=2, timeout_s=RAY_BUDGET_S)
     yield make_env
     make_env.close()
 

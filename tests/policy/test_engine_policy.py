@@ -297,3 +297,19 @@ def test_a_request_whose_images_do_not_fit_its_placeholders_fails_alone(tiny_vlm
     assert completions[0].finish_reason != "error" and completions[0].token_ids
     assert completions[1].finish_reason == "error" and "image placeholders" in (completions[1].error or "")
     assert completions[2].finish_reason == "error" and "not videos" in (completions[2].error or "")
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6])
+def test_a_temperature_below_the_greedy_bound_is_greedy_in_both_backends(model, tiny_tokenizer, prompts,
+                                                                          temperature):
+    """Logits divided by 1e-40 overflow float32 (every one infinite, the softmax NaN): such a temperature
+    samples greedily and scores at temperature 1, exactly as 0 does, in each backend."""
+    greedy = SamplingConfig(temperature=0, max_new_tokens=12)
+    tiny = SamplingConfig(temperature=temperature, max_new_tokens=12)
+    for policy in (HFPolicy(model, tiny_tokenizer), engine_policy(model, tiny_tokenizer)):
+        expected = policy.generate(requests(prompts), greedy)
+        got = policy.generate(requests(prompts), tiny)
+        for a, b in zip(expected, got):
+            assert a.token_ids == b.token_ids and a.text == b.text
+            # Finite and at temperature 1 (the engine's second call reuses its cached prompt: float noise)
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)

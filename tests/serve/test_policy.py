@@ -345,3 +345,120 @@ def test_the_engine_serves_like_transformers_and_keeps_its_cache_between_request
                 client.chat.completions.create(model=MODEL, messages=follow_up, max_tokens=8, temperature=0)
                 assert engine.engine.stats.reused_tokens > before
     assert answers["engine"] == answers["hf"]
+
+
+# --------------------------------------------------------------------------- hostile requests
+def post_raw(base_url: str, text: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    """POST a JSON body as written (JSON's escapes reach the server as they are, lone surrogates included)."""
+    return httpx.post(base_url + "/chat/completions", content=text.encode(), timeout=60,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+def test_a_temperature_below_the_greedy_bound_answers_greedily(served):
+    """1e-40 made every tempered logit infinite (a 500): it is greedy, as vLLM treats it."""
+    answers = []
+    for temperature in (0, 1e-40):
+        body = {"model": MODEL, "messages": HI, "max_tokens": 8, "temperature": temperature, "logprobs": True}
+        response = httpx.post(served.base_url + "/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        answers.append((choice["message"]["content"], [e["token"] for e in choice["logprobs"]["content"]]))
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [('"stop": ["\\udfff"]', "stop"), ('"stop": "a\\ud800"', "stop"),
+     ('"messages": [{"role": "user", "content": "hi \\udfff"}]', "messages.0.content"),
+     ('"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc80"}]}]', "messages.0.content")],
+)
+def test_a_lone_surrogate_in_a_request_string_is_a_400_that_names_the_field(served, client, body, where):
+    """A lone surrogate cannot be encoded: it broke the tokenizer with a UnicodeEncodeError (a 500)."""
+    fields = {"model": f'"{MODEL}"', "messages": json.dumps(HI), "max_tokens": "4"}
+    name = body.split('"')[1]
+    fields[name] = body.split(":", 1)[1].strip()
+    response = post_raw(served.base_url, "{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}")
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert where in message and "lone surrogate" in message and "valid Unicode" in message
+    assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices  # still serving
+
+
+def test_health_answers_while_a_preparation_is_blocked_and_preparations_are_bounded(served, monkeypatch):
+    """Preparing a request (chat template, image decoding) ran on the event loop: one slow image stalled
+    ``/health`` and every client. Here the first preparation blocks until released: ``/health`` still answers,
+    and a second request waits for the one preparation thread instead of starting a preparation of its own."""
+    import threading
+
+    import turnrl.serve.policy as server
+
+    real_prepare, started, release = server.prepare, [], threading.Event()
+
+    def blocking_prepare(*args, **kwargs):
+        started.append(args[0].messages[0].content)
+        assert release.wait(60), "the test never released the preparation"
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(server, "prepare", blocking_prepare)
+    with running(create_app(served.policy, MODEL, prepare_threads=1)) as url, ThreadPoolExecutor(2) as pool:
+        health_url = url.removesuffix("/v1") + "/health"
+
+        def post(text: str) -> httpx.Response:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+            return httpx.post(url + "/chat/completions", json=body, timeout=120)
+
+        def health_when(condition) -> dict:
+            for _ in range(3000):  # the requests are in flight on other threads: wait until the server has them
+                health = httpx.get(health_url, timeout=30).json()
+                if condition(health):
+                    return health
+                threading.Event().wait(0.01)
+            raise AssertionError(f"the server never reached the state; last /health: {health}")
+
+        first = pool.submit(post, "first")
+        health_when(lambda health: health["preparing"] == 1 and started == ["first"])
+        second = pool.submit(post, "second")
+        health = health_when(lambda health: health["preparing"] == 2)
+        # /health answered while "first" is blocked in its preparation, and "second" waits for the thread.
+        assert started == ["first"] and not first.done() and health["status"] == "ok"
+        release.set()
+        assert first.result().status_code == 200 and second.result().status_code == 200
+        assert started == ["first", "second"]
+        assert httpx.get(health_url, timeout=30).json()["preparing"] == 0
+
+
+@pytest.fixture(scope="module")
+def keyed(served):
+    with running(create_app(served.policy, MODEL, token="s3cret")) as url:
+        yield url
+
+
+def test_a_server_with_a_token_refuses_requests_without_it(keyed):
+    """``serve-policy --token``: every path but /health needs ``Authorization: Bearer <key>`` (as serve-env)."""
+    client = openai.OpenAI(base_url=keyed, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="wrong API key"):
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    bare = httpx.post(keyed + "/chat/completions", content=b"{not json", timeout=30)  # refused before the body
+    assert bare.status_code == 401
+    error = bare.json()["error"]
+    assert error["code"] == "invalid_api_key" and "Authorization: Bearer <key>" in error["message"]
+    wrong = httpx.get(keyed + "/models", headers={"Authorization": "Bearer nope"}, timeout=30)
+    assert wrong.status_code == 401 and wrong.json()["error"]["message"] == "wrong API key"
+    assert httpx.get(keyed.removesuffix("/v1") + "/health", timeout=30).status_code == 200  # open, as serve-env
+    client = openai.OpenAI(base_url=keyed, api_key="s3cret", max_retries=0)
+    assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_eval_s_http_policy_sends_the_key_from_its_variable(keyed, tmp_path, monkeypatch):
+    """``turnrl eval --policy openai:...`` sends ``$OPENAI_API_KEY`` (``api_key_env``) as the bearer key."""
+    from turnrl.cli import main
+
+    argv = ["eval", "--env", "Bandit", "--policy", f"openai:{MODEL}", f"base_url={keyed}", "--episodes", "1"]
+    for key, errors in (("s3cret", 0), ("wrong", 1)):
+        monkeypatch.setenv("OPENAI_API_KEY", key)
+        assert main([*argv, "--out", str(tmp_path / key)]) == 0
+        summary = json.loads((tmp_path / key / "summary.json").read_text())
+        assert summary["errors"] == errors, summary["first_errors"]

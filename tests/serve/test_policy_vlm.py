@@ -121,3 +121,46 @@ def test_data_url_round_trip():
 
     assert np.array_equal(load_image(url), image) and url.startswith("data:image/png;base64,")
     assert base64.b64decode(url.split(",", 1)[1])[:4] == b"\x89PNG"
+
+
+def png_of(width: int, height: int, rows: int | None = None) -> bytes:
+    """A grayscale PNG of ``width`` x ``height`` zeros, written by hand so that its pixels are never held:
+    ``rows`` of them in its data (None: all, a valid image; 0: a header and no data at all)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    compressor, row = zlib.compressobj(9), bytes(1 + width)  # filter byte 0, then the row's pixels
+    data = b"".join(compressor.compress(row) for _ in range(height if rows is None else rows)) + compressor.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + (chunk(b"IDAT", data) if rows != 0 else b"")
+            + chunk(b"IEND", b""))
+
+
+def test_an_image_of_too_many_pixels_is_refused_before_it_is_decoded(vlm_server):
+    """A 9000 x 9000 PNG is 80 KB on the wire and 243 MB decoded (as RGB): the server reads its size from the
+    header and answers 400 without decoding it, then keeps serving."""
+    from turnrl.models.vision import ImageTooLarge, load_image
+
+    base_url, _ = vlm_server
+    png = png_of(9000, 9000)
+    assert len(png) < 200_000
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    reply = httpx.post(f"{base_url}/chat/completions", json={"model": MODEL, "messages": image_message(url)},
+                       timeout=120)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "image_too_large" and "9000 x 9000" in error["message"]
+    assert "--max-image-pixels" in error["message"]
+    assert httpx.get(f"{base_url.removesuffix('/v1')}/health").status_code == 200
+    # Refused from the header alone: a PNG with no pixel data at all (decoding it would fail otherwise).
+    header_only = "data:image/png;base64," + base64.b64encode(png_of(9000, 9000, rows=0)).decode()
+    with pytest.raises(ImageTooLarge, match="9000 x 9000"):
+        load_image(header_only, max_pixels=4096 * 4096)
+    with pytest.raises(Exception) as decoded:
+        load_image(header_only)
+    assert not isinstance(decoded.value, ImageTooLarge)
+    small = "data:image/png;base64," + base64.b64encode(png_of(64, 32)).decode()
+    assert load_image(small, max_pixels=64 * 32).shape == (32, 64, 3)  # at the bound: decoded

@@ -20,7 +20,7 @@ from turnrl.training.preflight import preflight
     [
         (["env.id=Chess"], "unknown env 'Chess'"),
         (["env.settings.sizee=4"], "no setting sizee"),
-        (["env.settings.size=abc"], "size"),
+        (["env.settings.size=abc"], "env.settings.size='abc' is refused by FrozenLake: size must be an int"),
         (["env.id=Sokoban", "env.settings.size=abc"], "env.settings.size='abc'"),
         (["env.val_settings={size: 1}"], "size"),
         (["sft.enabled=true", "sft.data=nowhere.jsonl"], "sft.data='nowhere.jsonl'"),
@@ -60,6 +60,17 @@ def test_a_new_run_says_which_model_it_starts_from(tmp_path, tiny_model_dir, cap
     preflight(config(None, tmp_path / "runs", "model.builtin_preset=tiny"))
     assert capsys.readouterr().out.startswith("model: the built-in 'tiny' preset, built from a config with random "
                                               "weights\n")
+
+
+def test_a_mistyped_builtin_preset_is_the_only_line_and_says_what_was_meant(tmp_path, capsys):
+    """``model.builtin_preset=smol`` printed "the built-in 'smol' preset, built from a config" before its error,
+    with no hint: now the error alone, with the close names."""
+    with pytest.raises(ConfigError, match=r"model.builtin_preset='smol' is not a built-in model; did you mean "
+                                          r"small\?") as info:
+        train(config(None, tmp_path / "runs", "model.builtin_preset=smol"))
+    assert "\n" not in str(info.value)
+    assert capsys.readouterr().out == ""
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_recipe_that_expects_a_pretrained_model_says_so_when_it_has_none(tmp_path, capsys):

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from turnrl.config import EngineConfig
+from turnrl.config import GREEDY_BELOW_TEMPERATURE, EngineConfig
 from turnrl.engine.attention import triton_available
 from turnrl.engine.cache import KVCache, pages_for
 from turnrl.engine.forward import (
@@ -587,7 +587,9 @@ class Engine:
             self._rope_delta[rows] = to_device(deltas, self.device)
         settings = to_device(np.array([[s.params.temperature, s.params.top_k, s.params.top_p] for s in sequences],
                                       dtype=np.float32), self.device)
-        self._temperature[rows] = settings[:, 0]
+        # A temperature below GREEDY_BELOW_TEMPERATURE is greedy: stored as 0, which every sampler (the Triton
+        # kernels included) reads as greedy.
+        self._temperature[rows] = settings[:, 0].masked_fill(settings[:, 0] < GREEDY_BELOW_TEMPERATURE, 0.0)
         self._top_k[rows] = settings[:, 1].long()
         self._top_p[rows] = settings[:, 2]
         self._running_rows = None

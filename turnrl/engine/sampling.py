@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from turnrl.config import GREEDY_BELOW_TEMPERATURE
+
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) the tokens outside each row's top-k and nucleus (top-p).
@@ -46,7 +48,8 @@ def sample_tokens(
 
     Args:
         logits: raw logits, Shape (b, vocab), any float dtype (read in float32).
-        temperature: per row, Shape (b,); 0 is greedy (scored at temperature 1).
+        temperature: per row, Shape (b,); 0 (or below ``GREEDY_BELOW_TEMPERATURE``) is greedy (scored at
+            temperature 1).
         top_k: per row, Shape (b,); 0 disables.
         top_p: per row, Shape (b,); 1 disables.
         generator: a seeded generator on the logits' device; None draws from torch's global one (the engine
@@ -81,7 +84,7 @@ def sample_untruncated(
 
 def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 ``logits / temperature`` (greedy rows at temperature 1), and which rows are greedy, Shape (b,)."""
-    greedy = temperature <= 0
+    greedy = temperature < GREEDY_BELOW_TEMPERATURE
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
     return logits.float() / scale, greedy
 
@@ -115,12 +118,13 @@ def logprobs_before_suppression(
         logprobs: the sampled tokens' logprobs with the suppressed tokens removed, Shape (n,).
         token_logits: the sampled tokens' logits, Shape (n,).
         suppressed_logits: the suppressed tokens' logits, before masking, Shape (n, s).
-        temperature: Shape (n,); 0 (greedy) counts as 1.
+        temperature: Shape (n,); 0 or below ``GREEDY_BELOW_TEMPERATURE`` (greedy) counts as 1.
 
     Returns:
         Shape (n,), float32.
     """
-    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+    greedy = temperature < GREEDY_BELOW_TEMPERATURE
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     tempered = token_logits.float() / scale
     kept = tempered - logprobs.float()
     suppressed = torch.logsumexp(suppressed_logits.float() / scale.unsqueeze(-1), dim=-1)

@@ -19,8 +19,9 @@ from turnrl.envservice.protocol import RemoteEnvError
 def build_env(env_id: str, settings: dict[str, Any], where: str = "env.settings") -> Any:
     """``turnrl.envs.make(env_id, **settings)``, with a config error that names the setting at fault.
 
-    An env that rejects a value in words of its own (``invalid literal for int()``) does not say which
-    setting it was; the settings are then tried one at a time to name it (``env.settings.size='abc'``).
+    An env that rejects a value in words of its own (``invalid literal for int()``, or ``size must be an int``,
+    which names no config key) does not say where it was set; the settings are then tried one at a time to
+    name it as the config does (``env.settings.size='abc'``).
 
     Raises:
         ConfigError: unknown env, unknown setting or a value the env refuses.
@@ -29,7 +30,7 @@ def build_env(env_id: str, settings: dict[str, Any], where: str = "env.settings"
         return make(env_id, **settings)
     except (ValueError, TypeError) as error:
         message = str(error)
-        if settings and not any(name in message for name in settings) and _makes(env_id, {}):
+        if settings and _makes(env_id, {}):
             for name, value in settings.items():
                 if not _makes(env_id, {name: value}):
                     raise ConfigError(f"{where}.{name}={value!r} is refused by {env_id}: {message}") from error

@@ -10,6 +10,7 @@ reasoning format, so env texts and format tags encode into few tokens. A VLM pre
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -100,13 +101,26 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TURNRL_CACHE", Path.home() / ".cache" / "turnrl")) / "models"
 
 
+def check_builtin_preset(preset: str) -> None:
+    """Refuse a preset that is no built-in model, naming the close ones (``smol``: did you mean small?).
+
+    Raises:
+        ConfigError: ``preset`` is not a built-in model.
+    """
+    if preset in PRESETS or is_vlm_preset(preset):
+        return
+    names = [*PRESETS, *VLM_PRESETS]
+    # 0.6, below the config keys' 0.75: preset names are short, and one changed letter weighs more.
+    near = difflib.get_close_matches(preset, names, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
+    raise ConfigError(f"model.builtin_preset={preset!r} is not a built-in model; {hint}choose one of {names}")
+
+
 def _builtin_build(config: ModelConfig) -> tuple[str, str, Path]:
     """The preset, template and cache directory of the built-in model ``config`` names, checked."""
     root = Path(config.builtin_dir) if config.builtin_dir else default_cache_dir()
     preset, template = config.builtin_preset, config.builtin_template
-    if preset not in PRESETS and not is_vlm_preset(preset):
-        raise ConfigError(f"model.builtin_preset={preset!r} is not a built-in model; choose one of "
-                          f"{[*PRESETS, *VLM_PRESETS]}")
+    check_builtin_preset(preset)
     if not is_vlm_preset(preset):
         return preset, template, root / f"qwen2-{preset}-{template}"
     if template not in ("chatml", "qwen3"):

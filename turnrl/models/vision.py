@@ -145,9 +145,23 @@ def join_inputs(encoded: Sequence[EncodedImage]) -> dict[str, torch.Tensor]:
     return {key: torch.cat([image.model_inputs[key] for image in encoded]) for key in encoded[0].model_inputs}
 
 
-def load_image(value: Any) -> np.ndarray:
+class ImageTooLarge(ValueError):
+    """An encoded image whose header gives more pixels than the reader accepts (refused before decoding)."""
+
+
+def load_image(value: Any, max_pixels: int | None = None) -> np.ndarray:
     """An image part's image as an ``HxWx3`` uint8 array: an array, a Pillow image, a file path, or a
-    ``data:image/...;base64,`` URL (OpenAI's ``image_url``)."""
+    ``data:image/...;base64,`` URL (OpenAI's ``image_url``).
+
+    Args:
+        max_pixels: refuse an encoded image (path or URL) whose width x height exceeds it, from its header
+            alone: Pillow's ``open`` reads only the header, so a small file that decodes to gigabytes (a
+            12000 x 12000 PNG of one colour is 580 KB) is refused before any pixel is made. None: no bound.
+
+    Raises:
+        ImageTooLarge: the image has more than ``max_pixels`` pixels.
+        ValueError: the value is no image.
+    """
     from PIL import Image
 
     if isinstance(value, np.ndarray):
@@ -166,6 +180,10 @@ def load_image(value: Any) -> np.ndarray:
         else:
             source = value
         with Image.open(source) as image:
+            width, height = image.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise ImageTooLarge(f"the image is {width} x {height} = {width * height:,} pixels, more than the "
+                                    f"{max_pixels:,} accepted")
             array = np.array(image.convert("RGB"))  # a writable copy (torch warns on read-only arrays)
     else:
         raise ValueError(f"cannot read an image from a {type(value).__name__}")

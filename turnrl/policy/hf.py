@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from turnrl.config import ModelConfig, SamplingConfig
+from turnrl.config import ModelConfig, SamplingConfig, is_greedy
 from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, position_inputs
@@ -76,13 +76,14 @@ def sampled_logprobs(
     Args:
         step_logits: one raw logits tensor per generated position, each Shape (b, vocab).
         tokens: the generated ids, Shape (b, n).
-        temperature: sampling temperature; 0 (greedy) scores with temperature 1.
+        temperature: sampling temperature; greedy (0, or below ``GREEDY_BELOW_TEMPERATURE``) scores with
+            temperature 1.
         vocab_limit: rows at or past it are no tokens (see :class:`VocabularyLimit`); None: every row.
 
     Returns:
         Shape (b, n), float32.
     """
-    scale = temperature if temperature > 0 else 1.0
+    scale = 1.0 if is_greedy(temperature) else temperature
     logits = torch.stack(list(step_logits), dim=1)[..., :vocab_limit].float() / scale  # (b, n, vocab)
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -160,7 +161,7 @@ class HFPolicy(Policy):
         input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_token_id)
         was_training = self.model.training
         self.model.eval()
-        greedy = sampling.temperature <= 0
+        greedy = is_greedy(sampling.temperature)
         options: dict[str, Any] = dict(
             max_new_tokens=max_new,
             do_sample=not greedy,

@@ -2,8 +2,10 @@
 
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``
 and ``GET /health``. Any OpenAI client (or :class:`turnrl.policy.openai_http.OpenAIPolicy`)
-can use it, e.g. ``openai.OpenAI(base_url="http://localhost:8000/v1", api_key="x")``;
-the server checks no API key.
+can use it, e.g. ``openai.OpenAI(base_url="http://localhost:8000/v1", api_key="x")``.
+With ``--token KEY`` (or ``$TURNRL_POLICY_TOKEN``) every request but ``GET /health``
+must send ``Authorization: Bearer KEY`` (a 401 otherwise, before its body is read),
+as ``serve-env`` does; without one the server checks no key.
 
 Batching. Concurrent requests share forward passes: a background task takes
 the first waiting request, waits ``batch_window_s`` (5 ms by default) for
@@ -17,11 +19,20 @@ generation fails alone with a 500 and the server keeps serving.
 
 Behaviour worth knowing:
 
+- Preparing a request (the chat template, decoding its images, the image
+  processor) runs on ``--prepare-threads`` threads (2 by default), never on the
+  event loop: a slow one delays no other client, and more wait their turn.
 - Prompts are the messages rendered with the tokenizer's chat template and a
   generation prompt. A VLM takes ``image_url`` parts with data URLs (each image
   processed once, its placeholder expanded to its visual tokens, as in the
   rollout's context); a text model answers a request with image parts with a
-  400, and so does a VLM for an image that is not a readable data URL.
+  400, and so does a VLM for an image that is not a readable data URL, or one
+  whose header gives more than ``--max-image-pixels`` (4096 x 4096 by default):
+  that one is refused before it is decoded.
+- ``temperature`` below 1e-5 (0 included) is greedy, as in vLLM: dividing the
+  logits by a tinier one would overflow.
+- Strings must be valid Unicode: a lone surrogate (JSON's ``"\\udfff"``) in a
+  message or a stop string is a 400 that names the field.
 - ``n`` samples per request, ``stop`` strings (cut from the returned text as
   OpenAI does; ``stop_reason`` names the one that matched, as vLLM does),
   ``top_k`` (an extension; 0 or -1 disables), ``max_tokens`` or
@@ -51,6 +62,7 @@ import asyncio
 import errno
 import json
 import logging
+import secrets
 import socket
 import time
 import uuid
@@ -68,16 +80,30 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from turnrl.config import ConfigError, ModelConfig, SamplingConfig
+from turnrl.config import ConfigError, EvalConfig, ModelConfig, SamplingConfig
 from turnrl.models.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
-from turnrl.models.vision import load_image
+from turnrl.models.vision import ImageTooLarge, load_image
 from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.policy.factory import load_model_policy
 
 logger = logging.getLogger("turnrl.server")
 
+TOKEN_ENV_VAR = "TURNRL_POLICY_TOKEN"
+"""Where ``turnrl serve-policy`` reads its API key when ``--token`` is not given."""
+
 
 # --------------------------------------------------------------------------- request schema
+def check_encodable(text: str) -> None:
+    """Refuse a string UTF-8 cannot encode. JSON's ``\\udfff`` escape decodes to a lone surrogate, which no
+    tokenizer (and no response) can encode: refused where pydantic names its field, rather than failing deep in
+    tokenization."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"holds a lone surrogate ({text[error.start]!r} at character {error.start}), which is not "
+                         "text: send valid Unicode") from None
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
@@ -104,6 +130,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[ContentPart], None] = None
 
+    @field_validator("content")
+    @classmethod
+    def _content_encodable(cls, content: Any) -> Any:
+        for text in [content] if isinstance(content, str) else [p.text for p in content or [] if p.type == "text"]:
+            check_encodable(text)
+        return content
+
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
@@ -122,7 +155,7 @@ class ChatCompletionRequest(BaseModel):
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, description="below 1e-5 (0 included) is greedy, as in vLLM")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=-1, description="0 or -1 disables (an extension to OpenAI's API)")
     max_tokens: Optional[int] = Field(None, ge=1)
@@ -145,7 +178,15 @@ class ChatCompletionRequest(BaseModel):
         strings = [stop] if isinstance(stop, str) else stop or []
         if any(s == "" for s in strings):
             raise ValueError("stop strings must not be empty")
+        for text in strings:
+            check_encodable(text)
         return stop
+
+    @field_validator("model")
+    @classmethod
+    def _model_encodable(cls, model: str) -> str:
+        check_encodable(model)
+        return model
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -356,6 +397,15 @@ class GenerationBatcher:
 
 
 # --------------------------------------------------------------------------- request handling
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+"""Pixels an image may have (from its header) to be decoded: 48 MiB as RGB, beyond what any served VLM's
+processor keeps (Qwen2-VL resizes to at most 12.8 M pixels)."""
+
+DEFAULT_PREPARE_THREADS = 2
+"""Requests prepared at once (chat template, image decoding and processing): each may hold an image's
+decoded pixels, so they are few; the rest wait their turn without holding the event loop."""
+
+
 @dataclass
 class PreparedRequest:
     """A validated request as the policy sees it."""
@@ -370,7 +420,7 @@ class PreparedRequest:
 
 
 def _template_messages(
-    messages: list[ChatMessage], model_name: str, sees_images: bool
+    messages: list[ChatMessage], model_name: str, sees_images: bool, max_image_pixels: int
 ) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
     """Messages for the chat template and the images of their image parts, in order.
 
@@ -389,7 +439,7 @@ def _template_messages(
                 parts = []
                 for part in content:
                     if isinstance(part, ImagePart):
-                        images.append(_image(part, index))
+                        images.append(_image(part, index, max_image_pixels))
                         parts.append({"type": "image"})
                     else:
                         parts.append({"type": "text", "text": part.text})
@@ -401,13 +451,17 @@ def _template_messages(
     return out, images
 
 
-def _image(part: ImagePart, index: int) -> np.ndarray:
+def _image(part: ImagePart, index: int, max_pixels: int) -> np.ndarray:
     url = part.image_url.url
     if not url.startswith("data:"):
         raise APIError(400, f"messages[{index}]: images must be data URLs (data:image/png;base64,...); "
                             "this server fetches nothing", param=f"messages.{index}.content")
     try:
-        return load_image(url)
+        return load_image(url, max_pixels=max_pixels)
+    except ImageTooLarge as error:
+        raise APIError(400, f"messages[{index}]: {error} by this server (--max-image-pixels); send a smaller "
+                            "image (the model resizes large ones down anyway)",
+                       param=f"messages.{index}.content", code="image_too_large") from None
     except Exception as error:  # a broken image is the client's error, never the server's
         raise APIError(400, f"messages[{index}]: the image cannot be read: {error}",
                        param=f"messages.{index}.content") from None
@@ -448,14 +502,20 @@ def context_length(policy: Policy) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
-def prepare(body: ChatCompletionRequest, policy: Policy, model_name: str, default_max_tokens: int) -> PreparedRequest:
-    """Validate what pydantic cannot (model, unsupported options, context length) and tokenize the prompt."""
+def prepare(body: ChatCompletionRequest, policy: Policy, model_name: str, default_max_tokens: int,
+            max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> PreparedRequest:
+    """Validate what pydantic cannot (model, unsupported options, context length) and tokenize the prompt.
+
+    Blocking (the chat template, image decoding, the image processor): the app runs it on its preparation
+    threads, never on the event loop.
+    """
     if body.model != model_name:
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
     _refuse_unsupported(body)
     encoder = policy.image_encoder
-    messages, images = _template_messages(body.messages, model_name, sees_images=encoder is not None)
+    messages, images = _template_messages(body.messages, model_name, sees_images=encoder is not None,
+                                          max_image_pixels=max_image_pixels)
     messages = with_system_folded(messages, policy.tokenizer)
     try:
         ids = policy.tokenizer.apply_chat_template(
@@ -583,6 +643,17 @@ def stream_events(response: ChatCompletion, include_usage: bool) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the app
+def bearer_error(authorization: str, token: str) -> str | None:
+    """What is wrong with an ``Authorization`` header that must carry ``Bearer <token>``; None when it does."""
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return ("this server needs an API key: send 'Authorization: Bearer <key>' (turnrl eval sends "
+                f"${EvalConfig.api_key_env}, or the variable its api_key_env names)")
+    if not secrets.compare_digest(given.strip().encode(), token.encode()):
+        return "wrong API key"
+    return None
+
+
 def create_app(
     policy: Policy,
     model_name: str,
@@ -590,6 +661,9 @@ def create_app(
     batch_window_s: float = 0.005,
     max_batch_size: int | None = None,
     default_max_tokens: int = 1024,
+    token: str | None = None,
+    prepare_threads: int = DEFAULT_PREPARE_THREADS,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``policy`` under the name ``model_name``.
 
@@ -599,9 +673,20 @@ def create_app(
         batch_window_s: how long a request waits for others to share its forward pass.
         max_batch_size: prompts per ``generate`` call; default the policy's own ``max_batch_size`` (else 32).
         default_max_tokens: completion budget when a request names none (the context may leave less).
+        token: the API key every request but ``GET /health`` must send as ``Authorization: Bearer <key>``;
+            None: no key is checked.
+        prepare_threads: requests prepared at once at most (chat template, image decoding and processing, on
+            threads of their own so that the event loop keeps answering); the others wait their turn.
+        max_image_pixels: an image with more pixels (read from its header) is refused with a 400, undecoded.
     """
+    if prepare_threads < 1:
+        raise ValueError(f"prepare_threads must be >= 1, got {prepare_threads}")
+    if max_image_pixels < 1:
+        raise ValueError(f"max_image_pixels must be >= 1, got {max_image_pixels}")
     batch_size = max_batch_size or policy.max_batch_size or 32
     batcher = GenerationBatcher(policy, max_batch_size=batch_size, window_s=batch_window_s)
+    preparer = ThreadPoolExecutor(max_workers=prepare_threads, thread_name_prefix="turnrl-prepare")
+    preparing = 0  # requests in preparation or waiting for a preparation thread (reported by /health)
     created = int(time.time())
 
     @asynccontextmanager
@@ -609,10 +694,21 @@ def create_app(
         batcher.start()
         yield
         await batcher.stop()
+        preparer.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="turnrl policy server", lifespan=lifespan)
     app.state.batcher = batcher
     app.state.model_name = model_name
+
+    if token is not None:
+        @app.middleware("http")
+        async def _authorize(request: Request, call_next: Any) -> Any:
+            # Before routing and body validation: without the key, nothing but /health answers (as serve-env).
+            if request.url.path != "/health":
+                error = bearer_error(request.headers.get("authorization", ""), token)
+                if error is not None:
+                    return APIError(401, error, code="invalid_api_key").response()
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -646,8 +742,8 @@ def create_app(
     @app.get("/health")
     async def health() -> dict[str, Any]:
         stats = batcher.stats
-        return {"status": "ok", "model": model_name, "pending": batcher.pending, "requests": stats.requests,
-                "prompts": stats.prompts, "generate_calls": stats.generate_calls}
+        return {"status": "ok", "model": model_name, "preparing": preparing, "pending": batcher.pending,
+                "requests": stats.requests, "prompts": stats.prompts, "generate_calls": stats.generate_calls}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -662,7 +758,13 @@ def create_app(
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest) -> Any:
-        prepared = prepare(body, policy, model_name, default_max_tokens)
+        nonlocal preparing
+        preparing += 1
+        try:
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                preparer, prepare, body, policy, model_name, default_max_tokens, max_image_pixels)
+        finally:
+            preparing -= 1
         request = GenerationRequest(prompt_ids=prepared.prompt_ids, messages=[], max_new_tokens=prepared.max_tokens,
                                     model_inputs=prepared.model_inputs, image_digests=prepared.image_digests)
         completions = await batcher.submit([request] * body.n, prepared.sampling)
@@ -740,24 +842,36 @@ def bind_port(host: str, port: int) -> socket.socket:
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           max_batch_size: int = 32, served_model_name: str | None = None,
-          model_config: ModelConfig | None = None) -> None:
+          model_config: ModelConfig | None = None, token: str | None = None,
+          prepare_threads: int = DEFAULT_PREPARE_THREADS, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
     """Load ``model_path`` and serve it until interrupted; clients name it ``served_model_name``, else as
-    ``model_path`` (e.g. ``builtin``).
+    ``model_path`` (e.g. ``builtin``). ``token``, ``prepare_threads`` and ``max_image_pixels`` are
+    :func:`create_app`'s.
 
     Raises:
         ConfigError: before the model loads, when the port cannot be had or the model cannot be found.
     """
     import uvicorn
+    from PIL import Image
 
+    from turnrl.envservice.server import is_loopback
+
+    # Pillow's own bomb check (a warning past the limit, an error past twice it) agrees with the server's, for
+    # images opened anywhere in this process.
+    Image.MAX_IMAGE_PIXELS = max_image_pixels
     sock = bind_port(host, port)
     try:
         policy, name = load_policy(model_path, device=device, max_batch_size=max_batch_size,
                                    served_model_name=served_model_name, model_config=model_config)
         placed = next(policy.model.parameters()).device if policy.model is not None else "?"
         backend = type(policy).__name__
+        if token is None and not is_loopback(host):
+            print(f"warning: serving on {host} without an API key: anyone who can reach this port can use this "
+                  f"model and this machine's accelerator; pass --token or set {TOKEN_ENV_VAR}", flush=True)
         print(f"serving model {name!r} ({backend}) on {placed} at http://{host}:{port}/v1 "
-              f"(max batch {max_batch_size})", flush=True)
-        app = create_app(policy, name, max_batch_size=max_batch_size)
+              f"(max batch {max_batch_size}, API key {'required' if token else 'off'})", flush=True)
+        app = create_app(policy, name, max_batch_size=max_batch_size, token=token, prepare_threads=prepare_threads,
+                         max_image_pixels=max_image_pixels)
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run(sockets=[sock])
     finally:
         sock.close()

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from turnrl.config import is_greedy
+
 DEFAULT_CHUNK = 2048
 """Scored tokens per chunk. At a 152k vocabulary one chunk's float32 logits take 1.2 GB, and a pass holds two
 such buffers; a (2048 x h) @ (h x 152k) product still runs near the GPU's peak."""
@@ -122,7 +124,7 @@ def chosen_logprobs(
         states: Shape (n, h), the hidden state before each scored token.
         weight: Shape (v, h), the LM head's weight.
         targets: Shape (n,), the scored tokens.
-        temperature: the sampling temperature (0 is treated as 1).
+        temperature: the sampling temperature (greedy ones, 0 or below 1e-5, are treated as 1).
         vocab_limit: rows at or past it are not tokens (a checkpoint's padding rows, or the rows past a small
             tokenizer): they get probability 0, as in sampling. None: every row.
         chunk: scored tokens per chunk (peak memory: one chunk's float32 logits).
@@ -131,7 +133,7 @@ def chosen_logprobs(
         ``logprobs`` and ``entropy``, each Shape (n,) float32, differentiable with respect to ``states`` and
         ``weight``.
     """
-    scale = temperature if temperature > 0 else 1.0
+    scale = 1.0 if is_greedy(temperature) else temperature
     limit = weight.shape[0] if vocab_limit is None else min(vocab_limit, weight.shape[0])
     return _ChosenLogprobs.apply(states, weight, targets, scale, limit, max(chunk, 1))
 

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from turnrl.config import ConfigError, turnrl_command
 from turnrl.envservice.placement import env_factory
+from turnrl.models.builtin import check_builtin_preset
 from turnrl.models.loading import ModelSource, locate_model, model_line
 from turnrl.training import ranks
 from turnrl.training.checkpoint import checkpoint_step, resume_point
@@ -62,6 +63,8 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
                           "(or leave run.wandb_project unset)")
     # After the cheaper checks: it may ask the hub (a few seconds at most).
     source = locate_model(config.model.path, "model.path") if config.model.path is not None else None
+    if config.model.path is None:
+        check_builtin_preset(config.model.builtin_preset)  # before the line that names it
     if config.resume or config.run.overwrite:
         _say_model(config, source)
         return
