@@ -90,6 +90,9 @@ class AgentConfig:
     """Actions parsed from one response and stepped in order (RAGEN: 5, VAGEN: 3)."""
     action_separator: Optional[str] = None
     """Separator of actions in the answer; None takes the format's default (``,`` or ``||``)."""
+    strict_format: bool = False
+    """Take actions only from well-formed responses, as VAGEN's parsers do (a malformed response steps
+    nothing); false takes them from the last complete answer tag of any response."""
     max_turns: int = 5
     """Model responses per episode; reaching it truncates the episode."""
     max_actions_per_episode: int = 10

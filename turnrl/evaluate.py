@@ -264,6 +264,7 @@ def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any
         config.agent.format,
         action_separator=config.agent.action_separator,
         max_actions_per_turn=config.agent.max_actions_per_turn,
+        strict=config.agent.strict_format,
     )
     policy = make_policy(config, fmt)  # one model for every variant
     if not config.variants:

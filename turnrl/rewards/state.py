@@ -3,7 +3,9 @@
 A *grounding* reward compares a turn's ``<observation>`` with the state before
 the turn's first action; a *world-model* reward compares its ``<prediction>``
 with the state after its last action. Only well-formed turns are judged (a
-turn whose response breaks the format scores 0, as in VAGEN).
+turn whose response breaks the format scores 0, as in VAGEN); with
+``require_valid_actions`` only turns that earn the format reward are, as in
+VAGEN (well formed, and every action written valid and kept).
 
 The comparison is a *matcher* (:class:`~turnrl.rewards.matching.Matcher`):
 text + true facts -> a score in [0, 1]. Two come with turnrl:
@@ -90,6 +92,8 @@ class StateReward:
         repetition: true for :class:`RepetitionPenalty` with VAGEN's values (window 1000, top_k 5,
             threshold 0.7, penalty -0.1), a mapping of those settings, or false for no penalty.
         on_error: the score of a turn the matcher could not score (a judge that failed); counted in metrics.
+        require_valid_actions: judge only turns whose actions were all valid and kept, as VAGEN's state reward
+            judges only turns it paid the format reward; false judges every well-formed turn.
     """
 
     needs_state_facts = True
@@ -102,6 +106,7 @@ class StateReward:
         object_weights: Mapping[str, Any] | None = None,
         repetition: Mapping[str, Any] | bool = True,
         on_error: float = 0.0,
+        require_valid_actions: bool = False,
     ) -> None:
         if field not in ("observation", "prediction"):
             raise ValueError(f"field={field!r}: choose observation (grounding) or prediction (world model)")
@@ -110,6 +115,7 @@ class StateReward:
         profiles = profiles_from_settings(object_weights)
         self.field = field
         self.on_error = on_error
+        self.require_valid_actions = require_valid_actions
         self.matcher: Matcher
         if matcher == "judge":
             if not judge:
@@ -138,6 +144,8 @@ class StateReward:
             text = turn.parsed.fields.get(self.field)
             if not turn.parsed.format_ok or text is None or facts is None:
                 continue  # only well-formed turns are judged
+            if self.require_valid_actions and not self._format_rewarded(turn):
+                continue
             items.append(MatchItem(text, facts, turn.env_id, self.field))
             where.append(i)
         results = self.matcher.score(items) if items else []
@@ -152,6 +160,12 @@ class StateReward:
             scores[i] = result + penalty
         self._turns += len(turns)
         return scores
+
+    @staticmethod
+    def _format_rewarded(turn: FinishedTurn) -> bool:
+        """The format reward's gate (VAGEN's for state rewards): at least one action, none dropped (unknown,
+        malformed or past the turn's limit) and each one the env took."""
+        return bool(turn.parsed.actions) and not turn.parsed.dropped_actions and all(turn.actions_valid)
 
     def metrics(self) -> dict[str, float]:
         """Counters since the last call, then reset: judged turns, mean match, penalties, the matcher's own."""

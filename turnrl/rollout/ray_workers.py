@@ -157,7 +157,7 @@ class RolloutHost:
         policy = model_policy(self.model, load_tokenizer(self.directory), spec.model,
                               max_batch_size=spec.max_batch_size, processor=processor, dtype=self.dtype)
         fmt = get_format(spec.agent.format, action_separator=spec.agent.action_separator,
-                         max_actions_per_turn=spec.agent.max_actions_per_turn)
+                         max_actions_per_turn=spec.agent.max_actions_per_turn, strict=spec.agent.strict_format)
         executor = ThreadPoolExecutor(spec.env_threads) if spec.env_threads > 0 else None
         self.rollout = Rollout(policy, fmt, spec.agent, env_id=spec.env.id, executor=executor,
                                rewards=Rewards(spec.rewards))

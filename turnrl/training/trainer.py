@@ -390,7 +390,7 @@ class Trainer:
         self.startup["models_s"] = time.time() - started
         self._build_optimizers()
         fmt = get_format(config.agent.format, action_separator=config.agent.action_separator,
-                         max_actions_per_turn=config.agent.max_actions_per_turn)
+                         max_actions_per_turn=config.agent.max_actions_per_turn, strict=config.agent.strict_format)
         rewards = rewards or Rewards(config.rewards)
         batch_size = max(64, config.groups.n_groups * config.groups.group_size)
         started = time.time()

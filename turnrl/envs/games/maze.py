@@ -4,8 +4,12 @@ The maze is a square grid of odd side whose border is wall: ``difficulty=
 "easy"`` is 9x9 and ``"hard"`` 11x11 (VisGym's sizes, border included), or
 pass ``size``. Mazes are perfect (exactly one path between any two open
 cells), carved from the seed by a recursive backtracker over the cells at odd
-coordinates. As in VisGym, the agent and the target start in opposite corners
-of the maze (one of the four corner pairs, drawn from the seed).
+coordinates (``generator="backtracker"``, the default) or by Wilson's
+loop-erased random walks (``generator="wilson"``, VisGym's generator: every
+perfect maze equally likely, so more branches and shorter corner-to-corner
+paths than the backtracker's long corridors). As in VisGym, the agent and the
+target start in opposite corners of the maze (one of the four corner pairs,
+drawn from the seed).
 
 Image mode draws 25 px a cell with VisGym's colours: grey walls, white paths,
 the target a red square and the agent a blue circle. Text mode draws one row
@@ -41,6 +45,7 @@ VISGYM_MOVES = ("right", "up", "left", "down")
 """VisGym's ``('move', k)`` numbering: index ``k`` -> direction."""
 DIFFICULTY_SIZES = {"easy": 9, "hard": 11}
 REWARD_RULES = ("reach", "stop")
+GENERATORS = ("backtracker", "wilson")
 MAX_SIZE = 63
 
 WALL, PATH, AGENT, TARGET, AGENT_ON_TARGET = "#", ".", "A", "T", "*"
@@ -116,6 +121,47 @@ def random_maze(rng: np.random.Generator, size: int) -> str:
     return "".join(grid)
 
 
+def wilson_maze(rng: np.random.Generator, size: int) -> str:
+    """A uniformly random perfect ``size x size`` maze (odd ``size``), by Wilson's algorithm, as VisGym draws its
+    mazes: from each cell not yet in the maze, a random walk until it meets the maze; the walk's loops are erased
+    (each cell remembers only the direction it was last left by) and its path is carved.
+
+    Written here rather than taken from VisGym, whose generator draws from Python's ``random`` and comes with a
+    gymnasium fork; the distribution of mazes is the same, the maze of a given seed is not.
+    """
+    m = (size - 1) // 2  # cells per side
+    grid = [WALL] * (size * size)
+    steps = ((-1, 0), (1, 0), (0, -1), (0, 1))
+
+    def carve(r: int, c: int) -> None:
+        grid[r * size + c] = PATH
+
+    in_maze = [False] * (m * m)
+    first = int(rng.integers(m * m))
+    in_maze[first] = True
+    carve(2 * (first // m) + 1, 2 * (first % m) + 1)
+    for start in rng.permutation(m * m).tolist():
+        if in_maze[start]:
+            continue
+        left_by: dict[int, int] = {}
+        cell = start
+        while not in_maze[cell]:
+            r, c = divmod(cell, m)
+            options = [k for k, (dr, dc) in enumerate(steps) if 0 <= r + dr < m and 0 <= c + dc < m]
+            k = options[int(rng.integers(len(options)))]
+            left_by[cell] = k
+            cell = (r + steps[k][0]) * m + c + steps[k][1]
+        cell = start
+        while not in_maze[cell]:
+            in_maze[cell] = True
+            r, c = divmod(cell, m)
+            dr, dc = steps[left_by[cell]]
+            carve(2 * r + 1, 2 * c + 1)
+            carve(2 * r + 1 + dr, 2 * c + 1 + dc)  # the wall between this cell and the next
+            cell = (r + dr) * m + c + dc
+    return "".join(grid)
+
+
 def corner_pair(rng: np.random.Generator, size: int) -> tuple[int, int]:
     """Agent and target cells in opposite corners (VisGym's four placements)."""
     lo, hi = 1, size - 2
@@ -175,13 +221,15 @@ class Maze2DEnv(TurnEnv):
         size: side of the maze including its border wall: odd, 5 to 63.
         reward_on: ``"reach"`` (1 on stepping onto the target) or ``"stop"`` (1 only after
             ``stop`` on the target, as VisGym).
+        generator: ``"backtracker"`` (recursive backtracker) or ``"wilson"`` (VisGym's: uniform over
+            perfect mazes).
         max_steps: steps before truncation.
         cell_px: pixels per cell in image mode (VisGym: 25).
         render_mode: ``None``, ``"ansi"`` or ``"rgb_array"``.
     """
 
     modes = ("text", "image")
-    setting_choices = {"difficulty": tuple(DIFFICULTY_SIZES), "reward_on": REWARD_RULES}
+    setting_choices = {"difficulty": tuple(DIFFICULTY_SIZES), "reward_on": REWARD_RULES, "generator": GENERATORS}
     state_reward_profile = StateRewardProfile({"target": 1.0}, {"goal": "target", "exit": "target"})
     corpus_variants = ({}, {"difficulty": "hard"})
     description = "Maze2D: walk a perfect maze to the target; VisGym maze_2d sizes, colours and tuple actions."
@@ -195,6 +243,7 @@ class Maze2DEnv(TurnEnv):
         max_steps: int = 100,
         cell_px: int = 25,
         render_mode: str | None = None,
+        generator: str = "backtracker",
     ) -> None:
         if difficulty not in DIFFICULTY_SIZES:
             raise ValueError(f"difficulty must be one of {list(DIFFICULTY_SIZES)}, got {difficulty!r}")
@@ -205,6 +254,8 @@ class Maze2DEnv(TurnEnv):
             raise ValueError(f"size must be an odd int from 5 to {MAX_SIZE} (border walls included), got {size!r}")
         if reward_on not in REWARD_RULES:
             raise ValueError(f"reward_on must be one of {list(REWARD_RULES)}, got {reward_on!r}")
+        if generator not in GENERATORS:
+            raise ValueError(f"generator must be one of {list(GENERATORS)}, got {generator!r}")
         if not 4 <= cell_px <= 256:
             raise ValueError(f"cell_px must be from 4 to 256, got {cell_px}")
         size = int(size)
@@ -212,6 +263,7 @@ class Maze2DEnv(TurnEnv):
         self.difficulty = difficulty
         self.size = size
         self.reward_on = reward_on
+        self.generator = generator
         self.cell_px = int(cell_px)
         self._grid = ""
         self._agent = self._target = 0
@@ -226,7 +278,7 @@ class Maze2DEnv(TurnEnv):
             if size != self.size:
                 raise ValueError(f"level is {size}x{size} but this env has size={self.size}; make one with size={size}")
         else:
-            grid = random_maze(rng, self.size)
+            grid = wilson_maze(rng, self.size) if self.generator == "wilson" else random_maze(rng, self.size)
             agent, target = corner_pair(rng, self.size)
         self._grid, self._agent, self._target = grid, agent, target
         self._stopped = False
