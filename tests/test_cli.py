@@ -599,7 +599,7 @@ def test_eval_variants_from_a_yaml_file_print_one_table(tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    (["--variants", "nosuch"], "--variants 'nosuch' is neither a named list (ragen) nor a YAML file"),
+    (["--variants", "nosuch"], "--variants 'nosuch' is neither a named list (ragen, ragen-v1) nor a YAML file"),
     (["--variants", "{bad}"], "neither a named list"),
     ([], "no env to evaluate on: pass --env ENV, --variants ragen"),
     (["--variants", "ragen", "variants.0.settings.size=8"], "override 'variants.0.settings.size=8' sets an item of a "

@@ -103,6 +103,9 @@ class SokobanEnv(TurnEnv):
         cell_px: pixels per cell in images.
         render_mode: ``None``, ``"ansi"`` (the text grid, also in image mode)
             or ``"rgb_array"``.
+        search_depth: moves of the backward play that makes a level (RAGEN's and
+            gym-sokoban's name): every level is solvable within that many moves.
+            None: ``max_steps``. RAGEN's ``LargerSokoban`` (8x8, two boxes) uses 10.
 
     ``reset(options={"level": text})`` plays a given level written in RAGEN's
     symbols (any size in text mode, the env's ``dim_room`` in image mode);
@@ -142,8 +145,12 @@ class SokobanEnv(TurnEnv):
         symbols: str = "ragen",
         cell_px: int = 25,
         render_mode: str | None = None,
+        search_depth: int | None = None,
     ) -> None:
         rows, cols = _room_shape(dim_room, size)
+        if search_depth is not None and (isinstance(search_depth, bool) or not isinstance(search_depth, int)
+                                         or search_depth < 1):
+            raise ValueError(f"search_depth must be a positive int or None, got {search_depth!r}")
         check_room(rows, cols, num_boxes)
         if symbols not in SYMBOL_STYLES:
             raise ValueError(f"symbols must be one of {list(SYMBOL_STYLES)}, got {symbols!r}")
@@ -156,9 +163,11 @@ class SokobanEnv(TurnEnv):
         _check_text_fits(rows, cols, symbols)
         image_shape = (rows * self.cell_px, cols * self.cell_px)
         super().__init__(mode=mode, max_steps=max_steps, image_shape=image_shape, render_mode=render_mode)
+        self.search_depth = search_depth
+        self._level_moves = self.max_steps if search_depth is None else min(self.max_steps, search_depth)
         self._vocabulary = VOCABULARIES.get(symbols, RAGEN_SYMBOLS)
         self._symbols = self._vocabulary.symbols + ("\n",)
-        self._load(generate_level(rows, cols, self.num_boxes, seed=0, max_moves=self.max_steps), generated=True)
+        self._load(generate_level(rows, cols, self.num_boxes, seed=0, max_moves=self._level_moves), generated=True)
 
     def action_budget(self) -> int:
         """Twice the interior cells per box, capped by ``max_steps``: 32 for 6x6 with one box, where the
@@ -219,7 +228,7 @@ class SokobanEnv(TurnEnv):
             generated = False
         else:
             seed = int(rng.integers(0, 2**63 - 1))
-            level = generate_level(*self.dim_room, self.num_boxes, seed, max_moves=self.max_steps)
+            level = generate_level(*self.dim_room, self.num_boxes, seed, max_moves=self._level_moves)
             generated = True
         self._load(level, generated)
 
