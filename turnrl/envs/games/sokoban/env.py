@@ -29,6 +29,7 @@ from turnrl.envs.games.sokoban.levels import (
     DIRECTIONS,
     FLOOR,
     PLAYER,
+    PLAYER_ON_TARGET,
     RAGEN_SYMBOLS,
     Level,
     Vocabulary,
@@ -47,7 +48,7 @@ BOX_ON_TARGET_REWARD = 1.0
 SOLVED_REWARD = 10.0
 
 VOCABULARIES: dict[str, Vocabulary] = {"ragen": RAGEN_SYMBOLS, "alt": ALT_SYMBOLS}
-SYMBOL_STYLES = ("ragen", "alt", "coords")
+SYMBOL_STYLES = ("ragen", "alt", "coords", "grid_coords")
 
 # Image tiles, by cell code. Targets tint the floor red so that a player or box
 # standing on one still shows it; boxes on targets turn green.
@@ -98,8 +99,11 @@ class SokobanEnv(TurnEnv):
         symbols: how the text observation is written: ``"ragen"`` (``# _ O √ X
             P S``, the default), ``"alt"`` (RAGEN's alternative vocabulary
             ``W . G C B A @``: wall, empty, goal, completed box on a goal,
-            box, agent, agent on a goal) or ``"coords"`` (the player, boxes,
-            targets and walls listed as ``(row, column)``).
+            box, agent, agent on a goal), ``"coords"`` (the player, boxes,
+            targets and walls listed as ``(row, column)``) or ``"grid_coords"``
+            (RAGEN's ``CoordSokoban``, its ``observation_format: grid_coord``: the
+            coordinates of the targets, boxes and player, then the grid in RAGEN's
+            symbols).
         cell_px: pixels per cell in images.
         render_mode: ``None``, ``"ansi"`` (the text grid, also in image mode)
             or ``"rgb_array"``.
@@ -262,7 +266,12 @@ class SokobanEnv(TurnEnv):
         if self.is_image_mode:
             return f"Boxes on targets: {self._on_target} of {self._num_boxes}."
         if self._text is None:
-            self._text = self._coords_text() if self.symbols == "coords" else "".join(self._chars)
+            if self.symbols == "coords":
+                self._text = self._coords_text()
+            elif self.symbols == "grid_coords":
+                self._text = self._grid_coords_text()
+            else:
+                self._text = "".join(self._chars)
         return self._text
 
     def grid_text(self) -> str:
@@ -283,6 +292,22 @@ class SokobanEnv(TurnEnv):
             f"Walls: {self._wall_listing}"
         )
 
+    def _grid_coords_text(self) -> str:
+        """RAGEN's ``grid_coord`` rendering, line for line (sokoban/env.py ``_render_text`` and utils.py
+        ``format_coordinate_render``): each kind listed row by row, a kind with none left out, walls never
+        listed; the header lines end with a space as RAGEN's do."""
+        level, cols, codes = self.initial_level, self._cols, self._codes
+        kinds = (
+            ("Targets", sorted(level.targets)),
+            ("Boxes", [cell for cell, code in enumerate(codes) if code == BOX]),
+            ("Boxes on target", [cell for cell, code in enumerate(codes) if code == BOX_ON_TARGET]),
+            ("Player", [self._player] if codes[self._player] == PLAYER else []),
+            ("Player on target", [self._player] if codes[self._player] == PLAYER_ON_TARGET else []),
+        )
+        lines = ["Coordinates: ", f"Board size: {level.rows} rows x {cols} cols (zero-indexed)."]
+        lines += [f"{label}: {_listing(cells, cols)}" for label, cells in kinds if cells]
+        return "\n".join(lines + ["Grid Map: ", self.grid_text()])
+
     def image(self) -> np.ndarray:
         symbols, cols, codes = RAGEN_SYMBOLS.symbols, self._cols, self._codes
         rows = ["".join(symbols[code] for code in codes[start : start + cols]) for start in range(0, len(codes), cols)]
@@ -290,7 +315,7 @@ class SokobanEnv(TurnEnv):
 
     def ansi(self) -> str:
         """The board, even in image mode, where the text is a status line."""
-        return self.text() if self.symbols == "coords" and not self.is_image_mode else self.grid_text()
+        return self.text() if self.symbols in ("coords", "grid_coords") and not self.is_image_mode else self.grid_text()
 
     # ----------------------------------------------------------------- agent API
     def instructions(self) -> str:
@@ -303,6 +328,13 @@ class SokobanEnv(TurnEnv):
             observation = (
                 "Each observation lists the player, boxes, targets and walls as (row, column) positions, "
                 "row 0 at the top and column 0 at the left."
+            )
+        elif self.symbols == "grid_coords":
+            rows, cols = self.dim_room
+            observation = (
+                "Each observation gives the zero-indexed (row, column) coordinates of the player, each box and each "
+                f"target, from the top-left corner (0, 0) to the bottom-right corner ({rows - 1}, {cols - 1}), then "
+                f"the room as a grid of symbols: {self._vocabulary.legend()}."
             )
         else:
             observation = f"Each observation is the room as a grid of symbols: {self._vocabulary.legend()}."
@@ -385,7 +417,8 @@ def _room_shape(dim_room: tuple[int, int] | None, size: int | None) -> tuple[int
 
 def _check_text_fits(rows: int, cols: int, symbols: str) -> None:
     """Raise ValueError if the longest text observation could exceed the observation space."""
-    longest = rows * (cols + 1) if symbols != "coords" else 200 + rows * cols * (10 + 2 * len(str(max(rows, cols))))
+    listed = 200 + rows * cols * (10 + 2 * len(str(max(rows, cols))))  # every cell listed as "(r, c), "
+    longest = {"coords": listed, "grid_coords": listed + rows * (cols + 1)}.get(symbols, rows * (cols + 1))
     if longest > MAX_TEXT_LENGTH:
         raise ValueError(
             f"a {rows}x{cols} room with symbols={symbols!r} can need {longest} characters, "
