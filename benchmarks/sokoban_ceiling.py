@@ -13,6 +13,7 @@ to score as it does; ``p = 0`` is a policy that ignores the grid.
 
     python benchmarks/sokoban_ceiling.py                                   # the Sokoban quickstart's levels
     python benchmarks/sokoban_ceiling.py --targets 0.31 0.61 --budget 10 --episodes 128
+    python benchmarks/sokoban_ceiling.py --size 8 --boxes 2 --search-depth 10 --p 1.0 --targets   # LargerSokoban
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ def p_for(levels: Sequence[Level], target: float, budget: int) -> float | None:
     return (low + high) / 2
 
 
-def validation_levels(size: int, boxes: int, episodes: int) -> list[Level]:
+def validation_levels(size: int, boxes: int, episodes: int, search_depth: int | None = None) -> list[Level]:
     """The levels of a run's ``episodes`` validation episodes (seeds from :class:`SeedSplits`)."""
-    env = make("Sokoban", size=size, num_boxes=boxes)
+    env = make("Sokoban", size=size, num_boxes=boxes, search_depth=search_depth)
     levels = []
     for seed in SeedSplits().val_seeds(episodes):
         env.reset(seed=seed)
@@ -106,14 +107,17 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=128, help="validation.episodes")
     parser.add_argument("--p", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.7, 0.8,
                                                                 0.9, 1.0])
-    parser.add_argument("--targets", type=float, nargs="+", default=[0.31, 0.45, 0.61])
+    parser.add_argument("--targets", type=float, nargs="*", default=[0.31, 0.45, 0.61])
+    parser.add_argument("--search-depth", type=int, default=None,
+                        help="the env's search_depth (RAGEN's LargerSokoban: 10); default: its max_steps")
     args = parser.parse_args()
-    levels = validation_levels(args.size, args.boxes, args.episodes)
+    levels = validation_levels(args.size, args.boxes, args.episodes, args.search_depth)
     lengths = Counter(len(plan(level) or ()) for level in levels)
     within = sum(n for length, n in lengths.items() if length <= args.budget) / len(levels)
+    mean = sum(length * n for length, n in lengths.items()) / len(levels)
     print(f"{len(levels)} validation levels, {args.size}x{args.size}, {args.boxes} box(es); fewest moves: "
           + ", ".join(f"{length}: {lengths[length]}" for length in sorted(lengths))
-          + f"; {within:.1%} solvable within {args.budget} moves")
+          + f"; mean {mean:.2f}; {within:.1%} solvable within {args.budget} moves")
     print("\n| p (solver's move) | demos' random share | solved | ended deadlocked | ended solvable, out of moves |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for p in args.p:

@@ -302,7 +302,7 @@ def test_envs_fits_80_columns_keeps_settings_whole_and_shows_allowed_values(monk
         for setting in setting_lines(name):
             head = setting.split(" ", 1)[0]  # name=default, never folded
             assert head in words, f"{head} cut in:\n{result.stdout}"
-    assert "symbols='ragen' (ragen|alt|coords)" in result.stdout
+    assert "symbols='ragen' (ragen|alt|coords|grid_coords)" in result.stdout
     assert "reward_on='reach' (reach|stop)" in result.stdout
     assert "task='place' (align|place|stack|drawer)" in result.stdout  # from the Literal type of the setting
 
@@ -599,7 +599,7 @@ def test_eval_variants_from_a_yaml_file_print_one_table(tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    (["--variants", "nosuch"], "--variants 'nosuch' is neither a named list (ragen) nor a YAML file"),
+    (["--variants", "nosuch"], "--variants 'nosuch' is neither a named list (ragen, ragen-v1) nor a YAML file"),
     (["--variants", "{bad}"], "neither a named list"),
     ([], "no env to evaluate on: pass --env ENV, --variants ragen"),
     (["--variants", "ragen", "variants.0.settings.size=8"], "override 'variants.0.settings.size=8' sets an item of a "

@@ -287,9 +287,9 @@ def test_variants_load_as_typed_records_and_the_ragen_set_is_valid(tmp_path):
     ragen = EvalConfig(variants=list(VARIANT_SETS["ragen"]))
     ragen.validate()
     assert [(v.env, v.settings) for v in ragen.variants] == [
-        ("Sokoban", {"size": 6, "num_boxes": 1}), ("Sokoban", {"size": 8, "num_boxes": 2}),
+        ("Sokoban", {"size": 6, "num_boxes": 1}), ("Sokoban", {"size": 8, "num_boxes": 2, "search_depth": 10}),
         ("Sokoban", {"size": 6, "num_boxes": 1, "symbols": "alt"}),
-        ("FrozenLake", {"size": 4, "p_frozen": 0.8, "is_slippery": True})]
+        ("FrozenLake", {"size": 4, "p_frozen": 0.9, "is_slippery": True, "success_rate": 0.8})]
 
 
 @pytest.mark.parametrize(("variants", "needle"), [

@@ -325,7 +325,7 @@ def test_the_expert_solves_every_sokoban_variant_of_ragens_set(tmp_path):
         assert rows[name]["env"] == "Sokoban"
         assert rows[name]["success_rate"] == 1.0 and rows[name]["format_valid_rate"] == 1.0
         assert rows[name]["errors"] == 0 and rows[name]["budget"]["from"] == "env"
-    assert rows["frozenlake-4x4"]["settings"] == {"size": 4, "p_frozen": 0.8, "is_slippery": True}
+    assert rows["frozenlake-4x4"]["settings"] == {"size": 4, "p_frozen": 0.9, "is_slippery": True, "success_rate": 0.8}
     assert summary["episodes"] == 24 and summary["policy"] == "expert"
     check_rows_against_trajectories(out, summary)
     # Each variant plays its own env: 8x8 rooms, RAGEN's alternative symbols, FrozenLake's lake.
@@ -424,8 +424,9 @@ def test_a_checkpoint_plays_every_variant_with_its_runs_agent_settings(ragen_run
         record = read_records(out / "variants" / name)[0]
         assert "<answer>" in record["system_prompt"], "RAGEN's response format is asked for in every variant"
     settings = {name: load_config(EvalConfig, out / "variants" / name / "config.yaml").env.settings for name in rows}
-    assert settings["sokoban-8x8-2boxes"] == {"size": 8, "num_boxes": 2, "max_steps": 60}, "the run's other settings"
-    assert settings["frozenlake-4x4"] == {"size": 4, "p_frozen": 0.8, "is_slippery": True}
+    assert settings["sokoban-8x8-2boxes"] == {"size": 8, "num_boxes": 2, "max_steps": 60, "search_depth": 10}, \
+        "the run's other settings"
+    assert settings["frozenlake-4x4"] == {"size": 4, "p_frozen": 0.9, "is_slippery": True, "success_rate": 0.8}
     page = (out / "report.html").read_text()
     assert all(f"<strong>{name}</strong>" in page for name in rows)
 

@@ -389,11 +389,22 @@ VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 VARIANT_SETS: dict[str, tuple[VariantConfig, ...]] = {
     # RAGEN's generalization claim: trained on 6x6 Sokoban with one box, evaluated as trained, on 8x8 rooms
-    # with two boxes, on its alternative grid vocabulary (W . G C B A @) and on FrozenLake (RAGEN's defaults:
-    # 4x4, 80% frozen, slippery ice with gymnasium's 1/3 chance of moving as intended).
+    # with two boxes, on its alternative grid vocabulary (W . G C B A @) and on FrozenLake 4x4.
+    # `ragen`: RAGEN's current code (mll-lab-nu/RAGEN 20daedc, config/envs.yaml): LargerSokoban's levels made
+    # by 10 backward moves (search_depth: 10), FrozenLake 90% frozen with the intended move 80% of the time
+    # (frozen_lake/config.py: p = 0.9; envs.yaml: success_rate: 0.8).
     "ragen": (
         VariantConfig("sokoban-6x6-1box", "Sokoban", {"size": 6, "num_boxes": 1}),
-        VariantConfig("sokoban-8x8-2boxes", "Sokoban", {"size": 8, "num_boxes": 2}),
+        VariantConfig("sokoban-8x8-2boxes", "Sokoban", {"size": 8, "num_boxes": 2, "search_depth": 10}),
+        VariantConfig("sokoban-alt-vocab", "Sokoban", {"size": 6, "num_boxes": 1, "symbols": "alt"}),
+        VariantConfig("frozenlake-4x4", "FrozenLake",
+                      {"size": 4, "p_frozen": 0.9, "is_slippery": True, "success_rate": 0.8}),
+    ),
+    # `ragen-v1`: the RAGEN paper (arXiv 2504.20073, its v1 code): the same Sokoban, FrozenLake 80% frozen with
+    # gymnasium's slip (the intended move 1/3 of the time).
+    "ragen-v1": (
+        VariantConfig("sokoban-6x6-1box", "Sokoban", {"size": 6, "num_boxes": 1}),
+        VariantConfig("sokoban-8x8-2boxes", "Sokoban", {"size": 8, "num_boxes": 2, "search_depth": 10}),
         VariantConfig("sokoban-alt-vocab", "Sokoban", {"size": 6, "num_boxes": 1, "symbols": "alt"}),
         VariantConfig("frozenlake-4x4", "FrozenLake", {"size": 4, "p_frozen": 0.8, "is_slippery": True}),
     ),

@@ -259,13 +259,20 @@ def ref_select(group_index, rewards, scores, strategy, value, weighting, tempera
     if strategy == "none":
         kept = ranked
     elif strategy == "top_k":
-        k = value if isinstance(value, int) else max(1, math.floor(value * len(ids) + 1e-9))
+        k = value if isinstance(value, int) else max(1, int(value * len(ids)))
         kept = ranked[:k]
     elif strategy == "top_p":
         keys = [sign * score[g] for g in ranked]
-        if weighting == "linear":
-            total = sum(keys)
-            weights = [k / total for k in keys] if total > 0 else [1.0 / len(keys)] * len(keys)
+        if weighting == "linear":  # RAGEN: positive scores until they sum to value * total - 0.01, else none
+            if value >= 1:
+                return sorted(ranked)
+            threshold, taken, kept = value * sum(keys) - 0.01, 0.0, []
+            for g, k in zip(ranked, keys):
+                if taken >= threshold or k <= 0:
+                    break
+                kept.append(g)
+                taken += k
+            return sorted(kept) if taken >= threshold else []
         else:
             top = max(keys)
             exps = [math.exp((k - top) / temperature) for k in keys]

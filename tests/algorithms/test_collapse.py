@@ -57,16 +57,16 @@ def ref_retrieval(cross: list[list[float]], columns: list[int], classes: list[in
     return out
 
 
-def ref_zscore(cross: list[list[float]], columns: list[int], eps: float, ema_std: float | None) -> dict[str, float]:
+def ref_zscore(cross: list[list[float]], columns: list[int], eps: float, previous_ema: float | None,
+               decay: float = 0.9) -> dict[str, float]:
     info_rows = [ref_information([row], [col]) for row, col in zip(cross, columns)]
     gaps = [r["mi"] for r in info_rows]
     marginal = [r["marginal_logprob"] for r in info_rows]
     mean = sum(marginal) / len(marginal)
     std = math.sqrt(sum((m - mean) ** 2 for m in marginal) / len(marginal))
-    out = {"marginal_std": std, "mi_zscore": sum(g / (std + eps) for g in gaps) / len(gaps)}
-    if ema_std is not None:
-        out["mi_zscore_ema"] = sum(g / (ema_std + eps) for g in gaps) / len(gaps)
-    return out
+    ema_std = std if previous_ema is None else decay * previous_ema + (1 - decay) * std  # this std in it
+    return {"marginal_std": std, "mi_zscore": sum(g / (std + eps) for g in gaps) / len(gaps),
+            "marginal_std_ema": ema_std, "mi_zscore_ema": sum(g / (ema_std + eps) for g in gaps) / len(gaps)}
 
 
 def ref_spread_collapse(values: list[float], baseline_steps: int, window: int, ratio: float) -> int | None:

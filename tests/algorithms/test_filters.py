@@ -79,9 +79,10 @@ def test_top_p_linear_by_hand():
     assert pick(1.0).kept_groups.tolist() == [0, 1, 2, 3]
 
 
-def test_top_p_linear_all_zero_is_uniform_and_negative_scores_raise():
+def test_top_p_linear_all_zero_keeps_none_and_negative_scores_raise():
     index, rewards = grouped([[1.0, 1.0]] * 4)
-    assert select_groups(index, rewards, strategy="top_p", value=0.5).kept_groups.tolist() == [0, 1]
+    selection = select_groups(index, rewards, strategy="top_p", value=0.5)
+    assert selection.kept_groups.tolist() == [] and selection.skip_step  # RAGEN: threshold -0.01 is met at once
     with pytest.raises(ValueError):
         select_groups(torch.arange(2), torch.zeros(2), scores=torch.tensor([-1.0, 2.0]), strategy="top_p")
     with pytest.raises(ValueError):

@@ -16,8 +16,8 @@ Built-in formats (``format_names()``):
 ``grounding``                     ``<think><observation/><reasoning/></think><answer/>``
 ``worldmodeling``                 ``<think><reasoning/><prediction/></think><answer/>``
 ``grounding_worldmodeling``       ``<think><observation/><reasoning/><prediction/></think><answer/>``
-``ragen``                         ``<think>...</think><answer>A || B</answer>``
-``ragen_no_think``                ``<answer>A || B</answer>``
+``ragen``                         ``<think>...</think><answer>A || B</answer>`` (RAGEN's reading, below)
+``ragen_no_think``                ``<answer>A || B</answer>`` (RAGEN's reading, below)
 ``visgym_tuple``                  ``<observation/><justification/><action>('move', 0)</action>``
 ``visgym_keyword``                ``<action>left</action>`` (free text allowed, last tag wins)
 ================================  ==============================================================
@@ -35,7 +35,7 @@ Parsing rules (the defaults; see :func:`get_format` for the knobs):
   and the ``<action>`` tag may repeat (the VisGym instruct recipe).
 - **Actions** come from the content of the *last complete* answer tag
   (``<answer>`` or ``<action>``), even when the response is malformed, as in
-  RAGEN and VisGym; ``strict=True`` takes actions only from well-formed
+  VisGym (RAGEN's formats: its own reading, below); ``strict=True`` takes actions only from well-formed
   responses, as in VAGEN. A truncated answer (no closing tag) yields none.
 - **Splitting**: with ``action_names`` the answer is split on the separator
   (``","`` for the VAGEN formats, ``"||"`` for the RAGEN ones); pieces are
@@ -52,6 +52,18 @@ Parsing rules (the defaults; see :func:`get_format` for the knobs):
   when they are keywords (Maze2D names its actions ``up`` ... ``stop`` and
   reads tuples itself), the normalized tuple is passed on as the action and a
   bare keyword is accepted too.
+
+- **RAGEN's reading** (``ragen``, ``ragen_no_think``; ``ragen_reading=True``), as
+  RAGEN's ``ContextManager._parse_response`` and ``EnvStateManager.step``
+  (mll-lab-nu/RAGEN, ``ragen/llm_agent/ctx_manager.py``, ``es_manager.py``):
+  actions come from the *first* ``<think>...</think>`` followed (after
+  whitespace only) by ``<answer>...</answer>`` -- a bare ``<answer>`` carries
+  none -- or, without a think tag, from the first ``<answer>...</answer>``;
+  format tags left inside the answer are removed; the answer is cut to
+  ``max_actions_per_turn`` pieces *before* unknown names are dropped; and a
+  turn with any unknown action pays the penalty (:func:`turn_format_reward`).
+  RAGEN also ends the prompt with ``<think>``; turnrl's prompts end with the
+  chat template's generation prompt (docs/fidelity.md).
 
 Parsing never raises, and runs in time linear in the response length.
 """
@@ -100,6 +112,9 @@ class ParsedResponse:
     """Human-readable reasons: format errors first, then action errors."""
     dropped_actions: tuple[str, ...] = ()
     """Actions that were written but not kept: unknown or malformed ones, then those past the limit."""
+    any_invalid: bool = False
+    """Some action the format counts was unknown or malformed (RAGEN's reading: among the first
+    ``max_actions_per_turn``; otherwise: any), so a format that penalizes any invalid action charges."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +238,9 @@ class ResponseFormat:
     """Take actions only from well-formed responses (VAGEN); default: from any complete answer tag."""
     outside_text_ok: bool = False
     """Free text around the top-level tags is allowed and the structure may repeat (last wins)."""
+    ragen_reading: bool = False
+    """RAGEN's parser and penalty (module docstring): the first think-then-answer match, the answer cut
+    to the limit before unknown names are dropped, the penalty when any action is invalid."""
 
     def __post_init__(self) -> None:
         names = [tag.name for top in self.structure for tag in top.walk()]
@@ -298,13 +316,52 @@ class ResponseFormat:
         format_errors = self._check_structure(text, tokens)
         format_ok = not format_errors
         fields = _last_pairs(text, tokens)
+        if self.ragen_reading:
+            answer = self._ragen_answer(text)
+            if answer is None:
+                format_errors.append(f"no {self._ragen_shape()} found: no actions taken")
+                return ParsedResponse((), fields, format_ok, tuple(format_errors))
+            actions, dropped, action_errors, invalid = self._parse_actions(answer, action_names)
+            return ParsedResponse(actions, fields, format_ok, tuple(format_errors + action_errors), dropped, invalid)
         answer = fields.get(self.answer_tag)
         if answer is None or (self.strict and not format_ok):
             if answer is not None:
                 format_errors.append("actions ignored: the response is malformed (strict format)")
             return ParsedResponse((), fields, format_ok, tuple(format_errors))
-        actions, dropped, action_errors = self._parse_actions(answer, action_names)
-        return ParsedResponse(actions, fields, format_ok, tuple(format_errors + action_errors), dropped)
+        actions, dropped, action_errors, invalid = self._parse_actions(answer, action_names)
+        return ParsedResponse(actions, fields, format_ok, tuple(format_errors + action_errors), dropped, invalid)
+
+    def _ragen_shape(self) -> str:
+        return "<think>...</think><answer>...</answer>" if "think" in self.tag_names else "<answer>...</answer>"
+
+    def _ragen_answer(self, text: str) -> str | None:
+        """The answer RAGEN reads, ``re.search(r"<think>(.*?)</think>\\s*<answer>(.*?)</answer>")``'s second
+        group (``<answer>(.*?)</answer>`` without a think tag), with any format tag inside it removed; None
+        when there is no match.
+
+        Found by string search rather than that regex, whose lazy groups take quadratic time on a long
+        response of repeated tags. The same match: it starts at the first ``<think>`` (a match from a later
+        one would also be one from it), its think ends at the first ``</think>`` followed by blanks and
+        ``<answer>``, its answer at the first ``</answer>`` after that.
+        """
+        start = 0
+        if "think" in self.tag_names:
+            opening = text.find("<think>")
+            if opening < 0:
+                return None
+            joint = _RAGEN_THINK_TO_ANSWER.search(text, opening + len("<think>"))
+            if joint is None:
+                return None
+            start = joint.end()
+        else:
+            opening = text.find("<answer>")
+            if opening < 0:
+                return None
+            start = opening + len("<answer>")
+        end = text.find("</answer>", start)
+        if end < 0:
+            return None
+        return _RAGEN_TOKENS.sub("", text[start:end]).strip()
 
     def _check_structure(self, text: str, tokens: list[_Token]) -> list[str]:
         """Every reason the response is not exactly the format (empty list: well-formed)."""
@@ -325,8 +382,8 @@ class ResponseFormat:
 
     def _parse_actions(
         self, answer: str, action_names: Sequence[str] | None
-    ) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
-        """Answer text -> (kept actions, dropped actions, errors)."""
+    ) -> tuple[tuple[str, ...], tuple[str, ...], list[str], bool]:
+        """Answer text -> (kept actions, dropped actions, errors, whether some piece was unknown or malformed)."""
         separator = self._split_separator(action_names)
         pieces = [answer] if separator is None else answer.split(separator)
         pieces = [piece.strip() for piece in pieces if piece.strip()]
@@ -334,6 +391,10 @@ class ResponseFormat:
         kept: list[str] = []
         dropped: list[str] = []
         errors: list[str] = []
+        if self.ragen_reading and len(pieces) > self.max_actions_per_turn:
+            # RAGEN cuts the answer to the limit first; an unknown piece then still takes a place.
+            errors.append(f"too many actions: {len(pieces)} given, kept the first {self.max_actions_per_turn}")
+            pieces = pieces[: self.max_actions_per_turn]
         for piece in pieces:
             action, problem = self._canonical(piece, lookup)
             if action is None:
@@ -344,11 +405,12 @@ class ResponseFormat:
                 kept.append(action)
         if len(dropped) > _MAX_UNKNOWN_REPORTED:
             errors.append(f"... and {len(dropped) - _MAX_UNKNOWN_REPORTED} more invalid actions")
+        invalid = bool(dropped)
         if len(kept) > self.max_actions_per_turn:
             errors.append(f"too many actions: {len(kept)} given, kept the first {self.max_actions_per_turn}")
             dropped.extend(kept[self.max_actions_per_turn :])
             kept = kept[: self.max_actions_per_turn]
-        return tuple(kept), tuple(dropped), errors
+        return tuple(kept), tuple(dropped), errors, invalid
 
     def _canonical(self, piece: str, lookup: _Lookup | None) -> tuple[str | None, str]:
         """One answer piece -> (canonical action or None, what is wrong with it)."""
@@ -566,6 +628,12 @@ class _StructureChecker:
             raise _StructureError(f"unexpected {token.show()} after the last tag")
 
 
+# Where RAGEN's think ends and its answer begins (ctx_manager._parse_response's ``</think>\s*<answer>``).
+_RAGEN_THINK_TO_ANSWER = re.compile(r"</think>\s*<answer>")
+# The tags RAGEN removes from an answer before splitting it (its special_token_list, less the chat tokens).
+_RAGEN_TOKENS = re.compile(r"</?(?:think|answer)>")
+
+
 class _Lookup(NamedTuple):
     names: dict[str, str]
     """Lookup key -> canonical name; the first of two names with the same key wins."""
@@ -603,6 +671,9 @@ _JUSTIFICATION = Tag(
 )
 _ANSWER = Tag("answer", "", "")
 _ACTION = Tag("action", "", "")
+
+# Formats that read responses as RAGEN does (ResponseFormat.ragen_reading).
+_RAGEN_FORMATS = ("ragen", "ragen_no_think")
 
 _STRUCTURES: dict[str, tuple[tuple[Tag, ...], str, ActionKind, str | None, bool]] = {
     # name: (structure, answer tag, action kind, default separator, free text allowed)
@@ -647,7 +718,8 @@ def get_format(
             a separator given here also splits free-form answers.
         max_actions_per_turn: keep the first N actions of a turn.
         strict: take actions only from well-formed responses (VAGEN); the
-            default takes them from the last complete answer tag (RAGEN, VisGym).
+            default takes them from the last complete answer tag (VisGym), or, for
+            ``ragen*``, from RAGEN's first think-then-answer match.
 
     Raises:
         ValueError: unknown name, or a separator/limit that cannot work.
@@ -665,6 +737,7 @@ def get_format(
         max_actions_per_turn=max_actions_per_turn,
         strict=strict,
         outside_text_ok=outside_text_ok,
+        ragen_reading=name in _RAGEN_FORMATS,
     )
 
 
@@ -675,16 +748,19 @@ def turn_format_reward(
     format_reward: float = 0.5,
     no_action_penalty: float = -0.1,
     require_valid_actions: bool = True,
+    penalize_any_invalid: bool = False,
 ) -> float:
     """Format part of a turn's reward.
 
-    - ``no_action_penalty`` (RAGEN: -0.1) when no valid action was parsed;
+    - ``no_action_penalty`` (RAGEN: -0.1) when no valid action was parsed, or, with
+      ``penalize_any_invalid`` (RAGEN's ``es_manager``: the format's ``ragen_reading``), when any
+      action of the turn was invalid;
     - else ``format_reward`` (VAGEN: 0.5) when the response is well-formed and,
       with ``require_valid_actions`` (VAGEN's rule), no action was dropped
       (unknown, malformed or past the limit);
     - else 0.
     """
-    if not parsed.actions:
+    if not parsed.actions or (penalize_any_invalid and parsed.any_invalid):
         return float(no_action_penalty)
     if parsed.format_ok and not (require_valid_actions and parsed.dropped_actions):
         return float(format_reward)

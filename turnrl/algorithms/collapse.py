@@ -155,13 +155,16 @@ def ema(previous: float | None, current: float, decay: float) -> float:
 
 
 def zscore_metrics(
-    cross: torch.Tensor, columns: torch.Tensor, eps: float, ema_std: float | None = None
+    cross: torch.Tensor, columns: torch.Tensor, eps: float, previous_ema_std: float | None = None,
+    ema_decay: float = 0.9,
 ) -> dict[str, float]:
     """The MI in units of the marginal log-prob's spread, which drifts during training.
 
     ``marginal_std`` is the population std (divided by n) of the marginals; ``mi_zscore`` is
-    ``mean((matched - marginal) / (marginal_std + eps))``; with ``ema_std`` (a moving average of earlier
-    ``marginal_std``, see :func:`ema`) also ``mi_zscore_ema``, the same over ``ema_std + eps``.
+    ``mean((matched - marginal) / (marginal_std + eps))``. ``marginal_std_ema`` is the moving average of
+    ``marginal_std`` *with this measurement in it* (:func:`ema` of ``previous_ema_std``, the average
+    before it, None at the first), and ``mi_zscore_ema`` is ``mi_zscore`` over ``marginal_std_ema + eps``:
+    RAGEN's ``CollapseDetector`` updates the average, then divides by it.
 
     Args:
         cross: Shape (n, c). columns: Shape (n,). eps: keeps the division finite.
@@ -169,10 +172,13 @@ def zscore_metrics(
     matched, marginal = matched_and_marginal(cross, columns)
     gap = matched - marginal
     std = float(marginal.std(correction=0))
-    metrics = {"marginal_std": std, "mi_zscore": float((gap / (std + eps)).mean())}
-    if ema_std is not None:
-        metrics["mi_zscore_ema"] = float((gap / (ema_std + eps)).mean())
-    return metrics
+    ema_std = ema(previous_ema_std, std, ema_decay)
+    return {
+        "marginal_std": std,
+        "mi_zscore": float((gap / (std + eps)).mean()),
+        "marginal_std_ema": ema_std,
+        "mi_zscore_ema": float((gap / (ema_std + eps)).mean()),
+    }
 
 
 # --------------------------------------------------------------------------- early-stop rules

@@ -13,7 +13,6 @@ Notation: ``b`` samples (rollouts), ``g`` groups.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -72,30 +71,46 @@ def seeded_group_scores(seeds: torch.Tensor, group_index: torch.Tensor) -> torch
                         dtype=torch.float64)
 
 
+# RAGEN's linear top-p stops once the kept groups' scores reach ``p * sum - 0.01``: an absolute margin in the
+# score's units (RAGEN's RolloutFilterConfig.selection_eps).
+_TOP_P_MARGIN = 0.01
+
+
 def _count_top_k(value: float | int, n_groups: int) -> int:
-    """An int is a count; a float in (0, 1] is a share of all groups (floored, at least 1)."""
+    """An int is a count; a float in (0, 1] is a share of all groups, rounded down as RAGEN's
+    ``int(value * num_groups)`` (``0.29`` of 100 groups is 28), at least 1."""
     if isinstance(value, bool) or value <= 0:
         raise ValueError(f"top_k value must be positive, got {value!r}")
     if isinstance(value, int):
         return min(value, n_groups)
     if value > 1:
         raise ValueError(f"a float top_k value is a share in (0, 1], got {value!r}")
-    return max(1, math.floor(value * n_groups + 1e-9))
+    return max(1, int(value * n_groups))
 
 
 def _top_p_count(ranked: torch.Tensor, p: float, weighting: str, temperature: float) -> int:
     """How many of the ranked keys (descending) to keep for top-p.
 
-    ``linear``: weights ``key / sum(key)`` (keys must be >= 0; all zero counts
-    as uniform); ``softmax``: ``softmax(key / temperature)``. Keep the shortest
-    prefix whose cumulative weight reaches ``p`` (at least one group).
+    ``linear`` (RAGEN's ``RolloutFilter._select_top_groups``): keep the shortest prefix of positive keys whose
+    sum reaches ``p * sum(key) - 0.01``; none when that is reached before the first group (every key 0, or a
+    sum under the margin), and every group when ``p >= 1``. Keys must be >= 0.
+    ``softmax``: weights ``softmax(key / temperature)``; keep the shortest prefix whose cumulative weight
+    reaches ``p`` (at least one group).
     """
     if weighting == "linear":
         if bool((ranked < 0).any()):
             raise ValueError("linear top-p needs non-negative scores; use weighting='softmax'")
-        total = ranked.sum()
-        weights = ranked / total if total > 0 else torch.full_like(ranked, 1.0 / ranked.numel())
-    elif weighting == "softmax":
+        if p >= 1:
+            return ranked.numel()
+        threshold = p * float(ranked.sum()) - _TOP_P_MARGIN
+        kept, count = 0.0, 0
+        for key in ranked.tolist():
+            if kept >= threshold or key <= 0:
+                break
+            kept += key
+            count += 1
+        return count if kept >= threshold else 0
+    if weighting == "softmax":
         weights = torch.softmax(ranked / temperature, dim=0)
     else:
         raise ValueError(f"weighting must be 'linear' or 'softmax', got {weighting!r}")
@@ -124,10 +139,11 @@ def select_groups(
     ``largest=False``), ties by smaller group id, then:
 
     - ``top_k``: keep the first ``value`` groups (an int is a count, a float in
-      (0, 1] a share of all ``g`` groups, floored, at least 1).
-    - ``top_p``: keep the first groups until their cumulative weight reaches
-      ``value``; ``linear`` weights are ``score / sum(score)``, ``softmax``
-      weights ``softmax(±score / temperature)``.
+      (0, 1] a share of all ``g`` groups, rounded down, at least 1).
+    - ``top_p``: ``linear``: keep the first groups until their scores sum to
+      ``value * sum(score) - 0.01`` (RAGEN's margin; none when every score is
+      0); ``softmax``: until their cumulative weight
+      ``softmax(±score / temperature)`` reaches ``value``.
     - ``min_p``: keep groups with ``score >= value * max(score)``
       (``score <= min(score) / value`` if ``largest=False``); scores >= 0.
     - ``none``: keep every group (only ``drop_zero_variance`` applies).

@@ -19,7 +19,10 @@ handling of bad actions, so that every env behaves the same way:
   False, the state is unchanged, the step counts towards ``max_steps``, and the
   env's ``invalid_action_reward`` is paid.
 - ``terminated`` (the task ended) is never merged with ``truncated``
-  (``max_steps`` reached).
+  (``max_steps`` reached). An env with ``invalid_step_truncates = False``
+  (Sudoku, Spatial, as RAGEN's) is not truncated by a step that was invalid
+  or broke a rule (``StepOutcome.legal`` False); the agent's action budget
+  still ends the episode.
 """
 
 from __future__ import annotations
@@ -237,6 +240,9 @@ class StepOutcome:
     effective: bool = True
     """Whether the action changed the state (a push into a wall does not)."""
     info: dict[str, Any] = field(default_factory=dict)
+    legal: bool = True
+    """False when the action was read but breaks a rule (a Sudoku digit that clashes): RAGEN counts it as
+    invalid (see ``TurnEnv.invalid_step_truncates``)."""
 
 
 class TurnEnv(gym.Env[dict, str]):
@@ -260,6 +266,9 @@ class TurnEnv(gym.Env[dict, str]):
     """Settings that change what the env's texts look like (sizes, vocabularies): the built-in tokenizer's
     corpus plays each of them (:mod:`turnrl.models.builtin`, for the envs it names)."""
     invalid_action_reward: float = 0.0
+    invalid_step_truncates: ClassVar[bool] = True
+    """Whether reaching ``max_steps`` with an invalid or illegal step truncates the episode. RAGEN's Sudoku and
+    Spatial envs return ``done=False`` for such a step whatever the count, so those envs set False."""
 
     def __init__(
         self,
@@ -387,13 +396,14 @@ class TurnEnv(gym.Env[dict, str]):
         self._steps += 1
         if canonical is None:
             reward, terminated, success, info = self.invalid_action_reward, self._terminated, self.success(), {}
-            valid, effective = False, False
+            valid, effective, legal = False, False, False
         else:
             outcome = self._step(canonical)
             reward, terminated, success, info = outcome.reward, outcome.terminated, outcome.success, dict(outcome.info)
-            valid, effective = True, outcome.effective
+            valid, effective, legal = True, outcome.effective, outcome.legal
         self._terminated = bool(terminated)
-        truncated = not self._terminated and self._steps >= self.max_steps
+        truncated = (not self._terminated and self._steps >= self.max_steps
+                     and (legal or self.invalid_step_truncates))
         info.update(action_is_valid=valid, action_is_effective=effective, success=bool(success))
         figures = self.episode_metrics()
         if figures:

@@ -440,7 +440,8 @@ class Rollout:
             actions_valid=tuple(turn.actions_valid),
             env_reward=env_reward,
             format_reward=turn_format_reward(
-                parsed, format_reward=self.agent.format_reward, no_action_penalty=self.agent.no_action_penalty
+                parsed, format_reward=self.agent.format_reward, no_action_penalty=self.agent.no_action_penalty,
+                penalize_any_invalid=self.fmt.ragen_reading,
             ),
             terminated=bool(terminated),
             success=trajectory.success,

@@ -33,7 +33,6 @@ from turnrl.agent.formats import ResponseFormat
 from turnrl.algorithms.collapse import (
     SpreadCollapse,
     Streak,
-    ema,
     information_metrics,
     retrieval_metrics,
     zscore_metrics,
@@ -207,16 +206,17 @@ def cross_logprobs(pairs: Sequence[ReasoningPair], prompts: Sequence[ReasoningPa
 
 
 def pair_metrics(token: torch.Tensor, sequence: torch.Tensor, columns: Columns, eps: float,
-                 ema_std: tuple[float | None, float | None]) -> dict[str, float]:
+                 ema_std: tuple[float | None, float | None], ema_decay: float) -> dict[str, float]:
     """The metrics of one sample of pairs (unprefixed): information and z-scores per token and per sequence
-    (``_seq``), retrieval (the same per token and per sequence: a row's length divides all its entries)."""
+    (``_seq``), retrieval (the same per token and per sequence: a row's length divides all its entries).
+    ``ema_std``: the moving averages of the marginal std (per token, per sequence) before this sample."""
     metrics = information_metrics(token, columns.of_pair)
     metrics.update(retrieval_metrics(token, columns.of_pair, columns.classes))
-    metrics.update(zscore_metrics(token, columns.of_pair, eps, ema_std[0]))
+    metrics.update(zscore_metrics(token, columns.of_pair, eps, ema_std[0], ema_decay))
     metrics.update({f"{key}_seq": value for key, value in information_metrics(sequence, columns.of_pair).items()
                     if key != "mi_upper_bound"})
     metrics.update({f"{key}_seq": value for key, value in
-                    zscore_metrics(sequence, columns.of_pair, eps, ema_std[1]).items()})
+                    zscore_metrics(sequence, columns.of_pair, eps, ema_std[1], ema_decay).items()})
     metrics["pairs"], metrics["prompts"] = float(len(columns.of_pair)), float(len(columns.prompts))
     return metrics
 
@@ -274,11 +274,9 @@ class CollapseDiagnostics:
                 continue
             token, sequence = cross_logprobs(drawn, columns.prompts, score, self.pad_id)
             ema_std = (self.ema_std.get(f"{kind}/marginal_std"), self.ema_std.get(f"{kind}/marginal_std_seq"))
-            found_metrics = pair_metrics(token, sequence, columns, config.std_eps, ema_std)
+            found_metrics = pair_metrics(token, sequence, columns, config.std_eps, ema_std, config.ema_decay)
             for name in ("marginal_std", "marginal_std_seq"):
-                key = f"{kind}/{name}"
-                self.ema_std[key] = ema(self.ema_std.get(key), found_metrics[name], config.ema_decay)
-                found_metrics[_ema_name(name)] = self.ema_std[key]
+                self.ema_std[f"{kind}/{name}"] = found_metrics[_ema_name(name)]
             metrics.update({f"collapse/{kind}/{name}": value for name, value in found_metrics.items()})
         metrics["timing/collapse_s"] = time.time() - start
         return metrics

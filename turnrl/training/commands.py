@@ -268,7 +268,10 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                                        trainer.memory_retries.get(step)) from error
             metrics = output.metrics
             last = step == config.run.steps
-            validation = trainer.validate() if validate_now(step) and not last else None
+            # A step whose filter kept nothing is not validated (RAGEN's trainer skips the rest of such a step), so
+            # it adds nothing to the low-success early stop's count.
+            skipped = metrics.get("filter/skipped_step") == 1.0
+            validation = trainer.validate() if validate_now(step) and not last and not skipped else None
             if validation is not None:
                 metrics.update(validation.metrics)
             early_stop = early_stops.observe(metrics)

@@ -212,9 +212,10 @@ def test_text_is_ragens_layout():
         "Row 3: [0, 8, 0, 0]",
         "Row 4: [0, 0, 0, 0]",
         "",
-        "Valid Actions: Up, Right, Down, Left.",
+        "Valid Actions: 0(Up), 1(Right), 2(Down), 3(Left).",
         "Goal: Merge same numbers to reach 2048.",
         "Current Score: 0",
+        "What is your next move?",
     ])
     assert env.ansi() == "2 . . 4\n. . . .\n. 8 . .\n. . . ."
 

@@ -71,6 +71,8 @@ def test_f_turns_the_top_row_onto_the_right_face():
 
 def test_text_layout_after_u():
     assert after("U").observation()["text"] == "\n".join([
+        "=== Rubik's Cube 2x2 State ===",
+        "",
         "Up (U):    [W, W]",
         "           [W, W]",
         "Left (L):  [G, G]",
@@ -83,6 +85,11 @@ def test_text_layout_after_u():
         "           [B, B]",
         "Down (D):  [Y, Y]",
         "           [Y, Y]",
+        "",
+        "Available Actions:",
+        "U, U', D, D', L, L', R, R', F, F', B, B'",
+        "",
+        "What is your next move?",
     ])
 
 
@@ -240,7 +247,7 @@ def test_solve_works_from_the_current_state_not_only_from_reset():
 def test_image_mode_draws_the_net():
     env = RubiksCubeEnv(mode="image", sticker_px=10)
     obs, _ = env.reset(options={"scramble": "U"})
-    assert obs["text"] == IMAGE_CAPTION
+    assert obs["text"].startswith(IMAGE_CAPTION + "\n\nAvailable Actions:")
     image = obs["image"]
     assert image.shape == env.image_shape + (3,)
     colours = {tuple(int(v) for v in image[y, x]) for y in range(image.shape[0]) for x in range(image.shape[1])}

@@ -111,6 +111,7 @@ def test_generation_is_a_function_of_the_seed():
         ("2, 3, 5", Move(1, 2, 5)),
         ("erase row 9 col 1", Move(8, 0, 0)),
         ("clear (9, 1)", Move(8, 0, 0)),
+        ("place 5 at row 2 col 3 and place 6 at row 1 col 1", Move(1, 2, 5)),  # the first found, as re.search
     ],
 )
 def test_ragens_spellings_parse(text, move):
@@ -120,7 +121,7 @@ def test_ragens_spellings_parse(text, move):
 @pytest.mark.parametrize(
     "text",
     ["", "place", "place 0 at row 1 col 1", "place 10 at row 1 col 1", "place 5 at row 10 col 1",
-     "0,1,1", "1,1,0", "place 5 at row 2 col 3 and place 6 at row 1 col 1", "place 5 at row 2 col 3" + " " * 80,
+     "0,1,1", "1,1,0", "place 5 at row 2 col 3" + " " * 240,
      "erase row 0 col 3", "5", "Up"],
 )
 def test_unreadable_or_out_of_range_actions_are_none(text):
@@ -238,7 +239,8 @@ def test_the_last_placement_solves_with_the_bonus():
 def test_truncation_at_max_steps():
     env = wiki_env(max_steps=2)
     assert env.step("place 4 at row 1 col 3")[2:4] == (False, False)
-    assert env.step("place 5 at row 1 col 1")[2:4] == (False, True)
+    assert env.step("place 5 at row 1 col 1")[2:4] == (False, False)  # illegal: RAGEN does not end there
+    assert env.step("erase row 1 col 3")[2:4] == (False, True)
 
 
 # --------------------------------------------------------------------------- views

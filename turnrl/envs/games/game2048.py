@@ -356,10 +356,12 @@ class Game2048Env(TurnEnv):
             lines = ["Current 2048 Grid:"]
             lines += [f"Row {r + 1}: [{', '.join(map(str, row))}]" for r, row in enumerate(self.values())]
             lines.append("")
-        moves = legal_moves(self.board)
+        # RAGEN's listing (game_2048/env.py render): each legal move after its index, then the closing question.
+        moves = [f"{ACTIONS.index(move)}({move})" for move in legal_moves(self.board)]
         lines.append(f"Valid Actions: {', '.join(moves) if moves else 'None'}.")
         lines.append(f"Goal: Merge same numbers to reach {self.target_tile}.")
         lines.append(f"Current Score: {self.score}")
+        lines.append("What is your next move?")
         return "\n".join(lines)
 
     def ansi(self) -> str:

@@ -394,9 +394,13 @@ class RubiksCubeEnv(TurnEnv):
         return tuple(COLOURS[c] for c in self.state[base : base + 4])  # type: ignore[return-value]
 
     def text(self) -> str:
-        if self.is_image_mode:
-            return IMAGE_CAPTION
-        return self.ansi()
+        """RAGEN's layout (rubikscube/env.py render): a title, the faces, then, while the cube is unsolved, the
+        actions and the closing question. RAGEN's step counter is left out: a rejected action must leave the
+        observation as it was (the env contract); the agent's frame says how many actions are left."""
+        lines = [IMAGE_CAPTION] if self.is_image_mode else ["=== Rubik's Cube 2x2 State ===", "", self.ansi()]
+        if not self.success():
+            lines += ["", "Available Actions:", ", ".join(self.action_names()), "", "What is your next move?"]
+        return "\n".join(lines)
 
     def ansi(self) -> str:
         """Each face as two rows of colour letters, RAGEN's order (U, L, F, R, B, D)."""

@@ -51,7 +51,7 @@ SIZES = (4, 9)
 EMPTY_FRACTION = {"easy": 0.4, "medium": 0.5, "hard": 0.6}
 """Share of the cells left empty, by difficulty (RAGEN's)."""
 MAX_GENERATION_TRIES = 50
-MAX_ACTION_CHARS = 64
+MAX_ACTION_CHARS = 256
 CANDIDATES_SHOWN_BELOW = 10
 """Candidates of the empty cells are listed once at most this many are left (RAGEN's ``show_valid_numbers``)."""
 
@@ -256,7 +256,7 @@ class Move(NamedTuple):
         return f"place {self.digit} at row {self.row + 1} col {self.col + 1}"
 
 
-_N = r"(\d{1,2})"
+_N = r"(?<!\d)(\d{1,2})(?!\d)"  # a whole number: searched anywhere, "123,4,5" must not read as 23, 4, 5
 _SEP = r"\s*,\s*"
 _ACTION_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern), order)
@@ -274,7 +274,8 @@ _ACTION_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 
 def parse_action(action: Any, size: int) -> Move | None:
     """The move an action names, or None if it names none (a non-string, an unknown spelling, a number out
-    of range). Case, surrounding whitespace and backticks and a final period are ignored.
+    of range). The first spelling found anywhere in the text counts, as RAGEN's ``re.search`` (its
+    ``sudoku/env.py``): ``"I place 5 at row 2 col 3"`` is a move. Case is ignored.
 
     >>> parse_action("Place 5 at row 2 col 3", 9)
     Move(row=1, col=2, digit=5)
@@ -285,7 +286,7 @@ def parse_action(action: Any, size: int) -> Move | None:
         return None
     text = action.strip().strip("`").strip().rstrip(".").strip().lower()
     for pattern, order in _ACTION_PATTERNS:
-        match = pattern.fullmatch(text)
+        match = pattern.search(text)  # anywhere in the text, as RAGEN's re.search: "I place 5 at row 2 col 3"
         if match is None:
             continue
         numbers = dict(zip(order, (int(g) for g in match.groups())))
@@ -319,6 +320,7 @@ class SudokuEnv(TurnEnv):
 
     modes = ("text", "image")
     setting_choices = {"size": SIZES, "difficulty": tuple(EMPTY_FRACTION)}
+    invalid_step_truncates = False  # RAGEN: an unreadable or illegal move returns done=False at any count
     description = "Sudoku: fill a 9x9 grid whose solution is unique (RAGEN's sizes, actions and rewards)."
 
     def __init__(
@@ -381,7 +383,7 @@ class SudokuEnv(TurnEnv):
         problem = self._problem(move, cell, where)
         if problem is not None:
             self._feedback = f"Not done: {problem}."
-            return StepOutcome(self.invalid_action_reward, effective=False, info={"illegal": problem})
+            return StepOutcome(self.invalid_action_reward, effective=False, info={"illegal": problem}, legal=False)
         before = self._worth()
         grid = list(self.grid)
         grid[cell] = move.digit

@@ -29,6 +29,7 @@ from turnrl.envs.games.sokoban.levels import (
     DIRECTIONS,
     FLOOR,
     PLAYER,
+    PLAYER_ON_TARGET,
     RAGEN_SYMBOLS,
     Level,
     Vocabulary,
@@ -47,7 +48,7 @@ BOX_ON_TARGET_REWARD = 1.0
 SOLVED_REWARD = 10.0
 
 VOCABULARIES: dict[str, Vocabulary] = {"ragen": RAGEN_SYMBOLS, "alt": ALT_SYMBOLS}
-SYMBOL_STYLES = ("ragen", "alt", "coords")
+SYMBOL_STYLES = ("ragen", "alt", "coords", "grid_coords")
 
 # Image tiles, by cell code. Targets tint the floor red so that a player or box
 # standing on one still shows it; boxes on targets turn green.
@@ -98,11 +99,17 @@ class SokobanEnv(TurnEnv):
         symbols: how the text observation is written: ``"ragen"`` (``# _ O √ X
             P S``, the default), ``"alt"`` (RAGEN's alternative vocabulary
             ``W . G C B A @``: wall, empty, goal, completed box on a goal,
-            box, agent, agent on a goal) or ``"coords"`` (the player, boxes,
-            targets and walls listed as ``(row, column)``).
+            box, agent, agent on a goal), ``"coords"`` (the player, boxes,
+            targets and walls listed as ``(row, column)``) or ``"grid_coords"``
+            (RAGEN's ``CoordSokoban``, its ``observation_format: grid_coord``: the
+            coordinates of the targets, boxes and player, then the grid in RAGEN's
+            symbols).
         cell_px: pixels per cell in images.
         render_mode: ``None``, ``"ansi"`` (the text grid, also in image mode)
             or ``"rgb_array"``.
+        search_depth: moves of the backward play that makes a level (RAGEN's and
+            gym-sokoban's name): every level is solvable within that many moves.
+            None: ``max_steps``. RAGEN's ``LargerSokoban`` (8x8, two boxes) uses 10.
 
     ``reset(options={"level": text})`` plays a given level written in RAGEN's
     symbols (any size in text mode, the env's ``dim_room`` in image mode);
@@ -142,8 +149,12 @@ class SokobanEnv(TurnEnv):
         symbols: str = "ragen",
         cell_px: int = 25,
         render_mode: str | None = None,
+        search_depth: int | None = None,
     ) -> None:
         rows, cols = _room_shape(dim_room, size)
+        if search_depth is not None and (isinstance(search_depth, bool) or not isinstance(search_depth, int)
+                                         or search_depth < 1):
+            raise ValueError(f"search_depth must be a positive int or None, got {search_depth!r}")
         check_room(rows, cols, num_boxes)
         if symbols not in SYMBOL_STYLES:
             raise ValueError(f"symbols must be one of {list(SYMBOL_STYLES)}, got {symbols!r}")
@@ -156,9 +167,11 @@ class SokobanEnv(TurnEnv):
         _check_text_fits(rows, cols, symbols)
         image_shape = (rows * self.cell_px, cols * self.cell_px)
         super().__init__(mode=mode, max_steps=max_steps, image_shape=image_shape, render_mode=render_mode)
+        self.search_depth = search_depth
+        self._level_moves = self.max_steps if search_depth is None else min(self.max_steps, search_depth)
         self._vocabulary = VOCABULARIES.get(symbols, RAGEN_SYMBOLS)
         self._symbols = self._vocabulary.symbols + ("\n",)
-        self._load(generate_level(rows, cols, self.num_boxes, seed=0, max_moves=self.max_steps), generated=True)
+        self._load(generate_level(rows, cols, self.num_boxes, seed=0, max_moves=self._level_moves), generated=True)
 
     def action_budget(self) -> int:
         """Twice the interior cells per box, capped by ``max_steps``: 32 for 6x6 with one box, where the
@@ -219,7 +232,7 @@ class SokobanEnv(TurnEnv):
             generated = False
         else:
             seed = int(rng.integers(0, 2**63 - 1))
-            level = generate_level(*self.dim_room, self.num_boxes, seed, max_moves=self.max_steps)
+            level = generate_level(*self.dim_room, self.num_boxes, seed, max_moves=self._level_moves)
             generated = True
         self._load(level, generated)
 
@@ -253,7 +266,12 @@ class SokobanEnv(TurnEnv):
         if self.is_image_mode:
             return f"Boxes on targets: {self._on_target} of {self._num_boxes}."
         if self._text is None:
-            self._text = self._coords_text() if self.symbols == "coords" else "".join(self._chars)
+            if self.symbols == "coords":
+                self._text = self._coords_text()
+            elif self.symbols == "grid_coords":
+                self._text = self._grid_coords_text()
+            else:
+                self._text = "".join(self._chars)
         return self._text
 
     def grid_text(self) -> str:
@@ -274,6 +292,22 @@ class SokobanEnv(TurnEnv):
             f"Walls: {self._wall_listing}"
         )
 
+    def _grid_coords_text(self) -> str:
+        """RAGEN's ``grid_coord`` rendering, line for line (sokoban/env.py ``_render_text`` and utils.py
+        ``format_coordinate_render``): each kind listed row by row, a kind with none left out, walls never
+        listed; the header lines end with a space as RAGEN's do."""
+        level, cols, codes = self.initial_level, self._cols, self._codes
+        kinds = (
+            ("Targets", sorted(level.targets)),
+            ("Boxes", [cell for cell, code in enumerate(codes) if code == BOX]),
+            ("Boxes on target", [cell for cell, code in enumerate(codes) if code == BOX_ON_TARGET]),
+            ("Player", [self._player] if codes[self._player] == PLAYER else []),
+            ("Player on target", [self._player] if codes[self._player] == PLAYER_ON_TARGET else []),
+        )
+        lines = ["Coordinates: ", f"Board size: {level.rows} rows x {cols} cols (zero-indexed)."]
+        lines += [f"{label}: {_listing(cells, cols)}" for label, cells in kinds if cells]
+        return "\n".join(lines + ["Grid Map: ", self.grid_text()])
+
     def image(self) -> np.ndarray:
         symbols, cols, codes = RAGEN_SYMBOLS.symbols, self._cols, self._codes
         rows = ["".join(symbols[code] for code in codes[start : start + cols]) for start in range(0, len(codes), cols)]
@@ -281,7 +315,7 @@ class SokobanEnv(TurnEnv):
 
     def ansi(self) -> str:
         """The board, even in image mode, where the text is a status line."""
-        return self.text() if self.symbols == "coords" and not self.is_image_mode else self.grid_text()
+        return self.text() if self.symbols in ("coords", "grid_coords") and not self.is_image_mode else self.grid_text()
 
     # ----------------------------------------------------------------- agent API
     def instructions(self) -> str:
@@ -294,6 +328,13 @@ class SokobanEnv(TurnEnv):
             observation = (
                 "Each observation lists the player, boxes, targets and walls as (row, column) positions, "
                 "row 0 at the top and column 0 at the left."
+            )
+        elif self.symbols == "grid_coords":
+            rows, cols = self.dim_room
+            observation = (
+                "Each observation gives the zero-indexed (row, column) coordinates of the player, each box and each "
+                f"target, from the top-left corner (0, 0) to the bottom-right corner ({rows - 1}, {cols - 1}), then "
+                f"the room as a grid of symbols: {self._vocabulary.legend()}."
             )
         else:
             observation = f"Each observation is the room as a grid of symbols: {self._vocabulary.legend()}."
@@ -376,7 +417,8 @@ def _room_shape(dim_room: tuple[int, int] | None, size: int | None) -> tuple[int
 
 def _check_text_fits(rows: int, cols: int, symbols: str) -> None:
     """Raise ValueError if the longest text observation could exceed the observation space."""
-    longest = rows * (cols + 1) if symbols != "coords" else 200 + rows * cols * (10 + 2 * len(str(max(rows, cols))))
+    listed = 200 + rows * cols * (10 + 2 * len(str(max(rows, cols))))  # every cell listed as "(r, c), "
+    longest = {"coords": listed, "grid_coords": listed + rows * (cols + 1)}.get(symbols, rows * (cols + 1))
     if longest > MAX_TEXT_LENGTH:
         raise ValueError(
             f"a {rows}x{cols} room with symbols={symbols!r} can need {longest} characters, "

@@ -19,7 +19,8 @@ RAGEN's Spatial env (its ``ragen/env/spatial``, built on the Theory-of-Space bas
 - **Rewards** (RAGEN's ``SpatialGym.step``): ``correct_reward`` (+10) for a right answer, ``wrong_reward``
   (RAGEN: -1) for a wrong one, ``step_reward`` (-0.1) for every other step, ``invalid_reward`` (-1) for a
   turn that is not a readable sequence (the state is unchanged and the step counts). ``max_steps`` is RAGEN's
-  ``max_exp_steps + 1`` = 11; reaching it truncates the episode.
+  ``max_exp_steps + 1`` = 11; reaching it with a readable sequence truncates the episode (an unreadable one
+  does not, as RAGEN's ``done=False``).
 - **Modes**: ``text``, and ``image``: a top-down map of what has been observed (the cells the views covered,
   the objects seen, the agent and its start), with the question and the action feedback as text.
 - **Expert** (:meth:`SpatialEnv.solve`): observe from the start in the four directions, then answer with the
@@ -72,6 +73,7 @@ class SpatialEnv(TurnEnv):
         render_mode: ``None``, ``"ansi"`` or ``"rgb_array"``.
     """
 
+    invalid_step_truncates = False  # RAGEN: an unreadable sequence returns done=False at any count
     modes = ("text", "image")
     # Every object counts the same; the aliases let a description name the two-word objects by their telling word
     # (state rewards read one word at a time) or by a common other name.
