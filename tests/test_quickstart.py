@@ -24,9 +24,9 @@ CONFIGS = ROOT / "configs"
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
-def test_make_quickstart_again_keeps_the_first_run_and_says_how_to_continue(tmp_path):
+def test_make_quickstart_again_keeps_the_first_run_and_says_what_to_do(tmp_path):
     """The Makefile's own quickstart command, with a venv whose ``turnrl`` writes to a temporary folder where a
-    run already is: the command stops with how to continue it, and the run is left as it was."""
+    run already is: the command stops with what to do, and the run is left as it was."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / ".installed").touch()  # newer than pyproject.toml: make builds no venv
@@ -43,9 +43,10 @@ def test_make_quickstart_again_keeps_the_first_run_and_says_how_to_continue(tmp_
                             capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert result.returncode != 0
-    assert f"already holds a run (metrics.jsonl); continue it with `turnrl train resume={run}`" in result.stderr
+    # A first run stopped before its first checkpoint: nothing to resume, so no resume is offered.
+    assert "already holds a run (metrics.jsonl); it holds no checkpoint to continue from" in result.stderr
     assert "run.overwrite=true to delete it" in result.stderr
-    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "metrics.jsonl"]  # the lock's file only (empty)
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "rollout/success": 0.5}\n'
 
 

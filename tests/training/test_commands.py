@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from turnrl.algorithms.estimators import get_estimator
 from turnrl.cli import main
 from turnrl.config import ConfigError, load_config, turnrl_command
 from turnrl.training.checkpoint import checkpoint_problem, latest_checkpoint
@@ -36,7 +37,12 @@ def overrides(model_dir: Path, out: Path, *extra: str, name: str = "run") -> lis
 
 
 def config(model_dir: Path, out: Path, *extra: str, name: str = "run") -> TrainConfig:
-    return load_config(TrainConfig, None, overrides(model_dir, out, *extra, name=name))
+    """The run's config, recording turnrl's own estimators only: another test module registers one of its own
+    in this process, and the resumes below run in fresh processes that do not know it."""
+    loaded = load_config(TrainConfig, None, overrides(model_dir, out, *extra, name=name))
+    loaded.algorithm.estimator_params = {name: params for name, params in loaded.algorithm.estimator_params.items()
+                                         if get_estimator(name).fn.__module__.startswith("turnrl.")}
+    return loaded
 
 
 def records(run: Path) -> list[dict]:
