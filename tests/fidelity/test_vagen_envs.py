@@ -17,7 +17,7 @@ Source: RAGEN-AI/VAGEN@d2b8b30b4db41073e2b3ecad269f9c1c52522362:
   ``push(x1,y1,z1,x2,y2,z2)`` in millimetres, name in any case, the wrong count of
   coordinates or another name is invalid; 2 actions a turn separated by ``|``.
 
-Deliberate differences (docs/fidelity_vagen_visgym.md): FrozenLake's goal pays 1 (VAGEN 10:
+Deliberate differences (docs/fidelity.md): FrozenLake's goal pays 1 (VAGEN 10:
 scale ``rewards.env_weight`` by 10 for VAGEN's); VAGEN draws one FrozenLake map per env
 object (no seed), turnrl one per seed; Navigation runs on MiniWorld with a 90-degree field
 of view (VAGEN: AI2-THOR, 100); Sokoban's text has no tab separators.

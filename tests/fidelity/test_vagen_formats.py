@@ -19,7 +19,7 @@ env_config.py files. What the source does:
   every action is valid; the env executes actions in order and stops at the first
   invalid one (an unknown name).
 
-Deliberate differences (docs/fidelity_vagen_visgym.md): by default turnrl takes actions from
+Deliberate differences (docs/fidelity.md): by default turnrl takes actions from
 the last complete answer tag of any response (``agent.strict_format: true`` gives VAGEN's
 rule); an empty tag breaks the format (VAGEN accepts ``<think></think>``); names match in any
 case (VAGEN's Sokoban and FrozenLake take ``Up``, not ``up``); an unknown name is dropped and

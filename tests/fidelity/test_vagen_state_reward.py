@@ -21,7 +21,7 @@ vagen/env/sokoban/service.py, vagen/env/utils/top_string_tracker.py. What the so
   0.5 / 0.5; a text among the 5 most frequent (counted after adding this batch's texts)
   whose *unweighted* target F1 + box F1 < 0.7 scores -0.1 instead of its F1s.
 
-Deliberate differences (docs/fidelity_vagen_visgym.md): turnrl judges every well-formed
+Deliberate differences (docs/fidelity.md): turnrl judges every well-formed
 turn unless ``require_valid_actions: true``; Sokoban's relations get half credit per axis
 as FrozenLake's do; the repetition penalty counts texts before this one, compares the
 weighted score with 0.7 and is added to the score rather than replacing it.

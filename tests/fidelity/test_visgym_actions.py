@@ -14,7 +14,7 @@ env_instruct.py / env_sft.py. What the source does:
 - A response without an action does not step the env: the same frame comes back with an
   error naming the valid actions, and the turn still counts toward ``max_turns``.
 
-Deliberate differences (docs/fidelity_vagen_visgym.md): turnrl matches the tag names
+Deliberate differences (docs/fidelity.md): turnrl matches the tag names
 exactly (``<ACTION>`` is text), tuples take quoted names only (``(move, 3)`` is
 refused, SkyRL adds the quotes), and ``visgym_tuple`` reads the tuple inside
 ``<action>`` only (SkyRL's first tuple anywhere takes ``(1,1)`` written in the

@@ -18,7 +18,7 @@ gymnasium/envs/maze_2d/maze_2d.py (the env) and gymnasium/envs/__init__.py
 
 turnrl's default generator is a recursive backtracker (mean 14.64 on easy, 55.9% within
 14 moves): a deliberate difference kept for the existing recipe's results, listed in
-docs/fidelity_vagen_visgym.md; ``generator="wilson"`` gives VisGym's distribution.
+docs/fidelity.md; ``generator="wilson"`` gives VisGym's distribution.
 """
 
 import numpy as np

@@ -15,7 +15,7 @@ env_instruct.py. What the source does:
 configs/visgym_maze.yaml takes the SFT recipe's warm start, turns, temperature and
 0.8 / 0.2 weights, the instruct recipe's keyword actions and KL, and pays the format part
 per well-formed turn (1/15 a turn): a deliberate difference listed with the overrides
-that give each source recipe in docs/fidelity_vagen_visgym.md. The same 5-turn episode
+that give each source recipe in docs/fidelity.md. The same 5-turn episode
 pays 0.8 + 0.2 * 5/15 = 0.867 there.
 """
 
