@@ -3,8 +3,8 @@ packed with a frozen tower's features encoded once a step; seconds, tokens/s, MF
 
 A batch of multi-turn episodes laid out as the VisGym recipe's (``--images`` turns at most, each an image of
 ``--image-size`` pixels square, ``--text`` observation tokens and a ``--response``-token scored answer; an
-image a turn kept in the conversation; an episode plays between half and all of the turns, as episodes end
-apart) goes through what an RL step runs over it: a pass without gradients
+image a turn kept in the conversation; an episode plays between ``--min-turns`` (half, by default) and all of
+the turns, as episodes end apart) goes through what an RL step runs over it: a pass without gradients
 (the reference's, or the old log-probs') and a training pass (forward and backward, as the PPO epochs run
 it, checkpointed unless ``--no-checkpointing``), one micro-batch at a time: ``--rows`` rows padded, or
 ``--tokens`` tokens packed (each episode attends to itself; its image tokens keep their M-RoPE positions).
@@ -36,15 +36,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoModelForImageTextToText  # noqa: E402
 
-from turnrl.models.loading import chunk_vision_attention, compile_layer_parts, enable_checkpointing  # noqa: E402
-from turnrl.models.loading import freeze_vision_tower, vision_tower  # noqa: E402
+from turnrl.models.loading import (  # noqa: E402
+    chunk_vision_attention,
+    compile_layer_parts,
+    enable_checkpointing,
+    freeze_vision_tower,
+    vision_tower,
+)
 from turnrl.models.vlm import SizedTokenizer, vlm_config, vlm_preset  # noqa: E402
 from turnrl.training.attention import ATTENTION  # noqa: E402
 from turnrl.training.batch import Batch  # noqa: E402
+from turnrl.training.forward import token_logprobs  # noqa: E402
 from turnrl.training.head import install_scoring_head  # noqa: E402
 from turnrl.training.image_features import IMAGE_KEYS  # noqa: E402
 from turnrl.training.ppo import MicroBatching, batched_logprobs  # noqa: E402
-from turnrl.training.forward import token_logprobs  # noqa: E402
 from turnrl.training.throughput import (  # noqa: E402
     peak_flops,
     training_flops,
@@ -68,9 +73,10 @@ def build(preset: str, device: torch.device, vocab: int, checkpointing: bool) ->
     return model.train()
 
 
-def episodes(model, n: int, images: int, side: int, text: int, response: int, vocab: int, seed: int = 0
-             ) -> Batch:
-    """``n`` episodes of ``images`` turns (observation text, an image, a scored response), right-padded."""
+def episodes(model, n: int, images: int, side: int, text: int, response: int, vocab: int, min_turns: int,
+             seed: int = 0) -> Batch:
+    """``n`` episodes of ``min_turns`` to ``images`` turns (observation text, an image, a scored response),
+    right-padded."""
     config, p = model.config, model.config.vision_config
     patch = p.patch_size
     grid = (1, side // patch, side // patch)
@@ -81,11 +87,11 @@ def episodes(model, n: int, images: int, side: int, text: int, response: int, vo
     for _ in range(n):
         ids: list[int] = []
         mask: list[int] = []
-        turns = int(torch.randint((images + 1) // 2, images + 1, (1,), generator=g))  # episodes end apart
+        turns = int(torch.randint(min_turns, images + 1, (1,), generator=g))  # episodes end apart
         counts.append(turns)
         for _ in range(turns):
             ids += torch.randint(0, vocab - 8, (text,), generator=g).tolist()
-            ids += [config.vision_start_token_id] + [config.image_token_id] * image_tokens + [config.vision_end_token_id]
+            ids += [config.vision_start_token_id, *[config.image_token_id] * image_tokens, config.vision_end_token_id]
             ids += torch.randint(0, vocab - 8, (response,), generator=g).tolist()
             mask += [0] * (text + image_tokens + 2) + [1] * response
         rows.append(ids)
@@ -142,7 +148,8 @@ def main() -> None:
     parser.add_argument("--preset", default="vlm-3b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=16, help="episodes in the batch")
-    parser.add_argument("--images", type=int, default=15, help="turns of an episode, an image each")
+    parser.add_argument("--images", type=int, default=15, help="turns of an episode at most, an image each")
+    parser.add_argument("--min-turns", type=int, default=0, help="turns of an episode at least (0: half of --images)")
     parser.add_argument("--image-size", type=int, default=224, help="side of an image in pixels (VisGym's maze)")
     parser.add_argument("--text", type=int, default=40, help="observation tokens a turn")
     parser.add_argument("--response", type=int, default=100, help="scored response tokens a turn")
@@ -158,7 +165,9 @@ def main() -> None:
     model = build(args.preset, device, args.vocab, args.checkpointing)
     if args.compile:
         compile_layer_parts(model)
-    batch = episodes(model, args.batch, args.images, args.image_size, args.text, args.response, args.vocab).to(device)
+    min_turns = args.min_turns or (args.images + 1) // 2
+    batch = episodes(model, args.batch, args.images, args.image_size, args.text, args.response, args.vocab,
+                     min_turns).to(device)
     lengths = batch.attention_mask.sum(1).cpu()
     tokens = int(lengths.sum())
     text_flops = training_flops(training_flops_per_token(model, None if model.config.tie_word_embeddings
