@@ -188,3 +188,21 @@ def test_a_batch_keeps_image_keys_only_where_every_sample_has_them(vlm):
     del unnamed.model_inputs[IMAGE_KEYS]
     assert IMAGE_KEYS not in collate([named, unnamed], pad_id=2).model_inputs
     assert collate([named], pad_id=2).model_inputs[IMAGE_KEYS].tolist() == [-1]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_pass_over_rows_without_images_runs_as_the_text_model(vlm, packed):
+    """A VLM batch's text-only rows (a micro-batch of them holds no image): scored as the decoder alone scores
+    them, with or without a store (transformers' towers take no empty batch of images)."""
+    gen = torch.Generator().manual_seed(0)
+    text = Sample([5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 1, 1], [0.0] * 6, [5], [1.0], episode=1, group=0,
+                  model_inputs={"pixel_values": torch.zeros(0, patch_dim(vlm)),
+                                "image_grid_thw": torch.zeros(0, 3, dtype=torch.long),
+                                IMAGE_KEYS: torch.zeros(0, dtype=torch.long)})
+    part = collate([sample(vlm, gen, "middle", [-1], 0), text], pad_id=2).select([1])
+    with torch.no_grad():
+        expected, _ = token_logprobs(vlm, part.input_ids, part.attention_mask, part.loss_mask)
+        for features in (None, ImageFeatures()):
+            got, _ = token_logprobs(vlm, part.input_ids, part.attention_mask, part.loss_mask, packed=packed,
+                                    model_inputs=part.model_inputs, image_features=features)
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)

@@ -135,9 +135,15 @@ def image_inputs(
     body: nn.Module, model_inputs: Mapping[str, torch.Tensor] | None, image_features: ImageFeatures | None
 ) -> tuple[dict[str, torch.Tensor], AbstractContextManager]:
     """The inputs a pass gives ``body`` (never the image keys) and the context it runs in: the tower served
-    from ``image_features`` where the inputs name their images, else as it is."""
+    from ``image_features`` where the inputs name their images, else as it is. Rows without an image (a VLM
+    batch's text-only turns) pass no image input: transformers' Qwen-VL towers take no empty batch, and
+    without images the 3D positions are the 1D ones."""
     inputs = dict(model_inputs or {})
     keys = inputs.pop(IMAGE_KEYS, None)
+    grids = inputs.get("image_grid_thw")
+    if grids is not None and not len(grids):
+        return {key: value for key, value in inputs.items() if key not in ("pixel_values", "image_grid_thw")}, \
+            nullcontext()
     if image_features is None or keys is None or "pixel_values" not in inputs:
         return inputs, nullcontext()
     if image_features.holds(keys):  # the model still takes its image path; the served tower reads no pixel
