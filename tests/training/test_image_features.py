@@ -206,3 +206,21 @@ def test_a_pass_over_rows_without_images_runs_as_the_text_model(vlm, packed):
             got, _ = token_logprobs(vlm, part.input_ids, part.attention_mask, part.loss_mask, packed=packed,
                                     model_inputs=part.model_inputs, image_features=features)
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_the_trainer_stores_features_only_for_a_frozen_tower_in_one_process(vlm):
+    from turnrl.config import load_config
+    from turnrl.training.config import TrainConfig
+    from turnrl.training.trainer import encodes_images_once
+
+    batch = image_batch(vlm)
+    text = collate([Sample([5, 6, 7], [0, 1, 1], [0.0] * 3, [2], [1.0], episode=0, group=0)], pad_id=2)
+
+    def config(*overrides: str) -> TrainConfig:
+        return load_config(TrainConfig, None, list(overrides))
+
+    assert encodes_images_once(config(), 1, batch)
+    assert not encodes_images_once(config(), 2, batch)  # FSDP: every process must run the tower's collectives
+    assert not encodes_images_once(config("model.train_vision=true"), 1, batch)
+    assert not encodes_images_once(config("model.encode_images_once=false"), 1, batch)
+    assert not encodes_images_once(config(), 1, text)

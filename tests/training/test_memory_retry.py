@@ -41,10 +41,11 @@ def test_an_update_out_of_memory_before_its_first_optimizer_step_runs_again_as_a
             raise torch.OutOfMemoryError(OOM)
         return values
 
-    update, states = Trainer.update, []
+    update, states, modes = Trainer.update, [], []
 
     def update_from(self, step, rollout, keep):
         states.append((step, torch.get_rng_state()))
+        modes.append(self.actor.training)
         return update(self, step, rollout, keep)
 
     monkeypatch.setattr(ppo, "_actor_backward", out_of_memory_after_the_first_backward)
@@ -55,6 +56,7 @@ def test_an_update_out_of_memory_before_its_first_optimizer_step_runs_again_as_a
             "with algorithm.micro_batch_tokens=256, kept for the rest of the run. torch: CUDA out of memory. Tried to "
             "allocate 2.00 GiB.") in " ".join(out.split())
     assert [step for step, _ in states] == [0, 0, 1] and torch.equal(states[0][1], states[1][1])
+    assert modes == [False, False, False]  # the retry scores in eval mode, as the first try (the error left it training)
     run, same = step_records(tmp_path / "retried"), step_records(tmp_path / "half")
     assert run[1]["memory/oom_retries"] == 1.0 and "memory/oom_retries" not in run[2]
     assert {step: _steady(record) for step, record in run.items()} == \

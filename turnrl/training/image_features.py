@@ -18,8 +18,13 @@ Newer transformers releases take precomputed encoder outputs (``mm_encoder_outpu
 calling the tower outside the model's forward would run it without the weights FSDP gathers there. So for
 the duration of one pass :meth:`ImageFeatures.serving` gives the tower a ``forward`` that encodes only the
 images not yet stored (with the tower's own forward, under ``no_grad``) and returns every image's features
-from the store, in the form the tower returns them. Each process of a distributed run encodes the images of
-its own rows.
+from the store, in the form the tower returns them. The store is kept in host memory (a step's features at the
+VisGym recipe's size are gigabytes with Qwen3-VL's deepstack levels, which no memory estimate counts); a pass
+moves its own images' features to the device, a small copy beside the tower's work it saves.
+
+One process only: under FSDP each vision block is its own unit whose forward gathers its weights in a
+collective, so a process whose pass finds every image stored would skip collectives that the others run. The
+trainer uses a store only when it runs in one process.
 
 Which copy of the tower encodes an image: that of the first pass that meets it (the actor's logprob check,
 else the reference's or the critic's pass). They are frozen copies of the same weights: the features differ
@@ -63,7 +68,7 @@ class StoredImage:
     """One image's features."""
 
     tokens: torch.Tensor
-    """Shape (k_i, h): what the decoder reads at the image's placeholder tokens."""
+    """Shape (k_i, h), in host memory: what the decoder reads at the image's placeholder tokens."""
     deepstack: tuple[torch.Tensor, ...]
     """Qwen3-VL's deepstack features, one Shape (k_i, h) a level; empty for other towers."""
 
@@ -135,10 +140,11 @@ class ImageFeatures:
         self.served += len(keys) - len(first)
         stored = [self._images[key] for key in keys]
         levels = len(stored[0].deepstack) if stored else 0
+        device = pixel_values.device
         return TowerOutput(
-            pooler_output=torch.cat([image.tokens for image in stored]),
-            deepstack_features=[torch.cat([image.deepstack[level] for image in stored]) for level in range(levels)]
-            if levels else None,
+            pooler_output=torch.cat([image.tokens for image in stored]).to(device),
+            deepstack_features=[torch.cat([image.deepstack[level] for image in stored]).to(device)
+                                for level in range(levels)] if levels else None,
         )
 
     def _encode(self, encode: Any, pixel_values: torch.Tensor, grids: torch.Tensor, patches: list[int],
@@ -154,8 +160,8 @@ class ImageFeatures:
         with torch.no_grad():
             output = encode(pixel_values[rows], grid_thw=grids[places], **kwargs)
         sizes = [patches[i] // merge**2 for i in places]
-        tokens = output.pooler_output.split(sizes)
-        deepstack = [level.split(sizes) for level in (output.get("deepstack_features") or [])]
+        tokens = output.pooler_output.cpu().split(sizes)  # one copy to the host, then views of it
+        deepstack = [level.cpu().split(sizes) for level in (output.get("deepstack_features") or [])]
         for j, key in enumerate(first):
             self._images[key] = StoredImage(tokens[j], tuple(level[j] for level in deepstack))
         self.encoded += len(first)

@@ -224,6 +224,14 @@ def make_batch(trajectories: list[Trajectory], keep: list[int], sample_mode: str
     return collate(make_samples([trajectories[i] for i in keep], keep), pad_id).to(device)
 
 
+def encodes_images_once(config: TrainConfig, processes: int, batch: Batch) -> bool:
+    """Whether a step's passes share one store of image features (:mod:`~turnrl.training.image_features`): a
+    batch with images, a frozen tower, ``model.encode_images_once``, and one process (under FSDP a process
+    that found every image stored would skip the tower's collectives)."""
+    return (config.model.encode_images_once and not config.model.train_vision and processes == 1
+            and "pixel_values" in batch.model_inputs)
+
+
 @dataclass
 class TokenScores:
     """The log-probs and values of a batch's tokens, from forward passes without gradient, all Shape (b, s)."""
@@ -650,6 +658,7 @@ class Trainer:
         steps are as large. One that began an optimizer step, or runs out again, raises (the run stops with
         what to set). Not with ``retries_out_of_memory`` off."""
         random_state = rng_state()
+        modes = [(model, model.training) for model in (self.actor, self.critic) if model is not None]
         watch = OptimizerSteps([self.actor_optimizer, self.critic_optimizer])
         try:
             with watch:
@@ -666,6 +675,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # new segments can then be cut to the smaller passes
         set_rng_state(random_state)
+        for model, training in modes:  # a failure in the PPO epochs left them training: score as the first try did
+            model.train(training)
         self.memory_retries[step + 1] = halved
         self.summary.setdefault("memory_retries", []).append({"step": step + 1, "setting": halved})
         if ranks.is_main():
@@ -686,7 +697,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(step_seed(config.seeds.seed, step))
         # 3. samples -> padded batch
         batch = make_batch(rollout.trajectories, keep, algo.sample_mode, self.tokenizer.pad_token_id, self.device)
-        if config.model.encode_images_once and not config.model.train_vision and "pixel_values" in batch.model_inputs:
+        if encodes_images_once(config, ranks.world_size(), batch):
             batch = batch.with_image_features()
         metrics["batch/samples"] = float(len(batch))
         metrics["batch/trained_tokens"] = float(batch.loss_mask.sum())
