@@ -24,8 +24,6 @@ import torch
 
 from turnrl.algorithms import bilevel_gae
 
-from .sources import VAGEN
-
 
 def vagen_bilevel(rewards, values, loss_mask, ends, gamma, lam, turn_gamma):
     adv = torch.zeros_like(rewards)
@@ -54,9 +52,6 @@ def vagen_bilevel(rewards, values, loss_mask, ends, gamma, lam, turn_gamma):
             ret[b, pos] = running + values[b, pos]
     return adv, ret
 
-
-def test_source_is_named():
-    assert VAGEN.startswith("RAGEN-AI/VAGEN@d2b8b30")
 
 
 @pytest.mark.parametrize(("gamma", "lam", "turn_gamma"), [(1.0, 1.0, 0.95), (0.99, 0.9, 0.9), (1.0, 0.95, 1.0)])

@@ -34,13 +34,8 @@ from turnrl.envs.games.navigation.env import PITCH_STEP, NavigationEnv
 from turnrl.envs.games.primitive_skill.env import parse_skill
 from turnrl.envs.games.sokoban.env import SokobanEnv
 
-from .sources import VAGEN
-
 SOLVED_IN_ONE = "#####\n#___#\n#PXO#\n#___#\n#####"
 
-
-def test_source_is_named():
-    assert VAGEN.startswith("RAGEN-AI/VAGEN@d2b8b30")
 
 
 def test_sokoban_rewards():

@@ -33,8 +33,6 @@ from turnrl.agent.formats import get_format, turn_format_reward
 from turnrl.config import load_config
 from turnrl.training.config import TrainConfig
 
-from .sources import VAGEN
-
 SOKOBAN = ("Up", "Down", "Left", "Right")
 GWM = ("<think><observation>The box is below me.</observation><reasoning>Push it down.</reasoning>"
        "<prediction>The box will be on the target.</prediction></think><answer>{}</answer>")
@@ -43,9 +41,6 @@ GWM = ("<think><observation>The box is below me.</observation><reasoning>Push it
 def vagen(name, **kwargs):
     return get_format(name, max_actions_per_turn=3, **kwargs)
 
-
-def test_source_is_named():
-    assert VAGEN.startswith("RAGEN-AI/VAGEN@d2b8b30")
 
 
 @pytest.mark.parametrize(

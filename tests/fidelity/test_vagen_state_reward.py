@@ -35,16 +35,11 @@ from turnrl.rewards.base import FinishedTurn
 from turnrl.rewards.matching import Claim, weighted_f1
 from turnrl.rewards.state import RepetitionPenalty, StateReward
 
-from .sources import VAGEN
-
 PLAYER = (2, 2)
 FACTS = facts_from_positions(PLAYER, [("goal", (1, 1)), ("hole", (3, 3)), ("hole", (0, 2))])
 GOAL_ONLY = facts_from_positions(PLAYER, [("goal", (1, 1))])
 TRUE_TEXT = "The goal is above and to the left of the player."
 
-
-def test_source_is_named():
-    assert VAGEN.startswith("RAGEN-AI/VAGEN@d2b8b30")
 
 
 def test_frozenlake_weighted_bipartite_f1_example():

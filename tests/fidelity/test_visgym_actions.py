@@ -26,14 +26,9 @@ import pytest
 from turnrl.agent.formats import get_format
 from turnrl.envs.games.maze import ACTIONS
 
-from .sources import SKYRL
-
 KEYWORD = get_format("visgym_keyword")
 TUPLE = get_format("visgym_tuple")
 
-
-def test_source_is_named():
-    assert SKYRL.startswith("NovaSky-AI/SkyRL@a956457")
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,6 @@ import pytest
 
 from turnrl.envs.games.maze import Maze2DEnv, parse_action, shortest_path, visgym_action
 
-from .sources import VISGYM
-
 LEVEL = """
 #######
 #A..#.#
@@ -45,9 +43,6 @@ def stepped(env, *actions):
         out = env.step(action)
     return out
 
-
-def test_source_is_named():
-    assert VISGYM.startswith("visgym/VisGym@0289034")
 
 
 @pytest.mark.parametrize(("difficulty", "side"), [("easy", 9), ("hard", 11)])

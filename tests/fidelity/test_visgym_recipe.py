@@ -26,13 +26,8 @@ from turnrl.config import load_config
 from turnrl.envs.games.maze import ACTIONS
 from turnrl.training.config import TrainConfig
 
-from .sources import SKYRL
-
 RECIPE = load_config(TrainConfig, "configs/visgym_maze.yaml")
 
-
-def test_source_is_named():
-    assert SKYRL.startswith("NovaSky-AI/SkyRL@a956457")
 
 
 def test_shared_settings():
