@@ -252,3 +252,19 @@ def test_a_checkpoint_that_would_not_fit_is_refused_with_what_to_do(tmp_path, mo
     assert problem is not None
     assert "180.0 GB" in problem and "10.0 GB free" in problem and str(tmp_path) in problem
     assert "run.save_at_end=false" in problem and "run.output_dir" in problem
+
+
+def test_a_file_size_limit_is_blamed_only_where_a_file_reached_it(tmp_path, monkeypatch):
+    """A finite ``ulimit -f`` is the cause of a failed checkpoint write only where a file of it reached the
+    limit; another fault (a pickling error, say) keeps its own traceback."""
+    import resource
+
+    from turnrl.training import checkpoint
+
+    monkeypatch.setattr(checkpoint.resource, "getrlimit", lambda kind: (1000, resource.RLIM_INFINITY))
+    folder = tmp_path / "step_000001.tmp"
+    folder.mkdir()
+    (folder / "small.bin").write_bytes(b"x" * 10)
+    assert checkpoint.write_failure_cause(RuntimeError("cannot pickle"), folder) is None
+    (folder / "trainer_state.pt").write_bytes(b"x" * 1000)  # cut at the limit
+    assert "file-size limit" in checkpoint.write_failure_cause(RuntimeError("unexpected pos"), folder)

@@ -91,8 +91,9 @@ _DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 def write_failure_cause(error: BaseException, folder: Path) -> str | None:
     """Why a write into ``folder`` failed, when the disk is the cause: the error's own errno (no space, file
-    too large, quota), this process's file-size limit (``ulimit -f``), or a disk with (almost) no space left;
-    None when none of these holds (a fault of another kind, whose traceback should be seen).
+    too large, quota), this process's file-size limit (``ulimit -f``) where a file in ``folder`` reached it, or a
+    disk with (almost) no space left; None when none of these holds (a fault of another kind, whose traceback
+    should be seen).
 
     torch's and safetensors' writers turn the disk's error into one of their own, without its errno, so the
     limit and the free space are looked at as well."""
@@ -102,7 +103,8 @@ def write_failure_cause(error: BaseException, folder: Path) -> str | None:
             return f"{os.strerror(chained.errno)} ({chained.strerror or chained})"
         chained = chained.__cause__ or chained.__context__
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit != resource.RLIM_INFINITY:
+    if limit != resource.RLIM_INFINITY and folder.is_dir() and any(
+            path.is_file() and path.stat().st_size >= limit for path in folder.rglob("*")):
         return f"this process may write files of at most {limit / 1e6:.1f} MB (its file-size limit, `ulimit -f`)"
     existing = folder
     while not existing.exists():
@@ -153,8 +155,8 @@ def save_checkpoint(
         if before_publish is not None:
             before_publish(tmp)
     except WRITE_FAILURES as error:
-        shutil.rmtree(tmp, ignore_errors=True)
         cause = write_failure_cause(error, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         if cause is None:
             raise
         latest = latest_checkpoint(run_dir)
