@@ -676,3 +676,16 @@ def test_play_an_action_named_like_a_command_stays_an_action():
     assert play_command("q", ["Up", "Down"]) == "quit" and play_command(" :HELP ", None) == "help"
     assert play_command("q", ["q", "w"]) is None and play_command("Up", ["Up"]) is None
     assert play_command(":teleport", ["Up"]) == "unknown" and play_command("Jump", ["Up"]) is None
+
+
+def test_resume_of_a_checkpoint_folder_names_its_run(tmp_path):
+    """A checkpoint keeps a copy of its run's config.yaml; resuming it would lock and write inside the checkpoint,
+    so it is refused with the run to resume."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.yaml").write_text("run:\n  name: run\n")
+    (checkpoint / "trainer_state.pt").write_bytes(b"")
+    expected = f"is a checkpoint, not a run directory: resume the run \\(resume={tmp_path / 'run'}\\)"
+    with pytest.raises(SystemExit, match=expected):
+        main(["train", f"resume={checkpoint}"])
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["config.yaml", "trainer_state.pt"]

@@ -335,6 +335,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     config_path = args.config
+    if resume is not None and (Path(resume) / "trainer_state.pt").is_file():  # it keeps a copy of config.yaml
+        run = Path(resume).resolve().parent.parent
+        raise SystemExit(f"error: resume={resume!r} is a checkpoint, not a run directory: resume the run "
+                         f"(resume={run}) continues from its latest checkpoint; move later ones away to continue "
+                         "from an earlier one")
     if resume is not None and config_path is None:
         if not (Path(resume) / "config.yaml").is_file():
             raise SystemExit(f"error: resume={resume!r} is not a run directory (it has no config.yaml)")

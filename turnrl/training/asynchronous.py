@@ -171,6 +171,8 @@ class AsyncTrainer(Trainer):
 
     """
 
+    retries_out_of_memory = False  # its own step runs the update; the rollout thread shares the random state
+
     def __init__(
         self, config: TrainConfig, start_model: Path | str | None = None, rewards: Rewards | None = None
     ) -> None:
