@@ -220,6 +220,24 @@ def test_the_lock_of_a_killed_writer_is_taken_over_with_a_note(tmp_path, capsys)
     assert sorted(p.name for p in run.iterdir()) == [".lock"]
 
 
+def test_a_filesystem_without_locks_runs_unguarded_and_says_so(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from filelock import FileLock
+
+    def refused(self, *args, **kwargs):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(FileLock, "acquire", refused)
+    with RunLock(tmp_path / "run") as lock:
+        assert lock.run_dir.is_dir()
+    warning = " ".join(capsys.readouterr().err.split())
+    assert f"warning: {tmp_path / 'run'} cannot be locked on its filesystem (No locks available)" in warning
+    monkeypatch.setattr(FileLock, "acquire", lambda self, *a, **k: (_ for _ in ()).throw(OSError(errno.EACCES, "")))
+    with pytest.raises(PermissionError):  # another fault is not taken for a filesystem without locks
+        RunLock(tmp_path / "other").__enter__()
+
+
 def test_a_start_that_fails_its_checks_leaves_no_directory_behind(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="Chess"):
         train(config(tiny_model_dir, tmp_path / "runs", "env.id=Chess"))

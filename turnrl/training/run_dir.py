@@ -8,6 +8,7 @@ a directory at a time (:class:`RunLock`), and its ``config.yaml`` is replaced wh
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -125,6 +126,10 @@ OWNER_FILE = ".lock.owner"
 """``RUN_DIR/.lock.owner``: who holds the lock (``pid``, ``host``, ``since``), for the line refusing another."""
 
 
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP}
+"""What a filesystem without file locks answers a lock with."""
+
+
 class RunLock:
     """One writer per run directory: ``turnrl train`` and ``turnrl sft`` hold ``RUN_DIR/.lock`` while they run.
 
@@ -158,6 +163,15 @@ class RunLock:
             raise ConfigError(f"run directory {self.run_dir} is in use by {owner}: one process writes into a run "
                               f"at a time; wait for it to end, stop it (`touch {self.run_dir / 'stop'}` stops it "
                               "after its step, with a checkpoint), or pick another run.name") from None
+        except OSError as error:  # after Timeout, which is one
+            if error.errno not in _NO_LOCKS:
+                raise
+            # Some shared filesystems (Lustre or NFS mounted without locking) refuse file locks: the run goes
+            # on unguarded rather than not at all, and says so.
+            Console(stderr=True).print(f"warning: {self.run_dir} cannot be locked on its filesystem "
+                                       f"({os.strerror(error.errno)}): nothing stops a second process writing "
+                                       "into this run", markup=False, highlight=False, soft_wrap=True)
+            return self
         self._lock = lock
         left = _read_owner(self.run_dir / OWNER_FILE)
         if left is not None:
