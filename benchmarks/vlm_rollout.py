@@ -154,10 +154,14 @@ class DeviceWork:
     """The decoder's over the prefilled tokens (their causal attention in)."""
     vision_flops: float
     """The vision tower's forward passes over the images it encoded."""
-    weight_bytes: float
-    """The weights, read once a decode step."""
-    cache_bytes: float
-    """The rows' cached keys and values, each read once a decode step, summed over the steps."""
+    weight_bytes: int
+    """The weights a decode step reads."""
+    decode_bytes: float
+    """What the decode steps read: the weights once a step, each row's cached keys and values once a step."""
+
+    def cache_bytes(self, steps: int) -> float:
+        """The keys and values read over ``steps`` decode steps."""
+        return self.decode_bytes - float(self.weight_bytes) * steps
 
 
 def device_work(split: Split, engine: EnginePolicy) -> DeviceWork:
@@ -171,9 +175,8 @@ def device_work(split: Split, engine: EnginePolicy) -> DeviceWork:
     vision = (vision_training_flops(tower, model.config.vision_config, split.image_grids, forward_only=True)
               if tower is not None and len(split.image_grids) else 0.0)
     token_bytes = key_value_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, engine.engine.dtype.itemsize)
-    steps = int(work["decode_steps"])
-    return DeviceWork(decoder, vision, float(weights.decode_bytes()) * steps,
-                      decode_bytes(0, steps, token_bytes, int(work["decode_key_tokens"])))
+    read = decode_bytes(weights.decode_bytes(), int(work["decode_steps"]), token_bytes, int(work["decode_key_tokens"]))
+    return DeviceWork(decoder, vision, weights.decode_bytes(), read)
 
 
 def share(value: float | None) -> str:
@@ -190,9 +193,9 @@ def scaled(value: float, unit: str) -> str:
 
 def roofline_lines(split: Split, work: DeviceWork, flops_peak: float | None, bandwidth: float | None) -> list[str]:
     """The device phases' seconds beside their share of the hardware's limit."""
-    steps = max(split.work["decode_steps"], 1)
+    steps = max(int(split.work["decode_steps"]), 1)
     flops = work.decoder_flops + work.vision_flops
-    read = work.weight_bytes + work.cache_bytes
+    read = work.decode_bytes
     floor = f"{1000 * read / bandwidth / steps:.2f} ms" if bandwidth else "n/a"
     return [
         f"prefill {split.prefill_s:.1f} s (device), {share(roofline_share(flops, split.prefill_s, flops_peak))} of the "
@@ -200,7 +203,7 @@ def roofline_lines(split: Split, work: DeviceWork, flops_peak: float | None, ban
         f"{scaled(work.vision_flops, 'FLOP')} over {len(split.image_grids):,} images)",
         f"decode {split.decode_s:.1f} s over {steps:,.0f} steps, {1000 * split.decode_s / steps:.2f} ms a step, "
         f"{share(roofline_share(read, split.decode_s, bandwidth))} of the bandwidth floor ({floor}: "
-        f"{scaled(work.weight_bytes / steps, 'B')} of weights and {scaled(work.cache_bytes / steps, 'B')} of keys "
+        f"{scaled(work.weight_bytes, 'B')} of weights and {scaled(work.cache_bytes(steps) / steps, 'B')} of keys "
         f"and values a step on average)",
     ]
 
