@@ -18,7 +18,12 @@ of a training run (``turnrl memory``) counts the weights and the cache; this is 
 
 With ``--profile`` it plays the engine's rollout alone and splits its wall time: the environments, the engine's
 device work (prefill with the vision tower, decode steps, from CUDA events), and the host work between them
-(the rest), with the decode step's milliseconds against the step's own device time; with ``--top N``, the N host
+(the rest), with the decode step's milliseconds against the step's own device time, and each device phase's share
+of the hardware's limit (its roofline): prefill's model FLOPs (the decoder's over the new tokens and their causal
+attention, the vision tower's over the images it encoded) against the device's bf16 peak, and the bytes decode must
+read (the weights once a step, every row's cached keys and values once a step) against its memory bandwidth
+(``--peak-tflops`` and ``--peak-tbps`` for a device not in :mod:`turnrl.training.throughput`'s tables; n/a on a
+CPU without them); with ``--top N``, the N host
 functions that took the most time (cProfile, by cumulative time). ``--baseline`` plays the same rollout again
 with the requests' image digests left off, so that the engine hashes each prompt's pixel values as it did
 before the digests came with them, and prints the ratio.
@@ -51,13 +56,22 @@ from turnrl.agent.formats import get_format  # noqa: E402
 from turnrl.config import AgentConfig, EngineConfig, ModelConfig, SamplingConfig  # noqa: E402
 from turnrl.envs import make  # noqa: E402
 from turnrl.models.builtin import builtin_model_path  # noqa: E402
-from turnrl.models.loading import load_processor  # noqa: E402
+from turnrl.models.loading import load_processor, vision_tower  # noqa: E402
 from turnrl.models.vision import ImageEncoder, MessageImages  # noqa: E402
 from turnrl.policy.engine import EnginePolicy  # noqa: E402
 from turnrl.policy.hf import HFPolicy  # noqa: E402
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings, counters_grown  # noqa: E402
 from turnrl.rollout.trajectory import Trajectory  # noqa: E402
 from turnrl.training.memory_trace import GIB, recorded  # noqa: E402
+from turnrl.training.throughput import (  # noqa: E402
+    decode_bytes,
+    key_value_bytes,
+    peak_bandwidth,
+    peak_flops,
+    prefill_flops,
+    roofline_share,
+    vision_training_flops,
+)
 
 
 def rollout(policy, args: argparse.Namespace, first_seed: int,
@@ -100,6 +114,8 @@ class Split:
     work: dict[str, float]
     responses: list[list[int]]
     """Every turn's response ids, episode by episode."""
+    image_grids: torch.Tensor
+    """The patch grids of the images the vision tower encoded, Shape (n, 3)."""
 
     @property
     def host_s(self) -> float:
@@ -127,7 +143,69 @@ def profiled_rollout(engine: EnginePolicy, args: argparse.Namespace, profiler: c
     timer.enabled = False
     responses = [turn.response_ids for t in trajectories for turn in t.turns]
     return Split(seconds, timings.env_s, timings.generate_s, timer.seconds["prefill"], timer.seconds["decode"],
-                 counters_grown(before, engine.counters()), responses)
+                 counters_grown(before, engine.counters()), responses, timer.grids())
+
+
+@dataclass
+class DeviceWork:
+    """What a rollout asked of the device at the least: prefill's model FLOPs and the bytes decode must read."""
+
+    decoder_flops: float
+    """The decoder's over the prefilled tokens (their causal attention in)."""
+    vision_flops: float
+    """The vision tower's forward passes over the images it encoded."""
+    weight_bytes: int
+    """The weights a decode step reads."""
+    decode_bytes: float
+    """What the decode steps read: the weights once a step, each row's cached keys and values once a step."""
+
+    def cache_bytes(self, steps: int) -> float:
+        """The keys and values read over ``steps`` decode steps."""
+        return self.decode_bytes - float(self.weight_bytes) * steps
+
+
+def device_work(split: Split, engine: EnginePolicy) -> DeviceWork:
+    """The FLOPs and bytes of the engine's work in ``split``, from its counters and the images its timer saw."""
+    weights = engine.engine.weights
+    shape, work = weights.shape, split.work
+    decoder = prefill_flops(weights.layer_parameters(), shape.num_layers, shape.num_heads * shape.head_dim,
+                            int(work["prefill_tokens"]), int(work["prefill_attention_pairs"]))
+    model = engine.engine.model
+    tower = vision_tower(model)
+    vision = (vision_training_flops(tower, model.config.vision_config, split.image_grids, forward_only=True)
+              if tower is not None and len(split.image_grids) else 0.0)
+    token_bytes = key_value_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, engine.engine.dtype.itemsize)
+    read = decode_bytes(weights.decode_bytes(), int(work["decode_steps"]), token_bytes, int(work["decode_key_tokens"]))
+    return DeviceWork(decoder, vision, weights.decode_bytes(), read)
+
+
+def share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
+def scaled(value: float, unit: str) -> str:
+    """``value`` with a metric prefix: 1.23 TFLOP, 6.17 GB."""
+    for prefix, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {prefix}{unit}"
+    return f"{value:.0f} {unit}"
+
+
+def roofline_lines(split: Split, work: DeviceWork, flops_peak: float | None, bandwidth: float | None) -> list[str]:
+    """The device phases' seconds beside their share of the hardware's limit."""
+    steps = max(int(split.work["decode_steps"]), 1)
+    flops = work.decoder_flops + work.vision_flops
+    read = work.decode_bytes
+    floor = f"{1000 * read / bandwidth / steps:.2f} ms" if bandwidth else "n/a"
+    return [
+        f"prefill {split.prefill_s:.1f} s (device), {share(roofline_share(flops, split.prefill_s, flops_peak))} of the "
+        f"bf16 peak: {scaled(flops, 'FLOP')} (the decoder {scaled(work.decoder_flops, 'FLOP')}, the vision tower "
+        f"{scaled(work.vision_flops, 'FLOP')} over {len(split.image_grids):,} images)",
+        f"decode {split.decode_s:.1f} s over {steps:,.0f} steps, {1000 * split.decode_s / steps:.2f} ms a step, "
+        f"{share(roofline_share(read, split.decode_s, bandwidth))} of the bandwidth floor ({floor}: "
+        f"{scaled(work.weight_bytes, 'B')} of weights and {scaled(work.cache_bytes(steps) / steps, 'B')} of keys "
+        f"and values a step on average)",
+    ]
 
 
 def engine_profile(engine: EnginePolicy, processor, args: argparse.Namespace) -> None:
@@ -145,6 +223,10 @@ def engine_profile(engine: EnginePolicy, processor, args: argparse.Namespace) ->
     print(f"{'':<34} {'rollout':>8} {'envs':>8} {'generate':>8} {'prefill':>8} {'decode':>8} {'a step':>8} "
           f"{'host':>8}")
     print(split.row("digests from the encoder"))
+    device = engine.engine.device
+    for line in roofline_lines(split, device_work(split, engine), peak_flops(device, 1e12 * args.peak_tflops),
+                               peak_bandwidth(device, 1e12 * args.peak_tbps)):
+        print(line)
     if args.baseline:
         encoder = engine.image_encoder
         engine.image_encoder = EncoderWithoutDigests(processor, engine.engine.dtype)
@@ -192,6 +274,10 @@ def main() -> None:
                         help="with --profile, play it again with the images hashed by the engine (the ratio)")
     parser.add_argument("--top", type=int, default=0,
                         help="with --profile, list this many host functions (cProfile, which slows the host work)")
+    parser.add_argument("--peak-tflops", type=float, default=0.0,
+                        help="with --profile, the device's dense bf16 TFLOP/s (0: known GPUs' by name)")
+    parser.add_argument("--peak-tbps", type=float, default=0.0,
+                        help="with --profile, the device's memory bandwidth in TB/s (0: known GPUs' by name)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.0, help="the engine's cache (0: its default)")
     parser.add_argument("--snapshot", default="runs/vlm_rollout_memory.pickle",
                         help="with --memory, the allocator's snapshot (and its report, .txt)")

@@ -708,3 +708,24 @@ def test_the_device_timer_splits_a_call_into_prefill_and_decode_only_when_enable
     engine.table.clear()
     engine.generate(prompts, [GREEDY] * 2)
     assert engine.timer.seconds["prefill"] > 0 and engine.timer.seconds["decode"] > 0
+
+
+def test_the_attention_work_counters_follow_each_sequences_cached_and_new_tokens(kernels):
+    """Prefill counts each new token's query-key pairs against its row's cached tokens and the new ones up to
+    itself; decode counts, every step, each row's keys up to its new token. Counted here token by token."""
+    model = build("qwen2")
+    engine = engine_for(model)
+    prompts = random_prompts([5, 9])
+    first = engine.generate(prompts, [GREEDY] * 2)
+    new = GREEDY.max_new_tokens
+    # decode step k (1 .. new - 1) of a sequence attends to its prompt and its k tokens
+    assert engine.stats.prefill_attention_pairs == sum(sum(i + 1 for i in range(len(p))) for p in prompts)
+    assert engine.stats.decode_key_tokens == sum(len(p) + k for p in prompts for k in range(1, new))
+    before = engine.stats.prefill_attention_pairs, engine.stats.decode_key_tokens
+    turns = [p + r.token_ids + o for p, r, o in zip(prompts, first, random_prompts([3, 6], seed=2))]
+    second = engine.generate(turns, [GREEDY] * 2)
+    cached = [r.reused_tokens for r in second]
+    assert cached == [len(p) + new - 1 for p in prompts]
+    pairs = sum(sum(c + i + 1 for i in range(len(t) - c)) for t, c in zip(turns, cached))
+    assert engine.stats.prefill_attention_pairs - before[0] == pairs
+    assert engine.stats.decode_key_tokens - before[1] == sum(len(t) + k for t in turns for k in range(1, new))

@@ -181,6 +181,27 @@ def test_greedy_image_turns_equal_generate_and_the_second_extends_the_cached_row
     assert [r.reused_tokens for r in second_results] == [len(p) + NEW_TOKENS - 1 for p, _ in firsts]
 
 
+def test_the_timer_records_the_images_the_prefill_encodes_and_not_those_in_the_cache(model, processor):
+    """The vision tower's work for a roofline: the first turns encode their images, the second turns only their
+    new ones (the first images' tokens are in the rows); nothing is recorded while the timer is off."""
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=512, triton="false"))
+    firsts, observations = episodes(processor)
+    run(engine, firsts)
+    assert engine.timer.grids().shape == (0, 3)
+    engine.table.clear()
+    engine.timer.enabled = True
+    first_results = run(engine, firsts)
+    # sorted: the prefill orders its sequences by their new tokens
+    assert sorted(engine.timer.grids().tolist()) == sorted(inputs["image_grid_thw"][0].tolist() for _, inputs in firsts)
+    engine.timer.reset()
+    seconds = [(prompt + result.token_ids + observation, joined(inputs, observation_inputs))
+               for (prompt, inputs), result, (observation, observation_inputs)
+               in zip(firsts, first_results, observations)]
+    run(engine, seconds)
+    assert sorted(engine.timer.grids().tolist()) == sorted(
+        inputs["image_grid_thw"][0].tolist() for _, inputs in observations)
+
+
 def test_image_features_are_the_towers_even_where_the_config_asks_for_tuples(model, processor, monkeypatch):
     """``return_dict=False`` in a config makes ``get_image_features`` return a tuple; the engine asks for the
     output object, whose ``pooler_output`` holds each image's merged features."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from tests.engine.paging import filled_cache
@@ -75,3 +76,18 @@ def test_float32_parameters_are_cast_into_bfloat16_fused_buffers():
     gate_up = weights.layers[0].gate_up[0].value
     assert gate_up.dtype == torch.bfloat16 and gate_up.shape == (2 * mlp.gate_proj.out_features, 64)
     torch.testing.assert_close(gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).bfloat16())
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])  # q/k/v biases; per-head q/k norms
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_weights_a_token_goes_through_and_a_decode_step_reads_are_the_models_own(name, fuse, tied):
+    """The layers' parameters, and the bytes of the layers, the final norm and the LM head in the compute dtype
+    (a tied head once; the embedding lookup never), whether or not the projections are fused."""
+    model: Any = build(name, tie_word_embeddings=tied)
+    layers = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+    head = model.lm_head.weight.numel()
+    final_norm = model.model.norm.weight.numel()
+    weights = decoder_weights(model, torch.bfloat16, fuse=fuse)  # float32 parameters cast into bf16 buffers
+    assert weights.layer_parameters() == layers
+    assert weights.decode_bytes() == 2 * (layers + final_norm + head)

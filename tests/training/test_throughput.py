@@ -1,4 +1,5 @@
-"""MFU's parts: the FLOPs a trained token costs, and the device's peak."""
+"""MFU's parts: the FLOPs a trained token costs, and the device's peak; a rollout's roofline: prefill's FLOPs,
+decode's bytes, and the device's bandwidth."""
 
 from __future__ import annotations
 
@@ -6,11 +7,18 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3VLConfig
 
+from turnrl.engine.timing import causal_pairs
 from turnrl.training.throughput import (
     attention_flops,
     attention_shape,
+    bandwidth_of,
+    decode_bytes,
+    key_value_bytes,
     mfu,
+    peak_bandwidth,
     peak_flops,
+    prefill_flops,
+    roofline_share,
     training_flops,
     training_flops_per_token,
     vision_training_flops,
@@ -117,3 +125,51 @@ def test_a_trained_vision_towers_flops_match_a_count_of_its_forward():
     tower.requires_grad_(False)  # a frozen base (LoRA on the tower): 4 x its parameters
     frozen = vision_training_flops(tower, config.vision_config, grids)
     assert frozen == pytest.approx(4 * (parameters * 80 + merger * 20) + 12 * width * pairs)
+
+
+def test_bandwidth_is_configured_or_detected_by_name(monkeypatch):
+    cpu = torch.device("cpu")
+    assert peak_bandwidth(cpu) is None and peak_bandwidth(cpu, 2e12) == 2e12
+    for name, expected in [("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 PCIe", 2.0e12),
+                           ("NVIDIA H100 NVL", 3.9e12), ("NVIDIA H200", 4.8e12), ("NVIDIA H200 NVL", 4.8e12),
+                           ("NVIDIA GH200 480GB", 4.0e12), ("NVIDIA GH200 144G HBM3e", 4.9e12), ("NVIDIA B200", 8.0e12),
+                           ("NVIDIA A100-SXM4-80GB", 2.039e12), ("NVIDIA A100 80GB PCIe", 1.935e12),
+                           ("NVIDIA A100-SXM4-40GB", 1.555e12), ("NVIDIA A100-PCIE-40GB", 1.555e12),
+                           ("NVIDIA L40S", 0.864e12), ("NVIDIA L4", 0.3e12), ("NVIDIA A10G", 0.6e12),
+                           ("Some GPU", None)]:
+        assert bandwidth_of(name) == expected, name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    assert peak_bandwidth(torch.device("cuda", 0)) == 4.8e12
+
+
+def test_prefill_flops_are_two_a_parameter_a_new_token_and_four_widths_a_causal_pair():
+    """Two sequences, one with 3 tokens cached and 4 new, one with none cached and 2 new; counted pair by pair."""
+    parameters, layers, width = 1000, 2, 8
+    sequences = [(3, 4), (0, 2)]  # (cached, new)
+    expected = 0.0
+    for cached, new in sequences:
+        expected += 2 * parameters * new  # a multiply and an add a parameter
+        for query in range(cached, cached + new):
+            for _key in range(query + 1):
+                expected += layers * (2 * width + 2 * width)  # the score q . k and the weighted value p * v
+    pairs = sum(causal_pairs(cached, new) for cached, new in sequences)
+    assert pairs == (4 + 5 + 6 + 7) + (1 + 2)
+    flops = prefill_flops(parameters, layers, width, new_tokens=6, attention_pairs=pairs)
+    assert flops == expected == 2 * 1000 * 6 + 4 * 2 * 8 * 25
+
+
+def test_decode_reads_the_weights_once_a_step_and_each_rows_keys_and_values():
+    """Three steps of rows holding 10 and 20 tokens, then one row left: a 2-layer cache of 2 key/value heads of
+    dimension 4 in bf16 (64 bytes a token)."""
+    token_bytes = key_value_bytes(layers=2, key_value_heads=2, head_dim=4, element_bytes=2)
+    assert token_bytes == 2 * (2 * 2 * 4) * 2  # keys and values, each layer x heads x dim x 2 bytes
+    attended = [[11, 21], [12, 22], [13]]  # each row's keys up to its new token
+    key_tokens = sum(sum(step) for step in attended)
+    assert decode_bytes(weight_bytes=1_000_000, steps=3, token_bytes=token_bytes, key_tokens=key_tokens) == (
+        3 * 1_000_000 + 64 * (32 + 34 + 13))
+
+
+def test_a_rooflines_share_is_the_work_over_what_the_peak_does_in_the_time():
+    assert roofline_share(2.4e12, 1.0, 4.8e12) == pytest.approx(0.5)
+    assert roofline_share(1e15, 4.0, 1e15) == pytest.approx(0.25)
+    assert roofline_share(1.0, 1.0, None) is None and roofline_share(1.0, 0.0, 1.0) is None

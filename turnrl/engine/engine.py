@@ -77,7 +77,7 @@ from turnrl.engine.running import RunningRows
 from turnrl.engine.sampler_kernels import sample_two_pass
 from turnrl.engine.sampling import logprobs_before_suppression, sample_tokens, sample_untruncated
 from turnrl.engine.stops import TAIL_SLACK_TOKENS, StopStringFilter, stop_string_in_tail
-from turnrl.engine.timing import DeviceTimer
+from turnrl.engine.timing import DeviceTimer, causal_pairs
 from turnrl.engine.weights import DecoderWeights, decoder_weights
 from turnrl.models.devices import to_device
 
@@ -141,6 +141,12 @@ class EngineStats:
     decode_steps: int = 0
     generated_tokens: int = 0
     evictions: int = 0
+    prefill_attention_pairs: int = 0
+    """Query-key pairs of the prefilled tokens' causal attention: each new token against its sequence's cached
+    prefix and the new tokens up to itself (:func:`~turnrl.engine.timing.causal_pairs`)."""
+    decode_key_tokens: int = 0
+    """Cached tokens the decode steps attended to: each step, every decoded row's keys and values up to its new
+    token, summed over the steps (what the decode steps read of the cache: this x a token's key and value bytes)."""
 
 
 @dataclass
@@ -631,8 +637,9 @@ class Engine:
                 :meth:`_prefill`.
         """
         news = [s.prompt[s.cached :] for s in sequences]
+        starts = [s.cached for s in sequences]
         b = len(sequences)
-        tokens, positions, write_pos = prefill_inputs(news, [s.cached for s in sequences], self.cache.capacity)
+        tokens, positions, write_pos = prefill_inputs(news, starts, self.cache.capacity)
         rows = np.array([s.row for s in sequences], dtype=np.int64)
         last = np.array([len(n) - 1 for n in news], dtype=np.int64)
         self.timer.start("prefill")
@@ -654,6 +661,7 @@ class Engine:
             sequence.cached += len(new)
         self.stats.prefill_tokens += sum(len(n) for n in news)
         self.stats.prefill_calls += 1
+        self.stats.prefill_attention_pairs += sum(causal_pairs(start, len(n)) for start, n in zip(starts, news))
         if followers:
             leaders = np.array([i for i, _ in followers], dtype=np.int64)
             copies = np.array([f.row for _, f in followers], dtype=np.int64)
@@ -734,7 +742,9 @@ class Engine:
         embeddings = torch.nn.functional.embedding(tokens, self.weights.embed.value)
         deepstack = None
         if pixels:
-            features = vision.features(torch.cat(pixels).to(self.device), torch.stack(grids).to(self.device))
+            encoded = torch.stack(grids)
+            self.timer.encoded(encoded)
+            features = vision.features(torch.cat(pixels).to(self.device), encoded.to(self.device))
             index = to_device(np.array(slots, dtype=np.int64).T.copy(), self.device)
             taken = to_device(np.array(feature_rows, dtype=np.int64), self.device)
             embeddings[index[0], index[1]] = features.merged[taken].to(embeddings.dtype)
@@ -796,6 +806,7 @@ class Engine:
             logits = self._decode_logits(tokens_t, positions_t, key_len)
         self.state.cached[rows] = cached + 1
         self.stats.decode_steps += 1
+        self.stats.decode_key_tokens += int(cached.sum()) + len(rows)  # each row's keys up to its new token
         return self._sample(rows, rows_t, logits[rows_t] if rows_t is not None else logits[: len(rows)])
 
     def _rows(self) -> tuple[np.ndarray, torch.Tensor | None]:

@@ -1,5 +1,7 @@
 """Device time of the engine's prefill and decode work, so that a call's time splits into device work and host
-overhead (the rest of the wall time: Python between kernels, waiting for results).
+overhead (the rest of the wall time: Python between kernels, waiting for results), and what a roofline of that
+work needs beyond the engine's counters (:class:`~turnrl.engine.engine.EngineStats`): the images the vision tower
+encoded, whose FLOPs depend on each image's size.
 
 Off by default (it costs two events per step). On a GPU the spans are CUDA events on the current stream, added
 up once their end has passed (a step never waits for one); on a CPU, where operators run as they are called, they
@@ -13,19 +15,38 @@ import time
 import torch
 
 
+def causal_pairs(cached: int, new: int) -> int:
+    """Query-key pairs of causal attention when ``new`` tokens are prefilled after ``cached`` ones: token i of the
+    new ones (from 0) attends to the cached tokens and to new tokens 0 .. i, ``new x cached + new (new + 1) / 2``."""
+    return new * cached + new * (new + 1) // 2
+
+
 class DeviceTimer:
-    """Seconds of device work per phase (``prefill``, ``decode``) while :attr:`enabled`."""
+    """Seconds of device work per phase (``prefill``, ``decode``) while :attr:`enabled`, and the images encoded."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.enabled = False
         self.seconds: dict[str, float] = {"prefill": 0.0, "decode": 0.0}
+        self.image_grids: list[torch.Tensor] = []
+        """Each batch of images the prefill ran through the vision tower while enabled: their (temporal, height,
+        width) patch grids, each Shape (m, 3), on the host."""
         self._open: tuple[str, torch.cuda.Event | float] | None = None
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def reset(self) -> None:
         self.collect()
         self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.image_grids = []
+
+    def encoded(self, grids: torch.Tensor) -> None:
+        """The prefill runs images of these patch grids, Shape (m, 3), through the vision tower."""
+        if self.enabled:
+            self.image_grids.append(grids)
+
+    def grids(self) -> torch.Tensor:
+        """Every image encoded since :meth:`reset` while enabled, Shape (n, 3)."""
+        return torch.cat(self.image_grids) if self.image_grids else torch.zeros(0, 3, dtype=torch.long)
 
     def start(self, phase: str) -> None:
         """The device work of ``phase`` begins (queued after everything queued so far)."""

@@ -108,6 +108,12 @@ class LayerWeights:
     """The per-head RMSNorm of queries and keys where the family has one (Qwen3's); None elsewhere."""
     k_norm: WeightRef | None = None
 
+    def refs(self) -> list[WeightRef]:
+        """Every weight of the layer (the optional ones it has)."""
+        optional = [*(self.qkv_bias or []), self.o_bias, self.q_norm, self.k_norm]
+        return [self.input_norm, *self.qkv, self.o, self.post_norm, *self.gate_up, self.down,
+                *(ref for ref in optional if ref is not None)]
+
 
 class ImageFeatures(NamedTuple):
     """A vision tower's features of some images, one row per placeholder token, in order.
@@ -222,6 +228,17 @@ class DecoderWeights:
     tensors: list[WeightRef] = field(default_factory=list)
     vision: VisionWeights | None = None
     """A VLM's image side; None for a text model."""
+
+    def layer_parameters(self) -> int:
+        """The decoder layers' parameters: what each token goes through (the input embedding is a lookup and the LM
+        head runs at the tokens sampled from)."""
+        return sum(ref.value.numel() for layer in self.layers for ref in layer.refs())
+
+    def decode_bytes(self) -> int:
+        """Bytes of weights a decode step reads, in the dtype the engine computes with: every layer's, the final
+        norm's and the LM head's (the input embeddings are read a row a token: not counted)."""
+        refs = [ref for layer in self.layers for ref in layer.refs()] + [self.norm, self.lm_head]
+        return sum(ref.value.numel() * ref.value.element_size() for ref in refs)
 
     def refresh(self) -> int:
         """Recompute the merged, cast and fused buffers whose parameters changed; returns how many were."""

@@ -10,6 +10,10 @@ checkpointing and padding are not counted, so an implementation that wastes work
 and torchtitan's figures count attention too, but over the whole (t, t) square (12 x layers x width x t a
 token): half of it is masked out in a causal model, so the figure here is the lower of the two for the same
 run. The denominator is the device's dense bf16 peak (detected for the GPUs below, or configured).
+
+A rollout's engine is measured against its roofline the same way: prefill by its model FLOPs over the bf16 peak
+(:func:`prefill_flops`), decode by the bytes each step must read (the weights once, every sequence's cached keys
+and values once; :func:`decode_bytes`) over the device's memory bandwidth (:func:`peak_bandwidth`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,27 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 """Dense bf16 matrix FLOP/s by GPU, from the vendors' datasheets (without sparsity)."""
 
 
+PEAK_HBM_BYTES_PER_S: dict[str, float] = {
+    "H100 SXM": 3.35e12,
+    "H100 NVL": 3.9e12,
+    "H100 PCIe": 2.0e12,
+    "H200": 4.8e12,
+    "GH200 HBM3": 4.0e12,
+    "GH200 HBM3e": 4.9e12,
+    "B200": 8.0e12,
+    "A100 80GB SXM": 2.039e12,
+    "A100 80GB PCIe": 1.935e12,
+    "A100 40GB": 1.555e12,
+    "L40S": 0.864e12,
+    "A10G": 0.6e12,
+    "L4": 0.3e12,
+}
+"""GPU memory bandwidth in bytes/s by GPU, from NVIDIA's datasheets: H100 (SXM 3.35 TB/s, PCIe 2 TB/s, NVL
+3.9 TB/s), H200 (4.8 TB/s), GH200 Grace Hopper Superchip (96 GB HBM3 4 TB/s, 144 GB HBM3e 4.9 TB/s), HGX B200
+(8 TB/s a GPU), A100 (80 GB SXM 2,039 GB/s, 80 GB PCIe 1,935 GB/s, 40 GB 1,555 GB/s), L40S (864 GB/s), A10G
+(600 GB/s; AWS's G5 instances) and L4 (300 GB/s)."""
+
+
 def peak_flops(device: torch.device, configured: float = 0.0) -> float | None:
     """The device's dense bf16 peak in FLOP/s: ``configured`` when above 0, else looked up by the GPU's name;
     None on a CPU or an unknown GPU (the MFU metric is then left out)."""
@@ -49,6 +74,33 @@ def peak_flops(device: torch.device, configured: float = 0.0) -> float | None:
     for kind in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):  # "GH200" before "H200", "A100" before "A10"
         if kind in name:
             return PEAK_BF16_FLOPS[kind]
+    return None
+
+
+def peak_bandwidth(device: torch.device, configured: float = 0.0) -> float | None:
+    """The device's memory bandwidth in bytes/s: ``configured`` when above 0, else looked up by the GPU's name
+    (:data:`PEAK_HBM_BYTES_PER_S`); None on a CPU or an unknown GPU."""
+    if configured > 0:
+        return configured
+    if device.type != "cuda":
+        return None
+    return bandwidth_of(torch.cuda.get_device_name(device))
+
+
+def bandwidth_of(name: str) -> float | None:
+    """The memory bandwidth of a GPU by its CUDA name (``NVIDIA H100 80GB HBM3``, ``NVIDIA A100-SXM4-40GB``), or
+    None for a GPU not in :data:`PEAK_HBM_BYTES_PER_S`."""
+    if "GH200" in name:  # the HBM3e part names its memory (144G HBM3e), the HBM3 one its CPU memory (480GB)
+        return PEAK_HBM_BYTES_PER_S["GH200 HBM3e" if "HBM3e" in name or "144G" in name else "GH200 HBM3"]
+    if "H100" in name:
+        return PEAK_HBM_BYTES_PER_S["H100 NVL" if "NVL" in name else "H100 PCIe" if "PCIe" in name else "H100 SXM"]
+    if "A100" in name:
+        if "80GB" not in name:
+            return PEAK_HBM_BYTES_PER_S["A100 40GB"]
+        return PEAK_HBM_BYTES_PER_S["A100 80GB PCIe" if "PCIe" in name else "A100 80GB SXM"]
+    for kind in sorted(PEAK_HBM_BYTES_PER_S, key=len, reverse=True):  # "L40S" before "L4"
+        if kind in name:
+            return PEAK_HBM_BYTES_PER_S[kind]
     return None
 
 
@@ -149,6 +201,50 @@ def vision_training_flops(tower: torch.nn.Module, vision_config: Any, grids: tor
     pairs = full_blocks * float((patches**2).sum()) + (depth - full_blocks) * float(
         (patches * patches.clamp(max=window)).sum())
     return weights + (4.0 if forward_only else 12.0) * width * pairs
+
+
+def prefill_flops(layer_parameters: int, layers: int, query_width: int, new_tokens: int, attention_pairs: int
+                  ) -> float:
+    """Model FLOPs of a decoder's prefill: 2 x its layers' parameters a new token (a forward pass), and causal
+    attention of the new tokens against their cached prefix and each other, ``4 x layers x query_width`` a query-key
+    pair (the score's dot product and the value's weighted sum, ``2 x query_width`` each). The LM head runs only at
+    each sequence's last new token and is left out (with a few hundred new tokens a turn, well under 1%); a VLM's
+    vision tower is counted apart (:func:`vision_training_flops` with ``forward_only``).
+
+    Args:
+        layer_parameters: the decoder layers' parameters (no embeddings, no LM head).
+        layers: the decoder's layers. query_width: query heads x head dimension.
+        new_tokens: tokens prefilled. attention_pairs: their query-key pairs, ``new x (cached + (new + 1) / 2)``
+            summed over the sequences (the engine's ``prefill_attention_pairs``).
+    """
+    return 2.0 * layer_parameters * new_tokens + 4.0 * layers * query_width * attention_pairs
+
+
+def key_value_bytes(layers: int, key_value_heads: int, head_dim: int, element_bytes: int) -> int:
+    """Bytes of one cached token's keys and values over every layer: ``2 x layers x kv heads x head dim x
+    element_bytes``."""
+    return 2 * layers * key_value_heads * head_dim * element_bytes
+
+
+def decode_bytes(weight_bytes: int, steps: int, token_bytes: int, key_tokens: int) -> float:
+    """Bytes decode steps must read from memory at the least: the weights once a step (however many rows it
+    decodes), and each row's cached keys and values once a step.
+
+    Args:
+        weight_bytes: the weights a step reads (the decoder's layers, final norm and LM head, in their dtype).
+        steps: decode steps. token_bytes: a cached token's keys and values (:func:`key_value_bytes`).
+        key_tokens: cached tokens attended to, summed over the rows of every step (the engine's
+            ``decode_key_tokens``).
+    """
+    return float(weight_bytes) * steps + float(token_bytes) * key_tokens
+
+
+def roofline_share(work: float, seconds: float, peak: float | None) -> float | None:
+    """The share of the hardware's limit a phase reached: ``work`` (FLOPs, bytes) over ``seconds`` at ``peak`` (a
+    second's FLOPs, bytes); None when the peak is unknown or no time was spent."""
+    if peak is None or seconds <= 0:
+        return None
+    return work / (seconds * peak)
 
 
 def mfu(flops: float, seconds: float, peak: float | None, processes: int = 1) -> float | None:
