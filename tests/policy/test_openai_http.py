@@ -327,7 +327,8 @@ def test_a_format_whose_prompt_ends_with_a_response_prefix_is_refused_with_one_l
     # so the model would answer without the prefix that the parser expects. Refused before any request.
     config = EvalConfig(env=EnvConfig(id="Sokoban"), agent=AgentConfig(format="ragen"), policy=f"openai:{MODEL}",
                         base_url=f"http://127.0.0.1:{free_port()}/v1", episodes=1, out=str(tmp_path))
-    with pytest.raises(ConfigError, match=r"agent.format=ragen ends the prompt with '<think>'.*cannot prefill") as error:
+    refused = r"agent.format=ragen ends the prompt with '<think>'.*cannot prefill"
+    with pytest.raises(ConfigError, match=refused) as error:
         run_eval(config)
     assert "\n" not in str(error.value)
     policy = OpenAIPolicy("http://x/v1", MODEL)
