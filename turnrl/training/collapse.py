@@ -60,7 +60,8 @@ class ReasoningPair:
     """One turn's prompt x and the reasoning z sampled after it."""
 
     prompt_ids: list[int]
-    """x: the turn's prompt and its response up to the reasoning (``<think>`` included). (P,)."""
+    """x: the turn's prompt and its response up to the reasoning (``<think>`` included: in the prompt where the
+    format ends it with it, RAGEN's). (P,)."""
     reasoning_ids: list[int]
     """z: the sampled tokens of the reasoning, tags left out. (R,), never empty."""
     episode: int
