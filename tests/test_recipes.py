@@ -80,3 +80,19 @@ def test_vagen_recipe_puts_its_kl_in_the_reward_as_vagen_does():
 def test_ragen_recipe_discounts_nothing():
     algo = load_config(TrainConfig, "configs/ragen_sokoban.yaml").algorithm
     assert (algo.gamma_token, algo.lambda_token, algo.gamma_turn, algo.lambda_turn) == (1.0, 1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("recipe", ["ragen_sokoban", "ragen_coord_sokoban", "ragen_rubiks", "ragen_spatial"])
+def test_the_expert_solves_a_ragen_recipe_whose_prompts_end_with_think(recipe, tmp_path):
+    # RAGEN's prompts end with <think>: the expert writes what follows it, and every turn parses well-formed.
+    from turnrl.cli import main
+
+    out = tmp_path / "eval"
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{recipe}.yaml"
+    assert main(["eval", "--config", str(path), "--policy", "expert", "--episodes", "2",
+                 "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["success_rate"] == 1.0
+    for line in (out / "trajectories.jsonl").read_text().splitlines():
+        for turn in json.loads(line)["turns"]:
+            assert turn["response_prefix"] == "<think>" and turn["response"].startswith("<think>")
+            assert turn["response"].count("<think>") == 1 and turn["format_ok"], turn["parse_errors"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -511,3 +512,15 @@ def test_reasoning_span_never_raises_and_matches_a_regex_reading(name, text):
     else:
         expected = ""
     assert (None if span is None else text[span[0] : span[1]]) == (expected or None)
+
+
+def test_a_response_prefix_is_how_every_well_formed_response_begins():
+    # RAGEN's prompts end with <think> (<answer> without think); no other built-in format has a prefix.
+    assert {name: get_format(name).response_prefix for name in format_names() if get_format(name).response_prefix} == {
+        "ragen": "<think>", "ragen_no_think": "<answer>"}
+    fmt = get_format("ragen")
+    assert fmt.continuation(fmt.assistant_text(" go</think><answer>Up</answer>")) == " go</think><answer>Up</answer>"
+    with pytest.raises(ValueError, match="ends the prompt with .<think>., so its assistant messages start with it"):
+        fmt.continuation("<answer>Up</answer>")
+    with pytest.raises(ValueError, match="response prefix '<think>' must be how every well-formed response begins"):
+        replace(get_format("no_think"), response_prefix="<think>")

@@ -6,7 +6,9 @@ Encodes mll-lab-nu/RAGEN at commit 20daedc47558e000f7de912b060646bf2e8026bd:
 tokens removed from the answer; the answer cut to ``max_actions_per_turn`` pieces) and
 ``ragen/llm_agent/es_manager.py`` (``EnvStateManager.step``: ``format_penalty`` when
 ``len(valid_actions) != len(actions) or not valid_actions``, valid meaning found in the action lookup,
-case-insensitively).
+case-insensitively). The prompt's end: ``ContextManager._build_infer_samples`` appends ``"<think>"`` (``"<answer>"``
+without think) to ``apply_chat_template(..., add_generation_prompt=True)``, and ``get_env_inputs`` prepends it to
+the decoded response before ``_parse_response``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnrl.agent.formats import get_format, turn_format_reward
+from turnrl.rollout.context import EpisodeTokens
 
 NAMES = ["Up", "Down", "Left", "Right"]
 SPECIAL = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -84,3 +87,21 @@ def test_matches_ragens_regex_reading(pieces, max_actions, think):
     valid, penalized = ragen_parse(text, max_actions, think)
     assert list(parsed.actions) == valid
     assert (turn_format_reward(parsed, penalize_any_invalid=True) == -0.1) == penalized
+
+
+def test_the_prompt_ends_with_the_opening_tag_and_the_parser_reads_it_with_the_response(tiny_tokenizer):
+    fmt, no_think = get_format("ragen", max_actions_per_turn=5), get_format("ragen_no_think", max_actions_per_turn=5)
+    assert (fmt.response_prefix, no_think.response_prefix) == ("<think>", "<answer>")
+    # The model continues <think>: its response is well-formed once the prefix is put back, and yields Left.
+    response = "I think the box is to my left.</think><answer>Left</answer>"
+    parsed = fmt.parse(fmt.assistant_text(response), NAMES)
+    assert parsed.format_ok and parsed.actions == ("Left",) and turn_format_reward(parsed) != -0.1
+    assert fmt.parse(response, NAMES).actions == ()  # without the prefix RAGEN's pattern finds no <think>
+    assert no_think.parse(no_think.assistant_text("Left</answer>"), NAMES).actions == ("Left",)
+    # The prompt: the chat template's rendering with the generation prompt, then the tag.
+    chat = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "#_P_#"}]
+    for prefix in ("<think>", "<answer>"):
+        tokens = EpisodeTokens(tiny_tokenizer, response_prefix=prefix)
+        tokens.start(*chat)
+        text = tiny_tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) + prefix
+        assert tokens.prompt() == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -16,7 +16,7 @@ from PIL import Image
 
 from tests.serve.running import free_port, running
 from turnrl.agent.formats import get_format
-from turnrl.config import AgentConfig, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
+from turnrl.config import AgentConfig, ConfigError, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
 from turnrl.envs import make
 from turnrl.evaluate import run_eval
 from turnrl.models.builtin import builtin_model_path
@@ -320,3 +320,17 @@ def test_images_in_parts_and_missing_images():
     assert captured[0]["messages"][0]["content"][1] == {"type": "text", "text": "what?"}
     assert ok.finish_reason == "stop" and failed.finish_reason == "error"
     assert "image part without image data" in failed.error and len(captured) == 1
+
+
+def test_a_format_whose_prompt_ends_with_a_response_prefix_is_refused_with_one_line(tmp_path):
+    # RAGEN's prompt ends with <think> after the generation prompt; a chat API cannot prefill an assistant turn,
+    # so the model would answer without the prefix that the parser expects. Refused before any request.
+    config = EvalConfig(env=EnvConfig(id="Sokoban"), agent=AgentConfig(format="ragen"), policy=f"openai:{MODEL}",
+                        base_url=f"http://127.0.0.1:{free_port()}/v1", episodes=1, out=str(tmp_path))
+    refused = r"agent.format=ragen ends the prompt with '<think>'.*cannot prefill"
+    with pytest.raises(ConfigError, match=refused) as error:
+        run_eval(config)
+    assert "\n" not in str(error.value)
+    policy = OpenAIPolicy("http://x/v1", MODEL)
+    assert not policy.continues_response_prefix
+    Rollout(policy, get_format("free_think"), AgentConfig(format="free_think"), "Sokoban")  # no prefix: taken

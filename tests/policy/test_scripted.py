@@ -33,10 +33,26 @@ recipe gives RAGEN's ||)."""
 
 
 def respond(policy, env) -> str:
+    """The assistant message of the policy's response: the format's response prefix (which the prompt ends with),
+    then the response."""
     (completion,) = policy.generate([GenerationRequest(prompt_ids=None, messages=[], env=env)], SamplingConfig())
     assert completion.finish_reason == "stop", completion.error
     assert completion.token_ids == [] and completion.logprobs == []
-    return completion.text
+    return policy.fmt.assistant_text(completion.text)
+
+
+@pytest.mark.parametrize("policy_class", [ExpertPolicy, RandomPolicy])
+def test_a_response_continues_the_prompts_response_prefix_without_repeating_it(policy_class):
+    # RAGEN's prompt ends with <think> (ctx_manager.py): the response starts inside the reasoning.
+    fmt = get_format("ragen", max_actions_per_turn=2)
+    env = make("Sokoban")
+    env.reset(seed=8)
+    policy = policy_class(fmt, max_actions_per_turn=2)
+    (completion,) = policy.generate([GenerationRequest(prompt_ids=None, messages=[], env=env)], SamplingConfig())
+    assert fmt.response_prefix == "<think>" and "<think>" not in completion.text
+    parsed = fmt.parse("<think>" + completion.text, env.action_names())
+    assert parsed.format_ok and parsed.actions
+    assert policy.continues_response_prefix
 
 
 def limit_of(fmt, env=None) -> int:

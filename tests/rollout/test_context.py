@@ -40,12 +40,12 @@ def with_control_tokens(tok, *tokens):
     return tok
 
 
-def play(tok, system, users, answers, *, window=None, responses=None):
+def play(tok, system, users, answers, *, window=None, responses=None, response_prefix=None):
     """Run an episode: users[0], then (answer, user) pairs. Returns the EpisodeTokens.
 
     ``tok`` is a tokenizer or a :class:`ChatTemplateDeltas` (for a template other than the tokenizer's).
     """
-    ep = EpisodeTokens(tok, max_context_window=window)
+    ep = EpisodeTokens(tok, max_context_window=window, response_prefix=response_prefix)
     ep.start(system, users[0])
     for t, answer in enumerate(answers):
         ids = responses[t] if responses is not None else sampled(tok, answer)
@@ -320,6 +320,85 @@ def test_window_that_never_cuts_allows_stream(toks):
     ep = play(tok, SYSTEM, USERS, ANSWERS, window=3)
     assert not ep.window_cut
     assert ep.stream().input_ids == full_render_ids(tok, messages(SYSTEM, USERS, ANSWERS))
+
+
+# -- a response prefix (RAGEN's prompt ends with <think>) -------------------------------
+
+PREFIX = "<think>"
+# What a model writes after the prefix. Without </think> here: Qwen3's template strips reasoning from earlier
+# assistant turns in a re-render (test_qwen3_keeps_sampled_reasoning); RAGEN's whole answers are below.
+CONTINUATIONS = [" The box is left of me. Push it.", " Then up || Left"]
+
+
+def prefixed(answers):
+    return [PREFIX + answer for answer in answers]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("system", [SYSTEM, None])
+def test_a_response_prefix_ends_every_prompt_and_the_stream_is_a_full_render(toks, name, system):
+    tok = toks[name]
+    ep = play(tok, system, USERS, CONTINUATIONS, response_prefix=PREFIX)
+    # The chat holds each assistant message as the prefix, then what the model wrote after it.
+    chat = messages(system, USERS, prefixed(CONTINUATIONS))
+    rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ep.prompt() == encode(tok, rendered + PREFIX)
+    s = ep.stream()
+    assert s.input_ids == encode(tok, rendered + PREFIX)
+    # The prefix is prompt: only the sampled ids take the loss.
+    responses = [sampled(tok, a) for a in CONTINUATIONS]
+    assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == responses[0] + responses[1]
+    for t, sample in enumerate(ep.turn_samples()):
+        head = tok.apply_chat_template(messages(system, USERS[: t + 1], prefixed(CONTINUATIONS[:t])),
+                                       add_generation_prompt=True, tokenize=False)
+        assert sample.prompt_ids == encode(tok, head + PREFIX)
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3"])
+def test_ragens_whole_answers_after_the_prefix_are_a_full_render(toks, name):
+    # RAGEN's model continues <think> with its reasoning, </think> and the answer (ctx_manager.py).
+    tok = toks[name]
+    answers = [" The box is left.</think><answer>Left</answer>", " Now up.</think><answer>Up || Left</answer>"]
+    s = play(tok, SYSTEM, USERS, answers, response_prefix=PREFIX).stream()
+    rendered = tok.apply_chat_template(messages(SYSTEM, USERS, prefixed(answers)), add_generation_prompt=True,
+                                       tokenize=False)
+    assert s.input_ids == encode(tok, rendered + PREFIX)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_window_head_ends_with_the_response_prefix(toks, name, window):
+    tok = toks[name]
+    users = [f"Observation {t}: #_P_#" for t in range(4)]
+    answers = [f" Move {t}: Left" for t in range(3)]
+    ep = play(tok, SYSTEM, users, answers, window=window, response_prefix=PREFIX)
+    for t, sample in enumerate(ep.turn_samples()):
+        start = max(0, t - window + 1)
+        chat = messages(SYSTEM, users[start : t + 1], prefixed(answers[start:t]))
+        assert sample.prompt_ids == encode(tok, tok.apply_chat_template(chat, add_generation_prompt=True,
+                                                                        tokenize=False) + PREFIX)
+
+
+@pytest.mark.parametrize("template", ["phi35", "gemma2"])
+def test_a_response_prefix_in_templates_that_end_chats_with_eos_or_fold_the_system(toks, template):
+    tok = (with_control_tokens(toks["chatml"], "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+           if template == "phi35" else gemma2_tokenizer(toks))
+    chat_template = PHI35 if template == "phi35" else GEMMA2
+    end = tok.convert_tokens_to_ids("<|end|>" if template == "phi35" else "<end_of_turn>")
+    deltas = ChatTemplateDeltas(tok, chat_template=chat_template, response_prefix=PREFIX)
+    responses = [sampled(tok, a, end) for a in CONTINUATIONS]
+    s = play(deltas, None, USERS, CONTINUATIONS, responses=responses).stream()
+    chat = messages(None, USERS, prefixed(CONTINUATIONS))
+    rendered = tok.apply_chat_template(chat, chat_template=chat_template, add_generation_prompt=True, tokenize=False)
+    assert s.input_ids == encode(tok, rendered + PREFIX)
+    assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == responses[0] + responses[1]
+
+
+def test_the_response_prefix_must_be_that_of_the_given_template_pieces(toks):
+    deltas = ChatTemplateDeltas.for_tokenizer(toks["chatml"])
+    with pytest.raises(ValueError, match="response_prefix"):
+        EpisodeTokens(deltas, response_prefix=PREFIX)
+    assert EpisodeTokens(toks["chatml"], response_prefix="").deltas is deltas  # no prefix: the shared pieces
 
 
 # -- images ------------------------------------------------------------------------

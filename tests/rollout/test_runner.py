@@ -181,6 +181,29 @@ def test_turns_of_canonical_responses_match_a_full_render_of_the_chat(tiny_token
         assert request.prompt_ids == rendered
 
 
+def test_a_prefixed_format_ends_each_prompt_with_the_prefix_and_parses_it_with_the_response(tiny_tokenizer):
+    # RAGEN's prompt ends with <think> after the generation prompt and the model continues its reasoning
+    # (ctx_manager.py); the parser reads "<think>" + the response, and the next prompt holds both.
+    written = " I count up.</think><answer>inc</answer>"
+    policy = TokenPolicy(tiny_tokenizer, lambda request: written)
+    (slot,) = counter_slots()
+    (trajectory,) = play(policy, [slot], fmt="ragen", max_turns=3)
+    assert slot.env.received == ["inc"] * 3
+    for turn in trajectory.turns:
+        assert turn.response == "<think>" + written and turn.response_prefix == "<think>"
+        assert turn.parsed.format_ok and turn.parsed.actions == ("inc",) and turn.rewards["format"] == 0.0  # no penalty
+        assert turn.response_ids == tiny_tokenizer.encode(written, add_special_tokens=False) + [
+            tiny_tokenizer.eos_token_id]
+    asked = requests_of(policy, slot.env)
+    for request in asked:
+        rendered = tiny_tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+        assert request.prompt_ids == tiny_tokenizer.encode(rendered + "<think>", add_special_tokens=False)
+    assert asked[-1].messages[2] == {"role": "assistant", "content": "<think>" + written}
+    stream = trajectory.tokens.stream()
+    assert [i for i, m in zip(stream.input_ids, stream.loss_mask) if m] == [
+        i for turn in trajectory.turns for i in turn.response_ids]
+
+
 # --------------------------------------------------------------------------- limits
 def test_max_turns_truncates_the_episode():
     slots = counter_slots(2)

@@ -41,6 +41,9 @@ from turnrl.training.seeding import step_seed
 from turnrl.training.trainer import StepOutput, Trainer
 
 RAGEN = get_format("ragen")
+"""The prompt ends with <think> and the model writes the rest (RAGEN's ``ctx_manager``)."""
+THINK = get_format("free_think")
+"""The model writes its <think> itself: the hand-made responses below."""
 
 
 @pytest.fixture(scope="module")
@@ -80,16 +83,33 @@ def test_reasoning_tokens_are_the_sampled_tokens_between_the_think_tags(tiny_tok
     encode = lambda text: tiny_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     head, middle = encode("<think>"), encode("The box is left of me, so I push it.")
     ids = head + middle + encode("</think><answer>Left</answer>") + [tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    assert reasoning_tokens(ids, RAGEN, decoder(tiny_tokenizer)) == (len(head), len(head) + len(middle))
-    assert reasoning_tokens(encode("<answer>Left</answer>"), RAGEN, decoder(tiny_tokenizer)) is None
-    assert reasoning_tokens(encode("<think>unfinished"), RAGEN, decoder(tiny_tokenizer)) is None
+    assert reasoning_tokens(ids, THINK, decoder(tiny_tokenizer)) == (len(head), len(head) + len(middle))
+    assert reasoning_tokens(encode("<answer>Left</answer>"), THINK, decoder(tiny_tokenizer)) is None
+    assert reasoning_tokens(encode("<think>unfinished"), THINK, decoder(tiny_tokenizer)) is None
+
+
+def test_the_reasoning_of_a_response_that_continues_the_prompts_think_is_found(tiny_tokenizer):
+    # RAGEN's prompt ends with <think>: the sampled response starts inside the reasoning.
+    encode = lambda text: tiny_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    middle = encode("The box is left of me, so I push it.")
+    ids = middle + encode("</think><answer>Left</answer>") + [tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert reasoning_tokens(ids, RAGEN, decoder(tiny_tokenizer)) == (0, len(middle))
+    assert reasoning_tokens(encode("unfinished"), RAGEN, decoder(tiny_tokenizer)) is None
+    # The episode's pair: x is the prompt, which ends with <think>; z the sampled reasoning.
+    tokens = EpisodeTokens(tiny_tokenizer, response_prefix="<think>")
+    tokens.start("Push the box.", "Box left.")
+    tokens.add_response(ids)
+    trajectory = Trajectory(env_id="Sokoban", seed=0, group=0, sample=0, tokens=tokens)
+    (pair,), answered = episode_pairs(trajectory, 0, RAGEN, decoder(tiny_tokenizer))
+    assert answered == 1 and pair.reasoning_ids == middle
+    assert pair.prompt_ids == tokens.prompt_ids(0) and decoder(tiny_tokenizer)(pair.prompt_ids).endswith("<think>")
 
 
 def test_tokens_straddling_a_tag_stay_out_of_the_reasoning():
     vocab = {1: "<think", 2: ">I", 3: " go", 4: " left", 5: ".</", 6: "think>", 7: "<answer>Left</answer>"}
     decode = lambda ids: "".join(vocab[i] for i in ids)  # noqa: E731
     # ">I" ends the tag and starts the reasoning: the prompt side takes it; ".</" runs into </think>: left out.
-    assert reasoning_tokens([1, 2, 3, 4, 5, 6, 7], RAGEN, decode) == (2, 4)
+    assert reasoning_tokens([1, 2, 3, 4, 5, 6, 7], THINK, decode) == (2, 4)
 
 
 # --------------------------------------------------------------------------- the cross log-prob matrix
@@ -164,10 +184,10 @@ def test_a_steps_metrics_equal_the_reference_on_pairs_scored_one_by_one(model, t
     decode = decoder(tiny_tokenizer)
     trajectories = rollout(tiny_tokenizer)
     config = CollapseConfig(every=1, samples=0)
-    diagnostics = CollapseDiagnostics(config, RAGEN, decode, tiny_tokenizer.pad_token_id, seed=3)
+    diagnostics = CollapseDiagnostics(config, THINK, decode, tiny_tokenizer.pad_token_id, seed=3)
     found = diagnostics.measure(4, trajectories, scorer(model))
 
-    pairs = [episode_pairs(t, i, RAGEN, decode)[0] for i, t in enumerate(trajectories)]
+    pairs = [episode_pairs(t, i, THINK, decode)[0] for i, t in enumerate(trajectories)]
     assert [len(p) for p in pairs] == [2, 1, 1, 1, 3, 1]
     second = pairs[0][1]  # x: the turn's whole context (the first response in it) up to <think>; z: inside
     assert decode(second.prompt_ids) == decode(trajectories[0].tokens.prompt_ids(1)) + "<think>"
@@ -197,7 +217,7 @@ def test_a_steps_metrics_equal_the_reference_on_pairs_scored_one_by_one(model, t
     first_std = found[f"collapse/{FIRST_TURN}/marginal_std"]
     assert again[f"collapse/{FIRST_TURN}/marginal_std_ema"] == pytest.approx(
         0.9 * first_std + 0.1 * again[f"collapse/{FIRST_TURN}/marginal_std"])
-    resumed = CollapseDiagnostics(config, RAGEN, decode, tiny_tokenizer.pad_token_id, seed=3)
+    resumed = CollapseDiagnostics(config, THINK, decode, tiny_tokenizer.pad_token_id, seed=3)
     resumed.resume([found])
     assert resumed.ema_std == {f"{kind}/{name}": found[f"collapse/{kind}/{name.replace('std', 'std_ema')}"]
                                for kind in (FIRST_TURN, MULTI_TURN) for name in ("marginal_std", "marginal_std_seq")}
@@ -205,7 +225,7 @@ def test_a_steps_metrics_equal_the_reference_on_pairs_scored_one_by_one(model, t
 
 def test_a_rollout_without_reasoning_reports_only_its_rate(model, tiny_tokenizer):
     trajectories = [episode(tiny_tokenizer, g, f"State {g}.", ["<answer>Up</answer>"], []) for g in range(3)]
-    diagnostics = CollapseDiagnostics(CollapseConfig(every=1), RAGEN, decoder(tiny_tokenizer),
+    diagnostics = CollapseDiagnostics(CollapseConfig(every=1), THINK, decoder(tiny_tokenizer),
                                       tiny_tokenizer.pad_token_id, seed=0)
     found = diagnostics.measure(0, trajectories, scorer(model))
     assert found["collapse/valid_thinking_rate"] == 0.0 and found["collapse/first_turn_valid_rate"] == 0.0
@@ -303,13 +323,13 @@ def test_early_stops_stay_quiet_when_nothing_is_turned_on():
 
 # --------------------------------------------------------------------------- in a run
 def test_the_trainer_scores_pairs_with_its_actor_before_the_update(model, tiny_model_dir, tmp_path):
-    trainer = Trainer(config(tiny_model_dir, tmp_path, "agent.format=ragen", "collapse.every=2", "collapse.samples=0",
-                             "algorithm.micro_batch_size=3"))
+    trainer = Trainer(config(tiny_model_dir, tmp_path, "agent.format=free_think", "collapse.every=2",
+                             "collapse.samples=0", "algorithm.micro_batch_size=3"))
     assert [s for s in range(6) if trainer.collapse.due(s)] == [0, 1, 3, 5]
     trajectories = rollout(trainer.tokenizer)
     output = StepOutput({"rollout/success": 0.0}, trajectories)
     trainer.measure_collapse(3, output)
-    plain = CollapseDiagnostics(CollapseConfig(every=2, samples=0), RAGEN, decoder(trainer.tokenizer),
+    plain = CollapseDiagnostics(CollapseConfig(every=2, samples=0), THINK, decoder(trainer.tokenizer),
                                 trainer.tokenizer.pad_token_id, seed=trainer.config.seeds.seed)
     expected = plain.measure(3, trajectories, scorer(model))
     assert expected.keys() == output.metrics.keys() - {"rollout/success"}

@@ -472,3 +472,63 @@ def test_sft_on_an_env_without_a_solver_is_refused(tiny_model_dir, tmp_path):
                                              "model.device=cpu"])
     with pytest.raises(ConfigError, match="no solver"):
         sft_only(config)
+
+
+# --------------------------------------------------------------------------- a response prefix
+def ragen_demos(episodes=3):
+    agent = AgentConfig(format="ragen", max_turns=4, max_actions_per_turn=2, max_actions_per_episode=8)
+    fmt = get_format("ragen", max_actions_per_turn=2)
+    config = SFTConfig(episodes=episodes, random_action_share=0.3)
+    return fmt, expert_demos(lambda: make("Sokoban"), fmt, agent, config, "Sokoban")
+
+
+@pytest.mark.parametrize("window", [None, 1])
+def test_demo_prompts_end_with_the_response_prefix_and_the_targets_are_what_follows(tiny_tokenizer, window):
+    # RAGEN's prompts end with <think>: a demo's prompt does too, and the model learns to continue it.
+    fmt, demos = ragen_demos()
+    prefix = tiny_tokenizer.encode("<think>", add_special_tokens=False)
+    for demo in demos:
+        chat = trajectory_messages(demo)
+        assert all(m["content"].startswith("<think>") for m in chat if m["role"] == "assistant")
+        samples = conversation_samples(chat, tiny_tokenizer, window=window, response_prefix="<think>")
+        targets = [tiny_tokenizer.encode(fmt.continuation(t.response), add_special_tokens=False)
+                   + [tiny_tokenizer.eos_token_id] for t in demo.turns]
+        assert [i for s in samples for i, m in zip(s.input_ids, s.loss_mask) if m] == [i for t in targets for i in t]
+        for s in samples:  # each target follows a prompt that ends with the prefix, which takes no loss
+            for k in range(1, len(s.input_ids)):
+                if s.loss_mask[k] and not s.loss_mask[k - 1]:
+                    assert s.input_ids[k - len(prefix) : k] == prefix
+        if window is None:
+            (sample,) = samples
+            assert tiny_tokenizer.decode(sample.input_ids) == tiny_tokenizer.apply_chat_template(chat, tokenize=False)
+
+
+def test_an_assistant_message_without_the_response_prefix_is_refused(tiny_tokenizer):
+    with pytest.raises(ValueError, match=r"message 2: the format ends each prompt with '<think>'"):
+        conversation_samples(CHAT, tiny_tokenizer, window=None, response_prefix="<think>")
+
+
+def test_the_sft_stage_tokenizes_demos_with_the_formats_response_prefix(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                                          monkeypatch):
+    from turnrl.training import sft
+
+    config = load_config(TrainConfig, None, [
+        f"model.path={tiny_model_dir}", "model.device=cpu", f"run.output_dir={tmp_path}", "run.name=sft",
+        "run.tensorboard=false", "env.id=Sokoban", "agent.format=ragen", "agent.max_turns=3", "sft.episodes=2"])
+    trained = []
+
+    class Trained(Exception):
+        pass
+
+    def keep(model, pad_id, samples, *args, **kwargs):
+        trained.extend(samples)
+        raise Trained
+
+    monkeypatch.setattr(sft, "sft_train", keep)
+    with pytest.raises(Trained):
+        sft_only(config)
+    prefix = tiny_tokenizer.encode("<think>", add_special_tokens=False)
+    assert trained
+    for sample in trained:
+        first = sample.loss_mask.index(1)
+        assert sample.input_ids[first - len(prefix) : first] == prefix

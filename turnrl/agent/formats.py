@@ -62,8 +62,15 @@ Parsing rules (the defaults; see :func:`get_format` for the knobs):
   format tags left inside the answer are removed; the answer is cut to
   ``max_actions_per_turn`` pieces *before* unknown names are dropped; and a
   turn with any unknown action pays the penalty (:func:`turn_format_reward`).
-  RAGEN also ends the prompt with ``<think>``; turnrl's prompts end with the
-  chat template's generation prompt (docs/fidelity.md).
+
+- **Response prefix** (:attr:`ResponseFormat.response_prefix`): text the prompt
+  ends with after the chat template's generation prompt, which the model's
+  response continues. ``ragen`` has ``<think>`` and ``ragen_no_think``
+  ``<answer>``, as RAGEN's ``ContextManager`` appends them to the prompt and
+  prepends them to the decoded response before parsing; the other formats have
+  none. The prefix's tokens are in the prompt, never sampled nor trained; the
+  parser and the chat history read the assistant message, prefix + response
+  (:meth:`ResponseFormat.assistant_text`).
 
 Parsing never raises, and runs in time linear in the response length.
 """
@@ -241,6 +248,10 @@ class ResponseFormat:
     ragen_reading: bool = False
     """RAGEN's parser and penalty (module docstring): the first think-then-answer match, the answer cut
     to the limit before unknown names are dropped, the penalty when any action is invalid."""
+    response_prefix: str = ""
+    """Text the prompt ends with after the chat template's generation prompt, which the response continues
+    (RAGEN's ``<think>``): in the prompt, never sampled nor trained. Every well-formed response starts with it;
+    ``parse`` and ``reasoning_span`` take the assistant message, ``assistant_text(response)``."""
 
     def __post_init__(self) -> None:
         names = [tag.name for top in self.structure for tag in top.walk()]
@@ -258,6 +269,24 @@ class ResponseFormat:
                 raise ValueError(f"action separator must be non-empty and free of '<' '>', got {self.separator!r}")
             if self.action_kind == "tuple" and set(self.separator) & set("(),'\" "):
                 raise ValueError(f"separator {self.separator!r} would split inside tuple actions; use e.g. ';'")
+        prefix = self.response_prefix
+        if not self._template().startswith(prefix) or prefix != prefix.strip():
+            raise ValueError(f"format {self.name!r}: the response prefix {self.response_prefix!r} must be how every "
+                             f"well-formed response begins ({self._template()!r}), without surrounding whitespace")
+
+    # ------------------------------------------------------------------ the response prefix
+    def assistant_text(self, response: str) -> str:
+        """The assistant message of a turn: the response prefix the prompt ended with, then the ``response`` the
+        model wrote after it. What the parser reads and the chat history holds."""
+        return self.response_prefix + response
+
+    def continuation(self, assistant_text: str) -> str:
+        """What a model writes after the prompt for this assistant message: the text past the response prefix
+        (a scripted policy's response, an SFT target). Raises ValueError when the message lacks the prefix."""
+        if not assistant_text.startswith(self.response_prefix):
+            raise ValueError(f"format {self.name!r} ends the prompt with {self.response_prefix!r}, so its assistant "
+                             f"messages start with it; got {_snippet(assistant_text)}")
+        return assistant_text[len(self.response_prefix) :]
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -307,7 +336,8 @@ class ResponseFormat:
         """Parse one response. Never raises; problems end up in ``errors``.
 
         Args:
-            text: the decoded response, special tokens already removed.
+            text: the assistant message: the decoded response, special tokens already removed, after the
+                format's response prefix (:meth:`assistant_text`).
             action_names: the env's canonical action names, or None for free-form actions.
         """
         if not isinstance(text, str):
@@ -674,6 +704,9 @@ _ACTION = Tag("action", "", "")
 
 # Formats that read responses as RAGEN does (ResponseFormat.ragen_reading).
 _RAGEN_FORMATS = ("ragen", "ragen_no_think")
+# What RAGEN's ContextManager appends to the prompt after the generation prompt (enable_think or not), and
+# prepends to the decoded response before parsing it (ResponseFormat.response_prefix).
+_RESPONSE_PREFIXES = {"ragen": "<think>", "ragen_no_think": "<answer>"}
 
 _STRUCTURES: dict[str, tuple[tuple[Tag, ...], str, ActionKind, str | None, bool]] = {
     # name: (structure, answer tag, action kind, default separator, free text allowed)
@@ -738,6 +771,7 @@ def get_format(
         strict=strict,
         outside_text_ok=outside_text_ok,
         ragen_reading=name in _RAGEN_FORMATS,
+        response_prefix=_RESPONSE_PREFIXES.get(name, ""),
     )
 
 

@@ -18,6 +18,10 @@ is built from these pieces:
 - ``observation(user)`` is what the template adds for one new user message,
   generation prompt included: the text difference between rendering a fixed
   conversation with and without that message.
+- A ``response_prefix`` (a reasoning format's, e.g. RAGEN's ``<think>``) ends
+  the head and every observation after the generation prompt: the response
+  continues it, and a full render holds it as the start of the assistant
+  message's content.
 
 Nothing here knows any special token: all of it is read off the tokenizer's
 chat template, so any template whose messages render independently of the
@@ -134,6 +138,10 @@ class ChatTemplateDeltas:
             observation`` agrees with the full render of a probe
             conversation (see :meth:`verify`); raise :class:`TemplateDeltaError` if not.
         memo_size: text-only heads and observations whose ids are remembered (0: none).
+        response_prefix: text every head and observation ends with after the generation prompt, which the
+            response continues (:attr:`~turnrl.agent.formats.ResponseFormat.response_prefix`); encoded with the
+            generation prompt, as a full render of the chat with the assistant message ``response_prefix +
+            response`` tokenizes it.
     """
 
     # Tokenizer -> {(template, arguments): instance}. The instances refer to
@@ -149,9 +157,12 @@ class ChatTemplateDeltas:
         stop_ids: Sequence[int] | None = None,
         verify: bool = True,
         memo_size: int = TEXT_MEMO_SIZE,
+        response_prefix: str = "",
         **template_kwargs: Any,
     ) -> None:
         self.tokenizer = tokenizer
+        self.response_prefix = response_prefix
+        """Text after the generation prompt of every head and observation, which the response continues."""
         self.chat_template = chat_template
         self.template_kwargs = template_kwargs
         if stop_ids is None:
@@ -176,6 +187,8 @@ class ChatTemplateDeltas:
     @classmethod
     def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, **kwargs: Any) -> ChatTemplateDeltas:
         """A cached instance for ``tokenizer`` and these arguments."""
+        if kwargs.get("response_prefix") == "":
+            del kwargs["response_prefix"]  # the default: the same instance as without it
         try:
             key = tuple(sorted((k, v if not isinstance(v, list) else tuple(v)) for k, v in kwargs.items()))
             hash(key)
@@ -345,11 +358,12 @@ class ChatTemplateDeltas:
         return [system, user] if self.system_role else [fold_system(system, user)]
 
     def head(self, system: str | Message | None, user: str | Message) -> list[int]:
-        """Ids of ``render(opening(system, user), add_generation_prompt=True)``. Shape (H,)."""
+        """Ids of ``render(opening(system, user), add_generation_prompt=True) + response_prefix``. Shape (H,)."""
         return self._ids("head", self.opening(system, user))
 
     def observation(self, user: str | Message) -> list[int]:
-        """Ids a new user message adds after a closed assistant turn, generation prompt included. Shape (O,)."""
+        """Ids a new user message adds after a closed assistant turn, generation prompt and response prefix
+        included. Shape (O,)."""
         return self._ids("observation", [as_message(user)])
 
     def _ids(self, piece: str, messages: list[Message]) -> list[int]:
@@ -361,7 +375,7 @@ class ChatTemplateDeltas:
     def _rendered_ids(self, piece: str, messages: list[Message]) -> list[int]:
         text = self.render(messages, add_generation_prompt=True) if piece == "head" else \
             self._observation_text(messages[0])
-        return self.encode(text)
+        return self.encode(text + self.response_prefix)
 
     def _observation_text(self, user: Message) -> str:
         text = self.render([*self.observation_base, user], add_generation_prompt=True)
@@ -451,7 +465,9 @@ class ChatTemplateDeltas:
         for sys_msg in (system, None):
             opening = self.opening(sys_msg, question)
             head_text = self.render(opening, add_generation_prompt=True)
-            got = self.head(sys_msg, question) + answer_ids + closing + self.observation(follow_up)
+            # The template's own pieces: the response prefix is the caller's text, and where it meets a
+            # response is a property of the tokenizer, not of the template.
+            got = self.encode(head_text) + answer_ids + closing + self.encode(observation_text)
             joined = self.encode(head_text + stream_tail)
             if got != joined:
                 raise TemplateDeltaError(

@@ -95,6 +95,14 @@ class Policy(Protocol):
         parts, a token policy only with an image encoder (a text model would play blind)."""
         return self.tokenizer is None or self.image_encoder is not None
 
+    @property
+    def continues_response_prefix(self) -> bool:
+        """Whether the responses can continue a format's response prefix, the text a prompt ends with after the
+        generation prompt (RAGEN's ``<think>``): a token policy's ``prompt_ids`` end with it; a text-only policy
+        gets chat messages, which cannot end inside an assistant turn (a chat API cannot prefill one). A
+        scripted policy, which knows the format and writes only what follows the prefix, says yes."""
+        return self.tokenizer is not None
+
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
         """Complete every request; one failed request yields a ``finish_reason="error"`` completion."""
         ...

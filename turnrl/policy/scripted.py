@@ -36,12 +36,18 @@ class ScriptedPolicy(Policy):
                 completions.append(Completion(text="", finish_reason="error", error="scripted policies need the env"))
                 continue
             try:
-                completions.append(Completion(text=self.respond(request.env)))
+                # The prompt ends with the format's response prefix: the response is what follows it.
+                completions.append(Completion(text=self.fmt.continuation(self.respond(request.env))))
             except Exception as error:  # a failing solver ends its own episode only
                 completions.append(Completion(text="", finish_reason="error", error=f"{type(error).__name__}: {error}"))
         return completions
 
+    @property
+    def continues_response_prefix(self) -> bool:
+        return True
+
     def respond(self, env: AgentEnv) -> str:
+        """The whole assistant message for the env's current state (the response prefix included)."""
         raise NotImplementedError
 
     def random_actions(self, env: AgentEnv, count: int) -> list[str]:

@@ -15,6 +15,10 @@ therefore kept as token segments, never as text:
   :class:`~turnrl.models.template_deltas.ChatTemplateDeltas` (the template's
   rendering of the first messages, what it writes after a response, what it
   adds for one new user message).
+- A reasoning format's response prefix (RAGEN's ``<think>``) ends the head
+  and every observation, after the generation prompt: the prompt holds it
+  (loss mask 0), the response continues it, and a full render of the chat
+  holds it as the start of each assistant message.
 
 Where a full re-render differs from the incremental stream, the stream is the
 right one to train on: it is what the model was conditioned on when it
@@ -155,6 +159,9 @@ class EpisodeTokens:
             ``"<|image_pad|>"``), needed only when image token counts are given.
         max_images: images kept in a prompt, the latest first; older observations in the window
             are rendered without their images. None keeps every image of the window.
+        response_prefix: text every prompt ends with after the generation prompt, which the response
+            continues (:attr:`~turnrl.agent.formats.ResponseFormat.response_prefix`); None: that of the
+            given :class:`ChatTemplateDeltas` (none for a tokenizer).
     """
 
     def __init__(
@@ -163,11 +170,15 @@ class EpisodeTokens:
         max_context_window: int | None = None,
         image_token: str | None = None,
         max_images: int | None = None,
+        response_prefix: str | None = None,
     ) -> None:
         if max_context_window is not None and max_context_window < 1:
             raise ValueError("max_context_window must be >= 1 or None")
         if not isinstance(tokenizer, ChatTemplateDeltas):
-            tokenizer = ChatTemplateDeltas.for_tokenizer(tokenizer)
+            tokenizer = ChatTemplateDeltas.for_tokenizer(tokenizer, response_prefix=response_prefix or "")
+        elif response_prefix is not None and response_prefix != tokenizer.response_prefix:
+            raise ValueError(f"response_prefix {response_prefix!r} differs from the template pieces' "
+                             f"{tokenizer.response_prefix!r}: make the ChatTemplateDeltas with it")
         self.deltas = tokenizer
         self.max_context_window = max_context_window
         if max_images is not None and max_images < 0:

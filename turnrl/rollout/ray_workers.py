@@ -309,7 +309,9 @@ class RayRollout:
             raise ValueError(f"rollout workers: need at least 1, got {workers}")
         self.ray = ensure_ray(address)
         self.timeout_s = timeout_s
-        self.deltas = ChatTemplateDeltas.for_tokenizer(tokenizer)
+        # The workers' token contexts end their prompts with the format's response prefix: so do the driver's.
+        self.deltas = ChatTemplateDeltas.for_tokenizer(
+            tokenizer, response_prefix=get_format(spec.agent.format).response_prefix)
         resources: dict[str, Any] = {"num_gpus": worker_gpus}
         if worker_cpus is not None:
             resources["num_cpus"] = worker_cpus

@@ -2,7 +2,8 @@
 
 One call of :meth:`Rollout.run` plays a batch of episodes to the end. Each
 round, the active episodes' prompts go to the policy as one batch; each
-response is parsed into at most ``max_actions_per_turn`` actions, stepped in
+response (after the format's response prefix, which the prompts end with) is
+parsed into at most ``max_actions_per_turn`` actions, stepped in
 order (stopping at the first invalid action or at the end of the episode);
 then the round's finished turns are scored together (the env's rewards, the
 format reward and every added reward function, see :mod:`turnrl.rewards`), and
@@ -28,7 +29,7 @@ import numpy as np
 
 from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
-from turnrl.config import AgentConfig, SamplingConfig
+from turnrl.config import AgentConfig, ConfigError, SamplingConfig
 from turnrl.envs.base import AgentEnv, StateFacts, env_metrics, state_key
 from turnrl.models.vision import MessageImages
 from turnrl.policy.base import Completion, GenerationRequest, Policy
@@ -159,6 +160,12 @@ class Rollout:
         self.context_budget = min(limit for limit in limits if limit is not None)
         """Tokens an episode's prompt and next response may hold: the agent's budget, or less where the policy
         holds less a sequence (an engine row)."""
+        if fmt.response_prefix and not policy.continues_response_prefix:
+            raise ConfigError(
+                f"agent.format={fmt.name} ends the prompt with {fmt.response_prefix!r} after the generation prompt "
+                f"for the model to continue, which {type(policy).__name__} cannot take: a chat API cannot prefill an "
+                "assistant turn; use a model policy (a model path or builtin), or a format without a response prefix"
+            )
         if not agent.wait_for_turns and policy.streaming() is None:
             raise ValueError(
                 f"agent.wait_for_turns=false needs a policy that streams completions (model.backend=engine); "
@@ -327,6 +334,7 @@ class Rollout:
             trajectory.tokens = EpisodeTokens(
                 tokenizer, max_context_window=self.agent.max_context_window, max_images=self.agent.max_images,
                 image_token=encoder.image_token if encoder is not None else None,
+                response_prefix=self.fmt.response_prefix,
             )
             try:
                 trajectory.tokens.start(episode.messages[0], episode.messages[1], *self._encode(episode.images))
@@ -367,11 +375,14 @@ class Rollout:
             names, env_failure = env.action_names(), None
         except Exception as error:  # an env that cannot list its actions ends its own episode, not the batch
             names, env_failure = None, f"env action_names() failed: {type(error).__name__}: {error}"
-        parsed = self.fmt.parse(completion.text, names)
+        # The prompt ended with the format's response prefix: the assistant message is the prefix, then the response.
+        message = self.fmt.assistant_text(completion.text)
+        parsed = self.fmt.parse(message, names)
         turn = TurnRecord(
             index=len(trajectory.turns),
             observation=episode.observation,
-            response=completion.text,
+            response=message,
+            response_prefix=self.fmt.response_prefix,
             response_ids=list(completion.token_ids),
             response_logprobs=list(completion.logprobs),
             finish_reason=completion.finish_reason,
@@ -380,7 +391,7 @@ class Rollout:
             state_key=turn_state_key(env, episode.last_obs),
         )
         trajectory.turns.append(turn)
-        episode.messages.append({"role": "assistant", "content": completion.text})
+        episode.messages.append({"role": "assistant", "content": message})
         if completion.finish_reason == "error":
             self._fail(episode, turn, 0.0, completion.error or "policy error")
             return None

@@ -46,7 +46,8 @@ class TurnRecord:
     observation: str
     """Text of the user message the response answers."""
     response: str
-    """The response text (decoded sampled tokens, special tokens removed)."""
+    """The assistant message: the format's response prefix (which the prompt ended with), then the decoded
+    sampled tokens, special tokens removed."""
     response_ids: list[int]
     """Sampled token ids (empty for text-only policies)."""
     response_logprobs: list[float]
@@ -73,6 +74,8 @@ class TurnRecord:
     """Reward functions that failed on this turn (scored as configured; the turn still counts)."""
     state_key: str | None = None
     """The env state the turn started from, equal for equal states (GiGPO's anchor states)."""
+    response_prefix: str = ""
+    """The start of ``response`` that the prompt held (the format's response prefix): the model wrote the rest."""
 
     @property
     def env_reward(self) -> float:
@@ -164,6 +167,7 @@ class Trajectory:
                     "index": turn.index,
                     "prompt": turn.observation,
                     "response": turn.response,
+                    "response_prefix": turn.response_prefix,
                     "finish_reason": turn.finish_reason,
                     "format_ok": turn.parsed.format_ok,
                     "fields": turn.parsed.fields,

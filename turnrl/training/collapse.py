@@ -60,7 +60,8 @@ class ReasoningPair:
     """One turn's prompt x and the reasoning z sampled after it."""
 
     prompt_ids: list[int]
-    """x: the turn's prompt and its response up to the reasoning (``<think>`` included). (P,)."""
+    """x: the turn's prompt and its response up to the reasoning (``<think>`` included: in the prompt where the
+    format ends it with it, RAGEN's). (P,)."""
     reasoning_ids: list[int]
     """z: the sampled tokens of the reasoning, tags left out. (R,), never empty."""
     episode: int
@@ -83,13 +84,15 @@ def reasoning_tokens(ids: Sequence[int], fmt: ResponseFormat, decode: Callable[[
 
     ``a`` is the first position whose prefix ``ids[:a]`` covers the text before the reasoning (the prompt
     side keeps ``<think>`` and a token that runs into the reasoning); ``b`` the last whose prefix ends
-    inside it. Prefix texts grow with the prefix, so both are binary searches over ``decode``.
+    inside it. Prefix texts grow with the prefix, so both are binary searches over ``decode``. The reasoning
+    is found in the assistant message, the format's response prefix (RAGEN's ``<think>``, which the prompt
+    held) then the response.
     """
-    text = decode(list(ids))
-    span = fmt.reasoning_span(text)
+    skipped = len(fmt.response_prefix)
+    span = fmt.reasoning_span(fmt.assistant_text(decode(list(ids))))
     if span is None:
         return None
-    start, end = span
+    start, end = max(span[0] - skipped, 0), span[1] - skipped
     length = lambda k: len(decode(list(ids[:k])))  # noqa: E731
     a = bisect.bisect_left(range(len(ids) + 1), start, key=length)
     b = bisect.bisect_right(range(len(ids) + 1), end, key=length) - 1

@@ -281,7 +281,8 @@ class SFTConfig:
     enabled: bool = False
     """Warm up with supervised fine-tuning before RL (``turnrl train``)."""
     data: Optional[str] = None
-    """A JSONL of chats (``{"messages": [...]}``) instead of expert demos."""
+    """A JSONL of chats (``{"messages": [...]}``) instead of expert demos. Under a format with a response prefix
+    (``ragen``: ``<think>``) each assistant message starts with it; the target is what follows."""
     episodes: int = 2000
     """Expert episodes played for demos (training seeds, never validation seeds)."""
     random_action_share: float = 0.3

@@ -136,7 +136,9 @@ class ShardedRollout:
         by_slot = dict(pair for part in gathered for pair in part[0])
         trajectories = [by_slot[i] for i in range(len(slots))]
         if self.deltas is None and any(t.tokens is not None for t in trajectories):
-            self.deltas = ChatTemplateDeltas.for_tokenizer(self.tokenizer)  # this process has played nothing yet
+            # This process has played nothing yet: the pieces its rollout would have used.
+            self.deltas = ChatTemplateDeltas.for_tokenizer(self.tokenizer,
+                                                           response_prefix=self.rollout.fmt.response_prefix)
         for trajectory in trajectories:
             if trajectory.tokens is not None:
                 trajectory.tokens.deltas = self.deltas

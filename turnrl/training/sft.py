@@ -94,8 +94,12 @@ def conversation_samples(
     window: int | None,
     encoder: ImageEncoder | None = None,
     max_images: int | None = None,
+    response_prefix: str = "",
 ) -> list[Sample]:
     """Token samples of one chat with the loss on assistant tokens (each ended by the eos token).
+
+    With a format's ``response_prefix`` (RAGEN's ``<think>``) every prompt ends with it, as the rollout's do,
+    and each assistant message must start with it: the target is what follows.
 
     Without a window (of turns or of images) the whole chat is one sample;
     with one, every assistant turn is a sample with the windowed prompt it
@@ -103,7 +107,7 @@ def conversation_samples(
     data URLs in image parts) go through ``encoder``, as in the rollout.
     """
     return [sample for sample, _ in _samples_and_pictures(messages, tokenizer, window, encoder, max_images,
-                                                          pixels=True)]
+                                                          response_prefix, pixels=True)]
 
 
 def conversation_picture_samples(
@@ -112,11 +116,12 @@ def conversation_picture_samples(
     window: int | None,
     encoder: ImageEncoder,
     max_images: int | None = None,
+    response_prefix: str = "",
 ) -> list[tuple[Sample, list[np.ndarray]]]:
     """:func:`conversation_samples` of a VLM's chat with each sample's pictures in place of its model inputs
     (:func:`with_pixels` makes them again): a picture is a fraction of its pixel tensors (Qwen-VL's are
     float32 and hold each patch twice), so an SFT set of image chats keeps its pictures, not its pixels."""
-    return _samples_and_pictures(messages, tokenizer, window, encoder, max_images, pixels=False)
+    return _samples_and_pictures(messages, tokenizer, window, encoder, max_images, response_prefix, pixels=False)
 
 
 def with_pixels(sample: Sample, pictures: list[np.ndarray], encoder: ImageEncoder) -> Sample:
@@ -130,6 +135,7 @@ def _samples_and_pictures(
     window: int | None,
     encoder: ImageEncoder | None,
     max_images: int | None,
+    response_prefix: str,
     pixels: bool,
 ) -> list[tuple[Sample, list[np.ndarray]]]:
     """The chat's samples (see :func:`conversation_samples`), each with the pictures of its prompt, in the
@@ -155,7 +161,8 @@ def _samples_and_pictures(
         return encoder.message_inputs(turn_pictures[-1])
 
     tokens = EpisodeTokens(tokenizer, max_context_window=window, max_images=max_images,
-                           image_token=encoder.image_token if encoder is not None else None)
+                           image_token=encoder.image_token if encoder is not None else None,
+                           response_prefix=response_prefix)
     tokens.start(system, rest[0], *images_of(rest[0]))
     for index, message in enumerate(rest[1:], start=1):
         expected = "assistant" if index % 2 == 1 else "user"
@@ -163,7 +170,12 @@ def _samples_and_pictures(
             number = index + (system is not None)
             raise ValueError(f"message {number} has role {message['role']!r}, expected {expected!r}")
         if expected == "assistant":
-            ids = tokenizer.encode(message["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            content = message["content"]
+            if not (isinstance(content, str) and content.startswith(response_prefix)):
+                number = index + (system is not None)
+                raise ValueError(f"message {number}: the format ends each prompt with {response_prefix!r}, so an "
+                                 f"assistant message must be a text that starts with it, got {str(content)[:60]!r}")
+            ids = tokenizer.encode(content[len(response_prefix) :], add_special_tokens=False) + [tokenizer.eos_token_id]
             tokens.add_response(ids)
         else:
             tokens.add_observation(message, *images_of(message))
@@ -195,18 +207,21 @@ def data_workers(configured: int, chats: int) -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 2)) if chats >= PARALLEL_CHATS else 1
 
 
-_worker_settings: tuple[Any, int | None, ImageEncoder | None, int | None] | None = None
-"""A tokenizing process's tokenizer, window, image encoder and image limit (set once by its initializer)."""
+_worker_settings: tuple[Any, int | None, ImageEncoder | None, int | None, str] | None = None
+"""A tokenizing process's tokenizer, window, image encoder, image limit and response prefix (set once by its
+initializer)."""
 
 
-def _start_worker(tokenizer: Any, window: int | None, encoder: ImageEncoder | None, max_images: int | None) -> None:
+def _start_worker(tokenizer: Any, window: int | None, encoder: ImageEncoder | None, max_images: int | None,
+                  response_prefix: str) -> None:
     global _worker_settings
-    _worker_settings = (tokenizer, window, encoder, max_images)
+    _worker_settings = (tokenizer, window, encoder, max_images, response_prefix)
 
 
 def _samples_of(chats: Sequence[list[Message]], tokenizer: Any, window: int | None, encoder: ImageEncoder | None,
-                max_images: int | None) -> list[Sample]:
-    return [sample for chat in chats for sample in conversation_samples(chat, tokenizer, window, encoder, max_images)]
+                max_images: int | None, response_prefix: str) -> list[Sample]:
+    return [sample for chat in chats
+            for sample in conversation_samples(chat, tokenizer, window, encoder, max_images, response_prefix)]
 
 
 def _worker_samples(chats: list[list[Message]]) -> list[Sample]:
@@ -221,6 +236,7 @@ def chat_samples(
     encoder: ImageEncoder | None = None,
     max_images: int | None = None,
     workers: int = 1,
+    response_prefix: str = "",
 ) -> list[Sample]:
     """Every chat's :func:`conversation_samples`, in the chats' order.
 
@@ -236,11 +252,11 @@ def chat_samples(
     (:func:`chat_picture_samples`).
     """
     if workers <= 1 or len(chats) < 2 * workers or encoder is not None:
-        return _samples_of(chats, tokenizer, window, encoder, max_images)
+        return _samples_of(chats, tokenizer, window, encoder, max_images, response_prefix)
     size = math.ceil(len(chats) / (4 * workers))  # a few chunks a process, so that none waits long for the last
     chunks = [list(chats[start : start + size]) for start in range(0, len(chats), size)]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-                             initargs=(tokenizer, window, encoder, max_images)) as pool:
+                             initargs=(tokenizer, window, encoder, max_images, response_prefix)) as pool:
         return [sample for part in pool.map(_worker_samples, chunks) for sample in part]
 
 
@@ -250,11 +266,12 @@ def chat_picture_samples(
     window: int | None,
     encoder: ImageEncoder,
     max_images: int | None = None,
+    response_prefix: str = "",
 ) -> tuple[list[Sample], list[list[np.ndarray]]]:
     """Every VLM chat's :func:`conversation_picture_samples`, in the chats' order: the samples (no model
     inputs) and, for each, its prompt's pictures."""
     pairs = [pair for chat in chats for pair in conversation_picture_samples(chat, tokenizer, window, encoder,
-                                                                              max_images)]
+                                                                              max_images, response_prefix)]
     return [sample for sample, _ in pairs], [pictures for _, pictures in pairs]
 
 
@@ -454,9 +471,11 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     pictures: list[list[np.ndarray]] | None = None
     if encoder is None:
         samples = chat_samples(chats, tokenizer, window, max_images=config.agent.max_images,
-                               workers=data_workers(config.sft.data_workers, len(chats)))
+                               workers=data_workers(config.sft.data_workers, len(chats)),
+                               response_prefix=fmt.response_prefix)
     else:
-        samples, pictures = chat_picture_samples(chats, tokenizer, window, encoder, config.agent.max_images)
+        samples, pictures = chat_picture_samples(chats, tokenizer, window, encoder, config.agent.max_images,
+                                                 fmt.response_prefix)
     targets = sum(sum(s.loss_mask) for s in samples)
     console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({targets} target tokens; tokenized in "
                   f"{time.time() - tokenizing:.0f} s)")
