@@ -8,6 +8,7 @@ import asyncio
 import copy
 import gc
 import json
+import signal
 import threading
 import time
 import typing
@@ -466,8 +467,10 @@ def test_requests_are_logged_only_with_access_log(access_log, tmp_path):
         env.step("inc")
         env.close()
         for _ in range(3):
-            httpx.get(served.url + "/health", timeout=5.0)
-        time.sleep(0.3)  # the log lines of the last requests reach the file
+            httpx.get(served.url + "/health", timeout=60.0)
+        # A graceful stop: once the process has exited, every line of the requests before it is in the file.
+        served.process.send_signal(signal.SIGTERM)
+        served.process.wait(timeout=60)
         text = served.log_text()
     assert "Uvicorn running on" in text  # info-level lines of the server itself are kept
     requests = [line for line in text.splitlines() if '"GET /health' in line or '"POST /v1/' in line]
