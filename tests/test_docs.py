@@ -1,9 +1,12 @@
 """The code in the docs runs: each Python block of docs/extending.md executes, and its env passes check_env;
-each shell block of the README and docs/*.md holds only commands and comments."""
+each shell block of the README and docs/*.md holds only commands and comments; each command shown with its
+output (``$ turnrl memory ...`` and the lines below it) prints that output now."""
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +109,81 @@ def test_the_shell_block_check_catches_prose():
     assert not_commands("turnrl envs   # list\n\nPYTHONPATH=. python x.py \\\n  --flag\n# a comment\n") == []
     assert not_commands("turnrl eval --env X\nto `runs/eval` unless `--out` says where.\n") == [
         "to `runs/eval` unless `--out` says where."]
+
+
+SHOWN_COMMANDS = ("turnrl memory",)
+"""Commands whose output the docs show beneath them and which run anywhere in seconds (no GPU, no model built)."""
+
+
+def shown_outputs(path: Path) -> list[tuple[int, str, str]]:
+    """Each ``$ COMMAND`` of :data:`SHOWN_COMMANDS` in ``path`` with the output shown beneath it: ``(line, command,
+    output)``. The command may go on over lines ending in a backslash; its output is the lines after it indented
+    at least as far, up to a blank line or the next ``$``."""
+    lines = path.read_text().splitlines()
+    found = []
+    for number, line in enumerate(lines):
+        match = re.match(r"^(\s*)\$ (.*)$", line)
+        if not match or not match.group(2).startswith(SHOWN_COMMANDS):
+            continue
+        indent, command, at = len(match.group(1)), match.group(2), number + 1
+        while command.endswith("\\") and at < len(lines):
+            command, at = command[:-1] + lines[at].strip(), at + 1
+        output = []
+        while at < len(lines) and lines[at].strip() and not lines[at].lstrip().startswith("$ "):
+            if len(lines[at]) - len(lines[at].lstrip()) < indent:
+                break
+            output.append(lines[at])
+            at += 1
+        found.append((number + 1, command, "\n".join(output)))
+    return found
+
+
+def missing_from(shown: str, printed: str) -> str | None:
+    """The first piece of ``shown`` that ``printed`` lacks, None when it holds them all in order: a doc's output
+    cut with ``...`` and wrapped at other places than the terminal's still matches, a changed figure does not."""
+    printed = " ".join(printed.split())
+    at = 0
+    for piece in (" ".join(part.split()) for part in shown.split("...")):
+        if not piece:
+            continue
+        found = printed.find(piece, at)
+        if found < 0:
+            return piece
+        at = found + len(piece)
+    return None
+
+
+def test_the_output_check_catches_a_changed_figure():
+    printed = "2 GPUs: does not fit (actor 56.7 + critic 52.7 = 122.7 GiB of 79.2 GiB); turn on x=true"
+    wrapped = "2 GPUs: does not fit (actor 56.7 ... = 122.7 GiB of\n   79.2 GiB); turn on ..."
+    assert missing_from(wrapped, printed) is None
+    assert missing_from("2 GPUs: does not fit (actor 56.7 ... = 119.7 GiB of 79.2 GiB) ...", printed) == \
+        "= 119.7 GiB of 79.2 GiB)"
+    assert missing_from("turn on x=true ... 2 GPUs", printed) == "2 GPUs", "in the order printed"
+
+
+DOCUMENTED_OUTPUTS = [(path, *shown) for path in [README, *sorted(DOCS.glob("*.md"))] for shown in shown_outputs(path)]
+
+
+def test_some_documented_output_is_checked():
+    assert any(path.name == "distributed.md" for path, *_ in DOCUMENTED_OUTPUTS)
+
+
+@pytest.mark.parametrize(("path", "line", "command", "shown"), DOCUMENTED_OUTPUTS,
+                         ids=[f"{path.name}:{line}" for path, line, *_ in DOCUMENTED_OUTPUTS])
+def test_documented_command_output_is_what_the_command_prints(path, line, command, shown):
+    """Figures pasted into the docs go stale when the estimate changes (distributed.md once showed 119.7 GiB where
+    the command printed 122.7): the command runs as written and its output must hold what the doc shows."""
+    assert shown.strip(), f"{path.name}:{line}: no output shown beneath `{command}`"
+    words = command.split()[1:]  # after "turnrl"
+    # As on the machine without a GPU the docs show (an H100's 79.2 GiB), with the allocator settings a run
+    # gets by default (the margin depends on them).
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    environment.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(README.parent))
+    ran = subprocess.run([sys.executable, "-c", "import sys; from turnrl.cli import main; sys.exit(main())", *words],
+                         cwd=README.parent, env=environment, capture_output=True, text=True, timeout=600)
+    assert "Traceback" not in ran.stderr, ran.stderr
+    missing = missing_from(shown, ran.stdout)
+    assert missing is None, (f"{path.name}:{line}: `{command}` no longer prints {missing!r}; it prints:\n"
+                             f"{ran.stdout}\nregenerate the doc's block from it")

@@ -6,16 +6,19 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
+from tests.envservice.env_helpers import env_server
 from turnrl.config import VARIANT_SETS, AgentConfig, ConfigError, EvalConfig, load_config
 from turnrl.envs import make
 from turnrl.envs.registry import env_names
 from turnrl.evaluate import eval_envs, first_errors, run_eval
 from turnrl.rollout.trajectory import ERROR, Trajectory
 from turnrl.training.config import TrainConfig
+from turnrl.training.logger import RunProgress
 
 # The expert plays one action per turn, so an episode needs as many turns as
 # the solver's plan has steps. The default budget (5 turns, 10 actions) would
@@ -440,3 +443,53 @@ def test_a_checkpoint_evaluates_at_a_temperature_the_command_sets(ragen_run, tmp
                  "sampling.max_new_tokens=4"]) == 0
     alone = load_config(EvalConfig, out / "config.yaml")
     assert (alone.env.id, alone.agent.format, alone.sampling.temperature) == ("Sokoban", "ragen", 0.9)
+
+
+# --------------------------------------------------------------------------- envs on an env server
+def open_sessions(url: str) -> int:
+    """The server's own count of open sessions (its ``/health``)."""
+    return httpx.get(url + "/health", timeout=10).json()["sessions"]
+
+
+def test_an_eval_on_an_env_server_closes_its_sessions_when_it_returns(tmp_path):
+    with env_server() as url:
+        config = load_config(EvalConfig, None, [
+            "env.id=Sokoban", f"env.remote=[{url}]", "policy=expert", "episodes=6", "batch_size=3",
+            f"out={tmp_path / 'eval'}"])
+        summary = run_eval(config, budget_from_env=True)  # the budget's query opens a session of its own
+        assert summary["episodes"] == 6 and summary["success_rate"] == 1.0
+        assert open_sessions(url) == 0
+
+
+def test_an_eval_on_an_env_server_closes_its_sessions_when_it_fails(tmp_path):
+    (tmp_path / "taken").write_text("a file where the output folder should go")
+    with env_server() as url:
+        config = load_config(EvalConfig, None, [
+            "env.id=Sokoban", f"env.remote=[{url}]", "policy=expert", "episodes=4", f"out={tmp_path / 'taken'}"])
+        with pytest.raises(FileExistsError):  # after every episode was played: their sessions are open
+            run_eval(config, budget_from_env=True)
+        assert open_sessions(url) == 0
+
+
+def test_an_eval_on_an_env_server_interrupted_mid_way_closes_its_sessions(tmp_path, monkeypatch):
+    def interrupt(self, advance=1, description=None):  # Ctrl-C once the first batch of episodes has been played
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunProgress, "update", interrupt)
+    with env_server() as url:
+        config = load_config(EvalConfig, None, [
+            "env.id=Sokoban", f"env.remote=[{url}]", "policy=expert", "episodes=6", "batch_size=3",
+            "variants=[{name: small, settings: {size: 6}}, {name: lake, env: FrozenLake}]"])
+        with pytest.raises(KeyboardInterrupt):
+            run_eval(config, budget_from_env=True)
+        assert open_sessions(url) == 0
+
+
+def test_an_eval_whose_second_variant_is_refused_closes_the_first_variants_sessions(tmp_path):
+    with env_server() as url:
+        config = load_config(EvalConfig, None, [
+            "env.id=Sokoban", f"env.remote=[{url}]", "policy=expert",
+            "variants=[{name: fine}, {name: big, settings: {num_boxs: 2}}]"])
+        with pytest.raises(ConfigError, match="variant 'big'"):
+            run_eval(config, budget_from_env=True)  # the first variant's budget query opened a session
+        assert open_sessions(url) == 0

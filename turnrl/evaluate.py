@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from rich.table import Table
 from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, ConfigError, EnvConfig, EvalConfig, to_yaml
 from turnrl.envs.seeds import SeedSplits
-from turnrl.envservice.placement import env_factory
+from turnrl.envservice.placement import EnvFactory, env_factory
 from turnrl.policy.base import Policy
 from turnrl.policy.factory import make_policy
 from turnrl.rewards import Rewards
@@ -165,8 +165,8 @@ class PreparedEnv:
     """An env checked and ready to play: how to make it and the agent settings it is played with."""
 
     target: EvalEnv
-    make_env: Callable[[], Any]
-    """Builds one env (here or on ``env.remote``)."""
+    make_env: EnvFactory
+    """Builds one env (here or on ``env.remote``); closed when the evaluation ends."""
     agent: AgentConfig
     budget_source: str
     """``config``, ``env`` or ``agent defaults``: where the turn and action budgets come from."""
@@ -174,6 +174,7 @@ class PreparedEnv:
 
 def prepare_env(config: EvalConfig, target: EvalEnv, budget_from_env: bool) -> PreparedEnv:
     """Build ``target``'s first env (so that a bad id or setting fails before a model loads) and its budget.
+    The caller closes ``make_env`` (this closes it only when it raises).
 
     Raises:
         ConfigError: the env or its settings are refused (naming the variant, for a variant).
@@ -187,7 +188,11 @@ def prepare_env(config: EvalConfig, target: EvalEnv, budget_from_env: bool) -> P
         raise ConfigError(f"variant {target.name!r} ({target.env_id} with {target.settings}): {error}") from error
     agent, budget_source = config.agent, "config"
     if budget_from_env:
-        budgeted = env_budget(make_env(), config.agent)
+        try:
+            budgeted = env_budget(make_env(), config.agent)
+        except BaseException:
+            make_env.close()
+            raise
         budget_source = "env" if budgeted is not None else "agent defaults"  # the env names none: say so
         agent = budgeted or config.agent
     return PreparedEnv(target, make_env, agent, budget_source)
@@ -259,17 +264,23 @@ def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any
         ConfigError: an env, its settings or the policy cannot be built (every env is checked before the model
             loads).
     """
-    prepared = [prepare_env(config, target, budget_from_env) for target in eval_envs(config)]
-    fmt = get_format(
-        config.agent.format,
-        action_separator=config.agent.action_separator,
-        max_actions_per_turn=config.agent.max_actions_per_turn,
-        strict=config.agent.strict_format,
-    )
-    policy = make_policy(config, fmt)  # one model for every variant
-    if not config.variants:
-        return evaluate_one(config, prepared[0], policy, fmt)
-    return evaluate_variants(config, prepared, policy, fmt)
+    # However the evaluation ends (done, an error, Ctrl-C), its envs' sessions on env.remote are closed, not
+    # left open on the servers until their idle timeout.
+    with ExitStack() as closing:
+        prepared = []
+        for target in eval_envs(config):
+            prepared.append(prepare_env(config, target, budget_from_env))
+            closing.callback(prepared[-1].make_env.close)
+        fmt = get_format(
+            config.agent.format,
+            action_separator=config.agent.action_separator,
+            max_actions_per_turn=config.agent.max_actions_per_turn,
+            strict=config.agent.strict_format,
+        )
+        policy = make_policy(config, fmt)  # one model for every variant
+        if not config.variants:
+            return evaluate_one(config, prepared[0], policy, fmt)
+        return evaluate_variants(config, prepared, policy, fmt)
 
 
 def evaluate_one(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import asyncio
 import copy
 import gc
 import json
+import signal
 import threading
 import time
 import typing
@@ -220,6 +221,22 @@ def test_a_collected_env_sends_nothing_then_and_its_session_closes_at_the_next_o
     closed = post(server, "/v1/step", {"items": [{"session": gone, "action": "inc"}]})
     assert closed.status_code == 404 and "closed by its client" in closed.json()["error"]["message"]
     assert other.step("inc")[0]["text"].startswith("count=")
+
+
+def test_closing_a_factory_closes_every_session_its_envs_forks_and_batches_hold():
+    with env_server() as url:  # a server of its own: its session count is this test's alone
+        factory = remote_env_factory(PROBE, {}, [url], **FAST)
+        envs = [factory() for _ in range(3)]
+        for seed, env in enumerate(envs):
+            env.reset(seed=seed)
+        twin = copy.deepcopy(envs[0])  # forked on the server
+        batch = RemoteEnvBatch(factory.pool, PROBE, {}, 4)
+        batch.reset([0, 1, 2, 3])
+        envs[1].close()  # closed already: closing it again is harmless
+        assert httpx.get(url + "/health").json()["sessions"] == 3 - 1 + 1 + 4
+        factory.close()
+        assert httpx.get(url + "/health").json()["sessions"] == 0
+        assert twin.session_id is not None  # the env object lives on; its session does not
 
 
 def test_many_sessions_step_in_one_request(server):
@@ -450,8 +467,10 @@ def test_requests_are_logged_only_with_access_log(access_log, tmp_path):
         env.step("inc")
         env.close()
         for _ in range(3):
-            httpx.get(served.url + "/health", timeout=5.0)
-        time.sleep(0.3)  # the log lines of the last requests reach the file
+            httpx.get(served.url + "/health", timeout=60.0)
+        # A graceful stop: once the process has exited, every line of the requests before it is in the file.
+        served.process.send_signal(signal.SIGTERM)
+        served.process.wait(timeout=60)
         text = served.log_text()
     assert "Uvicorn running on" in text  # info-level lines of the server itself are kept
     requests = [line for line in text.splitlines() if '"GET /health' in line or '"POST /v1/' in line]
@@ -639,9 +658,24 @@ def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path):
             "groups.group_size=2", "validation.episodes=2", "sft.enabled=false",
             "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4"])
         summary = train(config)
+        assert httpx.get(url + "/health").json()["sessions"] == 0, "the run closed its sessions"
     assert "val_success_after_rl" in summary
     records = [json.loads(line) for line in (tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("rollout/episodes") == 4.0 and r.get("rollout/errors") == 0.0 for r in records)
+
+
+def test_sft_on_expert_demos_from_a_server_closes_its_sessions(tiny_model_dir, tmp_path):
+    from turnrl.config import load_config
+    from turnrl.training.commands import sft_only
+    from turnrl.training.config import TrainConfig
+
+    with env_server() as url:
+        config = load_config(TrainConfig, None, [
+            f"model.path={tiny_model_dir}", "model.device=cpu", "model.dtype=float32", f"run.output_dir={tmp_path}",
+            "run.name=sft", "run.tensorboard=false", "env.id=FrozenLake", f"env.remote=[{url}]",
+            "sft.episodes=4", "sft.epochs=1", "sft.batch_size=4", "sft.micro_batch_size=4"])
+        sft_only(config)  # the preflight's solver check and the demos both play on the server
+        assert httpx.get(url + "/health").json()["sessions"] == 0
 
 
 def test_a_remote_env_tells_eval_its_budget(tmp_path):

@@ -135,9 +135,7 @@ def test_base_urls():
 # --------------------------------------------------------------------------- failures
 def test_server_unreachable_gives_error_completions_after_retries():
     policy = OpenAIPolicy(f"http://127.0.0.1:{free_port()}/v1", MODEL, timeout_s=2.0, max_retries=2, backoff_s=0.01)
-    start = time.monotonic()
     out = policy.generate([ask("a"), ask("b")], SAMPLING)
-    assert time.monotonic() - start < 5
     assert all(c.finish_reason == "error" and c.text == "" for c in out)
     assert "gave up after 3 attempts" in out[0].error and "ConnectError" in out[0].error
     assert policy.usage.retries == 4 and policy.usage.failures == 2
@@ -230,14 +228,16 @@ def test_parse_retry_after():
 
 
 def test_timeout_is_retried_then_reported():
-    async def slow(request: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(2)
-        return httpx.Response(200, json=ok_body())
+    asked = []
 
-    start = time.monotonic()
+    async def slow(request: httpx.Request) -> httpx.Response:
+        asked.append(request)
+        await asyncio.sleep(2)
+        return httpx.Response(200, json=ok_body())  # an attempt that waited this long would succeed
+
     [completion] = fake(slow, timeout_s=0.1, max_retries=1).generate([ask("x")], SAMPLING)
     assert completion.finish_reason == "error" and "gave up after 2 attempts" in completion.error
-    assert time.monotonic() - start < 1.5
+    assert "TimeoutError" in completion.error and len(asked) == 2, "each attempt cut at timeout_s"
 
 
 def test_one_bad_request_does_not_fail_the_batch():

@@ -148,7 +148,8 @@ def test_the_cache_asks_each_state_and_text_once_across_calls(server):
 def test_every_failure_is_counted_never_raised(server, model, counter, retried):
     url, calls = server
     before = calls[model]
-    matcher = judge(url, model, "yes_no", timeout_s=0.3)
+    # Only the slow model is to time out: the others get a limit that a loaded machine's answer always meets.
+    matcher = judge(url, model, "yes_no", timeout_s=0.3 if model == "slow" else 60.0)
     assert matcher.score([item(TRUTH)]) == [None]
     metrics = matcher.metrics()
     assert metrics[counter] == 1

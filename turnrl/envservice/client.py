@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,8 +74,11 @@ from turnrl.envservice.protocol import (
     queries_to_bring,
 )
 
-
 # --------------------------------------------------------------------------- options and the pool
+CLOSE_BATCH = 256
+"""Sessions closed per request: within any server's ``--max-batch`` a deployment would set."""
+
+
 @dataclass(frozen=True)
 class ClientOptions:
     """How a client talks to env servers."""
@@ -173,6 +176,8 @@ class EnvServerPool:
         self._rng = random.Random()
         self._abandoned: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         """(URL, session id) of envs garbage-collected with a session open, closed at the next :meth:`open`."""
+        self._held: dict[str, set[str]] = {}
+        """Session ids this pool opened or forked and has not closed, by server: what :meth:`close` closes."""
 
     # ------------------------------------------------------------------ requests
     def post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -290,16 +295,32 @@ class EnvServerPool:
             sessions = answer.get("sessions")
             if sessions != ids:
                 raise RemoteEnvError(f"env server {url} opened {sessions!r}, not the sessions asked for")
+            self.hold(url, ids)
             return url, ids
         raise NoServerError(_no_server_message("open a session of", env_id, reasons), reasons)
 
+    def hold(self, url: str, sessions: list[str]) -> None:
+        """Record sessions opened (or forked) on ``url``, for :meth:`close` to close."""
+        with self._lock:
+            self._held.setdefault(url, set()).update(sessions)
+
+    def fork(self, url: str, session: str) -> str:
+        """Copy ``session`` on its server, env state included; the copy's id."""
+        new_id = uuid.uuid4().hex
+        self.post(url, "/v1/sessions/fork", {"sessions": [session], "ids": [new_id]})
+        self.hold(url, [new_id])
+        return new_id
+
     def close_sessions(self, url: str, sessions: list[str]) -> None:
         """Close sessions; never raises (a dead server closed them already, an idle timeout will otherwise)."""
-        try:
-            self.http.post(url + "/v1/sessions/close", json={"sessions": sessions},
-                           timeout=min(self.options.timeout_s, self.options.connect_timeout_s, 2.0))
-        except Exception:  # closing is a courtesy: the server reaps idle sessions anyway
-            pass
+        with self._lock:
+            self._held.get(url, set()).difference_update(sessions)
+        for start in range(0, len(sessions), CLOSE_BATCH):
+            try:
+                self.http.post(url + "/v1/sessions/close", json={"sessions": sessions[start:start + CLOSE_BATCH]},
+                               timeout=min(self.options.timeout_s, self.options.connect_timeout_s, 2.0))
+            except Exception:  # closing is a courtesy: the server reaps idle sessions anyway
+                pass
 
     def abandon(self, url: str, session: str) -> None:
         """Queue a session to close at the next :meth:`open` (or :meth:`close`): what a garbage-collected env's
@@ -332,7 +353,13 @@ class EnvServerPool:
         return out
 
     def close(self) -> None:
+        """Close every session this pool holds open (its envs' and batches'), then the HTTP client: a command
+        that ends leaves nothing on the servers for their idle timeout to reap."""
         self.close_abandoned()
+        with self._lock:
+            held = {url: sorted(sessions) for url, sessions in self._held.items() if sessions}
+        for url, sessions in held.items():
+            self.close_sessions(url, sessions)
         self.http.close()
 
 
@@ -508,8 +535,7 @@ class RemoteEnv(QueriedEnv):
         session = self._session
         if session is None:
             return twin
-        new_id = uuid.uuid4().hex
-        self.pool.post(session.url, "/v1/sessions/fork", {"sessions": [session.id], "ids": [new_id]})
+        new_id = self.pool.fork(session.url, session.id)
         twin._adopt(_Session(session.url, new_id, session.seq))
         twin._episode = self._episode
         twin._cache = copy.deepcopy(self._cache)
@@ -569,6 +595,7 @@ class RemoteEnvBatch:
         ids = [uuid.uuid4().hex for _ in broken]
         self.pool.post(self.url, "/v1/sessions", {"env_id": self.env_id, "settings": encode_value(self.settings),
                                                   "ids": ids})
+        self.pool.hold(self.url, ids)
         for k, session_id in zip(broken, ids):
             self.ids[k], self.seqs[k], self.broken[k] = session_id, 0, False
 
@@ -622,8 +649,29 @@ class RemoteEnvBatch:
 
 
 # --------------------------------------------------------------------------- what recipes call
-def remote_env_factory(env_id: str, settings: dict[str, Any], urls: list[str],
-                       **options: Any) -> Callable[[], RemoteEnv]:
+class RemoteEnvFactory:
+    """A ``make_env`` whose envs live on env servers: the k-th env prefers server ``k mod len(urls)``.
+
+    Built by :func:`remote_env_factory`; its envs share ``pool``, and :meth:`close` closes every session they
+    hold (call it when the command ends, however it ends).
+    """
+
+    def __init__(self, pool: EnvServerPool, env_id: str, settings: dict[str, Any]) -> None:
+        self.pool = pool
+        self.env_id, self.settings = env_id, dict(settings)
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> RemoteEnv:
+        with self._lock:
+            start = next(self._counter)
+        return RemoteEnv(self.pool, self.env_id, self.settings, start=start)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def remote_env_factory(env_id: str, settings: dict[str, Any], urls: list[str], **options: Any) -> RemoteEnvFactory:
     """A ``make_env`` for :class:`~turnrl.rollout.groups.EnvGroups` whose envs live on ``urls``.
 
     Checks now, with the first server that answers, that it builds ``env_id`` with ``settings``; each env
@@ -645,13 +693,9 @@ def remote_env_factory(env_id: str, settings: dict[str, Any], urls: list[str],
     if unknown:
         raise ValueError(f"unknown remote env options {unknown}; allowed: {sorted(known)}")
     pool = EnvServerPool(urls, ClientOptions(**options))
-    pool.validate(env_id, settings)
-    counter = itertools.count()
-    lock = threading.Lock()
-
-    def make_env() -> RemoteEnv:
-        with lock:
-            start = next(counter)
-        return RemoteEnv(pool, env_id, settings, start=start)
-
-    return make_env
+    try:
+        pool.validate(env_id, settings)
+    except Exception:
+        pool.close()
+        raise
+    return RemoteEnvFactory(pool, env_id, settings)

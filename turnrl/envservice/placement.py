@@ -8,12 +8,38 @@ the command goes on (before any model loads).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from turnrl.config import ConfigError
 from turnrl.envs import make
 from turnrl.envservice.protocol import RemoteEnvError
+
+
+class EnvFactory(Protocol):
+    """A ``make_env``: each call builds one env. :meth:`close` releases what its envs hold outside this process
+    (sessions on env servers, Ray env workers); a command calls it when it ends, however it ends."""
+
+    def __call__(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class LocalEnvFactory:
+    """A ``make_env`` of envs built in this process; the env built to check the settings is the first one handed
+    out (an expensive env, a 3D world, is not built twice). Nothing to close: the envs go with the process."""
+
+    def __init__(self, env_id: str, settings: dict[str, Any], checked: Any) -> None:
+        self.env_id, self.settings = env_id, dict(settings)
+        self._checked = [checked]
+
+    def __call__(self) -> Any:
+        try:
+            return self._checked.pop()  # atomic: two threads never get the same env
+        except IndexError:
+            return make(self.env_id, **self.settings)
+
+    def close(self) -> None:
+        pass
 
 
 def build_env(env_id: str, settings: dict[str, Any], where: str = "env.settings") -> Any:
@@ -39,9 +65,10 @@ def build_env(env_id: str, settings: dict[str, Any], where: str = "env.settings"
 
 
 def env_factory(env_id: str, settings: dict[str, Any], remote: list[str], where: str = "env.settings",
-                ray_workers: int = 0, ray_address: str | None = None, timeout_s: float = 60.0) -> Callable[[], Any]:
+                ray_workers: int = 0, ray_address: str | None = None, timeout_s: float = 60.0) -> EnvFactory:
     """A ``make_env`` for the run's envs: built in this process, opened on the servers of ``env.remote``, or
-    (``ray_workers`` above 0, ``distributed.env_workers``) built inside that many Ray actors.
+    (``ray_workers`` above 0, ``distributed.env_workers``) built inside that many Ray actors. Its ``close()``
+    closes the remote sessions or stops the Ray actors.
 
     The env id and settings are checked now, here, by the first server that answers, or in a Ray actor.
 
@@ -58,17 +85,7 @@ def env_factory(env_id: str, settings: dict[str, Any], remote: list[str], where:
         except ValueError as error:
             raise ConfigError(f"env.id={env_id!r} with {where}={settings} in Ray env workers: {error}") from error
     if not remote:
-        # The env built to check the settings is the first one handed out: an expensive env (a 3D world) is
-        # not built twice.
-        checked = [build_env(env_id, settings, where)]
-
-        def make_env() -> Any:
-            try:
-                return checked.pop()  # atomic: two threads never get the same env
-            except IndexError:
-                return make(env_id, **settings)
-
-        return make_env
+        return LocalEnvFactory(env_id, settings, build_env(env_id, settings, where))
     from turnrl.envservice.client import remote_env_factory  # the HTTP client is imported only where it is used
 
     try:

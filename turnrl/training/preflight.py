@@ -21,6 +21,28 @@ from turnrl.training.run_dir import RL_OUTPUTS, resumed_checkpoint, run_director
 from turnrl.training.sft import read_chat_jsonl
 
 
+def _check_envs(config: TrainConfig, needs_solver: bool) -> None:
+    """Build the env with its training and validation settings (here or on ``env.remote``, whose sessions are
+    closed again); with ``needs_solver``, that the env has a solver for expert demos.
+
+    Raises:
+        ConfigError: unknown env, a refused setting, no server, or no solver when one is needed.
+    """
+    make_env = env_factory(config.env.id, dict(config.env.settings), config.env.remote)
+    try:
+        if config.env.val_settings is not None:
+            env_factory(config.env.id, dict(config.env.val_settings), config.env.remote,
+                        where="env.val_settings").close()
+        if needs_solver:
+            env = make_env()
+            env.reset(seed=config.sft.seed_start)
+            if env.solve() is None:
+                raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no "
+                                  "expert demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
+    finally:
+        make_env.close()
+
+
 def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     """Check what a run needs before anything is written or a model loads: one-line errors, no traceback.
 
@@ -44,20 +66,13 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
         if checkpoint is not None and (done := checkpoint_step(checkpoint)) > config.run.steps:
             raise ConfigError(f"resume={config.resume!r} goes on after step {done}, past run.steps="
                               f"{config.run.steps}: give run.steps={done} or more, or leave run.steps out")
-    env = env_factory(config.env.id, dict(config.env.settings), config.env.remote)()
-    if config.env.val_settings is not None:
-        env_factory(config.env.id, dict(config.env.val_settings), config.env.remote, where="env.val_settings")
     sft_runs = stage == "sft" or (config.sft.enabled and not config.resume)
+    _check_envs(config, needs_solver=sft_runs and not config.sft.data)
     if sft_runs and config.sft.data:
         try:
             read_chat_jsonl(config.sft.data)
         except (OSError, ValueError) as error:
             raise ConfigError(f"sft.data={config.sft.data!r}: {error}") from error
-    elif sft_runs:
-        env.reset(seed=config.sft.seed_start)
-        if env.solve() is None:
-            raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no expert "
-                              "demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
     if config.run.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"run.wandb_project={config.run.wandb_project!r} needs wandb: pip install wandb "
                           "(or leave run.wandb_project unset)")

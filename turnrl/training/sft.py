@@ -456,13 +456,16 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
         chats = read_chat_jsonl(config.sft.data)
     else:
         make_env = env_factory(config.env.id, dict(config.env.settings), config.env.remote)
-        probe = make_env()
-        probe.reset(seed=config.sft.seed_start)
-        if probe.solve() is None:  # the expert would only play random actions
-            raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no expert "
-                              "demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
-        demos = expert_demos(make_env, fmt, config.agent, config.sft, config.env.id,
-                             seed=config.seeds.seed)
+        try:  # the demos' sessions on env.remote close once they are played
+            probe = make_env()
+            probe.reset(seed=config.sft.seed_start)
+            if probe.solve() is None:  # the expert would only play random actions
+                raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no "
+                                  "expert demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
+            demos = expert_demos(make_env, fmt, config.agent, config.sft, config.env.id,
+                                 seed=config.seeds.seed)
+        finally:
+            make_env.close()
         chats = [trajectory_messages(t) for t in demos]
     window = config.agent.max_context_window
     encoder = ImageEncoder(processor) if processor is not None else None

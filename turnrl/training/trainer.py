@@ -445,10 +445,11 @@ class Trainer:
         make_val = make_train if config.env.val_settings is None else env_factory(
             config.env.id, val_settings, config.env.remote, where="env.val_settings", **where)  # type: ignore[arg-type]
         self.env_factories = [make_train, make_val]
+        make_train_env: Callable[[], Any] = make_train
         if ray_rollouts:
             stand_in = make_train()  # the slots only carry seeds to the workers; one local env stands in for all
-            make_train = lambda: stand_in  # noqa: E731
-        self.train_groups = EnvGroups(make_train, config.groups.n_groups, config.groups.group_size, seeds)
+            make_train_env = lambda: stand_in  # noqa: E731
+        self.train_groups = EnvGroups(make_train_env, config.groups.n_groups, config.groups.group_size, seeds)
         self.val_groups = EnvGroups(make_val, 1, 1, seeds)
         workers = config.groups.env_workers or (4 * env_workers)  # env workers step in parallel only from threads
         self.executor: Executor | None = ThreadPoolExecutor(workers) if workers else None
@@ -816,13 +817,12 @@ class Trainer:
         return path
 
     def close(self) -> None:
-        """Release what the trainer holds beyond memory: an asynchronous trainer's rollout thread, Ray actors."""
+        """Release what the trainer holds beyond memory: an asynchronous trainer's rollout thread, Ray actors,
+        sessions on env servers."""
         if isinstance(self.rollout, RayRollout):
             self.rollout.close()
         for factory in self.env_factories:
-            close = getattr(factory, "close", None)
-            if close is not None:
-                close()
+            factory.close()
 
     def elapsed_s(self) -> float:
         """Wall time of the whole run: earlier sessions (before a resume) and this one."""
