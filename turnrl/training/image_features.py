@@ -7,15 +7,15 @@ An RL step runs a VLM's forward over the same images several times: the logprob 
 critic's values, then every PPO epoch of the actor and the critic. With the tower frozen
 (``model.train_vision=false``, the default) an image's features are the same in every one of them, so
 :class:`ImageFeatures` encodes each image the first time a pass of the step meets it and hands the stored
-features to every later pass. Images are known by
-:data:`IMAGE_KEYS`: their content digests where the rollout made them (an image shown again, in a later
-turn's prompt or in another episode of the group, is encoded once), else their place in the batch.
+features to every later pass. Images are known by :data:`IMAGE_KEYS`: their content digests where the
+rollout made them (an image shown again, in a later turn's prompt or in another episode of the group, is
+encoded once), else their place in the batch.
 
 Why the tower's ``forward`` is swapped rather than the model given its features: transformers' Qwen-VL models
 encode images inside their own forward (``get_image_features`` calls the tower on the pixel values, then the
 features are placed at the image tokens, and Qwen3-VL's deepstack features go to the first decoder layers).
-Newer transformers releases take precomputed encoder outputs (``mm_encoder_outputs``, in 5.24), 5.17 does not, and
-calling the tower outside the model's forward would run it without the weights FSDP gathers there. So for
+Newer transformers releases take precomputed encoder outputs (``mm_encoder_outputs``, in 5.24), 5.17 does
+not, and calling the tower outside the model's forward would run it without the weights FSDP gathers there. So for
 the duration of one pass :meth:`ImageFeatures.serving` gives the tower a ``forward`` that encodes only the
 images not yet stored (with the tower's own forward, under ``no_grad``) and returns every image's features
 from the store, in the form the tower returns them. The store is kept in host memory (a step's features at the
