@@ -41,7 +41,7 @@ def config(model_dir: Path, out: Path, *extra: str, name: str = "run") -> TrainC
     in this process, and the resumes below run in fresh processes that do not know it."""
     loaded = load_config(TrainConfig, None, overrides(model_dir, out, *extra, name=name))
     loaded.algorithm.estimator_params = {name: params for name, params in loaded.algorithm.estimator_params.items()
-                                         if get_estimator(name).fn.__module__.startswith("turnrl.")}
+                                         if (get_estimator(name).fn.__module__ or "").startswith("turnrl.")}
     return loaded
 
 
