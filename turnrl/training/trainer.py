@@ -770,7 +770,7 @@ class Trainer:
         utilization = mfu(flops, update_s, self.peak_flops, ranks.world_size())
         if utilization is not None:
             metrics["throughput/update_mfu"] = utilization
-        if batch.image_features is not None:  # this process's: each encodes the images of its own rows
+        if batch.image_features is not None:  # one process (see encodes_images_once)
             metrics["vision/images_encoded"] = float(batch.image_features.encoded)
             metrics["vision/images_reused"] = float(batch.image_features.served)
         metrics["actor/lr"] = float(self.actor_scheduler.get_last_lr()[0])
