@@ -279,7 +279,8 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Trade compute for memory in training."""
     compile: bool = False
-    """``torch.compile`` each decoder layer's norms and MLP for the training and scoring passes (SFT and RL):
+    """``torch.compile`` each decoder layer's norms and MLP (and a VLM's vision blocks') for the training and
+    scoring passes (SFT and RL):
     their elementwise kernels fuse (see :func:`turnrl.models.loading.compile_layer_parts`); the first passes
     compile."""
     attention: str = "sdpa"

@@ -58,7 +58,8 @@ def test_image_size_bounds_set_the_visual_tokens_of_an_image(tiny_vlm_dir):
     obs, _ = make("FrozenLake", mode="image").reset(seed=0)  # 100 x 100 pixels
     default = ImageEncoder(load_processor(tiny_vlm_dir)).encode([obs["image"]])[0]
     small = ImageEncoder(load_processor(tiny_vlm_dir, max_pixels=56 * 56)).encode([obs["image"]])[0]
-    large = ImageEncoder(load_processor(tiny_vlm_dir, min_pixels=224 * 224, max_pixels=224 * 224)).encode([obs["image"]])[0]
+    large_processor = load_processor(tiny_vlm_dir, min_pixels=224 * 224, max_pixels=224 * 224)
+    large = ImageEncoder(large_processor).encode([obs["image"]])[0]
     assert (small.placeholder_tokens, default.placeholder_tokens, large.placeholder_tokens) == (4, 16, 64)
     assert small.model_inputs["pixel_values"].shape[0] == 4 * small.placeholder_tokens
 
@@ -223,10 +224,10 @@ def test_a_model_on_meta_is_the_loaded_model_without_its_weights(fixture, reques
 @pytest.mark.parametrize(("fixture", "checkpointing"),
                          [("tiny_model_dir", False), ("tiny_model_dir", True), ("tiny_vlm_dir", False)])
 def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, checkpointing, request):
-    """Each decoder layer's norms and MLP compiled (the attention and a VLM's vision blocks eager): the same
-    logits and gradients as the eager model over token counts that change from pass to pass (with activation
-    checkpointing too, which runs the compiled parts again in the backward pass), and a copy of the model (the
-    critic, the reference) runs its own weights through the compiled code."""
+    """Each decoder layer's norms and MLP compiled (the attention eager; a VLM's vision blocks too, see the next
+    test): the same logits and gradients as the eager model over token counts that change from pass to pass
+    (with activation checkpointing too, which runs the compiled parts again in the backward pass), and a copy of
+    the model (the critic, the reference) runs its own weights through the compiled code."""
     import copy
 
     path = request.getfixturevalue(fixture)
@@ -236,11 +237,11 @@ def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, chec
         eager.train()
     compiled = copy.deepcopy(eager)
     layers = [m for m in eager.modules() if loading.ATTENTION_PART in dict(m.named_children())]
-    parts = loading.compile_layer_parts(compiled)
+    parts = loading.compile_layer_parts(compiled, vision=False)
     assert parts == 3 * len(layers) > 0  # two norms and the MLP
     vision = loading.vision_tower(compiled)
     if vision is not None:
-        assert all("forward" not in vars(m) for m in vision.modules())  # the tower stays eager
+        assert all("forward" not in vars(m) for m in vision.modules())  # vision=False leaves the tower eager
     generator = torch.Generator().manual_seed(0)
     for tokens in (37, 52, 29):
         ids = torch.randint(0, 200, (1, tokens), generator=generator)
@@ -259,3 +260,28 @@ def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, chec
             param.mul_(0.5)
         ids = torch.randint(0, 200, (1, 20), generator=generator)
         assert not torch.allclose(twin(input_ids=ids).logits, compiled(input_ids=ids).logits)
+
+
+def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir):
+    """A VLM's vision blocks compiled around their attention (two norms and the MLP each) encode images as the
+    eager tower does, over image sizes that change from call to call."""
+    import copy
+
+    eager = loading.load_model(tiny_vlm_dir)
+    compiled = copy.deepcopy(eager)
+    layers = [m for m in eager.modules() if loading.ATTENTION_PART in dict(m.named_children())]
+    blocks = [m for m in loading.vision_tower(eager).modules()
+              if loading.VISION_ATTENTION_PART in dict(m.named_children())]
+    assert blocks
+    assert loading.compile_layer_parts(compiled) == 3 * (len(layers) + len(blocks))
+    config = eager.config.vision_config
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for side in (4, 6, 2):  # patches a side
+            grid = torch.tensor([[1, side, side]])
+            pixels = torch.randn(side * side, 3 * config.temporal_patch_size * config.patch_size**2,
+                                 generator=generator)
+            features = [loading.vision_tower(model)(pixels, grid_thw=grid) for model in (eager, compiled)]
+            if not isinstance(features[0], torch.Tensor):  # transformers 5 returns a model output
+                features = [output.pooler_output for output in features]
+            torch.testing.assert_close(features[1], features[0])
