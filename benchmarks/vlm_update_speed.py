@@ -146,7 +146,7 @@ def a_step(model, batch: Batch, batching: MicroBatching, once: bool, device: tor
 def tower_seconds(model, batch: Batch, device: torch.device, repeats: int) -> float:
     """Seconds of the frozen tower's forward over every image of ``batch`` (after a warm-up call)."""
     tower = vision_tower(model)
-    pixels, grids = batch.model_inputs["pixel_values"], batch.model_inputs["image_grid_thw"]
+    pixels, grids = (batch.model_inputs[key].to(device) for key in ("pixel_values", "image_grid_thw"))
     times = []
     with torch.no_grad():
         for _ in range(repeats + 1):
