@@ -268,6 +268,9 @@ class EngineConfig:
     next rollout: the update's peak holds none of them (a 7B actor and critic on 80 GB cards), at the cost of
     capturing the CUDA graphs and gathering the whole actor again each step. Their contents are stale after an
     update anyway."""
+    families: list[str] = field(default_factory=list)
+    """Model families the engine may run beside its own (``turnrl/engine/families.py``), each a registered name
+    or ``my_package.module:MY_FAMILY`` naming a ``Family`` record (docs/extending.md)."""
     triton: str = "auto"
     """Triton kernels for attention (one kernel for prefill and decode, reading each cached row only up to its own
     length), the rotary turn and cache write, and sampling (by the inverse CDF): ``true``, ``false`` (torch:
@@ -325,8 +328,9 @@ class ModelConfig:
     """VLMs: the most pixels an image is resized to, which bounds its visual tokens; None keeps the model's."""
     backend: str = "auto"
     """How the policy generates: ``engine`` (KV cache kept across turns, continuous batching, CUDA graphs;
-    Llama-family text models), ``hf`` (transformers' ``generate``; any model, VLMs included) or ``auto``
-    (the engine on a GPU where it can run the model, else hf)."""
+    Llama-family text models), ``hf`` (transformers' ``generate``; any model, VLMs included), ``auto``
+    (the engine on a GPU where it can run the model, else hf), or ``my_package.module:my_backend``
+    (turnrl/policy/factory.py, docs/extending.md)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The engine's settings."""
 
@@ -338,7 +342,8 @@ class ModelConfig:
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ConfigError(f"model.min_pixels={self.min_pixels} exceeds model.max_pixels={self.max_pixels}")
         check_choice("model.builtin_template", self.builtin_template, ["chatml", "qwen3", "llama3"])
-        check_choice("model.backend", self.backend, ["auto", "engine", "hf"])
+        # model.backend and model.engine.families name objects of upper layers' registries: checked where a run
+        # builds its policy (turnrl.policy.factory.check_model_choices), and by TrainConfig.validate at load time.
         check_choice("model.attention", self.attention, ["sdpa", "eager"])
         self.engine.validate()
 

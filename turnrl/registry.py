@@ -40,7 +40,7 @@ from typing import Any, Generic, TypeVar, overload
 __all__ = ["Registry", "RegistryError", "close_names", "is_module_attr", "resolve_module_attr"]
 
 T = TypeVar("T")
-O = TypeVar("O")
+Obj = TypeVar("Obj")
 
 
 class RegistryError(ValueError):
@@ -102,10 +102,10 @@ class Registry(Generic[T]):
 
     # ------------------------------------------------------------------ registering
     @overload
-    def register(self, name: str) -> Callable[[O], O]: ...
+    def register(self, name: str) -> Callable[[Obj], Obj]: ...
 
     @overload
-    def register(self, name: str, obj: O) -> O: ...
+    def register(self, name: str, obj: Obj) -> Obj: ...
 
     def register(self, name: str, obj: Any = None) -> Any:
         """Register ``obj`` (or, lazily, the ``"module:attr"`` string that names it) as ``name``; returns it.

@@ -220,8 +220,9 @@ class PolicyLossSettings:
 class PolicyLoss(Protocol):
     """A policy loss: a scalar to minimize for one micro-batch, and its diagnostics (logged under ``actor/``)."""
 
-    def __call__(self, inputs: PolicyLossInputs, settings: PolicyLossSettings, /) -> tuple[torch.Tensor, PolicyLossStats]:
-        ...
+    def __call__(
+        self, inputs: PolicyLossInputs, settings: PolicyLossSettings, /
+    ) -> tuple[torch.Tensor, PolicyLossStats]: ...
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")

@@ -58,7 +58,8 @@ def register_all() -> None:
     """Register every registered env with Gymnasium as ``turnrl/<Name>-v0`` (idempotent)."""
     for name in ENVS.names():
         if gym_id(name) not in gym.registry:
-            gym.register(id=gym_id(name), entry_point=ENVS.target(name))
+            # gymnasium types its entry points as making a gymnasium.Env; ours are typed by the agent-env contract
+            gym.register(id=gym_id(name), entry_point=ENVS.target(name))  # type: ignore[arg-type]
 
 
 def env_names() -> list[str]:

@@ -35,6 +35,7 @@ from turnrl.config import (
     check_registered,
     close_keys,
 )
+from turnrl.policy.factory import check_model_choices
 
 
 def default_estimator_params() -> dict[str, dict[str, Any]]:
@@ -543,6 +544,7 @@ class TrainConfig:
         self.rewards.validate()
         self.sampling.validate()
         self.model.validate()
+        check_model_choices(self.model)
         self.groups.validate()
         self.algorithm.validate()
         self.sft.validate()
