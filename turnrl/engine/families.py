@@ -235,6 +235,7 @@ def family_of(config: Any) -> Family:
     vlms = [t for family in families if family.vision is not None for t in family.model_types]
     raise UnsupportedModel(
         f"the engine runs {', '.join(text)} decoders and {', '.join(vlms)} VLMs, not {model_type!r} "
-        "(other architectures use model.backend=hf; to run one in the engine, write its Family record (turnrl/engine/families.py) "
-        "and name it in model.engine.families, as docs/engine.md says under 'Adding a model family')"
+        "(other architectures use model.backend=hf; to run one in the engine, write its Family record "
+        "(turnrl/engine/families.py) and name it in model.engine.families, as docs/engine.md says under "
+        "'Adding a model family')"
     )
