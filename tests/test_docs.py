@@ -40,7 +40,9 @@ def test_extending_examples_run(namespace):
     for action in env.solve():
         _, _, terminated, _, info = env.step(action)
     assert terminated and info["success"]
-    fmt = namespace["plan_then_act"]
+    from turnrl.agent.formats import FormatOptions
+
+    fmt = namespace["plan_then_act"](FormatOptions(max_actions_per_turn=3))
     parsed = fmt.parse(fmt.render(["Left", "Right"]), ["Left", "Right"])
     assert parsed.format_ok and parsed.actions == ("Left", "Right")
 

@@ -27,6 +27,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from turnrl.registry import Registry, RegistryError, close_names, is_module_attr
+
 T = TypeVar("T")
 
 
@@ -61,6 +63,24 @@ def check_choice(key: str, value: Any, allowed: list[Any] | tuple[Any, ...]) -> 
         raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
 
 
+def check_registered(key: str, value: str, registry: Registry[T]) -> T:
+    """The object ``value`` names in ``registry``: a registered name, or ``module:attr`` in the user's package.
+
+    Raises:
+        ConfigError: an unknown name (listing the registered ones, with the likely one of a typo), a module or
+            attribute that cannot be imported, or an object of the wrong kind.
+    """
+    if value not in registry and not is_module_attr(value):
+        near = close_names(value, registry.names())
+        hint = f"did you mean {' or '.join(near)}? " if near else ""
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(registry.names())}; {hint}or name "
+                          f"one of your own as module:attr (e.g. my_package.module:my_{key.rsplit('.', 1)[-1]})")
+    try:
+        return registry.get(value)
+    except (RegistryError, TypeError) as error:
+        raise ConfigError(f"{key}={value!r}: {error}") from error
+
+
 def check_range(key: str, value: float, low: float | None = None, high: float | None = None) -> None:
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
@@ -85,7 +105,8 @@ class EnvConfig:
 @dataclass
 class AgentConfig:
     format: str = "free_think"
-    """Reasoning format of responses (``no_think``, ``free_think``, ``grounding_worldmodeling``, ``ragen``, ...)."""
+    """Reasoning format of responses (``no_think``, ``free_think``, ``grounding_worldmodeling``, ``ragen``, ...),
+    or ``my_package.module:my_format`` (a format builder, docs/extending.md)."""
     max_actions_per_turn: int = 1
     """Actions parsed from one response and stepped in order (RAGEN: 5, VAGEN: 3)."""
     action_separator: Optional[str] = None
@@ -129,15 +150,20 @@ class AgentConfig:
     a call."""
 
     def validate(self) -> None:
-        from turnrl.agent.formats import format_names
+        from turnrl.agent.formats import FORMATS, get_format
 
-        check_choice("agent.format", self.format, format_names())
+        check_registered("agent.format", self.format, FORMATS)
         for key in ("max_actions_per_turn", "max_turns", "max_actions_per_episode", "max_context_tokens"):
             check_range(f"agent.{key}", getattr(self, key), 1)
         if self.max_context_window is not None:
             check_range("agent.max_context_window", self.max_context_window, 1)
         if self.max_images is not None:
             check_range("agent.max_images", self.max_images, 0)
+        try:  # a user's format builds here, so that a broken one fails at load time, naming the key
+            get_format(self.format, action_separator=self.action_separator,
+                       max_actions_per_turn=self.max_actions_per_turn, strict=self.strict_format)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"agent.format={self.format!r}: {error}") from error
 
 
 @dataclass
@@ -242,6 +268,9 @@ class EngineConfig:
     next rollout: the update's peak holds none of them (a 7B actor and critic on 80 GB cards), at the cost of
     capturing the CUDA graphs and gathering the whole actor again each step. Their contents are stale after an
     update anyway."""
+    families: list[str] = field(default_factory=list)
+    """Model families the engine may run beside its own (``turnrl/engine/families.py``), each a registered name
+    or ``my_package.module:MY_FAMILY`` naming a ``Family`` record (docs/extending.md)."""
     triton: str = "auto"
     """Triton kernels for attention (one kernel for prefill and decode, reading each cached row only up to its own
     length), the rotary turn and cache write, and sampling (by the inverse CDF): ``true``, ``false`` (torch:
@@ -300,8 +329,9 @@ class ModelConfig:
     """VLMs: the most pixels an image is resized to, which bounds its visual tokens; None keeps the model's."""
     backend: str = "auto"
     """How the policy generates: ``engine`` (KV cache kept across turns, continuous batching, CUDA graphs;
-    Llama-family text models), ``hf`` (transformers' ``generate``; any model, VLMs included) or ``auto``
-    (the engine on a GPU where it can run the model, else hf)."""
+    Llama-family text models), ``hf`` (transformers' ``generate``; any model, VLMs included), ``auto``
+    (the engine on a GPU where it can run the model, else hf), or ``my_package.module:my_backend``
+    (turnrl/policy/factory.py, docs/extending.md)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The engine's settings."""
 
@@ -313,7 +343,8 @@ class ModelConfig:
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ConfigError(f"model.min_pixels={self.min_pixels} exceeds model.max_pixels={self.max_pixels}")
         check_choice("model.builtin_template", self.builtin_template, ["chatml", "qwen3", "llama3"])
-        check_choice("model.backend", self.backend, ["auto", "engine", "hf"])
+        # model.backend and model.engine.families name objects of upper layers' registries: checked where a run
+        # builds its policy (turnrl.policy.factory.check_model_choices), and by TrainConfig.validate at load time.
         check_choice("model.attention", self.attention, ["sdpa", "eager"])
         self.engine.validate()
 

@@ -524,3 +524,29 @@ def test_a_response_prefix_is_how_every_well_formed_response_begins():
         fmt.continuation("<answer>Up</answer>")
     with pytest.raises(ValueError, match="response prefix '<think>' must be how every well-formed response begins"):
         replace(get_format("no_think"), response_prefix="<think>")
+
+
+# --------------------------------------------------------------------------- from a user's package
+def test_a_format_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch):
+    from turnrl.config import ConfigError, load_config
+    from turnrl.training.config import TrainConfig
+
+    (tmp_path / "user_format_ext.py").write_text(
+        "from turnrl.agent.formats import Tag, TaggedFormat\n\n"
+        "plan_answer = TaggedFormat('plan_answer', (Tag('plan', 'your plan.', 'go up'), Tag('answer')))\n"
+        "def broken(options):\n"
+        "    return 'not a format'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    agent = load_config(TrainConfig, None, ["agent.format=user_format_ext:plan_answer",
+                                            "agent.max_actions_per_turn=2"]).agent
+    fmt = get_format(agent.format, action_separator=agent.action_separator,
+                     max_actions_per_turn=agent.max_actions_per_turn, strict=agent.strict_format)
+    assert fmt.name == "plan_answer" and fmt.tag_names == ("plan", "answer")
+    parsed = fmt.parse("<plan>go up twice</plan><answer>Up, Up, Left</answer>", ["Up", "Left"])
+    assert parsed.format_ok and parsed.actions == ("Up", "Up")
+    assert "user_format_ext:plan_answer" not in format_names()
+    with pytest.raises(ConfigError, match="agent.format='user_format_ext:broken': .*built a str"):
+        load_config(TrainConfig, None, ["agent.format=user_format_ext:broken"])
+    with pytest.raises(ConfigError, match=r"agent.format='free_thinkk' is not allowed; .*did you mean free_think\?"):
+        load_config(TrainConfig, None, ["agent.format=free_thinkk"])

@@ -91,3 +91,29 @@ def test_gigpo_reports_the_share_of_its_turns_in_anchor_groups():
 def test_params_check_their_own_ranges():
     with pytest.raises(ValueError, match="gamma"):
         GiGPOParams(gamma=1.5)
+
+
+# --------------------------------------------------------------------------- from a user's package
+def test_an_estimator_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch):
+    from turnrl.config import load_config
+    from turnrl.training.advantages import compute_advantages
+    from turnrl.training.batch import Sample, collate
+    from turnrl.training.config import TrainConfig
+
+    (tmp_path / "user_estimator_ext.py").write_text(
+        "from turnrl.algorithms import broadcast_to_tokens\n"
+        "from turnrl.algorithms.estimators import Estimate\n\n"
+        "def return_itself(view, shared, params):\n"
+        "    advantages = broadcast_to_tokens(10.0 * view.rewards.sum(1), view.mask)\n"
+        "    return Estimate(advantages, advantages)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(TrainConfig, None, ["algorithm.advantage=user_estimator_ext:return_itself",
+                                             "groups.group_size=1"]).algorithm
+    assert not config.uses_critic
+    batch = collate([Sample([5, 5, 5], [0, 1, 1], [0.0] * 3, [2], [r], episode=e, group=e)
+                     for e, r in enumerate([1.0, 3.0])], pad_id=0)
+    advantages = compute_advantages(batch, config).advantages
+    assert advantages[batch.loss_mask == 1].tolist() == [10.0, 10.0, 30.0, 30.0]
+    with pytest.raises(ValueError, match=r"algorithm.advantage='grpoo' is not allowed; .*did you mean grpo\?"):
+        load_config(TrainConfig, None, ["algorithm.advantage=grpoo"])

@@ -242,3 +242,42 @@ def test_sample_weights_scale_each_samples_policy_loss():
                    for i in range(3)]
         expected = sum(w * x for w, x in zip(weights, per_row)) / 3
         close(weighted, expected, tol=1e-6)
+
+
+# --------------------------------------------------------------------------- from a user's package
+def test_a_policy_loss_from_a_users_package_is_named_module_attr_and_trains(tmp_path, monkeypatch, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from turnrl.config import load_config
+    from turnrl.training.batch import Sample, collate
+    from turnrl.training.config import OptimConfig, TrainConfig
+    from turnrl.training.ppo import UpdateInputs, ppo_epochs
+
+    (tmp_path / "user_loss_ext.py").write_text(
+        "import torch\n"
+        "from turnrl.algorithms.losses import PolicyLossStats, aggregate\n\n"
+        "CALLS = []\n\n"
+        "def seven_plus_pg(inputs, settings):\n"
+        "    CALLS.append(settings.aggregation)\n"
+        "    pg = aggregate(-inputs.advantages * inputs.logprobs, inputs.loss_mask, settings.aggregation)\n"
+        "    zero = torch.zeros(())\n"
+        "    return pg - pg.detach() + 7.0, PolicyLossStats(zero, zero, zero)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(TrainConfig, None, ["algorithm.policy_loss=user_loss_ext:seven_plus_pg",
+                                             "algorithm.loss_aggregation=seq-mean-token-sum",
+                                             "algorithm.entropy_coef=0"]).algorithm
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = collate([Sample([3, 4, 5, 6], [0, 1, 1, 1], [0.0] * 4, [3], [1.0], episode=k, group=0) for k in range(2)],
+                    pad_id=0)
+    zeros = torch.zeros(batch.input_ids.shape)
+    inputs = UpdateInputs(batch, zeros, torch.ones(batch.input_ids.shape), zeros)
+    before = [p.detach().clone() for p in actor.parameters()]
+    metrics = ppo_epochs(actor, None, inputs, config, OptimConfig(grad_clip=1e9),
+                         torch.optim.SGD(actor.parameters(), lr=0.1), None, 1.0, torch.Generator().manual_seed(0))
+    import user_loss_ext
+
+    assert metrics["losses/policy"] == pytest.approx(7.0) and user_loss_ext.CALLS[0] == "seq-mean-token-sum"
+    assert any(not torch.equal(b, p) for b, p in zip(before, actor.parameters()))  # its gradient trained the actor
+    with pytest.raises(ValueError, match=r"algorithm.policy_loss='ppoo' is not allowed; choose one of \['ppo'\]"):
+        load_config(TrainConfig, None, ["algorithm.policy_loss=ppoo"])

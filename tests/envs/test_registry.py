@@ -201,3 +201,22 @@ def test_gymnasium_envs_without_the_contract_are_refused_clearly(env_id):
     message = str(info.value)
     assert "'FrozenLake-v1' is not an agent env: FrozenLakeEnv has no instructions(), action_names()" in message
     assert "string actions, dict observations with a 'text' key, instructions() and action_names()" in message
+
+
+# --------------------------------------------------------------------------- from a user's package
+def test_an_env_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch):
+    from turnrl.config import load_config
+    from turnrl.training.config import TrainConfig
+
+    (tmp_path / "user_env_ext.py").write_text(
+        "from tests.envs.toy_envs import CorridorTurnEnv\n\n"
+        "class LongCorridor(CorridorTurnEnv):\n"
+        "    def __init__(self, length: int = 9, **settings):\n"
+        "        super().__init__(length=length, **settings)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(TrainConfig, None, ["env.id=user_env_ext:LongCorridor", "env.settings={length: 6}"])
+    env = make(config.env.id, **config.env.settings)
+    assert type(env).__name__ == "LongCorridor" and env.length == 6
+    assert env.reset(seed=0)[0]["text"] == toy_envs.CorridorTurnEnv(length=6).reset(seed=0)[0]["text"]
+    assert "user_env_ext:LongCorridor" not in env_names()

@@ -246,3 +246,20 @@ def test_rewards_config_refuses_non_finite_scores_and_weights(override, match):
 def test_a_reward_class_that_refuses_its_settings_is_a_config_error():
     with pytest.raises(ConfigError, match="bad settings"):
         load_reward_fn(RewardSpec(name="o", fn="overlong", settings={"max_tokens": 10, "buffer": 0}))
+
+
+# --------------------------------------------------------------------------- from a user's package
+def test_a_reward_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch):
+    from turnrl.config import load_config
+    from turnrl.training.config import TrainConfig
+
+    (tmp_path / "user_reward_ext.py").write_text(
+        "def brevity(turns, max_chars=200):\n"
+        "    return [-1.0 if len(turn.response) > max_chars else 0.0 for turn in turns]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(TrainConfig, None, [
+        "rewards.extra=[{name: brevity, fn: 'user_reward_ext:brevity', weight: 0.5, settings: {max_chars: 3}}]"])
+    scores = Rewards(config.rewards).score([finished("long answer"), finished("ok")])
+    assert [s.rewards["brevity"] for s in scores] == [-1.0, 0.0]
+    assert [s.reward for s in scores] == [-0.5, 0.0]

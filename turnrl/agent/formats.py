@@ -8,7 +8,8 @@ A *format* fixes the tags a model writes in one turn, e.g.::
 and turns a sampled response into up to ``max_actions_per_turn`` env actions
 plus the reasoning fields (used by grounding / world-model rewards).
 
-Built-in formats (``format_names()``):
+Built-in formats (``format_names()``; a format of your own is a :class:`FormatBuilder`, usually a
+:class:`TaggedFormat`, registered in :data:`FORMATS` or named ``agent.format=my_package.module:my_format``):
 
 ================================  ==============================================================
 ``no_think``                      ``<answer>...</answer>``
@@ -81,14 +82,19 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 from turnrl.envs.actions import parse_tuple, tuple_text
+from turnrl.registry import Registry
 
 __all__ = [
+    "FORMATS",
+    "FormatBuilder",
+    "FormatOptions",
     "ParsedResponse",
     "ResponseFormat",
     "Tag",
+    "TaggedFormat",
     "format_names",
     "get_format",
     "normalize_action_tuple",
@@ -702,36 +708,94 @@ _JUSTIFICATION = Tag(
 _ANSWER = Tag("answer", "", "")
 _ACTION = Tag("action", "", "")
 
-# Formats that read responses as RAGEN does (ResponseFormat.ragen_reading).
-_RAGEN_FORMATS = ("ragen", "ragen_no_think")
-# What RAGEN's ContextManager appends to the prompt after the generation prompt (enable_think or not), and
-# prepends to the decoded response before parsing it (ResponseFormat.response_prefix).
-_RESPONSE_PREFIXES = {"ragen": "<think>", "ragen_no_think": "<answer>"}
+@dataclass(frozen=True)
+class FormatOptions:
+    """The run's settings that shape any format (``agent.*``)."""
 
-_STRUCTURES: dict[str, tuple[tuple[Tag, ...], str, ActionKind, str | None, bool]] = {
-    # name: (structure, answer tag, action kind, default separator, free text allowed)
-    "no_think": ((_ANSWER,), "answer", "names", ",", False),
-    "free_think": ((_THINK, _ANSWER), "answer", "names", ",", False),
-    "grounding": ((Tag("think", children=(_OBSERVATION, _REASONING)), _ANSWER), "answer", "names", ",", False),
-    "worldmodeling": ((Tag("think", children=(_REASONING, _PREDICTION)), _ANSWER), "answer", "names", ",", False),
-    "grounding_worldmodeling": (
-        (Tag("think", children=(_OBSERVATION, _REASONING, _PREDICTION)), _ANSWER),
-        "answer",
-        "names",
-        ",",
-        False,
-    ),
-    "ragen": ((_THINK, _ANSWER), "answer", "names", "||", False),
-    "ragen_no_think": ((_ANSWER,), "answer", "names", "||", False),
-    # One tuple per turn by default: commas live inside the tuple.
-    "visgym_tuple": ((_OBSERVATION, _JUSTIFICATION, _ACTION), "action", "tuple", None, False),
-    "visgym_keyword": ((_ACTION,), "action", "names", None, True),
-}
+    action_separator: str | None = None
+    """Splits the answer into actions; None takes the format's own default. A separator given here also
+    splits free-form answers (envs without ``action_names``)."""
+    max_actions_per_turn: int = 1
+    """Keep the first N actions of a turn."""
+    strict: bool = False
+    """Take actions only from well-formed responses (VAGEN)."""
+
+
+class FormatBuilder(Protocol):
+    """What ``agent.format`` names: the run's format, from the run's options."""
+
+    def __call__(self, options: FormatOptions, /) -> ResponseFormat: ...
+
+
+@dataclass(frozen=True)
+class TaggedFormat:
+    """A format by its tag structure: the record of each built-in format, and the easiest way to write one.
+
+    ``TaggedFormat("plan_answer", (Tag("plan", "your plan."), Tag("answer")))`` asks for
+    ``<plan>...</plan><answer>...</answer>`` and reads the actions from the answer.
+    """
+
+    name: str
+    structure: tuple[Tag, ...]
+    """The top-level tags, in order."""
+    answer_tag: str = "answer"
+    """The leaf tag that holds the actions."""
+    action_kind: ActionKind = "names"
+    """``"names"`` or ``"tuple"`` (see :class:`ResponseFormat`)."""
+    default_separator: str | None = ","
+    """The separator when the run sets none; None: one action per turn."""
+    outside_text_ok: bool = False
+    """Free text around the tags is allowed (see :class:`ResponseFormat`)."""
+    ragen_reading: bool = False
+    """RAGEN's parser and penalty (module docstring)."""
+    response_prefix: str = ""
+    """Text the prompt ends with, which the response continues (see :class:`ResponseFormat`)."""
+
+    def __call__(self, options: FormatOptions) -> ResponseFormat:
+        separator = options.action_separator
+        return ResponseFormat(
+            name=self.name,
+            structure=self.structure,
+            answer_tag=self.answer_tag,
+            action_kind=self.action_kind,
+            separator=separator if separator is not None else self.default_separator,
+            split_free_form=separator is not None,
+            max_actions_per_turn=options.max_actions_per_turn,
+            strict=options.strict,
+            outside_text_ok=self.outside_text_ok,
+            ragen_reading=self.ragen_reading,
+            response_prefix=self.response_prefix,
+        )
+
+
+FORMATS: Registry[FormatBuilder] = Registry("response format")
+"""Every format by name; ``agent.format`` takes a name or ``module:attr`` (a :class:`FormatBuilder`)."""
+
+FORMATS.register("no_think", TaggedFormat("no_think", (_ANSWER,)))
+FORMATS.register("free_think", TaggedFormat("free_think", (_THINK, _ANSWER)))
+FORMATS.register("grounding", TaggedFormat("grounding", (Tag("think", children=(_OBSERVATION, _REASONING)), _ANSWER)))
+FORMATS.register(
+    "worldmodeling", TaggedFormat("worldmodeling", (Tag("think", children=(_REASONING, _PREDICTION)), _ANSWER))
+)
+FORMATS.register("grounding_worldmodeling", TaggedFormat(
+    "grounding_worldmodeling", (Tag("think", children=(_OBSERVATION, _REASONING, _PREDICTION)), _ANSWER)
+))
+# RAGEN's ContextManager appends the response prefix to the prompt after the generation prompt (enable_think or
+# not), and prepends it to the decoded response before parsing it.
+FORMATS.register("ragen", TaggedFormat("ragen", (_THINK, _ANSWER), default_separator="||", ragen_reading=True,
+                                       response_prefix="<think>"))
+FORMATS.register("ragen_no_think", TaggedFormat("ragen_no_think", (_ANSWER,), default_separator="||",
+                                                ragen_reading=True, response_prefix="<answer>"))
+# One tuple per turn by default: commas live inside the tuple.
+FORMATS.register("visgym_tuple", TaggedFormat("visgym_tuple", (_OBSERVATION, _JUSTIFICATION, _ACTION),
+                                              answer_tag="action", action_kind="tuple", default_separator=None))
+FORMATS.register("visgym_keyword", TaggedFormat("visgym_keyword", (_ACTION,), answer_tag="action",
+                                                default_separator=None, outside_text_ok=True))
 
 
 def format_names() -> list[str]:
-    """Names of the built-in formats."""
-    return list(_STRUCTURES)
+    """Names of the registered formats (the built-in ones first)."""
+    return list(FORMATS.names())
 
 
 def get_format(
@@ -741,10 +805,10 @@ def get_format(
     max_actions_per_turn: int = 1,
     strict: bool = False,
 ) -> ResponseFormat:
-    """A built-in format by name.
+    """The format ``name`` names: a registered one or ``module:attr`` (a :class:`FormatBuilder`).
 
     Args:
-        name: one of :func:`format_names`.
+        name: one of :func:`format_names`, or ``my_package.formats:my_format``.
         action_separator: splits the answer into actions. Default: ``","`` for the
             VAGEN formats, ``"||"`` for ``ragen*``, none (one action per turn)
             for ``visgym_*``. The default applies only with ``action_names``;
@@ -756,23 +820,14 @@ def get_format(
 
     Raises:
         ValueError: unknown name, or a separator/limit that cannot work.
+        TypeError: what ``module:attr`` names does not build a :class:`ResponseFormat`.
     """
-    if name not in _STRUCTURES:
-        raise ValueError(f"unknown response format {name!r}; choose one of: {', '.join(_STRUCTURES)}")
-    structure, answer_tag, kind, default_separator, outside_text_ok = _STRUCTURES[name]
-    return ResponseFormat(
-        name=name,
-        structure=structure,
-        answer_tag=answer_tag,
-        action_kind=kind,
-        separator=action_separator if action_separator is not None else default_separator,
-        split_free_form=action_separator is not None,
-        max_actions_per_turn=max_actions_per_turn,
-        strict=strict,
-        outside_text_ok=outside_text_ok,
-        ragen_reading=name in _RAGEN_FORMATS,
-        response_prefix=_RESPONSE_PREFIXES.get(name, ""),
-    )
+    builder = FORMATS.get(name)
+    fmt = builder(FormatOptions(action_separator, max_actions_per_turn, strict))
+    if not isinstance(fmt, ResponseFormat):
+        raise TypeError(f"response format {name!r} built a {type(fmt).__name__}; a format builder returns a "
+                        "ResponseFormat (see turnrl.agent.formats.TaggedFormat)")
+    return fmt
 
 
 # --------------------------------------------------------------------------- reward

@@ -17,15 +17,16 @@ list of names:
   sets them under ``algorithm.estimator_params.<name>``.
 
 An estimator may also return metrics (GiGPO's share of turns in anchor groups): the trainer logs them under
-``actor/``. Adding an estimator is one registered function, here or in any module imported before the config
-is loaded, plus its test (docs/extending.md).
+``actor/``. Adding an estimator is one registered function plus its test (docs/extending.md): here, or in
+your own package, named in the config as ``algorithm.advantage=my_package.advantages:my_estimator`` (the module
+is imported then; a plain function without ``@estimator`` reads no critic and needs nothing).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 
@@ -41,16 +42,20 @@ from turnrl.algorithms.advantages import (
     turn_gae,
     whiten,
 )
+from turnrl.registry import Registry
 
 __all__ = [
+    "ESTIMATORS",
     "NEEDS",
     "EpisodeView",
     "Estimate",
+    "EstimatorFn",
     "EstimatorSpec",
     "GiGPOParams",
     "Need",
     "NoParams",
     "SharedSettings",
+    "as_estimator",
     "estimator",
     "estimator_names",
     "get_estimator",
@@ -135,7 +140,13 @@ class NoParams:
 Need = Literal["turn_states", "groups", "episode_weights"]
 NEEDS: tuple[Need, ...] = ("turn_states", "groups", "episode_weights")
 
-EstimatorFn = Callable[[EpisodeView, SharedSettings, Any], Estimate]
+
+class EstimatorFn(Protocol):
+    """What an estimator is: advantages and returns of the view's episodes (module docstring)."""
+
+    def __call__(self, view: EpisodeView, shared: SharedSettings, params: Any, /) -> Estimate: ...
+
+
 F = TypeVar("F", bound=EstimatorFn)
 
 
@@ -145,11 +156,18 @@ class EstimatorSpec:
 
     name: str
     fn: EstimatorFn
-    critic: bool
+    critic: bool = False
     """Reads the critic's values."""
-    needs: frozenset[Need]
-    params: type
+    needs: frozenset[Need] = frozenset()
+    params: type = NoParams
     """The dataclass of its own settings (:class:`NoParams` for none)."""
+
+    def __post_init__(self) -> None:
+        unknown = [need for need in self.needs if need not in NEEDS]
+        if unknown:
+            raise ValueError(f"estimator {self.name!r}: unknown needs {unknown}; choose from {list(NEEDS)}")
+        if not (isinstance(self.params, type) and is_dataclass(self.params)):
+            raise TypeError(f"estimator {self.name!r}: params must be a dataclass, got {self.params!r}")
 
     def __call__(self, view: EpisodeView, shared: SharedSettings, params: Any = None) -> Estimate:
         """Run the estimator on ``view``, after checking that the view holds what it needs.
@@ -167,7 +185,23 @@ class EstimatorSpec:
         return self.fn(view, shared, params)
 
 
-_REGISTRY: dict[str, EstimatorSpec] = {}
+def as_estimator(obj: Any) -> EstimatorSpec:
+    """What ``algorithm.advantage=module:attr`` names, as an :class:`EstimatorSpec`: a spec, a function
+    registered with :func:`estimator` (its spec), or a plain :class:`EstimatorFn` (no critic, no needs, no
+    params of its own; register it with :func:`estimator` to declare them)."""
+    if isinstance(obj, EstimatorSpec):
+        return obj
+    registered = next((spec for spec in ESTIMATORS.values() if spec.fn is obj), None)
+    if registered is not None:
+        return registered
+    if callable(obj):
+        return EstimatorSpec(f"{obj.__module__}:{obj.__qualname__}", obj)
+    raise TypeError(f"an advantage estimator must be a function (view, shared, params) -> Estimate or an "
+                    f"EstimatorSpec, got {type(obj).__name__}")
+
+
+ESTIMATORS: Registry[EstimatorSpec] = Registry("estimator", coerce=as_estimator)
+"""Every estimator by name; ``algorithm.advantage`` takes a name or ``module:attr`` (:meth:`Registry.get`)."""
 
 
 def estimator(
@@ -180,31 +214,27 @@ def estimator(
         needs: what else it reads or assumes, from :data:`NEEDS`.
         params: a dataclass of its own settings, every field with a default.
     """
+
+    def register(fn: F) -> F:
+        ESTIMATORS.register(name, EstimatorSpec(name, fn, critic, frozenset(needs), params))
+        return fn
+
     unknown = [need for need in needs if need not in NEEDS]
     if unknown:
         raise ValueError(f"estimator {name!r}: unknown needs {unknown}; choose from {list(NEEDS)}")
     if not (isinstance(params, type) and is_dataclass(params)):
         raise TypeError(f"estimator {name!r}: params must be a dataclass, got {params!r}")
-
-    def register(fn: F) -> F:
-        if name in _REGISTRY:
-            raise ValueError(f"an estimator named {name!r} is already registered ({_REGISTRY[name].fn.__module__})")
-        _REGISTRY[name] = EstimatorSpec(name, fn, critic, frozenset(needs), params)
-        return fn
-
     return register
 
 
 def get_estimator(name: str) -> EstimatorSpec:
-    """The estimator registered as ``name``."""
-    if name not in _REGISTRY:
-        raise ValueError(f"no estimator named {name!r}; registered: {list(_REGISTRY)}")
-    return _REGISTRY[name]
+    """The estimator registered as ``name``, or named ``module:attr`` (:data:`ESTIMATORS`)."""
+    return ESTIMATORS.get(name)
 
 
 def estimator_names() -> tuple[str, ...]:
     """Every registered name, in the order of registration."""
-    return tuple(_REGISTRY)
+    return ESTIMATORS.names()
 
 
 def param_names(spec: EstimatorSpec) -> tuple[str, ...]:

@@ -9,24 +9,40 @@ backward pass.
 
 Every loss reduces its per-token terms with :func:`aggregate`, so the policy
 loss, the value loss and the entropy bonus share one aggregation mode.
+
+The policy loss is an extension point: ``algorithm.policy_loss`` names a
+:class:`PolicyLoss` in :data:`POLICY_LOSSES` (``ppo``, turnrl's clipped
+surrogate) or ``my_package.losses:my_loss`` in a user's package. It gets the
+micro-batch's tensors (:class:`PolicyLossInputs`) and the algorithm's settings
+(:class:`PolicyLossSettings`); the trainer adds the entropy bonus and the KL
+term, and accumulates gradients over micro-batches as the aggregation mode
+says (which is why the aggregation modes are a fixed list, not registered).
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 
+from turnrl.registry import Registry
+
 __all__ = [
     "AGGREGATIONS",
+    "POLICY_LOSSES",
     "Aggregation",
     "KLKind",
+    "PolicyLoss",
+    "PolicyLossInputs",
+    "PolicyLossSettings",
     "PolicyLossStats",
     "ValueLossStats",
     "aggregate",
     "entropy_bonus",
     "kl_in_reward",
     "kl_penalty",
+    "ppo_loss",
     "ppo_policy_loss",
     "value_loss",
 ]
@@ -165,6 +181,63 @@ def ppo_policy_loss(
     if token_weights is not None:
         loss = loss * _masked(loss_mask, token_weights.detach())[0].to(loss.dtype)
     return aggregate(loss, loss_mask, aggregation), stats
+
+
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """One micro-batch's tensors, as a :class:`PolicyLoss` reads them."""
+
+    logprobs: torch.Tensor
+    """Shape (b, s): the current policy's log-probs of the sampled tokens, with gradient."""
+    old_logprobs: torch.Tensor
+    """Shape (b, s): the log-probs of the policy that sampled (``algorithm.old_logprobs``), no gradient."""
+    advantages: torch.Tensor
+    """Shape (b, s): the estimator's advantages."""
+    loss_mask: torch.Tensor
+    """Shape (b, s), bool or 0/1: the tokens that are trained."""
+    sample_weights: torch.Tensor | None = None
+    """Shape (b,): each sample's weight in the loss (turn samples weighed as episodes); None: all 1."""
+    token_weights: torch.Tensor | None = None
+    """Shape (b, s), no gradient: truncated importance weights (``algorithm.tis_cap``); None: all 1."""
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The algorithm's settings that a policy loss may read (``algorithm.*``)."""
+
+    clip_low: float = 0.2
+    """Ratio clip below 1."""
+    clip_high: float = 0.28
+    """Ratio clip above 1."""
+    dual_clip: float | None = 3.0
+    """Dual-clip bound for negative advantages; None disables."""
+    aggregation: Aggregation = "token-mean"
+    """How per-token terms reduce to the loss (:func:`aggregate`); the trainer's gradient accumulation assumes it."""
+    ratio_level: str = "token"
+    """``token`` (PPO) or ``sequence`` (GSPO)."""
+
+
+class PolicyLoss(Protocol):
+    """A policy loss: a scalar to minimize for one micro-batch, and its diagnostics (logged under ``actor/``)."""
+
+    def __call__(
+        self, inputs: PolicyLossInputs, settings: PolicyLossSettings, /
+    ) -> tuple[torch.Tensor, PolicyLossStats]: ...
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+"""Every policy loss by name; ``algorithm.policy_loss`` takes a name or ``module:attr``."""
+
+
+@POLICY_LOSSES.register("ppo")
+def ppo_loss(inputs: PolicyLossInputs, settings: PolicyLossSettings) -> tuple[torch.Tensor, PolicyLossStats]:
+    """The clipped surrogate (:func:`ppo_policy_loss`) with the algorithm's clip, dual clip, aggregation and ratio
+    level (``sequence``: GSPO)."""
+    return ppo_policy_loss(
+        inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.loss_mask, clip_low=settings.clip_low,
+        clip_high=settings.clip_high, dual_clip=settings.dual_clip, aggregation=settings.aggregation,
+        sample_weights=inputs.sample_weights, ratio_level=settings.ratio_level, token_weights=inputs.token_weights,
+    )
 
 
 def truncated_importance_weights(

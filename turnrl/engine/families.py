@@ -11,16 +11,20 @@ model type.
 Biases are not a field: a projection's bias is taken where the checkpoint's layer has one (Qwen2's q/k/v
 projections always, Llama's and Qwen3's with ``attention_bias``).
 
-Adding a family whose math is this decoder's is one record in :data:`FAMILIES` (docs/engine.md, "Adding a
-model family"); one whose math differs (Gemma's norms and activation, for example) needs the kernels changed
-where it differs, and a field here that says so.
+Adding a family whose math is this decoder's is one record, registered in :data:`ENGINE_FAMILIES` or named
+``model.engine.families=[my_package.module:MY_FAMILY]`` from a user's package (docs/engine.md, "Adding a
+model family"; docs/extending.md); one whose math differs (Gemma's norms and activation, for example) needs
+the kernels changed where it differs, and a field here that says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+from turnrl.registry import Registry
 
 
 class UnsupportedModel(ValueError):
@@ -162,22 +166,49 @@ class Family:
 VLM_WEIGHTS = WeightNames(decoder="model.language_model")
 """The Qwen-VL layout: the Llama layout's decoder inside the VLM's inner model."""
 
-FAMILIES: tuple[Family, ...] = (
-    Family("Llama", ("llama",)),
-    Family("Mistral", ("mistral",), sliding_window="sliding_window"),
-    Family("Qwen2", ("qwen2",), sliding_window="use_sliding_window"),
-    Family("Qwen3", ("qwen3",), qk_norm=True, sliding_window="use_sliding_window"),
-    # Qwen2-VL and Qwen2.5-VL differ only in their vision towers (Qwen2.5-VL's attends within windows and has an
-    # RMSNorm SwiGLU MLP), which the engine calls as a whole.
-    Family("Qwen2-VL", ("qwen2_vl", "qwen2_5_vl"), rotary=Rotary.MROPE, sliding_window="use_sliding_window",
-           weights=VLM_WEIGHTS, vision=VisionParts()),
-    Family("Qwen3-VL", ("qwen3_vl",), rotary=Rotary.MROPE_INTERLEAVED, qk_norm=True, weights=VLM_WEIGHTS,
-           vision=VisionParts(deepstack=True)),
-)
-"""Every family the engine runs. A model type missing here runs on the transformers backend."""
+def as_family(obj: Any) -> Family:
+    """What ``model.engine.families`` names by ``module:attr``: a :class:`Family` record."""
+    if not isinstance(obj, Family):
+        raise TypeError(f"an engine family is a turnrl.engine.families.Family record, got {type(obj).__name__}")
+    return obj
 
 
-def by_model_type(families: tuple[Family, ...]) -> dict[str, Family]:
+ENGINE_FAMILIES: Registry[Family] = Registry("engine family", coerce=as_family)
+"""Every family the engine runs, by name. A model type missing from them runs on the transformers backend."""
+
+ENGINE_FAMILIES.register("Llama", Family("Llama", ("llama",)))
+ENGINE_FAMILIES.register("Mistral", Family("Mistral", ("mistral",), sliding_window="sliding_window"))
+ENGINE_FAMILIES.register("Qwen2", Family("Qwen2", ("qwen2",), sliding_window="use_sliding_window"))
+ENGINE_FAMILIES.register("Qwen3", Family("Qwen3", ("qwen3",), qk_norm=True, sliding_window="use_sliding_window"))
+# Qwen2-VL and Qwen2.5-VL differ only in their vision towers (Qwen2.5-VL's attends within windows and has an
+# RMSNorm SwiGLU MLP), which the engine calls as a whole.
+ENGINE_FAMILIES.register("Qwen2-VL", Family("Qwen2-VL", ("qwen2_vl", "qwen2_5_vl"), rotary=Rotary.MROPE,
+                                            sliding_window="use_sliding_window", weights=VLM_WEIGHTS,
+                                            vision=VisionParts()))
+ENGINE_FAMILIES.register("Qwen3-VL", Family("Qwen3-VL", ("qwen3_vl",), rotary=Rotary.MROPE_INTERLEAVED, qk_norm=True,
+                                            weights=VLM_WEIGHTS, vision=VisionParts(deepstack=True)))
+
+FAMILIES: tuple[Family, ...] = tuple(ENGINE_FAMILIES.values())
+"""The families that come with turnrl."""
+
+
+def add_families(names: Sequence[str]) -> None:
+    """Register the families that ``model.engine.families`` names (registered names, or ``module:attr`` of a
+    :class:`Family` record in the user's package) under their names, so that :func:`family_of` finds them;
+    naming one already registered is a no-op.
+
+    Raises:
+        RegistryError: a name that is neither registered nor an importable ``module:attr``.
+        ValueError: a family whose name or model type another family already has.
+    """
+    for name in names:
+        family = ENGINE_FAMILIES.get(name)
+        if ENGINE_FAMILIES.find(family) is None:
+            by_model_type((*ENGINE_FAMILIES.values(), family))  # refuses a model type claimed twice
+            ENGINE_FAMILIES.register(family.name, family)
+
+
+def by_model_type(families: Sequence[Family]) -> dict[str, Family]:
     """Each model type's family; a model type claimed by two families is refused."""
     found: dict[str, Family] = {}
     for family in families:
@@ -189,22 +220,22 @@ def by_model_type(families: tuple[Family, ...]) -> dict[str, Family]:
     return found
 
 
-_BY_MODEL_TYPE = by_model_type(FAMILIES)
-
-
 def family_of(config: Any) -> Family:
-    """The family of a transformers model config, by its ``model_type``.
+    """The family of a transformers model config, by its ``model_type``, among :data:`ENGINE_FAMILIES`.
 
     Raises:
         UnsupportedModel: no family runs this model type; the message lists those that do and where to add one.
     """
+    families = ENGINE_FAMILIES.values()
     model_type = getattr(config, "model_type", None)
-    if model_type in _BY_MODEL_TYPE:
-        return _BY_MODEL_TYPE[model_type]
-    text = [t for family in FAMILIES if family.vision is None for t in family.model_types]
-    vlms = [t for family in FAMILIES if family.vision is not None for t in family.model_types]
+    found = by_model_type(families)
+    if model_type in found:
+        return found[model_type]
+    text = [t for family in families if family.vision is None for t in family.model_types]
+    vlms = [t for family in families if family.vision is not None for t in family.model_types]
     raise UnsupportedModel(
         f"the engine runs {', '.join(text)} decoders and {', '.join(vlms)} VLMs, not {model_type!r} "
-        "(other architectures use model.backend=hf; to run one in the engine, add its family to "
-        "turnrl/engine/families.py as docs/engine.md says under 'Adding a model family')"
+        "(other architectures use model.backend=hf; to run one in the engine, write its Family record "
+        "(turnrl/engine/families.py) and name it in model.engine.families, as docs/engine.md says under "
+        "'Adding a model family')"
     )

@@ -1,14 +1,15 @@
-"""Env ids: built-in names, ``module:Class``, Gymnasium ids and ``gym:<id>``, resolved by :func:`make`.
+"""Env ids: registered names (:data:`ENVS`), ``module:Class``, Gymnasium ids and ``gym:<id>``, resolved by
+:func:`make`.
 
-The built-in envs register with Gymnasium as ``turnrl/<Name>-v0`` when
+The registered envs register with Gymnasium as ``turnrl/<Name>-v0`` when
 ``turnrl`` is imported (as ``import ale_py`` registers the Atari envs), by
 entry-point strings, so that registering imports no env module.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
+from collections.abc import Callable
 from typing import Any, cast
 
 import gymnasium as gym
@@ -16,21 +17,32 @@ import gymnasium as gym
 from turnrl.envs.base import AgentEnv, StateFacts, TurnEnv, missing_methods
 from turnrl.envs.gym_adapter import GYM_PREFIX, make_image_env
 from turnrl.envs.settings import check_settings, did_you_mean, keyword_parameters, literal_choices, registered_settings
+from turnrl.registry import Registry, RegistryError
 
-BUILTIN_ENVS: dict[str, str] = {
-    "Sokoban": "turnrl.envs.games.sokoban:SokobanEnv",
-    "FrozenLake": "turnrl.envs.games.frozenlake:FrozenLakeEnv",
-    "Bandit": "turnrl.envs.games.bandit:BanditEnv",
-    "Countdown": "turnrl.envs.games.countdown:CountdownEnv",
-    "Maze2D": "turnrl.envs.games.maze:Maze2DEnv",
-    "Navigation": "turnrl.envs.games.navigation:NavigationEnv",
-    "PrimitiveSkill": "turnrl.envs.games.primitive_skill:PrimitiveSkillEnv",
-    "SVG": "turnrl.envs.games.svg:SVGEnv",
-    "Spatial": "turnrl.envs.games.spatial:SpatialEnv",
-    "Sudoku": "turnrl.envs.games.sudoku:SudokuEnv",
-    "Game2048": "turnrl.envs.games.game2048:Game2048Env",
-    "RubiksCube": "turnrl.envs.games.rubiks:RubiksCubeEnv",
-}
+EnvFactory = Callable[..., AgentEnv]
+"""What an env name stands for: a class (or function) that takes the env's settings as keywords and returns an
+:class:`~turnrl.envs.base.AgentEnv`. A *registered* name is a :class:`~turnrl.envs.base.TurnEnv` subclass, whose
+modes, description and settings ``turnrl envs`` lists; ``module:attr`` may name any factory."""
+
+ENVS: Registry[EnvFactory] = Registry("env")
+"""Every env by name; ``env.id`` takes a name, ``module:attr`` or a Gymnasium id (:func:`make`). The built-in
+ones are registered by ``module:Class`` strings, so that listing them imports no env module."""
+
+ENVS.register("Sokoban", "turnrl.envs.games.sokoban:SokobanEnv")
+ENVS.register("FrozenLake", "turnrl.envs.games.frozenlake:FrozenLakeEnv")
+ENVS.register("Bandit", "turnrl.envs.games.bandit:BanditEnv")
+ENVS.register("Countdown", "turnrl.envs.games.countdown:CountdownEnv")
+ENVS.register("Maze2D", "turnrl.envs.games.maze:Maze2DEnv")
+ENVS.register("Navigation", "turnrl.envs.games.navigation:NavigationEnv")
+ENVS.register("PrimitiveSkill", "turnrl.envs.games.primitive_skill:PrimitiveSkillEnv")
+ENVS.register("SVG", "turnrl.envs.games.svg:SVGEnv")
+ENVS.register("Spatial", "turnrl.envs.games.spatial:SpatialEnv")
+ENVS.register("Sudoku", "turnrl.envs.games.sudoku:SudokuEnv")
+ENVS.register("Game2048", "turnrl.envs.games.game2048:Game2048Env")
+ENVS.register("RubiksCube", "turnrl.envs.games.rubiks:RubiksCubeEnv")
+
+BUILTIN_ENVS: tuple[str, ...] = ENVS.names()
+"""The names of the envs that come with turnrl."""
 
 CONTRACT_HINT = (
     "turnrl needs string actions, dict observations with a 'text' key, instructions() and action_names() "
@@ -43,25 +55,27 @@ def gym_id(name: str) -> str:
 
 
 def register_all() -> None:
-    """Register every built-in env with Gymnasium (idempotent)."""
-    for name, entry_point in BUILTIN_ENVS.items():
+    """Register every registered env with Gymnasium as ``turnrl/<Name>-v0`` (idempotent)."""
+    for name in ENVS.names():
         if gym_id(name) not in gym.registry:
-            gym.register(id=gym_id(name), entry_point=entry_point)
+            # gymnasium types its entry points as making a gymnasium.Env; ours are typed by the agent-env contract
+            gym.register(id=gym_id(name), entry_point=ENVS.target(name))  # type: ignore[arg-type]
 
 
 def env_names() -> list[str]:
-    return list(BUILTIN_ENVS)
+    """Every registered env name (the built-in ones first)."""
+    return list(ENVS.names())
 
 
 def builtin_name(env_id: str) -> str | None:
-    """``"sokoban"``, ``"Sokoban"`` or ``"turnrl/Sokoban-v0"`` -> ``"Sokoban"``; None if not built in.
+    """``"sokoban"``, ``"Sokoban"`` or ``"turnrl/Sokoban-v0"`` -> ``"Sokoban"``; None if not registered.
 
     Only a bare name or turnrl's own Gymnasium id: ``"Bandit-v0"`` may be someone else's registered env.
     """
     bare = env_id.lower()
     if bare.startswith("turnrl/") and bare.endswith("-v0"):
         bare = bare.removeprefix("turnrl/").removesuffix("-v0")
-    return next((name for name in BUILTIN_ENVS if name.lower() == bare), None)
+    return next((name for name in ENVS.names() if name.lower() == bare), None)
 
 
 def resolve_name(env_id: str) -> str:
@@ -75,17 +89,25 @@ def resolve_name(env_id: str) -> str:
 def unknown_env_message(env_id: str) -> str:
     """One line: what ``env.id`` takes, with the built-in names (and the likely one of a typo)."""
     return (
-        f"unknown env {env_id!r}; {did_you_mean([env_id], BUILTIN_ENVS)}"
-        f"env.id takes a built-in name ({', '.join(BUILTIN_ENVS)}; `turnrl envs` lists "
+        f"unknown env {env_id!r}; {did_you_mean([env_id], ENVS.names())}"
+        f"env.id takes a built-in name ({', '.join(ENVS.names())}; `turnrl envs` lists "
         "them), module:Class (e.g. my_package.envs:CorridorEnv), an id registered with gymnasium.register, or "
         "gym:<id> for a Gymnasium env with rgb_array frames (e.g. gym:FrozenLake-v1)"
     )
 
 
 def env_class(env_id: str) -> type[TurnEnv]:
-    """The class of a built-in env."""
-    module_name, class_name = BUILTIN_ENVS[resolve_name(env_id)].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    """The class of a registered env.
+
+    Raises:
+        TypeError: the name is registered to something other than a :class:`TurnEnv` subclass.
+    """
+    name = resolve_name(env_id)
+    cls = ENVS.get(name)
+    if not (inspect.isclass(cls) and issubclass(cls, TurnEnv)):
+        raise TypeError(f"env {name!r} is registered as {cls!r}; a registered env name is a TurnEnv subclass "
+                        "(name any other factory as module:attr)")
+    return cls
 
 
 def env_parameters(env_id: str) -> dict[str, Any]:
@@ -122,9 +144,7 @@ def make(env_id: str, **settings: Any) -> AgentEnv:
     """
     name = builtin_name(env_id)
     if name is not None:
-        cls = env_class(name)
-        check_settings(name, env_parameters(name), settings)
-        return cls(**settings)
+        return _build(name, env_class(name), settings)
     if env_id.startswith(GYM_PREFIX):
         # Wrapper.step is typed for any action and a SupportsFloat reward; the contract methods are the point here.
         return cast(AgentEnv, make_image_env(env_id.removeprefix(GYM_PREFIX), **settings))
@@ -137,35 +157,25 @@ def make(env_id: str, **settings: Any) -> AgentEnv:
 
 def _make_entry_point(env_id: str, settings: dict[str, Any]) -> AgentEnv:
     """``package.module:Class`` (or ``package.module:registered/Id-v0``) -> an env."""
-    module_name, _, attribute = env_id.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"env {env_id!r}: cannot import module {module_name!r} ({error})") from error
-    factory = _lookup(module, attribute)
-    if factory is None:
-        if attribute in gym.registry:  # gymnasium's own "module:id" form
+        factory = ENVS.get(env_id)
+    except RegistryError:
+        attribute = env_id.partition(":")[2]
+        if attribute in gym.registry:  # gymnasium's own "module:id" form: the import registered the id
             return _make_registered(attribute, settings)
-        hint = did_you_mean([attribute], [name for name in dir(module) if not name.startswith("_")])
-        raise ValueError(f"env {env_id!r}: module {module_name!r} has no attribute {attribute!r}"
-                         + (f"; {hint.strip()}" if hint else ""))
+        raise
+    return _build(env_id, factory, settings)
+
+
+def _build(label: str, factory: EnvFactory, settings: dict[str, Any]) -> AgentEnv:
+    """``factory(**settings)``, its settings checked first, and refused unless it has the agent-env methods."""
     if inspect.isclass(factory) and missing_methods(factory):
-        raise TypeError(_not_an_agent_env(env_id, factory.__name__, missing_methods(factory)))
-    check_settings(env_id, keyword_parameters(factory), settings)
+        raise TypeError(_not_an_agent_env(label, factory.__name__, missing_methods(factory)))
+    check_settings(label, keyword_parameters(factory), settings)
     env = factory(**settings)
     if missing_methods(env):
-        raise TypeError(_not_an_agent_env(env_id, type(env).__name__, missing_methods(env)))
+        raise TypeError(_not_an_agent_env(label, type(env).__name__, missing_methods(env)))
     return env
-
-
-def _lookup(module: Any, dotted: str) -> Any:
-    """``module.A.B`` for ``"A.B"``, or None."""
-    obj = module
-    for part in dotted.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 def _not_an_agent_env(env_id: str, type_name: str, missing: list[str]) -> str:

@@ -3,7 +3,6 @@ built (the registry and the Gymnasium adapter both check them)."""
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import types
 from collections.abc import Callable, Iterable
@@ -11,6 +10,11 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import gymnasium as gym
 from gymnasium.envs.registration import load_env_creator
+
+from turnrl.registry import close_names
+
+__all__ = ["check_settings", "close_names", "did_you_mean", "keyword_parameters", "literal_choices",
+           "registered_settings"]
 
 _GYM_MAKE_SETTINGS = {"max_episode_steps": None, "disable_env_checker": None}
 """Settings that ``gymnasium.make`` takes itself rather than passing to the env."""
@@ -41,15 +45,6 @@ def literal_choices(factory: Callable[..., Any]) -> dict[str, tuple[Any, ...]]:
         if name != "return" and len(options) == 1 and get_origin(options[0]) is Literal:
             choices[name] = get_args(options[0])
     return choices
-
-
-def close_names(word: str, names: Iterable[str], n: int = 3) -> list[str]:
-    """The ``names`` closest to a mistyped ``word`` (case ignored), for a "did you mean" hint; none if no name
-    is close (difflib's ratio under 0.75, the cut-off of config keys)."""
-    by_lower: dict[str, str] = {}
-    for name in names:
-        by_lower.setdefault(name.lower(), name)
-    return [by_lower[near] for near in difflib.get_close_matches(word.lower(), list(by_lower), n=n, cutoff=0.75)]
 
 
 def did_you_mean(words: Iterable[str], names: Iterable[str]) -> str:

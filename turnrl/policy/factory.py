@@ -1,15 +1,124 @@
-"""Build a policy from its name: ``expert``, ``random``, ``builtin``, a model path, or ``openai:<model>``."""
+"""Build a policy: a model's generation backend by ``model.backend`` (:data:`POLICY_BACKENDS`: ``auto``,
+``engine``, ``hf`` or ``my_package.module:my_backend``), and an evaluation's policy by name (``expert``,
+``random``, ``builtin``, a model path, or ``openai:<model>``)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from torch import nn
 
 from turnrl.agent.formats import ResponseFormat
-from turnrl.config import ConfigError, EvalConfig, ModelConfig
+from turnrl.config import ConfigError, EvalConfig, ModelConfig, check_registered
 from turnrl.policy.base import Policy
+from turnrl.registry import Registry
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A loaded model and what a generation backend needs beside it."""
+
+    model: nn.Module
+    """The causal LM (or VLM), on its device."""
+    tokenizer: Any
+    config: ModelConfig
+    """The run's ``model`` section (``config.engine``: the engine's settings)."""
+    processor: Any | None = None
+    """A VLM's processor; None for a text model."""
+    dtype: Any | None = None
+    """The compute dtype (the run's mixed precision); None uses the weights' own."""
+
+    @property
+    def on_gpu(self) -> bool:
+        return next(self.model.parameters()).device.type == "cuda"
+
+
+class PolicyBackend(Protocol):
+    """What ``model.backend`` names: a policy that samples from ``loaded.model``, taking at most
+    ``max_batch_size`` prompts at once (a backend that batches continuously, whose :meth:`Policy.streaming` is
+    not None, serves training and validation with one policy)."""
+
+    def __call__(self, loaded: LoadedModel, max_batch_size: int, /) -> Policy: ...
+
+
+POLICY_BACKENDS: Registry[PolicyBackend] = Registry("policy backend")
+"""Every generation backend by name; ``model.backend`` takes a name or ``module:attr``."""
+
+
+@POLICY_BACKENDS.register("hf")
+def hf_backend(loaded: LoadedModel, max_batch_size: int) -> Policy:
+    """transformers' ``generate``: any model, VLMs included."""
+    from turnrl.policy.hf import HFPolicy
+
+    return HFPolicy(loaded.model, loaded.tokenizer, max_batch_size=max_batch_size,  # type: ignore[arg-type]
+                    processor=loaded.processor)
+
+
+@POLICY_BACKENDS.register("engine")
+def engine_backend(loaded: LoadedModel, max_batch_size: int) -> Policy:
+    """The project's engine (KV cache kept across turns, continuous batching, CUDA graphs).
+
+    Raises:
+        ConfigError: a model the engine cannot run.
+    """
+    from turnrl.engine.families import UnsupportedModel
+
+    try:
+        return _engine(loaded, max_batch_size)
+    except UnsupportedModel as error:
+        raise ConfigError(f"model.backend=engine: {error}") from error
+
+
+@POLICY_BACKENDS.register("auto")
+def auto_backend(loaded: LoadedModel, max_batch_size: int) -> Policy:
+    """The engine on a GPU where it can run the model (Llama-family text models; Qwen2-VL, Qwen2.5-VL and
+    Qwen3-VL), transformers' ``generate`` otherwise: other architectures, and CPUs, where the engine was slower on
+    the quickstart's short one-turn prompts (docs/engine.md)."""
+    from turnrl.engine.families import UnsupportedModel
+
+    if loaded.on_gpu:
+        try:
+            return _engine(loaded, max_batch_size)
+        except UnsupportedModel:
+            pass
+    return hf_backend(loaded, max_batch_size)
+
+
+def _engine(loaded: LoadedModel, max_batch_size: int) -> Policy:
+    """An engine policy, with the families ``model.engine.families`` names added (UnsupportedModel if none runs
+    the model)."""
+    from turnrl.engine.families import add_families
+    from turnrl.policy.engine import EnginePolicy
+
+    add_families(loaded.config.engine.families)
+    return EnginePolicy(loaded.model, loaded.tokenizer, loaded.config.engine, dtype=loaded.dtype,
+                        max_sequences=max_batch_size, processor=loaded.processor)
+
+
+def policy_backend(config: ModelConfig) -> PolicyBackend:
+    """The backend ``config.backend`` names, after checking the engine families ``config.engine.families`` names.
+
+    Raises:
+        ConfigError: an unknown name (listing the registered ones), or a ``module:attr`` that cannot be imported.
+    """
+    check_model_choices(config)
+    return check_registered("model.backend", config.backend, POLICY_BACKENDS)
+
+
+def check_model_choices(config: ModelConfig) -> None:
+    """Check the ``model`` keys that name registered objects: ``model.backend`` and ``model.engine.families``
+    (the config layer sits below their registries, so :meth:`ModelConfig.validate` cannot).
+
+    Raises:
+        ConfigError: a name that is not registered (listing those that are) nor an importable ``module:attr``.
+    """
+    from turnrl.engine.families import ENGINE_FAMILIES
+
+    check_registered("model.backend", config.backend, POLICY_BACKENDS)
+    for name in config.engine.families:
+        check_registered("model.engine.families", name, ENGINE_FAMILIES)
 
 
 def model_policy(
@@ -20,19 +129,11 @@ def model_policy(
     processor: Any | None = None,
     dtype: Any | None = None,
 ) -> Policy:
-    """The generation backend for a loaded model, as ``model.backend`` asks.
+    """The generation backend for a loaded model, as ``model.backend`` asks (:data:`POLICY_BACKENDS`).
 
-    ``auto`` takes the engine on a GPU where it can run the model (Llama-family text models; Qwen2-VL, Qwen2.5-VL
-    and Qwen3-VL) and transformers' ``generate`` otherwise: other architectures, and CPUs, where the engine was
-    slower on the quickstart's short one-turn prompts (docs/engine.md). ``engine`` refuses a model it cannot run.
     ``dtype`` is the compute dtype (the run's mixed precision); None uses the weights' own.
     """
-    from turnrl.policy.hf import HFPolicy
-
-    engine = _engine_policy(model, tokenizer, config, max_batch_size, processor, dtype)
-    if engine is not None:
-        return engine
-    return HFPolicy(model, tokenizer, max_batch_size=max_batch_size, processor=processor)  # type: ignore[arg-type]
+    return policy_backend(config)(LoadedModel(model, tokenizer, config, processor, dtype), max_batch_size)
 
 
 def rollout_policies(
@@ -47,49 +148,25 @@ def rollout_policies(
     """The policies of a training run's rollouts and of its validation, both sampling from ``model``, as
     ``model.backend`` asks (see :func:`model_policy`).
 
-    The engine batches continuously whatever the batch size, so one engine (and its one cache) serves
-    both; transformers' ``generate`` gets a policy for each batch size: training's at most
+    A policy that batches continuously (the engine: its :meth:`Policy.streaming` is not None) serves both with
+    one cache; any other gets a policy for each batch size: training's at most
     ``max(batch_size, validation_batch_size)`` prompts at once, validation's ``validation_batch_size``.
     """
-    from turnrl.policy.hf import HFPolicy
-
-    largest = max(batch_size, validation_batch_size)
-    engine = _engine_policy(model, tokenizer, config, largest, processor, dtype)
-    if engine is not None:
-        return engine, engine
-    return (HFPolicy(model, tokenizer, max_batch_size=largest, processor=processor),  # type: ignore[arg-type]
-            HFPolicy(model, tokenizer, max_batch_size=validation_batch_size, processor=processor))  # type: ignore[arg-type]
-
-
-def _engine_policy(
-    model: nn.Module, tokenizer: Any, config: ModelConfig, max_batch_size: int, processor: Any | None, dtype: Any | None
-) -> Policy | None:
-    """The engine where ``model.backend`` asks for it and can have it, else None (transformers' ``generate``).
-
-    Raises:
-        ConfigError: ``model.backend=engine`` for a model the engine cannot run.
-    """
-    from turnrl.engine.families import UnsupportedModel
-    from turnrl.policy.engine import EnginePolicy
-
-    wanted = config.backend
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    if wanted == "engine" or (wanted == "auto" and on_gpu):
-        try:
-            return EnginePolicy(model, tokenizer, config.engine, dtype=dtype, max_sequences=max_batch_size,
-                                processor=processor)
-        except UnsupportedModel as error:
-            if wanted == "engine":
-                raise ConfigError(f"model.backend=engine: {error}") from error
-    return None
+    backend = policy_backend(config)
+    loaded = LoadedModel(model, tokenizer, config, processor, dtype)
+    policy = backend(loaded, max(batch_size, validation_batch_size))
+    if policy.streaming() is not None:
+        return policy, policy
+    return policy, backend(loaded, validation_batch_size)
 
 
 def load_model_policy(config: ModelConfig, path: str, max_batch_size: int) -> Policy:
     """Load the model at ``path`` (with its tokenizer and, for a VLM, its processor) and wrap it in the
-    backend ``config.backend`` asks for (see :func:`model_policy`)."""
+    backend ``config.backend`` asks for (see :func:`model_policy`; an unknown backend fails before loading)."""
     from turnrl.models.devices import resolve_device, resolve_dtype
     from turnrl.models.loading import load_model, load_processor, load_tokenizer
 
+    policy_backend(config)
     device = resolve_device(config.device)
     model = load_model(path, dtype=resolve_dtype(config.dtype, device), device=device).eval()
     processor = load_processor(path, config.min_pixels, config.max_pixels)

@@ -18,7 +18,6 @@ non-finite score does not stop the run: every turn of that call gets
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import logging
 import math
@@ -30,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 from turnrl.agent.formats import ParsedResponse
 from turnrl.config import ConfigError, RewardsConfig, RewardSpec
 from turnrl.envs.base import StateFacts
+from turnrl.registry import Registry, RegistryError, is_module_attr
 
 logger = logging.getLogger(__name__)
 
@@ -218,31 +218,34 @@ def _call(
 
 
 # --------------------------------------------------------------------------- loading
-BUILTIN_REWARDS: dict[str, str] = {
-    "overlong": "turnrl.rewards.shaping:OverlongPenalty",
-    "grounding": "turnrl.rewards.state:GroundingReward",
-    "worldmodel": "turnrl.rewards.state:WorldModelReward",
-}
+REWARDS: Registry[Any] = Registry("reward")
+"""Every reward function by name: a :class:`RewardFn`, or a class whose instances are (built with the spec's
+settings). ``rewards.extra[].fn`` takes a name or ``module:attr``. The built-in ones are registered by
+``module:attr`` strings (their modules import this one)."""
+
+REWARDS.register("overlong", "turnrl.rewards.shaping:OverlongPenalty")
+REWARDS.register("grounding", "turnrl.rewards.state:GroundingReward")
+REWARDS.register("worldmodel", "turnrl.rewards.state:WorldModelReward")
+
+BUILTIN_REWARDS: tuple[str, ...] = REWARDS.names()
 """Short names of the reward functions that come with turnrl."""
 
 
 def load_reward_fn(spec: RewardSpec) -> RewardFn:
-    """The reward function ``spec.fn`` names: a built-in name or ``module:attribute``.
+    """The reward function ``spec.fn`` names: a registered name or ``module:attribute``.
 
     A class is instantiated with ``spec.settings``; a function gets them as
     keyword arguments on every call.
     """
-    target = BUILTIN_REWARDS.get(spec.fn, spec.fn)
-    module_name, _, attribute = target.partition(":")
-    if not module_name or not attribute:
+    if spec.fn not in REWARDS and not is_module_attr(spec.fn):
         raise ConfigError(
             f"rewards.extra {spec.name!r}: fn={spec.fn!r} is neither a built-in reward "
-            f"({', '.join(BUILTIN_REWARDS)}) nor of the form module:attribute"
+            f"({', '.join(REWARDS.names())}) nor of the form module:attribute"
         )
     try:
-        obj: Any = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ConfigError(f"rewards.extra {spec.name!r}: cannot load {target!r}: {error}") from error
+        obj: Any = REWARDS.get(spec.fn)
+    except RegistryError as error:
+        raise ConfigError(f"rewards.extra {spec.name!r}: cannot load {spec.fn!r}: {error}") from error
     try:
         if inspect.isclass(obj):
             fn = obj(**spec.settings)
@@ -253,8 +256,8 @@ def load_reward_fn(spec: RewardSpec) -> RewardFn:
             fn = obj
     except (TypeError, ValueError) as error:
         raise ConfigError(
-            f"rewards.extra {spec.name!r}: bad settings {spec.settings} for {target!r}: {error}"
+            f"rewards.extra {spec.name!r}: bad settings {spec.settings} for {spec.fn!r}: {error}"
         ) from error
     if not callable(fn):
-        raise ConfigError(f"rewards.extra {spec.name!r}: {target!r} is not callable")
+        raise ConfigError(f"rewards.extra {spec.name!r}: {spec.fn!r} is not callable")
     return fn

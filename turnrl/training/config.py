@@ -12,6 +12,7 @@ from omegaconf.errors import OmegaConfBaseException
 from turnrl.agent.formats import get_format
 from turnrl.algorithms.advantages import Placement
 from turnrl.algorithms.estimators import (
+    ESTIMATORS,
     EstimatorSpec,
     SharedSettings,
     estimator_names,
@@ -19,7 +20,7 @@ from turnrl.algorithms.estimators import (
     param_names,
 )
 from turnrl.algorithms.filters import OnEmpty, Strategy, Weighting
-from turnrl.algorithms.losses import Aggregation, KLKind
+from turnrl.algorithms.losses import POLICY_LOSSES, Aggregation, KLKind, PolicyLoss, PolicyLossSettings
 from turnrl.config import (
     AgentConfig,
     ConfigError,
@@ -31,8 +32,10 @@ from turnrl.config import (
     SeedConfig,
     check_choice,
     check_range,
+    check_registered,
     close_keys,
 )
+from turnrl.policy.factory import check_model_choices
 
 
 def default_estimator_params() -> dict[str, dict[str, Any]]:
@@ -97,7 +100,8 @@ class FilterConfig:
 class AlgorithmConfig:
     advantage: str = "gae"
     """Estimator, by its registered name (turnrl/algorithms/estimators.py): ``gae``, ``bilevel_gae``,
-    ``turn_gae``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp``, ``gigpo``, or one registered by you."""
+    ``turn_gae``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp``, ``gigpo``, one registered by you, or
+    ``my_package.module:my_estimator`` (docs/extending.md)."""
     estimator_params: dict[str, dict[str, Any]] = field(default_factory=default_estimator_params)
     """Each estimator's own settings, by estimator name, checked against its parameters (only the chosen
     estimator's are used): ``gigpo: {gamma: 0.95, step_weight: 1.0, norm_by_std: true}``, or
@@ -135,6 +139,9 @@ class AlgorithmConfig:
     """KL estimator: ``k1``, ``k2`` or ``k3``."""
     kl_in_reward: bool = False
     """Subtract the KL from the token rewards instead of adding it to the loss."""
+    policy_loss: str = "ppo"
+    """The policy loss (turnrl/algorithms/losses.py): ``ppo`` (the clipped surrogate; GSPO with
+    ``ratio_level=sequence``), or ``my_package.module:my_loss`` (docs/extending.md)."""
     loss_aggregation: Aggregation = "token-mean"
     """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``."""
     old_logprobs: str = "sampler"
@@ -173,8 +180,19 @@ class AlgorithmConfig:
 
     @property
     def estimator(self) -> EstimatorSpec:
-        """The registered estimator that ``advantage`` names."""
+        """The estimator that ``advantage`` names (registered, or ``module:attr``)."""
         return get_estimator(self.advantage)
+
+    @property
+    def policy_loss_fn(self) -> PolicyLoss:
+        """The policy loss that ``policy_loss`` names (registered, or ``module:attr``)."""
+        return POLICY_LOSSES.get(self.policy_loss)
+
+    @property
+    def policy_loss_settings(self) -> PolicyLossSettings:
+        """The settings a policy loss reads."""
+        return PolicyLossSettings(self.clip_low, self.clip_high, self.dual_clip, self.loss_aggregation,
+                                  self.ratio_level)
 
     @property
     def uses_critic(self) -> bool:
@@ -183,7 +201,8 @@ class AlgorithmConfig:
     @property
     def params(self) -> Any:
         """The chosen estimator's parameters (its params dataclass) from ``estimator_params``."""
-        return parse_estimator_params(self.estimator, self.estimator_params.get(self.advantage, {}))
+        spec = self.estimator
+        return parse_estimator_params(spec, self.estimator_params.get(spec.name, {}))
 
     @property
     def shared_settings(self) -> SharedSettings:
@@ -192,7 +211,8 @@ class AlgorithmConfig:
                               self.whiten_advantages)
 
     def validate(self) -> None:
-        check_choice("algorithm.advantage", self.advantage, estimator_names())
+        check_registered("algorithm.advantage", self.advantage, ESTIMATORS)  # imports a module:attr's module
+        check_registered("algorithm.policy_loss", self.policy_loss, POLICY_LOSSES)
         for name, given in self.estimator_params.items():
             if name not in estimator_names():
                 raise ConfigError(f"algorithm.estimator_params.{name}: no estimator is registered as {name!r}; "
@@ -524,6 +544,7 @@ class TrainConfig:
         self.rewards.validate()
         self.sampling.validate()
         self.model.validate()
+        check_model_choices(self.model)
         self.groups.validate()
         self.algorithm.validate()
         self.sft.validate()

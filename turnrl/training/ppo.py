@@ -19,10 +19,10 @@ from turnrl.algorithms import (
     aggregate,
     entropy_bonus,
     kl_penalty,
-    ppo_policy_loss,
     truncated_importance_weights,
     value_loss,
 )
+from turnrl.algorithms.losses import PolicyLossInputs
 from turnrl.models.devices import to_device
 from turnrl.training.batch import Batch
 from turnrl.training.config import AlgorithmConfig, OptimConfig
@@ -328,11 +328,9 @@ def _actor_backward(
     if cap is not None:
         token_weights = truncated_importance_weights(
             inputs.old_logprobs[index], part.sampler_logprobs.to(logprobs.device), mask, cap)
-    policy_loss, stats = ppo_policy_loss(
-        logprobs, inputs.old_logprobs[index], inputs.advantages[index], mask,
-        clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
-        aggregation=config.loss_aggregation, sample_weights=weights, ratio_level=config.ratio_level,
-        token_weights=token_weights,
+    policy_loss, stats = config.policy_loss_fn(
+        PolicyLossInputs(logprobs, inputs.old_logprobs[index], inputs.advantages[index], mask, weights, token_weights),
+        config.policy_loss_settings,
     )
     loss = policy_loss
     metrics = {"losses/policy": policy_loss, "actor/clip_frac": stats.clip_frac, "actor/approx_kl": stats.approx_kl,
