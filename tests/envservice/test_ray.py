@@ -14,7 +14,7 @@ from tests.rollout.trajectory_checks import same_trajectory
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import check_env, make
-from turnrl.envs.base import observation_key
+from turnrl.envs.base import optional_methods, state_key
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.protocol import EnvRaisedError, RemoteEnvError
 from turnrl.envservice.ray import EnvHost, EnvWorkerLostError, RayEnvOptions, ray_env_factory
@@ -97,8 +97,8 @@ def test_an_env_in_a_worker_passes_the_env_checker(env_id, settings):
     local = make(env_id, **settings)
     obs, _ = local.reset(seed=3)
     # An env without state_key() or text(): the worker answers as the rollout would (a hash, "").
-    assert env.state_key() == (local.state_key() if hasattr(local, "state_key") else observation_key(obs))
-    assert env.text() == (local.text() if hasattr(local, "text") else "")
+    assert env.state_key() == state_key(local, obs)
+    assert env.text() == optional_methods(local).text()
     make_env.close()
 
 

@@ -11,11 +11,11 @@ import json
 import signal
 import threading
 import time
-import typing
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
+import pydantic
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -43,7 +43,6 @@ from turnrl.envservice.protocol import (
     EnvSpecError,
     LimitError,
     NoServerError,
-    Query,
     RemoteEnvError,
     SessionLostError,
     answer_query,
@@ -52,6 +51,7 @@ from turnrl.envservice.protocol import (
 from turnrl.envservice.server import (
     EnvServer,
     OpenBody,
+    QueryItem,
     ResetBody,
     ResetItem,
     SessionsBody,
@@ -485,7 +485,13 @@ def test_an_env_without_a_step_limit_answers_no_budget():
 
 
 def test_the_server_takes_exactly_the_queries_the_client_knows():
-    assert typing.get_args(Query) == QUERIES
+    """The request schema reads its query names off the contract: each is taken, anything else refused."""
+    for name in QUERIES:
+        assert QueryItem(session="a", queries=[name]).queries == [name]
+        assert ResetItem(session="a", queries=[name]).queries == [name]
+    for bad in ("close", "canonical_action", "reset", "nonsense"):
+        with pytest.raises(pydantic.ValidationError, match="unknown query"):
+            StepItem(session="a", action="x", queries=[bad])
 
 
 def test_loopback_and_the_warning_for_an_open_server_without_a_token():
