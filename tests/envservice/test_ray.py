@@ -212,3 +212,15 @@ def test_a_copy_of_a_ray_env_is_an_env_of_its_own_in_the_same_worker(sokoban):
     plan = env.solve()
     twin.step(plan[0])
     assert twin.text() != env.text() and env.solve() == plan
+
+
+def test_a_worker_closes_an_env_where_it_offers_close():
+    host = EnvHost("tests.envs.toy_envs:CorridorWithExtras", {})
+    host.reset(0, 0, None, ())
+    env = host.envs[0]
+    host.close(0)
+    assert env.closed == 1 and host.size() == 0
+    bare = EnvHost("tests.envs.toy_envs:Corridor", {})
+    bare.reset(0, 0, None, ())
+    bare.close(0)  # an env without close(): forgotten, no error
+    assert bare.size() == 0
