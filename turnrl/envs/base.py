@@ -279,8 +279,6 @@ def _declared_methods(contract: type) -> tuple[str, ...]:
 
 REQUIRED_METHODS: tuple[str, ...] = _declared_methods(AgentEnv)
 """The methods of :class:`AgentEnv`, in the order an error message lists them."""
-AGENT_ENV_METHODS = REQUIRED_METHODS
-"""Another name of :data:`REQUIRED_METHODS`."""
 OPTIONAL_METHODS: tuple[str, ...] = _declared_methods(OptionalMethods)
 """The methods of :class:`OptionalMethods`."""
 QUERIES: tuple[str, ...] = tuple(_QUERY_NAMES)
