@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.envs.toy_envs import Corridor, CorridorWithExtras
 from tests.envservice.env_helpers import env_server
 from turnrl.config import VARIANT_SETS, AgentConfig, ConfigError, EvalConfig, load_config
 from turnrl.envs import make
 from turnrl.envs.registry import env_names
-from turnrl.evaluate import eval_envs, first_errors, run_eval
+from turnrl.evaluate import env_budget, eval_envs, first_errors, run_eval
 from turnrl.rollout.trajectory import ERROR, Trajectory
 from turnrl.training.config import TrainConfig
 from turnrl.training.logger import RunProgress
@@ -494,3 +495,10 @@ def test_an_eval_whose_second_variant_is_refused_closes_the_first_variants_sessi
         with pytest.raises(ConfigError, match="variant 'big'"):
             run_eval(config, budget_from_env=True)  # the first variant's budget query opened a session
         assert open_sessions(url) == 0
+
+
+def test_the_env_budget_is_the_envs_own_action_budget_or_none():
+    agent = AgentConfig(max_turns=3)
+    assert env_budget(Corridor(), agent) is None  # no action_budget(): the agent's own budget stays
+    budgeted = env_budget(CorridorWithExtras(length=7), agent)
+    assert budgeted is not None and (budgeted.max_turns, budgeted.max_actions_per_episode) == (6, 6)

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, ConfigError, EnvConfig, EvalConfig, to_yaml
+from turnrl.envs.base import AgentEnv, optional_methods
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import EnvFactory, env_factory
 from turnrl.policy.base import Policy
@@ -117,12 +118,11 @@ def print_errors(summary: dict[str, Any], name: str = "") -> None:
             console.print(f"  {message}", markup=False, highlight=False)
 
 
-def env_budget(env: Any, agent: AgentConfig) -> AgentConfig | None:
+def env_budget(env: AgentEnv, agent: AgentConfig) -> AgentConfig | None:
     """``agent`` with the turn and action budgets the env asks for (``env.action_budget()``): one action a
     turn is enough to finish. None for an env that names no budget (no ``action_budget``, or one that
     answers None: a Gymnasium env without a step limit)."""
-    budget = getattr(env, "action_budget", None)
-    wanted = budget() if callable(budget) else None  # a remote env answers None for an env without one
+    wanted = optional_methods(env).action_budget()
     if wanted is None:
         return None
     actions = max(1, int(wanted))

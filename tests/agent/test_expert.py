@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 
+from tests.envs.toy_envs import CorridorWithExtras
 from turnrl.agent.expert import expert_fields
-from turnrl.envs import make
+from turnrl.envs import StateFacts, make
 
 
 def test_expert_think_holds_the_observation_when_the_format_has_no_observation_tag():
@@ -39,3 +40,14 @@ def test_an_env_without_state_text_or_facts_gets_empty_fields_not_an_error():
 
     fields = expert_fields(Bare(), ["go"], ("observation", "prediction"))
     assert fields == {"observation": "", "prediction": ""}
+
+
+def test_an_env_whose_facts_say_nothing_is_described_by_its_text():
+    class Factless(CorridorWithExtras):
+        def state_facts(self):
+            return StateFacts(player=None)
+
+    env = Factless()
+    env.reset(seed=0)
+    fields = expert_fields(env, ["Right"], ("observation", "prediction"))
+    assert fields == {"observation": "___P_", "prediction": "____P"}

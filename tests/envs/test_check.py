@@ -79,8 +79,10 @@ def test_every_failure_is_listed_once():
 
 
 def test_an_object_without_the_methods_is_told_what_is_missing():
-    with pytest.raises(EnvCheckError, match=r"no instructions\(\), action_names\(\), state_facts\(\), solve\(\)"):
+    missing = r"no instructions\(\), action_names\(\), state_facts\(\), solve\(\)"
+    with pytest.raises(EnvCheckError, match=missing) as info:
         check_env(toy_envs.NoInstructions())
+    assert "may have state_key(), text(), image(), action_budget(), canonical_action(), close()" in str(info.value)
 
 
 def test_gymnasium_checker_failures_are_reported():

@@ -1,6 +1,6 @@
 """Small envs defined outside turnrl, for make("module:Class"), Gymnasium ids and check_env.
 
-``Corridor`` is a plain class (no ``gymnasium.Env``) with only the AgentEnv
+``Corridor`` is a plain class (no ``gymnasium.Env``) with only the required AgentEnv
 methods; ``CorridorTurnEnv`` is the same task on ``TurnEnv``. The ``Broken*``
 classes each break one rule of the contract, so check_env must name it.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 
 from turnrl.envs import StateFacts, StepOutcome, TurnEnv, facts_from_positions
@@ -148,3 +149,34 @@ class CorridorTurnEnv(TurnEnv):
 
     def solve(self) -> list[str]:
         return ["Right"] * (self.length - 1 - self.position)
+
+
+class CorridorWithExtras(Corridor):
+    """The corridor with every optional method of the contract, still a plain class (no turnrl base)."""
+
+    closed = 0
+
+    def state_key(self) -> str:
+        return f"at {self.position}"
+
+    def text(self) -> str:
+        return self.observation()["text"]
+
+    def image(self) -> np.ndarray:
+        return np.full((2, self.length, 3), 40 * self.position, dtype=np.uint8)
+
+    def action_budget(self) -> int:
+        return self.length - 1
+
+    def canonical_action(self, action: str) -> str | None:
+        return self.canonical(action)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class CorridorGymEnv(Corridor, gym.Env):
+    """The plain corridor as a ``gymnasium.Env``, to register under an id: the required methods only."""
+
+    action_space = gym.spaces.Text(16)
+    observation_space = gym.spaces.Dict({"text": gym.spaces.Text(16, charset="P_")})

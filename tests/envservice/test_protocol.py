@@ -12,10 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from tests.envs.toy_envs import Corridor, CorridorWithExtras
+from turnrl.envs import base as contract
 from turnrl.envs import make
-from turnrl.envs.base import ObjectFact, StateFacts
+from turnrl.envs.base import ObjectFact, StateFacts, observation_key
 from turnrl.envservice.protocol import (
+    QUERIES,
+    QueriedEnv,
     RemoteEnvError,
+    answer_query,
     decode_facts,
     decode_item,
     decode_observation,
@@ -142,3 +147,37 @@ def test_an_answer_item_of_any_shape_decodes_or_raises_a_remote_env_error(data, 
 def test_malformed_encodings_are_named(bad):
     with pytest.raises(ValueError):
         decode_value(bad)
+
+
+def test_the_query_list_is_the_contracts_declared_queries():
+    """Both transports take their query list from the env contract's one declaration: every method marked a
+    query there, each optional one that takes no argument and changes nothing among them."""
+    assert QUERIES == contract.QUERIES
+    assert set(contract.REQUIRED_METHODS) - {"reset", "step"} <= set(QUERIES)
+    assert set(contract.OPTIONAL_METHODS) - set(QUERIES) == {"canonical_action", "close"}
+
+
+@pytest.mark.parametrize("name", QUERIES)
+def test_a_queried_env_asks_for_every_query(name):
+    class Recorder(QueriedEnv):
+        def _query(self, asked):
+            return f"answer to {asked}"
+
+    assert getattr(Recorder(), name)() == f"answer to {name}"
+    with pytest.raises(AttributeError, match="no attribute 'canonical_action'"):
+        Recorder().canonical_action  # noqa: B018 - not a query: the proxy does not offer it
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    (Corridor(), {"state_key": None, "text": "", "action_budget": None}),
+    (CorridorWithExtras(), {"state_key": "at 3", "text": "___P_", "action_budget": 4}),
+])
+def test_an_env_answers_its_own_optional_queries_or_their_defaults(env, expected):
+    obs, _ = env.reset(seed=0)
+    expected["state_key"] = expected["state_key"] or observation_key(obs)
+    assert {name: answer_query(env, name, obs) for name in expected} == expected
+    if isinstance(env, CorridorWithExtras):
+        assert answer_query(env, "image", obs).shape == (2, 5, 3)
+    else:
+        with pytest.raises(NotImplementedError, match="offers no image"):
+            answer_query(env, "image", obs)

@@ -14,7 +14,7 @@ from tests.rollout.trajectory_checks import same_trajectory
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import check_env, make
-from turnrl.envs.base import observation_key
+from turnrl.envs.base import optional_methods, state_key
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.protocol import EnvRaisedError, RemoteEnvError
 from turnrl.envservice.ray import EnvHost, EnvWorkerLostError, RayEnvOptions, ray_env_factory
@@ -97,8 +97,8 @@ def test_an_env_in_a_worker_passes_the_env_checker(env_id, settings):
     local = make(env_id, **settings)
     obs, _ = local.reset(seed=3)
     # An env without state_key() or text(): the worker answers as the rollout would (a hash, "").
-    assert env.state_key() == (local.state_key() if hasattr(local, "state_key") else observation_key(obs))
-    assert env.text() == (local.text() if hasattr(local, "text") else "")
+    assert env.state_key() == state_key(local, obs)
+    assert env.text() == optional_methods(local).text()
     make_env.close()
 
 
@@ -212,3 +212,15 @@ def test_a_copy_of_a_ray_env_is_an_env_of_its_own_in_the_same_worker(sokoban):
     plan = env.solve()
     twin.step(plan[0])
     assert twin.text() != env.text() and env.solve() == plan
+
+
+def test_a_worker_closes_an_env_where_it_offers_close():
+    host = EnvHost("tests.envs.toy_envs:CorridorWithExtras", {})
+    host.reset(0, 0, None, ())
+    env = host.envs[0]
+    host.close(0)
+    assert env.closed == 1 and host.size() == 0
+    bare = EnvHost("tests.envs.toy_envs:Corridor", {})
+    bare.reset(0, 0, None, ())
+    bare.close(0)  # an env without close(): forgotten, no error
+    assert bare.size() == 0

@@ -11,22 +11,23 @@ import json
 import signal
 import threading
 import time
-import typing
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
+import pydantic
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.envs.toy_envs import Corridor, CorridorWithExtras
 from tests.envservice.env_helpers import PROBE, LoseAnswers, ProbeEnv, ServerProcess, env_server
 from tests.rollout.trajectory_checks import same_trajectory
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import check_env, make
-from turnrl.envs.base import observation_key
+from turnrl.envs.base import observation_key, optional_methods
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.client import (
     ClientOptions,
@@ -43,7 +44,6 @@ from turnrl.envservice.protocol import (
     EnvSpecError,
     LimitError,
     NoServerError,
-    Query,
     RemoteEnvError,
     SessionLostError,
     answer_query,
@@ -52,12 +52,14 @@ from turnrl.envservice.protocol import (
 from turnrl.envservice.server import (
     EnvServer,
     OpenBody,
+    QueryItem,
     ResetBody,
     ResetItem,
     SessionsBody,
     StepBody,
     StepItem,
     build_app,
+    close_env,
     exposure_warning,
     is_loopback,
     main,
@@ -485,7 +487,13 @@ def test_an_env_without_a_step_limit_answers_no_budget():
 
 
 def test_the_server_takes_exactly_the_queries_the_client_knows():
-    assert typing.get_args(Query) == QUERIES
+    """The request schema reads its query names off the contract: each is taken, anything else refused."""
+    for name in QUERIES:
+        assert QueryItem(session="a", queries=[name]).queries == [name]
+        assert ResetItem(session="a", queries=[name]).queries == [name]
+    for bad in ("close", "canonical_action", "reset", "nonsense"):
+        with pytest.raises(pydantic.ValidationError, match="unknown query"):
+            StepItem(session="a", action="x", queries=[bad])
 
 
 def test_loopback_and_the_warning_for_an_open_server_without_a_token():
@@ -688,3 +696,34 @@ def test_a_remote_env_tells_eval_its_budget(tmp_path):
                                                            f"out={tmp_path}", f"env.remote=[{url}]"]),
                            budget_from_env=True)
     assert summary["budget"]["max_turns"] == make("Sokoban").action_budget()
+
+
+CORRIDOR, EXTRAS = "tests.envs.toy_envs:Corridor", "tests.envs.toy_envs:CorridorWithExtras"
+
+
+def test_a_remote_env_forwards_the_optional_methods_its_env_offers_and_defaults_the_others():
+    with env_server(envs=[CORRIDOR, EXTRAS]) as url:
+        remote, local = remote_env_factory(EXTRAS, {}, [url], **FAST)(), CorridorWithExtras()
+        for env in (remote, local):
+            env.reset(seed=0)
+            env.step("Right")
+        offered = optional_methods(remote)
+        assert offered.state_key() == local.state_key() and offered.text() == local.text()
+        assert offered.action_budget() == local.action_budget() and np.array_equal(offered.image(), local.image())
+        assert offered.canonical_action("right") is None  # not a query: the remote env offers no spellings
+        bare = remote_env_factory(CORRIDOR, {}, [url], **FAST)()
+        obs, _ = bare.reset(seed=0)
+        offered = optional_methods(bare)
+        assert offered.state_key() == observation_key(obs) and offered.text() == ""
+        assert offered.action_budget() is None
+        with pytest.raises(RemoteEnvError, match=r"image\(\) failed: NotImplementedError: the env offers no image"):
+            offered.image()
+        remote.close()
+        bare.close()
+
+
+def test_closing_a_session_closes_its_env_where_it_offers_close():
+    env = CorridorWithExtras()
+    close_env(env)
+    close_env(Corridor())  # offers none: nothing to do, and no error
+    assert env.closed == 1

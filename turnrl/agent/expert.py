@@ -10,13 +10,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-from turnrl.envs.base import AgentEnv
+from turnrl.envs.base import AgentEnv, optional_methods
 
 
 def _state_text(env: AgentEnv) -> str:
-    """The env's text of its state where it has one (built-in envs), for envs whose facts say nothing."""
-    text = getattr(env, "text", None)
-    return text() if callable(text) else ""
+    """The env's text of its state where it offers one (built-in envs; else ""), for envs whose facts say
+    nothing."""
+    return optional_methods(env).text()
 
 
 def _describe_after(env: AgentEnv, actions: list[str]) -> str:

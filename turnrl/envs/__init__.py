@@ -1,7 +1,17 @@
 """Environments: the contract (:class:`AgentEnv`), its checker, the registry of the built-in games (which live in
 :mod:`turnrl.envs.games`), the Gymnasium image adapter (:class:`GymImageEnv`, ``gym:<id>``) and :func:`make`."""
 
-from turnrl.envs.base import AgentEnv, ObjectFact, StateFacts, StepOutcome, TurnEnv, facts_from_positions, relation
+from turnrl.envs.base import (
+    AgentEnv,
+    ObjectFact,
+    OptionalMethods,
+    StateFacts,
+    StepOutcome,
+    TurnEnv,
+    facts_from_positions,
+    optional_methods,
+    relation,
+)
 from turnrl.envs.check import EnvCheckError, check_env
 from turnrl.envs.gym_adapter import GymImageEnv
 from turnrl.envs.registry import AgentEnvWrapper, env_class, env_names, gym_id, make, register_all
@@ -15,6 +25,7 @@ __all__ = [
     "EnvCheckError",
     "GymImageEnv",
     "ObjectFact",
+    "OptionalMethods",
     "SeedSplits",
     "StateFacts",
     "StepOutcome",
@@ -25,6 +36,7 @@ __all__ = [
     "facts_from_positions",
     "gym_id",
     "make",
+    "optional_methods",
     "register_all",
     "relation",
 ]

@@ -1,4 +1,4 @@
-"""The env contract: :class:`AgentEnv` (what the rollout needs) and :class:`TurnEnv`.
+"""The env contract: :class:`AgentEnv` (what the rollout needs), :class:`OptionalMethods` and :class:`TurnEnv`.
 
 A turnrl environment is a Gymnasium-style environment whose actions are
 strings and whose observations are dicts: ``{"text": str}`` and, in image
@@ -9,6 +9,15 @@ rewards) and, where a solver exists, expert actions from the current state.
 :class:`AgentEnv` states that contract as a Protocol, so any class with these
 methods is an env (``turnrl.envs.check_env`` tests one); :class:`TurnEnv` is
 the base class of the built-in envs, one way to satisfy it.
+
+Beyond those, an env may define the methods of :class:`OptionalMethods`
+(``state_key``, ``text``, ``image``, ``action_budget``, ``canonical_action``,
+``close``); that class declares each with what an env without it answers.
+Callers reach them through :func:`optional_methods`, the one place that looks
+at what an env defines, and never look a name up themselves. The names of the
+contract (:data:`REQUIRED_METHODS`, :data:`OPTIONAL_METHODS`) and the queries an
+env that lives elsewhere answers (:data:`QUERIES`, marked :func:`query`) are
+read off these two declarations, so a capability is added in one place.
 
 TurnEnv subclasses implement the small ``_reset`` / ``_step`` / ``text`` / ``image``
 methods; this base class owns seeding, step counting, truncation and the
@@ -28,12 +37,13 @@ handling of bad actions, so that every env behaves the same way:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -158,15 +168,27 @@ def env_metrics(info: Mapping[str, Any]) -> dict[str, float] | None:
     return out
 
 
+Method = TypeVar("Method", bound=Callable[..., Any])
+_QUERY_NAMES: list[str] = []
+
+
+def query(method: Method) -> Method:
+    """Mark a method of the contract as a query: it takes no argument and changes nothing, so an env that lives
+    elsewhere (:mod:`turnrl.envservice`) answers it; :data:`QUERIES` lists every method so marked."""
+    _QUERY_NAMES.append(method.__name__)
+    return method
+
+
 @runtime_checkable
 class AgentEnv(Protocol):
-    """What the rollout needs of an environment.
+    """What the rollout needs of an environment: the required methods.
 
     Any object with these methods is an env; it need not subclass
     :class:`TurnEnv` nor even ``gymnasium.Env``. ``turnrl.envs.check_env``
     tests the behaviour the signatures cannot say: same seed, same episode;
     invalid actions never raise; observations are ``{"text": str}`` plus
-    ``"image"`` (``HxWx3`` uint8) in image modes.
+    ``"image"`` (``HxWx3`` uint8) in image modes. The methods an env may add
+    are those of :class:`OptionalMethods`.
     """
 
     def reset(
@@ -188,21 +210,97 @@ class AgentEnv(Protocol):
         """
         ...
 
+    @query
     def instructions(self) -> str:
         """Task description for the system prompt: goal, symbols, actions."""
         ...
 
+    @query
     def action_names(self) -> list[str] | None:
         """Canonical action names, or None when actions are free-form."""
         ...
 
+    @query
     def state_facts(self) -> StateFacts:
         """Ground-truth objects and their relations to the player."""
         ...
 
+    @query
     def solve(self) -> list[str] | None:
         """Expert actions from the current state, or None where no solver exists."""
         ...
+
+
+class OptionalMethods:
+    """The optional methods of the env contract, each with what an env that does not define it answers.
+
+    An env offers one by defining it; subclassing this class is not needed (:class:`TurnEnv` does, so the type
+    checker compares its signatures with these). Callers take an env's through :func:`optional_methods`.
+    """
+
+    @query
+    def state_key(self) -> str | None:
+        """A key equal exactly for equal states (GiGPO groups turns by it). Default None: the env offers none,
+        and :func:`state_key` hashes its latest observation instead."""
+        return None
+
+    @query
+    def text(self) -> str:
+        """The text of the current state, for expert demos whose state facts say nothing. Default ``""``."""
+        return ""
+
+    @query
+    def image(self) -> np.ndarray:
+        """The current state as an ``HxWx3`` uint8 image (image modes). Default: NotImplementedError."""
+        raise NotImplementedError("the env offers no image() (an env in an image mode renders one)")
+
+    @query
+    def action_budget(self) -> int | None:
+        """Actions a competent agent needs at most to finish an episode (one action a turn): the turn and action
+        budget ``turnrl eval`` gives by default. Default None: the agent's own budget is kept."""
+        return None
+
+    def canonical_action(self, action: str) -> str | None:
+        """The action name ``action`` spells (another case or spelling of a name), or None. An adapter such as
+        ``gym:`` accepts these spellings of the env's actions. Default None: the env reads no spelling beyond
+        its action names."""
+        return None
+
+    def close(self) -> None:
+        """Release what the env holds outside Python objects (a process, a window). Default: nothing."""
+        return None
+
+
+def _declared_methods(contract: type) -> tuple[str, ...]:
+    """The public methods a class of the contract declares, in the order written."""
+    return tuple(name for name, value in vars(contract).items() if inspect.isfunction(value)
+                 and not name.startswith("_"))
+
+
+REQUIRED_METHODS: tuple[str, ...] = _declared_methods(AgentEnv)
+"""The methods of :class:`AgentEnv`, in the order an error message lists them."""
+OPTIONAL_METHODS: tuple[str, ...] = _declared_methods(OptionalMethods)
+"""The methods of :class:`OptionalMethods`."""
+QUERIES: tuple[str, ...] = tuple(_QUERY_NAMES)
+"""The methods marked :func:`query` (required first): what an env that lives elsewhere answers."""
+
+
+class _OwnOrDefault(OptionalMethods):
+    """The optional methods of an env that does not subclass :class:`OptionalMethods`: its own where it defines
+    them, the defaults elsewhere."""
+
+    def __init__(self, env: object) -> None:
+        for name in OPTIONAL_METHODS:
+            own = getattr(env, name, None)
+            if callable(own):  # an attribute that only shares the name (a caption str called text) is no method
+                setattr(self, name, own)  # an instance attribute is found before the class's default
+
+
+def optional_methods(env: object) -> OptionalMethods:
+    """The optional methods of ``env``: its own where it defines them, the defaults of :class:`OptionalMethods`
+    for the others. The one place that looks at which methods an env has, so that an env of any class (a
+    user's ``module:Class``, a Gymnasium env behind ``AgentEnvWrapper``, a remote env) gets the same answers."""
+    return env if isinstance(env, OptionalMethods) else _OwnOrDefault(env)
 
 
 def observation_key(obs: dict[str, Any]) -> str:
@@ -215,19 +313,33 @@ def observation_key(obs: dict[str, Any]) -> str:
 
 def state_key(env: AgentEnv, obs: dict[str, Any]) -> str:
     """A key of the state ``env`` is in, equal exactly for equal states (GiGPO groups turns by it): the env's
-    ``state_key()`` where it has one (an optional method of the contract), else :func:`observation_key` of
-    ``obs``, the env's latest observation. Raises what the env's ``state_key()`` raises."""
-    own = getattr(env, "state_key", None)
-    return str(own()) if callable(own) else observation_key(obs)
-
-
-AGENT_ENV_METHODS: tuple[str, ...] = ("reset", "step", "instructions", "action_names", "state_facts", "solve")
-"""The methods of :class:`AgentEnv`, in the order an error message lists them."""
+    ``state_key()`` where it offers one, else :func:`observation_key` of ``obs``, the env's latest observation.
+    Raises what the env's ``state_key()`` raises."""
+    own = optional_methods(env).state_key()
+    return observation_key(obs) if own is None else str(own)
 
 
 def missing_methods(env: Any) -> list[str]:
     """The :class:`AgentEnv` methods that ``env`` (an instance or a class) lacks."""
-    return [name for name in AGENT_ENV_METHODS if not callable(getattr(env, name, None))]
+    return [name for name in REQUIRED_METHODS if not callable(getattr(env, name, None))]
+
+
+class AgentEnvWrapper(gym.Wrapper):
+    """Forwards the contract's methods through Gymnasium wrappers.
+
+    Gymnasium 1.x wrappers do not forward unknown attributes, so ``gymnasium.make(id)`` returns a
+    ``TimeLimit(...)`` without ``instructions()``. This wrapper keeps ``reset``, ``step`` and ``close`` going
+    through every wrapper and finds each other method of the contract, required or optional, on the outermost
+    layer that defines it (usually the env itself). An optional method that no layer defines is absent here
+    too, so :func:`optional_methods` answers its default.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for what the wrapper itself lacks; the names come from the declaration, so a method added
+        # to the contract is forwarded with no edit here.
+        if name in REQUIRED_METHODS or name in OPTIONAL_METHODS:
+            return self.env.get_wrapper_attr(name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -245,7 +357,7 @@ class StepOutcome:
     invalid (see ``TurnEnv.invalid_step_truncates``)."""
 
 
-class TurnEnv(gym.Env[dict, str]):
+class TurnEnv(gym.Env[dict, str], OptionalMethods):
     """Base class of the built-in environments (see the module docstring); an :class:`AgentEnv`.
 
     Subclasses set ``modes``, ``description`` and implement ``_reset``,

@@ -12,6 +12,8 @@ the turnrl contract (:class:`~turnrl.envs.base.AgentEnv`):
   ``"image"`` (``HxWx3`` uint8 array) and nothing else; rewards are finite
   numbers, ``terminated`` and ``truncated`` bools, ``info`` a dict, whose
   ``"metrics"``, where given, maps names to finite numbers;
+- the required methods exist (an error names the optional ones too, which an
+  env may leave out: :class:`~turnrl.envs.base.OptionalMethods` has their defaults);
 - ``instructions()`` is a non-empty str; ``action_names()`` None or a
   non-empty list of distinct strs; ``state_facts()`` a ``StateFacts``;
   ``solve()`` None or a list of strs, and asking for it leaves the state alone;
@@ -39,7 +41,14 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.utils import env_checker
 
-from turnrl.envs.base import AGENT_ENV_METHODS, AgentEnv, StateFacts, env_metrics, missing_methods
+from turnrl.envs.base import (
+    OPTIONAL_METHODS,
+    REQUIRED_METHODS,
+    AgentEnv,
+    StateFacts,
+    env_metrics,
+    missing_methods,
+)
 
 OBS_KEYS = ("text", "image")
 GARBAGE_ACTIONS = ("", "   ", "not an action", "<answer>?</answer>", "\x00\u2603\u00fc", "x" * 10_000)
@@ -103,7 +112,9 @@ def check_env(env: AgentEnv, *, seed: int = 0, steps: int = 20, deterministic: b
     missing = missing_methods(env)
     if missing:
         methods = ", ".join(f"{method}()" for method in missing)
-        raise EnvCheckError(name, [f"no {methods}: an agent env has {', '.join(f'{m}()' for m in AGENT_ENV_METHODS)}"])
+        required, optional = (", ".join(f"{m}()" for m in names) for names in (REQUIRED_METHODS, OPTIONAL_METHODS))
+        raise EnvCheckError(name, [f"no {methods}: an agent env has {required} (and may have {optional}: "
+                                   "turnrl.envs.OptionalMethods)"])
     report = _Report()
     if isinstance(env, gym.Env):
         _gymnasium_checks(env.unwrapped, report)

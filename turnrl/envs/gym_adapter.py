@@ -67,6 +67,7 @@ from turnrl.envs.base import (
     StateFacts,
     facts_from_positions,
     missing_methods,
+    optional_methods,
 )
 from turnrl.envs.settings import close_names, did_you_mean, registered_settings
 
@@ -286,7 +287,7 @@ class GymImageEnv(gym.Wrapper):
                 self._by_number.setdefault(int(value), name)
         self._instructions = instructions
         self.image_size = _image_size(image_size)
-        self.text = text
+        self.caption = text
         # Render once now: an env that cannot draw fails here, and the observation space needs the frame's shape.
         env.reset()
         height, width, _ = self._frame().shape
@@ -307,7 +308,7 @@ class GymImageEnv(gym.Wrapper):
         self._terminated = self._truncated = False
         info = dict(info)
         self._success = info["success"] = self._decide_success(info)
-        self._obs = {"text": self.text, "image": self._frame()}
+        self._obs = {"text": self.caption, "image": self._frame()}
         return self._obs, info
 
     def step(self, action: str):
@@ -315,7 +316,7 @@ class GymImageEnv(gym.Wrapper):
             raise gym.error.ResetNeeded("call reset() before step()")
         env_action = None if self._terminated or self._truncated else self.env_action(action)
         if env_action is None:  # no env step: the state, and the frame, stay as they were
-            obs = {"text": self.text, "image": self._obs["image"].copy()}
+            obs = {"text": self.caption, "image": self._obs["image"].copy()}
             info = {"action_is_valid": False, "success": self._success}
             return obs, 0.0, self._terminated, self._truncated, info
         _, reward, terminated, truncated, info = self.env.step(env_action)
@@ -323,7 +324,7 @@ class GymImageEnv(gym.Wrapper):
         info = dict(info)
         self._success = self._decide_success(info)
         info.update(action_is_valid=True, success=self._success)
-        self._obs = {"text": self.text, "image": self._frame()}
+        self._obs = {"text": self.caption, "image": self._frame()}
         return self._obs, float(reward), self._terminated, self._truncated, info
 
     # ----------------------------------------------------------------- the turnrl contract
@@ -347,8 +348,7 @@ class GymImageEnv(gym.Wrapper):
         or a turnrl env's own ``action_budget()`` where that is tighter; None for an env with neither
         (CliffWalking-v1), which keeps the agent's budget."""
         limit = self.env.spec.max_episode_steps if self.env.spec is not None else None
-        own_budget = getattr(self.agent_env, "action_budget", None)  # an optional method of the contract
-        own = own_budget() if callable(own_budget) else None
+        own = None if self.agent_env is None else optional_methods(self.agent_env).action_budget()
         budgets = [int(b) for b in (limit, own) if b is not None]
         return min(budgets) if budgets else None
 
@@ -407,9 +407,8 @@ class GymImageEnv(gym.Wrapper):
                 name = self._lookup.get(_name_key(items[0]))
             elif len(items) == 2 and str(items[0]).lower() == "move" and isinstance(items[1], int):
                 name = self._by_number.get(items[1])
-        canonical_action = getattr(self.env.unwrapped, "canonical_action", None)
-        if name is None and self.agent_env is not None and callable(canonical_action):
-            name = self._name_of(canonical_action(action))
+        if name is None and self.agent_env is not None:
+            name = self._name_of(optional_methods(self.agent_env).canonical_action(action))
         return None if name is None else self._actions[name]
 
     def _name_of(self, action: Any) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import gymnasium as gym
 
-from turnrl.envs.base import AgentEnv, StateFacts, TurnEnv, missing_methods
+from turnrl.envs.base import AgentEnv, AgentEnvWrapper, TurnEnv, missing_methods
 from turnrl.envs.gym_adapter import GYM_PREFIX, make_image_env
 from turnrl.envs.settings import check_settings, did_you_mean, keyword_parameters, literal_choices, registered_settings
 from turnrl.registry import Registry, RegistryError
@@ -198,26 +198,3 @@ def _make_registered(env_id: str, settings: dict[str, Any]) -> AgentEnv:
         )
     # Wrapper.step is typed for any action and a SupportsFloat reward; the contract methods are the point here.
     return cast(AgentEnv, AgentEnvWrapper(env))
-
-
-class AgentEnvWrapper(gym.Wrapper):
-    """Forwards the agent-env methods through Gymnasium wrappers.
-
-    Gymnasium 1.x wrappers do not forward unknown attributes, so
-    ``gymnasium.make(id)`` returns a ``TimeLimit(...)`` without
-    ``instructions()``. This wrapper keeps ``reset``/``step`` going through
-    every wrapper and finds each contract method on the outermost layer that
-    defines it (usually the env itself).
-    """
-
-    def instructions(self) -> str:
-        return self.env.get_wrapper_attr("instructions")()
-
-    def action_names(self) -> list[str] | None:
-        return self.env.get_wrapper_attr("action_names")()
-
-    def state_facts(self) -> StateFacts:
-        return self.env.get_wrapper_attr("state_facts")()
-
-    def solve(self) -> list[str] | None:
-        return self.env.get_wrapper_attr("solve")()

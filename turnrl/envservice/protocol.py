@@ -4,10 +4,10 @@ An env can live in another process: on a ``turnrl serve-env`` server (:mod:`turn
 reached over HTTP by :mod:`turnrl.envservice.client`) or in a Ray actor (:mod:`turnrl.envservice.ray`). Both
 sides of both transports take from here:
 
-- **the queries**: the read-only calls such an env answers (:data:`QUERIES`), those every reset and step
-  brings back (:data:`RESET_QUERIES`, :data:`STEP_QUERIES`), how the place where the env lives answers one
-  (:func:`answer_query`: optional methods of the contract included), and the proxy's side of them
-  (:class:`QueriedEnv`);
+- **the queries**: the read-only calls such an env answers (:data:`QUERIES`, the methods the contract in
+  :mod:`turnrl.envs.base` marks as queries), those every reset and step brings back (:data:`RESET_QUERIES`,
+  :data:`STEP_QUERIES`), how the place where the env lives answers one (:func:`answer_query`: optional
+  methods of the contract included, with their defaults), and the proxy's side of them (:class:`QueriedEnv`);
 - **the encoding** of values over HTTP (:func:`encode_value`: tuples stay tuples, non-finite floats survive,
   images travel as PNG and come back as the same ``HxWx3`` uint8 arrays), of state facts, and of the answer
   items of a reset or a step (:func:`reset_item`, :func:`step_item`, :func:`error_item`, :func:`decode_item`);
@@ -22,26 +22,27 @@ are the same for both.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from turnrl.envs.base import AgentEnv, ObjectFact, StateFacts, state_key
+from turnrl.envs import base as contract
+from turnrl.envs.base import AgentEnv, ObjectFact, StateFacts, optional_methods, state_key
 
 TOKEN_ENV_VAR = "TURNRL_ENV_TOKEN"
 """Environment variable read for the bearer token when none is passed (by the server and the client)."""
 CLIENT_HEADER = "x-turnrl-client"
 """Header naming the client, for the server's per-client session limit (else the peer address counts)."""
 
-Query = Literal["instructions", "action_names", "state_facts", "solve", "state_key", "text", "image",
-                "action_budget"]
-"""A read-only call an env that lives elsewhere answers; none changes the env's state."""
-QUERIES: tuple[str, ...] = get_args(Query)
-"""Every :data:`Query`, in order."""
+QUERIES: tuple[str, ...] = contract.QUERIES
+"""The read-only calls an env that lives elsewhere answers (none changes the env's state), in order: the
+methods of the env contract marked as queries (:data:`turnrl.envs.base.QUERIES`)."""
 STEP_QUERIES: tuple[str, ...] = ("action_names", "state_key")
 """Queries every step brings back: what the rollout asks each turn (``action_names`` outside its error
 handling, so it must never need a request of its own)."""
@@ -59,6 +60,13 @@ def check_prefetch(prefetch: tuple[str, ...]) -> None:
     unknown = sorted(set(prefetch) - set(QUERIES))
     if unknown:
         raise ValueError(f"prefetch names unknown queries {unknown}; choose from {list(QUERIES)}")
+
+
+def check_query(name: str) -> str:
+    """``name`` if it is one of :data:`QUERIES`, else a ValueError that lists them."""
+    if name not in QUERIES:
+        raise ValueError(f"unknown query {name!r}; choose from {list(QUERIES)}")
+    return name
 
 
 # --------------------------------------------------------------------------- errors
@@ -296,22 +304,16 @@ def answer_query(env: AgentEnv, name: str, last_obs: dict[str, Any]) -> Any:
     """The answer to query ``name`` of ``env``, whose latest observation is ``last_obs`` (raises what the env
     raises).
 
-    The optional methods of the contract have the answer the rollout would give an env without them:
-    ``state_key`` the hash of ``last_obs`` (:func:`~turnrl.envs.base.state_key`), ``text`` ``""``, and
-    ``action_budget`` None (the caller keeps its own budget).
+    An optional method the env does not define answers its default (:class:`~turnrl.envs.base.OptionalMethods`):
+    ``state_key`` the hash of ``last_obs`` (:func:`~turnrl.envs.base.state_key`, as the rollout takes it),
+    ``text`` ``""``, ``action_budget`` None (the caller keeps its own budget), ``image`` a NotImplementedError.
     """
-    if name not in QUERIES:
-        raise ValueError(f"unknown query {name!r}; choose from {list(QUERIES)}")
+    check_query(name)
     if name == "state_key":
         return state_key(env, last_obs)
-    own = getattr(env, name, None)
-    if not callable(own):
-        if name == "text":
-            return ""
-        if name == "action_budget":
-            return None
-        raise AttributeError(f"{type(env).__name__} has no {name}()")
-    value = own()
+    # The query names the declared method of the contract to call (required or optional).
+    methods = env if name in contract.REQUIRED_METHODS else optional_methods(env)
+    value = getattr(methods, name)()
     if name == "state_facts" and not isinstance(value, StateFacts):
         raise TypeError(f"state_facts() returned a {type(value).__name__}, not a StateFacts")
     if name == "action_budget":
@@ -331,40 +333,20 @@ def query_failure(error: BaseException) -> str:
 
 class QueriedEnv:
     """The read-only half of the env contract for an env that lives elsewhere (an env server, a Ray actor):
-    each answer comes from ``_query(name)``, which asks where the env lives (or a cache of its answers)."""
+    each query of the contract (:data:`QUERIES`) is a method here, whose answer comes from ``_query(name)``,
+    which asks where the env lives (or a cache of its answers). Where that env does not define an optional
+    one, the answer is the default (``state_key``: the hash of its observation, taken where it lives; ``image``:
+    a RemoteEnvError that says so)."""
 
     def _query(self, name: str) -> Any:
         raise NotImplementedError
 
-    def instructions(self) -> str:
-        return self._query("instructions")
-
-    def action_names(self) -> list[str] | None:
-        return self._query("action_names")
-
-    def state_facts(self) -> StateFacts:
-        return self._query("state_facts")
-
-    def solve(self) -> list[str] | None:
-        return self._query("solve")
-
-    def state_key(self) -> str:
-        """The env's ``state_key()``; for an env without one, the hash the rollout would take of its
-        observation (computed where the env lives)."""
-        return self._query("state_key")
-
-    def text(self) -> str:
-        """The env's ``text()`` of its state where it has one, else ``""``."""
-        return self._query("text")
-
-    def image(self) -> np.ndarray:
-        """The env's ``image()`` of its state (image modes); RemoteEnvError for an env without one."""
-        return self._query("image")
-
-    def action_budget(self) -> int | None:
-        """The env's ``action_budget()`` (what ``turnrl eval`` gives by default), or None for an env without
-        one."""
-        return self._query("action_budget")
+    def __getattr__(self, name: str) -> Callable[[], Any]:
+        # Called only for what the proxy itself lacks. The queries are made from the contract's declaration,
+        # not written out, so a query added to the contract reaches every remote env with no edit here.
+        if name not in QUERIES:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return functools.partial(self._query, name)
 
 
 # --------------------------------------------------------------------------- answer items

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from turnrl.envs.base import AgentEnv
+from turnrl.envs.base import AgentEnv, optional_methods
 from turnrl.envs.registry import make
 from turnrl.envservice.protocol import (
     RESET_QUERIES,
@@ -146,12 +146,12 @@ class EnvHost:
         """Close and forget env ``index``; never raises (a failing close must not take the worker down)."""
         env = self.envs.pop(index, None)
         self.last_obs.pop(index, None)
-        closer = getattr(env, "close", None)
-        if callable(closer):
-            try:
-                closer()
-            except Exception:
-                pass
+        if env is None:
+            return
+        try:
+            optional_methods(env).close()
+        except Exception:
+            pass
 
     def size(self) -> int:
         """Envs held now."""

@@ -66,10 +66,10 @@ from typing import Annotated, Any, Optional
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from turnrl.envs import AgentEnv, make
+from turnrl.envs import AgentEnv, make, optional_methods
 from turnrl.envs.registry import builtin_name, env_names
 from turnrl.envservice.options import ServerLimits, add_arguments
 from turnrl.envservice.protocol import (
@@ -77,8 +77,8 @@ from turnrl.envservice.protocol import (
     QUERIES,
     TOKEN_ENV_VAR,
     APIError,
-    Query,
     answer_query,
+    check_query,
     decode_value,
     encode_answer,
     error_item,
@@ -96,6 +96,8 @@ RECENTLY_CLOSED = 100_000
 
 # --------------------------------------------------------------------------- request schema
 SessionId = Annotated[StrictStr, Field(pattern=SESSION_ID_PATTERN)]
+Query = Annotated[StrictStr, AfterValidator(check_query)]
+"""A name of :data:`~turnrl.envservice.protocol.QUERIES`."""
 
 
 class _Body(BaseModel):
@@ -312,12 +314,10 @@ def run_step(session: Session, item: StepItem) -> dict[str, Any]:
 
 
 def close_env(env: AgentEnv) -> None:
-    closer = getattr(env, "close", None)
-    if callable(closer):
-        try:
-            closer()
-        except Exception:  # an env that fails to close must not take the server with it
-            logger.exception("closing an env failed")
+    try:
+        optional_methods(env).close()
+    except Exception:  # an env that fails to close must not take the server with it
+        logger.exception("closing an env failed")
 
 
 def canonical_env_id(env_id: str) -> str:
