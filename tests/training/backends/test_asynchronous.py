@@ -1,5 +1,6 @@
-"""The asynchronous backend in the trainer on the tiny model: staleness 0 is the synchronous run, staleness 1 overlaps and
-corrects with truncated importance weights, failures surface in the trainer, the engine follows the copy."""
+"""The asynchronous backend in the trainer on the tiny model: staleness 0 is the synchronous run, staleness 1
+overlaps and corrects with truncated importance weights, failures surface in the trainer, the engine follows the
+copy."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from turnrl.training.backends.asynchronous import AsyncRollout, RolloutThreadError
 
 from tests.training.test_trainer import COMMON as TRAINER_COMMON
 from turnrl.config import ConfigError, load_config
 from turnrl.engine.engine import weights_version
+from turnrl.training.backends.asynchronous import AsyncRollout, RolloutThreadError
 from turnrl.training.backends.local import LocalRollout
 from turnrl.training.config import TrainConfig
 from turnrl.training.trainer import StepOutput, Trainer
