@@ -10,6 +10,7 @@ import re
 import typing
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ def protocol_members(protocol: type) -> set[str]:
             for name in vars(cls) if not name.startswith("_")} - {"mro"}
 
 
-def member(cls: type, name: str) -> object:
+def member(cls: type, name: str) -> Any:
     """``cls``'s ``name``: a class attribute, property or method, or an attribute its ``__init__`` sets."""
     found = inspect.getattr_static(cls, name, None)
     if found is None and re.search(rf"self\.{name}(: [^=]+)? = ", inspect.getsource(cls.__init__)):  # type: ignore[misc]
@@ -85,7 +86,8 @@ def test_every_parallel_strategy_has_the_protocols_members_with_its_signatures(s
 
 
 def typed_assignments(runner: Rollout, workers: RayRollout, asynchronous: AsyncRollout) -> None:
-    """Never called: mypy checks that each implementation is what its protocol declares."""
+    """Never called: `mypy tests/training/test_compose.py` checks that each implementation is what its protocol
+    declares (compose.py's return types check the same inside the package)."""
     backends: list[RolloutBackend] = [LocalRollout(runner, nullcontext), ShardedRollout(runner, None, nullcontext),
                                       RayBackend(workers, nullcontext), asynchronous]
     runners: list[EpisodeRunner] = [runner, workers, *backends]
