@@ -4,8 +4,9 @@ Both rows start from the same SFT model with the same config and seed, and train
 time each (validation before and after is not counted):
 
 - ``sync``: :class:`~turnrl.training.trainer.Trainer`, rollout and update in turn on ``model.device``;
-- ``async``: :class:`~turnrl.training.asynchronous.AsyncTrainer`, the rollout on ``--rollout-device`` one
-  batch ahead (``distributed.max_staleness``), truncated importance weights correcting the lag.
+- ``async``: the same trainer with the asynchronous backend (:mod:`turnrl.training.backends.asynchronous`),
+  the rollout on ``--rollout-device`` one batch ahead (``distributed.max_staleness``), truncated importance
+  weights correcting the lag.
 
 Both use recomputed old log-probs and ``algorithm.tis_cap`` so that only the overlap differs. Printed per
 row: steps done, seconds a step, generated tokens/s, the mean training success of the last five steps,
@@ -30,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from turnrl.config import load_config  # noqa: E402
-from turnrl.training.asynchronous import AsyncTrainer  # noqa: E402
 from turnrl.training.config import TrainConfig  # noqa: E402
 from turnrl.training.run_dir import start_run  # noqa: E402
 from turnrl.training.sft import sft_stage  # noqa: E402
@@ -84,7 +84,7 @@ def main() -> None:
         for name, extra in modes.items():
             config = load_config(TrainConfig, args.config, [*overrides, *extra, f"run.output_dir={tmp}",
                                                              f"run.name={name}", "sft.enabled=false"])
-            trainer = (AsyncTrainer if name == "async" else Trainer)(config, start_model=sft_model)
+            trainer = Trainer(config, start_model=sft_model)  # the config picks the backend
             if before is None:
                 before = trainer.validate().metrics["val/success"]
             rows[name] = train_for(trainer, seconds)

@@ -10,7 +10,7 @@ collective or on the host). ``--device-only`` records the kernels alone: the hos
 (recording every operator on the host slows it several times, and the timeline's gaps with it), at the cost
 of the host table.
 
-Under ``torchrun`` it profiles the FSDP trainer's sharded update, every process under its profiler (the
+Under ``torchrun`` it profiles the trainer's sharded update (FSDP2), every process under its profiler (the
 collectives included), and rank 0 prints its own tables.
 
     python benchmarks/update_profile.py --config configs/ragen_sokoban.yaml model.builtin_preset=0.5b \\
@@ -38,7 +38,6 @@ from turnrl.config import load_config  # noqa: E402
 from turnrl.models.loading import base_model_path  # noqa: E402
 from turnrl.training import ranks  # noqa: E402
 from turnrl.training.config import TrainConfig  # noqa: E402
-from turnrl.training.distributed import FSDPTrainer  # noqa: E402
 from turnrl.training.memory import set_allocator_settings  # noqa: E402
 from turnrl.training.trainer import Trainer  # noqa: E402
 
@@ -78,7 +77,7 @@ def main() -> None:
                 base_model_path(config.model)
             ranks.wait_for_main()
         try:
-            profile_update(FSDPTrainer(config) if sharded else Trainer(config), args)
+            profile_update(Trainer(config), args)  # under torchrun: FSDP2
         finally:
             if sharded:
                 ranks.close_process_group()

@@ -431,14 +431,13 @@ import torch
 from turnrl.config import load_config
 from turnrl.training import ranks
 from turnrl.training.config import TrainConfig
-from turnrl.training.distributed import FSDPTrainer
-from turnrl.training.trainer import StepOutput
+from turnrl.training.trainer import StepOutput, Trainer
 from tests.training.test_collapse import rollout
 
 torch.set_num_threads(1)
 config = load_config(TrainConfig, None, sys.argv[2:])
 ranks.init_process_group("cpu", 120)
-trainer = FSDPTrainer(config)
+trainer = Trainer(config)  # under torchrun: FSDP2 and sharded rollouts
 output = StepOutput({}, rollout(trainer.tokenizer))
 trainer.measure_collapse(0, output)
 if ranks.is_main():

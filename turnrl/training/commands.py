@@ -3,16 +3,17 @@
     train(config)
       preflight          what can be checked before anything is written or loaded
       sft_stage          the base model, fine-tuned on expert demos (rank 0, when enabled)
-      the trainer        Trainer, or FSDPTrainer (several processes under torchrun), or AsyncTrainer
-                         (distributed.async_rollout); each step is trainer.step(step)
+      the trainer        Trainer, with the parallel strategy and rollout backends compose.parts picks
+                         (FSDP2 under torchrun, Ray workers, rollouts a batch ahead); each step is
+                         trainer.step(step)
       loop               validation, metrics, trajectory files, checkpoints; Ctrl-C, SIGTERM (a batch
                          scheduler's) or ``RUN_DIR/stop`` stops after the step in progress with a checkpoint
 
 A run holds its directory's lock (:class:`~turnrl.training.run_dir.RunLock`) from its checks to its end, so a
 second process writing into the same run is refused.
 
-The trainers (:mod:`turnrl.training.trainer` and the two built on it) hold the models and run a step; this
-module owns everything around the steps.
+The trainer (:mod:`turnrl.training.trainer`) holds the models and runs a step; this module owns everything
+around the steps.
 
 Steps are numbered from 1 wherever a user sees them: step N is the run's N-th rollout and update, logged as
 ``step`` N in ``metrics.jsonl`` (0 is the validation before RL), with its trajectories in
@@ -39,12 +40,10 @@ from turnrl.models.loading import base_model_path
 from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RolloutWorkerError
 from turnrl.rollout.trajectory import write_trajectories
-from turnrl.training import ranks
-from turnrl.training.asynchronous import AsyncTrainer
+from turnrl.training import compose, ranks
 from turnrl.training.checkpoint import checkpoint_step, latest_checkpoint
 from turnrl.training.collapse import EarlyStops, logged_steps
 from turnrl.training.config import TrainConfig
-from turnrl.training.distributed import FSDPTrainer
 from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.memory import GIB, cap_gpu_memory, check_memory, rl_out_of_memory, set_allocator_settings
 from turnrl.training.memory_trace import recorded
@@ -206,13 +205,12 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
         if ranks.is_main():
             sft = sft_stage(config, run_dir)
         ranks.wait_for_main()  # the other processes start RL from the SFT model rank 0 wrote
-    if distributed:
-        trainer: Trainer = FSDPTrainer(config, start_model=_sft_model(config) if config.sft.enabled and not resumed
-                                       else None, rewards=rewards)
-    elif config.distributed.async_rollout:
-        trainer = AsyncTrainer(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
-    else:
-        trainer = Trainer(config, start_model=sft.model_path if sft is not None else None, rewards=rewards)
+    # Every process starts from the SFT model rank 0 wrote.
+    start_model = _sft_model(config) if distributed and config.sft.enabled and not resumed else \
+        sft.model_path if sft is not None else None
+    parts = compose.parts(config)
+    trainer = Trainer(config, start_model=start_model, rewards=rewards, parallel=parts.parallel,
+                      rollouts=parts.rollouts)
     if memory is not None:
         trainer.startup["memory_estimate_gib"] = memory.total / GIB
         console.print(f"memory per GPU, estimated: {memory.table()}")

@@ -2,7 +2,7 @@
 
 A run that cannot fit should say so in seconds, with what to turn on, rather than after minutes of loading
 and a first rollout, in an out-of-memory traceback. The estimate counts what the trainer holds (see
-:mod:`turnrl.training.trainer` and :mod:`turnrl.training.distributed`):
+:mod:`turnrl.training.trainer` and :mod:`turnrl.training.parallel.fsdp2`):
 
     actor, critic     float32 weights, gradients and AdamW's two moments (16 bytes a trained parameter,
                       4 a frozen one), divided among the processes under FSDP, on the host with

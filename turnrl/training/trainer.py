@@ -12,11 +12,12 @@ One step reads top to bottom in :meth:`Trainer.roll_out` and :meth:`Trainer.upda
 Each phase is a function that takes values (:func:`collect`,
 :func:`select_trajectories`, :func:`make_batch`, :func:`score_batch`, then
 :func:`~turnrl.training.advantages.compute_advantages` and
-:func:`~turnrl.training.ppo.ppo_epochs`), so the other trainers wire the same
-components without branching this one: :class:`~turnrl.training.distributed.FSDPTrainer`
-(several processes) and :class:`~turnrl.training.asynchronous.AsyncTrainer`
-(rollouts a batch ahead) replace :meth:`Trainer.score`, :meth:`Trainer.train_on` or
-:meth:`Trainer.roll_out`.
+:func:`~turnrl.training.ppo.ppo_epochs`). What varies between runs is two parts the
+trainer is given (:mod:`turnrl.training.compose` picks them): a
+:class:`~turnrl.training.backends.backend.RolloutBackend` (episodes here, on each
+``torchrun`` process's share, on Ray workers, or a batch ahead in a thread) and a
+:class:`~turnrl.training.parallel.strategy.ParallelStrategy` (one process, or FSDP2
+shards: placing the models, the rows each process scores, the reductions, checkpoint I/O).
 
 The commands around the steps (``turnrl train``, ``turnrl sft``: SFT, validation,
 checkpoints, Ctrl-C) are in :mod:`turnrl.training.commands`; what they check before
@@ -63,21 +64,25 @@ from turnrl.policy.factory import rollout_policies
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
-from turnrl.rollout.ray_workers import RayRollout
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
 from turnrl.training.advantages import compute_advantages
 from turnrl.training.attention import implementation
+from turnrl.training.backends.backend import (
+    EpisodeRunner,
+    MakeRollouts,
+    RolloutBackend,
+    RolloutParts,
+    WeightsVersion,
+)
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.checkpoint import (
     atomic_write_text,
     checkpoint_bytes,
     disk_space_problem,
     load_trainer_state,
-    prune_checkpoints,
     rng_state,
-    save_checkpoint,
     set_rng_state,
     steps_done,
 )
@@ -87,6 +92,7 @@ from turnrl.training.forward import ValueModel
 from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import RunConsole, RunProgress
 from turnrl.training.memory import OptimizerSteps, halved_micro_batches, torch_said
+from turnrl.training.parallel.strategy import CheckpointFiles, Models, Optimizers, ParallelStrategy
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config
@@ -118,7 +124,7 @@ class StepOutput:
 
 # --------------------------------------------------------------------------- the phases of a step
 def collect(
-    rollout: Rollout | RayRollout, slots: list[EpisodeSlot], sampling: SamplingConfig, precision: AbstractContextManager
+    rollout: EpisodeRunner, slots: list[EpisodeSlot], sampling: SamplingConfig, precision: AbstractContextManager
 ) -> StepOutput:
     """Play the slots' episodes; metrics of the rollout, its timings and throughput."""
     start = time.time()
@@ -186,7 +192,7 @@ def varied_groups(trajectories: list[Trajectory]) -> list[int]:
 
 
 def dynamic_sample(
-    rollout: Rollout | RayRollout, groups: EnvGroups, step: int, config: TrainConfig, precision: AbstractContextManager
+    rollout: EpisodeRunner, groups: EnvGroups, step: int, config: TrainConfig, precision: AbstractContextManager
 ) -> tuple[StepOutput, list[int]]:
     """DAPO's dynamic sampling: roll out rounds of groups until ``n_groups`` of them have varied rewards,
     or the extra rounds run out; returns every trajectory played and the indices of those to train on
@@ -215,6 +221,23 @@ def dynamic_sample(
     metrics["rollout/dynamic_kept_groups"] = float(len(chosen))
     metrics["filter/skipped_step"] = float(not keep)
     return StepOutput(metrics, trajectories), keep
+
+
+def play_step(
+    runner: EpisodeRunner, groups: EnvGroups, step: int, config: TrainConfig, precision: AbstractContextManager
+) -> tuple[StepOutput, list[int]]:
+    """1-2: the episodes of ``step`` and the indices of those to train on (empty: skip the update): rounds of
+    groups until enough of them have varied rewards (DAPO), or one round and the StarPO-S filter. Seeded by
+    the step, so that whichever backend plays it, and when, it draws the same numbers."""
+    torch.manual_seed(step_seed(config.seeds.seed, step))
+    algo = config.algorithm
+    if algo.dynamic_sampling:
+        return dynamic_sample(runner, groups, step, config, precision)
+    rollout = collect(runner, groups.train_slots(step), config.sampling, precision)
+    # 2. filter groups (StarPO-S), drop errored episodes
+    keep, filter_metrics = select_trajectories(rollout.trajectories, algo.filter)
+    rollout.metrics.update(filter_metrics)
+    return rollout, keep
 
 
 def make_batch(trajectories: list[Trajectory], keep: list[int], sample_mode: str, pad_id: int,
@@ -249,14 +272,15 @@ def score_batch(
     critic: ValueModel | None,
     config: AlgorithmConfig,
     temperature: float,
-    generator: torch.Generator,
+    checked: Batch | None,
     precision: AbstractContextManager,
     passes: Callable[[int], int] = lambda n: n,
 ) -> TokenScores:
     """PPO's old logprobs, the reference's logprobs (when there is a KL), the critic's values.
 
-    ``reference`` None with a KL means LoRA: the reference is the actor with its adapters off. ``passes``: see
-    :func:`~turnrl.training.ppo.batched_logprobs` (data parallel).
+    ``reference`` None with a KL means LoRA: the reference is the actor with its adapters off. ``checked``: with
+    the sampler's log-probs as PPO's old ones, the rows recomputed to watch how far they drift
+    (:func:`check_rows`). ``passes``: see :func:`~turnrl.training.ppo.batched_logprobs` (data parallel).
     """
     metrics: dict[str, float] = {}
     start = time.time()
@@ -269,8 +293,7 @@ def score_batch(
             # The sampler's logprobs are PPO's old logprobs; recomputing one micro-batch is enough to
             # watch how far training's forward pass drifts from the sampler's (bf16, kernels, padding).
             old_logprobs = batch.sampler_logprobs
-            rows = torch.randperm(len(batch), generator=generator)[: config.micro_batch_size].sort().values
-            checked = batch.select(rows)
+            assert checked is not None, "score_batch with sampler log-probs recomputes the checked rows"
             recomputed = batched_logprobs(actor, checked, micro, temperature, passes)
         checked_tokens = checked.loss_mask.sum().clamp(min=1)
         metrics["actor/logprob_mismatch"] = float(
@@ -294,28 +317,15 @@ def score_batch(
     return TokenScores(old_logprobs, ref_logprobs, values, metrics)
 
 
+def check_rows(n: int, config: AlgorithmConfig, generator: torch.Generator) -> torch.Tensor | None:
+    """The rows of a batch of ``n`` whose sampler log-probs are recomputed (one micro-batch, drawn from the
+    step's generator before the PPO epochs shuffle); None when every old log-prob is recomputed."""
+    if config.old_logprobs == "recompute":
+        return None
+    return torch.randperm(n, generator=generator)[: config.micro_batch_size].sort().values
+
+
 # --------------------------------------------------------------------------- the trainer
-def ray_rollout(config: TrainConfig, model_dir: Path, tokenizer: Any, batch_size: int) -> RayRollout:
-    """``distributed.backend=ray``: rollout workers as Ray actors, each with a copy of the policy built from
-    ``model_dir``'s config (its weights arrive before each rollout) and envs of its own."""
-    import dataclasses
-
-    from turnrl.rollout.ray_workers import EnvSpec, WorkerSpec, model_files
-
-    dist = config.distributed
-    spec = WorkerSpec(
-        model_files(model_dir),
-        dataclasses.replace(config.model, device="auto"),  # inside an actor: the GPU Ray gave it, if any
-        config.agent,
-        EnvSpec(config.env.id, dict(config.env.settings), tuple(config.env.remote),
-                env_workers=-(-dist.env_workers // dist.rollout_workers),  # each rollout worker its share
-                timeout_s=dist.timeout_s),
-        rewards=config.rewards, max_batch_size=batch_size, env_threads=config.groups.env_workers,
-        torch_threads=config.run.threads)
-    return RayRollout(spec, dist.rollout_workers, tokenizer, worker_gpus=dist.worker_gpus,
-                      timeout_s=dist.timeout_s, address=dist.ray_address)
-
-
 def vision_module_pattern(model: torch.nn.Module) -> str | None:
     """A regex of the vision encoder's module names (for LoRA's ``exclude_modules``), None for text models."""
     tower = vision_tower(model)
@@ -351,23 +361,27 @@ def _lookup_only(model: Any) -> torch.Tensor | None:
 class Trainer:
     """Everything an RL run holds, built at once from a :class:`TrainConfig` (or restored from a checkpoint).
 
-    ``retries_out_of_memory``: whether an update that runs out of GPU memory before its first optimizer step is
-    run again once with half the micro-batches (:meth:`update_or_retry`).
-
     Args:
         config: the run.
         start_model: the model RL starts from (the SFT stage's output); None: ``model.path`` or the
             built-in model. Ignored on resume, where the checkpoint says.
         rewards: the run's rewards, when already built (``train`` builds them first, so that a bad reward
             spec stops the run before SFT); None builds them from ``config.rewards``.
+        parallel: how the models are spread over processes; None: :mod:`turnrl.training.compose`'s choice.
+        rollouts: makes the rollout backends from the built parts; None: :mod:`turnrl.training.compose`'s choice.
     """
 
-    retries_out_of_memory = True
-
     def __init__(
-        self, config: TrainConfig, start_model: Path | str | None = None, rewards: Rewards | None = None
+        self, config: TrainConfig, start_model: Path | str | None = None, rewards: Rewards | None = None,
+        parallel: ParallelStrategy | None = None, rollouts: MakeRollouts | None = None,
     ) -> None:
+        if parallel is None or rollouts is None:
+            from turnrl.training import compose  # it names every implementation; the trainer needs none of them
+
+            chosen = compose.parts(config)
+            parallel, rollouts = parallel or chosen.parallel, rollouts or chosen.rollouts
         self.config = config
+        self.parallel = parallel
         self.memory_retries: dict[int, str] = {}
         """Steps (counted from 1) of this process that ran out of memory and were run again, with the setting."""
         # After this run's SFT stage, its model stays (run.overwrite deletes only the RL outputs).
@@ -405,29 +419,39 @@ class Trainer:
         policy, val_policy = rollout_policies(self.rollout_model(), self.tokenizer, config.model, batch_size,
                                               config.validation.batch_size, processor=self.processor, dtype=self.dtype)
         self.policies = (policy, val_policy)
-        self.rollout: Rollout | RayRollout = Rollout(policy, fmt, config.agent, env_id=config.env.id,
-                                                     executor=self.executor, rewards=rewards)
-        if config.distributed.backend == "ray":
-            self.rollout = ray_rollout(config, self.start_path, self.tokenizer, batch_size)
-        self.val_rollout = Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor,
-                                   rewards=rewards)
+        made = rollouts(RolloutParts(
+            config, self.actor,
+            Rollout(policy, fmt, config.agent, env_id=config.env.id, executor=self.executor, rewards=rewards),
+            Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor, rewards=rewards),
+            self.tokenizer, self.processor, self.device, self.dtype, self.precision, self.start_path))
+        self.rollout: RolloutBackend = made.train
+        self.val_rollout: RolloutBackend = made.validation
+        self.retries_out_of_memory = parallel.retries_out_of_memory and not self.rollout.runs_ahead
+        """Whether an update that runs out of GPU memory before its first optimizer step is run again once with
+        half the micro-batches (:meth:`update_or_retry`): not where other processes wait for this one in a
+        collective, nor where a rollout thread shares the random state."""
         self.startup["policy_s"] = time.time() - started
         self.collapse = CollapseDiagnostics(config.collapse, fmt, self.decode, self.tokenizer.pad_token_id,
                                             config.seeds.seed)
         if self.checkpoint is not None:
             self._restore()
             write_config(config)  # only now: a resume that fails leaves the run's config.yaml as it was
+        self.rollout.set_weights(self.actor, self.weights_version(self.first_step))
         self.peak_flops = peak_flops(self.device, config.run.peak_tflops * 1e12)
 
     # ------------------------------------------------------------------ setup
     def rollout_model(self) -> torch.nn.Module:
-        """The model the rollouts sample from: the actor itself (its own weights, no copy)."""
-        return self.actor
+        """The model the rollouts sample from: the actor itself, or the strategy's unsharded copy of it."""
+        return self.parallel.rollout_model(self.actor)
 
     def load_device(self) -> torch.device:
-        """Where models are loaded: the training device (a sharded trainer's rank 0 loads on the CPU, the other
+        """Where models are loaded: the training device (a sharded run's rank 0 loads on the CPU, the other
         processes build the models' structure on ``meta``; sharding fills every process's shards)."""
-        return self.device
+        return self.parallel.load_device(self.device)
+
+    def weights_version(self, steps: int) -> WeightsVersion:
+        """The actor's weights after ``steps`` steps (and its updates so far)."""
+        return WeightsVersion(steps, self.actor_scheduler.last_epoch)
 
     def _build_envs(self) -> None:
         config = self.config
@@ -519,6 +543,9 @@ class Trainer:
         self.actor_flops_per_token = training_flops_per_token(self.actor, _lookup_only(self.actor))
         self.critic_flops_per_token = 0.0 if self.critic is None else training_flops_per_token(
             self.critic, _lookup_only(self.critic.backbone))
+        placed = self.parallel.place(Models(self.actor, self.critic, self.reference), self.device, self.dtype)
+        self.actor, self.critic, self.reference = placed.actor, placed.critic, placed.reference
+        self.startup.update(self.parallel.startup)
 
     def _build_optimizers(self) -> None:
         optim = self.config.optim
@@ -542,22 +569,25 @@ class Trainer:
             raise ConfigError(f"resume={self.config.resume!r}: {self.checkpoint / 'trainer_state.pt'} cannot be read "
                               f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); move "
                               f"{self.checkpoint.name} away to resume from an earlier checkpoint") from error
-        processes, now = state.get("world_size", 1), ranks.world_size()
+        processes, now = state.get("world_size", 1), self.parallel.world_size
         if processes != now:
             how = (f"distributed.nproc_per_node={processes} (or torchrun --nproc-per-node {processes})"
                    if processes > 1 else "one process (without torchrun, distributed.nproc_per_node=1)")
             raise ConfigError(f"resume={self.config.resume!r} was saved by {processes} process(es) and this run has "
                               f"{now}: its optimizer states are split that way; resume it with {how}")
-        if "actor_optimizer" in state:  # a distributed run keeps its optimizers' shards apart
-            self.actor_optimizer.load_state_dict(state["actor_optimizer"])
-        if self.critic_optimizer is not None and state.get("critic_optimizer") is not None:
-            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self.parallel.restore_optimizers(self.checkpoint, state, self.models(), self.optimizers())
         self.actor_scheduler.load_state_dict(state["actor_scheduler"])
         set_rng_state(state["rng"])
         self.summary = state.get("summary", {})
         self.timings = state.get("timings", {})
         self.elapsed_before_s = float(state.get("elapsed_s", 0.0))
         self.first_step = steps_done(state)
+
+    def models(self) -> Models:
+        return Models(self.actor, self.critic, self.reference)
+
+    def optimizers(self) -> Optimizers:
+        return Optimizers(self.actor_optimizer, self.critic_optimizer)
 
     def precision(self) -> AbstractContextManager:
         return autocast(self.device, self.dtype)
@@ -572,10 +602,11 @@ class Trainer:
         config = self.config
         sampling = SamplingConfig(**{**vars(config.sampling), "temperature": config.validation.temperature})
         slots = self.val_groups.val_slots(config.validation.episodes, config.validation.samples_per_seed)
-        torch.manual_seed(step_seed(config.seeds.seed, -1))  # the same sampling noise at every validation
+        self.parallel.sync_rollout_model(self.actor, self.actor_scheduler.last_epoch)
         start = time.time()
         trajectories: list[Trajectory] = []
-        with RunProgress(console, "validation", len(slots)) as progress:
+        with self.rollout.exclusive(), RunProgress(console, "validation", len(slots)) as progress:
+            torch.manual_seed(step_seed(config.seeds.seed, -1))  # the same sampling noise at every validation
             for begin in range(0, len(slots), config.validation.batch_size):
                 part = collect(self.val_rollout, slots[begin : begin + config.validation.batch_size], sampling,
                                self.precision())
@@ -596,6 +627,7 @@ class Trainer:
         rollout_peak = phase_peak_gib(self.device)
         self.measure_collapse(step, rollout)
         output = self.update_or_retry(step, rollout, keep) if keep else rollout
+        output.metrics.update(self.rollout.set_weights(self.actor, self.weights_version(step + 1)))
         output.metrics["timing/step_s"] = time.time() - step_start
         if rollout_peak is not None:
             output.metrics["memory/rollout_peak_gib"] = rollout_peak
@@ -607,25 +639,19 @@ class Trainer:
         return output
 
     def roll_out(self, step: int) -> tuple[StepOutput, list[int]]:
-        """1-2: the step's episodes and the indices of those to train on (empty: skip the update)."""
-        config, algo = self.config, self.config.algorithm
-        torch.manual_seed(step_seed(config.seeds.seed, step))
+        """1-2: the step's episodes and the indices of those to train on (empty: skip the update), played by
+        the rollout backend (:func:`play_step`; here and now, or ahead in its own thread)."""
         self.actor.eval()
-        if isinstance(self.rollout, RayRollout):
-            # The actor's update count: a step that did not update it (critic warm-up) sends nothing.
-            self.rollout.set_weights(self.actor, version=self.actor_scheduler.last_epoch)
-        if algo.dynamic_sampling:
-            # 1-2. rounds of groups until enough of them have varied rewards (DAPO)
-            rollout, keep = dynamic_sample(self.rollout, self.train_groups, step, config, self.precision())
-            metrics = rollout.metrics
-        else:
-            rollout = collect(self.rollout, self.train_groups.train_slots(step), config.sampling, self.precision())
-            metrics = rollout.metrics
-            # 2. filter groups (StarPO-S), drop errored episodes
-            keep, filter_metrics = select_trajectories(rollout.trajectories, algo.filter)
-            metrics.update(filter_metrics)
-        self._timed("rollout_s", metrics["timing/rollout_s"])
+        self.parallel.sync_rollout_model(self.actor, self.actor_scheduler.last_epoch)
+        played = self.rollout.roll_out(step, self.play_step)
+        rollout, keep = played.played
+        rollout.metrics.update(played.metrics)
+        self._timed("rollout_s", rollout.metrics["timing/rollout_s"])
         return rollout, keep
+
+    def play_step(self, runner: EpisodeRunner, step: int,
+                  precision: AbstractContextManager) -> tuple[StepOutput, list[int]]:
+        return play_step(runner, self.train_groups, step, self.config, precision)
 
     def measure_collapse(self, step: int, rollout: StepOutput) -> None:
         """RAGEN's collapse diagnostics (``collapse.every``) on all the step's episodes, scored by the actor that
@@ -637,9 +663,13 @@ class Trainer:
 
     def cross_logprobs(self, batch: Batch) -> torch.Tensor:
         """Shape (b, s): the actor's log-probs of ``batch``'s scored tokens (the collapse diagnostics' scorer)."""
-        with self.precision():
-            return batched_logprobs(self.actor, batch.to(self.device), MicroBatching.of(self.config.algorithm),
-                                    self.config.sampling.temperature)
+        n, rows = len(batch), self.parallel.rows(len(batch))
+        with self.precision():  # each process scores its rows (the same batch on every process)
+            local = batched_logprobs(self.actor, (batch if rows is None else batch.select(rows)).to(self.device),
+                                     MicroBatching.of(self.config.algorithm), self.config.sampling.temperature,
+                                     self.parallel.most)
+        self.parallel.release_gathered([self.actor])
+        return self.parallel.gather_rows(local, n)
 
     def decode(self, ids: list[int]) -> str:
         """Token ids as text, special tokens kept (where a response's reasoning lies)."""
@@ -650,6 +680,7 @@ class Trainer:
         scores and the update to use; the next rollout builds it again (``model.engine.free_during_update``)."""
         for policy in {id(policy): policy for policy in self.policies}.values():
             policy.release_memory()
+        self.parallel.release_rollout_model()
 
     def update_or_retry(self, step: int, rollout: StepOutput, keep: list[int]) -> StepOutput:
         """:meth:`update`; one that runs out of GPU memory before any optimizer step began runs again once, with
@@ -698,7 +729,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(step_seed(config.seeds.seed, step))
         # 3. samples -> padded batch
         batch = make_batch(rollout.trajectories, keep, algo.sample_mode, self.tokenizer.pad_token_id, self.device)
-        if encodes_images_once(config, ranks.world_size(), batch):
+        if encodes_images_once(config, self.parallel.world_size, batch):
             batch = batch.with_image_features()
         metrics["batch/samples"] = float(len(batch))
         metrics["batch/trained_tokens"] = float(batch.loss_mask.sum())
@@ -767,7 +798,7 @@ class Trainer:
             flops += algo.ppo_epochs * sum(vision_training_flops(tower, self.actor.config.vision_config, grids)
                                            for tower in trained_towers)
             metrics["throughput/update_mfu_counts_vision"] = float(bool(trained_towers))
-        utilization = mfu(flops, update_s, self.peak_flops, ranks.world_size())
+        utilization = mfu(flops, update_s, self.peak_flops, self.parallel.world_size)
         if utilization is not None:
             metrics["throughput/update_mfu"] = utilization
         if batch.image_features is not None:  # one process (see encodes_images_once)
@@ -781,9 +812,24 @@ class Trainer:
         return StepOutput(metrics, rollout.trajectories, token_advantages)
 
     def score(self, batch: Batch, generator: torch.Generator) -> TokenScores:
-        """4: old logprobs, reference logprobs and values of ``batch`` (:func:`score_batch`)."""
-        return score_batch(batch, self.actor, self.reference, self.critic, self.config.algorithm,
-                           self.config.sampling.temperature, generator, self.precision())
+        """4: old logprobs, reference logprobs and values of ``batch`` (:func:`score_batch`): each process scores
+        its rows, and the scores of the whole batch are gathered on every process."""
+        config, n = self.config, len(batch)
+        checked = check_rows(n, config.algorithm, generator)
+        rows = self.parallel.rows(n)
+        local = score_batch(batch if rows is None else batch.select(rows), self.actor, self.reference, self.critic,
+                            config.algorithm, config.sampling.temperature,
+                            None if checked is None else batch.select(checked), self.precision(), self.parallel.most)
+        self.parallel.release_gathered([model for model in (self.actor, self.reference, self.critic)
+                                        if model is not None])
+
+        def gather(local_rows: torch.Tensor | None) -> torch.Tensor | None:
+            return None if local_rows is None else self.parallel.gather_rows(local_rows, n)
+
+        old_logprobs = batch.sampler_logprobs if checked is not None else self.parallel.gather_rows(
+            local.old_logprobs, n)
+        return TokenScores(old_logprobs, gather(local.ref_logprobs), gather(local.values),
+                           self.parallel.mean_metrics(local.metrics))
 
     def train_on(self, inputs: UpdateInputs, train_actor: bool, generator: torch.Generator) -> dict[str, float]:
         """6: the PPO epochs (:func:`ppo_epochs`); the actor only when ``train_actor`` (after critic warm-up)."""
@@ -791,7 +837,7 @@ class Trainer:
         with self.precision():
             return ppo_epochs(self.actor, self.critic, inputs, config.algorithm, config.optim,
                               self.actor_optimizer if train_actor else None, self.critic_optimizer,
-                              config.sampling.temperature, generator)
+                              config.sampling.temperature, generator, shard=self.parallel.shard())
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_space_problem(self) -> str | None:
@@ -804,23 +850,20 @@ class Trainer:
     def save(self, step: int) -> Path:
         """Checkpoint ``checkpoints/step_{step}``: the run after ``step`` steps (its step numbers count from 1)."""
         state = {
-            "actor_optimizer": self.actor_optimizer.state_dict(),
             "actor_scheduler": self.actor_scheduler.state_dict(),
-            "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer is not None else None,
             "summary": self.summary,
             "timings": self.timings,
             "elapsed_s": self.elapsed_s(),
         }
-        path = save_checkpoint(self.run_dir, step, self.actor, self.processor or self.tokenizer, state,
-                               critic=self.critic, config_yaml=to_yaml(self.config))
-        prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
-        return path
+        files = CheckpointFiles(self.run_dir, step, self.processor or self.tokenizer, state, to_yaml(self.config),
+                                self.config.run.keep_checkpoints)
+        return self.parallel.save(files, self.models(), self.optimizers())
 
     def close(self) -> None:
-        """Release what the trainer holds beyond memory: an asynchronous trainer's rollout thread, Ray actors,
-        sessions on env servers."""
-        if isinstance(self.rollout, RayRollout):
-            self.rollout.close()
+        """Release what the trainer holds beyond memory: an asynchronous backend's rollout thread, Ray actors,
+        sessions on env servers. Safe to call twice."""
+        self.rollout.close()
+        self.val_rollout.close()
         for factory in self.env_factories:
             factory.close()
 

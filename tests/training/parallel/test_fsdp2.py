@@ -22,7 +22,7 @@ from turnrl.config import ConfigError, load_config
 from turnrl.models.loading import load_model
 from turnrl.training.commands import train
 from turnrl.training.config import TrainConfig
-from turnrl.training.distributed import allocate, copy_full_weights, process_rows, structure_of
+from turnrl.training.parallel.fsdp2 import allocate, copy_full_weights, process_rows, structure_of
 from turnrl.training.ppo import MicroBatching, Shard, shard_micro_batches, shard_rows
 
 # A short PPO run with a critic (GAE), greedy rollouts: one process and two play the same episodes.

@@ -1,5 +1,6 @@
-"""The asynchronous trainer on the tiny model: staleness 0 is the synchronous run, staleness 1 overlaps and
-corrects with truncated importance weights, failures surface in the trainer, the engine follows the copy."""
+"""The asynchronous backend in the trainer on the tiny model: staleness 0 is the synchronous run, staleness 1
+overlaps and corrects with truncated importance weights, failures surface in the trainer, the engine follows the
+copy."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from tests.training.test_trainer import COMMON as TRAINER_COMMON
 from turnrl.config import ConfigError, load_config
 from turnrl.engine.engine import weights_version
-from turnrl.training.asynchronous import AsyncTrainer, RolloutThreadError
+from turnrl.training.backends.asynchronous import AsyncRollout, RolloutThreadError
+from turnrl.training.backends.local import LocalRollout
 from turnrl.training.config import TrainConfig
 from turnrl.training.trainer import StepOutput, Trainer
 
@@ -36,29 +38,34 @@ def comparable(output: StepOutput) -> tuple[dict[str, float], list[dict]]:
     return metrics, [t.to_json() for t in output.trajectories]
 
 
+def backend(trainer: Trainer) -> AsyncRollout:
+    """The trainer's asynchronous backend (what ``distributed.async_rollout`` composes)."""
+    assert isinstance(trainer.rollout, AsyncRollout)
+    return trainer.rollout
+
+
 def run_steps(trainer: Trainer, steps: int) -> list[StepOutput]:
     try:
         return [trainer.step(step) for step in range(steps)]
     finally:
-        if isinstance(trainer, AsyncTrainer):
-            trainer.close()
+        trainer.close()
 
 
 def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
     # GAE with a critic and sampler log-probs: every phase of the update is compared.
     synchronous = run_steps(Trainer(config(tiny_model_dir, tmp_path, name="sync")), 3)
-    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0))
+    trainer = Trainer(async_config(tiny_model_dir, tmp_path, 0))
     asynchronous = run_steps(trainer, 3)
     for step, (one, two) in enumerate(zip(synchronous, asynchronous)):
         assert comparable(one) == comparable(two), step
         assert two.metrics["async/staleness"] == 0 and two.metrics["async/weights_version"] == step
     assert synchronous[2].metrics["batch/samples"] > 0  # it trained on every step
-    assert trainer.weights.applied_version == 2  # the batch of step 2 used the weights of update 1
+    assert backend(trainer).weights.applied_version == 2  # the batch of step 2 used the weights of update 1
 
 
 def test_staleness_one_overlaps_and_corrects_with_importance_weights(tiny_model_dir, tmp_path):
-    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 1, *TIS, "run.steps=5"))
-    before = [p.detach().clone() for p in trainer.rollout_copy.parameters()]
+    trainer = Trainer(async_config(tiny_model_dir, tmp_path, 1, *TIS, "run.steps=5"))
+    before = [p.detach().clone() for p in backend(trainer).copy.parameters()]
     outputs = [trainer.step(step) for step in range(3)]
     staleness = [output.metrics["async/staleness"] for output in outputs]
     assert staleness[0] == 0 and all(0 <= s <= 1 for s in staleness)
@@ -71,9 +78,9 @@ def test_staleness_one_overlaps_and_corrects_with_importance_weights(tiny_model_
     # A batch sampled with weights one update old disagrees with the trainer's log-probs; a fresh one does not.
     stale = outputs[1].metrics
     assert stale["actor/logprob_mismatch"] > 1e-4 and outputs[0].metrics["actor/logprob_mismatch"] < 1e-4
-    assert trainer.weights.applied_version >= 2  # the copy took published weights between batches
-    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.rollout_copy.parameters()))
-    thread = trainer._thread
+    assert backend(trainer).weights.applied_version >= 2  # the copy took published weights between batches
+    assert any(not torch.equal(a, b) for a, b in zip(before, backend(trainer).copy.parameters()))
+    thread = backend(trainer).thread
     assert thread is not None and thread.is_alive()  # ahead of the trainer, or waiting for weights
     trainer.close()
     assert not thread.is_alive()
@@ -81,7 +88,7 @@ def test_staleness_one_overlaps_and_corrects_with_importance_weights(tiny_model_
 
 
 def test_a_failure_in_the_rollout_thread_surfaces_in_step(tiny_model_dir, tmp_path):
-    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0))
+    trainer = Trainer(async_config(tiny_model_dir, tmp_path, 0))
 
     def unreachable_env():  # an env that cannot be built, as when an env server is down
         raise ConnectionError("env server unreachable")
@@ -98,7 +105,7 @@ def test_a_failure_in_the_rollout_thread_surfaces_in_step(tiny_model_dir, tmp_pa
 
 
 def test_steps_run_in_order_and_not_past_run_steps(tiny_model_dir, tmp_path):
-    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0, "run.steps=1"))
+    trainer = Trainer(async_config(tiny_model_dir, tmp_path, 0, "run.steps=1"))
     try:
         trainer.step(0)
         with pytest.raises(RolloutThreadError, match="run.steps=1"):
@@ -118,22 +125,24 @@ def test_stale_weights_need_truncated_importance_weights(tmp_path):
 
 
 def test_the_engine_samples_with_the_published_weights(tiny_model_dir, tmp_path):
-    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0, "model.backend=engine"))
-    engine = trainer.rollout.policy.engine  # type: ignore[attr-defined]
-    assert engine.model is trainer.rollout_copy
-    assert trainer.val_rollout.policy.engine.model is trainer.actor  # type: ignore[attr-defined]
-    before = [p.detach().clone() for p in trainer.rollout_copy.parameters()]
+    trainer = Trainer(async_config(tiny_model_dir, tmp_path, 0, "model.backend=engine"))
+    engine = backend(trainer).runner.policy.engine  # type: ignore[attr-defined]
+    assert engine.model is backend(trainer).copy
+    validation = trainer.val_rollout
+    assert isinstance(validation, LocalRollout)
+    assert validation.runner.policy.engine.model is trainer.actor  # type: ignore[attr-defined]
+    before = [p.detach().clone() for p in backend(trainer).copy.parameters()]
     outputs = run_steps(trainer, 3)
     # Each batch after an update was sampled with that update's weights: the engine saw the copy change
     # (and dropped its cache), so its log-probs are the trainer's.
     assert all(output.metrics["actor/logprob_mismatch"] < 1e-4 for output in outputs)
-    assert trainer.weights.applied_version == 2 and engine._version == weights_version(trainer.rollout_copy)
-    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.rollout_copy.parameters()))
+    assert backend(trainer).weights.applied_version == 2 and engine._version == weights_version(backend(trainer).copy)
+    assert any(not torch.equal(a, b) for a, b in zip(before, backend(trainer).copy.parameters()))
 
 
 def test_validation_and_resume_continue_the_synchronous_run(tiny_model_dir, tmp_path):
     # One run: validation between steps, a checkpoint after step 1; a second one resumes from it.
-    trainer = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0))
+    trainer = Trainer(async_config(tiny_model_dir, tmp_path, 0))
     try:
         trainer.step(0)
         trainer.step(1)
@@ -142,8 +151,8 @@ def test_validation_and_resume_continue_the_synchronous_run(tiny_model_dir, tmp_
         straight = trainer.step(2)
     finally:
         trainer.close()
-    resumed = AsyncTrainer(async_config(tiny_model_dir, tmp_path, 0, f"resume={tmp_path / 'async'}"))
-    assert resumed.first_step == 2 and resumed.weights.version == 2
+    resumed = Trainer(async_config(tiny_model_dir, tmp_path, 0, f"resume={tmp_path / 'async'}"))
+    assert resumed.first_step == 2 and backend(resumed).weights.version == 2
     try:
         again = resumed.step(2)
     finally:

@@ -3,11 +3,13 @@
     torchrun --nproc-per-node 2 -m turnrl.cli train --config configs/X.yaml
     turnrl train --config configs/X.yaml distributed.nproc_per_node=2      # the same, started for you
 
-A step on every process, in the single-process trainer's order:
+:class:`FSDP2` is the :class:`~turnrl.training.parallel.strategy.ParallelStrategy` of such a run; the one
+:class:`~turnrl.training.trainer.Trainer` runs a step on every process, in the single-process order:
 
-    rollout     this process's share of the env groups (whole groups: group g on process g % world), on
-                an unsharded copy of the actor (the engine needs whole weights), then every process's
-                trajectories gathered: all processes hold the batch the single-process trainer would
+    rollout     this process's share of the env groups (whole groups: group g on process g % world,
+                :class:`~turnrl.training.backends.sharded.ShardedRollout`), on an unsharded copy of the actor
+                (the engine needs whole weights), then every process's trajectories gathered: all processes
+                hold the batch the single-process trainer would
     scores      old/reference logprobs and values of this process's rows of the batch, gathered
     advantages  over the whole batch, the same on every process (group estimators see whole groups,
                 whitening sees every token)
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +42,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from turnrl.config import ConfigError, SamplingConfig, to_yaml
-from turnrl.models.template_deltas import ChatTemplateDeltas
-from turnrl.rewards import Rewards
-from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
-from turnrl.rollout.trajectory import Trajectory, sum_by_name
+from turnrl.config import ConfigError
 from turnrl.training import ranks
-from turnrl.training.batch import Batch
 from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint, unique_tmp_name
-from turnrl.training.config import TrainConfig
 from turnrl.training.forward import ValueModel, body_and_head
 from turnrl.training.head import ScoringHead
-from turnrl.training.ppo import MicroBatching, Shard, UpdateInputs, batched_logprobs, ppo_epochs
-from turnrl.training.trainer import TokenScores, Trainer, score_batch
+from turnrl.training.parallel.strategy import CheckpointFiles, Models, Optimizers
+from turnrl.training.ppo import Shard
 
 OPTIMIZER_DIR = "optimizer"
 """A checkpoint's sharded optimizer states (``torch.distributed.checkpoint`` files), beside ``actor/``."""
@@ -87,62 +83,6 @@ def gather_rows(local: torch.Tensor, n: int) -> torch.Tensor:
         count = len(range(rank, n, world))
         out[rank::world] = part[:count]
     return out
-
-
-class RankRewards:
-    """A rollout's :class:`Rewards` whose ``metrics()`` are the mean over the processes that scored turns in
-    the last rollout (counts, such as judge calls, are per process, as with Ray workers)."""
-
-    def __init__(self, rewards: Rewards) -> None:
-        self.rewards = rewards
-        self.played = True
-
-    def metrics(self) -> dict[str, float]:
-        parts = [part for part, played in ranks.all_gather_objects((self.rewards.metrics(), self.played)) if played]
-        keys = {key for part in parts for key in part}
-        return {key: sum(part.get(key, 0.0) for part in parts) / len(parts) for key in keys}
-
-
-class ShardedRollout:
-    """A :class:`Rollout` that plays this process's groups of the slots and returns every process's
-    trajectories, in the slots' order: what the single-process rollout returns.
-
-    Timings are the slowest process's (the step waits for it); the policies' work counters are summed over the
-    processes. Trajectories travel without the chat template object their token context refers to (the
-    tokenizer): each process attaches its own.
-    """
-
-    def __init__(self, rollout: Rollout, tokenizer: Any) -> None:
-        self.rollout = rollout
-        self.rewards = RankRewards(rollout.rewards)
-        self.timings = RolloutTimings()
-        self.tokenizer = tokenizer
-        self.deltas: Any = None  # the rollout's own, once it has played a trajectory
-
-    def run(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig) -> list[Trajectory]:
-        rank, world = ranks.rank(), ranks.world_size()
-        mine = [i for i, slot in enumerate(slots) if slot.group % world == rank]
-        played = self.rollout.run([slots[i] for i in mine], sampling) if mine else []
-        local = self.rollout.timings if mine else RolloutTimings()
-        self.rewards.played = bool(mine)
-        for trajectory in played:
-            if trajectory.tokens is not None:
-                self.deltas = trajectory.tokens.deltas
-                trajectory.tokens.deltas = None  # type: ignore[assignment]
-        gathered = ranks.all_gather_objects((list(zip(mine, played)), local.generate_s, local.env_s,
-                                             local.policy_work))
-        self.timings = RolloutTimings(max(part[1] for part in gathered), max(part[2] for part in gathered),
-                                      sum_by_name([part[3] for part in gathered]))
-        by_slot = dict(pair for part in gathered for pair in part[0])
-        trajectories = [by_slot[i] for i in range(len(slots))]
-        if self.deltas is None and any(t.tokens is not None for t in trajectories):
-            # This process has played nothing yet: the pieces its rollout would have used.
-            self.deltas = ChatTemplateDeltas.for_tokenizer(self.tokenizer,
-                                                           response_prefix=self.rollout.fmt.response_prefix)
-        for trajectory in trajectories:
-            if trajectory.tokens is not None:
-                trajectory.tokens.deltas = self.deltas
-        return trajectories
 
 
 # --------------------------------------------------------------------------- sharding the models
@@ -282,180 +222,160 @@ def copy_full_weights(sharded: torch.nn.Module, full: torch.nn.Module, every_par
             targets[name].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
 
 
-# --------------------------------------------------------------------------- the trainer
+# --------------------------------------------------------------------------- the strategy
 FREED = -1
 """The rollout copy's weights version while its parameters are freed: no version the trainer's weights take."""
 
 
-class FSDPTrainer(Trainer):
-    """:class:`Trainer` on ``torch.distributed`` processes, with FSDP2-sharded models (see the module docs).
+class FSDP2:
+    """A :class:`~turnrl.training.parallel.strategy.ParallelStrategy` over ``torch.distributed`` processes, with
+    FSDP2-sharded models (see the module's docstring).
 
-    The process group must be initialized (:func:`ranks.init_process_group`) and ``config.model.device``
-    be this process's device.
+    The process group must be initialized (:func:`ranks.init_process_group`) and the trainer's device be this
+    process's.
+
+    Args:
+        cpu_offload: ``distributed.cpu_offload``: the shards in host memory (a GPU run's).
     """
 
     # A process out of memory leaves the others waiting in a collective, and its own layers gathered.
     retries_out_of_memory = False
 
-    def __init__(self, config: TrainConfig, start_model: Path | str | None = None,
-                 rewards: Rewards | None = None) -> None:
+    def __init__(self, cpu_offload: bool) -> None:
         device = ranks.process_device()
-        if config.distributed.cpu_offload and (device is None or device.type != "cuda"):
+        if cpu_offload and (device is None or device.type != "cuda"):
             raise ConfigError("distributed.cpu_offload moves a GPU run's shards to host memory; processes on the "
                               "CPU hold them there already: set distributed.cpu_offload=false")
-        self.weights_version = 0
-        self.rollout_version = 0
-        """The weights version the rollout copy holds; :data:`FREED` while its parameters are freed for the update
-        (``model.engine.free_during_update``)."""
-        super().__init__(config, start_model, rewards)
-        assert isinstance(self.rollout, Rollout)  # Ray rollouts and torchrun do not go together (train() says)
-        self.rollout = ShardedRollout(self.rollout, self.tokenizer)  # type: ignore[assignment]
-        self.val_rollout = ShardedRollout(self.val_rollout, self.tokenizer)  # type: ignore[assignment]
+        self.cpu_offload = cpu_offload
+        self.startup: dict[str, float] = {}
+        self.rollout_actor: torch.nn.Module | None = None
+        """The rollouts' unsharded copy of the actor in the compute dtype, refreshed from the shards."""
+        self.rollout_version: int | None = None
+        """The actor updates the rollout copy holds (None: filled from the shards as they are, before any update
+        of this process); :data:`FREED` while its parameters are freed for the update."""
 
-    def rollout_model(self) -> torch.nn.Module:
-        return self.rollout_actor
+    @property
+    def rank(self) -> int:
+        return ranks.rank()
 
-    def load_device(self) -> torch.device:
+    @property
+    def world_size(self) -> int:
+        return ranks.world_size()
+
+    # ------------------------------------------------------------------ the models
+    def load_device(self, device: torch.device) -> torch.device:
         """Rank 0 reads the models into host memory; the other processes build their structure on ``meta``
         and receive their shards from it (see :func:`shard_model`)."""
         return torch.device("cpu") if ranks.is_main() else torch.device("meta")
 
-    def _build_models(self, start_model: Path | str | None) -> None:
-        super()._build_models(start_model)
+    def place(self, models: Models, device: torch.device, dtype: torch.dtype) -> Models:
         started = time.time()
         whole = ranks.is_main()
         weights = {name: model.state_dict() if whole else {}
-                   for name, model in (("actor", self.actor), ("critic", self.critic), ("reference", self.reference))
-                   if model is not None}
-        self.actor = structure_of(self.actor)
-        self.critic = structure_of(self.critic) if self.critic is not None else None  # type: ignore[assignment]
-        self.reference = structure_of(self.reference) if self.reference is not None else None
-        rollout_structure = structure_of(self.actor)  # before sharding changes the actor's modules
-        for name, model in (("actor", self.actor), ("critic", self.critic), ("reference", self.reference)):
+                   for name, model in (("actor", models.actor), ("critic", models.critic),
+                                       ("reference", models.reference)) if model is not None}
+        actor = structure_of(models.actor)
+        critic = structure_of(models.critic) if models.critic is not None else None
+        reference = structure_of(models.reference) if models.reference is not None else None
+        rollout_structure = structure_of(actor)  # before sharding changes the actor's modules
+        for name, model in (("actor", actor), ("critic", critic), ("reference", reference)):
             if model is not None:
-                shard_model(model, self.dtype, weights.pop(name), self.config.distributed.cpu_offload)
+                shard_model(model, dtype, weights.pop(name), self.cpu_offload)
         self.startup["shard_s"] = time.time() - started
-        # The rollout's unsharded copy in the compute dtype, refreshed from the shards after every update.
         started = time.time()
-        self.rollout_actor = allocate(rollout_structure, self.device, self.dtype).eval().requires_grad_(False)
-        copy_full_weights(self.actor, self.rollout_actor, every_parameter=True)
+        self.rollout_actor = allocate(rollout_structure, device, dtype).eval().requires_grad_(False)
+        copy_full_weights(actor, self.rollout_actor, every_parameter=True)
         self.startup["rollout_copy_s"] = time.time() - started
+        assert critic is None or isinstance(critic, ValueModel)
+        return Models(actor, critic, reference)
 
-    def _restore(self) -> None:
-        super()._restore()  # everything but the optimizers' shards (the trainer state holds none)
-        assert self.checkpoint is not None
-        state = self._optimizer_state()
-        torch.distributed.checkpoint.load(state, checkpoint_id=str(self.checkpoint / OPTIMIZER_DIR))
-        set_optimizer_state_dict(self.actor, self.actor_optimizer, state["actor"])
-        if self.critic is not None and self.critic_optimizer is not None:
-            set_optimizer_state_dict(self.critic, self.critic_optimizer, state["critic"])
+    def rollout_model(self, actor: torch.nn.Module) -> torch.nn.Module:
+        assert self.rollout_actor is not None, "place() builds the rollout copy"
+        return self.rollout_actor
 
-    def _optimizer_state(self) -> dict[str, Any]:
-        reshard(self.actor)
-        reshard(self.critic)
-        state = {"actor": get_optimizer_state_dict(self.actor, self.actor_optimizer)}
-        if self.critic is not None and self.critic_optimizer is not None:
-            state["critic"] = get_optimizer_state_dict(self.critic, self.critic_optimizer)
-        return state
-
-    def release_rollout_memory(self) -> None:
-        """The engine's memory and the rollout copy's parameters, gathered whole from the shards again before the
-        next rollout: the update does not hold a second, unsharded actor."""
-        super().release_rollout_memory()
-        free_parameters(self.rollout_actor)
-        self.rollout_version = FREED
-
-    def _sync_rollout_weights(self) -> None:
-        if self.rollout_version == self.weights_version:
+    def sync_rollout_model(self, actor: torch.nn.Module, updates: int) -> None:
+        assert self.rollout_actor is not None, "place() builds the rollout copy"
+        if self.rollout_version is None:
+            self.rollout_version = updates
+        if self.rollout_version == updates:
             return
         freed = self.rollout_version == FREED  # then the frozen parameters are gathered too
         if freed:
             reallocate_parameters(self.rollout_actor)
-        copy_full_weights(self.actor, self.rollout_actor, every_parameter=freed)
-        self.rollout_version = self.weights_version
+        copy_full_weights(actor, self.rollout_actor, every_parameter=freed)
+        self.rollout_version = updates
 
-    # ------------------------------------------------------------------ the phases that differ
-    def roll_out(self, step: int) -> Any:
-        self._sync_rollout_weights()
-        return super().roll_out(step)
+    def release_rollout_model(self) -> None:
+        """The rollout copy's parameters, gathered whole from the shards again before the next rollout: the
+        update does not hold a second, unsharded actor."""
+        assert self.rollout_actor is not None, "place() builds the rollout copy"
+        free_parameters(self.rollout_actor)
+        self.rollout_version = FREED
 
-    def validate(self) -> Any:
-        self._sync_rollout_weights()
-        return super().validate()
+    # ------------------------------------------------------------------ reductions
+    def rows(self, n: int) -> torch.Tensor | None:
+        return process_rows(n, ranks.rank(), ranks.world_size())
 
-    def score(self, batch: Batch, generator: torch.Generator) -> TokenScores:
-        """Each process scores its rows; the scores of the whole batch are gathered on every process."""
-        config, n = self.config, len(batch)
-        rows = process_rows(n, ranks.rank(), ranks.world_size())
-        # The single-process trainer draws the rows of its logprob check from the step's generator; the same
-        # draw keeps the PPO epochs' shuffling identical to it.
-        check_generator = torch.Generator().set_state(generator.get_state())
-        if config.algorithm.old_logprobs == "sampler":
-            torch.randperm(n, generator=generator)
-        local = score_batch(batch.select(rows), self.actor, self.reference, self.critic, config.algorithm,
-                            config.sampling.temperature, check_generator, self.precision(), ranks.max_over_ranks)
-        for model in (self.actor, self.reference, self.critic):
-            reshard(model)
-        gather: Callable[[torch.Tensor | None], Any] = lambda t: None if t is None else gather_rows(t, n)  # noqa: E731
-        old_logprobs = batch.sampler_logprobs if config.algorithm.old_logprobs == "sampler" else gather(
-            local.old_logprobs)
-        metrics = {key: value / ranks.world_size() for key, value in ranks.sum_over_ranks(local.metrics).items()}
-        return TokenScores(old_logprobs, gather(local.ref_logprobs), gather(local.values), metrics)
-
-    def cross_logprobs(self, batch: Batch) -> torch.Tensor:
-        """Each process scores its rows of the collapse diagnostics' batch (the same batch on every process:
-        the pairs are drawn from the gathered trajectories); the whole batch's log-probs are gathered."""
-        n = len(batch)
-        rows = process_rows(n, ranks.rank(), ranks.world_size())
-        with self.precision():
-            local = batched_logprobs(self.actor, batch.select(rows).to(self.device),
-                                     MicroBatching.of(self.config.algorithm), self.config.sampling.temperature,
-                                     ranks.max_over_ranks)
-        reshard(self.actor)
+    def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
         return gather_rows(local, n)
 
-    def train_on(self, inputs: UpdateInputs, train_actor: bool, generator: torch.Generator) -> dict[str, float]:
-        config = self.config
-        shard = Shard(ranks.rank(), ranks.world_size(), ranks.sum_over_ranks, ranks.max_over_ranks)
-        with self.precision():
-            metrics = ppo_epochs(self.actor, self.critic, inputs, config.algorithm, config.optim,
-                                 self.actor_optimizer if train_actor else None, self.critic_optimizer,
-                                 config.sampling.temperature, generator, shard=shard)
-        if train_actor:  # a critic warm-up step leaves the rollout copy as it is
-            self.weights_version += 1
-        return metrics
+    def most(self, count: int) -> int:
+        return ranks.max_over_ranks(count)
+
+    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        return {key: value / ranks.world_size() for key, value in ranks.sum_over_ranks(metrics).items()}
+
+    def shard(self) -> Shard | None:
+        return Shard(ranks.rank(), ranks.world_size(), ranks.sum_over_ranks, ranks.max_over_ranks)
+
+    def release_gathered(self, models: list[torch.nn.Module]) -> None:
+        for model in models:
+            reshard(model)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int) -> Path:
+    def restore_optimizers(self, checkpoint: Path, state: dict[str, Any], models: Models,
+                           optimizers: Optimizers) -> None:
+        """The optimizers' shards, from ``torch.distributed.checkpoint`` files (the trainer state holds none)."""
+        shards = self._optimizer_state(models, optimizers)
+        torch.distributed.checkpoint.load(shards, checkpoint_id=str(checkpoint / OPTIMIZER_DIR))
+        set_optimizer_state_dict(models.actor, optimizers.actor, shards["actor"])
+        if models.critic is not None and optimizers.critic is not None:
+            set_optimizer_state_dict(models.critic, optimizers.critic, shards["critic"])
+
+    @staticmethod
+    def _optimizer_state(models: Models, optimizers: Optimizers) -> dict[str, Any]:
+        reshard(models.actor)
+        reshard(models.critic)
+        state = {"actor": get_optimizer_state_dict(models.actor, optimizers.actor)}
+        if models.critic is not None and optimizers.critic is not None:
+            state["critic"] = get_optimizer_state_dict(models.critic, optimizers.critic)
+        return state
+
+    def save(self, files: CheckpointFiles, models: Models, optimizers: Optimizers) -> Path:
         """HF models gathered from the shards (written by rank 0), the optimizers' shards by every process."""
-        actor = without_tied_copies(full_state_dict(self.actor), self.rollout_actor)
-        critic = full_state_dict(self.critic) if self.critic is not None else None
+        assert self.rollout_actor is not None, "place() builds the rollout copy"
+        actor = without_tied_copies(full_state_dict(models.actor), self.rollout_actor)
+        critic = full_state_dict(models.critic) if models.critic is not None else None
         # Every process writes its optimizer shards into the folder rank 0 names (a name no other writer uses).
-        tmp_name = ranks.all_gather_objects(unique_tmp_name(step))[0]
-        tmp = self.run_dir / "checkpoints" / tmp_name
+        tmp_name = ranks.all_gather_objects(unique_tmp_name(files.step))[0]
+        tmp = files.run_dir / "checkpoints" / tmp_name
 
         def write_optimizer_shards(directory: Path) -> None:
             ranks.barrier()  # rank 0 has made the directory
-            torch.distributed.checkpoint.save(self._optimizer_state(), checkpoint_id=str(directory / OPTIMIZER_DIR))
+            torch.distributed.checkpoint.save(self._optimizer_state(models, optimizers),
+                                              checkpoint_id=str(directory / OPTIMIZER_DIR))
             ranks.barrier()
 
-        state = {
-            "actor_scheduler": self.actor_scheduler.state_dict(),
-            "summary": self.summary,
-            "timings": self.timings,
-            "elapsed_s": self.elapsed_s(),
-            "world_size": ranks.world_size(),
-        }
+        state = {**files.state, "world_size": ranks.world_size()}
         if not ranks.is_main():
             write_optimizer_shards(tmp)
             ranks.barrier()  # rank 0 has published the checkpoint
-            return self.run_dir / "checkpoints" / f"step_{step:06d}"
-        path = save_checkpoint(self.run_dir, step, _WithStateDict(self.actor, actor),
-                               self.processor or self.tokenizer, state,
-                               critic=_WithStateDict(self.critic, critic) if critic is not None else None,
-                               before_publish=write_optimizer_shards, config_yaml=to_yaml(self.config),
+            return files.run_dir / "checkpoints" / f"step_{files.step:06d}"
+        path = save_checkpoint(files.run_dir, files.step, _WithStateDict(models.actor, actor), files.processor, state,
+                               critic=_WithStateDict(models.critic, critic) if critic is not None else None,
+                               before_publish=write_optimizer_shards, config_yaml=files.config_yaml,
                                tmp_name=tmp_name)
-        prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
+        prune_checkpoints(files.run_dir, files.keep)
         ranks.barrier()
         return path
 

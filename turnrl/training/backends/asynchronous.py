@@ -1,4 +1,4 @@
-"""Asynchronous rollout: the next batches are played with the previous weights while the trainer updates.
+"""The asynchronous backend: the next batches are played with the previous weights while the trainer updates.
 
 One process, two pools of the same policy:
 
@@ -7,16 +7,18 @@ One process, two pools of the same policy:
 
     rollout(s)  may start once the weights it samples with are at most ``max_staleness`` updates old,
                 i.e. once update s-1-max_staleness has been published
-    publish     after each update the trainer copies the actor's trainable parameters into a staging copy;
-                the rollout thread copies them into its model between batches, never mid-generation
+    publish     after each step the trainer's :meth:`AsyncRollout.set_weights` copies the actor's trainable
+                parameters into a staging copy; the rollout thread copies them into its model between batches,
+                never mid-generation
     update(s)   PPO on batch s; with recomputed old log-probs and ``algorithm.tis_cap`` the truncated
                 importance weights ``min(pi_old / pi_sampler, cap)`` correct for the lag
 
-``max_staleness=0`` is the synchronous algorithm: rollout s+1 waits for update s, every phase draws the same
-random numbers as in :class:`~turnrl.training.trainer.Trainer`, and the run is the same run. With a larger
-bound, the trainer and the rollout share no state but the staged weights and the queue of batches; validation
-(on the trainer's actor) and a rollout batch never run at the same time, since both reseed torch's global
-generator and score with the same reward functions (state rewards keep a history).
+``max_staleness=0`` is the synchronous algorithm: rollout s+1 waits for update s, the rollout thread plays each
+step with the trainer's own ``play`` function (the same random draws), and the run is the same run. With a
+larger bound, the trainer and the rollout share no state but the staged weights and the queue of batches;
+validation (on the trainer's actor) and a rollout batch never run at the same time (:meth:`AsyncRollout.exclusive`),
+since both reseed torch's global generator and score with the same reward functions (state rewards keep a
+history).
 
 Batches in flight when a run stops are dropped: a resumed run rolls them out again.
 """
@@ -27,39 +29,30 @@ import copy
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any, Generic
 
 import torch
 
+from turnrl.config import SamplingConfig
 from turnrl.models.devices import resolve_device
 from turnrl.policy.factory import model_policy
-from turnrl.rewards import Rewards
-from turnrl.rollout.groups import EnvGroups
-from turnrl.rollout.runner import Rollout
-from turnrl.training.config import TrainConfig
+from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
+from turnrl.rollout.trajectory import Trajectory
+from turnrl.training.backends.backend import (
+    Played,
+    PlayStep,
+    RewardMetrics,
+    RolloutParts,
+    StepRollout,
+    WeightsVersion,
+)
 from turnrl.training.logger import RunConsole
 from turnrl.training.precision import autocast
-from turnrl.training.seeding import step_seed
-from turnrl.training.trainer import StepOutput, Trainer, collect, dynamic_sample, select_trajectories
 
 console = RunConsole()
-
-
-def roll_out_batch(
-    rollout: Rollout, groups: EnvGroups, step: int, config: TrainConfig, precision: AbstractContextManager
-) -> tuple[StepOutput, list[int]]:
-    """The episodes of ``step`` and the indices of those to train on, as :meth:`Trainer.roll_out` makes them
-    (dynamic sampling, or one round and the StarPO-S filter), seeded the same way."""
-    torch.manual_seed(step_seed(config.seeds.seed, step))
-    algo = config.algorithm
-    if algo.dynamic_sampling:
-        return dynamic_sample(rollout, groups, step, config, precision)
-    output = collect(rollout, groups.train_slots(step), config.sampling, precision)
-    keep, filter_metrics = select_trajectories(output.trajectories, algo.filter)
-    output.metrics.update(filter_metrics)
-    return output, keep
 
 
 class StagedWeights:
@@ -138,13 +131,12 @@ class StagedWeights:
 
 
 @dataclass
-class RolloutBatch:
+class RolloutBatch(Generic[Played]):
     """One step's rollout as the rollout thread hands it to the trainer."""
 
     step: int
-    output: StepOutput
-    keep: list[int]
-    """Indices of the trajectories to train on (empty: skip the update)."""
+    played: Played
+    """What the trainer's ``play`` returned for the step."""
     weights_version: int
     """The version of the weights it was sampled with (see :class:`StagedWeights`)."""
     wait_weights_s: float
@@ -163,78 +155,93 @@ class RolloutThreadError(RuntimeError):
     """An exception in the rollout thread, raised again in the trainer's ``step`` (the original is its cause)."""
 
 
-class AsyncTrainer(Trainer):
-    """:class:`~turnrl.training.trainer.Trainer` with rollouts in a background thread on a copy of the actor.
+class AsyncRollout:
+    """A :class:`~turnrl.training.backends.backend.RolloutBackend` whose steps are played in a background
+    thread on a copy of the actor, up to ``max_staleness`` updates ahead of the trainer (see the module's docs).
 
-    Args: as :class:`~turnrl.training.trainer.Trainer`; ``config.distributed`` gives ``max_staleness`` and
-    ``rollout_device``. Call :meth:`close` at the end of a run (and on Ctrl-C) to stop the thread.
+    The thread starts at the first :meth:`roll_out` and plays the steps from there to ``end_step`` in order;
+    :meth:`close` stops it (call it at the end of a run, and on Ctrl-C).
 
+    Args:
+        runner: a runner on a policy that samples from ``copy``.
+        copy: the rollout thread's copy of the actor (on ``device``; its parameters are overwritten in place).
+        device: where the copy lives (``distributed.rollout_device``).
+        dtype: the compute dtype the episodes play under.
+        max_staleness: how many updates behind the weights a batch samples with may be.
+        end_step: the steps before it are rolled out (``run.steps``).
     """
 
-    retries_out_of_memory = False  # its own step runs the update; the rollout thread shares the random state
+    runs_ahead = True
 
-    def __init__(
-        self, config: TrainConfig, start_model: Path | str | None = None, rewards: Rewards | None = None
-    ) -> None:
-        super().__init__(config, start_model=start_model, rewards=rewards)
-        dist = config.distributed
-        self.max_staleness = dist.max_staleness
-        self.rollout_device = resolve_device(dist.rollout_device) if dist.rollout_device else self.device
-        # The copy samples; the trainer's actor trains and validates. Its own policy (and engine cache),
-        # its own Rollout; the envs of train_groups are only ever used by the rollout thread.
-        self.rollout_copy = copy.deepcopy(self.actor).to(self.rollout_device).eval().requires_grad_(False)
-        batch_size = max(64, config.groups.n_groups * config.groups.group_size)
-        policy = model_policy(self.rollout_copy, self.tokenizer, config.model, max_batch_size=batch_size,
-                              processor=self.processor, dtype=self.dtype)
-        assert isinstance(self.rollout, Rollout)  # Ray rollouts are refused with async_rollout (the config says)
-        self.rollout = self.copy_rollout = Rollout(policy, self.rollout.fmt, config.agent, env_id=config.env.id,
-                                                   executor=self.executor, rewards=self.rollout.rewards)
-        self.weights = StagedWeights(self.actor, self.rollout_copy, version=self.first_step)
-        self._batches: queue.Queue[RolloutBatch | RolloutFailure] = queue.Queue()
+    def __init__(self, runner: Rollout, copy: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                 max_staleness: int, end_step: int) -> None:
+        self.runner = runner
+        self.copy = copy
+        self.device = device
+        self.dtype = dtype
+        self.max_staleness = max_staleness
+        self.end_step = end_step
+        self.weights: StagedWeights | None = None
+        """The staged weights, from the first :meth:`set_weights` (the trainer's, once built or restored)."""
+        self.updates = 0
+        """The actor's updates of the weights last published."""
+        self._batches: queue.Queue[RolloutBatch[Any] | RolloutFailure] = queue.Queue()
         self._stop = threading.Event()
         # Held for a whole rollout batch and for a whole validation: both seed torch's global generator and
         # score with the same (possibly stateful) reward functions.
         self._sampling = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None
         self._failure: RolloutFailure | None = None
 
-    def rollout_precision(self) -> AbstractContextManager:
-        return autocast(self.rollout_device, self.dtype)
+    def precision(self) -> AbstractContextManager:
+        return autocast(self.device, self.dtype)
+
+    # ------------------------------------------------------------------ the runner's side of the protocol
+    @property
+    def timings(self) -> RolloutTimings:
+        return self.runner.timings
+
+    @property
+    def rewards(self) -> RewardMetrics:
+        return self.runner.rewards
+
+    def run(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig) -> list[Trajectory]:
+        """The slots' episodes on the rollout copy, between two batches of the rollout thread."""
+        with self._sampling, self.precision():
+            return self.runner.run(slots, sampling)
+
+    def exclusive(self) -> AbstractContextManager[Any]:
+        return self._sampling
 
     # ------------------------------------------------------------------ the rollout thread
-    def _start(self, first_step: int) -> None:
-        self._thread = threading.Thread(target=self._produce, args=(first_step, self.config.run.steps),
-                                        name="turnrl-rollout", daemon=True)
-        self._thread.start()
-
-    def _produce(self, first_step: int, end_step: int) -> None:
+    def _produce(self, play: PlayStep[Any], first_step: int) -> None:
         """Roll out steps ``first_step .. end_step - 1`` in order, each within the staleness bound."""
         step = first_step
+        assert self.weights is not None
         try:
-            if self.rollout_device.type == "cuda":
-                torch.cuda.set_device(self.rollout_device)  # the current device is per thread
-            for step in range(first_step, end_step):
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # the current device is per thread
+            for step in range(first_step, self.end_step):
                 wait_s = self.weights.wait_for(step - self.max_staleness, self._stop)
                 if self._stop.is_set():
                     return
                 version = self.weights.apply()
                 with self._sampling:
-                    output, keep = roll_out_batch(self.copy_rollout, self.train_groups, step, self.config,
-                                                  self.rollout_precision())
-                self._batches.put(RolloutBatch(step, output, keep, version, wait_s))
+                    played = play(self.runner, step, self.precision())
+                self._batches.put(RolloutBatch(step, played, version, wait_s))
         except BaseException as error:  # noqa: BLE001 - every failure goes to the trainer, which raises it
             self._batches.put(RolloutFailure(step, error))
 
-    def _next_batch(self, step: int) -> RolloutBatch:
+    def _next_batch(self, step: int) -> RolloutBatch[Any]:
         """The rollout of ``step`` (waiting for it); a failure of the rollout thread is raised here."""
         while self._failure is None:
             try:
                 item = self._batches.get(timeout=1.0)
             except queue.Empty:
-                if self._thread is not None and not self._thread.is_alive() and self._batches.empty():
+                if self.thread is not None and not self.thread.is_alive() and self._batches.empty():
                     raise RolloutThreadError(
                         f"no rollout for step {step}: the rollout thread has stopped (it rolls out the steps "
-                        f"before run.steps={self.config.run.steps}, and close() stops it)") from None
+                        f"before run.steps={self.end_step}, and close() stops it)") from None
                 continue
             if isinstance(item, RolloutFailure):
                 self._failure = item
@@ -248,33 +255,35 @@ class AsyncTrainer(Trainer):
                                  f"{type(failure.error).__name__}: {failure.error}") from failure.error
 
     # ------------------------------------------------------------------ the trainer's side
-    def step(self, step: int) -> StepOutput:
-        """Take the rollout of ``step`` from the rollout thread, update on it, publish the new weights."""
-        step_start = time.time()
-        if self._thread is None:
-            self._start(step)
+    def roll_out(self, step: int, play: PlayStep[Played]) -> StepRollout[Played]:
+        """The rollout of ``step`` from the rollout thread (started by the first call, at ``step``)."""
+        if self.weights is None:
+            raise RuntimeError("AsyncRollout.roll_out before set_weights: the trainer publishes its weights first")
+        start = time.time()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._produce, args=(play, step), name="turnrl-rollout",
+                                           daemon=True)
+            self.thread.start()
         queued = self._batches.qsize()
         batch = self._next_batch(step)
-        wait_rollout_s = time.time() - step_start
-        self._timed("rollout_s", batch.output.metrics["timing/rollout_s"])
-        self.measure_collapse(step, batch.output)
-        output = self.update(step, batch.output, batch.keep) if batch.keep else batch.output
-        publish_s = self.weights.publish(step + 1, changed=bool(batch.keep))
-        output.metrics.update({
+        return StepRollout(batch.played, {
             "async/staleness": float(step - batch.weights_version),
             "async/weights_version": float(batch.weights_version),
-            "async/wait_rollout_s": wait_rollout_s,
+            "async/wait_rollout_s": time.time() - start,
             "async/wait_weights_s": batch.wait_weights_s,
             "async/queue_size": float(queued),
-            "async/publish_s": publish_s,
-            "timing/step_s": time.time() - step_start,
         })
-        return output
 
-    def validate(self) -> StepOutput:
-        """Validation on the trainer's actor, between two rollout batches (see the module's docstring)."""
-        with self._sampling:
-            return super().validate()
+    def set_weights(self, model: torch.nn.Module, version: WeightsVersion) -> dict[str, float]:
+        """Publish ``model``'s weights as version ``version.steps`` (copied only when its updates moved); the
+        first call stages them (the copy holds them already)."""
+        if self.weights is None:
+            self.weights = StagedWeights(model, self.copy, version=version.steps)
+            self.updates = version.updates
+            return {}
+        publish_s = self.weights.publish(version.steps, changed=version.updates != self.updates)
+        self.updates = version.updates
+        return {"async/publish_s": publish_s}
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop the rollout thread: it ends after the batch in progress, which is dropped with the queued ones.
@@ -282,12 +291,30 @@ class AsyncTrainer(Trainer):
         Safe to call twice, and before any step.
         """
         self._stop.set()
-        self.weights.wake()
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
+        if self.weights is not None:
+            self.weights.wake()
+        if self.thread is not None and self.thread.is_alive():
+            self.thread.join(timeout_s)
+            if self.thread.is_alive():
                 console.print(f"the rollout thread is still finishing its batch after {timeout_s:.0f} s; "
                               "it is left to end with the process")
         while not self._batches.empty():
             self._batches.get_nowait()
-        super().close()  # Ray env workers, when the envs live in them
+
+
+def async_rollouts(parts: RolloutParts) -> tuple[AsyncRollout, Rollout]:
+    """``distributed.async_rollout``: the steps' backend on a copy of the actor (on ``distributed.rollout_device``,
+    with its own policy and engine cache) and a runner on ``parts``' own policy for validation."""
+    config = parts.config
+    dist = config.distributed
+    device = resolve_device(dist.rollout_device) if dist.rollout_device else parts.device
+    # The copy samples; the trainer's actor trains and validates.
+    actor_copy = copy.deepcopy(parts.actor).to(device).eval().requires_grad_(False)
+    batch_size = max(64, config.groups.n_groups * config.groups.group_size)
+    policy = model_policy(actor_copy, parts.tokenizer, config.model, max_batch_size=batch_size,
+                          processor=parts.processor, dtype=parts.dtype)
+    train = parts.train
+    runner = Rollout(policy, train.fmt, config.agent, env_id=config.env.id, executor=train.executor,
+                     rewards=train.rewards)
+    return AsyncRollout(runner, actor_copy, device, parts.dtype, dist.max_staleness, config.run.steps), \
+        parts.validation

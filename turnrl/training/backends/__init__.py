@@ -1,0 +1,1 @@
+"""Rollout backends: where and when a step's episodes are played (:class:`~.backend.RolloutBackend`)."""

@@ -1,0 +1,77 @@
+"""The one place that picks a run's parallel strategy and rollout backends, from its config and its processes.
+
+    processes started by torchrun  -> FSDP2 strategy, sharded rollouts (and validation)
+    distributed.backend=ray        -> one process, rollouts on Ray workers (validation here)
+    distributed.async_rollout      -> one process, rollouts a batch ahead on a copy of the actor
+    otherwise                      -> one process, rollouts here on the actor
+
+:class:`~turnrl.training.trainer.Trainer` takes the two parts as values (:func:`parts` builds them); the
+combinations a run cannot have are refused in :func:`turnrl.training.commands.train` before any is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from turnrl.training import ranks
+from turnrl.training.backends.asynchronous import async_rollouts
+from turnrl.training.backends.backend import MakeRollouts, RolloutParts, Rollouts
+from turnrl.training.backends.local import LocalRollout
+from turnrl.training.backends.ray_rollout import RayBackend, ray_workers
+from turnrl.training.backends.sharded import ShardedRollout
+from turnrl.training.config import TrainConfig
+from turnrl.training.parallel.fsdp2 import FSDP2
+from turnrl.training.parallel.single import SingleProcess
+from turnrl.training.parallel.strategy import ParallelStrategy
+
+
+@dataclass
+class Parts:
+    """A trainer's two composed parts."""
+
+    parallel: ParallelStrategy
+    rollouts: MakeRollouts
+
+
+def parallel_strategy(config: TrainConfig) -> ParallelStrategy:
+    """FSDP2 in processes that torchrun started (the process group initialized), else one process."""
+    if ranks.launched_by_torchrun():
+        return FSDP2(config.distributed.cpu_offload)
+    return SingleProcess()
+
+
+def local_rollouts(parts: RolloutParts) -> Rollouts:
+    return Rollouts(LocalRollout(parts.train, parts.precision), LocalRollout(parts.validation, parts.precision))
+
+
+def sharded_rollouts(parts: RolloutParts) -> Rollouts:
+    return Rollouts(ShardedRollout(parts.train, parts.tokenizer, parts.precision),
+                    ShardedRollout(parts.validation, parts.tokenizer, parts.precision))
+
+
+def ray_rollouts(parts: RolloutParts) -> Rollouts:
+    config = parts.config
+    batch_size = max(64, config.groups.n_groups * config.groups.group_size)
+    workers = ray_workers(config, parts.start_path, parts.tokenizer, batch_size)
+    return Rollouts(RayBackend(workers, parts.precision), LocalRollout(parts.validation, parts.precision))
+
+
+def asynchronous_rollouts(parts: RolloutParts) -> Rollouts:
+    train, validation = async_rollouts(parts)
+    return Rollouts(train, LocalRollout(validation, parts.precision))
+
+
+def make_rollouts(config: TrainConfig) -> MakeRollouts:
+    """The backends' maker for ``config`` in this process (see the module's table)."""
+    if ranks.launched_by_torchrun():
+        return sharded_rollouts
+    if config.distributed.backend == "ray":
+        return ray_rollouts
+    if config.distributed.async_rollout:
+        return asynchronous_rollouts
+    return local_rollouts
+
+
+def parts(config: TrainConfig) -> Parts:
+    """The strategy and the rollout backends' maker for ``config`` in this process."""
+    return Parts(parallel_strategy(config), make_rollouts(config))
