@@ -10,7 +10,7 @@ import torch
 
 from tests.training.test_trainer import COMMON as TRAINER_COMMON
 from turnrl.config import ConfigError, load_config
-from turnrl.engine.engine import weights_version
+from turnrl.engine.llm_engine import weights_version
 from turnrl.training.asynchronous import AsyncTrainer, RolloutThreadError
 from turnrl.training.config import TrainConfig
 from turnrl.training.trainer import StepOutput, Trainer

@@ -27,7 +27,7 @@ from turnrl.config import EngineConfig
 from turnrl.engine import attention
 from turnrl.engine.attention import triton_available
 from turnrl.engine.cache import INITIAL_PAGES, PAGE_TOKENS, KVCache, pages_for
-from turnrl.engine.engine import Engine, SamplingParams
+from turnrl.engine.llm_engine import Engine, SamplingParams
 from turnrl.engine.rows import IDLE
 from turnrl.engine.weights import UnsupportedModel
 from turnrl.training.trainer import adamw
@@ -190,8 +190,9 @@ def test_identical_prompts_are_prefilled_once_and_each_gets_the_tokens_of_its_ow
 def test_identical_prompts_are_grouped_by_their_whole_tokens_and_images():
     import numpy as np
 
-    from turnrl.engine.engine import _Sequence, identical_prompts
     from turnrl.engine.images import PromptImages
+    from turnrl.engine.scheduler import identical_prompts
+    from turnrl.engine.sequences import SequenceRecord
 
     shared = list(range(40))
 
@@ -199,7 +200,7 @@ def test_identical_prompts_are_grouped_by_their_whole_tokens_and_images():
         images = None if digest is None else PromptImages(
             [torch.zeros(4, 8)], torch.tensor([[1, 2, 2]]), [(2, 3)], np.zeros((3, len(prompt)), dtype=np.int64), 0,
             prompt[:2] + [digest] + prompt[3:])
-        return _Sequence(index, prompt, GREEDY, images)
+        return SequenceRecord(index, prompt, GREEDY, images)
 
     sequences = [sequence(0, shared), sequence(1, shared[:-1] + [99]), sequence(2, shared), sequence(3, shared[:30]),
                  sequence(4, shared, digest=-5), sequence(5, shared, digest=-6), sequence(6, shared, digest=-5)]
@@ -621,7 +622,7 @@ def test_float32_weights_computed_in_bfloat16_follow_the_weights():
 
 
 def test_triton_kernels_asked_for_on_a_cpu_without_the_interpreter_are_refused_with_what_to_do(monkeypatch):
-    from turnrl.engine.engine import triton_enabled
+    from turnrl.engine.model_runner import triton_enabled
 
     if not triton_available():
         pytest.skip("Triton is not installed")
@@ -687,7 +688,7 @@ def test_a_compilation_that_fails_falls_back_to_eager_decoding(caplog):
 
 
 def test_prefill_inputs_equal_a_plain_loop():
-    from turnrl.engine.engine import prefill_inputs
+    from turnrl.engine.model_runner import prefill_inputs
 
     news, starts, scratch = [[5, 6, 7], [8], [9, 10]], [0, 12, 3], 99
     tokens, positions, write_pos = prefill_inputs(news, starts, scratch)
