@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from turnrl.engine.cache import PAGE_TOKENS, KVCache
+from turnrl.engine.images import PromptImages
 from turnrl.engine.rows import FREE, IDLE, RUNNING
-from turnrl.engine.scheduler import ADMIT_AFTER_STEPS, Scheduler, prefill_chunks
+from turnrl.engine.scheduler import ADMIT_AFTER_STEPS, Scheduler, identical_prompts, prefill_chunks
 from turnrl.engine.sequences import EngineStats, SamplingParams, SequenceRecord
 from turnrl.engine.weights import DecoderShape
 
@@ -104,6 +105,22 @@ def test_prefill_chunks_fit_the_token_budget_shortest_first_and_copies_follow_th
     assert [[(i, f.id) for i, f in chunk.followers] for chunk in chunks] == [[(0, 3)], []]
     longer = record(4, 100, 5)
     assert [[q.id for q in chunk.sequences] for chunk in prefill_chunks([longer, b], 40)] == [[1], [4]]
+
+
+def test_identical_prompts_are_grouped_by_their_whole_tokens_and_images():
+    shared = list(range(40))
+
+    def sequence(index, tokens, digest=None):
+        images = None if digest is None else PromptImages(
+            [torch.zeros(4, 8)], torch.tensor([[1, 2, 2]]), [(2, 3)], np.zeros((3, len(tokens)), dtype=np.int64), 0,
+            tokens[:2] + [digest] + tokens[3:])
+        return SequenceRecord(index, tokens, SamplingParams(), images)
+
+    sequences = [sequence(0, shared), sequence(1, shared[:-1] + [99]), sequence(2, shared), sequence(3, shared[:30]),
+                 sequence(4, shared, digest=-5), sequence(5, shared, digest=-6), sequence(6, shared, digest=-5)]
+    leaders, followers = identical_prompts(sequences)
+    assert [s.id for s in leaders] == [0, 1, 3, 4, 5]  # same tokens, other pixels: another prompt
+    assert {s.id: [f.id for f in followers[id(s)]] for s in leaders} == {0: [2], 1: [], 3: [], 4: [6], 5: []}
 
 
 def test_a_sequence_that_lacks_pages_evicts_the_rows_idle_longest_first():

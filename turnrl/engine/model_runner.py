@@ -145,7 +145,8 @@ def triton_enabled(setting: str, device: torch.device) -> bool:
 
 
 class ModelRunner:
-    """Runs prefill calls and decode steps of a decoder's weights over a paged cache, and samples.
+    """Runs prefill calls and decode steps of a decoder's weights over a paged cache, and samples; called under
+    ``torch.no_grad`` (as :meth:`~turnrl.engine.llm_engine.Engine.step` runs it).
 
     Args:
         weights: the model's weights as the engine reads them (:mod:`turnrl.engine.weights`).
