@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.generation import SHAPES, build  # noqa: E402
 from turnrl.config import EngineConfig  # noqa: E402
-from turnrl.engine.engine import Engine, SamplingParams  # noqa: E402
+from turnrl.engine.llm_engine import Engine, SamplingParams  # noqa: E402
 
 
 def prompts_of(lengths: list[int], vocab: int, device: torch.device) -> list[list[int]]:

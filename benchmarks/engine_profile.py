@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.generation import SHAPES, VARIANTS, build, short_error, synchronize  # noqa: E402
 from turnrl.config import EngineConfig  # noqa: E402
-from turnrl.engine.engine import Engine, SamplingParams  # noqa: E402
 from turnrl.engine.forward import decoder_forward, final_logits  # noqa: E402
+from turnrl.engine.llm_engine import Engine, SamplingParams  # noqa: E402
 
 
 def give_rows_pages(engine: Engine, batch: int, positions: int) -> None:
@@ -54,18 +54,19 @@ def give_rows_pages(engine: Engine, batch: int, positions: int) -> None:
 def decode_step(engine: Engine, batch: int, context: int):
     """A function that runs one decode step of ``batch`` rows at position ``context`` and samples from it."""
     give_rows_pages(engine, batch, context + 1)
-    key_len = engine._key_len(context + 1, graphed=engine.use_graphs)
+    runner = engine.runner
+    key_len = runner.key_len(context + 1, graphed=runner.use_graphs)
     tokens = torch.randint(0, engine.weights.shape.vocab_size, (batch,), device=engine.device)
     # Every step writes position ``context`` again; attention reads key_len positions all the same.
     positions = torch.full((batch,), context, dtype=torch.long, device=engine.device)
     temperature = torch.ones(batch, device=engine.device)
 
     def step() -> torch.Tensor:
-        if engine.use_graphs:
-            logits = engine._graph(batch, key_len).run(tokens, positions)
+        if runner.use_graphs:
+            logits = runner.decode_graph(batch, key_len).run(tokens, positions)
         else:
-            logits = engine._decode_logits(tokens, positions, key_len)
-        return engine._sample_full(logits, temperature)[0]
+            logits = runner.decode_logits(tokens, positions, key_len)
+        return runner.sample_full(logits, temperature)[0]
 
     return step, key_len
 
@@ -74,7 +75,8 @@ def prefill_step(engine: Engine, batch: int, context: int):
     """A function that prefills ``batch`` fresh prompts of ``context`` tokens in one forward pass (one prefill
     chunk of the engine: ``prefill_chunk_tokens`` caps batch x context) and samples each one's first token."""
     give_rows_pages(engine, batch, context)
-    key_len = engine._key_len(context)
+    runner = engine.runner
+    key_len = runner.key_len(context)
     tokens = torch.randint(0, engine.weights.shape.vocab_size, (batch, context), device=engine.device)
     positions = torch.arange(context, device=engine.device).expand(batch, context)
     rows = torch.arange(batch, device=engine.device)
@@ -83,10 +85,10 @@ def prefill_step(engine: Engine, batch: int, context: int):
 
     @torch.no_grad()
     def step() -> torch.Tensor:
-        hidden = decoder_forward(weights, engine.cache, engine.rope, tokens, positions, positions, rows, key_len,
-                                 engine.kernels, engine.triton)
+        hidden = decoder_forward(weights, engine.cache, runner.rope, tokens, positions, positions, rows, key_len,
+                                 runner.kernels, runner.triton)
         logits = final_logits(hidden[:, -1], weights.norm.value, weights.lm_head.value, weights.shape.rms_eps)
-        return engine._sample_full(logits, temperature)[0]
+        return runner.sample_full(logits, temperature)[0]
 
     return step, key_len
 
@@ -135,18 +137,23 @@ PHASES = {
 """The host phases of :func:`host_phases`."""
 
 
-DEVICE_WORK = ("decoder_forward", "final_logits", "sample_untruncated", "sample_tokens", "_decode_logits")
+ENGINE_MODULES = ("llm_engine.py", "scheduler.py", "model_runner.py", "running.py", "rows.py", "sampling.py",
+                  "forward.py")
+"""The engine's modules whose functions the host profile lists."""
+
+DEVICE_WORK = ("decoder_forward", "final_logits", "sample_untruncated", "sample_tokens", "decode_logits")
 """The engine's functions (of its module, or methods) that run the model and the sampler: on a GPU, their operators
 run asynchronously; the rest of a step is host work that the GPU waits for."""
 
 
 @contextlib.contextmanager
-def timed_device_work(engine: Any) -> Iterator[list[float]]:
-    """Wrap the :data:`DEVICE_WORK` functions of ``engine`` (its module's, its methods) in a timer while the block
-    runs; yields ``[seconds]`` spent in them, filled in as they run (a call inside another counts once)."""
+def timed_device_work(runner: Any) -> Iterator[list[float]]:
+    """Wrap the :data:`DEVICE_WORK` functions of an engine's ``runner`` (its module's, its methods) in a timer
+    while the block runs; yields ``[seconds]`` spent in them, filled in as they run (a call inside another counts
+    once)."""
     spent, depth = [0.0], [0]
-    module = sys.modules[type(engine).__module__]
-    owners = [owner for owner in (module, engine) for name in DEVICE_WORK if hasattr(owner, name)]
+    module = sys.modules[type(runner).__module__]
+    owners = [owner for owner in (module, runner) for name in DEVICE_WORK if hasattr(owner, name)]
     originals = [(owner, name, getattr(owner, name)) for owner in dict.fromkeys(owners) for name in DEVICE_WORK
                  if hasattr(owner, name)]
 
@@ -169,8 +176,8 @@ def timed_device_work(engine: Any) -> Iterator[list[float]]:
         yield spent
     finally:
         for owner, name, fn in originals:
-            if owner is engine:
-                delattr(engine, name)  # the class's method again
+            if owner is runner:
+                delattr(runner, name)  # the class's method again
             else:
                 setattr(owner, name, fn)
 
@@ -191,13 +198,15 @@ def host_phases(stats: dict) -> dict[str, float]:
         return total
 
     sampler = cumulative("sample_untruncated") + cumulative("sample_tokens")
+    # The prefill phase: planning the chunks, building and launching each, and reading their first tokens.
+    prefill = (cumulative("prefill_plan") + cumulative("prefill") + cumulative("prefilled")
+               + cumulative("_read", "_admit_and_prefill"))
     phases = {
         "step": cumulative("step"),
-        "schedule": cumulative("step") - cumulative("_prefill") - cumulative("_decode"),
-        "prefill": cumulative("_prefill") - cumulative("decoder_forward", "_prefill_chunk")
-        - cumulative("final_logits", "_prefill_chunk") - cumulative("_sample", "_prefill_chunk"),
-        "inputs": cumulative("_decode") - cumulative("_decode_logits") - cumulative("_sample", "_decode")
-        - cumulative("run", "_decode"),  # run: a CUDA graph's replay
+        "schedule": cumulative("step") - prefill - cumulative("_decode"),
+        "prefill": prefill - cumulative("_prefill_logits", "prefill") - cumulative("_sample", "prefill"),
+        "inputs": cumulative("_decode") - cumulative("decode_logits") - cumulative("_sample", "decode")
+        - cumulative("run", "decode"),  # run: a CUDA graph's replay
         "sampled": cumulative("_sample") - sampler,
     }
     phases["total"] = sum(phases[p] for p in ("schedule", "prefill", "inputs", "sampled"))
@@ -225,7 +234,7 @@ def host_profile(batch: int, prompt: int, new: int, repeats: int, top: int, stop
 
     run()  # warm-up: allocator, first-call work
     steps = engine.stats.decode_steps
-    with timed_device_work(engine) as device_seconds:
+    with timed_device_work(engine.runner) as device_seconds:
         start = time.perf_counter()
         for _ in range(repeats):
             run()
@@ -251,7 +260,7 @@ def host_profile(batch: int, prompt: int, new: int, repeats: int, top: int, stop
     for phase, description in PHASES.items():
         print(f"  {1000 * phases[phase] / steps:>7.3f}  {phase:<10} {description}")
     print(f"\nthe engine's functions by cumulative time\n{'ms/step':>9} {'calls/step':>10}  name")
-    engine_rows = [row for row in rows if row[0].split(":")[0] in ("engine.py", "rows.py", "sampling.py", "forward.py")]
+    engine_rows = [row for row in rows if row[0].split(":")[0] in ENGINE_MODULES]
     for name, calls, _, cumulative in sorted(engine_rows, key=lambda row: -row[3])[:top]:
         print(f"{1000 * cumulative / steps:>9.3f} {calls / steps:>10.1f}  {name}")
     print(f"\nall functions by own time\n{'ms/step':>9} {'share':>6} {'calls/step':>10}  name")

@@ -56,7 +56,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from turnrl.config import EngineConfig  # noqa: E402
-from turnrl.engine.engine import Engine, Result, SamplingParams  # noqa: E402
+from turnrl.engine.llm_engine import Engine, Result, SamplingParams  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,

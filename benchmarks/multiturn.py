@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.generation import SHAPES, build, synchronize  # noqa: E402
 from turnrl.config import EngineConfig  # noqa: E402
-from turnrl.engine.engine import Engine, EngineStats, SamplingParams  # noqa: E402
+from turnrl.engine.llm_engine import Engine, EngineStats, SamplingParams  # noqa: E402
+from turnrl.engine.model_runner import Launched  # noqa: E402
+from turnrl.engine.scheduler import PrefillChunk  # noqa: E402
 
 
 def episodes_plan(episodes: int, turns: int, prompt: int, obs: int, new: int, vocab: int, seed: int = 0):
@@ -88,18 +90,18 @@ def time_prefill_calls(engine: Engine, device: torch.device) -> list[tuple[float
     """Time each of ``engine``'s prefill calls from now on; returns a list it appends (seconds, sequences,
     longest new tokens) to."""
     calls: list[tuple[float, int, int]] = []
-    prefill_chunk = engine._prefill_chunk
+    prefill = engine.runner.prefill
 
-    def timed(sequences):
-        longest = max(len(s.prompt) - s.cached for s in sequences)
+    def timed(chunk: PrefillChunk) -> Launched:
+        longest = max(len(s.prompt) - s.cached for s in chunk.sequences)
         synchronize(device)
         start = time.perf_counter()
-        launched = prefill_chunk(sequences)
+        launched = prefill(chunk)
         synchronize(device)  # the call's GPU work done (its tokens are read by the engine later)
-        calls.append((time.perf_counter() - start, len(sequences), longest))
+        calls.append((time.perf_counter() - start, len(chunk.sequences), longest))
         return launched
 
-    engine._prefill_chunk = timed  # type: ignore[method-assign]
+    engine.runner.prefill = timed  # type: ignore[method-assign]
     return calls
 
 

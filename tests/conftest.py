@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config, items) -> None:
     """``cpu_triton`` tests run the engine's Triton kernels on CPU tensors, which only the interpreter can (set above
-    when no GPU is there): skipped without Triton, or on a GPU machine (tests/engine/test_engine_gpu.py runs the
+    when no GPU is there): skipped without Triton, or on a GPU machine (tests/engine/test_llm_engine_gpu.py runs the
     kernels there)."""
     from turnrl.engine.attention import triton_available
 

@@ -17,7 +17,7 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
-from tests.engine.test_engine import ARCHITECTURES, GREEDY, build, engine_for, hf_greedy, random_prompts
+from tests.engine.test_llm_engine import ARCHITECTURES, GREEDY, build, engine_for, hf_greedy, random_prompts
 from tests.engine.test_qwen2_vl import qwen2_vl_config
 from tests.engine.test_qwen3_vl import qwen3_vl_config
 from turnrl.engine.families import (

@@ -20,8 +20,8 @@ from transformers import (
 )
 
 from turnrl.config import EngineConfig
-from turnrl.engine.engine import Engine, Result, SamplingParams
 from turnrl.engine.images import PromptImages, prompt_images
+from turnrl.engine.llm_engine import Engine, Result, SamplingParams
 from turnrl.engine.weights import UnsupportedModel, decoder_weights, rope_axes
 
 NEW_TOKENS = 8

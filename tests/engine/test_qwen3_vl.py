@@ -33,9 +33,9 @@ from tests.engine.test_qwen2_vl import (
 )
 from tests.engine.test_qwen2_vl import episodes as qwen2_vl_episodes
 from turnrl.config import EngineConfig
-from turnrl.engine.engine import Engine
 from turnrl.engine.forward import Deepstack, decoder_forward, mrope_rows, rotary_table
 from turnrl.engine.images import placeholder_spans
+from turnrl.engine.llm_engine import Engine
 from turnrl.engine.weights import decoder_weights, rope_axes
 
 HEAD_DIM = 32

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.engine.paging import filled_cache
-from tests.engine.test_engine import build, random_prompts
+from tests.engine.test_llm_engine import build, random_prompts
 from turnrl.engine.forward import decoder_forward, final_logits, rotary_table
 from turnrl.engine.weights import DecoderWeights, decoder_weights
 

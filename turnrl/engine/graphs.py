@@ -1,7 +1,7 @@
 """CUDA graphs of the engine's calls.
 
 A decode step is captured per batch bucket, and a small prefill call per bucket of sequences and new tokens
-(:data:`~turnrl.engine.engine.PREFILL_GRAPH_TOKENS`): a graph replays its kernels with no Python between them,
+(:data:`~turnrl.engine.model_runner.PREFILL_GRAPH_TOKENS`): a graph replays its kernels with no Python between them,
 which for a small call is most of its time. A call's inputs are copied into the graph's own input tensors; its
 outputs are the graph's output tensors, rewritten by the next replay.
 """

@@ -1,6 +1,6 @@
 """Device time of the engine's prefill and decode work, so that a call's time splits into device work and host
 overhead (the rest of the wall time: Python between kernels, waiting for results), and what a roofline of that
-work needs beyond the engine's counters (:class:`~turnrl.engine.engine.EngineStats`): the images the vision tower
+work needs beyond the engine's counters (:class:`~turnrl.engine.sequences.EngineStats`): the images the vision tower
 encoded, whose FLOPs depend on each image's size.
 
 Off by default (it costs two events per step). On a GPU the spans are CUDA events on the current stream, added

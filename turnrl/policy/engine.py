@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from turnrl.config import EngineConfig, SamplingConfig
-from turnrl.engine.engine import Engine, Result, SamplingParams
+from turnrl.engine.llm_engine import Engine, Result, SamplingParams
 from turnrl.models.vision import ImageEncoder
 from turnrl.policy.base import Completion, GenerationRequest, Policy, StreamingPolicy
 from turnrl.policy.hf import end_of_turn_ids

@@ -11,7 +11,7 @@ import torch
 
 from tests.training.test_trainer import COMMON as TRAINER_COMMON
 from turnrl.config import ConfigError, load_config
-from turnrl.engine.engine import weights_version
+from turnrl.engine.llm_engine import weights_version
 from turnrl.training.backends.asynchronous import AsyncRollout, RolloutThreadError
 from turnrl.training.backends.local import LocalRollout
 from turnrl.training.config import TrainConfig

@@ -1,6 +1,6 @@
 """The engine's GPU paths (CUDA graphs for decode and small prefills, the Triton kernels compiled for the GPU),
 against transformers and against the same engine without graphs. Skipped without a GPU (CI has none); run them
-on one with ``pytest tests/engine/test_engine_gpu.py``.
+on one with ``pytest tests/engine/test_llm_engine_gpu.py``.
 """
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_engine import VOCAB, build, random_prompts
+from tests.engine.test_llm_engine import VOCAB, build, random_prompts
 from turnrl.config import EngineConfig
-from turnrl.engine.engine import PREFILL_GRAPH_TOKENS, Engine, SamplingParams
+from turnrl.engine.llm_engine import Engine, SamplingParams
+from turnrl.engine.model_runner import PREFILL_GRAPH_TOKENS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -39,7 +40,7 @@ def test_greedy_tokens_with_graphed_decode_and_prefill_equal_transformers_genera
     prompts += [prompts[1], prompts[4], prompts[1]]  # copies: prefilled once, the keys and values copied
     engine = gpu_engine(model)
     results = engine.generate(prompts, [GREEDY] * len(prompts))
-    assert engine.graph_prefill and engine._prefill_graphs, "a small prefill call replays a graph"
+    assert engine.runner.graph_prefill and engine.runner._prefill_graphs, "a small prefill call replays a graph"
     assert engine.stats.shared_tokens == 2 * 23 + 40
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 12) for p in prompts]
 
@@ -71,7 +72,7 @@ def test_turns_that_never_wait_give_the_same_tokens_with_graphs_as_without():
 
     graphed = gpu_engine(model)
     assert play(graphed) == play(gpu_engine(model, graphs=False))
-    assert len(graphed._prefill_graphs) >= 2
+    assert len(graphed.runner._prefill_graphs) >= 2
     assert graphed.stats.reused_tokens > 0
 
 
@@ -81,7 +82,7 @@ def test_a_prefill_call_too_large_for_a_graph_runs_without_one():
     assert 16 * 1024 > PREFILL_GRAPH_TOKENS
     engine = gpu_engine(model)
     results = engine.generate(prompts, [GREEDY] * 16)
-    assert not engine._prefill_graphs and engine.stats.prefill_calls == 1
+    assert not engine.runner._prefill_graphs and engine.stats.prefill_calls == 1
     assert [r.token_ids for r in results[:3]] == [hf_greedy(model, p, 12) for p in prompts[:3]]
 
 

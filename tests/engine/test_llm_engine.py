@@ -25,9 +25,8 @@ from transformers import (
 
 from turnrl.config import EngineConfig
 from turnrl.engine import attention
-from turnrl.engine.attention import triton_available
 from turnrl.engine.cache import INITIAL_PAGES, PAGE_TOKENS, KVCache, pages_for
-from turnrl.engine.engine import Engine, SamplingParams
+from turnrl.engine.llm_engine import Engine, SamplingParams
 from turnrl.engine.rows import IDLE
 from turnrl.engine.weights import UnsupportedModel
 from turnrl.training.trainer import adamw
@@ -185,27 +184,6 @@ def test_identical_prompts_are_prefilled_once_and_each_gets_the_tokens_of_its_ow
     assert [r.token_ids for r in second] == [hf_greedy(model, turn, 12) for turn in turns]
     # Each row holds its prompt and all but the last of its 12 tokens (whose keys were never computed).
     assert [r.reused_tokens for r in second] == [len(p) + 11 for p in prompts]
-
-
-def test_identical_prompts_are_grouped_by_their_whole_tokens_and_images():
-    import numpy as np
-
-    from turnrl.engine.engine import _Sequence, identical_prompts
-    from turnrl.engine.images import PromptImages
-
-    shared = list(range(40))
-
-    def sequence(index, prompt, digest=None):
-        images = None if digest is None else PromptImages(
-            [torch.zeros(4, 8)], torch.tensor([[1, 2, 2]]), [(2, 3)], np.zeros((3, len(prompt)), dtype=np.int64), 0,
-            prompt[:2] + [digest] + prompt[3:])
-        return _Sequence(index, prompt, GREEDY, images)
-
-    sequences = [sequence(0, shared), sequence(1, shared[:-1] + [99]), sequence(2, shared), sequence(3, shared[:30]),
-                 sequence(4, shared, digest=-5), sequence(5, shared, digest=-6), sequence(6, shared, digest=-5)]
-    leaders, followers = identical_prompts(sequences)
-    assert [s.id for s in leaders] == [0, 1, 3, 4, 5]  # same tokens, other pixels: another prompt
-    assert {s.id: [f.id for f in followers[id(s)]] for s in leaders} == {0: [2], 1: [], 3: [], 4: [6], 5: []}
 
 
 def test_copies_of_a_prompt_sample_their_own_tokens_with_logprobs_of_a_full_forward_pass(kernels):
@@ -620,18 +598,6 @@ def test_float32_weights_computed_in_bfloat16_follow_the_weights():
     assert [r.token_ids for r in after] != [r.token_ids for r in before]
 
 
-def test_triton_kernels_asked_for_on_a_cpu_without_the_interpreter_are_refused_with_what_to_do(monkeypatch):
-    from turnrl.engine.engine import triton_enabled
-
-    if not triton_available():
-        pytest.skip("Triton is not installed")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(RuntimeError, match="model.engine.triton=auto or false"):
-        triton_enabled("true", torch.device("cpu"))
-    assert not triton_enabled("auto", torch.device("cpu"))
-    assert not triton_enabled("false", torch.device("cuda"))
-
-
 def test_unsupported_models_are_refused_with_the_reason():
     with pytest.raises(UnsupportedModel, match="sliding-window"):
         engine_for(build("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0))
@@ -684,18 +650,6 @@ def test_a_compilation_that_fails_falls_back_to_eager_decoding(caplog):
     assert [r.token_ids for r in results] == [r.token_ids for r in eager]
     assert not engine.kernels.compiled
     assert "torch.compile failed" in caplog.text
-
-
-def test_prefill_inputs_equal_a_plain_loop():
-    from turnrl.engine.engine import prefill_inputs
-
-    news, starts, scratch = [[5, 6, 7], [8], [9, 10]], [0, 12, 3], 99
-    tokens, positions, write_pos = prefill_inputs(news, starts, scratch)
-    for i, (new, start) in enumerate(zip(news, starts)):
-        width = len(new)
-        assert tokens[i].tolist() == new + [0] * (3 - width)
-        assert positions[i].tolist() == [start + min(j, width - 1) for j in range(3)]
-        assert write_pos[i].tolist() == [start + j if j < width else scratch for j in range(3)]
 
 
 def test_the_device_timer_splits_a_call_into_prefill_and_decode_only_when_enabled():
