@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from turnrl.config import load_config  # noqa: E402
-from turnrl.training.config import TrainConfig  # noqa: E402
+from turnrl.training.train_config import TrainConfig  # noqa: E402
 from turnrl.training.run_dir import start_run  # noqa: E402
 from turnrl.training.sft import sft_stage  # noqa: E402
 from turnrl.training.trainer import Trainer  # noqa: E402

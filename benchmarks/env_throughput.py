@@ -111,7 +111,7 @@ def step_rate(env: Any, actions: list[Any], seconds: float, done_of: Callable[[t
 # ---------------------------------------------------------------------- turnrl
 def measure_turnrl(seconds: float) -> list[Row]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from turnrl.envs.games.sokoban.env import SokobanEnv
+    from turnrl.envs.games.sokoban.sokoban_env import SokobanEnv
 
     factories: list[tuple[str, Callable[[], Any] | None, str]] = [
         ("turnrl Sokoban 6x6, 1 box", lambda: SokobanEnv(size=6, num_boxes=1), ""),

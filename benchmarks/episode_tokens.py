@@ -24,12 +24,12 @@ from turnrl.agent.formats import get_format  # noqa: E402
 from turnrl.config import SamplingConfig, load_config  # noqa: E402
 from turnrl.envservice.placement import env_factory  # noqa: E402
 from turnrl.models.loading import base_model_path, load_tokenizer  # noqa: E402
-from turnrl.models.template_deltas import ChatTemplateDeltas  # noqa: E402
+from turnrl.chat.template_deltas import ChatTemplateDeltas  # noqa: E402
 from turnrl.policy.scripted import ExpertPolicy  # noqa: E402
 from turnrl.rollout.context import EpisodeTokens  # noqa: E402
 from turnrl.rollout.runner import EpisodeSlot, Rollout  # noqa: E402
 from turnrl.rollout.trajectory import Trajectory  # noqa: E402
-from turnrl.training.config import TrainConfig  # noqa: E402
+from turnrl.training.train_config import TrainConfig  # noqa: E402
 
 
 def play(config: TrainConfig, levels: list[int], group_size: int, random_share: float) -> list[Trajectory]:

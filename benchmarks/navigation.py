@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from turnrl.envs.games.navigation.env import ACTIONS, NavigationEnv
+from turnrl.envs.games.navigation.navigation_env import ACTIONS, NavigationEnv
 from turnrl.envs.games.navigation.gl import ensure_gl
 
 

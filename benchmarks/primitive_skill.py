@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import rate  # noqa: E402
-from turnrl.envs.games.primitive_skill.env import SPECS, TASKS, PrimitiveSkillEnv  # noqa: E402
+from turnrl.envs.games.primitive_skill.primitive_skill_env import SPECS, TASKS, PrimitiveSkillEnv  # noqa: E402
 
 
 def random_action(rng: np.random.Generator, task: str) -> str:

@@ -28,7 +28,7 @@ from turnrl.envservice.placement import env_factory  # noqa: E402
 from turnrl.models.loading import base_model_path, load_processor, load_tokenizer  # noqa: E402
 from turnrl.models.vision import ImageEncoder  # noqa: E402
 from turnrl.training.batch import Sample  # noqa: E402
-from turnrl.training.config import TrainConfig  # noqa: E402
+from turnrl.training.train_config import TrainConfig  # noqa: E402
 from turnrl.training.sft import (  # noqa: E402
     chat_picture_samples,
     chat_samples,

@@ -26,7 +26,7 @@ from turnrl.config import ModelConfig  # noqa: E402
 from turnrl.models.devices import resolve_dtype  # noqa: E402
 from turnrl.models.loading import base_model_path, compile_layer_parts, load_model, load_tokenizer  # noqa: E402
 from turnrl.training.batch import Sample  # noqa: E402
-from turnrl.training.config import SFTConfig  # noqa: E402
+from turnrl.training.train_config import SFTConfig  # noqa: E402
 from turnrl.training.head import install_scoring_head  # noqa: E402
 from turnrl.training.precision import autocast  # noqa: E402
 from turnrl.training.sft import sft_train  # noqa: E402

@@ -36,7 +36,7 @@ import resvg_py  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from benchmarks.timing import rate  # noqa: E402
-from turnrl.envs.games.svg.env import SVGEnv  # noqa: E402
+from turnrl.envs.games.svg.svg_env import SVGEnv  # noqa: E402
 from turnrl.envs.games.svg.render import Reference, SvgRenderer, similarity  # noqa: E402
 
 

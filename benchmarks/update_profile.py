@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from turnrl.config import load_config  # noqa: E402
 from turnrl.models.loading import base_model_path  # noqa: E402
 from turnrl.training import ranks  # noqa: E402
-from turnrl.training.config import TrainConfig  # noqa: E402
+from turnrl.training.train_config import TrainConfig  # noqa: E402
 from turnrl.training.memory import set_allocator_settings  # noqa: E402
 from turnrl.training.trainer import Trainer  # noqa: E402
 

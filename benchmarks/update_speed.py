@@ -29,8 +29,8 @@ from transformers import Qwen2ForCausalLM  # noqa: E402
 
 from turnrl.models.loading import compile_layer_parts, enable_checkpointing  # noqa: E402
 from turnrl.models.tiny import model_preset, tiny_qwen2_config  # noqa: E402
-from turnrl.training.attention import implementation  # noqa: E402
-from turnrl.training.forward import token_logprobs  # noqa: E402
+from turnrl.training.packed_attention import implementation  # noqa: E402
+from turnrl.training.model_passes import token_logprobs  # noqa: E402
 from turnrl.training.head import chosen_logprobs, install_scoring_head  # noqa: E402
 from turnrl.training.ppo import MicroBatching  # noqa: E402
 from turnrl.training.throughput import peak_flops, training_flops, training_flops_per_token  # noqa: E402

@@ -44,9 +44,9 @@ from turnrl.models.loading import (  # noqa: E402
     vision_tower,
 )
 from turnrl.models.vlm import SizedTokenizer, vlm_config, vlm_preset  # noqa: E402
-from turnrl.training.attention import ATTENTION  # noqa: E402
+from turnrl.training.packed_attention import ATTENTION  # noqa: E402
 from turnrl.training.batch import Batch  # noqa: E402
-from turnrl.training.forward import token_logprobs  # noqa: E402
+from turnrl.training.model_passes import token_logprobs  # noqa: E402
 from turnrl.training.head import install_scoring_head  # noqa: E402
 from turnrl.training.image_features import IMAGE_KEYS  # noqa: E402
 from turnrl.training.ppo import MicroBatching, batched_logprobs  # noqa: E402

@@ -29,8 +29,8 @@ from turnrl.cli import (
 )
 from turnrl.config import EvalConfig, config_keys, load_config
 from turnrl.envs import make
-from turnrl.envs.registry import env_class, env_names, gym_id
-from turnrl.training.config import TrainConfig
+from turnrl.envs.catalog import env_class, env_names, gym_id
+from turnrl.training.train_config import TrainConfig
 
 TURNRL = Path(sys.executable).parent / "turnrl"
 

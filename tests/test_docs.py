@@ -63,9 +63,9 @@ def test_extending_reward_example_scores_turns(namespace):
 
 def test_extending_estimator_example_is_chosen_by_the_config_and_runs(namespace):
     from turnrl.config import load_config
-    from turnrl.training.advantages import compute_advantages
+    from turnrl.training.batch_advantages import compute_advantages
     from turnrl.training.batch import Sample, collate
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     config = load_config(TrainConfig, None, ["algorithm.advantage=batch_baseline",
                                              "algorithm.estimator_params.batch_baseline.scale=0.5"])

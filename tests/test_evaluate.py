@@ -15,10 +15,10 @@ from tests.envs.toy_envs import Corridor, CorridorWithExtras
 from tests.envservice.env_helpers import env_server
 from turnrl.config import VARIANT_SETS, AgentConfig, ConfigError, EvalConfig, load_config
 from turnrl.envs import make
-from turnrl.envs.registry import env_names
+from turnrl.envs.catalog import env_names
 from turnrl.evaluate import env_budget, eval_envs, first_errors, run_eval
 from turnrl.rollout.trajectory import ERROR, Trajectory
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.logger import RunProgress
 
 # The expert plays one action per turn, so an episode needs as many turns as
@@ -387,7 +387,7 @@ def test_a_bad_variant_setting_is_a_config_error_naming_the_variant_before_a_mod
 def ragen_run(tiny_model_dir, tmp_path_factory):
     """A one-step run of RAGEN's Sokoban recipe from the tiny model: a real run folder with its checkpoint."""
     from turnrl.training.commands import train
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     out = tmp_path_factory.mktemp("runs")
     train(load_config(TrainConfig, RECIPES / "ragen_sokoban.yaml", [

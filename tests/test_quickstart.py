@@ -17,7 +17,7 @@ import torch
 
 from turnrl.config import load_config
 from turnrl.training.commands import train
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

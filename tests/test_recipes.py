@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from turnrl.config import load_config
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.commands import train
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))

@@ -5,7 +5,7 @@ as ``import ale_py`` does for Atari, so that ``gymnasium.make("turnrl/Sokoban-v0
 works after it. Registration uses entry-point strings: no env module is imported.
 """
 
-from turnrl.envs.registry import register_all as _register_all
+from turnrl.envs.catalog import register_all as _register_all
 
 __version__ = "0.1.0"
 

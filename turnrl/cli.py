@@ -78,7 +78,7 @@ def count_arg(text: str) -> int:
 
 # --------------------------------------------------------------------------- envs
 def cmd_envs(args: argparse.Namespace) -> int:
-    from turnrl.envs.registry import env_class, env_names, gym_id
+    from turnrl.envs.catalog import env_class, env_names, gym_id
 
     width = max(40, console.width)
     for name in env_names():
@@ -113,7 +113,7 @@ def pack(items: list[str], width: int, first: str, rest: str, gap: str = "  ") -
 
 def setting_lines(name: str) -> list[str]:
     """One line per setting of a built-in env: ``name=default``, and the allowed values where there are few."""
-    from turnrl.envs.registry import env_parameters, env_setting_choices
+    from turnrl.envs.catalog import env_parameters, env_setting_choices
 
     choices = env_setting_choices(name)
     lines = []
@@ -141,7 +141,7 @@ def cmd_play(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from turnrl.envs.registry import builtin_name, env_class
+    from turnrl.envs.catalog import builtin_name, env_class
 
     settings = parse_settings(args.settings)
     name = builtin_name(args.env)
@@ -210,8 +210,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from turnrl.config import ConfigError, EvalConfig, given_keys, load_config
     from turnrl.evaluate import run_eval
-    from turnrl.training.config import TrainConfig
     from turnrl.training.run_dir import run_of_model
+    from turnrl.training.train_config import TrainConfig
 
     policy, config_path = args.policy, args.config
     # A run's model plays as it was trained: with the run's env, agent, prompt and sampling settings.
@@ -306,7 +306,7 @@ def config_env(config_path: str | None) -> str | None:
 def validation_temperature(config_path: str | None, training_only: set[str]) -> float | None:
     """The validation temperature of a training recipe (or a run's ``config.yaml``), which its evaluations
     sample at as its validation did; None for an eval YAML or none."""
-    from turnrl.training.config import ValidationConfig
+    from turnrl.training.train_config import ValidationConfig
 
     data = yaml_mapping(config_path)
     if not training_only & set(data):
@@ -319,7 +319,7 @@ def validation_temperature(config_path: str | None, training_only: set[str]) -> 
 def cmd_sft(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, load_config
     from turnrl.training.commands import sft_only
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     try:
         sft_only(load_config(TrainConfig, args.config, args.overrides), data=args.data)
@@ -330,7 +330,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, load_config
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     overrides = list(args.overrides)
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
@@ -417,8 +417,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     import torch
 
     from turnrl.config import ConfigError, load_config
-    from turnrl.training.config import TrainConfig
     from turnrl.training.memory import GIB, count_recipe_model, fit_report, rows_shorter_than_episodes, run_margin
+    from turnrl.training.train_config import TrainConfig
 
     try:
         config = load_config(TrainConfig, args.config, args.overrides)
@@ -476,7 +476,7 @@ def cmd_serve_policy(args: argparse.Namespace) -> int:
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, EvalConfig, config_keys, load_config
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     cls: type = EvalConfig if args.eval else TrainConfig
     try:
@@ -507,7 +507,7 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
 
 
 def cmd_view(args: argparse.Namespace) -> int:
-    from turnrl.viz.cli import main as view
+    from turnrl.viz.view_command import main as view
 
     return view(args)
 
@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Both option modules are light: the server and the report load only when their command runs.
     from turnrl.envservice.options import add_arguments as add_serve_env_arguments
-    from turnrl.viz.cli import add_arguments as add_view_arguments
+    from turnrl.viz.view_command import add_arguments as add_view_arguments
 
     p = sub.add_parser("serve-env", help="serve envs over HTTP (sessions, batched reset/step, images as PNG)",
                        description="Serve turnrl envs over HTTP for remote rollouts (env.remote=[URL] in a "

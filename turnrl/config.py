@@ -314,7 +314,7 @@ class ModelConfig:
     compile."""
     attention: str = "sdpa"
     """The attention of the trainer's forward passes: ``sdpa`` (PyTorch's; packed rows of
-    ``algorithm.micro_batch_tokens`` attend sequence by sequence, see :mod:`turnrl.training.attention`) or
+    ``algorithm.micro_batch_tokens`` attend sequence by sequence, see :mod:`turnrl.training.packed_attention`) or
     ``eager`` (transformers' plain implementation; no packed rows)."""
     train_vision: bool = False
     """VLMs: train the vision encoder too (full weights or LoRA); by default it is frozen."""

@@ -33,11 +33,11 @@ from rich.table import Table
 
 from turnrl.agent.formats import ResponseFormat, get_format
 from turnrl.config import AgentConfig, ConfigError, EnvConfig, EvalConfig, to_yaml
-from turnrl.envs.base import AgentEnv, optional_methods
+from turnrl.envs.contract import AgentEnv, optional_methods
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import EnvFactory, env_factory
-from turnrl.policy.base import Policy
 from turnrl.policy.factory import make_policy
+from turnrl.policy.interface import Policy
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import pass_at_k_by_seed, rollout_metrics

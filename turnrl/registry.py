@@ -9,8 +9,8 @@ config key                  registry                                    what it 
 ``algorithm.advantage``     ``turnrl.algorithms.estimators.ESTIMATORS``  :class:`EstimatorSpec` (``@estimator``)
 ``algorithm.policy_loss``   ``turnrl.algorithms.losses.POLICY_LOSSES``   a :class:`PolicyLoss` function
 ``agent.format``            ``turnrl.agent.formats.FORMATS``             a :class:`FormatBuilder`
-``env.id``                  ``turnrl.envs.registry.ENVS``                an env class (or factory)
-``rewards.extra[].fn``      ``turnrl.rewards.base.REWARDS``              a :class:`RewardFn` (or its class)
+``env.id``                  ``turnrl.envs.catalog.ENVS``                an env class (or factory)
+``rewards.extra[].fn``      ``turnrl.rewards.turn_rewards.REWARDS``              a :class:`RewardFn` (or its class)
 ``model.backend``           ``turnrl.policy.factory.POLICY_BACKENDS``    a :class:`PolicyBackend`
 ``model.engine.families``   ``turnrl.engine.families.ENGINE_FAMILIES``   a :class:`Family` record
 ==========================  ==========================================  ==========================================

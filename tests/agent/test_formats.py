@@ -529,7 +529,7 @@ def test_a_response_prefix_is_how_every_well_formed_response_begins():
 # --------------------------------------------------------------------------- from a user's package
 def test_a_format_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch):
     from turnrl.config import ConfigError, load_config
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     (tmp_path / "user_format_ext.py").write_text(
         "from turnrl.agent.formats import Tag, TaggedFormat\n\n"

@@ -1,7 +1,7 @@
 """The estimator registry: what each built-in estimator declares, and what registration and a call refuse.
 
 The built-in estimators' numbers are checked against the algorithms called by hand in
-tests/training/test_advantages.py; tests/training/test_adding_an_estimator.py adds one from outside.
+tests/training/test_batch_advantages.py; tests/training/test_adding_an_estimator.py adds one from outside.
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ def test_params_check_their_own_ranges():
 # --------------------------------------------------------------------------- from a user's package
 def test_an_estimator_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch):
     from turnrl.config import load_config
-    from turnrl.training.advantages import compute_advantages
+    from turnrl.training.batch_advantages import compute_advantages
     from turnrl.training.batch import Sample, collate
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     (tmp_path / "user_estimator_ext.py").write_text(
         "from turnrl.algorithms import broadcast_to_tokens\n"

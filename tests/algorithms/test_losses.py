@@ -250,7 +250,7 @@ def test_a_policy_loss_from_a_users_package_is_named_module_attr_and_trains(tmp_
 
     from turnrl.config import load_config
     from turnrl.training.batch import Sample, collate
-    from turnrl.training.config import OptimConfig, TrainConfig
+    from turnrl.training.train_config import OptimConfig, TrainConfig
     from turnrl.training.ppo import UpdateInputs, ppo_epochs
 
     (tmp_path / "user_loss_ext.py").write_text(

@@ -6,7 +6,7 @@ import os
 
 from benchmarks.estimators import sharing_the_card
 from turnrl.config import load_config
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 
 def test_runs_played_at_once_each_get_their_share_and_an_explicit_share_wins():

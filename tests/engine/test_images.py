@@ -1,36 +1,17 @@
-"""A VLM prompt's images for the engine: placeholder runs, M-RoPE positions against the model's own, match keys
-drawn from pixels or given with the prompt, clear errors for images that do not fit their placeholders; logprobs
-with vision tokens suppressed."""
+"""A VLM prompt's images for the engine: match keys drawn from pixels or given with the prompt, clear errors for
+images that do not fit their placeholders; logprobs with vision tokens suppressed."""
 
 from __future__ import annotations
-
-import inspect
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from turnrl.engine.images import mrope_positions, placeholder_spans, prompt_images
+from turnrl.engine.images import prompt_images
 from turnrl.engine.sampling import logprobs_before_suppression
 from turnrl.engine.weights import rope_axes
 
 PAD = 7  # the image placeholder id in these tests
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 9), max_size=60))
-def test_placeholder_spans_are_the_runs_of_the_placeholder(tokens):
-    spans = placeholder_spans(tokens, PAD)
-    expected, start = [], None
-    for index, token in enumerate(tokens + [-1]):
-        if token == PAD and start is None:
-            start = index
-        elif token != PAD and start is not None:
-            expected.append((start, index))
-            start = None
-    assert spans == expected
 
 
 def image_prompt(grids: list[tuple[int, int, int]], text: list[int]) -> tuple[list[int], dict]:
@@ -42,29 +23,6 @@ def image_prompt(grids: list[tuple[int, int, int]], text: list[int]) -> tuple[li
     patches = sum(t * h * w for t, h, w in grids)
     inputs = {"pixel_values": torch.randn(patches, 12), "image_grid_thw": torch.tensor(grids)}
     return prompt, inputs
-
-
-def test_mrope_positions_equal_the_models_own(tiny_vlm_policy):
-    model = tiny_vlm_policy.model.model
-    config = tiny_vlm_policy.model.config
-    grids = [(1, 4, 6), (1, 8, 4)]
-    prompt, inputs = image_prompt(grids, [3, 5, 4])
-    prompt = [config.image_token_id if t == PAD else t for t in prompt]
-    ids = torch.tensor([prompt])
-    arguments = {"input_ids": ids, "image_grid_thw": inputs["image_grid_thw"],
-                 "mm_token_type_ids": (ids == config.image_token_id).int(), "attention_mask": torch.ones_like(ids)}
-    accepted = inspect.signature(model.get_rope_index).parameters
-    expected, delta = model.get_rope_index(**{k: v for k, v in arguments.items() if k in accepted})
-    positions, ours = mrope_positions(len(prompt), placeholder_spans(prompt, config.image_token_id),
-                                      inputs["image_grid_thw"], 2)
-    np.testing.assert_array_equal(positions, expected[:, 0].numpy())
-    assert ours == int(delta) < 0
-
-
-def test_text_alone_counts_up_with_no_delta():
-    positions, delta = mrope_positions(5, [], torch.zeros(0, 3, dtype=torch.long), 2)
-    np.testing.assert_array_equal(positions, np.tile(np.arange(5), (3, 1)))
-    assert delta == 0
 
 
 def test_match_keys_stand_for_the_pixels_not_the_placeholders():

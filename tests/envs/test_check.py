@@ -6,7 +6,7 @@ import pytest
 
 from tests.envs import toy_envs
 from turnrl.envs import AgentEnv, EnvCheckError, check_env, make
-from turnrl.envs.registry import BUILTIN_ENVS, env_class
+from turnrl.envs.catalog import BUILTIN_ENVS, env_class
 
 BUILTIN_MODES = [(name, mode) for name in BUILTIN_ENVS for mode in env_class(name).modes]
 REPLANNING = ("Game2048",)

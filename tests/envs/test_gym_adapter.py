@@ -11,7 +11,7 @@ from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import GymImageEnv, StateFacts, check_env, make
 from turnrl.envs.actions import parse_tuple
 from turnrl.envs.gym_adapter import DEFAULT_TEXT
-from turnrl.policy.base import Completion, Policy
+from turnrl.policy.interface import Completion, Policy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import DONE
 

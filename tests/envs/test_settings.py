@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from turnrl.envs.registry import env_names, env_parameters, env_setting_choices
+from turnrl.envs.catalog import env_names, env_parameters, env_setting_choices
 from turnrl.envs.settings import check_settings, close_names, did_you_mean, literal_choices
 
 Colour = Literal["red", "green"]

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 
 from tests.serve.running import free_port, running
-from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.contract import StateFacts, StepOutcome, TurnEnv
 from turnrl.envservice.options import ServerLimits
 from turnrl.envservice.server import build_app
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tests.envs.toy_envs import Corridor, CorridorWithExtras
-from turnrl.envs import base as contract
+from turnrl.envs import contract
 from turnrl.envs import make
-from turnrl.envs.base import ObjectFact, StateFacts, observation_key
+from turnrl.envs.contract import ObjectFact, StateFacts, observation_key
 from turnrl.envservice.protocol import (
     QUERIES,
     QueriedEnv,

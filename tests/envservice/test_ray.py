@@ -14,7 +14,7 @@ from tests.rollout.trajectory_checks import same_trajectory
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import check_env, make
-from turnrl.envs.base import optional_methods, state_key
+from turnrl.envs.contract import optional_methods, state_key
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.protocol import EnvRaisedError, RemoteEnvError
 from turnrl.envservice.ray import EnvHost, EnvWorkerLostError, RayEnvOptions, ray_env_factory

@@ -27,7 +27,7 @@ from tests.rollout.trajectory_checks import same_trajectory
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import check_env, make
-from turnrl.envs.base import observation_key, optional_methods
+from turnrl.envs.contract import observation_key, optional_methods
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.client import (
     ClientOptions,
@@ -656,7 +656,7 @@ def test_env_remote_without_a_server_is_a_config_error_before_anything_runs(tmp_
 def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path):
     from turnrl.config import load_config
     from turnrl.training.commands import train
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     with env_server() as url:
         config = load_config(TrainConfig, None, [
@@ -675,7 +675,7 @@ def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path):
 def test_sft_on_expert_demos_from_a_server_closes_its_sessions(tiny_model_dir, tmp_path):
     from turnrl.config import load_config
     from turnrl.training.commands import sft_only
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     with env_server() as url:
         config = load_config(TrainConfig, None, [

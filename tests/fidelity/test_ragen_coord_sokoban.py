@@ -14,7 +14,7 @@ from pathlib import Path
 
 from turnrl.config import load_config
 from turnrl.envs import make
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 LEVEL = "#######\n#_√_S_#\n#_X___#\n#######"
 

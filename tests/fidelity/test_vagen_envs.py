@@ -29,10 +29,10 @@ import pytest
 
 from turnrl.envs.games.frozenlake import ACTIONS as LAKE_ACTIONS
 from turnrl.envs.games.frozenlake import FrozenLakeEnv, shortest_path
-from turnrl.envs.games.navigation.env import ACTIONS as NAV_ACTIONS
-from turnrl.envs.games.navigation.env import PITCH_STEP, NavigationEnv
-from turnrl.envs.games.primitive_skill.env import parse_skill
-from turnrl.envs.games.sokoban.env import SokobanEnv
+from turnrl.envs.games.navigation.navigation_env import ACTIONS as NAV_ACTIONS
+from turnrl.envs.games.navigation.navigation_env import PITCH_STEP, NavigationEnv
+from turnrl.envs.games.primitive_skill.primitive_skill_env import parse_skill
+from turnrl.envs.games.sokoban.sokoban_env import SokobanEnv
 
 SOLVED_IN_ONE = "#####\n#___#\n#PXO#\n#___#\n#####"
 

@@ -31,7 +31,7 @@ import pytest
 
 from turnrl.agent.formats import get_format, turn_format_reward
 from turnrl.config import load_config
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 SOKOBAN = ("Up", "Down", "Left", "Right")
 GWM = ("<think><observation>The box is below me.</observation><reasoning>Push it down.</reasoning>"

@@ -30,8 +30,8 @@ weighted score with 0.7 and is added to the score rather than replacing it.
 import pytest
 
 from turnrl.agent.formats import ParsedResponse
-from turnrl.envs.base import facts_from_positions
-from turnrl.rewards.base import FinishedTurn
+from turnrl.envs.contract import facts_from_positions
+from turnrl.rewards.turn_rewards import FinishedTurn
 from turnrl.rewards.matching import Claim, weighted_f1
 from turnrl.rewards.state import RepetitionPenalty, StateReward
 

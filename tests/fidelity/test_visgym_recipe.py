@@ -24,7 +24,7 @@ import pytest
 from turnrl.agent.formats import get_format, turn_format_reward
 from turnrl.config import load_config
 from turnrl.envs.games.maze import ACTIONS
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 RECIPE = load_config(TrainConfig, "configs/visgym_maze.yaml")
 

@@ -11,18 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
+from turnrl.chat.templates import TEMPLATES, template_spec
 from turnrl.models import (
     PRESETS,
-    TEMPLATES,
     build_model,
     build_tokenizer,
     count_parameters,
     model_preset,
     preset_config,
-    template_spec,
     tiny_qwen2_config,
 )
-from turnrl.models.tiny import RECIPE_FILE, texts_digest
+from turnrl.models.tiny import BUILD_FILE, texts_digest
 
 GRIDS = ["#####\n#_OX#\n#_P_#\n#####", "____\n_O_G\n__P_\n√_X_", "P: player, X: box, O: target, √: box on target"]
 CHAT = [
@@ -246,9 +245,9 @@ def _build_once(out: str, log: str, barrier) -> str:
     import os
     import time
 
-    from turnrl.models.tiny import BuildRecipe, cached_build
+    from turnrl.models.tiny import BuildSpec, cached_build
 
-    recipe = BuildRecipe(preset="tiny", sizes={}, template="chatml", vocab_size=512, texts_digest="x", n_texts=1,
+    recipe = BuildSpec(preset="tiny", sizes={}, template="chatml", vocab_size=512, texts_digest="x", n_texts=1,
                          seed=0)
 
     def build_into(path):
@@ -267,9 +266,9 @@ def _build_once(out: str, log: str, barrier) -> str:
 def test_a_build_that_writes_no_complete_model_is_never_published(tmp_path):
     """transformers writes weights on rank 0 only under torch.distributed: a build elsewhere finds an empty
     directory, which must fail loudly rather than become a cache entry that other processes read."""
-    from turnrl.models.tiny import BuildRecipe, cached_build
+    from turnrl.models.tiny import BuildSpec, cached_build
 
-    recipe = BuildRecipe(preset="tiny", sizes={}, template="chatml", vocab_size=512, texts_digest="x", n_texts=1,
+    recipe = BuildSpec(preset="tiny", sizes={}, template="chatml", vocab_size=512, texts_digest="x", n_texts=1,
                          seed=0)
     with pytest.raises(RuntimeError, match="no complete model"):
         cached_build(tmp_path / "model", recipe, lambda path: {"key": recipe.key()})
@@ -287,7 +286,7 @@ def test_processes_building_the_same_model_at_once_build_it_once(tmp_path):
         paths = pool.starmap(_build_once, [(str(out), str(log), barrier)] * 4)
     assert paths == [str(out)] * 4
     assert len(log.read_text().splitlines()) == 1  # one process built; three waited and reused it
-    assert json.loads((out / RECIPE_FILE).read_text())["key"]
+    assert json.loads((out / BUILD_FILE).read_text())["key"]
     assert not [p for p in out.parent.iterdir() if ".build-" in p.name or ".stale-" in p.name]
 
 
@@ -322,7 +321,7 @@ def test_build_forward_generate(built):
     torch.manual_seed(0)
     out = model.generate(**batch, max_new_tokens=6, do_sample=True, pad_token_id=tok.pad_token_id)
     assert out.shape[0] == 2 and out.shape[1] <= batch["input_ids"].shape[1] + 6
-    info = json.loads((built / RECIPE_FILE).read_text())
+    info = json.loads((built / BUILD_FILE).read_text())
     assert info["recipe"]["texts_digest"] == texts_digest(CORPUS)
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
 

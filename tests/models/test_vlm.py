@@ -16,9 +16,9 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 
+from turnrl.chat.templates import CHATML
 from turnrl.config import ModelConfig
 from turnrl.models import (
-    CHATML,
     VLM_PRESETS,
     build_tokenizer,
     build_vlm,
@@ -28,10 +28,9 @@ from turnrl.models import (
     vlm_config,
     vlm_preset,
 )
-from turnrl.models.tiny import ModelPreset
-from turnrl.models.vlm import VisionPreset, VLMPreset
 from turnrl.models.builtin import builtin_model_path
-from turnrl.models.tiny import RECIPE_FILE
+from turnrl.models.tiny import BUILD_FILE, ModelPreset
+from turnrl.models.vlm import VisionPreset, VLMPreset
 
 CORPUS = [
     f"Turn {i}. {text}"
@@ -121,7 +120,7 @@ def test_a_qwen3_vl_preset_builds_loads_and_generates_from_an_image(tmp_path, mo
         min_pixels=64 * 64, max_pixels=128 * 128, family="qwen3_vl")
     monkeypatch.setitem(VLM_PRESETS, "vlm-test3", small)
     path = build_vlm(tmp_path / "q3", CORPUS, preset="vlm-test3", seed=0)
-    assert json.loads((path / RECIPE_FILE).read_text())["architecture"] == "Qwen3VLForConditionalGeneration"
+    assert json.loads((path / BUILD_FILE).read_text())["architecture"] == "Qwen3VLForConditionalGeneration"
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
@@ -157,7 +156,7 @@ def test_loads_like_a_downloaded_vlm(built, loaded):
         assert image_processor.size["shortest_edge"] == preset.min_pixels
         assert image_processor.size["longest_edge"] == preset.max_pixels
         assert (image_processor.patch_size, image_processor.merge_size) == (14, 2)
-    info = json.loads((built / RECIPE_FILE).read_text())
+    info = json.loads((built / BUILD_FILE).read_text())
     assert info["architecture"] == "Qwen2_5_VLForConditionalGeneration"
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
 
@@ -233,7 +232,7 @@ def test_build_is_cached_and_seeded(built, tmp_path):
 
     # Another recipe in the same directory replaces the build.
     build_vlm(tmp_path / "same", CORPUS, preset="vlm-small", seed=0)
-    assert json.loads((tmp_path / "same" / RECIPE_FILE).read_text())["recipe"]["preset"] == "vlm-small"
+    assert json.loads((tmp_path / "same" / BUILD_FILE).read_text())["recipe"]["preset"] == "vlm-small"
     assert json.loads((tmp_path / "same" / "config.json").read_text())["text_config"]["hidden_size"] == 256
 
 

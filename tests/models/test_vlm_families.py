@@ -31,9 +31,9 @@ from turnrl.envs import make
 from turnrl.policy.hf import HFPolicy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.training.batch import collate, turn_samples
-from turnrl.training.attention import ATTENTION
-from turnrl.training.forward import token_logprobs
 from turnrl.training.head import install_scoring_head
+from turnrl.training.model_passes import token_logprobs
+from turnrl.training.packed_attention import ATTENTION
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 VISION = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, spatial_merge_size=2,

@@ -12,7 +12,7 @@ from turnrl.config import AgentConfig, ConfigError, EngineConfig, ModelConfig, S
 from turnrl.engine import attention
 from turnrl.envs import make
 from turnrl.models.loading import load_processor
-from turnrl.policy.base import GenerationRequest
+from turnrl.policy.interface import GenerationRequest
 from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.factory import model_policy, rollout_policies
 from turnrl.policy.hf import HFPolicy

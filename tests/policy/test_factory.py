@@ -14,7 +14,7 @@ from turnrl.engine.families import ENGINE_FAMILIES
 from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.factory import POLICY_BACKENDS, model_policy, rollout_policies
 from turnrl.policy.hf import HFPolicy
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 
 @pytest.fixture(scope="module")

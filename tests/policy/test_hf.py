@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.config import SamplingConfig
-from turnrl.policy.base import GenerationRequest
+from turnrl.policy.interface import GenerationRequest
 from turnrl.policy.hf import HFPolicy, left_pad
 
 QUESTIONS = [

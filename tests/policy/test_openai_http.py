@@ -20,7 +20,7 @@ from turnrl.config import AgentConfig, ConfigError, EnvConfig, EvalConfig, Model
 from turnrl.envs import make
 from turnrl.evaluate import run_eval
 from turnrl.models.builtin import builtin_model_path
-from turnrl.policy.base import GenerationRequest, Policy
+from turnrl.policy.interface import GenerationRequest, Policy
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.openai_http import OpenAIPolicy, chat_completions_url, parse_retry_after
 from turnrl.rollout.runner import EpisodeSlot, Rollout

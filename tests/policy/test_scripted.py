@@ -12,8 +12,8 @@ import pytest
 from turnrl.agent.formats import format_names, get_format
 from turnrl.config import SamplingConfig
 from turnrl.envs import make
-from turnrl.envs.registry import env_names
-from turnrl.policy.base import GenerationRequest
+from turnrl.envs.catalog import env_names
+from turnrl.policy.interface import GenerationRequest
 from turnrl.policy.scripted import RANDOM_REASON, ExpertPolicy, RandomPolicy
 
 # The visgym_tuple format carries one tuple literal, e.g. ('move', 0); a free-form Countdown

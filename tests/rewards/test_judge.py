@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tests.serve.running import running
 from turnrl.agent.formats import ParsedResponse
 from turnrl.config import ModelConfig
-from turnrl.envs.base import facts_from_positions
+from turnrl.envs.contract import facts_from_positions
 from turnrl.envs.games.frozenlake import FrozenLakeEnv
 from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.hf import HFPolicy

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrl.envs.base import StateFacts, facts_from_positions
+from turnrl.envs.contract import StateFacts, facts_from_positions
 from turnrl.envs.games.frozenlake import FrozenLakeEnv
 from turnrl.envs.games.sokoban import SokobanEnv
 from turnrl.rewards.matching import (

@@ -9,7 +9,7 @@ from tests.rewards.test_matching import FACTS, TRUE_TEXT
 from turnrl.agent.formats import ParsedResponse, get_format
 from turnrl.config import AgentConfig, RewardsConfig, RewardSpec, SamplingConfig
 from turnrl.envs import make
-from turnrl.envs.base import StateFacts, facts_from_positions
+from turnrl.envs.contract import StateFacts, facts_from_positions
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rewards import FinishedTurn, Rewards
 from turnrl.rewards.matching import MatchItem
@@ -97,7 +97,7 @@ def test_a_training_run_logs_what_the_state_rewards_report(tiny_model_dir, tmp_p
     import json
 
     from turnrl.config import load_config
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
     from turnrl.training.commands import train
 
     config = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", [

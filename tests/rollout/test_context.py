@@ -9,8 +9,8 @@ from tokenizers import AddedToken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.models.test_template_deltas import LLAMA2_STYLE, NAMES, SYSTEM, encode, template_tokenizers
-from turnrl.models.template_deltas import ChatTemplateDeltas
+from tests.chat.test_template_deltas import LLAMA2_STYLE, NAMES, SYSTEM, encode, template_tokenizers
+from turnrl.chat.template_deltas import ChatTemplateDeltas
 from turnrl.rollout.context import HEAD_TURN, EpisodeTokens
 
 

@@ -15,9 +15,9 @@ from turnrl.config import AgentConfig, ModelConfig, SamplingConfig
 from turnrl.engine.images import prompt_images
 from turnrl.envs import make
 from turnrl.models.loading import load_processor
-from turnrl.models.templates import QWEN3
+from turnrl.chat.templates import QWEN3
 from turnrl.models.vision import ImageEncoder, content_digest
-from turnrl.policy.base import Completion, Policy
+from turnrl.policy.interface import Completion, Policy
 from turnrl.policy.hf import HFPolicy
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout, message_images
@@ -224,7 +224,7 @@ def test_greedy_generation_equals_the_model_given_the_processors_own_inputs(tiny
 
 
 def policy_request(policy, sample):
-    from turnrl.policy.base import GenerationRequest
+    from turnrl.policy.interface import GenerationRequest
 
     return GenerationRequest(prompt_ids=sample.prompt_ids, messages=[], model_inputs=sample.model_inputs)
 

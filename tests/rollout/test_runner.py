@@ -12,8 +12,8 @@ import pytest
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import make
-from turnrl.envs.base import StepOutcome, TurnEnv
-from turnrl.policy.base import Completion, GenerationRequest, Policy
+from turnrl.envs.contract import StepOutcome, TurnEnv
+from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED
 

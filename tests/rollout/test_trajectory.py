@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
-from turnrl.envs.base import env_metrics
+from turnrl.envs.contract import env_metrics
 from turnrl.rollout.trajectory import DONE, Trajectory, write_trajectories
 
 

@@ -23,7 +23,7 @@ import torch
 from tests.serve.running import running
 from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.models.builtin import builtin_model_path
-from turnrl.policy.base import Completion, GenerationRequest, Policy
+from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.policy.hf import HFPolicy
 from turnrl.serve.policy import GenerationBatcher, create_app, load_policy
 

@@ -14,9 +14,9 @@ import torch
 from turnrl.algorithms import broadcast_to_tokens
 from turnrl.algorithms.estimators import EpisodeView, Estimate, SharedSettings, estimator
 from turnrl.config import ConfigError, load_config
-from turnrl.training.advantages import compute_advantages
+from turnrl.training.batch_advantages import compute_advantages
 from turnrl.training.batch import Sample, collate
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 
 @dataclass(frozen=True)

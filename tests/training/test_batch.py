@@ -9,8 +9,8 @@ import torch
 
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
-from turnrl.envs.base import StepOutcome, TurnEnv
-from turnrl.policy.base import Completion, Policy
+from turnrl.envs.contract import StepOutcome, TurnEnv
+from turnrl.policy.interface import Completion, Policy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.training.batch import Sample, collate, trajectory_samples, turn_samples
 

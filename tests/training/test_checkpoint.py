@@ -27,7 +27,7 @@ from turnrl.training.checkpoint import (
     set_rng_state,
     steps_done,
 )
-from turnrl.training.forward import ValueModel
+from turnrl.training.model_passes import ValueModel
 
 
 @pytest.fixture(scope="module")

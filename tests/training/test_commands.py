@@ -18,7 +18,7 @@ from turnrl.cli import main
 from turnrl.config import ConfigError, load_config, turnrl_command
 from turnrl.training.checkpoint import checkpoint_problem, latest_checkpoint
 from turnrl.training.commands import train
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import OWNER_FILE, RunLock, write_config
 
@@ -105,7 +105,7 @@ def finished(tiny_model_dir, tmp_path_factory) -> Path:
 WRITE_UNDER_A_LIMIT = """
 import resource, sys
 from turnrl.config import load_config
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.run_dir import write_config
 config = load_config(TrainConfig, None, [f"run.output_dir={sys.argv[1]}", "run.name=run", "run.steps=7"])
 resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))  # `ulimit -f 1`
@@ -249,7 +249,7 @@ KILLED_AT = """
 import os, signal, sys
 from turnrl.config import load_config
 from turnrl.training.commands import train
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import Trainer
 
 point = sys.argv[1]

@@ -27,7 +27,7 @@ from turnrl.training.backends.backend import EpisodeRunner, RolloutBackend, Roll
 from turnrl.training.backends.local import LocalRollout
 from turnrl.training.backends.ray_rollout import RayBackend
 from turnrl.training.backends.sharded import ShardedRollout
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.parallel.fsdp2 import FSDP2
 from turnrl.training.parallel.single import SingleProcess
 from turnrl.training.parallel.strategy import ParallelStrategy

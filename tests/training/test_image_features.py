@@ -12,10 +12,10 @@ import torch
 
 from tests.engine.test_qwen3_vl import qwen3_vl_config
 from turnrl.models.loading import load_model
-from turnrl.training.attention import ATTENTION
+from turnrl.training.packed_attention import ATTENTION
 from turnrl.training.batch import Batch, Sample, collate
-from turnrl.training.config import AlgorithmConfig, OptimConfig
-from turnrl.training.forward import ValueModel, token_logprobs
+from turnrl.training.train_config import AlgorithmConfig, OptimConfig
+from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.training.image_features import IMAGE_KEYS, ImageFeatures
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 
@@ -210,7 +210,7 @@ def test_a_pass_over_rows_without_images_runs_as_the_text_model(vlm, packed):
 
 def test_the_trainer_stores_features_only_for_a_frozen_tower_in_one_process(vlm):
     from turnrl.config import load_config
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
     from turnrl.training.trainer import encodes_images_once
 
     batch = image_batch(vlm)

@@ -16,7 +16,7 @@ from turnrl.engine.cache import PAGE_TOKENS, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.tiny import build_tokenizer, count_parameters, preset_config
 from turnrl.models.vlm import count_vlm_parameters, vlm_config
-from turnrl.training.config import SFTConfig, TrainConfig
+from turnrl.training.train_config import SFTConfig, TrainConfig
 from turnrl.training.memory import (
     CUDA_CONTEXT_BYTES,
     GIB,

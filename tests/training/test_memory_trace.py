@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from turnrl.config import ConfigError, load_config
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.memory_trace import live_at_peak, made_at, peak_report, phase_spans, recorded
 
 

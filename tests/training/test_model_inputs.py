@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from turnrl.training.batch import Sample, collate
-from turnrl.training.config import AlgorithmConfig, OptimConfig, SFTConfig
-from turnrl.training.forward import ValueModel, token_logprobs
+from turnrl.training.train_config import AlgorithmConfig, OptimConfig, SFTConfig
+from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.sft import sft_train
 

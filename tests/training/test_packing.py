@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from turnrl.training.attention import ATTENTION
-from turnrl.training.forward import ValueModel, token_logprobs
+from turnrl.training.packed_attention import ATTENTION
+from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.models.loading import enable_checkpointing
 from turnrl.training.packing import pack, unpack
 

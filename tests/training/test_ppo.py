@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from turnrl.config import ConfigError
 from turnrl.training.batch import Sample, collate
-from turnrl.training.config import AlgorithmConfig, OptimConfig
-from turnrl.training.forward import ValueModel, token_logprobs
+from turnrl.training.train_config import AlgorithmConfig, OptimConfig
+from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 
 

@@ -11,7 +11,7 @@ import pytest
 from tests.training.test_trainer import config
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import train
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.preflight import preflight
 
 

@@ -7,7 +7,7 @@ import pytest
 from tests.training.test_trainer import config, records
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import train
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.run_dir import run_directory, run_of_model, start_run
 
 

@@ -14,8 +14,8 @@ from turnrl.config import AgentConfig, ConfigError, load_config
 from turnrl.envs import make
 from turnrl.training.batch import collate
 from turnrl.training.commands import sft_only
-from turnrl.training.config import SFTConfig, TrainConfig
-from turnrl.training.forward import token_logprobs
+from turnrl.training.train_config import SFTConfig, TrainConfig
+from turnrl.training.model_passes import token_logprobs
 from turnrl.training.sft import (
     PARALLEL_CHATS,
     chat_picture_samples,

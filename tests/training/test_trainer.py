@@ -23,7 +23,7 @@ from turnrl.algorithms import seeded_group_scores
 from turnrl.cli import main
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import GracefulStop, train
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
 from turnrl.training.trainer import Trainer
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from turnrl.config import load_config
 from turnrl.training.commands import train
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 COMMON = [
     "model.device=cpu", "model.dtype=float32", "run.tensorboard=false", "run.trajectories_every=1",

@@ -33,7 +33,7 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """Two RL steps of the tiny model on text FrozenLake (metrics, validation before/after, step files)."""
     from turnrl.config import load_config
     from turnrl.training.commands import train
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     out = tmp_path_factory.mktemp("viz_run")
     train(load_config(TrainConfig, None, [*RUN_OVERRIDES, f"model.path={tiny_model_dir}", f"run.output_dir={out}",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.viz.conftest import EVAL_EPISODES
-from turnrl.viz.cli import make_server
+from turnrl.viz.view_command import make_server
 from turnrl.viz.report import write_report
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-from turnrl.envs.base import AgentEnv, optional_methods
+from turnrl.envs.contract import AgentEnv, optional_methods
 
 
 def _state_text(env: AgentEnv) -> str:

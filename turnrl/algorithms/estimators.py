@@ -12,7 +12,7 @@ list of names:
 - ``needs=("groups",)``: it compares the episodes of a group; a run needs ``groups.group_size >= 2``.
 - ``needs=("episode_weights",)``: its advantages score whole episodes, for the trajectory-level objective;
   in turn mode the trainer then weighs the turn samples so that the loss counts each episode as
-  trajectory mode does (``turnrl.training.advantages.turn_sample_weights``).
+  trajectory mode does (``turnrl.training.batch_advantages.turn_sample_weights``).
 - ``params=SomeParams``: a dataclass of the estimator's own settings, a docstring under each field; a recipe
   sets them under ``algorithm.estimator_params.<name>``.
 

@@ -374,7 +374,7 @@ def entropy_bonus(
     (RAGEN's default coefficient is 0.001).
 
     Args:
-        entropy: Shape (b, s), e.g. from :func:`turnrl.training.forward.token_logprobs`.
+        entropy: Shape (b, s), e.g. from :func:`turnrl.training.model_passes.token_logprobs`.
         loss_mask: Shape (b, s), bool or 0/1.
     """
     return aggregate(entropy, loss_mask, aggregation)

@@ -5,14 +5,8 @@ repeated once per visual token), and the model inputs of those images in order
 (``pixel_values`` concatenated along dim 0, ``image_grid_thw`` one row each):
 :func:`prompt_images` checks that they agree and derives
 
-- the M-RoPE positions of every prompt token (:func:`mrope_positions`): text
-  tokens count up by one, an image's tokens take (temporal, height, width)
-  positions from where the text before it ends, and the text after it resumes
-  past the image's larger side; a token sampled after the prompt is at its
-  index plus the prompt's ``delta``. Qwen2-VL, Qwen2.5-VL and Qwen3-VL place
-  images alike (Qwen2.5-VL's temporal spacing, ``second_per_grid_ts``, spaces
-  video frames apart, and Qwen3-VL's text resumes past an image's larger
-  spatial side, not counting frames; an image is one frame).
+- the M-RoPE positions of every prompt token (:func:`~turnrl.models.mrope.mrope_positions`); a token
+  sampled after the prompt is at its index plus the prompt's ``delta``.
 - the prompt's match keys: its tokens with each image's placeholders replaced
   by the image's digest, so that a cached row is reused only by a prompt with
   the same images, not merely the same placeholders. The digests come with the
@@ -34,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from turnrl.models.mrope import mrope_positions, placeholder_spans
 from turnrl.models.vision import content_digest
 
 
@@ -53,41 +48,6 @@ class PromptImages:
     """A token at index i after the prompt is at position i + delta on all three axes."""
     keys: list[int]
     """The prompt's tokens with each image's placeholders replaced by the image's digest (a negative number)."""
-
-
-def placeholder_spans(prompt: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
-    """The runs of ``image_token_id`` in ``prompt``, [start, end) each, in order."""
-    tokens = np.asarray(prompt, dtype=np.int64)
-    is_image = np.concatenate(([False], tokens == image_token_id, [False]))
-    edges = np.flatnonzero(is_image[1:] != is_image[:-1])
-    return [(int(start), int(end)) for start, end in zip(edges[::2], edges[1::2])]
-
-
-def mrope_positions(length: int, spans: Sequence[tuple[int, int]], grids: torch.Tensor, merge_size: int
-                    ) -> tuple[np.ndarray, int]:
-    """Qwen2-VL's 3D rotary positions of a prompt of ``length`` tokens whose images fill ``spans``.
-
-    Args:
-        spans: each image's placeholder tokens, [start, end). grids: each image's patch grid (t, h, w), Shape (m, 3);
-            its tokens are t x (h / merge_size) x (w / merge_size), row-major.
-
-    Returns:
-        The positions, Shape (3, length) int64, and the delta of the tokens after the prompt.
-    """
-    positions = np.zeros((3, length), dtype=np.int64)
-    next_position, cursor = 0, 0
-    for (start, end), grid in zip(spans, grids.tolist()):
-        text = start - cursor
-        positions[:, cursor:start] = next_position + np.arange(text)
-        next_position += text
-        t, h, w = grid[0], grid[1] // merge_size, grid[2] // merge_size
-        temporal, height, width = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
-        positions[:, start:end] = next_position + np.stack((temporal, height, width)).reshape(3, -1)
-        next_position += max(t, h, w)
-        cursor = end
-    positions[:, cursor:] = next_position + np.arange(length - cursor)
-    delta = int(positions.max(initial=-1)) + 1 - length
-    return positions, delta
 
 
 def image_digest(pixel_values: torch.Tensor, grid: torch.Tensor) -> int:

@@ -342,7 +342,7 @@ class ModelRunner:
         """A VLM prefill's rotary rows, the rows each token takes, input embeddings with the images in them, and the
         images' deepstack features (Qwen3-VL; None for other VLMs and calls without image tokens).
 
-        Each new token turns by its own M-RoPE position (three axes; :func:`~turnrl.engine.images.mrope_positions`),
+        Each new token turns by its own M-RoPE position (three axes; :func:`~turnrl.models.mrope.mrope_positions`),
         so the call gets its own table: one cos/sin row per token, Shape (b * t, D), and rope positions
         ``0 .. b*t-1``. The images whose placeholders are among the new tokens run through the vision tower, and
         their features replace those placeholders' embeddings (their deepstack features go to the same tokens).

@@ -1,7 +1,9 @@
 """Environments: the contract (:class:`AgentEnv`), its checker, the registry of the built-in games (which live in
 :mod:`turnrl.envs.games`), the Gymnasium image adapter (:class:`GymImageEnv`, ``gym:<id>``) and :func:`make`."""
 
-from turnrl.envs.base import (
+from turnrl.envs.catalog import AgentEnvWrapper, env_class, env_names, gym_id, make, register_all
+from turnrl.envs.check import EnvCheckError, check_env
+from turnrl.envs.contract import (
     AgentEnv,
     ObjectFact,
     OptionalMethods,
@@ -12,9 +14,7 @@ from turnrl.envs.base import (
     optional_methods,
     relation,
 )
-from turnrl.envs.check import EnvCheckError, check_env
 from turnrl.envs.gym_adapter import GymImageEnv
-from turnrl.envs.registry import AgentEnvWrapper, env_class, env_names, gym_id, make, register_all
 from turnrl.envs.seeds import SeedSplits
 
 register_all()

@@ -6,14 +6,14 @@ Run it on a new env before training on it::
     check_env(MyEnv())
 
 It runs Gymnasium's ``env_checker`` where the env is a ``gymnasium.Env``, then
-the turnrl contract (:class:`~turnrl.envs.base.AgentEnv`):
+the turnrl contract (:class:`~turnrl.envs.contract.AgentEnv`):
 
 - observations are dicts with a ``"text"`` str and, optionally, an
   ``"image"`` (``HxWx3`` uint8 array) and nothing else; rewards are finite
   numbers, ``terminated`` and ``truncated`` bools, ``info`` a dict, whose
   ``"metrics"``, where given, maps names to finite numbers;
 - the required methods exist (an error names the optional ones too, which an
-  env may leave out: :class:`~turnrl.envs.base.OptionalMethods` has their defaults);
+  env may leave out: :class:`~turnrl.envs.contract.OptionalMethods` has their defaults);
 - ``instructions()`` is a non-empty str; ``action_names()`` None or a
   non-empty list of distinct strs; ``state_facts()`` a ``StateFacts``;
   ``solve()`` None or a list of strs, and asking for it leaves the state alone;
@@ -41,7 +41,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.utils import env_checker
 
-from turnrl.envs.base import (
+from turnrl.envs.contract import (
     OPTIONAL_METHODS,
     REQUIRED_METHODS,
     AgentEnv,

@@ -28,7 +28,7 @@ render_mode="rgb_array", is_slippery=False)`` and wraps it in
   is the env's own step limit (``max_episode_steps`` of its spec, which
   ``gymnasium.make`` enforces with ``TimeLimit``); an env without one keeps
   the agent's budget.
-- **A turnrl env underneath** (one with the :class:`~turnrl.envs.base.AgentEnv`
+- **A turnrl env underneath** (one with the :class:`~turnrl.envs.contract.AgentEnv`
   methods, e.g. ``gym:turnrl/Maze2D-v0`` with ``mode="image"``) keeps its own
   action names, instructions, state facts and solver, and the spellings its
   ``canonical_action`` accepts (Maze2D's VisGym tuples).
@@ -58,7 +58,7 @@ from PIL import Image
 
 from turnrl.envs import search
 from turnrl.envs.actions import parse_tuple
-from turnrl.envs.base import (
+from turnrl.envs.contract import (
     ACTION_CHARSET,
     MAX_ACTION_LENGTH,
     MAX_TEXT_LENGTH,

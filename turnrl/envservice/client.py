@@ -1,12 +1,12 @@
 """The env-service client: envs that live on ``turnrl serve-env`` servers, each an
-:class:`~turnrl.envs.base.AgentEnv`.
+:class:`~turnrl.envs.contract.AgentEnv`.
 
 :class:`RemoteEnv` holds one session on one server and answers the env
 contract (``reset``, ``step``, ``instructions``, ``action_names``,
 ``state_facts``, ``solve``, ``state_key``) by calling it. Several envs share an
 :class:`EnvServerPool`: the server URLs, one ``httpx`` client (connection
 pooling, thread-safe), timeouts, retries with backoff and failover.
-:func:`remote_env_factory` is what a recipe calls when ``env.remote`` lists
+:func:`remote_env_factory` is what the trainer calls when ``env.remote`` lists
 servers; :class:`RemoteEnvBatch` steps many sessions in one request.
 
 What a caller can rely on:
@@ -379,7 +379,7 @@ class _Session:
 
 
 class RemoteEnv(QueriedEnv):
-    """An :class:`~turnrl.envs.base.AgentEnv` whose env lives on an env server.
+    """An :class:`~turnrl.envs.contract.AgentEnv` whose env lives on an env server.
 
     The session opens on first use (so building envs never fails for a server that is down); one thread
     at a time may use an env (the rollout's executor does). ``copy.deepcopy`` forks the session on the
@@ -648,7 +648,7 @@ class RemoteEnvBatch:
         self.running = [False] * len(self.ids)
 
 
-# --------------------------------------------------------------------------- what recipes call
+# --------------------------------------------------------------------------- what the trainer calls
 class RemoteEnvFactory:
     """A ``make_env`` whose envs live on env servers: the k-th env prefers server ``k mod len(urls)``.
 

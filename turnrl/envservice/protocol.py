@@ -5,7 +5,7 @@ reached over HTTP by :mod:`turnrl.envservice.client`) or in a Ray actor (:mod:`t
 sides of both transports take from here:
 
 - **the queries**: the read-only calls such an env answers (:data:`QUERIES`, the methods the contract in
-  :mod:`turnrl.envs.base` marks as queries), those every reset and step brings back (:data:`RESET_QUERIES`,
+  :mod:`turnrl.envs.contract` marks as queries), those every reset and step brings back (:data:`RESET_QUERIES`,
   :data:`STEP_QUERIES`), how the place where the env lives answers one (:func:`answer_query`: optional
   methods of the contract included, with their defaults), and the proxy's side of them (:class:`QueriedEnv`);
 - **the encoding** of values over HTTP (:func:`encode_value`: tuples stay tuples, non-finite floats survive,
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from turnrl.envs import base as contract
-from turnrl.envs.base import AgentEnv, ObjectFact, StateFacts, optional_methods, state_key
+from turnrl.envs import contract
+from turnrl.envs.contract import AgentEnv, ObjectFact, StateFacts, optional_methods, state_key
 
 TOKEN_ENV_VAR = "TURNRL_ENV_TOKEN"
 """Environment variable read for the bearer token when none is passed (by the server and the client)."""
@@ -42,7 +42,7 @@ CLIENT_HEADER = "x-turnrl-client"
 
 QUERIES: tuple[str, ...] = contract.QUERIES
 """The read-only calls an env that lives elsewhere answers (none changes the env's state), in order: the
-methods of the env contract marked as queries (:data:`turnrl.envs.base.QUERIES`)."""
+methods of the env contract marked as queries (:data:`turnrl.envs.contract.QUERIES`)."""
 STEP_QUERIES: tuple[str, ...] = ("action_names", "state_key")
 """Queries every step brings back: what the rollout asks each turn (``action_names`` outside its error
 handling, so it must never need a request of its own)."""
@@ -304,8 +304,8 @@ def answer_query(env: AgentEnv, name: str, last_obs: dict[str, Any]) -> Any:
     """The answer to query ``name`` of ``env``, whose latest observation is ``last_obs`` (raises what the env
     raises).
 
-    An optional method the env does not define answers its default (:class:`~turnrl.envs.base.OptionalMethods`):
-    ``state_key`` the hash of ``last_obs`` (:func:`~turnrl.envs.base.state_key`, as the rollout takes it),
+    An optional method the env does not define answers its default (:class:`~turnrl.envs.contract.OptionalMethods`):
+    ``state_key`` the hash of ``last_obs`` (:func:`~turnrl.envs.contract.state_key`, as the rollout takes it),
     ``text`` ``""``, ``action_budget`` None (the caller keeps its own budget), ``image`` a NotImplementedError.
     """
     check_query(name)

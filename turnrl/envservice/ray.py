@@ -1,11 +1,11 @@
-"""Envs stepped inside Ray actors: :class:`RayEnv`, an :class:`~turnrl.envs.base.AgentEnv` whose env lives in an
+"""Envs stepped inside Ray actors: :class:`RayEnv`, an :class:`~turnrl.envs.contract.AgentEnv` whose env lives in an
 env worker.
 
 An env worker is a Ray actor (the body is :class:`EnvHost`) that holds many envs of one id and settings, each
 built by ``turnrl.envs.make`` the first time it is used. :class:`RayEnv` is the proxy a rollout holds: it answers
 the env contract (``reset``, ``step``, ``close`` and the queries of :mod:`turnrl.envservice.protocol`:
 ``instructions``, ``action_names``, ``state_facts``, ``solve``, ``state_key``, ``text``, ``image``,
-``action_budget``) by calling its worker. :func:`ray_env_factory` is what a recipe calls when
+``action_budget``) by calling its worker. :func:`ray_env_factory` is what the trainer calls when
 ``distributed.env_workers`` is above 0: it starts the workers (joining or starting Ray) and hands out proxies
 spread round robin over them.
 
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from turnrl.envs.base import AgentEnv, optional_methods
-from turnrl.envs.registry import make
+from turnrl.envs.catalog import make
+from turnrl.envs.contract import AgentEnv, optional_methods
 from turnrl.envservice.protocol import (
     RESET_QUERIES,
     STEP_QUERIES,
@@ -332,7 +332,7 @@ class EnvWorkerPool:
 
 # --------------------------------------------------------------------------- one env
 class RayEnv(QueriedEnv):
-    """One env in an env worker; an :class:`~turnrl.envs.base.AgentEnv`.
+    """One env in an env worker; an :class:`~turnrl.envs.contract.AgentEnv`.
 
     Args:
         pool: the workers.
@@ -452,7 +452,7 @@ class RayEnv(QueriedEnv):
         return f"RayEnv({self.env_id!r}, worker {self.worker}, env {self.index}, generation {self._generation})"
 
 
-# --------------------------------------------------------------------------- what recipes call
+# --------------------------------------------------------------------------- what the trainer calls
 class RayEnvFactory:
     """A ``make_env`` whose envs live in env workers: the k-th env on worker ``k mod workers``.
 

@@ -5,7 +5,7 @@ read-only *queries* and closes them. Every call but ``/health`` and ``/metrics``
 takes a list, so one request can reset, step or query many sessions; a
 session's part of the answer is its own (an env that raises fails its item
 only). :class:`turnrl.envservice.client.RemoteEnv` is the client; ``env.remote``
-in a recipe or ``turnrl eval`` uses it.
+in a training run or ``turnrl eval`` uses it.
 
 The server is :class:`EnvServer`, a plain class: each endpoint is a method that takes the parsed body (and the
 client's name) and returns the answer, or raises :class:`~turnrl.envservice.protocol.APIError`, so that it runs
@@ -70,7 +70,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, St
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnrl.envs import AgentEnv, make, optional_methods
-from turnrl.envs.registry import builtin_name, env_names
+from turnrl.envs.catalog import builtin_name, env_names
 from turnrl.envservice.options import ServerLimits, add_arguments
 from turnrl.envservice.protocol import (
     CLIENT_HEADER,

@@ -1,9 +1,12 @@
-"""Built-in small models: chat templates, a tokenizer builder, Qwen2 presets and Qwen2.5-VL presets."""
+"""Models: loading one by path or hub id onto devices (:mod:`~turnrl.models.loading`,
+:mod:`~turnrl.models.devices`), the built-in models of real architectures built from a config with a tokenizer
+the project trains (Qwen2 presets in :mod:`~turnrl.models.tiny`, Qwen2.5-VL and Qwen3-VL presets in
+:mod:`~turnrl.models.vlm`), and a VLM's vision side (the image encoder, M-RoPE positions, the tower's
+attention)."""
 
-from turnrl.models.templates import CHATML, LLAMA3, QWEN3, TEMPLATES, TemplateSpec, template_spec
 from turnrl.models.tiny import (
     PRESETS,
-    BuildRecipe,
+    BuildSpec,
     ModelPreset,
     build_model,
     build_tokenizer,
@@ -27,15 +30,10 @@ from turnrl.models.vlm import (
 )
 
 __all__ = [
-    "CHATML",
-    "LLAMA3",
     "PRESETS",
-    "QWEN3",
-    "TEMPLATES",
     "VLM_PRESETS",
-    "BuildRecipe",
+    "BuildSpec",
     "ModelPreset",
-    "TemplateSpec",
     "VLMPreset",
     "VisionPreset",
     "build_model",
@@ -48,7 +46,6 @@ __all__ = [
     "model_preset",
     "mrope_section",
     "preset_config",
-    "template_spec",
     "tiny_qwen2_config",
     "vlm_config",
     "vlm_preset",

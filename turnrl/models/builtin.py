@@ -22,7 +22,7 @@ from turnrl.agent.formats import format_names, get_format
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import ConfigError, ModelConfig
 from turnrl.envs import make
-from turnrl.envs.registry import env_class
+from turnrl.envs.catalog import env_class
 from turnrl.models.tiny import PRESETS, build_model, build_tokenizer, model_preset, preset_config
 from turnrl.models.vlm import VLM_PREFIX, VLM_PRESETS, build_vlm, is_vlm_preset, vlm_config, vlm_preset
 

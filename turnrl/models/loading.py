@@ -296,7 +296,7 @@ def compile_layer_parts(model: torch.nn.Module, vision: bool = True) -> int:
     A norm in eager mode is half a dozen kernels over float32 copies of the hidden states, the MLP's gate two
     more: at 2-4k hidden width such memory-bound kernels took as long as the matrix products in a profiled 3B
     update. Compiled, a norm is a kernel or two each way and the gate fuses with its neighbours. The
-    attention stays eager: packed rows attend sequence by sequence (:mod:`turnrl.training.attention`), a
+    attention stays eager: packed rows attend sequence by sequence (:mod:`turnrl.training.packed_attention`), a
     Python loop whose bounds change every pass. Shapes are compiled dynamic, so varying token counts do not
     compile again; the first training and the first no-grad pass each compile once (seconds on a GPU).
 

@@ -13,7 +13,7 @@ path. This module makes such a pair from scratch:
 - :func:`build_model` puts both in a directory with ``save_pretrained``; it
   loads back with plain ``AutoModelForCausalLM.from_pretrained(path)`` and
   ``AutoTokenizer.from_pretrained(path)``, like any downloaded checkpoint.
-  A build is cached: the same recipe in the same directory is reused.
+  A build is cached: the same build in the same directory is reused.
 
 Tokenizer choices, and why:
 
@@ -52,7 +52,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from turnrl.models.templates import DEFAULT_SYSTEM_MESSAGE, TemplateSpec, template_spec
+from turnrl.chat.templates import DEFAULT_SYSTEM_MESSAGE, TemplateSpec, template_spec
 
 # Splits text into pieces before BPE; BPE merges only inside a piece. Words
 # (lowercase letters with an optional capital and leading space) and English
@@ -84,11 +84,11 @@ _TEMPLATE_REPEATS = 16
 
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)
 
-RECIPE_FILE = "turnrl_model.json"
+BUILD_FILE = "turnrl_model.json"
 """The JSON that :func:`build_model` writes next to the weights."""
 
 # Bump when the build procedure changes, so that cached builds are remade.
-_RECIPE_VERSION = 3
+_BUILD_VERSION = 3
 
 
 def build_tokenizer(
@@ -393,7 +393,7 @@ def texts_digest(texts: Iterable[str]) -> str:
 
 
 @dataclass(frozen=True)
-class BuildRecipe:
+class BuildSpec:
     """Everything that determines a built model; its hash keys the cache."""
 
     preset: str
@@ -410,11 +410,11 @@ class BuildRecipe:
     """Number of texts in the corpus (informative)."""
     seed: int
     """Seed of the weight initialization."""
-    version: int = _RECIPE_VERSION
+    version: int = _BUILD_VERSION
     """Version of the build procedure."""
 
     def key(self) -> str:
-        """A short stable hash of the recipe."""
+        """A short stable hash of the build."""
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -432,21 +432,21 @@ def build_model(
 
     Args:
         out_dir: where ``save_pretrained`` puts the model and tokenizer, next
-            to ``turnrl_model.json`` (the recipe and its key).
+            to ``turnrl_model.json`` (the build and its key).
         texts: tokenizer corpus (env instructions, observations, examples).
         preset: model size, see :data:`PRESETS`.
-        template: chat template family, see ``turnrl.models.templates``.
+        template: chat template family, see ``turnrl.chat.templates``.
         vocab_size: tokenizer vocabulary bound; default from the preset.
         seed: seed of the weight initialization.
 
     Returns:
-        ``out_dir`` as a ``Path``. If it already holds a build of the same
-        recipe, nothing is rebuilt. A stale turnrl build there is replaced; a
+        ``out_dir`` as a ``Path``. If it already holds the same build,
+        nothing is rebuilt. A stale turnrl build there is replaced; a
         directory that is not a turnrl build is never overwritten.
     """
     out = Path(out_dir)
     texts = list(texts)
-    recipe = BuildRecipe(
+    build = BuildSpec(
         preset=preset,
         sizes=asdict(model_preset(preset)),
         template=template,
@@ -455,11 +455,11 @@ def build_model(
         n_texts=len(texts),
         seed=seed,
     )
-    return cached_build(out, recipe, lambda path: _build_into(path, texts, recipe))
+    return cached_build(out, build, lambda path: _build_into(path, texts, build))
 
 
-def cached_build(out: Path, recipe: BuildRecipe, build_into: Callable[[Path], dict]) -> Path:
-    """``out`` holding the build of ``recipe``: reused when its key matches, else built afresh.
+def cached_build(out: Path, build: BuildSpec, build_into: Callable[[Path], dict]) -> Path:
+    """``out`` holding ``build``: reused when its key matches, else built afresh.
 
     ``build_into(path)`` writes the model into an empty ``path`` and returns
     the information recorded beside it; the build happens in a temporary
@@ -470,18 +470,18 @@ def cached_build(out: Path, recipe: BuildRecipe, build_into: Callable[[Path], di
     build in ``out`` is replaced; a directory that is not a turnrl build is
     never overwritten.
     """
-    if _read_key(out) == recipe.key():
+    if _read_key(out) == build.key():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(out.parent / f".{out.name}.lock"):
-        if _read_key(out) == recipe.key():  # built by another process while this one waited
+        if _read_key(out) == build.key():  # built by another process while this one waited
             return out
         _check_replaceable(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
         try:
             info = build_into(tmp)
-            (tmp / RECIPE_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-            if _read_key(tmp) != recipe.key():  # never publish a half model
+            (tmp / BUILD_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            if _read_key(tmp) != build.key():  # never publish a half model
                 raise RuntimeError(f"building {out.name} wrote no complete model (config.json, tokenizer files): under "
                                    "torch.distributed, transformers writes weights on rank 0 only; build it there")
             _publish(tmp, out)
@@ -504,13 +504,13 @@ def random_weights(make: Callable[[], ModelT], seed: int, real_size: bool, dtype
     return model.to(dtype)
 
 
-def _build_into(path: Path, texts: Sequence[str], recipe: BuildRecipe) -> dict:
-    tokenizer = build_tokenizer(texts, vocab_size=recipe.vocab_size, template=recipe.template)
-    config = preset_config(recipe.preset, tokenizer)
+def _build_into(path: Path, texts: Sequence[str], build: BuildSpec) -> dict:
+    tokenizer = build_tokenizer(texts, vocab_size=build.vocab_size, template=build.template)
+    config = preset_config(build.preset, tokenizer)
     tokenizer.model_max_length = config.max_position_embeddings
-    spec = template_spec(recipe.template)
-    preset = model_preset(recipe.preset)
-    model = random_weights(lambda: Qwen2ForCausalLM(config), recipe.seed, preset.real_size,
+    spec = template_spec(build.template)
+    preset = model_preset(build.preset)
+    model = random_weights(lambda: Qwen2ForCausalLM(config), build.seed, preset.real_size,
                            getattr(torch, preset.weights_dtype))
     # Sampling stops at the end of a turn or at the end of text, as with Qwen's
     # released generation configs.
@@ -523,29 +523,29 @@ def _build_into(path: Path, texts: Sequence[str], recipe: BuildRecipe) -> dict:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return {
-        "recipe": asdict(recipe),
-        "key": recipe.key(),
+        "build": asdict(build),
+        "key": build.key(),
         "architecture": "Qwen2ForCausalLM",
         "parameters": sum(p.numel() for p in model.parameters()),
         "tokenizer_size": len(tokenizer),
         "embedding_rows": config.vocab_size,
-        "preset": asdict(model_preset(recipe.preset)),
+        "preset": asdict(model_preset(build.preset)),
         "load_with": "AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)",
     }
 
 
 def _read_key(out: Path) -> str | None:
-    """The recipe key of a complete build in ``out``, else None."""
+    """The build key of a complete build in ``out``, else None."""
     if not all((out / name).is_file() for name in ("config.json", "tokenizer.json", "tokenizer_config.json")):
         return None
     try:
-        return json.loads((out / RECIPE_FILE).read_text())["key"]
+        return json.loads((out / BUILD_FILE).read_text())["key"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def _check_replaceable(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / RECIPE_FILE).exists())):
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / BUILD_FILE).exists())):
         raise FileExistsError(f"{out} exists and is not a turnrl model build; refusing to overwrite it")
 
 

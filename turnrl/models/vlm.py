@@ -66,9 +66,9 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-from turnrl.models.templates import template_spec
+from turnrl.chat.templates import template_spec
 from turnrl.models.tiny import (
-    BuildRecipe,
+    BuildSpec,
     ModelPreset,
     build_tokenizer,
     cached_build,
@@ -410,8 +410,8 @@ def vlm_processor(preset: str | VLMPreset, tokenizer: PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
-class VLMBuildRecipe(BuildRecipe):
-    """A :class:`~turnrl.models.tiny.BuildRecipe` for a VLM; its hash keys the cache."""
+class VLMBuildSpec(BuildSpec):
+    """A :class:`~turnrl.models.tiny.BuildSpec` for a VLM; its hash keys the cache."""
 
     family: str = "qwen2_5_vl"
     """The preset's family (the model class built)."""
@@ -432,7 +432,7 @@ def build_vlm(
 
     Args:
         out_dir: where ``save_pretrained`` puts the model and processor, next
-            to ``turnrl_model.json`` (the recipe and its key).
+            to ``turnrl_model.json`` (the build and its key).
         texts: tokenizer corpus (env instructions, observations, examples).
         preset: model size, see :data:`VLM_PRESETS`.
         template: chat template family with Qwen's vision tokens: ``"chatml"`` or ``"qwen3"``.
@@ -440,8 +440,8 @@ def build_vlm(
         vocab_size: tokenizer vocabulary bound; default from the preset.
 
     Returns:
-        ``out_dir`` as a ``Path``. If it already holds a build of the same
-        recipe, nothing is rebuilt. A stale turnrl build there is replaced; a
+        ``out_dir`` as a ``Path``. If it already holds the same build,
+        nothing is rebuilt. A stale turnrl build there is replaced; a
         directory that is not a turnrl build is never overwritten.
     """
     p = vlm_preset(preset)
@@ -449,7 +449,7 @@ def build_vlm(
         raise ValueError(f"template {template!r} has no Qwen vision tokens; a Qwen2.5-VL needs chatml or qwen3")
     out = Path(out_dir)
     texts = list(texts)
-    recipe = VLMBuildRecipe(
+    build = VLMBuildSpec(
         family=p.family,
         preset=preset,
         sizes=asdict(p),
@@ -459,17 +459,17 @@ def build_vlm(
         n_texts=len(texts),
         seed=seed,
     )
-    return cached_build(out, recipe, lambda path: _build_into(path, texts, recipe))
+    return cached_build(out, build, lambda path: _build_into(path, texts, build))
 
 
-def _build_into(path: Path, texts: Sequence[str], recipe: VLMBuildRecipe) -> dict:
-    p = vlm_preset(recipe.preset)
-    tokenizer = build_tokenizer(texts, vocab_size=recipe.vocab_size, template=recipe.template)
+def _build_into(path: Path, texts: Sequence[str], build: VLMBuildSpec) -> dict:
+    p = vlm_preset(build.preset)
+    tokenizer = build_tokenizer(texts, vocab_size=build.vocab_size, template=build.template)
     tokenizer.model_max_length = p.text.max_position_embeddings
     config: Any = vlm_config(p, tokenizer)
-    spec = template_spec(recipe.template)
+    spec = template_spec(build.template)
     model_class = Qwen3VLForConditionalGeneration if p.family == "qwen3_vl" else Qwen2_5_VLForConditionalGeneration
-    model: Any = random_weights(lambda: model_class(config), recipe.seed, p.text.real_size,
+    model: Any = random_weights(lambda: model_class(config), build.seed, p.text.real_size,
                                 getattr(torch, p.text.weights_dtype))
     # Sampling stops at the end of a turn or at the end of text, as with Qwen's
     # released generation configs.
@@ -481,8 +481,8 @@ def _build_into(path: Path, texts: Sequence[str], recipe: VLMBuildRecipe) -> dic
     model.save_pretrained(path)
     vlm_processor(p, tokenizer).save_pretrained(path)
     return {
-        "recipe": asdict(recipe),
-        "key": recipe.key(),
+        "build": asdict(build),
+        "key": build.key(),
         "architecture": model_class.__name__,
         "parameters": sum(t.numel() for t in model.parameters()),
         "vision_parameters": sum(t.numel() for t in model.model.visual.parameters()),

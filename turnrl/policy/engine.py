@@ -20,8 +20,8 @@ from torch import nn
 from turnrl.config import EngineConfig, SamplingConfig
 from turnrl.engine.llm_engine import Engine, Result, SamplingParams
 from turnrl.models.vision import ImageEncoder
-from turnrl.policy.base import Completion, GenerationRequest, Policy, StreamingPolicy
 from turnrl.policy.hf import end_of_turn_ids
+from turnrl.policy.interface import Completion, GenerationRequest, Policy, StreamingPolicy
 
 
 class EnginePolicy(Policy):

@@ -12,7 +12,7 @@ from torch import nn
 
 from turnrl.agent.formats import ResponseFormat
 from turnrl.config import ConfigError, EvalConfig, ModelConfig, check_registered
-from turnrl.policy.base import Policy
+from turnrl.policy.interface import Policy
 from turnrl.registry import Registry
 
 

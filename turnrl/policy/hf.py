@@ -23,7 +23,7 @@ from turnrl.config import ModelConfig, SamplingConfig, is_greedy
 from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, position_inputs
-from turnrl.policy.base import Completion, GenerationRequest, Policy
+from turnrl.policy.interface import Completion, GenerationRequest, Policy
 
 
 def end_of_turn_ids(tokenizer: Any, model: PreTrainedModel | None = None) -> list[int]:

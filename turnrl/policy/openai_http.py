@@ -44,7 +44,7 @@ import httpx
 import numpy as np
 
 from turnrl.config import SamplingConfig
-from turnrl.policy.base import Completion, GenerationRequest, Policy
+from turnrl.policy.interface import Completion, GenerationRequest, Policy
 
 T = TypeVar("T")
 

@@ -17,8 +17,8 @@ import numpy as np
 from turnrl.agent.expert import expert_fields
 from turnrl.agent.formats import ResponseFormat
 from turnrl.config import SamplingConfig
-from turnrl.envs.base import AgentEnv
-from turnrl.policy.base import Completion, GenerationRequest, Policy
+from turnrl.envs.contract import AgentEnv
+from turnrl.policy.interface import Completion, GenerationRequest, Policy
 
 
 class ScriptedPolicy(Policy):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from turnrl.config import SamplingConfig
-from turnrl.policy.base import GenerationRequest
+from turnrl.policy.interface import GenerationRequest
 from turnrl.policy.openai_http import OpenAIPolicy
 from turnrl.rewards.matching import MatchItem, RuleMatcher, parse_json, weighted_f1
 

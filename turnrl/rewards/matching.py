@@ -5,10 +5,10 @@ score in [0, 1]. :class:`RuleMatcher` parses the text
 (:func:`parse_description`: natural language such as "the box is above and to
 the left of the player", or JSON objects with relations or positions) into
 claims, and scores them against
-:meth:`~turnrl.envs.base.AgentEnv.state_facts` with a weighted F1 over object
+:meth:`~turnrl.envs.contract.AgentEnv.state_facts` with a weighted F1 over object
 kinds, matching claims to true objects with the Hungarian algorithm
 (:func:`weighted_f1`). The weights and other names of each env's kinds are its
-class's ``state_reward_profile`` (:class:`~turnrl.envs.base.StateRewardProfile`).
+class's ``state_reward_profile`` (:class:`~turnrl.envs.contract.StateRewardProfile`).
 The LLM judge (:mod:`turnrl.rewards.judge`) scores its parses with the same rule;
 the reward functions are :mod:`turnrl.rewards.state`.
 """
@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from turnrl.envs.base import ObjectFact, StateFacts, StateRewardProfile
-from turnrl.envs.registry import builtin_name, env_class
+from turnrl.envs.catalog import builtin_name, env_class
+from turnrl.envs.contract import ObjectFact, StateFacts, StateRewardProfile
 
 # --------------------------------------------------------------------------- vocabulary
 VERTICAL_WORDS: dict[str, str] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from turnrl.rewards.base import FinishedTurn
+from turnrl.rewards.turn_rewards import FinishedTurn
 
 
 class OverlongPenalty:

@@ -11,7 +11,7 @@ The comparison is a *matcher* (:class:`~turnrl.rewards.matching.Matcher`):
 text + true facts -> a score in [0, 1]. Two come with turnrl:
 
 - :class:`turnrl.rewards.matching.RuleMatcher`: parses the text into claims
-  and scores them against :meth:`~turnrl.envs.base.AgentEnv.state_facts` with
+  and scores them against :meth:`~turnrl.envs.contract.AgentEnv.state_facts` with
   a weighted F1 over object kinds (the env class's ``state_reward_profile``).
 - :class:`turnrl.rewards.judge.JudgeMatcher`: an LLM behind any
   OpenAI-compatible endpoint, either as a YES/NO judge or as a parser to JSON
@@ -40,9 +40,9 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from turnrl.rewards.base import FinishedTurn
 from turnrl.rewards.judge import JudgeMatcher, JudgeSettings
 from turnrl.rewards.matching import Matcher, MatchItem, RuleMatcher, profiles_from_settings
+from turnrl.rewards.turn_rewards import FinishedTurn
 
 
 # --------------------------------------------------------------------------- anti-hacking

@@ -12,7 +12,7 @@ therefore kept as token segments, never as text:
   on those other ids trains on tokens the model never produced.
 - ``head``, ``closing_t`` and ``observation(user)`` are the chat template's
   pieces, read off the template by
-  :class:`~turnrl.models.template_deltas.ChatTemplateDeltas` (the template's
+  :class:`~turnrl.chat.template_deltas.ChatTemplateDeltas` (the template's
   rendering of the first messages, what it writes after a response, what it
   adds for one new user message).
 - A reasoning format's response prefix (RAGEN's ``<think>``) ends the head
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from turnrl.models.template_deltas import ChatTemplateDeltas, Message, as_message, expand_placeholders
+from turnrl.chat.template_deltas import ChatTemplateDeltas, Message, as_message, expand_placeholders
 
 HEAD_TURN = -1
 """``turn_index`` of the head tokens (system message, first user message, generation prompt)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from turnrl.envs.base import AgentEnv
+from turnrl.envs.contract import AgentEnv
 from turnrl.envs.seeds import SeedSplits
 from turnrl.rollout.runner import EpisodeSlot
 

@@ -5,7 +5,7 @@
     RayRollout.run(slots, sampling)        -> RolloutHost.run(its whole groups, sampling, seed)
       <- trajectories in the slots' order  <-   Rollout.run over its own envs: trajectories, timings
 
-:class:`RayRollout` has the interface the recipe uses of :class:`~turnrl.rollout.runner.Rollout`
+:class:`RayRollout` has the interface the trainer uses of :class:`~turnrl.rollout.runner.Rollout`
 (``run(slots, sampling)``, ``timings``, ``rewards.metrics()``), so :func:`turnrl.training.trainer.collect`
 takes either. The slots are split by whole groups (a group's episodes are compared with each other, so they
 play on one worker) and the parts play in parallel; only the slots' seeds, groups and options travel, each
@@ -16,7 +16,7 @@ driver, so that no node needs a shared file system) and gets its weights from :m
 which puts the state dict in Ray's object store once for all workers, and only when its version changed.
 
 A worker that dies (or does not answer within ``timeout_s``) raises :class:`RolloutWorkerError`: its
-episodes and its copy of the weights are gone, and the recipe saves a checkpoint and stops.
+episodes and its copy of the weights are gone, and the trainer saves a checkpoint and stops.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from turnrl.agent.formats import get_format
+from turnrl.chat.template_deltas import ChatTemplateDeltas
 from turnrl.config import AgentConfig, ModelConfig, RewardsConfig, SamplingConfig
-from turnrl.envs.base import AgentEnv
+from turnrl.envs.contract import AgentEnv
 from turnrl.envservice.placement import env_factory
 from turnrl.envservice.ray import ensure_ray, ray_env_factory
-from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory, sum_by_name
@@ -288,7 +288,7 @@ class WorkerRewardMetrics:
 
 
 class RayRollout:
-    """Rollouts on ``workers`` Ray actors, with the interface the recipe uses of :class:`Rollout`.
+    """Rollouts on ``workers`` Ray actors, with the interface the trainer uses of :class:`Rollout`.
 
     Args:
         spec: what each worker builds (model files, model and agent settings, envs, rewards).
@@ -355,7 +355,7 @@ class RayRollout:
         """Play every slot's episode on the workers; the trajectories in the slots' order.
 
         The slots' envs are not used: each worker plays the seeds on envs of its own. Sampling is seeded
-        from torch's generator here (the recipe seeds it per step), one seed per worker. ``on_turn`` is
+        from torch's generator here (the trainer seeds it per step), one seed per worker. ``on_turn`` is
         not called (the turns happen on the workers).
 
         Raises:

@@ -30,9 +30,9 @@ import numpy as np
 from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
-from turnrl.envs.base import AgentEnv, StateFacts, env_metrics, state_key
+from turnrl.envs.contract import AgentEnv, StateFacts, env_metrics, state_key
 from turnrl.models.vision import MessageImages
-from turnrl.policy.base import Completion, GenerationRequest, Policy
+from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens, without_images
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
@@ -55,7 +55,7 @@ class RolloutTimings:
     generate_s: float = 0.0
     env_s: float = 0.0
     policy_work: dict[str, float] = field(default_factory=dict)
-    """How much each of the policy's :meth:`~turnrl.policy.base.Policy.counters` grew over the run (the
+    """How much each of the policy's :meth:`~turnrl.policy.interface.Policy.counters` grew over the run (the
     engine's prefill tokens, decode steps, ...): where the generation's seconds went."""
 
 
@@ -97,7 +97,7 @@ def message_images(messages: list[dict[str, Any]]) -> list[np.ndarray]:
 
 
 def turn_state_key(env: AgentEnv, obs: dict[str, Any]) -> str | None:
-    """:func:`~turnrl.envs.base.state_key` of the env's state, or None when it fails (the turn then joins no
+    """:func:`~turnrl.envs.contract.state_key` of the env's state, or None when it fails (the turn then joins no
     anchor group)."""
     try:
         return state_key(env, obs)

@@ -120,7 +120,7 @@ class Trajectory:
     episode ended (the hole the agent fell into), for the record and the viewer."""
     env_metrics: dict[str, float] = field(default_factory=dict)
     """The env's own figures of the episode as its last step left them (``info["metrics"]``, see
-    :func:`turnrl.envs.base.env_metrics`): e.g. Sokoban's share of boxes on targets; empty where none."""
+    :func:`turnrl.envs.contract.env_metrics`): e.g. Sokoban's share of boxes on targets; empty where none."""
 
     @property
     def total_reward(self) -> float:

@@ -80,11 +80,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from turnrl.chat.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 from turnrl.config import ConfigError, EvalConfig, ModelConfig, SamplingConfig
-from turnrl.models.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 from turnrl.models.vision import ImageTooLarge, load_image
-from turnrl.policy.base import Completion, GenerationRequest, Policy
 from turnrl.policy.factory import load_model_policy
+from turnrl.policy.interface import Completion, GenerationRequest, Policy
 
 logger = logging.getLogger("turnrl.server")
 

@@ -42,14 +42,14 @@ from turnrl.rollout.ray_workers import RolloutWorkerError
 from turnrl.rollout.trajectory import write_trajectories
 from turnrl.training import compose, ranks
 from turnrl.training.checkpoint import checkpoint_step, latest_checkpoint
-from turnrl.training.collapse import EarlyStops, logged_steps
-from turnrl.training.config import TrainConfig
+from turnrl.training.collapse_watch import EarlyStops, logged_steps
 from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.memory import GIB, cap_gpu_memory, check_memory, rl_out_of_memory, set_allocator_settings
 from turnrl.training.memory_trace import recorded
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import RunLock, resumed_checkpoint, run_directory, run_lock, start_run
 from turnrl.training.sft import sft_stage
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import StepOutput, Trainer, console
 from turnrl.viz.records import write_token_advantages
 from turnrl.viz.report import write_report

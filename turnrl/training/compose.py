@@ -19,10 +19,10 @@ from turnrl.training.backends.backend import MakeRollouts, RolloutParts, Rollout
 from turnrl.training.backends.local import LocalRollout
 from turnrl.training.backends.ray_rollout import RayBackend, ray_workers
 from turnrl.training.backends.sharded import ShardedRollout
-from turnrl.training.config import TrainConfig
 from turnrl.training.parallel.fsdp2 import FSDP2
 from turnrl.training.parallel.single import SingleProcess
 from turnrl.training.parallel.strategy import ParallelStrategy
+from turnrl.training.train_config import TrainConfig
 
 
 @dataclass

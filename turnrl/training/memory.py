@@ -58,8 +58,8 @@ from turnrl.config import ConfigError, turnrl_command
 from turnrl.engine.cache import KVCache, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.loading import VISION_TOWERS, load_model
-from turnrl.training.config import AlgorithmConfig, SFTConfig, TrainConfig
 from turnrl.training.head import DEFAULT_CHUNK
+from turnrl.training.train_config import AlgorithmConfig, SFTConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 

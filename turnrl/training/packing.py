@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from turnrl.engine.images import mrope_positions, placeholder_spans
+from turnrl.models.mrope import mrope_positions, placeholder_spans
 
 
 @dataclass

@@ -4,7 +4,7 @@ Notation: b samples, s sequence length.
 
 Everything here wires the pure functions of :mod:`turnrl.algorithms` to a
 :class:`~turnrl.training.batch.Batch`; no formula is written twice. Advantages
-come from :mod:`turnrl.training.advantages`.
+come from :mod:`turnrl.training.batch_advantages`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from turnrl.algorithms import (
 from turnrl.algorithms.losses import PolicyLossInputs
 from turnrl.models.devices import to_device
 from turnrl.training.batch import Batch
-from turnrl.training.config import AlgorithmConfig, OptimConfig
-from turnrl.training.forward import ValueModel, token_logprobs
+from turnrl.training.model_passes import ValueModel, token_logprobs
+from turnrl.training.train_config import AlgorithmConfig, OptimConfig
 
 
 # --------------------------------------------------------------------------- micro-batches

@@ -1,7 +1,7 @@
 """How training's forward and backward passes compute: mixed precision over float32 weights, and the
 attention kernels they run on a GPU.
 
-Shared by the stages of a run (SFT, RL) and by any recipe that wires the same components differently.
+Shared by the stages of a run (SFT, RL) and by any trainer that wires the same components differently.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from turnrl.models.builtin import check_builtin_preset
 from turnrl.models.loading import ModelSource, locate_model, model_line
 from turnrl.training import ranks
 from turnrl.training.checkpoint import checkpoint_step, resume_point
-from turnrl.training.config import TrainConfig
 from turnrl.training.run_dir import RL_OUTPUTS, resumed_checkpoint, run_directory
 from turnrl.training.sft import read_chat_jsonl
+from turnrl.training.train_config import TrainConfig
 
 
 def _check_envs(config: TrainConfig, needs_solver: bool) -> None:

@@ -1,4 +1,4 @@
-"""Which process this is in a data-parallel run, and the few collectives the recipe needs.
+"""Which process this is in a data-parallel run, and the few collectives the trainer needs.
 
 ``torchrun`` starts one process per GPU and tells each its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``;
 outside ``torchrun`` this is rank 0 of a world of 1 and every function here is a no-op. Collectives are

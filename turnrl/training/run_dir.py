@@ -32,8 +32,8 @@ from turnrl.training.checkpoint import (
     latest_checkpoint,
     resume_point,
 )
-from turnrl.training.config import TrainConfig
 from turnrl.training.seeding import seed_everything
+from turnrl.training.train_config import TrainConfig
 from turnrl.viz.report import PLOTS_DIR, REPORT_NAME
 
 RL_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "summary.json", "trajectories", "reference",

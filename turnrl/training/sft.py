@@ -44,14 +44,14 @@ from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import ERROR, Trajectory, write_trajectories
-from turnrl.training.attention import implementation
 from turnrl.training.batch import Sample, collate
-from turnrl.training.config import SFTConfig, TrainConfig
-from turnrl.training.forward import token_logprobs
 from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
 from turnrl.training.memory import check_sft_memory, sft_out_of_memory
+from turnrl.training.model_passes import token_logprobs
+from turnrl.training.packed_attention import implementation
 from turnrl.training.precision import autocast, skip_cudnn_attention
+from turnrl.training.train_config import SFTConfig, TrainConfig
 
 console = RunConsole()
 Message = dict[str, Any]

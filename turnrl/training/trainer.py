@@ -11,7 +11,7 @@ One step reads top to bottom in :meth:`Trainer.roll_out` and :meth:`Trainer.upda
 
 Each phase is a function that takes values (:func:`collect`,
 :func:`select_trajectories`, :func:`make_batch`, :func:`score_batch`, then
-:func:`~turnrl.training.advantages.compute_advantages` and
+:func:`~turnrl.training.batch_advantages.compute_advantages` and
 :func:`~turnrl.training.ppo.ppo_epochs`). What varies between runs is two parts the
 trainer is given (:mod:`turnrl.training.compose` picks them): a
 :class:`~turnrl.training.backends.backend.RolloutBackend` (episodes here, on each
@@ -67,8 +67,6 @@ from turnrl.rollout.metrics import rollout_metrics
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
-from turnrl.training.advantages import compute_advantages
-from turnrl.training.attention import implementation
 from turnrl.training.backends.backend import (
     EpisodeRunner,
     MakeRollouts,
@@ -77,6 +75,7 @@ from turnrl.training.backends.backend import (
     WeightsVersion,
 )
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
+from turnrl.training.batch_advantages import compute_advantages
 from turnrl.training.checkpoint import (
     atomic_write_text,
     checkpoint_bytes,
@@ -86,12 +85,12 @@ from turnrl.training.checkpoint import (
     set_rng_state,
     steps_done,
 )
-from turnrl.training.collapse import CollapseDiagnostics
-from turnrl.training.config import AlgorithmConfig, FilterConfig, TrainConfig
-from turnrl.training.forward import ValueModel
+from turnrl.training.collapse_watch import CollapseDiagnostics
 from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import RunConsole, RunProgress
 from turnrl.training.memory import OptimizerSteps, halved_micro_batches, torch_said
+from turnrl.training.model_passes import ValueModel
+from turnrl.training.packed_attention import implementation
 from turnrl.training.parallel.strategy import CheckpointFiles, Models, Optimizers, ParallelStrategy
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
@@ -106,6 +105,7 @@ from turnrl.training.throughput import (
     training_flops_per_token,
     vision_training_flops,
 )
+from turnrl.training.train_config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.viz.records import token_advantage_records
 
 console = RunConsole(quiet=not ranks.is_main())  # one process of a distributed run speaks

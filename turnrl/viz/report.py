@@ -196,7 +196,7 @@ def headline(summary: Any) -> list[tuple[str, str]]:
         return []
     rows = [(label, flatten_summary(summary[key])[0][1]) for key, label in HEADLINE_KEYS
             if key in summary and isinstance(summary[key], (int, float, str))]
-    early = summary.get("early_stop")  # why an early-stopped run ended (turnrl.training.collapse)
+    early = summary.get("early_stop")  # why an early-stopped run ended (turnrl.training.collapse_watch)
     if isinstance(early, dict) and {"step", "reason"} <= set(early):
         rows.append(("stopped early", f"after step {early['step']}: {early['reason']}"))
     limit = summary.get("time_limit")  # a run ended by run.time_limit_minutes

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
 from turnrl.envs import check_env
-from turnrl.envs.base import IMAGE_CAPTION
+from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.game2048 import (
     ACTIONS,
     Game2048Env,

@@ -9,7 +9,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
-from turnrl.envs.base import IMAGE_CAPTION
+from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.maze import Maze2DEnv, parse_action, visgym_action
 
 LEVEL = """

@@ -14,7 +14,7 @@ from turnrl.config import ConfigError, load_config
 from turnrl.engine.llm_engine import weights_version
 from turnrl.training.backends.asynchronous import AsyncRollout, RolloutThreadError
 from turnrl.training.backends.local import LocalRollout
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import StepOutput, Trainer
 
 COMMON = [*TRAINER_COMMON, "run.steps=3"]  # the trainer tests' short FrozenLake run, one step longer

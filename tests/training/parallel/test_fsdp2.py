@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from turnrl.config import ConfigError, load_config
 from turnrl.models.loading import load_model
 from turnrl.training.commands import train
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.parallel.fsdp2 import allocate, copy_full_weights, process_rows, structure_of
 from turnrl.training.ppo import MicroBatching, Shard, shard_micro_batches, shard_rows
 

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv
-from turnrl.envs.render import font
+from turnrl.envs.contract import StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.draw import font
 
 
 @dataclass(frozen=True)

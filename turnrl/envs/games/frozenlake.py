@@ -31,8 +31,15 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs import search
-from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
-from turnrl.envs.render import Tile, draw_grid
+from turnrl.envs.contract import (
+    IMAGE_CAPTION,
+    StateFacts,
+    StateRewardProfile,
+    StepOutcome,
+    TurnEnv,
+    facts_from_positions,
+)
+from turnrl.envs.draw import Tile, draw_grid
 
 ACTIONS = ("Left", "Down", "Right", "Up")
 _ACTION_INDEX = {name: i for i, name in enumerate(ACTIONS)}

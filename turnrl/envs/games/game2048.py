@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv
-from turnrl.envs.render import font
+from turnrl.envs.contract import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.draw import font
 
 ACTIONS = ("Up", "Right", "Down", "Left")
 REWARDS = ("log", "score")

@@ -36,8 +36,15 @@ import numpy as np
 
 from turnrl.envs import search
 from turnrl.envs.actions import parse_tuple
-from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
-from turnrl.envs.render import Tile, draw_grid
+from turnrl.envs.contract import (
+    IMAGE_CAPTION,
+    StateFacts,
+    StateRewardProfile,
+    StepOutcome,
+    TurnEnv,
+    facts_from_positions,
+)
+from turnrl.envs.draw import Tile, draw_grid
 
 ACTIONS = ("up", "down", "left", "right", "stop")
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.contract import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv
 
 Vector = tuple[int, int, int]
 State = tuple[int, ...]

@@ -44,8 +44,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from PIL import Image, ImageDraw
 
-from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv
-from turnrl.envs.render import font
+from turnrl.envs.contract import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.draw import font
 
 SIZES = (4, 9)
 EMPTY_FRACTION = {"easy": 0.4, "medium": 0.5, "hard": 0.6}

@@ -26,7 +26,7 @@ import torch
 from turnrl.config import SamplingConfig
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 Played = TypeVar("Played")
 

@@ -16,7 +16,7 @@ from turnrl.rollout.ray_workers import EnvSpec, RayRollout, WorkerSpec, model_fi
 from turnrl.rollout.runner import EpisodeSlot, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.backends.backend import Played, PlayStep, RewardMetrics, StepRollout, WeightsVersion
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 
 def ray_workers(config: TrainConfig, model_dir: Path, tokenizer: Any, batch_size: int) -> RayRollout:

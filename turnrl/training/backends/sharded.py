@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from turnrl.chat.template_deltas import ChatTemplateDeltas
 from turnrl.config import SamplingConfig
-from turnrl.models.template_deltas import ChatTemplateDeltas
 from turnrl.rewards import Rewards
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory, sum_by_name

@@ -45,8 +45,8 @@ from torch.distributed.tensor import DTensor
 from turnrl.config import ConfigError
 from turnrl.training import ranks
 from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint, unique_tmp_name
-from turnrl.training.forward import ValueModel, body_and_head
 from turnrl.training.head import ScoringHead
+from turnrl.training.model_passes import ValueModel, body_and_head
 from turnrl.training.parallel.strategy import CheckpointFiles, Models, Optimizers
 from turnrl.training.ppo import Shard
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from turnrl.training.forward import ValueModel
+from turnrl.training.model_passes import ValueModel
 from turnrl.training.ppo import Shard
 
 

@@ -9,7 +9,7 @@ from gymnasium.utils.env_checker import check_env
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
 from turnrl.envs.games.countdown.arith import evaluate
-from turnrl.envs.games.countdown.env import CountdownEnv, combine, leaf, search_solution
+from turnrl.envs.games.countdown.countdown_env import CountdownEnv, combine, leaf, search_solution
 
 
 @pytest.mark.parametrize("mode", ["text", "image"])

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnrl.envs import check_env
-from turnrl.envs.games.navigation.env import ACTIONS, NavigationEnv, NavigationFacts, bearing, move_delta, sector
+from turnrl.envs.games.navigation.navigation_env import ACTIONS, NavigationEnv, NavigationFacts, bearing, move_delta, sector
 from turnrl.envs.games.navigation.gl import GL_ENV_VAR, choose_backend, miniworld_modules
 from turnrl.envs.games.navigation.layouts import (
     CATALOG,

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from turnrl.agent.expert import expert_fields
 from turnrl.agent.formats import get_format
 from turnrl.envs import check_env
-from turnrl.envs.base import MAX_TEXT_LENGTH, OBS_CHARSET
-from turnrl.envs.games.primitive_skill.env import TASKS, PrimitiveSkillEnv, Skill, parse_skill, skill_text
+from turnrl.envs.contract import MAX_TEXT_LENGTH, OBS_CHARSET
+from turnrl.envs.games.primitive_skill.primitive_skill_env import TASKS, PrimitiveSkillEnv, Skill, parse_skill, skill_text
 from turnrl.envs.games.primitive_skill.sim import CUBE_HALF
 
 if "turnrl/PrimitiveSkill-v0" not in gym.registry:  # registered by turnrl.envs once the registry lists it
@@ -284,7 +284,7 @@ def test_expert_succeeds_on_95_percent_of_100_validation_seeds(task):
 
 
 def test_missing_opengl_is_a_clear_error(monkeypatch):
-    import turnrl.envs.games.primitive_skill.env as module
+    import turnrl.envs.games.primitive_skill.primitive_skill_env as module
 
     def no_context(*args, **kwargs):
         raise module.mujoco.FatalError("an OpenGL platform library has not been loaded into this process")

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers turnrl/Sokoban-v0)
-from turnrl.envs.games.sokoban.env import TILES, SokobanEnv
+from turnrl.envs.games.sokoban.sokoban_env import TILES, SokobanEnv
 from turnrl.envs.games.sokoban.levels import (
     ALT_SYMBOLS,
     DIRECTIONS,
@@ -25,7 +25,7 @@ from turnrl.envs.games.sokoban.levels import (
     parse_level,
     solve,
 )
-from turnrl.envs.render import draw_grid
+from turnrl.envs.draw import draw_grid
 
 ACTIONS = list(DIRECTIONS)
 

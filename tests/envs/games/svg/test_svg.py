@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from turnrl.envs import check_env
-from turnrl.envs.base import MAX_TEXT_LENGTH, OBS_CHARSET
-from turnrl.envs.games.svg.env import SVGEnv, generate_icon
+from turnrl.envs.contract import MAX_TEXT_LENGTH, OBS_CHARSET
+from turnrl.envs.games.svg.svg_env import SVGEnv, generate_icon
 from turnrl.envs.games.svg.render import (
     MAX_DEPTH,
     MAX_ELEMENTS,

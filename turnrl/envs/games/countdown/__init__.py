@@ -1,5 +1,5 @@
 """Countdown: the env (:mod:`.env`) and its safe arithmetic evaluator (:mod:`.arith`)."""
 
-from turnrl.envs.games.countdown.env import CountdownEnv
+from turnrl.envs.games.countdown.countdown_env import CountdownEnv
 
 __all__ = ["CountdownEnv"]

@@ -1,6 +1,6 @@
 """Navigation on MiniWorld: the env (:mod:`.env`), its floor plans (:mod:`.layouts`) and the OpenGL side
 (:mod:`.gl`)."""
 
-from turnrl.envs.games.navigation.env import NavigationEnv
+from turnrl.envs.games.navigation.navigation_env import NavigationEnv
 
 __all__ = ["NavigationEnv"]

@@ -1,5 +1,5 @@
 """Sokoban: the env (:mod:`.env`) and its level generator and solver (:mod:`.levels`)."""
 
-from turnrl.envs.games.sokoban.env import SokobanEnv
+from turnrl.envs.games.sokoban.sokoban_env import SokobanEnv
 
 __all__ = ["SokobanEnv"]

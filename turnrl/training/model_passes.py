@@ -31,9 +31,9 @@ from transformers import AutoModel, PreTrainedModel
 
 from turnrl.models.loading import model_structure
 from turnrl.models.vision import position_inputs
-from turnrl.training.attention import BOUNDS, packed_forward, packs
 from turnrl.training.head import DEFAULT_CHUNK, ScoringHead, chosen_logprobs
 from turnrl.training.image_features import IMAGE_KEYS, ImageFeatures
+from turnrl.training.packed_attention import BOUNDS, packed_forward, packs
 from turnrl.training.packing import pack
 
 

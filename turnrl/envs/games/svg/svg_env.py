@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.contract import StateFacts, StepOutcome, TurnEnv
 from turnrl.envs.games.svg.render import (
     Reference,
     Similarity,

@@ -39,8 +39,8 @@ from turnrl.algorithms.collapse import (
 )
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.batch import Batch, Sample, collate
-from turnrl.training.config import CollapseConfig
 from turnrl.training.seeding import step_seed
+from turnrl.training.train_config import CollapseConfig
 from turnrl.viz.records import read_metrics
 
 Scorer = Callable[[Batch], torch.Tensor]

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from turnrl.config import SamplingConfig
-    from turnrl.envs.base import AgentEnv
+    from turnrl.envs.contract import AgentEnv
     from turnrl.models.vision import ImageEncoder
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from tests.envs import toy_envs
 from turnrl.envs import AgentEnv, AgentEnvWrapper, check_env, make
-from turnrl.envs.base import TurnEnv
-from turnrl.envs.registry import BUILTIN_ENVS, env_class, env_names, env_parameters, gym_id, register_all, resolve_name
+from turnrl.envs.contract import TurnEnv
+from turnrl.envs.catalog import BUILTIN_ENVS, env_class, env_names, env_parameters, gym_id, register_all, resolve_name
 
 
 def test_every_builtin_env_is_listed_with_a_gymnasium_id():
@@ -206,7 +206,7 @@ def test_gymnasium_envs_without_the_contract_are_refused_clearly(env_id):
 # --------------------------------------------------------------------------- from a user's package
 def test_an_env_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch):
     from turnrl.config import load_config
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     (tmp_path / "user_env_ext.py").write_text(
         "from tests.envs.toy_envs import CorridorTurnEnv\n\n"

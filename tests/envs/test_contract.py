@@ -12,7 +12,7 @@ import pytest
 
 from tests.envs.toy_envs import Corridor, CorridorWithExtras
 from turnrl.envs import make
-from turnrl.envs.base import (
+from turnrl.envs.contract import (
     OPTIONAL_METHODS,
     QUERIES,
     REQUIRED_METHODS,

@@ -20,9 +20,9 @@ from tests.training.test_trainer import config, records, step_records
 from turnrl.agent.formats import get_format
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.trajectory import Trajectory
-from turnrl.training import collapse as collapse_module
-from turnrl.training.attention import ATTENTION
-from turnrl.training.collapse import (
+from turnrl.training import collapse_watch as collapse_module
+from turnrl.training.packed_attention import ATTENTION
+from turnrl.training.collapse_watch import (
     FIRST_TURN,
     MULTI_TURN,
     CollapseDiagnostics,
@@ -35,7 +35,7 @@ from turnrl.training.collapse import (
     reasoning_tokens,
 )
 from turnrl.training.commands import train
-from turnrl.training.config import CollapseConfig, TrainConfig
+from turnrl.training.train_config import CollapseConfig, TrainConfig
 from turnrl.training.ppo import MicroBatching, batched_logprobs
 from turnrl.training.seeding import step_seed
 from turnrl.training.trainer import StepOutput, Trainer
@@ -394,7 +394,7 @@ def varied_reward(turns: list, until_seed: int) -> list[float]:
 def test_reward_spread_collapse_ends_the_run_and_says_why(tiny_model_dir, tmp_path, capsys):
     # RAGEN's rule as configured by default: the first 10 steps (2 groups a step: seeds 10000-10019) have a
     # spread, the next 10 none; the 10th step below 0.1x the baseline, step 20, stops the run.
-    spread = ["rewards.extra=[{name: varied, fn: 'tests.training.test_collapse:varied_reward', "
+    spread = ["rewards.extra=[{name: varied, fn: 'tests.training.test_collapse_watch:varied_reward', "
               "settings: {until_seed: 10020}}]", "seeds.train_start=10000", "collapse.stop_on_reward_spread=true",
               "run.steps=30", "run.trajectories_every=0", "validation.episodes=1", "sampling.max_new_tokens=4"]
     summary = train(config(tiny_model_dir, tmp_path, *spread))
@@ -430,9 +430,9 @@ import json, sys
 import torch
 from turnrl.config import load_config
 from turnrl.training import ranks
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import StepOutput, Trainer
-from tests.training.test_collapse import rollout
+from tests.training.test_collapse_watch import rollout
 
 torch.set_num_threads(1)
 config = load_config(TrainConfig, None, sys.argv[2:])

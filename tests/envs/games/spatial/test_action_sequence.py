@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrl.envs.games.spatial.actions import MAX_CHARS, Action, parse_sequence, sequence_text
+from turnrl.envs.games.spatial.action_sequence import MAX_CHARS, Action, parse_sequence, sequence_text
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ slow ones), where each sequence needs only its own causal triangle. ``flex_atten
 blocks but compiles for minutes at the first shapes; ``flash_attention_2`` needs a package built for the
 machine. So this registers ``turnrl_sdpa`` with transformers: without sequence bounds it is ``sdpa`` exactly
 (the same function, the same mask), and with them (``sequence_bounds``, passed by
-:func:`~turnrl.training.forward.states_before` for packed rows) it runs SDPA's causal kernel (flash on a
+:func:`~turnrl.training.model_passes.states_before` for packed rows) it runs SDPA's causal kernel (flash on a
 GPU) on each sequence's queries, keys and values in turn, and no mask is built (:func:`packed_forward`).
 """
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from turnrl.models import TEMPLATES, build_tokenizer
-from turnrl.models.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
+from turnrl.chat.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
+from turnrl.chat.templates import TEMPLATES
+from turnrl.models import build_tokenizer
 
 CORPUS = [
     f"Turn {i}. {c}"

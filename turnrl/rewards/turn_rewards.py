@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from turnrl.agent.formats import ParsedResponse
 from turnrl.config import ConfigError, RewardsConfig, RewardSpec
-from turnrl.envs.base import StateFacts
+from turnrl.envs.contract import StateFacts
 from turnrl.registry import Registry, RegistryError, is_module_attr
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import pytest
 
 from turnrl.algorithms import NoParams
 from turnrl.config import ConfigError, load_config, to_yaml
-from turnrl.training.config import TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 ADVANTAGES = ("gae", "bilevel_gae", "turn_gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "gigpo")
 CRITIC_ADVANTAGES = ("gae", "bilevel_gae", "turn_gae")

@@ -1,7 +1,7 @@
 """The policy contract: what every backend declares for its callers, and the defaults it inherits."""
 
 from turnrl.agent.formats import get_format
-from turnrl.policy.base import Policy
+from turnrl.policy.interface import Policy
 from turnrl.policy.openai_http import OpenAIPolicy
 from turnrl.policy.scripted import ExpertPolicy, RandomPolicy
 

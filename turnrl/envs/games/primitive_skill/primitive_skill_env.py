@@ -62,7 +62,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from turnrl.envs.base import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.contract import IMAGE_CAPTION, StateFacts, StepOutcome, TurnEnv
 from turnrl.envs.games.primitive_skill.sim import (
     APPLE_RADIUS,
     CUBE_HALF,

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from turnrl.envs.base import StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.contract import StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.draw import font
 from turnrl.envs.games.countdown.arith import evaluate, uses_exactly
-from turnrl.envs.render import font
 
 MAX_GENERATION_TRIES = 10_000
 MAX_SEARCH_NUMBERS = 5

@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from turnrl.envs.base import StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
-from turnrl.envs.games.spatial.actions import Action, parse_sequence, sequence_text
+from turnrl.envs.contract import StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
+from turnrl.envs.draw import font
+from turnrl.envs.games.spatial.action_sequence import Action, parse_sequence, sequence_text
 from turnrl.envs.games.spatial.geometry import HEADING_NAMES, HEADINGS, Cell, in_view, offset
 from turnrl.envs.games.spatial.knowledge import Knowledge
 from turnrl.envs.games.spatial.questions import TASKS, TURNS, Question, ask, letter
 from turnrl.envs.games.spatial.room import OBJECT_NAMES, Room, View, check_room, generate_room, observe
-from turnrl.envs.render import font
 
 MAX_ROOM_TRIES = 100
 VALID_DEGREES = (0, 90, 180, 270, -90, -180, -270)

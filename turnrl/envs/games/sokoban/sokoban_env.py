@@ -21,7 +21,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from turnrl.envs.base import MAX_TEXT_LENGTH, StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
+from turnrl.envs.contract import (
+    MAX_TEXT_LENGTH,
+    StateFacts,
+    StateRewardProfile,
+    StepOutcome,
+    TurnEnv,
+    facts_from_positions,
+)
+from turnrl.envs.draw import Tile, draw_grid
 from turnrl.envs.games.sokoban.levels import (
     ALT_SYMBOLS,
     BOX,
@@ -41,7 +49,6 @@ from turnrl.envs.games.sokoban.levels import (
     parse_level,
     solve,
 )
-from turnrl.envs.render import Tile, draw_grid
 
 STEP_REWARD = -0.1
 BOX_ON_TARGET_REWARD = 1.0

@@ -14,14 +14,14 @@ from typing import Any, cast
 
 import gymnasium as gym
 
-from turnrl.envs.base import AgentEnv, AgentEnvWrapper, TurnEnv, missing_methods
+from turnrl.envs.contract import AgentEnv, AgentEnvWrapper, TurnEnv, missing_methods
 from turnrl.envs.gym_adapter import GYM_PREFIX, make_image_env
 from turnrl.envs.settings import check_settings, did_you_mean, keyword_parameters, literal_choices, registered_settings
 from turnrl.registry import Registry, RegistryError
 
 EnvFactory = Callable[..., AgentEnv]
 """What an env name stands for: a class (or function) that takes the env's settings as keywords and returns an
-:class:`~turnrl.envs.base.AgentEnv`. A *registered* name is a :class:`~turnrl.envs.base.TurnEnv` subclass, whose
+:class:`~turnrl.envs.contract.AgentEnv`. A *registered* name is a :class:`~turnrl.envs.contract.TurnEnv` subclass, whose
 modes, description and settings ``turnrl envs`` lists; ``module:attr`` may name any factory."""
 
 ENVS: Registry[EnvFactory] = Registry("env")
@@ -129,7 +129,7 @@ def make(env_id: str, **settings: Any) -> AgentEnv:
 
     1. a built-in name: ``Sokoban`` (any case) or ``turnrl/Sokoban-v0``;
     2. ``module:Class``: the module is imported and the class (anything with
-       the :class:`~turnrl.envs.base.AgentEnv` methods) built with the settings;
+       the :class:`~turnrl.envs.contract.AgentEnv` methods) built with the settings;
        ``module:gym-id`` also works, for a module that registers Gymnasium ids
        on import;
     3. an id in ``gymnasium.registry``: made with ``gymnasium.make(env_id,

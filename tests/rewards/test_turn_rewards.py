@@ -10,7 +10,7 @@ import pytest
 from tests.rollout.test_runner import CounterEnv, TextPolicy, answer
 from turnrl.agent.formats import ParsedResponse, get_format
 from turnrl.config import AgentConfig, ConfigError, RewardsConfig, RewardSpec, SamplingConfig
-from turnrl.envs.base import StateFacts
+from turnrl.envs.contract import StateFacts
 from turnrl.rewards import FinishedTurn, Rewards, load_reward_fn
 from turnrl.rewards.shaping import OverlongPenalty
 from turnrl.rollout.metrics import rollout_metrics
@@ -56,7 +56,7 @@ class Counted:
 # --------------------------------------------------------------------------- scoring
 def test_turn_reward_is_the_weighted_sum_of_named_rewards():
     config = RewardsConfig(env_weight=0.8, format_weight=0.2, extra=[
-        RewardSpec(name="length", fn="tests.rewards.test_base:response_length", weight=0.5, settings={"scale": 2.0})])
+        RewardSpec(name="length", fn="tests.rewards.test_turn_rewards:response_length", weight=0.5, settings={"scale": 2.0})])
     (scores,) = Rewards(config).score([finished("abcd", env_reward=1.0, format_reward=0.5)])
     assert scores.rewards == {"env": 1.0, "format": 0.5, "length": 8.0}
     assert scores.reward == pytest.approx(0.8 * 1.0 + 0.2 * 0.5 + 0.5 * 8.0)
@@ -92,16 +92,16 @@ def test_a_failing_reward_function_scores_on_error_and_marks_every_turn(fn, why)
 def test_reward_names_must_be_unique():
     with pytest.raises(ConfigError, match="used twice"):
         Rewards(extra={"env": response_length})
-    spec = RewardSpec(name="x", fn="tests.rewards.test_base:response_length")
+    spec = RewardSpec(name="x", fn="tests.rewards.test_turn_rewards:response_length")
     with pytest.raises(ConfigError, match="used twice"):
         Rewards(RewardsConfig(extra=[spec, spec]))
 
 
 # --------------------------------------------------------------------------- loading
 def test_load_reward_fn_takes_functions_classes_and_builtin_names():
-    fn = load_reward_fn(RewardSpec(name="n", fn="tests.rewards.test_base:response_length", settings={"scale": 3.0}))
+    fn = load_reward_fn(RewardSpec(name="n", fn="tests.rewards.test_turn_rewards:response_length", settings={"scale": 3.0}))
     assert fn([finished("ab")]) == [6.0]
-    counted = load_reward_fn(RewardSpec(name="c", fn="tests.rewards.test_base:Counted", settings={"bonus": 2.0}))
+    counted = load_reward_fn(RewardSpec(name="c", fn="tests.rewards.test_turn_rewards:Counted", settings={"bonus": 2.0}))
     assert isinstance(counted, Counted) and counted.bonus == 2.0
     overlong = load_reward_fn(RewardSpec(name="o", fn="overlong", settings={"max_tokens": 10, "buffer": 4}))
     assert isinstance(overlong, OverlongPenalty)
@@ -112,10 +112,10 @@ def test_load_reward_fn_takes_functions_classes_and_builtin_names():
     [
         ("no_colon", {}, "neither a built-in reward"),
         ("tests.rewards.nowhere:fn", {}, "cannot load"),
-        ("tests.rewards.test_base:missing", {}, "cannot load"),
-        ("tests.rewards.test_base:response_length", {"sclae": 1.0}, "bad settings"),
-        ("tests.rewards.test_base:Counted", {"bonus": 1, "other": 2}, "bad settings"),
-        ("tests.rewards.test_base:CALLS", {}, "not callable"),
+        ("tests.rewards.test_turn_rewards:missing", {}, "cannot load"),
+        ("tests.rewards.test_turn_rewards:response_length", {"sclae": 1.0}, "bad settings"),
+        ("tests.rewards.test_turn_rewards:Counted", {"bonus": 1, "other": 2}, "bad settings"),
+        ("tests.rewards.test_turn_rewards:CALLS", {}, "not callable"),
     ],
 )
 def test_load_reward_fn_errors_say_what_is_wrong(fn, settings, match):
@@ -139,7 +139,7 @@ def play(rewards: Rewards, respond, n: int = 3, max_turns: int = 3):
 def test_rollout_records_named_rewards_and_uses_the_weighted_sum():
     CALLS.clear()
     config = RewardsConfig(env_weight=2.0, extra=[
-        RewardSpec(name="length", fn="tests.rewards.test_base:response_length", weight=0.01)])
+        RewardSpec(name="length", fn="tests.rewards.test_turn_rewards:response_length", weight=0.01)])
     trajectories = play(Rewards(config), answer("inc"))
     assert CALLS == [3, 3, 3]  # one call per round, every episode's turn at once
     for trajectory in trajectories:
@@ -237,7 +237,7 @@ def test_a_reward_function_that_hangs_times_out():
 )
 def test_rewards_config_refuses_non_finite_scores_and_weights(override, match):
     from turnrl.config import load_config
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     with pytest.raises(ConfigError, match=match):
         load_config(TrainConfig, None, [override])
@@ -251,7 +251,7 @@ def test_a_reward_class_that_refuses_its_settings_is_a_config_error():
 # --------------------------------------------------------------------------- from a user's package
 def test_a_reward_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch):
     from turnrl.config import load_config
-    from turnrl.training.config import TrainConfig
+    from turnrl.training.train_config import TrainConfig
 
     (tmp_path / "user_reward_ext.py").write_text(
         "def brevity(turns, max_chars=200):\n"

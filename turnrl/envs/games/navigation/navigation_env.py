@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from turnrl.envs.base import ObjectFact, StateFacts, StepOutcome, TurnEnv
+from turnrl.envs.contract import ObjectFact, StateFacts, StepOutcome, TurnEnv
 from turnrl.envs.games.navigation.gl import build_world
 from turnrl.envs.games.navigation.layouts import LAYOUT_KINDS, Layout, draw_layout
 

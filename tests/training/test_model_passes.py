@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from turnrl.training.forward import ValueModel, token_logprobs
+from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.training.head import install_scoring_head
 
 

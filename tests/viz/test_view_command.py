@@ -11,7 +11,7 @@ import threading
 import httpx
 import pytest
 
-from turnrl.viz.cli import add_arguments, main, make_server
+from turnrl.viz.view_command import add_arguments, main, make_server
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -64,7 +64,7 @@ def test_the_server_serves_the_folder(eval_dir):
 
 SERVE = """
 import argparse, sys
-from turnrl.viz.cli import add_arguments, main
+from turnrl.viz.view_command import add_arguments, main
 parser = argparse.ArgumentParser()
 add_arguments(parser)
 sys.exit(main(parser.parse_args(sys.argv[1:])))
