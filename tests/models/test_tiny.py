@@ -322,7 +322,7 @@ def test_build_forward_generate(built):
     out = model.generate(**batch, max_new_tokens=6, do_sample=True, pad_token_id=tok.pad_token_id)
     assert out.shape[0] == 2 and out.shape[1] <= batch["input_ids"].shape[1] + 6
     info = json.loads((built / BUILD_FILE).read_text())
-    assert info["recipe"]["texts_digest"] == texts_digest(CORPUS)
+    assert info["build"]["texts_digest"] == texts_digest(CORPUS)
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
 
 

@@ -232,7 +232,7 @@ def test_build_is_cached_and_seeded(built, tmp_path):
 
     # Another recipe in the same directory replaces the build.
     build_vlm(tmp_path / "same", CORPUS, preset="vlm-small", seed=0)
-    assert json.loads((tmp_path / "same" / BUILD_FILE).read_text())["recipe"]["preset"] == "vlm-small"
+    assert json.loads((tmp_path / "same" / BUILD_FILE).read_text())["build"]["preset"] == "vlm-small"
     assert json.loads((tmp_path / "same" / "config.json").read_text())["text_config"]["hidden_size"] == 256
 
 
