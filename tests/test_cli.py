@@ -576,6 +576,17 @@ def test_eval_of_a_checkpoint_takes_its_run_s_config_and_says_so(run_with_checkp
 
 
 # --------------------------------------------------------------------------- eval on env variants
+@pytest.mark.parametrize("with_env", [False, True])
+def test_eval_of_a_config_that_is_not_text_says_so_in_one_line(with_env, tmp_path, monkeypatch, capsys):
+    """A run's config.yaml of random bytes: one line naming the file, with or without --env."""
+    damaged = tmp_path / "config.yaml"
+    damaged.write_bytes(bytes(range(256)) * 4)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["eval", "--policy", "random", "--config", str(damaged)] + (["--env", "FrozenLake"] if with_env else []))
+    assert str(stop.value).startswith("error: config file") and "not UTF-8 text" in str(stop.value)
+
+
 def test_eval_variants_from_a_yaml_file_print_one_table(tmp_path, monkeypatch, capsys):
     listing = tmp_path / "variants.yaml"
     listing.write_text("- {name: small, env: Sokoban, settings: {size: 5}}\n- {name: lake, env: FrozenLake}\n")

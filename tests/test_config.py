@@ -211,6 +211,13 @@ def test_malformed_yaml_file_is_a_config_error_naming_the_file(tmp_path):
     assert "broken.yaml" in error_of(path)
 
 
+def test_a_config_file_that_is_not_text_is_a_config_error_naming_the_file(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(bytes(range(256)) * 4)
+    message = error_of(path)
+    assert "config.yaml" in message and "not UTF-8 text" in message
+
+
 def test_yaml_file_that_is_not_a_mapping_is_a_config_error(tmp_path):
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")

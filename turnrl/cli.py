@@ -236,6 +236,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         overrides.append(f"sampling.temperature={temperature}")
     given = given_keys(config_path, overrides, skip_sections=training_only)
     if "env.id" not in given and "variants" not in given:
+        if config_path is not None and not yaml_mapping(config_path):
+            try:  # a file that cannot be read names no env: say what is wrong with the file instead
+                load_config(EvalConfig, config_path, skip_sections=training_only)
+            except ConfigError as error:
+                raise SystemExit(f"error: {error}") from error
         raise SystemExit("error: no env to evaluate on: pass --env ENV, --variants ragen (or a YAML list of "
                          "variants), or --config with a recipe or a run's config.yaml")
     if args.out:
@@ -292,7 +297,7 @@ def yaml_mapping(path: str | None) -> dict[str, Any]:
         return {}
     try:
         data = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError:
+    except (yaml.YAMLError, UnicodeDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
 

@@ -589,7 +589,7 @@ def given_keys(path: str | Path | None = None, overrides: list[str] | None = Non
     if path is not None and Path(path).is_file():
         try:
             data = yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError:
+        except (yaml.YAMLError, UnicodeDecodeError):
             data = None
         if isinstance(data, dict):
             walk({k: v for k, v in data.items() if k not in skip_sections}, "")
@@ -625,6 +625,9 @@ def load_config(
             layer = OmegaConf.load(path)
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from error
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}): is it the YAML "
+                              "file meant?") from error
         if not isinstance(layer, DictConfig):
             raise ConfigError(
                 f"config file {str(path)!r} must hold a mapping of keys (key: value), not a list or a scalar"
