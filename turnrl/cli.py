@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 import textwrap
 import time
@@ -372,7 +373,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         from turnrl.training import ranks
 
         ranks.end_process(0)  # a stop asked for too: torchrun takes any other status for a failed process
-    return 130 if "interrupted_at_step" in summary else 0  # 128 + SIGINT, as a shell reports Ctrl-C
+    if "interrupted_at_step" not in summary:
+        return 0
+    # 128 + the signal's number, as a shell reports a process the signal ended (a stop file counts as Ctrl-C).
+    return 128 + signal.Signals[summary.get("stop_signal", "SIGINT")].value
 
 
 def launch_processes(nproc: int, config_path: str | None, overrides: list[str]) -> int:

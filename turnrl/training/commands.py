@@ -69,6 +69,8 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal: signal.Signals | None = None
+        """The signal that asked first (the command's exit status is 128 + its number, as a shell reports)."""
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> GracefulStop:
@@ -82,7 +84,8 @@ class GracefulStop:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.signal = signal.Signals(signum)
+        name = "Ctrl-C" if signum == signal.SIGINT else self.signal.name
         console.print(f"\n[bold]{name}: stopping after this step[/bold] to save a checkpoint (Ctrl-C again stops "
                       "at once, without saving)")
 
@@ -286,7 +289,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             requested = stop.requested or (trainer.run_dir / STOP_FILE).exists()
             stop_requested = ranks.any_rank(requested) if distributed else requested
             if stop_requested and not last:
-                return _stop(trainer, logger, step)
+                return _stop(trainer, logger, step, by_signal=stop.signal)
             if early_stop is not None:  # the run ends as a finished one: validation, checkpoint, summary
                 ran = step
                 console.print(f"[bold]early stop[/bold] after step {ran}: {early_stop.reason}", soft_wrap=True)
@@ -371,13 +374,16 @@ def _report(run_dir: Path) -> None:
                   soft_wrap=True)
 
 
-def _stop(trainer: Trainer, logger: MetricsLogger | None, step: int, error: bool = False) -> dict[str, Any]:
-    """Ctrl-C, the stop file or a lost rollout worker (``error``): save the run after its last finished
-    ``step``, say how to resume; the summary says where the run stopped and why."""
+def _stop(trainer: Trainer, logger: MetricsLogger | None, step: int, error: bool = False,
+          by_signal: signal.Signals | None = None) -> dict[str, Any]:
+    """Ctrl-C or SIGTERM (``by_signal``), the stop file or a lost rollout worker (``error``): save the run after
+    its last finished ``step``, say how to resume; the summary says where the run stopped and why."""
     checkpoint = _save(trainer, step)
     if ranks.is_main():
         (trainer.run_dir / STOP_FILE).unlink(missing_ok=True)
-    stopped = {"interrupted_at_step": step, "stopped_by": "error" if error else "request"}
+    stopped: dict[str, Any] = {"interrupted_at_step": step, "stopped_by": "error" if error else "request"}
+    if by_signal is not None:
+        stopped["stop_signal"] = by_signal.name
     if logger is None:
         return {**trainer.summary, **stopped}
     logger.close()
