@@ -88,6 +88,7 @@ from turnrl.envs.actions import parse_tuple, tuple_text
 from turnrl.registry import Registry
 
 __all__ = [
+    "BUILTIN_FORMATS",
     "FORMATS",
     "FormatBuilder",
     "FormatOptions",
@@ -791,6 +792,9 @@ FORMATS.register("visgym_tuple", TaggedFormat("visgym_tuple", (_OBSERVATION, _JU
                                               answer_tag="action", action_kind="tuple", default_separator=None))
 FORMATS.register("visgym_keyword", TaggedFormat("visgym_keyword", (_ACTION,), answer_tag="action",
                                                 default_separator=None, outside_text_ok=True))
+
+BUILTIN_FORMATS: tuple[str, ...] = tuple(FORMATS.names())
+"""The formats turnrl ships: what the built-in models' tokenizers are trained on, whatever a user registers."""
 
 
 def format_names() -> list[str]:

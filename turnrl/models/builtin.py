@@ -4,7 +4,7 @@ The tokenizer's corpus is the grid and text envs' instructions (:data:`CORPUS_EN
 observations along expert and random episodes, and responses in every
 reasoning format, so env texts and format tags encode into few tokens. A VLM preset (``vlm-*``, see
 :data:`turnrl.models.vlm.VLM_PRESETS`) adds what the envs say in image mode
-(their instructions describe the picture). The build is cached by recipe
+(their instructions describe the picture). The build is cached by its spec
 (preset, template, corpus digest, seed) under ``~/.cache/turnrl/models``.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 from transformers import PretrainedConfig
 
 from turnrl.agent.expert import expert_fields
-from turnrl.agent.formats import format_names, get_format
+from turnrl.agent.formats import BUILTIN_FORMATS, get_format
 from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
 from turnrl.config import ConfigError, ModelConfig
 from turnrl.envs import make
@@ -44,7 +44,7 @@ def _episode_texts(env, seed: int, rng: np.random.Generator, max_steps: int = 6)
                                       action_names=names))
         plan = env.solve() or []
         action = plan[0] if plan and rng.random() < 0.7 else (names[rng.integers(len(names))] if names else "1+2")
-        for name in format_names():
+        for name in BUILTIN_FORMATS:
             fmt = get_format(name, max_actions_per_turn=2)
             actions = plan[:2] if plan and fmt.separator and names else [action]
             try:
@@ -61,7 +61,7 @@ def _env_texts(env, episodes: int, rng: np.random.Generator) -> list[str]:
     """System prompts in every format, then observations and responses along ``episodes`` episodes."""
     env.reset(seed=0)
     texts = []
-    for fmt_name in format_names():
+    for fmt_name in BUILTIN_FORMATS:
         fmt = get_format(fmt_name, max_actions_per_turn=3)
         texts.append(system_prompt(None, env.instructions(), fmt.instructions(env.action_names(), 3)))
     for seed in range(episodes):

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from turnrl.agent.formats import format_names, get_format
+from turnrl.agent.formats import BUILTIN_FORMATS, get_format
 
 # Fields with a colour of their own; any other field gets the ``other`` colour.
 FIELD_CLASSES = ("think", "observation", "reasoning", "prediction", "justification", "answer", "action")
@@ -38,7 +38,7 @@ class Segment:
 @lru_cache(maxsize=1)
 def known_tags() -> frozenset[str]:
     """Every tag name of the built-in formats."""
-    return frozenset(name for fmt in format_names() for name in get_format(fmt).tag_names)
+    return frozenset(name for fmt in BUILTIN_FORMATS for name in get_format(fmt).tag_names)
 
 
 @lru_cache(maxsize=256)
