@@ -16,7 +16,7 @@ Beyond those, an env may define the methods of :class:`OptionalMethods`
 Callers reach them through :func:`optional_methods`, the one place that looks
 at what an env defines, and never look a name up themselves. The names of the
 contract (:data:`REQUIRED_METHODS`, :data:`OPTIONAL_METHODS`) and the queries an
-env that lives elsewhere answers (:data:`QUERIES`, marked :func:`query`) are
+env that lives elsewhere answers (:data:`QUERIES`) are
 read off these two declarations, so a capability is added in one place.
 
 TurnEnv subclasses implement the small ``_reset`` / ``_step`` / ``text`` / ``image``
@@ -172,9 +172,10 @@ Method = TypeVar("Method", bound=Callable[..., Any])
 _QUERY_NAMES: list[str] = []
 
 
-def query(method: Method) -> Method:
+def _query(method: Method) -> Method:
     """Mark a method of the contract as a query: it takes no argument and changes nothing, so an env that lives
-    elsewhere (:mod:`turnrl.envservice`) answers it; :data:`QUERIES` lists every method so marked."""
+    elsewhere (:mod:`turnrl.envservice`) answers it; :data:`QUERIES` lists every method so marked. (It marks
+    this module's declarations only, as they are read.)"""
     _QUERY_NAMES.append(method.__name__)
     return method
 
@@ -210,22 +211,22 @@ class AgentEnv(Protocol):
         """
         ...
 
-    @query
+    @_query
     def instructions(self) -> str:
         """Task description for the system prompt: goal, symbols, actions."""
         ...
 
-    @query
+    @_query
     def action_names(self) -> list[str] | None:
         """Canonical action names, or None when actions are free-form."""
         ...
 
-    @query
+    @_query
     def state_facts(self) -> StateFacts:
         """Ground-truth objects and their relations to the player."""
         ...
 
-    @query
+    @_query
     def solve(self) -> list[str] | None:
         """Expert actions from the current state, or None where no solver exists."""
         ...
@@ -238,23 +239,23 @@ class OptionalMethods:
     checker compares its signatures with these). Callers take an env's through :func:`optional_methods`.
     """
 
-    @query
+    @_query
     def state_key(self) -> str | None:
         """A key equal exactly for equal states (GiGPO groups turns by it). Default None: the env offers none,
         and :func:`state_key` hashes its latest observation instead."""
         return None
 
-    @query
+    @_query
     def text(self) -> str:
         """The text of the current state, for expert demos whose state facts say nothing. Default ``""``."""
         return ""
 
-    @query
+    @_query
     def image(self) -> np.ndarray:
         """The current state as an ``HxWx3`` uint8 image (image modes). Default: NotImplementedError."""
         raise NotImplementedError("the env offers no image() (an env in an image mode renders one)")
 
-    @query
+    @_query
     def action_budget(self) -> int | None:
         """Actions a competent agent needs at most to finish an episode (one action a turn): the turn and action
         budget ``turnrl eval`` gives by default. Default None: the agent's own budget is kept."""
@@ -282,7 +283,7 @@ REQUIRED_METHODS: tuple[str, ...] = _declared_methods(AgentEnv)
 OPTIONAL_METHODS: tuple[str, ...] = _declared_methods(OptionalMethods)
 """The methods of :class:`OptionalMethods`."""
 QUERIES: tuple[str, ...] = tuple(_QUERY_NAMES)
-"""The methods marked :func:`query` (required first): what an env that lives elsewhere answers."""
+"""The methods marked as queries (required first): what an env that lives elsewhere answers."""
 
 
 class _OwnOrDefault(OptionalMethods):
@@ -301,6 +302,15 @@ def optional_methods(env: object) -> OptionalMethods:
     for the others. The one place that looks at which methods an env has, so that an env of any class (a
     user's ``module:Class``, a Gymnasium env behind ``AgentEnvWrapper``, a remote env) gets the same answers."""
     return env if isinstance(env, OptionalMethods) else _OwnOrDefault(env)
+
+
+def call_query(env: AgentEnv, name: str) -> Any:
+    """The answer of ``env`` to the query ``name`` (one of :data:`QUERIES`): its required method, or its optional
+    one through :func:`optional_methods` (the default where it defines none). Raises what the env raises."""
+    if name not in QUERIES:
+        raise ValueError(f"unknown query {name!r}; choose from {list(QUERIES)}")
+    methods = env if name in REQUIRED_METHODS else optional_methods(env)
+    return getattr(methods, name)()
 
 
 def observation_key(obs: dict[str, Any]) -> str:

@@ -22,10 +22,8 @@ are the same for both.
 from __future__ import annotations
 
 import base64
-import functools
 import io
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 from turnrl.envs import contract
-from turnrl.envs.contract import AgentEnv, ObjectFact, StateFacts, optional_methods, state_key
+from turnrl.envs.contract import AgentEnv, ObjectFact, StateFacts, state_key
 
 TOKEN_ENV_VAR = "TURNRL_ENV_TOKEN"
 """Environment variable read for the bearer token when none is passed (by the server and the client)."""
@@ -311,9 +309,7 @@ def answer_query(env: AgentEnv, name: str, last_obs: dict[str, Any]) -> Any:
     check_query(name)
     if name == "state_key":
         return state_key(env, last_obs)
-    # The query names the declared method of the contract to call (required or optional).
-    methods = env if name in contract.REQUIRED_METHODS else optional_methods(env)
-    value = getattr(methods, name)()
+    value = contract.call_query(env, name)
     if name == "state_facts" and not isinstance(value, StateFacts):
         raise TypeError(f"state_facts() returned a {type(value).__name__}, not a StateFacts")
     if name == "action_budget":
@@ -336,17 +332,34 @@ class QueriedEnv:
     each query of the contract (:data:`QUERIES`) is a method here, whose answer comes from ``_query(name)``,
     which asks where the env lives (or a cache of its answers). Where that env does not define an optional
     one, the answer is the default (``state_key``: the hash of its observation, taken where it lives; ``image``:
-    a RemoteEnvError that says so)."""
+    a RemoteEnvError that says so). A test checks that these methods are exactly the contract's queries."""
 
     def _query(self, name: str) -> Any:
         raise NotImplementedError
 
-    def __getattr__(self, name: str) -> Callable[[], Any]:
-        # Called only for what the proxy itself lacks. The queries are made from the contract's declaration,
-        # not written out, so a query added to the contract reaches every remote env with no edit here.
-        if name not in QUERIES:
-            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-        return functools.partial(self._query, name)
+    def instructions(self) -> str:
+        return self._query("instructions")
+
+    def action_names(self) -> list[str] | None:
+        return self._query("action_names")
+
+    def state_facts(self) -> StateFacts:
+        return self._query("state_facts")
+
+    def solve(self) -> list[str] | None:
+        return self._query("solve")
+
+    def state_key(self) -> str | None:
+        return self._query("state_key")
+
+    def text(self) -> str:
+        return self._query("text")
+
+    def image(self) -> np.ndarray:
+        return self._query("image")
+
+    def action_budget(self) -> int | None:
+        return self._query("action_budget")
 
 
 # --------------------------------------------------------------------------- answer items
