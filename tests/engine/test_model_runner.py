@@ -81,22 +81,3 @@ def test_prefill_inputs_equal_a_plain_loop():
         assert tokens[i].tolist() == new + [0] * (3 - width)
         assert positions[i].tolist() == [start + min(j, width - 1) for j in range(3)]
         assert write_pos[i].tolist() == [start + j if j < width else scratch for j in range(3)]
-
-
-@pytest.mark.parametrize("compile_setting", ["true", "false"])
-def test_a_compiled_engine_runs_its_vision_towers_blocks_compiled(tiny_vlm_dir, compile_setting):
-    """With ``model.engine.compile`` on, the prefill's vision tower runs its blocks' norms and MLP compiled (as the
-    trainer's ``model.compile`` does, :func:`~turnrl.models.loading.compile_layer_parts`); off, it stays eager.
-    Its features equal the eager tower's (tests/models/test_loading.py)."""
-    import copy
-
-    from turnrl.models.loading import ATTENTION_PART, VISION_ATTENTION_PART, load_model, vision_tower
-
-    model = copy.deepcopy(load_model(tiny_vlm_dir))
-    config = EngineConfig(kv_cache_gb=0.1, max_rows=2, max_seq_len=256, triton="false", compile=compile_setting)
-    weights = decoder_weights(model, torch.float32)
-    ModelRunner(weights, kv_cache_for(weights, config, torch.float32, torch.device("cpu")), config, EngineStats())
-    blocks = [m for m in vision_tower(model).modules() if VISION_ATTENTION_PART in dict(m.named_children())]
-    assert blocks and all(("forward" in vars(block.mlp)) == (compile_setting == "true") for block in blocks)
-    layers = [m for m in model.modules() if ATTENTION_PART in dict(m.named_children())]
-    assert layers and all("forward" not in vars(layer.mlp) for layer in layers)  # the engine runs its own decoder

@@ -52,7 +52,6 @@ from turnrl.engine.sequences import EngineStats, SequenceRecord
 from turnrl.engine.timing import DeviceTimer, causal_pairs
 from turnrl.engine.weights import DecoderWeights
 from turnrl.models.devices import to_device
-from turnrl.models.loading import compile_layer_parts, vision_tower
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -213,11 +212,6 @@ class ModelRunner:
         if compile_enabled(config.compile, device):
             self.kernels = compiled_kernels()
             self._sample_untruncated = DynamicCompiled(sample_untruncated, {0: (0,), 1: (0,)})
-            tower = vision_tower(vision.model) if vision is not None else None
-            if tower is not None:
-                # The tower's norms, GELUs and biases took about as long as its matrix products in eager mode;
-                # the same compiled parts as the trainer's (model.compile), shared by both when they share it.
-                compile_layer_parts(tower)
 
     # ------------------------------------------------------------------ inputs
     def read_prompt(self, prompt: list[int], model_inputs: dict[str, Any] | None,
