@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import pytest
 
-from turnrl.registry import Registry, RegistryError, is_module_attr
+from turnrl.registry import Registry, RegistryError, check_callable, is_module_attr
 
 
 def write_module(tmp_path, monkeypatch, name: str, source: str) -> None:
@@ -80,6 +82,66 @@ def test_a_module_attr_that_cannot_be_imported_says_which_part_failed(tmp_path, 
     write_module(tmp_path, monkeypatch, "registry_broken_ext", "1 / 0\n")
     with pytest.raises(RegistryError, match=expected):
         Registry("thing").get(name)
+
+
+def test_a_module_that_imports_a_missing_package_names_that_package_not_the_path(tmp_path, monkeypatch):
+    write_module(tmp_path, monkeypatch, "registry_needsdep_ext", "import registry_not_installed_dep\n")
+    with pytest.raises(RegistryError) as info:
+        Registry("thing").get("registry_needsdep_ext:anything")
+    message = str(info.value)
+    assert "importing registry_needsdep_ext failed: No module named 'registry_not_installed_dep'" in message
+    assert "install" in message and "Python path" not in message
+    with pytest.raises(RegistryError, match="cannot import module 'registry_no_package_ext.sub'.*Python path"):
+        Registry("thing").get("registry_no_package_ext.sub:anything")  # its package is what is missing
+
+
+@pytest.mark.parametrize("target", ["typo", "my_package.module", "my_package.envs:Corridor-v0", "a b:c", "a.:b"])
+def test_a_lazy_entry_is_refused_at_registration_unless_written_module_attr(target):
+    registry: Registry[object] = Registry("thing")
+    with pytest.raises(ValueError, match=r"a string registers a lazy entry, written package.module:attr"):
+        registry.register("lazy", target)
+    assert "lazy" not in registry
+    registry.register("lazy", "my_package.module:Outer.inner")  # nothing is imported until it is looked up
+    assert registry.target("lazy") == "my_package.module:Outer.inner"
+
+
+class Scorer(Protocol):
+    def __call__(self, turns: list[str], settings: dict, /) -> float: ...
+
+
+class CallableScorer:
+    def __call__(self, turns, settings):
+        return 0.0
+
+
+def two_arguments(turns, settings, extra=None):
+    return 0.0
+
+
+def one_argument(turns):
+    return 0.0
+
+
+def test_check_callable_takes_what_binds_the_protocols_arguments():
+    check_callable(two_arguments, Scorer, "a scorer")
+    check_callable(CallableScorer(), Scorer, "a scorer")
+    check_callable(max, Scorer, "a scorer")  # a built-in: no signature to check
+
+
+@pytest.mark.parametrize(
+    ("obj", "got"),
+    [
+        (CallableScorer, "got the class tests.test_registry:CallableScorer, not a function or an instance"),
+        (3, "got a value of type int, which is not callable"),
+        (one_argument, r"got tests.test_registry:one_argument\(turns\), which cannot take those arguments \(too many"),
+    ],
+)
+def test_check_callable_refuses_a_class_a_value_and_a_signature_that_cannot_bind(obj, got):
+    with pytest.raises(TypeError) as info:
+        check_callable(obj, Scorer, "a scorer")
+    assert str(info.value).startswith("a scorer must be a function or callable object taking (turns, settings) and "
+                                      "returning float (tests.test_registry.Scorer); ")
+    info.match(got)
 
 
 def test_a_name_is_registered_once_and_never_with_a_colon():

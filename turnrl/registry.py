@@ -3,23 +3,28 @@
 
 turnrl's extension points each keep one registry, beside the protocol that says what its objects are:
 
-==========================  ==========================================  ==========================================
-config key                  registry                                    what it holds
-==========================  ==========================================  ==========================================
-``algorithm.advantage``     ``turnrl.algorithms.estimators.ESTIMATORS``  :class:`EstimatorSpec` (``@estimator``)
-``algorithm.policy_loss``   ``turnrl.algorithms.losses.POLICY_LOSSES``   a :class:`PolicyLoss` function
-``agent.format``            ``turnrl.agent.formats.FORMATS``             a :class:`FormatBuilder`
-``env.id``                  ``turnrl.envs.catalog.ENVS``                an env class (or factory)
-``rewards.extra[].fn``      ``turnrl.rewards.turn_rewards.REWARDS``              a :class:`RewardFn` (or its class)
-``model.backend``           ``turnrl.policy.factory.POLICY_BACKENDS``    a :class:`PolicyBackend`
-``model.engine.families``   ``turnrl.engine.families.ENGINE_FAMILIES``   a :class:`Family` record
-==========================  ==========================================  ==========================================
+==========================  ============================================  ==========================================
+config key                  registry                                      what it holds
+==========================  ============================================  ==========================================
+``algorithm.advantage``     ``turnrl.algorithms.estimators.ESTIMATORS``   :class:`EstimatorSpec` (``@estimator``)
+``algorithm.policy_loss``   ``turnrl.algorithms.losses.POLICY_LOSSES``    a :class:`PolicyLoss` function
+``agent.format``            ``turnrl.agent.formats.FORMATS``              a :class:`FormatBuilder`
+``env.id``                  ``turnrl.envs.catalog.ENVS``                  an env class (or factory)
+``rewards.extra[].fn``      ``turnrl.rewards.turn_rewards.REWARDS``       a :class:`RewardFn` (or its class)
+``model.backend``           ``turnrl.policy.factory.POLICY_BACKENDS``     a :class:`PolicyBackend`
+``model.engine.families``   ``turnrl.engine.families.ENGINE_FAMILIES``    a :class:`Family` record
+==========================  ============================================  ==========================================
 
 A config value is a registered name (``gae``) or ``module:attr`` (``my_package.advantages:my_estimator``); the
 built-in objects register with the same call a user's package would use (``REGISTRY.register(name, obj)``, or
 ``@REGISTRY.register(name)`` over a function or class). A registration may name its object lazily as a
 ``"module:attr"`` string, so that listing the names imports nothing (the env and reward registries do: their
 modules are heavy, or sit above the registry's layer).
+
+What a ``module:attr`` names is checked when it is resolved, by the registry's ``coerce`` hook: an extension point
+whose objects are called (a policy loss, an estimator, a backend...) refuses a class, or a function whose
+signature cannot take the arguments the point passes (:func:`check_callable`), so a config naming the wrong
+object fails at load time with what is expected, not at its first call.
 
 Why not a library: Python's entry points (``importlib.metadata``) find objects of *installed distributions* by
 group, not a ``module:attr`` written in a config string, and ``catalogue`` (spaCy's registries) is entry points
@@ -34,10 +39,20 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar, overload
 
-__all__ = ["Registry", "RegistryError", "close_names", "is_module_attr", "resolve_module_attr"]
+__all__ = [
+    "Registry",
+    "RegistryError",
+    "callable_name",
+    "check_callable",
+    "close_names",
+    "is_import_path",
+    "is_module_attr",
+    "resolve_module_attr",
+]
 
 T = TypeVar("T")
 Obj = TypeVar("Obj")
@@ -62,6 +77,12 @@ def is_module_attr(name: str) -> bool:
     return bool(colon and module.strip() and attr.strip())
 
 
+def is_import_path(name: str) -> bool:
+    """Whether ``name`` is ``package.module:attr`` with every dotted part an identifier (the form of a lazy entry)."""
+    module, colon, attr = name.partition(":")
+    return bool(colon) and all(part.isidentifier() for part in [*module.split("."), *attr.split(".")])
+
+
 def resolve_module_attr(spec: str, what: str) -> Any:
     """The object ``package.module:attr`` names (``attr`` may be dotted: ``Class.attribute``).
 
@@ -73,6 +94,9 @@ def resolve_module_attr(spec: str, what: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
+        if not _names_module_or_parent(error.name, module_name):  # the module exists; what it imports does not
+            raise RegistryError(f"{what} {spec!r}: importing {module_name} failed: {error}; install the package "
+                                "that provides it") from error
         raise RegistryError(f"{what} {spec!r}: cannot import module {module_name!r} ({error}); is its package on "
                             "the Python path (installed, or its folder in PYTHONPATH)?") from error
     except Exception as error:  # the module exists and failed while importing: say so, whatever it raised
@@ -86,6 +110,65 @@ def resolve_module_attr(spec: str, what: str) -> Any:
             raise RegistryError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}{hint}")
         obj = getattr(obj, part)
     return obj
+
+
+def _names_module_or_parent(missing: str | None, module_name: str) -> bool:
+    """Whether the module a ModuleNotFoundError names (``missing``) is ``module_name`` or a package above it."""
+    return missing is not None and (module_name == missing or module_name.startswith(f"{missing}."))
+
+
+def callable_name(obj: Any) -> str:
+    """``module:qualname`` of a function or class; of a callable object, its class's (its repr may be long)."""
+    named = obj if isinstance(obj, type) or inspect.isroutine(obj) else type(obj)
+    return f"{named.__module__}:{named.__qualname__}"
+
+
+def _call_shape(protocol: type) -> str:
+    """``taking (inputs, settings) and returning Result (package.module.Protocol)``: what a callable protocol's
+    ``__call__`` takes after ``self`` and returns, for a message that says what an extension point expects."""
+    signature = inspect.signature(protocol.__call__)
+    shape = f"taking ({', '.join(list(signature.parameters)[1:])})"
+    result = signature.return_annotation
+    if result is not inspect.Signature.empty:  # a string under ``from __future__ import annotations``
+        shape += f" and returning {result if isinstance(result, str) else inspect.formatannotation(result)}"
+    return f"{shape} ({protocol.__module__}.{protocol.__qualname__})"
+
+
+def check_callable(obj: Any, protocol: type, what: str, *, settings_follow: bool = False) -> None:
+    """Raise a TypeError that says what is expected unless ``obj`` can be called as ``protocol.__call__`` says.
+
+    ``obj`` must be a function or a callable object, not a class (a class would be instantiated where the
+    extension point calls a function), and its signature must bind as many positional arguments as the
+    protocol's ``__call__`` takes (the extension point passes them so). An object whose signature cannot be read
+    (a built-in written in C) is taken as it is.
+
+    Args:
+        what: the kind of object, with its article, as a message begins (``"a policy loss"``).
+        settings_follow: the extension point also passes keyword settings, known only later (a reward
+            function's): the positional arguments must bind, the rest may still be missing.
+    """
+    expected = f"{what} must be a function or callable object {_call_shape(protocol)}"
+    if isinstance(obj, type):
+        raise TypeError(f"{expected}; got the class {callable_name(obj)}, not a function or an instance")
+    if not callable(obj):
+        raise TypeError(f"{expected}; got a value of type {type(obj).__name__}, which is not callable")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return
+    arguments = len(inspect.signature(protocol.__call__).parameters) - 1
+    bind = signature.bind_partial if settings_follow else signature.bind
+    try:
+        bind(*(object() for _ in range(arguments)))
+    except TypeError as error:
+        raise TypeError(f"{expected}; got {callable_name(obj)}{_unannotated(signature)}, which cannot take those "
+                        f"arguments ({error})") from error
+
+
+def _unannotated(signature: inspect.Signature) -> inspect.Signature:
+    """``signature`` without its annotations, which under postponed evaluation print as quoted strings."""
+    parameters = [parameter.replace(annotation=inspect.Parameter.empty) for parameter in signature.parameters.values()]
+    return signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty)
 
 
 class Registry(Generic[T]):
@@ -113,12 +196,17 @@ class Registry(Generic[T]):
         Without ``obj``, a decorator that registers the function or class it decorates and returns it unchanged.
 
         Raises:
-            ValueError: ``name`` is taken by another object, or has a colon (it would read as ``module:attr``).
+            ValueError: ``name`` is taken by another object, or has a colon (it would read as ``module:attr``); or
+                a string ``obj`` that is not ``package.module:attr`` (a lazy entry is told from an object by being
+                a string, so a typo would otherwise be stored and fail only when first looked up).
         """
         if obj is None:
             return lambda target: self.register(name, target)
         if not name or ":" in name:
             raise ValueError(f"{self.what} name {name!r} must be non-empty and without ':' (that is module:attr)")
+        if isinstance(obj, str) and not is_import_path(obj):
+            raise ValueError(f"{self.what} {name!r}: a string registers a lazy entry, written package.module:attr "
+                             f"(dotted identifiers, e.g. 'my_package.module:MyClass'); got {obj!r}")
         known = self._entries.get(name)
         if known is not None and known is not obj and known != obj:
             raise ValueError(f"a {self.what} named {name!r} is already registered ({_describe(known)})")
@@ -179,3 +267,4 @@ def _describe(entry: Any) -> str:
     if isinstance(entry, str):
         return entry
     return f"{getattr(entry, '__module__', type(entry).__module__)}:{getattr(entry, '__qualname__', repr(entry))}"
+

@@ -550,3 +550,28 @@ def test_a_format_from_a_users_package_is_named_module_attr_in_the_config(tmp_pa
         load_config(TrainConfig, None, ["agent.format=user_format_ext:broken"])
     with pytest.raises(ConfigError, match=r"agent.format='free_thinkk' is not allowed; .*did you mean free_think\?"):
         load_config(TrainConfig, None, ["agent.format=free_thinkk"])
+
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [("turnrl.agent.formats:TaggedFormat", "got the class turnrl.agent.formats:TaggedFormat, not a function or an "
+                                           "instance"),
+     ("user_wrong_format_ext:two_arguments", r"got user_wrong_format_ext:two_arguments\(options, name\), which cannot "
+                                             r"take those arguments \(missing a required argument: 'name'\)")],
+)
+def test_a_module_attr_that_is_not_a_format_builder_fails_at_config_load_saying_what_is(tmp_path, monkeypatch,
+                                                                                          value, got):
+    from turnrl.config import ConfigError, load_config
+    from turnrl.training.train_config import TrainConfig
+
+    (tmp_path / "user_wrong_format_ext.py").write_text(
+        "from turnrl.agent.formats import Tag, TaggedFormat\n\n"
+        "def two_arguments(options, name):\n"
+        "    return TaggedFormat(name, (Tag('answer'),))(options)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, [f"agent.format={value}"])
+    assert (f"agent.format={value!r}: a response format must be a function or callable object taking (options) and "
+            "returning ResponseFormat (turnrl.agent.formats.FormatBuilder); ") in str(info.value)
+    info.match(got)

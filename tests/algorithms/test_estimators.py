@@ -16,6 +16,7 @@ from turnrl.algorithms.estimators import (
     NoParams,
     SharedSettings,
     estimator,
+    estimator_names,
     get_estimator,
 )
 
@@ -50,10 +51,11 @@ def test_registration_refuses_a_taken_name_an_unknown_need_and_untyped_params():
     with pytest.raises(ValueError, match="already registered"):
         estimator("gae")(noop)
     with pytest.raises(ValueError, match="unknown needs"):
-        estimator("test_unknown_need", needs=("values",))  # type: ignore[arg-type]
+        estimator("test_unknown_need", needs=("values",))(noop)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="dataclass"):
-        estimator("test_untyped_params", params=dict)
+        estimator("test_untyped_params", params=dict)(noop)
     assert get_estimator("gae").fn is not noop
+    assert "test_unknown_need" not in estimator_names() and "test_untyped_params" not in estimator_names()
 
 
 def view(values: bool = False, turn_states: bool = False) -> EpisodeView:
@@ -117,3 +119,44 @@ def test_an_estimator_from_a_users_package_is_named_module_attr_in_the_config(tm
     assert advantages[batch.loss_mask == 1].tolist() == [10.0, 10.0, 30.0, 30.0]
     with pytest.raises(ValueError, match=r"algorithm.advantage='grpoo' is not allowed; .*did you mean grpo\?"):
         load_config(TrainConfig, None, ["algorithm.advantage=grpoo"])
+
+
+@pytest.mark.parametrize(
+    ("attr", "got"),
+    [("Settings", "got the class user_wrong_estimator_ext:Settings, not a function or an instance"),
+     ("two_arguments", r"got user_wrong_estimator_ext:two_arguments\(view, shared\), which cannot take those "
+                       "arguments")],
+)
+def test_a_module_attr_that_is_not_an_estimator_fails_at_config_load(tmp_path, monkeypatch, attr, got):
+    from turnrl.config import ConfigError, load_config
+    from turnrl.training.train_config import TrainConfig
+
+    (tmp_path / "user_wrong_estimator_ext.py").write_text(
+        "from dataclasses import dataclass\n\n"
+        "@dataclass\n"
+        "class Settings:\n"
+        "    gamma: float = 1.0\n\n"
+        "def two_arguments(view, shared):\n"
+        "    return None\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, [f"algorithm.advantage=user_wrong_estimator_ext:{attr}"])
+    assert (f"algorithm.advantage='user_wrong_estimator_ext:{attr}': an advantage estimator must be a function or "
+            "callable object taking (view, shared, params) and returning Estimate "
+            "(turnrl.algorithms.estimators.EstimatorFn); ") in str(info.value)
+    info.match(got)
+
+
+def test_a_callable_object_is_an_estimator_named_by_its_class(tmp_path, monkeypatch):
+    (tmp_path / "user_callable_estimator_ext.py").write_text(
+        "from turnrl.algorithms.estimators import Estimate\n\n"
+        "class Zero:\n"
+        "    def __call__(self, view, shared, params):\n"
+        "        return Estimate(0 * view.rewards, 0 * view.rewards)\n\n"
+        "ZERO = Zero()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = get_estimator("user_callable_estimator_ext:ZERO")
+    assert spec.name == "user_callable_estimator_ext:Zero" and not spec.critic
+    assert spec(view(), SharedSettings()).advantages.abs().sum() == 0

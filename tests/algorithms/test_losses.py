@@ -281,3 +281,58 @@ def test_a_policy_loss_from_a_users_package_is_named_module_attr_and_trains(tmp_
     assert any(not torch.equal(b, p) for b, p in zip(before, actor.parameters()))  # its gradient trained the actor
     with pytest.raises(ValueError, match=r"algorithm.policy_loss='ppoo' is not allowed; choose one of \['ppo'\]"):
         load_config(TrainConfig, None, ["algorithm.policy_loss=ppoo"])
+
+
+@pytest.mark.parametrize(
+    ("attr", "got"),
+    [("Settings", "got the class user_wrong_loss_ext:Settings, not a function or an instance"),
+     ("three_arguments", r"got user_wrong_loss_ext:three_arguments\(inputs, settings, scale\), which cannot take "
+                         r"those arguments \(missing a required argument: 'scale'\)")],
+)
+def test_a_module_attr_that_is_not_a_policy_loss_fails_at_config_load(tmp_path, monkeypatch, attr, got):
+    from turnrl.config import ConfigError, load_config
+    from turnrl.training.train_config import TrainConfig
+
+    (tmp_path / "user_wrong_loss_ext.py").write_text(
+        "from dataclasses import dataclass\n\n"
+        "@dataclass\n"
+        "class Settings:\n"
+        "    scale: float = 1.0\n\n"
+        "def three_arguments(inputs, settings, scale):\n"
+        "    return None\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, [f"algorithm.policy_loss=user_wrong_loss_ext:{attr}"])
+    assert (f"algorithm.policy_loss='user_wrong_loss_ext:{attr}': a policy loss must be a function or callable "
+            "object taking (inputs, settings) and returning tuple[torch.Tensor, PolicyLossStats] "
+            "(turnrl.algorithms.losses.PolicyLoss); ") in str(info.value)
+    info.match(got)
+
+
+def test_an_update_resolves_the_policy_loss_once_not_in_every_micro_batch(monkeypatch, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from turnrl.algorithms.losses import POLICY_LOSSES
+    from turnrl.training.batch import Sample, collate
+    from turnrl.training.ppo import UpdateInputs, ppo_epochs
+    from turnrl.training.train_config import AlgorithmConfig, OptimConfig
+
+    looked_up = []
+    get = POLICY_LOSSES.get
+
+    def counted_get(name):
+        looked_up.append(name)
+        return get(name)
+
+    monkeypatch.setattr(POLICY_LOSSES, "get", counted_get)  # the registry's own lookup, counted
+    config = AlgorithmConfig(ppo_epochs=2, mini_batch_size=2, micro_batch_size=1)
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = collate([Sample([3, 4, 5, 6], [0, 1, 1, 1], [0.0] * 4, [3], [1.0], episode=k, group=0) for k in range(2)],
+                    pad_id=0)
+    zeros = torch.zeros(batch.input_ids.shape)
+    metrics = ppo_epochs(actor, None, UpdateInputs(batch, zeros, torch.ones(batch.input_ids.shape), zeros), config,
+                         OptimConfig(), torch.optim.SGD(actor.parameters(), lr=0.1), None, 1.0,
+                         torch.Generator().manual_seed(0))
+    assert metrics["actor/optimizer_steps"] == 2.0  # two epochs of one mini-batch, each of two micro-batches
+    assert looked_up == ["ppo"]

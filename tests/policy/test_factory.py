@@ -52,6 +52,29 @@ def test_an_unknown_backend_names_the_registered_ones_at_load_time():
         model_policy(torch.nn.Linear(1, 1), None, ModelConfig(backend="no_such_module_ext:x"), max_batch_size=1)
 
 
+@pytest.mark.parametrize(
+    ("attr", "got"),
+    [("CountingPolicy", "got the class user_wrong_backend_ext:CountingPolicy, not a function or an instance"),
+     ("one_argument", r"got user_wrong_backend_ext:one_argument\(loaded\), which cannot take those arguments "
+                      r"\(too many positional arguments\)")],
+)
+def test_a_module_attr_that_is_not_a_backend_fails_at_config_load(tmp_path, monkeypatch, attr, got):
+    (tmp_path / "user_wrong_backend_ext.py").write_text(
+        "from turnrl.policy.hf import HFPolicy\n\n"
+        "class CountingPolicy(HFPolicy):\n"  # the policy class, where the backend that builds one is meant
+        "    pass\n\n"
+        "def one_argument(loaded):\n"
+        "    return CountingPolicy(loaded.model, loaded.tokenizer)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, [f"model.backend=user_wrong_backend_ext:{attr}"])
+    assert (f"model.backend='user_wrong_backend_ext:{attr}': a policy backend must be a function or callable object "
+            "taking (loaded, max_batch_size) and returning Policy (turnrl.policy.factory.PolicyBackend); "
+            ) in str(info.value)
+    info.match(got)
+
+
 def test_an_engine_family_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch, model,
                                                                                   tiny_tokenizer):
     (tmp_path / "user_family_ext.py").write_text(

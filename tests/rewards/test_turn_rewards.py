@@ -39,6 +39,21 @@ def explodes(turns: Sequence[FinishedTurn]) -> list[float]:
     raise RuntimeError("judge unreachable")
 
 
+def no_turns() -> list[float]:
+    return []
+
+
+def needs_a_setting(turns: Sequence[FinishedTurn], *, scale: float) -> list[float]:
+    return [scale for _ in turns]
+
+
+class Unscored:
+    """A class whose instances cannot score turns (no ``__call__``)."""
+
+    def __init__(self, bonus: float = 1.0) -> None:
+        self.bonus = bonus
+
+
 class Counted:
     """A reward class that sees state facts: 1 when the counter went up."""
 
@@ -110,12 +125,20 @@ def test_load_reward_fn_takes_functions_classes_and_builtin_names():
 @pytest.mark.parametrize(
     ("fn", "settings", "match"),
     [
-        ("no_colon", {}, "neither a built-in reward"),
-        ("tests.rewards.nowhere:fn", {}, "cannot load"),
-        ("tests.rewards.test_turn_rewards:missing", {}, "cannot load"),
+        ("overlonk", {}, r"rewards.extra\[r\].fn='overlonk' is not allowed; choose one of \['overlong', 'grounding', "
+                         r"'worldmodel'\]; did you mean overlong\? or name one of your own as module:attr"),
+        ("tests.rewards.nowhere:fn", {}, "cannot import module 'tests.rewards.nowhere'"),
+        ("tests.rewards.test_turn_rewards:missing", {}, "has no attribute 'missing'"),
         ("tests.rewards.test_turn_rewards:response_length", {"sclae": 1.0}, "bad settings"),
+        ("tests.rewards.test_turn_rewards:needs_a_setting", {}, "bad settings .* missing a required argument: 'scale'"),
         ("tests.rewards.test_turn_rewards:Counted", {"bonus": 1, "other": 2}, "bad settings"),
-        ("tests.rewards.test_turn_rewards:CALLS", {}, "not callable"),
+        ("tests.rewards.test_turn_rewards:CALLS", {}, "got a value of type list, which is not callable"),
+        ("tests.rewards.test_turn_rewards:no_turns", {}, r"a reward \(or a class whose instances are one\) must be a "
+                                                         r"function or callable object taking \(turns\).*no_turns\(\), "
+                                                         "which cannot take those arguments"),
+        ("tests.rewards.test_turn_rewards:Unscored", {"bonus": 2.0},
+         r"rewards.extra 'r': what the class 'tests.rewards.test_turn_rewards:Unscored' builds must be a function or "
+         r"callable object taking \(turns\).*got a value of type Unscored, which is not callable"),
     ],
 )
 def test_load_reward_fn_errors_say_what_is_wrong(fn, settings, match):

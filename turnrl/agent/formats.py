@@ -82,10 +82,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from turnrl.envs.actions import parse_tuple, tuple_text
-from turnrl.registry import Registry
+from turnrl.registry import Registry, check_callable
 
 __all__ = [
     "BUILTIN_FORMATS",
@@ -96,6 +96,7 @@ __all__ = [
     "ResponseFormat",
     "Tag",
     "TaggedFormat",
+    "as_format_builder",
     "format_names",
     "get_format",
     "normalize_action_tuple",
@@ -728,6 +729,18 @@ class FormatBuilder(Protocol):
     def __call__(self, options: FormatOptions, /) -> ResponseFormat: ...
 
 
+def as_format_builder(obj: Any) -> FormatBuilder:
+    """What ``agent.format=module:attr`` names, checked to be a :class:`FormatBuilder` (that what it builds is a
+    :class:`ResponseFormat` is checked by :func:`get_format`, which builds it).
+
+    Raises:
+        TypeError: a class (the :class:`TaggedFormat` class rather than one of its instances), or a function
+            that cannot take ``(options)``, saying what is expected.
+    """
+    check_callable(obj, FormatBuilder, "a response format")
+    return obj
+
+
 @dataclass(frozen=True)
 class TaggedFormat:
     """A format by its tag structure: the record of each built-in format, and the easiest way to write one.
@@ -769,7 +782,7 @@ class TaggedFormat:
         )
 
 
-FORMATS: Registry[FormatBuilder] = Registry("response format")
+FORMATS: Registry[FormatBuilder] = Registry("response format", coerce=as_format_builder)
 """Every format by name; ``agent.format`` takes a name or ``module:attr`` (a :class:`FormatBuilder`)."""
 
 FORMATS.register("no_think", TaggedFormat("no_think", (_ANSWER,)))

@@ -42,7 +42,7 @@ from turnrl.algorithms.advantages import (
     turn_gae,
     whiten,
 )
-from turnrl.registry import Registry
+from turnrl.registry import Registry, callable_name, check_callable
 
 __all__ = [
     "ESTIMATORS",
@@ -188,16 +188,19 @@ class EstimatorSpec:
 def as_estimator(obj: Any) -> EstimatorSpec:
     """What ``algorithm.advantage=module:attr`` names, as an :class:`EstimatorSpec`: a spec, a function
     registered with :func:`estimator` (its spec), or a plain :class:`EstimatorFn` (no critic, no needs, no
-    params of its own; register it with :func:`estimator` to declare them)."""
+    params of its own; register it with :func:`estimator` to declare them).
+
+    Raises:
+        TypeError: anything else (a class, or a function that cannot take ``(view, shared, params)``), saying
+            what is expected.
+    """
     if isinstance(obj, EstimatorSpec):
         return obj
     registered = next((spec for spec in ESTIMATORS.values() if spec.fn is obj), None)
     if registered is not None:
         return registered
-    if callable(obj):
-        return EstimatorSpec(f"{obj.__module__}:{obj.__qualname__}", obj)
-    raise TypeError(f"an advantage estimator must be a function (view, shared, params) -> Estimate or an "
-                    f"EstimatorSpec, got {type(obj).__name__}")
+    check_callable(obj, EstimatorFn, "an advantage estimator")
+    return EstimatorSpec(callable_name(obj), obj)
 
 
 ESTIMATORS: Registry[EstimatorSpec] = Registry("estimator", coerce=as_estimator)
@@ -213,17 +216,16 @@ def estimator(
         critic: whether it reads the critic's values.
         needs: what else it reads or assumes, from :data:`NEEDS`.
         params: a dataclass of its own settings, every field with a default.
+
+    Raises (when it decorates, from :class:`EstimatorSpec`):
+        ValueError: ``name`` is taken, or a need is not one of :data:`NEEDS`.
+        TypeError: ``params`` is not a dataclass.
     """
 
     def register(fn: F) -> F:
-        ESTIMATORS.register(name, EstimatorSpec(name, fn, critic, frozenset(needs), params))
+        ESTIMATORS.register(name, EstimatorSpec(name, fn, critic, frozenset(needs), params))  # checks needs, params
         return fn
 
-    unknown = [need for need in needs if need not in NEEDS]
-    if unknown:
-        raise ValueError(f"estimator {name!r}: unknown needs {unknown}; choose from {list(NEEDS)}")
-    if not (isinstance(params, type) and is_dataclass(params)):
-        raise TypeError(f"estimator {name!r}: params must be a dataclass, got {params!r}")
     return register
 
 

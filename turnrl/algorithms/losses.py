@@ -22,11 +22,11 @@ says (which is why the aggregation modes are a fixed list, not registered).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
-from turnrl.registry import Registry
+from turnrl.registry import Registry, check_callable
 
 __all__ = [
     "AGGREGATIONS",
@@ -39,6 +39,7 @@ __all__ = [
     "PolicyLossStats",
     "ValueLossStats",
     "aggregate",
+    "as_policy_loss",
     "entropy_bonus",
     "kl_in_reward",
     "kl_penalty",
@@ -225,7 +226,17 @@ class PolicyLoss(Protocol):
     ) -> tuple[torch.Tensor, PolicyLossStats]: ...
 
 
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+def as_policy_loss(obj: Any) -> PolicyLoss:
+    """What ``algorithm.policy_loss=module:attr`` names, checked to be a :class:`PolicyLoss`.
+
+    Raises:
+        TypeError: a class, or a function that cannot take ``(inputs, settings)``, saying what is expected.
+    """
+    check_callable(obj, PolicyLoss, "a policy loss")
+    return obj
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", coerce=as_policy_loss)
 """Every policy loss by name; ``algorithm.policy_loss`` takes a name or ``module:attr``."""
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from turnrl.agent.formats import ResponseFormat
 from turnrl.config import ConfigError, EvalConfig, ModelConfig, check_registered
 from turnrl.policy.interface import Policy
-from turnrl.registry import Registry
+from turnrl.registry import Registry, check_callable
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,18 @@ class PolicyBackend(Protocol):
     def __call__(self, loaded: LoadedModel, max_batch_size: int, /) -> Policy: ...
 
 
-POLICY_BACKENDS: Registry[PolicyBackend] = Registry("policy backend")
+def as_policy_backend(obj: Any) -> PolicyBackend:
+    """What ``model.backend=module:attr`` names, checked to be a :class:`PolicyBackend`.
+
+    Raises:
+        TypeError: a class (a :class:`Policy` class is built by a backend, not one), or a function that cannot
+            take ``(loaded, max_batch_size)``, saying what is expected.
+    """
+    check_callable(obj, PolicyBackend, "a policy backend")
+    return obj
+
+
+POLICY_BACKENDS: Registry[PolicyBackend] = Registry("policy backend", coerce=as_policy_backend)
 """Every generation backend by name; ``model.backend`` takes a name or ``module:attr``."""
 
 

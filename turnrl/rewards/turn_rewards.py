@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from turnrl.agent.formats import ParsedResponse
-from turnrl.config import ConfigError, RewardsConfig, RewardSpec
+from turnrl.config import ConfigError, RewardsConfig, RewardSpec, check_registered
 from turnrl.envs.contract import StateFacts
-from turnrl.registry import Registry, RegistryError, is_module_attr
+from turnrl.registry import Registry, check_callable
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,20 @@ def _call(
 
 
 # --------------------------------------------------------------------------- loading
-REWARDS: Registry[Any] = Registry("reward")
+def as_reward(obj: Any) -> RewardFn | type[RewardFn]:
+    """What ``rewards.extra[].fn=module:attr`` names: a class, whose instances (built with the spec's settings) are
+    checked by :func:`load_reward_fn`, or a :class:`RewardFn` that takes the spec's settings as keywords.
+
+    Raises:
+        TypeError: an object that is not callable, or a function that cannot take the turns, saying what is
+            expected.
+    """
+    if not isinstance(obj, type):
+        check_callable(obj, RewardFn, "a reward (or a class whose instances are one)", settings_follow=True)
+    return obj
+
+
+REWARDS: Registry[RewardFn | type[RewardFn]] = Registry("reward", coerce=as_reward)
 """Every reward function by name: a :class:`RewardFn`, or a class whose instances are (built with the spec's
 settings). ``rewards.extra[].fn`` takes a name or ``module:attr``. The built-in ones are registered by
 ``module:attr`` strings (their modules import this one)."""
@@ -236,28 +249,25 @@ def load_reward_fn(spec: RewardSpec) -> RewardFn:
 
     A class is instantiated with ``spec.settings``; a function gets them as
     keyword arguments on every call.
+
+    Raises:
+        ConfigError: an unknown name, a module or attribute that cannot be imported, settings the function or
+            class does not take, or an object that cannot score turns (one line that says which).
     """
-    if spec.fn not in REWARDS and not is_module_attr(spec.fn):
-        raise ConfigError(
-            f"rewards.extra {spec.name!r}: fn={spec.fn!r} is neither a built-in reward "
-            f"({', '.join(REWARDS.names())}) nor of the form module:attribute"
-        )
-    try:
-        obj: Any = REWARDS.get(spec.fn)
-    except RegistryError as error:
-        raise ConfigError(f"rewards.extra {spec.name!r}: cannot load {spec.fn!r}: {error}") from error
+    obj = check_registered(f"rewards.extra[{spec.name}].fn", spec.fn, REWARDS)
     try:
         if inspect.isclass(obj):
             fn = obj(**spec.settings)
-        elif spec.settings:
-            inspect.signature(obj).bind(None, **spec.settings)  # unknown settings fail now, not mid-run
-            fn = functools.update_wrapper(functools.partial(obj, **spec.settings), obj)
         else:
-            fn = obj
+            inspect.signature(obj).bind(None, **spec.settings)  # unknown or missing settings fail now, not mid-run
+            fn = functools.update_wrapper(functools.partial(obj, **spec.settings), obj) if spec.settings else obj
     except (TypeError, ValueError) as error:
         raise ConfigError(
             f"rewards.extra {spec.name!r}: bad settings {spec.settings} for {spec.fn!r}: {error}"
         ) from error
-    if not callable(fn):
-        raise ConfigError(f"rewards.extra {spec.name!r}: {spec.fn!r} is not callable")
+    if inspect.isclass(obj):  # a function's signature was bound above; what a class builds is checked here
+        try:
+            check_callable(fn, RewardFn, f"what the class {spec.fn!r} builds")
+        except TypeError as error:
+            raise ConfigError(f"rewards.extra {spec.name!r}: {error}") from error
     return fn

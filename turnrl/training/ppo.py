@@ -22,7 +22,7 @@ from turnrl.algorithms import (
     truncated_importance_weights,
     value_loss,
 )
-from turnrl.algorithms.losses import PolicyLossInputs
+from turnrl.algorithms.losses import PolicyLoss, PolicyLossInputs
 from turnrl.models.devices import to_device
 from turnrl.training.batch import Batch
 from turnrl.training.model_passes import ValueModel, token_logprobs
@@ -234,6 +234,7 @@ def ppo_epochs(
     actor_params = [p for p in actor.parameters() if p.requires_grad]
     critic_params = [p for p in critic.parameters() if p.requires_grad] if critic is not None else []
     world = shard.world if shard is not None else 1
+    policy_loss = config.policy_loss_fn  # resolved once per update, not in every micro-batch
     # metric -> sum of weight * value over micro-batches, on the device until the epochs end: a read of the
     # device in every pass would make the host wait for each pass before queuing the next one.
     weighted: dict[str, torch.Tensor] = {}
@@ -267,8 +268,8 @@ def ppo_epochs(
                 weight = micro_weight(micro, mini, row_tokens, config.loss_aggregation) if micro is not None else 0.0
                 rows = micro if micro is not None else mini[:1]
                 if stepping is not None:
-                    values = _actor_backward(actor, part, inputs, rows, config, temperature, weight * world,
-                                             batching.packed)
+                    values = _actor_backward(actor, part, inputs, rows, config, policy_loss, temperature,
+                                             weight * world, batching.packed)
                     record_weighted(values, weight)
                     if config.target_kl is not None:
                         mini_kl = mini_kl + weight * values["actor/approx_kl"]
@@ -313,7 +314,7 @@ def _mini_batch_kl(local: float, shard: Shard | None) -> float:
 
 def _actor_backward(
     actor: torch.nn.Module, part: Batch, inputs: UpdateInputs, rows: torch.Tensor, config: AlgorithmConfig,
-    temperature: float, weight: float, packed: bool,
+    policy_loss_fn: PolicyLoss, temperature: float, weight: float, packed: bool,
 ) -> dict[str, torch.Tensor]:
     """One micro-batch's actor loss and its backward; its metrics as 0-dim tensors, not read from the device."""
     index = to_device(rows, inputs.old_logprobs.device)
@@ -328,7 +329,7 @@ def _actor_backward(
     if cap is not None:
         token_weights = truncated_importance_weights(
             inputs.old_logprobs[index], part.sampler_logprobs.to(logprobs.device), mask, cap)
-    policy_loss, stats = config.policy_loss_fn(
+    policy_loss, stats = policy_loss_fn(
         PolicyLossInputs(logprobs, inputs.old_logprobs[index], inputs.advantages[index], mask, weights, token_weights),
         config.policy_loss_settings,
     )
