@@ -1,6 +1,7 @@
 """The asynchronous backend in the trainer on the tiny model: staleness 0 is the synchronous run, staleness 1
 overlaps and corrects with truncated importance weights, failures surface in the trainer, the engine follows the
-copy."""
+copy, a validation's episodes play inside its exclusive hold, no memory peak of a rollout it did not measure; and
+``turnrl train distributed.async_rollout=true`` with no staleness is the one-process run."""
 
 from __future__ import annotations
 
