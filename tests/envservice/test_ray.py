@@ -71,7 +71,7 @@ def test_a_rollout_over_envs_in_workers_gives_the_trajectories_of_the_same_envs_
         same_trajectory(a, b)
 
 
-@pytest.mark.slow  # the same path runs in tests/training/parallel/test_fsdp2.py's Ray run
+@pytest.mark.slow  # the same path runs in tests/training/backends/test_ray_rollout.py's Ray run
 def test_an_image_env_in_a_worker_gives_the_same_images_and_the_expert_plans_on_forks():
     # The world-modeling expert plans on deep copies of the env: in a worker, forks of its env there.
     here = play(lambda: make("Sokoban", mode="image"), "Sokoban", "grounding_worldmodeling", SEEDS)

@@ -79,7 +79,7 @@ def same(a, b) -> None:
     assert a.tokens.stream().input_ids == b.tokens.stream().input_ids  # the driver reads the worker's contexts
 
 
-@pytest.mark.slow  # the same path runs in tests/training/parallel/test_fsdp2.py's Ray run
+@pytest.mark.slow  # the same path runs in tests/training/backends/test_ray_rollout.py's Ray run
 def test_workers_play_the_greedy_trajectories_of_the_same_policy_in_process_and_follow_new_weights(
         workers, actor, tiny_tokenizer):
     assert workers.set_weights(actor, version=0) and not workers.set_weights(actor, version=0)

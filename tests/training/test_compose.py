@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-import re
 import typing
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -17,20 +17,21 @@ import torch
 
 import turnrl
 from tests.training.test_trainer import COMMON
-from turnrl.config import load_config
+from turnrl.agent.formats import get_format
+from turnrl.config import AgentConfig, load_config
 from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RayRollout
-from turnrl.rollout.runner import Rollout
+from turnrl.rollout.runner import Rollout, RolloutTimings
 from turnrl.training import compose
 from turnrl.training.backends.asynchronous import AsyncRollout
 from turnrl.training.backends.backend import EpisodeRunner, RolloutBackend, RolloutParts, Rollouts, WeightsVersion
 from turnrl.training.backends.local import LocalRollout
 from turnrl.training.backends.ray_rollout import RayBackend
 from turnrl.training.backends.sharded import ShardedRollout
-from turnrl.training.train_config import TrainConfig
 from turnrl.training.parallel.fsdp2 import FSDP2
 from turnrl.training.parallel.single import SingleProcess
 from turnrl.training.parallel.strategy import ParallelStrategy
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import Trainer
 
 
@@ -57,32 +58,62 @@ def protocol_members(protocol: type) -> set[str]:
             for name in vars(cls) if not name.startswith("_")} - {"mro"}
 
 
-def member(cls: type, name: str) -> Any:
-    """``cls``'s ``name``: a class attribute, property or method, or an attribute its ``__init__`` sets."""
-    found = inspect.getattr_static(cls, name, None)
-    if found is None and re.search(rf"self\.{name}(: [^=]+)? = ", inspect.getsource(cls.__init__)):  # type: ignore[misc]
-        return "an instance attribute"
+def member(owner: object, name: str) -> Any:
+    """``owner``'s ``name``, without calling a property: what its class defines or annotates, or (``owner`` a real
+    instance) what its ``__init__`` set; None where it has none."""
+    found = inspect.getattr_static(owner, name, None)
+    if found is None:
+        found = typing.get_type_hints(owner if isinstance(owner, type) else type(owner)).get(name)
     return found
 
 
-@pytest.mark.parametrize("backend", [LocalRollout, ShardedRollout, RayBackend, AsyncRollout])
-def test_every_rollout_backend_has_the_protocols_members_with_its_signatures(backend):
-    for name in protocol_members(RolloutBackend):
-        declared, given = inspect.getattr_static(RolloutBackend, name), member(backend, name)
-        assert given is not None, f"{backend.__name__} lacks {name}"
+@pytest.fixture(scope="module")
+def runner(tiny_policy) -> Rollout:
+    agent = AgentConfig(format="no_think")
+    return Rollout(tiny_policy, get_format(agent.format), agent, env_id="FrozenLake")
+
+
+def asynchronous(runner: Rollout) -> AsyncRollout:
+    model = runner.policy.model
+    assert model is not None
+    return AsyncRollout(runner, model, torch.device("cpu"), torch.float32, max_staleness=0, end_step=1)
+
+
+# Real instances, built as compose builds them; the Ray backend's class (an instance needs Ray workers running).
+BACKENDS: dict[str, Callable[[Rollout], object]] = {
+    "local": lambda runner: LocalRollout(runner, nullcontext),
+    "sharded": lambda runner: ShardedRollout(runner, None, nullcontext),
+    "ray": lambda runner: RayBackend,
+    "asynchronous": asynchronous,
+}
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_every_rollout_backend_has_the_protocols_members_with_its_signatures(name, runner):
+    backend = BACKENDS[name](runner)
+    for member_name in protocol_members(RolloutBackend):
+        declared, given = inspect.getattr_static(RolloutBackend, member_name), member(backend, member_name)
+        assert given is not None, f"{name} lacks {member_name}"
         if inspect.isfunction(declared):
             assert list(inspect.signature(given).parameters)[:len(inspect.signature(declared).parameters)] == \
-                list(inspect.signature(declared).parameters), (backend.__name__, name)
+                list(inspect.signature(declared).parameters), (name, member_name)
 
 
-@pytest.mark.parametrize("strategy", [SingleProcess, FSDP2])
-def test_every_parallel_strategy_has_the_protocols_members_with_its_signatures(strategy):
+@pytest.mark.parametrize("make", [SingleProcess, lambda: FSDP2(cpu_offload=False)], ids=["single", "fsdp2"])
+def test_every_parallel_strategy_has_the_protocols_members_with_its_signatures(make):
+    strategy = make()
     for name in protocol_members(ParallelStrategy) | {"startup"}:  # an attribute the protocol annotates
         declared, given = inspect.getattr_static(ParallelStrategy, name, None), member(strategy, name)
-        assert given is not None, f"{strategy.__name__} lacks {name}"
+        assert given is not None, f"{type(strategy).__name__} lacks {name}"
         if inspect.isfunction(declared):
             assert list(inspect.signature(given).parameters) == list(inspect.signature(declared).parameters), \
-                (strategy.__name__, name)
+                (type(strategy).__name__, name)
+
+
+def test_a_member_set_only_by_init_is_found_on_an_instance_and_not_on_its_class(runner):
+    # ShardedRollout's timings and rewards are set by its __init__: only a real instance has them.
+    assert member(ShardedRollout, "timings") is None
+    assert isinstance(member(ShardedRollout(runner, None, nullcontext), "timings"), RolloutTimings)
 
 
 def typed_assignments(runner: Rollout, workers: RayRollout, asynchronous: AsyncRollout) -> None:
@@ -143,3 +174,16 @@ def test_the_trainer_runs_with_the_parts_a_caller_gives_it(tiny_model_dir, tmp_p
     # Once built, then after each step: the steps done, and the actor's updates (none in the critic's warm-up).
     assert rollouts.versions == [WeightsVersion(0, 0), WeightsVersion(1, 0), WeightsVersion(2, 1)]
     assert [output.metrics["recorded/steps"] for output in outputs] == [1.0, 2.0]
+
+
+class SecondRank(SingleProcess):
+    """What FSDP2 says on any process but rank 0, in this one process."""
+
+    rank = 1
+
+
+def test_the_trainer_asks_its_strategy_which_process_writes_the_runs_files(tiny_model_dir, tmp_path):
+    trainer = Trainer(config(tiny_model_dir, tmp_path, "algorithm.kl_coef=0.1"), rewards=Rewards(),
+                      parallel=SecondRank(), rollouts=compose.local_rollouts)
+    trainer.close()
+    assert trainer.reference is not None and not (trainer.run_dir / "reference").exists()  # rank 0 saves it

@@ -91,7 +91,13 @@ from turnrl.training.logger import RunConsole, RunProgress
 from turnrl.training.memory import OptimizerSteps, halved_micro_batches, torch_said
 from turnrl.training.model_passes import ValueModel
 from turnrl.training.packed_attention import implementation
-from turnrl.training.parallel.strategy import CheckpointFiles, Models, Optimizers, ParallelStrategy
+from turnrl.training.parallel.strategy import (
+    CheckpointFiles,
+    Models,
+    Optimizers,
+    ParallelStrategy,
+    has_sharded_optimizers,
+)
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config
@@ -108,7 +114,8 @@ from turnrl.training.throughput import (
 from turnrl.training.train_config import AlgorithmConfig, FilterConfig, TrainConfig
 from turnrl.viz.records import token_advantage_records
 
-console = RunConsole(quiet=not ranks.is_main())  # one process of a distributed run speaks
+# The process's console, shared with the commands around the steps and made before any strategy: rank 0 speaks.
+console = RunConsole(quiet=not ranks.is_main())
 
 
 @dataclass
@@ -240,6 +247,18 @@ def play_step(
     return rollout, keep
 
 
+def rollout_memory_metrics(rollout_peak: float | None, metrics: dict[str, float], runs_ahead: bool
+                           ) -> dict[str, float]:
+    """The peak memory of a step's rollout on the trainer's device, and the step's peak (scores and update in
+    ``metrics`` too); none on a CPU, nor where the backend runs ahead: the trainer's device then held only what
+    the trainer allocated while it waited for the rollout thread, not what the rollout used."""
+    if rollout_peak is None or runs_ahead:
+        return {}
+    return {"memory/rollout_peak_gib": rollout_peak,
+            "memory/peak_allocated_gib": max(rollout_peak, metrics.get("memory/scores_peak_gib", 0.0),
+                                             metrics.get("memory/update_peak_gib", 0.0))}
+
+
 def make_batch(trajectories: list[Trajectory], keep: list[int], sample_mode: str, pad_id: int,
                device: torch.device) -> Batch:
     """The kept trajectories as padded training tensors (one sample per episode or per turn)."""
@@ -356,6 +375,26 @@ def _lookup_only(model: Any) -> torch.Tensor | None:
     embeddings = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     return None if head is not None and head.weight is embeddings else embeddings
+
+
+def resume_mismatch(resume: str | None, processes: int, sharded: bool, parallel: ParallelStrategy) -> str | None:
+    """Why a checkpoint saved by ``processes`` processes, with its optimizer states ``sharded`` (FSDP2) or in the
+    trainer state, cannot resume with ``parallel`` (its optimizer states are laid out another way), and how to
+    resume it; None when it can."""
+    if sharded and not parallel.shards_optimizers:
+        return (f"resume={resume!r} was saved by {processes} FSDP process(es) (its optimizer states are shards) and "
+                f"this run is one process without FSDP: resume it under torchrun with distributed.backend=fsdp and "
+                f"distributed.nproc_per_node={processes}")
+    if not sharded and parallel.shards_optimizers:
+        return (f"resume={resume!r} was saved by one process without FSDP (its optimizer states are in its trainer "
+                f"state) and this run is FSDP under torchrun: resume it without torchrun, with "
+                f"distributed.nproc_per_node=1 and a distributed.backend other than fsdp")
+    if processes != parallel.world_size:
+        how = (f"distributed.nproc_per_node={processes} (or torchrun --nproc-per-node {processes})"
+               if processes > 1 else "one process (without torchrun, distributed.nproc_per_node=1)")
+        return (f"resume={resume!r} was saved by {processes} process(es) and this run has {parallel.world_size}: "
+                f"its optimizer states are split that way; resume it with {how}")
+    return None
 
 
 class Trainer:
@@ -516,7 +555,7 @@ class Trainer:
             reference_path = self.run_dir / "reference"
             if self.checkpoint is None:
                 reference: Any = copy.deepcopy(self.actor).to(self.dtype)
-                if ranks.is_main():
+                if self.parallel.rank == 0:
                     reference.save_pretrained(reference_path)
                 self.reference = reference
             else:
@@ -569,12 +608,10 @@ class Trainer:
             raise ConfigError(f"resume={self.config.resume!r}: {self.checkpoint / 'trainer_state.pt'} cannot be read "
                               f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); move "
                               f"{self.checkpoint.name} away to resume from an earlier checkpoint") from error
-        processes, now = state.get("world_size", 1), self.parallel.world_size
-        if processes != now:
-            how = (f"distributed.nproc_per_node={processes} (or torchrun --nproc-per-node {processes})"
-                   if processes > 1 else "one process (without torchrun, distributed.nproc_per_node=1)")
-            raise ConfigError(f"resume={self.config.resume!r} was saved by {processes} process(es) and this run has "
-                              f"{now}: its optimizer states are split that way; resume it with {how}")
+        problem = resume_mismatch(self.config.resume, state.get("world_size", 1),
+                                  has_sharded_optimizers(self.checkpoint), self.parallel)
+        if problem is not None:
+            raise ConfigError(problem)
         self.parallel.restore_optimizers(self.checkpoint, state, self.models(), self.optimizers())
         self.actor_scheduler.load_state_dict(state["actor_scheduler"])
         set_rng_state(state["rng"])
@@ -629,11 +666,7 @@ class Trainer:
         output = self.update_or_retry(step, rollout, keep) if keep else rollout
         output.metrics.update(self.rollout.set_weights(self.actor, self.weights_version(step + 1)))
         output.metrics["timing/step_s"] = time.time() - step_start
-        if rollout_peak is not None:
-            output.metrics["memory/rollout_peak_gib"] = rollout_peak
-            output.metrics["memory/peak_allocated_gib"] = max(
-                rollout_peak, output.metrics.get("memory/scores_peak_gib", 0.0),
-                output.metrics.get("memory/update_peak_gib", 0.0))
+        output.metrics.update(rollout_memory_metrics(rollout_peak, output.metrics, self.rollout.runs_ahead))
         if first:
             output.metrics.update({f"startup/{key}": value for key, value in self.startup.items()})
         return output
@@ -711,7 +744,7 @@ class Trainer:
             model.train(training)
         self.memory_retries[step + 1] = halved
         self.summary.setdefault("memory_retries", []).append({"step": step + 1, "setting": halved})
-        if ranks.is_main():
+        if self.parallel.rank == 0:
             write_config(self.config)
         console.print(f"[bold]RL step {step + 1} ran out of GPU memory before its first optimizer step[/bold]: "
                       f"running it again on the same episodes with {halved}, kept for the rest of the run. "

@@ -1,21 +1,30 @@
 """The asynchronous backend in the trainer on the tiny model: staleness 0 is the synchronous run, staleness 1
 overlaps and corrects with truncated importance weights, failures surface in the trainer, the engine follows the
-copy."""
+copy, a validation's episodes play inside its exclusive hold, no memory peak of a rollout it did not measure; and
+``turnrl train distributed.async_rollout=true`` with no staleness is the one-process run."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.training.reference_run import assert_same_metrics, step_records, train_in_process
 from tests.training.test_trainer import COMMON as TRAINER_COMMON
-from turnrl.config import ConfigError, load_config
+from turnrl.agent.formats import get_format
+from turnrl.config import AgentConfig, ConfigError, SamplingConfig, load_config
 from turnrl.engine.llm_engine import weights_version
+from turnrl.envs import make
+from turnrl.envs.seeds import SeedSplits
+from turnrl.rollout.groups import EnvGroups
+from turnrl.rollout.runner import Rollout
+from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.backends.asynchronous import AsyncRollout, RolloutThreadError
 from turnrl.training.backends.local import LocalRollout
 from turnrl.training.train_config import TrainConfig
-from turnrl.training.trainer import StepOutput, Trainer
+from turnrl.training.trainer import StepOutput, Trainer, rollout_memory_metrics
 
 COMMON = [*TRAINER_COMMON, "run.steps=3"]  # the trainer tests' short FrozenLake run, one step longer
 TIS = ["algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
@@ -158,3 +167,44 @@ def test_validation_and_resume_continue_the_synchronous_run(tiny_model_dir, tmp_
     finally:
         resumed.close()
     assert comparable(again) == comparable(straight)
+
+
+def test_a_rollout_that_runs_ahead_reports_no_peak_memory_of_its_own():
+    """The trainer's device, measured while the trainer waits for the rollout thread, says nothing of the
+    rollout's memory: no rollout peak, and no step peak taken over it."""
+    update = {"memory/scores_peak_gib": 2.0, "memory/update_peak_gib": 3.0}
+    assert rollout_memory_metrics(1.5, update, runs_ahead=True) == {}
+    assert rollout_memory_metrics(1.5, update, runs_ahead=False) == {"memory/rollout_peak_gib": 1.5,
+                                                                     "memory/peak_allocated_gib": 3.0}
+    assert rollout_memory_metrics(None, update, runs_ahead=False) == {}  # a CPU
+
+
+def test_episodes_played_during_a_validation_do_not_wait_for_the_validation(tiny_policy):
+    """``run`` inside :meth:`AsyncRollout.exclusive` (a validation on the backend's own runner) plays, in the
+    thread that holds it."""
+    agent = AgentConfig(format="no_think", max_turns=1)
+    runner = Rollout(tiny_policy, get_format(agent.format), agent, env_id="FrozenLake")
+    rollout = AsyncRollout(runner, tiny_policy.model, torch.device("cpu"), torch.float32, max_staleness=0,
+                           end_step=1)
+    slots = EnvGroups(lambda: make("FrozenLake"), 1, 1, SeedSplits()).train_slots(0)
+    played: list[Trajectory] = []
+
+    def validate() -> None:
+        with rollout.exclusive():
+            played.extend(rollout.run(slots, SamplingConfig(temperature=0.0, max_new_tokens=4)))
+
+    thread = threading.Thread(target=validate, daemon=True)
+    thread.start()
+    thread.join(timeout=300)
+    assert not thread.is_alive(), "run() inside exclusive() waits for the lock its own thread holds"
+    assert len(played) == 1
+    rollout.close()
+
+
+def test_asynchronous_run_with_no_staleness_is_the_synchronous_run(tiny_model_dir, tmp_path, single):
+    lagging = train_in_process(tiny_model_dir, tmp_path, "async", "run.steps=2", "distributed.async_rollout=true",
+                         "distributed.max_staleness=0")
+    one, two = step_records(single), step_records(lagging)
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+        assert two[step]["async/staleness"] == 0

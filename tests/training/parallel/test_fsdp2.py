@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,58 +16,20 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from tests.training.reference_run import (
+    ARGS,
+    assert_same_metrics,
+    run_config,
+    run_train,
+    step_records,
+    train_in_process,
+)
 from turnrl.config import ConfigError, load_config
 from turnrl.models.loading import load_model
 from turnrl.training.commands import train
-from turnrl.training.train_config import TrainConfig
 from turnrl.training.parallel.fsdp2 import allocate, copy_full_weights, process_rows, structure_of
 from turnrl.training.ppo import MicroBatching, Shard, shard_micro_batches, shard_rows
-
-# A short PPO run with a critic (GAE), greedy rollouts: one process and two play the same episodes.
-ARGS = [
-    "model.device=cpu", "model.dtype=float32", "run.tensorboard=false", "run.trajectories_every=1", "run.threads=1",
-    "env.id=FrozenLake", "agent.format=no_think", "agent.env_instructions=false", "agent.format_instructions=false",
-    "agent.max_turns=2", "sampling.max_new_tokens=8", "sampling.temperature=0", "groups.n_groups=4",
-    "groups.group_size=2", "validation.episodes=4", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
-    "optim.actor_lr=1e-3", "optim.critic_lr=1e-3",
-]
-COMPARED = ("losses/", "actor/", "critic/", "rollout/", "batch/", "filter/")
-UNCOMPARED = ("actor/logprob_mismatch",)  # float noise of a check on a few rows, not part of the update
-
-
-def run_train(model_dir: Path, out: Path, name: str, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``turnrl train`` in a process of its own (how several processes, Ray or a kill are started)."""
-    command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={model_dir}", f"run.output_dir={out}",
-               f"run.name={name}", *ARGS, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def train_in_process(model_dir: Path, out: Path, name: str, *extra: str) -> Path:
-    """The one-process reference run, in this process (what ``turnrl train`` runs, without a new interpreter's
-    start); returns its run directory."""
-    train(load_config(TrainConfig, None, [f"model.path={model_dir}", f"run.output_dir={out}", f"run.name={name}",
-                                          *ARGS, *extra]))
-    return out / name
-
-
-@pytest.fixture(scope="module")
-def single(tiny_model_dir, tmp_path_factory) -> Path:
-    """Two PPO steps on one process: the run the two-process, Ray and asynchronous runs of the same settings
-    equal (read, never changed, by the tests)."""
-    return train_in_process(tiny_model_dir, tmp_path_factory.mktemp("reference"), "single", "run.steps=2")
-
-
-def step_records(run_dir: Path) -> dict[int, dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if "rollout/success" in r}
-
-
-def assert_same_metrics(one: dict, other: dict) -> None:
-    keys = [k for k in one if k.startswith(COMPARED) and not k.startswith(UNCOMPARED)]
-    assert keys
-    for key in keys:
-        assert other[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+from turnrl.training.train_config import TrainConfig
 
 
 # --------------------------------------------------------------------------- rows of a process
@@ -343,71 +303,32 @@ def test_the_stop_file_stops_every_process_after_the_same_step_with_a_checkpoint
     assert sorted(step_records(run_dir)) == [1, 2, 3]
 
 
-# --------------------------------------------------------------------------- Ray and the asynchronous mode
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A local Ray cluster of two CPUs, started as a user would (``ray start --head``); a run joins it with
-    ``distributed.ray_address=auto``, as on the head machine of a cluster."""
-    pytest.importorskip("ray")
+# --------------------------------------------------------------------------- resuming across strategies
+def as_one_torchrun_process(monkeypatch) -> None:
+    """This process as torchrun would start it alone: ``train`` then joins a gloo group of one and trains with
+    FSDP2 (the process group is closed when it returns)."""
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    temp = tmp_path_factory.mktemp("ray")
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    started = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                              f"--temp-dir={temp}", "--disable-usage-stats"], capture_output=True, text=True)
-    assert started.returncode == 0, started.stderr[-2000:]
-    yield "auto"
-    subprocess.run([ray_bin, "stop", "--force"], capture_output=True)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "test"}.items():
+        monkeypatch.setenv(name, value)
 
 
-def test_ray_rollout_workers_train_as_one_process(tiny_model_dir, tmp_path, ray_cluster, single):
-    """``distributed.backend=ray`` on a running cluster: two rollout actors play the groups and get the new
-    weights after each update; the run is the single-process run."""
-    ray_run = run_train(tiny_model_dir, tmp_path, "ray", "run.steps=2", "distributed.backend=ray",
-                        "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}")
-    assert ray_run.returncode == 0, ray_run.stdout[-2000:] + ray_run.stderr[-3000:]
-    one, two = step_records(single), step_records(tmp_path / "ray")
-    for step in one:
-        assert_same_metrics(one[step], two[step])
-
-
-def test_asynchronous_run_with_no_staleness_is_the_synchronous_run(tiny_model_dir, tmp_path, single):
-    lagging = train_in_process(tiny_model_dir, tmp_path, "async", "run.steps=2", "distributed.async_rollout=true",
-                         "distributed.max_staleness=0")
-    one, two = step_records(single), step_records(lagging)
-    for step in one:
-        assert_same_metrics(one[step], two[step])
-        assert two[step]["async/staleness"] == 0
-
-
-@pytest.mark.slow
-def test_a_dead_rollout_worker_stops_the_run_with_a_checkpoint_that_resumes(tiny_model_dir, tmp_path, ray_cluster):
-    """Kill a Ray rollout worker after the first checkpoint: the run saves the last finished step, says how to
-    resume and exits; resuming finishes the run."""
-    command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={tiny_model_dir}",
-               f"run.output_dir={tmp_path}", "run.name=ray", *ARGS, "run.steps=6", "run.save_every=1",
-               "distributed.backend=ray", "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}",
-               "distributed.timeout_s=60"]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    first = tmp_path / "ray" / "checkpoints" / "step_000001"
-    deadline = time.time() + 300
-    while not first.is_dir() and time.time() < deadline and run.poll() is None:
-        time.sleep(0.5)
-    assert first.is_dir(), "no checkpoint after the first step"
-    # Ray names an actor's process after its class.
-    workers = subprocess.run(["pgrep", "-f", "ray::RolloutHost"], capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2, workers
-    os.kill(int(workers[1]), signal.SIGKILL)
-    output, _ = run.communicate(timeout=240)
-    text = " ".join(output.split())
-    assert run.returncode == 1, output[-3000:]  # a fault, with a checkpoint and how to resume
-    assert "rollout stopped" in text and "stopped by the error above" in text and "turnrl train resume=" in text
-    resumed = run_train(tiny_model_dir, tmp_path, "ray", "run.steps=6", "distributed.backend=ray",
-                        "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}",
-                        f"resume={tmp_path / 'ray'}")
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    assert sorted(step_records(tmp_path / "ray"))[-1] == 6
+def test_a_checkpoint_resumes_only_with_the_optimizer_layout_it_was_saved_in(tiny_model_dir, tmp_path, monkeypatch):
+    """One FSDP process saves its optimizer states as shards and one plain process inside the trainer state,
+    both with ``world_size`` 1: a resume with the other strategy stops with how to resume it."""
+    plain = train_in_process(tiny_model_dir, tmp_path, "plain", "run.steps=1", "validation.episodes=1")
+    with monkeypatch.context() as torchrun:
+        as_one_torchrun_process(torchrun)
+        with pytest.raises(ConfigError, match=r"one process without FSDP.* resume it without torchrun"):
+            train(run_config(tiny_model_dir, tmp_path, "plain", "run.steps=2", f"resume={plain}",
+                             "distributed.backend=fsdp"))
+        sharded = train_in_process(tiny_model_dir, tmp_path, "sharded", "run.steps=1", "validation.episodes=1",
+                                   "distributed.backend=fsdp")
+    assert (sharded / "checkpoints" / "step_000001" / "optimizer").is_dir()
+    with pytest.raises(ConfigError, match=r"1 FSDP process.* under torchrun with distributed.backend=fsdp and "
+                                          r"distributed.nproc_per_node=1"):
+        train(run_config(tiny_model_dir, tmp_path, "sharded", "run.steps=2", f"resume={sharded}"))

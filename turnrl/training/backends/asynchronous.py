@@ -188,8 +188,8 @@ class AsyncRollout:
         self._batches: queue.Queue[RolloutBatch[Any] | RolloutFailure] = queue.Queue()
         self._stop = threading.Event()
         # Held for a whole rollout batch and for a whole validation: both seed torch's global generator and
-        # score with the same (possibly stateful) reward functions.
-        self._sampling = threading.Lock()
+        # score with the same (possibly stateful) reward functions. Re-entrant: run() within exclusive().
+        self._sampling = threading.RLock()
         self.thread: threading.Thread | None = None
         self._failure: RolloutFailure | None = None
 

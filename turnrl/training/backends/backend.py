@@ -3,8 +3,8 @@
     runner      run(slots, sampling) -> trajectories; its timings and its rewards' metrics (EpisodeRunner)
     roll_out    when a step's episodes are played: now, on this process (local, sharded, Ray), or ahead
                 in a thread of its own (asynchronous); the trainer says how (PlayStep)
-    set_weights the trainer's weights after a step (WeightsVersion): sent, staged or, where the policy
-                samples from the trainer's own model, nothing to do
+    set_weights the trainer's weights after a step (WeightsVersion): staged, noted to send with the next
+                rollout or, where the policy samples from the trainer's own model, nothing to do
     exclusive   held for a whole validation: no episode of the backend plays meanwhile
     close       threads, actors
 
@@ -93,8 +93,9 @@ class RolloutBackend(EpisodeRunner, Protocol):
 
     def set_weights(self, model: torch.nn.Module, version: WeightsVersion) -> dict[str, float]:
         """``model``'s weights are ``version``: the episodes played from now on (within the backend's staleness)
-        sample with them. Called once the trainer is built, and after every step; returns metrics of the
-        transfer (empty where there is nothing to report)."""
+        sample with them. Called once the trainer is built, and after every step; returns metrics of a transfer
+        made now (empty where there is nothing to report). A backend may defer the transfer to the next
+        :meth:`roll_out` (Ray: no weights sent after a run's last step), whose metrics then report it."""
         ...
 
     def exclusive(self) -> AbstractContextManager[Any]:

@@ -39,7 +39,10 @@ def ray_workers(config: TrainConfig, model_dir: Path, tokenizer: Any, batch_size
 class RayBackend:
     """A :class:`~turnrl.training.backends.backend.RolloutBackend` on Ray rollout workers.
 
-    New weights go to the workers only when the actor's updates moved (a critic warm-up step sends nothing).
+    :meth:`set_weights` only notes the trainer's weights; they are sent to every worker when the next episodes
+    are played (:meth:`roll_out`, :meth:`run`), so that the last step of a run, or one after which the run
+    stops, sends nothing. They go only when the actor's updates moved (a critic warm-up step sends nothing),
+    and the step that sent them reports the transfer's seconds as ``ray/weights_sync_s``.
     """
 
     runs_ahead = False
@@ -47,6 +50,8 @@ class RayBackend:
     def __init__(self, workers: RayRollout, precision: Callable[[], AbstractContextManager]) -> None:
         self.workers = workers
         self.precision = precision
+        self.pending: tuple[torch.nn.Module, WeightsVersion] | None = None
+        """The trainer's model and its weights' version, noted by :meth:`set_weights` and not yet sent."""
 
     @property
     def timings(self) -> RolloutTimings:
@@ -57,14 +62,25 @@ class RayBackend:
         return self.workers.rewards
 
     def run(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig) -> list[Trajectory]:
+        self.send_weights()
         return self.workers.run(slots, sampling)
 
     def roll_out(self, step: int, play: PlayStep[Played]) -> StepRollout[Played]:
-        return StepRollout(play(self, step, self.precision()))
+        metrics = self.send_weights()
+        return StepRollout(play(self, step, self.precision()), metrics)
 
     def set_weights(self, model: torch.nn.Module, version: WeightsVersion) -> dict[str, float]:
-        self.workers.set_weights(model, version=version.updates)
-        return {}
+        self.pending = (model, version)
+        return {}  # sent, and reported, by the step that plays with them
+
+    def send_weights(self) -> dict[str, float]:
+        """Send the noted weights to the workers unless they hold that version; the transfer's seconds."""
+        if self.pending is None:
+            return {}
+        model, version = self.pending
+        sent = self.workers.set_weights(model, version=version.updates)
+        self.pending = None
+        return {"ray/weights_sync_s": self.workers.last_sync_s} if sent else {}
 
     def exclusive(self) -> AbstractContextManager[Any]:
         return nullcontext()

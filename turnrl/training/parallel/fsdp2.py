@@ -47,11 +47,8 @@ from turnrl.training import ranks
 from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint, unique_tmp_name
 from turnrl.training.head import ScoringHead
 from turnrl.training.model_passes import ValueModel, body_and_head
-from turnrl.training.parallel.strategy import CheckpointFiles, Models, Optimizers
+from turnrl.training.parallel.strategy import OPTIMIZER_DIR, CheckpointFiles, Models, Optimizers
 from turnrl.training.ppo import Shard
-
-OPTIMIZER_DIR = "optimizer"
-"""A checkpoint's sharded optimizer states (``torch.distributed.checkpoint`` files), beside ``actor/``."""
 
 
 # --------------------------------------------------------------------------- rows and groups of a process
@@ -240,6 +237,7 @@ class FSDP2:
 
     # A process out of memory leaves the others waiting in a collective, and its own layers gathered.
     retries_out_of_memory = False
+    shards_optimizers = True
 
     def __init__(self, cpu_offload: bool) -> None:
         device = ranks.process_device()

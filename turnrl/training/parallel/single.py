@@ -19,6 +19,7 @@ class SingleProcess:
     rank = 0
     world_size = 1
     retries_out_of_memory = True
+    shards_optimizers = False
 
     def __init__(self) -> None:
         self.startup: dict[str, float] = {}

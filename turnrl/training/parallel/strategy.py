@@ -23,6 +23,15 @@ import torch
 from turnrl.training.model_passes import ValueModel
 from turnrl.training.ppo import Shard
 
+OPTIMIZER_DIR = "optimizer"
+"""A checkpoint's sharded optimizer states (``torch.distributed.checkpoint`` files), beside ``actor/``; a
+checkpoint without it holds its optimizer states in ``trainer_state.pt``."""
+
+
+def has_sharded_optimizers(checkpoint: Path) -> bool:
+    """Whether ``checkpoint``'s optimizer states are shards (:data:`OPTIMIZER_DIR`), as FSDP2 processes save them."""
+    return (checkpoint / OPTIMIZER_DIR).is_dir()
+
 
 @dataclass
 class Models:
@@ -61,7 +70,9 @@ class ParallelStrategy(Protocol):
     """One process, or several that train as one (see the module's docstring)."""
 
     @property
-    def rank(self) -> int: ...
+    def rank(self) -> int:
+        """This process's rank; rank 0 writes the run's shared files (the trainer asks here, not the process)."""
+        ...
 
     @property
     def world_size(self) -> int: ...
@@ -70,6 +81,12 @@ class ParallelStrategy(Protocol):
     def retries_out_of_memory(self) -> bool:
         """Whether an update that ran out of memory may run again (not where other processes wait for this one
         in a collective)."""
+        ...
+
+    @property
+    def shards_optimizers(self) -> bool:
+        """Whether the optimizer states are saved and restored as shards (:data:`OPTIMIZER_DIR`), else in the
+        trainer state: a checkpoint resumes only with a strategy of its layout."""
         ...
 
     startup: dict[str, float]

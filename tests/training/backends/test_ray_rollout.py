@@ -1,0 +1,116 @@
+"""The Ray backend: the trainer's weights reach the workers with the next rollout (none after a run's last step),
+the step that sent them reports the transfer, and ``turnrl train distributed.backend=ray`` is the one-process run,
+and stops with a checkpoint that resumes when a worker dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import pytest
+
+from tests.training.reference_run import ARGS, assert_same_metrics, run_config, run_train, step_records
+from turnrl.envs import make
+from turnrl.envs.seeds import SeedSplits
+from turnrl.models.loading import load_model
+from turnrl.rollout.groups import EnvGroups
+from turnrl.rollout.trajectory import Trajectory
+from turnrl.training.backends.backend import EpisodeRunner, WeightsVersion
+from turnrl.training.backends.ray_rollout import RayBackend, ray_workers
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A local Ray cluster of two CPUs, started as a user would (``ray start --head``); a run joins it with
+    ``distributed.ray_address=auto``, as on the head machine of a cluster."""
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    temp = tmp_path_factory.mktemp("ray")
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    started = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                              f"--temp-dir={temp}", "--disable-usage-stats"], capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr[-2000:]
+    yield "auto"
+    subprocess.run([ray_bin, "stop", "--force"], capture_output=True)
+
+
+def test_weights_reach_the_workers_with_the_next_rollout_whose_metrics_report_the_transfer(
+        tiny_model_dir, tiny_tokenizer, tmp_path, ray_cluster):
+    import ray
+
+    config = run_config(tiny_model_dir, tmp_path, "ray", "distributed.backend=ray", "distributed.rollout_workers=1",
+                        f"distributed.ray_address={ray_cluster}")
+    workers = ray_workers(config, tiny_model_dir, tiny_tokenizer, batch_size=8)
+    backend = RayBackend(workers, nullcontext)
+    actor = load_model(tiny_model_dir).eval()
+    slots = EnvGroups(lambda: make("FrozenLake"), 1, 1, SeedSplits()).train_slots(0)
+
+    def play(runner: EpisodeRunner, step: int, precision: AbstractContextManager) -> list[Trajectory]:
+        with precision:
+            return runner.run(slots, config.sampling)
+
+    try:
+        assert backend.set_weights(actor, WeightsVersion(0, 0)) == {}
+        assert workers.version is None  # noted, not sent: no rollout has asked for them yet
+        first = backend.roll_out(0, play)
+        assert workers.version == 0 and first.metrics["ray/weights_sync_s"] > 0 and len(first.played) == 1
+        backend.set_weights(actor, WeightsVersion(1, 0))  # a step that left the weights as they were
+        assert backend.roll_out(1, play).metrics == {}
+        backend.set_weights(actor, WeightsVersion(2, 1))  # the last step of a run, or one before a stop
+        assert workers.version == 0
+        backend.run(slots, config.sampling)  # episodes played outside a step get them too
+        assert workers.version == 1
+    finally:
+        backend.close()
+        ray.shutdown()
+
+
+def test_ray_rollout_workers_train_as_one_process(tiny_model_dir, tmp_path, ray_cluster, single):
+    """``distributed.backend=ray`` on a running cluster: two rollout actors play the groups and get the new
+    weights before each rollout; the run is the single-process run."""
+    ray_run = run_train(tiny_model_dir, tmp_path, "ray", "run.steps=2", "distributed.backend=ray",
+                        "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}")
+    assert ray_run.returncode == 0, ray_run.stdout[-2000:] + ray_run.stderr[-3000:]
+    one, two = step_records(single), step_records(tmp_path / "ray")
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+        assert two[step]["ray/weights_sync_s"] > 0  # the first weights, then those of update 1
+
+
+@pytest.mark.slow
+def test_a_dead_rollout_worker_stops_the_run_with_a_checkpoint_that_resumes(tiny_model_dir, tmp_path, ray_cluster):
+    """Kill a Ray rollout worker after the first checkpoint: the run saves the last finished step, says how to
+    resume and exits; resuming finishes the run."""
+    command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={tiny_model_dir}",
+               f"run.output_dir={tmp_path}", "run.name=ray", *ARGS, "run.steps=6", "run.save_every=1",
+               "distributed.backend=ray", "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}",
+               "distributed.timeout_s=60"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    first = tmp_path / "ray" / "checkpoints" / "step_000001"
+    deadline = time.time() + 300
+    while not first.is_dir() and time.time() < deadline and run.poll() is None:
+        time.sleep(0.5)
+    assert first.is_dir(), "no checkpoint after the first step"
+    # Ray names an actor's process after its class.
+    workers = subprocess.run(["pgrep", "-f", "ray::RolloutHost"], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[1]), signal.SIGKILL)
+    output, _ = run.communicate(timeout=240)
+    text = " ".join(output.split())
+    assert run.returncode == 1, output[-3000:]  # a fault, with a checkpoint and how to resume
+    assert "rollout stopped" in text and "stopped by the error above" in text and "turnrl train resume=" in text
+    resumed = run_train(tiny_model_dir, tmp_path, "ray", "run.steps=6", "distributed.backend=ray",
+                        "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}",
+                        f"resume={tmp_path / 'ray'}")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert sorted(step_records(tmp_path / "ray"))[-1] == 6
