@@ -18,9 +18,10 @@ from turnrl.cli import main
 from turnrl.config import ConfigError, load_config, turnrl_command
 from turnrl.training.checkpoint import checkpoint_problem, latest_checkpoint
 from turnrl.training.commands import train
-from turnrl.training.train_config import TrainConfig
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import OWNER_FILE, RunLock, write_config
+from turnrl.training.seeding import level_plan_change
+from turnrl.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # A short GRPO run of the tiny model (no critic: the cheapest step), one thread.
@@ -370,6 +371,34 @@ def test_a_start_into_a_run_without_a_checkpoint_offers_no_resume(tiny_model_dir
             "pick another run.name, or pass run.overwrite=true") in str(error.value)
     with pytest.raises(ConfigError, match=f"continue it with `turnrl train resume={finished}`"):
         preflight(config(tiny_model_dir, finished.parent))
+
+
+# --------------------------------------------------------------------------- 12. a resume plays the run's levels
+def test_a_resume_that_would_play_other_levels_is_refused_and_changes_nothing(finished):
+    """Fewer groups a step after the checkpoint would play levels its steps trained on again (more: skip some):
+    one line naming the key and the run's value, the run left as it was. The group size, which only sets how many
+    samples a level gets, may change."""
+    before = listing(finished)
+    message = error_line("train", f"resume={finished}", "run.steps=3", "groups.n_groups=1")
+    assert message == (f"error: resume={str(finished)!r}: groups.n_groups=1 would change which levels (env seeds) the "
+                       "steps after step 2 play, so that some would be played twice and others never; resume with "
+                       "the run's groups.n_groups=2, or start a new run")
+    assert listing(finished) == before
+
+
+def test_the_level_plan_names_the_keys_that_move_the_levels(tmp_path):
+    def settings(*extra: str) -> TrainConfig:
+        return load_config(TrainConfig, None, [f"resume={tmp_path}", *extra])
+
+    run = settings()
+    assert level_plan_change(run, settings("groups.group_size=8", "seeds.seed=5", "run.steps=9"), 2) is None
+    assert "seeds.train_start=20000 would change" in level_plan_change(run, settings("seeds.train_start=20000"), 2)
+    followed = settings("seeds.levels_follow_seed=true")
+    assert level_plan_change(followed, settings("seeds.levels_follow_seed=true", "seeds.seed=7"), 2).startswith(
+        f"resume={str(tmp_path)!r}: seeds.seed=7 would change")
+    dynamic = level_plan_change(run, settings("algorithm.dynamic_sampling=true"), 2)
+    assert "algorithm.dynamic_sampling=True, algorithm.dynamic_sampling_rounds=3 would change" in dynamic
+    assert dynamic.endswith("resume with the run's algorithm.dynamic_sampling=False, or start a new run")
 
 
 # --------------------------------------------------------------------------- 14. commands as they can be run

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import GroupStats, group_stats, kl_penalty, seeded_group_scores, select_groups
-from turnrl.config import ConfigError, SamplingConfig, to_yaml
+from turnrl.config import ConfigError, SamplingConfig, load_config, to_yaml
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
 from turnrl.models.devices import resolve_dtype
@@ -79,6 +79,7 @@ from turnrl.training.batch_advantages import compute_advantages
 from turnrl.training.checkpoint import (
     atomic_write_text,
     checkpoint_bytes,
+    checkpoint_step,
     disk_space_problem,
     load_trainer_state,
     rng_state,
@@ -101,7 +102,7 @@ from turnrl.training.parallel.strategy import (
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config
-from turnrl.training.seeding import step_seed
+from turnrl.training.seeding import level_plan_change, step_seed
 from turnrl.training.throughput import (
     mfu,
     peak_flops,
@@ -397,6 +398,18 @@ def resume_mismatch(resume: str | None, processes: int, sharded: bool, parallel:
     return None
 
 
+def moved_levels(checkpoint: Path, config: TrainConfig) -> str | None:
+    """Why a resume of ``checkpoint`` with ``config`` would play other levels than the run planned for the steps
+    after it (:func:`~turnrl.training.seeding.level_plan_change`), or None. The run's settings are the checkpoint's
+    copy of ``config.yaml``; where it keeps none, or its copy does not read, nothing is said: the copy is a spare,
+    and the resume goes on from the run's own ``config.yaml``."""
+    try:
+        saved = load_config(TrainConfig, checkpoint / "config.yaml")
+    except (OSError, ConfigError):
+        return None
+    return level_plan_change(saved, config, checkpoint_step(checkpoint))
+
+
 class Trainer:
     """Everything an RL run holds, built at once from a :class:`TrainConfig` (or restored from a checkpoint).
 
@@ -437,6 +450,9 @@ class Trainer:
             self.checkpoint = point.checkpoint
             if point.note is not None:
                 console.print(point.note, markup=False, highlight=False, soft_wrap=True)
+            moved = None if self.checkpoint is None else moved_levels(self.checkpoint, config)
+            if moved is not None:
+                raise ConfigError(moved)
         self.first_step = 0
         """How many steps were done before this process: the index (from 0) of the first step it runs."""
         self.elapsed_before_s = 0.0

@@ -20,7 +20,19 @@ validation (on the trainer's actor) and a rollout batch never run at the same ti
 since both reseed torch's global generator and score with the same reward functions (state rewards keep a
 history).
 
-Batches in flight when a run stops are dropped: a resumed run rolls them out again.
+What a stop or a kill loses, and what a resume plays again: a checkpoint is the trainer's state alone (steps
+done, weights, optimizers); the batches the rollout thread played ahead (finished in the queue, or in flight) are
+dropped by :meth:`AsyncRollout.close`, which says which steps they were, or with the process by a SIGKILL. The
+resumed run's rollout thread starts at the first step the checkpoint has not trained, and the levels of a step come
+from the step alone (``seeds``, :mod:`turnrl.training.seeding`; a resume that would lay them out otherwise is
+refused). So every step from the first to ``run.steps`` is trained once, on the groups and seeds an uninterrupted
+run plays at that step, whatever the moment of the stop. What may differ is the samples: the first resumed step is
+played with the checkpoint's weights (staleness 0) where the uninterrupted run would have played it with weights
+up to ``max_staleness`` updates older (and which version plays a step there depends on timing anyway). With
+``max_staleness=0`` a resume continues the run exactly, as a synchronous one does. Replaying is exact about the
+episodes and costs at most ``max_staleness + 1`` batches of rollout per resume; keeping the buffer in the
+checkpoint instead would make each save wait for the batch in flight, and still not give an uninterrupted run's
+samples, whose weights depend on timing.
 """
 
 from __future__ import annotations
@@ -192,6 +204,10 @@ class AsyncRollout:
         self._sampling = threading.RLock()
         self.thread: threading.Thread | None = None
         self._failure: RolloutFailure | None = None
+        self._playing: int | None = None
+        """The step the rollout thread is playing now, if any."""
+        self.dropped: list[int] = []
+        """The steps (indices, from 0) played ahead and never handed to the trainer: what :meth:`close` dropped."""
 
     def precision(self) -> AbstractContextManager:
         return autocast(self.device, self.dtype)
@@ -226,9 +242,11 @@ class AsyncRollout:
                 if self._stop.is_set():
                     return
                 version = self.weights.apply()
+                self._playing = step
                 with self._sampling:
                     played = play(self.runner, step, self.precision())
                 self._batches.put(RolloutBatch(step, played, version, wait_s))
+                self._playing = None
         except BaseException as error:  # noqa: BLE001 - every failure goes to the trainer, which raises it
             self._batches.put(RolloutFailure(step, error))
 
@@ -286,7 +304,8 @@ class AsyncRollout:
         return {"async/publish_s": publish_s}
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Stop the rollout thread: it ends after the batch in progress, which is dropped with the queued ones.
+        """Stop the rollout thread: it ends after the batch in progress, which is dropped with the queued ones;
+        the steps dropped are said (and kept in :attr:`dropped`): a resume plays them again (see the module).
 
         Safe to call twice, and before any step.
         """
@@ -298,8 +317,18 @@ class AsyncRollout:
             if self.thread.is_alive():
                 console.print(f"the rollout thread is still finishing its batch after {timeout_s:.0f} s; "
                               "it is left to end with the process")
+        dropped = [] if self._playing is None or not self.thread or not self.thread.is_alive() else [self._playing]
         while not self._batches.empty():
-            self._batches.get_nowait()
+            item = self._batches.get_nowait()
+            if isinstance(item, RolloutBatch):
+                dropped.append(item.step)
+        if dropped:
+            steps = sorted(set(dropped))  # a batch put just as the thread's join timed out counts once
+            self.dropped += steps
+            named = ", ".join(str(step + 1) for step in steps)
+            console.print(f"rollouts played ahead and not trained, dropped: step{'s' if len(steps) > 1 else ''} "
+                          f"{named} (a resume from the last checkpoint plays them again, on the same seeds)",
+                          soft_wrap=True)
 
 
 def async_rollouts(parts: RolloutParts) -> tuple[AsyncRollout, Rollout]:
