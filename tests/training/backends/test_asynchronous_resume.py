@@ -131,7 +131,7 @@ train(load_config(TrainConfig, None, sys.argv[2:]))
 
 def test_a_run_killed_mid_step_and_resumed_trains_each_planned_episode_once(uninterrupted, tiny_model_dir,
                                                                             tmp_path):
-    """SIGKILL in the update of step 3 (its batch taken from the queue, step 4's in flight), a checkpoint after
+    """SIGKILL in the update of step 3 (its batch taken from the queue, step 4's played ahead), a checkpoint after
     step 2: the resumed run trains steps 3 and 4 on their planned episodes, step 2's not again."""
     run = tmp_path / "run"
     killed = python(KILLED_MID_STEP, "2", *overrides(tiny_model_dir, tmp_path, *ASYNC))

@@ -206,8 +206,6 @@ class AsyncRollout:
         self._failure: RolloutFailure | None = None
         self._playing: int | None = None
         """The step the rollout thread is playing now, if any."""
-        self.dropped: list[int] = []
-        """The steps (indices, from 0) played ahead and never handed to the trainer: what :meth:`close` dropped."""
 
     def precision(self) -> AbstractContextManager:
         return autocast(self.device, self.dtype)
@@ -305,7 +303,7 @@ class AsyncRollout:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop the rollout thread: it ends after the batch in progress, which is dropped with the queued ones;
-        the steps dropped are said (and kept in :attr:`dropped`): a resume plays them again (see the module).
+        the steps dropped are said: a resume plays them again (see the module).
 
         Safe to call twice, and before any step.
         """
@@ -324,7 +322,6 @@ class AsyncRollout:
                 dropped.append(item.step)
         if dropped:
             steps = sorted(set(dropped))  # a batch put just as the thread's join timed out counts once
-            self.dropped += steps
             named = ", ".join(str(step + 1) for step in steps)
             console.print(f"rollouts played ahead and not trained, dropped: step{'s' if len(steps) > 1 else ''} "
                           f"{named} (a resume from the last checkpoint plays them again, on the same seeds)",
