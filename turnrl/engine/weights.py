@@ -24,12 +24,14 @@ tell):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from turnrl.engine.families import Family, Rotary, UnsupportedModel, family_of
 
@@ -249,6 +251,13 @@ class DecoderWeights:
         for tensor in self.tensors:
             tensor.release()
 
+    def checksum(self) -> WeightsChecksum:
+        """The checksum of what the engine computes with (merged, cast or fused buffers as they are now, not
+        refreshed) for the weights :func:`model_checksum` probes: the query, key and value and the down
+        projections of the first and last layers, and the LM head."""
+        probed = [ref for layer in (self.layers[0], self.layers[-1]) for ref in (*layer.qkv, layer.down)]
+        return checksum([ref.value for ref in (*probed, self.lm_head)], self.dtype)
+
 
 def base_causal_lm(model: nn.Module) -> nn.Module:
     """The transformers causal LM inside a peft wrapper (or the model itself)."""
@@ -401,3 +410,63 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
         tensors=tensors,
         vision=vision,
     )
+
+
+# --------------------------------------------------------------------------- the check after a weights sync
+@dataclass(frozen=True)
+class WeightsChecksum:
+    """A fingerprint of a few of a model's weights as something computes with them (see :func:`model_checksum`).
+
+    Cheap by design (five or so tensors, summed on their device): it tells that two holders of the weights agree,
+    or that one changed, without comparing every parameter.
+    """
+
+    total: float
+    """The probed tensors' elements summed in float64."""
+    magnitude: float
+    """Their absolute values summed in float64: the scale of rounding differences between two computations."""
+    dtype: torch.dtype
+    """The dtype the probed tensors were computed in (the rollout's; the trainer's side casts to it)."""
+
+    def agrees(self, other: WeightsChecksum) -> bool:
+        """Whether ``other`` holds the same weights, up to the rounding of computing them differently (merging LoRA
+        adapters in another dtype or on another device moves an element by an ulp or two, never more)."""
+        tolerance = 4 * torch.finfo(self.dtype).eps * max(self.magnitude, other.magnitude)
+        return abs(self.total - other.total) <= tolerance
+
+
+def checksum(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> WeightsChecksum:
+    """:class:`WeightsChecksum` of ``tensors`` (each cast to ``dtype`` first), summed on their device."""
+    total = magnitude = 0.0
+    with torch.no_grad():
+        for tensor in tensors:
+            if tensor.untyped_storage().size() == 0:  # a released buffer: no weights to compute with
+                return WeightsChecksum(math.nan, math.nan, dtype)
+            values = tensor.detach().to(dtype).double()
+            total += float(values.sum())
+            magnitude += float(values.abs().sum())
+    return WeightsChecksum(total, magnitude, dtype)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP2 ``DTensor``) tensor gathered whole (a collective); any other as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def model_checksum(model: nn.Module, dtype: torch.dtype) -> WeightsChecksum:
+    """The checksum of the weights the engine probes in :meth:`DecoderWeights.checksum`, computed from ``model``'s
+    own modules as the engine computes them (LoRA adapters merged, cast to ``dtype``): the query, key and value and
+    the down projections of the first and last decoder layers, and the LM head.
+
+    ``model`` may be peft-wrapped and FSDP2-sharded (every process must then call it: the probed tensors are
+    gathered). Raises :class:`~turnrl.engine.families.UnsupportedModel` for a model of no engine family.
+    """
+    names = check_supported(model).weights
+    causal: Any = base_causal_lm(model)
+    layers = causal.get_submodule(names.decoder).get_submodule(names.layers)
+    modules = [layer.get_submodule(name) for layer in (layers[0], layers[len(layers) - 1])
+               for name in (*names.qkv, names.down)]
+    with torch.no_grad():
+        weights = [_whole(_linear_sources(module)[0]()) for module in modules]
+        weights.append(_whole(causal.get_submodule(names.lm_head).weight))
+    return checksum(weights, dtype)
