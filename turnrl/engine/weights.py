@@ -423,29 +423,33 @@ class WeightsChecksum:
 
     total: float
     """The probed tensors' elements summed in float64."""
-    magnitude: float
-    """Their absolute values summed in float64: the scale of rounding differences between two computations."""
+    norm: float
+    """Their Euclidean norm (float64): the scale of the rounding differences between two computations of them."""
     dtype: torch.dtype
     """The dtype the probed tensors were computed in (the rollout's; the trainer's side casts to it)."""
 
     def agrees(self, other: WeightsChecksum) -> bool:
-        """Whether ``other`` holds the same weights, up to the rounding of computing them differently (merging LoRA
-        adapters in another dtype or on another device moves an element by an ulp or two, never more)."""
-        tolerance = 4 * torch.finfo(self.dtype).eps * max(self.magnitude, other.magnitude)
+        """Whether ``other`` holds the same weights, up to the rounding of computing them differently.
+
+        Merging LoRA adapters in another dtype or on another device moves an element by an ulp or so, up or down
+        at random (rounding to nearest is unbiased), so the totals differ by about ``eps * norm``; a margin of 8 of
+        those never fails on rounding, and a real difference (stale adapters, other weights) is far larger.
+        """
+        tolerance = 8 * torch.finfo(self.dtype).eps * max(self.norm, other.norm)
         return abs(self.total - other.total) <= tolerance
 
 
 def checksum(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> WeightsChecksum:
     """:class:`WeightsChecksum` of ``tensors`` (each cast to ``dtype`` first), summed on their device."""
-    total = magnitude = 0.0
+    total = squares = 0.0
     with torch.no_grad():
         for tensor in tensors:
             if tensor.untyped_storage().size() == 0:  # a released buffer: no weights to compute with
                 return WeightsChecksum(math.nan, math.nan, dtype)
             values = tensor.detach().to(dtype).double()
             total += float(values.sum())
-            magnitude += float(values.abs().sum())
-    return WeightsChecksum(total, magnitude, dtype)
+            squares += float(values.square().sum())
+    return WeightsChecksum(total, math.sqrt(squares), dtype)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

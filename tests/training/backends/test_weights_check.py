@@ -98,8 +98,8 @@ def test_lora_adapters_the_engine_never_merges_are_caught(tiny_model_dir, tmp_pa
 
 
 # --------------------------------------------------------------------------- the comparison itself
-def sums(total: float, magnitude: float = 100.0) -> WeightsChecksum:
-    return WeightsChecksum(total, magnitude, torch.float32)
+def sums(total: float, norm: float = 100.0) -> WeightsChecksum:
+    return WeightsChecksum(total, norm, torch.float32)
 
 
 def test_the_check_compares_with_the_trainer_and_with_the_last_sync():

@@ -68,7 +68,7 @@ class WeightsCheck:
         if not rollout.agrees(trainer):
             raise WeightsSyncError(
                 f"the rollout's weights differ from the trainer's actor {where}: checksum {rollout.total:.9g} against "
-                f"{trainer.total:.9g} (magnitude {trainer.magnitude:.6g}, computed in {trainer.dtype}), so it would "
+                f"{trainer.total:.9g} (norm {trainer.norm:.6g}, computed in {trainer.dtype}), so it would "
                 "sample with other weights than the ones trained. The transfer of the weights to the rollout side "
                 "is broken: stop and fix it")
         self.last = CheckedWeights(version, trainer, rollout)
