@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +40,7 @@ def test_turns_carry_the_version_of_the_weights_that_sampled_them(tiny_model_dir
                    for path in (run_dir / "trajectories").glob("val_*.jsonl")}
     assert validations == {"val_before_rl.jsonl": {0}, "val_after_rl.jsonl": {2}}
     steps = step_records(run_dir)
-    assert steps[2]["rollout/weights_check_s"] >= 0  # the sync before step 2 was checked, and timed
+    assert steps[2]["timing/weights_check_s"] >= 0  # the sync before step 2 was checked, and timed
 
 
 def test_an_asynchronous_run_s_turns_carry_the_version_they_were_sampled_with(tiny_model_dir, tmp_path):
@@ -63,7 +62,7 @@ def test_the_check_passes_when_the_rollout_follows_the_trainer(tiny_model_dir, t
     train(config(tiny_model_dir, tmp_path, *settings, "run.steps=3"))
     steps = step_records(tmp_path / "run")
     assert sorted(steps) == [1, 2, 3]
-    assert any("rollout/weights_check_s" in record for record in steps.values())
+    assert any("timing/weights_check_s" in record for record in steps.values())
 
 
 # --------------------------------------------------------------------------- a sync that does not arrive

@@ -47,7 +47,7 @@ class RayBackend:
     stops, sends nothing. They go only when the actor's updates moved (a critic warm-up step sends nothing),
     and the step that sent them reports the transfer's seconds as ``ray/weights_sync_s``. Each worker answers with
     the checksum of the weights its policy computes with once it has loaded them, which is checked here against
-    the trainer's actor (``rollout/weights_check_s``).
+    the trainer's actor (``timing/weights_check_s``).
     """
 
     runs_ahead = False
@@ -100,7 +100,7 @@ class RayBackend:
                 trainer[rollout.dtype] = model_checksum(model, rollout.dtype)
             check = self.checks.setdefault(k, WeightsCheck(f"ray (worker {k})"))
             check.verify(version, trainer[rollout.dtype], rollout)
-        return {"ray/weights_sync_s": self.workers.last_sync_s, "rollout/weights_check_s": time.perf_counter() - start}
+        return {"ray/weights_sync_s": self.workers.last_sync_s, "timing/weights_check_s": time.perf_counter() - start}
 
     def exclusive(self) -> AbstractContextManager[Any]:
         return nullcontext()

@@ -13,7 +13,7 @@ with :class:`WeightsSyncError` when:
 
 A check reads five or so tensors (the first and last layers' attention and MLP projections, the LM head; LoRA
 adapters merged as the engine merges them), summed on their device in float64; its seconds are reported as
-``rollout/weights_check_s``.
+``timing/weights_check_s``.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class PolicyWeights:
             self._seconds += time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
-        """``rollout/weights_check_s``: the checks' seconds since the last call (empty if none ran)."""
+        """``timing/weights_check_s``: the checks' seconds since the last call (empty if none ran)."""
         with self._lock:
             seconds, self._seconds = self._seconds, 0.0
-        return {"rollout/weights_check_s": seconds} if seconds else {}
+        return {"timing/weights_check_s": seconds} if seconds else {}
