@@ -10,7 +10,7 @@ import torch
 from tests.engine.paging import filled_cache
 from tests.engine.test_llm_engine import build, random_prompts
 from turnrl.engine.forward import decoder_forward, final_logits, rotary_table
-from turnrl.engine.weights import DecoderWeights, decoder_weights
+from turnrl.engine.weights import DecoderWeights, decoder_weights, model_checksum
 
 
 def logits_of(weights: DecoderWeights, prompts: list[list[int]]) -> torch.Tensor:
@@ -91,3 +91,21 @@ def test_the_weights_a_token_goes_through_and_a_decode_step_reads_are_the_models
     weights = decoder_weights(model, torch.bfloat16, fuse=fuse)  # float32 parameters cast into bf16 buffers
     assert weights.layer_parameters() == layers
     assert weights.decode_bytes() == 2 * (layers + final_norm + head)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_s_checksum_is_the_model_s_computed_as_the_engine_computes(fuse, dtype):
+    """What a rollout's engine computes with and what the trainer's actor holds agree, LoRA adapters merged and
+    cast as the engine does; an adapter update the buffers have not taken shows, and is gone once refreshed."""
+    peft = pytest.importorskip("peft")
+    lora: Any = peft.get_peft_model(build("qwen2"), peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"],
+                                                                     init_lora_weights=False))
+    weights = decoder_weights(lora, dtype, fuse=fuse)
+    assert weights.checksum().agrees(model_checksum(lora, dtype))
+    with torch.no_grad():
+        lora.base_model.model.model.layers[-1].mlp.down_proj.lora_B["default"].weight.add_(0.5)
+    stale = weights.checksum()
+    assert not stale.agrees(model_checksum(lora, dtype))  # the buffers still hold the old adapters
+    weights.refresh()
+    assert weights.checksum().agrees(model_checksum(lora, dtype)) and weights.checksum().total != stale.total

@@ -10,6 +10,7 @@ import torch
 
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, ModelConfig, SamplingConfig
+from turnrl.engine.weights import model_checksum
 from turnrl.envs import make
 from turnrl.envs.seeds import SeedSplits
 from turnrl.models.loading import load_model
@@ -18,6 +19,7 @@ from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.ray_workers import (
     EnvSpec,
     RayRollout,
+    RolloutHost,
     RolloutWorkerError,
     WorkerRewardMetrics,
     WorkerSpec,
@@ -136,3 +138,19 @@ def test_lora_weights_travel_merged_as_the_plain_model_holds_them(tiny_model_dir
     assert changed and all("q_proj" in name for name in changed)
     merged = lora.merge_and_unload()
     assert all(torch.allclose(weights[name], tensor) for name, tensor in merged.state_dict().items())
+
+
+def test_a_worker_answers_new_weights_with_the_checksum_of_what_it_computes_with(tiny_model_dir):
+    """In process (the body of the Ray actor): the checksum a worker returns is the trainer's actor's, LoRA
+    adapters merged, and weights sent without their adapters (LoRA that never reaches the rollout) do not agree."""
+    peft = pytest.importorskip("peft")
+    host = RolloutHost(WorkerSpec(model_files(tiny_model_dir), ModelConfig(device="cpu", dtype="float32",
+                                                                           backend="engine"),
+                                  AGENT, EnvSpec("Sokoban"), max_batch_size=4, torch_threads=1))
+    lora = peft.get_peft_model(load_model(tiny_model_dir), peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                                           init_lora_weights=False))
+    taken = host.set_weights(3, policy_weights(lora))
+    assert taken is not None and taken.agrees(model_checksum(lora, torch.float32))
+    assert host.rollout.policy.weights_version == 3  # the worker's turns record it
+    without_adapters = host.set_weights(4, policy_weights(load_model(tiny_model_dir)))  # the base alone
+    assert without_adapters is not None and not without_adapters.agrees(model_checksum(lora, torch.float32))

@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
+from turnrl.agent.formats import ParsedResponse
 from turnrl.envs.contract import env_metrics
-from turnrl.rollout.trajectory import DONE, Trajectory, write_trajectories
+from turnrl.rollout.trajectory import DONE, Trajectory, TurnRecord, write_trajectories
 
 
 def frame(value: int) -> np.ndarray:
@@ -33,6 +34,15 @@ def test_the_final_observations_image_is_written_beside_the_images_shown(tmp_pat
     written = [np.asarray(Image.open(tmp_path / name)) for name in first["images"] + first["final_images"]]
     assert [int(image[0, 0, 0]) for image in written] == [1, 2, 3]
     assert second["images"] == [] and second["final_images"] == []
+
+
+def test_each_turn_is_written_with_the_version_of_the_weights_that_sampled_it(tmp_path):
+    turns = [TurnRecord(index=k, observation="o", response="r", response_ids=[1], response_logprobs=[-0.1],
+                        finish_reason="stop", parsed=ParsedResponse((), {}, True), weights_version=version)
+             for k, version in enumerate([2, 3, None])]
+    episode = Trajectory(env_id="Lake", seed=0, group=0, sample=0, turns=turns)
+    record = json.loads(write_trajectories([episode], tmp_path).read_text())
+    assert [turn["weights_version"] for turn in record["turns"]] == [2, 3, None]
 
 
 # --------------------------------------------------------------------------- the env's figures

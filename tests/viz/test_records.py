@@ -34,7 +34,8 @@ JSON = st.recursive(
 )
 # Records shaped like trajectory lines, with any value in any field.
 RECORD_KEYS = ["env_id", "seed", "status", "success", "turns", "images", "total_reward", "error", "index", "prompt",
-               "response", "fields", "actions", "actions_valid", "rewards", "reward", "num_response_tokens"]
+               "response", "fields", "actions", "actions_valid", "rewards", "reward", "num_response_tokens",
+               "weights_version"]
 RECORDS = st.recursive(
     JSON, lambda inner: st.dictionaries(st.sampled_from(RECORD_KEYS), inner, max_size=8) | st.lists(inner, max_size=3),
     max_leaves=30,
@@ -80,6 +81,16 @@ def test_the_envs_figures_and_which_moves_changed_nothing_are_read():
     view = parse_episode(record, "trajectories", 0, no_images)
     assert view.env_metrics == {"boxes_on_target": 0.5, "deadlocked": 1.0}
     assert view.turns[1].actions_effective == [False] and view.turns[0].actions_effective == []
+
+
+def test_each_turn_s_weights_version_is_read_and_older_files_have_none():
+    record = episode(2)
+    record["turns"][0]["weights_version"] = 3
+    record["turns"][1]["weights_version"] = 4  # the weights changed between the turns (a partial rollout)
+    assert [t.weights_version for t in parse_episode(record, "step_000005", 0, no_images).turns] == [3, 4]
+    assert [t.weights_version for t in parse_episode(episode(2), "step_000005", 0, no_images).turns] == [None, None]
+    record["turns"][0]["weights_version"] = "3"
+    assert parse_episode(record, "step_000005", 0, no_images).turns[0].weights_version is None
 
 
 def test_images_go_one_per_turn_then_to_the_final_observation_else_to_the_episode():

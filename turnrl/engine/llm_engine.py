@@ -44,7 +44,7 @@ from turnrl.engine.rows import RowTable
 from turnrl.engine.scheduler import Scheduler
 from turnrl.engine.sequences import EngineStats, Result, SamplingParams, SequenceRecord
 from turnrl.engine.timing import DeviceTimer
-from turnrl.engine.weights import DecoderWeights, decoder_weights
+from turnrl.engine.weights import DecoderWeights, WeightsChecksum, decoder_weights
 
 __all__ = ["Engine", "EngineStats", "Result", "SamplingParams", "weights_version"]
 
@@ -170,6 +170,18 @@ class Engine:
             self.weights.refresh()
             self.scheduler.drop_idle_rows()
             self._version = version
+
+    def weights_checksum(self) -> WeightsChecksum:
+        """The checksum of a few of the weights the next generation computes with (:meth:`sync_weights` first,
+        as a generation does): merged LoRA adapters, casts and fused projections as the engine holds them.
+
+        Raises:
+            RuntimeError: sequences are generating (the weights may not change under them).
+        """
+        if self.scheduler.running:
+            raise RuntimeError("the engine's weights are checked between generations only; sequences are generating")
+        self.sync_weights()
+        return self.weights.checksum()
 
     def release_memory(self) -> None:
         """Free the key/value cache, the CUDA graphs captured on it and the computed weights (stacked

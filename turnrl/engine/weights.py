@@ -24,12 +24,14 @@ tell):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from turnrl.engine.families import Family, Rotary, UnsupportedModel, family_of
 
@@ -249,6 +251,13 @@ class DecoderWeights:
         for tensor in self.tensors:
             tensor.release()
 
+    def checksum(self) -> WeightsChecksum:
+        """The checksum of what the engine computes with (merged, cast or fused buffers as they are now, not
+        refreshed) for the weights :func:`model_checksum` probes: the query, key and value and the down
+        projections of the first and last layers, and the LM head."""
+        probed = [ref for layer in (self.layers[0], self.layers[-1]) for ref in (*layer.qkv, layer.down)]
+        return checksum([ref.value for ref in (*probed, self.lm_head)], self.dtype)
+
 
 def base_causal_lm(model: nn.Module) -> nn.Module:
     """The transformers causal LM inside a peft wrapper (or the model itself)."""
@@ -401,3 +410,67 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
         tensors=tensors,
         vision=vision,
     )
+
+
+# --------------------------------------------------------------------------- the check after a weights sync
+@dataclass(frozen=True)
+class WeightsChecksum:
+    """A fingerprint of a few of a model's weights as something computes with them (see :func:`model_checksum`).
+
+    Cheap by design (five or so tensors, summed on their device): it tells that two holders of the weights agree,
+    or that one changed, without comparing every parameter.
+    """
+
+    total: float
+    """The probed tensors' elements summed in float64."""
+    norm: float
+    """Their Euclidean norm (float64): the scale of the rounding differences between two computations of them."""
+    dtype: torch.dtype
+    """The dtype the probed tensors were computed in (the rollout's; the trainer's side casts to it)."""
+
+    def agrees(self, other: WeightsChecksum) -> bool:
+        """Whether ``other`` holds the same weights, up to the rounding of computing them differently.
+
+        Merging LoRA adapters in another dtype or on another device moves an element by an ulp or so, up or down
+        at random (rounding to nearest is unbiased), so the totals differ by about ``eps * norm``; a margin of 8 of
+        those never fails on rounding, and a real difference (stale adapters, other weights) is far larger.
+        """
+        tolerance = 8 * torch.finfo(self.dtype).eps * max(self.norm, other.norm)
+        return abs(self.total - other.total) <= tolerance
+
+
+def checksum(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> WeightsChecksum:
+    """:class:`WeightsChecksum` of ``tensors`` (each cast to ``dtype`` first), summed on their device."""
+    total = squares = 0.0
+    with torch.no_grad():
+        for tensor in tensors:
+            if tensor.untyped_storage().size() == 0:  # a released buffer: no weights to compute with
+                return WeightsChecksum(math.nan, math.nan, dtype)
+            values = tensor.detach().to(dtype).double()
+            total += float(values.sum())
+            squares += float(values.square().sum())
+    return WeightsChecksum(total, math.sqrt(squares), dtype)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP2 ``DTensor``) tensor gathered whole (a collective); any other as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def model_checksum(model: nn.Module, dtype: torch.dtype) -> WeightsChecksum:
+    """The checksum of the weights the engine probes in :meth:`DecoderWeights.checksum`, computed from ``model``'s
+    own modules as the engine computes them (LoRA adapters merged, cast to ``dtype``): the query, key and value and
+    the down projections of the first and last decoder layers, and the LM head.
+
+    ``model`` may be peft-wrapped and FSDP2-sharded (every process must then call it: the probed tensors are
+    gathered). Raises :class:`~turnrl.engine.families.UnsupportedModel` for a model of no engine family.
+    """
+    names = check_supported(model).weights
+    causal: Any = base_causal_lm(model)
+    layers = causal.get_submodule(names.decoder).get_submodule(names.layers)
+    modules = [layer.get_submodule(name) for layer in (layers[0], layers[len(layers) - 1])
+               for name in (*names.qkv, names.down)]
+    with torch.no_grad():
+        weights = [_whole(_linear_sources(module)[0]()) for module in modules]
+        weights.append(_whole(causal.get_submodule(names.lm_head).weight))
+    return checksum(weights, dtype)

@@ -19,6 +19,7 @@ from torch import nn
 
 from turnrl.config import EngineConfig, SamplingConfig
 from turnrl.engine.llm_engine import Engine, Result, SamplingParams
+from turnrl.engine.weights import WeightsChecksum
 from turnrl.models.vision import ImageEncoder
 from turnrl.policy.hf import end_of_turn_ids
 from turnrl.policy.interface import Completion, GenerationRequest, Policy, StreamingPolicy
@@ -90,6 +91,10 @@ class EnginePolicy(Policy):
 
     def counters(self) -> dict[str, float]:
         return {name: float(value) for name, value in asdict(self.engine.stats).items()}
+
+    def weights_checksum(self) -> WeightsChecksum:
+        """The engine's view of the weights (merged adapters, casts, fused projections), brought up to date first."""
+        return self.engine.weights_checksum()
 
     def _completion(self, result: Result) -> Completion:
         if result.finish_reason == "error":

@@ -20,6 +20,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from turnrl.config import ModelConfig, SamplingConfig, is_greedy
+from turnrl.engine.families import UnsupportedModel
+from turnrl.engine.weights import WeightsChecksum, model_checksum
 from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, position_inputs
@@ -137,6 +139,14 @@ class HFPolicy(Policy):
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def weights_checksum(self) -> WeightsChecksum | None:
+        """The model's own parameters are what ``generate`` computes with (adapters applied on the fly): their
+        checksum in the parameters' dtype; None for a model of no engine family (whose weights it cannot probe)."""
+        try:
+            return model_checksum(self.model, next(self.model.parameters()).dtype)
+        except UnsupportedModel:
+            return None
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
         # A token id outside the embeddings fails its request alone: in the batch it would fail them all (on a GPU,

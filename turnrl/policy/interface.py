@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from turnrl.config import SamplingConfig
+    from turnrl.engine.weights import WeightsChecksum
     from turnrl.envs.contract import AgentEnv
     from turnrl.models.vision import ImageEncoder
 
@@ -88,6 +89,10 @@ class Policy(Protocol):
     """Tokens one sequence (prompt and response) may hold at most (the engine's ``model.engine.max_seq_len``);
     None where the policy sets no such limit. The rollout ends an episode whose next prompt and response
     would not fit, as at ``agent.max_context_tokens``, instead of sending a request that would fail or be cut."""
+    weights_version: int | None = None
+    """The trainer's update count of the weights this policy samples with (``WeightsVersion.updates``), set by the
+    rollout backend that hands it the trainer's weights; every turn records it. None where the weights are no
+    trainer's (an API, a script, an evaluation)."""
 
     @property
     def accepts_images(self) -> bool:
@@ -115,6 +120,13 @@ class Policy(Protocol):
     def release_memory(self) -> None:
         """Free what the policy holds between generations (the engine's key/value cache and computed weights)
         for a training update to use; the next ``generate`` builds it again. The default holds nothing."""
+        return None
+
+    def weights_checksum(self) -> WeightsChecksum | None:
+        """A checksum of a few of the weights the next generation computes with, as this policy computes with
+        them (the engine's merged and cast buffers, brought up to date as a generation would): what the rollout
+        backend compares with the trainer's actor after each weights sync. None (the default) for a policy
+        without local weights. Call it between generations only."""
         return None
 
     def counters(self) -> dict[str, float]:

@@ -35,6 +35,7 @@ import torch
 from turnrl.agent.formats import get_format
 from turnrl.chat.template_deltas import ChatTemplateDeltas
 from turnrl.config import AgentConfig, ModelConfig, RewardsConfig, SamplingConfig
+from turnrl.engine.weights import WeightsChecksum
 from turnrl.envs.contract import AgentEnv
 from turnrl.envservice.placement import env_factory
 from turnrl.envservice.ray import ensure_ray, ray_env_factory
@@ -172,14 +173,18 @@ class RolloutHost:
         return {"host": socket.gethostname(), "pid": os.getpid(), "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "policy": type(self.rollout.policy).__name__}
 
-    def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
-        """Copy ``state_dict`` into the model in place (the policy and the engine see it), as ``version``."""
+    def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> WeightsChecksum | None:
+        """Copy ``state_dict`` into the model in place (the policy and the engine see it), as ``version`` (the
+        trainer's update count, which the turns this worker plays record). Returns the checksum of the weights the
+        policy computes with now (the engine's buffers brought up to date), for the driver to check against the
+        trainer's (None for a model of no engine family, whose weights the check cannot probe)."""
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
         if missing or unexpected:
             raise ValueError(f"the weights do not fit the worker's model: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}; send a state dict of the same architecture")
         self.version = version
-        return version
+        self.rollout.policy.weights_version = version
+        return self.rollout.policy.weights_checksum()
 
     def run(self, slots: Sequence[SlotSpec], sampling: SamplingConfig, seed: int) -> WorkerResult:
         """Play ``slots`` on this worker's envs (the k-th slot on its k-th env), sampling seeded by ``seed``."""
@@ -325,6 +330,8 @@ class RayRollout:
         self.transfer_dtype = getattr(torch, dtypes.pop()) if len(dtypes) == 1 else None
         self.version: int | None = None
         """The weights version the workers hold (None: none sent yet)."""
+        self.checksums: list[WeightsChecksum | None] = []
+        """Each worker's checksum of the weights its policy computes with, after the last weights sent."""
         self.timings = RolloutTimings()
         self.rewards = WorkerRewardMetrics()
         self.last_results: list[WorkerResult] = []
@@ -341,8 +348,9 @@ class RayRollout:
         start = time.perf_counter()
         reference = self.ray.put(policy_weights(model, self.transfer_dtype))
         try:
-            self._gather({k: w.set_weights.remote(version, reference) for k, w in enumerate(self.workers)},
-                         "set_weights")
+            taken = self._gather({k: w.set_weights.remote(version, reference) for k, w in enumerate(self.workers)},
+                                 "set_weights")
+            self.checksums = [taken[k] for k in range(len(self.workers))]
         finally:
             del reference  # the store frees it once no worker holds it
         self.version = version

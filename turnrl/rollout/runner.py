@@ -389,6 +389,8 @@ class Rollout:
             parsed=parsed,
             images=episode.images,
             state_key=turn_state_key(env, episode.last_obs),
+            # The policy takes new weights between generations only: the version now is the one that sampled.
+            weights_version=self.policy.weights_version,
         )
         trajectory.turns.append(turn)
         episode.messages.append({"role": "assistant", "content": message})

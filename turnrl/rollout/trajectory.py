@@ -76,6 +76,11 @@ class TurnRecord:
     """The env state the turn started from, equal for equal states (GiGPO's anchor states)."""
     response_prefix: str = ""
     """The start of ``response`` that the prompt held (the format's response prefix): the model wrote the rest."""
+    weights_version: int | None = None
+    """The trainer's update count of the weights that sampled this response (the policy's
+    :attr:`~turnrl.policy.interface.Policy.weights_version`): a step's turns sampled before its update carry the
+    step's index; an asynchronous run's carry the older weights they played with, and an episode whose weights
+    changed between turns says so turn by turn. None where the policy's weights are no trainer's."""
 
     @property
     def env_reward(self) -> float:
@@ -180,6 +185,7 @@ class Trajectory:
                     "reward_errors": turn.reward_errors,
                     "state_key": turn.state_key,
                     "num_response_tokens": len(turn.response_ids),
+                    "weights_version": turn.weights_version,
                 }
                 for turn in self.turns
             ],

@@ -491,7 +491,7 @@ class Trainer:
         if self.checkpoint is not None:
             self._restore()
             write_config(config)  # only now: a resume that fails leaves the run's config.yaml as it was
-        self.rollout.set_weights(self.actor, self.weights_version(self.first_step))
+        self.set_weights(self.first_step)
         self.peak_flops = peak_flops(self.device, config.run.peak_tflops * 1e12)
 
     # ------------------------------------------------------------------ setup
@@ -507,6 +507,13 @@ class Trainer:
     def weights_version(self, steps: int) -> WeightsVersion:
         """The actor's weights after ``steps`` steps (and its updates so far)."""
         return WeightsVersion(steps, self.actor_scheduler.last_epoch)
+
+    def set_weights(self, steps: int) -> dict[str, float]:
+        """Hand both rollout backends the actor's weights after ``steps`` steps (each checks, once its rollout has
+        them, that it computes with them); the transfer's metrics."""
+        version = self.weights_version(steps)
+        self.val_rollout.set_weights(self.actor, version)
+        return self.rollout.set_weights(self.actor, version)
 
     def _build_envs(self) -> None:
         config = self.config
@@ -680,7 +687,7 @@ class Trainer:
         rollout_peak = phase_peak_gib(self.device)
         self.measure_collapse(step, rollout)
         output = self.update_or_retry(step, rollout, keep) if keep else rollout
-        output.metrics.update(self.rollout.set_weights(self.actor, self.weights_version(step + 1)))
+        output.metrics.update(self.set_weights(step + 1))
         output.metrics["timing/step_s"] = time.time() - step_start
         output.metrics.update(rollout_memory_metrics(rollout_peak, output.metrics, self.rollout.runs_ahead))
         if first:

@@ -91,6 +91,9 @@ class TurnView:
     """The weighted turn reward."""
     reward_errors: list[str] = field(default_factory=list)
     num_response_tokens: int = 0
+    weights_version: int | None = None
+    """The trainer's update count of the weights that sampled the response (None in records written before it was
+    kept, and for policies whose weights are no trainer's)."""
     images: list[str] = field(default_factory=list)
     """URLs (relative to the report) of the observation's images."""
     advantages: TokenAdvantages | None = None
@@ -163,6 +166,11 @@ def _as_int(value: Any, default: int = 0) -> int:
     if isinstance(value, float) and math.isfinite(value):
         return int(value)
     return default
+
+
+def _as_optional_int(value: Any) -> int | None:
+    """An integer, or None for a missing or non-numeric value."""
+    return _as_int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _as_float(value: Any, default: float = 0.0) -> float:
@@ -243,6 +251,7 @@ def parse_turn(record: Any, index: int, resolve: Callable[[Any], list[str]]) -> 
         reward=_as_float(record.get("reward")),
         reward_errors=_as_str_list(record.get("reward_errors")),
         num_response_tokens=_as_int(record.get("num_response_tokens")),
+        weights_version=_as_optional_int(record.get("weights_version")),
         images=resolve(record.get("images")),
     )
 

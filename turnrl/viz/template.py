@@ -180,6 +180,7 @@ TEMPLATE = r"""<!doctype html>
     <span class="muted">· reward <strong>{{ signed(turn.reward) }}</strong>
       {%- for name, value in turn.rewards.items() %} · {{ name }} {{ signed(value) }}{% endfor %}
       {%- if turn.num_response_tokens %} · {{ turn.num_response_tokens }} tokens{% endif %}
+      {%- if turn.weights_version is not none %} · weights v{{ turn.weights_version }}{% endif %}
       · finish {{ turn.finish_reason or "?" }}</span>
     {% if turn.format_ok -%}
     <span class="badge ok">format ok</span>

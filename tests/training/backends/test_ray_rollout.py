@@ -1,6 +1,7 @@
 """The Ray backend: the trainer's weights reach the workers with the next rollout (none after a run's last step),
-the step that sent them reports the transfer, and ``turnrl train distributed.backend=ray`` is the one-process run,
-and stops with a checkpoint that resumes when a worker dies."""
+the step that sent them reports the transfer and its check (a transfer that does not arrive stops the run), and
+``turnrl train distributed.backend=ray`` is the one-process run, and stops with a checkpoint that resumes when a
+worker dies."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.training.reference_run import ARGS, assert_same_metrics, run_config, run_train, step_records
 from turnrl.envs import make
 from turnrl.envs.seeds import SeedSplits
 from turnrl.models.loading import load_model
+from turnrl.rollout import ray_workers as ray_workers_module
 from turnrl.rollout.groups import EnvGroups
+from turnrl.rollout.ray_workers import policy_weights
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.backends.backend import EpisodeRunner, WeightsVersion
 from turnrl.training.backends.ray_rollout import RayBackend, ray_workers
+from turnrl.training.backends.weights_check import WeightsSyncError
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +48,8 @@ def ray_cluster(tmp_path_factory):
     subprocess.run([ray_bin, "stop", "--force"], capture_output=True)
 
 
-def test_weights_reach_the_workers_with_the_next_rollout_whose_metrics_report_the_transfer(
-        tiny_model_dir, tiny_tokenizer, tmp_path, ray_cluster):
+def test_weights_reach_the_workers_with_the_next_rollout_whose_metrics_report_the_transfer_and_its_check(
+        tiny_model_dir, tiny_tokenizer, tmp_path, ray_cluster, monkeypatch):
     import ray
 
     config = run_config(tiny_model_dir, tmp_path, "ray", "distributed.backend=ray", "distributed.rollout_workers=1",
@@ -63,12 +68,25 @@ def test_weights_reach_the_workers_with_the_next_rollout_whose_metrics_report_th
         assert workers.version is None  # noted, not sent: no rollout has asked for them yet
         first = backend.roll_out(0, play)
         assert workers.version == 0 and first.metrics["ray/weights_sync_s"] > 0 and len(first.played) == 1
+        assert first.metrics["timing/weights_check_s"] > 0  # the worker's checksum checked against the actor's
+        assert {turn.weights_version for turn in first.played[0].turns} == {0}
         backend.set_weights(actor, WeightsVersion(1, 0))  # a step that left the weights as they were
         assert backend.roll_out(1, play).metrics == {}
         backend.set_weights(actor, WeightsVersion(2, 1))  # the last step of a run, or one before a stop
         assert workers.version == 0
         backend.run(slots, config.sampling)  # episodes played outside a step get them too
         assert workers.version == 1
+
+        # A transfer that does not reach the workers (the weights sent never change, as with LoRA adapters left out
+        # of them): the worker's checksum stays, the actor's moved, and the rollout stops naming the worker.
+        sent = policy_weights(actor)
+        monkeypatch.setattr(ray_workers_module, "policy_weights", lambda model, dtype=None: sent)
+        with torch.no_grad():
+            for parameter in actor.parameters():
+                parameter.add_(0.01)
+        backend.set_weights(actor, WeightsVersion(3, 2))
+        with pytest.raises(WeightsSyncError, match=r"did not change .* version 2 \(step 3\) on the ray \(worker 0\)"):
+            backend.roll_out(3, play)
     finally:
         backend.close()
         ray.shutdown()

@@ -61,6 +61,7 @@ from turnrl.training.backends.backend import (
     StepRollout,
     WeightsVersion,
 )
+from turnrl.training.backends.weights_check import PolicyWeights
 from turnrl.training.logger import RunConsole
 from turnrl.training.precision import autocast
 
@@ -206,6 +207,8 @@ class AsyncRollout:
         self._failure: RolloutFailure | None = None
         self._playing: int | None = None
         """The step the rollout thread is playing now, if any."""
+        self.checked = PolicyWeights(runner.policy, "asynchronous")
+        """The check of the copy's weights after each apply, and their version on its turns."""
 
     def precision(self) -> AbstractContextManager:
         return autocast(self.device, self.dtype)
@@ -241,6 +244,7 @@ class AsyncRollout:
                     return
                 version = self.weights.apply()
                 self._playing = step
+                self.checked.take(version)
                 with self._sampling:
                     played = play(self.runner, step, self.precision())
                 self._batches.put(RolloutBatch(step, played, version, wait_s))
@@ -293,13 +297,16 @@ class AsyncRollout:
     def set_weights(self, model: torch.nn.Module, version: WeightsVersion) -> dict[str, float]:
         """Publish ``model``'s weights as version ``version.steps`` (copied only when its updates moved); the
         first call stages them (the copy holds them already)."""
+        # Noted before it is published: the rollout thread checks the copy against it once it applies it.
+        self.checked.expect(model, version)
         if self.weights is None:
             self.weights = StagedWeights(model, self.copy, version=version.steps)
             self.updates = version.updates
+            self.checked.take(version.steps)  # the copy holds the actor's weights; no rollout thread yet
             return {}
         publish_s = self.weights.publish(version.steps, changed=version.updates != self.updates)
         self.updates = version.updates
-        return {"async/publish_s": publish_s}
+        return {"async/publish_s": publish_s, **self.checked.metrics()}
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop the rollout thread: it ends after the batch in progress, which is dropped with the queued ones;

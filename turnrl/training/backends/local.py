@@ -9,34 +9,37 @@ from typing import Any
 import torch
 
 from turnrl.config import SamplingConfig
-from turnrl.rollout.runner import EpisodeSlot, RolloutTimings
+from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.backends.backend import (
-    EpisodeRunner,
     Played,
     PlayStep,
     RewardMetrics,
     StepRollout,
     WeightsVersion,
 )
+from turnrl.training.backends.weights_check import PolicyWeights
 
 
 class LocalRollout:
     """A :class:`~turnrl.training.backends.backend.RolloutBackend` over a runner of this process.
 
     Its policy samples from the trainer's own model (or the parallel strategy's unsharded copy, which the
-    strategy refreshes), so new weights need no transfer: :meth:`set_weights` does nothing.
+    strategy refreshes before each rollout), so new weights need no transfer: :meth:`set_weights` notes them, and
+    the next rollout checks that its policy computes with them (the engine's merged and cast buffers refreshed;
+    :mod:`~turnrl.training.backends.weights_check`) and stamps their version on its turns.
 
     Args:
-        runner: a :class:`~turnrl.rollout.runner.Rollout`, or the sharded one over it.
+        runner: a :class:`~turnrl.rollout.runner.Rollout`.
         precision: makes the autocast the episodes play under (the trainer's).
     """
 
     runs_ahead = False
 
-    def __init__(self, runner: EpisodeRunner, precision: Callable[[], AbstractContextManager]) -> None:
+    def __init__(self, runner: Rollout, precision: Callable[[], AbstractContextManager]) -> None:
         self.runner = runner
         self.precision = precision
+        self.weights = PolicyWeights(runner.policy, "local")
 
     @property
     def timings(self) -> RolloutTimings:
@@ -47,13 +50,16 @@ class LocalRollout:
         return self.runner.rewards
 
     def run(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig) -> list[Trajectory]:
+        self.weights.take()
         return self.runner.run(slots, sampling)
 
     def roll_out(self, step: int, play: PlayStep[Played]) -> StepRollout[Played]:
-        return StepRollout(play(self.runner, step, self.precision()))
+        self.weights.take()
+        return StepRollout(play(self.runner, step, self.precision()), self.weights.metrics())
 
     def set_weights(self, model: torch.nn.Module, version: WeightsVersion) -> dict[str, float]:
-        return {}
+        self.weights.expect(model, version)
+        return {}  # checked, and reported, by the rollout that plays with them
 
     def exclusive(self) -> AbstractContextManager[Any]:
         return nullcontext()

@@ -4,6 +4,7 @@ with a copy of the policy and envs of their own (:class:`~turnrl.rollout.ray_wor
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -12,10 +13,12 @@ from typing import Any
 import torch
 
 from turnrl.config import SamplingConfig
+from turnrl.engine.weights import WeightsChecksum, model_checksum
 from turnrl.rollout.ray_workers import EnvSpec, RayRollout, WorkerSpec, model_files
 from turnrl.rollout.runner import EpisodeSlot, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.backends.backend import Played, PlayStep, RewardMetrics, StepRollout, WeightsVersion
+from turnrl.training.backends.weights_check import WeightsCheck
 from turnrl.training.train_config import TrainConfig
 
 
@@ -42,7 +45,9 @@ class RayBackend:
     :meth:`set_weights` only notes the trainer's weights; they are sent to every worker when the next episodes
     are played (:meth:`roll_out`, :meth:`run`), so that the last step of a run, or one after which the run
     stops, sends nothing. They go only when the actor's updates moved (a critic warm-up step sends nothing),
-    and the step that sent them reports the transfer's seconds as ``ray/weights_sync_s``.
+    and the step that sent them reports the transfer's seconds as ``ray/weights_sync_s``. Each worker answers with
+    the checksum of the weights its policy computes with once it has loaded them, which is checked here against
+    the trainer's actor (``timing/weights_check_s``).
     """
 
     runs_ahead = False
@@ -52,6 +57,8 @@ class RayBackend:
         self.precision = precision
         self.pending: tuple[torch.nn.Module, WeightsVersion] | None = None
         """The trainer's model and its weights' version, noted by :meth:`set_weights` and not yet sent."""
+        self.checks: dict[int, WeightsCheck] = {}
+        """Each worker's check of the weights it took (:mod:`~turnrl.training.backends.weights_check`)."""
 
     @property
     def timings(self) -> RolloutTimings:
@@ -74,13 +81,26 @@ class RayBackend:
         return {}  # sent, and reported, by the step that plays with them
 
     def send_weights(self) -> dict[str, float]:
-        """Send the noted weights to the workers unless they hold that version; the transfer's seconds."""
+        """Send the noted weights to the workers unless they hold that version, and check what each worker's
+        policy computes with against the trainer's actor (:class:`WeightsCheck`); the transfer's and the check's
+        seconds."""
         if self.pending is None:
             return {}
         model, version = self.pending
         sent = self.workers.set_weights(model, version=version.updates)
         self.pending = None
-        return {"ray/weights_sync_s": self.workers.last_sync_s} if sent else {}
+        if not sent:
+            return {}
+        start = time.perf_counter()
+        trainer: dict[torch.dtype, WeightsChecksum] = {}
+        for k, rollout in enumerate(self.workers.checksums):
+            if rollout is None:
+                continue
+            if rollout.dtype not in trainer:
+                trainer[rollout.dtype] = model_checksum(model, rollout.dtype)
+            check = self.checks.setdefault(k, WeightsCheck(f"ray (worker {k})"))
+            check.verify(version, trainer[rollout.dtype], rollout)
+        return {"ray/weights_sync_s": self.workers.last_sync_s, "timing/weights_check_s": time.perf_counter() - start}
 
     def exclusive(self) -> AbstractContextManager[Any]:
         return nullcontext()

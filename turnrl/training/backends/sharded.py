@@ -16,6 +16,7 @@ from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory, sum_by_name
 from turnrl.training import ranks
 from turnrl.training.backends.backend import Played, PlayStep, StepRollout, WeightsVersion
+from turnrl.training.backends.weights_check import PolicyWeights
 
 
 class RankRewards:
@@ -39,7 +40,10 @@ class ShardedRollout:
     Timings are the slowest process's (the step waits for it); the policies' work counters are summed over the
     processes. Trajectories travel without the chat template object their token context refers to (the
     tokenizer): each process attaches its own. Its policy samples from the parallel strategy's unsharded copy
-    of the actor, which the strategy refreshes from the shards: :meth:`set_weights` has nothing to do.
+    of the actor, which the strategy refreshes from the shards before each rollout: :meth:`set_weights` notes the
+    trainer's weights, and the next rollout checks that every process's policy computes with them (the trainer's
+    side gathered from the shards: all processes take part) and stamps their version on its turns
+    (:mod:`~turnrl.training.backends.weights_check`).
     """
 
     runs_ahead = False
@@ -51,8 +55,10 @@ class ShardedRollout:
         self.tokenizer = tokenizer
         self.precision = precision
         self.deltas: Any = None  # the rollout's own, once it has played a trajectory
+        self.weights = PolicyWeights(rollout.policy, f"sharded (process {ranks.rank()})")
 
     def run(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig) -> list[Trajectory]:
+        self.weights.take()  # on every process, those with no group too: the trainer's side is a collective
         rank, world = ranks.rank(), ranks.world_size()
         mine = [i for i, slot in enumerate(slots) if slot.group % world == rank]
         played = self.rollout.run([slots[i] for i in mine], sampling) if mine else []
@@ -78,10 +84,12 @@ class ShardedRollout:
         return trajectories
 
     def roll_out(self, step: int, play: PlayStep[Played]) -> StepRollout[Played]:
-        return StepRollout(play(self, step, self.precision()))
+        self.weights.take()
+        return StepRollout(play(self, step, self.precision()), self.weights.metrics())
 
     def set_weights(self, model: torch.nn.Module, version: WeightsVersion) -> dict[str, float]:
-        return {}
+        self.weights.expect(model, version)
+        return {}  # checked, and reported, by the rollout that plays with them
 
     def exclusive(self) -> AbstractContextManager[Any]:
         return nullcontext()
