@@ -37,6 +37,10 @@ from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens, without_images
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
 
+TurnBoundary = Callable[[int], None]
+"""Called before each round's generation with the number of turns it samples: no sequence is generating then,
+so the policy may take new weights (the asynchronous backend's partial rollouts)."""
+
 
 @dataclass
 class EpisodeSlot:
@@ -156,6 +160,8 @@ class Rollout:
         self.executor = executor
         self.rewards = rewards or Rewards()
         self.timings = RolloutTimings()
+        self.turn_boundary: TurnBoundary | None = None
+        """Called at each turn boundary of the rounds (``agent.wait_for_turns``; see :data:`TurnBoundary`)."""
         limits = [agent.max_context_tokens, policy.max_sequence_tokens]
         self.context_budget = min(limit for limit in limits if limit is not None)
         """Tokens an episode's prompt and next response may hold: the agent's budget, or less where the policy
@@ -201,6 +207,8 @@ class Rollout:
                 break
             if on_turn is not None:
                 on_turn(turn, len(active))
+            if self.turn_boundary is not None:
+                self.turn_boundary(len(active))
             completions = self._generate(active, sampling)
             finished = self._map(lambda pair: self._act(*pair), list(zip(active, completions)))
             self._score([(episode, done) for episode, done in zip(active, finished) if done is not None])

@@ -445,6 +445,9 @@ class DistributedConfig:
     """``async_rollout``: how many updates a batch's weights may lag behind; 0 is the synchronous algorithm."""
     rollout_device: Optional[str] = None
     """``async_rollout``: where the rollout copy of the policy lives (e.g. ``cuda:1``); None: the trainer's."""
+    partial_rollouts: bool = False
+    """``async_rollout``: the episodes in flight take weights published mid-batch from their next turn on,
+    instead of finishing the batch on the weights it started with (each turn keeps its version and log-probs)."""
 
     def validate(self) -> None:
         check_choice("distributed.backend", self.backend, ["none", "fsdp", "ray"])
@@ -460,6 +463,9 @@ class DistributedConfig:
         if self.async_rollout and self.backend != "none":
             raise ConfigError("distributed.async_rollout runs in one process (rollout and trainer on their own "
                               f"devices); it does not go with distributed.backend={self.backend}")
+        if self.partial_rollouts and not self.async_rollout:
+            raise ConfigError("distributed.partial_rollouts switches the weights of episodes in flight in the "
+                              "asynchronous backend: set distributed.async_rollout=true, or drop it")
 
 
 @dataclass
@@ -561,6 +567,9 @@ class TrainConfig:
                 f"distributed.async_rollout with distributed.max_staleness={staleness} samples with weights up to "
                 f"{staleness} update(s) old, and the loss corrects for that with truncated importance weights: set "
                 f"{' '.join(missing)} (or distributed.max_staleness=0 for the synchronous algorithm)")
+        if self.distributed.partial_rollouts and not self.agent.wait_for_turns:
+            raise ConfigError("distributed.partial_rollouts takes new weights between rounds of turns, when no "
+                              "sequence is generating; agent.wait_for_turns=false has no rounds: set it to true")
         if self.distributed.async_rollout and self.model.engine.free_during_update:
             raise ConfigError("model.engine.free_during_update frees the rollout's memory while the trainer "
                               "updates, and distributed.async_rollout rolls out during the update: turn one off")

@@ -13,6 +13,16 @@ One process, two pools of the same policy:
     update(s)   PPO on batch s; with recomputed old log-probs and ``algorithm.tis_cap`` the truncated
                 importance weights ``min(pi_old / pi_sampler, cap)`` correct for the lag
 
+Partial rollouts (``distributed.partial_rollouts``): the rollout thread also takes weights published while it
+plays a batch, at the next turn boundary (before a round's generation, when no sequence is generating: the
+engine's cached keys and values of the old weights are dropped then, and the episodes' prompts are prefilled
+again with the new ones). The episodes in flight go on with them from their next turn; their earlier turns keep
+their own version and sampler log-probs, so the truncated importance weights stay exact per token. A batch of
+step ``s`` still starts only with weights at most ``max_staleness`` updates behind, and its turns only move to
+newer ones: the bound holds for its oldest turn. ``async/weight_switches`` counts the switches of a step's batch,
+``async/turns_behind_mean`` is the mean staleness of its turns (``async/staleness`` is its oldest turn's) and
+``async/turns_newer_weights_frac`` the share of its turns sampled after a switch.
+
 ``max_staleness=0`` is the synchronous algorithm: rollout s+1 waits for update s, the rollout thread plays each
 step with the trainer's own ``play`` function (the same random draws), and the run is the same run. With a
 larger bound, the trainer and the rollout share no state but the staged weights and the queue of batches;
@@ -41,6 +51,7 @@ import copy
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -137,6 +148,11 @@ class StagedWeights:
             self.applied_version = self.version
             return self.applied_version
 
+    def newer(self) -> bool:
+        """Whether a version later than the rollout copy's was published (its weights changed or not)."""
+        with self._changed:
+            return self.version > self.applied_version
+
     def wake(self) -> None:
         """Wake a waiting :meth:`wait_for` (to see its stop event)."""
         with self._changed:
@@ -154,6 +170,10 @@ class RolloutBatch(Generic[Played]):
     """The version of the weights it was sampled with (see :class:`StagedWeights`)."""
     wait_weights_s: float
     """How long the rollout thread waited for these weights (the staleness bound)."""
+    turns_by_version: dict[int, int]
+    """The turns sampled with each version (``agent.wait_for_turns``: counted at the turn boundaries)."""
+    switches: int
+    """How many newer versions the rollout copy took while it played the batch (partial rollouts)."""
 
 
 @dataclass
@@ -182,18 +202,24 @@ class AsyncRollout:
         dtype: the compute dtype the episodes play under.
         max_staleness: how many updates behind the weights a batch samples with may be.
         end_step: the steps before it are rolled out (``run.steps``).
+        partial_rollouts: take weights published mid-batch at the next turn boundary (see the module).
     """
 
     runs_ahead = True
 
     def __init__(self, runner: Rollout, copy: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                 max_staleness: int, end_step: int) -> None:
+                 max_staleness: int, end_step: int, partial_rollouts: bool = False) -> None:
         self.runner = runner
         self.copy = copy
         self.device = device
         self.dtype = dtype
         self.max_staleness = max_staleness
         self.end_step = end_step
+        self.partial_rollouts = partial_rollouts
+        self._turns: Counter[int] = Counter()
+        """The batch in play's turns by the version that samples them."""
+        self._switches = 0
+        """The batch in play's switches to newer weights."""
         self.weights: StagedWeights | None = None
         """The staged weights, from the first :meth:`set_weights` (the trainer's, once built or restored)."""
         self.updates = 0
@@ -245,12 +271,28 @@ class AsyncRollout:
                 version = self.weights.apply()
                 self._playing = step
                 self.checked.take(version)
+                self._turns, self._switches = Counter(), 0
                 with self._sampling:
-                    played = play(self.runner, step, self.precision())
-                self._batches.put(RolloutBatch(step, played, version, wait_s))
+                    # Set for the batch alone: a validation's episodes on this runner take no weights.
+                    self.runner.turn_boundary = self._turn_boundary
+                    try:
+                        played = play(self.runner, step, self.precision())
+                    finally:
+                        self.runner.turn_boundary = None
+                self._batches.put(RolloutBatch(step, played, version, wait_s, dict(self._turns), self._switches))
                 self._playing = None
         except BaseException as error:  # noqa: BLE001 - every failure goes to the trainer, which raises it
             self._batches.put(RolloutFailure(step, error))
+
+    def _turn_boundary(self, turns: int) -> None:
+        """Before a round of ``turns`` turns of the batch in play (no sequence generating): with partial rollouts,
+        take the newest published weights (checked as between batches; the engine drops its cached keys and
+        values of the old ones); count the turns under the version that samples them."""
+        assert self.weights is not None
+        if self.partial_rollouts and self.weights.newer():
+            self.checked.take(self.weights.apply())
+            self._switches += 1
+        self._turns[self.weights.applied_version] += turns
 
     def _next_batch(self, step: int) -> RolloutBatch[Any]:
         """The rollout of ``step`` (waiting for it); a failure of the rollout thread is raised here."""
@@ -289,6 +331,8 @@ class AsyncRollout:
         return StepRollout(batch.played, {
             "async/staleness": float(step - batch.weights_version),
             "async/weights_version": float(batch.weights_version),
+            "async/weight_switches": float(batch.switches),
+            **turn_staleness(step, batch.weights_version, batch.turns_by_version),
             "async/wait_rollout_s": time.time() - start,
             "async/wait_weights_s": batch.wait_weights_s,
             "async/queue_size": float(queued),
@@ -335,6 +379,19 @@ class AsyncRollout:
                           soft_wrap=True)
 
 
+def turn_staleness(step: int, first_version: int, turns_by_version: dict[int, int]) -> dict[str, float]:
+    """``async/turns_behind_mean``: the mean over a batch's turns of how many updates behind step ``step`` their
+    weights are; ``async/turns_newer_weights_frac``: the share of them sampled with weights newer than
+    ``first_version`` (the batch's first). Empty when no turn was counted (no rounds to count at:
+    ``agent.wait_for_turns=false``)."""
+    turns = sum(turns_by_version.values())
+    if not turns:
+        return {}
+    behind = sum((step - version) * count for version, count in turns_by_version.items())
+    newer = sum(count for version, count in turns_by_version.items() if version > first_version)
+    return {"async/turns_behind_mean": behind / turns, "async/turns_newer_weights_frac": newer / turns}
+
+
 def async_rollouts(parts: RolloutParts) -> tuple[AsyncRollout, Rollout]:
     """``distributed.async_rollout``: the steps' backend on a copy of the actor (on ``distributed.rollout_device``,
     with its own policy and engine cache) and a runner on ``parts``' own policy for validation."""
@@ -349,5 +406,5 @@ def async_rollouts(parts: RolloutParts) -> tuple[AsyncRollout, Rollout]:
     train = parts.train
     runner = Rollout(policy, train.fmt, config.agent, env_id=config.env.id, executor=train.executor,
                      rewards=train.rewards)
-    return AsyncRollout(runner, actor_copy, device, parts.dtype, dist.max_staleness, config.run.steps), \
-        parts.validation
+    return AsyncRollout(runner, actor_copy, device, parts.dtype, dist.max_staleness, config.run.steps,
+                        partial_rollouts=dist.partial_rollouts), parts.validation
