@@ -8,8 +8,8 @@ One process, two pools of the same policy:
     rollout(s)  may start once the weights it samples with are at most ``max_staleness`` updates old,
                 i.e. once update s-1-max_staleness has been published
     publish     after each step the trainer's :meth:`AsyncRollout.set_weights` copies the actor's trainable
-                parameters into a staging copy; the rollout thread copies them into its model between batches,
-                never mid-generation
+                parameters into a staging copy; the rollout thread copies them into its model between batches
+                (with partial rollouts also between rounds of turns), never mid-generation
     update(s)   PPO on batch s; with recomputed old log-probs and ``algorithm.tis_cap`` the truncated
                 importance weights ``min(pi_old / pi_sampler, cap)`` correct for the lag
 
