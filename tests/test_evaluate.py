@@ -39,7 +39,7 @@ SUMMARY_KEYS = {
 TURN_KEYS = {
     "index", "prompt", "response", "finish_reason", "format_ok", "fields", "parse_errors", "actions",
     "actions_valid", "actions_effective", "rewards", "reward", "reward_errors", "num_response_tokens", "state_key",
-    "response_prefix",
+    "response_prefix", "weights_version",
 }
 
 
