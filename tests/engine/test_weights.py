@@ -109,3 +109,19 @@ def test_the_engine_s_checksum_is_the_model_s_computed_as_the_engine_computes(fu
     assert not stale.agrees(model_checksum(lora, dtype))  # the buffers still hold the old adapters
     weights.refresh()
     assert weights.checksum().agrees(model_checksum(lora, dtype)) and weights.checksum().total != stale.total
+
+
+def test_the_checksum_summed_in_chunks_is_the_plain_float64_sum(monkeypatch):
+    """A few elements at a time (a tensor's tail a chunk of its own, tensors of other shapes and dtypes): the
+    plain sum and norm of the tensors cast to the dtype, in float64."""
+    from turnrl.engine import weights as weights_module
+
+    monkeypatch.setattr(weights_module, "CHECKSUM_CHUNK", 7)
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(5, 6, generator=generator), torch.randn(23, generator=generator).to(torch.bfloat16),
+               torch.randn(3, 4, 2, generator=generator)]
+    made = weights_module.checksum(tensors, torch.bfloat16)
+    values = torch.cat([t.to(torch.bfloat16).double().reshape(-1) for t in tensors])
+    assert made.dtype == torch.bfloat16
+    assert made.total == pytest.approx(float(values.sum()), rel=1e-12, abs=1e-12)
+    assert made.norm == pytest.approx(float(values.square().sum().sqrt()), rel=1e-12)
