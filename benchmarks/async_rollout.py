@@ -10,7 +10,8 @@ time each (validation before and after is not counted):
 
 Both use recomputed old log-probs and ``algorithm.tis_cap`` so that only the overlap differs. Printed per
 row: steps done, seconds a step, generated tokens/s, the mean training success of the last five steps,
-validation success after, and the steps ratio over ``sync`` measured in the same run.
+validation success after, and the steps ratio over ``sync`` measured in the same run (seconds a step of
+``sync`` over the row's, so that rows of different lengths compare).
 
     python benchmarks/async_rollout.py --config configs/sokoban_quickstart.yaml --seconds 150 \\
         --rollout-device cuda:1                                     # two GPUs: trainer cuda:0, rollout cuda:1
@@ -20,12 +21,15 @@ validation success after, and the steps ratio over ``sync`` measured in the same
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,11 +47,14 @@ COMMON = ["run.tensorboard=false", "run.trajectories_every=0", "run.steps=100000
           "algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
 
 
-def train_for(trainer: Trainer, seconds: float) -> dict[str, Any]:
-    """RL steps until ``seconds`` have passed; validation after (not timed)."""
+def train_for(trainer: Trainer, seconds: float, warmup_steps: int = 0) -> dict[str, Any]:
+    """``warmup_steps`` untimed steps (compilation, the allocator's first growth), then RL steps until ``seconds``
+    have passed; validation after (not timed)."""
+    for step in range(warmup_steps):
+        trainer.step(step)
     rows = []
     start = time.time()
-    step = 0
+    step = warmup_steps
     while time.time() - start < seconds:
         rows.append(trainer.step(step).metrics)
         step += 1
@@ -56,7 +63,13 @@ def train_for(trainer: Trainer, seconds: float) -> dict[str, Any]:
     after = trainer.validate().metrics["val/success"]
     generated = sum(r["rollout/response_tokens_mean"] * r["rollout/turns_mean"] * r["rollout/episodes"] for r in rows)
     last = rows[-5:]
-    return {"steps": step, "wall_s": wall, "step_s": wall / step, "generated_per_s": generated / wall,
+    timed = len(rows)
+    phases = {key: sum(r.get(f"timing/{key}_s", 0.0) for r in rows) / timed
+              for key in ("rollout", "old_logprobs", "reference", "update")}
+    return {"steps": timed, "wall_s": wall, "step_s": wall / timed,
+            **{f"{key}_s": value for key, value in phases.items()},
+            "publish_s": sum(r.get("async/publish_s", 0.0) for r in rows) / timed,
+            "wait_rollout_s": sum(r.get("async/wait_rollout_s", 0.0) for r in rows) / timed, "generated_per_s": generated / wall,
             "train_success_last5": sum(r["rollout/success"] for r in last) / len(last), "val_success_after": after,
             "staleness_mean": sum(r.get("async/staleness", 0.0) for r in rows) / len(rows),
             "tis_weight_mean": sum(r.get("actor/tis_weight_mean", 1.0) for r in rows) / len(rows)}
@@ -68,6 +81,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--rollout-device", default=None, help="the async row's rollout device (e.g. cuda:1)")
     parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="steps of each row before its clock starts (a compiled model's first step)")
+    parser.add_argument("--only", choices=["sync", "async"], default=None, help="one row alone")
     parser.add_argument("--quick", action="store_true", help="the tiny model on CPU, 20 s a row")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -82,22 +98,30 @@ def main() -> None:
                                          if args.rollout_device else [])]}
         before = None
         for name, extra in modes.items():
+            if args.only is not None and name != args.only:
+                continue
             config = load_config(TrainConfig, args.config, [*overrides, *extra, f"run.output_dir={tmp}",
                                                              f"run.name={name}", "sft.enabled=false"])
             trainer = Trainer(config, start_model=sft_model)  # the config picks the backend
             if before is None:
                 before = trainer.validate().metrics["val/success"]
-            rows[name] = train_for(trainer, seconds)
+            rows[name] = train_for(trainer, seconds, args.warmup_steps)
             print(name, json.dumps({k: round(v, 4) for k, v in rows[name].items()}), flush=True)
             del trainer
+            gc.collect()  # the next row's models on the same devices
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     print(f"\nvalidation success before RL: {before:.3f}; {seconds:.0f} s of training each\n")
-    print("| mode | steps | s a step | generated tokens/s | training success (last 5) | validation success after "
-          "| staleness | TIS weight | steps / sync |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| mode | steps | s a step | rollout | old log-probs | reference | update | publish | waiting for the rollout "
+          "| generated tokens/s | training success (last 5) | validation success after | staleness | TIS weight "
+          "| steps / sync |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, row in rows.items():
-        print(f"| {name} | {row['steps']} | {row['step_s']:.2f} | {row['generated_per_s']:,.0f} | "
-              f"{row['train_success_last5']:.3f} | {row['val_success_after']:.3f} | {row['staleness_mean']:.2f} | "
-              f"{row['tis_weight_mean']:.3f} | {row['steps'] / rows['sync']['steps']:.2f}x |")
+        ratio = f"{rows['sync']['step_s'] / row['step_s']:.2f}x" if "sync" in rows else "-"
+        print(f"| {name} | {row['steps']} | {row['step_s']:.2f} | {row['rollout_s']:.2f} | {row['old_logprobs_s']:.2f} | "
+              f"{row['reference_s']:.2f} | {row['update_s']:.2f} | {row['publish_s']:.2f} | {row['wait_rollout_s']:.2f} | "
+              f"{row['generated_per_s']:,.0f} | {row['train_success_last5']:.3f} | {row['val_success_after']:.3f} | "
+              f"{row['staleness_mean']:.2f} | {row['tis_weight_mean']:.3f} | {ratio} |")
 
 
 if __name__ == "__main__":
