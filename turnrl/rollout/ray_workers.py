@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -182,6 +182,21 @@ class RolloutHost:
         if missing or unexpected:
             raise ValueError(f"the weights do not fit the worker's model: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}; send a state dict of the same architecture")
+        self.version = version
+        self.rollout.policy.weights_version = version
+        return self.rollout.policy.weights_checksum()
+
+    @torch.no_grad()
+    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsChecksum | None:
+        """Copy ``weights`` (name and tensor, one at a time as they arrive: a rollout process receives them from
+        the trainer) into the model's parameters of those names, as ``version``; the checksum as
+        :meth:`set_weights` returns it. Every tensor of ``weights`` is read (the sender waits for each)."""
+        parameters = dict(self.model.named_parameters())
+        for name, tensor in weights:
+            if name not in parameters or parameters[name].shape != tensor.shape:
+                raise ValueError(f"the weight {name!r} {tuple(tensor.shape)} does not fit the rollout's model "
+                                 f"(its parameter: {tuple(parameters[name].shape) if name in parameters else 'none'})")
+            parameters[name].copy_(tensor)
         self.version = version
         self.rollout.policy.weights_version = version
         return self.rollout.policy.weights_checksum()

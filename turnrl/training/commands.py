@@ -160,15 +160,30 @@ def train(config: TrainConfig) -> dict[str, Any]:
     _set_allocator(config)  # before CUDA starts (the process group's device, the models)
     start = ranks.command_start()
     distributed = ranks.launched_by_torchrun()
-    if distributed and (config.distributed.async_rollout or config.distributed.backend == "ray"):
-        raise ConfigError("several processes under torchrun train with FSDP; distributed.async_rollout and "
-                          "distributed.backend=ray run in one process: start them without torchrun")
+    pool = config.distributed.rollout_processes
+    if distributed and config.distributed.backend == "ray" or \
+            distributed and config.distributed.async_rollout and not pool:
+        raise ConfigError("several processes under torchrun train with FSDP; distributed.async_rollout (without "
+                          "distributed.rollout_processes) and distributed.backend=ray run in one process: start "
+                          "them without torchrun")
+    if pool and not distributed:
+        raise ConfigError(f"distributed.rollout_processes={pool} are processes of torchrun: set "
+                          f"distributed.nproc_per_node={pool + 1} or more")
+    if pool and ranks.launched_world() <= pool:
+        raise ConfigError(f"distributed.rollout_processes={pool} of {ranks.launched_world()} processes leaves no "
+                          f"process to train: start {pool + 1} or more")
     if distributed:
-        ranks.init_process_group(config.model.device, config.distributed.timeout_s)
+        trainers = ranks.launched_world() - pool
+        device = ranks.init_process_group(config.model.device, config.distributed.timeout_s, trainers)
         if config.run.threads == 0:
             torch.set_num_threads(ranks.threads_per_process())
         # config.yaml then says how many processes a resume needs (`turnrl train resume=RUN_DIR` starts them).
-        config.distributed.nproc_per_node = ranks.world_size()
+        config.distributed.nproc_per_node = ranks.launched_world()
+        if ranks.launched_rank() >= trainers:
+            from turnrl.training.backends.pool import serve_rollouts
+
+            serve_rollouts(config, device)  # until trainer 0 says stop
+            return {}
     elif config.distributed.backend == "fsdp":
         raise ConfigError("distributed.backend=fsdp runs one process per GPU: start them with "
                           "`torchrun --nproc-per-node N -m turnrl.cli train ...` or distributed.nproc_per_node=N")

@@ -1,5 +1,7 @@
 """The one place that picks a run's parallel strategy and rollout backends, from its config and its processes.
 
+    torchrun, rollout_processes=k  -> the first n - k processes train (FSDP2 among themselves, or one process),
+                                      the last k roll out (backends.pool); async_rollout: ahead, in a thread
     processes started by torchrun  -> FSDP2 strategy, sharded rollouts (and validation)
     distributed.backend=ray        -> one process, rollouts on Ray workers (validation here)
     distributed.async_rollout      -> one process, rollouts a batch ahead on a copy of the actor
@@ -17,6 +19,7 @@ from turnrl.training import ranks
 from turnrl.training.backends.asynchronous import async_rollouts
 from turnrl.training.backends.backend import MakeRollouts, RolloutParts, Rollouts
 from turnrl.training.backends.local import LocalRollout
+from turnrl.training.backends.pool import pool_rollouts
 from turnrl.training.backends.ray_rollout import RayBackend, ray_workers
 from turnrl.training.backends.sharded import ShardedRollout
 from turnrl.training.parallel.fsdp2 import FSDP2
@@ -33,9 +36,15 @@ class Parts:
     rollouts: MakeRollouts
 
 
+def trainer_processes(config: TrainConfig) -> int:
+    """How many of the processes torchrun started train (all but ``distributed.rollout_processes``)."""
+    return ranks.launched_world() - config.distributed.rollout_processes
+
+
 def parallel_strategy(config: TrainConfig) -> ParallelStrategy:
-    """FSDP2 in processes that torchrun started (the process group initialized), else one process."""
-    if ranks.launched_by_torchrun():
+    """FSDP2 in processes that torchrun started (the process group initialized), else one process; a lone trainer
+    beside rollout processes trains as one process, on its rank's device."""
+    if ranks.launched_by_torchrun() and not (config.distributed.rollout_processes and trainer_processes(config) == 1):
         return FSDP2(config.distributed.cpu_offload)
     return SingleProcess()
 
@@ -63,6 +72,8 @@ def asynchronous_rollouts(parts: RolloutParts) -> Rollouts:
 
 def make_rollouts(config: TrainConfig) -> MakeRollouts:
     """The backends' maker for ``config`` in this process (see the module's table)."""
+    if ranks.launched_by_torchrun() and config.distributed.rollout_processes:
+        return pool_rollouts
     if ranks.launched_by_torchrun():
         return sharded_rollouts
     if config.distributed.backend == "ray":

@@ -82,13 +82,28 @@ def training_device(setting: str) -> torch.device:
     return process_device() or resolve_device(setting)
 
 
-def init_process_group(device: str, timeout_s: float) -> torch.device:
+def launched_rank() -> int:
+    """This process's rank among all that ``torchrun`` started (trainers and rollout processes alike)."""
+    return int(os.environ.get("RANK", 0))
+
+
+def launched_world() -> int:
+    """How many processes ``torchrun`` started (trainers and rollout processes alike)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_process_group(device: str, timeout_s: float, trainers: int | None = None) -> torch.device:
     """Join the run's process group (NCCL on GPUs, gloo on CPUs); returns this process's device.
 
     Args:
         device: ``model.device``: ``cpu``, or ``cuda``/``auto`` (each process takes the GPU of its
             ``LOCAL_RANK``).
         timeout_s: the longest wait on a collective.
+        trainers: the first ``trainers`` of the launched processes train (``distributed.rollout_processes``: the
+            others roll out). The default process group is theirs alone, so that every collective of the trainer
+            (FSDP2's device mesh, checkpoints, the helpers here) runs over the trainer ranks without naming a
+            group; a rollout process joins no default group (:func:`launch_store` connects it to the trainers).
+            None: every launched process trains.
     """
     global _process_device
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -97,10 +112,28 @@ def init_process_group(device: str, timeout_s: float) -> torch.device:
     if use_cuda:
         torch.cuda.set_device(where)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                                device_id=where if use_cuda else None)
+        backend, timeout = "nccl" if use_cuda else "gloo", timedelta(seconds=timeout_s)
+        if trainers is None or trainers == launched_world():
+            dist.init_process_group(backend, timeout=timeout, device_id=where if use_cuda else None)
+        elif launched_rank() < trainers:
+            dist.init_process_group(backend, store=dist.PrefixStore("turnrl/trainers/", launch_store(timeout_s)),
+                                    rank=launched_rank(), world_size=trainers, timeout=timeout,
+                                    device_id=where if use_cuda else None)
     _process_device = where
     return where
+
+
+_launch_store: Any = None
+
+
+def launch_store(timeout_s: float) -> Any:
+    """The key-value store of the processes ``torchrun`` started (its ``env://`` rendezvous), shared by all: the
+    trainers' default group and the rollout pool's groups are made on it under prefixes of their own."""
+    global _launch_store
+    if _launch_store is None:
+        _launch_store, _, _ = next(dist.rendezvous("env://", launched_rank(), launched_world(),
+                                                   timeout=timedelta(seconds=timeout_s)))
+    return _launch_store
 
 
 _long_wait_group: Any = None

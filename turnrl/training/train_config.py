@@ -448,6 +448,14 @@ class DistributedConfig:
     partial_rollouts: bool = False
     """``async_rollout``: the episodes in flight take weights published mid-batch from their next turn on,
     instead of finishing the batch on the weights it started with (each turn keeps its version and log-probs)."""
+    rollout_processes: int = 0
+    """Disaggregated pools: of the ``nproc_per_node`` processes, the last this many roll out (each its own policy
+    and envs, on its own GPU) and the others train (FSDP2 among themselves, one process: on its own); weights go
+    from the trainers' shards to them after each update. With ``async_rollout`` they play up to ``max_staleness``
+    updates ahead. 0: every process trains and plays its share (docs/distributed.md, "Disaggregated pools")."""
+    rollout_host: str = "turnrl.rollout.ray_workers:RolloutHost"
+    """``rollout_processes``: the class each rollout process serves with (``module:Class``, a ``RolloutHost`` or a
+    subclass of it: a policy built otherwise, instrumentation)."""
 
     def validate(self) -> None:
         check_choice("distributed.backend", self.backend, ["none", "fsdp", "ray"])
@@ -463,6 +471,17 @@ class DistributedConfig:
         if self.async_rollout and self.backend != "none":
             raise ConfigError("distributed.async_rollout runs in one process (rollout and trainer on their own "
                               f"devices); it does not go with distributed.backend={self.backend}")
+        check_range("distributed.rollout_processes", self.rollout_processes, 0)
+        if self.rollout_processes and self.nproc_per_node <= self.rollout_processes:
+            raise ConfigError(f"distributed.rollout_processes={self.rollout_processes} of "
+                              f"distributed.nproc_per_node={self.nproc_per_node} leaves no process to train: set "
+                              f"distributed.nproc_per_node={self.rollout_processes + 1} or more")
+        if self.rollout_processes and self.backend == "ray":
+            raise ConfigError("distributed.rollout_processes are rollout processes of torchrun; they do not go with "
+                              "distributed.backend=ray (its rollout workers are Ray actors): set one or the other")
+        if self.rollout_processes and self.partial_rollouts:
+            raise ConfigError("distributed.partial_rollouts switches weights mid-batch in one process's rollout copy; "
+                              "rollout processes take new weights between batches only: drop partial_rollouts")
         if self.partial_rollouts and not self.async_rollout:
             raise ConfigError("distributed.partial_rollouts switches the weights of episodes in flight in the "
                               "asynchronous backend: set distributed.async_rollout=true, or drop it")

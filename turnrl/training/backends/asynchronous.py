@@ -55,16 +55,17 @@ from collections import Counter
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Generic
+from typing import Any, Generic, Protocol
 
 import torch
 
 from turnrl.config import SamplingConfig
 from turnrl.models.devices import resolve_device
 from turnrl.policy.factory import model_policy
-from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
+from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings, TurnBoundary
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.backends.backend import (
+    EpisodeRunner,
     Played,
     PlayStep,
     RewardMetrics,
@@ -79,6 +80,72 @@ from turnrl.training.precision import autocast
 console = RunConsole()
 
 
+class RolloutCopy(Protocol):
+    """Where the rollout side's copy of the actor lives, and how the trainer's weights reach it: this process
+    (:class:`LocalCopy`) or rollout processes (:class:`~turnrl.training.backends.pool.PoolCopy`)."""
+
+    def start(self, source: torch.nn.Module, version: WeightsVersion) -> None:
+        """The first weights (no rollout thread yet): from now on the copy holds ``source``'s."""
+        ...
+
+    def stage(self, source: torch.nn.Module, version: WeightsVersion) -> None:
+        """On the trainer's thread: ``source``'s trainable weights into the staging buffers (on every trainer
+        process where they are gathered from shards: a collective)."""
+        ...
+
+    def apply(self, version: WeightsVersion) -> None:
+        """On the rollout thread: the staged weights (``version``) into the copy."""
+        ...
+
+
+class CopyCheck(Protocol):
+    """The check of the copy's weights after each apply, and their version on its turns
+    (:class:`~turnrl.training.backends.weights_check.PolicyWeights` for a copy in this process)."""
+
+    def expect(self, model: torch.nn.Module, version: WeightsVersion) -> None: ...
+
+    def take(self, steps: int | None = None) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+class LocalCopy:
+    """A :class:`RolloutCopy` in this process: ``target``, a copy of the actor (same architecture; its parameters
+    are overwritten in place, so that the engine, which reads them where they live, notices the change through
+    their version counters). The staging copy is on the trainer's device: publishing is a copy on one device; the
+    rollout thread does the device-to-device copy (peer to peer between two GPUs) when it is ready for new
+    weights."""
+
+    def __init__(self, target: torch.nn.Module) -> None:
+        self.target = target
+        self._sources: list[torch.nn.Parameter] = []
+        self._targets: list[torch.nn.Parameter] = []
+        self._staged: list[torch.Tensor] = []
+
+    def start(self, source: torch.nn.Module, version: WeightsVersion) -> None:
+        targets = dict(self.target.named_parameters())
+        names = [name for name, p in source.named_parameters() if p.requires_grad]
+        if not names:
+            raise ValueError("the actor has no trainable parameter to publish")
+        self._sources = [p for name, p in source.named_parameters() if p.requires_grad]
+        self._targets = [targets[name] for name in names]
+        self._staged = [p.detach().clone() for p in self._sources]
+
+    @torch.no_grad()
+    def stage(self, source: torch.nn.Module, version: WeightsVersion) -> None:
+        for staged, parameter in zip(self._staged, self._sources):
+            staged.copy_(parameter)
+
+    @torch.no_grad()
+    def apply(self, version: WeightsVersion) -> None:
+        for target, staged in zip(self._targets, self._staged):
+            target.copy_(staged)
+        device = self._targets[0].device
+        if device.type == "cuda":
+            # The staging copy may be rewritten as soon as the staged weights' lock is released.
+            torch.cuda.synchronize(device)
+
+
 class StagedWeights:
     """The trainer's latest actor weights, staged for the rollout copy, with their version.
 
@@ -89,40 +156,31 @@ class StagedWeights:
 
     Args:
         source: the trainer's actor.
-        target: the rollout copy (same architecture; its parameters are overwritten in place, so that the
-            engine, which reads them where they live, notices the change through their version counters).
+        copy: where the rollout copy lives (:class:`RolloutCopy`); it takes ``source``'s weights now.
         version: the version both hold now.
     """
 
-    def __init__(self, source: torch.nn.Module, target: torch.nn.Module, version: int) -> None:
-        targets = dict(target.named_parameters())
-        names = [name for name, p in source.named_parameters() if p.requires_grad]
-        if not names:
-            raise ValueError("the actor has no trainable parameter to publish")
-        self._sources = [p for name, p in source.named_parameters() if p.requires_grad]
-        self._targets = [targets[name] for name in names]
-        # On the trainer's device: publishing is a copy on one device; the rollout thread does the
-        # device-to-device copy (peer to peer between two GPUs) when it is ready for new weights.
-        self._staged = [p.detach().clone() for p in self._sources]
+    def __init__(self, source: torch.nn.Module, copy: RolloutCopy, version: WeightsVersion) -> None:
+        copy.start(source, version)
+        self.source = source
+        self.copy = copy
         self._changed = threading.Condition()
-        self.version = version
+        self.version = version.steps
         """The latest published version."""
-        self._staged_version = version
-        """The version whose weights are in the staging copy."""
-        self.applied_version = version
+        self._staged = version
+        """The version whose weights are staged."""
+        self.applied_version = version.steps
         """The version the rollout copy holds."""
 
-    @torch.no_grad()
-    def publish(self, version: int, changed: bool) -> float:
+    def publish(self, version: WeightsVersion, changed: bool) -> float:
         """Stage the trainer's weights as ``version`` (``changed`` False: the update was skipped, only the
         version moves). Returns the seconds it took (waiting for a copy to the rollout model included)."""
         start = time.time()
         with self._changed:
             if changed:
-                for staged, source in zip(self._staged, self._sources):
-                    staged.copy_(source)
-                self._staged_version = version
-            self.version = version
+                self.copy.stage(self.source, version)
+                self._staged = version
+            self.version = version.steps
             self._changed.notify_all()
         return time.time() - start
 
@@ -134,17 +192,11 @@ class StagedWeights:
                 self._changed.wait(timeout=0.5)
         return time.time() - start
 
-    @torch.no_grad()
     def apply(self) -> int:
         """Copy the staged weights into the rollout copy when they are newer; returns its version now."""
         with self._changed:
-            if self._staged_version > self.applied_version:
-                for target, staged in zip(self._targets, self._staged):
-                    target.copy_(staged)
-                device = self._targets[0].device
-                if device.type == "cuda":
-                    # The staging copy may be rewritten as soon as the lock is released.
-                    torch.cuda.synchronize(device)
+            if self._staged.steps > self.applied_version:
+                self.copy.apply(self._staged)
             self.applied_version = self.version
             return self.applied_version
 
@@ -157,6 +209,14 @@ class StagedWeights:
         """Wake a waiting :meth:`wait_for` (to see its stop event)."""
         with self._changed:
             self._changed.notify_all()
+
+
+class AheadRunner(EpisodeRunner, Protocol):
+    """The runner the rollout thread plays its batches on: a :class:`~turnrl.rollout.runner.Rollout` (which calls
+    ``turn_boundary`` before each round of turns) or the rollout processes' pool (whose turns happen in their
+    processes: it never calls it)."""
+
+    turn_boundary: TurnBoundary | None
 
 
 @dataclass
@@ -197,20 +257,29 @@ class AsyncRollout:
 
     Args:
         runner: a runner on a policy that samples from ``copy``.
-        copy: the rollout thread's copy of the actor (on ``device``; its parameters are overwritten in place).
-        device: where the copy lives (``distributed.rollout_device``).
+        copy: the rollout thread's copy of the actor (on ``device``; its parameters are overwritten in place);
+            None where ``where`` says where it lives.
+        device: where the copy lives (``distributed.rollout_device``), or the device the rollout thread drives it
+            from (trainer 0's, for rollout processes).
         dtype: the compute dtype the episodes play under.
         max_staleness: how many updates behind the weights a batch samples with may be.
         end_step: the steps before it are rolled out (``run.steps``).
         partial_rollouts: take weights published mid-batch at the next turn boundary (see the module).
+        where: where the copy lives (None: ``copy``, in this process: :class:`LocalCopy`).
+        checked: the check of the copy's weights (None: of ``runner``'s policy, in this process).
     """
 
     runs_ahead = True
 
-    def __init__(self, runner: Rollout, copy: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                 max_staleness: int, end_step: int, partial_rollouts: bool = False) -> None:
+    def __init__(self, runner: AheadRunner, copy: torch.nn.Module | None, device: torch.device, dtype: torch.dtype,
+                 max_staleness: int, end_step: int, partial_rollouts: bool = False, *,
+                 where: RolloutCopy | None = None, checked: CopyCheck | None = None) -> None:
         self.runner = runner
         self.copy = copy
+        if where is None:
+            assert copy is not None, "a rollout copy in this process, or where it lives"
+            where = LocalCopy(copy)
+        self.where = where
         self.device = device
         self.dtype = dtype
         self.max_staleness = max_staleness
@@ -233,7 +302,7 @@ class AsyncRollout:
         self._failure: RolloutFailure | None = None
         self._playing: int | None = None
         """The step the rollout thread is playing now, if any."""
-        self.checked = PolicyWeights(runner.policy, "asynchronous")
+        self.checked: CopyCheck = checked if checked is not None else PolicyWeights(runner.policy, "asynchronous")
         """The check of the copy's weights after each apply, and their version on its turns."""
 
     def precision(self) -> AbstractContextManager:
@@ -344,11 +413,11 @@ class AsyncRollout:
         # Noted before it is published: the rollout thread checks the copy against it once it applies it.
         self.checked.expect(model, version)
         if self.weights is None:
-            self.weights = StagedWeights(model, self.copy, version=version.steps)
+            self.weights = StagedWeights(model, self.where, version)
             self.updates = version.updates
             self.checked.take(version.steps)  # the copy holds the actor's weights; no rollout thread yet
             return {}
-        publish_s = self.weights.publish(version.steps, changed=version.updates != self.updates)
+        publish_s = self.weights.publish(version, changed=version.updates != self.updates)
         self.updates = version.updates
         return {"async/publish_s": publish_s, **self.checked.metrics()}
 
