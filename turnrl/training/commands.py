@@ -247,6 +247,10 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
         trainer._timed("sft_s", sft.seconds)
     world = ranks.world_size()
     processes = f", {world} process{'es' if world > 1 else ''} (FSDP)" if distributed else ""
+    if distributed and config.distributed.rollout_processes:
+        pool = config.distributed.rollout_processes
+        processes = f", {world} trainer process{'es' if world > 1 else ''}{' (FSDP)' if world > 1 else ''} and " \
+                    f"{pool} rollout process{'es' if pool > 1 else ''}"
     compiled = f", {trainer.compiled_parts} layer parts compiled" if trainer.compiled_parts else ""
     console.print(f"[bold]turnrl train[/bold] {config.run.name}: {config.env.id}, {config.algorithm.advantage}, "
                   f"run dir {trainer.run_dir}{processes}{compiled}")

@@ -198,7 +198,10 @@ def serve_rollouts(config: TrainConfig, device: torch.device) -> None:
     trainers = ranks.launched_world() - dist_config.rollout_processes
     groups = pool_groups(trainers, dist_config.rollout_processes, device, dist_config.timeout_s)
     host_class = resolve_module_attr(dist_config.rollout_host, "distributed.rollout_host")
-    start = recv_object(groups, 0, START_WAIT_S)
+    try:
+        start = recv_object(groups, 0, START_WAIT_S)
+    except RuntimeError as error:
+        return trainer_gone(error)
     if isinstance(start, Stop):
         return
     try:
@@ -208,7 +211,10 @@ def serve_rollouts(config: TrainConfig, device: torch.device) -> None:
         send_object(groups, Failed("start", failure_text(error)), 0)
         host = None  # type: ignore[assignment]
     while True:
-        message = recv_object(groups, 0, START_WAIT_S)
+        try:
+            message = recv_object(groups, 0, START_WAIT_S)
+        except RuntimeError as error:
+            return trainer_gone(error)
         if isinstance(message, Stop):
             return
         doing = "play" if isinstance(message, Play) else "take weights"
@@ -221,6 +227,12 @@ def serve_rollouts(config: TrainConfig, device: torch.device) -> None:
                 send_object(groups, Taken(host.load_weights(message.version, received(groups, message))), 0)
         except Exception as error:  # noqa: BLE001 - trainer 0 names this process and raises
             send_object(groups, Failed(doing, failure_text(error)), 0)
+
+
+def trainer_gone(error: RuntimeError) -> None:
+    """Trainer 0 has gone (its own error says why): this rollout process stops, saying so in one line."""
+    print(f"rollout process (rank {ranks.launched_rank()}): trainer 0 has gone ({str(error).splitlines()[0][:200]}); "
+          "stopping", flush=True)
 
 
 def received(groups: PoolGroups, message: Weights) -> Iterator[tuple[str, torch.Tensor]]:
@@ -644,9 +656,11 @@ class TrainerGroup:
     rank then raises (they stop together, with a checkpoint). :meth:`set_weights` runs ``inner``'s on every rank
     (its gathers are collectives)."""
 
-    def __init__(self, inner: RolloutBackend, deltas: Callable[[], ChatTemplateDeltas]) -> None:
+    def __init__(self, inner: RolloutBackend, deltas: Callable[[], ChatTemplateDeltas],
+                 pool: ProcessPool | None) -> None:
         self.inner = inner
         self.deltas = deltas
+        self.pool = pool
         self.runs_ahead = inner.runs_ahead
 
     @property
@@ -681,7 +695,9 @@ class TrainerGroup:
         return self.inner.exclusive()
 
     def close(self) -> None:
-        self.inner.close()
+        self.inner.close()  # the rollout thread first: it may be talking to the pool
+        if self.pool is not None:
+            self.pool.close()
 
 
 OBJECT_CHUNK_BYTES = 64 * 2**20
@@ -769,5 +785,5 @@ def pool_rollouts(parts: RolloutParts) -> Rollouts:
         parts.tokenizer, response_prefix=parts.train.fmt.response_prefix)
     validation: RolloutBackend = LocalRollout(parts.validation, parts.precision) if trainers == 1 else \
         ShardedRollout(parts.validation, parts.tokenizer, parts.precision)
-    return Rollouts(TrainerGroup(inner, deltas), validation)
+    return Rollouts(TrainerGroup(inner, deltas, pool), validation)
 

@@ -1,0 +1,55 @@
+"""Rollout hosts for the rollout processes' tests (``distributed.rollout_host``): a real RolloutHost with one
+behaviour changed, as a user's subclass would be named."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from turnrl.config import SamplingConfig
+from turnrl.engine.weights import WeightsChecksum
+from turnrl.rollout.ray_workers import RolloutHost, SlotSpec, WorkerResult
+
+STOP_FILE_VARIABLE = "POOL_TEST_STOP_FILE"
+
+
+class SkipsWeights(RolloutHost):
+    """Takes the first weights, then reads every later transfer and keeps its own: a sync that never reaches the
+    policy (the LoRA adapters a peer never sent)."""
+
+    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsChecksum | None:
+        if self.version is None:
+            return super().load_weights(version, weights)
+        for _ in weights:
+            pass
+        self.version = version
+        self.rollout.policy.weights_version = version
+        return self.rollout.policy.weights_checksum()
+
+
+class FailsInStepTwo(RolloutHost):
+    """Raises at its second batch, as an env that breaks does."""
+
+    plays = 0
+
+    def run(self, slots: Sequence[SlotSpec], sampling: SamplingConfig, seed: int) -> WorkerResult:
+        self.plays += 1
+        if self.plays == 2:
+            raise RuntimeError("the env server went away")
+        return super().run(slots, sampling, seed)
+
+
+class StopsTheRunInStepThree(RolloutHost):
+    """Touches the run's stop file (its path in ``POOL_TEST_STOP_FILE``) as it starts playing step 3, which an
+    asynchronous run plays ahead while step 2 updates: the run stops after step 2, step 3 played and not trained."""
+
+    plays = 0
+
+    def run(self, slots: Sequence[SlotSpec], sampling: SamplingConfig, seed: int) -> WorkerResult:
+        self.plays += 1
+        if self.plays == 3 and STOP_FILE_VARIABLE in os.environ:
+            Path(os.environ[STOP_FILE_VARIABLE]).touch()
+        return super().run(slots, sampling, seed)

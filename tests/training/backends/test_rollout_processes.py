@@ -1,0 +1,128 @@
+"""Disaggregated pools (``distributed.rollout_processes``): the last processes torchrun starts roll out, the others
+train; gloo processes on the CPU, the tiny model, the reference run's settings (greedy: one process and several play
+the same episodes)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.training.reference_run import assert_same_metrics, run_config, run_train, step_records
+
+POOL = "tests.training.backends.pool_hosts"
+ASYNC = ["distributed.async_rollout=true", "algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
+
+
+def pool(trainers: int, rollouts: int, *extra: str) -> list[str]:
+    return [f"distributed.nproc_per_node={trainers + rollouts}", f"distributed.rollout_processes={rollouts}",
+            "distributed.timeout_s=120", *extra]
+
+
+def trajectories(run: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+
+
+def episodes(run: Path, step: int) -> list[tuple]:
+    """Each episode's seed, group, reward and the tokens of its turns (what the policy said)."""
+    return [(t["seed"], t["group"], t["sample"], t["total_reward"], [turn.get("response") for turn in t["turns"]])
+            for t in trajectories(run, step)]
+
+
+def ran(result) -> str:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize("mode", [[], ["distributed.async_rollout=true", "distributed.max_staleness=0"]],
+                         ids=["synchronous", "staleness0"])
+def test_one_trainer_and_two_rollout_processes_train_as_one_process(tiny_model_dir, tmp_path, single, mode):
+    """Synchronous, or asynchronous with no staleness: the episodes, rewards and every step's metrics of the one-
+    process run; the turns record the weights version they were played with."""
+    said = ran(run_train(tiny_model_dir, tmp_path, "pool", "run.steps=2", *pool(1, 2, *mode)))
+    assert "1 trainer process and 2 rollout processes" in said
+    one, two = step_records(single), step_records(tmp_path / "pool")
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+        assert episodes(single, step) == episodes(tmp_path / "pool", step)
+    assert two[2]["timing/weights_check_s"] >= 0
+    assert ("pool/publish_s" if not mode else "async/publish_s") in two[2]
+    versions = {turn["weights_version"] for t in trajectories(tmp_path / "pool", 2) for turn in t["turns"]}
+    assert versions == {1}  # step 2 played with the weights of the first update
+
+
+def test_two_fsdp_trainers_and_one_rollout_process_train_as_one_process(tiny_model_dir, tmp_path, single):
+    said = ran(run_train(tiny_model_dir, tmp_path, "pool", "run.steps=2", *pool(2, 1)))
+    assert "2 trainer processes (FSDP) and 1 rollout process" in said
+    one, two = step_records(single), step_records(tmp_path / "pool")
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+        assert episodes(single, step) == episodes(tmp_path / "pool", step)
+    assert (tmp_path / "pool" / "checkpoints" / "step_000002" / "optimizer" / ".metadata").is_file()  # DCP shards
+
+
+def test_asynchronous_pool_one_update_behind_corrects_with_importance_weights(tiny_model_dir, tmp_path):
+    ran(run_train(tiny_model_dir, tmp_path, "pool", "run.steps=3", *pool(1, 1, *ASYNC, "distributed.max_staleness=1")))
+    records = step_records(tmp_path / "pool")
+    assert records[1]["async/staleness"] == 0
+    assert records[2]["async/staleness"] == 1  # step 2 plays while update 1 runs
+    for record in records.values():
+        assert 0 < record["actor/tis_weight_mean"] <= 2.0 and "actor/tis_capped" in record
+    assert records[3]["async/weights_version"] >= 1 and "async/publish_s" in records[3]
+    # The rollout process took the published weights (each take checked against the trainer's checksum).
+    versions = [{turn["weights_version"] for t in trajectories(tmp_path / "pool", step) for turn in t["turns"]}
+                for step in (1, 2, 3)]
+    assert versions[0] == {0} and versions[2] <= {1, 2} and versions[2] != {0}
+
+
+def test_a_rollout_process_that_skips_the_weights_stops_the_run(tiny_model_dir, tmp_path):
+    result = run_train(tiny_model_dir, tmp_path, "pool", "run.steps=2",
+                       *pool(1, 1, f"distributed.rollout_host={POOL}:SkipsWeights"))
+    assert result.returncode != 0
+    said = " ".join((result.stdout + result.stderr).split())
+    assert "WeightsSyncError: the rollout's weights did not change after the weights sync of version 1" in said
+    assert "pool (rollout process 1 (rank 1" in said
+
+
+def test_a_rollout_process_that_fails_stops_the_run_naming_it(tiny_model_dir, tmp_path):
+    started = time.time()
+    result = run_train(tiny_model_dir, tmp_path, "pool", "run.steps=3", "run.save_every=1",
+                       *pool(1, 1, f"distributed.rollout_host={POOL}:FailsInStepTwo"), timeout=300)
+    assert time.time() - started < 300  # no hang: the error came back as an answer
+    assert result.returncode != 0
+    said = " ".join(result.stdout.split())
+    assert "rollout process 1 (rank 1, pid" in said
+    assert "failed during play: RuntimeError: the env server went away" in said
+    assert "stopped by the error above after step 1 of 3" in said  # a checkpoint to resume from
+    assert (tmp_path / "pool" / "checkpoints" / "step_000001").is_dir()
+
+
+@pytest.mark.slow  # three runs of two processes, about a minute on two cores
+def test_an_asynchronous_pool_stopped_and_resumed_trains_each_planned_step_once(tiny_model_dir, tmp_path,
+                                                                              monkeypatch):
+    """The stop file touched as the rollout process starts step 3 (played ahead while step 2 updates): the run stops
+    after step 2 and drops step 3; the resumed run plays steps 3 and 4 on the seeds and groups the uninterrupted run
+    plays."""
+    settings = [*pool(1, 1, *ASYNC, "distributed.max_staleness=1"), "run.steps=4", "run.save_every=1"]
+    ran(run_train(tiny_model_dir, tmp_path, "whole", *settings))
+    monkeypatch.setenv("POOL_TEST_STOP_FILE", str(tmp_path / "run" / "stop"))
+    stopped = run_train(tiny_model_dir, tmp_path, "run", *settings,
+                        f"distributed.rollout_host={POOL}:StopsTheRunInStepThree")
+    said = " ".join(stopped.stdout.split())
+    assert "interrupted after step 2 of 4" in said, said[-3000:]
+    # Step 4 too, where step 3 finished during the save.
+    assert "rollouts played ahead and not trained, dropped: step 3 " in said or \
+        "rollouts played ahead and not trained, dropped: steps 3, 4 " in said
+    monkeypatch.delenv("POOL_TEST_STOP_FILE")
+    ran(run_train(tiny_model_dir, tmp_path, "run", *settings, f"resume={tmp_path / 'run'}"))
+    whole, resumed = step_records(tmp_path / "whole"), step_records(tmp_path / "run")
+    assert sorted(whole) == sorted(resumed) == [1, 2, 3, 4]  # every step logged once
+    for step in whole:
+        played = sorted((t["group"], t["seed"], t["sample"]) for t in trajectories(tmp_path / "run", step))
+        assert played == sorted((t["group"], t["seed"], t["sample"]) for t in trajectories(tmp_path / "whole", step))
+        assert resumed[step]["batch/samples"] == len(played)
+    config = run_config(tiny_model_dir, tmp_path, "run", *settings)
+    assert config.groups.n_groups * config.groups.group_size == len(played)
