@@ -440,7 +440,8 @@ class DistributedConfig:
     0 keeps them here. Works with every backend."""
     async_rollout: bool = False
     """Roll out the next batches with the previous weights while the trainer updates (one process, the
-    rollout on ``rollout_device``); the loss corrects the lag with truncated importance weights."""
+    rollout on ``rollout_device``; or on ``rollout_processes``); the loss corrects the lag with truncated
+    importance weights."""
     max_staleness: int = 1
     """``async_rollout``: how many updates a batch's weights may lag behind; 0 is the synchronous algorithm."""
     rollout_device: Optional[str] = None

@@ -302,7 +302,10 @@ class AsyncRollout:
         self._failure: RolloutFailure | None = None
         self._playing: int | None = None
         """The step the rollout thread is playing now, if any."""
-        self.checked: CopyCheck = checked if checked is not None else PolicyWeights(runner.policy, "asynchronous")
+        if checked is None:
+            assert isinstance(runner, Rollout), "a runner of this process, or the check of where the copy lives"
+            checked = PolicyWeights(runner.policy, "asynchronous")
+        self.checked: CopyCheck = checked
         """The check of the copy's weights after each apply, and their version on its turns."""
 
     def precision(self) -> AbstractContextManager:

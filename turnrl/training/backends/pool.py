@@ -115,7 +115,7 @@ def pool_groups(trainers: int, processes: int, device: torch.device, timeout_s: 
     size = processes + 1
     timeout = timedelta(seconds=timeout_s)
     messages = dist.ProcessGroupGloo(dist.PrefixStore("turnrl/pool/", store), rank, size, timeout)
-    weights = messages
+    weights: Any = messages
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
