@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.training.reference_run import assert_same_metrics, run_config, run_train, step_records
+from turnrl.config import ConfigError
+from turnrl.training.commands import train
 
 POOL = "tests.training.backends.pool_hosts"
 ASYNC = ["distributed.async_rollout=true", "algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
@@ -126,3 +128,14 @@ def test_an_asynchronous_pool_stopped_and_resumed_trains_each_planned_step_once(
         assert resumed[step]["batch/samples"] == len(played)
     config = run_config(tiny_model_dir, tmp_path, "run", *settings)
     assert config.groups.n_groups * config.groups.group_size == len(played)
+
+
+def test_settings_a_pool_cannot_run_are_refused_in_one_line(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="partial_rollouts .* between batches only: drop partial_rollouts"):
+        run_config(tiny_model_dir, tmp_path, "pool", *pool(1, 1, "distributed.async_rollout=true",
+                                                             "distributed.partial_rollouts=true"))
+    with pytest.raises(ConfigError, match="leaves no process to train: set distributed.nproc_per_node=3"):
+        run_config(tiny_model_dir, tmp_path, "pool", "distributed.nproc_per_node=2", "distributed.rollout_processes=2")
+    with pytest.raises(ConfigError, match="are processes of torchrun: set distributed.nproc_per_node=2"):
+        train(run_config(tiny_model_dir, tmp_path, "pool", "distributed.rollout_processes=1",
+                         "distributed.nproc_per_node=2"))
