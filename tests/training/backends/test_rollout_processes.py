@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.reference_run import assert_same_metrics, run_config, run_train, step_records
+from tests.training.reference_run import (
+    assert_same_metrics,
+    run_config,
+    run_train,
+    step_records,
+    train_in_process,
+)
 from turnrl.config import ConfigError
 from turnrl.training.commands import train
 
@@ -64,6 +70,21 @@ def test_two_fsdp_trainers_and_one_rollout_process_train_as_one_process(tiny_mod
         assert_same_metrics(one[step], two[step])
         assert episodes(single, step) == episodes(tmp_path / "pool", step)
     assert (tmp_path / "pool" / "checkpoints" / "step_000002" / "optimizer" / ".metadata").is_file()  # DCP shards
+
+
+@pytest.mark.slow  # two runs, one of three processes
+def test_lora_adapters_reach_the_rollout_processes_merged(tiny_model_dir, tmp_path):
+    """Two FSDP2 trainers of a LoRA actor and one rollout process: the adapted weights go merged from the shards
+    (the checksum after each sync merges them as the engine does), and the run is the one-process run."""
+    lora = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "algorithm.kl_coef=0.05", "algorithm.advantage=grpo",
+            "run.steps=2")
+    single = train_in_process(tiny_model_dir, tmp_path, "single", *lora)
+    ran(run_train(tiny_model_dir, tmp_path, "pool", *lora, *pool(2, 1)))
+    one, two = step_records(single), step_records(tmp_path / "pool")
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+        assert episodes(single, step) == episodes(tmp_path / "pool", step)
+    assert one[2]["actor/grad_norm"] > 0
 
 
 def test_asynchronous_pool_one_update_behind_corrects_with_importance_weights(tiny_model_dir, tmp_path):
