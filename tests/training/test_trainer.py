@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -23,8 +24,8 @@ from turnrl.algorithms import seeded_group_scores
 from turnrl.cli import main
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import GracefulStop, train
-from turnrl.training.train_config import TrainConfig
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
+from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import Trainer
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.
@@ -790,3 +791,13 @@ def test_levels_follow_the_seed_only_when_asked(tiny_model_dir, tmp_path):
         first_levels[follow] = min(t["seed"] for t in trajectories(tmp_path / name, 1))
     assert first_levels[False] == 10_000
     assert first_levels[True] == 10_000 + LEVELS_PER_SEED
+
+
+def test_the_actor_learning_rate_follows_a_cosine_schedule_after_its_warm_up(tiny_model_dir, tmp_path):
+    train(config(tiny_model_dir, tmp_path, "algorithm.advantage=grpo", "run.steps=4", "optim.warmup_steps=1",
+                 "optim.lr_schedule=cosine", "optim.min_lr_ratio=0.2"))
+    steps = step_records(tmp_path / "run")
+    # Logged after each step's update: the rate the next step trains with (1e-3 times the factor); the first
+    # step trained at the warm-up's 1, the next three fall along the half cosine from 1 to the floor at step 4.
+    after = [steps[s]["actor/lr"] / 1e-3 for s in sorted(steps)]
+    assert after == pytest.approx([0.2 + 0.8 * (1 + math.cos(math.pi * k / 3)) / 2 for k in range(4)])

@@ -51,6 +51,7 @@ from turnrl.training.memory import check_sft_memory, sft_out_of_memory
 from turnrl.training.model_passes import token_logprobs
 from turnrl.training.packed_attention import implementation
 from turnrl.training.precision import autocast, skip_cudnn_attention
+from turnrl.training.schedules import lr_factor
 from turnrl.training.train_config import SFTConfig, TrainConfig
 
 console = RunConsole()
@@ -323,16 +324,6 @@ def _with_images_read(message: Message, folder: Path, where: str) -> Message:
 
 
 # --------------------------------------------------------------------------- training
-def _lr_factor(step: int, warmup: int, total: int, schedule: str = "cosine") -> float:
-    """Linear warm-up, then cosine decay to 10% (or constant)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def sft_train(
     model: torch.nn.Module,
     pad_id: int,
@@ -365,7 +356,7 @@ def sft_train(
                                   fused=device.type == "cuda")
     steps_per_epoch = math.ceil(len(samples) / config.batch_size)
     total = steps_per_epoch * config.epochs
-    schedule = lambda s: _lr_factor(s, config.warmup_steps, total, config.schedule)  # noqa: E731
+    schedule = lambda s: lr_factor(s, config.warmup_steps, total, config.schedule)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(seed)
     model.train()

@@ -36,6 +36,7 @@ from turnrl.config import (
     close_keys,
 )
 from turnrl.policy.factory import check_model_choices
+from turnrl.training.schedules import SCHEDULES
 
 
 def default_estimator_params() -> dict[str, dict[str, Any]]:
@@ -269,6 +270,11 @@ class OptimConfig:
     quickstart uses 1e-5) damps those steps."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up of the actor over this many RL steps."""
+    lr_schedule: str = "constant"
+    """The actor's learning rate after the warm-up: ``constant``, or ``cosine`` (a half cosine from ``actor_lr``
+    down to ``min_lr_ratio * actor_lr`` at ``run.steps``, as verl's ``lr_scheduler_type=cosine``)."""
+    min_lr_ratio: float = 0.1
+    """``lr_schedule=cosine``: the last step's learning rate as a share of ``actor_lr``."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this."""
     skip_grad_norm_above: Optional[float] = None
@@ -280,6 +286,8 @@ class OptimConfig:
         check_range("optim.weight_decay", self.weight_decay, 0)
         check_range("optim.adam_eps", self.adam_eps, 1e-12, 1.0)
         check_range("optim.grad_clip", self.grad_clip, 0)
+        check_choice("optim.lr_schedule", self.lr_schedule, list(SCHEDULES))
+        check_range("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
 
 
 @dataclass

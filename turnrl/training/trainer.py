@@ -102,6 +102,7 @@ from turnrl.training.parallel.strategy import (
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config
+from turnrl.training.schedules import lr_factor
 from turnrl.training.seeding import level_plan_change, step_seed
 from turnrl.training.throughput import (
     mfu,
@@ -611,13 +612,14 @@ class Trainer:
 
     def _build_optimizers(self) -> None:
         optim = self.config.optim
-        warmup = lambda s: min(1.0, (s + 1) / optim.warmup_steps) if optim.warmup_steps > 0 else 1.0  # noqa: E731
+        steps = self.config.run.steps
+        schedule = lambda s: lr_factor(s, optim.warmup_steps, steps, optim.lr_schedule, optim.min_lr_ratio)  # noqa: E731
         # One fused kernel for every parameter's update where the parameters are on a GPU (offloaded shards
         # are stepped on the host).
         fused = self.device.type == "cuda" and not self.config.distributed.cpu_offload
         self.actor_optimizer = adamw([p for p in self.actor.parameters() if p.requires_grad], optim.actor_lr,
                                      optim.weight_decay, optim.adam_eps, fused)
-        self.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(self.actor_optimizer, warmup)
+        self.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(self.actor_optimizer, schedule)
         self.critic_optimizer = None
         if self.critic is not None:
             self.critic_optimizer = adamw(list(self.critic.parameters()), optim.critic_lr, optim.weight_decay,
