@@ -9,8 +9,9 @@ time each (validation before and after is not counted):
   weights correcting the lag.
 
 Both use recomputed old log-probs and ``algorithm.tis_cap`` so that only the overlap differs. Printed per
-row: steps done, seconds a step, generated tokens/s, the mean training success of the last five steps,
-validation success after, and the steps ratio over ``sync`` measured in the same run (seconds a step of
+row: steps done, seconds a step and of each phase, generated tokens/s, the mean training success of the last
+five steps, validation success after (and every ``--validate-every`` seconds of training: the learning curves,
+validation success against training time), and the steps ratio over ``sync`` measured in the same run (seconds a step of
 ``sync`` over the row's, so that rows of different lengths compare).
 
     python benchmarks/async_rollout.py --config configs/sokoban_quickstart.yaml --seconds 150 \\
@@ -47,20 +48,28 @@ COMMON = ["run.tensorboard=false", "run.trajectories_every=0", "run.steps=100000
           "algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]
 
 
-def train_for(trainer: Trainer, seconds: float, warmup_steps: int = 0) -> dict[str, Any]:
+def train_for(trainer: Trainer, seconds: float, warmup_steps: int = 0, validate_every_s: float = 0.0
+              ) -> dict[str, Any]:
     """``warmup_steps`` untimed steps (compilation, the allocator's first growth), then RL steps until ``seconds``
-    have passed; validation after (not timed)."""
+    of training have passed; validation every ``validate_every_s`` seconds of training (0: only after), its own
+    time not counted (an asynchronous rollout waits for it: :meth:`RolloutBackend.exclusive`)."""
     for step in range(warmup_steps):
         trainer.step(step)
     rows = []
-    start = time.time()
+    curve: list[tuple[float, float]] = []
+    """(seconds of training, validation success) after the step that passed each ``validate_every_s``."""
+    wall = 0.0
     step = warmup_steps
-    while time.time() - start < seconds:
+    while wall < seconds:
+        start = time.time()
         rows.append(trainer.step(step).metrics)
+        wall += time.time() - start
         step += 1
-    wall = time.time() - start
+        if validate_every_s > 0 and wall < seconds and wall >= (len(curve) + 1) * validate_every_s:
+            curve.append((wall, trainer.validate().metrics["val/success"]))
     trainer.close()  # an async trainer drops the batch it rolled out ahead
     after = trainer.validate().metrics["val/success"]
+    curve.append((wall, after))
     generated = sum(r["rollout/response_tokens_mean"] * r["rollout/turns_mean"] * r["rollout/episodes"] for r in rows)
     last = rows[-5:]
     timed = len(rows)
@@ -72,7 +81,8 @@ def train_for(trainer: Trainer, seconds: float, warmup_steps: int = 0) -> dict[s
             "wait_rollout_s": sum(r.get("async/wait_rollout_s", 0.0) for r in rows) / timed, "generated_per_s": generated / wall,
             "train_success_last5": sum(r["rollout/success"] for r in last) / len(last), "val_success_after": after,
             "staleness_mean": sum(r.get("async/staleness", 0.0) for r in rows) / len(rows),
-            "tis_weight_mean": sum(r.get("actor/tis_weight_mean", 1.0) for r in rows) / len(rows)}
+            "tis_weight_mean": sum(r.get("actor/tis_weight_mean", 1.0) for r in rows) / len(rows),
+            "curve": [(round(t, 1), round(success, 4)) for t, success in curve]}
 
 
 def main() -> None:
@@ -83,6 +93,8 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="steps of each row before its clock starts (a compiled model's first step)")
+    parser.add_argument("--validate-every", type=float, default=0.0,
+                        help="seconds of training between validations (the learning curve); 0: after only")
     parser.add_argument("--only", choices=["sync", "async"], default=None, help="one row alone")
     parser.add_argument("--quick", action="store_true", help="the tiny model on CPU, 20 s a row")
     parser.add_argument("overrides", nargs="*")
@@ -105,8 +117,8 @@ def main() -> None:
             trainer = Trainer(config, start_model=sft_model)  # the config picks the backend
             if before is None:
                 before = trainer.validate().metrics["val/success"]
-            rows[name] = train_for(trainer, seconds, args.warmup_steps)
-            print(name, json.dumps({k: round(v, 4) for k, v in rows[name].items()}), flush=True)
+            rows[name] = train_for(trainer, seconds, args.warmup_steps, args.validate_every)
+            print(name, json.dumps({k: v if k == "curve" else round(v, 4) for k, v in rows[name].items()}), flush=True)
             del trainer
             gc.collect()  # the next row's models on the same devices
             if torch.cuda.is_available():
@@ -122,6 +134,10 @@ def main() -> None:
               f"{row['reference_s']:.2f} | {row['update_s']:.2f} | {row['publish_s']:.2f} | {row['wait_rollout_s']:.2f} | "
               f"{row['generated_per_s']:,.0f} | {row['train_success_last5']:.3f} | {row['val_success_after']:.3f} | "
               f"{row['staleness_mean']:.2f} | {row['tis_weight_mean']:.3f} | {ratio} |")
+    print("\nvalidation success against seconds of training (the learning curves):")
+    for name, row in rows.items():
+        points = ", ".join(f"{t:.0f} s: {success:.3f}" for t, success in [(0.0, before), *row["curve"]])
+        print(f"- {name}: {points}")
 
 
 if __name__ == "__main__":
