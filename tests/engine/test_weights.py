@@ -166,6 +166,7 @@ with torch.no_grad():  # a changed shard of one process changes the checksum eve
 assert not model_checksum(sharded_model, torch.float32).agrees(whole[torch.float32])
 Path(sys.argv[2], f"agreed{ranks.rank()}").write_text(repr(sharded[torch.float32]))
 torch.distributed.destroy_process_group()
+ranks.end_process(0)  # as a run's processes leave: gloo's threads can abort an interpreter's teardown
 """
 
 
