@@ -477,7 +477,8 @@ def cmd_serve_policy(args: argparse.Namespace) -> int:
         serve(model_path=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
               served_model_name=args.served_model_name, model_config=model_config,
               token=args.token if args.token is not None else os.environ.get(TOKEN_ENV_VAR) or None,
-              prepare_threads=args.prepare_threads, max_image_pixels=args.max_image_pixels)
+              prepare_threads=args.prepare_threads, max_image_pixels=args.max_image_pixels,
+              max_request_mb=args.max_request_mb)
     except ConfigError as error:  # a busy port or a model that is not there: before the model loads
         raise SystemExit(f"error: {error}") from error
     return 0
@@ -636,6 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests prepared at once (chat template, image decoding; default: 2)")
     p.add_argument("--max-image-pixels", type=count_arg, default=4096 * 4096,
                    help="images with more pixels are refused undecoded (default: 16777216, 4096 x 4096)")
+    p.add_argument("--max-request-mb", type=count_arg, default=32,
+                   help="request bodies over this many MiB are refused with a 413, unread (default: 32)")
     p.add_argument("overrides", nargs="*",
                    help="model settings as key=value (the model section: dtype=bfloat16, backend=hf, ...)")
     p.set_defaults(fn=cmd_serve_policy)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -125,3 +127,57 @@ def test_the_checksum_summed_in_chunks_is_the_plain_float64_sum(monkeypatch):
     assert made.dtype == torch.bfloat16
     assert made.total == pytest.approx(float(values.sum()), rel=1e-12, abs=1e-12)
     assert made.norm == pytest.approx(float(values.square().sum().sqrt()), rel=1e-12)
+
+
+SHARDED_CHECKSUM = """
+import sys, torch
+from pathlib import Path
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+from turnrl.engine.weights import model_checksum
+from turnrl.training import ranks
+from turnrl.training.head import install_scoring_head
+from turnrl.training.parallel.fsdp2 import shard_model, structure_of
+
+ranks.init_process_group("cpu", timeout_s=120)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+install_scoring_head(model, None)
+whole = {dtype: model_checksum(model, dtype) for dtype in (torch.float32, torch.bfloat16)}
+sharded_model = structure_of(model)
+shard_model(sharded_model, torch.float32, model.state_dict() if ranks.is_main() else {})
+head = sharded_model.get_output_embeddings().weight
+assert isinstance(head, DTensor) and head.to_local().shape[0] < head.shape[0], "the LM head is not sharded"
+gathers = []
+real_full_tensor = DTensor.full_tensor
+
+def counted_full_tensor(self, *args, **kwargs):
+    gathers.append(tuple(self.shape))
+    return real_full_tensor(self, *args, **kwargs)
+
+DTensor.full_tensor = counted_full_tensor
+sharded = {dtype: model_checksum(sharded_model, dtype) for dtype in whole}
+for dtype in whole:
+    assert sharded[dtype].agrees(whole[dtype]), (dtype, sharded[dtype], whole[dtype])
+    assert sharded[dtype].total != 0 and sharded[dtype].norm > 0
+assert gathers == [], gathers
+with torch.no_grad():  # a changed shard of one process changes the checksum every process computes
+    if ranks.rank() == 1:
+        head.to_local()[0, 0] += 1.0
+assert not model_checksum(sharded_model, torch.float32).agrees(whole[torch.float32])
+Path(sys.argv[2], f"agreed{ranks.rank()}").write_text(repr(sharded[torch.float32]))
+torch.distributed.destroy_process_group()
+ranks.end_process(0)  # as a run's processes leave: gloo's threads can abort an interpreter's teardown
+"""
+
+
+def test_the_checksum_of_a_sharded_model_is_the_whole_model_s_without_gathering_a_tensor(tiny_model_dir, tmp_path):
+    """Two gloo processes, the tiny model sharded by the trainer's FSDP2 helper: each sums its shards and the sums
+    are all-reduced, agreeing with the unsharded model's checksum, and no probed tensor is gathered whole
+    (``DTensor.full_tensor``, counted where it is called); a change in one process's shard shows on every one."""
+    script = tmp_path / "sharded_checksum.py"
+    script.write_text(SHARDED_CHECKSUM)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                             str(script), str(tiny_model_dir), str(tmp_path)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert sorted(path.name for path in tmp_path.glob("agreed*")) == ["agreed0", "agreed1"]

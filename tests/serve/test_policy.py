@@ -23,8 +23,8 @@ import torch
 from tests.serve.running import running
 from turnrl.config import ModelConfig, SamplingConfig
 from turnrl.models.builtin import builtin_model_path
-from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.policy.hf import HFPolicy
+from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.serve.policy import GenerationBatcher, create_app, load_policy
 
 MODEL = "tiny"
@@ -462,3 +462,180 @@ def test_eval_s_http_policy_sends_the_key_from_its_variable(keyed, tmp_path, mon
         assert main([*argv, "--out", str(tmp_path / key)]) == 0
         summary = json.loads((tmp_path / key / "summary.json").read_text())
         assert summary["errors"] == errors, summary["first_errors"]
+
+
+# --------------------------------------------------------------------------- body size, shutdown, clients that leave
+def test_a_body_over_the_limit_is_a_413_read_no_further():
+    """A body is counted as it arrives: an endless chunked body (or one whose Content-Length lies) is cut off once
+    the limit is passed, never held whole; a Content-Length over the limit is refused before any of it is read."""
+    from turnrl.serve.policy import RequestSizeLimit
+
+    async def never_called(scope, receive, send):
+        raise AssertionError("the app got a body over the limit")
+
+    def endless(chunk_bytes: int):
+        read = []
+
+        async def receive():
+            read.append(chunk_bytes)
+            return {"type": "http.request", "body": b"x" * chunk_bytes, "more_body": True}
+
+        return receive, read
+
+    async def call(limit: int, headers: list, receive):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        await RequestSizeLimit(never_called, limit_bytes=limit)({"type": "http", "headers": headers}, receive, send)
+        return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+    receive, read = endless(1000)
+    status, body = asyncio.run(call(10_500, [(b"transfer-encoding", b"chunked")], receive))
+    assert status == 413 and sum(read) == 11_000  # the chunk that passed the limit, and not one more
+    assert body["error"]["code"] == "request_too_large" and "--max-request-mb" in body["error"]["message"]
+    receive, read = endless(1000)
+    status, _ = asyncio.run(call(10_500, [(b"content-length", b"10000000000")], receive))
+    assert status == 413 and read == []
+
+
+def test_the_server_refuses_a_large_body_with_one_line_and_keeps_serving(served, client):
+    with running(create_app(served.policy, MODEL, max_request_mb=1)) as url:
+        too_large = httpx.post(url + "/chat/completions", json={"model": MODEL, "messages": HI, "pad": "x" * (2 << 20)},
+                               timeout=60)
+        assert too_large.status_code == 413
+        error = too_large.json()["error"]
+        assert error["message"] == ("the request body is over this server's limit of 1 MiB; send fewer or smaller "
+                                    "images, or start the server with a larger --max-request-mb")
+        small = httpx.post(url + "/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2},
+                           timeout=60)
+        assert small.status_code == 200, small.text
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
+         ["temperature", "finite number"]),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}',
+         ["temperature", "finite number"]),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "NaN"}',
+         ["temperature", "finite number"]),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": NaN}',
+         ["top_p", "finite number"]),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ' + json.dumps(
+            [f"s{i}" for i in range(1000)]) + "}", ["1000 stop strings", "at most 32"]),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": "' + "a" * 10_000 + '"}',
+         ["10000 characters", "at most 256"]),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 100}}',
+         ["logit_bias is not supported"]),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]} trailing',
+         ["not valid JSON", "Extra data at character"]),
+        ("[" * 100_000 + "]" * 100_000, ["cannot be read as JSON", "RecursionError"]),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": ' + "9" * 5000 + "}",
+         ["cannot be read as JSON", "digits"]),
+    ],
+    ids=["infinity", "overflowing-float", "nan-string", "nan-top-p", "thousand-stops", "long-stop", "logit-bias",
+         "trailing-garbage", "deeply-nested", "huge-integer"],
+)
+def test_hostile_bodies_get_a_400_that_says_what_is_wrong(served, client, text, words):
+    """Before: infinite temperatures were answered (uniform sampling), NaN was "should be greater than or equal to
+    0", a thousand stop strings held the one generation thread while transformers matched each against the
+    vocabulary, logit_bias was dropped silently, and unparseable bodies said "There was an error parsing the body"
+    or "58: JSON decode error"."""
+    response = post_raw(served.base_url, text)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert all(word in message for word in words), message
+    assert "\n" not in message
+    assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices  # still serving
+
+
+class GatedPolicy(CountingPolicy):
+    """The tiny model, whose ``generate`` waits for ``release`` once ``hold`` is set (the model kept busy)."""
+
+    def __init__(self, policy: HFPolicy) -> None:
+        import threading
+
+        super().__init__(policy)
+        self.hold, self.release, self.entered = threading.Event(), threading.Event(), threading.Event()
+        self.prompts: list[str] = []
+
+    def generate(self, requests, sampling):
+        self.prompts += [self.tokenizer.decode(r.prompt_ids) for r in requests]
+        if self.hold.is_set():
+            self.entered.set()
+            assert self.release.wait(60), "the test never released generation"
+        return super().generate(requests, sampling)
+
+
+@pytest.fixture
+def gated(served):
+    policy = GatedPolicy(served.policy.inner)
+    yield policy
+    policy.release.set()
+
+
+def test_a_request_whose_client_left_is_not_generated(gated):
+    """Five clients that sent a request and hung up while the model was busy were all generated anyway (each
+    up to its max_tokens, delaying everyone queued behind them); now they are dropped from the batch."""
+    import socket
+
+    with running(create_app(gated, MODEL, batch_window_s=0.0)) as url:
+        port, health = int(url.split(":")[-1].split("/")[0]), url.removesuffix("/v1") + "/health"
+        gated.hold.set()
+        with ThreadPoolExecutor(1) as pool:
+            busy_body = {"model": MODEL, "messages": [{"role": "user", "content": "busy"}], "max_tokens": 2}
+            busy = pool.submit(httpx.post, url + "/chat/completions", json=busy_body, timeout=120)
+            assert gated.entered.wait(60)
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "gone"}], "max_tokens": 64})
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+                for _ in range(3000):  # until the server holds it, waiting for the busy model
+                    if httpx.get(health, timeout=30).json()["pending"] == 1:
+                        break
+                    threading_wait(0.01)
+            for _ in range(3000):  # the client has hung up: until the server has noticed
+                if httpx.get(health, timeout=30).json()["pending"] == 0:
+                    break
+                threading_wait(0.01)
+            gated.hold.clear()
+            gated.release.set()
+            assert busy.result().status_code == 200
+        after = httpx.post(url + "/chat/completions", timeout=120,
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "after"}], "max_tokens": 2})
+        assert after.status_code == 200
+    assert not any("gone" in prompt for prompt in gated.prompts), gated.prompts
+    assert any("after" in prompt for prompt in gated.prompts)
+
+
+def threading_wait(seconds: float) -> None:
+    import threading
+
+    threading.Event().wait(seconds)
+
+
+def test_requests_in_flight_or_arriving_at_shutdown_get_a_503(gated):
+    """A request being generated when the server shut down waited forever, and one arriving after it was a
+    RuntimeError from the stopped preparation threads; both are 503s that say the server is shutting down."""
+    app = create_app(gated, MODEL)
+    transport = httpx.ASGITransport(app=app)
+    body = {"model": MODEL, "messages": HI, "max_tokens": 2}
+
+    async def main():
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as http:
+            async with app.router.lifespan_context(app):
+                gated.hold.set()
+                in_flight = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+                while not gated.entered.is_set():
+                    await asyncio.sleep(0.01)
+            answers = [await asyncio.wait_for(in_flight, 60)]
+            gated.release.set()
+            answers.append(await asyncio.wait_for(http.post("/v1/chat/completions", json=body), 60))
+            return answers
+
+    for answer in asyncio.run(main()):
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["message"].startswith("the server is shutting down")

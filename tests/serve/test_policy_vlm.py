@@ -164,3 +164,32 @@ def test_an_image_of_too_many_pixels_is_refused_before_it_is_decoded(vlm_server)
     assert not isinstance(decoded.value, ImageTooLarge)
     small = "data:image/png;base64," + base64.b64encode(png_of(64, 32)).decode()
     assert load_image(small, max_pixels=64 * 32).shape == (32, 64, 3)  # at the bound: decoded
+
+
+def test_an_image_over_twice_pillow_s_bound_is_refused_as_too_large(vlm_server, monkeypatch):
+    """``serve`` lowers Pillow's bound to ``--max-image-pixels``; an image over twice that bound was refused by
+    ``Image.open`` itself as a "decompression bomb DOS attack", not as too large, with no word of the option."""
+    from PIL import Image
+
+    base_url, _ = vlm_server
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 4096 * 4096)  # as serve() sets it
+    url = "data:image/png;base64," + base64.b64encode(png_of(9000, 9000, rows=0)).decode()
+    reply = httpx.post(f"{base_url}/chat/completions", json={"model": MODEL, "messages": image_message(url)},
+                       timeout=120)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "image_too_large" and "--max-image-pixels" in error["message"]
+    assert "more than 33,554,432 pixels" in error["message"]
+
+
+@pytest.mark.parametrize("data", [b"hello", b"%PDF-1.4", b'<svg xmlns="http://www.w3.org/2000/svg"/>', b""],
+                         ids=["text", "pdf", "svg", "empty"])
+def test_data_that_is_no_image_is_named_so(vlm_server, data):
+    """Pillow's "cannot identify image file <_io.BytesIO object at 0x7f...>" said nothing a client could act on."""
+    base_url, _ = vlm_server
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    reply = httpx.post(f"{base_url}/chat/completions", json={"model": MODEL, "messages": image_message(url)},
+                       timeout=120)
+    assert reply.status_code == 400
+    message = reply.json()["error"]["message"]
+    assert "in no image format Pillow reads (PNG, JPEG" in message and "BytesIO" not in message

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from turnrl.engine.families import Family, Rotary, UnsupportedModel, family_of
 
@@ -446,25 +446,53 @@ would take 2.5 GB more at the moment a run's memory is fullest (the weights just
 
 def checksum(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> WeightsChecksum:
     """:class:`WeightsChecksum` of ``tensors`` (each cast to ``dtype`` first), summed on their device in float64,
-    :data:`CHECKSUM_CHUNK` elements at a time."""
+    :data:`CHECKSUM_CHUNK` elements at a time.
+
+    A sharded tensor (an FSDP2 ``DTensor``) is summed where it lies: each process sums its own shard and the
+    partial sums are all-reduced over the processes that hold its shards (a collective: every process calls this
+    with the same tensors), so no process ever holds such a tensor whole.
+    """
     total = squares = 0.0
     with torch.no_grad():
         for tensor in tensors:
-            if tensor.untyped_storage().size() == 0:  # a released buffer: no weights to compute with
+            if isinstance(tensor, DTensor):
+                sums = _sharded_sums(tensor, dtype)
+            elif tensor.untyped_storage().size() == 0:  # a released buffer: no weights to compute with
                 return WeightsChecksum(math.nan, math.nan, dtype)
-            sums = torch.zeros(2, dtype=torch.float64, device=tensor.device)
-            for chunk in tensor.detach().reshape(-1).split(CHECKSUM_CHUNK):
-                values = chunk.to(dtype).double()
-                sums[0] += values.sum()
-                sums[1] += values.square().sum()
+            else:
+                sums = _local_sums(tensor, dtype)
             total += float(sums[0])
             squares += float(sums[1])
     return WeightsChecksum(total, math.sqrt(squares), dtype)
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A sharded (FSDP2 ``DTensor``) tensor gathered whole (a collective); any other as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+def _local_sums(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The sum and the sum of squares of ``tensor``'s elements cast to ``dtype``, in float64 on its device.
+
+    Returns:
+        Shape (2,) float64.
+    """
+    sums = torch.zeros(2, dtype=torch.float64, device=tensor.device)
+    for chunk in tensor.detach().reshape(-1).split(CHECKSUM_CHUNK):
+        values = chunk.to(dtype).double()
+        sums[0] += values.sum()
+        sums[1] += values.square().sum()
+    return sums
+
+
+def _sharded_sums(tensor: DTensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_local_sums` of a ``DTensor`` as a whole, from its shards: this process's shard summed, then the
+    sums all-reduced over each mesh dimension the tensor is sharded along. A replicated dimension holds the same
+    elements on each of its processes and is counted once; a partial one (not yet reduced) is reduce-scattered
+    into shards first, since its parts' squares do not add up to the square of their sum."""
+    if any(placement.is_partial() for placement in tensor.placements):
+        tensor = tensor.redistribute(placements=[Shard(0) if placement.is_partial() else placement
+                                                 for placement in tensor.placements])
+    sums = _local_sums(tensor.to_local(), dtype)
+    for dim, placement in enumerate(tensor.placements):
+        if placement.is_shard():
+            torch.distributed.all_reduce(sums, group=tensor.device_mesh.get_group(dim))
+    return sums
 
 
 def model_checksum(model: nn.Module, dtype: torch.dtype) -> WeightsChecksum:
@@ -472,8 +500,9 @@ def model_checksum(model: nn.Module, dtype: torch.dtype) -> WeightsChecksum:
     own modules as the engine computes them (LoRA adapters merged, cast to ``dtype``): the query, key and value and
     the down projections of the first and last decoder layers, and the LM head.
 
-    ``model`` may be peft-wrapped and FSDP2-sharded (every process must then call it: the probed tensors are
-    gathered). Raises :class:`~turnrl.engine.families.UnsupportedModel` for a model of no engine family.
+    ``model`` may be peft-wrapped and FSDP2-sharded (every process must then call it: each sums its shards of
+    the probed tensors, and the sums are all-reduced; see :func:`checksum`). Raises
+    :class:`~turnrl.engine.families.UnsupportedModel` for a model of no engine family.
     """
     names = check_supported(model).weights
     causal: Any = base_causal_lm(model)
@@ -481,6 +510,6 @@ def model_checksum(model: nn.Module, dtype: torch.dtype) -> WeightsChecksum:
     modules = [layer.get_submodule(name) for layer in (layers[0], layers[len(layers) - 1])
                for name in (*names.qkv, names.down)]
     with torch.no_grad():
-        weights = [_whole(_linear_sources(module)[0]()) for module in modules]
-        weights.append(_whole(causal.get_submodule(names.lm_head).weight))
+        weights = [_linear_sources(module)[0]() for module in modules]
+        weights.append(causal.get_submodule(names.lm_head).weight)
     return checksum(weights, dtype)

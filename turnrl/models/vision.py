@@ -179,7 +179,15 @@ def load_image(value: Any, max_pixels: int | None = None) -> np.ndarray:
             source: Any = io.BytesIO(base64.b64decode(data, validate=True))
         else:
             source = value
-        with Image.open(source) as image:
+        try:
+            opened = Image.open(source)
+        except Image.DecompressionBombError:  # over twice Pillow's own bound: refused by Image.open, from the header
+            bound = f"the {max_pixels:,} accepted" if max_pixels is not None else "Pillow's Image.MAX_IMAGE_PIXELS"
+            raise ImageTooLarge(f"the image has more than {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels, more than "
+                                f"{bound}") from None
+        except Image.UnidentifiedImageError:
+            raise ValueError("it is in no image format Pillow reads (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)") from None
+        with opened as image:
             width, height = image.size
             if max_pixels is not None and width * height > max_pixels:
                 raise ImageTooLarge(f"the image is {width} x {height} = {width * height:,} pixels, more than the "

@@ -31,6 +31,9 @@ Behaviour worth knowing:
   that one is refused before it is decoded.
 - ``temperature`` below 1e-5 (0 included) is greedy, as in vLLM: dividing the
   logits by a tinier one would overflow.
+- A request body over ``--max-request-mb`` (32 MiB by default: several large images as data URLs) is a
+  413, answered as soon as the bytes read pass the limit (or at once when ``Content-Length`` says so), so a
+  client that sends more, or lies about its length, or streams it chunked, never has more than the limit held.
 - Strings must be valid Unicode: a lone surrogate (JSON's ``"\\udfff"``) in a
   message or a stop string is a 400 that names the field.
 - ``n`` samples per request, ``stop`` strings (cut from the returned text as
@@ -47,9 +50,12 @@ Behaviour worth knowing:
   Penalties, tools and JSON response formats are refused with a 400.
 - Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
   for every error the server answers: 400 for invalid requests (validation
-  errors and malformed JSON included), 404 for an unknown model (as OpenAI and
-  vLLM answer) or path, 405 for a wrong method (``GET /v1/chat/completions``),
-  500 when generation fails.
+  errors and malformed JSON included), 401 without the API key, 413 for a
+  body over the limit, 404 for an unknown model (as OpenAI and vLLM answer) or
+  path, 405 for a wrong method (``GET /v1/chat/completions``), 500 when
+  generation fails, 503 once the server is shutting down.
+- A client that disconnects while its request waits for generation is dropped
+  from the batch (nobody would receive it).
 - The served name is ``--served-model-name`` when given (vLLM's option), else
   what ``--model`` said; clients must send it as ``model``.
 - The port is taken before the model loads, so a busy port, a model path that
@@ -67,16 +73,16 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -93,6 +99,13 @@ TOKEN_ENV_VAR = "TURNRL_POLICY_TOKEN"
 
 
 # --------------------------------------------------------------------------- request schema
+MAX_STOP_STRINGS = 32
+"""Stop strings a request may send (OpenAI takes 4; vLLM any number): enough for any format's end tags."""
+
+MAX_STOP_CHARS = 256
+"""Characters a stop string may have."""
+
+
 def check_encodable(text: str) -> None:
     """Refuse a string UTF-8 cannot encode. JSON's ``\\udfff`` escape decodes to a lone surrogate, which no
     tokenizer (and no response) can encode: refused where pydantic names its field, rather than failing deep in
@@ -155,20 +168,23 @@ class ChatCompletionRequest(BaseModel):
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    temperature: float = Field(1.0, ge=0.0, description="below 1e-5 (0 included) is greedy, as in vLLM")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False,
+                               description="below 1e-5 (0 included) is greedy, as in vLLM")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[int] = Field(None, ge=-1, description="0 or -1 disables (an extension to OpenAI's API)")
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     n: int = Field(1, ge=1, le=128)
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, list[str], None] = Field(None, description=f"at most {MAX_STOP_STRINGS} strings of at most "
+                                                                   f"{MAX_STOP_CHARS} characters")
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     seed: Optional[int] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
+    logit_bias: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     response_format: Optional[dict[str, Any]] = None
 
@@ -178,6 +194,13 @@ class ChatCompletionRequest(BaseModel):
         strings = [stop] if isinstance(stop, str) else stop or []
         if any(s == "" for s in strings):
             raise ValueError("stop strings must not be empty")
+        # Each set of stop strings is matched against the whole vocabulary before generation, on the one
+        # generation thread every client shares: thousands of them would stall every client.
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(strings)} stop strings; at most {MAX_STOP_STRINGS} are accepted")
+        longest = max(strings, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string of {len(longest)} characters; at most {MAX_STOP_CHARS} are accepted")
         for text in strings:
             check_encodable(text)
         return stop
@@ -249,12 +272,80 @@ class APIError(Exception):
 
 def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     """A readable summary of pydantic's errors, and the first offending parameter."""
-    lines, params = [], []
+    lines: list[str] = []
+    params: list[str | None] = []
     for item in error.errors():
+        if item.get("type") == "json_invalid":  # its location is a character offset, not a field
+            offset = item.get("loc", ("body", "?"))[-1]
+            reason = (item.get("ctx") or {}).get("error", "")
+            lines.append(f"the body is not valid JSON ({reason} at character {offset}); send one JSON object")
+            params.append(None)
+            continue
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         params.append(location or None)
         lines.append(f"{location or 'body'}: {item.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(lines), params[0] if params else None
+
+
+# --------------------------------------------------------------------------- body size
+DEFAULT_MAX_REQUEST_MB = 32
+"""The largest request body in MiB by default: a chat with several large images as base64 data URLs (a
+1024 x 1024 photo is about 2 MB as PNG, a third more in base64) fits, a body meant to exhaust memory does not."""
+
+ASGIMessage = MutableMapping[str, Any]
+
+
+class RequestSizeLimit:
+    """ASGI middleware: a request body over ``limit_bytes`` is answered with a 413 in OpenAI's shape.
+
+    Refused at once when ``Content-Length`` says so; otherwise the body is counted as it arrives (a missing or
+    lying length, chunked transfer encoding) and refused the moment the count passes the limit, so at most
+    ``limit_bytes`` of it are ever held and the rest is never read. Written by hand: uvicorn bounds no body,
+    and Starlette's ``RequestBodyLimitMiddleware`` is newer than the Starlette that ``fastapi>=0.110`` allows
+    and answers in plain text, where an OpenAI client expects its error shape.
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], limit_bytes: int) -> None:
+        self.app, self.limit_bytes = app, limit_bytes
+
+    def too_large(self) -> JSONResponse:
+        mib = self.limit_bytes / (1 << 20)
+        return APIError(413, f"the request body is over this server's limit of {mib:g} MiB; send fewer or smaller "
+                             "images, or start the server with a larger --max-request-mb",
+                        code="request_too_large").response()
+
+    async def __call__(self, scope: ASGIMessage, receive: Callable[[], Awaitable[ASGIMessage]],
+                       send: Callable[[ASGIMessage], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit_bytes:
+            await self.too_large()(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":  # the client went away: nothing to answer
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit_bytes:
+                await self.too_large()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> ASGIMessage:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when the client goes
+
+        await self.app(scope, replay, send)
 
 
 # --------------------------------------------------------------------------- batching
@@ -279,6 +370,10 @@ class _Job:
     future: asyncio.Future = field(repr=False)
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; send the request again once it is back", type="server_error")
+
+
 def sampling_key(sampling: SamplingConfig) -> tuple:
     """What must be equal for prompts to share a ``generate`` call (``max_new_tokens`` may differ per prompt)."""
     return (sampling.temperature, sampling.top_p, sampling.top_k, tuple(sampling.stop))
@@ -301,6 +396,9 @@ class GenerationBatcher:
         self.window_s = window_s
         self.stats = BatcherStats()
         self._pending: deque[_Job] = deque()
+        self._taken: list[_Job] = []
+        """The jobs of the batch being generated (out of ``_pending``, not yet answered)."""
+        self._closed = False
         self._arrived: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         # One thread: the model runs one batch at a time, always from the same thread.
@@ -308,29 +406,34 @@ class GenerationBatcher:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Requests waiting for a batch (one whose client went away is not counted)."""
+        return sum(not job.future.done() for job in self._pending)
 
     def start(self) -> None:
         self._arrived = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="turnrl-batcher")
 
     async def stop(self) -> None:
+        """Stop taking requests: those waiting or being generated, and any submitted later, get a 503."""
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        while self._pending:
-            job = self._pending.popleft()
+        for job in [*self._taken, *self._pending]:
             if not job.future.done():
-                job.future.set_exception(APIError(503, "the server is shutting down", type="server_error"))
+                job.future.set_exception(shutting_down())
+        self._taken, self._pending = [], deque()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
         """Queue one HTTP request's prompts; returns their completions once their batch ran."""
         if self._arrived is None:
             raise RuntimeError("the batcher is not started")
+        if self._closed:
+            raise shutting_down()
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Job(requests, sampling, future))
         self.stats.requests += 1
@@ -346,11 +449,13 @@ class GenerationBatcher:
             jobs = self._take()
             if not self._pending:
                 self._arrived.clear()
+            self._taken = jobs
             groups: dict[tuple, list[_Job]] = {}
             for job in jobs:
                 groups.setdefault(sampling_key(job.sampling), []).append(job)
             for group in groups.values():
                 await self._generate(group)
+            self._taken = []
 
     def _take(self) -> list[_Job]:
         """Waiting jobs in arrival order, up to ``max_batch_size`` prompts (at least one job)."""
@@ -368,6 +473,9 @@ class GenerationBatcher:
         return jobs
 
     async def _generate(self, jobs: list[_Job]) -> None:
+        jobs = [job for job in jobs if not job.future.done()]  # a client that went away meanwhile is not served
+        if not jobs:
+            return
         requests = [request for job in jobs for request in job.requests]
         sampling = replace(jobs[0].sampling, max_new_tokens=max(r.max_new_tokens or 1 for r in requests))
         loop = asyncio.get_running_loop()
@@ -486,6 +594,8 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise APIError(400, f"{name} is not supported (use 0)", param=name)
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
     if body.tools:
         raise APIError(400, "tools are not supported by this server", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
@@ -643,6 +753,32 @@ def stream_events(response: ChatCompletion, include_usage: bool) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the app
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's status for a request whose client left before the answer (logged; nobody receives it)."""
+
+T = TypeVar("T")
+
+
+async def unless_client_leaves(work: Coroutine[Any, Any, T], request: Request) -> T | None:
+    """``work``'s result, or None once the client has disconnected; ``work`` is then cancelled, so that the
+    batcher drops a request nobody waits for instead of generating it."""
+    task = asyncio.ensure_future(work)
+
+    async def until_disconnected() -> None:
+        # The body is read: the next message the server sends the app is the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(until_disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
 def bearer_error(authorization: str, token: str) -> str | None:
     """What is wrong with an ``Authorization`` header that must carry ``Bearer <token>``; None when it does."""
     scheme, _, given = authorization.partition(" ")
@@ -664,6 +800,7 @@ def create_app(
     token: str | None = None,
     prepare_threads: int = DEFAULT_PREPARE_THREADS,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``policy`` under the name ``model_name``.
 
@@ -678,27 +815,38 @@ def create_app(
         prepare_threads: requests prepared at once at most (chat template, image decoding and processing, on
             threads of their own so that the event loop keeps answering); the others wait their turn.
         max_image_pixels: an image with more pixels (read from its header) is refused with a 400, undecoded.
+        max_request_mb: a request body over this many MiB is refused with a 413, read no further.
     """
     if prepare_threads < 1:
         raise ValueError(f"prepare_threads must be >= 1, got {prepare_threads}")
     if max_image_pixels < 1:
         raise ValueError(f"max_image_pixels must be >= 1, got {max_image_pixels}")
+    if not max_request_mb > 0:
+        raise ValueError(f"max_request_mb must be > 0, got {max_request_mb}")
     batch_size = max_batch_size or policy.max_batch_size or 32
     batcher = GenerationBatcher(policy, max_batch_size=batch_size, window_s=batch_window_s)
     preparer = ThreadPoolExecutor(max_workers=prepare_threads, thread_name_prefix="turnrl-prepare")
     preparing = 0  # requests in preparation or waiting for a preparation thread (reported by /health)
     created = int(time.time())
 
+    closing = False
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal closing
         batcher.start()
         yield
+        closing = True
         await batcher.stop()
-        preparer.shutdown(wait=False, cancel_futures=True)
+        # Preparations already queued finish (a few seconds at most) and meet the stopped batcher's 503; cancelled,
+        # their requests would end without an answer.
+        preparer.shutdown(wait=False)
 
     app = FastAPI(title="turnrl policy server", lifespan=lifespan)
     app.state.batcher = batcher
     app.state.model_name = model_name
+    # Added before the key check, so that it runs inside it: a request without the key is refused unread.
+    app.add_middleware(RequestSizeLimit, limit_bytes=int(max_request_mb * (1 << 20)))
 
     if token is not None:
         @app.middleware("http")
@@ -728,6 +876,12 @@ def create_app(
                       "POST /v1/chat/completions, GET /v1/models, GET /health"
         elif error.status_code == 404:
             message = f"no endpoint {request.url.path}; this server serves /v1/chat/completions, /v1/models, /health"
+        elif error.status_code == 400 and error.__cause__ is not None:
+            # FastAPI's "There was an error parsing the body": JSON nested too deep, an integer of thousands of
+            # digits, bytes that are not UTF-8. Its cause says which.
+            cause = error.__cause__
+            message = (f"invalid request: the body cannot be read as JSON ({type(cause).__name__}: {cause}); send "
+                       "one JSON object in UTF-8")
         else:
             message = str(error.detail)
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"
@@ -757,8 +911,10 @@ def create_app(
         return model_card()
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Any:
         nonlocal preparing
+        if closing:
+            raise shutting_down()
         preparing += 1
         try:
             prepared = await asyncio.get_running_loop().run_in_executor(
@@ -767,7 +923,9 @@ def create_app(
             preparing -= 1
         request = GenerationRequest(prompt_ids=prepared.prompt_ids, messages=[], max_new_tokens=prepared.max_tokens,
                                     model_inputs=prepared.model_inputs, image_digests=prepared.image_digests)
-        completions = await batcher.submit([request] * body.n, prepared.sampling)
+        completions = await unless_client_leaves(batcher.submit([request] * body.n, prepared.sampling), http_request)
+        if completions is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         response = build_response(body, prepared, completions, policy, model_name)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -843,10 +1001,11 @@ def bind_port(host: str, port: int) -> socket.socket:
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           max_batch_size: int = 32, served_model_name: str | None = None,
           model_config: ModelConfig | None = None, token: str | None = None,
-          prepare_threads: int = DEFAULT_PREPARE_THREADS, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+          prepare_threads: int = DEFAULT_PREPARE_THREADS, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+          max_request_mb: float = DEFAULT_MAX_REQUEST_MB) -> None:
     """Load ``model_path`` and serve it until interrupted; clients name it ``served_model_name``, else as
-    ``model_path`` (e.g. ``builtin``). ``token``, ``prepare_threads`` and ``max_image_pixels`` are
-    :func:`create_app`'s.
+    ``model_path`` (e.g. ``builtin``). ``token``, ``prepare_threads``, ``max_image_pixels`` and
+    ``max_request_mb`` are :func:`create_app`'s.
 
     Raises:
         ConfigError: before the model loads, when the port cannot be had or the model cannot be found.
@@ -871,7 +1030,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: st
         print(f"serving model {name!r} ({backend}) on {placed} at http://{host}:{port}/v1 "
               f"(max batch {max_batch_size}, API key {'required' if token else 'off'})", flush=True)
         app = create_app(policy, name, max_batch_size=max_batch_size, token=token, prepare_threads=prepare_threads,
-                         max_image_pixels=max_image_pixels)
+                         max_image_pixels=max_image_pixels, max_request_mb=max_request_mb)
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run(sockets=[sock])
     finally:
         sock.close()
