@@ -24,6 +24,7 @@ import errno
 import json
 import os
 import random
+import re
 import resource
 import secrets
 import shutil
@@ -76,6 +77,19 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def remove_unfinished_writes(folder: Path) -> list[Path]:
+    """Delete the temporary files of :func:`atomic_write_text` (``.NAME.PID.RANDOM.tmp``) that a process killed
+    mid-write left in ``folder``; the caller is the folder's one writer, so no other write is under way.
+
+    Returns:
+        The files deleted.
+    """
+    left = [path for path in folder.glob(".*.*.tmp") if path.is_file()] if folder.is_dir() else []
+    for path in left:
+        path.unlink(missing_ok=True)
+    return left
+
+
 def unique_tmp_name(step: int) -> str:
     """The folder checkpoint ``step`` is written into before it is renamed: ``step_000040.tmp-PID-RANDOM``, so
     that no two writers (a process and one left from an earlier session) ever share one."""
@@ -88,6 +102,37 @@ writer ("unexpected pos"), ``SafetensorError`` from safetensors' writer."""
 
 _DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+"""How safetensors' writer (Rust) words the errno of the write that failed; it keeps no ``errno`` attribute and
+deletes the file it was writing, so the message is all that says it was the disk."""
+
+
+def disk_error_cause(error: BaseException) -> str | None:
+    """``No space left on device (...)``, ``File too large (...)`` (a file-size limit) or the quota's, when
+    ``error`` or an error it was raised from carries that errno; None otherwise."""
+    chained: BaseException | None = error
+    while chained is not None:
+        if isinstance(chained, OSError) and chained.errno in _DISK_ERRNOS:
+            return _disk_errno_text(chained.errno)
+        found = _RUST_OS_ERROR.search(str(chained)) if isinstance(chained, SafetensorError) else None
+        if found is not None and int(found.group(1)) in _DISK_ERRNOS:
+            return _disk_errno_text(int(found.group(1)))
+        chained = chained.__cause__ or chained.__context__
+    return None
+
+
+def _disk_errno_text(number: int) -> str:
+    """The errno's words, with this process's file-size limit where that is what "file too large" means."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if number == errno.EFBIG and limit != resource.RLIM_INFINITY:
+        return _limit_text(limit)
+    return os.strerror(number)
+
+
+def _limit_text(limit: int) -> str:
+    size = f"{limit / 1e6:.1f} MB" if limit >= 100_000 else f"{limit:,} bytes"
+    return f"this process may write files of at most {size} (its file-size limit, `ulimit -f`)"
+
 
 def write_failure_cause(error: BaseException, folder: Path) -> str | None:
     """Why a write into ``folder`` failed, when the disk is the cause: the error's own errno (no space, file
@@ -97,15 +142,13 @@ def write_failure_cause(error: BaseException, folder: Path) -> str | None:
 
     torch's and safetensors' writers turn the disk's error into one of their own, without its errno, so the
     limit and the free space are looked at as well."""
-    chained: BaseException | None = error
-    while chained is not None:
-        if isinstance(chained, OSError) and chained.errno in _DISK_ERRNOS:
-            return f"{os.strerror(chained.errno)} ({chained.strerror or chained})"
-        chained = chained.__cause__ or chained.__context__
+    cause = disk_error_cause(error)
+    if cause is not None:
+        return cause
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY and folder.is_dir() and any(
             path.is_file() and path.stat().st_size >= limit for path in folder.rglob("*")):
-        return f"this process may write files of at most {limit / 1e6:.1f} MB (its file-size limit, `ulimit -f`)"
+        return _limit_text(limit)
     existing = folder
     while not existing.exists():
         existing = existing.parent
@@ -142,6 +185,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     for leftover in root.glob("step_*.tmp*"):  # sessions killed mid-save
         shutil.rmtree(leftover, ignore_errors=True)
+    remove_unfinished_writes(root)  # a ``latest`` being replaced when its session was killed
     tmp = root / (tmp_name or unique_tmp_name(step))
     try:
         tmp.mkdir()
@@ -167,7 +211,10 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    atomic_write_text(root / "latest", final.name)
+    pointer = root / "latest"
+    if pointer.is_dir() and not pointer.is_symlink():  # made by hand: a file cannot be renamed over it
+        shutil.rmtree(pointer)
+    atomic_write_text(pointer, final.name)
     return final
 
 
@@ -240,12 +287,25 @@ def checkpoint_step(checkpoint: Path) -> int:
     return int(checkpoint.name.removeprefix("step_"))
 
 
+_CHECKPOINT_NAME = re.compile(r"step_\d+")
+
+
+def latest_name(run_dir: Path) -> str | None:
+    """The checkpoint name ``checkpoints/latest`` holds (``step_000040``); None when there is no such file or it
+    holds no checkpoint's name (empty, not text, anything else: a pointer damaged by hand or by the disk)."""
+    try:
+        name = (run_dir / "checkpoints" / "latest").read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):  # no file, a directory, bytes that are not text
+        return None
+    return name if _CHECKPOINT_NAME.fullmatch(name) else None
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint ``checkpoints/latest`` names (the last one saved), None without one."""
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.exists():
+    name = latest_name(run_dir)
+    if name is None:
         return None
-    path = pointer.parent / pointer.read_text().strip()
+    path = run_dir / "checkpoints" / name
     return path if path.is_dir() else None
 
 
@@ -273,6 +333,18 @@ def _torch_file_problem(path: Path, name: str) -> str | None:
         return f"{name} is damaged: {error}"
 
 
+def _json_object_problem(path: Path, name: str) -> str | None:
+    """What keeps ``path`` from being read as a JSON object (a settings file of a saved model), None if nothing:
+    transformers stops with its own traceback on a config or tokenizer file cut short."""
+    if not path.is_file():
+        return f"no {name}"
+    try:
+        content = json.loads(path.read_bytes())
+    except (OSError, ValueError) as error:  # ValueError: not JSON, not UTF-8
+        return f"{name} is damaged: {' '.join(str(error).split())[:120]}"
+    return None if isinstance(content, dict) else f"{name} is damaged: not a JSON object"
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 """What a saved tokenizer's vocabulary is in (a fast tokenizer, sentencepiece, a BPE vocabulary): one is there."""
 
@@ -280,20 +352,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 def _model_problem(directory: Path, name: str, tokenizer: bool = False) -> str | None:
     """What keeps a ``save_pretrained`` directory (a model, or LoRA adapters) from loading, None if nothing.
 
-    Its config and every weights file must be there, each with a safetensors header that covers the whole file
-    (a file cut short fails that); with ``tokenizer``, a full model's tokenizer too (a resumed run loads it from
-    there; LoRA adapters resume with the tokenizer of the model under them).
+    Its config (a JSON object) and every weights file must be there, each with a safetensors header that covers
+    the whole file (a file cut short fails that); with ``tokenizer``, a full model's tokenizer too (a resumed
+    run loads it from there; LoRA adapters resume with the tokenizer of the model under them).
     """
     if not directory.is_dir():
         return f"no {name}/"
     adapters = (directory / "adapter_config.json").is_file()
-    if not adapters and not (directory / "config.json").is_file():
-        return f"no {name}/config.json"
+    settings = ["adapter_config.json" if adapters else "config.json"]
     if tokenizer and not adapters:
-        if not (directory / "tokenizer_config.json").is_file():
-            return f"no {name}/tokenizer_config.json"
+        settings.append("tokenizer_config.json")
         if not any((directory / file).is_file() for file in TOKENIZER_FILES):
             return f"no {name}/tokenizer.json"
+        if (directory / "tokenizer.json").is_file():
+            settings.append("tokenizer.json")
+    for file in settings:
+        problem = _json_object_problem(directory / file, f"{name}/{file}")
+        if problem is not None:
+            return problem
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -320,7 +396,8 @@ def checkpoint_problem(checkpoint: Path, critic: bool = False) -> str | None:
     A complete checkpoint holds ``trainer_state.pt`` (a readable ``torch.save`` archive), ``actor/`` (and
     ``critic/`` with its ``value_head.pt`` when the run has a critic) with its config and whole weights files,
     and the actor's tokenizer.
-    Cheap: only file names, the archive's index and the safetensors headers are read, no tensor.
+    Cheap: only file names, the settings files (JSON), the archive's index and the safetensors headers are read,
+    no tensor.
     """
     if not checkpoint.is_dir():
         return "not there"
@@ -351,7 +428,7 @@ def resume_point(run_dir: Path, critic: bool = False) -> ResumePoint:
     """
     root = run_dir / "checkpoints"
     pointer = root / "latest"
-    named = pointer.read_text().strip() if pointer.is_file() else ""
+    named = latest_name(run_dir) or ""
     steps = [f"step_{step:06d}" for step in reversed(checkpoint_steps(run_dir))]
     if not named and not steps:
         return ResumePoint(None, f"{root} holds no checkpoint" if root.is_dir() else f"there is no {root}")
@@ -362,7 +439,8 @@ def resume_point(run_dir: Path, critic: bool = False) -> ResumePoint:
         why = (f"checkpoints/latest names {named}, which is not there" if problem == "not there" else
                f"{named}, the checkpoint checkpoints/latest names, is incomplete ({problem})")
     else:
-        why = "there is no checkpoints/latest"
+        why = ("checkpoints/latest holds no checkpoint's name (damaged)" if pointer.exists() or pointer.is_symlink()
+               else "there is no checkpoints/latest")
     broken = []
     for name in steps:
         if name == named:

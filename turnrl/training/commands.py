@@ -8,6 +8,7 @@
                          trainer.step(step)
       loop               validation, metrics, trajectory files, checkpoints; Ctrl-C, SIGTERM (a batch
                          scheduler's) or ``RUN_DIR/stop`` stops after the step in progress with a checkpoint
+                         (before the first step Ctrl-C and SIGTERM stop at once: there is nothing to save)
 
 A run holds its directory's lock (:class:`~turnrl.training.run_dir.RunLock`) from its checks to its end, so a
 second process writing into the same run is refused.
@@ -41,7 +42,7 @@ from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RolloutWorkerError
 from turnrl.rollout.trajectory import write_trajectories
 from turnrl.training import compose, ranks
-from turnrl.training.checkpoint import checkpoint_step, latest_checkpoint
+from turnrl.training.checkpoint import checkpoint_step, disk_error_cause, latest_checkpoint, resume_point
 from turnrl.training.collapse_watch import EarlyStops, logged_steps
 from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.memory import GIB, cap_gpu_memory, check_memory, rl_out_of_memory, set_allocator_settings
@@ -62,15 +63,32 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """Ctrl-C, and what a batch scheduler (Slurm, Kubernetes) sends some time before it kills a job."""
 
 
+class StopRequested(BaseException):
+    """Ctrl-C or SIGTERM before the run's first step, which stops it at once: nothing of it is to be saved yet.
+    A ``BaseException``, as ``KeyboardInterrupt`` is, so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        super().__init__(signum.name)
+        self.signal = signum
+
+
 class GracefulStop:
     """Ctrl-C (SIGINT) or SIGTERM as a request: the first asks the loop to stop after the step in progress
     (which then saves a checkpoint); a second one interrupts at once. Outside the main thread it changes
-    nothing, and a signal the process was started ignoring (a background job of a script) stays ignored."""
+    nothing, and a signal the process was started ignoring (a background job of a script) stays ignored.
 
-    def __init__(self) -> None:
+    ``turnrl train`` holds it from its start: before the first step (the model build, SFT, the first validation)
+    a request raises :class:`StopRequested` at once, since there is no step to finish and nothing new to save
+    (:attr:`phase` ``start``); during the steps it waits for the step in progress (``steps``); once the steps
+    are over it lets the run finish its last validation, checkpoint and summary (``end``).
+    """
+
+    def __init__(self, phase: str = "steps") -> None:
         self.requested = False
         self.signal: signal.Signals | None = None
         """The signal that asked first (the command's exit status is 128 + its number, as a shell reports)."""
+        self.phase = phase
+        """``start``, ``steps`` or ``end``: what a request does now (see the class)."""
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> GracefulStop:
@@ -85,9 +103,16 @@ class GracefulStop:
             raise KeyboardInterrupt
         self.requested = True
         self.signal = signal.Signals(signum)
+        if self.phase == "start":
+            raise StopRequested(self.signal)
         name = "Ctrl-C" if signum == signal.SIGINT else self.signal.name
-        console.print(f"\n[bold]{name}: stopping after this step[/bold] to save a checkpoint (Ctrl-C again stops "
-                      "at once, without saving)")
+        again = "Ctrl-C again" if signum == signal.SIGINT else f"{name} again"
+        if self.phase == "end":
+            console.print(f"\n[bold]{name}: the run is finishing[/bold] (its last validation, checkpoint and "
+                          f"summary; {again} stops at once)")
+        else:
+            console.print(f"\n[bold]{name}: stopping after this step[/bold] to save a checkpoint ({again} stops "
+                          "at once, without saving)")
 
     def __exit__(self, *exc: object) -> None:
         for number, previous in self._previous.items():
@@ -142,8 +167,8 @@ def finished_summary(config: TrainConfig) -> dict[str, Any] | None:
     if checkpoint is None or checkpoint_step(checkpoint) < config.run.steps or not summary_path.is_file():
         return None
     try:
-        summary = json.loads(summary_path.read_text())
-    except json.JSONDecodeError:
+        summary = json.loads(summary_path.read_bytes())
+    except ValueError:  # damaged (not JSON, not text): the checkpoint's own summary is written again
         return None
     return summary if isinstance(summary, dict) and "val_success_after_rl" in summary else None
 
@@ -152,10 +177,12 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """SFT (when enabled), validation, ``run.steps`` RL steps, validation, summary.
 
     Ctrl-C stops after the step in progress: a checkpoint is saved, the way to resume printed, and the
-    summary returned has ``interrupted_at_step``.
+    summary returned has ``interrupted_at_step``; before the first step it stops at once (see
+    :class:`GracefulStop`).
 
     Raises:
-        ConfigError: before anything is written, for what :func:`preflight` checks.
+        ConfigError: before anything is written, for what :func:`preflight` checks; and for a write into the
+            run directory that the disk refused (no space, a file-size limit), saying how to go on.
     """
     _set_allocator(config)  # before CUDA starts (the process group's device, the models)
     start = ranks.command_start()
@@ -187,15 +214,50 @@ def train(config: TrainConfig) -> dict[str, Any]:
     elif config.distributed.backend == "fsdp":
         raise ConfigError("distributed.backend=fsdp runs one process per GPU: start them with "
                           "`torchrun --nproc-per-node N -m turnrl.cli train ...` or distributed.nproc_per_node=N")
+    stop = GracefulStop(phase="start")
     try:
-        with run_lock(config):  # before the checks: a run that starts in between would pass them too
-            return _train(config, start, distributed)
+        with stop, run_lock(config):  # the lock before the checks: a run that starts in between would pass them too
+            return _train(config, start, distributed, stop)
+    except StopRequested as stopped:
+        return _stopped_before_steps(config, stopped.signal)
+    except OSError as error:  # a write into the run directory that the disk refused (metrics, trajectories, ...)
+        cause = disk_error_cause(error)
+        if cause is None:
+            raise
+        raise ConfigError(f"the run could not write into {run_directory(config)}: {cause}. Free some space, raise "
+                          f"the limit or put run.output_dir on a larger disk; {_how_to_go_on(config)}") from error
     finally:
         if distributed:
             ranks.close_process_group()
 
 
-def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, Any]:
+def _how_to_go_on(config: TrainConfig) -> str:
+    """What continues a run that stopped, as it stands on disk: its resume where it holds a complete checkpoint,
+    else a fresh start (a resume would only say that there is no checkpoint)."""
+    run_dir = run_directory(config)
+    checkpoint = resume_point(run_dir, critic=config.algorithm.uses_critic).checkpoint
+    command = turnrl_command()
+    if checkpoint is not None:
+        return f"then continue from {checkpoint.name} (intact) with `{command} train resume={run_dir}`"
+    if (run_dir / "config.yaml").is_file():
+        return (f"there is nothing to resume (no checkpoint was saved): start it again with `{command} train "
+                f"--config {run_dir / 'config.yaml'} run.overwrite=true`")
+    return "nothing of it was saved: start it again with the same command"
+
+
+def _stopped_before_steps(config: TrainConfig, by_signal: signal.Signals) -> dict[str, Any]:
+    """Ctrl-C or SIGTERM before the first step (of the run, or of a resumed run's session): nothing new was saved;
+    one line says so and how to go on. The summary returned says where the run stopped (the exit status)."""
+    name = "Ctrl-C" if by_signal == signal.SIGINT else by_signal.name
+    if ranks.is_main():
+        console.print(f"{name} before the first step: stopped; {_how_to_go_on(config)}",
+                      markup=False, highlight=False, soft_wrap=True)
+    checkpoint = resume_point(run_directory(config), critic=config.algorithm.uses_critic).checkpoint
+    done = checkpoint_step(checkpoint) if checkpoint is not None and config.resume else 0
+    return {"interrupted_at_step": done, "stopped_by": "request", "stop_signal": by_signal.name}
+
+
+def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulStop) -> dict[str, Any]:
     preflight(config)
     rewards = Rewards(config.rewards)  # a bad reward spec stops here, not after SFT
     done = finished_summary(config)
@@ -233,12 +295,13 @@ def _train(config: TrainConfig, start: float, distributed: bool) -> dict[str, An
         trainer.startup["memory_estimate_gib"] = memory.total / GIB
         console.print(f"memory per GPU, estimated: {memory.table()}")
     try:
-        return _run_steps(config, trainer, sft, resumed, start)
+        return _run_steps(config, trainer, sft, resumed, start, stop)
     finally:
         trainer.close()
 
 
-def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, start: float) -> dict[str, Any]:
+def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, start: float,
+               stop: GracefulStop) -> dict[str, Any]:
     """Validation, the RL steps, validation, the last checkpoint and the summary (rank 0 writes)."""
     distributed = ranks.launched_by_torchrun()
     trainer.session_start = start
@@ -273,7 +336,8 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     early_stops, ran = EarlyStops(config.collapse, history), config.run.steps
     stopped: dict[str, Any] = {}  # why a run ended before run.steps, other than an early stop's rule
     trainer.collapse.resume(history)
-    with GracefulStop() as stop, RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
+    stop.phase = "steps"  # from here a request waits for the step in progress, which it then saves
+    with RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, config.run.steps + 1):
             try:
                 with _memory_recorded(config, trainer, step):
@@ -323,6 +387,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             if save_now(step) and not last:
                 _save(trainer, step)
 
+    stop.phase = "end"
     if ran == trainer.first_step and resumed and trainer.summary.get("steps") == ran and \
             "val_after_rl" in trainer.summary:
         # Killed after its last checkpoint and before its summary: that checkpoint was saved after the final

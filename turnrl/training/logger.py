@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -64,7 +65,11 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            _truncate_after(self.path, resume_step)
+            lost = _truncate_after(self.path, resume_step)
+            if lost:
+                Console(stderr=True).print(f"note: {self.path} was damaged: {', '.join(lost)} cut short or not text, "
+                                           "dropped (the steps are not run again)", markup=False, highlight=False,
+                                           soft_wrap=True)
         self._file = self.path.open("a" if resume_step is not None else "w")
         self._writer = None
         if tensorboard:
@@ -98,21 +103,29 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _truncate_after(path: Path, step: int) -> int:
-    """Drop the records of ``metrics.jsonl`` past ``step`` (and a torn last line); returns how many went."""
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
+_RECORD_START = re.compile(rb'^\{"step": (\d+)')
+"""How every record of :meth:`MetricsLogger.log` starts: the step of a line cut short is still read from it."""
+
+
+def _truncate_after(path: Path, step: int) -> list[str]:
+    """Drop the records of ``metrics.jsonl`` past ``step``, and lines cut short or garbled (a run killed while it
+    wrote one, a disk that refused the rest); returns a note for each damaged line of a step up to ``step``, whose
+    record is then lost (the resumed run does not run that step again), or of no step that can be read."""
+    kept, lost = [], []
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short when the run was killed
-            dropped += 1
+            record = json.loads(raw.decode("utf-8"))
+        except ValueError:  # not JSON, or not text
+            start = _RECORD_START.match(raw)
+            if start is None and raw.strip():
+                lost.append(f"line {number} (no record of a step)")
+            elif start is not None and int(start.group(1)) <= step:
+                lost.append(f"line {number} (the record of step {int(start.group(1))})")
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
-            dropped += 1
-        else:
-            kept.append(line)
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step):
+            kept.append(raw.decode("utf-8"))
     atomic_write_text(path, "".join(f"{line}\n" for line in kept))
-    return dropped
+    return lost
 
 
 def _clock(seconds: float) -> str:

@@ -30,6 +30,7 @@ from turnrl.training.checkpoint import (
     checkpoint_step,
     checkpoint_steps,
     latest_checkpoint,
+    remove_unfinished_writes,
     resume_point,
 )
 from turnrl.training.seeding import seed_everything
@@ -173,6 +174,7 @@ class RunLock:
                                        "into this run", markup=False, highlight=False, soft_wrap=True)
             return self
         self._lock = lock
+        remove_unfinished_writes(self.run_dir)  # of a writer killed mid-write: config.yaml's, summary.json's...
         left = _read_owner(self.run_dir / OWNER_FILE)
         if left is not None:
             Console(stderr=True).print(f"note: {self.run_dir} was last written by {left}, which ended without "

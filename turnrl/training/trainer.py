@@ -633,17 +633,25 @@ class Trainer:
             raise ConfigError(f"resume={self.config.resume!r}: {self.checkpoint / 'trainer_state.pt'} cannot be read "
                               f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); move "
                               f"{self.checkpoint.name} away to resume from an earlier checkpoint") from error
+        if not isinstance(state, dict):
+            state = {}  # then named below by the first part it lacks
         problem = resume_mismatch(self.config.resume, state.get("world_size", 1),
                                   has_sharded_optimizers(self.checkpoint), self.parallel)
         if problem is not None:
             raise ConfigError(problem)
-        self.parallel.restore_optimizers(self.checkpoint, state, self.models(), self.optimizers())
-        self.actor_scheduler.load_state_dict(state["actor_scheduler"])
-        set_rng_state(state["rng"])
+        try:
+            self.parallel.restore_optimizers(self.checkpoint, state, self.models(), self.optimizers())
+            self.actor_scheduler.load_state_dict(state["actor_scheduler"])
+            set_rng_state(state["rng"])
+            self.first_step = steps_done(state)
+        except (KeyError, TypeError, ValueError) as error:  # readable, but not (all of) a trainer's state
+            what = f"it has no {error.args[0]!r}" if isinstance(error, KeyError) else str(error).splitlines()[0]
+            raise ConfigError(f"resume={self.config.resume!r}: {self.checkpoint / 'trainer_state.pt'} is not this "
+                              f"run's trainer state ({what}); move {self.checkpoint.name} away to resume from an "
+                              "earlier checkpoint") from error
         self.summary = state.get("summary", {})
         self.timings = state.get("timings", {})
         self.elapsed_before_s = float(state.get("elapsed_s", 0.0))
-        self.first_step = steps_done(state)
 
     def models(self) -> Models:
         return Models(self.actor, self.critic, self.reference)
