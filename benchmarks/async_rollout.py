@@ -11,7 +11,9 @@ time each (validation before and after is not counted):
 Both use recomputed old log-probs and ``algorithm.tis_cap`` so that only the overlap differs. Printed per
 row: steps done, seconds a step and of each phase, generated tokens/s, the mean training success of the last
 five steps, validation success after (and every ``--validate-every`` seconds of training: the learning curves,
-validation success against training time), and the steps ratio over ``sync`` measured in the same run (seconds a step of
+validation success against training time; an asynchronous row's rollout thread finishes the batch it is playing
+while a validation waits for it, off the clock, so each validation gives that row up to one batch of rollout for
+free: keep them few, and time the steps-an-hour rows without them), and the steps ratio over ``sync`` measured in the same run (seconds a step of
 ``sync`` over the row's, so that rows of different lengths compare).
 
     python benchmarks/async_rollout.py --config configs/sokoban_quickstart.yaml --seconds 150 \\
@@ -126,7 +128,7 @@ def main() -> None:
     print(f"\nvalidation success before RL: {before:.3f}; {seconds:.0f} s of training each\n")
     print("| mode | steps | s a step | rollout | old log-probs | reference | update | publish | waiting for the rollout "
           "| generated tokens/s | training success (last 5) | validation success after | staleness | TIS weight "
-          "| steps / sync |")
+          "| speed / sync |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, row in rows.items():
         ratio = f"{rows['sync']['step_s'] / row['step_s']:.2f}x" if "sync" in rows else "-"

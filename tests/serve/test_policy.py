@@ -540,10 +540,10 @@ def test_the_server_refuses_a_large_body_with_one_line_and_keeps_serving(served,
          "trailing-garbage", "deeply-nested", "huge-integer"],
 )
 def test_hostile_bodies_get_a_400_that_says_what_is_wrong(served, client, text, words):
-    """Before: infinite temperatures were answered (uniform sampling), NaN was "should be greater than or equal to
-    0", a thousand stop strings held the one generation thread while transformers matched each against the
-    vocabulary, logit_bias was dropped silently, and unparseable bodies said "There was an error parsing the body"
-    or "58: JSON decode error"."""
+    """Each hostile body gets one line naming its fault: a temperature or top_p that is not a finite number (an
+    infinite one would sample uniformly), more or longer stop strings than the bound (each is matched against
+    the vocabulary on the one generation thread), a logit_bias (not supported, so not dropped silently), and a
+    body that is not JSON, with where it fails."""
     response = post_raw(served.base_url, text)
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
@@ -578,8 +578,8 @@ def gated(served):
 
 
 def test_a_request_whose_client_left_is_not_generated(gated):
-    """Five clients that sent a request and hung up while the model was busy were all generated anyway (each
-    up to its max_tokens, delaying everyone queued behind them); now they are dropped from the batch."""
+    """A request whose client hung up while the model was busy is dropped from the batch, not generated up to its
+    max_tokens while everyone queued behind it waits."""
     import socket
 
     with running(create_app(gated, MODEL, batch_window_s=0.0)) as url:
@@ -593,14 +593,8 @@ def test_a_request_whose_client_left_is_not_generated(gated):
             with socket.create_connection(("127.0.0.1", port)) as sock:
                 sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-                for _ in range(3000):  # until the server holds it, waiting for the busy model
-                    if httpx.get(health, timeout=30).json()["pending"] == 1:
-                        break
-                    threading_wait(0.01)
-            for _ in range(3000):  # the client has hung up: until the server has noticed
-                if httpx.get(health, timeout=30).json()["pending"] == 0:
-                    break
-                threading_wait(0.01)
+                assert wait_for_pending(health, 1), "the server never held the request"
+            assert wait_for_pending(health, 0), "the server never noticed the client had hung up"
             gated.hold.clear()
             gated.release.set()
             assert busy.result().status_code == 200
@@ -611,15 +605,20 @@ def test_a_request_whose_client_left_is_not_generated(gated):
     assert any("after" in prompt for prompt in gated.prompts)
 
 
-def threading_wait(seconds: float) -> None:
+def wait_for_pending(health: str, count: int, tries: int = 3000) -> bool:
+    """Whether ``/health`` says ``count`` requests are pending within ``tries`` polls, 10 ms apart."""
     import threading
 
-    threading.Event().wait(seconds)
+    for _ in range(tries):
+        if httpx.get(health, timeout=30).json()["pending"] == count:
+            return True
+        threading.Event().wait(0.01)
+    return False
 
 
 def test_requests_in_flight_or_arriving_at_shutdown_get_a_503(gated):
-    """A request being generated when the server shut down waited forever, and one arriving after it was a
-    RuntimeError from the stopped preparation threads; both are 503s that say the server is shutting down."""
+    """A request being generated when the server shuts down, and one arriving after, get a 503 that says the
+    server is shutting down (not a wait without end, nor an error of the stopped preparation threads)."""
     app = create_app(gated, MODEL)
     transport = httpx.ASGITransport(app=app)
     body = {"model": MODEL, "messages": HI, "max_tokens": 2}

@@ -12,8 +12,8 @@ from turnrl.training.train_config import TrainConfig
 
 
 def test_warm_up_rises_linearly_to_one():
-    assert [lr_factor(s, 4, 10, "constant") for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    assert [lr_factor(s, 4, 10, "cosine") for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert [lr_factor(s, 4, 10, "constant", 0.1) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert [lr_factor(s, 4, 10, "cosine", 0.1) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
 
 
 def test_cosine_falls_from_one_to_the_floor_at_the_last_step_and_stays():

@@ -489,10 +489,20 @@ def _sharded_sums(tensor: DTensor, dtype: torch.dtype) -> torch.Tensor:
         tensor = tensor.redistribute(placements=[Shard(0) if placement.is_partial() else placement
                                                  for placement in tensor.placements])
     sums = _local_sums(tensor.to_local(), dtype)
+    # An offloaded shard lives on the host while the mesh's collectives run on its devices (NCCL takes no host
+    # tensor): the two sums go where the mesh computes.
+    sums = sums.to(_mesh_device(tensor.device_mesh.device_type))
     for dim, placement in enumerate(tensor.placements):
         if placement.is_shard():
             torch.distributed.all_reduce(sums, group=tensor.device_mesh.get_group(dim))
     return sums
+
+
+def _mesh_device(device_type: str) -> torch.device:
+    """This process's device of a mesh's type (its current GPU for ``cuda``)."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
 def model_checksum(model: nn.Module, dtype: torch.dtype) -> WeightsChecksum:

@@ -7,7 +7,7 @@ import math
 SCHEDULES = ("constant", "cosine")
 
 
-def lr_factor(step: int, warmup: int, total: int, schedule: str = "cosine", floor: float = 0.1) -> float:
+def lr_factor(step: int, warmup: int, total: int, schedule: str, floor: float) -> float:
     """The learning rate's multiplier at optimizer step ``step`` (from 0).
 
     ``(step + 1) / warmup`` during the first ``warmup`` steps; then 1 (``constant``), or a half cosine from 1 at

@@ -356,7 +356,7 @@ def sft_train(
                                   fused=device.type == "cuda")
     steps_per_epoch = math.ceil(len(samples) / config.batch_size)
     total = steps_per_epoch * config.epochs
-    schedule = lambda s: lr_factor(s, config.warmup_steps, total, config.schedule)  # noqa: E731
+    schedule = lambda s: lr_factor(s, config.warmup_steps, total, config.schedule, floor=0.1)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(seed)
     model.train()

@@ -269,10 +269,12 @@ class OptimConfig:
     gradients of near-certain tokens (a format's tags) still move them; a larger epsilon (the
     quickstart uses 1e-5) damps those steps."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up of the actor over this many RL steps."""
+    """Linear learning-rate warm-up of the actor over this many of its updates."""
     lr_schedule: str = "constant"
     """The actor's learning rate after the warm-up: ``constant``, or ``cosine`` (a half cosine from ``actor_lr``
-    down to ``min_lr_ratio * actor_lr`` at ``run.steps``, as verl's ``lr_scheduler_type=cosine``)."""
+    down to ``min_lr_ratio * actor_lr`` at the run's last actor update, as verl's ``lr_scheduler_type=cosine``).
+    Warm-up and decay count actor updates: the steps of ``run.steps`` less ``algorithm.critic_warmup_steps``; a
+    step whose update is skipped (no group kept) does not move them."""
     min_lr_ratio: float = 0.1
     """``lr_schedule=cosine``: the last step's learning rate as a share of ``actor_lr``."""
     grad_clip: float = 1.0

@@ -612,8 +612,9 @@ class Trainer:
 
     def _build_optimizers(self) -> None:
         optim = self.config.optim
-        steps = self.config.run.steps
-        schedule = lambda s: lr_factor(s, optim.warmup_steps, steps, optim.lr_schedule, optim.min_lr_ratio)  # noqa: E731
+        # The schedule moves once an actor update: none in the critic's warm-up steps.
+        updates = max(1, self.config.run.steps - self.config.algorithm.critic_warmup_steps)
+        schedule = lambda s: lr_factor(s, optim.warmup_steps, updates, optim.lr_schedule, optim.min_lr_ratio)  # noqa: E731
         # One fused kernel for every parameter's update where the parameters are on a GPU (offloaded shards
         # are stepped on the host).
         fused = self.device.type == "cuda" and not self.config.distributed.cpu_offload
