@@ -5,10 +5,14 @@ the same episodes)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.training import test_kill_points as kill_points
 from tests.training.reference_run import (
     assert_same_metrics,
     run_config,
@@ -16,7 +20,10 @@ from tests.training.reference_run import (
     step_records,
     train_in_process,
 )
+from tests.training.test_commands import overrides
+from tests.training.test_kill_points import output, start
 from turnrl.config import ConfigError
+from turnrl.training.checkpoint import latest_checkpoint
 from turnrl.training.commands import train
 
 POOL = "tests.training.backends.pool_hosts"
@@ -134,10 +141,35 @@ def test_a_failed_weights_transfer_stops_every_trainer_and_the_resume_trains_eac
         "failed during take weights: RuntimeError: the GPU fell off the bus" in said, said[-3000:]
     assert "after step 1 of 3; no checkpoint after it: the last is step_000001" in said, said[-3000:]
     assert sorted(p.name for p in (tmp_path / "pool" / "checkpoints").glob("step_*")) == ["step_000001"]
-    ran(run_train(tiny_model_dir, tmp_path, "pool", *settings, f"resume={tmp_path / 'pool'}"))
-    assert sorted(step_records(tmp_path / "pool")) == [1, 2, 3]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "pool" / "metrics.jsonl").read_text().splitlines()]
-    assert len([s for s in steps if s in (1, 2, 3)]) == len(set(steps) & {1, 2, 3}) + 1  # step 3's validation
+    ran(run_train(tiny_model_dir, tmp_path, "pool", *settings, f"resume={tmp_path / 'pool'}",
+                  "distributed.rollout_host=turnrl.rollout.ray_workers:RolloutHost"))
+    records = [json.loads(line) for line in (tmp_path / "pool" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in records if "rollout/success" in r) == [1, 2, 3]  # each step trained once
+
+
+def test_a_sigterm_to_torchrun_stops_a_pool_after_the_step_in_progress_with_its_checkpoint(tiny_model_dir, tmp_path,
+                                                                                            capsys):
+    """torchrun forwards SIGTERM (a batch scheduler's) to every process it started: the rollout process leaves the
+    stop to the trainer, which finishes the step in progress, saves it and stops the pool; the resume continues
+    from that checkpoint with every record once."""
+    run = tmp_path / "run"
+    process = start(tmp_path, *overrides(tiny_model_dir, tmp_path, "run.steps=6", "run.save_every=1", *pool(1, 1)))
+    launcher = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    deadline = time.monotonic() + 300
+    while kill_points.step_records(run) < 1 or not launcher.read_text().split():  # step 2 in progress
+        assert process.poll() is None and time.monotonic() < deadline, output(tmp_path)[-3000:]
+        time.sleep(0.05)
+    os.kill(int(launcher.read_text().split()[0]), signal.SIGTERM)  # torchrun's, as a scheduler's would land
+    process.wait(timeout=300)
+    said = " ".join(output(tmp_path).split())
+    assert "SIGTERM: stopping after this step" in said, said[-3000:]
+    done = latest_checkpoint(run)
+    assert done is not None and done.name != "step_000001", said[-3000:]
+    assert f"interrupted after step {int(done.name[5:])} of 6" in said, said[-3000:]
+    assert "rollout process" not in said.split("SIGTERM", 1)[1], said[-3000:]  # none failed or was lost
+    status, text = kill_points.resume(run, 6, capsys)
+    assert status == 0, text
+    kill_points.assert_whole(run, 6)
 
 
 @pytest.mark.slow  # three runs of two processes, about a minute on two cores
