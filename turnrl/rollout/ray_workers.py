@@ -58,6 +58,12 @@ class RolloutWorkerError(RuntimeError):
         self.worker = worker
 
 
+class WeightsTransferError(RolloutWorkerError):
+    """A rollout worker failed to take the weights after an update: the trainer's weights are a step ahead of what
+    the run recorded, so nothing is saved after it; the run continues from its last checkpoint (the steps after it
+    are trained again, once)."""
+
+
 # --------------------------------------------------------------------------- what a worker is given
 def model_files(path: Path | str) -> dict[str, bytes]:
     """The files of a transformers model directory but its weights: config, tokenizer, processor, template.

@@ -39,7 +39,7 @@ import torch
 from turnrl.config import ConfigError, turnrl_command
 from turnrl.models.loading import base_model_path
 from turnrl.rewards import Rewards
-from turnrl.rollout.ray_workers import RolloutWorkerError
+from turnrl.rollout.ray_workers import RolloutWorkerError, WeightsTransferError
 from turnrl.rollout.trajectory import write_trajectories
 from turnrl.training import compose, ranks
 from turnrl.training.checkpoint import checkpoint_step, disk_error_cause, latest_checkpoint, resume_point
@@ -346,7 +346,9 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 console.print(f"[bold red]rollout stopped:[/bold red] {error}", soft_wrap=True)
                 if step == 1:
                     raise
-                return _stop(trainer, logger, step - 1, error=True)  # saves the last finished step
+                # Saves the last finished step; not after a failed weights transfer, which comes after the step's
+                # update: the weights are then a step ahead of the records, and the last checkpoint is the one.
+                return _stop(trainer, logger, step - 1, error=True, save=not isinstance(error, WeightsTransferError))
             except torch.OutOfMemoryError as error:
                 raise rl_out_of_memory(error, config, step, latest_checkpoint(trainer.run_dir),
                                        trainer.memory_retries.get(step)) from error
@@ -459,10 +461,11 @@ def _report(run_dir: Path) -> None:
 
 
 def _stop(trainer: Trainer, logger: MetricsLogger | None, step: int, error: bool = False,
-          by_signal: signal.Signals | None = None) -> dict[str, Any]:
+          by_signal: signal.Signals | None = None, save: bool = True) -> dict[str, Any]:
     """Ctrl-C or SIGTERM (``by_signal``), the stop file or a lost rollout worker (``error``): save the run after
-    its last finished ``step``, say how to resume; the summary says where the run stopped and why."""
-    checkpoint = _save(trainer, step)
+    its last finished ``step`` (``save`` False: the trainer's state is no longer that step's; the last checkpoint
+    is the one to continue from), say how to resume; the summary says where the run stopped and why."""
+    checkpoint = _save(trainer, step) if save else latest_checkpoint(trainer.run_dir)
     if ranks.is_main():
         (trainer.run_dir / STOP_FILE).unlink(missing_ok=True)
     stopped: dict[str, Any] = {"interrupted_at_step": step, "stopped_by": "error" if error else "request"}
@@ -471,8 +474,13 @@ def _stop(trainer: Trainer, logger: MetricsLogger | None, step: int, error: bool
     if logger is None:
         return {**trainer.summary, **stopped}
     logger.close()
+    if save:
+        saved = f"checkpoint {checkpoint or 'not written (above)'}"
+    else:  # the steps after the last checkpoint are trained again by the resume (their records replaced)
+        saved = f"no checkpoint after it: the last is {checkpoint.name if checkpoint else 'none'}, and a resume " \
+                "trains the steps after it again"
     console.print(f"[bold]{'stopped by the error above' if error else 'interrupted'}[/bold] after step {step} "
-                  f"of {trainer.config.run.steps}; checkpoint {checkpoint or 'not written (above)'}", soft_wrap=True)
+                  f"of {trainer.config.run.steps}; {saved}", soft_wrap=True)
     if checkpoint is not None:  # one unwrapped line, to copy whole
         console.print(f"continue with: {turnrl_command()} train resume={trainer.run_dir}", markup=False,
                       highlight=False, soft_wrap=True)

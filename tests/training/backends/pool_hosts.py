@@ -53,3 +53,17 @@ class StopsTheRunInStepThree(RolloutHost):
         if self.plays == 3 and STOP_FILE_VARIABLE in os.environ:
             Path(os.environ[STOP_FILE_VARIABLE]).touch()
         return super().run(slots, sampling, seed)
+
+
+class FailsTakingWeightsTwo(RolloutHost):
+    """Raises amid the weights of update 2 (its third transfer, after step 2), having taken one tensor of them: the
+    rest of the broadcast is still on its way."""
+
+    transfers = 0
+
+    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsChecksum | None:
+        self.transfers += 1
+        if self.transfers < 3:
+            return super().load_weights(version, weights)
+        next(iter(weights))
+        raise RuntimeError("the GPU fell off the bus")

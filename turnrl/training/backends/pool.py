@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -40,14 +41,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic
+from typing import Any, Generic, NoReturn, cast
 
+import peft
 import torch
 import torch.distributed as dist
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
 from torch.distributed.tensor import DTensor
 
 from turnrl.chat.template_deltas import ChatTemplateDeltas
-from turnrl.config import SamplingConfig
+from turnrl.config import ConfigError, SamplingConfig
 from turnrl.engine.weights import WeightsChecksum, model_checksum
 from turnrl.models.devices import resolve_dtype
 from turnrl.registry import resolve_module_attr
@@ -56,6 +60,7 @@ from turnrl.rollout.ray_workers import (
     RolloutHost,
     RolloutWorkerError,
     SlotSpec,
+    WeightsTransferError,
     WorkerResult,
     WorkerRewardMetrics,
     WorkerSpec,
@@ -65,7 +70,7 @@ from turnrl.rollout.ray_workers import (
 from turnrl.rollout.runner import EpisodeSlot, RolloutTimings, TurnBoundary
 from turnrl.rollout.trajectory import Trajectory, sum_by_name
 from turnrl.training import ranks
-from turnrl.training.backends.asynchronous import AsyncRollout
+from turnrl.training.backends.asynchronous import AsyncRollout, RolloutThreadError
 from turnrl.training.backends.backend import (
     Played,
     PlayStep,
@@ -78,7 +83,7 @@ from turnrl.training.backends.backend import (
 )
 from turnrl.training.backends.local import LocalRollout
 from turnrl.training.backends.sharded import ShardedRollout
-from turnrl.training.backends.weights_check import WeightsCheck
+from turnrl.training.backends.weights_check import WeightsCheck, WeightsSyncError
 from turnrl.training.train_config import TrainConfig
 
 START_WAIT_S = 24 * 3600.0
@@ -108,13 +113,18 @@ def pool_groups(trainers: int, processes: int, device: torch.device, timeout_s: 
     """The pool's groups, made on the store of torchrun's rendezvous under prefixes of their own: the trainers'
     default group does not hold the rollout processes, and torch's group calls (``dist.send``...) only take
     subgroups of the default one, so the pool's are process-group objects used directly (their ``send``,
-    ``recv`` and ``broadcast``)."""
+    ``recv`` and ``broadcast``).
+
+    The rollout processes make them at once, trainer 0 once its models are loaded (and any SFT stage run): gloo's
+    connection waits for the other side with the group's own timeout, so that is :data:`START_WAIT_S`; every
+    message and broadcast then waits ``timeout_s`` at most (its own ``wait``)."""
     store = ranks.launch_store(timeout_s)
     launched = ranks.launched_rank()
     rank = 0 if launched == 0 else launched - trainers + 1
     size = processes + 1
     timeout = timedelta(seconds=timeout_s)
-    messages = dist.ProcessGroupGloo(dist.PrefixStore("turnrl/pool/", store), rank, size, timeout)
+    messages = dist.ProcessGroupGloo(dist.PrefixStore("turnrl/pool/", store), rank, size,
+                                     timedelta(seconds=START_WAIT_S))
     weights: Any = messages
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
@@ -193,40 +203,61 @@ class Failed:
 # --------------------------------------------------------------------------- a rollout process
 def serve_rollouts(config: TrainConfig, device: torch.device) -> None:
     """The body of a rollout process (a rank of the last ``distributed.rollout_processes``): build the host trainer
-    0 describes and answer its messages until it says stop. Never builds an optimizer or a trainer."""
+    0 describes and answer its messages until it says stop. Never builds an optimizer or a trainer.
+
+    Ctrl-C and SIGTERM are ignored here: torchrun forwards them to every process it started, and the trainers
+    decide when the run stops (after the step in progress, with its checkpoint); trainer 0 then sends ``Stop``, or
+    this process ends when trainer 0 has gone."""
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
     dist_config = config.distributed
     trainers = ranks.launched_world() - dist_config.rollout_processes
     groups = pool_groups(trainers, dist_config.rollout_processes, device, dist_config.timeout_s)
     host_class = resolve_module_attr(dist_config.rollout_host, "distributed.rollout_host")
+    host: RolloutHost | None = None
     try:
         start = recv_object(groups, 0, START_WAIT_S)
-    except RuntimeError as error:
-        return trainer_gone(error)
-    if isinstance(start, Stop):
-        return
-    try:
-        host: RolloutHost = host_class(start.spec)
-        send_object(groups, Ready(host.info()), 0)
-    except Exception as error:  # noqa: BLE001 - trainer 0 names this process and raises
-        send_object(groups, Failed("start", failure_text(error)), 0)
-        host = None  # type: ignore[assignment]
-    while True:
-        try:
-            message = recv_object(groups, 0, START_WAIT_S)
-        except RuntimeError as error:
-            return trainer_gone(error)
-        if isinstance(message, Stop):
+        if isinstance(start, Stop):
             return
-        doing = "play" if isinstance(message, Play) else "take weights"
         try:
-            if host is None:
-                raise RuntimeError("this rollout process failed to start")
-            if isinstance(message, Play):
-                send_object(groups, host.run(message.slots, message.sampling, message.seed), 0)
-            elif isinstance(message, Weights):
-                send_object(groups, Taken(host.load_weights(message.version, received(groups, message))), 0)
+            host = host_class(start.spec)
+            answer: Any = Ready(host.info())
         except Exception as error:  # noqa: BLE001 - trainer 0 names this process and raises
-            send_object(groups, Failed(doing, failure_text(error)), 0)
+            answer = Failed("start", failure_text(error))
+        send_object(groups, answer, 0)
+        while True:
+            message = recv_object(groups, 0, START_WAIT_S)
+            if isinstance(message, Stop):
+                return
+            send_object(groups, answer_to(groups, host, message), 0)
+    except RuntimeError as error:  # gloo's, from a send or receive: trainer 0 has gone
+        return trainer_gone(error)
+
+
+def answer_to(groups: PoolGroups, host: RolloutHost | None, message: Any) -> Any:
+    """This rollout process's answer to ``message`` (``Failed`` where its host raised, or is missing: it failed to
+    start). A transfer of weights is received whole whatever happens: trainer 0 broadcasts every tensor of it."""
+    match message:
+        case Play(slots, sampling, seed):
+            try:
+                if host is None:
+                    raise RuntimeError("this rollout process failed to start")
+                return host.run(slots, sampling, seed)
+            except Exception as error:  # noqa: BLE001 - trainer 0 names this process and raises
+                return Failed("play", failure_text(error))
+        case Weights():
+            incoming = Broadcasts(groups, message)
+            try:
+                if host is None:
+                    raise RuntimeError("this rollout process failed to start")
+                answer: Any = Taken(host.load_weights(message.version, incoming))
+            except Exception as error:  # noqa: BLE001 - trainer 0 names this process and raises
+                answer = Failed("take weights", failure_text(error))
+            incoming.drain()
+            return answer
+        case _:
+            return Failed("a message", f"unknown message {type(message).__name__} (trainer 0 and this rollout "
+                                       "process run different versions of turnrl?)")
 
 
 def trainer_gone(error: RuntimeError) -> None:
@@ -235,18 +266,35 @@ def trainer_gone(error: RuntimeError) -> None:
           "stopping", flush=True)
 
 
-def received(groups: PoolGroups, message: Weights) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of ``message`` as trainer 0 broadcasts them, one at a time."""
-    for spec in message.tensors:
-        tensor = torch.empty(spec.shape, dtype=spec.dtype, device=groups.device)
-        broadcast(groups, tensor)
-        yield spec.name, tensor
+class Broadcasts:
+    """The tensors of a ``Weights`` message as trainer 0 broadcasts them, received one at a time as they are
+    iterated; :meth:`drain` receives (and drops) those a failed or partial load left, so that trainer 0's
+    broadcasts all complete and the next message is the next one on the channel."""
+
+    def __init__(self, groups: PoolGroups, message: Weights) -> None:
+        self.groups = groups
+        self.pending = list(message.tensors)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while self.pending:
+            yield self.pending[0].name, self._next()
+
+    def drain(self) -> None:
+        while self.pending:
+            self._next()
+
+    def _next(self) -> torch.Tensor:
+        spec = self.pending.pop(0)
+        tensor = torch.empty(spec.shape, dtype=spec.dtype, device=self.groups.device)
+        broadcast(self.groups, tensor)
+        return tensor
 
 
 def broadcast(groups: PoolGroups, tensor: torch.Tensor) -> None:
     """``tensor`` from pool rank 0 (trainer 0) to every rollout process, on the weights' group."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
+    options.timeout = timedelta(seconds=groups.timeout_s)
     groups.weights.broadcast([tensor], options).wait(timedelta(seconds=groups.timeout_s))
 
 
@@ -280,15 +328,19 @@ class ProcessPool:
         self.deltas = ChatTemplateDeltas.for_tokenizer(tokenizer, response_prefix=response_prefix)
         self.infos: dict[int, dict[str, Any]] = {}
         self.closed = False
-        for j in self.processes:
-            send_object(groups, Start(spec), j)
-        self.infos = {j: ready.info for j, ready in self._gather(self.processes, "start").items()}
+        self._exchange = threading.Lock()
+        """Held for each whole exchange (a message to the processes and all their answers; the broadcasts of a
+        transfer): the rollout thread exchanges while the main thread may close, and the channel carries one
+        message at a time."""
+        with self._exchange:
+            for j in self.processes:
+                send_object(groups, Start(spec), j)
+            self.infos = {j: ready.info for j, ready in self._gather(self.processes, "start").items()}
         self.timings = RolloutTimings()
         self.rewards = WorkerRewardMetrics()
         self.checksums: dict[int, WeightsChecksum | None] = {}
         """Each rollout process's checksum after the last weights it took."""
         self.last_sync_s = 0.0
-        self._lock = threading.Lock()  # the rollout thread plays while the main thread may close
 
     # ------------------------------------------------------------------ the rollout
     def run(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig) -> list[Trajectory]:
@@ -302,12 +354,14 @@ class ProcessPool:
         parts = split_groups(slots, len(self.processes))
         base_seed = int(torch.randint(0, 2**31 - len(self.processes), (1,)))
         playing = [j for j, part in zip(self.processes, parts) if part]
-        for j, part in zip(self.processes, parts):
-            if part:
-                send_object(self.groups, Play([SlotSpec(slots[i].seed, slots[i].group, slots[i].sample,
-                                                        slots[i].options) for i in part], sampling, base_seed + j - 1),
-                            j)
-        results: dict[int, WorkerResult] = self._gather(playing, "play")
+        with self._exchange:
+            self._check_open()
+            for j, part in zip(self.processes, parts):
+                if part:
+                    send_object(self.groups, Play([SlotSpec(slots[i].seed, slots[i].group, slots[i].sample,
+                                                            slots[i].options) for i in part],
+                                                  sampling, base_seed + j - 1), j)
+            results: dict[int, WorkerResult] = self._gather(playing, "play")
         trajectories: list[Trajectory | None] = [None] * len(slots)
         for j, part in zip(self.processes, parts):
             for index, trajectory in zip(part, results[j].trajectories if part else []):
@@ -330,11 +384,22 @@ class ProcessPool:
         """Broadcast ``values`` (one tensor per spec, made as they are sent) to every rollout process as weights
         ``version``, and note each one's checksum of what its policy computes with then."""
         start = time.perf_counter()
-        for j in self.processes:
-            send_object(self.groups, Weights(version, list(tensors)), j)
-        for spec, value in zip(tensors, values):
-            broadcast(self.groups, value.to(device=self.groups.device, dtype=spec.dtype))
-        taken: dict[int, Taken] = self._gather(self.processes, "take weights")
+        with self._exchange:
+            self._check_open()
+            for j in self.processes:
+                send_object(self.groups, Weights(version, list(tensors)), j)
+            for spec, value in zip(tensors, values):
+                tensor = value.to(device=self.groups.device, dtype=spec.dtype)
+                try:
+                    broadcast(self.groups, tensor)
+                except RuntimeError as error:  # gloo's or NCCL's: a process died, or stopped receiving
+                    names = ", ".join(self._name(j) for j in self.processes)
+                    raise RolloutWorkerError(
+                        f"the broadcast of weights {version} ({spec.name}) to rollout process"
+                        f"{'es' if len(self.processes) > 1 else ''} {names} failed ({first_line(error)}): one died "
+                        "or did not receive within distributed.timeout_s; its log says which. Resume the run from "
+                        "its last checkpoint (`turnrl train resume=RUN_DIR`)") from None
+            taken: dict[int, Taken] = self._gather(self.processes, "take weights")
         self.checksums = {j: answer.checksum for j, answer in taken.items()}
         self.last_sync_s = time.perf_counter() - start
 
@@ -351,11 +416,10 @@ class ProcessPool:
             try:
                 answer = recv_object(self.groups, j, deadline - time.monotonic())
             except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError subclasses of its own
-                reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 raise RolloutWorkerError(
                     f"rollout process {self._name(j)} did not answer during {doing} within "
-                    f"distributed.timeout_s={self.groups.timeout_s:g} s, or died ({reason}); the batch is lost. "
-                    "Resume the run from its last checkpoint (`turnrl train resume=RUN_DIR`)", worker=j) from None
+                    f"distributed.timeout_s={self.groups.timeout_s:g} s, or died ({first_line(error)}); the batch is "
+                    "lost. Resume the run from its last checkpoint (`turnrl train resume=RUN_DIR`)", worker=j) from None
             if isinstance(answer, Failed):
                 raise RolloutWorkerError(f"rollout process {self._name(j)} failed during {answer.doing}: "
                                          f"{answer.error.strip()}", worker=j)
@@ -372,17 +436,34 @@ class ProcessPool:
         """The rollout processes' compute dtype (the weights travel in it)."""
         return getattr(torch, next(iter(self.infos.values()))["dtype"])
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RolloutWorkerError("the rollout processes were told to stop: no exchange with them after close()")
+
     def close(self) -> None:
-        """Tell every rollout process to stop (safe to call twice)."""
-        with self._lock:
+        """Tell every rollout process to stop (safe to call twice). Not while the rollout thread is still in an
+        exchange (one it did not finish within its ``close``): a ``Stop`` then would land amid its messages, so
+        none is sent, and the rollout processes end when this process has gone (their receive fails)."""
+        if not self._exchange.acquire(blocking=False):
+            self.closed = True
+            return
+        try:
             if self.closed:
                 return
             self.closed = True
-        for j in self.processes:
-            try:
-                send_object(self.groups, Stop(), j)
-            except Exception:  # noqa: BLE001 - gone already
-                pass
+            for j in self.processes:
+                try:
+                    send_object(self.groups, Stop(), j)
+                except RuntimeError:  # gloo's: gone already
+                    pass
+        finally:
+            self._exchange.release()
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line, or its type's name where it says nothing."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 # --------------------------------------------------------------------------- the trainer's weights, as sent
@@ -390,29 +471,55 @@ def sent_weights(model: torch.nn.Module, every: bool) -> list[tuple[str, Callabl
     """The weights the rollout processes' plain model takes from ``model``, by its parameter names, each made
     whole when its function is called (a collective of the trainer ranks for a sharded one): with ``every`` all of
     them (the first transfer: the rollout processes start from the architecture's initial weights), else the
-    trainable ones. A peft model's LoRA layers send their weights merged with the adapters (``W + B A * scaling``,
-    written here because peft's ``get_delta_weight`` does not gather FSDP2 shards), every time: the adapters
-    change them; its frozen base weights only with ``every``."""
-    if not hasattr(model, "get_base_model"):
+    trainable ones. A peft model's LoRA layers send their weights merged with the adapters (``W + B A * scaling``),
+    every time: the adapters change them; its frozen base weights only with ``every``.
+
+    Raises:
+        ConfigError: a LoRA setup this merge does not handle (see :func:`unmergeable_lora`).
+    """
+    if not isinstance(model, peft.PeftModel):
         return [(name, whole_of(parameter)) for name, parameter in model.named_parameters()
                 if every or parameter.requires_grad]
-    base: Any = model.get_base_model()  # type: ignore[operator]
+    problem = unmergeable_lora(model)
+    if problem is not None:
+        raise ConfigError(f"distributed.rollout_processes send LoRA weights merged into plain linear layers; "
+                          f"{problem}: train without rollout processes, or adapt linear layers alone")
+    base = model.get_base_model()
     out: list[tuple[str, Callable[[], torch.Tensor]]] = []
     lora_prefixes: list[str] = []
     for name, module in base.named_modules():
-        layer: Any = module
-        if getattr(layer, "base_layer", None) is None or not hasattr(layer, "lora_A"):
+        if not isinstance(module, LoraLinear):  # the only LoRA layers unmergeable_lora lets through
             continue
         lora_prefixes.append(f"{name}.")
-        out.append((f"{name}.weight", merged_weight(layer)))
-        if every and layer.base_layer.bias is not None:
-            out.append((f"{name}.bias", whole_of(layer.base_layer.bias)))
+        out.append((f"{name}.weight", merged_weight(module)))
+        bias = base_linear(module).bias
+        if every and bias is not None:
+            out.append((f"{name}.bias", whole_of(bias)))
     for name, parameter in base.named_parameters():
         if ".lora_" in name or any(name.startswith(prefix) for prefix in lora_prefixes):
             continue
         if every or parameter.requires_grad:
             out.append((name.replace(".base_layer.", "."), whole_of(parameter)))
     return out
+
+
+def unmergeable_lora(model: peft.PeftModel) -> str | None:
+    """What of ``model``'s LoRA setup :func:`merged_weight` does not merge (None: all of it is plain LoRA on linear
+    layers): DoRA and other variants, a bias on the adapters, adapters on embeddings or convolutions, and
+    ``modules_to_save`` (trainable copies the plain model has no names for)."""
+    for adapter, settings in model.peft_config.items():
+        if isinstance(settings, peft.LoraConfig) and settings.modules_to_save:
+            return f"adapter {adapter!r} has modules_to_save={settings.modules_to_save}"
+    for name, module in model.get_base_model().named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if not isinstance(module, LoraLinear):
+            return f"{name} is a LoRA {type(module).__name__} layer, not a linear one"
+        if module.lora_variant or any(module.use_dora.values()):
+            return f"{name} uses a LoRA variant (DoRA)"
+        if any(module.lora_bias.values()):
+            return f"{name} has a bias on its adapters (lora_bias)"
+    return None
 
 
 def whole_of(parameter: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -424,17 +531,26 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
-def merged_weight(layer: Any) -> Callable[[], torch.Tensor]:
-    """A LoRA linear layer's weight with its active adapters merged, out of place (the base never changes)."""
+def base_linear(layer: LoraLinear) -> torch.nn.Linear:
+    """The linear layer a LoRA one adapts."""
+    return cast(torch.nn.Linear, layer.get_base_layer())
+
+
+def merged_weight(layer: LoraLinear) -> Callable[[], torch.Tensor]:
+    """A LoRA linear layer's weight with its active adapters merged, out of place (the base never changes); as it
+    is where peft merged them into it already (``layer.merged``). Written here, where the engine's merge
+    (:mod:`turnrl.engine.weights`) calls peft's ``get_delta_weight``, because that multiplies the layer's shards,
+    not the FSDP2-gathered whole matrices."""
 
     def merged() -> torch.Tensor:
-        weight = whole(layer.base_layer.weight)
-        if layer.disable_adapters:
+        weight = whole(base_linear(layer).weight)
+        if layer.merged or layer.disable_adapters:
             return weight
         for adapter in layer.active_adapters:
             if adapter not in layer.lora_A:
                 continue
-            delta = whole(layer.lora_B[adapter].weight) @ whole(layer.lora_A[adapter].weight)
+            up, down = cast(torch.nn.Linear, layer.lora_B[adapter]), cast(torch.nn.Linear, layer.lora_A[adapter])
+            delta = whole(up.weight) @ whole(down.weight)
             if layer.fan_in_fan_out:
                 delta = delta.T
             weight = weight + (delta * layer.scaling[adapter]).to(weight.dtype)
@@ -467,7 +583,8 @@ class PoolCopy:
             for _, make in weights:
                 make()  # this rank's part of the gather
             return
-        specs = [TensorSpec(name, tuple(parameter_shape(make, source, name)), self.dtype) for name, make in weights]
+        shapes = sent_shapes(source)
+        specs = [TensorSpec(name, tuple(shapes[name]), self.dtype) for name, _ in weights]
         self.pool.send_weights(version.updates, specs, (make() for _, make in weights))
 
     def start(self, source: torch.nn.Module, version: WeightsVersion) -> None:
@@ -491,20 +608,22 @@ class PoolCopy:
                                (tensor for _, tensor in self._staged))
 
 
-def parameter_shape(make: Callable[[], torch.Tensor], model: torch.nn.Module, name: str) -> torch.Size:
-    """The whole shape of the weight ``name`` sends, without gathering it (a DTensor knows its global shape)."""
-    del make
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-    base: Any = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
+def sent_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+    """The whole shape of each weight :func:`sent_weights` sends, by its name, without gathering any (a DTensor knows
+    its global shape)."""
+    shapes = {name: parameter.shape for name, parameter in model.named_parameters()}
+    if not isinstance(model, peft.PeftModel):
+        return shapes
+    base = model.get_base_model()
     for module_name, module in base.named_modules():
-        layer: Any = module
-        if getattr(layer, "base_layer", None) is not None and hasattr(layer, "lora_A"):
-            shapes[f"{module_name}.weight"] = layer.base_layer.weight.shape
-            if layer.base_layer.bias is not None:
-                shapes[f"{module_name}.bias"] = layer.base_layer.bias.shape
-    for n, p in base.named_parameters():
-        shapes.setdefault(n.replace(".base_layer.", "."), p.shape)
-    return shapes[name]
+        if isinstance(module, LoraLinear):
+            layer = base_linear(module)
+            shapes[f"{module_name}.weight"] = layer.weight.shape
+            if layer.bias is not None:
+                shapes[f"{module_name}.bias"] = layer.bias.shape
+    for name, parameter in base.named_parameters():
+        shapes.setdefault(name.replace(".base_layer.", "."), parameter.shape)
+    return shapes
 
 
 class PoolWeights:
@@ -642,19 +761,47 @@ class PoolFollower:
         pass
 
 
+@dataclass(frozen=True)
+class SharedError:
+    """An exception of trainer 0, as the other trainer ranks get it (:func:`share_from_main`): its type's name and
+    message, which pickle whatever the exception holds."""
+
+    kind: str
+    message: str
+    worker: int | None = None
+
+    @classmethod
+    def of(cls, error: Exception) -> SharedError:
+        """``error`` to share; an error of the rollout thread caused by a lost rollout process as that (the stop
+        path saves the last finished step for it, as in the synchronous pool)."""
+        if isinstance(error, RolloutThreadError) and isinstance(error.__cause__, RolloutWorkerError):
+            error = error.__cause__
+        worker = error.worker if isinstance(error, RolloutWorkerError) else None
+        return cls(type(error).__name__, str(error), worker)
+
+    def error(self) -> Exception:
+        """The exception every trainer rank raises: of the type trainer 0 raised where it is one the run's stop path
+        tells apart, else a ``RuntimeError`` naming it."""
+        if self.kind in (RolloutWorkerError.__name__, WeightsTransferError.__name__):
+            return RolloutWorkerError(self.message, worker=self.worker)
+        if self.kind == WeightsSyncError.__name__:
+            return WeightsSyncError(self.message)
+        return RuntimeError(f"trainer 0 stopped on {self.kind}: {self.message}")
+
+
 @dataclass
 class Shared(Generic[Played]):
     """What trainer 0 hands the other trainer ranks for a step: its rollout, or the error that stopped it."""
 
     rollout: StepRollout[Played] | None
-    error: RolloutWorkerError | None = None
+    error: SharedError | None = None
 
 
 class TrainerGroup:
     """A rollout backend as every trainer rank sees it: trainer 0's ``inner`` plays each step, and the other trainer
     ranks get the step's rollout from it (:func:`share_from_main`), or the error that stopped it, which every
-    rank then raises (they stop together, with a checkpoint). :meth:`set_weights` runs ``inner``'s on every rank
-    (its gathers are collectives)."""
+    rank then raises (they stop together, at the same point). :meth:`set_weights` runs ``inner``'s on every rank
+    (its gathers are collectives) and shares trainer 0's failure to send or check the weights the same way."""
 
     def __init__(self, inner: RolloutBackend, deltas: Callable[[], ChatTemplateDeltas],
                  pool: ProcessPool | None) -> None:
@@ -675,21 +822,45 @@ class TrainerGroup:
         return self.inner.run(slots, sampling)
 
     def roll_out(self, step: int, play: PlayStep[Played]) -> StepRollout[Played]:
+        """The step's rollout on every trainer rank.
+
+        Raises:
+            RolloutWorkerError: a rollout process was lost (on every rank; in the rollout thread too).
+            RuntimeError: any other failure of trainer 0's rollout (there, the exception itself).
+        """
         shared: Shared[Played] | None = None
+        failure: Exception | None = None
         if ranks.is_main():
             try:
                 shared = Shared(self.inner.roll_out(step, play))
-            except RolloutWorkerError as error:
-                shared = Shared(None, error)
+            except Exception as error:  # noqa: BLE001 - every rank raises it, after the broadcast
+                failure, shared = error, Shared(None, SharedError.of(error))
         shared = share_from_main(shared, self.deltas)
         assert shared is not None
         if shared.error is not None:
-            raise shared.error
+            raise_shared(shared.error, failure)
         assert shared.rollout is not None
         return shared.rollout
 
     def set_weights(self, model: torch.nn.Module, version: WeightsVersion) -> dict[str, float]:
-        return self.inner.set_weights(model, version)
+        """``inner``'s on every rank; a failure of trainer 0's (a rollout process that failed to take the weights, or
+        took other ones) raised on every rank, a lost rollout process as :class:`WeightsTransferError`: the update
+        is done, and no checkpoint records it."""
+        metrics: dict[str, float] = {}
+        error: SharedError | None = None
+        failure: Exception | None = None
+        try:
+            metrics = self.inner.set_weights(model, version)
+        except (RolloutWorkerError, WeightsSyncError) as raised:
+            if not ranks.is_main():
+                raise  # not from the pool: trainer 0 alone talks to it
+            failure, error = raised, SharedError.of(raised)
+        error = share_from_main(error, self.deltas)
+        if error is None:
+            return metrics
+        if error.kind == RolloutWorkerError.__name__:
+            error = dataclasses.replace(error, kind=WeightsTransferError.__name__)
+        raise_shared(error, failure)
 
     def exclusive(self) -> AbstractContextManager[Any]:
         return self.inner.exclusive()
@@ -698,6 +869,17 @@ class TrainerGroup:
         self.inner.close()  # the rollout thread first: it may be talking to the pool
         if self.pool is not None:
             self.pool.close()
+
+
+def raise_shared(error: SharedError, raised: Exception | None) -> NoReturn:
+    """Raise trainer 0's ``error`` on this rank; on trainer 0 from ``raised``, the exception itself (its traceback
+    is the one to read)."""
+    if error.kind == WeightsTransferError.__name__:
+        raise WeightsTransferError(error.message, worker=error.worker) from raised
+    rebuilt = error.error()
+    if raised is not None and (type(rebuilt) is RuntimeError or rebuilt.__class__ is raised.__class__):
+        raise raised
+    raise rebuilt from raised
 
 
 OBJECT_CHUNK_BYTES = 64 * 2**20
@@ -771,6 +953,11 @@ def pool_rollouts(parts: RolloutParts) -> Rollouts:
             torch_threads=config.run.threads)
         pool = ProcessPool(groups, spec, parts.tokenizer, parts.train.fmt.response_prefix, trainers)
         dtype = pool.dtype
+    deltas = lambda: ChatTemplateDeltas.for_tokenizer(  # noqa: E731
+        parts.tokenizer, response_prefix=parts.train.fmt.response_prefix)
+    # Every trainer rank gathers and checks the weights in the rollout processes' dtype (the checksum is a
+    # collective of theirs), which trainer 0 learns from them.
+    dtype = share_from_main(dtype, deltas)
     copy = PoolCopy(pool, dtype, parts.device)
     checked = PoolWeights(pool, dtype)
     inner: RolloutBackend
@@ -781,8 +968,6 @@ def pool_rollouts(parts: RolloutParts) -> Rollouts:
     else:
         inner = AsyncRollout(pool, None, parts.device, parts.dtype, dist_config.max_staleness, config.run.steps,
                              where=copy, checked=checked)
-    deltas = lambda: ChatTemplateDeltas.for_tokenizer(  # noqa: E731
-        parts.tokenizer, response_prefix=parts.train.fmt.response_prefix)
     validation: RolloutBackend = LocalRollout(parts.validation, parts.precision) if trainers == 1 else \
         ShardedRollout(parts.validation, parts.tokenizer, parts.precision)
     return Rollouts(TrainerGroup(inner, deltas, pool), validation)
