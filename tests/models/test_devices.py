@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from turnrl.models.devices import resolve_device, resolve_dtype
+from turnrl.models.devices import indexed, resolve_device, resolve_dtype
 
 
 def test_auto_takes_the_gpu_when_there_is_one(monkeypatch):
@@ -46,3 +46,10 @@ def test_a_copy_to_the_gpu_queued_behind_work_reads_the_host_values():
     assert torch.equal(copied.cpu(), torch.arange(1000))
     selected = torch.arange(1000, device=device) * 2
     assert torch.equal(selected[to_device(torch.tensor([5, 1]), device)].cpu(), torch.tensor([10, 2]))
+
+
+def test_a_bare_cuda_device_gets_the_current_gpu_s_index(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)  # an index given stays
+    assert indexed(torch.device("cpu")) == torch.device("cpu")

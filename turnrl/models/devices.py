@@ -18,6 +18,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` is the process's current GPU (``cuda:N``), what a thread that
+    makes it current (``torch.cuda.set_device``, per thread) must be given; other devices as they are."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 on a GPU, float32 elsewhere; else ``float32``, ``bfloat16`` or ``float16``."""
     if name == "auto":

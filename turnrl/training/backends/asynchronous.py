@@ -60,7 +60,7 @@ from typing import Any, Generic, Protocol
 import torch
 
 from turnrl.config import SamplingConfig
-from turnrl.models.devices import resolve_device
+from turnrl.models.devices import indexed, resolve_device
 from turnrl.policy.factory import model_policy
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings, TurnBoundary
 from turnrl.rollout.trajectory import Trajectory
@@ -469,7 +469,8 @@ def async_rollouts(parts: RolloutParts) -> tuple[AsyncRollout, Rollout]:
     with its own policy and engine cache) and a runner on ``parts``' own policy for validation."""
     config = parts.config
     dist = config.distributed
-    device = resolve_device(dist.rollout_device) if dist.rollout_device else parts.device
+    # With an index: the rollout thread makes it its current device.
+    device = indexed(resolve_device(dist.rollout_device) if dist.rollout_device else parts.device)
     # The copy samples; the trainer's actor trains and validates.
     actor_copy = copy.deepcopy(parts.actor).to(device).eval().requires_grad_(False)
     batch_size = max(64, config.groups.n_groups * config.groups.group_size)
