@@ -468,7 +468,8 @@ def test_eval_s_http_policy_sends_the_key_from_its_variable(keyed, tmp_path, mon
 def test_a_body_over_the_limit_is_a_413_read_no_further():
     """A body is counted as it arrives: an endless chunked body (or one whose Content-Length lies) is cut off once
     the limit is passed, never held whole; a Content-Length over the limit is refused before any of it is read."""
-    from turnrl.serve.policy import RequestSizeLimit
+    from turnrl.envservice.server import BodyLimit
+    from turnrl.serve.policy import request_too_large
 
     async def never_called(scope, receive, send):
         raise AssertionError("the app got a body over the limit")
@@ -488,7 +489,8 @@ def test_a_body_over_the_limit_is_a_413_read_no_further():
         async def send(message):
             sent.append(message)
 
-        await RequestSizeLimit(never_called, limit_bytes=limit)({"type": "http", "headers": headers}, receive, send)
+        limited = BodyLimit(never_called, limit=limit, too_large=lambda: request_too_large(limit))
+        await limited({"type": "http", "headers": headers}, receive, send)
         return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
 
     receive, read = endless(1000)

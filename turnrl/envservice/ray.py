@@ -92,11 +92,14 @@ class EnvHost:
         self.settings = dict(settings)
         self.envs: dict[int, AgentEnv] = {}
         self.last_obs: dict[int, dict[str, Any]] = {}
+        self.spare: AgentEnv | None = None
+        """An env built by :meth:`start` and not yet given an index."""
 
     def _env(self, index: int) -> AgentEnv:
         env = self.envs.get(index)
         if env is None:
-            env = self.envs[index] = make(self.env_id, **self.settings)
+            env, self.spare = (self.spare or make(self.env_id, **self.settings)), None
+            self.envs[index] = env
         return env
 
     def validate(self, index: int) -> None:
@@ -155,6 +158,14 @@ class EnvHost:
 
     def size(self) -> int:
         """Envs held now."""
+        return len(self.envs)
+
+    def start(self) -> int:
+        """Build one env now and keep it for the first index asked for: a fresh worker's first call then waits
+        for the env's modules to import within the worker's start budget, not the call's timeout (a loaded
+        machine takes seconds to import them). Returns the envs held."""
+        if not self.envs and self.spare is None:
+            self.spare = make(self.env_id, **self.settings)
         return len(self.envs)
 
 
@@ -267,7 +278,7 @@ class EnvWorkerPool:
         try:
             if (worker, generation) not in self._started:
                 waited, timeout = "when started", self.options.start_timeout_s
-                self.ray.get(actor.size.remote(), timeout=timeout)
+                self.ray.get(actor.start.remote(), timeout=timeout)
                 with self._lock:
                     self._started.add((worker, generation))
                 waited, timeout = f"{method}()", self.options.timeout_s

@@ -65,7 +65,7 @@ from typing import Annotated, Any, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -657,33 +657,36 @@ class EnvServer:
 
 # --------------------------------------------------------------------------- body size
 class BodyLimit:
-    """ASGI middleware: reads the whole body first and answers 413 when it exceeds ``limit`` bytes."""
+    """ASGI middleware: a request body over ``limit`` bytes is answered with ``too_large`` (and ``on_reject``
+    called): at once when ``Content-Length`` says so, else the moment the bytes counted as they arrive pass it
+    (a missing or lying length, chunked transfer encoding), so that at most ``limit`` bytes are ever held and
+    the rest is never read. Written by hand: uvicorn bounds no body, and Starlette's
+    ``RequestBodyLimitMiddleware`` is newer than the Starlette that ``fastapi>=0.110`` allows and answers in
+    plain text, where each server's clients expect its own error shape.
+    """
 
-    def __init__(self, app: Any, limit: int, on_reject: Callable[[], None]) -> None:
-        self.app, self.limit, self.on_reject = app, limit, on_reject
+    def __init__(self, app: Any, limit: int, too_large: Callable[[], Response],
+                 on_reject: Callable[[], None] = lambda: None) -> None:
+        self.app, self.limit, self.too_large, self.on_reject = app, limit, too_large, on_reject
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
                        send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = error_response(APIError(413, "body_too_large",
-                                            f"the request body is over {self.limit} bytes (--max-body-bytes)"))
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            self.on_reject()
-            await too_large(scope, receive, send)
+            await self.refuse(scope, receive, send)
             return
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
-            if message["type"] == "http.disconnect":
+            if message["type"] == "http.disconnect":  # the client went away: nothing to answer
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                self.on_reject()
-                await too_large(scope, receive, send)
+                await self.refuse(scope, receive, send)
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -694,9 +697,14 @@ class BodyLimit:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            return await receive()  # after the body: the disconnect, when the client goes
 
         await self.app(scope, replay, send)
+
+    async def refuse(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
+                     send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+        self.on_reject()
+        await self.too_large()(scope, receive, send)
 
 
 # --------------------------------------------------------------------------- the router
@@ -720,8 +728,10 @@ def build_app(envs: list[str] | None = None, *, token: str | None = None,
 
     app = FastAPI(title="turnrl env server", lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(BodyLimit, limit=server.limits.max_body_bytes,
-                       on_reject=lambda: server.count_error("body_too_large"))
+    limit = server.limits.max_body_bytes
+    app.add_middleware(BodyLimit, limit=limit, on_reject=lambda: server.count_error("body_too_large"),
+                       too_large=lambda: error_response(APIError(
+                           413, "body_too_large", f"the request body is over {limit} bytes (--max-body-bytes)")))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:

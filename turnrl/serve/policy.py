@@ -73,7 +73,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -88,6 +88,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnrl.chat.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 from turnrl.config import ConfigError, EvalConfig, ModelConfig, SamplingConfig
+from turnrl.envservice.server import BodyLimit, is_loopback
 from turnrl.models.vision import ImageTooLarge, load_image
 from turnrl.policy.factory import load_model_policy
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
@@ -292,60 +293,11 @@ DEFAULT_MAX_REQUEST_MB = 32
 """The largest request body in MiB by default: a chat with several large images as base64 data URLs (a
 1024 x 1024 photo is about 2 MB as PNG, a third more in base64) fits, a body meant to exhaust memory does not."""
 
-ASGIMessage = MutableMapping[str, Any]
-
-
-class RequestSizeLimit:
-    """ASGI middleware: a request body over ``limit_bytes`` is answered with a 413 in OpenAI's shape.
-
-    Refused at once when ``Content-Length`` says so; otherwise the body is counted as it arrives (a missing or
-    lying length, chunked transfer encoding) and refused the moment the count passes the limit, so at most
-    ``limit_bytes`` of it are ever held and the rest is never read. Written by hand: uvicorn bounds no body,
-    and Starlette's ``RequestBodyLimitMiddleware`` is newer than the Starlette that ``fastapi>=0.110`` allows
-    and answers in plain text, where an OpenAI client expects its error shape.
-    """
-
-    def __init__(self, app: Callable[..., Awaitable[None]], limit_bytes: int) -> None:
-        self.app, self.limit_bytes = app, limit_bytes
-
-    def too_large(self) -> JSONResponse:
-        mib = self.limit_bytes / (1 << 20)
-        return APIError(413, f"the request body is over this server's limit of {mib:g} MiB; send fewer or smaller "
-                             "images, or start the server with a larger --max-request-mb",
-                        code="request_too_large").response()
-
-    async def __call__(self, scope: ASGIMessage, receive: Callable[[], Awaitable[ASGIMessage]],
-                       send: Callable[[ASGIMessage], Awaitable[None]]) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit_bytes:
-            await self.too_large()(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size, more = 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":  # the client went away: nothing to answer
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit_bytes:
-                await self.too_large()(scope, receive, send)
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        body, replayed = b"".join(chunks), False
-
-        async def replay() -> ASGIMessage:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: the disconnect, when the client goes
-
-        await self.app(scope, replay, send)
+def request_too_large(limit_bytes: int) -> JSONResponse:
+    """The 413 of a request body over ``limit_bytes``, in OpenAI's error shape, saying what to do."""
+    return APIError(413, f"the request body is over this server's limit of {limit_bytes / (1 << 20):g} MiB; send "
+                         "fewer or smaller images, or start the server with a larger --max-request-mb",
+                    code="request_too_large").response()
 
 
 # --------------------------------------------------------------------------- batching
@@ -846,7 +798,8 @@ def create_app(
     app.state.batcher = batcher
     app.state.model_name = model_name
     # Added before the key check, so that it runs inside it: a request without the key is refused unread.
-    app.add_middleware(RequestSizeLimit, limit_bytes=int(max_request_mb * (1 << 20)))
+    limit_bytes = int(max_request_mb * (1 << 20))
+    app.add_middleware(BodyLimit, limit=limit_bytes, too_large=lambda: request_too_large(limit_bytes))
 
     if token is not None:
         @app.middleware("http")
@@ -1012,8 +965,6 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: st
     """
     import uvicorn
     from PIL import Image
-
-    from turnrl.envservice.server import is_loopback
 
     # Pillow's own bomb check (a warning past the limit, an error past twice it) agrees with the server's, for
     # images opened anywhere in this process.
