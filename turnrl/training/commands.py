@@ -207,7 +207,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         # config.yaml then says how many processes a resume needs (`turnrl train resume=RUN_DIR` starts them).
         config.distributed.nproc_per_node = ranks.launched_world()
         if ranks.launched_rank() >= trainers:
-            from turnrl.training.backends.pool import serve_rollouts
+            from turnrl.training.backends.pool_protocol import serve_rollouts
 
             serve_rollouts(config, device)  # until trainer 0 says stop
             return {}
