@@ -81,7 +81,8 @@ def ensure_ray(address: str | None = None) -> Any:
 
 # --------------------------------------------------------------------------- inside the worker
 class EnvHost:
-    """The body of an env worker: envs of one id and settings, by index, built on first use.
+    """The body of an env worker: envs of one id and settings, by index, each built on its first use (the first
+    one when the worker starts: :meth:`start`).
 
     Plain Python (Ray wraps it in an actor), so its behaviour is the same in a test without Ray.
     An env that raises in ``reset`` or ``step`` is dropped (closed), and built afresh at its next use.
