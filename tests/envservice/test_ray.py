@@ -224,3 +224,15 @@ def test_a_worker_closes_an_env_where_it_offers_close():
     bare.reset(0, 0, None, ())
     bare.close(0)  # an env without close(): forgotten, no error
     assert bare.size() == 0
+
+
+def test_a_started_worker_builds_its_first_env_once_and_gives_it_to_the_first_index():
+    host = EnvHost("tests.envs.toy_envs:CorridorWithExtras", {})
+    assert host.start() == 0 and host.spare is not None
+    built = host.spare
+    host.start()  # a second start builds nothing more
+    assert host.spare is built
+    host.reset(3, 0, None, ())
+    assert host.envs[3] is built and host.spare is None
+    host.reset(4, 0, None, ())
+    assert host.envs[4] is not built  # the next index builds its own
