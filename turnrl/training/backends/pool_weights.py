@@ -4,7 +4,6 @@ adapters merged), how they are staged and sent (:class:`PoolCopy`) and how the p
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import cast
@@ -19,7 +18,7 @@ from turnrl.config import ConfigError
 from turnrl.engine.weights import WeightsChecksum, model_checksum
 from turnrl.training.backends.backend import WeightsVersion
 from turnrl.training.backends.pool_protocol import ProcessPool, TensorSpec
-from turnrl.training.backends.weights_check import WeightsCheck
+from turnrl.training.backends.weights_check import ExpectedWeights, WeightsCheck
 
 
 # --------------------------------------------------------------------------- the trainer's weights, as sent
@@ -192,37 +191,30 @@ class PoolWeights:
         self.pool = pool
         self.dtype = dtype
         self.checks: dict[int, WeightsCheck] = {}
-        self._expected: dict[int, tuple[WeightsVersion, WeightsChecksum]] = {}
-        self._seconds = 0.0
-        self._lock = threading.Lock()
+        self.expected: ExpectedWeights[WeightsChecksum] = ExpectedWeights()
 
     def expect(self, model: torch.nn.Module, version: WeightsVersion) -> None:
         start = time.perf_counter()
         trainer = model_checksum(model, self.dtype)
-        with self._lock:
-            if self.pool is not None:
-                self._expected[version.steps] = (version, trainer)
-            self._seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if self.pool is not None:
+            self.expected.note(version, trainer, seconds)
+        else:
+            self.expected.add_seconds(seconds)
 
     def take(self, steps: int | None = None) -> None:
         if self.pool is None:
             return
-        with self._lock:
-            newer = [s for s in self._expected if steps is None or s <= steps]
-            if not newer:
-                return
-            version, trainer = self._expected[steps if steps in self._expected else max(newer)]
-            for s in newer:
-                del self._expected[s]
+        taken = self.expected.take(steps)
+        if taken is None:
+            return
+        version, trainer = taken
         start = time.perf_counter()
         for j, rollout in self.pool.checksums.items():
             if rollout is not None:
                 check = self.checks.setdefault(j, WeightsCheck(f"pool (rollout process {self.pool._name(j)})"))
                 check.verify(version, trainer, rollout)
-        with self._lock:
-            self._seconds += time.perf_counter() - start
+        self.expected.add_seconds(time.perf_counter() - start)
 
     def metrics(self) -> dict[str, float]:
-        with self._lock:
-            seconds, self._seconds = self._seconds, 0.0
-        return {"timing/weights_check_s": seconds} if seconds else {}
+        return self.expected.metrics()

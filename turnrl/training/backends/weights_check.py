@@ -21,12 +21,16 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
 from turnrl.engine.weights import WeightsChecksum, model_checksum
 from turnrl.policy.interface import Policy
 from turnrl.training.backends.backend import WeightsVersion
+
+Trainer = TypeVar("Trainer")
+"""What a check needs of the trainer's side of a version (its checksum, or its model)."""
 
 
 class WeightsSyncError(RuntimeError):
@@ -74,6 +78,46 @@ class WeightsCheck:
         self.last = CheckedWeights(version, trainer, rollout)
 
 
+class ExpectedWeights(Generic[Trainer]):
+    """The trainer's weight versions noted for a rollout side and not taken yet, by ``steps``, each with what its
+    check needs of the trainer (its checksum, or its model until the rollout's dtype is known), and the seconds
+    the checks took. Thread-safe: the asynchronous backends note on the trainer's thread and take on their
+    rollout thread."""
+
+    def __init__(self) -> None:
+        self._expected: dict[int, tuple[WeightsVersion, Trainer]] = {}
+        self._seconds = 0.0
+        self._lock = threading.Lock()
+
+    def note(self, version: WeightsVersion, trainer: Trainer, seconds: float) -> None:
+        """``version`` is the trainer's now (``seconds``: what computing ``trainer`` took)."""
+        with self._lock:
+            self._expected[version.steps] = (version, trainer)
+            self._seconds += seconds
+
+    def take(self, steps: int | None) -> tuple[WeightsVersion, Trainer] | None:
+        """The version the rollout holds once it took the weights of ``steps`` (None: the latest noted), and
+        every noted version up to it forgotten; None when none was noted since the last take."""
+        with self._lock:
+            newer = [s for s in self._expected if steps is None or s <= steps]
+            if not newer:
+                return None
+            taken = self._expected[steps if steps in self._expected else max(newer)]
+            for s in newer:
+                del self._expected[s]
+            return taken
+
+    def add_seconds(self, seconds: float) -> None:
+        with self._lock:
+            self._seconds += seconds
+
+    def metrics(self) -> dict[str, float]:
+        """``timing/weights_check_s``: the checks' seconds since the last call (empty if none ran)."""
+        with self._lock:
+            seconds, self._seconds = self._seconds, 0.0
+        return {"timing/weights_check_s": seconds} if seconds else {}
+
+
 class PolicyWeights:
     """The rollout side of a backend whose rollout is a :class:`~turnrl.policy.interface.Policy` of this process:
     it notes the trainer's weights (:meth:`expect`), and once the policy has them (:meth:`take`), stamps their
@@ -94,19 +138,15 @@ class PolicyWeights:
         self.check = WeightsCheck(backend)
         self.dtype: torch.dtype | None = None
         """The rollout's compute dtype, from its first checksum: the trainer's side is cast to it."""
-        self._expected: dict[int, tuple[WeightsVersion, WeightsChecksum | torch.nn.Module]] = {}
-        """By ``steps``: the versions noted and not taken yet, with the trainer's checksum (or its model, before the
-        first take)."""
-        self._seconds = 0.0
-        self._lock = threading.Lock()
+        self.expected: ExpectedWeights[WeightsChecksum | torch.nn.Module] = ExpectedWeights()
+        """The versions noted and not taken yet, with the trainer's checksum (or its model, before the first
+        take)."""
 
     def expect(self, model: torch.nn.Module, version: WeightsVersion) -> None:
         """The trainer holds ``version`` in ``model``: the rollout takes it next (its checksum computed now)."""
         start = time.perf_counter()
         trainer: WeightsChecksum | torch.nn.Module = model if self.dtype is None else model_checksum(model, self.dtype)
-        with self._lock:
-            self._expected[version.steps] = (version, trainer)
-            self._seconds += time.perf_counter() - start
+        self.expected.note(version, trainer, time.perf_counter() - start)
 
     def take(self, steps: int | None = None) -> None:
         """The policy holds the weights of ``steps`` now (None: the latest noted); stamp and check them.
@@ -117,14 +157,10 @@ class PolicyWeights:
         Raises:
             WeightsSyncError: the policy's weights are not the trainer's.
         """
-        with self._lock:
-            newer = [s for s in self._expected if (steps is None or s <= steps)]
-            if not newer:
-                return
-            chosen = steps if steps in self._expected else max(newer)
-            version, trainer = self._expected[chosen]
-            for s in newer:
-                del self._expected[s]
+        taken = self.expected.take(steps)
+        if taken is None:
+            return
+        version, trainer = taken
         start = time.perf_counter()
         self.policy.weights_version = version.updates
         rollout = self.policy.weights_checksum()
@@ -133,11 +169,8 @@ class PolicyWeights:
             if isinstance(trainer, torch.nn.Module):
                 trainer = model_checksum(trainer, rollout.dtype)
             self.check.verify(version, trainer, rollout)
-        with self._lock:
-            self._seconds += time.perf_counter() - start
+        self.expected.add_seconds(time.perf_counter() - start)
 
     def metrics(self) -> dict[str, float]:
         """``timing/weights_check_s``: the checks' seconds since the last call (empty if none ran)."""
-        with self._lock:
-            seconds, self._seconds = self._seconds, 0.0
-        return {"timing/weights_check_s": seconds} if seconds else {}
+        return self.expected.metrics()
