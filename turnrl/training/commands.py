@@ -188,8 +188,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     start = ranks.command_start()
     distributed = ranks.launched_by_torchrun()
     pool = config.distributed.rollout_processes
-    if distributed and config.distributed.backend == "ray" or \
-            distributed and config.distributed.async_rollout and not pool:
+    one_process_only = config.distributed.backend == "ray" or (config.distributed.async_rollout and not pool)
+    if distributed and one_process_only:
         raise ConfigError("several processes under torchrun train with FSDP; distributed.async_rollout (without "
                           "distributed.rollout_processes) and distributed.backend=ray run in one process: start "
                           "them without torchrun")
