@@ -221,6 +221,28 @@ def test_a_model_on_meta_is_the_loaded_model_without_its_weights(fixture, reques
         assert torch.equal(buffer, buffers[name]), name
 
 
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_vlm_dir"])
+def test_parameters_cast_alone_compute_what_the_model_loaded_in_that_dtype_computes(fixture, request):
+    """The reference a run makes from its actor and a sharded trainer's rollout copy: parameters in bf16,
+    buffers (the text and vision rotary frequencies) float32 as ``from_pretrained`` keeps them. ``Module.to``
+    rounds the frequencies too, and 3,000 positions in its logits are another model's."""
+    path = request.getfixturevalue(fixture)
+    loaded = loading.load_model(path, dtype=torch.bfloat16).eval()
+    cast = loading.cast_parameters(loading.load_model(path).eval(), torch.bfloat16)
+    assert {n: b.dtype for n, b in cast.named_buffers()} == {n: b.dtype for n, b in loaded.named_buffers()}
+    assert any(buffer.dtype == torch.float32 for buffer in cast.buffers())
+    assert all(p.dtype == torch.bfloat16 for p in cast.parameters())
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    positions = torch.arange(3000, 3006)[None]
+    if fixture == "tiny_vlm_dir":  # M-RoPE: three rows of positions
+        positions = positions.expand(3, 1, -1)
+    with torch.no_grad():
+        expected = loaded(input_ids=ids, position_ids=positions).logits
+        torch.testing.assert_close(cast(input_ids=ids, position_ids=positions).logits, expected, rtol=0, atol=0)
+        rounded = loading.load_model(path).eval().to(torch.bfloat16)
+        assert not torch.equal(rounded(input_ids=ids, position_ids=positions).logits, expected)
+
+
 @pytest.mark.parametrize(("fixture", "checkpointing"),
                          [("tiny_model_dir", False), ("tiny_model_dir", True), ("tiny_vlm_dir", False)])
 def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, checkpointing, request):

@@ -213,6 +213,23 @@ def test_critic_warmup_leaves_the_actor_untouched(tiny_model_dir, builtin_dir, t
     assert all("losses/policy" not in r and r["losses/value"] > 0 for r in steps.values())
 
 
+def test_a_bf16_runs_reference_computes_what_its_resume_loads(tiny_model_dir, tmp_path):
+    """The reference is the actor's copy in the compute dtype, saved with the run and loaded on a resume: the
+    copy keeps the rotary frequencies in float32 as the loaded one does, so both score each token alike,
+    thousands of positions in."""
+    trainer = Trainer(config(tiny_model_dir, tmp_path, "algorithm.kl_coef=0.1", "model.dtype=bfloat16"))
+    try:
+        reference = trainer.reference
+        assert reference is not None
+        loaded = AutoModelForCausalLM.from_pretrained(trainer.run_dir / "reference", dtype=torch.bfloat16).eval()
+        ids, positions = torch.tensor([[1, 5, 9, 13, 2, 7]]), torch.arange(3000, 3006)[None]
+        with torch.no_grad():
+            torch.testing.assert_close(reference(input_ids=ids, position_ids=positions).logits,
+                                       loaded(input_ids=ids, position_ids=positions).logits, rtol=0, atol=0)
+    finally:
+        trainer.close()
+
+
 # --------------------------------------------------------------------------- LoRA
 def test_lora_trains_adapters_against_the_adapters_off_reference(tiny_model_dir, tmp_path):
     train(config(tiny_model_dir, tmp_path, "lora.enabled=true", "lora.r=4", "lora.alpha=8",

@@ -177,6 +177,21 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: tor
     return model.to(device)
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(dtype)`` for its parameters alone, in place; its buffers keep their dtype, as
+    ``from_pretrained(dtype=...)`` leaves them: the rotary frequencies stay float32.
+
+    Cast to bf16 (8 bits of mantissa) a frequency is off by up to 0.4%, so the angle ``position x frequency`` is
+    off by radians a few thousand positions in: the model would not compute what the same weights loaded by
+    ``from_pretrained`` compute (its rollout copy or reference would disagree with the actor)."""
+    buffers = dict(model.named_buffers())
+    model.to(dtype)
+    for name, value in buffers.items():
+        owner, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, value)
+    return model
+
+
 def model_structure(auto: Any, path: Path | str, dtype: torch.dtype = torch.float32,
                     attention: str | None = None) -> Any:
     """The model that ``auto`` (a transformers auto class) builds for the checkpoint at ``path``, from its config

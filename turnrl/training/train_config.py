@@ -590,13 +590,14 @@ class TrainConfig:
         self.collapse.validate()
         self._validate_collapse()
         staleness, algo = self.distributed.max_staleness, self.algorithm
-        missing = [key for key, ok in (("algorithm.old_logprobs=recompute", algo.old_logprobs == "recompute"),
-                                       ("algorithm.tis_cap=2.0", algo.tis_cap is not None)) if not ok]
-        if self.distributed.async_rollout and staleness > 0 and missing:
+        if (self.distributed.async_rollout and staleness > 0 and algo.old_logprobs == "recompute"
+                and algo.tis_cap is None):
             raise ConfigError(
                 f"distributed.async_rollout with distributed.max_staleness={staleness} samples with weights up to "
-                f"{staleness} update(s) old, and the loss corrects for that with truncated importance weights: set "
-                f"{' '.join(missing)} (or distributed.max_staleness=0 for the synchronous algorithm)")
+                f"{staleness} update(s) old; with recomputed old log-probs the loss corrects for that with "
+                "truncated importance weights: set algorithm.tis_cap=2.0 (or algorithm.old_logprobs=sampler, PPO's "
+                "ratio taken against the sampling weights themselves, or distributed.max_staleness=0 for the "
+                "synchronous algorithm)")
         if self.distributed.partial_rollouts and not self.agent.wait_for_turns:
             raise ConfigError("distributed.partial_rollouts takes new weights between rounds of turns, when no "
                               "sequence is generating; agent.wait_for_turns=false has no rounds: set it to true")

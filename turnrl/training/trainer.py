@@ -52,6 +52,7 @@ from turnrl.envservice.placement import env_factory
 from turnrl.models.devices import resolve_dtype
 from turnrl.models.loading import (
     base_model_path,
+    cast_parameters,
     compile_layer_parts,
     enable_checkpointing,
     freeze_vision_tower,
@@ -578,7 +579,7 @@ class Trainer:
             # saved with the run (a resumed run reads it back).
             reference_path = self.run_dir / "reference"
             if self.checkpoint is None:
-                reference: Any = copy.deepcopy(self.actor).to(self.dtype)
+                reference: Any = cast_parameters(copy.deepcopy(self.actor), self.dtype)
                 if self.parallel.rank == 0:
                     reference.save_pretrained(reference_path)
                 self.reference = reference

@@ -96,6 +96,21 @@ def test_staleness_one_overlaps_and_corrects_with_importance_weights(tiny_model_
     trainer.close()  # twice is fine
 
 
+def test_staleness_one_with_sampler_log_probs_takes_the_ratio_against_the_sampling_weights(tiny_model_dir, tmp_path):
+    """Without a recompute pass PPO's old log-probs are the sampler's: a batch sampled one update back starts its
+    update already off the ratio's centre, where the recomputed ones start at it."""
+    runs = {}
+    for mode, settings in (("recompute", TIS), ("sampler", ["algorithm.old_logprobs=sampler"])):
+        trainer = Trainer(async_config(tiny_model_dir, tmp_path, 1, *settings, name=mode))
+        runs[mode] = [output.metrics for output in run_steps(trainer, 2)]
+    assert [m["async/staleness"] for m in runs["sampler"]] == [0, 1]
+    assert "actor/tis_weight_mean" not in runs["sampler"][1]
+    # Step 0 is the same on-policy batch and update in both; step 1 trains the same batch, sampled with weights 0.
+    assert runs["sampler"][0]["actor/approx_kl"] == pytest.approx(runs["recompute"][0]["actor/approx_kl"], abs=1e-6)
+    # One mini-batch a step: the recomputed old log-probs are the update's own, the sampler's one update older.
+    assert runs["recompute"][1]["actor/approx_kl"] < 1e-6 < 1e-3 < runs["sampler"][1]["actor/approx_kl"]
+
+
 def test_a_failure_in_the_rollout_thread_surfaces_in_step(tiny_model_dir, tmp_path):
     trainer = Trainer(async_config(tiny_model_dir, tmp_path, 0))
 
@@ -125,11 +140,10 @@ def test_steps_run_in_order_and_not_past_run_steps(tiny_model_dir, tmp_path):
 
 def test_stale_weights_need_truncated_importance_weights(tmp_path):
     settings = ["distributed.async_rollout=true", "distributed.max_staleness=2"]
-    with pytest.raises(ConfigError, match="algorithm.old_logprobs=recompute algorithm.tis_cap=2.0"):
-        config(tmp_path, tmp_path, *settings)
-    with pytest.raises(ConfigError, match=r"set algorithm.tis_cap=2.0 \(or distributed.max_staleness=0"):
+    with pytest.raises(ConfigError, match=r"set algorithm.tis_cap=2.0 \(or algorithm.old_logprobs=sampler"):
         config(tmp_path, tmp_path, *settings, "algorithm.old_logprobs=recompute")
     config(tmp_path, tmp_path, *settings, *TIS)
+    config(tmp_path, tmp_path, *settings, "algorithm.old_logprobs=sampler")
     config(tmp_path, tmp_path, "distributed.async_rollout=true", "distributed.max_staleness=0")
 
 

@@ -81,8 +81,8 @@ def test_packed_micro_batches_fit_the_token_budget_and_balance_the_processes(n, 
 # --------------------------------------------------------------------------- the rollout copy
 def test_a_copy_allocated_from_the_structure_and_filled_is_the_model(tiny_model_dir):
     """The rollout copy a sharded trainer makes: the actor's structure (no parameter memory), allocated in the
-    compute dtype, filled parameter by parameter; its LM head stays tied and its rotary buffers are the
-    model's, so it computes what the model does."""
+    compute dtype, filled parameter by parameter; its LM head stays tied and its rotary frequencies stay the
+    model's float32 ones, so it computes what the model loaded in that dtype does, thousands of positions in."""
     model = load_model(tiny_model_dir).eval()
     structure = structure_of(model)
     assert all(p.is_meta for p in structure.parameters()) and not any(p.is_meta for p in model.parameters())
@@ -91,14 +91,14 @@ def test_a_copy_allocated_from_the_structure_and_filled_is_the_model(tiny_model_
     assert copied.lm_head.weight is copied.model.embed_tokens.weight
     assert all(p.dtype == torch.bfloat16 for p in copied.parameters())
     for name, buffer in model.named_buffers():
-        assert torch.equal(dict(copied.named_buffers())[name], buffer.to(torch.bfloat16)), name
+        assert torch.equal(dict(copied.named_buffers())[name], buffer), name
     ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    positions = torch.arange(3000, 3006)[None]
     with torch.no_grad():
-        expected = model.to(torch.bfloat16)(input_ids=ids).logits
-        torch.testing.assert_close(copied(input_ids=ids).logits, expected, rtol=0, atol=0)
+        expected = load_model(tiny_model_dir, dtype=torch.bfloat16)(input_ids=ids, position_ids=positions).logits
+        torch.testing.assert_close(copied(input_ids=ids, position_ids=positions).logits, expected, rtol=0, atol=0)
 
 
-# --------------------------------------------------------------------------- whole runs
 def test_two_processes_train_as_one(tiny_model_dir, tmp_path, single):
     """Two gloo processes (started by ``distributed.nproc_per_node``) and one process: the same advantages,
     losses, gradient norms and weights after two PPO steps; the checkpoint is a transformers model."""

@@ -43,6 +43,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from turnrl.config import ConfigError
+from turnrl.models.loading import cast_parameters
 from turnrl.training import ranks
 from turnrl.training.checkpoint import prune_checkpoints, save_checkpoint, unique_tmp_name
 from turnrl.training.head import ScoringHead
@@ -160,9 +161,10 @@ def to_empty(model: torch.nn.Module, device: torch.device, buffer_device: torch.
 
 def allocate(structure: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """``structure`` (parameters on ``meta``, see :func:`structure_of`) with its parameters allocated on
-    ``device`` in ``dtype`` and not initialized, its buffers kept (cast to ``dtype`` as ``Module.to`` does); in
-    place. :func:`copy_full_weights` with ``every_parameter`` fills it."""
-    to_empty(structure.to(dtype), device, device)
+    ``device`` in ``dtype`` and not initialized, its buffers kept in their own dtype (the rotary frequencies in
+    float32: :func:`~turnrl.models.loading.cast_parameters`); in place. :func:`copy_full_weights` with
+    ``every_parameter`` fills it."""
+    to_empty(cast_parameters(structure, dtype), device, device)
     return structure
 
 
