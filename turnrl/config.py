@@ -321,8 +321,8 @@ class ModelConfig:
     encode_images_once: bool = True
     """VLMs with a frozen vision encoder: encode each image of an RL step once and give its features to every
     pass of the step (logprob check, reference, values, PPO epochs; see turnrl/training/image_features.py);
-    false encodes them again in every pass. A trained encoder, and a run of several processes (FSDP), always
-    encode in every pass."""
+    false encodes them again in every pass. A trained encoder always encodes in every pass. Under FSDP each
+    process holds a frozen encoder whole and keeps its own rows' features."""
     min_pixels: Optional[int] = None
     """VLMs: the fewest pixels an image is resized to (Qwen-VL: multiples of 28 x 28); None keeps the model's."""
     max_pixels: Optional[int] = None

@@ -151,6 +151,21 @@ def test_value_loss_by_hand():
     close(loss, 0.5 * 2.0**2)
 
 
+def test_values_within_the_clip_range_are_never_counted_as_clipped():
+    """Inside the range the clipped prediction ``old + (values - old)`` is the prediction up to rounding; the
+    loss and the clip share are the unclipped ones exactly, whatever the rounding does."""
+    gen = torch.Generator().manual_seed(0)
+    old = torch.randn(64, 32, generator=gen)
+    values = (old + 0.3 * torch.rand(64, 32, generator=gen) - 0.15).requires_grad_()
+    returns = torch.randn(64, 32, generator=gen)
+    mask = torch.ones(64, 32)
+    rounded = old + (values.detach() - old) != values.detach()
+    assert rounded.any()  # the case the check is for
+    loss, stats = value_loss(values, old, returns, mask, clip=0.2)
+    assert float(stats.clip_frac) == 0.0
+    assert float(loss) == float(0.5 * ((values - returns) ** 2).mean())
+
+
 # --- KL ---------------------------------------------------------------------
 
 

@@ -316,6 +316,22 @@ def _vlm_counts(tmp_path: Path, tokenizer, preset: str = "vlm-0.5b"):
     return count_model(_saved_config(tmp_path / preset, vlm_config(preset, tokenizer)))
 
 
+def test_under_fsdp_each_process_holds_the_frozen_towers_whole(tmp_path, tokenizer):
+    """VAGEN-Full's PPO with a critic and a reference: each model's frozen tower counts whole, in bf16, on every
+    process; the rest of its weights are divided among the processes; one process holds everything."""
+    counts = _vlm_counts(tmp_path, tokenizer)
+    tower = counts.frozen_tower
+    assert 0 < tower == counts.total - counts.trained
+    config = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", ["algorithm.kl_coef=0.01"])
+    four = estimate_memory(config, counts, 4, H200).parts
+    assert four["actor"] == pytest.approx(16 * counts.trained / 4 + 2 * tower)
+    critic_trained = counts.total - counts.head + counts.hidden - tower
+    assert four["critic"] == pytest.approx(16 * critic_trained / 4 + 2 * tower)
+    assert four["reference"] == pytest.approx(2 * (counts.total - tower) / 4 + 2 * tower)
+    one = estimate_memory(config, counts, 1, H200).parts
+    assert one["actor"] == 16 * counts.trained + 4 * tower and one["reference"] == 2 * counts.total
+
+
 def test_sft_holds_the_whole_model_s_states_one_micro_batch_and_the_weight_casts(tmp_path, tokenizer):
     counts = _vlm_counts(tmp_path, tokenizer)
     config = load_config(TrainConfig, "configs/vagen_full_frozenlake.yaml", ["model.builtin_preset=vlm-0.5b"])

@@ -312,8 +312,10 @@ def value_loss(
     if clip is not None:
         v_clip = old_values + (values - old_values).clamp(-clip, clip)
         err_clip = (v_clip - returns) ** 2
-        clip_active = err_clip > err
-        loss = torch.maximum(err, err_clip)
+        # Within the range v_clip is the prediction itself, but ``old + (values - old)`` rounds: compared as
+        # floats, a random share of unclipped tokens would count as clipped (and move the loss by an ulp).
+        clip_active = ((values - old_values).abs() > clip) & (err_clip > err)
+        loss = torch.where(clip_active, err_clip, err)
     with torch.no_grad():
         stats = ValueLossStats(_masked_mean(clip_active, loss_mask), _masked_mean(err, loss_mask))
     return aggregate(0.5 * loss, loss_mask, aggregation), stats

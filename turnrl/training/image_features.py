@@ -22,9 +22,10 @@ from the store, in the form the tower returns them. The store is kept in host me
 VisGym recipe's size are gigabytes with Qwen3-VL's deepstack levels, which no memory estimate counts); a pass
 moves its own images' features to the device, a small copy beside the tower's work it saves.
 
-One process only: under FSDP each vision block is its own unit whose forward gathers its weights in a
-collective, so a process whose pass finds every image stored would skip collectives that the others run. The
-trainer uses a store only when it runs in one process.
+Under FSDP too: a frozen tower is held whole by every process, not sharded
+(:func:`~turnrl.training.parallel.fsdp2.shard_model`), so its forward runs no collective and a process whose pass
+finds every image stored skips it while the others encode. Each process keeps the features of the images its own
+rows show.
 
 Which copy of the tower encodes an image: that of the first pass that meets it (the actor's logprob check,
 else the reference's or the critic's pass). They are frozen copies of the same weights: the features differ

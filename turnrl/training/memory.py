@@ -6,8 +6,9 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
 
     actor, critic     float32 weights, gradients and AdamW's two moments (16 bytes a trained parameter,
                       4 a frozen one), divided among the processes under FSDP, on the host with
-                      ``distributed.cpu_offload``
-    reference         the compute dtype (2 bytes a parameter), sharded likewise
+                      ``distributed.cpu_offload``; under FSDP a frozen vision tower whole on every process,
+                      in bf16 (2 bytes a parameter), offloaded or not
+    reference         the compute dtype (2 bytes a parameter), sharded likewise (its tower whole)
     rollout weights   the engine's bf16 weights: under FSDP an unsharded copy of the actor plus the engine's
                       stacked q/k/v and gate/up buffers; in one process the engine's bf16 buffers of the
                       float32 actor (the ``hf`` backend reads the actor itself)
@@ -87,6 +88,8 @@ class ModelCounts:
     key_width: int = 0
     """The decoder's key projections' outputs summed over its layers (key heads x head size x layers): a
     token's cached keys, and as many values; 0 for a model without ``k_proj`` layers."""
+    frozen_tower: int = 0
+    """Parameters of the vision tower when it is not trained: under FSDP each process holds it whole, in bf16."""
 
 
 ROLLOUT_ONLY = ("rollout weights", "key/value cache")
@@ -254,7 +257,7 @@ def count_model(path: Path | str, *, lora_rank: int = 0, lora_targets: str = "al
     trained = adapters if lora_rank > 0 else total - frozen_tower
     return ModelCounts(total=total, trained=trained, stacked=stacked, head=head, layers=text.num_hidden_layers,
                        hidden=text.hidden_size, intermediate=text.intermediate_size, vocab=text.vocab_size,
-                       key_width=key_width)
+                       key_width=key_width, frozen_tower=frozen_tower)
 
 
 def count_recipe_model(config: TrainConfig, path: Path | str | None = None) -> ModelCounts:
@@ -344,15 +347,18 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     offload = sharded and config.distributed.cpu_offload
     lora = config.lora.enabled
     parts: dict[str, float] = {}
-    parts["actor"] = _training_states(counts.trained, counts.total - counts.trained, processes, offload)
+    tower = counts.frozen_tower if sharded else 0  # whole on each process, in bf16, even offloaded
+    parts["actor"] = _training_states(counts.trained, counts.total - counts.trained - tower, processes, offload) \
+        + 2 * tower
     trained = counts.trained
     critic_total = counts.total - counts.head + counts.hidden  # a value head in place of the LM head
     if config.algorithm.uses_critic:
         critic_trained = counts.trained if lora else critic_total - (counts.total - counts.trained)
-        parts["critic"] = _training_states(critic_trained, critic_total - critic_trained, processes, offload)
+        parts["critic"] = _training_states(critic_trained, critic_total - critic_trained - tower, processes,
+                                           offload) + 2 * tower
         trained += critic_trained
     if config.algorithm.kl_coef > 0 and not lora:
-        parts["reference"] = 0.0 if offload else 2 * counts.total / processes
+        parts["reference"] = (0.0 if offload else 2 * (counts.total - tower) / processes) + 2 * tower
     engine = config.model.backend != "hf"
     if sharded:
         stacked = 2 * counts.stacked if engine and config.model.engine.fuse_projections else 0

@@ -450,8 +450,8 @@ class DistributedConfig:
     0 keeps them here. Works with every backend."""
     async_rollout: bool = False
     """Roll out the next batches with the previous weights while the trainer updates (one process, the
-    rollout on ``rollout_device``; or on ``rollout_processes``); the loss corrects the lag with truncated
-    importance weights."""
+    rollout on ``rollout_device``; or on ``rollout_processes``); the loss corrects the lag (recomputed old
+    log-probs with ``algorithm.tis_cap``, or PPO's ratio against the sampler: docs/distributed.md)."""
     max_staleness: int = 1
     """``async_rollout``: how many updates a batch's weights may lag behind; 0 is the synchronous algorithm."""
     rollout_device: Optional[str] = None

@@ -269,11 +269,12 @@ def make_batch(trajectories: list[Trajectory], keep: list[int], sample_mode: str
     return collate(make_samples([trajectories[i] for i in keep], keep), pad_id).to(device)
 
 
-def encodes_images_once(config: TrainConfig, processes: int, batch: Batch) -> bool:
+def encodes_images_once(config: TrainConfig, batch: Batch) -> bool:
     """Whether a step's passes share one store of image features (:mod:`~turnrl.training.image_features`): a
-    batch with images, a frozen tower, ``model.encode_images_once``, and one process (under FSDP a process
-    that found every image stored would skip the tower's collectives)."""
-    return (config.model.encode_images_once and not config.model.train_vision and processes == 1
+    batch with images, a frozen tower and ``model.encode_images_once`` (under FSDP a frozen tower is held whole
+    by every process, so a process that finds its images stored skips no collective:
+    :func:`~turnrl.training.parallel.fsdp2.shard_model`)."""
+    return (config.model.encode_images_once and not config.model.train_vision
             and "pixel_values" in batch.model_inputs)
 
 
@@ -797,7 +798,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(step_seed(config.seeds.seed, step))
         # 3. samples -> padded batch
         batch = make_batch(rollout.trajectories, keep, algo.sample_mode, self.tokenizer.pad_token_id, self.device)
-        if encodes_images_once(config, self.parallel.world_size, batch):
+        if encodes_images_once(config, batch):
             batch = batch.with_image_features()
         metrics["batch/samples"] = float(len(batch))
         metrics["batch/trained_tokens"] = float(batch.loss_mask.sum())
@@ -869,9 +870,11 @@ class Trainer:
         utilization = mfu(flops, update_s, self.peak_flops, self.parallel.world_size)
         if utilization is not None:
             metrics["throughput/update_mfu"] = utilization
-        if batch.image_features is not None:  # one process (see encodes_images_once)
-            metrics["vision/images_encoded"] = float(batch.image_features.encoded)
-            metrics["vision/images_reused"] = float(batch.image_features.served)
+        if batch.image_features is not None:  # each process's own store, summed over the processes
+            counts = {"vision/images_encoded": float(batch.image_features.encoded),
+                      "vision/images_reused": float(batch.image_features.served)}
+            shard = self.parallel.shard()
+            metrics.update(shard.reduce(counts) if shard is not None else counts)
         metrics["actor/lr"] = float(self.actor_scheduler.get_last_lr()[0])
         update_peak = phase_peak_gib(self.device)
         if update_peak is not None and scores_peak is not None:

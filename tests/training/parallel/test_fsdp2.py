@@ -126,6 +126,72 @@ def test_two_processes_train_as_one(tiny_model_dir, tmp_path, single):
     assert critic.keys() == load_file(single / "checkpoints" / "step_000002" / "critic" / "model.safetensors").keys()
 
 
+def test_two_processes_train_a_vlm_as_one_with_its_frozen_tower_whole_and_its_images_encoded_once(
+        tiny_vlm_dir, tmp_path):
+    """A VLM on image observations, with a critic and a reference (three frozen towers): under FSDP each process
+    holds the frozen towers whole, so the step's image features are stored per process and every pass after the
+    first reads them; the run equals one process's, which stores them too. The towers' weights are those of the
+    start in the checkpoint (never trained)."""
+    vlm = ("env.settings.mode=image", "algorithm.kl_coef=0.05", "run.steps=2")
+    single = train_in_process(tiny_vlm_dir, tmp_path, "single", *vlm)
+    double = run_train(tiny_vlm_dir, tmp_path, "double", *vlm, "distributed.nproc_per_node=2")
+    assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
+    one, two = step_records(single), step_records(tmp_path / "double")
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+        # Each process stores its own rows' images: more encodings than one process makes, never fewer.
+        assert two[step]["vision/images_reused"] > 0
+        assert two[step]["vision/images_encoded"] >= one[step]["vision/images_encoded"] > 0
+    assert one[2]["actor/grad_norm"] > 0 and one[2]["critic/grad_norm"] > 0
+    start = {k: v for k, v in load_file(tiny_vlm_dir / "model.safetensors").items() if "visual" in k}
+    saved = load_file(tmp_path / "double" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
+    tower = {k: v for k, v in saved.items() if "visual" in k}
+    assert tower.keys() == start.keys() and all(torch.equal(tower[k], start[k]) for k in start)
+
+
+SHARDED_VLM = """
+import sys, torch
+from pathlib import Path
+from torch.distributed.tensor import DTensor
+from turnrl.models.loading import load_model, vision_tower
+from turnrl.training import ranks
+from turnrl.training.head import install_scoring_head
+from turnrl.training.parallel.fsdp2 import shard_model, structure_of
+
+ranks.init_process_group("cpu", timeout_s=120)
+for trained in (False, True):
+    model = load_model(sys.argv[1])
+    install_scoring_head(model, None)
+    vision_tower(model).requires_grad_(trained)
+    sharded = structure_of(model)
+    shard_model(sharded, torch.bfloat16, model.state_dict() if ranks.is_main() else {})
+    tower = dict(vision_tower(sharded).named_parameters())
+    start = dict(vision_tower(model).named_parameters())
+    if trained:  # a trained tower is sharded as the decoder is
+        assert all(isinstance(p, DTensor) for p in tower.values())
+    else:  # frozen: whole on every process, in the compute dtype; its rotary frequencies float32
+        assert not any(isinstance(p, DTensor) for p in tower.values())
+        assert all(p.dtype == torch.bfloat16 and torch.equal(p, start[n].to(torch.bfloat16)) for n, p in tower.items())
+        assert all(b.dtype == torch.float32 for b in vision_tower(sharded).buffers())
+    assert isinstance(sharded.get_output_embeddings().weight, DTensor)
+    assert all(isinstance(p, DTensor) for n, p in sharded.named_parameters() if "visual" not in n)
+Path(sys.argv[2], f"checked{ranks.rank()}").write_text("ok")
+torch.distributed.destroy_process_group()
+ranks.end_process(0)
+"""
+
+
+def test_a_frozen_vision_tower_is_held_whole_by_each_process_and_a_trained_one_sharded(tiny_vlm_dir, tmp_path):
+    script = tmp_path / "sharded_vlm.py"
+    script.write_text(SHARDED_VLM)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                             str(script), str(tiny_vlm_dir), str(tmp_path)], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert sorted(path.name for path in tmp_path.glob("checked*")) == ["checked0", "checked1"]
+
+
 def test_two_processes_that_free_the_rollout_during_the_update_train_as_one(tiny_model_dir, tmp_path):
     """``model.engine.free_during_update``: the engine's cache and computed weights and the unsharded rollout copy
     are freed before each update and rebuilt (gathered from the shards) before the next rollout; the run is the
