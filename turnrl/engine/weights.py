@@ -292,23 +292,25 @@ class _Source:
         return self.inputs or (self.parameter,)
 
 
+def lora_merged_weight(layer: Any) -> torch.Tensor:
+    """A peft LoRA layer's weight with its active adapters merged (peft's ``get_delta_weight``), out of place:
+    the frozen base weight is never written (merging and unmerging in place would round it a little each time).
+    The base weight itself where peft merged the adapters into it already or they are disabled."""
+    weight = layer.base_layer.weight
+    if layer.merged or layer.disable_adapters:
+        return weight
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A:
+            weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+    return weight
+
+
 def _linear_sources(module: Any) -> tuple[_Source, _Source | None]:
     """A linear layer's weight and bias, the weight merged with its adapters if it is LoRA."""
     base = getattr(module, "base_layer", None)
     if base is None:
         return _Source(module.weight), _Source(module.bias) if module.bias is not None else None
-    lora = module
-
-    def merged() -> torch.Tensor:
-        weight = base.weight
-        if lora.merged or lora.disable_adapters:
-            return weight
-        for adapter in lora.active_adapters:
-            if adapter in lora.lora_A:
-                weight = weight + lora.get_delta_weight(adapter).to(weight.dtype)
-        return weight
-
-    weight = _Source(base.weight, merged, tuple(lora.parameters()))
+    weight = _Source(base.weight, lambda: lora_merged_weight(module), tuple(module.parameters()))
     return weight, _Source(base.bias) if base.bias is not None else None
 
 

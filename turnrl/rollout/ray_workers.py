@@ -35,7 +35,7 @@ import torch
 from turnrl.agent.formats import get_format
 from turnrl.chat.template_deltas import ChatTemplateDeltas
 from turnrl.config import AgentConfig, ModelConfig, RewardsConfig, SamplingConfig
-from turnrl.engine.weights import WeightsChecksum
+from turnrl.engine.weights import WeightsChecksum, lora_merged_weight
 from turnrl.envs.contract import AgentEnv
 from turnrl.envservice.placement import env_factory
 from turnrl.envservice.ray import ensure_ray, ray_env_factory
@@ -248,8 +248,7 @@ def policy_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> 
     """The weights of ``model`` as a plain transformers model holds them, on the CPU (in ``dtype`` for floats).
 
     A peft model's LoRA adapters are merged into the weights they adapt (the worker runs a plain model), out
-    of place: ``W + delta`` is computed for the copy and the trainer's frozen base weights are never touched
-    (merging and unmerging in place would round them a little at every send).
+    of place, as the engine merges them (:func:`~turnrl.engine.weights.lora_merged_weight`).
     """
 
     def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -259,17 +258,9 @@ def policy_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> 
     if not hasattr(model, "get_base_model"):
         return {name: to_cpu(tensor) for name, tensor in model.state_dict().items()}
     base: Any = model.get_base_model()  # type: ignore[operator]
-    merged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, module in base.named_modules():
-            layer: Any = module
-            if getattr(layer, "base_layer", None) is None or not hasattr(layer, "lora_A"):
-                continue
-            weight = layer.base_layer.weight
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A and not layer.disable_adapters:
-                    weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
-            merged[f"{name}.weight"] = weight
+        merged = {f"{name}.weight": lora_merged_weight(module) for name, module in base.named_modules()
+                  if getattr(module, "base_layer", None) is not None and hasattr(module, "lora_A")}
     weights = {}
     for name, tensor in base.state_dict().items():
         if ".lora_" in name:

@@ -200,7 +200,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         raise ConfigError(f"distributed.rollout_processes={pool} of {ranks.launched_world()} processes leaves no "
                           f"process to train: start {pool + 1} or more")
     if distributed:
-        trainers = ranks.launched_world() - pool
+        trainers = ranks.launched_trainers(pool)
         device = ranks.init_process_group(config.model.device, config.distributed.timeout_s, trainers)
         if config.run.threads == 0:
             torch.set_num_threads(ranks.threads_per_process())

@@ -36,15 +36,12 @@ class Parts:
     rollouts: MakeRollouts
 
 
-def trainer_processes(config: TrainConfig) -> int:
-    """How many of the processes torchrun started train (all but ``distributed.rollout_processes``)."""
-    return ranks.launched_world() - config.distributed.rollout_processes
-
-
 def parallel_strategy(config: TrainConfig) -> ParallelStrategy:
     """FSDP2 in processes that torchrun started (the process group initialized), else one process; a lone trainer
     beside rollout processes trains as one process, on its rank's device."""
-    if ranks.launched_by_torchrun() and not (config.distributed.rollout_processes and trainer_processes(config) == 1):
+    pool = config.distributed.rollout_processes
+    lone_trainer = pool > 0 and ranks.launched_trainers(pool) == 1
+    if ranks.launched_by_torchrun() and not lone_trainer:
         return FSDP2(config.distributed.cpu_offload)
     return SingleProcess()
 

@@ -92,6 +92,11 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+def launched_trainers(rollout_processes: int) -> int:
+    """How many of the processes ``torchrun`` started train: all but the last ``rollout_processes``."""
+    return launched_world() - rollout_processes
+
+
 def init_process_group(device: str, timeout_s: float, trainers: int | None = None) -> torch.device:
     """Join the run's process group (NCCL on GPUs, gloo on CPUs); returns this process's device.
 

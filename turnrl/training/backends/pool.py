@@ -329,7 +329,7 @@ def pool_rollouts(parts: RolloutParts) -> Rollouts:
     thread of trainer 0 with ``async_rollout``) and validation on the trainer ranks (as without a pool)."""
     config = parts.config
     dist_config = config.distributed
-    trainers = ranks.launched_world() - dist_config.rollout_processes
+    trainers = ranks.launched_trainers(dist_config.rollout_processes)
     main = ranks.is_main()
     dtype = resolve_dtype(config.model.dtype, parts.device)  # the rollout processes' devices are of the same kind
     pool: ProcessPool | None = None

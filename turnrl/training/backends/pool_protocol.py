@@ -177,7 +177,7 @@ def serve_rollouts(config: TrainConfig, device: torch.device) -> None:
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, signal.SIG_IGN)
     dist_config = config.distributed
-    trainers = ranks.launched_world() - dist_config.rollout_processes
+    trainers = ranks.launched_trainers(dist_config.rollout_processes)
     groups = pool_groups(trainers, dist_config.rollout_processes, device, dist_config.timeout_s)
     host_class = resolve_module_attr(dist_config.rollout_host, "distributed.rollout_host")
     host: RolloutHost | None = None

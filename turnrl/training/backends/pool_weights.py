@@ -93,9 +93,9 @@ def base_linear(layer: LoraLinear) -> torch.nn.Linear:
 
 def merged_weight(layer: LoraLinear) -> Callable[[], torch.Tensor]:
     """A LoRA linear layer's weight with its active adapters merged, out of place (the base never changes); as it
-    is where peft merged them into it already (``layer.merged``). Written here, where the engine's merge
-    (:mod:`turnrl.engine.weights`) calls peft's ``get_delta_weight``, because that multiplies the layer's shards,
-    not the FSDP2-gathered whole matrices."""
+    is where peft merged them into it already (``layer.merged``). Written here, not with the engine's and the Ray
+    workers' merge (:func:`~turnrl.engine.weights.lora_merged_weight`, peft's ``get_delta_weight``), because that
+    multiplies the layer's shards, not the FSDP2-gathered whole matrices."""
 
     def merged() -> torch.Tensor:
         weight = whole(base_linear(layer).weight)
