@@ -18,7 +18,8 @@ from turnrl.models.vision import content_digest
 from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.openai_http import image_data_url
-from turnrl.serve.policy import ChatCompletionRequest, create_app, load_policy, prepare
+from turnrl.serve.policy import create_app, load_policy, prepare
+from turnrl.serve.schema import ChatCompletionRequest
 
 MODEL = "tiny-vlm"
 

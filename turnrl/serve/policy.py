@@ -7,15 +7,10 @@ With ``--token KEY`` (or ``$TURNRL_POLICY_TOKEN``) every request but ``GET /heal
 must send ``Authorization: Bearer KEY`` (a 401 otherwise, before its body is read),
 as ``serve-env`` does; without one the server checks no key.
 
-Batching. Concurrent requests share forward passes: a background task takes
-the first waiting request, waits ``batch_window_s`` (5 ms by default) for
-others, and runs up to ``max_batch_size`` prompts in one ``policy.generate``
-call per distinct sampling setting (temperature, top_p, top_k, stop; each
-prompt keeps its own ``max_tokens``). Requests arriving while the model is busy
-wait and form the next batch. Generation runs on one dedicated thread, so the
-event loop keeps accepting requests (and ``/health`` answers) meanwhile. If a
-batch fails, its requests are run one by one, so a request that breaks
-generation fails alone with a 500 and the server keeps serving.
+Concurrent requests share forward passes (:mod:`turnrl.serve.batching` says how); a request that
+breaks generation fails alone with a 500 and the server keeps serving. The request and response
+bodies and the errors are :mod:`turnrl.serve.schema`'s; this module prepares each request for the
+policy, builds its answer, and holds the app and the command.
 
 Behaviour worth knowing:
 
@@ -67,23 +62,20 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import logging
 import secrets
 import socket
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal, Optional, TypeVar, Union
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnrl.chat.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
@@ -92,201 +84,24 @@ from turnrl.envservice.server import BodyLimit, is_loopback
 from turnrl.models.vision import ImageTooLarge, load_image
 from turnrl.policy.factory import load_model_policy
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
-
-logger = logging.getLogger("turnrl.server")
+from turnrl.serve.batching import GenerationBatcher, shutting_down
+from turnrl.serve.schema import (
+    APIError,
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    Choice,
+    ChoiceLogprobs,
+    ImagePart,
+    TextPart,
+    TokenLogprob,
+    Usage,
+    validation_message,
+)
 
 TOKEN_ENV_VAR = "TURNRL_POLICY_TOKEN"
 """Where ``turnrl serve-policy`` reads its API key when ``--token`` is not given."""
-
-
-# --------------------------------------------------------------------------- request schema
-MAX_STOP_STRINGS = 32
-"""Stop strings a request may send (OpenAI takes 4; vLLM any number): enough for any format's end tags."""
-
-MAX_STOP_CHARS = 256
-"""Characters a stop string may have."""
-
-
-def check_encodable(text: str) -> None:
-    """Refuse a string UTF-8 cannot encode. JSON's ``\\udfff`` escape decodes to a lone surrogate, which no
-    tokenizer (and no response) can encode: refused where pydantic names its field, rather than failing deep in
-    tokenization."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"holds a lone surrogate ({text[error.start]!r} at character {error.start}), which is not "
-                         "text: send valid Unicode") from None
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ImageURL(BaseModel):
-    url: str
-    detail: Optional[str] = None
-
-
-class ImagePart(BaseModel):
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
-
-
-class ChatMessage(BaseModel):
-    """One chat message; ``developer`` is OpenAI's newer name for ``system``."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[ContentPart], None] = None
-
-    @field_validator("content")
-    @classmethod
-    def _content_encodable(cls, content: Any) -> Any:
-        for text in [content] if isinstance(content, str) else [p.text for p in content or [] if p.type == "text"]:
-            check_encodable(text)
-        return content
-
-    @model_validator(mode="after")
-    def _content_present(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError("content is required for system, developer and user messages")
-        return self
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(BaseModel):
-    """The body of ``POST /v1/chat/completions`` (the fields this server honours or refuses)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False,
-                               description="below 1e-5 (0 included) is greedy, as in vLLM")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: Optional[int] = Field(None, ge=-1, description="0 or -1 disables (an extension to OpenAI's API)")
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=128)
-    stop: Union[str, list[str], None] = Field(None, description=f"at most {MAX_STOP_STRINGS} strings of at most "
-                                                                   f"{MAX_STOP_CHARS} characters")
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    seed: Optional[int] = None
-    presence_penalty: float = Field(0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
-    logit_bias: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, stop: Any) -> Any:
-        strings = [stop] if isinstance(stop, str) else stop or []
-        if any(s == "" for s in strings):
-            raise ValueError("stop strings must not be empty")
-        # Each set of stop strings is matched against the whole vocabulary before generation, on the one
-        # generation thread every client shares: thousands of them would stall every client.
-        if len(strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"{len(strings)} stop strings; at most {MAX_STOP_STRINGS} are accepted")
-        longest = max(strings, key=len, default="")
-        if len(longest) > MAX_STOP_CHARS:
-            raise ValueError(f"a stop string of {len(longest)} characters; at most {MAX_STOP_CHARS} are accepted")
-        for text in strings:
-            check_encodable(text)
-        return stop
-
-    @field_validator("model")
-    @classmethod
-    def _model_encodable(cls, model: str) -> str:
-        check_encodable(model)
-        return model
-
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-
-# --------------------------------------------------------------------------- response schema
-class TokenLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[Any] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class Choice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: str
-    stop_reason: Optional[str] = None
-    """The stop string that ended the choice (vLLM's field); None for end of turn or length."""
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-
-
-# --------------------------------------------------------------------------- errors
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    """A readable summary of pydantic's errors, and the first offending parameter."""
-    lines: list[str] = []
-    params: list[str | None] = []
-    for item in error.errors():
-        if item.get("type") == "json_invalid":  # its location is a character offset, not a field
-            offset = item.get("loc", ("body", "?"))[-1]
-            reason = (item.get("ctx") or {}).get("error", "")
-            lines.append(f"the body is not valid JSON ({reason} at character {offset}); send one JSON object")
-            params.append(None)
-            continue
-        location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
-        params.append(location or None)
-        lines.append(f"{location or 'body'}: {item.get('msg', 'invalid')}")
-    return "invalid request: " + "; ".join(lines), params[0] if params else None
-
 
 # --------------------------------------------------------------------------- body size
 DEFAULT_MAX_REQUEST_MB = 32
@@ -298,162 +113,6 @@ def request_too_large(limit_bytes: int) -> JSONResponse:
     return APIError(413, f"the request body is over this server's limit of {limit_bytes / (1 << 20):g} MiB; send "
                          "fewer or smaller images, or start the server with a larger --max-request-mb",
                     code="request_too_large").response()
-
-
-# --------------------------------------------------------------------------- batching
-@dataclass
-class BatcherStats:
-    """Counters of the batcher (reported by ``/health``)."""
-
-    requests: int = 0
-    """HTTP requests submitted."""
-    prompts: int = 0
-    """Prompts generated (a request with ``n`` choices counts ``n``)."""
-    generate_calls: int = 0
-    """Calls of the policy's ``generate``."""
-
-
-@dataclass
-class _Job:
-    """The prompts of one HTTP request and where its completions go."""
-
-    requests: list[GenerationRequest]
-    sampling: SamplingConfig
-    future: asyncio.Future = field(repr=False)
-
-
-def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down; send the request again once it is back", type="server_error")
-
-
-def sampling_key(sampling: SamplingConfig) -> tuple:
-    """What must be equal for prompts to share a ``generate`` call (``max_new_tokens`` may differ per prompt)."""
-    return (sampling.temperature, sampling.top_p, sampling.top_k, tuple(sampling.stop))
-
-
-class GenerationBatcher:
-    """Collects concurrent requests into shared ``generate`` calls on one worker thread.
-
-    Args:
-        policy: the policy whose ``generate`` the batches go to.
-        max_batch_size: prompts per ``generate`` call at most (a larger request runs alone).
-        window_s: how long the first waiting request waits for others to join it.
-    """
-
-    def __init__(self, policy: Policy, max_batch_size: int, window_s: float) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.policy = policy
-        self.max_batch_size = max_batch_size
-        self.window_s = window_s
-        self.stats = BatcherStats()
-        self._pending: deque[_Job] = deque()
-        self._taken: list[_Job] = []
-        """The jobs of the batch being generated (out of ``_pending``, not yet answered)."""
-        self._closed = False
-        self._arrived: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        # One thread: the model runs one batch at a time, always from the same thread.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turnrl-generate")
-
-    @property
-    def pending(self) -> int:
-        """Requests waiting for a batch (one whose client went away is not counted)."""
-        return sum(not job.future.done() for job in self._pending)
-
-    def start(self) -> None:
-        self._arrived = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="turnrl-batcher")
-
-    async def stop(self) -> None:
-        """Stop taking requests: those waiting or being generated, and any submitted later, get a 503."""
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        for job in [*self._taken, *self._pending]:
-            if not job.future.done():
-                job.future.set_exception(shutting_down())
-        self._taken, self._pending = [], deque()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    async def submit(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
-        """Queue one HTTP request's prompts; returns their completions once their batch ran."""
-        if self._arrived is None:
-            raise RuntimeError("the batcher is not started")
-        if self._closed:
-            raise shutting_down()
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Job(requests, sampling, future))
-        self.stats.requests += 1
-        self._arrived.set()
-        return await future
-
-    async def _run(self) -> None:
-        assert self._arrived is not None
-        while True:
-            await self._arrived.wait()
-            if sum(len(job.requests) for job in self._pending) < self.max_batch_size:
-                await asyncio.sleep(self.window_s)  # let concurrent requests join this batch
-            jobs = self._take()
-            if not self._pending:
-                self._arrived.clear()
-            self._taken = jobs
-            groups: dict[tuple, list[_Job]] = {}
-            for job in jobs:
-                groups.setdefault(sampling_key(job.sampling), []).append(job)
-            for group in groups.values():
-                await self._generate(group)
-            self._taken = []
-
-    def _take(self) -> list[_Job]:
-        """Waiting jobs in arrival order, up to ``max_batch_size`` prompts (at least one job)."""
-        jobs: list[_Job] = []
-        size = 0
-        while self._pending:
-            job = self._pending[0]
-            if job.future.done():  # the client went away
-                self._pending.popleft()
-                continue
-            if jobs and size + len(job.requests) > self.max_batch_size:
-                break
-            jobs.append(self._pending.popleft())
-            size += len(job.requests)
-        return jobs
-
-    async def _generate(self, jobs: list[_Job]) -> None:
-        jobs = [job for job in jobs if not job.future.done()]  # a client that went away meanwhile is not served
-        if not jobs:
-            return
-        requests = [request for job in jobs for request in job.requests]
-        sampling = replace(jobs[0].sampling, max_new_tokens=max(r.max_new_tokens or 1 for r in requests))
-        loop = asyncio.get_running_loop()
-        self.stats.generate_calls += 1
-        try:
-            completions = await loop.run_in_executor(self._executor, self.policy.generate, requests, sampling)
-            if len(completions) != len(requests):
-                raise RuntimeError(f"generate returned {len(completions)} completions for {len(requests)} prompts")
-        except Exception as error:
-            if len(jobs) > 1:
-                # Find the request that broke the batch: the others still get their answers.
-                for job in jobs:
-                    await self._generate([job])
-                return
-            logger.exception("generation failed")
-            if not jobs[0].future.done():
-                jobs[0].future.set_exception(
-                    APIError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
-                )
-            return
-        self.stats.prompts += len(requests)
-        start = 0
-        for job in jobs:
-            if not job.future.done():
-                job.future.set_result(completions[start : start + len(job.requests)])
-            start += len(job.requests)
 
 
 # --------------------------------------------------------------------------- request handling
