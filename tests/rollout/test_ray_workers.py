@@ -136,6 +136,9 @@ def test_lora_weights_travel_merged_as_the_plain_model_holds_them(tiny_model_dir
     assert set(weights) == set(plain)
     changed = [name for name in plain if not torch.equal(weights[name], plain[name])]
     assert changed and all("q_proj" in name for name in changed)
+    lora.merge_adapter()  # peft's merge in place: the adapters now live in the base weights
+    assert all(torch.equal(tensor, policy_weights(lora)[name]) for name, tensor in weights.items() if "q_proj" not in name)
+    assert all(torch.allclose(tensor, policy_weights(lora)[name]) for name, tensor in weights.items())  # not twice
     merged = lora.merge_and_unload()
     assert all(torch.allclose(weights[name], tensor) for name, tensor in merged.state_dict().items())
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft.tuners.lora import LoraLayer
 
 from turnrl.agent.formats import get_format
 from turnrl.chat.template_deltas import ChatTemplateDeltas
@@ -260,7 +261,7 @@ def policy_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> 
     base: Any = model.get_base_model()  # type: ignore[operator]
     with torch.no_grad():
         merged = {f"{name}.weight": lora_merged_weight(module) for name, module in base.named_modules()
-                  if getattr(module, "base_layer", None) is not None and hasattr(module, "lora_A")}
+                  if isinstance(module, LoraLayer)}
     weights = {}
     for name, tensor in base.state_dict().items():
         if ".lora_" in name:

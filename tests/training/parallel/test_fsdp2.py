@@ -131,7 +131,7 @@ def test_two_processes_train_a_vlm_as_one_with_its_frozen_tower_whole_and_its_im
     """A VLM on image observations, with a critic and a reference (three frozen towers): under FSDP each process
     holds the frozen towers whole, so the step's image features are stored per process and every pass after the
     first reads them; the run equals one process's, which stores them too. The towers' weights are those of the
-    start in the checkpoint (never trained)."""
+    start in the checkpoint (never trained; in float32 here, where the whole tower's cast changes nothing)."""
     vlm = ("env.settings.mode=image", "algorithm.kl_coef=0.05", "run.steps=2")
     single = train_in_process(tiny_vlm_dir, tmp_path, "single", *vlm)
     double = run_train(tiny_vlm_dir, tmp_path, "double", *vlm, "distributed.nproc_per_node=2")

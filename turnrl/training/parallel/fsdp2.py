@@ -17,7 +17,8 @@
                 FSDP2 averages the gradients; then the new weights go to the rollout copy
 
 Actor, critic and reference are sharded with ``fully_shard`` (each decoder layer, then the model), with
-FSDP2's mixed precision when ``model.dtype`` is bf16/fp16. Rank 0 alone prints, logs and writes
+FSDP2's mixed precision when ``model.dtype`` is bf16/fp16; a VLM's frozen vision tower is held whole by every
+process instead (:func:`shard_model`). Rank 0 alone prints, logs and writes
 trajectories; checkpoints are HF models gathered from the shards plus the optimizers' shards through
 ``torch.distributed.checkpoint``, so a run resumes exactly on the same number of processes.
 """
@@ -104,25 +105,27 @@ def shard_model(model: torch.nn.Module, dtype: torch.dtype, weights: Mapping[str
     ``cpu_offload``. Its forward then runs no collective, so a process may skip it where the step's image
     features are stored (:mod:`~turnrl.training.image_features`) while the others encode; it costs each process
     the tower in bf16 (1.3 GB for Qwen2.5-VL's 670M parameters) where the float32 shards took 2.7 GB over all.
+    A checkpoint gathered from the model then holds that bf16 tower: the start's weights rounded once, as a bf16
+    release of the model holds them.
     """
     precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
         else MixedPrecisionPolicy()
     options: dict[str, Any] = {"mp_policy": precision}
     if cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    tower = frozen_tower(model)
-    whole: set[torch.nn.Parameter] = set(tower.parameters()) if tower is not None else set()
     names: set[str] = set()
     for module in model.modules():
         inner: Any = module
         names |= set(getattr(inner, "_no_split_modules", None) or [])
-    in_tower = {id(module) for module in tower.modules()} if tower is not None else set()
+    tower = frozen_tower(model)
+    kept_whole: set[int] = set()
+    if tower is not None:
+        kept_whole = {id(module) for module in tower.modules()}
+        options["ignored_params"] = set(tower.parameters())  # the calls below: the units holding the tower
+        cast_parameters(tower, dtype)
     for layer in [module for module in model.modules()
-                  if type(module).__name__ in names and module is not model and id(module) not in in_tower]:
+                  if type(module).__name__ in names and module is not model and id(module) not in kept_whole]:
         fully_shard(layer, **options)
-    if whole:
-        options["ignored_params"] = whole
-        cast_parameters(tower, dtype)  # type: ignore[arg-type]
     if isinstance(model, ValueModel):
         fully_shard(model, **options)
     else:
@@ -134,10 +137,11 @@ def shard_model(model: torch.nn.Module, dtype: torch.dtype, weights: Mapping[str
     device = ranks.process_device()
     assert device is not None, "shard_model runs in a process group (ranks.init_process_group)"
     to_empty(model, torch.device("cpu") if cpu_offload else device, device)
-    if tower is not None and cpu_offload:
-        tower.to(device)
+    # Filled where the shards are (torch refuses a state dict on two devices), then the tower goes to the GPU.
     set_model_state_dict(model, dict(weights),
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if tower is not None and cpu_offload:
+        tower.to(device)
     if isinstance(model, ValueModel):
         return
     # FSDP takes the module of the first forward call as the root of the units; the trainer calls the
