@@ -15,13 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
-import pydantic
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.envs.toy_envs import Corridor, CorridorWithExtras
+from tests.envs.toy_envs import CorridorWithExtras
 from tests.envservice.env_helpers import PROBE, LoseAnswers, ProbeEnv, ServerProcess, env_server
 from tests.rollout.trajectory_checks import same_trajectory
 from turnrl.agent.formats import get_format
@@ -38,7 +37,6 @@ from turnrl.envservice.client import (
 )
 from turnrl.envservice.options import ServerLimits, add_arguments
 from turnrl.envservice.protocol import (
-    QUERIES,
     APIError,
     EnvRaisedError,
     EnvSpecError,
@@ -49,21 +47,8 @@ from turnrl.envservice.protocol import (
     answer_query,
     decode_item,
 )
-from turnrl.envservice.server import (
-    EnvServer,
-    OpenBody,
-    QueryItem,
-    ResetBody,
-    ResetItem,
-    SessionsBody,
-    StepBody,
-    StepItem,
-    build_app,
-    close_env,
-    exposure_warning,
-    is_loopback,
-    main,
-)
+from turnrl.envservice.schema import OpenBody, ResetBody, ResetItem, SessionsBody, StepBody, StepItem
+from turnrl.envservice.server import EnvServer, build_app, exposure_warning, is_loopback, main
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.runner import EpisodeSlot, Rollout
@@ -486,16 +471,6 @@ def test_an_env_without_a_step_limit_answers_no_budget():
     assert answer_query(make("gym:FrozenLake-v1"), "action_budget", {}) == 100
 
 
-def test_the_server_takes_exactly_the_queries_the_client_knows():
-    """The request schema reads its query names off the contract: each is taken, anything else refused."""
-    for name in QUERIES:
-        assert QueryItem(session="a", queries=[name]).queries == [name]
-        assert ResetItem(session="a", queries=[name]).queries == [name]
-    for bad in ("close", "canonical_action", "reset", "nonsense"):
-        with pytest.raises(pydantic.ValidationError, match="unknown query"):
-            StepItem(session="a", action="x", queries=[bad])
-
-
 def test_loopback_and_the_warning_for_an_open_server_without_a_token():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.org")
@@ -720,10 +695,3 @@ def test_a_remote_env_forwards_the_optional_methods_its_env_offers_and_defaults_
             offered.image()
         remote.close()
         bare.close()
-
-
-def test_closing_a_session_closes_its_env_where_it_offers_close():
-    env = CorridorWithExtras()
-    close_env(env)
-    close_env(Corridor())  # offers none: nothing to do, and no error
-    assert env.closed == 1
