@@ -379,12 +379,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 128 + signal.Signals[summary.get("stop_signal", "SIGINT")].value
 
 
+STOP_GRACE_S = 600
+"""Seconds torchrun waits for its processes after a SIGTERM before it kills them (its own default is 30 s,
+shorter than one VLM step and its checkpoint): ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, unless it is set already."""
+
+
 def launch_processes(nproc: int, config_path: str | None, overrides: list[str]) -> int:
     """``turnrl train ... distributed.nproc_per_node=N``: the same command in N processes under ``torchrun``
     (one per GPU), which stops them all when one fails; returns its exit status.
 
     The processes see ``WORLD_SIZE`` and do not launch again. On Ctrl-C, torchrun (which gets it too) stops
-    the processes; this waits for it instead of leaving them behind.
+    the processes; this waits for it instead of leaving them behind. A SIGTERM sent to this process alone (a
+    ``kill`` of the command) is passed on to torchrun, which passes it on to the processes: they finish the
+    step in progress and save it; this then exits with 143 (128 + SIGTERM), as a shell reports a process the
+    signal ended, whatever status torchrun gives a stop it was asked for.
     """
     import subprocess
 
@@ -393,13 +401,26 @@ def launch_processes(nproc: int, config_path: str | None, overrides: list[str]) 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "turnrl.cli", "train"]
     command += ["--config", config_path] if config_path else []
-    launcher = subprocess.Popen([*command, *overrides], env={**os.environ, COMMAND_START: str(time.time())})
-    while True:
-        try:
-            return launcher.wait()
-        except KeyboardInterrupt:
-            print("stopping the processes (a checkpoint is saved only by `touch RUN_DIR/stop`; the run resumes "
-                  "from its last one)", file=sys.stderr)
+    env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(STOP_GRACE_S), **os.environ, COMMAND_START: str(time.time())}
+    launcher = subprocess.Popen([*command, *overrides], env=env)
+    terminated = False
+
+    def pass_on(signum: int, frame: Any) -> None:
+        nonlocal terminated
+        terminated = True
+        launcher.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, pass_on)
+    try:
+        while True:
+            try:
+                status = launcher.wait()
+                return 128 + signal.SIGTERM.value if terminated else status
+            except KeyboardInterrupt:
+                print("stopping the processes (a checkpoint is saved only by `touch RUN_DIR/stop`; the run "
+                      "resumes from its last one)", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 H100_BYTES = int(79.2 * 2**30)

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -570,6 +571,23 @@ def test_graceful_stop_asks_first_and_interrupts_on_the_second_ctrl_c():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigterm_delivered_twice_at_once_is_one_request_and_a_later_one_interrupts(monkeypatch):
+    """A scheduler signals every process and torchrun forwards it too: SIGTERMs milliseconds apart ask once; one
+    after the window interrupts, and a Ctrl-C after a SIGTERM interrupts at once."""
+    monkeypatch.setattr(GracefulStop, "SAME_SIGTERM_S", 0.5)
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.signal is signal.SIGTERM
+        time.sleep(0.6)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny_model_dir, tmp_path, monkeypatch,

@@ -77,14 +77,22 @@ class GracefulStop:
     (which then saves a checkpoint); a second one interrupts at once. Outside the main thread it changes
     nothing, and a signal the process was started ignoring (a background job of a script) stays ignored.
 
+    A SIGTERM within :attr:`SAME_SIGTERM_S` of the first is the same request delivered twice, not a second one:
+    a batch scheduler (or ``timeout``) signals every process of the job, and torchrun forwards the one it got
+    to its processes as well (twice, when the second reaches it while it is stopping them), so each process of
+    a distributed run gets it two or three times within milliseconds.
+
     ``turnrl train`` holds it from its start: before the first step (the model build, SFT, the first validation)
     a request raises :class:`StopRequested` at once, since there is no step to finish and nothing new to save
     (:attr:`phase` ``start``); during the steps it waits for the step in progress (``steps``); once the steps
     are over it lets the run finish its last validation, checkpoint and summary (``end``).
     """
 
+    SAME_SIGTERM_S = 2.0
+
     def __init__(self, phase: str = "steps") -> None:
         self.requested = False
+        self._requested_at = 0.0
         self.signal: signal.Signals | None = None
         """The signal that asked first (the command's exit status is 128 + its number, as a shell reports)."""
         self.phase = phase
@@ -100,8 +108,12 @@ class GracefulStop:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
+            repeated = signum == signal.SIGTERM == self.signal
+            if repeated and time.monotonic() - self._requested_at < self.SAME_SIGTERM_S:
+                return
             raise KeyboardInterrupt
         self.requested = True
+        self._requested_at = time.monotonic()
         self.signal = signal.Signals(signum)
         if self.phase == "start":
             raise StopRequested(self.signal)

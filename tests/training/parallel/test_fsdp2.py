@@ -369,6 +369,31 @@ def test_the_stop_file_stops_every_process_after_the_same_step_with_a_checkpoint
     assert sorted(step_records(run_dir)) == [1, 2, 3]
 
 
+def test_a_sigterm_to_the_command_stops_every_process_after_the_step_in_progress_with_a_checkpoint(
+        tiny_model_dir, tmp_path):
+    """``kill PID`` of ``turnrl train distributed.nproc_per_node=2`` (the command, not torchrun): it passes the
+    SIGTERM on, torchrun passes it on to both processes (more than once: each is one request), they save the
+    step in progress, and the command exits with 143."""
+    from tests.training.reference_run import ARGS
+
+    run_dir = tmp_path / "double"
+    log = (tmp_path / "out.txt").open("w")
+    command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}",
+               "run.name=double", *ARGS, "run.steps=500", "run.save_every=0", "distributed.nproc_per_node=2"]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").exists() or len(step_records(run_dir)) < 1:
+        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGTERM)
+    assert process.wait(timeout=300) == 128 + signal.SIGTERM
+    said = " ".join((tmp_path / "out.txt").read_text().split())
+    assert "SIGTERM: stopping after this step" in said, said[-3000:]
+    steps = sorted(step_records(run_dir))
+    assert steps and f"interrupted after step {steps[-1]} of 500" in said, said[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{steps[-1]:06d}"
+
+
 # --------------------------------------------------------------------------- resuming across strategies
 def as_one_torchrun_process(monkeypatch) -> None:
     """This process as torchrun would start it alone: ``train`` then joins a gloo group of one and trains with
