@@ -47,7 +47,7 @@ from turnrl.envservice.protocol import (
     answer_query,
     decode_item,
 )
-from turnrl.envservice.schema import OpenBody, ResetBody, ResetItem, SessionsBody, StepBody, StepItem
+from turnrl.envservice.request_bodies import OpenBody, ResetBody, ResetItem, SessionsBody, StepBody, StepItem
 from turnrl.envservice.server import EnvServer, build_app, exposure_warning, is_loopback, main
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.groups import EnvGroups

@@ -19,7 +19,7 @@ from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.openai_http import image_data_url
 from turnrl.serve.policy import create_app, load_policy, prepare
-from turnrl.serve.schema import ChatCompletionRequest
+from turnrl.serve.chat_schema import ChatCompletionRequest
 
 MODEL = "tiny-vlm"
 

@@ -11,7 +11,7 @@ The server is :class:`EnvServer`, a plain class: each endpoint is a method that 
 client's name) and returns the answer, or raises :class:`~turnrl.envservice.protocol.APIError`, so that it runs
 and is tested without HTTP. :func:`build_app` puts it behind a thin FastAPI router.
 
-The request bodies are :mod:`turnrl.envservice.schema`'s; the sessions, their counters and the env calls
+The request bodies are :mod:`turnrl.envservice.request_bodies`'s; the sessions, their counters and the env calls
 that run on worker threads are :mod:`turnrl.envservice.sessions`'s.
 
 Endpoints (JSON bodies; values in the tagged encoding of
@@ -73,7 +73,7 @@ from turnrl.envs import AgentEnv, make
 from turnrl.envs.catalog import builtin_name, env_names
 from turnrl.envservice.options import ServerLimits, add_arguments
 from turnrl.envservice.protocol import CLIENT_HEADER, QUERIES, TOKEN_ENV_VAR, APIError, decode_value
-from turnrl.envservice.schema import (
+from turnrl.envservice.request_bodies import (
     EnvSpec,
     ForkBody,
     OpenBody,

@@ -24,7 +24,7 @@ from typing import Any
 
 from turnrl.envs import AgentEnv, optional_methods
 from turnrl.envservice.protocol import answer_query, encode_answer, error_item, query_failure, reset_item, step_item
-from turnrl.envservice.schema import ResetItem, StepItem
+from turnrl.envservice.request_bodies import ResetItem, StepItem
 
 logger = logging.getLogger("turnrl.env_server")
 

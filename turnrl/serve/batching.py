@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from turnrl.config import SamplingConfig
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
-from turnrl.serve.schema import APIError
+from turnrl.serve.chat_schema import APIError
 
 logger = logging.getLogger("turnrl.server")
 

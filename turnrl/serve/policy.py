@@ -9,7 +9,7 @@ as ``serve-env`` does; without one the server checks no key.
 
 Concurrent requests share forward passes (:mod:`turnrl.serve.batching` says how); a request that
 breaks generation fails alone with a 500 and the server keeps serving. The request and response
-bodies and the errors are :mod:`turnrl.serve.schema`'s; this module prepares each request for the
+bodies and the errors are :mod:`turnrl.serve.chat_schema`'s; this module prepares each request for the
 policy, builds its answer, and holds the app and the command.
 
 Behaviour worth knowing:
@@ -85,7 +85,7 @@ from turnrl.models.vision import ImageTooLarge, load_image
 from turnrl.policy.factory import load_model_policy
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.serve.batching import GenerationBatcher, shutting_down
-from turnrl.serve.schema import (
+from turnrl.serve.chat_schema import (
     APIError,
     AssistantMessage,
     ChatCompletion,

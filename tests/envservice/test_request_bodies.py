@@ -6,7 +6,7 @@ import pydantic
 import pytest
 
 from turnrl.envservice.protocol import QUERIES
-from turnrl.envservice.schema import QueryItem, ResetItem, StepItem
+from turnrl.envservice.request_bodies import QueryItem, ResetItem, StepItem
 
 
 def test_the_server_takes_exactly_the_queries_the_client_knows():
