@@ -18,8 +18,8 @@ from turnrl.models.vision import content_digest
 from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.openai_http import image_data_url
-from turnrl.serve.policy import create_app, load_policy, prepare
 from turnrl.serve.chat_schema import ChatCompletionRequest
+from turnrl.serve.policy import create_app, load_policy, prepare
 
 MODEL = "tiny-vlm"
 
