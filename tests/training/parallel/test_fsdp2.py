@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,20 +128,30 @@ def test_two_processes_train_as_one(tiny_model_dir, tmp_path, single):
     assert critic.keys() == load_file(single / "checkpoints" / "step_000002" / "critic" / "model.safetensors").keys()
 
 
+def trained_as_one(model_dir: Path, tmp_path: Path, settings: Sequence[str], *only_two: str
+                   ) -> tuple[dict[int, dict], dict[int, dict]]:
+    """One process and two (with ``only_two`` as well) on ``settings``: both ran, logged the same steps and the
+    same compared metrics at each; their step records."""
+    single = train_in_process(model_dir, tmp_path, "single", *settings)
+    double = run_train(model_dir, tmp_path, "double", *settings, *only_two, "distributed.nproc_per_node=2")
+    assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
+    one, two = step_records(single), step_records(tmp_path / "double")
+    assert sorted(one) == sorted(two) and one
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+    return one, two
+
+
 def test_two_processes_train_a_vlm_as_one_with_its_frozen_tower_whole_and_its_images_encoded_once(
         tiny_vlm_dir, tmp_path):
     """A VLM on image observations, with a critic and a reference (three frozen towers): under FSDP each process
     holds the frozen towers whole, so the step's image features are stored per process and every pass after the
     first reads them; the run equals one process's, which stores them too. The towers' weights are those of the
     start in the checkpoint (never trained; in float32 here, where the whole tower's cast changes nothing)."""
-    vlm = ("env.settings.mode=image", "algorithm.kl_coef=0.05", "run.steps=2")
-    single = train_in_process(tiny_vlm_dir, tmp_path, "single", *vlm)
-    double = run_train(tiny_vlm_dir, tmp_path, "double", *vlm, "distributed.nproc_per_node=2")
-    assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
-    one, two = step_records(single), step_records(tmp_path / "double")
-    assert sorted(one) == sorted(two) == [1, 2]
+    one, two = trained_as_one(tiny_vlm_dir, tmp_path, ("env.settings.mode=image", "algorithm.kl_coef=0.05",
+                                                      "run.steps=2"))
+    assert sorted(one) == [1, 2]
     for step in one:
-        assert_same_metrics(one[step], two[step])
         # Each process stores its own rows' images: more encodings than one process makes, never fewer.
         assert two[step]["vision/images_reused"] > 0
         assert two[step]["vision/images_encoded"] >= one[step]["vision/images_encoded"] > 0
@@ -196,15 +208,10 @@ def test_two_processes_that_free_the_rollout_during_the_update_train_as_one(tiny
     """``model.engine.free_during_update``: the engine's cache and computed weights and the unsharded rollout copy
     are freed before each update and rebuilt (gathered from the shards) before the next rollout; the run is the
     one-process run that keeps them, step for step."""
-    engine = ("model.backend=engine", "run.steps=3")
-    single = train_in_process(tiny_model_dir, tmp_path, "single", *engine)
-    double = run_train(tiny_model_dir, tmp_path, "double", *engine, "model.engine.free_during_update=true",
-                       "distributed.nproc_per_node=2")
-    assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
-    one, two = step_records(single), step_records(tmp_path / "double")
-    assert sorted(one) == sorted(two) == [1, 2, 3]
+    one, two = trained_as_one(tiny_model_dir, tmp_path, ("model.backend=engine", "run.steps=3"),
+                              "model.engine.free_during_update=true")
+    assert sorted(one) == [1, 2, 3]
     for step in one:
-        assert_same_metrics(one[step], two[step])
         # Each process's engine generated its groups' tokens: together, the one process's.
         assert two[step]["generation/generated_tokens"] == one[step]["generation/generated_tokens"] > 0
     assert one[3]["actor/grad_norm"] > 0
@@ -233,14 +240,9 @@ def test_two_processes_with_compiled_layer_parts_train_as_one_eager_process(tiny
 def test_two_processes_stop_at_the_target_kl_together_as_one(tiny_model_dir, tmp_path):
     """``algorithm.target_kl``: each process holds part of a mini-batch, and the mini-batch's KL (summed over
     the processes) stops the actor on both at the mini-batch where one process stops."""
-    stop = ("run.steps=2", "algorithm.ppo_epochs=2", "algorithm.target_kl=1e-5")
-    single = train_in_process(tiny_model_dir, tmp_path, "single", *stop)
-    double = run_train(tiny_model_dir, tmp_path, "double", *stop, "distributed.nproc_per_node=2")
-    assert double.returncode == 0, double.stdout[-2000:] + double.stderr[-3000:]
-    one, two = step_records(single), step_records(tmp_path / "double")
-    assert sorted(one) == sorted(two) == [1, 2]
-    for step in one:
-        assert_same_metrics(one[step], two[step])
+    one, _ = trained_as_one(tiny_model_dir, tmp_path, ("run.steps=2", "algorithm.ppo_epochs=2",
+                                                       "algorithm.target_kl=1e-5"))
+    assert sorted(one) == [1, 2]
     assert any(record["actor/kl_stopped"] == 1 and record["actor/optimizer_steps"] >= 1 for record in one.values())
 
 
@@ -374,19 +376,19 @@ def test_a_sigterm_to_the_command_stops_every_process_after_the_step_in_progress
     """``kill PID`` of ``turnrl train distributed.nproc_per_node=2`` (the command, not torchrun): it passes the
     SIGTERM on, torchrun passes it on to both processes (more than once: each is one request), they save the
     step in progress, and the command exits with 143."""
-    from tests.training.reference_run import ARGS
-
     run_dir = tmp_path / "double"
-    log = (tmp_path / "out.txt").open("w")
-    command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}",
-               "run.name=double", *ARGS, "run.steps=500", "run.save_every=0", "distributed.nproc_per_node=2"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 300
-    while not (run_dir / "metrics.jsonl").exists() or len(step_records(run_dir)) < 1:
-        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGTERM)
-    assert process.wait(timeout=300) == 128 + signal.SIGTERM
+    command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={tiny_model_dir}",
+               f"run.output_dir={tmp_path}", "run.name=double", *ARGS, "run.steps=500", "run.save_every=0",
+               "distributed.nproc_per_node=2"]
+    with (tmp_path / "out.txt").open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or len(step_records(run_dir)) < 1:
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=300) == 128 + signal.SIGTERM
     said = " ".join((tmp_path / "out.txt").read_text().split())
     assert "SIGTERM: stopping after this step" in said, said[-3000:]
     steps = sorted(step_records(run_dir))
