@@ -26,6 +26,7 @@ from turnrl.algorithms.losses import PolicyLoss, PolicyLossInputs
 from turnrl.models.devices import to_device
 from turnrl.training.batch import Batch
 from turnrl.training.model_passes import ValueModel, token_logprobs
+from turnrl.training.ranks import whole
 from turnrl.training.train_config import AlgorithmConfig, OptimConfig
 
 
@@ -149,7 +150,7 @@ def _step_optimizer(
     """Clip, then step unless the gradient is non-finite or above the skip threshold. Returns (norm, skipped)."""
     total = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
     # Sharded (FSDP) parameters give the norm over every process as a DTensor.
-    norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+    norm = float(whole(total))
     too_big = optim.skip_grad_norm_above is not None and norm > optim.skip_grad_norm_above
     if not math.isfinite(norm) or too_big:
         optimizer.zero_grad(set_to_none=True)

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from turnrl.rollout.trajectory import sum_by_name
 
@@ -85,6 +86,12 @@ def training_device(setting: str) -> torch.device:
 def launched_rank() -> int:
     """This process's rank among all that ``torchrun`` started (trainers and rollout processes alike)."""
     return int(os.environ.get("RANK", 0))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor (an FSDP2 ``DTensor``) gathered whole, a collective of the processes holding its shards;
+    any other tensor as it is (detached)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
 def launched_world() -> int:

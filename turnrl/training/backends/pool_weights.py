@@ -12,13 +12,13 @@ import peft
 import torch
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
-from torch.distributed.tensor import DTensor
 
 from turnrl.config import ConfigError
 from turnrl.engine.weights import WeightsChecksum, model_checksum
 from turnrl.training.backends.backend import WeightsVersion
 from turnrl.training.backends.pool_protocol import ProcessPool, TensorSpec
 from turnrl.training.backends.weights_check import ExpectedWeights, WeightsCheck
+from turnrl.training.ranks import whole
 
 
 # --------------------------------------------------------------------------- the trainer's weights, as sent
@@ -79,11 +79,6 @@ def unmergeable_lora(model: peft.PeftModel) -> str | None:
 
 def whole_of(parameter: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: whole(parameter)
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A sharded (FSDP2 ``DTensor``) tensor gathered whole (a collective of the trainer ranks); any other as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
 def base_linear(layer: LoraLinear) -> torch.nn.Linear:

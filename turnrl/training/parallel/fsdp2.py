@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from turnrl.config import ConfigError
 from turnrl.models.loading import cast_parameters, vision_tower
@@ -246,7 +245,7 @@ def copy_full_weights(sharded: torch.nn.Module, full: torch.nn.Module, every_par
     targets = dict(full.named_parameters())
     for name, param in sharded.named_parameters():
         if param.requires_grad or every_parameter:
-            targets[name].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
+            targets[name].copy_(ranks.whole(param))
 
 
 # --------------------------------------------------------------------------- the strategy
