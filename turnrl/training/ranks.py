@@ -105,7 +105,7 @@ def launched_trainers(rollout_processes: int) -> int:
 
 
 def init_process_group(device: str, timeout_s: float, trainers: int | None = None) -> torch.device:
-    """Join the run's process group (NCCL on GPUs, gloo on CPUs); returns this process's device.
+    """Join the run's process group (NCCL for GPU tensors, gloo for host tensors); returns this process's device.
 
     Args:
         device: ``model.device``: ``cpu``, or ``cuda``/``auto`` (each process takes the GPU of its
@@ -124,7 +124,11 @@ def init_process_group(device: str, timeout_s: float, trainers: int | None = Non
     if use_cuda:
         torch.cuda.set_device(where)
     if not dist.is_initialized():
-        backend, timeout = "nccl" if use_cuda else "gloo", timedelta(seconds=timeout_s)
+        # GPU processes get gloo beside NCCL for collectives of tensors in host memory: FSDP2's CPU offload keeps
+        # the shards (and their gradients) there, and gathering them whole (the rollout copy, the gradient norm)
+        # is a collective NCCL refuses.
+        backend = "cuda:nccl,cpu:gloo" if use_cuda else "gloo"
+        timeout = timedelta(seconds=timeout_s)
         if trainers is None or trainers == launched_world():
             dist.init_process_group(backend, timeout=timeout, device_id=where if use_cuda else None)
         elif launched_rank() < trainers:

@@ -425,3 +425,21 @@ def test_a_checkpoint_resumes_only_with_the_optimizer_layout_it_was_saved_in(tin
     with pytest.raises(ConfigError, match=r"1 FSDP process.* under torchrun with distributed.backend=fsdp and "
                                           r"distributed.nproc_per_node=1"):
         train(run_config(tiny_model_dir, tmp_path, "sharded", "run.steps=2", f"resume={sharded}"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cpu_offload_on_gpus_trains_as_the_shards_on_the_gpus(tiny_vlm_dir, tmp_path):
+    """FSDP2 with ``distributed.cpu_offload`` keeps the shards and their gradients in host memory; gathering
+    them whole (the rollout copy, the gradient norm) is a collective on host tensors, which NCCL alone
+    refuses. The offloaded run trains the tiny VLM as the same processes with the shards on their GPUs."""
+    processes = min(2, torch.cuda.device_count())
+    on_gpu = ["model.device=cuda", "run.steps=2", f"distributed.nproc_per_node={processes}",
+              "distributed.backend=fsdp", "env.settings.mode=image", "algorithm.kl_coef=0.05"]
+    kept = run_train(tiny_vlm_dir, tmp_path, "kept", *on_gpu)
+    offloaded = run_train(tiny_vlm_dir, tmp_path, "offloaded", *on_gpu, "distributed.cpu_offload=true")
+    for result in (kept, offloaded):
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    one, two = step_records(tmp_path / "kept"), step_records(tmp_path / "offloaded")
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in one:
+        assert_same_metrics(one[step], two[step])
