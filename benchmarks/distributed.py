@@ -8,9 +8,19 @@ of a GPU over the phases, and the time from the command to the first rollout; wi
 over the first row, measured in the same run of this script. A row that fails (out of memory, say) prints
 what it failed on instead, and the next row runs.
 
+With ``--pool K``, each count of processes N also runs as the asynchronous pool: N - K trainers and K rollout
+processes (``distributed.rollout_processes``), the rollout one update ahead (``--staleness``); its speed-up is
+over the synchronous row of the same N (FSDP2 over all N, each process rolling out its share), measured in the
+same run. Both rows take the same overrides, so the old log-probs must be a choice the pool accepts
+(``algorithm.old_logprobs=sampler``, or ``recompute`` with ``algorithm.tis_cap``); ``validation.every=K`` gives
+both the validation curve, success against steps, in ``metrics.jsonl`` of each run (``--out`` keeps them).
+
     python benchmarks/distributed.py --processes 1 2 4 --config configs/ragen_sokoban.yaml \\
         model.builtin_preset=3b run.steps=3                                 # GPUs
+    python benchmarks/distributed.py --processes 2 --pool 1 --config configs/visgym_maze.yaml \\
+        model.builtin_preset=vlm-3b run.steps=8                             # two GPUs: sync against the pool
     python benchmarks/distributed.py --quick                                 # CPU, the tiny model, gloo
+    python benchmarks/distributed.py --quick --processes 2 --pool 1          # CPU: sync against the pool
 """
 
 from __future__ import annotations
@@ -39,8 +49,16 @@ COMMON = ["run.tensorboard=false", "run.trajectories_every=0", "validation.episo
 PEAKS = ("memory/rollout_peak_gib", "memory/scores_peak_gib", "memory/update_peak_gib")
 
 
-def run(processes: int, config: str | None, overrides: list[str], out: Path, timeout: float) -> dict[str, float]:
-    name = f"p{processes}"
+def pool_settings(rollout_processes: int, staleness: int) -> list[str]:
+    """The overrides that make a run of N processes the asynchronous pool: ``rollout_processes`` of them roll
+    out, at most ``staleness`` updates behind the trainers."""
+    return [f"distributed.rollout_processes={rollout_processes}", "distributed.async_rollout=true",
+            f"distributed.max_staleness={staleness}"]
+
+
+def run(processes: int, config: str | None, overrides: list[str], out: Path, timeout: float,
+        name: str | None = None) -> dict[str, float]:
+    name = name or f"p{processes}"
     command = [sys.executable, "-m", "turnrl.cli", "train", *(["--config", config] if config else []),
                *COMMON, *overrides, f"run.output_dir={out}", f"run.name={name}",
                f"distributed.nproc_per_node={processes}"]
@@ -77,8 +95,11 @@ def run(processes: int, config: str | None, overrides: list[str], out: Path, tim
                     for r in steps)
     trained = sum(r.get("batch/trained_tokens", 0.0) for r in steps)
     total_step_s = sum(r["timing/step_s"] for r in steps)
+    validations = [r["val/success"] for r in map(json.loads, lines) if "val/success" in r]
     return {
         "step_s": mean("timing/step_s"), "rollout_s": mean("timing/rollout_s"),
+        "val_success_first": validations[0] if validations else float("nan"),
+        "val_success_last": validations[-1] if validations else float("nan"),
         "old_logprobs_s": mean("timing/old_logprobs_s"), "update_s": mean("timing/update_s"),
         "generated_per_s": generated / total_step_s, "trained_per_s": trained / total_step_s,
         "trained_tokens_per_update_s": mean("throughput/trained_tokens_per_s"),
@@ -113,6 +134,9 @@ def failure(log: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--pool", type=int, default=0, metavar="K",
+                        help="also run each count of processes as the asynchronous pool, K of them rolling out")
+    parser.add_argument("--staleness", type=int, default=1, help="the pool's distributed.max_staleness")
     parser.add_argument("--config", default=None)
     parser.add_argument("--label", default="", help="the row's name in the table (a recipe and size)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds a row may take")
@@ -120,32 +144,55 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="keep the runs' directories and logs here")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.pool and min(args.processes) <= args.pool:
+        parser.error(f"--pool {args.pool} needs more than {args.pool} processes in every row (one trains)")
     overrides = (QUICK if args.quick else []) + args.overrides
-    rows: dict[int, dict[str, float] | str] = {}
+    rows: dict[tuple[int, str], dict[str, float] | str] = {}
+    """(processes, mode) -> the row, or why it failed; mode ``sync`` or ``pool``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out) if args.out else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         for processes in args.processes:
-            try:
-                rows[processes] = run(processes, args.config, overrides, out, args.timeout)
-                shown = {k: round(v, 3) for k, v in rows[processes].items()}  # type: ignore[union-attr]
-                print(f"{args.label} {processes} processes: {json.dumps(shown)}", flush=True)
-            except (RuntimeError, subprocess.TimeoutExpired) as error:
-                rows[processes] = str(error)
-                print(f"{args.label} {processes} processes failed: {error}", flush=True)
-    measured = [row for row in rows.values() if isinstance(row, dict)]
-    base = measured[0]["step_s"] if measured else 0.0
-    print("\n| row | GPUs | step | rollout | old logprobs | update | generated tok/s | trained tok/s | update MFU "
-          "| peak GiB/GPU | to first rollout | speed-up |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for processes, row in rows.items():
+            modes = {"sync": []} | ({"pool": pool_settings(args.pool, args.staleness)} if args.pool else {})
+            for mode, extra in modes.items():
+                name = f"p{processes}" + ("" if mode == "sync" else f"_pool{args.pool}")
+                try:
+                    row = run(processes, args.config, [*overrides, *extra], out, args.timeout, name)
+                    rows[processes, mode] = row
+                    shown = json.dumps({k: round(v, 3) for k, v in row.items()})
+                    print(f"{args.label} {processes} processes, {mode}: {shown}", flush=True)
+                except (RuntimeError, subprocess.TimeoutExpired) as error:
+                    rows[processes, mode] = str(error)
+                    print(f"{args.label} {processes} processes, {mode} failed: {error}", flush=True)
+    print()
+    print(table(rows, args.label, args.pool))
+
+
+def describe(processes: int, mode: str, pool: int) -> str:
+    """A row's processes in words: ``4`` (synchronous) or ``3 + 1 rollout`` (the pool)."""
+    return str(processes) if mode == "sync" else f"{processes - pool} + {pool} rollout"
+
+
+def table(rows: dict[tuple[int, str], dict[str, float] | str], label: str, pool: int) -> str:
+    """The rows as a markdown table. Speed-up: a synchronous row's over the first synchronous row, a pool row's
+    over the synchronous row of as many processes (both measured in this run)."""
+    sync = [row for (_, mode), row in rows.items() if mode == "sync" and isinstance(row, dict)]
+    lines = ["| row | GPUs | step | rollout | old logprobs | update | generated tok/s | trained tok/s | update MFU "
+             "| peak GiB/GPU | to first rollout | validation success first, last | speed-up |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for (processes, mode), row in rows.items():
+        gpus = describe(processes, mode, pool)
         if isinstance(row, str):
-            print(f"| {args.label} | {processes} | does not run: {row} |")
+            lines.append(f"| {label} | {gpus} | does not run: {row} |")
             continue
-        print(f"| {args.label} | {processes} | {row['step_s']:.1f} s | {row['rollout_s']:.1f} s | "
-              f"{row['old_logprobs_s']:.1f} s | {row['update_s']:.1f} s | {row['generated_per_s']:,.0f} | "
-              f"{row['trained_per_s']:,.0f} | {row['update_mfu']:.1%} | {row['peak_gib']:.1f} | "
-              f"{row['to_first_rollout_s']:.0f} s | {base / row['step_s']:.2f}x |")
+        base = rows.get((processes, "sync")) if mode == "pool" else (sync[0] if sync else None)
+        speed = f"{base['step_s'] / row['step_s']:.2f}x" if isinstance(base, dict) else "-"
+        lines.append(f"| {label} | {gpus} | {row['step_s']:.1f} s | {row['rollout_s']:.1f} s | "
+                     f"{row['old_logprobs_s']:.1f} s | {row['update_s']:.1f} s | {row['generated_per_s']:,.0f} | "
+                     f"{row['trained_per_s']:,.0f} | {row['update_mfu']:.1%} | {row['peak_gib']:.1f} | "
+                     f"{row['to_first_rollout_s']:.0f} s | {row['val_success_first']:.3f}, "
+                     f"{row['val_success_last']:.3f} | {speed} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

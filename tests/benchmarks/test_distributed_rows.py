@@ -1,8 +1,8 @@
-"""benchmarks/distributed.py: the line a failed scale row reports."""
+"""benchmarks/distributed.py: the line a failed scale row reports; the speed-ups of the table."""
 
 from __future__ import annotations
 
-from benchmarks.distributed import failure
+from benchmarks.distributed import failure, pool_settings, table
 
 
 TORCHRUN_END = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -38,3 +38,19 @@ def test_a_process_killed_without_an_exception_reports_its_signal_or_exit_code()
 def test_a_plain_error_line_and_no_output():
     assert failure("starting\nerror: model.path=x does not exist\n") == "error: model.path=x does not exist"
     assert failure("") == "no output"
+
+
+def row(step_s: float) -> dict[str, float]:
+    keys = ("rollout_s", "old_logprobs_s", "update_s", "generated_per_s", "trained_per_s", "update_mfu", "peak_gib",
+            "to_first_rollout_s", "val_success_first", "val_success_last")
+    return {"step_s": step_s, **dict.fromkeys(keys, 0.0)}
+
+
+def test_a_pool_row_is_compared_with_the_synchronous_row_of_as_many_processes():
+    rows = {(2, "sync"): row(10.0), (2, "pool"): row(5.0), (4, "sync"): row(4.0), (4, "pool"): "out of memory"}
+    lines = table(rows, "r", pool=1).splitlines()[2:]
+    assert [line.split(" | ")[1] for line in lines] == ["2", "1 + 1 rollout", "4", "3 + 1 rollout"]
+    assert [line.rstrip(" |").rsplit(" | ", 1)[-1] for line in lines[:3]] == ["1.00x", "2.00x", "2.50x"]
+    assert "does not run: out of memory" in lines[3]
+    assert pool_settings(1, 2) == ["distributed.rollout_processes=1", "distributed.async_rollout=true",
+                                   "distributed.max_staleness=2"]
