@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import copy
 import gc
 import json
 import signal
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -349,6 +351,39 @@ def test_any_body_on_any_endpoint_is_answered_without_a_server_error(fuzz_client
 def fuzz_client():
     with TestClient(build_app(["Bandit"], limits=ServerLimits(max_sessions=50))) as client:
         yield client
+
+
+def test_hostile_settings_and_options_get_a_one_line_400_and_the_server_stays_up(fuzz_client):
+    """Settings nested deeper than Python's recursion (JSON's parser lets 700 levels through), a lone surrogate
+    as a setting's name (quoted in the error, which UTF-8 cannot write), an infinite setting (``int(inf)`` raises
+    OverflowError) and a large array setting (quoted whole, over many lines) are each a 400 of one short line."""
+    session = fuzz_client.post("/v1/sessions", json={"env_id": "Bandit"}).json()["sessions"][0]
+    array = {"$array": {"dtype": "uint8", "shape": [300, 300], "data": base64.b64encode(bytes(90_000)).decode()}}
+    cases = [
+        ("/v1/sessions", b'{"env_id": "Bandit", "settings": {"a": ' + b"[" * 700 + b"]" * 700 + b"}}",
+         "settings cannot be read: it is nested too deep"),
+        ("/v1/reset", b'{"items": [{"session": "' + session.encode() + b'", "options": {"a": ' + b"[" * 700
+         + b"]" * 700 + b"}}]}", "options cannot be read: it is nested too deep"),
+        ("/v1/sessions", b'{"env_id": "Bandit", "settings": {"\\udfff": 1}}', "no setting \\udfff"),
+        ("/v1/validate", b'{"env_id": "Bandit", "settings": {"max_steps": Infinity}}', "cannot convert float infinity"),
+        ("/v1/sessions", json.dumps({"env_id": "Bandit", "settings": {"img": array}}).encode(), "has no setting img"),
+    ]
+    for path, body, words in cases:
+        response = fuzz_client.post(path, content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert words in message and "\n" not in message and len(message) < 600, message
+    assert fuzz_client.get("/health").status_code == 200
+
+
+def test_a_count_of_sessions_over_the_batch_limit_is_refused_before_any_id_is_made(fuzz_client, monkeypatch):
+    """``count: 10**12`` once made 10**12 ids on the event loop (memory without bound) before the limit."""
+    made = []
+    real_uuid4 = uuid.uuid4
+    monkeypatch.setattr(uuid, "uuid4", lambda: made.append(1) or real_uuid4())
+    response = fuzz_client.post("/v1/sessions", json={"env_id": "Bandit", "count": 10**6})
+    assert response.status_code == 400 and "1000000 sessions in one request; at most 1024" in response.text
+    assert not made
 
 
 # --------------------------------------------------------------------------- envs that fail or hang

@@ -470,15 +470,21 @@ def test_the_server_refuses_a_large_body_with_one_line_and_keeps_serving(served,
         ("[" * 100_000 + "]" * 100_000, ["cannot be read as JSON", "RecursionError"]),
         ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": ' + "9" * 5000 + "}",
          ["cannot be read as JSON", "digits"]),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + "9" * 4300 + "}",
+         ["max_tokens", "less than or equal to 2147483647"]),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e300}',
+         ["temperature", "less than or equal to 10000"]),
     ],
     ids=["infinity", "overflowing-float", "nan-string", "nan-top-p", "thousand-stops", "long-stop", "logit-bias",
-         "trailing-garbage", "deeply-nested", "huge-integer"],
+         "trailing-garbage", "deeply-nested", "huge-integer", "max-tokens-of-4300-digits", "temperature-1e300"],
 )
 def test_hostile_bodies_get_a_400_that_says_what_is_wrong(served, client, text, words):
     """Each hostile body gets one line naming its fault: a temperature or top_p that is not a finite number (an
     infinite one would sample uniformly), more or longer stop strings than the bound (each is matched against
-    the vocabulary on the one generation thread), a logit_bias (not supported, so not dropped silently), and a
-    body that is not JSON, with where it fails."""
+    the vocabulary on the one generation thread), a logit_bias (not supported, so not dropped silently), a
+    body that is not JSON, with where it fails, a max_tokens of 4300 digits (the context check's sum of it had
+    more digits than Python will write: a 500) and a temperature of 1e300 (infinite in float32: NaN
+    probabilities, a 500 with the tiny VLM)."""
     response = post_raw(served.base_url, text)
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]

@@ -194,3 +194,22 @@ def test_data_that_is_no_image_is_named_so(vlm_server, data):
     assert reply.status_code == 400
     message = reply.json()["error"]["message"]
     assert "in no image format Pillow reads (PNG, JPEG" in message and "BytesIO" not in message
+
+
+def test_a_request_s_images_together_are_bounded_before_they_are_decoded(tiny_vlm_dir):
+    """Each image under --max-image-pixels, but hundreds of them (small PNGs of one colour) would decode to
+    gigabytes: a request's images together may have 4 times the bound, the image past it is refused undecoded."""
+    policy = HFPolicy.from_config(ModelConfig(device="cpu"), str(tiny_vlm_dir), max_batch_size=8)
+    url = "data:image/png;base64," + base64.b64encode(png_of(64, 64)).decode()
+    with running(create_app(policy, MODEL, max_image_pixels=64 * 64)) as base_url:
+        def ask(images: int) -> httpx.Response:
+            content = [{"type": "image_url", "image_url": {"url": url}}] * images + [{"type": "text", "text": "?"}]
+            body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+            return httpx.post(f"{base_url}/chat/completions", json=body, timeout=120)
+
+        assert ask(4).status_code == 200
+        refused = ask(5)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["message"] == (
+            "messages[0]: the request's images together have more than the 16,384 pixels accepted by this server "
+            "(4 x --max-image-pixels); send fewer or smaller images")

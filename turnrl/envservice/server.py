@@ -54,6 +54,7 @@ import copy
 import ipaddress
 import logging
 import os
+import reprlib
 import secrets
 import sys
 import time
@@ -95,6 +96,25 @@ from turnrl.envservice.sessions import (
 )
 
 logger = logging.getLogger("turnrl.env_server")
+
+
+# --------------------------------------------------------------------------- request values
+def decode_request_value(data: Any) -> Any:
+    """A client's encoded settings or options, decoded; ValueError for what cannot be (one nested too deep for
+    Python's recursion included, which JSON's parser let through)."""
+    try:
+        return decode_value(data)
+    except RecursionError:
+        raise ValueError("it is nested too deep; send plain settings") from None
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong, _SHORT.maxlevel = 120, 60, 40, 4
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to a line: a client's settings in an error may be a huge number, array or string."""
+    return _SHORT.repr(value).replace("\n", " ")
 
 
 # --------------------------------------------------------------------------- the server
@@ -198,10 +218,12 @@ class EnvServer:
         env_id, settings = self._env_spec(body)
         if body.ids is not None and body.count is not None and body.count != len(body.ids):
             raise APIError(400, "invalid_request", f"count={body.count} but {len(body.ids)} ids")
-        ids = body.ids if body.ids is not None else [uuid.uuid4().hex for _ in range(body.count or 1)]
-        if len(ids) > self.limits.max_batch:
+        # Checked before any id is made: a count of 10**12 must not make 10**12 ids first.
+        wanted = len(body.ids) if body.ids is not None else body.count or 1
+        if wanted > self.limits.max_batch:
             raise APIError(400, "batch_too_large",
-                           f"{len(ids)} sessions in one request; at most {self.limits.max_batch}")
+                           f"{wanted} sessions in one request; at most {self.limits.max_batch} (--max-batch)")
+        ids = body.ids if body.ids is not None else [uuid.uuid4().hex for _ in range(wanted)]
         if len(set(ids)) != len(ids):
             raise APIError(400, "invalid_request", "the ids repeat")
         existing = [self.table.sessions.get(i) for i in ids]
@@ -231,7 +253,7 @@ class EnvServer:
         """``POST /v1/reset``."""
         sessions = self._check_batch([item.session for item in body.items])
         try:
-            options = [None if item.options is None else decode_value(item.options) for item in body.items]
+            options = [None if item.options is None else decode_request_value(item.options) for item in body.items]
         except ValueError as error:
             raise APIError(400, "invalid_request", f"options cannot be read: {error}") from None
         if any(opt is not None and not isinstance(opt, dict) for opt in options):
@@ -312,19 +334,21 @@ class EnvServer:
             raise APIError(400, "unknown_env", f"env {spec.env_id!r} is not served here; this server serves "
                                                f"{', '.join(self.allowed)} (turnrl serve-env --envs ...)")
         try:
-            settings = decode_value(spec.settings)
+            settings = decode_request_value(spec.settings)
         except ValueError as error:
             raise APIError(400, "bad_settings", f"settings cannot be read: {error}") from None
         if not isinstance(settings, dict) or not all(isinstance(key, str) for key in settings):
-            raise APIError(400, "bad_settings", f"settings must be an object of named settings, got {spec.settings!r}")
+            raise APIError(400, "bad_settings", "settings must be an object of named settings, got "
+                                                f"{short_repr(spec.settings)}")
         return env_id, settings
 
     @staticmethod
     def _build_env(env_id: str, settings: dict[str, Any]) -> AgentEnv:
         try:
             return make(env_id, **settings)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, "bad_settings", f"{env_id} with settings {settings}: {error}") from None
+        except (ValueError, TypeError, OverflowError) as error:  # OverflowError: int() of an infinite setting
+            raise APIError(400, "bad_settings", f"{env_id} with settings {short_repr(settings)}: "
+                                                f"{short_repr(str(error))[1:-1]}") from None
         except Exception as error:
             raise APIError(500, "env_error", f"building {env_id} raised {type(error).__name__}: {error}") from None
 
@@ -488,7 +512,11 @@ class BodyLimit:
 def error_response(error: APIError) -> JSONResponse:
     """An :class:`APIError` as its HTTP answer."""
     headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    body = error.body()
+    # A message may quote the client's text, lone surrogates included (JSON's "\\udfff"), which UTF-8 cannot
+    # encode: escaped, so that the answer is the 4xx and not a failure to write it.
+    body["error"]["message"] = body["error"]["message"].encode("utf-8", "backslashreplace").decode("utf-8")
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 def build_app(envs: list[str] | None = None, *, token: str | None = None,

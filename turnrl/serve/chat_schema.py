@@ -23,6 +23,14 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256
 """Characters a stop string may have."""
 
+MAX_TEMPERATURE = 1e4
+"""The hottest temperature accepted: logits within +-50 of each other are then equally likely to 1%, so any
+hotter is the same; a far hotter one (1e300 is infinite in float32) makes the sampler's probabilities NaN."""
+
+MAX_TOKENS_BOUND = 2**31 - 1
+"""The most tokens a request may ask for (no context is longer): a number of thousands of digits would fail
+the server's own arithmetic on it before the context check."""
+
 
 def check_encodable(text: str) -> None:
     """Refuse a string UTF-8 cannot encode. JSON's ``\\udfff`` escape decodes to a lone surrogate, which no
@@ -86,12 +94,12 @@ class ChatCompletionRequest(BaseModel):
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False,
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
                                description="below 1e-5 (0 included) is greedy, as in vLLM")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[int] = Field(None, ge=-1, description="0 or -1 disables (an extension to OpenAI's API)")
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS_BOUND)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS_BOUND)
     n: int = Field(1, ge=1, le=128)
     stop: Union[str, list[str], None] = Field(None, description=f"at most {MAX_STOP_STRINGS} strings of at most "
                                                                    f"{MAX_STOP_CHARS} characters")

@@ -22,10 +22,13 @@ Behaviour worth knowing:
   processed once, its placeholder expanded to its visual tokens, as in the
   rollout's context); a text model answers a request with image parts with a
   400, and so does a VLM for an image that is not a readable data URL, or one
-  whose header gives more than ``--max-image-pixels`` (4096 x 4096 by default):
-  that one is refused before it is decoded.
+  whose header gives more than ``--max-image-pixels`` (4096 x 4096 by default),
+  or that takes a request's images together past 4 times that: that one is
+  refused before it is decoded.
 - ``temperature`` below 1e-5 (0 included) is greedy, as in vLLM: dividing the
-  logits by a tinier one would overflow.
+  logits by a tinier one would overflow. Above 1e4 it is a 400 (every token is
+  equally likely already; a far larger one overflows float32 into NaN).
+- ``max_tokens`` (and ``max_completion_tokens``) above 2**31 - 1 is a 400.
 - A request body over ``--max-request-mb`` (32 MiB by default: several large images as data URLs) is a
   413, answered as soon as the bytes read pass the limit (or at once when ``Content-Length`` says so), so a
   client that sends more, or lies about its length, or streams it chunked, never has more than the limit held.
@@ -120,6 +123,10 @@ DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 """Pixels an image may have (from its header) to be decoded: 48 MiB as RGB, beyond what any served VLM's
 processor keeps (Qwen2-VL resizes to at most 12.8 M pixels)."""
 
+IMAGES_PIXELS_PER_REQUEST = 4
+"""A request's images together may have this many times ``--max-image-pixels``: each image alone is bounded,
+but a body of hundreds of small PNGs of one colour would otherwise decode to gigabytes."""
+
 DEFAULT_PREPARE_THREADS = 2
 """Requests prepared at once (chat template, image decoding and processing): each may hold an image's
 decoded pixels, so they are few; the rest wait their turn without holding the event loop."""
@@ -148,6 +155,7 @@ def _template_messages(
     Images must be data URLs: the server fetches nothing.
     """
     out, images = [], []
+    pixels_left = IMAGES_PIXELS_PER_REQUEST * max_image_pixels
     for index, message in enumerate(messages):
         content: Any = message.content
         if isinstance(content, list):
@@ -158,7 +166,9 @@ def _template_messages(
                 parts = []
                 for part in content:
                     if isinstance(part, ImagePart):
-                        images.append(_image(part, index, max_image_pixels))
+                        image = _image(part, index, max_image_pixels, pixels_left)
+                        pixels_left -= image.shape[0] * image.shape[1]
+                        images.append(image)
                         parts.append({"type": "image"})
                     else:
                         parts.append({"type": "text", "text": part.text})
@@ -170,14 +180,22 @@ def _template_messages(
     return out, images
 
 
-def _image(part: ImagePart, index: int, max_pixels: int) -> np.ndarray:
+def _image(part: ImagePart, index: int, max_pixels: int, pixels_left: int) -> np.ndarray:
+    """The image of ``part``, refused (undecoded, from its header) over ``max_pixels`` or over the
+    ``pixels_left`` of its request's images together."""
     url = part.image_url.url
     if not url.startswith("data:"):
         raise APIError(400, f"messages[{index}]: images must be data URLs (data:image/png;base64,...); "
                             "this server fetches nothing", param=f"messages.{index}.content")
     try:
-        return load_image(url, max_pixels=max_pixels)
+        return load_image(url, max_pixels=min(max_pixels, pixels_left))
     except ImageTooLarge as error:
+        if pixels_left < max_pixels:
+            bound = IMAGES_PIXELS_PER_REQUEST * max_pixels
+            raise APIError(400, f"messages[{index}]: the request's images together have more than the {bound:,} "
+                                f"pixels accepted by this server ({IMAGES_PIXELS_PER_REQUEST} x --max-image-pixels); "
+                                "send fewer or smaller images", param=f"messages.{index}.content",
+                           code="image_too_large") from None
         raise APIError(400, f"messages[{index}]: {error} by this server (--max-image-pixels); send a smaller "
                             "image (the model resizes large ones down anyway)",
                        param=f"messages.{index}.content", code="image_too_large") from None
