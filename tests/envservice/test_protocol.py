@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 
@@ -11,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from PIL import Image
 
 from tests.envs.toy_envs import Corridor, CorridorWithExtras
-from turnrl.envs import contract
-from turnrl.envs import make
+from turnrl.envs import contract, make
 from turnrl.envs.contract import ObjectFact, StateFacts, observation_key
 from turnrl.envservice.protocol import (
     QUERIES,
@@ -147,6 +149,15 @@ def test_an_answer_item_of_any_shape_decodes_or_raises_a_remote_env_error(data, 
 def test_malformed_encodings_are_named(bad):
     with pytest.raises(ValueError):
         decode_value(bad)
+
+
+def test_a_png_that_would_decode_past_the_bound_is_refused_from_its_header():
+    """A PNG of one colour is tiny on the wire whatever its size: its header is read, not its pixels."""
+    buffer = io.BytesIO()
+    Image.new("L", (4097, 4096)).save(buffer, format="PNG")
+    assert len(buffer.getvalue()) < 100_000
+    with pytest.raises(ValueError, match="4097 x 4096 is more than the 16,777,216 pixels a \\$png may have"):
+        decode_value({"$png": base64.b64encode(buffer.getvalue()).decode()})
 
 
 def test_the_query_list_is_the_contracts_declared_queries():

@@ -116,6 +116,13 @@ def test_the_server_class_checks_the_token():
     server.shutdown()
 
 
+@pytest.mark.parametrize("token", ["clé", "", "trailing "])
+def test_a_token_no_client_could_send_is_refused(token):
+    """HTTP reads a header's bytes as latin-1 and strips its ends: such a token could never match."""
+    with pytest.raises(ValueError, match="the token must be printable ASCII"):
+        EnvServer([PROBE], token=token)
+
+
 # --------------------------------------------------------------------------- the same env, here or there
 @pytest.mark.parametrize(("env_id", "settings"), [
     ("Sokoban", {"mode": "image"}), ("FrozenLake", {"mode": "image"}), ("Countdown", {}), ("Bandit", {}),

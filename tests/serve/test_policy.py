@@ -366,6 +366,13 @@ def keyed(served):
         yield url
 
 
+@pytest.mark.parametrize("token", ["clé", "", " padded", "tab\tin"])
+def test_a_token_no_client_could_send_is_refused_before_serving(served, token):
+    """HTTP reads a header's bytes as latin-1 and strips its ends: such a key could never match."""
+    with pytest.raises(ValueError, match="the token must be printable ASCII"):
+        create_app(served.policy, MODEL, token=token)
+
+
 def test_a_server_with_a_token_refuses_requests_without_it(keyed):
     """``serve-policy --token``: every path but /health needs ``Authorization: Bearer <key>`` (as serve-env)."""
     client = openai.OpenAI(base_url=keyed, api_key="wrong", max_retries=0)

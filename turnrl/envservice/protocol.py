@@ -226,6 +226,11 @@ def _decode_tagged(tag: str, body: Any) -> Any:
     return body
 
 
+MAX_PNG_PIXELS = 4096 * 4096
+"""Pixels a ``$png`` value may have, checked from its header before it is decoded: an env's frame or an image
+setting is far smaller, and a small file can decode to gigabytes (a 12000 x 12000 PNG of one colour is 580 KB)."""
+
+
 def _decode_png(body: Any) -> np.ndarray:
     if not isinstance(body, str):
         raise ValueError("$png takes base64 text")
@@ -233,6 +238,10 @@ def _decode_png(body: Any) -> np.ndarray:
         with Image.open(io.BytesIO(base64.b64decode(body, validate=True))) as image:
             if image.format != "PNG" or image.mode not in ("L", "RGB", "RGBA"):
                 raise ValueError(f"a {image.format} image in mode {image.mode}")
+            width, height = image.size
+            if width * height > MAX_PNG_PIXELS:
+                raise ValueError(f"{width} x {height} is more than the {MAX_PNG_PIXELS:,} pixels a $png may have; "
+                                 "send a smaller image")
             return np.array(image)  # a copy, writable like an env's own array
     except ValueError as error:
         raise ValueError(f"$png is not a readable PNG: {error}") from None

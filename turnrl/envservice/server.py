@@ -144,6 +144,7 @@ class EnvServer:
         self.allowed = sorted({canonical_env_id(env_id) for env_id in (envs if envs is not None else env_names())})
         if not self.allowed:
             raise ValueError("serve at least one env")
+        check_token(token)
         self.token = token
         self.table = SessionTable()
         self.metrics = ServerMetrics()
@@ -603,6 +604,20 @@ def build_app(envs: list[str] | None = None, *, token: str | None = None,
         return JSONResponse(await server.close(body))
 
     return app
+
+
+def check_token(token: str | None) -> None:
+    """Refuse a token no client could send: the ``Authorization`` header carries printable ASCII (HTTP reads
+    other bytes as latin-1, so a key with other characters never matches) without spaces at its ends (they are
+    stripped from what a client sends).
+
+    Raises:
+        ValueError: one line saying what the token may hold.
+    """
+    if token is not None and not (token and token.isascii() and token.isprintable() and token.strip() == token):
+        raise ValueError("the token must be printable ASCII, without spaces at its ends (it travels in the "
+                         "Authorization header): pick another, e.g. `python -c 'import secrets; "
+                         "print(secrets.token_urlsafe())'`")
 
 
 # --------------------------------------------------------------------------- command line

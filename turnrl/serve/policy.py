@@ -83,7 +83,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnrl.chat.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 from turnrl.config import ConfigError, EvalConfig, ModelConfig, SamplingConfig
-from turnrl.envservice.server import BodyLimit, is_loopback
+from turnrl.envservice.server import BodyLimit, check_token, is_loopback
 from turnrl.models.vision import ImageTooLarge, load_image
 from turnrl.policy.factory import load_model_policy
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
@@ -446,6 +446,7 @@ def create_app(
         max_image_pixels: an image with more pixels (read from its header) is refused with a 400, undecoded.
         max_request_mb: a request body over this many MiB is refused with a 413, read no further.
     """
+    check_token(token)
     if prepare_threads < 1:
         raise ValueError(f"prepare_threads must be >= 1, got {prepare_threads}")
     if max_image_pixels < 1:
@@ -638,10 +639,16 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: st
     ``max_request_mb`` are :func:`create_app`'s.
 
     Raises:
-        ConfigError: before the model loads, when the port cannot be had or the model cannot be found.
+        ConfigError: before the model loads, when the port cannot be had, the model cannot be found or the token
+            cannot be sent.
     """
     import uvicorn
     from PIL import Image
+
+    try:
+        check_token(token)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
     # Pillow's own bomb check (a warning past the limit, an error past twice it) agrees with the server's, for
     # images opened anywhere in this process.
