@@ -183,6 +183,26 @@ def test_malformed_json_and_server_keeps_serving(served, client):
     assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices
 
 
+def test_a_fault_of_the_server_is_a_500_in_openai_s_shape_and_it_keeps_serving(served, client, monkeypatch):
+    """An error no handler expected (here: building the answer) is answered as every other error is, in one
+    line of OpenAI's shape, not starlette's plain-text page; the next request is served."""
+    import turnrl.serve.policy as server
+
+    def broken(*args, **kwargs):
+        raise KeyError("choices\nsecond line")
+
+    monkeypatch.setattr(server, "build_response", broken)
+    response = httpx.post(served.base_url + "/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": HI, "max_tokens": 2})
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "\n" not in error["message"]
+    assert error["message"].startswith("internal error (KeyError: 'choices") and "log has the traceback" in \
+        error["message"]
+    monkeypatch.undo()
+    assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices
+
+
 def test_load_policy_serves_under_the_given_name(served):
     policy, name = load_policy(served.path, device="cpu", max_batch_size=4)
     assert name == served.path and policy.max_batch_size == 4 and policy.tokenizer is not None

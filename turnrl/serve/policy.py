@@ -65,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import secrets
 import socket
 import time
@@ -126,6 +127,8 @@ processor keeps (Qwen2-VL resizes to at most 12.8 M pixels)."""
 IMAGES_PIXELS_PER_REQUEST = 4
 """A request's images together may have this many times ``--max-image-pixels``: each image alone is bounded,
 but a body of hundreds of small PNGs of one colour would otherwise decode to gigabytes."""
+
+logger = logging.getLogger("turnrl.policy_server")
 
 DEFAULT_PREPARE_THREADS = 2
 """Requests prepared at once (chat template, image decoding and processing): each may hold an image's
@@ -497,6 +500,15 @@ def create_app(
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         message, param = validation_message(error)
         return APIError(400, message, param=param).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        # A fault of the server, not of the request: answered in OpenAI's shape, in one line, like every other
+        # error (a client's error handling reads a message, not a plain-text page); the traceback goes to the log.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        return APIError(500, f"internal error ({type(error).__name__}{': ' + first if first else ''}); the "
+                             "server's log has the traceback", type="server_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
