@@ -438,3 +438,35 @@ def test_a_finished_run_with_a_damaged_summary_writes_it_again(two_checkpoints, 
     status, text = resume(run, 3, capsys)
     assert status == 0, text
     assert_whole(run, 3)
+
+
+IN_THE_WAY = {  # a folder where the run keeps a file, a file where it keeps a folder; met at each stage of a resume
+    ".lock": "folder",  # taking the lock
+    ".lock.owner": "folder",  # writing who holds it
+    "metrics.jsonl": "folder",  # opening the log
+    "trajectories": "file",  # the first step's trajectories
+    "summary.json": "folder",  # the end
+    "stop": "folder",  # asked for as a stop (it exists), then removed
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in {".lock", "metrics.jsonl", "trajectories"}
+                                               else pytest.mark.slow) for name in IN_THE_WAY])
+def test_a_run_file_of_the_wrong_kind_is_one_line_naming_it(two_checkpoints, tmp_path, capsys, name):
+    """A folder where the run writes a file (or the reverse) stopped the resume with a traceback; it is one line
+    that names the path and says to move it away, and once it is moved the resume goes on."""
+    run = copy_of(two_checkpoints, tmp_path)
+    path, aside = run / name, tmp_path / "aside"
+    if path.exists():
+        path.rename(aside)
+    path.mkdir() if IN_THE_WAY[name] == "folder" else path.write_text("")
+    status, message = resume(run, 3, capsys)
+    assert status == 1, message
+    assert message.startswith(f"error: {path} is a {IN_THE_WAY[name]} where the run keeps a "), message
+    assert "move it away" in message and f"resume={run}" in message, message
+    path.rmdir() if path.is_dir() else path.unlink()
+    if aside.exists():
+        aside.rename(path)
+    status, text = resume(run, 3, capsys)
+    assert status == 0, text
+    assert_whole(run, 3)

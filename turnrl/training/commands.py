@@ -234,13 +234,43 @@ def train(config: TrainConfig) -> dict[str, Any]:
         return _stopped_before_steps(config, stopped.signal)
     except OSError as error:  # a write into the run directory that the disk refused (metrics, trajectories, ...)
         cause = disk_error_cause(error)
-        if cause is None:
+        if cause is not None:
+            raise ConfigError(f"the run could not write into {run_directory(config)}: {cause}. Free some space, "
+                              f"raise the limit or put run.output_dir on a larger disk; {_how_to_go_on(config)}"
+                              ) from error
+        damaged = _run_file_in_the_way(error, run_directory(config))
+        if damaged is None:
             raise
-        raise ConfigError(f"the run could not write into {run_directory(config)}: {cause}. Free some space, raise "
-                          f"the limit or put run.output_dir on a larger disk; {_how_to_go_on(config)}") from error
+        raise ConfigError(f"{damaged}; {_how_to_go_on(config)}") from error
     finally:
         if distributed:
             ranks.close_process_group()
+
+
+_IN_THE_WAY = (IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError)
+"""What a file of the run that is not what the run made of it raises: a folder where the run writes a file
+(``metrics.jsonl``, ``summary.json``, ``stop``), a file where it makes a folder (``trajectories``), a file it
+may not write (changed by hand, or by another user)."""
+
+
+def _run_file_in_the_way(error: OSError, run_dir: Path) -> str | None:
+    """One line naming the run's own file that ``error`` is about and what to do with it, when it is one of the
+    run directory's and of a kind in :data:`_IN_THE_WAY`; None otherwise (a fault whose traceback should be
+    seen)."""
+    if not isinstance(error, _IN_THE_WAY):
+        return None
+    names = [Path(name) for name in (error.filename, error.filename2) if isinstance(name, str)]
+    inside = [path for path in names if path.resolve().is_relative_to(run_dir.resolve())]
+    if not inside:
+        return None
+    path = inside[-1]  # of a rename, the target: the run's file; its temporary source is the run's own
+    if isinstance(error, PermissionError):
+        what = "may not be written by this user: give it back its permissions (`chmod u+rw`)"
+    elif path.is_dir():
+        what = "is a folder where the run keeps a file: move it away"
+    else:
+        what = "is a file where the run keeps a folder: move it away"
+    return f"{path} {what} ({error.strerror})"
 
 
 def _how_to_go_on(config: TrainConfig) -> str:
