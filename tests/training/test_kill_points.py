@@ -470,3 +470,17 @@ def test_a_run_file_of_the_wrong_kind_is_one_line_naming_it(two_checkpoints, tmp
     status, text = resume(run, 3, capsys)
     assert status == 0, text
     assert_whole(run, 3)
+
+
+def test_a_finished_run_killed_before_its_report_writes_it_on_resume(two_checkpoints, tmp_path, capsys):
+    """Killed after summary.json and before report.html: the resume found the run finished and did nothing, so
+    the run never got its report; it writes it (and nothing else)."""
+    run = copy_of(two_checkpoints, tmp_path)
+    assert resume(run, 3, capsys)[0] == 0
+    (run / "report.html").unlink()
+    before = (run / "metrics.jsonl").read_bytes()
+    status, text = resume(run, 3, capsys)
+    assert status == 0, text
+    assert "already ran its 3 steps" in " ".join(text.split()) and (run / "report.html").is_file()
+    assert (run / "metrics.jsonl").read_bytes() == before
+    assert_whole(run, 3)

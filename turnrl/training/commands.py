@@ -53,7 +53,7 @@ from turnrl.training.sft import sft_stage
 from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import StepOutput, Trainer, console
 from turnrl.viz.records import write_token_advantages
-from turnrl.viz.report import write_report
+from turnrl.viz.report import REPORT_NAME, write_report
 
 STOP_FILE = "stop"
 """``touch RUN_DIR/stop``: the run stops after the step in progress and saves a checkpoint (as Ctrl-C does in one
@@ -306,6 +306,8 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
     if done is not None:
         console.print(f"run {config.resume} already ran its {config.run.steps} steps; nothing to do "
                       f"(raise run.steps to continue it). Summary: {run_directory(config) / 'summary.json'}")
+        if not (run_directory(config) / REPORT_NAME).is_file():  # killed between its summary and its report
+            _report(run_directory(config))
         return done
     resumed = config.resume is not None
     if distributed and config.model.path is None:
