@@ -411,8 +411,8 @@ def test_a_damaged_record_of_a_checkpointed_step_is_dropped_and_said(two_checkpo
     (run / "metrics.jsonl").write_bytes(b"".join(line + b"\n" for line in lines[:-1]) + lines[-1][:60] + b"\n")
     status, text = resume(run, 3, capsys)
     assert status == 0, text
-    assert (f"note: {run / 'metrics.jsonl'} was damaged: line {len(lines)} (the record of step 2) cut short or not "
-            "text, dropped") in " ".join(text.split())
+    assert (f"note: {run / 'metrics.jsonl'} was damaged: line {len(lines)} (the record of step 2) cut short, not "
+            "text or not a record, dropped") in " ".join(text.split())
     assert kinds(run) == [(0, "val"), (1, "step"), (3, "step"), (3, "val")]
 
 
@@ -483,4 +483,19 @@ def test_a_finished_run_killed_before_its_report_writes_it_on_resume(two_checkpo
     assert status == 0, text
     assert "already ran its 3 steps" in " ".join(text.split()) and (run / "report.html").is_file()
     assert (run / "metrics.jsonl").read_bytes() == before
+    assert_whole(run, 3)
+
+
+def test_lines_of_metrics_jsonl_that_are_json_but_no_record_are_dropped_and_said(two_checkpoints, tmp_path, capsys):
+    """A line that parses as JSON and is no step's record (a list, a string, a step as text) was kept on resume,
+    and every reader of the log (the plots, the report, a resume's early-stop history) then failed on it."""
+    run = copy_of(two_checkpoints, tmp_path)
+    with (run / "metrics.jsonl").open("a") as log:
+        log.write('[1, 2]\n"text"\n{"step": "3"}\n')
+    status, text = resume(run, 3, capsys)
+    assert status == 0, text
+    lines = len((run / "metrics.jsonl").read_text().splitlines())
+    assert "line 4 (no record of a step), line 5 (no record of a step), line 6 (no record of a step) cut short, not " \
+           "text or not a record, dropped" in " ".join(text.split()), text
+    assert lines == 5  # validation 0, steps 1 to 3, validation 3
     assert_whole(run, 3)
