@@ -386,6 +386,23 @@ def test_a_resume_that_would_play_other_levels_is_refused_and_changes_nothing(fi
     assert listing(finished) == before
 
 
+@pytest.mark.parametrize(("override", "needed"), [
+    ("algorithm.advantage=gae", "a critic, which the run was trained without"),
+    ("lora.enabled=true", "LoRA adapters, which the run was trained without"),
+    ("algorithm.kl_coef=0.1", "a KL reference model, which the run was trained without"),
+])
+def test_a_resume_that_needs_models_the_run_never_saved_is_refused_and_changes_nothing(finished, override, needed):
+    """A critic, LoRA or a KL reference asked for on resume of a run trained without: one line naming it (where it
+    was a traceback from the model loading, or, for a critic, every intact checkpoint called incomplete with
+    advice to overwrite the run), the run left as it was."""
+    before = listing(finished)
+    message = error_line("train", f"resume={finished}", "run.steps=3", override)
+    assert message.startswith(f"error: resume={str(finished)!r} would need {needed}: its checkpoints cannot be "
+                              "resumed that way;"), message
+    assert "overwrite" not in message
+    assert listing(finished) == before
+
+
 def test_the_level_plan_names_the_keys_that_move_the_levels(tmp_path):
     def settings(*extra: str) -> TrainConfig:
         return load_config(TrainConfig, None, [f"resume={tmp_path}", *extra])

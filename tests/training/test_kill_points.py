@@ -411,8 +411,8 @@ def test_a_damaged_record_of_a_checkpointed_step_is_dropped_and_said(two_checkpo
     (run / "metrics.jsonl").write_bytes(b"".join(line + b"\n" for line in lines[:-1]) + lines[-1][:60] + b"\n")
     status, text = resume(run, 3, capsys)
     assert status == 0, text
-    assert (f"note: {run / 'metrics.jsonl'} was damaged: line {len(lines)} (the record of step 2) cut short or not "
-            "text, dropped") in " ".join(text.split())
+    assert (f"note: {run / 'metrics.jsonl'} was damaged: line {len(lines)} (the record of step 2) cut short, not "
+            "text or not a record, dropped") in " ".join(text.split())
     assert kinds(run) == [(0, "val"), (1, "step"), (3, "step"), (3, "val")]
 
 
@@ -437,4 +437,65 @@ def test_a_finished_run_with_a_damaged_summary_writes_it_again(two_checkpoints, 
     (run / "summary.json").write_bytes(b"\xff\xfe\x00 not a summary")
     status, text = resume(run, 3, capsys)
     assert status == 0, text
+    assert_whole(run, 3)
+
+
+IN_THE_WAY = {  # a folder where the run keeps a file, a file where it keeps a folder; met at each stage of a resume
+    ".lock": "folder",  # taking the lock
+    ".lock.owner": "folder",  # writing who holds it
+    "metrics.jsonl": "folder",  # opening the log
+    "trajectories": "file",  # the first step's trajectories
+    "summary.json": "folder",  # the end
+    "stop": "folder",  # asked for as a stop (it exists), then removed
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in {".lock", "metrics.jsonl", "trajectories"}
+                                               else pytest.mark.slow) for name in IN_THE_WAY])
+def test_a_run_file_of_the_wrong_kind_is_one_line_naming_it(two_checkpoints, tmp_path, capsys, name):
+    """A folder where the run writes a file (or the reverse) stopped the resume with a traceback; it is one line
+    that names the path and says to move it away, and once it is moved the resume goes on."""
+    run = copy_of(two_checkpoints, tmp_path)
+    path, aside = run / name, tmp_path / "aside"
+    if path.exists():
+        path.rename(aside)
+    path.mkdir() if IN_THE_WAY[name] == "folder" else path.write_text("")
+    status, message = resume(run, 3, capsys)
+    assert status == 1, message
+    assert message.startswith(f"error: {path} is a {IN_THE_WAY[name]} where the run keeps a "), message
+    assert "move it away" in message and f"resume={run}" in message, message
+    path.rmdir() if path.is_dir() else path.unlink()
+    if aside.exists():
+        aside.rename(path)
+    status, text = resume(run, 3, capsys)
+    assert status == 0, text
+    assert_whole(run, 3)
+
+
+def test_a_finished_run_killed_before_its_report_writes_it_on_resume(two_checkpoints, tmp_path, capsys):
+    """Killed after summary.json and before report.html: the resume found the run finished and did nothing, so
+    the run never got its report; it writes it (and nothing else)."""
+    run = copy_of(two_checkpoints, tmp_path)
+    assert resume(run, 3, capsys)[0] == 0
+    (run / "report.html").unlink()
+    before = (run / "metrics.jsonl").read_bytes()
+    status, text = resume(run, 3, capsys)
+    assert status == 0, text
+    assert "already ran its 3 steps" in " ".join(text.split()) and (run / "report.html").is_file()
+    assert (run / "metrics.jsonl").read_bytes() == before
+    assert_whole(run, 3)
+
+
+def test_lines_of_metrics_jsonl_that_are_json_but_no_record_are_dropped_and_said(two_checkpoints, tmp_path, capsys):
+    """A line that parses as JSON and is no step's record (a list, a string, a step as text) was kept on resume,
+    and every reader of the log (the plots, the report, a resume's early-stop history) then failed on it."""
+    run = copy_of(two_checkpoints, tmp_path)
+    with (run / "metrics.jsonl").open("a") as log:
+        log.write('[1, 2]\n"text"\n{"step": "3"}\n')
+    status, text = resume(run, 3, capsys)
+    assert status == 0, text
+    lines = len((run / "metrics.jsonl").read_text().splitlines())
+    assert "line 4 (no record of a step), line 5 (no record of a step), line 6 (no record of a step) cut short, not " \
+           "text or not a record, dropped" in " ".join(text.split()), text
+    assert lines == 5  # validation 0, steps 1 to 3, validation 3
     assert_whole(run, 3)

@@ -64,9 +64,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` whole or not at all: written to a temporary file of its folder (a name no
     other process uses: ``tempfile`` creates it exclusively), flushed to the disk, then renamed over ``path``.
-    A failed write (a full disk, a file-size limit) leaves the old file as it was and no temporary file."""
+    A failed write (a full disk, a file-size limit) leaves the old file as it was and no temporary file.
+
+    The file gets the permissions a plain write would give it (``0o666`` less the umask): ``mkstemp`` makes its
+    file readable by its owner alone, which would hide the run's settings and summary from the rest of a group
+    that shares the run directory."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as file:
             file.write(text)
             file.flush()
@@ -75,6 +80,20 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """This process's umask: read from ``/proc/self/status`` where Linux says it, since ``os.umask`` can only
+    read it by setting it, and a file another thread creates in between would get the value set."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def remove_unfinished_writes(folder: Path) -> list[Path]:

@@ -53,7 +53,7 @@ from turnrl.training.sft import sft_stage
 from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import StepOutput, Trainer, console
 from turnrl.viz.records import write_token_advantages
-from turnrl.viz.report import write_report
+from turnrl.viz.report import REPORT_NAME, write_report
 
 STOP_FILE = "stop"
 """``touch RUN_DIR/stop``: the run stops after the step in progress and saves a checkpoint (as Ctrl-C does in one
@@ -234,13 +234,43 @@ def train(config: TrainConfig) -> dict[str, Any]:
         return _stopped_before_steps(config, stopped.signal)
     except OSError as error:  # a write into the run directory that the disk refused (metrics, trajectories, ...)
         cause = disk_error_cause(error)
-        if cause is None:
+        if cause is not None:
+            raise ConfigError(f"the run could not write into {run_directory(config)}: {cause}. Free some space, "
+                              f"raise the limit or put run.output_dir on a larger disk; {_how_to_go_on(config)}"
+                              ) from error
+        damaged = _run_file_in_the_way(error, run_directory(config))
+        if damaged is None:
             raise
-        raise ConfigError(f"the run could not write into {run_directory(config)}: {cause}. Free some space, raise "
-                          f"the limit or put run.output_dir on a larger disk; {_how_to_go_on(config)}") from error
+        raise ConfigError(f"{damaged}; {_how_to_go_on(config)}") from error
     finally:
         if distributed:
             ranks.close_process_group()
+
+
+_IN_THE_WAY = (IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError)
+"""What a file of the run that is not what the run made of it raises: a folder where the run writes a file
+(``metrics.jsonl``, ``summary.json``, ``stop``), a file where it makes a folder (``trajectories``), a file it
+may not write (changed by hand, or by another user)."""
+
+
+def _run_file_in_the_way(error: OSError, run_dir: Path) -> str | None:
+    """One line naming the run's own file that ``error`` is about and what to do with it, when it is one of the
+    run directory's and of a kind in :data:`_IN_THE_WAY`; None otherwise (a fault whose traceback should be
+    seen)."""
+    if not isinstance(error, _IN_THE_WAY):
+        return None
+    names = [Path(name) for name in (error.filename, error.filename2) if isinstance(name, str)]
+    inside = [path for path in names if path.resolve().is_relative_to(run_dir.resolve())]
+    if not inside:
+        return None
+    path = inside[-1]  # of a rename, the target: the run's file; its temporary source is the run's own
+    if isinstance(error, PermissionError):
+        what = "may not be written by this user: give it back its permissions (`chmod u+rw`)"
+    elif path.is_dir():
+        what = "is a folder where the run keeps a file: move it away"
+    else:
+        what = "is a file where the run keeps a folder: move it away"
+    return f"{path} {what} ({error.strerror})"
 
 
 def _how_to_go_on(config: TrainConfig) -> str:
@@ -276,6 +306,8 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
     if done is not None:
         console.print(f"run {config.resume} already ran its {config.run.steps} steps; nothing to do "
                       f"(raise run.steps to continue it). Summary: {run_directory(config) / 'summary.json'}")
+        if not (run_directory(config) / REPORT_NAME).is_file():  # killed between its summary and its report
+            _report(run_directory(config))
         return done
     resumed = config.resume is not None
     if distributed and config.model.path is None:

@@ -67,9 +67,9 @@ class MetricsLogger:
         if resume_step is not None and self.path.exists():
             lost = _truncate_after(self.path, resume_step)
             if lost:
-                Console(stderr=True).print(f"note: {self.path} was damaged: {', '.join(lost)} cut short or not text, "
-                                           "dropped (the steps are not run again)", markup=False, highlight=False,
-                                           soft_wrap=True)
+                Console(stderr=True).print(f"note: {self.path} was damaged: {', '.join(lost)} cut short, not text or "
+                                           "not a record, dropped (the steps are not run again)", markup=False,
+                                           highlight=False, soft_wrap=True)
         self._file = self.path.open("a" if resume_step is not None else "w")
         self._writer = None
         if tensorboard:
@@ -122,7 +122,13 @@ def _truncate_after(path: Path, step: int) -> list[str]:
             elif start is not None and int(start.group(1)) <= step:
                 lost.append(f"line {number} (the record of step {int(start.group(1))})")
             continue
-        if not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step):
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+            # JSON, but no record (a list, a string, a step that is not a number): every reader of the log
+            # takes each line for a record of a step, so such a line would break them all.
+            if raw.strip():
+                lost.append(f"line {number} (no record of a step)")
+            continue
+        if record["step"] <= step:
             kept.append(raw.decode("utf-8"))
     atomic_write_text(path, "".join(f"{line}\n" for line in kept))
     return lost

@@ -22,7 +22,7 @@ import yaml
 from filelock import FileLock, Timeout
 from rich.console import Console
 
-from turnrl.config import ConfigError, to_yaml, turnrl_command
+from turnrl.config import ConfigError, load_config, to_yaml, turnrl_command
 from turnrl.training import ranks
 from turnrl.training.checkpoint import (
     ResumePoint,
@@ -54,6 +54,9 @@ def resumed_checkpoint(config: TrainConfig) -> ResumePoint:
         ConfigError: the directory holds no complete checkpoint; one line saying what is broken and what to do.
     """
     run_dir = run_directory(config)
+    changed = saved_models_change(run_dir, config)
+    if changed is not None:
+        raise ConfigError(changed)
     point = resume_point(run_dir, critic=config.algorithm.uses_critic)
     if point.checkpoint is None:
         none = "no complete checkpoint" if checkpoint_steps(run_dir) else "no checkpoint"
@@ -61,6 +64,38 @@ def resumed_checkpoint(config: TrainConfig) -> ResumePoint:
                           "run.save_every steps, at its end and on Ctrl-C; start it afresh with "
                           f"`{turnrl_command()} train --config {run_dir / 'config.yaml'} run.overwrite=true`")
     return point
+
+
+def _saved_models(config: TrainConfig) -> dict[str, bool]:
+    """Which models a run's checkpoints hold, by what its settings ask of them: a critic (``critic/``), LoRA
+    adapters in place of the whole actor (``actor/adapter_config.json``), the frozen reference of the KL term
+    (``RUN_DIR/reference``, not kept with LoRA, whose reference is the model under the adapters)."""
+    return {"a critic": config.algorithm.uses_critic, "LoRA adapters": config.lora.enabled,
+            "a KL reference model": config.algorithm.kl_coef > 0 and not config.lora.enabled}
+
+
+def saved_models_change(run_dir: Path, resumed: TrainConfig) -> str | None:
+    """Why ``resumed`` (the run's ``config.yaml`` with a resume's overrides) needs models that the run's
+    checkpoints do not hold, or holds as others (``algorithm.advantage=gae`` on a GRPO run: a critic it never
+    trained; ``lora.enabled`` switched), and what to do; None when it needs the same (or the run's settings do
+    not read: the damaged file is said before this).
+
+    Without it such a resume stopped deep in the model loading with a traceback, or (a critic asked for)
+    called every intact checkpoint incomplete and advised ``run.overwrite=true``, which deletes them."""
+    try:
+        saved = load_config(TrainConfig, run_dir / "config.yaml")
+    except (OSError, ConfigError):
+        return None
+    before, after = _saved_models(saved), _saved_models(resumed)
+    needed = [name for name in after if after[name] and not before[name]]
+    switched = [name for name in ("LoRA adapters",) if before[name] and not after[name]]
+    if not needed and not switched:
+        return None
+    what = "; ".join([*(f"{name}, which the run was trained without" for name in needed),
+                      *(f"no {name}, which the run was trained with" for name in switched)])
+    return (f"resume={resumed.resume!r} would need {what}: its checkpoints cannot be resumed that way; resume it "
+            f"with the run's own algorithm.advantage, algorithm.kl_coef and lora.enabled (leave them out), or start "
+            f"a new run from one of its models (model.path={run_dir}/checkpoints/step_N/actor)")
 
 
 def write_config(config: TrainConfig) -> None:
