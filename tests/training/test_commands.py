@@ -159,6 +159,36 @@ def test_a_damaged_config_yaml_stops_a_resume_with_one_line_and_changes_nothing(
     assert "overwrite" not in message
 
 
+def test_a_config_yaml_cut_short_that_still_parses_stops_a_resume_and_changes_nothing(finished, tmp_path):
+    """Cut at a line, config.yaml is still YAML: read as it stands, every setting it lost would take its default
+    (a GRPO run would look for a critic and call its checkpoints incomplete). The checkpoint's copy says what a
+    whole one holds."""
+    run = tmp_path / "run"
+    for path, data in listing(finished).items():
+        (run / path).parent.mkdir(parents=True, exist_ok=True)
+        (run / path).write_bytes(data)
+    lines = (run / "config.yaml").read_text().splitlines(keepends=True)
+    (run / "config.yaml").write_text("".join(lines[: len(lines) // 2]))
+    before = listing(run)
+    message = error_line("train", f"resume={run}", "run.steps=3")
+    assert message.startswith(f"error: {run / 'config.yaml'} is damaged (cut short: it lacks ")
+    assert "settings that the copy of checkpoint 2 holds" in message and "overwrite" not in message
+    assert listing(run) == before
+
+
+def test_a_resume_that_changes_the_runs_settings_says_which(finished, tmp_path, capsys):
+    """A finished run resumed at its own run.steps does nothing; the note names each changed setting first."""
+    run = tmp_path / "run"
+    for path, data in listing(finished).items():
+        (run / path).parent.mkdir(parents=True, exist_ok=True)
+        (run / path).write_bytes(data)
+    main(["train", f"resume={run}", "run.steps=2", "seeds.seed=7", "optim.actor_lr=0.5"])
+    err = capsys.readouterr().err
+    assert "note: resuming with settings changed from the run's: seeds.seed: 0 -> 7; optim.actor_lr:" in err
+    main(["train", f"resume={run}", "run.steps=2"])
+    assert "settings changed" not in capsys.readouterr().err
+
+
 def test_a_checkpoint_that_keeps_its_runs_config_is_still_read_as_a_checkpoint(finished):
     from turnrl.training.run_dir import run_of_model
 

@@ -16,6 +16,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 import yaml
@@ -80,8 +81,8 @@ def saved_models_change(run_dir: Path, resumed: TrainConfig) -> str | None:
     trained; ``lora.enabled`` switched), and what to do; None when it needs the same (or the run's settings do
     not read: the damaged file is said before this).
 
-    Without it such a resume stopped deep in the model loading with a traceback, or (a critic asked for)
-    called every intact checkpoint incomplete and advised ``run.overwrite=true``, which deletes them."""
+    Such a resume would otherwise stop deep in the model loading with a traceback, or (a critic asked for) call
+    every intact checkpoint incomplete and advise ``run.overwrite=true``, which deletes them."""
     try:
         saved = load_config(TrainConfig, run_dir / "config.yaml")
     except (OSError, ConfigError):
@@ -96,6 +97,15 @@ def saved_models_change(run_dir: Path, resumed: TrainConfig) -> str | None:
     return (f"resume={resumed.resume!r} would need {what}: its checkpoints cannot be resumed that way; resume it "
             f"with the run's own algorithm.advantage, algorithm.kl_coef and lora.enabled (leave them out), or start "
             f"a new run from one of its models (model.path={run_dir}/checkpoints/step_N/actor)")
+
+
+def changed_settings(run: TrainConfig, resumed: TrainConfig) -> list[str]:
+    """The settings a resume changes from the run's own (``env.id: 'FrozenLake' -> 'Bandit'``), in the order of
+    the config: those of what is trained and played, not ``resume`` nor the run's bookkeeping (``run.steps``,
+    which a resume raises to go on, the saving and the logging)."""
+    before, after = (flat_settings(yaml.safe_load(to_yaml(config))) for config in (run, resumed))
+    return [f"{key}: {before.get(key)!r} -> {value!r}" for key, value in after.items()
+            if key != "resume" and not key.startswith("run.") and before.get(key) != value]
 
 
 def write_config(config: TrainConfig) -> None:
@@ -128,6 +138,21 @@ def _config_damage(path: Path) -> str | None:
     return None
 
 
+def flat_settings(settings: Any, prefix: str = "") -> dict[str, Any]:
+    """A mapping of settings (a ``config.yaml`` read) by dotted key (``algorithm.kl_coef``); an empty mapping is
+    one setting."""
+    if not isinstance(settings, dict) or not settings:
+        return {prefix.removesuffix("."): settings}
+    return {key: value for name, inner in settings.items()
+            for key, value in flat_settings(inner, f"{prefix}{name}.").items()}
+
+
+def _setting_keys(path: Path) -> set[str]:
+    """The dotted keys of a readable ``config.yaml``: every one the run was written with, as :func:`write_config`
+    writes them all."""
+    return set(flat_settings(yaml.safe_load(path.read_text(encoding="utf-8"))))
+
+
 def _config_copy(run_dir: Path) -> Path | None:
     """The copy of the run's settings that its latest checkpoint (else its newest one holding one) keeps."""
     latest = latest_checkpoint(run_dir)
@@ -143,9 +168,16 @@ def damaged_run_config(run_dir: Path) -> str | None:
     them with are lost."""
     path = run_dir / "config.yaml"
     damage = _config_damage(path)
+    copy = _config_copy(run_dir)
+    if damage is None and copy is not None:
+        missing = sorted(_setting_keys(copy) - _setting_keys(path))
+        if missing:
+            # A file cut short can still parse; every key it lacks would then take its default silently.
+            named = ", ".join(missing[:3]) + ("..." if len(missing) > 3 else "")
+            damage = (f"cut short: it lacks {len(missing)} settings that the copy of checkpoint "
+                      f"{checkpoint_step(copy.parent)} holds, {named}")
     if damage is None:
         return None
-    copy = _config_copy(run_dir)
     command = turnrl_command()
     if copy is not None:
         repair = (f"restore it from the copy checkpoint {checkpoint_step(copy.parent)} keeps (`cp {copy} {path}`) "
