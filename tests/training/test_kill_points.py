@@ -28,6 +28,7 @@ from tests.training.test_commands import ROOT, config, environment, kinds, listi
 from turnrl.cli import main
 from turnrl.training.checkpoint import checkpoint_problem, latest_checkpoint
 from turnrl.training.commands import train
+from turnrl.training.logger import step_ranges
 from turnrl.training.run_dir import OWNER_FILE
 
 EPISODES = 4
@@ -414,6 +415,28 @@ def test_a_damaged_record_of_a_checkpointed_step_is_dropped_and_said(two_checkpo
     assert (f"note: {run / 'metrics.jsonl'} was damaged: line {len(lines)} (the record of step 2) cut short, not "
             "text or not a record, dropped") in " ".join(text.split())
     assert kinds(run) == [(0, "val"), (1, "step"), (3, "step"), (3, "val")]
+
+
+@pytest.mark.parametrize("gone", ["deleted", "emptied"])
+def test_a_metrics_log_deleted_or_emptied_since_its_steps_ran_is_said_on_resume(two_checkpoints, tmp_path, capsys,
+                                                                               gone):
+    """Records of checkpointed steps that are not there at all (the file deleted or emptied by hand) cannot be
+    logged again either: the resume says which steps lack a record, and goes on."""
+    run = copy_of(two_checkpoints, tmp_path)
+    if gone == "deleted":
+        (run / "metrics.jsonl").unlink()
+    else:
+        (run / "metrics.jsonl").write_bytes(b"")
+    status, text = resume(run, 3, capsys)
+    assert status == 0, text
+    assert (f"note: {run / 'metrics.jsonl'} holds no record of steps 1-2 (deleted or emptied since they ran?)"
+            in " ".join(text.split())), text
+    assert kinds(run) == [(3, "step"), (3, "val")]
+
+
+def test_step_ranges_say_runs_of_steps_in_few_words():
+    assert step_ranges([4]) == "step 4"
+    assert step_ranges([1, 2, 3, 7, 9, 10]) == "steps 1-3, 7, 9-10"
 
 
 def test_an_unusable_trainer_state_is_one_line_naming_the_checkpoint_to_move_away(two_checkpoints, tmp_path, capsys):

@@ -64,12 +64,17 @@ class MetricsLogger:
                  config: dict[str, Any] | None = None, resume_step: int | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.exists():
-            lost = _truncate_after(self.path, resume_step)
+        if resume_step is not None:
+            lost, logged = _truncate_after(self.path, resume_step) if self.path.exists() else ([], set())
+            note = Console(stderr=True)
             if lost:
-                Console(stderr=True).print(f"note: {self.path} was damaged: {', '.join(lost)} cut short, not text or "
-                                           "not a record, dropped (the steps are not run again)", markup=False,
-                                           highlight=False, soft_wrap=True)
+                note.print(f"note: {self.path} was damaged: {', '.join(lost)} cut short, not text or not a record, "
+                           "dropped (the steps are not run again)", markup=False, highlight=False, soft_wrap=True)
+            missing = [step for step in range(1, resume_step + 1) if step not in logged]
+            if missing:
+                note.print(f"note: {self.path} holds no record of {step_ranges(missing)} (deleted or emptied since "
+                           "they ran?): the resumed run goes on from its checkpoint without them", markup=False,
+                           highlight=False, soft_wrap=True)
         self._file = self.path.open("a" if resume_step is not None else "w")
         self._writer = None
         if tensorboard:
@@ -107,11 +112,24 @@ _RECORD_START = re.compile(rb'^\{"step": (\d+)')
 """How every record of :meth:`MetricsLogger.log` starts: the step of a line cut short is still read from it."""
 
 
-def _truncate_after(path: Path, step: int) -> list[str]:
+def step_ranges(steps: list[int]) -> str:
+    """Sorted steps in few words: ``steps 1-3, 7``; ``step 4``."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    spans = [f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs]
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(spans)
+
+
+def _truncate_after(path: Path, step: int) -> tuple[list[str], set[int]]:
     """Drop the records of ``metrics.jsonl`` past ``step``, and lines cut short or garbled (a run killed while it
-    wrote one, a disk that refused the rest); returns a note for each damaged line of a step up to ``step``, whose
-    record is then lost (the resumed run does not run that step again), or of no step that can be read."""
-    kept, lost = [], []
+    wrote one, a disk that refused the rest). Returns a note for each damaged line of a step up to ``step``, whose
+    record is then lost (the resumed run does not run that step again), or of no step that can be read; and the
+    steps up to ``step`` that had a record, whole or damaged."""
+    kept, lost, logged = [], [], set()
     for number, raw in enumerate(path.read_bytes().splitlines(), 1):
         try:
             record = json.loads(raw.decode("utf-8"))
@@ -121,6 +139,7 @@ def _truncate_after(path: Path, step: int) -> list[str]:
                 lost.append(f"line {number} (no record of a step)")
             elif start is not None and int(start.group(1)) <= step:
                 lost.append(f"line {number} (the record of step {int(start.group(1))})")
+                logged.add(int(start.group(1)))  # said as damaged, not as missing
             continue
         if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
             # JSON, but no record (a list, a string, a step that is not a number): every reader of the log
@@ -130,8 +149,9 @@ def _truncate_after(path: Path, step: int) -> list[str]:
             continue
         if record["step"] <= step:
             kept.append(raw.decode("utf-8"))
+            logged.add(record["step"])
     atomic_write_text(path, "".join(f"{line}\n" for line in kept))
-    return lost
+    return lost, logged
 
 
 def _clock(seconds: float) -> str:
