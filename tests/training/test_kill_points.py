@@ -380,6 +380,8 @@ DAMAGE: dict[str, Callable[[Path], object]] = {
     "actor/config.json not JSON": lambda run: (run / LAST / "actor" / "config.json").write_text('{"model_type": "qw'),
     "tokenizer.json cut short": lambda run: (run / LAST / "actor" / "tokenizer.json").write_bytes(
         (run / LAST / "actor" / "tokenizer.json").read_bytes()[:500]),
+    "no chat template": lambda run: (run / LAST / "actor" / "chat_template.jinja").unlink(),
+    "chat template not text": lambda run: (run / LAST / "actor" / "chat_template.jinja").write_bytes(b"{{ \xff\xfe"),
     "trainer_state.pt random bytes": lambda run: (run / LAST / "trainer_state.pt").write_bytes(os.urandom(4096)),
     "trainer_state.pt empty": lambda run: (run / LAST / "trainer_state.pt").write_bytes(b""),
     "unfinished writes of a killed session": lambda run: (
@@ -388,7 +390,8 @@ DAMAGE: dict[str, Callable[[Path], object]] = {
         (run / ".config.yaml.1.abcdefgh.tmp").write_text("run:\n")),
 }
 FIXED = {"metrics.jsonl's last line not text", "latest not text", "latest a folder", "actor/config.json not JSON",
-         "tokenizer.json cut short", "unfinished writes of a killed session"}
+         "tokenizer.json cut short", "unfinished writes of a killed session", "no chat template",
+         "chat template not text"}
 """The damages that stopped a resume with a traceback, or left files behind, before the fixes (the others
 passed already: regression tests)."""
 

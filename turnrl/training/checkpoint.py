@@ -389,6 +389,10 @@ def _model_problem(directory: Path, name: str, tokenizer: bool = False) -> str |
         problem = _json_object_problem(directory / file, f"{name}/{file}")
         if problem is not None:
             return problem
+    if tokenizer and not adapters:
+        problem = _chat_template_problem(directory, name)
+        if problem is not None:
+            return problem
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -409,12 +413,31 @@ def _model_problem(directory: Path, name: str, tokenizer: bool = False) -> str |
     return None
 
 
+def _chat_template_problem(directory: Path, name: str) -> str | None:
+    """What keeps a saved tokenizer's chat template from being read, None if nothing: every prompt of a run is
+    rendered with it, and transformers saves it beside the tokenizer (``chat_template.jinja``), in its settings
+    (``tokenizer_config.json``, older releases) or as ``chat_template.json``."""
+    settings = json.loads((directory / "tokenizer_config.json").read_bytes())
+    if isinstance(settings.get("chat_template"), (str, list)):
+        return None
+    jinja, legacy = directory / "chat_template.jinja", directory / "chat_template.json"
+    if jinja.is_file():
+        try:
+            text = jinja.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            return f"{name}/{jinja.name} is damaged: {error}"
+        return None if text.strip() else f"{name}/{jinja.name} is damaged: empty"
+    if legacy.is_file():
+        return _json_object_problem(legacy, f"{name}/{legacy.name}")
+    return f"no {name}/{jinja.name} (the tokenizer's chat template)"
+
+
 def checkpoint_problem(checkpoint: Path, critic: bool = False) -> str | None:
     """What keeps ``checkpoint`` from being resumed, in a few words (``no trainer_state.pt``); None if nothing.
 
     A complete checkpoint holds ``trainer_state.pt`` (a readable ``torch.save`` archive), ``actor/`` (and
     ``critic/`` with its ``value_head.pt`` when the run has a critic) with its config and whole weights files,
-    and the actor's tokenizer.
+    and the actor's tokenizer with its chat template.
     Cheap: only file names, the settings files (JSON), the archive's index and the safetensors headers are read,
     no tensor.
     """
