@@ -462,6 +462,54 @@ def test_a_body_over_the_limit_is_a_413_read_no_further():
     assert status == 413 and read == []
 
 
+def test_the_bodies_in_flight_together_are_bounded_and_a_request_past_it_is_a_503_read_no_further():
+    """Each body under the limit, but many held at once (waiting for a preparation thread) would hold memory
+    without bound: past the total, a request is refused with a 503 to retry; once the first is answered, the
+    bytes it held are free again."""
+    from turnrl.envservice.server import BodyLimit
+    from turnrl.serve.policy import request_too_large, server_busy
+
+    async def scenario():
+        release, entered = asyncio.Event(), []
+
+        async def app(scope, receive, send):
+            entered.append((await receive())["body"])
+            await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        limited = BodyLimit(app, limit=800, too_large=lambda: request_too_large(800), total_limit=1000,
+                            busy=lambda: server_busy(1000))
+
+        async def request(size: int, read: list):
+            sent = []
+
+            async def receive():
+                read.append(size)
+                return {"type": "http.request", "body": b"x" * size, "more_body": False}
+
+            async def send(message):
+                sent.append(message)
+
+            await limited({"type": "http", "headers": []}, receive, send)
+            return sent
+
+        first = asyncio.create_task(request(600, []))
+        while not entered:
+            await asyncio.sleep(0)
+        read: list[int] = []
+        refused = await request(600, read)
+        assert refused[0]["status"] == 503 and read == [600] and len(entered) == 1
+        message = json.loads(refused[1]["body"])["error"]
+        assert message["code"] == "server_busy" and "send the request again" in message["message"]
+        assert limited.held == 600
+        release.set()
+        assert (await first)[0]["status"] == 200 and limited.held == 0
+        assert (await request(600, []))[0]["status"] == 200 and limited.held == 0
+
+    asyncio.run(scenario())
+
+
 def test_the_server_refuses_a_large_body_with_one_line_and_keeps_serving(served, client):
     with running(create_app(served.policy, MODEL, max_request_mb=1)) as url:
         too_large = httpx.post(url + "/chat/completions", json={"model": MODEL, "messages": HI, "pad": "x" * (2 << 20)},

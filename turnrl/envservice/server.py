@@ -465,11 +465,22 @@ class BodyLimit:
     the rest is never read. Written by hand: uvicorn bounds no body, and Starlette's
     ``RequestBodyLimitMiddleware`` is newer than the Starlette that ``fastapi>=0.110`` allows and answers in
     plain text, where each server's clients expect its own error shape.
+
+    With ``total_limit``, the bodies of the requests in flight (read, or being read, and not yet answered)
+    together hold at most that many bytes: a request that would pass it is answered with ``busy`` (a 503 to
+    retry), read no further. Each body alone is bounded, but many large ones at once, each waiting for its
+    turn, would otherwise hold memory without bound.
     """
 
     def __init__(self, app: Any, limit: int, too_large: Callable[[], Response],
-                 on_reject: Callable[[], None] = lambda: None) -> None:
+                 on_reject: Callable[[], None] = lambda: None, total_limit: int | None = None,
+                 busy: Callable[[], Response] | None = None) -> None:
+        if (total_limit is None) != (busy is None):
+            raise ValueError("total_limit and busy go together")
         self.app, self.limit, self.too_large, self.on_reject = app, limit, too_large, on_reject
+        self.total_limit, self.busy = total_limit, busy
+        self.held = 0
+        """Bytes of the bodies in flight (the event loop's one thread counts them)."""
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
                        send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
@@ -481,27 +492,35 @@ class BodyLimit:
             await self.refuse(scope, receive, send)
             return
         chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":  # the client went away: nothing to answer
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                await self.refuse(scope, receive, send)
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        body, replayed = b"".join(chunks), False
+        try:
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":  # the client went away: nothing to answer
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                self.held += len(chunk)
+                if size > self.limit:
+                    await self.refuse(scope, receive, send)
+                    return
+                if self.total_limit is not None and self.held > self.total_limit:
+                    assert self.busy is not None
+                    await self.busy()(scope, receive, send)
+                    return
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+            body, replayed = b"".join(chunks), False
 
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: the disconnect, when the client goes
+            async def replay() -> dict:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()  # after the body: the disconnect, when the client goes
 
-        await self.app(scope, replay, send)
+            await self.app(scope, replay, send)
+        finally:
+            self.held -= size
 
     async def refuse(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
                      send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:

@@ -32,6 +32,8 @@ Behaviour worth knowing:
 - A request body over ``--max-request-mb`` (32 MiB by default: several large images as data URLs) is a
   413, answered as soon as the bytes read pass the limit (or at once when ``Content-Length`` says so), so a
   client that sends more, or lies about its length, or streams it chunked, never has more than the limit held.
+  The bodies of all requests in flight together hold at most 8 times that: past it, a request is a 503 to
+  retry (clients such as openai's retry those), read no further.
 - Strings must be valid Unicode: a lone surrogate (JSON's ``"\\udfff"``) in a
   message or a stop string is a 400 that names the field.
 - ``n`` samples per request, ``stop`` strings (cut from the returned text as
@@ -111,6 +113,18 @@ TOKEN_ENV_VAR = "TURNRL_POLICY_TOKEN"
 DEFAULT_MAX_REQUEST_MB = 32
 """The largest request body in MiB by default: a chat with several large images as base64 data URLs (a
 1024 x 1024 photo is about 2 MB as PNG, a third more in base64) fits, a body meant to exhaust memory does not."""
+
+REQUESTS_HELD = 8
+"""Request bodies of the largest size that may be in flight at once (``--max-request-mb`` each): past that
+many bytes together, a request is answered with a 503 to retry, read no further."""
+
+
+def server_busy(total_bytes: int) -> JSONResponse:
+    """The 503 of a request that would take the bodies in flight past ``total_bytes``."""
+    return APIError(503, f"the server holds {total_bytes / (1 << 20):g} MiB of requests in flight, its limit "
+                         f"({REQUESTS_HELD} x --max-request-mb); send the request again in a moment",
+                    type="server_error", code="server_busy").response()
+
 
 def request_too_large(limit_bytes: int) -> JSONResponse:
     """The 413 of a request body over ``limit_bytes``, in OpenAI's error shape, saying what to do."""
@@ -480,7 +494,9 @@ def create_app(
     app.state.model_name = model_name
     # Added before the key check, so that it runs inside it: a request without the key is refused unread.
     limit_bytes = int(max_request_mb * (1 << 20))
-    app.add_middleware(BodyLimit, limit=limit_bytes, too_large=lambda: request_too_large(limit_bytes))
+    held_bytes = REQUESTS_HELD * limit_bytes
+    app.add_middleware(BodyLimit, limit=limit_bytes, too_large=lambda: request_too_large(limit_bytes),
+                       total_limit=held_bytes, busy=lambda: server_busy(held_bytes))
 
     if token is not None:
         @app.middleware("http")
