@@ -347,7 +347,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                          f"(resume={run}) continues from its latest checkpoint; move later ones away to continue "
                          "from an earlier one")
     if resume is not None and config_path is None:
-        if not (Path(resume) / "config.yaml").is_file():
+        if not (Path(resume) / "config.yaml").exists():  # one of another kind (a folder) is damaged, said below
             raise SystemExit(f"error: resume={resume!r} is not a run directory (it has no config.yaml)")
         from turnrl.training.run_dir import damaged_run_config
 

@@ -133,7 +133,7 @@ def test_a_config_write_that_fails_leaves_the_old_config_yaml_whole(tmp_path):
 
 # --------------------------------------------------------------------------- 2. a damaged config.yaml
 @pytest.mark.parametrize("damage", [b"", b"\n  \n", b"\x9f\xd3\x00\xffrandom\xfe bytes", b"run: [unclosed",
-                                    b"- a list\n"])
+                                    b"- a list\n", "a folder"])
 def test_a_damaged_config_yaml_stops_a_resume_with_one_line_and_changes_nothing(finished, tmp_path, damage):
     run = tmp_path / "run"
     run.mkdir()
@@ -142,7 +142,11 @@ def test_a_damaged_config_yaml_stops_a_resume_with_one_line_and_changes_nothing(
             (run / path).parent.mkdir(parents=True, exist_ok=True)
             (run / path).write_bytes(data)
     recorded = (run / "config.yaml").read_bytes()
-    (run / "config.yaml").write_bytes(damage)
+    if damage == "a folder":
+        (run / "config.yaml").unlink()
+        (run / "config.yaml").mkdir()
+    else:
+        (run / "config.yaml").write_bytes(damage)
     before = listing(run)
     message = error_line("train", f"resume={run}", "run.steps=3")
     copy = run / "checkpoints" / "step_000002" / "config.yaml"
