@@ -357,13 +357,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         config_path = str(Path(resume) / "config.yaml")
     try:
         config = load_config(TrainConfig, config_path, overrides)
-        if resume is not None and args.config is None and "WORLD_SIZE" not in os.environ:
-            from turnrl.training.run_dir import changed_settings
-
-            changed = changed_settings(load_config(TrainConfig, config_path, []), config)
-            if changed:
-                print(f"note: resuming with settings changed from the run's: {'; '.join(changed)} (its config.yaml "
-                      "is rewritten with them)", file=sys.stderr, flush=True)
         # Several processes, or FSDP on one (its CPU offload lets a model too large for the GPU train there).
         dist = config.distributed
         if (dist.nproc_per_node > 1 or dist.backend == "fsdp") and "WORLD_SIZE" not in os.environ:

@@ -197,8 +197,7 @@ def test_a_fault_of_the_server_is_a_500_in_openai_s_shape_and_it_keeps_serving(s
     assert response.status_code == 500
     error = response.json()["error"]
     assert error["type"] == "server_error" and "\n" not in error["message"]
-    assert error["message"].startswith("internal error (KeyError: 'choices") and "log has the traceback" in \
-        error["message"]
+    assert error["message"] == "internal error (KeyError); the server's log has the traceback"
     monkeypatch.undo()
     assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices
 

@@ -153,6 +153,7 @@ def test_a_damaged_config_yaml_stops_a_resume_with_one_line_and_changes_nothing(
     assert message.startswith(f"error: {run / 'config.yaml'} is damaged (")
     assert f"restore it from the copy checkpoint 2 keeps (`cp {copy} {run / 'config.yaml'}`)" in message
     assert "overwrite" not in message and message.endswith("Nothing was changed")
+    assert (f"move the folder away (`mv {run / 'config.yaml'} " in message) == (damage == "a folder")
     assert listing(run) == before
     assert copy.read_bytes() == recorded  # the copy is the run's settings
     # Without a copy (checkpoints saved before they kept one): resume with the recipe, nothing deleted.
@@ -180,17 +181,20 @@ def test_a_config_yaml_cut_short_that_still_parses_stops_a_resume_and_changes_no
     assert listing(run) == before
 
 
-def test_a_resume_that_changes_the_runs_settings_says_which(finished, tmp_path, capsys):
-    """A finished run resumed at its own run.steps does nothing; the note names each changed setting first."""
+def test_a_resume_that_changes_the_runs_settings_says_which_once_they_are_written(finished, tmp_path, capsys):
+    """The note comes once the checkpoint has loaded and config.yaml is rewritten with the resume's settings: a
+    finished run, which a resume leaves as it is, gets none; the run's bookkeeping (run.steps) is no change."""
     run = tmp_path / "run"
     for path, data in listing(finished).items():
         (run / path).parent.mkdir(parents=True, exist_ok=True)
         (run / path).write_bytes(data)
-    main(["train", f"resume={run}", "run.steps=2", "seeds.seed=7", "optim.actor_lr=0.5"])
-    err = capsys.readouterr().err
-    assert "note: resuming with settings changed from the run's: seeds.seed: 0 -> 7; optim.actor_lr:" in err
-    main(["train", f"resume={run}", "run.steps=2"])
-    assert "settings changed" not in capsys.readouterr().err
+    main(["train", f"resume={run}", "run.steps=2", "seeds.seed=7"])
+    assert "settings changed" not in capsys.readouterr().out
+    main(["train", f"resume={run}", "run.steps=3", "seeds.seed=7", "optim.actor_lr=0.5"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "note: resumed with settings changed from the run's: seeds.seed: 0 -> 7; optim.actor_lr:" in out
+    assert "run.steps" not in out.split("note: resumed with settings changed")[1].split("(its config.yaml")[0]
+    assert load_config(TrainConfig, run / "config.yaml").seeds.seed == 7
 
 
 def test_a_checkpoint_that_keeps_its_runs_config_is_still_read_as_a_checkpoint(finished):
@@ -421,9 +425,9 @@ def test_a_resume_that_would_play_other_levels_is_refused_and_changes_nothing(fi
 
 
 @pytest.mark.parametrize(("override", "needed"), [
-    ("algorithm.advantage=gae", "a critic, which the run was trained without"),
-    ("lora.enabled=true", "LoRA adapters, which the run was trained without"),
-    ("algorithm.kl_coef=0.1", "a KL reference model, which the run was trained without"),
+    ("algorithm.advantage=gae", "a critic, which the run has not saved"),
+    ("lora.enabled=true", "LoRA adapters, which the run has not saved"),
+    ("algorithm.kl_coef=0.1", "a KL reference model, which the run has not saved"),
 ])
 def test_a_resume_that_needs_models_the_run_never_saved_is_refused_and_changes_nothing(finished, override, needed):
     """A critic, LoRA or a KL reference asked for on resume of a run trained without: one line naming it (where it
@@ -435,6 +439,20 @@ def test_a_resume_that_needs_models_the_run_never_saved_is_refused_and_changes_n
                               "resumed that way;"), message
     assert "overwrite" not in message
     assert listing(finished) == before
+
+
+def test_what_a_resume_needs_is_read_from_the_runs_files_not_its_rewritten_config(tiny_model_dir, tmp_path):
+    """A run trained with a KL reference, resumed once without (which rewrites its config.yaml with
+    ``kl_coef=0``): the reference is still on disk, so a resume that turns the KL on again is not refused."""
+    from turnrl.training.run_dir import saved_models_change
+
+    train(config(tiny_model_dir, tmp_path, "run.steps=1", "algorithm.kl_coef=0.05"))
+    run = tmp_path / "run"
+    write_config(config(tiny_model_dir, tmp_path, "run.steps=1", "algorithm.kl_coef=0"))
+    assert saved_models_change(run, config(tiny_model_dir, tmp_path, "algorithm.kl_coef=0.05", f"resume={run}")) \
+        is None
+    assert "a critic, which the run has not saved" in saved_models_change(
+        run, config(tiny_model_dir, tmp_path, "algorithm.advantage=gae", f"resume={run}"))
 
 
 def test_the_level_plan_names_the_keys_that_move_the_levels(tmp_path):

@@ -66,3 +66,13 @@ def test_a_runs_models_are_found_with_the_run_that_saved_them(tmp_path):
     assert run_of_model(tmp_path / "absent") is None
     (run / "config.yaml").unlink()
     assert run_of_model(actor) is None and run_of_model(run) is None
+
+
+def test_settings_of_a_config_are_lost_only_when_held_neither_as_they_are_nor_below():
+    from turnrl.training.run_dir import settings_lost, flat_settings
+
+    before = set(flat_settings({"env": {"id": "FrozenLake", "settings": {}}, "run": {"steps": 2}}))
+    assert before == {"env.id", "env.settings", "run.steps"}
+    filled = set(flat_settings({"env": {"id": "FrozenLake", "settings": {"is_slippery": False}}, "run": {"steps": 4}}))
+    assert settings_lost(before, filled) == []
+    assert settings_lost(before, set(flat_settings({"env": {"id": "FrozenLake"}}))) == ["env.settings", "run.steps"]

@@ -148,6 +148,11 @@ def join_inputs(encoded: Sequence[EncodedImage]) -> dict[str, torch.Tensor]:
 class ImageTooLarge(ValueError):
     """An encoded image whose header gives more pixels than the reader accepts (refused before decoding)."""
 
+    def __init__(self, message: str, pixels: int | None = None) -> None:
+        super().__init__(message)
+        self.pixels = pixels
+        """Its pixels, where its header was read (None: Pillow refused it as a decompression bomb)."""
+
 
 def load_image(value: Any, max_pixels: int | None = None) -> np.ndarray:
     """An image part's image as an ``HxWx3`` uint8 array: an array, a Pillow image, a file path, or a
@@ -191,7 +196,7 @@ def load_image(value: Any, max_pixels: int | None = None) -> np.ndarray:
             width, height = image.size
             if max_pixels is not None and width * height > max_pixels:
                 raise ImageTooLarge(f"the image is {width} x {height} = {width * height:,} pixels, more than the "
-                                    f"{max_pixels:,} accepted")
+                                    f"{max_pixels:,} accepted", pixels=width * height)
             array = np.array(image.convert("RGB"))  # a writable copy (torch warns on read-only arrays)
     else:
         raise ValueError(f"cannot read an image from a {type(value).__name__}")

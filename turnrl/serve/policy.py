@@ -67,7 +67,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import logging
 import secrets
 import socket
 import time
@@ -142,8 +141,6 @@ IMAGES_PIXELS_PER_REQUEST = 4
 """A request's images together may have this many times ``--max-image-pixels``: each image alone is bounded,
 but a body of hundreds of small PNGs of one colour would otherwise decode to gigabytes."""
 
-logger = logging.getLogger("turnrl.policy_server")
-
 DEFAULT_PREPARE_THREADS = 2
 """Requests prepared at once (chat template, image decoding and processing): each may hold an image's
 decoded pixels, so they are few; the rest wait their turn without holding the event loop."""
@@ -207,7 +204,7 @@ def _image(part: ImagePart, index: int, max_pixels: int, pixels_left: int) -> np
     try:
         return load_image(url, max_pixels=min(max_pixels, pixels_left))
     except ImageTooLarge as error:
-        if pixels_left < max_pixels:
+        if error.pixels is not None and error.pixels <= max_pixels:  # within the bound alone, not with the others
             bound = IMAGES_PIXELS_PER_REQUEST * max_pixels
             raise APIError(400, f"messages[{index}]: the request's images together have more than the {bound:,} "
                                 f"pixels accepted by this server ({IMAGES_PIXELS_PER_REQUEST} x --max-image-pixels); "
@@ -520,11 +517,11 @@ def create_app(
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         # A fault of the server, not of the request: answered in OpenAI's shape, in one line, like every other
-        # error (a client's error handling reads a message, not a plain-text page); the traceback goes to the log.
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
-        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-        return APIError(500, f"internal error ({type(error).__name__}{': ' + first if first else ''}); the "
-                             "server's log has the traceback", type="server_error").response()
+        # error (a client's error handling reads a message, not a plain-text page).
+        # uvicorn logs the traceback (starlette raises the error again once this answer is sent); the client
+        # gets its type alone, not its text, which may name the server's files.
+        return APIError(500, f"internal error ({type(error).__name__}); the server's log has the traceback",
+                        type="server_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -264,8 +264,11 @@ def _run_file_in_the_way(error: OSError, run_dir: Path) -> str | None:
     if not inside:
         return None
     path = inside[-1]  # of a rename, the target: the run's file; its temporary source is the run's own
-    if isinstance(error, PermissionError):
-        what = "may not be written by this user: give it back its permissions (`chmod u+rw`)"
+    if isinstance(error, PermissionError) and not path.exists():  # a file to be made: its folder refused it
+        path = path.parent
+        what = "may not be written into by this user: give it back its permissions (`chmod u+rwx`)"
+    elif isinstance(error, PermissionError):
+        what = "may not be read or written by this user: give it back its permissions (`chmod u+rw`)"
     elif path.is_dir():
         what = "is a folder where the run keeps a file: move it away"
     else:
@@ -306,7 +309,7 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
     if done is not None:
         console.print(f"run {config.resume} already ran its {config.run.steps} steps; nothing to do "
                       f"(raise run.steps to continue it). Summary: {run_directory(config) / 'summary.json'}")
-        if not (run_directory(config) / REPORT_NAME).is_file():  # killed between its summary and its report
+        if ranks.is_main() and not (run_directory(config) / REPORT_NAME).is_file():  # killed before its report
             _report(run_directory(config))
         return done
     resumed = config.resume is not None

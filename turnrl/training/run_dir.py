@@ -23,7 +23,7 @@ import yaml
 from filelock import FileLock, Timeout
 from rich.console import Console
 
-from turnrl.config import ConfigError, load_config, to_yaml, turnrl_command
+from turnrl.config import ConfigError, to_yaml, turnrl_command
 from turnrl.training import ranks
 from turnrl.training.checkpoint import (
     ResumePoint,
@@ -67,45 +67,69 @@ def resumed_checkpoint(config: TrainConfig) -> ResumePoint:
     return point
 
 
-def _saved_models(config: TrainConfig) -> dict[str, bool]:
-    """Which models a run's checkpoints hold, by what its settings ask of them: a critic (``critic/``), LoRA
-    adapters in place of the whole actor (``actor/adapter_config.json``), the frozen reference of the KL term
-    (``RUN_DIR/reference``, not kept with LoRA, whose reference is the model under the adapters)."""
+def _needed_models(config: TrainConfig) -> dict[str, bool]:
+    """Which models a resume with ``config`` loads besides the actor: a critic, LoRA adapters in place of the
+    whole actor, the frozen reference of the KL term (LoRA's is the model under the adapters)."""
     return {"a critic": config.algorithm.uses_critic, "LoRA adapters": config.lora.enabled,
             "a KL reference model": config.algorithm.kl_coef > 0 and not config.lora.enabled}
 
 
+def _saved_models(run_dir: Path) -> dict[str, bool] | None:
+    """Which of those the run has on disk: a critic in some checkpoint (``critic/``), adapters as the newest
+    checkpoint's actor (``actor/adapter_config.json``), the reference the run keeps (``RUN_DIR/reference``);
+    None when no checkpoint holds an actor (what is wrong is said elsewhere). Read from the files, not from
+    ``config.yaml``, which each resume rewrites with its own settings."""
+    checkpoints = [run_dir / "checkpoints" / f"step_{step:06d}" for step in reversed(checkpoint_steps(run_dir))]
+    actors = [checkpoint / "actor" for checkpoint in checkpoints if (checkpoint / "actor").is_dir()]
+    if not actors:
+        return None
+    return {"a critic": any((checkpoint / "critic").is_dir() for checkpoint in checkpoints),
+            "LoRA adapters": (actors[0] / "adapter_config.json").is_file(),
+            "a KL reference model": (run_dir / "reference").is_dir()}
+
+
 def saved_models_change(run_dir: Path, resumed: TrainConfig) -> str | None:
-    """Why ``resumed`` (the run's ``config.yaml`` with a resume's overrides) needs models that the run's
-    checkpoints do not hold, or holds as others (``algorithm.advantage=gae`` on a GRPO run: a critic it never
-    trained; ``lora.enabled`` switched), and what to do; None when it needs the same (or the run's settings do
-    not read: the damaged file is said before this).
+    """Why ``resumed`` (the run's ``config.yaml`` with a resume's overrides) needs models that the run does not
+    hold, or holds as others (``algorithm.advantage=gae`` on a GRPO run: a critic it never trained;
+    ``lora.enabled`` switched), and what to do; None when it has what the resume loads.
 
     Such a resume would otherwise stop deep in the model loading with a traceback, or (a critic asked for) call
     every intact checkpoint incomplete and advise ``run.overwrite=true``, which deletes them."""
-    try:
-        saved = load_config(TrainConfig, run_dir / "config.yaml")
-    except (OSError, ConfigError):
+    saved = _saved_models(run_dir)
+    if saved is None:
         return None
-    before, after = _saved_models(saved), _saved_models(resumed)
-    needed = [name for name in after if after[name] and not before[name]]
-    switched = [name for name in ("LoRA adapters",) if before[name] and not after[name]]
-    if not needed and not switched:
+    needed = _needed_models(resumed)
+    missing = [name for name in needed if needed[name] and not saved[name]]
+    switched = [name for name in ("LoRA adapters",) if saved[name] and not needed[name]]
+    if not missing and not switched:
         return None
-    what = "; ".join([*(f"{name}, which the run was trained without" for name in needed),
+    what = "; ".join([*(f"{name}, which the run has not saved" for name in missing),
                       *(f"no {name}, which the run was trained with" for name in switched)])
     return (f"resume={resumed.resume!r} would need {what}: its checkpoints cannot be resumed that way; resume it "
             f"with the run's own algorithm.advantage, algorithm.kl_coef and lora.enabled (leave them out), or start "
             f"a new run from one of its models (model.path={run_dir}/checkpoints/step_N/actor)")
 
 
-def changed_settings(run: TrainConfig, resumed: TrainConfig) -> list[str]:
-    """The settings a resume changes from the run's own (``env.id: 'FrozenLake' -> 'Bandit'``), in the order of
-    the config: those of what is trained and played, not ``resume`` nor the run's bookkeeping (``run.steps``,
-    which a resume raises to go on, the saving and the logging)."""
-    before, after = (flat_settings(yaml.safe_load(to_yaml(config))) for config in (run, resumed))
-    return [f"{key}: {before.get(key)!r} -> {value!r}" for key, value in after.items()
-            if key != "resume" and not key.startswith("run.") and before.get(key) != value]
+def changed_settings(run: dict[str, Any], resumed: TrainConfig) -> list[str]:
+    """The settings ``resumed`` changes from the run's own (``run``: its ``config.yaml`` as read), as
+    ``env.id: 'FrozenLake' -> 'Bandit'``, in the order of the config: those of what is trained and played, not
+    ``resume`` nor the run's bookkeeping (``run.steps``, which a resume raises to go on, the saving and the
+    logging)."""
+    before, after = flat_settings(run), flat_settings(yaml.safe_load(to_yaml(resumed)))
+    return [f"{key}: {before[key]!r} -> {value!r}" for key, value in after.items()
+            if key in before and key != "resume" and not key.startswith("run.") and before[key] != value]
+
+
+def write_resumed_config(config: TrainConfig) -> list[str]:
+    """The run's ``config.yaml`` rewritten with a resume's settings (once its checkpoint has loaded); returns the
+    settings it changed (:func:`changed_settings`)."""
+    path = run_directory(config) / "config.yaml"
+    try:
+        run = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):  # the resume's checks read it: damaged since, or not rank 0's
+        run = None
+    write_config(config)
+    return changed_settings(run, config) if isinstance(run, dict) else []
 
 
 def write_config(config: TrainConfig) -> None:
@@ -153,6 +177,12 @@ def _setting_keys(path: Path) -> set[str]:
     return set(flat_settings(yaml.safe_load(path.read_text(encoding="utf-8"))))
 
 
+def settings_lost(before: set[str], now: set[str]) -> list[str]:
+    """The keys of ``before`` that ``now`` holds neither as they are nor below them: a mapping empty before (an
+    env's ``settings: {}``) that a resume has filled holds its key below it now, and is not lost."""
+    return sorted(key for key in before if key not in now and not any(k.startswith(f"{key}.") for k in now))
+
+
 def _config_copy(run_dir: Path) -> Path | None:
     """The copy of the run's settings that its latest checkpoint (else its newest one holding one) keeps."""
     latest = latest_checkpoint(run_dir)
@@ -170,7 +200,7 @@ def damaged_run_config(run_dir: Path) -> str | None:
     damage = _config_damage(path)
     copy = _config_copy(run_dir)
     if damage is None and copy is not None:
-        missing = sorted(_setting_keys(copy) - _setting_keys(path))
+        missing = settings_lost(_setting_keys(copy), _setting_keys(path))
         if missing:
             # A file cut short can still parse; every key it lacks would then take its default silently.
             named = ", ".join(missing[:3]) + ("..." if len(missing) > 3 else "")
@@ -180,8 +210,9 @@ def damaged_run_config(run_dir: Path) -> str | None:
         return None
     command = turnrl_command()
     if copy is not None:
-        repair = (f"restore it from the copy checkpoint {checkpoint_step(copy.parent)} keeps (`cp {copy} {path}`) "
-                  f"and resume again")
+        away = f"move the folder away (`mv {path} {path}.damaged`), then " if path.is_dir() else ""
+        repair = (f"{away}restore it from the copy checkpoint {checkpoint_step(copy.parent)} keeps "
+                  f"(`cp {copy} {path}`) and resume again")
     else:
         repair = (f"resume with the recipe the run started from (`{command} train --config RECIPE resume={run_dir}` "
                   "writes it again), or start afresh under another run.name")

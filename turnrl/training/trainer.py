@@ -102,7 +102,7 @@ from turnrl.training.parallel.strategy import (
 )
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
-from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config
+from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config, write_resumed_config
 from turnrl.training.schedules import lr_factor
 from turnrl.training.seeding import level_plan_change, step_seed
 from turnrl.training.throughput import (
@@ -493,7 +493,10 @@ class Trainer:
                                             config.seeds.seed)
         if self.checkpoint is not None:
             self._restore()
-            write_config(config)  # only now: a resume that fails leaves the run's config.yaml as it was
+            changed = write_resumed_config(config)  # only now: a resume that fails leaves config.yaml as it was
+            if changed:
+                console.print(f"note: resumed with settings changed from the run's: {'; '.join(changed)} (its "
+                              "config.yaml now holds them)", markup=False, highlight=False, soft_wrap=True)
         self.set_weights(self.first_step)
         self.peak_flops = peak_flops(self.device, config.run.peak_tflops * 1e12)
 
