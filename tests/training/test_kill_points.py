@@ -277,7 +277,8 @@ def stopped(tiny_model_dir, tmp_path_factory) -> Path:
 def test_a_resume_stopped_before_its_first_step_offers_the_resume_that_works(stopped, tmp_path, capsys):
     run = copy_of(stopped, tmp_path)
     process = start(tmp_path, f"resume={run}", "run.steps=3")
-    signal_when(process, line(tmp_path, "turnrl train run"), signal.SIGTERM)
+    # Said before the models are built: the steps are then a build away, on a loaded machine too.
+    signal_when(process, line(tmp_path, "resuming "), signal.SIGTERM)
     said = " ".join(output(tmp_path).split())
     assert process.returncode == 128 + signal.SIGTERM, said[-3000:]
     assert (f"SIGTERM before the first step: stopped; then continue from step_000001 (intact) with `turnrl train "

@@ -78,6 +78,21 @@ def test_two_fsdp_trainers_and_one_rollout_process_train_as_one_process(tiny_mod
     assert (tmp_path / "pool" / "checkpoints" / "step_000002" / "optimizer" / ".metadata").is_file()  # DCP shards
 
 
+def test_a_vlm_on_image_observations_rolls_out_in_a_rollout_process_as_in_one_process(tiny_vlm_dir, tmp_path):
+    """The tiny VLM on image observations with a reference: the rollout process builds the model with its image
+    processor, its episodes (images in every prompt) and every step's metrics are those of one process."""
+    settings = ("run.steps=2", "env.settings.mode=image", "algorithm.kl_coef=0.05")
+    single = train_in_process(tiny_vlm_dir, tmp_path, "single", *settings)
+    said = ran(run_train(tiny_vlm_dir, tmp_path, "pool", *settings, *pool(1, 1)))
+    assert "1 trainer process and 1 rollout process" in said
+    one, two = step_records(single), step_records(tmp_path / "pool")
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+        assert episodes(single, step) == episodes(tmp_path / "pool", step)
+    assert one[2]["vision/images_encoded"] > 0
+
+
 @pytest.mark.slow  # two runs, one of three processes
 def test_lora_adapters_reach_the_rollout_processes_merged(tiny_model_dir, tmp_path):
     """Two FSDP2 trainers of a LoRA actor and one rollout process: the adapted weights go merged from the shards
