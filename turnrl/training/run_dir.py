@@ -126,7 +126,7 @@ def write_resumed_config(config: TrainConfig) -> list[str]:
     path = run_directory(config) / "config.yaml"
     try:
         run = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):  # the resume's checks read it: damaged since, or not rank 0's
+    except (OSError, ValueError, yaml.YAMLError):  # the resume's checks read it whole: damaged since, no note
         run = None
     write_config(config)
     return changed_settings(run, config) if isinstance(run, dict) else []
