@@ -45,6 +45,17 @@ def episodes(run: Path, step: int) -> list[tuple]:
             for t in trajectories(run, step)]
 
 
+def played_as_one(single: Path, pool_run: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """The pool's run and the one-process run: the same steps, each with the same metrics and episodes; their
+    step records."""
+    one, two = step_records(single), step_records(pool_run)
+    assert sorted(one) == sorted(two) and one
+    for step in one:
+        assert_same_metrics(one[step], two[step])
+        assert episodes(single, step) == episodes(pool_run, step)
+    return one, two
+
+
 def ran(result) -> str:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return " ".join(result.stdout.split())
@@ -57,11 +68,8 @@ def test_one_trainer_and_two_rollout_processes_train_as_one_process(tiny_model_d
     process run; the turns record the weights version they were played with."""
     said = ran(run_train(tiny_model_dir, tmp_path, "pool", "run.steps=2", *pool(1, 2, *mode)))
     assert "1 trainer process and 2 rollout processes" in said
-    one, two = step_records(single), step_records(tmp_path / "pool")
-    assert sorted(one) == sorted(two) == [1, 2]
-    for step in one:
-        assert_same_metrics(one[step], two[step])
-        assert episodes(single, step) == episodes(tmp_path / "pool", step)
+    one, two = played_as_one(single, tmp_path / "pool")
+    assert sorted(one) == [1, 2]
     assert two[2]["timing/weights_check_s"] >= 0
     assert ("pool/publish_s" if not mode else "async/publish_s") in two[2]
     versions = {turn["weights_version"] for t in trajectories(tmp_path / "pool", 2) for turn in t["turns"]}
@@ -71,10 +79,7 @@ def test_one_trainer_and_two_rollout_processes_train_as_one_process(tiny_model_d
 def test_two_fsdp_trainers_and_one_rollout_process_train_as_one_process(tiny_model_dir, tmp_path, single):
     said = ran(run_train(tiny_model_dir, tmp_path, "pool", "run.steps=2", *pool(2, 1)))
     assert "2 trainer processes (FSDP) and 1 rollout process" in said
-    one, two = step_records(single), step_records(tmp_path / "pool")
-    for step in one:
-        assert_same_metrics(one[step], two[step])
-        assert episodes(single, step) == episodes(tmp_path / "pool", step)
+    played_as_one(single, tmp_path / "pool")
     assert (tmp_path / "pool" / "checkpoints" / "step_000002" / "optimizer" / ".metadata").is_file()  # DCP shards
 
 
@@ -85,12 +90,8 @@ def test_a_vlm_on_image_observations_rolls_out_in_a_rollout_process_as_in_one_pr
     single = train_in_process(tiny_vlm_dir, tmp_path, "single", *settings)
     said = ran(run_train(tiny_vlm_dir, tmp_path, "pool", *settings, *pool(1, 1)))
     assert "1 trainer process and 1 rollout process" in said
-    one, two = step_records(single), step_records(tmp_path / "pool")
-    assert sorted(one) == sorted(two) == [1, 2]
-    for step in one:
-        assert_same_metrics(one[step], two[step])
-        assert episodes(single, step) == episodes(tmp_path / "pool", step)
-    assert one[2]["vision/images_encoded"] > 0
+    one, _ = played_as_one(single, tmp_path / "pool")
+    assert sorted(one) == [1, 2] and one[2]["vision/images_encoded"] > 0
 
 
 @pytest.mark.slow  # two runs, one of three processes
