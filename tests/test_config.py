@@ -323,3 +323,14 @@ def test_levels_follow_the_seed_from_a_seed_of_zero_or_more():
     assert SeedConfig(seed=2, levels_follow_seed=True).first_train_seed() == 10_000 + 2 * LEVELS_PER_SEED
     assert SeedConfig(seed=0, levels_follow_seed=True).first_train_seed() == 10_000
     assert "seeds.seed=-1 is out of range" in error_of(overrides=["seeds.seed=-1", "seeds.levels_follow_seed=true"])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", ".nan"])
+def test_a_float_that_is_not_finite_is_refused_naming_its_key(value):
+    # NaN passes every bound (it compares false), inf is no setting: both would reach the sampler.
+    assert error_of(overrides=[f"sampling.temperature={value}"]).startswith("sampling.temperature=")
+    assert "must be a finite number" in error_of(overrides=[f"sampling.temperature={value}"])
+
+
+def test_a_config_file_that_is_a_folder_says_so(tmp_path):
+    assert error_of(path=tmp_path) == f"config file {str(tmp_path)!r} is a folder; pass a YAML file"

@@ -82,6 +82,9 @@ def check_registered(key: str, value: str, registry: Registry[T]) -> T:
 
 
 def check_range(key: str, value: float, low: float | None = None, high: float | None = None) -> None:
+    # NaN compares false with every bound, and inf is no setting any key means: both would pass the bounds.
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} must be a finite number")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
         raise ConfigError(f"{key}={value!r} is out of range; allowed: {bounds}")
@@ -619,6 +622,8 @@ def load_config(
     layers = []
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a folder; pass a YAML file")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
