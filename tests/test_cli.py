@@ -670,6 +670,15 @@ def test_memory_refuses_gpu_counts_that_are_not_counts(gpus, monkeypatch):
     assert info.value.code == 2
 
 
+@pytest.mark.parametrize("gib", ["-5", "0", "nan", "inf", "lots"])
+def test_memory_refuses_a_gpu_memory_that_is_not_a_positive_number(gib, monkeypatch, capsys):
+    # A negative or NaN memory was estimated against ("of the GPU's nan GiB") instead of refused.
+    with pytest.raises(SystemExit) as info:
+        main(["memory", "--gpu-gib", gib])
+    assert info.value.code == 2
+    assert "argument --gpu-gib: " in capsys.readouterr().err
+
+
 def test_play_commands_are_never_moves_and_an_unknown_one_says_so(monkeypatch, capsys):
     """``:help`` and ``q`` were stepped as actions (reward -0.1, invalid action each); an unknown ``:word`` too."""
     stdin = ":help\n:jump\n?\nq\nDown\n"

@@ -20,6 +20,7 @@ or playing an env starts at once.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -438,6 +439,18 @@ def gpu_counts(text: str) -> list[int]:
     return counts
 
 
+def gib_arg(text: str) -> float:
+    """A GPU's memory in GiB from the command line: a finite number above 0 (``turnrl memory --gpu-gib``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB such as 79.2") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a GPU memory; give its GiB as a number above 0, "
+                                         "such as 79.2") from None
+    return value
+
+
 def parameters_text(count: int) -> str:
     """``7.62B`` or ``3.4M``."""
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
@@ -635,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="the recipe YAML")
     p.add_argument("--gpus", type=gpu_counts, help="GPU counts (processes) to estimate, as 1,2,4; default: the "
                                                     "recipe's distributed.nproc_per_node")
-    p.add_argument("--gpu-gib", type=float, help="memory of one GPU in GiB; default: this machine's GPU, or an "
+    p.add_argument("--gpu-gib", type=gib_arg, help="memory of one GPU in GiB; default: this machine's GPU, or an "
                                                  "H100 80GB's 79.2")
     p.add_argument("overrides", nargs="*", help="key=value overrides (model.builtin_preset=7b, lora.enabled=true)")
     p.set_defaults(fn=cmd_memory)
