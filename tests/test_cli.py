@@ -679,6 +679,16 @@ def test_memory_refuses_a_gpu_memory_that_is_not_a_positive_number(gib, monkeypa
     assert "argument --gpu-gib: " in capsys.readouterr().err
 
 
+def test_eval_out_that_is_a_file_is_refused_before_playing(tmp_path, monkeypatch, capsys):
+    # It played every episode, then lost them to a FileExistsError traceback when writing.
+    out = tmp_path / "summary.txt"
+    out.write_text("kept")
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--env", "Bandit", "--policy", "random", "--episodes", "1", "--out", str(out)])
+    assert str(info.value.code) == f"error: out={str(out)!r} is a file; give the folder the evaluation writes to"
+    assert out.read_text() == "kept"
+
+
 def test_play_commands_are_never_moves_and_an_unknown_one_says_so(monkeypatch, capsys):
     """``:help`` and ``q`` were stepped as actions (reward -0.1, invalid action each); an unknown ``:word`` too."""
     stdin = ":help\n:jump\n?\nq\nDown\n"
