@@ -334,3 +334,17 @@ def test_a_float_that_is_not_finite_is_refused_naming_its_key(value):
 
 def test_a_config_file_that_is_a_folder_says_so(tmp_path):
     assert error_of(path=tmp_path) == f"config file {str(tmp_path)!r} is a folder; pass a YAML file"
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("agent.max_turns=", "override 'agent.max_turns=' gives no value; write agent.max_turns=VALUE"),
+    ("sampling.stop=abc", "config key 'sampling.stop' takes a list, e.g. sampling.stop=[a, b]"),
+    ("agent=3", "override 'agent=3' gives a value to the section agent; set its keys, e.g. agent.KEY=VALUE"),
+])
+def test_a_value_of_the_wrong_shape_is_said_in_the_users_words(override, expected):
+    # OmegaConf said "Incompatible value 'None'", "AnyNode is not a ListConfig", "int is not a subclass of ...".
+    assert error_of(overrides=[override]).startswith(expected)
+
+
+def test_an_unknown_key_without_a_value_is_called_unknown():
+    assert "did you mean agent.max_turns?" in error_of(overrides=["agent.max_turn="])

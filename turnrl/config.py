@@ -510,6 +510,26 @@ def _format_omegaconf_error(error: OmegaConfBaseException) -> str:
     return f"config key {key!r}: {message}" if key else message
 
 
+def _plain_type_error(cls: type, key: str, message: str, overrides: list[str]) -> str | None:
+    """What to write instead, for the OmegaConf type errors that name OmegaConf's own classes or a value the
+    user did not write: an empty value (``run.name=`` reads as None), a word for a list, a value for a whole
+    section (``agent=3``, which OmegaConf reports without a key). None for the others, whose text is plain."""
+    given = dict(item.split("=", 1) for item in overrides if "=" in item)
+    given = {name.strip(): value for name, value in given.items()}
+    if key in given and not given[key].strip() and "Incompatible value 'None'" in message:
+        return f"override '{key}=' gives no value; write {key}=VALUE (`turnrl config show` lists every key)"
+    if key and "is not a ListConfig" in message:
+        return f"config key {key!r} takes a list, e.g. {key}=[a, b] ({key}=[] for none)"
+    if key:
+        return None
+    sections = {name.rsplit(".", 1)[0] for name in _allowed_keys(cls) if "." in name}
+    section = next((name for name in given if name in sections and not given[name].lstrip().startswith("{")), None)
+    if section is not None:
+        return (f"override '{section}={given[section]}' gives a value to the section {section}; set its keys, "
+                f"e.g. {section}.KEY=VALUE (`turnrl config show` lists them)")
+    return None
+
+
 @dataclass(frozen=True)
 class KeyDoc:
     """One settable key of a config: its dotted name, its default and its one-line documentation."""
@@ -657,6 +677,9 @@ def load_config(
                           "whole list, e.g. variants=[{name: big, settings: {size: 8}}]") from error
     except OmegaConfBaseException as error:
         message = _format_omegaconf_error(error)
+        plain = _plain_type_error(cls, str(getattr(error, "full_key", None) or ""), message, overrides or [])
+        if plain is not None:
+            raise ConfigError(plain) from error
         if "not in" in message:
             # One line, with the likely key: ~110 keys on a line help nobody.
             message = message.split(". Did you mean", 1)[0].rstrip(".")
