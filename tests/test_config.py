@@ -348,3 +348,19 @@ def test_a_value_of_the_wrong_shape_is_said_in_the_users_words(override, expecte
 
 def test_an_unknown_key_without_a_value_is_called_unknown():
     assert "did you mean agent.max_turns?" in error_of(overrides=["agent.max_turn="])
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("a: [\n", "did not find expected node content at line 2, column 1"),
+    ("a: 1\na: 2\n", "found duplicate key a at line 2, column 1"),
+])
+def test_a_yaml_file_that_does_not_parse_is_one_line_with_its_place(tmp_path, text, problem):
+    # PyYAML's own text took four lines, two of them the place of the enclosing context.
+    (tmp_path / "bad.yaml").write_text(text)
+    message = error_of(path=tmp_path / "bad.yaml")
+    assert message == f"config file {str(tmp_path / 'bad.yaml')!r} is not valid YAML: {problem}"
+
+
+def test_an_override_that_does_not_parse_is_one_line():
+    message = error_of(overrides=["agent.max_turns=[1"])
+    assert "\n" not in message and "did not find expected ',' or ']'" in message

@@ -504,6 +504,15 @@ class EvalConfig:
 
 
 # --------------------------------------------------------------------------- loading
+def yaml_problem(error: yaml.YAMLError, where: bool = True) -> str:
+    """PyYAML's error on one line: what is wrong, and (``where``) the line and column of the file where it is
+    (its own text takes four lines, two of them the context's place)."""
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem is None:
+        return " ".join(str(error).split())
+    mark = error.problem_mark
+    return f"{error.problem} at line {mark.line + 1}, column {mark.column + 1}" if where and mark else error.problem
+
+
 def _format_omegaconf_error(error: OmegaConfBaseException) -> str:
     key = getattr(error, "full_key", None)
     message = str(error).splitlines()[0]
@@ -649,7 +658,7 @@ def load_config(
         try:
             layer = OmegaConf.load(path)
         except yaml.YAMLError as error:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from error
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {yaml_problem(error)}") from error
         except UnicodeDecodeError as error:
             raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}): is it the YAML "
                               "file meant?") from error
@@ -666,7 +675,8 @@ def load_config(
         try:
             layers.append(OmegaConf.from_dotlist([item]))
         except yaml.YAMLError as error:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML: {error}") from error
+            problem = yaml_problem(error, where=False)
+            raise ConfigError(f"override {item!r}: the value is not valid YAML: {problem}") from error
     try:
         merged = OmegaConf.merge(base, *layers)
         config = OmegaConf.to_object(merged)
