@@ -78,6 +78,17 @@ def count_arg(text: str) -> int:
     return value
 
 
+def port_arg(text: str) -> int:
+    """A port to listen on from the command line: 0 to 65535 (0: one the system picks)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0 to 65535)")
+    return value
+
+
 # --------------------------------------------------------------------------- envs
 def cmd_envs(args: argparse.Namespace) -> int:
     from turnrl.envs.catalog import env_class, env_names, gym_id
@@ -282,8 +293,8 @@ def variants_override(value: str) -> str:
                          "YAML file")
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise SystemExit(f"error: --variants {value}: not valid YAML: {error}") from error
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise SystemExit(f"error: --variants {value}: not a YAML file ({' '.join(str(error).split())})") from error
     if isinstance(data, dict) and "variants" in data:
         data = data["variants"]
     if not isinstance(data, list) or not data:
@@ -662,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the --model text), "
                                                "e.g. my-model for `turnrl eval --policy openai:my-model`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--port", type=port_arg, default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--max-batch-size", type=count_arg, default=32,
                    help="prompts generated together at most (default: 32)")
