@@ -704,6 +704,13 @@ def test_eval_variants_file_of_binary_bytes_is_one_line(tmp_path):
     assert str(info.value.code).startswith(f"error: --variants {tmp_path / 'v.yaml'}: not a YAML file (")
 
 
+def test_train_refuses_two_runs_to_resume(tmp_path):
+    # The first run's config.yaml was read and the last run's checkpoints resumed.
+    with pytest.raises(SystemExit) as info:
+        main(["train", f"resume={tmp_path / 'a'}", f"resume={tmp_path / 'b'}"])
+    assert str(info.value.code) == f"error: resume= is given 2 times ({tmp_path / 'a'}, {tmp_path / 'b'}); give one run"
+
+
 def test_play_commands_are_never_moves_and_an_unknown_one_says_so(monkeypatch, capsys):
     """``:help`` and ``q`` were stepped as actions (reward -0.1, invalid action each); an unknown ``:word`` too."""
     stdin = ":help\n:jump\n?\nq\nDown\n"

@@ -353,7 +353,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from turnrl.training.train_config import TrainConfig
 
     overrides = list(args.overrides)
-    resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
+    resumes = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+    if len(resumes) > 1:  # the config would be read from the first run and the checkpoint from the last
+        raise SystemExit(f"error: resume= is given {len(resumes)} times ({', '.join(resumes)}); give one run")
+    resume = resumes[0] if resumes else None
     config_path = args.config
     if resume is not None and (Path(resume) / "trainer_state.pt").is_file():  # it keeps a copy of config.yaml
         run = Path(resume).resolve().parent.parent
