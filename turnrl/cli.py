@@ -263,7 +263,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         overrides.append(f"out={default_eval_dir(label, policy)}")
     try:
         config = load_config(EvalConfig, config_path, overrides, skip_sections=training_only)
-        if Path(config.out).exists() and not Path(config.out).is_dir():  # found before the episodes, not after
+        if config.out and Path(config.out).exists() and not Path(config.out).is_dir():  # before the episodes
             raise SystemExit(f"error: out={config.out!r} is a file; give the folder the evaluation writes to")
         if args.env and config_env(config_path) not in (None, args.env):
             # The file's env settings are its own env's: another env takes only those given here.
