@@ -623,7 +623,7 @@ def test_eval_without_an_env_or_with_bad_variants_is_a_clean_error(argv, needle,
 
 def test_eval_variants_file_that_holds_no_list_is_a_clean_error(tmp_path):
     listing = tmp_path / "variants.yaml"
-    for text, needle in (("3\n", "must hold a list of variants"), ("[unclosed\n", "not valid YAML"),
+    for text, needle in (("3\n", "must hold a list of variants"), ("[unclosed\n", "not a YAML file"),
                          ("variants: []\n", "must hold a list of variants")):
         listing.write_text(text)
         assert needle in error_exit(["eval", "--policy", "expert", "--variants", str(listing)])
@@ -668,6 +668,47 @@ def test_memory_refuses_gpu_counts_that_are_not_counts(gpus, monkeypatch):
     with pytest.raises(SystemExit) as info:
         main(["memory", "--gpus", gpus])
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize("gib", ["-5", "0", "nan", "inf", "lots"])
+def test_memory_refuses_a_gpu_memory_that_is_not_a_positive_number(gib, monkeypatch, capsys):
+    # A negative or NaN memory was estimated against ("of the GPU's nan GiB") instead of refused.
+    with pytest.raises(SystemExit) as info:
+        main(["memory", "--gpu-gib", gib])
+    assert info.value.code == 2
+    assert "argument --gpu-gib: " in capsys.readouterr().err
+
+
+def test_eval_out_that_is_a_file_is_refused_before_playing(tmp_path, monkeypatch, capsys):
+    # It played every episode, then lost them to a FileExistsError traceback when writing.
+    out = tmp_path / "summary.txt"
+    out.write_text("kept")
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--env", "Bandit", "--policy", "random", "--episodes", "1", "--out", str(out)])
+    assert str(info.value.code) == f"error: out={str(out)!r} is a file; give the folder the evaluation writes to"
+    assert out.read_text() == "kept"
+
+
+@pytest.mark.parametrize("port", ["-1", "70000", "http"])
+def test_serve_policy_refuses_a_port_that_is_not_one(port, capsys):
+    # -1 reached the server, which blamed --host ("is not an address to listen on").
+    with pytest.raises(SystemExit) as info:
+        main(["serve-policy", "--model", "builtin", "--port", port])
+    assert info.value.code == 2 and "argument --port: " in capsys.readouterr().err
+
+
+def test_eval_variants_file_of_binary_bytes_is_one_line(tmp_path):
+    (tmp_path / "v.yaml").write_bytes(b"\x00\xff\xfe")
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--env", "Bandit", "--policy", "random", "--variants", str(tmp_path / "v.yaml")])
+    assert str(info.value.code).startswith(f"error: --variants {tmp_path / 'v.yaml'}: not a YAML file (")
+
+
+def test_train_refuses_two_runs_to_resume(tmp_path):
+    # The first run's config.yaml was read and the last run's checkpoints resumed.
+    with pytest.raises(SystemExit) as info:
+        main(["train", f"resume={tmp_path / 'a'}", f"resume={tmp_path / 'b'}"])
+    assert str(info.value.code) == f"error: resume= is given 2 times ({tmp_path / 'a'}, {tmp_path / 'b'}); give one run"
 
 
 def test_play_commands_are_never_moves_and_an_unknown_one_says_so(monkeypatch, capsys):

@@ -323,3 +323,44 @@ def test_levels_follow_the_seed_from_a_seed_of_zero_or_more():
     assert SeedConfig(seed=2, levels_follow_seed=True).first_train_seed() == 10_000 + 2 * LEVELS_PER_SEED
     assert SeedConfig(seed=0, levels_follow_seed=True).first_train_seed() == 10_000
     assert "seeds.seed=-1 is out of range" in error_of(overrides=["seeds.seed=-1", "seeds.levels_follow_seed=true"])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", ".nan"])
+def test_a_float_that_is_not_finite_is_refused_naming_its_key(value):
+    # NaN passes every bound (it compares false), inf is no setting: both would reach the sampler.
+    assert error_of(overrides=[f"sampling.temperature={value}"]).startswith("sampling.temperature=")
+    assert "must be a finite number" in error_of(overrides=[f"sampling.temperature={value}"])
+
+
+def test_a_config_file_that_is_a_folder_says_so(tmp_path):
+    assert error_of(path=tmp_path) == f"config file {str(tmp_path)!r} is a folder; pass a YAML file"
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("agent.max_turns=", "override 'agent.max_turns=' gives no value; write agent.max_turns=VALUE"),
+    ("sampling.stop=abc", "config key 'sampling.stop' takes a list, e.g. sampling.stop=[a, b]"),
+    ("agent=3", "override 'agent=3' gives a value to the section agent; set its keys, e.g. agent.KEY=VALUE"),
+])
+def test_a_value_of_the_wrong_shape_is_said_in_the_users_words(override, expected):
+    # OmegaConf said "Incompatible value 'None'", "AnyNode is not a ListConfig", "int is not a subclass of ...".
+    assert error_of(overrides=[override]).startswith(expected)
+
+
+def test_an_unknown_key_without_a_value_is_called_unknown():
+    assert "did you mean agent.max_turns?" in error_of(overrides=["agent.max_turn="])
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("a: [\n", "did not find expected node content at line 2, column 1"),
+    ("a: 1\na: 2\n", "found duplicate key a at line 2, column 1"),
+])
+def test_a_yaml_file_that_does_not_parse_is_one_line_with_its_place(tmp_path, text, problem):
+    # PyYAML's own text took four lines, two of them the place of the enclosing context.
+    (tmp_path / "bad.yaml").write_text(text)
+    message = error_of(path=tmp_path / "bad.yaml")
+    assert message == f"config file {str(tmp_path / 'bad.yaml')!r} is not valid YAML: {problem}"
+
+
+def test_an_override_that_does_not_parse_is_one_line():
+    message = error_of(overrides=["agent.max_turns=[1"])
+    assert "\n" not in message and "did not find expected ',' or ']'" in message

@@ -20,6 +20,7 @@ or playing an env starts at once.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -74,6 +75,17 @@ def count_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def port_arg(text: str) -> int:
+    """A port to listen on from the command line: 0 to 65535 (0: one the system picks)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0 to 65535)")
     return value
 
 
@@ -251,6 +263,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         overrides.append(f"out={default_eval_dir(label, policy)}")
     try:
         config = load_config(EvalConfig, config_path, overrides, skip_sections=training_only)
+        if config.out and Path(config.out).exists() and not Path(config.out).is_dir():  # before the episodes
+            raise SystemExit(f"error: out={config.out!r} is a file; give the folder the evaluation writes to")
         if args.env and config_env(config_path) not in (None, args.env):
             # The file's env settings are its own env's: another env takes only those given here.
             given_env = load_config(EvalConfig, None, overrides).env
@@ -279,8 +293,8 @@ def variants_override(value: str) -> str:
                          "YAML file")
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise SystemExit(f"error: --variants {value}: not valid YAML: {error}") from error
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise SystemExit(f"error: --variants {value}: not a YAML file ({' '.join(str(error).split())})") from error
     if isinstance(data, dict) and "variants" in data:
         data = data["variants"]
     if not isinstance(data, list) or not data:
@@ -339,7 +353,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from turnrl.training.train_config import TrainConfig
 
     overrides = list(args.overrides)
-    resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
+    resumes = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+    if len(resumes) > 1:  # the config would be read from the first run and the checkpoint from the last
+        raise SystemExit(f"error: resume= is given {len(resumes)} times ({', '.join(resumes)}); give one run")
+    resume = resumes[0] if resumes else None
     config_path = args.config
     if resume is not None and (Path(resume) / "trainer_state.pt").is_file():  # it keeps a copy of config.yaml
         run = Path(resume).resolve().parent.parent
@@ -436,6 +453,18 @@ def gpu_counts(text: str) -> list[int]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a list of GPU counts such as 1,2,4")
     return counts
+
+
+def gib_arg(text: str) -> float:
+    """A GPU's memory in GiB from the command line: a finite number above 0 (``turnrl memory --gpu-gib``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB such as 79.2") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a GPU memory; give its GiB as a number above 0, "
+                                         "such as 79.2") from None
+    return value
 
 
 def parameters_text(count: int) -> str:
@@ -635,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="the recipe YAML")
     p.add_argument("--gpus", type=gpu_counts, help="GPU counts (processes) to estimate, as 1,2,4; default: the "
                                                     "recipe's distributed.nproc_per_node")
-    p.add_argument("--gpu-gib", type=float, help="memory of one GPU in GiB; default: this machine's GPU, or an "
+    p.add_argument("--gpu-gib", type=gib_arg, help="memory of one GPU in GiB; default: this machine's GPU, or an "
                                                  "H100 80GB's 79.2")
     p.add_argument("overrides", nargs="*", help="key=value overrides (model.builtin_preset=7b, lora.enabled=true)")
     p.set_defaults(fn=cmd_memory)
@@ -647,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the --model text), "
                                                "e.g. my-model for `turnrl eval --policy openai:my-model`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--port", type=port_arg, default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--max-batch-size", type=count_arg, default=32,
                    help="prompts generated together at most (default: 32)")

@@ -82,6 +82,9 @@ def check_registered(key: str, value: str, registry: Registry[T]) -> T:
 
 
 def check_range(key: str, value: float, low: float | None = None, high: float | None = None) -> None:
+    # NaN compares false with every bound, and inf is no setting any key means: both would pass the bounds.
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} must be a finite number")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
         raise ConfigError(f"{key}={value!r} is out of range; allowed: {bounds}")
@@ -501,10 +504,39 @@ class EvalConfig:
 
 
 # --------------------------------------------------------------------------- loading
+def yaml_problem(error: yaml.YAMLError, where: bool = True) -> str:
+    """PyYAML's error on one line: what is wrong, and (``where``) the line and column of the file where it is
+    (its own text takes four lines, two of them the context's place)."""
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem is None:
+        return " ".join(str(error).split())
+    mark = error.problem_mark
+    return f"{error.problem} at line {mark.line + 1}, column {mark.column + 1}" if where and mark else error.problem
+
+
 def _format_omegaconf_error(error: OmegaConfBaseException) -> str:
     key = getattr(error, "full_key", None)
     message = str(error).splitlines()[0]
     return f"config key {key!r}: {message}" if key else message
+
+
+def _plain_type_error(cls: type, key: str, message: str, overrides: list[str]) -> str | None:
+    """What to write instead, for the OmegaConf type errors that name OmegaConf's own classes or a value the
+    user did not write: an empty value (``run.name=`` reads as None), a word for a list, a value for a whole
+    section (``agent=3``, which OmegaConf reports without a key). None for the others, whose text is plain."""
+    given = dict(item.split("=", 1) for item in overrides if "=" in item)
+    given = {name.strip(): value for name, value in given.items()}
+    if key in given and not given[key].strip() and "Incompatible value 'None'" in message:
+        return f"override '{key}=' gives no value; write {key}=VALUE (`turnrl config show` lists every key)"
+    if key and "is not a ListConfig" in message:
+        return f"config key {key!r} takes a list, e.g. {key}=[a, b] ({key}=[] for none)"
+    if key:
+        return None
+    sections = {name.rsplit(".", 1)[0] for name in _allowed_keys(cls) if "." in name}
+    section = next((name for name in given if name in sections and not given[name].lstrip().startswith("{")), None)
+    if section is not None:
+        return (f"override '{section}={given[section]}' gives a value to the section {section}; set its keys, "
+                f"e.g. {section}.KEY=VALUE (`turnrl config show` lists them)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -619,12 +651,14 @@ def load_config(
     layers = []
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a folder; pass a YAML file")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
             layer = OmegaConf.load(path)
         except yaml.YAMLError as error:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from error
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {yaml_problem(error)}") from error
         except UnicodeDecodeError as error:
             raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}): is it the YAML "
                               "file meant?") from error
@@ -641,7 +675,8 @@ def load_config(
         try:
             layers.append(OmegaConf.from_dotlist([item]))
         except yaml.YAMLError as error:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML: {error}") from error
+            problem = yaml_problem(error, where=False)
+            raise ConfigError(f"override {item!r}: the value is not valid YAML: {problem}") from error
     try:
         merged = OmegaConf.merge(base, *layers)
         config = OmegaConf.to_object(merged)
@@ -652,6 +687,9 @@ def load_config(
                           "whole list, e.g. variants=[{name: big, settings: {size: 8}}]") from error
     except OmegaConfBaseException as error:
         message = _format_omegaconf_error(error)
+        plain = _plain_type_error(cls, str(getattr(error, "full_key", None) or ""), message, overrides or [])
+        if plain is not None:
+            raise ConfigError(plain) from error
         if "not in" in message:
             # One line, with the likely key: ~110 keys on a line help nobody.
             message = message.split(". Did you mean", 1)[0].rstrip(".")

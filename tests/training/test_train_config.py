@@ -212,3 +212,19 @@ def test_collapse_settings_that_cannot_work_say_what_to_change():
     ragen = load_config(TrainConfig, "configs/ragen_sokoban.yaml").collapse
     assert (ragen.every, ragen.samples, ragen.stop_after_empty_steps) == (5, 64, 5)
     assert ragen.stop_on_reward_spread and ragen.stop_on_low_success
+
+
+@pytest.mark.parametrize("name", [".", "..", "a/../../elsewhere", "./x"])
+def test_a_run_name_with_dot_parts_is_refused(name):
+    # "." made the run write into run.output_dir itself, ".." beside it.
+    assert "must name a folder inside run.output_dir" in error_of(f"run.name={name}")
+
+
+def test_a_run_name_too_long_for_a_folder_is_refused_before_the_run_starts():
+    # It ended in an OSError traceback ("File name too long") when the run took its lock.
+    assert "has a part of 600 bytes" in error_of("run.name=" + "é" * 300)
+    assert load_config(TrainConfig, None, ["run.name=group/" + "a" * 255]).run.name.endswith("a" * 255)
+
+
+def test_a_time_limit_that_is_not_a_number_is_refused():
+    assert error_of("run.time_limit_minutes=nan").startswith("run.time_limit_minutes=nan is out of range")

@@ -361,6 +361,23 @@ class ValidationConfig:
     """Episodes rolled out together."""
 
 
+NAME_MAX_BYTES = 255
+"""The longest file name that common file systems take (ext4, XFS, APFS, NTFS: 255 bytes or characters)."""
+
+
+def check_run_name(name: str) -> None:
+    """``run.name`` names a folder inside ``run.output_dir``: ``.`` or ``..`` would make the run write into the
+    output folder itself or beside it, and a part too long for a file name fails only when the run starts."""
+    parts = name.split("/")
+    if any(part in (".", "..") for part in parts):
+        raise ConfigError(f"run.name={name!r} must name a folder inside run.output_dir, without . or .. parts; "
+                          "set run.output_dir for where runs go")
+    too_long = next((part for part in parts if len(part.encode()) > NAME_MAX_BYTES), None)
+    if too_long is not None:
+        raise ConfigError(f"run.name={name[:40]!r}... has a part of {len(too_long.encode())} bytes; a folder name "
+                          f"holds {NAME_MAX_BYTES} at most")
+
+
 @dataclass
 class RunConfig:
     name: str = "run"
@@ -604,10 +621,11 @@ class TrainConfig:
         if self.distributed.async_rollout and self.model.engine.free_during_update:
             raise ConfigError("model.engine.free_during_update frees the rollout's memory while the trainer "
                               "updates, and distributed.async_rollout rolls out during the update: turn one off")
+        check_run_name(self.run.name)
         check_range("run.steps", self.run.steps, 0)
         check_range("run.save_every", self.run.save_every, 0)
         check_range("run.keep_checkpoints", self.run.keep_checkpoints, 0)
-        if self.run.time_limit_minutes < 0:
+        if not self.run.time_limit_minutes >= 0:  # NaN too, which no limit compares with
             raise ConfigError(f"run.time_limit_minutes={self.run.time_limit_minutes!r} is out of range; allowed: "
                               "0 (no limit) or more")
         if not 0 < self.run.gpu_share <= 1:
