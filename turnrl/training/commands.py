@@ -313,11 +313,6 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
             _report(run_directory(config))
         return done
     resumed = config.resume is not None
-    if resumed:
-        checkpoint = resumed_checkpoint(config).checkpoint
-        assert checkpoint is not None, "preflight found the checkpoint"
-        console.print(f"resuming {config.resume} from {checkpoint.name} to step {config.run.steps}", markup=False,
-                      highlight=False, soft_wrap=True)
     if distributed and config.model.path is None:
         # transformers writes a model only on rank 0 of a process group, so rank 0 builds the built-in model
         # (or finds it cached) while the others wait: they all load a complete one.

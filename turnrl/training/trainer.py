@@ -451,9 +451,13 @@ class Trainer:
         if config.resume:
             point = resumed_checkpoint(config)
             self.checkpoint = point.checkpoint
+            assert self.checkpoint is not None, "resumed_checkpoint raises where there is none"
             if point.note is not None:
                 console.print(point.note, markup=False, highlight=False, soft_wrap=True)
-            moved = None if self.checkpoint is None else moved_levels(self.checkpoint, config)
+            # Said before the envs and models are built: the first step is a build away.
+            console.print(f"resuming {config.resume} from {self.checkpoint.name} to step {config.run.steps}",
+                          markup=False, highlight=False, soft_wrap=True)
+            moved = moved_levels(self.checkpoint, config)
             if moved is not None:
                 raise ConfigError(moved)
         self.first_step = 0
