@@ -384,6 +384,16 @@ def test_render_rejects_what_cannot_round_trip():
         get_format("visgym_keyword", max_actions_per_turn=2).render(["left", "up"])
 
 
+@pytest.mark.parametrize("name", ["ragen", "ragen_no_think"])
+def test_strict_takes_no_actions_from_a_malformed_response_in_ragens_reading_too(name):
+    """Found by the fuzz test below: RAGEN's reading took the answer of a malformed response under strict."""
+    think = "<think>t</think>" if name == "ragen" else ""
+    parsed = get_format(name, strict=True).parse(f"0{think}<answer>Up</answer>")
+    assert not parsed.format_ok and parsed.actions == ()
+    assert "actions ignored: the response is malformed (strict format)" in parsed.errors
+    assert get_format(name).parse(f"0{think}<answer>Up</answer>").actions == ("Up",)  # not strict: RAGEN's own
+
+
 # --------------------------------------------------------------------------- fuzzing
 FRAGMENTS = st.sampled_from(
     [f"<{t}>" for t in ("think", "answer", "observation", "reasoning", "prediction", "justification", "action")]

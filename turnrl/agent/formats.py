@@ -354,17 +354,13 @@ class ResponseFormat:
         format_errors = self._check_structure(text, tokens)
         format_ok = not format_errors
         fields = _last_pairs(text, tokens)
-        if self.ragen_reading:
-            answer = self._ragen_answer(text)
-            if answer is None:
+        answer = self._ragen_answer(text) if self.ragen_reading else fields.get(self.answer_tag)
+        if answer is None:
+            if self.ragen_reading:
                 format_errors.append(f"no {self._ragen_shape()} found: no actions taken")
-                return ParsedResponse((), fields, format_ok, tuple(format_errors))
-            actions, dropped, action_errors, invalid = self._parse_actions(answer, action_names)
-            return ParsedResponse(actions, fields, format_ok, tuple(format_errors + action_errors), dropped, invalid)
-        answer = fields.get(self.answer_tag)
-        if answer is None or (self.strict and not format_ok):
-            if answer is not None:
-                format_errors.append("actions ignored: the response is malformed (strict format)")
+            return ParsedResponse((), fields, format_ok, tuple(format_errors))
+        if self.strict and not format_ok:  # in RAGEN's reading too: strict is about the response, not the reading
+            format_errors.append("actions ignored: the response is malformed (strict format)")
             return ParsedResponse((), fields, format_ok, tuple(format_errors))
         actions, dropped, action_errors, invalid = self._parse_actions(answer, action_names)
         return ParsedResponse(actions, fields, format_ok, tuple(format_errors + action_errors), dropped, invalid)
