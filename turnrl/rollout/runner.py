@@ -37,9 +37,10 @@ from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens, without_images
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
 
-TurnBoundary = Callable[[int], None]
-"""Called before each round's generation with the number of turns it samples: no sequence is generating then,
-so the policy may take new weights (the asynchronous backend's partial rollouts)."""
+TurnBoundary = Callable[[int, int], None]
+"""Called before each round's generation with the number of turns it samples and the part of the rollout side
+that plays them (0: a :class:`Rollout`, which is one part; rollout process ``j`` of a pool: ``j``): no sequence of
+that part is generating then, so its policy may take new weights (the asynchronous backend's partial rollouts)."""
 
 
 @dataclass
@@ -208,7 +209,7 @@ class Rollout:
             if on_turn is not None:
                 on_turn(turn, len(active))
             if self.turn_boundary is not None:
-                self.turn_boundary(len(active))
+                self.turn_boundary(len(active), 0)
             completions = self._generate(active, sampling)
             finished = self._map(lambda pair: self._act(*pair), list(zip(active, completions)))
             self._score([(episode, done) for episode, done in zip(active, finished) if done is not None])

@@ -507,9 +507,6 @@ class DistributedConfig:
         if self.rollout_processes and self.backend == "ray":
             raise ConfigError("distributed.rollout_processes are rollout processes of torchrun; they do not go with "
                               "distributed.backend=ray (its rollout workers are Ray actors): set one or the other")
-        if self.rollout_processes and self.partial_rollouts:
-            raise ConfigError("distributed.partial_rollouts switches weights mid-batch in one process's rollout copy; "
-                              "rollout processes take new weights between batches only: drop partial_rollouts")
         if self.partial_rollouts and not self.async_rollout:
             raise ConfigError("distributed.partial_rollouts switches the weights of episodes in flight in the "
                               "asynchronous backend: set distributed.async_rollout=true, or drop it")

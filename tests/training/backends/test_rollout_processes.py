@@ -221,9 +221,6 @@ def test_an_asynchronous_pool_stopped_and_resumed_trains_each_planned_step_once(
 
 
 def test_settings_a_pool_cannot_run_are_refused_in_one_line(tiny_model_dir, tmp_path):
-    with pytest.raises(ConfigError, match="partial_rollouts .* between batches only: drop partial_rollouts"):
-        run_config(tiny_model_dir, tmp_path, "pool", *pool(1, 1, "distributed.async_rollout=true",
-                                                             "distributed.partial_rollouts=true"))
     with pytest.raises(ConfigError, match="leaves no process to train: set distributed.nproc_per_node=3"):
         run_config(tiny_model_dir, tmp_path, "pool", "distributed.nproc_per_node=2", "distributed.rollout_processes=2")
     with pytest.raises(ConfigError, match="are processes of torchrun: set distributed.nproc_per_node=2"):

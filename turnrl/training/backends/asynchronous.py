@@ -84,6 +84,10 @@ class RolloutCopy(Protocol):
     """Where the rollout side's copy of the actor lives, and how the trainer's weights reach it: this process
     (:class:`LocalCopy`) or rollout processes (:class:`~turnrl.training.backends.pool.PoolCopy`)."""
 
+    parts: Sequence[int]
+    """The parts of the copy that take weights apart, each at its own turn boundaries (partial rollouts): one, 0,
+    in this process; each rollout process of a pool."""
+
     def start(self, source: torch.nn.Module, version: WeightsVersion) -> None:
         """The first weights (no rollout thread yet): from now on the copy holds ``source``'s."""
         ...
@@ -93,8 +97,8 @@ class RolloutCopy(Protocol):
         process where they are gathered from shards: a collective)."""
         ...
 
-    def apply(self, version: WeightsVersion) -> None:
-        """On the rollout thread: the staged weights (``version``) into the copy."""
+    def apply(self, version: WeightsVersion, parts: Sequence[int]) -> None:
+        """On the rollout thread: the staged weights (``version``) into the copy's ``parts``."""
         ...
 
 
@@ -104,7 +108,9 @@ class CopyCheck(Protocol):
 
     def expect(self, model: torch.nn.Module, version: WeightsVersion) -> None: ...
 
-    def take(self, steps: int | None = None) -> None: ...
+    def take(self, steps: int | None = None, parts: Sequence[int] | None = None) -> None:
+        """The copy's ``parts`` (None: all of it) hold the weights of ``steps`` now: check them."""
+        ...
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -115,6 +121,8 @@ class LocalCopy:
     their version counters). The staging copy is on the trainer's device: publishing is a copy on one device; the
     rollout thread does the device-to-device copy (peer to peer between two GPUs) when it is ready for new
     weights."""
+
+    parts: Sequence[int] = (0,)
 
     def __init__(self, target: torch.nn.Module) -> None:
         self.target = target
@@ -137,7 +145,7 @@ class LocalCopy:
             staged.copy_(parameter)
 
     @torch.no_grad()
-    def apply(self, version: WeightsVersion) -> None:
+    def apply(self, version: WeightsVersion, parts: Sequence[int]) -> None:
         for target, staged in zip(self._targets, self._staged):
             target.copy_(staged)
         device = self._targets[0].device
@@ -169,8 +177,8 @@ class StagedWeights:
         """The latest published version."""
         self._staged = version
         """The version whose weights are staged."""
-        self.applied_version = version.steps
-        """The version the rollout copy holds."""
+        self._applied = {part: version.steps for part in copy.parts}
+        """The version each part of the rollout copy holds."""
 
     def publish(self, version: WeightsVersion, changed: bool) -> float:
         """Stage the trainer's weights as ``version`` (``changed`` False: the update was skipped, only the
@@ -192,18 +200,34 @@ class StagedWeights:
                 self._changed.wait(timeout=0.5)
         return time.time() - start
 
-    def apply(self) -> int:
-        """Copy the staged weights into the rollout copy when they are newer; returns its version now."""
+    def apply(self, part: int | None = None) -> int:
+        """Copy the staged weights into the rollout copy's ``part`` (None: every part) where they are newer than
+        what it holds; returns the version it holds now (the latest published)."""
         with self._changed:
-            if self._staged.steps > self.applied_version:
-                self.copy.apply(self._staged)
-            self.applied_version = self.version
-            return self.applied_version
+            parts = list(self._applied) if part is None else [part]
+            behind = [p for p in parts if self._applied[p] < self._staged.steps]
+            if behind:
+                self.copy.apply(self._staged, behind)
+            for p in parts:
+                self._applied[p] = self.version
+            return self.version
 
-    def newer(self) -> bool:
-        """Whether a version later than the rollout copy's was published (its weights changed or not)."""
+    def held(self, part: int) -> int:
+        """The version the rollout copy's ``part`` holds."""
         with self._changed:
-            return self.version > self.applied_version
+            return self._applied[part]
+
+    @property
+    def applied_version(self) -> int:
+        """The oldest version a part of the rollout copy holds."""
+        with self._changed:
+            return min(self._applied.values())
+
+    def newer(self, part: int) -> bool:
+        """Whether a version later than the one the rollout copy's ``part`` holds was published (its weights
+        changed or not)."""
+        with self._changed:
+            return self.version > self._applied[part]
 
     def wake(self) -> None:
         """Wake a waiting :meth:`wait_for` (to see its stop event)."""
@@ -212,9 +236,9 @@ class StagedWeights:
 
 
 class AheadRunner(EpisodeRunner, Protocol):
-    """The runner the rollout thread plays its batches on: a :class:`~turnrl.rollout.runner.Rollout` (which calls
-    ``turn_boundary`` before each round of turns) or the rollout processes' pool (whose turns happen in their
-    processes: it never calls it)."""
+    """The runner the rollout thread plays its batches on: a :class:`~turnrl.rollout.runner.Rollout` or the rollout
+    processes' pool; each calls ``turn_boundary`` before each round of turns of each of its parts (a rollout
+    process's rounds are its own: the pool calls it when the process reports one)."""
 
     turn_boundary: TurnBoundary | None
 
@@ -233,7 +257,7 @@ class RolloutBatch(Generic[Played]):
     turns_by_version: dict[int, int]
     """The turns sampled with each version (``agent.wait_for_turns``: counted at the turn boundaries)."""
     switches: int
-    """How many newer versions the rollout copy took while it played the batch (partial rollouts)."""
+    """How many newer versions the rollout copy's parts took while they played the batch (partial rollouts)."""
 
 
 @dataclass
@@ -356,15 +380,16 @@ class AsyncRollout:
         except BaseException as error:  # noqa: BLE001 - every failure goes to the trainer, which raises it
             self._batches.put(RolloutFailure(step, error))
 
-    def _turn_boundary(self, turns: int) -> None:
-        """Before a round of ``turns`` turns of the batch in play (no sequence generating): with partial rollouts,
-        take the newest published weights (checked as between batches; the engine drops its cached keys and
-        values of the old ones); count the turns under the version that samples them."""
+    def _turn_boundary(self, turns: int, part: int) -> None:
+        """Before a round of ``turns`` turns of the batch in play on the copy's ``part`` (none of its sequences
+        generating): with partial rollouts, that part takes the newest published weights (checked as between
+        batches; the engine drops its cached keys and values of the old ones); count the turns under the version
+        that samples them."""
         assert self.weights is not None
-        if self.partial_rollouts and self.weights.newer():
-            self.checked.take(self.weights.apply())
+        if self.partial_rollouts and self.weights.newer(part):
+            self.checked.take(self.weights.apply(part), parts=[part])
             self._switches += 1
-        self._turns[self.weights.applied_version] += turns
+        self._turns[self.weights.held(part)] += turns
 
     def _next_batch(self, step: int) -> RolloutBatch[Any]:
         """The rollout of ``step`` (waiting for it); a failure of the rollout thread is raised here."""

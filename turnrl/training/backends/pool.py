@@ -360,7 +360,7 @@ def pool_rollouts(parts: RolloutParts) -> Rollouts:
         inner = PoolFollower(copy, checked)
     else:
         inner = AsyncRollout(pool, None, parts.device, parts.dtype, dist_config.max_staleness, config.run.steps,
-                             where=copy, checked=checked)
+                             dist_config.partial_rollouts, where=copy, checked=checked)
     validation: RolloutBackend = LocalRollout(parts.validation, parts.precision) if trainers == 1 else \
         ShardedRollout(parts.validation, parts.tokenizer, parts.precision)
     return Rollouts(TrainerGroup(inner, deltas, pool), validation)

@@ -14,6 +14,18 @@ for the weights (on CPUs the gloo group carries them too). Pool rank 0 is traine
                                                       in place; the checksum of what the policy computes with
     Stop                         -> (exit)
 
+A ``Play`` with ``boundaries`` (the asynchronous backend's batches) is played in rounds that the rollout process
+reports as it reaches them, each before its generation: it sends ``Boundary(turns)`` and takes what trainer 0
+answers until ``Continue``, which may first be the weights published since it last took some (partial rollouts):
+
+    Boundary(turns)             <-  rollout process j, none of its sequences generating
+    Weights(version, direct)    ->  Taken(checksum)  the tensors sent to process j alone, point to point (the other
+                                                     processes are generating: no broadcast)
+    Continue                    ->  (its round's generation)
+
+Trainer 0 takes the answers of a ``Play`` in the order they come (each process's rounds are its own), so that
+one process's boundary never waits for another's round.
+
 A rollout process that fails answers :class:`Failed` (what it was doing, the error) and waits for ``Stop``; one
 that dies or does not answer within ``distributed.timeout_s`` is named in the :class:`RolloutWorkerError` trainer 0
 raises, as for a Ray worker.
@@ -113,7 +125,22 @@ def recv_object(groups: PoolGroups, source: int, timeout_s: float) -> Any:
     timeout = timedelta(seconds=max(timeout_s, 1.0))
     size = torch.empty(1, dtype=torch.long)
     groups.messages.recv([size], source, 0).wait(timeout)
-    payload = torch.empty(int(size), dtype=torch.uint8)
+    return _payload(groups, source, int(size), timeout)
+
+
+def recv_object_from_any(groups: PoolGroups, timeout_s: float) -> tuple[int, Any]:
+    """The next object any pool rank sends, with that rank, waiting at most ``timeout_s`` (raises on a timeout, or
+    at once when a rank has gone). The size comes from whichever rank sent first; its bytes from that rank."""
+    timeout = timedelta(seconds=max(timeout_s, 1.0))
+    size = torch.empty(1, dtype=torch.long)
+    work = groups.messages.recv_anysource([size], 0)
+    work.wait(timeout)
+    source = work._source_rank()
+    return source, _payload(groups, source, int(size), timeout)
+
+
+def _payload(groups: PoolGroups, source: int, size: int, timeout: timedelta) -> Any:
+    payload = torch.empty(size, dtype=torch.uint8)
     groups.messages.recv([payload], source, 0).wait(timeout)
     return pickle.loads(payload.numpy().data)
 
@@ -133,6 +160,8 @@ class Play:
     slots: list[SlotSpec]
     sampling: SamplingConfig
     seed: int
+    boundaries: bool = False
+    """Report each round's turn boundary (``Boundary``) and wait for trainer 0's ``Continue``."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +177,8 @@ class Weights:
     """The trainer's updates (what the turns played with them record)."""
     tensors: list[TensorSpec]
     """What is broadcast next, in order."""
+    direct: bool = False
+    """The tensors are sent to this rollout process alone (point to point), not broadcast to all."""
 
 
 @dataclass(frozen=True)
@@ -156,8 +187,23 @@ class Taken:
 
 
 @dataclass(frozen=True)
+class Boundary:
+    turns: int
+    """The turns of the round about to be generated."""
+
+
+@dataclass(frozen=True)
+class Continue:
+    pass
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
+
+
+class PoolStopped(Exception):
+    """Trainer 0 said ``Stop`` while this rollout process waited at a turn boundary: its batch is dropped."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +242,8 @@ def serve_rollouts(config: TrainConfig, device: torch.device) -> None:
             if isinstance(message, Stop):
                 return
             send_object(groups, answer_to(groups, host, message), 0)
+    except PoolStopped:
+        return
     except RuntimeError as error:  # gloo's, from a send or receive: trainer 0 has gone
         return trainer_gone(error)
 
@@ -204,26 +252,67 @@ def answer_to(groups: PoolGroups, host: RolloutHost | None, message: Any) -> Any
     """This rollout process's answer to ``message`` (``Failed`` where its host raised, or is missing: it failed to
     start). A transfer of weights is received whole whatever happens: trainer 0 broadcasts every tensor of it."""
     match message:
-        case Play(slots, sampling, seed):
+        case Play(slots, sampling, seed, boundaries):
             try:
                 if host is None:
                     raise RuntimeError("this rollout process failed to start")
-                return host.run(slots, sampling, seed)
+                host.rollout.turn_boundary = reported_boundaries(groups, host) if boundaries else None
+                try:
+                    return host.run(slots, sampling, seed)
+                finally:
+                    host.rollout.turn_boundary = None
+            except PoolStopped:
+                raise
             except Exception as error:  # noqa: BLE001 - trainer 0 names this process and raises
                 return Failed("play", failure_text(error))
         case Weights():
-            incoming = Broadcasts(groups, message)
-            try:
-                if host is None:
-                    raise RuntimeError("this rollout process failed to start")
-                answer: Any = Taken(host.load_weights(message.version, incoming))
-            except Exception as error:  # noqa: BLE001 - trainer 0 names this process and raises
-                answer = Failed("take weights", failure_text(error))
-            incoming.drain()
-            return answer
+            return take_weights(groups, host, message)
         case _:
-            return Failed("a message", f"unknown message {type(message).__name__} (trainer 0 and this rollout "
-                                       "process run different versions of turnrl?)")
+            return unknown(message)
+
+
+def take_weights(groups: PoolGroups, host: RolloutHost | None, message: Weights) -> Taken | Failed:
+    """The weights ``message`` announces, received whole whatever happens (trainer 0 sends every tensor of it),
+    loaded into ``host``'s model: the checksum of what its policy computes with then, or what failed."""
+    incoming = IncomingWeights(groups, message)
+    try:
+        if host is None:
+            raise RuntimeError("this rollout process failed to start")
+        answer: Taken | Failed = Taken(host.load_weights(message.version, incoming))
+    except Exception as error:  # noqa: BLE001 - trainer 0 names this process and raises
+        answer = Failed("take weights", failure_text(error))
+    incoming.drain()
+    return answer
+
+
+def reported_boundaries(groups: PoolGroups, host: RolloutHost) -> TurnBoundary:
+    """The turn boundary of a ``Play`` with ``boundaries``: report the round to trainer 0 and take its answers
+    (weights: ``Taken`` or ``Failed`` back) until it says ``Continue``.
+
+    Raises:
+        PoolStopped: trainer 0 said ``Stop`` instead (the run ends; the batch is dropped).
+    """
+
+    def at_boundary(turns: int, part: int) -> None:
+        send_object(groups, Boundary(turns), 0)
+        while True:
+            message = recv_object(groups, 0, START_WAIT_S)
+            match message:
+                case Continue():
+                    return
+                case Weights():
+                    send_object(groups, take_weights(groups, host, message), 0)
+                case Stop():
+                    raise PoolStopped
+                case _:
+                    send_object(groups, unknown(message), 0)
+
+    return at_boundary
+
+
+def unknown(message: Any) -> Failed:
+    return Failed("a message", f"unknown message {type(message).__name__} (trainer 0 and this rollout process run "
+                               "different versions of turnrl?)")
 
 
 def trainer_gone(error: RuntimeError) -> None:
@@ -232,14 +321,16 @@ def trainer_gone(error: RuntimeError) -> None:
           "stopping", flush=True)
 
 
-class Broadcasts:
-    """The tensors of a ``Weights`` message as trainer 0 broadcasts them, received one at a time as they are
-    iterated; :meth:`drain` receives (and drops) those a failed or partial load left, so that trainer 0's
-    broadcasts all complete and the next message is the next one on the channel."""
+class IncomingWeights:
+    """The tensors of a ``Weights`` message as trainer 0 sends them (broadcast to all, or ``direct`` to this process
+    alone), received one at a time as they are iterated; :meth:`drain` receives (and drops) those a failed or
+    partial load left, so that trainer 0's sends all complete and the next message is the next one on the
+    channel."""
 
     def __init__(self, groups: PoolGroups, message: Weights) -> None:
         self.groups = groups
         self.pending = list(message.tensors)
+        self.direct = message.direct
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while self.pending:
@@ -252,8 +343,15 @@ class Broadcasts:
     def _next(self) -> torch.Tensor:
         spec = self.pending.pop(0)
         tensor = torch.empty(spec.shape, dtype=spec.dtype, device=self.groups.device)
-        broadcast(self.groups, tensor)
+        if self.direct:
+            wait_for(self.groups, self.groups.weights.recv([tensor], 0, WEIGHTS_TAG))
+        else:
+            broadcast(self.groups, tensor)
         return tensor
+
+
+WEIGHTS_TAG = 1
+"""The tag of weights sent point to point (on CPUs the weights' group is the messages' one, whose tag is 0)."""
 
 
 def broadcast(groups: PoolGroups, tensor: torch.Tensor) -> None:
@@ -261,7 +359,12 @@ def broadcast(groups: PoolGroups, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     options.timeout = timedelta(seconds=groups.timeout_s)
-    groups.weights.broadcast([tensor], options).wait(timedelta(seconds=groups.timeout_s))
+    wait_for(groups, groups.weights.broadcast([tensor], options))
+
+
+def wait_for(groups: PoolGroups, work: Any) -> None:
+    """Wait for a send, receive or broadcast of the pool, ``distributed.timeout_s`` at most (raises then)."""
+    work.wait(timedelta(seconds=groups.timeout_s))
 
 
 def failure_text(error: BaseException) -> str:
@@ -284,7 +387,8 @@ class ProcessPool:
     """
 
     turn_boundary: TurnBoundary | None = None
-    """Not called: the turns happen in the rollout processes."""
+    """Called when a rollout process reports a turn boundary (its part: its pool rank), before it generates the
+    round: set, every ``Play`` reports them (the asynchronous backend's batches)."""
 
     def __init__(self, groups: PoolGroups, spec: WorkerSpec, tokenizer: Any, response_prefix: str,
                  trainers: int) -> None:
@@ -294,13 +398,18 @@ class ProcessPool:
         self.deltas = ChatTemplateDeltas.for_tokenizer(tokenizer, response_prefix=response_prefix)
         self.infos: dict[int, dict[str, Any]] = {}
         self.closed = False
-        self._exchange = threading.Lock()
+        self._listening = set(self.processes)
+        """The processes waiting for trainer 0's next message (the others owe it an answer, which they are sending
+        or will send: gloo's sends wait for their receive, so a ``Stop`` sent to one of them would wait for
+        ``distributed.timeout_s`` while it waits for its own send)."""
+        self._exchange = threading.RLock()
         """Held for each whole exchange (a message to the processes and all their answers; the broadcasts of a
         transfer): the rollout thread exchanges while the main thread may close, and the channel carries one
-        message at a time."""
+        message at a time. Re-entrant: a transfer to one process happens within a ``Play``'s exchange, at that
+        process's turn boundary."""
         with self._exchange:
             for j in self.processes:
-                send_object(groups, Start(spec), j)
+                self._send(Start(spec), j)
             self.infos = {j: ready.info for j, ready in self._gather(self.processes, "start").items()}
         self.timings = RolloutTimings()
         self.rewards = WorkerRewardMetrics()
@@ -320,14 +429,15 @@ class ProcessPool:
         parts = split_groups(slots, len(self.processes))
         base_seed = int(torch.randint(0, 2**31 - len(self.processes), (1,)))
         playing = [j for j, part in zip(self.processes, parts) if part]
+        boundary = self.turn_boundary
         with self._exchange:
             self._check_open()
             for j, part in zip(self.processes, parts):
                 if part:
-                    send_object(self.groups, Play([SlotSpec(slots[i].seed, slots[i].group, slots[i].sample,
-                                                            slots[i].options) for i in part],
-                                                  sampling, base_seed + j - 1), j)
-            results: dict[int, WorkerResult] = self._gather(playing, "play")
+                    self._send(Play([SlotSpec(slots[i].seed, slots[i].group, slots[i].sample, slots[i].options)
+                                     for i in part], sampling, base_seed + j - 1, boundaries=boundary is not None), j)
+            results: dict[int, WorkerResult] = self._gather(playing, "play") if boundary is None else \
+                self._play_in_rounds(playing, boundary)
         trajectories: list[Trajectory | None] = [None] * len(slots)
         for j, part in zip(self.processes, parts):
             for index, trajectory in zip(part, results[j].trajectories if part else []):
@@ -345,28 +455,53 @@ class ProcessPool:
             raise RolloutWorkerError(f"the rollout processes returned no trajectory for slots {missing[:5]}")
         return [t for t in trajectories if t is not None]
 
+    def _play_in_rounds(self, playing: list[int], boundary: TurnBoundary) -> dict[int, WorkerResult]:
+        """Each playing process's result, its turn boundaries answered as they come (``boundary``, then
+        ``Continue``), each message waited for ``distributed.timeout_s`` at most.
+
+        Raises:
+            RolloutWorkerError: naming the process that failed, or those that did not answer or died.
+        """
+        results: dict[int, WorkerResult] = {}
+        while len(results) < len(playing):
+            j, answer = self._answer_from_any([j for j in playing if j not in results], "play")
+            if isinstance(answer, Boundary):
+                boundary(answer.turns, j)
+                self._send(Continue(), j)
+            else:
+                results[j] = answer
+        return results
+
     # ------------------------------------------------------------------ weights
-    def send_weights(self, version: int, tensors: Sequence[TensorSpec], values: Iterator[torch.Tensor]) -> None:
-        """Broadcast ``values`` (one tensor per spec, made as they are sent) to every rollout process as weights
-        ``version``, and note each one's checksum of what its policy computes with then."""
+    def send_weights(self, version: int, tensors: Sequence[TensorSpec], values: Iterator[torch.Tensor],
+                     to: Sequence[int] | None = None) -> None:
+        """Send ``values`` (one tensor per spec, made as they are sent) to the rollout processes ``to`` (None: all)
+        as weights ``version``, and note each one's checksum of what its policy computes with then: broadcast to
+        all of them, or point to point to each of a part of them (the others are not listening: they play)."""
+        receivers = list(self.processes if to is None else to)
+        direct = sorted(receivers) != self.processes
         start = time.perf_counter()
         with self._exchange:
             self._check_open()
-            for j in self.processes:
-                send_object(self.groups, Weights(version, list(tensors)), j)
+            for j in receivers:
+                self._send(Weights(version, list(tensors), direct=direct), j)
             for spec, value in zip(tensors, values):
                 tensor = value.to(device=self.groups.device, dtype=spec.dtype)
                 try:
-                    broadcast(self.groups, tensor)
+                    if direct:
+                        for j in receivers:
+                            wait_for(self.groups, self.groups.weights.send([tensor], j, WEIGHTS_TAG))
+                    else:
+                        broadcast(self.groups, tensor)
                 except RuntimeError as error:  # gloo's or NCCL's: a process died, or stopped receiving
-                    names = ", ".join(self._name(j) for j in self.processes)
+                    names = ", ".join(self._name(j) for j in receivers)
                     raise RolloutWorkerError(
-                        f"the broadcast of weights {version} ({spec.name}) to rollout process"
-                        f"{'es' if len(self.processes) > 1 else ''} {names} failed ({first_line(error)}): one died "
+                        f"the transfer of weights {version} ({spec.name}) to rollout process"
+                        f"{'es' if len(receivers) > 1 else ''} {names} failed ({first_line(error)}): one died "
                         "or did not receive within distributed.timeout_s; its log says which. Resume the run from "
                         "its last checkpoint (`turnrl train resume=RUN_DIR`)") from None
-            taken: dict[int, Taken] = self._gather(self.processes, "take weights")
-        self.checksums = {j: answer.checksum for j, answer in taken.items()}
+            taken: dict[int, Taken] = self._gather(receivers, "take weights")
+        self.checksums.update({j: answer.checksum for j, answer in taken.items()})
         self.last_sync_s = time.perf_counter() - start
 
     # ------------------------------------------------------------------ answers
@@ -381,6 +516,7 @@ class ProcessPool:
         for j in processes:
             try:
                 answer = recv_object(self.groups, j, deadline - time.monotonic())
+                self._listening.add(j)
             except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError subclasses of its own
                 raise RolloutWorkerError(
                     f"rollout process {self._name(j)} did not answer during {doing} within "
@@ -391,6 +527,34 @@ class ProcessPool:
                                          f"{answer.error.strip()}", worker=j)
             answers[j] = answer
         return answers
+
+    def _send(self, message: Any, j: int) -> None:
+        """``message`` to process ``j``, which answers it: until its answer is taken, ``j`` is not listening."""
+        self._listening.discard(j)
+        send_object(self.groups, message, j)
+
+    def _answer_from_any(self, waiting: list[int], doing: str) -> tuple[int, Any]:
+        """The next answer of any of the ``waiting`` processes, with its pool rank, waiting ``distributed.timeout_s``
+        at most.
+
+        Raises:
+            RolloutWorkerError: the answer is a failure (naming that process), or none came or a process died
+                (naming those waited for).
+        """
+        try:
+            j, answer = recv_object_from_any(self.groups, self.groups.timeout_s)
+            self._listening.add(j)
+        except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError subclasses of its own
+            names = ", ".join(self._name(j) for j in waiting)
+            raise RolloutWorkerError(
+                f"rollout process{'es' if len(waiting) > 1 else ''} {names} did not answer during {doing} within "
+                f"distributed.timeout_s={self.groups.timeout_s:g} s, or one died ({first_line(error)}); the batch is "
+                "lost. Resume the run from its last checkpoint (`turnrl train resume=RUN_DIR`)",
+                worker=waiting[0] if len(waiting) == 1 else None) from None
+        if isinstance(answer, Failed):
+            raise RolloutWorkerError(f"rollout process {self._name(j)} failed during {answer.doing}: "
+                                     f"{answer.error.strip()}", worker=j)
+        return j, answer
 
     def _name(self, j: int) -> str:
         info = self.infos.get(j, {})
@@ -407,9 +571,11 @@ class ProcessPool:
             raise RolloutWorkerError("the rollout processes were told to stop: no exchange with them after close()")
 
     def close(self) -> None:
-        """Tell every rollout process to stop (safe to call twice). Not while the rollout thread is still in an
-        exchange (one it did not finish within its ``close``): a ``Stop`` then would land amid its messages, so
-        none is sent, and the rollout processes end when this process has gone (their receive fails)."""
+        """Tell every rollout process that listens to stop (safe to call twice). Not while the rollout thread is
+        still in an exchange (one it did not finish within its ``close``): a ``Stop`` then would land amid its
+        messages, so none is sent. Nor to a process that owes an answer (an exchange that failed part-way): it
+        would not receive it before its own send. Those end when this process has gone (their send or receive
+        fails)."""
         if not self._exchange.acquire(blocking=False):
             self.closed = True
             return
@@ -417,7 +583,7 @@ class ProcessPool:
             if self.closed:
                 return
             self.closed = True
-            for j in self.processes:
+            for j in sorted(self._listening):
                 try:
                     send_object(self.groups, Stop(), j)
                 except RuntimeError:  # gloo's: gone already

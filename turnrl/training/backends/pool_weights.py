@@ -5,7 +5,7 @@ adapters merged), how they are staged and sent (:class:`PoolCopy`) and how the p
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import peft
@@ -124,6 +124,8 @@ class PoolCopy:
         self.dtype = dtype
         self.device = device
         self._staged: list[tuple[TensorSpec, torch.Tensor]] = []
+        self.parts: Sequence[int] = pool.processes if pool is not None else ()
+        """Each rollout process takes weights apart (trainer 0; no rollout thread elsewhere)."""
 
     def send(self, source: torch.nn.Module, version: WeightsVersion, every: bool = False) -> None:
         """Stream ``source``'s weights to the rollout processes now, one tensor at a time (each gathered, cast to the
@@ -152,10 +154,10 @@ class PoolCopy:
             torch.cuda.synchronize(self.device)  # the rollout thread broadcasts them from another stream
         self._staged = staged
 
-    def apply(self, version: WeightsVersion) -> None:
+    def apply(self, version: WeightsVersion, parts: Sequence[int]) -> None:
         assert self.pool is not None, "trainer 0 alone runs the rollout thread"
         self.pool.send_weights(version.updates, [spec for spec, _ in self._staged],
-                               (tensor for _, tensor in self._staged))
+                               (tensor for _, tensor in self._staged), to=parts)
 
 
 def sent_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
@@ -180,36 +182,42 @@ class PoolWeights:
     """The check of the rollout processes' weights (the :class:`~turnrl.training.backends.asynchronous.CopyCheck`
     of a pool): :meth:`expect` computes the trainer's checksum on every trainer rank (a collective for shards);
     :meth:`take`, on trainer 0, checks each rollout process's checksum of the weights it took against it
-    (:class:`WeightsCheck`: a skipped sync stops the run with ``WeightsSyncError``)."""
+    (:class:`WeightsCheck`: a skipped sync stops the run with ``WeightsSyncError``). Each process takes versions on
+    its own (partial rollouts switch one process's weights at its turn boundary), so each has its versions noted
+    and not taken yet."""
 
     def __init__(self, pool: ProcessPool | None, dtype: torch.dtype) -> None:
         self.pool = pool
         self.dtype = dtype
         self.checks: dict[int, WeightsCheck] = {}
-        self.expected: ExpectedWeights[WeightsChecksum] = ExpectedWeights()
+        self.expected: dict[int, ExpectedWeights[WeightsChecksum]] = {
+            j: ExpectedWeights() for j in (pool.processes if pool is not None else ())}
+        self.seconds: ExpectedWeights[WeightsChecksum] = ExpectedWeights()
+        """The checks' seconds (none noted: :meth:`ExpectedWeights.metrics` reports them)."""
 
     def expect(self, model: torch.nn.Module, version: WeightsVersion) -> None:
         start = time.perf_counter()
         trainer = model_checksum(model, self.dtype)
-        seconds = time.perf_counter() - start
-        if self.pool is not None:
-            self.expected.note(version, trainer, seconds)
-        else:
-            self.expected.add_seconds(seconds)
+        for expected in self.expected.values():
+            expected.note(version, trainer, 0.0)
+        self.seconds.add_seconds(time.perf_counter() - start)
 
-    def take(self, steps: int | None = None) -> None:
+    def take(self, steps: int | None = None, parts: Sequence[int] | None = None) -> None:
         if self.pool is None:
             return
-        taken = self.expected.take(steps)
-        if taken is None:
-            return
-        version, trainer = taken
         start = time.perf_counter()
-        for j, rollout in self.pool.checksums.items():
-            if rollout is not None:
-                check = self.checks.setdefault(j, WeightsCheck(f"pool (rollout process {self.pool._name(j)})"))
-                check.verify(version, trainer, rollout)
-        self.expected.add_seconds(time.perf_counter() - start)
+        checked = False
+        for j in self.pool.processes if parts is None else parts:
+            taken = self.expected[j].take(steps)
+            rollout = self.pool.checksums.get(j)
+            if taken is None or rollout is None:
+                continue
+            version, trainer = taken
+            check = self.checks.setdefault(j, WeightsCheck(f"pool (rollout process {self.pool._name(j)})"))
+            check.verify(version, trainer, rollout)
+            checked = True
+        if checked:
+            self.seconds.add_seconds(time.perf_counter() - start)
 
     def metrics(self) -> dict[str, float]:
-        return self.expected.metrics()
+        return self.seconds.metrics()

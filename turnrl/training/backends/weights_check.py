@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -148,8 +149,9 @@ class PolicyWeights:
         trainer: WeightsChecksum | torch.nn.Module = model if self.dtype is None else model_checksum(model, self.dtype)
         self.expected.note(version, trainer, time.perf_counter() - start)
 
-    def take(self, steps: int | None = None) -> None:
-        """The policy holds the weights of ``steps`` now (None: the latest noted); stamp and check them.
+    def take(self, steps: int | None = None, parts: Sequence[int] | None = None) -> None:
+        """The policy holds the weights of ``steps`` now (None: the latest noted); stamp and check them. The policy
+        is one part, whatever ``parts`` says.
 
         Nothing to do when no newer version was noted. Call it between generations (the engine's buffers are
         brought up to date here).
