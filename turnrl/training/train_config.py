@@ -475,7 +475,8 @@ class DistributedConfig:
     """``async_rollout``: where the rollout copy of the policy lives (e.g. ``cuda:1``); None: the trainer's."""
     partial_rollouts: bool = False
     """``async_rollout``: the episodes in flight take weights published mid-batch from their next turn on,
-    instead of finishing the batch on the weights it started with (each turn keeps its version and log-probs)."""
+    instead of finishing the batch on the weights it started with (each turn keeps its version and log-probs);
+    with ``rollout_processes``, each process at its own turn boundaries."""
     rollout_processes: int = 0
     """Disaggregated pools: of the ``nproc_per_node`` processes, the last this many roll out (each its own policy
     and envs, on its own GPU) and the others train (FSDP2 among themselves, one process: on its own); weights go

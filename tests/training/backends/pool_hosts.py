@@ -3,7 +3,9 @@ behaviour changed, as a user's subclass would be named."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -67,3 +69,57 @@ class FailsTakingWeightsTwo(RolloutHost):
             return super().load_weights(version, weights)
         next(iter(weights))
         raise RuntimeError("the GPU fell off the bus")
+
+
+RUN_DIR_VARIABLE = "POOL_TEST_RUN_DIR"
+
+
+def wait_for_step_record(step: int, timeout_s: float = 300.0) -> None:
+    """Until the run's metrics (its directory in ``POOL_TEST_RUN_DIR``) hold step ``step``'s record: the trainer
+    logs it after the step's update published its weights."""
+    metrics = Path(os.environ[RUN_DIR_VARIABLE]) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.is_file() and
+               any(json.loads(line).get("step") == step and "rollout/success" in line
+                   for line in metrics.read_text().splitlines())):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no record of step {step} in {metrics} after {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+class NewWeightsMidStepTwo(RolloutHost):
+    """Plays step 2 (played ahead with the weights of step 1, one update behind) up to its second round, then waits
+    for the update of step 1 to be published before reporting that round's turn boundary: with partial rollouts
+    the episodes in flight take those weights from their second turn on."""
+
+    plays = 0
+
+    def run(self, slots: Sequence[SlotSpec], sampling: SamplingConfig, seed: int) -> WorkerResult:
+        self.plays += 1
+        report = self.rollout.turn_boundary
+        if self.plays == 2 and report is not None:
+            rounds = 0
+
+            def at_boundary(turns: int, part: int) -> None:
+                nonlocal rounds
+                rounds += 1
+                if rounds == 2:
+                    wait_for_step_record(1)
+                report(turns, part)
+
+            self.rollout.turn_boundary = at_boundary
+        return super().run(slots, sampling, seed)
+
+
+class SkipsWeightsMidStepTwo(NewWeightsMidStepTwo):
+    """As :class:`NewWeightsMidStepTwo`, and reads the weights it is sent mid-batch but keeps its own: a partial
+    rollout whose episodes would go on with stale weights."""
+
+    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsChecksum | None:
+        if self.plays != 2:
+            return super().load_weights(version, weights)
+        for _ in weights:
+            pass
+        self.version = version
+        self.rollout.policy.weights_version = version
+        return self.rollout.policy.weights_checksum()

@@ -61,11 +61,15 @@ def ran(result) -> str:
     return " ".join(result.stdout.split())
 
 
-@pytest.mark.parametrize("mode", [[], ["distributed.async_rollout=true", "distributed.max_staleness=0"]],
-                         ids=["synchronous", "staleness0"])
+STALENESS_0 = ["distributed.async_rollout=true", "distributed.max_staleness=0"]
+
+
+@pytest.mark.parametrize("mode", [[], STALENESS_0, [*STALENESS_0, "distributed.partial_rollouts=true"]],
+                         ids=["synchronous", "staleness0", "staleness0-partial"])
 def test_one_trainer_and_two_rollout_processes_train_as_one_process(tiny_model_dir, tmp_path, single, mode):
-    """Synchronous, or asynchronous with no staleness: the episodes, rewards and every step's metrics of the one-
-    process run; the turns record the weights version they were played with."""
+    """Synchronous, or asynchronous with no staleness (with partial rollouts too: no weights are published while a
+    batch plays): the episodes, rewards and every step's metrics of the one-process run; the turns record the
+    weights version they were played with."""
     said = ran(run_train(tiny_model_dir, tmp_path, "pool", "run.steps=2", *pool(1, 2, *mode)))
     assert "1 trainer process and 2 rollout processes" in said
     one, two = played_as_one(single, tmp_path / "pool")
@@ -74,6 +78,43 @@ def test_one_trainer_and_two_rollout_processes_train_as_one_process(tiny_model_d
     assert ("pool/publish_s" if not mode else "async/publish_s") in two[2]
     versions = {turn["weights_version"] for t in trajectories(tmp_path / "pool", 2) for turn in t["turns"]}
     assert versions == {1}  # step 2 played with the weights of the first update
+    if mode:  # the processes reported their rounds' turn boundaries; none took other weights there
+        assert two[2]["async/turns_behind_mean"] == 0 and two[2]["async/weight_switches"] == 0
+
+
+PARTIAL = [*ASYNC, "distributed.max_staleness=1", "distributed.partial_rollouts=true", "run.steps=2"]
+
+
+def test_two_rollout_processes_take_weights_published_mid_batch_at_their_next_turn(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """Two FSDP trainers, two rollout processes, one update behind with partial rollouts: step 2 starts on the
+    weights before update 1, and each process waits at its second round until update 1 is published: trainer 0
+    sends it to that process alone, which plays the round with it (checked against the trainers' weights)."""
+    monkeypatch.setenv("POOL_TEST_RUN_DIR", str(tmp_path / "pool"))
+    ran(run_train(tiny_model_dir, tmp_path, "pool", *pool(2, 2, *PARTIAL),
+                  f"distributed.rollout_host={POOL}:NewWeightsMidStepTwo"))
+    record = step_records(tmp_path / "pool")[2]
+    versions = [[turn["weights_version"] for turn in t["turns"]] for t in trajectories(tmp_path / "pool", 2)]
+    assert all(v == [0, 1][:len(v)] for v in versions), versions  # each turn records the weights that sampled it
+    halves = versions[:len(versions) // 2], versions[len(versions) // 2:]  # each process's groups
+    assert all(any(len(v) == 2 for v in half) for half in halves), f"each process plays a second round: {versions}"
+    turns = [version for v in versions for version in v]
+    assert record["async/weight_switches"] == 2  # each process once
+    assert record["async/staleness"] == 1 and record["async/weights_version"] == 0  # the oldest turn's
+    assert record["async/turns_newer_weights_frac"] == pytest.approx(turns.count(1) / len(turns))
+    assert record["timing/weights_check_s"] > 0
+
+
+def test_a_mid_batch_transfer_a_rollout_process_skips_stops_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    """A rollout process that reads the weights sent at its turn boundary and keeps its own is caught by the check
+    of that process; the other one, still playing, does not hold the stop up."""
+    monkeypatch.setenv("POOL_TEST_RUN_DIR", str(tmp_path / "pool"))
+    result = run_train(tiny_model_dir, tmp_path, "pool", *pool(1, 2, *PARTIAL),
+                       f"distributed.rollout_host={POOL}:SkipsWeightsMidStepTwo")
+    said = " ".join(result.stdout.split()) + " ".join(result.stderr.split())
+    assert result.returncode == 1, said[-3000:]
+    assert "the rollout's weights did not change after the weights sync of version 1 (step 1) on the pool " \
+           "(rollout process " in said, said[-3000:]
 
 
 def test_two_fsdp_trainers_and_one_rollout_process_train_as_one_process(tiny_model_dir, tmp_path, single):

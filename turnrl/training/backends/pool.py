@@ -16,7 +16,7 @@ Synchronous (:class:`PoolRollout`): after each step the trainer's weights are st
 :class:`~turnrl.training.backends.asynchronous.AsyncRollout` on trainer 0 with the pool as its runner and
 :class:`~turnrl.training.backends.pool_weights.PoolCopy` as where its copy lives: the weights are staged on
 trainer 0's device by every trainer's main thread (the gather is a collective) and sent by the rollout thread
-between batches.
+between batches; with partial rollouts also to one process at a time, at its turn boundaries.
 """
 
 from __future__ import annotations
