@@ -233,13 +233,17 @@ def test_a_sigterm_to_torchrun_stops_a_pool_after_the_step_in_progress_with_its_
     kill_points.assert_whole(run, 6)
 
 
-@pytest.mark.slow  # three runs of two processes, about a minute on two cores
+@pytest.mark.slow  # three runs of two (or four) processes, one (or three) minutes on two cores
+@pytest.mark.parametrize("processes", [(1, 1, []), (2, 2, ["distributed.partial_rollouts=true"])],
+                         ids=["one-and-one", "two-and-two-partial"])
 def test_an_asynchronous_pool_stopped_and_resumed_trains_each_planned_step_once(tiny_model_dir, tmp_path,
-                                                                              monkeypatch):
-    """The stop file touched as the rollout process starts step 3 (played ahead while step 2 updates): the run stops
+                                                                              monkeypatch, processes):
+    """The stop file touched as a rollout process starts step 3 (played ahead while step 2 updates): the run stops
     after step 2 and drops step 3; the resumed run plays steps 3 and 4 on the seeds and groups the uninterrupted run
     plays."""
-    settings = [*pool(1, 1, *ASYNC, "distributed.max_staleness=1"), "run.steps=4", "run.save_every=1"]
+    trainers, rollouts, extra = processes
+    settings = [*pool(trainers, rollouts, *ASYNC, "distributed.max_staleness=1", *extra), "run.steps=4",
+                "run.save_every=1"]
     ran(run_train(tiny_model_dir, tmp_path, "whole", *settings))
     monkeypatch.setenv("POOL_TEST_STOP_FILE", str(tmp_path / "run" / "stop"))
     stopped = run_train(tiny_model_dir, tmp_path, "run", *settings,
