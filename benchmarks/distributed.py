@@ -9,7 +9,8 @@ over the first row, measured in the same run of this script. A row that fails (o
 what it failed on instead, and the next row runs.
 
 With ``--pool K``, each count of processes N also runs as the asynchronous pool: N - K trainers and K rollout
-processes (``distributed.rollout_processes``), the rollout one update ahead (``--staleness``); its speed-up is
+processes (``distributed.rollout_processes``), the rollout one update ahead (``--staleness``; ``--partial``: with
+partial rollouts, each rollout process taking newer weights at its next turn boundary); its speed-up is
 over the synchronous row of the same N (FSDP2 over all N, each process rolling out its share), measured in the
 same run. Both rows take the same overrides, so the old log-probs must be a choice the pool accepts
 (``algorithm.old_logprobs=sampler``, or ``recompute`` with ``algorithm.tis_cap``); ``validation.every=K`` gives
@@ -49,11 +50,12 @@ COMMON = ["run.tensorboard=false", "run.trajectories_every=0", "validation.episo
 PEAKS = ("memory/rollout_peak_gib", "memory/scores_peak_gib", "memory/update_peak_gib")
 
 
-def pool_settings(rollout_processes: int, staleness: int) -> list[str]:
+def pool_settings(rollout_processes: int, staleness: int, partial: bool = False) -> list[str]:
     """The overrides that make a run of N processes the asynchronous pool: ``rollout_processes`` of them roll
-    out, at most ``staleness`` updates behind the trainers."""
+    out, at most ``staleness`` updates behind the trainers (with ``partial``, their episodes in flight take
+    newer weights at their next turn)."""
     return [f"distributed.rollout_processes={rollout_processes}", "distributed.async_rollout=true",
-            f"distributed.max_staleness={staleness}"]
+            f"distributed.max_staleness={staleness}", f"distributed.partial_rollouts={str(partial).lower()}"]
 
 
 def run(processes: int, config: str | None, overrides: list[str], out: Path, timeout: float,
@@ -137,6 +139,8 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=0, metavar="K",
                         help="also run each count of processes as the asynchronous pool, K of them rolling out")
     parser.add_argument("--staleness", type=int, default=1, help="the pool's distributed.max_staleness")
+    parser.add_argument("--partial", action="store_true",
+                        help="the pool's distributed.partial_rollouts (the synchronous rows have none)")
     parser.add_argument("--config", default=None)
     parser.add_argument("--label", default="", help="the row's name in the table (a recipe and size)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds a row may take")
@@ -153,7 +157,8 @@ def main() -> None:
         out = Path(args.out) if args.out else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         for processes in args.processes:
-            modes = {"sync": []} | ({"pool": pool_settings(args.pool, args.staleness)} if args.pool else {})
+            pooled = pool_settings(args.pool, args.staleness, args.partial)
+            modes = {"sync": []} | ({"pool": pooled} if args.pool else {})
             for mode, extra in modes.items():
                 name = f"p{processes}" + ("" if mode == "sync" else f"_pool{args.pool}")
                 try:

@@ -53,4 +53,5 @@ def test_a_pool_row_is_compared_with_the_synchronous_row_of_as_many_processes():
     assert [line.rstrip(" |").rsplit(" | ", 1)[-1] for line in lines[:3]] == ["1.00x", "2.00x", "2.50x"]
     assert "does not run: out of memory" in lines[3]
     assert pool_settings(1, 2) == ["distributed.rollout_processes=1", "distributed.async_rollout=true",
-                                   "distributed.max_staleness=2"]
+                                   "distributed.max_staleness=2", "distributed.partial_rollouts=false"]
+    assert pool_settings(1, 1, partial=True)[-1] == "distributed.partial_rollouts=true"
