@@ -234,6 +234,44 @@ def test_a_sigterm_to_torchrun_stops_a_pool_after_the_step_in_progress_with_its_
     kill_points.assert_whole(run, 6)
 
 
+def worker_of_rank(launcher_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker process of ``rank`` (from its environment), if it has started."""
+    for pid in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split():
+        try:
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):  # a short-lived child, gone
+            continue
+        if f"RANK={rank}".encode() in environment:
+            return int(pid)
+    return None
+
+
+@pytest.mark.slow  # two runs of four processes, about two minutes on two cores
+def test_a_pool_whose_trainer_0_is_killed_mid_step_resumes_to_every_planned_step_once(tiny_model_dir, tmp_path,
+                                                                                      capsys):
+    """Two FSDP2 trainers and two rollout processes, one update behind with partial rollouts: trainer 0 SIGKILLed
+    after step 2's record (step 3 updating, step 4 in play, weights in flight to a rollout process maybe); torchrun
+    stops the others. The resume trains every planned step once, each step's episodes once."""
+    run = tmp_path / "run"
+    settings = pool(2, 2, *ASYNC, "distributed.max_staleness=1", "distributed.partial_rollouts=true")
+    process = start(tmp_path, *overrides(tiny_model_dir, tmp_path, "run.steps=5", "run.save_every=1", *settings))
+    launcher = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    deadline = time.monotonic() + 300
+    trainer = None
+    while kill_points.step_records(run) < 2 or trainer is None:
+        assert process.poll() is None and time.monotonic() < deadline, output(tmp_path)[-3000:]
+        torchrun = launcher.read_text().split()
+        trainer = worker_of_rank(int(torchrun[0]), 0) if torchrun else None
+        time.sleep(0.02)
+    os.kill(trainer, signal.SIGKILL)
+    process.wait(timeout=300)
+    assert process.returncode != 0, output(tmp_path)[-3000:]
+    assert kill_points.step_records(run) < 5, "the run ended before the kill"
+    status, text = kill_points.resume(run, 5, capsys)
+    assert status == 0, text
+    kill_points.assert_whole(run, 5)
+
+
 @pytest.mark.slow  # three runs of two (or four) processes, one (or three) minutes on two cores
 @pytest.mark.parametrize("processes", [(1, 1, []), (2, 2, ["distributed.partial_rollouts=true"])],
                          ids=["one-and-one", "two-and-two-partial"])
