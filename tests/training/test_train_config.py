@@ -102,6 +102,8 @@ def test_uses_critic_exactly_for_the_critic_estimators(advantage):
         ("groups.group_size=0", "groups.group_size"),
         ("optim.actor_lr=-1e-4", "optim.actor_lr"),
         ("optim.adam_eps=0", "optim.adam_eps"),
+        ("optim.adam_beta2=1", "optim.adam_beta2"),
+        ("optim.adam_beta1=-0.1", "optim.adam_beta1"),
         ("optim.weight_decay=-0.1", "optim.weight_decay"),
     ],
 )

@@ -214,6 +214,16 @@ def test_critic_warmup_leaves_the_actor_untouched(tiny_model_dir, builtin_dir, t
     assert all("losses/policy" not in r and r["losses/value"] > 0 for r in steps.values())
 
 
+def test_adams_betas_reach_the_actors_and_the_critics_optimizers(tiny_model_dir, tmp_path):
+    trainer = Trainer(config(tiny_model_dir, tmp_path, "optim.adam_beta1=0.8", "optim.adam_beta2=0.95"))
+    try:
+        assert trainer.critic_optimizer is not None
+        for optimizer in (trainer.actor_optimizer, trainer.critic_optimizer):
+            assert optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    finally:
+        trainer.close()
+
+
 def test_a_bf16_runs_reference_computes_what_its_resume_loads(tiny_model_dir, tmp_path):
     """The reference is the actor's copy in the compute dtype, saved with the run and loaded on a resume: the
     copy keeps the rotary frequencies in float32 as the loaded one does, so both score each token alike,

@@ -268,6 +268,13 @@ class OptimConfig:
     """AdamW epsilon. Adam's step is about the learning rate however small the gradient, so the tiny
     gradients of near-certain tokens (a format's tags) still move them; a larger epsilon (the
     quickstart uses 1e-5) damps those steps."""
+    adam_beta1: float = 0.9
+    """AdamW's decay of its running mean of the gradients."""
+    adam_beta2: float = 0.999
+    """AdamW's decay of its running mean of the squared gradients. With 0.999 that mean follows a weight's
+    gradients over about a thousand steps, so a weight whose gradients were tiny for long (a format tag's) takes a
+    step of up to about three times the learning rate when a large gradient comes; 0.95 (OpenRLHF's default, as in
+    LLM pre-training) follows them over about twenty steps and bounds such a step nearer the learning rate."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up of the actor over this many of its updates."""
     lr_schedule: str = "constant"
@@ -287,6 +294,8 @@ class OptimConfig:
         check_range("optim.critic_lr", self.critic_lr, 0)
         check_range("optim.weight_decay", self.weight_decay, 0)
         check_range("optim.adam_eps", self.adam_eps, 1e-12, 1.0)
+        check_range("optim.adam_beta1", self.adam_beta1, 0.0, 0.999999)
+        check_range("optim.adam_beta2", self.adam_beta2, 0.0, 0.999999)
         check_range("optim.grad_clip", self.grad_clip, 0)
         check_choice("optim.lr_schedule", self.lr_schedule, list(SCHEDULES))
         check_range("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)

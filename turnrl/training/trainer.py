@@ -356,8 +356,8 @@ def vision_module_pattern(model: torch.nn.Module) -> str | None:
     return None if name is None else rf"{re.escape(name)}(\..*)?"
 
 
-def adamw(parameters: list[torch.nn.Parameter], lr: float, weight_decay: float, eps: float, fused: bool
-          ) -> torch.optim.AdamW:
+def adamw(parameters: list[torch.nn.Parameter], lr: float, weight_decay: float, eps: float, fused: bool,
+          betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.AdamW:
     """AdamW whose every step marks its parameters modified (their in-place version counters).
 
     The engine and the rollout policies recompute their cast and stacked weights when a parameter's version
@@ -366,7 +366,7 @@ def adamw(parameters: list[torch.nn.Parameter], lr: float, weight_decay: float, 
     saw; the hook counts one for every step, fused or not. Sharded parameters (FSDP) are left out: they reach
     the engine through the rollout copy, whose filling counts.
     """
-    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, eps=eps, fused=fused)
+    optimizer = torch.optim.AdamW(parameters, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, fused=fused)
     whole = [p for p in parameters if not isinstance(p, DTensor)]
     if whole:
         optimizer.register_step_post_hook(lambda *_: torch.autograd.graph.increment_version(whole))
@@ -627,13 +627,14 @@ class Trainer:
         # One fused kernel for every parameter's update where the parameters are on a GPU (offloaded shards
         # are stepped on the host).
         fused = self.device.type == "cuda" and not self.config.distributed.cpu_offload
+        betas = (optim.adam_beta1, optim.adam_beta2)
         self.actor_optimizer = adamw([p for p in self.actor.parameters() if p.requires_grad], optim.actor_lr,
-                                     optim.weight_decay, optim.adam_eps, fused)
+                                     optim.weight_decay, optim.adam_eps, fused, betas)
         self.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(self.actor_optimizer, schedule)
         self.critic_optimizer = None
         if self.critic is not None:
             self.critic_optimizer = adamw(list(self.critic.parameters()), optim.critic_lr, optim.weight_decay,
-                                          optim.adam_eps, fused)
+                                          optim.adam_eps, fused, betas)
 
     def _restore(self) -> None:
         assert self.checkpoint is not None
