@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.training import test_kill_points as kill_points
 from tests.training.reference_run import (
@@ -104,6 +105,20 @@ def test_two_rollout_processes_take_weights_published_mid_batch_at_their_next_tu
     assert record["async/staleness"] == 1 and record["async/weights_version"] == 0  # the oldest turn's
     assert record["async/turns_newer_weights_frac"] == pytest.approx(turns.count(1) / len(turns))
     assert record["timing/weights_check_s"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_rollout_processes_on_gpus_take_weights_mid_batch_over_nccl(tiny_model_dir, tmp_path, monkeypatch):
+    """The test above on GPUs, one process a GPU: the weights go over the pool's NCCL group, broadcast to a lone
+    rollout process (two GPUs) or sent point to point to each (three or more: two rollout processes)."""
+    rollouts = min(2, torch.cuda.device_count() - 1)
+    monkeypatch.setenv("POOL_TEST_RUN_DIR", str(tmp_path / "pool"))
+    ran(run_train(tiny_model_dir, tmp_path, "pool", *pool(1, rollouts, *PARTIAL), "model.device=cuda",
+                  f"distributed.rollout_host={POOL}:NewWeightsMidStepTwo"))
+    record = step_records(tmp_path / "pool")[2]
+    versions = [[turn["weights_version"] for turn in t["turns"]] for t in trajectories(tmp_path / "pool", 2)]
+    assert all(v == [0, 1][:len(v)] for v in versions) and any(len(v) == 2 for v in versions), versions
+    assert record["async/weight_switches"] == rollouts and record["timing/weights_check_s"] > 0
 
 
 def test_a_mid_batch_transfer_a_rollout_process_skips_stops_the_run(tiny_model_dir, tmp_path, monkeypatch):
