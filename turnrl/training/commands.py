@@ -35,6 +35,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from turnrl.config import ConfigError, turnrl_command
 from turnrl.models.loading import base_model_path
@@ -308,7 +309,8 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
     done = finished_summary(config)
     if done is not None:
         console.print(f"run {config.resume} already ran its {config.run.steps} steps; nothing to do "
-                      f"(raise run.steps to continue it). Summary: {run_directory(config) / 'summary.json'}")
+                      f"(raise run.steps to continue it). Summary: {run_directory(config) / 'summary.json'}",
+                      markup=False, highlight=False)
         if ranks.is_main() and not (run_directory(config) / REPORT_NAME).is_file():  # killed before its report
             _report(run_directory(config))
         return done
@@ -390,7 +392,8 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 with _memory_recorded(config, trainer, step):
                     output = trainer.step(step - 1)
             except RolloutWorkerError as error:
-                console.print(f"[bold red]rollout stopped:[/bold red] {error}", soft_wrap=True)
+                # Escaped: an error's text is no markup (gloo's name their source file in brackets).
+                console.print(f"[bold red]rollout stopped:[/bold red] {escape(str(error))}", soft_wrap=True)
                 if step == 1:
                     raise
                 # Saves the last finished step; not after a failed weights transfer, which comes after the step's
@@ -486,7 +489,8 @@ def _save(trainer: Trainer, step: int) -> Path | None:
     problem = trainer.checkpoint_space_problem()
     if problem is None:
         return trainer.save(step)
-    console.print(f"[bold red]checkpoint after step {step} not written:[/bold red] {problem}", soft_wrap=True)
+    console.print(f"[bold red]checkpoint after step {step} not written:[/bold red] {escape(problem)}",
+                  soft_wrap=True)
     trainer.summary["checkpoint_not_written"] = {"step": step, "why": problem}
     return None
 
@@ -527,7 +531,7 @@ def _stop(trainer: Trainer, logger: MetricsLogger | None, step: int, error: bool
         saved = f"no checkpoint after it: the last is {checkpoint.name if checkpoint else 'none'}, and a resume " \
                 "trains the steps after it again"
     console.print(f"[bold]{'stopped by the error above' if error else 'interrupted'}[/bold] after step {step} "
-                  f"of {trainer.config.run.steps}; {saved}", soft_wrap=True)
+                  f"of {trainer.config.run.steps}; {escape(saved)}", soft_wrap=True)
     if checkpoint is not None:  # one unwrapped line, to copy whole
         console.print(f"continue with: {turnrl_command()} train resume={trainer.run_dir}", markup=False,
                       highlight=False, soft_wrap=True)

@@ -123,3 +123,16 @@ class SkipsWeightsMidStepTwo(NewWeightsMidStepTwo):
         self.version = version
         self.rollout.policy.weights_version = version
         return self.rollout.policy.weights_checksum()
+
+
+class DiesInStepTwo(RolloutHost):
+    """Exits at its second batch without a word, as a process the kernel kills does: the first rollout process
+    alone (launched rank 1 under one trainer); the others play on."""
+
+    plays = 0
+
+    def run(self, slots: Sequence[SlotSpec], sampling: SamplingConfig, seed: int) -> WorkerResult:
+        self.plays += 1
+        if self.plays == 2 and os.environ.get("RANK") == "1":
+            os._exit(3)
+        return super().run(slots, sampling, seed)

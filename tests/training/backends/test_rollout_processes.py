@@ -84,7 +84,9 @@ def test_one_trainer_and_two_rollout_processes_train_as_one_process(tiny_model_d
         assert two[2]["async/turns_behind_mean"] == 0 and two[2]["async/weight_switches"] == 0
 
 
-PARTIAL = [*ASYNC, "distributed.max_staleness=1", "distributed.partial_rollouts=true", "run.steps=2"]
+# A rollout process waits at a boundary until the trainer logs step 1: a long wait on a busy machine.
+PARTIAL = [*ASYNC, "distributed.max_staleness=1", "distributed.partial_rollouts=true", "run.steps=2",
+           "distributed.timeout_s=600"]
 
 
 def test_two_rollout_processes_take_weights_published_mid_batch_at_their_next_turn(tiny_model_dir, tmp_path,
@@ -104,7 +106,6 @@ def test_two_rollout_processes_take_weights_published_mid_batch_at_their_next_tu
     assert record["async/weight_switches"] == 2  # each process once
     assert record["async/staleness"] == 1 and record["async/weights_version"] == 0  # the oldest turn's
     assert record["async/turns_newer_weights_frac"] == pytest.approx(turns.count(1) / len(turns))
-    assert record["timing/weights_check_s"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -118,15 +119,16 @@ def test_rollout_processes_on_gpus_take_weights_mid_batch_over_nccl(tiny_model_d
     record = step_records(tmp_path / "pool")[2]
     versions = [[turn["weights_version"] for turn in t["turns"]] for t in trajectories(tmp_path / "pool", 2)]
     assert all(v == [0, 1][:len(v)] for v in versions) and any(len(v) == 2 for v in versions), versions
-    assert record["async/weight_switches"] == rollouts and record["timing/weights_check_s"] > 0
+    assert record["async/weight_switches"] == rollouts
 
 
 def test_a_mid_batch_transfer_a_rollout_process_skips_stops_the_run(tiny_model_dir, tmp_path, monkeypatch):
     """A rollout process that reads the weights sent at its turn boundary and keeps its own is caught by the check
-    of that process; the other one, still playing, does not hold the stop up."""
+    of that process; the other one, still playing, does not hold the stop up (a stop sent to it would wait for
+    distributed.timeout_s, an hour here, past this test's limit)."""
     monkeypatch.setenv("POOL_TEST_RUN_DIR", str(tmp_path / "pool"))
-    result = run_train(tiny_model_dir, tmp_path, "pool", *pool(1, 2, *PARTIAL),
-                       f"distributed.rollout_host={POOL}:SkipsWeightsMidStepTwo")
+    result = run_train(tiny_model_dir, tmp_path, "pool", *pool(1, 2, *PARTIAL), "distributed.timeout_s=3600",
+                       f"distributed.rollout_host={POOL}:SkipsWeightsMidStepTwo", timeout=300)
     said = " ".join(result.stdout.split()) + " ".join(result.stderr.split())
     assert result.returncode == 1, said[-3000:]
     assert "the rollout's weights did not change after the weights sync of version 1 (step 1) on the pool " \
@@ -197,6 +199,19 @@ def test_a_rollout_process_that_fails_stops_the_run_naming_it(tiny_model_dir, tm
     assert "rollout process 1 (rank 1, pid" in said
     assert "failed during play: RuntimeError: the env server went away" in said
     assert "stopped by the error above after step 1 of 3" in said  # a checkpoint to resume from
+    assert (tmp_path / "pool" / "checkpoints" / "step_000001").is_dir()
+
+
+def test_a_rollout_process_that_dies_in_an_asynchronous_batch_is_named_at_once(tiny_model_dir, tmp_path):
+    """Its channel closes: the receive from it fails at once (not after distributed.timeout_s, an hour here, past
+    this test's limit), and the run stops naming it, with the last finished step saved."""
+    result = run_train(tiny_model_dir, tmp_path, "pool", "run.steps=3", "run.save_every=1",
+                       *pool(1, 2, *ASYNC, "distributed.max_staleness=0", "distributed.timeout_s=3600",
+                             f"distributed.rollout_host={POOL}:DiesInStepTwo"), timeout=300)
+    said = " ".join(result.stdout.split())
+    assert result.returncode != 0, said[-3000:]
+    assert "rollout process 1 (rank 1, pid" in said and "died during play, or stopped answering" in said, \
+        said[-3000:] + result.stderr[-3000:]
     assert (tmp_path / "pool" / "checkpoints" / "step_000001").is_dir()
 
 

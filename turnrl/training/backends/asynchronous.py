@@ -201,13 +201,13 @@ class StagedWeights:
         return time.time() - start
 
     def apply(self, part: int | None = None) -> int:
-        """Copy the staged weights into the rollout copy's ``part`` (None: every part) where they are newer than
-        what it holds; returns the version it holds now (the latest published)."""
+        """Copy the staged weights into the rollout copy's ``part`` (None: every part) when they are newer than
+        what it holds (every part, when one of them is behind: a pool then broadcasts once, where sending to each
+        part behind in turn would cost a transfer each); returns the version it holds now (the latest published)."""
         with self._changed:
             parts = list(self._applied) if part is None else [part]
-            behind = [p for p in parts if self._applied[p] < self._staged.steps]
-            if behind:
-                self.copy.apply(self._staged, behind)
+            if any(self._applied[p] < self._staged.steps for p in parts):
+                self.copy.apply(self._staged, parts)
             for p in parts:
                 self._applied[p] = self.version
             return self.version

@@ -24,7 +24,9 @@ answers until ``Continue``, which may first be the weights published since it la
     Continue                    ->  (its round's generation)
 
 Trainer 0 takes the answers of a ``Play`` in the order they come (each process's rounds are its own), so that
-one process's boundary never waits for another's round.
+one process's boundary never waits for another's round: a thread of its own receives each process's messages
+(gloo's receive from any rank would not see a process die until it timed out; a receive from one rank fails as
+soon as that rank has gone).
 
 A rollout process that fails answers :class:`Failed` (what it was doing, the error) and waits for ``Stop``; one
 that dies or does not answer within ``distributed.timeout_s`` is named in the :class:`RolloutWorkerError` trainer 0
@@ -34,6 +36,7 @@ raises, as for a Ray worker.
 from __future__ import annotations
 
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -125,22 +128,7 @@ def recv_object(groups: PoolGroups, source: int, timeout_s: float) -> Any:
     timeout = timedelta(seconds=max(timeout_s, 1.0))
     size = torch.empty(1, dtype=torch.long)
     groups.messages.recv([size], source, 0).wait(timeout)
-    return _payload(groups, source, int(size), timeout)
-
-
-def recv_object_from_any(groups: PoolGroups, timeout_s: float) -> tuple[int, Any]:
-    """The next object any pool rank sends, with that rank, waiting at most ``timeout_s`` (raises on a timeout, or
-    at once when a rank has gone). The size comes from whichever rank sent first; its bytes from that rank."""
-    timeout = timedelta(seconds=max(timeout_s, 1.0))
-    size = torch.empty(1, dtype=torch.long)
-    work = groups.messages.recv_anysource([size], 0)
-    work.wait(timeout)
-    source = work._source_rank()
-    return source, _payload(groups, source, int(size), timeout)
-
-
-def _payload(groups: PoolGroups, source: int, size: int, timeout: timedelta) -> Any:
-    payload = torch.empty(size, dtype=torch.uint8)
+    payload = torch.empty(int(size), dtype=torch.uint8)
     groups.messages.recv([payload], source, 0).wait(timeout)
     return pickle.loads(payload.numpy().data)
 
@@ -456,21 +444,68 @@ class ProcessPool:
         return [t for t in trajectories if t is not None]
 
     def _play_in_rounds(self, playing: list[int], boundary: TurnBoundary) -> dict[int, WorkerResult]:
-        """Each playing process's result, its turn boundaries answered as they come (``boundary``, then
-        ``Continue``), each message waited for ``distributed.timeout_s`` at most.
+        """Each playing process's result, its turn boundaries answered as they come (``boundary``, which may send it
+        weights, then ``Continue``), each message waited for ``distributed.timeout_s`` at most.
 
         Raises:
-            RolloutWorkerError: naming the process that failed, or those that did not answer or died.
+            RolloutWorkerError: naming the process that failed or died, or those that did not answer.
         """
+        arrived: queue.Queue[tuple[int, Any]] = queue.Queue()
+        answered = {j: threading.Event() for j in playing}
+        done = threading.Event()
+        for j in playing:
+            threading.Thread(target=self._listen, args=(j, arrived, answered[j], done), daemon=True,
+                             name=f"turnrl-pool-listener-{j}").start()
         results: dict[int, WorkerResult] = {}
-        while len(results) < len(playing):
-            j, answer = self._answer_from_any([j for j in playing if j not in results], "play")
-            if isinstance(answer, Boundary):
-                boundary(answer.turns, j)
-                self._send(Continue(), j)
-            else:
-                results[j] = answer
+        try:
+            while len(results) < len(playing):
+                waiting = [j for j in playing if j not in results]
+                try:
+                    j, answer = arrived.get(timeout=self.groups.timeout_s)
+                except queue.Empty:
+                    names = ", ".join(self._name(j) for j in waiting)
+                    raise RolloutWorkerError(
+                        f"rollout process{'es' if len(waiting) > 1 else ''} {names} did not answer during play within "
+                        f"distributed.timeout_s={self.groups.timeout_s:g} s; the batch is lost. Resume the run from "
+                        "its last checkpoint (`turnrl train resume=RUN_DIR`)",
+                        worker=waiting[0] if len(waiting) == 1 else None) from None
+                if isinstance(answer, Exception):  # the receive failed: the process died, or its channel broke
+                    raise RolloutWorkerError(
+                        f"rollout process {self._name(j)} died during play, or stopped answering "
+                        f"({first_line(answer)}); the batch is lost. Resume the run from its last checkpoint "
+                        "(`turnrl train resume=RUN_DIR`)", worker=j)
+                self._listening.add(j)
+                if isinstance(answer, Failed):
+                    raise RolloutWorkerError(f"rollout process {self._name(j)} failed during {answer.doing}: "
+                                             f"{answer.error.strip()}", worker=j)
+                if isinstance(answer, Boundary):
+                    boundary(answer.turns, j)
+                    self._send(Continue(), j)
+                    answered[j].set()
+                else:
+                    results[j] = answer
+        finally:
+            done.set()
         return results
+
+    def _listen(self, j: int, arrived: queue.Queue[tuple[int, Any]], answered: threading.Event,
+                done: threading.Event) -> None:
+        """Process ``j``'s messages of a ``Play`` into ``arrived`` as they come (or the error its receive raised),
+        until its result. After a ``Boundary`` it waits until trainer 0 has ``answered`` it: trainer 0 receives that
+        process's answers to the weights it sends there itself. Ends when the ``Play``'s exchange is ``done``."""
+        while True:
+            try:
+                message = recv_object(self.groups, j, self.groups.timeout_s)
+            except Exception as error:  # noqa: BLE001 - gloo's; the rollout thread names the process and raises
+                arrived.put((j, error))
+                return
+            arrived.put((j, message))
+            if not isinstance(message, Boundary):
+                return
+            while not answered.wait(timeout=1.0):
+                if done.is_set():
+                    return
+            answered.clear()
 
     # ------------------------------------------------------------------ weights
     def send_weights(self, version: int, tensors: Sequence[TensorSpec], values: Iterator[torch.Tensor],
@@ -532,29 +567,6 @@ class ProcessPool:
         """``message`` to process ``j``, which answers it: until its answer is taken, ``j`` is not listening."""
         self._listening.discard(j)
         send_object(self.groups, message, j)
-
-    def _answer_from_any(self, waiting: list[int], doing: str) -> tuple[int, Any]:
-        """The next answer of any of the ``waiting`` processes, with its pool rank, waiting ``distributed.timeout_s``
-        at most.
-
-        Raises:
-            RolloutWorkerError: the answer is a failure (naming that process), or none came or a process died
-                (naming those waited for).
-        """
-        try:
-            j, answer = recv_object_from_any(self.groups, self.groups.timeout_s)
-            self._listening.add(j)
-        except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError subclasses of its own
-            names = ", ".join(self._name(j) for j in waiting)
-            raise RolloutWorkerError(
-                f"rollout process{'es' if len(waiting) > 1 else ''} {names} did not answer during {doing} within "
-                f"distributed.timeout_s={self.groups.timeout_s:g} s, or one died ({first_line(error)}); the batch is "
-                "lost. Resume the run from its last checkpoint (`turnrl train resume=RUN_DIR`)",
-                worker=waiting[0] if len(waiting) == 1 else None) from None
-        if isinstance(answer, Failed):
-            raise RolloutWorkerError(f"rollout process {self._name(j)} failed during {answer.doing}: "
-                                     f"{answer.error.strip()}", worker=j)
-        return j, answer
 
     def _name(self, j: int) -> str:
         info = self.infos.get(j, {})

@@ -4,6 +4,7 @@ adapters merged), how they are staged and sent (:class:`PoolCopy`) and how the p
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -192,15 +193,16 @@ class PoolWeights:
         self.checks: dict[int, WeightsCheck] = {}
         self.expected: dict[int, ExpectedWeights[WeightsChecksum]] = {
             j: ExpectedWeights() for j in (pool.processes if pool is not None else ())}
-        self.seconds: ExpectedWeights[WeightsChecksum] = ExpectedWeights()
-        """The checks' seconds (none noted: :meth:`ExpectedWeights.metrics` reports them)."""
+        self._seconds = 0.0
+        """The checksums' and checks' seconds since the last :meth:`metrics`."""
+        self._lock = threading.Lock()
 
     def expect(self, model: torch.nn.Module, version: WeightsVersion) -> None:
         start = time.perf_counter()
         trainer = model_checksum(model, self.dtype)
         for expected in self.expected.values():
             expected.note(version, trainer, 0.0)
-        self.seconds.add_seconds(time.perf_counter() - start)
+        self._add_seconds(time.perf_counter() - start)
 
     def take(self, steps: int | None = None, parts: Sequence[int] | None = None) -> None:
         if self.pool is None:
@@ -217,7 +219,14 @@ class PoolWeights:
             check.verify(version, trainer, rollout)
             checked = True
         if checked:
-            self.seconds.add_seconds(time.perf_counter() - start)
+            self._add_seconds(time.perf_counter() - start)
+
+    def _add_seconds(self, seconds: float) -> None:
+        with self._lock:
+            self._seconds += seconds
 
     def metrics(self) -> dict[str, float]:
-        return self.seconds.metrics()
+        """``timing/weights_check_s``: the checksums' and checks' seconds since the last call (empty if none)."""
+        with self._lock:
+            seconds, self._seconds = self._seconds, 0.0
+        return {"timing/weights_check_s": seconds} if seconds else {}
