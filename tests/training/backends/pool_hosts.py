@@ -18,6 +18,16 @@ from turnrl.rollout.ray_workers import RolloutHost, SlotSpec, WorkerResult
 STOP_FILE_VARIABLE = "POOL_TEST_STOP_FILE"
 
 
+def keep_own_weights(host: RolloutHost, version: int, weights: Iterable[tuple[str, torch.Tensor]]
+                     ) -> WeightsChecksum | None:
+    """Read a transfer whole, load none of it, and answer as if it had: a sync that never reaches the policy."""
+    for _ in weights:
+        pass
+    host.version = version
+    host.rollout.policy.weights_version = version
+    return host.rollout.policy.weights_checksum()
+
+
 class SkipsWeights(RolloutHost):
     """Takes the first weights, then reads every later transfer and keeps its own: a sync that never reaches the
     policy (the LoRA adapters a peer never sent)."""
@@ -25,11 +35,7 @@ class SkipsWeights(RolloutHost):
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsChecksum | None:
         if self.version is None:
             return super().load_weights(version, weights)
-        for _ in weights:
-            pass
-        self.version = version
-        self.rollout.policy.weights_version = version
-        return self.rollout.policy.weights_checksum()
+        return keep_own_weights(self, version, weights)
 
 
 class FailsInStepTwo(RolloutHost):
@@ -118,11 +124,7 @@ class SkipsWeightsMidStepTwo(NewWeightsMidStepTwo):
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsChecksum | None:
         if self.plays != 2:
             return super().load_weights(version, weights)
-        for _ in weights:
-            pass
-        self.version = version
-        self.rollout.policy.weights_version = version
-        return self.rollout.policy.weights_checksum()
+        return keep_own_weights(self, version, weights)
 
 
 class DiesInStepTwo(RolloutHost):
