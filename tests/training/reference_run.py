@@ -37,6 +37,14 @@ def run_train(model_dir: Path, out: Path, name: str, *extra: str, timeout: float
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def failure_output(result: subprocess.CompletedProcess) -> str:
+    """What a failed run of several processes said: its output's end, the lines that say why a process aborted
+    (a native crash of one rank is cut from the end by the others' tracebacks), and its errors' end."""
+    aborts = [line for line in result.stderr.splitlines()
+              if any(word in line for word in ("terminate called", "Fatal Python error", "what():", "Aborted"))]
+    return result.stdout[-2000:] + "\n".join(aborts[:20]) + "\n" + result.stderr[-3000:]
+
+
 def run_config(model_dir: Path, out: Path, name: str, *extra: str) -> TrainConfig:
     return load_config(TrainConfig, None, [f"model.path={model_dir}", f"run.output_dir={out}", f"run.name={name}",
                                            *ARGS, *extra])

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from tests.training.reference_run import (
     ARGS,
     assert_same_metrics,
+    failure_output,
     run_config,
     run_train,
     step_records,
@@ -295,7 +296,7 @@ def test_lora_on_several_processes_trains_as_on_one(tiny_model_dir, tmp_path, pr
     single = train_in_process(tiny_model_dir, tmp_path, "single", "run.steps=2", *lora)
     several = run_train(tiny_model_dir, tmp_path, "several", "run.steps=2", f"distributed.nproc_per_node={processes}",
                         *lora, timeout=900)
-    assert several.returncode == 0, several.stdout[-2000:] + several.stderr[-3000:]
+    assert several.returncode == 0, failure_output(several)
     one, many = step_records(single), step_records(tmp_path / "several")
     for step in one:
         assert_same_metrics(one[step], many[step])
