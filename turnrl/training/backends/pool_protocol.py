@@ -476,8 +476,7 @@ class ProcessPool:
                         "(`turnrl train resume=RUN_DIR`)", worker=j)
                 self._listening.add(j)
                 if isinstance(answer, Failed):
-                    raise RolloutWorkerError(f"rollout process {self._name(j)} failed during {answer.doing}: "
-                                             f"{answer.error.strip()}", worker=j)
+                    raise self._failed(j, answer)
                 if isinstance(answer, Boundary):
                     boundary(answer.turns, j)
                     self._send(Continue(), j)
@@ -558,10 +557,14 @@ class ProcessPool:
                     f"distributed.timeout_s={self.groups.timeout_s:g} s, or died ({first_line(error)}); the batch is "
                     "lost. Resume the run from its last checkpoint (`turnrl train resume=RUN_DIR`)", worker=j) from None
             if isinstance(answer, Failed):
-                raise RolloutWorkerError(f"rollout process {self._name(j)} failed during {answer.doing}: "
-                                         f"{answer.error.strip()}", worker=j)
+                raise self._failed(j, answer)
             answers[j] = answer
         return answers
+
+    def _failed(self, j: int, answer: Failed) -> RolloutWorkerError:
+        """The error of process ``j``'s answer that it failed."""
+        return RolloutWorkerError(f"rollout process {self._name(j)} failed during {answer.doing}: "
+                                  f"{answer.error.strip()}", worker=j)
 
     def _send(self, message: Any, j: int) -> None:
         """``message`` to process ``j``, which answers it: until its answer is taken, ``j`` is not listening."""

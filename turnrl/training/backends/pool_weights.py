@@ -4,7 +4,6 @@ adapters merged), how they are staged and sent (:class:`PoolCopy`) and how the p
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -18,7 +17,7 @@ from turnrl.config import ConfigError
 from turnrl.engine.weights import WeightsChecksum, model_checksum
 from turnrl.training.backends.backend import WeightsVersion
 from turnrl.training.backends.pool_protocol import ProcessPool, TensorSpec
-from turnrl.training.backends.weights_check import ExpectedWeights, WeightsCheck
+from turnrl.training.backends.weights_check import CheckSeconds, ExpectedWeights, WeightsCheck
 from turnrl.training.ranks import whole
 
 
@@ -193,16 +192,14 @@ class PoolWeights:
         self.checks: dict[int, WeightsCheck] = {}
         self.expected: dict[int, ExpectedWeights[WeightsChecksum]] = {
             j: ExpectedWeights() for j in (pool.processes if pool is not None else ())}
-        self._seconds = 0.0
-        """The checksums' and checks' seconds since the last :meth:`metrics`."""
-        self._lock = threading.Lock()
+        self.seconds = CheckSeconds()
 
     def expect(self, model: torch.nn.Module, version: WeightsVersion) -> None:
         start = time.perf_counter()
         trainer = model_checksum(model, self.dtype)
         for expected in self.expected.values():
-            expected.note(version, trainer, 0.0)
-        self._add_seconds(time.perf_counter() - start)
+            expected.note(version, trainer)
+        self.seconds.add(time.perf_counter() - start)
 
     def take(self, steps: int | None = None, parts: Sequence[int] | None = None) -> None:
         if self.pool is None:
@@ -219,14 +216,7 @@ class PoolWeights:
             check.verify(version, trainer, rollout)
             checked = True
         if checked:
-            self._add_seconds(time.perf_counter() - start)
-
-    def _add_seconds(self, seconds: float) -> None:
-        with self._lock:
-            self._seconds += seconds
+            self.seconds.add(time.perf_counter() - start)
 
     def metrics(self) -> dict[str, float]:
-        """``timing/weights_check_s``: the checksums' and checks' seconds since the last call (empty if none)."""
-        with self._lock:
-            seconds, self._seconds = self._seconds, 0.0
-        return {"timing/weights_check_s": seconds} if seconds else {}
+        return self.seconds.metrics()

@@ -79,22 +79,39 @@ class WeightsCheck:
         self.last = CheckedWeights(version, trainer, rollout)
 
 
-class ExpectedWeights(Generic[Trainer]):
-    """The trainer's weight versions noted for a rollout side and not taken yet, by ``steps``, each with what its
-    check needs of the trainer (its checksum, or its model until the rollout's dtype is known), and the seconds
-    the checks took. Thread-safe: the asynchronous backends note on the trainer's thread and take on their
-    rollout thread."""
+class CheckSeconds:
+    """The seconds the checksums and checks of a rollout side took, reported once each (``timing/weights_check_s``).
+    Thread-safe: the asynchronous backends compute the trainer's checksum on its thread and check on their rollout
+    thread."""
 
     def __init__(self) -> None:
-        self._expected: dict[int, tuple[WeightsVersion, Trainer]] = {}
         self._seconds = 0.0
         self._lock = threading.Lock()
 
-    def note(self, version: WeightsVersion, trainer: Trainer, seconds: float) -> None:
-        """``version`` is the trainer's now (``seconds``: what computing ``trainer`` took)."""
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._seconds += seconds
+
+    def metrics(self) -> dict[str, float]:
+        """``timing/weights_check_s``: the seconds since the last call (empty if none were added)."""
+        with self._lock:
+            seconds, self._seconds = self._seconds, 0.0
+        return {"timing/weights_check_s": seconds} if seconds else {}
+
+
+class ExpectedWeights(Generic[Trainer]):
+    """The trainer's weight versions noted for a rollout side and not taken yet, by ``steps``, each with what its
+    check needs of the trainer (its checksum, or its model until the rollout's dtype is known). Thread-safe: the
+    asynchronous backends note on the trainer's thread and take on their rollout thread."""
+
+    def __init__(self) -> None:
+        self._expected: dict[int, tuple[WeightsVersion, Trainer]] = {}
+        self._lock = threading.Lock()
+
+    def note(self, version: WeightsVersion, trainer: Trainer) -> None:
+        """``version`` is the trainer's now."""
         with self._lock:
             self._expected[version.steps] = (version, trainer)
-            self._seconds += seconds
 
     def take(self, steps: int | None) -> tuple[WeightsVersion, Trainer] | None:
         """The version the rollout holds once it took the weights of ``steps`` (None: the latest noted), and
@@ -107,16 +124,6 @@ class ExpectedWeights(Generic[Trainer]):
             for s in newer:
                 del self._expected[s]
             return taken
-
-    def add_seconds(self, seconds: float) -> None:
-        with self._lock:
-            self._seconds += seconds
-
-    def metrics(self) -> dict[str, float]:
-        """``timing/weights_check_s``: the checks' seconds since the last call (empty if none ran)."""
-        with self._lock:
-            seconds, self._seconds = self._seconds, 0.0
-        return {"timing/weights_check_s": seconds} if seconds else {}
 
 
 class PolicyWeights:
@@ -142,12 +149,14 @@ class PolicyWeights:
         self.expected: ExpectedWeights[WeightsChecksum | torch.nn.Module] = ExpectedWeights()
         """The versions noted and not taken yet, with the trainer's checksum (or its model, before the first
         take)."""
+        self.seconds = CheckSeconds()
 
     def expect(self, model: torch.nn.Module, version: WeightsVersion) -> None:
         """The trainer holds ``version`` in ``model``: the rollout takes it next (its checksum computed now)."""
         start = time.perf_counter()
         trainer: WeightsChecksum | torch.nn.Module = model if self.dtype is None else model_checksum(model, self.dtype)
-        self.expected.note(version, trainer, time.perf_counter() - start)
+        self.expected.note(version, trainer)
+        self.seconds.add(time.perf_counter() - start)
 
     def take(self, steps: int | None = None, parts: Sequence[int] | None = None) -> None:
         """The policy holds the weights of ``steps`` now (None: the latest noted); stamp and check them. The policy
@@ -171,8 +180,8 @@ class PolicyWeights:
             if isinstance(trainer, torch.nn.Module):
                 trainer = model_checksum(trainer, rollout.dtype)
             self.check.verify(version, trainer, rollout)
-        self.expected.add_seconds(time.perf_counter() - start)
+        self.seconds.add(time.perf_counter() - start)
 
     def metrics(self) -> dict[str, float]:
         """``timing/weights_check_s``: the checks' seconds since the last call (empty if none ran)."""
-        return self.expected.metrics()
+        return self.seconds.metrics()
