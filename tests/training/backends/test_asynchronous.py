@@ -69,7 +69,7 @@ def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
         assert comparable(one) == comparable(two), step
         assert two.metrics["async/staleness"] == 0 and two.metrics["async/weights_version"] == step
     assert synchronous[2].metrics["batch/samples"] > 0  # it trained on every step
-    assert backend(trainer).weights.applied_version == 2  # the batch of step 2 used the weights of update 1
+    assert backend(trainer).weights.held(0) == 2  # the batch of step 2 used the weights of update 1
 
 
 def test_staleness_one_overlaps_and_corrects_with_importance_weights(tiny_model_dir, tmp_path):
@@ -87,7 +87,7 @@ def test_staleness_one_overlaps_and_corrects_with_importance_weights(tiny_model_
     # A batch sampled with weights one update old disagrees with the trainer's log-probs; a fresh one does not.
     stale = outputs[1].metrics
     assert stale["actor/logprob_mismatch"] > 1e-4 and outputs[0].metrics["actor/logprob_mismatch"] < 1e-4
-    assert backend(trainer).weights.applied_version >= 2  # the copy took published weights between batches
+    assert backend(trainer).weights.held(0) >= 2  # the copy took published weights between batches
     assert any(not torch.equal(a, b) for a, b in zip(before, backend(trainer).copy.parameters()))
     thread = backend(trainer).thread
     assert thread is not None and thread.is_alive()  # ahead of the trainer, or waiting for weights
@@ -159,7 +159,7 @@ def test_the_engine_samples_with_the_published_weights(tiny_model_dir, tmp_path)
     # Each batch after an update was sampled with that update's weights: the engine saw the copy change
     # (and dropped its cache), so its log-probs are the trainer's.
     assert all(output.metrics["actor/logprob_mismatch"] < 1e-4 for output in outputs)
-    assert backend(trainer).weights.applied_version == 2 and engine._version == weights_version(backend(trainer).copy)
+    assert backend(trainer).weights.held(0) == 2 and engine._version == weights_version(backend(trainer).copy)
     assert any(not torch.equal(a, b) for a, b in zip(before, backend(trainer).copy.parameters()))
 
 

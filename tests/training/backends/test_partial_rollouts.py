@@ -155,7 +155,7 @@ def test_without_partial_rollouts_the_batch_finishes_on_its_weights(tiny_model_d
     reused: list[int] = []
     try:
         step = rollout.roll_out(1, play_publishing_at_turn_one(trainer, reused))
-        assert rollout.weights is not None and rollout.weights.applied_version == 0  # taken at the next batch
+        assert rollout.weights is not None and rollout.weights.held(0) == 0  # taken at the next batch
     finally:
         trainer.close()
     assert {turn.weights_version for t in step.played for turn in t.turns} == {0}

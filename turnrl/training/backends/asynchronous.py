@@ -217,12 +217,6 @@ class StagedWeights:
         with self._changed:
             return self._applied[part]
 
-    @property
-    def applied_version(self) -> int:
-        """The oldest version a part of the rollout copy holds."""
-        with self._changed:
-            return min(self._applied.values())
-
     def newer(self, part: int) -> bool:
         """Whether a version later than the one the rollout copy's ``part`` holds was published (its weights
         changed or not)."""
