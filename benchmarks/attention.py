@@ -1,17 +1,21 @@
 """Decode attention alone: the Triton kernel's settings beside torch's batched matmuls, in one run.
 
-One layer of the 0.5B shape (14 query and 2 key/value heads of 64 dims) at a decode step of ``--batch`` rows:
+One layer of the 0.5B shape (14 query and 2 key/value heads of 64 dims; ``--heads``, ``--kv-heads`` and
+``--head-dim`` set another: 16, 2 and 128 for the 3B) at a decode step of ``--batch`` rows:
 rows all ``--context`` long, or of lengths spread evenly from a quarter of it to all of it (``varied``: episodes
 that drifted apart). torch's attention reads every row up to the longest (its key length rounded up to 64); the
 kernel reads each row to its own length. Each setting (key stretches per row, key block, warps, stages) is
 timed as the engine runs it, in a CUDA graph (``--iters`` calls captured and replayed, timed with CUDA events);
-the ratio is against torch in the same run. The kernel reads the engine's paged cache, each row's pages in a
+the ratio is against torch in the same run, and beside it the share of the GPU's memory bandwidth the kernel
+reached reading its rows' keys and values (``--peak-tbps`` for a GPU not in turnrl's table). The kernel reads the engine's paged cache, each row's pages in a
 shuffled order (as a long run leaves them); torch reads the same keys and values as contiguous rows. With
 ``--layers 24`` each call reads the next of 24 caches, as a decode step's layers do: a single cache stays partly
 in the GPU's L2 between calls, which flatters every row.
 
     python benchmarks/attention.py --batch 64 256 --context 640
     python benchmarks/attention.py --batch 256 --lengths equal --layers 24 --splits 1 2 --warps 2 4 8 --stages 2 3 4
+    python benchmarks/attention.py --heads 16 --kv-heads 2 --head-dim 128 --batch 64 --context 2048 \
+        --lengths equal --layers 36 --splits 2 3 4 8 16                   # the VisGym rollout's 3B decode
 """
 
 from __future__ import annotations
@@ -28,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from turnrl.engine.attention import cached_attention, decode_splits  # noqa: E402
 from turnrl.engine.cache import PAGE_TOKENS, pages_for  # noqa: E402
 from turnrl.engine.forward import decode_attention, round_up  # noqa: E402
-
-HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
+from turnrl.training.throughput import peak_bandwidth  # noqa: E402
 
 
 def timed_ms(fn, iters: int) -> float:
@@ -79,28 +82,35 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--heads", type=int, default=14, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--peak-tbps", type=float, default=0.0, help="the GPU's memory bandwidth (0: turnrl's table)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; one layer, bf16, {HEADS} query and "
-          f"{KV_HEADS} key/value heads of {HEAD_DIM}; microseconds per call")
-    print(f"{'batch':>5} {'lengths':<8} {'row':<34} {'us':>8} {'x torch':>8}")
+    heads, kv_heads, head_dim = args.heads, args.kv_heads, args.head_dim
+    bandwidth = peak_bandwidth(device, 1e12 * args.peak_tbps)
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; one layer, bf16, {heads} query and "
+          f"{kv_heads} key/value heads of {head_dim}; microseconds per call")
+    print(f"{'batch':>5} {'lengths':<8} {'row':<34} {'us':>8} {'x torch':>8} {'bandwidth':>9}")
     for batch, lengths in itertools.product(args.batch, args.lengths):
         capacity = round_up(args.context + 1)
-        caches = [torch.randn(2, batch, KV_HEADS, capacity + 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        caches = [torch.randn(2, batch, kv_heads, capacity + 1, head_dim, device=device, dtype=torch.bfloat16)
                   for _ in range(args.layers)]
         paged_caches = [paged(kv) for kv in caches]
         scratch = pages_for(capacity) * PAGE_TOKENS
-        q = torch.randn(batch, 1, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16).transpose(1, 2)
+        q = torch.randn(batch, 1, heads, head_dim, device=device, dtype=torch.bfloat16).transpose(1, 2)
         if lengths == "equal":
             last = torch.full((batch,), args.context - 1, device=device)
         else:
             last = torch.linspace(args.context // 4, args.context - 1, batch, device=device).long()
         positions = last[:, None]
+        read = int((last + 1).sum()) * 2 * kv_heads * head_dim * 2  # each row's keys and values, bf16
         key_len = round_up(int(last.max()) + 1)
         baseline = timed_ms(lambda: [decode_attention(q, kv[0, :, :, :key_len], kv[1, :, :, :key_len], last)
                                      for kv in caches], args.iters) / args.layers
         print(f"{batch:>5} {lengths:<8} {'torch (batched matmuls)':<34} {1000 * baseline:>8.1f} {1.0:>7.2f}x")
-        auto = decode_splits(batch, KV_HEADS, device)
+        auto = decode_splits(batch, kv_heads, device)
         splits = sorted(set(args.splits or [1, 2, 4, auto]))
         for split, block_n, warps, stages in itertools.product(splits, args.blocks, args.warps, args.stages):
             try:
@@ -112,7 +122,8 @@ def main() -> None:
                       f"{type(error).__name__}")
                 continue
             label = f"triton split {split}{' (auto)' if split == auto else ''} block {block_n} w{warps} s{stages}"
-            print(f"{batch:>5} {lengths:<8} {label:<34} {1000 * ms:>8.1f} {baseline / ms:>7.2f}x", flush=True)
+            share = f"{read / (ms / 1000) / bandwidth:.0%}" if bandwidth else "n/a"
+            print(f"{batch:>5} {lengths:<8} {label:<34} {1000 * ms:>8.1f} {baseline / ms:>7.2f}x {share:>9}", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ both the validation curve, success against steps, in ``metrics.jsonl`` of each r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -74,13 +75,9 @@ def run(processes: int, config: str | None, overrides: list[str], out: Path, tim
         try:
             code: int | None = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            # torchrun ends its workers (sessions of their own) on SIGTERM; whatever is left, SIGKILL.
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            # A row keeps no checkpoint, so its processes are killed, not stopped (a stop finishes the step and
+            # saves it); the next row starts only once every one of them has exited and freed its GPU.
+            end_tree(process)
             code = None
     metrics = out / name / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.is_file() else []
@@ -112,6 +109,46 @@ def run(processes: int, config: str | None, overrides: list[str], out: Path, tim
         "stopped_at_time_limit": float(code is None),
         **{f"startup/{k.split('/')[1]}": v for k, v in records[0].items() if k.startswith("startup/")},
     }
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, from ``/proc`` (Linux): torchrun starts its workers in sessions of their
+    own, so ending the launcher's session alone leaves them running, holding their GPUs. (Read here rather than
+    with psutil, which turnrl does not depend on.)"""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name, in parentheses, may hold spaces
+        except (OSError, IndexError, ValueError):
+            continue  # it exited while read
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def running(pid: int) -> bool:
+    """The process exists and has not exited (an exited one not yet reaped is a zombie: its memory is freed)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def end_tree(process: subprocess.Popen, wait_s: float = 120) -> None:
+    """Kill ``process`` (the launcher) and every process below it, and wait until all have exited."""
+    tree = descendants(process.pid)
+    os.killpg(process.pid, signal.SIGKILL)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+    deadline = time.time() + wait_s
+    while any(running(pid) for pid in tree) and time.time() < deadline:
+        time.sleep(0.5)
 
 
 def failure(log: str) -> str:

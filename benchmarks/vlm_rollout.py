@@ -24,9 +24,11 @@ attention, the vision tower's over the images it encoded) against the device's b
 read (the weights once a step, every row's cached keys and values once a step) against its memory bandwidth
 (``--peak-tflops`` and ``--peak-tbps`` for a device not in :mod:`turnrl.training.throughput`'s tables; n/a on a
 CPU without them); with ``--top N``, the N host
-functions that took the most time (cProfile, by cumulative time). ``--baseline`` plays the same rollout again
-with the requests' image digests left off, so that the engine hashes each prompt's pixel values as it did
-before the digests came with them, and prints the ratio.
+functions that took the most time (cProfile, by cumulative time); with ``--kernels N``, each phase's N costliest
+kernels by device time (a ``torch.profiler`` trace of the rollout: prefill's are the kernels launched within the
+engine's ``engine.prefill`` ranges, decode's the rest, its CUDA-graph replays). ``--baseline`` plays the same
+rollout again with the requests' image digests left off, so that the engine hashes each prompt's pixel values as it
+did before the digests came with them, and prints the ratio.
 
     python benchmarks/vlm_rollout.py                                   # CPU, vlm-tiny
     python benchmarks/vlm_rollout.py --device cuda --preset vlm-0.5b --episodes 64
@@ -39,12 +41,14 @@ before the digests came with them, and prints the ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import platform
 import pstats
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,12 +212,52 @@ def roofline_lines(split: Split, work: DeviceWork, flops_peak: float | None, ban
     ]
 
 
+def phase_kernels(events) -> dict[str, Counter[str]]:
+    """Each engine phase's kernels in a profiler trace: device microseconds by kernel name.
+
+    Prefill's are the kernels launched by the operators within its ``engine.prefill`` ranges
+    (:class:`~turnrl.engine.timing.DeviceTimer`). A CUDA graph's replay links its kernels to no operator, so
+    decode's (graph replays) are every kernel of the trace less prefill's: decode's ranges hold all the rest of the
+    rollout's device work.
+    """
+    prefill: Counter[str] = Counter()
+    every: Counter[str] = Counter()
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith("engine."):
+            every[event.name] += event.time_range.elapsed_us()  # the ranges show on the GPU's timeline too
+        if event.name != "engine.prefill":
+            continue
+        stack = [event]
+        while stack:
+            inner = stack.pop()
+            for kernel in inner.kernels:
+                prefill[kernel.name] += kernel.duration
+            stack.extend(inner.cpu_children)
+    return {"prefill": prefill, "decode": every - prefill}
+
+
+def kernel_lines(phases: dict[str, Counter[str]], seconds: dict[str, float], top: int) -> list[str]:
+    """The ``top`` costliest kernels of each phase, with their share of the phase's device seconds (its span, gaps
+    between kernels included: what the kernels leave of it is time the device waited)."""
+    lines = []
+    for phase, kernels in phases.items():
+        busy = sum(kernels.values()) / 1e6
+        span = seconds.get(phase, 0.0)
+        lines.append(f"{phase}: kernels {busy:.2f} s of its {span:.2f} s on the device "
+                     f"({busy / span:.0%} busy)" if span else f"{phase}: kernels {busy:.2f} s")
+        for name, microseconds in kernels.most_common(top):
+            lines.append(f"  {microseconds / 1e6:>7.3f} s {microseconds / 1e6 / max(span, 1e-9):>5.1%}  {name[:110]}")
+    return lines
+
+
 def engine_profile(engine: EnginePolicy, processor, args: argparse.Namespace) -> None:
     """The engine's rollout alone, its wall time split into environments, device work and host work; with
     ``--baseline``, the same rollout again with its images hashed by the engine."""
     rollout(engine, argparse.Namespace(**{**vars(args), "episodes": min(args.episodes, 4), "turns": 2}), 1000)
     profiler = cProfile.Profile() if args.top else None
-    split = profiled_rollout(engine, args, profiler)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with (torch.profiler.profile(activities=activities) if args.kernels else contextlib.nullcontext()) as trace:
+        split = profiled_rollout(engine, args, profiler)
     work = split.work
     generated, steps = work["generated_tokens"], work["decode_steps"]
     print(f"{len(split.responses)} turns, {generated:,.0f} tokens generated in {steps:,.0f} decode steps "
@@ -227,6 +271,10 @@ def engine_profile(engine: EnginePolicy, processor, args: argparse.Namespace) ->
     for line in roofline_lines(split, device_work(split, engine), peak_flops(device, 1e12 * args.peak_tflops),
                                peak_bandwidth(device, 1e12 * args.peak_tbps)):
         print(line)
+    if trace is not None:
+        seconds = {"prefill": split.prefill_s, "decode": split.decode_s}
+        for line in kernel_lines(phase_kernels(trace.events()), seconds, args.kernels):
+            print(line)
     if args.baseline:
         encoder = engine.image_encoder
         engine.image_encoder = EncoderWithoutDigests(processor, engine.engine.dtype)
@@ -274,6 +322,8 @@ def main() -> None:
                         help="with --profile, play it again with the images hashed by the engine (the ratio)")
     parser.add_argument("--top", type=int, default=0,
                         help="with --profile, list this many host functions (cProfile, which slows the host work)")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="with --profile, each phase's N costliest kernels (torch.profiler; slows the rollout)")
     parser.add_argument("--peak-tflops", type=float, default=0.0,
                         help="with --profile, the device's dense bf16 TFLOP/s (0: known GPUs' by name)")
     parser.add_argument("--peak-tbps", type=float, default=0.0,

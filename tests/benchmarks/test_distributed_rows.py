@@ -1,8 +1,13 @@
-"""benchmarks/distributed.py: the line a failed scale row reports; the speed-ups of the table."""
+"""benchmarks/distributed.py: the line a failed scale row reports; the speed-ups of the table; a row's processes
+ended before the next row."""
 
 from __future__ import annotations
 
-from benchmarks.distributed import failure, pool_settings, table
+import subprocess
+import sys
+import time
+
+from benchmarks.distributed import end_tree, failure, pool_settings, running, table
 
 
 TORCHRUN_END = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -55,3 +60,22 @@ def test_a_pool_row_is_compared_with_the_synchronous_row_of_as_many_processes():
     assert pool_settings(1, 2) == ["distributed.rollout_processes=1", "distributed.async_rollout=true",
                                    "distributed.max_staleness=2", "distributed.partial_rollouts=false"]
     assert pool_settings(1, 1, partial=True)[-1] == "distributed.partial_rollouts=true"
+
+
+def test_a_row_cut_at_its_limit_ends_the_processes_its_launcher_started_in_sessions_of_their_own(tmp_path):
+    """As torchrun starts its workers: a worker in a session of its own outlives a kill of the launcher's session,
+    holding its GPU; the next row must not start beside it."""
+    pid_file = tmp_path / "worker.pid"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         "worker = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+         f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+         "time.sleep(300)"],
+        start_new_session=True)
+    deadline = time.time() + 30
+    while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    assert running(worker)
+    end_tree(launcher, wait_s=30)
+    assert launcher.poll() is not None and not running(worker)

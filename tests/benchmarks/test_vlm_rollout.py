@@ -1,8 +1,13 @@
-"""benchmarks/vlm_rollout.py --profile: the roofline of a real rollout's device work on the tiny VLM (CPU)."""
+"""benchmarks/vlm_rollout.py --profile: the roofline of a real rollout's device work on the tiny VLM (CPU), and
+which phase each kernel of a trace is counted in."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.profiler_util import Interval, Kernel
 
 from benchmarks import vlm_rollout
 from turnrl.config import EngineConfig, ModelConfig
@@ -32,3 +37,39 @@ def test_a_profiled_rollouts_roofline_counts_each_new_image_once_and_reads_n_a_w
                                                  2 * work.decode_bytes / split.decode_s)
     assert "25% of the bf16 peak" in prefill and "50% of the bandwidth floor" in decode
     assert f"({1000 * split.decode_s / 2 / steps:.2f} ms:" in decode
+
+
+@dataclass
+class Event:
+    """What :func:`vlm_rollout.phase_kernels` reads of a profiler event."""
+
+    name: str
+    device_type: torch.autograd.DeviceType = torch.autograd.DeviceType.CPU
+    microseconds: int = 0
+    kernels: list[Kernel] = field(default_factory=list)
+    cpu_children: list["Event"] = field(default_factory=list)
+
+    @property
+    def time_range(self) -> Interval:
+        return Interval(0, self.microseconds)
+
+
+def on_gpu(name: str, microseconds: int) -> Event:
+    return Event(name, torch.autograd.DeviceType.CUDA, microseconds)
+
+
+def test_prefill_counts_the_kernels_its_operators_launched_and_decode_the_rest_of_the_trace():
+    """A graph replay's kernels are linked to no operator, so decode's are the trace's kernels less prefill's; the
+    phases' ranges, which show on the GPU's timeline too, are no kernels."""
+    matmul = Event("aten::mm", kernels=[Kernel("gemm", 0, 30)])
+    norm = Event("aten::mul", kernels=[Kernel("norm", 0, 10)])
+    prefill = Event("engine.prefill", cpu_children=[Event("aten::linear", cpu_children=[matmul]), norm])
+    events = [prefill, matmul, norm, Event("engine.decode"),
+              on_gpu("gemm", 30), on_gpu("norm", 10), on_gpu("engine.prefill", 60),  # prefill's, on the GPU
+              on_gpu("attention", 50), on_gpu("gemm", 20), on_gpu("engine.decode", 90)]  # a decode step's graph
+    phases = vlm_rollout.phase_kernels(events)
+    assert phases == {"prefill": {"gemm": 30, "norm": 10}, "decode": {"attention": 50, "gemm": 20}}
+    lines = vlm_rollout.kernel_lines(phases, {"prefill": 80e-6, "decode": 100e-6}, top=1)
+    assert lines[0] == "prefill: kernels 0.00 s of its 0.00 s on the device (50% busy)"
+    assert lines[1].split() == ["0.000", "s", "37.5%", "gemm"]
+    assert lines[2].startswith("decode:") and "(70% busy)" in lines[2] and lines[3].split()[-1] == "attention"

@@ -653,15 +653,24 @@ def test_a_compilation_that_fails_falls_back_to_eager_decoding(caplog):
 
 
 def test_the_device_timer_splits_a_call_into_prefill_and_decode_only_when_enabled():
+    """Enabled, it also marks each phase as a profiler range, which a trace attributes its kernels to."""
     model = build("qwen2")
     engine = engine_for(model)
     prompts = random_prompts([5, 9])
-    engine.generate(prompts, [GREEDY] * 2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as off:
+        engine.generate(prompts, [GREEDY] * 2)
     assert engine.timer.seconds == {"prefill": 0.0, "decode": 0.0}
+    assert not [e for e in off.events() if e.name.startswith("engine.")]
     engine.timer.enabled = True
     engine.table.clear()
-    engine.generate(prompts, [GREEDY] * 2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as on:
+        engine.generate(prompts, [GREEDY] * 2)
     assert engine.timer.seconds["prefill"] > 0 and engine.timer.seconds["decode"] > 0
+    ranges = [e for e in on.events() if e.name.startswith("engine.")]
+    assert {e.name for e in ranges} == {"engine.prefill", "engine.decode"}
+    decode = [e for e in ranges if e.name == "engine.decode"]
+    assert len(decode) == GREEDY.max_new_tokens - 1  # one a decode step; the first token is prefill's
+    assert all(e.cpu_children for e in decode)  # the step's operators run inside its range
 
 
 def test_the_attention_work_counters_follow_each_sequences_cached_and_new_tokens(kernels):

@@ -5,7 +5,8 @@ encoded, whose FLOPs depend on each image's size.
 
 Off by default (it costs two events per step). On a GPU the spans are CUDA events on the current stream, added
 up once their end has passed (a step never waits for one); on a CPU, where operators run as they are called, they
-are wall time.
+are wall time. While on, each span is also a profiler range named ``engine.prefill`` or ``engine.decode``, so that
+a ``torch.profiler`` trace can tell which phase launched each kernel (``benchmarks/vlm_rollout.py --kernels``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class DeviceTimer:
         """Each batch of images the prefill ran through the vision tower while enabled: their (temporal, height,
         width) patch grids, each Shape (m, 3), on the host."""
         self._open: tuple[str, torch.cuda.Event | float] | None = None
+        self._range: torch.profiler.record_function | None = None
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def reset(self) -> None:
@@ -52,6 +54,8 @@ class DeviceTimer:
         """The device work of ``phase`` begins (queued after everything queued so far)."""
         if not self.enabled:
             return
+        self._range = torch.profiler.record_function(f"engine.{phase}")
+        self._range.__enter__()
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -65,6 +69,9 @@ class DeviceTimer:
             return
         phase, begin = self._open
         self._open = None
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
         if isinstance(begin, torch.cuda.Event):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
