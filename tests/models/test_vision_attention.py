@@ -15,7 +15,7 @@ from tests.engine.test_qwen2_vl import qwen2_vl_config
 from tests.engine.test_qwen3_vl import qwen3_vl_config
 from turnrl.models import vlm_config
 from turnrl.models.loading import chunk_vision_attention, load_model, vision_tower
-from turnrl.models.vision_attention import VISION_ATTENTION, chunk_layout, chunked_attention
+from turnrl.models.vision_attention import VISION_ATTENTION, chunk_extremes, chunk_layout, chunked_attention
 
 
 def per_chunk(query, key, value, bounds):
@@ -100,6 +100,26 @@ def test_vision_towers_give_transformers_features_with_one_attention_call_a_laye
             torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-5)
         assert len(calls) == model.config.vision_config.depth, name  # one call a layer, not one a chunk
         assert max(calls) >= 2, name
+
+
+def test_a_bounds_tensor_is_read_to_the_host_once_until_it_changes(monkeypatch):
+    """Every block of a kind gets the same bounds tensor: its lengths are read once (a read waits for the device),
+    and read again only for another tensor or after an in-place change."""
+    reads: list[int] = []
+    aminmax = torch.aminmax
+
+    def counted(lengths):
+        reads.append(len(lengths))
+        return aminmax(lengths)
+
+    monkeypatch.setattr(torch, "aminmax", counted)
+    windows, images = torch.tensor([0, 4, 8, 10], dtype=torch.int32), torch.tensor([0, 10])
+    for _ in range(3):
+        assert chunk_extremes(windows) == (2, 4) and chunk_extremes(images) == (10, 10)
+    assert reads == [3, 1]
+    windows[3] = 16  # the same tensor, changed in place
+    assert chunk_extremes(windows) == (4, 8) and reads == [3, 1, 3]
+    assert chunk_extremes(windows.clone()) == (4, 8) and len(reads) == 4
 
 
 def test_the_loader_puts_a_vlm_tower_on_chunked_attention_and_keeps_other_choices(tiny_vlm_dir, tiny_model_dir):

@@ -11,6 +11,11 @@ PyTorch's own variable-length attention changed its signature between releases. 
 bounds), whose one call pads the chunks into a batch, masks the padded keys and runs SDPA once
 (:func:`chunked_attention`): the same attention, computed for each chunk on its own, in one kernel.
 :func:`use_chunked_attention` puts a tower on it (the loader does so for every VLM it loads).
+
+The call needs the chunks' shortest and longest lengths on the host. A read from the device waits for all the
+work queued before it, after which the device idles while Python launches the next block's kernels; a tower
+passes the same bounds tensor to every block of a kind, so :func:`chunk_extremes` reads each bounds tensor once
+(two reads a forward pass of Qwen2.5-VL's tower, windows and whole images, instead of one a block).
 """
 
 from __future__ import annotations
@@ -24,6 +29,25 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 VISION_ATTENTION = "turnrl_chunked_sdpa_flash_api"
 """The vision tower's ``_attn_implementation`` (transformers passes chunk bounds to names holding ``flash``)."""
+
+_EXTREMES: dict[int, tuple[torch.Tensor, int, int, int]] = {}
+"""Bounds tensors read lately, by ``id``: the tensor itself (held, so that its ``id`` is not reused), its in-place
+version when read, and its shortest and longest chunk."""
+_EXTREMES_HELD = 8
+
+
+def chunk_extremes(bounds: torch.Tensor) -> tuple[int, int]:
+    """The shortest and longest chunk of ``bounds`` (Shape (c + 1,), c >= 1, cumulative), read to the host once per
+    tensor: the same tensor, unchanged in place, is answered from what its first read found."""
+    held = _EXTREMES.get(id(bounds))
+    if held is not None and held[0] is bounds and held[1] == bounds._version:
+        return held[2], held[3]
+    lengths = bounds[1:] - bounds[:-1]
+    shortest, longest = (int(n) for n in torch.stack(torch.aminmax(lengths)).tolist())
+    if len(_EXTREMES) >= _EXTREMES_HELD:
+        del _EXTREMES[next(iter(_EXTREMES))]  # the oldest: a finished forward pass's
+    _EXTREMES[id(bounds)] = (bounds, bounds._version, shortest, longest)
+    return shortest, longest
 
 
 def chunk_layout(bounds: torch.Tensor, tokens: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,11 +104,10 @@ def chunked_attention(
         raise ValueError("chunked vision attention takes non-causal self-attention within chunks, without a mask")
     heads, tokens, width = query.shape[1], query.shape[2], query.shape[3]
     bounds = cu_seq_lens_q.long()
-    lengths = bounds[1:] - bounds[:-1]
-    chunks = lengths.shape[0]
+    chunks = bounds.shape[0] - 1
     if tokens == 0 or chunks == 0:
         return query.new_zeros(1, tokens, heads, width), None
-    shortest, longest = (int(n) for n in torch.stack(torch.aminmax(lengths)).tolist())  # one read a layer
+    shortest, longest = chunk_extremes(cu_seq_lens_q)
     gqa = key.shape[1] != heads
     if shortest == longest:
         def batched(states: torch.Tensor) -> torch.Tensor:  # (1, h, t, d) -> (chunks, h, longest, d)
