@@ -209,10 +209,13 @@ def test_a_checkpoint_that_keeps_its_runs_config_is_still_read_as_a_checkpoint(f
 def test_a_second_train_or_resume_into_a_training_run_is_refused_with_its_owner(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     first = turnrl_train(*overrides(tiny_model_dir, tmp_path, "run.steps=200", "run.save_every=1"))
+    seconds: list[subprocess.Popen] = []
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").is_file(), "first checkpoint", first)
-        for args in (overrides(tiny_model_dir, tmp_path, "run.steps=3"), [f"resume={run}", "run.steps=300"]):
-            second = turnrl_train(*args)
+        # Both at once: a new run into the same name, and a resume of it.
+        seconds += [turnrl_train(*args) for args in (overrides(tiny_model_dir, tmp_path, "run.steps=3"),
+                                                     [f"resume={run}", "run.steps=300"])]
+        for second in seconds:
             out, err = second.communicate(timeout=240)
             assert second.returncode == 1, out + err
             assert err.strip() == (f"error: run directory {run} is in use by pid {first.pid} on host "
@@ -223,7 +226,8 @@ def test_a_second_train_or_resume_into_a_training_run_is_refused_with_its_owner(
         (run / "stop").touch()
         out, err = first.communicate(timeout=240)
     finally:
-        first.kill()
+        for process in (first, *seconds):
+            process.kill()
     assert first.returncode == 130, out + err
     steps = [step for step, kind in kinds(run) if kind == "step"]
     assert steps == list(range(1, len(steps) + 1))  # each step once, no torn line
