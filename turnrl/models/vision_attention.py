@@ -20,6 +20,7 @@ passes the same bounds tensor to every block of a kind, so :func:`chunk_extremes
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -34,19 +35,23 @@ _EXTREMES: dict[int, tuple[torch.Tensor, int, int, int]] = {}
 """Bounds tensors read lately, by ``id``: the tensor itself (held, so that its ``id`` is not reused), its in-place
 version when read, and its shortest and longest chunk."""
 _EXTREMES_HELD = 8
+_EXTREMES_LOCK = threading.Lock()
+"""An asynchronous run's rollout thread and trainer run towers at once."""
 
 
 def chunk_extremes(bounds: torch.Tensor) -> tuple[int, int]:
     """The shortest and longest chunk of ``bounds`` (Shape (c + 1,), c >= 1, cumulative), read to the host once per
     tensor: the same tensor, unchanged in place, is answered from what its first read found."""
-    held = _EXTREMES.get(id(bounds))
+    with _EXTREMES_LOCK:
+        held = _EXTREMES.get(id(bounds))
     if held is not None and held[0] is bounds and held[1] == bounds._version:
         return held[2], held[3]
     lengths = bounds[1:] - bounds[:-1]
     shortest, longest = (int(n) for n in torch.stack(torch.aminmax(lengths)).tolist())
-    if len(_EXTREMES) >= _EXTREMES_HELD:
-        del _EXTREMES[next(iter(_EXTREMES))]  # the oldest: a finished forward pass's
-    _EXTREMES[id(bounds)] = (bounds, bounds._version, shortest, longest)
+    with _EXTREMES_LOCK:
+        if len(_EXTREMES) >= _EXTREMES_HELD:
+            del _EXTREMES[next(iter(_EXTREMES))]  # the oldest: a finished forward pass's
+        _EXTREMES[id(bounds)] = (bounds, bounds._version, shortest, longest)
     return shortest, longest
 
 
