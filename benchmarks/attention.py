@@ -6,7 +6,8 @@ rows all ``--context`` long, or of lengths spread evenly from a quarter of it to
 that drifted apart). torch's attention reads every row up to the longest (its key length rounded up to 64); the
 kernel reads each row to its own length. Each setting (key stretches per row, key block, warps, stages) is
 timed as the engine runs it, in a CUDA graph (``--iters`` calls captured and replayed, timed with CUDA events);
-the ratio is against torch in the same run, and beside it the share of the GPU's memory bandwidth the kernel
+the ratio is against torch in the same run (the last row: the engine's decode kernel as a step runs it, with its
+own settings, rotating the new token's query and key and writing its key and value before it attends), and beside it the share of the GPU's memory bandwidth the kernel
 reached reading its rows' keys and values (``--peak-tbps`` for a GPU not in turnrl's table). The kernel reads the engine's paged cache, each row's pages in a
 shuffled order (as a long run leaves them); torch reads the same keys and values as contiguous rows. With
 ``--layers 24`` each call reads the next of 24 caches, as a decode step's layers do: a single cache stays partly
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from turnrl.engine.attention import cached_attention, decode_splits  # noqa: E402
+from turnrl.engine.attention import cached_attention, decode_splits, rotate_write_attend  # noqa: E402
 from turnrl.engine.cache import PAGE_TOKENS, pages_for  # noqa: E402
 from turnrl.engine.forward import decode_attention, round_up  # noqa: E402
 from turnrl.training.throughput import peak_bandwidth  # noqa: E402
@@ -124,6 +125,17 @@ def main() -> None:
             label = f"triton split {split}{' (auto)' if split == auto else ''} block {block_n} w{warps} s{stages}"
             share = f"{read / (ms / 1000) / bandwidth:.0%}" if bandwidth else "n/a"
             print(f"{batch:>5} {lengths:<8} {label:<34} {1000 * ms:>8.1f} {baseline / ms:>7.2f}x {share:>9}", flush=True)
+        # The engine's decode: the q/k/v projection in, rotated, the new key and value written at each row's last
+        # position (rewritten every call), then attended with the rest.
+        projected = torch.randn(batch, 1, (heads + 2 * kv_heads) * head_dim, device=device, dtype=torch.bfloat16)
+        angles = torch.rand(capacity, head_dim, device=device)
+        cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+        ms = timed_ms(lambda: [rotate_write_attend(projected, cos, sin, positions, pages, table, None, positions,
+                                                   scratch, heads) for pages, table in paged_caches],
+                      args.iters) / args.layers
+        share = f"{read / (ms / 1000) / bandwidth:.0%}" if bandwidth else "n/a"
+        print(f"{batch:>5} {lengths:<8} {'engine decode (rotate, write, attend)':<34} {1000 * ms:>8.1f} "
+              f"{baseline / ms:>7.2f}x {share:>9}", flush=True)
 
 
 if __name__ == "__main__":
