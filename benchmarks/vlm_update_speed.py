@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoModelForImageTextToText  # noqa: E402
 
 from turnrl.models.loading import (  # noqa: E402
-    chunk_vision_attention,
     compile_layer_parts,
     enable_checkpointing,
     freeze_vision_tower,
+    prepare_vision_tower,
     vision_tower,
 )
 from turnrl.models.vlm import SizedTokenizer, vlm_config, vlm_preset  # noqa: E402
@@ -65,7 +65,7 @@ def build(preset: str, device: torch.device, vocab: int, checkpointing: bool) ->
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, attn_implementation=ATTENTION,
                                                         dtype=torch.bfloat16)
-    chunk_vision_attention(model)
+    prepare_vision_tower(model)
     install_scoring_head(model, vocab)
     freeze_vision_tower(model)
     if checkpointing:

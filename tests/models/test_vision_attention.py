@@ -14,7 +14,7 @@ from transformers import (
 from tests.engine.test_qwen2_vl import qwen2_vl_config
 from tests.engine.test_qwen3_vl import qwen3_vl_config
 from turnrl.models import vlm_config
-from turnrl.models.loading import chunk_vision_attention, load_model, vision_tower
+from turnrl.models.loading import load_model, prepare_vision_tower, vision_tower
 from turnrl.models.vision_attention import VISION_ATTENTION, chunk_extremes, chunk_layout, chunked_attention
 
 
@@ -82,7 +82,7 @@ def test_vision_towers_give_transformers_features_with_one_attention_call_a_laye
         pixels, grids = images(model.config.vision_config, [[1, 16, 24], [1, 8, 8]])
         with torch.no_grad():
             plain = model.model.get_image_features(pixels, grids, return_dict=True).pooler_output
-        chunk_vision_attention(model)
+        prepare_vision_tower(model)
         assert tower.config._attn_implementation == VISION_ATTENTION, name
         calls: list[int] = []
 

@@ -35,6 +35,7 @@ from transformers import (
 
 from turnrl.config import ConfigError, ModelConfig
 from turnrl.models.vision_attention import use_chunked_attention
+from turnrl.models.vision_mlp import align_vision_mlps
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: tor
         return model_structure(auto, path, dtype, attention)
     options = {"attn_implementation": attention} if attention is not None else {}
     model: Any = auto.from_pretrained(path, dtype=dtype, **options)
-    chunk_vision_attention(model)
+    prepare_vision_tower(model)
     return model.to(device)
 
 
@@ -201,7 +202,7 @@ def model_structure(auto: Any, path: Path | str, dtype: torch.dtype = torch.floa
     with init_empty_weights(include_buffers=False):
         structure: Any = auto.from_config(AutoConfig.from_pretrained(path), dtype=dtype, **options)
     structure.tie_weights()  # the context makes a new parameter of each one assigned, the tied head too
-    chunk_vision_attention(structure)
+    prepare_vision_tower(structure)
     try:  # as from_pretrained reads it (from_config knows only config.json's ids)
         structure.generation_config = GenerationConfig.from_pretrained(path)
     except OSError:  # the model has no generation_config.json
@@ -255,13 +256,15 @@ def vision_tower(model: Any) -> torch.nn.Module | None:
     return None
 
 
-def chunk_vision_attention(model: Any) -> None:
+def prepare_vision_tower(model: Any) -> None:
     """A VLM's vision tower attends each image (or window) in one SDPA call a layer for all of them
-    (:mod:`turnrl.models.vision_attention`) where it would call SDPA once per chunk; text models are left alone."""
+    (:mod:`turnrl.models.vision_attention`) where it would call SDPA once per chunk, and runs an MLP of an unaligned
+    width as an aligned one (:mod:`turnrl.models.vision_mlp`); text models are left alone."""
     tower = vision_tower(model)
     if tower is not None:
         use_chunked_attention(tower.config)
         use_chunked_attention(model.config.vision_config)
+        align_vision_mlps(tower)
 
 
 def freeze_vision_tower(model: Any) -> int:

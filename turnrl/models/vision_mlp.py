@@ -1,0 +1,70 @@
+"""A vision tower's MLP computed as if its hidden width were a multiple of 64, with the same result.
+
+Qwen2.5-VL's vision blocks (the one 675M-parameter tower of every size, 3B to 72B) have an MLP 3,420 wide. Rows
+of 3,420 bf16 values are 6,840 bytes, not a multiple of 16, and cuBLAS then falls back to Ampere-generation
+kernels: on an H200 its gate, up and down products ran at 221-255 TFLOP/s against 723-777 TFLOP/s at a width of
+3,456, and the eager tower took 1.37x as long over 64 images (docs/benchmarks.md, "Each phase's kernels").
+
+:func:`aligned_mlp_forward` computes the gate and up projections with their weights and biases padded by zero rows
+to the next multiple of 64, and the down projection with its weight padded by as many zero columns: each padded
+hidden unit is ``SiLU(0) x 0 = 0`` and adds nothing, so the function is the MLP's (to the rounding of other
+kernels). The padding is made from the parameters at each call (a copy of a few megabytes a block, against
+matrix products of gigaflops), so the parameters, their gradients, optimizer states and checkpoints keep the
+model's shapes, and a trained tower's gradients flow through the padding to them unchanged.
+
+A block compiled by :func:`turnrl.models.loading.compile_layer_parts` runs its class's own forward instead:
+inductor pads such products itself (0.104 s compiled against 0.100 s compiled and padded, the same 64 images).
+A LoRA-wrapped projection (peft's layers replace ``nn.Linear``) runs the class's forward too.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+
+ALIGN = 64
+"""Hidden widths are padded to a multiple of this many units (128 bytes of bf16)."""
+
+
+def aligned(width: int) -> int:
+    """``width`` rounded up to a multiple of :data:`ALIGN`."""
+    return -(-width // ALIGN) * ALIGN
+
+
+def aligned_mlp_forward(self: Qwen2_5_VLMLP, hidden_state: torch.Tensor) -> torch.Tensor:
+    """:class:`Qwen2_5_VLMLP`'s forward, ``down(act(gate(x)) * up(x))``, on weights padded to an aligned width.
+
+    Args:
+        hidden_state: Shape (..., hidden).
+
+    Returns:
+        Shape (..., hidden).
+    """
+    gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+    if not all(type(layer) is nn.Linear for layer in (gate, up, down)):  # adapters wrap them: plain forward
+        return Qwen2_5_VLMLP.forward(self, hidden_state)
+    extra = aligned(gate.out_features) - gate.out_features
+
+    def widened(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # zero rows: extra outputs of 0 (+ 0 bias)
+        bias = None if layer.bias is None else F.pad(layer.bias, (0, extra))
+        return F.linear(x, F.pad(layer.weight, (0, 0, 0, extra)), bias)
+
+    hidden = self.act_fn(widened(gate, hidden_state)) * widened(up, hidden_state)
+    return F.linear(hidden, F.pad(down.weight, (0, extra)), down.bias)  # zero columns: the extra units add 0
+
+
+def align_vision_mlps(model: Any) -> int:
+    """Run each Qwen2.5-VL vision MLP of ``model`` whose width is not a multiple of :data:`ALIGN` through
+    :func:`aligned_mlp_forward`, in place (bound to the module, so that its copies bind it to their own); returns
+    how many. Other models (text, Qwen2-VL and Qwen3-VL towers, whose widths are aligned) are left alone."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Qwen2_5_VLMLP) and module.gate_proj.out_features % ALIGN:
+            module.forward = MethodType(aligned_mlp_forward, module)
+            count += 1
+    return count
