@@ -65,6 +65,7 @@ def align_vision_mlps(model: Any) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, Qwen2_5_VLMLP) and module.gate_proj.out_features % ALIGN:
-            module.forward = MethodType(aligned_mlp_forward, module)
+            instance: nn.Module = module  # its forward: an nn.Module attribute, which an instance may set
+            instance.forward = MethodType(aligned_mlp_forward, module)
             count += 1
     return count
