@@ -192,3 +192,23 @@ def test_critic_save_and_load_round_trip(critic, inputs, tmp_path):
     original = dict(critic.state_dict())
     assert all(torch.equal(v, original[k]) for k, v in loaded.state_dict().items())
     assert set(loaded.state_dict()) == set(original)
+
+
+def test_a_vlm_critic_loaded_from_its_checkpoint_has_the_actors_vision_tower(tiny_tokenizer, tmp_path):
+    """A resumed critic's tower attends in one call a layer and runs an unaligned MLP aligned, as the actor's (and
+    so a new critic, its copy) does."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from turnrl.models import vlm_config
+    from turnrl.models.loading import load_model, vision_tower
+    from turnrl.models.vision_attention import VISION_ATTENTION
+
+    config = vlm_config("vlm-tiny", tiny_tokenizer)
+    config.vision_config.intermediate_size = 100
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(tmp_path / "model")
+    actor = load_model(tmp_path / "model")
+    ValueModel(actor.base_model).save_pretrained(tmp_path / "critic")
+    for model in (actor, ValueModel.from_pretrained(tmp_path / "critic").backbone):
+        tower = vision_tower(model)
+        assert tower.config._attn_implementation == VISION_ATTENTION
+        assert all("forward" in vars(block.mlp) for block in tower.blocks)  # the aligned forward, bound

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from turnrl.models.loading import model_structure
+from turnrl.models.loading import model_structure, prepare_vision_tower
 from turnrl.models.vision import position_inputs
 from turnrl.training.head import DEFAULT_CHUNK, ScoringHead, chosen_logprobs
 from turnrl.training.image_features import IMAGE_KEYS, ImageFeatures
@@ -227,6 +227,7 @@ class ValueModel(nn.Module):
             return cls(model_structure(AutoModel, path, dtype, attention))
         options = {"attn_implementation": attention} if attention is not None else {}
         backbone = AutoModel.from_pretrained(path, dtype=dtype, **options)
+        prepare_vision_tower(backbone)  # as the actor's, which a new critic is a copy of
         critic = cls(backbone)
         head = path / "value_head.pt"
         if head.exists():
