@@ -112,21 +112,17 @@ def run(processes: int, config: str | None, overrides: list[str], out: Path, tim
 
 
 def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``, from ``/proc`` (Linux): torchrun starts its workers in sessions of their
-    own, so ending the launcher's session alone leaves them running, holding their GPUs. (Read here rather than
-    with psutil, which turnrl does not depend on.)"""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    """Every live process below ``pid``, from the kernel's lists of each thread's children (Linux): torchrun starts
+    its workers in sessions of their own, so ending the launcher's session alone leaves them running, holding their
+    GPUs. (Read here rather than with psutil, which turnrl does not depend on.)"""
+    found = []
+    for listed in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name, in parentheses, may hold spaces
-        except (OSError, IndexError, ValueError):
-            continue  # it exited while read
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
+            children = [int(child) for child in listed.read_text().split()]
+        except OSError:  # the thread or the process exited while read
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
     return found
 
 

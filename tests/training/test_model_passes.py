@@ -199,6 +199,7 @@ def test_a_vlm_critic_loaded_from_its_checkpoint_has_the_actors_vision_tower(tin
     so a new critic, its copy) does."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from tests.models.test_vision_mlp import bound_aligned
     from turnrl.models import vlm_config
     from turnrl.models.loading import load_model, vision_tower
     from turnrl.models.vision_attention import VISION_ATTENTION
@@ -211,4 +212,4 @@ def test_a_vlm_critic_loaded_from_its_checkpoint_has_the_actors_vision_tower(tin
     for model in (actor, ValueModel.from_pretrained(tmp_path / "critic").backbone):
         tower = vision_tower(model)
         assert tower.config._attn_implementation == VISION_ATTENTION
-        assert all("forward" in vars(block.mlp) for block in tower.blocks)  # the aligned forward, bound
+        assert all(bound_aligned(block.mlp) for block in tower.blocks)
