@@ -16,7 +16,9 @@ frozen (``model.train_vision=false``, the recipes' default).
 MFU is the training pass's model FLOPs over its seconds and the device's bf16 peak: the decoder's 6 x
 parameters a real token plus causal attention (the trainer's ``throughput/update_mfu``; a frozen tower's
 forward is not counted, see :mod:`turnrl.training.throughput`). The tower's forward FLOPs are printed beside
-it, as a share of the no-gradient pass. Ratios are to the padded variant, measured in the same run.
+it, as a share of the no-gradient pass. Ratios are to the padded variant, measured in the same run. Before the
+passes, the tower's forward over the batch's images is timed alone: with its MLPs at an aligned width (as loaded,
+:mod:`turnrl.models.vision_mlp`; Qwen2.5-VL's 3,420 is not) against their own width, and compiled with ``--compile``.
 
     python benchmarks/vlm_update_speed.py --preset vlm-3b
     python benchmarks/vlm_update_speed.py --preset vlm-tiny --device cpu --batch 4 --images 3 --image-size 112 \\
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from types import MethodType
 from pathlib import Path
 
 import torch
@@ -43,6 +46,7 @@ from turnrl.models.loading import (  # noqa: E402
     prepare_vision_tower,
     vision_tower,
 )
+from turnrl.models.vision_mlp import align_vision_mlps, aligned_mlp_forward  # noqa: E402
 from turnrl.models.vlm import SizedTokenizer, vlm_config, vlm_preset  # noqa: E402
 from turnrl.training.packed_attention import ATTENTION  # noqa: E402
 from turnrl.training.batch import Batch  # noqa: E402
@@ -183,6 +187,15 @@ def main() -> None:
     batch = episodes(model, args.batch, args.images, args.image_size, args.text, args.response, args.vocab,
                      min_turns).to(device)
     eager_tower = tower_seconds(model, batch, device, args.repeats)
+    mlps = [module for module in vision_tower(model).modules()
+            if isinstance(module.forward, MethodType) and module.forward.__func__ is aligned_mlp_forward]
+    if mlps:
+        for module in mlps:
+            del module.forward  # the MLP class's own forward, at the model's width
+        own_width = tower_seconds(model, batch, device, args.repeats)
+        align_vision_mlps(vision_tower(model))
+        print(f"tower forward over the batch's images, eager: its MLPs at their width {own_width:.3f} s, aligned "
+              f"{eager_tower:.3f} s ({own_width / eager_tower:.2f}x)", flush=True)
     if args.compile:
         compile_layer_parts(model)
         compiled_tower = tower_seconds(model, batch, device, args.repeats)
