@@ -5,7 +5,13 @@ A built-in VLM preset's vision tower (random weights, bf16 on a GPU, float32 on 
 images of ``--size`` x ``--size`` pixels, as a training update's forward pass or a rollout's prefill does:
 Qwen2.5-VL's windows of 8 x 8 patches in most layers and whole images in the others.
 
+With ``--new-counts N`` (a GPU) it also times N forward passes over a new number of images each (``--images``,
+one fewer, ...: a rollout's prefill meets a new count at most calls) with SDPA free to choose cuDNN's attention
+against the kernels the tower's attention keeps to (:data:`~turnrl.models.vision_attention.TOWER_BACKENDS`):
+cuDNN plans every new shape on the host.
+
     python benchmarks/vision_attention.py --preset vlm-3b --images 128 --size 224
+    python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --new-counts 12
     python benchmarks/vision_attention.py --preset vlm-tiny --device cpu --images 16 --size 224   # a smoke run
 """
 
@@ -22,7 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoModelForImageTextToText  # noqa: E402
 
+from torch.nn.attention import SDPBackend  # noqa: E402
+
 from turnrl.models import build_tokenizer, vlm_config  # noqa: E402
+from turnrl.models import vision_attention  # noqa: E402
 from turnrl.models.vision_attention import VISION_ATTENTION  # noqa: E402
 
 
@@ -69,6 +78,36 @@ def seconds_a_pass(body, pixels, grids, repeats: int, backward: bool) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def seconds_over_new_counts(body, args, device: torch.device, dtype: torch.dtype) -> float:
+    """Seconds a forward pass over ``args.new_counts`` passes of ``args.images``, one fewer, ... images."""
+    batches = [images(body, args.images - index, args.size, device, dtype) for index in range(args.new_counts)]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for pixels, grids in batches:
+        one_pass(body, pixels, grids, backward=False)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / len(batches)
+
+
+def new_count_rows(body, args, device: torch.device, dtype: torch.dtype) -> list[tuple[str, float]]:
+    """The tower's forward over new image counts, SDPA free to choose cuDNN against the tower's kernels. Each
+    variant meets counts the other has not (cuDNN's plans are cached by shape for the process)."""
+    body.visual.config._attn_implementation = VISION_ATTENTION
+    kept = vision_attention.TOWER_BACKENDS
+    rows = []
+    for label, backends, first in (("cuDNN allowed (SDPA's choice)", [SDPBackend.CUDNN_ATTENTION, *kept], 0),
+                                   ("the tower's kernels (no cuDNN)", kept, args.new_counts)):
+        vision_attention.TOWER_BACKENDS = backends
+        try:
+            shifted = argparse.Namespace(**{**vars(args), "images": args.images - first})
+            rows.append((f"{label}, a new image count each pass", seconds_over_new_counts(body, shifted, device,
+                                                                                          dtype)))
+        finally:
+            vision_attention.TOWER_BACKENDS = kept
+        print(f"{rows[-1][0]}: {rows[-1][1]:.4f} s a pass", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="vlm-3b")
@@ -76,8 +115,12 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=128)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-counts", type=int, default=0,
+                        help="a GPU: also N forward passes over a new image count each, with and without cuDNN")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.new_counts and (device.type != "cuda" or 2 * args.new_counts >= args.images):
+        raise SystemExit("--new-counts times cuDNN's attention: a GPU, and fewer than --images / 2 passes")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     body = body_of(args.preset, device, dtype)
     pixels, grids = images(body, args.images, args.size, device, dtype)
@@ -89,6 +132,8 @@ def main() -> None:
             label = f"{name}, {'forward + backward' if backward else 'forward'}"
             rows.append((label, seconds_a_pass(body, pixels, grids, args.repeats, backward)))
             print(f"{label}: {rows[-1][1]:.4f} s a pass", flush=True)
+    if args.new_counts:
+        rows.extend(new_count_rows(body, args, device, dtype))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{args.preset} vision tower, {args.images} images of {args.size} px, {name}, {dtype}")
     print("| attention | s a pass | speed-up |\n| --- | ---: | ---: |")

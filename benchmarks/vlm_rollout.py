@@ -26,7 +26,10 @@ read (the weights once a step, every row's cached keys and values once a step) a
 CPU without them); with ``--top N``, the N host
 functions that took the most time (cProfile, by cumulative time); with ``--kernels N``, each phase's N costliest
 kernels by device time (a ``torch.profiler`` trace of the rollout: prefill's are the kernels launched within the
-engine's ``engine.prefill`` ranges, decode's the rest, its CUDA-graph replays). ``--baseline`` plays the same
+engine's ``engine.prefill`` ranges, decode's the rest, its CUDA-graph replays); with ``--gaps N``, where the
+device waited on the host: a trace with Python stacks of the rollout (after a warm-up rollout of its size), its
+idle time by the host's frames (:mod:`benchmarks.device_idle`; the trace grows with the rollout: ``--turns 5``
+traces 64 episodes in about half a gigabyte of JSON). ``--baseline`` plays the same
 rollout again with the requests' image digests left off, so that the engine hashes each prompt's pixel values as it
 did before the digests came with them, and prints the ratio.
 
@@ -34,6 +37,8 @@ did before the digests came with them, and prints the ratio.
     python benchmarks/vlm_rollout.py --device cuda --preset vlm-0.5b --episodes 64
     python benchmarks/vlm_rollout.py --profile --device cuda --preset vlm-3b --episodes 64 --turns 15 --new 128 \
         --context 4032 --baseline                                       # where a rollout's seconds go
+    python benchmarks/vlm_rollout.py --profile --gaps 25 --device cuda --preset vlm-3b --episodes 64 --turns 5 \
+        --new 128 --context 4032                                        # what the GPU waits for
     python benchmarks/vlm_rollout.py --memory --preset vlm-8b --episodes 64 --turns 15 --new 128 \
         --context 4032 --kv-cache-gb 12.5                               # VisGym's rollout, one GPU
 """
@@ -47,6 +52,7 @@ import io
 import platform
 import pstats
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -56,6 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.device_idle import device_idle, read_trace  # noqa: E402
 from turnrl.agent.formats import get_format  # noqa: E402
 from turnrl.config import AgentConfig, EngineConfig, ModelConfig, SamplingConfig  # noqa: E402
 from turnrl.envs import make  # noqa: E402
@@ -254,9 +261,13 @@ def engine_profile(engine: EnginePolicy, processor, args: argparse.Namespace) ->
     """The engine's rollout alone, its wall time split into environments, device work and host work; with
     ``--baseline``, the same rollout again with its images hashed by the engine."""
     rollout(engine, argparse.Namespace(**{**vars(args), "episodes": min(args.episodes, 4), "turns": 2}), 1000)
+    if args.gaps:  # what the traced rollout meets, compiled and captured before it: the waits left are steady ones
+        rollout(engine, args, 2000)
     profiler = cProfile.Profile() if args.top else None
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with (torch.profiler.profile(activities=activities) if args.kernels else contextlib.nullcontext()) as trace:
+    traced = args.kernels or args.gaps
+    with (torch.profiler.profile(activities=activities, with_stack=bool(args.gaps)) if traced
+          else contextlib.nullcontext()) as trace:
         split = profiled_rollout(engine, args, profiler)
     work = split.work
     generated, steps = work["generated_tokens"], work["decode_steps"]
@@ -271,10 +282,15 @@ def engine_profile(engine: EnginePolicy, processor, args: argparse.Namespace) ->
     for line in roofline_lines(split, device_work(split, engine), peak_flops(device, 1e12 * args.peak_tflops),
                                peak_bandwidth(device, 1e12 * args.peak_tbps)):
         print(line)
-    if trace is not None:
+    if args.kernels:
         seconds = {"prefill": split.prefill_s, "decode": split.decode_s}
         for line in kernel_lines(phase_kernels(trace.events()), seconds, args.kernels):
             print(line)
+    if args.gaps:
+        with tempfile.TemporaryDirectory() as directory:
+            path = Path(directory) / "rollout_trace.json"
+            trace.export_chrome_trace(str(path))
+            print("\n".join(device_idle(read_trace(path)).lines(args.gaps)))
     if args.baseline:
         encoder = engine.image_encoder
         engine.image_encoder = EncoderWithoutDigests(processor, engine.engine.dtype)
@@ -324,6 +340,9 @@ def main() -> None:
                         help="with --profile, list this many host functions (cProfile, which slows the host work)")
     parser.add_argument("--kernels", type=int, default=0,
                         help="with --profile, each phase's N costliest kernels (torch.profiler; slows the rollout)")
+    parser.add_argument("--gaps", type=int, default=0,
+                        help="with --profile, the N host frames the device waited on most, by phase (torch.profiler "
+                             "with Python stacks, after a warm-up rollout of the same size; slows the rollout)")
     parser.add_argument("--peak-tflops", type=float, default=0.0,
                         help="with --profile, the device's dense bf16 TFLOP/s (0: known GPUs' by name)")
     parser.add_argument("--peak-tbps", type=float, default=0.0,

@@ -122,6 +122,24 @@ def test_a_bounds_tensor_is_read_to_the_host_once_until_it_changes(monkeypatch):
     assert chunk_extremes(windows.clone()) == (4, 8) and len(reads) == 4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("lengths", [[64] * 20, [64, 40, 64, 7]])
+def test_a_tower_call_on_a_gpu_runs_no_cudnn_kernel_and_equals_attention_chunk_by_chunk(lengths):
+    """cuDNN plans each new shape on the host, and a tower's shapes change with its images: its calls keep off it,
+    whatever the process's own settings (here cuDNN attention is allowed and would be SDPA's first choice)."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    states = [torch.randn(1, 16, int(bounds[-1]), 80, generator=generator, device="cuda", dtype=torch.bfloat16)
+              for _ in range(3)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+        got, _ = chunked_attention(torch.nn.Module(), *states, None, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)
+        torch.cuda.synchronize()
+    kernels = [event.name for event in trace.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels and not [name for name in kernels if "cudnn" in name.lower()], kernels
+    torch.testing.assert_close(got.float(), per_chunk(*(s.float() for s in states), bounds.long()), atol=2e-2, rtol=0)
+
+
 def test_the_loader_puts_a_vlm_tower_on_chunked_attention_and_keeps_other_choices(tiny_vlm_dir, tiny_model_dir):
     assert vision_tower(load_model(tiny_vlm_dir)).config._attn_implementation == VISION_ATTENTION
     assert vision_tower(load_model(tiny_vlm_dir, device="meta")).config._attn_implementation == VISION_ATTENTION

@@ -16,20 +16,32 @@ The call needs the chunks' shortest and longest lengths on the host. A read from
 work queued before it, after which the device idles while Python launches the next block's kernels; a tower
 passes the same bounds tensor to every block of a kind, so :func:`chunk_extremes` reads each bounds tensor once
 (two reads a forward pass of Qwen2.5-VL's tower, windows and whole images, instead of one a block).
+
+On a GPU the call keeps off cuDNN's attention (:data:`TOWER_BACKENDS`). cuDNN builds a plan on the host for each
+new shape, and a tower's shapes change with the number of images in a call: in a profiled rollout of
+Qwen2.5-VL-3B's shape (64 episodes of Maze2D frames, docs/benchmarks.md) the GPU waited 0.23 s in five turns
+while the host was inside this call's SDPA, more than on any other line of the prefill. The trainer turns cuDNN
+attention off for its whole process (:func:`~turnrl.training.precision.skip_cudnn_attention`); the engine in an
+evaluation or a policy server has no such switch, and a tower should not depend on one.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 VISION_ATTENTION = "turnrl_chunked_sdpa_flash_api"
 """The vision tower's ``_attn_implementation`` (transformers passes chunk bounds to names holding ``flash``)."""
+
+TOWER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The SDPA kernels a tower's attention may run on a GPU, in SDPA's own order of preference: all but cuDNN's."""
 
 _EXTREMES: dict[int, tuple[torch.Tensor, int, int, int]] = {}
 """Bounds tensors read lately, by ``id``: the tensor itself (held, so that its ``id`` is not reused), its in-place
@@ -114,12 +126,14 @@ def chunked_attention(
         return query.new_zeros(1, tokens, heads, width), None
     shortest, longest = chunk_extremes(cu_seq_lens_q)
     gqa = key.shape[1] != heads
+    backends = sdpa_kernel(TOWER_BACKENDS) if query.device.type == "cuda" else nullcontext()
     if shortest == longest:
         def batched(states: torch.Tensor) -> torch.Tensor:  # (1, h, t, d) -> (chunks, h, longest, d)
             return states[0].view(states.shape[1], chunks, longest, width).transpose(0, 1)
 
-        output = F.scaled_dot_product_attention(batched(query), batched(key), batched(value), dropout_p=dropout,
-                                                scale=scaling, enable_gqa=gqa)
+        with backends:
+            output = F.scaled_dot_product_attention(batched(query), batched(key), batched(value), dropout_p=dropout,
+                                                    scale=scaling, enable_gqa=gqa)
         return output.transpose(1, 2).reshape(1, tokens, heads, width), None
     slots, real = chunk_layout(bounds, tokens, longest)
 
@@ -131,8 +145,9 @@ def chunked_attention(
     # The first key of an empty chunk (a padded zero) stays visible so that no softmax row is all masked; an empty
     # chunk has no token to read its output.
     visible = (real | (torch.arange(longest, device=real.device) == 0))[:, None, None, :]
-    output = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=visible,
-                                            dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+    with backends:
+        output = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=visible,
+                                                dropout_p=dropout, scale=scaling, enable_gqa=gqa)
     output = output.transpose(1, 2).reshape(chunks * longest, heads, width).index_select(0, slots)
     return output.unsqueeze(0), None
 

@@ -1,0 +1,57 @@
+"""benchmarks/device_idle.py: a trace's idle device time, charged to the host's Python frames at each moment."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks.device_idle import device_idle, frame_name, merged, read_trace
+
+
+def event(category: str, name: str, start: float, duration: float, thread: int = 1) -> dict:
+    return {"ph": "X", "cat": category, "name": name, "ts": start, "dur": duration, "tid": thread, "pid": 1}
+
+
+def trace() -> list[dict]:
+    """Kernels busy over 0-100 and 300-400, 500-600; idle over 100-300 (the host in the tower's attention, inside
+    SDPA, within a prefill) and 400-500 (the host in an env step, outside the engine's ranges)."""
+    tower = "/site-packages/transformers/models/qwen2_5_vl/modeling_qwen2_5_vl.py(354): forward"
+    attention = "/repo/turnrl/models/vision_attention.py(99): chunked_attention"
+    return [
+        event("kernel", "gemm", 0, 100, thread=7), event("kernel", "gemm", 300, 60, thread=7),
+        event("kernel", "norm", 350, 50, thread=7), event("kernel", "gemm", 500, 100, thread=7),
+        event("cuda_runtime", "cudaLaunchKernel", 0, 5), event("cuda_runtime", "cudaLaunchKernel", 290, 5),
+        event("cuda_runtime", "cudaLaunchKernel", 99, 5, thread=2),
+        event("user_annotation", "engine.prefill", 0, 400),
+        event("python_function", tower, 50, 300), event("python_function", attention, 90, 220),
+        event("python_function", "<built-in function scaled_dot_product_attention>", 95, 210),
+        event("python_function", "/repo/turnrl/rollout/runner.py(376): _act", 380, 130),
+        event("python_function", "/repo/turnrl/rollout/runner.py(376): _act", 100, 400, thread=2),  # another thread
+    ]
+
+
+def test_idle_stretches_are_charged_to_the_innermost_project_frame_and_builtin_call_by_phase():
+    idle = device_idle(trace())
+    assert (idle.span_us, idle.busy_us, idle.kernels, idle.idle_us) == (600, 300, 4, pytest.approx(300))
+    assert idle.by_frame["prefill"] == {
+        "turnrl/models/vision_attention.py:chunked_attention > function scaled_dot_product_attention":
+            pytest.approx(200)}
+    assert idle.by_frame["between"] == {"turnrl/rollout/runner.py:_act": pytest.approx(100)}
+    assert not idle.by_frame["decode"]
+    lines = idle.lines(top=5)
+    assert lines[0] == "device idle: 0.00 s of a 0.00 s span (0.00 s of 4 kernels)"
+    assert any("chunked_attention" in line for line in lines)
+
+
+def test_a_trace_without_kernels_has_no_idle_time_and_names_are_shortened(tmp_path):
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as file:
+        json.dump({"traceEvents": [event("cpu_op", "aten::mm", 0, 10)]}, file)
+    idle = device_idle(read_trace(path))
+    assert idle.kernels == 0 and idle.idle_us == 0
+    assert frame_name("/x/site-packages/transformers/vision_utils.py(81): get_vision_position_ids") == \
+        "transformers/vision_utils.py:get_vision_position_ids"
+    assert frame_name("/usr/lib/python3.11/threading.py(10): run") is None
+    assert merged([(5, 9), (0, 3), (2, 4), (9, 10)]) == [(0, 4), (5, 10)]
