@@ -26,12 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torch.nn.attention import SDPBackend  # noqa: E402
 from transformers import AutoModelForImageTextToText  # noqa: E402
 
-from torch.nn.attention import SDPBackend  # noqa: E402
-
-from turnrl.models import build_tokenizer, vlm_config  # noqa: E402
-from turnrl.models import vision_attention  # noqa: E402
+from turnrl.models import build_tokenizer, vision_attention, vlm_config  # noqa: E402
 from turnrl.models.vision_attention import VISION_ATTENTION  # noqa: E402
 
 
