@@ -29,7 +29,9 @@ kernels by device time (a ``torch.profiler`` trace of the rollout: prefill's are
 engine's ``engine.prefill`` ranges, decode's the rest, its CUDA-graph replays); with ``--gaps N``, where the
 device waited on the host: a trace with Python stacks of the rollout (after a warm-up rollout of its size), its
 idle time by the host's frames (:mod:`benchmarks.device_idle`; the trace grows with the rollout: ``--turns 5``
-traces 64 episodes in about half a gigabyte of JSON). ``--baseline`` plays the same
+traces 64 episodes in about half a gigabyte of JSON). ``--prefill-groups N`` plays it again
+with each round's next requests handed to the engine in N parts, each prefilled while the next part's
+environments step (``agent.prefill_groups``), and prints the ratio. ``--baseline`` plays the same
 rollout again with the requests' image digests left off, so that the engine hashes each prompt's pixel values as it
 did before the digests came with them, and prints the ratio.
 
@@ -85,12 +87,13 @@ from turnrl.training.throughput import (  # noqa: E402
 )
 
 
-def rollout(policy, args: argparse.Namespace, first_seed: int,
-            timings: RolloutTimings | None = None) -> tuple[list[Trajectory], float]:
-    """Play ``args.episodes`` episodes from ``first_seed`` on; returns them and the wall seconds (and fills
-    ``timings`` with the runner's own, when given)."""
+def rollout(policy, args: argparse.Namespace, first_seed: int, timings: RolloutTimings | None = None,
+            prefill_groups: int = 1) -> tuple[list[Trajectory], float]:
+    """Play ``args.episodes`` episodes from ``first_seed`` on, in rounds (each round's next requests prefilled in
+    ``prefill_groups`` parts); returns them and the wall seconds (and fills ``timings`` with the runner's own,
+    when given)."""
     agent = AgentConfig(format="no_think", max_turns=args.turns, max_actions_per_episode=4 * args.turns,
-                        max_context_tokens=args.context)
+                        max_context_tokens=args.context, prefill_groups=prefill_groups)
     runner = Rollout(policy, get_format("no_think"), agent, args.env)
     slots = [EpisodeSlot(env=make(args.env, mode="image"), seed=first_seed + e, group=e) for e in range(args.episodes)]
     if torch.cuda.is_available():
@@ -138,8 +141,11 @@ class Split:
                 f"{self.decode_s:>8.1f} {1000 * self.decode_s / steps:>8.2f} {self.host_s:>8.1f}")
 
 
-def profiled_rollout(engine: EnginePolicy, args: argparse.Namespace, profiler: cProfile.Profile | None) -> Split:
-    """Play the rollout with the engine's device timer on (and ``profiler`` running, if given)."""
+def profiled_rollout(engine: EnginePolicy, args: argparse.Namespace, profiler: cProfile.Profile | None,
+                     prefill_groups: int = 1) -> Split:
+    """Play the rollout with the engine's device timer on (and ``profiler`` running, if given), from a cache
+    without rows (as after a training update): a rollout played again reuses none of the one before."""
+    engine.engine.scheduler.drop_idle_rows()
     timer = engine.engine.timer
     timer.enabled = True
     timer.reset()
@@ -147,7 +153,7 @@ def profiled_rollout(engine: EnginePolicy, args: argparse.Namespace, profiler: c
     timings = RolloutTimings()
     if profiler is not None:
         profiler.enable()
-    trajectories, seconds = rollout(engine, args, first_seed=0, timings=timings)
+    trajectories, seconds = rollout(engine, args, first_seed=0, timings=timings, prefill_groups=prefill_groups)
     if profiler is not None:
         profiler.disable()
     timer.collect()
@@ -291,6 +297,12 @@ def engine_profile(engine: EnginePolicy, processor, args: argparse.Namespace) ->
             path = Path(directory) / "rollout_trace.json"
             trace.export_chrome_trace(str(path))
             print("\n".join(device_idle(read_trace(path)).lines(args.gaps)))
+    if args.prefill_groups > 1:
+        parts = profiled_rollout(engine, args, None, prefill_groups=args.prefill_groups)
+        print(parts.row(f"rounds prefilled in {args.prefill_groups} parts"))
+        print(f"the rollout {split.seconds / parts.seconds:.2f}x faster in parts, generation "
+              f"{split.generate_s / parts.generate_s:.2f}x (the same responses: "
+              f"{'yes' if parts.responses == split.responses else 'no (bf16 near-ties break either way)'})")
     if args.baseline:
         encoder = engine.image_encoder
         engine.image_encoder = EncoderWithoutDigests(processor, engine.engine.dtype)
@@ -340,6 +352,9 @@ def main() -> None:
                         help="with --profile, list this many host functions (cProfile, which slows the host work)")
     parser.add_argument("--kernels", type=int, default=0,
                         help="with --profile, each phase's N costliest kernels (torch.profiler; slows the rollout)")
+    parser.add_argument("--prefill-groups", type=int, default=1,
+                        help="with --profile, play the rollout again with each round's next requests prefilled in "
+                             "N parts while the envs step (agent.prefill_groups), and print the ratio")
     parser.add_argument("--gaps", type=int, default=0,
                         help="with --profile, the N host frames the device waited on most, by phase (torch.profiler "
                              "with Python stacks, after a warm-up rollout of the same size; slows the rollout)")

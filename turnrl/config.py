@@ -151,6 +151,13 @@ class AgentConfig:
     In RAGEN's Sokoban recipe (env steps well under a millisecond) rounds were faster; in a synthetic benchmark
     of responses of spread lengths, not waiting was (docs/benchmarks.md). Reward functions then score one turn
     a call."""
+    prefill_groups: int = 1
+    """In rounds (``agent.wait_for_turns``, with the engine backend), after a round's generation, step the
+    environments and hand the next turn's requests to the engine in this many parts, each part's prefill running
+    on the device while the host steps the next part's environments and builds its requests; the round's decode
+    starts once every part is in, so its batches stay whole. 1: every environment steps, then the whole round is
+    prefilled, with the device idle meanwhile. Reward functions score one part a call. Rounds whose weights may
+    change at a turn boundary (partial rollouts) take their parts together."""
 
     def validate(self) -> None:
         from turnrl.agent.formats import FORMATS, get_format
@@ -158,6 +165,10 @@ class AgentConfig:
         check_registered("agent.format", self.format, FORMATS)
         for key in ("max_actions_per_turn", "max_turns", "max_actions_per_episode", "max_context_tokens"):
             check_range(f"agent.{key}", getattr(self, key), 1)
+        check_range("agent.prefill_groups", self.prefill_groups, 1)
+        if self.prefill_groups > 1 and not self.wait_for_turns:
+            raise ConfigError("agent.prefill_groups splits rounds of turns, and agent.wait_for_turns=false has none "
+                              "(each episode's turn is prefilled as it comes): leave agent.prefill_groups at 1")
         if self.max_context_window is not None:
             check_range("agent.max_context_window", self.max_context_window, 1)
         if self.max_images is not None:

@@ -26,7 +26,7 @@ from transformers import (
 from turnrl.config import EngineConfig
 from turnrl.engine import attention
 from turnrl.engine.cache import INITIAL_PAGES, PAGE_TOKENS, KVCache, pages_for
-from turnrl.engine.llm_engine import Engine, SamplingParams
+from turnrl.engine.llm_engine import Engine, Result, SamplingParams
 from turnrl.engine.rows import IDLE
 from turnrl.engine.weights import UnsupportedModel
 from turnrl.training.trainer import adamw
@@ -163,6 +163,34 @@ def test_prefill_chunks_read_after_the_next_one_is_launched_give_the_tokens_of_o
     assert [r.finish_reason for r in chunked] == [r.finish_reason for r in whole]
     assert chunked[2].token_ids == list(first_token_stop) and chunked[2].finish_reason == "stop"
     for a, b in zip(chunked, whole):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+
+
+def test_prompts_prefilled_in_parts_before_decoding_give_the_tokens_of_one_generate(kernels):
+    """Parts queued and prefilled one after another, each call's last chunk left unread until the next call (and
+    the first decode step), then stepped to the end: generate's tokens, logprobs and finish reasons, a sequence
+    whose first token stops it included; no decode step ran before the last part was in."""
+    model = build("qwen2")
+    prompts = random_prompts([9, 31, 4, 17, 12])
+    first_token_stop = (engine_for(model).generate(prompts, [GREEDY] * 5)[2].token_ids[0],)
+    params = SamplingParams(temperature=0, max_new_tokens=6, stop_ids=first_token_stop)
+    whole = engine_for(model).generate(prompts, [params] * 5)
+    engine = engine_for(model, prefill_chunk_tokens=16)
+    ids = []
+    for part in (prompts[:2], prompts[2:3], prompts[3:]):
+        ids.extend(engine.submit(prompt, params) for prompt in part)
+        engine.prefill_waiting()
+        assert engine.stats.decode_steps == 0 and not engine.waiting
+    with pytest.raises(RuntimeError, match="between generations"):
+        engine.release_memory()  # a chunk is still in flight
+    results: dict[int, Result] = {}
+    while len(results) < len(ids):
+        results.update((result.id, result) for result in engine.step())
+    parts = [results[i] for i in ids]
+    assert engine.stats.prefill_calls == 5
+    assert [(r.token_ids, r.finish_reason) for r in parts] == [(r.token_ids, r.finish_reason) for r in whole]
+    assert parts[2].finish_reason == "stop"
+    for a, b in zip(parts, whole):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
 
 

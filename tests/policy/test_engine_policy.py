@@ -176,9 +176,9 @@ def test_cache_rows_are_capped_by_the_batch(model, tiny_tokenizer):
 
 
 # --------------------------------------------------------------------------- episodes that do not wait
-def streaming_trajectories(policy, wait: bool, executor=None, envs=None):
+def streaming_trajectories(policy, wait: bool, executor=None, envs=None, prefill_groups: int = 1):
     agent = AgentConfig(format="no_think", max_turns=6, max_actions_per_episode=6, max_context_tokens=2048,
-                        wait_for_turns=wait)
+                        wait_for_turns=wait, prefill_groups=prefill_groups)
     rollout = Rollout(policy, get_format("no_think"), agent, "Sokoban", executor=executor)
     envs = envs or [make("Sokoban") for _ in range(6)]
     slots = [EpisodeSlot(env=env, seed=s, group=s // 2, sample=s % 2) for s, env in enumerate(envs)]
@@ -201,6 +201,74 @@ def test_episodes_that_do_not_wait_give_the_same_trajectories_as_rounds(model, t
         assert (a.status, a.truncation_reason, a.success) == (b.status, b.truncation_reason, b.success)
 
 
+def assert_same_episodes(expected, got) -> None:
+    for a, b in zip(expected, got, strict=True):
+        first, second = a.tokens.stream(), b.tokens.stream()
+        assert (first.input_ids, first.loss_mask) == (second.input_ids, second.loss_mask)
+        torch.testing.assert_close(first.logprobs, second.logprobs, atol=1e-4, rtol=1e-4)
+        assert [(t.response, t.actions, t.rewards) for t in a.turns] == [(t.response, t.actions, t.rewards)
+                                                                        for t in b.turns]
+        assert (a.status, a.truncation_reason, a.success) == (b.status, b.truncation_reason, b.success)
+
+
+def prefill_calls(policy: EnginePolicy) -> list[int]:
+    """The sequences of each of the policy's prefill calls from now on (filled as it runs)."""
+    calls: list[int] = []
+    prefill = policy.engine.runner.prefill
+
+    def counted(chunk):
+        calls.append(len(chunk.sequences))
+        return prefill(chunk)
+
+    policy.engine.runner.prefill = counted
+    return calls
+
+
+@pytest.mark.parametrize(("groups", "threads"), [(2, 0), (4, 3), (6, 0)])
+def test_rounds_prefilled_in_parts_give_the_same_trajectories_as_rounds(model, tiny_tokenizer, groups, threads):
+    """Each part's prefill starts while the next part's envs step; the decode waits for the whole round."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    in_rounds, in_parts = engine_policy(model, tiny_tokenizer), engine_policy(model, tiny_tokenizer)
+    rounds_calls, parts_calls = prefill_calls(in_rounds), prefill_calls(in_parts)
+    rounds = streaming_trajectories(in_rounds, wait=True)
+    executor = ThreadPoolExecutor(threads) if threads else None
+    parts = streaming_trajectories(in_parts, wait=True, executor=executor, prefill_groups=groups)
+    assert_same_episodes(rounds, parts)
+    assert sum(len(t.turns) for t in parts) > 12
+    # The same prompts prefilled, after the first round in smaller calls: a round's parts went to the device apart.
+    assert sum(parts_calls) == sum(rounds_calls) and parts_calls[0] == rounds_calls[0] == 6
+    assert max(parts_calls[1:]) <= -(-6 // groups) < max(rounds_calls[1:])
+    # Decode steps never ran a part alone: each round's batch was whole, so the steps are the rounds' own.
+    assert in_parts.engine.stats.decode_steps == in_rounds.engine.stats.decode_steps
+
+
+def test_a_failed_prefill_ends_the_rounds_queued_requests_and_the_rollout_goes_on(model, tiny_tokenizer,
+                                                                                   monkeypatch):
+    policy = engine_policy(model, tiny_tokenizer)
+    prefill = policy.engine.prefill_waiting
+    calls = []
+
+    def second_fails():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        prefill()
+
+    monkeypatch.setattr(policy.engine, "prefill_waiting", second_fails)
+    trajectories = streaming_trajectories(policy, wait=True, prefill_groups=3)
+    errors = [t for t in trajectories if t.status == "error"]
+    assert errors and all("prefill failed: RuntimeError: out of memory" in (t.error or "") for t in errors)
+    assert len(errors) < len(trajectories)  # the first part's episodes had finished their first round earlier
+
+
+def test_parts_of_a_round_need_rounds_and_a_policy_that_streams(model, tiny_tokenizer):
+    with pytest.raises(ConfigError, match="agent.wait_for_turns=false has none"):
+        AgentConfig(wait_for_turns=False, prefill_groups=2).validate()
+    with pytest.raises(ValueError, match="model.backend=engine"):
+        Rollout(HFPolicy(model, tiny_tokenizer), get_format("no_think"), AgentConfig(prefill_groups=2), "Sokoban")
+
+
 def test_not_waiting_needs_a_policy_that_streams(model, tiny_tokenizer):
     agent = AgentConfig(format="no_think", wait_for_turns=False)
     with pytest.raises(ValueError, match="model.backend=engine"):
@@ -208,11 +276,11 @@ def test_not_waiting_needs_a_policy_that_streams(model, tiny_tokenizer):
 
 
 # --------------------------------------------------------------------------- a VLM's images
-def image_rollouts(policy, wait: bool = True):
+def image_rollouts(policy, wait: bool = True, prefill_groups: int = 1):
     # Without the env's and the format's instructions: a first prompt of 79 tokens instead of 300, whose prefill
     # is most of the Triton variant's time in the interpreter; the images, turns and reuse are the same.
     agent = AgentConfig(format="no_think", max_turns=3, max_actions_per_episode=20, wait_for_turns=wait,
-                        env_instructions=False, format_instructions=False)
+                        env_instructions=False, format_instructions=False, prefill_groups=prefill_groups)
     rollout = Rollout(policy, get_format("no_think"), agent, "Maze2D")
     slots = [EpisodeSlot(env=make("Maze2D", mode="image"), seed=s, group=s) for s in range(3)]
     return rollout.run(slots, SamplingConfig(temperature=0, max_new_tokens=12))
@@ -224,17 +292,18 @@ def vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir, triton: str = "false") -> E
                         processor=load_processor(str(tiny_vlm_dir)))
 
 
-@pytest.mark.parametrize(("wait", "triton"), [(True, "false"), (False, "false"),
-                                             pytest.param(True, "true", marks=pytest.mark.cpu_triton)])
+@pytest.mark.parametrize(("wait", "triton", "groups"), [(True, "false", 1), (False, "false", 1), (True, "false", 3),
+                                                       pytest.param(True, "true", 1, marks=pytest.mark.cpu_triton)])
 def test_vlm_rollouts_with_images_are_the_same_trajectories_with_the_engine(tiny_vlm_policy, tiny_vlm_dir, wait,
-                                                                            triton, monkeypatch):
+                                                                            triton, groups, monkeypatch):
     """A new image every turn: the engine's image features, M-RoPE positions, suppressed vision tokens and KV
     reuse give transformers' tokens and logprobs (with torch's kernels, and with the Triton ones in Triton's
-    interpreter, its decode attention unsplit: the interpreter's time grows with the programs launched)."""
+    interpreter, its decode attention unsplit: the interpreter's time grows with the programs launched), in rounds,
+    without them, and with each round's next requests prefilled in parts."""
     monkeypatch.setattr(attention, "multiprocessors", lambda device: 1)
     hf = image_rollouts(tiny_vlm_policy)
     policy = vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir, triton)
-    engine = image_rollouts(policy, wait)
+    engine = image_rollouts(policy, wait, groups)
     assert sum(len(t.images) for t in engine) >= 6
     for a, b in zip(hf, engine):
         first, second = a.tokens.stream(), b.tokens.stream()

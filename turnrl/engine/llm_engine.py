@@ -88,6 +88,8 @@ class Engine:
         self._version = weights_version(model)
         self._launched: Launched | None = None
         """The decode step whose tokens the host reads during the next step's decode."""
+        self._prefilled: Launched | None = None
+        """The last prefill chunk of :meth:`prefill_waiting`, read by the next call into the engine."""
 
     # ------------------------------------------------------------------ what callers read
     @property
@@ -158,7 +160,7 @@ class Engine:
 
     def abort(self, reason: str) -> list[Result]:
         """End every waiting and running sequence with an error (after a failed step); rows are freed."""
-        self._launched = None
+        self._launched = self._prefilled = None
         return self.scheduler.abort(reason)
 
     def sync_weights(self) -> None:
@@ -192,7 +194,7 @@ class Engine:
         Raises:
             RuntimeError: sequences are generating or waiting.
         """
-        if self.scheduler.running or self.scheduler.waiting or self._launched is not None:
+        if self.scheduler.running or self.scheduler.waiting or self._launched is not None or self._prefilled:
             raise RuntimeError("the engine frees its memory between generations only; sequences are generating")
         self.scheduler.drop_idle_rows()
         self.cache.release()
@@ -212,8 +214,8 @@ class Engine:
         finished."""
         # The engine computes in its own dtype: a caller's autocast is switched off (entering the context only
         # when one is on: it costs more than the rest of a step's host work).
-        outer_autocast = torch.is_autocast_enabled(self.device.type)
-        with torch.autocast(self.device.type, enabled=False) if outer_autocast else contextlib.nullcontext():
+        with self._own_precision():
+            self._read_prefilled()
             admitting = self.scheduler.time_to_admit()
             # Rows and pages change hands, and the cache grows (dropping the graphs), only with no step in flight.
             if self._launched is not None and admitting:
@@ -234,19 +236,49 @@ class Engine:
         self.timer.collect(wait=False)
         return self.scheduler.take_finished()
 
-    def _admit_and_prefill(self) -> None:
+    @torch.no_grad()
+    def prefill_waiting(self) -> None:
+        """Admit and prefill the waiting sequences, decoding nothing, and return without waiting for the device:
+        the last chunk's tokens are read by the next call into the engine. A caller that queues a round of
+        requests in parts lets the device prefill one part while it builds the next, and starts decoding (with
+        :meth:`step`) once every part is in, so that decode steps run the whole round's batch."""
+        with self._own_precision():
+            if self._launched is not None:  # a decode step in flight: its tokens first, as a step admitting does
+                self._read(self._launched)
+                self._launched = None
+            if not self.scheduler.running:
+                self.sync_weights()
+            if self.scheduler.waiting:
+                self._admit_and_prefill(read_last=False)
+        self.timer.collect(wait=False)
+
+    def _own_precision(self) -> contextlib.AbstractContextManager:
+        """The engine computes in its own dtype: a caller's autocast is switched off (entering the context only
+        when one is on: it costs more than the rest of a step's host work)."""
+        if torch.is_autocast_enabled(self.device.type):
+            return torch.autocast(self.device.type, enabled=False)
+        return contextlib.nullcontext()
+
+    def _read_prefilled(self) -> None:
+        if self._prefilled is not None:
+            self._read(self._prefilled)
+            self._prefilled = None
+
+    def _admit_and_prefill(self, read_last: bool = True) -> None:
         """Admit what fits, then run each sequence's uncached prompt tokens, in chunks of at most
         ``prefill_chunk_tokens`` padded tokens.
 
         A chunk's sampled tokens are read after the next chunk is launched, so that the host builds and launches
         a chunk while the GPU runs the one before, instead of the GPU waiting for the host's part of every chunk
-        (two chunks at most in flight: the sampled-token buffers are two)."""
+        (two chunks at most in flight: the sampled-token buffers are two). Without ``read_last`` the last chunk is
+        left in flight (:meth:`prefill_waiting`); a chunk left so by the call before is read after this call's
+        first launch."""
         admitted = self.scheduler.admit()
         self.runner.sync_cache()
         if not admitted:
             return
         self.runner.start_rows(admitted)
-        previous = None
+        previous, self._prefilled = self._prefilled, None
         for chunk in self.scheduler.prefill_plan(admitted):
             launched = self.runner.prefill(chunk)
             self.scheduler.prefilled(chunk)
@@ -254,7 +286,9 @@ class Engine:
             if previous is not None:
                 self._read(previous)
             previous = launched
-        if previous is not None:
+        if previous is not None and not read_last:
+            self._prefilled = previous
+        elif previous is not None:
             self._read(previous)
 
     def _decode(self) -> Launched | None:

@@ -53,6 +53,8 @@ class EnginePolicy(Policy):
                              vocab_limit=len(tokenizer))
         # Pixels in the engine's dtype, the run's: the tower's first step casts to it, here and in training.
         self.image_encoder = ImageEncoder(processor, self.engine.dtype) if processor is not None else None
+        self._failed: list[tuple[int, Completion]] = []
+        """Requests ended by a failed :meth:`prefill`, handed out by the next :meth:`poll`."""
 
     def streaming(self) -> StreamingPolicy:
         """The engine takes requests one at a time (:meth:`submit`) and returns completions as they finish
@@ -80,11 +82,23 @@ class EnginePolicy(Policy):
     def poll(self) -> list[tuple[int, Completion]]:
         """One engine step: the requests that finished, by handle. A failed step ends every queued request
         with an error completion, and the engine starts clean."""
+        if self._failed:
+            failed, self._failed = self._failed, []
+            return failed
         try:
             results = self.engine.step()
         except Exception as error:
             results = self.engine.abort(f"generation failed: {type(error).__name__}: {error}")
         return [(result.id, self._completion(result)) for result in results]
+
+    def prefill(self) -> None:
+        """Start prefilling the queued requests without decoding or waiting (:meth:`Engine.prefill_waiting`).
+        A failure ends every queued request with an error completion, handed out by the next :meth:`poll`."""
+        try:
+            self.engine.prefill_waiting()
+        except Exception as error:
+            results = self.engine.abort(f"prefill failed: {type(error).__name__}: {error}")
+            self._failed.extend((result.id, self._completion(result)) for result in results)
 
     def release_memory(self) -> None:
         self.engine.release_memory()

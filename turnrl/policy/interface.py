@@ -139,7 +139,8 @@ class Policy(Protocol):
 class StreamingPolicy(Protocol):
     """A policy that takes requests one at a time and returns completions as they finish (the engine).
 
-    The rollout loop uses it to let episodes advance independently (``agent.wait_for_turns=false``).
+    The rollout loop uses it to let episodes advance independently (``agent.wait_for_turns=false``), and to
+    prefill a round's requests in parts while it steps the environments (``agent.prefill_groups``).
     """
 
     def submit(self, request: GenerationRequest, sampling: SamplingConfig) -> int:
@@ -148,4 +149,10 @@ class StreamingPolicy(Protocol):
 
     def poll(self) -> list[tuple[int, Completion]]:
         """Advance generation a little; returns the requests finished since the last call, by handle."""
+        ...
+
+    def prefill(self) -> None:
+        """Start the queued requests' prefill, decoding nothing and waiting for nothing: a caller queuing a round's
+        requests in parts (``agent.prefill_groups``) lets the device work on one part while it builds the next.
+        Their completions come out of later polls."""
         ...

@@ -178,6 +178,11 @@ class Rollout:
                 f"agent.wait_for_turns=false needs a policy that streams completions (model.backend=engine); "
                 f"{type(policy).__name__} completes a whole batch at once"
             )
+        if agent.prefill_groups > 1 and policy.streaming() is None:
+            raise ValueError(
+                f"agent.prefill_groups={agent.prefill_groups} needs a policy that takes requests one at a time "
+                f"(model.backend=engine); {type(policy).__name__} completes a whole batch at once: set it to 1"
+            )
 
     # ------------------------------------------------------------------ the loop
     def run(
@@ -201,6 +206,9 @@ class Rollout:
         self._check_can_see(episodes)
         if not self.agent.wait_for_turns:
             self._run_streaming(episodes, sampling, on_turn)
+            return [episode.trajectory for episode in episodes]
+        if self.agent.prefill_groups > 1 and self.turn_boundary is None:
+            self._run_rounds_in_parts(episodes, sampling, on_turn)
             return [episode.trajectory for episode in episodes]
         for turn in range(self.agent.max_turns):
             active = [episode for episode in episodes if not episode.finished]
@@ -271,6 +279,53 @@ class Rollout:
                     after_step(stepping.pop(future), future.result())
             if on_turn is not None:
                 on_turn(turns_done, len(pending) + len(stepping))
+
+    def _run_rounds_in_parts(
+        self, episodes: list[_Episode], sampling: SamplingConfig, on_turn: Callable[[int, int], None] | None
+    ) -> None:
+        """Rounds, each round's next requests handed to the policy in ``agent.prefill_groups`` parts.
+
+        After a round's completions are all in, the episodes are split in order into parts; each part's envs
+        step, its turns are scored, its next requests are queued and the policy starts prefilling them (without
+        waiting for the device) before the next part's envs step. The round's decode starts when every part is
+        queued, so it runs the whole round's batch as rounds do. Rounds' records, the work in another order.
+        """
+        policy = self.policy.streaming()
+        assert policy is not None  # __init__ refuses a policy that cannot stream with prefill_groups > 1
+        order = {id(episode): index for index, episode in enumerate(episodes)}
+        pending: dict[int, _Episode] = {}
+        failed: list[tuple[_Episode, Completion]] = []
+
+        def submit(part: list[_Episode]) -> None:
+            start = time.perf_counter()
+            for episode in part:
+                try:
+                    pending[policy.submit(self._request(episode, sampling), sampling)] = episode
+                except Exception as error:  # a request the policy refuses ends its episode, not the round
+                    message = f"policy failed: {type(error).__name__}: {error}"
+                    failed.append((episode, Completion(text="", finish_reason="error", error=message)))
+            policy.prefill()
+            self.timings.generate_s += time.perf_counter() - start
+
+        submit([episode for episode in episodes if not episode.finished])
+        turn = 0
+        while pending or failed:
+            if on_turn is not None:
+                on_turn(turn, len(pending) + len(failed))
+            turn += 1
+            start = time.perf_counter()
+            answered, failed = failed, []
+            while pending:
+                answered.extend((pending.pop(handle), completion) for handle, completion in policy.poll())
+            self.timings.generate_s += time.perf_counter() - start
+            answered.sort(key=lambda pair: order[id(pair[0])])
+            for part in np.array_split(np.arange(len(answered)), min(self.agent.prefill_groups, len(answered))):
+                round_part = [answered[index] for index in part]
+                finished = self._map(lambda pair: self._act(*pair), round_part)
+                self._score([(episode, done) for (episode, _), done in zip(round_part, finished) if done is not None])
+                playing = [episode for episode, _ in round_part if not episode.finished]
+                self._map(lambda episode: self._next_observation(episode, sampling), playing)
+                submit([episode for episode in playing if not episode.finished])
 
     def _check_can_see(self, episodes: list[_Episode]) -> None:
         """Refuse image observations for a token policy that cannot take pixels: it would play blind."""
