@@ -194,7 +194,8 @@ class Engine:
         Raises:
             RuntimeError: sequences are generating or waiting.
         """
-        if self.scheduler.running or self.scheduler.waiting or self._launched is not None or self._prefilled:
+        in_flight = self._launched is not None or self._prefilled is not None
+        if self.scheduler.running or self.scheduler.waiting or in_flight:
             raise RuntimeError("the engine frees its memory between generations only; sequences are generating")
         self.scheduler.drop_idle_rows()
         self.cache.release()
@@ -212,8 +213,6 @@ class Engine:
     def step(self) -> list[Result]:
         """Admit, prefill, launch a decode step, then read the previous one's tokens; returns the sequences that
         finished."""
-        # The engine computes in its own dtype: a caller's autocast is switched off (entering the context only
-        # when one is on: it costs more than the rest of a step's host work).
         with self._own_precision():
             self._read_prefilled()
             admitting = self.scheduler.time_to_admit()
