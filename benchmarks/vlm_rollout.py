@@ -28,10 +28,10 @@ functions that took the most time (cProfile, by cumulative time); with ``--kerne
 kernels by device time (a ``torch.profiler`` trace of the rollout: prefill's are the kernels launched within the
 engine's ``engine.prefill`` ranges, decode's the rest, its CUDA-graph replays); with ``--gaps N``, where the
 device waited on the host: a trace with Python stacks of the rollout (after a warm-up rollout of its size), its
-idle time by the host's frames (:mod:`benchmarks.device_idle`; the trace grows with the rollout: ``--turns 5``
-traces 64 episodes in about half a gigabyte of JSON). ``--prefill-groups N`` plays it again
-with each round's next requests handed to the engine in N parts, each prefilled while the next part's
-environments step (``agent.prefill_groups``), and prints the ratio. ``--baseline`` plays the same
+idle time by the host's frames (:mod:`turnrl.training.device_idle`; the trace grows with the rollout:
+``--turns 5`` traces 64 episodes in about half a gigabyte of JSON). ``--prefill-groups N`` plays it again with
+each round's next requests handed to the engine in N parts, each prefilled while the next part's environments
+step (``agent.prefill_groups``), and prints the ratio. ``--baseline`` plays the same
 rollout again with the requests' image digests left off, so that the engine hashes each prompt's pixel values as it
 did before the digests came with them, and prints the ratio.
 
@@ -64,7 +64,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.device_idle import device_idle, read_trace  # noqa: E402
 from turnrl.agent.formats import get_format  # noqa: E402
 from turnrl.config import AgentConfig, EngineConfig, ModelConfig, SamplingConfig  # noqa: E402
 from turnrl.envs import make  # noqa: E402
@@ -75,6 +74,7 @@ from turnrl.policy.engine import EnginePolicy  # noqa: E402
 from turnrl.policy.hf import HFPolicy  # noqa: E402
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings, counters_grown  # noqa: E402
 from turnrl.rollout.trajectory import Trajectory  # noqa: E402
+from turnrl.training.device_idle import device_idle, read_trace  # noqa: E402
 from turnrl.training.memory_trace import GIB, recorded  # noqa: E402
 from turnrl.training.throughput import (  # noqa: E402
     decode_bytes,

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.algorithms import seeded_group_scores
+from turnrl.training.device_idle import read_trace
 from turnrl.cli import main
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import GracefulStop, train
@@ -170,10 +171,17 @@ def test_checkpoint_holds_an_hf_actor_with_tokenizer_and_the_trainer_state(warm_
 def test_grpo_trains_without_a_critic(warm_model_dir, tmp_path):
     summary = train(config(warm_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=4",
                            "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=4", "agent.max_turns=3",
-                           "run.memory_snapshot_steps=1"))  # a GPU's allocator history: on a CPU, none
+                           "run.memory_snapshot_steps=1",  # a GPU's allocator history: on a CPU, none
+                           "run.profile_steps=[2]"))
     run_dir = tmp_path / "run"
     steps = step_records(run_dir)
     assert not (run_dir / "memory").exists()
+    # Step 2 alone traced: the host's frames (a CPU has no kernels to find idle time between).
+    assert sorted(path.name for path in (run_dir / "profile").iterdir()) == ["rank0_step2.json.gz", "rank0_step2.txt"]
+    frames = {event["name"] for event in read_trace(run_dir / "profile" / "rank0_step2.json.gz")
+              if event.get("cat") == "python_function" and "turnrl/training/trainer.py" in event["name"]}
+    assert {"train_on", "score", "roll_out"} <= {name.rpartition("): ")[2] for name in frames}
+    assert (run_dir / "profile" / "rank0_step2.txt").read_text().startswith("device idle: 0.00 s")
     assert not any(k.startswith("critic/") or k == "losses/value" for r in steps.values() for k in r)
     assert not (run_dir / "checkpoints" / "step_000002" / "critic").exists()
     assert any(r["actor/advantage_abs_mean"] > 0 for r in steps.values())  # the warm model's groups disagree

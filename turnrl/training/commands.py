@@ -45,6 +45,7 @@ from turnrl.rollout.trajectory import write_trajectories
 from turnrl.training import compose, ranks
 from turnrl.training.checkpoint import checkpoint_step, disk_error_cause, latest_checkpoint, resume_point
 from turnrl.training.collapse_watch import EarlyStops, logged_steps
+from turnrl.training.device_idle import profiled
 from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.memory import GIB, cap_gpu_memory, check_memory, rl_out_of_memory, set_allocator_settings
 from turnrl.training.memory_trace import recorded
@@ -389,7 +390,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     with RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, config.run.steps + 1):
             try:
-                with _memory_recorded(config, trainer, step):
+                with _memory_recorded(config, trainer, step), _profiled(config, trainer, step):
                     output = trainer.step(step - 1)
             except RolloutWorkerError as error:
                 # Escaped: an error's text is no markup (gloo's name their source file in brackets).
@@ -481,6 +482,16 @@ def _memory_recorded(config: TrainConfig, trainer: Trainer, step: int) -> Abstra
     if step > config.run.memory_snapshot_steps:
         return nullcontext()
     return recorded(trainer.run_dir / "memory" / f"rank{ranks.rank()}_step{step}.pickle", trainer.device)
+
+
+def _profiled(config: TrainConfig, trainer: Trainer, step: int) -> AbstractContextManager[None]:
+    """A trace of ``step`` saved under ``profile/`` (``run.profile_steps``), or nothing."""
+    if step not in config.run.profile_steps:
+        return nullcontext()
+    stem = trainer.run_dir / "profile" / f"rank{ranks.rank()}_step{step}"
+    if ranks.is_main():
+        console.print(f"tracing step {step} (slower: Python stacks) to {stem.parent}/")
+    return profiled(stem, trainer.device)
 
 
 def _save(trainer: Trainer, step: int) -> Path | None:

@@ -435,6 +435,13 @@ class RunConfig:
     live then, by the line that made it (:mod:`turnrl.training.memory_trace`); a step that runs out of memory
     writes them before it fails. For finding what the memory estimate misses; recording slows those steps.
     0: off."""
+    profile_steps: list[int] = field(default_factory=list)
+    """RL steps (counted from 1) to trace with ``torch.profiler`` (kernels on a GPU, the host's Python frames),
+    writing for each step and process ``profile/rank{R}_step{N}.json.gz`` (for Perfetto or chrome://tracing) and
+    ``.txt``: where the device waited on the host, by phase (the engine's prefill and decode, the rollout, the
+    scores, the update) and by the line it was in, and the costliest kernels
+    (:mod:`turnrl.training.device_idle`). Tracing slows those steps (Python stacks): leave them out of
+    timings. Empty: off."""
     gpu_share: float = 1.0
     """The share of each GPU's memory this run may use, for several runs on one card (``1/N`` each; the
     estimator benchmarks set it from ``--parallel``): the memory check counts that share, and torch's
@@ -640,6 +647,8 @@ class TrainConfig:
                               "each GPU's memory this run may use")
         check_range("run.peak_tflops", self.run.peak_tflops, 0.0)
         check_range("run.memory_snapshot_steps", self.run.memory_snapshot_steps, 0)
+        for step in self.run.profile_steps:
+            check_range("run.profile_steps", step, 1)
         check_range("validation.episodes", self.validation.episodes, 1, self.seeds.val_size)
         check_range("validation.batch_size", self.validation.batch_size, 1)
         check_range("validation.samples_per_seed", self.validation.samples_per_seed, 1)

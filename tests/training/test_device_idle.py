@@ -1,4 +1,5 @@
-"""benchmarks/device_idle.py: a trace's idle device time, charged to the host's Python frames at each moment."""
+"""turnrl/training/device_idle.py: a trace's idle device time, charged to the host's Python frames at each moment,
+by phase (the engine's ranges, the trainer's methods), and a run's traced steps."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.device_idle import device_idle, frame_name, merged, read_trace
+from turnrl.training.device_idle import device_idle, frame_name, merged, read_trace
 
 
 def event(category: str, name: str, start: float, duration: float, thread: int = 1) -> dict:
@@ -34,7 +35,8 @@ def trace() -> list[dict]:
 
 def test_idle_stretches_are_charged_to_the_innermost_project_frame_and_builtin_call_by_phase():
     idle = device_idle(trace())
-    assert (idle.span_us, idle.busy_us, idle.kernels, idle.idle_us) == (600, 300, 4, pytest.approx(300))
+    assert (idle.span_us, idle.busy_us, idle.launches, idle.idle_us) == (600, 300, 4, pytest.approx(300))
+    assert idle.kernels == {"gemm": 260, "norm": 50}
     assert idle.by_frame["prefill"] == {
         "turnrl/models/vision_attention.py:chunked_attention > function scaled_dot_product_attention":
             pytest.approx(200)}
@@ -43,6 +45,19 @@ def test_idle_stretches_are_charged_to_the_innermost_project_frame_and_builtin_c
     lines = idle.lines(top=5)
     assert lines[0] == "device idle: 0.00 s of a 0.00 s span (0.00 s of 4 kernels)"
     assert any("chunked_attention" in line for line in lines)
+    assert lines[-3:] == ["the 2 costliest kernels:", "    0.000 s  gemm", "    0.000 s  norm"]
+
+
+def test_outside_the_engines_ranges_the_trainers_method_names_the_phase():
+    """Idle time in a step's update or scores is charged there, whatever the frames below (the innermost
+    trainer method counts: a rollout inside nothing else is the rollout)."""
+    events = [event("kernel", "gemm", 0, 10), event("kernel", "gemm", 110, 10), event("kernel", "gemm", 220, 10),
+              event("python_function", "/r/turnrl/training/trainer.py(900): train_on", 5, 110),
+              event("python_function", "/r/turnrl/training/ppo.py(10): ppo_epochs", 6, 108),
+              event("python_function", "/r/turnrl/training/trainer.py(893): score", 115, 110)]
+    idle = device_idle(events)
+    assert idle.by_frame["update"] == {"turnrl/training/ppo.py:ppo_epochs": pytest.approx(100)}
+    assert idle.by_frame["scores"] == {"turnrl/training/trainer.py:score": pytest.approx(100)}
 
 
 def test_a_trace_without_kernels_has_no_idle_time_and_names_are_shortened(tmp_path):
@@ -50,8 +65,17 @@ def test_a_trace_without_kernels_has_no_idle_time_and_names_are_shortened(tmp_pa
     with gzip.open(path, "wt") as file:
         json.dump({"traceEvents": [event("cpu_op", "aten::mm", 0, 10)]}, file)
     idle = device_idle(read_trace(path))
-    assert idle.kernels == 0 and idle.idle_us == 0
+    assert idle.launches == 0 and not idle.kernels and idle.idle_us == 0
     assert frame_name("/x/site-packages/transformers/vision_utils.py(81): get_vision_position_ids") == \
         "transformers/vision_utils.py:get_vision_position_ids"
     assert frame_name("/usr/lib/python3.11/threading.py(10): run") is None
     assert merged([(5, 9), (0, 3), (2, 4), (9, 10)]) == [(0, 4), (5, 10)]
+
+
+def test_a_step_to_trace_is_counted_from_one():
+    from turnrl.config import ConfigError, load_config
+    from turnrl.training.train_config import TrainConfig
+
+    with pytest.raises(ConfigError, match="run.profile_steps"):
+        load_config(TrainConfig, "configs/quickstart.yaml", ["run.profile_steps=[2,0]"])
+    assert load_config(TrainConfig, "configs/quickstart.yaml", ["run.profile_steps=[3]"]).run.profile_steps == [3]

@@ -1,17 +1,23 @@
-"""Where the GPU waits on the host: each idle stretch between kernels of a profiler trace, charged to the Python
-frames the host was in at that moment.
+"""Where the GPU waits on the host: a profiler trace's idle stretches between kernels, charged to the Python frames
+the host was in at that moment, and its costliest kernels.
 
 A ``torch.profiler`` trace with ``with_stack=True`` (exported as Chrome's JSON) holds the device's kernels and the
 host's Python frames on one clock. Wherever no kernel runs, the frames the launching thread was in say what kept
 the device waiting: sampled every 50 us of each idle stretch (at most 20 samples a stretch, each weighing its
-share of the stretch), and summed by the innermost frame of turnrl or transformers, with the frame below all of
-them (a built-in call such as SDPA's), split by the engine's phase at that moment (its ``engine.prefill`` and
-``engine.decode`` ranges; "between" is everything else: the environments, building requests). The profiler's
-own cost inflates Python-heavy frames; compare frames within one trace, not across traces.
+share of the stretch), and summed by the innermost frame of turnrl or transformers, with the built-in call below
+it if any (SDPA's, a tensor copy's), by phase: the engine's prefill and decode (its ``engine.prefill`` and
+``engine.decode`` ranges), else the trainer's part of a step (its rollout, the scores: old log-probs, the
+reference and values, and the update's PPO epochs), else "between" (a rollout's environments and requests in a
+benchmark). The profiler's own cost inflates Python-heavy frames: compare frames within one trace, not across.
 
-    python benchmarks/device_idle.py TRACE.json [--top 25]
-    python benchmarks/vlm_rollout.py --profile --gaps 25 --device cuda --preset vlm-3b --episodes 64 --turns 5 \\
-        --new 128 --context 4032                                        # traces a rollout and reads it so
+``run.profile_steps=[N, ...]`` traces those RL steps of a run and writes, for each step and process,
+``profile/rank{R}_step{N}.json.gz`` (for Perfetto or chrome://tracing) and ``.txt`` (this module's reading of
+it); ``benchmarks/vlm_rollout.py --gaps N`` does the same for a VLM rollout alone. Any such trace:
+
+    python -m turnrl.training.device_idle TRACE.json.gz [--top 25]
+
+Written here because the profiler's own summaries (``key_averages``) total each operator's time and say nothing
+of the time between kernels, which is what a host-bound phase loses.
 """
 
 from __future__ import annotations
@@ -20,16 +26,24 @@ import argparse
 import bisect
 import gzip
 import json
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 PROJECT_PATHS = ("turnrl/", "transformers/", "benchmarks/")
 """Frames of these packages are named; torch's own Python frames are looked through."""
 
 SAMPLE_US = 50.0
 MAX_SAMPLES = 20
-PHASES = ("prefill", "decode", "between")
+ENGINE_PHASES = ("prefill", "decode")
+TRAINER_PHASES = {"turnrl/training/trainer.py:roll_out": "rollout", "turnrl/training/trainer.py:score": "scores",
+                  "turnrl/training/trainer.py:train_on": "update"}
+"""A step's parts by the trainer's method the host is in (the engine's ranges within a rollout come first)."""
+PHASES = (*ENGINE_PHASES, *TRAINER_PHASES.values(), "between")
 
 
 def frame_name(name: str) -> str | None:
@@ -55,12 +69,16 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def idle_samples(busy: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """(time, weight in us) samples of the stretches between ``busy`` intervals (merged, sorted)."""
-    samples = []
+    samples: list[tuple[float, float]] = []
     for (_, idle_from), (idle_to, _) in zip(busy, busy[1:]):
         gap = idle_to - idle_from
         count = max(1, min(MAX_SAMPLES, int(gap // SAMPLE_US)))
         samples.extend((idle_from + gap * (k + 0.5) / count, gap / count) for k in range(count))
     return samples
+
+
+def largest(values: dict[str, float], top: int) -> list[tuple[str, float]]:
+    return sorted(values.items(), key=lambda item: -item[1])[:top]
 
 
 def within(ranges: list[tuple[float, float]], moment: float) -> bool:
@@ -70,12 +88,16 @@ def within(ranges: list[tuple[float, float]], moment: float) -> bool:
 
 @dataclass
 class DeviceIdle:
-    """A trace's device time, busy and idle, and the idle time by what the host was doing."""
+    """A trace's device time, busy and idle, the idle time by what the host was doing, and the kernels' time."""
 
     span_us: float
     busy_us: float
-    kernels: int
-    by_frame: dict[str, Counter[str]] = field(default_factory=lambda: {phase: Counter() for phase in PHASES})
+    launches: int
+    """Kernels (and device copies) run."""
+    kernels: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Device microseconds by kernel name."""
+    by_frame: dict[str, dict[str, float]] = field(
+        default_factory=lambda: {phase: defaultdict(float) for phase in PHASES})
     """Idle microseconds by phase and innermost project frame (with the built-in call below it, if any)."""
 
     @property
@@ -83,32 +105,41 @@ class DeviceIdle:
         return sum(sum(frames.values()) for frames in self.by_frame.values())
 
     def lines(self, top: int) -> list[str]:
+        """The summary, the ``top`` frames of each phase with idle time, and the ``top`` costliest kernels."""
         lines = [f"device idle: {self.idle_us / 1e6:.2f} s of a {self.span_us / 1e6:.2f} s span "
-                 f"({self.busy_us / 1e6:.2f} s of {self.kernels:,} kernels)"]
+                 f"({self.busy_us / 1e6:.2f} s of {self.launches:,} kernels)"]
         for phase in PHASES:
             frames = self.by_frame[phase]
-            lines.append(f"while the host was in {phase}: {sum(frames.values()) / 1e6:.3f} s idle")
-            lines.extend(f"  {us / 1e6:>7.3f} s  {name}" for name, us in frames.most_common(top))
+            if frames:
+                lines.append(f"while the host was in {phase}: {sum(frames.values()) / 1e6:.3f} s idle")
+                lines.extend(f"  {us / 1e6:>7.3f} s  {name}" for name, us in largest(frames, top))
+        if self.kernels:
+            lines.append(f"the {min(top, len(self.kernels))} costliest kernels:")
+            lines.extend(f"  {us / 1e6:>7.3f} s  {name[:110]}" for name, us in largest(self.kernels, top))
         return lines
 
 
 def device_idle(events: list[dict]) -> DeviceIdle:
     """The idle time of a Chrome trace's ``traceEvents``, by what the launching thread's Python was doing."""
     complete = [event for event in events if event.get("ph") == "X"]
-    kernels = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in complete
-               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not kernels:
+    kernel_events = [e for e in complete if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernel_events:
         return DeviceIdle(0.0, 0.0, 0)
-    busy = merged(kernels)
+    kernels: dict[str, float] = defaultdict(float)
+    for event in kernel_events:
+        kernels[event["name"]] += event.get("dur", 0)
+    busy = merged([(e["ts"], e["ts"] + e.get("dur", 0)) for e in kernel_events])
+    # The thread that launched the most kernels (without launch records: the one with the most Python frames).
     launches = Counter(e["tid"] for e in complete if e.get("cat") == "cuda_runtime" and "Launch" in e["name"])
+    launches = launches or Counter(e["tid"] for e in complete if e.get("cat") == "python_function")
     thread = launches.most_common(1)[0][0] if launches else None
     frames = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in complete
                      if e.get("cat") == "python_function" and e.get("tid") == thread),
                     key=lambda frame: (frame[0], -frame[1]))
     ranges = {name: sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in complete
                            if e.get("cat") == "user_annotation" and e["name"] == f"engine.{name}")
-              for name in ("prefill", "decode")}
-    idle = DeviceIdle(busy[-1][1] - busy[0][0], sum(end - start for start, end in busy), len(kernels))
+              for name in ENGINE_PHASES}
+    idle = DeviceIdle(busy[-1][1] - busy[0][0], sum(end - start for start, end in busy), len(kernel_events), kernels)
     stack: list[tuple[float, float, str]] = []
     next_frame = 0
     for moment, weight in idle_samples(busy):  # in time order: frames open and close as the moment moves on
@@ -125,7 +156,9 @@ def device_idle(events: list[dict]) -> DeviceIdle:
         leaf = live[-1][2] if live else ""
         if leaf.startswith("<built-in"):
             where += f" > {leaf.removeprefix('<built-in ').split(' of ')[0].rstrip('>')}"
-        phase = next((name for name, spans in ranges.items() if within(spans, moment)), "between")
+        phase = next((name for name, spans in ranges.items() if within(spans, moment)), None)
+        if phase is None:
+            phase = next((TRAINER_PHASES[name] for name in reversed(named) if name in TRAINER_PHASES), "between")
         idle.by_frame[phase][where] += weight
     return idle
 
@@ -133,6 +166,24 @@ def device_idle(events: list[dict]) -> DeviceIdle:
 def read_trace(path: Path) -> list[dict]:
     with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as file:
         return json.load(file)["traceEvents"]
+
+
+@contextmanager
+def profiled(stem: Path, device: torch.device, top: int = 25) -> Iterator[None]:
+    """Trace the block (its kernels on a GPU, the host's Python frames) and write ``stem.json.gz`` and
+    ``stem.txt`` (:meth:`DeviceIdle.lines`), also when the block fails: its trace up to the failure."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    trace = torch.profiler.profile(activities=activities, with_stack=True)
+    try:
+        with trace:
+            yield
+    finally:
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        path = stem.with_name(f"{stem.name}.json.gz")
+        trace.export_chrome_trace(str(path))
+        stem.with_name(f"{stem.name}.txt").write_text("\n".join(device_idle(read_trace(path)).lines(top)) + "\n")
 
 
 def main() -> None:
