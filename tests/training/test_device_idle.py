@@ -7,6 +7,7 @@ import gzip
 import json
 
 import pytest
+import torch
 
 from turnrl.training.device_idle import device_idle, frame_name, merged, read_trace
 
@@ -79,3 +80,22 @@ def test_a_step_to_trace_is_counted_from_one():
     with pytest.raises(ConfigError, match="run.profile_steps"):
         load_config(TrainConfig, "configs/quickstart.yaml", ["run.profile_steps=[2,0]"])
     assert load_config(TrainConfig, "configs/quickstart.yaml", ["run.profile_steps=[3]"]).run.profile_steps == [3]
+
+
+def test_a_traced_block_writes_its_trace_and_reading_and_a_large_one_the_command_to_read_it(tmp_path, monkeypatch):
+    from turnrl.training import device_idle as module
+
+    def work() -> None:
+        torch.ones(64, 64).matmul(torch.ones(64, 64))
+
+    with module.profiled(tmp_path / "small", torch.device("cpu")):
+        work()
+    assert (tmp_path / "small.txt").read_text().startswith("device idle: 0.00 s")
+    assert any(e.get("cat") == "python_function" for e in read_trace(tmp_path / "small.json.gz"))
+    monkeypatch.setattr(module, "READ_IN_RUN_BYTES", 10)
+    with pytest.raises(RuntimeError, match="the block failed"):
+        with module.profiled(tmp_path / "large", torch.device("cpu")):
+            work()
+            raise RuntimeError("the block failed")  # its trace is written all the same
+    assert "python -m turnrl.training.device_idle" in (tmp_path / "large.txt").read_text()
+    assert (tmp_path / "large.json.gz").stat().st_size > 10

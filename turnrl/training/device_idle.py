@@ -168,10 +168,17 @@ def read_trace(path: Path) -> list[dict]:
         return json.load(file)["traceEvents"]
 
 
+READ_IN_RUN_BYTES = 32 * 2**20
+"""The largest compressed trace a run reads itself for its ``.txt``: about half a gigabyte of JSON, 64 episodes
+of a 4-turn VLM rollout. A larger one (a whole VisGym step's is gigabytes) would hold the run for minutes and
+tens of gigabytes of memory while it is read: its ``.txt`` gives the command that reads it apart."""
+
+
 @contextmanager
 def profiled(stem: Path, device: torch.device, top: int = 25) -> Iterator[None]:
     """Trace the block (its kernels on a GPU, the host's Python frames) and write ``stem.json.gz`` and
-    ``stem.txt`` (:meth:`DeviceIdle.lines`), also when the block fails: its trace up to the failure."""
+    ``stem.txt`` (:meth:`DeviceIdle.lines`, or for a trace over :data:`READ_IN_RUN_BYTES` the command that reads
+    it), also when the block fails: its trace up to the failure."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -183,7 +190,12 @@ def profiled(stem: Path, device: torch.device, top: int = 25) -> Iterator[None]:
         stem.parent.mkdir(parents=True, exist_ok=True)
         path = stem.with_name(f"{stem.name}.json.gz")
         trace.export_chrome_trace(str(path))
-        stem.with_name(f"{stem.name}.txt").write_text("\n".join(device_idle(read_trace(path)).lines(top)) + "\n")
+        if path.stat().st_size > READ_IN_RUN_BYTES:
+            summary = [f"the trace holds {path.stat().st_size / 2**20:.0f} MiB compressed, too much to read within "
+                       f"the run; read it with: python -m turnrl.training.device_idle {path}"]
+        else:
+            summary = device_idle(read_trace(path)).lines(top)
+        stem.with_name(f"{stem.name}.txt").write_text("\n".join(summary) + "\n")
 
 
 def main() -> None:
