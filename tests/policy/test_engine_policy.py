@@ -11,7 +11,7 @@ from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, ConfigError, EngineConfig, ModelConfig, SamplingConfig
 from turnrl.engine import attention
 from turnrl.envs import make
-from turnrl.models.loading import load_processor
+from turnrl.models.loading import load_processor, vision_tower
 from turnrl.policy.interface import GenerationRequest
 from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.factory import model_policy, rollout_policies
@@ -311,6 +311,26 @@ def test_vlm_rollouts_with_images_are_the_same_trajectories_with_the_engine(tiny
         torch.testing.assert_close(first.logprobs, second.logprobs, atol=1e-4, rtol=1e-4)
         assert (a.status, [t.reward for t in a.turns]) == (b.status, [t.reward for t in b.turns])
     assert policy.engine.stats.reused_tokens > policy.engine.stats.prefill_tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_float32_tower_computes_in_the_engines_dtype_as_the_trainers_passes_do(tiny_vlm_dir, dtype):
+    """Mixed-precision training keeps float32 weights and gives the engine bf16 copies of the decoder's; the tower
+    has none, and the engine switches a caller's autocast off: its matrix products must still run in the engine's
+    dtype (they ran in float32, several times slower on a GPU), as under the trainer's autocast."""
+    policy = HFPolicy.from_config(ModelConfig(device="cpu", dtype="float32"), str(tiny_vlm_dir))
+    engine = EnginePolicy(policy.model, policy.tokenizer, EngineConfig(kv_cache_gb=0.25, max_rows=4, max_seq_len=2048),
+                          dtype=dtype, processor=load_processor(str(tiny_vlm_dir)))
+    computed = []
+    block = vision_tower(policy.model).blocks[0]
+    hooks = [module.register_forward_hook(lambda module, inputs, output: computed.append(output.dtype))
+             for module in (block.attn.qkv, block.mlp.down_proj)]
+    with torch.autocast("cpu", enabled=False):  # a caller's setting does not reach the engine either way
+        image_rollouts(engine)
+    for hook in hooks:
+        hook.remove()
+    assert computed and set(computed) == {dtype}
+    assert all(parameter.dtype == torch.float32 for parameter in block.parameters())
 
 
 def test_the_encoders_digests_reuse_the_cache_as_the_hashed_pixels_do(tiny_vlm_policy, tiny_vlm_dir, monkeypatch):

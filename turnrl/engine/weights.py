@@ -149,6 +149,9 @@ class VisionWeights:
     """Videos are not run by the engine: a prompt with their placeholder is refused."""
     deepstack: bool = False
     """The tower returns deepstack features too (the family's :attr:`~turnrl.engine.families.VisionParts.deepstack`)."""
+    dtype: torch.dtype = torch.float32
+    """The engine's compute dtype, the tower's too: a tower whose weights are in another (a trained VLM's float32
+    weights under a bf16 engine) runs under autocast to it, as the trainer's passes run it."""
 
     def features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> ImageFeatures:
         """The decoder-side features of images, one row per placeholder token, in order.
@@ -164,7 +167,10 @@ class VisionWeights:
         # image; a config with return_dict=False would make it a tuple, so the object is asked for. Its
         # deepstack_features (Qwen3-VL) hold a layer's features split per image like pooler_output (5.24), or
         # whole (5.17).
-        out = self.model.get_image_features(pixel_values, grids, return_dict=True)  # type: ignore[operator]
+        # The engine switches a caller's autocast off, and the decoder's float32 weights get bf16 copies; the tower
+        # has none, so without autocast here it ran its matrix products in float32 in every training rollout.
+        with torch.autocast(pixel_values.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            out = self.model.get_image_features(pixel_values, grids, return_dict=True)  # type: ignore[operator]
         deepstack = (out.deepstack_features or []) if self.deepstack else []
         features = ImageFeatures(_concatenated(out.pooler_output), [_concatenated(layer) for layer in deepstack])
         tokens = int((grids.prod(-1) // self.merge_size**2).sum())
@@ -341,6 +347,7 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
                                       if getattr(causal.config, name, None) is not None}),
             video_token_id=getattr(causal.config, parts.video_token, None),
             deepstack=parts.deepstack,
+            dtype=dtype,
         )
     tensors: list[WeightRef] = []
 
