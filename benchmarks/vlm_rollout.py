@@ -31,7 +31,9 @@ device waited on the host: a trace with Python stacks of the rollout (after a wa
 idle time by the host's frames (:mod:`turnrl.training.device_idle`; the trace grows with the rollout:
 ``--turns 5`` traces 64 episodes in about half a gigabyte of JSON). ``--prefill-groups N`` plays it again with
 each round's next requests handed to the engine in N parts, each prefilled while the next part's environments
-step (``agent.prefill_groups``), and prints the ratio. ``--baseline`` plays the same
+step (``agent.prefill_groups``), and prints the ratio. ``--float32-weights`` holds the model in float32 with the
+engine in bf16, as a training run's policy is held (mixed precision), where the default loads it in bf16.
+``--baseline`` plays the same
 rollout again with the requests' image digests left off, so that the engine hashes each prompt's pixel values as it
 did before the digests came with them, and prints the ratio.
 
@@ -362,19 +364,25 @@ def main() -> None:
                         help="with --profile, the device's dense bf16 TFLOP/s (0: known GPUs' by name)")
     parser.add_argument("--peak-tbps", type=float, default=0.0,
                         help="with --profile, the device's memory bandwidth in TB/s (0: known GPUs' by name)")
+    parser.add_argument("--float32-weights", action="store_true",
+                        help="hold the weights in float32 with the engine in bf16, as a training run's policy")
     parser.add_argument("--kv-cache-gb", type=float, default=0.0, help="the engine's cache (0: its default)")
     parser.add_argument("--snapshot", default="runs/vlm_rollout_memory.pickle",
                         help="with --memory, the allocator's snapshot (and its report, .txt)")
     args = parser.parse_args()
     device = torch.device(args.device)
     preset = args.preset or ("vlm-0.5b" if device.type == "cuda" else "vlm-tiny")
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = str(compute).removeprefix("torch.")
     path = str(builtin_model_path(ModelConfig(builtin_preset=preset)))
-    hf = HFPolicy.from_config(ModelConfig(device=args.device, dtype=dtype), path, max_batch_size=args.episodes)
+    weights = "float32" if args.float32_weights else dtype
+    hf = HFPolicy.from_config(ModelConfig(device=args.device, dtype=weights), path, max_batch_size=args.episodes)
     processor = load_processor(path)
     engine = EnginePolicy(hf.model, hf.tokenizer, EngineConfig(max_rows=args.episodes, max_seq_len=args.context + 64,
                                                                kv_cache_gb=args.kv_cache_gb),
-                          processor=processor)
+                          dtype=compute, processor=processor)
+    if args.float32_weights and compute != torch.float32:
+        dtype = f"{dtype} over float32 weights"
     if args.memory:
         if device.type != "cuda":
             raise SystemExit("--memory reads the GPU allocator's trace: run it with --device cuda")
