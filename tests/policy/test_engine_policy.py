@@ -262,6 +262,23 @@ def test_a_failed_prefill_ends_the_rounds_queued_requests_and_the_rollout_goes_o
     assert len(errors) < len(trajectories)  # the first part's episodes had finished their first round earlier
 
 
+def test_a_request_refused_at_submission_ends_its_episode_alone_in_parts(model, tiny_tokenizer, monkeypatch):
+    policy = engine_policy(model, tiny_tokenizer)
+    submit, calls = policy.submit, []
+
+    def seventh_refused(request, sampling):
+        calls.append(1)
+        if len(calls) == 7:  # the first request of the second round
+            raise ValueError("prompt refused")
+        return submit(request, sampling)
+
+    monkeypatch.setattr(policy, "submit", seventh_refused)
+    trajectories = streaming_trajectories(policy, wait=True, prefill_groups=2)
+    errors = [t for t in trajectories if t.status == "error"]
+    assert len(errors) == 1 and "policy failed: ValueError: prompt refused" in (errors[0].error or "")
+    assert len(errors[0].turns) == 2 and all(len(t.turns) >= 2 for t in trajectories)
+
+
 def test_parts_of_a_round_need_rounds_and_a_policy_that_streams(model, tiny_tokenizer):
     with pytest.raises(ConfigError, match="agent.wait_for_turns=false has none"):
         AgentConfig(wait_for_turns=False, prefill_groups=2).validate()

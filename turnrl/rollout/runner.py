@@ -314,7 +314,8 @@ class Rollout:
                 on_turn(turn, len(pending) + len(failed))
             turn += 1
             start = time.perf_counter()
-            answered, failed = failed, []
+            answered = list(failed)  # requests the policy refused at submission: answered already
+            failed.clear()
             while pending:
                 answered.extend((pending.pop(handle), completion) for handle, completion in policy.poll())
             self.timings.generate_s += time.perf_counter() - start
