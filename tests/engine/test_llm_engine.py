@@ -166,7 +166,7 @@ def test_prefill_chunks_read_after_the_next_one_is_launched_give_the_tokens_of_o
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
 
 
-def test_prompts_prefilled_in_parts_before_decoding_give_the_tokens_of_one_generate(kernels):
+def test_prompts_prefilled_in_parts_before_decoding_give_the_tokens_of_one_generate():
     """Parts queued and prefilled one after another, each call's last chunk left unread until the next call (and
     the first decode step), then stepped to the end: generate's tokens, logprobs and finish reasons, a sequence
     whose first token stops it included; no decode step ran before the last part was in."""
