@@ -10,6 +10,7 @@ import copy
 import gc
 import json
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -360,7 +361,17 @@ def fuzz_client():
         yield client
 
 
-def test_hostile_settings_and_options_get_a_one_line_400_and_the_server_stays_up(fuzz_client):
+@pytest.fixture
+def default_recursion_limit():
+    """Python's default recursion limit for the test's length: the nesting cases below are deeper than it allows,
+    and a test run earlier in the same process may have left it raised (a serial run of the whole suite met that)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    yield
+    sys.setrecursionlimit(limit)
+
+
+def test_hostile_settings_and_options_get_a_one_line_400_and_the_server_stays_up(fuzz_client, default_recursion_limit):
     """Settings nested deeper than Python's recursion (JSON's parser lets 700 levels through), a lone surrogate
     as a setting's name (quoted in the error, which UTF-8 cannot write), an infinite setting (``int(inf)`` raises
     OverflowError) and a large array setting (quoted whole, over many lines) are each a 400 of one short line."""
