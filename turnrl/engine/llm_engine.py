@@ -285,10 +285,10 @@ class Engine:
             if previous is not None:
                 self._read(previous)
             previous = launched
-        if previous is not None and not read_last:
-            self._prefilled = previous
-        elif previous is not None:
+        if previous is not None and read_last:
             self._read(previous)
+        else:
+            self._prefilled = previous
 
     def _decode(self) -> Launched | None:
         """Launch one token for every running sequence that may still generate one (None if none may)."""

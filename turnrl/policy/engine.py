@@ -88,7 +88,7 @@ class EnginePolicy(Policy):
         try:
             results = self.engine.step()
         except Exception as error:
-            results = self.engine.abort(f"generation failed: {type(error).__name__}: {error}")
+            return self._abort("generation", error)
         return [(result.id, self._completion(result)) for result in results]
 
     def prefill(self) -> None:
@@ -97,8 +97,12 @@ class EnginePolicy(Policy):
         try:
             self.engine.prefill_waiting()
         except Exception as error:
-            results = self.engine.abort(f"prefill failed: {type(error).__name__}: {error}")
-            self._failed.extend((result.id, self._completion(result)) for result in results)
+            self._failed.extend(self._abort("prefill", error))
+
+    def _abort(self, stage: str, error: Exception) -> list[tuple[int, Completion]]:
+        """Every queued request ended by ``error`` in ``stage``, by handle; the engine starts clean."""
+        results = self.engine.abort(f"{stage} failed: {type(error).__name__}: {error}")
+        return [(result.id, self._completion(result)) for result in results]
 
     def release_memory(self) -> None:
         self.engine.release_memory()

@@ -101,6 +101,11 @@ def message_images(messages: list[dict[str, Any]]) -> list[np.ndarray]:
     ]
 
 
+def policy_failure(error: Exception) -> Completion:
+    """The completion of a request the policy failed on: its episode ends with the error, the batch goes on."""
+    return Completion(text="", finish_reason="error", error=f"policy failed: {type(error).__name__}: {error}")
+
+
 def turn_state_key(env: AgentEnv, obs: dict[str, Any]) -> str | None:
     """:func:`~turnrl.envs.contract.state_key` of the env's state, or None when it fails (the turn then joins no
     anchor group)."""
@@ -302,8 +307,7 @@ class Rollout:
                 try:
                     pending[policy.submit(self._request(episode, sampling), sampling)] = episode
                 except Exception as error:  # a request the policy refuses ends its episode, not the round
-                    message = f"policy failed: {type(error).__name__}: {error}"
-                    failed.append((episode, Completion(text="", finish_reason="error", error=message)))
+                    failed.append((episode, policy_failure(error)))
             policy.prefill()
             self.timings.generate_s += time.perf_counter() - start
 
@@ -352,8 +356,7 @@ class Rollout:
             if len(completions) != len(requests):
                 raise RuntimeError(f"policy returned {len(completions)} completions for {len(requests)} prompts")
         except Exception as error:  # a failing policy call ends these episodes, not the run
-            message = f"policy failed: {type(error).__name__}: {error}"
-            completions = [Completion(text="", finish_reason="error", error=message) for _ in requests]
+            completions = [policy_failure(error) for _ in requests]
         self.timings.generate_s += time.perf_counter() - start
         return completions
 
