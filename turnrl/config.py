@@ -157,7 +157,8 @@ class AgentConfig:
     on the device while the host steps the next part's environments and builds its requests; the round's decode
     starts once every part is in, so its batches stay whole. 1: every environment steps, then the whole round is
     prefilled, with the device idle meanwhile. Reward functions score one part a call. Rounds whose weights may
-    change at a turn boundary (partial rollouts) take their parts together."""
+    change at a turn boundary (partial rollouts) take their parts together. In the VisGym ``vlm-3b`` step on an
+    H200, 4 parts made the rollout a second slower than 1 (docs/benchmarks.md, "VLM steps")."""
 
     def validate(self) -> None:
         from turnrl.agent.formats import FORMATS, get_format
