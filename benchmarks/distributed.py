@@ -12,9 +12,10 @@ With ``--pool K``, each count of processes N also runs as the asynchronous pool:
 processes (``distributed.rollout_processes``), the rollout one update ahead (``--staleness``; ``--partial``: with
 partial rollouts, each rollout process taking newer weights at its next turn boundary); its speed-up is
 over the synchronous row of the same N (FSDP2 over all N, each process rolling out its share), measured in the
-same run. Both rows take the same overrides, so the old log-probs must be a choice the pool accepts
-(``algorithm.old_logprobs=sampler``, or ``recompute`` with ``algorithm.tis_cap``); ``validation.every=K`` gives
-both the validation curve, success against steps, in ``metrics.jsonl`` of each run (``--out`` keeps them).
+same run (``--modes pool sync`` runs the pool's row first, ``--modes pool`` alone). Both rows take the same
+overrides, so the old log-probs must be a choice the pool accepts (``algorithm.old_logprobs=sampler``, or
+``recompute`` with ``algorithm.tis_cap``); ``validation.every=K`` gives both the validation curve, success against
+steps, in ``metrics.jsonl`` of each run (``--out`` keeps them).
 
     python benchmarks/distributed.py --processes 1 2 4 --config configs/ragen_sokoban.yaml \\
         model.builtin_preset=3b run.steps=3                                 # GPUs
@@ -172,6 +173,8 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=0, metavar="K",
                         help="also run each count of processes as the asynchronous pool, K of them rolling out")
     parser.add_argument("--staleness", type=int, default=1, help="the pool's distributed.max_staleness")
+    parser.add_argument("--modes", nargs="+", choices=["sync", "pool"], default=["sync", "pool"],
+                        help="with --pool: which rows of each count of processes run, in this order")
     parser.add_argument("--partial", action="store_true",
                         help="the pool's distributed.partial_rollouts (the synchronous rows have none)")
     parser.add_argument("--config", default=None)
@@ -191,7 +194,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         for processes in args.processes:
             pooled = pool_settings(args.pool, args.staleness, args.partial)
-            modes = {"sync": []} | ({"pool": pooled} if args.pool else {})
+            modes = {mode: {"sync": [], "pool": pooled}[mode] for mode in args.modes if args.pool or mode == "sync"}
             for mode, extra in modes.items():
                 name = f"p{processes}" + ("" if mode == "sync" else f"_pool{args.pool}")
                 try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import sys
 import time
 from datetime import timedelta
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from turnrl.rollout.trajectory import sum_by_name
+from turnrl.training import wire
 
 
 def rank() -> int:
@@ -188,7 +188,7 @@ def all_gather_objects(value: Any, chunk_bytes: int = OBJECT_CHUNK_BYTES) -> lis
     if world == 1:
         return [value]
     device = _process_device or torch.device("cpu")
-    payload = torch.frombuffer(bytearray(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    payload = wire.dumps(value)
     sizes_sent = torch.tensor([len(payload)], dtype=torch.long, device=device)
     sizes_got = [torch.empty_like(sizes_sent) for _ in range(world)]
     dist.all_gather(sizes_got, sizes_sent)
@@ -205,7 +205,7 @@ def all_gather_objects(value: Any, chunk_bytes: int = OBJECT_CHUNK_BYTES) -> lis
             count = min(width, size - start)
             if count > 0:
                 out[start:start + count].copy_(part[:count])
-    return [pickle.loads(out.numpy().data) for out in received]
+    return [wire.loads(out) for out in received]
 
 
 def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:

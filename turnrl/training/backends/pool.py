@@ -22,8 +22,6 @@ between batches; with partial rollouts also to one process at a time, at its tur
 from __future__ import annotations
 
 import dataclasses
-import io
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -46,7 +44,7 @@ from turnrl.rollout.ray_workers import (
 )
 from turnrl.rollout.runner import EpisodeSlot, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
-from turnrl.training import ranks
+from turnrl.training import ranks, wire
 from turnrl.training.backends.asynchronous import AsyncRollout, RolloutThreadError
 from turnrl.training.backends.backend import (
     Played,
@@ -288,9 +286,7 @@ def share_from_main(value: Any, deltas: Callable[[], ChatTemplateDeltas]) -> Any
     device = ranks.process_device() or torch.device("cpu")
     payload = torch.empty(0, dtype=torch.uint8)
     if ranks.is_main():
-        buffer = io.BytesIO()
-        _DeltasPickler(buffer).dump(value)
-        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        payload = wire.dumps(value, persistent_id=lambda obj: "deltas" if isinstance(obj, ChatTemplateDeltas) else None)
     size = torch.tensor([len(payload)], dtype=torch.long, device=device)
     dist.broadcast(size, 0)
     total = int(size)
@@ -306,21 +302,8 @@ def share_from_main(value: Any, deltas: Callable[[], ChatTemplateDeltas]) -> Any
             received[start:start + count].copy_(chunk[:count])
     if ranks.is_main():
         return value
-    return _DeltasUnpickler(io.BytesIO(received.numpy().tobytes()), deltas()).load()
-
-
-class _DeltasPickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        return "deltas" if isinstance(obj, ChatTemplateDeltas) else None
-
-
-class _DeltasUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, deltas: ChatTemplateDeltas) -> None:
-        super().__init__(file)
-        self.deltas = deltas
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self.deltas
+    here = deltas()
+    return wire.loads(received, persistent_load=lambda _: here)
 
 
 # --------------------------------------------------------------------------- the run's parts

@@ -35,7 +35,6 @@ raises, as for a Ray worker.
 
 from __future__ import annotations
 
-import pickle
 import queue
 import signal
 import threading
@@ -64,7 +63,7 @@ from turnrl.rollout.ray_workers import (
 )
 from turnrl.rollout.runner import EpisodeSlot, RolloutTimings, TurnBoundary
 from turnrl.rollout.trajectory import Trajectory, sum_by_name
-from turnrl.training import ranks
+from turnrl.training import ranks, wire
 from turnrl.training.train_config import TrainConfig
 
 START_WAIT_S = 24 * 3600.0
@@ -115,8 +114,8 @@ def pool_groups(trainers: int, processes: int, device: torch.device, timeout_s: 
 
 
 def send_object(groups: PoolGroups, value: Any, to: int) -> None:
-    """``value`` pickled to pool rank ``to`` (its size, then its bytes)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    """``value`` pickled to pool rank ``to`` (its size, then its bytes; :mod:`turnrl.training.wire`)."""
+    payload = wire.dumps(value)
     timeout = timedelta(seconds=groups.timeout_s)
     groups.messages.send([torch.tensor([len(payload)], dtype=torch.long)], to, 0).wait(timeout)
     groups.messages.send([payload], to, 0).wait(timeout)
@@ -130,7 +129,7 @@ def recv_object(groups: PoolGroups, source: int, timeout_s: float) -> Any:
     groups.messages.recv([size], source, 0).wait(timeout)
     payload = torch.empty(int(size), dtype=torch.uint8)
     groups.messages.recv([payload], source, 0).wait(timeout)
-    return pickle.loads(payload.numpy().data)
+    return wire.loads(payload)
 
 
 @dataclass(frozen=True)
