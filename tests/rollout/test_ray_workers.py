@@ -157,3 +157,16 @@ def test_a_worker_answers_new_weights_with_the_checksum_of_what_it_computes_with
     assert host.rollout.policy.weights_version == 3  # the worker's turns record it
     without_adapters = host.set_weights(4, policy_weights(load_model(tiny_model_dir)))  # the base alone
     assert without_adapters is not None and not without_adapters.agrees(model_checksum(lora, torch.float32))
+
+
+def test_a_workers_vision_tower_is_prepared_as_a_loaded_ones(tiny_vlm_dir):
+    """A rollout worker (or pool process) builds its model from the config, not through ``load_model``: its vision
+    tower must still attend through the chunked kernels (flash, efficient or math, never cuDNN's planning per
+    shape) rather than transformers' call per image."""
+    from turnrl.models.loading import vision_tower
+    from turnrl.models.vision_attention import VISION_ATTENTION
+    from turnrl.rollout.ray_workers import build_model
+
+    built = build_model(tiny_vlm_dir, True, torch.float32, torch.device("cpu"))
+    assert vision_tower(built).config._attn_implementation == VISION_ATTENTION
+    assert vision_tower(load_model(tiny_vlm_dir)).config._attn_implementation == VISION_ATTENTION

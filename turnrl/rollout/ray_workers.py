@@ -228,12 +228,16 @@ class RolloutHost:
 
 
 def build_model(directory: Path, vision: bool, dtype: torch.dtype, device: torch.device) -> Any:
-    """The architecture of the model directory with its initial weights, on ``device`` in ``dtype``, for eval."""
+    """The architecture of the model directory with its initial weights, on ``device`` in ``dtype``, for eval; a
+    VLM's vision tower prepared as every loaded one is (its attention and MLPs, :func:`prepare_vision_tower`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from turnrl.models.loading import prepare_vision_tower
 
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with device:  # initialised where it runs: a large model never sits in CPU memory first
         model = auto.from_config(AutoConfig.from_pretrained(directory), dtype=dtype)
+    prepare_vision_tower(model)
     return model.eval().requires_grad_(False)
 
 
