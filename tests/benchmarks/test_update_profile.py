@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import update_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # two torchrun processes, 14 s on two cores
 def test_two_processes_profile_the_sharded_update_and_rank_0_prints(tiny_model_dir):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                str(ROOT / "benchmarks" / "update_profile.py"), "--steps", "1", "--top", "40",

@@ -206,6 +206,7 @@ def test_a_checkpoint_that_keeps_its_runs_config_is_still_read_as_a_checkpoint(f
 
 
 # --------------------------------------------------------------------------- 3. one writer per run directory
+@pytest.mark.slow  # three commands, 31 s on two cores; the refusal itself, in process: the killed writer's test below
 def test_a_second_train_or_resume_into_a_training_run_is_refused_with_its_owner(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     first = turnrl_train(*overrides(tiny_model_dir, tmp_path, "run.steps=200", "run.save_every=1"))

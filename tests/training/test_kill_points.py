@@ -156,7 +156,7 @@ BEFORE_THE_STEPS = {
 
 @pytest.mark.parametrize(("signum", "moment"), [
     (signal.SIGTERM, "first validation"),
-    (signal.SIGINT, "model build"),
+    pytest.param(signal.SIGINT, "model build", marks=pytest.mark.slow),
     pytest.param(signal.SIGTERM, "SFT", marks=pytest.mark.slow),
     pytest.param(signal.SIGTERM, "model build", marks=pytest.mark.slow),
     pytest.param(signal.SIGINT, "first validation", marks=pytest.mark.slow),

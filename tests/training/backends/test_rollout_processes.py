@@ -122,6 +122,7 @@ def test_rollout_processes_on_gpus_take_weights_mid_batch_over_nccl(tiny_model_d
     assert record["async/weight_switches"] == rollouts
 
 
+@pytest.mark.slow  # 14 s; a skipped transfer between batches is caught in the default run (skips_the_weights)
 def test_a_mid_batch_transfer_a_rollout_process_skips_stops_the_run(tiny_model_dir, tmp_path, monkeypatch):
     """A rollout process that reads the weights sent at its turn boundary and keeps its own is caught by the check
     of that process; the other one, still playing, does not hold the stop up (a stop sent to it would wait for
