@@ -300,8 +300,9 @@ def engine_profile(engine: EnginePolicy, processor, args: argparse.Namespace) ->
             trace.export_chrome_trace(str(path))
             print("\n".join(device_idle(read_trace(path)).lines(args.gaps)))
     if args.prefill_groups > 1:
-        # The first full-size rollout above meets shapes the short warm-up did not (graph captures, compiled
-        # shapes); rounds are played again after the parts, so that the ratio compares two warm rollouts.
+        # The first full-size rollout above follows a short warm-up only, and took seconds longer than the next in a
+        # GPU run (mostly in its envs); rounds are played again after the parts, so that the ratio compares two
+        # rollouts that each follow a full-size one.
         parts = profiled_rollout(engine, args, None, prefill_groups=args.prefill_groups)
         rounds = profiled_rollout(engine, args, None)
         print(parts.row(f"rounds prefilled in {args.prefill_groups} parts"))

@@ -3,9 +3,10 @@ CPU tensors and numpy arrays carried as raw bytes beside the pickle.
 
 Written here because pickling a torch tensor saves its storage with ``torch.save``, and unpickling it runs
 ``torch.load`` once a storage: a VisGym step's 64 episodes of 15 turns carry 960 images' pixel values and frames
-(724 MB), which ``pickle.loads`` took 3.3 s to rebuild on a 2-core machine, and 0.1 s as raw buffers
-(``benchmarks/wire.py``). Pickle's protocol 5 keeps large buffers out of the pickle (PEP 574): here they are laid
-after it in the payload, each at a 64-byte boundary, and read back as views of the received bytes, without a copy.
+(724 MB), which took 2.4 s to pickle and unpickle on a 2-core machine and on a GPU host alike, and 0.2-0.3 s as
+raw buffers (``benchmarks/wire.py``). Pickle's protocol 5 keeps large buffers out of the pickle (PEP 574): here
+they are laid after it in the payload, each at a 64-byte boundary, and read back as views of the received bytes,
+without a copy.
 
 A payload: ``[n, head bytes, n buffer sizes]`` (little-endian uint64), the pickle, then the n buffers.
 """
