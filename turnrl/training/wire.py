@@ -78,7 +78,9 @@ def dumps(value: Any, persistent_id: Callable[[Any], Any] | None = None) -> torc
 
 def loads(payload: torch.Tensor, persistent_load: Callable[[Any], Any] | None = None) -> Any:
     """The value :func:`dumps` made ``payload`` of (a uint8 CPU tensor); its tensors and arrays view ``payload``'s
-    memory. ``persistent_load`` as pickle's. A payload cut short or not made by :func:`dumps` raises ValueError."""
+    memory, so any of them keeps all of it alive (the messages here are a step's trajectories, kept and dropped
+    together). ``persistent_load`` as pickle's. A payload cut short or not made by :func:`dumps` raises
+    ValueError."""
     data = payload.numpy()
     if data.dtype != np.uint8 or data.ndim != 1 or data.nbytes < 16:
         raise ValueError(f"not a payload of turnrl.training.wire.dumps: {data.nbytes} bytes of {data.dtype}")
