@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from turnrl.config import load_config  # noqa: E402
 from turnrl.models.loading import base_model_path  # noqa: E402
 from turnrl.training import ranks  # noqa: E402
+from turnrl.training.device_idle import merged  # noqa: E402
 from turnrl.training.train_config import TrainConfig  # noqa: E402
 from turnrl.training.memory import set_allocator_settings  # noqa: E402
 from turnrl.training.trainer import Trainer  # noqa: E402
@@ -81,17 +82,6 @@ def main() -> None:
         finally:
             if sharded:
                 ranks.close_process_group()
-
-
-def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """[start, end) intervals, sorted, the overlapping ones joined."""
-    joined: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if joined and start <= joined[-1][1]:
-            joined[-1] = (joined[-1][0], max(joined[-1][1], end))
-        else:
-            joined.append((start, end))
-    return joined
 
 
 def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
