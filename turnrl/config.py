@@ -338,6 +338,12 @@ class ModelConfig:
     pass of the step (logprob check, reference, values, PPO epochs; see turnrl/training/image_features.py);
     false encodes them again in every pass. A trained encoder always encodes in every pass. Under FSDP each
     process holds a frozen encoder whole and keeps its own rows' features."""
+    rollout_image_features: bool = True
+    """With ``encode_images_once``: the step's passes start from the features the engine computed for the
+    rollout's images, so no pass encodes an image again (one process rolling out with the engine, the local
+    backend; other backends roll out elsewhere and encode in the step's first pass). The engine keeps a host
+    copy of each image's features, 2 bytes x hidden size per image token in bf16 (four times that with
+    Qwen3-VL's deepstack levels), for one step. false: the step's first pass encodes them."""
     min_pixels: Optional[int] = None
     """VLMs: the fewest pixels an image is resized to (Qwen-VL: multiples of 28 x 28); None keeps the model's."""
     max_pixels: Optional[int] = None

@@ -34,7 +34,7 @@ from tests.engine.test_qwen2_vl import (
 from tests.engine.test_qwen2_vl import episodes as qwen2_vl_episodes
 from turnrl.config import EngineConfig
 from turnrl.engine.forward import Deepstack, decoder_forward, mrope_rows, rotary_table
-from turnrl.engine.images import placeholder_spans
+from turnrl.engine.images import image_digest, placeholder_spans
 from turnrl.engine.llm_engine import Engine
 from turnrl.engine.weights import decoder_weights, rope_axes
 
@@ -140,6 +140,43 @@ def test_an_image_partly_in_the_cached_row_adds_the_deepstack_features_of_its_to
     assert again.token_ids == first.token_ids == logits.argmax(-1).tolist()
     torch.testing.assert_close(torch.tensor(again.logprobs),
                                full_forward_logprobs(model, prompt, again.token_ids, inputs), atol=1e-4, rtol=0)
+
+
+def test_kept_image_features_are_each_encoded_images_own_once_by_digest(model, processor):
+    """What a training step takes instead of encoding the rollout's images again: every image a prefill encoded
+    (a second turn only its new one: the first is in the cached row), kept once though two rows showed it,
+    with the tower's merged and deepstack features of that image alone; nothing before it is asked, and
+    nothing of older weights."""
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=128, triton="false"))
+    firsts, observations = episodes(processor)
+    run(engine, firsts[:1], 2)
+    assert engine.take_image_features() == {}  # not kept until asked
+    assert engine.keep_image_features()
+    first_results = run(engine, firsts + firsts[1:], 2)  # the second episode's first prompt in two rows
+    seconds = [(prompt + result.token_ids + observation, joined(inputs, observation_inputs))
+               for (prompt, inputs), result, (observation, observation_inputs)
+               in zip(firsts, first_results, observations)]
+    run(engine, seconds, 2)
+    kept = engine.take_image_features()
+    images = [(pixels, grid) for _, inputs in [firsts[1], *observations]
+              for pixels, grid in zip(inputs["pixel_values"].split(inputs["image_grid_thw"].prod(-1).tolist()),
+                                      inputs["image_grid_thw"])]
+    assert sorted(kept) == sorted(image_digest(pixels, grid) for pixels, grid in images)
+    vision = engine.weights.vision
+    for pixels, grid in images:
+        with torch.no_grad():
+            alone = vision.features(pixels, grid[None])
+        features = kept[image_digest(pixels, grid)]
+        assert len(features.deepstack) == len(DEEPSTACK_INDEXES)
+        for got, expected in zip((features.merged, *features.deepstack), (alone.merged, *alone.deepstack)):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert engine.take_image_features() == {}
+    run(engine, [message(processor, "", image(64, 64, seed=5), first=True)], 2)
+    assert len(engine.runner.kept_images) == 1
+    with torch.no_grad():
+        next(model.parameters()).add_(0.0)  # a new version of the weights, the same values
+    engine.sync_weights()
+    assert engine.take_image_features() == {}  # what the old weights computed is not handed out
 
 
 @pytest.mark.cpu_triton

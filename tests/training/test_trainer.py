@@ -354,13 +354,26 @@ def test_resume_with_the_engine_continues_exactly(tiny_model_dir, tmp_path):
 
 def test_the_engine_trains_a_vlm_on_images_token_exact(tiny_vlm_dir, tmp_path):
     """The engine samples a VLM's turns from images (and keeps its cache across them); the trainer's forward with
-    the same images recomputes the sampler's logprobs, and the second step generates from the updated weights."""
-    train(config(tiny_vlm_dir, tmp_path, "model.backend=engine", "env.settings.mode=image", "algorithm.advantage=grpo",
-                 "algorithm.kl_coef=0.1", "optim.actor_lr=1e-2"))
-    steps = step_records(tmp_path / "run")
+    the same images recomputes the sampler's logprobs, and the second step generates from the updated weights.
+    The step's passes take the features the engine computed for the rollout's images, so none encodes an image,
+    and the step trains as one whose first pass encodes them (``model.rollout_image_features=false``)."""
+    extra = ("model.backend=engine", "env.settings.mode=image", "algorithm.advantage=grpo", "algorithm.kl_coef=0.1",
+             "optim.actor_lr=1e-2")
+    train(config(tiny_vlm_dir, tmp_path, *extra))
+    train(config(tiny_vlm_dir, tmp_path, *extra, "model.rollout_image_features=false", name="encoding"))
+    steps, encoding = step_records(tmp_path / "run"), step_records(tmp_path / "encoding")
     assert any((tmp_path / "run" / "trajectories" / "images").iterdir())  # the episodes were played from images
     assert steps[2]["actor/kl_ref"] > 0.0
     assert_token_exact(steps)
+    assert_token_exact(encoding)
+    for step in steps:
+        assert steps[step]["vision/images_encoded"] == 0 < steps[step]["vision/images_from_rollout"]
+        assert encoding[step]["vision/images_encoded"] > 0 == encoding[step]["vision/images_from_rollout"]
+    # The first step played the same episodes in both runs: its losses agree to rounding.
+    trained = [key for key in steps[1] if key.startswith(("actor/", "batch/", "losses/")) and key != "actor/lr"]
+    assert {"losses/policy", "actor/grad_norm", "actor/kl_ref"} <= set(trained)
+    assert {key: steps[1][key] for key in trained} == pytest.approx({key: encoding[1][key] for key in trained},
+                                                                    rel=1e-4, abs=1e-6)
 
 
 # --------------------------------------------------------------------------- StarPO-S filter

@@ -16,6 +16,9 @@ repeated once per visual token), and the model inputs of those images in order
   earlier image: most of a 3B VLM rollout's time when it was done for all
   prompts (docs/benchmarks.md).
 
+It also holds :class:`KeptFeatures`: the features of the images a rollout encoded, kept by digest for the
+trainer's step (which would otherwise encode the same images again).
+
 Notation: n prompt tokens, m images.
 """
 
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from turnrl.engine.weights import ImageFeatures
 from turnrl.models.mrope import mrope_positions, placeholder_spans
 from turnrl.models.vision import content_digest
 
@@ -99,3 +103,66 @@ def prompt_images(prompt: Sequence[int], model_inputs: dict[str, Any] | None, im
     for (start, end), digest in zip(spans, digests):
         keys[start:end] = [int(digest)] * (end - start)
     return PromptImages(pixel_values, grids, spans, positions, delta, keys)
+
+
+class KeptFeatures:
+    """The features of the images the engine encodes, one copy of each in host memory, by digest.
+
+    A training step runs its own forward passes over the images its rollout showed; with a frozen vision tower
+    their features are the ones the engine computed at prefill, so the trainer takes them
+    (:meth:`~turnrl.engine.llm_engine.Engine.take_image_features`) instead of encoding every image again. Each
+    prefill call's new images are copied to pinned host memory without waiting for the device (the copy runs
+    behind the prefill's own work); :meth:`take` waits for the last copy. An image encoded again (its row was
+    freed, or another episode shows it) is kept once.
+    """
+
+    def __init__(self) -> None:
+        self._images: dict[int, ImageFeatures] = {}
+        self._copied: torch.cuda.Event | None = None
+
+    def __len__(self) -> int:
+        return len(self._images)
+
+    def keep(self, digests: Sequence[int], counts: Sequence[int], features: ImageFeatures) -> None:
+        """Keep the images not yet kept.
+
+        Args:
+            digests: each image's digest, in the order of ``features``' rows.
+            counts: each image's placeholder tokens, its rows of ``features``.
+            features: the call's images' features, each tensor Shape (sum(counts), hidden).
+        """
+        starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        new: dict[int, int] = {}  # digest -> its first image in the call
+        for index, digest in enumerate(digests):
+            if digest not in self._images and digest not in new:
+                new[digest] = index
+        if not new:
+            return
+        device = features.merged.device
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in new.values()]).to(device)
+        sizes = [counts[i] for i in new.values()]
+        merged, *deepstack = [_to_host(tensor.index_select(0, rows)).split(sizes)
+                              for tensor in (features.merged, *features.deepstack)]
+        for j, digest in enumerate(new):
+            self._images[digest] = ImageFeatures(merged[j], [level[j] for level in deepstack])
+        if device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def take(self) -> dict[int, ImageFeatures]:
+        """Every image kept since the last call, by digest, its copies done; the store is left empty."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        images, self._images = self._images, {}
+        return images
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (a fresh tensor no one else holds) in host memory: copied to pinned memory without waiting from
+    a GPU (the caller records when the copy is done), itself on a CPU."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

@@ -39,12 +39,13 @@ from torch import nn
 from turnrl.config import EngineConfig
 from turnrl.engine.cache import KVCache
 from turnrl.engine.forward import DecoderKernels
+from turnrl.engine.images import KeptFeatures
 from turnrl.engine.model_runner import Launched, ModelRunner, kv_cache_for
 from turnrl.engine.rows import RowTable
 from turnrl.engine.scheduler import Scheduler
 from turnrl.engine.sequences import EngineStats, Result, SamplingParams, SequenceRecord
 from turnrl.engine.timing import DeviceTimer
-from turnrl.engine.weights import DecoderWeights, WeightsChecksum, decoder_weights
+from turnrl.engine.weights import DecoderWeights, ImageFeatures, WeightsChecksum, decoder_weights
 
 __all__ = ["Engine", "EngineStats", "Result", "SamplingParams", "weights_version"]
 
@@ -171,6 +172,8 @@ class Engine:
                 raise RuntimeError("the weights changed while sequences were generating")
             self.weights.refresh()
             self.scheduler.drop_idle_rows()
+            if self.runner.kept_images is not None:
+                self.runner.kept_images.take()  # features of the old weights: never handed out as the new ones'
             self._version = version
 
     def weights_checksum(self) -> WeightsChecksum:
@@ -184,6 +187,22 @@ class Engine:
             raise RuntimeError("the engine's weights are checked between generations only; sequences are generating")
         self.sync_weights()
         return self.weights.checksum()
+
+    def keep_image_features(self) -> bool:
+        """From now on, keep a host copy of the features of every image a prefill encodes, for
+        :meth:`take_image_features` (a training step with a frozen vision tower reuses them); returns whether
+        this engine runs images at all (a text model keeps nothing)."""
+        if self.weights.vision is None:
+            return False
+        if self.runner.kept_images is None:
+            self.runner.kept_images = KeptFeatures()
+        return True
+
+    def take_image_features(self) -> dict[int, ImageFeatures]:
+        """The features of the images encoded since the last call (or since the weights last changed), by digest
+        (:mod:`turnrl.engine.images`), in host memory; empty unless :meth:`keep_image_features` was called."""
+        kept = self.runner.kept_images
+        return kept.take() if kept is not None else {}
 
     def release_memory(self) -> None:
         """Free the key/value cache, the CUDA graphs captured on it and the computed weights (stacked

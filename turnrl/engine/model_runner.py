@@ -44,7 +44,7 @@ from turnrl.engine.forward import (
     round_up,
 )
 from turnrl.engine.graphs import DecodeGraph, PrefillGraph
-from turnrl.engine.images import PromptImages, prompt_images
+from turnrl.engine.images import KeptFeatures, PromptImages, prompt_images
 from turnrl.engine.sampler_kernels import sample_two_pass
 from turnrl.engine.sampling import logprobs_before_suppression, sample_tokens, sample_untruncated
 from turnrl.engine.scheduler import DecodeBatch, PrefillChunk
@@ -200,6 +200,9 @@ class ModelRunner:
         runs without.)"""
         self._rope_delta = torch.zeros(rows, dtype=torch.long, device=device)
         """A VLM's rows: a generated token at index i turns by M-RoPE position i + delta (0 for text)."""
+        self.kept_images: KeptFeatures | None = None
+        """Where a VLM's prefill keeps a host copy of every image's features (the trainer's step reuses them), or
+        None (the default): not kept."""
         self._suppressed = (torch.tensor(vision.special_token_ids, device=device)
                             if vision is not None and vision.special_token_ids else None)
         """Tokens never sampled (a VLM's image placeholders and vision markers), or None."""
@@ -345,7 +348,8 @@ class ModelRunner:
         Each new token turns by its own M-RoPE position (three axes; :func:`~turnrl.models.mrope.mrope_positions`),
         so the call gets its own table: one cos/sin row per token, Shape (b * t, D), and rope positions
         ``0 .. b*t-1``. The images whose placeholders are among the new tokens run through the vision tower, and
-        their features replace those placeholders' embeddings (their deepstack features go to the same tokens).
+        their features replace those placeholders' embeddings (their deepstack features go to the same tokens);
+        :attr:`kept_images`, where set, keeps a copy of them.
 
         Args:
             tokens: the call's tokens on the device, Shape (b, t).
@@ -358,6 +362,7 @@ class ModelRunner:
         grids: list[torch.Tensor] = []
         slots: list[tuple[int, int]] = []
         feature_rows: list[int] = []
+        digests: list[int] = []
         features_before = 0
         for i, sequence in enumerate(sequences):
             start, length = sequence.cached, len(sequence.prompt) - sequence.cached
@@ -371,6 +376,7 @@ class ModelRunner:
                     continue  # cached in the row already
                 pixels.append(image)
                 grids.append(grid)
+                digests.append(images.keys[begin])
                 first = max(begin, start)  # a row may hold the start of an image: only the rest is prefilled
                 slots += [(i, position - start) for position in range(first, end)]
                 feature_rows += range(features_before + first - begin, features_before + end - begin)
@@ -384,6 +390,8 @@ class ModelRunner:
             encoded = torch.stack(grids)
             self.timer.encoded(encoded)
             features = vision.features(torch.cat(pixels).to(self.device), encoded.to(self.device))
+            if self.kept_images is not None:
+                self.kept_images.keep(digests, (encoded.prod(-1) // vision.merge_size**2).tolist(), features)
             index = to_device(np.array(slots, dtype=np.int64).T.copy(), self.device)
             taken = to_device(np.array(feature_rows, dtype=np.int64), self.device)
             embeddings[index[0], index[1]] = features.merged[taken].to(embeddings.dtype)

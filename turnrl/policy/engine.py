@@ -19,7 +19,7 @@ from torch import nn
 
 from turnrl.config import EngineConfig, SamplingConfig
 from turnrl.engine.llm_engine import Engine, Result, SamplingParams
-from turnrl.engine.weights import WeightsChecksum
+from turnrl.engine.weights import ImageFeatures, WeightsChecksum
 from turnrl.models.vision import ImageEncoder
 from turnrl.policy.hf import end_of_turn_ids
 from turnrl.policy.interface import Completion, GenerationRequest, Policy, StreamingPolicy
@@ -106,6 +106,12 @@ class EnginePolicy(Policy):
 
     def release_memory(self) -> None:
         self.engine.release_memory()
+
+    def keep_image_features(self) -> bool:
+        return self.engine.keep_image_features()
+
+    def take_image_features(self) -> dict[int, ImageFeatures]:
+        return self.engine.take_image_features()
 
     def counters(self) -> dict[str, float]:
         return {name: float(value) for name, value in asdict(self.engine.stats).items()}

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from turnrl.config import SamplingConfig
-    from turnrl.engine.weights import WeightsChecksum
+    from turnrl.engine.weights import ImageFeatures, WeightsChecksum
     from turnrl.envs.contract import AgentEnv
     from turnrl.models.vision import ImageEncoder
 
@@ -128,6 +128,17 @@ class Policy(Protocol):
         backend compares with the trainer's actor after each weights sync. None (the default) for a policy
         without local weights. Call it between generations only."""
         return None
+
+    def keep_image_features(self) -> bool:
+        """From now on keep the features of the images this policy encodes, in host memory, for
+        :meth:`take_image_features`; returns whether it will (the engine on a VLM). A training step whose vision
+        tower is frozen then takes them instead of encoding the same images again. The default keeps none."""
+        return False
+
+    def take_image_features(self) -> dict[int, ImageFeatures]:
+        """The features of the images encoded since the last call, by digest (the rollout's
+        ``image_digests``), each one row per image token; empty where none are kept (the default)."""
+        return {}
 
     def counters(self) -> dict[str, float]:
         """Running totals of the policy's own work since it was made (the engine's prefilled, reused and

@@ -21,6 +21,7 @@ pass of training passes them to the model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -130,15 +131,17 @@ class Batch:
             rows[key] = counts[index]
         return Batch(**picked, model_inputs=inputs, model_input_rows=rows, image_features=self.image_features)
 
-    def with_image_features(self) -> Batch:
+    def with_image_features(self, rollout: Mapping[int, tuple[torch.Tensor, Sequence[torch.Tensor]]] | None = None
+                            ) -> Batch:
         """This batch sharing one store of image features (a frozen tower's) among all its passes; its images
-        named by their place in the batch where the samples carry no :data:`IMAGE_KEYS`."""
+        named by their place in the batch where the samples carry no :data:`IMAGE_KEYS`. ``rollout``: features
+        its rollout's engine computed, by digest, which the store starts with (:class:`ImageFeatures`)."""
         inputs, rows = dict(self.model_inputs), dict(self.model_input_rows)
         if IMAGE_KEYS not in inputs and "image_grid_thw" in inputs:
             inputs[IMAGE_KEYS] = torch.arange(len(inputs["image_grid_thw"]))
             rows[IMAGE_KEYS] = rows["image_grid_thw"]
         tensors = {name: value for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
-        return Batch(**tensors, model_inputs=inputs, model_input_rows=rows, image_features=ImageFeatures())
+        return Batch(**tensors, model_inputs=inputs, model_input_rows=rows, image_features=ImageFeatures(rollout))
 
 
 def trajectory_samples(trajectories: list[Trajectory], episode_ids: list[int]) -> list[Sample]:

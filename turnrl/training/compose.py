@@ -47,7 +47,10 @@ def parallel_strategy(config: TrainConfig) -> ParallelStrategy:
 
 
 def local_rollouts(parts: RolloutParts) -> Rollouts:
-    return Rollouts(LocalRollout(parts.train, parts.precision), LocalRollout(parts.validation, parts.precision))
+    model = parts.config.model
+    reuse_images = model.rollout_image_features and model.encode_images_once and not model.train_vision
+    return Rollouts(LocalRollout(parts.train, parts.precision, image_features=reuse_images),
+                    LocalRollout(parts.validation, parts.precision))
 
 
 def sharded_rollouts(parts: RolloutParts) -> Rollouts:

@@ -27,17 +27,24 @@ Under FSDP too: a frozen tower is held whole by every process, not sharded
 finds every image stored skips it while the others encode. Each process keeps the features of the images its own
 rows show.
 
-Which copy of the tower encodes an image: that of the first pass that meets it (the actor's logprob check,
-else the reference's or the critic's pass). They are frozen copies of the same weights: the features differ
-only by rounding where a copy is held in another dtype (the reference in bf16), about as the rollout's, which
-the engine computes in bf16, differ from the trainer's. A trained tower (``model.train_vision=true``) is never
+Which copy of the tower encodes an image: the rollout's, where the engine played the step on this process
+(the local backend; ``model.rollout_image_features``): its prefill already encoded every image the episodes
+showed and kept a host copy of each (:class:`~turnrl.engine.images.KeptFeatures`), which seeds the store, so
+no pass of the step runs the tower at all. Else the copy of the first pass that meets the image (the actor's
+logprob check, else the reference's or the critic's pass). They are frozen copies of the same weights: the
+features differ only by rounding where a copy is held in another dtype (the reference in bf16) or runs other
+kernels (the engine's tower, in bf16). Every pass of a step reads the same stored features, so the ratio of
+the first PPO epoch's first update is still 1 wherever the old log-probs are recomputed. Backends that roll out
+in other processes (Ray, the pool, the asynchronous thread's other GPU, each ``torchrun`` process's share) keep
+encoding in the step's first pass: their features would cross processes, and the rows a process trains are
+not those it played. A trained tower (``model.train_vision=true``) is never
 served: its features change with every optimizer step and need their gradients, so every pass encodes as
 before (:meth:`ImageFeatures.serving` refuses a tower with trainable weights).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -77,8 +84,13 @@ class StoredImage:
 class ImageFeatures:
     """The features of one step's images, each encoded once by a frozen vision tower (see the module's text)."""
 
-    def __init__(self) -> None:
-        self._images: dict[int, StoredImage] = {}
+    def __init__(self, rollout: Mapping[int, tuple[torch.Tensor, Sequence[torch.Tensor]]] | None = None) -> None:
+        """``rollout``: the features the rollout's engine already computed, by digest: each image's tokens,
+        Shape (k_i, h), and its deepstack levels (see the module's text); stored as if a pass had encoded them."""
+        self._images = {int(key): StoredImage(tokens, tuple(deepstack))
+                        for key, (tokens, deepstack) in (rollout or {}).items()}
+        self.from_rollout = len(self._images)
+        """Images whose features the rollout handed over."""
         self.encoded = 0
         """Images encoded this step."""
         self.served = 0

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import GroupStats, group_stats, kl_penalty, seeded_group_scores, select_groups
 from turnrl.config import ConfigError, SamplingConfig, load_config, to_yaml
+from turnrl.engine.weights import ImageFeatures
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
 from turnrl.models.devices import resolve_dtype
@@ -130,6 +131,9 @@ class StepOutput:
     token_advantages: list[dict[str, Any]] = field(default_factory=list)
     """Lines of ``trajectories/step_NNNNNN.advantages.jsonl`` (see :mod:`turnrl.viz.records`), on the steps
     whose trajectories are written."""
+    image_features: dict[int, ImageFeatures] = field(default_factory=dict)
+    """A rollout's: the features its engine computed for the episodes' images, by digest, which the update's
+    passes reuse (:attr:`~turnrl.training.backends.backend.StepRollout.image_features`)."""
 
 
 # --------------------------------------------------------------------------- the phases of a step
@@ -723,6 +727,7 @@ class Trainer:
         played = self.rollout.roll_out(step, self.play_step)
         rollout, keep = played.played
         rollout.metrics.update(played.metrics)
+        rollout.image_features = played.image_features
         self._timed("rollout_s", rollout.metrics["timing/rollout_s"])
         return rollout, keep
 
@@ -807,7 +812,7 @@ class Trainer:
         # 3. samples -> padded batch
         batch = make_batch(rollout.trajectories, keep, algo.sample_mode, self.tokenizer.pad_token_id, self.device)
         if encodes_images_once(config, batch):
-            batch = batch.with_image_features()
+            batch = batch.with_image_features(rollout.image_features)
         metrics["batch/samples"] = float(len(batch))
         metrics["batch/trained_tokens"] = float(batch.loss_mask.sum())
         lengths = batch.attention_mask.sum(1)
@@ -880,7 +885,8 @@ class Trainer:
             metrics["throughput/update_mfu"] = utilization
         if batch.image_features is not None:  # each process's own store, summed over the processes
             counts = {"vision/images_encoded": float(batch.image_features.encoded),
-                      "vision/images_reused": float(batch.image_features.served)}
+                      "vision/images_reused": float(batch.image_features.served),
+                      "vision/images_from_rollout": float(batch.image_features.from_rollout)}
             shard = self.parallel.shard()
             metrics.update(shard.reduce(counts) if shard is not None else counts)
         metrics["actor/lr"] = float(self.actor_scheduler.get_last_lr()[0])

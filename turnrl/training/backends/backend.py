@@ -24,6 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 
 from turnrl.config import SamplingConfig
+from turnrl.engine.weights import ImageFeatures
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.train_config import TrainConfig
@@ -76,6 +77,10 @@ class StepRollout(Generic[Played]):
 
     played: Played
     metrics: dict[str, float] = field(default_factory=dict)
+    image_features: dict[int, ImageFeatures] = field(default_factory=dict)
+    """The features of the images the rollout's engine encoded, by digest, in host memory, for the step's passes
+    to reuse (:mod:`~turnrl.training.image_features`): the local backend's, where its policy keeps them; empty
+    elsewhere."""
 
 
 class RolloutBackend(EpisodeRunner, Protocol):

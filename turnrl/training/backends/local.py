@@ -32,14 +32,19 @@ class LocalRollout:
     Args:
         runner: a :class:`~turnrl.rollout.runner.Rollout`.
         precision: makes the autocast the episodes play under (the trainer's).
+        image_features: hand the step the features of the images its rollout encoded, where the policy keeps
+            them (:meth:`~turnrl.policy.interface.Policy.keep_image_features`: the engine on a VLM), in
+            :attr:`~turnrl.training.backends.backend.StepRollout.image_features`.
     """
 
     runs_ahead = False
 
-    def __init__(self, runner: Rollout, precision: Callable[[], AbstractContextManager]) -> None:
+    def __init__(self, runner: Rollout, precision: Callable[[], AbstractContextManager],
+                 image_features: bool = False) -> None:
         self.runner = runner
         self.precision = precision
         self.weights = PolicyWeights(runner.policy, "local")
+        self.keeps_image_features = image_features and runner.policy.keep_image_features()
 
     @property
     def timings(self) -> RolloutTimings:
@@ -55,7 +60,12 @@ class LocalRollout:
 
     def roll_out(self, step: int, play: PlayStep[Played]) -> StepRollout[Played]:
         self.weights.take()
-        return StepRollout(play(self.runner, step, self.precision()), self.weights.metrics())
+        if not self.keeps_image_features:
+            return StepRollout(play(self.runner, step, self.precision()), self.weights.metrics())
+        policy = self.runner.policy
+        policy.take_image_features()  # a validation's since the last step: not this step's images
+        played = play(self.runner, step, self.precision())
+        return StepRollout(played, self.weights.metrics(), policy.take_image_features())
 
     def set_weights(self, model: torch.nn.Module, version: WeightsVersion) -> dict[str, float]:
         self.weights.expect(model, version)
