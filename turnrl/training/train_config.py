@@ -441,8 +441,9 @@ class RunConfig:
     ``.txt``: where the device waited on the host, by phase (the engine's prefill and decode, the rollout, the
     scores, the update) and by the line it was in, and the costliest kernels
     (:mod:`turnrl.training.device_idle`); for a trace too large to read within the run (a whole VisGym step's),
-    the command that reads it. Tracing slows those steps (Python stacks): leave them out of timings. Empty:
-    off."""
+    the command that reads it. Tracing slows those steps (Python stacks): leave them out of timings. A traced
+    step is mostly its rollout's decode steps (53 MiB for 8 VLM episodes of 8 turns); the update alone is
+    traced by ``benchmarks/update_profile.py``. Empty: off."""
     gpu_share: float = 1.0
     """The share of each GPU's memory this run may use, for several runs on one card (``1/N`` each; the
     estimator benchmarks set it from ``--parallel``): the memory check counts that share, and torch's
