@@ -65,8 +65,11 @@ def ran(result) -> str:
 STALENESS_0 = ["distributed.async_rollout=true", "distributed.max_staleness=0"]
 
 
-@pytest.mark.parametrize("mode", [[], [*STALENESS_0, "distributed.partial_rollouts=true"]],
-                         ids=["synchronous", "staleness0-partial"])
+# The partial variant (20 s) runs with the slow tests: partial rollouts equal full ones in process by default
+# (test_partial_rollouts.py), and the pool's asynchronous protocol by test_asynchronous_pool_one_update_behind_....
+@pytest.mark.parametrize("mode", [pytest.param([], id="synchronous"),
+                                  pytest.param([*STALENESS_0, "distributed.partial_rollouts=true"],
+                                               id="staleness0-partial", marks=pytest.mark.slow)])
 def test_one_trainer_and_two_rollout_processes_train_as_one_process(tiny_model_dir, tmp_path, single, mode):
     """Synchronous, or asynchronous with no staleness, with partial rollouts (no weights are published while a batch
     plays; without them the rollout processes report the same turn boundaries and take nothing there either): the
@@ -203,6 +206,7 @@ def test_a_rollout_process_that_fails_stops_the_run_naming_it(tiny_model_dir, tm
     assert (tmp_path / "pool" / "checkpoints" / "step_000001").is_dir()
 
 
+@pytest.mark.slow  # 21 s; a rollout process that fails is named by default (fails_stops_the_run_naming_it)
 def test_a_rollout_process_that_dies_in_an_asynchronous_batch_is_named_at_once(tiny_model_dir, tmp_path):
     """Its channel closes: the receive from it fails at once (not after distributed.timeout_s, an hour here, past
     this test's limit), and the run stops naming it, with the last finished step saved."""
@@ -216,6 +220,8 @@ def test_a_rollout_process_that_dies_in_an_asynchronous_batch_is_named_at_once(t
     assert (tmp_path / "pool" / "checkpoints" / "step_000001").is_dir()
 
 
+@pytest.mark.slow  # 39 s; by default a skipped transfer stops the run (skips_the_weights) and an asynchronous
+# run killed mid-step resumes each episode once (test_asynchronous_resume.py)
 def test_a_failed_weights_transfer_stops_every_trainer_and_the_resume_trains_each_step_once(tiny_model_dir,
                                                                                            tmp_path):
     """Two trainers; the rollout process raises amid the weights after step 2 (the update done, the broadcast
