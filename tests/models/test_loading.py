@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 from huggingface_hub import hf_api
 from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
+from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from turnrl.config import ConfigError, ModelConfig
 from turnrl.models import loading
@@ -243,9 +245,19 @@ def test_parameters_cast_alone_compute_what_the_model_loaded_in_that_dtype_compu
         assert not torch.equal(rounded(input_ids=ids, position_ids=positions).logits, expected)
 
 
+@pytest.fixture
+def original_rotary(monkeypatch):
+    """Compiling layer parts swaps a family's rotary embedding in its transformers module: put back each test's."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("transformers.models."):
+            for function in loading.ROTARY_FUNCTIONS:
+                if function in vars(module):
+                    monkeypatch.setattr(module, function, vars(module)[function])
+
+
 @pytest.mark.parametrize(("fixture", "checkpointing"),
                          [("tiny_model_dir", False), ("tiny_model_dir", True), ("tiny_vlm_dir", False)])
-def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, checkpointing, request):
+def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, checkpointing, request, original_rotary):
     """Each decoder layer's norms and MLP compiled (the attention eager; a VLM's vision blocks too, see the next
     test): the same logits and gradients as the eager model over token counts that change from pass to pass
     (with activation checkpointing too, which runs the compiled parts again in the backward pass), and a copy of
@@ -284,7 +296,63 @@ def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, chec
         assert not torch.allclose(twin(input_ids=ids).logits, compiled(input_ids=ids).logits)
 
 
-def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir):
+def test_the_compiled_rotary_embedding_trains_as_the_eager_one_under_autocast(tiny_vlm_dir, original_rotary):
+    """Under bf16 autocast over float32 weights (how the trainer runs), the rotary embedding compiled with its cast
+    returns exactly what the eager function returns cast to bf16, and gradients within bf16's rounding (the eager
+    backward rounds each of a query's two terms, the compiled one their sum); a model whose family's function is
+    swapped (once) gives the eager logits and gradients; outside autocast the original runs, uncast."""
+    import copy
+
+    eager = loading.load_model(tiny_vlm_dir)
+    compiled = copy.deepcopy(eager)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 200, (2, 23), generator=generator)
+
+    def logits_and_grads(model):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits.float()
+        logits.square().mean().backward()
+        return logits.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    expected, expected_grads = logits_and_grads(eager)  # before the swap
+    attention = next(getattr(m, loading.ATTENTION_PART) for m in compiled.modules()
+                     if loading.ATTENTION_PART in dict(m.named_children()))
+    replaced = loading.compile_rotary(attention)
+    module = sys.modules[type(attention).__module__]
+    assert replaced and all(isinstance(vars(module)[name], loading.CompiledRotary) for name in replaced)
+    assert loading.compile_rotary(attention) == []  # once a family
+    got, grads = logits_and_grads(compiled)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], atol=2e-3, rtol=5e-2, msg=name)
+
+    rotary = loading.CompiledRotary(apply_rotary_pos_emb)  # the text families' function, on plain tensors
+    q, k = torch.randn(1, 4, 37, 16, generator=generator).bfloat16(), torch.randn(1, 2, 37, 16, generator=generator)
+    k = k.bfloat16()
+    cos, sin = torch.randn(1, 37, 16, generator=generator), torch.randn(1, 37, 16, generator=generator)
+    upstream = [torch.randn(q.shape, generator=generator).bfloat16(), torch.randn(k.shape, generator=generator)]
+    upstream[1] = upstream[1].bfloat16()
+
+    def rotated(function):
+        leaves = [q.clone().requires_grad_(), k.clone().requires_grad_()]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs = function(*leaves)
+        torch.autograd.backward(list(outputs), upstream)
+        return outputs, [leaf.grad for leaf in leaves]
+
+    outputs, grads = rotated(lambda q, k: rotary(q, k, cos, sin))
+    plain, plain_grads = rotated(lambda q, k: [x.bfloat16() for x in apply_rotary_pos_emb(q, k, cos, sin)])
+    assert all(out.dtype == torch.bfloat16 and torch.equal(out, ref) for out, ref in zip(outputs, plain))
+    for grad, ref in zip(grads, plain_grads):
+        torch.testing.assert_close(grad, ref, atol=0.0625, rtol=2**-6)
+    float32 = rotary(q.float(), k.float(), cos, sin)  # no autocast
+    assert all(out.dtype == torch.float32 and torch.equal(out, ref)
+               for out, ref in zip(float32, apply_rotary_pos_emb(q.float(), k.float(), cos, sin)))
+
+
+def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir, original_rotary):
     """A VLM's vision blocks compiled around their attention (two norms and the MLP each) encode images as the
     eager tower does, over image sizes that change from call to call."""
     import copy
