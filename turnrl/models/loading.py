@@ -307,9 +307,10 @@ RECOMPILE_LIMIT = 32
 _compiled_forwards: dict[type, Callable[..., Any]] = {}
 """One compiled ``forward`` a part's class, shared by every layer, model and copy of a process."""
 
-ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb")
-"""What a decoder family's attention calls its rotary embedding by, in its transformers module (Qwen2, Qwen3,
-Llama, Qwen3-VL: the first; Qwen2-VL and Qwen2.5-VL in transformers before 5.2x: the second)."""
+ROTARY_FUNCTION = "apply_rotary_pos_emb"
+"""What a decoder family's attention calls its rotary embedding by, in its transformers module (every family
+turnrl builds: Qwen2, Qwen3, Llama, and the text decoders of Qwen2-VL, Qwen2.5-VL and Qwen3-VL; their vision
+towers call theirs ``apply_rotary_pos_emb_vision``, left alone)."""
 
 
 class CompiledRotary:
@@ -347,17 +348,16 @@ class CompiledRotary:
         return self.compiled(q, k, cos, sin, *args, cast_to=torch.get_autocast_dtype(device), **kwargs)
 
 
-def compile_rotary(attention: torch.nn.Module) -> list[str]:
-    """Replace the rotary embedding function(s) that ``attention``'s family calls with :class:`CompiledRotary`
-    (once a family); returns the names replaced now."""
+def compile_rotary(attention: torch.nn.Module) -> bool:
+    """Replace the rotary embedding function that ``attention``'s family calls (:data:`ROTARY_FUNCTION`) with
+    :class:`CompiledRotary`, once a family; returns whether it was replaced now (False: already, or the family's
+    module has no such function, whose attention then runs as it is)."""
     module = sys.modules[type(attention).__module__]
-    replaced = []
-    for name in ROTARY_FUNCTIONS:
-        function = vars(module).get(name)
-        if callable(function) and not isinstance(function, CompiledRotary):
-            setattr(module, name, CompiledRotary(function))
-            replaced.append(name)
-    return replaced
+    function = vars(module).get(ROTARY_FUNCTION)
+    if not callable(function) or isinstance(function, CompiledRotary):
+        return False
+    setattr(module, ROTARY_FUNCTION, CompiledRotary(function))
+    return True
 
 
 def compile_layer_parts(model: torch.nn.Module, vision: bool = True) -> int:
