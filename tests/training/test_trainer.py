@@ -597,10 +597,10 @@ def test_a_run_of_no_steps_validates_once(tiny_model_dir, tmp_path):
 # --------------------------------------------------------------------------- Ctrl-C
 def test_graceful_stop_asks_first_and_interrupts_on_the_second_ctrl_c():
     with GracefulStop() as stop:
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
         assert stop.requested
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
@@ -609,16 +609,16 @@ def test_a_sigterm_delivered_twice_at_once_is_one_request_and_a_later_one_interr
     after the window interrupts, and a Ctrl-C after a SIGTERM interrupts at once."""
     monkeypatch.setattr(GracefulStop, "SAME_SIGTERM_S", 0.5)
     with GracefulStop() as stop:
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
         assert stop.requested and stop.signal is signal.SIGTERM
         time.sleep(0.6)
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
     with GracefulStop() as stop:
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
 
 
 def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny_model_dir, tmp_path, monkeypatch,
@@ -629,7 +629,7 @@ def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny
     def step_then_ctrl_c(self, index):
         output = step(self, index)
         if index == 0:
-            os.kill(os.getpid(), signal.SIGINT)  # arrives during the first step
+            signal.raise_signal(signal.SIGINT)  # arrives during the first step
         return output
 
     monkeypatch.setattr(Trainer, "step", step_then_ctrl_c)
