@@ -6,8 +6,10 @@ float32, returns float32, and attention casts the result back to bf16: a handful
 float32 copies of the queries and keys in every layer of every pass. This times, for one layer's queries and keys
 (``--tokens`` of a micro-batch, Qwen2.5-3B's heads by default), forward and backward and forward alone:
 
-- ``eager, float32 cos``: what the trainer runs today (transformers' ``apply_rotary_pos_emb``, then the cast);
-- ``compiled``: the same function and cast under ``torch.compile`` (the same float32 arithmetic, fused);
+- ``eager, float32 cos``: what the trainer runs without ``model.compile`` (transformers' ``apply_rotary_pos_emb``,
+  then the cast);
+- ``compiled``: the same function and cast under ``torch.compile`` (the same float32 arithmetic, fused), as
+  ``model.compile`` runs it (``turnrl.models.loading.CompiledRotary``);
 - ``eager, bf16 cos``: cos and sin in bf16, as a bf16 model runs it (other rounding).
 
 It prints each one's milliseconds and its speed-up over the first, measured in the same run, and the largest
