@@ -320,8 +320,9 @@ class CompiledRotary:
     hidden states' dtype, float32, so ``q * cos + rotate_half(q) * sin`` runs as a handful of float32 kernels over
     copies of the queries and keys in every layer of every pass, and attention then casts the result to bf16.
     Compiled, with that cast inside, it is one or two kernels each way with the same float32 arithmetic: on an H200
-    the forward and backward of one Qwen2.5-3B layer's 8,192 tokens took 0.332 ms against 0.847 ms (a probe of
-    what ``benchmarks/rotary.py`` times). Where cos and sin are bf16 too (a reference held in bf16), the compiled
+    the forward and backward of one Qwen2.5-3B layer's 8,192 tokens took 0.566 ms against 0.829 ms
+    (``benchmarks/rotary.py``), and the VisGym ``vlm-3b`` step 32.0-32.4 s against 33.1-33.2 s (docs/benchmarks.md).
+    Where cos and sin are bf16 too (a reference held in bf16), the compiled
     kernels keep float32 between the operations and round once, where eager rounds after each. Outside autocast
     (float32 passes, the tests') the original function runs: there is nothing to cast, and nothing compiles.
 

@@ -5,7 +5,9 @@ worker dies."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,7 +47,31 @@ def ray_cluster(tmp_path_factory):
                               f"--temp-dir={temp}", "--disable-usage-stats"], capture_output=True, text=True)
     assert started.returncode == 0, started.stderr[-2000:]
     yield "auto"
-    subprocess.run([ray_bin, "stop", "--force"], capture_output=True)
+    stop_cluster(str(temp), port)
+
+
+def stop_cluster(temp_dir: str, port: int) -> None:
+    """Stop the cluster that ``ray start --temp-dir=temp_dir --port=port`` started, and only it: its head's
+    processes name the temp dir or the port on their command lines, and its agents and workers are their
+    children (renamed ``ray::...``). ``ray stop --force`` would stop every Ray process on the machine, such as
+    the local clusters of tests running beside this one."""
+    import psutil
+
+    this_port = re.compile(rf":{port}(?!\d)")
+    ours = {os.getpid(), *(process.pid for process in psutil.Process().parents())}
+    heads = [process for process in psutil.process_iter(["cmdline"]) if process.pid not in ours
+             and any(temp_dir in part or this_port.search(part) for part in process.info["cmdline"] or [])]
+    processes = list(heads)
+    for head in heads:
+        with contextlib.suppress(psutil.Error):
+            processes.extend(head.children(recursive=True))
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=5)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
 def test_weights_reach_the_workers_with_the_next_rollout_whose_metrics_report_the_transfer_and_its_check(
@@ -111,14 +137,16 @@ def test_a_dead_rollout_worker_stops_the_run_with_a_checkpoint_that_resumes(tiny
     command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={tiny_model_dir}",
                f"run.output_dir={tmp_path}", "run.name=ray", *ARGS, "run.steps=6", "run.save_every=1",
                "distributed.backend=ray", "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}",
-               "distributed.timeout_s=60"]
+               "distributed.timeout_s=300"]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     first = tmp_path / "ray" / "checkpoints" / "step_000001"
     deadline = time.time() + 300
     while not first.is_dir() and time.time() < deadline and run.poll() is None:
         time.sleep(0.5)
-    assert first.is_dir(), "no checkpoint after the first step"
+    if not first.is_dir():
+        run.kill()
+        pytest.fail(f"no checkpoint after the first step: {run.communicate()[0][-3000:]}")
     # Ray names an actor's process after its class.
     workers = subprocess.run(["pgrep", "-f", "ray::RolloutHost"], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2, workers
