@@ -322,9 +322,9 @@ class CompiledRotary:
     Compiled, with that cast inside, it is one or two kernels each way with the same float32 arithmetic: on an H200
     the forward and backward of one Qwen2.5-3B layer's 8,192 tokens took 0.566 ms against 0.829 ms
     (``benchmarks/rotary.py``), and the VisGym ``vlm-3b`` step 32.0-32.4 s against 33.1-33.2 s (docs/benchmarks.md).
-    Where cos and sin are bf16 too (a reference held in bf16), the compiled
-    kernels keep float32 between the operations and round once, where eager rounds after each. Outside autocast
-    (float32 passes, the tests') the original function runs: there is nothing to cast, and nothing compiles.
+    Where cos and sin are bf16 too (a reference held in bf16), the compiled kernels keep float32 between the
+    operations and round once, where eager rounds after each. Outside autocast (float32 passes, the tests') the
+    original function runs: there is nothing to cast, and nothing compiles.
 
     Why the function is replaced in its module rather than in each model: transformers' attention calls it as a
     module global, so each family's is swapped once, for every model and copy of the process (the reference's and
