@@ -8,8 +8,9 @@ float32 copies of the queries and keys in every layer of every pass. This times,
 
 - ``eager, float32 cos``: what the trainer runs without ``model.compile`` (transformers' ``apply_rotary_pos_emb``,
   then the cast);
-- ``compiled``: the same function and cast under ``torch.compile`` (the same float32 arithmetic, fused), as
-  ``model.compile`` runs it (``turnrl.models.loading.CompiledRotary``);
+- ``compiled``: the same function and cast under ``torch.compile`` (the same float32 arithmetic, fused), for
+  static shapes; ``model.compile`` compiles the same function and cast in ``turnrl.models.loading.CompiledRotary``,
+  there for dynamic shapes, under autocast;
 - ``eager, bf16 cos``: cos and sin in bf16, as a bf16 model runs it (other rounding).
 
 It prints each one's milliseconds and its speed-up over the first, measured in the same run, and the largest
