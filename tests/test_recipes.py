@@ -56,7 +56,13 @@ def test_a_recipe_made_for_a_pretrained_model_declares_it(path):
     assert load_config(TrainConfig, path).model.expects_pretrained == ("model.path=" in command)
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+# PrimitiveSkill's step takes 14 s on two cores (MuJoCo makes a renderer for every copy of the env the expert's
+# demos simulate); its env tests play it in the default run, and its recipe trains a step with the slow tests.
+SLOW_RECIPES = {"primitive_skill"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(path, marks=pytest.mark.slow) if path.stem in SLOW_RECIPES else path
+                                  for path in CONFIGS], ids=lambda p: p.stem)
 def test_recipe_trains_a_step_on_the_tiny_model(path, tiny_model_dir, tiny_vlm_dir, tmp_path):
     recipe = load_config(TrainConfig, path)
     visual = recipe.model.builtin_preset.startswith("vlm-") or "image" in str(recipe.env.settings.get("mode", ""))

@@ -72,8 +72,9 @@ def kernels(request, monkeypatch):
 
 SLOW_ON_TRITON = pytest.mark.parametrize(
     "kernels", ["torch", pytest.param("triton", marks=[pytest.mark.cpu_triton, pytest.mark.slow])], indirect=True)
-"""For the longest scheduling tests: their Triton variant takes 20-26 s in the interpreter, so it runs with
-``make test-slow`` (the kernels' own tests and the other engine tests cover them in the default run)."""
+"""For the longest scheduling tests: their Triton variant takes 9-26 s in the interpreter, so it runs with
+``make test-slow`` (their torch variant checks the scheduling in the default run, and the kernels' own tests and
+the other engine tests the kernels)."""
 
 
 def engine_for(model, rows: int = 8, max_len: int = 512, **config) -> Engine:
@@ -241,6 +242,7 @@ def test_stop_ids_end_a_sequence_and_are_kept():
     assert stopped[0].token_ids[-1] == stop
 
 
+@SLOW_ON_TRITON
 def test_sequences_that_stop_while_the_next_step_runs_keep_their_tokens_and_their_whole_cache(kernels):
     """A step is launched before the previous step's tokens are read: a sequence that stopped has decoded one
     token more, which is dropped from its response, and its stop token's keys and values are cached for its next
@@ -282,6 +284,7 @@ def test_a_row_whose_sequence_stopped_as_the_last_one_serves_its_next_sequence_i
     assert [r.token_ids for r in results] == [hf_greedy(model, turn, 12)]
 
 
+@SLOW_ON_TRITON
 def test_memory_freed_between_generations_is_rebuilt_and_gives_the_same_tokens(kernels):
     """``release_memory`` (for a training update) frees the cache and the computed weights; the next
     generation, after an optimizer step or none, samples exactly what an engine that kept them samples."""
@@ -346,6 +349,7 @@ def play_episode(engine: Engine, turns: int, forget: bool) -> tuple[list[list[in
     return responses, engine.stats.prefill_tokens
 
 
+@SLOW_ON_TRITON
 def test_a_ten_turn_episode_gives_the_same_tokens_with_kv_reuse_as_with_re_prefill(kernels):
     model = build("qwen2")
     reused, reuse_prefill = play_episode(engine_for(model), 10, forget=False)

@@ -238,6 +238,7 @@ def test_two_processes_with_compiled_layer_parts_train_as_one_eager_process(tiny
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=5e-5)
 
 
+@pytest.mark.slow  # 18 s; the stop itself is checked in one process by default (tests/training/test_ppo.py)
 def test_two_processes_stop_at_the_target_kl_together_as_one(tiny_model_dir, tmp_path):
     """``algorithm.target_kl``: each process holds part of a mini-batch, and the mini-batch's KL (summed over
     the processes) stops the actor on both at the mini-batch where one process stops."""
