@@ -4,6 +4,7 @@ one placeholder per visual token, vision tokens never sampled, the latest images
 from __future__ import annotations
 
 import copy
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from turnrl.engine.images import prompt_images
 from turnrl.envs import make
 from turnrl.models.loading import load_processor
 from turnrl.chat.templates import QWEN3
-from turnrl.models.vision import ImageEncoder, content_digest
+from turnrl.models.vision import ImageEncoder, content_digest, encoded_bytes
 from turnrl.policy.interface import Completion, Policy
 from turnrl.policy.hf import HFPolicy
 from turnrl.rollout.context import EpisodeTokens
@@ -279,6 +280,71 @@ def test_thin_images_are_read_channels_last(processor):
     encoder = ImageEncoder(processor)
     (image,) = encoder.encode([np.zeros((3, 60, 3), dtype=np.uint8)])
     assert image.placeholder_tokens >= 1 and image.model_inputs["image_grid_thw"].shape == (1, 3)
+
+
+def sokoban_frames() -> list[np.ndarray]:
+    """Frames of visual Sokoban as a group plays them: every episode's start, a move into the wall (the same
+    frame again), a move, and the first frame met again in one call with new ones."""
+    env = make("Sokoban", size=6, num_boxes=1, mode="image")
+    frames = [env.reset(seed=3)[0]["image"]]
+    for action in env.action_names() * 2:
+        frames.append(env.step(action)[0]["image"])
+    return frames
+
+
+def assert_same_encoding(got, expected) -> None:
+    assert got.digest == expected.digest and got.placeholder_tokens == expected.placeholder_tokens
+    assert got.model_inputs.keys() == expected.model_inputs.keys()
+    for key, tensor in expected.model_inputs.items():
+        assert torch.equal(got.model_inputs[key], tensor) and got.model_inputs[key].dtype == tensor.dtype
+
+
+def test_an_image_met_again_is_taken_from_the_cache_as_it_was_first_encoded(processor):
+    frames = sokoban_frames()
+    calls = [[frames[0]], [frames[0]], *([frame] for frame in frames[1:]), [frames[2], frames[0], frames[2]], []]
+    plain, cached = ImageEncoder(processor, torch.bfloat16, cache_bytes=0), ImageEncoder(processor, torch.bfloat16)
+    for images in calls:
+        got, expected = cached.encode(images), plain.encode(images)
+        assert len(got) == len(expected) == len(images)
+        for a, b in zip(got, expected):
+            assert_same_encoding(a, b)
+        joined, joined_plain = cached.message_inputs(images), plain.message_inputs(images)
+        assert joined.token_counts == joined_plain.token_counts and joined.digests == joined_plain.digests
+        for key, tensor in joined_plain.model_inputs.items():
+            assert torch.equal(joined.model_inputs[key], tensor)
+    unique = len({content_digest([frame]) for frame in frames})
+    given = 2 * sum(len(images) for images in calls)  # encode and message_inputs each saw every call
+    within_calls = 2 * sum(len(images) - len({content_digest([image]) for image in images}) for images in calls)
+    assert 1 < unique < len(frames) and within_calls > 0  # the walls gave some frames twice
+    assert cached.images_processed == unique and cached.images_reused == given - unique
+    assert plain.images_processed == given - within_calls and plain.images_reused == within_calls
+
+
+def test_the_cache_keeps_at_most_its_bytes_dropping_the_least_recently_used(processor):
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.integers(0, 255, (56, 56, 3), dtype=np.uint8) for _ in range(3))
+    size = encoded_bytes(ImageEncoder(processor).encode([a])[0])
+    encoder = ImageEncoder(processor, cache_bytes=int(2.5 * size))  # room for two
+    processed = []
+    for image in (a, b, a, c, b, c, a):
+        before = encoder.images_processed
+        encoder.encode([image])
+        processed.append(encoder.images_processed - before)
+    # a, b; a met again (now the newest); c drops b; b again drops a; c met again; a again.
+    assert processed == [1, 1, 0, 1, 1, 0, 1]
+
+
+def test_encoders_shared_by_threads_give_each_image_its_own_encoding(processor):
+    frames = sokoban_frames()
+    expected = ImageEncoder(processor, cache_bytes=0).encode(frames)
+    encoder = ImageEncoder(processor)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda order: encoder.encode(frames if order % 2 else frames[::-1]),
+                                range(8)))
+    for order, got in enumerate(results):
+        for a, b in zip(got, expected if order % 2 else expected[::-1]):
+            assert_same_encoding(a, b)
+    assert encoder.images_processed + encoder.images_reused == 8 * len(frames)
 
 
 @pytest.mark.parametrize("patch_size, pixels", [(None, {}), (None, {"min_pixels": 56 * 56, "max_pixels": 84 * 84}),

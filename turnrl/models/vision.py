@@ -11,6 +11,10 @@ takes and what the model's forward needs for it (``pixel_values``,
 turns never re-tokenized. Each encoded image also carries its digest, the
 number that stands for it in the engine's cache keys, hashed once from the
 image rather than from its pixel values at every turn that shows it again.
+The encoder keeps the images it encoded by that digest (a bounded cache), so
+a picture seen again (the same start in every episode of a group, a move
+that changes nothing, the episodes of a settled policy that play alike) is
+not processed again.
 
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors are supported: their image
 processors return ``image_grid_thw`` and an image takes
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -64,8 +70,24 @@ def content_digest(arrays: Sequence[np.ndarray]) -> int:
     return -1 - (int.from_bytes(digest.digest(), "little") >> 1)
 
 
+ENCODED_CACHE_BYTES = 256 * 2**20
+"""What :class:`ImageEncoder` keeps of the images it encoded, at most: about 1,100 of visual Sokoban's 150x150
+frames in bf16 (100 patches each), or 100 of VisGym's 448x448 ones."""
+
+
+def encoded_bytes(image: EncodedImage) -> int:
+    """The bytes of an encoded image's model inputs."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in image.model_inputs.values())
+
+
 class ImageEncoder:
     """Encodes images with a VLM processor's image processor.
+
+    Images are kept by their :func:`content_digest`, the least recently used dropped past ``cache_bytes``, and
+    an image met again is not processed again: its encoding is the one made the first time (the processor
+    makes the same pixels from the same image). What :meth:`encode` returns is shared with the cache and later
+    calls: it is read, never written (:meth:`message_inputs` and :func:`join_inputs` make new tensors). The
+    encoder may be used from several threads (a rollout's env workers, a server's requests).
 
     Args:
         processor: a ``transformers`` processor with ``image_processor``, ``tokenizer`` and an image
@@ -74,9 +96,11 @@ class ImageEncoder:
             tower's first step casts its pixels to that dtype, so keeping them in it gives the same features
             from half the bytes of the processor's float32 (what a rollout's trajectories carry, gather across
             processes and move to the GPU).
+        cache_bytes: the most bytes of encoded images kept (0: none kept, every image processed).
     """
 
-    def __init__(self, processor: Any, pixel_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, processor: Any, pixel_dtype: torch.dtype = torch.float32,
+                 cache_bytes: int = ENCODED_CACHE_BYTES) -> None:
         image_processor = getattr(processor, "image_processor", None)
         if image_processor is None:
             raise ValueError(f"{type(processor).__name__} has no image processor: it cannot take images")
@@ -86,6 +110,14 @@ class ImageEncoder:
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
         self.merge_size = int(getattr(image_processor, "merge_size", 1))
         self.pixel_dtype = pixel_dtype
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[int, EncodedImage] = OrderedDict()
+        self._cached_bytes = 0
+        self._lock = threading.Lock()
+        self.images_processed = 0
+        """Images the processor encoded (each image :meth:`encode` was given, less those found in the cache)."""
+        self.images_reused = 0
+        """Images :meth:`encode` found in the cache, or earlier in the same call."""
 
     @property
     def special_token_ids(self) -> list[int]:
@@ -96,9 +128,35 @@ class ImageEncoder:
         return sorted({vocab[name] for name in names if name in vocab})
 
     def encode(self, images: Sequence[np.ndarray]) -> list[EncodedImage]:
-        """Each ``HxWx3`` uint8 image as model inputs and its placeholder count."""
+        """Each ``HxWx3`` uint8 image as model inputs and its placeholder count; images met before come from
+        the cache, the others are processed together."""
         if not images:
             return []
+        digests = [content_digest([np.asarray(image)]) for image in images]
+        with self._lock:
+            found = {digest: self._cache[digest] for digest in set(digests) if digest in self._cache}
+            for digest in found:
+                self._cache.move_to_end(digest)
+        new = {digest: index for index, digest in enumerate(digests) if digest not in found}  # first of each
+        made = self._process([images[index] for index in new.values()], list(new)) if new else []
+        found.update(zip(new, made))
+        self._keep(made, reused=len(images) - len(new))
+        return [found[digest] for digest in digests]
+
+    def _keep(self, made: list[EncodedImage], reused: int) -> None:
+        """Cache ``made``, then drop the least recently used images past :attr:`cache_bytes`; count them."""
+        with self._lock:
+            self.images_processed += len(made)
+            self.images_reused += reused
+            for image in made:
+                if image.digest not in self._cache:
+                    self._cache[image.digest] = image
+                    self._cached_bytes += encoded_bytes(image)
+            while self._cached_bytes > self.cache_bytes and self._cache:
+                self._cached_bytes -= encoded_bytes(self._cache.popitem(last=False)[1])
+
+    def _process(self, images: Sequence[np.ndarray], digests: Sequence[int]) -> list[EncodedImage]:
+        """``images`` through the image processor, in one call; ``digests`` are theirs."""
         # Channels last, always: a 3-pixel-high frame must not pass for a channels-first one.
         out = self.image_processor(images=list(images), return_tensors="pt", input_data_format="channels_last")
         if "image_grid_thw" not in out:
@@ -113,13 +171,16 @@ class ImageEncoder:
         encoded = []
         for index in range(len(images)):
             rows = slice(int(starts[index]), int(starts[index] + patches[index]))
+            inputs = {"pixel_values": pixels[rows], "image_grid_thw": grids[index : index + 1]}
+            if len(images) > 1:  # its own rows: views would keep the whole call's pixels alive in the cache
+                inputs = {key: tensor.clone() for key, tensor in inputs.items()}
             encoded.append(EncodedImage(
-                model_inputs={"pixel_values": pixels[rows], "image_grid_thw": grids[index : index + 1]},
+                model_inputs=inputs,
                 placeholder_tokens=int(patches[index]) // self.merge_size**2,
                 # The image, not its pixel values: the processor makes the same pixels from the same image, and
                 # the image is a fraction of their bytes (uint8 against one bf16 or float32 number a channel
                 # of each patch, and each patch twice, the processor's temporal pair).
-                digest=content_digest([np.asarray(images[index])]),
+                digest=digests[index],
             ))
         return encoded
 
