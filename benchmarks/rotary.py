@@ -9,8 +9,10 @@ float32 copies of the queries and keys in every layer of every pass. This times,
 - ``eager, float32 cos``: what the trainer runs without ``model.compile`` (transformers' ``apply_rotary_pos_emb``,
   then the cast);
 - ``compiled``: the same function and cast under ``torch.compile`` (the same float32 arithmetic, fused), for
-  static shapes; ``model.compile`` compiles the same function and cast in ``turnrl.models.loading.CompiledRotary``,
-  there for dynamic shapes, under autocast;
+  static shapes;
+- ``CompiledRotary``: what ``model.compile`` runs, ``turnrl.models.loading.CompiledRotary`` over transformers'
+  function, called under bf16 autocast as the trainer's passes call it (compiled for dynamic shapes, the cast
+  to the autocast dtype inside);
 - ``eager, bf16 cos``: cos and sin in bf16, as a bf16 model runs it (other rounding).
 
 It prints each one's milliseconds and its speed-up over the first, measured in the same run, and the largest
@@ -23,11 +25,17 @@ difference of each output from the first.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from turnrl.models.loading import CompiledRotary  # noqa: E402
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -44,6 +52,17 @@ def rotary_for_attention(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     """
     rotated_q, rotated_k = apply_rotary_pos_emb(q, k, cos, sin)
     return rotated_q.to(torch.bfloat16), rotated_k.to(torch.bfloat16)
+
+
+def under_autocast(rotary: Rotary) -> Rotary:
+    """``rotary`` called under bf16 autocast on its inputs' device, as the trainer's passes call attention."""
+
+    def call(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(q.device.type, dtype=torch.bfloat16):
+            return rotary(q, k, cos, sin)
+
+    return call
 
 
 def milliseconds(rotary: Rotary, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -94,6 +113,7 @@ def main() -> None:
     variants: list[tuple[str, Rotary, torch.Tensor, torch.Tensor]] = [
         ("eager, float32 cos", rotary_for_attention, cos, sin),
         ("compiled", torch.compile(rotary_for_attention, dynamic=False), cos, sin),
+        ("CompiledRotary", under_autocast(CompiledRotary(apply_rotary_pos_emb)), cos, sin),
         ("eager, bf16 cos", rotary_for_attention, cos.bfloat16(), sin.bfloat16()),
     ]
     print(f"one layer's rotary embedding: {t} tokens, {args.heads} query and {args.kv_heads} key heads of {d}, "
