@@ -283,8 +283,8 @@ def test_thin_images_are_read_channels_last(processor):
 
 
 def sokoban_frames() -> list[np.ndarray]:
-    """Frames of visual Sokoban as a group plays them: every episode's start, a move into the wall (the same
-    frame again), a move, and the first frame met again in one call with new ones."""
+    """Frames of visual Sokoban: a level's start, then each move in turn, twice (a move into a wall shows the
+    frame before it again)."""
     env = make("Sokoban", size=6, num_boxes=1, mode="image")
     frames = [env.reset(seed=3)[0]["image"]]
     for action in env.action_names() * 2:
