@@ -3,6 +3,7 @@ message, expanding image placeholders. (Whole episodes built from them: tests/ro
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from turnrl.chat.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
@@ -81,10 +82,49 @@ def test_remembered_heads_and_observations_are_the_templates_renderings(toks, na
     head = deltas.head(SYSTEM, "#####")
     head.append(-1)  # a caller's list is its own: the memo keeps the ids
     assert deltas.head(SYSTEM, "#####")[-1] != -1
-    hits = deltas._text_ids.cache_info().hits
+    hits = deltas._memo_ids.cache_info().hits
     named = {"role": "user", "content": "#####", "name": "env"}  # a field beyond role and text: not remembered
     assert deltas.observation(named) == encode(tok, deltas._observation_text(named))
-    assert deltas._text_ids.cache_info().hits == hits
+    assert deltas._memo_ids.cache_info().hits == hits
+
+
+def with_picture(picture, text: str) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": text}]}
+
+
+def test_messages_with_pictures_are_remembered_where_the_template_renders_any_picture_alike(tiny_vlm_dir):
+    """Qwen-VL's template writes one placeholder for any picture: a head or observation of a picture and a
+    caption is rendered once and remembered, whatever the picture; the ids are the template's rendering."""
+    from turnrl.models.loading import load_processor
+
+    tok = load_processor(tiny_vlm_dir).tokenizer
+    deltas = ChatTemplateDeltas(tok)
+    rng = np.random.default_rng(0)
+    pictures = [rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for h, w in ((150, 150), (60, 90), (150, 150))]
+    for picture in pictures:
+        for caption in ("The grid is shown above.", "Turn 2. The grid is shown above."):
+            message = with_picture(picture, caption)
+            assert deltas.head(SYSTEM, message) == encode(tok, deltas.render(deltas.opening(SYSTEM, message),
+                                                                             add_generation_prompt=True))
+            assert deltas.observation(message) == encode(tok, deltas._observation_text(message))
+    info = deltas._memo_ids.cache_info()
+    assert (info.misses, info.hits) == (4, 8)  # two captions, head and observation each: the pictures change nothing
+    two = {"role": "user", "content": [{"type": "image", "image": pictures[0]}, {"type": "image", "image": pictures[1]},
+                                       {"type": "text", "text": "Two pictures."}]}
+    assert deltas.head(SYSTEM, two) == encode(tok, deltas.render(deltas.opening(SYSTEM, two), add_generation_prompt=True))
+
+
+def test_a_template_for_text_alone_keeps_pictures_out_of_the_memo(toks):
+    """A template that refuses a list of parts gives no stand-in picture: messages of texts are still
+    remembered, and one with a picture fails in the template as before."""
+    template = ("{% for m in messages %}{% if m.content is not string %}{{ raise_exception('text only') }}"
+                "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    deltas = ChatTemplateDeltas(toks["chatml"], chat_template=template)
+    assert deltas.head(SYSTEM, "Look.") == deltas.head(SYSTEM, "Look.")
+    assert deltas._memo_ids.cache_info().hits == 1
+    with pytest.raises(Exception, match="text only"):
+        deltas.head(SYSTEM, with_picture(np.zeros((7, 4, 3), dtype=np.uint8), "Look."))
 
 
 def test_other_stop_id_counts_as_stopped(toks):

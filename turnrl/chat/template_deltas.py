@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, Any]
@@ -108,22 +109,52 @@ def expand_placeholders(ids: Sequence[int], placeholder_id: int, counts: Sequenc
 TEXT_MEMO_SIZE = 8192
 """Heads and observations whose ids a :class:`ChatTemplateDeltas` remembers (the least recently used go)."""
 
+MemoKey = tuple[tuple[str, "str | tuple[str, ...]"], ...]
+"""Messages as a memo keys them: ``(role, text)``, or ``(role, parts)`` with each part its text or
+:data:`IMAGE_PART` for an image."""
 
-def _text_key(messages: Sequence[Message]) -> tuple[tuple[str, str], ...] | None:
-    """``(role, content)`` of each message when every one is exactly a role and a text (what a memo of its
-    rendering may be keyed on); None for messages with images or other fields."""
-    if all(set(message) == {"role", "content"} and isinstance(message["content"], str) for message in messages):
-        return tuple((message["role"], message["content"]) for message in messages)
-    return None
+IMAGE_PART = "\0image"
+"""An image part in a :data:`MemoKey` (a text part is its text: a NUL never starts one a template renders)."""
+
+
+def _memo_key(messages: Sequence[Message], images: bool) -> MemoKey | None:
+    """What a memo of the messages' rendering may be keyed on, or None (not remembered): each message exactly a
+    role and a content, the content a text or, with ``images``, a list of text parts (``{"type": "text",
+    "text": str}``) and image parts (``{"type": "image", "image": ...}``: the picture itself is left out, for a
+    template that renders its placeholder alike for any picture)."""
+    key: list[tuple[str, str | tuple[str, ...]]] = []
+    for message in messages:
+        if set(message) != {"role", "content"}:
+            return None
+        content = message["content"]
+        if isinstance(content, str):
+            key.append((message["role"], content))
+            continue
+        if not images or not isinstance(content, list):
+            return None
+        parts = []
+        for part in content:
+            if not isinstance(part, dict):
+                return None
+            if set(part) == {"type", "text"} and part["type"] == "text" and isinstance(part["text"], str) \
+                    and not part["text"].startswith("\0"):
+                parts.append(part["text"])
+            elif set(part) == {"type", "image"} and part["type"] == "image":
+                parts.append(IMAGE_PART)
+            else:
+                return None
+        key.append((message["role"], tuple(parts)))
+    return tuple(key)
 
 
 class ChatTemplateDeltas:
     """Token pieces of a chat template, for building contexts incrementally.
 
-    Stateless once made but for a memo of the ids of text-only heads and
-    observations (a pure function of the messages: a rollout's episodes of a
-    group start from the same message and revisit states, and validation
-    replays its levels); :meth:`for_tokenizer` caches one per tokenizer and
+    Stateless once made but for a memo of the ids of heads and observations
+    of texts and pictures (a pure function of the messages, pictures left out
+    where the template renders any picture alike: a rollout's episodes of a
+    group start from the same message and revisit states, a picture's caption
+    repeats, and validation replays its levels); :meth:`for_tokenizer` caches one per tokenizer and
     template arguments. ``template_kwargs`` go to every render (e.g.
     ``enable_thinking=False`` for Qwen3 templates). A template without a
     system role (:attr:`system_role` False) gets the system message folded
@@ -137,7 +168,7 @@ class ChatTemplateDeltas:
         verify: check at construction that ``head + response + closing +
             observation`` agrees with the full render of a probe
             conversation (see :meth:`verify`); raise :class:`TemplateDeltaError` if not.
-        memo_size: text-only heads and observations whose ids are remembered (0: none).
+        memo_size: heads and observations whose ids are remembered (0: none).
         response_prefix: text every head and observation ends with after the generation prompt, which the
             response continues (:attr:`~turnrl.agent.formats.ResponseFormat.response_prefix`); encoded with the
             generation prompt, as a full render of the chat with the assistant message ``response_prefix +
@@ -177,8 +208,9 @@ class ChatTemplateDeltas:
         self.end_of_turn_index = self._find_end_of_turn()
         """Position in ``closing`` of the token a model samples to end its turn (0 for most templates)."""
         self._closing_lead_text = self._split_closing()
-        self._text_ids: Callable[[str, tuple[tuple[str, str], ...]], tuple[int, ...]] = lru_cache(maxsize=memo_size)(
-            lambda piece, key: tuple(self._rendered_ids(piece, [{"role": r, "content": c} for r, c in key])))
+        self._image_stand_in, self._images_in_memo = self._find_image_stand_in()
+        self._memo_ids: Callable[[str, MemoKey], tuple[int, ...]] = lru_cache(maxsize=memo_size)(
+            lambda piece, key: tuple(self._rendered_ids(piece, self._memo_messages(key))))
         self.matches_full_render: bool | None = None
         """True when the probe's incremental ids equal its full render; None if not verified."""
         if verify:
@@ -368,9 +400,29 @@ class ChatTemplateDeltas:
 
     def _ids(self, piece: str, messages: list[Message]) -> list[int]:
         """The ids of a ``head`` (of ``messages``) or an ``observation`` (of its one message): remembered for
-        text-only messages, a list of the caller's own."""
-        key = _text_key(messages)
-        return list(self._text_ids(piece, key)) if key is not None else self._rendered_ids(piece, messages)
+        messages of texts and pictures (:func:`_memo_key`), a list of the caller's own."""
+        key = _memo_key(messages, self._images_in_memo)
+        return list(self._memo_ids(piece, key)) if key is not None else self._rendered_ids(piece, messages)
+
+    def _memo_messages(self, key: MemoKey) -> list[Message]:
+        """Messages that render as the ones ``key`` was made from (each picture the stand-in)."""
+        return [{"role": role, "content": content if isinstance(content, str) else [
+            {"type": "image", "image": self._image_stand_in} if part == IMAGE_PART else {"type": "text", "text": part}
+            for part in content]} for role, content in key]
+
+    def _find_image_stand_in(self) -> tuple[Any, bool]:
+        """A picture to render remembered messages with, and whether pictures may be left out of the memo's
+        keys: when a user message renders alike with two pictures of other sizes and contents (Qwen-VL's
+        templates write one placeholder for any picture). A template that rejects or prints them keeps
+        messages with pictures out of the memo."""
+        pictures = [np.zeros((2, 3, 3), dtype=np.uint8), np.full((5, 4, 3), 255, dtype=np.uint8)]
+        try:
+            texts = {self.render([{"role": "user", "content": [{"type": "image", "image": picture},
+                                                               {"type": "text", "text": _BASE_USER}]}],
+                                 add_generation_prompt=True) for picture in pictures}
+        except Exception:  # a template for text alone may raise on a list of parts: nothing to remember then
+            return None, False
+        return pictures[0], len(texts) == 1
 
     def _rendered_ids(self, piece: str, messages: list[Message]) -> list[int]:
         text = self.render(messages, add_generation_prompt=True) if piece == "head" else \
