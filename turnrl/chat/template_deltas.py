@@ -120,8 +120,8 @@ IMAGE_PART = "\0image"
 def _memo_key(messages: Sequence[Message], images: bool) -> MemoKey | None:
     """What a memo of the messages' rendering may be keyed on, or None (not remembered): each message exactly a
     role and a content, the content a text or, with ``images``, a list of text parts (``{"type": "text",
-    "text": str}``) and image parts (``{"type": "image", "image": ...}``: the picture itself is left out, for a
-    template that renders its placeholder alike for any picture)."""
+    "text": str}``) and image parts (``{"type": "image", "image": array}``: the picture itself is left out, for
+    a template that renders its placeholder alike for any picture; a URL or a path stays out of the memo)."""
     key: list[tuple[str, str | tuple[str, ...]]] = []
     for message in messages:
         if set(message) != {"role", "content"}:
@@ -139,7 +139,7 @@ def _memo_key(messages: Sequence[Message], images: bool) -> MemoKey | None:
             if set(part) == {"type", "text"} and part["type"] == "text" and isinstance(part["text"], str) \
                     and not part["text"].startswith("\0"):
                 parts.append(part["text"])
-            elif set(part) == {"type", "image"} and part["type"] == "image":
+            elif set(part) == {"type", "image"} and part["type"] == "image" and isinstance(part["image"], np.ndarray):
                 parts.append(IMAGE_PART)
             else:
                 return None
