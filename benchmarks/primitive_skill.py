@@ -12,6 +12,12 @@ Rows, for each task (``align``, ``place``, ``stack``, ``drawer``):
   reset time is left out.
 - ``render NxN``: the front camera's image alone (offscreen OpenGL,
   ``MUJOCO_GL``; EGL by default), from the state after a reset.
+- ``predict, deep copy`` and ``predict, planning copy``: what the expert does
+  for a demo's predicted state (VAGEN's world-modeling field), in the image
+  mode at 256x256: copy the env after a reset, step the plan's first action
+  on the copy, read its facts; on a ``copy.deepcopy`` (which draws the frame
+  of its step, with a renderer of its own) and on ``env.planning_copy()``
+  (which draws none). The last line is their ratio for each task.
 
     python benchmarks/primitive_skill.py            # about 40 s
     python benchmarks/primitive_skill.py --quick    # about 10 s
@@ -22,10 +28,12 @@ Times come from ``time.perf_counter`` in one process and thread.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +80,21 @@ def measure(task: str, seconds: float) -> dict[str, float]:
         row[f"render {size}x{size}"] = rate(lambda i: viewer.image(), seconds)  # noqa: B023 - called right here
         viewer.close()
     env.close()
+    viewer = PrimitiveSkillEnv(task=task, mode="image", image_size=256)
+    viewer.reset(seed=0)
+    action = (viewer.solve() or ["pick(0,0,20)"])[0]
+
+    def predict(copy_env: Callable[[], PrimitiveSkillEnv]) -> Callable[[int], None]:
+        def call(i: int) -> None:
+            shadow = copy_env()
+            shadow.step(action)
+            shadow.state_facts().describe()
+            shadow.close()
+        return call
+
+    row["predict, deep copy"] = rate(predict(lambda: copy.deepcopy(viewer)), seconds)
+    row["predict, planning copy"] = rate(predict(viewer.planning_copy), seconds)
+    viewer.close()
     return row
 
 
@@ -86,9 +109,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
     rows = {task: measure(task, seconds) for task in TASKS}
     columns = list(next(iter(rows.values())))
-    print(f"{'task':<8}" + "".join(f"{c + '/s':>18}" for c in columns))
+    widths = [max(18, len(c) + 5) for c in columns]
+    print(f"{'task':<8}" + "".join(f"{c + '/s':>{w}}" for c, w in zip(columns, widths)))
     for task, row in rows.items():
-        print(f"{task:<8}" + "".join(f"{row[c]:>18,.1f}" for c in columns))
+        print(f"{task:<8}" + "".join(f"{row[c]:>{w},.1f}" for c, w in zip(columns, widths)))
+    print("a prediction on a planning copy against a deep copy: " + ", ".join(
+        f"{task} {row['predict, planning copy'] / row['predict, deep copy']:.1f}x" for task, row in rows.items()))
 
 
 if __name__ == "__main__":

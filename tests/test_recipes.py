@@ -56,8 +56,9 @@ def test_a_recipe_made_for_a_pretrained_model_declares_it(path):
     assert load_config(TrainConfig, path).model.expects_pretrained == ("model.path=" in command)
 
 
-# PrimitiveSkill's step takes 14 s on two cores (MuJoCo makes a renderer for every copy of the env the expert's
-# demos simulate); its env tests play it in the default run, and its recipe trains a step with the slow tests.
+# PrimitiveSkill's step takes 11-14 s on two cores (MuJoCo makes a renderer for each env, 0.15 s, and draws its
+# 256x256 frames at about 40 ms); its env tests play it in the default run, and its recipe trains a step with
+# the slow tests.
 SLOW_RECIPES = {"primitive_skill"}
 
 

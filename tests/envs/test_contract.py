@@ -135,3 +135,24 @@ def test_a_deep_copy_of_a_wrapped_env_keeps_its_state(registered):
     env.reset(seed=1)
     twin = copy.deepcopy(env)
     assert twin.state_key() == env.state_key() and twin.solve() == env.solve()
+
+
+@pytest.mark.parametrize(("env_id", "settings", "actions"), [
+    ("Sokoban", {"size": 6, "num_boxes": 1}, ["Up", "Left", "Down", "Right", "Left"]),
+    ("FrozenLake", {"size": 4}, ["Right", "Down", "Down", "Right"]),
+    ("PrimitiveSkill", {"task": "place", "image_size": 64}, None),
+])
+def test_a_planning_copy_plays_as_the_env_and_draws_no_images(env_id, settings, actions):
+    """The expert simulates its actions on a planning copy: every step's text, reward, ending, info and facts
+    are the env's own, but no picture is drawn (PrimitiveSkill's renderer is 0.15 s a copy); the env it was
+    copied from still draws its own."""
+    env = make(env_id, mode="image", **settings)
+    env.reset(seed=5)
+    shadow = env.planning_copy()
+    assert shadow.draws_images is False and env.draws_images is True
+    for action in actions if actions is not None else env.solve()[:2]:
+        (obs, *rest), (shadow_obs, *shadow_rest) = env.step(action), shadow.step(action)
+        assert "image" in obs and "image" not in shadow_obs and shadow_obs["text"] == obs["text"]
+        assert shadow_rest == rest
+        assert shadow.state_facts().describe() == env.state_facts().describe()
+    assert "image" in env.observation() and "image" not in shadow.observation()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-from turnrl.envs.contract import AgentEnv, optional_methods
+from turnrl.envs.contract import AgentEnv, TurnEnv, optional_methods
 
 
 def _state_text(env: AgentEnv) -> str:
@@ -20,8 +20,9 @@ def _state_text(env: AgentEnv) -> str:
 
 
 def _describe_after(env: AgentEnv, actions: list[str]) -> str:
-    """State facts after ``actions``, simulated on a copy of the env."""
-    shadow = copy.deepcopy(env)
+    """State facts after ``actions``, simulated on a copy of the env (one that draws no images, for a built-in
+    env)."""
+    shadow = env.planning_copy() if isinstance(env, TurnEnv) else copy.deepcopy(env)
     for action in actions:
         _, _, terminated, truncated, _ = shadow.step(action)
         if terminated or truncated:

@@ -36,6 +36,7 @@ handling of bad actions, so that every env behaves the same way:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import math
@@ -388,6 +389,8 @@ class TurnEnv(gym.Env[dict, str], OptionalMethods):
     """Settings that change what the env's texts look like (sizes, vocabularies): the built-in tokenizer's
     corpus plays each of them (:mod:`turnrl.models.builtin`, for the envs it names)."""
     invalid_action_reward: float = 0.0
+    draws_images: bool = True
+    """Whether an image mode's observations carry their image: False in a :meth:`planning_copy`."""
     invalid_step_truncates: ClassVar[bool] = True
     """Whether reaching ``max_steps`` with an invalid or illegal step truncates the episode. RAGEN's Sudoku and
     Spatial envs return ``done=False`` for such a step whatever the count, so those envs set False."""
@@ -501,9 +504,18 @@ class TurnEnv(gym.Env[dict, str], OptionalMethods):
     def observation(self) -> dict[str, Any]:
         """The observation of the current state, as ``reset`` and ``step`` return it."""
         obs: dict[str, Any] = {"text": self.text()}
-        if self.is_image_mode:
+        if self.is_image_mode and self.draws_images:
             obs["image"] = self.image()
         return obs
+
+    def planning_copy(self) -> TurnEnv:
+        """A deep copy to simulate moves on (the expert's predicted state after its actions): the same dynamics,
+        texts and facts, but its observations carry no image. A plan never looks at the picture, which a visual
+        env draws at every step: PrimitiveSkill's MuJoCo scene makes a renderer for each copy (0.15 s on two CPU
+        cores) and takes about 40 ms a frame."""
+        shadow = copy.deepcopy(self)
+        shadow.draws_images = False
+        return shadow
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
