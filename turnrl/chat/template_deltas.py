@@ -116,6 +116,10 @@ MemoKey = tuple[tuple[str, "str | tuple[str, ...]"], ...]
 IMAGE_PART = "\0image"
 """An image part in a :data:`MemoKey` (a text part is its text: a NUL never starts one a template renders)."""
 
+_PROBE_PICTURES = (np.zeros((2, 3, 3), dtype=np.uint8), np.full((5, 4, 3), 255, dtype=np.uint8))
+"""Two pictures of other sizes and contents: a template that renders them alike renders any picture alike; the
+first stands in for the pictures of remembered messages."""
+
 
 def _memo_key(messages: Sequence[Message], images: bool) -> MemoKey | None:
     """What a memo of the messages' rendering may be keyed on, or None (not remembered): each message exactly a
@@ -208,7 +212,7 @@ class ChatTemplateDeltas:
         self.end_of_turn_index = self._find_end_of_turn()
         """Position in ``closing`` of the token a model samples to end its turn (0 for most templates)."""
         self._closing_lead_text = self._split_closing()
-        self._image_stand_in, self._images_in_memo = self._find_image_stand_in()
+        self._images_in_memo = self._renders_any_picture_alike()
         self._memo_ids: Callable[[str, MemoKey], tuple[int, ...]] = lru_cache(maxsize=memo_size)(
             lambda piece, key: tuple(self._rendered_ids(piece, self._memo_messages(key))))
         self.matches_full_render: bool | None = None
@@ -405,24 +409,23 @@ class ChatTemplateDeltas:
         return list(self._memo_ids(piece, key)) if key is not None else self._rendered_ids(piece, messages)
 
     def _memo_messages(self, key: MemoKey) -> list[Message]:
-        """Messages that render as the ones ``key`` was made from (each picture the stand-in)."""
+        """Messages that render as the ones ``key`` was made from (each picture a stand-in)."""
+        picture = _PROBE_PICTURES[0]
         return [{"role": role, "content": content if isinstance(content, str) else [
-            {"type": "image", "image": self._image_stand_in} if part == IMAGE_PART else {"type": "text", "text": part}
+            {"type": "image", "image": picture} if part == IMAGE_PART else {"type": "text", "text": part}
             for part in content]} for role, content in key]
 
-    def _find_image_stand_in(self) -> tuple[Any, bool]:
-        """A picture to render remembered messages with, and whether pictures may be left out of the memo's
-        keys: when a user message renders alike with two pictures of other sizes and contents (Qwen-VL's
-        templates write one placeholder for any picture). A template that rejects or prints them keeps
-        messages with pictures out of the memo."""
-        pictures = [np.zeros((2, 3, 3), dtype=np.uint8), np.full((5, 4, 3), 255, dtype=np.uint8)]
+    def _renders_any_picture_alike(self) -> bool:
+        """Whether pictures may be left out of the memo's keys: a user message renders alike with each of
+        :data:`_PROBE_PICTURES` (Qwen-VL's templates write one placeholder for any picture). A template that
+        rejects or prints them keeps messages with pictures out of the memo."""
         try:
             texts = {self.render([{"role": "user", "content": [{"type": "image", "image": picture},
                                                                {"type": "text", "text": _BASE_USER}]}],
-                                 add_generation_prompt=True) for picture in pictures}
+                                 add_generation_prompt=True) for picture in _PROBE_PICTURES}
         except Exception:  # a template for text alone may raise on a list of parts: nothing to remember then
-            return None, False
-        return pictures[0], len(texts) == 1
+            return False
+        return len(texts) == 1
 
     def _rendered_ids(self, piece: str, messages: list[Message]) -> list[int]:
         text = self.render(messages, add_generation_prompt=True) if piece == "head" else \
