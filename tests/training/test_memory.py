@@ -249,6 +249,18 @@ def test_a_run_sharing_the_card_is_checked_against_its_share(tmp_path, tokenizer
     assert check_memory(config, path, torch.device("cuda"), 4).device_bytes == 40 * GIB
 
 
+def test_an_sft_start_is_not_checked_for_the_update_it_never_runs(tmp_path, tokenizer, monkeypatch):
+    """``run.steps=0`` (an SFT start) has no RL update: the RL estimate (here the 3B recipe on a fifth of an
+    80 GB card, which does not fit) does not stop it; its SFT stage checks its own micro-batches."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+    path = _saved_config(tmp_path / "3b", preset_config("3b", tokenizer))
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", ["run.gpu_share=0.2"])
+    with pytest.raises(ConfigError, match="does not fit|needs about"):
+        check_memory(config, path, torch.device("cuda"), 1)
+    config.run.steps = 0
+    assert check_memory(config, path, torch.device("cuda"), 1) is None
+
+
 def test_a_cache_that_holds_fewer_sequences_than_a_step_plays_is_named_with_what_gives_it_room(tmp_path, tokenizer):
     """The 3B recipe without checkpointing at 8k-token micro-batches on 4 H100s: the update left the cache
     0.5 GiB, 3 rows of 4,096 tokens, and 32 episodes a process rolled out 3 at a time (docs/benchmarks.md); the

@@ -703,15 +703,18 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
                  processes: int) -> MemoryEstimate | None:
     """Estimate each GPU's peak and stop a run that cannot fit, before any model loads.
 
-    The GPU's memory is ``run.gpu_share`` of its total (several runs sharing a card).
+    The GPU's memory is ``run.gpu_share`` of its total (several runs sharing a card). A run of no RL steps (an
+    SFT start, ``run.steps=0``) has no update to fit: its SFT stage checks its own micro-batches against its
+    longest sample (:func:`check_sft_memory`) once the demos are made.
 
     Returns:
-        The estimate on a GPU (logged with the run); None on a CPU or with ``run.check_memory=false``.
+        The estimate on a GPU (logged with the run); None on a CPU, with ``run.check_memory=false`` or with no
+        RL steps.
 
     Raises:
         ConfigError: the estimate exceeds the GPU's memory: the parts and what to turn on.
     """
-    if device.type != "cuda" or not config.run.check_memory:
+    if device.type != "cuda" or not config.run.check_memory or config.run.steps == 0:
         return None
     try:
         counts = count_recipe_model(config, model_path)
