@@ -38,7 +38,8 @@ from turnrl.training.commands import train
 from turnrl.training.train_config import CollapseConfig, TrainConfig
 from turnrl.training.ppo import MicroBatching, batched_logprobs
 from turnrl.training.seeding import step_seed
-from turnrl.training.trainer import StepOutput, Trainer
+from turnrl.training.step_episodes import StepOutput
+from turnrl.training.trainer import Trainer
 
 RAGEN = get_format("ragen")
 """The prompt ends with <think> and the model writes the rest (RAGEN's ``ctx_manager``)."""
@@ -431,7 +432,8 @@ import torch
 from turnrl.config import load_config
 from turnrl.training import ranks
 from turnrl.training.train_config import TrainConfig
-from turnrl.training.trainer import StepOutput, Trainer
+from turnrl.training.step_episodes import StepOutput
+from turnrl.training.trainer import Trainer
 from tests.training.test_collapse_watch import rollout
 
 torch.set_num_threads(1)

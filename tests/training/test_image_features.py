@@ -211,7 +211,7 @@ def test_a_pass_over_rows_without_images_runs_as_the_text_model(vlm, packed):
 def test_the_trainer_stores_features_only_for_a_frozen_tower(vlm):
     from turnrl.config import load_config
     from turnrl.training.train_config import TrainConfig
-    from turnrl.training.trainer import encodes_images_once
+    from turnrl.training.scoring import encodes_images_once
 
     batch = image_batch(vlm)
     text = collate([Sample([5, 6, 7], [0, 1, 1], [0.0] * 3, [2], [1.0], episode=0, group=0)], pad_id=2)

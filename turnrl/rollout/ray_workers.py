@@ -6,7 +6,7 @@
       <- trajectories in the slots' order  <-   Rollout.run over its own envs: trajectories, timings
 
 :class:`RayRollout` has the interface the trainer uses of :class:`~turnrl.rollout.runner.Rollout`
-(``run(slots, sampling)``, ``timings``, ``rewards.metrics()``), so :func:`turnrl.training.trainer.collect`
+(``run(slots, sampling)``, ``timings``, ``rewards.metrics()``), so :func:`turnrl.training.step_episodes.collect`
 takes either. The slots are split by whole groups (a group's episodes are compared with each other, so they
 play on one worker) and the parts play in parallel; only the slots' seeds, groups and options travel, each
 worker plays them on envs of its own (built in its process, on env servers, or in env workers of its own).

@@ -52,8 +52,9 @@ from turnrl.training.memory_trace import recorded
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import RunLock, resumed_checkpoint, run_directory, run_lock, start_run
 from turnrl.training.sft import sft_stage
+from turnrl.training.step_episodes import StepOutput
 from turnrl.training.train_config import TrainConfig
-from turnrl.training.trainer import StepOutput, Trainer, console
+from turnrl.training.trainer import Trainer, console
 from turnrl.viz.records import write_token_advantages
 from turnrl.viz.report import REPORT_NAME, write_report
 

@@ -9,10 +9,13 @@ One step reads top to bottom in :meth:`Trainer.roll_out` and :meth:`Trainer.upda
     ones reported as a mismatch) -> reference logprobs -> values -> advantages
     -> PPO epochs for actor and critic -> metrics
 
-Each phase is a function that takes values (:func:`collect`,
-:func:`select_trajectories`, :func:`make_batch`, :func:`score_batch`, then
+Each phase is a function that takes values: the episodes in :mod:`turnrl.training.step_episodes`
+(:func:`~turnrl.training.step_episodes.collect`, :func:`~turnrl.training.step_episodes.select_trajectories`,
+DAPO's :func:`~turnrl.training.step_episodes.dynamic_sample`), the batch and its scores in
+:mod:`turnrl.training.scoring` (:func:`~turnrl.training.scoring.make_batch`,
+:func:`~turnrl.training.scoring.score_batch`), then
 :func:`~turnrl.training.batch_advantages.compute_advantages` and
-:func:`~turnrl.training.ppo.ppo_epochs`). What varies between runs is two parts the
+:func:`~turnrl.training.ppo.ppo_epochs`. What varies between runs is two parts the
 trainer is given (:mod:`turnrl.training.compose` picks them): a
 :class:`~turnrl.training.backends.backend.RolloutBackend` (episodes here, on each
 ``torchrun`` process's share, on Ray workers, or a batch ahead in a thread) and a
@@ -36,7 +39,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +47,8 @@ from rich.markup import escape
 from torch.distributed.tensor import DTensor
 
 from turnrl.agent.formats import get_format
-from turnrl.algorithms import GroupStats, group_stats, kl_penalty, seeded_group_scores, select_groups
+from turnrl.algorithms import kl_penalty
 from turnrl.config import ConfigError, SamplingConfig, load_config, to_yaml
-from turnrl.engine.weights import ImageFeatures
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
 from turnrl.models.devices import resolve_dtype
@@ -66,7 +67,7 @@ from turnrl.policy.factory import rollout_policies
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
-from turnrl.rollout.runner import EpisodeSlot, Rollout
+from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
 from turnrl.training.backends.backend import (
@@ -76,7 +77,7 @@ from turnrl.training.backends.backend import (
     RolloutParts,
     WeightsVersion,
 )
-from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
+from turnrl.training.batch import Batch
 from turnrl.training.batch_advantages import compute_advantages
 from turnrl.training.checkpoint import (
     atomic_write_text,
@@ -101,11 +102,13 @@ from turnrl.training.parallel.strategy import (
     ParallelStrategy,
     has_sharded_optimizers,
 )
-from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
+from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config, write_resumed_config
 from turnrl.training.schedules import lr_factor
+from turnrl.training.scoring import TokenScores, check_rows, encodes_images_once, make_batch, score_batch
 from turnrl.training.seeding import level_plan_change, step_seed
+from turnrl.training.step_episodes import StepOutput, collect, play_step
 from turnrl.training.throughput import (
     mfu,
     peak_flops,
@@ -115,145 +118,14 @@ from turnrl.training.throughput import (
     training_flops_per_token,
     vision_training_flops,
 )
-from turnrl.training.train_config import AlgorithmConfig, FilterConfig, TrainConfig
+from turnrl.training.train_config import TrainConfig
 from turnrl.viz.records import token_advantage_records
 
 # The process's console, shared with the commands around the steps and made before any strategy: rank 0 speaks.
 console = RunConsole(quiet=not ranks.is_main())
 
 
-@dataclass
-class StepOutput:
-    """What one RL step (or one validation) produced."""
-
-    metrics: dict[str, float]
-    trajectories: list[Trajectory] = field(default_factory=list)
-    token_advantages: list[dict[str, Any]] = field(default_factory=list)
-    """Lines of ``trajectories/step_NNNNNN.advantages.jsonl`` (see :mod:`turnrl.viz.records`), on the steps
-    whose trajectories are written."""
-    image_features: dict[int, ImageFeatures] = field(default_factory=dict)
-    """A rollout's: the features its engine computed for the episodes' images, by digest, which the update's
-    passes reuse (:attr:`~turnrl.training.backends.backend.StepRollout.image_features`)."""
-
-
-# --------------------------------------------------------------------------- the phases of a step
-def collect(
-    rollout: EpisodeRunner, slots: list[EpisodeSlot], sampling: SamplingConfig, precision: AbstractContextManager
-) -> StepOutput:
-    """Play the slots' episodes; metrics of the rollout, its timings and throughput."""
-    start = time.time()
-    with precision:
-        trajectories = rollout.run(slots, sampling)
-    metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
-    # What the reward functions report about this rollout (state rewards: match, judge calls and errors).
-    metrics.update({f"rewards/{k}": v for k, v in rollout.rewards.metrics().items()})
-    metrics["timing/rollout_s"] = time.time() - start
-    metrics["timing/generate_s"] = rollout.timings.generate_s
-    metrics["timing/env_s"] = rollout.timings.env_s
-    metrics.update({f"generation/{name}": value for name, value in rollout.timings.policy_work.items()})
-    generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
-    metrics["throughput/generated_tokens_per_s"] = generated / max(rollout.timings.generate_s, 1e-9)
-    return StepOutput(metrics, trajectories)
-
-
-def rewards_and_groups(trajectories: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shapes (n,), (n,): each episode's total reward (float64) and its group."""
-    return (torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64),
-            torch.tensor([t.group for t in trajectories]))
-
-
-def group_spread_metrics(stats: GroupStats) -> dict[str, float]:
-    """How much the groups' rewards differ: the mean in-group std and the share of groups whose episodes all
-    score alike (no episode advantage; what holds a run that stops rising)."""
-    return {
-        "rollout/in_group_reward_std": float(stats.std.mean()),
-        "rollout/zero_variance_groups": float((stats.std == 0).float().mean()),
-    }
-
-
-def select_trajectories(trajectories: list[Trajectory], config: FilterConfig) -> tuple[list[int], dict[str, float]]:
-    """StarPO-S: the indices of the trajectories to train on (kept groups, no errors), and the filter's metrics.
-
-    An empty list means: skip the update.
-    """
-    rewards, groups = rewards_and_groups(trajectories)
-    metrics = group_spread_metrics(group_stats(rewards, groups))
-    # FilterConfig.value above 1 is a count of groups, at most 1 a share.
-    value: float | int = int(config.value) if config.method == "top_k" and config.value > 1 else config.value
-    scores = None  # select_groups scores a group by its reward std unless given other scores
-    if config.metric == "random":
-        scores = seeded_group_scores(torch.tensor([t.seed for t in trajectories]), groups)
-    elif config.metric != "reward_std":
-        per_sample = rewards if config.metric == "reward_mean" else torch.tensor(
-            [float(sum(len(turn.response_ids) for turn in t.turns)) for t in trajectories])
-        scores = group_stats(per_sample, groups).mean
-    selection = select_groups(groups, rewards=rewards, scores=scores, strategy=config.method, value=value,
-                              weighting=config.weighting, drop_zero_variance=config.drop_zero_variance,
-                              on_empty=config.on_empty)
-    metrics["filter/kept_ratio"] = selection.kept_ratio
-    keep = [i for i, t in enumerate(trajectories) if bool(selection.keep_mask[i]) and t.trainable]
-    if selection.skip_step:
-        keep = []
-    metrics["filter/skipped_step"] = float(not keep)
-    return keep, metrics
-
-
-def varied_groups(trajectories: list[Trajectory]) -> list[int]:
-    """The groups, in order, whose rewards differ and whose episodes are all trainable (dynamic sampling)."""
-    stats = group_stats(*rewards_and_groups(trajectories))
-    broken = {t.group for t in trajectories if not t.trainable}
-    return [int(g) for g, std in zip(stats.group_ids, stats.std) if std > 0 and int(g) not in broken]
-
-
-def dynamic_sample(
-    rollout: EpisodeRunner, groups: EnvGroups, step: int, config: TrainConfig, precision: AbstractContextManager
-) -> tuple[StepOutput, list[int]]:
-    """DAPO's dynamic sampling: roll out rounds of groups until ``n_groups`` of them have varied rewards,
-    or the extra rounds run out; returns every trajectory played and the indices of those to train on
-    (the first ``n_groups`` varied groups)."""
-    algo, n_groups = config.algorithm, config.groups.n_groups
-    rounds = 1 + algo.dynamic_sampling_rounds
-    outputs = [collect(rollout, groups.train_slots(step, 0, rounds), config.sampling, precision)]
-    trajectories = list(outputs[0].trajectories)
-    while len(varied_groups(trajectories)) < n_groups and len(outputs) < rounds:
-        slots = groups.train_slots(step, len(outputs), rounds, first_group=len(outputs) * n_groups)
-        outputs.append(collect(rollout, slots, config.sampling, precision))
-        trajectories += outputs[-1].trajectories
-    chosen = set(varied_groups(trajectories)[:n_groups])
-    keep = [i for i, t in enumerate(trajectories) if t.group in chosen]
-    metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
-    # Over every group played, so that the share alike reads as it does without dynamic sampling.
-    metrics.update(group_spread_metrics(group_stats(*rewards_and_groups(trajectories))))
-    for key in {key for output in outputs for key in output.metrics if key.startswith("rewards/")}:
-        # Each round reported its own; their mean (counts too: per round) stands for the step.
-        metrics[key] = sum(output.metrics.get(key, 0.0) for output in outputs) / len(outputs)
-    for key in ("timing/rollout_s", "timing/generate_s", "timing/env_s"):
-        metrics[key] = sum(output.metrics[key] for output in outputs)
-    generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
-    metrics["throughput/generated_tokens_per_s"] = generated / max(metrics["timing/generate_s"], 1e-9)
-    metrics["rollout/dynamic_extra_rounds"] = float(len(outputs) - 1)
-    metrics["rollout/dynamic_kept_groups"] = float(len(chosen))
-    metrics["filter/skipped_step"] = float(not keep)
-    return StepOutput(metrics, trajectories), keep
-
-
-def play_step(
-    runner: EpisodeRunner, groups: EnvGroups, step: int, config: TrainConfig, precision: AbstractContextManager
-) -> tuple[StepOutput, list[int]]:
-    """1-2: the episodes of ``step`` and the indices of those to train on (empty: skip the update): rounds of
-    groups until enough of them have varied rewards (DAPO), or one round and the StarPO-S filter. Seeded by
-    the step, so that whichever backend plays it, and when, it draws the same numbers."""
-    torch.manual_seed(step_seed(config.seeds.seed, step))
-    algo = config.algorithm
-    if algo.dynamic_sampling:
-        return dynamic_sample(runner, groups, step, config, precision)
-    rollout = collect(runner, groups.train_slots(step), config.sampling, precision)
-    # 2. filter groups (StarPO-S), drop errored episodes
-    keep, filter_metrics = select_trajectories(rollout.trajectories, algo.filter)
-    rollout.metrics.update(filter_metrics)
-    return rollout, keep
-
-
+# --------------------------------------------------------------------------- the trainer
 def rollout_memory_metrics(rollout_peak: float | None, metrics: dict[str, float], runs_ahead: bool
                            ) -> dict[str, float]:
     """The peak memory of a step's rollout on the trainer's device, and the step's peak (scores and update in
@@ -266,93 +138,6 @@ def rollout_memory_metrics(rollout_peak: float | None, metrics: dict[str, float]
                                              metrics.get("memory/update_peak_gib", 0.0))}
 
 
-def make_batch(trajectories: list[Trajectory], keep: list[int], sample_mode: str, pad_id: int,
-               device: torch.device) -> Batch:
-    """The kept trajectories as padded training tensors (one sample per episode or per turn)."""
-    make_samples = trajectory_samples if sample_mode == "trajectory" else turn_samples
-    return collate(make_samples([trajectories[i] for i in keep], keep), pad_id).to(device)
-
-
-def encodes_images_once(config: TrainConfig, batch: Batch) -> bool:
-    """Whether a step's passes share one store of image features (:mod:`~turnrl.training.image_features`): a
-    batch with images, a frozen tower and ``model.encode_images_once`` (under FSDP a frozen tower is held whole
-    by every process, so a process that finds its images stored skips no collective:
-    :func:`~turnrl.training.parallel.fsdp2.shard_model`)."""
-    return (config.model.encode_images_once and not config.model.train_vision
-            and "pixel_values" in batch.model_inputs)
-
-
-@dataclass
-class TokenScores:
-    """The log-probs and values of a batch's tokens, from forward passes without gradient, all Shape (b, s)."""
-
-    old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor | None
-    values: torch.Tensor | None
-    metrics: dict[str, float]
-
-
-def score_batch(
-    batch: Batch,
-    actor: torch.nn.Module,
-    reference: torch.nn.Module | None,
-    critic: ValueModel | None,
-    config: AlgorithmConfig,
-    temperature: float,
-    checked: Batch | None,
-    precision: AbstractContextManager,
-    passes: Callable[[int], int] = lambda n: n,
-) -> TokenScores:
-    """PPO's old logprobs, the reference's logprobs (when there is a KL), the critic's values.
-
-    ``reference`` None with a KL means LoRA: the reference is the actor with its adapters off. ``checked``: with
-    the sampler's log-probs as PPO's old ones, the rows recomputed to watch how far they drift
-    (:func:`check_rows`). ``passes``: see :func:`~turnrl.training.ppo.batched_logprobs` (data parallel).
-    """
-    metrics: dict[str, float] = {}
-    start = time.time()
-    micro = MicroBatching.of(config)
-    with precision:
-        if config.old_logprobs == "recompute":
-            old_logprobs = batched_logprobs(actor, batch, micro, temperature, passes)
-            checked, recomputed = batch, old_logprobs
-        else:
-            # The sampler's logprobs are PPO's old logprobs; recomputing one micro-batch is enough to
-            # watch how far training's forward pass drifts from the sampler's (bf16, kernels, padding).
-            old_logprobs = batch.sampler_logprobs
-            assert checked is not None, "score_batch with sampler log-probs recomputes the checked rows"
-            recomputed = batched_logprobs(actor, checked, micro, temperature, passes)
-        checked_tokens = checked.loss_mask.sum().clamp(min=1)
-        metrics["actor/logprob_mismatch"] = float(
-            ((recomputed - checked.sampler_logprobs).abs() * checked.loss_mask).sum() / checked_tokens
-        )
-        metrics["timing/old_logprobs_s"] = time.time() - start
-        ref_logprobs = None
-        if config.kl_coef > 0:
-            start = time.time()
-            if reference is None:
-                with actor.disable_adapter():  # type: ignore[operator]
-                    ref_logprobs = batched_logprobs(actor, batch, micro, temperature, passes)
-            else:
-                ref_logprobs = batched_logprobs(reference, batch, micro, temperature, passes)
-            metrics["timing/reference_s"] = time.time() - start
-        values = None
-        if critic is not None:
-            start = time.time()
-            values = batched_values(critic, batch, micro, passes)
-            metrics["timing/values_s"] = time.time() - start
-    return TokenScores(old_logprobs, ref_logprobs, values, metrics)
-
-
-def check_rows(n: int, config: AlgorithmConfig, generator: torch.Generator) -> torch.Tensor | None:
-    """The rows of a batch of ``n`` whose sampler log-probs are recomputed (one micro-batch, drawn from the
-    step's generator before the PPO epochs shuffle); None when every old log-prob is recomputed."""
-    if config.old_logprobs == "recompute":
-        return None
-    return torch.randperm(n, generator=generator)[: config.micro_batch_size].sort().values
-
-
-# --------------------------------------------------------------------------- the trainer
 def vision_module_pattern(model: torch.nn.Module) -> str | None:
     """A regex of the vision encoder's module names (for LoRA's ``exclude_modules``), None for text models."""
     tower = vision_tower(model)

@@ -24,7 +24,8 @@ from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.backends.asynchronous import AsyncRollout, RolloutThreadError
 from turnrl.training.backends.local import LocalRollout
 from turnrl.training.train_config import TrainConfig
-from turnrl.training.trainer import StepOutput, Trainer, rollout_memory_metrics
+from turnrl.training.step_episodes import StepOutput
+from turnrl.training.trainer import Trainer, rollout_memory_metrics
 
 COMMON = [*TRAINER_COMMON, "run.steps=3"]  # the trainer tests' short FrozenLake run, one step longer
 TIS = ["algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0"]

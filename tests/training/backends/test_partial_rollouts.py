@@ -20,7 +20,8 @@ from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.backends.asynchronous import turn_staleness
 from turnrl.training.backends.backend import EpisodeRunner, WeightsVersion
 from turnrl.training.ppo import MicroBatching, batched_logprobs
-from turnrl.training.trainer import Trainer, make_batch
+from turnrl.training.scoring import make_batch
+from turnrl.training.trainer import Trainer
 
 PARTIAL = "distributed.partial_rollouts=true"
 # Measurements of the machine rather than of the run (the asynchronous backend's among them).

@@ -1,0 +1,108 @@
+"""From a step's kept episodes to what its update needs: the padded batch, and each token's scores (PPO's old
+log-probs, the reference's, the critic's values) from passes without gradient.
+
+    make_batch(trajectories, keep, ...) -> Batch
+    score_batch(batch, actor, reference, critic, ...) -> TokenScores
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from turnrl.rollout.trajectory import Trajectory
+from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
+from turnrl.training.model_passes import ValueModel
+from turnrl.training.ppo import MicroBatching, batched_logprobs, batched_values
+from turnrl.training.train_config import AlgorithmConfig, TrainConfig
+
+
+def make_batch(trajectories: list[Trajectory], keep: list[int], sample_mode: str, pad_id: int,
+               device: torch.device) -> Batch:
+    """The kept trajectories as padded training tensors (one sample per episode or per turn)."""
+    make_samples = trajectory_samples if sample_mode == "trajectory" else turn_samples
+    return collate(make_samples([trajectories[i] for i in keep], keep), pad_id).to(device)
+
+
+def encodes_images_once(config: TrainConfig, batch: Batch) -> bool:
+    """Whether a step's passes share one store of image features (:mod:`~turnrl.training.image_features`): a
+    batch with images, a frozen tower and ``model.encode_images_once`` (under FSDP a frozen tower is held whole
+    by every process, so a process that finds its images stored skips no collective:
+    :func:`~turnrl.training.parallel.fsdp2.shard_model`)."""
+    return (config.model.encode_images_once and not config.model.train_vision
+            and "pixel_values" in batch.model_inputs)
+
+
+@dataclass
+class TokenScores:
+    """The log-probs and values of a batch's tokens, from forward passes without gradient, all Shape (b, s)."""
+
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
+    values: torch.Tensor | None
+    metrics: dict[str, float]
+
+
+def score_batch(
+    batch: Batch,
+    actor: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    critic: ValueModel | None,
+    config: AlgorithmConfig,
+    temperature: float,
+    checked: Batch | None,
+    precision: AbstractContextManager,
+    passes: Callable[[int], int] = lambda n: n,
+) -> TokenScores:
+    """PPO's old logprobs, the reference's logprobs (when there is a KL), the critic's values.
+
+    ``reference`` None with a KL means LoRA: the reference is the actor with its adapters off. ``checked``: with
+    the sampler's log-probs as PPO's old ones, the rows recomputed to watch how far they drift
+    (:func:`check_rows`). ``passes``: see :func:`~turnrl.training.ppo.batched_logprobs` (data parallel).
+    """
+    metrics: dict[str, float] = {}
+    start = time.time()
+    micro = MicroBatching.of(config)
+    with precision:
+        if config.old_logprobs == "recompute":
+            old_logprobs = batched_logprobs(actor, batch, micro, temperature, passes)
+            checked, recomputed = batch, old_logprobs
+        else:
+            # The sampler's logprobs are PPO's old logprobs; recomputing one micro-batch is enough to
+            # watch how far training's forward pass drifts from the sampler's (bf16, kernels, padding).
+            old_logprobs = batch.sampler_logprobs
+            assert checked is not None, "score_batch with sampler log-probs recomputes the checked rows"
+            recomputed = batched_logprobs(actor, checked, micro, temperature, passes)
+        checked_tokens = checked.loss_mask.sum().clamp(min=1)
+        metrics["actor/logprob_mismatch"] = float(
+            ((recomputed - checked.sampler_logprobs).abs() * checked.loss_mask).sum() / checked_tokens
+        )
+        metrics["timing/old_logprobs_s"] = time.time() - start
+        ref_logprobs = None
+        if config.kl_coef > 0:
+            start = time.time()
+            if reference is None:
+                with actor.disable_adapter():  # type: ignore[operator]
+                    ref_logprobs = batched_logprobs(actor, batch, micro, temperature, passes)
+            else:
+                ref_logprobs = batched_logprobs(reference, batch, micro, temperature, passes)
+            metrics["timing/reference_s"] = time.time() - start
+        values = None
+        if critic is not None:
+            start = time.time()
+            values = batched_values(critic, batch, micro, passes)
+            metrics["timing/values_s"] = time.time() - start
+    return TokenScores(old_logprobs, ref_logprobs, values, metrics)
+
+
+def check_rows(n: int, config: AlgorithmConfig, generator: torch.Generator) -> torch.Tensor | None:
+    """The rows of a batch of ``n`` whose sampler log-probs are recomputed (one micro-batch, drawn from the
+    step's generator before the PPO epochs shuffle); None when every old log-prob is recomputed."""
+    if config.old_logprobs == "recompute":
+        return None
+    return torch.randperm(n, generator=generator)[: config.micro_batch_size].sort().values
+
