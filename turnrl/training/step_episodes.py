@@ -4,7 +4,8 @@
 
 One round of groups and RAGEN's StarPO-S filter (:func:`select_trajectories`), or DAPO's dynamic sampling: rounds
 of groups until enough of them have rewards that differ (:func:`dynamic_sample`). Each is a function of values;
-the trainer (:mod:`turnrl.training.trainer`) calls :func:`play_step` through its rollout backend.
+the trainer (:mod:`turnrl.training.trainer`) hands :func:`play_step` to its rollout backend, which plays it
+here and now or a step ahead in its own thread.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ class StepOutput:
     image_features: dict[int, ImageFeatures] = field(default_factory=dict)
     """A rollout's: the features its engine computed for the episodes' images, by digest, which the update's
     passes reuse (:attr:`~turnrl.training.backends.backend.StepRollout.image_features`)."""
-
 
 
 def collect(

@@ -506,7 +506,8 @@ class Trainer:
 
     def roll_out(self, step: int) -> tuple[StepOutput, list[int]]:
         """1-2: the step's episodes and the indices of those to train on (empty: skip the update), played by
-        the rollout backend (:func:`play_step`; here and now, or ahead in its own thread)."""
+        the rollout backend (:func:`~turnrl.training.step_episodes.play_step`; here and now, or ahead in its own
+        thread)."""
         self.actor.eval()
         self.parallel.sync_rollout_model(self.actor, self.actor_scheduler.last_epoch)
         played = self.rollout.roll_out(step, self.play_step)
