@@ -17,22 +17,27 @@ Source: RAGEN-AI/VAGEN@d2b8b30b4db41073e2b3ecad269f9c1c52522362:
   ``push(x1,y1,z1,x2,y2,z2)`` in millimetres, name in any case, the wrong count of
   coordinates or another name is invalid; 2 actions a turn separated by ``|``.
 
-Deliberate differences (docs/fidelity.md): FrozenLake's goal pays 1 (VAGEN 10:
-scale ``rewards.env_weight`` by 10 for VAGEN's); VAGEN draws one FrozenLake map per env
+Deliberate differences (docs/fidelity.md): FrozenLake's goal pays 1 (VAGEN 10: the VAGEN
+FrozenLake recipes weigh the env's reward by 10, ``rewards.env_weight``); VAGEN draws one FrozenLake map per env
 object (no seed), turnrl one per seed; Navigation runs on MiniWorld with a 90-degree field
 of view (VAGEN: AI2-THOR, 100); Sokoban's text has no tab separators.
 """
 
 import inspect
+from dataclasses import replace
 
 import pytest
 
+from turnrl.agent.formats import get_format
+from turnrl.config import load_config
 from turnrl.envs.games.frozenlake import ACTIONS as LAKE_ACTIONS
 from turnrl.envs.games.frozenlake import FrozenLakeEnv, shortest_path
 from turnrl.envs.games.navigation.navigation_env import ACTIONS as NAV_ACTIONS
 from turnrl.envs.games.navigation.navigation_env import PITCH_STEP, NavigationEnv
 from turnrl.envs.games.primitive_skill.primitive_skill_env import parse_skill
 from turnrl.envs.games.sokoban.sokoban_env import SokobanEnv
+from turnrl.rewards import FinishedTurn, Rewards
+from turnrl.training.train_config import TrainConfig
 
 SOLVED_IN_ONE = "#####\n#___#\n#PXO#\n#___#\n#####"
 
@@ -82,6 +87,28 @@ def test_frozenlake_goal_and_hole_end_the_episode():
     env.step("Right")
     _, reward, terminated, _, info = env.step("Down")
     assert terminated and info["success"] and reward == 1.0  # VAGEN pays 10: a documented difference
+
+
+@pytest.mark.parametrize("recipe", ["vagen_frozenlake", "vagen_full_frozenlake"])
+def test_the_vagen_frozenlake_recipes_pay_vagens_ten_for_the_goal(recipe):
+    """A turn that reaches the goal, scored by the recipe's rewards (its added state rewards left out): VAGEN's
+    1 + 9 for the goal and its 0.5 for the format; a turn into a hole: the format's 0.5 alone."""
+    config = load_config(TrainConfig, f"configs/{recipe}.yaml")
+    rewards = Rewards(replace(config.rewards, extra=[]))
+    env = FrozenLakeEnv(size=2)
+    env.reset(seed=0, options={"level": ["P_", "OG"]})
+    env.step("Right")
+    _, goal, _, _, info = env.step("Down")
+    env.reset(seed=0, options={"level": ["P_", "OG"]})
+    _, hole, _, _, _ = env.step("Down")
+    fmt = get_format(config.agent.format)
+    parsed = fmt.parse("<think><observation>o</observation><reasoning>r</reasoning><prediction>p</prediction>"
+                       "</think><answer>Down</answer>", env.action_names())
+    turns = [FinishedTurn(env_id="FrozenLake", seed=0, turn=1, observation="", response="", response_tokens=0,
+                          finish_reason="stop", parsed=parsed, actions=("Down",), actions_valid=(True,),
+                          env_reward=reward, format_reward=config.agent.format_reward, terminated=True,
+                          success=reward > 0) for reward in (goal, hole)]
+    assert info["success"] and [scores.reward for scores in rewards.score(turns)] == pytest.approx([10.5, 0.5])
 
 
 def test_navigation_actions_and_defaults():
