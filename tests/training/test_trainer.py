@@ -27,6 +27,7 @@ from turnrl.cli import main
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import GracefulStop, train
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
+from turnrl.training.schedules import kl_adaptive_scale
 from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import Trainer
 
@@ -740,6 +741,27 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tiny_model_dir, tmp_pa
         assert comparable(one[step]) == comparable(two[step]), step
     assert any(not torch.equal(a[k], base_weights(tiny_model_dir)[k]) for k in a)  # it trained
     assert "val_success_before_rl" in summary and summary["steps"] == 4
+
+
+def test_the_kl_adaptive_rate_follows_each_update_and_a_resume_keeps_it(tiny_model_dir, tmp_path):
+    """``optim.kl_adaptive_target``: each update's scale is the rule applied to the update before's KL, the rate
+    is the scale times the schedule, and a run resumed at step 2 goes on as the uninterrupted one."""
+    extra = ["optim.kl_adaptive_target=0.0005", "optim.kl_adaptive_min=0.3", "optim.kl_adaptive_max=2",
+             "optim.actor_lr=1e-3", "algorithm.micro_batch_size=1", "algorithm.mini_batch_size=2"]
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=4", name="straight"))
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=2", name="split"))
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=4", f"resume={tmp_path / 'split'}", name="split"))
+    one, two = step_records(tmp_path / "straight"), step_records(tmp_path / "split")
+    scale = 1.0
+    for step in (1, 2, 3, 4):
+        scale = kl_adaptive_scale(scale, one[step]["actor/approx_kl"], 0.0005, 0.3, 2.0)
+        assert one[step]["actor/lr_scale"] == pytest.approx(scale)
+        assert one[step]["actor/lr"] == pytest.approx(1e-3 * scale)  # the rate the next update takes
+        assert comparable(one[step]) == comparable(two[step]), step
+    assert len({round(one[step]["actor/lr_scale"], 9) for step in one}) > 1  # the scale moved
+    final = "checkpoints/step_000004/actor/model.safetensors"
+    a, b = load_file(tmp_path / "straight" / final), load_file(tmp_path / "split" / final)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_after_sft_with_lora_continues_exactly(tiny_model_dir, tmp_path):

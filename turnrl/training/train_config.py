@@ -284,6 +284,17 @@ class OptimConfig:
     step whose update is skipped (no group kept) does not move them."""
     min_lr_ratio: float = 0.1
     """``lr_schedule=cosine``: the last step's learning rate as a share of ``actor_lr``."""
+    kl_adaptive_target: float = 0.0
+    """Above 0, the actor's learning rate follows each update's ``actor/approx_kl`` (rsl_rl's adaptive
+    schedule): after an update whose KL exceeded twice this, the rate's scale is divided by 1.5; after one under
+    half of it, multiplied by 1.5; always within ``kl_adaptive_min`` and ``kl_adaptive_max``. The scale multiplies
+    the warm-up and ``lr_schedule``, is logged as ``actor/lr_scale`` and is kept in checkpoints. A small policy
+    whose answer format rests on a few weights can lose it in one update (docs/benchmarks.md, the quickstart's
+    seventh look); the KL of the updates before such a one rises, and this steps less then. 0: off."""
+    kl_adaptive_min: float = 0.1
+    """The smallest scale of ``actor_lr`` that ``kl_adaptive_target`` sets."""
+    kl_adaptive_max: float = 1.0
+    """The largest scale of ``actor_lr`` that ``kl_adaptive_target`` sets (above 1: it may raise the rate)."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this."""
     skip_grad_norm_above: Optional[float] = None
@@ -299,6 +310,9 @@ class OptimConfig:
         check_range("optim.grad_clip", self.grad_clip, 0)
         check_choice("optim.lr_schedule", self.lr_schedule, list(SCHEDULES))
         check_range("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_range("optim.kl_adaptive_target", self.kl_adaptive_target, 0)
+        check_range("optim.kl_adaptive_min", self.kl_adaptive_min, 1e-6, 1.0)
+        check_range("optim.kl_adaptive_max", self.kl_adaptive_max, 1.0)
 
 
 @dataclass

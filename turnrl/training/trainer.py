@@ -105,7 +105,7 @@ from turnrl.training.parallel.strategy import (
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config, write_resumed_config
-from turnrl.training.schedules import lr_factor
+from turnrl.training.schedules import kl_adaptive_scale, lr_factor
 from turnrl.training.scoring import TokenScores, check_rows, encodes_images_once, make_batch, score_batch
 from turnrl.training.seeding import level_plan_change, step_seed
 from turnrl.training.step_episodes import StepOutput, collect, play_step
@@ -412,7 +412,9 @@ class Trainer:
         optim = self.config.optim
         # The schedule moves once an actor update: none in the critic's warm-up steps.
         updates = max(1, self.config.run.steps - self.config.algorithm.critic_warmup_steps)
-        schedule = lambda s: lr_factor(s, optim.warmup_steps, updates, optim.lr_schedule, optim.min_lr_ratio)  # noqa: E731
+        self.lr_scale = 1.0  # optim.kl_adaptive_target's scale, moved after each actor update
+        schedule = lambda s: self.lr_scale * lr_factor(  # noqa: E731
+            s, optim.warmup_steps, updates, optim.lr_schedule, optim.min_lr_ratio)
         # One fused kernel for every parameter's update where the parameters are on a GPU (offloaded shards
         # are stepped on the host).
         fused = self.device.type == "cuda" and not self.config.distributed.cpu_offload
@@ -441,6 +443,7 @@ class Trainer:
             raise ConfigError(problem)
         try:
             self.parallel.restore_optimizers(self.checkpoint, state, self.models(), self.optimizers())
+            self.lr_scale = float(state.get("lr_scale", 1.0))  # before the scheduler's state: its rate uses it
             self.actor_scheduler.load_state_dict(state["actor_scheduler"])
             set_rng_state(state["rng"])
             self.first_step = steps_done(state)
@@ -645,6 +648,11 @@ class Trainer:
                               scores.ref_logprobs, advantages.sample_weights)
         metrics.update(self.train_on(inputs, train_actor, generator))
         if train_actor:
+            optim = config.optim
+            if optim.kl_adaptive_target > 0 and "actor/approx_kl" in metrics:  # the same on every process
+                self.lr_scale = kl_adaptive_scale(self.lr_scale, metrics["actor/approx_kl"], optim.kl_adaptive_target,
+                                                  optim.kl_adaptive_min, optim.kl_adaptive_max)
+                metrics["actor/lr_scale"] = self.lr_scale
             self.actor_scheduler.step()
         self.actor.eval()
         update_s = self._timed("update_s", time.time() - start)
@@ -722,6 +730,7 @@ class Trainer:
         """Checkpoint ``checkpoints/step_{step}``: the run after ``step`` steps (its step numbers count from 1)."""
         state = {
             "actor_scheduler": self.actor_scheduler.state_dict(),
+            "lr_scale": self.lr_scale,
             "summary": self.summary,
             "timings": self.timings,
             "elapsed_s": self.elapsed_s(),
