@@ -290,7 +290,8 @@ class OptimConfig:
     half of it, multiplied by 1.5; always within ``kl_adaptive_min`` and ``kl_adaptive_max``. The scale multiplies
     the warm-up and ``lr_schedule``, is logged as ``actor/lr_scale`` and is kept in checkpoints. A small policy
     whose answer format rests on a few weights can lose it in one update (docs/benchmarks.md, the quickstart's
-    seventh look); the KL of the updates before such a one rises, and this steps less then. 0: off."""
+    seventh look); where the KL of the updates before such a one rises, this steps less then; a break that comes
+    with no rise before it, it cannot foresee. 0: off."""
     kl_adaptive_min: float = 0.1
     """The smallest scale of ``actor_lr`` that ``kl_adaptive_target`` sets."""
     kl_adaptive_max: float = 1.0
