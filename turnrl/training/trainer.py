@@ -443,7 +443,7 @@ class Trainer:
             raise ConfigError(problem)
         try:
             self.parallel.restore_optimizers(self.checkpoint, state, self.models(), self.optimizers())
-            self.lr_scale = float(state.get("lr_scale", 1.0))  # before the scheduler's state: its rate uses it
+            self.lr_scale = float(state.get("lr_scale", 1.0))  # the scheduler's next step multiplies by it
             self.actor_scheduler.load_state_dict(state["actor_scheduler"])
             set_rng_state(state["rng"])
             self.first_step = steps_done(state)
