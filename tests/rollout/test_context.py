@@ -588,3 +588,105 @@ def test_text_turns_have_no_model_inputs(tiny_tokenizer):
     tokens.start("sys", "first")
     tokens.add_response([tiny_tokenizer.eos_token_id])
     assert tokens.stream().model_inputs == {} and tokens.turn_samples()[0].model_inputs == {}
+
+
+# -- a prompt's inputs as views of the episode's ------------------------------------
+
+
+def image_message(images: int) -> dict:
+    return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": "Where?"}]}
+
+
+def image_inputs(turn: int, images: int, dtype=None) -> dict:
+    import torch
+
+    rows = torch.arange(3 * images * 2, dtype=torch.float32).reshape(3 * images, 2) + 100 * turn
+    return {"pixel_values": rows.to(dtype or torch.bfloat16), "image_grid_thw": torch.ones(images, 3, dtype=torch.long)}
+
+
+def assert_same_inputs(got: dict, want: dict) -> None:
+    import torch
+
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(images=st.lists(st.integers(0, 2), min_size=1, max_size=7), window=st.sampled_from([None, 1, 2, 3]),
+       max_images=st.sampled_from([None, 0, 1, 2, 3]))
+def test_prompt_inputs_equal_the_concatenation_of_their_turns(toks, images, window, max_images):
+    from turnrl.rollout.context import concat_model_inputs
+
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, max_context_window=window, image_token="<|image_pad|>", max_images=max_images)
+
+    def plain(t: int) -> dict:
+        return concat_model_inputs([ep.turns[j] for j in ep.image_turns(t)])
+
+    seen = []
+    for turn, count in enumerate(images):
+        inputs = image_inputs(turn, count) if count else {}
+        if turn == 0:
+            ep.start(SYSTEM, image_message(count), image_token_counts=[3] * count, model_inputs=inputs)
+        else:
+            ep.add_response(sampled(tok, "Left"))
+            ep.add_observation(image_message(count), image_token_counts=[3] * count, model_inputs=inputs)
+        prompt = ep.prompt_model_inputs()  # as the rollout asks, turn by turn
+        assert_same_inputs(prompt, plain(turn))
+        seen.append((prompt, {key: value.clone() for key, value in prompt.items()}))
+    ep.add_response(sampled(tok, "Left"))
+    for t, sample in enumerate(ep.turn_samples()):
+        assert_same_inputs(sample.model_inputs, plain(t))
+    for prompt, copied in seen:  # the buffers grew since: what earlier prompts were given is unchanged
+        assert_same_inputs(prompt, copied)
+
+
+def test_a_prompt_that_keeps_every_image_views_the_episode_inputs_instead_of_copying_them(toks):
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, image_token="<|image_pad|>")
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3], model_inputs=image_inputs(0, 1))
+    for turn in range(1, 6):
+        ep.add_response(sampled(tok, "Left"))
+        ep.add_observation(image_message(1), image_token_counts=[3], model_inputs=image_inputs(turn, 1))
+    first, later = ep.prompt_model_inputs(4)["pixel_values"], ep.prompt_model_inputs(5)["pixel_values"]
+    assert len(first) == 15 and len(later) == 18
+    assert first._is_view() and first.data_ptr() == later.data_ptr()  # one buffer, no copies
+    # the images' own tensors (the image encoder's, which it shares between episodes) are left as they were
+    assert not ep.turns[0].model_inputs["pixel_values"]._is_view()
+
+
+def test_inputs_that_cannot_share_a_buffer_are_concatenated(toks):
+    import torch
+
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, image_token="<|image_pad|>")
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3], model_inputs=image_inputs(0, 1))
+    ep.add_response(sampled(tok, "Left"))
+    ep.add_observation(image_message(1), image_token_counts=[3], model_inputs=image_inputs(1, 1, torch.float32))
+    pixels = ep.prompt_model_inputs()["pixel_values"]
+    assert pixels.dtype == torch.float32 and pixels[:3, 0].tolist() == [0.0, 2.0, 4.0]  # torch.cat's promotion
+
+
+def test_an_episode_sent_to_another_process_leaves_its_buffers_behind_and_reads_the_same_prompts(toks):
+    from turnrl.chat.template_deltas import ChatTemplateDeltas
+    from turnrl.training import wire
+
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, image_token="<|image_pad|>")
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3], model_inputs=image_inputs(0, 1))
+    ep.add_response(sampled(tok, "Left"))
+    ep.add_observation(image_message(2), image_token_counts=[3, 3], model_inputs=image_inputs(1, 2))
+    before = ep.prompt_model_inputs()
+    assert ep._rows is not None
+
+    def send(value):  # as the rollout pool sends trajectories: the template pieces stay in each process
+        payload = wire.dumps(value, persistent_id=lambda obj: "deltas" if isinstance(obj, ChatTemplateDeltas) else None)
+        return payload, wire.loads(payload, persistent_load=lambda _: ep.deltas)
+
+    payload, received = send(ep)
+    assert received._rows is None
+    assert len(payload) < len(send(ep.turns)[0]) + 2_000  # the pixels once, not again in the buffers
+    assert_same_inputs(received.prompt_model_inputs(), before)
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3], model_inputs=image_inputs(7, 1))  # a restart
+    assert_same_inputs(ep.prompt_model_inputs(), image_inputs(7, 1))
