@@ -30,8 +30,8 @@ def test_placeholder_spans_are_the_runs_of_the_placeholder(tokens):
 def test_mrope_positions_equal_the_models_own(tiny_vlm_policy):
     model = tiny_vlm_policy.model.model
     config = tiny_vlm_policy.model.config
-    grids = [(1, 4, 6), (1, 8, 4)]
-    prompt, inputs = image_prompt(grids, [3, 5, 4])
+    grids = [(1, 4, 6), (1, 8, 4), (1, 4, 6)]  # the third image's offsets are the first's, kept
+    prompt, inputs = image_prompt(grids, [3, 5, 4, 2])
     prompt = [config.image_token_id if t == PAD else t for t in prompt]
     ids = torch.tensor([prompt])
     arguments = {"input_ids": ids, "image_grid_thw": inputs["image_grid_thw"],
@@ -42,6 +42,10 @@ def test_mrope_positions_equal_the_models_own(tiny_vlm_policy):
                                       inputs["image_grid_thw"], 2)
     np.testing.assert_array_equal(positions, expected[:, 0].numpy())
     assert ours == int(delta) < 0
+    positions[:] = -1  # a caller's positions are its own: the kept offsets stay as they were
+    again, _ = mrope_positions(len(prompt), placeholder_spans(prompt, config.image_token_id),
+                               inputs["image_grid_thw"], 2)
+    np.testing.assert_array_equal(again, expected[:, 0].numpy())
 
 
 def test_text_alone_counts_up_with_no_delta():
