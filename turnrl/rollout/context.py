@@ -250,7 +250,7 @@ class EpisodeTokens:
         self._heads: dict[int, list[int]] = {}
         self._rows: InputRows | None = None
         """The turns' model inputs end to end, for the prompts' views (:meth:`prompt_model_inputs`); None: not
-        made yet."""
+        made yet. A turn's inputs are laid when a prompt first needs them: they are not to change after that."""
 
     def __getstate__(self) -> dict[str, object]:
         # The buffers repeat the turns' inputs: they stay behind (a process that reads the prompts makes its own).
@@ -357,8 +357,10 @@ class EpisodeTokens:
         """
         t = len(self._require_started()) - 1 if t is None else t
         held = self.image_turns(t)
+        if not any(self.turns[j].model_inputs for j in held):
+            return {}  # a text prompt: no buffers to make
         rows = self._input_rows()
-        if rows is None or not held:
+        if rows is None:
             return concat_model_inputs([self.turns[j] for j in held])
         first, last = held[0], held[-1]
         if any(self.turns[j].model_inputs for j in range(first, last + 1) if j not in held):
