@@ -361,3 +361,14 @@ def test_placeholders_counted_from_sizes_equal_the_encoded_ones(tiny_vlm_dir, pa
     images = [np.zeros((h, w, 3), dtype=np.uint8) for h, w in sizes]
     assert encoder.placeholder_counts(images) == [image.placeholder_tokens for image in encoder.encode(images)]
     assert len(set(encoder.placeholder_counts(images))) > 2  # the sizes do change the counts
+
+
+def test_a_message_of_one_image_shares_the_encoders_tensors_and_several_are_joined(processor):
+    frames = sokoban_frames()
+    encoder = ImageEncoder(processor, torch.bfloat16)
+    (kept,) = encoder.encode([frames[0]])
+    one = encoder.message_inputs([frames[0]]).model_inputs
+    assert all(one[key].data_ptr() == kept.model_inputs[key].data_ptr() for key in one)  # no copy made
+    two = encoder.message_inputs([frames[0], frames[1]]).model_inputs
+    assert two["pixel_values"].data_ptr() != kept.model_inputs["pixel_values"].data_ptr()
+    assert torch.equal(two["pixel_values"][: len(one["pixel_values"])], one["pixel_values"])

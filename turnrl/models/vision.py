@@ -86,8 +86,9 @@ class ImageEncoder:
     Images are kept by their :func:`content_digest`, the least recently used dropped past ``cache_bytes``, and
     an image met again is not processed again: its encoding is the one made the first time (the processor
     makes the same pixels from the same image). What :meth:`encode` returns is shared with the cache and later
-    calls: it is read, never written (:meth:`message_inputs` and :func:`join_inputs` make new tensors). The
-    encoder may be used from several threads (a rollout's env workers, a server's requests).
+    calls, and so is what :meth:`message_inputs` returns for a message of one image: it is read, never written
+    (:func:`join_inputs` makes new tensors for several images). The encoder may be used from several threads (a
+    rollout's env workers, a server's requests).
 
     Args:
         processor: a ``transformers`` processor with ``image_processor``, ``tokenizer`` and an image
@@ -200,9 +201,13 @@ class ImageEncoder:
 
 
 def join_inputs(encoded: Sequence[EncodedImage]) -> dict[str, torch.Tensor]:
-    """The model inputs of several images, concatenated along dim 0 in order (empty for no image)."""
+    """The model inputs of several images, concatenated along dim 0 in order (empty for no image); one image's
+    own tensors, not a copy of them (an observation is most often one frame, and the episode copies it into the
+    prompts' buffers anyway: :class:`~turnrl.rollout.context.InputRows`)."""
     if not encoded:
         return {}
+    if len(encoded) == 1:
+        return dict(encoded[0].model_inputs)
     return {key: torch.cat([image.model_inputs[key] for image in encoded]) for key in encoded[0].model_inputs}
 
 
