@@ -503,3 +503,31 @@ def test_the_messages_print_the_command_the_run_was_started_with(tiny_model_dir,
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     with pytest.raises(ConfigError, match=f"continue it with `{script} train resume={finished}`"):
         preflight(config(tiny_model_dir, finished.parent))
+
+
+def test_the_steps_run_with_the_heap_settled_and_the_run_leaves_none_of_it_frozen(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    import gc
+
+    from turnrl.training import heap
+    from turnrl.training.trainer import Trainer
+
+    freezes, seen = [], []
+    settle, step = heap.settle, Trainer.step
+
+    def counted_settle():
+        freezes.append(gc.get_freeze_count())
+        settle()
+
+    def counted_step(self, index):  # at each step: the freezes so far, and the objects the collector leaves out
+        seen.append((len(freezes), gc.get_freeze_count()))
+        return step(self, index)
+
+    monkeypatch.setattr(heap, "settle", counted_settle)
+    monkeypatch.setattr(Trainer, "step", counted_step)
+    assert gc.get_freeze_count() == 0
+    train(config(tiny_model_dir, tmp_path, "run.steps=3"))
+    # settled before the first step, again before the second (what the first built to stay), not after
+    assert [count for count, _ in seen] == [1, 2, 2]
+    assert all(left_out > 10_000 for _, left_out in seen)  # the model, its modules, the run's objects
+    assert gc.get_freeze_count() == 0  # the process goes on with everything collectable

@@ -42,7 +42,7 @@ from turnrl.models.loading import base_model_path
 from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RolloutWorkerError, WeightsTransferError
 from turnrl.rollout.trajectory import write_trajectories
-from turnrl.training import compose, ranks
+from turnrl.training import compose, heap, ranks
 from turnrl.training.checkpoint import checkpoint_step, disk_error_cause, latest_checkpoint, resume_point
 from turnrl.training.collapse_watch import EarlyStops, logged_steps
 from turnrl.training.device_idle import profiled
@@ -348,6 +348,7 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
     try:
         return _run_steps(config, trainer, sft, resumed, start, stop)
     finally:
+        heap.release()
         trainer.close()
 
 
@@ -388,8 +389,11 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     stopped: dict[str, Any] = {}  # why a run ended before run.steps, other than an early stop's rule
     trainer.collapse.resume(history)
     stop.phase = "steps"  # from here a request waits for the step in progress, which it then saves
+    heap.settle()
     with RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, config.run.steps + 1):
+            if step == trainer.first_step + 2:
+                heap.settle()  # and what the first step built to stay (compiled graphs, CUDA graphs, caches)
             try:
                 with _memory_recorded(config, trainer, step), _profiled(config, trainer, step):
                     output = trainer.step(step - 1)

@@ -63,7 +63,7 @@ from turnrl.rollout.ray_workers import (
 )
 from turnrl.rollout.runner import EpisodeSlot, RolloutTimings, TurnBoundary
 from turnrl.rollout.trajectory import Trajectory, sum_by_name
-from turnrl.training import ranks, wire
+from turnrl.training import heap, ranks, wire
 from turnrl.training.train_config import TrainConfig
 
 START_WAIT_S = 24 * 3600.0
@@ -224,11 +224,15 @@ def serve_rollouts(config: TrainConfig, device: torch.device) -> None:
         except Exception as error:  # noqa: BLE001 - trainer 0 names this process and raises
             answer = Failed("start", failure_text(error))
         send_object(groups, answer, 0)
+        heap.settle()
+        played = 0
         while True:
             message = recv_object(groups, 0, START_WAIT_S)
             if isinstance(message, Stop):
                 return
             send_object(groups, answer_to(groups, host, message), 0)
+            if isinstance(message, Play) and (played := played + 1) == 1:
+                heap.settle()  # and what the first rollout built to stay (compiled and CUDA graphs, caches)
     except PoolStopped:
         return
     except RuntimeError as error:  # gloo's, from a send or receive: trainer 0 has gone
