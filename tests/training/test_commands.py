@@ -531,3 +531,26 @@ def test_the_steps_run_with_the_heap_settled_and_the_run_leaves_none_of_it_froze
     assert [count for count, _ in seen] == [1, 2, 2]
     assert all(left_out > 10_000 for _, left_out in seen)  # the model, its modules, the run's objects
     assert gc.get_freeze_count() == 0  # the process goes on with everything collectable
+
+
+def test_a_stop_before_the_first_step_that_cleanup_code_turns_into_another_error_still_stops(tiny_model_dir, tmp_path,
+                                                                                           monkeypatch, capsys):
+    from turnrl.training import commands
+
+    def interrupted(config, start, distributed, stop):
+        try:
+            stop._handle(signal.SIGTERM, None)  # what SIGTERM does while the models are built
+        finally:  # a library's cleanup that reads a local the interruption left unset (omegaconf's, as seen)
+            raise UnboundLocalError("cannot access local variable 'old' where it is not associated with a value")
+
+    monkeypatch.setattr(commands, "_train", interrupted)
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=2"))
+    assert summary["stopped_by"] == "request" and summary["stop_signal"] == "SIGTERM"
+    assert "SIGTERM before the first step: stopped" in " ".join(capsys.readouterr().out.split())
+
+    def failed(config, start, distributed, stop):  # an error with no stop behind it is raised as it is
+        raise UnboundLocalError("a fault of its own")
+
+    monkeypatch.setattr(commands, "_train", failed)
+    with pytest.raises(UnboundLocalError, match="of its own"):
+        train(config(tiny_model_dir, tmp_path, "run.steps=2", name="other"))

@@ -235,7 +235,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
             return _train(config, start, distributed, stop)
     except StopRequested as stopped:
         return _stopped_before_steps(config, stopped.signal)
-    except OSError as error:  # a write into the run directory that the disk refused (metrics, trajectories, ...)
+    except Exception as error:
+        behind = _stop_behind(error)
+        if behind is not None:
+            return _stopped_before_steps(config, behind.signal)
+        if not isinstance(error, OSError):
+            raise
+        # a write into the run directory that the disk refused (metrics, trajectories, ...)
         cause = disk_error_cause(error)
         if cause is not None:
             raise ConfigError(f"the run could not write into {run_directory(config)}: {cause}. Free some space, "
@@ -291,6 +297,25 @@ def _how_to_go_on(config: TrainConfig) -> str:
         return (f"there is nothing to resume (no checkpoint was saved): start it again with `{command} train "
                 f"--config {run_dir / 'config.yaml'} run.overwrite=true`")
     return "nothing of it was saved: start it again with the same command"
+
+
+def _stop_behind(error: BaseException) -> StopRequested | None:
+    """The stop request that ``error`` was raised in the wake of, if any. A request before the first step
+    interrupts whatever the process is doing, and cleanup code on the way may raise an error of its own, which
+    then carries the request as its context (omegaconf's ``finally`` blocks read a local the interruption left
+    unset: an ``UnboundLocalError`` in place of the request, seen when SIGTERM came while a resume read its
+    config)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        if isinstance(current, StopRequested):
+            return current
+        seen.add(id(current))
+        pending += [current.__cause__, current.__context__]
+    return None
 
 
 def _stopped_before_steps(config: TrainConfig, by_signal: signal.Signals) -> dict[str, Any]:
