@@ -147,8 +147,8 @@ class InputRows:
     ``vlm-3b``'s 224 x 224 frames, host time while the device waits for the round's requests
     (``benchmarks/prompt_inputs.py``). A buffer's rows double when it is full, so each value is copied about twice
     over an episode, and the buffers hold at most twice the episode's inputs. The turns must agree in each key's
-    dtype, device and row shape (one encoder made them); :meth:`append` returns False where they do not, and the
-    caller concatenates as before.
+    dtype, device and row shape (one encoder made them); where a turn's do not, :meth:`append` lays nothing and
+    clears :attr:`joined`, and the caller concatenates as before.
     """
 
     def __init__(self) -> None:
@@ -157,19 +157,19 @@ class InputRows:
         self._buffers: dict[str, torch.Tensor] = {}
         self._ends: list[dict[str, int]] = []
         """After each turn, the rows of each key used so far."""
-        self._keys: list[frozenset[str]] = []
-        """Each turn's keys (a key with no rows still counts, as in :func:`concat_model_inputs`)."""
         self.joined = True
         """False once a turn's inputs could not join the buffers (its owner then concatenates)."""
 
-    def append(self, turn: TurnTokens) -> bool:
-        """Lay ``turn``'s inputs after the others'; False (nothing changed) if a value cannot join its buffer."""
+    def append(self, turn: TurnTokens) -> None:
+        """Lay ``turn``'s inputs after the others'; if a value cannot join its buffer, nothing is laid and
+        :attr:`joined` turns False."""
         used = dict(self._ends[-1]) if self._ends else {}
         for key, value in turn.model_inputs.items():
             buffer = self._buffers.get(key)
             if value.dim() == 0 or (buffer is not None and (buffer.dtype, buffer.device, buffer.shape[1:])
                                     != (value.dtype, value.device, value.shape[1:])):
-                return False
+                self.joined = False
+                return
         for key, value in turn.model_inputs.items():
             start = used.get(key, 0)
             stop = start + len(value)
@@ -183,15 +183,14 @@ class InputRows:
             used[key] = stop
         self.turns.append(turn)
         self._ends.append(used)
-        self._keys.append(frozenset(turn.model_inputs))
-        return True
 
     def span(self, first: int, last: int) -> dict[str, torch.Tensor]:
         """The inputs of turns ``first`` to ``last`` (inclusive), each concatenated along dim 0 in turn order, as
         views of the buffers: read them, never write them."""
         before = self._ends[first - 1] if first > 0 else {}
         after = self._ends[last]
-        keys = sorted(frozenset().union(*self._keys[first : last + 1]))
+        # a key with no rows still counts, as in concat_model_inputs
+        keys = sorted({key for turn in self.turns[first : last + 1] for key in turn.model_inputs})
         return {key: self._buffers[key][before.get(key, 0) : after[key]] for key in keys}
 
 
@@ -468,7 +467,7 @@ class EpisodeTokens:
         if rows is None or any(laid is not turn for laid, turn in zip(rows.turns, self.turns)):
             rows = self._rows = InputRows()
         while rows.joined and len(rows.turns) < len(self.turns):
-            rows.joined = rows.append(self.turns[len(rows.turns)])
+            rows.append(self.turns[len(rows.turns)])
         return rows if rows.joined else None
 
     def _require_started(self) -> list[TurnTokens]:

@@ -225,14 +225,15 @@ def serve_rollouts(config: TrainConfig, device: torch.device) -> None:
             answer = Failed("start", failure_text(error))
         send_object(groups, answer, 0)
         heap.settle()
-        played = 0
+        first_play = True
         while True:
             message = recv_object(groups, 0, START_WAIT_S)
             if isinstance(message, Stop):
                 return
             send_object(groups, answer_to(groups, host, message), 0)
-            if isinstance(message, Play) and (played := played + 1) == 1:
+            if first_play and isinstance(message, Play):
                 heap.settle()  # and what the first rollout built to stay (compiled and CUDA graphs, caches)
+                first_play = False
     except PoolStopped:
         return
     except RuntimeError as error:  # gloo's, from a send or receive: trainer 0 has gone
