@@ -7,7 +7,9 @@ times that part of it, turn by turn as the rollout asks (after each observation)
 ``--turns`` turns, each turn adding one image of ``--patches`` patches of ``--patch-dim`` values in ``--dtype``
 (the defaults: ``vlm-3b``'s 224 x 224 maze frames, 256 patches of 3 x 2 x 14 x 14, in the tower's bf16). Both
 ways run in the same process on the same episodes, the plain way first; the script checks each prompt's tensors
-are equal both ways and prints the seconds of each, the bytes the plain way copied, and the ratio.
+are equal both ways and prints the seconds of each, the bytes the plain way copied, and the ratio. Then it places
+the image tokens of the same prompts (``mrope_positions``, the engine's per request) with every image's offsets
+built again, as before they were kept by size, and kept.
 
     python benchmarks/prompt_inputs.py
     python benchmarks/prompt_inputs.py --episodes 8 --turns 6     # a quick look
@@ -27,9 +29,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from turnrl.config import ModelConfig  # noqa: E402
 from turnrl.models.builtin import builtin_model_path  # noqa: E402
 from turnrl.models.loading import load_processor  # noqa: E402
+from turnrl.models.mrope import image_offsets, mrope_positions, placeholder_spans  # noqa: E402
 from turnrl.rollout.context import EpisodeTokens, concat_model_inputs  # noqa: E402
 
 IMAGE_MESSAGE = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where to?"}]}
+
+
+def placing(tokens: EpisodeTokens, image_token: int, merge: int, kept: bool) -> float:
+    """Seconds to place the image tokens of each of the episode's prompts, the offsets kept or built each time."""
+    seconds = 0.0
+    for turn in range(len(tokens.turns)):
+        prompt, grids = tokens.prompt_ids(turn), tokens.prompt_model_inputs(turn)["image_grid_thw"]
+        if not kept:
+            image_offsets.cache_clear()
+        start = time.perf_counter()
+        mrope_positions(len(prompt), placeholder_spans(prompt, image_token), grids, merge)
+        seconds += time.perf_counter() - start
+    return seconds
 
 
 def play(episodes: int, turns: int, frame: dict[str, torch.Tensor], placeholders: int, tokenizer, plain: bool
@@ -76,6 +92,17 @@ def main() -> None:
     placeholders = args.patches // 4
     plain_s, copied, plain_prompts = play(args.episodes, args.turns, frame, placeholders, tokenizer, plain=True)
     views_s, _, view_prompts = play(args.episodes, args.turns, frame, placeholders, tokenizer, plain=False)
+    tokens = EpisodeTokens(tokenizer, image_token="<|image_pad|>")  # one episode's prompts, to place their images
+    for turn in range(args.turns):
+        inputs = {key: value[turn % len(value)] for key, value in frame.items()}
+        if turn == 0:
+            tokens.start("Solve the maze.", IMAGE_MESSAGE, [placeholders], inputs)
+        else:
+            tokens.add_response([tokenizer.eos_token_id])
+            tokens.add_observation(IMAGE_MESSAGE, [placeholders], inputs)
+    pad = int(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    built_s = args.episodes * placing(tokens, pad, 2, kept=False)
+    kept_s = args.episodes * placing(tokens, pad, 2, kept=True)
     for plain, view in zip(plain_prompts, view_prompts, strict=True):
         assert plain.keys() == view.keys() and all(torch.equal(plain[k], view[k]) for k in plain), "not the same inputs"
     requests = args.episodes * args.turns
@@ -85,6 +112,8 @@ def main() -> None:
           f"{copied / 1e9:.2f} GB copied)")
     print(f"views of the episode's inputs: {views_s:.3f} s ({1e3 * views_s / requests:.3f} ms a request)")
     print(f"{plain_s / views_s:.1f}x faster; the same tensors both ways")
+    print(f"image tokens placed (mrope_positions), the step's prompts: offsets built for each image {built_s:.3f} s, "
+          f"kept by size {kept_s:.3f} s ({built_s / kept_s:.1f}x)")
 
 
 if __name__ == "__main__":
