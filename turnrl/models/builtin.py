@@ -11,6 +11,7 @@ reasoning format, so env texts and format tags encode into few tokens. A VLM pre
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from pathlib import Path
 
@@ -69,17 +70,20 @@ def _env_texts(env, episodes: int, rng: np.random.Generator) -> list[str]:
     return texts
 
 
-def builtin_corpus(episodes_per_variant: int = 12) -> list[str]:
-    """Texts the built-in tokenizer is trained on (deterministic)."""
+@functools.cache
+def builtin_corpus(episodes_per_variant: int = 12) -> tuple[str, ...]:
+    """Texts the built-in tokenizer is trained on (deterministic: made once a process, about a second, and read
+    by every start of a run, which checks the built model's key against it)."""
     rng = np.random.default_rng(0)
     texts: list[str] = []
     for name in CORPUS_ENVS:
         for settings in env_class(name).corpus_variants:
             texts.extend(_env_texts(make(name, **settings), episodes_per_variant, rng))
-    return texts
+    return tuple(texts)
 
 
-def image_mode_corpus(episodes_per_variant: int = 4) -> list[str]:
+@functools.cache
+def image_mode_corpus(episodes_per_variant: int = 4) -> tuple[str, ...]:
     """What the envs say in image mode (deterministic): their instructions describe the picture, and their
     observation texts may differ from text mode's (Sokoban's is a status line). Variants that image mode
     does not draw are skipped."""
@@ -94,7 +98,7 @@ def image_mode_corpus(episodes_per_variant: int = 4) -> list[str]:
             except ValueError:  # e.g. a symbol style that only text mode has
                 continue
             texts.extend(_env_texts(env, episodes_per_variant, rng))
-    return texts
+    return tuple(texts)
 
 
 def default_cache_dir() -> Path:
@@ -132,7 +136,7 @@ def _builtin_build(config: ModelConfig) -> tuple[str, str, Path]:
 
 def _corpus(preset: str) -> list[str]:
     """The texts a built-in preset's tokenizer is trained on (a VLM's add what the envs say in image mode)."""
-    return builtin_corpus() + image_mode_corpus() if is_vlm_preset(preset) else builtin_corpus()
+    return [*builtin_corpus(), *image_mode_corpus()] if is_vlm_preset(preset) else list(builtin_corpus())
 
 
 def builtin_model_path(config: ModelConfig) -> Path:
