@@ -300,21 +300,6 @@ def test_a_batch_on_a_device_keeps_its_pixels_on_the_host_and_selects_across_bot
     assert part.model_inputs["pixel_values"][:, 0].tolist() == [2.0] * 8 + [0.0] * 4
 
 
-def test_a_batch_on_a_device_keeps_host_copies_of_its_ids_and_masks_for_its_passes():
-    """A pass lays out its work from these (:func:`~turnrl.training.model_passes.pass_layout`), so they must
-    follow every selection and the image store."""
-    batch = collate(image_samples(), pad_id=0)
-    assert batch.host is None and batch.host_tokens() is not None  # on the host, its own tensors serve
-    placed = batch.to(torch.device("meta"))
-    assert placed.host is not None and placed.host.input_ids.device.type == "cpu"
-    for part in (placed.select([2, 0]), placed.with_image_features().select(torch.tensor([2, 0]))):
-        assert part.host is not None
-        for name in ("input_ids", "attention_mask", "loss_mask"):
-            assert torch.equal(getattr(part.host, name), getattr(batch, name)[[2, 0]]), name
-    assert placed.row_lengths().tolist() == batch.attention_mask.sum(1).tolist()
-    assert placed.select([1]).to(torch.device("meta")).host.input_ids.device.type == "cpu"  # kept, not re-read
-
-
 def test_collate_refuses_samples_with_different_model_inputs():
     samples = image_samples()
     del samples[1].model_inputs["image_grid_thw"]

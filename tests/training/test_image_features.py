@@ -13,9 +13,9 @@ import torch
 from tests.engine.test_qwen3_vl import qwen3_vl_config
 from turnrl.models.loading import load_model
 from turnrl.training.packed_attention import ATTENTION
-from turnrl.training.batch import Batch, HostTokens, Sample, collate
+from turnrl.training.batch import Batch, Sample, collate
 from turnrl.training.train_config import AlgorithmConfig, OptimConfig
-from turnrl.training.model_passes import ValueModel, image_inputs, pass_layout, token_logprobs
+from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.training.image_features import IMAGE_KEYS, ImageFeatures
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 
@@ -71,12 +71,11 @@ def image_batch(model) -> Batch:
     return collate([sample(model, gen, layout, keys, e) for e, (layout, keys) in enumerate(layouts)], pad_id=2)
 
 
-def logprobs_and_grads(model, batch: Batch, packed: bool, features: ImageFeatures | None,
-                       host: HostTokens | None = None):
+def logprobs_and_grads(model, batch: Batch, packed: bool, features: ImageFeatures | None):
     model.zero_grad()
     logprobs, entropy = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask,
                                        with_entropy=True, model_inputs=batch.model_inputs, packed=packed,
-                                       image_features=features, host=host)
+                                       image_features=features)
     (logprobs.sum() + 0.1 * entropy.sum()).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return logprobs.detach(), entropy.detach(), grads
@@ -99,68 +98,6 @@ def test_stored_features_give_the_same_logprobs_entropy_and_gradients(vlm, packe
         for name in plain[2]:
             torch.testing.assert_close(got[2][name], plain[2][name], atol=1e-6, rtol=1e-5)
     assert not any("visual" in name for name in plain[2])  # the tower is frozen in both
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_pass_laid_out_from_host_copies_equals_one_laid_out_where_the_tokens_are(vlm, packed):
-    """The scored positions, the packing and the M-RoPE positions computed from host copies of the ids and
-    masks (what a batch moved to a GPU keeps, so that no pass waits for the device): the same log-probs,
-    entropies, values and gradients, images at starts, ends and middles, encoded or served."""
-    batch = image_batch(vlm)
-    host = HostTokens(batch.input_ids.clone(), batch.attention_mask.clone(), batch.loss_mask.clone())
-    critic = ValueModel(copy.deepcopy(vlm.base_model))
-    torch.nn.init.normal_(critic.value_head.weight, std=0.5, generator=torch.Generator().manual_seed(5))
-    for features in (None, ImageFeatures()):
-        expected = logprobs_and_grads(vlm, batch, packed, features)
-        got = logprobs_and_grads(vlm, batch, packed, features, host=host)
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-        assert got[2].keys() == expected[2].keys()
-        assert all(torch.equal(got[2][name], grad) for name, grad in expected[2].items())
-        with torch.no_grad():
-            values = [critic(batch.input_ids, batch.attention_mask, batch.model_inputs, packed=packed,
-                             image_features=features, host=copy_) for copy_ in (None, host)]
-        assert torch.equal(values[1], values[0]) and values[0].abs().sum() > 0
-
-
-def test_a_packed_layout_places_each_scored_token_and_the_state_before_it():
-    """Two right-padded rows end to end: the scored tokens' places, ids and states, and each row's bounds."""
-    ids = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 2]])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    scored = torch.tensor([[0.0, 1, 1, 0], [0, 1, 0, 0]])
-    layout = pass_layout(ids, mask, scored, torch.device("cpu"), packed=True)
-    assert layout.rows.tolist() == [0, 0, 1] and layout.cols.tolist() == [1, 2, 1]
-    assert layout.targets.tolist() == [6, 7, 9] and layout.states_at.tolist() == [0, 1, 3]
-    assert layout.bounds == [(0, 3), (3, 5)] and layout.packed.input_ids.tolist() == [[5, 6, 7, 8, 9]]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_a_pass_laid_out_from_host_copies_waits_for_nothing_on_the_device(vlm):
-    """Laying out a packed VLM pass and handing it its served image features from host copies queues copies
-    only: under CUDA's sync debug mode any read of the device would raise."""
-    batch = image_batch(vlm)
-    device = torch.device("cuda")
-    keys = batch.model_inputs[IMAGE_KEYS]
-    hidden = vlm.config.text_config.hidden_size
-    features = ImageFeatures({int(key): (torch.randn(4, hidden), []) for key in keys.unique()})
-    on_device = batch.to(device)
-    host = on_device.host
-    assert host is not None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        layout = pass_layout(host.input_ids, host.attention_mask, host.loss_mask, device, packed=True,
-                             model_config=vlm.config, model_inputs=batch.model_inputs)
-        inputs, serving = image_inputs(vlm.model, batch.model_inputs, features, device)
-        with serving:
-            served = vlm.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert layout.packed is not None and layout.packed.input_ids.device == on_device.input_ids.device
-    assert served.pooler_output.device.type == "cuda" and len(served.pooler_output) == 4 * len(keys)
-    expected = pass_layout(on_device.input_ids, on_device.attention_mask, on_device.loss_mask, device,
-                           packed=True, model_config=vlm.config, model_inputs=batch.model_inputs)
-    assert torch.equal(layout.packed.position_ids, expected.packed.position_ids)
-    assert torch.equal(layout.states_at, expected.states_at) and torch.equal(layout.targets, expected.targets)
 
 
 def test_the_tower_is_swapped_only_within_a_pass(vlm):

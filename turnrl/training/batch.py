@@ -57,22 +57,6 @@ class Sample:
     """The env state each turn in ``turn_ends`` started from (GiGPO); empty when unknown."""
 
 
-@dataclass(frozen=True)
-class HostTokens:
-    """A batch's ids and masks in host memory beside their device copies: a forward pass lays out its work
-    from them (the scored positions, the packed rows and their M-RoPE positions) without reading the device,
-    so the host queues a micro-batch's kernels while the device still runs the one before
-    (:func:`~turnrl.training.model_passes.pass_layout`). Each Shape (b, s), as the batch's."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    loss_mask: torch.Tensor
-
-    def select(self, index: torch.Tensor) -> HostTokens:
-        """The rows at ``index`` (on the host), in that order."""
-        return HostTokens(self.input_ids[index], self.attention_mask[index], self.loss_mask[index])
-
-
 @dataclass
 class Batch:
     """Padded tensors of a list of samples (right padding)."""
@@ -106,9 +90,6 @@ class Batch:
     image_features: ImageFeatures | None = None
     """A frozen vision tower's features of the batch's images, encoded once and shared by every pass over
     the batch and its parts (see :mod:`~turnrl.training.image_features`); None encodes in every pass."""
-    host: HostTokens | None = None
-    """The ids and masks in host memory, kept when the batch moves to a device (:meth:`to`); None while the
-    batch is on the host (its own tensors are), or when it was made on a device."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -127,19 +108,7 @@ class Batch:
         forward.states_before`)."""
         moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
         return Batch(**moved, model_inputs=dict(self.model_inputs), model_input_rows=dict(self.model_input_rows),
-                     image_features=self.image_features, host=self.host_tokens())
-
-    def row_lengths(self) -> torch.Tensor:
-        """Shape (b,), on the host: each row's real tokens, counted from the host copies when there are (no
-        wait for the device)."""
-        tokens = self.host_tokens()
-        return (self.attention_mask if tokens is None else tokens.attention_mask).sum(1).cpu()
-
-    def host_tokens(self) -> HostTokens | None:
-        """The ids and masks in host memory: the kept copies, or the batch's own when it is on the host."""
-        if self.host is not None or self.input_ids.device.type != "cpu":
-            return self.host
-        return HostTokens(self.input_ids, self.attention_mask, self.loss_mask)
+                     image_features=self.image_features)
 
     def select(self, index: torch.Tensor | list[int]) -> Batch:
         """The samples at ``index``, in that order, with their extra model inputs."""
@@ -160,8 +129,7 @@ class Batch:
             keep = [torch.arange(int(starts[i]), int(starts[i] + counts[i])) for i in index.tolist()]
             inputs[key] = value[to_device(torch.cat(keep), value.device)] if keep else value[:0]
             rows[key] = counts[index]
-        return Batch(**picked, model_inputs=inputs, model_input_rows=rows, image_features=self.image_features,
-                     host=self.host.select(index) if self.host is not None else None)
+        return Batch(**picked, model_inputs=inputs, model_input_rows=rows, image_features=self.image_features)
 
     def with_image_features(self, rollout: Mapping[int, tuple[torch.Tensor, Sequence[torch.Tensor]]] | None = None
                             ) -> Batch:
@@ -173,8 +141,7 @@ class Batch:
             inputs[IMAGE_KEYS] = torch.arange(len(inputs["image_grid_thw"]))
             rows[IMAGE_KEYS] = rows["image_grid_thw"]
         tensors = {name: value for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
-        return Batch(**tensors, model_inputs=inputs, model_input_rows=rows, image_features=ImageFeatures(rollout),
-                     host=self.host)
+        return Batch(**tensors, model_inputs=inputs, model_input_rows=rows, image_features=ImageFeatures(rollout))
 
 
 def trajectory_samples(trajectories: list[Trajectory], episode_ids: list[int]) -> list[Sample]:

@@ -52,7 +52,6 @@ from typing import Any
 import torch
 from transformers.utils import ModelOutput
 
-from turnrl.models.devices import to_device
 from turnrl.models.loading import vision_tower
 
 IMAGE_KEYS = "image_keys"
@@ -155,9 +154,9 @@ class ImageFeatures:
         stored = [self._images[key] for key in keys]
         levels = len(stored[0].deepstack) if stored else 0
         device = pixel_values.device
-        return TowerOutput(  # through pinned memory: a copy from pageable memory would wait for the device
-            pooler_output=to_device(torch.cat([image.tokens for image in stored]), device),
-            deepstack_features=[to_device(torch.cat([image.deepstack[level] for image in stored]), device)
+        return TowerOutput(
+            pooler_output=torch.cat([image.tokens for image in stored]).to(device),
+            deepstack_features=[torch.cat([image.deepstack[level] for image in stored]).to(device)
                                 for level in range(levels)] if levels else None,
         )
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +29,12 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from turnrl.models.devices import to_device
 from turnrl.models.loading import model_structure, prepare_vision_tower
 from turnrl.models.vision import position_inputs
-from turnrl.training.batch import HostTokens
 from turnrl.training.head import DEFAULT_CHUNK, ScoringHead, chosen_logprobs
 from turnrl.training.image_features import IMAGE_KEYS, ImageFeatures
 from turnrl.training.packed_attention import BOUNDS, packed_forward, packs
-from turnrl.training.packing import Packed, pack
+from turnrl.training.packing import pack
 
 
 def body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
@@ -62,13 +59,12 @@ def last_hidden_states(
 
 def packed_hidden_states(
     body: nn.Module,
-    layout: Packed,
-    bounds: list[tuple[int, int]],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
     model_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Shape (t, h): the hidden states of the real tokens of a right-padded batch, its rows run end to end
-    without padding as ``layout`` lays them (:func:`~turnrl.training.packing.pack`), each attending only to
-    itself (``bounds``: each row's [start, end) in ``layout``).
+    without padding (:func:`~turnrl.training.packing.pack`), each attending only to itself.
 
     Raises:
         ValueError: the model's attention cannot keep packed rows apart (loaded without ``model.attention=sdpa``).
@@ -77,6 +73,10 @@ def packed_hidden_states(
     if not packs(config.get_text_config()):
         raise ValueError(f"packed rows (algorithm.micro_batch_tokens) need the trainer's attention (model.attention="
                          f"sdpa); this model attends with {config.get_text_config()._attn_implementation}")
+    layout = pack(input_ids, attention_mask, config, model_inputs)
+    lengths = attention_mask.sum(1).tolist()
+    ends = list(itertools.accumulate(lengths))
+    bounds = [(end - n, end) for n, end in zip(lengths, ends) if n]
     extra = dict(model_inputs or {})
     if extra:
         extra.update(position_inputs(body, layout.input_ids))
@@ -101,111 +101,53 @@ def scored_positions(score_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return rows, cols
 
 
-@dataclass
-class PassLayout:
-    """Where one forward pass reads and writes, on the pass's device (n scored tokens, t real tokens)."""
-
-    rows: torch.Tensor
-    """Shape (n,): the row of each scored token."""
-    cols: torch.Tensor
-    """Shape (n,): its column."""
-    targets: torch.Tensor
-    """Shape (n,): its id."""
-    packed: Packed | None
-    """The real tokens end to end (a packed pass), else None."""
-    states_at: torch.Tensor | None
-    """Shape (n,), a packed pass: where the state before each scored token sits in the packed sequence."""
-    bounds: list[tuple[int, int]]
-    """A packed pass: each row's [start, end) in the packed sequence (rows without tokens left out)."""
-
-
-def pass_layout(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    score_mask: torch.Tensor,
-    device: torch.device,
-    packed: bool = False,
-    model_config: Any | None = None,
-    model_inputs: Mapping[str, torch.Tensor] | None = None,
-) -> PassLayout:
-    """A pass's scored positions (and, ``packed``, its packed rows with their positions), computed where the
-    given tensors are and copied to ``device`` without waiting for it.
-
-    Given host copies of the ids and masks, nothing here reads the device: the scored positions, the packing
-    check and a VLM's M-RoPE positions need the values, and reading them from the device waits for every
-    kernel queued before (the previous micro-batch's backward), leaving the device idle while the host lays out
-    the next pass. From host copies the host queues a micro-batch while the device still runs the one before.
-
-    Args:
-        input_ids, attention_mask, score_mask: Shape (b, s), on the host or on ``device``.
-        model_config: the model's config; a VLM's gives its image tokens M-RoPE positions (see
-            :func:`~turnrl.training.packing.pack`), read from ``model_inputs["image_grid_thw"]``.
-    """
-    rows, cols = scored_positions(score_mask)
-    targets = input_ids[rows, cols]
-    layout, states_at, bounds = None, None, []
-    if packed:
-        layout = pack(input_ids, attention_mask, model_config, model_inputs)
-        lengths = attention_mask.sum(1)
-        starts = lengths.cumsum(0) - lengths  # where each row begins in the packed sequence
-        states_at = to_device(starts[rows] + cols - 1, device)
-        ends = list(itertools.accumulate(lengths.tolist()))
-        bounds = [(end - n, end) for n, end in zip(lengths.tolist(), ends) if n]
-        layout = Packed(*(to_device(tensor, device) for tensor in
-                          (layout.input_ids, layout.position_ids, layout.rows, layout.cols)))
-    return PassLayout(to_device(rows, device), to_device(cols, device), to_device(targets, device), layout,
-                      states_at, bounds)
-
-
 def states_before(
     body: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    layout: PassLayout,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
     model_inputs: Mapping[str, torch.Tensor] | None = None,
+    packed: bool = False,
     image_features: ImageFeatures | None = None,
 ) -> torch.Tensor:
-    """Shape (n, h): the hidden state before each scored token of ``layout`` (every col at least 1).
+    """Shape (n, h): the hidden state before each token at ``(rows, cols)`` (every col at least 1).
 
-    A packed ``layout`` runs the rows end to end without their padding (:func:`~turnrl.training.packing.pack`);
-    the states are the same up to rounding. ``model_inputs`` may be on the host (a batch keeps its pixel values
-    there): they are copied to the tokens' device for this pass only. ``image_features``: a frozen tower's
+    ``packed`` runs the rows end to end without their padding (:func:`~turnrl.training.packing.pack`); the
+    states are the same up to rounding. ``model_inputs`` may be on the host (a batch keeps its pixel values
+    there): they are moved to the tokens' device for this pass only. ``image_features``: a frozen tower's
     features of the step's images (:mod:`~turnrl.training.image_features`), used where the inputs name their
     images (:data:`~turnrl.training.image_features.IMAGE_KEYS`); the pixels of stored images stay on the host.
     """
-    inputs, serving = image_inputs(body, model_inputs, image_features, input_ids.device)
+    inputs, serving = image_inputs(body, model_inputs, image_features)
+    inputs = {key: value.to(input_ids.device) for key, value in inputs.items()}
     with serving:
-        if layout.packed is None:
+        if not packed:
             hidden = last_hidden_states(body, input_ids, attention_mask, inputs)
-            return hidden[layout.rows, layout.cols - 1]
-        hidden = packed_hidden_states(body, layout.packed, layout.bounds, inputs)
-    assert layout.states_at is not None  # a packed layout has them
-    return hidden[layout.states_at]
+            return hidden[rows, cols - 1]
+        hidden = packed_hidden_states(body, input_ids, attention_mask, inputs)
+    lengths = attention_mask.sum(1)
+    starts = lengths.cumsum(0) - lengths  # where each row begins in the packed sequence
+    return hidden[starts[rows] + cols - 1]
 
 
 def image_inputs(
-    body: nn.Module, model_inputs: Mapping[str, torch.Tensor] | None, image_features: ImageFeatures | None,
-    device: torch.device,
+    body: nn.Module, model_inputs: Mapping[str, torch.Tensor] | None, image_features: ImageFeatures | None
 ) -> tuple[dict[str, torch.Tensor], AbstractContextManager]:
-    """The inputs a pass gives ``body`` on ``device`` (never the image keys) and the context it runs in: the
-    tower served from ``image_features`` where the inputs name their images, else as it is. Rows without an
-    image (a VLM batch's text-only turns) pass no image input: transformers' Qwen-VL towers take no empty batch,
-    and without images the 3D positions are the 1D ones. When the store holds every image of the pass, the
-    image sizes stay on the host: the model reads them there (to split the features by image) without waiting
-    for the device."""
+    """The inputs a pass gives ``body`` (never the image keys) and the context it runs in: the tower served
+    from ``image_features`` where the inputs name their images, else as it is. Rows without an image (a VLM
+    batch's text-only turns) pass no image input: transformers' Qwen-VL towers take no empty batch, and
+    without images the 3D positions are the 1D ones."""
     inputs = dict(model_inputs or {})
     keys = inputs.pop(IMAGE_KEYS, None)
     grids = inputs.get("image_grid_thw")
     if grids is not None and not len(grids):
-        inputs = {key: value for key, value in inputs.items() if key not in ("pixel_values", "image_grid_thw")}
-        return {key: to_device(value, device) for key, value in inputs.items()}, nullcontext()
+        return {key: value for key, value in inputs.items() if key not in ("pixel_values", "image_grid_thw")}, \
+            nullcontext()
     if image_features is None or keys is None or "pixel_values" not in inputs:
-        return {key: to_device(value, device) for key, value in inputs.items()}, nullcontext()
-    served = image_features.holds(keys)
-    if served:  # the model still takes its image path; the served tower reads no pixel
+        return inputs, nullcontext()
+    if image_features.holds(keys):  # the model still takes its image path; the served tower reads no pixel
         inputs["pixel_values"] = inputs["pixel_values"][:0]
-    inputs = {key: value if served and key == "image_grid_thw" else to_device(value, device)
-              for key, value in inputs.items()}
     return inputs, image_features.serving(body, keys)
 
 
@@ -220,7 +162,6 @@ def token_logprobs(
     model_inputs: Mapping[str, torch.Tensor] | None = None,
     packed: bool = False,
     image_features: ImageFeatures | None = None,
-    host: HostTokens | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities (and entropies) of the scored tokens under ``softmax(logits / temperature)``.
 
@@ -237,22 +178,18 @@ def token_logprobs(
         model_inputs: extra inputs of the model (a VLM's pixel values and grid sizes), passed to its forward.
         packed: run the rows end to end without padding (right-padded rows).
         image_features: the step's stored image features (a frozen tower), see :func:`states_before`.
-        host: the same ids and masks in host memory (their ``loss_mask`` is ``score_mask``): the pass lays
-            out its work from them without waiting for the device (:func:`pass_layout`).
 
     Returns:
         ``logprobs`` Shape (b, s) and ``entropy`` Shape (b, s) or None; zero where not scored.
     """
     body, head = body_and_head(model)
-    tokens = (input_ids, attention_mask, score_mask) if host is None else (
-        host.input_ids, host.attention_mask, host.loss_mask)
-    layout = pass_layout(*tokens, input_ids.device, packed, body.config, model_inputs)
-    rows, cols = layout.rows, layout.cols
-    states = states_before(body, input_ids, attention_mask, layout, model_inputs, image_features)
+    rows, cols = scored_positions(score_mask)
+    states = states_before(body, input_ids, attention_mask, rows, cols, model_inputs, packed, image_features)
+    targets = input_ids[rows, cols]
     if isinstance(head, ScoringHead):  # through the module: FSDP gathers its weight and reduces its gradient
-        scored, entropies = head(states, targets=layout.targets, temperature=temperature, chunk=chunk_size)
+        scored, entropies = head(states, targets=targets, temperature=temperature, chunk=chunk_size)
     else:
-        scored, entropies = chosen_logprobs(states, head.get_parameter("weight"), layout.targets, temperature,
+        scored, entropies = chosen_logprobs(states, head.get_parameter("weight"), targets, temperature,
                                             chunk=chunk_size)
     # Even with nothing scored the zeros hang off the graph, so backward() on a loss of a batch without
     # trained tokens works.
@@ -317,19 +254,18 @@ class ValueModel(nn.Module):
         model_inputs: Mapping[str, torch.Tensor] | None = None,
         packed: bool = False,
         image_features: ImageFeatures | None = None,
-        host: HostTokens | None = None,
     ) -> torch.Tensor:
         """Shape (b, s): ``values[i] = V(input_ids[:i])`` on the real tokens; position 0 and padding are 0.
 
-        ``packed`` runs the rows end to end without padding (right-padded rows); ``image_features`` and
-        ``host`` (the ids and masks in host memory) as :func:`token_logprobs`.
+        ``packed`` runs the rows end to end without padding (right-padded rows); ``image_features`` as
+        :func:`states_before`.
         """
         backbone: Any = self.backbone
         backbone = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone
-        tokens = (input_ids, attention_mask) if host is None else (host.input_ids, host.attention_mask)
-        layout = pass_layout(*tokens, tokens[1], input_ids.device, packed, backbone.config, model_inputs)
-        states = states_before(backbone, input_ids, attention_mask, layout, model_inputs, image_features)
+        rows, cols = scored_positions(attention_mask)
+        states = states_before(backbone, input_ids, attention_mask, rows, cols, model_inputs, packed,
+                               image_features)
         values = self.value_head(states.to(self.value_head.weight.dtype)).squeeze(-1).float()
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-        return out.index_put((layout.rows, layout.cols), values)
+        return out.index_put((rows, cols), values)
 

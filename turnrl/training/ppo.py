@@ -88,12 +88,12 @@ def batched_logprobs(
     dropped.
     """
     out = torch.zeros_like(batch.loss_mask)
-    parts = batching.split(torch.arange(len(batch)), batch.row_lengths())
+    parts = batching.split(torch.arange(len(batch)), batch.attention_mask.sum(1).cpu())
     for rows in _padded_passes(parts, passes):
         part = batch.select(rows if rows is not None else [0])
         lp, _ = token_logprobs(model, part.input_ids, part.attention_mask, part.loss_mask, temperature,
                                model_inputs=part.model_inputs, packed=batching.packed,
-                               image_features=part.image_features, host=part.host)
+                               image_features=part.image_features)
         if rows is not None:
             out[to_device(rows, out.device), : lp.shape[1]] = lp
     return out
@@ -105,11 +105,11 @@ def batched_values(
 ) -> torch.Tensor:
     """Shape (b, s): the critic's values, zero outside the loss mask (``passes`` as :func:`batched_logprobs`)."""
     out = torch.zeros_like(batch.loss_mask)
-    parts = batching.split(torch.arange(len(batch)), batch.row_lengths())
+    parts = batching.split(torch.arange(len(batch)), batch.attention_mask.sum(1).cpu())
     for rows in _padded_passes(parts, passes):
         part = batch.select(rows if rows is not None else [0])
         values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=batching.packed,
-                        image_features=part.image_features, host=part.host)
+                        image_features=part.image_features)
         if rows is not None:
             out[to_device(rows, out.device)] = values * part.loss_mask
     return out
@@ -253,7 +253,7 @@ def ppo_epochs(
             weights[key] = weights.get(key, 0.0) + weight
 
     batching = MicroBatching.of(config)
-    lengths = batch.row_lengths()
+    lengths = batch.attention_mask.sum(1).cpu()
     row_tokens = batch.loss_mask.sum(1).cpu()
     stepping = actor_optimizer  # None once the target KL stops the actor for this step
     kl_stopped = False
@@ -323,7 +323,7 @@ def _actor_backward(
     # Entropy is watched even without a bonus: its fall is the first sign of collapse.
     logprobs, entropy = token_logprobs(
         actor, part.input_ids, part.attention_mask, mask, temperature, with_entropy=True,
-        model_inputs=part.model_inputs, packed=packed, image_features=part.image_features, host=part.host,
+        model_inputs=part.model_inputs, packed=packed, image_features=part.image_features,
     )
     weights = inputs.sample_weights[index] if inputs.sample_weights is not None else None
     token_weights, cap = None, config.tis_cap
@@ -364,7 +364,7 @@ def _critic_backward(
     assert inputs.old_values is not None
     index = to_device(rows, inputs.returns.device)
     values = critic(part.input_ids, part.attention_mask, part.model_inputs, packed=packed,
-                    image_features=part.image_features, host=part.host)
+                    image_features=part.image_features)
     loss, stats = value_loss(
         values, inputs.old_values[index], inputs.returns[index], part.loss_mask,
         clip=config.value_clip, aggregation=config.loss_aggregation,
