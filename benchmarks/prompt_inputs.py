@@ -48,7 +48,20 @@ def placing(tokens: EpisodeTokens, image_token: int, merge: int, kept: bool) -> 
     return seconds
 
 
-def play(episodes: int, turns: int, frame: dict[str, torch.Tensor], placeholders: int, tokenizer, plain: bool
+def add_turn(tokens: EpisodeTokens, turn: int, frame: dict[str, list[torch.Tensor]], placeholders: int,
+             tokenizer) -> None:
+    """Turn ``turn`` of a maze episode: the first observation, or a response and the next observation, each with
+    one of ``frame``'s images (the encoder's tensors: its cache shares them between episodes, as when frames
+    repeat)."""
+    inputs = {key: value[turn % len(value)] for key, value in frame.items()}
+    if turn == 0:
+        tokens.start("Solve the maze.", IMAGE_MESSAGE, [placeholders], inputs)
+    else:
+        tokens.add_response([tokenizer.eos_token_id])
+        tokens.add_observation(IMAGE_MESSAGE, [placeholders], inputs)
+
+
+def play(episodes: int, turns: int, frame: dict[str, list[torch.Tensor]], placeholders: int, tokenizer, plain: bool
          ) -> tuple[float, int, list[dict[str, torch.Tensor]]]:
     """Seconds spent making the prompts' inputs, the bytes they hold, and the last episode's prompts' inputs."""
     seconds, held, last = 0.0, 0, []
@@ -56,13 +69,7 @@ def play(episodes: int, turns: int, frame: dict[str, torch.Tensor], placeholders
         tokens = EpisodeTokens(tokenizer, image_token="<|image_pad|>")
         prompts = []
         for turn in range(turns):
-            # the encoder's tensors: its cache shares them between episodes, as when frames repeat
-            inputs = {key: value[turn % len(value)] for key, value in frame.items()}
-            if turn == 0:
-                tokens.start("Solve the maze.", IMAGE_MESSAGE, [placeholders], inputs)
-            else:
-                tokens.add_response([tokenizer.eos_token_id])
-                tokens.add_observation(IMAGE_MESSAGE, [placeholders], inputs)
+            add_turn(tokens, turn, frame, placeholders, tokenizer)
             start = time.perf_counter()
             made = (concat_model_inputs([tokens.turns[j] for j in tokens.image_turns(turn)]) if plain
                     else tokens.prompt_model_inputs())
@@ -94,12 +101,7 @@ def main() -> None:
     views_s, _, view_prompts = play(args.episodes, args.turns, frame, placeholders, tokenizer, plain=False)
     tokens = EpisodeTokens(tokenizer, image_token="<|image_pad|>")  # one episode's prompts, to place their images
     for turn in range(args.turns):
-        inputs = {key: value[turn % len(value)] for key, value in frame.items()}
-        if turn == 0:
-            tokens.start("Solve the maze.", IMAGE_MESSAGE, [placeholders], inputs)
-        else:
-            tokens.add_response([tokenizer.eos_token_id])
-            tokens.add_observation(IMAGE_MESSAGE, [placeholders], inputs)
+        add_turn(tokens, turn, frame, placeholders, tokenizer)
     pad = int(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
     built_s = args.episodes * placing(tokens, pad, 2, kept=False)
     kept_s = args.episodes * placing(tokens, pad, 2, kept=True)
