@@ -245,6 +245,31 @@ def test_parameters_cast_alone_compute_what_the_model_loaded_in_that_dtype_compu
         assert not torch.equal(rounded(input_ids=ids, position_ids=positions).logits, expected)
 
 
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_vlm_dir"])
+def test_a_cast_copy_is_the_cast_model_and_leaves_the_original_as_it_was(fixture, request):
+    """The asynchronous rollout's copy of a float32 actor: each parameter cast as it is copied, buffers as they
+    are, tied weights still one tensor; it computes what the model loaded in bf16 computes."""
+    path = request.getfixturevalue(fixture)
+    original = loading.load_model(path).eval()
+    before = {name: p.detach().clone() for name, p in original.named_parameters()}
+    copied = loading.cast_copy(original, torch.bfloat16, torch.device("cpu"))
+    loaded = loading.load_model(path, dtype=torch.bfloat16).eval()
+    assert {n: b.dtype for n, b in copied.named_buffers()} == {n: b.dtype for n, b in loaded.named_buffers()}
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copied.parameters())
+    assert len(list(copied.parameters())) == len(list(original.parameters()))  # tied ones counted once in both
+    if original.get_output_embeddings().weight is original.get_input_embeddings().weight:
+        assert copied.get_output_embeddings().weight is copied.get_input_embeddings().weight
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[name]) for name, p in original.named_parameters())
+    assert not any(a.data_ptr() == b.data_ptr() for a, b in zip(copied.parameters(), original.parameters()))
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    positions = torch.arange(3000, 3006)[None]
+    if fixture == "tiny_vlm_dir":
+        positions = positions.expand(3, 1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(input_ids=ids, position_ids=positions).logits,
+                                   loaded(input_ids=ids, position_ids=positions).logits, rtol=0, atol=0)
+
+
 @pytest.fixture
 def original_rotary(monkeypatch):
     """Compiling layer parts swaps a family's rotary embedding in its transformers module: put back each test's."""

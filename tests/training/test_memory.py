@@ -179,6 +179,25 @@ def test_one_process_without_checkpointing_counts_the_weight_casts_and_compiled_
     assert activation_bytes(counts, 8192, True, compiled=True) == activation_bytes(counts, 8192, True)
 
 
+def test_an_asynchronous_rollout_on_the_trainers_gpu_counts_its_bf16_copy_and_the_staged_weights(tmp_path, tokenizer):
+    """The VisGym vlm-3b step with the rollout one update ahead on the same H200 ran out of memory at 138.4 GiB
+    holding a float32 copy of the actor and float32 staging buffers, which the estimate did not count."""
+    counts = count_model(_saved_config(tmp_path / "vlm", vlm_config("vlm-3b", tokenizer)))
+    step = ["model.gradient_checkpointing=false", "model.compile=true", "algorithm.micro_batch_tokens=8192",
+            "model.engine.kv_cache_gb=8"]
+    synchronous = estimate_memory(load_config(TrainConfig, "configs/visgym_maze.yaml", step), counts, 1, H200)
+    ahead = [*step, "distributed.async_rollout=true", "algorithm.old_logprobs=sampler"]
+    same_gpu = estimate_memory(load_config(TrainConfig, "configs/visgym_maze.yaml", ahead), counts, 1, H200)
+    assert same_gpu.parts["staging"] == 2 * counts.trained
+    # The engine reads the bf16 copy in place and keeps only its stacked projections besides.
+    assert same_gpu.parts["rollout weights"] - synchronous.parts["rollout weights"] == 2 * counts.stacked
+    assert same_gpu.total - synchronous.total == 2 * counts.trained + 2 * counts.stacked
+    elsewhere = estimate_memory(load_config(TrainConfig, "configs/visgym_maze.yaml",
+                                            [*ahead, "distributed.rollout_device=cuda:1"]), counts, 1, H200)
+    assert "rollout weights" not in elsewhere.parts and "key/value cache" not in elsewhere.parts
+    assert elsewhere.parts["staging"] == 2 * counts.trained
+
+
 def test_one_process_is_told_to_shard_to_offload(tmp_path, tokenizer):
     counts = _counts(tmp_path, tokenizer, "3b")
     config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [])

@@ -11,6 +11,7 @@ Qwen2-VL, Qwen2.5-VL and Qwen3-VL), a text model with ``AutoModelForCausalLM``.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import logging
 import sys
@@ -192,6 +193,18 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
         owner, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(owner), attribute, value)
     return model
+
+
+def cast_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A frozen copy of ``model`` on ``device`` with its parameters in ``dtype`` and its buffers as they are (the
+    rotary frequencies stay float32, as :func:`cast_parameters` keeps them); parameters tied in ``model`` stay
+    tied. Each parameter is cast as it is copied, so the copy costs its own memory and no more: a deep copy
+    followed by a cast holds a full-precision copy on the way (15 GB at 3B beside a training run's peak)."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = torch.nn.Parameter(param.detach().to(device=device, dtype=dtype, copy=True),
+                                             requires_grad=False)
+    return copy.deepcopy(model, memo).to(device)
 
 
 def model_structure(auto: Any, path: Path | str, dtype: torch.dtype = torch.float32,

@@ -73,6 +73,26 @@ def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
     assert backend(trainer).weights.held(0) == 2  # the batch of step 2 used the weights of update 1
 
 
+def test_under_bf16_the_copy_and_its_staging_are_bf16_and_staleness_zero_is_the_synchronous_run(tiny_model_dir,
+                                                                                                   tmp_path):
+    """Mixed precision: the actor trains in float32, the engine samples in bf16. The rollout copy holds its
+    weights in bf16 (buffers float32) and so do the staged ones: the copy samples what the engine computes from
+    the float32 actor in the synchronous run, token for token."""
+    bf16 = ("model.dtype=bfloat16", "model.backend=engine")
+    synchronous = run_steps(Trainer(config(tiny_model_dir, tmp_path, *bf16, name="sync")), 3)
+    trainer = Trainer(async_config(tiny_model_dir, tmp_path, 0, *bf16))
+    rollout = backend(trainer)
+    assert {p.dtype for p in rollout.copy.parameters()} == {torch.bfloat16}
+    assert torch.float32 in {b.dtype for b in rollout.copy.buffers()}  # the rotary frequencies
+    assert {p.dtype for p in trainer.actor.parameters()} == {torch.float32}
+    staged = rollout.weights.copy._staged  # type: ignore[attr-defined]
+    assert staged and {t.dtype for t in staged} == {torch.bfloat16}
+    asynchronous = run_steps(trainer, 3)
+    for step, (one, two) in enumerate(zip(synchronous, asynchronous)):
+        assert comparable(one) == comparable(two), step
+    assert synchronous[2].metrics["batch/samples"] > 0
+
+
 def test_staleness_one_overlaps_and_corrects_with_importance_weights(tiny_model_dir, tmp_path):
     trainer = Trainer(async_config(tiny_model_dir, tmp_path, 1, *TIS, "run.steps=5"))
     before = [p.detach().clone() for p in backend(trainer).copy.parameters()]
