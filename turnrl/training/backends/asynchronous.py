@@ -52,7 +52,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol
 
@@ -130,6 +130,8 @@ class LocalCopy:
         self._sources: list[torch.nn.Parameter] = []
         self._targets: list[torch.nn.Parameter] = []
         self._staged: list[torch.Tensor] = []
+        self._staged_at: torch.cuda.Event | None = None
+        """Recorded on the trainer's stream after the last staging: the rollout thread's stream waits for it."""
 
     def start(self, source: torch.nn.Module, version: WeightsVersion) -> None:
         targets = dict(self.target.named_parameters())
@@ -145,15 +147,21 @@ class LocalCopy:
     def stage(self, source: torch.nn.Module, version: WeightsVersion) -> None:
         for staged, parameter in zip(self._staged, self._sources):
             staged.copy_(parameter)
+        if self._staged[0].device.type == "cuda":
+            self._staged_at = torch.cuda.Event()
+            self._staged_at.record()
 
     @torch.no_grad()
     def apply(self, version: WeightsVersion, parts: Sequence[int]) -> None:
+        device = self._targets[0].device
+        if device.type == "cuda" and self._staged_at is not None:
+            torch.cuda.current_stream(device).wait_event(self._staged_at)  # the rollout thread's own stream
         for target, staged in zip(self._targets, self._staged):
             target.copy_(staged)
-        device = self._targets[0].device
         if device.type == "cuda":
-            # The staging copy may be rewritten as soon as the staged weights' lock is released.
-            torch.cuda.synchronize(device)
+            # The staging copy may be rewritten as soon as the staged weights' lock is released. This stream
+            # alone: the trainer's (on the same GPU, another stream) goes on with its update meanwhile.
+            torch.cuda.current_stream(device).synchronize()
 
 
 class StagedWeights:
@@ -322,6 +330,8 @@ class AsyncRollout:
         self._failure: RolloutFailure | None = None
         self._playing: int | None = None
         """The step the rollout thread is playing now, if any."""
+        self._producing = 0
+        """The step the rollout thread is at (waiting for its weights or playing it)."""
         if checked is None:
             assert isinstance(runner, Rollout), "a runner of this process, or the check of where the copy lives"
             checked = PolicyWeights(runner.policy, "asynchronous")
@@ -343,7 +353,10 @@ class AsyncRollout:
     def run(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig) -> list[Trajectory]:
         """The slots' episodes on the rollout copy, between two batches of the rollout thread."""
         with self._sampling, self.precision():
-            return self.runner.run(slots, sampling)
+            played = self.runner.run(slots, sampling)
+            if self.device.type == "cuda":  # done on the device before a rollout batch takes the engine
+                torch.cuda.current_stream(self.device).synchronize()
+            return played
 
     def exclusive(self) -> AbstractContextManager[Any]:
         return self._sampling
@@ -351,30 +364,45 @@ class AsyncRollout:
     # ------------------------------------------------------------------ the rollout thread
     def _produce(self, play: PlayStep[Any], first_step: int) -> None:
         """Roll out steps ``first_step .. end_step - 1`` in order, each within the staleness bound."""
-        step = first_step
-        assert self.weights is not None
+        self._producing = first_step
         try:
+            streaming: AbstractContextManager[Any] = nullcontext()
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # the current device is per thread
-            for step in range(first_step, self.end_step):
-                wait_s = self.weights.wait_for(step - self.max_staleness, self._stop)
-                if self._stop.is_set():
-                    return
-                version = self.weights.apply()
-                self._playing = step
-                self.checked.take(version)
-                self._turns, self._switches = Counter(), 0
-                with self._sampling:
-                    # Set for the batch alone: a validation's episodes on this runner take no weights.
-                    self.runner.turn_boundary = self._turn_boundary
-                    try:
-                        played = play(self.runner, step, self.precision())
-                    finally:
-                        self.runner.turn_boundary = None
-                self._batches.put(RolloutBatch(step, played, version, wait_s, dict(self._turns), self._switches))
-                self._playing = None
+                if self.copy is not None:
+                    streaming = torch.cuda.stream(torch.cuda.Stream(self.device))
+            with streaming:
+                self._produce_steps(play, first_step)
         except BaseException as error:  # noqa: BLE001 - every failure goes to the trainer, which raises it
-            self._batches.put(RolloutFailure(step, error))
+            self._batches.put(RolloutFailure(self._producing, error))
+
+    def _produce_steps(self, play: PlayStep[Any], first_step: int) -> None:
+        """The rollout thread's steps. A copy in this process plays them on a CUDA stream of its own: where it
+        shares the trainer's GPU (``distributed.rollout_device`` unset) its kernels then run beside the update's
+        instead of queuing behind them on the one default stream (decode reads memory while the update's matrix
+        products compute). A batch's device work is done when it is handed over, so that a validation on the
+        trainer's stream (the same engine) starts after it."""
+        assert self.weights is not None
+        for step in range(first_step, self.end_step):
+            self._producing = step
+            wait_s = self.weights.wait_for(step - self.max_staleness, self._stop)
+            if self._stop.is_set():
+                return
+            version = self.weights.apply()
+            self._playing = step
+            self.checked.take(version)
+            self._turns, self._switches = Counter(), 0
+            with self._sampling:
+                # Set for the batch alone: a validation's episodes on this runner take no weights.
+                self.runner.turn_boundary = self._turn_boundary
+                try:
+                    played = play(self.runner, step, self.precision())
+                finally:
+                    self.runner.turn_boundary = None
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+            self._batches.put(RolloutBatch(step, played, version, wait_s, dict(self._turns), self._switches))
+            self._playing = None
 
     def _turn_boundary(self, turns: int, part: int) -> None:
         """Before a round of ``turns`` turns of the batch in play on the copy's ``part`` (none of its sequences
