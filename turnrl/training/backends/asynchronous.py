@@ -310,6 +310,10 @@ class AsyncRollout:
         self.where = where
         self.device = device
         self.dtype = dtype
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and copy is not None else None
+        """The copy's CUDA stream: every episode played on the copy queues its kernels there, whichever thread plays
+        it (see :meth:`_produce_steps`), so that what the engine allocates and frees stays on one stream (the
+        caching allocator hands a freed block to other work on the stream it was allocated on at once)."""
         self.max_staleness = max_staleness
         self.end_step = end_step
         self.partial_rollouts = partial_rollouts
@@ -352,11 +356,14 @@ class AsyncRollout:
 
     def run(self, slots: Sequence[EpisodeSlot], sampling: SamplingConfig) -> list[Trajectory]:
         """The slots' episodes on the rollout copy, between two batches of the rollout thread."""
-        with self._sampling, self.precision():
+        with self._sampling, self._on_stream(), self.precision():
             played = self.runner.run(slots, sampling)
             if self.device.type == "cuda":  # done on the device before a rollout batch takes the engine
                 torch.cuda.current_stream(self.device).synchronize()
             return played
+
+    def _on_stream(self) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
     def exclusive(self) -> AbstractContextManager[Any]:
         return self._sampling
@@ -366,12 +373,9 @@ class AsyncRollout:
         """Roll out steps ``first_step .. end_step - 1`` in order, each within the staleness bound."""
         self._producing = first_step
         try:
-            streaming: AbstractContextManager[Any] = nullcontext()
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # the current device is per thread
-                if self.copy is not None:
-                    streaming = torch.cuda.stream(torch.cuda.Stream(self.device))
-            with streaming:
+            with self._on_stream():
                 self._produce_steps(play, first_step)
         except BaseException as error:  # noqa: BLE001 - every failure goes to the trainer, which raises it
             self._batches.put(RolloutFailure(self._producing, error))
