@@ -40,6 +40,7 @@ from turnrl.training.memory import (
     rollout_in_waves,
     rows_shorter_than_episodes,
     run_margin,
+    scoring_activation_bytes,
     set_allocator_settings,
     sft_estimate,
     sft_fit_advice,
@@ -196,6 +197,20 @@ def test_an_asynchronous_rollout_on_the_trainers_gpu_counts_its_bf16_copy_and_th
                                             [*ahead, "distributed.rollout_device=cuda:1"]), counts, 1, H200)
     assert "rollout weights" not in elsewhere.parts and "key/value cache" not in elsewhere.parts
     assert elsewhere.parts["staging"] == 2 * counts.trained
+
+
+def test_scoring_passes_count_when_their_token_budget_outgrows_the_updates_micro_batch(tmp_path, tokenizer):
+    counts = _counts(tmp_path, tokenizer, "3b")
+    update = load_config(TrainConfig, "configs/ragen_sokoban.yaml", ["algorithm.micro_batch_tokens=8192"])
+    base = estimate_memory(update, counts, 1, H200).parts["activations"]
+    assert base == activation_bytes(counts, 8192, update.model.gradient_checkpointing)
+    for tokens in (32768, 1 << 20):
+        scoring = load_config(TrainConfig, "configs/ragen_sokoban.yaml",
+                              ["algorithm.micro_batch_tokens=8192", f"algorithm.score_micro_batch_tokens={tokens}"])
+        held = estimate_memory(scoring, counts, 1, H200).parts["activations"]
+        assert held == max(base, scoring_activation_bytes(counts, tokens))
+    # A scoring pass of the update's tokens holds less than the update's pass (one layer, no backward).
+    assert scoring_activation_bytes(counts, 8192) < base < scoring_activation_bytes(counts, 1 << 20)
 
 
 def test_one_process_is_told_to_shard_to_offload(tmp_path, tokenizer):

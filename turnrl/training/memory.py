@@ -23,7 +23,8 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
                       sets ``kv_cache_gb`` to it, since the engine starts before the optimizer's states exist
     activations       one micro-batch of the update: with checkpointing every layer's input plus one
                       layer's working set; without, every layer's working set (less the norms' float32
-                      copies under ``model.compile``); plus the scoring head's chunk
+                      copies under ``model.compile``); plus the scoring head's chunk; or one scoring pass of
+                      ``algorithm.score_micro_batch_tokens`` (one layer's working set), whichever is larger
     weight casts      one process under mixed precision without checkpointing: the bf16 copy of each float32
                       weight that autocast makes for a forward pass and autograd keeps for its backward
                       (under FSDP the layers are gathered in bf16 and freed after their forward instead)
@@ -315,6 +316,14 @@ def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool, comp
     return kept + (working if checkpointing else 0) + head
 
 
+def scoring_activation_bytes(counts: ModelCounts, tokens: int) -> float:
+    """One pass of ``tokens`` that only scores (no backward: ``algorithm.score_micro_batch_tokens``): a layer's
+    working set at a time (:func:`activation_bytes`' per-layer count, an upper bound without autograd's copies) and
+    the scoring head's two float32 chunks of logits."""
+    working = 2 * tokens * (14 * counts.hidden + 4 * counts.intermediate)
+    return working + 2 * 4 * min(tokens, DEFAULT_CHUNK) * counts.vocab
+
+
 def default_cache_bytes(parts: dict[str, float], device_bytes: float, apart: bool = False,
                         gradients: float = 0.0, margin: float = 0.0) -> float:
     """The key/value cache that ``model.engine.kv_cache_gb=0`` gets: the engine's own default (30% of the memory
@@ -380,8 +389,9 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     elif engine:
         parts["rollout weights"] = 2 * counts.total
     checkpointing = config.model.gradient_checkpointing
-    parts["activations"] = activation_bytes(counts, _pass_tokens(config), checkpointing, config.model.compile,
-                                            trains_head=not lora)
+    parts["activations"] = max(activation_bytes(counts, _pass_tokens(config), checkpointing, config.model.compile,
+                                                trains_head=not lora),
+                               scoring_activation_bytes(counts, config.algorithm.score_micro_batch_tokens))
     if not sharded and not checkpointing and config.model.dtype != "float32":
         # Actor and critic update one after the other: the larger model's casts (5.7 GiB at 3B).
         parts["weight casts"] = 2 * max(counts.total, critic_total if config.algorithm.uses_critic else 0)

@@ -43,7 +43,13 @@ class MicroBatching:
 
     @classmethod
     def of(cls, config: AlgorithmConfig) -> MicroBatching:
+        """The update's passes."""
         return cls(config.micro_batch_size, config.micro_batch_tokens)
+
+    @classmethod
+    def scoring(cls, config: AlgorithmConfig) -> MicroBatching:
+        """The passes that score without a backward (``algorithm.score_micro_batch_tokens``, else the update's)."""
+        return cls(config.micro_batch_size, config.score_micro_batch_tokens or config.micro_batch_tokens)
 
     @property
     def packed(self) -> bool:

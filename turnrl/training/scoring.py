@@ -66,7 +66,7 @@ def score_batch(
     """
     metrics: dict[str, float] = {}
     start = time.time()
-    micro = MicroBatching.of(config)
+    micro = MicroBatching.scoring(config)
     with precision:
         if config.old_logprobs == "recompute":
             old_logprobs = batched_logprobs(actor, batch, micro, temperature, passes)

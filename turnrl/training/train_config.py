@@ -175,6 +175,11 @@ class AlgorithmConfig:
     """Above 0: forward/backward passes take as many samples as fit in this many tokens, laid end to end
     without padding (packed; each sample attends only to itself); a longer sample runs alone. 0: passes of
     ``micro_batch_size`` samples, padded to the longest."""
+    score_micro_batch_tokens: int = 0
+    """Above 0: the passes that only score (PPO's recomputed old log-probs, the reference's, the critic's values,
+    the sampler check's rows) pack up to this many tokens each; 0: they are cut as the update's are. A pass
+    without a backward holds one layer's working set at a time, not every layer's, so it can take several times
+    the update's tokens (verl's separate log-prob micro-batches), in fewer and larger matrix products."""
     critic_warmup_steps: int = 0
     """Steps that train only the critic."""
     filter: FilterConfig = field(default_factory=FilterConfig)
@@ -252,6 +257,7 @@ class AlgorithmConfig:
             )
         check_range("algorithm.micro_batch_size", self.micro_batch_size, 1)
         check_range("algorithm.micro_batch_tokens", self.micro_batch_tokens, 0)
+        check_range("algorithm.score_micro_batch_tokens", self.score_micro_batch_tokens, 0)
         check_range("algorithm.mini_batch_size", self.mini_batch_size, self.micro_batch_size)
         self.filter.validate()
 

@@ -537,7 +537,7 @@ class Trainer:
         n, rows = len(batch), self.parallel.rows(len(batch))
         with self.precision():  # each process scores its rows (the same batch on every process)
             local = batched_logprobs(self.actor, (batch if rows is None else batch.select(rows)).to(self.device),
-                                     MicroBatching.of(self.config.algorithm), self.config.sampling.temperature,
+                                     MicroBatching.scoring(self.config.algorithm), self.config.sampling.temperature,
                                      self.parallel.most)
         self.parallel.release_gathered([self.actor])
         return self.parallel.gather_rows(local, n)
