@@ -34,7 +34,9 @@ first row's value minus the second's over the steps both logged before
 row is ahead. The levels' difficulty, which moves both rows together, drops
 out of a paired difference, so it finds an effect too small to see in the
 rows' means. Steps of one run follow each other, so they are not independent
-draws: count the pairs (seeds), not the steps, as the evidence.
+draws: count the pairs (seeds), not the steps, as the evidence. The pairs' mean
+comes with its 95% t-interval over the pairs (one mean difference a pair), what
+the seeds allow one to say: with three pairs it is wide.
 
     python benchmarks/learning_curves.py --metrics collapse --out docs/figures/estimators_collapse.png \\
         "GRPO=runs/estimators/GRPO_seed*" "StarPO-S=runs/estimators/StarPO-S_seed*"
@@ -56,7 +58,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import fmean
+from math import sqrt
+from statistics import fmean, stdev
+
+from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -220,6 +225,16 @@ def paired_difference(first: list[dict[str, float]], second: list[dict[str, floa
                             sum(difference > 0 for difference in after))
 
 
+def pairs_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+    """The ``level`` two-sided t-interval of the mean of ``values``, one value a pair of runs (the pairs are the
+    independent draws; a run's steps are not); None for fewer than two values."""
+    if len(values) < 2:
+        return None
+    mean = fmean(values)
+    half = float(stats.t.ppf((1 + level) / 2, len(values) - 1)) * stdev(values) / sqrt(len(values))
+    return mean - half, mean + half
+
+
 def seed_of(run: Path) -> int | None:
     """The seed a run folder's name ends in (``vagen_full_seed2``: 2), or None."""
     found = re.search(r"seed(\d+)$", run.name)
@@ -242,7 +257,8 @@ def paired_table(first: tuple[str, list[Path]], second: tuple[str, list[Path]],
                  records: dict[str, list[list[dict[str, float]]]], metrics: Sequence[Metric], split: int) -> str:
     """A markdown table of :func:`paired_difference`: a line per pair of runs (in the order given), a column per
     metric both rows have: ``before -> after (ahead/steps)``, differences in the metric's units; and the mean over
-    the pairs, with how many pairs moved the first row ahead."""
+    the pairs, with its 95% t-interval over them (:func:`pairs_interval`) and how many pairs moved the first row
+    ahead."""
     (first_label, first_runs), (second_label, second_runs) = first, second
     problem = unpaired(first_runs, second_runs)
     if problem is not None:
@@ -264,8 +280,10 @@ def paired_table(first: tuple[str, list[Path]], second: tuple[str, list[Path]],
     for column in zip(*found):
         befores = [d.before for d in column if d.before is not None]
         afters = [d.after for d in column if d.after is not None]
-        cells.append(f"{signed(fmean(befores) if befores else None)} -> {signed(fmean(afters) if afters else None)} "
-                     f"({sum(a > 0 for a in afters)}/{len(afters)} pairs ahead)")
+        interval = pairs_interval(afters)
+        spread = "" if interval is None else f" [{interval[0]:+.3f}, {interval[1]:+.3f}]"
+        cells.append(f"{signed(fmean(befores) if befores else None)} -> {signed(fmean(afters) if afters else None)}"
+                     f"{spread} ({sum(a > 0 for a in afters)}/{len(afters)} pairs ahead)")
     lines.append(f"| mean of {len(pairs)} pairs | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

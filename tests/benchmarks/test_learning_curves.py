@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 
 import pytest
+import scipy.stats
 
 from benchmarks.learning_curves import (
     first_last,
@@ -15,6 +18,7 @@ from benchmarks.learning_curves import (
     main,
     paired_difference,
     paired_table,
+    pairs_interval,
     reference_argument,
     row_argument,
     seed_of,
@@ -181,7 +185,7 @@ def test_the_paired_table_has_a_line_per_pair_and_the_pairs_mean(tmp_path):
         "| --- | ---: |",
         "| full_seed0 - base_seed0 | +0.000 -> +0.200 (2/2) |",
         "| full_seed1 - base_seed1 | +0.000 -> -0.100 (0/2) |",
-        "| mean of 2 pairs | +0.000 -> +0.050 (1/2 pairs ahead) |",
+        "| mean of 2 pairs | +0.000 -> +0.050 [-1.856, +1.956] (1/2 pairs ahead) |",
     ]
     with pytest.raises(ValueError, match=r"as many runs in each row, .* \(2 against 1\) \(Full, Base\)"):
         paired_table(first, ("Base", second[1][:1]), {**records, "Base": records["Base"][:1]}, metrics, split=2)
@@ -190,6 +194,15 @@ def test_the_paired_table_has_a_line_per_pair_and_the_pairs_mean(tmp_path):
         paired_table(first, crossed, records, metrics, split=2)
     assert unpaired([tmp_path / "a_seed3", tmp_path / "mine"], [tmp_path / "b_seed3", tmp_path / "b_seed1"]) is None
     assert seed_of(tmp_path / "vagen_full_seed12") == 12 and seed_of(tmp_path / "seed1_run") is None
+
+
+def test_the_pairs_interval_is_the_t_interval_of_the_pairs_mean():
+    values = [-0.003, -0.022, 0.005]
+    mean, sem = sum(values) / 3, statistics.stdev(values) / math.sqrt(3)
+    expected = scipy.stats.t.interval(0.95, 2, loc=mean, scale=sem)
+    assert pairs_interval(values) == pytest.approx(expected, abs=1e-12)
+    assert pairs_interval([0.2, -0.1]) == pytest.approx((0.05 - 12.7062 * 0.15, 0.05 + 12.7062 * 0.15), abs=1e-3)
+    assert pairs_interval([0.1]) is None and pairs_interval([]) is None
 
 
 def test_the_script_pairs_two_rows_and_refuses_other_counts(runs, monkeypatch, capsys):
@@ -221,4 +234,4 @@ def test_the_state_rewards_script_pairs_its_rows_seed_by_seed(tmp_path):
     assert text[0] == "| VAGEN-Full minus VAGEN-Base | Observation match |"
     assert text[2:] == ["| vagen_full_seed0 - vagen_base_seed0 | +0.000 -> +0.100 (3/3) |",
                         "| vagen_full_seed1 - vagen_base_seed1 | +0.000 -> +0.100 (3/3) |",
-                        "| mean of 2 pairs | +0.000 -> +0.100 (2/2 pairs ahead) |"]
+                        "| mean of 2 pairs | +0.000 -> +0.100 [+0.100, +0.100] (2/2 pairs ahead) |"]
