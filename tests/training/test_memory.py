@@ -197,6 +197,12 @@ def test_an_asynchronous_rollout_on_the_trainers_gpu_counts_its_bf16_copy_and_th
                                             [*ahead, "distributed.rollout_device=cuda:1"]), counts, 1, H200)
     assert "rollout weights" not in elsewhere.parts and "key/value cache" not in elsewhere.parts
     assert elsewhere.parts["staging"] == 2 * counts.trained
+    # A LoRA copy keeps float32 (the engine merges before its cast); its staging holds the adapters alone.
+    adapters = count_model(tmp_path / "vlm", lora_rank=64)
+    lora = estimate_memory(load_config(TrainConfig, "configs/visgym_maze.yaml", [*ahead, "lora.enabled=true"]),
+                           adapters, 1, H200)
+    assert lora.parts["staging"] == 4 * adapters.trained < 2 * counts.trained
+    assert lora.parts["rollout weights"] == 6 * adapters.total
 
 
 def test_scoring_passes_count_when_their_token_budget_outgrows_the_updates_micro_batch(tmp_path, tokenizer):

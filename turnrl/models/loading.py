@@ -195,14 +195,15 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
     return model
 
 
-def cast_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """A frozen copy of ``model`` on ``device`` with its parameters in ``dtype`` and its buffers as they are (the
-    rotary frequencies stay float32, as :func:`cast_parameters` keeps them); parameters tied in ``model`` stay
-    tied. Each parameter is cast as it is copied, so the copy costs its own memory and no more: a deep copy
-    followed by a cast holds a full-precision copy on the way (15 GB at 3B beside a training run's peak)."""
+def cast_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
+    """A frozen copy of ``model`` on ``device`` with its parameters in ``dtype`` (None: their own) and its buffers
+    as they are (the rotary frequencies stay float32, as :func:`cast_parameters` keeps them); parameters tied in
+    ``model`` stay tied. Each parameter is cast as it is copied, so the copy costs its own memory and no more: a
+    deep copy followed by a cast holds a full-precision copy on the way (15 GB at 3B beside a training run's
+    peak)."""
     memo: dict[int, Any] = {}
     for param in model.parameters():
-        memo[id(param)] = torch.nn.Parameter(param.detach().to(device=device, dtype=dtype, copy=True),
+        memo[id(param)] = torch.nn.Parameter(param.detach().to(device=device, dtype=dtype or param.dtype, copy=True),
                                              requires_grad=False)
     return copy.deepcopy(model, memo).to(device)
 

@@ -13,10 +13,11 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
                       stacked q/k/v and gate/up buffers; in one process the engine's bf16 buffers of the
                       float32 actor (the ``hf`` backend reads the actor itself); with
                       ``distributed.async_rollout`` the rollout thread's bf16 copy of the actor and the
-                      engine's stacked buffers (on ``distributed.rollout_device`` when set: then neither
-                      they nor the key/value cache are on this GPU)
+                      engine's stacked buffers (under LoRA a float32 copy and the engine's merged bf16
+                      buffers; on ``distributed.rollout_device`` when set: then neither they nor the
+                      key/value cache are on this GPU)
     staging           ``distributed.async_rollout``: the trained weights published for the rollout copy, in
-                      bf16
+                      its dtype
     gathered layers   FSDP's all-gathered layer and the one prefetched beside it
     key/value cache   ``model.engine.kv_cache_gb``; when 0, the engine's default (30% of what is free when
                       it starts) capped at what the update leaves free (:func:`default_cache_bytes`): a run
@@ -376,8 +377,10 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     engine = config.model.backend != "hf"
     dist = config.distributed
     rollout_thread = dist.async_rollout and dist.rollout_processes == 0
+    # The rollout thread's copy holds bf16, or float32 under LoRA (the engine merges the adapters before its cast).
+    copy_bytes = 4 if lora else 2
     if rollout_thread:
-        parts["staging"] = 2 * counts.trained  # the trained weights published for the rollout copy
+        parts["staging"] = copy_bytes * counts.trained  # the trained weights published for the rollout copy
         # The copy, its engine and their cache live on distributed.rollout_device when it is set.
         engine = engine and dist.rollout_device is None
     stacked = 2 * counts.stacked if engine and config.model.engine.fuse_projections else 0
@@ -385,7 +388,8 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
         parts["rollout weights"] = 2 * counts.total + stacked
         parts["gathered layers"] = 2 * 2 * counts.total / max(1, counts.layers)
     elif rollout_thread and dist.rollout_device is None:
-        parts["rollout weights"] = 2 * counts.total + stacked  # the copy in bf16, read in place by the engine
+        # The copy (bf16, read in place by the engine; under LoRA float32 beside the engine's merged bf16 buffers).
+        parts["rollout weights"] = copy_bytes * counts.total + (2 * counts.total if lora else stacked)
     elif engine:
         parts["rollout weights"] = 2 * counts.total
     checkpointing = config.model.gradient_checkpointing

@@ -73,20 +73,26 @@ def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
     assert backend(trainer).weights.held(0) == 2  # the batch of step 2 used the weights of update 1
 
 
-def test_under_bf16_the_copy_and_its_staging_are_bf16_and_staleness_zero_is_the_synchronous_run(tiny_model_dir,
-                                                                                                   tmp_path):
-    """Mixed precision: the actor trains in float32, the engine samples in bf16. The rollout copy holds its
-    weights in bf16 (buffers float32) and so do the staged ones: the copy samples what the engine computes from
-    the float32 actor in the synchronous run, token for token."""
-    bf16 = ("model.dtype=bfloat16", "model.backend=engine")
+LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "algorithm.advantage=grpo")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_under_bf16_the_copy_holds_what_the_engine_reads_and_staleness_zero_is_the_synchronous_run(
+        tiny_model_dir, tmp_path, lora):
+    """Mixed precision: the actor trains in float32, the engine samples in bf16. The rollout copy of a fully
+    trained actor holds its weights in bf16 (buffers float32), and so do the staged ones; a LoRA copy keeps
+    float32, since the engine merges base and adapters before its cast. Either way the copy samples what the
+    engine computes from the float32 actor in the synchronous run, token for token."""
+    bf16 = ("model.dtype=bfloat16", "model.backend=engine", *(LORA if lora else ()))
     synchronous = run_steps(Trainer(config(tiny_model_dir, tmp_path, *bf16, name="sync")), 3)
     trainer = Trainer(async_config(tiny_model_dir, tmp_path, 0, *bf16))
     rollout = backend(trainer)
-    assert {p.dtype for p in rollout.copy.parameters()} == {torch.bfloat16}
+    held = torch.float32 if lora else torch.bfloat16
+    assert {p.dtype for p in rollout.copy.parameters()} == {held}
     assert torch.float32 in {b.dtype for b in rollout.copy.buffers()}  # the rotary frequencies
     assert {p.dtype for p in trainer.actor.parameters()} == {torch.float32}
     staged = rollout.weights.copy._staged  # type: ignore[attr-defined]
-    assert staged and {t.dtype for t in staged} == {torch.bfloat16}
+    assert staged and {t.dtype for t in staged} == {held}
     asynchronous = run_steps(trainer, 3)
     for step, (one, two) in enumerate(zip(synchronous, asynchronous)):
         assert comparable(one) == comparable(two), step

@@ -526,8 +526,10 @@ def async_rollouts(parts: RolloutParts) -> tuple[AsyncRollout, Rollout]:
     device = indexed(resolve_device(dist.rollout_device) if dist.rollout_device else parts.device)
     # The copy samples; the trainer's actor trains and validates. It holds its weights in the compute dtype, in
     # which the engine computes anyway: beside the trainer on one GPU a float32 copy and its float32 staging
-    # buffers are 15 GB more at 3B (the VisGym vlm-3b run ran out of memory with them).
-    actor_copy = cast_copy(parts.actor, parts.dtype, device).eval()
+    # buffers are 15 GB more at 3B (the VisGym vlm-3b run ran out of memory with them). A LoRA copy keeps the
+    # actor's precision: the engine merges the base weight and the adapters before its cast, and a merge from
+    # bf16 ones rounds otherwise than the synchronous run's (its staging holds only the adapters).
+    actor_copy = cast_copy(parts.actor, None if config.lora.enabled else parts.dtype, device).eval()
     batch_size = max(64, config.groups.n_groups * config.groups.group_size)
     policy = model_policy(actor_copy, parts.tokenizer, config.model, max_batch_size=batch_size,
                           processor=parts.processor, dtype=parts.dtype)
