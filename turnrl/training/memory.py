@@ -310,19 +310,29 @@ def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool, comp
     of logits, and in its backward pass (``trains_head``: not under LoRA) the float32 sum of its weight's
     gradient beside one chunk's bf16 product (2.3 + 1.2 GiB for an 8B VLM's 152k x 4096 head).
     """
-    working = 2 * tokens * (14 * counts.hidden + 4 * counts.intermediate)
+    working = layer_working_bytes(counts, tokens)
     kept_working = working - (2 * tokens * NORM_COPIES * counts.hidden if compiled else 0)
     kept = counts.layers * 2 * tokens * counts.hidden if checkpointing else counts.layers * kept_working
-    head = 2 * 4 * min(tokens, DEFAULT_CHUNK) * counts.vocab + (6 * counts.vocab * counts.hidden if trains_head else 0)
+    head = head_chunk_bytes(counts, tokens) + (6 * counts.vocab * counts.hidden if trains_head else 0)
     return kept + (working if checkpointing else 0) + head
+
+
+def layer_working_bytes(counts: ModelCounts, tokens: int) -> int:
+    """One layer's working set for ``tokens`` in bf16: about ``14 h + 4 i`` values a token (see
+    :func:`activation_bytes`)."""
+    return 2 * tokens * (14 * counts.hidden + 4 * counts.intermediate)
+
+
+def head_chunk_bytes(counts: ModelCounts, tokens: int) -> int:
+    """The scoring head's two float32 chunks of logits for a pass of ``tokens``."""
+    return 2 * 4 * min(tokens, DEFAULT_CHUNK) * counts.vocab
 
 
 def scoring_activation_bytes(counts: ModelCounts, tokens: int) -> float:
     """One pass of ``tokens`` that only scores (no backward: ``algorithm.score_micro_batch_tokens``): a layer's
     working set at a time (:func:`activation_bytes`' per-layer count, an upper bound without autograd's copies) and
     the scoring head's two float32 chunks of logits."""
-    working = 2 * tokens * (14 * counts.hidden + 4 * counts.intermediate)
-    return working + 2 * 4 * min(tokens, DEFAULT_CHUNK) * counts.vocab
+    return layer_working_bytes(counts, tokens) + head_chunk_bytes(counts, tokens)
 
 
 def default_cache_bytes(parts: dict[str, float], device_bytes: float, apart: bool = False,
