@@ -117,11 +117,11 @@ class CopyCheck(Protocol):
 
 class LocalCopy:
     """A :class:`RolloutCopy` in this process: ``target``, a copy of the actor (same architecture, its parameters
-    in the compute dtype; they are overwritten in place, so that the engine, which reads them where they live,
-    notices the change through their version counters). The staging copy is on the trainer's device, in the
-    target's dtype: publishing is a cast and a copy on one device; the
-    rollout thread does the device-to-device copy (peer to peer between two GPUs) when it is ready for new
-    weights."""
+    in the compute dtype, or float32 under LoRA: :func:`async_rollouts`; they are overwritten in place, so that
+    the engine, which reads them where they live, notices the change through their version counters). The
+    staging copy is on the trainer's device, in the target's dtype: publishing is a cast and a copy on one
+    device; the rollout thread does the device-to-device copy (peer to peer between two GPUs) when it is ready
+    for new weights."""
 
     parts: Sequence[int] = (0,)
 
