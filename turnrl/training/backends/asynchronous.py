@@ -80,6 +80,19 @@ from turnrl.training.precision import autocast
 console = RunConsole()
 
 
+def let_compiled_code_run_beside_traces() -> None:
+    """Let a compiled function called in one thread run while another thread traces a graph to compile.
+
+    In torch 2.11 the flag that says "an FX trace is under way" is process-wide: while the trainer's thread
+    compiles its layer parts (the first update, the first scoring pass), every compiled function the rollout
+    thread called raised "Detected that you are using FX to symbolically trace a dynamo-optimized function", and
+    the engine, taking it for a compiler failure, decoded without its compiled kernels for the rest of the run
+    (the VisGym ``vlm-3b`` run one update ahead on one H200, torch 2.11). With this off, such a call runs its
+    function uncompiled, that once. torch 2.14 keeps the flag per thread, and the setting there changes nothing.
+    """
+    torch._dynamo.config.error_on_nested_fx_trace = False
+
+
 class RolloutCopy(Protocol):
     """Where the rollout side's copy of the actor lives, and how the trainer's weights reach it: this process
     (:class:`LocalCopy`) or rollout processes (:class:`~turnrl.training.backends.pool.PoolCopy`)."""
@@ -448,6 +461,7 @@ class AsyncRollout:
             raise RuntimeError("AsyncRollout.roll_out before set_weights: the trainer publishes its weights first")
         start = time.time()
         if self.thread is None:
+            let_compiled_code_run_beside_traces()
             self.thread = threading.Thread(target=self._produce, args=(play, step), name="turnrl-rollout",
                                            daemon=True)
             self.thread.start()
