@@ -79,14 +79,6 @@ from turnrl.training.precision import autocast
 
 console = RunConsole()
 
-ROLLOUT_STREAM_PRIORITY = -1
-"""The rollout copy's CUDA stream priority (lower is sooner; the trainer's streams have the default, 0). On one GPU
-the rollout's decode is hundreds of small kernels a token, each waiting for the one before, and the update's are
-large: at equal priority the GPU's scheduler let the update's blocks fill the device, and the VisGym ``vlm-3b``
-rollout beside the update took 30 s where it takes 15 s alone (one H200). A higher priority has the scheduler start
-the rollout's blocks first as the update's finish, so the rollout's latency suffers less and the update fills what
-the rollout leaves."""
-
 
 def let_compiled_code_run_beside_traces() -> None:
     """Let a compiled function called in one thread run while another thread traces a graph to compile.
@@ -331,12 +323,10 @@ class AsyncRollout:
         self.where = where
         self.device = device
         self.dtype = dtype
-        self.stream = (torch.cuda.Stream(device, priority=ROLLOUT_STREAM_PRIORITY)
-                       if device.type == "cuda" and copy is not None else None)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and copy is not None else None
         """The copy's CUDA stream: every episode played on the copy queues its kernels there, whichever thread plays
         it (see :meth:`_produce_steps`), so that what the engine allocates and frees stays on one stream (the
-        caching allocator hands a freed block to other work on the stream it was allocated on at once). Its
-        priority is above the trainer's streams (:data:`ROLLOUT_STREAM_PRIORITY`)."""
+        caching allocator hands a freed block to other work on the stream it was allocated on at once)."""
         self.max_staleness = max_staleness
         self.end_step = end_step
         self.partial_rollouts = partial_rollouts
