@@ -15,7 +15,8 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
                       ``distributed.async_rollout`` the rollout thread's bf16 copy of the actor and the
                       engine's stacked buffers (under LoRA a float32 copy and the engine's merged bf16
                       buffers; on ``distributed.rollout_device`` when set: then neither they nor the
-                      key/value cache are on this GPU)
+                      key/value cache are on this GPU; the trainer's own engine, which only validates,
+                      holds nothing between validations)
     staging           ``distributed.async_rollout``: the trained weights published for the rollout copy, in
                       its dtype
     gathered layers   FSDP's all-gathered layer and the one prefetched beside it

@@ -291,6 +291,8 @@ class Trainer:
                 console.print(f"note: resumed with settings changed from the run's: {'; '.join(changed)} (its "
                               "config.yaml now holds them)", markup=False, highlight=False, soft_wrap=True)
         self.set_weights(self.first_step)
+        if self.rollout.runs_ahead:  # the trainer's own policy only validates: nothing held until it does
+            self.release_rollout_memory()
         self.peak_flops = peak_flops(self.device, config.run.peak_tflops * 1e12)
 
     # ------------------------------------------------------------------ setup
@@ -486,6 +488,11 @@ class Trainer:
                 trajectories.extend(part.trajectories)
                 progress.update(len(part.trajectories), f"success {rollout_metrics(trajectories)['success']:.2f}")
         self._timed("validation_s", time.time() - start)
+        if self.rollout.runs_ahead:
+            # The steps' episodes play elsewhere (on a copy, in other processes): the trainer's own policy serves
+            # validations alone, and what its engine holds between them (the cache's pages, the bf16 weights it
+            # computed: 7 GiB at 3B) would sit beside the update's peak on the trainer's GPU.
+            self.release_rollout_memory()
         return StepOutput({f"val/{k}": v for k, v in rollout_metrics(trajectories).items()}, trajectories)
 
     # ------------------------------------------------------------------ one RL step

@@ -18,6 +18,7 @@ from turnrl.config import AgentConfig, ConfigError, SamplingConfig, load_config
 from turnrl.engine.llm_engine import weights_version
 from turnrl.envs import make
 from turnrl.envs.seeds import SeedSplits
+from turnrl.policy.engine import EnginePolicy
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import Trajectory
@@ -239,6 +240,31 @@ def test_on_the_trainers_gpu_the_rollout_plays_on_a_stream_of_its_own_with_the_p
     # staging buffers before the trainer's stream filled them would sample with other weights.
     assert all(output.metrics["actor/tis_weight_mean"] == pytest.approx(1.0, abs=0.02) for output in outputs)
     assert rollout.weights is not None and rollout.weights.held(0) == 2
+
+
+def test_ahead_the_trainers_own_engine_holds_nothing_between_validations(tiny_model_dir, tmp_path):
+    """One update ahead, the trainer's policy serves validations alone: from the start and after each one, its
+    engine holds none of its cache's pages nor the weights it computed (on one GPU they would sit beside the update's peak: the VisGym vlm-3b
+    update peaked 5 GiB above the estimate with them), and the next validation computes them again: the same
+    validation twice gives the same numbers."""
+    trainer = Trainer(async_config(tiny_model_dir, tmp_path, 1, *TIS, "model.backend=engine", "model.dtype=bfloat16"))
+    policy = trainer.policies[0]
+    assert isinstance(policy, EnginePolicy)
+    engine = policy.engine
+
+    def held() -> tuple[int, int]:
+        return engine.cache.pages, sum(ref.value.untyped_storage().size() for ref in engine.weights.tensors)
+
+    try:
+        assert held() == (0, 0)  # freed once the trainer is built
+        first = trainer.validate()
+        assert held() == (0, 0)
+        again = trainer.validate()
+        assert held() == (0, 0)
+    finally:
+        trainer.close()
+    assert comparable(first) == comparable(again)
+    assert first.metrics["val/episodes"] == 2
 
 
 def test_validation_and_resume_continue_the_synchronous_run(tiny_model_dir, tmp_path):
