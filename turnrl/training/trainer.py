@@ -490,8 +490,9 @@ class Trainer:
         self._timed("validation_s", time.time() - start)
         if self.rollout.runs_ahead:
             # The steps' episodes play elsewhere (on a copy, in other processes): the trainer's own policy serves
-            # validations alone, and what its engine holds between them (the cache's pages, the bf16 weights it
-            # computed: 7 GiB at 3B) would sit beside the update's peak on the trainer's GPU.
+            # validations alone, and what it holds between them (its engine's cache pages and computed weights,
+            # 7 GiB at 3B; under FSDP the unsharded copy of the actor it samples from) would sit beside the
+            # update's peak on the trainer's GPU.
             self.release_rollout_memory()
         return StepOutput({f"val/{k}": v for k, v in rollout_metrics(trajectories).items()}, trajectories)
 
@@ -519,7 +520,8 @@ class Trainer:
         the rollout backend (:func:`~turnrl.training.step_episodes.play_step`; here and now, or ahead in its own
         thread)."""
         self.actor.eval()
-        self.parallel.sync_rollout_model(self.actor, self.actor_scheduler.last_epoch)
+        if not self.rollout.runs_ahead:  # ahead, the episodes play on a copy of their own or in other processes
+            self.parallel.sync_rollout_model(self.actor, self.actor_scheduler.last_epoch)
         played = self.rollout.roll_out(step, self.play_step)
         rollout, keep = played.played
         rollout.metrics.update(played.metrics)
