@@ -155,19 +155,22 @@ def test_freeing_the_rollout_during_the_update_fits_7b_ppo_on_four_h100s(tmp_pat
     assert "max(rollout weights" in estimate.table() and f"= {estimate.total / GIB:.1f} GiB" in estimate.table()
 
 
-def test_the_trainers_of_an_asynchronous_pool_count_their_rollout_copy_apart_from_the_update(tmp_path, tokenizer):
-    """Two trainers beside two rollout processes, one update behind: the trainers sample only to validate and free
-    their unsharded copy and its cache after each validation, so their peak counts the larger phase, as under
-    free_during_update; a synchronous pool's trainers keep them through the update."""
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "one-update-behind"])
+def test_the_trainers_beside_rollout_processes_count_their_rollout_copy_apart_from_the_update(tmp_path, tokenizer,
+                                                                                             ahead):
+    """Two trainers beside two rollout processes: the trainers sample only to validate and free their unsharded copy
+    and its cache after each validation, so their peak counts the larger phase, as under free_during_update;
+    FSDP2 processes that roll out themselves hold both through the update."""
     counts = _counts(tmp_path, tokenizer, "7b")
     pool = ["distributed.nproc_per_node=4", "distributed.rollout_processes=2"]
-    ahead = [*pool, "distributed.async_rollout=true", "distributed.max_staleness=1"]
-    estimate = estimate_memory(load_config(TrainConfig, "configs/ragen_sokoban.yaml", ahead), counts, 2, H100)
+    if ahead:
+        pool += ["distributed.async_rollout=true", "distributed.max_staleness=1"]
+    estimate = estimate_memory(load_config(TrainConfig, "configs/ragen_sokoban.yaml", pool), counts, 2, H100)
     rollout, update = estimate.groups()
     assert estimate.apart and rollout == estimate.parts["rollout weights"] + estimate.parts["key/value cache"] > 0
     assert estimate.total == pytest.approx(sum(estimate.parts.values()) - min(rollout, update))
-    synchronous = estimate_memory(load_config(TrainConfig, "configs/ragen_sokoban.yaml", pool), counts, 2, H100)
-    assert not synchronous.apart and synchronous.total == pytest.approx(sum(synchronous.parts.values()))
+    sharded = estimate_memory(load_config(TrainConfig, "configs/ragen_sokoban.yaml", []), counts, 4, H100)
+    assert not sharded.apart and sharded.total == pytest.approx(sum(sharded.parts.values()))
 
 
 H200 = 139.8 * GIB

@@ -34,8 +34,8 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
 The SFT stage, which runs in one process, is checked on its own once its samples' lengths are known
 (:func:`check_sft_memory`): the model's training states, one micro-batch and the weight casts.
 
-With ``model.engine.free_during_update``, and on the trainers of an asynchronous pool of rollout processes (they
-sample only to validate), the rollout weights and the key/value cache are freed before the scores and the
+With ``model.engine.free_during_update``, and on the trainers beside a pool of rollout processes (they sample only
+to validate), the rollout weights and the key/value cache are freed before the scores and the
 update, so they are never held with the gathered layers, the activations and the gradients (a quarter of the
 trained parameters' states, freed after each optimizer step): the peak counts the larger of the two groups.
 
@@ -410,9 +410,9 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     if not sharded and not checkpointing and config.model.dtype != "float32":
         # Actor and critic update one after the other: the larger model's casts (5.7 GiB at 3B).
         parts["weight casts"] = 2 * max(counts.total, critic_total if config.algorithm.uses_critic else 0)
-    # The asynchronous pool's trainers sample only to validate: their rollout copy and engine are freed after each
-    # validation, as free_during_update frees them before each update.
-    apart = engine and (config.model.engine.free_during_update or (dist.async_rollout and dist.rollout_processes > 0))
+    # A pool's trainers sample only to validate: their rollout copy and engine are freed after each validation, as
+    # free_during_update frees them before each update.
+    apart = engine and (config.model.engine.free_during_update or dist.rollout_processes > 0)
     gradients = 0.0 if offload else 4 * trained / processes  # float32, divided as the states are
     if engine:
         kv_gb = config.model.engine.kv_cache_gb

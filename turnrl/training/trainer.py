@@ -291,7 +291,7 @@ class Trainer:
                 console.print(f"note: resumed with settings changed from the run's: {'; '.join(changed)} (its "
                               "config.yaml now holds them)", markup=False, highlight=False, soft_wrap=True)
         self.set_weights(self.first_step)
-        if self.rollout.runs_ahead:  # the trainer's own policy only validates: nothing held until it does
+        if not self.rollout.plays_on_trainer_policy:  # it only validates: nothing held until it does
             self.release_rollout_memory()
         self.peak_flops = peak_flops(self.device, config.run.peak_tflops * 1e12)
 
@@ -488,11 +488,11 @@ class Trainer:
                 trajectories.extend(part.trajectories)
                 progress.update(len(part.trajectories), f"success {rollout_metrics(trajectories)['success']:.2f}")
         self._timed("validation_s", time.time() - start)
-        if self.rollout.runs_ahead:
-            # The steps' episodes play elsewhere (on a copy, in other processes): the trainer's own policy serves
-            # validations alone, and what it holds between them (its engine's cache pages and computed weights,
-            # 7 GiB at 3B; under FSDP the unsharded copy of the actor it samples from) would sit beside the
-            # update's peak on the trainer's GPU.
+        if not self.rollout.plays_on_trainer_policy:
+            # The steps' episodes play elsewhere (on a copy, in other processes, on Ray workers): the trainer's own
+            # policy serves validations alone, and what it holds between them (its engine's cache pages and
+            # computed weights, 7 GiB at 3B; under FSDP the unsharded copy of the actor it samples from) would
+            # sit beside the update's peak on the trainer's GPU.
             self.release_rollout_memory()
         return StepOutput({f"val/{k}": v for k, v in rollout_metrics(trajectories).items()}, trajectories)
 
@@ -520,7 +520,7 @@ class Trainer:
         the rollout backend (:func:`~turnrl.training.step_episodes.play_step`; here and now, or ahead in its own
         thread)."""
         self.actor.eval()
-        if not self.rollout.runs_ahead:  # ahead, the episodes play on a copy of their own or in other processes
+        if self.rollout.plays_on_trainer_policy:
             self.parallel.sync_rollout_model(self.actor, self.actor_scheduler.last_epoch)
         played = self.rollout.roll_out(step, self.play_step)
         rollout, keep = played.played

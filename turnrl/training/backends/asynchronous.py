@@ -311,6 +311,7 @@ class AsyncRollout:
     """
 
     runs_ahead = True
+    plays_on_trainer_policy = False
 
     def __init__(self, runner: AheadRunner, copy: torch.nn.Module | None, device: torch.device, dtype: torch.dtype,
                  max_staleness: int, end_step: int, partial_rollouts: bool = False, *,

@@ -92,6 +92,14 @@ class RolloutBackend(EpisodeRunner, Protocol):
         update that ran out of memory is not run again)."""
         ...
 
+    @property
+    def plays_on_trainer_policy(self) -> bool:
+        """Whether the steps' episodes sample from the trainer's own policy (the actor, or the strategy's unsharded
+        copy of it): then the trainer brings that policy's model up to the actor before each rollout; otherwise
+        (a copy of its own, other processes, Ray workers) the policy only validates, and the trainer frees what
+        it holds after each validation."""
+        ...
+
     def roll_out(self, step: int, play: PlayStep[Played]) -> StepRollout[Played]:
         """The rollout of ``step``: ``play`` called on this backend's runner, now or (having run ahead) done."""
         ...

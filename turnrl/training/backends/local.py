@@ -38,6 +38,7 @@ class LocalRollout:
     """
 
     runs_ahead = False
+    plays_on_trainer_policy = True
 
     def __init__(self, runner: Rollout, precision: Callable[[], AbstractContextManager],
                  image_features: bool = False) -> None:

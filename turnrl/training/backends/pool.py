@@ -70,6 +70,7 @@ class PoolRollout:
     the actor's updates moved (``pool/publish_s``) and checks what each process computes with."""
 
     runs_ahead = False
+    plays_on_trainer_policy = False
 
     def __init__(self, pool: ProcessPool | None, copy: PoolCopy, checked: PoolWeights,
                  precision: Callable[[], AbstractContextManager]) -> None:
@@ -121,6 +122,7 @@ class PoolFollower:
     transfer or the staging)."""
 
     runs_ahead = True
+    plays_on_trainer_policy = False
 
     def __init__(self, copy: PoolCopy, checked: PoolWeights) -> None:
         self.copy = copy
@@ -200,6 +202,7 @@ class TrainerGroup:
         self.deltas = deltas
         self.pool = pool
         self.runs_ahead = inner.runs_ahead
+        self.plays_on_trainer_policy = inner.plays_on_trainer_policy
 
     @property
     def timings(self) -> RolloutTimings:

@@ -51,6 +51,7 @@ class RayBackend:
     """
 
     runs_ahead = False
+    plays_on_trainer_policy = False
 
     def __init__(self, workers: RayRollout, precision: Callable[[], AbstractContextManager]) -> None:
         self.workers = workers

@@ -47,6 +47,7 @@ class ShardedRollout:
     """
 
     runs_ahead = False
+    plays_on_trainer_policy = True
 
     def __init__(self, rollout: Rollout, tokenizer: Any, precision: Callable[[], AbstractContextManager]) -> None:
         self.rollout = rollout
