@@ -34,10 +34,10 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
 The SFT stage, which runs in one process, is checked on its own once its samples' lengths are known
 (:func:`check_sft_memory`): the model's training states, one micro-batch and the weight casts.
 
-With ``model.engine.free_during_update``, and on the trainers beside a pool of rollout processes (they sample only
-to validate), the rollout weights and the key/value cache are freed before the scores and the
-update, so they are never held with the gathered layers, the activations and the gradients (a quarter of the
-trained parameters' states, freed after each optimizer step): the peak counts the larger of the two groups.
+With ``model.engine.free_during_update`` the rollout weights and the key/value cache are freed before the scores
+and the update (on the trainers beside a pool of rollout processes, which sample only to validate, after each
+validation), so they are never held with the gathered layers, the activations and the gradients (a quarter of
+the trained parameters' states, freed after each optimizer step): the peak counts the larger of the two groups.
 
 Parameters are counted on the ``meta`` device from the model's own config (no weights are read). The
 activations are an approximation fitted to measured peaks (docs/benchmarks.md compares the estimate with the

@@ -244,9 +244,9 @@ def test_on_the_trainers_gpu_the_rollout_plays_on_a_stream_of_its_own_with_the_p
 
 def test_ahead_the_trainers_own_engine_holds_nothing_between_validations(tiny_model_dir, tmp_path):
     """One update ahead, the trainer's policy serves validations alone: from the start and after each one, its
-    engine holds none of its cache's pages nor the weights it computed (on one GPU they would sit beside the update's peak: the VisGym vlm-3b
-    update peaked 5 GiB above the estimate with them), and the next validation computes them again: the same
-    validation twice gives the same numbers."""
+    engine holds none of its cache's pages nor the weights it computed (on one GPU they sat beside the update's
+    peak: the VisGym vlm-3b update peaked 5 GiB above the estimate with them), and the next validation computes
+    them again: the same validation twice gives the same numbers."""
     trainer = Trainer(async_config(tiny_model_dir, tmp_path, 1, *TIS, "model.backend=engine", "model.dtype=bfloat16"))
     policy = trainer.policies[0]
     assert isinstance(policy, EnginePolicy)
