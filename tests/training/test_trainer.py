@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
@@ -620,6 +621,18 @@ def test_a_sigterm_delivered_twice_at_once_is_one_request_and_a_later_one_interr
         signal.raise_signal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
+
+
+def test_a_sigterm_makes_the_process_compile_in_itself_and_ctrl_c_leaves_the_compile_workers():
+    """A job-wide SIGTERM kills inductor's compile workers, and a compile handed to them then waits forever: from the
+    first SIGTERM on the process compiles in itself. Ctrl-C, which the workers ignore, leaves them their work."""
+    with inductor_config.patch(compile_threads=8):
+        with GracefulStop():
+            signal.raise_signal(signal.SIGINT)
+        assert inductor_config.compile_threads == 8
+        with GracefulStop(phase="end"):
+            signal.raise_signal(signal.SIGTERM)
+        assert inductor_config.compile_threads == 1
 
 
 def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny_model_dir, tmp_path, monkeypatch,

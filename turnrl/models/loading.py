@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import huggingface_hub
 import torch
+import torch._inductor.config as inductor_config
 from accelerate import init_empty_weights
 from huggingface_hub.errors import HFValidationError, HTTPError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
@@ -413,3 +414,18 @@ def compile_layer_parts(model: torch.nn.Module, vision: bool = True) -> int:
             part.forward = MethodType(_compiled_forwards[type(part)], part)
             parts += 1
     return parts
+
+
+def compile_in_this_process() -> None:
+    """Compile in this process from now on, not in inductor's pool of compile workers; for a SIGTERM.
+
+    A batch scheduler (Slurm at a job's time limit) and ``timeout`` send their SIGTERM to every process of the
+    job, and inductor's compile workers, in the process group of the process that started them, die of it. The
+    stop that follows still runs the step in progress, a validation and a checkpoint, and any of them may compile
+    (a new shape): handed to the dead workers, such a compile waits forever (torch 2.11; on an H200, the next
+    compile after the workers' SIGTERM hung where it took 1.6 s with this setting), and the job hangs until the
+    scheduler kills it, its checkpoint unsaved. Inductor reads the setting at each kernel it compiles.
+
+    Safe in a signal handler: a plain setting.
+    """
+    inductor_config.compile_threads = 1

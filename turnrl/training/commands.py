@@ -38,7 +38,7 @@ import torch
 from rich.markup import escape
 
 from turnrl.config import ConfigError, turnrl_command
-from turnrl.models.loading import base_model_path
+from turnrl.models.loading import base_model_path, compile_in_this_process
 from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RolloutWorkerError, WeightsTransferError
 from turnrl.rollout.trajectory import write_trajectories
@@ -83,7 +83,9 @@ class GracefulStop:
     A SIGTERM within :attr:`SAME_SIGTERM_S` of the first is the same request delivered twice, not a second one:
     a batch scheduler (or ``timeout``) signals every process of the job, and torchrun forwards the one it got
     to its processes as well (twice, when the second reaches it while it is stopping them), so each process of
-    a distributed run gets it two or three times within milliseconds.
+    a distributed run gets it two or three times within milliseconds. Such a SIGTERM reaches inductor's compile
+    workers too, which die of it: from the first one on, the process compiles what it still compiles itself
+    (:func:`~turnrl.models.loading.compile_in_this_process`).
 
     ``turnrl train`` holds it from its start: before the first step (the model build, SFT, the first validation)
     a request raises :class:`StopRequested` at once, since there is no step to finish and nothing new to save
@@ -118,6 +120,8 @@ class GracefulStop:
         self.requested = True
         self._requested_at = time.monotonic()
         self.signal = signal.Signals(signum)
+        if self.signal is signal.SIGTERM:  # it may have reached inductor's compile workers too
+            compile_in_this_process()
         if self.phase == "start":
             raise StopRequested(self.signal)
         name = "Ctrl-C" if signum == signal.SIGINT else self.signal.name

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 
 from tests.training import test_kill_points as kill_points
 from tests.training.reference_run import (
@@ -24,6 +25,7 @@ from tests.training.reference_run import (
 from tests.training.test_commands import overrides
 from tests.training.test_kill_points import output, start
 from turnrl.config import ConfigError
+from turnrl.training.backends.pool_protocol import leave_stops_to_the_trainers
 from turnrl.training.checkpoint import latest_checkpoint
 from turnrl.training.commands import train
 
@@ -67,6 +69,22 @@ STALENESS_0 = ["distributed.async_rollout=true", "distributed.max_staleness=0"]
 
 # The partial variant (20 s) runs with the slow tests: partial rollouts equal full ones in process by default
 # (test_partial_rollouts.py), and the pool's asynchronous protocol by test_asynchronous_pool_one_update_behind_....
+def test_a_rollout_process_outlives_ctrl_c_and_sigterm_and_compiles_in_itself_after_a_sigterm():
+    """The trainers decide when a pool stops; a job-wide SIGTERM has killed the process's compile workers, so what
+    it still compiles it compiles itself."""
+    previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with inductor_config.patch(compile_threads=8):
+            leave_stops_to_the_trainers()
+            signal.raise_signal(signal.SIGINT)
+            assert inductor_config.compile_threads == 8
+            signal.raise_signal(signal.SIGTERM)
+            assert inductor_config.compile_threads == 1
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 @pytest.mark.parametrize("mode", [pytest.param([], id="synchronous"),
                                   pytest.param([*STALENESS_0, "distributed.partial_rollouts=true"],
                                                id="staleness0-partial", marks=pytest.mark.slow)])

@@ -43,6 +43,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ import torch.distributed as dist
 from turnrl.chat.template_deltas import ChatTemplateDeltas
 from turnrl.config import SamplingConfig
 from turnrl.engine.weights import WeightsChecksum
+from turnrl.models.loading import compile_in_this_process
 from turnrl.registry import resolve_module_attr
 from turnrl.rollout.ray_workers import (
     RolloutHost,
@@ -200,15 +202,26 @@ class Failed:
 
 
 # --------------------------------------------------------------------------- a rollout process
+def leave_stops_to_the_trainers() -> None:
+    """Ctrl-C and SIGTERM stop no rollout process: torchrun forwards them to every process it started, and the
+    trainers decide when the run stops (after the step in progress, with its checkpoint). A SIGTERM still makes
+    the process compile in itself from then on, since a job-wide one has killed its compile workers
+    (:func:`~turnrl.models.loading.compile_in_this_process`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _compile_here_from_now_on)
+
+
+def _compile_here_from_now_on(signum: int, frame: FrameType | None) -> None:
+    compile_in_this_process()
+
+
 def serve_rollouts(config: TrainConfig, device: torch.device) -> None:
     """The body of a rollout process (a rank of the last ``distributed.rollout_processes``): build the host trainer
     0 describes and answer its messages until it says stop. Never builds an optimizer or a trainer.
 
-    Ctrl-C and SIGTERM are ignored here: torchrun forwards them to every process it started, and the trainers
-    decide when the run stops (after the step in progress, with its checkpoint); trainer 0 then sends ``Stop``, or
-    this process ends when trainer 0 has gone."""
-    for number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(number, signal.SIG_IGN)
+    Ctrl-C and SIGTERM do not stop it (:func:`leave_stops_to_the_trainers`); trainer 0 sends ``Stop``, or this
+    process ends when trainer 0 has gone."""
+    leave_stops_to_the_trainers()
     dist_config = config.distributed
     trainers = ranks.launched_trainers(dist_config.rollout_processes)
     groups = pool_groups(trainers, dist_config.rollout_processes, device, dist_config.timeout_s)
