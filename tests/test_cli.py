@@ -7,9 +7,11 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +137,32 @@ def test_play_subprocess_driven_through_stdin(tmp_path):
     assert f"solver: {plan}" in result.stdout
     assert "(invalid action)" in result.stdout
     assert "Episode over: solved" in result.stdout
+
+
+def test_sigusr1_prints_every_threads_stack_while_the_command_waits_and_the_command_goes_on(tmp_path):
+    """``kill -USR1 PID`` on a command blocked in C (here ``play`` waiting for its input): the stacks come out on
+    stderr at once, and the command then ends as it would have."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    env = dict(os.environ, COLUMNS="80", OMP_NUM_THREADS="1")
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = subprocess.Popen([str(TURNRL), "play", "FrozenLake", "--seed", "3"], stdin=subprocess.PIPE,
+                                   stdout=stdout, stderr=stderr, text=True, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while "G" not in out.read_text():  # the board: it now waits for a move
+                assert process.poll() is None and time.monotonic() < deadline, err.read_text()
+                time.sleep(0.05)
+            process.send_signal(signal.SIGUSR1)
+            while "most recent call first" not in err.read_text():
+                assert process.poll() is None and time.monotonic() < deadline, err.read_text()
+                time.sleep(0.05)
+            assert process.stdin is not None
+            process.stdin.close()  # end of input: the session ends cleanly
+            assert process.wait(timeout=60) == 0, err.read_text()
+        finally:
+            process.kill()
+    stacks = err.read_text()
+    assert "Current thread" in stacks and "cli.py" in stacks, stacks
 
 
 def test_settings_after_options_reach_the_env(monkeypatch, capsys, tmp_path):

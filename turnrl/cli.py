@@ -20,6 +20,7 @@ or playing an env starts at once.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import math
 import os
 import re
@@ -29,7 +30,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 
@@ -738,10 +739,23 @@ def import_from_current_folder() -> None:
         sys.path.insert(0, os.getcwd())
 
 
+STACKS_SIGNAL = signal.SIGUSR1
+"""``kill -USR1 PID``: the process prints every thread's Python stack to its stderr and goes on."""
+
+
+def print_stacks_on_signal(file: TextIO) -> None:
+    """Make :data:`STACKS_SIGNAL` print every thread's Python stack to ``file`` (the process goes on): where a run
+    that seems stuck waits (on a lost worker's answer, a collective, a lock), without a debugger or a restart.
+    Python's faulthandler writes the stacks from its own C handler, so it answers while the main thread is
+    blocked in C (a wait on a future, a CUDA synchronize), where a Python signal handler would not run."""
+    faulthandler.register(STACKS_SIGNAL, file=file, all_threads=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # The run's own rich progress bars say what is happening; the per-file
     # bars of model loading and saving would only interleave with them.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    print_stacks_on_signal(sys.__stderr__ or sys.stderr)
     import_from_current_folder()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

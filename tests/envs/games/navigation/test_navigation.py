@@ -373,6 +373,24 @@ def test_xvfb_route_renders_the_same_frame(image_env):
         assert np.abs(theirs.astype(int) - image).mean() < 4.0
 
 
+def test_the_xvfb_route_draws_on_after_ctrl_c_and_a_sigterm_sent_to_the_runs_process_group():
+    """A run stopped by Ctrl-C or a scheduler's SIGTERM finishes its step: the private Xvfb, out of the run's process
+    group, lives on and the frames are drawn. (Mesa's software renderer draws on without the server; a GPU's
+    driver would not.)"""
+    script = (
+        "import os, signal, time; from turnrl.envs.games.navigation import NavigationEnv, gl;"
+        "env = NavigationEnv(); first = env.reset(seed=0)[0]['image'];"
+        "[signal.signal(n, signal.SIG_IGN) for n in (signal.SIGINT, signal.SIGTERM)];"
+        "[os.killpg(os.getpgid(0), n) for n in (signal.SIGINT, signal.SIGTERM)]; time.sleep(0.5);"
+        "assert gl._GL.xvfb is not None and gl._GL.xvfb.poll() is None, 'Xvfb ended';"
+        "again = env.reset(seed=0)[0]['image']; assert (again == first).all(); print('drawn')"
+    )
+    environ = {k: v for k, v in os.environ.items() if k != "DISPLAY"} | {GL_ENV_VAR: "xvfb"}
+    done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True, text=True, timeout=120,
+                          start_new_session=True)  # a process group of its own, as a run's
+    assert done.returncode == 0 and "drawn" in done.stdout, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_expert_succeeds_on_100_validation_seeds_replanning_every_step():
     """The expert as ``turnrl eval --policy expert`` runs it: a fresh plan at every step, the env's step budget."""

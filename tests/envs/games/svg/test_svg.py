@@ -3,6 +3,8 @@
 import copy
 import io
 import re
+import subprocess
+import sys
 import warnings
 
 import gymnasium as gym
@@ -180,6 +182,29 @@ def test_a_render_that_overruns_its_time_is_killed_and_the_next_one_works():
         assert renderer.starts == 2
     finally:
         renderer.close()
+
+
+GROUP_SIGNALS = """
+import os, signal
+from turnrl.envs.games.svg.render import SvgRenderer
+SQUARE = '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 256 256"><rect width="256" height="256"/></svg>'
+renderer = SvgRenderer(size=32)
+assert renderer.render(SQUARE).image is not None
+for number in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(number, signal.SIG_IGN)  # this process, as a run finishing its step, goes on
+    os.killpg(os.getpgid(0), number)  # what Ctrl-C in a terminal and a job-wide SIGTERM send
+render = renderer.render(SQUARE)
+assert render.image is not None and renderer.starts == 1, (render.error, renderer.starts)
+renderer.close()
+"""
+
+
+def test_the_worker_outlives_ctrl_c_and_a_sigterm_sent_to_the_runs_process_group():
+    """A run stopped by Ctrl-C or a scheduler's SIGTERM finishes its step: its renders must not fail then (a failed
+    render scores the agent's SVG as too costly to draw)."""
+    result = subprocess.run([sys.executable, "-c", GROUP_SIGNALS], capture_output=True, text=True, timeout=120,
+                            start_new_session=True)  # a process group of its own, as a run's
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_a_worker_that_dies_mid_render_is_replaced():

@@ -98,6 +98,9 @@ def _start_xvfb(xvfb: str) -> str:
         pass_fds=(write_fd,),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # Out of the run's process group, which Ctrl-C and a job-wide SIGTERM reach: the run finishes its step
+        # after them, frames included. Stopped at exit (_stop_xvfb).
+        start_new_session=True,
     )
     os.close(write_fd)
     # Xvfb writes the display number to the pipe once it accepts connections.

@@ -206,6 +206,10 @@ class SvgRenderer:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # resvg prints panics there
             env={},
+            # Out of the run's process group: Ctrl-C in a terminal and a scheduler's job-wide SIGTERM reach every
+            # process of it, and the run finishes its step after them, renders included (a render failing then
+            # would score the agent's SVG as too costly). It ends when its stdin closes, as this process does.
+            start_new_session=True,
         )
         return self._proc
 
