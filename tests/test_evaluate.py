@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import fields
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from turnrl.config import VARIANT_SETS, AgentConfig, ConfigError, EvalConfig, lo
 from turnrl.envs import make
 from turnrl.envs.catalog import env_names
 from turnrl.evaluate import env_budget, eval_envs, first_errors, run_eval
+from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import ERROR, Trajectory
 from turnrl.training.train_config import TrainConfig
 from turnrl.training.logger import RunProgress
@@ -482,9 +484,70 @@ def test_an_eval_on_an_env_server_interrupted_mid_way_closes_its_sessions(tmp_pa
         config = load_config(EvalConfig, None, [
             "env.id=Sokoban", f"env.remote=[{url}]", "policy=expert", "episodes=6", "batch_size=3",
             "variants=[{name: small, settings: {size: 6}}, {name: lake, env: FrozenLake}]"])
-        with pytest.raises(KeyboardInterrupt):
-            run_eval(config, budget_from_env=True)
+        summary = run_eval(config, budget_from_env=True)
+        assert summary["stop_signal"] == "SIGINT" and [row["episodes"] for row in summary["variants"]] == [3]
         assert open_sessions(url) == 0
+
+
+# --------------------------------------------------------------------------- Ctrl-C and SIGTERM
+def signal_in_batch(monkeypatch, number: signal.Signals, batch: int) -> None:
+    """``number`` arrives while the evaluation plays its ``batch``-th batch (from 1, counted over variants)."""
+    run, calls = Rollout.run, []
+
+    def run_signalled(self, slots, sampling):
+        calls.append(len(slots))
+        if len(calls) == batch:
+            signal.raise_signal(number)
+        return run(self, slots, sampling)
+
+    monkeypatch.setattr(Rollout, "run", run_signalled)
+
+
+@pytest.mark.parametrize("number, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stop_mid_evaluation_writes_the_episodes_played_and_exits_with_the_signals_status(number, status,
+                                                                                          tmp_path, monkeypatch):
+    """A batch scheduler's SIGTERM (or Ctrl-C) in the second batch: the first batch's episodes are summarized and
+    written as a whole evaluation's, the batch in progress dropped, and the command says so by its status."""
+    from turnrl.cli import main
+
+    signal_in_batch(monkeypatch, number, 2)
+    out = tmp_path / "eval"
+    assert main(["eval", "--env", "FrozenLake", "--policy", "expert", "--episodes", "6", "--out", str(out),
+                 "batch_size=2"]) == status
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_signal"] == number.name and summary["episodes_planned"] == 6
+    assert summary["episodes"] == 2 and summary["success_rate"] == 1.0
+    assert len((out / "trajectories.jsonl").read_text().splitlines()) == 2
+    assert (out / "config.yaml").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the evaluation's handler is gone
+
+
+def test_a_stop_in_the_second_variant_keeps_the_first_whole_and_the_second_in_part(tmp_path, monkeypatch):
+    signal_in_batch(monkeypatch, signal.SIGTERM, 4)  # two batches a variant: the second variant's second batch
+    out = tmp_path / "eval"
+    summary = run_eval(load_config(EvalConfig, None, [
+        "env.id=FrozenLake", "policy=expert", "episodes=4", "batch_size=2", f"out={out}",
+        "variants=[{name: small}, {name: wide, settings: {size: 5}}, {name: big, settings: {size: 6}}]"]))
+    assert summary["stop_signal"] == "SIGTERM" and summary["variants_planned"] == 3
+    assert [(row["variant"], row["episodes"]) for row in summary["variants"]] == [("small", 4), ("wide", 2)]
+    wide = json.loads((out / "variants" / "wide" / "summary.json").read_text())
+    assert wide["episodes"] == 2 and wide["episodes_planned"] == 4 and wide["stop_signal"] == "SIGTERM"
+    assert not (out / "variants" / "big").exists()
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+
+@pytest.mark.parametrize("number, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stop_before_any_episode_ends_the_evaluation_with_nothing_written(number, status, tmp_path, monkeypatch):
+    from turnrl.cli import main
+
+    signal_in_batch(monkeypatch, number, 1)
+    out = tmp_path / "eval"
+    try:
+        code = main(["eval", "--env", "FrozenLake", "--policy", "expert", "--episodes", "4", "--out", str(out)])
+    except SystemExit as exit:  # as the command's process ends
+        code = exit.code
+    assert code == status
+    assert not (out / "summary.json").exists()
 
 
 def test_an_eval_whose_second_variant_is_refused_closes_the_first_variants_sessions(tmp_path):

@@ -270,10 +270,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             # The file's env settings are its own env's: another env takes only those given here.
             given_env = load_config(EvalConfig, None, overrides).env
             config.env.settings, config.env.val_settings = given_env.settings, given_env.val_settings
-        run_eval(config, budget_from_env=not any(key in given for key in BUDGET_KEYS))
+        summary = run_eval(config, budget_from_env=not any(key in given for key in BUDGET_KEYS))
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
-    return 0
+    # Stopped by Ctrl-C or SIGTERM (what it played is written): 128 + the signal's number, as a shell reports.
+    return 128 + signal.Signals[summary["stop_signal"]].value if "stop_signal" in summary else 0
 
 
 def variants_override(value: str) -> str:

@@ -16,14 +16,20 @@ env variant in turn with the same agent, prompt and sampling settings, and
 the run prints one table (variant, episodes, success, mean reward, format
 validity, mean turns) that ``summary.json`` holds as ``variants``; each
 variant's summary, config and trajectories go to ``variants/<name>/``.
+
+Ctrl-C or SIGTERM keeps what was played: the batch in progress is dropped, the finished episodes are summarized
+and written as a whole evaluation's are, with ``stop_signal`` and ``episodes_planned`` in the summary (a variant
+cut short ends the table), and the command exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 from collections import Counter
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -198,8 +204,50 @@ def prepare_env(config: EvalConfig, target: EvalEnv, budget_from_env: bool) -> P
     return PreparedEnv(target, make_env, agent, budget_source)
 
 
-def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat) -> list[Trajectory]:
-    """``config.episodes`` validation seeds (``samples_per_seed`` episodes each) of ``prepared``'s env."""
+@dataclass
+class Played:
+    """The episodes an evaluation of one env played: all it planned, or those before a stop."""
+
+    trajectories: list[Trajectory]
+    planned: int
+    stop_signal: signal.Signals | None = None
+    """Ctrl-C's or SIGTERM's, where one stopped the evaluation before its last episode."""
+
+
+@dataclass
+class StopSignal:
+    received: signal.Signals | None = None
+    """SIGTERM once one arrived within :func:`stops_as_interrupts`; None for Ctrl-C (Python's own interrupt)."""
+
+    @property
+    def signal(self) -> signal.Signals:
+        """The signal that interrupted: SIGTERM as noted, else Ctrl-C's."""
+        return self.received or signal.SIGINT
+
+
+@contextmanager
+def stops_as_interrupts() -> Iterator[StopSignal]:
+    """Within it a SIGTERM interrupts as Ctrl-C does (:class:`KeyboardInterrupt`), and the one received is noted:
+    what a batch scheduler sends before it kills the job, by default the process's end with nothing written."""
+    stop = StopSignal()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        stop.received = signal.Signals(signum)
+        raise KeyboardInterrupt
+
+    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat,
+         stop: StopSignal | None = None) -> Played:
+    """``config.episodes`` validation seeds (``samples_per_seed`` episodes each) of ``prepared``'s env, in batches;
+    an interrupt (``stop`` says which signal) drops the batch in progress and returns the episodes before it (none
+    played: it is raised)."""
     seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
     slots = EnvGroups(prepared.make_env, 1, 1, seeds).val_slots(config.episodes, config.samples_per_seed)
     env_id = prepared.target.env_id
@@ -207,20 +255,31 @@ def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: Respons
     label = f"{prepared.target.name} ({env_id})" if prepared.target.name else env_id
     trajectories: list[Trajectory] = []
     with RunProgress(console, "eval", len(slots)) as progress:
-        for start in range(0, len(slots), config.batch_size):
-            batch = slots[start : start + config.batch_size]
-            trajectories.extend(rollout.run(batch, config.sampling))
-            progress.update(len(batch), f"{label} / {config.policy}")
-    return trajectories
+        try:
+            for start in range(0, len(slots), config.batch_size):
+                batch = slots[start : start + config.batch_size]
+                trajectories.extend(rollout.run(batch, config.sampling))
+                progress.update(len(batch), f"{label} / {config.policy}")
+        except KeyboardInterrupt:
+            if not trajectories:
+                raise
+            received = (stop or StopSignal()).signal
+            console.print(f"\n[bold]{received.name}[/bold]: stopped after {len(trajectories)} of {len(slots)} "
+                          f"episodes of {label} (the batch in progress dropped); the summary covers those")
+            return Played(trajectories, len(slots), received)
+    return Played(trajectories, len(slots))
 
 
-def env_summary(config: EvalConfig, prepared: PreparedEnv, trajectories: list[Trajectory]) -> dict[str, Any]:
-    """:func:`summarize` with what was evaluated: env, policy, format and budget."""
-    summary = summarize(trajectories)
+def env_summary(config: EvalConfig, prepared: PreparedEnv, played: Played) -> dict[str, Any]:
+    """:func:`summarize` with what was evaluated: env, policy, format and budget (and, where a signal stopped it,
+    which one and the episodes planned)."""
+    summary = summarize(played.trajectories)
     summary.update(env=prepared.target.env_id, policy=config.policy, format=config.agent.format,
                    budget={"max_turns": prepared.agent.max_turns,
                            "max_actions_per_episode": prepared.agent.max_actions_per_episode,
                            "from": prepared.budget_source})
+    if played.stop_signal is not None:
+        summary.update(stop_signal=played.stop_signal.name, episodes_planned=played.planned)
     return summary
 
 
@@ -278,14 +337,24 @@ def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any
             strict=config.agent.strict_format,
         )
         policy = make_policy(config, fmt)  # one model for every variant
-        if not config.variants:
-            return evaluate_one(config, prepared[0], policy, fmt)
-        return evaluate_variants(config, prepared, policy, fmt)
+        with stops_as_interrupts() as stop:
+            try:
+                if not config.variants:
+                    return evaluate_one(config, prepared[0], policy, fmt, stop)
+                return evaluate_variants(config, prepared, policy, fmt, stop)
+            except KeyboardInterrupt:  # before any batch ended (Ctrl-C's: the command says "interrupted")
+                if stop.received is not signal.SIGTERM:
+                    raise
+                console.print("\n[bold]SIGTERM[/bold]: stopped before the first batch of episodes ended; nothing "
+                              "written")
+                raise SystemExit(128 + signal.SIGTERM.value) from None
 
 
-def evaluate_one(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat) -> dict[str, Any]:
-    trajectories = play(config, prepared, policy, fmt)
-    summary = env_summary(config, prepared, trajectories)
+def evaluate_one(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat,
+                 stop: StopSignal | None = None) -> dict[str, Any]:
+    played = play(config, prepared, policy, fmt, stop)
+    trajectories = played.trajectories
+    summary = env_summary(config, prepared, played)
     print_summary(summary, f"{config.env.id}: {config.policy}")
     if not config.out:
         console.print("nothing written (out is unset); pass --out DIR to keep the summary and trajectories")
@@ -329,23 +398,40 @@ def print_variants(rows: list[dict[str, Any]], title: str) -> None:
 
 
 def evaluate_variants(
-    config: EvalConfig, prepared: list[PreparedEnv], policy: Policy, fmt: ResponseFormat
+    config: EvalConfig, prepared: list[PreparedEnv], policy: Policy, fmt: ResponseFormat,
+    stop: StopSignal | None = None,
 ) -> dict[str, Any]:
-    """Play every variant with the one policy; write each variant's folder, then the table."""
+    """Play every variant with the one policy; write each variant's folder, then the table (the variants played
+    before a stop, the one it cut short last)."""
     out_dir = Path(config.out) if config.out else None
-    rows = []
+    rows: list[dict[str, Any]] = []
+    stopped_by: signal.Signals | None = None
     for item in prepared:
-        trajectories = play(config, item, policy, fmt)
-        summary = env_summary(config, item, trajectories)
+        try:
+            played = play(config, item, policy, fmt, stop)
+        except KeyboardInterrupt:  # before the variant's first batch ended
+            if not rows:
+                raise
+            stopped_by = (stop or StopSignal()).signal
+            break
+        summary = env_summary(config, item, played)
         rows.append(variant_row(item, summary))
         print_errors(summary, item.target.name)
         if out_dir is not None:
-            write_eval(out_dir / VARIANTS_DIR / item.target.name, summary, single_config(config, item), trajectories)
+            write_eval(out_dir / VARIANTS_DIR / item.target.name, summary, single_config(config, item),
+                       played.trajectories)
+        if played.stop_signal is not None:
+            stopped_by = played.stop_signal
+            break
     result: dict[str, Any] = {
         "policy": config.policy, "format": config.agent.format, "temperature": config.sampling.temperature,
         "episodes": sum(row["episodes"] for row in rows), "variants": rows,
     }
-    print_variants(rows, f"{config.policy} on {len(rows)} env variants")
+    title = f"{config.policy} on {len(rows)} env variants"
+    if stopped_by is not None:
+        result.update(stop_signal=stopped_by.name, variants_planned=len(prepared))
+        title += f" (stopped by {stopped_by.name}: {len(rows)} of {len(prepared)} played, the last maybe in part)"
+    print_variants(rows, title)
     if out_dir is None:
         console.print("nothing written (out is unset); pass --out DIR to keep the table and trajectories")
         return result
