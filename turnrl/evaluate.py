@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -217,25 +218,30 @@ class Played:
 @dataclass
 class StopSignal:
     received: signal.Signals | None = None
-    """SIGTERM once one arrived within :func:`stops_as_interrupts`; None for Ctrl-C (Python's own interrupt)."""
+    """Ctrl-C's or SIGTERM, as one arrived within :func:`stops_as_interrupts`; None before."""
 
     @property
     def signal(self) -> signal.Signals:
-        """The signal that interrupted: SIGTERM as noted, else Ctrl-C's."""
+        """The signal that interrupted: the one noted, else Ctrl-C's (an interrupt raised otherwise)."""
         return self.received or signal.SIGINT
 
 
 @contextmanager
 def stops_as_interrupts() -> Iterator[StopSignal]:
-    """Within it a SIGTERM interrupts as Ctrl-C does (:class:`KeyboardInterrupt`), and the one received is noted:
-    what a batch scheduler sends before it kills the job, by default the process's end with nothing written."""
+    """Within it a SIGTERM (a batch scheduler's, before it kills the job) interrupts as Ctrl-C does, raising
+    :class:`KeyboardInterrupt` where the process would otherwise end at once, and the signal is noted. Outside
+    the main thread it changes nothing, and a signal the process was started ignoring stays ignored."""
     stop = StopSignal()
 
     def interrupt(signum: int, frame: Any) -> None:
         stop.received = signal.Signals(signum)
         raise KeyboardInterrupt
 
-    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGINT, signal.SIGTERM)}
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for number in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(number) != signal.SIG_IGN:
+                previous[number] = signal.signal(number, interrupt)
     try:
         yield stop
     finally:
