@@ -748,7 +748,9 @@ def print_stacks_on_signal(file: TextIO) -> None:
     """Make :data:`STACKS_SIGNAL` print every thread's Python stack to ``file`` (the process goes on): where a run
     that seems stuck waits (on a lost worker's answer, a collective, a lock), without a debugger or a restart.
     Python's faulthandler writes the stacks from its own C handler, so it answers while the main thread is
-    blocked in C (a wait on a future, a CUDA synchronize), where a Python signal handler would not run."""
+    blocked in C (a wait on a future, a CUDA synchronize), where a Python signal handler would not run. It reads
+    the other threads' frames without the GIL: meant for a stuck process; on a busy one it can, rarely, crash it
+    (a training run also writes its stacks safely by itself when stuck: ``run.stall_dump_minutes``)."""
     faulthandler.register(STACKS_SIGNAL, file=file, all_threads=True)
 
 

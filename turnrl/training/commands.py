@@ -52,6 +52,7 @@ from turnrl.training.memory_trace import recorded
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import RunLock, resumed_checkpoint, run_directory, run_lock, start_run
 from turnrl.training.sft import sft_stage
+from turnrl.training.stall_watch import StallWatch, stalls_path
 from turnrl.training.step_episodes import StepOutput
 from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import Trainer, console
@@ -375,15 +376,17 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
         trainer.startup["memory_estimate_gib"] = memory.total / GIB
         console.print(f"memory per GPU, estimated: {memory.table()}")
     try:
-        return _run_steps(config, trainer, sft, resumed, start, stop)
+        with StallWatch(stalls_path(trainer.run_dir, ranks.rank()), 60 * config.run.stall_dump_minutes) as watch:
+            return _run_steps(config, trainer, sft, resumed, start, stop, watch)
     finally:
         heap.release()
         trainer.close()
 
 
 def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, start: float,
-               stop: GracefulStop) -> dict[str, Any]:
-    """Validation, the RL steps, validation, the last checkpoint and the summary (rank 0 writes)."""
+               stop: GracefulStop, watch: StallWatch) -> dict[str, Any]:
+    """Validation, the RL steps, validation, the last checkpoint and the summary (rank 0 writes); ``watch``'s clock
+    starts again at each step and before the last validation."""
     distributed = ranks.launched_by_torchrun()
     trainer.session_start = start
     if sft is not None:
@@ -421,6 +424,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     heap.settle()
     with RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, config.run.steps + 1):
+            watch.progressed()
             if step == trainer.first_step + 2:
                 heap.settle()  # and what the first step built to stay (compiled graphs, CUDA graphs, caches)
             try:
@@ -475,6 +479,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 _save(trainer, step)
 
     stop.phase = "end"
+    watch.progressed()
     if ran == trainer.first_step and resumed and trainer.summary.get("steps") == ran and \
             "val_after_rl" in trainer.summary:
         # Killed after its last checkpoint and before its summary: that checkpoint was saved after the final

@@ -420,6 +420,11 @@ class RunConfig:
     """End RL after the first step that finishes this many minutes after the command started, as a finished
     run ends (the last validation, a checkpoint, the summary with ``stopped_by: time_limit``), so a job with
     a wall-clock limit keeps its results; leave room for them. 0: no limit."""
+    stall_dump_minutes: float = 30.0
+    """Past this many minutes without a step ending (or the run's end after its last step), every thread's Python
+    stack is written to ``RUN_DIR/stalls.txt`` (``stalls.rank{r}.txt`` for the other processes), and again every
+    such interval while nothing moves: where a stuck run waits. The run goes on. 0: never. (``kill -USR1 PID``
+    prints the stacks at once.)"""
     save_every: int = 0
     """Checkpoint every N steps (``checkpoints/step_N``: the run after step N, steps counted from 1); 0 saves
     only at the end (``save_at_end``) and on Ctrl-C."""
@@ -665,6 +670,9 @@ class TrainConfig:
         if not self.run.time_limit_minutes >= 0:  # NaN too, which no limit compares with
             raise ConfigError(f"run.time_limit_minutes={self.run.time_limit_minutes!r} is out of range; allowed: "
                               "0 (no limit) or more")
+        if not self.run.stall_dump_minutes >= 0:
+            raise ConfigError(f"run.stall_dump_minutes={self.run.stall_dump_minutes!r} is out of range; allowed: "
+                              "0 (never) or more")
         if not 0 < self.run.gpu_share <= 1:
             raise ConfigError(f"run.gpu_share={self.run.gpu_share!r} is out of range; allowed: (0, 1], the share of "
                               "each GPU's memory this run may use")

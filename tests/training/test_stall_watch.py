@@ -1,0 +1,54 @@
+"""The stall watch: stacks written past a while without progress, again while nothing moves, and never after."""
+
+from __future__ import annotations
+
+import time
+
+from tests.training.test_commands import config
+from turnrl.training.commands import train
+from turnrl.training.stall_watch import StallWatch, stalls_path
+from turnrl.training.trainer import Trainer
+
+
+def stacks_in(path) -> int:
+    return path.read_text().count("no progress for") if path.exists() else 0
+
+
+def test_the_stacks_are_written_past_the_interval_again_while_nothing_moves_and_not_while_it_does(tmp_path):
+    path = stalls_path(tmp_path, 0)
+    with StallWatch(path, after_s=0.2):
+        time.sleep(0.75)  # blocked in C, as a hung wait is
+        written = path.read_text()
+        assert "thread MainThread" in written and "test_the_stacks_are_written_past_the_interval" in written
+        assert stacks_in(path) >= 2  # again each interval
+        watch_moved = StallWatch(path, after_s=0.2)
+    before = stacks_in(path)
+    time.sleep(0.4)
+    assert stacks_in(path) == before  # the watch stopped on exit
+    with watch_moved as watch:
+        for _ in range(12):  # progress every 0.05 s for 0.6 s
+            time.sleep(0.05)
+            watch.progressed()
+    assert stacks_in(path) == before
+
+
+def test_off_it_opens_nothing(tmp_path):
+    with StallWatch(stalls_path(tmp_path, 3), after_s=0):
+        time.sleep(0.1)
+    assert list(tmp_path.iterdir()) == []
+    assert stalls_path(tmp_path, 3).name == "stalls.rank3.txt"
+
+
+def test_a_step_that_stalls_leaves_its_stack_in_the_run_directory_and_the_run_goes_on(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    step = Trainer.step
+
+    def stalled_step(self, index):
+        if index == 0:
+            time.sleep(1.5)
+        return step(self, index)
+
+    monkeypatch.setattr(Trainer, "step", stalled_step)
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=2", "run.stall_dump_minutes=0.005"))  # 0.3 s
+    assert summary["steps"] == 2
+    assert "stalled_step" in (tmp_path / "run" / "stalls.txt").read_text()
