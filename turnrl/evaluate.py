@@ -217,6 +217,8 @@ class Played:
 
 @dataclass
 class StopSignal:
+    """Which signal interrupted an evaluation (:func:`stops_as_interrupts` notes it)."""
+
     received: signal.Signals | None = None
     """Ctrl-C's or SIGTERM, as one arrived within :func:`stops_as_interrupts`; None before."""
 
