@@ -43,6 +43,40 @@ def local_ray():
     ray.shutdown()
 
 
+def test_connecting_keeps_the_callers_sigterm_handler_where_ray_init_puts_its_own(monkeypatch):
+    """ray.init sets a SIGTERM handler that ends the process at once (sys.exit); ``turnrl train``'s, which stops
+    after the step in progress with a checkpoint, stays. Where there was none, Ray's stays (its shutdown at exit).
+    Ray's own init here: a run on a cluster does it (tests/training/backends/test_ray_rollout.py, slow)."""
+    import signal
+
+    from turnrl.envservice import ray as ray_module
+
+    def rays_handler(signum, frame):  # what ray.init installs
+        raise SystemExit(signum)
+
+    class Uninitialized:
+        def is_initialized(self) -> bool:
+            return False
+
+        def init(self, **kwargs) -> None:
+            signal.signal(signal.SIGTERM, rays_handler)
+
+    monkeypatch.setattr(ray_module, "import_ray", Uninitialized)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        def runs_handler(signum, frame):
+            pass
+
+        signal.signal(signal.SIGTERM, runs_handler)
+        ray_module.ensure_ray()
+        assert signal.getsignal(signal.SIGTERM) is runs_handler
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        ray_module.ensure_ray()
+        assert signal.getsignal(signal.SIGTERM) is rays_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.fixture(scope="module")
 def sokoban():
     """Two workers of text Sokoban, shared by the module's tests (starting a worker takes seconds)."""

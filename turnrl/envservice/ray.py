@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import signal
 import threading
 import weakref
 from collections.abc import Sequence
@@ -75,7 +76,12 @@ def ensure_ray(address: str | None = None) -> Any:
     ray = import_ray()
     if not ray.is_initialized():
         extra = {"include_dashboard": False} if address is None else {}  # a cluster keeps its own dashboard
+        # ray.init puts a handler of its own on SIGTERM, which ends the process at once (sys.exit): a handler the
+        # caller had (``turnrl train``'s, which stops after the step in progress with a checkpoint) is put back.
+        kept = signal.getsignal(signal.SIGTERM)
         ray.init(address=address, ignore_reinit_error=True, **extra)
+        if callable(kept) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, kept)
     return ray
 
 

@@ -29,6 +29,7 @@ from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.backends.backend import EpisodeRunner, WeightsVersion
 from turnrl.training.backends.ray_rollout import RayBackend, ray_workers
 from turnrl.training.backends.weights_check import WeightsSyncError
+from turnrl.training.checkpoint import latest_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,30 @@ def stop_cluster(temp_dir: str, port: int) -> None:
         with contextlib.suppress(psutil.Error):
             process.kill()
 
+
+
+@pytest.mark.slow  # about 40 s; the kept handler is checked in the default run (test_ray.py, ray.init's handler)
+def test_a_sigterm_to_a_run_on_ray_workers_stops_after_the_step_with_a_checkpoint(tiny_model_dir, tmp_path,
+                                                                                   ray_cluster):
+    """ray.init puts a SIGTERM handler of its own in (it ends the process at once); the run keeps its own, and a
+    scheduler's SIGTERM saves the step in progress as without Ray."""
+    from tests.training.test_commands import kinds, turnrl_train, wait_for
+
+    run = tmp_path / "run"
+    process = turnrl_train(f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}", "run.name=run", *ARGS,
+                           "run.steps=200", "distributed.backend=ray", "distributed.rollout_workers=1",
+                           f"distributed.ray_address={ray_cluster}")
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").is_file() and any(kind == "step" for _, kind in kinds(run)),
+                 "first step", process)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=240)
+    finally:
+        process.kill()
+    text = " ".join((out + err).split())
+    assert process.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert "SIGTERM: stopping after this step" in text, text[-3000:]
+    assert latest_checkpoint(run) is not None and f"continue with: turnrl train resume={run}" in text
 
 def test_weights_reach_the_workers_with_the_next_rollout_whose_metrics_report_the_transfer_and_its_check(
         tiny_model_dir, tiny_tokenizer, tmp_path, ray_cluster, monkeypatch):
