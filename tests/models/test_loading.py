@@ -397,3 +397,44 @@ def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir, ori
             if not isinstance(features[0], torch.Tensor):  # transformers 5 returns a model output
                 features = [output.pooler_output for output in features]
             torch.testing.assert_close(features[1], features[0])
+
+
+# --------------------------------------------------------------------------- compile workers and SIGTERM
+COMPILE_WORKERS = """
+import os
+import signal
+import psutil
+from torch._inductor import async_compile, config
+from turnrl.models.loading import start_compile_workers_ignoring_sigterm
+
+config.compile_threads = 2  # a pool on any machine
+
+
+def mine(signum, frame):
+    pass
+
+
+signal.signal(signal.SIGTERM, mine)
+start_compile_workers_ignoring_sigterm()
+assert signal.getsignal(signal.SIGTERM) is mine, "the process's own handler is back"
+# The pool's first process, which starts the workers (they keep what it ignores, as it keeps this process's).
+workers = psutil.Process().children(recursive=True)
+assert workers, "no compile worker started"
+for worker in workers:
+    status = dict(line.split(":", 1) for line in open(f"/proc/{worker.pid}/status").read().splitlines())
+    assert int(status["SigIgn"], 16) >> (signal.SIGTERM - 1) & 1, (worker.cmdline(), status["SigIgn"])
+print(len(workers), "workers ignore SIGTERM", flush=True)
+for worker in workers:  # the pool's shutdown at exit would wait for them to have started (seconds)
+    worker.kill()
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_compile_workers_started_so_ignore_sigterm_and_the_process_keeps_its_own_handler():
+    """A job-wide SIGTERM must not kill the workers of a run that finishes its step after it: they are started with
+    SIGTERM ignored, which every process they start keeps, and the run's own handler is put back at once."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", COMPILE_WORKERS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "workers ignore SIGTERM" in done.stdout, done.stderr[-3000:]

@@ -14,7 +14,9 @@ from __future__ import annotations
 import copy
 import difflib
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import MethodType
@@ -26,6 +28,7 @@ import torch._inductor.config as inductor_config
 from accelerate import init_empty_weights
 from huggingface_hub.errors import HFValidationError, HTTPError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
+from torch._inductor.async_compile import AsyncCompile
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -416,11 +419,28 @@ def compile_layer_parts(model: torch.nn.Module, vision: bool = True) -> int:
     return parts
 
 
+def start_compile_workers_ignoring_sigterm() -> None:
+    """Start inductor's pool of compile workers now, with SIGTERM ignored, as the workers then stay (an ignored
+    signal stays ignored in the processes a process starts, and the workers are started by the pool's first
+    process, not by this one): a job-wide SIGTERM (Slurm's at a time limit, ``timeout``'s), which this process
+    outlives to finish its step, then leaves them alive, also with a compile in hand, which dead workers would
+    never answer (:func:`compile_in_this_process`). This process's own handler is put back at once. A pool
+    already started is left as it is; outside the main thread (where no handler can be set) nothing is done."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        AsyncCompile.warm_pool()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def compile_in_this_process() -> None:
     """Compile in this process from now on, not in inductor's pool of compile workers; for a SIGTERM.
 
     A batch scheduler (Slurm at a job's time limit) and ``timeout`` send their SIGTERM to every process of the
-    job, and inductor's compile workers, in the process group of the process that started them, die of it. The
+    job, and inductor's compile workers, in the process group of the process that started them, die of it (unless
+    :func:`start_compile_workers_ignoring_sigterm` started them, as ``turnrl train`` does on a GPU). The
     stop that follows still runs the step in progress, a validation and a checkpoint, and any of them may compile
     (a new shape): handed to the dead workers, such a compile waits forever (torch 2.11; on an H200, the next
     compile after the workers' SIGTERM hung where it took 1.6 s with this setting), and the job hangs until the

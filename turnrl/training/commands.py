@@ -38,7 +38,7 @@ import torch
 from rich.markup import escape
 
 from turnrl.config import ConfigError, turnrl_command
-from turnrl.models.loading import base_model_path, compile_in_this_process
+from turnrl.models.loading import base_model_path, compile_in_this_process, start_compile_workers_ignoring_sigterm
 from turnrl.rewards import Rewards
 from turnrl.rollout.ray_workers import RolloutWorkerError, WeightsTransferError
 from turnrl.rollout.trajectory import write_trajectories
@@ -85,7 +85,8 @@ class GracefulStop:
     a batch scheduler (or ``timeout``) signals every process of the job, and torchrun forwards the one it got
     to its processes as well (twice, when the second reaches it while it is stopping them), so each process of
     a distributed run gets it two or three times within milliseconds. Such a SIGTERM reaches inductor's compile
-    workers too, which die of it: from the first one on, the process compiles what it still compiles itself
+    workers too, which die of it unless they ignore it (``turnrl train`` starts them so on a GPU): from the first
+    one on, the process compiles what it still compiles itself
     (:func:`~turnrl.models.loading.compile_in_this_process`).
 
     ``turnrl train`` holds it from its start: before the first step (the model build, SFT, the first validation)
@@ -354,6 +355,8 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
             base_model_path(config.model)
         ranks.wait_for_main()
     device = ranks.training_device(config.model.device)
+    if device.type == "cuda":  # where the engine and model.compile compile: before anything has compiled
+        start_compile_workers_ignoring_sigterm()
     if device.type == "cuda" and config.run.gpu_share < 1:  # before anything of this run is on the GPU
         cap_gpu_memory(config.run.gpu_share, device)
     memory = check_memory(config, base_model_path(config.model), device, ranks.world_size() if distributed else 1)

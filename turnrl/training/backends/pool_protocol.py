@@ -43,7 +43,6 @@ import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
 import torch
@@ -52,7 +51,6 @@ import torch.distributed as dist
 from turnrl.chat.template_deltas import ChatTemplateDeltas
 from turnrl.config import SamplingConfig
 from turnrl.engine.weights import WeightsChecksum
-from turnrl.models.loading import compile_in_this_process
 from turnrl.registry import resolve_module_attr
 from turnrl.rollout.ray_workers import (
     RolloutHost,
@@ -203,16 +201,12 @@ class Failed:
 
 # --------------------------------------------------------------------------- a rollout process
 def leave_stops_to_the_trainers() -> None:
-    """Ctrl-C and SIGTERM stop no rollout process: torchrun forwards them to every process it started, and the
-    trainers decide when the run stops (after the step in progress, with its checkpoint). A SIGTERM still makes
-    the process compile in itself from then on, since a job-wide one has killed its compile workers
-    (:func:`~turnrl.models.loading.compile_in_this_process`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _compile_here_from_now_on)
-
-
-def _compile_here_from_now_on(signum: int, frame: FrameType | None) -> None:
-    compile_in_this_process()
+    """Ctrl-C and SIGTERM are ignored by a rollout process: torchrun forwards them to every process it started, and
+    the trainers decide when the run stops (after the step in progress, with its checkpoint). Ignored, they stay
+    so in the processes it starts, inductor's compile workers among them, which a job-wide SIGTERM would otherwise
+    kill while the rollout still needs them."""
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
 
 
 def serve_rollouts(config: TrainConfig, device: torch.device) -> None:
