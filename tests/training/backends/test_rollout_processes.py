@@ -261,6 +261,8 @@ def test_a_failed_weights_transfer_stops_every_trainer_and_the_resume_trains_eac
     assert sorted(r["step"] for r in records if "rollout/success" in r) == [1, 2, 3]  # each step trained once
 
 
+@pytest.mark.slow  # 24 s; by default a SIGTERM to torchrun is tested with FSDP trainers
+# (test_fsdp2.py, a_sigterm_to_the_command) and a rollout process's ignoring it here (ignores_ctrl_c_and_sigterm)
 def test_a_sigterm_to_torchrun_stops_a_pool_after_the_step_in_progress_with_its_checkpoint(tiny_model_dir, tmp_path,
                                                                                             capsys):
     """torchrun forwards SIGTERM (a batch scheduler's) to every process it started: the rollout process leaves the
