@@ -252,7 +252,7 @@ def stops_as_interrupts() -> Iterator[StopSignal]:
 
 
 def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat,
-         stop: StopSignal | None = None) -> Played:
+         stop: StopSignal) -> Played:
     """``config.episodes`` validation seeds (``samples_per_seed`` episodes each) of ``prepared``'s env, in batches;
     an interrupt (``stop`` says which signal) drops the batch in progress and returns the episodes before it (none
     played: it is raised)."""
@@ -271,7 +271,7 @@ def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: Respons
         except KeyboardInterrupt:
             if not trajectories:
                 raise
-            received = (stop or StopSignal()).signal
+            received = stop.signal
             console.print(f"\n[bold]{received.name}[/bold]: stopped after {len(trajectories)} of {len(slots)} "
                           f"episodes of {label} (the batch in progress dropped); the summary covers those")
             return Played(trajectories, len(slots), received)
@@ -359,7 +359,7 @@ def run_eval(config: EvalConfig, budget_from_env: bool = False) -> dict[str, Any
 
 
 def evaluate_one(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat,
-                 stop: StopSignal | None = None) -> dict[str, Any]:
+                 stop: StopSignal) -> dict[str, Any]:
     played = play(config, prepared, policy, fmt, stop)
     trajectories = played.trajectories
     summary = env_summary(config, prepared, played)
@@ -407,7 +407,7 @@ def print_variants(rows: list[dict[str, Any]], title: str) -> None:
 
 def evaluate_variants(
     config: EvalConfig, prepared: list[PreparedEnv], policy: Policy, fmt: ResponseFormat,
-    stop: StopSignal | None = None,
+    stop: StopSignal,
 ) -> dict[str, Any]:
     """Play every variant with the one policy; write each variant's folder, then the table (the variants played
     before a stop, the one it cut short last)."""
@@ -420,7 +420,7 @@ def evaluate_variants(
         except KeyboardInterrupt:  # before the variant's first batch ended
             if not rows:
                 raise
-            stopped_by = (stop or StopSignal()).signal
+            stopped_by = stop.signal
             break
         summary = env_summary(config, item, played)
         rows.append(variant_row(item, summary))

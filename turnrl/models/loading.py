@@ -28,7 +28,6 @@ import torch._inductor.config as inductor_config
 from accelerate import init_empty_weights
 from huggingface_hub.errors import HFValidationError, HTTPError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
-from torch._inductor.async_compile import AsyncCompile
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -428,6 +427,8 @@ def start_compile_workers_ignoring_sigterm() -> None:
     already started is left as it is; outside the main thread (where no handler can be set) nothing is done."""
     if threading.current_thread() is not threading.main_thread():
         return
+    from torch._inductor.async_compile import AsyncCompile  # here: 0.3 s more for every importer of this module
+
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         AsyncCompile.warm_pool()
