@@ -459,6 +459,7 @@ def test_sequences_wait_for_pages_and_give_the_same_tokens(kernels):
     roomy = engine_for(model).generate(prompts, params)
     tight = engine_with_pages(model, 5, max_len=256)
     assert [r.token_ids for r in tight.generate(prompts, params)] == [r.token_ids for r in roomy]
+    assert tight.stats.page_waits >= 3 and tight.stats.page_evictions == 0  # each waiting sequence counted once
 
 
 @SLOW_ON_TRITON
@@ -481,7 +482,7 @@ def test_idle_rows_give_up_their_pages_to_a_longer_turn(kernels):
     roomy_tokens, roomy_reused = play(engine_for(model))
     assert tokens == roomy_tokens
     assert reused[0] > 0 and roomy_reused[1] > 0 and reused[1] == 0
-    assert tight.stats.evictions >= 1
+    assert tight.stats.evictions >= 1 and tight.stats.page_evictions >= 1
 
 
 def test_a_sequence_that_cannot_fit_yet_evicts_no_idle_row():
@@ -498,6 +499,7 @@ def test_a_sequence_that_cannot_fit_yet_evicts_no_idle_row():
     engine.step()
     assert [s.id for s in engine.running.values()] == [grown] and len(engine.waiting) == 1
     assert [row.state for row in engine.table.rows[1:3]] == [IDLE, IDLE] and engine.stats.evictions == 0
+    assert engine.stats.page_waits == 1
 
 
 @settings(max_examples=8, deadline=None)

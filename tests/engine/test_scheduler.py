@@ -135,6 +135,7 @@ def test_a_sequence_that_lacks_pages_evicts_the_rows_idle_longest_first():
     assert admit_and_prefill(s) == [grown] and grown.row == 0
     assert [row.state for row in s.table.rows] == [RUNNING, IDLE, FREE, FREE]
     assert s.stats.evictions == 2  # row 0's tokens for the placement, row 2's for its pages
+    assert s.stats.page_evictions == 1
     assert s.cache.held(0) == 3 and s.cache.held(1) == 1 and s.cache.free_pages == 0
 
 
@@ -150,6 +151,7 @@ def test_running_sequences_holding_the_pages_make_a_new_one_wait_and_evict_nothi
     waiting = submit(s, firsts[1].prompt + [1, 9] + prompt(300, start=4), max_new_tokens=10)  # 3 pages, 1 held
     assert s.admit() == [] and list(s.waiting) == [waiting]
     assert [row.state for row in s.table.rows] == [RUNNING, IDLE, IDLE, FREE] and s.stats.evictions == 0
+    assert s.admit() == [] and s.stats.page_waits == 1  # a sequence that waits is counted once
     assert s.table.rows[1].tokens == firsts[1].prompt + [1] and s.cache.held(1) == s.cache.held(2) == 1
 
 

@@ -25,6 +25,7 @@ from turnrl.training.memory import (
     activation_bytes,
     allocator_margin,
     allocator_settings,
+    cache_full_note,
     cap_gpu_memory,
     check_memory,
     check_sft_memory,
@@ -356,6 +357,23 @@ def test_rows_shorter_than_a_whole_history_episode_may_grow_are_named():
                                                   ["model.backend=hf"])) is None
     # A one-turn window bounds every prompt, whatever the agent's budget: the Sokoban recipe's 512-token rows
     assert rows_shorter_than_episodes(load_config(TrainConfig, "configs/sokoban_quickstart.yaml", [])) is None
+
+
+def test_a_full_key_value_cache_is_named_with_what_happened_and_the_setting_to_raise():
+    """Idle rows given up for pages, or turns that waited for them: the note says which and how many, and names the
+    setting (a size set by hand, or the default's). A new episode taking over a finished one's row (``evictions``
+    alone: the validation's rows at the first step, the last batch's) is no shortage."""
+    assert cache_full_note({"generation/evictions": 64.0, "generation/prefill_tokens": 1e5}, 8.0) is None
+    assert cache_full_note({}, 0.0) is None
+    both = cache_full_note({"generation/page_evictions": 35.0, "generation/page_waits": 12.0}, 8.0)
+    assert both is not None and both.startswith("the engine's key/value cache (model.engine.kv_cache_gb=8) was full")
+    assert "dropped 35 idle conversations for their pages" in both and "made 12 turns wait for pages" in both
+    assert "a larger model.engine.kv_cache_gb (or 0, the default" in both
+    one = cache_full_note({"generation/page_evictions": 1.0}, 0.0)
+    assert one is not None and "(its default size)" in one and "1 idle conversation for its pages" in one
+    assert "wait for pages" not in one and "larger than the default" in one
+    waits = cache_full_note({"generation/page_waits": 1.0}, 2.5)
+    assert waits is not None and "made 1 turn wait for pages" in waits and "dropped" not in waits
 
 
 def test_the_cap_of_a_shared_card_names_the_card_by_index_as_torch_needs(monkeypatch):

@@ -378,6 +378,33 @@ def test_the_engine_trains_a_vlm_on_images_token_exact(tiny_vlm_dir, tmp_path):
                                                                     rel=1e-4, abs=1e-6)
 
 
+def test_a_key_value_cache_too_small_for_the_steps_turns_is_said_once_with_what_to_raise(tiny_model_dir, tmp_path,
+                                                                                          capsys):
+    """Four pages of 128 positions (one of them the engine's scratch) for four episodes of two turns: turns wait for
+    pages and idle conversations give theirs up. The run says so once, at the first step, naming the setting; the
+    same run with the default cache says nothing (the validation's idle rows that the first step's episodes take
+    over are no shortage)."""
+    from transformers import AutoConfig
+
+    from turnrl.engine.cache import PAGE_TOKENS, KVCache
+
+    shape = AutoConfig.from_pretrained(tiny_model_dir)
+    key_width = shape.num_hidden_layers * shape.num_key_value_heads * (shape.hidden_size // shape.num_attention_heads)
+    gb = 4 * KVCache.bytes_per_token(key_width, torch.float32) * PAGE_TOKENS / 2**30
+    train(config(tiny_model_dir, tmp_path, "model.backend=engine", f"model.engine.kv_cache_gb={gb!r}",
+                 "model.engine.max_seq_len=256", name="tight"))  # the cache holds a whole row at least
+    said = " ".join(capsys.readouterr().out.split())
+    assert said.count("key/value cache") == 1 and f"step 1: the engine's key/value cache (model.engine.kv_cache_gb=" \
+        in said and "was full" in said and "a larger model.engine.kv_cache_gb" in said
+    steps = step_records(tmp_path / "tight")
+    assert all(steps[step]["generation/page_waits"] + steps[step]["generation/page_evictions"] > 0 for step in steps)
+    assert_token_exact(steps)
+    train(config(tiny_model_dir, tmp_path, "model.backend=engine", "run.steps=1", name="roomy"))
+    assert "key/value cache" not in capsys.readouterr().out
+    roomy = step_records(tmp_path / "roomy")[1]
+    assert roomy["generation/page_waits"] == roomy["generation/page_evictions"] == 0 < roomy["generation/evictions"]
+
+
 # --------------------------------------------------------------------------- StarPO-S filter
 def test_top_k_filter_keeps_the_most_varied_groups_and_drops_zero_variance(warm_model_dir, tmp_path):
     train(config(warm_model_dir, tmp_path, "algorithm.advantage=grpo", "groups.n_groups=4", "agent.max_turns=3",

@@ -199,6 +199,8 @@ class Scheduler:
             if not self._take_pages(placement.row, len(sequence.prompt) + self.budget(sequence)):
                 # Running sequences hold the pages: it waits for one to finish, keeping the row's cached prefix.
                 self._release_row(placement.row, sequence.keys[: placement.reused])
+                self.stats.page_waits += int(not sequence.waited_for_pages)
+                sequence.waited_for_pages = True
                 break
             self.waiting.popleft()
             sequence.row, sequence.cached, sequence.reused = placement.row, placement.reused, placement.reused
@@ -235,6 +237,7 @@ class Scheduler:
                 self.table.evict(index)
                 self.cache.resize(index, 0)
                 self.stats.evictions += 1
+                self.stats.page_evictions += 1
         return self.cache.resize(row, positions)
 
     def _release_row(self, row: int, cached_tokens: list[int]) -> None:

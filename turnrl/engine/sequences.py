@@ -52,6 +52,9 @@ class SequenceRecord:
     the sequence's progress, :class:`~turnrl.engine.running.RunningRows`)."""
     reused: int = 0
     """Prompt tokens the row held when it was admitted (not prefilled)."""
+    waited_for_pages: bool = False
+    """It found its row but not the pages of its prompt and budget at least once (counted once, in
+    :attr:`EngineStats.page_waits`)."""
 
     @property
     def keys(self) -> list[int]:
@@ -69,6 +72,14 @@ class EngineStats:
     decode_steps: int = 0
     generated_tokens: int = 0
     evictions: int = 0
+    """Idle rows' cached conversations dropped for a sequence to start: for a row (every one of ``max_rows`` taken)
+    or for the pages of its prompt and budget (the key/value cache full: ``page_evictions``). A dropped
+    conversation is prefilled again at its episode's next turn."""
+    page_evictions: int = 0
+    """Of ``evictions``, those that freed pages (the cache full), not a row."""
+    page_waits: int = 0
+    """Sequences that waited for running ones to free pages (the cache full even without its idle rows): the
+    rollout then generates in waves, each adding decode steps."""
     prefill_attention_pairs: int = 0
     """Query-key pairs of the prefilled tokens' causal attention: each new token against its sequence's cached
     prefix and the new tokens up to itself (:func:`~turnrl.engine.timing.causal_pairs`)."""

@@ -47,7 +47,14 @@ from turnrl.training.checkpoint import checkpoint_step, disk_error_cause, latest
 from turnrl.training.collapse_watch import EarlyStops, logged_steps
 from turnrl.training.device_idle import profiled
 from turnrl.training.logger import MetricsLogger, RunProgress
-from turnrl.training.memory import GIB, cap_gpu_memory, check_memory, rl_out_of_memory, set_allocator_settings
+from turnrl.training.memory import (
+    GIB,
+    cache_full_note,
+    cap_gpu_memory,
+    check_memory,
+    rl_out_of_memory,
+    set_allocator_settings,
+)
 from turnrl.training.memory_trace import recorded
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import RunLock, resumed_checkpoint, run_directory, run_lock, start_run
@@ -425,6 +432,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     trainer.collapse.resume(history)
     stop.phase = "steps"  # from here a request waits for the step in progress, which it then saves
     heap.settle()
+    cache_noted = False
     with RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, config.run.steps + 1):
             watch.progressed()
@@ -462,6 +470,10 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                                            output.token_advantages)
             progress.update(1, f"success {metrics.get('rollout/success', 0):.2f} "
                                f"reward {metrics.get('rollout/reward_mean', 0):.2f}")
+            cache_note = None if cache_noted else cache_full_note(metrics, config.model.engine.kv_cache_gb)
+            if cache_note is not None:
+                console.print(f"step {step}: {cache_note}", markup=False, highlight=False, soft_wrap=True)
+                cache_noted = True
             # Ctrl-C, or the stop file (what stops every process of a torchrun run after the same step).
             requested = stop.requested or (trainer.run_dir / STOP_FILE).exists()
             stop_requested = ranks.any_rank(requested) if distributed else requested
