@@ -461,11 +461,11 @@ def rollout_in_waves(config: TrainConfig, counts: ModelCounts, estimate: MemoryE
 
 def cache_full_note(metrics: Mapping[str, float], kv_cache_gb: float) -> str | None:
     """A note when a step's rollout found the engine's key/value cache full: it dropped idle rows' cached
-    conversations for their pages (``generation/page_evictions``: an episode's that comes back for its next turn is
-    prefilled again) or turns waited for running ones to free pages (``generation/page_waits``: the rollout then
-    generates in waves, each adding decode steps). The VisGym ``vlm-3b`` step with an 8 GB cache: 22-44
-    evictions a step and 4-8% more decode steps, 32.4 s against 30.1 s with 10 GB. None when neither happened
-    (or off the engine, which counts neither)."""
+    conversations for their pages (``generation/page_evictions``: a conversation whose episode comes back for its
+    next turn is prefilled again) or turns waited for running ones to free pages (``generation/page_waits``: the
+    rollout then generates in waves, each adding decode steps). The VisGym ``vlm-3b`` step with an 8 GB cache:
+    22-44 evictions a step, 4-5% more decode steps and 1.5-2x the tokens prefilled, 32.4 s against 30.1 s
+    with 10 GB. None when neither happened (or off the engine, which counts neither)."""
     evicted, waited = int(metrics.get("generation/page_evictions", 0)), int(metrics.get("generation/page_waits", 0))
     if evicted == 0 and waited == 0:
         return None
