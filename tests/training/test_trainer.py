@@ -20,11 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.algorithms import seeded_group_scores
 from turnrl.training.device_idle import read_trace
 from turnrl.cli import main
+from turnrl.engine.cache import PAGE_TOKENS, KVCache
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import GracefulStop, train
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
@@ -384,10 +385,6 @@ def test_a_key_value_cache_too_small_for_the_steps_turns_is_said_once_with_what_
     pages and idle conversations give theirs up. The run says so once, at the first step, naming the setting; the
     same run with the default cache says nothing (the validation's idle rows that the first step's episodes take
     over are no shortage)."""
-    from transformers import AutoConfig
-
-    from turnrl.engine.cache import PAGE_TOKENS, KVCache
-
     shape = AutoConfig.from_pretrained(tiny_model_dir)
     key_width = shape.num_hidden_layers * shape.num_key_value_heads * (shape.hidden_size // shape.num_attention_heads)
     gb = 4 * KVCache.bytes_per_token(key_width, torch.float32) * PAGE_TOKENS / 2**30

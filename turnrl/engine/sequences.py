@@ -74,7 +74,7 @@ class EngineStats:
     evictions: int = 0
     """Idle rows' cached conversations dropped for a sequence to start: for a row (every one of ``max_rows`` taken)
     or for the pages of its prompt and budget (the key/value cache full: ``page_evictions``). A dropped
-    conversation is prefilled again at its episode's next turn."""
+    conversation whose episode comes back for another turn is prefilled again."""
     page_evictions: int = 0
     """Of ``evictions``, those that freed pages (the cache full), not a row."""
     page_waits: int = 0
