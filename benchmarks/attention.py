@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from turnrl.engine.attention import cached_attention, decode_splits, rotate_write_attend  # noqa: E402
 from turnrl.engine.cache import PAGE_TOKENS, pages_for  # noqa: E402
 from turnrl.engine.forward import decode_attention, round_up  # noqa: E402
-from turnrl.training.throughput import peak_bandwidth  # noqa: E402
+from turnrl.models.throughput import peak_bandwidth  # noqa: E402
 
 
 def timed_ms(fn, iters: int) -> float:

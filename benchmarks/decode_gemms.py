@@ -5,7 +5,7 @@ bf16, each timed as the engine runs it, in a CUDA graph (:func:`benchmarks.atten
 cuBLAS's time over each library's in the same run, and the step's total counts the layer GEMMs once a layer.
 ``--shape 0.5b``: Qwen2.5-0.5B's (24 layers); ``--shape 3b``: Qwen2.5-3B's, the decoder of ``vlm-3b`` (36
 layers), whose decode steps run 64 rows in the VisGym recipe. The bounds are the time to read the weight at the
-GPU's memory bandwidth and to do the FLOPs at its dense bf16 peak (``turnrl/training/throughput.py``'s tables;
+GPU's memory bandwidth and to do the FLOPs at its dense bf16 peak (``turnrl/models/throughput.py``'s tables;
 an H100's 3.35 TB/s and 989 TFLOP/s for a GPU they do not name); the share is the read bound over cuBLAS's time.
 
     python benchmarks/decode_gemms.py --batch 256 64
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention import timed_ms  # noqa: E402
-from turnrl.training.throughput import peak_bandwidth, peak_flops  # noqa: E402
+from turnrl.models.throughput import peak_bandwidth, peak_flops  # noqa: E402
 
 SHAPES: dict[str, tuple[int, dict[str, tuple[int, int, bool]]]] = {
     "0.5b": (24, {"qkv": (896, 1152, True), "o": (896, 896, False), "gate_up": (896, 9728, False),

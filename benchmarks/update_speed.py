@@ -33,7 +33,7 @@ from turnrl.training.packed_attention import implementation  # noqa: E402
 from turnrl.training.model_passes import token_logprobs  # noqa: E402
 from turnrl.training.head import chosen_logprobs, install_scoring_head  # noqa: E402
 from turnrl.training.ppo import MicroBatching  # noqa: E402
-from turnrl.training.throughput import peak_flops, training_flops, training_flops_per_token  # noqa: E402
+from turnrl.models.throughput import peak_flops, training_flops, training_flops_per_token  # noqa: E402
 
 
 def build(preset: str, device: torch.device, attention: str, vocab_limit: int, checkpointing: bool

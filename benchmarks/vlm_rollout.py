@@ -22,7 +22,7 @@ device work (prefill with the vision tower, decode steps, from CUDA events), and
 of the hardware's limit (its roofline): prefill's model FLOPs (the decoder's over the new tokens and their causal
 attention, the vision tower's over the images it encoded) against the device's bf16 peak, and the bytes decode must
 read (the weights once a step, every row's cached keys and values once a step) against its memory bandwidth
-(``--peak-tflops`` and ``--peak-tbps`` for a device not in :mod:`turnrl.training.throughput`'s tables; n/a on a
+(``--peak-tflops`` and ``--peak-tbps`` for a device not in :mod:`turnrl.models.throughput`'s tables; n/a on a
 CPU without them); with ``--top N``, the N host
 functions that took the most time (cProfile, by cumulative time); with ``--kernels N``, each phase's N costliest
 kernels by device time (a ``torch.profiler`` trace of the rollout: prefill's are the kernels launched within the
@@ -70,7 +70,8 @@ from turnrl.agent.formats import get_format  # noqa: E402
 from turnrl.config import AgentConfig, EngineConfig, ModelConfig, SamplingConfig  # noqa: E402
 from turnrl.envs import make  # noqa: E402
 from turnrl.models.builtin import builtin_model_path  # noqa: E402
-from turnrl.models.loading import load_processor, vision_tower  # noqa: E402
+from turnrl.models.loading import load_processor  # noqa: E402
+from turnrl.models.throughput import peak_bandwidth, peak_flops, roofline_share  # noqa: E402
 from turnrl.models.vision import ImageEncoder, MessageImages  # noqa: E402
 from turnrl.policy.engine import EnginePolicy  # noqa: E402
 from turnrl.policy.hf import HFPolicy  # noqa: E402
@@ -78,15 +79,6 @@ from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings, counters
 from turnrl.rollout.trajectory import Trajectory  # noqa: E402
 from turnrl.training.device_idle import device_idle, read_trace  # noqa: E402
 from turnrl.training.memory_trace import GIB, recorded  # noqa: E402
-from turnrl.training.throughput import (  # noqa: E402
-    decode_bytes,
-    key_value_bytes,
-    peak_bandwidth,
-    peak_flops,
-    prefill_flops,
-    roofline_share,
-    vision_training_flops,
-)
 
 
 def rollout(policy, args: argparse.Namespace, first_seed: int, timings: RolloutTimings | None = None,
@@ -130,8 +122,6 @@ class Split:
     work: dict[str, float]
     responses: list[list[int]]
     """Every turn's response ids, episode by episode."""
-    image_grids: torch.Tensor
-    """The patch grids of the images the vision tower encoded, Shape (n, 3)."""
 
     @property
     def host_s(self) -> float:
@@ -162,7 +152,7 @@ def profiled_rollout(engine: EnginePolicy, args: argparse.Namespace, profiler: c
     timer.enabled = False
     responses = [turn.response_ids for t in trajectories for turn in t.turns]
     return Split(seconds, timings.env_s, timings.generate_s, timer.seconds["prefill"], timer.seconds["decode"],
-                 counters_grown(before, engine.counters()), responses, timer.grids())
+                 counters_grown(before, engine.counters()), responses)
 
 
 @dataclass
@@ -184,18 +174,11 @@ class DeviceWork:
 
 
 def device_work(split: Split, engine: EnginePolicy) -> DeviceWork:
-    """The FLOPs and bytes of the engine's work in ``split``, from its counters and the images its timer saw."""
-    weights = engine.engine.weights
-    shape, work = weights.shape, split.work
-    decoder = prefill_flops(weights.layer_parameters(), shape.num_layers, shape.num_heads * shape.head_dim,
-                            int(work["prefill_tokens"]), int(work["prefill_attention_pairs"]))
-    model = engine.engine.model
-    tower = vision_tower(model)
-    vision = (vision_training_flops(tower, model.config.vision_config, split.image_grids, forward_only=True)
-              if tower is not None and len(split.image_grids) else 0.0)
-    token_bytes = key_value_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, engine.engine.dtype.itemsize)
-    read = decode_bytes(weights.decode_bytes(), int(work["decode_steps"]), token_bytes, int(work["decode_key_tokens"]))
-    return DeviceWork(decoder, vision, weights.decode_bytes(), read)
+    """The FLOPs and bytes of the engine's work in ``split``, from its counters
+    (:meth:`~turnrl.engine.llm_engine.Engine.device_work`)."""
+    work = split.work
+    return DeviceWork(work["prefill_flops"] - work["vision_flops"], work["vision_flops"],
+                      engine.engine.weights.decode_bytes(), work["decode_bytes"])
 
 
 def share(value: float | None) -> str:
@@ -219,7 +202,7 @@ def roofline_lines(split: Split, work: DeviceWork, flops_peak: float | None, ban
     return [
         f"prefill {split.prefill_s:.1f} s (device), {share(roofline_share(flops, split.prefill_s, flops_peak))} of the "
         f"bf16 peak: {scaled(flops, 'FLOP')} (the decoder {scaled(work.decoder_flops, 'FLOP')}, the vision tower "
-        f"{scaled(work.vision_flops, 'FLOP')} over {len(split.image_grids):,} images)",
+        f"{scaled(work.vision_flops, 'FLOP')} over {split.work['images_encoded']:,.0f} images)",
         f"decode {split.decode_s:.1f} s over {steps:,.0f} steps, {1000 * split.decode_s / steps:.2f} ms a step, "
         f"{share(roofline_share(read, split.decode_s, bandwidth))} of the bandwidth floor ({floor}: "
         f"{scaled(work.weight_bytes, 'B')} of weights and {scaled(work.cache_bytes(steps) / steps, 'B')} of keys "

@@ -15,7 +15,7 @@ frozen (``model.train_vision=false``, the recipes' default).
 
 MFU is the training pass's model FLOPs over its seconds and the device's bf16 peak: the decoder's 6 x
 parameters a real token plus causal attention (the trainer's ``throughput/update_mfu``; a frozen tower's
-forward is not counted, see :mod:`turnrl.training.throughput`). The tower's forward FLOPs are printed beside
+forward is not counted, see :mod:`turnrl.models.throughput`). The tower's forward FLOPs are printed beside
 it, as a share of the no-gradient pass. Ratios are to the padded variant, measured in the same run. Before the
 passes, the tower's forward over the batch's images is timed alone: with its MLPs at an aligned width (as loaded,
 :mod:`turnrl.models.vision_mlp`; Qwen2.5-VL's 3,420 is not) against their own width, and compiled with ``--compile``.
@@ -54,7 +54,7 @@ from turnrl.training.model_passes import token_logprobs  # noqa: E402
 from turnrl.training.head import install_scoring_head  # noqa: E402
 from turnrl.training.image_features import IMAGE_KEYS  # noqa: E402
 from turnrl.training.ppo import MicroBatching, batched_logprobs  # noqa: E402
-from turnrl.training.throughput import (  # noqa: E402
+from turnrl.models.throughput import (  # noqa: E402
     peak_flops,
     training_flops,
     training_flops_per_token,

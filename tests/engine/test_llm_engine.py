@@ -707,6 +707,29 @@ def test_the_device_timer_splits_a_call_into_prefill_and_decode_only_when_enable
     assert all(e.cpu_children for e in decode)  # the step's operators run inside its range
 
 
+def test_the_device_work_is_the_timers_seconds_and_the_roofline_formulas_over_the_counters():
+    """Prefill: 2 x the layers' parameters a new token and 4 x layers x query width a query-key pair; decode: every
+    step reads the layers', final norm's and LM head's weights and each row's cached keys and values, counted here
+    from the model's own parameters. A text model encodes no image."""
+    model = build("qwen2")
+    engine = engine_for(model)
+    engine.timer.enabled = True
+    engine.generate(random_prompts([5, 9]), [GREEDY] * 2)
+    work, stats, config = engine.device_work(), engine.stats, model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    layers, width = config.num_hidden_layers, config.num_attention_heads * head_dim
+    layer_parameters = sum(p.numel() for p in model.model.layers.parameters())
+    assert work["prefill_flops"] == 2 * layer_parameters * stats.prefill_tokens \
+        + 4 * layers * width * stats.prefill_attention_pairs
+    element = engine.dtype.itemsize
+    weights = (layer_parameters + model.model.norm.weight.numel() + model.lm_head.weight.numel()) * element
+    token = 2 * layers * config.num_key_value_heads * head_dim * element
+    assert work["decode_bytes"] == weights * stats.decode_steps + token * stats.decode_key_tokens
+    assert work["prefill_device_s"] == engine.timer.seconds["prefill"] > 0
+    assert work["decode_device_s"] == engine.timer.seconds["decode"] > 0
+    assert work["images_encoded"] == work["vision_flops"] == 0
+
+
 def test_the_attention_work_counters_follow_each_sequences_cached_and_new_tokens(kernels):
     """Prefill counts each new token's query-key pairs against its row's cached tokens and the new ones up to
     itself; decode counts, every step, each row's keys up to its new token. Counted here token by token."""

@@ -23,6 +23,7 @@ from turnrl.config import EngineConfig
 from turnrl.engine.images import PromptImages, prompt_images
 from turnrl.engine.llm_engine import Engine, Result, SamplingParams
 from turnrl.engine.weights import UnsupportedModel, decoder_weights, rope_axes
+from turnrl.models.throughput import vision_training_flops
 
 NEW_TOKENS = 8
 MROPE_SECTION = [1, 4, 3]
@@ -181,25 +182,33 @@ def test_greedy_image_turns_equal_generate_and_the_second_extends_the_cached_row
     assert [r.reused_tokens for r in second_results] == [len(p) + NEW_TOKENS - 1 for p, _ in firsts]
 
 
-def test_the_timer_records_the_images_the_prefill_encodes_and_not_those_in_the_cache(model, processor):
+def test_the_timer_counts_the_images_the_prefill_encodes_and_not_those_in_the_cache(model, processor):
     """The vision tower's work for a roofline: the first turns encode their images, the second turns only their
-    new ones (the first images' tokens are in the rows); nothing is recorded while the timer is off."""
+    new ones (the first images' tokens are in the rows), each image's forward FLOPs counted as the throughput
+    formula counts its grid; nothing is counted while the timer is off."""
     engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=512, triton="false"))
     firsts, observations = episodes(processor)
     run(engine, firsts)
-    assert engine.timer.grids().shape == (0, 3)
+    assert (engine.timer.images, engine.timer.vision_flops) == (0, 0.0)
     engine.table.clear()
     engine.timer.enabled = True
+
+    def flops(encoded: list[tuple[list[int], dict]]) -> float:
+        grids = torch.cat([inputs["image_grid_thw"] for _, inputs in encoded])
+        return vision_training_flops(model.model.visual, model.config.vision_config, grids, forward_only=True)
+
     first_results = run(engine, firsts)
-    # sorted: the prefill orders its sequences by their new tokens
-    assert sorted(engine.timer.grids().tolist()) == sorted(inputs["image_grid_thw"][0].tolist() for _, inputs in firsts)
+    assert engine.timer.images == len(firsts)
+    assert engine.timer.vision_flops == pytest.approx(flops(firsts))
+    work = engine.device_work()
+    assert work["images_encoded"] == len(firsts) and work["vision_flops"] == engine.timer.vision_flops
     engine.timer.reset()
     seconds = [(prompt + result.token_ids + observation, joined(inputs, observation_inputs))
                for (prompt, inputs), result, (observation, observation_inputs)
                in zip(firsts, first_results, observations)]
     run(engine, seconds)
-    assert sorted(engine.timer.grids().tolist()) == sorted(
-        inputs["image_grid_thw"][0].tolist() for _, inputs in observations)
+    assert engine.timer.images == len(observations)
+    assert engine.timer.vision_flops == pytest.approx(flops(observations))
 
 
 def test_image_features_are_the_towers_even_where_the_config_asks_for_tuples(model, processor, monkeypatch):

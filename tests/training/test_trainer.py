@@ -308,9 +308,11 @@ def test_dynamic_sampling_rolls_out_more_groups_until_enough_have_varied_rewards
         tiny_model_dir, warm_model_dir, tmp_path, model):
     # The untrained model fails every episode: no group varies, every round is played, the step is skipped.
     # The SFT-warmed one succeeds sometimes: groups vary and are trained on.
+    # The untrained run samples through the engine: its counters are each round's, summed over the step's rounds.
+    backend = "model.backend=engine" if model == "untrained" else "model.backend=hf"
     train(config(tiny_model_dir if model == "untrained" else warm_model_dir, tmp_path, "algorithm.advantage=grpo",
                  "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_rounds=2", "groups.n_groups=2",
-                 "groups.group_size=4"))
+                 "groups.group_size=4", backend))
     steps = step_records(tmp_path / "run")
     kept = [record["rollout/dynamic_kept_groups"] for record in steps.values()]
     assert (max(kept) > 0) == (model == "warm")
@@ -328,6 +330,10 @@ def test_dynamic_sampling_rolls_out_more_groups_until_enough_have_varied_rewards
             rewards.setdefault(t["group"], set()).add(t["total_reward"])
         alike = sum(len(r) == 1 for r in rewards.values()) / len(rewards)
         assert record["rollout/zero_variance_groups"] == pytest.approx(alike)
+        if model == "untrained":
+            generated = sum(turn["num_response_tokens"] for t in played for turn in t["turns"])
+            assert record["generation/generated_tokens"] == generated
+            assert record["generation/decode_device_s"] > 0
 
 
 def test_dynamic_sampling_and_the_starpo_filter_are_exclusive(tiny_model_dir, tmp_path):
@@ -372,6 +378,14 @@ def test_the_engine_trains_a_vlm_on_images_token_exact(tiny_vlm_dir, tmp_path):
     for step in steps:
         assert steps[step]["vision/images_encoded"] == 0 < steps[step]["vision/images_from_rollout"]
         assert encoding[step]["vision/images_encoded"] > 0 == encoding[step]["vision/images_from_rollout"]
+        # The rollout's generation split into device work (wall time on a CPU), with the work a roofline counts;
+        # its shares of the hardware's limit need a known GPU's peaks.
+        record = steps[step]
+        assert 0 < record["generation/prefill_device_s"] + record["generation/decode_device_s"] \
+            <= record["timing/generate_s"]
+        assert record["generation/images_encoded"] > 0 and record["generation/decode_bytes"] > 0
+        assert record["generation/prefill_flops"] > record["generation/vision_flops"] > 0
+        assert "throughput/prefill_roofline" not in record and "throughput/decode_roofline" not in record
     # The first step played the same episodes in both runs: its losses agree to rounding.
     trained = [key for key in steps[1] if key.startswith(("actor/", "batch/", "losses/")) and key != "actor/lr"]
     assert {"losses/policy", "actor/grad_norm", "actor/kl_ref"} <= set(trained)
@@ -391,7 +405,7 @@ def test_a_key_value_cache_too_small_for_the_steps_turns_is_said_once_with_what_
     train(config(tiny_model_dir, tmp_path, "model.backend=engine", f"model.engine.kv_cache_gb={gb!r}",
                  "model.engine.max_seq_len=256", name="tight"))  # the cache holds a whole row at least
     said = " ".join(capsys.readouterr().out.split())
-    assert said.count("key/value cache") == 1 and f"step 1: the engine's key/value cache (model.engine.kv_cache_gb=" \
+    assert said.count("key/value cache") == 1 and "step 1: the engine's key/value cache (model.engine.kv_cache_gb=" \
         in said and "was full" in said and "a larger model.engine.kv_cache_gb" in said
     steps = step_records(tmp_path / "tight")
     assert all(steps[step]["generation/page_waits"] + steps[step]["generation/page_evictions"] > 0 for step in steps)

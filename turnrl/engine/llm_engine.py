@@ -46,6 +46,7 @@ from turnrl.engine.scheduler import Scheduler
 from turnrl.engine.sequences import EngineStats, Result, SamplingParams, SequenceRecord
 from turnrl.engine.timing import DeviceTimer
 from turnrl.engine.weights import DecoderWeights, ImageFeatures, WeightsChecksum, decoder_weights
+from turnrl.models.throughput import decode_bytes, key_value_bytes, prefill_flops
 
 __all__ = ["Engine", "EngineStats", "Result", "SamplingParams", "weights_version"]
 
@@ -121,6 +122,28 @@ class Engine:
     @property
     def timer(self) -> DeviceTimer:
         return self.runner.timer
+
+    def device_work(self) -> dict[str, float]:
+        """The device's side of the counters, summed since the engine started: seconds of prefill and decode work
+        while the timer was on (CUDA events; wall time on a CPU), and what a roofline of that work counts:
+        prefill's model FLOPs (the decoder's over the prefilled tokens, and the vision tower's over the images it
+        encoded while the timer was on, also apart) and the bytes the decode steps had to read (the weights once a step, each
+        row's cached keys and values once a step). Work over a peak (:mod:`turnrl.models.throughput`) and the
+        seconds is a phase's share of the hardware's limit."""
+        self.timer.collect()
+        shape, stats = self.weights.shape, self.stats
+        decoder = prefill_flops(self.weights.layer_parameters(), shape.num_layers, shape.num_heads * shape.head_dim,
+                                stats.prefill_tokens, stats.prefill_attention_pairs)
+        token_bytes = key_value_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype.itemsize)
+        return {
+            "prefill_device_s": self.timer.seconds["prefill"],
+            "decode_device_s": self.timer.seconds["decode"],
+            "prefill_flops": decoder + self.timer.vision_flops,
+            "decode_bytes": decode_bytes(self.weights.decode_bytes(), stats.decode_steps, token_bytes,
+                                         stats.decode_key_tokens),
+            "vision_flops": self.timer.vision_flops,
+            "images_encoded": float(self.timer.images),
+        }
 
     @property
     def kernels(self) -> DecoderKernels:

@@ -185,7 +185,8 @@ class ModelRunner:
         self._rows_on_device: tuple[np.ndarray, torch.Tensor | None] | None = None
         """The last decode rows sent, and the same on the device (None while they are 0 .. n-1)."""
         self.timer = DeviceTimer(device)
-        """Device time of prefill and decode work, when enabled (benchmarks split a call's time with it)."""
+        """Device time of prefill and decode work, when enabled (a policy's rollouts and benchmarks split their
+        time with it)."""
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}
         self._prefill_graphs: dict[tuple[int, int], PrefillGraph] = {}
         self._graph_pool: Any = None
@@ -388,7 +389,8 @@ class ModelRunner:
         deepstack = None
         if pixels:
             encoded = torch.stack(grids)
-            self.timer.encoded(encoded)
+            if self.timer.enabled:
+                self.timer.encoded(len(grids), vision.forward_flops(encoded))
             features = vision.features(torch.cat(pixels).to(self.device), encoded.to(self.device))
             if self.kept_images is not None:
                 self.kept_images.keep(digests, (encoded.prod(-1) // vision.merge_size**2).tolist(), features)

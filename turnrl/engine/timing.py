@@ -1,12 +1,14 @@
 """Device time of the engine's prefill and decode work, so that a call's time splits into device work and host
 overhead (the rest of the wall time: Python between kernels, waiting for results), and what a roofline of that
-work needs beyond the engine's counters (:class:`~turnrl.engine.sequences.EngineStats`): the images the vision tower
-encoded, whose FLOPs depend on each image's size.
+work needs beyond the engine's counters (:class:`~turnrl.engine.sequences.EngineStats`): the vision tower's FLOPs
+over the images it encoded, which depend on each image's size.
 
-Off by default (it costs two events per step). On a GPU the spans are CUDA events on the current stream, added
-up once their end has passed (a step never waits for one); on a CPU, where operators run as they are called, they
-are wall time. While on, each span is also a profiler range named ``engine.prefill`` or ``engine.decode``, so that
-a ``torch.profiler`` trace can tell which phase launched each kernel (``benchmarks/vlm_rollout.py --kernels``).
+Off unless enabled (two events a step, a few microseconds of host time against milliseconds of device work): a
+policy turns it on, so that each rollout's metrics split its generation time (``generation/prefill_device_s``,
+``generation/decode_device_s``). On a GPU the spans are CUDA events on the current stream, added up once their end
+has passed (a step never waits for one); on a CPU, where operators run as they are called, they are wall time.
+While on, each span is also a profiler range named ``engine.prefill`` or ``engine.decode``, so that a
+``torch.profiler`` trace can tell which phase launched each kernel (``benchmarks/vlm_rollout.py --kernels``).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ class DeviceTimer:
         self.device = device
         self.enabled = False
         self.seconds: dict[str, float] = {"prefill": 0.0, "decode": 0.0}
-        self.image_grids: list[torch.Tensor] = []
-        """Each batch of images the prefill ran through the vision tower while enabled: their (temporal, height,
-        width) patch grids, each Shape (m, 3), on the host."""
+        self.images = 0
+        """Images the prefill ran through the vision tower while enabled."""
+        self.vision_flops = 0.0
+        """The vision tower's forward FLOPs over those images."""
         self._open: tuple[str, torch.cuda.Event | float] | None = None
         self._range: torch.profiler.record_function | None = None
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -39,16 +42,15 @@ class DeviceTimer:
     def reset(self) -> None:
         self.collect()
         self.seconds = dict.fromkeys(self.seconds, 0.0)
-        self.image_grids = []
+        self.images = 0
+        self.vision_flops = 0.0
 
-    def encoded(self, grids: torch.Tensor) -> None:
-        """The prefill runs images of these patch grids, Shape (m, 3), through the vision tower."""
+    def encoded(self, images: int, flops: float) -> None:
+        """The prefill runs ``images`` through the vision tower, ``flops`` of its forward (counted while enabled:
+        the caller need not compute them otherwise)."""
         if self.enabled:
-            self.image_grids.append(grids)
-
-    def grids(self) -> torch.Tensor:
-        """Every image encoded since :meth:`reset` while enabled, Shape (n, 3)."""
-        return torch.cat(self.image_grids) if self.image_grids else torch.zeros(0, 3, dtype=torch.long)
+            self.images += images
+            self.vision_flops += flops
 
     def start(self, phase: str) -> None:
         """The device work of ``phase`` begins (queued after everything queued so far)."""

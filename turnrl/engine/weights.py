@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from turnrl.engine.families import Family, Rotary, UnsupportedModel, family_of
+from turnrl.models.loading import vision_tower
+from turnrl.models.throughput import vision_training_flops
 
 
 @dataclass
@@ -152,6 +154,15 @@ class VisionWeights:
     dtype: torch.dtype = torch.float32
     """The engine's compute dtype, the tower's too: a tower whose weights are in another (a trained VLM's float32
     weights under a bf16 engine) runs under autocast to it, as the trainer's passes run it."""
+
+    def forward_flops(self, grids: torch.Tensor) -> float:
+        """The tower's forward FLOPs over images of these patch grids, Shape (m, 3)
+        (:func:`~turnrl.models.throughput.vision_training_flops`)."""
+        tower = vision_tower(self.model)
+        if tower is None:
+            return 0.0
+        config: Any = self.model.config
+        return vision_training_flops(tower, config.vision_config, grids, forward_only=True)
 
     def features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> ImageFeatures:
         """The decoder-side features of images, one row per placeholder token, in order.

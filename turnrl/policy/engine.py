@@ -51,6 +51,8 @@ class EnginePolicy(Policy):
         self.engine = Engine(model, config, dtype=dtype,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                              vocab_limit=len(tokenizer))
+        # Each rollout's metrics split its generation time into device work and the rest (timing.py: its cost).
+        self.engine.timer.enabled = True
         # Pixels in the engine's dtype, the run's: the tower's first step casts to it, here and in training.
         self.image_encoder = ImageEncoder(processor, self.engine.dtype) if processor is not None else None
         self._failed: list[tuple[int, Completion]] = []
@@ -114,7 +116,10 @@ class EnginePolicy(Policy):
         return self.engine.take_image_features()
 
     def counters(self) -> dict[str, float]:
-        return {name: float(value) for name, value in asdict(self.engine.stats).items()}
+        """The engine's counters (:class:`~turnrl.engine.sequences.EngineStats`) and its device work
+        (:meth:`~turnrl.engine.llm_engine.Engine.device_work`)."""
+        counts = {name: float(value) for name, value in asdict(self.engine.stats).items()}
+        return {**counts, **self.engine.device_work()}
 
     def weights_checksum(self) -> WeightsChecksum:
         """The engine's view of the weights (merged adapters, casts, fused projections), brought up to date first."""

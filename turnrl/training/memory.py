@@ -797,3 +797,14 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
         if note is not None:
             logger.warning(note)
     return estimate
+
+
+def start_phase(device: torch.device) -> None:
+    """Start measuring a phase's peak memory (the allocator's peak since now)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def phase_peak_gib(device: torch.device) -> float | None:
+    """The most memory torch held allocated on ``device`` since :func:`start_phase`, in GiB (None on a CPU)."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None

@@ -20,6 +20,7 @@ import torch
 from turnrl.algorithms import GroupStats, group_stats, seeded_group_scores, select_groups
 from turnrl.config import SamplingConfig
 from turnrl.engine.weights import ImageFeatures
+from turnrl.models.throughput import roofline_share
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
 from turnrl.rollout.runner import EpisodeSlot
@@ -60,6 +61,21 @@ def collect(
     generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
     metrics["throughput/generated_tokens_per_s"] = generated / max(rollout.timings.generate_s, 1e-9)
     return StepOutput(metrics, trajectories)
+
+
+def rollout_roofline(metrics: dict[str, float], flops_peak: float | None, bandwidth: float | None
+                     ) -> dict[str, float]:
+    """Each engine phase's share of the hardware's limit over a rollout, from its ``generation/`` counters: prefill's
+    model FLOPs over its device seconds at ``flops_peak`` (FLOP/s), decode's bytes to read over its device seconds
+    at ``bandwidth`` (bytes/s). Empty for a policy that counts no device work, a phase that did none, or a device
+    whose peaks are unknown (a CPU)."""
+    shares = {
+        "throughput/prefill_roofline": roofline_share(metrics.get("generation/prefill_flops", 0.0),
+                                                      metrics.get("generation/prefill_device_s", 0.0), flops_peak),
+        "throughput/decode_roofline": roofline_share(metrics.get("generation/decode_bytes", 0.0),
+                                                     metrics.get("generation/decode_device_s", 0.0), bandwidth),
+    }
+    return {name: share for name, share in shares.items() if share is not None}
 
 
 def rewards_and_groups(trajectories: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +151,8 @@ def dynamic_sample(
         metrics[key] = sum(output.metrics.get(key, 0.0) for output in outputs) / len(outputs)
     for key in ("timing/rollout_s", "timing/generate_s", "timing/env_s"):
         metrics[key] = sum(output.metrics[key] for output in outputs)
+    for key in {key for output in outputs for key in output.metrics if key.startswith("generation/")}:
+        metrics[key] = sum(output.metrics.get(key, 0.0) for output in outputs)  # each round's growth
     generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
     metrics["throughput/generated_tokens_per_s"] = generated / max(metrics["timing/generate_s"], 1e-9)
     metrics["rollout/dynamic_extra_rounds"] = float(len(outputs) - 1)

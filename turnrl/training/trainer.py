@@ -63,6 +63,14 @@ from turnrl.models.loading import (
     load_tokenizer,
     vision_tower,
 )
+from turnrl.models.throughput import (
+    mfu,
+    peak_bandwidth,
+    peak_flops,
+    training_flops,
+    training_flops_per_token,
+    vision_training_flops,
+)
 from turnrl.policy.factory import rollout_policies
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
@@ -92,7 +100,7 @@ from turnrl.training.checkpoint import (
 from turnrl.training.collapse_watch import CollapseDiagnostics
 from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import RunConsole, RunProgress
-from turnrl.training.memory import OptimizerSteps, halved_micro_batches, torch_said
+from turnrl.training.memory import OptimizerSteps, halved_micro_batches, phase_peak_gib, start_phase, torch_said
 from turnrl.training.model_passes import ValueModel
 from turnrl.training.packed_attention import implementation
 from turnrl.training.parallel.strategy import (
@@ -108,16 +116,7 @@ from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config,
 from turnrl.training.schedules import kl_adaptive_scale, lr_factor
 from turnrl.training.scoring import TokenScores, check_rows, encodes_images_once, make_batch, score_batch
 from turnrl.training.seeding import level_plan_change, step_seed
-from turnrl.training.step_episodes import StepOutput, collect, play_step
-from turnrl.training.throughput import (
-    mfu,
-    peak_flops,
-    phase_peak_gib,
-    start_phase,
-    training_flops,
-    training_flops_per_token,
-    vision_training_flops,
-)
+from turnrl.training.step_episodes import StepOutput, collect, play_step, rollout_roofline
 from turnrl.training.train_config import TrainConfig
 from turnrl.viz.records import token_advantage_records
 
@@ -164,7 +163,7 @@ def adamw(parameters: list[torch.nn.Parameter], lr: float, weight_decay: float, 
 
 def _lookup_only(model: Any) -> torch.Tensor | None:
     """The input embeddings of a transformers model (peft-wrapped or not) unless they double as its LM head:
-    a lookup, no FLOPs (see :func:`~turnrl.training.throughput.training_flops_per_token`)."""
+    a lookup, no FLOPs (see :func:`~turnrl.models.throughput.training_flops_per_token`)."""
     embeddings = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     return None if head is not None and head.weight is embeddings else embeddings
@@ -294,6 +293,7 @@ class Trainer:
         if not self.rollout.plays_on_trainer_policy:  # it only validates: nothing held until it does
             self.release_rollout_memory()
         self.peak_flops = peak_flops(self.device, config.run.peak_tflops * 1e12)
+        self.peak_bandwidth = peak_bandwidth(self.device)
 
     # ------------------------------------------------------------------ setup
     def rollout_model(self) -> torch.nn.Module:
@@ -525,6 +525,7 @@ class Trainer:
         played = self.rollout.roll_out(step, self.play_step)
         rollout, keep = played.played
         rollout.metrics.update(played.metrics)
+        rollout.metrics.update(rollout_roofline(rollout.metrics, self.peak_flops, self.peak_bandwidth))
         rollout.image_features = played.image_features
         self._timed("rollout_s", rollout.metrics["timing/rollout_s"])
         return rollout, keep

@@ -252,14 +252,3 @@ def mfu(flops: float, seconds: float, peak: float | None, processes: int = 1) ->
     if peak is None or seconds <= 0:
         return None
     return flops / seconds / (peak * processes)
-
-
-def start_phase(device: torch.device) -> None:
-    """Start measuring a phase's peak memory (the allocator's peak since now)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def phase_peak_gib(device: torch.device) -> float | None:
-    """The most memory torch held allocated on ``device`` since :func:`start_phase`, in GiB (None on a CPU)."""
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None

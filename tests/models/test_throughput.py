@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3VLConfig
 
 from turnrl.engine.timing import causal_pairs
-from turnrl.training.throughput import (
+from turnrl.models.throughput import (
     attention_flops,
     attention_shape,
     bandwidth_of,
