@@ -127,9 +127,9 @@ class Engine:
         """The device's side of the counters, summed since the engine started: seconds of prefill and decode work
         while the timer was on (CUDA events; wall time on a CPU), and what a roofline of that work counts:
         prefill's model FLOPs (the decoder's over the prefilled tokens, and the vision tower's over the images it
-        encoded while the timer was on, also apart) and the bytes the decode steps had to read (the weights once a step, each
-        row's cached keys and values once a step). Work over a peak (:mod:`turnrl.models.throughput`) and the
-        seconds is a phase's share of the hardware's limit."""
+        encoded while the timer was on, also apart) and the bytes the decode steps had to read (the weights once a
+        step, each row's cached keys and values once a step). Work over a peak (:mod:`turnrl.models.throughput`)
+        and the seconds is a phase's share of the hardware's limit."""
         self.timer.collect()
         shape, stats = self.weights.shape, self.stats
         decoder = prefill_flops(self.weights.layer_parameters(), shape.num_layers, shape.num_heads * shape.head_dim,
