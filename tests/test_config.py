@@ -97,6 +97,23 @@ def test_overrides_win_over_yaml_and_are_typed(recipe):
     assert config.agent.format_reward == 0.5
 
 
+@pytest.mark.parametrize("text", ["off", "on", "no", "yes", "true", "1e3", "007", "0x10", "12"])
+def test_a_text_key_takes_the_text_as_written_where_yaml_reads_a_boolean_or_a_number(text, tmp_path):
+    """``run.name=off`` named the run directory ``False``: YAML reads the word as a boolean and OmegaConf writes it
+    back into the str field as 'False'. In an override and in a file, a text key keeps the text."""
+    from turnrl.training.train_config import TrainConfig
+
+    assert load_config(TrainConfig, None, [f"run.name={text}"]).run.name == text
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"run:\n  name: {text}\n  steps: 3\nmodel:\n  path: {text}\n")
+    config = load_config(TrainConfig, recipe)
+    assert (config.run.name, config.model.path, config.run.steps) == (text, text, 3)
+    # Quoted, a null, and a typed key as before.
+    assert load_config(TrainConfig, None, ["run.name='off'"]).run.name == "off"
+    assert load_config(TrainConfig, None, ["model.path=null"]).model.path is None
+    assert load_config(TrainConfig, None, ["run.check_memory=off"]).run.check_memory is False
+
+
 def test_later_override_of_the_same_key_wins():
     config = load_config(EvalConfig, None, ["episodes=3", "episodes=5"])
     assert config.episodes == 5

@@ -18,6 +18,7 @@ import re
 import shutil
 import sys
 import textwrap
+import typing
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -650,6 +651,34 @@ def given_keys(path: str | Path | None = None, overrides: list[str] | None = Non
     return keys
 
 
+def text_keys(cls: type, prefix: str = "") -> set[str]:
+    """The dotted keys of dataclass ``cls`` (and of the dataclasses in it) whose field is typed ``str`` or
+    ``Optional[str]``: there a value is the text as written, though YAML reads ``off`` as false, ``1e3`` as a float
+    and ``007`` as 7 (which OmegaConf then writes back as ``'False'``, ``'1000.0'``, ``'7'``)."""
+    keys = set()
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        hint = hints[f.name]
+        if hint is str or hint == Optional[str]:
+            keys.add(prefix + f.name)
+        elif is_dataclass(hint):
+            keys |= text_keys(hint, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+    return keys
+
+
+def _as_written(layer: DictConfig, written: Any, keys: set[str]) -> None:
+    """Put back, in ``layer``, the text as written (``written``: the same mapping with every scalar a string) at each
+    of ``keys`` that YAML read as a boolean or a number."""
+    for key in keys:
+        value = OmegaConf.select(layer, key, default=None)
+        if isinstance(value, (bool, int, float)):
+            text = written
+            for part in key.split("."):
+                text = text.get(part) if isinstance(text, dict) else None
+            if isinstance(text, str):
+                OmegaConf.update(layer, key, text, merge=False)
+
+
 def load_config(
     cls: type[T],
     path: str | Path | None = None,
@@ -686,15 +715,22 @@ def load_config(
             )
         for section in skip_sections:
             layer.pop(section, None)
+        _as_written(layer, yaml.load(path.read_text(), Loader=yaml.BaseLoader), text_keys(cls))
         layers.append(layer)
     for item in overrides or []:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise ConfigError(f"override {item!r} is not of the form key=value")
         try:
-            layers.append(OmegaConf.from_dotlist([item]))
+            override = OmegaConf.from_dotlist([item])
         except yaml.YAMLError as error:
             problem = yaml_problem(error, where=False)
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {problem}") from error
+        key, text = (part.strip() for part in item.split("=", 1))
+        written: dict[str, Any] = {}
+        for part in reversed(key.split(".")):
+            written = {part: written or text}
+        _as_written(override, written, text_keys(cls))
+        layers.append(override)
     try:
         merged = OmegaConf.merge(base, *layers)
         config = OmegaConf.to_object(merged)

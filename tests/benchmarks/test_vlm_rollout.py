@@ -25,7 +25,7 @@ def test_a_profiled_rollouts_roofline_counts_each_new_image_once_and_reads_n_a_w
     args = argparse.Namespace(env="Maze2D", episodes=2, turns=3, new=8, context=1984)
     split = vlm_rollout.profiled_rollout(engine, args, None)
     assert split.work["evictions"] == 0
-    assert len(split.image_grids) == len(split.responses) >= 4
+    assert split.work["images_encoded"] == len(split.responses) >= 4
     work = vlm_rollout.device_work(split, engine)
     steps = int(split.work["decode_steps"])
     assert work.decoder_flops > 0 and work.vision_flops > 0 and work.cache_bytes(steps) > 0

@@ -4,8 +4,8 @@ work needs beyond the engine's counters (:class:`~turnrl.engine.sequences.Engine
 over the images it encoded, which depend on each image's size.
 
 Off unless enabled (two events a step, a few microseconds of host time against milliseconds of device work): a
-policy turns it on, so that each rollout's metrics split its generation time (``generation/prefill_device_s``,
-``generation/decode_device_s``). On a GPU the spans are CUDA events on the current stream, added up once their end
+policy turns it on, so that each rollout's metrics split its generation time (``timing/prefill_device_s``,
+``timing/decode_device_s``). On a GPU the spans are CUDA events on the current stream, added up once their end
 has passed (a step never waits for one); on a CPU, where operators run as they are called, they are wall time.
 While on, each span is also a profiler range named ``engine.prefill`` or ``engine.decode``, so that a
 ``torch.profiler`` trace can tell which phase launched each kernel (``benchmarks/vlm_rollout.py --kernels``).

@@ -57,7 +57,9 @@ def collect(
     metrics["timing/rollout_s"] = time.time() - start
     metrics["timing/generate_s"] = rollout.timings.generate_s
     metrics["timing/env_s"] = rollout.timings.env_s
-    metrics.update({f"generation/{name}": value for name, value in rollout.timings.policy_work.items()})
+    for name, value in rollout.timings.policy_work.items():
+        # Its device seconds are measurements of the machine, beside the rollout's other times; the rest counts work.
+        metrics[f"timing/{name}" if name.endswith("_device_s") else f"generation/{name}"] = value
     generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
     metrics["throughput/generated_tokens_per_s"] = generated / max(rollout.timings.generate_s, 1e-9)
     return StepOutput(metrics, trajectories)
@@ -71,9 +73,9 @@ def rollout_roofline(metrics: dict[str, float], flops_peak: float | None, bandwi
     whose peaks are unknown (a CPU)."""
     shares = {
         "throughput/prefill_roofline": roofline_share(metrics.get("generation/prefill_flops", 0.0),
-                                                      metrics.get("generation/prefill_device_s", 0.0), flops_peak),
+                                                      metrics.get("timing/prefill_device_s", 0.0), flops_peak),
         "throughput/decode_roofline": roofline_share(metrics.get("generation/decode_bytes", 0.0),
-                                                     metrics.get("generation/decode_device_s", 0.0), bandwidth),
+                                                     metrics.get("timing/decode_device_s", 0.0), bandwidth),
     }
     return {name: share for name, share in shares.items() if share is not None}
 
@@ -149,10 +151,8 @@ def dynamic_sample(
     for key in {key for output in outputs for key in output.metrics if key.startswith("rewards/")}:
         # Each round reported its own; their mean (counts too: per round) stands for the step.
         metrics[key] = sum(output.metrics.get(key, 0.0) for output in outputs) / len(outputs)
-    for key in ("timing/rollout_s", "timing/generate_s", "timing/env_s"):
-        metrics[key] = sum(output.metrics[key] for output in outputs)
-    for key in {key for output in outputs for key in output.metrics if key.startswith("generation/")}:
-        metrics[key] = sum(output.metrics.get(key, 0.0) for output in outputs)  # each round's growth
+    for key in {key for output in outputs for key in output.metrics if key.startswith(("timing/", "generation/"))}:
+        metrics[key] = sum(output.metrics.get(key, 0.0) for output in outputs)  # each round's
     generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
     metrics["throughput/generated_tokens_per_s"] = generated / max(metrics["timing/generate_s"], 1e-9)
     metrics["rollout/dynamic_extra_rounds"] = float(len(outputs) - 1)
