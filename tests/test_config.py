@@ -112,6 +112,10 @@ def test_a_text_key_takes_the_text_as_written_where_yaml_reads_a_boolean_or_a_nu
     assert load_config(TrainConfig, None, ["run.name='off'"]).run.name == "off"
     assert load_config(TrainConfig, None, ["model.path=null"]).model.path is None
     assert load_config(TrainConfig, None, ["run.check_memory=off"]).run.check_memory is False
+    # A list of text: each item as written.
+    assert load_config(TrainConfig, None, [f"sampling.stop=[{text}, '{text}', x]"]).sampling.stop == [text, text, "x"]
+    recipe.write_text(f"sampling:\n  stop: [{text}, x]\n")
+    assert load_config(TrainConfig, recipe).sampling.stop == [text, "x"]
 
 
 def test_later_override_of_the_same_key_wins():

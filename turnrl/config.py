@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from turnrl.registry import Registry, RegistryError, close_names, is_module_attr
@@ -652,14 +652,14 @@ def given_keys(path: str | Path | None = None, overrides: list[str] | None = Non
 
 
 def text_keys(cls: type, prefix: str = "") -> set[str]:
-    """The dotted keys of dataclass ``cls`` (and of the dataclasses in it) whose field is typed ``str`` or
-    ``Optional[str]``: there a value is the text as written, though YAML reads ``off`` as false, ``1e3`` as a float
-    and ``007`` as 7 (which OmegaConf then writes back as ``'False'``, ``'1000.0'``, ``'7'``)."""
+    """The dotted keys of dataclass ``cls`` (and of the dataclasses in it) whose field is typed ``str``,
+    ``Optional[str]`` or ``list[str]``: there a value is the text as written, though YAML reads ``off`` as false,
+    ``1e3`` as a float and ``007`` as 7 (which OmegaConf then writes back as ``'False'``, ``'1000.0'``, ``'7'``)."""
     keys = set()
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         hint = hints[f.name]
-        if hint is str or hint == Optional[str]:
+        if hint is str or hint == Optional[str] or hint == list[str]:
             keys.add(prefix + f.name)
         elif is_dataclass(hint):
             keys |= text_keys(hint, f"{prefix}{f.name}.")  # type: ignore[arg-type]
@@ -668,15 +668,18 @@ def text_keys(cls: type, prefix: str = "") -> set[str]:
 
 def _as_written(layer: DictConfig, written: Any, keys: set[str]) -> None:
     """Put back, in ``layer``, the text as written (``written``: the same mapping with every scalar a string) at each
-    of ``keys`` that YAML read as a boolean or a number."""
+    of ``keys`` where YAML read a boolean or a number (a value, or an item of a list)."""
     for key in keys:
         value = OmegaConf.select(layer, key, default=None)
-        if isinstance(value, (bool, int, float)):
-            text = written
-            for part in key.split("."):
-                text = text.get(part) if isinstance(text, dict) else None
-            if isinstance(text, str):
-                OmegaConf.update(layer, key, text, merge=False)
+        text = written
+        for part in key.split("."):
+            text = text.get(part) if isinstance(text, dict) else None
+        if isinstance(value, (bool, int, float)) and isinstance(text, str):
+            OmegaConf.update(layer, key, text, merge=False)
+        elif isinstance(value, ListConfig) and isinstance(text, list) and len(text) == len(value):
+            items = [item if isinstance(item, str) or not isinstance(as_text, str) else as_text
+                     for item, as_text in zip(list(value), text)]
+            OmegaConf.update(layer, key, items, merge=False)
 
 
 def load_config(
@@ -726,9 +729,9 @@ def load_config(
             problem = yaml_problem(error, where=False)
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {problem}") from error
         key, text = (part.strip() for part in item.split("=", 1))
-        written: dict[str, Any] = {}
+        written: Any = yaml.load(text, Loader=yaml.BaseLoader)  # every scalar a string, as typed
         for part in reversed(key.split(".")):
-            written = {part: written or text}
+            written = {part: written}
         _as_written(override, written, text_keys(cls))
         layers.append(override)
     try:
