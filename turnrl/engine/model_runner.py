@@ -389,7 +389,7 @@ class ModelRunner:
         deepstack = None
         if pixels:
             encoded = torch.stack(grids)
-            if self.timer.enabled:
+            if self.timer.enabled:  # a few host operations on the grids (the tower's weights are walked once)
                 self.timer.encoded(len(grids), vision.forward_flops(encoded))
             features = vision.features(torch.cat(pixels).to(self.device), encoded.to(self.device))
             if self.kept_images is not None:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from turnrl.engine.families import Family, Rotary, UnsupportedModel, family_of
 from turnrl.models.loading import vision_tower
-from turnrl.models.throughput import vision_training_flops
+from turnrl.models.throughput import vision_grid_flops, vision_weight_flops
 
 
 @dataclass
@@ -154,15 +154,16 @@ class VisionWeights:
     dtype: torch.dtype = torch.float32
     """The engine's compute dtype, the tower's too: a tower whose weights are in another (a trained VLM's float32
     weights under a bf16 engine) runs under autocast to it, as the trainer's passes run it."""
+    _weight_flops: tuple[float, float] | None = field(default=None, init=False, repr=False)
 
     def forward_flops(self, grids: torch.Tensor) -> float:
         """The tower's forward FLOPs over images of these patch grids, Shape (m, 3)
-        (:func:`~turnrl.models.throughput.vision_training_flops`)."""
-        tower = vision_tower(self.model)
-        if tower is None:
-            return 0.0
+        (:func:`~turnrl.models.throughput.vision_training_flops`); its weights' share is counted once."""
+        if self._weight_flops is None:
+            tower = vision_tower(self.model)
+            self._weight_flops = vision_weight_flops(tower, forward_only=True) if tower is not None else (0.0, 0.0)
         config: Any = self.model.config
-        return vision_training_flops(tower, config.vision_config, grids, forward_only=True)
+        return vision_grid_flops(self._weight_flops, config.vision_config, grids, forward_only=True)
 
     def features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> ImageFeatures:
         """The decoder-side features of images, one row per placeholder token, in order.

@@ -182,7 +182,13 @@ def vision_training_flops(tower: torch.nn.Module, vision_config: Any, grids: tor
         vision_config: its transformers config.
         grids: Shape (n, 3): each image's ``image_grid_thw`` (frames, patch rows, patch columns).
     """
-    per_patch = per_merged = 0.0  # FLOPs a patch, a merged token
+    return vision_grid_flops(vision_weight_flops(tower, forward_only), vision_config, grids, forward_only)
+
+
+def vision_weight_flops(tower: torch.nn.Module, forward_only: bool = False) -> tuple[float, float]:
+    """The FLOPs a patch and a merged token cost in a vision tower's weights (:func:`vision_training_flops`): a
+    walk over its parameters, which a caller counting many passes of one tower makes once."""
+    per_patch = per_merged = 0.0
     for name, parameter in tower.named_parameters():
         if "pos_embed" in name and "patch" not in name:
             continue
@@ -191,6 +197,13 @@ def vision_training_flops(tower: torch.nn.Module, vision_config: Any, grids: tor
             per_merged += flops
         else:
             per_patch += flops
+    return per_patch, per_merged
+
+
+def vision_grid_flops(weight_flops: tuple[float, float], vision_config: Any, grids: torch.Tensor,
+                      forward_only: bool = False) -> float:
+    """:func:`vision_training_flops` from the tower's :func:`vision_weight_flops` (a patch's, a merged token's)."""
+    per_patch, per_merged = weight_flops
     patches = grids.reshape(-1, 3).prod(-1).double()
     merged = float(patches.sum()) / vision_config.spatial_merge_size**2
     weights = per_patch * float(patches.sum()) + per_merged * merged
