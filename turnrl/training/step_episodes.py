@@ -67,10 +67,11 @@ def collect(
 
 def rollout_roofline(metrics: dict[str, float], flops_peak: float | None, bandwidth: float | None
                      ) -> dict[str, float]:
-    """Each engine phase's share of the hardware's limit over a rollout, from its ``generation/`` counters: prefill's
-    model FLOPs over its device seconds at ``flops_peak`` (FLOP/s), decode's bytes to read over its device seconds
-    at ``bandwidth`` (bytes/s). Empty for a policy that counts no device work, a phase that did none, or a device
-    whose peaks are unknown (a CPU)."""
+    """Each engine phase's share of the hardware's limit over a rollout, from its metrics: prefill's model FLOPs
+    (``generation/prefill_flops``) over its device seconds (``timing/prefill_device_s``) at ``flops_peak``
+    (FLOP/s), decode's bytes to read over its device seconds at ``bandwidth`` (bytes/s). Empty for a policy that
+    counts no device work, a phase that did none, or a device whose peaks are unknown (a CPU). Summed over a
+    sharded run's processes, the work and the seconds give each device's mean share."""
     shares = {
         "throughput/prefill_roofline": roofline_share(metrics.get("generation/prefill_flops", 0.0),
                                                       metrics.get("timing/prefill_device_s", 0.0), flops_peak),
