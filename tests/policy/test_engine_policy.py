@@ -104,6 +104,9 @@ def test_a_rollout_logs_the_engines_work_of_that_rollout_alone(model, tiny_token
         generated = sum(len(turn.response_ids) for t in trajectories for turn in t.turns)
         assert works[-1]["generated_tokens"] == generated
         assert works[-1]["reused_tokens"] > 0 and works[-1]["decode_steps"] >= 8
+        # and its device work, timed (wall time on a CPU) within the rollout's generation
+        assert 0 < works[-1]["prefill_device_s"] + works[-1]["decode_device_s"] <= rollout.timings.generate_s
+        assert works[-1]["prefill_flops"] > 0 and works[-1]["decode_bytes"] > 0 and works[-1]["vision_flops"] == 0
     # The same greedy episodes, counted afresh: the same tokens generated and prompt tokens met; the second
     # run finds more of its prompts still cached.
     seen = [w["prefill_tokens"] + w["reused_tokens"] + w["shared_tokens"] for w in works]
