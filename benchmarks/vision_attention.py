@@ -10,8 +10,14 @@ one fewer, ...: a rollout's prefill meets a new count at most calls) with SDPA f
 against the kernels the tower's attention keeps to (:data:`~turnrl.models.vision_attention.TOWER_BACKENDS`):
 cuDNN plans every new shape on the host.
 
+With ``--layout`` it also times the chunked forward with the tower's layout made on the host and kept by the
+images' grids (:mod:`turnrl.models.vision_layout`, what the engine's prefill does) against the tower making it
+from grids on the device (a loop over the images, with reads to the host that drain the device), passes run back
+to back as a rollout's prefills run, and prints the largest difference of their features (none expected).
+
     python benchmarks/vision_attention.py --preset vlm-3b --images 128 --size 224
     python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --new-counts 12
+    python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --layout --repeats 20
     python benchmarks/vision_attention.py --preset vlm-tiny --device cpu --images 16 --size 224   # a smoke run
 """
 
@@ -31,6 +37,7 @@ from transformers import AutoModelForImageTextToText  # noqa: E402
 
 from turnrl.models import build_tokenizer, vision_attention, vlm_config  # noqa: E402
 from turnrl.models.vision_attention import VISION_ATTENTION  # noqa: E402
+from turnrl.models.vision_layout import TowerLayouts  # noqa: E402
 
 
 def body_of(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -106,6 +113,41 @@ def new_count_rows(body, args, device: torch.device, dtype: torch.dtype) -> list
     return rows
 
 
+def layout_rows(body, args, device: torch.device, dtype: torch.dtype) -> list[tuple[str, float]]:
+    """The chunked forward with the tower making its layout from grids on the device, against the layout made on
+    the host and kept (:class:`~turnrl.models.vision_layout.TowerLayouts`); ``--repeats`` passes back to back."""
+    body.visual.config._attn_implementation = VISION_ATTENTION
+    pixels, grids = images(body, args.images, args.size, device, dtype)
+    host_grids, layouts = grids.cpu(), TowerLayouts(body.visual)
+    if not layouts.enabled:
+        raise SystemExit("--layout: this tower has no layout made on the host (transformers without vision_utils?)")
+
+    def own() -> torch.Tensor:
+        return torch.cat(list(body.get_image_features(pixels, grids, return_dict=True).pooler_output))
+
+    def hosted() -> torch.Tensor:
+        layout = layouts.inputs(host_grids, device)
+        return torch.cat(list(body.get_image_features(pixels, host_grids, return_dict=True, **layout).pooler_output))
+
+    rows = []
+    with torch.no_grad():
+        difference = float((own().float() - hosted().float()).abs().max())
+        for label, encode in (("the tower's own layout (grids on the device)", own),
+                              ("the layout made on the host, kept", hosted)):
+            encode()  # warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.repeats):
+                encode()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            rows.append((f"chunked, forward, {label}", (time.perf_counter() - start) / args.repeats))
+            print(f"{rows[-1][0]}: {rows[-1][1]:.4f} s a pass", flush=True)
+    print(f"largest difference of the features: {difference:.3g}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="vlm-3b")
@@ -115,6 +157,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-counts", type=int, default=0,
                         help="a GPU: also N forward passes over a new image count each, with and without cuDNN")
+    parser.add_argument("--layout", action="store_true",
+                        help="also the forward with its layout made on the host against the tower's own")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.new_counts and (device.type != "cuda" or 2 * args.new_counts >= args.images):
@@ -132,6 +176,8 @@ def main() -> None:
             print(f"{label}: {rows[-1][1]:.4f} s a pass", flush=True)
     if args.new_counts:
         rows.extend(new_count_rows(body, args, device, dtype))
+    if args.layout:
+        rows.extend(layout_rows(body, args, device, dtype))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{args.preset} vision tower, {args.images} images of {args.size} px, {name}, {dtype}")
     print("| attention | s a pass | speed-up |\n| --- | ---: | ---: |")

@@ -48,6 +48,29 @@ def test_a_copy_to_the_gpu_queued_behind_work_reads_the_host_values():
     assert torch.equal(selected[to_device(torch.tensor([5, 1]), device)].cpu(), torch.tensor([10, 2]))
 
 
+def test_host_parts_are_joined_on_the_device_as_torch_cat_joins_them():
+    from turnrl.models.devices import cat_to_device
+
+    parts = [torch.randn(3, 5), torch.randn(0, 5), torch.randn(7, 5)]
+    assert torch.equal(cat_to_device(parts, torch.device("cpu")), torch.cat(parts))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_parts_joined_in_pinned_memory_reach_a_busy_gpu_intact():
+    # The joined copy is not waited for; the caching host allocator keeps its pinned block until the copy has run.
+    from turnrl.models.devices import cat_to_device
+
+    device = torch.device("cuda")
+    busy = torch.randn(4096, 4096, device=device)
+    for _ in range(20):
+        busy = busy @ busy / 64
+    parts = [torch.randn(1000, 64), torch.randn(24, 64)]
+    joined = cat_to_device(parts, device)
+    for _ in range(3):  # later joins may reuse pinned memory only once the first copy is done
+        cat_to_device([torch.zeros(1024, 64)], device)
+    assert torch.equal(joined.cpu(), torch.cat(parts))
+
+
 def test_a_bare_cuda_device_gets_the_current_gpu_s_index(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert indexed(torch.device("cuda")) == torch.device("cuda", 3)

@@ -51,7 +51,7 @@ from turnrl.engine.scheduler import DecodeBatch, PrefillChunk
 from turnrl.engine.sequences import EngineStats, SequenceRecord
 from turnrl.engine.timing import DeviceTimer, causal_pairs
 from turnrl.engine.weights import DecoderWeights
-from turnrl.models.devices import to_device
+from turnrl.models.devices import cat_to_device, to_device
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -391,7 +391,7 @@ class ModelRunner:
             encoded = torch.stack(grids)
             if self.timer.enabled:  # a few host operations on the grids (the tower's weights are walked once)
                 self.timer.encoded(len(grids), vision.forward_flops(encoded))
-            features = vision.features(torch.cat(pixels).to(self.device), encoded.to(self.device))
+            features = vision.features(cat_to_device(pixels, self.device), encoded)
             if self.kept_images is not None:
                 self.kept_images.keep(digests, (encoded.prod(-1) // vision.merge_size**2).tolist(), features)
             index = to_device(np.array(slots, dtype=np.int64).T.copy(), self.device)

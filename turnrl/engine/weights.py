@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from turnrl.engine.families import Family, Rotary, UnsupportedModel, family_of
 from turnrl.models.loading import vision_tower
 from turnrl.models.throughput import vision_grid_flops, vision_weight_flops
+from turnrl.models.vision_layout import TowerLayouts
 
 
 @dataclass
@@ -155,6 +156,7 @@ class VisionWeights:
     """The engine's compute dtype, the tower's too: a tower whose weights are in another (a trained VLM's float32
     weights under a bf16 engine) runs under autocast to it, as the trainer's passes run it."""
     _weight_flops: tuple[float, float] | None = field(default=None, init=False, repr=False)
+    _layouts: TowerLayouts | None = field(default=None, init=False, repr=False)
 
     def forward_flops(self, grids: torch.Tensor) -> float:
         """The tower's forward FLOPs over images of these patch grids, Shape (m, 3)
@@ -170,11 +172,17 @@ class VisionWeights:
 
         Args:
             pixel_values: the images' patches, concatenated, Shape (patches, patch_dim). grids: each image's
-                (temporal, height, width) patch grid, Shape (m, 3).
+                (temporal, height, width) patch grid, Shape (m, 3), best on the host: the tower's layout is
+                made from them there (:mod:`turnrl.models.vision_layout`), so that nothing is read from the device.
 
         Returns:
             Each tensor Shape (tokens, hidden), tokens = sum over images of t * h * w / merge_size**2.
         """
+        if self._layouts is None:
+            self._layouts = TowerLayouts(vision_tower(self.model))
+        layout = self._layouts.inputs(grids, pixel_values.device)
+        if not layout:  # the tower makes its own layout, from grids beside the pixels
+            grids = grids.to(pixel_values.device)
         # transformers 5.x returns an output object whose pooler_output holds the merged features, one tensor per
         # image; a config with return_dict=False would make it a tuple, so the object is asked for. Its
         # deepstack_features (Qwen3-VL) hold a layer's features split per image like pooler_output (5.24), or
@@ -182,7 +190,8 @@ class VisionWeights:
         # The engine switches a caller's autocast off, and the decoder's float32 weights get bf16 copies; the tower
         # has none, so without autocast here it ran its matrix products in float32 in every training rollout.
         with torch.autocast(pixel_values.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            out = self.model.get_image_features(pixel_values, grids, return_dict=True)  # type: ignore[operator]
+            out = self.model.get_image_features(pixel_values, grids, return_dict=True,  # type: ignore[operator]
+                                                **layout)
         deepstack = (out.deepstack_features or []) if self.deepstack else []
         features = ImageFeatures(_concatenated(out.pooler_output), [_concatenated(layer) for layer in deepstack])
         tokens = int((grids.prod(-1) // self.merge_size**2).sum())

@@ -60,11 +60,18 @@ def chunk_extremes(bounds: torch.Tensor) -> tuple[int, int]:
         return held[2], held[3]
     lengths = bounds[1:] - bounds[:-1]
     shortest, longest = (int(n) for n in torch.stack(torch.aminmax(lengths)).tolist())
+    note_extremes(bounds, shortest, longest)
+    return shortest, longest
+
+
+def note_extremes(bounds: torch.Tensor, shortest: int, longest: int) -> None:
+    """Remember the shortest and longest chunk of ``bounds`` (known without reading the device, as the tower's
+    precomputed layouts know them: :mod:`turnrl.models.vision_layout`), for :func:`chunk_extremes` to answer."""
     with _EXTREMES_LOCK:
+        _EXTREMES.pop(id(bounds), None)
         if len(_EXTREMES) >= _EXTREMES_HELD:
             del _EXTREMES[next(iter(_EXTREMES))]  # the oldest: a finished forward pass's
         _EXTREMES[id(bounds)] = (bounds, bounds._version, shortest, longest)
-    return shortest, longest
 
 
 def chunk_layout(bounds: torch.Tensor, tokens: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
