@@ -100,3 +100,32 @@ def test_a_tower_without_a_known_layout_makes_its_own(towers):
     assert not TowerLayouts(Unknown()).enabled and TowerLayouts(Unknown()).inputs(torch.tensor(GRIDS), "cpu") == {}
     assert not TowerLayouts(None).enabled
     assert TowerLayouts(tower).enabled
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["qwen2_5_vl (windows)", "qwen2_vl", "qwen3_vl"])
+def test_on_a_gpu_the_host_layout_gives_the_towers_features_and_reads_nothing_from_the_device(towers, name):
+    """Grids on the host and the layout copied over: the tower's forward queues its work without a wait (CUDA's
+    sync debug mode raises at any read of the device), and its features are those it makes from grids on the GPU
+    (Qwen3-VL's interpolation weights computed on the host: equal to float32 rounding)."""
+    model = towers[name].cuda()
+    try:
+        pixels, grids = images(model.config.vision_config, GRIDS)
+        pixels = pixels.cuda()
+        layouts = TowerLayouts(vision_tower(model))
+        with torch.no_grad():
+            device_grids = grids.cuda()
+            own = torch.cat(list(model.model.get_image_features(pixels, device_grids, return_dict=True).pooler_output))
+            layout = layouts.inputs(grids, pixels.device)  # made and copied once, then kept
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with pytest.raises(RuntimeError, match="synchroniz"):  # the tower's own layout reads the device
+                    model.model.get_image_features(pixels, device_grids, return_dict=True)
+                layout = layouts.inputs(grids, pixels.device)
+                hosted = model.model.get_image_features(pixels, grids, return_dict=True, **layout).pooler_output
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.testing.assert_close(torch.cat(list(hosted)), own, rtol=1e-5, atol=1e-5)
+    finally:
+        towers[name].cpu()
