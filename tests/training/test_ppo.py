@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -201,3 +202,39 @@ def test_the_target_kl_stops_at_the_first_mini_batch_the_policy_has_moved_past_i
 def test_the_target_kl_must_be_positive():
     with pytest.raises(ConfigError, match="algorithm.target_kl"):
         config(target_kl=0.0).validate()
+
+
+# --------------------------------------------------------------------------- the sampler's drift
+def with_sampler_logprobs(actor, batch, seed=3):
+    """``batch`` with sampler log-probs near the actor's own (the drift of another forward: kernels, rounding)."""
+    noise = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(seed)) * batch.loss_mask
+    sampled = (batched_logprobs(actor, batch, MicroBatching(4), 1.0) + 0.05 * noise) * batch.loss_mask
+    return dataclasses.replace(batch, sampler_logprobs=sampled)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_the_update_measures_the_drift_from_the_sampler_over_its_first_mini_batch_before_any_step(actor, critic,
+                                                                                                    micro):
+    """With the sampler's log-probs as the old ones, the first mini-batch's passes run under the weights that
+    sampled: the drift is their token mean of |training log-prob - sampler log-prob|, over the rows the first
+    shuffle put first, as a plain pass of the untouched actor over those rows gives it."""
+    batch = with_sampler_logprobs(actor, model_batch(actor.config.vocab_size))
+    first = torch.randperm(len(batch), generator=torch.Generator().manual_seed(0))[:2]  # run_epochs' generator
+    rows = batch.select(first)
+    with torch.no_grad():
+        plain, _ = token_logprobs(actor, rows.input_ids, rows.attention_mask, rows.loss_mask, 1.0)
+    expected = float(((plain - rows.sampler_logprobs).abs() * rows.loss_mask).sum() / rows.loss_mask.sum())
+    inputs = dataclasses.replace(update_inputs(actor, critic, batch), old_logprobs=batch.sampler_logprobs)
+    cfg = config(mini_batch_size=2, micro_batch_size=micro, ppo_epochs=2, old_logprobs="sampler")
+    metrics = run_epochs(copy.deepcopy(actor), copy.deepcopy(critic), inputs, cfg)
+    assert metrics["actor/optimizer_steps"] == 4  # the later passes ran under moved weights, and are not counted
+    assert metrics["actor/logprob_mismatch"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert expected > 1e-3
+
+
+def test_recomputed_old_log_probs_leave_the_drift_to_the_scoring_pass(actor, critic):
+    batch = with_sampler_logprobs(actor, model_batch(actor.config.vocab_size))
+    inputs = dataclasses.replace(update_inputs(actor, critic, batch), old_logprobs=batch.sampler_logprobs)
+    metrics = run_epochs(actor, critic, inputs, config(mini_batch_size=2, micro_batch_size=1,
+                                                        old_logprobs="recompute"))
+    assert "actor/logprob_mismatch" not in metrics

@@ -43,3 +43,24 @@ def test_a_run_scoring_in_larger_packed_passes_trains_as_the_plain_run(tiny_mode
     assert plain.keys() == packed.keys() and "actor/kl_ref" in plain[1]
     for step in plain:
         assert_same_metrics(plain[step], packed[step])
+
+
+def test_with_sampler_log_probs_the_actor_runs_no_scoring_pass():
+    """The sampler's log-probs are PPO's old ones and the update measures their drift: scoring without a KL or a
+    critic runs nothing (an actor that fails when called would show a pass)."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from tests.training.test_ppo import model_batch
+    from turnrl.training.scoring import score_batch
+    from turnrl.training.train_config import AlgorithmConfig
+
+    class NoPass(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            raise AssertionError("the actor ran a scoring pass")
+
+    batch = model_batch(64)
+    scores = score_batch(batch, NoPass(), None, None, AlgorithmConfig(kl_coef=0.0), 1.0, nullcontext())
+    assert scores.old_logprobs is batch.sampler_logprobs and "actor/logprob_mismatch" not in scores.metrics
+    assert scores.ref_logprobs is None and scores.values is None

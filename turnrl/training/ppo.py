@@ -263,6 +263,9 @@ def ppo_epochs(
     row_tokens = batch.loss_mask.sum(1).cpu()
     stepping = actor_optimizer  # None once the target KL stops the actor for this step
     kl_stopped = False
+    # With the sampler's log-probs as the old ones, the first mini-batch's passes (before any optimizer step, so
+    # under the weights that sampled) also measure how far training's forward drifts from the sampler's.
+    watch_drift = config.old_logprobs == "sampler"
     for _ in range(config.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
         for mini in _chunks(order, config.mini_batch_size):
@@ -275,8 +278,11 @@ def ppo_epochs(
                 weight = micro_weight(micro, mini, row_tokens, config.loss_aggregation) if micro is not None else 0.0
                 rows = micro if micro is not None else mini[:1]
                 if stepping is not None:
+                    drift = watch_drift and micro is not None
                     values = _actor_backward(actor, part, inputs, rows, config, policy_loss, temperature,
-                                             weight * world, batching.packed)
+                                             weight * world, batching.packed, sampler_drift=drift)
+                    if drift:
+                        record_weighted({DRIFT: values.pop(DRIFT)}, float(row_tokens[micro].sum()))
                     record_weighted(values, weight)
                     if config.target_kl is not None:
                         mini_kl = mini_kl + weight * values["actor/approx_kl"]
@@ -287,6 +293,7 @@ def ppo_epochs(
                     _mini_batch_kl(float(mini_kl), shard) > 1.5 * config.target_kl:
                 stepping.zero_grad(set_to_none=True)  # this mini-batch's gradient is not applied
                 stepping, kl_stopped = None, True
+            watch_drift = False  # the first mini-batch's passes were under the sampling weights; later ones are not
             if stepping is not None:
                 norm, skipped = _step_optimizer(stepping, actor_params, optim)
                 record("actor/grad_norm", norm)
@@ -319,11 +326,18 @@ def _mini_batch_kl(local: float, shard: Shard | None) -> float:
     return local if shard is None else shard.reduce({"kl": local})["kl"]
 
 
+DRIFT = "actor/logprob_mismatch"
+"""The mean absolute difference of the training forward's log-probs from the sampler's, over the tokens of the
+first mini-batch of a step's update (with ``algorithm.old_logprobs=sampler``) or of the whole batch (``recompute``,
+from the recomputed old log-probs)."""
+
+
 def _actor_backward(
     actor: torch.nn.Module, part: Batch, inputs: UpdateInputs, rows: torch.Tensor, config: AlgorithmConfig,
-    policy_loss_fn: PolicyLoss, temperature: float, weight: float, packed: bool,
+    policy_loss_fn: PolicyLoss, temperature: float, weight: float, packed: bool, sampler_drift: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """One micro-batch's actor loss and its backward; its metrics as 0-dim tensors, not read from the device."""
+    """One micro-batch's actor loss and its backward; its metrics as 0-dim tensors, not read from the device.
+    ``sampler_drift``: also :data:`DRIFT`, the token mean of its log-probs' distance from the sampler's."""
     index = to_device(rows, inputs.old_logprobs.device)
     mask = part.loss_mask
     # Entropy is watched even without a bonus: its fall is the first sign of collapse.
@@ -357,6 +371,8 @@ def _actor_backward(
         if not config.kl_in_reward:
             loss = loss + config.kl_coef * kl_term
         metrics["actor/kl_ref"] = kl_term
+    if sampler_drift:
+        metrics[DRIFT] = aggregate((logprobs - part.sampler_logprobs.to(logprobs.device)).abs(), mask, "token-mean")
     (loss * weight).backward()
     metrics["losses/actor_total"] = loss
     return {key: value.detach().float() for key, value in metrics.items()}

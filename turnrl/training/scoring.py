@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from turnrl.algorithms import aggregate
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.model_passes import ValueModel
-from turnrl.training.ppo import MicroBatching, batched_logprobs, batched_values
+from turnrl.training.ppo import DRIFT, MicroBatching, batched_logprobs, batched_values
 from turnrl.training.train_config import AlgorithmConfig, TrainConfig
 
 
@@ -54,15 +55,15 @@ def score_batch(
     critic: ValueModel | None,
     config: AlgorithmConfig,
     temperature: float,
-    checked: Batch | None,
     precision: AbstractContextManager,
     passes: Callable[[int], int] = lambda n: n,
 ) -> TokenScores:
     """PPO's old logprobs, the reference's logprobs (when there is a KL), the critic's values.
 
-    ``reference`` None with a KL means LoRA: the reference is the actor with its adapters off. ``checked``: with
-    the sampler's log-probs as PPO's old ones, the rows recomputed to watch how far they drift
-    (:func:`check_rows`). ``passes``: see :func:`~turnrl.training.ppo.batched_logprobs` (data parallel).
+    ``reference`` None with a KL means LoRA: the reference is the actor with its adapters off. ``passes``: see
+    :func:`~turnrl.training.ppo.batched_logprobs` (data parallel). With the sampler's log-probs as PPO's old ones
+    nothing is recomputed here: the update's first mini-batch measures how far training's forward drifts from
+    the sampler's (:data:`~turnrl.training.ppo.DRIFT`); recomputed old log-probs measure it over the batch.
     """
     metrics: dict[str, float] = {}
     start = time.time()
@@ -70,17 +71,9 @@ def score_batch(
     with precision:
         if config.old_logprobs == "recompute":
             old_logprobs = batched_logprobs(actor, batch, micro, temperature, passes)
-            checked, recomputed = batch, old_logprobs
+            metrics[DRIFT] = float(aggregate((old_logprobs - batch.sampler_logprobs).abs(), batch.loss_mask))
         else:
-            # The sampler's logprobs are PPO's old logprobs; recomputing one micro-batch is enough to
-            # watch how far training's forward pass drifts from the sampler's (bf16, kernels, padding).
             old_logprobs = batch.sampler_logprobs
-            assert checked is not None, "score_batch with sampler log-probs recomputes the checked rows"
-            recomputed = batched_logprobs(actor, checked, micro, temperature, passes)
-        checked_tokens = checked.loss_mask.sum().clamp(min=1)
-        metrics["actor/logprob_mismatch"] = float(
-            ((recomputed - checked.sampler_logprobs).abs() * checked.loss_mask).sum() / checked_tokens
-        )
         metrics["timing/old_logprobs_s"] = time.time() - start
         ref_logprobs = None
         if config.kl_coef > 0:
@@ -99,10 +92,11 @@ def score_batch(
     return TokenScores(old_logprobs, ref_logprobs, values, metrics)
 
 
-def check_rows(n: int, config: AlgorithmConfig, generator: torch.Generator) -> torch.Tensor | None:
-    """The rows of a batch of ``n`` whose sampler log-probs are recomputed (one micro-batch, drawn from the
-    step's generator before the PPO epochs shuffle); None when every old log-prob is recomputed."""
-    if config.old_logprobs == "recompute":
-        return None
-    return torch.randperm(n, generator=generator)[: config.micro_batch_size].sort().values
+def keep_shuffles(n: int, config: AlgorithmConfig, generator: torch.Generator) -> None:
+    """Draw from the step's generator, before the PPO epochs shuffle, the permutation of ``n`` rows that a pass
+    of its own once drew to choose the rows whose sampler log-probs it recomputed (with
+    ``algorithm.old_logprobs=sampler``). That check is part of the update now; the draw stays so that a seed's
+    shuffles, and a run's numbers, are the ones its earlier runs (and the docs) show."""
+    if config.old_logprobs == "sampler":
+        torch.randperm(n, generator=generator)
 

@@ -146,7 +146,9 @@ class AlgorithmConfig:
     loss_aggregation: Aggregation = "token-mean"
     """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``."""
     old_logprobs: str = "sampler"
-    """PPO's old log-probs: ``sampler`` (those sampled with) or ``recompute`` (a forward pass)."""
+    """PPO's old log-probs: ``sampler`` (those sampled with) or ``recompute`` (a forward pass). Either way the
+    step reports ``actor/logprob_mismatch``, how far training's forward drifts from the sampler's: with
+    ``sampler`` from the update's first mini-batch (no pass of its own), with ``recompute`` over the batch."""
     ratio_level: str = "token"
     """``token``: PPO's per-token ratio; ``sequence``: GSPO's length-normalized sequence ratio (GSPO clips
     it tightly: clip_low 3e-4, clip_high 4e-4 in its paper)."""

@@ -114,7 +114,7 @@ from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, p
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config, write_resumed_config
 from turnrl.training.schedules import kl_adaptive_scale, lr_factor
-from turnrl.training.scoring import TokenScores, check_rows, encodes_images_once, make_batch, score_batch
+from turnrl.training.scoring import TokenScores, encodes_images_once, keep_shuffles, make_batch, score_batch
 from turnrl.training.seeding import level_plan_change, step_seed
 from turnrl.training.step_episodes import StepOutput, collect, play_step, rollout_roofline
 from turnrl.training.train_config import TrainConfig
@@ -704,19 +704,18 @@ class Trainer:
         """4: old logprobs, reference logprobs and values of ``batch`` (:func:`score_batch`): each process scores
         its rows, and the scores of the whole batch are gathered on every process."""
         config, n = self.config, len(batch)
-        checked = check_rows(n, config.algorithm, generator)
+        keep_shuffles(n, config.algorithm, generator)
         rows = self.parallel.rows(n)
         local = score_batch(batch if rows is None else batch.select(rows), self.actor, self.reference, self.critic,
-                            config.algorithm, config.sampling.temperature,
-                            None if checked is None else batch.select(checked), self.precision(), self.parallel.most)
+                            config.algorithm, config.sampling.temperature, self.precision(), self.parallel.most)
         self.parallel.release_gathered([model for model in (self.actor, self.reference, self.critic)
                                         if model is not None])
 
         def gather(local_rows: torch.Tensor | None) -> torch.Tensor | None:
             return None if local_rows is None else self.parallel.gather_rows(local_rows, n)
 
-        old_logprobs = batch.sampler_logprobs if checked is not None else self.parallel.gather_rows(
-            local.old_logprobs, n)
+        old_logprobs = batch.sampler_logprobs if config.algorithm.old_logprobs == "sampler" else \
+            self.parallel.gather_rows(local.old_logprobs, n)
         return TokenScores(old_logprobs, gather(local.ref_logprobs), gather(local.values),
                            self.parallel.mean_metrics(local.metrics))
 
