@@ -16,7 +16,7 @@ ones are equal to what the tower makes itself; Qwen3-VL's interpolation weights 
 instead of the device (equal to rounding).
 
 A tower whose config is not in :data:`LAYOUTS`, or a transformers release without ``vision_utils``, gets nothing
-precomputed and makes its own layout, as before.
+precomputed and makes its own layout from the grids.
 """
 
 from __future__ import annotations
