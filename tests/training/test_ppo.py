@@ -11,9 +11,17 @@ from transformers import AutoModelForCausalLM
 
 from turnrl.config import ConfigError
 from turnrl.training.batch import Sample, collate
-from turnrl.training.train_config import AlgorithmConfig, OptimConfig
 from turnrl.training.model_passes import ValueModel, token_logprobs
-from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
+from turnrl.training.ppo import (
+    MicroBatching,
+    UpdateInputs,
+    batched_logprobs,
+    batched_values,
+    ppo_epochs,
+    restore_actor_state,
+    save_actor_state,
+)
+from turnrl.training.train_config import AlgorithmConfig, OptimConfig
 
 
 def config(**overrides) -> AlgorithmConfig:
@@ -202,6 +210,82 @@ def test_the_target_kl_stops_at_the_first_mini_batch_the_policy_has_moved_past_i
 def test_the_target_kl_must_be_positive():
     with pytest.raises(ConfigError, match="algorithm.target_kl"):
         config(target_kl=0.0).validate()
+
+
+# --------------------------------------------------------------------------- rollback
+def adam_epochs(actor, inputs, cfg):
+    """The actor alone under Adam (whose state a rollback must put back too); its metrics and optimizer."""
+    optimizer = torch.optim.Adam(actor.parameters(), lr=0.05)
+    metrics = ppo_epochs(actor, None, inputs, cfg, OptimConfig(grad_clip=1e9), optimizer, None, 1.0,
+                         torch.Generator().manual_seed(0))
+    return metrics, optimizer
+
+
+def own_policy_inputs(actor, critic):
+    """Old log-probs the policy's own: the update's first passes read KL 0, and every optimizer step moves it."""
+    batch = model_batch(actor.config.vocab_size)
+    inputs = update_inputs(actor, critic, batch)
+    inputs.old_logprobs = batched_logprobs(actor, batch, MicroBatching(4), 1.0)
+    return inputs
+
+
+@pytest.mark.parametrize("epochs", [dict(mini_batch_size=2, ppo_epochs=2), dict(mini_batch_size=4, ppo_epochs=1)],
+                         ids=["read by the next mini-batch", "read after the last step"])
+def test_a_step_past_the_rollback_bound_is_undone_with_its_optimizer_state(actor, critic, epochs):
+    """The first optimizer step moves the policy past a tiny bound: the next mini-batch's passes (or, where it
+    was the update's only step, a pass after it) read that, and the actor is as it was, Adam's state too."""
+    inputs = own_policy_inputs(actor, critic)
+    before = params(actor)
+    metrics, optimizer = adam_epochs(actor, inputs, config(micro_batch_size=1, rollback_kl=1e-6, **epochs))
+    assert metrics["actor/rolled_back"] == 1.0 and metrics["actor/optimizer_steps"] == 1.0
+    assert all(torch.equal(p, before[n]) for n, p in params(actor).items())
+    assert not optimizer.state  # as before its first step
+    assert all(p.grad is None for p in actor.parameters())
+
+
+def test_a_rollback_bound_never_reached_is_the_update_without_one(actor, critic):
+    actor.double()  # the copies move where later tensors live, and with it the CPU kernels' rounding: kept tiny
+    inputs = own_policy_inputs(actor, critic)
+    cfg = dict(mini_batch_size=2, micro_batch_size=1, ppo_epochs=2)
+    (never, never_optimizer), (none, none_optimizer) = (adam_epochs(a, inputs, config(**cfg, rollback_kl=bound))
+                                                        for a, bound in ((actor, 1e9), (copy.deepcopy(actor), None)))
+    assert never["actor/rolled_back"] == 0.0 and "actor/rolled_back" not in none
+    assert never["actor/optimizer_steps"] == none["actor/optimizer_steps"] == 4
+    for (p, q) in zip(never_optimizer.param_groups[0]["params"], none_optimizer.param_groups[0]["params"],
+                      strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(never_optimizer.state[p]["exp_avg"], none_optimizer.state[q]["exp_avg"],
+                                   rtol=1e-9, atol=1e-12)
+
+
+def test_an_undone_optimizer_step_leaves_the_state_it_was_taken_from(actor):
+    """Two Adam steps, then a third undone, then a fourth: the weights of two steps and that fourth alone."""
+    ids = torch.randint(0, actor.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+
+    def train(model, undo: bool) -> None:
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.Adam(trained, lr=0.01)
+        for scale in (1.0, 2.0, 50.0, 3.0):
+            if scale == 50.0:
+                if not undo:
+                    continue
+                saved = save_actor_state(trained, optimizer)
+            optimizer.zero_grad()
+            (model(input_ids=ids).logits.square().mean() * scale).backward()
+            optimizer.step()
+            if scale == 50.0:
+                restore_actor_state(saved, trained, optimizer)
+
+    undone, never = copy.deepcopy(actor), actor
+    train(undone, undo=True)
+    train(never, undo=False)
+    for (name, p), q in zip(undone.named_parameters(), never.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_the_rollback_bound_must_be_positive():
+    with pytest.raises(ConfigError, match="algorithm.rollback_kl"):
+        config(rollback_kl=0.0).validate()
 
 
 # --------------------------------------------------------------------------- the sampler's drift

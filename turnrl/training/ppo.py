@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -167,6 +168,38 @@ def _step_optimizer(
 
 
 @dataclass(frozen=True)
+class ActorState:
+    """The actor's trained weights and its optimizer's state for each, as they were before an optimizer step."""
+
+    weights: list[torch.Tensor]
+    optimizer_state: list[dict[str, Any] | None]
+    """Per weight, a copy of ``optimizer.state[weight]`` (Adam's moments and step count); None before its first
+    step."""
+
+
+def save_actor_state(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> ActorState:
+    """A copy of ``params`` and of their optimizer state (sharded weights copy their local shards)."""
+    return ActorState([p.detach().clone() for p in params],
+                      [_copied(optimizer.state[p]) if p in optimizer.state else None for p in params])
+
+
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+
+
+@torch.no_grad()
+def restore_actor_state(saved: ActorState, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer
+                        ) -> None:
+    """Put back what :func:`save_actor_state` copied: the optimizer steps since then never happened."""
+    for param, weights, state in zip(params, saved.weights, saved.optimizer_state, strict=True):
+        param.copy_(weights)
+        if state is None:
+            optimizer.state.pop(param, None)
+        else:
+            optimizer.state[param] = state
+
+
+@dataclass(frozen=True)
 class Shard:
     """This process's share of each mini-batch in data-parallel training (see :func:`shard_rows`).
 
@@ -261,8 +294,13 @@ def ppo_epochs(
     batching = MicroBatching.of(config)
     lengths = batch.attention_mask.sum(1).cpu()
     row_tokens = batch.loss_mask.sum(1).cpu()
-    stepping = actor_optimizer  # None once the target KL stops the actor for this step
-    kl_stopped = False
+    stepping = actor_optimizer  # None once the target KL (or a rollback) stops the actor for this step
+    kl_stopped = rolled_back = False
+    # With a rollback bound: the actor before its latest optimizer step, until a mini-batch's passes after that step
+    # read its KL (the last step's is read by a pass of its own after the epochs).
+    guard = config.rollback_kl if actor_optimizer is not None else None
+    before_step: ActorState | None = None
+    last_mini: torch.Tensor | None = None
     # With the sampler's log-probs as the old ones, the first mini-batch's passes (before any optimizer step, so
     # under the weights that sampled) also measure how far training's forward drifts from the sampler's.
     watch_drift = config.old_logprobs == "sampler"
@@ -284,17 +322,25 @@ def ppo_epochs(
                     if drift:
                         record_weighted({DRIFT: values.pop(DRIFT)}, float(row_tokens[micro].sum()))
                     record_weighted(values, weight)
-                    if config.target_kl is not None:
+                    if config.target_kl is not None or guard is not None:
                         mini_kl = mini_kl + weight * values["actor/approx_kl"]
                 if critic is not None and critic_optimizer is not None:
                     record_weighted(_critic_backward(critic, part, inputs, rows, config, weight * world,
                                                      batching.packed), weight)
-            if stepping is not None and config.target_kl is not None and \
-                    _mini_batch_kl(float(mini_kl), shard) > 1.5 * config.target_kl:
+            kl = _mini_batch_kl(float(mini_kl), shard) if stepping is not None and \
+                (config.target_kl is not None or guard is not None) else 0.0
+            if stepping is not None and guard is not None and before_step is not None and kl > guard:
+                # The optimizer step before these passes moved the policy this far: undo it, and step no more.
+                stepping.zero_grad(set_to_none=True)
+                restore_actor_state(before_step, actor_params, stepping)
+                stepping, rolled_back = None, True
+            elif stepping is not None and config.target_kl is not None and kl > 1.5 * config.target_kl:
                 stepping.zero_grad(set_to_none=True)  # this mini-batch's gradient is not applied
                 stepping, kl_stopped = None, True
             watch_drift = False  # the first mini-batch's passes were under the sampling weights; later ones are not
             if stepping is not None:
+                if guard is not None:
+                    before_step, last_mini = save_actor_state(actor_params, stepping), mini
                 norm, skipped = _step_optimizer(stepping, actor_params, optim)
                 record("actor/grad_norm", norm)
                 record("actor/skipped_steps", float(skipped))
@@ -302,6 +348,11 @@ def ppo_epochs(
                 norm, skipped = _step_optimizer(critic_optimizer, critic_params, optim)
                 record("critic/grad_norm", norm)
                 record("critic/skipped_steps", float(skipped))
+    if stepping is not None and guard is not None and before_step is not None and last_mini is not None and \
+            _approx_kl_after(actor, inputs, last_mini, lengths, row_tokens, batching, config, policy_loss,
+                             temperature, shard) > guard:
+        restore_actor_state(before_step, actor_params, stepping)
+        rolled_back = True
     totals = dict(zip(weighted, torch.stack(list(weighted.values())).tolist(), strict=True)) if weighted else {}
     if shard is not None:
         # Keys seen by any process (one may have had only weight-0 passes): sums over processes.
@@ -317,7 +368,36 @@ def ppo_epochs(
         metrics["actor/optimizer_steps"] = float(counts.get("actor/grad_norm", 0))
         if config.target_kl is not None:
             metrics["actor/kl_stopped"] = float(kl_stopped)
+        if guard is not None:
+            metrics["actor/rolled_back"] = float(rolled_back)
     return metrics
+
+
+@torch.no_grad()
+def _approx_kl_after(
+    actor: torch.nn.Module, inputs: UpdateInputs, mini: torch.Tensor, lengths: torch.Tensor,
+    row_tokens: torch.Tensor, batching: MicroBatching, config: AlgorithmConfig, policy_loss_fn: PolicyLoss,
+    temperature: float, shard: Shard | None,
+) -> float:
+    """The approximate KL to the sampling policy (``actor/approx_kl``) of mini-batch ``mini``, the last one trained
+    on, under the actor's weights now: passes without a backward that read the update's last optimizer step as
+    the next mini-batch's passes read each earlier one."""
+    batch = inputs.batch
+    kl: torch.Tensor | float = 0.0
+    for micro in shard_micro_batches(mini, lengths, batching, shard):
+        rows = micro if micro is not None else mini[:1]
+        part = batch.select(rows)
+        weight = micro_weight(micro, mini, row_tokens, config.loss_aggregation) if micro is not None else 0.0
+        index = to_device(rows, inputs.old_logprobs.device)
+        logprobs, _ = token_logprobs(actor, part.input_ids, part.attention_mask, part.loss_mask, temperature,
+                                     model_inputs=part.model_inputs, packed=batching.packed,
+                                     image_features=part.image_features)
+        _, stats = policy_loss_fn(
+            PolicyLossInputs(logprobs, inputs.old_logprobs[index], inputs.advantages[index], part.loss_mask),
+            config.policy_loss_settings,
+        )
+        kl = kl + weight * stats.approx_kl
+    return _mini_batch_kl(float(kl), shard)
 
 
 def _mini_batch_kl(local: float, shard: Shard | None) -> float:

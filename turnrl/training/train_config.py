@@ -168,6 +168,15 @@ class AlgorithmConfig:
     policy (``actor/approx_kl``) exceeds 1.5 x this, before its optimizer step (Stable-Baselines3's rule;
     e.g. 0.02); the critic trains on. Bounds how far the many optimizer steps of a step (mini-batches x
     epochs) move the policy. Costs a read of the device a mini-batch. None: every mini-batch steps."""
+    rollback_kl: Optional[float] = None
+    """Undo the actor's optimizer step after which a mini-batch's approximate KL to the sampling policy
+    (``actor/approx_kl``, read by the next mini-batch's passes, or by a pass without a backward after the last
+    step) exceeds this, and stop the actor for the step; logged as ``actor/rolled_back``. ``target_kl`` stops the
+    steps after such a jump; this takes the jump back. A small policy can lose its answer format in a single
+    optimizer step (approx KL from under 0.02 to above 1; docs/benchmarks.md, the quickstart), from which GRPO
+    cannot return: every episode of every group then scores alike. Costs a copy of the actor's trained weights
+    and their optimizer state before each optimizer step (memory: about three times those weights in float32
+    again, with Adam) and that last pass. None: off."""
     mini_batch_size: int = 32
     """Samples per optimizer step."""
     micro_batch_size: int = 8
@@ -253,6 +262,8 @@ class AlgorithmConfig:
         check_range("algorithm.ppo_epochs", self.ppo_epochs, 1)
         if self.target_kl is not None:
             check_range("algorithm.target_kl", self.target_kl, 1e-9)
+        if self.rollback_kl is not None:
+            check_range("algorithm.rollback_kl", self.rollback_kl, 1e-9)
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError(
                 f"algorithm.dual_clip={self.dual_clip} must be above 1 (RAGEN: 3.0), or null to disable it"

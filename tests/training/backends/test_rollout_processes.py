@@ -158,6 +158,7 @@ def test_a_mid_batch_transfer_a_rollout_process_skips_stops_the_run(tiny_model_d
            "(rollout process " in said, said[-3000:]
 
 
+@pytest.mark.slow  # 20 s; by default each half: one trainer and two rollout processes, two FSDP trainers
 def test_two_fsdp_trainers_and_one_rollout_process_train_as_one_process(tiny_model_dir, tmp_path, single):
     said = ran(run_train(tiny_model_dir, tmp_path, "pool", "run.steps=2", *pool(2, 1)))
     assert "2 trainer processes (FSDP) and 1 rollout process" in said
@@ -165,6 +166,7 @@ def test_two_fsdp_trainers_and_one_rollout_process_train_as_one_process(tiny_mod
     assert (tmp_path / "pool" / "checkpoints" / "step_000002" / "optimizer" / ".metadata").is_file()  # DCP shards
 
 
+@pytest.mark.slow  # 19 s; a VLM on images over two processes by default (tests/training/parallel/test_fsdp2.py)
 def test_a_vlm_on_image_observations_rolls_out_in_a_rollout_process_as_in_one_process(tiny_vlm_dir, tmp_path):
     """The tiny VLM on image observations with a reference: the rollout process builds the model with its image
     processor, its episodes (images in every prompt) and every step's metrics are those of one process."""

@@ -205,6 +205,7 @@ def test_a_frozen_vision_tower_is_held_whole_by_each_process_and_a_trained_one_s
     assert sorted(path.name for path in tmp_path.glob("checked*")) == ["checked0", "checked1"]
 
 
+@pytest.mark.slow  # 21 s; two processes train as one by default (test_two_processes_train_as_one)
 def test_two_processes_that_free_the_rollout_during_the_update_train_as_one(tiny_model_dir, tmp_path):
     """``model.engine.free_during_update``: the engine's cache and computed weights and the unsharded rollout copy
     are freed before each update and rebuilt (gathered from the shards) before the next rollout; the run is the
@@ -248,6 +249,16 @@ def test_two_processes_stop_at_the_target_kl_together_as_one(tiny_model_dir, tmp
     assert any(record["actor/kl_stopped"] == 1 and record["actor/optimizer_steps"] >= 1 for record in one.values())
 
 
+@pytest.mark.slow  # 18 s; the rollback itself is checked in one process by default (tests/training/test_ppo.py)
+def test_two_processes_undo_a_step_past_the_rollback_bound_together_as_one(tiny_model_dir, tmp_path):
+    """``algorithm.rollback_kl``: the mini-batch KL summed over the processes undoes the same optimizer step on
+    both, each putting back its own shards and their optimizer state; the next step starts from the same actor."""
+    one, _ = trained_as_one(tiny_model_dir, tmp_path, ("run.steps=2", "algorithm.ppo_epochs=2",
+                                                       "algorithm.rollback_kl=1e-5"))
+    assert sorted(one) == [1, 2]
+    assert any(record["actor/rolled_back"] == 1 for record in one.values())
+
+
 PACKED_WITH_REFERENCE = ("algorithm.micro_batch_tokens=160", "algorithm.kl_coef=0.05")
 
 
@@ -289,7 +300,8 @@ def test_four_processes_start_cleanly_from_an_empty_model_cache(tmp_path):
     assert not [path for path in cache.iterdir() if ".build-" in path.name or ".stale-" in path.name]
 
 
-@pytest.mark.parametrize("processes", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 21 s with two; LoRA trains in one process by default (tests/training/test_trainer.py)
+@pytest.mark.parametrize("processes", [2, 4])
 def test_lora_on_several_processes_trains_as_on_one(tiny_model_dir, tmp_path, processes):
     """LoRA under FSDP2 (the base frozen in the shards, the adapters trained, the reference the adapters
     switched off): the metrics and the adapters after two steps equal one process's."""
