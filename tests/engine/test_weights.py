@@ -139,6 +139,9 @@ from turnrl.training import ranks
 from turnrl.training.head import install_scoring_head
 from turnrl.training.parallel.fsdp2 import shard_model, structure_of
 
+# As on a GPU host, where FSDP's default mesh would follow the machine's accelerator: a CPU run's shards must
+# stay on its CPU whatever the machine holds.
+torch._C._get_accelerator = lambda: torch.device("cuda")
 ranks.init_process_group("cpu", timeout_s=120)
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 install_scoring_head(model, None)
@@ -173,7 +176,8 @@ ranks.end_process(0)  # as a run's processes leave: gloo's threads can abort an 
 def test_the_checksum_of_a_sharded_model_is_the_whole_model_s_without_gathering_a_tensor(tiny_model_dir, tmp_path):
     """Two gloo processes, the tiny model sharded by the trainer's FSDP2 helper: each sums its shards and the sums
     are all-reduced, agreeing with the unsharded model's checksum, and no probed tensor is gathered whole
-    (``DTensor.full_tensor``, counted where it is called); a change in one process's shard shows on every one."""
+    (``DTensor.full_tensor``, counted where it is called); a change in one process's shard shows on every one.
+    The processes see a GPU as the machine's accelerator, which a CPU run's sharding must not follow."""
     script = tmp_path / "sharded_checksum.py"
     script.write_text(SHARDED_CHECKSUM)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",

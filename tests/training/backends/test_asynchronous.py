@@ -59,7 +59,7 @@ def assert_close(one: object, two: object, where: str = "") -> None:
         assert one.keys() == two.keys(), where
         for key in one:
             assert_close(one[key], two[key], f"{where}.{key}")
-    elif isinstance(one, list) and isinstance(two, list):
+    elif isinstance(one, (list, tuple)) and isinstance(two, (list, tuple)):
         assert len(one) == len(two), where
         for index, (a, b) in enumerate(zip(one, two)):
             assert_close(a, b, f"{where}[{index}]")

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from turnrl.config import ConfigError
@@ -107,9 +108,15 @@ def shard_model(model: torch.nn.Module, dtype: torch.dtype, weights: Mapping[str
     A checkpoint gathered from the model then holds that bf16 tower: the start's weights rounded once, as a bf16
     release of the model holds them.
     """
+    device = ranks.process_device()
+    assert device is not None, "shard_model runs in a process group (ranks.init_process_group)"
     precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
         else MixedPrecisionPolicy()
-    options: dict[str, Any] = {"mp_policy": precision}
+    # The mesh of the process's own device: FSDP's default follows the machine's accelerator, so a CPU run
+    # (`model.device=cpu`) on a GPU host would put its shards on the GPUs (and fail where there are fewer GPUs
+    # than processes).
+    options: dict[str, Any] = {"mp_policy": precision,
+                               "mesh": init_device_mesh(device.type, (ranks.world_size(),))}
     if cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     names: set[str] = set()
@@ -133,8 +140,6 @@ def shard_model(model: torch.nn.Module, dtype: torch.dtype, weights: Mapping[str
             raise TypeError("shard_model needs the model's LM head to be a ScoringHead (install_scoring_head)")
         fully_shard([body, head], reshard_after_forward=False, **options)
         fully_shard(model, **options)
-    device = ranks.process_device()
-    assert device is not None, "shard_model runs in a process group (ranks.init_process_group)"
     to_empty(model, torch.device("cpu") if cpu_offload else device, device)
     # Filled where the shards are (torch refuses a state dict on two devices), then the tower goes to the GPU.
     set_model_state_dict(model, dict(weights),
