@@ -139,9 +139,9 @@ from turnrl.training import ranks
 from turnrl.training.head import install_scoring_head
 from turnrl.training.parallel.fsdp2 import shard_model, structure_of
 
-# As on a GPU host, where FSDP's default mesh would follow the machine's accelerator: a CPU run's shards must
-# stay on its CPU whatever the machine holds.
-torch._C._get_accelerator = lambda: torch.device("cuda")
+# As on a GPU host, where FSDP's default mesh would follow the machine's accelerator (torch asks either of these
+# two): a CPU run's shards must stay on its CPU whatever the machine holds.
+torch._C._get_accelerator = torch.accelerator.current_accelerator = lambda *args, **kwargs: torch.device("cuda")
 ranks.init_process_group("cpu", timeout_s=120)
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 install_scoring_head(model, None)
