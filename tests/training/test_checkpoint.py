@@ -120,6 +120,20 @@ def test_rng_state_round_trip_in_memory():
     assert draws() == first
 
 
+def test_a_run_saved_with_more_gpus_than_it_resumes_on_restores_the_gpus_it_has(monkeypatch):
+    """A trainer state saved where two GPUs were visible, resumed where one is: GPU 0 takes its state, and the
+    second state, for a GPU this process does not have, is left (torch's ``set_rng_state_all`` fails on it)."""
+    restored: list[tuple[torch.Tensor, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    saved = {**rng_state(), "cuda": [torch.full((8,), 1, dtype=torch.uint8), torch.full((8,), 2, dtype=torch.uint8)]}
+    first = draws()
+    set_rng_state(saved)
+    assert draws() == first  # the host's generators as saved
+    assert len(restored) == 1 and restored[0][1] == 0 and torch.equal(restored[0][0], saved["cuda"][0])
+
+
 def test_keep_last_n_deletes_the_oldest_checkpoints_but_never_latest(actor, tiny_tokenizer, tmp_path):
     for step in (1, 2, 3, 4):
         save_checkpoint(tmp_path, step, actor, tiny_tokenizer, {})

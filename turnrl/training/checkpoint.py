@@ -58,7 +58,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state a GPU the saving process saw; a run resumed where fewer are visible (another machine, or
+        # CUDA_VISIBLE_DEVICES) restores the ones it has, where torch's set_rng_state_all fails on the first it lacks.
+        for index, device_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state, index)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
