@@ -113,8 +113,8 @@ def shard_model(model: torch.nn.Module, dtype: torch.dtype, weights: Mapping[str
     precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
         else MixedPrecisionPolicy()
     # The mesh of the process's own device: FSDP's default follows the machine's accelerator, so a CPU run
-    # (`model.device=cpu`) on a GPU host would put its shards on the GPUs (and fail where there are fewer GPUs
-    # than processes).
+    # (`model.device=cpu`, gloo) on a GPU host got a mesh of GPUs (with two processes on a one-GPU host, the second
+    # failed at once on a device ordinal it does not have).
     options: dict[str, Any] = {"mp_policy": precision,
                                "mesh": init_device_mesh(device.type, (ranks.world_size(),))}
     if cpu_offload:
