@@ -446,6 +446,7 @@ if ranks.is_main():
     open(sys.argv[1], "w").write(json.dumps(output.metrics))
 trainer.close()
 ranks.close_process_group()
+ranks.end_process(0)  # as a run's processes leave: gloo's threads can abort an interpreter's teardown
 """
 
 
