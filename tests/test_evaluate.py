@@ -53,14 +53,15 @@ def evaluate(tmp_path, *overrides: str) -> tuple[dict, list[dict]]:
     return summary, [json.loads(line) for line in lines]
 
 
-def check_records(records: list[dict]) -> None:
-    """Every episode record holds every turn with its prompt, response, parse and rewards."""
+def check_records(records: list[dict], expert: bool = False) -> None:
+    """Every episode record holds every turn with its prompt, response, parse and rewards (and, where the expert
+    played, the solver's actions)."""
     for record in records:
         turns = record["turns"]
         assert turns, "an episode that reset cleanly has at least one turn"
         assert [turn["index"] for turn in turns] == list(range(len(turns)))
         for turn in turns:
-            assert set(turn) == TURN_KEYS
+            assert set(turn) == TURN_KEYS | ({"expert_actions"} if expert else set())
             assert turn["prompt"].startswith(f"Turn {turn['index'] + 1}.")
             assert len(turn["actions"]) == len(turn["actions_valid"]) == len(turn["actions_effective"])
             assert set(turn["rewards"]) == {"env", "format"}
@@ -81,7 +82,9 @@ def test_expert_solves_every_episode(env, tmp_path):
     if env == "Sokoban":  # the solver's plans only push boxes onto targets and never waste a move
         assert summary["env_metrics"] == {"boxes_on_target": 1.0, "deadlocked": 0.0}
         assert summary["action_effective"] == 1.0
-    check_records(records)
+    check_records(records, expert=True)
+    assert all(turn["expert_actions"] == turn["actions"] for record in records for turn in record["turns"]), \
+        "an expert without random moves plays its solver's actions"
     # Each turn's actions are the solver's plan from that state: replaying them solves the level.
     replay = make(env)
     for record in records[:6]:

@@ -154,6 +154,32 @@ def test_random_action_share_replaces_that_share_of_expert_actions():
         assert abs(counts[1.0][name] / n - 1 / len(names)) < 0.03
 
 
+def test_the_experts_completion_names_the_solvers_action_whatever_it_played():
+    fmt = get_format("no_think")
+    env = make("FrozenLake")
+    env.reset(seed=3)
+    best = env.solve()[:1]
+    policy = ExpertPolicy(fmt, seed=5, random_action_share=1.0)
+    request = GenerationRequest(prompt_ids=None, messages=[], env=env)
+    completions = [policy.generate([request], SamplingConfig())[0] for _ in range(200)]
+    played = {fmt.parse(fmt.assistant_text(c.text), env.action_names()).actions[0] for c in completions}
+    assert played == set(env.action_names())  # every action played at share 1
+    assert all(c.expert_actions == best for c in completions)
+    # The plain response draws the same random numbers: the completion is the same answer.
+    assert respond(ExpertPolicy(fmt, seed=5, random_action_share=0.5), env) == fmt.assistant_text(
+        ExpertPolicy(fmt, seed=5, random_action_share=0.5).generate([request], SamplingConfig())[0].text)
+
+
+def test_the_expert_names_no_solvers_action_where_the_solver_has_none():
+    env = make("FrozenLake")
+    env.reset(seed=3)
+    env.solve = lambda: None  # a state the solver has no plan for: a random action stands in
+    (completion,) = ExpertPolicy(get_format("no_think")).generate(
+        [GenerationRequest(None, [], env=env)], SamplingConfig())
+    assert completion.finish_reason == "stop", completion.error
+    assert completion.text and completion.expert_actions == []
+
+
 def test_random_action_share_outside_unit_interval_is_refused():
     with pytest.raises(ValueError, match="random_action_share"):
         ExpertPolicy(get_format("no_think"), random_action_share=1.5)

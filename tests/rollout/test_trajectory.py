@@ -45,6 +45,15 @@ def test_each_turn_is_written_with_the_version_of_the_weights_that_sampled_it(tm
     assert [turn["weights_version"] for turn in record["turns"]] == [2, 3, None]
 
 
+def test_an_expert_turn_is_written_with_the_solvers_actions_and_others_without(tmp_path):
+    turns = [TurnRecord(index=k, observation="o", response="r", response_ids=[], response_logprobs=[],
+                        finish_reason="stop", parsed=ParsedResponse((), {}, True), expert_actions=expert)
+             for k, expert in enumerate([["Up"], []])]
+    episode = Trajectory(env_id="Lake", seed=0, group=0, sample=0, turns=turns)
+    expert, other = json.loads(write_trajectories([episode], tmp_path).read_text())["turns"]
+    assert expert["expert_actions"] == ["Up"] and "expert_actions" not in other
+
+
 # --------------------------------------------------------------------------- the env's figures
 def test_the_envs_figures_are_read_as_floats_and_written_with_the_episode(tmp_path):
     assert env_metrics({"success": True}) is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from turnrl.training.model_passes import ValueModel, token_logprobs
+from turnrl.training.model_passes import ValueModel, token_and_candidate_logprobs, token_logprobs
 from turnrl.training.head import install_scoring_head
 
 
@@ -113,6 +113,38 @@ def test_empty_score_mask_gives_zeros_that_backward_accepts(model, inputs):
     assert not logprobs.any() and not entropy.any()
     (logprobs.sum() + entropy.sum()).backward()  # a micro-batch without trained tokens in a PPO epoch
     assert all(p.grad is None or not p.grad.any() for p in trained.parameters())
+
+
+@pytest.mark.parametrize("with_head", [False, True])
+def test_candidate_logprobs_and_their_gradients_equal_a_full_logits_computation(model, inputs, with_head):
+    model = copy.deepcopy(model)
+    if with_head:
+        install_scoring_head(model, None)
+    input_ids, attention_mask, score_mask = inputs
+    rows, cols = torch.tensor([0, 1, 0]), torch.tensor([4, 7, 11])
+    candidates = torch.tensor([[5, 9, 2], [1, 1, 3], [0, 8, 7]])
+    weights = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [1.0, 0.0, 0.0]])
+
+    logprobs, scored = token_and_candidate_logprobs(model, input_ids, attention_mask, score_mask, rows, cols,
+                                                    candidates)
+    (-(logprobs.sum() + (scored * weights).sum())).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    log_probs = torch.log_softmax(logits, dim=-1)  # position i - 1 predicts token i
+    expected_scored = log_probs[rows, cols - 1].gather(-1, candidates)
+    expected_lp, _ = naive(model, input_ids, attention_mask, score_mask, 1.0)
+    (-(expected_lp.sum() + (expected_scored * weights).sum())).backward()
+    assert torch.allclose(logprobs, expected_lp, atol=1e-5)
+    assert torch.allclose(scored, expected_scored, atol=1e-5)
+    for name, p in model.named_parameters():
+        assert torch.allclose(grads[name], p.grad, atol=1e-5), name
+
+
+def test_a_candidate_position_must_be_scored(model, inputs):
+    with pytest.raises(ValueError, match="scored position"):
+        token_and_candidate_logprobs(model, *inputs, torch.tensor([0]), torch.tensor([2]), torch.tensor([[1, 2]]))
 
 
 def test_token_logprobs_carry_gradients_to_the_model(model, inputs):

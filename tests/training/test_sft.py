@@ -18,10 +18,13 @@ from turnrl.training.train_config import SFTConfig, TrainConfig
 from turnrl.training.model_passes import token_logprobs
 from turnrl.training.sft import (
     PARALLEL_CHATS,
+    SoftTargets,
+    action_tokens,
     chat_picture_samples,
     chat_samples,
     conversation_samples,
     data_workers,
+    demo_target_positions,
     expert_demos,
     read_chat_jsonl,
     sft_train,
@@ -532,3 +535,123 @@ def test_the_sft_stage_tokenizes_demos_with_the_formats_response_prefix(tiny_mod
     for sample in trained:
         first = sample.loss_mask.index(1)
         assert sample.input_ids[first - len(prefix) : first] == prefix
+
+
+# --------------------------------------------------------------------------- soft action targets
+def soft_demo_samples(tokenizer, window, fmt_name="no_think", random_action_share=0.5, episodes=6):
+    agent, config, _ = demo_setup(episodes=episodes, random_action_share=random_action_share)
+    fmt = get_format(fmt_name)
+    agent.format = fmt_name
+    demos = expert_demos(lambda: make("FrozenLake"), fmt, agent, config, "FrozenLake")
+    samples = chat_samples([trajectory_messages(d) for d in demos], tokenizer, window)
+    return demos, samples, action_tokens(tokenizer, fmt, make("FrozenLake").action_names(), 1)
+
+
+def test_each_action_of_frozenlake_is_one_token_of_the_answer(tiny_tokenizer):
+    fmt = get_format("no_think")
+    actions = action_tokens(tiny_tokenizer, fmt, ["Left", "Down", "Right", "Up"], 1)
+    for name, token, answer in zip(actions.names, actions.tokens, actions.answers, strict=True):
+        assert answer == tiny_tokenizer.encode(f"<answer>{name}</answer>", add_special_tokens=False) + [
+            tiny_tokenizer.eos_token_id]
+        assert answer[actions.offset] == token == tiny_tokenizer.encode(name, add_special_tokens=False)[0]
+    assert len(set(actions.tokens)) == 4
+
+
+@pytest.mark.parametrize(("names", "per_turn", "match"), [
+    (None, 1, "named actions"),
+    (["Left", "Right"], 2, "one action a turn"),
+    (["Left", "Leftmost"], 1, "one token"),  # a name of two tokens
+    (["Left", "Left"], 1, "one token"),  # two actions that read alike
+])
+def test_actions_that_cannot_take_a_soft_target_are_refused(tiny_tokenizer, names, per_turn, match):
+    with pytest.raises(ConfigError, match=match):
+        action_tokens(tiny_tokenizer, get_format("no_think"), names, per_turn)
+
+
+@pytest.mark.parametrize("window", [None, 1])
+def test_soft_targets_sit_on_each_demo_turns_action_token_with_the_solvers_action(tiny_tokenizer, window):
+    demos, samples, actions = soft_demo_samples(tiny_tokenizer, window)
+    positions = demo_target_positions(demos, samples, actions)
+    assert len(positions) == len(samples)
+    turns = [turn for demo in demos for turn in demo.turns]
+    found = [(sample, position, expert) for sample, pairs in zip(samples, positions) for position, expert in pairs]
+    assert len(found) == len(turns)
+    replaced = 0
+    for (sample, position, expert), turn in zip(found, turns, strict=True):
+        assert sample.loss_mask[position] == 1
+        assert sample.input_ids[position] == actions.tokens[actions.names.index(turn.actions[0])]  # the played one
+        assert actions.names[expert] == turn.expert_actions[0]
+        replaced += turn.actions[0] != turn.expert_actions[0]
+    assert replaced > 0  # some turns played another action than the solver's
+
+
+def test_demos_with_reasoning_fields_cannot_take_soft_targets(tiny_tokenizer):
+    demos, samples, actions = soft_demo_samples(tiny_tokenizer, 1, fmt_name="free_think")
+    with pytest.raises(ValueError, match="not the format's answer alone"):
+        demo_target_positions(demos, samples, actions)
+
+
+def test_soft_targets_of_share_zero_on_clean_demos_train_as_one_hot_targets(tiny_model_dir, tiny_tokenizer):
+    demos, samples, actions = soft_demo_samples(tiny_tokenizer, 1, random_action_share=0.0)
+    soft = SoftTargets(actions, 0.0, demo_target_positions(demos, samples, actions))
+    config = SFTConfig(epochs=1, lr=1e-2, warmup_steps=0, batch_size=8, micro_batch_size=4)
+    trained = []
+    for targets in (None, soft):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        sft_train(model, tiny_tokenizer.pad_token_id, samples, config, soft_targets=targets)
+        trained.append(model.state_dict())
+    for name, value in trained[0].items():
+        assert torch.allclose(value, trained[1][name], atol=1e-5), name
+
+
+def test_the_soft_loss_is_the_cross_entropy_against_the_noisy_experts_distribution(tiny_model_dir, tiny_tokenizer):
+    demos, samples, actions = soft_demo_samples(tiny_tokenizer, 1, episodes=3)
+    share = 0.8
+    soft = SoftTargets(actions, share, demo_target_positions(demos, samples, actions))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = collate(samples, tiny_tokenizer.pad_token_id)
+    with torch.no_grad():  # the plain reference: full logits, the target as a distribution over the vocabulary
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        log_probs = torch.log_softmax(logits.float(), -1)
+    total = 0.0
+    for row, sample in enumerate(samples):
+        targets = {col: {sample.input_ids[col]: 1.0} for col, m in enumerate(sample.loss_mask) if m}
+        for col, expert in soft.positions[row]:
+            targets[col] = {token: share / 4 + (1 - share) * (i == expert) for i, token in enumerate(actions.tokens)}
+        total -= sum(p * float(log_probs[row, col - 1, token])
+                     for col, target in targets.items() for token, p in target.items())
+    expected = total / float(batch.loss_mask.sum())
+    logged = []
+    config = SFTConfig(epochs=1, lr=1e-3, warmup_steps=0, batch_size=len(samples), micro_batch_size=5)
+    sft_train(model, tiny_tokenizer.pad_token_id, samples, config, soft_targets=soft,
+              log=lambda step, metrics: logged.append(metrics["sft/loss"]))
+    assert logged[0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_sft_stage_trains_soft_targets_on_every_demo_turn(tiny_model_dir, tmp_path, monkeypatch):
+    from turnrl.training import sft
+
+    config = load_config(TrainConfig, None, [
+        f"model.path={tiny_model_dir}", "model.device=cpu", f"run.output_dir={tmp_path}", "run.name=sft",
+        "run.tensorboard=false", "agent.format=no_think", "sft.episodes=3", "sft.target_random_share=0.8"])
+    seen = []
+
+    class Trained(Exception):
+        pass
+
+    def keep(model, pad_id, samples, *args, soft_targets=None, **kwargs):
+        seen.append((samples, soft_targets))
+        raise Trained
+
+    monkeypatch.setattr(sft, "sft_train", keep)
+    with pytest.raises(Trained):
+        sft_only(config)
+    ((samples, soft),) = seen
+    assert soft.share == 0.8 and len(soft.positions) == len(samples)
+    # Each chat is one sample (no window): a soft target at each of its turns' action tokens.
+    assert [len(pairs) for pairs in soft.positions] == [len(sample.turn_ends) for sample in samples]
+
+
+def test_soft_targets_from_chats_of_a_file_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="sft.target_random_share"):
+        load_config(TrainConfig, None, ["sft.target_random_share=0.5", f"sft.data={tmp_path / 'chats.jsonl'}"])

@@ -62,6 +62,9 @@ class Completion:
     prompt no longer fits the model's context, which ends the episode as its context budget does) or ``error``."""
     error: str | None = None
     """Why the request failed, when ``finish_reason`` is ``error`` (or the server's words for ``context``)."""
+    expert_actions: list[str] = field(default_factory=list)
+    """The env solver's actions for this state, where a scripted expert answered (before it replaced some with
+    random ones); empty for every other policy. Soft SFT targets read them."""
 
 
 @runtime_checkable

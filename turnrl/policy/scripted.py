@@ -36,8 +36,7 @@ class ScriptedPolicy(Policy):
                 completions.append(Completion(text="", finish_reason="error", error="scripted policies need the env"))
                 continue
             try:
-                # The prompt ends with the format's response prefix: the response is what follows it.
-                completions.append(Completion(text=self.fmt.continuation(self.respond(request.env))))
+                completions.append(self.complete(request.env))
             except Exception as error:  # a failing solver ends its own episode only
                 completions.append(Completion(text="", finish_reason="error", error=f"{type(error).__name__}: {error}"))
         return completions
@@ -45,6 +44,11 @@ class ScriptedPolicy(Policy):
     @property
     def continues_response_prefix(self) -> bool:
         return True
+
+    def complete(self, env: AgentEnv) -> Completion:
+        """The completion for the env's current state: :meth:`respond`'s message after the response prefix,
+        which the prompt ends with."""
+        return Completion(text=self.fmt.continuation(self.respond(env)))
 
     def respond(self, env: AgentEnv) -> str:
         """The whole assistant message for the env's current state (the response prefix included)."""
@@ -97,10 +101,20 @@ class ExpertPolicy(ScriptedPolicy):
             raise ValueError(f"random_action_share must be in [0, 1], got {random_action_share}")
         self.random_action_share = random_action_share
 
+    def complete(self, env: AgentEnv) -> Completion:
+        message, planned = self._answer(env)
+        return Completion(text=self.fmt.continuation(message), expert_actions=planned)
+
     def respond(self, env: AgentEnv) -> str:
+        return self._answer(env)[0]
+
+    def _answer(self, env: AgentEnv) -> tuple[str, list[str]]:
+        """The message, and the solver's actions it started from (empty where the solver has no plan and a
+        random action stands in)."""
         plan = env.solve()
-        actions = list(plan[: self._actions_per_turn(env)]) if plan else self.random_actions(env, 1)
+        planned = list(plan[: self._actions_per_turn(env)]) if plan else []
+        actions = planned or self.random_actions(env, 1)
         if self.random_action_share > 0:
             noise = self.rng.random(len(actions)) < self.random_action_share
             actions = [self.random_actions(env, 1)[0] if flip else a for a, flip in zip(actions, noise)]
-        return self._render(env, actions)
+        return self._render(env, actions), planned

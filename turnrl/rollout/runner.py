@@ -457,6 +457,7 @@ class Rollout:
             parsed=parsed,
             images=episode.images,
             state_key=turn_state_key(env, episode.last_obs),
+            expert_actions=list(completion.expert_actions),
             # The policy takes new weights between generations only: the version now is the one that sampled.
             weights_version=self.policy.weights_version,
         )

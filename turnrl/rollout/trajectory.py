@@ -76,6 +76,9 @@ class TurnRecord:
     """The env state the turn started from, equal for equal states (GiGPO's anchor states)."""
     response_prefix: str = ""
     """The start of ``response`` that the prompt held (the format's response prefix): the model wrote the rest."""
+    expert_actions: list[str] = field(default_factory=list)
+    """The env solver's actions for the turn's state when the expert played it (its completion's
+    :attr:`~turnrl.policy.interface.Completion.expert_actions`), whatever it then played; empty otherwise."""
     weights_version: int | None = None
     """The trainer's update count of the weights that sampled this response (the policy's
     :attr:`~turnrl.policy.interface.Policy.weights_version`): a step's turns sampled before its update carry the
@@ -186,6 +189,7 @@ class Trajectory:
                     "state_key": turn.state_key,
                     "num_response_tokens": len(turn.response_ids),
                     "weights_version": turn.weights_version,
+                    **({"expert_actions": turn.expert_actions} if turn.expert_actions else {}),
                 }
                 for turn in self.turns
             ],

@@ -185,12 +185,7 @@ def token_logprobs(
     body, head = body_and_head(model)
     rows, cols = scored_positions(score_mask)
     states = states_before(body, input_ids, attention_mask, rows, cols, model_inputs, packed, image_features)
-    targets = input_ids[rows, cols]
-    if isinstance(head, ScoringHead):  # through the module: FSDP gathers its weight and reduces its gradient
-        scored, entropies = head(states, targets=targets, temperature=temperature, chunk=chunk_size)
-    else:
-        scored, entropies = chosen_logprobs(states, head.get_parameter("weight"), targets, temperature,
-                                            chunk=chunk_size)
+    scored, entropies = _score(head, states, input_ids[rows, cols], temperature, chunk_size)
     # Even with nothing scored the zeros hang off the graph, so backward() on a loss of a batch without
     # trained tokens works.
     logprobs = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
@@ -200,6 +195,55 @@ def token_logprobs(
         entropy = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         entropy = entropy.index_put((rows, cols), entropies)
     return logprobs, entropy
+
+
+def _score(
+    head: nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` (Shape (n,)) and entropies from ``states`` (Shape (n, h)), each Shape (n,)."""
+    if isinstance(head, ScoringHead):  # through the module: FSDP gathers its weight and reduces its gradient
+        return head(states, targets=targets, temperature=temperature, chunk=chunk_size)
+    return chosen_logprobs(states, head.get_parameter("weight"), targets, temperature, chunk=chunk_size)
+
+
+def token_and_candidate_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    score_mask: torch.Tensor,
+    candidate_rows: torch.Tensor,
+    candidate_cols: torch.Tensor,
+    candidates: torch.Tensor,
+    model_inputs: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs`'s log-probs, and at some scored positions those of other tokens too (a soft
+    target's candidates), scored from the same hidden state as the position's own token: one pass of the body.
+
+    Args:
+        input_ids, attention_mask, score_mask: as for :func:`token_logprobs`.
+        candidate_rows, candidate_cols: Shape (m,), positions that ``score_mask`` scores.
+        candidates: Shape (m, k), the token ids to score at each of them.
+
+    Returns:
+        ``logprobs`` Shape (b, s) (zero where not scored) and ``candidate_logprobs`` Shape (m, k).
+    """
+    body, head = body_and_head(model)
+    rows, cols = scored_positions(score_mask)
+    states = states_before(body, input_ids, attention_mask, rows, cols, model_inputs)
+    # scored_positions lists positions row by row, column by column: their flat indices are sorted.
+    width = input_ids.shape[1]
+    scored_flat = rows * width + cols
+    wanted = candidate_rows * width + candidate_cols
+    index = torch.searchsorted(scored_flat, wanted).clamp(max=max(len(scored_flat) - 1, 0))
+    if len(wanted) and (len(scored_flat) == 0 or not bool((scored_flat[index] == wanted).all())):
+        raise ValueError("every candidate position must be a scored position (score_mask nonzero, not column 0)")
+    k = candidates.shape[1]
+    all_states = torch.cat([states, states[index].repeat_interleave(k, dim=0)])
+    all_targets = torch.cat([input_ids[rows, cols], candidates.reshape(-1)])
+    scored, _ = _score(head, all_states, all_targets, 1.0, DEFAULT_CHUNK)
+    logprobs = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    logprobs = logprobs.index_put((rows, cols), scored[: len(rows)])
+    return logprobs, scored[len(rows) :].reshape(len(wanted), k)
 
 
 class ValueModel(nn.Module):

@@ -48,7 +48,7 @@ from turnrl.training.batch import Sample, collate
 from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
 from turnrl.training.memory import check_sft_memory, sft_out_of_memory
-from turnrl.training.model_passes import token_logprobs
+from turnrl.training.model_passes import token_and_candidate_logprobs, token_logprobs
 from turnrl.training.packed_attention import implementation
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.schedules import lr_factor
@@ -323,6 +323,103 @@ def _with_images_read(message: Message, folder: Path, where: str) -> Message:
     return {**message, "content": parts}
 
 
+# --------------------------------------------------------------------------- soft action targets
+@dataclass(frozen=True)
+class ActionTokens:
+    """How an env's actions read in a format's answer: the answers differ in one token, the action's own."""
+
+    names: list[str]
+    """The env's actions, in its order."""
+    tokens: list[int]
+    """Each action's token id, in the order of :attr:`names`."""
+    answers: list[list[int]]
+    """Each action's answer as the demos' responses are tokenized (the format's answer alone, then the eos)."""
+    offset: int
+    """The action token's index in an answer."""
+
+
+@dataclass(frozen=True)
+class SoftTargets:
+    """Soft targets at the demos' action tokens (``sft.target_random_share``): at a demo turn's action token,
+    ``1 - share`` on the solver's action and ``share`` spread evenly over the env's actions.
+
+    The target is the expected one-hot target of demos that play a random action in ``share`` of their turns,
+    so the model learns the policy such demos teach, without the sampling noise of which turns were random:
+    every turn teaches the solver's move.
+    """
+
+    actions: ActionTokens
+    share: float
+    positions: list[list[tuple[int, int]]]
+    """For each sample, ``(position, action index)`` of each soft target in it (:func:`demo_target_positions`)."""
+
+    def of(self, sample_ids: Sequence[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The soft targets of the samples ``sample_ids`` batched in this order: their rows, columns,
+        Shape (m,) each, the candidate tokens Shape (m, k) and their probabilities Shape (m, k)."""
+        found = [(row, col, expert) for row, i in enumerate(sample_ids) for col, expert in self.positions[i]]
+        rows, cols, experts = (torch.tensor([entry[part] for entry in found], dtype=torch.long, device=device)
+                               for part in range(3))
+        k = len(self.actions.tokens)
+        candidates = torch.tensor(self.actions.tokens, device=device).expand(len(found), k)
+        probs = torch.full((len(found), k), self.share / k, device=device)
+        probs[torch.arange(len(found), device=device), experts] += 1.0 - self.share
+        return rows, cols, candidates, probs
+
+
+def action_tokens(tokenizer: Any, fmt: ResponseFormat, names: Sequence[str] | None,
+                  max_actions_per_turn: int) -> ActionTokens:
+    """The :class:`ActionTokens` of an env's ``names`` in ``fmt``: every action's answer must be the same
+    tokens but for one, where each action has a token of its own (else a :class:`ConfigError`)."""
+    if not names:
+        raise ConfigError("sft.target_random_share needs an env with named actions (action_names()): the soft "
+                          "target spreads over them")
+    if max_actions_per_turn != 1:
+        raise ConfigError("sft.target_random_share needs one action a turn (agent.max_actions_per_turn=1): a soft "
+                          "target is over the env's actions, not over sequences of them")
+    answers = []
+    for name in names:
+        message = fmt.render([name], {})
+        answers.append(tokenizer.encode(message[len(fmt.response_prefix):], add_special_tokens=False)
+                       + [tokenizer.eos_token_id])
+    differing = {i for answer in answers[1:] for i, (a, b) in enumerate(zip(answer, answers[0])) if a != b}
+    tokens = [answer[min(differing)] for answer in answers] if len(differing) == 1 else []
+    if len({len(a) for a in answers}) != 1 or len(differing) != 1 or len(set(tokens)) != len(names):
+        raise ConfigError(f"sft.target_random_share needs each of the env's actions {list(names)} to be one token "
+                          f"of its own in format {fmt.name!r}'s answer (the rest alike); here they are not: use "
+                          "one-hot targets (leave sft.target_random_share unset)")
+    return ActionTokens(list(names), tokens, answers, min(differing))
+
+
+def demo_target_positions(demos: Sequence[Trajectory], samples: Sequence[Sample],
+                          actions: ActionTokens) -> list[list[tuple[int, int]]]:
+    """For each sample of the demos' chats (in :func:`chat_samples`' order), ``(position, action index)`` of
+    each demo turn in it that has a solver's action: where its action token is and which action the solver
+    chose. A turn without one (the solver had no plan) keeps its one-hot target."""
+    per_turn = bool(samples) and samples[0].turn >= 0  # else each chat is one sample
+    remaining = iter(samples)
+    positions: list[list[tuple[int, int]]] = []
+    for demo in demos:
+        for sample in [next(remaining) for _ in demo.turns] if per_turn else [next(remaining)]:
+            turns = [demo.turns[sample.turn]] if per_turn else demo.turns
+            found = []
+            for turn, end in zip(turns, sample.turn_ends, strict=True):
+                if not turn.expert_actions:
+                    continue
+                start = end + 1 - len(actions.answers[0])
+                if sample.input_ids[start : end + 1] not in actions.answers:
+                    raise ValueError(f"demo turn {turn.index} of seed {demo.seed} answered {turn.response!r}, not "
+                                     "the format's answer alone: soft targets need answers without reasoning "
+                                     "fields (a format like no_think), or leave sft.target_random_share unset")
+                if turn.expert_actions[0] not in actions.names:
+                    raise ValueError(f"the solver's action {turn.expert_actions[0]!r} is none of the env's actions "
+                                     f"{actions.names}")
+                found.append((start + actions.offset, actions.names.index(turn.expert_actions[0])))
+            positions.append(found)
+    if next(remaining, None) is not None:
+        raise ValueError("more samples than the demos' turns: the samples are not those of these demos")
+    return positions
+
+
 # --------------------------------------------------------------------------- training
 def sft_train(
     model: torch.nn.Module,
@@ -334,8 +431,12 @@ def sft_train(
     read_every: int = 32,
     pictures: Sequence[list[np.ndarray]] | None = None,
     encoder: ImageEncoder | None = None,
+    soft_targets: SoftTargets | None = None,
 ) -> dict[str, float]:
     """Cross-entropy on the loss-masked tokens, AdamW with warm-up and cosine decay.
+
+    With ``soft_targets`` the tokens they name are trained toward their distributions instead of the token
+    there (the cross-entropy against the soft target); each still counts as one token.
 
     With ``pictures`` (a VLM's samples from :func:`chat_picture_samples`) each micro-batch's model inputs
     are made from its samples' pictures by ``encoder`` when it is batched.
@@ -391,9 +492,19 @@ def sft_train(
                         batch = collate([with_pixels(samples[i], pictures[i], encoder) for i in micro_ids], pad_id)
                     try:
                         batch = batch.to(device)
-                        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask,
-                                                     model_inputs=batch.model_inputs)
-                        loss = -(logprobs * batch.loss_mask).sum() / max(n_tokens, 1)
+                        if soft_targets is None:
+                            logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask,
+                                                         batch.loss_mask, model_inputs=batch.model_inputs)
+                            log_likelihood = (logprobs * batch.loss_mask).sum()
+                        else:
+                            soft_rows, soft_cols, candidates, probs = soft_targets.of(micro_ids, device)
+                            logprobs, candidate_logprobs = token_and_candidate_logprobs(
+                                model, batch.input_ids, batch.attention_mask, batch.loss_mask, soft_rows, soft_cols,
+                                candidates, model_inputs=batch.model_inputs)
+                            soft = torch.zeros(len(soft_rows), dtype=batch.loss_mask.dtype, device=device)
+                            one_hot = batch.loss_mask.index_put((soft_rows, soft_cols), soft)
+                            log_likelihood = (logprobs * one_hot).sum() + (candidate_logprobs * probs).sum()
+                        loss = -log_likelihood / max(n_tokens, 1)
                         loss.backward()
                     except torch.OutOfMemoryError as error:
                         rows, length = batch.input_ids.shape
@@ -443,6 +554,7 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
                      max_actions_per_turn=config.agent.max_actions_per_turn)
     out = run_dir / "sft"
     demos: list[Trajectory] = []
+    actions: ActionTokens | None = None
     if config.sft.data:
         chats = read_chat_jsonl(config.sft.data)
     else:
@@ -453,6 +565,8 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
             if probe.solve() is None:  # the expert would only play random actions
                 raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no "
                                   "expert demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
+            if config.sft.target_random_share is not None:
+                actions = action_tokens(tokenizer, fmt, probe.action_names(), config.agent.max_actions_per_turn)
             demos = expert_demos(make_env, fmt, config.agent, config.sft, config.env.id,
                                  seed=config.seeds.seed)
         finally:
@@ -471,6 +585,13 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
         samples, pictures = chat_picture_samples(chats, tokenizer, window, encoder, config.agent.max_images,
                                                  fmt.response_prefix)
     targets = sum(sum(s.loss_mask) for s in samples)
+    soft_targets: SoftTargets | None = None
+    if actions is not None and config.sft.target_random_share is not None:
+        soft_targets = SoftTargets(actions, config.sft.target_random_share,
+                                   demo_target_positions(demos, samples, actions))
+        soft = sum(len(found) for found in soft_targets.positions)
+        console.print(f"soft targets at {soft} action tokens ({config.sft.target_random_share:g} of each spread "
+                      f"over the {len(actions.names)} actions)")
     console.print(f"[bold]SFT[/bold] on {len(samples)} samples ({targets} target tokens; tokenized in "
                   f"{time.time() - tokenizing:.0f} s)")
     # Checked once the samples' lengths are known and before the model is on the GPU: a micro-batch too large
@@ -492,7 +613,7 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     logger = MetricsLogger(out, tensorboard=config.run.tensorboard)
     with autocast(device, dtype):
         metrics = sft_train(model, tokenizer.pad_token_id, samples, config.sft, seed=config.seeds.seed, log=logger.log,
-                            pictures=pictures, encoder=encoder)
+                            pictures=pictures, encoder=encoder, soft_targets=soft_targets)
     logger.close()
     model_path = out / "model"
     model.save_pretrained(model_path)

@@ -360,6 +360,13 @@ class SFTConfig:
     """Expert episodes played for demos (training seeds, never validation seeds)."""
     random_action_share: float = 0.3
     """Share of demo actions replaced by random ones, so the demos are imperfect."""
+    target_random_share: Optional[float] = None
+    """Soft targets for the demos' actions: each demo turn's action token is trained toward the noisy expert's
+    distribution, ``1 - share`` on the solver's action and ``share`` spread evenly over the env's actions,
+    instead of toward the action the demo played (``random_action_share`` still decides which states the demos
+    visit). The SFT model then prefers the solver's move wherever it reads the map right, with a policy as soft
+    as the share makes it, which RL sharpens. None: the played actions, one-hot. Needs expert demos of one
+    action a turn, in a format whose answer is the whole response, and action names of one token each."""
     epochs: int = 2
     """Passes over the demos."""
     lr: float = 1e-3
@@ -382,6 +389,11 @@ class SFTConfig:
 
     def validate(self) -> None:
         check_range("sft.random_action_share", self.random_action_share, 0.0, 1.0)
+        if self.target_random_share is not None:
+            check_range("sft.target_random_share", self.target_random_share, 0.0, 1.0)
+            if self.data is not None:
+                raise ConfigError("sft.target_random_share makes soft targets from the expert's own actions, which "
+                                  "chats from sft.data do not have: drop one of the two")
         check_range("sft.data_workers", self.data_workers, 0)
         check_choice("sft.schedule", self.schedule, ["cosine", "constant"])
         check_range("sft.episodes", self.episodes, 1)
