@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from turnrl.engine.rows import FREE, IDLE, RowTable
+from turnrl.engine.rows import FREE, IDLE, PREFIX_KEY_TOKENS, RowTable
 
 
 def test_a_prompt_extending_an_idle_row_takes_it_and_reuses_its_tokens():
@@ -40,3 +42,39 @@ def test_clear_frees_every_idle_row_and_names_them():
     assert {row.state for row in table.rows} == {IDLE}
     assert sorted(table.clear()) == [0, 1]
     assert {row.state for row in table.rows} == {FREE}
+
+
+def plain_reuse(cached: list[list[int]], prompt: list[int]) -> int:
+    """The longest cached row whose tokens (all of them, up to the prompt's last token) begin the prompt."""
+    best = 0
+    for tokens in cached:
+        if len(tokens) < PREFIX_KEY_TOKENS or len(prompt) < PREFIX_KEY_TOKENS:
+            continue
+        usable = min(len(tokens), len(prompt) - 1)
+        if prompt[:usable] == tokens[:usable]:
+            best = max(best, usable)
+    return best
+
+
+# Rows that share a long head (one system prompt) and then branch, as a group's episodes do; the prompt extends one
+# of them, or another branch, or stops short of them.
+_shared = st.lists(st.integers(0, 3), min_size=PREFIX_KEY_TOKENS, max_size=PREFIX_KEY_TOKENS + 8)
+_tails = st.lists(st.lists(st.integers(0, 3), max_size=12), min_size=1, max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_shared, _tails, st.integers(0, 5), st.lists(st.integers(0, 3), max_size=12), st.integers(0, 40))
+def test_placement_reuses_the_longest_matching_row_as_a_plain_scan_does(shared, tails, pick, extra, cut):
+    table = RowTable(len(tails) + 1)
+    cached = [shared + tail for tail in tails]
+    for index, tokens in enumerate(cached):
+        placed = table.place(tokens)
+        assert placed is not None and placed.row == index
+    for index, tokens in enumerate(cached):
+        table.release(index, tokens)
+    prompt = (cached[pick % len(cached)] + extra)[: max(1, len(shared) + cut)]
+    placed = table.place(prompt)
+    assert placed is not None
+    assert placed.reused == plain_reuse(cached, prompt)
+    if placed.reused:
+        assert prompt[: placed.reused] == cached[placed.row][: placed.reused]

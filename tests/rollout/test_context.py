@@ -5,13 +5,13 @@ from __future__ import annotations
 import copy
 
 import pytest
-from tokenizers import AddedToken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken
 
 from tests.chat.test_template_deltas import LLAMA2_STYLE, NAMES, SYSTEM, encode, template_tokenizers
 from turnrl.chat.template_deltas import ChatTemplateDeltas
-from turnrl.rollout.context import HEAD_TURN, EpisodeTokens
+from turnrl.rollout.context import HEAD_TURN, EpisodeTokens, InputRows
 
 
 @pytest.fixture(scope="module")
@@ -614,12 +614,13 @@ def assert_same_inputs(got: dict, want: dict) -> None:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(images=st.lists(st.integers(0, 2), min_size=1, max_size=7), window=st.sampled_from([None, 1, 2, 3]),
-       max_images=st.sampled_from([None, 0, 1, 2, 3]))
-def test_prompt_inputs_equal_the_concatenation_of_their_turns(toks, images, window, max_images):
+       max_images=st.sampled_from([None, 0, 1, 2, 3]), expected_turns=st.sampled_from([1, 3, 10]))
+def test_prompt_inputs_equal_the_concatenation_of_their_turns(toks, images, window, max_images, expected_turns):
     from turnrl.rollout.context import concat_model_inputs
 
     tok = toks["chatml"]
-    ep = EpisodeTokens(tok, max_context_window=window, image_token="<|image_pad|>", max_images=max_images)
+    ep = EpisodeTokens(tok, max_context_window=window, image_token="<|image_pad|>", max_images=max_images,
+                       expected_turns=expected_turns)
 
     def plain(t: int) -> dict:
         return concat_model_inputs([ep.turns[j] for j in ep.image_turns(t)])
@@ -654,6 +655,23 @@ def test_a_prompt_that_keeps_every_image_views_the_episode_inputs_instead_of_cop
     assert first._is_view() and first.data_ptr() == later.data_ptr()  # one buffer, no copies
     # the images' own tensors (the image encoder's, which it shares between episodes) are left as they were
     assert not ep.turns[0].model_inputs["pixel_values"]._is_view()
+
+
+def test_buffers_sized_for_the_expected_turns_are_laid_once_and_grow_past_them(toks):
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, image_token="<|image_pad|>", expected_turns=4)
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3], model_inputs=image_inputs(0, 1))
+    first = ep.prompt_model_inputs()["pixel_values"]
+    assert ep._rows is not None and len(ep._rows._buffers["pixel_values"]) == 12  # four turns of three rows
+    for turn in range(1, 6):
+        ep.add_response(sampled(tok, "Left"))
+        ep.add_observation(image_message(1), image_token_counts=[3], model_inputs=image_inputs(turn, 1))
+        pixels = ep.prompt_model_inputs()["pixel_values"]
+        # the expected four turns fill the first buffer without a copy; the fifth doubles it
+        assert (pixels.data_ptr() == first.data_ptr()) == (turn < 4)
+        assert pixels[-3:, 0].tolist() == [100.0 * turn, 100.0 * turn + 2, 100.0 * turn + 4]
+    with pytest.raises(ValueError, match="expected_turns must be >= 1"):
+        InputRows(0)
 
 
 def test_inputs_that_cannot_share_a_buffer_are_concatenated(toks):

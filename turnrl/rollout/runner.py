@@ -402,7 +402,7 @@ class Rollout:
             trajectory.tokens = EpisodeTokens(
                 tokenizer, max_context_window=self.agent.max_context_window, max_images=self.agent.max_images,
                 image_token=encoder.image_token if encoder is not None else None,
-                response_prefix=self.fmt.response_prefix,
+                response_prefix=self.fmt.response_prefix, expected_turns=self.agent.max_turns,
             )
             try:
                 trajectory.tokens.start(episode.messages[0], episode.messages[1], *self._encode(episode.images))
