@@ -145,16 +145,17 @@ class InputRows:
     Written here because a prompt that keeps every image (SkyRL's VisGym recipe: 15 turns, an image each) would
     otherwise copy its earlier images' pixel values again for every turn: 4.6 GB a step of 64 episodes at
     ``vlm-3b``'s 224 x 224 frames, host time while the device waits for the round's requests
-    (``benchmarks/prompt_inputs.py``). A buffer's rows double when it is full, so each value is copied about twice
-    over an episode, and the buffers hold at most twice the episode's inputs. The turns must agree in each key's
+    (``benchmarks/prompt_inputs.py``). A buffer's rows double when it is full, so each value is copied at most about
+    twice over an episode, and the buffers hold at most twice the episode's inputs (or the expected turns' where
+    that is more). The turns must agree in each key's
     dtype, device and row shape (one encoder made them); where a turn's do not, :meth:`append` lays nothing and
     clears :attr:`joined`, and the caller concatenates as before.
 
     Args:
         expected_turns: the turns the episode will likely have: a key's buffer is first sized for that many turns
-            like the first (the doubling then copies nothing in an episode of images of one size, and fresh
-            memory is touched once: in a 15-turn VisGym episode the doubling's copies and page faults took about
-            twice the time of laying the frames once).
+            like the first, so that an episode of images of one size never doubles it (laying a VisGym step's
+            prompt inputs 1.27-1.34x faster on a CPU than doubling from one turn's, ``benchmarks/prompt_inputs.py``);
+            a shorter episode leaves the rest of it unused.
     """
 
     def __init__(self, expected_turns: int = 1) -> None:
