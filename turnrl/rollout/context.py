@@ -147,9 +147,8 @@ class InputRows:
     ``vlm-3b``'s 224 x 224 frames, host time while the device waits for the round's requests
     (``benchmarks/prompt_inputs.py``). A buffer's rows double when it is full, so each value is copied at most about
     twice over an episode, and the buffers hold at most twice the episode's inputs (or the expected turns' where
-    that is more). The turns must agree in each key's
-    dtype, device and row shape (one encoder made them); where a turn's do not, :meth:`append` lays nothing and
-    clears :attr:`joined`, and the caller concatenates as before.
+    that is more). The turns must agree in each key's dtype, device and row shape (one encoder made them); where a
+    turn's do not, :meth:`append` lays nothing and clears :attr:`joined`, and the caller concatenates as before.
 
     Args:
         expected_turns: the turns the episode will likely have: a key's buffer is first sized for that many turns
