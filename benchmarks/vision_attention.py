@@ -10,6 +10,11 @@ one fewer, ...: a rollout's prefill meets a new count at most calls) with SDPA f
 against the kernels the tower's attention keeps to (:data:`~turnrl.models.vision_attention.TOWER_BACKENDS`):
 cuDNN plans every new shape on the host.
 
+With ``--rotary`` it also times the tower as a training run's rollout runs it with ``model.compile`` (float32 weights
+under bf16 autocast on a GPU, its blocks' norms and MLPs compiled) with its rotary embedding eager, then compiled
+(:class:`~turnrl.models.loading.CompiledVisionRotary`, what ``model.compile`` gives it), and prints the largest
+difference of their features (bf16 rounding at most).
+
 With ``--layout`` it also times the chunked forward with the tower's layout made on the host and kept by the
 images' grids (:mod:`turnrl.models.vision_layout`, what the engine's prefill does) against the tower making it
 from grids on the device (a loop over the images, with reads to the host that drain the device), passes run back
@@ -18,6 +23,7 @@ to back as a rollout's prefills run, and prints the largest difference of their 
     python benchmarks/vision_attention.py --preset vlm-3b --images 128 --size 224
     python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --new-counts 12
     python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --layout --repeats 20
+    python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --rotary --repeats 10
     python benchmarks/vision_attention.py --preset vlm-tiny --device cpu --images 16 --size 224   # a smoke run
 """
 
@@ -36,6 +42,7 @@ from torch.nn.attention import SDPBackend  # noqa: E402
 from transformers import AutoModelForImageTextToText  # noqa: E402
 
 from turnrl.models import build_tokenizer, vision_attention, vlm_config  # noqa: E402
+from turnrl.models.loading import VISION_ATTENTION_PART, VISION_ROTARY_FUNCTION, compile_layer_parts  # noqa: E402
 from turnrl.models.vision_attention import VISION_ATTENTION  # noqa: E402
 from turnrl.models.vision_layout import TowerLayouts  # noqa: E402
 
@@ -148,6 +155,45 @@ def layout_rows(body, args, device: torch.device, dtype: torch.dtype) -> list[tu
     return rows
 
 
+def rotary_rows(args, device: torch.device) -> list[tuple[str, float]]:
+    """The forward as a training run's rollout runs the tower under ``model.compile`` (float32 weights, bf16
+    autocast on a GPU, the blocks' parts compiled), its rotary embedding eager and then compiled; ``--repeats``
+    passes back to back, the layout made on the host as the engine makes it."""
+    body = body_of(args.preset, device, torch.float32)
+    body.visual.config._attn_implementation = VISION_ATTENTION
+    compile_layer_parts(body)
+    block = next(m for m in body.visual.modules() if VISION_ATTENTION_PART in dict(m.named_children()))
+    module = sys.modules[type(getattr(block, VISION_ATTENTION_PART)).__module__]
+    compiled = vars(module)[VISION_ROTARY_FUNCTION]
+    pixels, grids = images(body, args.images, args.size, device, torch.float32)
+    host_grids, layouts = grids.cpu(), TowerLayouts(body.visual)
+
+    def encode() -> torch.Tensor:
+        layout = layouts.inputs(host_grids, device) if layouts.enabled else {}
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            output = body.get_image_features(pixels, host_grids if layout else grids, return_dict=True, **layout)
+        return torch.cat(list(output.pooler_output))
+
+    rows, features = [], []
+    try:
+        for label, function in (("its rotary eager", compiled.original), ("its rotary compiled", compiled)):
+            setattr(module, VISION_ROTARY_FUNCTION, function)
+            features.append(encode().float())  # warm-up (compiles)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.repeats):
+                encode()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            rows.append((f"chunked, forward, compiled blocks, {label}", (time.perf_counter() - start) / args.repeats))
+            print(f"{rows[-1][0]}: {rows[-1][1]:.4f} s a pass", flush=True)
+    finally:
+        setattr(module, VISION_ROTARY_FUNCTION, compiled)
+    print(f"largest difference of the features: {float((features[0] - features[1]).abs().max()):.3g}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="vlm-3b")
@@ -159,6 +205,8 @@ def main() -> None:
                         help="a GPU: also N forward passes over a new image count each, with and without cuDNN")
     parser.add_argument("--layout", action="store_true",
                         help="also the forward with its layout made on the host against the tower's own")
+    parser.add_argument("--rotary", action="store_true",
+                        help="also the forward as training's rollout runs it, its rotary embedding eager and compiled")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.new_counts and (device.type != "cuda" or 2 * args.new_counts >= args.images):
@@ -178,6 +226,8 @@ def main() -> None:
         rows.extend(new_count_rows(body, args, device, dtype))
     if args.layout:
         rows.extend(layout_rows(body, args, device, dtype))
+    if args.rotary:
+        rows.extend(rotary_rows(args, device))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{args.preset} vision tower, {args.images} images of {args.size} px, {name}, {dtype}")
     print("| attention | s a pass | speed-up |\n| --- | ---: | ---: |")

@@ -274,8 +274,9 @@ def test_a_cast_copy_is_the_cast_model_and_leaves_the_original_as_it_was(fixture
 def original_rotary(monkeypatch):
     """Compiling layer parts swaps a family's rotary embedding in its transformers module: put back each test's."""
     for name, module in list(sys.modules.items()):
-        if name.startswith("transformers.models.") and loading.ROTARY_FUNCTION in vars(module):
-            monkeypatch.setattr(module, loading.ROTARY_FUNCTION, vars(module)[loading.ROTARY_FUNCTION])
+        for function in (loading.ROTARY_FUNCTION, loading.VISION_ROTARY_FUNCTION):
+            if name.startswith("transformers.models.") and function in vars(module):
+                monkeypatch.setattr(module, function, vars(module)[function])
 
 
 @pytest.mark.parametrize(("fixture", "checkpointing"),
@@ -375,8 +376,9 @@ def test_the_compiled_rotary_embedding_trains_as_the_eager_one_under_autocast(ti
 
 
 def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir, original_rotary):
-    """A VLM's vision blocks compiled around their attention (two norms and the MLP each) encode images as the
-    eager tower does, over image sizes that change from call to call."""
+    """A VLM's vision blocks compiled around their attention (two norms and the MLP each, and the tower's rotary
+    embedding) encode images as the eager tower does, over image sizes that change from call to call, and a
+    trained tower's gradients are the eager tower's."""
     import copy
 
     eager = loading.load_model(tiny_vlm_dir)
@@ -386,17 +388,51 @@ def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir, ori
               if loading.VISION_ATTENTION_PART in dict(m.named_children())]
     assert blocks
     assert loading.compile_layer_parts(compiled) == 3 * (len(layers) + len(blocks))
+    tower_module = sys.modules[type(getattr(blocks[0], loading.VISION_ATTENTION_PART)).__module__]
+    assert isinstance(vars(tower_module)[loading.VISION_ROTARY_FUNCTION], loading.CompiledVisionRotary)
     config = eager.config.vision_config
     generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for side in (4, 6, 2):  # patches a side
-            grid = torch.tensor([[1, side, side]])
-            pixels = torch.randn(side * side, 3 * config.temporal_patch_size * config.patch_size**2,
-                                 generator=generator)
-            features = [loading.vision_tower(model)(pixels, grid_thw=grid) for model in (eager, compiled)]
-            if not isinstance(features[0], torch.Tensor):  # transformers 5 returns a model output
-                features = [output.pooler_output for output in features]
-            torch.testing.assert_close(features[1], features[0])
+    for side in (4, 6, 2):  # patches a side
+        grid = torch.tensor([[1, side, side]])
+        pixels = torch.randn(side * side, 3 * config.temporal_patch_size * config.patch_size**2, generator=generator)
+        features = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            output = loading.vision_tower(model)(pixels, grid_thw=grid)
+            # transformers 5 returns a model output
+            features.append(output if isinstance(output, torch.Tensor) else output.pooler_output)
+            features[-1].square().mean().backward()
+        torch.testing.assert_close(features[1], features[0])
+        for (name, a), b in zip(loading.vision_tower(compiled).named_parameters(),
+                                loading.vision_tower(eager).parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_compiled_vision_rotary_embedding_rounds_as_the_eager_one(tiny_vlm_dir, original_rotary):
+    """The tower's rotary embedding compiled: bf16 queries and keys with float32 cos and sin (a tower under bf16
+    autocast, or in bf16) come back in bf16, the eager function's values to one rounding step (both compute in
+    float32 and round once), and gradients within bf16's rounding; float32 ones as the eager function's."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
+    rotary = loading.CompiledVisionRotary(apply_rotary_pos_emb_vision)
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(53, 4, 16, generator=generator) for _ in range(2))  # (patches, heads, head dim)
+    cos, sin = (torch.randn(53, 16, generator=generator) for _ in range(2))
+    upstream = [torch.randn(q.shape, generator=generator).bfloat16() for _ in range(2)]
+
+    def rotated(function, dtype):
+        leaves = [q.to(dtype).requires_grad_(), k.to(dtype).requires_grad_()]
+        outputs = function(*leaves, cos, sin)
+        torch.autograd.backward(list(outputs), [g.to(dtype) for g in upstream])
+        return outputs, [leaf.grad for leaf in leaves]
+
+    for dtype, tolerance in ((torch.bfloat16, 2**-7), (torch.float32, 1e-6)):
+        (outputs, grads), (plain, plain_grads) = (rotated(f, dtype) for f in (rotary, apply_rotary_pos_emb_vision))
+        for out, ref in zip(outputs, plain):
+            assert out.dtype == dtype
+            torch.testing.assert_close(out, ref, rtol=tolerance, atol=tolerance)
+        for grad, ref in zip(grads, plain_grads):
+            torch.testing.assert_close(grad, ref, rtol=tolerance, atol=4 * tolerance)
 
 
 # --------------------------------------------------------------------------- compile workers and SIGTERM
