@@ -325,9 +325,9 @@ class ModelConfig:
     """Trade compute for memory in training."""
     compile: bool = False
     """``torch.compile`` each decoder layer's norms and MLP (and a VLM's vision blocks'), and the rotary embedding
-    its attention calls with the cast to bf16 that follows it under autocast, for the training and scoring passes
-    (SFT and RL): their elementwise kernels fuse (see :func:`turnrl.models.loading.compile_layer_parts`); the first
-    passes compile."""
+    its attention calls with the cast to bf16 that follows it under autocast (and a VLM's vision tower's rotary
+    embedding), for the training and scoring passes (SFT and RL) and the tower's encoding in the rollout: their
+    elementwise kernels fuse (see :func:`turnrl.models.loading.compile_layer_parts`); the first passes compile."""
     attention: str = "sdpa"
     """The attention of the trainer's forward passes: ``sdpa`` (PyTorch's; packed rows of
     ``algorithm.micro_batch_tokens`` attend sequence by sequence, see :mod:`turnrl.training.packed_attention`) or
