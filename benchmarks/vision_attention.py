@@ -120,6 +120,18 @@ def new_count_rows(body, args, device: torch.device, dtype: torch.dtype) -> list
     return rows
 
 
+def seconds_back_to_back(encode, repeats: int, device: torch.device) -> float:
+    """Seconds a call of ``encode`` over ``repeats`` calls back to back, as a rollout's prefills run."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        encode()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
 def layout_rows(body, args, device: torch.device, dtype: torch.dtype) -> list[tuple[str, float]]:
     """The chunked forward with the tower making its layout from grids on the device, against the layout made on
     the host and kept (:class:`~turnrl.models.vision_layout.TowerLayouts`); ``--repeats`` passes back to back."""
@@ -142,14 +154,7 @@ def layout_rows(body, args, device: torch.device, dtype: torch.dtype) -> list[tu
         for label, encode in (("the tower's own layout (grids on the device)", own),
                               ("the layout made on the host, kept", hosted)):
             encode()  # warm-up
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.repeats):
-                encode()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            rows.append((f"chunked, forward, {label}", (time.perf_counter() - start) / args.repeats))
+            rows.append((f"chunked, forward, {label}", seconds_back_to_back(encode, args.repeats, device)))
             print(f"{rows[-1][0]}: {rows[-1][1]:.4f} s a pass", flush=True)
     print(f"largest difference of the features: {difference:.3g}")
     return rows
@@ -179,14 +184,8 @@ def rotary_rows(args, device: torch.device) -> list[tuple[str, float]]:
         for label, function in (("its rotary eager", compiled.original), ("its rotary compiled", compiled)):
             setattr(module, VISION_ROTARY_FUNCTION, function)
             features.append(encode().float())  # warm-up (compiles)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.repeats):
-                encode()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            rows.append((f"chunked, forward, compiled blocks, {label}", (time.perf_counter() - start) / args.repeats))
+            rows.append((f"chunked, forward, compiled blocks, {label}",
+                         seconds_back_to_back(encode, args.repeats, device)))
             print(f"{rows[-1][0]}: {rows[-1][1]:.4f} s a pass", flush=True)
     finally:
         setattr(module, VISION_ROTARY_FUNCTION, compiled)

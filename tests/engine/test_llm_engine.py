@@ -104,7 +104,20 @@ def full_forward_logprobs(model, prompt: list[int], response: list[int], tempera
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def kernel_cases(values: list, slow_on_triton: set) -> list:
+    """Each of ``values`` with torch's kernels and with the Triton ones (ids as the :func:`kernels` fixture gives
+    them); the Triton variants of the values in ``slow_on_triton`` run with the slow tests."""
+    return [pytest.param(value, kernels, id=f"{kernels}-{value}", marks=[] if kernels == "torch" else
+                         [pytest.mark.cpu_triton, *([pytest.mark.slow] if value in slow_on_triton else [])])
+            for kernels in ("torch", "triton") for value in values]
+
+
+# The Triton kernels see qwen2's, llama's and mistral's layers here alike (heads of 16, rotated and written into the
+# cache from the projection by one kernel; qwen2's biases are in the projection already), qwen3's (query and key
+# norms, heads of 128) on the other path: llama's and mistral's Triton variants run with the slow tests, and their
+# torch variants check those architectures in the default run.
+@pytest.mark.parametrize(("name", "kernels"), kernel_cases(list(ARCHITECTURES), {"llama", "mistral"}),
+                         indirect=["kernels"])
 def test_greedy_tokens_equal_transformers_generate(name, kernels):
     model = build(name)
     prompts = random_prompts([5, 23, 11, 1])
@@ -114,7 +127,10 @@ def test_greedy_tokens_equal_transformers_generate(name, kernels):
         assert result.finish_reason == "length"
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+# The Triton sampler divides the logits by any temperature alike: 0.7 checks the division, and 1.0's Triton variant
+# adds nothing to it (it runs with the slow tests; the torch variants run both).
+@pytest.mark.parametrize(("temperature", "kernels"), kernel_cases([1.0, 0.7], {1.0}),
+                         indirect=["kernels"])
 def test_sampled_logprobs_equal_a_full_forward_pass(temperature, kernels):
     model = build("qwen2")
     prompts = random_prompts([7, 30, 2])

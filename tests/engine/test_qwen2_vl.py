@@ -1,7 +1,8 @@
 """The engine on Qwen2-VL (random weights, CPU, float32), whose vision tower differs from Qwen2.5-VL's: M-RoPE
 positions equal the model's own ``get_rope_index``, greedy tokens of image turns (a second turn adds a new image
-and extends the first turn's cached row) equal transformers' ``generate``, logprobs equal a full forward pass, the
-M-RoPE sections are the rotary module's own, and a VLM the engine cannot run is refused with the reason."""
+and extends the first turn's cached row; with torch's kernels and the Triton ones) equal transformers' ``generate``,
+logprobs equal a full forward pass, the M-RoPE sections are the rotary module's own, and a VLM the engine cannot run
+is refused with the reason."""
 
 from __future__ import annotations
 
@@ -165,21 +166,26 @@ def test_mrope_positions_equal_the_models_get_rope_index(model, processor):
         checked_positions(model, prompt, inputs)
 
 
-def test_greedy_image_turns_equal_generate_and_the_second_extends_the_cached_row(model, processor):
-    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=512, triton="false"))
+@pytest.mark.parametrize(("triton", "new_tokens"),
+                         [("false", NEW_TOKENS), pytest.param("true", 2, marks=pytest.mark.cpu_triton)])
+def test_greedy_image_turns_equal_generate_and_the_second_extends_the_cached_row(model, processor, triton,
+                                                                                new_tokens):
+    """With the Triton kernels (Triton's interpreter) the turns are short: their prefills, which rotate the image
+    tokens by their M-RoPE positions as they write them into the cache, are what differs from a text model's."""
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=512, triton=triton))
     firsts, observations = episodes(processor)
-    first_results = run(engine, firsts)
+    first_results = run(engine, firsts, new_tokens)
     seconds = [(prompt + result.token_ids + observation, joined(inputs, observation_inputs))
                for (prompt, inputs), result, (observation, observation_inputs)
                in zip(firsts, first_results, observations)]
-    second_results = run(engine, seconds)
+    second_results = run(engine, seconds, new_tokens)
     for (prompt, inputs), result in zip(firsts + seconds, first_results + second_results):
-        assert result.token_ids == hf_greedy(model, prompt, inputs)
+        assert result.token_ids == hf_greedy(model, prompt, inputs, new_tokens)
         torch.testing.assert_close(torch.tensor(result.logprobs),
                                    full_forward_logprobs(model, prompt, result.token_ids, inputs),
                                    atol=1e-4, rtol=0)
     # Each second turn prefilled only its observation: its row held the first prompt and all but the last token.
-    assert [r.reused_tokens for r in second_results] == [len(p) + NEW_TOKENS - 1 for p, _ in firsts]
+    assert [r.reused_tokens for r in second_results] == [len(p) + new_tokens - 1 for p, _ in firsts]
 
 
 def test_the_timer_counts_the_images_the_prefill_encodes_and_not_those_in_the_cache(model, processor):

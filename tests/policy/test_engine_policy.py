@@ -312,8 +312,13 @@ def vlm_engine_policy(tiny_vlm_policy, tiny_vlm_dir, triton: str = "false") -> E
                         processor=load_processor(str(tiny_vlm_dir)))
 
 
-@pytest.mark.parametrize(("wait", "triton", "groups"), [(True, "false", 1), (False, "false", 1), (True, "false", 3),
-                                                       pytest.param(True, "true", 1, marks=pytest.mark.cpu_triton)])
+# The Triton variant (22-35 s in Triton's interpreter) runs with the slow tests. By default the Triton kernels
+# rotate a Qwen-VL decoder's image tokens by their M-RoPE positions as they cache them, and a second turn's new image
+# extends the cached row, in tests/engine/test_qwen2_vl.py (Qwen2-VL: the decoder and image positions of the tiny
+# Qwen2.5-VL here); the rollouts here run with torch's kernels.
+@pytest.mark.parametrize(("wait", "triton", "groups"), [
+    (True, "false", 1), (False, "false", 1), (True, "false", 3),
+    pytest.param(True, "true", 1, marks=[pytest.mark.cpu_triton, pytest.mark.slow])])
 def test_vlm_rollouts_with_images_are_the_same_trajectories_with_the_engine(tiny_vlm_policy, tiny_vlm_dir, wait,
                                                                             triton, groups, monkeypatch):
     """A new image every turn: the engine's image features, M-RoPE positions, suppressed vision tokens and KV

@@ -381,6 +381,9 @@ def test_a_checkpoint_write_cut_by_a_file_size_limit_stops_with_the_cause_and_ke
 
 
 # --------------------------------------------------------------------------- 11. SIGTERM, and no resume offered in vain
+# 11 s; by default test_kill_points.py's SIGTERM in a step checks the same exit status, lines and resume (and every
+# record once after it).
+@pytest.mark.slow
 def test_sigterm_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tiny_model_dir, tmp_path):
     """What a batch scheduler sends before it kills: the run saves, as on Ctrl-C, and the resume it offers works."""
     run = tmp_path / "run"

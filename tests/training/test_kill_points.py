@@ -33,6 +33,8 @@ from turnrl.training.run_dir import OWNER_FILE
 
 EPISODES = 4
 """Episodes a step plays (``groups.n_groups=2`` x ``groups.group_size=2``): the lines of its trajectory file."""
+POLL_S = 0.0005
+"""The pause between two looks for a moment (:func:`signal_when`)."""
 
 
 # --------------------------------------------------------------------------- the harness
@@ -67,7 +69,11 @@ def signal_when(process: subprocess.Popen, moment: Callable[[], object], signum:
         if process.poll() is not None:
             raise AssertionError(f"the process ended (status {process.returncode}) before the moment came")
         if not moment():
-            continue  # polled without a pause: some moments last a few milliseconds
+            # The shortest moments (between a checkpoint's files, or its `latest` being replaced) last 1 to 5 ms on
+            # two cores: a pause of half a millisecond catches them, where a poll without a pause takes a whole core
+            # from the run it waits on and from the tests running beside it.
+            time.sleep(POLL_S)
+            continue
         process.send_signal(signal.SIGSTOP)
         while not frozen(process):
             time.sleep(0.001)
@@ -241,7 +247,10 @@ def test_a_run_stopped_at_any_moment_of_its_steps_resumes_to_every_record_once(t
     assert "Traceback" not in said, said[-3000:]
     if signum != signal.SIGKILL:  # a request: the step in progress ends and is saved
         assert process.returncode == 128 + signum, said[-3000:]
-        assert f"continue with: turnrl train resume={run}" in " ".join(said.split())
+        name = "Ctrl-C" if signum == signal.SIGINT else signum.name
+        words = " ".join(said.split())
+        assert f"{name}: stopping after this step" in words, said[-3000:]
+        assert f"checkpoint {latest_checkpoint(run)}" in words and f"continue with: turnrl train resume={run}" in words
     done = int(latest_checkpoint(run).name.removeprefix("step_"))
     status, text = resume(run, done + 2, capsys)
     assert status == 0, text

@@ -69,7 +69,9 @@ def stop_cluster(temp_dir: str, port: int) -> None:
     for process in processes:
         with contextlib.suppress(psutil.Error):
             process.terminate()
-    _, alive = psutil.wait_procs(processes, timeout=5)
+    # The head's GCS server and monitor do not end on a SIGTERM (not within 15 s), and the processes they have not
+    # reaped stay listed with them: a longer wait than a second only puts the kill off.
+    _, alive = psutil.wait_procs(processes, timeout=1)
     for process in alive:
         with contextlib.suppress(psutil.Error):
             process.kill()
