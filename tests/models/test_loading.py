@@ -388,8 +388,13 @@ def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir, ori
               if loading.VISION_ATTENTION_PART in dict(m.named_children())]
     assert blocks
     assert loading.compile_layer_parts(compiled) == 3 * (len(layers) + len(blocks))
-    tower_module = sys.modules[type(getattr(blocks[0], loading.VISION_ATTENTION_PART)).__module__]
+    tower_attention = getattr(blocks[0], loading.VISION_ATTENTION_PART)
+    tower_module = sys.modules[type(tower_attention).__module__]
     assert isinstance(vars(tower_module)[loading.VISION_ROTARY_FUNCTION], loading.CompiledVisionRotary)
+    assert not loading.compile_rotary(tower_attention, vision=True)  # once a family
+    # A Qwen-VL's module holds the decoder's function too: each is swapped by its own kind.
+    decoder_module = sys.modules[type(getattr(layers[0], loading.ATTENTION_PART)).__module__]
+    assert isinstance(vars(decoder_module)[loading.ROTARY_FUNCTION], loading.CompiledRotary)
     config = eager.config.vision_config
     generator = torch.Generator().manual_seed(0)
     for side in (4, 6, 2):  # patches a side
