@@ -269,7 +269,7 @@ class ValueModel(nn.Module):
         path = Path(path)
         if torch.device(device).type == "meta":
             return cls(model_structure(AutoModel, path, dtype, attention))
-        options = {"attn_implementation": attention} if attention is not None else {}
+        options: dict[str, Any] = {"attn_implementation": attention} if attention is not None else {}
         backbone = AutoModel.from_pretrained(path, dtype=dtype, **options)
         prepare_vision_tower(backbone)  # as the actor's, which a new critic is a copy of
         critic = cls(backbone)
