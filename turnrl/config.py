@@ -326,8 +326,10 @@ class ModelConfig:
     compile: bool = False
     """``torch.compile`` each decoder layer's norms and MLP (and a VLM's vision blocks'), and the rotary embedding
     its attention calls with the cast to bf16 that follows it under autocast (and a VLM's vision tower's rotary
-    embedding), for the training and scoring passes (SFT and RL) and the tower's encoding in the rollout: their
-    elementwise kernels fuse (see :func:`turnrl.models.loading.compile_layer_parts`); the first passes compile."""
+    embedding), and the scoring head's arithmetic on each chunk of logits
+    (:func:`turnrl.training.head.chosen_logprobs`), for the training and scoring passes (SFT and RL) and the
+    tower's encoding in the rollout: their elementwise kernels fuse (see
+    :func:`turnrl.models.loading.compile_layer_parts`); the first passes compile."""
     attention: str = "sdpa"
     """The attention of the trainer's forward passes: ``sdpa`` (PyTorch's; packed rows of
     ``algorithm.micro_batch_tokens`` attend sequence by sequence, see :mod:`turnrl.training.packed_attention`) or

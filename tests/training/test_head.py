@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnrl.models.loading import load_model
-from turnrl.training.head import ScoringHead, chosen_logprobs, install_scoring_head
+from turnrl.training.head import (
+    ScoringHead,
+    chosen_logprobs,
+    chunk_logit_grads,
+    chunk_scores,
+    install_scoring_head,
+)
 
 
 def reference(states, weight, targets, temperature, vocab_limit):
@@ -92,16 +98,81 @@ def test_any_shape_matches_the_reference(n, v, chunk, data):
     torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("vocab_limit", [40, 29])
+def test_the_chunk_functions_equal_the_whole_logits(temperature, vocab_limit):
+    """:func:`chunk_scores` and :func:`chunk_logit_grads` (the compiled path's arithmetic, run eagerly here)
+    against autograd through the float64 reference, a chunk's logits in, float32 out."""
+    states, weight, g = _inputs()
+    targets = torch.randint(0, vocab_limit, (13,), generator=g)
+    grad_lp, grad_ent = torch.randn(13, generator=g, dtype=torch.float64), torch.randn(13, generator=g,
+                                                                                       dtype=torch.float64)
+    logits = (states @ weight.T).requires_grad_()
+    lp, ent, lse = chunk_scores(logits.detach(), targets, temperature, vocab_limit)
+    grad = chunk_logit_grads(logits.detach(), targets, lse, ent, grad_lp.float(), grad_ent.float(), temperature,
+                             vocab_limit, torch.float32)
+    log_p = torch.log_softmax(logits[:, :vocab_limit] / temperature, dim=-1)
+    ref_lp, ref_ent = log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+    ((ref_lp * grad_lp).sum() + (ref_ent * grad_ent).sum()).backward()
+    assert lp.dtype == ent.dtype == lse.dtype == grad.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits[:, :vocab_limit] / temperature, -1),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.double(), logits.grad, atol=1e-5, rtol=1e-4)
+    assert torch.equal(grad[:, vocab_limit:], torch.zeros_like(grad[:, vocab_limit:]))
+
+
+def test_the_chunk_functions_give_a_peaked_distribution_finite_values():
+    logits = torch.tensor([[1e4, 1.0, -1e4]])
+    lp, ent, lse = chunk_scores(logits, torch.tensor([0]), 1.0, 3)
+    grad = chunk_logit_grads(logits, torch.tensor([0]), lse, ent, torch.ones(1), torch.ones(1), 1.0, 3,
+                             torch.float32)
+    assert torch.isfinite(lp).all() and torch.isfinite(grad).all()
+    assert float(ent) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_scoring_equals_the_eager_one(dtype):
+    """``compiled=True`` (``model.compile``): the chunk functions through torch.compile, chunks of 5, 5 and 3
+    tokens (one graph: shapes are dynamic), a temperature and a vocabulary limit; float32 states against the float64 reference, bf16 states (a
+    bf16 product, as under autocast) against the eager path reading the same bf16 logits."""
+    states, weight, g = _inputs()
+    targets = torch.randint(0, 29, (13,), generator=g)
+    grad_lp, grad_ent = torch.randn(13, generator=g), torch.randn(13, generator=g)
+    results = []
+    for compiled in (True, False):
+        a_states, a_weight = states.to(dtype).requires_grad_(), weight.float().requires_grad_()
+        lp, ent = chosen_logprobs(a_states, a_weight, targets, 0.7, 29, chunk=5, compiled=compiled)
+        ((lp * grad_lp).sum() + (ent * grad_ent).sum()).backward()
+        results.append((lp, ent, a_states.grad, a_weight.grad))
+    (lp, ent, grad_states, grad_weight), eager = results
+    assert grad_states.dtype == dtype and grad_weight.dtype == torch.float32
+    if dtype == torch.float32:
+        b_states, b_weight = states.clone().requires_grad_(), weight.clone().requires_grad_()
+        ref_lp, ref_ent = reference(b_states, b_weight, targets, 0.7, 29)
+        ((ref_lp * grad_lp.double()).sum() + (ref_ent * grad_ent.double()).sum()).backward()
+        expected = (ref_lp, ref_ent, b_states.grad, b_weight.grad)
+        for got, want in zip((lp, ent, grad_states, grad_weight), expected, strict=True):
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
+    else:  # the same bf16 logits both ways; the gradients round to bf16 once (compiled) or after each product
+        torch.testing.assert_close(lp, eager[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent, eager[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad_states, eager[2], atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(grad_weight, eager[3], atol=1e-2, rtol=1e-2)
+
+
 def test_installed_head_keeps_logits_and_ties(tiny_model_dir):
     model = load_model(tiny_model_dir)
     embeddings = model.get_input_embeddings().weight
     ids = torch.tensor([[1, 2, 3, 4]])
     before = model(input_ids=ids).logits
     head = install_scoring_head(model, vocab_limit=100)
-    assert isinstance(model.get_output_embeddings(), ScoringHead)
+    assert isinstance(model.get_output_embeddings(), ScoringHead) and not head.compiled
     assert head.weight is embeddings  # a tied head stays tied
     torch.testing.assert_close(model(input_ids=ids).logits, before)
     hidden = model.base_model(input_ids=ids).last_hidden_state[0]
     lp, _ = head(hidden[:-1], targets=ids[0, 1:])
     expected = torch.log_softmax(before[0, :-1, :100].double(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     torch.testing.assert_close(lp.double(), expected, atol=1e-5, rtol=1e-5)
+    assert install_scoring_head(model, vocab_limit=100, compiled=True) is head and head.compiled

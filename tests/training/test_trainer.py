@@ -31,6 +31,8 @@ from turnrl.training.commands import GracefulStop, train
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
 from turnrl.training.schedules import kl_adaptive_scale
 from turnrl.training.train_config import TrainConfig
+from turnrl.training import trainer as trainer_module
+from turnrl.training.head import ScoringHead
 from turnrl.training.trainer import Trainer
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.
@@ -231,6 +233,22 @@ def test_adams_betas_reach_the_actors_and_the_critics_optimizers(tiny_model_dir,
         assert trainer.critic_optimizer is not None
         for optimizer in (trainer.actor_optimizer, trainer.critic_optimizer):
             assert optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_model_compile_scores_through_the_compiled_head_for_the_actor_and_the_reference(
+        tiny_model_dir, tmp_path, monkeypatch, compiled):
+    # The layers' compile is tested in tests/models/test_loading.py; here it would swap transformers' rotary
+    # functions for the rest of the worker's tests.
+    monkeypatch.setattr(trainer_module, "compile_layer_parts", lambda model: 0)
+    trainer = Trainer(config(tiny_model_dir, tmp_path, "algorithm.kl_coef=0.1", f"model.compile={compiled}"))
+    try:
+        assert trainer.reference is not None
+        for model in (trainer.actor, trainer.reference):
+            head = model.get_output_embeddings()
+            assert isinstance(head, ScoringHead) and head.compiled is compiled
     finally:
         trainer.close()
 

@@ -308,8 +308,9 @@ def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool, comp
     peak at 8k tokens without checkpointing, docs/benchmarks.md), ``NORM_COPIES h`` fewer for ``compiled``
     layers. With checkpointing each layer keeps only its input and one layer is recomputed at a time (the
     7B pass with checkpointing peaked at 38.1 GiB compiled or not). The scoring head holds two float32 chunks
-    of logits, and in its backward pass (``trains_head``: not under LoRA) the float32 sum of its weight's
-    gradient beside one chunk's bf16 product (2.3 + 1.2 GiB for an 8B VLM's 152k x 4096 head).
+    of logits and a bf16 copy of its weight, and in its backward pass (``trains_head``: not under LoRA) the
+    float32 sum of its weight's gradient beside one chunk's bf16 product (2.3 + 1.2 GiB for an 8B VLM's 152k x
+    4096 head).
     """
     working = layer_working_bytes(counts, tokens)
     kept_working = working - (2 * tokens * NORM_COPIES * counts.hidden if compiled else 0)
@@ -325,14 +326,15 @@ def layer_working_bytes(counts: ModelCounts, tokens: int) -> int:
 
 
 def head_chunk_bytes(counts: ModelCounts, tokens: int) -> int:
-    """The scoring head's two float32 chunks of logits for a pass of ``tokens``."""
-    return 2 * 4 * min(tokens, DEFAULT_CHUNK) * counts.vocab
+    """The scoring head's two float32 chunks of logits for a pass of ``tokens``, and its weight's bf16 copy (held
+    over a pass's chunks: float32 weights are cast once a pass)."""
+    return 2 * 4 * min(tokens, DEFAULT_CHUNK) * counts.vocab + 2 * counts.vocab * counts.hidden
 
 
 def scoring_activation_bytes(counts: ModelCounts, tokens: int) -> float:
     """One pass of ``tokens`` that only scores (no backward: ``algorithm.score_micro_batch_tokens``): a layer's
     working set at a time (:func:`activation_bytes`' per-layer count, an upper bound without autograd's copies) and
-    the scoring head's two float32 chunks of logits."""
+    the scoring head's (:func:`head_chunk_bytes`)."""
     return layer_working_bytes(counts, tokens) + head_chunk_bytes(counts, tokens)
 
 

@@ -603,7 +603,7 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     if demos:  # written once SFT will run: a run stopped by the check leaves no SFT folder behind
         write_trajectories(demos[:50], out, name="demos_sample.jsonl")
     model = load_model(path, device=device, attention=implementation(config.model.attention))
-    install_scoring_head(model, len(tokenizer))
+    install_scoring_head(model, len(tokenizer), compiled=config.model.compile)
     if not config.model.train_vision:
         freeze_vision_tower(model)
     if config.model.gradient_checkpointing:

@@ -355,7 +355,7 @@ class Trainer:
         self.processor = load_processor(start, config.model.min_pixels, config.model.max_pixels)
         attention = implementation(config.model.attention)
         self.actor = load_model(start, device=self.load_device(), attention=attention)
-        install_scoring_head(self.actor, len(self.tokenizer))
+        install_scoring_head(self.actor, len(self.tokenizer), compiled=config.model.compile)
         if not config.model.train_vision:
             freeze_vision_tower(self.actor)
         if config.model.gradient_checkpointing:
@@ -385,7 +385,7 @@ class Trainer:
             else:
                 self.reference = load_model(reference_path, dtype=self.dtype, device=self.load_device(),
                                             attention=attention)
-                install_scoring_head(self.reference, len(self.tokenizer))
+                install_scoring_head(self.reference, len(self.tokenizer), compiled=config.model.compile)
             self.reference.eval().requires_grad_(False)
         if config.lora.enabled:
             from peft import LoraConfig, PeftModel, get_peft_model
