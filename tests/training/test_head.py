@@ -135,8 +135,9 @@ def test_the_chunk_functions_give_a_peaked_distribution_finite_values():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_scoring_equals_the_eager_one(dtype):
     """``compiled=True`` (``model.compile``): the chunk functions through torch.compile, chunks of 5, 5 and 3
-    tokens (one graph: shapes are dynamic), a temperature and a vocabulary limit; float32 states against the float64 reference, bf16 states (a
-    bf16 product, as under autocast) against the eager path reading the same bf16 logits."""
+    tokens (one graph: shapes are dynamic), a temperature and a vocabulary limit; float32 states against the
+    float64 reference, bf16 states (a bf16 product, as under autocast) against the eager path reading the same
+    bf16 logits."""
     states, weight, g = _inputs()
     targets = torch.randint(0, 29, (13,), generator=g)
     grad_lp, grad_ent = torch.randn(13, generator=g), torch.randn(13, generator=g)
@@ -155,7 +156,7 @@ def test_compiled_scoring_equals_the_eager_one(dtype):
         expected = (ref_lp, ref_ent, b_states.grad, b_weight.grad)
         for got, want in zip((lp, ent, grad_states, grad_weight), expected, strict=True):
             torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
-    else:  # the same bf16 logits both ways; the gradients round to bf16 once (compiled) or after each product
+    else:  # the same bf16 logits both ways; the logits' gradient, summed in another order, rounds to bf16
         torch.testing.assert_close(lp, eager[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent, eager[1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(grad_states, eager[2], atol=1e-2, rtol=1e-2)
