@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.generation import SHAPES, VARIANTS, build, short_error, synchronize  # noqa: E402
+from benchmarks.generation import SHAPES, VARIANTS, build, short_error  # noqa: E402
+from benchmarks.timing import synchronize  # noqa: E402
 from turnrl.config import EngineConfig  # noqa: E402
 from turnrl.engine.forward import decoder_forward, final_logits  # noqa: E402
 from turnrl.engine.llm_engine import Engine, SamplingParams  # noqa: E402

@@ -55,6 +55,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import synchronize  # noqa: E402
 from turnrl.config import EngineConfig  # noqa: E402
 from turnrl.engine.llm_engine import Engine, Result, SamplingParams  # noqa: E402
 
@@ -76,11 +77,6 @@ def build(preset: str, device: torch.device, dtype: torch.dtype) -> Qwen2ForCaus
     torch.manual_seed(0)
     config = Qwen2Config(**SHAPES[preset], max_position_embeddings=4096, tie_word_embeddings=True)
     return Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:

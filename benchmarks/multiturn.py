@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.generation import SHAPES, build, synchronize  # noqa: E402
+from benchmarks.generation import SHAPES, build  # noqa: E402
+from benchmarks.timing import synchronize  # noqa: E402
 from turnrl.config import EngineConfig  # noqa: E402
 from turnrl.engine.llm_engine import Engine, EngineStats, SamplingParams  # noqa: E402
 from turnrl.engine.model_runner import Launched  # noqa: E402

@@ -35,6 +35,7 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import synchronize  # noqa: E402
 from turnrl.models.loading import CompiledRotary  # noqa: E402
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -84,11 +85,6 @@ def milliseconds(rotary: Rotary, q: torch.Tensor, k: torch.Tensor, cos: torch.Te
         call()
     synchronize(q.device)
     return (time.perf_counter() - start) / repeats * 1e3
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import synchronize  # noqa: E402
 from turnrl.training.head import DEFAULT_CHUNK, chosen_logprobs  # noqa: E402
 
 
@@ -54,11 +55,6 @@ def milliseconds(states: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
         score(states, weight, targets, grads, compiled, chunk)
     synchronize(states.device)
     return (time.perf_counter() - start) / repeats * 1e3
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:

@@ -1,9 +1,14 @@
-"""Shared timing for the env benchmarks whose calls take milliseconds (physics skills, SVG renders)."""
+"""Shared timing: a call rate for the env benchmarks whose calls take milliseconds (physics skills, SVG renders),
+and the device wait of the GPU benchmarks."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the env benchmarks time without torch
+    import torch
 
 
 def rate(call: Callable[[int], object], seconds: float, least: int = 3) -> float:
@@ -14,3 +19,11 @@ def rate(call: Callable[[int], object], seconds: float, least: int = 3) -> float
         call(count + 1)
         count += 1
     return count / (time.perf_counter() - start)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a CUDA device's; a CPU's is done when its call returns)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)

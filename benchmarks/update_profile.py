@@ -30,10 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import synchronize  # noqa: E402
 from turnrl.config import load_config  # noqa: E402
 from turnrl.models.loading import base_model_path  # noqa: E402
 from turnrl.training import ranks  # noqa: E402
@@ -44,11 +43,6 @@ from turnrl.training.trainer import Trainer  # noqa: E402
 
 PHASES = ("timing/rollout_s", "timing/old_logprobs_s", "timing/values_s", "timing/update_s", "timing/step_s",
           "throughput/update_mfu")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:
