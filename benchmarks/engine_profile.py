@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.generation import SHAPES, VARIANTS, build, short_error  # noqa: E402
-from benchmarks.timing import synchronize  # noqa: E402
+from benchmarks.timing import mean_milliseconds, synchronize  # noqa: E402
 from turnrl.config import EngineConfig  # noqa: E402
 from turnrl.engine.forward import decoder_forward, final_logits  # noqa: E402
 from turnrl.engine.llm_engine import Engine, SamplingParams  # noqa: E402
@@ -99,14 +99,7 @@ def profile_variant(model, dtype, device, variant: str, batch: int, context: int
     config = EngineConfig(kv_cache_gb=40.0, max_rows=batch, max_seq_len=context + 2, **VARIANTS[variant])  # type: ignore[arg-type]
     engine = Engine(model, config, dtype=dtype)
     step, key_len = (prefill_step if prefill else decode_step)(engine, batch, context)
-    for _ in range(3):  # compilation, capture
-        step()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    synchronize(device)
-    wall_ms = 1000 * (time.perf_counter() - start) / steps
+    wall_ms = mean_milliseconds(step, device, steps, warmup=3)  # the warm-up: compilation, capture
     what = f"prefill of {batch} x {context} tokens" if prefill else f"decode, batch {batch}, key length {key_len}"
     print(f"\nengine {variant}: {what}: {wall_ms:.3f} ms per step (wall, with sampling)"
           f"{'' if engine.kernels.compiled or 'compiled' not in variant else ' -- compile fell back to eager'}")

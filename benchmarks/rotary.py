@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timing import synchronize  # noqa: E402
+from benchmarks.timing import mean_milliseconds  # noqa: E402
 from turnrl.models.loading import CompiledRotary  # noqa: E402
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -77,14 +76,7 @@ def milliseconds(rotary: Rotary, q: torch.Tensor, k: torch.Tensor, cos: torch.Te
             if grads is not None:
                 torch.autograd.backward(list(outputs), list(grads))
 
-    for _ in range(5):
-        call()
-    synchronize(q.device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    synchronize(q.device)
-    return (time.perf_counter() - start) / repeats * 1e3
+    return mean_milliseconds(call, q.device, repeats, warmup=5)
 
 
 def main() -> None:

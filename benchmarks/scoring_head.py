@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timing import synchronize  # noqa: E402
+from benchmarks.timing import mean_milliseconds  # noqa: E402
 from turnrl.training.head import DEFAULT_CHUNK, chosen_logprobs  # noqa: E402
 
 
@@ -47,14 +46,8 @@ def score(states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, gra
 def milliseconds(states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: torch.Tensor | None,
                  compiled: bool, chunk: int, repeats: int) -> float:
     """Mean milliseconds of one pass, after two warm-up passes (the first compiles)."""
-    for _ in range(2):
-        score(states, weight, targets, grads, compiled, chunk)
-    synchronize(states.device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        score(states, weight, targets, grads, compiled, chunk)
-    synchronize(states.device)
-    return (time.perf_counter() - start) / repeats * 1e3
+    return mean_milliseconds(lambda: score(states, weight, targets, grads, compiled, chunk), states.device, repeats,
+                             warmup=2)
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Shared timing: a call rate for the env benchmarks whose calls take milliseconds (physics skills, SVG renders),
-and the device wait of the GPU benchmarks."""
+and the device wait and mean call time of the GPU benchmarks."""
 
 from __future__ import annotations
 
@@ -27,3 +27,16 @@ def synchronize(device: torch.device) -> None:
         import torch
 
         torch.cuda.synchronize(device)
+
+
+def mean_milliseconds(call: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
+    """Mean milliseconds of ``call()`` over ``repeats`` calls after ``warmup`` uncounted ones (compiles,
+    autotuning, the allocator), the device's queued work waited for at both ends."""
+    for _ in range(warmup):
+        call()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    synchronize(device)
+    return (time.perf_counter() - start) / repeats * 1e3

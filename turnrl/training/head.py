@@ -20,6 +20,7 @@ that reads them and writes the bf16 gradient (:func:`chunk_scores`, :func:`chunk
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -118,15 +119,11 @@ def chunk_logit_grads(
     return (grad / scale).to(dtype)
 
 
-_compiled_chunk_functions: dict[Callable[..., Any], Callable[..., Any]] = {}
-""":func:`chunk_scores` and :func:`chunk_logit_grads` compiled, once a process (shapes dynamic: chunks of any
-length share a graph)."""
-
-
+@functools.cache
 def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    if function not in _compiled_chunk_functions:
-        _compiled_chunk_functions[function] = torch.compile(function, dynamic=True)
-    return _compiled_chunk_functions[function]
+    """:func:`chunk_scores` or :func:`chunk_logit_grads` compiled, once a process (shapes dynamic: chunks of any
+    length share a graph)."""
+    return torch.compile(function, dynamic=True)
 
 
 class _ChosenLogprobs(torch.autograd.Function):
