@@ -33,6 +33,7 @@ from turnrl.training.schedules import kl_adaptive_scale
 from turnrl.training.train_config import TrainConfig
 from turnrl.training import trainer as trainer_module
 from turnrl.training.head import ScoringHead
+from turnrl.training.packed_attention import CUDNN_ATTENTION
 from turnrl.training.trainer import Trainer
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.
@@ -249,6 +250,21 @@ def test_model_compile_scores_through_the_compiled_head_for_the_actor_and_the_re
         for model in (trainer.actor, trainer.reference):
             head = model.get_output_embeddings()
             assert isinstance(head, ScoringHead) and head.compiled is compiled
+    finally:
+        trainer.close()
+
+
+def test_model_packed_attention_reaches_the_actor_the_critic_and_the_reference(
+        tiny_model_dir, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="model.packed_attention=cudnn needs a CUDA GPU"):
+        Trainer(config(tiny_model_dir, tmp_path, "model.packed_attention=cudnn"))
+    # As on a Hopper GPU: the run's choice resolved to cuDNN (its kernel on a CPU is SDPA's flash fallback).
+    monkeypatch.setattr(trainer_module, "packed_kernel", lambda choice, device: "cudnn")
+    trainer = Trainer(config(tiny_model_dir, tmp_path / "cudnn", "algorithm.kl_coef=0.1"))
+    try:
+        assert trainer.critic is not None and trainer.reference is not None
+        for model in (trainer.actor, trainer.critic.backbone, trainer.reference):
+            assert model.config.get_text_config()._attn_implementation == CUDNN_ATTENTION
     finally:
         trainer.close()
 

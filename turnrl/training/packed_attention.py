@@ -8,21 +8,41 @@ machine. So this registers ``turnrl_sdpa`` with transformers: without sequence b
 (the same function, the same mask), and with them (``sequence_bounds``, passed by
 :func:`~turnrl.training.model_passes.states_before` for packed rows) it runs SDPA's causal kernel (flash on a
 GPU) on each sequence's queries, keys and values in turn, and no mask is built (:func:`packed_forward`).
+
+``turnrl_sdpa_cudnn`` (``model.packed_attention=cudnn``) is the same with each sequence on cuDNN's attention
+kernel, which on a Hopper GPU runs causal attention at 1.5-1.7 times flash's speed at a VLM step's shapes
+(docs/benchmarks.md). cuDNN builds a plan on the host for every new shape (about 0.17 s forward and backward),
+and every sequence of a run has a new length, so each sequence is attended at its length rounded up to a
+multiple of :data:`CUDNN_BUCKET` (:func:`bucketed`): a run meets one shape per bucket, planned once.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "turnrl_sdpa"
 """The ``attn_implementation`` name the trainer loads its models with (``model.attention=sdpa``)."""
+
+CUDNN_ATTENTION = "turnrl_sdpa_cudnn"
+"""The same, packed sequences attended by cuDNN's kernel (``model.packed_attention=cudnn``)."""
+
+CUDNN_BUCKET = 128
+"""The multiple of tokens each packed sequence is attended at under :data:`CUDNN_ATTENTION`: cuDNN's key tiles
+are 128 wide, so no tile is partly past a sequence (cuDNN's Hopper backward has had NaN bugs in such tiles), and
+a run meets at most one shape per 128 tokens of length."""
+
+CUDNN_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
+"""The kernels :data:`CUDNN_ATTENTION` attends with, the first that takes a sequence."""
 
 BOUNDS = "sequence_bounds"
 """The forward keyword that carries packed sequences' bounds to :func:`packed_sdpa`."""
@@ -35,6 +55,7 @@ def packed_sdpa(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     sequence_bounds: list[tuple[int, int]] | None = None,
+    backends: tuple[SDPBackend, ...] = (),
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, per sequence when ``sequence_bounds`` is given.
@@ -42,6 +63,9 @@ def packed_sdpa(
     Args:
         query: Shape (1, heads, t, d); key, value: Shape (1, kv_heads, t, d).
         sequence_bounds: each packed sequence's [start, end) in the row, in order, covering it.
+        backends: the SDPA kernels each sequence is attended by at its :func:`bucketed` length, the first that
+            takes it (:data:`CUDNN_ATTENTION`: cuDNN's, flash's where cuDNN refuses a shape; on a CPU, flash's);
+            none: SDPA's choice, at the sequence's own length.
 
     Returns:
         The attention output, Shape (1, t, heads, d), and no weights.
@@ -53,31 +77,83 @@ def packed_sdpa(
     if sequence_bounds[-1][1] != query.shape[2]:
         raise ValueError(f"the packed sequences end at {sequence_bounds[-1][1]}, the row has {query.shape[2]} tokens")
     kwargs.pop("is_causal", None)
-    parts = [
-        sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
-                               is_causal=True, **kwargs)[0]
-        for start, end in sequence_bounds
-    ]
+    parts = []
+    for start, end in sequence_bounds:
+        if not backends:
+            q, k, v = (x[:, :, start:end] for x in (query, key, value))
+            parts.append(sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0])
+            continue
+        q, k, v = (bucketed(x, start, end) for x in (query, key, value))
+        with sdpa_kernel(list(backends), set_priority=True):
+            parts.append(sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0][:, :end - start])
     return torch.cat(parts, dim=1), None
 
 
-PACKED = "turnrl_sdpa_packed"
-"""The same attention under a name without a mask function: transformers builds no mask for it (during a packed
-forward pass, :func:`packed_forward`)."""
+def bucketed(x: torch.Tensor, start: int, end: int, bucket: int = CUDNN_BUCKET) -> torch.Tensor:
+    """The sequence at ``[start, end)`` of a packed row's queries, keys or values, its length rounded up to a
+    multiple of ``bucket``.
 
-AttentionInterface.register(ATTENTION, packed_sdpa)
-AttentionInterface.register(PACKED, packed_sdpa)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    The tokens past the sequence are read in place from the row (the next sequence's), or, where the row ends
+    first, the sequence is copied and zero-padded. Under causal attention no query of the sequence reads a key
+    past it, and the extra queries' outputs are dropped, so they get no gradient and send none back: the
+    sequence's outputs and every gradient are its own. The result is laid out as the row is, whatever the row's
+    length, so cuDNN, which plans each layout apart, meets one shape per bucket.
+
+    Args:
+        x: Shape (1, heads, t, d), the head dim contiguous (a projection's view: the token dim outermost).
+
+    Returns:
+        Shape (1, heads, padded, d), with strides that depend on ``heads``, ``padded`` and ``d`` alone.
+    """
+    length = end - start
+    padded = -(-length // bucket) * bucket
+    if start + padded <= x.shape[2]:
+        # Selected and unsqueezed, not sliced: a slice keeps the row's batch stride, which changes with every
+        # packed row's length and is part of cuDNN's plan key.
+        return x[0, :, start:start + padded].unsqueeze(0)
+    tokens_outer = F.pad(x[0, :, start:end].transpose(0, 1), (0, 0, 0, 0, 0, padded - length))
+    return tokens_outer.transpose(0, 1).unsqueeze(0)
 
 
-def implementation(name: str) -> str:
-    """The ``attn_implementation`` of ``model.attention``: ``sdpa`` is :data:`ATTENTION`; others as named."""
-    return ATTENTION if name == "sdpa" else name
+PACKED = {ATTENTION: "turnrl_sdpa_packed", CUDNN_ATTENTION: "turnrl_sdpa_cudnn_packed"}
+"""Each trainer attention under a name without a mask function: transformers builds no mask for it (during a
+packed forward pass, :func:`packed_forward`)."""
+
+for name, function in ((ATTENTION, packed_sdpa),
+                       (CUDNN_ATTENTION, functools.partial(packed_sdpa, backends=CUDNN_BACKENDS))):
+    AttentionInterface.register(name, function)
+    AttentionInterface.register(PACKED[name], function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def implementation(name: str, packed_kernel: str = "flash") -> str:
+    """The ``attn_implementation`` of ``model.attention``: ``sdpa`` is :data:`ATTENTION`, or
+    :data:`CUDNN_ATTENTION` for packed rows on cuDNN (``packed_kernel``, :func:`packed_kernel`'s); others as
+    named."""
+    if name != "sdpa":
+        return name
+    return CUDNN_ATTENTION if packed_kernel == "cudnn" else ATTENTION
+
+
+def packed_kernel(choice: str, device: torch.device) -> str:
+    """``model.packed_attention`` for a run on ``device``: ``auto`` is ``cudnn`` on a Hopper GPU (compute
+    capability 9.x, where it was measured faster) with cuDNN, else ``flash``.
+
+    Raises:
+        ValueError: ``cudnn`` asked for without a CUDA GPU and cuDNN.
+    """
+    usable = device.type == "cuda" and torch.backends.cudnn.is_available()
+    if choice == "cudnn" and not usable:
+        raise ValueError(f"model.packed_attention=cudnn needs a CUDA GPU with cuDNN; this run is on {device}: "
+                         "set model.packed_attention=auto or flash")
+    if choice == "auto":
+        return "cudnn" if usable and torch.cuda.get_device_capability(device)[0] == 9 else "flash"
+    return choice
 
 
 def packs(model_config: Any) -> bool:
     """Whether a model with this (text) config attends packed rows per sequence (``model.attention=sdpa``)."""
-    return model_config._attn_implementation == ATTENTION
+    return model_config._attn_implementation in PACKED
 
 
 @contextmanager
@@ -85,8 +161,9 @@ def packed_forward(text_config: Any) -> Iterator[None]:
     """For the forward pass of packed rows: no mask built (transformers would build the (t, t) block-diagonal
     one from the restarting positions, which :func:`packed_sdpa` does not read). A layer recomputed for
     gradient checkpointing after this returns calls :func:`packed_sdpa` again with the same (absent) mask."""
-    text_config._attn_implementation = PACKED
+    name = text_config._attn_implementation
+    text_config._attn_implementation = PACKED[name]
     try:
         yield
     finally:
-        text_config._attn_implementation = ATTENTION
+        text_config._attn_implementation = name

@@ -12,11 +12,13 @@ import torch
 
 
 def skip_cudnn_attention(device: torch.device) -> None:
-    """Keep SDPA off cuDNN's attention kernels in this (training) process on a GPU.
+    """Keep SDPA's own choice off cuDNN's attention kernels in this (training) process on a GPU.
 
     cuDNN builds a plan for every new shape, and training batches are padded to new lengths step after step:
     on an H100, the 0.5B RAGEN recipe's scoring and update took 1-2 s longer in the steps that met new lengths
     (steps of 5.3 to 8.0 s); with flash and memory-efficient attention, 5.4-5.5 s from the second step on.
+    Packed rows ask for cuDNN's kernel themselves, at lengths that meet few shapes
+    (:mod:`turnrl.training.packed_attention`, ``model.packed_attention``).
     """
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
