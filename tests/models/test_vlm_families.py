@@ -33,7 +33,7 @@ from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.training.batch import collate, turn_samples
 from turnrl.training.head import install_scoring_head
 from turnrl.training.model_passes import token_logprobs
-from turnrl.training.packed_attention import ATTENTION
+from turnrl.training.packed_attention import ATTENTION, CUDNN_ATTENTION
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 VISION = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, spatial_merge_size=2,
@@ -102,9 +102,11 @@ def test_a_vlm_of_each_family_trains_on_the_tokens_it_sampled(family, tiny_model
                                      model_inputs=batch.model_inputs)
     mismatch = ((logprobs - batch.sampler_logprobs).abs() * batch.loss_mask).max()
     assert mismatch < 1e-3, f"{family}: training forward and sampler disagree by {float(mismatch):.2e}"
-    # Packed end to end, each row keeps its images' M-RoPE positions and attends only to itself.
-    policy.model.set_attn_implementation(ATTENTION)
-    with torch.no_grad():
-        packed, _ = token_logprobs(policy.model, batch.input_ids, batch.attention_mask, batch.loss_mask,
-                                   model_inputs=batch.model_inputs, packed=True)
-    torch.testing.assert_close(packed, logprobs, atol=1e-5, rtol=1e-5)
+    # Packed end to end, each row keeps its images' M-RoPE positions and attends only to itself, at its own
+    # length and at cuDNN's bucketed one (on a CPU, SDPA's flash kernel runs it).
+    for attention in (ATTENTION, CUDNN_ATTENTION):
+        policy.model.set_attn_implementation(attention)
+        with torch.no_grad():
+            packed, _ = token_logprobs(policy.model, batch.input_ids, batch.attention_mask, batch.loss_mask,
+                                       model_inputs=batch.model_inputs, packed=True)
+        torch.testing.assert_close(packed, logprobs, atol=1e-5, rtol=1e-5, msg=attention)

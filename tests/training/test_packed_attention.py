@@ -74,7 +74,11 @@ def test_bucketed_lays_out_every_sequence_alike_whatever_the_rows_length_and_its
     strides of one layout, so a run plans one shape per bucket."""
     layouts = {bucketed(projections(t)[0], start, start + 100).stride()
                for t, start in ((300, 0), (300, 57), (1000, 400), (150, 50))}
+    heads_outer = projections(300)[0].contiguous()  # its head stride is the row's length: copied
+    copied = bucketed(heads_outer, 57, 157)
+    layouts.add(copied.stride())
     assert len(layouts) == 1
+    assert torch.equal(copied[:, :, :100], heads_outer[:, :, 57:157]) and not copied[:, :, 100:].any()
 
 
 @pytest.mark.parametrize("lengths", [(100, 200, 60), (128, 1, 255), (300,)])

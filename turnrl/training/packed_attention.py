@@ -96,23 +96,26 @@ def bucketed(x: torch.Tensor, start: int, end: int, bucket: int = CUDNN_BUCKET) 
     The tokens past the sequence are read in place from the row (the next sequence's), or, where the row ends
     first, the sequence is copied and zero-padded. Under causal attention no query of the sequence reads a key
     past it, and the extra queries' outputs are dropped, so they get no gradient and send none back: the
-    sequence's outputs and every gradient are its own. The result is laid out as the row is, whatever the row's
-    length, so cuDNN, which plans each layout apart, meets one shape per bucket.
+    sequence's outputs and every gradient are its own. The result is laid out tokens outermost, as a
+    projection's view of the row is, whatever the row's length, so cuDNN, which plans each layout apart, meets
+    one shape per bucket; a row laid out heads outermost, whose head stride changes with its length, is copied.
 
     Args:
-        x: Shape (1, heads, t, d), the head dim contiguous (a projection's view: the token dim outermost).
+        x: Shape (1, heads, t, d), the head dim contiguous.
 
     Returns:
         Shape (1, heads, padded, d), with strides that depend on ``heads``, ``padded`` and ``d`` alone.
     """
     length = end - start
     padded = -(-length // bucket) * bucket
-    if start + padded <= x.shape[2]:
+    heads, dim = x.shape[1], x.shape[3]
+    tokens_outer = x.stride(1) == dim and x.stride(2) == heads * dim
+    if tokens_outer and start + padded <= x.shape[2]:
         # Selected and unsqueezed, not sliced: a slice keeps the row's batch stride, which changes with every
         # packed row's length and is part of cuDNN's plan key.
         return x[0, :, start:start + padded].unsqueeze(0)
-    tokens_outer = F.pad(x[0, :, start:end].transpose(0, 1), (0, 0, 0, 0, 0, padded - length))
-    return tokens_outer.transpose(0, 1).unsqueeze(0)
+    copied = F.pad(x[0, :, start:end].transpose(0, 1), (0, 0, 0, 0, 0, padded - length))
+    return copied.transpose(0, 1).unsqueeze(0)
 
 
 PACKED = {ATTENTION: "turnrl_sdpa_packed", CUDNN_ATTENTION: "turnrl_sdpa_cudnn_packed"}
