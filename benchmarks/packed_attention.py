@@ -19,7 +19,8 @@ backend it names:
 The sequences are laid end to end in packs of at most ``--pack-tokens``, as the trainer's micro-batches are.
 
 For each it prints milliseconds for all the sequences forward (a scoring pass), forward and backward (an
-update's), the first pass over new lengths, the attention's TFLOP/s (causal: ``2 x 2 x heads x dim x L(L+1)/2``
+update's), a first pass over new lengths and a second over other new lengths near them (a run's next step: few
+new buckets), the attention's TFLOP/s (causal: ``2 x 2 x heads x dim x L(L+1)/2``
 forward, 2.5 times that backward) and the largest difference of its output and its queries' gradient from flash's.
 
     python benchmarks/packed_attention.py                       # a GPU: 64 sequences of 3,600-4,300 tokens
