@@ -122,6 +122,16 @@ def test_a_model_on_the_cudnn_attention_scores_packed_rows_as_the_flash_one(tiny
         torch.testing.assert_close(cudnn_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_unpacked_rows_on_the_cudnn_attention_attend_as_plain_sdpa(tiny_model_dir):
+    """Without sequence bounds (rows padded, a mask) the cuDNN name is transformers' sdpa, mask and all."""
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                 attn_implementation=CUDNN_ATTENTION)
+    inputs = padded_batch(model.config.vocab_size, seed=5)
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(model, *inputs)[0], token_logprobs(plain, *inputs)[0])
+
+
 def test_the_model_setting_names_the_attention_a_run_loads():
     cpu = torch.device("cpu")
     assert implementation("sdpa", packed_kernel("auto", cpu)) == ATTENTION
