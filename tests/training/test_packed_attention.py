@@ -22,6 +22,7 @@ from turnrl.training.packed_attention import (
     packed_kernel,
     packed_sdpa,
     packs,
+    run_attention,
 )
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -138,6 +139,8 @@ def test_the_model_setting_names_the_attention_a_run_loads():
     assert implementation("sdpa", packed_kernel("flash", cpu)) == ATTENTION
     assert implementation("sdpa", "cudnn") == CUDNN_ATTENTION
     assert implementation("eager", "cudnn") == "eager"
+    assert run_attention(ModelConfig(), cpu) == ATTENTION
+    assert run_attention(ModelConfig(attention="eager"), cpu) == "eager"
     with pytest.raises(ValueError, match="model.packed_attention=auto or flash"):
         packed_kernel("cudnn", cpu)
     with pytest.raises(ConfigError, match="model.packed_attention"):

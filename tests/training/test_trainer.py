@@ -33,6 +33,7 @@ from turnrl.training.schedules import kl_adaptive_scale
 from turnrl.training.train_config import TrainConfig
 from turnrl.training import trainer as trainer_module
 from turnrl.training.head import ScoringHead
+from turnrl.training import packed_attention
 from turnrl.training.packed_attention import CUDNN_ATTENTION
 from turnrl.training.trainer import Trainer
 
@@ -259,7 +260,7 @@ def test_model_packed_attention_reaches_the_actor_the_critic_and_the_reference(
     with pytest.raises(ValueError, match="model.packed_attention=cudnn needs a CUDA GPU"):
         Trainer(config(tiny_model_dir, tmp_path, "model.packed_attention=cudnn"))
     # As on a Hopper GPU: the run's choice resolved to cuDNN (its kernel on a CPU is SDPA's flash fallback).
-    monkeypatch.setattr(trainer_module, "packed_kernel", lambda choice, device: "cudnn")
+    monkeypatch.setattr(packed_attention, "packed_kernel", lambda choice, device: "cudnn")
     trainer = Trainer(config(tiny_model_dir, tmp_path / "cudnn", "algorithm.kl_coef=0.1"))
     try:
         assert trainer.critic is not None and trainer.reference is not None

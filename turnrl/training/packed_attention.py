@@ -30,6 +30,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from turnrl.config import ModelConfig
+
 ATTENTION = "turnrl_sdpa"
 """The ``attn_implementation`` name the trainer loads its models with (``model.attention=sdpa``)."""
 
@@ -152,6 +154,12 @@ def packed_kernel(choice: str, device: torch.device) -> str:
     if choice == "auto":
         return "cudnn" if usable and torch.cuda.get_device_capability(device)[0] == 9 else "flash"
     return choice
+
+
+def run_attention(model: ModelConfig, device: torch.device) -> str:
+    """The ``attn_implementation`` a run's training models load with on ``device``: ``model.attention``, and
+    for ``sdpa`` the kernel ``model.packed_attention`` resolves to there (:func:`packed_kernel`)."""
+    return implementation(model.attention, packed_kernel(model.packed_attention, device))
 
 
 def packs(model_config: Any) -> bool:

@@ -49,7 +49,7 @@ from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
 from turnrl.training.memory import check_sft_memory, sft_out_of_memory
 from turnrl.training.model_passes import token_and_candidate_logprobs, token_logprobs
-from turnrl.training.packed_attention import implementation, packed_kernel
+from turnrl.training.packed_attention import run_attention
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.schedules import lr_factor
 from turnrl.training.train_config import SFTConfig, TrainConfig
@@ -602,7 +602,7 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
         console.print(f"SFT memory, estimated: {memory.table()}")
     if demos:  # written once SFT will run: a run stopped by the check leaves no SFT folder behind
         write_trajectories(demos[:50], out, name="demos_sample.jsonl")
-    attention = implementation(config.model.attention, packed_kernel(config.model.packed_attention, device))
+    attention = run_attention(config.model, device)
     model = load_model(path, device=device, attention=attention)
     install_scoring_head(model, len(tokenizer), compiled=config.model.compile)
     if not config.model.train_vision:

@@ -102,7 +102,7 @@ from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import RunConsole, RunProgress
 from turnrl.training.memory import OptimizerSteps, halved_micro_batches, phase_peak_gib, start_phase, torch_said
 from turnrl.training.model_passes import ValueModel
-from turnrl.training.packed_attention import implementation, packed_kernel
+from turnrl.training.packed_attention import run_attention
 from turnrl.training.parallel.strategy import (
     CheckpointFiles,
     Models,
@@ -353,7 +353,7 @@ class Trainer:
         self.start_path = Path(start)
         self.tokenizer = load_tokenizer(start)
         self.processor = load_processor(start, config.model.min_pixels, config.model.max_pixels)
-        attention = implementation(config.model.attention, packed_kernel(config.model.packed_attention, self.device))
+        attention = run_attention(config.model, self.device)
         self.actor = load_model(start, device=self.load_device(), attention=attention)
         install_scoring_head(self.actor, len(self.tokenizer), compiled=config.model.compile)
         if not config.model.train_vision:
