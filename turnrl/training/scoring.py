@@ -74,7 +74,7 @@ def score_batch(
             metrics[DRIFT] = float(aggregate((old_logprobs - batch.sampler_logprobs).abs(), batch.loss_mask))
         else:
             old_logprobs = batch.sampler_logprobs
-        metrics["timing/old_logprobs_s"] = time.time() - start
+        metrics["timing/old_logprobs_s"] = seconds_until_computed(old_logprobs, start)
         ref_logprobs = None
         if config.kl_coef > 0:
             start = time.time()
@@ -83,13 +83,22 @@ def score_batch(
                     ref_logprobs = batched_logprobs(actor, batch, micro, temperature, passes)
             else:
                 ref_logprobs = batched_logprobs(reference, batch, micro, temperature, passes)
-            metrics["timing/reference_s"] = time.time() - start
+            metrics["timing/reference_s"] = seconds_until_computed(ref_logprobs, start)
         values = None
         if critic is not None:
             start = time.time()
             values = batched_values(critic, batch, micro, passes)
-            metrics["timing/values_s"] = time.time() - start
+            metrics["timing/values_s"] = seconds_until_computed(values, start)
     return TokenScores(old_logprobs, ref_logprobs, values, metrics)
+
+
+def seconds_until_computed(scores: torch.Tensor, start: float) -> float:
+    """Seconds from ``start`` until the device has computed ``scores``. A pass returns once its kernels are
+    queued; without the wait, the rest of its time would be charged to whatever reads the scores first (the
+    advantages)."""
+    if scores.is_cuda:
+        torch.cuda.synchronize(scores.device)
+    return time.time() - start
 
 
 def keep_shuffles(n: int, config: AlgorithmConfig, generator: torch.Generator) -> None:

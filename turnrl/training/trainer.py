@@ -508,7 +508,9 @@ class Trainer:
         rollout_peak = phase_peak_gib(self.device)
         self.measure_collapse(step, rollout)
         output = self.update_or_retry(step, rollout, keep) if keep else rollout
+        weights_start = time.time()
         output.metrics.update(self.set_weights(step + 1))
+        output.metrics["timing/set_weights_s"] = time.time() - weights_start
         output.metrics["timing/step_s"] = time.time() - step_start
         output.metrics.update(rollout_memory_metrics(rollout_peak, output.metrics, self.rollout.runs_ahead))
         if first:
@@ -609,6 +611,7 @@ class Trainer:
         metrics = rollout.metrics
         generator = torch.Generator().manual_seed(step_seed(config.seeds.seed, step))
         # 3. samples -> padded batch
+        start = time.time()
         batch = make_batch(rollout.trajectories, keep, algo.sample_mode, self.tokenizer.pad_token_id, self.device)
         if encodes_images_once(config, batch):
             batch = batch.with_image_features(rollout.image_features)
@@ -616,6 +619,7 @@ class Trainer:
         metrics["batch/trained_tokens"] = float(batch.loss_mask.sum())
         lengths = batch.attention_mask.sum(1)
         metrics["batch/sequence_length_mean"] = float(lengths.float().mean())
+        metrics["timing/batch_s"] = time.time() - start
 
         # 4. old logprobs, reference logprobs, values
         start_phase(self.device)
@@ -627,6 +631,7 @@ class Trainer:
                 self._timed(phase, scores.metrics[f"timing/{phase}"])
 
         # 5. advantages
+        start = time.time()
         mask = batch.loss_mask
         kl = None
         if scores.ref_logprobs is not None:
@@ -646,6 +651,7 @@ class Trainer:
         if scores.values is not None:
             metrics["critic/values_mean"] = float((scores.values * mask).sum() / n_tokens)
             metrics["critic/returns_mean"] = float((advantages.returns * mask).sum() / n_tokens)
+        metrics["timing/advantages_s"] = time.time() - start
 
         # 6. PPO epochs
         start_phase(self.device)
