@@ -20,7 +20,7 @@ from turnrl.chat.templates import QWEN3
 from turnrl.models.vision import ImageEncoder, content_digest, encoded_bytes
 from turnrl.policy.interface import Completion, Policy
 from turnrl.policy.hf import HFPolicy
-from turnrl.rollout.context import EpisodeTokens
+from turnrl.rollout.context import EpisodeTokens, concat_model_inputs
 from turnrl.rollout.runner import EpisodeSlot, Rollout, message_images
 from turnrl.training.batch import collate, trajectory_samples, turn_samples
 from turnrl.training.sft import trajectory_messages
@@ -106,6 +106,24 @@ def test_every_sample_has_as_many_placeholders_as_image_features(processor):
     for request in policy.requests:  # every prompt sent carried the features of its placeholders
         features = int(request.model_inputs["image_grid_thw"].prod(-1).sum()) // 4
         assert request.prompt_ids.count(pad) == features
+
+
+def test_a_trajectory_sample_views_its_episodes_pixels_and_the_batch_copies_them_once(processor):
+    """The whole-episode sample's inputs are the answered turns' inputs end to end, as the plain concatenation
+    gives them, but as views of the episode's buffers; the batch's collation is their one copy."""
+    trajectories = play(ScriptedVLM(processor), n_episodes=2, max_turns=3)
+    for trajectory, sample in zip(trajectories, trajectory_samples(trajectories, [0, 1])):
+        answered = [turn for turn in trajectory.tokens.turns if turn.response_ids is not None]
+        plain = concat_model_inputs(answered)
+        for key in ("pixel_values", "image_grid_thw"):
+            assert torch.equal(sample.model_inputs[key], plain[key]) and sample.model_inputs[key]._is_view()
+        stream = trajectory.tokens.stream().model_inputs["pixel_values"]
+        assert stream._is_view() and torch.equal(stream, concat_model_inputs(trajectory.tokens.turns)["pixel_values"])
+    samples = trajectory_samples(trajectories, [0, 1])
+    batch = collate(samples, pad_id=0)
+    assert torch.equal(batch.model_inputs["pixel_values"],
+                       torch.cat([sample.model_inputs["pixel_values"] for sample in samples]))
+    assert not batch.model_inputs["pixel_values"]._is_view()  # the batch's own: the episodes' buffers go with them
 
 
 def test_the_latest_images_are_kept_and_older_observations_keep_their_text(processor):

@@ -92,7 +92,8 @@ class EpisodeStream:
     turn_end_positions: list[int]
     """Index in the stream of each turn's last sampled token. (T,)."""
     model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Every turn's extra model inputs, concatenated along dim 0 in turn order."""
+    """Every turn's extra model inputs, concatenated along dim 0 in turn order (views of the episode's buffers
+    where they join: read them, never write them)."""
 
 
 @dataclass(frozen=True)
@@ -372,13 +373,20 @@ class EpisodeTokens:
         held = self.image_turns(t)
         if not any(self.turns[j].model_inputs for j in held):
             return {}  # a text prompt: no buffers to make
-        rows = self._input_rows()
-        if rows is None:
-            return concat_model_inputs([self.turns[j] for j in held])
         first, last = held[0], held[-1]
         if any(self.turns[j].model_inputs for j in range(first, last + 1) if j not in held):
             return concat_model_inputs([self.turns[j] for j in held])
-        return rows.span(first, last)
+        return self.turns_model_inputs(first, last)
+
+    def turns_model_inputs(self, first: int, last: int) -> dict[str, torch.Tensor]:
+        """The extra model inputs of turns ``first`` to ``last`` (inclusive), each concatenated along dim 0 in turn
+        order: views of the buffers the episode keeps where its turns join them (read them, never write them),
+        else a new concatenation."""
+        turns = self._require_started()[first : last + 1]
+        if not any(turn.model_inputs for turn in turns):
+            return {}  # text turns: no buffers to make
+        rows = self._input_rows()
+        return concat_model_inputs(turns) if rows is None else rows.span(first, last)
 
     def prompt_image_digests(self, t: int | None = None) -> list[int] | None:
         """The digests of the images in turn ``t``'s prompt (default: the current one), in order, as
@@ -451,7 +459,7 @@ class EpisodeTokens:
             extend(turn.response_ids, 1, t, turn.logprobs)
             ends.append(len(ids) - 1)
             extend(turn.closing_ids, 0, t)
-        return EpisodeStream(ids, mask, turn_index, logprobs, ends, concat_model_inputs(self.turns))
+        return EpisodeStream(ids, mask, turn_index, logprobs, ends, self.turns_model_inputs(0, len(self.turns) - 1))
 
     def turn_samples(self) -> list[TurnSample]:
         """Each answered turn as (its own prompt, its response): valid with any window."""

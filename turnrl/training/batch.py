@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from turnrl.models.devices import to_device
-from turnrl.rollout.context import EpisodeTokens, TurnTokens, concat_model_inputs
+from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.image_features import IMAGE_KEYS, ImageFeatures
 
@@ -164,15 +164,17 @@ def trajectory_samples(trajectories: list[Trajectory], episode_ids: list[int]) -
                 group=trajectory.group,
                 # The sample ends with the last response: an observation after it (the episode was cut
                 # there) and its images are not part of it.
-                model_inputs=keyed_inputs([t for t in trajectory.tokens.turns if t.response_ids is not None]),
+                model_inputs=keyed_inputs(trajectory.tokens, len(ends)),
             )
         )
     return samples
 
 
-def keyed_inputs(turns: list[TurnTokens]) -> dict[str, torch.Tensor]:
-    """The turns' model inputs, with :data:`IMAGE_KEYS` (their images' digests) where every image has one."""
-    inputs = concat_model_inputs(turns)
+def keyed_inputs(tokens: EpisodeTokens, answered: int) -> dict[str, torch.Tensor]:
+    """The model inputs of the episode's first ``answered`` turns (views of its buffers: the batch copies them
+    once, into its own), with :data:`IMAGE_KEYS` (their images' digests) where every image has one."""
+    turns = tokens.turns[:answered]
+    inputs = tokens.turns_model_inputs(0, answered - 1)
     if any(turn.image_token_counts for turn in turns) and all(
             len(turn.image_digests) == len(turn.image_token_counts) for turn in turns):
         inputs[IMAGE_KEYS] = torch.tensor([digest for turn in turns for digest in turn.image_digests])
