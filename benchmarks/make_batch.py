@@ -32,7 +32,7 @@ from turnrl.models.builtin import builtin_model_path  # noqa: E402
 from turnrl.models.loading import load_processor  # noqa: E402
 from turnrl.rollout.context import EpisodeTokens, concat_model_inputs  # noqa: E402
 from turnrl.rollout.trajectory import Trajectory, TurnRecord  # noqa: E402
-from turnrl.training import batch as batch_module  # noqa: E402
+from turnrl.training.batch import Batch, collate, trajectory_samples  # noqa: E402
 from turnrl.training.scoring import make_batch  # noqa: E402
 
 IMAGE_MESSAGE = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where to? Say a direction."}]}
@@ -64,13 +64,16 @@ def played(args: argparse.Namespace, tokenizer) -> list[Trajectory]:
     return trajectories
 
 
-def concatenating(tokens: EpisodeTokens, answered: int) -> dict[str, torch.Tensor]:
-    """``keyed_inputs`` as it was: the whole stream's inputs concatenated, then the sample's again."""
-    concat_model_inputs(tokens.turns)
-    turns = tokens.turns[:answered]
-    inputs = concat_model_inputs(turns)
-    inputs["image_keys"] = torch.tensor([digest for turn in turns for digest in turn.image_digests])
-    return inputs
+def concatenated_batch(trajectories: list[Trajectory]) -> Batch:
+    """``make_batch`` as it was: each sample's inputs concatenated from its turns (after its whole stream's had
+    been), then joined into the batch's."""
+    samples = trajectory_samples(trajectories, list(range(len(trajectories))))
+    for sample, trajectory in zip(samples, trajectories):
+        assert trajectory.tokens is not None
+        concat_model_inputs(trajectory.tokens.turns)
+        answered = trajectory.tokens.turns[: len(sample.turn_ends)]
+        sample.model_inputs = {**concat_model_inputs(answered), "image_keys": sample.model_inputs["image_keys"]}
+    return collate(samples, 0)
 
 
 def main() -> None:
@@ -88,16 +91,15 @@ def main() -> None:
     tokenizer = load_processor(builtin_model_path(ModelConfig(builtin_preset="vlm-tiny"))).tokenizer
     trajectories = played(args, tokenizer)
     keep, device = list(range(len(trajectories))), torch.device("cpu")
-    views = batch_module.keyed_inputs
-    timings: dict[str, list[float]] = {"concatenated": [], "views": []}
+    ways = {"concatenated": lambda: concatenated_batch(trajectories),
+            "views": lambda: make_batch(trajectories, keep, "trajectory", 0, device)}
+    timings: dict[str, list[float]] = {name: [] for name in ways}
     batches = {}
     for _ in range(args.repeats):
-        for name, keyed in (("concatenated", concatenating), ("views", views)):
-            batch_module.keyed_inputs = keyed
+        for name, way in ways.items():
             start = time.perf_counter()
-            batches[name] = make_batch(trajectories, keep, "trajectory", 0, device)
+            batches[name] = way()
             timings[name].append(time.perf_counter() - start)
-    batch_module.keyed_inputs = views
     pixels = batches["views"].model_inputs["pixel_values"]
     same = all(torch.equal(batches["views"].model_inputs[key], value)
                for key, value in batches["concatenated"].model_inputs.items())
