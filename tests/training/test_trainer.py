@@ -127,6 +127,10 @@ def test_metrics_are_namespaced_per_step(warm_run):
         assert {"rollout", "actor", "critic", "losses", "timing", "filter", "batch", "throughput"} <= namespaces
         assert record["filter/skipped_step"] == 0 and record["filter/kept_ratio"] == 1.0
         assert record["batch/samples"] == 8 and record["rollout/episodes"] == 8
+        # every phase of the step timed, the phases within the step's own wall time
+        phases = ["rollout_s", "batch_s", "old_logprobs_s", "values_s", "advantages_s", "update_s", "set_weights_s"]
+        assert all(record[f"timing/{phase}"] >= 0 for phase in phases)
+        assert sum(record[f"timing/{phase}"] for phase in phases) <= record["timing/step_s"]
     final = [r for r in records(warm_run) if "val/success" in r and r["step"] == 2]
     assert len(final) == 1 and not any(k.startswith("rollout/") for k in final[0])
     assert all("/" in key for r in records(warm_run) for key in r if key not in ("step", "time"))
