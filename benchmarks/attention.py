@@ -6,10 +6,13 @@ rows all ``--context`` long, or of lengths spread evenly from a quarter of it to
 that drifted apart). torch's attention reads every row up to the longest (its key length rounded up to 64); the
 kernel reads each row to its own length. Each setting (key stretches per row, key block, warps, stages) is
 timed as the engine runs it, in a CUDA graph (``--iters`` calls captured and replayed, timed with CUDA events);
-the ratio is against torch in the same run (the last row: the engine's decode kernel as a step runs it, with its
-own settings, rotating the new token's query and key and writing its key and value before it attends), and beside it the share of the GPU's memory bandwidth the kernel
-reached reading its rows' keys and values (``--peak-tbps`` for a GPU not in turnrl's table). The kernel reads the engine's paged cache, each row's pages in a
-shuffled order (as a long run leaves them); torch reads the same keys and values as contiguous rows. With
+the ratio is against torch in the same run (the last rows: the engine's decode kernel as a step runs it, with its
+own settings, rotating the new token's query and key and writing its key and value before it attends, its key
+stretches combined in the kernel, then by a second kernel), and beside it the share of the GPU's memory
+bandwidth the kernel reached reading its rows' keys and values (``--peak-tbps`` for a GPU not in turnrl's table).
+With ``--combine-in-kernel`` each split setting is timed both ways. The kernel reads the engine's paged cache,
+each row's pages in a shuffled order (as a long run leaves them); torch reads the same keys and values as
+contiguous rows. With
 ``--layers 24`` each call reads the next of 24 caches, as a decode step's layers do: a single cache stays partly
 in the GPU's L2 between calls, which flatters every row.
 
@@ -17,6 +20,8 @@ in the GPU's L2 between calls, which flatters every row.
     python benchmarks/attention.py --batch 256 --lengths equal --layers 24 --splits 1 2 --warps 2 4 8 --stages 2 3 4
     python benchmarks/attention.py --heads 16 --kv-heads 2 --head-dim 128 --batch 64 --context 2048 \
         --lengths equal --layers 36 --splits 2 3 4 8 16                   # the VisGym rollout's 3B decode
+    python benchmarks/attention.py --heads 16 --kv-heads 2 --head-dim 128 --batch 64 --context 2048 \
+        --lengths equal varied --layers 36 --splits 3 --blocks 64 --warps 4 --stages 2 --combine-in-kernel
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=14, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--combine-in-kernel", action="store_true",
+                        help="each split setting also with its stretches combined in the attention kernel")
     parser.add_argument("--peak-tbps", type=float, default=0.0, help="the GPU's memory bandwidth (0: turnrl's table)")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -113,29 +120,41 @@ def main() -> None:
         print(f"{batch:>5} {lengths:<8} {'torch (batched matmuls)':<34} {1000 * baseline:>8.1f} {1.0:>7.2f}x")
         auto = decode_splits(batch, kv_heads, device)
         splits = sorted(set(args.splits or [1, 2, 4, auto]))
+        # Split rows combine their key stretches in a second kernel ("2 kernels"), or in the attention kernel
+        # itself, the last stretch of each row and key/value head combining them (counters given, as the engine
+        # gives its cache's).
+        arrivals = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+        ways = [("", None)] + ([(" 1 kernel", arrivals)] if args.combine_in_kernel else [])
         for split, block_n, warps, stages in itertools.product(splits, args.blocks, args.warps, args.stages):
-            try:
-                ms = timed_ms(lambda: [cached_attention(q, pages, table, None, positions, scratch, split=split,
-                                                        block_n=block_n, num_warps=warps, num_stages=stages)
-                                       for pages, table in paged_caches], args.iters) / args.layers
-            except Exception as error:  # a setting the GPU cannot run (shared memory): printed, not fatal
-                print(f"{batch:>5} {lengths:<8} split {split} block {block_n} w{warps} s{stages}: "
-                      f"{type(error).__name__}")
-                continue
-            label = f"triton split {split}{' (auto)' if split == auto else ''} block {block_n} w{warps} s{stages}"
-            share = f"{read / (ms / 1000) / bandwidth:.0%}" if bandwidth else "n/a"
-            print(f"{batch:>5} {lengths:<8} {label:<34} {1000 * ms:>8.1f} {baseline / ms:>7.2f}x {share:>9}", flush=True)
+            for way, counters in ways if split > 1 else ways[:1]:
+                try:
+                    ms = timed_ms(lambda: [cached_attention(q, pages, table, None, positions, scratch, split=split,
+                                                            block_n=block_n, num_warps=warps, num_stages=stages,
+                                                            arrivals=counters)
+                                           for pages, table in paged_caches], args.iters) / args.layers
+                except Exception as error:  # a setting the GPU cannot run (shared memory): printed, not fatal
+                    print(f"{batch:>5} {lengths:<8} split {split} block {block_n} w{warps} s{stages}{way}: "
+                          f"{type(error).__name__}")
+                    continue
+                label = (f"triton split {split}{' (auto)' if split == auto else ''} block {block_n} w{warps} "
+                         f"s{stages}{way}")
+                share = f"{read / (ms / 1000) / bandwidth:.0%}" if bandwidth else "n/a"
+                print(f"{batch:>5} {lengths:<8} {label:<34} {1000 * ms:>8.1f} {baseline / ms:>7.2f}x {share:>9}",
+                      flush=True)
         # The engine's decode: the q/k/v projection in, rotated, the new key and value written at each row's last
-        # position (rewritten every call), then attended with the rest.
+        # position (rewritten every call), then attended with the rest; its stretches combined as the engine
+        # combines them (in the kernel), and by a second kernel.
         projected = torch.randn(batch, 1, (heads + 2 * kv_heads) * head_dim, device=device, dtype=torch.bfloat16)
         angles = torch.rand(capacity, head_dim, device=device)
         cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-        ms = timed_ms(lambda: [rotate_write_attend(projected, cos, sin, positions, pages, table, None, positions,
-                                                   scratch, heads) for pages, table in paged_caches],
-                      args.iters) / args.layers
-        share = f"{read / (ms / 1000) / bandwidth:.0%}" if bandwidth else "n/a"
-        print(f"{batch:>5} {lengths:<8} {'engine decode (rotate, write, attend)':<34} {1000 * ms:>8.1f} "
-              f"{baseline / ms:>7.2f}x {share:>9}", flush=True)
+        for label, counters in (("engine decode (rotate, write, attend)", arrivals),
+                                ("the same, a second combining kernel", None)):
+            ms = timed_ms(lambda: [rotate_write_attend(projected, cos, sin, positions, pages, table, None, positions,
+                                                       scratch, heads, arrivals=counters)
+                                   for pages, table in paged_caches], args.iters) / args.layers
+            share = f"{read / (ms / 1000) / bandwidth:.0%}" if bandwidth else "n/a"
+            print(f"{batch:>5} {lengths:<8} {label:<34} {1000 * ms:>8.1f} {baseline / ms:>7.2f}x {share:>9}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,30 @@ def test_decode_split_into_key_stretches_equals_plain_attention(split):
     torch.testing.assert_close(out.double(), reference(q, kv, None, positions), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_decode_stretches_combined_in_their_own_kernel_equal_the_combining_kernel(split):
+    """With counters given, the last stretch of each row and key/value head combines them all: the output of the
+    second kernel, to float32 rounding, on the same rows as above; every counter is back at zero after each call,
+    so a second call with the same counters gives the same output."""
+    kv = cache(5, 2, 64)
+    q = queries(5, 14, 1, 64)
+    positions = torch.tensor([[0], [3], [CAPACITY], [127], [64]])
+    arrivals = torch.zeros(5 * 2, dtype=torch.int32, device=DEVICE)
+    separate = attend(q, kv, None, positions, split=split)
+    combined = attend(q, kv, None, positions, split=split, arrivals=arrivals)
+    assert not arrivals.any()
+    torch.testing.assert_close(combined, separate, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(combined.double(), reference(q, kv, None, positions), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(attend(q, kv, None, positions, split=split, arrivals=arrivals), combined, atol=0, rtol=0)
+    assert not arrivals.any()
+
+
+def test_too_few_counters_for_the_stretches_are_refused():
+    with pytest.raises(ValueError, match="arrivals must be at least 10 int32 counters"):
+        attend(queries(5, 14, 1, 64), cache(5, 2, 64), None, torch.tensor([[1]] * 5), split=2,
+               arrivals=torch.zeros(9, dtype=torch.int32, device=DEVICE))
+
+
 def test_a_key_block_that_would_cross_a_page_is_refused():
     pages, table = paged(cache(1, 2, 32), 32)
     with pytest.raises(ValueError, match="key blocks of 64 cross pages of 32 positions"):

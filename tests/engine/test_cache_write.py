@@ -118,6 +118,12 @@ def test_decode_attention_with_the_write_inside_equals_write_then_attend(heads, 
     assert out.shape == (b, 1, heads * head_dim) and out.dtype == dtype
     assert torch.equal(kv, expected_kv)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    # The stretches combined by the last of them (the engine's way), the key and value written again in place.
+    arrivals = torch.zeros(b * kv_heads, dtype=torch.int32, device=DEVICE)
+    combined = rotate_write_attend(projected, *rope, positions, kv, table, rows, positions, capacity, heads,
+                                   split=split, arrivals=arrivals)
+    assert torch.equal(kv, expected_kv) and not arrivals.any()
+    torch.testing.assert_close(combined, expected, **({} if split > 1 else dict(atol=0, rtol=0)))
 
 
 def test_decode_attention_with_the_write_inside_refuses_a_prefill():

@@ -68,6 +68,9 @@ class KVCache:
         """Each row's pages in order, then scratch, Shape (R, capacity / P + 1); read by the attention kernels
         and, in place, by the CUDA graphs captured on it."""
         self._table_stale = False
+        self.arrivals = torch.zeros(rows * shape.num_kv_heads, dtype=torch.int32, device=device)
+        """A counter per (row, key/value head) with which a decode step's split attention combines its key
+        stretches in its own kernel (:func:`~turnrl.engine.attention.cached_attention`); zero between calls."""
         self.grown = False
         """The pool's tensors were replaced since the engine last looked (graphs captured on them are stale)."""
 

@@ -407,11 +407,12 @@ def decoder_forward(
                                                   _values(layer.qkv_bias), shape.rms_eps)
             if at_positions and decode:  # one kernel rotates, writes and attends
                 attended = rotate_write_attend(projected, rope[0], rope[1], turns, kv_cache, cache.table, rows,
-                                               positions, cache.capacity, shape.num_heads)
+                                               positions, cache.capacity, shape.num_heads, arrivals=cache.arrivals)
             else:
                 q = rotate_and_write(projected, rope[0], rope[1], turns, write_pos, rows, kv_cache, cache.table,
                                      shape.num_heads)
-                attended = cached_attention(q, kv_cache, cache.table, rows, positions, cache.capacity)
+                attended = cached_attention(q, kv_cache, cache.table, rows, positions, cache.capacity,
+                                            arrivals=cache.arrivals)
             x, mlp_out = kernels.pending_layer_out(x, attended, *after_attention)
         else:
             q, kv = kernels.attention_inputs(
@@ -421,7 +422,8 @@ def decoder_forward(
             )
             cache.write(kv_cache, write_rows, write_pos, kv)  # one indexed write for keys and values
             if triton_attention:
-                attended = cached_attention(q, kv_cache, cache.table, rows, positions, cache.capacity)
+                attended = cached_attention(q, kv_cache, cache.table, rows, positions, cache.capacity,
+                                            arrivals=cache.arrivals)
                 x = kernels.layer_out(x, attended, *after_attention)
             else:
                 cached = cache.gather(kv_cache, write_rows[:, 0], key_len)
