@@ -14,7 +14,8 @@ prefill's blocks stop at the last position they hold (causal). Softmax in float3
 running max and sum). A decode batch too small to fill the GPU splits each row's keys into stretches, each a
 program, whose partial results are combined (flash-decoding): by the last of a row's stretches to finish, where
 the caller gives the counters that say which is last (the engine's cache holds them), else by a second kernel.
-The second kernel's launch and its gap in a CUDA graph cost about 5 us a layer at a 3B decode step of 64 rows.
+On an H200 at the 3B's decode of 64 rows (2,048 keys each, three stretches) one kernel took 40.5 us a layer where
+the two took 41.9 (``benchmarks/attention.py --combine-in-kernel``).
 
 Needs Triton (CUDA builds of torch ship it). On a CPU the engine runs :mod:`turnrl.engine.forward`'s torch
 attention; with ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernel runs on CPU tensors in Triton's
