@@ -33,8 +33,7 @@ idle time by the host's frames (:mod:`turnrl.training.device_idle`; the trace gr
 each round's next requests handed to the engine in N parts, each prefilled while the next part's environments
 step (``agent.prefill_groups``), then in rounds once more, and prints the ratio of the two warm rollouts.
 ``--float32-weights`` holds the model in float32 with the engine in bf16, as a training run's policy is held
-(mixed precision), where the default loads it in bf16; ``--compile`` compiles its layer parts as
-``model.compile=true`` does (the vision tower's norms and MLPs among them, which the engine's prefill runs). ``--baseline`` plays the same rollout again with the
+(mixed precision), where the default loads it in bf16. ``--baseline`` plays the same rollout again with the
 requests' image digests left off, so that the engine hashes each prompt's pixel values as it did before the
 digests came with them, and prints the ratio.
 
@@ -71,7 +70,7 @@ from turnrl.agent.formats import get_format  # noqa: E402
 from turnrl.config import AgentConfig, EngineConfig, ModelConfig, SamplingConfig  # noqa: E402
 from turnrl.envs import make  # noqa: E402
 from turnrl.models.builtin import builtin_model_path  # noqa: E402
-from turnrl.models.loading import compile_layer_parts, load_processor  # noqa: E402
+from turnrl.models.loading import load_processor  # noqa: E402
 from turnrl.models.throughput import peak_bandwidth, peak_flops, roofline_share  # noqa: E402
 from turnrl.models.vision import ImageEncoder, MessageImages  # noqa: E402
 from turnrl.policy.engine import EnginePolicy  # noqa: E402
@@ -355,9 +354,6 @@ def main() -> None:
                         help="with --profile, the device's memory bandwidth in TB/s (0: known GPUs' by name)")
     parser.add_argument("--float32-weights", action="store_true",
                         help="hold the weights in float32 with the engine in bf16, as a training run's policy")
-    parser.add_argument("--compile", action="store_true",
-                        help="compile the model's layer parts as model.compile=true does (the vision tower's blocks "
-                             "among them: a training run's prefill)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.0, help="the engine's cache (0: its default)")
     parser.add_argument("--snapshot", default="runs/vlm_rollout_memory.pickle",
                         help="with --memory, the allocator's snapshot (and its report, .txt)")
@@ -370,8 +366,6 @@ def main() -> None:
     weights = "float32" if args.float32_weights else dtype
     hf = HFPolicy.from_config(ModelConfig(device=args.device, dtype=weights), path, max_batch_size=args.episodes)
     processor = load_processor(path)
-    if args.compile:
-        compile_layer_parts(hf.model)
     engine = EnginePolicy(hf.model, hf.tokenizer, EngineConfig(max_rows=args.episodes, max_seq_len=args.context + 64,
                                                                kv_cache_gb=args.kv_cache_gb),
                           dtype=compute, processor=processor)
