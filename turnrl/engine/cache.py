@@ -27,10 +27,6 @@ small enough that a sequence wastes at most one partly used page."""
 
 SCRATCH_PAGE = 0
 
-ARRIVALS = 1024
-"""Counters :attr:`KVCache.arrivals` holds at least: a down projection's output tiles (a hidden size of 8,192 in
-tiles of 16 is 512)."""
-
 INITIAL_PAGES = 64
 """Pages allocated at first (with the scratch page); the pool doubles, up to the budget, as sequences need more."""
 
@@ -72,12 +68,9 @@ class KVCache:
         """Each row's pages in order, then scratch, Shape (R, capacity / P + 1); read by the attention kernels
         and, in place, by the CUDA graphs captured on it."""
         self._table_stale = False
-        self.arrivals = torch.zeros(max(rows * shape.num_kv_heads, ARRIVALS), dtype=torch.int32, device=device)
-        """Counters with which a decode step's kernels that split their work finish it themselves, zero between
-        calls: one per (row, key/value head) for the attention's key stretches
-        (:func:`~turnrl.engine.attention.cached_attention`), one per output tile for the MLP's down projection
-        (:func:`~turnrl.engine.silu_down.silu_down`). The kernels run one after another on the engine's stream,
-        so they share them."""
+        self.arrivals = torch.zeros(rows * shape.num_kv_heads, dtype=torch.int32, device=device)
+        """A counter per (row, key/value head) with which a decode step's split attention combines its key
+        stretches in its own kernel (:func:`~turnrl.engine.attention.cached_attention`); zero between calls."""
         self.grown = False
         """The pool's tensors were replaced since the engine last looked (graphs captured on them are stale)."""
 

@@ -21,9 +21,8 @@ per-head query/key norms) a layer is :func:`qkv_projection`, then
 :func:`~turnrl.engine.cache_write.rotate_and_write` (rotary and cache write
 in one kernel), the attention kernel and :func:`pending_layer_out`, whose MLP
 output the next layer's projection adds; a decode step's rotary and cache write run inside the attention kernel
-(:func:`~turnrl.engine.attention.rotate_write_attend`), and its SwiGLU product and down projection in one kernel
-after :func:`pending_gate_up` (:func:`~turnrl.engine.silu_down.silu_down`). A Qwen3-VL prefill adds its images'
-deepstack features to the first layers' outputs (:class:`Deepstack`).
+(:func:`~turnrl.engine.attention.rotate_write_attend`). A Qwen3-VL prefill adds its images' deepstack features to
+the first layers' outputs (:class:`Deepstack`).
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ import torch.nn.functional as F
 from turnrl.engine.attention import cached_attention, rotate_write_attend, supported_head_dim
 from turnrl.engine.cache import KVCache
 from turnrl.engine.cache_write import rotate_and_write
-from turnrl.engine.silu_down import MAX_ROWS as SILU_DOWN_MAX_ROWS
-from turnrl.engine.silu_down import silu_down
 from turnrl.engine.weights import DecoderShape, DecoderWeights, WeightRef
 
 KEY_ALIGN = 64
@@ -219,25 +216,6 @@ def pending_layer_out(
     return x, F.linear(F.silu(gate) * up, down)
 
 
-def pending_gate_up(
-    x: torch.Tensor,
-    attended: torch.Tensor,
-    o: torch.Tensor,
-    o_bias: torch.Tensor | None,
-    post_norm: torch.Tensor,
-    gate_up: Sequence[torch.Tensor],
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pending_layer_out` up to the MLP's gate and up projection: a decode step's
-    :func:`~turnrl.engine.silu_down.silu_down` takes the rest in one kernel.
-
-    Returns:
-        x Shape (b, t, hidden); the gate then the up projection, Shape (b, t, 2 * intermediate).
-    """
-    x = x + F.linear(attended, o, o_bias)
-    return x, linear_group(rms_norm(x, post_norm, eps), gate_up, None)
-
-
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
                      ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys, as two batched matmuls and a float32 softmax.
@@ -296,9 +274,6 @@ class DecoderKernels:
     qkv_projection: Callable[..., tuple[torch.Tensor, torch.Tensor]] = qkv_projection
     """Before :func:`~turnrl.engine.cache_write.rotate_and_write` (which replaces the rest of attention_inputs)."""
     pending_layer_out: Callable[..., tuple[torch.Tensor, torch.Tensor]] = pending_layer_out
-    pending_gate_up: Callable[..., tuple[torch.Tensor, torch.Tensor]] = pending_gate_up
-    """A Triton decode step's in place of :func:`pending_layer_out`, before
-    :func:`~turnrl.engine.silu_down.silu_down`."""
     decode_layer_out: Callable[..., torch.Tensor] = decode_layer_out
     layer_out: Callable[..., torch.Tensor] = layer_out
     """After :func:`~turnrl.engine.attention.cached_attention` (which replaces :func:`decode_attention`)."""
@@ -356,7 +331,6 @@ def compiled_kernels() -> DecoderKernels:
         attention_inputs=DynamicCompiled(attention_inputs, {0: (0, 1), 1: (0, 1)}),
         qkv_projection=DynamicCompiled(qkv_projection, {0: (0, 1), 1: (0, 1)}),
         pending_layer_out=DynamicCompiled(pending_layer_out, {0: (0, 1), 1: (0, 1)}),
-        pending_gate_up=DynamicCompiled(pending_gate_up, {0: (0, 1), 1: (0, 1)}),
         decode_layer_out=DynamicCompiled(decode_layer_out, {0: (0,), 1: (0,), 2: (0, 2), 3: (0, 2), 4: (0,)}),
         layer_out=DynamicCompiled(layer_out, {0: (0, 1), 1: (0, 1)}),
         final_logits=DynamicCompiled(final_logits, {0: (0,)}),
@@ -421,8 +395,6 @@ def decoder_forward(
     turns = positions if rope_positions is None else rope_positions
     # With the Triton kernels, one kernel rotates and writes the cache (per-head q/k norms keep the compiled path).
     fused_write = triton_attention and not weights.family.qk_norm and supported_head_dim(shape.head_dim)
-    # A decode step's SwiGLU product and down projection in one kernel (at most a tile of rows).
-    one_kernel_mlp = fused_write and decode and b <= SILU_DOWN_MAX_ROWS
     if not fused_write:
         write_rows = (torch.arange(b, device=tokens.device) if rows is None else rows).unsqueeze(1).expand(b, t)
     mlp_out = None  # the fused path's last MLP output, not yet added to x
@@ -441,12 +413,7 @@ def decoder_forward(
                                      shape.num_heads)
                 attended = cached_attention(q, kv_cache, cache.table, rows, positions, cache.capacity,
                                             arrivals=cache.arrivals)
-            if one_kernel_mlp:
-                x, gate_up_rows = kernels.pending_gate_up(x, attended, layer.o.value, o_bias, layer.post_norm.value,
-                                                          gate_up, shape.rms_eps)
-                mlp_out = silu_down(gate_up_rows.view(b, -1), layer.down.value, cache.arrivals).view(b, 1, -1)
-            else:
-                x, mlp_out = kernels.pending_layer_out(x, attended, *after_attention)
+            x, mlp_out = kernels.pending_layer_out(x, attended, *after_attention)
         else:
             q, kv = kernels.attention_inputs(
                 x, turns, rope[0], rope[1], layer.input_norm.value, _values(layer.qkv), _values(layer.qkv_bias),
