@@ -731,7 +731,8 @@ class Trainer:
         with self.precision():
             return ppo_epochs(self.actor, self.critic, inputs, config.algorithm, config.optim,
                               self.actor_optimizer if train_actor else None, self.critic_optimizer,
-                              config.sampling.temperature, generator, shard=self.parallel.shard())
+                              config.sampling.temperature, generator, shard=self.parallel.shard(),
+                              cast_weights_to=self.dtype)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_space_problem(self) -> str | None:
