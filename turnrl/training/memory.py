@@ -28,9 +28,7 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
                       copies under ``model.compile``); plus the scoring head's chunk; or one scoring pass of
                       ``algorithm.score_micro_batch_tokens`` (one layer's working set), whichever is larger
     weight casts      one process under mixed precision without checkpointing: the bf16 copy of each float32
-                      weight that autocast makes for a forward pass and autograd keeps for its backward (the
-                      actor's linear weights are held so through its whole update, cast once an optimizer step:
-                      :class:`~turnrl.training.precision.WeightsCastOnce`)
+                      weight that autocast makes for a forward pass and autograd keeps for its backward
                       (under FSDP the layers are gathered in bf16 and freed after their forward instead)
 
 The SFT stage, which runs in one process, is checked on its own once its samples' lengths are known

@@ -270,9 +270,7 @@ def ppo_epochs(
     fractions, entropy...) are each mini-batch's, i.e. the micro-batches' values weighted by their share of
     the mini-batch loss, averaged over mini-batches. With a ``shard`` (data parallel) this process trains on
     its rows of each mini-batch; its losses are weighted by their share of the whole mini-batch times the
-    number of processes, since FSDP averages the gradients of the processes. ``cast_weights_to``: the dtype the
-    passes compute in under autocast, to which the actor's linear weights are cast once an optimizer step
-    (:class:`~turnrl.training.precision.WeightsCastOnce`; the same update); None: autocast casts them every pass.
+    number of processes, since FSDP averages the gradients of the processes.
     """
     batch = inputs.batch
     actor_params = [p for p in actor.parameters() if p.requires_grad]

@@ -728,14 +728,11 @@ class Trainer:
     def train_on(self, inputs: UpdateInputs, train_actor: bool, generator: torch.Generator) -> dict[str, float]:
         """6: the PPO epochs (:func:`ppo_epochs`); the actor only when ``train_actor`` (after critic warm-up)."""
         config = self.config
-        # Without checkpointing a pass keeps every layer's weight casts for its backward anyway (the memory check's
-        # "weight casts"): holding them through the update costs nothing more. With it, a pass holds one layer's.
-        cast_once = None if config.model.gradient_checkpointing else self.dtype
         with self.precision():
             return ppo_epochs(self.actor, self.critic, inputs, config.algorithm, config.optim,
                               self.actor_optimizer if train_actor else None, self.critic_optimizer,
                               config.sampling.temperature, generator, shard=self.parallel.shard(),
-                              cast_weights_to=cast_once)
+                              cast_weights_to=self.dtype)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_space_problem(self) -> str | None:
