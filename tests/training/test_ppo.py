@@ -21,7 +21,6 @@ from turnrl.training.ppo import (
     restore_actor_state,
     save_actor_state,
 )
-from turnrl.training.precision import autocast
 from turnrl.training.train_config import AlgorithmConfig, OptimConfig
 
 
@@ -323,23 +322,3 @@ def test_recomputed_old_log_probs_leave_the_drift_to_the_scoring_pass(actor, cri
     metrics = run_epochs(actor, critic, inputs, config(mini_batch_size=2, micro_batch_size=1,
                                                         old_logprobs="recompute"))
     assert "actor/logprob_mismatch" not in metrics
-
-
-@pytest.mark.parametrize("bound", [None, 1e-6], ids=["steps", "a step undone"])
-def test_weights_cast_once_an_optimizer_step_update_the_actor_as_autocast_does(actor, critic, bound):
-    """Under bf16 autocast, the update with the actor's linear weights cast once an optimizer step (and again after
-    each step, or after a rollback's restore) gives the update that casts them in every pass, to the bit."""
-    inputs = own_policy_inputs(actor, critic)
-    cfg = config(mini_batch_size=2, micro_batch_size=1, ppo_epochs=2, kl_coef=0.1, rollback_kl=bound)
-    results = []
-    for cast_weights_to in (None, torch.bfloat16):
-        model = copy.deepcopy(actor)
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
-        with autocast(torch.device("cpu"), torch.bfloat16):
-            metrics = ppo_epochs(model, None, inputs, cfg, OptimConfig(grad_clip=1.0), optimizer, None, 1.0,
-                                 torch.Generator().manual_seed(0), cast_weights_to=cast_weights_to)
-        results.append((metrics, params(model)))
-    (each_pass, each_params), (once, once_params) = results
-    assert once == each_pass and once["actor/optimizer_steps"] == (1.0 if bound else 4.0)
-    assert all(torch.equal(once_params[name], p) for name, p in each_params.items())
-    assert any(not torch.equal(p, actor.state_dict()[name]) for name, p in once_params.items()) or bound

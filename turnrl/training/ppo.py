@@ -27,7 +27,6 @@ from turnrl.algorithms.losses import PolicyLoss, PolicyLossInputs
 from turnrl.models.devices import to_device
 from turnrl.training.batch import Batch
 from turnrl.training.model_passes import ValueModel, token_logprobs
-from turnrl.training.precision import WeightsCastOnce
 from turnrl.training.ranks import whole
 from turnrl.training.train_config import AlgorithmConfig, OptimConfig
 
@@ -262,7 +261,6 @@ def ppo_epochs(
     temperature: float,
     generator: torch.Generator,
     shard: Shard | None = None,
-    cast_weights_to: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Mini-batch PPO epochs over one rollout batch; returns mean metrics.
 
@@ -306,60 +304,55 @@ def ppo_epochs(
     # With the sampler's log-probs as the old ones, the first mini-batch's passes (before any optimizer step, so
     # under the weights that sampled) also measure how far training's forward drifts from the sampler's.
     watch_drift = config.old_logprobs == "sampler"
-    # The actor's matrix weights in the passes' dtype, cast once an optimizer step (precision.WeightsCastOnce).
-    with WeightsCastOnce(actor, cast_weights_to if actor_optimizer is not None else None) as copies:
-        for _ in range(config.ppo_epochs):
-            order = torch.randperm(len(batch), generator=generator)
-            for mini in _chunks(order, config.mini_batch_size):
-                if stepping is None and (critic is None or critic_optimizer is None):
-                    break
-                mini_kl: torch.Tensor | float = 0.0  # on the device until the optimizer step reads it
-                for micro in shard_micro_batches(mini, lengths, batching, shard):
-                    # A process without rows left still joins the pass, on one row weighted 0.
-                    part = batch.select(micro if micro is not None else mini[:1])
-                    weight = micro_weight(micro, mini, row_tokens, config.loss_aggregation) if micro is not None \
-                        else 0.0
-                    rows = micro if micro is not None else mini[:1]
-                    if stepping is not None:
-                        drift = watch_drift and micro is not None
-                        values = _actor_backward(actor, part, inputs, rows, config, policy_loss, temperature,
-                                                 weight * world, batching.packed, sampler_drift=drift)
-                        if drift:
-                            record_weighted({DRIFT: values.pop(DRIFT)}, float(row_tokens[micro].sum()))
-                        record_weighted(values, weight)
-                        if config.target_kl is not None or guard is not None:
-                            mini_kl = mini_kl + weight * values["actor/approx_kl"]
-                    if critic is not None and critic_optimizer is not None:
-                        record_weighted(_critic_backward(critic, part, inputs, rows, config, weight * world,
-                                                         batching.packed), weight)
-                kl = _mini_batch_kl(float(mini_kl), shard) if stepping is not None and \
-                    (config.target_kl is not None or guard is not None) else 0.0
-                if stepping is not None and guard is not None and before_step is not None and kl > guard:
-                    # The optimizer step before these passes moved the policy this far: undo it, and step no more.
-                    stepping.zero_grad(set_to_none=True)
-                    restore_actor_state(before_step, actor_params, stepping)
-                    copies.refresh()
-                    stepping, rolled_back = None, True
-                elif stepping is not None and config.target_kl is not None and kl > 1.5 * config.target_kl:
-                    stepping.zero_grad(set_to_none=True)  # this mini-batch's gradient is not applied
-                    stepping, kl_stopped = None, True
-                watch_drift = False  # the first mini-batch's passes were under the sampling weights; later ones are not
+    for _ in range(config.ppo_epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        for mini in _chunks(order, config.mini_batch_size):
+            if stepping is None and (critic is None or critic_optimizer is None):
+                break
+            mini_kl: torch.Tensor | float = 0.0  # on the device until the optimizer step reads it
+            for micro in shard_micro_batches(mini, lengths, batching, shard):
+                # A process without rows left still joins the pass, on one row weighted 0.
+                part = batch.select(micro if micro is not None else mini[:1])
+                weight = micro_weight(micro, mini, row_tokens, config.loss_aggregation) if micro is not None else 0.0
+                rows = micro if micro is not None else mini[:1]
                 if stepping is not None:
-                    if guard is not None:
-                        before_step, last_mini = save_actor_state(actor_params, stepping), mini
-                    norm, skipped = _step_optimizer(stepping, actor_params, optim)
-                    copies.refresh()
-                    record("actor/grad_norm", norm)
-                    record("actor/skipped_steps", float(skipped))
+                    drift = watch_drift and micro is not None
+                    values = _actor_backward(actor, part, inputs, rows, config, policy_loss, temperature,
+                                             weight * world, batching.packed, sampler_drift=drift)
+                    if drift:
+                        record_weighted({DRIFT: values.pop(DRIFT)}, float(row_tokens[micro].sum()))
+                    record_weighted(values, weight)
+                    if config.target_kl is not None or guard is not None:
+                        mini_kl = mini_kl + weight * values["actor/approx_kl"]
                 if critic is not None and critic_optimizer is not None:
-                    norm, skipped = _step_optimizer(critic_optimizer, critic_params, optim)
-                    record("critic/grad_norm", norm)
-                    record("critic/skipped_steps", float(skipped))
-        if stepping is not None and guard is not None and before_step is not None and last_mini is not None and \
-                _approx_kl_after(actor, inputs, last_mini, lengths, row_tokens, batching, config, policy_loss,
-                                 temperature, shard) > guard:
-            restore_actor_state(before_step, actor_params, stepping)
-            rolled_back = True
+                    record_weighted(_critic_backward(critic, part, inputs, rows, config, weight * world,
+                                                     batching.packed), weight)
+            kl = _mini_batch_kl(float(mini_kl), shard) if stepping is not None and \
+                (config.target_kl is not None or guard is not None) else 0.0
+            if stepping is not None and guard is not None and before_step is not None and kl > guard:
+                # The optimizer step before these passes moved the policy this far: undo it, and step no more.
+                stepping.zero_grad(set_to_none=True)
+                restore_actor_state(before_step, actor_params, stepping)
+                stepping, rolled_back = None, True
+            elif stepping is not None and config.target_kl is not None and kl > 1.5 * config.target_kl:
+                stepping.zero_grad(set_to_none=True)  # this mini-batch's gradient is not applied
+                stepping, kl_stopped = None, True
+            watch_drift = False  # the first mini-batch's passes were under the sampling weights; later ones are not
+            if stepping is not None:
+                if guard is not None:
+                    before_step, last_mini = save_actor_state(actor_params, stepping), mini
+                norm, skipped = _step_optimizer(stepping, actor_params, optim)
+                record("actor/grad_norm", norm)
+                record("actor/skipped_steps", float(skipped))
+            if critic is not None and critic_optimizer is not None:
+                norm, skipped = _step_optimizer(critic_optimizer, critic_params, optim)
+                record("critic/grad_norm", norm)
+                record("critic/skipped_steps", float(skipped))
+    if stepping is not None and guard is not None and before_step is not None and last_mini is not None and \
+            _approx_kl_after(actor, inputs, last_mini, lengths, row_tokens, batching, config, policy_loss,
+                             temperature, shard) > guard:
+        restore_actor_state(before_step, actor_params, stepping)
+        rolled_back = True
     totals = dict(zip(weighted, torch.stack(list(weighted.values())).tolist(), strict=True)) if weighted else {}
     if shard is not None:
         # Keys seen by any process (one may have had only weight-0 passes): sums over processes.

@@ -6,13 +6,9 @@ Shared by the stages of a run (SFT, RL) and by any trainer that wires the same c
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 
 def skip_cudnn_attention(device: torch.device) -> None:
@@ -40,69 +36,3 @@ def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager
     if dtype == torch.float32:
         return torch.autocast(device.type, enabled=False)
     return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
-
-
-class WeightsCastOnce:
-    """While open, the trainable weights of a model's linear layers are seen by their modules as copies in
-    ``dtype``, cast once and again after each optimizer step (:meth:`refresh`), not by autocast in every pass.
-
-    Why: under autocast each pass casts every float32 weight to bf16 (reading the weights, writing the copy), and
-    its backward casts each weight's bf16 gradient to float32 before adding it to ``.grad`` (a second pass over
-    float32 gradients). By the sizes, a 3B model moves about 74 GB of memory for these a pass (a pass takes 0.35
-    s at ``vlm-3b``'s 8k tokens on an H200). Here autocast finds the copies already in its dtype; a hook adds each
-    copy's gradient to its float32 weight's ``.grad`` as autograd accumulates it (one kernel, reading the bf16
-    gradient) and drops the copy's. The numbers are the same to the bit: a copy is the cast autocast made, each
-    ``.grad`` the float32 sum autograd made, in the same order. Written here because torch's mixed precision
-    outside FSDP is autocast, which casts in every pass.
-
-    Left alone: float32 runs (``dtype`` None or float32), weights sharded by FSDP (its own mixed precision casts
-    them), frozen weights, and a weight that more than one module holds (a tied embedding and LM head: the
-    embedding must keep looking up float32 rows).
-    """
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None) -> None:
-        self.model, self.dtype = model, dtype
-        self._held: list[tuple[torch.nn.Module, torch.nn.Parameter, torch.Tensor, Any]] = []
-
-    def _weights(self) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:
-        if self.dtype is None or self.dtype == torch.float32:
-            return []
-        holders = Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
-        found = []
-        for module in self.model.modules():
-            weight = module.weight if isinstance(module, torch.nn.Linear) else None
-            if isinstance(weight, torch.nn.Parameter) and weight.requires_grad and weight.dtype == torch.float32 \
-                    and not isinstance(weight, DTensor) and holders[id(weight)] == 1:
-                found.append((module, weight))
-        return found
-
-    def __enter__(self) -> WeightsCastOnce:
-        for module, weight in self._weights():
-            copy = torch.nn.Parameter(weight.detach().to(self.dtype))
-            hook = copy.register_post_accumulate_grad_hook(_adds_gradient_to(weight))
-            module._parameters["weight"] = copy
-            self._held.append((module, weight, copy, hook))
-        return self
-
-    def refresh(self) -> None:
-        """Cast the float32 weights into their copies again (after an optimizer step or a restore)."""
-        with torch.no_grad():
-            for _, weight, copy, _ in self._held:
-                copy.copy_(weight)
-
-    def __exit__(self, *exception: object) -> None:
-        for module, weight, _, hook in self._held:
-            hook.remove()
-            module._parameters["weight"] = weight
-        self._held = []
-
-
-def _adds_gradient_to(weight: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    def add(copy: torch.Tensor) -> None:
-        assert copy.grad is not None  # the hook runs once autograd has put it there
-        if weight.grad is None:
-            weight.grad = copy.grad.to(weight.dtype)
-        else:
-            weight.grad.add_(copy.grad)
-        copy.grad = None
-    return add

@@ -731,8 +731,7 @@ class Trainer:
         with self.precision():
             return ppo_epochs(self.actor, self.critic, inputs, config.algorithm, config.optim,
                               self.actor_optimizer if train_actor else None, self.critic_optimizer,
-                              config.sampling.temperature, generator, shard=self.parallel.shard(),
-                              cast_weights_to=self.dtype)
+                              config.sampling.temperature, generator, shard=self.parallel.shard())
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_space_problem(self) -> str | None:
