@@ -120,9 +120,9 @@ def main() -> None:
         print(f"{batch:>5} {lengths:<8} {'torch (batched matmuls)':<34} {1000 * baseline:>8.1f} {1.0:>7.2f}x")
         auto = decode_splits(batch, kv_heads, device)
         splits = sorted(set(args.splits or [1, 2, 4, auto]))
-        # Split rows combine their key stretches in a second kernel ("2 kernels"), or in the attention kernel
-        # itself, the last stretch of each row and key/value head combining them (counters given, as the engine
-        # gives its cache's).
+        # A split setting's row combines its key stretches in a second kernel; its "1 kernel" row in the attention
+        # kernel itself, the last stretch of each row and key/value head combining them (counters given, as the
+        # engine gives its cache's).
         arrivals = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
         ways = [("", None)] + ([(" 1 kernel", arrivals)] if args.combine_in_kernel else [])
         for split, block_n, warps, stages in itertools.product(splits, args.blocks, args.warps, args.stages):
