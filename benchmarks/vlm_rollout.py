@@ -38,8 +38,8 @@ step (``agent.prefill_groups``), then in rounds once more, and prints the ratio 
 with ``--profile`` plays a full-size rollout before the timed one: the tower's parts compile again, dynamic, at
 the second number of images they meet, which without it fell in the timed prefill (6.3 s of a 15-turn
 ``vlm-3b`` rollout's device time against the step's 2.8 s, on an H200). ``--baseline`` plays the same rollout
-again with the requests' image digests left off, so that the engine hashes each prompt's pixel values as it did before the
-digests came with them, and prints the ratio.
+again with the requests' image digests left off, so that the engine hashes each prompt's pixel values as it did
+before the digests came with them, and prints the ratio.
 
     python benchmarks/vlm_rollout.py                                   # CPU, vlm-tiny
     python benchmarks/vlm_rollout.py --device cuda --preset vlm-0.5b --episodes 64
