@@ -5,14 +5,17 @@ from __future__ import annotations
 import copy
 from types import MethodType, SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
 
+from tests.models.test_loading import original_rotary
 from tests.models.test_vision_attention import images
+from turnrl.models import loading as loading_module
 from turnrl.models import vlm_config
-from turnrl.models.loading import load_model, vision_tower
+from turnrl.models.loading import compile_layer_parts, load_model, part_forward, vision_tower
 from turnrl.models.vision_mlp import align_vision_mlps, aligned, aligned_mlp_forward
 
 
@@ -88,3 +91,30 @@ def test_a_loaded_qwen2_5_vl_tower_of_an_unaligned_width_gives_its_features_and_
     copied = copy.deepcopy(load_model(tmp_path / "model"))
     mlps = [block.mlp for block in vision_tower(copied).blocks]
     assert all(bound_aligned(m) and m.forward.__self__ is m for m in mlps)  # bound to the copy's own modules
+
+
+@pytest.mark.usefixtures(original_rotary.__name__)
+def test_a_compiled_tower_of_an_unaligned_width_compiles_the_aligned_forward(tiny_tokenizer, tmp_path):
+    """``compile_layer_parts`` compiles the forward an unaligned MLP runs (the padded products), not its class's,
+    whose products inductor compiled at the unaligned width: the features are the eager tower's, and a copy of
+    the compiled model keeps the compiled function."""
+    config = vlm_config("vlm-tiny", tiny_tokenizer)
+    config.vision_config.intermediate_size = 100
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(tmp_path / "model")
+    eager = load_model(tmp_path / "model").eval()
+    compiled = copy.deepcopy(eager)
+    compile_layer_parts(compiled)
+    mlps = [block.mlp for block in vision_tower(compiled).blocks]
+    assert all(part_forward(m) is loading_module._compiled_forwards[aligned_mlp_forward] for m in mlps)
+    copied = copy.deepcopy(compiled)
+    assert compile_layer_parts(copied) and all(
+        part_forward(block.mlp) is loading_module._compiled_forwards[aligned_mlp_forward]
+        for block in vision_tower(copied).blocks)
+    for sides in ([[1, 16, 24], [1, 8, 8]], [[1, 8, 12]]):  # image sizes that change from call to call
+        pixels, grids = images(eager.config.vision_config, sides)
+        with torch.no_grad():
+            mine = compiled.model.get_image_features(pixels, grids, return_dict=True).pooler_output
+            reference = eager.model.get_image_features(pixels, grids, return_dict=True).pooler_output
+        for a, b in zip(mine, reference):
+            torch.testing.assert_close(a, b)

@@ -321,8 +321,9 @@ VISION_ATTENTION_PART = "attn"
 RECOMPILE_LIMIT = 32
 """Graphs a compiled part's code may hold (see :func:`compile_layer_parts`)."""
 
-_compiled_forwards: dict[type, Callable[..., Any]] = {}
-"""One compiled ``forward`` a part's class, shared by every layer, model and copy of a process."""
+_compiled_forwards: dict[Callable[..., Any], Callable[..., Any]] = {}
+"""One compiled ``forward`` a part's function (its class's, or one bound to it: :func:`part_forward`), shared by
+every layer, model and copy of a process."""
 
 ROTARY_FUNCTION = "apply_rotary_pos_emb"
 """What a decoder family's attention calls its rotary embedding by, in its transformers module (every family
@@ -415,8 +416,9 @@ def compile_layer_parts(model: torch.nn.Module, vision: bool = True) -> int:
     Python loop whose bounds change every pass. Shapes are compiled dynamic, so varying token counts do not
     compile again; the first training and the first no-grad pass each compile once (seconds on a GPU).
 
-    Each part's class's ``forward`` is compiled once and bound to the part as its own ``forward``: copies of
-    the model (``copy.deepcopy``: the critic, the reference, FSDP's structures) bind it to their own parts.
+    Each part's ``forward`` function (its class's, or the aligned one an unaligned vision MLP runs:
+    :func:`part_forward`) is compiled once and bound to the part as its own ``forward``: copies of the model
+    (``copy.deepcopy``: the critic, the reference, FSDP's structures) bind it to their own parts.
     A VLM's vision blocks are compiled the same way around their ``attn``, with their rotary embedding, unless
     ``vision`` is false: in eager mode the tower's norms, GELUs and biases took about as long as its matrix
     products (a profiled 3B tower ran at about a fifth of the card's bf16 peak).
@@ -436,11 +438,21 @@ def compile_layer_parts(model: torch.nn.Module, vision: bool = True) -> int:
         for name, part in children.items():
             if name == attention or next(part.parameters(), None) is None:
                 continue
-            if type(part) not in _compiled_forwards:
-                _compiled_forwards[type(part)] = torch.compile(type(part).forward, dynamic=True)
-            part.forward = MethodType(_compiled_forwards[type(part)], part)
+            function = part_forward(part)
+            if function not in _compiled_forwards.values():  # a copy of a compiled part keeps its function
+                if function not in _compiled_forwards:
+                    _compiled_forwards[function] = torch.compile(function, dynamic=True)
+                function = _compiled_forwards[function]
+            part.forward = MethodType(function, part)
             parts += 1
     return parts
+
+
+def part_forward(part: torch.nn.Module) -> Callable[..., Any]:
+    """The function ``part``'s forward runs: one bound to the instance (an unaligned vision MLP's
+    :func:`~turnrl.models.vision_mlp.aligned_mlp_forward`), else its class's."""
+    own = vars(part).get("forward")
+    return own.__func__ if isinstance(own, MethodType) else type(part).forward
 
 
 def start_compile_workers_ignoring_sigterm() -> None:
