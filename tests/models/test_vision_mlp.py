@@ -95,9 +95,8 @@ def test_a_loaded_qwen2_5_vl_tower_of_an_unaligned_width_gives_its_features_and_
 
 @pytest.mark.usefixtures(original_rotary.__name__)
 def test_a_compiled_tower_of_an_unaligned_width_compiles_the_aligned_forward(tiny_tokenizer, tmp_path):
-    """``compile_layer_parts`` compiles the forward an unaligned MLP runs (the padded products), not its class's,
-    whose products inductor compiled at the unaligned width: the features are the eager tower's, and a copy of
-    the compiled model keeps the compiled function."""
+    """``compile_layer_parts`` compiles the forward an unaligned MLP runs (the padded products), not its class's:
+    the features are the eager tower's, and a copy of the compiled model keeps the compiled function."""
     config = vlm_config("vlm-tiny", tiny_tokenizer)
     config.vision_config.intermediate_size = 100
     torch.manual_seed(0)
