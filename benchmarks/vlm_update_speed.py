@@ -21,8 +21,7 @@ passes, the tower's forward over the batch's images is timed alone: with its MLP
 :mod:`turnrl.models.vision_mlp`; Qwen2.5-VL's 3,420 is not) against their own width, and compiled with ``--compile``.
 
     python benchmarks/vlm_update_speed.py --preset vlm-3b
-    python benchmarks/vlm_update_speed.py --preset vlm-tiny --device cpu --batch 4 --images 3 --image-size 112 \\
-        --text 8 --response 12 --rows 2 --tokens 512 --repeats 1   # a smoke run on the CPU
+    python benchmarks/vlm_update_speed.py --quick      # the CPU smoke run: vlm-tiny, 4 episodes of 3 turns
 """
 
 from __future__ import annotations
@@ -162,8 +161,15 @@ def tower_seconds(model, batch: Batch, device: torch.device, repeats: int) -> fl
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
+QUICK = {"preset": "vlm-tiny", "device": "cpu", "batch": 4, "images": 3, "image_size": 112, "text": 8, "response": 12,
+         "rows": 2, "tokens": 512, "repeats": 1}
+"""``--quick``'s settings: a smoke run of every variant on a CPU in seconds (a flag given beside it still counts)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the smoke run on a CPU: " +
+                        ", ".join(f"--{key.replace('_', '-')} {value}" for key, value in QUICK.items()))
     parser.add_argument("--preset", default="vlm-3b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=16, help="episodes in the batch")
@@ -179,6 +185,8 @@ def main() -> None:
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--compile", action="store_true",
                         help="compile each decoder layer's and vision block's norms and MLP")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
     device = torch.device(args.device)
     peak = peak_flops(device)
@@ -220,10 +228,10 @@ def main() -> None:
         runs = [a_step(model, batch, batching, once, device) for _ in range(args.repeats)]
         scoring, training = (sorted(r[i] for r in runs)[len(runs) // 2] for i in (0, 1))
         memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        utilization = text_flops / training / peak if peak else float("nan")
+        utilization = f"{text_flops / training / peak:.1%}" if peak else "n/a"  # a CPU has no bf16 peak here
         results.append((name, scoring, training, utilization, memory))
         print(f"{name}: no-grad pass {scoring:.3f} s, training pass {training:.3f} s "
-              f"({tokens / training:,.0f} tokens/s, MFU {utilization:.1%}), peak {memory:.1f} GiB", flush=True)
+              f"({tokens / training:,.0f} tokens/s, MFU {utilization}), peak {memory:.1f} GiB", flush=True)
     p = vlm_preset(args.preset)
     print(f"\n{args.preset}: {args.batch} episodes of up to {args.images} turns ({args.image_size}px images, "
           f"{len(grids)} in all; {args.text} + {args.response} text tokens a turn): {tokens:,} tokens, bf16, "
@@ -234,7 +242,7 @@ def main() -> None:
     print("| variant | no-grad pass s | training pass s | both s | training MFU | peak GiB | speed-up (both) |\n"
           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, scoring, training, utilization, memory in results:
-        print(f"| {name} | {scoring:.3f} | {training:.3f} | {scoring + training:.3f} | {utilization:.1%} | "
+        print(f"| {name} | {scoring:.3f} | {training:.3f} | {scoring + training:.3f} | {utilization} | "
               f"{memory:.1f} | {base / (scoring + training):.2f}x |")
 
 
