@@ -12,11 +12,13 @@ kernels). The padding is made from the parameters at each call (a copy of a few 
 matrix products of gigaflops), so the parameters, their gradients, optimizer states and checkpoints keep the
 model's shapes, and a trained tower's gradients flow through the padding to them unchanged.
 
-A block compiled by :func:`turnrl.models.loading.compile_layer_parts` compiles this forward too. Inductor pads the
-class forward's products itself (to 3,424), at the same speed, but slices and re-pads their outputs around the
-SiLU product: over passes of 56-60 images of the 3B tower on an H200 the compiled class forward took 0.0803 s a
-pass and the compiled aligned one 0.0696 s, its elementwise kernels 2.1 ms against 4.9 ms (docs/benchmarks.md). A
-LoRA-wrapped projection (peft's layers replace ``nn.Linear``) runs the class's forward.
+A block compiled by :func:`turnrl.models.loading.compile_layer_parts` compiles this forward too. Inductor may pad
+the class forward's products itself, but only where a benchmark at the sizes a graph is first compiled for says it
+pays (its ``pad_mm`` pass; a dynamic graph keeps that choice for every later size), and it slices and re-pads the
+outputs around the SiLU product: over passes of 56-60 images of the 3B tower on an H200 (padded to 3,424 there)
+the compiled class forward took 0.0803 s a pass and the compiled aligned one 0.0696 s, its elementwise kernels 2.1
+ms against 4.9 ms (docs/benchmarks.md). A LoRA-wrapped projection (peft's layers replace ``nn.Linear``) runs the
+class's forward.
 """
 
 from __future__ import annotations
