@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from dataclasses import fields
 from pathlib import Path
@@ -450,6 +451,32 @@ def test_a_checkpoint_evaluates_at_a_temperature_the_command_sets(ragen_run, tmp
                  "sampling.max_new_tokens=4"]) == 0
     alone = load_config(EvalConfig, out / "config.yaml")
     assert (alone.env.id, alone.agent.format, alone.sampling.temperature) == ("Sokoban", "ragen", 0.9)
+
+
+def test_a_lora_runs_checkpoint_plays_from_another_folder(tiny_model_dir, tmp_path, monkeypatch):
+    """A LoRA run's checkpoint holds adapters only: it plays as the model under them with the adapters merged,
+    found from any folder though the run was started with a relative ``model.path``."""
+    from turnrl.cli import main
+    from turnrl.training.commands import train
+
+    monkeypatch.chdir(tmp_path)
+    model = os.path.relpath(tiny_model_dir, tmp_path)  # as a user gives it: relative to where they are
+    train(load_config(TrainConfig, RECIPES / "ragen_sokoban.yaml", [
+        f"model.path={model}", "model.device=cpu", "model.gradient_checkpointing=false", "run.output_dir=runs",
+        "run.name=lora", "run.steps=1", "run.tensorboard=false", "sft.enabled=false", "lora.enabled=true", "lora.r=4",
+        "env.settings.max_steps=60", "groups.n_groups=2", "groups.group_size=2", "validation.episodes=1",
+        "sampling.max_new_tokens=8", "algorithm.mini_batch_size=4",
+        "algorithm.micro_batch_size=4"]))
+    actor = tmp_path / "runs" / "lora" / "checkpoints" / "step_000001" / "actor"
+    assert (actor / "adapter_config.json").is_file() and not (actor / "config.json").exists()
+    assert Path(json.loads((actor / "adapter_config.json").read_text())["base_model_name_or_path"]).is_absolute()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["eval", "--policy", str(tmp_path / "runs" / "lora"), "--episodes", "1", "--out", "eval",
+                 "sampling.max_new_tokens=4"]) == 0
+    summary = json.loads((elsewhere / "eval" / "summary.json").read_text())
+    assert summary["policy"] == str(actor) and summary["episodes"] == 1 and summary["errors"] == 0
 
 
 # --------------------------------------------------------------------------- envs on an env server

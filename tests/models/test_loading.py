@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import huggingface_hub
 import pytest
@@ -479,3 +480,59 @@ def test_compile_workers_started_so_ignore_sigterm_and_the_process_keeps_its_own
 
     done = subprocess.run([sys.executable, "-c", COMPILE_WORKERS], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "workers ignore SIGTERM" in done.stdout, done.stderr[-3000:]
+
+
+def saved_adapters(model_dir: Path, out: Path, targets: list[str]) -> Any:
+    """The model at ``model_dir`` with LoRA adapters of random weights (not the zeros peft starts from, which
+    would change nothing), saved at ``out``; returns the adapted model."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    adapted = get_peft_model(loading.load_model(model_dir),
+                             LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    adapted.save_pretrained(out)
+    return adapted.eval()
+
+
+def test_lora_adapters_load_as_their_model_with_the_adapters_merged(tiny_model_dir, tmp_path):
+    """A LoRA run's checkpoint (adapters only) plays, serves and trains from as its model: ``load_model`` gives the
+    model under them with the adapters merged (the adapted model's logits), its tokenizer is the model's, and
+    ``locate_model`` takes it at once."""
+    adapted = saved_adapters(tiny_model_dir, tmp_path / "adapters", ["q_proj", "v_proj"])
+    assert loading.adapter_base(tmp_path / "adapters") == str(tiny_model_dir)
+    assert loading.adapter_base(tiny_model_dir) is None
+    merged = loading.load_model(tmp_path / "adapters")
+    assert type(merged) is type(adapted.get_base_model()), "a plain model, not a PeftModel"
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(merged(ids).logits, loading.load_model(tiny_model_dir)(ids).logits, atol=1e-3)
+    assert load_tokenizer(tmp_path / "adapters").get_vocab() == load_tokenizer(tiny_model_dir).get_vocab()
+    assert locate_model(str(tmp_path / "adapters"), "policy") == "local"
+    structure = loading.load_model(tmp_path / "adapters", device="meta")
+    assert {name: p.shape for name, p in structure.named_parameters()} == \
+        {name: p.shape for name, p in merged.named_parameters()}
+
+
+def test_lora_adapters_of_a_vlm_load_with_the_models_processor(tiny_vlm_dir, tmp_path):
+    """A VLM's adapters (saved without a processor, as a LoRA run's checkpoint is) load as the VLM, with its
+    processor, its vision tower readied as every loaded tower is."""
+    saved_adapters(tiny_vlm_dir, tmp_path / "adapters", ["q_proj", "v_proj"])
+    assert loading.is_vision_language(tmp_path / "adapters")
+    processor = load_processor(tmp_path / "adapters")
+    assert processor is not None and type(processor) is type(load_processor(tiny_vlm_dir))
+    merged = loading.load_model(tmp_path / "adapters")
+    assert loading.vision_tower(merged) is not None and type(merged).__name__.endswith("ForConditionalGeneration")
+
+
+def test_adapters_whose_model_is_gone_are_refused_in_one_line_naming_where_it_is_set(tiny_model_dir, tmp_path):
+    saved_adapters(tiny_model_dir, tmp_path / "adapters", ["q_proj"])
+    settings = tmp_path / "adapters" / "adapter_config.json"
+    values = json.loads(settings.read_text())
+    settings.write_text(json.dumps({**values, "base_model_name_or_path": str(tmp_path / "moved" / "model")}))
+    with pytest.raises(ConfigError, match="holds LoRA adapters; the model they were trained on, named in .*"
+                                          "adapter_config.json: base_model_name_or_path=.* does not exist"):
+        locate_model(str(tmp_path / "adapters"), "policy")
+    settings.write_text(json.dumps({**values, "base_model_name_or_path": None}))
+    with pytest.raises(ConfigError, match="do not name the model they were trained on"):
+        locate_model(str(tmp_path / "adapters"), "policy")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import logging
 import signal
 import sys
@@ -48,7 +49,10 @@ logger = logging.getLogger(__name__)
 HUB_PROBE_TIMEOUT_S = 3.0
 """How long :func:`locate_model` waits for the Hugging Face hub to say whether it has a model."""
 
-MODEL_FILES = ("config.json", "adapter_config.json")
+ADAPTER_CONFIG = "adapter_config.json"
+"""What peft's ``save_pretrained`` writes beside LoRA adapters: their settings and the model under them."""
+
+MODEL_FILES = ("config.json", ADAPTER_CONFIG)
 """A directory holding one of these is a model transformers loads (a full model, or LoRA adapters)."""
 
 ModelSource = Literal["local", "cache", "hub"]
@@ -110,7 +114,15 @@ def _looks_local(path: str) -> bool:
 
 
 def _check_model_directory(local: Path, path: str, key: str) -> ModelSource:
-    if local.is_dir() and any((local / name).is_file() for name in MODEL_FILES):
+    base = adapter_base(local) if local.is_dir() else None
+    if base is not None:
+        try:
+            locate_model(base, "base_model_name_or_path")
+        except ConfigError as error:
+            raise ConfigError(f"{key}={path!r} holds LoRA adapters; the model they were trained on, named in "
+                              f"{local / ADAPTER_CONFIG}: {error}") from error
+        return "local"
+    if local.is_dir() and (local / "config.json").is_file():
         return "local"
     if not local.is_dir():
         raise ConfigError(f"{key}={path!r} is a file; give the model directory that holds config.json")
@@ -158,9 +170,32 @@ def _ask_hub(path: str, key: str) -> ModelSource:
     return "hub"
 
 
+def adapter_base(path: Path | str) -> str | None:
+    """The model that the LoRA adapters at ``path`` were trained on (``base_model_name_or_path`` in their
+    ``adapter_config.json``: a directory or a hub id), or None where ``path`` holds no adapters.
+
+    Raises:
+        ConfigError: the adapters name no model.
+    """
+    settings = Path(path) / ADAPTER_CONFIG
+    if not settings.is_file():
+        return None
+    base = json.loads(settings.read_text()).get("base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"the LoRA adapters at {path} do not name the model they were trained on "
+                          f"(base_model_name_or_path in {settings}); set it to that model's directory or hub id")
+    return base
+
+
+def _model_files(path: Path | str) -> Path | str:
+    """Where the config, tokenizer and processor of the model at ``path`` are: LoRA adapters' model's (a run's
+    checkpoint saves its tokenizer beside them, but a processor nowhere), else ``path``'s own."""
+    return adapter_base(path) or path
+
+
 def is_vision_language(path: Path | str) -> bool:
     """Whether the checkpoint at ``path`` is a VLM (its config has a vision part)."""
-    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+    return getattr(AutoConfig.from_pretrained(_model_files(path)), "vision_config", None) is not None
 
 
 def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -171,9 +206,20 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: tor
     parameters without storage, buffers (rotary frequencies) computed for real. A sharded trainer's processes
     other than rank 0 build this and receive their shards of rank 0's weights.
 
+    LoRA adapters (a directory of peft's, a LoRA run's checkpoint) load as the model they were trained on with
+    the adapters merged into its weights: a model to play, serve or train from, no longer a ``PeftModel``.
+
     Args:
         attention: transformers' ``attn_implementation`` (``sdpa``, ``flex_attention``, ...); None: its default.
     """
+    base = adapter_base(path)
+    if base is not None:
+        from peft import PeftModel
+
+        if torch.device(device).type == "meta":  # merged adapters leave the model's structure as it was
+            return load_model(base, dtype, device, attention)
+        merged = PeftModel.from_pretrained(load_model(base, dtype, "cpu", attention), path).merge_and_unload()
+        return merged.to(device)
     auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
     if torch.device(device).type == "meta":
         return model_structure(auto, path, dtype, attention)
@@ -230,7 +276,7 @@ def model_structure(auto: Any, path: Path | str, dtype: torch.dtype = torch.floa
 
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
     """The model's tokenizer, with a pad token (its eos token when it has none)."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(_model_files(path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -246,7 +292,7 @@ def load_processor(path: Path | str, min_pixels: int | None = None, max_pixels: 
     """
     sizes = {key: value for key, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if value}
     try:
-        processor = AutoProcessor.from_pretrained(path, **sizes)
+        processor = AutoProcessor.from_pretrained(_model_files(path), **sizes)
     except (OSError, ValueError, TypeError, KeyError):  # no processor files, or a tokenizer-only model
         return None
     except ImportError as error:

@@ -350,6 +350,8 @@ class Trainer:
             sft_model = self.run_dir / "sft" / "model"
             start = self.checkpoint / "actor" if not config.lora.enabled else (
                 sft_model if sft_model.is_dir() else base_model_path(config.model))
+        if Path(start).expanduser().is_dir():  # LoRA adapters saved from it name it whole: found from any folder
+            start = Path(start).expanduser().resolve()
         self.start_path = Path(start)
         self.tokenizer = load_tokenizer(start)
         self.processor = load_processor(start, config.model.min_pixels, config.model.max_pixels)
