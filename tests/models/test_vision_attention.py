@@ -145,3 +145,17 @@ def test_the_loader_puts_a_vlm_tower_on_chunked_attention_and_keeps_other_choice
     assert vision_tower(load_model(tiny_vlm_dir, device="meta")).config._attn_implementation == VISION_ATTENTION
     assert vision_tower(load_model(tiny_vlm_dir, attention="eager")).config._attn_implementation == "eager"
     load_model(tiny_model_dir)  # a text model: nothing to change
+
+
+def test_a_loaded_tower_runs_under_inference_mode_as_under_no_grad(tiny_vlm_dir):
+    """Serving code runs models under ``torch.inference_mode``, whose tensors have no version counter: their chunk
+    bounds are read each time, not kept, and the features are no_grad's."""
+    model = load_model(tiny_vlm_dir).eval()
+    pixels, grids = images(model.config.vision_config, [[1, 8, 8], [1, 4, 12]])
+    with torch.no_grad():
+        expected = model.model.get_image_features(pixels, grids, return_dict=True).pooler_output
+    for _ in range(2):  # the second pass meets bounds the first made under inference mode
+        with torch.inference_mode():
+            served = model.model.get_image_features(pixels, grids, return_dict=True).pooler_output
+        for a, b in zip(served, expected):
+            torch.testing.assert_close(a, b)

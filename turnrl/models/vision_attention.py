@@ -66,7 +66,10 @@ def chunk_extremes(bounds: torch.Tensor) -> tuple[int, int]:
 
 def note_extremes(bounds: torch.Tensor, shortest: int, longest: int) -> None:
     """Remember the shortest and longest chunk of ``bounds`` (known without reading the device, as the tower's
-    precomputed layouts know them: :mod:`turnrl.models.vision_layout`), for :func:`chunk_extremes` to answer."""
+    precomputed layouts know them: :mod:`turnrl.models.vision_layout`), for :func:`chunk_extremes` to answer.
+    A tensor made under ``torch.inference_mode`` has no version to tell a change in place by: it is not kept."""
+    if bounds.is_inference():
+        return
     with _EXTREMES_LOCK:
         _EXTREMES.pop(id(bounds), None)
         if len(_EXTREMES) >= _EXTREMES_HELD:
