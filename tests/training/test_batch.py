@@ -300,6 +300,21 @@ def test_a_batch_on_a_device_keeps_its_pixels_on_the_host_and_selects_across_bot
     assert part.model_inputs["pixel_values"][:, 0].tolist() == [2.0] * 8 + [0.0] * 4
 
 
+def test_a_sample_without_model_inputs_has_none_of_their_rows():
+    """A text-only chat or turn in a VLM's batch carries no model inputs at all (the sample builders give it none):
+    it has zero rows of each, of the others' shapes and dtypes, and does not turn the images' names off."""
+    samples = image_samples()
+    samples[0].model_inputs["image_keys"] = torch.tensor([7])
+    samples[2].model_inputs["image_keys"] = torch.tensor([8, 9])
+    samples[1].model_inputs = {}
+    batch = collate(samples, pad_id=0)
+    assert batch.model_input_rows["pixel_values"].tolist() == [4, 0, 8]
+    assert batch.model_input_rows["image_grid_thw"].tolist() == [1, 0, 2]
+    assert batch.model_inputs["image_keys"].tolist() == [7, 8, 9]
+    assert batch.model_inputs["image_grid_thw"].dtype == torch.long
+    assert collate([samples[1]], pad_id=0).model_inputs == {}
+
+
 def test_collate_refuses_samples_with_different_model_inputs():
     samples = image_samples()
     del samples[1].model_inputs["image_grid_thw"]

@@ -208,6 +208,24 @@ def test_a_pass_over_rows_without_images_runs_as_the_text_model(vlm, packed):
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_text_only_row_beside_image_rows_scores_as_alone(vlm, packed):
+    """A text-only sample as the sample builders make it (no model inputs at all) in a micro-batch with image rows:
+    each row scores what it scores alone, with or without a store."""
+    gen = torch.Generator().manual_seed(0)
+    text = Sample([5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 1, 1], [0.0] * 6, [5], [1.0], episode=1, group=0)
+    image = sample(vlm, gen, "middle", [-1], 0)
+    both = collate([image, text], pad_id=2)
+    with torch.no_grad():
+        for features in (None, ImageFeatures()):
+            got, _ = token_logprobs(vlm, both.input_ids, both.attention_mask, both.loss_mask, packed=packed,
+                                    model_inputs=both.model_inputs, image_features=features)
+            for row, alone in enumerate((collate([image], pad_id=2), collate([text], pad_id=2))):
+                expected, _ = token_logprobs(vlm, alone.input_ids, alone.attention_mask, alone.loss_mask,
+                                             model_inputs=alone.model_inputs)
+                torch.testing.assert_close(got[row, :alone.input_ids.shape[1]], expected[0], atol=1e-5, rtol=1e-4)
+
+
 def test_the_trainer_stores_features_only_for_a_frozen_tower(vlm):
     from turnrl.config import load_config
     from turnrl.training.train_config import TrainConfig

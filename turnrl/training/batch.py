@@ -243,14 +243,20 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
             for turn, key in enumerate(sample.turn_state_keys):
                 if key is not None:
                     turn_states[row, turn] = ids.setdefault(key, len(ids))
-    keys = sorted({key for sample in samples for key in sample.model_inputs})
-    if IMAGE_KEYS in keys and any(IMAGE_KEYS not in sample.model_inputs for sample in samples):
+    # A sample without model inputs (a text-only chat or turn in a VLM's batch) has none of their rows.
+    inputs = [sample.model_inputs for sample in samples if sample.model_inputs]
+    keys = sorted({key for given in inputs for key in given})
+    if IMAGE_KEYS in keys and any(IMAGE_KEYS not in given for given in inputs):
         keys.remove(IMAGE_KEYS)  # names, not inputs: where some images have none, the batch names them by place
+    no_rows: dict[str, torch.Tensor] = {}
     for key in keys:
-        if any(key not in sample.model_inputs for sample in samples):
+        if any(key not in given for given in inputs):
             raise ValueError(
                 f"model input {key!r} is missing from some samples: every sample must carry the same inputs"
             )
+        like = inputs[0][key]
+        no_rows[key] = like.new_empty((0, *like.shape[1:]))
+    rows = [{key: sample.model_inputs.get(key, no_rows[key]) for key in keys} for sample in samples]
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -261,7 +267,7 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         episode=torch.tensor([s.episode for s in samples]),
         group=torch.tensor([s.group for s in samples]),
         turn=torch.tensor([s.turn for s in samples]),
-        model_inputs={key: torch.cat([s.model_inputs[key] for s in samples]) for key in keys},
-        model_input_rows={key: torch.tensor([len(s.model_inputs[key]) for s in samples]) for key in keys},
+        model_inputs={key: torch.cat([given[key] for given in rows]) for key in keys},
+        model_input_rows={key: torch.tensor([len(given[key]) for given in rows]) for key in keys},
         turn_states=turn_states,
     )
