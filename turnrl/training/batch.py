@@ -104,8 +104,8 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         """The token tensors on ``device``; the extra model inputs stay where they are (a VLM's pixel values, the
-        largest part of a visual batch: a forward pass moves its own micro-batch's, :func:`~turnrl.training.
-        forward.states_before`)."""
+        largest part of a visual batch: a forward pass moves its own micro-batch's,
+        :func:`~turnrl.training.model_passes.states_before`)."""
         moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
         return Batch(**moved, model_inputs=dict(self.model_inputs), model_input_rows=dict(self.model_input_rows),
                      image_features=self.image_features)

@@ -117,7 +117,9 @@ def states_before(
     states are the same up to rounding. ``model_inputs`` may be on the host (a batch keeps its pixel values
     there): they are moved to the tokens' device for this pass only. ``image_features``: a frozen tower's
     features of the step's images (:mod:`~turnrl.training.image_features`), used where the inputs name their
-    images (:data:`~turnrl.training.image_features.IMAGE_KEYS`); the pixels of stored images stay on the host.
+    images (:data:`~turnrl.training.image_features.IMAGE_KEYS`); where every image of the pass is stored, no
+    pixel leaves the host (where some are not, all of the pass's pixels are moved, and the tower encodes the
+    others' alone).
     """
     inputs, serving = image_inputs(body, model_inputs, image_features)
     inputs = {key: value.to(input_ids.device) for key, value in inputs.items()}
