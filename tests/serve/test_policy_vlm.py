@@ -167,6 +167,21 @@ def test_an_image_of_too_many_pixels_is_refused_before_it_is_decoded(vlm_server)
     assert load_image(small, max_pixels=64 * 32).shape == (32, 64, 3)  # at the bound: decoded
 
 
+def test_an_image_pillow_refuses_under_a_larger_bound_says_which_bound_refused_it(monkeypatch):
+    """A bound above twice Pillow's own cannot take an image Pillow's ``Image.open`` refuses: the message says that
+    Pillow's bound refused it, and which setting raises it, not that the image is over the bound given."""
+    from PIL import Image
+
+    from turnrl.models.vision import ImageTooLarge, load_image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 4096 * 4096)
+    header_only = "data:image/png;base64," + base64.b64encode(png_of(9000, 9000, rows=0)).decode()
+    with pytest.raises(ImageTooLarge, match="more than 33,554,432 pixels, which Pillow refuses .*MAX_IMAGE_PIXELS"):
+        load_image(header_only, max_pixels=100_000_000)
+    with pytest.raises(ImageTooLarge, match="more than 33,554,432 pixels, more than the 20,000,000 accepted"):
+        load_image(header_only, max_pixels=20_000_000)
+
+
 def test_an_image_over_twice_pillow_s_bound_is_refused_as_too_large(vlm_server, monkeypatch):
     """``serve`` lowers Pillow's bound to ``--max-image-pixels``; an image over twice that bound was refused by
     ``Image.open`` itself as a "decompression bomb DOS attack", not as too large, with no word of the option."""

@@ -255,9 +255,13 @@ def load_image(value: Any, max_pixels: int | None = None) -> np.ndarray:
         try:
             opened = Image.open(source)
         except Image.DecompressionBombError:  # over twice Pillow's own bound: refused by Image.open, from the header
-            bound = f"the {max_pixels:,} accepted" if max_pixels is not None else "Pillow's Image.MAX_IMAGE_PIXELS"
-            raise ImageTooLarge(f"the image has more than {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels, more than "
-                                f"{bound}") from None
+            pillows = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+            if max_pixels is not None and max_pixels <= pillows:
+                raise ImageTooLarge(f"the image has more than {pillows:,} pixels, more than the {max_pixels:,} "
+                                    "accepted") from None
+            raise ImageTooLarge(f"the image has more than {pillows:,} pixels, which Pillow refuses (twice its "
+                                "PIL.Image.MAX_IMAGE_PIXELS) before any bound of turnrl's is applied; raise that to "
+                                "take larger images") from None
         except Image.UnidentifiedImageError:
             raise ValueError("it is in no image format Pillow reads (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)") from None
         with opened as image:
