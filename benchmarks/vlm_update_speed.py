@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from types import MethodType
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoModelForImageTextToText  # noqa: E402
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP  # noqa: E402
 
 from turnrl.models.loading import (  # noqa: E402
     compile_layer_parts,
@@ -45,7 +45,7 @@ from turnrl.models.loading import (  # noqa: E402
     prepare_vision_tower,
     vision_tower,
 )
-from turnrl.models.vision_mlp import align_vision_mlps, aligned_mlp_forward  # noqa: E402
+from turnrl.models.vision_mlp import AlignedQwen2_5_VLMLP, align_vision_mlps  # noqa: E402
 from turnrl.models.vlm import SizedTokenizer, vlm_config, vlm_preset  # noqa: E402
 from turnrl.training.packed_attention import ATTENTION  # noqa: E402
 from turnrl.training.batch import Batch  # noqa: E402
@@ -195,11 +195,10 @@ def main() -> None:
     batch = episodes(model, args.batch, args.images, args.image_size, args.text, args.response, args.vocab,
                      min_turns).to(device)
     eager_tower = tower_seconds(model, batch, device, args.repeats)
-    mlps = [module for module in vision_tower(model).modules()
-            if isinstance(module.forward, MethodType) and module.forward.__func__ is aligned_mlp_forward]
+    mlps = [module for module in vision_tower(model).modules() if isinstance(module, AlignedQwen2_5_VLMLP)]
     if mlps:
         for module in mlps:
-            del module.forward  # the MLP class's own forward, at the model's width
+            module.__class__ = Qwen2_5_VLMLP  # its own forward, at the model's width
         own_width = tower_seconds(model, batch, device, args.repeats)
         align_vision_mlps(vision_tower(model))
         print(f"tower forward over the batch's images, eager: its MLPs at their width {own_width:.3f} s, aligned "

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from types import MethodType, SimpleNamespace
+import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from tests.models.test_vision_attention import images
 from turnrl.models import loading as loading_module
 from turnrl.models import vlm_config
 from turnrl.models.loading import compile_layer_parts, load_model, part_forward, vision_tower
-from turnrl.models.vision_mlp import align_vision_mlps, aligned, aligned_mlp_forward
+from turnrl.models.vision_mlp import AlignedQwen2_5_VLMLP, align_vision_mlps, aligned, aligned_mlp_forward
 
 
 def mlp(width: int, seed: int = 0) -> Qwen2_5_VLMLP:
@@ -25,7 +26,8 @@ def mlp(width: int, seed: int = 0) -> Qwen2_5_VLMLP:
 
 
 def bound_aligned(module: nn.Module) -> bool:
-    return isinstance(module.forward, MethodType) and module.forward.__func__ is aligned_mlp_forward
+    """Whether ``module`` runs the aligned forward: an :class:`AlignedQwen2_5_VLMLP`, with no forward of its own."""
+    return type(module) is AlignedQwen2_5_VLMLP and "forward" not in vars(module)
 
 
 def test_widths_round_up_to_64():
@@ -84,13 +86,14 @@ def test_a_loaded_qwen2_5_vl_tower_of_an_unaligned_width_gives_its_features_and_
     with torch.no_grad():
         features = model.model.get_image_features(pixels, grids, return_dict=True).pooler_output
         for block in blocks:
-            del block.mlp.forward  # the class's forward again
+            block.mlp.__class__ = Qwen2_5_VLMLP  # its own forward again
         plain = model.model.get_image_features(pixels, grids, return_dict=True).pooler_output
     for mine, reference in zip(features, plain):
         torch.testing.assert_close(mine, reference)
-    copied = copy.deepcopy(load_model(tmp_path / "model"))
-    mlps = [block.mlp for block in vision_tower(copied).blocks]
-    assert all(bound_aligned(m) and m.forward.__self__ is m for m in mlps)  # bound to the copy's own modules
+    loaded = load_model(tmp_path / "model")
+    for copied in (copy.deepcopy(loaded), pickle.loads(pickle.dumps(loaded))):  # a copy, a pickle (torch.save)
+        assert all(bound_aligned(block.mlp) for block in vision_tower(copied).blocks)
+        assert copied.state_dict().keys() == loaded.state_dict().keys()
 
 
 @pytest.mark.usefixtures(original_rotary.__name__)

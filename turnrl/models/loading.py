@@ -462,9 +462,10 @@ def compile_layer_parts(model: torch.nn.Module, vision: bool = True) -> int:
     Python loop whose bounds change every pass. Shapes are compiled dynamic, so varying token counts do not
     compile again; the first training and the first no-grad pass each compile once (seconds on a GPU).
 
-    Each part's ``forward`` function (its class's, or the aligned one an unaligned vision MLP runs:
-    :func:`part_forward`) is compiled once and bound to the part as its own ``forward``: copies of the model
-    (``copy.deepcopy``: the critic, the reference, FSDP's structures) bind it to their own parts.
+    Each part's ``forward`` function (its class's, :func:`part_forward`: an unaligned vision MLP's
+    :func:`~turnrl.models.vision_mlp.aligned_mlp_forward`) is compiled once and bound to the part as its own
+    ``forward``: copies of the model (``copy.deepcopy``: the critic, the reference, FSDP's structures) bind it to
+    their own parts, and a copy of a compiled part keeps it.
     A VLM's vision blocks are compiled the same way around their ``attn``, with their rotary embedding, unless
     ``vision`` is false: in eager mode the tower's norms, GELUs and biases took about as long as its matrix
     products (a profiled 3B tower ran at about a fifth of the card's bf16 peak).
@@ -495,8 +496,8 @@ def compile_layer_parts(model: torch.nn.Module, vision: bool = True) -> int:
 
 
 def part_forward(part: torch.nn.Module) -> Callable[..., Any]:
-    """The function ``part``'s forward runs: one bound to the instance (an unaligned vision MLP's
-    :func:`~turnrl.models.vision_mlp.aligned_mlp_forward`), else its class's."""
+    """The function ``part``'s forward runs: one bound to the instance (a compiled one, in a copy of a compiled
+    model), else its class's."""
     own = vars(part).get("forward")
     return own.__func__ if isinstance(own, MethodType) else type(part).forward
 

@@ -10,20 +10,20 @@ to the next multiple of 64, and the down projection with its weight padded by as
 hidden unit is ``SiLU(0) x 0 = 0`` and adds nothing, so the function is the MLP's (to the rounding of other
 kernels). The padding is made from the parameters at each call (a copy of a few megabytes a block, against
 matrix products of gigaflops), so the parameters, their gradients, optimizer states and checkpoints keep the
-model's shapes, and a trained tower's gradients flow through the padding to them unchanged.
+model's shapes, and a trained tower's gradients flow through the padding to them unchanged. A loaded tower's
+unaligned MLPs are made :class:`AlignedQwen2_5_VLMLP` (:func:`align_vision_mlps`), whose forward it is.
 
 A block compiled by :func:`turnrl.models.loading.compile_layer_parts` compiles this forward too. Inductor may pad
-the class forward's products itself, but only where a benchmark at the sizes a graph is first compiled for says it
-pays (its ``pad_mm`` pass; a dynamic graph keeps that choice for every later size), and it slices and re-pads the
-outputs around the SiLU product: over passes of 56-60 images of the 3B tower on an H200 (padded to 3,424 there)
-the compiled class forward took 0.0803 s a pass and the compiled aligned one 0.0696 s, its elementwise kernels 2.1
-ms against 4.9 ms (docs/benchmarks.md). A LoRA-wrapped projection (peft's layers replace ``nn.Linear``) runs the
-class's forward.
+the products of Qwen2_5_VLMLP's own forward itself, but only where a benchmark at the sizes a graph is first
+compiled for says it pays (its ``pad_mm`` pass; a dynamic graph keeps that choice for every later size), and it
+slices and re-pads the outputs around the SiLU product: over passes of 56-60 images of the 3B tower on an H200
+(padded to 3,424 there) the compiled own forward took 0.0803 s a pass and the compiled aligned one 0.0696 s, its
+elementwise kernels 2.1 ms against 4.9 ms (docs/benchmarks.md). A LoRA-wrapped projection (peft's layers replace
+``nn.Linear``) runs Qwen2_5_VLMLP's own forward.
 """
 
 from __future__ import annotations
 
-from types import MethodType
 from typing import Any
 
 import torch
@@ -62,14 +62,21 @@ def aligned_mlp_forward(self: Qwen2_5_VLMLP, hidden_state: torch.Tensor) -> torc
     return F.linear(hidden, F.pad(down.weight, (0, extra)), down.bias)  # zero columns: the extra units add 0
 
 
+class AlignedQwen2_5_VLMLP(Qwen2_5_VLMLP):
+    """A Qwen2.5-VL vision MLP that runs :func:`aligned_mlp_forward`: its class, not a forward bound to the
+    instance, so that copies and pickles of a model (which name an object's class, and cannot name a function
+    bound to it) run it too. Its parameters, state dict and checkpoints are its parent's."""
+
+    forward = aligned_mlp_forward
+
+
 def align_vision_mlps(model: Any) -> int:
-    """Run each Qwen2.5-VL vision MLP of ``model`` whose width is not a multiple of :data:`ALIGN` through
-    :func:`aligned_mlp_forward`, in place (bound to the module, so that its copies bind it to their own); returns
-    how many. Other models (text, Qwen2-VL and Qwen3-VL towers, whose widths are aligned) are left alone."""
+    """Make each Qwen2.5-VL vision MLP of ``model`` whose width is not a multiple of :data:`ALIGN` an
+    :class:`AlignedQwen2_5_VLMLP`, in place; returns how many. Other models (text, Qwen2-VL and Qwen3-VL towers,
+    whose widths are aligned) are left alone."""
     count = 0
     for module in model.modules():
-        if isinstance(module, Qwen2_5_VLMLP) and module.gate_proj.out_features % ALIGN:
-            instance: nn.Module = module  # its forward: an nn.Module attribute, which an instance may set
-            instance.forward = MethodType(aligned_mlp_forward, module)
+        if type(module) is Qwen2_5_VLMLP and module.gate_proj.out_features % ALIGN:
+            module.__class__ = AlignedQwen2_5_VLMLP
             count += 1
     return count
