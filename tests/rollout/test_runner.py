@@ -455,6 +455,79 @@ def test_policy_returning_the_wrong_number_of_completions_errors_the_batch():
     assert all(t.status == ERROR and "1 completions for 2 prompts" in t.error for t in trajectories)
 
 
+def test_without_rounds_a_request_the_policy_refuses_ends_only_its_episode():
+    """A streaming policy's ``submit`` that raises (a prompt it cannot take) ends that episode, as in rounds."""
+    slots = counter_slots(3)
+
+    class Refuses(StreamingTextPolicy):
+        def submit(self, request, sampling):
+            if request.env is slots[1].env and len(request.messages) > 2:  # its second turn
+                raise ValueError("request refused")
+            return super().submit(request, sampling)
+
+    agent = AgentConfig(format="no_think", max_turns=3, wait_for_turns=False)
+    trajectories = Rollout(Refuses(answer("inc")), get_format("no_think"), agent, "Counter").run(
+        slots, SamplingConfig(max_new_tokens=16))
+    assert trajectories[1].status == ERROR and "policy failed: ValueError: request refused" in trajectories[1].error
+    assert len(trajectories[1].turns) == 2 and trajectories[1].turns[-1].finish_reason == "error"
+    assert [t.truncation_reason for t in (trajectories[0], trajectories[2])] == ["max_turns", "max_turns"]
+
+
+def test_in_rounds_a_request_that_cannot_be_made_ends_only_its_episode(monkeypatch):
+    slots = counter_slots(3)
+    rollout = Rollout(TextPolicy(answer("inc")), get_format("no_think"), AgentConfig(format="no_think", max_turns=2),
+                      "Counter")
+    made = rollout._request
+
+    def request(episode, sampling):
+        if episode.slot is slots[0]:
+            raise RuntimeError("no prompt")
+        return made(episode, sampling)
+
+    monkeypatch.setattr(rollout, "_request", request)
+    trajectories = rollout.run(slots, SamplingConfig(max_new_tokens=16))
+    assert trajectories[0].status == ERROR and "no prompt" in trajectories[0].error
+    assert [t.truncation_reason for t in trajectories[1:]] == ["max_turns", "max_turns"]
+
+
+class ReturnsBadly(CounterEnv):
+    """Steps, then returns what a turn cannot read: a reward of None, or an observation without text."""
+
+    def __init__(self, bad: str) -> None:
+        super().__init__()
+        self.bad = bad
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.bad == "reward":
+            return obs, None, terminated, truncated, info
+        return {"image": obs.get("image")}, reward, terminated, truncated, info
+
+
+@pytest.mark.parametrize("bad", ["reward", "observation"])
+def test_an_env_step_result_the_turn_cannot_read_ends_only_its_episode(bad):
+    slots = counter_slots(3)
+    slots[2] = EpisodeSlot(env=ReturnsBadly(bad), seed=2, group=2)
+    trajectories = play(TextPolicy(answer("inc")), slots, max_turns=2)
+    assert trajectories[2].status == ERROR and "env step failed" in trajectories[2].error
+    assert trajectories[2].turns[0].actions == [], "no action recorded from a step that could not be read"
+    assert [t.truncation_reason for t in trajectories[:2]] == ["max_turns", "max_turns"]
+
+
+def test_a_completion_whose_ids_and_logprobs_disagree_ends_only_its_episode(tiny_tokenizer):
+    slots = counter_slots(2)
+
+    class Contradicts(TokenPolicy):
+        def generate(self, requests, sampling):
+            out = super().generate(requests, sampling)
+            return [Completion(text=c.text, token_ids=c.token_ids, logprobs=[]) if r.env is slots[0].env else c
+                    for r, c in zip(requests, out)]
+
+    trajectories = play(Contradicts(tiny_tokenizer, answer("inc")), slots, max_turns=2)
+    assert trajectories[0].status == ERROR and "cannot be recorded" in trajectories[0].error
+    assert trajectories[1].truncation_reason == "max_turns"
+
+
 def test_error_completion_ends_only_its_episode():
     slots = counter_slots(2)
 

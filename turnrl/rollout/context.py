@@ -70,7 +70,8 @@ class TurnTokens:
     closing_ids: list[int] = field(default_factory=list)
     """Template ids appended after the response, not sampled. (C_t,)."""
     stopped: bool = False
-    """True when the model ended its turn itself; False when it was cut at max tokens."""
+    """True when the response ended with the template's end-of-turn token or a tokenizer stop id; False when it
+    was cut at max tokens, by a stop string, or ended by an end id the tokenizer does not list."""
     prompt_length: int = 0
     """Tokens in the prompt this response was sampled from."""
     window_start: int = 0

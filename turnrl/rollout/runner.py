@@ -242,10 +242,14 @@ class Rollout:
         assert policy is not None  # __init__ refuses a policy that cannot stream without rounds
         pending: dict[int, _Episode] = {}
         stepping: dict[Future[FinishedTurn | None], _Episode] = {}
+        refused: list[tuple[_Episode, Completion]] = []
         turns_done = 0
 
         def submit(episode: _Episode) -> None:
-            pending[policy.submit(self._request(episode, sampling), sampling)] = episode
+            try:
+                pending[policy.submit(self._request(episode, sampling), sampling)] = episode
+            except Exception as error:  # a request the policy refuses ends its episode, not the rollout
+                refused.append((episode, policy_failure(error)))
 
         def after_step(episode: _Episode, done: FinishedTurn | None) -> None:
             nonlocal turns_done
@@ -260,7 +264,10 @@ class Rollout:
         for episode in episodes:
             if not episode.finished:
                 submit(episode)
-        while pending or stepping:
+        while pending or stepping or refused:
+            while refused:
+                episode, completion = refused.pop()
+                after_step(episode, self._act(episode, completion))
             if pending:
                 start = time.perf_counter()
                 finished = policy.poll()
@@ -349,16 +356,27 @@ class Rollout:
         return results
 
     def _generate(self, active: list[_Episode], sampling: SamplingConfig) -> list[Completion]:
-        requests = [self._request(episode, sampling) for episode in active]
+        completions: list[Completion | None] = [None] * len(active)
+        requests, asked = [], []
+        for index, episode in enumerate(active):
+            try:
+                requests.append(self._request(episode, sampling))
+                asked.append(index)
+            except Exception as error:  # a request that cannot be made ends its episode, not the round
+                completions[index] = policy_failure(error)
         start = time.perf_counter()
         try:
-            completions = self.policy.generate(requests, sampling)
-            if len(completions) != len(requests):
-                raise RuntimeError(f"policy returned {len(completions)} completions for {len(requests)} prompts")
+            answers = self.policy.generate(requests, sampling) if requests else []
+            if len(answers) != len(requests):
+                raise RuntimeError(f"policy returned {len(answers)} completions for {len(requests)} prompts")
         except Exception as error:  # a failing policy call ends these episodes, not the run
-            completions = [policy_failure(error) for _ in requests]
+            answers = [policy_failure(error) for _ in requests]
         self.timings.generate_s += time.perf_counter() - start
-        return completions
+        for index, answer in zip(asked, answers):
+            completions[index] = answer
+        answered = [completion for completion in completions if completion is not None]
+        assert len(answered) == len(active)  # each request answered, or failed where it was made
+        return answered
 
     def _request(self, episode: _Episode, sampling: SamplingConfig) -> GenerationRequest:
         tokens = episode.trajectory.tokens
@@ -473,27 +491,35 @@ class Rollout:
             if not turn.response_ids:
                 self._fail(episode, turn, 0.0, "the policy returned no tokens")
                 return None
-            trajectory.tokens.add_response(turn.response_ids, turn.response_logprobs)
+            try:
+                trajectory.tokens.add_response(turn.response_ids, turn.response_logprobs)
+            except ValueError as error:  # a completion that contradicts itself (ids and logprobs apart)
+                self._fail(episode, turn, 0.0, f"the policy's response cannot be recorded: {error}")
+                return None
 
         facts_before = self._facts(env, turn)
         terminated = truncated = False
         env_reward = 0.0
         for action in parsed.actions[: min(self.agent.max_actions_per_turn, episode.actions_left)]:
-            try:
+            try:  # the step and what it returned: a result the turn cannot read is the env's failure too
                 obs, reward, terminated, truncated, info = env.step(action)
                 figures = env_metrics(info)
+                valid = bool(info.get("action_is_valid", True))
+                effective = valid and bool(info.get("action_is_effective", True))
+                step_reward, success = float(reward), bool(info.get("success", False))
+                if not isinstance(obs, dict) or not isinstance(obs.get("text"), str):
+                    raise TypeError(f"an observation must be a dict with a 'text' string, not {obs!r:.200}")
             except Exception as error:
                 trace = traceback.format_exc(limit=3)
                 self._fail(episode, turn, env_reward, f"env step failed: {type(error).__name__}: {error}\n{trace}")
                 return None
-            valid = bool(info.get("action_is_valid", True))
             turn.actions.append(action)
             turn.actions_valid.append(valid)
-            turn.actions_effective.append(valid and bool(info.get("action_is_effective", True)))
+            turn.actions_effective.append(effective)
             if figures is not None:
                 trajectory.env_metrics = figures
-            env_reward += float(reward)
-            trajectory.success = bool(info.get("success", False))
+            env_reward += step_reward
+            trajectory.success = success
             episode.actions_left -= 1
             episode.last_obs = obs
             if not valid or terminated or truncated:

@@ -122,7 +122,8 @@ class Trajectory:
     tokens: EpisodeTokens | None = None
     """The token-exact context (None for text-only policies)."""
     images: list[np.ndarray] = field(default_factory=list)
-    """Every image shown, in order (the first observation's first)."""
+    """Every observation's images, in order (the first observation's first); the last observation's were never
+    shown where the episode then outgrew the context budget (it ends ``context_budget``, its prompt unsent)."""
     final_images: list[np.ndarray] = field(default_factory=list)
     """Images of the observation after the last turn (image modes), which no turn showed the model: where the
     episode ended (the hole the agent fell into), for the record and the viewer."""
