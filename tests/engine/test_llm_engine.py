@@ -244,6 +244,41 @@ def test_copies_of_a_prompt_sample_their_own_tokens_with_logprobs_of_a_full_forw
         torch.testing.assert_close(torch.tensor(result.logprobs), reference, atol=2e-4, rtol=1e-4)
 
 
+def test_generate_waits_for_its_own_prompts_only():
+    """A request queued by another caller (left by a call that raised) may finish during ``generate``: it is not
+    counted as one of this call's."""
+    engine = engine_for(build())
+    prompts = random_prompts([30, 12])
+    engine.submit(prompts[0], SamplingParams(max_new_tokens=2))
+    [mine] = engine.generate([prompts[1]], [SamplingParams(max_new_tokens=6)])
+    assert len(mine.token_ids) == 6 and mine.finish_reason == "length"
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_step_hands_back_the_requests_that_had_ended_before_it(tiny_model_dir):
+    """A policy's generate whose batch holds a refused request (an empty prompt) and whose step fails: every
+    request comes back, the refused one with its own reason (it waited for ever)."""
+    from turnrl.config import SamplingConfig
+    from turnrl.models.loading import load_model, load_tokenizer
+    from turnrl.policy.engine import EnginePolicy
+    from turnrl.policy.interface import GenerationRequest
+
+    policy = EnginePolicy(load_model(tiny_model_dir), load_tokenizer(tiny_model_dir),
+                          EngineConfig(max_rows=4, max_seq_len=256, kv_cache_gb=0.1, **KERNELS))
+    failing = policy.engine.step
+
+    def step():
+        policy.engine.step = failing  # one failure, then as before
+        raise RuntimeError("device lost")
+
+    policy.engine.step = step
+    completions = policy.generate([GenerationRequest(prompt_ids=[], messages=[]),
+                                   GenerationRequest(prompt_ids=list(range(5, 25)), messages=[])],
+                                  SamplingConfig(max_new_tokens=4))
+    assert completions[0].finish_reason == "error" and "empty prompt" in (completions[0].error or "")
+    assert completions[1].finish_reason == "error" and "device lost" in (completions[1].error or "")
+
+
 def test_stop_ids_end_a_sequence_and_are_kept():
     model = build("qwen2")
     prompts = random_prompts([6, 9])

@@ -251,6 +251,28 @@ def test_abort_ends_every_sequence_with_its_tokens_so_far_and_frees_every_row():
     assert s.cache.free_pages == s.cache.max_pages - 1 and s.decode_batch() is None
 
 
+def test_abort_returns_the_sequences_that_had_ended_too():
+    """A refusal (queued as ended at submit) or a finish read just before the failed step is still the caller's to
+    take: dropped, a caller polling for it waited for ever."""
+    s = scheduler()
+    empty = submit(s, [])
+    running = submit(s, prompt(20), max_new_tokens=10)
+    admit_and_prefill(s)
+    results = {r.id: r for r in s.abort("failed")}
+    assert results[empty.id].error == "empty prompt" and results[running.id].error == "failed"
+    assert s.take_finished() == []
+
+
+def test_a_sequence_that_may_generate_nothing_is_refused():
+    """0 (or fewer) new tokens: refused at once, not prefilled (a negative budget took fewer pages than the prompt
+    and left its row's cache unwritten)."""
+    s = scheduler()
+    zero, negative = submit(s, prompt(20), max_new_tokens=0), submit(s, prompt(200), max_new_tokens=-150)
+    results = {r.id: r for r in s.take_finished()}
+    assert "max_new_tokens is 0" in results[zero.id].error and "max_new_tokens is -150" in results[negative.id].error
+    assert not s.waiting
+
+
 def test_a_sequence_takes_the_pages_of_its_prompt_and_budget_only():
     s = scheduler(pages=64)
     sequence = submit(s, prompt(200), max_new_tokens=100)

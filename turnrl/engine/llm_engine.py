@@ -176,7 +176,7 @@ class Engine:
         """Run ``prompts`` to completion; results in prompt order."""
         ids = [self.submit(prompt, p) for prompt, p in zip(prompts, params)]
         results: dict[int, Result] = {}
-        while len(results) < len(ids):
+        while not all(i in results for i in ids):  # others' results may come out too: not counted
             for result in self.step():
                 results[result.id] = result
         self.timer.collect()  # the spans still pending (none unless the timer is on)

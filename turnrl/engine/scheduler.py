@@ -137,11 +137,14 @@ class Scheduler:
         return next(self._ids)
 
     def add(self, sequence: SequenceRecord, error: str | None = None) -> None:
-        """Queue ``sequence``, or end it at once with ``error`` (the model cannot run it) or when its prompt is
-        empty or leaves no room in a row."""
+        """Queue ``sequence``, or end it at once with ``error`` (the model cannot run it), when it may generate no
+        token, or when its prompt is empty or leaves no room in a row."""
         prompt = sequence.prompt
         if error is not None:
             self.finished.append(Result(sequence.id, [], [], "error", error))
+        elif sequence.params.max_new_tokens < 1:
+            self.finished.append(Result(sequence.id, [], [], "error",
+                                        f"max_new_tokens is {sequence.params.max_new_tokens}; give 1 or more"))
         elif not prompt:
             self.finished.append(Result(sequence.id, [], [], "error", "empty prompt"))
         elif len(prompt) >= self.max_len:
@@ -159,7 +162,8 @@ class Scheduler:
         return done
 
     def abort(self, reason: str) -> list[Result]:
-        """End every waiting and running sequence with an error; rows are freed, idle ones too."""
+        """End every waiting and running sequence with an error; rows are freed, idle ones too. Returns those and
+        the sequences that had ended already and were not yet taken (a refusal, a finish read in the failed step)."""
         self._in_flight[:] = 0
         self._live[:] = False
         aborted = [Result(s.id, [], [], "error", reason) for s in self.waiting]
@@ -170,8 +174,7 @@ class Scheduler:
             self._release_row(row, [])
         self._running_rows = None
         self.drop_idle_rows()
-        self.finished = []
-        return aborted
+        return self.take_finished() + aborted
 
     # ------------------------------------------------------------------ admission
     def time_to_admit(self) -> bool:

@@ -66,7 +66,7 @@ class EnginePolicy(Policy):
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
         handles = [self.submit(request, sampling) for request in requests]
         done: dict[int, Completion] = {}
-        while len(done) < len(handles):
+        while not all(handle in done for handle in handles):  # others' completions may come out too: not counted
             done.update(self.poll())
         return [done[handle] for handle in handles]
 
@@ -76,7 +76,8 @@ class EnginePolicy(Policy):
             raise ValueError("EnginePolicy needs prompt_ids: the rollout must build token contexts with this tokenizer")
         params = SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_new_tokens=min(sampling.max_new_tokens, request.max_new_tokens or sampling.max_new_tokens),
+            max_new_tokens=sampling.max_new_tokens if request.max_new_tokens is None else min(
+                sampling.max_new_tokens, request.max_new_tokens),
             stop_ids=tuple(self.eos_ids), stop_strings=tuple(sampling.stop),
         )
         return self.engine.submit(list(request.prompt_ids), params, request.model_inputs, request.image_digests)
