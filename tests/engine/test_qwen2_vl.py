@@ -188,6 +188,19 @@ def test_greedy_image_turns_equal_generate_and_the_second_extends_the_cached_row
     assert [r.reused_tokens for r in second_results] == [len(p) + new_tokens - 1 for p, _ in firsts]
 
 
+def test_pixels_of_another_width_end_their_request_alone(model, processor):
+    """Patches the tower cannot take (another processor's, cut short) are refused at submit: in the prefill's one
+    tower call they failed every request of the batch."""
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=4, max_seq_len=512, triton="false"))
+    (good, bad), _ = episodes(processor)
+    pixels = bad[1]["pixel_values"]
+    narrow = (bad[0], {**bad[1], "pixel_values": pixels[:, :-1]})
+    results = run(engine, [good, narrow])
+    assert results[0].finish_reason == "length" and results[0].token_ids == hf_greedy(model, *good)
+    assert results[1].finish_reason == "error"
+    assert f"rows of {pixels.shape[1]} floats" in (results[1].error or "")
+
+
 def test_the_timer_counts_the_images_the_prefill_encodes_and_not_those_in_the_cache(model, processor):
     """The vision tower's work for a roofline: the first turns encode their images, the second turns only their
     new ones (the first images' tokens are in the rows), each image's forward FLOPs counted as the throughput

@@ -235,6 +235,12 @@ class ModelRunner:
                 images = prompt_images(prompt, model_inputs, vision.image_token_id, vision.merge_size, image_digests)
             except ValueError as invalid:
                 return None, str(invalid)
+            width = vision.patch_width()
+            for index, pixels in enumerate(images.pixel_values):
+                # Caught here, alone: in the batch's tower call it would fail every sequence of the prefill.
+                if pixels.dim() != 2 or pixels.shape[1] != width or not pixels.is_floating_point():
+                    return None, (f"image {index}'s pixel_values are {tuple(pixels.shape)} {pixels.dtype}; this "
+                                  f"model's patches are rows of {width} floats: make them with its own processor")
         elif model_inputs and model_inputs.get("pixel_values") is not None:
             return None, "this model takes no images (a text model); send the prompt without them"
         vocab = len(self.weights.embed.value)

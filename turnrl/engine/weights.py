@@ -156,6 +156,7 @@ class VisionWeights:
     """The engine's compute dtype, the tower's too: a tower whose weights are in another (a trained VLM's float32
     weights under a bf16 engine) runs under autocast to it, as the trainer's passes run it."""
     _weight_flops: tuple[float, float] | None = field(default=None, init=False, repr=False)
+    _patch_width: int | None = field(default=None, init=False, repr=False)
     _layouts: TowerLayouts | None = field(default=None, init=False, repr=False)
 
     def forward_flops(self, grids: torch.Tensor) -> float:
@@ -166,6 +167,14 @@ class VisionWeights:
             self._weight_flops = vision_weight_flops(tower, forward_only=True) if tower is not None else (0.0, 0.0)
         config: Any = self.model.config
         return vision_grid_flops(self._weight_flops, config.vision_config, grids, forward_only=True)
+
+    def patch_width(self) -> int:
+        """Values a patch holds, a ``pixel_values`` row's width: channels x frames x pixels of a patch, the inputs
+        of the tower's patch embedding (every Qwen-VL's: a 3-D convolution over a patch)."""
+        if self._patch_width is None:
+            tower: Any = vision_tower(self.model)
+            self._patch_width = math.prod(tower.patch_embed.proj.weight.shape[1:])
+        return self._patch_width
 
     def features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> ImageFeatures:
         """The decoder-side features of images, one row per placeholder token, in order.
