@@ -273,6 +273,23 @@ def test_a_sequence_that_may_generate_nothing_is_refused():
     assert not s.waiting
 
 
+def test_a_sequence_that_waits_for_pages_leaves_the_idle_row_it_would_take_as_it_was():
+    """The row a new prompt would take (the lowest open one: here an idle row of another episode) is taken only once
+    the pages are: waiting, it dropped that episode's cached tokens though nothing ran in its place."""
+    s = scheduler(rows=2, pages=4, max_len=384)  # the scratch page and 3 of 128 positions
+    episode = submit(s, prompt(40), max_new_tokens=2)
+    submit(s, prompt(200, start=100), max_new_tokens=50)  # 2 pages, running throughout
+    admit_and_prefill(s)
+    while not s.take_finished():
+        decode_step(s)
+    assert s.table.rows[episode.row].state == IDLE
+    cached = list(s.table.rows[episode.row].tokens)
+    submit(s, prompt(300, start=500), max_new_tokens=10)  # 3 pages: waits for the running one
+    assert s.admit() == [] and len(s.waiting) == 1 and s.stats.page_waits == 1
+    assert s.table.rows[episode.row].state == IDLE and s.table.rows[episode.row].tokens == cached
+    assert s.stats.evictions == 0
+
+
 def test_a_sequence_takes_the_pages_of_its_prompt_and_budget_only():
     s = scheduler(pages=64)
     sequence = submit(s, prompt(200), max_new_tokens=100)

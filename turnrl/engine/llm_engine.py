@@ -3,8 +3,9 @@
 One :meth:`Engine.step` admits waiting sequences into free cache rows (a prompt
 that extends a row's cached tokens prefills only the new ones), prefills them,
 then decodes one token for every running sequence. A finished sequence leaves
-its row at once and a waiting one takes it: sequences never wait for each
-other. The cache is a budget of pages (``EngineConfig.kv_cache_gb``;
+its row at once and a waiting one takes it: no sequence waits for a batch to
+end (arrivals are admitted together, after a few decode steps at most, and wait
+for pages that running sequences hold). The cache is a budget of pages (``EngineConfig.kv_cache_gb``;
 :mod:`turnrl.engine.cache`) that rows take as their sequences need them.
 
 Two parts do the work, as nano-vllm keeps them apart: the

@@ -56,7 +56,15 @@ class RowTable:
                 del self._by_prefix[key]
 
     def place(self, prompt: list[int]) -> Placement | None:
-        """Take a row for ``prompt``, reusing the longest cached prefix; None when every row is running."""
+        """Take a row for ``prompt`` (:meth:`choose`, then :meth:`take`); None when every row is running."""
+        placement = self.choose(prompt)
+        if placement is not None:
+            self.take(placement, prompt)
+        return placement
+
+    def choose(self, prompt: list[int]) -> Placement | None:
+        """The row ``prompt`` would take, changing nothing: the one whose cached tokens are its longest prefix,
+        else the lowest free or idle row; None when every row is running."""
         best, best_len = None, 0
         key = self._key(prompt)
         for index in self._by_prefix.get(key, ()) if key is not None else ():
@@ -65,20 +73,22 @@ class RowTable:
             usable = min(len(tokens), len(prompt) - 1)
             if usable > best_len and self.begins_with(prompt, tokens, usable):
                 best, best_len = self.rows[index], usable
-        evicted = False
-        if best is None:
-            # The lowest row that is free or idle: decode computes rows 0 .. highest running, so low rows
-            # keep it short. An idle row's cache is given up for it; the sequence that left it (most
-            # likely finished, or windowed out of its next prompt) is prefilled again if it comes back.
-            open_rows = [row for row in self.rows if row.state != RUNNING]
-            if not open_rows:
-                return None
-            best = open_rows[0]
-            evicted = best.state == IDLE
-        self._unindex(best)
-        best.state = RUNNING
-        best.tokens = list(prompt[:best_len])
-        return Placement(best.index, best_len, evicted)
+        if best is not None:
+            return Placement(best.index, best_len, evicted=False)
+        # The lowest row that is free or idle: decode computes rows 0 .. highest running, so low rows keep it
+        # short. An idle row's cache is given up for it; the sequence that left it (most likely finished, or
+        # windowed out of its next prompt) is prefilled again if it comes back.
+        open_rows = [row for row in self.rows if row.state != RUNNING]
+        if not open_rows:
+            return None
+        return Placement(open_rows[0].index, 0, evicted=open_rows[0].state == IDLE)
+
+    def take(self, placement: Placement, prompt: list[int]) -> None:
+        """Mark ``placement``'s row running ``prompt``, holding the reused prefix only."""
+        row = self.rows[placement.row]
+        self._unindex(row)
+        row.state = RUNNING
+        row.tokens = list(prompt[: placement.reused])
 
     @staticmethod
     def begins_with(prompt: list[int], tokens: list[int], usable: int) -> bool:

@@ -196,15 +196,16 @@ class Scheduler:
         self.cache.reserve_scratch()  # after the cache's memory was released
         while self.waiting:
             sequence = self.waiting[0]
-            placement = self.table.place(sequence.keys)
+            placement = self.table.choose(sequence.keys)
             if placement is None:
                 break
             if not self._take_pages(placement.row, len(sequence.prompt) + self.budget(sequence)):
-                # Running sequences hold the pages: it waits for one to finish, keeping the row's cached prefix.
-                self._release_row(placement.row, sequence.keys[: placement.reused])
+                # Running sequences hold the pages: it waits for one to finish, every row left as it was (an idle
+                # row it would have taken keeps its episode's tokens).
                 self.stats.page_waits += int(not sequence.waited_for_pages)
                 sequence.waited_for_pages = True
                 break
+            self.table.take(placement, sequence.keys)
             self.waiting.popleft()
             sequence.row, sequence.cached, sequence.reused = placement.row, placement.reused, placement.reused
             self.stats.evictions += int(placement.evicted)

@@ -72,9 +72,10 @@ class EngineStats:
     decode_steps: int = 0
     generated_tokens: int = 0
     evictions: int = 0
-    """Idle rows' cached conversations dropped for a sequence to start: for a row (every one of ``max_rows`` taken)
-    or for the pages of its prompt and budget (the key/value cache full: ``page_evictions``). A dropped
-    conversation whose episode comes back for another turn is prefilled again."""
+    """Idle rows' cached conversations dropped for a sequence to start: for a row (a prompt that extends no idle
+    row takes the lowest row not running, an idle one even where a higher row is free, since decode computes rows
+    0 .. the highest running) or for the pages of its prompt and budget (the key/value cache full:
+    ``page_evictions``). A dropped conversation whose episode comes back for another turn is prefilled again."""
     page_evictions: int = 0
     """Of ``evictions``, those that freed pages (the cache full), not a row."""
     page_waits: int = 0
