@@ -368,8 +368,8 @@ RECOMPILE_LIMIT = 32
 """Graphs a compiled part's code may hold (see :func:`compile_layer_parts`)."""
 
 _compiled_forwards: dict[Callable[..., Any], Callable[..., Any]] = {}
-"""One compiled ``forward`` a part's function (its class's, or one bound to it: :func:`part_forward`), shared by
-every layer, model and copy of a process."""
+"""One compiled ``forward`` a function a part runs (:func:`part_forward`), shared by every layer, model and copy of
+a process."""
 
 ROTARY_FUNCTION = "apply_rotary_pos_emb"
 """What a decoder family's attention calls its rotary embedding by, in its transformers module (every family
