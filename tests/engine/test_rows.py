@@ -6,36 +6,28 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrl.engine.rows import FREE, IDLE, PREFIX_KEY_TOKENS, Placement, RowTable
-
-
-def place(table: RowTable, prompt: list[int]) -> Placement | None:
-    """The row ``prompt`` takes, taken (as the scheduler takes it once its pages are)."""
-    placement = table.choose(prompt)
-    if placement is not None:
-        table.take(placement, prompt)
-    return placement
+from turnrl.engine.rows import FREE, IDLE, PREFIX_KEY_TOKENS, RowTable
 
 
 def test_a_prompt_extending_an_idle_row_takes_it_and_reuses_its_tokens():
     table = RowTable(3)
-    first = place(table, list(range(20)))
+    first = table.place(list(range(20)))
     assert first is not None and first.row == 0
     table.release(0, list(range(25)))
-    again = place(table, list(range(30)))
+    again = table.place(list(range(30)))
     assert again is not None and (again.row, again.reused, again.evicted) == (0, 25, False)
 
 
 def test_idle_rows_are_listed_those_idle_longest_first_and_evicted_one_at_a_time():
     table = RowTable(3)
     for start in (0, 100, 200):
-        assert place(table, list(range(start, start + 20))) is not None
+        assert table.place(list(range(start, start + 20))) is not None
     table.release(2, list(range(200, 220)))
     table.release(0, list(range(20)))
     assert table.idle_rows() == [2, 0]
     table.evict(2)
     assert table.rows[2].state == FREE and table.idle_rows() == [0]
-    placed = place(table, list(range(200, 230)))  # its tokens are gone: no reuse
+    placed = table.place(list(range(200, 230)))  # its tokens are gone: no reuse
     assert placed is not None and placed.reused == 0
     with pytest.raises(ValueError, match="row 1 is running, not idle"):
         table.evict(1)
@@ -44,7 +36,7 @@ def test_idle_rows_are_listed_those_idle_longest_first_and_evicted_one_at_a_time
 def test_clear_frees_every_idle_row_and_names_them():
     table = RowTable(2)
     for start in (0, 100):
-        assert place(table, list(range(start, start + 20))) is not None
+        assert table.place(list(range(start, start + 20))) is not None
     for start in (0, 100):
         table.release(start // 100, list(range(start, start + 20)))
     assert {row.state for row in table.rows} == {IDLE}
@@ -76,12 +68,12 @@ def test_placement_reuses_the_longest_matching_row_as_a_plain_scan_does(shared, 
     table = RowTable(len(tails) + 1)
     cached = [shared + tail for tail in tails]
     for index, tokens in enumerate(cached):
-        placed = place(table, tokens)
+        placed = table.place(tokens)
         assert placed is not None and placed.row == index
     for index, tokens in enumerate(cached):
         table.release(index, tokens)
     prompt = (cached[pick % len(cached)] + extra)[: max(1, len(shared) + cut)]
-    placed = place(table, prompt)
+    placed = table.place(prompt)
     assert placed is not None
     assert placed.reused == plain_reuse(cached, prompt)
     if placed.reused:

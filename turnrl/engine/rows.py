@@ -55,6 +55,13 @@ class RowTable:
             if not self._by_prefix[key]:
                 del self._by_prefix[key]
 
+    def place(self, prompt: list[int]) -> Placement | None:
+        """Take a row for ``prompt`` (:meth:`choose`, then :meth:`take`); None when every row is running."""
+        placement = self.choose(prompt)
+        if placement is not None:
+            self.take(placement, prompt)
+        return placement
+
     def choose(self, prompt: list[int]) -> Placement | None:
         """The row ``prompt`` would take, changing nothing: the one whose cached tokens are its longest prefix,
         else the lowest free or idle row; None when every row is running."""
