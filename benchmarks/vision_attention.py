@@ -20,11 +20,22 @@ images' grids (:mod:`turnrl.models.vision_layout`, what the engine's prefill doe
 from grids on the device (a loop over the images, with reads to the host that drain the device), passes run back
 to back as a rollout's prefills run, and prints the largest difference of their features (none expected).
 
+With ``--mlp`` it also times the tower as a training run holds and compiles it (``model.compile``: float32 weights
+under bf16 autocast on a GPU, its blocks' parts compiled, the layout made on the host) over ``--new-counts`` passes
+of a new image count each (``--images``, one fewer, ...: the compiled graphs are dynamic, as a rollout's prefills
+meet them), its MLPs running their own class's forward against the aligned one loading gives an MLP of an
+unaligned width (:mod:`turnrl.models.vision_mlp`; inductor may pad the own forward's products itself), and prints
+the largest difference of their features (``--new-counts`` then counts these passes, and the cuDNN rows are not run). ``--vision-mlp-width`` builds the tower at another MLP width (an
+unaligned one for a CPU's small presets, whose widths are aligned).
+
     python benchmarks/vision_attention.py --preset vlm-3b --images 128 --size 224
     python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --new-counts 12
     python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --layout --repeats 20
     python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --rotary --repeats 10
+    python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --mlp --new-counts 12
     python benchmarks/vision_attention.py --preset vlm-tiny --device cpu --images 16 --size 224   # a smoke run
+    python benchmarks/vision_attention.py --preset vlm-tiny --device cpu --images 12 --size 112 --mlp \
+        --new-counts 3 --vision-mlp-width 120   # the MLP rows' smoke run
 """
 
 from __future__ import annotations
@@ -45,12 +56,16 @@ from turnrl.models import build_tokenizer, vision_attention, vlm_config  # noqa:
 from turnrl.models.loading import VISION_ATTENTION_PART, VISION_ROTARY_FUNCTION, compile_layer_parts  # noqa: E402
 from turnrl.models.vision_attention import VISION_ATTENTION  # noqa: E402
 from turnrl.models.vision_layout import TowerLayouts  # noqa: E402
+from turnrl.models.vision_mlp import AlignedQwen2_5_VLMLP, align_vision_mlps  # noqa: E402
 
 
-def body_of(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The preset's model body (its vision tower is what is timed), random weights."""
+def body_of(preset: str, device: torch.device, dtype: torch.dtype, mlp_width: int | None = None) -> torch.nn.Module:
+    """The preset's model body (its vision tower is what is timed), random weights; ``mlp_width``: the tower's
+    MLP width instead of the preset's."""
     tokenizer = build_tokenizer(["an image"], template="chatml")
     config = vlm_config(preset, tokenizer)
+    if mlp_width is not None:
+        config.vision_config.intermediate_size = mlp_width
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
     return model.model.eval()
@@ -193,6 +208,54 @@ def rotary_rows(args, device: torch.device) -> list[tuple[str, float]]:
     return rows
 
 
+def mlp_rows(args, device: torch.device) -> list[tuple[str, float]]:
+    """The forward as a training run holds and compiles the tower (float32 weights, bf16 autocast on a GPU, the
+    blocks' parts compiled, the layout made on the host), its MLPs' own forward against the aligned one, each
+    timed over ``args.new_counts`` passes of a new image count after four passes of others (which compile the
+    dynamic graphs); the two towers have the same weights."""
+    first = body_of(args.preset, device, torch.float32, args.vision_mlp_width)
+    second = body_of(args.preset, device, torch.float32, args.vision_mlp_width)
+    second.load_state_dict(first.state_dict())
+    counts = [args.images - index for index in range(4 + args.new_counts)]
+    warm, timed = counts[:4], counts[4:]
+    batches = {count: images(first, count, args.size, device, torch.float32) for count in counts}
+    rows, features = [], []
+    for label, body, aligned in (("its MLPs' own forward", first, False), ("its MLPs aligned", second, True)):
+        body.visual.config._attn_implementation = VISION_ATTENTION
+        widened = align_vision_mlps(body.visual) if aligned else 0
+        if aligned and not widened:
+            raise SystemExit(f"--mlp: {args.preset}'s vision MLPs are {body.visual.config.intermediate_size} wide, "
+                             "aligned already: nothing to compare (--vision-mlp-width sets another width)")
+        assert aligned or not any(isinstance(module, AlignedQwen2_5_VLMLP) for module in body.modules())
+        compile_layer_parts(body)
+        layouts = TowerLayouts(body.visual)
+
+        def encode(count: int, body=body, layouts=layouts) -> torch.Tensor:
+            pixels, grids = batches[count]
+            host_grids = grids.cpu()
+            layout = layouts.inputs(host_grids, device) if layouts.enabled else {}
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                output = body.get_image_features(pixels, host_grids if layout else grids, return_dict=True,
+                                                 **layout)
+            return torch.cat(list(output.pooler_output))
+
+        for count in warm:
+            encode(count)
+        features.append(encode(timed[0]).float())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for count in timed:
+            encode(count)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rows.append((f"chunked, forward, compiled blocks, a new image count each pass, {label}",
+                     (time.perf_counter() - start) / len(timed)))
+        print(f"{rows[-1][0]}: {rows[-1][1]:.4f} s a pass", flush=True)
+    print(f"largest difference of the features: {float((features[0] - features[1]).abs().max()):.3g}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="vlm-3b")
@@ -206,12 +269,19 @@ def main() -> None:
                         help="also the forward with its layout made on the host against the tower's own")
     parser.add_argument("--rotary", action="store_true",
                         help="also the forward as training's rollout runs it, its rotary embedding eager and compiled")
+    parser.add_argument("--mlp", action="store_true",
+                        help="also the compiled forward over --new-counts new image counts, its MLPs' own forward "
+                             "against the aligned one")
+    parser.add_argument("--vision-mlp-width", type=int, default=None,
+                        help="the tower's MLP width instead of the preset's (with --mlp on a small preset)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if args.new_counts and (device.type != "cuda" or 2 * args.new_counts >= args.images):
+    if args.mlp and not 0 < args.new_counts < args.images - 4:
+        raise SystemExit("--mlp times --new-counts passes after four others: give 0 < --new-counts < --images - 4")
+    if args.new_counts and not args.mlp and (device.type != "cuda" or 2 * args.new_counts >= args.images):
         raise SystemExit("--new-counts times cuDNN's attention: a GPU, and fewer than --images / 2 passes")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    body = body_of(args.preset, device, dtype)
+    body = body_of(args.preset, device, dtype, args.vision_mlp_width)
     pixels, grids = images(body, args.images, args.size, device, dtype)
     rows = []
     for backward in (False, True):
@@ -221,12 +291,14 @@ def main() -> None:
             label = f"{name}, {'forward + backward' if backward else 'forward'}"
             rows.append((label, seconds_a_pass(body, pixels, grids, args.repeats, backward)))
             print(f"{label}: {rows[-1][1]:.4f} s a pass", flush=True)
-    if args.new_counts:
+    if args.new_counts and not args.mlp:
         rows.extend(new_count_rows(body, args, device, dtype))
     if args.layout:
         rows.extend(layout_rows(body, args, device, dtype))
     if args.rotary:
         rows.extend(rotary_rows(args, device))
+    if args.mlp:
+        rows.extend(mlp_rows(args, device))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{args.preset} vision tower, {args.images} images of {args.size} px, {name}, {dtype}")
     print("| attention | s a pass | speed-up |\n| --- | ---: | ---: |")
