@@ -25,8 +25,9 @@ under bf16 autocast on a GPU, its blocks' parts compiled, the layout made on the
 of a new image count each (``--images``, one fewer, ...: the compiled graphs are dynamic, as a rollout's prefills
 meet them), its MLPs running their own class's forward against the aligned one loading gives an MLP of an
 unaligned width (:mod:`turnrl.models.vision_mlp`; inductor may pad the own forward's products itself), and prints
-the largest difference of their features (``--new-counts`` then counts these passes, and the cuDNN rows are not run). ``--vision-mlp-width`` builds the tower at another MLP width (an
-unaligned one for a CPU's small presets, whose widths are aligned).
+the largest difference of their features; ``--new-counts`` then counts these passes, and the cuDNN rows are not
+run. ``--vision-mlp-width`` builds the tower at another MLP width (an unaligned one for a CPU's small presets,
+whose widths are aligned).
 
     python benchmarks/vision_attention.py --preset vlm-3b --images 128 --size 224
     python benchmarks/vision_attention.py --preset vlm-3b --images 64 --size 224 --new-counts 12
