@@ -308,7 +308,10 @@ def test_empty_filter_steps_stop_the_run_and_a_resumed_run_remembers_them():
     steps = [step(skipped=True)] * 2 + [step()] + [step(skipped=True)] * 3
     assert run_until_stop(EarlyStops(config), steps) == (6, "empty_filter_steps")
     resumed = EarlyStops(config, history=steps[:5])
-    assert resumed.fired is None and run_until_stop(resumed, steps[5:]) == (1, "empty_filter_steps")
+    assert resumed.fired is None and resumed.stopped_before is None
+    assert run_until_stop(resumed, steps[5:]) == (1, "empty_filter_steps")
+    ended = EarlyStops(config, history=steps)  # resumed from the checkpoint the stop saved: the run had ended there
+    assert ended.fired is None and ended.stopped_before is not None and ended.stopped_before.rule == "empty_filter_steps"
     assert resumed.summary(6) == {"stopped_by": "early_stop", "early_stop": {
         "rule": "empty_filter_steps", "reason": "the group filter kept nothing to train on for 3 steps in a row",
         "step": 6}}
@@ -384,6 +387,14 @@ def test_empty_filter_steps_end_the_run_with_validation_a_checkpoint_the_summary
     assert_stopped_early(run, capsys.readouterr().out, 3, "empty_filter_steps",
                          "the group filter kept nothing to train on for 3 steps in a row")
     assert [r["collapse/empty_filter_steps"] for r in records(run) if "filter/skipped_step" in r] == [1, 2, 3]
+    # Resumed again (as after a kill between the stop's checkpoint and its summary): it ends where it ended.
+    (run / "summary.json").unlink()
+    summary = train(config(tiny_model_dir, tmp_path, *empty, "run.steps=6", f"resume={run}"))
+    assert summary["steps"] == 3 and summary["early_stop"] == {
+        "rule": "empty_filter_steps", "reason": "the group filter kept nothing to train on for 3 steps in a row",
+        "step": 3}
+    assert "early stop after step 3 (before this resume)" in capsys.readouterr().out
+    assert max(r["step"] for r in records(run)) == 3 and json.loads((run / "summary.json").read_text()) == summary
 
 
 def varied_reward(turns: list, until_seed: int) -> list[float]:

@@ -330,9 +330,11 @@ class EarlyStops:
         """Whether to report the rules' state (``collapse/...``): with collapse diagnostics or a stop on."""
         self.fired: EarlyStop | None = None
         """The rule that stopped this session of the run (a resumed run's history does not count)."""
-        for record in history:
-            self.observe(dict(record))
+        stops = [self.observe(dict(record)) for record in history]
         self.fired = None
+        self.stopped_before: EarlyStop | None = stops[-1] if stops else None
+        """The rule that fires at the history's last step: a run resumed from there had ended there (its checkpoint
+        is the one an early stop saves, and a process killed before the summary leaves it so)."""
 
     def observe(self, metrics: dict[str, float]) -> EarlyStop | None:
         """Feed one step's metrics (those of the rollout, the filter and a validation run with it); adds the

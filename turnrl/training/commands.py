@@ -430,11 +430,17 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     early_stops, ran = EarlyStops(config.collapse, history), config.run.steps
     stopped: dict[str, Any] = {}  # why a run ended before run.steps, other than an early stop's rule
     trainer.collapse.resume(history)
+    last_step = config.run.steps
+    if early_stops.stopped_before is not None:  # the run had ended at its checkpoint: it ends so again
+        ran = last_step = trainer.first_step
+        early_stops.fired = early_stops.stopped_before
+        console.print(f"[bold]early stop[/bold] after step {ran} (before this resume): "
+                      f"{early_stops.stopped_before.reason}", soft_wrap=True)
     stop.phase = "steps"  # from here a request waits for the step in progress, which it then saves
     heap.settle()
     cache_noted = False
     with RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
-        for step in range(trainer.first_step + 1, config.run.steps + 1):
+        for step in range(trainer.first_step + 1, last_step + 1):
             watch.progressed()
             if step == trainer.first_step + 2:
                 heap.settle()  # and what the first step built to stay (compiled graphs, CUDA graphs, caches)
