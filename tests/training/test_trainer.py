@@ -863,6 +863,30 @@ def test_resume_after_sft_with_lora_continues_exactly(tiny_model_dir, tmp_path):
     assert comparable(one[3]) == comparable(two[3])
 
 
+def test_a_resume_trains_with_the_optimizer_settings_it_is_given(tiny_model_dir, tmp_path, capsys):
+    """Loading the optimizers' states brings back the settings they were saved with; the resume's own win."""
+    train(config(tiny_model_dir, tmp_path, "optim.actor_lr=1e-3", "optim.critic_lr=1e-3", "run.steps=2"))
+    run = tmp_path / "run"
+    train(config(tiny_model_dir, tmp_path, "run.steps=3", f"resume={run}", "optim.actor_lr=1e-5",
+                 "optim.critic_lr=2e-5", "optim.weight_decay=0.5", "optim.adam_eps=1e-6"))
+    assert "optim.actor_lr: 0.001 -> 1e-05" in capsys.readouterr().out
+    records = step_records(run)
+    assert records[2]["actor/lr"] == 1e-3 and records[3]["actor/lr"] == 1e-5
+    state = torch.load(run / "checkpoints" / "step_000003" / "trainer_state.pt", weights_only=False)
+    actor, critic = state["actor_optimizer"]["param_groups"][0], state["critic_optimizer"]["param_groups"][0]
+    assert (actor["lr"], actor["initial_lr"], actor["weight_decay"], actor["eps"]) == (1e-5, 1e-5, 0.5, 1e-6)
+    assert (critic["lr"], critic["weight_decay"], critic["eps"]) == (2e-5, 0.5, 1e-6)
+    assert state["actor_scheduler"]["base_lrs"] == [1e-5]
+
+
+def test_a_resume_that_changes_the_lora_settings_is_refused(tiny_model_dir, tmp_path):
+    train(config(tiny_model_dir, tmp_path, "lora.enabled=true", "lora.r=4", "algorithm.advantage=grpo",
+                 "run.steps=1"))
+    message = resume_error(tmp_path / "run", "run.steps=2", "lora.r=8", "lora.target_modules=q_proj")
+    assert "lora.r: 4 -> 8; lora.target_modules: 'all-linear' -> 'q_proj'" in message
+    assert "model.path=" in message and "step_000001" in message
+
+
 def resume_error(run: Path, *overrides: str) -> str:
     """The one-line error of ``turnrl train resume=RUN ...``, which must stop cleanly."""
     with pytest.raises(SystemExit) as info:

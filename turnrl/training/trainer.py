@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,25 @@ def adamw(parameters: list[torch.nn.Parameter], lr: float, weight_decay: float, 
     return optimizer
 
 
+def apply_optimizer_settings(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, eps: float,
+                             betas: tuple[float, float], scheduler: torch.optim.lr_scheduler.LambdaLR | None = None,
+                             ) -> None:
+    """Give ``optimizer``'s groups the run's settings, after a checkpoint's state has loaded: loading brings back
+    the rate, decay, eps and betas it was saved with, so a resume that sets ``optim.actor_lr`` and the like would
+    otherwise train with the old ones. With a ``scheduler``, ``lr`` is its base rate and each group's rate the base
+    times the schedule's factor at the scheduler's step (what its next step would give, so an unchanged base
+    gives the saved rate to the bit)."""
+    if scheduler is not None:
+        scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for index, group in enumerate(optimizer.param_groups):
+        group.update(weight_decay=weight_decay, eps=eps, betas=betas)
+        if scheduler is None:
+            group["lr"] = lr
+        else:
+            group["initial_lr"] = lr
+            group["lr"] = lr * scheduler.lr_lambdas[index](scheduler.last_epoch)
+
+
 def _lookup_only(model: Any) -> torch.Tensor | None:
     """The input embeddings of a transformers model (peft-wrapped or not) unless they double as its LM head:
     a lookup, no FLOPs (see :func:`~turnrl.models.throughput.training_flops_per_token`)."""
@@ -199,6 +219,24 @@ def moved_levels(checkpoint: Path, config: TrainConfig) -> str | None:
     except (OSError, ConfigError):
         return None
     return level_plan_change(saved, config, checkpoint_step(checkpoint))
+
+
+def lora_change(checkpoint: Path, config: TrainConfig) -> str | None:
+    """Why ``config`` cannot resume ``checkpoint`` with other LoRA settings than the run's, or None: its adapters
+    (or its whole weights, without LoRA) keep the settings they were trained with, and loading them would
+    ignore the new ones. The run's settings are the checkpoint's copy of ``config.yaml``, as for
+    :func:`moved_levels`."""
+    try:
+        saved = load_config(TrainConfig, checkpoint / "config.yaml")
+    except (OSError, ConfigError):
+        return None
+    changed = [f"lora.{field.name}: {getattr(saved.lora, field.name)!r} -> {getattr(config.lora, field.name)!r}"
+               for field in fields(config.lora) if getattr(saved.lora, field.name) != getattr(config.lora, field.name)]
+    if not changed:
+        return None
+    return (f"resume={config.resume!r} changes {'; '.join(changed)}, which {checkpoint.name} was trained with and "
+            f"keeps: resume with the run's LoRA settings, or start a new run from its model "
+            f"(model.path={checkpoint / 'actor'})")
 
 
 class Trainer:
@@ -245,9 +283,9 @@ class Trainer:
             # Said before the envs and models are built: the first step is a build away.
             console.print(f"resuming {config.resume} from {self.checkpoint.name} to step {config.run.steps}",
                           markup=False, highlight=False, soft_wrap=True)
-            moved = moved_levels(self.checkpoint, config)
-            if moved is not None:
-                raise ConfigError(moved)
+            for problem in (moved_levels(self.checkpoint, config), lora_change(self.checkpoint, config)):
+                if problem is not None:
+                    raise ConfigError(problem)
         self.first_step = 0
         """How many steps were done before this process: the index (from 0) of the first step it runs."""
         self.elapsed_before_s = 0.0
@@ -449,6 +487,12 @@ class Trainer:
             self.parallel.restore_optimizers(self.checkpoint, state, self.models(), self.optimizers())
             self.lr_scale = float(state.get("lr_scale", 1.0))  # the scheduler's next step multiplies by it
             self.actor_scheduler.load_state_dict(state["actor_scheduler"])
+            optim, betas = self.config.optim, (self.config.optim.adam_beta1, self.config.optim.adam_beta2)
+            apply_optimizer_settings(self.actor_optimizer, optim.actor_lr, optim.weight_decay, optim.adam_eps, betas,
+                                     self.actor_scheduler)
+            if self.critic_optimizer is not None:
+                apply_optimizer_settings(self.critic_optimizer, optim.critic_lr, optim.weight_decay, optim.adam_eps,
+                                         betas)
             set_rng_state(state["rng"])
             self.first_step = steps_done(state)
         except (KeyError, TypeError, ValueError) as error:  # readable, but not (all of) a trainer's state
