@@ -464,6 +464,20 @@ def test_what_a_resume_needs_is_read_from_the_runs_files_not_its_rewritten_confi
         run, config(tiny_model_dir, tmp_path, "algorithm.advantage=gae", f"resume={run}"))
 
 
+def test_a_resume_with_a_critic_from_a_checkpoint_trained_without_one_is_refused(tiny_model_dir, tmp_path):
+    """GAE, then resumed with GRPO, then with GAE again: the newest checkpoint has no critic because its steps had
+    none, not because it is damaged; the resume says so instead of going back to the last checkpoint with one."""
+    run = tmp_path / "run"
+    train(config(tiny_model_dir, tmp_path, "run.steps=1", "run.save_every=1", "algorithm.advantage=gae"))
+    train(config(tiny_model_dir, tmp_path, "run.steps=2", f"resume={run}"))
+    before = listing(run)
+    message = error_line("train", f"resume={run}", "run.steps=3", "algorithm.advantage=gae")
+    assert message == (f"error: resume={str(run)!r} would go on with a critic from step_000002, which was trained "
+                       "without one (algorithm.advantage=grpo): resume it with algorithm.advantage=grpo, or start a "
+                       f"new run from its model (model.path={run / 'checkpoints' / 'step_000002' / 'actor'})")
+    assert listing(run) == before
+
+
 def test_the_level_plan_names_the_keys_that_move_the_levels(tmp_path):
     def settings(*extra: str) -> TrainConfig:
         return load_config(TrainConfig, None, [f"resume={tmp_path}", *extra])

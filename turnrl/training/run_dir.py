@@ -23,7 +23,7 @@ import yaml
 from filelock import FileLock, Timeout
 from rich.console import Console
 
-from turnrl.config import ConfigError, to_yaml, turnrl_command
+from turnrl.config import ConfigError, load_config, to_yaml, turnrl_command
 from turnrl.training import ranks
 from turnrl.training.checkpoint import (
     ResumePoint,
@@ -31,6 +31,7 @@ from turnrl.training.checkpoint import (
     checkpoint_step,
     checkpoint_steps,
     latest_checkpoint,
+    latest_name,
     remove_unfinished_writes,
     resume_point,
 )
@@ -102,12 +103,35 @@ def saved_models_change(run_dir: Path, resumed: TrainConfig) -> str | None:
     missing = [name for name in needed if needed[name] and not saved[name]]
     switched = [name for name in ("LoRA adapters",) if saved[name] and not needed[name]]
     if not missing and not switched:
-        return None
+        return critic_dropped(run_dir, resumed)
     what = "; ".join([*(f"{name}, which the run has not saved" for name in missing),
                       *(f"no {name}, which the run was trained with" for name in switched)])
     return (f"resume={resumed.resume!r} would need {what}: its checkpoints cannot be resumed that way; resume it "
             f"with the run's own algorithm.advantage, algorithm.kl_coef and lora.enabled (leave them out), or start "
             f"a new run from one of its models (model.path={run_dir}/checkpoints/step_N/actor)")
+
+
+def critic_dropped(run_dir: Path, resumed: TrainConfig) -> str | None:
+    """Why ``resumed`` cannot go on with a critic from the checkpoint ``checkpoints/latest`` names (else the
+    newest), which its copy of ``config.yaml`` says was trained without one (a run resumed once with a GRPO
+    estimator, then with GAE again), or None. The critic of an older checkpoint would throw away the steps after
+    it, and the resume would take the newest checkpoint for a damaged one."""
+    if not resumed.algorithm.uses_critic:
+        return None
+    steps = checkpoint_steps(run_dir)
+    name = latest_name(run_dir) or (f"step_{steps[-1]:06d}" if steps else None)
+    if name is None:
+        return None
+    try:
+        saved = load_config(TrainConfig, run_dir / "checkpoints" / name / "config.yaml")
+    except (OSError, ConfigError):  # no copy, or one that does not read: the checkpoint's own checks say
+        return None
+    if saved.algorithm.uses_critic:
+        return None
+    return (f"resume={resumed.resume!r} would go on with a critic from {name}, which was trained without one "
+            f"(algorithm.advantage={saved.algorithm.advantage}): resume it with algorithm.advantage="
+            f"{saved.algorithm.advantage}, or start a new run from its model "
+            f"(model.path={run_dir / 'checkpoints' / name / 'actor'})")
 
 
 def changed_settings(run: dict[str, Any], resumed: TrainConfig) -> list[str]:
