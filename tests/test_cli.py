@@ -603,6 +603,32 @@ def test_eval_of_a_checkpoint_takes_its_run_s_config_and_says_so(run_with_checkp
     assert summary["budget"] == {"max_turns": 8, "max_actions_per_episode": 8, "from": "config"}
 
 
+def test_eval_of_a_run_passes_over_a_latest_checkpoint_whose_actor_is_damaged(run_with_checkpoint, tmp_path, capsys):
+    import shutil
+
+    damaged = run_with_checkpoint / "checkpoints" / "step_000002"
+    shutil.copytree(run_with_checkpoint / "checkpoints" / "step_000001", damaged)
+    weights = damaged / "actor" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])  # a copy cut short
+    (run_with_checkpoint / "checkpoints" / "latest").write_text("step_000002")
+    argv = ["eval", "--env", "FrozenLake", "--policy", str(run_with_checkpoint), "--episodes", "1", "--out",
+            str(tmp_path / "out"), "model.device=cpu"]
+    assert main(argv) == 0
+    assert f"evaluating {run_with_checkpoint / 'checkpoints' / 'step_000001' / 'actor'}" in " ".join(
+        capsys.readouterr().out.split())
+
+
+def test_eval_into_a_training_runs_directory_is_refused_and_changes_nothing(run_with_checkpoint):
+    before = {path: path.read_bytes() for path in run_with_checkpoint.rglob("*") if path.is_file()}
+    with pytest.raises(SystemExit) as stop:
+        main(["eval", "--env", "FrozenLake", "--policy", "random", "--episodes", "1", "--out",
+              str(run_with_checkpoint)])
+    assert str(stop.value) == (f"error: out={str(run_with_checkpoint)!r} is a training run's directory (it holds "
+                               "checkpoints), whose config.yaml and summary.json the evaluation would replace; give "
+                               f"another folder (such as {run_with_checkpoint / 'eval'})")
+    assert {path: path.read_bytes() for path in run_with_checkpoint.rglob("*") if path.is_file()} == before
+
+
 # --------------------------------------------------------------------------- eval on env variants
 @pytest.mark.parametrize("with_env", [False, True])
 def test_eval_of_a_config_that_is_not_text_says_so_in_one_line(with_env, tmp_path, monkeypatch, capsys):

@@ -454,6 +454,16 @@ def checkpoint_problem(checkpoint: Path, critic: bool = False) -> str | None:
     return problem
 
 
+def newest_whole_actor(run_dir: Path) -> Path | None:
+    """The checkpoint ``checkpoints/latest`` names, else the newest one by step, whose actor is whole (its config,
+    weights and tokenizer, as :func:`checkpoint_problem` checks them): what an evaluation of the run plays, which
+    needs no more of a checkpoint. None when no checkpoint's actor is."""
+    root = run_dir / "checkpoints"
+    names = [latest_name(run_dir), *(f"step_{step:06d}" for step in reversed(checkpoint_steps(run_dir)))]
+    return next((root / name for name in names
+                 if name is not None and _model_problem(root / name / "actor", "actor", tokenizer=True) is None), None)
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed run continues: the checkpoint ``latest`` names when complete, else the newest complete one."""

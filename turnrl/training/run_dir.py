@@ -32,6 +32,7 @@ from turnrl.training.checkpoint import (
     checkpoint_steps,
     latest_checkpoint,
     latest_name,
+    newest_whole_actor,
     remove_unfinished_writes,
     resume_point,
 )
@@ -372,22 +373,30 @@ def start_run(config: TrainConfig, *, stage: str = "train") -> Path:
     return run_dir
 
 
+def training_run_inside(folder: Path) -> str | None:
+    """What in ``folder`` makes it a training run's directory (``checkpoints``, ``metrics.jsonl``, ``sft``, its
+    lock, ...), or None: an evaluation writing there would replace the run's ``config.yaml`` and ``summary.json``.
+    Only what an evaluation never writes counts, so an evaluation's own folder is none."""
+    kept = ("checkpoints", "metrics.jsonl", "tensorboard", "trajectories", "reference", "sft", LOCK_FILE)
+    return next((name for name in kept if (folder / name).exists()), None)
+
+
 def run_of_model(path: str | Path) -> tuple[Path, Path] | None:
     """The model a run saved at ``path`` and that run's directory, or None when ``path`` is no run's model.
 
     A run's models are ``RUN/checkpoints/step_N/actor`` (a checkpoint: ``RUN/checkpoints/step_N`` means its
-    actor) and ``RUN/sft/model``; ``RUN`` itself means its latest checkpoint's actor, else its SFT model. The
+    actor) and ``RUN/sft/model``; ``RUN`` itself means its latest checkpoint's actor (the newest whole one where
+    the latest's is damaged), else its SFT model. The
     directory must hold the run's ``config.yaml``, whose agent and prompt settings the model was trained with.
     """
-    from turnrl.training.checkpoint import latest_checkpoint
-
     given = Path(path)
     if not given.is_dir():
         return None
     # A run, not a model (which has a config.json) nor a checkpoint (which keeps a copy of its run's config.yaml).
     if (given / "config.yaml").is_file() and not (given / "config.json").is_file() and \
             not (given / "trainer_state.pt").is_file():
-        checkpoint = latest_checkpoint(given)
+        # A latest checkpoint whose actor is damaged (a disk error, a copy cut short) is passed over.
+        checkpoint = newest_whole_actor(given) or latest_checkpoint(given)
         model = checkpoint / "actor" if checkpoint is not None else given / "sft" / "model"
         return (model, given) if model.is_dir() else None
     if given.name == "actor" and given.parent.parent.name == "checkpoints":
