@@ -89,3 +89,12 @@ def test_an_id_the_decoder_cannot_decode_is_always_a_candidate():
     decode = lambda ids: "".join("xy"[i] for i in ids)  # noqa: E731  ids above 1 raise
     candidates = StopStringFilter(decode, 4).candidates(("y",))
     assert candidates.tolist() == [False, True, True, True]
+
+
+@pytest.mark.parametrize("stop", ["日本語です", "🙂🙂", "déjà vu, déjà"])
+def test_a_stop_string_of_multi_byte_characters_is_found_where_its_last_byte_is_sampled(stop):
+    """A byte-level vocabulary (one token a byte): a character takes up to four tokens, so the tail decoded
+    must be counted in bytes, not characters."""
+    decode: Decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    tokens = list("ok ".encode()) + list(stop.encode()) + list(" and on".encode())
+    assert first_stop(tokens, (stop,), decode) == len("ok ".encode()) + len(stop.encode())

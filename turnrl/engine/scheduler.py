@@ -30,7 +30,7 @@ from turnrl.engine.cache import KVCache, pages_for
 from turnrl.engine.rows import PREFIX_KEY_TOKENS, RowTable
 from turnrl.engine.running import RunningRows
 from turnrl.engine.sequences import EngineStats, Result, SequenceRecord
-from turnrl.engine.stops import TAIL_SLACK_TOKENS, StopStringFilter, stop_string_in_tail
+from turnrl.engine.stops import StopStringFilter, stop_string_in_tail, tail_tokens
 
 ADMIT_AFTER_STEPS = 8
 """Decode steps a waiting sequence waits at most for others to be prefilled with it."""
@@ -326,7 +326,7 @@ class Scheduler:
         """Whether the row's generated text now holds one of its stop strings (after a token that can end one)."""
         stop_strings = self.running[row].params.stop_strings
         assert self._decode is not None  # rows are searched only where a decode was given
-        tail = self.progress.tail(row, max(len(s) for s in stop_strings) + TAIL_SLACK_TOKENS)
+        tail = self.progress.tail(row, tail_tokens(stop_strings))
         return stop_string_in_tail(tail, stop_strings, self._decode)
 
     def _finish(self, row: int, reason: str) -> None:

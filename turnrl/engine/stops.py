@@ -29,17 +29,25 @@ REPLACEMENT = "\ufffd"
 """What a decoder prints for bytes that are not (yet) a whole UTF-8 character."""
 
 TAIL_SLACK_TOKENS = 8
-"""Tokens decoded beyond the longest stop string's length in characters (a character can take several tokens)."""
+"""Tokens decoded beyond the longest stop string's length in UTF-8 bytes (the tokens before it may end in part of
+a character, which decodes to the replacement character)."""
+
+
+def tail_tokens(stop_strings: Sequence[str]) -> int:
+    """How many of the last generated tokens to decode so that a stop string ending in the newest one lies within
+    them: its length in UTF-8 bytes (every token adds a byte or more; counted in characters, a stop of CJK
+    characters or emoji, each of two to four byte-level tokens, was never found), and :data:`TAIL_SLACK_TOKENS`."""
+    return max(len(stop.encode("utf-8")) for stop in stop_strings) + TAIL_SLACK_TOKENS
 
 
 def stop_string_in_tail(generated: Sequence[int], stop_strings: Sequence[str], decode: Callable[[list[int]], str]
                         ) -> bool:
     """Whether the text of the last generated tokens holds a stop string (the check run after a candidate token).
 
-    Only the last ``longest stop + TAIL_SLACK_TOKENS`` tokens are decoded: a stop string that ends in the newest
-    token lies within them.
+    Only the last :func:`tail_tokens` tokens are decoded: a stop string that ends in the newest token lies
+    within them.
     """
-    tail = decode(list(generated[-(max(len(s) for s in stop_strings) + TAIL_SLACK_TOKENS) :]))
+    tail = decode(list(generated[-tail_tokens(stop_strings) :]))
     return any(stop in tail for stop in stop_strings)
 
 
