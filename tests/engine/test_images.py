@@ -64,6 +64,15 @@ def test_images_that_do_not_fit_their_placeholders_are_refused_with_what_differs
         prompt_images(prompt, inputs, PAD, 2)
 
 
+@pytest.mark.parametrize("grid", [(1, 2, 3), (1, 3, 6), (1, 5, 4)])
+def test_a_grid_that_is_not_whole_groups_of_patches_is_refused(grid):
+    """(1, 2, 3) makes 6 // 4 = 1 placeholder and would pass the count; the batch's tower call would then fail
+    for every request beside it."""
+    prompt, inputs = image_prompt([grid], [3, 2])
+    with pytest.raises(ValueError, match=rf"image 0's grid \[{grid[0]}, {grid[1]}, {grid[2]}\] is not whole 2 x 2"):
+        prompt_images(prompt, inputs, PAD, 2)
+
+
 def test_rope_axes_follow_the_sections_in_both_halves():
     axes = rope_axes([2, 3, 3], 16).tolist()
     assert axes == [0, 0, 1, 1, 1, 2, 2, 2] * 2

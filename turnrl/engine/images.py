@@ -82,6 +82,11 @@ def prompt_images(prompt: Sequence[int], model_inputs: dict[str, Any] | None, im
                          f"{len(grids)} images (image_grid_thw rows): build both from the same messages")
     patches = grids.prod(-1).tolist()
     for index, ((start, end), count) in enumerate(zip(spans, patches)):
+        # A grid of part groups would pass the count below (6 // 4 = 1) and fail the batch's one tower call.
+        t, h, w = grids[index].tolist()
+        if min(t, h, w) < 1 or h % merge_size or w % merge_size:
+            raise ValueError(f"image {index}'s grid {[t, h, w]} is not whole {merge_size} x {merge_size} groups of "
+                             "patches: make the model inputs with the model's own processor")
         if end - start != count // merge_size**2:
             raise ValueError(f"image {index} has {end - start} placeholder tokens, and its grid "
                              f"{grids[index].tolist()} makes {count // merge_size**2}")
