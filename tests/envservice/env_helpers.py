@@ -32,14 +32,16 @@ SERVED = ["Sokoban", "FrozenLake", "Countdown", "Bandit", "Maze2D", PROBE]
 
 class ProbeEnv(TurnEnv):
     """A counter for the service tests. ``inc`` adds one (reward 1); ``win`` ends the episode; ``slow``
-    sleeps ``delay_s`` then adds one; ``explode`` raises. The text shows the count, so a lost or doubled
-    step shows; ``info`` carries values JSON cannot hold as they are (a tuple, numpy numbers, an array)."""
+    sleeps ``delay_s`` then adds one; ``explode`` raises; building it takes ``build_s``. The text shows the
+    count, so a lost or doubled step shows; ``info`` carries values JSON cannot hold as they are (a tuple,
+    numpy numbers, an array)."""
 
     modes = ("text", "image")
     description = "a counter for the env-service tests"
 
-    def __init__(self, mode: str = "text", max_steps: int = 10_000, delay_s: float = 0.5) -> None:
+    def __init__(self, mode: str = "text", max_steps: int = 10_000, delay_s: float = 0.5, build_s: float = 0.0) -> None:
         super().__init__(mode=mode, max_steps=max_steps, image_shape=(5, 7) if mode == "image" else None)
+        time.sleep(build_s)  # an env slow to build (a simulator starting): requests for its ids meet meanwhile
         self.delay_s = delay_s
         self.count = 0
 

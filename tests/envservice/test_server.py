@@ -40,6 +40,7 @@ from turnrl.envservice.client import (
 )
 from turnrl.envservice.options import ServerLimits, add_arguments
 from turnrl.envservice.protocol import (
+    CLIENT_HEADER,
     APIError,
     EnvRaisedError,
     EnvSpecError,
@@ -49,6 +50,7 @@ from turnrl.envservice.protocol import (
     SessionLostError,
     answer_query,
     decode_item,
+    encode_value,
 )
 from turnrl.envservice.request_bodies import OpenBody, ResetBody, ResetItem, SessionsBody, StepBody, StepItem
 from turnrl.envservice.server import EnvServer, build_app, exposure_warning, is_loopback, main
@@ -234,6 +236,57 @@ def test_closing_a_factory_closes_every_session_its_envs_forks_and_batches_hold(
         factory.close()
         assert httpx.get(url + "/health").json()["sessions"] == 0
         assert twin.session_id is not None  # the env object lives on; its session does not
+
+
+def test_an_open_retried_while_the_first_still_builds_gets_the_same_session_and_one_env():
+    opened: list[int] = []
+    # NaN (not equal to itself) as a client sends it: a retry must still read as the same open.
+    body = {"env_id": PROBE, "settings": encode_value({"build_s": 0.3, "delay_s": float("nan")}), "ids": ["s1"]}
+    app = build_app([PROBE], limits=ServerLimits(max_sessions_per_client=2))
+
+    async def scenario() -> None:
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         headers={CLIENT_HEADER: "alice"}) as client:
+                first, again = await asyncio.gather(*(client.post("/v1/sessions", json=body) for _ in range(2)))
+                assert first.status_code == again.status_code == 200, again.text
+                assert first.json()["sessions"] == again.json()["sessions"] == ["s1"]
+                server = app.state.server
+                assert len(server.table) == 1 and server.table.per_owner == {"alice": 1}
+                opened.append(server.metrics.sessions_opened)
+                # Retried after it is done.
+                retried = await client.post("/v1/sessions", json=body)
+                assert retried.status_code == 200 and retried.json()["sessions"] == ["s1"], retried.text
+                await client.post("/v1/sessions/close", json={"sessions": ["s1"]})
+                assert server.table.per_owner == {}
+                two = await client.post("/v1/sessions", json={"env_id": PROBE, "count": 2})
+                assert two.status_code == 200, two.text  # the client's quota is whole again
+
+    asyncio.run(scenario())
+    assert opened == [1]
+
+
+def test_concurrent_forks_keep_to_the_session_limit_and_a_retried_fork_gets_its_copies_again():
+    app = build_app([PROBE], limits=ServerLimits(max_sessions=3))
+
+    async def scenario() -> None:
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         headers={CLIENT_HEADER: "alice"}) as client:
+                (source,) = (await client.post("/v1/sessions", json={"env_id": PROBE})).json()["sessions"]
+                fork = {"sessions": [source], "ids": ["twin"]}
+                answers = await asyncio.gather(*(client.post("/v1/sessions/fork", json=fork) for _ in range(2)))
+                assert [a.json()["sessions"] for a in answers] == [["twin"], ["twin"]]  # one copy, answered twice
+                server = app.state.server
+                assert len(server.table) == 2 and server.table.per_owner == {"alice": 2}
+                more = await asyncio.gather(*(client.post("/v1/sessions/fork", json={"sessions": [source]})
+                                              for _ in range(3)))
+                assert sorted(a.status_code for a in more) == [200, 429, 429]
+                assert len(server.table) == 3 == server.limits.max_sessions
+                taken = await client.post("/v1/sessions/fork", json={"sessions": ["twin"], "ids": [source]})
+                assert taken.status_code == 400  # an id in use that is no copy of this session
+
+    asyncio.run(scenario())
 
 
 def test_many_sessions_step_in_one_request(server):

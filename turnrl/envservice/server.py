@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import copy
 import ipaddress
+import json
 import logging
 import os
 import reprlib
@@ -147,6 +148,8 @@ class EnvServer:
         check_token(token)
         self.token = token
         self.table = SessionTable()
+        self._making: dict[str, asyncio.Event] = {}
+        """Ids whose sessions a request is making (opening or forking), each with the event set when it is done."""
         self.metrics = ServerMetrics()
         self.instance = uuid.uuid4().hex[:12]
         self.executor = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="turnrl-env")
@@ -227,26 +230,28 @@ class EnvServer:
         ids = body.ids if body.ids is not None else [uuid.uuid4().hex for _ in range(wanted)]
         if len(set(ids)) != len(ids):
             raise APIError(400, "invalid_request", "the ids repeat")
-        existing = [self.table.sessions.get(i) for i in ids]
-        if any(existing):
-            # A retried open: the same client asking for the same sessions gets them again.
-            same = all(s is not None and s.owner == client and s.env_id == env_id and s.settings == settings
-                       for s in existing)
-            if not same:
-                raise APIError(409, "session_exists", "a session with one of these ids exists; choose other ids")
-            return {"sessions": ids, "instance": self.instance}
-        self._check_room(client, len(ids))
-        built: list[AgentEnv] = []
-        try:
-            for _ in ids:
-                built.append(await self._in_thread(self._build_env, env_id, settings))
-            self._check_room(client, len(ids))  # others may have opened sessions meanwhile
-        except BaseException:
-            for env in built:
-                self.executor.submit(close_env, env)
-            raise
-        for session_id, env in zip(ids, built):
-            self.table.add(Session(session_id, env_id, settings, client, env))
+        settings_key = json.dumps(body.settings, sort_keys=True)
+        async with self._making_ids(ids):
+            existing = [self.table.sessions.get(i) for i in ids]
+            if any(existing):
+                # A retried open: the same client asking for the same sessions gets them again.
+                same = all(s is not None and s.owner == client and s.env_id == env_id and
+                           s.settings_key == settings_key for s in existing)
+                if not same:
+                    raise APIError(409, "session_exists", "a session with one of these ids exists; choose other ids")
+                return {"sessions": ids, "instance": self.instance}
+            self._check_room(client, len(ids))
+            built: list[AgentEnv] = []
+            try:
+                for _ in ids:
+                    built.append(await self._in_thread(self._build_env, env_id, settings))
+                self._check_room(client, len(ids))  # others may have opened sessions meanwhile
+            except BaseException:
+                for env in built:
+                    self.executor.submit(close_env, env)
+                raise
+            for session_id, env in zip(ids, built):
+                self.table.add(Session(session_id, env_id, settings, client, env, settings_key=settings_key))
         self.metrics.sessions_opened += len(ids)
         return {"sessions": ids, "instance": self.instance}
 
@@ -283,21 +288,37 @@ class EnvServer:
         """``POST /v1/sessions/fork``."""
         sessions = self._check_batch(body.sessions)
         ids = body.ids if body.ids is not None else [uuid.uuid4().hex for _ in sessions]
-        if len(ids) != len(sessions) or len(set(ids)) != len(ids) or any(i in self.table.sessions for i in ids):
+        if len(ids) != len(sessions) or len(set(ids)) != len(ids):
             raise APIError(400, "invalid_request", "fork takes one new, unused id per session")
-        self._check_room(client, len(ids))
-        async with self._holding(sessions):
-            def work() -> list[AgentEnv]:
-                return [copy.deepcopy(s.env) for s in sessions]
+        async with self._making_ids(ids):
+            existing = [self.table.sessions.get(i) for i in ids]
+            if any(existing):
+                # A retried fork (its answer was lost): the same client's copies of the same sessions, again.
+                if all(twin is not None and twin.owner == client and twin.forked_from == source.id
+                       for twin, source in zip(existing, sessions)):
+                    return {"sessions": ids, "instance": self.instance}
+                raise APIError(400, "invalid_request", "fork takes one new, unused id per session")
+            self._check_room(client, len(ids))
+            async with self._holding(sessions):
+                def work() -> list[AgentEnv]:
+                    return [copy.deepcopy(s.env) for s in sessions]
 
-            try:
-                envs = await self._in_thread(work)
-            except Exception as error:
-                raise APIError(500, "env_error", f"the env cannot be copied: {type(error).__name__}: {error}") from None
-            for new_id, source, env in zip(ids, sessions, envs):
-                twin = Session(new_id, source.env_id, source.settings, client, env, seq=source.seq, state=source.state,
-                               last_obs=copy.deepcopy(source.last_obs))
-                self.table.add(twin)
+                try:
+                    envs = await self._in_thread(work)
+                except Exception as error:
+                    raise APIError(500, "env_error", f"the env cannot be copied: {type(error).__name__}: "
+                                                     f"{error}") from None
+                try:
+                    self._check_room(client, len(ids))  # others may have opened sessions meanwhile
+                except APIError:
+                    for env in envs:
+                        self.executor.submit(close_env, env)
+                    raise
+                for new_id, source, env in zip(ids, sessions, envs):
+                    twin = Session(new_id, source.env_id, source.settings, client, env, seq=source.seq,
+                                   state=source.state, last_obs=copy.deepcopy(source.last_obs),
+                                   settings_key=source.settings_key, forked_from=source.id)
+                    self.table.add(twin)
         self.metrics.sessions_opened += len(ids)
         return {"sessions": ids, "instance": self.instance}
 
@@ -385,6 +406,23 @@ class EnvServer:
             return APIError(404, "unknown_session", f"session {session_id} is closed ({reason}); open a new one")
         return APIError(404, "unknown_session", f"unknown session {session_id}: this server (instance "
                                                 f"{self.instance}) never opened it; it may have restarted since")
+
+    @asynccontextmanager
+    async def _making_ids(self, ids: list[str]) -> AsyncIterator[None]:
+        """Hold ``ids`` while their sessions are made: a request for any of them meanwhile (a retry whose first
+        answer was lost) waits, then finds them made (and is answered as a retry) or free. Without this, two
+        requests both checked the ids before either had built its envs, and both added sessions: one env was never
+        closed, and the client was charged for two."""
+        while busy := {id(event): event for i in ids if (event := self._making.get(i)) is not None}:
+            await asyncio.gather(*(event.wait() for event in busy.values()))
+        done = asyncio.Event()
+        self._making.update(dict.fromkeys(ids, done))
+        try:
+            yield
+        finally:
+            for i in ids:
+                self._making.pop(i, None)
+            done.set()
 
     @asynccontextmanager
     async def _holding(self, sessions: list[Session]) -> AsyncIterator[None]:

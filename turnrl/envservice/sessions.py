@@ -53,6 +53,11 @@ class Session:
     last_obs: dict[str, Any] = field(default_factory=dict)
     """The env's latest observation (for the observation hash of an env without ``state_key``)."""
     closed: bool = False
+    settings_key: str = ""
+    """The settings as the request sent them (JSON, keys sorted): what a retried open is compared by (NaN is not
+    equal to itself, and an array's ``==`` is elementwise)."""
+    forked_from: str | None = None
+    """The session this one is a copy of (``/v1/sessions/fork``): what a retried fork is recognized by."""
 
 
 class SessionTable:
