@@ -595,6 +595,22 @@ def test_a_step_whose_answer_was_lost_is_retried_and_applied_once(server):
     assert lossy.lost == 3 and env.text() == local.text()
 
 
+def test_a_batch_step_whose_env_raised_and_whose_answer_was_lost_gets_each_item_and_goes_on(server):
+    """The retry of a batch step in which one env raised (its session then closed) answers that item with its
+    error again and the others with their steps (applied once); the batch opens a new session for it after."""
+    lossy = LoseAnswers(lambda request: request.url.path == "/v1/step" and lossy.lost < 1)
+    pool = EnvServerPool([server], ClientOptions(retries=3, backoff_s=0.01), transport=lossy)
+    batch, local = RemoteEnvBatch(pool, PROBE, {}, 3), [ProbeEnv() for _ in range(3)]
+    assert [obs for obs, _ in batch.reset([0, 1, 2])] == [env.reset(seed=k)[0] for k, env in enumerate(local)]
+    first, exploded, third = batch.step(["inc", "explode", "inc"])
+    assert lossy.lost == 1
+    assert isinstance(exploded.error, EnvRaisedError) and "the probe exploded" in str(exploded.error)
+    assert first.error is None and first.observation == local[0].step("inc")[0]
+    assert third.error is None and third.observation == local[2].step("inc")[0]
+    assert [obs for obs, _ in batch.reset([0, 1, 2])] == [env.reset(seed=k)[0] for k, env in enumerate(local)]
+    pool.close()
+
+
 # --------------------------------------------------------------------------- load
 def run_clients(url: str, clients: int, steps: int) -> list[float]:
     """``clients`` threads, each stepping its own session ``steps`` times; checks every count; latencies (s)."""

@@ -60,7 +60,7 @@ import secrets
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict
@@ -257,21 +257,36 @@ class EnvServer:
 
     async def reset(self, body: ResetBody) -> dict[str, Any]:
         """``POST /v1/reset``."""
-        sessions = self._check_batch([item.session for item in body.items])
+        answered = self._failed_answers("reset", body.items)
+        items = [item for k, item in enumerate(body.items) if k not in answered]
+        sessions = self._check_batch([item.session for item in body.items], answered)
         try:
-            options = [None if item.options is None else decode_request_value(item.options) for item in body.items]
+            options = [None if item.options is None else decode_request_value(item.options) for item in items]
         except ValueError as error:
             raise APIError(400, "invalid_request", f"options cannot be read: {error}") from None
         if any(opt is not None and not isinstance(opt, dict) for opt in options):
             raise APIError(400, "invalid_request", "options must be an object")
-        work = self._apply("reset", sessions, body.items, lambda k: run_reset(sessions[k], body.items[k], options[k]))
-        return {"items": await asyncio.shield(work)}
+        work = self._apply("reset", sessions, items, lambda k: run_reset(sessions[k], items[k], options[k]))
+        return {"items": with_answered(await asyncio.shield(work), answered)}
 
     async def step(self, body: StepBody) -> dict[str, Any]:
         """``POST /v1/step``."""
-        sessions = self._check_batch([item.session for item in body.items])
-        work = self._apply("step", sessions, body.items, lambda k: run_step(sessions[k], body.items[k]))
-        return {"items": await asyncio.shield(work)}
+        answered = self._failed_answers("step", body.items)
+        items = [item for k, item in enumerate(body.items) if k not in answered]
+        sessions = self._check_batch([item.session for item in body.items], answered)
+        work = self._apply("step", sessions, items, lambda k: run_step(sessions[k], items[k]))
+        return {"items": with_answered(await asyncio.shield(work), answered)}
+
+    def _failed_answers(self, kind: str, items: list[Any]) -> dict[int, dict[str, Any]]:
+        """The items (by index) that repeat the reset or step whose env raised and closed its session: a retry
+        whose first answer was lost gets that error item again, and the batch's other items go on, where a 404
+        for the whole request left a client's batch unable to learn what its other envs did."""
+        answered = {}
+        for k, item in enumerate(items):
+            record = None if item.session in self.table.sessions else self.table.failed.get(item.session)
+            if record is not None and item.seq is not None and record[:2] == (kind, item.seq):
+                answered[k] = record[2]
+        return answered
 
     async def query(self, body: QueryBody) -> dict[str, Any]:
         """``POST /v1/query``."""
@@ -385,14 +400,15 @@ class EnvServer:
                                                      f"{self.limits.max_sessions_per_client} "
                                                      "(--max-sessions-per-client); close some first")
 
-    def _check_batch(self, ids: list[str]) -> list[Session]:
+    def _check_batch(self, ids: list[str], answered: Container[int] = ()) -> list[Session]:
+        """The open sessions of a request's ``ids``, but those (by index) ``answered`` already."""
         if len(ids) > self.limits.max_batch:
             raise APIError(400, "batch_too_large", f"{len(ids)} items in one request; at most "
                                                    f"{self.limits.max_batch} (--max-batch)")
         if len(set(ids)) != len(ids):
             repeated = sorted({i for i in ids if ids.count(i) > 1})
             raise APIError(400, "invalid_request", f"sessions {repeated[:5]} appear twice in one request")
-        return [self._session_of(i) for i in ids]
+        return [self._session_of(i) for k, i in enumerate(ids) if k not in answered]
 
     def _session_of(self, session_id: str) -> Session:
         session = self.table.sessions.get(session_id)
@@ -458,6 +474,7 @@ class EnvServer:
         if not item["ok"]:
             self.count_error("env_error")
             self._drop(session, "env_error: its env raised")
+            self.table.failed[session.id] = (kind, session.seq + 1, item)
             return
         session.seq += 1
         session.last = (kind, item)
@@ -493,6 +510,12 @@ class EnvServer:
         else:
             self.metrics.resets += len(todo)
         return answers
+
+
+def with_answered(answers: list[dict[str, Any]], answered: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's items in order: those ``answered`` (by index) from a record, the others from ``answers``."""
+    rest = iter(answers)
+    return [answered[k] if k in answered else next(rest) for k in range(len(answers) + len(answered))]
 
 
 # --------------------------------------------------------------------------- body size

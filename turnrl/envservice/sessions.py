@@ -67,6 +67,9 @@ class SessionTable:
         self.sessions: dict[str, Session] = {}
         self.per_owner: dict[str, int] = {}
         self.closed: OrderedDict[str, str] = OrderedDict()
+        self.failed: OrderedDict[str, tuple[str, int, dict[str, Any]]] = OrderedDict()
+        """Sessions closed because their env raised: the reset's or step's kind, its ``seq`` and its error item,
+        to answer a retry of that call (whose first answer was lost) with the same item, not a 404."""
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -87,6 +90,8 @@ class SessionTable:
         self.closed[session.id] = reason
         while len(self.closed) > RECENTLY_CLOSED:
             self.closed.popitem(last=False)
+        while len(self.failed) > RECENTLY_CLOSED:
+            self.failed.popitem(last=False)
 
 
 @dataclass
