@@ -371,7 +371,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                          f"(resume={run}) continues from its latest checkpoint; move later ones away to continue "
                          "from an earlier one")
     if resume is not None and config_path is None:
-        if not (Path(resume) / "config.yaml").exists():  # one of another kind (a folder) is damaged, said below
+        # A folder without config.yaml is no run, unless it holds checkpoints: then the file is lost (said below,
+        # with the copy each checkpoint keeps); one of another kind (a folder) is damaged, said below too.
+        if not (Path(resume) / "config.yaml").exists() and not (Path(resume) / "checkpoints").is_dir():
             raise SystemExit(f"error: resume={resume!r} is not a run directory (it has no config.yaml)")
         from turnrl.training.run_dir import damaged_run_config
 
