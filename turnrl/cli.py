@@ -266,11 +266,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         config = load_config(EvalConfig, config_path, overrides, skip_sections=training_only)
         if config.out and Path(config.out).exists() and not Path(config.out).is_dir():  # before the episodes
             raise SystemExit(f"error: out={config.out!r} is a file; give the folder the evaluation writes to")
-        held = training_run_inside(Path(config.out)) if config.out else None
-        if held is not None:
+        out = Path(config.out) if config.out else None
+        held = training_run_inside(out) if out is not None else None
+        if out is not None and held is not None:
             raise SystemExit(f"error: out={config.out!r} is a training run's directory (it holds {held}), whose "
                              "config.yaml and summary.json the evaluation would replace; give another folder (such "
-                             f"as {Path(config.out) / 'eval'})")
+                             f"as {out / 'eval'})")
         if args.env and config_env(config_path) not in (None, args.env):
             # The file's env settings are its own env's: another env takes only those given here.
             given_env = load_config(EvalConfig, None, overrides).env
