@@ -18,7 +18,8 @@ the products of Qwen2_5_VLMLP's own forward itself, but only where a benchmark a
 compiled for says it pays (its ``pad_mm`` pass; a dynamic graph keeps that choice for every later size), and it
 slices and re-pads the outputs around the SiLU product: over passes of 56-60 images of the 3B tower on an H200
 (padded to 3,424 there) the compiled own forward took 0.0803 s a pass and the compiled aligned one 0.0696 s, its
-elementwise kernels 2.1 ms against 4.9 ms (docs/benchmarks.md). A LoRA-wrapped projection (peft's layers replace
+elementwise kernels 2.1 ms against 4.9 ms (docs/benchmarks.md; ``benchmarks/vision_attention.py --mlp`` times
+both). A LoRA-wrapped projection (peft's layers replace
 ``nn.Linear``) runs Qwen2_5_VLMLP's own forward.
 """
 
