@@ -473,8 +473,8 @@ class EnvServer:
             return
         if not item["ok"]:
             self.count_error("env_error")
+            self.table.failed[session.id] = (kind, session.seq + 1, item)  # kept as long as the reason (remove)
             self._drop(session, "env_error: its env raised")
-            self.table.failed[session.id] = (kind, session.seq + 1, item)
             return
         session.seq += 1
         session.last = (kind, item)

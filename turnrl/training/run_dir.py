@@ -112,6 +112,15 @@ def saved_models_change(run_dir: Path, resumed: TrainConfig) -> str | None:
             f"a new run from one of its models (model.path={run_dir}/checkpoints/step_N/actor)")
 
 
+def saved_config(checkpoint: Path) -> TrainConfig | None:
+    """The run's settings as ``checkpoint``'s copy of ``config.yaml`` holds them; None where it keeps none, or its
+    copy does not read (the copy is a spare: a resume goes on from the run's own ``config.yaml``)."""
+    try:
+        return load_config(TrainConfig, checkpoint / "config.yaml")
+    except (OSError, ConfigError):
+        return None
+
+
 def critic_dropped(run_dir: Path, resumed: TrainConfig) -> str | None:
     """Why ``resumed`` cannot go on with a critic from the checkpoint ``checkpoints/latest`` names (else the
     newest), which its copy of ``config.yaml`` says was trained without one (a run resumed once with a GRPO
@@ -123,11 +132,8 @@ def critic_dropped(run_dir: Path, resumed: TrainConfig) -> str | None:
     name = latest_name(run_dir) or (f"step_{steps[-1]:06d}" if steps else None)
     if name is None:
         return None
-    try:
-        saved = load_config(TrainConfig, run_dir / "checkpoints" / name / "config.yaml")
-    except (OSError, ConfigError):  # no copy, or one that does not read: the checkpoint's own checks say
-        return None
-    if saved.algorithm.uses_critic:
+    saved = saved_config(run_dir / "checkpoints" / name)
+    if saved is None or saved.algorithm.uses_critic:  # without a copy, the checkpoint's own checks say
         return None
     return (f"resume={resumed.resume!r} would go on with a critic from {name}, which was trained without one "
             f"(algorithm.advantage={saved.algorithm.advantage}): resume it with algorithm.advantage="

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import kl_penalty
-from turnrl.config import ConfigError, SamplingConfig, load_config, to_yaml
+from turnrl.config import ConfigError, SamplingConfig, to_yaml
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
 from turnrl.models.devices import resolve_dtype
@@ -113,7 +113,7 @@ from turnrl.training.parallel.strategy import (
 )
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
-from turnrl.training.run_dir import resumed_checkpoint, start_run, write_config, write_resumed_config
+from turnrl.training.run_dir import resumed_checkpoint, saved_config, start_run, write_config, write_resumed_config
 from turnrl.training.schedules import kl_adaptive_scale, lr_factor
 from turnrl.training.scoring import TokenScores, encodes_images_once, keep_shuffles, make_batch, score_batch
 from turnrl.training.seeding import level_plan_change, step_seed
@@ -209,27 +209,17 @@ def resume_mismatch(resume: str | None, processes: int, sharded: bool, parallel:
     return None
 
 
-def moved_levels(checkpoint: Path, config: TrainConfig) -> str | None:
-    """Why a resume of ``checkpoint`` with ``config`` would play other levels than the run planned for the steps
-    after it (:func:`~turnrl.training.seeding.level_plan_change`), or None. The run's settings are the checkpoint's
-    copy of ``config.yaml``; where it keeps none, or its copy does not read, nothing is said: the copy is a spare,
-    and the resume goes on from the run's own ``config.yaml``."""
-    try:
-        saved = load_config(TrainConfig, checkpoint / "config.yaml")
-    except (OSError, ConfigError):
-        return None
+def moved_levels(saved: TrainConfig, checkpoint: Path, config: TrainConfig) -> str | None:
+    """Why a resume of ``checkpoint`` (``saved``: the run's settings, :func:`saved_config`) with ``config`` would
+    play other levels than the run planned for the steps after it
+    (:func:`~turnrl.training.seeding.level_plan_change`), or None."""
     return level_plan_change(saved, config, checkpoint_step(checkpoint))
 
 
-def lora_change(checkpoint: Path, config: TrainConfig) -> str | None:
-    """Why ``config`` cannot resume ``checkpoint`` with other LoRA settings than the run's, or None: its adapters
-    (or its whole weights, without LoRA) keep the settings they were trained with, and loading them would
-    ignore the new ones. The run's settings are the checkpoint's copy of ``config.yaml``, as for
-    :func:`moved_levels`."""
-    try:
-        saved = load_config(TrainConfig, checkpoint / "config.yaml")
-    except (OSError, ConfigError):
-        return None
+def lora_change(saved: TrainConfig, checkpoint: Path, config: TrainConfig) -> str | None:
+    """Why ``config`` cannot resume ``checkpoint`` with other LoRA settings than the run's (``saved``,
+    :func:`saved_config`), or None: its adapters (or its whole weights, without LoRA) keep the settings they were
+    trained with, and loading them would ignore the new ones."""
     changed = [f"lora.{field.name}: {getattr(saved.lora, field.name)!r} -> {getattr(config.lora, field.name)!r}"
                for field in fields(config.lora) if getattr(saved.lora, field.name) != getattr(config.lora, field.name)]
     if not changed:
@@ -283,9 +273,12 @@ class Trainer:
             # Said before the envs and models are built: the first step is a build away.
             console.print(f"resuming {config.resume} from {self.checkpoint.name} to step {config.run.steps}",
                           markup=False, highlight=False, soft_wrap=True)
-            for problem in (moved_levels(self.checkpoint, config), lora_change(self.checkpoint, config)):
-                if problem is not None:
-                    raise ConfigError(problem)
+            saved = saved_config(self.checkpoint)  # nothing said without it: the copy is a spare
+            if saved is not None:
+                for problem in (moved_levels(saved, self.checkpoint, config),
+                                lora_change(saved, self.checkpoint, config)):
+                    if problem is not None:
+                        raise ConfigError(problem)
         self.first_step = 0
         """How many steps were done before this process: the index (from 0) of the first step it runs."""
         self.elapsed_before_s = 0.0
