@@ -14,6 +14,7 @@ import shutil
 import socket
 import time
 from contextlib import nullcontext
+from dataclasses import fields
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -36,7 +37,7 @@ from turnrl.training.checkpoint import (
     remove_unfinished_writes,
     resume_point,
 )
-from turnrl.training.seeding import seed_everything
+from turnrl.training.seeding import level_plan_change, seed_everything
 from turnrl.training.train_config import TrainConfig
 from turnrl.viz.report import PLOTS_DIR, REPORT_NAME
 
@@ -119,6 +120,26 @@ def saved_config(checkpoint: Path) -> TrainConfig | None:
         return load_config(TrainConfig, checkpoint / "config.yaml")
     except (OSError, ConfigError):
         return None
+
+
+def moved_levels(saved: TrainConfig, checkpoint: Path, config: TrainConfig) -> str | None:
+    """Why a resume of ``checkpoint`` (``saved``: the run's settings, :func:`saved_config`) with ``config`` would
+    play other levels than the run planned for the steps after it
+    (:func:`~turnrl.training.seeding.level_plan_change`), or None."""
+    return level_plan_change(saved, config, checkpoint_step(checkpoint))
+
+
+def lora_change(saved: TrainConfig, checkpoint: Path, config: TrainConfig) -> str | None:
+    """Why ``config`` cannot resume ``checkpoint`` with other LoRA settings than the run's (``saved``,
+    :func:`saved_config`), or None: its adapters (or its whole weights, without LoRA) keep the settings they were
+    trained with, and loading them would ignore the new ones."""
+    changed = [f"lora.{field.name}: {getattr(saved.lora, field.name)!r} -> {getattr(config.lora, field.name)!r}"
+               for field in fields(config.lora) if getattr(saved.lora, field.name) != getattr(config.lora, field.name)]
+    if not changed:
+        return None
+    return (f"resume={config.resume!r} changes {'; '.join(changed)}, which {checkpoint.name} was trained with and "
+            f"keeps: resume with the run's LoRA settings, or start a new run from its model "
+            f"(model.path={checkpoint / 'actor'})")
 
 
 def critic_dropped(run_dir: Path, resumed: TrainConfig) -> str | None:

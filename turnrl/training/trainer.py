@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +90,6 @@ from turnrl.training.batch_advantages import compute_advantages
 from turnrl.training.checkpoint import (
     atomic_write_text,
     checkpoint_bytes,
-    checkpoint_step,
     disk_space_problem,
     load_trainer_state,
     rng_state,
@@ -113,10 +111,18 @@ from turnrl.training.parallel.strategy import (
 )
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
-from turnrl.training.run_dir import resumed_checkpoint, saved_config, start_run, write_config, write_resumed_config
+from turnrl.training.run_dir import (
+    lora_change,
+    moved_levels,
+    resumed_checkpoint,
+    saved_config,
+    start_run,
+    write_config,
+    write_resumed_config,
+)
 from turnrl.training.schedules import kl_adaptive_scale, lr_factor
 from turnrl.training.scoring import TokenScores, encodes_images_once, keep_shuffles, make_batch, score_batch
-from turnrl.training.seeding import level_plan_change, step_seed
+from turnrl.training.seeding import step_seed
 from turnrl.training.step_episodes import StepOutput, collect, play_step, rollout_roofline
 from turnrl.training.train_config import TrainConfig
 from turnrl.viz.records import token_advantage_records
@@ -207,26 +213,6 @@ def resume_mismatch(resume: str | None, processes: int, sharded: bool, parallel:
         return (f"resume={resume!r} was saved by {processes} process(es) and this run has {parallel.world_size}: "
                 f"its optimizer states are split that way; resume it with {how}")
     return None
-
-
-def moved_levels(saved: TrainConfig, checkpoint: Path, config: TrainConfig) -> str | None:
-    """Why a resume of ``checkpoint`` (``saved``: the run's settings, :func:`saved_config`) with ``config`` would
-    play other levels than the run planned for the steps after it
-    (:func:`~turnrl.training.seeding.level_plan_change`), or None."""
-    return level_plan_change(saved, config, checkpoint_step(checkpoint))
-
-
-def lora_change(saved: TrainConfig, checkpoint: Path, config: TrainConfig) -> str | None:
-    """Why ``config`` cannot resume ``checkpoint`` with other LoRA settings than the run's (``saved``,
-    :func:`saved_config`), or None: its adapters (or its whole weights, without LoRA) keep the settings they were
-    trained with, and loading them would ignore the new ones."""
-    changed = [f"lora.{field.name}: {getattr(saved.lora, field.name)!r} -> {getattr(config.lora, field.name)!r}"
-               for field in fields(config.lora) if getattr(saved.lora, field.name) != getattr(config.lora, field.name)]
-    if not changed:
-        return None
-    return (f"resume={config.resume!r} changes {'; '.join(changed)}, which {checkpoint.name} was trained with and "
-            f"keeps: resume with the run's LoRA settings, or start a new run from its model "
-            f"(model.path={checkpoint / 'actor'})")
 
 
 class Trainer:
