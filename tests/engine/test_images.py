@@ -53,7 +53,7 @@ def test_digests_that_do_not_fit_the_images_are_refused(digests, why):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (lambda p, i: (p + [PAD, 3], i), "2 runs of image placeholders and its model inputs 1 images"),
+    (lambda p, i: (p + [PAD, 3], i), "2 runs of image placeholders and 1 image grids"),
     (lambda p, i: (p[:4] + p[5:], i), "image 0 has 3 placeholder tokens"),
     (lambda p, i: (p, {**i, "pixel_values": i["pixel_values"][:-1]}), "pixel_values has 15 patches"),
     (lambda p, i: (p, {"image_grid_thw": i["image_grid_thw"]}), "no pixel_values"),

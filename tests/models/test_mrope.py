@@ -60,6 +60,7 @@ def test_text_alone_counts_up_with_no_delta():
     ([(1, 3)], [[1, 2, 2]], "image 0 has 2 placeholder tokens, and its grid [1, 2, 2] makes 1"),  # spread before
     ([(1, 3)], [[1, 4, 4]], "image 0 has 2 placeholder tokens, and its grid [1, 4, 4] makes 4"),  # cut mid-image
     ([(1, 2), (4, 5)], [[1, 2, 2]], "2 runs of image placeholders and 1 image grids"),
+    ([(1, 2)], [[1, 2, 3]], "image 0's grid [1, 2, 3] is not whole 2 x 2 groups"),  # 6 // 4 = 1 would pass the count
 ])
 def test_placeholders_that_are_not_their_grids_images_are_refused_saying_so(spans, grids, said):
     with pytest.raises(ValueError, match=re.escape(said)):

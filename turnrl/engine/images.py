@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from turnrl.engine.weights import ImageFeatures
-from turnrl.models.mrope import mrope_positions, placeholder_spans
+from turnrl.models.mrope import check_image_spans, mrope_positions, placeholder_spans
 from turnrl.models.vision import content_digest
 
 
@@ -70,26 +70,16 @@ def prompt_images(prompt: Sequence[int], model_inputs: dict[str, Any] | None, im
     None hashes the pixel values (:func:`image_digest`).
 
     Raises:
-        ValueError: the placeholders and the images (or the digests) do not agree (with what each says).
+        ValueError: the placeholders and the images (or the digests) do not agree (with what each says); the
+            placeholders and the grids are checked first (:func:`~turnrl.models.mrope.check_image_spans`).
     """
     spans = placeholder_spans(prompt, image_token_id)
     inputs = model_inputs or {}
     grids = inputs.get("image_grid_thw")
     pixels = inputs.get("pixel_values")
     grids = torch.zeros(0, 3, dtype=torch.long) if grids is None else torch.as_tensor(grids).reshape(-1, 3).cpu()
-    if len(spans) != len(grids):
-        raise ValueError(f"the prompt has {len(spans)} runs of image placeholders and its model inputs "
-                         f"{len(grids)} images (image_grid_thw rows): build both from the same messages")
+    check_image_spans(spans, grids, merge_size)
     patches = grids.prod(-1).tolist()
-    for index, ((start, end), count) in enumerate(zip(spans, patches)):
-        # A grid of part groups would pass the count below (6 // 4 = 1) and fail the batch's one tower call.
-        t, h, w = grids[index].tolist()
-        if min(t, h, w) < 1 or h % merge_size or w % merge_size:
-            raise ValueError(f"image {index}'s grid {[t, h, w]} is not whole {merge_size} x {merge_size} groups of "
-                             "patches: make the model inputs with the model's own processor")
-        if end - start != count // merge_size**2:
-            raise ValueError(f"image {index} has {end - start} placeholder tokens, and its grid "
-                             f"{grids[index].tolist()} makes {count // merge_size**2}")
     pixel_values: list[torch.Tensor] = []
     if spans:
         if pixels is None:

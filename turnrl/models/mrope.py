@@ -26,6 +26,31 @@ def placeholder_spans(prompt: Sequence[int], image_token_id: int) -> list[tuple[
     return [(int(start), int(end)) for start, end in zip(edges[::2], edges[1::2])]
 
 
+def check_image_spans(spans: Sequence[tuple[int, int]], grids: torch.Tensor, merge_size: int) -> None:
+    """Check that ``spans`` (each image's placeholder tokens, [start, end)) and ``grids`` (each image's patch grid
+    (t, h, w), Shape (m, 3)) describe the same images: one grid a run, each grid whole ``merge_size`` x
+    ``merge_size`` groups of patches, each run as long as its grid's t x (h / merge_size) x (w / merge_size).
+
+    Raises:
+        ValueError: saying which image differs and how. Unchecked, a one-token image's position would spread
+            silently over a longer run, an image cut mid-way would fail inside numpy's broadcasting, and a grid of
+            part groups (6 // 4 = 1 token) would pass the count and fail the batch's one tower call.
+    """
+    if len(spans) != len(grids):
+        raise ValueError(f"the prompt has {len(spans)} runs of image placeholders and {len(grids)} image grids "
+                         "(image_grid_thw rows): build both from the same messages")
+    for index, ((start, end), grid) in enumerate(zip(spans, grids.tolist())):
+        t, h, w = grid
+        if min(t, h, w) < 1 or h % merge_size or w % merge_size:
+            raise ValueError(f"image {index}'s grid {grid} is not whole {merge_size} x {merge_size} groups of "
+                             "patches: make the model inputs with the model's own processor")
+        tokens = t * (h // merge_size) * (w // merge_size)
+        if end - start != tokens:
+            raise ValueError(f"image {index} has {end - start} placeholder tokens, and its grid {grid} makes "
+                             f"{tokens}: a sequence cut inside an image, or another image's grid (cut sequences "
+                             "between images)")
+
+
 def mrope_positions(length: int, spans: Sequence[tuple[int, int]], grids: torch.Tensor, merge_size: int
                     ) -> tuple[np.ndarray, int]:
     """Qwen2-VL's 3D rotary positions of a prompt of ``length`` tokens whose images fill ``spans``.
@@ -38,23 +63,16 @@ def mrope_positions(length: int, spans: Sequence[tuple[int, int]], grids: torch.
         The positions, Shape (3, length) int64, and the delta of the tokens after the prompt.
 
     Raises:
-        ValueError: the spans and the grids do not describe the same images (a prompt cut inside an image, a
-            grid of another image): a one-token image's position would otherwise spread silently over a longer run.
+        ValueError: the spans and the grids do not describe the same images (:func:`check_image_spans`).
     """
-    if len(spans) != len(grids):
-        raise ValueError(f"the prompt has {len(spans)} runs of image placeholders and {len(grids)} image grids: "
-                         "build both from the same images")
+    check_image_spans(spans, grids, merge_size)
     positions = np.zeros((3, length), dtype=np.int64)
     next_position, cursor = 0, 0
-    for index, ((start, end), grid) in enumerate(zip(spans, grids.tolist())):
+    for (start, end), grid in zip(spans, grids.tolist()):
         text = start - cursor
         positions[:, cursor:start] = next_position + np.arange(text)
         next_position += text
         t, h, w = grid[0], grid[1] // merge_size, grid[2] // merge_size
-        if end - start != t * h * w:
-            raise ValueError(f"image {index} has {end - start} placeholder tokens, and its grid {grid} makes "
-                             f"{t * h * w}: a sequence cut inside an image, or another image's grid (cut sequences "
-                             "between images)")
         positions[:, start:end] = next_position + image_offsets(t, h, w)
         next_position += max(t, h, w)
         cursor = end
