@@ -52,7 +52,9 @@ ROWS: dict[str, list[str]] = {
     "StarPO-S 25%": ["algorithm.advantage=gae", "algorithm.filter.method=top_k", "algorithm.filter.value=0.25"],
     "GRPO": ["algorithm.advantage=grpo", "algorithm.filter.method=none"],
     "GRPO+StarPO-S 25%": ["algorithm.advantage=grpo", "algorithm.filter.method=top_k", "algorithm.filter.value=0.25"],
-    "GiGPO": ["algorithm.advantage=gigpo", "algorithm.filter.method=none"],
+    # Divided by the group std, as when the documented rows ran (the estimator's default is verl-agent's mean_norm).
+    "GiGPO": ["algorithm.advantage=gigpo", "algorithm.estimator_params.gigpo.norm_by_std=true",
+              "algorithm.filter.method=none"],
     "bi-level GAE": ["algorithm.advantage=bilevel_gae", "algorithm.reward_placement=per_turn",
                      "algorithm.gamma_turn=0.95", "algorithm.filter.method=none"],
 }

@@ -144,12 +144,12 @@ def test_estimator_parameters_come_from_a_mapping_by_estimator_name(tmp_path):
     from turnrl.algorithms import GiGPOParams
 
     default = load_config(TrainConfig, None, ["algorithm.advantage=gigpo"])
-    assert default.algorithm.estimator_params["gigpo"] == {"gamma": 0.95, "step_weight": 1.0, "norm_by_std": True}
+    assert default.algorithm.estimator_params["gigpo"] == {"gamma": 0.95, "step_weight": 1.0, "norm_by_std": False}
     assert default.algorithm.params == GiGPOParams()
     path = tmp_path / "recipe.yaml"
-    path.write_text("algorithm:\n  advantage: gigpo\n  estimator_params:\n    gigpo: {gamma: 1, norm_by_std: false}\n")
+    path.write_text("algorithm:\n  advantage: gigpo\n  estimator_params:\n    gigpo: {gamma: 1, norm_by_std: true}\n")
     config = load_config(TrainConfig, path, ["algorithm.estimator_params.gigpo.step_weight=0.5"])
-    assert config.algorithm.params == GiGPOParams(gamma=1.0, step_weight=0.5, norm_by_std=False)
+    assert config.algorithm.params == GiGPOParams(gamma=1.0, step_weight=0.5, norm_by_std=True)
     assert isinstance(config.algorithm.params.gamma, float)
     # another estimator ignores them, so a recipe keeps its GiGPO settings when the estimator is switched
     assert load_config(TrainConfig, path, ["algorithm.advantage=grpo"]).algorithm.params == NoParams()

@@ -650,7 +650,7 @@ def gigpo_advantages(
     group_index: torch.Tensor,
     gamma: float = 0.95,
     step_weight: float = 1.0,
-    norm_by_std: bool = True,
+    norm_by_std: bool = False,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GiGPO: an episode advantage from the group, plus a step advantage from anchor-state groups.
@@ -659,9 +659,9 @@ def gigpo_advantages(
     ``(R_i - mean_G R) / F_G``. Every valid turn ``(i, t)`` belongs to the anchor group of the turns of
     its episode group that start from the same env state; its discounted return
     ``G_it = sum_k gamma^k r_i(t+k)`` is compared with that anchor group's mean: ``(G_it - mean_A G) / F_A``.
-    ``F`` is the unbiased std (plus ``eps``), or 1 with ``norm_by_std=False`` (mean_norm). An anchor group
-    of one turn, or a turn whose state is unknown (-1), gets a step advantage of 0. A turn's advantage is
-    ``episode + step_weight * step``.
+    ``F`` is 1 (``mean_norm``, verl-agent's default), or with ``norm_by_std`` the unbiased std (plus
+    ``eps``). An anchor group of one turn, or a turn whose state is unknown (-1), gets a step advantage of 0.
+    A turn's advantage is ``episode + step_weight * step``.
 
     Args:
         turn_rewards: Shape (e, T), each turn's reward (0 on padding turns).

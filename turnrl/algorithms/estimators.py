@@ -330,8 +330,10 @@ class GiGPOParams:
     """Discount of the turn returns compared within an anchor-state group."""
     step_weight: float = 1.0
     """Weight of the step advantage beside the episode advantage."""
-    norm_by_std: bool = True
-    """Divide both advantages by their group's std; false divides by 1 (``mean_norm``)."""
+    norm_by_std: bool = False
+    """Divide both advantages by their group's std (verl-agent's ``mean_std_norm``); false divides by 1
+    (``mean_norm``), verl-agent's default and the setting of its Sokoban, ALFWorld and WebShop scripts, whose
+    tables GiGPO's users reproduce."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gamma <= 1.0:

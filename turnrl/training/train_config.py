@@ -105,7 +105,7 @@ class AlgorithmConfig:
     ``my_package.module:my_estimator`` (docs/extending.md)."""
     estimator_params: dict[str, dict[str, Any]] = field(default_factory=default_estimator_params)
     """Each estimator's own settings, by estimator name, checked against its parameters (only the chosen
-    estimator's are used): ``gigpo: {gamma: 0.95, step_weight: 1.0, norm_by_std: true}``, or
+    estimator's are used): ``gigpo: {gamma: 0.95, step_weight: 1.0, norm_by_std: false}``, or
     ``algorithm.estimator_params.gigpo.gamma=0.9`` on the command line."""
     reward_placement: Placement = "per_turn"
     """``per_turn``: each turn's reward at its last token; ``episode_end``: the sum at the last token."""
