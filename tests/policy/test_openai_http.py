@@ -12,6 +12,8 @@ import time
 import httpx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
 from tests.serve.running import free_port, running
@@ -22,7 +24,7 @@ from turnrl.evaluate import run_eval
 from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.interface import GenerationRequest, Policy
-from turnrl.policy.openai_http import OpenAIPolicy, chat_completions_url, parse_retry_after
+from turnrl.policy.openai_http import OpenAIPolicy, chat_completions_url, cut_after_stop, parse_retry_after
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.serve.policy import create_app
 
@@ -112,7 +114,8 @@ def test_headers_finish_reasons_and_usage():
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request)
         text = json.loads(request.content)["messages"][0]["content"]
-        reasons = {"a": ("stop", {}), "b": ("length", {}), "c": ("content_filter", {}), "d": ("stop", {"stop_reason": "!"})}
+        reasons = {"a": ("stop", {"stop_reason": None}), "b": ("length", {}), "c": ("content_filter", {}),
+                   "d": ("stop", {"stop_reason": "!"})}
         reason, extra = reasons[text]
         return httpx.Response(200, json=ok_body(f"out-{text}", reason, **extra))
 
@@ -124,6 +127,57 @@ def test_headers_finish_reasons_and_usage():
     assert all(r.headers["authorization"] == "Bearer sk-test" and r.url.path == "/v1/chat/completions" for r in seen)
     assert (policy.usage.requests, policy.usage.failures) == (3, 1)
     assert policy.usage.prompt_tokens == 12  # the filtered answer's tokens count too
+
+
+def openai_like(bodies: list[dict], said: dict | None = None):
+    """A handler that answers as OpenAI's API does: the stop string it stopped on cut from the text, unnamed
+    (``said`` adds fields to the choice, as vLLM's ``stop_reason`` or SGLang's ``matched_stop``)."""
+    full = "<answer>Up</answer> and then more text"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        stops = body.get("stop") or []
+        ends = [full.find(stop) for stop in stops if stop in full]
+        text = full[: min(ends)] if ends else full
+        return httpx.Response(200, json=ok_body(text, "stop", **(said or {})))
+
+    return handler
+
+
+def test_a_server_that_cuts_stop_strings_unnamed_is_asked_again_and_its_answers_cut_here():
+    """OpenAI's API returns "<answer>Up" for stop "</answer>": read as is, every answer parses as unclosed."""
+    bodies: list[dict] = []
+    policy = fake(openai_like(bodies))
+    sampling = SamplingConfig(stop=["</answer>", "\n\n"])
+    first = policy.generate([ask("go")], sampling)
+    assert [(c.text, c.finish_reason) for c in first] == [("<answer>Up</answer>", "stop")]
+    assert [("stop" in body) for body in bodies] == [True, False] and policy.server_names_stops is False
+    again = policy.generate([ask("go"), ask("again")], sampling)
+    assert [c.text for c in again] == ["<answer>Up</answer>"] * 2
+    assert len(bodies) == 4 and not any("stop" in body for body in bodies[2:])  # no second asking
+    assert policy.usage.requests == 3 and policy.usage.prompt_tokens == 4 * 3  # the first answer was billed too
+
+
+@pytest.mark.parametrize("said", [{"stop_reason": "</answer>"}, {"matched_stop": "</answer>"}])
+def test_a_server_that_names_the_stop_string_gets_it_back_on_the_text_and_is_asked_once(said):
+    bodies: list[dict] = []
+    policy = fake(openai_like(bodies, said))
+    out = policy.generate([ask("go")], SamplingConfig(stop=["</answer>"]))
+    assert out[0].text == "<answer>Up</answer>" and len(bodies) == 1 and policy.server_names_stops is True
+
+
+def test_an_end_of_turn_named_by_a_token_id_leaves_the_text_as_it_is():
+    """SGLang names the end-of-turn token by its id when no stop string matched."""
+    policy = fake(lambda request: httpx.Response(200, json=ok_body("<answer>Up", "stop", matched_stop=151645)))
+    assert policy.generate([ask("go")], SamplingConfig(stop=["</answer>"]))[0].text == "<answer>Up"
+
+
+@given(st.text(max_size=40), st.lists(st.text(max_size=4), max_size=4))
+def test_cut_after_stop_ends_at_the_first_stop_string_to_end(text, stops):
+    cut = cut_after_stop(text, stops)
+    ends = [i for i in range(len(text) + 1) if any(stop and text[:i].endswith(stop) for stop in stops)]
+    assert cut == (text[: ends[0]] if ends else None)
 
 
 def test_base_urls():

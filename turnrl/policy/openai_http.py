@@ -15,6 +15,17 @@ model, rather than counting an error.
 The policy is text-only (``tokenizer = None``): the rollout sends it chat
 messages, and it returns text without token ids or logprobs.
 
+Stop strings. A local model's response keeps the stop string it ended on
+(``</answer>`` closes the answer the parser reads). An OpenAI-style server cuts
+it from the text; vLLM and turnrl's server say which one matched
+(``stop_reason``), SGLang too (``matched_stop``), and that string is put back.
+A server that says neither (OpenAI's own API) leaves a response that ended on
+``finish_reason="stop"`` ambiguous: an end of turn, or a stop string cut off.
+The first such response is asked again without ``stop``, and from then on the
+policy sends no stop strings to that server and cuts each response after the
+first one it holds, as a local model stops (the tokens past it are generated
+and billed, the price of an exact answer).
+
 Images. The rollout puts each image observation in its user message as a
 ``{"type": "image", "image": array}`` part (the transformers processor
 convention); here each becomes an ``image_url`` part holding the image as a
@@ -109,6 +120,17 @@ class _Retryable(Exception):
 
 
 # --------------------------------------------------------------------------- helpers
+_UNNAMED = object()
+"""A response that names no matched stop string (neither ``stop_reason`` nor ``matched_stop``)."""
+
+
+def cut_after_stop(text: str, stops: Sequence[str]) -> str | None:
+    """``text`` up to and including the stop string that ends first in it (as a model sampling token by token
+    would stop), or None when it holds none."""
+    ends = [found + len(stop) for stop in stops if stop and (found := text.find(stop)) >= 0]
+    return text[: min(ends)] if ends else None
+
+
 def chat_completions_url(base_url: str) -> str:
     """``base_url`` + ``/chat/completions``; a bare ``http://host:port`` gets the usual ``/v1`` prefix."""
     base = base_url.rstrip("/")
@@ -293,6 +315,9 @@ class OpenAIPolicy(Policy):
         self.usage = HTTPUsage()
         self._usage_lock = threading.Lock()
         self._png = _PngCache()
+        self.server_names_stops: bool | None = None
+        """Whether the server says which stop string ended a response (None: not yet seen). False sends it no
+        stop strings: the policy cuts the responses itself (module docstring)."""
 
     # ------------------------------------------------------------------ public
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
@@ -317,7 +342,7 @@ class OpenAIPolicy(Policy):
             "top_p": sampling.top_p,
             "max_tokens": limit,
         }
-        if sampling.stop:
+        if sampling.stop and self.server_names_stops is not False:
             body["stop"] = list(sampling.stop)
         if sampling.top_k:
             body["top_k"] = sampling.top_k  # not in OpenAI's API; vLLM, SGLang and turnrl's server accept it
@@ -345,7 +370,14 @@ class OpenAIPolicy(Policy):
             body = self.request_body(request, sampling)
             async with semaphore:
                 data = await self._post_with_retries(client, body)
-            completion = self._completion(data, sampling)
+            completion = self._completion(data, sampling, cut_locally="stop" not in body)
+            if completion is None:  # a stop string may have been cut unnamed: ask again, cutting here
+                self._count_tokens(data)
+                body.pop("stop")
+                async with semaphore:
+                    data = await self._post_with_retries(client, body)
+                completion = self._completion(data, sampling, cut_locally=True)
+                assert completion is not None
         except ContextFull as full:  # the episode has outgrown the model: cut by its context budget
             return Completion(text="", finish_reason="context", error=str(full))
         except Exception as error:  # one request's failure is its own error completion
@@ -353,15 +385,19 @@ class OpenAIPolicy(Policy):
             with self._usage_lock:
                 self.usage.failures += 1
             return Completion(text="", finish_reason="error", error=message)
-        prompt_tokens, completion_tokens = reported_tokens(data)  # billed even when the answer is unusable
         with self._usage_lock:
             if completion.finish_reason == "error":
                 self.usage.failures += 1
             else:
                 self.usage.requests += 1
+        self._count_tokens(data)  # billed even when the answer is unusable
+        return completion
+
+    def _count_tokens(self, data: dict[str, Any]) -> None:
+        prompt_tokens, completion_tokens = reported_tokens(data)
+        with self._usage_lock:
             self.usage.prompt_tokens += prompt_tokens
             self.usage.completion_tokens += completion_tokens
-        return completion
 
     async def _post_with_retries(self, client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body``; retries transient failures, raises :class:`RequestFailed` when out of attempts."""
@@ -404,7 +440,10 @@ class OpenAIPolicy(Policy):
         ceiling = min(self.max_backoff_s, self.backoff_s * 2**attempt)
         return random.uniform(ceiling / 2, ceiling)  # jitter spreads the retries of a batch that failed together
 
-    def _completion(self, data: dict[str, Any], sampling: SamplingConfig) -> Completion:
+    def _completion(self, data: dict[str, Any], sampling: SamplingConfig, cut_locally: bool) -> Completion | None:
+        """The completion of a response; None when it may have lost a stop string the server did not name
+        (asked again by the caller). With ``cut_locally`` the request carried no stop strings: the text is cut
+        after the first one it holds."""
         try:
             choice = data["choices"][0]
             text = message_text(choice["message"].get("content"))
@@ -416,11 +455,23 @@ class OpenAIPolicy(Policy):
         if reason not in FINISH_REASONS:
             why = f"the server stopped with finish_reason={reason!r}"
             return Completion(text=text, finish_reason="error", error=why)
-        # Servers that say which stop string matched (vLLM, turnrl) cut it from the text;
-        # restoring it keeps the text equal to what a local model returns.
-        stop_reason = choice.get("stop_reason")
-        if isinstance(stop_reason, str) and stop_reason in sampling.stop and not text.endswith(stop_reason):
-            text += stop_reason
+        if not sampling.stop:
+            return Completion(text=text, finish_reason=FINISH_REASONS[reason])
+        if cut_locally:
+            cut = cut_after_stop(text, sampling.stop)
+            if cut is not None:
+                return Completion(text=cut, finish_reason="stop")
+            return Completion(text=text, finish_reason=FINISH_REASONS[reason])
+        named = choice.get("stop_reason", choice.get("matched_stop", _UNNAMED))
+        if named is _UNNAMED:
+            self.server_names_stops = False
+            if reason == "stop" and not text.endswith(tuple(sampling.stop)):
+                return None
+        else:
+            self.server_names_stops = True
+            # The server cut the string it names; restoring it keeps the text equal to what a local model returns.
+            if isinstance(named, str) and named in sampling.stop and not text.endswith(named):
+                text += named
         return Completion(text=text, finish_reason=FINISH_REASONS[reason])
 
     def _messages(self, request: GenerationRequest) -> list[dict[str, Any]]:
