@@ -254,6 +254,14 @@ def test_generate_waits_for_its_own_prompts_only():
     assert len(mine.token_ids) == 6 and mine.finish_reason == "length"
 
 
+def test_generate_refuses_prompts_and_settings_of_different_counts():
+    """One setting for three prompts is refused whole, not paired into one request with two prompts dropped."""
+    engine = engine_for(build())
+    with pytest.raises(ValueError, match="3 prompts and 1 sampling settings"):
+        engine.generate(random_prompts([5, 6, 7]), [GREEDY])
+    assert not engine.waiting and not engine.running
+
+
 @pytest.mark.timeout(120)
 def test_a_failed_step_hands_back_the_requests_that_had_ended_before_it(tiny_model_dir):
     """A policy's generate whose batch holds a refused request (an empty prompt) and whose step fails: every

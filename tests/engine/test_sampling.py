@@ -10,11 +10,12 @@ from turnrl.engine.sampling import filter_top_k_top_p, sample_tokens
 
 
 def reference_keep(logits: list[float], top_k: int, top_p: float) -> set[int]:
-    """The tokens a plain loop keeps: the top k, then the smallest set of most likely tokens reaching top_p."""
+    """The tokens a plain loop keeps: the top k, then the smallest set of the most likely of them reaching top_p
+    of their own (renormalised) mass."""
     order = sorted(range(len(logits)), key=lambda i: -logits[i])
     if top_k > 0:
         order = order[:top_k]
-    total = sum(math.exp(v) for v in logits)
+    total = sum(math.exp(logits[i]) for i in order)
     kept, mass = [], 0.0
     for i in order:
         if kept and mass >= top_p:
@@ -35,6 +36,36 @@ def test_filter_keeps_what_a_plain_loop_keeps():
             kept = {i for i in range(12) if filtered[row, i] > float("-inf")}
             assert kept == reference_keep(logits[row].tolist(), int(top_k[row]), float(top_p[row]))
             assert torch.equal(filtered[row][list(kept)], logits[row][list(kept)])
+
+
+def test_filter_keeps_what_transformers_warpers_keep():
+    """Top-k then top-p, each as the transformers backend applies it (``generate``'s warpers, in its order): the
+    nucleus is taken of what top-k kept. Settings where the two orders part ways are among the draws."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    generator = torch.Generator().manual_seed(1)
+    parted = 0
+    for _ in range(200):
+        logits = torch.randn(1, 16, generator=generator) * 2
+        top_k = int(torch.randint(1, 8, (1,), generator=generator))
+        top_p = float(torch.rand(1, generator=generator)) * 0.9 + 0.05
+        expected = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, logits.clone()))
+        filtered = filter_top_k_top_p(logits, torch.tensor([top_k]), torch.tensor([top_p]))
+        assert torch.equal(filtered.isinf(), expected.isinf())
+        whole_vocabulary = TopPLogitsWarper(top_p)(None, logits.clone()).isinf() | TopKLogitsWarper(top_k)(
+            None, logits.clone()).isinf()
+        parted += int(not torch.equal(whole_vocabulary, expected.isinf()))
+    assert parted > 10  # the nucleus of the whole vocabulary keeps more tokens in these draws
+
+
+def test_a_row_without_truncation_keeps_every_token_when_batched_with_a_truncating_row():
+    """A large vocabulary's float32 cumulative mass reaches 1 before its last tokens: a row with top_p 1 (and no
+    top-k), filtered because another row of its batch truncates, still keeps all of them."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 151_936, generator=generator) * 3
+    filtered = filter_top_k_top_p(logits, torch.tensor([0, 20]), torch.tensor([1.0, 0.9]))
+    assert torch.equal(filtered[0], logits[0])
+    assert int((~filtered[1].isinf()).sum()) <= 20
 
 
 def test_samples_follow_the_tempered_distribution_and_report_its_logprob():

@@ -98,3 +98,18 @@ def test_a_stop_string_of_multi_byte_characters_is_found_where_its_last_byte_is_
     decode: Decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
     tokens = list("ok ".encode()) + list(stop.encode()) + list(" and on".encode())
     assert first_stop(tokens, (stop,), decode) == len("ok ".encode()) + len(stop.encode())
+
+
+def test_the_filter_keeps_the_masks_of_the_latest_stop_strings_only():
+    """A server's requests may each bring their own stop strings: the masks kept are bounded (here well under the
+    500 sets asked for), the latest used among them."""
+    from tests.engine.test_running import array_bytes
+
+    stop_filter = StopStringFilter(sentencepiece_decode, len(PIECES))
+    kept = stop_filter.candidates(("a b",))
+    for i in range(500):
+        stop_filter.candidates((f"x{i}",))
+        assert stop_filter.candidates(("a b",)) is kept  # used again each time: never dropped
+    assert array_bytes(stop_filter) <= 100 * len(PIECES)
+    fresh = StopStringFilter(sentencepiece_decode, len(PIECES))
+    assert stop_filter.candidates(("x0",)).tolist() == fresh.candidates(("x0",)).tolist()  # dropped: made again

@@ -174,7 +174,13 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[Result]:
-        """Run ``prompts`` to completion; results in prompt order."""
+        """Run ``prompts`` to completion; results in prompt order.
+
+        Raises:
+            ValueError: ``params`` is not one setting a prompt (a pairing cut short would drop prompts unseen).
+        """
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts and {len(params)} sampling settings; give one setting a prompt")
         ids = [self.submit(prompt, p) for prompt, p in zip(prompts, params)]
         results: dict[int, Result] = {}
         while not all(i in results for i in ids):  # others' results may come out too: not counted

@@ -12,7 +12,7 @@ Notation: R cache rows, n rows in the step, W generated tokens held per row.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
 import numpy as np
@@ -27,6 +27,54 @@ class TokenChecks(NamedTuple):
     """The sequence has generated its budget."""
     search: np.ndarray
     """The token can complete one of the sequence's stop strings: its text must be searched."""
+
+
+SPARE_SETS = 8
+"""Sets beyond twice those in use that a :class:`VocabularySets` holds before it drops the unused ones."""
+
+
+class VocabularySets:
+    """Per distinct set (of stop ids, of stop strings), a mask over the vocabulary, and each row's set.
+
+    Sets are shared by the rows that use the same one, so a batch of one setting holds one mask, not one a row.
+    The sets that no row refers to any more are dropped once the table has grown to twice the sets in use at the
+    last drop (and :data:`SPARE_SETS` more): a server whose requests each bring their own stop strings would
+    otherwise grow it by a vocabulary's mask per request, and copy it whole for each new one.
+
+    Args:
+        rows: R, the cache rows.
+        vocab_size: the masks' length.
+        empty: the key of set 0, whose mask is all False (every row's set to start with).
+    """
+
+    def __init__(self, rows: int, vocab_size: int, empty: Hashable) -> None:
+        self.table = np.zeros((1, vocab_size), dtype=bool)
+        """Each set's mask, Shape (sets, vocab); set 0 is ``empty``'s."""
+        self.index = np.zeros(rows, dtype=np.int64)
+        """Each row's set, Shape (R,)."""
+        self._sets: dict[Hashable, int] = {empty: 0}
+        self._limit = 1 + SPARE_SETS
+        """Sets held before the unused ones are dropped."""
+
+    def assign(self, row: int, key: Hashable, mask: Callable[[], np.ndarray]) -> None:
+        """Give ``row`` the set ``key``, making its mask with ``mask()`` (Shape (vocab,) bool) if it is new."""
+        if key not in self._sets:
+            if len(self._sets) >= self._limit:
+                self.index[row] = 0  # its old set is no longer its own
+                self._drop_unused()
+                self._limit = 2 * len(self._sets) + SPARE_SETS
+            self.table = np.concatenate((self.table, mask()[None]))
+            self._sets[key] = len(self._sets)
+        self.index[row] = self._sets[key]
+
+    def _drop_unused(self) -> None:
+        """Keep the sets that some row refers to (set 0 always), renumbered in their order."""
+        used = np.union1d([0], self.index)
+        renumber = np.zeros(len(self.table), dtype=np.int64)
+        renumber[used] = np.arange(len(used))
+        kept = set(used.tolist())
+        self._sets = {key: int(renumber[i]) for key, i in self._sets.items() if i in kept}
+        self.table, self.index = self.table[used], renumber[self.index]
 
 
 class RunningRows:
@@ -46,21 +94,14 @@ class RunningRows:
         """Tokens generated, Shape (R,)."""
         self.budget = np.zeros(rows, dtype=np.int64)
         """Tokens the sequence may generate (max_new_tokens, within the row's length), Shape (R,)."""
-        self.stop_set = np.zeros(rows, dtype=np.int64)
-        """The row's index into :attr:`stop_table`, Shape (R,)."""
         self.tokens = np.zeros((rows, width), dtype=np.int64)
         """Generated tokens, Shape (R, W)."""
         self.logprobs = np.zeros((rows, width), dtype=np.float32)
         """Their logprobs, Shape (R, W)."""
-        self.stop_table = np.zeros((1, vocab_size), dtype=bool)
-        """Per distinct set of stop ids, which tokens are in it, Shape (sets, vocab); set 0 is empty."""
-        self.string_set = np.zeros(rows, dtype=np.int64)
-        """The row's index into :attr:`string_table`, Shape (R,)."""
-        self.string_table = np.zeros((1, vocab_size), dtype=bool)
-        """Per distinct set of stop strings, the tokens that can complete one, Shape (sets, vocab); set 0 (no stop
-        strings) has none."""
-        self._stop_sets: dict[frozenset[int], int] = {frozenset(): 0}
-        self._string_sets: dict[tuple[str, ...], int] = {(): 0}
+        self.stop_ids = VocabularySets(rows, vocab_size, frozenset())
+        """Per distinct set of stop ids, which tokens are in it; the empty set has none."""
+        self.stop_strings = VocabularySets(rows, vocab_size, ())
+        """Per distinct set of stop strings, the tokens that can complete one; no stop strings, none."""
 
     def start(self, row: int, cached: int, budget: int, stop_ids: tuple[int, ...] = (),
               stop_strings: tuple[str, ...] = (),
@@ -72,17 +113,17 @@ class RunningRows:
         """
         self.cached[row], self.count[row], self.budget[row] = cached, 0, budget
         key = frozenset(t for t in stop_ids if 0 <= t < self.vocab_size)
-        if key not in self._stop_sets:
+
+        def members() -> np.ndarray:
             member = np.zeros(self.vocab_size, dtype=bool)
             member[list(key)] = True
-            self.stop_table = np.concatenate((self.stop_table, member[None]))
-            self._stop_sets[key] = len(self._stop_sets)
-        self.stop_set[row] = self._stop_sets[key]
-        strings = stop_strings if string_candidates is not None else ()
-        if strings not in self._string_sets:
-            self.string_table = np.concatenate((self.string_table, string_candidates(strings)[None]))  # type: ignore[misc]
-            self._string_sets[strings] = len(self._string_sets)
-        self.string_set[row] = self._string_sets[strings]
+            return member
+
+        self.stop_ids.assign(row, key, members)
+        if string_candidates is None:
+            self.stop_strings.assign(row, (), lambda: np.zeros(self.vocab_size, dtype=bool))
+        else:
+            self.stop_strings.assign(row, stop_strings, lambda: string_candidates(stop_strings))
 
     def record(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> TokenChecks:
         """Append a sampled token to each of ``rows``.
@@ -97,8 +138,9 @@ class RunningRows:
         self.tokens[rows, count] = tokens
         self.logprobs[rows, count] = logprobs
         self.count[rows] = count + 1
-        return TokenChecks(stop_id=self.stop_table[self.stop_set[rows], tokens], spent=count + 1 >= self.budget[rows],
-                           search=self.string_table[self.string_set[rows], tokens])
+        return TokenChecks(stop_id=self.stop_ids.table[self.stop_ids.index[rows], tokens],
+                           spent=count + 1 >= self.budget[rows],
+                           search=self.stop_strings.table[self.stop_strings.index[rows], tokens])
 
     def _widen(self, width: int) -> None:
         grown = np.zeros((self.tokens.shape[0], width), dtype=np.int64)

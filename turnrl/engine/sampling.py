@@ -13,7 +13,13 @@ from turnrl.config import GREEDY_BELOW_TEMPERATURE
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside each row's top-k and nucleus (top-p).
+    """Mask (to -inf) the tokens outside each row's top-k, then outside the nucleus (top-p) of what top-k kept.
+
+    The nucleus is measured on the top-k tokens' renormalised distribution, as transformers' warpers (the other
+    backend) and vLLM chain the two: measured on the whole vocabulary it would keep more tokens than they do.
+    A row with ``top_p`` 1 is not cut by mass at all: float32 rounding brings the cumulative mass to 1 before
+    the last tokens of a large vocabulary, and a row that asked for no nucleus must keep them whatever rows it is
+    batched with.
 
     Args:
         logits: tempered logits, Shape (b, vocab).
@@ -27,10 +33,10 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)
-    drop = rank >= k
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-    drop |= mass_before >= top_p.unsqueeze(-1)
+    drop = (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

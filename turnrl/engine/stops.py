@@ -28,6 +28,10 @@ import numpy as np
 REPLACEMENT = "\ufffd"
 """What a decoder prints for bytes that are not (yet) a whole UTF-8 character."""
 
+KEPT_MASKS = 64
+"""Sets of stop strings whose masks are kept (the latest used): a server's requests may each bring their own, and
+a mask is a vocabulary's booleans."""
+
 TAIL_SLACK_TOKENS = 8
 """Tokens decoded beyond the longest stop string's length in UTF-8 bytes (the tokens before it may end in part of
 a character, which decodes to the replacement character)."""
@@ -82,12 +86,17 @@ class StopStringFilter:
         return self._characters
 
     def candidates(self, stop_strings: tuple[str, ...]) -> np.ndarray:
-        """Shape (vocab,) bool: True for the tokens after which the text must be searched for ``stop_strings``."""
-        if stop_strings not in self._masks:
+        """Shape (vocab,) bool: True for the tokens after which the text must be searched for ``stop_strings``.
+        The masks of the :data:`KEPT_MASKS` sets used last are kept."""
+        mask = self._masks.pop(stop_strings, None)
+        if mask is None:
             last = {stop[-1] for stop in stop_strings if stop}
             if "" in stop_strings:  # the empty string is in every text: the first token completes it
-                self._masks[stop_strings] = np.ones(self.vocab_size, dtype=bool)
+                mask = np.ones(self.vocab_size, dtype=bool)
             else:
-                self._masks[stop_strings] = np.array(
-                    [text is None or any(c in text for c in last) for text in self.characters()], dtype=bool)
-        return self._masks[stop_strings]
+                mask = np.array([text is None or any(c in text for c in last) for text in self.characters()],
+                                dtype=bool)
+            if len(self._masks) >= KEPT_MASKS:
+                del self._masks[next(iter(self._masks))]  # the one used longest ago
+        self._masks[stop_strings] = mask  # last in the order: the latest used
+        return mask
