@@ -72,3 +72,29 @@ def test_batcher_isolates_a_request_that_breaks_generation():
     results, _ = run_jobs(policy, [(1, 1, greedy), (666, 1, greedy), (3, 2, greedy)])
     assert results[0][0].text == "1" and [c.text for c in results[2]] == ["3", "3"]
     assert results[1].status == 500 and "poisoned prompt" in results[1].message
+
+
+class AbortingPolicy(FakePolicy):
+    """Reports every prompt of a batch holding the id 13 as failed, as the engine ends every request of a step
+    that failed; the id 14 alone does not fit the context, as an HTTP policy reports it."""
+
+    def generate(self, requests, sampling):
+        completions = super().generate(requests, sampling)
+        if any(r.prompt_ids[0] == 13 for r in requests):
+            return [Completion(text="", finish_reason="error", error="decode failed: RuntimeError: boom")
+                    for _ in requests]
+        return [Completion(text="", finish_reason="context", error="the prompt has 9000 tokens")
+                if r.prompt_ids[0] == 14 else completion for r, completion in zip(requests, completions)]
+
+
+def test_a_request_reported_failed_is_an_error_and_fails_alone():
+    """A policy reports a request it could not complete as a completion with ``finish_reason="error"`` (the engine
+    reports every request of a failed step so): it was answered as a 200 of empty text with a finish_reason no
+    client knows, and one request that broke the step took down every request batched with it."""
+    policy, greedy = AbortingPolicy(), SamplingConfig(temperature=0)
+    results, _ = run_jobs(policy, [(1, 1, greedy), (13, 1, greedy), (3, 2, greedy), (14, 1, greedy)])
+    assert results[0][0].text == "1" and [c.text for c in results[2]] == ["3", "3"]
+    assert results[1].status == 500 and results[1].type == "server_error"
+    assert results[1].message == "the policy could not complete the request: decode failed: RuntimeError: boom"
+    assert results[3].status == 400 and results[3].code == "context_length_exceeded"
+    assert "the prompt has 9000 tokens" in results[3].message

@@ -655,3 +655,67 @@ def test_requests_in_flight_or_arriving_at_shutdown_get_a_503(gated):
     for answer in asyncio.run(main()):
         assert answer.status_code == 503, answer.text
         assert answer.json()["error"]["message"].startswith("the server is shutting down")
+
+
+def test_the_engine_s_bound_on_a_sequence_is_the_context_the_server_checks(tiny_path):
+    """The engine holds ``model.engine.max_seq_len`` tokens a sequence, fewer than the model's positions: a longer
+    prompt was answered 200 with empty content and ``finish_reason: "error"``, and a completion that would pass it
+    was cut there and reported as ``length``, whatever max_tokens asked. Both are the 400 of a context exceeded."""
+    from turnrl.config import EngineConfig
+    from turnrl.policy.factory import load_model_policy
+
+    config = ModelConfig(device="cpu", backend="engine", engine=EngineConfig(max_seq_len=64, kv_cache_gb=0.01))
+    engine = load_model_policy(config, tiny_path, max_batch_size=4)
+    with running(create_app(engine, MODEL)) as url:
+        def ask(content: str, **options) -> httpx.Response:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": content}], **options}
+            return httpx.post(url + "/chat/completions", json=body, timeout=120)
+
+        for response in (ask("hello " * 40, max_tokens=4), ask("hello", max_tokens=50)):
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["code"] == "context_length_exceeded"
+            assert error["message"].startswith("this model's context is 64 tokens")
+            assert error["message"].endswith("(the server's bound on a sequence, model.engine.max_seq_len)")
+        fits = ask("hello", temperature=0)  # no max_tokens: what the engine's bound leaves
+        assert fits.status_code == 200, fits.text
+        usage = fits.json()["usage"]
+        assert usage["total_tokens"] <= 64
+
+
+def test_optional_parameters_sent_as_null_take_their_defaults(served):
+    """OpenAI's API marks its optional parameters nullable, and clients that write every field of a request send
+    the ones left unset as null: ``"temperature": null`` was a 400 ("Input should be a valid number")."""
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "logprobs", "presence_penalty", "frequency_penalty",
+                           "top_logprobs", "stop", "seed", "max_completion_tokens", "stream_options", "logit_bias",
+                           "tools", "response_format", "user"])
+    response = httpx.post(served.base_url + "/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": HI, "max_tokens": 3, **nulls})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert len(answer["choices"]) == 1 and answer["choices"][0]["logprobs"] is None
+    assert answer["usage"]["completion_tokens"] <= 3
+    required = httpx.post(served.base_url + "/chat/completions", timeout=60, json={"model": None, "messages": HI})
+    assert required.status_code == 400
+    assert "model: Input should be a valid string" in required.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "words"),
+    [(json.dumps({"model": MODEL, "messages": HI}), {"content-type": "application/x-www-form-urlencoded"},
+      "the body was not read as JSON: send it with the header 'Content-Type: application/json'"),
+     (json.dumps({"model": MODEL, "messages": HI}), {}, "the body was not read as JSON"),
+     ("", {"content-type": "application/json"}, "the request has no body; send one JSON object"),
+     ("[1, 2]", {"content-type": "application/json"}, "the body must be one JSON object (model, messages, ...)"),
+     ('"hi"', {"content-type": "application/json"}, "the body must be one JSON object (model, messages, ...)")],
+    ids=["form-content-type", "no-content-type", "empty", "array", "string"],
+)
+def test_a_body_that_is_no_json_object_says_what_to_send(served, content, headers, words):
+    """``curl -d '{...}'`` sends a JSON object as a form: FastAPI does not parse it, and the answer was "body: Input
+    should be a valid dictionary or object to extract fields from", which never names the header to fix; an empty
+    body was "body: Field required"."""
+    response = httpx.post(served.base_url + "/chat/completions", content=content.encode(), headers=headers,
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert words in message, message

@@ -6,9 +6,11 @@ call per distinct sampling setting (temperature, top_p, top_k, stop; each
 prompt keeps its own ``max_tokens``). Requests arriving while the model is busy
 wait and form the next batch. Generation runs on one dedicated thread, so the
 event loop keeps accepting requests (and ``/health`` answers) meanwhile. If a
-batch fails, its requests are run one by one, so a request that breaks
-generation fails alone with a 500 and the server keeps serving. A request
-whose client went away is dropped from the batch (nobody would receive it).
+batch fails (``generate`` raises, or reports requests as failed, as the engine
+reports every request of a step that failed), its failed requests are run one
+by one, so a request that breaks generation fails alone with a 500 and the
+server keeps serving. A request whose client went away is dropped from the
+batch (nobody would receive it).
 """
 
 from __future__ import annotations
@@ -174,8 +176,29 @@ class GenerationBatcher:
                 )
             return
         self.stats.prompts += len(requests)
-        start = 0
+        start, failed = 0, []
         for job in jobs:
-            if not job.future.done():
-                job.future.set_result(completions[start : start + len(job.requests)])
+            answers = completions[start : start + len(job.requests)]
             start += len(job.requests)
+            if any(answer.finish_reason == "error" for answer in answers) and len(jobs) > 1:
+                failed.append(job)  # a failed step (the engine's) ends every request of the batch: retried alone
+            elif not job.future.done():
+                settle(job.future, answers)
+        for job in failed:
+            await self._generate([job])
+
+
+def settle(future: asyncio.Future, completions: list[Completion]) -> None:
+    """Answer a request with its completions, or with the error of the first that failed: a policy reports a
+    request it could not complete as a completion (``finish_reason`` ``error`` or ``context``), which is no
+    answer to send as text."""
+    failure = next((c for c in completions if c.finish_reason in ("error", "context")), None)
+    if failure is None:
+        future.set_result(completions)
+    elif failure.finish_reason == "context":
+        future.set_exception(APIError(400, f"the prompt does not fit the model's context: {failure.error}",
+                                      param="messages", code="context_length_exceeded"))
+    else:
+        logger.error("the policy could not complete a request: %s", failure.error)
+        future.set_exception(APIError(500, f"the policy could not complete the request: {failure.error}",
+                                      type="server_error"))

@@ -114,6 +114,16 @@ class ChatCompletionRequest(BaseModel):
     tools: Optional[list[Any]] = None
     response_format: Optional[dict[str, Any]] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An optional parameter sent as null takes its default, as OpenAI's API (and vLLM) take it: clients that
+        write every field of the request send ``"temperature": null`` or ``"n": null`` for one they leave unset."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()}
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop: Any) -> Any:
@@ -209,5 +219,16 @@ def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
             continue
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         params.append(location or None)
-        lines.append(f"{location or 'body'}: {item.get('msg', 'invalid')}")
+        lines.append(f"{location}: {item.get('msg', 'invalid')}" if location else body_fault(item))
     return "invalid request: " + "; ".join(lines), params[0] if params else None
+
+
+def body_fault(item: dict[str, Any]) -> str:
+    """What is wrong with the body as a whole. FastAPI parses a body as JSON only when its ``Content-Type`` says
+    JSON: a JSON object sent without that header (``curl -d`` sends a form's) arrives as bytes, and pydantic's
+    "Input should be a valid dictionary" would hide that the header is what to fix."""
+    if item.get("type") == "missing":
+        return "the request has no body; send one JSON object (model, messages, ...) as application/json"
+    if isinstance(item.get("input"), bytes):
+        return "the body was not read as JSON: send it with the header 'Content-Type: application/json'"
+    return f"the body must be one JSON object (model, messages, ...): {item.get('msg', 'invalid')}"

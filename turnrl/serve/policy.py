@@ -28,7 +28,10 @@ Behaviour worth knowing:
 - ``temperature`` below 1e-5 (0 included) is greedy, as in vLLM: dividing the
   logits by a tinier one would overflow. Above 1e4 it is a 400 (every token is
   equally likely already; a far larger one overflows float32 into NaN).
-- ``max_tokens`` (and ``max_completion_tokens``) above 2**31 - 1 is a 400.
+- ``max_tokens`` (and ``max_completion_tokens``) above 2**31 - 1 is a 400, and so is a request whose prompt and
+  ``max_tokens`` together pass the context: the model's, or the engine's ``model.engine.max_seq_len`` where
+  that is less (``context_length_exceeded``, as vLLM answers), never a completion cut short.
+- An optional parameter sent as ``null`` takes its default, as in OpenAI's API.
 - A request body over ``--max-request-mb`` (32 MiB by default: several large images as data URLs) is a
   413, answered as soon as the bytes read pass the limit (or at once when ``Content-Length`` says so), so a
   client that sends more, or lies about its length, or streams it chunked, never has more than the limit held.
@@ -246,6 +249,15 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
 
 
 def context_length(policy: Policy) -> int | None:
+    """Tokens a prompt and its completion may hold together: the model's context window
+    (``max_position_embeddings``) or the policy's own bound on a sequence (the engine's
+    ``model.engine.max_seq_len``), the smaller; None if neither says. Past the engine's bound a prompt fails
+    and a completion is cut short, so a request that would pass it is refused instead."""
+    bounds = [bound for bound in (model_positions(policy), policy.max_sequence_tokens) if bound is not None]
+    return min(bounds, default=None)
+
+
+def model_positions(policy: Policy) -> int | None:
     """The model's context window (``max_position_embeddings``), if it says."""
     if policy.model is None:
         return None
@@ -290,13 +302,22 @@ def prepare(body: ChatCompletionRequest, policy: Policy, model_name: str, defaul
     if limit is not None and len(prompt_ids) + max_tokens > limit:
         asked = len(prompt_ids) + max_tokens
         raise APIError(400, f"this model's context is {limit} tokens; the request asks for {asked} "
-                            f"({len(prompt_ids)} in the messages, {max_tokens} for the completion)",
+                            f"({len(prompt_ids)} in the messages, {max_tokens} for the completion)"
+                            f"{context_bound_note(policy, limit)}",
                        param="messages", code="context_length_exceeded")
     top_k = body.top_k if body.top_k and body.top_k > 0 else 0
     sampling = SamplingConfig(temperature=body.temperature, top_p=body.top_p, top_k=top_k,
                               max_new_tokens=max_tokens, stop=body.stop_list())
     return PreparedRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, model_inputs=model_inputs,
                            image_digests=digests)
+
+
+def context_bound_note(policy: Policy, limit: int) -> str:
+    """Where the bound comes from when it is the server's setting rather than the model's: the one an operator
+    can raise."""
+    if policy.max_sequence_tokens == limit and model_positions(policy) != limit:
+        return " (the server's bound on a sequence, model.engine.max_seq_len)"
+    return ""
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
