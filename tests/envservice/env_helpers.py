@@ -78,6 +78,23 @@ class ProbeEnv(TurnEnv):
         return ["win"]
 
 
+ECHO = "tests.envservice.env_helpers:EchoEnv"
+
+
+class EchoEnv(ProbeEnv):
+    """A :class:`ProbeEnv` whose every action counts one and whose text ends with the last action as it came:
+    text a client sent that UTF-8 cannot encode (a lone surrogate) comes back in the env's answer."""
+
+    said = ""
+
+    def step(self, action: str):
+        self.said = action
+        return super().step("inc")
+
+    def text(self) -> str:
+        return f"count={self.count} said={self.said}"
+
+
 @contextmanager
 def env_server(token: str | None = None, limits: ServerLimits | None = None,
                envs: list[str] | None = None) -> Iterator[str]:
@@ -162,3 +179,17 @@ class LoseAnswers(httpx.BaseTransport):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class SpoilAnswers(LoseAnswers):
+    """Sends every request to the real server, then answers the ones ``spoil(request)`` picks with a bare 500 (a
+    proxy's error page, a server bug): the server did the work, the client heard only that it failed."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        response.read()
+        if not self.lose(request):
+            return response
+        with self._lock:
+            self.lost += 1
+        return httpx.Response(500, text="<html>500 Internal Server Error</html>", request=request)

@@ -24,7 +24,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.envs.toy_envs import CorridorWithExtras
-from tests.envservice.env_helpers import PROBE, LoseAnswers, ProbeEnv, ServerProcess, env_server
+from tests.envservice.env_helpers import (
+    ECHO,
+    PROBE,
+    EchoEnv,
+    LoseAnswers,
+    ProbeEnv,
+    ServerProcess,
+    SpoilAnswers,
+    env_server,
+)
 from tests.rollout.trajectory_checks import same_trajectory
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
@@ -609,6 +618,84 @@ def test_a_batch_step_whose_env_raised_and_whose_answer_was_lost_gets_each_item_
     assert third.error is None and third.observation == local[2].step("inc")[0]
     assert [obs for obs, _ in batch.reset([0, 1, 2])] == [env.reset(seed=k)[0] for k, env in enumerate(local)]
     pool.close()
+
+
+def test_a_call_that_reuses_the_last_number_with_another_request_is_refused_not_answered_from_the_record(server):
+    """Only a retry (the same request again) is answered from the record of the last call: a call with its number
+    and another action must not get the first action's answer while its own is never applied."""
+    session = open_one(server)
+
+    def call(path: str, seq: int, **fields) -> httpx.Response:
+        return post(server, path, {"items": [{"session": session, "seq": seq, **fields}]})
+
+    assert call("/v1/reset", 1, seed=0).status_code == 200
+    first = call("/v1/step", 2, action="inc")
+    assert first.status_code == 200 and call("/v1/step", 2, action="inc").json() == first.json()
+    other = call("/v1/step", 2, action="win")
+    assert other.status_code == 409 and "another request" in other.json()["error"]["message"]
+    assert call("/v1/reset", 2, seed=0).status_code == 409
+    count = int(first.json()["items"][0]["observation"]["text"].split("=")[1])
+    assert call("/v1/step", 3, action="inc").json()["items"][0]["observation"]["text"] == f"count={count + 1}"
+    # The same for a step whose env raised (its session then closed): its retry gets its error item again.
+    exploded = call("/v1/step", 4, action="explode")
+    assert exploded.json()["items"][0]["ok"] is False
+    assert call("/v1/step", 4, action="explode").json() == exploded.json()
+    gone = call("/v1/step", 4, action="inc")
+    assert gone.status_code == 404 and "its env raised" in gone.json()["error"]["message"]
+
+
+def test_a_step_applied_whose_answer_failed_ends_its_episode_and_the_next_reset_starts_afresh(server):
+    """A step the server applied but whose answer was a 500: the episode ends with the error, the session is
+    closed at the next open, and the env resets and steps again in a new session (the old one's numbering is no
+    longer known, and the server would refuse its resets as out of order)."""
+    spoiled = SpoilAnswers(lambda request: request.url.path == "/v1/step" and spoiled.lost < 1)
+    pool = EnvServerPool([server], ClientOptions(**FAST), transport=spoiled)
+    env, local = RemoteEnv(pool, PROBE), ProbeEnv()
+    env.reset(seed=4)
+    first = env.session_id
+    with pytest.raises(RemoteEnvError, match="HTTP 500"):
+        env.step("inc")
+    assert env.reset(seed=5)[0] == local.reset(seed=5)[0]
+    assert env.step("inc")[0] == local.step("inc")[0] and env.session_id != first
+    gone = post(server, "/v1/query", {"items": [{"session": first, "queries": ["text"]}]})
+    assert gone.status_code == 404 and "closed by its client" in gone.json()["error"]["message"]
+    pool.close()
+
+
+def test_a_batch_resets_after_a_failed_answer_and_after_a_finished_session_went_idle():
+    with env_server(limits=ServerLimits(idle_timeout_s=0.3)) as url:
+        spoiled = SpoilAnswers(lambda request: request.url.path == "/v1/step" and spoiled.lost < 1)
+        pool = EnvServerPool([url], ClientOptions(**FAST), transport=spoiled)
+        batch, local = RemoteEnvBatch(pool, PROBE, {}, 2), [ProbeEnv() for _ in range(2)]
+
+        def reset_both(seeds: list[int]) -> None:
+            assert [obs for obs, _ in batch.reset(seeds)] == [env.reset(seed=s)[0] for env, s in zip(local, seeds)]
+
+        # 1. The server applied a step whose answer was a 500: the next reset starts both afresh.
+        reset_both([0, 1])
+        with pytest.raises(RemoteEnvError, match="HTTP 500"):
+            batch.step(["inc", "inc"])
+        reset_both([2, 3])
+        # 2. The first episode ends; the second goes on past the idle timeout, and the server closes the first.
+        assert batch.step(["win", "inc"])[0].terminated
+        for _ in range(8):
+            time.sleep(0.1)
+            assert batch.step(["inc", "inc"])[1].error is None
+        reset_both([4, 5])
+        assert all(got.observation == env.step("inc")[0] for got, env in zip(batch.step(["inc", "inc"]), local))
+        pool.close()
+
+
+def test_env_text_that_utf8_cannot_encode_crosses_as_it_is():
+    """An env's text with a lone surrogate (here an action it echoes) crosses as it is: UTF-8 cannot encode it,
+    and the answer of the applied step must not fail as a 500."""
+    with env_server(envs=[ECHO]) as url:
+        pool = EnvServerPool([url], ClientOptions(**FAST))
+        env, local = RemoteEnv(pool, ECHO), EchoEnv()
+        assert env.reset(seed=0)[0] == local.reset(seed=0)[0]
+        for action in ["go", "x\udfff", "y"]:
+            assert env.step(action)[0] == local.step(action)[0]
+        pool.close()
 
 
 # --------------------------------------------------------------------------- load

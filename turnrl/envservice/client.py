@@ -434,6 +434,15 @@ class RemoteEnv(QueriedEnv):
         self._session = None
         self._episode = False
 
+    def _give_up(self, session: _Session) -> None:
+        """Forget a session whose last reset or step may have been applied without this env learning its outcome
+        (no answer, a 5xx, an answer it cannot read), and close it on its server at the pool's next open. Kept,
+        it would number its next call as the one the server may have applied, and every later reset would be
+        refused as out of order; forgotten without a close, it would hold its server's room until the idle
+        timeout."""
+        self._drop()
+        self.pool.abandon(session.url, session.id)
+
     def _call(self, session: _Session, path: str, item: dict[str, Any], step: bool) -> ItemResult:
         answer = self.pool.post(session.url, path, {"items": [item]})
         items = answer.get("items")
@@ -455,13 +464,20 @@ class RemoteEnv(QueriedEnv):
             try:
                 result = self._call(session, "/v1/reset", item, step=False)
             except (SessionLostError, ServerUnavailableError) as error:
-                self._drop()  # a reset loses nothing: start the episode in a new session
+                # A reset loses nothing: start the episode in a new session.
+                if isinstance(error, ServerUnavailableError):
+                    self._give_up(session)
+                else:
+                    self._drop()
                 attempts += 1
                 if attempts > len(self.pool.urls):
                     raise SessionLostError(f"reset failed {attempts} times, the last: {error}") from error
                 continue
             except EnvRaisedError:
                 self._drop()
+                raise
+            except RemoteEnvError:
+                self._give_up(session)
                 raise
             session.seq += 1
             self._episode = True
@@ -474,7 +490,8 @@ class RemoteEnv(QueriedEnv):
         Raises:
             SessionLostError: the server died or forgot the session; this episode cannot go on.
             EnvRaisedError: the env raised on the server (its session is closed).
-            RemoteEnvError: no episode is running (reset first, or the last one ended).
+            RemoteEnvError: no episode is running (reset first, or the last one ended), or the server failed
+                or answered what cannot be read (the session is given up: the next reset opens another).
         """
         session = self._session
         if session is None or not self._episode:
@@ -484,10 +501,13 @@ class RemoteEnv(QueriedEnv):
         try:
             result = self._call(session, "/v1/step", item, step=True)
         except ServerUnavailableError as error:
-            self._drop()
+            self._give_up(session)
             raise SessionLostError(f"the episode is lost with its server: {error}") from error
         except (SessionLostError, EnvRaisedError):
-            self._drop()
+            self._drop()  # the server closed the session
+            raise
+        except RemoteEnvError:
+            self._give_up(session)
             raise
         session.seq += 1
         self._cache = result.queries
@@ -503,8 +523,11 @@ class RemoteEnv(QueriedEnv):
             body = {"items": [{"session": session.id, "queries": [name]}]}
             try:
                 answer = self.pool.post(session.url, "/v1/query", body)
-            except (SessionLostError, ServerUnavailableError) as error:
+            except SessionLostError as error:
                 self._drop()
+                raise SessionLostError(f"{name}(): the session is lost: {error}") from error
+            except ServerUnavailableError as error:
+                self._give_up(session)
                 raise SessionLostError(f"{name}(): the session is lost: {error}") from error
             items = answer.get("items")
             if not isinstance(items, list) or len(items) != 1 or not isinstance(items[0], dict):
@@ -564,7 +587,10 @@ class RemoteEnvBatch:
 
     For loops of one's own (a vectorized env): ``reset(seeds)``, ``step(actions)``, ``close()``. Only
     sessions with an episode running are sent a step; the others (episode over, env raised) get an error
-    in their place without a request. A reset reopens the sessions whose env raised.
+    in their place without a request. A reset replaces the sessions that cannot go on: those whose env raised,
+    those the server lost (idle past its timeout while the others' episodes ran on) and those whose last call
+    failed without an answer this batch could read (the server may have applied it). After :meth:`close`, a
+    reset raises.
     """
 
     def __init__(self, pool: EnvServerPool, env_id: str, settings: dict[str, Any] | None, n: int,
@@ -578,41 +604,64 @@ class RemoteEnvBatch:
         self.running = [False] * n
         """Whether session k has an episode running."""
         self.broken = [False] * n
-        """Whether session k's env raised (the server closed it)."""
+        """Whether session k must be replaced at the next reset (see the class docstring)."""
+        self.closed = False
+        """Whether :meth:`close` closed the sessions."""
 
-    def _send(self, path: str, items: list[dict[str, Any]]) -> list[Any]:
-        answer = self.pool.post(self.url, path, {"items": items})
-        out = answer.get("items")
-        if not isinstance(out, list) or len(out) != len(items):
-            raise RemoteEnvError(f"env server {self.url} answered {path} with the wrong number of items")
+    def _send(self, path: str, items: list[dict[str, Any]], sessions: list[int]) -> list[Any]:
+        """The answer items of a request about ``sessions`` (by index); where the request fails, those sessions
+        are marked for replacement first: the server may have applied some of it, and a session numbered from
+        what this batch last heard would be refused as out of order from then on."""
+        try:
+            answer = self.pool.post(self.url, path, {"items": items})
+            out = answer.get("items")
+            if not isinstance(out, list) or len(out) != len(items):
+                raise RemoteEnvError(f"env server {self.url} answered {path} with the wrong number of items")
+        except RemoteEnvError:
+            if not self.closed:
+                for k in sessions:
+                    self.broken[k], self.running[k] = True, False
+            raise
         return out
 
     def _reopen(self) -> None:
-        """New sessions in place of those whose env raised."""
+        """New sessions in place of those marked for replacement; the old ones still open are closed."""
         broken = [k for k, gone in enumerate(self.broken) if gone]
         if not broken:
             return
+        self.pool.close_sessions(self.url, [self.ids[k] for k in broken])
         ids = [uuid.uuid4().hex for _ in broken]
+        self.pool.hold(self.url, ids)  # before the request: an open whose answer is lost is closed with the pool
         self.pool.post(self.url, "/v1/sessions", {"env_id": self.env_id, "settings": encode_value(self.settings),
                                                   "ids": ids})
-        self.pool.hold(self.url, ids)
         for k, session_id in zip(broken, ids):
             self.ids[k], self.seqs[k], self.broken[k] = session_id, 0, False
+
+    def _reset_all(self, seeds: Sequence[int | None]) -> list[Any]:
+        self._reopen()
+        items: list[dict[str, Any]] = [{"session": sid, "seq": seq + 1, "queries": [],
+                                        "seed": None if seed is None else operator.index(seed)}
+                                       for sid, seq, seed in zip(self.ids, self.seqs, seeds)]
+        return self._send("/v1/reset", items, list(range(len(self.ids))))
 
     def reset(self, seeds: Sequence[int | None]) -> list[tuple[dict[str, Any], dict[str, Any]] | RemoteEnvError]:
         """Reset every session (``seeds[k]`` for session k)."""
         if len(seeds) != len(self.ids):
             raise ValueError(f"{len(seeds)} seeds for {len(self.ids)} sessions")
-        self._reopen()
-        items: list[dict[str, Any]] = [{"session": sid, "seq": seq + 1, "queries": [],
-                                        "seed": None if seed is None else operator.index(seed)}
-                                       for sid, seq, seed in zip(self.ids, self.seqs, seeds)]
+        try:
+            answers = self._reset_all(seeds)
+        except SessionLostError:
+            if self.closed:
+                raise
+            # The server closed one of them (idle, or it restarted), which fails the request as a whole; a reset
+            # loses nothing: start over in new sessions.
+            answers = self._reset_all(seeds)
         out: list[tuple[dict[str, Any], dict[str, Any]] | RemoteEnvError] = []
-        for k, item in enumerate(self._send("/v1/reset", items)):
+        for k, item in enumerate(answers):
             try:
                 result = decode_item(self.url, item, step=False)
             except RemoteEnvError as error:
-                self.broken[k], self.running[k] = isinstance(error, EnvRaisedError), False
+                self.broken[k], self.running[k] = True, False
                 out.append(error)
                 continue
             self.seqs[k] += 1
@@ -631,11 +680,11 @@ class RemoteEnvBatch:
             return out
         items: list[dict[str, Any]] = [
             {"session": self.ids[k], "seq": self.seqs[k] + 1, "action": actions[k], "queries": []} for k in live]
-        for k, item in zip(live, self._send("/v1/step", items)):
+        for k, item in zip(live, self._send("/v1/step", items, live)):
             try:
                 result = decode_item(self.url, item, step=True)
             except RemoteEnvError as error:
-                self.broken[k], self.running[k] = isinstance(error, EnvRaisedError), False
+                self.broken[k], self.running[k] = True, False
                 out[k] = BatchStep(error=error)
                 continue
             self.seqs[k] += 1
@@ -644,6 +693,7 @@ class RemoteEnvBatch:
         return out
 
     def close(self) -> None:
+        self.closed = True
         self.pool.close_sessions(self.url, self.ids)
         self.running = [False] * len(self.ids)
 

@@ -31,9 +31,10 @@ Endpoints (JSON bodies; values in the tagged encoding of
 Guarantees:
 
 - **Exactly-once steps.** ``seq`` is the number the reset or step will have in
-  its session (1, 2, ...). The next number is applied; the last one again is
-  answered from the server's record of it (a client retrying a request whose
-  answer was lost); any other is a 409. Without ``seq`` a call is simply applied.
+  its session (1, 2, ...). The next number is applied; the last one again, with
+  the same request, is answered from the server's record of it (a client
+  retrying a request whose answer was lost); any other is a 409. Without ``seq``
+  a call is simply applied.
 - **Bad input is a 4xx and the server stays up**: malformed JSON or fields
   (400), a missing or wrong token (401), an unknown session (404), a step with
   no episode running (409), an oversized body (413), a full server (429), an
@@ -81,16 +82,20 @@ from turnrl.envservice.request_bodies import (
     OpenBody,
     QueryBody,
     ResetBody,
+    ResetItem,
     SessionsBody,
     StepBody,
+    StepItem,
     validation_message,
 )
 from turnrl.envservice.sessions import (
+    Applied,
     ServerMetrics,
     Session,
     SessionTable,
     close_env,
     prometheus_text,
+    request_key,
     run_queries,
     run_reset,
     run_step,
@@ -284,8 +289,8 @@ class EnvServer:
         answered = {}
         for k, item in enumerate(items):
             record = None if item.session in self.table.sessions else self.table.failed.get(item.session)
-            if record is not None and item.seq is not None and record[:2] == (kind, item.seq):
-                answered[k] = record[2]
+            if record is not None and (record.kind, record.seq, record.request) == (kind, item.seq, request_key(item)):
+                answered[k] = record.answer
         return answered
 
     async def query(self, body: QueryBody) -> dict[str, Any]:
@@ -458,29 +463,38 @@ class EnvServer:
                     session.last_used = now
 
     @staticmethod
-    def _replay_or_check(session: Session, kind: str, seq: int | None) -> dict[str, Any] | None:
-        """The recorded answer when ``seq`` repeats the last call; None when ``seq`` is next (or absent)."""
+    def _replay_or_check(session: Session, kind: str, item: ResetItem | StepItem) -> dict[str, Any] | None:
+        """The recorded answer when ``item`` repeats the last call (its ``seq`` and request); None when its
+        ``seq`` is next (or absent)."""
+        seq = item.seq
         if seq is None or seq == session.seq + 1:
             return None
-        if seq == session.seq and session.last is not None and session.last[0] == kind:
-            return session.last[1]
+        last = session.last
+        if seq == session.seq and last is not None and last.kind == kind:
+            if last.request == request_key(item):
+                return last.answer
+            raise APIError(409, "out_of_order", f"session {session.id}: {kind} {seq} was applied already, with "
+                                                f"another request; a retry repeats its request, and a new {kind} "
+                                                f"is numbered {seq + 1}")
         raise APIError(409, "out_of_order", f"session {session.id} has applied {session.seq} resets and steps; "
                                             f"this {kind} is numbered {seq} (expected {session.seq + 1})")
 
-    def _settle(self, session: Session, kind: str, item: dict[str, Any], replayed: bool) -> None:
+    def _settle(self, session: Session, kind: str, item: ResetItem | StepItem, answer: dict[str, Any],
+                replayed: bool) -> None:
         """Record one applied reset or step (or close the session of an env that raised)."""
         if replayed:
             return
-        if not item["ok"]:
+        applied = Applied(kind, session.seq + 1, request_key(item), answer)
+        if not answer["ok"]:
             self.count_error("env_error")
-            self.table.failed[session.id] = (kind, session.seq + 1, item)  # kept as long as the reason (remove)
+            self.table.failed[session.id] = applied  # kept as long as the reason (remove)
             self._drop(session, "env_error: its env raised")
             return
         session.seq += 1
-        session.last = (kind, item)
+        session.last = applied
         if kind == "reset":
             session.state = "running"
-        elif item["terminated"] or item["truncated"]:
+        elif answer["terminated"] or answer["truncated"]:
             session.state = "over"
 
     async def _apply(self, kind: str, sessions: list[Session], items: list[Any],
@@ -491,7 +505,7 @@ class EnvServer:
         Shielded from cancellation by the caller: a client that hangs up mid-request must not leave an env
         stepped without the record of it (its retry would step it again)."""
         async with self._holding(sessions):
-            replays = [self._replay_or_check(s, kind, item.seq) for s, item in zip(sessions, items)]
+            replays = [self._replay_or_check(s, kind, item) for s, item in zip(sessions, items)]
             if kind == "step":
                 for session, replay in zip(sessions, replays):
                     if replay is None and session.state != "running":
@@ -503,7 +517,7 @@ class EnvServer:
             for k, session in enumerate(sessions):
                 replay = replays[k]
                 answer = replay if replay is not None else done[k]
-                self._settle(session, kind, answer, replay is not None)
+                self._settle(session, kind, items[k], answer, replay is not None)
                 answers.append(answer)
         if kind == "step":
             self.metrics.count_steps(len(todo))
@@ -590,6 +604,16 @@ class BodyLimit:
 
 
 # --------------------------------------------------------------------------- the router
+class AnswerResponse(JSONResponse):
+    """A JSON answer written as ASCII (other characters as ``\\uXXXX`` escapes, which JSON readers turn back
+    into the same text). An env's text may hold lone surrogates (a program's output read with
+    ``errors="surrogateescape"``, an action it echoes), which UTF-8 cannot encode: written as UTF-8, the answer
+    of a reset or step already applied would fail as a 500, and so would every retry of it."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(error: APIError) -> JSONResponse:
     """An :class:`APIError` as its HTTP answer."""
     headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
@@ -644,44 +668,44 @@ def build_app(envs: list[str] | None = None, *, token: str | None = None,
                                 request.client.host if request.client else None)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse(server.health())
+    async def health() -> AnswerResponse:
+        return AnswerResponse(server.health())
 
     @app.get("/metrics")
     async def prometheus(client: str = Depends(authorize)) -> PlainTextResponse:
         return PlainTextResponse(server.prometheus(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/envs")
-    async def list_envs(client: str = Depends(authorize)) -> JSONResponse:
-        return JSONResponse(server.envs())
+    async def list_envs(client: str = Depends(authorize)) -> AnswerResponse:
+        return AnswerResponse(server.envs())
 
     @app.post("/v1/validate")
-    async def validate(body: EnvSpec, client: str = Depends(authorize)) -> JSONResponse:
-        return JSONResponse(await server.validate(body))
+    async def validate(body: EnvSpec, client: str = Depends(authorize)) -> AnswerResponse:
+        return AnswerResponse(await server.validate(body))
 
     @app.post("/v1/sessions")
-    async def open_sessions(body: OpenBody, client: str = Depends(authorize)) -> JSONResponse:
-        return JSONResponse(await server.open_sessions(body, client))
+    async def open_sessions(body: OpenBody, client: str = Depends(authorize)) -> AnswerResponse:
+        return AnswerResponse(await server.open_sessions(body, client))
 
     @app.post("/v1/reset")
-    async def reset(body: ResetBody, client: str = Depends(authorize)) -> JSONResponse:
-        return JSONResponse(await server.reset(body))
+    async def reset(body: ResetBody, client: str = Depends(authorize)) -> AnswerResponse:
+        return AnswerResponse(await server.reset(body))
 
     @app.post("/v1/step")
-    async def step(body: StepBody, client: str = Depends(authorize)) -> JSONResponse:
-        return JSONResponse(await server.step(body))
+    async def step(body: StepBody, client: str = Depends(authorize)) -> AnswerResponse:
+        return AnswerResponse(await server.step(body))
 
     @app.post("/v1/query")
-    async def query(body: QueryBody, client: str = Depends(authorize)) -> JSONResponse:
-        return JSONResponse(await server.query(body))
+    async def query(body: QueryBody, client: str = Depends(authorize)) -> AnswerResponse:
+        return AnswerResponse(await server.query(body))
 
     @app.post("/v1/sessions/fork")
-    async def fork(body: ForkBody, client: str = Depends(authorize)) -> JSONResponse:
-        return JSONResponse(await server.fork(body, client))
+    async def fork(body: ForkBody, client: str = Depends(authorize)) -> AnswerResponse:
+        return AnswerResponse(await server.fork(body, client))
 
     @app.post("/v1/sessions/close")
-    async def close(body: SessionsBody, client: str = Depends(authorize)) -> JSONResponse:
-        return JSONResponse(await server.close(body))
+    async def close(body: SessionsBody, client: str = Depends(authorize)) -> AnswerResponse:
+        return AnswerResponse(await server.close(body))
 
     return app
 

@@ -14,6 +14,7 @@ an env that fails to close a logged error.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import traceback
@@ -33,6 +34,27 @@ RECENTLY_CLOSED = 100_000
 
 
 # --------------------------------------------------------------------------- sessions
+@dataclass(frozen=True)
+class Applied:
+    """A reset or step that a session applied: what answers a retry of it (``seq`` alone would answer a call that
+    reuses the number with another action with this call's answer, and never apply it)."""
+
+    kind: str
+    """``reset`` or ``step``."""
+    seq: int
+    """Its number in the session (1, 2, ...)."""
+    request: str
+    """The request item without its queries, as JSON: a retry repeats it."""
+    answer: dict[str, Any]
+    """The answer item."""
+
+
+def request_key(item: ResetItem | StepItem) -> str:
+    """What a retry of ``item`` repeats: every field but the queries to bring back (they change no env). Written
+    by ``json``, which escapes what UTF-8 cannot encode (an action may hold a lone surrogate)."""
+    return json.dumps(item.model_dump(exclude={"queries"}), sort_keys=True)
+
+
 @dataclass(eq=False)
 class Session:
     """One env on the server and what it last did."""
@@ -46,8 +68,8 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     seq: int = 0
     """Resets and steps applied."""
-    last: tuple[str, dict[str, Any]] | None = None
-    """The last reset's or step's kind and answer item (to answer a retry of it again)."""
+    last: Applied | None = None
+    """The last reset or step (to answer a retry of it again)."""
     state: str = "new"
     """``new`` (never reset), ``running`` or ``over`` (terminated or truncated)."""
     last_obs: dict[str, Any] = field(default_factory=dict)
@@ -67,9 +89,9 @@ class SessionTable:
         self.sessions: dict[str, Session] = {}
         self.per_owner: dict[str, int] = {}
         self.closed: OrderedDict[str, str] = OrderedDict()
-        self.failed: OrderedDict[str, tuple[str, int, dict[str, Any]]] = OrderedDict()
-        """Sessions closed because their env raised: the reset's or step's kind, its ``seq`` and its error item,
-        to answer a retry of that call (whose first answer was lost) with the same item, not a 404."""
+        self.failed: OrderedDict[str, Applied] = OrderedDict()
+        """Sessions closed because their env raised: the reset or step that raised, with its error item, to answer
+        a retry of that call (whose first answer was lost) with the same item, not a 404."""
 
     def __len__(self) -> int:
         return len(self.sessions)
