@@ -550,6 +550,36 @@ def test_a_response_prefix_is_how_every_well_formed_response_begins():
         replace(get_format("no_think"), response_prefix="<think>")
 
 
+@pytest.mark.parametrize("name", ["free_think", "grounding", "ragen"])
+def test_a_thinking_templates_opening_starts_each_assistant_message_and_the_parser_reads_it(name):
+    """Qwen3-Thinking-2507 and the R1 distills end the prompt with <think>\\n: the model writes the rest."""
+    fmt = get_format(name).under_template("<think>\n")
+    assert fmt.template_opening == "<think>\n" and fmt.response_prefix == ""  # RAGEN's <think> is the template's
+    demo = get_format(name).render(["Up"], {"think": "go", "observation": "o", "reasoning": "r"})
+    written = fmt.continuation(demo)  # a demo written "<think>go..." is what follows the template's "<think>\\n"
+    assert not written.startswith(("<think>", "\n")) and fmt.assistant_text(written) == "<think>\n" + written
+    parsed = fmt.parse(fmt.assistant_text(written), ["Up", "Down"])
+    assert parsed.format_ok and parsed.actions == ("Up",)
+    assert fmt.parse(written, ["Up", "Down"]).format_ok is False  # what was read before: the response alone
+    assert fmt.under_template("<think>\n") is fmt and get_format(name).under_template("") == get_format(name)
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("no_think", "format 'no_think' .* does not begin with it"),
+    ("visgym_tuple", "format 'visgym_tuple' .* does not begin with it"),
+    ("ragen_no_think", "format 'ragen_no_think' .* does not begin with it"),
+])
+def test_a_format_that_cannot_continue_a_templates_opening_is_refused_saying_why(name, why):
+    with pytest.raises(ValueError, match=why):
+        get_format(name).under_template("<think>\n")
+
+
+def test_free_text_formats_read_a_templates_opening_as_free_text():
+    fmt = get_format("visgym_keyword").under_template("<think>\n")
+    parsed = fmt.parse(fmt.assistant_text("Left is open.</think>\n<action>left</action>"), ["left", "right"])
+    assert parsed.actions == ("left",) and parsed.format_ok
+
+
 # --------------------------------------------------------------------------- from a user's package
 def test_a_format_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch):
     from turnrl.config import ConfigError, load_config

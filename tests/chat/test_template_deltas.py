@@ -70,6 +70,29 @@ def test_pieces(toks):
     )
 
 
+# A DeepSeek-R1 distill's template, cut down: history answers lose their reasoning, and the generation prompt
+# opens the think block.
+R1_STYLE = (
+    "{% for m in messages %}{% if m.role == 'user' %}{{ '<|im_start|>user\\n' + m.content + '<|im_end|>' }}"
+    "{% elif m.role == 'system' %}{{ m.content }}{% else %}{% set c = m.content %}"
+    "{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+    "{{ '<|im_start|>assistant\\n' + c + '<|im_end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+)
+
+
+def test_the_text_a_generation_prompt_opens_and_leaves_open_is_found(toks):
+    """A thinking model's template ends the prompt inside the assistant's think block; Qwen3's
+    enable_thinking=False block is closed there, and the other templates open nothing."""
+    assert ChatTemplateDeltas(toks["qwen3_thinking"]).template_opening == "<think>\n"
+    assert ChatTemplateDeltas(toks["qwen3"], chat_template=R1_STYLE).template_opening == "<think>\n"
+    assert ChatTemplateDeltas(toks["qwen3"], enable_thinking=False).template_opening == ""
+    assert {name: ChatTemplateDeltas(toks[name]).template_opening for name in ("chatml", "qwen3", "llama3")} == {
+        "chatml": "", "qwen3": "", "llama3": ""}
+    deltas = ChatTemplateDeltas(toks["qwen3_thinking"])
+    assert toks["qwen3_thinking"].decode(deltas.observation("hi")).endswith("<|im_start|>assistant\n<think>\n")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_remembered_heads_and_observations_are_the_templates_renderings(toks, name):
     tok = toks[name]

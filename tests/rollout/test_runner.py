@@ -10,12 +10,16 @@ import numpy as np
 import pytest
 
 from turnrl.agent.formats import get_format
-from turnrl.config import AgentConfig, SamplingConfig
+from turnrl.config import AgentConfig, ConfigError, SamplingConfig
 from turnrl.envs import make
 from turnrl.envs.contract import StepOutcome, TurnEnv
+from turnrl.models import build_tokenizer
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED
+
+
+TEXTS = ["<think>I count up.</think><answer>inc</answer>", "count=1 Count up with inc; say win to finish."] * 5
 
 
 # --------------------------------------------------------------------------- drivers
@@ -202,6 +206,31 @@ def test_a_prefixed_format_ends_each_prompt_with_the_prefix_and_parses_it_with_t
     stream = trajectory.tokens.stream()
     assert [i for i, m in zip(stream.input_ids, stream.loss_mask) if m] == [
         i for turn in trajectory.turns for i in turn.response_ids]
+
+
+@pytest.mark.parametrize("fmt", ["free_think", "ragen"])
+def test_a_thinking_templates_responses_are_read_after_the_think_it_opened(fmt):
+    """Qwen3-Thinking-2507's template ends the prompt with <think>\\n and the model continues inside it. Read
+    alone, every well-formed response lacked its <think> and parsed as malformed; RAGEN's own <think> would
+    have opened a second block."""
+    tok = build_tokenizer(TEXTS, vocab_size=400, template="qwen3_thinking")
+    written = "I count up.\n</think>\n\n<answer>inc</answer>"
+    policy = TokenPolicy(tok, lambda request: written)
+    (slot,) = counter_slots()
+    (trajectory,) = play(policy, [slot], fmt=fmt, max_turns=2)
+    assert slot.env.received == ["inc", "inc"]
+    for turn in trajectory.turns:
+        assert turn.response == "<think>\n" + written and turn.response_prefix == "<think>\n"
+        assert turn.parsed.format_ok and turn.rewards["format"] >= 0
+    for request in requests_of(policy, slot.env):
+        assert tok.decode(request.prompt_ids).endswith("<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert requests_of(policy, slot.env)[-1].messages[2] == {"role": "assistant", "content": "<think>\n" + written}
+
+
+def test_a_format_that_cannot_follow_a_thinking_templates_opening_is_refused_at_the_start():
+    tok = build_tokenizer(TEXTS, vocab_size=400, template="qwen3_thinking")
+    with pytest.raises(ConfigError, match="agent.format=no_think: the chat template ends its generation prompt"):
+        play(TokenPolicy(tok, answer("inc")), counter_slots(), fmt="no_think")
 
 
 # --------------------------------------------------------------------------- limits

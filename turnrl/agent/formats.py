@@ -73,6 +73,16 @@ Parsing rules (the defaults; see :func:`get_format` for the knobs):
   parser and the chat history read the assistant message, prefix + response
   (:meth:`ResponseFormat.assistant_text`).
 
+- **A template's opening** (:attr:`ResponseFormat.template_opening`): a thinking
+  model's chat template (Qwen3-Thinking-2507, the DeepSeek-R1 distills) ends its
+  generation prompt with ``<think>\\n`` itself, and the model continues inside
+  the think block. :meth:`ResponseFormat.under_template` makes the format that
+  reads such responses: the opening goes before the response prefix in the
+  assistant message; a format whose own prefix is that tag (``ragen``) leaves
+  it to the template rather than write it twice; and a format that cannot begin
+  with the opened tag (``no_think``) is refused, since every response would
+  parse as malformed.
+
 Parsing never raises, and runs in time linear in the response length.
 """
 
@@ -80,7 +90,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -94,6 +104,7 @@ from turnrl.agent.tags import (
     tag_pattern,
     tokenize,
 )
+from turnrl.chat.templates import open_tags
 from turnrl.envs.actions import parse_tuple, tuple_text
 from turnrl.registry import Registry, check_callable
 
@@ -169,6 +180,18 @@ def normalize_action_tuple(text: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- the format
+def continuation_after(text: str, start: str) -> str | None:
+    """``text`` past ``start``, None when it does not begin with it. A message that begins with ``start``
+    less its surrounding whitespace (a demo's ``<think>Go`` where a thinking template's prompt ends with
+    ``<think>\\n``) also counts, its text after that then read without leading whitespace."""
+    if text.startswith(start):
+        return text[len(start) :]
+    bare = start.strip()
+    if bare != start and text.startswith(bare):
+        return text[len(bare) :].lstrip()
+    return None
+
+
 @dataclass(frozen=True)
 class ResponseFormat:
     """One reasoning format: its tag structure, instructions, parser and renderer.
@@ -201,6 +224,10 @@ class ResponseFormat:
     """Text the prompt ends with after the chat template's generation prompt, which the response continues
     (RAGEN's ``<think>``): in the prompt, never sampled nor trained. Every well-formed response starts with it;
     ``parse`` and ``reasoning_span`` take the assistant message, ``assistant_text(response)``."""
+    template_opening: str = ""
+    """Text the chat template's generation prompt itself ends with inside the assistant message and leaves
+    open (a thinking model's ``<think>\\n``; :meth:`under_template`): in the prompt, never written by turnrl,
+    read before the response prefix."""
 
     def __post_init__(self) -> None:
         names = [tag.name for top in self.structure for tag in top.walk()]
@@ -224,18 +251,50 @@ class ResponseFormat:
                              f"well-formed response begins ({self._template()!r}), without surrounding whitespace")
 
     # ------------------------------------------------------------------ the response prefix
+    @property
+    def message_start(self) -> str:
+        """The start of every assistant message that the prompt holds: the template's opening, then the
+        response prefix. The model writes the rest."""
+        return self.template_opening + self.response_prefix
+
     def assistant_text(self, response: str) -> str:
-        """The assistant message of a turn: the response prefix the prompt ended with, then the ``response`` the
-        model wrote after it. What the parser reads and the chat history holds."""
-        return self.response_prefix + response
+        """The assistant message of a turn: what the prompt ended with (:attr:`message_start`), then the
+        ``response`` the model wrote after it. What the parser reads and the chat history holds."""
+        return self.message_start + response
 
     def continuation(self, assistant_text: str) -> str:
-        """What a model writes after the prompt for this assistant message: the text past the response prefix
-        (a scripted policy's response, an SFT target). Raises ValueError when the message lacks the prefix."""
-        if not assistant_text.startswith(self.response_prefix):
-            raise ValueError(f"format {self.name!r} ends the prompt with {self.response_prefix!r}, so its assistant "
+        """What a model writes after the prompt for this assistant message: the text past
+        :attr:`message_start` (a scripted policy's response, an SFT target). Raises ValueError when the message
+        does not start with it."""
+        rest = continuation_after(assistant_text, self.message_start)
+        if rest is None:
+            raise ValueError(f"format {self.name!r} ends the prompt with {self.message_start!r}, so its assistant "
                              f"messages start with it; got {snippet(assistant_text)}")
-        return assistant_text[len(self.response_prefix) :]
+        return rest
+
+    def under_template(self, opening: str) -> ResponseFormat:
+        """This format for a chat template whose generation prompt ends with ``opening`` and leaves it open
+        (:attr:`~turnrl.chat.template_deltas.ChatTemplateDeltas.template_opening`; "" gives the format itself).
+
+        Raises:
+            ValueError: the format's responses cannot continue the opening: they begin with another tag, or the
+                format's own response prefix is another text (it would be written inside the opened tag).
+        """
+        if opening == self.template_opening:
+            return self
+        if self.template_opening:
+            raise ValueError(f"format {self.name!r} is already read under a template that opens "
+                             f"{self.template_opening!r}: make it for this template from the format itself")
+        tags = "".join(f"<{name}>" for name in open_tags(opening))
+        if not (self.outside_text_ok or self._template().startswith(tags)):
+            raise ValueError(
+                f"the chat template ends its generation prompt with {opening!r}, so the model writes inside "
+                f"{tags}; format {self.name!r} ({self._template()}) does not begin with it and would read every "
+                f"response as malformed: use a format that begins with {tags}, or the model's template without it")
+        if self.response_prefix and self.response_prefix != tags:
+            raise ValueError(f"format {self.name!r} ends the prompt with {self.response_prefix!r}, which would follow "
+                             f"the {opening!r} the chat template already ends it with: use a format without it")
+        return replace(self, response_prefix="", template_opening=opening)
 
     # ------------------------------------------------------------------ introspection
     @property

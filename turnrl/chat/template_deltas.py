@@ -22,6 +22,11 @@ is built from these pieces:
   the head and every observation after the generation prompt: the response
   continues it, and a full render holds it as the start of the assistant
   message's content.
+- A template may itself open the assistant's content in its generation prompt
+  and leave it open: Qwen3-Thinking-2507 and the DeepSeek-R1 distills end it
+  with ``<think>\\n``, and the model continues inside the think block.
+  :attr:`ChatTemplateDeltas.template_opening` is that text, which the
+  response's reader must put before it (:meth:`~turnrl.agent.formats.ResponseFormat.under_template`).
 
 Nothing here knows any special token: all of it is read off the tokenizer's
 chat template, so any template whose messages render independently of the
@@ -38,6 +43,8 @@ from typing import Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
+
+from turnrl.chat.templates import open_tags
 
 Message = dict[str, Any]
 """A chat message: ``{"role": str, "content": str | list[part]}`` (OpenAI style parts)."""
@@ -212,6 +219,10 @@ class ChatTemplateDeltas:
         self.end_of_turn_index = self._find_end_of_turn()
         """Position in ``closing`` of the token a model samples to end its turn (0 for most templates)."""
         self._closing_lead_text = self._split_closing()
+        self.template_opening = self._find_template_opening()
+        """Text the generation prompt writes at the start of the assistant's content and leaves open, which the
+        response continues (a thinking model's ``<think>\\n``); "" for most templates, and for a block the
+        generation prompt also closes (Qwen3's empty think block under ``enable_thinking=False``)."""
         self._images_in_memo = self._renders_any_picture_alike()
         self._memo_ids: Callable[[str, MemoKey], tuple[int, ...]] = lru_cache(maxsize=memo_size)(
             lambda piece, key: tuple(self._rendered_ids(piece, self._memo_messages(key))))
@@ -381,6 +392,25 @@ class ChatTemplateDeltas:
         raise TemplateDeltaError(
             f"the closing {text!r} does not split into the text before its end-of-turn token and the rest"
         )
+
+    def _find_template_opening(self) -> str:
+        """What the generation prompt writes after the assistant's header, when it leaves a tag open.
+
+        The header is what a past assistant message's content follows in ``[user, assistant, user]`` (a past
+        one: templates render the last assistant message of a chat with extras, as Qwen3 its think block); the
+        generation prompt of ``[user]`` is what its rendering with the prompt adds to its rendering without.
+        Where the prompt is the header and more, the more is the opening, kept when it leaves a tag open.
+        """
+        user = {"role": "user", "content": _BASE_USER}
+        chat = [user, {"role": "assistant", "content": _PLACEHOLDER}, {"role": "user", "content": _BASE_FOLLOW_UP}]
+        prompted = self.render([user], add_generation_prompt=True)
+        before_content = self.render(chat, add_generation_prompt=False).split(_PLACEHOLDER, 1)[0]
+        for user_text in self._open_renders([user]):
+            if prompted.startswith(user_text) and before_content.startswith(user_text):
+                prompt, header = prompted[len(user_text) :], before_content[len(user_text) :]
+                if prompt.startswith(header) and open_tags(prompt[len(header) :]):
+                    return prompt[len(header) :]
+        return ""
 
     # -- pieces ------------------------------------------------------------
 

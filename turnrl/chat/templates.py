@@ -12,6 +12,8 @@ kind of template it will meet with a downloaded checkpoint:
   earlier assistant turns have their ``<think>...</think>`` part stripped.
   ``enable_thinking=False`` adds an empty think block to the generation prompt.
   No default system message.
+- ``QWEN3_THINKING``: Qwen3's, but the generation prompt opens the think block
+  itself (``<think>\\n``), as the thinking-only Qwen3 models' templates do.
 - ``LLAMA3``: ``<|begin_of_text|>`` once, then
   ``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>``;
   contents are trimmed of surrounding whitespace, as the Llama-3 templates do.
@@ -24,13 +26,14 @@ expands the single ``<|image_pad|>`` to one token per image patch group);
 Llama-3 draws ``<|image|>``. An unknown part type is an error, never dropped.
 
 ``TEMPLATES`` maps the names used across turnrl (``"chatml"``, ``"qwen3"``,
-``"llama3"``) to :class:`TemplateSpec` records that also list the special
+``"qwen3_thinking"``, ``"llama3"``) to :class:`TemplateSpec` records that also list the special
 tokens each template needs, so the tokenizer builder and the templates cannot
 drift apart.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 DEFAULT_SYSTEM_MESSAGE = "You are a helpful assistant."
@@ -126,6 +129,16 @@ QWEN3 = (
 )
 """Qwen3 style: ChatML with reasoning kept only after the last user query."""
 
+QWEN3_THINKING = QWEN3.replace(
+    """    {{- '<|im_start|>assistant\\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\\n\\n</think>\\n\\n' -}}
+    {%- endif -%}""",
+    """    {{- '<|im_start|>assistant\\n<think>\\n' -}}""",
+)
+"""Qwen3 thinking-only style (Qwen3-*-Thinking-2507): Qwen3's, with a generation prompt that opens the think block
+itself, so the model's response continues inside it."""
+
 LLAMA3 = (
     _CONTENT_MACRO
     + """\
@@ -148,7 +161,7 @@ class TemplateSpec:
     """A chat template and the tokens its tokenizer must have."""
 
     name: str
-    """Name used in configs: ``"chatml"``, ``"qwen3"`` or ``"llama3"``."""
+    """Name used in configs: ``"chatml"``, ``"qwen3"``, ``"qwen3_thinking"`` or ``"llama3"``."""
     chat_template: str
     """The Jinja source stored as the tokenizer's ``chat_template``."""
     special_tokens: tuple[str, ...]
@@ -192,6 +205,15 @@ TEMPLATES: dict[str, TemplateSpec] = {
         end_of_text="<|endoftext|>",
         bos=None,
     ),
+    "qwen3_thinking": TemplateSpec(
+        name="qwen3_thinking",
+        chat_template=QWEN3_THINKING,
+        special_tokens=_QWEN_SPECIALS,
+        added_tokens=("<think>", "</think>"),
+        end_of_turn="<|im_end|>",
+        end_of_text="<|endoftext|>",
+        bos=None,
+    ),
     "llama3": TemplateSpec(
         name="llama3",
         chat_template=LLAMA3,
@@ -217,3 +239,19 @@ def template_spec(name: str) -> TemplateSpec:
         return TEMPLATES[name]
     except KeyError:
         raise ValueError(f"unknown chat template {name!r}; choose one of {sorted(TEMPLATES)}") from None
+
+
+_TAG = re.compile(r"<(/?)([A-Za-z_][A-Za-z0-9_\-]*)>")
+
+
+def open_tags(text: str) -> list[str]:
+    """The names of the tags ``text`` opens and does not close, outermost first (``"<think>\\n"``: ``["think"]``;
+    ``"<think>\\n\\n</think>\\n\\n"``: none). A closing tag closes the innermost open tag of its name."""
+    opened: list[str] = []
+    for match in _TAG.finditer(text):
+        closing, name = match.groups()
+        if not closing:
+            opened.append(name)
+        elif name in opened:
+            del opened[len(opened) - 1 - opened[::-1].index(name) :]
+    return opened

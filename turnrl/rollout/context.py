@@ -18,7 +18,9 @@ therefore kept as token segments, never as text:
 - A reasoning format's response prefix (RAGEN's ``<think>``) ends the head
   and every observation, after the generation prompt: the prompt holds it
   (loss mask 0), the response continues it, and a full render of the chat
-  holds it as the start of each assistant message.
+  holds it as the start of each assistant message. A thinking model's
+  template opens ``<think>`` in the generation prompt itself: the format is
+  then read under it (:func:`format_for_template`).
 
 Where a full re-render differs from the incremental stream, the stream is the
 right one to train on: it is what the model was conditioned on when it
@@ -41,10 +43,22 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from turnrl.agent.formats import ResponseFormat
 from turnrl.chat.template_deltas import ChatTemplateDeltas, Message, as_message, expand_placeholders
 
 HEAD_TURN = -1
 """``turn_index`` of the head tokens (system message, first user message, generation prompt)."""
+
+
+def format_for_template(fmt: ResponseFormat, tokenizer: PreTrainedTokenizerBase) -> ResponseFormat:
+    """``fmt`` as it reads the responses of a model prompted with ``tokenizer``'s chat template: under the text
+    the template's generation prompt opens (:meth:`~turnrl.agent.formats.ResponseFormat.under_template`; a
+    thinking model's ``<think>\\n``), ``fmt`` itself for most templates.
+
+    Raises:
+        ValueError: the format cannot read responses that continue the template's opening (with why).
+    """
+    return fmt.under_template(ChatTemplateDeltas.for_tokenizer(tokenizer).template_opening)
 
 
 @dataclass

@@ -41,6 +41,7 @@ from turnrl.envs.contract import AgentEnv
 from turnrl.envservice.placement import env_factory
 from turnrl.envservice.ray import ensure_ray, ray_env_factory
 from turnrl.rewards import Rewards
+from turnrl.rollout.context import format_for_template
 from turnrl.rollout.runner import EpisodeSlot, Rollout, RolloutTimings
 from turnrl.rollout.trajectory import Trajectory, sum_by_name
 
@@ -331,9 +332,10 @@ class RayRollout:
             raise ValueError(f"rollout workers: need at least 1, got {workers}")
         self.ray = ensure_ray(address)
         self.timeout_s = timeout_s
-        # The workers' token contexts end their prompts with the format's response prefix: so do the driver's.
-        self.deltas = ChatTemplateDeltas.for_tokenizer(
-            tokenizer, response_prefix=get_format(spec.agent.format).response_prefix)
+        # The workers' token contexts end their prompts with the format's response prefix (as read under the
+        # model's chat template): so do the driver's.
+        prefix = format_for_template(get_format(spec.agent.format), tokenizer).response_prefix
+        self.deltas = ChatTemplateDeltas.for_tokenizer(tokenizer, response_prefix=prefix)
         resources: dict[str, Any] = {"num_gpus": worker_gpus}
         if worker_cpus is not None:
             resources["num_cpus"] = worker_cpus

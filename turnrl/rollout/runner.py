@@ -34,7 +34,7 @@ from turnrl.envs.contract import AgentEnv, StateFacts, env_metrics, state_key
 from turnrl.models.vision import MessageImages
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
-from turnrl.rollout.context import EpisodeTokens, without_images
+from turnrl.rollout.context import EpisodeTokens, format_for_template, without_images
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
 
 TurnBoundary = Callable[[int, int], None]
@@ -167,7 +167,14 @@ class Rollout:
         rewards: Rewards | None = None,
     ) -> None:
         self.policy = policy
+        if policy.tokenizer is not None:
+            try:
+                fmt = format_for_template(fmt, policy.tokenizer)
+            except ValueError as error:
+                raise ConfigError(f"agent.format={fmt.name}: {error}") from None
         self.fmt = fmt
+        """The format the responses are read in: ``fmt`` under the policy's chat template, which may open the
+        assistant's message itself (:func:`~turnrl.rollout.context.format_for_template`)."""
         self.agent = agent
         self.env_id = env_id
         self.executor = executor
@@ -469,14 +476,15 @@ class Rollout:
             names, env_failure = env.action_names(), None
         except Exception as error:  # an env that cannot list its actions ends its own episode, not the batch
             names, env_failure = None, f"env action_names() failed: {type(error).__name__}: {error}"
-        # The prompt ended with the format's response prefix: the assistant message is the prefix, then the response.
+        # The prompt ended with the message's start (the format's response prefix, a template's opening): the
+        # assistant message is that start, then the response.
         message = self.fmt.assistant_text(completion.text)
         parsed = self.fmt.parse(message, names)
         turn = TurnRecord(
             index=len(trajectory.turns),
             observation=episode.observation,
             response=message,
-            response_prefix=self.fmt.response_prefix,
+            response_prefix=self.fmt.message_start,
             response_ids=list(completion.token_ids),
             response_logprobs=list(completion.logprobs),
             finish_reason=completion.finish_reason,

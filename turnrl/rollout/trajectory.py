@@ -75,7 +75,8 @@ class TurnRecord:
     state_key: str | None = None
     """The env state the turn started from, equal for equal states (GiGPO's anchor states)."""
     response_prefix: str = ""
-    """The start of ``response`` that the prompt held (the format's response prefix): the model wrote the rest."""
+    """The start of ``response`` that the prompt held (the format's response prefix, after the text a thinking
+    model's chat template opens the message with): the model wrote the rest."""
     expert_actions: list[str] = field(default_factory=list)
     """The env solver's actions for the turn's state when the expert played it (its completion's
     :attr:`~turnrl.policy.interface.Completion.expert_actions`), whatever it then played; empty otherwise."""

@@ -85,10 +85,10 @@ def reasoning_tokens(ids: Sequence[int], fmt: ResponseFormat, decode: Callable[[
     ``a`` is the first position whose prefix ``ids[:a]`` covers the text before the reasoning (the prompt
     side keeps ``<think>`` and a token that runs into the reasoning); ``b`` the last whose prefix ends
     inside it. Prefix texts grow with the prefix, so both are binary searches over ``decode``. The reasoning
-    is found in the assistant message, the format's response prefix (RAGEN's ``<think>``, which the prompt
-    held) then the response.
+    is found in the assistant message, its start that the prompt held (RAGEN's ``<think>``, a thinking
+    template's opening) then the response.
     """
-    skipped = len(fmt.response_prefix)
+    skipped = len(fmt.message_start)
     span = fmt.reasoning_span(fmt.assistant_text(decode(list(ids))))
     if span is None:
         return None

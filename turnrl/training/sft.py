@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from turnrl.agent.formats import ResponseFormat, get_format
+from turnrl.agent.formats import ResponseFormat, continuation_after, get_format
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
 from turnrl.envs import AgentEnv
 from turnrl.envservice.placement import env_factory
@@ -41,7 +41,7 @@ from turnrl.models.loading import (
 )
 from turnrl.models.vision import ImageEncoder, MessageImages, load_image, part_images
 from turnrl.policy.scripted import ExpertPolicy
-from turnrl.rollout.context import EpisodeTokens
+from turnrl.rollout.context import EpisodeTokens, format_for_template
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import ERROR, Trajectory, write_trajectories
 from turnrl.training.batch import Sample, collate
@@ -101,7 +101,10 @@ def conversation_samples(
     """Token samples of one chat with the loss on assistant tokens (each ended by the eos token).
 
     With a format's ``response_prefix`` (RAGEN's ``<think>``) every prompt ends with it, as the rollout's do,
-    and each assistant message must start with it: the target is what follows.
+    and each assistant message must start with it: the target is what follows. A thinking model's template
+    ends each prompt with the ``<think>`` it opens (its ``template_opening``): an assistant message starts
+    with that too, and the target is what follows it (the format's prefix then moves to the template's, as
+    :func:`~turnrl.rollout.context.format_for_template` makes it).
 
     Without a window (of turns or of images) the whole chat is one sample;
     with one, every assistant turn is a sample with the windowed prompt it
@@ -173,12 +176,14 @@ def _samples_and_pictures(
             raise ValueError(f"message {number} has role {message['role']!r}, expected {expected!r}")
         if expected == "assistant":
             content = message["content"]
-            if not (isinstance(content, str) and content.startswith(response_prefix)):
+            start = tokens.deltas.template_opening + response_prefix
+            target = continuation_after(content, start) if isinstance(content, str) else None
+            if target is None:
                 number = index + (system is not None)
-                raise ValueError(f"message {number}: the format ends each prompt with {response_prefix!r}, so an "
-                                 f"assistant message must be a text that starts with it, got {str(content)[:60]!r}")
-            ids = tokenizer.encode(content[len(response_prefix) :], add_special_tokens=False) + [tokenizer.eos_token_id]
-            tokens.add_response(ids)
+                raise ValueError(f"message {number}: the prompts end with {start!r} (the chat template's opening, "
+                                 "then the format's response prefix), so an assistant message must be a text that "
+                                 f"starts with it, got {str(content)[:60]!r}")
+            tokens.add_response(tokenizer.encode(target, add_special_tokens=False) + [tokenizer.eos_token_id])
         else:
             tokens.add_observation(message, *images_of(message))
     if tokens.awaiting_response:  # a chat that ends with a user message: nothing to learn from the tail
@@ -380,7 +385,7 @@ def action_tokens(tokenizer: Any, fmt: ResponseFormat, names: Sequence[str] | No
     answers = []
     for name in names:
         message = fmt.render([name], {})
-        answers.append(tokenizer.encode(message[len(fmt.response_prefix):], add_special_tokens=False)
+        answers.append(tokenizer.encode(fmt.continuation(message), add_special_tokens=False)
                        + [tokenizer.eos_token_id])
     differing = {i for answer in answers[1:] for i, (a, b) in enumerate(zip(answer, answers[0])) if a != b}
     tokens = [answer[min(differing)] for answer in answers] if len(differing) == 1 else []
@@ -551,8 +556,11 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     path = base_model_path(config.model)
     tokenizer = load_tokenizer(path)
     processor = load_processor(path, config.model.min_pixels, config.model.max_pixels)
-    fmt = get_format(config.agent.format, action_separator=config.agent.action_separator,
-                     max_actions_per_turn=config.agent.max_actions_per_turn)
+    try:  # the responses the model learns continue its template's opening, as the rollout reads them
+        fmt = format_for_template(get_format(config.agent.format, action_separator=config.agent.action_separator,
+                                             max_actions_per_turn=config.agent.max_actions_per_turn), tokenizer)
+    except ValueError as error:
+        raise ConfigError(f"agent.format={config.agent.format}: {error}") from None
     out = run_dir / "sft"
     demos: list[Trajectory] = []
     actions: ActionTokens | None = None

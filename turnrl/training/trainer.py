@@ -287,10 +287,10 @@ class Trainer:
         policy, val_policy = rollout_policies(self.rollout_model(), self.tokenizer, config.model, batch_size,
                                               config.validation.batch_size, processor=self.processor, dtype=self.dtype)
         self.policies = (policy, val_policy)
+        train = Rollout(policy, fmt, config.agent, env_id=config.env.id, executor=self.executor, rewards=rewards)
         made = rollouts(RolloutParts(
-            config, self.actor,
-            Rollout(policy, fmt, config.agent, env_id=config.env.id, executor=self.executor, rewards=rewards),
-            Rollout(val_policy, fmt, config.agent, env_id=config.env.id, executor=self.executor, rewards=rewards),
+            config, self.actor, train,
+            Rollout(val_policy, train.fmt, config.agent, env_id=config.env.id, executor=self.executor, rewards=rewards),
             self.tokenizer, self.processor, self.device, self.dtype, self.precision, self.start_path))
         self.rollout: RolloutBackend = made.train
         self.val_rollout: RolloutBackend = made.validation
@@ -299,7 +299,7 @@ class Trainer:
         half the micro-batches (:meth:`update_or_retry`): not where other processes wait for this one in a
         collective, nor where a rollout thread shares the random state."""
         self.startup["policy_s"] = time.time() - started
-        self.collapse = CollapseDiagnostics(config.collapse, fmt, self.decode, self.tokenizer.pad_token_id,
+        self.collapse = CollapseDiagnostics(config.collapse, train.fmt, self.decode, self.tokenizer.pad_token_id,
                                             config.seeds.seed)
         if self.checkpoint is not None:
             self._restore()
