@@ -21,8 +21,8 @@ from turnrl.envs.catalog import env_names
 from turnrl.evaluate import env_budget, eval_envs, first_errors, run_eval
 from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import ERROR, Trajectory
-from turnrl.training.train_config import TrainConfig
 from turnrl.training.logger import RunProgress
+from turnrl.training.train_config import TrainConfig
 
 # The expert plays one action per turn, so an episode needs as many turns as
 # the solver's plan has steps. The default budget (5 turns, 10 actions) would
@@ -145,6 +145,20 @@ def test_builtin_tiny_model_runs_end_to_end(tmp_path, builtin_dir, tiny_model_di
             assert turn["finish_reason"] in ("stop", "length")
     assert summary["mean_reward"] == pytest.approx(np.mean([r["total_reward"] for r in records]))
     assert summary["mean_turns"] == pytest.approx(np.mean([len(r["turns"]) for r in records]))
+
+
+def test_a_models_evaluation_repeats_to_the_token_and_its_seed_decides_the_samples(tmp_path, tiny_model_dir):
+    """Sampling at temperature 1 drew from wherever torch's generator stood: the same evaluation run twice gave
+    other responses, and ``seeds.seed`` changed nothing."""
+    def responses(name: str, *overrides: str) -> list[str]:
+        _, records = evaluate(tmp_path / name, "env.id=FrozenLake", f"policy={tiny_model_dir}", "model.device=cpu",
+                              "episodes=2", "agent.max_turns=1", "sampling.temperature=1.0",
+                              "sampling.max_new_tokens=8", *overrides)
+        return [turn["response"] for record in records for turn in record["turns"]]
+
+    first = responses("first")
+    assert responses("again") == first
+    assert responses("other_seed", "seeds.seed=1") != first
 
 
 def test_image_mode_eval_writes_pngs_beside_the_trajectories(tmp_path):
@@ -270,6 +284,39 @@ def test_first_errors_count_errors_that_differ_only_in_numbers_as_one():
     assert first_errors(trajectories) == ["HTTP 400: context is 2048 tokens; asked 2100 (2 episodes)",
                                           "boom (1 episode)", "unknown error (1 episode)"]
     assert first_errors(trajectories, limit=1) == ["HTTP 400: context is 2048 tokens; asked 2100 (2 episodes)"]
+
+
+class CountedCorridor(Corridor):
+    """A corridor that counts how many of it were built."""
+
+    built = 0
+
+    def __init__(self, length: int = 5) -> None:
+        super().__init__(length)
+        type(self).built += 1
+
+
+def test_the_batches_of_an_evaluation_share_one_batchs_envs(tmp_path):
+    """Every episode of an evaluation had an env of its own, built before the first batch and kept to the end:
+    512 seeds built 512 simulators, or held 512 sessions open on an env server (whose clients may hold 1024)."""
+    CountedCorridor.built = 0
+    summary, records = evaluate(tmp_path / "batched", "env.id=tests.test_evaluate:CountedCorridor", "policy=expert",
+                                "episodes=5", "samples_per_seed=2", "batch_size=4")
+    assert CountedCorridor.built == 4
+    assert summary["episodes"] == 10 and summary["success_rate"] == 1.0 and summary["errors"] == 0
+    assert [(r["seed"], r["sample"]) for r in records] == [(s, k) for s in range(5) for k in range(2)]
+    _, whole = evaluate(tmp_path / "whole", "env.id=tests.test_evaluate:CountedCorridor", "policy=expert",
+                        "episodes=5", "samples_per_seed=2", "batch_size=10")
+    assert [r["turns"] for r in records] == [r["turns"] for r in whole], "a reused env plays its seed's episode"
+
+
+def test_images_of_earlier_batches_stay_as_they_were_played_when_their_envs_play_on(tmp_path):
+    _, records = evaluate(tmp_path, "env.id=Maze2D", "env.settings.mode=image", "policy=expert", "episodes=3",
+                          "batch_size=1", "agent.format=no_think", "agent.max_actions_per_turn=4", *LONG_EPISODES)
+    for record in records:
+        first = make("Maze2D", mode="image").reset(seed=record["seed"])[0]["image"]
+        shown = np.asarray(Image.open(tmp_path / "eval" / record["images"][0]).convert("RGB"))
+        np.testing.assert_array_equal(shown, first)
 
 
 class ResetFails:
@@ -495,6 +542,20 @@ def test_an_eval_on_an_env_server_closes_its_sessions_when_it_returns(tmp_path):
         assert open_sessions(url) == 0
 
 
+def test_an_eval_of_more_episodes_than_a_client_may_hold_sessions_plays_them_all(tmp_path):
+    """Each episode held a session of its own to the end: past the server's sessions per client, resets failed."""
+    from turnrl.envservice.options import ServerLimits
+
+    with env_server(limits=ServerLimits(max_sessions_per_client=4)) as url:
+        config = load_config(EvalConfig, None, [
+            "env.id=Sokoban", f"env.remote=[{url}]", "policy=expert", "episodes=10", "batch_size=3",
+            f"out={tmp_path / 'eval'}", *LONG_EPISODES])
+        summary = run_eval(config)
+        assert summary["errors"] == 0 and summary["first_errors"] == []
+        assert summary["episodes"] == 10 and summary["success_rate"] == 1.0
+        assert open_sessions(url) == 0
+
+
 def test_an_eval_on_an_env_server_closes_its_sessions_when_it_fails(tmp_path):
     (tmp_path / "taken").write_text("a file where the output folder should go")
     with env_server() as url:
@@ -579,6 +640,55 @@ def test_a_stop_before_any_episode_ends_the_evaluation_with_nothing_written(numb
         code = exit.code
     assert code == status
     assert not (out / "summary.json").exists()
+
+
+def fail_in_batch(monkeypatch, batch: int) -> None:
+    """The rollout of the ``batch``-th batch (from 1, counted over variants) raises, as an engine that dies does."""
+    run, calls = Rollout.run, []
+
+    def run_failing(self, slots, sampling):
+        calls.append(len(slots))
+        if len(calls) == batch:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
+        return run(self, slots, sampling)
+
+    monkeypatch.setattr(Rollout, "run", run_failing)
+
+
+def test_an_error_mid_evaluation_writes_the_episodes_played_then_is_raised(tmp_path, monkeypatch):
+    """A batch whose rollout raised took every finished batch with it: nothing was written."""
+    fail_in_batch(monkeypatch, 3)
+    out = tmp_path / "eval"
+    config = load_config(EvalConfig, None, ["env.id=FrozenLake", "policy=expert", "episodes=6", "batch_size=2",
+                                            f"out={out}", *LONG_EPISODES])
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run_eval(config)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert summary["episodes"] == 4 and summary["episodes_planned"] == 6 and summary["success_rate"] == 1.0
+    assert len((out / "trajectories.jsonl").read_text().splitlines()) == 4
+
+
+def test_an_error_in_the_second_variant_keeps_the_first_in_the_table_then_is_raised(tmp_path, monkeypatch):
+    fail_in_batch(monkeypatch, 3)  # two batches a variant: the second variant's first batch
+    out = tmp_path / "eval"
+    config = load_config(EvalConfig, None, [
+        "env.id=FrozenLake", "policy=expert", "episodes=4", "batch_size=2", f"out={out}",
+        "variants=[{name: small}, {name: wide, settings: {size: 5}}]"])
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run_eval(config)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(row["variant"], row["episodes"]) for row in summary["variants"]] == [("small", 4)]
+    assert summary["failed"].startswith("RuntimeError: CUDA error") and summary["variants_planned"] == 2
+    assert (out / "variants" / "small" / "trajectories.jsonl").is_file()
+
+
+def test_an_error_before_any_batch_ends_is_raised_with_nothing_written(tmp_path, monkeypatch):
+    fail_in_batch(monkeypatch, 1)
+    out = tmp_path / "eval"
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run_eval(load_config(EvalConfig, None, ["env.id=FrozenLake", "policy=expert", "episodes=4", f"out={out}"]))
+    assert not out.exists()
 
 
 def test_an_eval_whose_second_variant_is_refused_closes_the_first_variants_sessions(tmp_path):

@@ -19,7 +19,9 @@ variant's summary, config and trajectories go to ``variants/<name>/``.
 
 Ctrl-C or SIGTERM keeps what was played: the batch in progress is dropped, the finished episodes are summarized
 and written as a whole evaluation's are, with ``stop_signal`` and ``episodes_planned`` in the summary (a variant
-cut short ends the table), and the command exits with 128 + the signal's number.
+cut short ends the table), and the command exits with 128 + the signal's number. An error that ends a batch (the
+policy's engine failing, not an episode's own env or request, which ends that episode alone) keeps the batches
+before it the same way, with ``failed`` in the summary, and is then raised.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -46,11 +49,11 @@ from turnrl.envservice.placement import EnvFactory, env_factory
 from turnrl.policy.factory import make_policy
 from turnrl.policy.interface import Policy
 from turnrl.rewards import Rewards
-from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import pass_at_k_by_seed, rollout_metrics
-from turnrl.rollout.runner import Rollout
+from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import ERROR, TRUNCATED, Trajectory, write_trajectories
 from turnrl.training.logger import RunProgress
+from turnrl.training.seeding import step_seed
 from turnrl.viz.records import VARIANT_COLUMNS, VARIANTS_DIR
 from turnrl.viz.report import write_report
 
@@ -207,12 +210,15 @@ def prepare_env(config: EvalConfig, target: EvalEnv, budget_from_env: bool) -> P
 
 @dataclass
 class Played:
-    """The episodes an evaluation of one env played: all it planned, or those before a stop."""
+    """The episodes an evaluation of one env played: all it planned, or those before a stop or a failure."""
 
     trajectories: list[Trajectory]
     planned: int
     stop_signal: signal.Signals | None = None
     """Ctrl-C's or SIGTERM's, where one stopped the evaluation before its last episode."""
+    failure: Exception | None = None
+    """What failed a batch (the policy's engine, the rollout itself) after earlier batches ended: raised again
+    once their episodes are written, so that hours of episodes are not lost with the batch."""
 
 
 @dataclass
@@ -251,13 +257,29 @@ def stops_as_interrupts() -> Iterator[StopSignal]:
             signal.signal(number, handler)
 
 
+def eval_slots(config: EvalConfig, make_env: EnvFactory) -> list[EpisodeSlot]:
+    """The episodes of an evaluation: ``config.episodes`` validation seeds, ``samples_per_seed`` episodes each, in
+    seed order. The batches (``batch_size`` slots in a row) play one after another and share one batch's envs:
+    an evaluation of 512 seeds builds 64 simulators, or opens 64 sessions on an env server, not 512."""
+    seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
+    episodes = [(group, seed, sample) for group, seed in enumerate(seeds.val_seeds(config.episodes))
+                for sample in range(config.samples_per_seed)]
+    envs = [make_env() for _ in range(min(config.batch_size, len(episodes)))]
+    return [EpisodeSlot(env=envs[index % len(envs)], seed=seed, group=group, sample=sample)
+            for index, (group, seed, sample) in enumerate(episodes)]
+
+
 def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat,
          stop: StopSignal) -> Played:
     """``config.episodes`` validation seeds (``samples_per_seed`` episodes each) of ``prepared``'s env, in batches;
-    an interrupt (``stop`` says which signal) drops the batch in progress and returns the episodes before it (none
-    played: it is raised)."""
-    seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
-    slots = EnvGroups(prepared.make_env, 1, 1, seeds).val_slots(config.episodes, config.samples_per_seed)
+    an interrupt (``stop`` says which signal) or an error drops the batch in progress and returns the episodes
+    before it (none played: it is raised).
+
+    A model's sampling noise is drawn from ``seeds.seed``, fixed anew for each env with the seed a training run's
+    validation fixes: an evaluation repeats to the token, and a variant's figures do not hang on the variants
+    played before it."""
+    torch.manual_seed(step_seed(config.seeds.seed, -1))
+    slots = eval_slots(config, prepared.make_env)
     env_id = prepared.target.env_id
     rollout = Rollout(policy, fmt, prepared.agent, env_id=env_id, rewards=Rewards(config.rewards))
     label = f"{prepared.target.name} ({env_id})" if prepared.target.name else env_id
@@ -275,12 +297,19 @@ def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: Respons
             console.print(f"\n[bold]{received.name}[/bold]: stopped after {len(trajectories)} of {len(slots)} "
                           f"episodes of {label} (the batch in progress dropped); the summary covers those")
             return Played(trajectories, len(slots), received)
+        except Exception as error:  # an episode's own failure ends that episode; this one ended the batch
+            if not trajectories:
+                raise
+            console.print(f"\n[bold red]{type(error).__name__}[/bold red]: the evaluation of {label} failed after "
+                          f"{len(trajectories)} of {len(slots)} episodes (the batch in progress dropped); the summary "
+                          "covers those, then the error is raised")
+            return Played(trajectories, len(slots), failure=error)
     return Played(trajectories, len(slots))
 
 
 def env_summary(config: EvalConfig, prepared: PreparedEnv, played: Played) -> dict[str, Any]:
-    """:func:`summarize` with what was evaluated: env, policy, format and budget (and, where a signal stopped it,
-    which one and the episodes planned)."""
+    """:func:`summarize` with what was evaluated: env, policy, format and budget (and, where a signal or an error
+    stopped it, which one and the episodes planned)."""
     summary = summarize(played.trajectories)
     summary.update(env=prepared.target.env_id, policy=config.policy, format=config.agent.format,
                    budget={"max_turns": prepared.agent.max_turns,
@@ -288,7 +317,15 @@ def env_summary(config: EvalConfig, prepared: PreparedEnv, played: Played) -> di
                            "from": prepared.budget_source})
     if played.stop_signal is not None:
         summary.update(stop_signal=played.stop_signal.name, episodes_planned=played.planned)
+    if played.failure is not None:
+        summary.update(failed=failure_text(played.failure), episodes_planned=played.planned)
     return summary
+
+
+def failure_text(error: Exception) -> str:
+    """The error that ended an evaluation, as its summary says it: its type and first line."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def single_config(config: EvalConfig, prepared: PreparedEnv) -> EvalConfig:
@@ -366,12 +403,14 @@ def evaluate_one(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt:
     print_summary(summary, f"{config.env.id}: {config.policy}")
     if not config.out:
         console.print("nothing written (out is unset); pass --out DIR to keep the summary and trajectories")
-        return summary
-    out_dir = Path(config.out)
-    write_eval(out_dir, summary, replace(config, agent=prepared.agent), trajectories)
-    console.print(f"wrote {out_dir / 'summary.json'} and {out_dir / 'trajectories.jsonl'}", markup=False,
-                  highlight=False, soft_wrap=True)  # whole paths, to copy
-    write_page(out_dir)
+    else:
+        out_dir = Path(config.out)
+        write_eval(out_dir, summary, replace(config, agent=prepared.agent), trajectories)
+        console.print(f"wrote {out_dir / 'summary.json'} and {out_dir / 'trajectories.jsonl'}", markup=False,
+                      highlight=False, soft_wrap=True)  # whole paths, to copy
+        write_page(out_dir)
+    if played.failure is not None:
+        raise played.failure
     return summary
 
 
@@ -410,10 +449,11 @@ def evaluate_variants(
     stop: StopSignal,
 ) -> dict[str, Any]:
     """Play every variant with the one policy; write each variant's folder, then the table (the variants played
-    before a stop, the one it cut short last)."""
+    before a stop or a failure, the one it cut short last); a failure is raised once the table is written."""
     out_dir = Path(config.out) if config.out else None
     rows: list[dict[str, Any]] = []
     stopped_by: signal.Signals | None = None
+    failure: Exception | None = None
     for item in prepared:
         try:
             played = play(config, item, policy, fmt, stop)
@@ -422,14 +462,19 @@ def evaluate_variants(
                 raise
             stopped_by = stop.signal
             break
+        except Exception as error:  # the same, failed: the variants played before it stay in the table
+            if not rows:
+                raise
+            failure = error
+            break
         summary = env_summary(config, item, played)
         rows.append(variant_row(item, summary))
         print_errors(summary, item.target.name)
         if out_dir is not None:
             write_eval(out_dir / VARIANTS_DIR / item.target.name, summary, single_config(config, item),
                        played.trajectories)
-        if played.stop_signal is not None:
-            stopped_by = played.stop_signal
+        if played.stop_signal is not None or played.failure is not None:
+            stopped_by, failure = played.stop_signal, played.failure
             break
     result: dict[str, Any] = {
         "policy": config.policy, "format": config.agent.format, "temperature": config.sampling.temperature,
@@ -439,12 +484,17 @@ def evaluate_variants(
     if stopped_by is not None:
         result.update(stop_signal=stopped_by.name, variants_planned=len(prepared))
         title += f" (stopped by {stopped_by.name}: {len(rows)} of {len(prepared)} played, the last maybe in part)"
+    if failure is not None:
+        result.update(failed=failure_text(failure), variants_planned=len(prepared))
+        title += f" (failed: {len(rows)} of {len(prepared)} played, the last maybe in part)"
     print_variants(rows, title)
     if out_dir is None:
         console.print("nothing written (out is unset); pass --out DIR to keep the table and trajectories")
-        return result
-    write_eval(out_dir, result, config)
-    console.print(f"wrote {out_dir / 'summary.json'} (the table) and {out_dir / VARIANTS_DIR}/<variant>/",
-                  markup=False, highlight=False, soft_wrap=True)
-    write_page(out_dir)
+    else:
+        write_eval(out_dir, result, config)
+        console.print(f"wrote {out_dir / 'summary.json'} (the table) and {out_dir / VARIANTS_DIR}/<variant>/",
+                      markup=False, highlight=False, soft_wrap=True)
+        write_page(out_dir)
+    if failure is not None:
+        raise failure
     return result

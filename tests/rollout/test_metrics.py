@@ -49,7 +49,8 @@ def turn(index, *, actions=(), valid=(), effective=None, env_reward=0.0, format_
     return TurnRecord(
         index=index, observation=f"Turn {index + 1}.", response="r", response_ids=list(range(ids)),
         response_logprobs=[0.0] * ids, finish_reason=finish, parsed=parsed, actions=list(actions),
-        actions_valid=list(valid), actions_effective=list(valid if effective is None else effective), rewards=rewards, reward=sum(rewards.values()), reward_errors=list(reward_errors),
+        actions_valid=list(valid), actions_effective=list(valid if effective is None else effective),
+        rewards=rewards, reward=sum(rewards.values()), reward_errors=list(reward_errors),
     )
 
 
@@ -139,3 +140,14 @@ def test_pass_at_k_by_seed_reports_the_smallest_sample_count_as_a_k():
     batch += [trajectory(1, [], success=False, sample=i) for i in range(3)]
     assert set(pass_at_k_by_seed(batch)) == {1, 2, 3}
     assert pass_at_k_by_seed([]) == {}
+
+
+def test_an_episode_that_errored_after_its_env_reported_success_is_a_failure():
+    """An env may say success on a step that does not end the episode (a robotics env's ``is_success``); the
+    episode then errored. It counted as a success, against the rule that errored episodes are failures."""
+    batch = [trajectory(0, [turn(0, actions=["a"], valid=[True])], success=True, status=ERROR, sample=0),
+             trajectory(0, [turn(0, actions=["a"], valid=[True])], success=True, status=DONE, sample=1)]
+    m = rollout_metrics(batch)
+    assert m["success"] == pytest.approx(0.5) and m["errors"] == 1.0
+    assert pass_at_k_by_seed(batch) == {1: pytest.approx(0.5), 2: 1.0}
+    assert pass_at_k_by_seed(batch[:1]) == {1: 0.0}

@@ -19,11 +19,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def solved(trajectory: Trajectory) -> bool:
+    """Whether an episode counts as a success: the env said so, and the episode did not end in an error. An env may
+    report success before a later step (or the policy) fails; that episode is an error, never a success."""
+    return trajectory.success and trajectory.status != ERROR
+
+
 def pass_at_k_by_seed(trajectories: list[Trajectory]) -> dict[int, float]:
-    """pass@k for every k up to the smallest number of samples per seed."""
+    """pass@k for every k up to the smallest number of samples per seed (successes as :func:`solved` counts)."""
     by_seed: dict[int, list[bool]] = defaultdict(list)
     for t in trajectories:
-        by_seed[t.seed].append(t.success)
+        by_seed[t.seed].append(solved(t))
     if not by_seed:
         return {}
     n_min = min(len(v) for v in by_seed.values())
@@ -52,7 +58,7 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     turns = [turn for t in trajectories for turn in t.turns]
     actions_valid = [v for turn in turns for v in turn.actions_valid]
     metrics = {
-        "success": _mean([float(t.success) for t in trajectories]),
+        "success": _mean([float(solved(t)) for t in trajectories]),
         "reward_mean": _mean([t.total_reward for t in trajectories]),
         "reward_std": float(np.std([t.total_reward for t in trajectories])) if trajectories else 0.0,
         "turns_mean": _mean([len(t.turns) for t in trajectories]),
