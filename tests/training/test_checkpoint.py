@@ -6,13 +6,16 @@ import copy
 import os
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from turnrl.training import checkpoint
 from turnrl.training.checkpoint import (
+    ResumePoint,
     atomic_write_text,
     checkpoint_bytes,
     checkpoint_problem,
@@ -29,6 +32,7 @@ from turnrl.training.checkpoint import (
     steps_done,
 )
 from turnrl.training.model_passes import ValueModel
+from turnrl.training.run_dir import RunLock
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +76,55 @@ def test_latest_moves_to_the_newest_save_and_a_resave_replaces_the_step(actor, t
     assert latest_checkpoint(tmp_path).name == "step_000001"  # latest is the last save, not the largest step
     assert load_trainer_state(tmp_path / "checkpoints" / "step_000001")["version"] == 3
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
+
+
+class Killed(BaseException):
+    """A kill landing at a chosen point of a save: nothing after it runs."""
+
+
+def test_a_resave_killed_while_the_old_copy_goes_leaves_the_step_whole(actor, tiny_tokenizer, tmp_path,
+                                                                          monkeypatch):
+    """A resumed run saves the step it resumed from again (it stops before its first step ends, or its run.steps is
+    that step). That checkpoint may be the run's only one: a kill while its old copy is deleted must not lose it."""
+    save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {"version": 1})
+    delete = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):
+        weights = Path(path) / "actor" / "model.safetensors"
+        if weights.is_file():  # a checkpoint's: its weights go, then the kill comes
+            weights.unlink()
+            raise Killed
+        delete(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_midway)
+    with pytest.raises(Killed):
+        save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {"version": 2})
+    monkeypatch.undo()
+    point = resume_point(tmp_path)
+    assert point == ResumePoint(tmp_path / "checkpoints" / "step_000001", None)
+    assert load_trainer_state(point.checkpoint)["version"] == 2
+    save_checkpoint(tmp_path, 2, actor, tiny_tokenizer, {})  # the next save deletes what the kill left
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
+
+
+def test_a_resave_killed_before_the_new_copy_took_the_name_gets_the_old_one_back(actor, tiny_tokenizer, tmp_path,
+                                                                                  monkeypatch):
+    save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {"version": 1})
+    rename = os.replace
+
+    def killed_between(source, target):
+        if ".tmp-" in Path(source).name and Path(target).name == "step_000001":
+            raise Killed
+        rename(source, target)
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed_between)
+    with pytest.raises(Killed):
+        save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {"version": 2})
+    monkeypatch.undo()
+    with RunLock(tmp_path):  # the writer that comes next (a resume) puts the old copy back first
+        point = resume_point(tmp_path)
+    assert point == ResumePoint(tmp_path / "checkpoints" / "step_000001", None)
+    assert load_trainer_state(point.checkpoint)["version"] == 1
 
 
 def test_a_save_that_fails_midway_leaves_latest_on_the_previous_checkpoint(actor, tiny_tokenizer, tmp_path,
@@ -273,8 +326,6 @@ def test_a_file_size_limit_is_blamed_only_where_a_file_reached_it(tmp_path, monk
     """A finite ``ulimit -f`` is the cause of a failed checkpoint write only where a file of it reached the
     limit; another fault (a pickling error, say) keeps its own traceback."""
     import resource
-
-    from turnrl.training import checkpoint
 
     monkeypatch.setattr(checkpoint.resource, "getrlimit", lambda kind: (1000, resource.RLIM_INFINITY))
     folder = tmp_path / "step_000001.tmp"

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 import pytest
 
 from tests.training.test_trainer import config, records
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import train
+from turnrl.training.run_dir import STOP_FILE, RunLock, run_directory, run_of_model, start_run
 from turnrl.training.train_config import TrainConfig
-from turnrl.training.run_dir import run_directory, run_of_model, start_run
 
 
 def test_a_run_lives_in_its_resumed_directory_else_under_output_dir_and_name(tmp_path):
@@ -69,10 +72,48 @@ def test_a_runs_models_are_found_with_the_run_that_saved_them(tmp_path):
 
 
 def test_settings_of_a_config_are_lost_only_when_held_neither_as_they_are_nor_below():
-    from turnrl.training.run_dir import settings_lost, flat_settings
+    from turnrl.training.run_dir import flat_settings, settings_lost
 
     before = set(flat_settings({"env": {"id": "FrozenLake", "settings": {}}, "run": {"steps": 2}}))
     assert before == {"env.id", "env.settings", "run.steps"}
     filled = set(flat_settings({"env": {"id": "FrozenLake", "settings": {"is_slippery": False}}, "run": {"steps": 4}}))
     assert settings_lost(before, filled) == []
     assert settings_lost(before, set(flat_settings({"env": {"id": "FrozenLake"}}))) == ["env.settings", "run.steps"]
+
+
+def test_a_writer_that_makes_the_directory_first_refuses_one_started_at_the_same_moment(tmp_path, monkeypatch):
+    """Two runs of one run.name started together: both look, find no directory, and make it. The second to make
+    it must be refused with the owner's line, not stop on the folder that the first made (``File exists``)."""
+    run = tmp_path / "runs" / "same"
+    first = RunLock(run)  # a writer of its own (the lock refuses a second one in this process as in another)
+    looked, second_looks = pathlib.Path.is_dir, []
+
+    def first_makes_it_meanwhile(path: pathlib.Path) -> bool:
+        if path != run or second_looks:
+            return looked(path)
+        second_looks.append(path)
+        first.__enter__()  # the second has looked and seen nothing; the first makes the directory and locks it
+        return False
+
+    monkeypatch.setattr(pathlib.Path, "is_dir", first_makes_it_meanwhile)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            RunLock(run).__enter__()
+    finally:
+        monkeypatch.undo()
+        first.__exit__(None, None, None)
+    assert str(refused.value).startswith(f"run directory {run} is in use by pid {os.getpid()} on host ")
+    assert not (tmp_path / "runs").exists()  # the first writer's, made for the lock alone: removed at its end
+
+
+def test_a_stop_file_left_by_a_killed_run_does_not_stop_the_resumed_one(tiny_model_dir, tmp_path, capsys):
+    """``touch RUN_DIR/stop``, then the run is killed (its scheduler, a crash) before its step ends: the file is
+    left. The resume is a new request to train; kept, the file would stop it after its first step."""
+    train(config(tiny_model_dir, tmp_path, "run.steps=1", "algorithm.advantage=grpo"))
+    run = tmp_path / "run"
+    (run / STOP_FILE).touch()
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=3", "algorithm.advantage=grpo", f"resume={run}"))
+    assert "interrupted_at_step" not in summary and summary["steps"] == 3
+    assert [r["step"] for r in records(run) if "rollout/success" in r] == [1, 2, 3]
+    note = " ".join(capsys.readouterr().err.split())
+    assert f"note: {run / STOP_FILE} asked an earlier run that ended without stopping on it; removed" in note

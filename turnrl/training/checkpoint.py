@@ -12,8 +12,10 @@ Layout of ``RUN_DIR/checkpoints/step_000100/`` (the run after its 100th step: st
 A checkpoint is written into ``step_N.tmp-PID-RANDOM`` (a name no other writer
 uses) and renamed when complete, and the ``latest`` pointer is replaced
 atomically, so a crash mid-save never leaves a half checkpoint that resume would
-pick up; a save that fails part-way (a full disk, a file-size limit) stops with
-what to do and leaves the previous checkpoint as it was. A checkpoint damaged
+pick up; an earlier save of the same step (a resumed run saving the step it went
+on from) is renamed aside, and deleted only once the new one is in place; a save
+that fails part-way (a full disk, a file-size limit) stops with what to do and
+leaves the previous checkpoint as it was. A checkpoint damaged
 later (a file deleted or cut short) is found by :func:`checkpoint_problem`, and
 :func:`resume_point` then falls back to the newest complete one.
 """
@@ -205,6 +207,7 @@ def save_checkpoint(
     root = run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     root.mkdir(parents=True, exist_ok=True)
+    restore_replaced(root)
     for leftover in root.glob("step_*.tmp*"):  # sessions killed mid-save
         shutil.rmtree(leftover, ignore_errors=True)
     remove_unfinished_writes(root)  # a ``latest`` being replaced when its session was killed
@@ -230,14 +233,54 @@ def save_checkpoint(
                 if latest is not None else " (no earlier checkpoint was saved)")
         raise ConfigError(f"checkpoint after step {step} could not be written: {cause}. Free some space, raise the "
                           f"limit, or put run.output_dir on a larger disk{then}") from error
-    if final.exists():
-        shutil.rmtree(final)
+    replaced = _set_aside(final)
     os.replace(tmp, final)
     pointer = root / "latest"
     if pointer.is_dir() and not pointer.is_symlink():  # made by hand: a file cannot be renamed over it
         shutil.rmtree(pointer)
     atomic_write_text(pointer, final.name)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
     return final
+
+
+_REPLACED = ".replaced-"
+"""In the name of a checkpoint set aside while a new save of its step takes its place:
+``step_000040.replaced-PID-RANDOM``."""
+
+
+def _set_aside(final: Path) -> Path | None:
+    """Rename an earlier save of ``final``'s step (a resumed run saving the step it resumed from) out of the way,
+    in one step; returns its new name, None where there was none.
+
+    Deleting it first would leave no whole checkpoint of the step for as long as the deletion takes (seconds for
+    large weights, more on a network filesystem, or for good where a file held open refuses it), and it may be
+    the run's only checkpoint: a kill meanwhile loses it. Renamed, it stays whole until the new one is in
+    place and ``latest`` names it (:func:`restore_replaced` puts it back after a kill in between)."""
+    if not final.exists():
+        return None
+    aside = final.with_name(f"{final.name}{_REPLACED}{os.getpid()}-{secrets.token_hex(4)}")
+    os.replace(final, aside)
+    return aside
+
+
+def restore_replaced(root: Path) -> list[Path]:
+    """Settle the checkpoints that a save killed while it replaced them left set aside (:func:`_set_aside`) in
+    ``root`` (``RUN_DIR/checkpoints``): one whose step has no checkpoint (the kill came before the new one took
+    its name) gets its name back, the others are deleted. The caller is the run directory's one writer.
+
+    Returns:
+        The checkpoints given their names back.
+    """
+    restored = []
+    for aside in sorted(root.glob(f"step_*{_REPLACED}*")) if root.is_dir() else []:
+        final = aside.with_name(aside.name.split(_REPLACED, 1)[0])
+        if aside.is_dir() and not final.exists():
+            os.replace(aside, final)
+            restored.append(final)
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
+    return restored
 
 
 def checkpoint_bytes(models: Sequence[torch.nn.Module]) -> int:

@@ -35,6 +35,7 @@ from turnrl.training.checkpoint import (
     latest_name,
     newest_whole_actor,
     remove_unfinished_writes,
+    restore_replaced,
     resume_point,
 )
 from turnrl.training.seeding import level_plan_change, seed_everything
@@ -275,6 +276,8 @@ LOCK_FILE = ".lock"
 """``RUN_DIR/.lock``: held (a kernel file lock) by the one process that writes into the run."""
 OWNER_FILE = ".lock.owner"
 """``RUN_DIR/.lock.owner``: who holds the lock (``pid``, ``host``, ``since``), for the line refusing another."""
+STOP_FILE = "stop"
+"""``RUN_DIR/stop``: made by hand (``touch``), it asks the run that holds the lock to stop after its step."""
 
 
 _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP}
@@ -287,8 +290,9 @@ class RunLock:
     A second process (another ``turnrl train`` with the same run name, ``resume=RUN_DIR`` while the run trains)
     is refused with one line naming the owner, from ``RUN_DIR/.lock.owner``. The lock is filelock's (the
     operating system's file lock), which ends with the process holding it, however it ends: a killed owner
-    leaves no lock to go stale, only its owner file, which the next writer replaces with a note. A directory
-    made only to be locked (a start that then failed its checks) is removed again.
+    leaves no lock to go stale, only its owner file, which the next writer replaces with a note, and perhaps a
+    stop file it never saw, which the next writer removes with a note. A directory made only to be locked (a
+    start that then failed its checks) is removed again.
     """
 
     def __init__(self, run_dir: Path, create: bool = True) -> None:
@@ -304,7 +308,8 @@ class RunLock:
             if not self.create:
                 return self
             self._created = [folder for folder in (self.run_dir, *self.run_dir.parents) if not folder.exists()]
-            self.run_dir.mkdir(parents=True)
+            # Another writer starting at the same moment may make it first: the lock then says who has it.
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(self.run_dir / LOCK_FILE), timeout=0)
         try:
             lock.acquire()
@@ -312,7 +317,7 @@ class RunLock:
             self._remove_if_created()
             owner = _read_owner(self.run_dir / OWNER_FILE) or "another process"
             raise ConfigError(f"run directory {self.run_dir} is in use by {owner}: one process writes into a run "
-                              f"at a time; wait for it to end, stop it (`touch {self.run_dir / 'stop'}` stops it "
+                              f"at a time; wait for it to end, stop it (`touch {self.run_dir / STOP_FILE}` stops it "
                               "after its step, with a checkpoint), or pick another run.name") from None
         except OSError as error:  # after Timeout, which is one
             if error.errno not in _NO_LOCKS:
@@ -325,6 +330,8 @@ class RunLock:
             return self
         self._lock = lock
         remove_unfinished_writes(self.run_dir)  # of a writer killed mid-write: config.yaml's, summary.json's...
+        restore_replaced(self.run_dir / "checkpoints")  # before a resume looks for its checkpoint
+        self._remove_stale_stop()
         left = _read_owner(self.run_dir / OWNER_FILE)
         if left is not None:
             Console(stderr=True).print(f"note: {self.run_dir} was last written by {left}, which ended without "
@@ -333,6 +340,18 @@ class RunLock:
         record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         atomic_write_text(self.run_dir / OWNER_FILE, "".join(f"{key}: {value}\n" for key, value in record.items()))
         return self
+
+    def _remove_stale_stop(self) -> None:
+        """Delete a stop file that no process holding the lock is left to see: a run removes its own when it
+        stops, so one that is there asked an earlier writer that was killed or failed first. Kept, it would stop
+        this run after its first step."""
+        stop = self.run_dir / STOP_FILE
+        if not stop.is_file():
+            return
+        stop.unlink()
+        Console(stderr=True).print(f"note: {stop} asked an earlier run that ended without stopping on it; removed "
+                                   "(touch it again to stop this one)", markup=False, highlight=False,
+                                   soft_wrap=True)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
