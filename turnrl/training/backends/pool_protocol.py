@@ -578,9 +578,20 @@ class ProcessPool:
                                   f"{answer.error.strip()}", worker=j)
 
     def _send(self, message: Any, j: int) -> None:
-        """``message`` to process ``j``, which answers it: until its answer is taken, ``j`` is not listening."""
+        """``message`` to process ``j``, which answers it: until its answer is taken, ``j`` is not listening.
+
+        Raises:
+            RolloutWorkerError: naming ``j``, where the send failed (it died since its last answer): gloo's error
+                alone names neither the process nor what to do, and the run's stop path does not catch it.
+        """
         self._listening.discard(j)
-        send_object(self.groups, message, j)
+        try:
+            send_object(self.groups, message, j)
+        except RuntimeError as error:  # gloo's: the process has gone, or did not receive within the timeout
+            raise RolloutWorkerError(
+                f"rollout process {self._name(j)} died, or stopped receiving, before {type(message).__name__} "
+                f"({first_line(error)}). Resume the run from its last checkpoint (`turnrl train resume=RUN_DIR`)",
+                worker=j) from None
 
     def _name(self, j: int) -> str:
         info = self.infos.get(j, {})

@@ -137,7 +137,15 @@ class PoolCopy:
             return
         shapes = sent_shapes(source)
         specs = [TensorSpec(name, tuple(shapes[name]), self.dtype) for name, _ in weights]
-        self.pool.send_weights(version.updates, specs, (make() for _, make in weights))
+        values = (make() for _, make in weights)
+        try:
+            self.pool.send_weights(version.updates, specs, values)
+        finally:
+            # A transfer that failed part-way (a rollout process died) leaves gathers the other trainer ranks make
+            # all the same: this rank takes part in them, so that every rank then reaches the sharing of the error
+            # (pool.TrainerGroup) instead of waiting in a collective this one never joins.
+            for _ in values:
+                pass
 
     def start(self, source: torch.nn.Module, version: WeightsVersion) -> None:
         self.send(source, version, every=True)

@@ -33,9 +33,23 @@ class RankRewards:
         return {key: sum(part.get(key, 0.0) for part in parts) / len(parts) for key in keys}
 
 
+def seed_process_sampling(rank: int, world: int) -> None:
+    """Seed this process's sampling with a seed of its own, ``base + rank``, ``base`` drawn from torch's generator
+    (which the trainer seeds alike on every process for the step), as the Ray workers and rollout processes are.
+
+    Seeded alike, the processes would draw the same random numbers for the k-th rows of their batches (the engine
+    takes one uniform a row and token): a group on one process would explore in lockstep with a group on another,
+    and two groups of the same level would play the same tokens. Reproducible for a given number of processes; one
+    process samples as the local backend does (not reseeded)."""
+    base = int(torch.randint(0, 2**31 - world, (1,)))
+    torch.manual_seed(base + rank)
+
+
 class ShardedRollout:
     """A :class:`~turnrl.training.backends.backend.RolloutBackend` that plays this process's groups of the slots
-    (group g on process g % world) and returns every process's trajectories, in the slots' order.
+    (group g on process g % world) and returns every process's trajectories, in the slots' order. Each process
+    samples with a seed of its own (:func:`seed_process_sampling`): greedy rollouts are the local backend's, sampled
+    ones are reproducible for a given number of processes.
 
     Timings are the slowest process's (the step waits for it); the policies' work counters are summed over the
     processes. Trajectories travel without the chat template object their token context refers to (the
@@ -62,7 +76,13 @@ class ShardedRollout:
         self.weights.take()  # on every process, those with no group too: the trainer's side is a collective
         rank, world = ranks.rank(), ranks.world_size()
         mine = [i for i, slot in enumerate(slots) if slot.group % world == rank]
-        played = self.rollout.run([slots[i] for i in mine], sampling) if mine else []
+        # The processes' generators are set back as they were after the rollout: what the step draws next (its
+        # updates' order of samples) stays alike on every process.
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices, enabled=world > 1):
+            if world > 1:
+                seed_process_sampling(rank, world)
+            played = self.rollout.run([slots[i] for i in mine], sampling) if mine else []
         local = self.rollout.timings if mine else RolloutTimings()
         self.rewards.played = bool(mine)
         for trajectory in played:
