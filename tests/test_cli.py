@@ -191,6 +191,10 @@ def test_unknown_options_and_stray_words_are_usage_errors(argv, monkeypatch):
         (["play", "FrozenLake", "foo=1"], "no setting foo"),
         (["play", "FrozenLake", "mode=bogus"], "bogus"),
         (["play", "FrozenLake", "size"], "key=value"),
+        (["play", "FrozenLake", "=4"], "'=4' is not of the form key=value"),
+        # A value that is not YAML ended in PyYAML's traceback.
+        (["play", "FrozenLake", "size=["], "setting 'size=[': the value is not valid YAML"),
+        (["check-env", "FrozenLake", "size={"], "setting 'size={': the value is not valid YAML"),
     ],
 )
 def test_play_bad_env_or_setting_is_a_clean_error(argv, needle, monkeypatch):
@@ -290,6 +294,20 @@ def test_eval_command_writes_summary_and_trajectories(tmp_path):
     assert summary["episodes"] == 3 and summary["success_rate"] == 1.0
     assert summary["env"] == "FrozenLake" and summary["policy"] == "expert"
     assert len((out / "trajectories.jsonl").read_text().splitlines()) == 3
+
+
+def test_eval_plays_the_episodes_its_config_or_an_override_gives_unless_the_option_says(tmp_path, monkeypatch):
+    # --episodes's default (32) replaced an eval YAML's `episodes:` and an `episodes=N` override without a word.
+    played: list[int] = []
+    monkeypatch.setattr("turnrl.evaluate.run_eval", lambda config, **_: played.append(config.episodes) or {})
+    recipe = tmp_path / "eval.yaml"
+    recipe.write_text("env: {id: FrozenLake}\nepisodes: 5\n")
+    out = ["--out", str(tmp_path / "eval")]
+    assert main(["eval", "--config", str(recipe), "--policy", "expert", *out]) == 0
+    assert main(["eval", "--env", "FrozenLake", "--policy", "expert", "episodes=7", *out]) == 0
+    assert main(["eval", "--config", str(recipe), "--policy", "expert", "--episodes", "3", *out]) == 0
+    assert main(["eval", "--env", "FrozenLake", "--policy", "expert", *out]) == 0
+    assert played == [5, 7, 3, EvalConfig().episodes]
 
 
 def test_eval_takes_a_training_recipe_for_its_env_and_agent_settings(tmp_path):
@@ -436,6 +454,19 @@ def test_config_show_lists_every_key_with_its_value_and_doc(monkeypatch, capsys)
     code, out = run_main(["config", "show", "--eval"], monkeypatch, capsys)
     assert "policy: 'expert'" in out and "run.steps" not in out
     assert "did you mean agent.max_turns" in error_exit(["config", "show", "agent.max_turn=3"])
+
+
+def test_config_show_eval_of_a_training_recipe_shows_what_eval_reads_of_it(monkeypatch, capsys, tmp_path):
+    # It refused the recipe's first training section ("Key 'run' not in 'EvalConfig'"), where `turnrl eval
+    # --config` skips those sections and samples at the recipe's validation temperature.
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("run: {steps: 3}\nenv: {id: Sokoban}\nsampling: {temperature: 1.0}\n"
+                      "validation: {temperature: 0.25}\n")
+    code, out = run_main(["config", "show", "--eval", "--config", str(recipe)], monkeypatch, capsys)
+    assert code == 0 and "env.id: 'Sokoban'" in out and "sampling.temperature: 0.25" in out and "run." not in out
+    code, out = run_main(["config", "show", "--eval", "--config", str(recipe), "sampling.temperature=0"],
+                         monkeypatch, capsys)
+    assert "sampling.temperature: 0.0" in out
 
 
 def test_eval_without_out_writes_a_run_folder_and_takes_the_env_budget(tmp_path, monkeypatch, capsys):

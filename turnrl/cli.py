@@ -38,12 +38,24 @@ console = Console()
 
 
 def parse_settings(items: Sequence[str]) -> dict[str, Any]:
-    """``["size=8", "is_slippery=true"]`` -> ``{"size": 8, "is_slippery": True}`` (YAML typing)."""
+    """``["size=8", "is_slippery=true"]`` -> ``{"size": 8, "is_slippery": True}`` (YAML typing).
+
+    Raises:
+        SystemExit: a word that is not ``key=value``, or a value that is not YAML (``size=[``), naming it.
+    """
+    import yaml
     from omegaconf import OmegaConf
 
+    from turnrl.config import yaml_problem
+
     for item in items:
-        if "=" not in item:
+        if "=" not in item or not item.split("=", 1)[0].strip():
             raise SystemExit(f"error: setting {item!r} is not of the form key=value")
+        try:  # one at a time, to name the one at fault
+            OmegaConf.from_dotlist([item])
+        except yaml.YAMLError as error:
+            raise SystemExit(f"error: setting {item!r}: the value is not valid YAML: "
+                             f"{yaml_problem(error, where=False)}") from error
     return OmegaConf.to_container(OmegaConf.from_dotlist(list(items))) if items else {}  # type: ignore[return-value]
 
 
@@ -220,12 +232,9 @@ def default_eval_dir(env: str, policy: str, now: float | None = None) -> Path:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
     from turnrl.config import ConfigError, EvalConfig, given_keys, load_config
     from turnrl.evaluate import run_eval
     from turnrl.training.run_dir import run_of_model, training_run_inside
-    from turnrl.training.train_config import TrainConfig
 
     policy, config_path = args.policy, args.config
     # A run's model plays as it was trained: with the run's env, agent, prompt and sampling settings.
@@ -237,17 +246,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
             console.print(f"evaluating {policy} with the run's config {config_path} (the prompts, format, env "
                           "settings and sampling it trained with; --config FILE evaluates with others)",
                           markup=False, highlight=False, soft_wrap=True)
-    overrides = list(args.overrides)
-    overrides += [f"policy={policy}", f"episodes={args.episodes}"]
+    overrides = [*args.overrides, f"policy={policy}"]
+    if args.episodes is not None:  # else the config's episodes (an eval YAML's, an override's), 32 by default
+        overrides.append(f"episodes={args.episodes}")
     if args.env:
         overrides.append(f"env.id={args.env}")
     if args.variants:
         overrides.append(variants_override(args.variants))
-    # A training recipe evaluates with its own env, agent and sampling settings, at its validation temperature.
-    training_only = {f.name for f in fields(TrainConfig)} - {f.name for f in fields(EvalConfig)}
-    temperature = validation_temperature(config_path, training_only)
-    if temperature is not None and "sampling.temperature" not in given_keys(None, args.overrides):
-        overrides.append(f"sampling.temperature={temperature}")
+    training_only = training_sections()
+    overrides += at_validation_temperature(config_path, args.overrides)
     given = given_keys(config_path, overrides, skip_sections=training_only)
     if "env.id" not in given and "variants" not in given:
         if config_path is not None and not yaml_mapping(config_path):
@@ -329,6 +336,29 @@ def config_env(config_path: str | None) -> str | None:
     """The ``env.id`` a YAML config names, or None."""
     env = yaml_mapping(config_path).get("env")
     return str(env["id"]) if isinstance(env, dict) and "id" in env else None
+
+
+def training_sections() -> set[str]:
+    """The top-level sections of a training recipe that ``turnrl eval`` has no keys of: reading a recipe (or a run's
+    ``config.yaml``), it skips them."""
+    from dataclasses import fields
+
+    from turnrl.config import EvalConfig
+    from turnrl.training.train_config import TrainConfig
+
+    return {f.name for f in fields(TrainConfig)} - {f.name for f in fields(EvalConfig)}
+
+
+def at_validation_temperature(config_path: str | None, overrides: list[str]) -> list[str]:
+    """The override that makes an evaluation with a training recipe sample at the recipe's validation temperature
+    (it evaluates with the recipe's own env, agent and sampling settings otherwise); none where ``overrides`` set
+    ``sampling.temperature`` or the config is no recipe."""
+    from turnrl.config import given_keys
+
+    temperature = validation_temperature(config_path, training_sections())
+    if temperature is None or "sampling.temperature" in given_keys(None, overrides):
+        return []
+    return [f"sampling.temperature={temperature}"]
 
 
 def validation_temperature(config_path: str | None, training_only: set[str]) -> float | None:
@@ -549,8 +579,12 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     from turnrl.training.train_config import TrainConfig
 
     cls: type = EvalConfig if args.eval else TrainConfig
+    # With --eval, a training recipe shows as `turnrl eval --config` reads it: its training sections skipped, its
+    # sampling at its validation temperature.
+    skipped = training_sections() if args.eval else set()
+    overrides = [*args.overrides, *(at_validation_temperature(args.config, args.overrides) if args.eval else [])]
     try:
-        config = load_config(cls, args.config, args.overrides) if args.config or args.overrides else cls()
+        config = load_config(cls, args.config, overrides, skip_sections=skipped) if args.config or overrides else cls()
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error
     title = "turnrl eval" if args.eval else "turnrl train / sft"
@@ -640,8 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert, random, builtin, a model directory or hub id, or openai:<model> (with base_url=...); "
                         "a run's checkpoint (RUN/checkpoints/step_N/actor), SFT model or RUN itself (its latest "
                         "checkpoint) plays with the run's settings unless --config says otherwise")
-    p.add_argument("--episodes", type=count_arg, default=32,
-                   help="validation seeds played (of each variant; default: 32)")
+    p.add_argument("--episodes", type=count_arg, default=None,
+                   help="validation seeds played (of each variant; default: the config's episodes, 32 unless set)")
     p.add_argument("--variants", help="evaluate on a list of env variants, one table: ragen (RAGEN's generalization "
                                       "set: Sokoban 6x6/1 box, 8x8/2 boxes, the alternative vocabulary, FrozenLake) "
                                       "or a YAML file listing {name, env, settings}")

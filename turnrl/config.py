@@ -91,6 +91,18 @@ def check_range(key: str, value: float, low: float | None = None, high: float | 
         raise ConfigError(f"{key}={value!r} is out of range; allowed: {bounds}")
 
 
+def check_finite_fields(section: Any, prefix: str = "") -> None:
+    """Every number typed ``float`` in a config and its sections is finite, for the keys that no ``validate``
+    bounds (a loss weight, a clip range): NaN passes no bound and fails no ``<`` either, so it would reach the
+    loss and turn every weight into NaN without an error."""
+    for item in fields(section):
+        value = getattr(section, item.name)
+        if is_dataclass(value):
+            check_finite_fields(value, f"{prefix}{item.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{item.name}={value!r} must be a finite number")
+
+
 # --------------------------------------------------------------------------- sections
 @dataclass
 class EnvConfig:
@@ -529,6 +541,7 @@ class EvalConfig:
             seen.add(variant.name)
             if variant.env is not None and not variant.env.strip():
                 raise ConfigError(f"variants[{index}].env is empty; name an env, or leave it out for env.id")
+        check_finite_fields(self)  # last: the keys with a check of their own say more than this
 
 
 # --------------------------------------------------------------------------- loading

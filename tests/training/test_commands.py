@@ -17,7 +17,7 @@ from turnrl.algorithms.estimators import get_estimator
 from turnrl.cli import main
 from turnrl.config import ConfigError, load_config, turnrl_command
 from turnrl.training.checkpoint import checkpoint_problem, latest_checkpoint
-from turnrl.training.commands import train
+from turnrl.training.commands import sft_only, train
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import OWNER_FILE, RunLock, write_config
 from turnrl.training.seeding import level_plan_change
@@ -294,7 +294,7 @@ def test_a_start_that_fails_its_checks_leaves_no_directory_behind(tiny_model_dir
 KILLED_AT = """
 import os, signal, sys
 from turnrl.config import load_config
-from turnrl.training.commands import train
+from turnrl.training.commands import sft_only, train
 from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import Trainer
 
@@ -573,3 +573,19 @@ def test_a_stop_before_the_first_step_that_cleanup_code_turns_into_another_error
     monkeypatch.setattr(commands, "_train", failed)
     with pytest.raises(UnboundLocalError, match="of its own"):
         train(config(tiny_model_dir, tmp_path, "run.steps=2", name="other"))
+
+
+def test_cpu_offload_without_fsdp_is_refused_before_anything_is_written(tmp_path):
+    # One process trains without FSDP2's shards: the option was ignored, and the run trained on the GPU anyway.
+    with pytest.raises(ConfigError, match="set distributed.backend=fsdp"):
+        train(config(tmp_path / "no-model", tmp_path / "runs", "distributed.cpu_offload=true"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sft_data_given_apart_from_the_config_is_checked_with_it(tmp_path):
+    # `turnrl sft --data chats.jsonl` set the chats after the load's checks: soft targets, which chats cannot
+    # have, were then dropped without a word.
+    with pytest.raises(ConfigError, match="sft.target_random_share"):
+        sft_only(config(tmp_path / "no-model", tmp_path / "runs", "sft.target_random_share=0.1"),
+                 data=str(tmp_path / "chats.jsonl"))
+    assert not (tmp_path / "runs").exists()

@@ -11,8 +11,8 @@ import pytest
 from tests.training.test_trainer import config
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import train
-from turnrl.training.train_config import TrainConfig
 from turnrl.training.preflight import preflight
+from turnrl.training.train_config import TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -27,6 +27,9 @@ from turnrl.training.preflight import preflight
         (["sft.enabled=true", "sft.data=BROKEN"], "expected a JSON object"),
         (["run.wandb_project=x"], "pip install wandb"),
         (["model.path=./runs/old/sft/model"], "model.path='./runs/old/sft/model' does not exist"),
+        # Demos played on validation levels: validation would score levels the model was fine-tuned on.
+        (["sft.enabled=true", "sft.seed_start=9000"], "sft.seed_start=9000: the 2000 demos' seeds [9000, 11000) "
+                                                       "overlap the validation seeds [0, 10000)"),
     ],
 )
 def test_a_run_that_cannot_work_stops_before_writing_or_loading_anything(overrides, needle, tmp_path, monkeypatch):
@@ -102,3 +105,14 @@ def test_an_sft_stage_that_stopped_before_its_model_holds_no_run(tmp_path, tiny_
     for stage in ("train", "sft"):
         with pytest.raises(ConfigError, match=r"already holds a run \(sft\)"):
             preflight(config(tiny_model_dir, tmp_path, "sft.enabled=true"), stage=stage)
+
+
+def test_demo_seeds_are_checked_only_where_demos_are_played(tmp_path, tiny_model_dir):
+    apart = ["sft.seed_start=0", "sft.episodes=100", "seeds.val_start=100", "seeds.train_start=10100"]
+    preflight(config(tiny_model_dir, tmp_path / "runs", "sft.enabled=true", *apart))  # [0, 100) then [100, ...)
+    preflight(config(tiny_model_dir, tmp_path / "runs", "sft.seed_start=0"))  # no SFT stage: no demos
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    preflight(config(tiny_model_dir, tmp_path / "runs", "sft.enabled=true", "sft.seed_start=0", f"sft.data={chats}"))
+    with pytest.raises(ConfigError, match="put sft.seed_start at or above 10000"):
+        preflight(config(tiny_model_dir, tmp_path / "runs", "sft.seed_start=0"), stage="sft")

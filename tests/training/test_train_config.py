@@ -230,3 +230,60 @@ def test_a_run_name_too_long_for_a_folder_is_refused_before_the_run_starts():
 
 def test_a_time_limit_that_is_not_a_number_is_refused():
     assert error_of("run.time_limit_minutes=nan").startswith("run.time_limit_minutes=nan is out of range")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        # Each was accepted and then sampled greedily, never validated, trained nothing or shifted a schedule
+        # without a word, or failed only once the model loaded.
+        ("validation.temperature=-1", "validation.temperature"),
+        ("validation.every=-1", "validation.every"),
+        ("run.trajectories_every=-1", "run.trajectories_every"),
+        ("run.threads=-1", "run.threads"),
+        ("algorithm.clip_low=-0.2", "algorithm.clip_low"),
+        ("algorithm.clip_high=-0.2", "algorithm.clip_high"),
+        ("algorithm.kl_coef=-0.001", "algorithm.kl_coef"),
+        ("algorithm.value_clip=0", "algorithm.value_clip"),
+        ("algorithm.critic_warmup_steps=-1", "algorithm.critic_warmup_steps"),
+        ("optim.warmup_steps=-5", "optim.warmup_steps"),
+        ("optim.skip_grad_norm_above=-1", "optim.skip_grad_norm_above"),
+        ("sft.lr=-1e-3", "sft.lr"),
+        ("sft.warmup_steps=-1", "sft.warmup_steps"),
+        ("sft.seed_start=-1", "sft.seed_start"),
+        ("lora.r=0", "lora.r"),
+        ("lora.alpha=0", "lora.alpha"),
+        ("lora.dropout=1.5", "lora.dropout"),
+    ],
+)
+def test_a_value_out_of_its_range_is_refused_at_load_time_naming_its_key(override, key):
+    assert error_of(override).startswith(f"{key}=")
+
+
+@pytest.mark.parametrize("key", ["validation.temperature", "algorithm.kl_coef", "algorithm.entropy_coef",
+                                 "algorithm.clip_low", "algorithm.value_clip", "sft.lr", "optim.critic_lr",
+                                 "optim.skip_grad_norm_above", "run.peak_tflops", "rewards.timeout_s"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_float_that_is_not_finite_is_refused_whatever_its_key(key, value):
+    # NaN passes every bound and would reach the loss (every weight NaN); inf is no setting.
+    message = error_of(f"{key}={value}")
+    assert message.startswith(f"{key}=") and ("finite" in message or "out of range" in message)
+
+
+def test_a_negative_entropy_coefficient_stays_allowed():
+    # Entropy minimization is a method of its own: only a weight that is not a number is refused.
+    assert load_config(TrainConfig, None, ["algorithm.entropy_coef=-0.01"]).algorithm.entropy_coef == -0.01
+
+
+def test_a_rollout_device_without_the_asynchronous_rollout_is_refused_not_ignored():
+    assert "distributed.async_rollout=true" in error_of("distributed.rollout_device=cuda:1")
+    config = load_config(TrainConfig, None, ["distributed.rollout_device=cuda:1", "distributed.async_rollout=true"])
+    assert config.distributed.rollout_device == "cuda:1"
+
+
+def test_the_asynchronous_rollout_on_several_processes_is_refused_before_they_start():
+    # Each process under torchrun refused it, with a message that told the user to start without torchrun.
+    message = error_of("distributed.async_rollout=true", "distributed.nproc_per_node=2")
+    assert "distributed.nproc_per_node=1" in message and "distributed.rollout_processes" in message
+    load_config(TrainConfig, None, ["distributed.async_rollout=true", "distributed.nproc_per_node=2",
+                                    "distributed.rollout_processes=1"])

@@ -151,6 +151,7 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     """``turnrl sft``: warm up the configured model and save it under the run directory."""
     if data is not None:
         config.sft.data = data
+        config.sft.validate()  # ``--data`` comes after the load's checks; the chats rule out some settings
     _set_allocator(config)
     with RunLock(run_directory(config)):
         preflight(config, stage="sft")
@@ -227,6 +228,16 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if pool and ranks.launched_world() <= pool:
         raise ConfigError(f"distributed.rollout_processes={pool} of {ranks.launched_world()} processes leaves no "
                           f"process to train: start {pool + 1} or more")
+    # A process that trains without FSDP2 has no shards for the option to move: it would train on the GPU regardless.
+    offload_unused = config.distributed.cpu_offload and not compose.trains_with_fsdp(config)
+    if offload_unused and distributed:
+        raise ConfigError(f"distributed.cpu_offload keeps FSDP2's shards in host memory, and the one trainer beside "
+                          f"distributed.rollout_processes={pool} trains without FSDP2: start two trainers or more, or "
+                          "drop distributed.cpu_offload")
+    if offload_unused and config.distributed.backend != "fsdp":  # fsdp without torchrun is refused below
+        raise ConfigError("distributed.cpu_offload keeps FSDP2's shards in host memory, and this run trains in one "
+                          "process without FSDP2: set distributed.backend=fsdp (FSDP2 runs on one GPU too), or drop "
+                          "distributed.cpu_offload")
     if distributed:
         trainers = ranks.launched_trainers(pool)
         device = ranks.init_process_group(config.model.device, config.distributed.timeout_s, trainers)

@@ -36,12 +36,17 @@ class Parts:
     rollouts: MakeRollouts
 
 
-def parallel_strategy(config: TrainConfig) -> ParallelStrategy:
-    """FSDP2 in processes that torchrun started (the process group initialized), else one process; a lone trainer
-    beside rollout processes trains as one process, on its rank's device."""
+def trains_with_fsdp(config: TrainConfig) -> bool:
+    """Whether this process trains with FSDP2: torchrun started it, and it is not a lone trainer beside rollout
+    processes (which trains as one process, on its rank's device)."""
     pool = config.distributed.rollout_processes
     lone_trainer = pool > 0 and ranks.launched_trainers(pool) == 1
-    if ranks.launched_by_torchrun() and not lone_trainer:
+    return ranks.launched_by_torchrun() and not lone_trainer
+
+
+def parallel_strategy(config: TrainConfig) -> ParallelStrategy:
+    """FSDP2 where :func:`trains_with_fsdp` (the process group initialized), else one process."""
+    if trains_with_fsdp(config):
         return FSDP2(config.distributed.cpu_offload)
     return SingleProcess()
 

@@ -43,14 +43,29 @@ def _check_envs(config: TrainConfig, needs_solver: bool) -> None:
         make_env.close()
 
 
+def _check_demo_seeds(config: TrainConfig) -> None:
+    """The expert demos' env seeds miss the validation seeds: a model fine-tuned on the very levels it is then
+    validated on would report their success as what it learned.
+
+    Raises:
+        ConfigError: naming both ranges and where the demos could start instead.
+    """
+    sft, seeds = config.sft, config.seeds
+    demos_end, val_end = sft.seed_start + sft.episodes, seeds.val_start + seeds.val_size
+    if sft.seed_start < val_end and seeds.val_start < demos_end:
+        raise ConfigError(f"sft.seed_start={sft.seed_start}: the {sft.episodes} demos' seeds [{sft.seed_start}, "
+                          f"{demos_end}) overlap the validation seeds [{seeds.val_start}, {val_end}), so validation "
+                          f"would score levels the model was fine-tuned on; put sft.seed_start at or above {val_end}")
+
+
 def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     """Check what a run needs before anything is written or a model loads: one-line errors, no traceback.
 
     Checks: ``model.path`` is a model directory, or a hub id in the local cache or on a reachable hub
     (:func:`~turnrl.models.loading.locate_model`); the env id and its settings (one env is built, for training and
-    validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver; that the
-    run to resume holds a complete checkpoint, not past ``run.steps``; optional packages (wandb); and that a
-    new run does not write into another run's directory.
+    validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver and seeds apart
+    from the validation seeds; that the run to resume holds a complete checkpoint, not past ``run.steps``; optional
+    packages (wandb); and that a new run does not write into another run's directory.
 
     Args:
         stage: ``train`` (``turnrl train``) or ``sft`` (``turnrl sft``, which writes only ``sft/``).
@@ -67,6 +82,8 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
             raise ConfigError(f"resume={config.resume!r} goes on after step {done}, past run.steps="
                               f"{config.run.steps}: give run.steps={done} or more, or leave run.steps out")
     sft_runs = stage == "sft" or (config.sft.enabled and not config.resume)
+    if sft_runs and not config.sft.data:
+        _check_demo_seeds(config)
     _check_envs(config, needs_solver=sft_runs and not config.sft.data)
     if sft_runs and config.sft.data:
         try:

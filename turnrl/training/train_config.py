@@ -31,6 +31,7 @@ from turnrl.config import (
     SamplingConfig,
     SeedConfig,
     check_choice,
+    check_finite_fields,
     check_range,
     check_registered,
     close_keys,
@@ -260,6 +261,14 @@ class AlgorithmConfig:
         for key in ("gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
             check_range(f"algorithm.{key}", getattr(self, key), 0.0, 1.0)
         check_range("algorithm.ppo_epochs", self.ppo_epochs, 1)
+        # A negative clip puts the ratio's lower bound above 1 (or the upper below it); a negative KL weight
+        # pushes the policy away from the reference; a value clip of 0 or less stops the critic.
+        check_range("algorithm.clip_low", self.clip_low, 0.0)
+        check_range("algorithm.clip_high", self.clip_high, 0.0)
+        check_range("algorithm.kl_coef", self.kl_coef, 0.0)
+        if self.value_clip is not None:
+            check_range("algorithm.value_clip", self.value_clip, 1e-9)
+        check_range("algorithm.critic_warmup_steps", self.critic_warmup_steps, 0)
         if self.target_kl is not None:
             check_range("algorithm.target_kl", self.target_kl, 1e-9)
         if self.rollback_kl is not None:
@@ -328,6 +337,9 @@ class OptimConfig:
         check_range("optim.adam_beta1", self.adam_beta1, 0.0, 0.999999)
         check_range("optim.adam_beta2", self.adam_beta2, 0.0, 0.999999)
         check_range("optim.grad_clip", self.grad_clip, 0)
+        check_range("optim.warmup_steps", self.warmup_steps, 0)
+        if self.skip_grad_norm_above is not None:  # at 0 or below, every optimizer step would be skipped
+            check_range("optim.skip_grad_norm_above", self.skip_grad_norm_above, 1e-9)
         check_choice("optim.lr_schedule", self.lr_schedule, list(SCHEDULES))
         check_range("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_range("optim.kl_adaptive_target", self.kl_adaptive_target, 0)
@@ -347,6 +359,12 @@ class LoraConfig:
     """Adapter dropout."""
     target_modules: str = "all-linear"
     """Modules that get adapters (peft's ``all-linear`` or a comma-separated list)."""
+
+    def validate(self) -> None:
+        # Checked whether or not LoRA is on: peft would refuse them only once the model loads, after SFT.
+        check_range("lora.r", self.r, 1)
+        check_range("lora.alpha", self.alpha, 1)  # the adapters' scale is alpha / r: 0 would switch them off
+        check_range("lora.dropout", self.dropout, 0.0, 1.0)
 
 
 @dataclass
@@ -395,6 +413,9 @@ class SFTConfig:
                 raise ConfigError("sft.target_random_share makes soft targets from the expert's own actions, which "
                                   "chats from sft.data do not have: drop one of the two")
         check_range("sft.data_workers", self.data_workers, 0)
+        check_range("sft.lr", self.lr, 0.0)
+        check_range("sft.warmup_steps", self.warmup_steps, 0)
+        check_range("sft.seed_start", self.seed_start, 0)  # Gymnasium's reset takes non-negative seeds
         check_choice("sft.schedule", self.schedule, ["cosine", "constant"])
         check_range("sft.episodes", self.episodes, 1)
         check_range("sft.epochs", self.epochs, 1)
@@ -414,6 +435,12 @@ class ValidationConfig:
     """Validate every N RL steps; 0 validates only before and after RL."""
     batch_size: int = 128
     """Episodes rolled out together."""
+
+    def validate(self) -> None:
+        # Below 0 would sample greedily without a word (as below 1e-5 does, on purpose), and a negative ``every``
+        # would never validate while collapse.stop_on_low_success, which counts validations, took it for on.
+        check_range("validation.temperature", self.temperature, 0.0)
+        check_range("validation.every", self.every, 0)
 
 
 NAME_MAX_BYTES = 255
@@ -580,6 +607,16 @@ class DistributedConfig:
         if self.partial_rollouts and not self.async_rollout:
             raise ConfigError("distributed.partial_rollouts switches the weights of episodes in flight in the "
                               "asynchronous backend: set distributed.async_rollout=true, or drop it")
+        if self.rollout_device is not None and not self.async_rollout:
+            raise ConfigError(f"distributed.rollout_device={self.rollout_device!r} places the asynchronous rollout's "
+                              "copy of the policy; without distributed.async_rollout=true the rollout runs on the "
+                              "actor, on model.device: set distributed.async_rollout=true, or drop it")
+        if self.async_rollout and self.nproc_per_node > 1 and not self.rollout_processes:
+            # Refused here, before the processes start, rather than by each of them under torchrun.
+            raise ConfigError(f"distributed.async_rollout rolls out in a thread of one process, and "
+                              f"distributed.nproc_per_node={self.nproc_per_node} starts FSDP processes: set "
+                              "distributed.nproc_per_node=1, or roll out in processes of their own with "
+                              "distributed.rollout_processes=K (fewer than nproc_per_node)")
 
 
 @dataclass
@@ -669,6 +706,8 @@ class TrainConfig:
         self.algorithm.validate()
         self.sft.validate()
         self.optim.validate()
+        self.lora.validate()
+        self.validation.validate()
         self.seeds.validate()
         self.distributed.validate()
         self.collapse.validate()
@@ -692,6 +731,8 @@ class TrainConfig:
         check_range("run.steps", self.run.steps, 0)
         check_range("run.save_every", self.run.save_every, 0)
         check_range("run.keep_checkpoints", self.run.keep_checkpoints, 0)
+        check_range("run.trajectories_every", self.run.trajectories_every, 0)
+        check_range("run.threads", self.run.threads, 0)
         if not self.run.time_limit_minutes >= 0:  # NaN too, which no limit compares with
             raise ConfigError(f"run.time_limit_minutes={self.run.time_limit_minutes!r} is out of range; allowed: "
                               "0 (no limit) or more")
@@ -727,6 +768,7 @@ class TrainConfig:
                 f"algorithm.advantage={self.algorithm.advantage} compares episodes within a group: "
                 "set groups.group_size >= 2"
             )
+        check_finite_fields(self)  # last: the keys with a check of their own say more than this
 
     def _validate_collapse(self) -> None:
         """What the collapse diagnostics and early stops need from the rest of the run."""
