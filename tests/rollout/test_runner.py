@@ -367,6 +367,22 @@ def test_env_that_raises_in_step_errors_only_its_episode():
     assert all(len(t.turns) == 4 for t in trajectories[1:])
 
 
+class SucceedsOnTheWay(CounterEnv):
+    """Says success at every step without ending the episode (a robot arm's ``is_success`` on the way)."""
+
+    def _step(self, action):
+        self.count += 1
+        return StepOutcome(0.1, success=True)
+
+
+def test_an_episode_that_errors_after_its_env_said_success_is_recorded_as_no_success():
+    """The metrics count it a failure; the record on disk and in the viewer must say the same."""
+    slots = [EpisodeSlot(env=SucceedsOnTheWay(fail_step=2), seed=0, group=0)]
+    (trajectory,) = play(TextPolicy(answer("inc")), slots, max_turns=4)
+    assert trajectory.status == ERROR and "step exploded" in trajectory.error
+    assert len(trajectory.turns) == 2 and trajectory.success is False
+
+
 class CountsInItsFigures(CounterEnv):
     """Reports its count in ``info["metrics"]``, or ``figures`` where given (a malformed report)."""
 

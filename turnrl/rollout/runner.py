@@ -143,6 +143,8 @@ class _Episode:
         self.trajectory.status = status
         self.trajectory.truncation_reason = reason
         self.trajectory.error = error
+        if status == ERROR:  # an env may have said success before a later step or the policy failed: no success
+            self.trajectory.success = False
 
 
 class Rollout:
