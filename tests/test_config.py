@@ -357,6 +357,19 @@ def test_a_float_that_is_not_finite_is_refused_naming_its_key(value):
     assert "must be a finite number" in error_of(overrides=[f"sampling.temperature={value}"])
 
 
+def test_an_empty_stop_string_is_refused_it_would_end_every_response_after_one_token():
+    assert "holds an empty stop string" in error_of(overrides=["sampling.stop=['</answer>', '']"])
+    assert "validation.sampling" not in error_of(overrides=["sampling.stop=['']"])
+
+
+def test_every_built_in_chat_template_is_a_built_in_models_choice():
+    from turnrl.chat.templates import TEMPLATES
+
+    for name in TEMPLATES:
+        assert load_config(EvalConfig, None, [f"model.builtin_template={name}"]).model.builtin_template == name
+    assert "qwen3_thinking" in error_of(overrides=["model.builtin_template=qwen4"])
+
+
 def test_a_config_file_that_is_a_folder_says_so(tmp_path):
     assert error_of(path=tmp_path) == f"config file {str(tmp_path)!r} is a folder; pass a YAML file"
 

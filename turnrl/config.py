@@ -28,6 +28,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from turnrl.chat.templates import TEMPLATES
 from turnrl.registry import Registry, RegistryError, close_names, is_module_attr
 
 T = TypeVar("T")
@@ -266,6 +267,10 @@ class SamplingConfig:
         check_range(f"{prefix}.top_p", self.top_p, 0.0, 1.0)
         check_range(f"{prefix}.top_k", self.top_k, 0)
         check_range(f"{prefix}.max_new_tokens", self.max_new_tokens, 1)
+        if any(not isinstance(stop, str) or not stop for stop in self.stop):
+            # The empty string is in every text: each response would end after its first token.
+            raise ConfigError(f"{prefix}.stop={list(self.stop)!r} holds an empty stop string, which every text "
+                              "holds (each response would end after one token): drop it")
 
 
 @dataclass
@@ -323,7 +328,7 @@ class ModelConfig:
     weights (to measure speed and memory): ``1.5b``, ``3b``, ``7b``, ``vlm-3b``, ``vlm-7b`` (Qwen2.5-VL) and
     ``vlm-8b`` (Qwen3-VL)."""
     builtin_template: str = "chatml"
-    """Chat template of the built-in model (``chatml``, ``qwen3``, ``llama3``)."""
+    """Chat template of the built-in model (``chatml``, ``qwen3``, ``qwen3_thinking``, ``llama3``)."""
     builtin_dir: Optional[str] = None
     """Where the built-in model is built and cached; None uses ``~/.cache/turnrl/models``."""
     expects_pretrained: bool = False
@@ -383,7 +388,7 @@ class ModelConfig:
                 check_range(f"model.{key}", getattr(self, key), 1)
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ConfigError(f"model.min_pixels={self.min_pixels} exceeds model.max_pixels={self.max_pixels}")
-        check_choice("model.builtin_template", self.builtin_template, ["chatml", "qwen3", "llama3"])
+        check_choice("model.builtin_template", self.builtin_template, sorted(TEMPLATES))
         # model.backend and model.engine.families name objects of upper layers' registries: checked where a run
         # builds its policy (turnrl.policy.factory.check_model_choices), and by TrainConfig.validate at load time.
         check_choice("model.attention", self.attention, ["sdpa", "eager"])

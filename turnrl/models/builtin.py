@@ -127,9 +127,9 @@ def _builtin_build(config: ModelConfig) -> tuple[str, str, Path]:
     check_builtin_preset(preset)
     if not is_vlm_preset(preset):
         return preset, template, root / f"qwen2-{preset}-{template}"
-    if template not in ("chatml", "qwen3"):
+    if template not in ("chatml", "qwen3", "qwen3_thinking"):
         raise ConfigError(f"model.builtin_template={template!r} has no Qwen vision tokens; a built-in VLM "
-                          "takes chatml or qwen3")
+                          "takes chatml, qwen3 or qwen3_thinking")
     family = {"qwen3_vl": "qwen3-vl"}.get(vlm_preset(preset).family, "qwen2.5-vl")
     return preset, template, root / f"{family}-{preset.removeprefix(VLM_PREFIX)}-{template}"
 
