@@ -8,6 +8,8 @@ are followed as they train (LoRA merged, float32 masters cast).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -260,6 +262,13 @@ def test_generate_refuses_prompts_and_settings_of_different_counts():
     with pytest.raises(ValueError, match="3 prompts and 1 sampling settings"):
         engine.generate(random_prompts([5, 6, 7]), [GREEDY])
     assert not engine.waiting and not engine.running
+
+
+def test_stop_strings_on_an_engine_without_a_decoder_end_their_request_with_an_error():
+    """Unchecked, they would be run past without a word (the engine cannot read text without the decoder)."""
+    engine = engine_for(build())
+    (result,) = engine.generate(random_prompts([5]), [replace(GREEDY, stop_strings=("</answer>",))])
+    assert result.finish_reason == "error" and "decode function" in result.error
 
 
 @pytest.mark.timeout(120)

@@ -105,7 +105,7 @@ class Scheduler:
         prefill_chunk_tokens: the most padded tokens of one prefill call (:func:`prefill_chunks`).
         stats: the counters it adds its admissions, evictions and generated tokens to.
         vocab_size: the model's vocabulary (stop ids at or above it never match).
-        decode: token ids to text, for stop strings (None: stop strings are not checked).
+        decode: token ids to text, for stop strings (None: a sequence with stop strings ends at once with an error).
     """
 
     def __init__(self, cache: KVCache, max_len: int, prefill_chunk_tokens: int, stats: EngineStats,
@@ -147,6 +147,9 @@ class Scheduler:
                                         f"max_new_tokens is {sequence.params.max_new_tokens}; give 1 or more"))
         elif not prompt:
             self.finished.append(Result(sequence.id, [], [], "error", "empty prompt"))
+        elif sequence.params.stop_strings and self._decode is None:  # unchecked, they would be run past
+            self.finished.append(Result(sequence.id, [], [], "error", "stop strings need the engine made with a "
+                                        "decode function (token ids to text); give one, or stop on token ids"))
         elif len(prompt) >= self.max_len:
             self.finished.append(Result(
                 sequence.id, [], [], "error",
