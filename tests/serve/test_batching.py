@@ -92,8 +92,9 @@ def test_a_request_reported_failed_is_an_error_and_fails_alone():
     reports every request of a failed step so): it was answered as a 200 of empty text with a finish_reason no
     client knows, and one request that broke the step took down every request batched with it."""
     policy, greedy = AbortingPolicy(), SamplingConfig(temperature=0)
-    results, _ = run_jobs(policy, [(1, 1, greedy), (13, 1, greedy), (3, 2, greedy), (14, 1, greedy)])
+    results, stats = run_jobs(policy, [(1, 1, greedy), (13, 1, greedy), (3, 2, greedy), (14, 1, greedy)])
     assert results[0][0].text == "1" and [c.text for c in results[2]] == ["3", "3"]
+    assert stats.prompts == 5  # each prompt once, the failed batch's retries not counted twice
     assert results[1].status == 500 and results[1].type == "server_error"
     assert results[1].message == "the policy could not complete the request: decode failed: RuntimeError: boom"
     assert results[3].status == 400 and results[3].code == "context_length_exceeded"

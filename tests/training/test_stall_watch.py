@@ -32,6 +32,18 @@ def test_the_stacks_are_written_past_the_interval_again_while_nothing_moves_and_
     assert stacks_in(path) == before
 
 
+def test_a_stacks_file_that_cannot_be_written_is_said_and_the_watch_goes_on(tmp_path, capsys):
+    """A full disk (here: a folder that is not there yet) must not end the watch thread with a traceback."""
+    path = tmp_path / "later" / "stalls.txt"
+    with StallWatch(path, after_s=0.1, poll_s=0.02) as watch:
+        time.sleep(0.3)
+        path.parent.mkdir()
+        time.sleep(0.3)
+        assert watch._thread is not None and watch._thread.is_alive()
+    assert "could not write stalled threads' stacks" in capsys.readouterr().err
+    assert stacks_in(path) >= 1
+
+
 def test_off_it_opens_nothing(tmp_path):
     with StallWatch(stalls_path(tmp_path, 3), after_s=0):
         time.sleep(0.1)

@@ -175,14 +175,15 @@ class GenerationBatcher:
                     APIError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
                 )
             return
-        self.stats.prompts += len(requests)
         start, failed = 0, []
         for job in jobs:
             answers = completions[start : start + len(job.requests)]
             start += len(job.requests)
             if any(answer.finish_reason == "error" for answer in answers) and len(jobs) > 1:
                 failed.append(job)  # a failed step (the engine's) ends every request of the batch: retried alone
-            elif not job.future.done():
+                continue
+            self.stats.prompts += len(job.requests)  # a retried job's count when it is answered, once
+            if not job.future.done():
                 settle(job.future, answers)
         for job in failed:
             await self._generate([job])

@@ -66,8 +66,12 @@ class StallWatch:
             now, last = time.monotonic(), self._last
             if now - last >= self.after_s and now - max(written, last) >= self.after_s:
                 heading = f"{time.strftime('%Y-%m-%d %H:%M:%S')}: no progress for {now - last:.1f} s"
-                with self.path.open("a") as file:
-                    file.write(f"{heading}\n{thread_stacks()}\n")
+                try:
+                    with self.path.open("a") as file:
+                        file.write(f"{heading}\n{thread_stacks()}\n")
+                except OSError as error:  # a full disk: the run goes on, and the watch tries again next time
+                    print(f"warning: could not write stalled threads' stacks to {self.path}: {error}",
+                          file=sys.stderr)
                 written = now
 
     def __enter__(self) -> StallWatch:
