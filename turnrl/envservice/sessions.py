@@ -31,6 +31,10 @@ logger = logging.getLogger("turnrl.env_server")
 
 RECENTLY_CLOSED = 100_000
 """Closed session ids remembered, so that using one says why it is gone."""
+RECENTLY_FAILED = 10_000
+"""Failed resets and steps remembered with their error items (a traceback's last frames each, about a kilobyte),
+to answer a retry of one whose answer was lost: retries come within seconds, and an env that always raises would
+otherwise hold a hundred megabytes of them."""
 
 
 # --------------------------------------------------------------------------- sessions
@@ -112,7 +116,7 @@ class SessionTable:
         self.closed[session.id] = reason
         while len(self.closed) > RECENTLY_CLOSED:
             self.closed.popitem(last=False)
-        while len(self.failed) > RECENTLY_CLOSED:
+        while len(self.failed) > RECENTLY_FAILED:
             self.failed.popitem(last=False)
 
 
