@@ -281,6 +281,12 @@ def test_a_rollout_device_without_the_asynchronous_rollout_is_refused_not_ignore
     assert config.distributed.rollout_device == "cuda:1"
 
 
+def test_a_ray_address_for_a_run_that_uses_no_ray_is_refused_not_ignored():
+    assert "this run uses neither" in error_of("distributed.ray_address=auto")
+    for uses in ("distributed.backend=ray", "distributed.env_workers=2"):
+        assert load_config(TrainConfig, None, ["distributed.ray_address=auto", uses]).distributed.ray_address == "auto"
+
+
 def test_the_asynchronous_rollout_on_several_processes_is_refused_before_they_start():
     # Each process under torchrun refused it, with a message that told the user to start without torchrun.
     message = error_of("distributed.async_rollout=true", "distributed.nproc_per_node=2")

@@ -590,6 +590,10 @@ class DistributedConfig:
         check_range("distributed.worker_gpus", self.worker_gpus, 0.0)
         check_range("distributed.env_workers", self.env_workers, 0)
         check_range("distributed.max_staleness", self.max_staleness, 0)
+        if self.ray_address is not None and self.backend != "ray" and not self.env_workers:
+            raise ConfigError(f"distributed.ray_address={self.ray_address!r} names the Ray cluster of the Ray "
+                              "rollout (distributed.backend=ray) and of env workers (distributed.env_workers); "
+                              "this run uses neither: set one, or drop distributed.ray_address")
         if self.nproc_per_node > 1 and self.backend not in ("none", "fsdp"):
             raise ConfigError(f"distributed.nproc_per_node={self.nproc_per_node} starts FSDP processes; it does "
                               f"not go with distributed.backend={self.backend} (set one or the other)")
