@@ -45,6 +45,7 @@ from transformers import PreTrainedTokenizerBase
 
 from turnrl.agent.formats import ResponseFormat
 from turnrl.chat.template_deltas import ChatTemplateDeltas, Message, as_message, expand_placeholders
+from turnrl.config import ConfigError
 
 HEAD_TURN = -1
 """``turn_index`` of the head tokens (system message, first user message, generation prompt)."""
@@ -56,9 +57,13 @@ def format_for_template(fmt: ResponseFormat, tokenizer: PreTrainedTokenizerBase)
     thinking model's ``<think>\\n``), ``fmt`` itself for most templates.
 
     Raises:
-        ValueError: the format cannot read responses that continue the template's opening (with why).
+        ConfigError: the format cannot read responses that continue the template's opening (with why).
     """
-    return fmt.under_template(ChatTemplateDeltas.for_tokenizer(tokenizer).template_opening)
+    opening = ChatTemplateDeltas.for_tokenizer(tokenizer).template_opening
+    try:
+        return fmt.under_template(opening)
+    except ValueError as error:
+        raise ConfigError(f"agent.format={fmt.name}: {error}") from None
 
 
 @dataclass

@@ -170,10 +170,7 @@ class Rollout:
     ) -> None:
         self.policy = policy
         if policy.tokenizer is not None:
-            try:
-                fmt = format_for_template(fmt, policy.tokenizer)
-            except ValueError as error:
-                raise ConfigError(f"agent.format={fmt.name}: {error}") from None
+            fmt = format_for_template(fmt, policy.tokenizer)
         self.fmt = fmt
         """The format the responses are read in: ``fmt`` under the policy's chat template, which may open the
         assistant's message itself (:func:`~turnrl.rollout.context.format_for_template`)."""

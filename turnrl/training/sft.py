@@ -556,11 +556,9 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     path = base_model_path(config.model)
     tokenizer = load_tokenizer(path)
     processor = load_processor(path, config.model.min_pixels, config.model.max_pixels)
-    try:  # the responses the model learns continue its template's opening, as the rollout reads them
-        fmt = format_for_template(get_format(config.agent.format, action_separator=config.agent.action_separator,
-                                             max_actions_per_turn=config.agent.max_actions_per_turn), tokenizer)
-    except ValueError as error:
-        raise ConfigError(f"agent.format={config.agent.format}: {error}") from None
+    # The responses the model learns continue its template's opening, as the rollout reads them.
+    fmt = format_for_template(get_format(config.agent.format, action_separator=config.agent.action_separator,
+                                         max_actions_per_turn=config.agent.max_actions_per_turn), tokenizer)
     out = run_dir / "sft"
     demos: list[Trajectory] = []
     actions: ActionTokens | None = None
