@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from turnrl.training.model_passes import ValueModel, token_and_candidate_logprobs, token_logprobs
 from turnrl.training.head import install_scoring_head
+from turnrl.training.model_passes import ValueModel, token_and_candidate_logprobs, token_logprobs
+from turnrl.training.precision import autocast
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,32 @@ def test_token_logprobs_do_not_depend_on_the_chunk_size(model, inputs):
     three, _ = token_logprobs(model, *inputs, chunk_size=3)
     assert torch.allclose(big, one, atol=1e-6) and torch.allclose(big, three, atol=1e-6)
     assert torch.allclose(big_h, one_h, atol=1e-6)
+
+
+def test_a_pass_over_short_rows_of_a_long_batch_runs_at_their_own_width(model, critic, inputs):
+    """A micro-batch keeps its batch's width; its pass leaves out the columns that are padding in every row
+    (as wide as the batch's longest episode), and scores as the rows padded to their own longest."""
+    input_ids, attention_mask, score_mask = inputs
+    wide = torch.cat([input_ids, input_ids[:, :4]], 1)  # four more columns, padding in both rows
+    wide_mask = torch.cat([attention_mask, torch.zeros(2, 4, dtype=torch.long)], 1)
+    wide_scores = torch.cat([score_mask, torch.zeros(2, 4)], 1)
+    widths = []
+    hooks = [body.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                            with_kwargs=True) for body in (model.base_model, critic.backbone)]
+    try:
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(model, wide[1:], wide_mask[1:], wide_scores[1:])
+            values = critic(wide[1:], wide_mask[1:])
+            expected_lp, _ = token_logprobs(model, input_ids[1:, :9], attention_mask[1:, :9], score_mask[1:, :9])
+            expected_values = critic(input_ids[1:, :9], attention_mask[1:, :9])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert widths == [9, 9, 9, 9]  # row 1 has 9 real tokens
+    assert logprobs.shape == values.shape == (1, 16)
+    torch.testing.assert_close(logprobs[:, :9], expected_lp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(values[:, :9], expected_values, atol=1e-6, rtol=1e-6)
+    assert not logprobs[:, 9:].any() and not values[:, 9:].any()
 
 
 def test_empty_score_mask_gives_zeros_that_backward_accepts(model, inputs):
@@ -213,6 +240,23 @@ def test_value_is_the_head_on_the_hidden_state_of_the_previous_token(critic, inp
     real = attention_mask[:, 1:].bool()
     assert torch.allclose(values[:, 1:][real], after_each[:, :-1][real], atol=1e-6)
     assert not values[:, 1:][~real].any() and not values[:, 0].any()  # padding and the first token: no value
+
+
+@torch.no_grad()
+def test_values_under_bf16_autocast_are_the_head_in_float32_on_the_hidden_states(critic, inputs):
+    """Mixed precision rounds the body's matrix products, not the values: the head (one row of float32 weights)
+    reads the hidden states in float32, so values near a return of 5 are not rounded to steps of 1/32."""
+    input_ids, attention_mask, _ = inputs
+    shifted = copy.deepcopy(critic)
+    torch.nn.init.normal_(shifted.value_head.weight, std=0.01, generator=torch.Generator().manual_seed(2))
+    torch.nn.init.constant_(shifted.value_head.bias, 5.3)
+    with autocast(torch.device("cpu"), torch.bfloat16):
+        values = shifted(input_ids, attention_mask)
+        hidden = shifted.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    expected = shifted.value_head(hidden.float()).squeeze(-1)  # outside autocast: float32
+    real = attention_mask[:, 1:].bool()
+    assert values.dtype == torch.float32
+    torch.testing.assert_close(values[:, 1:][real], expected[:, :-1][real], atol=1e-5, rtol=1e-6)
 
 
 @torch.no_grad()
