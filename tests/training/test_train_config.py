@@ -281,6 +281,11 @@ def test_a_rollout_device_without_the_asynchronous_rollout_is_refused_not_ignore
     assert config.distributed.rollout_device == "cuda:1"
 
 
+def test_float16_training_is_refused_for_want_of_a_loss_scaler():
+    assert "model.dtype=float16 trains without a loss scaler" in error_of("model.dtype=float16")
+    assert load_config(TrainConfig, None, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"
+
+
 def test_a_ray_address_for_a_run_that_uses_no_ray_is_refused_not_ignored():
     assert "this run uses neither" in error_of("distributed.ray_address=auto")
     for uses in ("distributed.backend=ray", "distributed.env_workers=2"):

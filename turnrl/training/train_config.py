@@ -307,11 +307,13 @@ class OptimConfig:
     """Linear learning-rate warm-up of the actor over this many of its updates."""
     lr_schedule: str = "constant"
     """The actor's learning rate after the warm-up: ``constant``, or ``cosine`` (a half cosine from ``actor_lr``
-    down to ``min_lr_ratio * actor_lr`` at the run's last actor update, as verl's ``lr_scheduler_type=cosine``).
+    towards ``min_lr_ratio * actor_lr``, which it reaches one step past the run's last actor update, as verl's
+    ``lr_scheduler_type=cosine`` does).
     Warm-up and decay count actor updates: the steps of ``run.steps`` less ``algorithm.critic_warmup_steps``; a
     step whose update is skipped (no group kept) does not move them."""
     min_lr_ratio: float = 0.1
-    """``lr_schedule=cosine``: the last step's learning rate as a share of ``actor_lr``."""
+    """``lr_schedule=cosine``: the floor of the learning rate as a share of ``actor_lr`` (the last update's is a
+    little above it)."""
     kl_adaptive_target: float = 0.0
     """Above 0, the actor's learning rate follows each update's ``actor/approx_kl`` (rsl_rl's adaptive
     schedule): after an update whose KL exceeded twice this, the rate's scale is divided by 1.5; after one under
@@ -705,6 +707,11 @@ class TrainConfig:
         self.rewards.validate()
         self.sampling.validate()
         self.model.validate()
+        if self.model.dtype == "float16":
+            # Gradients under float16 autocast underflow to 0 without a loss scaler, which the trainer has not.
+            raise ConfigError("model.dtype=float16 trains without a loss scaler here: small gradients flush to 0 "
+                              "(the output layer's first); train in bfloat16 (or float32 where the GPU has no "
+                              "bf16), and evaluate or serve in float16 if you like")
         check_model_choices(self.model)
         self.groups.validate()
         self.algorithm.validate()
