@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.viz.conftest import EVAL_EPISODES
-from turnrl.viz.view_command import make_server
 from turnrl.viz.report import write_report
+from turnrl.viz.view_command import make_server
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 

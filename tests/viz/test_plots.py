@@ -84,6 +84,19 @@ def test_collapse_curves_are_drawn_when_a_run_measured_them(tmp_path):
         records(), tmp_path / "plain")}
 
 
+def test_non_finite_values_are_gaps_counted_in_the_legend(tmp_path):
+    nan = float("nan")
+    values = [1.0, 0.9, nan, 0.7, nan]
+    diverged = [{"step": float(step), "actor/entropy": value} for step, value in enumerate(values, 1)]
+    plot = draw_curve(Curve("entropy", "Entropy", (("actor/entropy", "sampled tokens"),)), diverged, tmp_path / "e.png")
+    assert plot is not None and (plot.points, plot.gaps) == (3, 2)
+    assert series(diverged, "actor/entropy")[0] == [1, 2, 3, 4, 5]  # the run went on: the axis reaches step 5
+    # A metric that was never finite still gets its plot, which says so, rather than no plot at all.
+    never = [{"step": float(step), "actor/kl_ref": nan} for step in range(1, 4)]
+    kl = draw_curve(CURVES[2], never, tmp_path / "kl.png")
+    assert kl is not None and (kl.points, kl.gaps) == (0, 3) and kl.path.is_file()
+
+
 # --------------------------------------------------------------------------- comparison of rows over seeds
 def seed_records(seed: int, steps: int, grad_norm: bool = True) -> list[dict[str, float]]:
     """A run with training metrics every step and validation at steps 0, 4, 8, ..."""

@@ -21,6 +21,7 @@ from turnrl.viz.records import (
     safe_relative_path,
     source_label,
     source_name,
+    spread_step_files,
     token_advantage_records,
     trajectory_files,
     write_token_advantages,
@@ -195,6 +196,21 @@ def test_read_source_keeps_the_first_episodes_and_says_how_many_there_were(tmp_p
     assert any("first 2 of 5" in w for w in warnings)
 
 
+def test_a_last_line_the_run_is_still_writing_is_left_out_and_said_so(tmp_path):
+    whole = json.dumps(episode(1)) + "\n"
+    (tmp_path / "trajectories.jsonl").write_text(whole * 3 + whole[:40])  # as a reader sees a file mid-write
+    warnings: list[str] = []
+    source = read_source(tmp_path / "trajectories.jsonl", tmp_path, 10, warnings)
+    assert (len(source.episodes), source.total) == (3, 3)
+    assert warnings == ["trajectories.jsonl: line 4 is cut short and left out (the run is still writing this file, "
+                        "or stopped while it wrote it)"]
+    warnings.clear()
+    assert read_source(tmp_path / "trajectories.jsonl", tmp_path, 2, warnings).total == 3
+    assert any("showing the first 2 of 3 episodes" in w for w in warnings)
+    (tmp_path / "trajectories.jsonl").write_text(whole * 2 + whole.strip())  # whole, without its newline
+    assert read_source(tmp_path / "trajectories.jsonl", tmp_path, 10, []).total == 3
+
+
 def test_token_advantages_attach_to_their_turns_and_set_the_file_scale(tmp_path):
     (tmp_path / "trajectories").mkdir()
     (tmp_path / "trajectories" / "step_000000.jsonl").write_text(json.dumps(episode(2)) + "\n")
@@ -212,6 +228,24 @@ def test_token_advantages_attach_to_their_turns_and_set_the_file_scale(tmp_path)
     assert turns[1].advantages == TokenAdvantages(("<answer>", "Up", "</answer>"), (0.5, -1.5, 0.25))
     assert source.advantage_scale == 1.5 and source.episodes[0].has_advantages
     assert any("2 line(s) skipped" in w and "no turn 9" in w and "1 tokens but 0" in w for w in warnings)
+
+
+def test_heatmaps_are_drawn_for_the_first_whole_episodes_within_the_token_budget(tmp_path):
+    (tmp_path / "trajectories").mkdir()
+    (tmp_path / "trajectories" / "step_000001.jsonl").write_text("".join(json.dumps(episode(2)) + "\n"
+                                                                         for _ in range(3)))
+    write_token_advantages(tmp_path / "trajectories" / "step_000001.advantages.jsonl", [
+        {"episode": e, "turn": k, "tokens": ["a", "b", "c"], "advantages": [0.1, -0.2, 0.5 * (e + 1)]}
+        for e in range(3) for k in range(2)])  # 6 tokens an episode
+    warnings: list[str] = []
+    source = read_source(tmp_path / "trajectories" / "step_000001.jsonl", tmp_path, 10, warnings, 13)
+    assert [ep.has_advantages for ep in source.episodes] == [True, True, False]
+    assert all(turn.advantages is not None for ep in source.episodes[:2] for turn in ep.turns)  # never half of one
+    assert source.advantage_scale == 1.5  # the colours mean the same whatever is drawn
+    assert warnings == ["trajectories/step_000001.advantages.jsonl: per-token advantages drawn for the first 2 of 3 "
+                        "episodes (12 tokens) to keep the page light (turnrl view --max-heatmap-tokens N draws more)"]
+    assert [ep.has_advantages for ep in read_source(tmp_path / "trajectories" / "step_000001.jsonl", tmp_path, 10,
+                                                    [], 5).episodes] == [False] * 3
 
 
 @FAST
@@ -237,6 +271,31 @@ def test_files_of_a_run_come_in_training_order(tmp_path):
     assert source_label("something") == ("something", None)
 
 
+def test_a_long_runs_step_files_are_spread_from_the_first_step_to_the_last():
+    steps = [Path(f"run/trajectories/step_{step:06d}.jsonl") for step in range(1, 41)]
+    others = [Path("run/sft/demos_sample.jsonl"), Path("run/trajectories/val_before_rl.jsonl")]
+    after = Path("run/trajectories/val_after_rl.jsonl")
+    files = [*others, *steps, after]
+    kept, left_out = spread_step_files(files, 5)
+    assert [p.name for p in kept] == ["demos_sample.jsonl", "val_before_rl.jsonl", "step_000001.jsonl",
+                                      "step_000011.jsonl", "step_000021.jsonl", "step_000030.jsonl",
+                                      "step_000040.jsonl", "val_after_rl.jsonl"]
+    assert left_out == 35
+    assert spread_step_files(files, 1) == ([*others, steps[-1], after], 39)  # the latest step
+    assert spread_step_files(files, 40) == (files, 0) and spread_step_files(files[:3], 1) == (files[:3], 0)
+    with pytest.raises(ValueError, match="at least 1"):
+        spread_step_files(files, 0)
+
+
+@FAST
+@given(st.integers(1, 60), st.integers(1, 70))
+def test_spread_step_files_keeps_exactly_the_limit_with_both_ends(n_steps, limit):
+    steps = [Path(f"step_{step:06d}.jsonl") for step in range(1, n_steps + 1)]
+    kept, left_out = spread_step_files(steps, limit)
+    assert len(kept) == min(n_steps, limit) and left_out == n_steps - len(kept)
+    assert kept == sorted(kept) and kept[-1] == steps[-1] and (limit == 1 or kept[0] == steps[0])
+
+
 # --------------------------------------------------------------------------- metrics
 def test_metrics_lines_keep_finite_numbers_with_their_step(tmp_path):
     assert parse_metrics_line('{"step": 3, "a": 1.5, "b": null, "c": "x", "d": true}') == {"a": 1.5, "step": 3.0}
@@ -247,6 +306,18 @@ def test_metrics_lines_keep_finite_numbers_with_their_step(tmp_path):
     assert [r["a"] for r in read_metrics(path, warnings)] == [1.0, 2.0]
     assert warnings == ["metrics.jsonl: 1 line(s) could not be read"]
     assert read_metrics(tmp_path / "absent.jsonl") == []
+
+
+def test_non_finite_metrics_can_be_kept_as_nan_for_the_plots(tmp_path):
+    line = '{"step": 3, "a": null, "b": NaN, "c": Infinity, "d": 2, "e": "x", "f": true}'
+    assert parse_metrics_line(line) == {"d": 2.0, "step": 3.0}  # what the run's own readers take
+    kept = parse_metrics_line(line, keep_non_finite=True)
+    assert kept is not None and sorted(kept) == ["a", "b", "c", "d", "step"] and kept["d"] == 2.0
+    assert all(kept[key] != kept[key] for key in "abc")  # NaN: a gap in a curve, not a line across it
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": null}\n{"step": 3, "a": 3}\n')
+    assert [len(r) for r in read_metrics(path)] == [2, 1, 2]
+    assert [r["a"] == r["a"] for r in read_metrics(path, keep_non_finite=True)] == [True, False, True]
 
 
 @FAST

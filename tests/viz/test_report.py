@@ -182,6 +182,73 @@ def test_folders_that_are_neither_say_what_to_pass(tmp_path, run_dir):
         folder_kind(run_dir / "trajectories")
 
 
+def test_a_long_run_shows_the_steps_spread_over_it_and_says_so(run_dir, tmp_path):
+    from turnrl.viz.records import DEFAULT_MAX_STEP_FILES
+
+    run = shutil.copytree(run_dir, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoints", "reference",
+                                                                                     "report.html", "plots"))
+    step_file = (run / "trajectories" / "step_000001.jsonl").read_text()
+    for step in range(3, 201):  # a run that kept its episodes every step for 200 steps
+        (run / "trajectories" / f"step_{step:06d}.jsonl").write_text(step_file)
+    data = load_report(run, plots=False)
+    steps = [source.step for source in data.sources if source.name.startswith("step_")]
+    assert len(steps) == DEFAULT_MAX_STEP_FILES and steps[0] == 1 and steps[-1] == 200
+    assert [s.label for s in data.sources if not s.name.startswith("step_")] == [
+        "validation before RL", "validation after RL"]
+    assert any(f"{DEFAULT_MAX_STEP_FILES} of the 200 training steps" in w and "--max-step-files" in w
+               for w in data.warnings)
+    assert len(load_report(run, plots=False, max_step_files=200).sources) == 202
+    assert not any("--max-step-files" in w for w in load_report(run_dir, plots=False).warnings)
+
+
+@pytest.mark.parametrize("budget", [0, 40, 150, 10_000])
+def test_advantage_heatmaps_share_the_pages_token_budget(run_dir, budget):
+    data = load_report(run_dir, plots=False, max_heatmap_tokens=budget)
+    steps = [source for source in data.sources if source.name.startswith("step_")]
+    assert len(steps) == 2  # the run's two step files both have advantages
+    for source in steps:
+        drawn = [sum(len(t.advantages.tokens) for t in ep.turns if t.advantages) for ep in source.episodes]
+        assert sum(drawn) <= budget // 2
+        shown = [ep.has_advantages for ep in source.episodes]
+        assert shown == sorted(shown, reverse=True)  # the first episodes
+        assert (f"{source.name}.advantages.jsonl: per-token advantages drawn" in " ".join(data.warnings)) == (
+            not all(shown))
+    html = render_html(data)
+    assert html.count('<span class="tok"') <= budget
+
+
+def test_a_run_in_or_only_of_its_sft_stage_is_a_run(eval_dir, tmp_path):
+    run = tmp_path / "run"
+    (run / "sft").mkdir(parents=True)  # what `turnrl sft` leaves: no RL metrics or trajectories
+    (run / "sft" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "sft/loss": 3.0 - s}) + "\n"
+                                                       for s in range(1, 4)))
+    shutil.copy(eval_dir / "trajectories.jsonl", run / "sft" / "demos_sample.jsonl")
+    shutil.copytree(eval_dir / "images", run / "sft" / "images")
+    data = load_report(run)
+    assert data.kind == "training run" and [p.url for p in data.plots] == ["plots/sft_loss.png"]
+    assert [s.label for s in data.sources] == ["SFT demos"] and data.episode_count == EVAL_EPISODES
+    assert data.warnings == []
+    with pytest.raises(ValueError, match="SFT folder of a run: pass the run folder above it"):
+        folder_kind(run / "sft")
+
+
+def test_a_lone_surrogate_in_a_record_costs_that_character_only(eval_dir, tmp_path):
+    folder = shutil.copytree(eval_dir, tmp_path / "eval", ignore=shutil.ignore_patterns("report.html"))
+    episodes = lines(folder / "trajectories.jsonl")
+    episodes[0]["turns"][0]["response"] = "half an emoji: \ud83d."  # a JSON escape of a lone surrogate
+    (folder / "trajectories.jsonl").write_text("".join(json.dumps(e) + "\n" for e in episodes))
+    html = write_report(folder).read_text(encoding="utf-8")
+    assert html.count('<details class="episode"') == EVAL_EPISODES and "half an emoji: \\ud83d." in html
+
+
+def test_non_finite_metrics_are_drawn_as_gaps_not_left_out(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "actor/entropy": None if step == 3 else 1.0 / step, "actor/kl_ref": None}) + "\n"
+        for step in range(1, 6)))  # the log writes a NaN as null
+    urls = [plot.url for plot in load_report(tmp_path).plots]
+    assert urls == ["plots/kl.png", "plots/entropy.png"]  # a KL that was NaN at every step is shown, not hidden
+
+
 def test_summary_is_flattened_and_headlined():
     summary = {"success_rate": 0.5, "pass_at_k": {"1": 0.5}, "val_after_rl": {"val/success": 0.123456}, "env": "X",
                "tags": [1, 2]}
@@ -192,6 +259,10 @@ def test_summary_is_flattened_and_headlined():
     early = {"steps": 23, "stopped_by": "early_stop",
              "early_stop": {"rule": "empty_filter_steps", "reason": "nothing kept", "step": 23}}
     assert headline(early) == [("RL steps", "23"), ("stopped early", "after step 23: nothing kept")]
+    timed = {"time_limit": {"minutes": 90.0, "step": 7}}
+    assert headline(timed) == [("stopped at its time limit", "after step 7: 90 minutes")]
+    for minutes in ("90", None, [90]):  # a summary.json written by hand or by another version is read as it is
+        assert headline({"time_limit": {"minutes": minutes, "step": 7}})[0][1] == f"after step 7: {minutes} minutes"
 
 
 def test_pairs_say_what_changed():

@@ -30,6 +30,8 @@ def test_view_writes_the_report_and_prints_its_path(eval_dir, capsys):
     (["{tmp}/absent"], "is not a folder"),
     (["{tmp}"], "holds neither a training run"),
     (["{eval}", "--max-episodes", "0"], "--max-episodes must be at least 1"),
+    (["{eval}", "--max-step-files", "0"], "--max-step-files must be at least 1"),
+    (["{eval}", "--max-heatmap-tokens", "-1"], "--max-heatmap-tokens must be 0 (no heatmaps) or more"),
     (["{eval}", "--port", "70000"], "is not a port number"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, eval_dir, argv, message):
@@ -41,7 +43,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path, eval_dir, argv, message):
 
 def test_defaults_serve_this_machine_only():
     args = parse("some/dir")
-    assert (args.serve, args.port, args.host, args.max_episodes) == (False, 8008, "127.0.0.1", 128)
+    assert (args.serve, args.port, args.host, args.max_episodes, args.max_step_files, args.max_heatmap_tokens) == (
+        False, 8008, "127.0.0.1", 128, 16, 100_000)
 
 
 def test_the_server_serves_the_folder(eval_dir):

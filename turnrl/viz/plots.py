@@ -8,6 +8,7 @@ no global state, from the records of ``metrics.jsonl``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,10 @@ class Plot:
     curve: Curve
     path: Path
     points: int
-    """Points drawn over all its series."""
+    """Points drawn over all its series (finite values)."""
+    gaps: int = 0
+    """Steps whose value was not finite (NaN, or null in ``metrics.jsonl``), over all its series: gaps in the
+    lines, counted in the legend."""
 
 
 def series(records: list[dict[str, float]], metric: str) -> tuple[list[int], list[float]]:
@@ -97,21 +101,26 @@ def draw_curve(curve: Curve, records: list[dict[str, float]], path: Path) -> Plo
     figure = Figure(figsize=(5.0, 3.2), dpi=100, layout="constrained")
     axes = figure.subplots()
     lines: list = []
+    points = gaps = 0
     for metric, label, steps, values in drawn:
         # Sparse series (validation at the start and the end) need markers to be seen at all.
         marker = "o" if len(steps) <= 12 else None
         style = {"linestyle": "--", "color": lines[-1].get_color()} if metric in curve.dashed and lines else {}
+        missing = sum(not math.isfinite(value) for value in values)
+        if missing:  # NaN breaks the line; the legend says how often, since a gap of one step is hard to see
+            label = f"{label} (not finite at {missing} step{'s' if missing > 1 else ''})"
         lines += axes.plot(steps, values, label=label, marker=marker, markersize=4, linewidth=1.5, **style)
+        points, gaps = points + len(values) - missing, gaps + missing
     axes.set_title(curve.title)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     axes.set_xlabel("step")
     axes.set_ylabel(curve.ylabel)
     axes.grid(alpha=0.3)
-    if len(drawn) > 1:
+    if len(drawn) > 1 or gaps:
         axes.legend(fontsize="small")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
-    return Plot(curve, path, sum(len(steps) for _, _, steps, _ in drawn))
+    return Plot(curve, path, points, gaps)
 
 
 def draw_training_curves(

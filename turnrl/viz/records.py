@@ -42,6 +42,13 @@ from turnrl.rollout.trajectory import sum_by_name
 ADVANTAGES_SUFFIX = ".advantages.jsonl"
 DEFAULT_MAX_EPISODES = 128
 """Episodes shown per trajectories file: a long run's files together would make a page too heavy to open."""
+DEFAULT_MAX_HEATMAP_TOKENS = 100_000
+"""Tokens of a page drawn in per-token advantage heatmaps, shared evenly by the files that have advantages: each
+token is an element of its own, and every token of a step file (128 episodes of five 128-token turns: 80,000) in
+each of the files shown would make a page of a million elements and over a hundred megabytes."""
+DEFAULT_MAX_STEP_FILES = 16
+"""Training steps' trajectories files shown: a long run writes one every ``run.trajectories_every`` steps, and
+hundreds of them (each up to :data:`DEFAULT_MAX_EPISODES` episodes) would make a page of hundreds of megabytes."""
 _STEP_FILE = re.compile(r"step_(\d+)")
 VARIANTS_DIR = "variants"
 """The folder of a variants evaluation that holds one evaluation folder per variant."""
@@ -349,6 +356,14 @@ def _lines(path: Path) -> Iterable[tuple[int, str]]:
                 yield number, line
 
 
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
+
+
 def source_name(path: Path, folder: Path) -> str:
     """The name of a trajectories file of ``folder``: its stem (``step_000005``), or for a variant's file its
     path without ``.jsonl`` (``variants/sokoban-8x8/trajectories``), since every variant's file is
@@ -378,17 +393,24 @@ def source_label(stem: str) -> tuple[str, int | None]:
     return stem, None
 
 
-def read_source(path: Path, report_dir: Path, max_episodes: int, warnings: list[str]) -> EpisodeSource:
-    """The episodes of one trajectories file (the first ``max_episodes``), with its token advantages.
+def read_source(path: Path, report_dir: Path, max_episodes: int, warnings: list[str],
+                max_heatmap_tokens: int = DEFAULT_MAX_HEATMAP_TOKENS) -> EpisodeSource:
+    """The episodes of one trajectories file (the first ``max_episodes``), with the token advantages of the first
+    episodes that have at most ``max_heatmap_tokens`` of them together.
 
-    Problems (bad lines, missing images, advantages that fit no turn) are appended to ``warnings``.
+    Problems (bad lines, missing images, advantages that fit no turn) are appended to ``warnings``, and so is
+    a note where advantages were left out for the heatmap budget.
     """
     stem = source_name(path, report_dir)
     label, step = source_label(stem)
     source = EpisodeSource(name=stem, label=label, step=step)
     resolver = ImageResolver(path.parent, report_dir)
     bad: list[str] = []
+    unfinished = 0
     for number, line in _lines(path):
+        if not line.endswith("\n") and not _is_json(line):
+            unfinished = number  # only the last line can lack its newline: one its writer has not finished
+            continue
         source.total += 1
         if len(source.episodes) >= max_episodes:
             continue
@@ -399,16 +421,44 @@ def read_source(path: Path, report_dir: Path, max_episodes: int, warnings: list[
     rel = path.relative_to(report_dir).as_posix()
     if bad:
         warnings.append(f"{rel}: {len(bad)} line(s) could not be read ({'; '.join(bad[:3])})")
+    if unfinished:
+        warnings.append(f"{rel}: line {unfinished} is cut short and left out (the run is still writing this file, "
+                        "or stopped while it wrote it)")
     if resolver.missing:
         warnings.append(f"{rel}: {len(resolver.missing)} image(s) missing or outside the folder "
                         f"(first: {resolver.missing[0]!r})")
     if source.total > len(source.episodes) + len(bad):
         warnings.append(f"{rel}: showing the first {max_episodes} of {source.total} episodes "
                         "(turnrl view --max-episodes N shows more)")
-    advantages = path.with_name(path.name.removesuffix(".jsonl") + ADVANTAGES_SUFFIX)
+    advantages = advantages_path(path)
     if advantages.is_file():
         _attach_advantages(source, advantages, report_dir, warnings)
+        _keep_heatmaps_within(source, max_heatmap_tokens, advantages.relative_to(report_dir).as_posix(), warnings)
     return source
+
+
+def advantages_path(path: Path) -> Path:
+    """The per-token advantages file beside the trajectories file ``path`` (which may not exist)."""
+    return path.with_name(path.name.removesuffix(".jsonl") + ADVANTAGES_SUFFIX)
+
+
+def _keep_heatmaps_within(source: EpisodeSource, max_tokens: int, name: str, warnings: list[str]) -> None:
+    """Drop the token advantages of the episodes past the first ones with at most ``max_tokens`` of them, whole
+    episodes at a time (an episode's heatmap is never cut between its turns); the file's colour scale stays."""
+    used, kept, dropped = 0, 0, 0
+    for episode in source.episodes:
+        tokens = sum(len(turn.advantages.tokens) for turn in episode.turns if turn.advantages is not None)
+        if not tokens:
+            continue
+        if dropped or used + tokens > max_tokens:
+            for turn in episode.turns:
+                turn.advantages = None
+            dropped += 1
+        else:
+            used, kept = used + tokens, kept + 1
+    if dropped:
+        warnings.append(f"{name}: per-token advantages drawn for the first {kept} of {kept + dropped} episodes "
+                        f"({used} tokens) to keep the page light (turnrl view --max-heatmap-tokens N draws more)")
 
 
 def _attach_advantages(source: EpisodeSource, path: Path, report_dir: Path, warnings: list[str]) -> None:
@@ -456,10 +506,31 @@ def trajectory_files(folder: Path, variants: Sequence[str] = ()) -> list[Path]:
     return files + [found[name] for name in ordered]
 
 
-def parse_metrics_line(line: str) -> dict[str, float] | None:
+def spread_step_files(files: Sequence[Path], max_step_files: int) -> tuple[list[Path], int]:
+    """At most ``max_step_files`` of the training steps' files in ``files`` (page order, as from
+    :func:`trajectory_files`), evenly spread from the first step to the last so that the page still shows the
+    whole run; every other file (validation, SFT demos, evaluations) is kept. Returns the files kept, in order,
+    and how many steps' files were left out.
+
+    Raises:
+        ValueError: ``max_step_files`` is below 1.
+    """
+    if max_step_files < 1:
+        raise ValueError(f"max_step_files must be at least 1, got {max_step_files}")
+    steps = [path for path in files if _STEP_FILE.fullmatch(path.name.removesuffix(".jsonl"))]
+    if len(steps) <= max_step_files:
+        return list(files), 0
+    last = len(steps) - 1
+    kept = {last} if max_step_files == 1 else {round(k * last / (max_step_files - 1)) for k in range(max_step_files)}
+    dropped = {path for index, path in enumerate(steps) if index not in kept}
+    return [path for path in files if path not in dropped], len(dropped)
+
+
+def parse_metrics_line(line: str, keep_non_finite: bool = False) -> dict[str, float] | None:
     """One ``metrics.jsonl`` line as ``{name: value}`` with its integer ``step``; None for anything else.
 
-    Null (non-finite) values and non-numbers are left out.
+    Non-numbers are left out, and so are null (how the log writes a non-finite value) and non-finite values,
+    unless ``keep_non_finite``: then they are NaN, which a plot draws as a gap instead of a line across it.
     """
     try:
         record = json.loads(line)
@@ -470,19 +541,27 @@ def parse_metrics_line(line: str) -> dict[str, float] | None:
     step = record.get("step")
     if not isinstance(step, int) or isinstance(step, bool):
         return None
-    values = {k: float(v) for k, v in record.items()
-              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+    values = {}
+    for key, value in record.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value)):
+            values[key] = float(value)
+        elif keep_non_finite and (value is None or isinstance(value, float)):
+            values[key] = math.nan
     values["step"] = float(step)
     return values
 
 
-def read_metrics(path: Path, warnings: list[str] | None = None) -> list[dict[str, float]]:
-    """The records of a ``metrics.jsonl`` (each with ``step``), unreadable lines left out; [] without the file."""
+def read_metrics(path: Path, warnings: list[str] | None = None,
+                 keep_non_finite: bool = False) -> list[dict[str, float]]:
+    """The records of a ``metrics.jsonl`` (each with ``step``), unreadable lines left out; [] without the file.
+
+    ``keep_non_finite``: see :func:`parse_metrics_line`.
+    """
     if not path.is_file():
         return []
     records, bad = [], 0
     for _, line in _lines(path):
-        record = parse_metrics_line(line)
+        record = parse_metrics_line(line, keep_non_finite)
         if record is None:
             bad += 1
         else:

@@ -30,12 +30,16 @@ from turnrl.viz.highlight import FIELD_CLASSES, advantage_color, response_segmen
 from turnrl.viz.plots import draw_training_curves
 from turnrl.viz.records import (
     DEFAULT_MAX_EPISODES,
+    DEFAULT_MAX_HEATMAP_TOKENS,
+    DEFAULT_MAX_STEP_FILES,
     VARIANT_COLUMNS,
     VARIANTS_DIR,
     EpisodeSource,
     EpisodeView,
+    advantages_path,
     read_metrics,
     read_source,
+    spread_step_files,
     trajectory_files,
 )
 from turnrl.viz.template import CSS, SCRIPT, TEMPLATE
@@ -154,11 +158,18 @@ def folder_kind(folder: Path) -> str:
                          "or `turnrl eval --out` wrote")
     if (folder / "trajectories.jsonl").is_file() or (folder / VARIANTS_DIR).is_dir():
         return "evaluation"
-    if (folder / "metrics.jsonl").is_file() or (folder / "trajectories").is_dir():
+    if (folder / "trajectories").is_dir():
+        return "training run"
+    if (folder / "demos_sample.jsonl").is_file() or (folder / "model").is_dir():
+        # The page reads a run's SFT stage from sft/ and would find none of its files in sft/ itself.
+        raise ValueError(f"{folder} looks like the SFT folder of a run: pass the run folder above it")
+    # A run that is still in (or only had) its SFT stage has no metrics.jsonl or trajectories/ of RL yet.
+    if (folder / "metrics.jsonl").is_file() or (folder / "sft" / "metrics.jsonl").is_file() or (
+            folder / "sft" / "demos_sample.jsonl").is_file():
         return "training run"
     hint = " (this looks like the trajectories folder of a run: pass the run folder above it)" if any(
         folder.glob("step_*.jsonl")) or (folder / "val_before_rl.jsonl").is_file() else ""
-    raise ValueError(f"{folder} holds neither a training run (metrics.jsonl, trajectories/) nor an evaluation "
+    raise ValueError(f"{folder} holds neither a training run (metrics.jsonl, trajectories/, sft/) nor an evaluation "
                      f"(trajectories.jsonl, or variants/){hint}")
 
 
@@ -201,7 +212,9 @@ def headline(summary: Any) -> list[tuple[str, str]]:
         rows.append(("stopped early", f"after step {early['step']}: {early['reason']}"))
     limit = summary.get("time_limit")  # a run ended by run.time_limit_minutes
     if isinstance(limit, dict) and {"step", "minutes"} <= set(limit):
-        rows.append(("stopped at its time limit", f"after step {limit['step']}: {limit['minutes']:g} minutes"))
+        minutes = limit["minutes"]  # formatted as a number only where it is one: summary.json is read as it is
+        minutes_text = f"{minutes:g}" if isinstance(minutes, (int, float)) else str(minutes)
+        rows.append(("stopped at its time limit", f"after step {limit['step']}: {minutes_text} minutes"))
     return rows
 
 
@@ -252,11 +265,18 @@ def _read_json(path: Path, warnings: list[str]) -> Any:
         return None
 
 
-def load_report(folder: Path, max_episodes: int = DEFAULT_MAX_EPISODES, plots: bool = True) -> ReportData:
+def load_report(folder: Path, max_episodes: int = DEFAULT_MAX_EPISODES, plots: bool = True,
+                max_step_files: int = DEFAULT_MAX_STEP_FILES,
+                max_heatmap_tokens: int = DEFAULT_MAX_HEATMAP_TOKENS) -> ReportData:
     """Read ``folder`` (a run or an evaluation) and, with ``plots``, draw its curves into ``folder/plots``.
 
+    The page shows the first ``max_episodes`` episodes of each trajectories file, the files of at most
+    ``max_step_files`` training steps spread over the run (see :func:`spread_step_files`), and advantage
+    heatmaps of at most ``max_heatmap_tokens`` tokens, shared evenly by the files that have advantages (each
+    draws those of its first episodes).
+
     Raises:
-        ValueError: ``folder`` holds neither a run nor an evaluation.
+        ValueError: ``folder`` holds neither a run nor an evaluation, or ``max_step_files`` is below 1.
     """
     folder = folder.resolve()
     data = ReportData(title=folder.name, kind=folder_kind(folder), folder=str(folder))
@@ -268,12 +288,20 @@ def load_report(folder: Path, max_episodes: int = DEFAULT_MAX_EPISODES, plots: b
     config = folder / "config.yaml"
     if config.is_file():
         data.config_text = config.read_text(encoding="utf-8", errors="replace")[:_MAX_CONFIG_CHARS]
-    files = trajectory_files(folder, [row.name for row in data.variants])
-    data.sources = [read_source(path, folder, max_episodes, data.warnings) for path in files]
+    files, left_out = spread_step_files(trajectory_files(folder, [row.name for row in data.variants]),
+                                        max_step_files)
+    per_file = max_heatmap_tokens // max(1, sum(advantages_path(path).is_file() for path in files))
+    data.sources = [read_source(path, folder, max_episodes, data.warnings, per_file) for path in files]
     data.pairs = pair_validation(data.sources)
+    if left_out:
+        shown = [str(source.step) for source in data.sources if source.name.startswith("step_")]
+        data.warnings.append(f"trajectories: showing the episodes of {len(shown)} of the {len(shown) + left_out} "
+                             f"training steps that kept them (steps {', '.join(shown)}), spread over the run to keep "
+                             "the page light (turnrl view --max-step-files N shows more)")
     if plots:
-        records = read_metrics(folder / "metrics.jsonl", data.warnings)
-        sft_records = read_metrics(folder / "sft" / "metrics.jsonl", data.warnings)
+        # Non-finite values kept as gaps: a line drawn across the steps where a loss was NaN would hide them.
+        records = read_metrics(folder / "metrics.jsonl", data.warnings, keep_non_finite=True)
+        sft_records = read_metrics(folder / "sft" / "metrics.jsonl", data.warnings, keep_non_finite=True)
         for plot in draw_training_curves(records, folder / PLOTS_DIR, sft_records):
             data.plots.append(PlotLink(plot.curve.title, quote(f"{PLOTS_DIR}/{plot.path.name}")))
     return data
@@ -296,14 +324,18 @@ def render_html(data: ReportData) -> str:
     return template.render(data=data, css=CSS, script=SCRIPT, nonce=secrets.token_urlsafe(16))
 
 
-def write_report(path: Path, max_episodes: int = DEFAULT_MAX_EPISODES) -> Path:
+def write_report(path: Path, max_episodes: int = DEFAULT_MAX_EPISODES,
+                 max_step_files: int = DEFAULT_MAX_STEP_FILES,
+                 max_heatmap_tokens: int = DEFAULT_MAX_HEATMAP_TOKENS) -> Path:
     """Write ``report.html`` (and ``plots/*.png``) into the run or evaluation folder ``path``; returns the page.
 
     Raises:
-        ValueError: ``path`` holds neither a run nor an evaluation.
+        ValueError: ``path`` holds neither a run nor an evaluation, or ``max_step_files`` is below 1.
     """
     folder = Path(path)
-    data = load_report(folder, max_episodes)
+    data = load_report(folder, max_episodes, max_step_files=max_step_files, max_heatmap_tokens=max_heatmap_tokens)
     out = folder / REPORT_NAME
-    out.write_text(render_html(data), encoding="utf-8")
+    # A record's text can hold a lone surrogate (a JSON "\ud83d" from an endpoint that split an emoji), which
+    # UTF-8 cannot encode: written as its escape, so that one character never costs the whole page.
+    out.write_text(render_html(data), encoding="utf-8", errors="backslashreplace")
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 # Only the light records module here: `turnrl --help` builds this parser, and the report's libraries
 # (jinja2, matplotlib) load when the command runs.
-from turnrl.viz.records import DEFAULT_MAX_EPISODES
+from turnrl.viz.records import DEFAULT_MAX_EPISODES, DEFAULT_MAX_HEATMAP_TOKENS, DEFAULT_MAX_STEP_FILES
 
 DEFAULT_PORT = 8008
 
@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address for --serve (default 127.0.0.1: this machine only)")
     parser.add_argument("--max-episodes", type=int, default=DEFAULT_MAX_EPISODES, metavar="N",
                         help=f"episodes shown per trajectories file (default {DEFAULT_MAX_EPISODES})")
+    parser.add_argument("--max-step-files", type=int, default=DEFAULT_MAX_STEP_FILES, metavar="N",
+                        help="training steps whose trajectories the page shows, spread from the first to the last "
+                             f"(default {DEFAULT_MAX_STEP_FILES}); validation and evaluation files are always shown")
+    parser.add_argument("--max-heatmap-tokens", type=int, default=DEFAULT_MAX_HEATMAP_TOKENS, metavar="N",
+                        help="tokens of the page drawn in per-token advantage heatmaps, shared by the files that "
+                             f"have them, whole episodes from the first (default {DEFAULT_MAX_HEATMAP_TOKENS})")
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -59,10 +65,15 @@ def main(args: argparse.Namespace) -> int:
     folder = Path(args.folder)
     if args.max_episodes < 1:
         raise SystemExit("error: --max-episodes must be at least 1")
+    if args.max_step_files < 1:
+        raise SystemExit("error: --max-step-files must be at least 1")
+    if args.max_heatmap_tokens < 0:
+        raise SystemExit("error: --max-heatmap-tokens must be 0 (no heatmaps) or more")
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"error: --port {args.port} is not a port number (0 to 65535)")
     try:
-        report = write_report(folder, max_episodes=args.max_episodes)
+        report = write_report(folder, max_episodes=args.max_episodes, max_step_files=args.max_step_files,
+                              max_heatmap_tokens=args.max_heatmap_tokens)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     except OSError as error:
