@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.envs import toy_envs
@@ -93,3 +94,108 @@ def test_gymnasium_checker_failures_are_reported():
 
     with pytest.raises(EnvCheckError, match="gymnasium's env_checker"):
         check_env(NoSpaces())
+
+
+class DrawsIntoOneBuffer(toy_envs.Corridor):
+    """Returns the same image array every call, redrawn: a trajectory's images would all show its last state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frame = np.zeros((1, self.length, 3), np.uint8)
+
+    def observation(self):
+        self.frame[:] = 0
+        self.frame[0, self.position] = 255
+        return {"text": super().observation()["text"], "image": self.frame}
+
+
+class DrawsAnew(DrawsIntoOneBuffer):
+    def observation(self):
+        obs = super().observation()
+        return {**obs, "image": obs["image"].copy()}
+
+
+def test_an_image_drawn_into_one_buffer_fails_and_new_arrays_pass():
+    with pytest.raises(EnvCheckError) as info:
+        check_env(DrawsIntoOneBuffer())
+    assert "obs['image'] at step 1 shares memory with the image returned at reset" in str(info.value)
+    check_env(DrawsAnew())
+
+
+class NanReward(toy_envs.Corridor):
+    def step(self, action):
+        obs, _, terminated, truncated, info = super().step(action)
+        return obs, float("nan"), terminated, truncated, info
+
+
+def test_a_nan_reward_is_reported_as_such_and_not_as_chance():
+    """NaN != NaN: the same NaN twice is no sign of an unseeded env, nor of a variant that acts otherwise."""
+    with pytest.raises(EnvCheckError) as info:
+        check_env(NanReward())
+    (failure,) = info.value.failures
+    assert failure.startswith("the reward must be a finite number (at step(")
+
+
+class NumpyFlags(toy_envs.Corridor):
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        flags = {key: np.bool_(value) for key, value in info.items()}
+        return obs, reward, np.bool_(terminated), np.bool_(truncated), flags
+
+
+class WordyFlags(toy_envs.Corridor):
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, reward, terminated, truncated, {key: str(value) for key, value in info.items()}
+
+
+def test_info_flags_are_bools_numpys_included():
+    """The rollout reads ``bool(info["success"])``: numpy's bools read right, the str "False" reads as True."""
+    check_env(NumpyFlags())
+    with pytest.raises(EnvCheckError) as info:
+        check_env(WordyFlags())
+    failures = str(info.value)
+    assert "info['action_is_valid'] must be a bool, got a str" in failures
+    assert "info['success'] must be a bool, got a str" in failures
+
+
+class ResetWithoutOptions(toy_envs.Corridor):
+    def reset(self, seed=None):  # type: ignore[override]
+        return super().reset(seed=seed)
+
+
+class ResetWithoutSeed(toy_envs.Corridor):
+    def reset(self):  # type: ignore[override]
+        return super().reset(seed=0)
+
+
+def test_a_reset_that_cannot_take_the_rollouts_keywords_fails():
+    with pytest.raises(EnvCheckError) as info:
+        check_env(ResetWithoutOptions())
+    assert info.value.failures == [
+        "reset() takes no options keyword; the rollout calls reset(seed=..., options=...): define "
+        "reset(self, *, seed=None, options=None)"
+    ]
+    with pytest.raises(EnvCheckError) as info:
+        check_env(ResetWithoutSeed())
+    (failure,) = info.value.failures  # told once, not by every check that resets
+    assert failure.startswith("reset() takes no seed or options keyword")
+
+
+class UnseededReward(toy_envs.Corridor):
+    """Pays a draw of a generator that no reset seeds: no two plays agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chance = np.random.default_rng()
+
+    def step(self, action):
+        obs, _, terminated, truncated, info = super().step(action)
+        return obs, float(self.chance.random()), terminated, truncated, info
+
+
+def test_chance_is_reported_as_chance_and_not_as_a_variant_that_acts_otherwise():
+    with pytest.raises(EnvCheckError) as info:
+        check_env(UnseededReward())
+    (failure,) = info.value.failures
+    assert failure.startswith("same seed (0) and actions gave different episodes: reward at step 1")

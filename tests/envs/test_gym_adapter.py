@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 import gymnasium as gym
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
@@ -111,6 +115,32 @@ def test_invalid_actions_never_step_the_env(lake, action):
     assert np.array_equal(after["image"], before["image"]) and after["text"] == before["text"]
 
 
+@cache
+def fuzzed_lake() -> GymImageEnv:
+    return make(LAKE, is_slippery=False, image_size=32)
+
+
+TUPLE_LIKE = st.builds(
+    lambda head, number, comma: f"({head!r}, {number}{comma})", st.text(max_size=8), st.integers(-10**12, 10**12),
+    st.sampled_from(["", ",", " , "]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=600), TUPLE_LIKE, st.sampled_from(["left", "('move', 3)", "(' Up ',)"])))
+def test_any_text_is_an_action_or_a_rejection_and_never_raises(action):
+    env = fuzzed_lake()
+    env.reset(seed=0)
+    env.step("right")  # at (0, 1): every move changes the cell but up, which bumps into the edge
+    obs, reward, terminated, truncated, info = env.step(action)
+    chosen = env.env_action(action)
+    assert info["action_is_valid"] is (chosen is not None) and isinstance(reward, float)
+    if chosen is None:
+        assert cell(env) == (0, 1) and (reward, terminated, truncated) == (0.0, False, False)
+    else:
+        assert chosen in (0, 1, 2, 3) and env.unwrapped.lastaction == chosen
+
+
 def test_the_tuple_reader_never_evaluates():
     assert parse_tuple("('move', 0)") == ("move", 0) and parse_tuple("('left',)") == ("left",)
     assert parse_tuple('( "a b" , -3, )') == ("a b", -3) and parse_tuple("(1.5)") == (1.5,)
@@ -172,6 +202,85 @@ def test_a_box_action_space_needs_an_action_map():
     assert obs["image"].shape == (64, 64, 3) and reward < 0
     with pytest.raises(ValueError, match="not an action"):
         make("gym:Pendulum-v1", actions={"too hard": [5.0]})
+
+
+def test_a_box_action_of_another_float_precision_is_its_spaces_dtype():
+    env = make("gym:Pendulum-v1", actions={"push": np.array([2.0])})  # float64; Pendulum's space is float32
+    action = env.env_action("push")
+    assert action.dtype == np.float32 and action.tolist() == [2.0]
+
+
+class ActionRecorder(gym.Env):
+    """Keeps every action it is given; its action space is the class attribute of a subclass."""
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 4}
+    observation_space = gym.spaces.Discrete(1)
+    action_space: gym.spaces.Space = gym.spaces.Discrete(2)
+
+    def __init__(self, render_mode=None):
+        self.render_mode = render_mode
+        self.actions = []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return 0, {}
+
+    def step(self, action):
+        self.actions.append(action)
+        return 0, 0.0, False, False, {}
+
+    def render(self):
+        return np.zeros((4, 4, 3), np.uint8)
+
+
+class TupleActions(ActionRecorder):
+    action_space = gym.spaces.Tuple((gym.spaces.Discrete(3), gym.spaces.Box(-1.0, 1.0, (2,))))
+
+
+class DictActions(ActionRecorder):
+    action_space = gym.spaces.Dict({"gear": gym.spaces.Discrete(3), "throttle": gym.spaces.Box(0.0, 1.0, (1,))})
+
+
+class GridActions(ActionRecorder):
+    action_space = gym.spaces.MultiDiscrete([3, 3])
+
+
+@pytest.fixture
+def recorders():
+    classes = {"TupleActions": TupleActions, "DictActions": DictActions, "GridActions": GridActions}
+    for name, cls in classes.items():
+        gym.register(f"turnrl-test/{name}-v0", entry_point=cls)
+    yield
+    for name in classes:
+        gym.registry.pop(f"turnrl-test/{name}-v0")
+
+
+def test_tuple_and_dict_action_spaces_get_their_own_kind_of_element(recorders):
+    """As the space's ``sample()`` gives: a tuple for a Tuple space, a dict of arrays for a Dict space."""
+    env = make("gym:turnrl-test/TupleActions-v0", actions={"fast": (2, [0.5, -0.5]), "slow": [0, [0.0, 0.0]]})
+    env.reset(seed=0)
+    env.step("fast")
+    env.step("slow")
+    fast, slow = env.unwrapped.actions
+    assert isinstance(fast, tuple) and fast[0] == 2 and fast[1].dtype == np.float32
+    assert fast[1].tolist() == [0.5, -0.5] and isinstance(slow, tuple)
+    assert all(env.unwrapped.action_space.contains(action) for action in (fast, slow))
+    env = make("gym:turnrl-test/DictActions-v0", actions={"go": {"gear": 1, "throttle": [0.75]}})
+    env.reset(seed=0)
+    env.step("go")
+    (go,) = env.unwrapped.actions
+    assert go["gear"] == 1 and isinstance(go["throttle"], np.ndarray) and go["throttle"].dtype == np.float32
+    with pytest.raises(ValueError, match="not an action"):
+        make("gym:turnrl-test/TupleActions-v0", actions={"short": (1,)})
+    with pytest.raises(ValueError, match="not an action"):
+        make("gym:turnrl-test/DictActions-v0", actions={"no throttle": {"gear": 1}})
+
+
+def test_a_fraction_is_never_cut_to_an_integer_action(recorders):
+    env = make("gym:turnrl-test/GridActions-v0", actions={"corner": [2, 2]})
+    assert env.env_action("corner").tolist() == [2, 2]
+    with pytest.raises(ValueError, match=r"'half': \[1.5, 0\] is not an action"):
+        make("gym:turnrl-test/GridActions-v0", actions={"half": [1.5, 0]})
 
 
 # --------------------------------------------------------------------------- rewards, termination, success
@@ -373,6 +482,29 @@ def test_an_env_without_rgb_array_rendering_is_refused(text_only_envs):
         make("gym:turnrl-test/SaysItDraws-v0")
     with pytest.raises(ValueError, match="needs render_mode='rgb_array', got None"):
         GymImageEnv(gym.make("FrozenLake-v1"))
+
+
+class OldReset(ActionRecorder):
+    """Written for the old API: ``reset()`` takes neither a seed nor options."""
+
+    def reset(self):  # type: ignore[override]
+        return 0, {}
+
+
+class SeedOnlyReset(ActionRecorder):
+    def reset(self, seed=None):  # type: ignore[override]
+        return super().reset(seed=seed)
+
+
+@pytest.mark.filterwarnings("ignore:.*reset:DeprecationWarning")  # Gymnasium's own warnings about these envs
+@pytest.mark.parametrize("cls, missing", [(OldReset, "seed or options"), (SeedOnlyReset, "options")])
+def test_an_env_whose_reset_takes_no_seed_or_options_is_refused_with_what_to_define(cls, missing):
+    gym.register("turnrl-test/OldApi-v0", entry_point=cls)
+    try:
+        with pytest.raises(ValueError, match=rf"OldApi-v0: its reset\(\) takes no {missing} keyword.*define reset"):
+            make("gym:turnrl-test/OldApi-v0")
+    finally:
+        gym.registry.pop("turnrl-test/OldApi-v0")
 
 
 def test_wrapping_an_env_by_hand():

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from turnrl.envs.catalog import env_names, env_parameters, env_setting_choices
-from turnrl.envs.settings import check_settings, close_names, did_you_mean, literal_choices
+from turnrl.envs.settings import check_settings, close_names, did_you_mean, literal_choices, registered_settings
 
 Colour = Literal["red", "green"]
 
@@ -72,3 +72,12 @@ def test_an_unknown_setting_names_the_likely_one():
 def test_did_you_mean_takes_any_text(word, names):
     hint = did_you_mean([word], names)
     assert hint == "" or (hint.startswith("did you mean ") and hint.endswith("? "))
+
+
+def test_gymnasium_makes_own_settings_show_the_registered_defaults():
+    """FrozenLake-v1 registers a 100-step limit: a listing that said max_episode_steps=None would read as none."""
+    allowed = registered_settings("FrozenLake-v1")
+    assert allowed is not None and allowed["max_episode_steps"] == 100 and allowed["is_slippery"] is True
+    assert registered_settings("CliffWalking-v1")["max_episode_steps"] is None  # registered without a limit
+    with pytest.raises(ValueError, match=r"has no setting colour.*max_episode_steps=100"):
+        check_settings("FrozenLake-v1", allowed, {"colour": "red"})

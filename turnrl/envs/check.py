@@ -8,10 +8,13 @@ Run it on a new env before training on it::
 It runs Gymnasium's ``env_checker`` where the env is a ``gymnasium.Env``, then
 the turnrl contract (:class:`~turnrl.envs.contract.AgentEnv`):
 
+- ``reset`` takes the keywords ``seed`` and ``options``, as the rollout passes them;
 - observations are dicts with a ``"text"`` str and, optionally, an
-  ``"image"`` (``HxWx3`` uint8 array) and nothing else; rewards are finite
-  numbers, ``terminated`` and ``truncated`` bools, ``info`` a dict, whose
-  ``"metrics"``, where given, maps names to finite numbers;
+  ``"image"`` (``HxWx3`` uint8 array, a new one every call: the rollout keeps
+  each) and nothing else; rewards are finite numbers, ``terminated`` and
+  ``truncated`` bools, ``info`` a dict, whose ``"metrics"``, where given, maps
+  names to finite numbers and whose ``"action_is_valid"``,
+  ``"action_is_effective"`` and ``"success"``, where given, are bools;
 - the required methods exist (an error names the optional ones too, which an
   env may leave out: :class:`~turnrl.envs.contract.OptionalMethods` has their defaults);
 - ``instructions()`` is a non-empty str; ``action_names()`` None or a
@@ -34,6 +37,7 @@ fix. It takes milliseconds for the built-in envs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,11 +52,16 @@ from turnrl.envs.contract import (
     StateFacts,
     env_metrics,
     missing_methods,
+    missing_reset_keywords,
 )
 
 OBS_KEYS = ("text", "image")
 GARBAGE_ACTIONS = ("", "   ", "not an action", "<answer>?</answer>", "\x00\u2603\u00fc", "x" * 10_000)
 """Actions that no env names: an env with action names must reject each one, and no env may raise."""
+INFO_FLAGS = ("action_is_valid", "action_is_effective", "success")
+"""The ``info`` keys the rollout reads as truths (``bool(info["success"])``: the str ``"False"`` would be True)."""
+FIX_CHANCE = "draw all randomness from self.np_random, which reset(seed=...) seeds"
+"""What to do about an env whose episodes differ for one seed and one action sequence."""
 ONE_STEP_TRUNCATION = "truncates after 1 step"
 """Gymnasium's checker forbids truncating after one step; a one-answer env (Bandit) does that by design."""
 
@@ -116,12 +125,24 @@ def check_env(env: AgentEnv, *, seed: int = 0, steps: int = 20, deterministic: b
         raise EnvCheckError(name, [f"no {methods}: an agent env has {required} (and may have {optional}: "
                                    "turnrl.envs.OptionalMethods)"])
     report = _Report()
+    keywords = missing_reset_keywords(env)
+    if keywords:
+        report.add(f"reset() takes no {' or '.join(keywords)} keyword; the rollout calls reset(seed=..., "
+                   "options=...): define reset(self, *, seed=None, options=None)")
+        if "seed" in keywords:  # every other check resets with a seed
+            raise EnvCheckError(name, report.lines())
     if isinstance(env, gym.Env):
         _gymnasium_checks(env.unwrapped, report)
+    repeatable = True
+
+    def same_episode() -> None:
+        nonlocal repeatable
+        repeatable = _check_same_episode(env, seed, steps, report)
+
     for title, check in (
         ("reset and queries", lambda: _check_queries(env, seed, report)),
-        ("same seed, same episode", lambda: _check_same_episode(env, seed, steps, report)),
-        ("invalid actions", lambda: _check_invalid_actions(env, seed, report)),
+        ("same seed, same episode", same_episode),
+        ("invalid actions", lambda: _check_invalid_actions(env, seed, repeatable, report)),
         ("solve()", lambda: _check_solve(env, seed, deterministic, report)),
     ):
         try:
@@ -204,20 +225,44 @@ def _step(env: AgentEnv, action: str, report: _Report) -> tuple[dict[str, Any], 
         return {}, 0.0, True, False, {}
     obs, reward, terminated, truncated, info = result
     _check_observation(obs, call, report)
-    number = isinstance(reward, (int, float, np.number)) and not isinstance(reward, (bool, np.bool_))
-    if not (number and np.isfinite(reward)):
-        report.add("the reward must be a finite number", f"{call} -> {reward!r}")
+    if not _finite_number(reward):
+        report.add("the reward must be a finite number", f"{call} -> {_clip(repr(reward), 40)}")
     for flag, value in (("terminated", terminated), ("truncated", truncated)):
         if not isinstance(value, (bool, np.bool_)):
             report.add(f"{flag} must be a bool, got a {type(value).__name__}", call)
     if not isinstance(info, dict):
         report.add(f"step()'s info must be a dict, got a {type(info).__name__}", call)
     obs, info = (obs if isinstance(obs, dict) else {}), (info if isinstance(info, dict) else {})
+    for key in INFO_FLAGS:
+        if key in info and not isinstance(info[key], (bool, np.bool_)):
+            report.add(f"info[{key!r}] must be a bool, got a {type(info[key]).__name__}", call)
     try:
         env_metrics(info)
     except ValueError as error:
         report.add(str(error), call)
     return obs, reward, terminated, truncated, info
+
+
+def _finite_number(value: Any) -> bool:
+    """A real number (not a bool) that is finite; an int too large for a float is not."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b``, where a NaN equals a NaN: a NaN reward is a defect of its own, not a sign of chance."""
+    nans = all(isinstance(x, (float, np.floating)) and math.isnan(x) for x in (a, b))
+    return nans or bool(a == b)
+
+
+def _flag(info: dict[str, Any], key: str) -> bool | None:
+    """``info[key]`` as a bool where it is one (numpy's too), else None (absent, or a wrong type reported)."""
+    value = info.get(key)
+    return bool(value) if isinstance(value, (bool, np.bool_)) else None
 
 
 def _same_image(a: np.ndarray | None, b: np.ndarray | None) -> bool:
@@ -275,24 +320,41 @@ def _play(env: AgentEnv, seed: int, actions: list[str] | None, steps: int, repor
     return record
 
 
-def _check_same_episode(env: AgentEnv, seed: int, steps: int, report: _Report) -> None:
+def _check_same_episode(env: AgentEnv, seed: int, steps: int, report: _Report) -> bool:
+    """Two plays from ``reset(seed)`` with the same actions; whether they gave the same episode."""
     first = _play(env, seed, None, steps, report)
+    _check_images_not_reused(first, report)
     second = _play(env, seed, [step.action for step in first[1:]], steps, report)
-    fix = "draw all randomness from self.np_random, which reset(seed=...) seeds"
     for k, (a, b) in enumerate(zip(first, second)):
         where = "after reset" if k == 0 else f"at step {k} ({_short(a.action)})"
         for field in ("text", "reward", "terminated", "truncated"):
-            if getattr(a, field) != getattr(b, field):
+            if not _same(getattr(a, field), getattr(b, field)):
                 was, then = _clip(repr(getattr(a, field)), 80), _clip(repr(getattr(b, field)), 80)
                 difference = f"{field} {where} was {was}, then {then}"
-                report.add(f"same seed ({seed}) and actions gave different episodes: {difference}; {fix}")
-                return
+                report.add(f"same seed ({seed}) and actions gave different episodes: {difference}; {FIX_CHANCE}")
+                return False
         if not _same_image(a.image, b.image):
-            report.add(f"same seed ({seed}) and actions gave different episodes: the image {where} differs; {fix}")
-            return
+            difference = f"the image {where} differs"
+            report.add(f"same seed ({seed}) and actions gave different episodes: {difference}; {FIX_CHANCE}")
+            return False
     if len(first) != len(second):
         lengths = f"{len(first) - 1} and {len(second) - 1} steps"
-        report.add(f"same seed ({seed}) and actions gave episodes of {lengths}; {fix}")
+        report.add(f"same seed ({seed}) and actions gave episodes of {lengths}; {FIX_CHANCE}")
+        return False
+    return True
+
+
+def _check_images_not_reused(record: list[_Step], report: _Report) -> None:
+    """Each observation's image is an array of its own: the rollout keeps every turn's image, so an env that
+    draws into one buffer would leave a trajectory whose images all show its last state."""
+    images = [(k, step.image) for k, step in enumerate(record) if isinstance(step.image, np.ndarray)]
+    for later, (k, image) in enumerate(images):
+        shared = next((j for j, earlier in images[:later] if np.shares_memory(image, earlier)), None)
+        if shared is not None:
+            when = "at reset" if shared == 0 else f"at step {shared}"
+            report.add(f"obs['image'] at step {k} shares memory with the image returned {when}; return a new "
+                       "array every call (the rollout keeps each turn's image)")
+            return
 
 
 def _probes(names: list[str] | None) -> list[tuple[str, str | None]]:
@@ -307,10 +369,16 @@ def _probes(names: list[str] | None) -> list[tuple[str, str | None]]:
     return probes + [(garbage, None) for garbage in GARBAGE_ACTIONS if garbage.strip().lower() not in lowered]
 
 
-def _check_invalid_actions(env: AgentEnv, seed: int, report: _Report) -> None:
-    """Each probe from a fresh ``reset(seed)``: no raise; rejected without effect, or accepted as its name."""
+def _check_invalid_actions(env: AgentEnv, seed: int, repeatable: bool, report: _Report) -> None:
+    """Each probe from a fresh ``reset(seed)``: no raise; rejected without effect, or accepted as its name.
+
+    An accepted variant is compared with what its name does, where that is repeatable: the same-episode check
+    passed and the name, played twice from the reset, did the same. Elsewhere the two differ by chance, which
+    is reported as such, not as the variant's fault.
+    """
     _reset(env, seed, report)
     names = env.action_names()
+    reference = _reference_outcome(env, seed, names[0], report) if names and repeatable else None
     for probe, name in _probes(names):
         before, _ = _reset(env, seed, report)
         facts = env.state_facts()
@@ -324,7 +392,7 @@ def _check_invalid_actions(env: AgentEnv, seed: int, report: _Report) -> None:
                 call,
             )
             continue
-        if info.get("action_is_valid") is False:
+        if _flag(info, "action_is_valid") is False:
             if after.get("text") != before.get("text") or not _same_image(before.get("image"), after.get("image")):
                 report.add("a rejected action changed the observation; leave the state as it was", call)
             elif env.state_facts() != facts:
@@ -332,7 +400,7 @@ def _check_invalid_actions(env: AgentEnv, seed: int, report: _Report) -> None:
             if terminated:
                 report.add("a rejected action terminated the episode; only truncation (a step limit) may end it", call)
         elif name is not None:
-            if not _acts_as(env, seed, name, (after, reward, terminated), report):
+            if reference is not None and not _same_outcome((after, reward, terminated), reference):
                 message = f"a variant of {name!r} was accepted but did not act as {name!r}"
                 report.add(f"{message}; accept it as {name!r} or reject it", call)
         elif names is not None:
@@ -340,13 +408,33 @@ def _check_invalid_actions(env: AgentEnv, seed: int, report: _Report) -> None:
             report.add(message, call)
 
 
-def _acts_as(env: AgentEnv, seed: int, name: str, outcome: tuple[dict[str, Any], Any, Any], report: _Report) -> bool:
-    """Whether ``name`` from a fresh ``reset(seed)`` gives ``outcome`` (observation, reward, terminated)."""
+_Outcome = tuple[dict[str, Any], Any, Any]
+"""What one step gives, as the variant check compares it: observation, reward, terminated."""
+
+
+def _outcome(env: AgentEnv, seed: int, action: str, report: _Report) -> _Outcome:
+    """``action`` from a fresh ``reset(seed)``."""
     _reset(env, seed, report)
-    obs, reward, terminated, _, _ = _step(env, name, report)
-    after, other_reward, other_terminated = outcome
-    same = (after.get("text"), other_reward, other_terminated) == (obs.get("text"), reward, terminated)
-    return same and _same_image(after.get("image"), obs.get("image"))
+    obs, reward, terminated, _, _ = _step(env, action, report)
+    return obs, reward, terminated
+
+
+def _reference_outcome(env: AgentEnv, seed: int, name: str, report: _Report) -> _Outcome | None:
+    """What ``name`` does from ``reset(seed)``, where it does the same twice; else None (chance, reported)."""
+    try:
+        first, again = (_outcome(env, seed, name, report) for _ in range(2))
+    except Exception:  # a valid action that raises: the same-episode check reports it; the probes still run
+        return None
+    if not _same_outcome(first, again):
+        report.add(f"same seed ({seed}) and action {name!r} from reset gave different outcomes; {FIX_CHANCE}")
+        return None
+    return first
+
+
+def _same_outcome(a: _Outcome, b: _Outcome) -> bool:
+    (obs, reward, terminated), (other, other_reward, other_terminated) = a, b
+    same = obs.get("text") == other.get("text") and _same(reward, other_reward) and terminated == other_terminated
+    return same and _same_image(obs.get("image"), other.get("image"))
 
 
 def _check_solve(env: AgentEnv, seed: int, deterministic: bool, report: _Report) -> None:
@@ -361,7 +449,7 @@ def _check_solve(env: AgentEnv, seed: int, deterministic: bool, report: _Report)
         return
     for k, action in enumerate(plan, start=1):
         _, _, terminated, truncated, info = _step(env, action, report)
-        if info.get("action_is_valid") is False:
+        if _flag(info, "action_is_valid") is False:
             report.add(f"step() rejected action {k} of solve()'s plan, {_short(action)}")
             return
         if (terminated or truncated) and k < len(plan):
@@ -369,7 +457,7 @@ def _check_solve(env: AgentEnv, seed: int, deterministic: bool, report: _Report)
                 ended = f"the episode ended after {k} of {len(plan)} actions"
                 report.add(f"following solve() from reset(seed={seed}), {ended}")
             return
-    if deterministic and info.get("success") is not True:
+    if deterministic and _flag(info, "success") is not True:
         report.add(
             f"following solve() from reset(seed={seed}) did not end with info['success'] True; return a plan "
             "that solves the task (or pass deterministic=False if chance can spoil it)"

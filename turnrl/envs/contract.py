@@ -346,6 +346,25 @@ def missing_methods(env: Any) -> list[str]:
     return [name for name in REQUIRED_METHODS if not callable(getattr(env, name, None))]
 
 
+RESET_KEYWORDS = ("seed", "options")
+"""The keywords every caller of ``reset`` passes (the rollout: ``reset(seed=..., options=...)``)."""
+
+
+def missing_reset_keywords(env: AgentEnv) -> list[str]:
+    """The keywords of :data:`RESET_KEYWORDS` that ``env.reset`` cannot take: an env written for the old
+    ``reset()`` or ``reset(seed)`` raises TypeError on the first reset of a run, so it is told before."""
+    try:
+        parameters = inspect.signature(env.reset).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call itself will tell
+        return []
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return []
+    return [
+        keyword for keyword in RESET_KEYWORDS
+        if keyword not in parameters or parameters[keyword].kind is inspect.Parameter.POSITIONAL_ONLY
+    ]
+
+
 class AgentEnvWrapper(gym.Wrapper):
     """Forwards the contract's methods through Gymnasium wrappers.
 

@@ -67,6 +67,7 @@ from turnrl.envs.contract import (
     StateFacts,
     facts_from_positions,
     missing_methods,
+    missing_reset_keywords,
     optional_methods,
 )
 from turnrl.envs.settings import close_names, did_you_mean, registered_settings
@@ -273,6 +274,13 @@ class GymImageEnv(gym.Wrapper):
             raise ValueError(f"instructions must be a non-empty str, got {instructions!r}")
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        keywords = missing_reset_keywords(cast(AgentEnv, env.unwrapped))
+        if keywords:
+            raise ValueError(
+                f"{label}: its reset() takes no {' or '.join(keywords)} keyword; the gym: adapter resets with "
+                "reset(seed=..., options=...), as Gymnasium 1.x envs take them (the seed makes episodes "
+                "repeatable): define reset(self, *, seed=None, options=None) and seed with super().reset(seed=seed)"
+            )
         self.label = label
         self.known = KNOWN_ENVS.get(_class_path(env))
         unwrapped: Any = env.unwrapped
@@ -499,16 +507,46 @@ def _action_map(
 
 
 def _space_action(space: spaces.Space, value: Any) -> Any | None:
-    """``value`` as an element of ``space`` (a list becomes an array of its dtype), or None if it is not one."""
-    if isinstance(value, bool):
+    """``value`` as an element of ``space``, or None if it is not one.
+
+    Lists (a map read from YAML) become arrays of an array space's dtype, and tuples and dicts are read item by
+    item, so a ``Tuple`` space gets a tuple and a ``Dict`` space a dict of arrays, as its ``sample()`` gives.
+    """
+    if isinstance(value, (bool, np.bool_)):
         return None
     if isinstance(space, spaces.Discrete):
         return int(value) if isinstance(value, (int, np.integer)) and space.contains(np.int64(value)) else None
+    if isinstance(space, (spaces.Box, spaces.MultiDiscrete, spaces.MultiBinary)):
+        return _array_action(space, value)
+    if isinstance(space, spaces.Tuple):
+        if not isinstance(value, (list, tuple)) or len(value) != len(space.spaces):
+            return None
+        items = [_space_action(part, item) for part, item in zip(space.spaces, value)]
+        return None if any(item is None for item in items) else tuple(items)
+    if isinstance(space, spaces.Dict):
+        if not isinstance(value, Mapping) or set(value) != set(space.spaces):
+            return None
+        entries = {key: _space_action(part, value[key]) for key, part in space.spaces.items()}
+        return None if any(entry is None for entry in entries.values()) else entries
     try:
-        action = np.asarray(value, dtype=space.dtype) if isinstance(value, (list, tuple)) else value
-        return action if space.contains(action) else None
+        return value if space.contains(value) else None
     except (TypeError, ValueError):
         return None
+
+
+def _array_action(space: spaces.Box | spaces.MultiDiscrete | spaces.MultiBinary, value: Any) -> np.ndarray | None:
+    """``value`` as an array of the space's dtype: numbers of any precision (an ``np.array([2.0])`` is float64
+    where Pendulum's space is float32), but never a fraction cut to an integer (1.5 is no MultiDiscrete action)."""
+    try:
+        given = np.asarray(value)
+    except (TypeError, ValueError):
+        return None
+    if given.dtype.kind not in "biuf":
+        return None
+    action = given.astype(space.dtype)
+    if np.issubdtype(space.dtype, np.integer) and not np.array_equal(action, given):
+        return None
+    return action if space.contains(action) else None
 
 
 def _image_size(size: int | Sequence[int] | None) -> int | tuple[int, int] | None:

@@ -16,9 +16,6 @@ from turnrl.registry import close_names
 __all__ = ["check_settings", "close_names", "did_you_mean", "keyword_parameters", "literal_choices",
            "registered_settings"]
 
-_GYM_MAKE_SETTINGS = {"max_episode_steps": None, "disable_env_checker": None}
-"""Settings that ``gymnasium.make`` takes itself rather than passing to the env."""
-
 
 def keyword_parameters(factory: Callable[..., Any]) -> dict[str, Any] | None:
     """Keyword parameters of ``factory`` and their defaults; None if it takes ``**kwargs``."""
@@ -69,9 +66,12 @@ def check_settings(label: str, allowed: dict[str, Any] | None, settings: dict[st
 def registered_settings(env_id: str) -> dict[str, Any] | None:
     """What ``gymnasium.make(env_id, ...)`` accepts, with defaults; None if the env's creator takes ``**kwargs``.
 
-    The creator's parameters, the registration's kwargs and ``gymnasium.make``'s own settings.
+    The creator's parameters, the registration's kwargs and ``gymnasium.make``'s own settings, whose defaults
+    are the registration's (FrozenLake-v1's ``max_episode_steps`` is 100, not None: no limit).
     """
     spec = gym.spec(env_id)
     creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
     allowed = keyword_parameters(creator) if creator is not None else None
-    return None if allowed is None else {**allowed, **spec.kwargs, **_GYM_MAKE_SETTINGS}
+    # The settings gymnasium.make takes itself rather than passing to the env.
+    own = {"max_episode_steps": spec.max_episode_steps, "disable_env_checker": spec.disable_env_checker}
+    return None if allowed is None else {**allowed, **spec.kwargs, **own}
