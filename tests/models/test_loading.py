@@ -540,3 +540,77 @@ def test_adapters_whose_model_is_gone_are_refused_in_one_line_naming_where_it_is
     settings.write_text(json.dumps({**values, "base_model_name_or_path": None}))
     with pytest.raises(ConfigError, match="do not name the model they were trained on"):
         locate_model(str(tmp_path / "adapters"), "policy")
+
+
+# --------------------------------------------------------------------------- load_model: every weight, or a clear no
+def copy_with_weights(model_dir: Path, out: Path, keep) -> Path:
+    """``model_dir``'s files in ``out``, its weights file holding only the weights whose name ``keep`` takes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    weights = load_file(model_dir / "model.safetensors")
+    save_file({name: value for name, value in weights.items() if keep(name)}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize(("fixture", "dropped"), [
+    ("tiny_model_dir", "model.norm."),
+    ("tiny_model_dir", "model.layers.1."),  # a checkpoint cut short
+    ("tiny_vlm_dir", "visual.merger."),
+])
+def test_a_checkpoint_that_lacks_weights_is_refused_not_filled_with_random_ones(fixture, dropped, request, tmp_path):
+    """transformers fills the weights no file holds with random values and goes on (a table in its log): a policy
+    with a random head samples noise, and a run would train it without a word."""
+    model_dir = request.getfixturevalue(fixture)
+    cut = copy_with_weights(model_dir, tmp_path / "cut", lambda name: not name.startswith(dropped))
+    with pytest.raises(ConfigError, match=rf"the checkpoint at {cut} lacks \d+ weights of the \w+ its config.json "
+                                          rf"makes \((model\.)?{dropped}.*random values.*give a complete checkpoint"):
+        loading.load_model(cut)
+    complete = copy_with_weights(model_dir, tmp_path / "complete", lambda name: True)
+    assert loading.load_model(complete) is not None
+
+
+def test_weights_of_another_architecture_are_refused(tiny_model_dir, tmp_path):
+    """A config.json whose model_type is not that of its weights (here BERT's, which AutoModelForCausalLM maps)
+    built a model of none of the checkpoint's weights."""
+    other = copy_with_weights(tiny_model_dir, tmp_path / "other", lambda name: True)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "bert", "architectures": ["BertModel"]}))
+    with pytest.raises(ConfigError, match="lacks .* weights of the BertLMHeadModel .*architectures: BertModel"):
+        loading.load_model(other)
+
+
+def test_a_tokenizer_without_pad_and_eos_tokens_is_refused_with_where_to_set_one(tiny_model_dir, tmp_path):
+    """Batches are padded with the pad token (the eos token where there is none): with neither, a run stopped at
+    its first update, after its first rollout, with a TypeError from torch.full."""
+    import shutil
+
+    shutil.copytree(tiny_model_dir, tmp_path / "model")
+    settings = tmp_path / "model" / "tokenizer_config.json"
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "eos_token": None, "pad_token": None}))
+    with pytest.raises(ConfigError, match=r"neither a pad token nor an eos token; set eos_token in .*"
+                                          r"tokenizer_config.json"):
+        load_tokenizer(tmp_path / "model")
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "eos_token": "<|im_end|>"}))
+    assert load_tokenizer(tmp_path / "model").pad_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize(("config", "kind"), [
+    ({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}, "a causal LM"),
+    ({"model_type": "clip", "architectures": ["CLIPModel"], "vision_config": {}, "text_config": {}},
+     "an image-text-to-text model"),
+])
+def test_an_architecture_turnrl_cannot_train_is_refused_in_a_line(config, kind, tiny_model_dir, tmp_path):
+    """transformers' own error listed the hundred configurations its auto class builds."""
+    other = copy_with_weights(tiny_model_dir, tmp_path / "other", lambda name: True)
+    (other / "config.json").write_text(json.dumps(config))
+    for device in ("cpu", "meta"):
+        with pytest.raises(ConfigError) as refused:
+            loading.load_model(other, device=device)
+        message = str(refused.value)
+        assert message.startswith(f"the model at {other} is of type {config['model_type']!r} (architectures: "
+                                  f"{config['architectures'][0]}), which transformers does not build as {kind}")
+        assert message.endswith("give a checkpoint of one") and "\n" not in message

@@ -38,6 +38,7 @@ from transformers import (
     GenerationConfig,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 from turnrl.config import ConfigError, ModelConfig
 from turnrl.models.vision_attention import use_chunked_attention
@@ -198,6 +199,28 @@ def is_vision_language(path: Path | str) -> bool:
     return getattr(AutoConfig.from_pretrained(_model_files(path)), "vision_config", None) is not None
 
 
+def auto_class(path: Path | str) -> Any:
+    """The transformers auto class that builds the model at ``path``: ``AutoModelForImageTextToText`` for a VLM,
+    ``AutoModelForCausalLM`` for a text model.
+
+    Raises:
+        ConfigError: the class does not build the model's architecture (an encoder-decoder, a CLIP, ...), said in
+            a line rather than transformers' list of the hundred configurations it builds.
+    """
+    config = AutoConfig.from_pretrained(path)
+    vision = is_vision_language(path)
+    auto, mapping = ((AutoModelForImageTextToText, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING) if vision
+                     else (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING))
+    if type(config) not in mapping:
+        kind = "an image-text-to-text model (a VLM: its config has a vision_config)" if vision else "a causal LM"
+        architectures = ", ".join(config.architectures or []) or "none named"
+        raise ConfigError(f"the model at {path} is of type {config.model_type!r} (architectures: {architectures}), "
+                          f"which transformers does not build as {kind}; turnrl trains decoder-only language models "
+                          "(Qwen2, Qwen3, Llama, ...) and VLMs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): give a checkpoint "
+                          "of one")
+    return auto
+
+
 def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                attention: str | None = None) -> Any:
     """The causal LM or VLM at ``path`` on ``device``, with weights in ``dtype``.
@@ -220,13 +243,34 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: tor
             return load_model(base, dtype, device, attention)
         merged = PeftModel.from_pretrained(load_model(base, dtype, "cpu", attention), path).merge_and_unload()
         return merged.to(device)
-    auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
+    auto = auto_class(path)
     if torch.device(device).type == "meta":
         return model_structure(auto, path, dtype, attention)
     options = {"attn_implementation": attention} if attention is not None else {}
-    model: Any = auto.from_pretrained(path, dtype=dtype, **options)
+    loaded: Any = auto.from_pretrained(path, dtype=dtype, output_loading_info=True, **options)
+    model, loading = loaded
+    check_all_weights_loaded(path, model, loading["missing_keys"])
     prepare_vision_tower(model)
     return model.to(device)
+
+
+def check_all_weights_loaded(path: Path | str, model: Any, missing: set[str] | list[str]) -> None:
+    """Refuse a model that its checkpoint leaves weights of (``missing``: the keys ``from_pretrained`` found in no
+    weights file). transformers fills them with random values and goes on, with a table in its log: a policy with
+    a random head or layer samples noise, and a run would train it without a word (a checkpoint cut short, a
+    backbone saved without its head, a config of another architecture than its weights).
+
+    Raises:
+        ConfigError: some weights are missing; which, and what to do.
+    """
+    if not missing:
+        return
+    shown = ", ".join(sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
+    architectures = ", ".join(model.config.architectures or []) or "none"
+    raise ConfigError(f"the checkpoint at {path} lacks {len(missing)} weights of the {type(model).__name__} its "
+                      f"config.json makes ({shown}), which would start from random values: its weights files are "
+                      f"incomplete or of another model (its config names architectures: {architectures}); give a "
+                      "complete checkpoint of a causal LM or a VLM (what save_pretrained writes)")
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -275,9 +319,18 @@ def model_structure(auto: Any, path: Path | str, dtype: torch.dtype = torch.floa
 
 
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
-    """The model's tokenizer, with a pad token (its eos token when it has none)."""
+    """The model's tokenizer, with a pad token (its eos token when it has none).
+
+    Raises:
+        ConfigError: it has neither: every batch is padded with the pad token, and without one a run would stop at
+            its first update, its first rollout made for nothing.
+    """
     tokenizer = AutoTokenizer.from_pretrained(_model_files(path))
     if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"the tokenizer of {path} has neither a pad token nor an eos token; set eos_token in "
+                              f"{Path(_model_files(path)) / 'tokenizer_config.json'} to the token that ends its "
+                              "chat template's turns (Qwen's: <|im_end|>), or pad_token to an unused special token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

@@ -23,13 +23,18 @@ processors return ``image_grid_thw`` and an image takes
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import inspect
+import io
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -132,10 +137,15 @@ class ImageEncoder:
 
     def encode(self, images: Sequence[np.ndarray]) -> list[EncodedImage]:
         """Each ``HxWx3`` uint8 image as model inputs and its placeholder count; images met before come from
-        the cache, the others are processed together."""
+        the cache, the others are processed together.
+
+        Raises:
+            ValueError: an image is not an ``HxWx3`` uint8 array (:func:`check_image`), or the processor refuses it.
+        """
         if not images:
             return []
-        digests = [content_digest([np.asarray(image)]) for image in images]
+        images = [check_image(image) for image in images]
+        digests = [content_digest([image]) for image in images]
         with self._lock:
             found = {digest: self._cache[digest] for digest in set(digests) if digest in self._cache}
             for digest in found:
@@ -192,8 +202,9 @@ class ImageEncoder:
         processor's own patch arithmetic (``get_number_of_image_patches``), no pixels made. Counting by making
         pixels was most of the time to tokenize a VLM's SFT chats, and many times more on a host whose cores
         other processes hold (torch's small tensor operations wait on threads they share)."""
-        return [int(self.image_processor.get_number_of_image_patches(int(image.shape[0]), int(image.shape[1])))
-                // self.merge_size**2 for image in images]
+        shapes = [check_image(image).shape for image in images]
+        return [int(self.image_processor.get_number_of_image_patches(height, width)) // self.merge_size**2
+                for height, width, _ in shapes]
 
     def message_inputs(self, images: Sequence[np.ndarray]) -> MessageImages:
         """A message's images encoded: their placeholder counts, model inputs and digests."""
@@ -226,6 +237,9 @@ def load_image(value: Any, max_pixels: int | None = None) -> np.ndarray:
     """An image part's image as an ``HxWx3`` uint8 array: an array, a Pillow image, a file path, or a
     ``data:image/...;base64,`` URL (OpenAI's ``image_url``).
 
+    An encoded image reads as a viewer shows it (:func:`rgb_array`): upright by its EXIF orientation,
+    transparent pixels on white, 16-bit grayscale in 8 bits; an animated one is its first frame.
+
     Args:
         max_pixels: refuse an encoded image (path or URL) whose width x height exceeds it, from its header
             alone: Pillow's ``open`` reads only the header, so a small file that decodes to gigabytes (a
@@ -233,48 +247,135 @@ def load_image(value: Any, max_pixels: int | None = None) -> np.ndarray:
 
     Raises:
         ImageTooLarge: the image has more than ``max_pixels`` pixels.
-        ValueError: the value is no image.
+        ValueError: the value is no image, or a truncated or corrupt one.
     """
     from PIL import Image
 
     if isinstance(value, np.ndarray):
-        array = value
-    elif isinstance(value, Image.Image):
-        array = np.array(value.convert("RGB"))
-    elif isinstance(value, str):
-        if value.startswith("data:"):
-            import base64
-            import io
-
-            header, _, data = value.partition(",")
-            if ";base64" not in header:
-                raise ValueError("an image data URL must be base64-encoded (data:image/png;base64,...)")
-            source: Any = io.BytesIO(base64.b64decode(data, validate=True))
-        else:
-            source = value
-        try:
-            opened = Image.open(source)
-        except Image.DecompressionBombError:  # over twice Pillow's own bound: refused by Image.open, from the header
-            pillows = 2 * (Image.MAX_IMAGE_PIXELS or 0)
-            if max_pixels is not None and max_pixels <= pillows:
-                raise ImageTooLarge(f"the image has more than {pillows:,} pixels, more than the {max_pixels:,} "
-                                    "accepted") from None
-            raise ImageTooLarge(f"the image has more than {pillows:,} pixels, which Pillow refuses (twice its "
-                                "PIL.Image.MAX_IMAGE_PIXELS) before any bound of turnrl's is applied; raise that to "
-                                "take larger images") from None
-        except Image.UnidentifiedImageError:
-            raise ValueError("it is in no image format Pillow reads (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)") from None
-        with opened as image:
-            width, height = image.size
-            if max_pixels is not None and width * height > max_pixels:
-                raise ImageTooLarge(f"the image is {width} x {height} = {width * height:,} pixels, more than the "
-                                    f"{max_pixels:,} accepted", pixels=width * height)
-            array = np.array(image.convert("RGB"))  # a writable copy (torch warns on read-only arrays)
-    else:
+        return check_image(value)
+    if isinstance(value, Image.Image):
+        return check_image(rgb_array(value))
+    if not isinstance(value, str):
         raise ValueError(f"cannot read an image from a {type(value).__name__}")
-    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
-        raise ValueError(f"an image must be HxWx3 uint8, got shape {array.shape} and dtype {array.dtype}")
-    return array
+    source: Any = io.BytesIO(data_url_bytes(value)) if is_data_url(value) else value
+    try:
+        opened = Image.open(source)
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
+        raise
+    except Image.DecompressionBombError:  # over twice Pillow's own bound: refused by Image.open, from the header
+        pillows = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+        if max_pixels is not None and max_pixels <= pillows:
+            raise ImageTooLarge(f"the image has more than {pillows:,} pixels, more than the {max_pixels:,} "
+                                "accepted") from None
+        raise ImageTooLarge(f"the image has more than {pillows:,} pixels, which Pillow refuses (twice its "
+                            "PIL.Image.MAX_IMAGE_PIXELS) before any bound of turnrl's is applied; raise that to "
+                            "take larger images") from None
+    except Image.UnidentifiedImageError:
+        raise ValueError("it is in no image format Pillow reads (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)") from None
+    except _UNDECODABLE as error:
+        raise ValueError(f"the image file is truncated or corrupt ({error}); give the whole file") from None
+    with opened as image:
+        width, height = image.size
+        if max_pixels is not None and width * height > max_pixels:
+            raise ImageTooLarge(f"the image is {width} x {height} = {width * height:,} pixels, more than the "
+                                f"{max_pixels:,} accepted", pixels=width * height)
+        try:
+            array = rgb_array(image)
+        except _UNDECODABLE as error:
+            raise ValueError(f"the {image.format or 'image'} file is truncated or corrupt ({error}): its header "
+                             "reads but its pixels do not; give the whole file") from None
+    return check_image(array)
+
+
+_UNDECODABLE = (EOFError, SyntaxError, struct.error, OSError)
+"""What Pillow raises on bytes it cannot decode (a file cut short, a corrupt chunk); a missing or unreadable file
+(``FileNotFoundError``, ``PermissionError``, ``IsADirectoryError``) is raised as it is, before these are caught."""
+
+
+def is_data_url(value: str) -> bool:
+    """Whether ``value`` is a ``data:`` URL (the scheme is case-insensitive; a client may leave spaces before it)."""
+    return value.lstrip()[:5].lower() == "data:"
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The bytes of a ``data:[<media type>][;base64],<data>`` URL's base64 data.
+
+    Clients do not all send base64 as ``b64decode(validate=True)`` takes it: MIME encoders wrap it every 76
+    characters, JSON writers indent it, a data URL may be percent-encoded (RFC 2397), and some encoders use the
+    URL-safe alphabet (``-_``) or drop the padding. None of these is ambiguous, so each is read; any other
+    character is refused rather than skipped, as a non-validating decoder would, silently, into garbage.
+
+    Raises:
+        ValueError: the URL is not base64, or its data is not base64.
+    """
+    header, comma, data = url.strip().partition(",")
+    if not comma or "base64" not in (parameter.strip().lower() for parameter in header.split(";")[1:]):
+        raise ValueError("an image data URL must be base64-encoded (data:image/png;base64,...)")
+    text = "".join(unquote(data).split()).translate(_URL_SAFE_BASE64)
+    text += "=" * (-len(text) % 4)
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"the image data URL's data is not base64 ({error}): encode the file's bytes with "
+                         "base64 (standard or URL-safe alphabet) after 'base64,'") from None
+
+
+_URL_SAFE_BASE64 = str.maketrans("-_", "+/")
+"""The URL-safe base64 alphabet's two letters as the standard alphabet writes them."""
+
+
+def rgb_array(image: Any) -> np.ndarray:
+    """A Pillow image's pixels as an ``HxWx3`` uint8 array, as an image viewer shows them (and as transformers'
+    ``load_image`` and ``convert_to_rgb`` make them).
+
+    - Turned upright by its EXIF orientation: a phone's photo is stored sideways with a tag that says so.
+    - Transparent pixels composited on white: dropping the alpha channel shows the colour stored under them,
+      most often black, so a dark drawing on a transparent background would read as an all-black picture.
+    - 16-bit grayscale scaled to 8 bits: Pillow's conversion clips it, so all but its darkest 1/256 is white.
+    """
+    from PIL import ExifTags, Image, ImageOps
+
+    image.load()  # a PNG's EXIF may follow its pixels
+    if image.getexif().get(ExifTags.Base.Orientation, 1) != 1:  # transposed, else no copy made
+        image = ImageOps.exif_transpose(image)
+    if image.mode in _SIXTEEN_BIT_GRAY:
+        gray = (np.asarray(image).astype(np.uint16) >> 8).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if {"A", "a"} & set(image.getbands()) or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+    return np.array(image.convert("RGB"))  # a writable copy (torch warns on read-only arrays)
+
+
+_SIXTEEN_BIT_GRAY = ("I;16", "I;16L", "I;16B", "I;16N")
+"""Pillow's modes of 16-bit grayscale (a 16-bit PNG's)."""
+
+
+def check_image(image: Any) -> np.ndarray:
+    """``image`` as the ``HxWx3`` uint8 array it must be (RGB, 0-255, at least one pixel), else a ValueError
+    saying what it is and how to make it one. A processor takes other arrays without a word and makes other
+    pixels of them: floats in [0, 1] are divided by 255 again (a black picture), a grayscale or channels-first
+    array fails deep in its code with a message about tensor sizes."""
+    array = np.asarray(image)
+    if array.ndim == 3 and array.shape[2] == 3 and array.dtype == np.uint8 and array.size:
+        return array
+    found = f"got shape {array.shape} and dtype {array.dtype}"
+    if array.ndim == 3 and array.shape[0] in (1, 3, 4) and array.shape[2] not in (1, 3, 4):
+        hint = "; for a channels-first array, pass image.transpose(1, 2, 0)"
+    elif array.ndim == 2:
+        hint = "; for grayscale, pass np.stack([image] * 3, axis=2)"
+    elif array.ndim == 3 and array.shape[2] == 1:
+        hint = "; for grayscale, pass np.repeat(image, 3, axis=2)"
+    elif array.ndim == 3 and array.shape[2] == 4:
+        hint = "; for RGBA, drop or composite the alpha channel (image[..., :3])"
+    elif np.issubdtype(array.dtype, np.floating):
+        hint = ("; for floats, pass (image * 255).round().astype(np.uint8) from [0, 1], "
+                "image.round().astype(np.uint8) from [0, 255]")
+    elif array.ndim == 3 and array.shape[2] == 3 and array.size:
+        hint = "; for values in 0-255, pass image.astype(np.uint8)"
+    else:
+        hint = ""
+    raise ValueError(f"an image must be an HxWx3 uint8 array (RGB, values 0-255, at least 1 x 1), {found}{hint}")
 
 
 def part_images(content: Any) -> list[Any]:
