@@ -233,6 +233,49 @@ def test_scoring_passes_count_when_their_token_budget_outgrows_the_updates_micro
     assert scoring_activation_bytes(counts, 8192) < base < scoring_activation_bytes(counts, 1 << 20)
 
 
+def test_what_to_turn_on_for_the_activations_is_what_makes_the_largest_pass_smaller(tmp_path, tokenizer):
+    """vlm-3b with scoring passes of 65,536 tokens, which hold more than the update's checkpointed passes of 16,384:
+    half the update's tokens saves nothing, half the scoring budget does; each saving is the estimate's own."""
+    counts = _vlm_counts(tmp_path, tokenizer, "vlm-3b")
+    scoring = load_config(TrainConfig, "configs/visgym_maze.yaml", ["algorithm.score_micro_batch_tokens=65536"])
+    estimate = estimate_memory(scoring, counts, 1, 40 * GIB)
+    assert estimate.parts["activations"] == scoring_activation_bytes(counts, 65536)
+    advice = fit_advice(scoring, counts, estimate, 1)
+    assert not any(text.startswith("algorithm.micro_batch_tokens=") for text in advice)
+    assert "algorithm.score_micro_batch_tokens=32768 (the scoring passes' own budget)" in advice
+    # Without checkpointing: it takes off all but the checkpointed activations, and the weight casts with them.
+    eager = load_config(TrainConfig, "configs/visgym_maze.yaml", ["model.gradient_checkpointing=false"])
+    eager_estimate = estimate_memory(eager, counts, 1, 40 * GIB)
+    checkpointed = estimate_memory(load_config(TrainConfig, "configs/visgym_maze.yaml", []), counts, 1, 40 * GIB)
+    saved = sum(eager_estimate.parts[name] - checkpointed.parts.get(name, 0.0) for name in ("activations",
+                                                                                            "weight casts"))
+    assert saved > eager_estimate.parts["activations"] / 2
+    assert fit_advice(eager, counts, eager_estimate, 1)[0] == "model.gradient_checkpointing=true"
+
+
+def test_what_to_turn_on_saves_from_the_peak_and_never_names_what_saves_nothing_or_is_refused(tmp_path, tokenizer):
+    """7B PPO + critic on 2 GPUs with the rollout freed during the update: the update's group is the larger, so a
+    smaller cache (in the rollout's group) lowers no peak; a rollout thread refuses free_during_update."""
+    counts = _counts(tmp_path, tokenizer, "7b")
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml",
+                         ["model.engine.free_during_update=true", "model.engine.kv_cache_gb=12"])
+    estimate = estimate_memory(config, counts, 2, H100)
+    rollout, update = estimate.groups()
+    assert estimate.apart and rollout < update and not estimate.fits()
+    advice = fit_advice(config, counts, estimate, 2)
+    assert "a smaller model.engine.kv_cache_gb" not in advice
+    assert advice[:2] == ["distributed.cpu_offload=true (moves 109 GiB of training states to host memory)",
+                          "distributed.nproc_per_node=4 (training states are divided among the GPUs)"]
+    thread = load_config(TrainConfig, "configs/visgym_maze.yaml",
+                         ["distributed.async_rollout=true", "algorithm.old_logprobs=sampler"])
+    vlm = _vlm_counts(tmp_path, tokenizer, "vlm-3b")
+    small = estimate_memory(thread, vlm, 1, 40 * GIB)
+    assert not small.fits() and not any("free_during_update" in text for text in fit_advice(thread, vlm, small, 1))
+    thread.model.gradient_checkpointing = False  # a cache that the update leaves too small for the step's episodes
+    waves = rollout_in_waves(thread, vlm, estimate_memory(thread, vlm, 1, H100), 1)
+    assert waves is not None and "model.gradient_checkpointing=true" in waves and "free_during_update" not in waves
+
+
 def test_one_process_is_told_to_shard_to_offload(tmp_path, tokenizer):
     counts = _counts(tmp_path, tokenizer, "3b")
     config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [])
@@ -246,6 +289,47 @@ def test_lora_and_no_reference_shrink_the_estimate(tmp_path, tokenizer):
     estimate = estimate_memory(config, count_model(path, lora_rank=64), 1, H100)
     assert "critic" not in estimate.parts and "reference" not in estimate.parts
     assert estimate.parts["actor"] < 14 * GIB and estimate.fits()  # float32 base 12.3 GB + adapters
+
+
+def test_under_lora_the_critic_trains_all_its_weights_and_the_actor_holds_its_whole_base(tmp_path, tokenizer):
+    """PPO + critic at 3B with LoRA and a 12 GB cache on one H100: the adapters go on the actor alone, so the
+    critic's float32 states (46 GiB) leave no room for the cache; counted as adapters, the critic had 12.8 GiB
+    and the run fit with 20 GiB to spare."""
+    path = _saved_config(tmp_path / "3b", preset_config("3b", tokenizer))
+    counts = count_model(path, lora_rank=64)
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml",
+                         ["lora.enabled=true", "model.engine.kv_cache_gb=12"])
+    estimate = estimate_memory(config, counts, 1, H100)
+    assert estimate.parts["actor"] == 4 * counts.total + 16 * counts.trained  # the base beside its adapters
+    assert estimate.parts["critic"] == 16 * (counts.total + counts.hidden)
+    assert estimate.gradients == 4 * (counts.trained + counts.total + counts.hidden)
+    assert not estimate.fits()
+    # Told so where LoRA is offered: it leaves the critic's states as they are.
+    full = estimate_memory(load_config(TrainConfig, "configs/ragen_sokoban.yaml", []), count_model(path), 1, H100)
+    advice = fit_advice(load_config(TrainConfig, "configs/ragen_sokoban.yaml", []), count_model(path), full, 1)
+    assert "lora.enabled=true (the actor trains adapters only; the critic still trains all its weights; the " \
+           "reference is the base)" in advice
+    assert advice.index("distributed.nproc_per_node=2 (training states are divided among the GPUs)") < \
+        next(index for index, text in enumerate(advice) if text.startswith("lora.enabled=true"))
+
+
+def test_the_estimate_counts_the_trained_and_frozen_weights_the_trainer_holds_under_lora(tiny_model_dir, tmp_path):
+    """The estimate's actor and critic against the parameters of a trainer built with LoRA and a critic."""
+    from tests.training.test_trainer import config as trainer_config
+    from turnrl.training.trainer import Trainer
+
+    trainer = Trainer(trainer_config(tiny_model_dir, tmp_path, "lora.enabled=true", "lora.r=8"))
+    try:
+        assert trainer.critic is not None
+
+        def states(model: torch.nn.Module) -> int:
+            return sum((16 if p.requires_grad else 4) * p.numel() for p in model.parameters())
+
+        estimate = estimate_memory(trainer.config, count_model(tiny_model_dir, lora_rank=8), 1, H100)
+        assert estimate.parts["actor"] == states(trainer.actor)
+        assert estimate.parts["critic"] == pytest.approx(states(trainer.critic), abs=16)  # the value head's bias
+    finally:
+        trainer.close()
 
 
 def test_activations_grow_with_the_micro_batch_and_shrink_with_checkpointing(tmp_path, tokenizer):

@@ -56,7 +56,7 @@ def test_an_update_out_of_memory_before_its_first_optimizer_step_runs_again_as_a
             "with algorithm.micro_batch_tokens=256, kept for the rest of the run. torch: CUDA out of memory. Tried to "
             "allocate 2.00 GiB.") in " ".join(out.split())
     assert [step for step, _ in states] == [0, 0, 1] and torch.equal(states[0][1], states[1][1])
-    assert modes == [False, False, False]  # the retry scores in eval mode, as the first try (the error left it training)
+    assert modes == [False, False, False]  # the retry scores in eval mode, as the first try did
     run, same = step_records(tmp_path / "retried"), step_records(tmp_path / "half")
     assert run[1]["memory/oom_retries"] == 1.0 and "memory/oom_retries" not in run[2]
     assert {step: _steady(record) for step, record in run.items()} == \
@@ -124,6 +124,26 @@ def test_a_step_that_runs_out_of_memory_again_when_run_again_stops_with_what_to_
         " ".join(capsys.readouterr().out.split())
     assert list(step_records(run)) == [1]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000001"]
+
+
+def test_a_step_out_of_memory_in_scoring_passes_of_their_own_budget_runs_again_with_that_budget_halved(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """``algorithm.score_micro_batch_tokens`` packs the scoring passes apart from the update's: a retry that halved
+    only the update's passes would run out of memory in the same scoring passes again."""
+    score = Trainer.score
+
+    def out_of_memory_in_passes_over_256_tokens(self, batch, generator):
+        if self.config.algorithm.score_micro_batch_tokens > 256:
+            raise torch.OutOfMemoryError(OOM)
+        return score(self, batch, generator)
+
+    monkeypatch.setattr(Trainer, "score", out_of_memory_in_passes_over_256_tokens)
+    summary = train(config(tiny_model_dir, tmp_path, *PACKED, "algorithm.score_micro_batch_tokens=512"))
+    assert summary["memory_retries"] == [
+        {"step": 1, "setting": "algorithm.micro_batch_tokens=256 algorithm.score_micro_batch_tokens=256"}]
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["algorithm"]
+    assert (saved["micro_batch_tokens"], saved["score_micro_batch_tokens"]) == (256, 256)
+    assert list(step_records(tmp_path / "run")) == [1, 2]
 
 
 def test_a_gpu_run_sets_the_allocator_before_it_starts_and_a_cpu_run_leaves_it(tiny_model_dir, tmp_path, monkeypatch):

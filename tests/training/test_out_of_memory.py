@@ -79,3 +79,36 @@ def test_optimizer_steps_are_seen_from_their_start_and_only_while_watched():
         assert not again.began
     optimizer.step()
     assert not again.began and not optimizer._optimizer_step_pre_hooks  # the hooks are gone
+
+
+def test_halving_takes_the_scoring_passes_own_budget_down_with_the_update_s():
+    """``score_micro_batch_tokens`` packs the scoring passes apart from the update's: an error in them (several
+    times the update's tokens) would come again on a retry that halved only the update's passes."""
+    config = load_config(TrainConfig, None, ["algorithm.micro_batch_tokens=8192",
+                                             "algorithm.score_micro_batch_tokens=32768"])
+    assert halved_micro_batches(config.algorithm) == \
+        "algorithm.micro_batch_tokens=4096 algorithm.score_micro_batch_tokens=16384"
+    assert (config.algorithm.micro_batch_tokens, config.algorithm.score_micro_batch_tokens) == (4096, 16384)
+    rows = load_config(TrainConfig, None, ["algorithm.micro_batch_size=1",
+                                           "algorithm.score_micro_batch_tokens=4096"]).algorithm
+    assert halved_micro_batches(rows) == "algorithm.score_micro_batch_tokens=2048" and rows.micro_batch_size == 1
+    told = str(rl_out_of_memory(torch.OutOfMemoryError(REAL_OOM), load_config(TrainConfig, None, [
+        "algorithm.micro_batch_tokens=4096", "algorithm.score_micro_batch_tokens=16384"]), 3, None))
+    assert told.startswith("RL step 3 ran out of GPU memory: set algorithm.micro_batch_tokens=2048; or "
+                           "algorithm.score_micro_batch_tokens=8192; or ")
+
+
+def test_rl_out_of_memory_names_only_settings_that_would_change_the_step():
+    def said(*overrides: str) -> str:
+        config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", list(overrides))
+        return str(rl_out_of_memory(torch.OutOfMemoryError(REAL_OOM), config, 7, None))
+
+    # A one-token budget halves to 0, which means passes counted in rows: not a smaller pass.
+    assert "micro_batch_tokens=0" not in said("algorithm.micro_batch_tokens=1")
+    # Trainers beside rollout processes free their rollout after each validation already.
+    pool = said("distributed.nproc_per_node=3", "distributed.rollout_processes=1")
+    assert "free_during_update" not in pool and "distributed.cpu_offload=true" in pool
+    assert "cpu_offload" not in said("distributed.nproc_per_node=2", "distributed.rollout_processes=1")
+    assert "cpu_offload" not in said() and "cpu_offload" not in said("distributed.nproc_per_node=4",
+                                                                       "distributed.cpu_offload=true")
+    assert "; or distributed.cpu_offload=true" in said("distributed.nproc_per_node=4")

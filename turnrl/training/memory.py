@@ -7,7 +7,8 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
     actor, critic     float32 weights, gradients and AdamW's two moments (16 bytes a trained parameter,
                       4 a frozen one), divided among the processes under FSDP, on the host with
                       ``distributed.cpu_offload``; under FSDP a frozen vision tower whole on every process,
-                      in bf16 (2 bytes a parameter), offloaded or not
+                      in bf16 (2 bytes a parameter), offloaded or not. Under LoRA the actor trains its adapters
+                      beside its whole frozen base; the critic trains all its weights, LoRA or not
     reference         the compute dtype (2 bytes a parameter), sharded likewise (its tower whole)
     rollout weights   the engine's bf16 weights: under FSDP an unsharded copy of the actor plus the engine's
                       stacked q/k/v and gate/up buffers; in one process the engine's bf16 buffers of the
@@ -361,6 +362,13 @@ def _pass_tokens(config: TrainConfig) -> int:
     return algorithm.micro_batch_tokens or algorithm.micro_batch_size * config.model.engine.max_seq_len
 
 
+def _activations(config: TrainConfig, counts: ModelCounts) -> float:
+    """The activations part: one pass of the update, or one scoring pass of their own budget, the larger."""
+    update = activation_bytes(counts, _pass_tokens(config), config.model.gradient_checkpointing, config.model.compile,
+                              trains_head=not config.lora.enabled)
+    return max(update, scoring_activation_bytes(counts, config.algorithm.score_micro_batch_tokens))
+
+
 def _sharded(config: TrainConfig, processes: int) -> bool:
     """Whether the models are FSDP-sharded (several processes, or ``distributed.backend=fsdp`` on one)."""
     return processes > 1 or config.distributed.backend == "fsdp"
@@ -375,12 +383,14 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     lora = config.lora.enabled
     parts: dict[str, float] = {}
     tower = counts.frozen_tower if sharded else 0  # whole on each process, in bf16, even offloaded
-    parts["actor"] = _training_states(counts.trained, counts.total - counts.trained - tower, processes, offload) \
-        + 2 * tower
+    # LoRA's adapters come on top of the base, which is frozen whole; else only a frozen tower is.
+    actor_frozen = counts.total if lora else counts.total - counts.trained
+    parts["actor"] = _training_states(counts.trained, actor_frozen - tower, processes, offload) + 2 * tower
     trained = counts.trained
     critic_total = counts.total - counts.head + counts.hidden  # a value head in place of the LM head
     if config.algorithm.uses_critic:
-        critic_trained = counts.trained if lora else critic_total - (counts.total - counts.trained)
+        # The critic gets no adapters (the trainer adds them to the actor alone): all but a frozen tower trains.
+        critic_trained = critic_total - counts.frozen_tower
         parts["critic"] = _training_states(critic_trained, critic_total - critic_trained - tower, processes,
                                            offload) + 2 * tower
         trained += critic_trained
@@ -405,9 +415,7 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
     elif engine:
         parts["rollout weights"] = 2 * counts.total
     checkpointing = config.model.gradient_checkpointing
-    parts["activations"] = max(activation_bytes(counts, _pass_tokens(config), checkpointing, config.model.compile,
-                                                trains_head=not lora),
-                               scoring_activation_bytes(counts, config.algorithm.score_micro_batch_tokens))
+    parts["activations"] = _activations(config, counts)
     if not sharded and not checkpointing and config.model.dtype != "float32":
         # Actor and critic update one after the other: the larger model's casts (5.7 GiB at 3B).
         parts["weight casts"] = 2 * max(counts.total, critic_total if config.algorithm.uses_critic else 0)
@@ -449,7 +457,7 @@ def rollout_in_waves(config: TrainConfig, counts: ModelCounts, estimate: MemoryE
     if config.model.engine.kv_cache_gb > 0:
         more.append("a larger model.engine.kv_cache_gb")
     else:
-        if not estimate.apart:
+        if not estimate.apart and not config.distributed.async_rollout:  # refused beside a rollout thread
             more.append("model.engine.free_during_update=true (the cache then need not fit beside the update)")
         if not config.model.gradient_checkpointing:
             more.append("model.gradient_checkpointing=true (smaller activations leave the cache more)")
@@ -493,38 +501,83 @@ def rows_shorter_than_episodes(config: TrainConfig) -> str | None:
             f"set model.engine.max_seq_len={budget} to give them the agent's budget")
 
 
+def _activations_saved(config: TrainConfig, counts: ModelCounts, changed: TrainConfig) -> float:
+    """What the activations part of ``config`` loses in ``changed``: 0 where the pass that stays the largest is
+    another (a scoring pass of its own budget, or the update's)."""
+    return _activations(config, counts) - _activations(changed, counts)
+
+
+def _saving(estimate: MemoryEstimate, changed: TrainConfig, counts: ModelCounts, processes: int) -> float:
+    """What ``estimate``'s peak loses when the run is ``changed`` so (of ``counts`` on ``processes``): estimated
+    whole again, since a part that the peak does not hold (under ``model.engine.free_during_update``, one of the
+    group that is not the larger) saves nothing. A default key/value cache keeps its size: it would grow into
+    what the change frees."""
+    after = estimate_memory(changed, counts, processes, estimate.device_bytes, estimate.margin)
+    cache = estimate.parts.get("key/value cache")
+    if cache is not None and "key/value cache" in after.parts and changed.model.engine.kv_cache_gb == 0:
+        after = replace(after, parts={**after.parts, "key/value cache": cache})
+    return estimate.total - after.total
+
+
 def fit_advice(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate, processes: int) -> list[str]:
-    """What would make the run fit, the largest saving first."""
+    """What would make the run fit, the largest saving of the estimated peak first; a change that saves nothing
+    (a smaller pass where another stays the largest, a part of the group that is not the larger) is left out."""
+    model, algorithm, engine, dist = config.model, config.algorithm, config.model.engine, config.distributed
+
+    def saving(changed: TrainConfig, changed_counts: ModelCounts = counts, changed_processes: int = processes) -> float:
+        return _saving(estimate, changed, changed_counts, changed_processes)
+
+    def with_model(**fields: Any) -> TrainConfig:
+        return replace(config, model=replace(model, **fields))
+
+    def with_algorithm(**fields: Any) -> TrainConfig:
+        return replace(config, algorithm=replace(algorithm, **fields))
+
     options: list[tuple[float, str]] = []
     states = sum(estimate.parts.get(name, 0.0) for name in ("actor", "critic", "reference"))
     if states > 0:
-        offload = "distributed.cpu_offload=true" if _sharded(config, processes) else \
+        sharded = _sharded(config, processes)
+        offload = "distributed.cpu_offload=true" if sharded else \
             "distributed.backend=fsdp distributed.cpu_offload=true (one process, FSDP's CPU offload)"
-        options.append((states, f"{offload} (moves {states / GIB:.0f} GiB of training states to host memory)"))
-        options.append((states / 2,
+        offloaded = replace(config, distributed=replace(dist, cpu_offload=True,
+                                                        backend=dist.backend if sharded else "fsdp"))
+        options.append((saving(offloaded),
+                        f"{offload} (moves {states / GIB:.0f} GiB of training states to host memory)"))
+        options.append((saving(config, changed_processes=2 * processes),
                         f"distributed.nproc_per_node={2 * processes} (training states are divided among the GPUs)"))
     if not config.lora.enabled:
-        options.append((0.9 * states, "lora.enabled=true (trains adapters only; the reference is the base)"))
-    if not config.model.gradient_checkpointing:
-        options.append((0.5 * estimate.parts["activations"], "model.gradient_checkpointing=true"))
-        if not config.model.compile:
-            tokens = _pass_tokens(config)
-            saved = activation_bytes(counts, tokens, False) - activation_bytes(counts, tokens, False, compiled=True)
-            options.append((saved, f"model.compile=true (its layers keep {saved / GIB:.0f} GiB fewer activations)"))
-    if config.algorithm.micro_batch_tokens == 0 and config.model.engine.max_seq_len > 512:
-        options.append((0.5 * estimate.parts["activations"],
+        # The adapters themselves, a percent or two of the weights, counted as none.
+        trains = "the actor trains adapters only; the critic still trains all its weights" if algorithm.uses_critic \
+            else "trains adapters only"
+        options.append((saving(replace(config, lora=replace(config.lora, enabled=True)), replace(counts, trained=0)),
+                        f"lora.enabled=true ({trains}; the reference is the base)"))
+    if not model.gradient_checkpointing:
+        options.append((saving(with_model(gradient_checkpointing=True)), "model.gradient_checkpointing=true"))
+        if not model.compile:
+            compiled = with_model(compile=True)
+            fewer = _activations_saved(config, counts, compiled)
+            options.append((saving(compiled), f"model.compile=true (its layers keep {fewer / GIB:.0f} GiB fewer "
+                                              "activations)"))
+    if algorithm.micro_batch_tokens == 0 and engine.max_seq_len > 512:
+        options.append((saving(with_model(engine=replace(engine, max_seq_len=engine.max_seq_len // 2))),
                         f"a smaller model.engine.max_seq_len, the longest sample (the estimate counts "
-                        f"{config.algorithm.micro_batch_size} samples of {config.model.engine.max_seq_len} tokens "
-                        "a micro-batch)"))
-    if config.algorithm.micro_batch_tokens > 4096:
-        options.append((0.5 * estimate.parts["activations"],
-                        f"algorithm.micro_batch_tokens={config.algorithm.micro_batch_tokens // 2}"))
-    if config.model.backend != "hf" and not estimate.apart:
-        rollout, update = estimate.groups()
-        options.append((min(rollout, update), f"model.engine.free_during_update=true (frees the rollout's "
-                                              f"{rollout / GIB:.0f} GiB while the update runs)"))
-    if config.model.engine.kv_cache_gb > 0:  # the default cache is sized to fit already
-        options.append((estimate.parts["key/value cache"] / 2, "a smaller model.engine.kv_cache_gb"))
+                        f"{algorithm.micro_batch_size} samples of {engine.max_seq_len} tokens a micro-batch)"))
+    if algorithm.micro_batch_tokens > 4096:
+        half = algorithm.micro_batch_tokens // 2
+        options.append((saving(with_algorithm(micro_batch_tokens=half)), f"algorithm.micro_batch_tokens={half}"))
+    if algorithm.score_micro_batch_tokens > 4096:
+        half = algorithm.score_micro_batch_tokens // 2
+        options.append((saving(with_algorithm(score_micro_batch_tokens=half)),
+                        f"algorithm.score_micro_batch_tokens={half} (the scoring passes' own budget)"))
+    if model.backend != "hf" and not estimate.apart and not dist.async_rollout:  # refused beside a rollout thread
+        rollout, _ = estimate.groups()
+        options.append((saving(with_model(engine=replace(engine, free_during_update=True))),
+                        f"model.engine.free_during_update=true (frees the rollout's {rollout / GIB:.0f} GiB while "
+                        "the update runs)"))
+    if engine.kv_cache_gb > 0:  # the default cache is sized to fit already
+        options.append((saving(with_model(engine=replace(engine, kv_cache_gb=engine.kv_cache_gb / 2))),
+                        "a smaller model.engine.kv_cache_gb"))
+    options = [(saved, text) for saved, text in options if saved > 0]
     fragmentation = estimate.margin - CUDA_CONTEXT_BYTES
     if fragmentation > 0:
         # First where it alone makes the run fit: it costs nothing.
@@ -532,7 +585,8 @@ def fit_advice(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimat
         options.append((math.inf if alone else fragmentation,
                         f"expandable segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the allocator margin "
                         f"then leaves {fragmentation / GIB:.1f} GiB more)"))
-    return [text for _, text in sorted(options, key=lambda option: -option[0])]
+    return [text for _, text in sorted(options, key=lambda option: -option[0])] or [
+        "a GPU with more memory (nothing else the estimate counts makes this run smaller)"]
 
 
 def _turn_on(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate, processes: int) -> str:

@@ -51,21 +51,26 @@ def sft_out_of_memory(error: torch.OutOfMemoryError, config: SFTConfig,
 def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: int,
                      checkpoint: Path | None, retried_with: str | None = None) -> ConfigError:
     """An RL step that ran out of GPU memory, as the run's error: what to change as far as the config has it
-    (smaller micro-batches, checkpointing, the rollout freed during the update, more of the card), the
-    checkpoint to continue from with the change, and torch's message. Nothing is saved: the step's update may
-    have stopped halfway. ``retried_with``: the setting the step was run again with (:class:`OptimizerSteps`),
-    which ran out of memory too."""
-    algorithm = config.algorithm
+    (smaller micro-batches and scoring passes, checkpointing, the rollout freed during the update, FSDP2's shards
+    on the host, more of the card), the checkpoint to continue from with the change, and torch's message. Nothing
+    is saved: the step's update may have stopped halfway. ``retried_with``: the settings the step was run again
+    with (:class:`OptimizerSteps`), which ran out of memory too."""
+    algorithm, dist = config.algorithm, config.distributed
     options = []
-    if algorithm.micro_batch_tokens > 0:
+    if algorithm.micro_batch_tokens > 1:  # 0 would mean passes counted in rows
         options.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens // 2}")
-    elif algorithm.micro_batch_size > 1:
+    elif algorithm.micro_batch_tokens == 0 and algorithm.micro_batch_size > 1:
         options.append(f"algorithm.micro_batch_size={algorithm.micro_batch_size // 2}")
+    if algorithm.score_micro_batch_tokens > 1:  # the scoring passes' own budget, which the update's leaves as it is
+        options.append(f"algorithm.score_micro_batch_tokens={algorithm.score_micro_batch_tokens // 2}")
     if not config.model.gradient_checkpointing:
         options.append("model.gradient_checkpointing=true")
-    engine_rollout = config.model.backend != "hf" and not config.distributed.async_rollout
+    # Trainers beside rollout processes sample only to validate and free the rollout after each validation already.
+    engine_rollout = config.model.backend != "hf" and not dist.async_rollout and dist.rollout_processes == 0
     if engine_rollout and not config.model.engine.free_during_update:
         options.append("model.engine.free_during_update=true")
+    if _shards(config) and not dist.cpu_offload:
+        options.append("distributed.cpu_offload=true")
     if config.run.gpu_share < 1:
         options.append(f"run.gpu_share above {config.run.gpu_share:g}")
     change = f"set {'; or '.join(options)}" if options else "use a GPU with more memory (see `turnrl memory`)"
@@ -78,17 +83,31 @@ def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: i
                        f"GPU's peak by part. torch: {torch_said(error)}")
 
 
+def _shards(config: TrainConfig) -> bool:
+    """Whether the run's trainers hold FSDP2 shards, which ``distributed.cpu_offload`` can move to the host: two
+    trainers or more, or ``distributed.backend=fsdp`` (a lone trainer beside rollout processes trains without)."""
+    dist = config.distributed
+    trainers = dist.nproc_per_node - dist.rollout_processes
+    return trainers > 1 or (dist.backend == "fsdp" and dist.rollout_processes == 0)
+
+
 def halved_micro_batches(algorithm: AlgorithmConfig) -> str | None:
-    """Halve the update's micro-batches in place: ``micro_batch_tokens``, or ``micro_batch_size`` when the
-    micro-batches are counted in rows. Returns the new setting as ``key=value``, or None (nothing changed) when
-    a micro-batch is one row already."""
+    """Halve the passes of the update and of the scores in place: ``micro_batch_tokens``, or ``micro_batch_size``
+    when the micro-batches are counted in rows; and ``score_micro_batch_tokens`` where the scoring passes have
+    their own budget (the error may have come from them, which the update's setting leaves as they are).
+    Returns the new settings as ``key=value`` separated by spaces, or None (nothing changed) when every pass is
+    one row already."""
+    settings = []
     if algorithm.micro_batch_tokens > 1:
         algorithm.micro_batch_tokens //= 2
-        return f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens}"
-    if algorithm.micro_batch_tokens == 0 and algorithm.micro_batch_size > 1:
+        settings.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens}")
+    elif algorithm.micro_batch_tokens == 0 and algorithm.micro_batch_size > 1:
         algorithm.micro_batch_size //= 2
-        return f"algorithm.micro_batch_size={algorithm.micro_batch_size}"
-    return None
+        settings.append(f"algorithm.micro_batch_size={algorithm.micro_batch_size}")
+    if algorithm.score_micro_batch_tokens > 1:
+        algorithm.score_micro_batch_tokens //= 2
+        settings.append(f"algorithm.score_micro_batch_tokens={algorithm.score_micro_batch_tokens}")
+    return " ".join(settings) or None
 
 
 class OptimizerSteps:
