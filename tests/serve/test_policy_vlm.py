@@ -211,6 +211,24 @@ def test_data_that_is_no_image_is_named_so(vlm_server, data):
     assert "in no image format Pillow reads (PNG, JPEG" in message and "BytesIO" not in message
 
 
+def test_an_image_over_the_bound_is_refused_naming_the_bound_whatever_the_request_had_left(tiny_vlm_dir):
+    """Refused at the smaller budget its request's earlier images left, it was said to be over that budget, as if
+    that were --max-image-pixels."""
+    policy = HFPolicy.from_config(ModelConfig(device="cpu"), str(tiny_vlm_dir), max_batch_size=8)
+
+    def part(width: int, height: int) -> dict:
+        url = "data:image/png;base64," + base64.b64encode(png_of(width, height)).decode()
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    with running(create_app(policy, MODEL, max_image_pixels=64 * 64)) as base_url:
+        content = [part(64, 64)] * 3 + [part(32, 32), part(100, 100), {"type": "text", "text": "?"}]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        refused = httpx.post(f"{base_url}/chat/completions", json=body, timeout=120)
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert "100 x 100 = 10,000 pixels, more than the 4,096 accepted by this server (--max-image-pixels)" in message
+
+
 def test_a_request_s_images_together_are_bounded_before_they_are_decoded(tiny_vlm_dir):
     """Each image under --max-image-pixels, but hundreds of them (small PNGs of one colour) would decode to
     gigabytes: a request's images together may have 4 times the bound, the image past it is refused undecoded."""

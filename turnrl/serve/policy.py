@@ -213,12 +213,26 @@ def _image(part: ImagePart, index: int, max_pixels: int, pixels_left: int) -> np
                                 f"pixels accepted by this server ({IMAGES_PIXELS_PER_REQUEST} x --max-image-pixels); "
                                 "send fewer or smaller images", param=f"messages.{index}.content",
                            code="image_too_large") from None
+        if pixels_left < max_pixels:  # the refusal named what the request had left: name the option's bound
+            error = _refusal_at(url, max_pixels, error)
         raise APIError(400, f"messages[{index}]: {error} by this server (--max-image-pixels); send a smaller "
                             "image (the model resizes large ones down anyway)",
                        param=f"messages.{index}.content", code="image_too_large") from None
     except Exception as error:  # a broken image is the client's error, never the server's
         raise APIError(400, f"messages[{index}]: the image cannot be read: {error}",
                        param=f"messages.{index}.content") from None
+
+
+def _refusal_at(url: str, max_pixels: int, refused: ImageTooLarge) -> ImageTooLarge:
+    """The refusal of an image over ``max_pixels`` in the words of that bound (its header read again, undecoded),
+    where it was first refused at the smaller bound its request had left; ``refused`` if that reads otherwise."""
+    try:
+        load_image(url, max_pixels=max_pixels)
+    except ImageTooLarge as error:
+        return error
+    except Exception:  # read once already: the first refusal stands
+        return refused
+    return refused
 
 
 def with_system_folded(messages: list[dict[str, str]], tokenizer: Any) -> list[dict[str, str]]:
