@@ -122,6 +122,19 @@ def test_malformed_jsonl_line_is_named_by_its_line_number(tmp_path, bad_line):
         read_chat_jsonl(path)
 
 
+@pytest.mark.parametrize(("content", "said"), [
+    (["a string where a part goes"], "content part 0 is a str, not an object"),
+    ([{"type": "text", "text": "x"}, {"type": "image_url"}], "content part 1 is an image_url part without its url"),
+    ([{"type": "image_url", "image_url": {}}], "content part 0 is an image_url part without its url"),
+])
+def test_a_malformed_content_part_is_named_by_its_line(tmp_path, content, said):
+    path = tmp_path / "chats.jsonl"
+    chat = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]}
+    path.write_text("\n" + json.dumps(chat) + "\n")
+    with pytest.raises(ValueError, match=f"chats.jsonl:2: a user message's {said}"):
+        read_chat_jsonl(path)
+
+
 def test_jsonl_without_chats_is_an_error(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n  \n")

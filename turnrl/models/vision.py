@@ -380,16 +380,27 @@ def check_image(image: Any) -> np.ndarray:
 
 def part_images(content: Any) -> list[Any]:
     """The images of a message's content parts, in order: ``{"type": "image", "image": ...}`` and OpenAI's
-    ``{"type": "image_url", "image_url": {"url": ...}}`` (values as they are; see :func:`load_image`)."""
+    ``{"type": "image_url", "image_url": {"url": ...}}`` (values as they are; see :func:`load_image`).
+
+    Raises:
+        ValueError: a part that is no object, or an ``image_url`` part without its url (with what was given).
+    """
     if not isinstance(content, list):
         return []
     images = []
-    for part in content:
+    for index, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ValueError(f"content part {index} is a {type(part).__name__}, not an object like "
+                             '{"type": "text", "text": ...} or {"type": "image_url", "image_url": {"url": ...}}')
         if part.get("type") == "image" and "image" in part:
             images.append(part["image"])
         elif part.get("type") == "image_url":
-            url = part.get("image_url")
-            images.append(url.get("url") if isinstance(url, dict) else url)
+            given = part.get("image_url")
+            url = given.get("url") if isinstance(given, dict) else given
+            if not url:
+                raise ValueError(f"content part {index} is an image_url part without its url: give "
+                                 '{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}')
+            images.append(url)
     return images
 
 

@@ -310,8 +310,11 @@ def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
 
 def _with_images_read(message: Message, folder: Path, where: str) -> Message:
     """``message`` with each image part's image read into an array (see :func:`read_chat_jsonl`)."""
-    if not part_images(message["content"]):
-        return message
+    try:
+        if not part_images(message["content"]):
+            return message
+    except ValueError as error:  # a part that is no object, an image_url without its url
+        raise ValueError(f"{where}: a {message['role']} message's {error}") from None
     parts = []
     for part in message["content"]:
         (source,) = part_images([part]) or [None]
