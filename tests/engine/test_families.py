@@ -14,12 +14,17 @@ from transformers import (
     MistralConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
     Qwen3VLForConditionalGeneration,
 )
 
 from tests.engine.test_llm_engine import ARCHITECTURES, GREEDY, build, engine_for, hf_greedy, random_prompts
-from tests.engine.test_qwen2_vl import qwen2_vl_config
+from tests.engine.test_qwen2_vl import full_forward_logprobs, image, joined, message, qwen2_vl_config
 from tests.engine.test_qwen3_vl import qwen3_vl_config
+from turnrl.config import EngineConfig
+from turnrl.engine.cache import PAGE_TOKENS
 from turnrl.engine.families import (
     FAMILIES,
     Family,
@@ -29,6 +34,7 @@ from turnrl.engine.families import (
     by_model_type,
     family_of,
 )
+from turnrl.engine.llm_engine import Engine, Result, SamplingParams
 from turnrl.engine.weights import decoder_weights
 from turnrl.models.vlm import vlm_config
 
@@ -108,14 +114,35 @@ def test_a_vision_side_goes_with_m_rope_and_m_rope_with_a_vision_side():
         Family("X", ("x",), rotary=Rotary.MROPE)
 
 
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+            "original_max_position_embeddings": 64}
+"""Long factors past 64 positions: a model's rotary module called for a longer table than that turns every
+position by them, where the model turns a shorter sequence by the short ones."""
+
+
 @pytest.mark.parametrize(("config", "reason"), [
     (MistralConfig(sliding_window=16), "sliding-window"),
     (LlamaConfig(mlp_bias=True), "MLP has no biases"),
     (LlamaConfig(hidden_act="gelu"), "SwiGLU"),
     (LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "dynamic RoPE"),
+    (LlamaConfig(head_dim=16, rope_parameters=dict(LONGROPE)), "longrope RoPE"),
 ])
 def test_settings_the_decoder_does_not_compute_are_refused_with_the_reason(config, reason):
     with pytest.raises(UnsupportedModel, match=reason):
+        family_of(config).check(config)
+
+
+def test_rope_scaling_whose_factors_depend_on_the_sequence_length_is_refused_where_the_engine_would_run_it():
+    """The engine takes its rotary table once, for every position a row can hold: with ``longrope`` that table is
+    the long factors', and a short prompt's logprobs would be several nats off the model's. A config with one set of
+    RoPE parameters per layer type is read the same way."""
+    model = build("llama", head_dim=16, rope_parameters=dict(LONGROPE), max_position_embeddings=256)
+    with pytest.raises(UnsupportedModel, match="longrope RoPE scaling .* depend on the sequence's length"):
+        engine_for(model, max_len=200)
+    config = LlamaConfig()
+    config.rope_parameters = {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                              "sliding_attention": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}
+    with pytest.raises(UnsupportedModel, match="dynamic RoPE"):
         family_of(config).check(config)
 
 
@@ -155,3 +182,36 @@ def test_a_tower_sees_the_same_pixels_kept_in_its_dtype_as_in_float32(models, mo
     assert torch.equal(made.merged, kept.merged)
     assert len(made.deepstack) == len(kept.deepstack)
     assert all(torch.equal(a, b) for a, b in zip(made.deepstack, kept.deepstack))
+
+
+@pytest.mark.parametrize("model_type", VISION_MODEL_TYPES)
+def test_each_vlm_s_sampled_logprobs_equal_its_forward_over_turns_past_a_page_and_chunks_through_images(
+        models, tiny_tokenizer, model_type):
+    """Every VLM record against its transformers model (Qwen2.5-VL's windowed tower included): an episode of five
+    image turns grows past the cache's 128-position pages, each turn extending the cached row, and prefill chunks
+    of 40 tokens cut through images (a chunk encodes a whole image and takes the rows of its tokens). Sampled at
+    temperature 1, each turn's logprobs are the model's full forward pass over the whole episode so far."""
+    model = models[model_type]
+    patch = model.config.vision_config.patch_size
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=patch), tokenizer=tiny_tokenizer,
+                                 video_processor=Qwen2VLVideoProcessor(patch_size=patch),
+                                 chat_template=tiny_tokenizer.chat_template)
+    engine = Engine(model, EngineConfig(kv_cache_gb=1.0, max_rows=2, max_seq_len=640, triton="false",
+                                        prefill_chunk_tokens=40))
+    side = 8 * patch  # 4 x 4 tokens an image
+    prompt, inputs = message(processor, "Where next? " * 8, image(side, side, seed=1), first=True)
+    torch.manual_seed(0)
+    observation: list[int] = []
+    for turn in range(5):
+        engine.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=10), inputs)
+        finished: list[Result] = []
+        while not finished:
+            finished = engine.step()
+        (result,) = finished
+        assert result.reused_tokens == (0 if turn == 0 else len(prompt) - len(observation) - 1)
+        torch.testing.assert_close(torch.tensor(result.logprobs),
+                                   full_forward_logprobs(model, prompt, result.token_ids, inputs), atol=1e-4, rtol=0)
+        observation, seen = message(processor, "And now?", image(side - 2 * patch * (turn % 2), side, seed=turn),
+                                    first=False)
+        prompt, inputs = prompt + result.token_ids + observation, joined(inputs, seen)
+    assert len(prompt) > 2 * PAGE_TOKENS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from typing import Any
@@ -12,7 +13,13 @@ import torch
 from tests.engine.paging import filled_cache
 from tests.engine.test_llm_engine import build, random_prompts
 from turnrl.engine.forward import decoder_forward, final_logits, rotary_table
-from turnrl.engine.weights import DecoderWeights, decoder_weights, model_checksum
+from turnrl.engine.weights import (
+    DecoderWeights,
+    UnsupportedModel,
+    decoder_weights,
+    lora_merged_weight,
+    model_checksum,
+)
 
 
 def logits_of(weights: DecoderWeights, prompts: list[list[int]]) -> torch.Tensor:
@@ -185,3 +192,43 @@ def test_the_checksum_of_a_sharded_model_is_the_whole_model_s_without_gathering_
                             timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert sorted(path.name for path in tmp_path.glob("agreed*")) == ["agreed0", "agreed1"]
+
+
+@pytest.mark.parametrize(("adapters", "problem"), [
+    (lambda peft: peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"], use_dora=True), "a LoRA variant"),
+    (lambda peft: peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"], lora_bias=True),
+     "a bias on its adapters"),
+    (lambda peft: peft.LoHaConfig(r=2, target_modules=["q_proj", "down_proj"]), "peft.tuners.loha"),
+], ids=["dora", "lora_bias", "loha"])
+def test_adapters_whose_merged_weight_is_not_w_plus_scaled_b_a_are_refused_not_merged_wrongly(adapters, problem):
+    """DoRA rescales the merged weight by its magnitude vector and ``lora_bias`` adds to the layer's bias: merged as
+    plain LoRA, the engine would sample from weights the trained model does not hold. Other tuners (LoHa) have no
+    LoRA matrices to merge."""
+    peft = pytest.importorskip("peft")
+    model: Any = peft.get_peft_model(build("qwen2"), adapters(peft))
+    for run in (lambda: decoder_weights(model, torch.float32), lambda: model_checksum(model, torch.float32)):
+        with pytest.raises(UnsupportedModel, match=problem) as refused:
+            run()
+        assert "merge_and_unload" in str(refused.value) and "model.backend=hf" in str(refused.value)
+
+
+def test_lora_adapters_of_every_layer_kind_merge_into_the_weights_peft_s_own_merge_makes():
+    """What the Ray rollout workers receive: each LoRA layer's weight merged out of place equals peft's
+    ``merge_and_unload``, the input embeddings' adapters (kept apart from linear layers' lora_A) included; the
+    base weights are left as they were."""
+    peft = pytest.importorskip("peft")
+    model: Any = peft.get_peft_model(build("qwen2"), peft.LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:  # an embedding's lora_embedding_A starts at zeros: its delta would be nothing
+                parameter.normal_()
+    base = model.get_base_model()
+    layers = {name: module for name, module in base.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)}
+    assert {type(layer).__name__ for layer in layers.values()} == {"Embedding", "Linear"}
+    before = {name: layer.base_layer.weight.clone() for name, layer in layers.items()}
+    with torch.no_grad():
+        merged = {name: lora_merged_weight(layer) for name, layer in layers.items()}
+    plain = dict(copy.deepcopy(model).merge_and_unload().named_parameters())
+    for name, layer in layers.items():
+        torch.testing.assert_close(merged[name], plain[f"{name}.weight"], atol=1e-6, rtol=1e-6)
+        assert not torch.equal(merged[name], before[name]) and torch.equal(layer.base_layer.weight, before[name])

@@ -159,8 +159,25 @@ class Family:
         if self.sliding_window is not None and getattr(decoder, self.sliding_window, None):
             raise UnsupportedModel("the engine has no sliding-window attention; use model.backend=hf")
         rope = getattr(decoder, "rope_parameters", None) or getattr(decoder, "rope_scaling", None) or {}
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
-            raise UnsupportedModel("dynamic RoPE scaling depends on the sequence length; use model.backend=hf")
+        length_dependent = _length_dependent_rope(rope)
+        if length_dependent is not None:
+            raise UnsupportedModel(f"{length_dependent} RoPE scaling turns positions by factors that depend on the "
+                                   "sequence's length, where the engine turns every position by one table; use "
+                                   "model.backend=hf")
+
+
+def _length_dependent_rope(rope: Any) -> str | None:
+    """The RoPE type of a config's ``rope_parameters`` whose frequencies the rotary module picks by the length of the
+    positions it is called with, or None. transformers' modules recompute them for a type named ``dynamic``, and
+    switch ``longrope`` from its short to its long factors past ``original_max_position_embeddings``: the engine
+    takes its table once for every position of a row, so a short sequence would turn by a long one's factors.
+    ``rope`` may hold one set per layer type (a dict of dicts)."""
+    if not isinstance(rope, dict):
+        return None
+    if all(isinstance(value, dict) for value in rope.values()) and rope:
+        return next((found for value in rope.values() if (found := _length_dependent_rope(value)) is not None), None)
+    rope_type = str(rope.get("rope_type", rope.get("type")))
+    return rope_type if "dynamic" in rope_type or rope_type == "longrope" else None
 
 
 VLM_WEIGHTS = WeightNames(decoder="model.language_model")

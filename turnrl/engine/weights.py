@@ -328,15 +328,45 @@ class _Source:
         return self.inputs or (self.parameter,)
 
 
+def check_mergeable(layer: Any, linear: bool = False) -> None:
+    """Raise :class:`UnsupportedModel` where a peft layer's weight is not ``W + scale * B A`` (what
+    :func:`lora_merged_weight` computes): another tuner than LoRA (LoHa, IA3, ...), a LoRA variant (DoRA rescales
+    the merged weight by its magnitude vector) or a bias on the adapters (``lora_bias``, added to the layer's
+    bias); with ``linear``, also LoRA on anything but a plain linear layer (a quantized one). Merged as plain LoRA,
+    such a layer would give other weights than the trained model's, silently."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    problem = None
+    if not isinstance(layer, LoraLinear if linear else LoraLayer):
+        problem = f"a {type(layer).__module__}.{type(layer).__qualname__} layer"
+    elif layer.lora_variant or any(layer.use_dora.values()):
+        problem = "a LoRA variant (DoRA)"
+    elif any(layer.lora_bias.values()):
+        problem = "a bias on its adapters (lora_bias)"
+    if problem is not None:
+        raise UnsupportedModel(f"the engine merges plain LoRA adapters into linear layers; this model has {problem}: "
+                               "merge the adapters into the model first (peft's merge_and_unload), train plain "
+                               "LoRA, or use model.backend=hf")
+
+
 def lora_merged_weight(layer: Any) -> torch.Tensor:
     """A peft LoRA layer's weight with its active adapters merged (peft's ``get_delta_weight``), out of place:
     the frozen base weight is never written (merging and unmerging in place would round it a little each time).
-    The base weight itself where peft merged the adapters into it already or they are disabled."""
+    The base weight itself where peft merged the adapters into it already or they are disabled.
+
+    Raises:
+        UnsupportedModel: the layer's adapters are not plain LoRA (:func:`check_mergeable`).
+    """
+    check_mergeable(layer)
     weight = layer.base_layer.weight
     if layer.merged or layer.disable_adapters:
         return weight
+    # A LoRA embedding keeps its matrices in lora_embedding_A/B, its lora_A empty: looked up in lora_A alone, its
+    # adapters were never merged.
+    held = {*layer.lora_A.keys(), *layer.lora_embedding_A.keys()}
     for adapter in layer.active_adapters:
-        if adapter in layer.lora_A:
+        if adapter in held:
             weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
     return weight
 
@@ -346,6 +376,7 @@ def _linear_sources(module: Any) -> tuple[_Source, _Source | None]:
     base = getattr(module, "base_layer", None)
     if base is None:
         return _Source(module.weight), _Source(module.bias) if module.bias is not None else None
+    check_mergeable(module, linear=True)
     weight = _Source(base.weight, lambda: lora_merged_weight(module), tuple(module.parameters()))
     return weight, _Source(base.bias) if base.bias is not None else None
 
