@@ -126,6 +126,7 @@ position by them, where the model turns a shorter sequence by the short ones."""
     (LlamaConfig(hidden_act="gelu"), "SwiGLU"),
     (LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "dynamic RoPE"),
     (LlamaConfig(head_dim=16, rope_parameters=dict(LONGROPE)), "longrope RoPE"),
+    (LlamaConfig(partial_rotary_factor=0.5), "turns a share of 0.5"),  # Phi-4-mini's: a shape error before
 ])
 def test_settings_the_decoder_does_not_compute_are_refused_with_the_reason(config, reason):
     with pytest.raises(UnsupportedModel, match=reason):

@@ -159,6 +159,11 @@ class Family:
         if self.sliding_window is not None and getattr(decoder, self.sliding_window, None):
             raise UnsupportedModel("the engine has no sliding-window attention; use model.backend=hf")
         rope = getattr(decoder, "rope_parameters", None) or getattr(decoder, "rope_scaling", None) or {}
+        partial = getattr(decoder, "partial_rotary_factor", None) or (rope.get("partial_rotary_factor")
+                                                                      if isinstance(rope, dict) else None)
+        if partial is not None and partial < 1:  # Phi-4-mini's: only part of each head turns
+            raise UnsupportedModel(f"the engine turns every dimension of a head; this model turns a share of "
+                                   f"{partial} (partial_rotary_factor): use model.backend=hf")
         length_dependent = _length_dependent_rope(rope)
         if length_dependent is not None:
             raise UnsupportedModel(f"{length_dependent} RoPE scaling turns positions by factors that depend on the "
