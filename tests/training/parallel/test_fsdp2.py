@@ -205,6 +205,154 @@ def test_a_frozen_vision_tower_is_held_whole_by_each_process_and_a_trained_one_s
     assert sorted(path.name for path in tmp_path.glob("checked*")) == ["checked0", "checked1"]
 
 
+SAVED_OPTIMIZERS = """
+import copy, sys, torch
+from pathlib import Path
+from torch.distributed.tensor import distribute_tensor
+from transformers import AutoTokenizer
+from turnrl.models.loading import load_model
+from turnrl.training import ranks
+from turnrl.training.checkpoint import load_trainer_state
+from turnrl.training.head import install_scoring_head
+from turnrl.training.parallel.fsdp2 import FSDP2
+from turnrl.training.parallel.strategy import CheckpointFiles, Models, Optimizers
+
+ranks.init_process_group("cpu", timeout_s=120)
+model = load_model(sys.argv[1])
+install_scoring_head(model, None)
+plain = copy.deepcopy(model)  # one process's model and optimizer, unsharded
+strategy = FSDP2(cpu_offload=False)
+models = strategy.place(Models(model, None, None), torch.device("cpu"), torch.float32)
+sharded = dict(models.actor.named_parameters())
+whole = dict(plain.named_parameters())
+adam = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+optimizer, plain_optimizer = adam(list(sharded.values())), adam(list(whole.values()))
+files = lambda step: CheckpointFiles(Path(sys.argv[2]), step, AutoTokenizer.from_pretrained(sys.argv[1]), {}, "", 3)
+
+
+def step(scale):
+    for name, param in sharded.items():  # the same gradient for both: a pattern of each weight's shape
+        grad = torch.sin(torch.arange(param.numel(), dtype=torch.float32) * scale).reshape(param.shape)
+        param.grad = distribute_tensor(grad, param.device_mesh, param.placements)
+        whole[name].grad = grad.clone()
+    optimizer.step()
+    plain_optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    plain_optimizer.zero_grad(set_to_none=True)
+
+
+def assert_as_one_process(optimizer):
+    for name, param in sharded.items():
+        torch.testing.assert_close(ranks.whole(param), whole[name], rtol=0, atol=1e-6)
+        state, expected = optimizer.state[param], plain_optimizer.state[whole[name]]
+        assert float(state["step"]) == float(expected["step"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ranks.whole(state[key]), expected[key], rtol=0, atol=1e-7)
+
+
+# Saved before its first step (the actor during the critic's warm-up): it stays without state, saved and resumed.
+first = strategy.save(files(1), models, Optimizers(optimizer, None))
+assert not optimizer.state, "saving stepped the optimizer"
+strategy.restore_optimizers(first, load_trainer_state(first), models, Optimizers(optimizer, None))
+assert not optimizer.state, "resuming stepped the optimizer"
+step(0.3)
+assert_as_one_process(optimizer)
+# Saved after steps: a fresh optimizer resumes with the unsharded one's state, and steps as it does.
+step(0.7)
+second = strategy.save(files(2), models, Optimizers(optimizer, None))
+resumed = adam(list(sharded.values()))
+strategy.restore_optimizers(second, load_trainer_state(second), models, Optimizers(resumed, None))
+assert_as_one_process(resumed)
+optimizer = resumed
+step(1.1)
+assert_as_one_process(resumed)
+# A shard cut short: every process stops with what to do (torch's own error is a BaseException of many lines).
+ranks.barrier()
+if ranks.is_main():
+    shard = second / "optimizer" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+ranks.barrier()
+try:
+    fresh = Optimizers(adam(list(sharded.values())), None)
+    strategy.restore_optimizers(second, load_trainer_state(second), models, fresh)
+    raise AssertionError("a shard cut short was read")
+except RuntimeError as error:
+    assert "optimizer cannot be read (process " in str(error), error
+    assert str(error).endswith("move step_000002 away to resume from an earlier checkpoint"), error
+Path(sys.argv[2], f"checked{ranks.rank()}").write_text("ok")
+torch.distributed.destroy_process_group()
+ranks.end_process(0)
+"""
+
+
+def test_sharded_optimizer_states_save_and_resume_as_one_process_steps_them(tiny_model_dir, tmp_path):
+    """Two processes' AdamW over FSDP2 shards, saved and resumed, against one process's AdamW on the whole model
+    with the same gradients: the same weights, moments and step counts. An optimizer saved before its first step
+    (the actor during ``algorithm.critic_warmup_steps``) stays without state: reading its state dict made one up
+    by a step on zero gradients, which left its first real step about a quarter smaller than one process's. A shard
+    file cut short stops the resume on every process with what to do."""
+    script = tmp_path / "saved_optimizers.py"
+    script.write_text(SAVED_OPTIMIZERS)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                             str(script), str(tiny_model_dir), str(tmp_path)], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, failure_output(result)
+    assert sorted(path.name for path in tmp_path.glob("checked*")) == ["checked0", "checked1"]
+
+
+FULL_DISK = """
+import errno, sys, torch
+from pathlib import Path
+from transformers import AutoTokenizer
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from turnrl.config import ConfigError
+from turnrl.models.loading import load_model
+from turnrl.training import ranks
+from turnrl.training.head import install_scoring_head
+from turnrl.training.parallel.fsdp2 import FSDP2
+from turnrl.training.parallel.strategy import CheckpointFiles, Models, Optimizers
+
+ranks.init_process_group("cpu", timeout_s=120)
+model = load_model(sys.argv[1])
+install_scoring_head(model, None)
+strategy = FSDP2(cpu_offload=False)
+models = strategy.place(Models(model, None, None), torch.device("cpu"), torch.float32)
+optimizers = Optimizers(torch.optim.AdamW(list(models.actor.parameters())), None)
+if ranks.rank() == 1:  # its disk is full
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    FileSystemWriter.write_data = write_data
+run_dir = Path(sys.argv[2])
+try:
+    strategy.save(CheckpointFiles(run_dir, 1, AutoTokenizer.from_pretrained(sys.argv[1]), {}, "", 2), models,
+                  optimizers)
+except ConfigError as error:  # rank 0: the checkpoint's own message
+    said = str(error)
+except Exception as error:  # the other ranks: which process failed, and why
+    said = str(error)
+ranks.barrier()
+Path(run_dir, f"said{ranks.rank()}").write_text(said)
+torch.distributed.destroy_process_group()
+ranks.end_process(0)
+"""
+
+
+def test_a_full_disk_on_one_process_fails_the_checkpoint_on_every_process_as_a_full_disk(tiny_model_dir, tmp_path):
+    """One process's optimizer shards do not fit on its disk: every process stops the save with an error (torch's
+    own is a ``BaseException``, which the checkpoint's handler of write failures never saw); rank 0 says that the
+    disk is full and how to go on, and deletes the unfinished checkpoint folder."""
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                             str(script), str(tiny_model_dir), str(tmp_path)], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, failure_output(result)
+    assert re.match(r"checkpoint after step 1 could not be written: No space left on device\. Free some space",
+                    (tmp_path / "said0").read_text())
+    assert (tmp_path / "said1").read_text().startswith("process 1 could not write its optimizer shards: OSError")
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # no unfinished folder, no ``latest``
+
+
 @pytest.mark.slow  # 21 s; two processes train as one by default (test_two_processes_train_as_one)
 def test_two_processes_that_free_the_rollout_during_the_update_train_as_one(tiny_model_dir, tmp_path):
     """``model.engine.free_during_update``: the engine's cache and computed weights and the unsharded rollout copy

@@ -29,10 +29,11 @@ import copy
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed.checkpoint
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -253,6 +254,63 @@ def copy_full_weights(sharded: torch.nn.Module, full: torch.nn.Module, every_par
             targets[name].copy_(ranks.whole(param))
 
 
+# --------------------------------------------------------------------------- optimizer states
+UNSTEPPED = "unstepped_optimizers"
+"""The trainer state's names (``actor``, ``critic``) of the optimizers that had never stepped when the checkpoint
+was saved: their shards hold the state that reading it made up (see :func:`unstepped_optimizers`), which a resume
+drops again."""
+
+
+def _named(optimizers: Optimizers) -> dict[str, torch.optim.Optimizer]:
+    return {name: optimizer for name, optimizer in (("actor", optimizers.actor), ("critic", optimizers.critic))
+            if optimizer is not None}
+
+
+def unstepped_optimizers(optimizers: Optimizers) -> list[str]:
+    """The names of the optimizers without state: they have not stepped yet (the actor during the critic's warm-up,
+    or every update so far skipped).
+
+    ``get_optimizer_state_dict`` gives such an optimizer its state by running a step of learning rate 0 on zero
+    gradients. Kept, that state is a step of Adam: its first real step would divide by the bias corrections of a
+    second, an update about a quarter smaller than one process makes (whose plain ``state_dict`` reads nothing
+    in)."""
+    return [name for name, optimizer in _named(optimizers).items() if not optimizer.state]
+
+
+def forget_states(optimizers: Optimizers, names: list[str]) -> None:
+    """Drop the state of the optimizers ``names`` (:func:`unstepped_optimizers`): they step next as for the first
+    time."""
+    for name, optimizer in _named(optimizers).items():
+        if name in names:
+            optimizer.state.clear()
+
+
+def first_failure(error: CheckpointException) -> tuple[int, BaseException]:
+    """The first process a ``torch.distributed.checkpoint`` save or load failed on, and its own error there.
+
+    torch raises that failure on every process as a ``BaseException`` of its own, which no handler of write
+    failures (nor any ``except Exception``) sees; the callers here raise what it failed of instead."""
+    rank, (cause, _) = min(error.failures.items())
+    return rank, cause
+
+
+def shards_not_written(error: CheckpointException) -> NoReturn:
+    """Raise why the optimizer shards were not written, from the failed process's own error: a full disk there is
+    then told as the checkpoint's other writes tell it (:func:`~turnrl.training.checkpoint.save_checkpoint` names
+    it and deletes the unfinished folder)."""
+    rank, cause = first_failure(error)
+    raise RuntimeError(f"process {rank} could not write its optimizer shards: {type(cause).__name__}: {cause}\n"
+                       f"{error}") from cause
+
+
+def shards_not_read(error: CheckpointException, checkpoint: Path) -> NoReturn:
+    """Raise why the optimizer shards of ``checkpoint`` could not be read (a file missing or cut short), and how
+    to resume. Not a ConfigError (a ValueError): the trainer would take it for a damaged ``trainer_state.pt``."""
+    rank, cause = first_failure(error)
+    raise RuntimeError(f"{checkpoint / OPTIMIZER_DIR} cannot be read (process {rank}: {type(cause).__name__}: "
+                       f"{cause}); move {checkpoint.name} away to resume from an earlier checkpoint") from cause
+
+
 # --------------------------------------------------------------------------- the strategy
 FREED = -1
 """The rollout copy's weights version while its parameters are freed: no version the trainer's weights take."""
@@ -367,12 +425,17 @@ class FSDP2:
     # ------------------------------------------------------------------ checkpoints
     def restore_optimizers(self, checkpoint: Path, state: dict[str, Any], models: Models,
                            optimizers: Optimizers) -> None:
-        """The optimizers' shards, from ``torch.distributed.checkpoint`` files (the trainer state holds none)."""
+        """The optimizers' shards, from ``torch.distributed.checkpoint`` files (the trainer state holds none);
+        those that had not stepped when the checkpoint was saved (:data:`UNSTEPPED`) are left without state."""
         shards = self._optimizer_state(models, optimizers)
-        torch.distributed.checkpoint.load(shards, checkpoint_id=str(checkpoint / OPTIMIZER_DIR))
+        try:
+            torch.distributed.checkpoint.load(shards, checkpoint_id=str(checkpoint / OPTIMIZER_DIR))
+        except CheckpointException as error:  # on every process, where any failed
+            shards_not_read(error, checkpoint)
         set_optimizer_state_dict(models.actor, optimizers.actor, shards["actor"])
         if models.critic is not None and optimizers.critic is not None:
             set_optimizer_state_dict(models.critic, optimizers.critic, shards["critic"])
+        forget_states(optimizers, state.get(UNSTEPPED, []))
 
     @staticmethod
     def _optimizer_state(models: Models, optimizers: Optimizers) -> dict[str, Any]:
@@ -391,14 +454,19 @@ class FSDP2:
         # Every process writes its optimizer shards into the folder rank 0 names (a name no other writer uses).
         tmp_name = ranks.all_gather_objects(unique_tmp_name(files.step))[0]
         tmp = files.run_dir / "checkpoints" / tmp_name
+        unstepped = unstepped_optimizers(optimizers)
 
         def write_optimizer_shards(directory: Path) -> None:
             ranks.barrier()  # rank 0 has made the directory
-            torch.distributed.checkpoint.save(self._optimizer_state(models, optimizers),
-                                              checkpoint_id=str(directory / OPTIMIZER_DIR))
+            try:
+                torch.distributed.checkpoint.save(self._optimizer_state(models, optimizers),
+                                                  checkpoint_id=str(directory / OPTIMIZER_DIR))
+            except CheckpointException as error:  # on every process, where any failed
+                shards_not_written(error)
+            forget_states(optimizers, unstepped)
             ranks.barrier()
 
-        state = {**files.state, "world_size": ranks.world_size()}
+        state = {**files.state, "world_size": ranks.world_size(), UNSTEPPED: unstepped}
         if not ranks.is_main():
             write_optimizer_shards(tmp)
             ranks.barrier()  # rank 0 has published the checkpoint
