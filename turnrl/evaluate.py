@@ -49,8 +49,9 @@ from turnrl.envservice.placement import EnvFactory, env_factory
 from turnrl.policy.factory import make_policy
 from turnrl.policy.interface import Policy
 from turnrl.rewards import Rewards
+from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import pass_at_k_by_seed, rollout_metrics
-from turnrl.rollout.runner import EpisodeSlot, Rollout
+from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import ERROR, TRUNCATED, Trajectory, write_trajectories
 from turnrl.training.logger import RunProgress
 from turnrl.training.seeding import step_seed
@@ -257,18 +258,6 @@ def stops_as_interrupts() -> Iterator[StopSignal]:
             signal.signal(number, handler)
 
 
-def eval_slots(config: EvalConfig, make_env: EnvFactory) -> list[EpisodeSlot]:
-    """The episodes of an evaluation: ``config.episodes`` validation seeds, ``samples_per_seed`` episodes each, in
-    seed order. The batches (``batch_size`` slots in a row) play one after another and share one batch's envs:
-    an evaluation of 512 seeds builds 64 simulators, or opens 64 sessions on an env server, not 512."""
-    seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
-    episodes = [(group, seed, sample) for group, seed in enumerate(seeds.val_seeds(config.episodes))
-                for sample in range(config.samples_per_seed)]
-    envs = [make_env() for _ in range(min(config.batch_size, len(episodes)))]
-    return [EpisodeSlot(env=envs[index % len(envs)], seed=seed, group=group, sample=sample)
-            for index, (group, seed, sample) in enumerate(episodes)]
-
-
 def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: ResponseFormat,
          stop: StopSignal) -> Played:
     """``config.episodes`` validation seeds (``samples_per_seed`` episodes each) of ``prepared``'s env, in batches;
@@ -279,7 +268,9 @@ def play(config: EvalConfig, prepared: PreparedEnv, policy: Policy, fmt: Respons
     validation fixes: an evaluation repeats to the token, and a variant's figures do not hang on the variants
     played before it."""
     torch.manual_seed(step_seed(config.seeds.seed, -1))
-    slots = eval_slots(config, prepared.make_env)
+    seeds = SeedSplits(config.seeds.train_start, config.seeds.val_start, config.seeds.val_size)
+    slots = EnvGroups(prepared.make_env, 1, 1, seeds).val_slots(config.episodes, config.samples_per_seed,
+                                                                 envs=config.batch_size)
     env_id = prepared.target.env_id
     rollout = Rollout(policy, fmt, prepared.agent, env_id=env_id, rewards=Rewards(config.rewards))
     label = f"{prepared.target.name} ({env_id})" if prepared.target.name else env_id

@@ -31,7 +31,7 @@ from turnrl.engine.cache import INITIAL_PAGES, PAGE_TOKENS, KVCache, pages_for
 from turnrl.engine.llm_engine import Engine, Result, SamplingParams
 from turnrl.engine.rows import IDLE
 from turnrl.engine.weights import UnsupportedModel
-from turnrl.training.trainer import adamw
+from turnrl.training.optimizers import adamw
 
 VOCAB = 300
 ARCHITECTURES = {

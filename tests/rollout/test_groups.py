@@ -95,3 +95,14 @@ def test_more_validation_seeds_than_reserved_are_refused():
     assert len(pool.val_slots(10)) == 10
     with pytest.raises(ValueError, match="val_size=10"):
         pool.val_slots(11)
+
+
+def test_validation_slots_on_one_batch_of_envs_take_them_in_turn():
+    """512 episodes in batches of 128 hold 128 envs (or env-server sessions), not 512."""
+    pool = EnvGroups(lambda: object(), 1, 1, SeedSplits(100, 0, 50))
+    slots = pool.val_slots(5, samples_per_seed=2, envs=4)
+    assert [(s.group, s.sample) for s in slots] == [(g, k) for g in range(5) for k in range(2)]
+    assert len({id(s.env) for s in slots}) == 4 and len(pool._envs) == 4
+    assert [slots[i].env is slots[i + 4].env for i in range(6)] == [True] * 6
+    assert len({id(s.env) for s in pool.val_slots(1, samples_per_seed=2, envs=4)}) == 2  # fewer episodes: fewer
+

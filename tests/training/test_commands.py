@@ -589,3 +589,97 @@ def test_sft_data_given_apart_from_the_config_is_checked_with_it(tmp_path):
         sft_only(config(tmp_path / "no-model", tmp_path / "runs", "sft.target_random_share=0.1"),
                  data=str(tmp_path / "chats.jsonl"))
     assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- a run directory that cannot be made
+@pytest.mark.parametrize("command", ["sft", "train"])
+def test_a_run_directory_under_a_file_is_one_line_naming_the_file(tmp_path, command):
+    """``run.output_dir`` naming a file: ``turnrl sft`` showed mkdir's traceback, and ``turnrl train`` said that the
+    run directory (which does not exist) was a file."""
+    (tmp_path / "out").write_text("")
+    message = error_line(command, *FAST, f"run.output_dir={tmp_path / 'out'}", "run.name=run",
+                         f"model.path={tmp_path / 'no-model'}")
+    assert message.startswith(f"error: {tmp_path / 'out'} is a file, and the run directory {tmp_path / 'out' / 'run'} "
+                              "goes inside it: move it away, or set run.output_dir to a folder"), message
+
+
+def test_sft_into_a_folder_it_may_not_write_is_one_line(tmp_path, monkeypatch):
+    """What a run directory under a folder of another user raises as the lock makes it (root writes anywhere, so
+    the refusal is the lock's here): one line naming the folder, as ``turnrl train`` says it."""
+    import errno
+
+    from turnrl.training import commands
+
+    def refused(self):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self.run_dir))
+
+    monkeypatch.setattr(commands.RunLock, "__enter__", refused)
+    for command in ("sft", "train"):
+        message = error_line(command, *FAST, f"run.output_dir={tmp_path / 'shared'}", "run.name=run",
+                             f"model.path={tmp_path / 'no-model'}")
+        assert message.startswith(f"error: {tmp_path / 'shared'} may not be written into by this user: give it back "
+                                  "its permissions (`chmod u+rwx`) (Permission denied); "), message
+
+
+def test_a_resume_drops_the_images_of_the_steps_after_its_checkpoint(tmp_path):
+    """The trajectory files of steps past the checkpoint went, and their PNGs stayed: beside the images a step written
+    again makes (with fewer episodes or turns, some of another run), and for steps never reached, for good."""
+    from turnrl.training.commands import _drop_trajectories_after
+
+    folder = tmp_path / "trajectories"
+    (folder / "images").mkdir(parents=True)
+    names = ["step_000001.jsonl", "step_000003.jsonl", "step_000003.advantages.jsonl", "val_before_rl.jsonl",
+             "images/step_000001_00000_000.png", "images/step_000003_00000_000.png",
+             "images/step_000003_00001_final0.png", "images/step_000012_00000_001.png",
+             "images/val_before_rl_00000_000.png", "images/val_after_rl_00000_000.png"]
+    for name in names:
+        (folder / name).write_text("")
+    _drop_trajectories_after(folder, 2)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == [
+        "images/step_000001_00000_000.png", "images/val_after_rl_00000_000.png", "images/val_before_rl_00000_000.png",
+        "step_000001.jsonl", "val_before_rl.jsonl"]
+
+
+class Killed(BaseException):
+    """A kill at a chosen line of the run, in this process."""
+
+
+def test_a_longer_resume_killed_before_its_summary_ends_with_its_own_summary(tiny_model_dir, tmp_path, monkeypatch):
+    """A finished run of 1 step, resumed to 2 and killed after its last checkpoint, before summary.json: the next
+    resume said the run had already run its 2 steps and kept the summary of step 1 (its validation, its steps)."""
+    from turnrl.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    train(config(tiny_model_dir, tmp_path, "run.steps=1"))
+    monkeypatch.setattr(Trainer, "write_summary", lambda self: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):
+        train(config(tiny_model_dir, tmp_path, "run.steps=2", f"resume={run}"))
+    monkeypatch.undo()
+    summary = train(config(tiny_model_dir, tmp_path, "run.steps=2", f"resume={run}"))
+    written = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == written["steps"] == 2
+    after = [r for r in records(run) if r["step"] == 2 and "val/success" in r]
+    assert written["val_success_after_rl"] == after[0]["val/success"]
+    assert kinds(run) == [(0, "val"), (1, "step"), (1, "val"), (2, "step"), (2, "val")]
+
+
+SFT_UNDER_A_LIMIT = """
+import resource, sys
+from turnrl.cli import main
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
+sys.exit(main(["sft", *sys.argv[2:]]))
+"""
+
+
+def test_sft_whose_model_the_disk_refuses_is_one_line_saying_how_to_run_it_again(tiny_model_dir, tmp_path):
+    """safetensors' writer stopped by a file-size limit: ``turnrl sft`` showed its traceback (its error is no
+    ``OSError``); the line says so, and that the model folder it left part-written needs run.overwrite."""
+    run = tmp_path / "run"
+    limit = (Path(tiny_model_dir) / "model.safetensors").stat().st_size // 2
+    done = python(SFT_UNDER_A_LIMIT, str(limit), *overrides(tiny_model_dir, tmp_path, "sft.episodes=8", "sft.epochs=1",
+                                                             "sft.batch_size=8", "sft.micro_batch_size=8"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    last = " ".join(done.stderr.strip().splitlines()[-1].split())
+    assert last.startswith(f"error: the run could not write into {run}: this process may write files of at most "), last
+    assert last.endswith(f"then run it again with run.overwrite=true ({run / 'sft' / 'model'} was left part-written)")

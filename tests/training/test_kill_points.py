@@ -274,11 +274,20 @@ def test_a_sigterm_while_the_run_finishes_lets_it_finish(tiny_model_dir, tmp_pat
 @pytest.fixture(scope="module")
 def stopped(tiny_model_dir, tmp_path_factory) -> Path:
     """A 3-step run stopped after its first step by ``RUN/stop`` (checkpoint 1, no summary); copied, never
-    changed, by the tests."""
+    changed, by the tests. The file is made during the step: one there before the run starts is an earlier run's,
+    which the run's lock removes."""
+    from turnrl.training.trainer import Trainer
+
     out = tmp_path_factory.mktemp("stopped")
-    (out / "run").mkdir()
-    (out / "run" / "stop").touch()
-    summary = train(config(tiny_model_dir, out, "run.steps=3"))
+    step = Trainer.step
+
+    def step_then_stop(self, index):
+        (self.run_dir / "stop").touch()
+        return step(self, index)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "step", step_then_stop)
+        summary = train(config(tiny_model_dir, out, "run.steps=3"))
     assert summary["interrupted_at_step"] == 1
     return out / "run"
 

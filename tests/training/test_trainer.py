@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch._inductor.config as inductor_config
@@ -23,18 +25,22 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.algorithms import seeded_group_scores
-from turnrl.training.device_idle import read_trace
 from turnrl.cli import main
-from turnrl.engine.cache import PAGE_TOKENS, KVCache
 from turnrl.config import ConfigError, load_config
+from turnrl.engine.cache import PAGE_TOKENS, KVCache
+from turnrl.envs import make as make_env
+from turnrl.envservice.placement import LocalEnvFactory
+from turnrl.rollout.groups import EnvGroups
+from turnrl.rollout.ray_workers import RolloutWorkerError
+from turnrl.training import packed_attention
+from turnrl.training import trainer as trainer_module
 from turnrl.training.commands import GracefulStop, train
+from turnrl.training.device_idle import read_trace
+from turnrl.training.head import ScoringHead
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
+from turnrl.training.packed_attention import CUDNN_ATTENTION
 from turnrl.training.schedules import kl_adaptive_scale
 from turnrl.training.train_config import TrainConfig
-from turnrl.training import trainer as trainer_module
-from turnrl.training.head import ScoringHead
-from turnrl.training import packed_attention
-from turnrl.training.packed_attention import CUDNN_ATTENTION
 from turnrl.training.trainer import Trainer
 
 # A short system prompt: the tiny model is trained from scratch and cannot read instructions.
@@ -528,6 +534,39 @@ def test_validation_every_n_steps_joins_the_step_record(tiny_model_dir, tmp_path
     assert [r["step"] for r in records(tmp_path / "run") if "val/success" in r] == [0, 1, 2, 3]
 
 
+def played(output) -> list[tuple]:
+    return [(t.seed, t.group, t.sample, [turn.response_ids for turn in t.turns], t.total_reward)
+            for t in output.trajectories]
+
+
+def test_validation_builds_one_batch_of_envs_and_plays_as_one_env_per_episode_would(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """A validation of 10 episodes in batches of 4 built 10 envs (hundreds of simulators, or env-server sessions,
+    for RAGEN-size validation sets) and kept them for the run; it builds 4, and its batches take turns on them."""
+    made = []
+    make = LocalEnvFactory.__call__
+
+    def counted(self):
+        made.append(make(self))
+        return made[-1]
+
+    monkeypatch.setattr(LocalEnvFactory, "__call__", counted)
+    trainer = Trainer(config(tiny_model_dir, tmp_path, "algorithm.advantage=grpo", "validation.episodes=5",
+                             "validation.samples_per_seed=2", "validation.batch_size=4", "agent.max_turns=3"))
+    try:
+        made.clear()
+        first = trainer.validate()
+        assert len(made) == 4
+        assert [(t.group, t.sample) for t in first.trajectories] == [(g, k) for g in range(5) for k in range(2)]
+        again = trainer.validate()
+        assert len(made) == 4 and played(again) == played(first)
+        own = EnvGroups(lambda: make_env("FrozenLake"), 1, 1, trainer.val_groups.seeds)  # an env an episode, as before
+        monkeypatch.setattr(trainer.val_groups, "val_slots", lambda n, k, envs: own.val_slots(n, k))
+        assert played(trainer.validate()) == played(first) and len(own._envs) == 10
+    finally:
+        trainer.close()
+
+
 def test_resume_from_a_directory_without_checkpoint_names_the_key(tiny_model_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="resume="):
@@ -830,6 +869,35 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tiny_model_dir, tmp_pa
         assert comparable(one[step]) == comparable(two[step]), step
     assert any(not torch.equal(a[k], base_weights(tiny_model_dir)[k]) for k in a)  # it trained
     assert "val_success_before_rl" in summary and summary["steps"] == 4
+
+
+def test_a_run_stopped_by_a_lost_rollout_worker_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    """The failed step drew from the random generators before the worker was lost (a Ray rollout draws its workers'
+    seeds from torch's), and the checkpoint of the step before holds the generators as they were left: the resumed
+    step still plays and trains what the uninterrupted run did, since each step seeds itself from its number."""
+    extra = ["algorithm.advantage=grpo", "algorithm.micro_batch_size=1", "algorithm.mini_batch_size=2"]
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=4", name="straight"))
+    roll_out = Trainer.roll_out
+
+    def worker_lost_in_step_3(self, index):
+        if index == 2:
+            torch.randint(0, 2**31, (1,)), random.random(), np.random.random()
+            raise RolloutWorkerError("rollout worker 0 died", worker=0)
+        return roll_out(self, index)
+
+    monkeypatch.setattr(Trainer, "roll_out", worker_lost_in_step_3)
+    summary = train(config(tiny_model_dir, tmp_path, *extra, "run.steps=4", name="split"))
+    assert summary["interrupted_at_step"] == 2 and summary["stopped_by"] == "error"
+    monkeypatch.setattr(Trainer, "roll_out", roll_out)
+    split = tmp_path / "split"
+    train(config(tiny_model_dir, tmp_path, *extra, "run.steps=4", f"resume={split}", name="split"))
+    one, two = step_records(tmp_path / "straight"), step_records(split)
+    assert sorted(two) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert comparable(one[step]) == comparable(two[step]), step
+    final = "checkpoints/step_000004/actor/model.safetensors"
+    a, b = load_file(tmp_path / "straight" / final), load_file(split / final)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_kl_adaptive_rate_follows_each_update_and_a_resume_keeps_it(tiny_model_dir, tmp_path):

@@ -58,15 +58,23 @@ class EnvGroups:
         return slots
 
     def val_slots(
-        self, n_seeds: int, samples_per_seed: int = 1, options: dict[str, Any] | None = None
+        self, n_seeds: int, samples_per_seed: int = 1, options: dict[str, Any] | None = None,
+        envs: int | None = None,
     ) -> list[EpisodeSlot]:
-        """The fixed validation slots: the first ``n_seeds`` validation seeds."""
-        return self._slots(self.seeds.val_seeds(n_seeds), samples_per_seed, options)
+        """The fixed validation slots: the first ``n_seeds`` validation seeds, ``samples_per_seed`` episodes each.
 
-    def _slots(self, seeds: list[int], per_seed: int, options: dict[str, Any] | None = None) -> list[EpisodeSlot]:
-        envs = self._pool(len(seeds) * per_seed)
+        ``envs``: the slots take that many envs in turn, one batch's: batches of that size play one after another
+        and each episode resets its env with its seed, so 512 episodes in batches of 128 hold 128 simulators (or
+        env-server sessions), not 512. None: an env a slot.
+        """
+        return self._slots(self.seeds.val_seeds(n_seeds), samples_per_seed, options, envs)
+
+    def _slots(self, seeds: list[int], per_seed: int, options: dict[str, Any] | None = None,
+               envs: int | None = None) -> list[EpisodeSlot]:
+        count = len(seeds) * per_seed
+        pool = self._pool(count if envs is None else min(count, envs))
         return [
-            EpisodeSlot(env=envs[g * per_seed + k], seed=seed, group=g, sample=k, options=options)
+            EpisodeSlot(env=pool[(g * per_seed + k) % len(pool)], seed=seed, group=g, sample=k, options=options)
             for g, seed in enumerate(seeds)
             for k in range(per_seed)
         ]

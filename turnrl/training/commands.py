@@ -25,6 +25,7 @@ step's index (N - 1), from which its seeds derive.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -57,7 +58,7 @@ from turnrl.training.memory import (
 from turnrl.training.memory_trace import recorded
 from turnrl.training.out_of_memory import rl_out_of_memory
 from turnrl.training.preflight import preflight
-from turnrl.training.run_dir import RunLock, resumed_checkpoint, run_directory, run_lock, start_run
+from turnrl.training.run_dir import STOP_FILE, RunLock, resumed_checkpoint, run_directory, run_lock, start_run
 from turnrl.training.sft import sft_stage
 from turnrl.training.stall_watch import StallWatch, stalls_path
 from turnrl.training.step_episodes import StepOutput
@@ -65,10 +66,6 @@ from turnrl.training.train_config import TrainConfig
 from turnrl.training.trainer import Trainer, console
 from turnrl.viz.records import write_token_advantages
 from turnrl.viz.report import REPORT_NAME, write_report
-
-STOP_FILE = "stop"
-"""``touch RUN_DIR/stop``: the run stops after the step in progress and saves a checkpoint (as Ctrl-C does in one
-process; under ``torchrun``, Ctrl-C ends the processes at once). The file is removed when the run stops."""
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """Ctrl-C, and what a batch scheduler (Slurm, Kubernetes) sends some time before it kills a job."""
@@ -153,9 +150,16 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
         config.sft.data = data
         config.sft.validate()  # ``--data`` comes after the load's checks; the chats rule out some settings
     _set_allocator(config)
-    with RunLock(run_directory(config)):
-        preflight(config, stage="sft")
-        path = sft_stage(config, start_run(config, stage="sft")).model_path
+    model_before = _sft_model(config).exists()
+    try:
+        with RunLock(run_directory(config)):
+            preflight(config, stage="sft")
+            path = sft_stage(config, start_run(config, stage="sft")).model_path
+    except Exception as error:
+        refused = _refused_write(error, config, _how_to_run_sft_again(config, model_before))
+        if refused is None:
+            raise
+        raise refused from error
     console.print(f"SFT model written to {path}", markup=False, highlight=False, soft_wrap=True)
     return path
 
@@ -176,12 +180,14 @@ def _validate_and_write(trainer: Trainer, logger: MetricsLogger | None, step: in
 def _drop_trajectories_after(folder: Path, step: int) -> None:
     """Delete the trajectory files of steps after ``step`` (a resumed run's checkpoint), which an interrupted
     session wrote and the resumed run either writes again or (with fewer steps) never reaches: the files, like
-    ``metrics.jsonl``, hold every step the run has once."""
+    ``metrics.jsonl``, hold every step the run has once. Their images go too (``images/step_N_*.png``): kept,
+    they would sit beside the new ones of a step written again with fewer episodes or turns, and fill the disk
+    with those of a step never reached."""
     if not folder.is_dir():
         return
-    for path in folder.glob("step_*.jsonl"):
-        number = path.name.removeprefix("step_").split(".", 1)[0]
-        if number.isdigit() and int(number) > step:
+    for path in [*folder.glob("step_*.jsonl"), *folder.glob("images/step_*.png")]:
+        number = re.match(r"step_(\d+)[._]", path.name)
+        if number is not None and int(number.group(1)) > step:
             path.unlink()
 
 
@@ -190,7 +196,9 @@ def _every(n: int) -> Callable[[int], bool]:
 
 
 def finished_summary(config: TrainConfig) -> dict[str, Any] | None:
-    """The summary of a resumed run that has already run its ``run.steps`` (None when steps are left)."""
+    """The summary of a resumed run that has already run its ``run.steps`` (None when steps are left, or when
+    ``summary.json`` is an earlier session's: a run resumed with more steps and killed after its last checkpoint,
+    before its summary, still has the summary of the steps it had before, which its end writes anew)."""
     checkpoint = resumed_checkpoint(config).checkpoint if config.resume else None
     summary_path = run_directory(config) / "summary.json"
     if checkpoint is None or checkpoint_step(checkpoint) < config.run.steps or not summary_path.is_file():
@@ -199,7 +207,9 @@ def finished_summary(config: TrainConfig) -> dict[str, Any] | None:
         summary = json.loads(summary_path.read_bytes())
     except ValueError:  # damaged (not JSON, not text): the checkpoint's own summary is written again
         return None
-    return summary if isinstance(summary, dict) and "val_success_after_rl" in summary else None
+    if not isinstance(summary, dict) or "val_success_after_rl" not in summary:
+        return None
+    return summary if summary.get("steps") == checkpoint_step(checkpoint) else None
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
@@ -263,18 +273,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
         behind = _stop_behind(error)
         if behind is not None:
             return _stopped_before_steps(config, behind.signal)
-        if not isinstance(error, OSError):
+        refused = _refused_write(error, config, _how_to_go_on(config))
+        if refused is None:
             raise
-        # a write into the run directory that the disk refused (metrics, trajectories, ...)
-        cause = disk_error_cause(error)
-        if cause is not None:
-            raise ConfigError(f"the run could not write into {run_directory(config)}: {cause}. Free some space, "
-                              f"raise the limit or put run.output_dir on a larger disk; {_how_to_go_on(config)}"
-                              ) from error
-        damaged = _run_file_in_the_way(error, run_directory(config))
-        if damaged is None:
-            raise
-        raise ConfigError(f"{damaged}; {_how_to_go_on(config)}") from error
+        raise refused from error
     finally:
         if distributed:
             ranks.close_process_group()
@@ -284,6 +286,19 @@ _IN_THE_WAY = (IsADirectoryError, NotADirectoryError, FileExistsError, Permissio
 """What a file of the run that is not what the run made of it raises: a folder where the run writes a file
 (``metrics.jsonl``, ``summary.json``, ``stop``), a file where it makes a folder (``trajectories``), a file it
 may not write (changed by hand, or by another user)."""
+
+
+def _refused_write(error: Exception, config: TrainConfig, go_on: str) -> ConfigError | None:
+    """The one-line error for a write into the run directory that the disk refused (no space, a file-size limit:
+    said by an ``OSError`` or by the error of a writer that wraps one, safetensors' saving a model) or that a file
+    of the run stands in the way of (:func:`_run_file_in_the_way`), ending with ``go_on``, what continues the
+    command; None for another fault, whose traceback should be seen."""
+    cause = disk_error_cause(error)
+    if cause is not None:
+        return ConfigError(f"the run could not write into {run_directory(config)}: {cause}. Free some space, raise "
+                           f"the limit or put run.output_dir on a larger disk; {go_on}")
+    damaged = _run_file_in_the_way(error, run_directory(config)) if isinstance(error, OSError) else None
+    return None if damaged is None else ConfigError(f"{damaged}; {go_on}")
 
 
 def _run_file_in_the_way(error: OSError, run_dir: Path) -> str | None:
@@ -302,11 +317,25 @@ def _run_file_in_the_way(error: OSError, run_dir: Path) -> str | None:
         what = "may not be written into by this user: give it back its permissions (`chmod u+rwx`)"
     elif isinstance(error, PermissionError):
         what = "may not be read or written by this user: give it back its permissions (`chmod u+rw`)"
+    elif not path.exists():  # a folder to be made: a file stands where one of the folders above it goes
+        path = next(folder for folder in path.parents if folder.exists())
+        what = "is a file where the run keeps a folder: move it away" if path.resolve().is_relative_to(
+            run_dir.resolve()) else (f"is a file, and the run directory {run_dir} goes inside it: move it away, "
+                                     "or set run.output_dir to a folder")
     elif path.is_dir():
         what = "is a folder where the run keeps a file: move it away"
     else:
         what = "is a file where the run keeps a folder: move it away"
     return f"{path} {what} ({error.strerror})"
+
+
+def _how_to_run_sft_again(config: TrainConfig, model_before: bool) -> str:
+    """What runs ``turnrl sft`` again after a write it was refused: the same command, unless it left part of its
+    model behind (there was none before it, ``model_before``), which the command's check then takes for an earlier
+    run's."""
+    if _sft_model(config).exists() and not model_before:
+        return f"then run it again with run.overwrite=true ({_sft_model(config)} was left part-written)"
+    return "then run it again with the same command"
 
 
 def _how_to_go_on(config: TrainConfig) -> str:

@@ -71,7 +71,7 @@ def score_batch(
     with precision:
         if config.old_logprobs == "recompute":
             old_logprobs = batched_logprobs(actor, batch, micro, temperature, passes)
-            metrics[DRIFT] = float(aggregate((old_logprobs - batch.sampler_logprobs).abs(), batch.loss_mask))
+            metrics[DRIFT] = sampler_drift(old_logprobs, batch)
         else:
             old_logprobs = batch.sampler_logprobs
         metrics["timing/old_logprobs_s"] = seconds_until_computed(old_logprobs, start)
@@ -90,6 +90,12 @@ def score_batch(
             values = batched_values(critic, batch, micro, passes)
             metrics["timing/values_s"] = seconds_until_computed(values, start)
     return TokenScores(old_logprobs, ref_logprobs, values, metrics)
+
+
+def sampler_drift(old_logprobs: torch.Tensor, batch: Batch) -> float:
+    """:data:`~turnrl.training.ppo.DRIFT` of recomputed old log-probs, Shape (b, s): their mean absolute distance
+    from the sampler's over ``batch``'s trained tokens."""
+    return float(aggregate((old_logprobs - batch.sampler_logprobs).abs(), batch.loss_mask))
 
 
 def seconds_until_computed(scores: torch.Tensor, start: float) -> float:

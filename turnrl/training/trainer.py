@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 from rich.markup import escape
-from torch.distributed.tensor import DTensor
 
 from turnrl.agent.formats import get_format
 from turnrl.algorithms import kl_penalty
@@ -101,6 +100,7 @@ from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import RunConsole, RunProgress
 from turnrl.training.memory import phase_peak_gib, start_phase
 from turnrl.training.model_passes import ValueModel
+from turnrl.training.optimizers import adamw, apply_optimizer_settings
 from turnrl.training.out_of_memory import OptimizerSteps, halved_micro_batches, torch_said
 from turnrl.training.packed_attention import run_attention
 from turnrl.training.parallel.strategy import (
@@ -110,7 +110,7 @@ from turnrl.training.parallel.strategy import (
     ParallelStrategy,
     has_sharded_optimizers,
 )
-from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, ppo_epochs
+from turnrl.training.ppo import DRIFT, MicroBatching, UpdateInputs, batched_logprobs, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import (
     lora_change,
@@ -122,7 +122,14 @@ from turnrl.training.run_dir import (
     write_resumed_config,
 )
 from turnrl.training.schedules import kl_adaptive_scale, lr_factor
-from turnrl.training.scoring import TokenScores, encodes_images_once, keep_shuffles, make_batch, score_batch
+from turnrl.training.scoring import (
+    TokenScores,
+    encodes_images_once,
+    keep_shuffles,
+    make_batch,
+    sampler_drift,
+    score_batch,
+)
 from turnrl.training.seeding import step_seed
 from turnrl.training.step_episodes import StepOutput, collect, play_step, rollout_roofline
 from turnrl.training.train_config import TrainConfig
@@ -150,42 +157,6 @@ def vision_module_pattern(model: torch.nn.Module) -> str | None:
     tower = vision_tower(model)
     name = next((name for name, module in model.named_modules() if module is tower), None)
     return None if name is None else rf"{re.escape(name)}(\..*)?"
-
-
-def adamw(parameters: list[torch.nn.Parameter], lr: float, weight_decay: float, eps: float, fused: bool,
-          betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.AdamW:
-    """AdamW whose every step marks its parameters modified (their in-place version counters).
-
-    The engine and the rollout policies recompute their cast and stacked weights when a parameter's version
-    changes. torch's fused AdamW kernel writes the parameters without counting a version (the foreach and
-    per-tensor ones count), so after a fused step the engine would keep sampling from the weights it first
-    saw; the hook counts one for every step, fused or not. Sharded parameters (FSDP) are left out: they reach
-    the engine through the rollout copy, whose filling counts.
-    """
-    optimizer = torch.optim.AdamW(parameters, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, fused=fused)
-    whole = [p for p in parameters if not isinstance(p, DTensor)]
-    if whole:
-        optimizer.register_step_post_hook(lambda *_: torch.autograd.graph.increment_version(whole))
-    return optimizer
-
-
-def apply_optimizer_settings(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, eps: float,
-                             betas: tuple[float, float], scheduler: torch.optim.lr_scheduler.LambdaLR | None = None,
-                             ) -> None:
-    """Give ``optimizer``'s groups the run's settings, after a checkpoint's state has loaded: loading brings back
-    the rate, decay, eps and betas it was saved with, so a resume that sets ``optim.actor_lr`` and the like would
-    otherwise train with the old ones. With a ``scheduler``, ``lr`` is its base rate and each group's rate the base
-    times the schedule's factor at the scheduler's step (what its next step would give, so an unchanged base
-    gives the saved rate to the bit)."""
-    if scheduler is not None:
-        scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-    for index, group in enumerate(optimizer.param_groups):
-        group.update(weight_decay=weight_decay, eps=eps, betas=betas)
-        if scheduler is None:
-            group["lr"] = lr
-        else:
-            group["initial_lr"] = lr
-            group["lr"] = lr * scheduler.lr_lambdas[index](scheduler.last_epoch)
 
 
 def _lookup_only(model: Any) -> torch.Tensor | None:
@@ -355,7 +326,7 @@ class Trainer:
             stand_in = make_train()  # the slots only carry seeds to the workers; one local env stands in for all
             make_train_env = lambda: stand_in  # noqa: E731
         self.train_groups = EnvGroups(make_train_env, config.groups.n_groups, config.groups.group_size, seeds)
-        self.val_groups = EnvGroups(make_val, 1, 1, seeds)
+        self.val_groups = EnvGroups(make_val, 1, 1, seeds)  # one batch's envs, made by the first validation
         workers = config.groups.env_workers or (4 * env_workers)  # env workers step in parallel only from threads
         self.executor: Executor | None = ThreadPoolExecutor(workers) if workers else None
 
@@ -502,7 +473,9 @@ class Trainer:
         """Success and friends on the fixed validation seeds, at the validation temperature."""
         config = self.config
         sampling = SamplingConfig(**{**vars(config.sampling), "temperature": config.validation.temperature})
-        slots = self.val_groups.val_slots(config.validation.episodes, config.validation.samples_per_seed)
+        validation = config.validation
+        slots = self.val_groups.val_slots(validation.episodes, validation.samples_per_seed,
+                                          envs=validation.batch_size)
         self.parallel.sync_rollout_model(self.actor, self.actor_scheduler.last_epoch)
         start = time.time()
         trajectories: list[Trajectory] = []
@@ -748,8 +721,10 @@ class Trainer:
 
         old_logprobs = batch.sampler_logprobs if config.algorithm.old_logprobs == "sampler" else \
             self.parallel.gather_rows(local.old_logprobs, n)
-        return TokenScores(old_logprobs, gather(local.ref_logprobs), gather(local.values),
-                           self.parallel.mean_metrics(local.metrics))
+        metrics = self.parallel.mean_metrics(local.metrics)
+        if DRIFT in metrics:  # each process measured its rows, and the copies of row 0 padding them: the batch's
+            metrics[DRIFT] = sampler_drift(old_logprobs, batch)
+        return TokenScores(old_logprobs, gather(local.ref_logprobs), gather(local.values), metrics)
 
     def train_on(self, inputs: UpdateInputs, train_actor: bool, generator: torch.Generator) -> dict[str, float]:
         """6: the PPO epochs (:func:`ppo_epochs`); the actor only when ``train_actor`` (after critic warm-up)."""
