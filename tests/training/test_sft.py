@@ -524,48 +524,10 @@ def test_an_assistant_message_without_the_response_prefix_is_refused(tiny_tokeni
         conversation_samples(CHAT, tiny_tokenizer, window=None, response_prefix="<think>")
 
 
-def test_the_sft_stage_tokenizes_demos_with_the_formats_response_prefix(tiny_model_dir, tiny_tokenizer, tmp_path,
-                                                                          monkeypatch):
+def ragen_sft_samples(model_dir, tmp_path, monkeypatch) -> list:
+    """The samples the SFT stage of a short RAGEN-format run on Sokoban would train on (it stops before training)."""
     from turnrl.training import sft
 
-    config = load_config(TrainConfig, None, [
-        f"model.path={tiny_model_dir}", "model.device=cpu", f"run.output_dir={tmp_path}", "run.name=sft",
-        "run.tensorboard=false", "env.id=Sokoban", "agent.format=ragen", "agent.max_turns=3", "sft.episodes=2"])
-    trained = []
-
-    class Trained(Exception):
-        pass
-
-    def keep(model, pad_id, samples, *args, **kwargs):
-        trained.extend(samples)
-        raise Trained
-
-    monkeypatch.setattr(sft, "sft_train", keep)
-    with pytest.raises(Trained):
-        sft_only(config)
-    prefix = tiny_tokenizer.encode("<think>", add_special_tokens=False)
-    assert trained
-    for sample in trained:
-        first = sample.loss_mask.index(1)
-        assert sample.input_ids[first - len(prefix) : first] == prefix
-
-
-def test_the_sft_stage_of_a_thinking_template_teaches_what_follows_the_think_it_opens(tiny_model_dir, tmp_path,
-                                                                                       monkeypatch):
-    """Qwen3-Thinking-2507's prompts end with <think>\\n: RAGEN's own <think> moves there (not written twice),
-    and each demo's target is its reasoning on, not a second <think>."""
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    from turnrl.chat.templates import QWEN3_THINKING
-    from turnrl.training import sft
-
-    model_dir = tmp_path / "thinking"
-    shutil.copytree(tiny_model_dir, model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = QWEN3_THINKING
-    tokenizer.save_pretrained(model_dir)
     config = load_config(TrainConfig, None, [
         f"model.path={model_dir}", "model.device=cpu", f"run.output_dir={tmp_path}", "run.name=sft",
         "run.tensorboard=false", "env.id=Sokoban", "agent.format=ragen", "agent.max_turns=3", "sft.episodes=2"])
@@ -581,6 +543,35 @@ def test_the_sft_stage_of_a_thinking_template_teaches_what_follows_the_think_it_
     monkeypatch.setattr(sft, "sft_train", keep)
     with pytest.raises(Trained):
         sft_only(config)
+    assert trained
+    return trained
+
+
+def test_the_sft_stage_tokenizes_demos_with_the_formats_response_prefix(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                                          monkeypatch):
+    trained = ragen_sft_samples(tiny_model_dir, tmp_path, monkeypatch)
+    prefix = tiny_tokenizer.encode("<think>", add_special_tokens=False)
+    for sample in trained:
+        first = sample.loss_mask.index(1)
+        assert sample.input_ids[first - len(prefix) : first] == prefix
+
+
+def test_the_sft_stage_of_a_thinking_template_teaches_what_follows_the_think_it_opens(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    """Qwen3-Thinking-2507's prompts end with <think>\\n: RAGEN's own <think> moves there (not written twice),
+    and each demo's target is its reasoning on, not a second <think>."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from turnrl.chat.templates import QWEN3_THINKING
+
+    model_dir = tmp_path / "thinking"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = QWEN3_THINKING
+    tokenizer.save_pretrained(model_dir)
+    trained = ragen_sft_samples(model_dir, tmp_path, monkeypatch)
     starts = [(sample, k) for sample in trained for k in range(1, len(sample.input_ids))
               if sample.loss_mask[k] and not sample.loss_mask[k - 1]]
     assert starts
