@@ -107,32 +107,6 @@ def test_token_logprobs_do_not_depend_on_the_chunk_size(model, inputs):
     assert torch.allclose(big_h, one_h, atol=1e-6)
 
 
-def test_a_pass_over_short_rows_of_a_long_batch_runs_at_their_own_width(model, critic, inputs):
-    """A micro-batch keeps its batch's width; its pass leaves out the columns that are padding in every row
-    (as wide as the batch's longest episode), and scores as the rows padded to their own longest."""
-    input_ids, attention_mask, score_mask = inputs
-    wide = torch.cat([input_ids, input_ids[:, :4]], 1)  # four more columns, padding in both rows
-    wide_mask = torch.cat([attention_mask, torch.zeros(2, 4, dtype=torch.long)], 1)
-    wide_scores = torch.cat([score_mask, torch.zeros(2, 4)], 1)
-    widths = []
-    hooks = [body.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
-                                            with_kwargs=True) for body in (model.base_model, critic.backbone)]
-    try:
-        with torch.no_grad():
-            logprobs, _ = token_logprobs(model, wide[1:], wide_mask[1:], wide_scores[1:])
-            values = critic(wide[1:], wide_mask[1:])
-            expected_lp, _ = token_logprobs(model, input_ids[1:, :9], attention_mask[1:, :9], score_mask[1:, :9])
-            expected_values = critic(input_ids[1:, :9], attention_mask[1:, :9])
-    finally:
-        for hook in hooks:
-            hook.remove()
-    assert widths == [9, 9, 9, 9]  # row 1 has 9 real tokens
-    assert logprobs.shape == values.shape == (1, 16)
-    torch.testing.assert_close(logprobs[:, :9], expected_lp, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(values[:, :9], expected_values, atol=1e-6, rtol=1e-6)
-    assert not logprobs[:, 9:].any() and not values[:, 9:].any()
-
-
 def test_empty_score_mask_gives_zeros_that_backward_accepts(model, inputs):
     input_ids, attention_mask, _ = inputs
     trained = copy.deepcopy(model)

@@ -125,25 +125,12 @@ def states_before(
     inputs = {key: value.to(input_ids.device) for key, value in inputs.items()}
     with serving:
         if not packed:
-            width = real_width(attention_mask)
-            hidden = last_hidden_states(body, input_ids[:, :width], attention_mask[:, :width], inputs)
+            hidden = last_hidden_states(body, input_ids, attention_mask, inputs)
             return hidden[rows, cols - 1]
         hidden = packed_hidden_states(body, input_ids, attention_mask, inputs)
     lengths = attention_mask.sum(1)
     starts = lengths.cumsum(0) - lengths  # where each row begins in the packed sequence
     return hidden[starts[rows] + cols - 1]
-
-
-def real_width(attention_mask: torch.Tensor) -> int:
-    """The columns up to the last one that holds a real token of any row (Shape (b, s) mask).
-
-    A micro-batch's rows keep their batch's width (:meth:`~turnrl.training.batch.Batch.select`), that of the
-    batch's longest episode: run whole, a pass of short rows would compute attention and MLPs over columns
-    of nothing but padding, as long as that episode. Only columns that are padding in every row are cut, so
-    no real token is (under right or left padding) and, causal, no real token's state changes.
-    """
-    columns = attention_mask.any(0).nonzero()
-    return int(columns[-1]) + 1 if len(columns) else attention_mask.shape[1]
 
 
 def image_inputs(
