@@ -964,6 +964,20 @@ def resume_error(run: Path, *overrides: str) -> str:
     return message
 
 
+def test_a_resume_check_of_the_optimizers_own_is_said_as_it_is(tiny_model_dir, tmp_path, monkeypatch):
+    """A ConfigError is a ValueError: read as a trainer state's fault, its own words were lost to "is not this run's
+    trainer state"."""
+    from turnrl.training.parallel.single import SingleProcess
+
+    train(config(tiny_model_dir, tmp_path, "run.steps=1"))
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("the optimizers' own check failed: do this")
+
+    monkeypatch.setattr(SingleProcess, "restore_optimizers", refuse)
+    assert resume_error(tmp_path / "run", "run.steps=2") == "error: the optimizers' own check failed: do this"
+
+
 def test_a_resume_over_damaged_checkpoints_goes_on_from_a_complete_one_or_changes_nothing(tiny_model_dir, tmp_path,
                                                                                           capsys):
     extra = ["algorithm.advantage=grpo", "run.save_every=1"]

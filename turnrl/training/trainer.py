@@ -446,6 +446,8 @@ class Trainer:
                                          betas)
             set_rng_state(state["rng"])
             self.first_step = steps_done(state)
+        except ConfigError:  # a check of the restore's own (a ValueError) says what it found
+            raise
         except (KeyError, TypeError, ValueError) as error:  # readable, but not (all of) a trainer's state
             what = f"it has no {error.args[0]!r}" if isinstance(error, KeyError) else str(error).splitlines()[0]
             raise ConfigError(f"resume={self.config.resume!r}: {self.checkpoint / 'trainer_state.pt'} is not this "
