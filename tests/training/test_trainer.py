@@ -249,6 +249,15 @@ def test_adams_betas_reach_the_actors_and_the_critics_optimizers(tiny_model_dir,
         trainer.close()
 
 
+def test_closing_a_trainer_ends_the_threads_that_step_its_envs(tiny_model_dir, tmp_path):
+    trainer = Trainer(config(tiny_model_dir, tmp_path, "groups.env_workers=2"))
+    trainer.close()
+    assert trainer.executor is not None
+    with pytest.raises(RuntimeError, match="shutdown"):
+        trainer.executor.submit(print)
+    trainer.close()  # twice is fine
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_model_compile_scores_through_the_compiled_head_for_the_actor_and_the_reference(
         tiny_model_dir, tmp_path, monkeypatch, compiled):

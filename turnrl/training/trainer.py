@@ -759,11 +759,13 @@ class Trainer:
 
     def close(self) -> None:
         """Release what the trainer holds beyond memory: an asynchronous backend's rollout thread, Ray actors,
-        sessions on env servers. Safe to call twice."""
+        sessions on env servers, the threads that step envs. Safe to call twice."""
         self.rollout.close()
         self.val_rollout.close()
         for factory in self.env_factories:
             factory.close()
+        if self.executor is not None:  # a process that makes trainers one after another would keep each one's
+            self.executor.shutdown(wait=False, cancel_futures=True)  # a hung env must not hang the close
 
     def elapsed_s(self) -> float:
         """Wall time of the whole run: earlier sessions (before a resume) and this one."""
