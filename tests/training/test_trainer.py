@@ -909,6 +909,17 @@ def test_a_run_stopped_by_a_lost_rollout_worker_resumes_exactly(tiny_model_dir, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_rollout_worker_lost_in_the_first_step_is_one_line_saying_how_to_start_again(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    def worker_lost(self, index):
+        raise RolloutWorkerError("rollout worker 0 died", worker=0)
+
+    monkeypatch.setattr(Trainer, "roll_out", worker_lost)
+    with pytest.raises(ConfigError, match="stopped in the run's first step, before any update .rollout worker 0 "
+                                          "died.; nothing was saved: run the command again, with run.overwrite=true"):
+        train(config(tiny_model_dir, tmp_path, "algorithm.advantage=grpo", "run.steps=2"))
+
+
 def test_the_kl_adaptive_rate_follows_each_update_and_a_resume_keeps_it(tiny_model_dir, tmp_path):
     """``optim.kl_adaptive_target``: each update's scale is the rule applied to the update before's KL, the rate
     is the scale times the schedule, and a run resumed at step 2 goes on as the uninterrupted one."""

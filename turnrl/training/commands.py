@@ -490,8 +490,10 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             except RolloutWorkerError as error:
                 # Escaped: an error's text is no markup (gloo's name their source file in brackets).
                 console.print(f"[bold red]rollout stopped:[/bold red] {escape(str(error))}", soft_wrap=True)
-                if step == 1:
-                    raise
+                if step == 1:  # nothing trained, nothing to save: one line, and how to start again
+                    raise ConfigError(f"the rollout stopped in the run's first step, before any update ({error}); "
+                                      "nothing was saved: run the command again, with run.overwrite=true, once the "
+                                      "rollout workers can run") from error
                 # Saves the last finished step; not after a failed weights transfer, which comes after the step's
                 # update: the weights are then a step ahead of the records, and the last checkpoint is the one.
                 return _stop(trainer, logger, step - 1, error=True, save=not isinstance(error, WeightsTransferError))
