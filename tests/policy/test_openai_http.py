@@ -24,7 +24,13 @@ from turnrl.evaluate import run_eval
 from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.interface import GenerationRequest, Policy
-from turnrl.policy.openai_http import OpenAIPolicy, chat_completions_url, cut_after_stop, parse_retry_after
+from turnrl.policy.openai_http import (
+    OpenAIPolicy,
+    chat_completions_url,
+    cut_after_stop,
+    parse_retry_after,
+    thinking_text,
+)
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.serve.policy import create_app
 
@@ -178,6 +184,46 @@ def test_cut_after_stop_ends_at_the_first_stop_string_to_end(text, stops):
     cut = cut_after_stop(text, stops)
     ends = [i for i in range(len(text) + 1) if any(stop and text[:i].endswith(stop) for stop in stops)]
     assert cut == (text[: ends[0]] if ends else None)
+
+
+@pytest.mark.parametrize(("message", "text"), [
+    ({"content": "<answer>Up</answer>", "reasoning_content": "The hole is below."},  # vLLM's, SGLang's parser
+     "<think>\nThe hole is below.\n</think>\n\n<answer>Up</answer>"),
+    ({"content": "<answer>Up</answer>", "reasoning": "The hole is below."},  # newer vLLM, OpenRouter
+     "<think>\nThe hole is below.\n</think>\n\n<answer>Up</answer>"),
+    ({"content": "The hole is below.\n</think>\n\n<answer>Up</answer>"},  # no parser: the template opened <think>
+     "<think>\nThe hole is below.\n</think>\n\n<answer>Up</answer>"),
+    ({"content": None, "reasoning_content": "The hole is"}, "<think>\nThe hole is"),  # cut inside its reasoning
+    ({"content": "<think>go</think><answer>Up</answer>"}, "<think>go</think><answer>Up</answer>"),
+    ({"content": "<answer>Up</answer>", "reasoning_content": None}, "<answer>Up</answer>"),
+])
+def test_a_thinking_models_answer_comes_back_as_the_whole_message_the_parser_reads(message, text):
+    """Read alone, a reasoning model's answer lost its reasoning (or, from a server without a reasoning parser, its
+    opening <think>): free_think read every one as malformed, as a local thinking model's before its template's
+    opening was read."""
+    policy = fake(lambda request: httpx.Response(200, json={"choices": [
+        {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": "stop"}]}))
+    (completion,) = policy.generate([ask("go")], SamplingConfig())
+    assert completion.text == text
+    if text.startswith("<think>") and text.endswith("</answer>"):
+        assert get_format("free_think").parse(completion.text, ["Up", "Down"]).format_ok
+
+
+def test_stop_strings_are_cut_from_the_answer_not_from_the_reasoning():
+    """A reasoning that mentions </answer> must not end the text there when the policy cuts stop strings itself."""
+    reply = {"content": "<answer>Up</answer> and more", "reasoning_content": "I write </answer> last."}
+    policy = fake(lambda request: httpx.Response(200, json={"choices": [
+        {"index": 0, "message": {"role": "assistant", **reply}, "finish_reason": "stop"}]}))
+    policy.server_names_stops = False  # as after a server that names no stop string
+    (completion,) = policy.generate([ask("go")], SamplingConfig(stop=["</answer>"]))
+    assert completion.text == "<think>\nI write </answer> last.\n</think>\n\n<answer>Up</answer>"
+
+
+@given(st.dictionaries(st.sampled_from(["reasoning_content", "reasoning", "other"]),
+                       st.one_of(st.none(), st.text(max_size=20), st.integers())), st.text(max_size=40))
+def test_thinking_text_never_raises_and_keeps_the_answer(message, content):
+    text = thinking_text(message, content)
+    assert isinstance(text, str) and content.strip() in text
 
 
 def test_base_urls():

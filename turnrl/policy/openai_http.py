@@ -26,6 +26,13 @@ policy sends no stop strings to that server and cuts each response after the
 first one it holds, as a local model stops (the tokens past it are generated
 and billed, the price of an exact answer).
 
+Thinking models. A reasoning model's server returns its reasoning apart from its
+answer (``reasoning_content``), or, without a reasoning parser, the text after
+the ``<think>`` its chat template opened: either way the completion's text is
+the whole message, ``<think>``, the reasoning, ``</think>``, the answer
+(:func:`thinking_text`), as a local thinking model's is read. Use a format that
+begins with ``<think>`` (``free_think``, the VAGEN ones) for such a model.
+
 Images. The rollout puts each image observation in its user message as a
 ``{"type": "image", "image": array}`` part (the transformers processor
 convention); here each becomes an ``image_url`` part holding the image as a
@@ -196,6 +203,32 @@ def message_text(content: Any) -> str | None:
         if all(isinstance(text, str) for text in texts):
             return "".join(texts)
     return None
+
+
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+"""Where servers return a thinking model's reasoning apart from its answer: vLLM's and SGLang's reasoning parsers
+and DeepSeek's API (``reasoning_content``), newer vLLM and OpenRouter (``reasoning``)."""
+
+
+def thinking_text(message: dict[str, Any], content: str) -> str:
+    """The assistant message as a thinking model wrote it after its prompt, which its chat template ended with
+    ``<think>\\n``: the reasoning, ``</think>``, then the answer. The parser reads it so, as it reads a local thinking
+    model's (:meth:`~turnrl.agent.formats.ResponseFormat.under_template`).
+
+    A server with a reasoning parser returns the reasoning apart (:data:`REASONING_FIELDS`): it is put back in front
+    of ``content``. A server without one returns what the model wrote, which then closes a ``</think>`` that nothing
+    in it opened: the template's ``<think>\\n`` is put back. Any other ``content`` is the message as it is.
+    """
+    reasoning = next((value for field in REASONING_FIELDS if isinstance(value := message.get(field), str) and value),
+                     None)
+    if reasoning is not None and not content.strip():  # cut inside its reasoning (max tokens): no answer, no close
+        return "<think>\n" + reasoning
+    if reasoning is not None:
+        return f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
+    closing = content.find("</think>")
+    if closing >= 0 and "<think>" not in content[:closing]:
+        return "<think>\n" + content
+    return content
 
 
 def reported_tokens(data: dict[str, Any]) -> tuple[int, int]:
@@ -443,10 +476,12 @@ class OpenAIPolicy(Policy):
     def _completion(self, data: dict[str, Any], sampling: SamplingConfig, cut_locally: bool) -> Completion | None:
         """The completion of a response; None when it may have lost a stop string the server did not name
         (asked again by the caller). With ``cut_locally`` the request carried no stop strings: the text is cut
-        after the first one it holds."""
+        after the first one it holds. A thinking model's reasoning comes back in front of its answer
+        (:func:`thinking_text`)."""
         try:
             choice = data["choices"][0]
-            text = message_text(choice["message"].get("content"))
+            message = choice["message"]
+            text = message_text(message.get("content"))
         except (KeyError, IndexError, TypeError, AttributeError):
             raise RequestFailed(f"the response has no choices[0].message: {str(data)[:300]}") from None
         if text is None:
@@ -454,25 +489,23 @@ class OpenAIPolicy(Policy):
         reason = choice.get("finish_reason")
         if reason not in FINISH_REASONS:
             why = f"the server stopped with finish_reason={reason!r}"
-            return Completion(text=text, finish_reason="error", error=why)
-        if not sampling.stop:
-            return Completion(text=text, finish_reason=FINISH_REASONS[reason])
-        if cut_locally:
+            return Completion(text=thinking_text(message, text), finish_reason="error", error=why)
+        finish = FINISH_REASONS[reason]
+        if sampling.stop and cut_locally:
             cut = cut_after_stop(text, sampling.stop)
-            if cut is not None:
-                return Completion(text=cut, finish_reason="stop")
-            return Completion(text=text, finish_reason=FINISH_REASONS[reason])
-        named = choice.get("stop_reason", choice.get("matched_stop", _UNNAMED))
-        if named is _UNNAMED:
-            self.server_names_stops = False
-            if reason == "stop" and not text.endswith(tuple(sampling.stop)):
-                return None
-        else:
-            self.server_names_stops = True
-            # The server cut the string it names; restoring it keeps the text equal to what a local model returns.
-            if isinstance(named, str) and named in sampling.stop and not text.endswith(named):
-                text += named
-        return Completion(text=text, finish_reason=FINISH_REASONS[reason])
+            text, finish = (text, finish) if cut is None else (cut, "stop")
+        elif sampling.stop:
+            named = choice.get("stop_reason", choice.get("matched_stop", _UNNAMED))
+            if named is _UNNAMED:
+                self.server_names_stops = False
+                if reason == "stop" and not text.endswith(tuple(sampling.stop)):
+                    return None
+            else:
+                self.server_names_stops = True
+                # The server cut the string it names; restoring it keeps the text equal to a local model's.
+                if isinstance(named, str) and named in sampling.stop and not text.endswith(named):
+                    text += named
+        return Completion(text=thinking_text(message, text), finish_reason=finish)
 
     def _messages(self, request: GenerationRequest) -> list[dict[str, Any]]:
         """The request's messages with every image placeholder turned into an ``image_url`` part."""
