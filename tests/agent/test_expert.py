@@ -51,3 +51,33 @@ def test_an_env_whose_facts_say_nothing_is_described_by_its_text():
     env.reset(seed=0)
     fields = expert_fields(env, ["Right"], ("observation", "prediction"))
     assert fields == {"observation": "___P_", "prediction": "____P"}
+
+
+def test_an_action_off_the_solvers_plan_is_not_called_the_shortest_way():
+    env = make("FrozenLake")
+    env.reset(seed=2)
+    plan = env.solve()
+    assert plan == ["Right"]
+    fields = expert_fields(env, ["Left"], ("think", "answer"), planned=plan)
+    assert "shortest" not in fields["think"]
+    assert fields["think"].endswith("I try Left.")
+    # Where the solver has no plan, a stand-in action is only tried too.
+    assert expert_fields(env, ["Up"], ("reasoning",), planned=[])["reasoning"] == "I try Up."
+
+
+def test_only_the_actions_that_follow_the_plan_are_called_the_shortest_way():
+    env = make("FrozenLake")
+    env.reset(seed=2)
+    fields = expert_fields(env, ["Right", "Up"], ("reasoning",), planned=["Right", "Down"])
+    assert fields["reasoning"] == "The shortest way to the goal starts with Right; then I try Up."
+    followed = expert_fields(env, ["Right"], ("reasoning",), planned=["Right", "Down"])
+    assert followed["reasoning"] == "The shortest way to the goal starts with Right."
+
+
+def test_think_of_a_state_without_text_has_no_leading_space():
+    class Bare:
+        def state_facts(self):
+            return StateFacts(player=None)
+
+    fields = expert_fields(Bare(), ["go"], ("think",))
+    assert fields["think"] == "The shortest way to the goal starts with go."

@@ -30,3 +30,9 @@ def test_without_turn_info_an_invalid_response_is_still_reported():
 
 def test_system_prompt_skips_empty_parts():
     assert system_prompt("Play.", "", "Answer in tags.") == "Play.\n\nAnswer in tags."
+
+
+def test_an_empty_base_prompt_replaces_the_default_rather_than_restoring_it():
+    assert system_prompt("", "Reach G.", "Answer in tags.") == "Reach G.\n\nAnswer in tags."
+    assert system_prompt("", "", "") == ""
+    assert system_prompt(None, "", "").startswith("You are an agent")

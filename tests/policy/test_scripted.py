@@ -170,6 +170,22 @@ def test_the_experts_completion_names_the_solvers_action_whatever_it_played():
         ExpertPolicy(fmt, seed=5, random_action_share=0.5).generate([request], SamplingConfig())[0].text)
 
 
+def test_a_random_action_of_a_noisy_demo_is_not_called_the_shortest_way():
+    """At 45% random actions, the demos' reasoning called every random action the start of the shortest way:
+    SFT taught a true description of the state beside a false plan."""
+    fmt = get_format("free_think")
+    env = make("FrozenLake")
+    env.reset(seed=2)
+    (best,) = env.solve()[:1]
+    policy = ExpertPolicy(fmt, seed=5, random_action_share=1.0)
+    for _ in range(40):
+        parsed = fmt.parse(respond(policy, env), env.action_names())
+        (action,) = parsed.actions
+        think = parsed.fields["think"]
+        assert (f"The shortest way to the goal starts with {action}." in think) == (action == best), think
+        assert action == best or f"I try {action}." in think
+
+
 def test_the_expert_names_no_solvers_action_where_the_solver_has_none():
     env = make("FrozenLake")
     env.reset(seed=3)

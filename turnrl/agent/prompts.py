@@ -24,8 +24,13 @@ class TurnFeedback:
 
 
 def system_prompt(base: str | None, env_instructions: str, format_instructions: str) -> str:
-    """System message: role, the env's task description, the response format."""
-    parts = [base or DEFAULT_SYSTEM_PROMPT, env_instructions.strip(), format_instructions.strip()]
+    """System message: role, the env's task description, the response format.
+
+    ``base`` None takes :data:`DEFAULT_SYSTEM_PROMPT`; any string replaces it, ``""`` included (no role line:
+    the message is the env's and the format's texts, or empty where those are off too).
+    """
+    parts = [DEFAULT_SYSTEM_PROMPT if base is None else base.strip(), env_instructions.strip(),
+             format_instructions.strip()]
     return "\n\n".join(part for part in parts if part)
 
 

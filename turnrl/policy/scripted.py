@@ -60,9 +60,6 @@ class ScriptedPolicy(Policy):
             return ["0"]  # free-form envs: a well-formed but wrong answer
         return [str(names[i]) for i in self.rng.integers(0, len(names), size=count)]
 
-    def _render(self, env: AgentEnv, actions: list[str]) -> str:
-        return self.fmt.render(actions, expert_fields(env, actions, self.fmt.tag_names))
-
     def _actions_per_turn(self, env: AgentEnv) -> int:
         """How many actions one response can carry: ``max_actions_per_turn`` where the format splits the env's
         answers, else one (a free-form answer is one action unless a separator was given explicitly)."""
@@ -117,4 +114,6 @@ class ExpertPolicy(ScriptedPolicy):
         if self.random_action_share > 0:
             noise = self.rng.random(len(actions)) < self.random_action_share
             actions = [self.random_actions(env, 1)[0] if flip else a for a, flip in zip(actions, noise)]
-        return self._render(env, actions), planned
+        # The reasoning calls only the actions that follow the plan the shortest way: a demo never passes a random
+        # action off as the solver's.
+        return self.fmt.render(actions, expert_fields(env, actions, self.fmt.tag_names, planned)), planned
