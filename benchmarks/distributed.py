@@ -184,6 +184,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="keep the runs' directories and logs here")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if not args.pool and "sync" not in args.modes:  # the pool's rows exist only with --pool: nothing would run
+        parser.error(f"--modes {' '.join(args.modes)} needs --pool K (the processes of a row that roll out)")
     if args.pool and min(args.processes) <= args.pool:
         parser.error(f"--pool {args.pool} needs more than {args.pool} processes in every row (one trains)")
     overrides = (QUICK if args.quick else []) + args.overrides

@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -248,6 +249,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only-gym-sokoban", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     seconds = args.seconds if args.seconds is not None else (0.3 if args.quick else 2.5)
+    # Checked before the turnrl rows are measured, so that a venv not built yet costs no run.
+    if args.gym_sokoban_python is not None and shutil.which(args.gym_sokoban_python) is None:
+        parser.error(f"--gym-sokoban-python {args.gym_sokoban_python}: no such interpreter; build it with "
+                     "`python3 -m venv .venv-gym-sokoban && .venv-gym-sokoban/bin/pip install gym-sokoban`, "
+                     "or leave the flag out to measure turnrl's envs alone")
 
     if args.only_gym_sokoban:  # subprocess mode: JSON on the last line
         from importlib.metadata import version

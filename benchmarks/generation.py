@@ -166,7 +166,8 @@ def main() -> None:
                              "unfused,fused on a CPU)")
     parser.add_argument("--with", dest="extra", nargs="*", default=[], choices=["static", "generate_batch"],
                         help="slower transformers rows to add")
-    parser.add_argument("--skip", nargs="*", default=[], help="rows to leave out: static generate_batch (the default)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["static", "generate_batch"],
+                        help="rows to leave out: static generate_batch (the default)")
     parser.add_argument("--quick", action="store_true", help="CPU-sized: small preset, batch 8 and 32, 64 + 32")
     parser.add_argument("--profile", action="store_true",
                         help="profile decode steps of one variant at the largest batch")

@@ -7,8 +7,10 @@ import subprocess
 import sys
 import time
 
-from benchmarks.distributed import end_tree, failure, pool_settings, running, table
+import pytest
 
+from benchmarks import distributed
+from benchmarks.distributed import end_tree, failure, pool_settings, running, table
 
 TORCHRUN_END = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
@@ -79,3 +81,19 @@ def test_a_row_cut_at_its_limit_ends_the_processes_its_launcher_started_in_sessi
     assert running(worker)
     end_tree(launcher, wait_s=30)
     assert launcher.poll() is not None and not running(worker)
+
+
+def test_pool_rows_asked_for_without_a_pool_are_an_error_not_an_empty_table(monkeypatch, capsys):
+    ran: list[int] = []
+
+    def run(processes: int, *args: object, **kwargs: object) -> dict[str, float]:
+        ran.append(processes)
+        return {}
+
+    monkeypatch.setattr(distributed, "run", run)
+    monkeypatch.setattr(sys, "argv", ["distributed.py", "--quick", "--modes", "pool"])
+    with pytest.raises(SystemExit) as exit_info:
+        distributed.main()
+    assert exit_info.value.code == 2
+    assert "--modes pool needs --pool K" in capsys.readouterr().err
+    assert ran == []
