@@ -350,28 +350,20 @@ def training_sections() -> set[str]:
 
 
 def at_validation_temperature(config_path: str | None, overrides: list[str]) -> list[str]:
-    """The override that makes an evaluation with a training recipe sample at the recipe's validation temperature
-    (it evaluates with the recipe's own env, agent and sampling settings otherwise); none where ``overrides`` set
-    ``sampling.temperature`` or the config is no recipe."""
+    """The override that makes an evaluation with a training recipe (or a run's ``config.yaml``) sample at the
+    recipe's validation temperature, as its validation did (it evaluates with the recipe's own env, agent and
+    sampling settings otherwise); none where ``overrides`` set ``sampling.temperature`` or the config is no recipe."""
     from turnrl.config import given_keys
-
-    temperature = validation_temperature(config_path, training_sections())
-    if temperature is None or "sampling.temperature" in given_keys(None, overrides):
-        return []
-    return [f"sampling.temperature={temperature}"]
-
-
-def validation_temperature(config_path: str | None, training_only: set[str]) -> float | None:
-    """The validation temperature of a training recipe (or a run's ``config.yaml``), which its evaluations
-    sample at as its validation did; None for an eval YAML or none."""
     from turnrl.training.train_config import ValidationConfig
 
     data = yaml_mapping(config_path)
-    if not training_only & set(data):
-        return None
+    if not training_sections() & set(data) or "sampling.temperature" in given_keys(None, overrides):
+        return []
     validation = data.get("validation")
     temperature = validation.get("temperature") if isinstance(validation, dict) else None
-    return temperature if isinstance(temperature, (int, float)) else ValidationConfig.temperature
+    if not isinstance(temperature, (int, float)):
+        temperature = ValidationConfig.temperature
+    return [f"sampling.temperature={temperature}"]
 
 
 def cmd_sft(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from turnrl.engine.weights import ImageFeatures
-from turnrl.models.mrope import check_image_spans, mrope_positions, placeholder_spans
+from turnrl.models.mrope import mrope_positions, placeholder_spans
 from turnrl.models.vision import content_digest
 
 
@@ -71,14 +71,15 @@ def prompt_images(prompt: Sequence[int], model_inputs: dict[str, Any] | None, im
 
     Raises:
         ValueError: the placeholders and the images (or the digests) do not agree (with what each says); the
-            placeholders and the grids are checked first (:func:`~turnrl.models.mrope.check_image_spans`).
+            placeholders and the grids are checked first, as the positions are placed
+            (:func:`~turnrl.models.mrope.check_image_spans`).
     """
     spans = placeholder_spans(prompt, image_token_id)
     inputs = model_inputs or {}
     grids = inputs.get("image_grid_thw")
     pixels = inputs.get("pixel_values")
     grids = torch.zeros(0, 3, dtype=torch.long) if grids is None else torch.as_tensor(grids).reshape(-1, 3).cpu()
-    check_image_spans(spans, grids, merge_size)
+    positions, delta = mrope_positions(len(prompt), spans, grids, merge_size)  # checks them against the grids
     patches = grids.prod(-1).tolist()
     pixel_values: list[torch.Tensor] = []
     if spans:
@@ -93,7 +94,6 @@ def prompt_images(prompt: Sequence[int], model_inputs: dict[str, Any] | None, im
     elif len(digests) != len(spans) or any(not isinstance(d, int) or d >= 0 for d in digests):
         raise ValueError(f"the prompt has {len(spans)} images and {len(digests)} image digests (negative integers, "
                          "one an image, as the image encoder makes them): send the encoder's, or none")
-    positions, delta = mrope_positions(len(prompt), spans, grids, merge_size)
     keys = list(prompt)
     for (start, end), digest in zip(spans, digests):
         keys[start:end] = [int(digest)] * (end - start)

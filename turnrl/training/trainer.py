@@ -724,8 +724,8 @@ class Trainer:
         old_logprobs = batch.sampler_logprobs if config.algorithm.old_logprobs == "sampler" else \
             self.parallel.gather_rows(local.old_logprobs, n)
         metrics = self.parallel.mean_metrics(local.metrics)
-        if DRIFT in metrics:  # each process measured its rows, and the copies of row 0 padding them: the batch's
-            metrics[DRIFT] = sampler_drift(old_logprobs, batch)
+        if DRIFT in metrics and rows is not None:  # each process measured its rows and the copies of row 0
+            metrics[DRIFT] = sampler_drift(old_logprobs, batch)  # padding them: measured on the whole batch
         return TokenScores(old_logprobs, gather(local.ref_logprobs), gather(local.values), metrics)
 
     def train_on(self, inputs: UpdateInputs, train_actor: bool, generator: torch.Generator) -> dict[str, float]:
