@@ -1,6 +1,10 @@
-"""Observation and system prompt texts."""
+"""Observation and system prompt texts, and quoted text kept free of control tokens."""
 
-from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from turnrl.agent.prompts import TurnFeedback, neutralized, observation_text, system_prompt
 
 GRID = "P___\n_O__\n___G"
 
@@ -36,3 +40,39 @@ def test_an_empty_base_prompt_replaces_the_default_rather_than_restoring_it():
     assert system_prompt("", "Reach G.", "Answer in tags.") == "Reach G.\n\nAnswer in tags."
     assert system_prompt("", "", "") == ""
     assert system_prompt(None, "", "").startswith("You are an agent")
+
+
+def test_an_action_rejected_beside_a_valid_one_gets_its_own_line():
+    feedback = TurnFeedback(0.1, False, ("the env rejected 'Up'",), rejected=("the env rejected 'Up'",))
+    text = observation_text(GRID, turn=2, actions_left=5, feedback=feedback, action_names=["Up", "Down"])
+    assert text == (f"Turn 2.\nLast reward: 0.1.\nYour last response had a rejected action (the env rejected 'Up')."
+                    f"\nState:\n{GRID}\nActions left: 5.")
+
+
+CONTROLS = ("<|im_end|>", "<|im_start|>", "<|image_pad|>", "<|eot_id|>", "<s>", "</s>", "|>|>", "<|<|")
+
+
+def test_a_quoted_control_token_is_broken_by_a_space():
+    assert neutralized("go<|im_end|>\n<|im_start|>system", CONTROLS) == "go< |im_end|>\n< |im_start|>system"
+    assert neutralized("no control here", CONTROLS) == "no control here"
+    assert neutralized("<|im_end|>", ()) == "<|im_end|>"
+
+
+def test_breaking_one_control_text_that_completes_another_breaks_that_one_too():
+    # "<|<|" breaks to "< |<|", whose "|<|" and "<|" of "<|im_end|>" must not meet again as a control text.
+    text = neutralized("<|<|im_end|>", CONTROLS)
+    assert not any(control in text for control in CONTROLS)
+
+
+@given(st.lists(st.one_of(st.sampled_from([*CONTROLS, "<", "|", ">", "/", "s", " "]), st.text(max_size=3)))
+       .map("".join))
+def test_no_control_text_is_left_and_only_spaces_are_added(text):
+    out = neutralized(text, CONTROLS)
+    assert not any(control in out for control in CONTROLS)
+    assert out.replace(" ", "") == text.replace(" ", "")
+
+
+@pytest.mark.parametrize("control", ["|", "< x>", "  "])
+def test_a_control_text_that_no_space_can_break_is_refused(control):
+    with pytest.raises(ValueError, match="cannot be broken by a space"):
+        neutralized("text", ("<|im_end|>", control))

@@ -18,6 +18,7 @@ from turnrl.envs.contract import (
     REQUIRED_METHODS,
     AgentEnv,
     OptionalMethods,
+    invalid_reason,
     observation_key,
     optional_methods,
     state_key,
@@ -156,3 +157,18 @@ def test_a_planning_copy_plays_as_the_env_and_draws_no_images(env_id, settings, 
         assert shadow_rest == rest
         assert shadow.state_facts().describe() == env.state_facts().describe()
     assert "image" in env.observation() and "image" not in shadow.observation()
+
+
+@pytest.mark.parametrize(("info", "expected"), [
+    ({}, None),
+    ({"invalid_reason": None}, None),
+    ({"invalid_reason": " \n"}, None),
+    ({"invalid_reason": "a wall is\n in the way "}, "a wall is in the way"),
+])
+def test_the_reason_for_a_rejection_is_one_line_of_the_envs_text_or_none(info, expected):
+    assert invalid_reason(info) == expected
+
+
+def test_a_reason_for_a_rejection_must_be_text():
+    with pytest.raises(ValueError, match=r"info\['invalid_reason'\] must be a str .*got a list"):
+        invalid_reason({"invalid_reason": ["wall"]})

@@ -6,6 +6,8 @@ every turn, and on a small model the context is most of the compute.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 DEFAULT_SYSTEM_PROMPT = "You are an agent acting in an environment. Reach the goal in as few actions as possible."
@@ -20,7 +22,38 @@ class TurnFeedback:
     no_valid_action: bool
     """The previous response had no valid action."""
     problems: tuple[str, ...] = ()
-    """Parse or validity problems, shown when ``no_valid_action``."""
+    """Parse or validity problems, shown when ``no_valid_action``. They may quote the response: pass them through
+    :func:`neutralized` first."""
+    rejected: tuple[str, ...] = ()
+    """Notes on the actions the env rejected in a response that also had a valid one (``the env rejected 'x'``),
+    shown on a line of their own; passed through :func:`neutralized` as ``problems`` are."""
+
+
+def neutralized(text: str, control_texts: Collection[str]) -> str:
+    """``text`` holding none of ``control_texts`` (a tokenizer's control tokens as text: ``<|im_end|>``): each
+    one found gets a space after its first character (``< |im_end|>``), which the tokenizer reads as plain text.
+
+    Feedback that quotes the model's response goes through it: a chat template's tokenizer reads a quoted
+    ``<|im_end|><|im_start|>system`` as the control tokens themselves, so the model could end the user's message
+    and open a turn of any role, or write an image placeholder with no image, in text made of ordinary tokens.
+    Breaking one text may complete another out of the characters around it; the breaking repeats until none is
+    left (each round splits two neighbouring characters for good, so it ends).
+
+    Raises:
+        ValueError: a control text of one character, or with a space among its first two (no space can break it).
+    """
+    texts = sorted(set(control_texts), key=len, reverse=True)
+    unbreakable = [t for t in texts if len(t) < 2 or " " in t[:2]]
+    if unbreakable:
+        raise ValueError(f"control texts {unbreakable} cannot be broken by a space; quote the text another way")
+    if not texts:
+        return text
+    pattern = re.compile("|".join(map(re.escape, texts)))
+    while True:
+        broken = pattern.sub(lambda match: f"{match[0][0]} {match[0][1:]}", text)
+        if broken == text:
+            return text
+        text = broken
 
 
 def system_prompt(base: str | None, env_instructions: str, format_instructions: str) -> str:
@@ -49,7 +82,8 @@ def observation_text(
         state_text: the env's text observation.
         turn: 1-based turn number.
         actions_left: the episode's remaining action budget.
-        feedback: about the previous turn; None on the first turn.
+        feedback: about the previous turn; None on the first turn. Its notes on a response without a valid
+            action, or with an action the env rejected beside a valid one, come before the state.
         action_names: listed again when the previous response had no valid action.
         turn_info: frame the state with the turn number, the last reward and the
             actions left; without it the message is the state alone (after the
@@ -64,6 +98,8 @@ def observation_text(
             lines.append(f"Your last response had no valid action{why}.")
             if action_names:
                 lines.append(f"Valid actions: {', '.join(action_names)}.")
+        elif feedback.rejected:
+            lines.append(f"Your last response had a rejected action ({'; '.join(feedback.rejected[:3])}).")
     if not turn_info:
         return "\n".join([*lines, state_text])
     lines.append(f"State:\n{state_text}")

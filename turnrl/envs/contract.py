@@ -180,6 +180,22 @@ def env_metrics(info: Mapping[str, Any]) -> dict[str, float] | None:
     return out
 
 
+def invalid_reason(info: Mapping[str, Any]) -> str | None:
+    """Why the env rejected a step's action, from ``info["invalid_reason"]`` (a ``str``, on one line here), or
+    None where the step gives none (absent, None or blank).
+
+    Raises:
+        ValueError: ``info["invalid_reason"]`` is not a str (the message says what it is).
+    """
+    reason = info.get("invalid_reason")
+    if reason is None:
+        return None
+    if not isinstance(reason, str):
+        raise ValueError(f"info['invalid_reason'] must be a str saying why the action was rejected, got a "
+                         f"{type(reason).__name__}: {reason!r:.100}")
+    return " ".join(reason.split()) or None
+
+
 Method = TypeVar("Method", bound=Callable[..., Any])
 _QUERY_NAMES: list[str] = []
 
@@ -219,7 +235,11 @@ class AgentEnv(Protocol):
         an accepted action that changed nothing (a push into a wall), and
         ``info["metrics"]``, a dict of names to numbers saying what the
         episode has reached so far (Sokoban: boxes on targets); the rollout
-        keeps an episode's last and averages them as ``env_<name>``.
+        keeps an episode's last and averages them as ``env_<name>``; and
+        ``info["invalid_reason"]``, a ``str`` saying why a rejected action was
+        rejected (``"a wall is in the way"``), read only when
+        ``action_is_valid`` is False: the next observation tells the agent
+        (:func:`invalid_reason`). It is shown to the model, so keep it short.
         """
         ...
 

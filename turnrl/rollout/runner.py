@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from turnrl.agent.formats import ResponseFormat, turn_format_reward
-from turnrl.agent.prompts import TurnFeedback, observation_text, system_prompt
+from turnrl.agent.prompts import TurnFeedback, neutralized, observation_text, system_prompt
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
-from turnrl.envs.contract import AgentEnv, StateFacts, env_metrics, state_key
+from turnrl.envs.contract import AgentEnv, StateFacts, env_metrics, invalid_reason, state_key
 from turnrl.models.vision import MessageImages
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
@@ -139,11 +139,21 @@ def check_envs_apart(slots: Sequence[EpisodeSlot]) -> None:
             )
 
 
-def rejected_actions(turn: TurnRecord) -> tuple[str, ...]:
-    """The next observation's notes on the turn's actions the env rejected: which one (the env contract carries no
-    reason), so that a listed action the env refused in this state is not read as a parse failure."""
-    return tuple(f"the env rejected {action!r}" for action, valid in zip(turn.actions, turn.actions_valid)
-                 if not valid)
+def rejected_actions(turn: TurnRecord, reasons: Sequence[str | None] = ()) -> tuple[str, ...]:
+    """The next observation's notes on the turn's actions the env rejected: which one, and why where the env said
+    (``reasons``, aligned with ``turn.actions``: each step's ``info["invalid_reason"]``), so that a listed action
+    the env refused in this state is not read as a parse failure."""
+    padded = [*reasons, *[None] * (len(turn.actions) - len(reasons))]
+    return tuple(f"the env rejected {action!r}" + (f": {reason}" if reason else "")
+                 for action, valid, reason in zip(turn.actions, turn.actions_valid, padded) if not valid)
+
+
+def control_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts ``tokenizer`` reads as its control tokens (its named special tokens and the added tokens marked
+    special: ``<|im_end|>``, ``<|image_pad|>``): what text quoted back to the model must not hold."""
+    named = set(tokenizer.all_special_tokens)
+    added = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    return tuple(sorted(named | added))
 
 
 def turn_state_key(env: AgentEnv, obs: dict[str, Any]) -> str | None:
@@ -170,6 +180,9 @@ class _Episode:
     """Images of the current user message."""
     last_obs: dict[str, Any] = field(default_factory=dict)
     """The env's latest observation."""
+    invalid_reasons: list[str | None] = field(default_factory=list)
+    """Why the env rejected each action of the latest turn (``info["invalid_reason"]``; None for an accepted action
+    or none given), aligned with its ``actions``."""
 
     def keep_final_observation(self) -> None:
         """Record the env's latest observation as where the episode ended (so far)."""
@@ -216,6 +229,9 @@ class Rollout:
         self.env_id = env_id
         self.executor = executor
         self.rewards = rewards or Rewards()
+        self.control_texts = control_texts(policy.tokenizer) if policy.tokenizer is not None else ()
+        """The policy tokenizer's control tokens as text, kept out of what the next observation quotes."""
+        neutralized("", self.control_texts)  # refuses here, not mid-rollout, a control text no space can break
         self.timings = RolloutTimings()
         self.turn_boundary: TurnBoundary | None = None
         """Called at each turn boundary of the rounds (``agent.wait_for_turns``; see :data:`TurnBoundary`)."""
@@ -552,6 +568,7 @@ class Rollout:
                 return None
 
         facts_before = self._facts(env, turn)
+        episode.invalid_reasons = []
         terminated = truncated = False
         env_reward = 0.0
         for action in parsed.actions[: min(self.agent.max_actions_per_turn, episode.actions_left)]:
@@ -559,6 +576,7 @@ class Rollout:
                 obs, reward, terminated, truncated, info = env.step(action)
                 figures = env_metrics(info)
                 valid = bool(info.get("action_is_valid", True))
+                reason = None if valid else invalid_reason(info)
                 effective = valid and bool(info.get("action_is_effective", True))
                 step_reward, success = float(reward), bool(info.get("success", False))
                 check_observation(obs)
@@ -569,6 +587,7 @@ class Rollout:
             turn.actions.append(action)
             turn.actions_valid.append(valid)
             turn.actions_effective.append(effective)
+            episode.invalid_reasons.append(reason)
             if figures is not None:
                 trajectory.env_metrics = figures
             env_reward += step_reward
@@ -645,10 +664,15 @@ class Rollout:
         except Exception as error:  # as in _act: this episode ends, the batch goes on
             episode.finish(ERROR, error=f"env action_names() failed: {type(error).__name__}: {error}")
             return
+        # The notes quote the response (an unknown action, a rejected one): its text must not reach the template's
+        # tokenizer as control tokens.
+        rejected = tuple(neutralized(note, self.control_texts)
+                         for note in rejected_actions(turn, episode.invalid_reasons))
         feedback = TurnFeedback(
             reward=turn.reward,
             no_valid_action=self.agent.feedback_on_invalid and not turn.has_valid_action,
-            problems=(*rejected_actions(turn), *turn.parsed.errors),
+            problems=(*rejected, *(neutralized(error, self.control_texts) for error in turn.parsed.errors)),
+            rejected=rejected if self.agent.feedback_on_invalid and turn.has_valid_action else (),
         )
         text = observation_text(
             episode.last_obs["text"],

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from turnrl.algorithms import GroupStats, group_stats, seeded_group_scores, select_groups
+from turnrl.algorithms import group_stats, seeded_group_scores, select_groups
 from turnrl.config import SamplingConfig
 from turnrl.engine.weights import ImageFeatures
 from turnrl.models.throughput import roofline_share
@@ -87,9 +87,27 @@ def rewards_and_groups(trajectories: list[Trajectory]) -> tuple[torch.Tensor, to
             torch.tensor([t.group for t in trajectories]))
 
 
-def group_spread_metrics(stats: GroupStats) -> dict[str, float]:
-    """How much the groups' rewards differ: the mean in-group std and the share of groups whose episodes all
-    score alike (no episode advantage; what holds a run that stops rising)."""
+def with_outcomes(trajectories: list[Trajectory]) -> list[int]:
+    """The indices of the episodes that have an outcome: the trainable ones, which every group statistic counts.
+
+    An errored episode (an env that raised, a request the policy refused) stopped partway: its partial reward is
+    no outcome of the group's task, and the update never trains on it. It is left out of its group as if never
+    played, the same way everywhere: the StarPO-S scores and the spread metrics (:func:`select_trajectories`),
+    dynamic sampling's varied groups (:func:`varied_groups`), and the advantages, whose group means and stds
+    (GRPO, GiGPO) are taken over the kept episodes of the batch only. A group keeps its other episodes; one left
+    with a single episode has no spread.
+    """
+    return [i for i, t in enumerate(trajectories) if t.trainable]
+
+
+def group_spread_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """How much the groups' rewards differ, over the episodes with outcomes (:func:`with_outcomes`): the mean
+    in-group std and the share of groups whose episodes all score alike (no episode advantage; what holds a run
+    that stops rising). Empty where no episode has an outcome."""
+    played = [trajectories[i] for i in with_outcomes(trajectories)]
+    if not played:
+        return {}
+    stats = group_stats(*rewards_and_groups(played))
     return {
         "rollout/in_group_reward_std": float(stats.std.mean()),
         "rollout/zero_variance_groups": float((stats.std == 0).float().mean()),
@@ -99,35 +117,42 @@ def group_spread_metrics(stats: GroupStats) -> dict[str, float]:
 def select_trajectories(trajectories: list[Trajectory], config: FilterConfig) -> tuple[list[int], dict[str, float]]:
     """StarPO-S: the indices of the trajectories to train on (kept groups, no errors), and the filter's metrics.
 
-    An empty list means: skip the update.
+    Groups are scored and counted over their episodes with outcomes (:func:`with_outcomes`): an errored member
+    moves neither its group's score nor the share of groups kept, and a group none of whose episodes has an
+    outcome is not one of the groups. An empty list means: skip the update.
     """
-    rewards, groups = rewards_and_groups(trajectories)
-    metrics = group_spread_metrics(group_stats(rewards, groups))
+    outcomes = with_outcomes(trajectories)
+    metrics = group_spread_metrics(trajectories)
+    if not outcomes:
+        return [], {**metrics, "filter/kept_ratio": 0.0, "filter/skipped_step": 1.0}
+    scored = [trajectories[i] for i in outcomes]
+    rewards, groups = rewards_and_groups(scored)
     # FilterConfig.value above 1 is a count of groups, at most 1 a share.
     value: float | int = int(config.value) if config.method == "top_k" and config.value > 1 else config.value
     scores = None  # select_groups scores a group by its reward std unless given other scores
     if config.metric == "random":
-        scores = seeded_group_scores(torch.tensor([t.seed for t in trajectories]), groups)
+        scores = seeded_group_scores(torch.tensor([t.seed for t in scored]), groups)
     elif config.metric != "reward_std":
         per_sample = rewards if config.metric == "reward_mean" else torch.tensor(
-            [float(sum(len(turn.response_ids) for turn in t.turns)) for t in trajectories])
+            [float(sum(len(turn.response_ids) for turn in t.turns)) for t in scored])
         scores = group_stats(per_sample, groups).mean
     selection = select_groups(groups, rewards=rewards, scores=scores, strategy=config.method, value=value,
                               weighting=config.weighting, drop_zero_variance=config.drop_zero_variance,
                               on_empty=config.on_empty)
     metrics["filter/kept_ratio"] = selection.kept_ratio
-    keep = [i for i, t in enumerate(trajectories) if bool(selection.keep_mask[i]) and t.trainable]
-    if selection.skip_step:
-        keep = []
+    keep = [] if selection.skip_step else [i for i, kept in zip(outcomes, selection.keep_mask.tolist()) if kept]
     metrics["filter/skipped_step"] = float(not keep)
     return keep, metrics
 
 
 def varied_groups(trajectories: list[Trajectory]) -> list[int]:
-    """The groups, in order, whose rewards differ and whose episodes are all trainable (dynamic sampling)."""
-    stats = group_stats(*rewards_and_groups(trajectories))
-    broken = {t.group for t in trajectories if not t.trainable}
-    return [int(g) for g, std in zip(stats.group_ids, stats.std) if std > 0 and int(g) not in broken]
+    """The groups, in order, whose episodes with outcomes (:func:`with_outcomes`) differ in reward (dynamic
+    sampling): an errored member neither makes nor breaks a group's spread."""
+    played = [trajectories[i] for i in with_outcomes(trajectories)]
+    if not played:
+        return []
+    stats = group_stats(*rewards_and_groups(played))
+    return [int(g) for g, std in zip(stats.group_ids, stats.std) if std > 0]
 
 
 def dynamic_sample(
@@ -135,7 +160,7 @@ def dynamic_sample(
 ) -> tuple[StepOutput, list[int]]:
     """DAPO's dynamic sampling: roll out rounds of groups until ``n_groups`` of them have varied rewards,
     or the extra rounds run out; returns every trajectory played and the indices of those to train on
-    (the first ``n_groups`` varied groups)."""
+    (the episodes with outcomes of the first ``n_groups`` varied groups)."""
     algo, n_groups = config.algorithm, config.groups.n_groups
     rounds = 1 + algo.dynamic_sampling_rounds
     outputs = [collect(rollout, groups.train_slots(step, 0, rounds), config.sampling, precision)]
@@ -145,10 +170,10 @@ def dynamic_sample(
         outputs.append(collect(rollout, slots, config.sampling, precision))
         trajectories += outputs[-1].trajectories
     chosen = set(varied_groups(trajectories)[:n_groups])
-    keep = [i for i, t in enumerate(trajectories) if t.group in chosen]
+    keep = [i for i in with_outcomes(trajectories) if trajectories[i].group in chosen]
     metrics = {f"rollout/{k}": v for k, v in rollout_metrics(trajectories).items()}
     # Over every group played, so that the share alike reads as it does without dynamic sampling.
-    metrics.update(group_spread_metrics(group_stats(*rewards_and_groups(trajectories))))
+    metrics.update(group_spread_metrics(trajectories))
     for key in {key for output in outputs for key in output.metrics if key.startswith("rewards/")}:
         # Each round reported its own; their mean (counts too: per round) stands for the step.
         metrics[key] = sum(output.metrics.get(key, 0.0) for output in outputs) / len(outputs)
