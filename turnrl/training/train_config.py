@@ -155,8 +155,9 @@ class AlgorithmConfig:
     it tightly: clip_low 3e-4, clip_high 4e-4 in its paper)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling, instead of the StarPO-S filter: keep rolling out new groups until
-    ``groups.n_groups`` groups have rewards that differ (zero-variance groups and groups with an errored
-    episode are dropped), with at most ``dynamic_sampling_rounds`` extra rounds of ``n_groups`` groups."""
+    ``groups.n_groups`` groups have rewards that differ (groups whose episodes with outcomes all score alike are
+    dropped; an errored episode is left out of its group, which keeps its other episodes), with at most
+    ``dynamic_sampling_rounds`` extra rounds of ``n_groups`` groups."""
     dynamic_sampling_rounds: int = 3
     """Extra rollout rounds a step may take for dynamic sampling."""
     tis_cap: Optional[float] = None
@@ -761,6 +762,9 @@ class TrainConfig:
         check_range("validation.batch_size", self.validation.batch_size, 1)
         check_range("validation.samples_per_seed", self.validation.samples_per_seed, 1)
         if self.algorithm.sample_mode == "trajectory" and self.agent.max_images is not None:
+            # Exact, not a guess: an observation carries at most one image (the env contract's ``"image"``), and
+            # the last prompt holds the observations of all max_turns turns (the one after the last turn is in
+            # none), so max_turns images at most, and that many once an episode plays every turn.
             if self.agent.max_images < self.agent.max_turns:
                 raise ConfigError(
                     f"agent.max_images={self.agent.max_images} drops older images from later prompts, so a whole "

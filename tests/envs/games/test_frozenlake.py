@@ -7,10 +7,12 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
 from turnrl.envs.contract import IMAGE_CAPTION
-from turnrl.envs.games.frozenlake import ACTIONS, FrozenLakeEnv, parse_level
+from turnrl.envs.games.frozenlake import ACTIONS, FrozenLakeEnv, move_table, parse_level, shortest_path
 
 LEVEL = """
 P_O_
@@ -98,9 +100,49 @@ def test_solve_is_shortest_and_none_when_blocked():
     env = make()
     env.reset(options={"level": LEVEL})
     assert len(env.solve()) == 6
-    env_3 = make(size=3)
-    env_3.reset(options={"level": "P_O\n_OO\nO_G"})
-    assert env_3.solve() is None
+    assert shortest_path("__O" "_OO" "O_G", move_table(3, 3), 0, 8) is None
+
+
+@pytest.mark.parametrize(("level", "size"), [("P_O\n_OO\nO_G", 3), ("PO\nOG", 2), (["SH", "HG"], 2),
+                                             ("G_O\nOOO\n__P", 3)])
+def test_a_given_map_without_a_path_to_the_goal_is_refused(level, size):
+    """Such a map was played: every episode on it scored 0, whatever the agent did."""
+    with pytest.raises(ValueError, match="level: holes cut every path"):
+        make(size=size).reset(options={"level": level})
+
+
+def flood(cells: str, size: int, start: int) -> set[int]:
+    """The cells reachable from ``start`` over frozen ice and the goal, by a plain flood fill."""
+    seen, todo = {start}, [start]
+    while todo:
+        r, c = divmod(todo.pop(), size)
+        for nr, nc in ((r + 1, c), (r - 1, c), (r, c + 1), (r, c - 1)):
+            cell = nr * size + nc
+            if 0 <= nr < size and 0 <= nc < size and cells[cell] != "O" and cell not in seen:
+                seen.add(cell)
+                todo.append(cell)
+    return seen
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 5).flatmap(lambda n: st.tuples(
+    st.just(n), st.lists(st.sampled_from("_O"), min_size=n * n, max_size=n * n),
+    st.lists(st.integers(0, n * n - 1), min_size=2, max_size=2, unique=True))))
+def test_a_given_map_is_refused_exactly_when_its_goal_cannot_be_reached(drawn):
+    size, cells, (start, goal) = drawn
+    cells[start], cells[goal] = "P", "G"
+    level = ["".join(cells[r * size : (r + 1) * size]) for r in range(size)]
+    env = make(size=size)
+    if goal not in flood("".join(cells), size, start):
+        with pytest.raises(ValueError, match="holes cut every path"):
+            env.reset(options={"level": level})
+        return
+    env.reset(options={"level": level})
+    plan = env.solve()
+    assert plan is not None
+    for action in plan:
+        env.step(action)
+    assert env.success()
 
 
 def test_truncation_at_max_steps():
@@ -249,9 +291,9 @@ def test_coords_text_always_fits_the_observation_space():
     # The longest listing: a lake of holes but the start and the goal, the player fallen into one.
     size = 28
     env = FrozenLakeEnv(size=size, symbols="coords")
-    level = "P" + "O" * (size * size - 2) + "G"
+    level = "PG" + "O" * (size * size - 2)  # the goal beside the start: a map with a way to it
     env.reset(options={"level": [level[r * size : (r + 1) * size] for r in range(size)]})
-    obs, *_ = env.step("Right")
+    obs, *_ = env.step("Down")
     assert "(in a hole)" in obs["text"] and env.observation_space.contains(obs)
     with pytest.raises(ValueError, match="characters"):  # a larger lake could overflow it, so it is refused
         FrozenLakeEnv(size=size + 1, symbols="coords")

@@ -19,9 +19,12 @@ from turnrl.envs.games.game2048 import (
     ACTIONS,
     Game2048Env,
     best_move,
+    empty_cells,
     heuristic,
+    largest_exponent,
     legal_moves,
     parse_board,
+    place,
     shift,
     slide_row,
 )
@@ -248,7 +251,7 @@ def test_gymnasium_checker(mode, render_mode):
         gym_check_env(env.unwrapped)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"mode": "image"}, {"size": 3, "reward": "score"}])
+@pytest.mark.parametrize("kwargs", [{}, {"mode": "image"}, {"size": 3, "target_tile": 1024, "reward": "score"}])
 def test_turnrl_checker(kwargs):
     # A new tile can spoil any fixed plan, so the solver re-plans each move: its one-move plan is checked
     # for valid names only (deterministic=False), and the games below check that it wins.
@@ -264,6 +267,44 @@ def test_turnrl_checker(kwargs):
 def test_constructor_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Game2048Env(**kwargs)
+
+
+STUCK = [[2, 4, 2, 4], [4, 2, 4, 2], [2, 4, 2, 4], [4, 2, 4, 8]]
+
+
+@pytest.mark.parametrize("board", [STUCK, [[0] * 4] * 4])
+def test_a_given_board_no_move_changes_is_refused(board):
+    """Such a board was played: every action changed nothing, paid -0.1 and never ended the game, up to
+    max_steps (2000)."""
+    with pytest.raises(ValueError, match="board: no move changes it"):
+        Game2048Env().reset(options={"board": board})
+
+
+def test_a_given_stuck_board_that_holds_the_target_is_won_already():
+    _, info = Game2048Env(target_tile=8).reset(options={"board": STUCK})
+    assert info["success"]
+
+
+@pytest.mark.parametrize(("size", "largest"), [(2, 32), (3, 1024), (4, 131072)])
+def test_a_target_no_board_of_the_size_can_hold_is_refused(size, largest):
+    """A 3x3 game with the default target (2048) was played, and no episode could be won."""
+    Game2048Env(size=size, target_tile=largest)
+    with pytest.raises(ValueError, match=f"target_tile={2 * largest} can never be made on a {size}x{size} board"):
+        Game2048Env(size=size, target_tile=2 * largest)
+
+
+def test_the_largest_tile_of_a_2x2_board_is_what_an_exhaustive_search_reaches():
+    """Every board a 2x2 game can reach, over every move and every new tile (2 or 4 on each empty cell)."""
+    def spawned(board):
+        return {place(board, r, c, e) for r, c in empty_cells(board) for e in (1, 2)}
+
+    frontier = {b for first in spawned(((0, 0), (0, 0))) for b in spawned(first)}
+    seen = set(frontier)
+    while frontier:
+        frontier = {b for board in frontier for move in legal_moves(board)
+                    for b in spawned(shift(board, move)[0])} - seen
+        seen |= frontier
+    assert max(max(map(max, board)) for board in seen) == largest_exponent(2) == 5
 
 
 @pytest.mark.parametrize("board", [[[2, 0]], [[3, 0, 0, 0]] * 4, "2 0 0 0", [[2, 0, 0, True]] * 4])

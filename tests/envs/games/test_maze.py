@@ -7,6 +7,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
 from turnrl.envs.contract import IMAGE_CAPTION
@@ -240,6 +242,36 @@ def test_constructor_validation(kwargs, message):
 def test_bad_levels(level, message):
     with pytest.raises(ValueError, match=message):
         Maze2DEnv(size=5).reset(options={"level": level})
+
+
+def test_a_given_maze_without_a_path_to_the_target_is_refused():
+    """Such a maze was played: every episode on it scored 0, whatever the agent did."""
+    walled_in = LEVEL.replace("#....T#", "#...#T#")
+    with pytest.raises(ValueError, match="level: walls cut every path"):
+        Maze2DEnv(size=7).reset(options={"level": walled_in})
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from("#."), min_size=9, max_size=9),
+       st.lists(st.integers(0, 8), min_size=2, max_size=2, unique=True))
+def test_a_given_maze_is_refused_exactly_when_its_target_cannot_be_reached(inside, ends):
+    """Random 5x5 mazes (3x3 inside the border): a refused one has no path (by a plain flood fill), an accepted
+    one is won by the expert's plan."""
+    inside[ends[0]], inside[ends[1]] = "A", "T"
+    rows = ["#####"] + ["#" + "".join(inside[3 * r : 3 * r + 3]) + "#" for r in range(3)] + ["#####"]
+    agent, target = (divmod(k, 3) for k in ends)
+    agent, target = (agent[0] + 1, agent[1] + 1), (target[0] + 1, target[1] + 1)
+    env = Maze2DEnv(size=5)
+    if target not in reachable(open_cells("\n".join(rows)), agent):
+        with pytest.raises(ValueError, match="walls cut every path"):
+            env.reset(options={"level": rows})
+        return
+    env.reset(options={"level": rows})
+    plan = env.solve()
+    assert plan is not None
+    for action in plan:
+        env.step(action)
+    assert env.success()
 
 
 @pytest.mark.parametrize(("difficulty", "reward_on"), [("easy", "reach"), ("hard", "stop")])

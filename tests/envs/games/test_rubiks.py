@@ -299,3 +299,20 @@ def test_the_expert_solves_200_validation_seeds_within_the_budget(depth):
         for action in plan:
             _, _, terminated, truncated, info = env.step(action)
         assert terminated and info["success"]
+
+
+def test_the_budget_covers_a_longer_scramble_given_at_reset():
+    """A 20-move scramble given to an env of the default depth (1) once had a budget of 1 action, where its
+    optimal solution takes 10."""
+    env = RubiksCubeEnv()
+    env.reset(options={"scramble": "B R' D' D' U U D F' R' B R B' F R' B' D' F' U L B"})
+    plan = env.solve()
+    assert len(plan) == 10 and env.action_budget() == 14
+    for action in plan:
+        *_, info = env.step(action)
+    assert info["success"]
+    env.reset(seed=0)  # a seed's episode: the settings' budget again
+    assert env.action_budget() == 1
+    deeper = RubiksCubeEnv(scramble_depth=6)
+    deeper.reset(options={"scramble": "U"})  # a shorter one keeps what the settings' episodes need
+    assert deeper.action_budget() == 6

@@ -11,7 +11,8 @@ Maps are drawn from the seed: every cell is frozen with probability
 ``p_frozen``, the start and the goal are two distinct random cells, and a map
 is kept only if the goal is reachable (breadth-first search), so every episode
 is solvable. ``reset(options={"level": "..."})`` plays a given map instead,
-written with the symbols above (or gymnasium's ``S``/``F``/``H``/``G``).
+written with the symbols above (or gymnasium's ``S``/``F``/``H``/``G``); a
+given map must be solvable too (ValueError otherwise).
 
 Slippery ice (``is_slippery=True``) moves the player in the intended direction
 with probability ``success_rate`` and to each perpendicular direction with
@@ -259,6 +260,10 @@ class FrozenLakeEnv(TurnEnv):
             cells, rows, cols, start, goal = parse_level(options["level"])
             if (rows, cols) != (self.size, self.size):
                 raise ValueError(f"level is {rows}x{cols} but this env has size={self.size}; make one with size={rows}")
+            if shortest_path(cells, self._moves, start, goal) is None:
+                # Such a map scores 0 whatever the agent does: refused, as generation never draws one.
+                raise ValueError("level: holes cut every path from the start (P or S) to the goal (G), so the "
+                                 "episode cannot be won; give a map with a hole-free path between them")
         else:
             cells, start, goal = random_map(rng, self.size, self.p_frozen)
         self._cells, self._player, self._goal = cells, start, goal

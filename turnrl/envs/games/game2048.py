@@ -120,6 +120,17 @@ def place(board: Board, row: int, col: int, exponent: int) -> Board:
     return board[:row] + (line[:col] + (exponent,) + line[col + 1 :],) + board[row + 1 :]
 
 
+def largest_exponent(size: int) -> int:
+    """The exponent of the largest tile a ``size x size`` board can ever hold, new tiles being 2 or 4: 17 on
+    4x4 (131072), 10 on 3x3 (1024), 5 on 2x2 (32).
+
+    A tile ``2**k`` (``k > 2``) is made from two of ``2**(k - 1)``; while the first waits, the second is made
+    from two of ``2**(k - 2)``, and so on down to two 4s, which may appear as new tiles: the board then holds
+    ``k - 1`` tiles (one of each of ``k - 1, ..., 3`` and two of 2, as exponents), so ``k - 1 <= size**2``.
+    """
+    return size * size + 1
+
+
 def parse_board(board: Any, size: int) -> Board:
     """A board given as ``size`` rows of tile values (0 for empty), e.g. ``[[2, 0, 0, 2], ...]``; ValueError
     naming the problem."""
@@ -240,7 +251,8 @@ class Game2048Env(TurnEnv):
     Args:
         mode: ``"text"`` or ``"image"``.
         size: side of the board (RAGEN: 4), 2 to 8.
-        target_tile: the tile that wins (RAGEN: 2048), a power of two from 8.
+        target_tile: the tile that wins (RAGEN: 2048), a power of two from 8 that the board can hold
+            (:func:`largest_exponent`: up to 1024 on 3x3).
         two_prob: probability that a new tile is a 2 (else a 4).
         reward: ``"log"`` (RAGEN's: ``0.1 * log2(merged + 1)``) or ``"score"`` (the merged value).
         no_move_reward: paid for a move that changes nothing.
@@ -275,6 +287,10 @@ class Game2048Env(TurnEnv):
         is_int = isinstance(target_tile, (int, np.integer)) and not isinstance(target_tile, bool)
         if not is_int or target_tile < 8 or target_tile & (target_tile - 1):
             raise ValueError(f"target_tile must be a power of two from 8, got {target_tile!r}")
+        if int(target_tile).bit_length() - 1 > largest_exponent(int(size)):
+            largest = 1 << largest_exponent(int(size))
+            raise ValueError(f"target_tile={target_tile} can never be made on a {size}x{size} board, whose largest "
+                             f"possible tile is {largest}: set target_tile <= {largest} or a larger size")
         if not 0.0 <= two_prob <= 1.0:
             raise ValueError(f"two_prob must be in [0, 1], got {two_prob}")
         if reward not in REWARDS:
@@ -297,8 +313,13 @@ class Game2048Env(TurnEnv):
     # ----------------------------------------------------------------- episode
     def _reset(self, rng: np.random.Generator, options: dict[str, Any]) -> None:
         self.score = 0
-        if "board" in options:
-            self.board = parse_board(options["board"], self.size)
+        if "board" in options:  # a given board must have a legal move, or hold the target already
+            board = parse_board(options["board"], self.size)
+            if not legal_moves(board) and max(map(max, board)) < self._target_exponent:
+                # Every action would change nothing until max_steps, without a win or an end.
+                raise ValueError("board: no move changes it (no tile can slide or merge), so the game is over "
+                                 "before it starts; give a board with a legal move")
+            self.board = board
             return
         self.board = tuple((0,) * self.size for _ in range(self.size))
         self._spawn(rng)

@@ -9,7 +9,9 @@ loop-erased random walks (``generator="wilson"``, VisGym's generator: every
 perfect maze equally likely, so more branches and shorter corner-to-corner
 paths than the backtracker's long corridors). As in VisGym, the agent and the
 target start in opposite corners of the maze (one of the four corner pairs,
-drawn from the seed).
+drawn from the seed). ``reset(options={"level": ...})`` plays a given maze
+instead (see :func:`parse_level`), which must have a path from the agent to
+the target.
 
 Image mode draws 25 px a cell with VisGym's colours: grey walls, white paths,
 the target a red square and the agent a blue circle. Text mode draws one row
@@ -286,6 +288,9 @@ class Maze2DEnv(TurnEnv):
             grid, size, agent, target = parse_level(options["level"])
             if size != self.size:
                 raise ValueError(f"level is {size}x{size} but this env has size={self.size}; make one with size={size}")
+            if shortest_path(grid, size, agent, target) is None:
+                raise ValueError("level: walls cut every path from the agent (A) to the target (T), so the episode "
+                                 "cannot be won; give a maze with a path between them")
         else:
             grid = wilson_maze(rng, self.size) if self.generator == "wilson" else random_maze(rng, self.size)
             agent, target = corner_pair(rng, self.size)

@@ -386,8 +386,9 @@ class RubiksCubeEnv(TurnEnv):
         return optimal_solution(self.state)
 
     def action_budget(self) -> int:
-        """An optimal solution takes at most the scramble's length and never more than 14 quarter turns."""
-        return min(self.max_steps, self.scramble_depth, DIAMETER)
+        """An optimal solution takes at most the scramble's length and never more than 14 quarter turns: the
+        length of ``scramble_depth``, or of a longer scramble this episode was given."""
+        return min(self.max_steps, max(self.scramble_depth, len(self.scramble)), DIAMETER)
 
     # ----------------------------------------------------------------- views
     def face(self, name: str) -> tuple[str, str, str, str]:
