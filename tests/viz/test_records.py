@@ -13,6 +13,7 @@ from PIL import Image
 
 from turnrl.viz.records import (
     TokenAdvantages,
+    TurnView,
     parse_episode,
     parse_episode_line,
     parse_metrics_line,
@@ -22,6 +23,7 @@ from turnrl.viz.records import (
     safe_relative_path,
     source_label,
     source_name,
+    split_turns,
     spread_step_files,
     token_advantage_records,
     trajectory_files,
@@ -148,6 +150,38 @@ def test_a_non_finite_reward_is_read_as_it_is_written_not_as_zero():
     del without_total["total_reward"]
     without_total["turns"][1]["reward"] = float("inf")
     assert parse_episode(without_total, "s", 0, no_images).total_reward == math.inf  # the turns' sum
+
+
+def test_a_non_finite_env_figure_is_read_as_it_is_written_not_as_zero():
+    record = episode(2, env_metrics={"boxes_on_target": float("nan"), "distance": float("-inf"), "strict": None,
+                                     "moves": 3, "bad": "x"})
+    view = parse_episode_line(json.dumps(record), "s", 0, no_images)
+    figures = view.env_metrics
+    assert math.isnan(figures["boxes_on_target"]) and math.isnan(figures["strict"])
+    assert figures["distance"] == -math.inf and figures["moves"] == 3.0 and "bad" not in figures
+    assert view.has_non_finite_figure and not view.has_non_finite_reward
+    assert not parse_episode(episode(2, env_metrics={"moves": 3}), "s", 0, no_images).has_non_finite_figure
+
+
+@given(n_turns=st.integers(0, 60), limit=st.none() | st.integers(1, 70))
+@FAST
+def test_split_turns_keeps_the_first_and_last_within_the_limit(n_turns, limit):
+    turns = [TurnView(index=k) for k in range(n_turns)]
+    head, hidden, tail = split_turns(turns, limit)
+    assert head + turns[len(head):len(head) + hidden] + tail == turns
+    assert len(head) + len(tail) == (n_turns if limit is None else min(n_turns, limit))
+    assert hidden == 0 or len(head) - len(tail) in (0, 1)  # how it began and how it ended, alike
+
+
+def test_read_source_says_which_episodes_it_cut(tmp_path):
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("".join(json.dumps(episode(n)) + "\n" for n in (3, 9, 12)))
+    warnings: list[str] = []
+    source = read_source(path, tmp_path, 10, warnings, max_turns=4)
+    assert [ep.turn_parts[1] for ep in source.episodes] == [0, 5, 8]
+    assert [len(ep.turns) for ep in source.episodes] == [3, 9, 12]  # the turns are kept: sums and counts use them
+    assert warnings == ["trajectories.jsonl: 2 episode(s) have more than 4 turns (the longest 12); each shows its "
+                        "first 2 and last 2 (turnrl view --max-turns N shows more)"]
 
 
 @pytest.mark.parametrize("line", ["", "not json", "[1, 2]", "3", "null", "{" * 5000 + "}" * 5000])

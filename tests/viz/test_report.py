@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -58,7 +59,7 @@ def test_moves_that_changed_nothing_and_the_envs_figures_are_shown(tmp_path):
 
     out = tmp_path / "eval"
     main(["eval", "--env", "Sokoban", "--policy", "random", "--episodes", "6", "--out", str(out)])
-    html = write_report(out).read_text()
+    html = write_report(out, max_turns=None).read_text()  # every turn drawn: random episodes run long
     turns = [turn for e in lines(out / "trajectories.jsonl") for turn in e["turns"]]
     wasted = sum(valid and not effective for turn in turns
                  for valid, effective in zip(turn["actions_valid"], turn["actions_effective"]))
@@ -370,3 +371,75 @@ def test_a_nan_reward_is_shown_as_nan_never_as_zero(tmp_path):
     assert "· reward <strong>+1</strong>" in html  # the finite turn as before
     assert "1 episode(s) have a NaN or infinite reward" in html
     assert "+0</strong>" not in html and "+nan" not in html and ">nan<" not in html
+
+
+def trainer_episodes(n_episodes: int, n_turns: int, env_metrics: dict[str, float] | None = None) -> list:
+    """Image episodes as the rollout records them (:class:`~turnrl.rollout.trajectory.Trajectory`), one image per
+    observation and one of the final observation, each turn a real response with its parsed fields."""
+    import numpy as np
+
+    from turnrl.agent.formats import ParsedResponse
+    from turnrl.rollout.trajectory import Trajectory, TurnRecord
+
+    episodes = []
+    for index in range(n_episodes):
+        frames = [np.full((8, 8, 3), (index * 40 + k) % 256, dtype=np.uint8) for k in range(n_turns + 1)]
+        turns = [TurnRecord(index=k, observation=f"Turn {k + 1}: the box is left of you. " * 4,
+                            response=f"<think>step {k + 1}: push the box left</think><answer>Left</answer>",
+                            response_ids=[1, 2, 3], response_logprobs=[-0.1] * 3, finish_reason="stop",
+                            parsed=ParsedResponse(("Left",), {"think": f"step {k + 1}", "answer": "Left"}, True),
+                            actions=["Left"], actions_valid=[True], actions_effective=[k % 2 == 0],
+                            rewards={"env": -0.1, "format": 0.5}, reward=0.4)
+                 for k in range(n_turns)]
+        episodes.append(Trajectory("Sokoban", seed=index, group=index, sample=0, system_prompt="Sokoban.",
+                                   turns=turns, final_observation="the end", status="truncated",
+                                   truncation_reason="max_turns", images=frames[:-1], final_images=frames[-1:],
+                                   env_metrics=dict(env_metrics or {"boxes_on_target": 0.0})))
+    return episodes
+
+
+def test_long_episodes_show_their_first_and_last_turns_and_say_how_many_are_left_out(tmp_path):
+    """A 200-turn image episode drew every turn: an evaluation of 128 of them (random Sokoban, up to 200 turns)
+    made a page of 12 MB, a run of 18 such files 244 MB. Each episode now draws its first and last
+    ``max_turns / 2`` turns, with a note of the turns between."""
+    from turnrl.rollout.trajectory import write_trajectories
+    from turnrl.viz.records import DEFAULT_MAX_TURNS
+
+    long, short = tmp_path / "long", tmp_path / "short"
+    write_trajectories(trainer_episodes(3, 200), long)
+    write_trajectories(trainer_episodes(3, DEFAULT_MAX_TURNS), short)
+    html = write_report(long).read_text()
+    assert html.count('<div class="turn">') == 3 * (DEFAULT_MAX_TURNS + 1)  # + the final observation
+    half = DEFAULT_MAX_TURNS // 2
+    assert html.count(f"{200 - DEFAULT_MAX_TURNS} more turns (turns {half + 1} to {200 - half} of 200) not shown") == 3
+    shown = [int(n) for n in re.findall(r"<strong>Turn (\d+)</strong>", html)]
+    assert shown == 3 * [*range(1, half + 1), *range(201 - half, 201)]
+    assert "· 200 turns" in html  # the summary line counts every turn
+    # images stay on their own turns, the final frame included
+    images = image_sources(html)
+    assert images[half] == f"images/trajectories_00000_{200 - half:03d}.png"
+    assert images[2 * half] == "images/trajectories_00000_final0.png"
+    assert "3 episode(s) have more than" in html and "--max-turns N" in html
+    assert len(html) < 1.5 * len(write_report(short).read_text())  # bounded by the turns drawn, not the episode's
+    assert "--max-turns" not in write_report(short).read_text()
+    every = write_report(long, max_turns=200).read_text()
+    assert every.count('<div class="turn">') == 3 * 201 and "more turns" not in every
+    with pytest.raises(ValueError, match="at least 1"):
+        write_report(long, max_turns=0)
+
+
+def test_a_non_finite_env_figure_is_shown_as_such_never_as_zero(tmp_path):
+    """An env figure that is NaN or infinite (as json.dumps writes it in the episode's ``env_metrics``) read 0,
+    where rewards already showed NaN."""
+    from turnrl.rollout.trajectory import write_trajectories
+
+    folder = tmp_path / "eval"
+    write_trajectories(trainer_episodes(1, 2, {"boxes_on_target": math.nan, "distance": math.inf, "moves": 2.0}),
+                       folder)
+    html = write_report(folder).read_text()
+    bad = '<span class="badge bad" title="not a finite number">{}</span>'
+    assert f'<span class="chip">boxes_on_target {bad.format("NaN")}</span>' in html
+    assert f'<span class="chip">distance {bad.format("inf")}</span>' in html
+    assert '<span class="chip">moves 2</span>' in html
+    assert "boxes_on_target 0<" not in html and "distance 0<" not in html
+    assert "1 episode(s) have a NaN or infinite env figure" in html

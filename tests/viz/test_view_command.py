@@ -31,6 +31,7 @@ def test_view_writes_the_report_and_prints_its_path(eval_dir, capsys):
     (["{tmp}"], "holds neither a training run"),
     (["{eval}", "--max-episodes", "0"], "--max-episodes must be at least 1"),
     (["{eval}", "--max-step-files", "0"], "--max-step-files must be at least 1"),
+    (["{eval}", "--max-turns", "0"], "--max-turns must be at least 1"),
     (["{eval}", "--max-heatmap-tokens", "-1"], "--max-heatmap-tokens must be 0 (no heatmaps) or more"),
     (["{eval}", "--port", "70000"], "is not a port number"),
 ])
@@ -39,6 +40,16 @@ def test_bad_arguments_are_one_line_errors(tmp_path, eval_dir, argv, message):
     with pytest.raises(SystemExit) as error:
         main(args)
     assert str(error.value).startswith("error: ") and message in str(error.value)
+
+
+def test_max_turns_reaches_the_page(tmp_path):
+    from tests.viz.test_report import trainer_episodes
+    from turnrl.rollout.trajectory import write_trajectories
+
+    write_trajectories(trainer_episodes(1, 9), tmp_path)
+    assert main(parse(str(tmp_path), "--max-turns", "3")) == 0
+    html = (tmp_path / "report.html").read_text()
+    assert html.count("<strong>Turn ") == 3 and "6 more turns (turns 3 to 8 of 9) not shown" in html
 
 
 def test_defaults_serve_this_machine_only():

@@ -353,9 +353,12 @@ def weighted_f1(claims: Sequence[Claim], facts: StateFacts, weights: Mapping[str
     ``precision_k = S_k / |C_k|``, ``recall_k = S_k / |T_k|``, ``F1_k`` their
     harmonic mean (0 when either set is empty and the other is not). The
     score is ``sum_k w_k F1_k / sum_k w_k`` over the weighted kinds that
-    appear in the claims or the truth; 1 when none does (nothing to see,
-    nothing claimed). A claimed player cell is scored as a kind of its own
-    when ``weights`` has ``player``.
+    appear in the claims or the truth. Where that sum of weights is 0, VAGEN's
+    rule holds: 1 when nothing at all is claimed or true (nothing to see,
+    nothing claimed) and ``weights`` names a kind, else 0, so zero weights
+    or a truth of unweighted kinds never pay a free 1. A claimed player cell
+    is scored as a kind of its own when ``weights`` has ``player`` (an
+    unweighted one is not a claim about an object).
     """
     truth: dict[str, list[ObjectFact]] = {}
     for fact in facts.objects:
@@ -382,7 +385,9 @@ def weighted_f1(claims: Sequence[Claim], facts: StateFacts, weights: Mapping[str
         f1[kind] = 0.0 if matched == 0 else 2 * precision * recall / (precision + recall)
     total_weight = sum(weights[kind] for kind in f1)
     if total_weight <= 0:
-        return MatchScore(1.0, f1)
+        nothing_claimed = all(claim.name == "player" and "player" not in weights for claim in claims)
+        empty = nothing_claimed and not facts.objects and bool(weights)
+        return MatchScore(1.0 if empty else 0.0, f1)
     return MatchScore(sum(weights[kind] * value for kind, value in f1.items()) / total_weight, f1)
 
 

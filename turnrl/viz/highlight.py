@@ -8,6 +8,7 @@ classes, so no response can inject markup or styles.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -59,6 +60,9 @@ def response_segments(response: str, field_names: frozenset[str] | set[str] = fr
     names = known_tags() | {n for n in field_names if _NAME.fullmatch(n)}
     segments: list[Segment] = []
     stack: list[str] = []
+    # How often each name is open: asking the stack itself costs its depth per closing tag, quadratic in a
+    # response of thousands of unclosed tags (a model stuck repeating one).
+    open_count: Counter[str] = Counter()
 
     def add(text: str, is_tag: bool = False) -> None:
         if text:
@@ -70,10 +74,12 @@ def response_segments(response: str, field_names: frozenset[str] | set[str] = fr
         closing, name = match.group(1) == "/", match.group(2)
         if not closing:
             stack.append(name)
+            open_count[name] += 1
             add(match.group(0), is_tag=True)
-        elif name in stack:
-            while stack.pop() != name:
-                pass
+        elif open_count[name]:
+            while (closed := stack.pop()) != name:
+                open_count[closed] -= 1
+            open_count[name] -= 1
             segments.append(Segment(match.group(0), name, is_tag=True))
         else:
             add(match.group(0))

@@ -24,7 +24,8 @@ Everything here is read as untrusted data: a line that is not JSON, a field
 of the wrong type or an image path that leaves the folder becomes a warning
 or a default, never an exception. A non-finite reward or advantage (``NaN``,
 ``Infinity``, as Python's ``json`` writes them, or ``null``, as strict writers
-do) is kept as it is, so that the page shows it rather than a plausible 0.
+do) is kept as it is, so that the page shows it rather than a plausible 0; so is a
+non-finite figure of an env's ``env_metrics``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ each of the files shown would make a page of a million elements and over a hundr
 DEFAULT_MAX_STEP_FILES = 16
 """Training steps' trajectories files shown: a long run writes one every ``run.trajectories_every`` steps, and
 hundreds of them (each up to :data:`DEFAULT_MAX_EPISODES` episodes) would make a page of hundreds of megabytes."""
+DEFAULT_MAX_TURNS = 20
+"""Turns drawn per episode, the first half and the last half of them where an episode has more: each turn is a
+block of its own (observation, response, image), and an evaluation of 128 image Sokoban episodes of up to 200 turns
+made a page of 12 MB (2.2 MB at 20 turns), a run of 18 such files 244 MB (44 MB). The configs' episodes (at most 16
+turns, but for a few long-horizon ones) are never cut."""
 _STEP_FILE = re.compile(r"step_(\d+)")
 VARIANTS_DIR = "variants"
 """The folder of a variants evaluation that holds one evaluation folder per variant."""
@@ -133,7 +139,15 @@ class EpisodeView:
     final_images: list[str] = field(default_factory=list)
     """Images of the observation after the last turn."""
     env_metrics: dict[str, float] = field(default_factory=dict)
-    """The env's own figures of the episode (Sokoban: boxes on targets, deadlocked)."""
+    """The env's own figures of the episode (Sokoban: boxes on targets, deadlocked); NaN or infinite where the
+    record says so."""
+    max_shown_turns: int | None = None
+    """Turns the page draws where the episode has more (see :func:`split_turns`); None draws every turn."""
+
+    @property
+    def turn_parts(self) -> tuple[list[TurnView], int, list[TurnView]]:
+        """The turns drawn first, how many are left out after them, and the turns drawn last."""
+        return split_turns(self.turns, self.max_shown_turns)
 
     @property
     def named_rewards(self) -> dict[str, float]:
@@ -149,6 +163,23 @@ class EpisodeView:
         """A turn's reward, one of its named rewards or the episode's total is NaN or infinite."""
         values = [self.total_reward, *(v for turn in self.turns for v in (turn.reward, *turn.rewards.values()))]
         return not all(math.isfinite(value) for value in values)
+
+    @property
+    def has_non_finite_figure(self) -> bool:
+        """One of the env's figures is NaN or infinite."""
+        return not all(math.isfinite(value) for value in self.env_metrics.values())
+
+
+def split_turns(turns: Sequence[TurnView], limit: int | None) -> tuple[list[TurnView], int, list[TurnView]]:
+    """``turns`` as (first ones drawn, count left out, last ones drawn): all of them first where there are at most
+    ``limit`` (or no limit), else the first ``ceil(limit / 2)`` and the last ``floor(limit / 2)``, so that the page
+    shows how the episode began and how it ended (the hole, the deadlock, the goal)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"the turns drawn per episode must be at least 1 (or None: every turn), got {limit}")
+    if limit is None or len(turns) <= limit:
+        return list(turns), 0, []
+    head, tail = (limit + 1) // 2, limit // 2
+    return list(turns[:head]), len(turns) - head - tail, list(turns[len(turns) - tail:])
 
 
 @dataclass
@@ -188,13 +219,6 @@ def _as_optional_int(value: Any) -> int | None:
     return _as_int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _as_float(value: Any, default: float = 0.0) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-        return number if math.isfinite(number) else default
-    return default
-
-
 def _as_reward(value: Any, default: float = 0.0) -> float:
     """A reward as the record has it: any number, NaN and infinities included; null (how a strict JSON writer
     writes a non-finite number) as NaN; any other value ``default``. Pass ``record.get(key, default)``, so that
@@ -205,7 +229,8 @@ def _as_reward(value: Any, default: float = 0.0) -> float:
 
 
 def _as_reward_dict(value: Any) -> dict[str, float]:
-    """Named rewards (:func:`_as_reward` each); entries that are neither numbers nor null are left out."""
+    """Named rewards or an env's figures (:func:`_as_reward` each); entries that are neither numbers nor null are
+    left out."""
     if not isinstance(value, dict):
         return {}
     return {str(k): _as_reward(v) for k, v in value.items()
@@ -218,12 +243,6 @@ def _as_bool(value: Any) -> bool:
 
 def _as_str_list(value: Any) -> list[str]:
     return [item for item in value if isinstance(item, str)] if isinstance(value, list) else []
-
-
-def _as_float_dict(value: Any) -> dict[str, float]:
-    if not isinstance(value, dict):
-        return {}
-    return {str(k): _as_float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _as_str_dict(value: Any) -> dict[str, str]:
@@ -333,7 +352,7 @@ def parse_episode(record: Any, source: str, index: int, resolve: Resolve) -> Epi
         final_observation=_as_str(record.get("final_observation")),
         turns=turns,
         final_images=final_images,
-        env_metrics=_as_float_dict(record.get("env_metrics")),
+        env_metrics=_as_reward_dict(record.get("env_metrics")),
     )
     if any(turn.images for turn in turns):
         return episode  # the record says which turn showed which image
@@ -432,12 +451,14 @@ def source_label(stem: str) -> tuple[str, int | None]:
 
 
 def read_source(path: Path, report_dir: Path, max_episodes: int, warnings: list[str],
-                max_heatmap_tokens: int = DEFAULT_MAX_HEATMAP_TOKENS) -> EpisodeSource:
-    """The episodes of one trajectories file (the first ``max_episodes``), with the token advantages of the first
-    episodes that have at most ``max_heatmap_tokens`` of them together.
+                max_heatmap_tokens: int = DEFAULT_MAX_HEATMAP_TOKENS,
+                max_turns: int | None = DEFAULT_MAX_TURNS) -> EpisodeSource:
+    """The episodes of one trajectories file (the first ``max_episodes``), each to be drawn with at most
+    ``max_turns`` of its turns (:func:`split_turns`; None draws all), with the token advantages of the first
+    episodes that have at most ``max_heatmap_tokens`` of them together in the turns drawn.
 
     Problems (bad lines, missing images, advantages that fit no turn) are appended to ``warnings``, and so is
-    a note where advantages were left out for the heatmap budget.
+    a note where turns or advantages were left out to keep the page light.
     """
     stem = source_name(path, report_dir)
     label, step = source_label(stem)
@@ -469,12 +490,27 @@ def read_source(path: Path, report_dir: Path, max_episodes: int, warnings: list[
     if non_finite:
         warnings.append(f"{rel}: {non_finite} episode(s) have a NaN or infinite reward, shown as such (a reward "
                         "function returned one, or the sum of rewards overflowed)")
+    non_finite = sum(episode.has_non_finite_figure for episode in source.episodes)
+    if non_finite:
+        warnings.append(f"{rel}: {non_finite} episode(s) have a NaN or infinite env figure (env_metrics), shown as "
+                        "such")
+    for episode in source.episodes:
+        episode.max_shown_turns = max_turns
+    cut = [episode for episode in source.episodes if episode.turn_parts[1]]
+    if cut and max_turns is not None:
+        warnings.append(f"{rel}: {len(cut)} episode(s) have more than {max_turns} turns (the longest "
+                        f"{max(len(episode.turns) for episode in cut)}); each shows its first {(max_turns + 1) // 2} "
+                        f"and last {max_turns // 2} (turnrl view --max-turns N shows more)")
     if source.total > len(source.episodes) + len(bad):
         warnings.append(f"{rel}: showing the first {max_episodes} of {source.total} episodes "
                         "(turnrl view --max-episodes N shows more)")
     advantages = advantages_path(path)
     if advantages.is_file():
         _attach_advantages(source, advantages, report_dir, warnings)
+        for episode in cut:  # the turns not drawn take no share of the heatmap budget
+            head, hidden, _ = episode.turn_parts
+            for turn in episode.turns[len(head):len(head) + hidden]:
+                turn.advantages = None
         _keep_heatmaps_within(source, max_heatmap_tokens, advantages.relative_to(report_dir).as_posix(), warnings)
     return source
 

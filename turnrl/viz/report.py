@@ -7,7 +7,7 @@ disk (``file://``) or from ``turnrl view --serve``. It shows:
 - the summary (``summary.json``) and, for runs, the training curves;
 - for an evaluation on several env variants, their table (one row each);
 - before/after RL validation episodes side by side, matched by seed;
-- every episode of every trajectories file, each turn with its image(s),
+- the episodes of every trajectories file (a long one's first and last turns), each turn with its image(s),
   observation, the response with its reasoning fields highlighted, the parsed
   actions (invalid ones struck through), the named rewards, and per-token
   advantages as a heatmap where the run saved them;
@@ -33,6 +33,7 @@ from turnrl.viz.records import (
     DEFAULT_MAX_EPISODES,
     DEFAULT_MAX_HEATMAP_TOKENS,
     DEFAULT_MAX_STEP_FILES,
+    DEFAULT_MAX_TURNS,
     VARIANT_COLUMNS,
     VARIANTS_DIR,
     EpisodeSource,
@@ -268,16 +269,19 @@ def _read_json(path: Path, warnings: list[str]) -> Any:
 
 def load_report(folder: Path, max_episodes: int = DEFAULT_MAX_EPISODES, plots: bool = True,
                 max_step_files: int = DEFAULT_MAX_STEP_FILES,
-                max_heatmap_tokens: int = DEFAULT_MAX_HEATMAP_TOKENS) -> ReportData:
+                max_heatmap_tokens: int = DEFAULT_MAX_HEATMAP_TOKENS,
+                max_turns: int | None = DEFAULT_MAX_TURNS) -> ReportData:
     """Read ``folder`` (a run or an evaluation) and, with ``plots``, draw its curves into ``folder/plots``.
 
-    The page shows the first ``max_episodes`` episodes of each trajectories file, the files of at most
-    ``max_step_files`` training steps spread over the run (see :func:`spread_step_files`), and advantage
+    The page shows the first ``max_episodes`` episodes of each trajectories file, at most ``max_turns`` turns
+    of each (its first and last ones, see :func:`~turnrl.viz.records.split_turns`; None shows all), the files of
+    at most ``max_step_files`` training steps spread over the run (see :func:`spread_step_files`), and advantage
     heatmaps of at most ``max_heatmap_tokens`` tokens, shared evenly by the files that have advantages (each
     draws those of its first episodes).
 
     Raises:
-        ValueError: ``folder`` holds neither a run nor an evaluation, or ``max_step_files`` is below 1.
+        ValueError: ``folder`` holds neither a run nor an evaluation, or ``max_step_files`` or ``max_turns`` is
+            below 1.
     """
     folder = folder.resolve()
     data = ReportData(title=folder.name, kind=folder_kind(folder), folder=str(folder))
@@ -292,7 +296,7 @@ def load_report(folder: Path, max_episodes: int = DEFAULT_MAX_EPISODES, plots: b
     files, left_out = spread_step_files(trajectory_files(folder, [row.name for row in data.variants]),
                                         max_step_files)
     per_file = max_heatmap_tokens // max(1, sum(advantages_path(path).is_file() for path in files))
-    data.sources = [read_source(path, folder, max_episodes, data.warnings, per_file) for path in files]
+    data.sources = [read_source(path, folder, max_episodes, data.warnings, per_file, max_turns) for path in files]
     data.pairs = pair_validation(data.sources)
     if left_out:
         shown = [str(source.step) for source in data.sources if source.name.startswith("step_")]
@@ -339,14 +343,17 @@ def render_html(data: ReportData) -> str:
 
 def write_report(path: Path, max_episodes: int = DEFAULT_MAX_EPISODES,
                  max_step_files: int = DEFAULT_MAX_STEP_FILES,
-                 max_heatmap_tokens: int = DEFAULT_MAX_HEATMAP_TOKENS) -> Path:
+                 max_heatmap_tokens: int = DEFAULT_MAX_HEATMAP_TOKENS,
+                 max_turns: int | None = DEFAULT_MAX_TURNS) -> Path:
     """Write ``report.html`` (and ``plots/*.png``) into the run or evaluation folder ``path``; returns the page.
 
     Raises:
-        ValueError: ``path`` holds neither a run nor an evaluation, or ``max_step_files`` is below 1.
+        ValueError: ``path`` holds neither a run nor an evaluation, or ``max_step_files`` or ``max_turns`` is
+            below 1.
     """
     folder = Path(path)
-    data = load_report(folder, max_episodes, max_step_files=max_step_files, max_heatmap_tokens=max_heatmap_tokens)
+    data = load_report(folder, max_episodes, max_step_files=max_step_files, max_heatmap_tokens=max_heatmap_tokens,
+                       max_turns=max_turns)
     out = folder / REPORT_NAME
     # A record's text can hold a lone surrogate (a JSON "\ud83d" from an endpoint that split an emoji), which
     # UTF-8 cannot encode: written as its escape, so that one character never costs the whole page.

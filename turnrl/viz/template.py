@@ -76,6 +76,7 @@ pre { margin: 0; white-space: pre-wrap; word-break: break-word; font: 12.5px/1.4
 .pair-grid { display: grid; grid-template-columns: 1fr 1fr; gap: 12px; padding: 4px 12px 12px; }
 .pair-grid > div > h3 { font-size: 13px; margin: 4px 0; }
 .pair-grid .turn { grid-template-columns: 1fr; }
+.turn-gap { border-top: 1px dashed #c9ced6; border-bottom: 1px dashed #c9ced6; padding: 6px 0; margin: 4px 0; }
 """
 
 SCRIPT = """
@@ -258,7 +259,14 @@ TEMPLATE = r"""<!doctype html>
   <details><summary class="muted">system prompt</summary><pre>{{ ep.system_prompt }}</pre></details>
   {%- endif %}
   {% if ep.images %}<div class="episode-images">{{ images(ep.images, "observation image") }}</div>{% endif %}
-  {% for turn in ep.turns %}{{ turn_block(turn, scale) }}{% endfor %}
+  {%- set head, hidden, tail = ep.turn_parts %}
+  {% for turn in head %}{{ turn_block(turn, scale) }}{% endfor %}
+  {% if hidden -%}
+  {%- set first, last = head|length + 1, head|length + hidden -%}
+  <p class="turn-gap muted">{{ hidden }} more turn{{ "s" if hidden > 1 else "" }} (turns {{ first }} to {{ last }}
+    {{- " of " ~ ep.turns|length }}) not shown to keep the page light; turnrl view --max-turns N shows more.</p>
+  {%- endif %}
+  {% for turn in tail %}{{ turn_block(turn, scale) }}{% endfor %}
   <div class="turn">
     <div class="turn-images">{{ images(ep.final_images, "final observation") }}</div>
     <div class="turn-text"><h4>Final observation</h4><pre>{{ ep.final_observation }}</pre></div>

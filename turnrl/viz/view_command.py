@@ -15,7 +15,12 @@ from pathlib import Path
 
 # Only the light records module here: `turnrl --help` builds this parser, and the report's libraries
 # (jinja2, matplotlib) load when the command runs.
-from turnrl.viz.records import DEFAULT_MAX_EPISODES, DEFAULT_MAX_HEATMAP_TOKENS, DEFAULT_MAX_STEP_FILES
+from turnrl.viz.records import (
+    DEFAULT_MAX_EPISODES,
+    DEFAULT_MAX_HEATMAP_TOKENS,
+    DEFAULT_MAX_STEP_FILES,
+    DEFAULT_MAX_TURNS,
+)
 
 DEFAULT_PORT = 8008
 
@@ -33,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address for --serve (default 127.0.0.1: this machine only)")
     parser.add_argument("--max-episodes", type=int, default=DEFAULT_MAX_EPISODES, metavar="N",
                         help=f"episodes shown per trajectories file (default {DEFAULT_MAX_EPISODES})")
+    parser.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS, metavar="N",
+                        help="turns shown per episode: a longer one shows its first and last N/2 and says how many "
+                             f"it leaves out (default {DEFAULT_MAX_TURNS})")
     parser.add_argument("--max-step-files", type=int, default=DEFAULT_MAX_STEP_FILES, metavar="N",
                         help="training steps whose trajectories the page shows, spread from the first to the last "
                              f"(default {DEFAULT_MAX_STEP_FILES}); validation and evaluation files are always shown")
@@ -65,6 +73,8 @@ def main(args: argparse.Namespace) -> int:
     folder = Path(args.folder)
     if args.max_episodes < 1:
         raise SystemExit("error: --max-episodes must be at least 1")
+    if args.max_turns < 1:
+        raise SystemExit("error: --max-turns must be at least 1")
     if args.max_step_files < 1:
         raise SystemExit("error: --max-step-files must be at least 1")
     if args.max_heatmap_tokens < 0:
@@ -73,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --port {args.port} is not a port number (0 to 65535)")
     try:
         report = write_report(folder, max_episodes=args.max_episodes, max_step_files=args.max_step_files,
-                              max_heatmap_tokens=args.max_heatmap_tokens)
+                              max_heatmap_tokens=args.max_heatmap_tokens, max_turns=args.max_turns)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     except OSError as error:
