@@ -6,6 +6,7 @@ from the repository root with it on ``PYTHONPATH`` (:class:`ServerProcess` does 
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import numpy as np
@@ -111,13 +112,39 @@ def close_gate() -> None:
 
 class GatedEnv(ProbeEnv):
     """A :class:`ProbeEnv` whose ``wait-<action>`` waits for :data:`GATE`, then does ``<action>`` (a step that hangs
-    until the test lets it go, then counts or explodes), and whose ``solve()`` waits too with ``gate_solve``;
-    ``closes`` holds the thread of each ``close()`` call."""
+    until the test lets it go, then counts or explodes), and whose ``solve()``, ``reset()``, constructor or deep
+    copy wait too with ``gate_solve``, ``gate_reset``, ``gate_build`` or ``gate_copy`` (in a server in a subprocess,
+    where no test sets the gate, they hang for good); ``closes`` holds the thread of each ``close()`` call, and
+    :attr:`made` every instance built or copied in this process."""
 
-    def __init__(self, gate_solve: bool = False, **settings: Any) -> None:
+    made: ClassVar[list[GatedEnv]] = []
+
+    def __init__(self, gate_solve: bool = False, gate_reset: bool = False, gate_build: bool = False,
+                 gate_copy: bool = False, **settings: Any) -> None:
         super().__init__(**settings)
-        self.gate_solve = gate_solve
+        self.gate_solve, self.gate_reset, self.gate_copy = gate_solve, gate_reset, gate_copy
+        self.gate_build = gate_build
         self.closes: list[str] = []
+        if gate_build:  # a simulator that never finishes starting
+            IN_GATE.release()
+            GATE.wait()
+        GatedEnv.made.append(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GatedEnv:
+        if self.gate_copy:
+            IN_GATE.release()
+            GATE.wait()
+        twin = object.__new__(type(self))
+        memo[id(self)] = twin
+        twin.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
+        GatedEnv.made.append(twin)
+        return twin
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        if self.gate_reset:
+            IN_GATE.release()
+            GATE.wait()
+        return super().reset(seed=seed, options=options)
 
     def solve(self) -> list[str]:
         if self.gate_solve:  # a solver that never finishes

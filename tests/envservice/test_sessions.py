@@ -66,7 +66,7 @@ def test_env_threads_replace_a_thread_written_off_and_let_it_end_when_its_call_r
 def test_a_call_batch_answers_in_order_and_hands_an_abandoned_call_to_late_on_its_own_thread():
     release = threading.Event()
     hung_on: list[str] = []
-    late: list[tuple[int, str]] = []
+    late: list[tuple[int, str, dict]] = []
 
     def call(k: int) -> dict:
         if k == 2:
@@ -76,7 +76,8 @@ def test_a_call_batch_answers_in_order_and_hands_an_abandoned_call_to_late_on_it
         return {"k": k}
 
     batch = CallBatch([lambda k=k: call(k) for k in range(8)],
-                      late=lambda k: late.append((k, threading.current_thread().name)), settled=lambda: None)
+                      late=lambda k, answer: late.append((k, threading.current_thread().name, answer)),
+                      settled=lambda: None)
     threads = EnvThreads(3)
     for _ in range(3):
         threads.submit(batch.run)
@@ -91,9 +92,10 @@ def test_a_call_batch_answers_in_order_and_hands_an_abandoned_call_to_late_on_it
     deadline = time.monotonic() + 5
     while not late and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert late == [(2, hung_on[0])] and batch.answers[2] is None  # its answer dropped, late() on its thread
+    # Its answer goes to late() on its own thread (to close what it built), never into the batch's answers.
+    assert late == [(2, hung_on[0], {"k": 2})] and batch.answers[2] is None
     settled = threading.Event()
-    quick = CallBatch([lambda k=k: {"k": k} for k in range(5)], late=lambda k: None, settled=settled.set)
+    quick = CallBatch([lambda k=k: {"k": k} for k in range(5)], late=lambda k, answer: None, settled=settled.set)
     threads.submit(quick.run)
     threads.submit(quick.run)
     assert settled.wait(5) and [a["k"] for a in quick.answers if a] == [0, 1, 2, 3, 4]

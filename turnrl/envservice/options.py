@@ -30,9 +30,11 @@ class ServerLimits:
     """Threads that run env calls (a slow env holds one of them; a batch's sessions are stepped on up to this
     many at once)."""
     step_timeout_s: float = 30.0
-    """Deadline of one session's reset, step or queries in a request: a call still running after this long is
-    abandoned, its session closed with an ``env_timeout`` error and its thread replaced. Below the client's
-    default timeout (60 s), so that a client reads the error rather than timing out; ``inf``: no deadline."""
+    """Deadline of one session's reset, step or queries in a request, and of building or copying an env (open,
+    validate, fork): a call still running after this long is abandoned and its thread replaced; a reset, step or
+    query closes its session with an ``env_timeout`` error item, a build fails its request with a 500
+    ``env_timeout``. Below the client's default timeout (60 s), so that a client reads the error rather than timing
+    out; ``inf``: no deadline."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_batch", "max_sessions", "max_sessions_per_client", "workers"):
@@ -66,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"threads running env calls; a batch's sessions step on up to this many at once "
                              f"(default: {defaults.workers})")
     parser.add_argument("--step-timeout", type=float, default=defaults.step_timeout_s,
-                        help="seconds one session's reset or step may run before it is abandoned and its session "
-                             f"closed with an env_timeout error; inf for no deadline (default: "
+                        help="seconds one session's reset, step or queries, or one env's build or fork copy, may run "
+                             f"before it is abandoned (env_timeout); inf for no deadline (default: "
                              f"{defaults.step_timeout_s:g})")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level (default: info)")

@@ -51,7 +51,10 @@ Guarantees:
   ``--step-timeout`` seconds is abandoned: its item is an ``env_timeout`` error
   that names the session and the option, its session is closed (its env is
   closed when the call returns, if ever) and its thread is replaced, so a hung
-  env costs one thread, never the server.
+  env costs one thread, never the server. Building an env (an open or a
+  validate) or copying one (a fork) has the same deadline: past it the request
+  fails with a 500 ``env_timeout`` that names the session and the option, no
+  session is opened, and a fork's source session is closed.
 """
 
 from __future__ import annotations
@@ -62,7 +65,6 @@ import copy
 import functools
 import json
 import logging
-import math
 import os
 import reprlib
 import secrets
@@ -98,17 +100,20 @@ from turnrl.envservice.request_bodies import (
 )
 from turnrl.envservice.sessions import (
     Applied,
-    CallBatch,
+    Built,
     EnvThreads,
     ServerMetrics,
     Session,
     SessionTable,
+    attempt_build,
+    close_built,
     close_env,
     prometheus_text,
     request_key,
     run_queries,
     run_reset,
     run_step,
+    run_with_deadline,
 )
 
 logger = logging.getLogger("turnrl.env_server")
@@ -229,8 +234,8 @@ class EnvServer:
     async def validate(self, body: EnvSpec) -> dict[str, Any]:
         """``POST /v1/validate``."""
         env_id, settings = self._env_spec(body)
-        env = await self._in_thread(self._build_env, env_id, settings)
-        self.executor.submit(close_env, env)
+        envs = await asyncio.shield(self._build_envs(env_id, [None], lambda k: self._build_env(env_id, settings)))
+        self.executor.submit(close_env, envs[0])
         return {"ok": True, "env_id": env_id}
 
     async def open_sessions(self, body: OpenBody, client: str) -> dict[str, Any]:
@@ -247,6 +252,11 @@ class EnvServer:
         if len(set(ids)) != len(ids):
             raise APIError(400, "invalid_request", "the ids repeat")
         settings_key = json.dumps(body.settings, sort_keys=True)
+        # Shielded, as _apply is: a client that hangs up must not leave envs built that no session holds.
+        return await asyncio.shield(self._open(ids, env_id, settings, settings_key, client))
+
+    async def _open(self, ids: list[str], env_id: str, settings: dict[str, Any], settings_key: str,
+                    client: str) -> dict[str, Any]:
         async with self._making_ids(ids):
             existing = [self.table.sessions.get(i) for i in ids]
             if any(existing):
@@ -257,16 +267,12 @@ class EnvServer:
                     raise APIError(409, "session_exists", "a session with one of these ids exists; choose other ids")
                 return {"sessions": ids, "instance": self.instance}
             self._check_room(client, len(ids))
-            # Built on up to --workers threads at once: a simulator that takes seconds to start, one after another
-            # for a batch, outlasted the client's timeout.
-            loop = asyncio.get_running_loop()
-            builds = [loop.run_in_executor(self.executor, self._build_env, env_id, settings) for _ in ids]
+            built = await self._build_envs(env_id, list(ids), lambda k: self._build_env(env_id, settings))
             try:
-                built: list[AgentEnv] = await asyncio.gather(*(asyncio.shield(build) for build in builds))
                 self._check_room(client, len(ids))  # others may have opened sessions meanwhile
-            except BaseException:
-                for build in builds:  # a build cannot be stopped: each env is closed once built
-                    build.add_done_callback(self._close_built)
+            except APIError:
+                for env in built:
+                    self.executor.submit(close_env, env)
                 raise
             for session_id, env in zip(ids, built):
                 self.table.add(Session(session_id, env_id, settings, client, env, settings_key=settings_key))
@@ -340,14 +346,8 @@ class EnvServer:
                 raise APIError(400, "invalid_request", "fork takes one new, unused id per session")
             self._check_room(client, len(ids))
             async with self._holding(sessions):
-                def work() -> list[AgentEnv]:
-                    return [copy.deepcopy(s.env) for s in sessions]
-
-                try:
-                    envs = await self._in_thread(work)
-                except Exception as error:
-                    raise APIError(500, "env_error", f"the env cannot be copied: {type(error).__name__}: "
-                                                     f"{error}") from None
+                envs = await asyncio.shield(self._build_envs(sessions[0].env_id, [s.id for s in sessions],
+                                                             lambda k: copy_env(sessions[k]), sessions))
                 try:
                     self._check_room(client, len(ids))  # others may have opened sessions meanwhile
                 except APIError:
@@ -379,9 +379,6 @@ class EnvServer:
         return {"closed": closed, "unknown": unknown}
 
     # ------------------------------------------------------------------ helpers
-    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
     def _drop(self, session: Session, reason: str, close: bool = True) -> None:
         """Close a session now; its env is closed on a worker thread (``close``; else by the call that still runs
         on it, when it returns)."""
@@ -398,35 +395,64 @@ class EnvServer:
         ``--workers`` threads at once; the answers in order. A call running past ``--step-timeout`` is answered
         with an ``env_timeout`` error item (its session is the caller's to close; its env is closed when the call
         returns)."""
-        if not sessions:
-            return []
-        loop = asyncio.get_running_loop()
-        settled = asyncio.Event()
-
-        def wake() -> None:
-            try:
-                loop.call_soon_threadsafe(settled.set)
-            except RuntimeError:  # the loop closed: the server is gone, no one waits
-                pass
-
-        batch = CallBatch([functools.partial(call, k) for k in range(len(sessions))],
-                          late=lambda k: close_env(sessions[k].env), settled=wake)
-        for _ in range(min(self.limits.workers, len(sessions))):
-            self.executor.submit(batch.run)
-        deadline = self.limits.step_timeout_s
-        while not batch.is_done():
-            first = batch.first_start()
-            # Until a call starts (they may wait for threads that other requests hold), look again now and then.
-            wait = min(deadline, 1.0) if first is None else first + deadline - time.monotonic()
-            try:
-                await asyncio.wait_for(settled.wait(), None if math.isinf(wait) else max(wait, 0.0))
-            except asyncio.TimeoutError:
-                pass
-            for _ in batch.abandon_overdue(time.monotonic() - deadline, self.executor.write_off):
-                if batch.untaken():
-                    self.executor.submit(batch.run)  # in place of the thread that is stuck
+        answers = await run_with_deadline(self.executor, self.limits.workers, self.limits.step_timeout_s,
+                                          [functools.partial(call, k) for k in range(len(sessions))],
+                                          late=lambda k, answer: close_env(sessions[k].env))
         return [answer if answer is not None else self._timed_out(kind, sessions[k])
-                for k, answer in enumerate(batch.answers)]
+                for k, answer in enumerate(answers)]
+
+    async def _build_envs(self, env_id: str, ids: list[str | None], make_env: Callable[[int], AgentEnv],
+                          sources: list[Session] | None = None) -> list[AgentEnv]:
+        """``make_env(k)`` for the session ``ids[k]`` (None: a validate's env, no session) on up to ``--workers``
+        threads at once: the envs of an open, or (``sources``) the copies a fork makes of those sessions' envs.
+
+        A build has the deadline of a step, ``--step-timeout``, rather than one of its own: an open or fork is a
+        request the client waits on as it waits on a step, and that deadline sits below the client's timeout so
+        that the client reads the error; a longer one would end after the client gave up and retried the open, and
+        each retry would hang one more thread. An env that takes that long to build needs a larger
+        ``--step-timeout`` (and client timeout) either way.
+
+        Raises:
+            APIError: a build raised, or ran past the deadline (a 500 ``env_timeout`` naming the session and the
+                option: its thread is written off, the env it builds is closed when it returns, and a fork's
+                source session is closed, its env with it, since the copy still reads it). Every env built is
+                then closed.
+        """
+        def late(k: int, built: Built) -> None:
+            close_built(built)
+            if sources is not None:
+                close_env(sources[k].env)
+
+        results = await run_with_deadline(self.executor, self.limits.workers, self.limits.step_timeout_s,
+                                          [functools.partial(attempt_build, functools.partial(make_env, k))
+                                           for k in range(len(ids))], late=late)
+        envs = [result.env for result in results if result is not None and result.env is not None]
+        error = next((result.error for result in results if result is not None and result.error), None)
+        overdue = [k for k, result in enumerate(results) if result is None]
+        if overdue:
+            for source in [sources[k] for k in overdue] if sources is not None else []:
+                self._drop(source, "env_timeout: copying its env (fork) ran past --step-timeout", close=False)
+            error = self._build_timed_out(env_id, [ids[k] for k in overdue], forked=sources is not None)
+        if error is not None:
+            for env in envs:
+                self.executor.submit(close_env, env)
+            raise error
+        return envs
+
+    def _build_timed_out(self, env_id: str, overdue: list[str | None], forked: bool) -> APIError:
+        """The error of an open, fork or validate whose builds (for the sessions ``overdue``) ran past the deadline."""
+        limit = self.limits.step_timeout_s
+        named = ", ".join(map(str, overdue[:3])) + (f" and {len(overdue) - 3} more" if len(overdue) > 3 else "")
+        sessions = f"session{'s' if len(overdue) > 1 else ''} {named}: "
+        if forked:
+            what, outcome = f"{sessions}copying the env (fork)", "the copy was abandoned and the session closed"
+        else:
+            what = f"{sessions if overdue[0] is not None else ''}building {env_id}"
+            outcome = "the build was abandoned and no session opened"
+        logger.warning("%s ran past %g s (--step-timeout); abandoned", what, limit)
+        return APIError(500, "env_timeout", f"{what} still ran after {limit:g} s, the server's deadline "
+                                            f"(--step-timeout); {outcome}. If this env takes that long to build, "
+                                            "start the server with a larger --step-timeout")
 
     def _timed_out(self, kind: str, session: Session) -> dict[str, Any]:
         """The error item of a call abandoned past ``--step-timeout``."""
@@ -438,15 +464,6 @@ class EnvServer:
                                       f"the server's deadline (--step-timeout); the call was abandoned and the "
                                       f"session closed. If this env's calls take that long, start the server with a "
                                       f"larger --step-timeout", code="env_timeout")
-
-    def _close_built(self, build: asyncio.Future) -> None:
-        """Close the env of a build whose request failed (done callback)."""
-        if build.cancelled() or build.exception() is not None:
-            return
-        try:
-            self.executor.submit(close_env, build.result())
-        except RuntimeError:  # the server shut down meanwhile
-            close_env(build.result())
 
     def _env_spec(self, spec: EnvSpec) -> tuple[str, dict[str, Any]]:
         env_id = canonical_env_id(spec.env_id)
@@ -615,6 +632,14 @@ class EnvServer:
         else:
             self.metrics.resets += len(todo)
         return answers
+
+
+def copy_env(session: Session) -> AgentEnv:
+    """A deep copy of a session's env (a fork); an env that cannot be copied is a 500 that says so."""
+    try:
+        return copy.deepcopy(session.env)
+    except Exception as error:
+        raise APIError(500, "env_error", f"the env cannot be copied: {type(error).__name__}: {error}") from None
 
 
 def with_answered(answers: list[dict[str, Any]], answered: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,7 +9,8 @@ The env calls (:func:`run_reset`, :func:`run_step`, :func:`run_queries`, :func:`
 server's worker threads (:class:`EnvThreads`) and turn what an env raises into answers: a reset or step that
 raises is an error item (the server then closes its session), a query that raises an error answer of its own
 (the session goes on), an env that fails to close a logged error. :class:`CallBatch` makes the calls of one
-request on several threads at once and tells which of them ran past their deadline.
+request on several threads at once and tells which of them ran past their deadline; :func:`run_with_deadline`
+awaits such a batch in the event loop. :func:`attempt_build` builds or copies an env for an open or fork.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -25,10 +27,18 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from turnrl.envs import AgentEnv, optional_methods
-from turnrl.envservice.protocol import answer_query, encode_answer, error_item, query_failure, reset_item, step_item
+from turnrl.envservice.protocol import (
+    APIError,
+    answer_query,
+    encode_answer,
+    error_item,
+    query_failure,
+    reset_item,
+    step_item,
+)
 from turnrl.envservice.request_bodies import ResetItem, StepItem
 
 logger = logging.getLogger("turnrl.env_server")
@@ -231,6 +241,31 @@ def close_env(env: AgentEnv) -> None:
         logger.exception("closing an env failed")
 
 
+@dataclass(frozen=True)
+class Built:
+    """What building (or copying) one env for a session gave: the env, or the error its request is answered with."""
+
+    env: AgentEnv | None = None
+    error: APIError | None = None
+
+
+def attempt_build(make_env: Callable[[], AgentEnv]) -> Built:
+    """``make_env()`` on a worker thread, what it raises kept as an error (a :class:`CallBatch` call must not
+    raise): an :class:`APIError` as it is, anything else (``sys.exit()`` in a simulator's start-up) as a 500."""
+    try:
+        return Built(env=make_env())
+    except APIError as error:
+        return Built(error=error)
+    except BaseException as error:
+        return Built(error=APIError(500, "env_error", f"building the env raised {type(error).__name__}: {error}"))
+
+
+def close_built(built: Built) -> None:
+    """Close the env of a build whose request no longer wants it (it failed, or the build ran past its deadline)."""
+    if built.env is not None:
+        close_env(built.env)
+
+
 # --------------------------------------------------------------------------- worker threads
 Task = tuple[Future, Callable[..., Any], tuple[Any, ...]]
 
@@ -332,21 +367,25 @@ class EnvThreads(Executor):
             self._working.discard(me)
 
 
-class CallBatch:
+T = TypeVar("T")
+
+
+class CallBatch(Generic[T]):
     """The env calls of one request, made on several threads at once: each thread that runs :meth:`run` takes the
     next call not yet taken until none is left, so calls are spread over the threads as they free up, and a call
     that hangs holds up its own thread only (the others take the rest).
 
     ``calls[k]`` must not raise (the env calls above turn what an env raises into an answer). A call that runs
-    past its deadline is abandoned (:meth:`abandon_overdue`): its answer, if it ever comes, is dropped, ``late(k)``
-    runs on its thread instead (to close the env, which no other thread may touch while the call runs), and that
-    thread then takes no more calls. ``settled()`` runs (on a worker thread) once every call is answered.
+    past its deadline is abandoned (:meth:`abandon_overdue`): its answer, if it ever comes, is not stored;
+    ``late(k, answer)`` runs on its thread instead (to close the env, which no other thread may touch while the call
+    runs, or the env the call built), and that thread then takes no more calls. ``settled()`` runs (on a worker
+    thread) once every call is answered.
     """
 
-    def __init__(self, calls: Sequence[Callable[[], dict[str, Any]]], late: Callable[[int], None],
+    def __init__(self, calls: Sequence[Callable[[], T]], late: Callable[[int, T], None],
                  settled: Callable[[], None]) -> None:
         self.calls = calls
-        self.answers: list[dict[str, Any] | None] = [None] * len(calls)
+        self.answers: list[T | None] = [None] * len(calls)
         self.abandoned: set[int] = set()
         self._late, self._settled = late, settled
         self._running: dict[int, tuple[float, threading.Thread]] = {}
@@ -372,7 +411,7 @@ class CallBatch:
                     self.answers[k] = answer
                 done = self.is_done()
             if late:
-                self._late(k)
+                self._late(k, answer)
                 return
             if done:
                 self._settled()
@@ -402,3 +441,36 @@ class CallBatch:
                 self.abandoned.add(k)
                 write_off(thread)
             return overdue
+
+
+async def run_with_deadline(executor: EnvThreads, threads: int, deadline_s: float, calls: Sequence[Callable[[], T]],
+                            late: Callable[[int, T], None]) -> list[T | None]:
+    """Each of ``calls`` on up to ``threads`` of ``executor`` at once (in the running event loop); the answers in
+    order, None for a call abandoned because it still ran ``deadline_s`` after it started (its thread is written
+    off, and ``late(k, answer)`` runs on it if the call ever returns: see :class:`CallBatch`)."""
+    if not calls:
+        return []
+    loop = asyncio.get_running_loop()
+    settled = asyncio.Event()
+
+    def wake() -> None:
+        try:
+            loop.call_soon_threadsafe(settled.set)
+        except RuntimeError:  # the loop closed: the server is gone, no one waits
+            pass
+
+    batch = CallBatch(calls, late=late, settled=wake)
+    for _ in range(min(threads, len(calls))):
+        executor.submit(batch.run)
+    while not batch.is_done():
+        first = batch.first_start()
+        # Until a call starts (they may wait for threads that other requests hold), look again now and then.
+        wait = min(deadline_s, 1.0) if first is None else first + deadline_s - time.monotonic()
+        try:
+            await asyncio.wait_for(settled.wait(), None if math.isinf(wait) else max(wait, 0.0))
+        except asyncio.TimeoutError:
+            pass
+        for _ in batch.abandon_overdue(time.monotonic() - deadline_s, executor.write_off):
+            if batch.untaken():
+                executor.submit(batch.run)  # in place of the thread that is stuck
+    return batch.answers
