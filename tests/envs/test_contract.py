@@ -159,6 +159,22 @@ def test_a_planning_copy_plays_as_the_env_and_draws_no_images(env_id, settings, 
     assert "image" in env.observation() and "image" not in shadow.observation()
 
 
+@pytest.mark.parametrize("env_id", ["Sokoban", "FrozenLake", "Bandit", "Maze2D"])
+def test_a_planning_copy_shares_the_spaces_and_leaves_the_envs_state_alone(env_id):
+    """The copy shares what never changes with the state (the spaces; copying them was most of a copy's time) and
+    nothing that does: playing the copy to its end leaves the env's state, random draws and next step as they were."""
+    env, twin = make(env_id), make(env_id)
+    env.reset(seed=3), twin.reset(seed=3)
+    shadow = env.planning_copy()
+    assert shadow.observation_space is env.observation_space and shadow.action_space is env.action_space
+    assert shadow.np_random is not env.np_random
+    for action in (shadow.solve() or shadow.action_names())[:8]:
+        shadow.step(action)
+    assert env.state_key() == twin.state_key() and env.observation() == twin.observation()
+    action = (env.solve() or env.action_names())[0]
+    assert env.step(action)[:4] == twin.step(action)[:4]
+
+
 @pytest.mark.parametrize(("info", "expected"), [
     ({}, None),
     ({"invalid_reason": None}, None),
