@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.envs import toy_envs
-from turnrl.envs import AgentEnv, EnvCheckError, check_env, make
+from turnrl.envs import AgentEnv, EnvCheckError, StateFacts, check_env, make
 from turnrl.envs.catalog import BUILTIN_ENVS, env_class
 
 BUILTIN_MODES = [(name, mode) for name in BUILTIN_ENVS for mode in env_class(name).modes]
@@ -199,3 +199,64 @@ def test_chance_is_reported_as_chance_and_not_as_a_variant_that_acts_otherwise()
         check_env(UnseededReward())
     (failure,) = info.value.failures
     assert failure.startswith("same seed (0) and actions gave different episodes: reward at step 1")
+
+
+class ExplainsRejections(toy_envs.Corridor):
+    """Says why it rejects an action, as ``reason`` makes it (the contract asks for a str)."""
+
+    def __init__(self, reason) -> None:
+        super().__init__()
+        self.reason = reason
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if not info["action_is_valid"]:
+            info["invalid_reason"] = self.reason(action)
+        return obs, reward, terminated, truncated, info
+
+
+def test_a_reason_for_a_rejection_must_be_a_str():
+    """The rollout reads info['invalid_reason'] of every rejected action: a code instead of a str failed the
+    episode at the first rejection, and check_env passed the env."""
+    check_env(ExplainsRejections(lambda action: f"{action[:10]!r} is not Left or Right"))
+    check_env(ExplainsRejections(lambda action: None))  # no reason given: the rollout says no more
+    with pytest.raises(EnvCheckError) as info:
+        check_env(ExplainsRejections(lambda action: len(action)))  # a code, a different one every action
+    (failure,) = info.value.failures  # one rule broken by many calls: one line
+    assert failure.startswith("info['invalid_reason'] must be a str saying why the action was rejected (or None), "
+                              "got a int (at step(")
+
+
+class GridFacts(toy_envs.Corridor):
+    """Keeps its board in ``state_facts().extra`` as numpy arrays (the env service carries arrays there); counts
+    the actions it rejected there too, with ``count_rejections``, which the contract forbids (no visible change)."""
+
+    def __init__(self, count_rejections: bool = False) -> None:
+        super().__init__()
+        self.count_rejections = count_rejections
+        self.rejections = 0
+
+    def reset(self, *, seed=None, options=None):
+        self.rejections = 0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        result = super().step(action)
+        self.rejections += self.count_rejections and not result[4]["action_is_valid"]
+        return result
+
+    def state_facts(self):
+        facts = super().state_facts()
+        grid = np.zeros((2, self.length), np.int64)
+        grid[0, self.position], grid[1, 0] = 1, self.rejections
+        return StateFacts(facts.player, facts.objects, {"grid": grid, "noise": [np.array([np.nan, 1.0])]})
+
+
+def test_state_facts_holding_arrays_are_compared_by_value():
+    """``facts != before`` raised on an array of several elements: a valid env failed two checks with numpy's
+    "truth value of an array is ambiguous", and a rejection that changed the array was not caught."""
+    check_env(GridFacts())
+    with pytest.raises(EnvCheckError) as info:
+        check_env(GridFacts(count_rejections=True))
+    (failure,) = info.value.failures
+    assert failure.startswith("a rejected action changed state_facts(); leave the state as it was (at step(")

@@ -326,6 +326,27 @@ def test_window_that_never_cuts_allows_stream(toks):
     assert ep.stream().input_ids == full_render_ids(tok, messages(SYSTEM, USERS, ANSWERS))
 
 
+def test_a_refused_stream_names_the_settings_to_change(toks):
+    """The refusal reaches users of the rollout (a whole-trajectory batch): it names the config keys they set."""
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, image_token="<|image_pad|>", max_images=1)
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3])
+    for _ in range(2):
+        ep.add_response(sampled(tok, "Left"))
+        ep.add_observation(image_message(1), image_token_counts=[3])
+    with pytest.raises(RuntimeError) as info:
+        ep.stream()
+    assert str(info.value) == (
+        "agent.max_images=1 left older images out of later prompts, so the whole-episode stream is not what the "
+        "model saw: train one sample per turn (algorithm.sample_mode=turn; turn_samples() here), or set "
+        "agent.max_images to null or >= agent.max_turns")
+    windowed = play(tok, SYSTEM, USERS, ANSWERS, window=2)
+    with pytest.raises(RuntimeError, match=r"^agent\.max_context_window=2 left earlier turns out of later prompts, .*"
+                                           r"algorithm\.sample_mode=turn.*agent\.max_context_window to null or >= "
+                                           r"agent\.max_turns$"):
+        windowed.stream()
+
+
 # -- a response prefix (RAGEN's prompt ends with <think>) -------------------------------
 
 PREFIX = "<think>"

@@ -139,6 +139,18 @@ def test_the_envs_reason_follows_the_rejected_action():
             in wholly.turns[1].observation)
 
 
+def test_the_record_keeps_each_turns_reasons_the_last_turns_too():
+    """The next observation quotes a turn's reasons; the last turn has no next observation, so only the record
+    keeps them (``TurnRecord.invalid_reasons`` and the written trajectory)."""
+    slot = EpisodeSlot(env=ReasonedCounter(), seed=0)
+    (trajectory,) = play(TextPolicy(answer("inc, jam")), [slot], max_turns=2, max_actions_per_turn=2)
+    assert [turn.invalid_reasons for turn in trajectory.turns] == [[None, "the counter is jammed"]] * 2
+    written = trajectory.to_json()["turns"]
+    assert [turn["invalid_reasons"] for turn in written] == [[None, "the counter is jammed"]] * 2
+    (accepted,) = play(TextPolicy(answer("inc")), counter_slots(), max_turns=1)
+    assert "invalid_reasons" not in accepted.to_json()["turns"][0]
+
+
 def test_a_rejection_beside_a_valid_action_is_feedback_on_invalid():
     (trajectory,) = play(TextPolicy(answer("inc, jam")), counter_slots(), max_turns=2, max_actions_per_turn=2,
                          feedback_on_invalid=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -82,6 +83,13 @@ def test_advantage_colors_grow_with_size_and_carry_the_sign():
     assert strong == "rgba(214, 39, 40, 0.850)" and weak == "rgba(214, 39, 40, 0.212)"
     assert advantage_color(-4.0, 2.0) == "rgba(31, 119, 180, 0.850)"  # clipped at full strength
     assert advantage_color(1.0, 0.0) == advantage_color(float("nan"), 1.0) == "rgba(0, 0, 0, 0)"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_advantages_are_all_drawn_clear(value):
+    """The scale leaves non-finite advantages out; an infinity was painted at full strength, the colour of the
+    file's largest real advantage, while NaN was clear."""
+    assert advantage_color(value, 2.0) == "rgba(0, 0, 0, 0)"
 
 
 @FAST

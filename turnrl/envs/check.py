@@ -14,7 +14,8 @@ the turnrl contract (:class:`~turnrl.envs.contract.AgentEnv`):
   each) and nothing else; rewards are finite numbers, ``terminated`` and
   ``truncated`` bools, ``info`` a dict, whose ``"metrics"``, where given, maps
   names to finite numbers and whose ``"action_is_valid"``,
-  ``"action_is_effective"`` and ``"success"``, where given, are bools;
+  ``"action_is_effective"`` and ``"success"``, where given, are bools, and
+  whose ``"invalid_reason"``, where given, is a str (or None);
 - the required methods exist (an error names the optional ones too, which an
   env may leave out: :class:`~turnrl.envs.contract.OptionalMethods` has their defaults);
 - ``instructions()`` is a non-empty str; ``action_names()`` None or a
@@ -51,6 +52,7 @@ from turnrl.envs.contract import (
     AgentEnv,
     StateFacts,
     env_metrics,
+    invalid_reason,
     missing_methods,
     missing_reset_keywords,
 )
@@ -236,6 +238,11 @@ def _step(env: AgentEnv, action: str, report: _Report) -> tuple[dict[str, Any], 
     for key in INFO_FLAGS:
         if key in info and not isinstance(info[key], (bool, np.bool_)):
             report.add(f"info[{key!r}] must be a bool, got a {type(info[key]).__name__}", call)
+    try:  # the rollout reads it for every rejected action: one it cannot read fails the episode
+        invalid_reason(info)
+    except ValueError:
+        report.add(f"info['invalid_reason'] must be a str saying why the action was rejected (or None), got a "
+                   f"{type(info['invalid_reason']).__name__}", call)
     try:
         env_metrics(info)
     except ValueError as error:
@@ -265,6 +272,29 @@ def _flag(info: dict[str, Any], key: str) -> bool | None:
     return bool(value) if isinstance(value, (bool, np.bool_)) else None
 
 
+def _same_facts(a: Any, b: Any) -> bool:
+    """``a == b`` for two ``state_facts()``, where ``extra`` may hold numpy arrays (the env service carries them):
+    compared by value, where ``==`` would raise on an array of several elements."""
+    if not (isinstance(a, StateFacts) and isinstance(b, StateFacts)):
+        return bool(a == b)
+    return a.player == b.player and a.objects == b.objects and _same_value(a.extra, b.extra)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """``a == b`` through dicts, lists and tuples, numpy arrays compared by shape and elements (NaN equal to NaN,
+    as in :func:`_same`)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return False
+        numeric = a.dtype.kind in "fc" and b.dtype.kind in "fc"
+        return bool(np.array_equal(a, b, equal_nan=numeric))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return _same(a, b)
+
+
 def _same_image(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     if a is None or b is None:
         return a is None and b is None
@@ -289,7 +319,7 @@ def _check_queries(env: AgentEnv, seed: int, report: _Report) -> None:
     plan = env.solve()
     if plan is not None and not (isinstance(plan, list) and all(isinstance(a, str) for a in plan)):
         report.add(f"solve() must return None or a list of str actions, got {plan!r}")
-    if env.state_facts() != facts:
+    if not _same_facts(env.state_facts(), facts):
         report.add("calling solve() changed state_facts(); a solver must plan on a copy of the state")
 
 
@@ -395,7 +425,7 @@ def _check_invalid_actions(env: AgentEnv, seed: int, repeatable: bool, report: _
         if _flag(info, "action_is_valid") is False:
             if after.get("text") != before.get("text") or not _same_image(before.get("image"), after.get("image")):
                 report.add("a rejected action changed the observation; leave the state as it was", call)
-            elif env.state_facts() != facts:
+            elif not _same_facts(env.state_facts(), facts):
                 report.add("a rejected action changed state_facts(); leave the state as it was", call)
             if terminated:
                 report.add("a rejected action terminated the episode; only truncation (a step limit) may end it", call)

@@ -432,7 +432,7 @@ class RuleMatcher:
         self._warned: set[str] = set()
 
     def profile(self, env_id: str, facts: StateFacts) -> StateRewardProfile:
-        return self.profiles.get(env_id) or profile_for(env_id, facts)
+        return self.profiles.get(profile_key(env_id)) or profile_for(env_id, facts)
 
     def score_one(self, item: MatchItem) -> float | None:
         """The item's weighted F1; None where its facts hold nothing the rule can check (:func:`rule_can_score`)."""
@@ -455,15 +455,51 @@ class RuleMatcher:
         return {}
 
 
+def profile_key(env_id: str) -> str:
+    """Where configured weights for ``env_id`` are kept: a built-in env under its name however it is spelt
+    (``frozenlake``, ``turnrl/FrozenLake-v0``: the spellings ``env.id`` takes), any other env under its id."""
+    return builtin_name(env_id) or env_id
+
+
 def profiles_from_settings(settings: Mapping[str, Any] | None) -> dict[str, StateRewardProfile]:
-    """``{FrozenLake: {weights: {goal: 0.7, hole: 0.3}, aliases: {gift: goal}}}`` -> profiles (config form)."""
+    """``{FrozenLake: {weights: {goal: 0.7, hole: 0.3}, aliases: {gift: goal}}}`` -> profiles (config form).
+
+    Raises:
+        ValueError: a weight that is no finite number >= 0, or weights none of which is positive (every
+            description would score 0, :func:`weighted_f1`), naming the env and the key; a 0 beside a positive
+            weight leaves that kind out and is allowed.
+    """
     profiles: dict[str, StateRewardProfile] = {}
     for env_id, spec in (settings or {}).items():
         if not isinstance(spec, Mapping) or not isinstance(spec.get("weights"), Mapping):
             raise ValueError(f"object_weights[{env_id!r}] needs a 'weights' mapping of object kind to weight")
-        weights = {str(k).lower(): float(v) for k, v in spec["weights"].items()}
-        if any(not math.isfinite(w) or w < 0 for w in weights.values()):
-            raise ValueError(f"object_weights[{env_id!r}]: weights must be finite and >= 0, got {weights}")
-        aliases = {str(k).lower(): str(v).lower() for k, v in (spec.get("aliases") or {}).items()}
-        profiles[env_id] = StateRewardProfile(weights, aliases)
+        weights = {str(k).lower(): _setting_weight(env_id, k, v) for k, v in spec["weights"].items()}
+        if len(weights) < len(spec["weights"]):  # kinds are matched in lower case: "Goal" and "goal" are one
+            raise ValueError(f"object_weights[{env_id!r}].weights={dict(spec['weights'])} names a kind twice "
+                             "(kinds are read in lower case): give each kind one weight")
+        if not any(w > 0 for w in weights.values()):
+            raise ValueError(f"object_weights[{env_id!r}].weights={dict(spec['weights'])} gives no kind a positive "
+                             "weight, so every description would score 0: give the kinds the reward checks weights "
+                             "> 0 (a 0 leaves a kind out)")
+        aliases = spec.get("aliases") or {}
+        if not isinstance(aliases, Mapping):
+            raise ValueError(f"object_weights[{env_id!r}].aliases must map another name to an object kind "
+                             f"({{gift: goal}}), got {aliases!r:.100}")
+        if profile_key(str(env_id)) in profiles:
+            raise ValueError(f"object_weights names {profile_key(str(env_id))!r} twice (as {env_id!r} and another "
+                             "spelling): give each env one entry")
+        profiles[profile_key(str(env_id))] = StateRewardProfile(weights, {str(k).lower(): str(v).lower()
+                                                                          for k, v in aliases.items()})
     return profiles
+
+
+def _setting_weight(env_id: str, kind: Any, value: Any) -> float:
+    """One configured weight as a float; ValueError naming the env and the kind unless it is a finite number >= 0."""
+    try:
+        weight = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError, OverflowError):
+        weight = math.nan
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"object_weights[{env_id!r}].weights[{kind!r}]={value!r:.100}: a weight must be a finite "
+                         "number >= 0 (the share of the reward that kind's F1 carries)")
+    return weight

@@ -455,16 +455,17 @@ class EpisodeTokens:
     def stream(self) -> EpisodeStream:
         """The whole episode as one aligned token stream, for training.
 
-        Valid only when no prompt left turns out (no window, or the window
+        Valid only when no prompt left turns or images out (no window, or the window
         never cut): then every response was sampled from exactly the stream
-        before it. Raises otherwise; use :meth:`turn_samples` instead.
+        before it.
+
+        Raises:
+            RuntimeError: a prompt left turns or images out; the message names the setting that did and what to
+                set instead (:meth:`turn_samples` is valid with any window).
         """
         self._require_started()
         if self.window_cut:
-            raise RuntimeError(
-                "the context window cut earlier turns, so the whole-episode stream is not what the model saw; "
-                "train on turn_samples() instead"
-            )
+            raise RuntimeError(self._cut_message())
         ids: list[int] = []
         mask: list[int] = []
         turn_index: list[int] = []
@@ -506,6 +507,17 @@ class EpisodeTokens:
         return out
 
     # -- helpers -----------------------------------------------------------
+
+    def _cut_message(self) -> str:
+        """Why :meth:`stream` is refused, in the config keys that a user sets (the rollout's ``agent.*``)."""
+        k = self.max_context_window
+        if k is not None and len(self.turns) > k:
+            key, value, left_out = "agent.max_context_window", str(k), "earlier turns"
+        else:
+            key, value, left_out = "agent.max_images", str(self.max_images), "older images"
+        return (f"{key}={value} left {left_out} out of later prompts, so the whole-episode stream is not what the "
+                "model saw: train one sample per turn (algorithm.sample_mode=turn; turn_samples() here), or set "
+                f"{key} to null or >= agent.max_turns")
 
     def _input_rows(self) -> InputRows | None:
         """The turns' inputs end to end, brought up to date with :attr:`turns` (made again if the turns laid are

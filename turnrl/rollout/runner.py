@@ -139,11 +139,11 @@ def check_envs_apart(slots: Sequence[EpisodeSlot]) -> None:
             )
 
 
-def rejected_actions(turn: TurnRecord, reasons: Sequence[str | None] = ()) -> tuple[str, ...]:
+def rejected_actions(turn: TurnRecord) -> tuple[str, ...]:
     """The next observation's notes on the turn's actions the env rejected: which one, and why where the env said
-    (``reasons``, aligned with ``turn.actions``: each step's ``info["invalid_reason"]``), so that a listed action
-    the env refused in this state is not read as a parse failure."""
-    padded = [*reasons, *[None] * (len(turn.actions) - len(reasons))]
+    (``turn.invalid_reasons``), so that a listed action the env refused in this state is not read as a parse
+    failure."""
+    padded = [*turn.invalid_reasons, *[None] * (len(turn.actions) - len(turn.invalid_reasons))]
     return tuple(f"the env rejected {action!r}" + (f": {reason}" if reason else "")
                  for action, valid, reason in zip(turn.actions, turn.actions_valid, padded) if not valid)
 
@@ -180,9 +180,6 @@ class _Episode:
     """Images of the current user message."""
     last_obs: dict[str, Any] = field(default_factory=dict)
     """The env's latest observation."""
-    invalid_reasons: list[str | None] = field(default_factory=list)
-    """Why the env rejected each action of the latest turn (``info["invalid_reason"]``; None for an accepted action
-    or none given), aligned with its ``actions``."""
 
     def keep_final_observation(self) -> None:
         """Record the env's latest observation as where the episode ended (so far)."""
@@ -568,7 +565,6 @@ class Rollout:
                 return None
 
         facts_before = self._facts(env, turn)
-        episode.invalid_reasons = []
         terminated = truncated = False
         env_reward = 0.0
         for action in parsed.actions[: min(self.agent.max_actions_per_turn, episode.actions_left)]:
@@ -587,7 +583,7 @@ class Rollout:
             turn.actions.append(action)
             turn.actions_valid.append(valid)
             turn.actions_effective.append(effective)
-            episode.invalid_reasons.append(reason)
+            turn.invalid_reasons.append(reason)
             if figures is not None:
                 trajectory.env_metrics = figures
             env_reward += step_reward
@@ -667,7 +663,7 @@ class Rollout:
         # The notes quote the response (an unknown action, a rejected one): its text must not reach the template's
         # tokenizer as control tokens.
         rejected = tuple(neutralized(note, self.control_texts)
-                         for note in rejected_actions(turn, episode.invalid_reasons))
+                         for note in rejected_actions(turn))
         feedback = TurnFeedback(
             reward=turn.reward,
             no_valid_action=self.agent.feedback_on_invalid and not turn.has_valid_action,

@@ -27,7 +27,6 @@ TRUNCATED = "truncated"  # out of turns, action budget, env steps or context bud
 ERROR = "error"  # the env or the policy failed; the episode is kept out of training
 
 
-
 def sum_by_name(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """Each name's values summed over ``parts`` (a name missing from a part counts 0 there): a trajectory's
     named rewards over its turns, rollout workers' counters."""
@@ -36,6 +35,7 @@ def sum_by_name(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
         for name, value in part.items():
             totals[name] = totals.get(name, 0.0) + value
     return totals
+
 
 @dataclass
 class TurnRecord:
@@ -63,6 +63,9 @@ class TurnRecord:
     actions_effective: list[bool] = field(default_factory=list)
     """Whether each action in ``actions`` changed the env's state (``info["action_is_effective"]``; an accepted
     action counts as effective where the env does not say, a rejected one never)."""
+    invalid_reasons: list[str | None] = field(default_factory=list)
+    """Why the env rejected each action in ``actions`` (``info["invalid_reason"]``), None for an accepted one or
+    where the env gave no reason; the next observation quotes them, and the record keeps the last turn's too."""
     rewards: dict[str, float] = field(default_factory=dict)
     """Unweighted named rewards: ``env`` (the env's rewards for this turn's steps), ``format`` (the format
     reward or the no-valid-action penalty) and every added reward (see :mod:`turnrl.rewards`)."""
@@ -185,6 +188,7 @@ class Trajectory:
                     "actions": turn.actions,
                     "actions_valid": turn.actions_valid,
                     "actions_effective": turn.actions_effective,
+                    **({"invalid_reasons": turn.invalid_reasons} if any(turn.invalid_reasons) else {}),
                     "rewards": turn.rewards,
                     "reward": turn.reward,
                     "reward_errors": turn.reward_errors,

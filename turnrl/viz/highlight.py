@@ -7,6 +7,7 @@ classes, so no response can inject markup or styles.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -91,10 +92,12 @@ def response_segments(response: str, field_names: frozenset[str] | set[str] = fr
 def advantage_color(value: float, scale: float) -> str:
     """A CSS colour for a token's advantage: red for positive, blue for negative, stronger when larger.
 
-    ``scale`` is the value drawn at full strength (the largest absolute advantage of the file); 0 or a
-    non-finite value draws every token clear.
+    ``scale`` is the value drawn at full strength (the largest absolute finite advantage of the file); 0 or a
+    non-finite value draws every token clear. A non-finite advantage (NaN or an infinity) is drawn clear too,
+    as the scale leaves it out: full strength is the colour of the file's largest real advantage, which an
+    infinity is not (it is a defect; the token's title reads ``inf``, as a NaN's reads ``NaN``).
     """
-    if not scale > 0 or value != value:
+    if not (math.isfinite(scale) and scale > 0 and math.isfinite(value)):
         return "rgba(0, 0, 0, 0)"
     strength = min(1.0, abs(value) / scale) * 0.85
     red, green, blue = (214, 39, 40) if value > 0 else (31, 119, 180)
