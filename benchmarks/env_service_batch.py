@@ -1,5 +1,6 @@
 """The time of one batched step request to the env server with one env thread (``--workers 1``) and with the
-default pool: a batch's sessions are stepped on up to ``--workers`` threads at once.
+default pool: a batch's sessions start on one thread and spread to up to ``--workers`` threads at once when a call
+runs longer than ``turnrl.envservice.sessions.SPREAD_AFTER_S``.
 
 Rows (each a batch of ``--sessions`` sessions, one :class:`turnrl.envservice.client.RemoteEnvBatch` request
 stepping all of them; the median request time over ``--requests`` requests after a warm-up):

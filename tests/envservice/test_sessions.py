@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
@@ -9,7 +10,8 @@ import time
 import pytest
 
 from tests.envs.toy_envs import Corridor, CorridorWithExtras
-from turnrl.envservice.sessions import CallBatch, EnvThreads, close_env
+from turnrl.envservice.protocol import APIError
+from turnrl.envservice.sessions import CallBatch, EnvThreads, close_env, run_with_deadline
 
 
 def test_closing_a_session_closes_its_env_where_it_offers_close():
@@ -100,3 +102,67 @@ def test_a_call_batch_answers_in_order_and_hands_an_abandoned_call_to_late_on_it
     threads.submit(quick.run)
     assert settled.wait(5) and [a["k"] for a in quick.answers if a] == [0, 1, 2, 3, 4]
     threads.shutdown(wait=True)
+
+
+def test_a_shutdown_stops_a_batch_and_hands_each_answer_made_to_unused_or_late():
+    """On one thread: call 0 answers, call 1 hangs, call 2 waits for the thread. At shutdown the batch raises a 503
+    within a second; call 0's answer goes to ``unused`` (a build's env, to be closed), call 1's to ``late`` on its
+    thread when it returns, and call 2 is never made."""
+    release, inside = threading.Event(), threading.Event()
+    made: list[int] = []
+
+    def call(k: int) -> int:
+        made.append(k)
+        if k == 1:
+            inside.set()
+            release.wait()
+        return 10 + k
+
+    async def scenario() -> tuple[list[int], list[tuple[int, int]]]:
+        threads = EnvThreads(1)
+        unused: list[int] = []
+        late: list[tuple[int, int]] = []
+        calls = [lambda k=k: call(k) for k in range(3)]
+        batch = asyncio.ensure_future(run_with_deadline(threads, 1, float("inf"), calls, unused=unused.append,
+                                                        late=lambda k, answer: late.append((k, answer))))
+        assert await asyncio.to_thread(inside.wait, 5)
+        threads.shutdown(wait=False, cancel_futures=True)
+        with pytest.raises(APIError, match="shutting down"):
+            await asyncio.wait_for(batch, 5)
+        release.set()
+        deadline = time.monotonic() + 5
+        while not late and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return unused, late
+
+    unused, late = asyncio.run(scenario())
+    assert unused == [10] and late == [(1, 11)] and made == [0, 1]
+
+
+def test_a_batch_of_quick_calls_stays_on_one_thread_and_one_of_slow_calls_spreads_over_all():
+    """Pure-Python calls of about 50 us each (Sokoban steps) ran on every thread of the pool, which handed the
+    interpreter lock between them and made the batch slower than one thread; calls that wait (a simulator) still
+    spread over the pool once one has run ``SPREAD_AFTER_S``."""
+    def quick() -> str:
+        deadline = time.perf_counter() + 50e-6
+        while time.perf_counter() < deadline:
+            pass
+        return threading.current_thread().name
+
+    def slow() -> str:
+        time.sleep(0.03)
+        return threading.current_thread().name
+
+    async def threads_used(call, n: int) -> tuple[int, float]:
+        threads = EnvThreads(16)
+        try:
+            start = time.monotonic()
+            names = await run_with_deadline(threads, 16, 30.0, [call] * n, late=lambda k, answer: None)
+            return len(set(names)), time.monotonic() - start
+        finally:
+            threads.shutdown(wait=True)
+
+    # A call the OS pauses for 2 ms (a busy machine) spreads its batch: one try in three on one thread is enough.
+    assert min(asyncio.run(threads_used(quick, 400))[0] for _ in range(3)) == 1
+    used, elapsed = asyncio.run(threads_used(slow, 32))
+    assert used == 16 and elapsed < 32 * 0.03 / 4, (used, elapsed)

@@ -425,7 +425,7 @@ class EnvServer:
 
         results = await run_with_deadline(self.executor, self.limits.workers, self.limits.step_timeout_s,
                                           [functools.partial(attempt_build, functools.partial(make_env, k))
-                                           for k in range(len(ids))], late=late)
+                                           for k in range(len(ids))], late=late, unused=close_built)
         envs = [result.env for result in results if result is not None and result.env is not None]
         error = next((result.error for result in results if result is not None and result.error), None)
         overdue = [k for k, result in enumerate(results) if result is None]
