@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from tests.training.test_trainer import config, records
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import train
-from turnrl.training.run_dir import STOP_FILE, RunLock, run_directory, run_of_model, start_run
+from turnrl.training.run_dir import LOCK_FILE, STOP_FILE, RunLock, run_directory, run_of_model, start_run
 from turnrl.training.train_config import TrainConfig
 
 
@@ -117,3 +119,57 @@ def test_a_stop_file_left_by_a_killed_run_does_not_stop_the_resumed_one(tiny_mod
     assert [r["step"] for r in records(run) if "rollout/success" in r] == [1, 2, 3]
     note = " ".join(capsys.readouterr().err.split())
     assert f"note: {run / STOP_FILE} asked an earlier run that ended without stopping on it; removed" in note
+
+
+FIRST_WRITER = """
+import sys
+from pathlib import Path
+from filelock import FileLock
+run = Path(sys.argv[1])
+run.mkdir(parents=True)
+lock = FileLock(str(run / ".lock"), timeout=0)
+lock.acquire()
+print("locked", flush=True)
+sys.stdin.readline()  # its checks fail: it ends as RunLock ends in a folder it made, in two moves
+(run / ".lock").unlink()
+lock.release()
+print("released", flush=True)
+sys.stdin.readline()
+run.rmdir()
+run.parent.rmdir()
+print("removed", flush=True)
+"""
+
+
+def test_a_writer_whose_folder_is_removed_while_it_locks_it_makes_it_again(tmp_path, monkeypatch):
+    """Two runs of one run.name started together: the first (another process) makes the directory, fails its
+    checks and removes it while the second opens the lock file in it. The second makes it again and runs (it
+    stopped on a raw ``No such file or directory``, or on pathlib's ``File exists`` for a folder removed while it
+    made it)."""
+    run = tmp_path / "runs" / "same"
+    first = subprocess.Popen([sys.executable, "-c", FIRST_WRITER, str(run)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline() == "locked\n"
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert first.stdout.readline() == "released\n"  # the folder is there, its lock file gone
+        opened, first_failed = os.open, []
+
+        def first_fails_meanwhile(path, flags, *args, **kwargs):
+            if pathlib.Path(path) == run / LOCK_FILE and not first_failed:  # the second makes the lock file...
+                first.stdin.write("\n")  # ...as the first removes the folder
+                first.stdin.flush()
+                first_failed.append(first.stdout.readline())
+            return opened(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", first_fails_meanwhile)
+        with RunLock(run):
+            monkeypatch.undo()
+            assert first_failed == ["removed\n"] and (run / LOCK_FILE).is_file()
+            with pytest.raises(ConfigError, match=f"run directory {run} is in use by pid {os.getpid()} on host "):
+                RunLock(run).__enter__()
+    finally:
+        first.kill()
+        first.wait()
+    assert not (tmp_path / "runs").exists()  # made again by the second, which removes them at its end

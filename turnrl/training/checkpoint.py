@@ -10,9 +10,9 @@ Layout of ``RUN_DIR/checkpoints/step_000100/`` (the run after its 100th step: st
     config.yaml          the run's config.yaml as it was at this step (to restore a damaged one from)
 
 A checkpoint is written into ``step_N.tmp-PID-RANDOM`` (a name no other writer
-uses) and renamed when complete, and the ``latest`` pointer is replaced
-atomically, so a crash mid-save never leaves a half checkpoint that resume would
-pick up; an earlier save of the same step (a resumed run saving the step it went
+uses), flushed to the disk and renamed when complete, and the ``latest`` pointer is
+replaced atomically, so a crash or a power loss mid-save never leaves a half
+checkpoint that resume would pick up; an earlier save of the same step (a resumed run saving the step it went
 on from) is renamed aside, and deleted only once the new one is in place; a save
 that fails part-way (a full disk, a file-size limit) stops with what to do and
 leaves the previous checkpoint as it was. A checkpoint damaged
@@ -120,15 +120,21 @@ def unique_tmp_name(step: int) -> str:
     return f"step_{step:06d}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-WRITE_FAILURES = (OSError, RuntimeError, SafetensorError)
-"""What a write that fails part-way raises: ``OSError`` from Python's files, ``RuntimeError`` from torch's zip
-writer ("unexpected pos"), ``SafetensorError`` from safetensors' writer."""
-
 _DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-"""How safetensors' writer (Rust) words the errno of the write that failed; it keeps no ``errno`` attribute and
-deletes the file it was writing, so the message is all that says it was the disk."""
+"""How the writers written in Rust word the errno of the write that failed: safetensors' (a ``SafetensorError``)
+and tokenizers' (a fast tokenizer's ``tokenizer.json``: a plain ``Exception``). Neither keeps an ``errno``
+attribute, so the message is all that says it was the disk."""
+
+
+def _rust_errno(error: BaseException) -> int | None:
+    """The errno in the message of a Rust writer's error (:data:`_RUST_OS_ERROR`), None for any other error: an
+    ``Exception`` of no subclass is what tokenizers raises, where Python's own errors are of a subclass."""
+    if not isinstance(error, SafetensorError) and type(error) is not Exception:
+        return None
+    found = _RUST_OS_ERROR.search(str(error))
+    return int(found.group(1)) if found is not None else None
 
 
 def disk_error_cause(error: BaseException) -> str | None:
@@ -136,11 +142,9 @@ def disk_error_cause(error: BaseException) -> str | None:
     ``error`` or an error it was raised from carries that errno; None otherwise."""
     chained: BaseException | None = error
     while chained is not None:
-        if isinstance(chained, OSError) and chained.errno in _DISK_ERRNOS:
-            return _disk_errno_text(chained.errno)
-        found = _RUST_OS_ERROR.search(str(chained)) if isinstance(chained, SafetensorError) else None
-        if found is not None and int(found.group(1)) in _DISK_ERRNOS:
-            return _disk_errno_text(int(found.group(1)))
+        number = chained.errno if isinstance(chained, OSError) else _rust_errno(chained)
+        if number is not None and number in _DISK_ERRNOS:
+            return _disk_errno_text(number)
         chained = chained.__cause__ or chained.__context__
     return None
 
@@ -200,9 +204,11 @@ def save_checkpoint(
     the run's settings, is kept with it as ``config.yaml``. The caller is the run directory's one writer
     (:class:`~turnrl.training.run_dir.RunLock`), so unfinished folders of earlier sessions are its to delete.
 
+    A save that fails part-way, for whatever reason, deletes its unfinished folder (on a full disk it may hold
+    the weights, gigabytes) and leaves ``latest`` on the previous checkpoint.
+
     Raises:
-        ConfigError: the disk or a file-size limit stopped the write part-way (:func:`write_failure_cause`);
-            the unfinished folder is deleted and ``latest`` still names the previous checkpoint.
+        ConfigError: the disk or a file-size limit stopped the write part-way (:func:`write_failure_cause`).
     """
     root = run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
@@ -223,7 +229,8 @@ def save_checkpoint(
             (tmp / "config.yaml").write_text(config_yaml)
         if before_publish is not None:
             before_publish(tmp)
-    except WRITE_FAILURES as error:
+        _sync_tree(tmp)
+    except Exception as error:  # any writer's: torch's zip writer says "unexpected pos", tokenizers' a plain one
         cause = write_failure_cause(error, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         if cause is None:
@@ -235,6 +242,7 @@ def save_checkpoint(
                           f"limit, or put run.output_dir on a larger disk{then}") from error
     replaced = _set_aside(final)
     os.replace(tmp, final)
+    _fsync(root)  # its new name on the disk before ``latest`` names it and older checkpoints are pruned
     pointer = root / "latest"
     if pointer.is_dir() and not pointer.is_symlink():  # made by hand: a file cannot be renamed over it
         shutil.rmtree(pointer)
@@ -242,6 +250,28 @@ def save_checkpoint(
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     return final
+
+
+def _sync_tree(folder: Path) -> None:
+    """Flush every file under ``folder`` and the folders themselves to the disk (``fsync``).
+
+    A checkpoint is renamed into place and named by ``latest`` once written, and older ones are then pruned; the
+    disk keeps the files' bytes only some seconds later (ext4 allocates them up to 30 s after the write), so a
+    power loss in between would leave ``latest`` naming a checkpoint of empty files, and no older one to go back
+    to. A disk that fails to store them (full, as some only say when flushing) raises here, before the rename."""
+    for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders that name them
+        if path.is_file() or path.is_dir():
+            _fsync(path)
+    _fsync(folder)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's bytes, or a folder's entries (the names made, renamed and deleted in it), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 _REPLACED = ".replaced-"
@@ -413,13 +443,19 @@ def _json_object_problem(path: Path, name: str) -> str | None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 """What a saved tokenizer's vocabulary is in (a fast tokenizer, sentencepiece, a BPE vocabulary): one is there."""
 
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+"""Where a saved processor keeps its settings beside the tokenizer's (a VLM's image processor), as transformers
+releases name them. Each one there must read: ``load_processor`` takes a damaged one for a model without a
+processor, so the resumed run would go on without images and save its next checkpoints without them."""
+
 
 def _model_problem(directory: Path, name: str, tokenizer: bool = False) -> str | None:
     """What keeps a ``save_pretrained`` directory (a model, or LoRA adapters) from loading, None if nothing.
 
     Its config (a JSON object) and every weights file must be there, each with a safetensors header that covers
-    the whole file (a file cut short fails that); with ``tokenizer``, a full model's tokenizer too (a resumed
-    run loads it from there; LoRA adapters resume with the tokenizer of the model under them).
+    the whole file (a file cut short fails that); with ``tokenizer``, a full model's tokenizer too, and its
+    processor's settings where it has a processor (a resumed run loads them from there; LoRA adapters resume with
+    the tokenizer and processor of the model under them).
     """
     if not directory.is_dir():
         return f"no {name}/"
@@ -431,6 +467,8 @@ def _model_problem(directory: Path, name: str, tokenizer: bool = False) -> str |
             return f"no {name}/tokenizer.json"
         if (directory / "tokenizer.json").is_file():
             settings.append("tokenizer.json")
+    if tokenizer and not adapters:  # a processor is optional (a text model has none): read where it is there
+        settings += [file for file in PROCESSOR_FILES if (directory / file).exists()]
     for file in settings:
         problem = _json_object_problem(directory / file, f"{name}/{file}")
         if problem is not None:
@@ -483,7 +521,7 @@ def checkpoint_problem(checkpoint: Path, critic: bool = False) -> str | None:
 
     A complete checkpoint holds ``trainer_state.pt`` (a readable ``torch.save`` archive), ``actor/`` (and
     ``critic/`` with its ``value_head.pt`` when the run has a critic) with its config and whole weights files,
-    and the actor's tokenizer with its chat template.
+    and the actor's tokenizer with its chat template (and its processor's settings, where it has a processor).
     Cheap: only file names, the settings files (JSON), the archive's index and the safetensors headers are read,
     no tensor.
     """

@@ -282,6 +282,8 @@ STOP_FILE = "stop"
 
 _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP}
 """What a filesystem without file locks answers a lock with."""
+_LOCK_TRIES = 8
+"""How often a writer makes and locks a run's folder that other writers starting at the same moment remove."""
 
 
 class RunLock:
@@ -304,30 +306,41 @@ class RunLock:
         """The folders made to hold the lock, deepest first (the run's, then those above it that were missing)."""
 
     def __enter__(self) -> RunLock:
-        if not self.run_dir.is_dir():
-            if not self.create:
-                return self
-            self._created = [folder for folder in (self.run_dir, *self.run_dir.parents) if not folder.exists()]
-            # Another writer starting at the same moment may make it first: the lock then says who has it.
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(self.run_dir / LOCK_FILE), timeout=0)
-        try:
-            lock.acquire()
-        except Timeout:
-            self._remove_if_created()
-            owner = _read_owner(self.run_dir / OWNER_FILE) or "another process"
-            raise ConfigError(f"run directory {self.run_dir} is in use by {owner}: one process writes into a run "
-                              f"at a time; wait for it to end, stop it (`touch {self.run_dir / STOP_FILE}` stops it "
-                              "after its step, with a checkpoint), or pick another run.name") from None
-        except OSError as error:  # after Timeout, which is one
-            if error.errno not in _NO_LOCKS:
+        for tries_left in reversed(range(_LOCK_TRIES)):
+            self._created = []
+            if not self.run_dir.is_dir():
+                if not self.create:
+                    return self
+                self._created = [folder for folder in (self.run_dir, *self.run_dir.parents) if not folder.exists()]
+            lock = FileLock(str(self.run_dir / LOCK_FILE), timeout=0)
+            try:
+                if self._created:
+                    # Another writer starting at the same moment may make it first: the lock then says who has it.
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                lock.acquire()
+            except (FileNotFoundError, FileExistsError):
+                # The folder went while this process made or locked it (``File exists`` is pathlib's word for one
+                # made and removed meanwhile): a writer that started at the same moment made it, failed its checks
+                # and removed it. Made again, it is this process's.
+                if tries_left:
+                    continue
                 raise
-            # Some shared filesystems (Lustre or NFS mounted without locking) refuse file locks: the run goes
-            # on unguarded rather than not at all, and says so.
-            Console(stderr=True).print(f"warning: {self.run_dir} cannot be locked on its filesystem "
-                                       f"({os.strerror(error.errno)}): nothing stops a second process writing "
-                                       "into this run", markup=False, highlight=False, soft_wrap=True)
-            return self
+            except Timeout:
+                self._remove_if_created()
+                owner = _read_owner(self.run_dir / OWNER_FILE) or "another process"
+                raise ConfigError(f"run directory {self.run_dir} is in use by {owner}: one process writes into a "
+                                  f"run at a time; wait for it to end, stop it (`touch {self.run_dir / STOP_FILE}` "
+                                  "stops it after its step, with a checkpoint), or pick another run.name") from None
+            except OSError as error:  # after Timeout, which is one
+                if error.errno not in _NO_LOCKS:
+                    raise
+                # Some shared filesystems (Lustre or NFS mounted without locking) refuse file locks: the run goes
+                # on unguarded rather than not at all, and says so.
+                Console(stderr=True).print(f"warning: {self.run_dir} cannot be locked on its filesystem "
+                                           f"({os.strerror(error.errno)}): nothing stops a second process writing "
+                                           "into this run", markup=False, highlight=False, soft_wrap=True)
+                return self
+            break
         self._lock = lock
         remove_unfinished_writes(self.run_dir)  # of a writer killed mid-write: config.yaml's, summary.json's...
         restore_replaced(self.run_dir / "checkpoints")  # before a resume looks for its checkpoint
