@@ -180,6 +180,7 @@ def test_samples_follow_the_softmax():
         assert total_variation(tokens, torch.softmax(logits[0].double() / temperature, 0)) < 0.12
 
 
+@pytest.mark.slow  # 14 s; one split's samples against the softmax, and each split's inverse CDF, by default
 def test_samples_follow_the_softmax_across_splits(monkeypatch):
     """200 rows of six splits each (a GPU of many multiprocessors), heavy tokens spread over them (at both ends of
     a split too), the rest of a split's mass in one bucket, the fourth split suppressed: the bucket frequencies

@@ -111,6 +111,9 @@ PARTIAL = [*ASYNC, "distributed.max_staleness=1", "distributed.partial_rollouts=
            "distributed.timeout_s=600"]
 
 
+# 31 s of four processes; by default the pool plays one update behind across processes
+# (asynchronous_pool_one_update_behind) and partial rollouts equal full ones in process.
+@pytest.mark.slow
 def test_two_rollout_processes_take_weights_published_mid_batch_at_their_next_turn(tiny_model_dir, tmp_path,
                                                                                    monkeypatch):
     """Two FSDP trainers, two rollout processes, one update behind with partial rollouts: step 2 starts on the

@@ -469,6 +469,7 @@ def test_lora_on_several_processes_trains_as_on_one(tiny_model_dir, tmp_path, pr
         torch.testing.assert_close(adapters[0][name], adapters[1][name], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # 15 s; two processes under torchrun train as one by default (test_two_processes_train_as_one)
 def test_fsdp_on_one_process_runs_under_torchrun_and_train_outside_it_says_how_to_start(tiny_model_dir, tmp_path):
     """``distributed.backend=fsdp`` from the command line starts one FSDP process (CPU offload then lets a
     model larger than its GPU train); ``train()`` called outside torchrun with fsdp says how to start it."""
