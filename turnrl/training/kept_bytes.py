@@ -10,13 +10,45 @@ blocks, and the bf16 weight copies autocast keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from turnrl.training.head import DEFAULT_CHUNK
 from turnrl.training.train_config import TrainConfig
 
-if TYPE_CHECKING:  # memory.py imports this module; a model's counts only flow through here
-    from turnrl.training.memory import ModelCounts
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """A model's parameter counts and the sizes its activations scale with."""
+
+    total: int
+    """Every parameter (a tied embedding and head once)."""
+    trained: int
+    """Parameters the optimizer steps: all but a frozen vision tower, or the LoRA adapters."""
+    stacked: int
+    """Weights of the q/k/v and gate/up projections of the decoder."""
+    head: int
+    """Parameters of the LM head (0 when tied to the embedding; a critic has a value head instead)."""
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    key_width: int = 0
+    """The decoder's key projections' outputs summed over its layers (key heads x head size x layers): a
+    token's cached keys, and as many values; 0 for a model without ``k_proj`` layers."""
+    frozen_tower: int = 0
+    """Parameters of the vision tower when it is not trained: under FSDP each process holds it whole, in bf16."""
+    tower_blocks: int = 0
+    """The vision tower's blocks (0 for a text model); its activations count only when it trains."""
+    tower_hidden: int = 0
+    tower_intermediate: int = 0
+    patch_values: int = 0
+    """Pixel values of one patch (channels x frames x patch side squared: 1,176 for Qwen2.5-VL)."""
+    patches_per_token: int = 0
+    """Patches merged into one image token of the decoder (the 2x2 merge: 4)."""
+
+    @property
+    def trains_tower(self) -> bool:
+        """Whether the model has a vision tower and trains it (its activations are kept for the backward)."""
+        return self.tower_blocks > 0 and self.frozen_tower == 0
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ from turnrl.engine.cache import KVCache, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.loading import VISION_TOWERS, load_model
 from turnrl.training.kept_bytes import (
+    ModelCounts,
     activation_bytes,
     pass_bytes,
     scoring_activation_bytes,
@@ -83,42 +84,6 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 _STACKED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 """Projections the engine stacks into one buffer each (q/k/v, gate/up): a second copy under FSDP."""
-
-
-@dataclass(frozen=True)
-class ModelCounts:
-    """A model's parameter counts and the sizes its activations scale with."""
-
-    total: int
-    """Every parameter (a tied embedding and head once)."""
-    trained: int
-    """Parameters the optimizer steps: all but a frozen vision tower, or the LoRA adapters."""
-    stacked: int
-    """Weights of the q/k/v and gate/up projections of the decoder."""
-    head: int
-    """Parameters of the LM head (0 when tied to the embedding; a critic has a value head instead)."""
-    layers: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    key_width: int = 0
-    """The decoder's key projections' outputs summed over its layers (key heads x head size x layers): a
-    token's cached keys, and as many values; 0 for a model without ``k_proj`` layers."""
-    frozen_tower: int = 0
-    """Parameters of the vision tower when it is not trained: under FSDP each process holds it whole, in bf16."""
-    tower_blocks: int = 0
-    """The vision tower's blocks (0 for a text model); its activations count only when it trains."""
-    tower_hidden: int = 0
-    tower_intermediate: int = 0
-    patch_values: int = 0
-    """Pixel values of one patch (channels x frames x patch side squared: 1,176 for Qwen2.5-VL)."""
-    patches_per_token: int = 0
-    """Patches merged into one image token of the decoder (the 2x2 merge: 4)."""
-
-    @property
-    def trains_tower(self) -> bool:
-        """Whether the model has a vision tower and trains it (its activations are kept for the backward)."""
-        return self.tower_blocks > 0 and self.frozen_tower == 0
 
 
 ROLLOUT_ONLY = ("rollout weights", "key/value cache")
