@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from tests.envs.games.given_levels import refused_or_won
 from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.frozenlake import ACTIONS, FrozenLakeEnv, move_table, parse_level, shortest_path
 
@@ -132,17 +133,7 @@ def test_a_given_map_is_refused_exactly_when_its_goal_cannot_be_reached(drawn):
     size, cells, (start, goal) = drawn
     cells[start], cells[goal] = "P", "G"
     level = ["".join(cells[r * size : (r + 1) * size]) for r in range(size)]
-    env = make(size=size)
-    if goal not in flood("".join(cells), size, start):
-        with pytest.raises(ValueError, match="holes cut every path"):
-            env.reset(options={"level": level})
-        return
-    env.reset(options={"level": level})
-    plan = env.solve()
-    assert plan is not None
-    for action in plan:
-        env.step(action)
-    assert env.success()
+    refused_or_won(make(size=size), level, goal in flood("".join(cells), size, start), "holes cut every path")
 
 
 def test_truncation_at_max_steps():

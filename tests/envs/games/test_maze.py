@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from tests.envs.games.given_levels import refused_or_won
 from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.maze import Maze2DEnv, parse_action, visgym_action
 
@@ -261,17 +262,8 @@ def test_a_given_maze_is_refused_exactly_when_its_target_cannot_be_reached(insid
     rows = ["#####"] + ["#" + "".join(inside[3 * r : 3 * r + 3]) + "#" for r in range(3)] + ["#####"]
     agent, target = (divmod(k, 3) for k in ends)
     agent, target = (agent[0] + 1, agent[1] + 1), (target[0] + 1, target[1] + 1)
-    env = Maze2DEnv(size=5)
-    if target not in reachable(open_cells("\n".join(rows)), agent):
-        with pytest.raises(ValueError, match="walls cut every path"):
-            env.reset(options={"level": rows})
-        return
-    env.reset(options={"level": rows})
-    plan = env.solve()
-    assert plan is not None
-    for action in plan:
-        env.step(action)
-    assert env.success()
+    refused_or_won(Maze2DEnv(size=5), rows, target in reachable(open_cells("\n".join(rows)), agent),
+                   "walls cut every path")
 
 
 @pytest.mark.parametrize(("difficulty", "reward_on"), [("easy", "reach"), ("hard", "stop")])
