@@ -36,10 +36,9 @@ def test_an_env_whose_constructor_or_reset_hangs_fails_its_session_and_the_serve
     opens, resets and steps other envs."""
     with ServerProcess(extra=["--step-timeout", "0.5", "--workers", "2"]) as served:
         url = served.url
-        start = time.monotonic()
         hung = post(url, "/v1/sessions", {"env_id": GATED, "settings": {"gate_build": True}, "ids": ["a", "b", "c"]})
         status, code, message = error_of(hung)
-        assert (status, code) == (500, "env_timeout") and time.monotonic() - start < 5
+        assert (status, code) == (500, "env_timeout")  # the build hangs for good: only the deadline answers
         assert message.startswith(f"sessions a, b, c: building {GATED} still ran after 0.5 s, the server's deadline "
                                   "(--step-timeout); the build was abandoned and no session opened"), message
         checked = post(url, "/v1/validate", {"env_id": GATED, "settings": {"gate_build": True}})
