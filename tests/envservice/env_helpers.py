@@ -40,6 +40,8 @@ class ProbeEnv(TurnEnv):
 
     modes = ("text", "image")
     description = "a counter for the env-service tests"
+    slow_threads: ClassVar[set[str]] = set()
+    """The threads that ran a ``slow`` step (a test of an in-process server clears it first)."""
 
     def __init__(self, mode: str = "text", max_steps: int = 10_000, delay_s: float = 0.5, build_s: float = 0.0) -> None:
         super().__init__(mode=mode, max_steps=max_steps, image_shape=(5, 7) if mode == "image" else None)
@@ -54,6 +56,7 @@ class ProbeEnv(TurnEnv):
         if action == "explode":
             raise RuntimeError("the probe exploded")
         if action == "slow":
+            ProbeEnv.slow_threads.add(threading.current_thread().name)
             time.sleep(self.delay_s)
         if action == "win":
             return StepOutcome(10.0, terminated=True, success=True)
