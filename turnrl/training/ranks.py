@@ -223,6 +223,15 @@ def any_rank(flag: bool) -> bool:
     return any(all_gather_objects(flag))
 
 
+def first_failure(failure: Any | None) -> tuple[int, Any] | None:
+    """The outcome of a stage of work agreed by every process: the first process (by rank) whose ``failure`` is not
+    None and that failure, the same on every process; None where no process failed. A collective, in place of a
+    barrier at the stage's end: a process that failed says so there instead of leaving the others to wait for it
+    in the next collective it never joins."""
+    return next(((rank, failed) for rank, failed in enumerate(all_gather_objects(failure)) if failed is not None),
+                None)
+
+
 def close_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -311,6 +312,37 @@ def shards_not_read(error: CheckpointException, checkpoint: Path) -> NoReturn:
                        f"{cause}); move {checkpoint.name} away to resume from an earlier checkpoint") from cause
 
 
+# --------------------------------------------------------------------------- a checkpoint rank 0 could not write
+@dataclass(frozen=True)
+class WriteFailure:
+    """Why rank 0 could not write its part of a checkpoint, as it tells the other processes."""
+
+    refused: bool
+    """A :class:`~turnrl.config.ConfigError`: the disk or a limit refused the write, said in one line with what to
+    do."""
+    text: str
+    """The error's message; ``Type: message`` for any other error."""
+
+
+def write_failure(error: Exception) -> WriteFailure:
+    """The :class:`WriteFailure` of ``error``, raised by rank 0's part of a checkpoint."""
+    if isinstance(error, ConfigError):
+        return WriteFailure(refused=True, text=str(error))
+    return WriteFailure(refused=False, text=f"{type(error).__name__}: {error}")
+
+
+def raise_failure(failed: tuple[int, WriteFailure] | None, step: int) -> None:
+    """Raise, on a process that did its own part, where process ``failed[0]`` could not write its part of the
+    checkpoint after ``step`` (:func:`ranks.first_failure`); nothing where ``failed`` is None. A refused write
+    stops every process with the same one line (what to do), any other error with its type and message."""
+    if failed is None:
+        return
+    rank, failure = failed
+    if failure.refused:
+        raise ConfigError(f"process {rank}: {failure.text}")
+    raise RuntimeError(f"process {rank} could not write the checkpoint after step {step}: {failure.text}")
+
+
 # --------------------------------------------------------------------------- the strategy
 FREED = -1
 """The rollout copy's weights version while its parameters are freed: no version the trainer's weights take."""
@@ -447,7 +479,12 @@ class FSDP2:
         return state
 
     def save(self, files: CheckpointFiles, models: Models, optimizers: Optimizers) -> Path:
-        """HF models gathered from the shards (written by rank 0), the optimizers' shards by every process."""
+        """HF models gathered from the shards (written by rank 0), the optimizers' shards by every process.
+
+        Three stages: rank 0 writes its files, every process its shards, rank 0 publishes the checkpoint (renamed
+        into place, ``latest``, older ones pruned). The processes agree on the outcome of each stage
+        (:func:`ranks.first_failure`), so a write that fails on rank 0 stops the save on every process with its
+        error (:func:`raise_failure`) instead of leaving the others in a collective rank 0 never joins."""
         assert self.rollout_actor is not None, "place() builds the rollout copy"
         actor = without_tied_copies(full_state_dict(models.actor), self.rollout_actor)
         critic = full_state_dict(models.critic) if models.critic is not None else None
@@ -455,9 +492,12 @@ class FSDP2:
         tmp_name = ranks.all_gather_objects(unique_tmp_name(files.step))[0]
         tmp = files.run_dir / "checkpoints" / tmp_name
         unstepped = unstepped_optimizers(optimizers)
+        stage = "files"  # rank 0's stage of the save
 
         def write_optimizer_shards(directory: Path) -> None:
-            ranks.barrier()  # rank 0 has made the directory
+            nonlocal stage
+            stage = "shards"
+            raise_failure(ranks.first_failure(None), files.step)  # rank 0 has written its files into the directory
             try:
                 torch.distributed.checkpoint.save(self._optimizer_state(models, optimizers),
                                                   checkpoint_id=str(directory / OPTIMIZER_DIR))
@@ -465,18 +505,24 @@ class FSDP2:
                 shards_not_written(error)
             forget_states(optimizers, unstepped)
             ranks.barrier()
+            stage = "publish"
 
         state = {**files.state, "world_size": ranks.world_size(), UNSTEPPED: unstepped}
         if not ranks.is_main():
             write_optimizer_shards(tmp)
-            ranks.barrier()  # rank 0 has published the checkpoint
+            raise_failure(ranks.first_failure(None), files.step)  # rank 0 has published the checkpoint
             return files.run_dir / "checkpoints" / f"step_{files.step:06d}"
-        path = save_checkpoint(files.run_dir, files.step, _WithStateDict(models.actor, actor), files.processor, state,
-                               critic=_WithStateDict(models.critic, critic) if critic is not None else None,
-                               before_publish=write_optimizer_shards, config_yaml=files.config_yaml,
-                               tmp_name=tmp_name)
-        prune_checkpoints(files.run_dir, files.keep)
-        ranks.barrier()
+        try:
+            path = save_checkpoint(files.run_dir, files.step, _WithStateDict(models.actor, actor), files.processor,
+                                   state, critic=_WithStateDict(models.critic, critic) if critic is not None else None,
+                                   before_publish=write_optimizer_shards, config_yaml=files.config_yaml,
+                                   tmp_name=tmp_name)
+            prune_checkpoints(files.run_dir, files.keep)
+        except Exception as error:
+            if stage != "shards":  # the others wait for this stage's outcome; a failed shard stops every process itself
+                ranks.first_failure(write_failure(error))
+            raise
+        ranks.first_failure(None)
         return path
 
 
