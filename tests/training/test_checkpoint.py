@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
 import shutil
@@ -11,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.config import ConfigError
@@ -242,6 +245,7 @@ def test_a_sharded_model_needs_every_shard_its_index_names(actor, tiny_tokenizer
     shutil.rmtree(path / "actor")
     actor.save_pretrained(path / "actor", max_shard_size="200KB")
     tiny_tokenizer.save_pretrained(path / "actor")
+    (path / checkpoint.CONTENTS_FILE).unlink()  # the checks of the files themselves, as for a checkpoint listing none
     shards = sorted((path / "actor").glob("model-*.safetensors"))
     assert len(shards) > 1 and checkpoint_problem(path) is None
     shards[-1].unlink()
@@ -448,3 +452,106 @@ def test_a_checkpoint_is_on_the_disk_before_latest_names_it(actor, tiny_tokenize
     assert {tmp / path.relative_to(final) for path in final.rglob("*")} | {tmp} <= before
     pointer = next(i for i, event in enumerate(events) if event[0] == "renamed" and event[2] == root / "latest")
     assert ("flushed", root) in events[into_place:pointer]
+
+
+@pytest.mark.parametrize("resaved", [False, True])
+def test_a_full_disk_at_the_latest_pointer_stops_with_the_disk_line_and_leaves_latest_as_it_was(
+        actor, tiny_tokenizer, tmp_path, monkeypatch, resaved):
+    """The last write of a save is ``latest``'s, after the checkpoint took its name. A file-size limit that starts
+    right there (a real ``RLIMIT_FSIZE``, lowered once the checkpoint's folder is renamed and flushed) stops the
+    save with the one line the other writes give; the new checkpoint goes (a resave's earlier copy comes back),
+    and ``latest`` names the checkpoint it named before."""
+    import resource
+
+    save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {"version": 1})
+    root = tmp_path / "checkpoints"
+    flush, limits = checkpoint.fsync_path, resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def then_limited(path):
+        flush(path)
+        if path == root:  # the renamed checkpoint's name is on the disk: ``latest`` comes next
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4, limits[1]))
+
+    monkeypatch.setattr(checkpoint, "fsync_path", then_limited)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            save_checkpoint(tmp_path, 1 if resaved else 2, actor, tiny_tokenizer, {"version": 2})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    monkeypatch.undo()
+    assert str(refused.value).startswith(f"checkpoint after step {1 if resaved else 2} could not be written: this "
+                                         "process may write files of at most 4 bytes")
+    assert "then continue from step_000001 (intact)" in str(refused.value)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"] and leftovers(tmp_path) == []
+    assert resume_point(tmp_path) == ResumePoint(root / "step_000001", None)
+    assert load_trainer_state(root / "step_000001")["version"] == 1
+    save_checkpoint(tmp_path, 2, actor, tiny_tokenizer, {})  # with room again, the run saves as before
+    assert latest_checkpoint(tmp_path) == root / "step_000002"
+
+
+def test_a_deleted_processor_or_a_cut_chat_template_makes_a_checkpoint_incomplete(tiny_vlm_dir, tmp_path):
+    """A VLM's processor settings may be missing on a model that has none, and every prefix of a chat template is
+    text: neither a deleted ``processor_config.json`` nor a template cut short can be told from the file alone
+    (a resume went on without images, or rendered every prompt with half a template). The checkpoint's list of
+    its files tells them, and the resume goes on from the intact checkpoint before, saying why."""
+    from turnrl.models.loading import load_model, load_processor
+
+    processor = load_processor(tiny_vlm_dir)
+    vlm = load_model(tiny_vlm_dir, device="cpu")
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, vlm, processor, {})
+    root = tmp_path / "checkpoints"
+    newest = root / "step_000002"
+    template = newest / "actor" / "chat_template.jinja"
+    saved = template.stat().st_size
+    damage = [
+        (lambda: (newest / "actor" / "processor_config.json").unlink(), "no actor/processor_config.json"),
+        (lambda: cut(template, keep=saved // 2), f"actor/chat_template.jinja is damaged: {saved // 2:,} bytes, "
+                                                 f"saved as {saved:,}"),
+        (lambda: cut(template), f"actor/chat_template.jinja is damaged: {saved - 1:,} bytes, saved as {saved:,}"),
+    ]
+    for harm, problem in damage:
+        shutil.copytree(newest, tmp_path / "intact")
+        harm()
+        assert checkpoint_problem(newest) == problem
+        point = resume_point(tmp_path)
+        assert point.checkpoint == root / "step_000001"
+        assert point.note == (f"step_000002, the checkpoint checkpoints/latest names, is incomplete ({problem}); "
+                              "resuming from step_000001, the newest complete checkpoint")
+        assert checkpoint.newest_whole_actor(tmp_path) == root / "step_000001"  # what an evaluation plays
+        shutil.rmtree(newest)
+        os.replace(tmp_path / "intact", newest)
+    assert checkpoint_problem(newest) is None
+
+
+def test_the_list_of_a_checkpoints_files_leaves_out_what_a_resume_does_not_need(actor, tiny_tokenizer, tmp_path):
+    """The copy of the run's settings may be mended by hand; the trainer's state has checks of its own; a critic is
+    needed only by a run that has one; a checkpoint saved before checkpoints listed their files is checked as
+    before."""
+    critic = ValueModel(copy.deepcopy(actor.base_model))
+    path = save_checkpoint(tmp_path, 1, actor, tiny_tokenizer, {}, critic=critic, config_yaml="run: {steps: 1}\n")
+    listed = json.loads((path / checkpoint.CONTENTS_FILE).read_text())
+    assert "actor/model.safetensors" in listed and "critic/value_head.pt" in listed
+    assert "config.yaml" not in listed and "trainer_state.pt" not in listed
+    (path / "config.yaml").write_text("run: {steps: 10}\n")
+    (path / "critic" / "config.json").unlink()
+    assert checkpoint_problem(path) is None
+    assert checkpoint_problem(path, critic=True) == "no critic/config.json"
+    (path / checkpoint.CONTENTS_FILE).unlink()
+    assert checkpoint_problem(path) is None
+    (path / checkpoint.CONTENTS_FILE).write_text('{"trainer_state.pt": 1')
+    assert checkpoint_problem(path).startswith("contents.json is damaged: ")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=st.one_of(st.binary(max_size=60), st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=3),
+    max_leaves=8).map(lambda value: json.dumps(value).encode())))
+def test_a_damaged_list_of_files_is_told_never_raised(tmp_path, content):
+    """Whatever ``contents.json`` holds (bytes a disk left, JSON of any shape), the check says what is wrong in
+    words, or nothing, and never stops with a traceback."""
+    (tmp_path / "trainer_state.pt").write_bytes(b"x")
+    (tmp_path / checkpoint.CONTENTS_FILE).write_bytes(content)
+    problem = checkpoint._contents_problem(tmp_path, lambda name: True)
+    assert problem is None or (isinstance(problem, str) and "\n" not in problem)

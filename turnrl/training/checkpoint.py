@@ -8,6 +8,7 @@ Layout of ``RUN_DIR/checkpoints/step_000100/`` (the run after its 100th step: st
     trainer_state.pt     optimizers, schedulers, RNG states, steps done
 
     config.yaml          the run's config.yaml as it was at this step (to restore a damaged one from)
+    contents.json        every other file's size as saved, to tell a file deleted or cut short later
 
 A checkpoint is written into ``step_N.tmp-PID-RANDOM`` (a name no other writer
 uses), flushed to the disk and renamed when complete, and the ``latest`` pointer is
@@ -229,27 +230,52 @@ def save_checkpoint(
             (tmp / "config.yaml").write_text(config_yaml)
         if before_publish is not None:
             before_publish(tmp)
+        write_contents(tmp)
         _sync_tree(tmp)
     except Exception as error:  # any writer's: torch's zip writer says "unexpected pos", tokenizers' a plain one
         cause = write_failure_cause(error, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         if cause is None:
             raise
-        latest = latest_checkpoint(run_dir)
-        then = (f", then continue from {latest.name} (intact) with `{turnrl_command()} train resume={run_dir}`"
-                if latest is not None else " (no earlier checkpoint was saved)")
-        raise ConfigError(f"checkpoint after step {step} could not be written: {cause}. Free some space, raise the "
-                          f"limit, or put run.output_dir on a larger disk{then}") from error
+        raise _save_failed(run_dir, step, cause) from error
     replaced = _set_aside(final)
+    try:
+        _publish(tmp, final)
+    except Exception as error:
+        # The new checkpoint goes and the one it replaced comes back: ``latest`` still names the last checkpoint
+        # it named, and no folder is left that it does not name (a full disk's space is freed).
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+        if replaced is not None:
+            os.replace(replaced, final)
+        cause = disk_error_cause(error)
+        if cause is None:
+            raise
+        raise _save_failed(run_dir, step, cause) from error
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the written checkpoint ``tmp`` to ``final`` and point ``latest`` at it."""
+    root = final.parent
     os.replace(tmp, final)
-    _fsync(root)  # its new name on the disk before ``latest`` names it and older checkpoints are pruned
+    fsync_path(root)  # its new name on the disk before ``latest`` names it and older checkpoints are pruned
     pointer = root / "latest"
     if pointer.is_dir() and not pointer.is_symlink():  # made by hand: a file cannot be renamed over it
         shutil.rmtree(pointer)
     atomic_write_text(pointer, final.name)
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
-    return final
+
+
+def _save_failed(run_dir: Path, step: int, cause: str) -> ConfigError:
+    """The one line a checkpoint that the disk (``cause``) stopped ends the run with: what to do, and the
+    checkpoint to go on from."""
+    latest = latest_checkpoint(run_dir)
+    then = (f", then continue from {latest.name} (intact) with `{turnrl_command()} train resume={run_dir}`"
+            if latest is not None else " (no earlier checkpoint was saved)")
+    return ConfigError(f"checkpoint after step {step} could not be written: {cause}. Free some space, raise the "
+                       f"limit, or put run.output_dir on a larger disk{then}")
 
 
 def _sync_tree(folder: Path) -> None:
@@ -261,11 +287,11 @@ def _sync_tree(folder: Path) -> None:
     to. A disk that fails to store them (full, as some only say when flushing) raises here, before the rename."""
     for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders that name them
         if path.is_file() or path.is_dir():
-            _fsync(path)
-    _fsync(folder)
+            fsync_path(path)
+    fsync_path(folder)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush a file's bytes, or a folder's entries (the names made, renamed and deleted in it), to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -516,14 +542,58 @@ def _chat_template_problem(directory: Path, name: str) -> str | None:
     return f"no {name}/{jinja.name} (the tokenizer's chat template)"
 
 
+CONTENTS_FILE = "contents.json"
+"""A checkpoint's list of its files and their sizes as saved (``{"actor/model.safetensors": 1234, ...}``): a file
+deleted later (a processor's settings, which a model without a processor lacks anyway) or cut short (a chat
+template, whose every prefix is text) is told by it, where reading the file alone cannot tell it."""
+
+_UNLISTED = {CONTENTS_FILE, "config.yaml", "trainer_state.pt"}
+"""Left out of the list: the list itself; the copy of the run's settings, a spare that is read only where it
+reads (:func:`~turnrl.training.run_dir.saved_config`) and that a user may mend; and the trainer's state, whose
+archive tells a cut itself (its index is at its end) and whose contents the resume checks, naming the file."""
+
+
+def write_contents(folder: Path) -> None:
+    """Write :data:`CONTENTS_FILE` into a checkpoint ``folder`` whose files are all written."""
+    sizes = {path.relative_to(folder).as_posix(): path.stat().st_size
+             for path in sorted(folder.rglob("*")) if path.is_file() and path.name not in _UNLISTED}
+    (folder / CONTENTS_FILE).write_text(json.dumps(sizes, indent=1))
+
+
+def _contents_problem(checkpoint: Path, parts: Callable[[str], bool]) -> str | None:
+    """The first file :data:`CONTENTS_FILE` lists, of those ``parts`` takes (by the path it lists), that is not
+    there or not of the size saved, in a few words (``no actor/processor_config.json``); None where all are, or
+    where the checkpoint keeps no list (saved before it did: its other checks are all there is)."""
+    listed = checkpoint / CONTENTS_FILE
+    if not listed.exists():
+        return None
+    problem = _json_object_problem(listed, CONTENTS_FILE)
+    if problem is not None:
+        return problem
+    sizes = json.loads(listed.read_bytes())
+    for name, size in sizes.items():
+        if not parts(name):
+            continue
+        if not name.isprintable() or isinstance(size, bool) or not isinstance(size, int):
+            return f"{CONTENTS_FILE} is damaged: it lists {name!r} of size {size!r}"[:200]
+        path = checkpoint / name
+        if not path.is_file():
+            return f"no {name}"
+        now = path.stat().st_size
+        if now != size:
+            return f"{name} is damaged: {now:,} bytes, saved as {size:,}"
+    return None
+
+
 def checkpoint_problem(checkpoint: Path, critic: bool = False) -> str | None:
     """What keeps ``checkpoint`` from being resumed, in a few words (``no trainer_state.pt``); None if nothing.
 
     A complete checkpoint holds ``trainer_state.pt`` (a readable ``torch.save`` archive), ``actor/`` (and
     ``critic/`` with its ``value_head.pt`` when the run has a critic) with its config and whole weights files,
-    and the actor's tokenizer with its chat template (and its processor's settings, where it has a processor).
-    Cheap: only file names, the settings files (JSON), the archive's index and the safetensors headers are read,
-    no tensor.
+    and the actor's tokenizer with its chat template (and its processor's settings, where it has a processor);
+    and every file :data:`CONTENTS_FILE` lists, of the size it lists.
+    Cheap: only file names and sizes, the settings files (JSON), the archive's index and the safetensors headers
+    are read, no tensor.
     """
     if not checkpoint.is_dir():
         return "not there"
@@ -532,7 +602,14 @@ def checkpoint_problem(checkpoint: Path, critic: bool = False) -> str | None:
     if critic:
         problem = problem or _model_problem(checkpoint / "critic", "critic")
         problem = problem or _torch_file_problem(checkpoint / "critic" / "value_head.pt", "critic/value_head.pt")
-    return problem
+    # A run without a critic (resumed with another estimator) needs none of the critic's files.
+    return problem or _contents_problem(checkpoint, lambda name: critic or not name.startswith("critic/"))
+
+
+def _actor_problem(checkpoint: Path) -> str | None:
+    """What keeps ``checkpoint``'s actor (its weights, tokenizer and processor) from loading, None if nothing."""
+    return (_model_problem(checkpoint / "actor", "actor", tokenizer=True)
+            or _contents_problem(checkpoint, lambda name: name.startswith("actor/")))
 
 
 def newest_whole_actor(run_dir: Path) -> Path | None:
@@ -541,8 +618,7 @@ def newest_whole_actor(run_dir: Path) -> Path | None:
     needs no more of a checkpoint. None when no checkpoint's actor is."""
     root = run_dir / "checkpoints"
     names = [latest_name(run_dir), *(f"step_{step:06d}" for step in reversed(checkpoint_steps(run_dir)))]
-    return next((root / name for name in names
-                 if name is not None and _model_problem(root / name / "actor", "actor", tokenizer=True) is None), None)
+    return next((root / name for name in names if name is not None and _actor_problem(root / name) is None), None)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.errors import LiveError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from turnrl.training.checkpoint import atomic_write_text
+from turnrl.training.checkpoint import atomic_write_text, fsync_path
 
 
 class RunConsole(Console):
@@ -55,6 +55,9 @@ class MetricsLogger:
     Metric names use namespaces (``rollout/success``, ``losses/policy``,
     ``timing/generate_s``); non-finite values are written as null in JSON.
 
+    Each record is on the disk (``fsync``) when :meth:`log` returns, so a checkpoint saved after it never
+    outlives it.
+
     On resume (``resume_step`` given), what the interrupted run logged after its checkpoint (records of
     later steps in ``metrics.jsonl``, TensorBoard events from ``resume_step + 1`` on) is dropped, since the
     resumed run logs those steps again: every step appears once.
@@ -76,6 +79,7 @@ class MetricsLogger:
                            "they ran?): the resumed run goes on from its checkpoint without them", markup=False,
                            highlight=False, soft_wrap=True)
         self._file = self.path.open("a" if resume_step is not None else "w")
+        fsync_path(run_dir)  # the file's name, made here, on the disk with the records fsynced into it
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -97,6 +101,10 @@ class MetricsLogger:
                 self._writer.add_scalar(key, value, step)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        # On the disk before the step's checkpoint is: a power loss after it would otherwise lose the records
+        # of the steps it covers (ext4 stores a file's bytes up to 30 s after they are written), which the
+        # resumed run does not run again. A few milliseconds a step, whose rollout and update take seconds.
+        os.fsync(self._file.fileno())
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
 
