@@ -100,12 +100,12 @@ from turnrl.envservice.request_bodies import (
 )
 from turnrl.envservice.sessions import (
     Applied,
-    Built,
     EnvThreads,
     ServerMetrics,
     Session,
     SessionTable,
     attempt_build,
+    call_on_env,
     close_built,
     close_env,
     prometheus_text,
@@ -114,9 +114,15 @@ from turnrl.envservice.sessions import (
     run_reset,
     run_step,
     run_with_deadline,
+    shutting_down,
 )
 
 logger = logging.getLogger("turnrl.env_server")
+
+SHUTDOWN_GRACE_S = 5.0
+"""How long a shutdown waits for the env calls under way to return, each closing its env as it does, so that
+their envs are closed before the process exits (a call still running then closes its env when it returns, if the
+process lives on)."""
 
 
 # --------------------------------------------------------------------------- request values
@@ -181,14 +187,24 @@ class EnvServer:
         """Start reaping idle sessions (in the running event loop)."""
         self._reaper = asyncio.get_running_loop().create_task(self._reap_idle(), name="turnrl-env-reaper")
 
-    def shutdown(self) -> None:
-        """Close every session and its env, and stop the threads."""
+    def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Close every session and stop the threads: the threads take no more calls, each idle env is closed now,
+        and the envs under a call are closed by their calls as they return, waited for up to ``grace_s`` seconds.
+        Each env is closed once, never under a call that runs on it."""
         if self._reaper is not None:
             self._reaper.cancel()
-        for session in list(self.table.sessions.values()):
-            self.table.remove(session, "the server shut down")
-            close_env(session.env)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        sessions = list(self.table.sessions.values())
+        for session in sessions:
+            self.table.remove(session, "the server shut down")
+            self.metrics.count(self.metrics.sessions_closed, "shutdown")
+            if session.release_env():
+                session.close_now()
+        deadline = time.monotonic() + grace_s
+        running = [s.id for s in sessions if not s.env_closed.wait(max(deadline - time.monotonic(), 0.0))]
+        if running:
+            logger.warning("shutting down with env calls still running after %g s on sessions %s; each env is "
+                           "closed when its call returns", grace_s, ", ".join(running[:5]))
 
     async def _reap_idle(self) -> None:
         while True:
@@ -324,8 +340,8 @@ class EnvServer:
             async with self._holding(sessions):
                 items = await self._run_calls("query", sessions, answer)
                 for session, item in zip(sessions, items):
-                    if not item["ok"]:
-                        self._drop(session, "env_timeout: its queries ran past --step-timeout", close=False)
+                    if not item["ok"] and item["error"]["code"] == "env_timeout":
+                        self._drop(session, "env_timeout: its queries ran past --step-timeout")
             return items
 
         return {"items": await asyncio.shield(work())}
@@ -345,9 +361,13 @@ class EnvServer:
                     return {"sessions": ids, "instance": self.instance}
                 raise APIError(400, "invalid_request", "fork takes one new, unused id per session")
             self._check_room(client, len(ids))
+
+            def copy_of(k: int) -> AgentEnv:
+                return call_on_env(sessions[k], functools.partial(copy_env, sessions[k]), refuse_copy)
+
             async with self._holding(sessions):
                 envs = await asyncio.shield(self._build_envs(sessions[0].env_id, [s.id for s in sessions],
-                                                             lambda k: copy_env(sessions[k]), sessions))
+                                                             copy_of, sessions))
                 try:
                     self._check_room(client, len(ids))  # others may have opened sessions meanwhile
                 except APIError:
@@ -379,15 +399,15 @@ class EnvServer:
         return {"closed": closed, "unknown": unknown}
 
     # ------------------------------------------------------------------ helpers
-    def _drop(self, session: Session, reason: str, close: bool = True) -> None:
-        """Close a session now; its env is closed on a worker thread (``close``; else by the call that still runs
-        on it, when it returns)."""
+    def _drop(self, session: Session, reason: str) -> None:
+        """Close a session now; its env is closed on a worker thread, or by the call that still runs on it (one
+        abandoned past its deadline) when it returns."""
         if session.closed:
             return
         self.table.remove(session, reason)
         self.metrics.count(self.metrics.sessions_closed, reason.split(" ")[0].rstrip(":"))
-        if close:
-            self.executor.submit(close_env, session.env)
+        if session.release_env():
+            self.executor.submit(session.close_now)
 
     async def _run_calls(self, kind: str, sessions: list[Session], call: Callable[[int], dict[str, Any]]
                          ) -> list[dict[str, Any]]:
@@ -395,9 +415,14 @@ class EnvServer:
         ``--workers`` threads at once; the answers in order. A call running past ``--step-timeout`` is answered
         with an ``env_timeout`` error item (its session is the caller's to close; its env is closed when the call
         returns)."""
+        def on_env(k: int) -> dict[str, Any]:
+            refused = functools.partial(closed_item, kind, sessions[k])
+            return call_on_env(sessions[k], functools.partial(call, k), refused)
+
+        # An abandoned call closes its env itself as it returns (call_on_env), once its session is dropped.
         answers = await run_with_deadline(self.executor, self.limits.workers, self.limits.step_timeout_s,
-                                          [functools.partial(call, k) for k in range(len(sessions))],
-                                          late=lambda k, answer: close_env(sessions[k].env))
+                                          [functools.partial(on_env, k) for k in range(len(sessions))],
+                                          late=lambda k, answer: None)
         return [answer if answer is not None else self._timed_out(kind, sessions[k])
                 for k, answer in enumerate(answers)]
 
@@ -415,23 +440,24 @@ class EnvServer:
         Raises:
             APIError: a build raised, or ran past the deadline (a 500 ``env_timeout`` naming the session and the
                 option: its thread is written off, the env it builds is closed when it returns, and a fork's
-                source session is closed, its env with it, since the copy still reads it). Every env built is
-                then closed.
+                source session is closed, its env by the copy as it returns, since the copy still reads it), or
+                the server shut down meanwhile (a 503: no session must be added to a server that closed its
+                sessions). Every env built is then closed.
         """
-        def late(k: int, built: Built) -> None:
-            close_built(built)
-            if sources is not None:
-                close_env(sources[k].env)
-
         results = await run_with_deadline(self.executor, self.limits.workers, self.limits.step_timeout_s,
                                           [functools.partial(attempt_build, functools.partial(make_env, k))
-                                           for k in range(len(ids))], late=late, unused=close_built)
+                                           for k in range(len(ids))], late=lambda k, built: close_built(built),
+                                          unused=close_built)
         envs = [result.env for result in results if result is not None and result.env is not None]
+        if self.executor.shut:  # the builds ended before the shutdown was seen; the threads take no task now
+            for env in envs:
+                close_env(env)
+            raise shutting_down()
         error = next((result.error for result in results if result is not None and result.error), None)
         overdue = [k for k, result in enumerate(results) if result is None]
         if overdue:
             for source in [sources[k] for k in overdue] if sources is not None else []:
-                self._drop(source, "env_timeout: copying its env (fork) ran past --step-timeout", close=False)
+                self._drop(source, "env_timeout: copying its env (fork) ran past --step-timeout")
             error = self._build_timed_out(env_id, [ids[k] for k in overdue], forked=sources is not None)
         if error is not None:
             for env in envs:
@@ -591,9 +617,10 @@ class EnvServer:
         applied = Applied(kind, session.seq + 1, request_key(item), answer)
         if not answer["ok"]:
             self.table.failed[session.id] = applied  # kept as long as the reason (remove)
-            if answer["error"]["code"] == "env_timeout":
-                self._drop(session, f"env_timeout: its {kind} ran past --step-timeout", close=False)
-            else:
+            code = answer["error"]["code"]
+            if code == "env_timeout":
+                self._drop(session, f"env_timeout: its {kind} ran past --step-timeout")
+            elif code == "env_error":
                 self.count_error("env_error")
                 self._drop(session, "env_error: its env raised")
             return
@@ -632,6 +659,17 @@ class EnvServer:
         else:
             self.metrics.resets += len(todo)
         return answers
+
+
+def closed_item(kind: str, session: Session) -> dict[str, Any]:
+    """The item of a call that never ran: its session was closed as the server shut down (on a worker thread)."""
+    return error_item(session.id, f"session {session.id} is closed (the server shut down) before its {kind} ran; "
+                                  "open a new one", code="unknown_session")
+
+
+def refuse_copy() -> AgentEnv:
+    """A fork's copy of a session closed as the server shut down (it never ran)."""
+    raise shutting_down()
 
 
 def copy_env(session: Session) -> AgentEnv:

@@ -43,6 +43,8 @@ from turnrl.envservice.request_bodies import ResetItem, StepItem
 
 logger = logging.getLogger("turnrl.env_server")
 
+T = TypeVar("T")
+
 RECENTLY_CLOSED = 100_000
 """Closed session ids remembered, so that using one says why it is gone."""
 RECENTLY_FAILED = 10_000
@@ -98,6 +100,53 @@ class Session:
     equal to itself, and an array's ``==`` is elementwise)."""
     forked_from: str | None = None
     """The session this one is a copy of (``/v1/sessions/fork``): what a retried fork is recognized by."""
+    env_closed: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    """Set once the env is closed."""
+    _use: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    """Guards the fields below, which worker threads and the event loop both change."""
+    _calls: int = field(default=0, init=False)
+    """Env calls running on worker threads (one at a time, or a call abandoned past its deadline)."""
+    _close_asked: bool = field(default=False, init=False)
+    _close_claimed: bool = field(default=False, init=False)
+
+    # An env must never be closed under a call that runs on it (a native simulator crashes) nor twice. Whoever
+    # closes a session (its client, the reaper, a deadline, the shutdown) asks with release_env; the env is closed
+    # by that caller when no call runs, else by the last call running as it returns (end_call).
+    def begin_call(self) -> bool:
+        """Count an env call in (on its worker thread, before it touches the env); False once the env's close was
+        asked: the caller must not touch the env."""
+        with self._use:
+            if self._close_asked:
+                return False
+            self._calls += 1
+            return True
+
+    def end_call(self) -> None:
+        """Count an env call out; the last one out of an env whose close was asked closes it (on this thread)."""
+        with self._use:
+            self._calls -= 1
+            close = self._claim_close()
+        if close:
+            self.close_now()
+
+    def release_env(self) -> bool:
+        """Ask for the env to be closed: True when the caller must close it now (:meth:`close_now`), as no call
+        runs on it and no one closed it yet; False when a call that runs will close it as it returns, or it is
+        closed already."""
+        with self._use:
+            self._close_asked = True
+            return self._claim_close()
+
+    def _claim_close(self) -> bool:
+        """Whether the caller (holding ``_use``) is the one to close the env: asked, idle, and not yet claimed."""
+        claim = self._close_asked and not self._calls and not self._close_claimed
+        self._close_claimed |= claim
+        return claim
+
+    def close_now(self) -> None:
+        """Close the env (by the one :meth:`release_env` or :meth:`end_call` picked)."""
+        close_env(self.env)
+        self.env_closed.set()
 
 
 class SessionTable:
@@ -232,6 +281,17 @@ def run_step(session: Session, item: StepItem) -> dict[str, Any]:
         return step_item(session.id, obs, reward, terminated, truncated, info, run_queries(session, item.queries))
     except BaseException as error:
         return error_item(session.id, _failure(session, "step()", error))
+
+
+def call_on_env(session: Session, call: Callable[[], T], refused: Callable[[], T]) -> T:
+    """``call()`` counted as a call on the session's env (:meth:`Session.begin_call`); ``refused()`` without
+    calling it once the env's close was asked (the server shut down after the request took the session)."""
+    if not session.begin_call():
+        return refused()
+    try:
+        return call()
+    finally:
+        session.end_call()
 
 
 def close_env(env: AgentEnv) -> None:
@@ -370,9 +430,6 @@ class EnvThreads(Executor):
                     return
         with self._lock:
             self._working.discard(me)
-
-
-T = TypeVar("T")
 
 
 class CallBatch(Generic[T]):

@@ -33,6 +33,14 @@ the whole message, ``<think>``, the reasoning, ``</think>``, the answer
 (:func:`thinking_text`), as a local thinking model's is read. Use a format that
 begins with ``<think>`` (``free_think``, the VAGEN ones) for such a model.
 
+Control tokens. Such a server renders the messages with the model's chat template and tokenizes the result
+reading control strings as the control tokens themselves (``turnrl serve-policy`` and vLLM do, as transformers'
+``apply_chat_template`` does): feedback that quotes a response holding ``<|im_end|><|im_start|>system`` would end
+the user's message and open a system turn, and the model's own earlier text, sent back as assistant messages, is
+read the same way (a local model's sampled tokens never are). The policy cannot see the server's tokenizer, so
+every text it sends has the usual families' control strings (:data:`CHAT_CONTROL_TEXTS`) broken by a space, as
+the rollout breaks a local tokenizer's in what it quotes (``< |im_end|>``).
+
 Images. The rollout puts each image observation in its user message as a
 ``{"type": "image", "image": array}`` part (the transformers processor
 convention); here each becomes an ``image_url`` part holding the image as a
@@ -62,6 +70,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from turnrl.agent.prompts import neutralized
 from turnrl.config import SamplingConfig
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 
@@ -69,6 +78,12 @@ T = TypeVar("T")
 
 RETRY_STATUS = frozenset({408, 409, 429})
 """Client-error statuses that are transient (timeouts, conflicts, rate limits); every 5xx is retried too."""
+
+CHAT_CONTROL_TEXTS = ("<|", "<\uff5c", "<start_of_turn>", "<end_of_turn>", "[INST]", "[/INST]", "<s>", "</s>")
+"""Texts that the chat templates of the models these servers host read as (the start of) control tokens: every
+``<|...|>`` (ChatML's ``<|im_start|>`` and ``<|im_end|>``, Qwen-VL's ``<|image_pad|>``, Llama 3's ``<|eot_id|>``,
+Phi's ``<|end|>``), DeepSeek's ``<｜...｜>`` (a full-width bar), Gemma's turn markers, Mistral's and Llama 2's.
+Breaking ``<|`` breaks every token that starts with it, whatever the model."""
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "function_call": "stop", None: "stop"}
 """OpenAI finish reasons -> ours; anything else (e.g. ``content_filter``) is reported as an error."""
@@ -274,6 +289,10 @@ def _is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image"
 
 
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
 class _PngCache:
     """Data URLs of recently sent arrays, keyed by identity (the arrays are held, so ids stay valid)."""
 
@@ -313,6 +332,8 @@ class OpenAIPolicy(Policy):
         max_retry_after_s: cap of a server's ``Retry-After`` wait.
         extra_body: fields added to every request body (server-specific options).
         transport: an ``httpx`` transport to send through instead of the network (tests, proxies).
+        control_texts: texts broken by a space wherever a message holds them (module docstring); each of two
+            characters or more, without a space among its first two.
     """
 
     def __init__(
@@ -328,7 +349,9 @@ class OpenAIPolicy(Policy):
         max_retry_after_s: float = 60.0,
         extra_body: dict[str, Any] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        control_texts: Sequence[str] = CHAT_CONTROL_TEXTS,
     ) -> None:
+        neutralized("", control_texts)  # refuses here, not at the first request, a text no space can break
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         if max_retries < 0:
@@ -345,6 +368,7 @@ class OpenAIPolicy(Policy):
         self.max_retry_after_s = max_retry_after_s
         self.extra_body = dict(extra_body or {})
         self.transport = transport
+        self.control_texts = tuple(control_texts)
         self.usage = HTTPUsage()
         self._usage_lock = threading.Lock()
         self._png = _PngCache()
@@ -508,22 +532,24 @@ class OpenAIPolicy(Policy):
         return Completion(text=thinking_text(message, text), finish_reason=finish)
 
     def _messages(self, request: GenerationRequest) -> list[dict[str, Any]]:
-        """The request's messages with every image placeholder turned into an ``image_url`` part."""
-        if not any(
-            isinstance(m.get("content"), list) and any(_is_image_part(p) for p in m["content"])
-            for m in request.messages
-        ):
-            return list(request.messages)
+        """The request's messages as sent: their texts without control texts (``< |im_end|>``: module docstring),
+        every image placeholder an ``image_url`` part."""
         images = request.images or []
         index = 0  # of the image part, over the whole conversation: request.images[index] is its array
         messages = []
         for message in request.messages:
             content = message.get("content")
+            if isinstance(content, str):
+                messages.append({**message, "content": neutralized(content, self.control_texts)})
+                continue
             if not isinstance(content, list):
                 messages.append(message)
                 continue
             parts = []
             for part in content:
+                if _is_text_part(part):
+                    parts.append({**part, "text": neutralized(part["text"], self.control_texts)})
+                    continue
                 if not _is_image_part(part):
                     parts.append(part)
                     continue

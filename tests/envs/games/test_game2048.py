@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -17,6 +18,7 @@ from turnrl.envs import check_env
 from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.game2048 import (
     ACTIONS,
+    Board,
     Game2048Env,
     best_move,
     empty_cells,
@@ -288,9 +290,50 @@ def test_a_given_stuck_board_that_holds_the_target_is_won_already():
 @pytest.mark.parametrize(("size", "largest"), [(2, 32), (3, 1024), (4, 131072)])
 def test_a_target_no_board_of_the_size_can_hold_is_refused(size, largest):
     """A 3x3 game with the default target (2048) was played, and no episode could be won."""
-    Game2048Env(size=size, target_tile=largest)
-    with pytest.raises(ValueError, match=f"target_tile={2 * largest} can never be made on a {size}x{size} board"):
-        Game2048Env(size=size, target_tile=2 * largest)
+    Game2048Env(size=size, target_tile=largest).reset(seed=0)
+    with pytest.raises(ValueError, match=f"target_tile={2 * largest} can never be made on a {size}x{size} board "
+                                         "from its first two tiles.*give a board with larger tiles"):
+        Game2048Env(size=size, target_tile=2 * largest).reset(seed=0)
+
+
+def test_a_small_board_given_large_tiles_plays_for_a_target_its_first_two_tiles_never_reach():
+    """The target was checked against the first two tiles alone, when the env was built: a 2x2 game given two
+    1024s, one move from 2048, could not be made at all."""
+    env = given_board([[1024, 1024], [0, 0]], size=2, target_tile=2048)
+    _, _, terminated, _, info = env.step("Left")
+    assert terminated and info["success"] and info["max_tile"] == 2048
+
+
+def test_a_given_board_whose_tiles_cannot_reach_the_target_is_refused():
+    with pytest.raises(ValueError, match=r"board: target_tile=256 can never be made from it on a 2x2 board, where "
+                                         r"its tiles reach 128 at most.*target_tile <= 128"):
+        given_board([[16, 2], [0, 0]], size=2, target_tile=256)
+    given_board([[16, 2], [0, 0]], size=2, target_tile=128)
+
+
+def test_the_largest_tile_from_every_small_given_2x2_board_is_within_the_bound():
+    """Every 2x2 board with tiles up to 32, played over every move and every new tile (2 or 4 on each empty
+    cell): the largest tile it reaches is at most ``largest_exponent(2, its largest tile)``, so a target refused
+    for a given board is one it never reaches. Boards are searched by falling worth: a move adds a tile, so each
+    board leads only to boards worth more."""
+    top = 9  # exponents kept: none of these boards may pass the bound, at most 8
+    boards = sorted(itertools.product(range(top + 1), repeat=4), key=lambda b: -sum(1 << e for e in b if e))
+    reach: dict[Board, int] = {}
+    for flat in boards:
+        board = (flat[:2], flat[2:])
+        best = max(flat)
+        for move in legal_moves(board):
+            after = shift(board, move)[0]
+            for r, c in empty_cells(after):
+                for exponent in (1, 2):
+                    nxt = place(after, r, c, exponent)
+                    best = max(best, reach.get(nxt, top + 1))  # a board outside the table passed the bound
+        reach[board] = best
+    given_boards = [b for b in reach if max(map(max, b)) <= 5]
+    assert len(given_boards) == 6**4
+    assert all(reach[b] <= largest_exponent(2, max(map(max, b))) for b in given_boards)
+    assert max(reach[b] for b in given_boards) == reach[((5, 5), (5, 5))] == 7  # four 32s make 128; the bound is 256
+    assert max(reach[b] for b in given_boards if max(map(max, b)) <= 2) == largest_exponent(2) == 5
 
 
 def test_the_largest_tile_of_a_2x2_board_is_what_an_exhaustive_search_reaches():

@@ -7,7 +7,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
@@ -275,3 +275,58 @@ def test_action_budget_covers_the_shortest_path(difficulty, reward_on):
         longest = max(longest, len(env.solve()))
     assert longest <= env.action_budget() <= env.max_steps
     assert Maze2DEnv(difficulty=difficulty, max_steps=9).action_budget() == 9
+
+
+SNAKE = ["A....", "####.", ".....", ".####", "....T"]
+"""A 5x5 given maze without a border: its one path takes 16 moves, where a generated 5x5 maze's takes at most 6."""
+
+
+def bfs_moves(rows: list[str], start: tuple[int, int], goal: tuple[int, int]) -> int | None:
+    """Moves of a shortest path (a plain breadth-first search over the open cells), None where there is none."""
+    cells = {(r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch != "#"}
+    seen, queue = {start: 0}, deque([start])
+    while queue:
+        r, c = queue.popleft()
+        for nxt in ((r + 1, c), (r - 1, c), (r, c + 1), (r, c - 1)):
+            if nxt in cells and nxt not in seen:
+                seen[nxt] = seen[(r, c)] + 1
+                queue.append(nxt)
+    return seen.get(goal)
+
+
+@st.composite
+def given_mazes(draw):
+    """Any square grid of walls and paths (loops, open cells between the rooms, no border), A and T apart."""
+    n = draw(st.sampled_from([5, 7]))
+    cells = draw(st.lists(st.sampled_from("#."), min_size=n * n, max_size=n * n))
+    agent, target = draw(st.lists(st.integers(0, n * n - 1), min_size=2, max_size=2, unique=True))
+    cells[agent], cells[target] = "A", "T"
+    return ["".join(cells[r * n : (r + 1) * n]) for r in range(n)], divmod(agent, n), divmod(target, n)
+
+
+@settings(max_examples=300, deadline=None)
+@given(given_mazes(), st.sampled_from(["reach", "stop"]))
+@example((SNAKE, (0, 0), (4, 4)), "reach")
+def test_the_action_budget_covers_the_shortest_path_of_any_given_maze(maze, reward_on):
+    """The budget counted the open cells of a perfect maze of the size (7 at 5x5), whatever the maze played: the
+    snake above takes 16 moves, and an agent held to the budget could never win it. Now the maze played counts."""
+    rows, agent, target = maze
+    moves = bfs_moves(rows, agent, target)
+    env = Maze2DEnv(size=len(rows), reward_on=reward_on)
+    if moves is None:
+        with pytest.raises(ValueError, match="walls cut every path"):
+            env.reset(options={"level": rows})
+        return
+    env.reset(options={"level": rows})
+    assert moves + (reward_on == "stop") <= env.action_budget() <= env.max_steps
+
+
+@pytest.mark.parametrize(("reward_on", "needed"), [("reach", 16), ("stop", 17)])
+def test_a_given_maze_longer_than_max_steps_is_refused(reward_on, needed):
+    """The snake takes 16 moves (17 actions with stop): with fewer steps allowed it cannot be won, and was played."""
+    refusal = f"takes {needed} actions, more than max_steps={needed - 1}.*max_steps={needed}"
+    with pytest.raises(ValueError, match=refusal):
+        Maze2DEnv(size=5, reward_on=reward_on, max_steps=needed - 1).reset(options={"level": SNAKE})
+    env = Maze2DEnv(size=5, reward_on=reward_on, max_steps=needed)
+    env.reset(options={"level": SNAKE})
+    assert len(env.solve()) == needed == env.action_budget()

@@ -120,15 +120,18 @@ def place(board: Board, row: int, col: int, exponent: int) -> Board:
     return board[:row] + (line[:col] + (exponent,) + line[col + 1 :],) + board[row + 1 :]
 
 
-def largest_exponent(size: int) -> int:
-    """The exponent of the largest tile a ``size x size`` board can ever hold, new tiles being 2 or 4: 17 on
-    4x4 (131072), 10 on 3x3 (1024), 5 on 2x2 (32).
+def largest_exponent(size: int, given: int = 0) -> int:
+    """The exponent of the largest tile a ``size x size`` board can ever hold, new tiles being 2 or 4 and the
+    tiles it starts with at most ``2**given`` (0: none): 17 on 4x4 (131072), 10 on 3x3 (1024), 5 on 2x2 (32);
+    ``size**2 + given - 1`` from a given board whose largest tile is ``2**given`` (``given`` > 2).
 
-    A tile ``2**k`` (``k > 2``) is made from two of ``2**(k - 1)``; while the first waits, the second is made
-    from two of ``2**(k - 2)``, and so on down to two 4s, which may appear as new tiles: the board then holds
-    ``k - 1`` tiles (one of each of ``k - 1, ..., 3`` and two of 2, as exponents), so ``k - 1 <= size**2``.
+    A tile ``2**k`` (``k`` above every tile there for free) is made from two of ``2**(k - 1)``; while the first
+    waits, the second is made from two of ``2**(k - 2)``, and so on down to two of ``2**m`` where the second
+    can come for free: a new tile (``m <= 2``) or one of the board's first tiles (``m <= given``). The board
+    then holds ``k - m + 1`` tiles (one of each of ``k - 1, ..., m + 1`` and two of ``m``, as exponents), so
+    ``k <= size**2 + m - 1``.
     """
-    return size * size + 1
+    return size * size + max(given, 2) - 1
 
 
 def parse_board(board: Any, size: int) -> Board:
@@ -251,8 +254,9 @@ class Game2048Env(TurnEnv):
     Args:
         mode: ``"text"`` or ``"image"``.
         size: side of the board (RAGEN: 4), 2 to 8.
-        target_tile: the tile that wins (RAGEN: 2048), a power of two from 8 that the board can hold
-            (:func:`largest_exponent`: up to 1024 on 3x3).
+        target_tile: the tile that wins (RAGEN: 2048), a power of two from 8 that the board can reach
+            (:func:`largest_exponent`: up to 1024 on 3x3 from the first two tiles; a given board with larger
+            tiles reaches further). One it cannot reach is refused at reset.
         two_prob: probability that a new tile is a 2 (else a 4).
         reward: ``"log"`` (RAGEN's: ``0.1 * log2(merged + 1)``) or ``"score"`` (the merged value).
         no_move_reward: paid for a move that changes nothing.
@@ -287,10 +291,6 @@ class Game2048Env(TurnEnv):
         is_int = isinstance(target_tile, (int, np.integer)) and not isinstance(target_tile, bool)
         if not is_int or target_tile < 8 or target_tile & (target_tile - 1):
             raise ValueError(f"target_tile must be a power of two from 8, got {target_tile!r}")
-        if int(target_tile).bit_length() - 1 > largest_exponent(int(size)):
-            largest = 1 << largest_exponent(int(size))
-            raise ValueError(f"target_tile={target_tile} can never be made on a {size}x{size} board, whose largest "
-                             f"possible tile is {largest}: set target_tile <= {largest} or a larger size")
         if not 0.0 <= two_prob <= 1.0:
             raise ValueError(f"two_prob must be in [0, 1], got {two_prob}")
         if reward not in REWARDS:
@@ -313,14 +313,27 @@ class Game2048Env(TurnEnv):
     # ----------------------------------------------------------------- episode
     def _reset(self, rng: np.random.Generator, options: dict[str, Any]) -> None:
         self.score = 0
-        if "board" in options:  # a given board must have a legal move, or hold the target already
-            board = parse_board(options["board"], self.size)
-            if not legal_moves(board) and max(map(max, board)) < self._target_exponent:
+        n = self.size
+        if "board" in options:  # a given board must hold the target already, or have a legal move towards it
+            board = parse_board(options["board"], n)
+            held = max(map(max, board))
+            reach = largest_exponent(n, held)
+            if self._target_exponent > reach:
+                raise ValueError(f"board: target_tile={self.target_tile} can never be made from it on a {n}x{n} "
+                                 f"board, where its tiles reach {1 << reach} at most; give a board with larger "
+                                 f"tiles, or set target_tile <= {1 << reach}")
+            if held < self._target_exponent and not legal_moves(board):
                 # Every action would change nothing until max_steps, without a win or an end.
                 raise ValueError("board: no move changes it (no tile can slide or merge), so the game is over "
                                  "before it starts; give a board with a legal move")
             self.board = board
             return
+        if self._target_exponent > largest_exponent(n):
+            # Checked here, not when the env is built: a given board with larger tiles may reach the target.
+            largest = 1 << largest_exponent(n)
+            raise ValueError(f"target_tile={self.target_tile} can never be made on a {n}x{n} board from its first "
+                             f"two tiles, whose largest possible tile is {largest}: set target_tile <= {largest} or "
+                             "a larger size, or give a board with larger tiles (reset option 'board')")
         self.board = tuple((0,) * self.size for _ in range(self.size))
         self._spawn(rng)
         self._spawn(rng)

@@ -11,7 +11,7 @@ paths than the backtracker's long corridors). As in VisGym, the agent and the
 target start in opposite corners of the maze (one of the four corner pairs,
 drawn from the seed). ``reset(options={"level": ...})`` plays a given maze
 instead (see :func:`parse_level`), which must have a path from the agent to
-the target.
+the target that ``max_steps`` allows.
 
 Image mode draws 25 px a cell with VisGym's colours: grey walls, white paths,
 the target a red square and the agent a blue circle. Text mode draws one row
@@ -288,9 +288,15 @@ class Maze2DEnv(TurnEnv):
             grid, size, agent, target = parse_level(options["level"])
             if size != self.size:
                 raise ValueError(f"level is {size}x{size} but this env has size={self.size}; make one with size={size}")
-            if shortest_path(grid, size, agent, target) is None:
+            path = shortest_path(grid, size, agent, target)
+            if path is None:
                 raise ValueError("level: walls cut every path from the agent (A) to the target (T), so the episode "
                                  "cannot be won; give a maze with a path between them")
+            needed = len(path) + (self.reward_on == "stop")
+            if needed > self.max_steps:
+                raise ValueError(f"level: its shortest way to the target takes {needed} actions, more than "
+                                 f"max_steps={self.max_steps}, so the episode cannot be won; make the env with "
+                                 f"max_steps={needed} or more")
         else:
             grid = wilson_maze(rng, self.size) if self.generator == "wilson" else random_maze(rng, self.size)
             agent, target = corner_pair(rng, self.size)
@@ -331,8 +337,13 @@ class Maze2DEnv(TurnEnv):
 
     def action_budget(self) -> int:
         """The open cells of the maze (a shortest path visits each at most once), plus ``stop`` when the
-        reward needs one; capped by ``max_steps``. 9x9 (easy): 31, where the longest path takes 28."""
-        open_cells = ((self.size - 1) // 2) ** 2 * 2 - 1  # k*k rooms and the k*k-1 passages of a perfect maze
+        reward needs one; capped by ``max_steps``. 9x9 (easy): 31, where the longest path takes 28.
+
+        The maze played counts its own cells: a given one may have loops, open cells between the rooms or no
+        border, and more of them than a generated maze of its size (a 5x5 snake without a border takes 16
+        moves). Before the first reset, a generated maze's count."""
+        # A generated maze holds k*k rooms and the k*k-1 passages between them (a perfect maze).
+        open_cells = self._grid.count(PATH) if self._grid else ((self.size - 1) // 2) ** 2 * 2 - 1
         return min(self.max_steps, open_cells + (self.reward_on == "stop"))
 
     # ----------------------------------------------------------------- views
