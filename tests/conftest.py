@@ -1,17 +1,21 @@
-"""Shared fixtures: a session cache directory and the built-in tiny model.
+"""Shared fixtures: a session cache directory, the built-in tiny models, and what is made once per test run.
 
 Tests never read or write ``~/.cache``: ``TURNRL_CACHE`` points at a temporary
-directory for the whole session, and the tiny model is built there once.
+directory for the whole session, and the built-in models are built once for the whole
+run (every pytest-xdist worker reads the same builds).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 # The Ctrl-C tests send SIGINT to this process and to the commands they start. A suite started as a background
 # job of a script (`make test &`, some CI runners) inherits SIGINT ignored, which turnrl rightly keeps ignoring;
@@ -59,10 +63,46 @@ def turnrl_cache(tmp_path_factory) -> Path:
         os.environ["TURNRL_CACHE"] = previous
 
 
+def run_temp_root(tmp_path_factory) -> Path:
+    """The temporary folder of the whole test run: under pytest-xdist, the one above every worker's own (each worker
+    is a session of its own, with a temporary folder of its own)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+OncePerRun = Callable[[str, Callable[[Path], None]], Path]
+"""``once(name, make)``: a folder ``make`` filled once for the whole test run (see :func:`once_per_run`)."""
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory) -> OncePerRun:
+    """``once(name, make) -> folder``: ``make(folder)`` runs once for the whole test run, in whichever pytest-xdist
+    worker asks first; a worker that asks meanwhile waits for it, and every one then reads the same folder. For what
+    is expensive to make and only read afterwards (a reference run, a launch of several processes): each worker
+    would otherwise make its own, on the same two cores. A ``make`` that raised is made again by the next asker."""
+    root = run_temp_root(tmp_path_factory)
+
+    def once(name: str, make: Callable[[Path], None]) -> Path:
+        folder, done = root / name, root / f"{name}.done"
+        with FileLock(root / f"{name}.lock"):
+            if not done.is_file():
+                shutil.rmtree(folder, ignore_errors=True)  # what a failed make left
+                folder.mkdir()
+                make(folder)
+                done.touch()
+        return folder
+
+    return once
+
+
 @pytest.fixture(scope="session")
 def builtin_dir(tmp_path_factory) -> Path:
-    """Directory that holds the session's built-in model builds (pass as ``model.builtin_dir``)."""
-    return tmp_path_factory.mktemp("builtin_models")
+    """Directory that holds the test run's built-in model builds (pass as ``model.builtin_dir``): one folder for all
+    the pytest-xdist workers, so each model is built once (a build takes a lock; the others wait for it and reuse
+    it)."""
+    path = run_temp_root(tmp_path_factory) / "builtin_models"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")

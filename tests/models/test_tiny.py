@@ -279,7 +279,10 @@ def test_a_build_that_writes_no_complete_model_is_never_published(tmp_path):
 def test_processes_building_the_same_model_at_once_build_it_once(tmp_path):
     import multiprocessing
 
-    context = multiprocessing.get_context("spawn")
+    # Fresh processes, forked from one that has imported this module (torch, transformers) once, rather than four
+    # that each import it (spawn: 3 s of a core each); none inherits this process's threads (fork).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
     barrier = context.Manager().Barrier(4)
     out, log = tmp_path / "cache" / "model", tmp_path / "builds.log"
     with context.Pool(4) as pool:

@@ -25,7 +25,9 @@ def no_report_curves():
 
 
 @pytest.fixture(scope="session")
-def single(tiny_model_dir, tmp_path_factory) -> Path:
+def single(tiny_model_dir, once_per_run) -> Path:
     """Two PPO steps on one process (:mod:`tests.training.reference_run`'s settings): the run the two-process,
-    Ray and asynchronous runs of the same settings equal (read, never changed, by the tests)."""
-    return train_in_process(tiny_model_dir, tmp_path_factory.mktemp("reference"), "single", "run.steps=2")
+    Ray and asynchronous runs of the same settings equal (read, never changed, by the tests; run once for all the
+    pytest-xdist workers)."""
+    return once_per_run("reference", lambda out: train_in_process(tiny_model_dir, out, "single", "run.steps=2")) / \
+        "single"

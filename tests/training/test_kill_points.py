@@ -272,24 +272,25 @@ def test_a_sigterm_while_the_run_finishes_lets_it_finish(tiny_model_dir, tmp_pat
 
 # --------------------------------------------------------------------------- 3. a disk that refuses a write
 @pytest.fixture(scope="module")
-def stopped(tiny_model_dir, tmp_path_factory) -> Path:
+def stopped(tiny_model_dir, once_per_run) -> Path:
     """A 3-step run stopped after its first step by ``RUN/stop`` (checkpoint 1, no summary); copied, never
-    changed, by the tests. The file is made during the step: one there before the run starts is an earlier run's,
-    which the run's lock removes."""
+    changed, by the tests (run once for all the pytest-xdist workers). The file is made during the step: one there
+    before the run starts is an earlier run's, which the run's lock removes."""
     from turnrl.training.trainer import Trainer
 
-    out = tmp_path_factory.mktemp("stopped")
     step = Trainer.step
 
     def step_then_stop(self, index):
         (self.run_dir / "stop").touch()
         return step(self, index)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Trainer, "step", step_then_stop)
-        summary = train(config(tiny_model_dir, out, "run.steps=3"))
-    assert summary["interrupted_at_step"] == 1
-    return out / "run"
+    def run(out: Path) -> None:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Trainer, "step", step_then_stop)
+            summary = train(config(tiny_model_dir, out, "run.steps=3"))
+        assert summary["interrupted_at_step"] == 1
+
+    return once_per_run("kill_points_stopped", run) / "run"
 
 
 def test_a_resume_stopped_before_its_first_step_offers_the_resume_that_works(stopped, tmp_path, capsys):
@@ -369,17 +370,19 @@ def test_a_new_run_whose_first_write_is_refused_offers_a_fresh_start(tiny_model_
 
 # --------------------------------------------------------------------------- 4. files damaged by hand
 @pytest.fixture(scope="module")
-def two_checkpoints(tiny_model_dir, tmp_path_factory) -> Path:
-    """A 4-step run stopped after step 2 with checkpoints 1 and 2 (copied, never changed, by the tests)."""
-    out = tmp_path_factory.mktemp("two")
-    run = out / "run"
-    train(config(tiny_model_dir, out, "run.steps=4", "run.save_every=1", "run.keep_checkpoints=0"))
-    for name in ("summary.json", "checkpoints/step_000003", "checkpoints/step_000004"):
-        shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
-    (run / "checkpoints" / "latest").write_text("step_000002")
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    (run / "metrics.jsonl").write_text("".join(f"{text}\n" for text in lines if json.loads(text)["step"] <= 2))
-    return run
+def two_checkpoints(tiny_model_dir, once_per_run) -> Path:
+    """A 4-step run stopped after step 2 with checkpoints 1 and 2 (copied, never changed, by the tests; made once
+    for all the pytest-xdist workers)."""
+    def make(out: Path) -> None:
+        run = out / "run"
+        train(config(tiny_model_dir, out, "run.steps=4", "run.save_every=1", "run.keep_checkpoints=0"))
+        for name in ("summary.json", "checkpoints/step_000003", "checkpoints/step_000004"):
+            shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
+        (run / "checkpoints" / "latest").write_text("step_000002")
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        (run / "metrics.jsonl").write_text("".join(f"{text}\n" for text in lines if json.loads(text)["step"] <= 2))
+
+    return once_per_run("kill_points_two_checkpoints", make) / "run"
 
 
 LAST = "checkpoints/step_000002"

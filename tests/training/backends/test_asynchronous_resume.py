@@ -67,11 +67,10 @@ def assert_every_planned_episode_trained_once(run: Path, settings: TrainConfig) 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_model_dir, tmp_path_factory) -> Path:
-    """The asynchronous run, from its start to its end without a stop (read, never changed, by the tests)."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    train(async_config(tiny_model_dir, out))
-    return out / "run"
+def uninterrupted(tiny_model_dir, once_per_run) -> Path:
+    """The asynchronous run, from its start to its end without a stop (read, never changed, by the tests; run once
+    for all the pytest-xdist workers)."""
+    return once_per_run("asynchronous_uninterrupted", lambda out: train(async_config(tiny_model_dir, out))) / "run"
 
 
 def test_the_uninterrupted_run_trains_its_planned_episodes_once(uninterrupted, tiny_model_dir, tmp_path):

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -163,6 +163,60 @@ def test_two_processes_train_a_vlm_as_one_with_its_frozen_tower_whole_and_its_im
     assert tower.keys() == start.keys() and all(torch.equal(tower[k], start[k]) for k in start)
 
 
+# --------------------------------------------------------------------------- checks in two processes
+# Each check below is a script that two gloo processes run as torchrun starts them (argv: a model directory and a
+# folder for what it writes). The three run in turn in one launch, once for the test run: a launch is mostly its two
+# interpreters importing torch and transformers, which each check paid for on its own.
+TWO_PROCESS_CHECKS = """
+import sys, traceback
+from pathlib import Path
+import torch
+from turnrl.training import ranks
+
+ranks.init_process_group("cpu", timeout_s=120)
+checks = sys.argv[1:]
+for script, model_dir, out in zip(checks[0::3], checks[1::3], checks[2::3]):
+    sys.argv = [script, model_dir, out]  # as if torchrun had started the script itself
+    try:
+        exec(compile(Path(script).read_text(), script, "exec"), {"__name__": "__main__"})
+    except Exception:  # that check's failure, said in its folder: the checks after it still run
+        Path(out, f"failed{ranks.rank()}").write_text(traceback.format_exc())
+    ranks.barrier()
+torch.distributed.destroy_process_group()
+ranks.end_process(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def two_process_check(tiny_model_dir, tiny_vlm_dir, once_per_run) -> Callable[[str], Path]:
+    """``check(name) -> folder``: the folder that the script ``name`` of :data:`CHECKS` wrote into, in the launch
+    that ran them all; fails with what the processes said when the launch failed or the check raised in one."""
+    models = {"tiny": tiny_model_dir, "vlm-tiny": tiny_vlm_dir}
+
+    def launch(folder: Path) -> None:
+        args = []
+        for name, (script, model) in CHECKS.items():
+            (folder / name).mkdir()
+            (folder / f"{name}.py").write_text(script)
+            args += [str(folder / f"{name}.py"), str(models[model]), str(folder / name)]
+        (folder / "checks.py").write_text(TWO_PROCESS_CHECKS)
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--standalone", str(folder / "checks.py"), *args], capture_output=True, text=True,
+                                timeout=540, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        (folder / "said.txt").write_text(f"exit status {result.returncode}\n{failure_output(result)}")
+
+    folder = once_per_run("fsdp2_two_process_checks", launch)
+
+    def check(name: str) -> Path:
+        said = (folder / "said.txt").read_text()
+        assert said.startswith("exit status 0\n"), said
+        failed = [path.read_text() for path in sorted((folder / name).glob("failed*"))]
+        assert not failed, "\n".join(failed) + said
+        return folder / name
+
+    return check
+
+
 SHARDED_VLM = """
 import sys, torch
 from pathlib import Path
@@ -172,7 +226,6 @@ from turnrl.training import ranks
 from turnrl.training.head import install_scoring_head
 from turnrl.training.parallel.fsdp2 import shard_model, structure_of
 
-ranks.init_process_group("cpu", timeout_s=120)
 for trained in (False, True):
     model = load_model(sys.argv[1])
     install_scoring_head(model, None)
@@ -190,19 +243,12 @@ for trained in (False, True):
     assert isinstance(sharded.get_output_embeddings().weight, DTensor)
     assert all(isinstance(p, DTensor) for n, p in sharded.named_parameters() if "visual" not in n)
 Path(sys.argv[2], f"checked{ranks.rank()}").write_text("ok")
-torch.distributed.destroy_process_group()
-ranks.end_process(0)
 """
 
 
-def test_a_frozen_vision_tower_is_held_whole_by_each_process_and_a_trained_one_sharded(tiny_vlm_dir, tmp_path):
-    script = tmp_path / "sharded_vlm.py"
-    script.write_text(SHARDED_VLM)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                             str(script), str(tiny_vlm_dir), str(tmp_path)], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert sorted(path.name for path in tmp_path.glob("checked*")) == ["checked0", "checked1"]
+def test_a_frozen_vision_tower_is_held_whole_by_each_process_and_a_trained_one_sharded(two_process_check):
+    checked = two_process_check("sharded_vlm")
+    assert sorted(path.name for path in checked.glob("checked*")) == ["checked0", "checked1"]
 
 
 SAVED_OPTIMIZERS = """
@@ -217,7 +263,6 @@ from turnrl.training.head import install_scoring_head
 from turnrl.training.parallel.fsdp2 import FSDP2
 from turnrl.training.parallel.strategy import CheckpointFiles, Models, Optimizers
 
-ranks.init_process_group("cpu", timeout_s=120)
 model = load_model(sys.argv[1])
 install_scoring_head(model, None)
 plain = copy.deepcopy(model)  # one process's model and optimizer, unsharded
@@ -280,24 +325,17 @@ except RuntimeError as error:
     assert "optimizer cannot be read (process " in str(error), error
     assert str(error).endswith("move step_000002 away to resume from an earlier checkpoint"), error
 Path(sys.argv[2], f"checked{ranks.rank()}").write_text("ok")
-torch.distributed.destroy_process_group()
-ranks.end_process(0)
 """
 
 
-def test_sharded_optimizer_states_save_and_resume_as_one_process_steps_them(tiny_model_dir, tmp_path):
+def test_sharded_optimizer_states_save_and_resume_as_one_process_steps_them(two_process_check):
     """Two processes' AdamW over FSDP2 shards, saved and resumed, against one process's AdamW on the whole model
     with the same gradients: the same weights, moments and step counts. An optimizer saved before its first step
     (the actor during ``algorithm.critic_warmup_steps``) stays without state: reading its state dict made one up
     by a step on zero gradients, which left its first real step about a quarter smaller than one process's. A shard
     file cut short stops the resume on every process with what to do."""
-    script = tmp_path / "saved_optimizers.py"
-    script.write_text(SAVED_OPTIMIZERS)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                             str(script), str(tiny_model_dir), str(tmp_path)], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, failure_output(result)
-    assert sorted(path.name for path in tmp_path.glob("checked*")) == ["checked0", "checked1"]
+    checked = two_process_check("saved_optimizers")
+    assert sorted(path.name for path in checked.glob("checked*")) == ["checked0", "checked1"]
 
 
 FULL_DISK = """
@@ -312,7 +350,6 @@ from turnrl.training.head import install_scoring_head
 from turnrl.training.parallel.fsdp2 import FSDP2
 from turnrl.training.parallel.strategy import CheckpointFiles, Models, Optimizers
 
-ranks.init_process_group("cpu", timeout_s=120)
 model = load_model(sys.argv[1])
 install_scoring_head(model, None)
 strategy = FSDP2(cpu_offload=False)
@@ -332,25 +369,24 @@ except Exception as error:  # the other ranks: which process failed, and why
     said = str(error)
 ranks.barrier()
 Path(run_dir, f"said{ranks.rank()}").write_text(said)
-torch.distributed.destroy_process_group()
-ranks.end_process(0)
 """
 
 
-def test_a_full_disk_on_one_process_fails_the_checkpoint_on_every_process_as_a_full_disk(tiny_model_dir, tmp_path):
+def test_a_full_disk_on_one_process_fails_the_checkpoint_on_every_process_as_a_full_disk(two_process_check):
     """One process's optimizer shards do not fit on its disk: every process stops the save with an error (torch's
     own is a ``BaseException``, which the checkpoint's handler of write failures never saw); rank 0 says that the
     disk is full and how to go on, and deletes the unfinished checkpoint folder."""
-    script = tmp_path / "full_disk.py"
-    script.write_text(FULL_DISK)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                             str(script), str(tiny_model_dir), str(tmp_path)], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, failure_output(result)
+    run_dir = two_process_check("full_disk")
     assert re.match(r"checkpoint after step 1 could not be written: No space left on device\. Free some space",
-                    (tmp_path / "said0").read_text())
-    assert (tmp_path / "said1").read_text().startswith("process 1 could not write its optimizer shards: OSError")
-    assert list((tmp_path / "checkpoints").iterdir()) == []  # no unfinished folder, no ``latest``
+                    (run_dir / "said0").read_text())
+    assert (run_dir / "said1").read_text().startswith("process 1 could not write its optimizer shards: OSError")
+    assert list((run_dir / "checkpoints").iterdir()) == []  # no unfinished folder, no ``latest``
+
+
+CHECKS = {"sharded_vlm": (SHARDED_VLM, "vlm-tiny"), "saved_optimizers": (SAVED_OPTIMIZERS, "tiny"),
+          "full_disk": (FULL_DISK, "tiny")}
+"""The scripts :func:`two_process_check` runs, in this order, with the model each loads: the full disk last, since
+it leaves the checkpoint writer of process 1 failing."""
 
 
 @pytest.mark.slow  # 21 s; two processes train as one by default (test_two_processes_train_as_one)
