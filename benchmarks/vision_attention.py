@@ -217,17 +217,16 @@ def mlp_rows(args, device: torch.device) -> list[tuple[str, float]]:
     first = body_of(args.preset, device, torch.float32, args.vision_mlp_width)
     second = body_of(args.preset, device, torch.float32, args.vision_mlp_width)
     second.load_state_dict(first.state_dict())
+    if not align_vision_mlps(second.visual):  # before anything compiles: a refusal costs nothing
+        raise SystemExit(f"--mlp: {args.preset}'s vision MLPs are {second.visual.config.intermediate_size} wide, "
+                         "aligned already: nothing to compare (--vision-mlp-width sets another width)")
     counts = [args.images - index for index in range(4 + args.new_counts)]
     warm, timed = counts[:4], counts[4:]
     batches = {count: images(first, count, args.size, device, torch.float32) for count in counts}
     rows, features = [], []
     for label, body, aligned in (("its MLPs' own forward", first, False), ("its MLPs aligned", second, True)):
         body.visual.config._attn_implementation = VISION_ATTENTION
-        widened = align_vision_mlps(body.visual) if aligned else 0
-        if aligned and not widened:
-            raise SystemExit(f"--mlp: {args.preset}'s vision MLPs are {body.visual.config.intermediate_size} wide, "
-                             "aligned already: nothing to compare (--vision-mlp-width sets another width)")
-        assert aligned or not any(isinstance(module, AlignedQwen2_5_VLMLP) for module in body.modules())
+        assert aligned == any(isinstance(module, AlignedQwen2_5_VLMLP) for module in body.modules())
         compile_layer_parts(body)
         layouts = TowerLayouts(body.visual)
 
