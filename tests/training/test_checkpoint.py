@@ -555,3 +555,44 @@ def test_a_damaged_list_of_files_is_told_never_raised(tmp_path, content):
     (tmp_path / checkpoint.CONTENTS_FILE).write_bytes(content)
     problem = checkpoint._contents_problem(tmp_path, lambda name: True)
     assert problem is None or (isinstance(problem, str) and "\n" not in problem)
+
+
+def test_the_reference_is_written_whole_or_not_at_all(actor, tmp_path, monkeypatch):
+    """The KL term's reference is written as a checkpoint is: a folder of its own name renamed into place once it
+    is whole and on the disk, with its list of files. A write the disk stops part-way (a file-size limit) is the one
+    line of a full disk and leaves no folder, a reference cut or deleted later is told by its check, and a fresh
+    start replaces what an earlier start left."""
+    import errno
+
+    path = tmp_path / "reference"
+    real_save = type(actor).save_pretrained
+
+    def then_full(self, folder, **kwargs):
+        real_save(self, folder, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(actor), "save_pretrained", then_full)
+    with pytest.raises(ConfigError) as refused:
+        checkpoint.save_reference(actor, path)
+    monkeypatch.undo()
+    assert str(refused.value).startswith(f"the KL reference model could not be written to {path}: No space left "
+                                         "on device. Free some space")
+    assert "\n" not in str(refused.value) and list(tmp_path.iterdir()) == []
+
+    (tmp_path / "reference.tmp-1-dead").mkdir()  # a run killed mid-write
+    path.mkdir()
+    (path / "config.json").write_text("{}")  # an earlier start's, replaced
+    checkpoint.save_reference(actor, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reference"]
+    assert checkpoint.reference_problem(path) is None
+    assert json.loads((path / checkpoint.CONTENTS_FILE).read_text()).keys() >= {"config.json", "model.safetensors"}
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), actor.state_dict().values()))
+    weights = path / "model.safetensors"
+    (path / "generation_config.json").unlink()  # no check of its own reads it: the list tells it
+    assert checkpoint.reference_problem(path) == "no generation_config.json"
+    size = weights.stat().st_size
+    cut(weights, keep=size - 8)
+    assert checkpoint.reference_problem(path).startswith("reference/model.safetensors is damaged: ")
+    (path / "config.json").unlink()
+    assert checkpoint.reference_problem(path) == "no reference/config.json"

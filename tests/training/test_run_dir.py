@@ -121,6 +121,27 @@ def test_a_stop_file_left_by_a_killed_run_does_not_stop_the_resumed_one(tiny_mod
     assert f"note: {run / STOP_FILE} asked an earlier run that ended without stopping on it; removed" in note
 
 
+
+def test_a_resume_whose_reference_is_damaged_says_so_before_loading_anything(tiny_model_dir, tmp_path):
+    """The KL term's reference is written at the run's start and read by every resume: one cut short (a disk that
+    failed later, a copy interrupted) stops the resume with what is wrong and the two ways on, where it stopped
+    deep in transformers' loading with its traceback; a whole one resumes."""
+    settings = ("algorithm.advantage=grpo", "algorithm.kl_coef=0.05", "validation.every=0")
+    train(config(tiny_model_dir, tmp_path, "run.steps=1", *settings))
+    run = tmp_path / "run"
+    weights = run / "reference" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ConfigError) as refused:
+        train(config(tiny_model_dir, tmp_path, "run.steps=2", *settings, f"resume={run}"))
+    said = str(refused.value)
+    assert said.startswith(f"{run / 'reference'}, the frozen model the KL term compares the actor with, is damaged "
+                           "(reference/model.safetensors is damaged: ")
+    assert said.endswith("or resume with algorithm.kl_coef=0") and "\n" not in said
+    weights.write_bytes(whole)
+    assert train(config(tiny_model_dir, tmp_path, "run.steps=2", *settings, f"resume={run}"))["steps"] == 2
+
+
 FIRST_WRITER = """
 import sys
 from pathlib import Path

@@ -278,6 +278,40 @@ def _save_failed(run_dir: Path, step: int, cause: str) -> ConfigError:
                        f"limit, or put run.output_dir on a larger disk{then}")
 
 
+def save_reference(reference: Any, path: Path) -> None:
+    """Write the KL term's frozen reference model to ``path`` (``RUN_DIR/reference``) as a checkpoint is written:
+    into a folder of its own name, with its list of files (:data:`CONTENTS_FILE`), flushed to the disk and then
+    renamed, so that a run killed or cut off by the disk mid-write leaves no reference a resume would read half of.
+
+    Raises:
+        ConfigError: the disk or a file-size limit stopped the write (:func:`write_failure_cause`).
+    """
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    for leftover in path.parent.glob(f"{path.name}.tmp-*"):  # runs killed mid-write
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        reference.save_pretrained(tmp)
+        write_contents(tmp)
+        _sync_tree(tmp)
+    except Exception as error:
+        cause = write_failure_cause(error, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if cause is None:
+            raise
+        raise ConfigError(f"the KL reference model could not be written to {path}: {cause}. Free some space, "
+                          "raise the limit, or put run.output_dir on a larger disk, then start the run again") \
+            from error
+    shutil.rmtree(path, ignore_errors=True)  # a fresh start's: what an earlier start left there
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def reference_problem(path: Path) -> str | None:
+    """What keeps the reference model saved at ``path`` (:func:`save_reference`) from loading, in a few words; None
+    if nothing."""
+    return _model_problem(path, path.name) or _contents_problem(path, lambda name: True)
+
+
 def _sync_tree(folder: Path) -> None:
     """Flush every file under ``folder`` and the folders themselves to the disk (``fsync``).
 

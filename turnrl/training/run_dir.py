@@ -34,6 +34,7 @@ from turnrl.training.checkpoint import (
     latest_checkpoint,
     latest_name,
     newest_whole_actor,
+    reference_problem,
     remove_unfinished_writes,
     restore_replaced,
     resume_point,
@@ -62,6 +63,14 @@ def resumed_checkpoint(config: TrainConfig) -> ResumePoint:
     changed = saved_models_change(run_dir, config)
     if changed is not None:
         raise ConfigError(changed)
+    reference = run_dir / "reference"
+    if _needed_models(config)["a KL reference model"] and reference.is_dir():
+        problem = reference_problem(reference)
+        if problem is not None:
+            raise ConfigError(f"{reference}, the frozen model the KL term compares the actor with, is damaged "
+                              f"({problem}); it is a copy of the actor as this run's RL began (model.path, or the "
+                              "SFT stage's model): put that model's save_pretrained folder there, or resume with "
+                              "algorithm.kl_coef=0")
     point = resume_point(run_dir, critic=config.algorithm.uses_critic)
     if point.checkpoint is None:
         none = "no complete checkpoint" if checkpoint_steps(run_dir) else "no checkpoint"

@@ -92,6 +92,7 @@ from turnrl.training.checkpoint import (
     disk_space_problem,
     load_trainer_state,
     rng_state,
+    save_reference,
     set_rng_state,
     steps_done,
 )
@@ -371,7 +372,7 @@ class Trainer:
             if self.checkpoint is None:
                 reference: Any = cast_parameters(copy.deepcopy(self.actor), self.dtype)
                 if self.parallel.rank == 0:
-                    reference.save_pretrained(reference_path)
+                    save_reference(reference, reference_path)
                 self.reference = reference
             else:
                 self.reference = load_model(reference_path, dtype=self.dtype, device=self.load_device(),
