@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import pytest
@@ -18,18 +19,30 @@ from turnrl.envservice.request_bodies import OpenBody
 from turnrl.envservice.server import EnvServer
 
 
+@contextlib.asynccontextmanager
+async def serving(env_id: str, workers: int, ids: list[str]) -> AsyncIterator[EnvServer]:
+    """A started server of ``workers`` threads and no step deadline, with sessions ``ids`` of ``env_id`` open, its
+    gate closed; on leaving, the gate opens and the server shuts down (again, where the test shut it down)."""
+    close_gate()
+    server = EnvServer([env_id], limits=ServerLimits(workers=workers, step_timeout_s=float("inf")))
+    server.start()
+    try:
+        if ids:
+            await opened(server, env_id, ids)
+        yield server
+    finally:
+        GATE.set()
+        server.shutdown()
+
+
 def test_requests_waiting_on_env_calls_end_with_a_503_when_the_server_shuts_down():
     """One thread, stuck in a's step; b's step waits for it, its call taken by no thread. The shutdown cancels the
     calls not taken, and the request waited for them for good (it looked again every second); the step under way
     had no deadline, and its request waited as long as the env. Both now end with a 503 within a second, and a
     request after the shutdown is a 503 too (it was a 500 of the thread pool's own error)."""
-    close_gate()
 
     async def scenario() -> None:
-        server = EnvServer([GATED], limits=ServerLimits(workers=1, step_timeout_s=float("inf")))
-        server.start()
-        try:
-            await opened(server, GATED, ["a", "b"])
+        async with serving(GATED, 1, ["a", "b"]) as server:
             hung = asyncio.ensure_future(server.step(step_items(["a"], ["wait-inc"])))
             assert await asyncio.to_thread(IN_GATE.acquire, timeout=10)  # a's step holds the one thread
             queued = asyncio.ensure_future(server.step(step_items(["b"], ["inc"])))
@@ -42,9 +55,6 @@ def test_requests_waiting_on_env_calls_end_with_a_503_when_the_server_shuts_down
                 assert raised.value.status == 503 and raised.value.code == "shutting_down"
             with pytest.raises(APIError, match="shutting down"):
                 await server.open_sessions(OpenBody(env_id=GATED, settings={}, ids=["c"]), "me")
-        finally:
-            GATE.set()
-            server.shutdown()
 
     asyncio.run(scenario())
 
@@ -89,13 +99,9 @@ def test_a_shutdown_waits_for_a_running_step_and_then_its_env_is_closed_once_aft
     a's env under its step (a native simulator crashes there), then the abandoned step closed it again as it
     returned; now the shutdown returns once the step has returned and closed its env, once, and b's idle env is
     closed once as well."""
-    close_gate()
 
     async def scenario() -> None:
-        server = EnvServer([LOGGED], limits=ServerLimits(workers=2, step_timeout_s=float("inf")))
-        server.start()
-        try:
-            await opened(server, LOGGED, ["a", "b"])
+        async with serving(LOGGED, 2, ["a", "b"]) as server:
             envs = envs_of(server)
             hung = asyncio.ensure_future(server.step(step_items(["a"], ["wait-inc"])))
             assert await asyncio.to_thread(IN_GATE.acquire, timeout=10)
@@ -107,9 +113,6 @@ def test_a_shutdown_waits_for_a_running_step_and_then_its_env_is_closed_once_aft
             assert wait_until(lambda: server.executor.stuck == 0)
             assert envs["a"].log.count("close") == 1 and envs["b"].log[-1:] == ["close"]
             assert envs["b"].log.count("close") == 1
-        finally:
-            GATE.set()
-            server.shutdown()
 
     asyncio.run(scenario())
 
@@ -117,13 +120,9 @@ def test_a_shutdown_waits_for_a_running_step_and_then_its_env_is_closed_once_aft
 def test_a_step_still_running_past_the_grace_closes_its_env_once_when_it_returns():
     """a's step still hangs when the shutdown's grace ends: the shutdown returns without closing a's env (b's, idle,
     is closed), the request ends with a 503, and when the step finally returns its env is closed, once."""
-    close_gate()
 
     async def scenario() -> None:
-        server = EnvServer([LOGGED], limits=ServerLimits(workers=2, step_timeout_s=float("inf")))
-        server.start()
-        try:
-            await opened(server, LOGGED, ["a", "b"])
+        async with serving(LOGGED, 2, ["a", "b"]) as server:
             envs = envs_of(server)
             hung = asyncio.ensure_future(server.step(step_items(["a"], ["wait-inc"])))
             assert await asyncio.to_thread(IN_GATE.acquire, timeout=10)
@@ -136,9 +135,6 @@ def test_a_step_still_running_past_the_grace_closes_its_env_once_when_it_returns
             await asyncio.sleep(0.1)  # a second close, if one came, after the call's thread was counted out
             assert envs["a"].log[-3:] == ["step", "stepped", "close"] and envs["a"].log.count("close") == 1
             assert envs["b"].log.count("close") == 1
-        finally:
-            GATE.set()
-            server.shutdown()
 
     asyncio.run(scenario())
 
@@ -147,13 +143,9 @@ def test_a_batch_call_not_started_at_the_shutdown_never_touches_its_closed_env()
     """One thread steps a then b in one request; a's step hangs as the server shuts down. b's env is closed at once
     (idle), and when a's step returns the thread went on to step b's closed env; now b's item says its session is
     closed, and b's env saw no step after its close."""
-    close_gate()
 
     async def scenario() -> None:
-        server = EnvServer([LOGGED], limits=ServerLimits(workers=1, step_timeout_s=float("inf")))
-        server.start()
-        try:
-            await opened(server, LOGGED, ["a", "b"])
+        async with serving(LOGGED, 1, ["a", "b"]) as server:
             envs = envs_of(server)
             batch = asyncio.ensure_future(server.step(step_items(["a", "b"], ["wait-inc", "inc"])))
             assert await asyncio.to_thread(IN_GATE.acquire, timeout=10)
@@ -167,9 +159,6 @@ def test_a_batch_call_not_started_at_the_shutdown_never_touches_its_closed_env()
                 decode_item("here", b, step=True)
             assert envs["b"].log[-1] == "close" and envs["b"].log.count("close") == 1
             assert "env_error" not in server.metrics.errors  # the env raised nothing
-        finally:
-            GATE.set()
-            server.shutdown()
 
     asyncio.run(scenario())
 
@@ -177,13 +166,10 @@ def test_a_batch_call_not_started_at_the_shutdown_never_touches_its_closed_env()
 def test_an_env_built_as_the_server_shuts_down_opens_no_session_and_is_closed():
     """An open's build ends after the shutdown but before its request saw it: the session was added to the
     server that had closed its sessions, and its env never closed. Now the open is a 503 and the env is closed."""
-    close_gate()
     GatedEnv.made.clear()
 
     async def scenario() -> None:
-        server = EnvServer([LOGGED], limits=ServerLimits(workers=1, step_timeout_s=float("inf")))
-        server.start()
-        try:
+        async with serving(LOGGED, 1, []) as server:
             body = OpenBody(env_id=LOGGED, settings={"gate_build": True}, ids=["late"], count=None)
             opening = asyncio.ensure_future(server.open_sessions(body, "me"))
             assert await asyncio.to_thread(IN_GATE.acquire, timeout=10)
@@ -194,8 +180,5 @@ def test_an_env_built_as_the_server_shuts_down_opens_no_session_and_is_closed():
                 await asyncio.wait_for(opening, 10)
             assert len(server.table) == 0 and GatedEnv.made[0].closes
             assert len(GatedEnv.made[0].closes) == 1
-        finally:
-            GATE.set()
-            server.shutdown()
 
     asyncio.run(scenario())
