@@ -15,7 +15,7 @@ def no_report_curves():
     """The runs of these tests in this process write their report (``report.html``) without its PNG curves
     (``plots/``), as they write no TensorBoard files (``run.tensorboard=false``): no test here looks at them, and
     matplotlib drew them in about half of a short run's time (0.5 s of a core, in some 150 runs). The curves of real
-    runs are still drawn by every recipe's run (tests/test_recipes.py), by the runs here that start a process of
+    runs are still drawn by the quickstart recipes' runs (tests/test_recipes.py), by the runs here that start a process of
     their own, and by tests/viz/, which reads them."""
     from turnrl.viz import report
 
