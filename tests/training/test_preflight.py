@@ -23,6 +23,12 @@ from turnrl.training.train_config import TrainConfig
         (["env.settings.size=abc"], "env.settings.size='abc' is refused by FrozenLake: size must be an int"),
         (["env.id=Sokoban", "env.settings.size=abc"], "env.settings.size='abc'"),
         (["env.val_settings={size: 1}"], "size"),
+        # Judged at reset (a board given there may reach further), so by the first reset, not the build.
+        (["env.id=Game2048", "env.settings={size: 3, target_tile: 2048}"],
+         "env.id='Game2048' with env.settings={'size': 3, 'target_tile': 2048}: its first reset refused them: "
+         "target_tile=2048 can never be made on a 3x3 board"),
+        (["env.id=Game2048", "env.settings={size: 3, target_tile: 8}", "env.val_settings={size: 3, target_tile: 4096}"],
+         "env.val_settings={'size': 3, 'target_tile': 4096}: its first reset refused them"),
         (["sft.enabled=true", "sft.data=nowhere.jsonl"], "sft.data='nowhere.jsonl'"),
         (["sft.enabled=true", "sft.data=BROKEN"], "expected a JSON object"),
         (["run.wandb_project=x"], "pip install wandb"),

@@ -7,11 +7,14 @@ there or a directory that holds another run stops at once with a one-line error 
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 from rich.console import Console
 
 from turnrl.config import ConfigError, turnrl_command
+from turnrl.envs.contract import AgentEnv
 from turnrl.envservice.placement import env_factory
+from turnrl.envservice.protocol import RemoteEnvError
 from turnrl.models.builtin import check_builtin_preset
 from turnrl.models.loading import ModelSource, locate_model, model_line
 from turnrl.training import ranks
@@ -23,7 +26,9 @@ from turnrl.training.train_config import TrainConfig
 
 def _check_envs(config: TrainConfig, needs_solver: bool) -> None:
     """Build the env with its training and validation settings (here or on ``env.remote``, whose sessions are
-    closed again); with ``needs_solver``, that the env has a solver for expert demos.
+    closed again) and reset it once with each, since some settings only a reset can judge (a 2048 target that the
+    board's first tiles can never make: a board given at reset may reach further); with ``needs_solver``, that
+    the env has a solver for expert demos.
 
     Raises:
         ConfigError: unknown env, a refused setting, no server, or no solver when one is needed.
@@ -31,16 +36,28 @@ def _check_envs(config: TrainConfig, needs_solver: bool) -> None:
     make_env = env_factory(config.env.id, dict(config.env.settings), config.env.remote)
     try:
         if config.env.val_settings is not None:
-            env_factory(config.env.id, dict(config.env.val_settings), config.env.remote,
-                        where="env.val_settings").close()
-        if needs_solver:
-            env = make_env()
-            env.reset(seed=config.sft.seed_start)
-            if env.solve() is None:
-                raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no "
-                                  "expert demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
+            make_val_env = env_factory(config.env.id, dict(config.env.val_settings), config.env.remote,
+                                       where="env.val_settings")
+            try:
+                _first_reset(make_val_env(), config.env.id, "env.val_settings", dict(config.env.val_settings))
+            finally:
+                make_val_env.close()
+        env = make_env()
+        _first_reset(env, config.env.id, "env.settings", dict(config.env.settings), seed=config.sft.seed_start)
+        if needs_solver and env.solve() is None:
+            raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no "
+                              "expert demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
     finally:
         make_env.close()
+
+
+def _first_reset(env: AgentEnv, env_id: str, where: str, settings: dict[str, Any], seed: int = 0) -> None:
+    """Reset ``env`` once, its refusal of the settings a one-line error naming them."""
+    try:
+        env.reset(seed=seed)
+    except (ValueError, RemoteEnvError) as error:
+        raise ConfigError(f"env.id={env_id!r} with {where}={settings}: its first reset refused them: "
+                          f"{' '.join(str(error).split())}") from error
 
 
 def _check_demo_seeds(config: TrainConfig) -> None:
@@ -62,8 +79,8 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     """Check what a run needs before anything is written or a model loads: one-line errors, no traceback.
 
     Checks: ``model.path`` is a model directory, or a hub id in the local cache or on a reachable hub
-    (:func:`~turnrl.models.loading.locate_model`); the env id and its settings (one env is built, for training and
-    validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver and seeds apart
+    (:func:`~turnrl.models.loading.locate_model`); the env id and its settings (one env is built and reset, for training
+    and validation settings); SFT data (read whole, each line and image) or, for expert demos, a solver and seeds apart
     from the validation seeds; that the run to resume holds a complete checkpoint, not past ``run.steps``; optional
     packages (wandb); and that a new run does not write into another run's directory.
 
