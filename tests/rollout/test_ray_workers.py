@@ -106,6 +106,8 @@ def test_workers_play_the_greedy_trajectories_of_the_same_policy_in_process_and_
     assert [t.turns[0].response_ids for t in changed] != [t.turns[0].response_ids for t in there]
 
 
+@pytest.mark.slow  # 20 s (two workers started); a killed worker is named by default in
+# tests/training/backends/test_ray_rollout.py (weights_reach_the_workers_..., its one worker killed at the end)
 def test_a_killed_worker_raises_a_rollout_worker_error_naming_it(workers, actor):
     workers.set_weights(actor, version=100)
     ray.kill(workers.workers[1])
@@ -137,7 +139,8 @@ def test_lora_weights_travel_merged_as_the_plain_model_holds_them(tiny_model_dir
     changed = [name for name in plain if not torch.equal(weights[name], plain[name])]
     assert changed and all("q_proj" in name for name in changed)
     lora.merge_adapter()  # peft's merge in place: the adapters now live in the base weights
-    assert all(torch.equal(tensor, policy_weights(lora)[name]) for name, tensor in weights.items() if "q_proj" not in name)
+    assert all(torch.equal(tensor, policy_weights(lora)[name])
+               for name, tensor in weights.items() if "q_proj" not in name)
     assert all(torch.allclose(tensor, policy_weights(lora)[name]) for name, tensor in weights.items())  # not twice
     merged = lora.merge_and_unload()
     assert all(torch.allclose(weights[name], tensor) for name, tensor in merged.state_dict().items())

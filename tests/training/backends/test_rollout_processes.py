@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.training import test_kill_points as kill_points
+from tests.training.backends.pool_hosts import keep_own_weights
 from tests.training.reference_run import (
     assert_same_metrics,
     run_config,
@@ -25,7 +27,9 @@ from tests.training.reference_run import (
 )
 from tests.training.test_commands import overrides
 from tests.training.test_kill_points import output, start
-from turnrl.config import ConfigError
+from turnrl.config import ConfigError, SamplingConfig
+from turnrl.engine.weights import WeightsChecksum
+from turnrl.rollout.ray_workers import RolloutHost, SlotSpec, WorkerResult
 from turnrl.training.backends.pool_protocol import leave_stops_to_the_trainers
 from turnrl.training.checkpoint import latest_checkpoint
 from turnrl.training.commands import train
@@ -68,8 +72,6 @@ def ran(result) -> str:
 STALENESS_0 = ["distributed.async_rollout=true", "distributed.max_staleness=0"]
 
 
-# The partial variant (20 s) runs with the slow tests: partial rollouts equal full ones in process by default
-# (test_partial_rollouts.py), and the pool's asynchronous protocol by test_asynchronous_pool_one_update_behind_....
 def test_a_rollout_process_ignores_ctrl_c_and_sigterm_and_so_do_the_processes_it_starts():
     """The trainers decide when a pool stops; a job-wide SIGTERM also reaches the processes a rollout process starts
     (inductor's compile workers), which keep the signal ignored and live on."""
@@ -86,24 +88,59 @@ def test_a_rollout_process_ignores_ctrl_c_and_sigterm_and_so_do_the_processes_it
             signal.signal(number, handler)
 
 
-@pytest.mark.parametrize("mode", [pytest.param([], id="synchronous"),
-                                  pytest.param([*STALENESS_0, "distributed.partial_rollouts=true"],
-                                               id="staleness0-partial", marks=pytest.mark.slow)])
-def test_one_trainer_and_two_rollout_processes_train_as_one_process(tiny_model_dir, tmp_path, single, mode):
-    """Synchronous, or asynchronous with no staleness, with partial rollouts (no weights are published while a batch
-    plays; without them the rollout processes report the same turn boundaries and take nothing there either): the
-    episodes, rewards and every step's metrics of the one-process run; the turns record the weights version they
-    were played with."""
-    said = ran(run_train(tiny_model_dir, tmp_path, "pool", "run.steps=2", *pool(1, 2, *mode)))
+class SkipsUpdateThreeOnRankTwo(RolloutHost):
+    """Takes the weights of updates 1 and 2; in the second rollout process (launched rank 2 under one trainer) reads
+    those of update 3 and keeps its own: a sync that never reaches the policy (the LoRA adapters a peer never
+    sent)."""
+
+    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsChecksum | None:
+        if version == 3 and os.environ.get("RANK") == "2":
+            return keep_own_weights(self, version, weights)
+        return super().load_weights(version, weights)
+
+
+def test_one_trainer_and_two_rollout_processes_train_as_one_process_until_one_skips_the_weights(tiny_model_dir,
+                                                                                                tmp_path, single):
+    """Two steps: the episodes, rewards and every step's metrics of the one-process run; the turns record the weights
+    version they were played with. Then the second rollout process keeps its weights through the sync after step 3:
+    the check of its checksum stops the run naming it, not the first. One launch for both: starting the three
+    processes is most of its time."""
+    result = run_train(tiny_model_dir, tmp_path, "pool", "run.steps=3",
+                       *pool(1, 2, f"distributed.rollout_host={__name__}:SkipsUpdateThreeOnRankTwo"))
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode != 0, said[-3000:]
+    assert "1 trainer process and 2 rollout processes" in said
+    one, two = played_as_one(single, tmp_path / "pool")
+    assert sorted(one) == [1, 2]
+    assert two[2]["timing/weights_check_s"] >= 0 and "pool/publish_s" in two[2]
+    versions = {turn["weights_version"] for t in trajectories(tmp_path / "pool", 2) for turn in t["turns"]}
+    assert versions == {1}  # step 2 played with the weights of the first update
+    assert "WeightsSyncError: the rollout's weights did not change after the weights sync of version 3" in said, \
+        said[-3000:]
+    assert "pool (rollout process 2 (rank 2" in said and "rollout process 1 (rank 1" not in said, said[-3000:]
+
+
+# 20 s; by default the processes play as one synchronously (train_as_one_process_until_one_skips_the_weights),
+# the pool's asynchronous protocol runs one update behind (asynchronous_pool_one_update_behind_...), and partial
+# rollouts equal full ones in process (test_partial_rollouts.py).
+@pytest.mark.slow
+def test_one_trainer_and_two_rollout_processes_asynchronous_with_no_staleness_train_as_one_process(
+        tiny_model_dir, tmp_path, single):
+    """Asynchronous with no staleness, with partial rollouts (no weights are published while a batch plays; without
+    them the rollout processes report the same turn boundaries and take nothing there either): the episodes,
+    rewards and every step's metrics of the one-process run; the turns record the weights version they were played
+    with."""
+    said = ran(run_train(tiny_model_dir, tmp_path, "pool", "run.steps=2",
+                         *pool(1, 2, *STALENESS_0, "distributed.partial_rollouts=true")))
     assert "1 trainer process and 2 rollout processes" in said
     one, two = played_as_one(single, tmp_path / "pool")
     assert sorted(one) == [1, 2]
     assert two[2]["timing/weights_check_s"] >= 0
-    assert ("pool/publish_s" if not mode else "async/publish_s") in two[2]
+    assert "async/publish_s" in two[2]
     versions = {turn["weights_version"] for t in trajectories(tmp_path / "pool", 2) for turn in t["turns"]}
     assert versions == {1}  # step 2 played with the weights of the first update
-    if mode:  # the processes reported their rounds' turn boundaries; none took other weights there
-        assert two[2]["async/turns_behind_mean"] == 0 and two[2]["async/weight_switches"] == 0
+    # The processes reported their rounds' turn boundaries; none took other weights there.
+    assert two[2]["async/turns_behind_mean"] == 0 and two[2]["async/weight_switches"] == 0
 
 
 # A rollout process waits at a boundary until the trainer logs step 1: a long wait on a busy machine.
@@ -147,7 +184,7 @@ def test_rollout_processes_on_gpus_take_weights_mid_batch_over_nccl(tiny_model_d
     assert record["async/weight_switches"] == rollouts
 
 
-@pytest.mark.slow  # 14 s; a skipped transfer between batches is caught in the default run (skips_the_weights)
+@pytest.mark.slow  # 14 s; a skipped transfer between batches is caught in the default run (until_one_skips_the_weights)
 def test_a_mid_batch_transfer_a_rollout_process_skips_stops_the_run(tiny_model_dir, tmp_path, monkeypatch):
     """A rollout process that reads the weights sent at its turn boundary and keeps its own is caught by the check
     of that process; the other one, still playing, does not hold the stop up (a stop sent to it would wait for
@@ -196,9 +233,30 @@ def test_lora_adapters_reach_the_rollout_processes_merged(tiny_model_dir, tmp_pa
     assert one[2]["actor/grad_norm"] > 0
 
 
-def test_asynchronous_pool_one_update_behind_corrects_with_importance_weights(tiny_model_dir, tmp_path):
-    ran(run_train(tiny_model_dir, tmp_path, "pool", "run.steps=3", *pool(1, 1, *ASYNC, "distributed.max_staleness=1")))
+class FailsInStepFour(RolloutHost):
+    """Raises at its fourth batch, as an env that breaks does."""
+
+    plays = 0
+
+    def run(self, slots: Sequence[SlotSpec], sampling: SamplingConfig, seed: int) -> WorkerResult:
+        self.plays += 1
+        if self.plays == 4:
+            raise RuntimeError("the env server went away")
+        return super().run(slots, sampling, seed)
+
+
+def test_asynchronous_pool_one_update_behind_corrects_with_importance_weights_until_its_process_fails(
+        tiny_model_dir, tmp_path):
+    """Three steps one update behind; then the rollout process raises in step 4 (played ahead while step 3 updates,
+    its failure taken with that batch): the run stops naming it, with step 3 saved to resume from. One launch for
+    both: starting the processes is most of its time."""
+    result = run_train(tiny_model_dir, tmp_path, "pool", "run.steps=4", "run.save_every=1",
+                       *pool(1, 1, *ASYNC, "distributed.max_staleness=1",
+                             f"distributed.rollout_host={__name__}:FailsInStepFour"))
+    said = " ".join(result.stdout.split())
+    assert result.returncode != 0, said[-3000:] + result.stderr[-3000:]
     records = step_records(tmp_path / "pool")
+    assert sorted(records) == [1, 2, 3]
     assert records[1]["async/staleness"] == 0
     assert records[2]["async/staleness"] == 1  # step 2 plays while update 1 runs
     for record in records.values():
@@ -208,8 +266,14 @@ def test_asynchronous_pool_one_update_behind_corrects_with_importance_weights(ti
     versions = [{turn["weights_version"] for t in trajectories(tmp_path / "pool", step) for turn in t["turns"]}
                 for step in (1, 2, 3)]
     assert versions[0] == {0} and versions[2] <= {1, 2} and versions[2] != {0}
+    assert "rollout process 1 (rank 1, pid" in said, said[-3000:]
+    assert "failed during play: RuntimeError: the env server went away" in said, said[-3000:]
+    assert "stopped by the error above after step 3 of 4" in said, said[-3000:]  # a checkpoint to resume from
+    assert (tmp_path / "pool" / "checkpoints" / "step_000003").is_dir()
 
 
+@pytest.mark.slow  # 19 s; by default a rollout process that skips the weights stops the run (the second of two, in
+# the launch of train_as_one_process_until_one_skips_the_weights)
 def test_a_rollout_process_that_skips_the_weights_stops_the_run(tiny_model_dir, tmp_path):
     result = run_train(tiny_model_dir, tmp_path, "pool", "run.steps=2",
                        *pool(1, 1, f"distributed.rollout_host={POOL}:SkipsWeights"))
@@ -219,6 +283,9 @@ def test_a_rollout_process_that_skips_the_weights_stops_the_run(tiny_model_dir, 
     assert "pool (rollout process 1 (rank 1" in said
 
 
+@pytest.mark.slow  # 21 s; by default a rollout process that fails is named in an asynchronous run
+# (asynchronous_pool_one_update_behind_..._until_its_process_fails), and a synchronous run stops on a lost rollout
+# worker with its checkpoint (tests/training/test_trainer.py, a_run_stopped_by_a_lost_rollout_worker_...)
 def test_a_rollout_process_that_fails_stops_the_run_naming_it(tiny_model_dir, tmp_path):
     result = run_train(tiny_model_dir, tmp_path, "pool", "run.steps=3", "run.save_every=1",
                        *pool(1, 1, f"distributed.rollout_host={POOL}:FailsInStepTwo"))
@@ -230,7 +297,7 @@ def test_a_rollout_process_that_fails_stops_the_run_naming_it(tiny_model_dir, tm
     assert (tmp_path / "pool" / "checkpoints" / "step_000001").is_dir()
 
 
-@pytest.mark.slow  # 21 s; a rollout process that fails is named by default (fails_stops_the_run_naming_it)
+@pytest.mark.slow  # 21 s; a rollout process that fails is named by default (until_its_process_fails)
 def test_a_rollout_process_that_dies_in_an_asynchronous_batch_is_named_at_once(tiny_model_dir, tmp_path):
     """Its channel closes: the receive from it fails at once (not after distributed.timeout_s, an hour here, past
     this test's limit), and the run stops naming it, with the last finished step saved."""
@@ -244,7 +311,7 @@ def test_a_rollout_process_that_dies_in_an_asynchronous_batch_is_named_at_once(t
     assert (tmp_path / "pool" / "checkpoints" / "step_000001").is_dir()
 
 
-@pytest.mark.slow  # 39 s; by default a skipped transfer stops the run (skips_the_weights) and an asynchronous
+@pytest.mark.slow  # 39 s; by default a skipped transfer stops the run (until_one_skips_the_weights) and an asynchronous
 # run killed mid-step resumes each episode once (test_asynchronous_resume.py)
 def test_a_failed_weights_transfer_stops_every_trainer_and_the_resume_trains_each_step_once(tiny_model_dir,
                                                                                            tmp_path):
