@@ -272,6 +272,17 @@ def test_a_cast_copy_is_the_cast_model_and_leaves_the_original_as_it_was(fixture
 
 
 @pytest.fixture
+def scalar_kernels():
+    """Inductor's C++ kernels without SIMD for a test that compiles: g++, most of a compile on a CPU, takes about
+    half as long on them, and no instruction set is probed (a g++ run for each, once a machine). The tests check
+    which parts are compiled and that they compute the eager numbers, which scalar kernels do as well."""
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch({"cpp.vec_isa_ok": False}):
+        yield
+
+
+@pytest.fixture
 def original_rotary(monkeypatch):
     """Compiling layer parts swaps a family's rotary embedding in its transformers module, for the process: the test
     starts from the family's own function, whatever an earlier test of its worker compiled, and its swaps are
@@ -284,8 +295,14 @@ def original_rotary(monkeypatch):
                 monkeypatch.setattr(module, function, current.original if swapped else current)
 
 
-@pytest.mark.parametrize(("fixture", "checkpointing"),
-                         [("tiny_model_dir", False), ("tiny_model_dir", True), ("tiny_vlm_dir", False)])
+@pytest.mark.parametrize(("fixture", "checkpointing"), [
+    ("tiny_model_dir", False), ("tiny_model_dir", True),
+    # slow: 11 s, kernels of its own for decoder layers like the text model's (the case above); the default
+    # run checks the VLM's parts compiled and its tower left eager in
+    # test_compiled_vision_blocks_give_the_eager_towers_features
+    pytest.param("tiny_vlm_dir", False, marks=pytest.mark.slow),
+])
+@pytest.mark.usefixtures("scalar_kernels")
 def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, checkpointing, request, original_rotary):
     """Each decoder layer's norms and MLP compiled (the attention eager; a VLM's vision blocks too, see the next
     test): the same logits and gradients as the eager model over token counts that change from pass to pass
@@ -321,10 +338,11 @@ def test_compiled_layer_parts_give_the_eager_outputs_and_gradients(fixture, chec
     with torch.no_grad():
         for param in twin.parameters():
             param.mul_(0.5)
-        ids = torch.randint(0, 200, (1, 20), generator=generator)
-        assert not torch.allclose(twin(input_ids=ids).logits, compiled(input_ids=ids).logits)
+    ids = torch.randint(0, 200, (1, 20), generator=generator)  # with gradients: the kernels compiled above
+    assert not torch.allclose(twin(input_ids=ids).logits, compiled(input_ids=ids).logits)
 
 
+@pytest.mark.usefixtures("scalar_kernels")
 def test_the_compiled_rotary_embedding_trains_as_the_eager_one_under_autocast(tiny_vlm_dir, original_rotary):
     """Under bf16 autocast over float32 weights (how the trainer runs), the rotary embedding compiled with its cast
     returns exactly what the eager function returns cast to bf16, and gradients within bf16's rounding (the eager
@@ -380,10 +398,11 @@ def test_the_compiled_rotary_embedding_trains_as_the_eager_one_under_autocast(ti
                for out, ref in zip(float32, apply_rotary_pos_emb(q.float(), k.float(), cos, sin)))
 
 
+@pytest.mark.usefixtures("scalar_kernels")
 def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir, original_rotary):
     """A VLM's vision blocks compiled around their attention (two norms and the MLP each, and the tower's rotary
     embedding) encode images as the eager tower does, over image sizes that change from call to call, and a
-    trained tower's gradients are the eager tower's."""
+    trained tower's gradients are the eager tower's; ``vision=False`` compiles the decoder's parts alone."""
     import copy
 
     eager = loading.load_model(tiny_vlm_dir)
@@ -393,6 +412,9 @@ def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir, ori
               if loading.VISION_ATTENTION_PART in dict(m.named_children())]
     assert blocks
     assert loading.compile_layer_parts(compiled) == 3 * (len(layers) + len(blocks))
+    text_only = copy.deepcopy(eager)
+    assert loading.compile_layer_parts(text_only, vision=False) == 3 * len(layers) > 0
+    assert all("forward" not in vars(m) for m in loading.vision_tower(text_only).modules())  # the tower eager
     tower_attention = getattr(blocks[0], loading.VISION_ATTENTION_PART)
     tower_module = sys.modules[type(tower_attention).__module__]
     assert isinstance(vars(tower_module)[loading.VISION_ROTARY_FUNCTION], loading.CompiledVisionRotary)
@@ -402,7 +424,9 @@ def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir, ori
     assert isinstance(vars(decoder_module)[loading.ROTARY_FUNCTION], loading.CompiledRotary)
     config = eager.config.vision_config
     generator = torch.Generator().manual_seed(0)
-    for side in (4, 6, 2):  # patches a side
+    # Patches a side, even (2x2 patches merge into a token). Sides of 2 and 4 would compile the rotary embedding
+    # twice more: a dimension of 1 (one token) and one equal to another (4 x 4) are specialized.
+    for side in (6, 10, 8):
         grid = torch.tensor([[1, side, side]])
         pixels = torch.randn(side * side, 3 * config.temporal_patch_size * config.patch_size**2, generator=generator)
         features = []
@@ -418,6 +442,7 @@ def test_compiled_vision_blocks_give_the_eager_towers_features(tiny_vlm_dir, ori
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.usefixtures("scalar_kernels")
 def test_the_compiled_vision_rotary_embedding_rounds_as_the_eager_one(tiny_vlm_dir, original_rotary):
     """The tower's rotary embedding compiled: bf16 queries and keys with float32 cos and sin (a tower under bf16
     autocast, or in bf16) come back in bf16, the eager function's values to one rounding step (both compute in

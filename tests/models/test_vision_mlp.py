@@ -12,7 +12,7 @@ from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
 
-from tests.models.test_loading import original_rotary
+from tests.models.test_loading import original_rotary, scalar_kernels
 from tests.models.test_vision_attention import images
 from turnrl.models import loading as loading_module
 from turnrl.models import vlm_config
@@ -97,7 +97,7 @@ def test_a_loaded_qwen2_5_vl_tower_of_an_unaligned_width_gives_its_features_and_
         assert copied.state_dict().keys() == loaded.state_dict().keys()
 
 
-@pytest.mark.usefixtures(original_rotary.__name__)
+@pytest.mark.usefixtures(original_rotary.__name__, scalar_kernels.__name__)
 def test_a_compiled_tower_of_an_unaligned_width_compiles_the_aligned_forward(tiny_tokenizer, tmp_path):
     """``compile_layer_parts`` compiles the forward an unaligned MLP runs (the padded products), not its class's:
     the features are the eager tower's, and a copy of the compiled model keeps the compiled function."""

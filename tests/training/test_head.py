@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.models.test_loading import scalar_kernels
 from turnrl.models.loading import load_model
 from turnrl.training.head import (
     ScoringHead,
@@ -132,6 +133,7 @@ def test_the_chunk_functions_give_a_peaked_distribution_finite_values():
     assert float(ent) == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.usefixtures(scalar_kernels.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_scoring_equals_the_eager_one(dtype):
     """``compiled=True`` (``model.compile``): the chunk functions through torch.compile, chunks of 5, 5 and 3

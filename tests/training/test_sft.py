@@ -177,14 +177,28 @@ def test_demo_samples_mask_only_the_experts_responses(tiny_tokenizer):
         assert len(sample.turn_ends) == len(demo.turns)
 
 
-def test_chats_tokenized_in_several_processes_are_the_samples_of_one(tiny_tokenizer):
+def test_chats_tokenized_in_several_processes_are_the_samples_of_one(tiny_tokenizer, monkeypatch):
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from turnrl.training import sft
+
     window = 1  # a sample per turn, each prompt its own window (the Sokoban and FrozenLake recipes)
     agent, config, fmt = demo_setup(episodes=10, random_action_share=0.3)
     chats = [trajectory_messages(d) for d in expert_demos(lambda: make("FrozenLake"), fmt, agent, config,
                                                           "FrozenLake")]
     one = chat_samples(chats, tiny_tokenizer, window)
     assert len(one) >= len(chats)
-    assert chat_samples(chats, tiny_tokenizer, window, workers=2) == one  # spawned processes, chunks in order
+    # The processes sft asks for are fresh ones (spawned: no copy of this process's threads). Here they are forked
+    # from a server that imported sft's modules once, rather than each importing torch and transformers (seconds of
+    # a core each); they unpickle the tokenizer and the chunks as spawned ones do.
+    forkserver = multiprocessing.get_context("forkserver")
+    forkserver.set_forkserver_preload([sft.__name__])
+    asked = []
+    monkeypatch.setattr(sft, "multiprocessing",
+                        SimpleNamespace(get_context=lambda method: asked.append(method) or forkserver))
+    assert chat_samples(chats, tiny_tokenizer, window, workers=2) == one  # chunks in order
+    assert asked == ["spawn"]
 
 
 def test_a_vlms_chats_are_tokenized_in_the_training_process_whatever_the_workers(tiny_vlm_dir, monkeypatch):
