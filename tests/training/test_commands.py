@@ -1,14 +1,19 @@
-"""A run's directory under crashes and a second writer: real processes killed at chosen moments, a file-size
-limit, two ``turnrl train`` at once, SIGTERM; and the commands the messages print."""
+"""A run's directory under crashes and a second writer: real processes killed at chosen moments, two ``turnrl
+train`` at once, SIGTERM; a file-size limit on this process; and the commands the messages print."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -94,6 +99,48 @@ def listing(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """This process may write files of at most ``limit`` bytes while it is open (``ulimit -f``): a disk that refuses
+    a write, met by the command run in this process. Python ignores the SIGXFSZ that would end the process, so the
+    write raises (EFBIG) as it does in a ``turnrl`` process under the limit; the tests that run under it capture
+    their output in memory (``capsys``), where the limit does not stop it. A run in a process of its own under the
+    limit, whose whole output and exit status are checked: test_kill_points.py's refused writes."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def stopped_run(model_dir: Path, once_per_run) -> Path:
+    """A 3-step run stopped after its first step by ``RUN/stop`` (checkpoint 1, no summary); copied, never changed,
+    by the tests (run once for all the pytest-xdist workers). The file is made during the step: one there before
+    the run starts is an earlier run's, which the run's lock removes."""
+    from turnrl.training.trainer import Trainer
+
+    step = Trainer.step
+
+    def step_then_stop(self, index):
+        (self.run_dir / "stop").touch()
+        return step(self, index)
+
+    def run(out: Path) -> None:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Trainer, "step", step_then_stop)
+            summary = train(config(model_dir, out, "run.steps=3"))
+        assert summary["interrupted_at_step"] == 1
+
+    return once_per_run("kill_points_stopped", run) / "run"
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
 @pytest.fixture(scope="module")
 def finished(tiny_model_dir, tmp_path_factory) -> Path:
     """A finished 2-step run with a checkpoint after each step (read, never changed, by the tests)."""
@@ -103,20 +150,6 @@ def finished(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 # --------------------------------------------------------------------------- 1. config.yaml, whole or not at all
-WRITE_UNDER_A_LIMIT = """
-import resource, sys
-from turnrl.config import load_config
-from turnrl.training.train_config import TrainConfig
-from turnrl.training.run_dir import write_config
-config = load_config(TrainConfig, None, [f"run.output_dir={sys.argv[1]}", "run.name=run", "run.steps=7"])
-resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))  # `ulimit -f 1`
-try:
-    write_config(config)
-except OSError as error:
-    print("failed:", error.strerror)
-"""
-
-
 def test_a_config_write_that_fails_leaves_the_old_config_yaml_whole(tmp_path):
     """A resume rewrites config.yaml; under a file-size limit that write fails, and the old file must stay
     whole (it was cut to the limit before), with no temporary file left beside it."""
@@ -125,8 +158,10 @@ def test_a_config_write_that_fails_leaves_the_old_config_yaml_whole(tmp_path):
     write_config(load_config(TrainConfig, None, [f"run.output_dir={tmp_path}", "run.name=run", "run.steps=3"]))
     before = (run / "config.yaml").read_bytes()
     assert len(before) > 1024
-    done = python(WRITE_UNDER_A_LIMIT, str(tmp_path))
-    assert "failed: File too large" in done.stdout, done.stderr
+    again = load_config(TrainConfig, None, [f"run.output_dir={tmp_path}", "run.name=run", "run.steps=7"])
+    with file_size_limit(1024), pytest.raises(OSError) as failed:  # `ulimit -f 1`
+        write_config(again)
+    assert failed.value.errno == errno.EFBIG, failed.value
     assert (run / "config.yaml").read_bytes() == before
     assert [p.name for p in run.iterdir()] == ["config.yaml"]
 
@@ -341,8 +376,6 @@ def test_a_resume_with_fewer_steps_keeps_no_trajectories_of_steps_it_never_logge
     for name in ("summary.json", "checkpoints/step_000002", "checkpoints/step_000003"):
         path = run / name
         if path.is_dir():
-            import shutil
-
             shutil.rmtree(path)
         else:
             path.unlink()
@@ -353,27 +386,21 @@ def test_a_resume_with_fewer_steps_keeps_no_trajectories_of_steps_it_never_logge
 
 
 # --------------------------------------------------------------------------- 5. a checkpoint the disk cannot hold
-RESUME_UNDER_A_LIMIT = """
-import resource, sys
-from turnrl.cli import main
-resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
-sys.exit(main(["train", *sys.argv[2:]]))
-"""
+@pytest.fixture(scope="module")
+def stopped(tiny_model_dir, once_per_run) -> Path:
+    return stopped_run(tiny_model_dir, once_per_run)
 
 
-def test_a_checkpoint_write_cut_by_a_file_size_limit_stops_with_the_cause_and_keeps_the_last_one(tiny_model_dir,
-                                                                                                 tmp_path):
+def test_a_checkpoint_write_cut_by_a_file_size_limit_stops_with_the_cause_and_keeps_the_last_one(stopped, tmp_path,
+                                                                                                 capsys):
     """The limit lets the actor's weights through and stops torch's zip writer in the optimizer states (its
     "unexpected pos"): one line naming the limit, the previous checkpoint whole and still ``latest``."""
-    run = tmp_path / "run"
-    train(config(tiny_model_dir, tmp_path, "run.steps=1"))
+    run = copy_of(stopped, tmp_path)
     first = run / "checkpoints" / "step_000001"
     weights = (first / "actor" / "model.safetensors").stat().st_size
     assert (first / "trainer_state.pt").stat().st_size > 1.5 * weights
-    done = python(RESUME_UNDER_A_LIMIT, str(int(1.5 * weights)), f"resume={run}", "run.steps=2")
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr
-    last = done.stderr.strip().splitlines()[-1]
+    with file_size_limit(int(1.5 * weights)):
+        last = error_line("train", f"resume={run}", "run.steps=2")
     assert last.startswith("error: checkpoint after step 2 could not be written: this process may write files of "
                            "at most ")
     assert "(its file-size limit, `ulimit -f`)" in last
@@ -663,23 +690,13 @@ def test_a_longer_resume_killed_before_its_summary_ends_with_its_own_summary(tin
     assert kinds(run) == [(0, "val"), (1, "step"), (1, "val"), (2, "step"), (2, "val")]
 
 
-SFT_UNDER_A_LIMIT = """
-import resource, sys
-from turnrl.cli import main
-resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
-sys.exit(main(["sft", *sys.argv[2:]]))
-"""
-
-
-def test_sft_whose_model_the_disk_refuses_is_one_line_saying_how_to_run_it_again(tiny_model_dir, tmp_path):
+def test_sft_whose_model_the_disk_refuses_is_one_line_saying_how_to_run_it_again(tiny_model_dir, tmp_path, capsys):
     """safetensors' writer stopped by a file-size limit: ``turnrl sft`` showed its traceback (its error is no
     ``OSError``); the line says so, and that the model folder it left part-written needs run.overwrite."""
     run = tmp_path / "run"
     limit = (Path(tiny_model_dir) / "model.safetensors").stat().st_size // 2
-    done = python(SFT_UNDER_A_LIMIT, str(limit), *overrides(tiny_model_dir, tmp_path, "sft.episodes=8", "sft.epochs=1",
-                                                             "sft.batch_size=8", "sft.micro_batch_size=8"))
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr
-    last = " ".join(done.stderr.strip().splitlines()[-1].split())
+    with file_size_limit(limit):
+        last = error_line("sft", *overrides(tiny_model_dir, tmp_path, "sft.episodes=8", "sft.epochs=1",
+                                            "sft.batch_size=8", "sft.micro_batch_size=8"))
     assert last.startswith(f"error: the run could not write into {run}: this process may write files of at most "), last
     assert last.endswith(f"then run it again with run.overwrite=true ({run / 'sft' / 'model'} was left part-written)")

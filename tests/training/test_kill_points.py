@@ -24,7 +24,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.training.test_commands import ROOT, config, environment, kinds, listing, overrides
+from tests.training.test_commands import (
+    ROOT,
+    config,
+    copy_of,
+    environment,
+    file_size_limit,
+    kinds,
+    listing,
+    overrides,
+    stopped_run,
+)
 from turnrl.cli import main
 from turnrl.training.checkpoint import checkpoint_problem, latest_checkpoint
 from turnrl.training.commands import train
@@ -229,8 +239,11 @@ MOMENTS: dict[str, Callable[[Path, Path], Callable[[], object]]] = {
 
 
 @pytest.mark.parametrize(("signum", "moment"), [
-    (signal.SIGKILL, "between the files of a checkpoint"),
     (signal.SIGTERM, "in a step"),
+    # 9 s; by default a run stopped in its steps is the SIGTERM above, a SIGKILL and its resume is test_commands.py's
+    # kill before the summary, and what a kill between a checkpoint's files leaves is the damaged run's "unfinished
+    # writes of a killed session" below.
+    pytest.param(signal.SIGKILL, "between the files of a checkpoint", marks=pytest.mark.slow),
     pytest.param(signal.SIGKILL, "in a step", marks=pytest.mark.slow),
     pytest.param(signal.SIGKILL, "after latest's temporary file", marks=pytest.mark.slow),
     pytest.param(signal.SIGKILL, "during a validation", marks=pytest.mark.slow),
@@ -273,24 +286,9 @@ def test_a_sigterm_while_the_run_finishes_lets_it_finish(tiny_model_dir, tmp_pat
 # --------------------------------------------------------------------------- 3. a disk that refuses a write
 @pytest.fixture(scope="module")
 def stopped(tiny_model_dir, once_per_run) -> Path:
-    """A 3-step run stopped after its first step by ``RUN/stop`` (checkpoint 1, no summary); copied, never
-    changed, by the tests (run once for all the pytest-xdist workers). The file is made during the step: one there
-    before the run starts is an earlier run's, which the run's lock removes."""
-    from turnrl.training.trainer import Trainer
-
-    step = Trainer.step
-
-    def step_then_stop(self, index):
-        (self.run_dir / "stop").touch()
-        return step(self, index)
-
-    def run(out: Path) -> None:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Trainer, "step", step_then_stop)
-            summary = train(config(tiny_model_dir, out, "run.steps=3"))
-        assert summary["interrupted_at_step"] == 1
-
-    return once_per_run("kill_points_stopped", run) / "run"
+    """:func:`tests.training.test_commands.stopped_run`: a 3-step run stopped after its first step (checkpoint 1, no
+    summary), made once for all the pytest-xdist workers and copied by the tests."""
+    return stopped_run(tiny_model_dir, once_per_run)
 
 
 def test_a_resume_stopped_before_its_first_step_offers_the_resume_that_works(stopped, tmp_path, capsys):
@@ -305,12 +303,6 @@ def test_a_resume_stopped_before_its_first_step_offers_the_resume_that_works(sto
     status, text = resume(run, 3, capsys)
     assert status == 0, text
     assert_whole(run, 3)
-
-
-def copy_of(run: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy)
-    return copy
 
 
 def sizes(run: Path) -> dict[str, int]:
@@ -337,8 +329,14 @@ def refused_write(size: dict[str, int], what: str) -> tuple[int, list[str]]:
     return size["weights"] // 2, ["run.save_every=1"]
 
 
-@pytest.mark.parametrize("what", ["checkpoint", "metrics", pytest.param("config", marks=pytest.mark.slow),
-                                  pytest.param("trajectories", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("what", [
+    "checkpoint",
+    # 10 s each in a process of its own; by default the in-process sibling below meets each of these writes
+    # refused, and the checkpoint's refusal here checks a process's exit status and whole output.
+    pytest.param("metrics", marks=pytest.mark.slow),
+    pytest.param("config", marks=pytest.mark.slow),
+    pytest.param("trajectories", marks=pytest.mark.slow),
+])
 def test_a_write_the_disk_refuses_is_one_line_and_the_resume_goes_on(stopped, tmp_path, capsys, what):
     run = copy_of(stopped, tmp_path)
     limit, extra = refused_write(sizes(run), what)
@@ -348,6 +346,23 @@ def test_a_write_the_disk_refuses_is_one_line_and_the_resume_goes_on(stopped, tm
     assert process.returncode == 1 and "Traceback" not in said, said[-3000:]
     last = said.strip().splitlines()[-1]
     assert last.startswith("error: ") and "its file-size limit, `ulimit -f`" in last, last
+    assert f"continue from step_000001 (intact) with `turnrl train resume={run}`" in last, last
+    assert latest_checkpoint(run).name == "step_000001" and not (run / OWNER_FILE).exists()
+    status, text = resume(run, 3, capsys, "run.trajectories_every=1")
+    assert status == 0, text
+    assert_whole(run, 3)
+
+
+@pytest.mark.parametrize("what", ["metrics", "config", "trajectories"])
+def test_a_write_the_disk_refuses_in_this_process_is_one_line_and_the_resume_goes_on(stopped, tmp_path, capsys,
+                                                                                      what):
+    """The refused writes of the test above, met by a resume in this process (a second each, where a process of
+    its own spends ten on its start): the same line, the lock released, and the resume goes on."""
+    run = copy_of(stopped, tmp_path)
+    limit, extra = refused_write(sizes(run), what)
+    with file_size_limit(limit):
+        status, last = resume(run, 3, capsys, *extra)
+    assert status == 1 and "its file-size limit, `ulimit -f`" in last, last
     assert f"continue from step_000001 (intact) with `turnrl train resume={run}`" in last, last
     assert latest_checkpoint(run).name == "step_000001" and not (run / OWNER_FILE).exists()
     status, text = resume(run, 3, capsys, "run.trajectories_every=1")

@@ -89,14 +89,14 @@ def assert_token_exact(steps: dict[int, dict]) -> None:
 
 # --------------------------------------------------------------------------- SFT, then PPO with a critic
 @pytest.fixture(scope="module")
-def warm_run(tiny_model_dir, tmp_path_factory) -> Path:
-    """SFT on expert demos, then 2 PPO/GAE steps, with TensorBoard; its SFT model warms other tests up."""
-    out = tmp_path_factory.mktemp("warm")
-    train(config(tiny_model_dir, out, "sft.enabled=true", "sft.episodes=160", "sft.epochs=4", "sft.batch_size=16",
-                 "sft.micro_batch_size=16", "sft.lr=1e-2", "sft.warmup_steps=2", "run.tensorboard=true",
-                 "agent.max_turns=3", "groups.n_groups=4", "validation.episodes=8", "algorithm.mini_batch_size=8",
-                 "algorithm.micro_batch_size=8"))
-    return out / "run"
+def warm_run(tiny_model_dir, once_per_run) -> Path:
+    """SFT on expert demos, then 2 PPO/GAE steps, with TensorBoard; its SFT model warms other tests up (only read,
+    made once for all the pytest-xdist workers)."""
+    return once_per_run("trainer_warm", lambda out: train(config(
+        tiny_model_dir, out, "sft.enabled=true", "sft.episodes=160", "sft.epochs=4", "sft.batch_size=16", "sft.lr=1e-2",
+        "sft.micro_batch_size=16", "sft.warmup_steps=2", "run.tensorboard=true", "agent.max_turns=3",
+        "groups.n_groups=4", "validation.episodes=8", "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=8"))) \
+        / "run"
 
 
 @pytest.fixture(scope="module")
