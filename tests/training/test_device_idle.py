@@ -99,3 +99,8 @@ def test_a_traced_block_writes_its_trace_and_reading_and_a_large_one_the_command
             raise RuntimeError("the block failed")  # its trace is written all the same
     assert "python -m turnrl.training.device_idle" in (tmp_path / "large.txt").read_text()
     assert (tmp_path / "large.json.gz").stat().st_size > 10
+    # Compressed at gzip's fastest level (its header's flag 4; torch's own export writes the strongest, 2), and the
+    # plain JSON it was written from is gone.
+    assert (tmp_path / "small.json.gz").read_bytes()[8] == 4
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["large.json.gz", "large.txt", "small.json.gz",
+                                                                "small.txt"]
