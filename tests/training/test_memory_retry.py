@@ -159,3 +159,21 @@ def test_a_gpu_run_sets_the_allocator_before_it_starts_and_a_cpu_run_leaves_it(t
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     train(config(tiny_model_dir, tmp_path, *short, "model.device=auto", name="users"))
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+def test_a_step_whose_sequences_each_fill_a_pass_is_not_run_again_and_says_smaller_passes_cannot_help(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """Every sequence is longer than the update's 16-token budget, so each pass holds one already: a retry at 8
+    tokens would run out of memory in the same one-sequence passes. The step is not run again, and the error names
+    the step's longest sequence instead of a smaller budget."""
+    def out_of_memory(self, batch, generator):
+        raise torch.OutOfMemoryError(OOM)
+
+    monkeypatch.setattr(Trainer, "score", out_of_memory)
+    with pytest.raises(ConfigError) as error:
+        train(config(tiny_model_dir, tmp_path, "algorithm.micro_batch_tokens=16", "run.steps=1"))
+    said = str(error.value)
+    assert said.startswith("RL step 1 ran out of GPU memory: set model.gradient_checkpointing=true; "), said
+    assert "micro_batch_tokens=8" not in said and "also when run again" not in said
+    assert "(smaller passes cannot help: at algorithm.micro_batch_tokens=16 a pass holds one sequence already, " \
+           "the step's longest being " in said

@@ -112,3 +112,32 @@ def test_rl_out_of_memory_names_only_settings_that_would_change_the_step():
     assert "cpu_offload" not in said() and "cpu_offload" not in said("distributed.nproc_per_node=4",
                                                                        "distributed.cpu_offload=true")
     assert "; or distributed.cpu_offload=true" in said("distributed.nproc_per_node=4")
+
+
+def test_a_budget_the_longest_sequence_fills_is_neither_advised_nor_halved():
+    """A sequence over a pass's token budget has a pass of its own: once the step's longest fills the budget, the
+    pass that holds it is that one sequence at half the budget too, so halving cannot help. The VisGym maze at
+    ``vlm-3b`` without checkpointing on an 80 GB card ran out of memory at 4,096 tokens and again at the 2,048 the
+    error named, at the same 77.5 GiB: its sequences are longer than either."""
+    config = load_config(TrainConfig, None, ["algorithm.micro_batch_tokens=4096",
+                                             "algorithm.score_micro_batch_tokens=16384",
+                                             "model.gradient_checkpointing=false"])
+
+    def told(longest: int) -> str:
+        return str(rl_out_of_memory(torch.OutOfMemoryError(REAL_OOM), config, 1, None, longest_sequence=longest))
+
+    long = told(5000)
+    assert long.startswith("RL step 1 ran out of GPU memory: set algorithm.score_micro_batch_tokens=8192; or "
+                           "model.gradient_checkpointing=true; ")
+    assert "micro_batch_tokens=2048" not in long
+    assert ("(smaller passes cannot help: at algorithm.micro_batch_tokens=4096 a pass holds one sequence already, "
+            "the step's longest being 5,000 tokens)") in long
+    assert "score_micro_batch_tokens=8192" not in told(16384) and "algorithm.micro_batch_tokens=4096 and " \
+        "algorithm.score_micro_batch_tokens=16384 a pass holds one" in told(16384)
+    assert told(4095).startswith("RL step 1 ran out of GPU memory: set algorithm.micro_batch_tokens=2048; or ")
+    assert told(0) == told(100) and "cannot help" not in told(0)  # unknown (no batch yet): as before
+
+    assert halved_micro_batches(config.algorithm, longest_sequence=5000) == "algorithm.score_micro_batch_tokens=8192"
+    assert config.algorithm.micro_batch_tokens == 4096
+    assert halved_micro_batches(config.algorithm, longest_sequence=9000) is None  # nothing left that would split it
+    assert (config.algorithm.micro_batch_tokens, config.algorithm.score_micro_batch_tokens) == (4096, 8192)

@@ -48,21 +48,37 @@ def sft_out_of_memory(error: torch.OutOfMemoryError, config: SFTConfig,
     return ConfigError(f"SFT ran out of GPU memory in {where}: {'; or '.join(options)}. torch: {torch_said(error)}")
 
 
+def splits_the_longest(budget: int, longest_sequence: int) -> bool:
+    """Whether halving a pass's token ``budget`` makes the largest pass smaller: not once the step's longest
+    sequence (0: unknown) fills the budget, since a sequence over a budget has a pass of its own whatever the budget
+    (so the pass that holds it is that one sequence, at this budget and at half of it)."""
+    return budget > 1 and (longest_sequence == 0 or longest_sequence < budget)
+
+
 def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: int,
-                     checkpoint: Path | None, retried_with: str | None = None) -> ConfigError:
+                     checkpoint: Path | None, retried_with: str | None = None,
+                     longest_sequence: int = 0) -> ConfigError:
     """An RL step that ran out of GPU memory, as the run's error: what to change as far as the config has it
-    (smaller micro-batches and scoring passes, checkpointing, the rollout freed during the update, FSDP2's shards
-    on the host, more of the card), the checkpoint to continue from with the change, and torch's message. Nothing
-    is saved: the step's update may have stopped halfway. ``retried_with``: the settings the step was run again
-    with (:class:`OptimizerSteps`), which ran out of memory too."""
+    (smaller micro-batches and scoring passes where that makes the largest pass smaller, checkpointing, the rollout
+    freed during the update, FSDP2's shards on the host, more of the card), the checkpoint to continue from with the
+    change, and torch's message. Nothing is saved: the step's update may have stopped halfway. ``retried_with``:
+    the settings the step was run again with (:class:`OptimizerSteps`), which ran out of memory too;
+    ``longest_sequence``: the tokens of the step's longest sequence (0: not known yet, the step's batch unmade)."""
     algorithm, dist = config.algorithm, config.distributed
     options = []
+    alone = []  # the token budgets whose passes hold one sequence each already
     if algorithm.micro_batch_tokens > 1:  # 0 would mean passes counted in rows
-        options.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens // 2}")
+        if splits_the_longest(algorithm.micro_batch_tokens, longest_sequence):
+            options.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens // 2}")
+        else:
+            alone.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens}")
     elif algorithm.micro_batch_tokens == 0 and algorithm.micro_batch_size > 1:
         options.append(f"algorithm.micro_batch_size={algorithm.micro_batch_size // 2}")
     if algorithm.score_micro_batch_tokens > 1:  # the scoring passes' own budget, which the update's leaves as it is
-        options.append(f"algorithm.score_micro_batch_tokens={algorithm.score_micro_batch_tokens // 2}")
+        if splits_the_longest(algorithm.score_micro_batch_tokens, longest_sequence):
+            options.append(f"algorithm.score_micro_batch_tokens={algorithm.score_micro_batch_tokens // 2}")
+        else:
+            alone.append(f"algorithm.score_micro_batch_tokens={algorithm.score_micro_batch_tokens}")
     if not config.model.gradient_checkpointing:
         options.append("model.gradient_checkpointing=true")
     # Trainers beside rollout processes sample only to validate and free the rollout after each validation already.
@@ -79,8 +95,10 @@ def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: i
             "; no checkpoint was saved before it (run.save_every=N saves one every N steps): start again with "
             "run.overwrite=true and the change")
     again = f", also when run again with {retried_with}" if retried_with is not None else ""
-    return ConfigError(f"RL step {step} ran out of GPU memory{again}: {change}{then}. `turnrl memory` estimates each "
-                       f"GPU's peak by part. torch: {torch_said(error)}")
+    single = (f" (smaller passes cannot help: at {' and '.join(alone)} a pass holds one sequence already, the "
+              f"step's longest being {longest_sequence:,} tokens)") if alone else ""
+    return ConfigError(f"RL step {step} ran out of GPU memory{again}: {change}{single}{then}. `turnrl memory` "
+                       f"estimates each GPU's peak by part. torch: {torch_said(error)}")
 
 
 def _shards(config: TrainConfig) -> bool:
@@ -91,20 +109,22 @@ def _shards(config: TrainConfig) -> bool:
     return trainers > 1 or (dist.backend == "fsdp" and dist.rollout_processes == 0)
 
 
-def halved_micro_batches(algorithm: AlgorithmConfig) -> str | None:
+def halved_micro_batches(algorithm: AlgorithmConfig, longest_sequence: int = 0) -> str | None:
     """Halve the passes of the update and of the scores in place: ``micro_batch_tokens``, or ``micro_batch_size``
     when the micro-batches are counted in rows; and ``score_micro_batch_tokens`` where the scoring passes have
-    their own budget (the error may have come from them, which the update's setting leaves as they are).
-    Returns the new settings as ``key=value`` separated by spaces, or None (nothing changed) when every pass is
-    one row already."""
+    their own budget (the error may have come from them, which the update's setting leaves as they are). A token
+    budget that the step's ``longest_sequence`` fills stays (:func:`splits_the_longest`: its largest pass would not
+    change). Returns the new settings as ``key=value`` separated by spaces, or None (nothing changed) when every
+    pass is one row already."""
     settings = []
     if algorithm.micro_batch_tokens > 1:
-        algorithm.micro_batch_tokens //= 2
-        settings.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens}")
+        if splits_the_longest(algorithm.micro_batch_tokens, longest_sequence):
+            algorithm.micro_batch_tokens //= 2
+            settings.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens}")
     elif algorithm.micro_batch_tokens == 0 and algorithm.micro_batch_size > 1:
         algorithm.micro_batch_size //= 2
         settings.append(f"algorithm.micro_batch_size={algorithm.micro_batch_size}")
-    if algorithm.score_micro_batch_tokens > 1:
+    if splits_the_longest(algorithm.score_micro_batch_tokens, longest_sequence):
         algorithm.score_micro_batch_tokens //= 2
         settings.append(f"algorithm.score_micro_batch_tokens={algorithm.score_micro_batch_tokens}")
     return " ".join(settings) or None

@@ -214,6 +214,9 @@ class Trainer:
         self.parallel = parallel
         self.memory_retries: dict[int, str] = {}
         """Steps (counted from 1) of this process that ran out of memory and were run again, with the setting."""
+        self.longest_sequence = 0
+        """The tokens of the longest sequence the step in progress trains on, 0 before its batch is made: a pass of
+        the update or the scores holds it alone wherever their budget is smaller (the out-of-memory advice)."""
         # After this run's SFT stage, its model stays (run.overwrite deletes only the RL outputs).
         self.run_dir = start_run(config, stage="rl" if config.sft.enabled else "train")
         self.device = ranks.training_device(config.model.device)
@@ -506,6 +509,7 @@ class Trainer:
         if first:
             self.startup["to_first_rollout_s"] = step_start - self.session_start
         start_phase(self.device)
+        self.longest_sequence = 0
         rollout, keep = self.roll_out(step)
         rollout_peak = phase_peak_gib(self.device)
         self.measure_collapse(step, rollout)
@@ -581,8 +585,8 @@ class Trainer:
             with watch:
                 return self.update(step, rollout, keep)
         except torch.OutOfMemoryError as error:
-            halved = halved_micro_batches(self.config.algorithm) if self.retries_out_of_memory and not watch.began \
-                else None
+            halved = halved_micro_batches(self.config.algorithm, self.longest_sequence) \
+                if self.retries_out_of_memory and not watch.began else None
             if halved is None:
                 raise
             said = torch_said(error)
@@ -620,6 +624,7 @@ class Trainer:
         metrics["batch/samples"] = float(len(batch))
         metrics["batch/trained_tokens"] = float(batch.loss_mask.sum())
         lengths = batch.attention_mask.sum(1)
+        self.longest_sequence = int(lengths.max()) if len(lengths) else 0
         metrics["batch/sequence_length_mean"] = float(lengths.float().mean())
         metrics["timing/batch_s"] = time.time() - start
 
