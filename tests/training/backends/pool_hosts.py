@@ -39,15 +39,33 @@ class SkipsWeights(RolloutHost):
 
 
 class FailsInStepTwo(RolloutHost):
-    """Raises at its second batch, as an env that breaks does."""
+    """Raises at its second batch (``fails_at``), as an env that breaks does."""
 
+    fails_at = 2
     plays = 0
 
     def run(self, slots: Sequence[SlotSpec], sampling: SamplingConfig, seed: int) -> WorkerResult:
         self.plays += 1
-        if self.plays == 2:
+        if self.plays == self.fails_at:
             raise RuntimeError("the env server went away")
         return super().run(slots, sampling, seed)
+
+
+class FailsInStepFour(FailsInStepTwo):
+    """Raises at its fourth batch."""
+
+    fails_at = 4
+
+
+class SkipsUpdateThreeOnRankTwo(RolloutHost):
+    """Takes the weights of updates 1 and 2; in the second rollout process (launched rank 2 under one trainer) reads
+    those of update 3 and keeps its own: a sync that never reaches the policy (the LoRA adapters a peer never
+    sent)."""
+
+    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsChecksum | None:
+        if version == 3 and os.environ.get("RANK") == "2":
+            return keep_own_weights(self, version, weights)
+        return super().load_weights(version, weights)
 
 
 class StopsTheRunInStepThree(RolloutHost):

@@ -10,14 +10,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.training import test_kill_points as kill_points
-from tests.training.backends.pool_hosts import keep_own_weights
 from tests.training.reference_run import (
     assert_same_metrics,
     run_config,
@@ -27,9 +25,7 @@ from tests.training.reference_run import (
 )
 from tests.training.test_commands import overrides
 from tests.training.test_kill_points import output, start
-from turnrl.config import ConfigError, SamplingConfig
-from turnrl.engine.weights import WeightsChecksum
-from turnrl.rollout.ray_workers import RolloutHost, SlotSpec, WorkerResult
+from turnrl.config import ConfigError
 from turnrl.training.backends.pool_protocol import leave_stops_to_the_trainers
 from turnrl.training.checkpoint import latest_checkpoint
 from turnrl.training.commands import train
@@ -88,17 +84,6 @@ def test_a_rollout_process_ignores_ctrl_c_and_sigterm_and_so_do_the_processes_it
             signal.signal(number, handler)
 
 
-class SkipsUpdateThreeOnRankTwo(RolloutHost):
-    """Takes the weights of updates 1 and 2; in the second rollout process (launched rank 2 under one trainer) reads
-    those of update 3 and keeps its own: a sync that never reaches the policy (the LoRA adapters a peer never
-    sent)."""
-
-    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsChecksum | None:
-        if version == 3 and os.environ.get("RANK") == "2":
-            return keep_own_weights(self, version, weights)
-        return super().load_weights(version, weights)
-
-
 def test_one_trainer_and_two_rollout_processes_train_as_one_process_until_one_skips_the_weights(tiny_model_dir,
                                                                                                 tmp_path, single):
     """Two steps: the episodes, rewards and every step's metrics of the one-process run; the turns record the weights
@@ -106,7 +91,7 @@ def test_one_trainer_and_two_rollout_processes_train_as_one_process_until_one_sk
     the check of its checksum stops the run naming it, not the first. One launch for both: starting the three
     processes is most of its time."""
     result = run_train(tiny_model_dir, tmp_path, "pool", "run.steps=3",
-                       *pool(1, 2, f"distributed.rollout_host={__name__}:SkipsUpdateThreeOnRankTwo"))
+                       *pool(1, 2, f"distributed.rollout_host={POOL}:SkipsUpdateThreeOnRankTwo"))
     said = " ".join((result.stdout + result.stderr).split())
     assert result.returncode != 0, said[-3000:]
     assert "1 trainer process and 2 rollout processes" in said
@@ -233,18 +218,6 @@ def test_lora_adapters_reach_the_rollout_processes_merged(tiny_model_dir, tmp_pa
     assert one[2]["actor/grad_norm"] > 0
 
 
-class FailsInStepFour(RolloutHost):
-    """Raises at its fourth batch, as an env that breaks does."""
-
-    plays = 0
-
-    def run(self, slots: Sequence[SlotSpec], sampling: SamplingConfig, seed: int) -> WorkerResult:
-        self.plays += 1
-        if self.plays == 4:
-            raise RuntimeError("the env server went away")
-        return super().run(slots, sampling, seed)
-
-
 def test_asynchronous_pool_one_update_behind_corrects_with_importance_weights_until_its_process_fails(
         tiny_model_dir, tmp_path):
     """Three steps one update behind; then the rollout process raises in step 4 (played ahead while step 3 updates,
@@ -252,7 +225,7 @@ def test_asynchronous_pool_one_update_behind_corrects_with_importance_weights_un
     both: starting the processes is most of its time."""
     result = run_train(tiny_model_dir, tmp_path, "pool", "run.steps=4", "run.save_every=1",
                        *pool(1, 1, *ASYNC, "distributed.max_staleness=1",
-                             f"distributed.rollout_host={__name__}:FailsInStepFour"))
+                             f"distributed.rollout_host={POOL}:FailsInStepFour"))
     said = " ".join(result.stdout.split())
     assert result.returncode != 0, said[-3000:] + result.stderr[-3000:]
     records = step_records(tmp_path / "pool")
