@@ -4,6 +4,7 @@ stopped with what to set; and the allocator's settings a GPU run gets before CUD
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -114,10 +115,13 @@ def test_a_step_that_runs_out_of_memory_again_when_run_again_stops_with_what_to_
     with pytest.raises(ConfigError) as error:
         train(config(tiny_model_dir, tmp_path, *PACKED, "run.steps=3", "run.save_every=1"))
     run = tmp_path / "run"
-    assert str(error.value) == (
+    # At 256 tokens no two of the step's sequences share a pass any more: a smaller budget is not what to set.
+    said = re.sub(r"holding [\d,]+ tokens", "holding N tokens", str(error.value))
+    assert said == (
         "RL step 2 ran out of GPU memory, also when run again with algorithm.micro_batch_tokens=256: set "
-        "algorithm.micro_batch_tokens=128; or model.gradient_checkpointing=true; or "
-        "model.engine.free_during_update=true; then continue from step_000001 with "
+        "model.gradient_checkpointing=true; or model.engine.free_during_update=true (smaller passes cannot help: at "
+        "algorithm.micro_batch_tokens=256 no two of the step's sequences share a pass, its two shortest holding N "
+        "tokens together); then continue from step_000001 with "
         f"`turnrl train resume={run}` and the change. `turnrl memory` estimates each GPU's peak by part. torch: CUDA "
         "out of memory. Tried to allocate 2.00 GiB.")
     assert "running it again on the same episodes with algorithm.micro_batch_tokens=256" in \
@@ -161,11 +165,11 @@ def test_a_gpu_run_sets_the_allocator_before_it_starts_and_a_cpu_run_leaves_it(t
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
 
 
-def test_a_step_whose_sequences_each_fill_a_pass_is_not_run_again_and_says_smaller_passes_cannot_help(
+def test_a_step_whose_sequences_share_no_pass_is_not_run_again_and_says_smaller_passes_cannot_help(
         tiny_model_dir, tmp_path, monkeypatch):
-    """Every sequence is longer than the update's 16-token budget, so each pass holds one already: a retry at 8
-    tokens would run out of memory in the same one-sequence passes. The step is not run again, and the error names
-    the step's longest sequence instead of a smaller budget."""
+    """No two of the step's sequences fit the update's 16-token budget together, so each pass holds one already: a
+    retry at 8 tokens would run out of memory in the same one-sequence passes. The step is not run again, and the
+    error says why instead of naming a smaller budget."""
     def out_of_memory(self, batch, generator):
         raise torch.OutOfMemoryError(OOM)
 
@@ -175,5 +179,5 @@ def test_a_step_whose_sequences_each_fill_a_pass_is_not_run_again_and_says_small
     said = str(error.value)
     assert said.startswith("RL step 1 ran out of GPU memory: set model.gradient_checkpointing=true; "), said
     assert "micro_batch_tokens=8" not in said and "also when run again" not in said
-    assert "(smaller passes cannot help: at algorithm.micro_batch_tokens=16 a pass holds one sequence already, " \
-           "the step's longest being " in said
+    assert "(smaller passes cannot help: at algorithm.micro_batch_tokens=16 no two of the step's sequences share a " \
+           "pass, its two shortest holding " in said

@@ -3,6 +3,8 @@ retry an RL step gets when no optimizer step began."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from turnrl.config import load_config
@@ -114,30 +116,32 @@ def test_rl_out_of_memory_names_only_settings_that_would_change_the_step():
     assert "; or distributed.cpu_offload=true" in said("distributed.nproc_per_node=4")
 
 
-def test_a_budget_the_longest_sequence_fills_is_neither_advised_nor_halved():
-    """A sequence over a pass's token budget has a pass of its own: once the step's longest fills the budget, the
-    pass that holds it is that one sequence at half the budget too, so halving cannot help. The VisGym maze at
-    ``vlm-3b`` without checkpointing on an 80 GB card ran out of memory at 4,096 tokens and again at the 2,048 the
-    error named, at the same 77.5 GiB: its sequences are longer than either."""
+def test_a_budget_no_two_sequences_share_is_neither_advised_nor_halved():
+    """Where the step's two shortest sequences together are over a pass's token budget, no two sequences share a
+    pass: each pass holds one at this budget and at half of it, so halving cannot help. The VisGym maze at
+    ``vlm-3b`` without checkpointing on an 80 GB card (sequences of about 3,930 tokens) ran out of memory at 4,096
+    tokens and again at the 2,048 the error named, at the same 77.5 GiB."""
     config = load_config(TrainConfig, None, ["algorithm.micro_batch_tokens=4096",
                                              "algorithm.score_micro_batch_tokens=16384",
                                              "model.gradient_checkpointing=false"])
 
-    def told(longest: int) -> str:
-        return str(rl_out_of_memory(torch.OutOfMemoryError(REAL_OOM), config, 1, None, longest_sequence=longest))
+    def told(shortest_pair: int) -> str:
+        return str(rl_out_of_memory(torch.OutOfMemoryError(REAL_OOM), config, 1, None, shortest_pair=shortest_pair))
 
-    long = told(5000)
-    assert long.startswith("RL step 1 ran out of GPU memory: set algorithm.score_micro_batch_tokens=8192; or "
-                           "model.gradient_checkpointing=true; ")
-    assert "micro_batch_tokens=2048" not in long
-    assert ("(smaller passes cannot help: at algorithm.micro_batch_tokens=4096 a pass holds one sequence already, "
-            "the step's longest being 5,000 tokens)") in long
-    assert "score_micro_batch_tokens=8192" not in told(16384) and "algorithm.micro_batch_tokens=4096 and " \
-        "algorithm.score_micro_batch_tokens=16384 a pass holds one" in told(16384)
-    assert told(4095).startswith("RL step 1 ran out of GPU memory: set algorithm.micro_batch_tokens=2048; or ")
+    apart = told(7800)
+    assert apart.startswith("RL step 1 ran out of GPU memory: set algorithm.score_micro_batch_tokens=8192; or "
+                            "model.gradient_checkpointing=true; ")
+    assert "micro_batch_tokens=2048" not in apart
+    assert ("(smaller passes cannot help: at algorithm.micro_batch_tokens=4096 no two of the step's sequences share "
+            "a pass, its two shortest holding 7,800 tokens together)") in apart
+    both = told(20000)
+    assert "score_micro_batch_tokens=8192" not in both
+    assert "at algorithm.micro_batch_tokens=4096 and algorithm.score_micro_batch_tokens=16384 no two" in both
+    assert "no two of the step's sequences share a pass)" in told(sys.maxsize)  # a step of one sequence
+    assert told(4096).startswith("RL step 1 ran out of GPU memory: set algorithm.micro_batch_tokens=2048; or ")
     assert told(0) == told(100) and "cannot help" not in told(0)  # unknown (no batch yet): as before
 
-    assert halved_micro_batches(config.algorithm, longest_sequence=5000) == "algorithm.score_micro_batch_tokens=8192"
+    assert halved_micro_batches(config.algorithm, shortest_pair=7800) == "algorithm.score_micro_batch_tokens=8192"
     assert config.algorithm.micro_batch_tokens == 4096
-    assert halved_micro_batches(config.algorithm, longest_sequence=9000) is None  # nothing left that would split it
+    assert halved_micro_batches(config.algorithm, shortest_pair=9000) is None  # nothing left that two could share
     assert (config.algorithm.micro_batch_tokens, config.algorithm.score_micro_batch_tokens) == (4096, 8192)

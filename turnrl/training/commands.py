@@ -499,7 +499,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 return _stop(trainer, logger, step - 1, error=True, save=not isinstance(error, WeightsTransferError))
             except torch.OutOfMemoryError as error:
                 raise rl_out_of_memory(error, config, step, latest_checkpoint(trainer.run_dir),
-                                       trainer.memory_retries.get(step), trainer.longest_sequence) from error
+                                       trainer.memory_retries.get(step), trainer.shortest_pair) from error
             metrics = output.metrics
             last = step == config.run.steps
             # A step whose filter kept nothing is not validated (RAGEN's trainer skips the rest of such a step), so

@@ -8,6 +8,7 @@ runs it lets through (an estimate is an approximation, and a neighbour on a shar
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
@@ -48,34 +49,36 @@ def sft_out_of_memory(error: torch.OutOfMemoryError, config: SFTConfig,
     return ConfigError(f"SFT ran out of GPU memory in {where}: {'; or '.join(options)}. torch: {torch_said(error)}")
 
 
-def splits_the_longest(budget: int, longest_sequence: int) -> bool:
-    """Whether halving a pass's token ``budget`` makes the largest pass smaller: not once the step's longest
-    sequence (0: unknown) fills the budget, since a sequence over a budget has a pass of its own whatever the budget
-    (so the pass that holds it is that one sequence, at this budget and at half of it)."""
-    return budget > 1 and (longest_sequence == 0 or longest_sequence < budget)
+def halving_can_help(budget: int, shortest_pair: int) -> bool:
+    """Whether halving a pass's token ``budget`` can make a pass smaller: not where the step's two shortest
+    sequences together (``shortest_pair`` tokens; 0: not known; ``sys.maxsize``: a step of one sequence) are over
+    the budget, since then no two sequences share a pass and each pass holds one sequence, at this budget and at
+    any smaller one."""
+    return budget > 1 and (shortest_pair == 0 or shortest_pair <= budget)
 
 
 def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: int,
                      checkpoint: Path | None, retried_with: str | None = None,
-                     longest_sequence: int = 0) -> ConfigError:
+                     shortest_pair: int = 0) -> ConfigError:
     """An RL step that ran out of GPU memory, as the run's error: what to change as far as the config has it
-    (smaller micro-batches and scoring passes where that makes the largest pass smaller, checkpointing, the rollout
+    (smaller micro-batches and scoring passes where two sequences share a pass, checkpointing, the rollout
     freed during the update, FSDP2's shards on the host, more of the card), the checkpoint to continue from with the
     change, and torch's message. Nothing is saved: the step's update may have stopped halfway. ``retried_with``:
     the settings the step was run again with (:class:`OptimizerSteps`), which ran out of memory too;
-    ``longest_sequence``: the tokens of the step's longest sequence (0: not known yet, the step's batch unmade)."""
+    ``shortest_pair``: the tokens of the step's two shortest sequences together (0: not known yet, the step's
+    batch unmade)."""
     algorithm, dist = config.algorithm, config.distributed
     options = []
     alone = []  # the token budgets whose passes hold one sequence each already
     if algorithm.micro_batch_tokens > 1:  # 0 would mean passes counted in rows
-        if splits_the_longest(algorithm.micro_batch_tokens, longest_sequence):
+        if halving_can_help(algorithm.micro_batch_tokens, shortest_pair):
             options.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens // 2}")
         else:
             alone.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens}")
     elif algorithm.micro_batch_tokens == 0 and algorithm.micro_batch_size > 1:
         options.append(f"algorithm.micro_batch_size={algorithm.micro_batch_size // 2}")
     if algorithm.score_micro_batch_tokens > 1:  # the scoring passes' own budget, which the update's leaves as it is
-        if splits_the_longest(algorithm.score_micro_batch_tokens, longest_sequence):
+        if halving_can_help(algorithm.score_micro_batch_tokens, shortest_pair):
             options.append(f"algorithm.score_micro_batch_tokens={algorithm.score_micro_batch_tokens // 2}")
         else:
             alone.append(f"algorithm.score_micro_batch_tokens={algorithm.score_micro_batch_tokens}")
@@ -95,8 +98,9 @@ def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: i
             "; no checkpoint was saved before it (run.save_every=N saves one every N steps): start again with "
             "run.overwrite=true and the change")
     again = f", also when run again with {retried_with}" if retried_with is not None else ""
-    single = (f" (smaller passes cannot help: at {' and '.join(alone)} a pass holds one sequence already, the "
-              f"step's longest being {longest_sequence:,} tokens)") if alone else ""
+    pair = f", its two shortest holding {shortest_pair:,} tokens together" if shortest_pair < sys.maxsize else ""
+    single = (f" (smaller passes cannot help: at {' and '.join(alone)} no two of the step's sequences share a "
+              f"pass{pair})") if alone else ""
     return ConfigError(f"RL step {step} ran out of GPU memory{again}: {change}{single}{then}. `turnrl memory` "
                        f"estimates each GPU's peak by part. torch: {torch_said(error)}")
 
@@ -109,22 +113,22 @@ def _shards(config: TrainConfig) -> bool:
     return trainers > 1 or (dist.backend == "fsdp" and dist.rollout_processes == 0)
 
 
-def halved_micro_batches(algorithm: AlgorithmConfig, longest_sequence: int = 0) -> str | None:
+def halved_micro_batches(algorithm: AlgorithmConfig, shortest_pair: int = 0) -> str | None:
     """Halve the passes of the update and of the scores in place: ``micro_batch_tokens``, or ``micro_batch_size``
     when the micro-batches are counted in rows; and ``score_micro_batch_tokens`` where the scoring passes have
     their own budget (the error may have come from them, which the update's setting leaves as they are). A token
-    budget that the step's ``longest_sequence`` fills stays (:func:`splits_the_longest`: its largest pass would not
-    change). Returns the new settings as ``key=value`` separated by spaces, or None (nothing changed) when every
+    budget that no two of the step's sequences share stays (:func:`halving_can_help`, ``shortest_pair``: no pass
+    would change). Returns the new settings as ``key=value`` separated by spaces, or None (nothing changed) when every
     pass is one row already."""
     settings = []
     if algorithm.micro_batch_tokens > 1:
-        if splits_the_longest(algorithm.micro_batch_tokens, longest_sequence):
+        if halving_can_help(algorithm.micro_batch_tokens, shortest_pair):
             algorithm.micro_batch_tokens //= 2
             settings.append(f"algorithm.micro_batch_tokens={algorithm.micro_batch_tokens}")
     elif algorithm.micro_batch_tokens == 0 and algorithm.micro_batch_size > 1:
         algorithm.micro_batch_size //= 2
         settings.append(f"algorithm.micro_batch_size={algorithm.micro_batch_size}")
-    if splits_the_longest(algorithm.score_micro_batch_tokens, longest_sequence):
+    if halving_can_help(algorithm.score_micro_batch_tokens, shortest_pair):
         algorithm.score_micro_batch_tokens //= 2
         settings.append(f"algorithm.score_micro_batch_tokens={algorithm.score_micro_batch_tokens}")
     return " ".join(settings) or None

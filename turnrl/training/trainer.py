@@ -35,6 +35,7 @@ import copy
 import json
 import pickle
 import re
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -214,9 +215,9 @@ class Trainer:
         self.parallel = parallel
         self.memory_retries: dict[int, str] = {}
         """Steps (counted from 1) of this process that ran out of memory and were run again, with the setting."""
-        self.longest_sequence = 0
-        """The tokens of the longest sequence the step in progress trains on, 0 before its batch is made: a pass of
-        the update or the scores holds it alone wherever their budget is smaller (the out-of-memory advice)."""
+        self.shortest_pair = 0
+        """The tokens of the two shortest sequences the step in progress trains on, together (0 before its batch is
+        made): where a pass's budget is smaller, no two sequences share a pass (the out-of-memory advice)."""
         # After this run's SFT stage, its model stays (run.overwrite deletes only the RL outputs).
         self.run_dir = start_run(config, stage="rl" if config.sft.enabled else "train")
         self.device = ranks.training_device(config.model.device)
@@ -509,7 +510,7 @@ class Trainer:
         if first:
             self.startup["to_first_rollout_s"] = step_start - self.session_start
         start_phase(self.device)
-        self.longest_sequence = 0
+        self.shortest_pair = 0
         rollout, keep = self.roll_out(step)
         rollout_peak = phase_peak_gib(self.device)
         self.measure_collapse(step, rollout)
@@ -585,7 +586,7 @@ class Trainer:
             with watch:
                 return self.update(step, rollout, keep)
         except torch.OutOfMemoryError as error:
-            halved = halved_micro_batches(self.config.algorithm, self.longest_sequence) \
+            halved = halved_micro_batches(self.config.algorithm, self.shortest_pair) \
                 if self.retries_out_of_memory and not watch.began else None
             if halved is None:
                 raise
@@ -624,7 +625,8 @@ class Trainer:
         metrics["batch/samples"] = float(len(batch))
         metrics["batch/trained_tokens"] = float(batch.loss_mask.sum())
         lengths = batch.attention_mask.sum(1)
-        self.longest_sequence = int(lengths.max()) if len(lengths) else 0
+        # One sequence alone can share no pass: as if its pair were over any budget.
+        self.shortest_pair = int(lengths.sort().values[:2].sum()) if len(lengths) > 1 else sys.maxsize
         metrics["batch/sequence_length_mean"] = float(lengths.float().mean())
         metrics["timing/batch_s"] = time.time() - start
 
