@@ -34,10 +34,9 @@ RAY_BUDGET_S = 600.0
 machine whose cores other jobs hold (two workers loading torch on two busy cores took over 120 s)."""
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    """One local Ray cluster for the module's tests that start workers (not those of the worker's body alone, or of
-    the SIGTERM handler, which run without one); its workers import the tests' own envs."""
+    """One local Ray cluster for the module; its workers import the tests' own envs."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     yield
@@ -79,7 +78,7 @@ def test_connecting_keeps_the_callers_sigterm_handler_where_ray_init_puts_its_ow
 
 
 @pytest.fixture(scope="module")
-def sokoban(local_ray):
+def sokoban():
     """Two workers of text Sokoban, shared by the module's tests (starting a worker takes seconds)."""
     make_env = ray_env_factory("Sokoban", {}, workers=2, timeout_s=RAY_BUDGET_S)
     yield make_env
@@ -107,7 +106,7 @@ def test_a_rollout_over_envs_in_workers_gives_the_trajectories_of_the_same_envs_
 
 
 @pytest.mark.slow  # the same path runs in tests/training/backends/test_ray_rollout.py's Ray run
-def test_an_image_env_in_a_worker_gives_the_same_images_and_the_expert_plans_on_forks(local_ray):
+def test_an_image_env_in_a_worker_gives_the_same_images_and_the_expert_plans_on_forks():
     # The world-modeling expert plans on deep copies of the env: in a worker, forks of its env there.
     here = play(lambda: make("Sokoban", mode="image"), "Sokoban", "grounding_worldmodeling", SEEDS)
     make_env = ray_env_factory("Sokoban", {"mode": "image"}, workers=1)
@@ -124,7 +123,7 @@ def test_a_sokoban_env_in_a_worker_passes_the_env_checker(sokoban):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("env_id", "settings"), [("FrozenLake", {"mode": "image"}), (CORRIDOR, {})])
-def test_an_env_in_a_worker_passes_the_env_checker(local_ray, env_id, settings):
+def test_an_env_in_a_worker_passes_the_env_checker(env_id, settings):
     make_env = ray_env_factory(env_id, settings, workers=1)
     env = make_env()
     check_env(env, seed=3)
@@ -182,7 +181,7 @@ def test_a_worker_killed_mid_episode_ends_its_episodes_as_errors_and_is_replaced
 
 
 @pytest.mark.slow
-def test_a_worker_that_hangs_past_the_timeout_is_replaced_and_the_reset_after_works(local_ray):
+def test_a_worker_that_hangs_past_the_timeout_is_replaced_and_the_reset_after_works():
     # The replacement's first reset imports and builds its env within the worker's start budget, not the call's
     # second (a loaded machine takes longer than that to import the env's modules).
     make_env = ray_env_factory(PROBE, {"delay_s": 3.0}, workers=1, timeout_s=1.0)
@@ -200,7 +199,7 @@ def test_a_worker_that_hangs_past_the_timeout_is_replaced_and_the_reset_after_wo
 
 
 @pytest.mark.slow
-def test_an_env_that_raises_ends_its_episode_and_is_rebuilt_at_the_next_reset(local_ray):
+def test_an_env_that_raises_ends_its_episode_and_is_rebuilt_at_the_next_reset():
     make_env = ray_env_factory(RAISING, {}, workers=1)
     env = make_env()
     env.reset(seed=0)
@@ -215,7 +214,7 @@ def test_an_env_that_raises_ends_its_episode_and_is_rebuilt_at_the_next_reset(lo
 
 
 @pytest.mark.slow
-def test_a_bad_env_id_or_setting_is_a_value_error_naming_it(local_ray):
+def test_a_bad_env_id_or_setting_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="no setting colour"):
         ray_env_factory("Sokoban", {"colour": "red"}, workers=1)
     with pytest.raises(ValueError, match="unknown Ray env options"):

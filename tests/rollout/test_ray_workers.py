@@ -106,8 +106,6 @@ def test_workers_play_the_greedy_trajectories_of_the_same_policy_in_process_and_
     assert [t.turns[0].response_ids for t in changed] != [t.turns[0].response_ids for t in there]
 
 
-@pytest.mark.slow  # 20 s (two workers started); a killed worker is named by default in
-# tests/training/backends/test_ray_rollout.py (weights_reach_the_workers_..., its one worker killed at the end)
 def test_a_killed_worker_raises_a_rollout_worker_error_naming_it(workers, actor):
     workers.set_weights(actor, version=100)
     ray.kill(workers.workers[1])

@@ -1,7 +1,7 @@
 """The Ray backend: the trainer's weights reach the workers with the next rollout (none after a run's last step),
-the step that sent them reports the transfer and its check (a transfer that does not arrive stops the run, a worker
-that dies is named at once), and ``turnrl train distributed.backend=ray`` is the one-process run, and stops with a
-checkpoint that resumes when a worker dies."""
+the step that sent them reports the transfer and its check (a transfer that does not arrive stops the run), and
+``turnrl train distributed.backend=ray`` is the one-process run, and stops with a checkpoint that resumes when a
+worker dies."""
 
 from __future__ import annotations
 
@@ -18,20 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.training.reference_run import (
-    ARGS,
-    assert_same_metrics,
-    run_config,
-    run_train,
-    step_records,
-    train_in_process,
-)
+from tests.training.reference_run import ARGS, assert_same_metrics, run_config, run_train, step_records
 from turnrl.envs import make
 from turnrl.envs.seeds import SeedSplits
 from turnrl.models.loading import load_model
 from turnrl.rollout import ray_workers as ray_workers_module
 from turnrl.rollout.groups import EnvGroups
-from turnrl.rollout.ray_workers import RolloutWorkerError, policy_weights
+from turnrl.rollout.ray_workers import policy_weights
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training.backends.backend import EpisodeRunner, WeightsVersion
 from turnrl.training.backends.ray_rollout import RayBackend, ray_workers
@@ -51,22 +44,10 @@ def ray_cluster(tmp_path_factory):
         port = probe.getsockname()[1]
     temp = tmp_path_factory.mktemp("ray")
     ray_bin = str(Path(sys.executable).parent / "ray")
-    # Without a token: whether Ray asks for one would depend on a token file of the machine's user, which a joining
-    # process named by RAY_ADDRESS (below) does not read.
-    local_only = {"RAY_AUTH_MODE": "disabled"}
     started = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                              f"--temp-dir={temp}", "--disable-usage-stats"], capture_output=True, text=True,
-                             env={**os.environ, **local_only})
+                              f"--temp-dir={temp}", "--disable-usage-stats"], capture_output=True, text=True)
     assert started.returncode == 0, started.stderr[-2000:]
-    import ray
-
-    with pytest.MonkeyPatch.context() as patch:
-        # "auto" finds the cluster RAY_ADDRESS names (in this process and the runs it starts): not the cluster of
-        # this module's tests in another pytest-xdist worker, which stops with them.
-        patch.setenv("RAY_ADDRESS", f"{ray.util.get_node_ip_address()}:{port}")
-        for name, value in local_only.items():
-            patch.setenv(name, value)
-        yield "auto"
+    yield "auto"
     stop_cluster(str(temp), port)
 
 
@@ -159,13 +140,6 @@ def test_weights_reach_the_workers_with_the_next_rollout_whose_metrics_report_th
         backend.set_weights(actor, WeightsVersion(3, 2))
         with pytest.raises(WeightsSyncError, match=r"did not change .* version 2 \(step 3\) on the ray \(worker 0\)"):
             backend.roll_out(3, play)
-
-        # A worker killed: the next batch finds it dead at once ("died", not "did not finish within" once
-        # distributed.timeout_s has run out) and names it, with how to resume.
-        ray.kill(workers.workers[0])
-        with pytest.raises(RolloutWorkerError, match="rollout worker 0 .* died during run.*resume") as error:
-            workers.run(slots, config.sampling)
-        assert error.value.worker == 0
     finally:
         backend.close()
         ray.shutdown()
@@ -173,16 +147,10 @@ def test_weights_reach_the_workers_with_the_next_rollout_whose_metrics_report_th
 
 def test_ray_rollout_workers_train_as_one_process(tiny_model_dir, tmp_path, ray_cluster, single):
     """``distributed.backend=ray`` on a running cluster: two rollout actors play the groups and get the new
-    weights before each rollout; the run is the single-process run. The run is this process's, which has what it
-    imports already (a run of its own process, ``turnrl train``, joins the cluster in the slow tests above and
-    below)."""
-    import ray
-
-    try:
-        train_in_process(tiny_model_dir, tmp_path, "ray", "run.steps=2", "distributed.backend=ray",
-                         "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}")
-    finally:
-        ray.shutdown()
+    weights before each rollout; the run is the single-process run."""
+    ray_run = run_train(tiny_model_dir, tmp_path, "ray", "run.steps=2", "distributed.backend=ray",
+                        "distributed.rollout_workers=2", f"distributed.ray_address={ray_cluster}")
+    assert ray_run.returncode == 0, ray_run.stdout[-2000:] + ray_run.stderr[-3000:]
     one, two = step_records(single), step_records(tmp_path / "ray")
     for step in one:
         assert_same_metrics(one[step], two[step])
