@@ -9,12 +9,13 @@ the server answers are :class:`~turnrl.envservice.protocol.APIError`.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Annotated, Any, Optional
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from turnrl.envservice.protocol import check_query
+from turnrl.envservice.protocol import check_query, decode_value
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
@@ -90,3 +91,22 @@ def validation_message(error: RequestValidationError) -> str:
         else:
             lines.append(f"{location or 'body'}: {item.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(lines)
+
+
+# --------------------------------------------------------------------------- values inside the bodies
+def decode_request_value(data: Any) -> Any:
+    """A client's encoded settings or options, decoded; ValueError for what cannot be (one nested too deep for
+    Python's recursion included, which JSON's parser let through)."""
+    try:
+        return decode_value(data)
+    except RecursionError:
+        raise ValueError("it is nested too deep; send plain settings") from None
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong, _SHORT.maxlevel = 120, 60, 40, 4
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to a line: a client's settings in an error may be a huge number, array or string."""
+    return _SHORT.repr(value).replace("\n", " ")

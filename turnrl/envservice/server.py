@@ -66,7 +66,6 @@ import functools
 import json
 import logging
 import os
-import reprlib
 import secrets
 import sys
 import time
@@ -85,7 +84,7 @@ from turnrl.envs import AgentEnv, make
 from turnrl.envs.catalog import builtin_name, env_names
 from turnrl.envservice.http_guards import BodyLimit, check_token, is_loopback
 from turnrl.envservice.options import ServerLimits, add_arguments
-from turnrl.envservice.protocol import CLIENT_HEADER, QUERIES, TOKEN_ENV_VAR, APIError, decode_value, error_item
+from turnrl.envservice.protocol import CLIENT_HEADER, QUERIES, TOKEN_ENV_VAR, APIError, error_item
 from turnrl.envservice.request_bodies import (
     EnvSpec,
     ForkBody,
@@ -96,6 +95,8 @@ from turnrl.envservice.request_bodies import (
     SessionsBody,
     StepBody,
     StepItem,
+    decode_request_value,
+    short_repr,
     validation_message,
 )
 from turnrl.envservice.sessions import (
@@ -108,7 +109,10 @@ from turnrl.envservice.sessions import (
     call_on_env,
     close_built,
     close_env,
+    closed_item,
+    copy_env,
     prometheus_text,
+    refuse_copy,
     request_key,
     run_queries,
     run_reset,
@@ -123,25 +127,6 @@ SHUTDOWN_GRACE_S = 5.0
 """How long a shutdown waits for the env calls under way to return, each closing its env as it does, so that
 their envs are closed before the process exits (a call still running then closes its env when it returns, if the
 process lives on)."""
-
-
-# --------------------------------------------------------------------------- request values
-def decode_request_value(data: Any) -> Any:
-    """A client's encoded settings or options, decoded; ValueError for what cannot be (one nested too deep for
-    Python's recursion included, which JSON's parser let through)."""
-    try:
-        return decode_value(data)
-    except RecursionError:
-        raise ValueError("it is nested too deep; send plain settings") from None
-
-
-_SHORT = reprlib.Repr()
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong, _SHORT.maxlevel = 120, 60, 40, 4
-
-
-def short_repr(value: Any) -> str:
-    """``repr(value)`` cut to a line: a client's settings in an error may be a huge number, array or string."""
-    return _SHORT.repr(value).replace("\n", " ")
 
 
 # --------------------------------------------------------------------------- the server
@@ -659,25 +644,6 @@ class EnvServer:
         else:
             self.metrics.resets += len(todo)
         return answers
-
-
-def closed_item(kind: str, session: Session) -> dict[str, Any]:
-    """The item of a call that never ran: its session was closed as the server shut down (on a worker thread)."""
-    return error_item(session.id, f"session {session.id} is closed (the server shut down) before its {kind} ran; "
-                                  "open a new one", code="unknown_session")
-
-
-def refuse_copy() -> AgentEnv:
-    """A fork's copy of a session closed as the server shut down (it never ran)."""
-    raise shutting_down()
-
-
-def copy_env(session: Session) -> AgentEnv:
-    """A deep copy of a session's env (a fork); an env that cannot be copied is a 500 that says so."""
-    try:
-        return copy.deepcopy(session.env)
-    except Exception as error:
-        raise APIError(500, "env_error", f"the env cannot be copied: {type(error).__name__}: {error}") from None
 
 
 def with_answered(answers: list[dict[str, Any]], answered: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:

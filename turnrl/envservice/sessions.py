@@ -16,6 +16,7 @@ awaits such a batch in the event loop. :func:`attempt_build` builds or copies an
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import math
@@ -292,6 +293,25 @@ def call_on_env(session: Session, call: Callable[[], T], refused: Callable[[], T
         return call()
     finally:
         session.end_call()
+
+
+def closed_item(kind: str, session: Session) -> dict[str, Any]:
+    """The item of a call that never ran: its session was closed as the server shut down (on a worker thread)."""
+    return error_item(session.id, f"session {session.id} is closed (the server shut down) before its {kind} ran; "
+                                  "open a new one", code="unknown_session")
+
+
+def refuse_copy() -> AgentEnv:
+    """A fork's copy of a session closed as the server shut down (it never ran)."""
+    raise shutting_down()
+
+
+def copy_env(session: Session) -> AgentEnv:
+    """A deep copy of a session's env (a fork); an env that cannot be copied is a 500 that says so."""
+    try:
+        return copy.deepcopy(session.env)
+    except Exception as error:
+        raise APIError(500, "env_error", f"the env cannot be copied: {type(error).__name__}: {error}") from None
 
 
 def close_env(env: AgentEnv) -> None:
