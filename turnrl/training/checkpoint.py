@@ -33,7 +33,8 @@ import secrets
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,7 @@ def save_checkpoint(
         shutil.rmtree(leftover, ignore_errors=True)
     remove_unfinished_writes(root)  # a ``latest`` being replaced when its session was killed
     tmp = root / (tmp_name or unique_tmp_name(step))
-    try:
+    with _written_whole(tmp, lambda cause: _save_failed(run_dir, step, cause)):
         tmp.mkdir()
         actor.save_pretrained(tmp / "actor")
         tokenizer.save_pretrained(tmp / "actor")
@@ -230,14 +231,6 @@ def save_checkpoint(
             (tmp / "config.yaml").write_text(config_yaml)
         if before_publish is not None:
             before_publish(tmp)
-        write_contents(tmp)
-        _sync_tree(tmp)
-    except Exception as error:  # any writer's: torch's zip writer says "unexpected pos", tokenizers' a plain one
-        cause = write_failure_cause(error, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if cause is None:
-            raise
-        raise _save_failed(run_dir, step, cause) from error
     replaced = _set_aside(final)
     try:
         _publish(tmp, final)
@@ -255,6 +248,24 @@ def save_checkpoint(
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     return final
+
+
+@contextmanager
+def _written_whole(tmp: Path, refused: Callable[[str], ConfigError]) -> Iterator[None]:
+    """The block writes a folder into ``tmp``; then its list of files (:data:`CONTENTS_FILE`) is written and
+    everything flushed to the disk (:func:`_sync_tree`), ready to be renamed into place. A write that fails, for
+    whatever reason, deletes ``tmp`` (on a full disk it may hold gigabytes); one the disk or a limit stopped
+    (:func:`write_failure_cause`) raises ``refused(cause)``, the one line of what to do, any other its own error."""
+    try:
+        yield
+        write_contents(tmp)
+        _sync_tree(tmp)
+    except Exception as error:  # any writer's: torch's zip writer says "unexpected pos", tokenizers' a plain one
+        cause = write_failure_cause(error, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if cause is None:
+            raise
+        raise refused(cause) from error
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -289,18 +300,10 @@ def save_reference(reference: Any, path: Path) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     for leftover in path.parent.glob(f"{path.name}.tmp-*"):  # runs killed mid-write
         shutil.rmtree(leftover, ignore_errors=True)
-    try:
+    with _written_whole(tmp, lambda cause: ConfigError(
+            f"the KL reference model could not be written to {path}: {cause}. Free some space, raise the limit, or "
+            "put run.output_dir on a larger disk, then start the run again")):
         reference.save_pretrained(tmp)
-        write_contents(tmp)
-        _sync_tree(tmp)
-    except Exception as error:
-        cause = write_failure_cause(error, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if cause is None:
-            raise
-        raise ConfigError(f"the KL reference model could not be written to {path}: {cause}. Free some space, "
-                          "raise the limit, or put run.output_dir on a larger disk, then start the run again") \
-            from error
     shutil.rmtree(path, ignore_errors=True)  # a fresh start's: what an earlier start left there
     os.replace(tmp, path)
     fsync_path(path.parent)
