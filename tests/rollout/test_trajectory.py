@@ -86,3 +86,24 @@ def test_any_figures_give_floats_or_a_value_error(metrics):
     except ValueError:
         return
     assert figures is not None and all(isinstance(value, float) and math.isfinite(value) for value in figures.values())
+
+
+def test_a_write_that_fails_midway_leaves_the_steps_earlier_file_whole(tmp_path, monkeypatch):
+    """A run killed or refused by the disk while it writes a step's trajectories leaves no file cut short for the
+    viewer or a resume to read: the earlier file stays as it was, and no temporary file is left."""
+    episodes = [Trajectory(env_id="Lake", seed=seed, group=seed, sample=0) for seed in range(3)]
+    path = write_trajectories(episodes[:1], tmp_path, name="step_000001.jsonl")
+    before = path.read_text()
+    written = []
+
+    def fails_on_the_third(self, shown, final):
+        if len(written) == 2:
+            raise OSError("the disk went away")
+        written.append(self.seed)
+        return {"seed": self.seed}
+
+    monkeypatch.setattr(Trajectory, "to_json", fails_on_the_third)
+    with pytest.raises(OSError, match="went away"):
+        write_trajectories(episodes, tmp_path, name="step_000001.jsonl")
+    assert path.read_text() == before and len(before.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001.jsonl"]

@@ -20,7 +20,6 @@ from turnrl.config import ConfigError
 from turnrl.training import checkpoint
 from turnrl.training.checkpoint import (
     ResumePoint,
-    atomic_write_text,
     checkpoint_bytes,
     checkpoint_problem,
     checkpoint_step,
@@ -339,21 +338,6 @@ def test_a_file_size_limit_is_blamed_only_where_a_file_reached_it(tmp_path, monk
     assert checkpoint.write_failure_cause(RuntimeError("cannot pickle"), folder) is None
     (folder / "trainer_state.pt").write_bytes(b"x" * 1000)  # cut at the limit
     assert "file-size limit" in checkpoint.write_failure_cause(RuntimeError("unexpected pos"), folder)
-
-
-@pytest.mark.parametrize("umask", [0o022, 0o002])  # 0o077 would equal mkstemp's own 0o600
-def test_a_file_replaced_whole_gets_the_permissions_a_plain_write_gives(tmp_path, umask):
-    """config.yaml, summary.json and ``latest`` are written through a temporary file: they must be readable by
-    whom a plain write lets read them (the group sharing a run directory), not by their owner alone."""
-    before = os.umask(umask)
-    try:
-        (tmp_path / "plain").write_text("x")
-        atomic_write_text(tmp_path / "config.yaml", "run: {}\n")
-        atomic_write_text(tmp_path / "config.yaml", "run: {steps: 2}\n")  # replacing an existing file
-    finally:
-        os.umask(before)
-    assert (tmp_path / "config.yaml").stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
-    assert (tmp_path / "config.yaml").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_a_tokenizer_the_disk_refuses_is_named_as_the_disk_and_leaves_no_folder(actor, tiny_tokenizer, tmp_path):

@@ -424,7 +424,9 @@ DAMAGE: dict[str, Callable[[Path], object]] = {
     "unfinished writes of a killed session": lambda run: (
         shutil.copytree(run / "checkpoints" / "step_000001", run / "checkpoints" / "step_000003.tmp-1-00ff00ff"),
         (run / "checkpoints" / ".latest.1.abcdefgh.tmp").write_text("step_0000"),
-        (run / ".config.yaml.1.abcdefgh.tmp").write_text("run:\n")),
+        (run / ".config.yaml.1.abcdefgh.tmp").write_text("run:\n"),
+        (run / "trajectories").mkdir(exist_ok=True),
+        (run / "trajectories" / ".step_000002.jsonl.1.abcdefgh.tmp").write_text('{"env_id": "Froz')),
 }
 FIXED = {"metrics.jsonl's last line not text", "latest not text", "latest a folder", "actor/config.json not JSON",
          "tokenizer.json cut short", "unfinished writes of a killed session", "no chat template",

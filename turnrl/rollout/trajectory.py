@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from turnrl.files import atomic_write_text
+
 if TYPE_CHECKING:
     from turnrl.agent.formats import ParsedResponse
     from turnrl.rollout.context import EpisodeTokens
@@ -204,7 +206,9 @@ class Trajectory:
 
 def write_trajectories(trajectories: list[Trajectory], out_dir: Path, name: str = "trajectories.jsonl") -> Path:
     """One JSON line per episode; images saved as PNG under ``out_dir/images`` (``<stem>_<episode>_<k>.png``
-    those shown, ``<stem>_<episode>_final<k>.png`` those of the final observation)."""
+    those shown, ``<stem>_<episode>_final<k>.png`` those of the final observation), before the file that names
+    them. The file is written whole or not at all (:func:`~turnrl.files.atomic_write_text`): the viewer reading
+    a run as it trains, or a run killed mid-write, never meets a step's file cut short."""
     from PIL import Image
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -216,10 +220,11 @@ def write_trajectories(trajectories: list[Trajectory], out_dir: Path, name: str 
         Image.fromarray(image).save(out_dir / relative)
         return str(relative)
 
-    with path.open("w") as handle:
-        for index, trajectory in enumerate(trajectories):
-            shown = [save(image, f"{path.stem}_{index:05d}_{k:03d}.png") for k, image in enumerate(trajectory.images)]
-            final = [save(image, f"{path.stem}_{index:05d}_final{k}.png")
-                     for k, image in enumerate(trajectory.final_images)]
-            handle.write(json.dumps(trajectory.to_json(shown, final)) + "\n")
+    lines = []
+    for index, trajectory in enumerate(trajectories):
+        shown = [save(image, f"{path.stem}_{index:05d}_{k:03d}.png") for k, image in enumerate(trajectory.images)]
+        final = [save(image, f"{path.stem}_{index:05d}_final{k}.png")
+                 for k, image in enumerate(trajectory.final_images)]
+        lines.append(json.dumps(trajectory.to_json(shown, final)) + "\n")
+    atomic_write_text(path, "".join(lines))
     return path

@@ -31,7 +31,6 @@ import re
 import resource
 import secrets
 import shutil
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -44,6 +43,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from turnrl.config import ConfigError, turnrl_command
+from turnrl.files import atomic_write_text, fsync_path, remove_unfinished_writes
 
 
 def rng_state() -> dict[str, Any]:
@@ -66,54 +66,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         # CUDA_VISIBLE_DEVICES) restores the ones it has, where torch's set_rng_state_all fails on the first it lacks.
         for index, device_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(device_state, index)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` whole or not at all: written to a temporary file of its folder (a name no
-    other process uses: ``tempfile`` creates it exclusively), flushed to the disk, then renamed over ``path``.
-    A failed write (a full disk, a file-size limit) leaves the old file as it was and no temporary file.
-
-    The file gets the permissions a plain write would give it (``0o666`` less the umask): ``mkstemp`` makes its
-    file readable by its owner alone, which would hide the run's settings and summary from the rest of a group
-    that shares the run directory."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    """This process's umask: read from ``/proc/self/status`` where Linux says it, since ``os.umask`` can only
-    read it by setting it, and a file another thread creates in between would get the value set."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def remove_unfinished_writes(folder: Path) -> list[Path]:
-    """Delete the temporary files of :func:`atomic_write_text` (``.NAME.PID.RANDOM.tmp``) that a process killed
-    mid-write left in ``folder``; the caller is the folder's one writer, so no other write is under way.
-
-    Returns:
-        The files deleted.
-    """
-    left = [path for path in folder.glob(".*.*.tmp") if path.is_file()] if folder.is_dir() else []
-    for path in left:
-        path.unlink(missing_ok=True)
-    return left
 
 
 def unique_tmp_name(step: int) -> str:
@@ -327,14 +279,6 @@ def _sync_tree(folder: Path) -> None:
             fsync_path(path)
     fsync_path(folder)
 
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's bytes, or a folder's entries (the names made, renamed and deleted in it), to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _REPLACED = ".replaced-"

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.errors import LiveError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from turnrl.training.checkpoint import atomic_write_text, fsync_path
+from turnrl.files import atomic_write_text, fsync_path
 
 
 class RunConsole(Console):

@@ -25,17 +25,16 @@ from filelock import FileLock, Timeout
 from rich.console import Console
 
 from turnrl.config import ConfigError, load_config, to_yaml, turnrl_command
+from turnrl.files import atomic_write_text, remove_unfinished_writes
 from turnrl.training import ranks
 from turnrl.training.checkpoint import (
     ResumePoint,
-    atomic_write_text,
     checkpoint_step,
     checkpoint_steps,
     latest_checkpoint,
     latest_name,
     newest_whole_actor,
     reference_problem,
-    remove_unfinished_writes,
     restore_replaced,
     resume_point,
 )
@@ -352,6 +351,7 @@ class RunLock:
             break
         self._lock = lock
         remove_unfinished_writes(self.run_dir)  # of a writer killed mid-write: config.yaml's, summary.json's...
+        remove_unfinished_writes(self.run_dir / "trajectories")  # a step's trajectories or token advantages
         restore_replaced(self.run_dir / "checkpoints")  # before a resume looks for its checkpoint
         self._remove_stale_stop()
         left = _read_owner(self.run_dir / OWNER_FILE)

@@ -51,6 +51,7 @@ from turnrl.algorithms import kl_penalty
 from turnrl.config import ConfigError, SamplingConfig, to_yaml
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import env_factory
+from turnrl.files import atomic_write_text
 from turnrl.models.devices import resolve_dtype
 from turnrl.models.loading import (
     base_model_path,
@@ -88,7 +89,6 @@ from turnrl.training.backends.backend import (
 from turnrl.training.batch import Batch
 from turnrl.training.batch_advantages import compute_advantages
 from turnrl.training.checkpoint import (
-    atomic_write_text,
     checkpoint_bytes,
     disk_space_problem,
     load_trainer_state,

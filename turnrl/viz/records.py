@@ -40,6 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
+from turnrl.files import atomic_write_text
 from turnrl.rollout.trajectory import sum_by_name
 
 ADVANTAGES_SUFFIX = ".advantages.jsonl"
@@ -694,9 +695,7 @@ def token_advantage_records(
 
 
 def write_token_advantages(path: Path, records: Iterable[dict[str, Any]]) -> Path:
-    """Write ``records`` (from :func:`token_advantage_records`) as JSON lines to ``path``."""
+    """Write ``records`` (from :func:`token_advantage_records`) as JSON lines to ``path``, whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        for record in records:
-            handle.write(json.dumps(record) + "\n")
+    atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in records))
     return path
