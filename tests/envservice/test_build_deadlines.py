@@ -48,6 +48,8 @@ def test_an_env_whose_constructor_or_reset_hangs_fails_its_session_and_the_serve
             RemoteEnv(pool, GATED, {"gate_build": True}).reset(seed=0)
         pool.close()
 
+        checked = post(url, "/v1/validate", {"env_id": GATED, "settings": {"gate_reset": True}})  # its reset hangs
+        assert error_of(checked)[:2] == (500, "env_timeout"), checked.text
         opened = post(url, "/v1/sessions", {"env_id": GATED, "settings": {"gate_reset": True}, "ids": ["r"]})
         assert opened.status_code == 200, opened.text
         (reset,) = post(url, "/v1/reset", {"items": [{"session": "r", "seed": 0}]}).json()["items"]
@@ -55,12 +57,12 @@ def test_an_env_whose_constructor_or_reset_hangs_fails_its_session_and_the_serve
         assert "--step-timeout" in reset["error"]["message"]
 
         health = httpx.get(url + "/health", timeout=TIMEOUT).json()
-        assert (health["status"], health["sessions"], health["stuck_calls"]) == ("ok", 0, 6)
+        assert (health["status"], health["sessions"], health["stuck_calls"]) == ("ok", 0, 7)
         post(url, "/v1/sessions", {"env_id": "Sokoban", "ids": ["s"]}).raise_for_status()
         assert post(url, "/v1/reset", {"items": [{"session": "s", "seed": 0}]}).json()["items"][0]["ok"]
         assert post(url, "/v1/step", {"items": [{"session": "s", "action": "Up"}]}).json()["items"][0]["ok"]
         metrics = httpx.get(url + "/metrics", timeout=TIMEOUT).text
-        assert 'turnrl_env_errors_total{code="env_timeout"} 4' in metrics  # three requests and one reset item
+        assert 'turnrl_env_errors_total{code="env_timeout"} 5' in metrics  # four requests and one reset item
 
 
 def test_hung_builds_and_copies_are_closed_when_they_return_and_a_hung_fork_closes_its_source():

@@ -473,6 +473,18 @@ def test_hostile_settings_and_options_get_a_one_line_400_and_the_server_stays_up
     assert fuzz_client.get("/health").status_code == 200
 
 
+def test_validate_resets_the_env_so_that_what_only_a_reset_refuses_is_a_bad_setting():
+    """A 2048 target that the first tiles of a 3x3 board can never make is refused at reset, not at build: the
+    check a client runs before it opens sessions passed it, and every session's first reset then failed."""
+    with TestClient(build_app(["Game2048"])) as client:
+        refused = client.post("/v1/validate", json={"env_id": "Game2048", "settings": {"size": 3, "target_tile": 2048}})
+        error = refused.json()["error"]
+        assert (refused.status_code, error["code"]) == (400, "bad_settings"), refused.text
+        assert "its first reset refused them: target_tile=2048 can never be made on a 3x3 board" in error["message"]
+        checked = client.post("/v1/validate", json={"env_id": "Game2048", "settings": {"size": 3, "target_tile": 8}})
+        assert checked.status_code == 200 and checked.json()["ok"], checked.text
+
+
 def test_a_count_of_sessions_over_the_batch_limit_is_refused_before_any_id_is_made(fuzz_client, monkeypatch):
     """``count: 10**12`` once made 10**12 ids on the event loop (memory without bound) before the limit."""
     made = []

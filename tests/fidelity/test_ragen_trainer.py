@@ -7,7 +7,7 @@ Encodes mll-lab-nu/RAGEN at commit 20daedc47558e000f7de912b060646bf2e8026bd, ``r
 
 from __future__ import annotations
 
-from tests.training.test_trainer import config, step_records
+from tests.training.trainer_runs import config, step_records
 from turnrl.training.commands import train
 
 

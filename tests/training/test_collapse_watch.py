@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.algorithms.test_collapse import ref_information, ref_retrieval, ref_zscore
-from tests.training.test_trainer import config, records, step_records
+from tests.training.trainer_runs import config, records, step_records
 from turnrl.agent.formats import get_format
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.trajectory import Trajectory

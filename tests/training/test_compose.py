@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import turnrl
-from tests.training.test_trainer import COMMON
+from tests.training.trainer_runs import COMMON
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, load_config
 from turnrl.rewards import Rewards

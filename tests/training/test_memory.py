@@ -314,7 +314,7 @@ def test_under_lora_the_critic_trains_all_its_weights_and_the_actor_holds_its_wh
 
 def test_the_estimate_counts_the_trained_and_frozen_weights_the_trainer_holds_under_lora(tiny_model_dir, tmp_path):
     """The estimate's actor and critic against the parameters of a trainer built with LoRA and a critic."""
-    from tests.training.test_trainer import config as trainer_config
+    from tests.training.trainer_runs import config as trainer_config
     from turnrl.training.trainer import Trainer
 
     trainer = Trainer(trainer_config(tiny_model_dir, tmp_path, "lora.enabled=true", "lora.r=8"))

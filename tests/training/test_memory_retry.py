@@ -11,7 +11,7 @@ import torch
 import yaml
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tests.training.test_trainer import VOLATILE, actor_weights, config, records, step_records
+from tests.training.trainer_runs import VOLATILE, actor_weights, config, records, step_records
 from turnrl.config import ConfigError
 from turnrl.training import ppo
 from turnrl.training.commands import train

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.test_trainer import config
+from tests.training.trainer_runs import config
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import train
 from turnrl.training.preflight import preflight

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.training.test_trainer import config, records
+from tests.training.trainer_runs import config, records
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import train
 from turnrl.training.run_dir import LOCK_FILE, STOP_FILE, RunLock, run_directory, run_of_model, start_run

@@ -17,7 +17,7 @@ that run on worker threads are :mod:`turnrl.envservice.sessions`'s.
 Endpoints (JSON bodies; values in the tagged encoding of
 :func:`turnrl.envservice.protocol.encode_value`, images as PNG):
 
-- ``POST /v1/validate`` ``{env_id, settings}``: builds the env once, to check the id and settings.
+- ``POST /v1/validate`` ``{env_id, settings}``: builds the env and resets it once, to check the id and settings.
 - ``POST /v1/sessions`` ``{env_id, settings, count | ids}``: opens sessions (ids chosen by the client make
   a retried request idempotent).
 - ``POST /v1/reset`` ``{items: [{session, seq, seed, options, queries}]}``
@@ -80,7 +80,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from turnrl.envs import AgentEnv, make
+from turnrl.envs import AgentEnv
 from turnrl.envs.catalog import builtin_name, env_names
 from turnrl.envservice.http_guards import BodyLimit, check_token, is_loopback
 from turnrl.envservice.options import ServerLimits, add_arguments
@@ -106,6 +106,7 @@ from turnrl.envservice.sessions import (
     Session,
     SessionTable,
     attempt_build,
+    build_env,
     call_on_env,
     close_built,
     close_env,
@@ -114,6 +115,7 @@ from turnrl.envservice.sessions import (
     prometheus_text,
     refuse_copy,
     request_key,
+    reset_env,
     run_queries,
     run_reset,
     run_step,
@@ -233,9 +235,9 @@ class EnvServer:
         return {"envs": self.allowed, "queries": list(QUERIES), "limits": asdict(self.limits)}
 
     async def validate(self, body: EnvSpec) -> dict[str, Any]:
-        """``POST /v1/validate``."""
+        """``POST /v1/validate``: the env built and reset once (seed 0), under the builds' deadline."""
         env_id, settings = self._env_spec(body)
-        envs = await asyncio.shield(self._build_envs(env_id, [None], lambda k: self._build_env(env_id, settings)))
+        envs = await asyncio.shield(self._build_envs(env_id, [None], lambda k: reset_env(env_id, settings)))
         self.executor.submit(close_env, envs[0])
         return {"ok": True, "env_id": env_id}
 
@@ -268,7 +270,7 @@ class EnvServer:
                     raise APIError(409, "session_exists", "a session with one of these ids exists; choose other ids")
                 return {"sessions": ids, "instance": self.instance}
             self._check_room(client, len(ids))
-            built = await self._build_envs(env_id, list(ids), lambda k: self._build_env(env_id, settings))
+            built = await self._build_envs(env_id, list(ids), lambda k: build_env(env_id, settings))
             try:
                 self._check_room(client, len(ids))  # others may have opened sessions meanwhile
             except APIError:
@@ -489,16 +491,6 @@ class EnvServer:
             raise APIError(400, "bad_settings", "settings must be an object of named settings, got "
                                                 f"{short_repr(spec.settings)}")
         return env_id, settings
-
-    @staticmethod
-    def _build_env(env_id: str, settings: dict[str, Any]) -> AgentEnv:
-        try:
-            return make(env_id, **settings)
-        except (ValueError, TypeError, OverflowError) as error:  # OverflowError: int() of an infinite setting
-            raise APIError(400, "bad_settings", f"{env_id} with settings {short_repr(settings)}: "
-                                                f"{short_repr(str(error))[1:-1]}") from None
-        except BaseException as error:  # SystemExit too: this runs on a worker thread, and the env raised it
-            raise APIError(500, "env_error", f"building {env_id} raised {type(error).__name__}: {error}") from None
 
     def _check_room(self, owner: str, count: int) -> None:
         if len(self.table) + count > self.limits.max_sessions:

@@ -30,7 +30,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from turnrl.envs import AgentEnv, optional_methods
+from turnrl.envs import AgentEnv, make, optional_methods
 from turnrl.envservice.protocol import (
     APIError,
     answer_query,
@@ -40,7 +40,7 @@ from turnrl.envservice.protocol import (
     reset_item,
     step_item,
 )
-from turnrl.envservice.request_bodies import ResetItem, StepItem
+from turnrl.envservice.request_bodies import ResetItem, StepItem, short_repr
 
 logger = logging.getLogger("turnrl.env_server")
 
@@ -319,6 +319,34 @@ def close_env(env: AgentEnv) -> None:
         optional_methods(env).close()
     except BaseException:  # an env that fails to close must not take the server with it
         logger.exception("closing an env failed")
+
+
+def build_env(env_id: str, settings: dict[str, Any]) -> AgentEnv:
+    """``make(env_id, **settings)`` on a worker thread, its refusal of a setting a 400 ``bad_settings``."""
+    try:
+        return make(env_id, **settings)
+    except (ValueError, TypeError, OverflowError) as error:  # OverflowError: int() of an infinite setting
+        raise APIError(400, "bad_settings", f"{env_id} with settings {short_repr(settings)}: "
+                                            f"{short_repr(str(error))[1:-1]}") from None
+    except BaseException as error:  # SystemExit too: this runs on a worker thread, and the env raised it
+        raise APIError(500, "env_error", f"building {env_id} raised {type(error).__name__}: {error}") from None
+
+
+def reset_env(env_id: str, settings: dict[str, Any]) -> AgentEnv:
+    """:func:`build_env`, then a reset (seed 0), its refusal a 400 ``bad_settings`` as the build's: some settings
+    are judged only at a reset (a 2048 target the first tiles can never make), and a client checks them with
+    ``/v1/validate`` before it opens sessions."""
+    env = build_env(env_id, settings)
+    try:
+        env.reset(seed=0)
+    except (ValueError, TypeError, OverflowError) as error:
+        close_env(env)
+        raise APIError(400, "bad_settings", f"{env_id} with settings {short_repr(settings)}: its first reset "
+                                            f"refused them: {short_repr(str(error))[1:-1]}") from None
+    except BaseException as error:
+        close_env(env)
+        raise APIError(500, "env_error", f"resetting {env_id} raised {type(error).__name__}: {error}") from None
+    return env
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.training.reference_run import assert_same_metrics, step_records, train_in_process
-from tests.training.test_trainer import COMMON as TRAINER_COMMON
+from tests.training.trainer_runs import COMMON as TRAINER_COMMON
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig, load_config
 from turnrl.engine.llm_engine import weights_version

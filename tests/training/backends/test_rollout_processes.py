@@ -258,7 +258,7 @@ def test_a_rollout_process_that_skips_the_weights_stops_the_run(tiny_model_dir, 
 
 @pytest.mark.slow  # 21 s; by default a rollout process that fails is named in an asynchronous run
 # (asynchronous_pool_one_update_behind_..._until_its_process_fails), and a synchronous run stops on a lost rollout
-# worker with its checkpoint (tests/training/test_trainer.py, a_run_stopped_by_a_lost_rollout_worker_...)
+# worker with its checkpoint (tests/training/test_trainer_resume.py, a_run_stopped_by_a_lost_rollout_worker_...)
 def test_a_rollout_process_that_fails_stops_the_run_naming_it(tiny_model_dir, tmp_path):
     result = run_train(tiny_model_dir, tmp_path, "pool", "run.steps=3", "run.save_every=1",
                        *pool(1, 1, f"distributed.rollout_host={POOL}:FailsInStepTwo"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.training.backends.test_asynchronous import TIS, async_config, run_steps
-from tests.training.test_trainer import config, step_records, trajectories
+from tests.training.trainer_runs import config, step_records, trajectories
 from turnrl.engine.llm_engine import Engine
 from turnrl.engine.weights import WeightRef, WeightsChecksum
 from turnrl.training.backends.asynchronous import RolloutThreadError, StagedWeights
