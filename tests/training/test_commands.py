@@ -301,6 +301,25 @@ def test_the_lock_of_a_killed_writer_is_taken_over_with_a_note(tmp_path, capsys)
     assert sorted(p.name for p in run.iterdir()) == [".lock"]
 
 
+def test_a_filesystem_without_flock_is_never_locked_by_a_file_a_killed_writer_left(tmp_path, capsys, monkeypatch):
+    """filelock stands in a lock file's existence for flock where a filesystem has none (Lustre mounted without
+    ``flock``): a run killed there would leave its file, refusing every later run of the directory until removed
+    by hand. The run goes on unguarded and says so, and a writer that never released (killed) refuses nothing."""
+    import errno
+    import fcntl
+
+    def missing(fd, operation):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", missing)
+    RunLock(tmp_path / "run").__enter__()  # never left: a writer killed while it ran
+    with RunLock(tmp_path / "run", create=False) as lock:
+        assert lock.run_dir.is_dir()
+    warnings = " ".join(capsys.readouterr().err.split())
+    assert warnings.count(f"warning: {tmp_path / 'run'} cannot be locked on its filesystem (Function not "
+                          "implemented)") == 2, warnings
+
+
 def test_a_filesystem_without_locks_runs_unguarded_and_says_so(tmp_path, capsys, monkeypatch):
     import errno
 

@@ -320,7 +320,9 @@ class RunLock:
                 if not self.create:
                     return self
                 self._created = [folder for folder in (self.run_dir, *self.run_dir.parents) if not folder.exists()]
-            lock = FileLock(str(self.run_dir / LOCK_FILE), timeout=0)
+            # Not a soft lock (a file's existence) where the filesystem has no flock: a killed writer's file would
+            # outlive it and refuse every later writer; the run goes on unguarded instead, and says so (below).
+            lock = FileLock(str(self.run_dir / LOCK_FILE), timeout=0, fallback_to_soft=False)
             try:
                 if self._created:
                     # Another writer starting at the same moment may make it first: the lock then says who has it.
