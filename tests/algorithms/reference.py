@@ -51,9 +51,9 @@ def ref_masked_gae(token_rewards, values, adv_mask, gamma, lam, turn_end_mask=No
         for i in range(len(r) - 1, -1, -1):
             if not m[i]:
                 continue  # skipped: value and advantage pass through
-            g, l = (gamma_turn, lambda_turn) if e[i] else (gamma, lam)
+            g, lm = (gamma_turn, lambda_turn) if e[i] else (gamma, lam)
             delta = r[i] + g * next_value - v[i]
-            last = delta + g * l * last
+            last = delta + g * lm * last
             adv[i], ret[i] = last, last + v[i]
             next_value = v[i]
         advs.append(adv)
@@ -287,3 +287,103 @@ def ref_select(group_index, rewards, scores, strategy, value, weighting, tempera
         vals = [score[g] for g in ranked]
         kept = [g for g in ranked if (score[g] >= value * max(vals) if largest else score[g] <= min(vals) / value)]
     return sorted(kept)
+
+
+def ref_whiten_with(values, mask, stats_mask, shift_mean=True, eps=1e-8):
+    """``whiten`` with the mean and population variance taken over ``stats_mask`` (VAGEN's turn-wise GAE: one
+    entry a turn) and applied to every entry of ``mask``; ``shift_mean=False`` adds the mean back (veRL's
+    masked_whiten). ``stats_mask`` must hold an entry where ``mask`` does."""
+    vals, m, s = _rows(values, mask, stats_mask)
+    picked = [x for row, sr in zip(vals, s) for x, k in zip(row, sr) if k]
+    if not any(k for mr in m for k in mr):
+        return _out([[0.0] * len(row) for row in vals])
+    mean = sum(picked) / len(picked)
+    std = math.sqrt(sum((x - mean) ** 2 for x in picked) / len(picked) + eps)
+    back = 0.0 if shift_mean else mean
+    return _out([[(x - mean) / std + back if k else 0.0 for x, k in zip(row, mr)] for row, mr in zip(vals, m)])
+
+
+def ref_ppo_token(logprob, old_logprob, advantage, clip_low, clip_high, dual_clip):
+    """One token of the clipped surrogate (Schulman et al. 2017, Eq. 7, with DAPO's asymmetric clip) and the dual
+    clip (Ye et al. 2020, Eq. 5), as veRL's compute_policy_loss writes them, with the log-ratio clamped to
+    [-20, 20]. Returns ``(loss, clipped, dual_clipped, approx_kl)``: ``clipped`` where the clipped term is the
+    larger (veRL's pg_clipfrac), ``dual_clipped`` where the dual bound replaced the loss (pg_clipfrac_lower),
+    ``approx_kl = (r - 1) - log r``, Schulman's k3 estimate of KL(old || new) on samples from old."""
+    log_ratio = min(max(logprob - old_logprob, -20.0), 20.0)
+    ratio = math.exp(log_ratio)
+    unclipped = -advantage * ratio
+    clipped = -advantage * min(max(ratio, 1 - clip_low), 1 + clip_high)
+    loss = max(unclipped, clipped)
+    dual = dual_clip is not None and advantage < 0 and loss > -advantage * dual_clip
+    if dual:
+        loss = -advantage * dual_clip
+    return loss, clipped > unclipped, dual, ratio - 1 - log_ratio
+
+
+def ref_value_token(value, old_value, ret, clip):
+    """One token of PPO2's clipped value loss (OpenAI baselines ppo2, veRL's compute_value_loss):
+    ``0.5 * max((v - R)^2, (v_clip - R)^2)``, ``v_clip = old + clip(v - old, -c, c)``. Inside the range v_clip is
+    v itself (written so, not as ``old + (v - old)``, which rounds). Returns ``(loss, clipped, error)``."""
+    error = (value - ret) ** 2
+    if clip is None or abs(value - old_value) <= clip:
+        return 0.5 * error, False, error
+    clipped_error = (old_value + math.copysign(clip, value - old_value) - ret) ** 2
+    return 0.5 * max(error, clipped_error), clipped_error > error, error
+
+
+def ref_tis_weight(trainer_logprob, sampler_logprob, cap):
+    """Truncated importance weight ``min(pi_trainer / pi_sampler, C)`` (Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training"), the log-ratio clamped at 20 before the exp."""
+    return min(math.exp(min(trainer_logprob - sampler_logprob, 20.0)), cap)
+
+
+def ref_gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip):
+    """GSPO's objective (Zheng et al. 2025, Eq. 5-7) as a loss: the mean over the sequences with tokens of
+    ``max(-A_i s_i, -A_i clip(s_i, 1 - low, 1 + high))`` with ``s_i = exp(mean_t log(pi / pi_old))``, A_i the
+    sequence's advantage (its first masked token's) and, where given, the dual clip of a negative advantage.
+    Returns ``(loss, grad)``: ``grad`` the gradient with respect to each token's log-prob from the paper's Eq. 10,
+    ``s_i A_i / |y_i|`` per token of a sequence whose unclipped term is active, 0 where a clip is, over the
+    number of sequences."""
+    lps, olds, advs, m = _rows(logprobs, old_logprobs, advantages, mask)
+    losses, grads = [], [[0.0] * len(row) for row in lps]
+    rows = [b for b in range(len(lps)) if any(m[b])]
+    for b in rows:
+        tokens = [i for i, k in enumerate(m[b]) if k]
+        s = math.exp(sum(lps[b][i] - olds[b][i] for i in tokens) / len(tokens))
+        a = advs[b][tokens[0]]
+        unclipped, clipped = -a * s, -a * min(max(s, 1 - clip_low), 1 + clip_high)
+        loss, active = max(unclipped, clipped), unclipped >= clipped
+        if dual_clip is not None and a < 0 and loss > -a * dual_clip:
+            loss, active = -a * dual_clip, False
+        losses.append(loss)
+        for i in tokens:
+            grads[b][i] = -a * s / len(tokens) / len(rows) if active else 0.0
+    return (sum(losses) / len(rows) if rows else 0.0), _out(grads)
+
+
+def ref_anchored_share(turn_states, group_index):
+    """Share of known turns (state >= 0) that share their group and start state with another turn."""
+    states, groups = turn_states.tolist(), group_index.tolist()
+    known = [(groups[e], s) for e, row in enumerate(states) for s in row if s >= 0]
+    if not known:
+        return 0.0
+    return sum(1 for key in known if known.count(key) > 1) / len(known)
+
+
+def ref_aggregate_weights(mask, mode):
+    """The weight of each token's term in ``ref_aggregate`` (its derivative): 1 / tokens for token-mean,
+    1 / (row tokens * rows with tokens) for seq-mean-token-mean, 1 / rows with tokens for seq-mean-token-sum."""
+    m = mask.tolist()
+    tokens = sum(1 for row in m for k in row if k)
+    rows = sum(1 for row in m if any(row))
+    out = []
+    for row in m:
+        n = sum(1 for k in row if k)
+        if mode == "token-mean":
+            w = 1 / tokens if tokens else 0.0
+        elif mode == "seq-mean-token-mean":
+            w = 1 / (n * rows) if n else 0.0
+        else:
+            w = 1 / rows if rows else 0.0
+        out.append([w if k else 0.0 for k in row])
+    return _out(out)

@@ -286,7 +286,8 @@ def test_bilevel_reduces_to_masked_gae(seed, b, s):
     rewards, values, mask, _ = random_batch(seed, b, s)
     # One turn per row: only the token level runs.
     no_ends = torch.zeros(b, s, dtype=torch.bool)
-    close(bilevel_gae(rewards, values, mask, no_ends, 0.3, 0.2, 0.9, 0.8)[0], masked_gae(rewards, values, mask, 0.9, 0.8)[0])
+    close(bilevel_gae(rewards, values, mask, no_ends, 0.3, 0.2, 0.9, 0.8)[0],
+          masked_gae(rewards, values, mask, 0.9, 0.8)[0])
     # Every token a turn: only the turn level runs, and turn GAE is token GAE.
     all_ends = torch.ones(b, s, dtype=torch.bool)
     expected = masked_gae(rewards, values, mask, 0.9, 0.8)
@@ -379,6 +380,25 @@ def test_whiten_with_turn_statistics_weighs_each_turn_once():
 
 
 @settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 5), s=st.integers(1, 60), shift_mean=st.booleans(),
+       by_turn=st.booleans(), offset=st.sampled_from([0.0, 1e3]))
+def test_whiten_matches_reference(seed, b, s, shift_mean, by_turn, offset):
+    """Statistics over every masked entry or over the turn ends only (turn-level GAE's whitening), the mean
+    shifted away or kept, empty rows, values far from 0, and an equal value everywhere (zero variance)."""
+    values, _, mask, ends = random_batch(seed, b, s)
+    values = values + offset
+    stats = ends & mask
+    if by_turn:  # the last masked token of a row ends its turn
+        last = (torch.arange(s) * mask).argmax(1)
+        stats[torch.arange(b), last] |= mask.any(1)
+    else:
+        stats = mask
+    for x in (values, torch.full_like(values, 2.5)):
+        got = whiten(x, mask, shift_mean=shift_mean, stats_mask=stats if by_turn else None)
+        close(got, ref.ref_whiten_with(x, mask, stats, shift_mean), tol=1e-7)
+
+
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), b=st.integers(1, 5), s=st.integers(1, 60), gamma=st.sampled_from([1.0, 0.9]))
 def test_reinforce_pp_matches_reference(seed, b, s, gamma):
     rewards, _, mask, _ = random_batch(seed, b, s)
@@ -397,6 +417,16 @@ def test_reinforce_pp_with_a_discount_across_turns_matches_reference(seed, b, s,
     ref_adv, ref_ret = ref.ref_reinforce_pp(rewards, mask, gammas[0], ends, gammas[1])
     close(ret, ref_ret)
     close(adv, ref_adv, tol=1e-7)
+
+
+def test_reinforce_pp_long_rows_with_many_turns():
+    rewards, _, mask, ends = random_batch(11, 3, 3000, p_mask=0.6, p_end=0.03)
+    ref_adv, ref_ret = ref.ref_reinforce_pp(rewards, mask, 0.999, ends, 0.9)
+    adv, ret = reinforce_pp_advantages(rewards, mask, 0.999, turn_end_mask=ends, gamma_turn=0.9)
+    close(ret, ref_ret)
+    close(adv, ref_adv, tol=1e-7)
+    _, ret32 = reinforce_pp_advantages(rewards.float(), mask, 0.999, turn_end_mask=ends, gamma_turn=0.9)
+    torch.testing.assert_close(ret32.to(F64), ref_ret, rtol=1e-4, atol=1e-4)
 
 
 def test_reinforce_pp_by_hand():
@@ -434,10 +464,16 @@ def test_group_stats_exact_for_equal_groups_beside_varied_ones():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), b=st.integers(1, 40), n_groups=st.integers(1, 6), offset=st.sampled_from([0.0, 1e4]))
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 40), n_groups=st.integers(1, 6),
+       offset=st.sampled_from([0.0, 1e4]))
 def test_group_deviation_matches_reference_with_large_offsets(seed, b, n_groups, offset):
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randn(b, generator=gen, dtype=F64) + offset
     groups = torch.randint(0, n_groups, (b,), generator=gen)
     stats = group_stats(scores, groups)
     close(stats.deviation, ref.ref_grpo(scores, groups, 0.0, norm_by_std=False), tol=1e-9)
+    # Each group's size, mean and unbiased std (0 for a group of one), groups in ascending id order.
+    members = {g: [x for x, h in zip(scores.tolist(), groups.tolist()) if h == g] for g in sorted(set(groups.tolist()))}
+    assert stats.group_ids.tolist() == list(members) and stats.size.tolist() == [len(m) for m in members.values()]
+    close(stats.mean, t([ref._mean_std(m)[0] for m in members.values()]), tol=1e-9)
+    close(stats.std, t([ref._mean_std(m)[1] for m in members.values()]), tol=1e-9)

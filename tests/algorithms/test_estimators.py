@@ -1,14 +1,19 @@
 """The estimator registry: what each built-in estimator declares, and what registration and a call refuse.
 
-The built-in estimators' numbers are checked against the algorithms called by hand in
-tests/training/test_batch_advantages.py; tests/training/test_adding_an_estimator.py adds one from outside.
+The built-in estimators' numbers are checked here against the plain loops of reference.py on random episode
+views, and against the algorithms called by hand on batches in tests/training/test_batch_advantages.py;
+tests/training/test_adding_an_estimator.py adds one from outside.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from tests.algorithms import reference as ref
+from tests.algorithms.test_gigpo import reference as gigpo_reference
 from turnrl.algorithms.estimators import (
     EpisodeView,
     Estimate,
@@ -98,8 +103,8 @@ def test_params_check_their_own_ranges():
 # --------------------------------------------------------------------------- from a user's package
 def test_an_estimator_from_a_users_package_is_named_module_attr_in_the_config(tmp_path, monkeypatch):
     from turnrl.config import load_config
-    from turnrl.training.batch_advantages import compute_advantages
     from turnrl.training.batch import Sample, collate
+    from turnrl.training.batch_advantages import compute_advantages
     from turnrl.training.train_config import TrainConfig
 
     (tmp_path / "user_estimator_ext.py").write_text(
@@ -160,3 +165,82 @@ def test_a_callable_object_is_an_estimator_named_by_its_class(tmp_path, monkeypa
     spec = get_estimator("user_callable_estimator_ext:ZERO")
     assert spec.name == "user_callable_estimator_ext:Zero" and not spec.critic
     assert spec(view(), SharedSettings()).advantages.abs().sum() == 0
+
+
+# --------------------------------------------------------------------------- each estimator against the plain loops
+def random_view(seed: int, e: int, n: int) -> EpisodeView:
+    """Left-aligned episodes of 0 to n tokens, turns ending at random and always at the last token, turn rewards
+    at the ends plus a small per-token term (a KL in the reward), random groups and start states."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, n + 1, (e,), generator=gen)
+    mask = torch.arange(n)[None, :] < lengths[:, None]
+    turn_end = (torch.rand(e, n, generator=gen) < 0.2) & mask
+    turn_end[torch.arange(e), (lengths - 1).clamp(min=0)] |= lengths > 0
+    rewards = torch.where(turn_end, torch.randn(e, n, generator=gen, dtype=torch.float64), 0.0)
+    rewards = rewards + torch.where(mask, 0.01 * torch.randn(e, n, generator=gen, dtype=torch.float64), 0.0)
+    n_turns = turn_end.sum(1)
+    states = torch.randint(-1, 3, (e, max(1, int(n_turns.max()))), generator=gen)
+    states[torch.arange(states.shape[1])[None, :] >= n_turns[:, None]] = -1
+    index = mask.nonzero(as_tuple=True)
+    return EpisodeView(rewards, torch.randn(e, n, generator=gen, dtype=torch.float64) * mask, mask, turn_end,
+                       torch.randint(0, 3, (e,), generator=gen), index, index, states)
+
+
+def reference_estimate(name: str, v: EpisodeView, shared: SharedSettings, gigpo: GiGPOParams):
+    """``(advantages, returns)`` of the named estimator from the plain loops of tests/algorithms/reference.py."""
+    turns = (shared.gamma_turn, shared.lambda_turn)
+    tokens = (shared.gamma_token, shared.lambda_token)
+    whitened = lambda adv, stats=None: ref.ref_whiten_with(adv, v.mask, v.mask if stats is None else stats) \
+        if shared.whiten_advantages else adv  # noqa: E731
+    if name == "gae":
+        adv, ret = ref.ref_masked_gae(v.rewards, v.values, v.mask, *tokens, v.turn_end, *turns)
+        return whitened(adv), ret
+    if name == "bilevel_gae":
+        adv, ret = ref.ref_bilevel_gae(v.rewards, v.values, v.mask, v.turn_end, *turns, *tokens)
+        return whitened(adv), ret
+    if name == "turn_gae":  # whitened over one entry a turn, its end (VAGEN's turn-wise GAE)
+        adv, ret = ref.ref_turn_gae(v.rewards, v.values, v.mask, v.turn_end, *turns)
+        return whitened(adv, v.turn_end & v.mask), ret
+    if name == "reinforce_pp":
+        return ref.ref_reinforce_pp(v.rewards, v.mask, shared.gamma_token, v.turn_end, shared.gamma_turn)
+    if name in ("grpo", "drgrpo", "rloo"):
+        totals = v.rewards.sum(1)
+        per_episode = ref.ref_rloo(totals, v.group) if name == "rloo" else \
+            ref.ref_grpo(totals, v.group, 1e-6, norm_by_std=name == "grpo")
+        adv = ref.ref_broadcast(per_episode, v.mask)
+        return adv, adv
+    assert name == "gigpo"
+    rewards, ends, mask = v.rewards.tolist(), v.turn_end.tolist(), v.mask.tolist()
+    per_turn, turn_of = [], []  # each episode's turn rewards, and the turn of each of its tokens
+    for row_r, row_e, row_m in zip(rewards, ends, mask):
+        sums, of, turn = [0.0] * v.turn_states.shape[1], [], 0
+        for r, end, m in zip(row_r, row_e, row_m):
+            of.append(turn if m else None)
+            if m:
+                sums[turn] += r
+                turn += end
+        per_turn.append(sums)
+        turn_of.append(of)
+    lengths = v.turn_end.sum(1).tolist()
+    turn_adv = gigpo_reference(per_turn, lengths, v.turn_states.tolist(), v.group.tolist(), gigpo.gamma,
+                               gigpo.step_weight, gigpo.norm_by_std, episode_stats=gigpo.episode_stats)
+    adv = torch.tensor([[0.0 if t is None else turn_adv[e][t] for t in of] for e, of in enumerate(turn_of)],
+                       dtype=torch.float64)
+    return adv, adv
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), e=st.integers(1, 8), n=st.integers(1, 40), whiten=st.booleans(),
+       gigpo=st.sampled_from([GiGPOParams(), GiGPOParams(gamma=0.5, step_weight=0.3, norm_by_std=True,
+                                                         episode_stats="turns")]))
+def test_every_built_in_estimator_equals_its_plain_loop_reference(seed, e, n, whiten, gigpo):
+    """Distinct discounts for every setting, so that one wired to the wrong place changes the result; empty
+    episodes, groups of one and single-token turns come up."""
+    shared = SharedSettings(gamma_token=0.97, lambda_token=0.9, gamma_turn=0.8, lambda_turn=0.7,
+                            whiten_advantages=whiten)
+    v = random_view(seed, e, n)
+    for name in ("gae", "bilevel_gae", "turn_gae", "reinforce_pp", "grpo", "drgrpo", "rloo", "gigpo"):
+        got = get_estimator(name)(v, shared, gigpo if name == "gigpo" else None)
+        want_adv, want_ret = reference_estimate(name, v, shared, gigpo)
+        torch.testing.assert_close(got.advantages.double(), want_adv, rtol=1e-7, atol=1e-7, msg=name)
+        torch.testing.assert_close(got.returns.double(), want_ret, rtol=1e-7, atol=1e-7, msg=name)

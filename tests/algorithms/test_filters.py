@@ -71,7 +71,10 @@ def test_top_k_count_and_share():
 def test_top_p_linear_by_hand():
     index = torch.arange(4)
     scores = torch.tensor([1.0, 4.0, 2.0, 3.0], dtype=F64)  # shares 0.1, 0.4, 0.2, 0.3
-    pick = lambda p: select_groups(index, scores=scores, rewards=torch.zeros(4), strategy="top_p", value=p)
+
+    def pick(p):
+        return select_groups(index, scores=scores, rewards=torch.zeros(4), strategy="top_p", value=p)
+
     assert pick(0.3).kept_groups.tolist() == [1]
     assert pick(0.5).kept_groups.tolist() == [1, 3]  # 0.4 < 0.5, 0.7 >= 0.5
     assert pick(0.7).kept_groups.tolist() == [1, 3]  # reaching p exactly is enough
@@ -166,8 +169,10 @@ def test_inputs_are_validated():
     largest=st.booleans(),
     drop_zero=st.booleans(),
     use_scores=st.booleans(),
+    temperature=st.sampled_from([1.0, 0.3, 4.0]),
 )
-def test_select_groups_matches_reference(seed, b, n_groups, case, weighting, largest, drop_zero, use_scores):
+def test_select_groups_matches_reference(seed, b, n_groups, case, weighting, largest, drop_zero, use_scores,
+                                         temperature):
     strategy, value = case
     if strategy == "top_p" and weighting == "linear":
         largest = True  # linear weights rank by the largest score only
@@ -176,8 +181,8 @@ def test_select_groups_matches_reference(seed, b, n_groups, case, weighting, lar
     rewards = torch.randint(0, 3, (b,), generator=gen).to(F64)  # small ints: ties, flat groups
     n_ids = index.unique().numel()
     scores = torch.randint(0, 4, (n_ids,), generator=gen).to(F64) if use_scores else None
-    sel = select_groups(index, rewards, scores, strategy, value, weighting, 1.0, largest, drop_zero)
-    expected = ref.ref_select(index, rewards, scores, strategy, value, weighting, 1.0, largest, drop_zero)
+    sel = select_groups(index, rewards, scores, strategy, value, weighting, temperature, largest, drop_zero)
+    expected = ref.ref_select(index, rewards, scores, strategy, value, weighting, temperature, largest, drop_zero)
     if not expected:
         assert sel.skip_step
         return

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrl.algorithms import gigpo_advantages
+from tests.algorithms.reference import ref_anchored_share
+from turnrl.algorithms import anchored_share, gigpo_advantages
 
 
 def reference(rewards, lengths, states, groups, gamma, step_weight, norm, eps=1e-6, episode_stats="episodes"):
@@ -110,3 +111,15 @@ def test_verl_agents_episode_statistics_weigh_each_episode_by_its_turns():
     torch.testing.assert_close(normed[0, 0], (10.0 - 2.0) / (scores.std() + 1e-6))
     with pytest.raises(ValueError, match="episode_stats"):
         gigpo_advantages(rewards, valid, states, groups, episode_stats="steps")  # type: ignore[arg-type]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), e=st.integers(1, 10), turns=st.integers(1, 5), n_groups=st.integers(1, 3),
+       n_states=st.integers(1, 4))
+def test_anchored_share_matches_a_plain_count(seed, e, turns, n_groups, n_states):
+    """Unknown and padding turns (-1) left out, a group of one episode, every turn unknown (0)."""
+    generator = torch.Generator().manual_seed(seed)
+    states = torch.randint(-1, n_states, (e, turns), generator=generator)
+    groups = torch.randint(0, n_groups, (e,), generator=generator)
+    assert anchored_share(states, groups) == pytest.approx(ref_anchored_share(states, groups), rel=1e-6)  # float32
+    assert anchored_share(torch.full((e, turns), -1), groups) == 0.0

@@ -6,7 +6,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from tests.algorithms.reference import ref_gspo_loss, ref_tis_weight
 from turnrl.algorithms import ppo_policy_loss, truncated_importance_weights
 
 
@@ -72,3 +75,44 @@ def test_token_weights_scale_each_tokens_loss():
     ratio = torch.exp(logprobs - old)
     per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.28))
     torch.testing.assert_close(weighted, (per_token * weights * mask).sum() / mask.sum())
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 5), s=st.integers(1, 20),
+       spread=st.sampled_from([0.01, 0.3, 3.0]), clip=st.sampled_from([(0.2, 0.28), (3e-4, 4e-4)]),
+       dual=st.sampled_from([None, 3.0]))
+def test_sequence_ratio_under_sequence_means_is_the_papers_objective_and_gradient(seed, b, s, spread, clip, dual):
+    """Under ``seq-mean-token-mean`` the GSPO-token loss is GSPO's sequence objective itself (one term a sequence,
+    Eq. 5-7) and its gradient the paper's Eq. 10, per token ``-A s / |y|`` over the sequences; rows without tokens,
+    advantages of both signs and sequence ratios far outside the clip range included."""
+    generator = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, s, generator=generator, dtype=torch.float64) * 4
+    new = old + torch.randn(b, s, generator=generator, dtype=torch.float64) * spread
+    advantages = torch.randn(b, 1, generator=generator, dtype=torch.float64).expand(b, s).clone()
+    mask = torch.rand(b, s, generator=generator) < 0.7
+    mask[torch.rand(b, generator=generator) < 0.25] = False
+    logprobs = new.clone().requires_grad_()
+    loss, _ = ppo_policy_loss(logprobs, old, advantages, mask, *clip, dual, "seq-mean-token-mean",
+                              ratio_level="sequence")
+    loss.backward()
+    want, grad = ref_gspo_loss(new, old, advantages, mask, *clip, dual)
+    torch.testing.assert_close(loss, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(logprobs.grad, grad, rtol=1e-9, atol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 5), s=st.integers(1, 20),
+       spread=st.sampled_from([0.05, 2.0, 40.0]), cap=st.sampled_from([0.5, 1.0, 2.0, 1e12]))
+def test_truncated_importance_weights_match_the_loop_on_wide_differences(seed, b, s, spread, cap):
+    """Far apart log-probs (a difference of 40 nats is clamped to 20 before the exp), caps below and above 1, empty
+    rows: the trainer's log-probs carry no gradient into the weights."""
+    generator = torch.Generator().manual_seed(seed)
+    sampler = -torch.rand(b, s, generator=generator, dtype=torch.float64) * 5
+    trainer = (sampler + torch.randn(b, s, generator=generator, dtype=torch.float64) * spread).requires_grad_()
+    mask = torch.rand(b, s, generator=generator) < 0.7
+    mask[torch.rand(b, generator=generator) < 0.25] = False
+    weights = truncated_importance_weights(trainer, sampler, mask, cap)
+    want = [[ref_tis_weight(x, y, cap) if m else 1.0 for x, y, m in zip(xs, ys, ms)]
+            for xs, ys, ms in zip(trainer.tolist(), sampler.tolist(), mask.tolist())]
+    torch.testing.assert_close(weights, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert not weights.requires_grad

@@ -176,7 +176,8 @@ def test_kl_penalty_matches_reference_and_properties():
     lp[0, 0], rp[0, 0] = 0.0, -50.0  # extreme: clamped
     for kind in ("k1", "k2", "k3"):
         got = kl_penalty(lp, rp, kind)
-        want = torch.tensor([[ref.ref_kl(a, b, kind) for a, b in zip(ra, rb)] for ra, rb in zip(lp.tolist(), rp.tolist())], dtype=F64)
+        want = torch.tensor([[ref.ref_kl(a, b, kind) for a, b in zip(ra, rb)]
+                             for ra, rb in zip(lp.tolist(), rp.tolist())], dtype=F64)
         close(got, want)
         close(kl_penalty(lp, lp, kind), torch.zeros_like(lp))
     assert (kl_penalty(lp, rp, "k3") >= 0).all()
@@ -259,14 +260,143 @@ def test_sample_weights_scale_each_samples_policy_loss():
         close(weighted, expected, tol=1e-6)
 
 
+# --- wide random inputs against the per-token references --------------------------------
+
+
+STATS_TOL = 1e-6
+"""The loss stats are float32 diagnostics (token means): their relative rounding is about 6e-8."""
+
+
+def wide_batch(seed: int, b: int, s: int, spread: float):
+    """Log-probs whose ratios reach far outside any clip range (``spread`` 30: past the clamp at 20),
+    advantages of both signs with exact zeros, and a mask with empty rows."""
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, s, generator=gen, dtype=F64) * 5
+    new = old + torch.randn(b, s, generator=gen, dtype=F64) * spread
+    adv = torch.randn(b, s, generator=gen, dtype=F64) * 2
+    adv[torch.rand(b, s, generator=gen) < 0.1] = 0.0
+    mask = torch.rand(b, s, generator=gen) < 0.7
+    mask[torch.rand(b, generator=gen) < 0.25] = False
+    return gen, new, old, adv, mask
+
+
+def per_token(fn, *tensors):
+    """``fn`` applied to each token's entries, as nested lists."""
+    return [[fn(*xs) for xs in zip(*rows)] for rows in zip(*(x.tolist() for x in tensors))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 5),
+    s=st.integers(1, 24),
+    spread=st.sampled_from([0.05, 1.0, 30.0]),
+    clip=st.sampled_from([(0.2, 0.28), (3e-4, 4e-4)]),
+    dual=st.sampled_from([None, 3.0]),
+    mode=st.sampled_from(AGGREGATIONS),
+    weighted=st.booleans(),
+)
+def test_ppo_policy_loss_its_stats_and_gradient_match_the_per_token_reference(
+    seed, b, s, spread, clip, dual, mode, weighted
+):
+    """Every aggregation, with and without sample and token weights (truncated importance weights), clip ranges
+    of PPO and GSPO's width, the dual clip on and off, log-ratios past the clamp at 20."""
+    gen, new, old, adv, mask = wide_batch(seed, b, s, spread)
+    sample_w = torch.rand(b, generator=gen, dtype=F64) * 2 if weighted else None
+    token_w = torch.rand(b, s, generator=gen, dtype=F64) * 2 if weighted else None
+    lp = new.clone().requires_grad_()
+    loss, stats = ppo_policy_loss(lp, old, adv, mask, *clip, dual, mode, sample_weights=sample_w,
+                                  token_weights=token_w)
+    loss.backward()
+    tokens = per_token(lambda n, o, a: ref.ref_ppo_token(n, o, a, *clip, dual), new, old, adv)
+    scale = torch.ones(b, s, dtype=F64)
+    if weighted:
+        scale = sample_w[:, None] * token_w
+    losses = t([[x[0] for x in row] for row in tokens]) * scale
+    close(loss, ref.ref_aggregate(losses, mask, mode))
+    # The stats are token means over the mask, whatever the aggregation and the weights; float32 diagnostics.
+    flags = [t([[float(x[k]) for x in row] for row in tokens]) for k in (1, 3, 2)]  # clip, KL, dual clip
+    for got, want in zip(stats, flags, strict=True):
+        close(got, ref.ref_aggregate(want, mask, "token-mean"), tol=STATS_TOL)
+    # Gradient: -A r where the unclipped term is active and the log-ratio inside the clamp, else 0.
+    def token_grad(n, o, a):
+        token_loss, _, dual_active, _ = ref.ref_ppo_token(n, o, a, *clip, dual)
+        log_ratio = n - o
+        unclipped = -a * math.exp(log_ratio)
+        active = abs(log_ratio) < 20 and not dual_active and unclipped == token_loss
+        return unclipped if active else 0.0
+    grads = t(per_token(token_grad, new, old, adv)) * scale * ref.ref_aggregate_weights(mask, mode)
+    close(lp.grad, grads)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 5),
+    s=st.integers(1, 24),
+    spread=st.sampled_from([0.1, 1.0, 10.0]),
+    clip=st.sampled_from([None, 0.2, 0.5]),
+    mode=st.sampled_from(AGGREGATIONS),
+)
+def test_value_loss_its_stats_and_gradient_match_the_per_token_reference(seed, b, s, spread, clip, mode):
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.randn(b, s, generator=gen, dtype=F64)
+    values = old + torch.randn(b, s, generator=gen, dtype=F64) * spread
+    returns = old + torch.randn(b, s, generator=gen, dtype=F64) * spread
+    mask = torch.rand(b, s, generator=gen) < 0.7
+    mask[torch.rand(b, generator=gen) < 0.25] = False
+    v = values.clone().requires_grad_()
+    loss, stats = value_loss(v, old, returns, mask, clip, mode)
+    loss.backward()
+    tokens = per_token(lambda x, o, r: ref.ref_value_token(x, o, r, clip), values, old, returns)
+    close(loss, ref.ref_aggregate(t([[x[0] for x in row] for row in tokens]), mask, mode))
+    for k, got in ((1, stats.clip_frac), (2, stats.error)):  # float32 diagnostics
+        want = t([[float(x[k]) for x in row] for row in tokens])
+        close(got, ref.ref_aggregate(want, mask, "token-mean"), tol=STATS_TOL)
+    # d/dv of 0.5 (v - R)^2 where the unclipped error counts; the clipped prediction carries no gradient.
+    grads = t(per_token(lambda x, o, r: 0.0 if ref.ref_value_token(x, o, r, clip)[1] else x - r, values, old, returns))
+    close(v.grad, grads * ref.ref_aggregate_weights(mask, mode))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 5), s=st.integers(1, 24), spread=st.sampled_from([0.1, 30.0]),
+       masked=st.booleans())
+def test_kl_penalty_of_every_kind_matches_the_reference_on_wide_inputs(seed, b, s, spread, masked):
+    _, lp, ref_lp, _, mask = wide_batch(seed, b, s, spread)
+    for kind in ("k1", "k2", "k3"):
+        want = t(per_token(lambda a, r, kind=kind: ref.ref_kl(a, r, kind), lp, ref_lp))
+        if masked:
+            close(kl_penalty(lp, ref_lp, kind, mask), torch.where(mask, want, 0.0))
+        else:
+            close(kl_penalty(lp, ref_lp, kind), want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 5), s=st.integers(1, 24), coef=st.sampled_from([0.0, 0.05, 1.0]))
+def test_kl_in_reward_matches_a_loop(seed, b, s, coef):
+    _, rewards, kl, _, mask = wide_batch(seed, b, s, 1.0)
+    got = kl_in_reward(rewards, kl, coef, mask)
+    want = [[r - coef * k if m else r for r, k, m in zip(rr, kr, mr)]
+            for rr, kr, mr in zip(rewards.tolist(), kl.tolist(), mask.tolist())]
+    close(got, t(want))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 5), s=st.integers(1, 24), mode=st.sampled_from(AGGREGATIONS))
+def test_entropy_bonus_matches_the_aggregation_reference(seed, b, s, mode):
+    _, _, _, _, mask = wide_batch(seed, b, s, 1.0)
+    entropy = torch.rand(b, s, generator=torch.Generator().manual_seed(seed), dtype=F64) * 5
+    close(entropy_bonus(entropy, mask, mode), ref.ref_aggregate(entropy, mask, mode))
+
+
 # --------------------------------------------------------------------------- from a user's package
 def test_a_policy_loss_from_a_users_package_is_named_module_attr_and_trains(tmp_path, monkeypatch, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from turnrl.config import load_config
     from turnrl.training.batch import Sample, collate
-    from turnrl.training.train_config import OptimConfig, TrainConfig
     from turnrl.training.ppo import UpdateInputs, ppo_epochs
+    from turnrl.training.train_config import OptimConfig, TrainConfig
 
     (tmp_path / "user_loss_ext.py").write_text(
         "import torch\n"

@@ -54,6 +54,36 @@ def test_values_and_gradients_equal_the_whole_logits(chunk, temperature, vocab_l
     torch.testing.assert_close(a_weight.grad, b_weight.grad, atol=1e-5, rtol=1e-4)
 
 
+def test_a_long_sequence_in_many_chunks_equals_the_whole_logits():
+    """3,000 scored tokens in 12 chunks (the last one short), values and gradients."""
+    states, weight, g = _inputs(n=3000, h=8, v=50, seed=3)
+    targets = torch.randint(0, 50, (3000,), generator=g)
+    grad_lp, grad_ent = torch.randn(3000, generator=g, dtype=torch.float64), torch.randn(3000, generator=g,
+                                                                                           dtype=torch.float64)
+    a_states, a_weight = states.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = chosen_logprobs(a_states, a_weight, targets, 0.9, None, chunk=256)
+    ((lp * grad_lp).sum() + (ent * grad_ent).sum()).backward()
+    b_states, b_weight = states.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_lp, ref_ent = reference(b_states, b_weight, targets, 0.9, 50)
+    ((ref_lp * grad_lp).sum() + (ref_ent * grad_ent).sum()).backward()
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a_states.grad, b_states.grad, atol=1e-5, rtol=1e-4)
+    # The weight's gradient sums 3,000 tokens' float32 terms.
+    torch.testing.assert_close(a_weight.grad, b_weight.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("greedy", [0.0, 1e-6])
+def test_a_greedy_temperature_scores_at_temperature_one(greedy):
+    """Greedy sampling has no distribution of its own: its tokens are scored under the plain softmax."""
+    states, weight, g = _inputs()
+    targets = torch.randint(0, 40, (13,), generator=g)
+    lp, ent = chosen_logprobs(states, weight, targets, greedy)
+    ref_lp, ref_ent = reference(states, weight, targets, 1.0, 40)
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+
+
 def test_rows_past_the_limit_get_no_probability_and_no_gradient():
     states, weight, g = _inputs()
     targets = torch.randint(0, 29, (13,), generator=g)

@@ -9,9 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.algorithms import reference as ref
 from turnrl.config import ConfigError
 from turnrl.training.batch import Sample, collate
 from turnrl.training.model_passes import ValueModel, token_logprobs
+from turnrl.training.packed_attention import ATTENTION
 from turnrl.training.ppo import (
     MicroBatching,
     UpdateInputs,
@@ -109,6 +111,79 @@ def test_micro_batch_accumulation_equals_one_big_batch(actor, critic, aggregatio
         assert_same_update(critic_micro[name], delta, name)
     assert sum(float(d.abs().sum()) for d in actor_big.values()) > 0
     assert sum(float(d.abs().sum()) for d in critic_big.values()) > 0
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_packed_micro_batches_update_as_one_padded_batch(tiny_model_dir, aggregation):
+    """Passes packed by a budget of 12 tokens (one with two rows end to end) accumulate the update of one padded
+    pass over the mini-batch: actor and critic, with entropy and KL terms."""
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
+    critic = ValueModel(copy.deepcopy(actor.base_model))
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5, generator=torch.Generator().manual_seed(5))
+    inputs = update_inputs(actor, critic, model_batch(actor.config.vocab_size))
+    start_actor, start_critic = params(actor), params(critic)
+    updates = []
+    for rows, tokens in ((4, 0), (1, 12)):
+        a, c = copy.deepcopy(actor), copy.deepcopy(critic)
+        run_epochs(a, c, inputs, config(mini_batch_size=4, micro_batch_size=rows, micro_batch_tokens=tokens,
+                                        loss_aggregation=aggregation, entropy_coef=0.01, kl_coef=0.1, ppo_epochs=1))
+        updates.append({**{f"actor.{n}": p - start_actor[n] for n, p in params(a).items()},
+                        **{f"critic.{n}": p - start_critic[n] for n, p in params(c).items()}})
+    padded, packed = updates
+    for name, delta in padded.items():
+        assert_same_update(packed[name], delta, name)
+    assert sum(float(d.abs().sum()) for d in padded.values()) > 0
+
+
+@pytest.mark.parametrize("tokens", [0, 12], ids=["passes of one row", "packed passes of 12 tokens"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_each_loss_side_metric_is_its_per_token_formula_over_the_mini_batch(tiny_model_dir, aggregation, tokens):
+    """One mini-batch of the four samples (5, 1, 0 and 3 trained tokens) in passes of one row, or packed by a
+    budget of 12 tokens (rows of 8, then 6 and 5 together, then 4), read before its optimizer step: every loss and
+    diagnostic is the plain per-token formula of tests/algorithms/reference.py over the mini-batch's tokens, from
+    one padded pass of the untouched models over the whole batch. The policy loss carries truncated importance
+    weights (some capped), the total its entropy bonus and reference KL."""
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
+    critic = ValueModel(copy.deepcopy(actor.base_model))
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5, generator=torch.Generator().manual_seed(5))
+    batch = with_sampler_logprobs(actor, model_batch(actor.config.vocab_size))
+    inputs = update_inputs(actor, critic, batch)
+    cap, entropy_coef, kl_coef = 1.05, 0.01, 0.1
+    cfg = config(mini_batch_size=4, micro_batch_size=1, micro_batch_tokens=tokens, ppo_epochs=1,
+                 loss_aggregation=aggregation, tis_cap=cap, old_logprobs="recompute", entropy_coef=entropy_coef,
+                 kl_coef=kl_coef, kl_kind="k3")
+    assert [len(p) for p in MicroBatching.of(cfg).split(torch.arange(4), batch.attention_mask.sum(1))] == \
+        ([1, 2, 1] if tokens else [1, 1, 1, 1])
+    with torch.no_grad():
+        logprobs, entropy = token_logprobs(actor, batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0,
+                                           with_entropy=True)
+        values = critic(batch.input_ids, batch.attention_mask)
+    metrics = run_epochs(copy.deepcopy(actor), copy.deepcopy(critic), inputs, cfg)
+
+    mask = batch.loss_mask.bool()
+    tokens = lambda fn, *xs: torch.tensor(  # noqa: E731
+        [[float(fn(*row)) for row in zip(*rows)] for rows in zip(*(x.tolist() for x in xs))], dtype=torch.float64)
+    tis = tokens(lambda old, sampled: ref.ref_tis_weight(old, sampled, cap), inputs.old_logprobs,
+                 batch.sampler_logprobs)
+    policy = [tokens(lambda lp, old, adv, k=k: ref.ref_ppo_token(lp, old, adv, 0.2, 0.28, 3.0)[k], logprobs,
+                     inputs.old_logprobs, inputs.advantages) for k in range(4)]
+    value = [tokens(lambda v, old, ret, k=k: ref.ref_value_token(v, old, ret, 0.5)[k], values, inputs.old_values,
+                    inputs.returns) for k in range(3)]
+    kl = tokens(lambda lp, reference: ref.ref_kl(lp, reference, "k3"), logprobs, inputs.ref_logprobs)
+    by_loss = lambda x: ref.ref_aggregate(x, mask, aggregation)  # noqa: E731
+    by_token = lambda x: ref.ref_aggregate(x, mask, "token-mean")  # noqa: E731
+    expected = {
+        "losses/policy": by_loss(policy[0] * tis), "actor/clip_frac": by_token(policy[1]),
+        "actor/dual_clip_frac": by_token(policy[2]), "actor/approx_kl": by_token(policy[3]),
+        "actor/tis_weight_mean": by_token(tis), "actor/tis_capped": by_token((tis >= cap).double()),
+        "actor/entropy": by_loss(entropy), "actor/kl_ref": by_loss(kl),
+        "losses/value": by_loss(value[0]), "critic/clip_frac": by_token(value[1]), "critic/error": by_token(value[2]),
+    }
+    expected["losses/actor_total"] = (expected["losses/policy"] - entropy_coef * expected["actor/entropy"]
+                                      + kl_coef * expected["actor/kl_ref"])
+    for key, want in expected.items():
+        assert metrics[key] == pytest.approx(want, rel=1e-5, abs=1e-6), key
+    assert 0 < expected["actor/tis_capped"] < 1 and expected["actor/clip_frac"] > 0  # the cases the formulas split
 
 
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "seq-mean-token-sum"])
