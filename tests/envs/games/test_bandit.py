@@ -6,8 +6,11 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from tests.envs.games.episodes import assert_same_episode, assert_text_is_data
 from turnrl.envs.games.bandit import SPLITS, TEST_PAIRS, TRAIN_PAIRS, BanditEnv, odds_in_words
 
 
@@ -50,6 +53,16 @@ def test_same_seed_same_episode():
     first = [BanditEnv().reset(seed=s)[0]["text"] for s in range(30)]
     again = [BanditEnv().reset(seed=s)[0]["text"] for s in range(30)]
     assert first == again
+
+
+def test_same_seed_same_payout_and_the_seeds_draw_both_payouts():
+    """The bold arm pays by chance: one seed pays alike on a fresh env and on one that played another episode."""
+    rewards = set()
+    for seed in range(40):
+        episode = assert_same_episode(BanditEnv(mode="image"), BanditEnv(mode="image"), seed,
+                                      lambda env, k: env.pair.bold.name, steps=1)
+        rewards.add(episode[-1].reward)
+    assert rewards == {0.0, 1.0}
 
 
 def pull_many(env, arm_of, trials, seed=0):
@@ -162,6 +175,18 @@ def test_bad_actions_never_raise(action):
     assert not info["action_is_valid"] and reward == 0.0
     assert not terminated and truncated  # max_steps=1: the one step is spent
     assert new_obs["text"] == obs["text"] and env.pulled is None
+
+
+ARM_SPELLINGS = [f" {arm.name.swapcase()}\n" for pair in TRAIN_PAIRS for arm in (pair.steady, pair.bold)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(st.text(max_size=200), st.sampled_from(ARM_SPELLINGS)))
+def test_any_text_is_an_arm_or_a_rejection_that_changes_nothing(action):
+    env = BanditEnv()
+    env.reset(seed=0)
+    info = assert_text_is_data(env, action)
+    assert info["action_is_valid"] == (action.strip().lower() in {name.lower() for name in env.action_names()})
 
 
 @pytest.mark.parametrize(

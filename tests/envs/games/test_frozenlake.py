@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from tests.envs.games.episodes import assert_same_episode, assert_text_is_data, cycle
 from tests.envs.games.given_levels import refused_or_won
 from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.frozenlake import ACTIONS, FrozenLakeEnv, move_table, parse_level, shortest_path
@@ -176,6 +177,13 @@ def test_slippery_is_reproducible():
     assert any(rollout(7) != rollout(s) for s in range(8, 12))
 
 
+def test_same_seed_same_whole_episode_on_slippery_ice_infos_included():
+    """Each slip shows in info["moved"]: two plays of one seed, one after another episode, slip alike."""
+    episode = assert_same_episode(make(is_slippery=True, mode="image"), make(is_slippery=True, mode="image"),
+                                  seed=7, policy=cycle(["Down", "Right", "jump", "Up", "Left"]), steps=30)
+    assert any(step.info.get("moved") not in (None, step.action) for step in episode)  # chance was in play
+
+
 def test_maps_are_a_function_of_the_seed():
     env = make(size=5)
     first = [env.reset(seed=s)[0]["text"] for s in range(50)]
@@ -228,6 +236,15 @@ def test_bad_actions_never_raise(action):
     assert np.array_equal(new_obs["image"], obs["image"])
     assert env.steps == 1
     assert env.observation_space.contains(new_obs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(st.text(max_size=200), st.sampled_from(ACTIONS).map(lambda name: f"\t{name.upper()} ")))
+def test_any_text_is_a_move_or_a_rejection_that_changes_nothing(action):
+    env = make()
+    env.reset(seed=3)
+    info = assert_text_is_data(env, action)
+    assert info["action_is_valid"] == (action.strip().lower() in {name.lower() for name in ACTIONS})
 
 
 def test_action_names_are_case_insensitive():

@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from tests.envs.games.episodes import assert_same_episode, assert_text_is_data, cycle
 from tests.envs.games.given_levels import refused_or_won
 from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.maze import Maze2DEnv, parse_action, visgym_action
@@ -85,6 +86,12 @@ def test_same_seed_same_maze():
     assert first == again and len(set(first)) == 30
 
 
+def test_same_seed_same_whole_episode_infos_included():
+    actions = ["up", "('move', 0)", "north", "down", "left", "right", "RIGHT", "('move', 3)"]
+    episode = assert_same_episode(Maze2DEnv(mode="image"), Maze2DEnv(mode="image"), 5, cycle(actions), steps=24)
+    assert {step.info.get("action_is_effective") for step in episode[1:]} == {True, False}
+
+
 @pytest.mark.parametrize(("difficulty", "reward_on"), [("easy", "reach"), ("hard", "stop")])
 def test_generated_mazes_are_solved(difficulty, reward_on):
     env = Maze2DEnv(difficulty=difficulty, reward_on=reward_on)
@@ -125,6 +132,13 @@ def walk_to_target(env):
         if action != "stop":
             result = env.step(action)
     return result
+
+
+def test_truncation_at_max_steps():
+    env = Maze2DEnv(size=7, max_steps=12)  # the fewest that LEVEL takes
+    env.reset(options={"level": LEVEL})
+    flags = [env.step("up")[2:4] for _ in range(12)]  # into the wall every time
+    assert flags == [(False, False)] * 11 + [(False, True)]
 
 
 def test_reach_rule():
@@ -200,6 +214,30 @@ def test_bad_actions_never_raise(action):
     assert (env.agent, new_obs["text"], env.solve()) == state
     assert np.array_equal(new_obs["image"], obs["image"])
     assert env.observation_space.contains(new_obs)
+
+
+def visgym_spelling(name: str, n: int, quote: str) -> tuple[str, bool]:
+    """``('move', 2)`` spelled with other names, numbers and quotes, and whether it is one of the four moves."""
+    return f" ({quote}{name}{quote},{n}) ", bool(quote) and name.lower() == "move" and 0 <= n <= 3
+
+
+SPELLED = st.one_of(
+    st.text(max_size=200).map(lambda text: (text, None)),  # valid or not: only that it is data
+    st.builds(visgym_spelling, st.sampled_from(["move", "Move", "stop", "jump"]), st.integers(-2, 6),
+              st.sampled_from(["'", '"', ""])),
+    st.sampled_from(["up", "down", "left", "right", "stop"]).map(lambda name: (f" `{name.upper()}` ", True)),
+)
+"""An action and whether the maze takes it (None: either)."""
+
+
+@settings(max_examples=200, deadline=None)
+@given(SPELLED)
+def test_any_text_is_a_move_or_a_rejection_that_changes_nothing(spelled):
+    action, valid = spelled
+    env = Maze2DEnv(reward_on="stop")
+    env.reset(seed=4)
+    info = assert_text_is_data(env, action)
+    assert valid is None or info["action_is_valid"] == valid
 
 
 def test_instructions_document_the_mapping():

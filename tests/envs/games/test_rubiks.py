@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from tests.envs.games.episodes import assert_same_episode, expert_or
 from turnrl.envs import check_env
 from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.rubiks import (
@@ -145,6 +146,12 @@ def test_reset_is_scrambled_never_solved_and_a_function_of_the_seed(depth):
         texts.append(obs["text"])
     assert texts == [RubiksCubeEnv(scramble_depth=depth).reset(seed=s)[0]["text"] for s in range(60)]
     assert len(set(texts)) > (10 if depth == 1 else 40)
+
+
+def test_same_seed_same_whole_episode_infos_included():
+    episode = assert_same_episode(RubiksCubeEnv(mode="image", scramble_depth=3),
+                                  RubiksCubeEnv(mode="image", scramble_depth=3), 4, expert_or("X", every=2), 8)
+    assert episode[-1].terminated and episode[-1].info["success"]
 
 
 def test_a_solving_turn_pays_one_and_ends_the_episode():

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from tests.envs.games.episodes import assert_same_episode
 from turnrl.envs import check_env
 from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.sudoku import (
@@ -94,6 +95,17 @@ def test_generation_is_a_function_of_the_seed():
     assert len(set(first)) == 8
     rng_a, rng_b = np.random.default_rng(5), np.random.default_rng(5)
     assert generate_puzzle(rng_a, 4, 6) == generate_puzzle(rng_b, 4, 6)
+
+
+def test_same_seed_same_whole_episode_infos_included():
+    """Right, wrong, rule-breaking and unreadable moves: each step's feedback and reward the same on both plays."""
+    moves = ["place 1 at row 1 col 1", "erase row 1 col 1", "put a five somewhere", "place 2 at row 1 col 2"]
+
+    def policy(env, k):
+        return moves[k % 4] if k % 2 else env.solve()[0]
+
+    episode = assert_same_episode(SudokuEnv(size=4, mode="image"), SudokuEnv(size=4, mode="image"), 3, policy, 12)
+    assert {step.reward for step in episode[1:]} >= {1.0, -0.1}
 
 
 # --------------------------------------------------------------------------- the parser

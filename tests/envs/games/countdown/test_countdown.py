@@ -8,6 +8,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from tests.envs.games.episodes import assert_same_episode, cycle, expert_or
 from turnrl.envs.games.countdown.arith import evaluate
 from turnrl.envs.games.countdown.countdown_env import CountdownEnv, combine, leaf, search_solution
 
@@ -35,6 +36,13 @@ def test_same_seed_same_instance():
     first = [CountdownEnv().reset(seed=s)[0]["text"] for s in range(30)]
     again = [CountdownEnv().reset(seed=s)[0]["text"] for s in range(30)]
     assert first == again and len(set(first)) == 30
+
+
+@pytest.mark.parametrize(("seed", "policy", "reward"), [(0, expert_or("1 + 1"), 1.0), (1, cycle(["1 + 1"]), 0.0)],
+                         ids=["solved", "missed"])
+def test_same_seed_same_whole_episode_infos_included(seed, policy, reward):
+    episode = assert_same_episode(CountdownEnv(mode="image"), CountdownEnv(mode="image"), seed, policy, steps=1)
+    assert episode[-1].reward == reward and episode[-1].terminated
 
 
 def test_generated_instances_are_solved():

@@ -17,6 +17,7 @@ from gymnasium.utils.env_checker import check_env as gym_check_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.envs.games.episodes import assert_same_episode, expert_or
 from turnrl.envs import check_env
 from turnrl.envs.games.navigation.gl import GL_ENV_VAR, choose_backend, miniworld_modules
 from turnrl.envs.games.navigation.layouts import (
@@ -138,6 +139,14 @@ def test_same_seed_same_episode_different_seeds_differ(text_env):
         assert obs == again and text_env._layout == other._layout
         layouts.append(text_env._layout)
     assert len({repr(layout) for layout in layouts}) == len(layouts)
+
+
+def test_same_seed_same_whole_episode_infos_included(text_env):
+    """The expert's moves with an unknown action between: the same views, distances and flags on both plays, the
+    second after another episode (a fresh env's reset is checked above; the image mode's frames by the turnrl
+    checker's replay)."""
+    episode = assert_same_episode(text_env, text_env, 5, expert_or("fly", every=3), 6)
+    assert {step.info.get("action_is_valid") for step in episode[1:]} == {True, False}
 
 
 def test_validation_and_training_seeds_draw_different_episodes(text_env):

@@ -74,6 +74,22 @@ def test_skill_text_round_trips(coords, name):
     assert skill is not None and skill_text(skill.name, skill.coords) == f"{name}({','.join(map(str, coords))})"
 
 
+_SPELLED_NUMBER = st.one_of(st.integers(-9_999_999, 9_999_999).map(str),
+                            st.decimals("-9999999.999999", "9999999.999999", places=6).map(str),
+                            st.sampled_from(["9999999.9", "-9999999.5", "+.5", "0.", "9999999.499999"]))
+
+
+@given(st.sampled_from(["pick", "place", "push"]), st.lists(_SPELLED_NUMBER, min_size=6, max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_the_canonical_spelling_of_any_readable_action_reads_back(envs, name, numbers):
+    """Found by fuzzing: ``pick(9999999.9,0,0)`` was read, spelled ``pick(10000000,0,0)`` (eight digits, which the
+    grammar refuses), and step() raised AssertionError reading its own spelling back."""
+    action = f"{name}({','.join(numbers[:6 if name == 'push' else 3])})"
+    assert parse_skill(action) is not None
+    spelled = envs["place"].canonical_action(action)
+    assert spelled is not None and parse_skill(spelled) is not None
+
+
 _COORD = st.one_of(st.integers(-10_000, 10_000), st.floats(-1e6, 1e6, allow_nan=False).map(lambda v: round(v, 3)))
 
 
@@ -87,6 +103,13 @@ def test_any_well_formed_action_keeps_the_simulation_sound(name, coords, seed):
     assert info["action_is_valid"] and np.isfinite(reward) and np.all(np.isfinite(env.data.qpos))
     assert all(-0.2 <= z <= 0.3 for _, _, z in (env.position(n) for n in ("red_cube", "green_cube", "purple_cube")))
     assert set(obs["text"]) <= OBS_CHARSET
+
+
+def test_an_action_past_the_millimetre_limit_is_played_clipped(envs):
+    env = envs["place"]
+    env.reset(seed=1)
+    _, reward, terminated, _, info = env.step("pick(9999999.9,0,0)")
+    assert info["action_is_valid"] and not terminated and reward == pytest.approx(-0.1)
 
 
 def test_non_strings_and_malformed_actions_are_invalid_and_change_nothing(envs):
@@ -116,6 +139,14 @@ def test_turnrl_check_env(task, envs):
 def test_turnrl_check_env_image_mode():
     env = PrimitiveSkillEnv(task="drawer", mode="image", image_size=64)
     check_env(env, seed=2, steps=4)
+    env.close()
+
+
+def test_truncation_at_max_steps():
+    env = PrimitiveSkillEnv(task="place", max_steps=2)
+    env.reset(seed=1)
+    flags = [env.step("pick(150,-200,20)")[2:4] for _ in range(2)]  # nothing there to pick
+    assert flags == [(False, False), (False, True)]
     env.close()
 
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers turnrl/Sokoban-v0)
+from tests.envs.games.episodes import assert_text_is_data
 from turnrl.envs.draw import draw_grid
 from turnrl.envs.games.sokoban.levels import (
     ALT_SYMBOLS,
@@ -352,6 +353,15 @@ def test_actions_are_case_insensitive():
     env = board("#####\n#P_O#\n#_X_#\n#####")
     env.step("  rIGHT ")
     assert env.state_facts().player == (1, 2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(st.text(max_size=200), st.sampled_from(ACTIONS).map(lambda name: f" {name.swapcase()}\n")))
+def test_any_text_is_a_move_or_a_rejection_that_changes_nothing(action):
+    env = SokobanEnv()
+    env.reset(seed=5)
+    info = assert_text_is_data(env, action)
+    assert info["action_is_valid"] == (action.strip().lower() in {"up", "down", "left", "right"})
 
 
 # ---------------------------------------------------------------------- invariants (hypothesis)

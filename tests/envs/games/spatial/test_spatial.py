@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from tests.envs.games.episodes import assert_text_is_data
 from turnrl.envs import check_env, make
 from turnrl.envs.games.spatial import SpatialEnv
 from turnrl.envs.games.spatial.questions import TASKS
@@ -327,3 +328,14 @@ def test_any_turn_is_data_never_an_exception(action):
     assert reward in (-1.0, pytest.approx(-0.1), 10.0)
     if not info["action_is_valid"]:
         assert reward == -1.0 and new_obs["text"] == obs["text"] and not terminated
+
+
+@pytest.mark.parametrize("name_length", range(1965, 1990))
+def test_a_sequence_at_the_length_limit_is_played_or_refused_never_an_error(name_length):
+    """A readable sequence just under MAX_CHARS (2000) once had a canonical spelling over it, ``Actions: [`` and a
+    space after the comma added: step() could not read it back and raised AssertionError. Shortest such action:
+    ``JumpTo(<1971 letters>),Observe()``, 1989 characters, spelled in 2001. A spelling of at most 2000 characters
+    (names of up to 1970 letters) is played; a longer one is refused as unreadable."""
+    env, _ = hand_made()
+    info = assert_text_is_data(env, f"JumpTo({'a' * name_length}),Observe()")
+    assert info["action_is_valid"] == (name_length <= 1970)

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from tests.envs.games.episodes import assert_same_episode
 from turnrl.envs import check_env
 from turnrl.envs.contract import MAX_TEXT_LENGTH, OBS_CHARSET
 from turnrl.envs.games.svg.render import (
@@ -293,6 +294,17 @@ def test_same_seed_same_icon_and_target():
         assert first.icon == second.icon and np.array_equal(a["image"], b["image"])
     icons = {first.reset(seed=seed) and first.icon.svg for seed in range(40)}
     assert len(icons) == 40
+
+
+def test_same_seed_same_whole_episode_infos_included(env):
+    """A rough answer, one that cannot be drawn, then the expert's: the same scores and renders on both plays."""
+    answers = [svg('<circle cx="100" cy="120" r="50" fill="#1f77b4"/>'), "I cannot draw this."]
+
+    def policy(played, k):
+        return answers[k] if k < len(answers) else played.solve()[0]
+
+    episode = assert_same_episode(SVGEnv(), env, 3, policy, 3)
+    assert 0.0 < episode[1].reward < 1.0 and episode[2].reward == 0.0 and episode[3].reward == 1.0
 
 
 def test_generated_icons_stay_on_the_canvas():

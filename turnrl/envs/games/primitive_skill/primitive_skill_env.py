@@ -89,6 +89,8 @@ HOME = (-0.02, 0.2, SAFE_HEIGHT)
 SUCCESS_WORTH, STAGE_WORTH, STEP_COST = 10.0, 2.0, 0.1
 FALLEN_Z = -0.05
 """An object below this height has fallen off the table."""
+MAX_MM = 9_999_999
+"""The largest coordinate an action may spell, in whole millimetres (seven digits, as the grammar reads)."""
 _NUMBER = r"\s*([-+]?(?:\d{1,7}(?:\.\d{0,6})?|\.\d{1,6}))\s*"
 _ACTION = re.compile(r"\s*(pick|place|push)\s*\((" + _NUMBER + r"(?:," + _NUMBER + r")*)\)\s*", re.IGNORECASE)
 _ARITY = {"pick": 3, "place": 3, "push": 6}
@@ -146,8 +148,12 @@ def parse_skill(action: Any) -> Skill | None:
 
 
 def skill_text(name: str, coords: tuple[float, ...]) -> str:
-    """The canonical spelling of an action, VAGEN's: ``pick(62,-55,20)`` (whole millimetres)."""
-    return f"{name}({','.join(str(round(c * 1000)) for c in coords)})"
+    """The canonical spelling of an action, VAGEN's: ``pick(62,-55,20)`` (whole millimetres).
+
+    A coordinate is held to ``MAX_MM`` either way, so that the spelling reads back: ``9999999.9`` would round to
+    eight digits. Every coordinate is clipped to the workspace, far inside, when the skill is played.
+    """
+    return f"{name}({','.join(str(max(-MAX_MM, min(MAX_MM, round(c * 1000)))) for c in coords)})"
 
 
 def mm(point: np.ndarray | tuple[float, ...]) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from PIL import Image, ImageDraw
 
 from turnrl.envs.contract import StateFacts, StateRewardProfile, StepOutcome, TurnEnv, facts_from_positions
 from turnrl.envs.draw import font
-from turnrl.envs.games.spatial.action_sequence import Action, parse_sequence, sequence_text
+from turnrl.envs.games.spatial.action_sequence import MAX_CHARS, Action, parse_sequence, sequence_text
 from turnrl.envs.games.spatial.geometry import HEADING_NAMES, HEADINGS, Cell, in_view, offset
 from turnrl.envs.games.spatial.knowledge import Knowledge
 from turnrl.envs.games.spatial.questions import TASKS, TURNS, Question, ask, letter
@@ -167,9 +167,14 @@ class SpatialEnv(TurnEnv):
         self.views, self.observed, self.feedback, self.answer = [], set(), (), None
 
     def canonical_action(self, action: Any) -> str | None:
-        """The canonical spelling of a readable action sequence (:mod:`.actions`), else None."""
+        """The canonical spelling of a readable action sequence (:mod:`.actions`), else None.
+
+        A spelling longer than ``MAX_CHARS`` is unreadable too: it would not read back (``Actions: [`` and the
+        spaces after commas can lengthen a text just under the limit), and ``_step`` reads the spelling.
+        """
         actions = parse_sequence(action)
-        return None if actions is None else sequence_text(actions)
+        text = None if actions is None else sequence_text(actions)
+        return text if text is not None and len(text) <= MAX_CHARS else None
 
     def _step(self, action: str) -> StepOutcome:
         actions = parse_sequence(action)
