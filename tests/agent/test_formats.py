@@ -388,6 +388,37 @@ def test_render_parse_round_trip_free_form(name, action):
     assert parsed.format_ok and parsed.actions == (action,)
 
 
+# Reasoning texts of any characters: tag-like text that is no format tag (``x < 5``, ``<Answer>``), chat markers,
+# control characters, lone surrogates, surrounding blanks.
+ANY_FIELD_TEXT = st.one_of(
+    st.text(st.characters(exclude_categories=()), min_size=1, max_size=60),
+    st.lists(st.sampled_from(["<", ">", "/", "think", "answer", "<|im_end|>", "x < 5", "<Answer>", " ", "\n"]),
+             min_size=1, max_size=10).map("".join),
+)
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@FAST
+@given(data=st.data())
+def test_render_parse_round_trip_with_reasoning_of_any_text(name, data):
+    """A demonstration's reasoning may hold any text but a format tag: the parse gives it back (stripped) and
+    the answer's actions with it; blank text or a format tag is refused by ``render``."""
+    limit = data.draw(st.integers(1, 3))
+    fmt = get_format(name, max_actions_per_turn=limit)
+    names = names_for(name)
+    actions = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=limit if fmt.separator else 1))
+    leaves = [tag.name for top in fmt.structure for tag in top.walk() if not tag.children]
+    fields = {tag: data.draw(ANY_FIELD_TEXT) for tag in leaves if tag != fmt.answer_tag}
+    pattern = re.compile("|".join(f"</?{tag}>" for tag in fmt.tag_names))
+    if any(not value.strip() or pattern.search(value) for value in fields.values()):
+        with pytest.raises(ValueError, match="must be non-blank and contain no format tags"):
+            fmt.render(actions, fields)
+        return
+    parsed = fmt.parse(fmt.render(actions, fields), names)
+    assert parsed.format_ok and parsed.actions == tuple(actions), parsed.errors
+    assert {tag: parsed.fields[tag] for tag in fields} == {tag: value.strip() for tag, value in fields.items()}
+
+
 def test_render_rejects_what_cannot_round_trip():
     fmt = get_format("free_think", max_actions_per_turn=2)
     bad = [([], None), (["Up"] * 3, None), ([" Up"], None), (["Up", "a,b"], None), (["Up"], {"think": "<answer>x"})]
@@ -472,6 +503,95 @@ def test_parse_never_raises_and_keeps_its_invariants(name, text, with_names, str
     if strict and not parsed.format_ok:
         assert parsed.actions == ()
     assert isinstance(turn_format_reward(parsed), float)
+
+
+ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=200)
+"""Every code point: control characters, line and paragraph separators, lone surrogates (an HTTP endpoint's JSON
+``"\\udfff"`` decodes to one)."""
+TAG_NAMES = ("think", "answer", "observation", "reasoning", "prediction", "justification", "action")
+NESTED = st.recursive(
+    st.one_of(FRAGMENTS, ANY_TEXT.map(lambda text: text[:8])),
+    lambda inner: st.builds(lambda name, parts: f"<{name}>{''.join(parts)}</{name}>", st.sampled_from(TAG_NAMES),
+                            st.lists(inner, max_size=4)),
+    max_leaves=25,
+)
+"""Format tags nested in one another to any depth, around text of any characters."""
+HOSTILE = st.one_of(
+    ANY_TEXT,
+    NESTED,
+    st.lists(st.one_of(FRAGMENTS, NESTED, ANY_TEXT.map(lambda text: text[:4])), max_size=20).map("".join),
+    st.builds(lambda unit, times: unit * times, st.one_of(FRAGMENTS, ANY_TEXT.map(lambda text: text[:4])),
+              st.integers(0, 3000)),  # one piece repeated into a long response
+)
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@FAST
+@given(text=HOSTILE, with_names=st.booleans(), strict=st.booleans(), limit=st.integers(1, 4),
+       separator=st.sampled_from([None, ";", "||", " "]))
+@example(text="<answer>Up\udfff</answer>", with_names=False, strict=False, limit=1, separator=None)
+@example(text="<think>a\u2028b</think><answer>Up\x00, Left\r\n</answer>", with_names=True, strict=True, limit=2,
+         separator=None)
+def test_any_text_parses_without_raising_into_actions_and_one_line_errors(name, text, with_names, strict, limit,
+                                                                         separator):
+    """Any text a policy returns is data: the parse never raises, keeps at most the limit of stripped actions,
+    and each error is one line that quotes a bounded excerpt (the next turn's prompt shows them)."""
+    if name == "visgym_tuple" and separator == " ":
+        separator = None  # a space would split inside a tuple: such a format is refused
+    fmt = get_format(name, action_separator=separator, max_actions_per_turn=limit, strict=strict)
+    names = names_for(name) if with_names else None
+    parsed = fmt.parse(text, names)
+    assert len(parsed.actions) <= limit
+    assert all(action and action == action.strip() for action in parsed.actions)
+    if names is not None:
+        assert set(parsed.actions) <= set(names)
+    assert parsed.format_ok or parsed.errors
+    # An excerpt quotes at most 40 characters, each escaped in at most 10 (``\U0003134b``).
+    assert all(len(error.splitlines()) == 1 and len(error) < 600 for error in parsed.errors), parsed.errors
+    span = fmt.reasoning_span(text)
+    assert span is None or 0 <= span[0] < span[1] <= len(text)
+
+
+TUPLE_ITEMS = st.one_of(st.integers(-999_999_999, 999_999_999).map(str),
+                        st.from_regex(r"[A-Za-z0-9_ .\-]{1,32}", fullmatch=True).map(repr))
+TUPLE_TEXTS = st.lists(TUPLE_ITEMS, min_size=1, max_size=9).map(lambda items: f"({', '.join(items)})")
+
+
+@FAST
+@given(text=st.one_of(HOSTILE, TUPLE_TEXTS))
+@example(text="(" * 100_000)
+@example(text="('move', " + "9" * 100_000 + ")")
+def test_any_text_is_a_tuple_action_in_canonical_form_or_none(text):
+    canonical = normalize_action_tuple(text)
+    assert canonical is None or normalize_action_tuple(canonical) == canonical
+
+
+@pytest.mark.parametrize(("text", "canonical"), [("('click', 0.00001)", "('click', 0.00001)"),
+                                                 ("(-0.0, 1.50, 2.0)", "(-0.0, 1.5, 2.0)"),
+                                                 ("(999999999.999999999,)", None)])  # 1e9 as a float
+def test_a_tuple_of_any_decimal_the_grammar_reads_normalizes_to_a_tuple_it_reads(text, canonical):
+    """A float was written as ``repr`` writes it (``1e-05``, ``1000000000.0``), which the grammar refuses."""
+    assert normalize_action_tuple(text) == canonical
+    assert canonical is None or normalize_action_tuple(canonical) == canonical
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@FAST
+@given(opening=HOSTILE, message=HOSTILE)
+def test_a_templates_opening_of_any_text_gives_a_format_or_says_why_not(name, opening, message):
+    """``under_template`` takes the text a chat template's generation prompt ends with: a format reads under it,
+    or it is refused with the reason; a message that does not continue the prompt is refused saying so."""
+    try:
+        fmt = get_format(name).under_template(opening)
+    except ValueError as error:
+        assert re.search("does not begin with it|would follow the|already read under", str(error)), error
+        return
+    assert fmt.message_start.startswith(opening)
+    assert fmt.continuation(fmt.assistant_text(message)) == message
+    try:
+        fmt.continuation(message)
+    except ValueError as error:
+        assert "so its assistant messages start with it" in str(error)
 
 
 ADVERSARIAL = [  # (head, unit, repeats in about a megabyte, tail)
@@ -561,7 +681,7 @@ def test_formats_without_think_reason_before_their_answer_or_not_at_all():
 
 @pytest.mark.parametrize("name", ALL_FORMATS)
 @FAST
-@given(text=RESPONSES)
+@given(text=st.one_of(RESPONSES, HOSTILE))
 def test_reasoning_span_never_raises_and_matches_a_regex_reading(name, text):
     fmt = get_format(name)
     span = fmt.reasoning_span(text)

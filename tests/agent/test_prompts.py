@@ -76,3 +76,24 @@ def test_no_control_text_is_left_and_only_spaces_are_added(text):
 def test_a_control_text_that_no_space_can_break_is_refused(control):
     with pytest.raises(ValueError, match="cannot be broken by a space"):
         neutralized("text", ("<|im_end|>", control))
+
+
+ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=40)
+
+
+@given(st.data())
+def test_any_control_texts_are_broken_in_any_text_or_refused_saying_why(data):
+    """Control texts of any characters (a tokenizer's added tokens): each one found in any text is broken, or the
+    set is refused because no space can break one of them."""
+    controls = data.draw(st.lists(st.one_of(st.sampled_from(CONTROLS), ANY_TEXT.map(lambda text: text[:6])),
+                                  max_size=4))
+    pieces = st.one_of(ANY_TEXT.map(lambda text: text[:3]), *([st.sampled_from(controls)] if controls else []))
+    text = "".join(data.draw(st.lists(pieces, max_size=12)))
+    try:
+        out = neutralized(text, controls)
+    except ValueError as error:
+        assert "cannot be broken by a space" in str(error)
+        assert any(len(control) < 2 or " " in control[:2] for control in controls)
+        return
+    assert not any(control in out for control in controls)
+    assert out.replace(" ", "") == text.replace(" ", "")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from turnrl.agent.tags import StructureChecker, StructureError, Tag, last_pairs, snippet, tokenize
@@ -63,3 +65,30 @@ def test_any_text_scans_and_checks_without_raising(text):
     assert [token.start for token in tokens] == sorted(token.start for token in tokens)
     last_pairs(text, tokens)
     check(text)
+
+
+ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=200)
+"""Every code point: control characters, line separators, lone surrogates."""
+NESTED = st.recursive(
+    st.one_of(st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "<", "/", ">"]), ANY_TEXT),
+    lambda inner: st.builds(lambda name, parts: f"<{name}>{''.join(parts)}</{name}>", st.sampled_from(NAMES),
+                            st.lists(inner, max_size=4)),
+    max_leaves=20,
+)
+
+
+@given(st.one_of(ANY_TEXT, NESTED), st.booleans())
+@example("<think>" * 5000 + "</answer>" * 5000, False)
+@example("<think>\udfff</think>\u2028<answer>\x00</answer>\x85", False)
+def test_text_of_any_characters_and_nesting_scans_and_checks_into_one_line_errors(text, outside_text_ok):
+    tokens = tokenize(text, NAMES)
+    assert all(text[token.start:token.end] == token.show() for token in tokens)
+    assert set(last_pairs(text, tokens)) <= set(NAMES)
+    assert all(len(error.splitlines()) == 1 for error in check(text, outside_text_ok))
+
+
+@given(ANY_TEXT.map(lambda text: text * 50))
+def test_an_excerpt_of_any_text_is_one_quoted_line_of_at_most_forty_characters(text):
+    quoted = snippet(text)
+    assert len(quoted.splitlines()) == 1 and quoted[0] == quoted[-1] and quoted[0] in "'\""
+    assert len(ast.literal_eval(quoted)) <= 40  # the excerpt itself: what repr escapes counts once

@@ -3,10 +3,20 @@ message, expanding image placeholders. (Whole episodes built from them: tests/ro
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from turnrl.chat.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
+from turnrl.chat.template_deltas import (
+    ChatTemplateDeltas,
+    TemplateDeltaError,
+    as_message,
+    expand_placeholders,
+    fold_system,
+)
 from turnrl.chat.templates import TEMPLATES
 from turnrl.models import build_tokenizer
 
@@ -260,3 +270,72 @@ def test_expand_placeholders(toks):
     assert expand_placeholders([1, pad, 2, pad], pad, [2, 0]) == [1, pad, pad, 2]
     with pytest.raises(ValueError, match="placeholders"):
         expand_placeholders([1, pad], pad, [1, 1])
+
+
+# -- any input -----------------------------------------------------------------------
+
+FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ANY_TEXT = st.one_of(
+    st.text(st.characters(exclude_categories=()), max_size=100),
+    st.lists(st.sampled_from(["<|im_end|>", "<|im_start|>", "<|eot_id|>", "<|image_pad|>", "<think>", "</think>",
+                              "{{", "{%", "\n", " ", "user", "\udfff"]), max_size=20).map("".join),
+)
+"""An env's text: every code point (lone surrogates included: an env's output read with ``surrogateescape``, JSON's
+``"\\udfff"`` through the env service), and text that looks like the templates' control tokens and syntax."""
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=10)
+
+
+@pytest.fixture(scope="module")
+def deltas(toks):
+    return {name: ChatTemplateDeltas(tok) for name, tok in toks.items()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@FUZZ
+@given(system=ANY_TEXT, user=ANY_TEXT)
+@example(system="", user="hi \udfff")  # was a TypeError from the tokenizer
+def test_a_head_and_an_observation_of_any_text_hold_that_text(deltas, name, system, user):
+    d = deltas[name]
+    text = user.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate is read as its escape
+    text = text.strip() if name == "llama3" else text  # Llama-3's template trims contents
+    for ids in (d.head(system, user), d.observation(user)):
+        assert text in d.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@FUZZ
+@given(value=st.one_of(JSON, st.fixed_dictionaries({"role": JSON, "content": JSON})))
+@example(value={"role": [], "content": ""})  # was accepted, then a TypeError (unhashable) from the memo
+def test_any_value_is_a_message_or_refused_saying_what_a_message_is(deltas, value):
+    try:
+        message = as_message(value)
+    except ValueError as error:
+        assert re.search(r"a message is a string or a dict|a message needs 'role' and 'content'|a message's 'role' "
+                         r"is a string", str(error)), error
+        with pytest.raises(ValueError, match="message"):
+            deltas["chatml"].observation(value)
+        return
+    assert isinstance(message["role"], str) and "content" in message
+
+
+@pytest.mark.parametrize("name", NAMES)
+@FUZZ
+@given(ids=st.lists(st.integers(0, 511), max_size=12), tail=st.integers(0, 4))
+def test_any_response_is_closed_by_a_suffix_of_the_closing(deltas, name, ids, tail):
+    d = deltas[name]
+    response = [*ids, *d.closing[:tail]]  # often a part of the closing itself
+    appended, stopped = d.close(response)
+    assert tuple(appended) == d.closing[len(d.closing) - len(appended):]
+    assert stopped or tuple(appended) == d.closing
+
+
+@FUZZ
+@given(ids=st.lists(st.integers(0, 4), max_size=20), counts=st.lists(st.integers(0, 3), max_size=6))
+def test_placeholders_of_any_ids_expand_to_their_counts_or_are_refused(ids, counts):
+    try:
+        out = expand_placeholders(ids, 3, counts)
+    except ValueError as error:
+        assert f"{ids.count(3)} image placeholders in the message but {len(counts)} image token counts" in str(error)
+        return
+    assert [i for i in out if i != 3] == [i for i in ids if i != 3] and out.count(3) == sum(counts)

@@ -49,7 +49,8 @@ def test_a_data_url_reads_however_a_client_wraps_or_spells_its_base64(url):
     assert np.array_equal(load_image(url), picture())
 
 
-@pytest.mark.parametrize("data", ["iVBORw0K!!!!", "iVBORw0K\x00", "iVBORw0K0"], ids=["punctuation", "nul", "length"])
+@pytest.mark.parametrize("data", ["iVBORw0K!!!!", "iVBORw0K\x00", "iVBORw0K0", "iVBORw0K\u00e9"],
+                         ids=["punctuation", "nul", "length", "not ascii"])
 def test_a_data_url_whose_data_is_not_base64_says_so(data):
     with pytest.raises(ValueError, match=r"data URL's data is not base64 \(.*\): encode the file's bytes"):
         load_image("data:image/png;base64," + data)

@@ -17,13 +17,15 @@ import httpx
 import openai
 import pytest
 import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from tests.serve.running import running
 from turnrl.config import ModelConfig
 from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.hf import HFPolicy
 from turnrl.policy.interface import Policy
-from turnrl.serve.policy import create_app, load_policy
+from turnrl.serve.policy import _cut_at_stop, bearer_error, create_app, load_policy
 
 MODEL = "tiny"
 HI = [{"role": "user", "content": "Hello there"}]
@@ -719,3 +721,25 @@ def test_a_body_that_is_no_json_object_says_what_to_send(served, content, header
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert words in message, message
+
+
+ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=40)
+
+
+@given(ANY_TEXT, st.lists(ANY_TEXT.filter(bool), max_size=4))
+def test_a_completion_of_any_text_is_cut_before_its_earliest_stop_string(text, stops):
+    kept, stop = _cut_at_stop(text, stops)
+    assert text.startswith(kept) and not any(s in kept for s in stops)
+    assert (stop is None) == (kept == text and not any(s in text for s in stops))
+    assert stop is None or text[len(kept):].startswith(stop)
+
+
+@given(st.text(st.characters(max_codepoint=255), max_size=40))  # a header's value, as latin-1 decodes it
+@example("Bearer key-1")
+@example("bearer  key-1\t")
+@example("Bearer key-2")
+def test_any_authorization_header_is_accepted_only_with_the_key(header):
+    error = bearer_error(header, "key-1")
+    assert (error is None) == (header.partition(" ")[0].lower() == "bearer" and header.partition(" ")[2].strip()
+                               == "key-1")
+    assert error is None or len(error.splitlines()) == 1

@@ -68,8 +68,12 @@ def as_message(message: str | Message, role: str = "user") -> Message:
     """``message`` as a message dict; a plain string becomes ``{"role": role, "content": s}``."""
     if isinstance(message, str):
         return {"role": role, "content": message}
+    if not isinstance(message, dict):
+        raise ValueError(f"a message is a string or a dict with 'role' and 'content', got a {type(message).__name__}")
     if "role" not in message or "content" not in message:
-        raise ValueError(f"a message needs 'role' and 'content', got keys {sorted(message)}")
+        raise ValueError(f"a message needs 'role' and 'content', got keys {sorted(map(str, message))}")
+    if not isinstance(message["role"], str):
+        raise ValueError(f"a message's 'role' is a string such as 'user', got a {type(message['role']).__name__}")
     return message
 
 
@@ -261,8 +265,13 @@ class ChatTemplateDeltas:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Ids of template text, control tokens atomic, no BOS/EOS added (templates write their own)."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Ids of template text, control tokens atomic, no BOS/EOS added (templates write their own).
+
+        A lone surrogate, which no tokenizer encodes, is read as its escape (``"\\udfff"``): an env's text may
+        hold one (a program's output read with ``errors="surrogateescape"``, JSON's ``"\\udfff"`` through the env
+        service), and one character must not stop the rollout.
+        """
+        return self.tokenizer(_encodable(text), add_special_tokens=False)["input_ids"]
 
     def _find_system_role(self) -> bool:
         """Whether the template renders a system message given before the first user message.
@@ -579,6 +588,15 @@ class ChatTemplateDeltas:
                     "Pass verify=False to use the template anyway (the incremental context is still what the "
                     "model sees, but it will not match a re-render of the chat)."
                 )
+
+
+def _encodable(text: str) -> str:
+    """``text`` with each lone surrogate written as its escape (``"\\udfff"``); other text unchanged."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _control_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:

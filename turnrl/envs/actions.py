@@ -30,7 +30,8 @@ def _item(text: str) -> TupleItem | None:
     if _INT_ITEM.fullmatch(text):
         return int(text)
     if _FLOAT_ITEM.fullmatch(text):
-        return float(text)
+        value = float(text)
+        return value if abs(value) < 1e9 else None  # 999999999.999999999 is 1e9: no spelling of 9 digits
     return None
 
 
@@ -64,5 +65,13 @@ def tuple_text(items: tuple[TupleItem, ...]) -> str:
     >>> tuple_text(("move", 0))
     "('move', 0)"
     """
-    body = ", ".join(f"'{item}'" if isinstance(item, str) else repr(item) for item in items)
+    body = ", ".join(f"'{item}'" if isinstance(item, str) else _decimal(item) if isinstance(item, float) else repr(item)
+                     for item in items)
     return f"({body},)" if len(items) == 1 else f"({body})"
+
+
+def _decimal(value: float) -> str:
+    """A float as the grammar reads it back: a plain decimal (``0.00001``, where ``repr`` writes ``1e-05``) of at
+    most 9 digits after the point, trailing zeros dropped but one."""
+    text = f"{value:.9f}".rstrip("0")
+    return text + "0" if text.endswith(".") else text

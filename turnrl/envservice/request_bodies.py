@@ -82,7 +82,8 @@ class ForkBody(SessionsBody):
 
 
 def validation_message(error: RequestValidationError) -> str:
-    """A readable summary of pydantic's errors (malformed JSON included)."""
+    """A readable summary of pydantic's errors (malformed JSON included), on one line: a location may be a
+    client's own key (an unknown field's name), which may hold a line break."""
     lines = []
     for item in error.errors()[:10]:
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
@@ -90,7 +91,7 @@ def validation_message(error: RequestValidationError) -> str:
             lines.append(f"the body is not valid JSON ({item.get('ctx', {}).get('error', 'parse error')})")
         else:
             lines.append(f"{location or 'body'}: {item.get('msg', 'invalid')}")
-    return "invalid request: " + "; ".join(lines)
+    return " ".join(("invalid request: " + "; ".join(lines)).split())
 
 
 # --------------------------------------------------------------------------- values inside the bodies

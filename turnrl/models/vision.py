@@ -24,7 +24,6 @@ processors return ``image_grid_thw`` and an image takes
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import inspect
 import io
@@ -315,7 +314,7 @@ def data_url_bytes(url: str) -> bytes:
     text += "=" * (-len(text) % 4)
     try:
         return base64.b64decode(text, validate=True)
-    except binascii.Error as error:
+    except ValueError as error:  # binascii.Error, or a character outside ASCII (which b64decode refuses first)
         raise ValueError(f"the image data URL's data is not base64 ({error}): encode the file's bytes with "
                          "base64 (standard or URL-safe alphabet) after 'base64,'") from None
 

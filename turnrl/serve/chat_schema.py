@@ -220,7 +220,17 @@ def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         params.append(location or None)
         lines.append(f"{location}: {item.get('msg', 'invalid')}" if location else body_fault(item))
-    return "invalid request: " + "; ".join(lines), params[0] if params else None
+    return one_line("invalid request: " + "; ".join(lines)), params[0] if params else None
+
+
+_LINE_BREAKS = {ord(c): c.encode("unicode_escape").decode("ascii") for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+"""Each character ``str.splitlines`` breaks a line at, to its escape (``"\\n"``, ``"\\u2028"``)."""
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks written as escapes. Pydantic's messages quote the client's own value (a part's
+    ``"type"`` that matches no part), which may hold one: every error the server answers is one line."""
+    return text.translate(_LINE_BREAKS)
 
 
 def body_fault(item: dict[str, Any]) -> str:
