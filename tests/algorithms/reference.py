@@ -292,10 +292,10 @@ def ref_select(group_index, rewards, scores, strategy, value, weighting, tempera
 def ref_whiten_with(values, mask, stats_mask, shift_mean=True, eps=1e-8):
     """``whiten`` with the mean and population variance taken over ``stats_mask`` (VAGEN's turn-wise GAE: one
     entry a turn) and applied to every entry of ``mask``; ``shift_mean=False`` adds the mean back (veRL's
-    masked_whiten). ``stats_mask`` must hold an entry where ``mask`` does."""
+    masked_whiten). No statistics (an empty ``stats_mask``) give zeros, as an empty ``mask`` does."""
     vals, m, s = _rows(values, mask, stats_mask)
     picked = [x for row, sr in zip(vals, s) for x, k in zip(row, sr) if k]
-    if not any(k for mr in m for k in mr):
+    if not picked:
         return _out([[0.0] * len(row) for row in vals])
     mean = sum(picked) / len(picked)
     std = math.sqrt(sum((x - mean) ** 2 for x in picked) / len(picked) + eps)

@@ -365,6 +365,9 @@ def test_whiten_by_hand_and_empty():
     close(whiten(values, mask, eps=0.0), t([[-z, 0.0, 0.0], [z, 0.0, 0.0]]))
     close(whiten(values, mask, shift_mean=False, eps=0.0), t([[2 - z, 2.0, 0.0], [2 + z, 0.0, 0.0]]))
     assert whiten(values, torch.zeros(2, 3)).abs().sum() == 0
+    # No statistics to take (turn-level GAE's turn ends, none in the batch): zeros, not the values times 1/sqrt(eps).
+    for shift_mean in (True, False):
+        assert whiten(values, mask, shift_mean=shift_mean, stats_mask=torch.zeros(2, 3)).abs().sum() == 0
 
 
 def test_whiten_with_turn_statistics_weighs_each_turn_once():

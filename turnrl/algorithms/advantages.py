@@ -498,7 +498,8 @@ def whiten(
     entries of the batch, or over the entries of ``stats_mask`` where given
     (VAGEN's turn-wise GAE takes them over one entry a turn, its reward
     position, and applies them to every token). ``shift_mean=False`` adds the
-    mean back. Entries outside the mask are zero; an empty mask gives zeros.
+    mean back. Entries outside the mask are zero; an empty mask, or an empty
+    ``stats_mask`` (no statistics to take), gives zeros.
 
     Args:
         values: any shape, e.g. (b, s). mask, stats_mask: same shape, bool or 0/1.
@@ -512,7 +513,7 @@ def whiten(
     out = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return torch.where(m, out, 0)
+    return torch.where(m & stats.any(), out, 0)
 
 
 class GroupStats(NamedTuple):
