@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,8 +31,8 @@ import numpy as np
 from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, neutralized, observation_text, system_prompt
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
-from turnrl.envs.contract import AgentEnv, StateFacts, env_metrics, invalid_reason, state_key
-from turnrl.models.vision import MessageImages
+from turnrl.envs.contract import MAX_TEXT_LENGTH, AgentEnv, StateFacts, env_metrics, invalid_reason, state_key
+from turnrl.models.vision import MessageImages, check_image
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rollout.context import EpisodeTokens, format_for_template, without_images
@@ -106,11 +107,38 @@ def policy_failure(error: Exception) -> Completion:
     return Completion(text="", finish_reason="error", error=f"policy failed: {type(error).__name__}: {error}")
 
 
+MAX_ERROR_LENGTH = 500
+"""Characters an episode's error may hold: an exception's message can be a whole page (a server's body)."""
+
+
+def one_line(text: str, limit: int = MAX_ERROR_LENGTH) -> str:
+    """``text`` on one line (each run of whitespace, line breaks included, as one space), cut to ``limit``
+    characters: an episode's error is read in a summary, a log line and the viewer."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else f"{line[: limit - 3]}..."
+
+
+def env_failure(call: str, turn: int, error: Exception) -> str:
+    """Why an episode ended: its env's ``call`` raised ``error`` in ``turn`` (1-based, as the viewer counts), and
+    the function, file and line that raised it (the innermost frame: the env's code, or the check its answer
+    failed)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (raised in {frames[-1].name} at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"env {call} failed in turn {turn}: {type(error).__name__}: {error}{where}"
+
+
 def check_observation(obs: Any) -> None:
-    """Raise TypeError unless ``obs`` is an observation the turn can read (a dict with a ``text`` string): an env
-    that returns another, from ``reset`` or ``step``, fails its own episode where it does so, not the batch."""
+    """Raise TypeError or ValueError unless ``obs`` is an observation the turn can read and the record can keep (a
+    dict with a ``text`` string of at most :data:`~turnrl.envs.contract.MAX_TEXT_LENGTH` characters and, where
+    it has an ``image``, an ``HxWx3`` uint8 array): an env that returns another, from ``reset`` or ``step``, fails
+    its own episode where it does so, not the batch, and its observation never reaches the trajectory (whose
+    writer cannot save another image as a PNG, nor should write a megabyte of text each turn)."""
     if not isinstance(obs, dict) or not isinstance(obs.get("text"), str):
         raise TypeError(f"an observation must be a dict with a 'text' string, not {obs!r:.200}")
+    if len(obs["text"]) > MAX_TEXT_LENGTH:
+        raise ValueError(f"an observation's text may hold {MAX_TEXT_LENGTH} characters, got {len(obs['text'])}")
+    if "image" in obs:
+        check_image(obs["image"])
 
 
 def action_names_of(env: AgentEnv) -> list[str] | None:
@@ -190,7 +218,7 @@ class _Episode:
         self.finished = True
         self.trajectory.status = status
         self.trajectory.truncation_reason = reason
-        self.trajectory.error = error
+        self.trajectory.error = None if error is None else one_line(error)
         if status == ERROR:  # an env may have said success before a later step or the policy failed: no success
             self.trajectory.success = False
 
@@ -524,9 +552,9 @@ class Rollout:
             return None
         env, trajectory = episode.slot.env, episode.trajectory
         try:
-            names, env_failure = action_names_of(env), None
+            names, listing_failure = action_names_of(env), None
         except Exception as error:  # an env that cannot list its actions ends its own episode, not the batch
-            names, env_failure = None, f"env action_names() failed: {type(error).__name__}: {error}"
+            names, listing_failure = None, env_failure("action_names()", len(trajectory.turns) + 1, error)
         # The prompt ended with the message's start (the format's response prefix, a template's opening): the
         # assistant message is that start, then the response.
         message = self.fmt.assistant_text(completion.text)
@@ -551,8 +579,8 @@ class Rollout:
         if completion.finish_reason == "error":
             self._fail(episode, turn, 0.0, completion.error or "policy error")
             return None
-        if env_failure is not None:
-            self._fail(episode, turn, 0.0, env_failure)
+        if listing_failure is not None:
+            self._fail(episode, turn, 0.0, listing_failure)
             return None
         if trajectory.tokens is not None:
             if not turn.response_ids:
@@ -577,8 +605,7 @@ class Rollout:
                 step_reward, success = float(reward), bool(info.get("success", False))
                 check_observation(obs)
             except Exception as error:
-                trace = traceback.format_exc(limit=3)
-                self._fail(episode, turn, env_reward, f"env step failed: {type(error).__name__}: {error}\n{trace}")
+                self._fail(episode, turn, env_reward, env_failure("step", turn.index + 1, error))
                 return None
             turn.actions.append(action)
             turn.actions_valid.append(valid)
@@ -658,7 +685,7 @@ class Rollout:
         try:
             names = action_names_of(env)
         except Exception as error:  # as in _act: this episode ends, the batch goes on
-            episode.finish(ERROR, error=f"env action_names() failed: {type(error).__name__}: {error}")
+            episode.finish(ERROR, error=env_failure("action_names()", turn.index + 2, error))
             return
         # The notes quote the response (an unknown action, a rejected one): its text must not reach the template's
         # tokenizer as control tokens.
@@ -685,7 +712,8 @@ class Rollout:
         try:
             tokens.add_observation(message, *self._encode(episode.images))
         except Exception as error:  # an image the processor cannot take ends this episode, not the run
-            episode.finish(ERROR, error=f"the observation cannot be encoded: {type(error).__name__}: {error}")
+            episode.finish(ERROR, error=f"the observation after turn {turn.index + 1} cannot be encoded: "
+                                        f"{type(error).__name__}: {error}")
             return
         if len(tokens.prompt()) + sampling.max_new_tokens > self.context_budget:
             episode.finish(TRUNCATED, "context_budget")
