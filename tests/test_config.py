@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -402,3 +401,33 @@ def test_a_yaml_file_that_does_not_parse_is_one_line_with_its_place(tmp_path, te
 def test_an_override_that_does_not_parse_is_one_line():
     message = error_of(overrides=["agent.max_turns=[1"])
     assert "\n" not in message and "did not find expected ',' or ']'" in message
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("env.settings=[1]", "config key 'env.settings' takes a mapping, e.g. env.settings={KEY: VALUE}"),
+    ("sampling.stop={a: 1}", "config key 'sampling.stop' takes a list, e.g. sampling.stop=[a, b]"),
+])
+def test_a_list_for_a_mapping_or_a_mapping_for_a_list_names_the_key(override, message, tmp_path):
+    # Both read "an override sets an item of a list by its index ... e.g. variants=[...]", of no key given.
+    with pytest.raises(ConfigError) as info:
+        load_config(EvalConfig, None, [override])
+    assert str(info.value) == message
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("env:\n  settings: [1, 2]\n")
+    with pytest.raises(ConfigError, match="config key 'env.settings' takes a mapping"):
+        load_config(EvalConfig, recipe)
+    with pytest.raises(ConfigError, match="override 'sampling.stop.0=x' sets an item of a list by its index"):
+        load_config(EvalConfig, None, ["sampling.stop.0=x"])
+
+
+@pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:x", "cuda:-1", "CPU"])
+def test_a_device_that_is_none_stops_at_load_time(device):
+    # torch refused it only once a model loaded, as a traceback.
+    with pytest.raises(ConfigError, match=r"model.device=.* is not allowed; choose one of \['auto', 'cpu', 'cuda', "
+                                          r"'cuda:N'\]"):
+        load_config(EvalConfig, None, [f"model.device={device}"])
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:12"])
+def test_every_device_torch_places_a_model_on_loads(device):
+    assert load_config(EvalConfig, None, [f"model.device={device}"]).model.device == device

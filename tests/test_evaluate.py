@@ -723,3 +723,21 @@ def test_variants_override_names_what_it_takes(tmp_path):
     empty.write_text("variants: []\n")
     with pytest.raises(ConfigError, match="must hold a list of variants"):
         variants_override(str(empty))
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("- just\n", "variant 1 ('just') is not a mapping; write each variant as {name: NAME, env: ENV, settings: "
+                 "{KEY: VALUE}}"),
+    ("- {name: a}\n- {nme: b, env: FrozenLake}\n", "variant 2 ({'nme': 'b', 'env': 'FrozenLake'}) has no key 'nme'; "
+                                                   "did you mean name? a variant's keys are name, env, settings"),
+    ("- {env: FrozenLake}\n", "has no name; give it name: NAME"),
+    ("- {name: a, settings: [1]}\n", "has settings that are not a mapping; write them as settings: {KEY: VALUE}"),
+])
+def test_a_variant_that_is_not_one_is_named_with_the_fix(text, needle, tmp_path):
+    # OmegaConf's words named no fix ("str is not a subclass of VariantConfig"), no close key ('nme'), or another
+    # fault than the one made (list settings: "an override sets an item of a list by its index").
+    listing = tmp_path / "variants.yaml"
+    listing.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        variants_override(str(listing))
+    assert str(info.value).startswith(f"--variants {listing}: ") and needle in str(info.value)

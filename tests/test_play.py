@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import select
 import subprocess
@@ -12,9 +13,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
 from turnrl.envs import make
-from turnrl.play import ARROW_KEYS, DIRECTION_KEYS, action_keys, expand_key, key_complete, keys_help
+from turnrl.play import ARROW_KEYS, DIRECTION_KEYS, action_keys, expand_key, key_complete, keys_help, play
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,3 +203,16 @@ def test_a_typed_line_and_ctrl_c_in_a_terminal(terminal):
     term.read_until("bye")
     assert term.close() == 0
     assert term.after == term.before and "Traceback" not in term.output
+
+
+@pytest.mark.parametrize("under", ["", "frames"])
+def test_frames_folder_that_a_file_is_in_the_way_of_stops_before_the_game(under, tmp_path):
+    # The first image frame raised FileExistsError (NotADirectoryError below it) as a traceback, mid-game.
+    (tmp_path / "notes.txt").write_text("kept")
+    out = tmp_path / "notes.txt" / under
+    console = Console(file=io.StringIO())
+    with pytest.raises(SystemExit) as info:
+        play(make("FrozenLake", mode="image"), "FrozenLake", 0, str(out), console)
+    assert str(info.value.code) == (f"error: --out {out}: {tmp_path / 'notes.txt'} is a file; give a folder for the "
+                                    "frames (made if missing)")
+    assert console.file.getvalue() == ""

@@ -182,7 +182,11 @@ def cmd_render(args: argparse.Namespace) -> int:
         hint = f"; pick one of {[m for m in env_class(name).modes if m != 'text']}" if name else ""
         raise SystemExit(f"error: {args.env} with {settings} observes no image{hint}")
     output = image_path(args.output)
-    _save_png(obs["image"], output)
+    try:
+        _save_png(obs["image"], output)
+    except OSError as error:  # a file where a folder of the path should be, a folder without the right to write
+        raise SystemExit(f"error: -o {args.output}: cannot write the image there ({error.strerror}: "
+                         f"{error.filename}); give a file path in a folder you can write to") from error
     # One unwrapped line: a path broken across lines cannot be copied.
     console.print(f"wrote {output} ({obs['image'].shape[1]}x{obs['image'].shape[0]})", markup=False, highlight=False,
                   soft_wrap=True)
@@ -320,7 +324,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         # A folder without config.yaml is no run, unless it holds checkpoints: then the file is lost (said below,
         # with the copy each checkpoint keeps); one of another kind (a folder) is damaged, said below too.
         if not (Path(resume) / "config.yaml").exists() and not (Path(resume) / "checkpoints").is_dir():
-            raise SystemExit(f"error: resume={resume!r} is not a run directory (it has no config.yaml)")
+            raise SystemExit(f"error: {resume_problem(resume)}")
         from turnrl.training.run_dir import damaged_run_config
 
         damage = damaged_run_config(Path(resume))
@@ -349,6 +353,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     # 128 + the signal's number, as a shell reports a process the signal ended (a stop file counts as Ctrl-C).
     return 128 + signal.Signals[summary.get("stop_signal", "SIGINT")].value
+
+
+def resume_problem(resume: str) -> str:
+    """Why ``resume=RESUME``, a path without ``config.yaml`` or ``checkpoints/``, is no run to continue, and which
+    folder to give instead."""
+    run = "give the folder `turnrl train` wrote (run.output_dir/run.name, e.g. runs/quickstart)"
+    if not resume.strip() or not Path(resume).exists():
+        return f"resume={resume!r} does not exist; {run}"
+    if Path(resume).is_file():
+        return f"resume={resume!r} is a file, not a run directory; {run}, the one that holds config.yaml"
+    return f"resume={resume!r} is not a run directory (it has no config.yaml); {run}"
 
 
 STOP_GRACE_S = 600
@@ -431,11 +446,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
     import torch
 
     from turnrl.config import ConfigError, load_config
+    from turnrl.models.loading import locate_model
     from turnrl.training.memory import GIB, count_recipe_model, fit_report, rows_shorter_than_episodes, run_margin
     from turnrl.training.train_config import TrainConfig
 
     try:
         config = load_config(TrainConfig, args.config, args.overrides)
+        if config.model.path is not None:  # a missing path in train's words, not the hub client's about repo ids
+            locate_model(config.model.path, "model.path")
         counts = count_recipe_model(config)
     except ConfigError as error:
         raise SystemExit(f"error: {error}") from error

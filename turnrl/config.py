@@ -383,6 +383,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         check_choice("model.dtype", self.dtype, ["auto", "float32", "bfloat16", "float16"])
+        check_choice("model.device", re.sub(r"^cuda:\d+$", "cuda:N", self.device), ["auto", "cpu", "cuda", "cuda:N"])
         for key in ("min_pixels", "max_pixels"):
             if getattr(self, key) is not None:
                 check_range(f"model.{key}", getattr(self, key), 1)
@@ -445,11 +446,9 @@ class SeedConfig:
             check_range("seeds.seed", self.seed, 0)  # a negative seed would draw validation levels
         val_end = self.val_start + self.val_size
         if self.train_start < val_end:
-            raise ConfigError(
-                f"seeds.train_start={self.train_start} would overlap the validation seeds "
-                f"[{self.val_start}, {val_end}) (training seeds run upwards without end); "
-                f"put seeds.train_start at or above {val_end}"
-            )
+            raise ConfigError(f"seeds.train_start={self.train_start} would overlap the validation seeds "
+                              f"[{self.val_start}, {val_end}) (training seeds run upwards without end); put "
+                              f"seeds.train_start at or above {val_end}")
 
 
 @dataclass
@@ -533,9 +532,8 @@ class EvalConfig:
         for key in ("episodes", "samples_per_seed", "batch_size", "concurrency"):
             check_range(key, getattr(self, key), 1)
         if self.episodes > self.seeds.val_size:
-            raise ConfigError(
-                f"episodes={self.episodes} exceeds the {self.seeds.val_size} validation seeds (seeds.val_size)"
-            )
+            raise ConfigError(f"episodes={self.episodes} exceeds the {self.seeds.val_size} validation seeds "
+                              "(seeds.val_size)")
         seen: set[str] = set()
         for index, variant in enumerate(self.variants):
             if not VARIANT_NAME.fullmatch(variant.name):
@@ -557,6 +555,15 @@ def yaml_problem(error: yaml.YAMLError, where: bool = True) -> str:
         return " ".join(str(error).split())
     mark = error.problem_mark
     return f"{error.problem} at line {mark.line + 1}, column {mark.column + 1}" if where and mark else error.problem
+
+
+def _container_mismatch(default: Any, given: Any, key: str = "") -> str | None:
+    """The fix where ``given`` has a list for a mapping of ``default`` or the reverse (merge's TypeError names none)."""
+    if isinstance(default, dict) and isinstance(given, dict):
+        found = (_container_mismatch(default.get(name), given[name], f"{key}.{name}".lstrip(".")) for name in given)
+        return next(filter(None, found), None)
+    wanted: dict[type, str] = {dict: f"a mapping, e.g. {key}={{KEY: VALUE}}", list: f"a list, e.g. {key}=[a, b]"}
+    return f"config key {key!r} takes {wanted[type(default)]}" if {type(default), type(given)} == {dict, list} else None
 
 
 def _format_omegaconf_error(error: OmegaConfBaseException) -> str:
@@ -740,9 +747,8 @@ def load_config(
             raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}): is it the YAML "
                               "file meant?") from error
         if not isinstance(layer, DictConfig):
-            raise ConfigError(
-                f"config file {str(path)!r} must hold a mapping of keys (key: value), not a list or a scalar"
-            )
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys (key: value), not a list or a "
+                              "scalar")
         for section in skip_sections:
             layer.pop(section, None)
         _as_written(layer, yaml.load(path.read_text(), Loader=yaml.BaseLoader), text_keys(cls))
@@ -764,11 +770,13 @@ def load_config(
     try:
         merged = OmegaConf.merge(base, *layers)
         config = OmegaConf.to_object(merged)
-    except TypeError as error:  # OmegaConf cannot merge a key=value whose dotted key goes into a list
+    except TypeError as error:  # a list met a mapping: a key=value whose dotted key goes into a list, or a value
         indexed = [item for item in overrides or [] if re.search(r"\.\d+(\.|=)", item.split("=", 1)[0] + "=")]
+        found = (_container_mismatch(OmegaConf.to_container(base), OmegaConf.to_container(layer)) for layer in layers)
+        mismatch = None if indexed else next(filter(None, found), None)
         named = f"override {indexed[0]!r} sets" if indexed else "an override sets"
-        raise ConfigError(f"{named} an item of a list by its index, which overrides cannot do ({error}); set the "
-                          "whole list, e.g. variants=[{name: big, settings: {size: 8}}]") from error
+        raise ConfigError(mismatch or f"{named} an item of a list by its index, which overrides cannot do ({error}); "
+                          "set the whole list, e.g. variants=[{name: big, settings: {size: 8}}]") from error
     except OmegaConfBaseException as error:
         message = _format_omegaconf_error(error)
         plain = _plain_type_error(cls, str(getattr(error, "full_key", None) or ""), message, overrides or [])

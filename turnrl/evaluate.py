@@ -44,12 +44,22 @@ from rich.console import Console
 from rich.table import Table
 
 from turnrl.agent.formats import ResponseFormat, get_format
-from turnrl.config import VARIANT_SETS, AgentConfig, ConfigError, EnvConfig, EvalConfig, given_keys, to_yaml
+from turnrl.config import (
+    VARIANT_SETS,
+    AgentConfig,
+    ConfigError,
+    EnvConfig,
+    EvalConfig,
+    VariantConfig,
+    given_keys,
+    to_yaml,
+)
 from turnrl.envs.contract import AgentEnv, optional_methods
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import EnvFactory, env_factory
 from turnrl.policy.factory import make_policy
 from turnrl.policy.interface import Policy
+from turnrl.registry import close_names
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import pass_at_k_by_seed, rollout_metrics
@@ -526,7 +536,30 @@ def variants_override(value: str) -> str:
     if not isinstance(data, list) or not data:
         raise ConfigError(f"--variants {value} must hold a list of variants ({{name, env, settings}} each), "
                           "or a variants: key holding one")
+    for number, variant in enumerate(data, start=1):
+        problem = variant_problem(variant)
+        if problem is not None:
+            raise ConfigError(f"--variants {value}: variant {number} ({variant!r}) {problem}")
     return "variants=" + json.dumps(data)
+
+
+def variant_problem(variant: Any) -> str | None:
+    """What is wrong with one item of a ``--variants`` file, said the way to fix it; None when it is a mapping of
+    :class:`~turnrl.config.VariantConfig`'s keys with mapping settings (the config then checks the values).
+    Loaded as they are, such items fail with OmegaConf's words, one of them on another key than the one at fault."""
+    keys = [f.name for f in fields(VariantConfig)]
+    if not isinstance(variant, dict):
+        return "is not a mapping; write each variant as {name: NAME, env: ENV, settings: {KEY: VALUE}}"
+    for key in variant:
+        if key not in keys:
+            near = close_names(str(key), keys)
+            hint = f"did you mean {' or '.join(near)}? " if near else ""
+            return f"has no key {key!r}; {hint}a variant's keys are {', '.join(keys)}"
+    if "name" not in variant:
+        return "has no name; give it name: NAME (its row of the table and its folder under variants/)"
+    if not isinstance(variant.get("settings", {}), dict):
+        return "has settings that are not a mapping; write them as settings: {KEY: VALUE}, e.g. {size: 8}"
+    return None
 
 
 def yaml_mapping(path: str | None) -> dict[str, Any]:

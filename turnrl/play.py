@@ -268,11 +268,20 @@ class FrameWriter:
         return path
 
 
+def file_in_the_way(folder: Path) -> Path | None:
+    """The file that ``folder``, or a folder above it, would have to be for ``folder`` to be made; None if none."""
+    existing = next((path for path in (folder, *folder.parents) if path.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
+
+
 def play(env: Any, env_name: str, seed: int, out: str | None, console: Console) -> int:
     """Play ``env`` from ``seed`` until the episode ends, input ends or the player quits; returns 0.
 
     Keys are read as they are pressed when stdin is a terminal, else line by line.
     """
+    blocker = file_in_the_way(Path(out)) if out is not None else None
+    if blocker is not None:  # found now, not at the first frame as a traceback
+        raise SystemExit(f"error: --out {out}: {blocker} is a file; give a folder for the frames (made if missing)")
     fd = terminal_fd()
     actions = KeyInput(fd) if fd is not None else nullcontext(LineInput(console))
     try:

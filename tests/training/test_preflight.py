@@ -122,3 +122,35 @@ def test_demo_seeds_are_checked_only_where_demos_are_played(tmp_path, tiny_model
     preflight(config(tiny_model_dir, tmp_path / "runs", "sft.enabled=true", "sft.seed_start=0", f"sft.data={chats}"))
     with pytest.raises(ConfigError, match="put sft.seed_start at or above 10000"):
         preflight(config(tiny_model_dir, tmp_path / "runs", "sft.seed_start=0"), stage="sft")
+
+
+CHAT = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+
+
+@pytest.mark.parametrize(("lines", "needle"), [
+    (['{"messages": [{"role": "user", "content": "hi"}]}'], "line 1 has the roles ['user']"),
+    ([CHAT, "", '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}'],
+     "line 3 has the roles ['user', 'user']"),
+    (['{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "yo"}]}'],
+     "line 1 has the roles ['system', 'assistant']"),
+])
+def test_sft_chats_that_sft_cannot_learn_from_stop_before_the_model_loads(lines, needle, tmp_path, tiny_model_dir):
+    # SFT refused them once the model had loaded, with a ValueError traceback.
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError) as info:
+        preflight(config(tiny_model_dir, tmp_path / "runs", f"sft.data={chats}"), stage="sft")
+    assert needle in str(info.value) and "then user and assistant messages in turn" in str(info.value)
+    chats.write_text(f"{CHAT}\n\n" + '{"messages": [{"role": "system", "content": "s"}, ' + CHAT[14:] + "\n")
+    preflight(config(tiny_model_dir, tmp_path / "runs", f"sft.data={chats}"), stage="sft")
+
+
+def test_sft_data_that_is_no_file_of_text_says_what_to_give(tmp_path, tiny_model_dir):
+    # These quoted Python's own words ("[Errno 21] Is a directory", "'utf-8' codec can't decode byte 0xff").
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00")
+    for data, needle in ((tmp_path / "none.jsonl", "does not exist"), (tmp_path, "is a folder"),
+                         (tmp_path / "binary.jsonl", "is not UTF-8 text (byte 0)")):
+        with pytest.raises(ConfigError) as info:
+            preflight(config(tiny_model_dir, tmp_path / "runs", f"sft.data={data}"), stage="sft")
+        assert str(info.value) == f"sft.data={str(data)!r} {needle}; give a JSONL file of chats, one " \
+                                  '{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} a line'

@@ -46,14 +46,44 @@ class ServerLimits:
             raise ValueError(f"step_timeout_s must be > 0 (inf for no deadline), got {self.step_timeout_s}")
 
 
+def port(text: str) -> int:
+    """``--port``: 0 to 65535 (0: one the system picks); out of that range the server's bind fails with a
+    traceback once it starts."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0 to 65535)")
+    return value
+
+
+def env_id(text: str) -> str:
+    """An id of ``--envs``, checked at start where it can be without building the env: a built-in name, a
+    registered Gymnasium id or ``gym:<id>`` (a ``module:Class`` is imported only when a client opens one). The
+    server would serve a misspelled id and refuse every session of it."""
+    import gymnasium as gym
+
+    from turnrl.envs.catalog import builtin_name, unknown_env_message
+    from turnrl.envs.gym_adapter import GYM_PREFIX
+
+    if text.startswith(GYM_PREFIX):
+        known = text.removeprefix(GYM_PREFIX) in gym.registry
+    else:
+        known = builtin_name(text) is not None or ":" in text or text in gym.registry
+    if not known:
+        raise argparse.ArgumentTypeError(unknown_env_message(text).replace("env.id takes", "--envs takes"))
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``turnrl serve-env``."""
     defaults = ServerLimits()
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8100, help="port to listen on (default: 8100)")
+    parser.add_argument("--port", type=port, default=8100, help="port to listen on (default: 8100)")
     parser.add_argument("--token", default=None,
                         help=f"bearer token clients must send (default: ${TOKEN_ENV_VAR} if set, else no auth)")
-    parser.add_argument("--envs", nargs="+", default=None, metavar="ENV_ID",
+    parser.add_argument("--envs", nargs="+", type=env_id, default=None, metavar="ENV_ID",
                         help="env ids clients may open (default: every built-in env)")
     parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
                         help=f"open sessions in total at most (default: {defaults.max_sessions})")

@@ -7,6 +7,7 @@ there or a directory that holds another run stops at once with a one-line error 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -75,6 +76,38 @@ def _check_demo_seeds(config: TrainConfig) -> None:
                           f"would score levels the model was fine-tuned on; put sft.seed_start at or above {val_end}")
 
 
+CHATS_FORMAT = 'a JSONL file of chats, one {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} a line'
+
+
+def _check_chats(path: str) -> None:
+    """``sft.data`` reads whole (each line and image) and each chat is one SFT can learn from: an optional system
+    message, then user and assistant messages in turn from a user's, with at least one reply. SFT itself finds a
+    chat of other roles only once the model has loaded, where it ends the run with a traceback.
+
+    Raises:
+        ConfigError: naming the file, and the line of a chat at fault.
+    """
+    where = f"sft.data={path!r}"
+    try:
+        chats = read_chat_jsonl(path)
+    except FileNotFoundError as error:
+        raise ConfigError(f"{where} does not exist; give {CHATS_FORMAT}") from error
+    except IsADirectoryError as error:
+        raise ConfigError(f"{where} is a folder; give {CHATS_FORMAT}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {error.start}); give {CHATS_FORMAT}") from error
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{where}: {error}") from error
+    lines = [number for number, line in enumerate(Path(path).read_text().splitlines(), start=1) if line.strip()]
+    for line, chat in zip(lines, chats):
+        roles = [message["role"] for message in chat]
+        turns = roles[1:] if roles[:1] == ["system"] else roles
+        expected = ["user", "assistant"] * (len(turns) // 2 + 1)
+        if len(turns) < 2 or turns != expected[: len(turns)]:
+            raise ConfigError(f"{where}: line {line} has the roles {roles}; a chat takes an optional system message, "
+                              "then user and assistant messages in turn, from a user's, with at least one reply")
+
+
 def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     """Check what a run needs before anything is written or a model loads: one-line errors, no traceback.
 
@@ -103,10 +136,7 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
         _check_demo_seeds(config)
     _check_envs(config, needs_solver=sft_runs and not config.sft.data)
     if sft_runs and config.sft.data:
-        try:
-            read_chat_jsonl(config.sft.data)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"sft.data={config.sft.data!r}: {error}") from error
+        _check_chats(config.sft.data)
     if config.run.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"run.wandb_project={config.run.wandb_project!r} needs wandb: pip install wandb "
                           "(or leave run.wandb_project unset)")
