@@ -90,17 +90,6 @@ def count_arg(text: str) -> int:
     return value
 
 
-def port_arg(text: str) -> int:
-    """A port to listen on from the command line: 0 to 65535 (0: one the system picks)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port number (0 to 65535)")
-    return value
-
-
 # --------------------------------------------------------------------------- envs
 def cmd_envs(args: argparse.Namespace) -> int:
     from turnrl.envs.catalog import env_class, env_names, gym_id
@@ -647,6 +636,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides (model.builtin_preset=7b, lora.enabled=true)")
     p.set_defaults(fn=cmd_memory)
 
+    # Both option modules are light: the server and the report load only when their command runs.
+    from turnrl.envservice.options import add_arguments as add_serve_env_arguments
+    from turnrl.envservice.options import port
+    from turnrl.viz.view_command import add_arguments as add_view_arguments
+
     p = sub.add_parser("serve-policy", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model at http://HOST:PORT/v1 (chat completions, models, health).")
     p.add_argument("--model", required=True,
@@ -654,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the --model text), "
                                                "e.g. my-model for `turnrl eval --policy openai:my-model`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=port_arg, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--max-batch-size", type=count_arg, default=32,
                    help="prompts generated together at most (default: 32)")
@@ -671,9 +665,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model settings as key=value (the model section: dtype=bfloat16, backend=hf, ...)")
     p.set_defaults(fn=cmd_serve_policy)
 
-    # Both option modules are light: the server and the report load only when their command runs.
-    from turnrl.envservice.options import add_arguments as add_serve_env_arguments
-    from turnrl.viz.view_command import add_arguments as add_view_arguments
 
     p = sub.add_parser("serve-env", help="serve envs over HTTP (sessions, batched reset/step, images as PNG)",
                        description="Serve turnrl envs over HTTP for remote rollouts (env.remote=[URL] in a "

@@ -47,8 +47,8 @@ class ServerLimits:
 
 
 def port(text: str) -> int:
-    """``--port``: 0 to 65535 (0: one the system picks); out of that range the server's bind fails with a
-    traceback once it starts."""
+    """``--port`` of the env and policy servers: 0 to 65535 (0: one the system picks); out of that range a server's
+    bind fails with a traceback once it starts."""
     try:
         value = int(text)
     except ValueError:
