@@ -665,7 +665,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model settings as key=value (the model section: dtype=bfloat16, backend=hf, ...)")
     p.set_defaults(fn=cmd_serve_policy)
 
-
     p = sub.add_parser("serve-env", help="serve envs over HTTP (sessions, batched reset/step, images as PNG)",
                        description="Serve turnrl envs over HTTP for remote rollouts (env.remote=[URL] in a "
                                    "recipe or turnrl eval); see docs/env_service.md.")
