@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from turnrl.config import ConfigError
 from turnrl.models.devices import indexed, resolve_device, resolve_dtype
 
 
@@ -10,8 +11,21 @@ def test_auto_takes_the_gpu_when_there_is_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("auto") == torch.device("cuda")
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_a_gpu_the_process_cannot_see_is_one_line_naming_the_setting(monkeypatch):
+    """torch takes ``cuda`` on a machine without a GPU and fails at the first tensor moved, with a traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"model.device='cuda', but this process sees no GPU .* use model.device=auto"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"model.device='cuda:2', but this process sees 2 GPU\(s\), cuda:0 to cuda:1"):
+        resolve_device("cuda:2")
+    assert resolve_device("cpu") == torch.device("cpu")
 
 
 def test_auto_dtype_is_bf16_on_a_gpu_and_float32_elsewhere():

@@ -10,12 +10,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from turnrl.config import ConfigError
+
 
 def resolve_device(name: str) -> torch.device:
-    """``auto``: the GPU when there is one, else the CPU; any other name as torch reads it (``cuda:1``)."""
+    """``auto``: the GPU when there is one, else the CPU; any other name as torch reads it (``cuda:1``).
+
+    Raises:
+        ConfigError: a GPU asked for that this process cannot see (torch fails later, at the first tensor moved,
+            with a traceback).
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={name!r}, but this process sees no GPU (a CPU build of torch, no driver, or "
+                          "CUDA_VISIBLE_DEVICES empty); use model.device=auto or cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"model.device={name!r}, but this process sees {torch.cuda.device_count()} GPU(s), "
+                          f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
 
 
 def indexed(device: torch.device) -> torch.device:
