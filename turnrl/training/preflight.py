@@ -7,7 +7,6 @@ there or a directory that holds another run stops at once with a one-line error 
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -80,16 +79,15 @@ CHATS_FORMAT = 'a JSONL file of chats, one {"messages": [{"role": "user", ...}, 
 
 
 def _check_chats(path: str) -> None:
-    """``sft.data`` reads whole (each line and image) and each chat is one SFT can learn from: an optional system
-    message, then user and assistant messages in turn from a user's, with at least one reply. SFT itself finds a
-    chat of other roles only once the model has loaded, where it ends the run with a traceback.
+    """``sft.data`` reads whole (each line and image), and each chat's roles are ones SFT can learn from
+    (:func:`~turnrl.training.sft.read_chat_jsonl` checks them).
 
     Raises:
         ConfigError: naming the file, and the line of a chat at fault.
     """
     where = f"sft.data={path!r}"
     try:
-        chats = read_chat_jsonl(path)
+        read_chat_jsonl(path)
     except FileNotFoundError as error:
         raise ConfigError(f"{where} does not exist; give {CHATS_FORMAT}") from error
     except IsADirectoryError as error:
@@ -98,14 +96,6 @@ def _check_chats(path: str) -> None:
         raise ConfigError(f"{where} is not UTF-8 text (byte {error.start}); give {CHATS_FORMAT}") from error
     except (OSError, ValueError) as error:
         raise ConfigError(f"{where}: {error}") from error
-    lines = [number for number, line in enumerate(Path(path).read_text().splitlines(), start=1) if line.strip()]
-    for line, chat in zip(lines, chats):
-        roles = [message["role"] for message in chat]
-        turns = roles[1:] if roles[:1] == ["system"] else roles
-        expected = ["user", "assistant"] * (len(turns) // 2 + 1)
-        if len(turns) < 2 or turns != expected[: len(turns)]:
-            raise ConfigError(f"{where}: line {line} has the roles {roles}; a chat takes an optional system message, "
-                              "then user and assistant messages in turn, from a user's, with at least one reply")
 
 
 def preflight(config: TrainConfig, *, stage: str = "train") -> None:

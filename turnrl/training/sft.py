@@ -129,6 +129,19 @@ def conversation_picture_samples(
     return _samples_and_pictures(messages, tokenizer, window, encoder, max_images, response_prefix, pixels=False)
 
 
+def chat_roles_problem(messages: list[Message]) -> str | None:
+    """Why SFT cannot learn from a chat's roles, or None: it takes an optional system message, then user and
+    assistant messages in turn, from a user's, with at least one reply (a last user message is dropped)."""
+    rest = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    if len(rest) < 2 or rest[0]["role"] != "user":
+        return "a chat must start with a user message (after an optional system message) and have a reply"
+    for index, message in enumerate(rest[1:], start=1):
+        expected = "assistant" if index % 2 == 1 else "user"
+        if message["role"] != expected:
+            return f"message {index + len(messages) - len(rest)} has role {message['role']!r}, expected {expected!r}"
+    return None
+
+
 def with_pixels(sample: Sample, pictures: list[np.ndarray], encoder: ImageEncoder) -> Sample:
     """``sample`` with the model inputs of its prompt's ``pictures``, made now."""
     return replace(sample, model_inputs=encoder.message_inputs(pictures).model_inputs)
@@ -148,10 +161,11 @@ def _samples_and_pictures(
     are counted from the pictures' sizes)."""
     if tokenizer.eos_token_id is None:
         raise ValueError("SFT needs a tokenizer with an eos token to end assistant turns")
+    problem = chat_roles_problem(messages)
+    if problem is not None:
+        raise ValueError(problem)
     system = messages[0] if messages and messages[0]["role"] == "system" else None
     rest = messages[1:] if system is not None else messages
-    if len(rest) < 2 or rest[0]["role"] != "user":
-        raise ValueError("a chat must start with a user message (after an optional system message) and have a reply")
     turn_pictures: list[list[np.ndarray]] = []  # each turn's observation's pictures
 
     def images_of(message: Message) -> MessageImages:
@@ -170,11 +184,7 @@ def _samples_and_pictures(
                            response_prefix=response_prefix)
     tokens.start(system, rest[0], *images_of(rest[0]))
     for index, message in enumerate(rest[1:], start=1):
-        expected = "assistant" if index % 2 == 1 else "user"
-        if message["role"] != expected:
-            number = index + (system is not None)
-            raise ValueError(f"message {number} has role {message['role']!r}, expected {expected!r}")
-        if expected == "assistant":
+        if message["role"] == "assistant":  # the roles alternate (chat_roles_problem)
             content = message["content"]
             start = tokens.deltas.template_opening + response_prefix
             target = continuation_after(content, start) if isinstance(content, str) else None
@@ -288,7 +298,7 @@ def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
     Image parts (``{"type": "image", "image": ...}`` or OpenAI's ``image_url``) may hold a data URL or a
     file path, relative to the JSONL's folder; each is read here, so a bad image is named by its line.
     """
-    chats = []
+    chats, numbers = [], []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -303,8 +313,16 @@ def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
         if not well_formed:
             raise ValueError(f"{path}:{number}: 'messages' must be a list of objects with 'role' and 'content'")
         chats.append([_with_images_read(message, Path(path).parent, f"{path}:{number}") for message in messages])
+        numbers.append(number)
     if not chats:
         raise ValueError(f"{path} holds no chats")
+    # Once the whole file reads, and here, where each chat's line is known: SFT finds them once the model has loaded.
+    for number, messages in zip(numbers, chats):
+        problem = chat_roles_problem(messages)
+        if problem is not None:
+            raise ValueError(f"{path}: line {number} has the roles {[m['role'] for m in messages]}; a chat takes an "
+                             "optional system message, then user and assistant messages in turn, from a user's, "
+                             f"with at least one reply ({problem})")
     return chats
 
 
