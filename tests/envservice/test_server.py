@@ -411,6 +411,48 @@ def test_the_command_line_refuses_bad_limits_before_serving(capsys):
     assert (args.host, args.port, args.envs, args.token) == ("127.0.0.1", 8100, None, None)
 
 
+def test_a_busy_port_or_a_bad_host_is_one_line_before_serving(monkeypatch, capsys):
+    import socket
+
+    import uvicorn
+
+    def never(*args, **kwargs):
+        raise AssertionError("uvicorn started although the port cannot be had")
+
+    monkeypatch.setattr(uvicorn.Server, "run", never)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(parser.parse_args(["--port", str(port)])) == 2
+    out, err = capsys.readouterr()
+    assert err == f"error: port {port} on 127.0.0.1 is in use (another server, or a serve-env still running); " \
+                  "pick a free one with --port N, or stop what listens there\n"
+    assert "serving" not in out
+    assert main(parser.parse_args(["--host", "no.such.host.", "--port", "0"])) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: --host 'no.such.host.' is not an address to listen on") and err.count("\n") == 1
+    assert "serving" not in out
+
+
+def test_the_server_listens_on_the_port_it_bound(monkeypatch, capsys):
+    import uvicorn
+
+    served: list[tuple[int, int]] = []
+
+    def run(server, sockets=None):  # the socket uvicorn is handed, in place of serving on it
+        served.append((sockets[0].getsockname()[1], sockets[0].fileno()))
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert main(parser.parse_args(["--port", "0", "--envs", "Sokoban"])) == 0
+    ((port, fileno),) = served
+    assert port > 0 and fileno >= 0
+    assert f"serving envs Sokoban at http://127.0.0.1:{port} " in capsys.readouterr().out  # the port taken, not 0
+
 def test_the_client_names_a_refused_env_or_setting_as_a_value_error(server):
     with pytest.raises(EnvSpecError, match="not served here"):
         remote_env_factory("Chess", {}, [server], **FAST)

@@ -1,14 +1,54 @@
-"""What turnrl's two HTTP servers (the env server and the policy server) share in front of their routes: a bound on
-request bodies (:class:`BodyLimit`), the check of a token before it is served (:func:`check_token`), and which
-hosts are this machine's alone (:func:`is_loopback`)."""
+"""What turnrl's two HTTP servers (the env server and the policy server) share in front of their routes: their
+port, taken before anything is served (:func:`bind_port`), a bound on request bodies (:class:`BodyLimit`), the
+check of a token before it is served (:func:`check_token`), and which hosts are this machine's alone
+(:func:`is_loopback`)."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from starlette.responses import Response
+
+from turnrl.config import ConfigError
+
+
+def bind_port(host: str, port: int, command: str) -> socket.socket:
+    """A socket bound to ``host:port`` for the server that ``command`` (``serve-env``, ``serve-policy``) starts,
+    not yet listening: uvicorn listens on it once the server is ready (the policy server's model loaded).
+
+    Taken before the server says it is serving (and before a model loads), so that a busy port or a bad host is
+    one line at once rather than uvicorn's log after the "serving" line, and no other process can take the port
+    meanwhile.
+
+    Raises:
+        ConfigError: the port is in use or not allowed, or ``host`` is no address of this machine.
+    """
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise ConfigError(f"--host {host!r} is not an address to listen on ({error}); give an address of this "
+                          "machine, e.g. 127.0.0.1 or 0.0.0.0") from error
+    sock = socket.socket(family, kind)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait for TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is in use (another server, or a {command} still running); "
+                              "pick a free one with --port N, or stop what listens there") from error
+        if error.errno == errno.EACCES:
+            raise ConfigError(f"port {port} needs administrator rights here; pick one from 1024 with --port N") \
+                from error
+        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror}; pick another --host or --port") \
+            from error
+    sock.set_inheritable(True)
+    return sock
 
 
 class BodyLimit:

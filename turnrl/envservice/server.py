@@ -82,7 +82,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnrl.envs import AgentEnv
 from turnrl.envs.catalog import builtin_name, env_names
-from turnrl.envservice.http_guards import BodyLimit, check_token, is_loopback
+from turnrl.envservice.http_guards import BodyLimit, bind_port, check_token, is_loopback
 from turnrl.envservice.options import ServerLimits, add_arguments
 from turnrl.envservice.protocol import CLIENT_HEADER, QUERIES, TOKEN_ENV_VAR, APIError, error_item
 from turnrl.envservice.request_bodies import (
@@ -771,6 +771,7 @@ def main(args: argparse.Namespace) -> int:
                               idle_timeout_s=args.idle_timeout, workers=args.workers,
                               step_timeout_s=args.step_timeout)
         app = build_app(args.envs, token=token, limits=limits)
+        sock = bind_port(args.host, args.port, "serve-env")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -778,11 +779,14 @@ def main(args: argparse.Namespace) -> int:
     if warning is not None:
         logger.warning(warning)
         print(f"warning: {warning}", file=sys.stderr)
-    print(f"serving envs {', '.join(app.state.server.allowed)} at http://{args.host}:{args.port} "
+    print(f"serving envs {', '.join(app.state.server.allowed)} at http://{args.host}:{sock.getsockname()[1]} "
           f"(token {'required' if token else 'off'}, {limits.workers} env threads, "
           f"{limits.step_timeout_s:g} s per env call)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                      access_log=args.access_log, timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 

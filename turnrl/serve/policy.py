@@ -68,10 +68,8 @@ Behaviour worth knowing:
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import secrets
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -88,7 +86,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnrl.chat.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 from turnrl.config import ConfigError, EvalConfig, ModelConfig, SamplingConfig
-from turnrl.envservice.http_guards import BodyLimit, check_token, is_loopback
+from turnrl.envservice.http_guards import BodyLimit, bind_port, check_token, is_loopback
 from turnrl.models.vision import ImageTooLarge, load_image
 from turnrl.policy.factory import load_model_policy
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
@@ -656,39 +654,6 @@ def load_policy(model_path: str, device: str = "auto", max_batch_size: int = 32,
     return load_model_policy(config, path, max_batch_size=max_batch_size), served_model_name or model_path
 
 
-def bind_port(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port``, not yet listening (the server listens once the model is loaded).
-
-    Taken before the model loads, so that a busy port fails at once rather than after the load, and no
-    other process can take the port meanwhile.
-
-    Raises:
-        ConfigError: the port is in use or not allowed, or ``host`` is no address of this machine.
-    """
-    try:
-        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    except (socket.gaierror, UnicodeError) as error:
-        raise ConfigError(f"--host {host!r} is not an address to listen on ({error}); give an address of this "
-                          "machine, e.g. 127.0.0.1 or 0.0.0.0") from error
-    sock = socket.socket(family, kind)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait for TIME_WAIT
-    try:
-        sock.bind(address)
-    except OSError as error:
-        sock.close()
-        if error.errno == errno.EADDRINUSE:
-            raise ConfigError(f"port {port} on {host} is in use (another server, or a serve-policy still running); "
-                              "pick a free one with --port N, or stop what listens there") from error
-        if error.errno == errno.EACCES:
-            raise ConfigError(f"port {port} needs administrator rights here; pick one from 1024 with --port N") \
-                from error
-        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror}; pick another --host or --port") \
-            from error
-    sock.set_inheritable(True)
-    return sock
-
-
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           max_batch_size: int = 32, served_model_name: str | None = None,
           model_config: ModelConfig | None = None, token: str | None = None,
@@ -713,7 +678,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: st
     # Pillow's own bomb check (a warning past the limit, an error past twice it) agrees with the server's, for
     # images opened anywhere in this process.
     Image.MAX_IMAGE_PIXELS = max_image_pixels
-    sock = bind_port(host, port)
+    sock = bind_port(host, port, "serve-policy")
     try:
         policy, name = load_policy(model_path, device=device, max_batch_size=max_batch_size,
                                    served_model_name=served_model_name, model_config=model_config)
@@ -722,7 +687,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: st
         if token is None and not is_loopback(host):
             print(f"warning: serving on {host} without an API key: anyone who can reach this port can use this "
                   f"model and this machine's accelerator; pass --token or set {TOKEN_ENV_VAR}", flush=True)
-        print(f"serving model {name!r} ({backend}) on {placed} at http://{host}:{port}/v1 "
+        print(f"serving model {name!r} ({backend}) on {placed} at http://{host}:{sock.getsockname()[1]}/v1 "
               f"(max batch {max_batch_size}, API key {'required' if token else 'off'})", flush=True)
         app = create_app(policy, name, max_batch_size=max_batch_size, token=token, prepare_threads=prepare_threads,
                          max_image_pixels=max_image_pixels, max_request_mb=max_request_mb)
