@@ -51,6 +51,17 @@ class Misbehaves(Corridor):
             return obs, float("inf"), terminated, truncated, info
         if self.fault == "both flags":
             return obs, reward, True, True, info
+        if self.fault == "str flags":
+            return obs, reward, "False", "False", info
+        if self.fault == "str reward":
+            return obs, "1", terminated, truncated, info
+        if self.fault == "str success":
+            return obs, reward, terminated, truncated, {**info, "success": "False"}
+        if self.fault == "info not dict":
+            return obs, reward, terminated, truncated, None
+        if self.fault == "numpy answers":  # Gymnasium's envs answer so: read, not refused
+            return obs, np.float32(reward), np.bool_(terminated), np.bool_(truncated), \
+                {**info, "success": np.bool_(False)}
         if self.fault == "unserializable info":
             return obs, reward, terminated, truncated, {**info, "handle": object(), "array": np.zeros(3),
                                                          "metrics": {"steps": np.float32(self.steps)}}
@@ -132,6 +143,28 @@ def test_an_env_step_that_fails_in_turn_k_errs_only_its_episode(tiny_tokenizer, 
     bad = trajectories[BAD]
     assert [turn.actions for turn in bad.turns[:-1]] == [["Left"]] * (turn - 1)
     assert bad.turns[-1].actions == [] and np.isfinite(bad.total_reward)
+
+
+@pytest.mark.parametrize("fault, says", [
+    ("str flags", "TypeError: terminated must be a bool, got a str: 'False'; truncated must be a bool, got a str: "
+                  "'False'"),
+    ("str reward", "TypeError: the reward must be a number, got a str: '1'"),
+    ("str success", "TypeError: info['success'] must be a bool, got a str: 'False'"),
+    ("info not dict", "TypeError: step()'s info must be a dict, got a NoneType"),
+])
+def test_a_step_answer_of_the_wrong_types_errs_only_its_episode(tiny_tokenizer, tmp_path, fault, says):
+    """Read with ``bool()``, the str "False" ended the episode as the task done; read with ``float()``, the str "1"
+    was a reward: what ``check_env`` refuses, the rollout refuses too, in the turn it happens."""
+    trajectories = play_tokens(tiny_tokenizer, batch(fault, 2))
+    check_only_the_bad_episode_errs(trajectories, tmp_path, says, 2)
+    assert trajectories[BAD].error.startswith("env step failed in turn 2: TypeError: ")
+
+
+def test_numpy_flags_and_rewards_are_read_as_plain_ones(tiny_tokenizer, tmp_path):
+    trajectories = play_tokens(tiny_tokenizer, batch("numpy answers", 2))
+    assert [t.status for t in trajectories] == [TRUNCATED] * 3 and trajectories[BAD].error is None
+    assert trajectories[BAD].total_reward == trajectories[0].total_reward
+    written(trajectories, tmp_path)
 
 
 @pytest.mark.parametrize("fault", ["nan reward", "inf reward"])

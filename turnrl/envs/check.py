@@ -53,15 +53,16 @@ from turnrl.envs.contract import (
     StateFacts,
     env_metrics,
     invalid_reason,
+    is_flag,
+    is_number,
     missing_methods,
     missing_reset_keywords,
+    step_answer_problems,
 )
 
 OBS_KEYS = ("text", "image")
 GARBAGE_ACTIONS = ("", "   ", "not an action", "<answer>?</answer>", "\x00\u2603\u00fc", "x" * 10_000)
 """Actions that no env names: an env with action names must reject each one, and no env may raise."""
-INFO_FLAGS = ("action_is_valid", "action_is_effective", "success")
-"""The ``info`` keys the rollout reads as truths (``bool(info["success"])``: the str ``"False"`` would be True)."""
 FIX_CHANCE = "draw all randomness from self.np_random, which reset(seed=...) seeds"
 """What to do about an env whose episodes differ for one seed and one action sequence."""
 ONE_STEP_TRUNCATION = "truncates after 1 step"
@@ -229,15 +230,11 @@ def _step(env: AgentEnv, action: str, report: _Report) -> tuple[dict[str, Any], 
     _check_observation(obs, call, report)
     if not _finite_number(reward):
         report.add("the reward must be a finite number", f"{call} -> {_clip(repr(reward), 40)}")
-    for flag, value in (("terminated", terminated), ("truncated", truncated)):
-        if not isinstance(value, (bool, np.bool_)):
-            report.add(f"{flag} must be a bool, got a {type(value).__name__}", call)
     if not isinstance(info, dict):
         report.add(f"step()'s info must be a dict, got a {type(info).__name__}", call)
     obs, info = (obs if isinstance(obs, dict) else {}), (info if isinstance(info, dict) else {})
-    for key in INFO_FLAGS:
-        if key in info and not isinstance(info[key], (bool, np.bool_)):
-            report.add(f"info[{key!r}] must be a bool, got a {type(info[key]).__name__}", call)
+    for problem in step_answer_problems(0.0, terminated, truncated, info):  # the reward's is asked above
+        report.add(problem, call)
     try:  # the rollout reads it for every rejected action: one it cannot read fails the episode
         invalid_reason(info)
     except ValueError:
@@ -252,7 +249,7 @@ def _step(env: AgentEnv, action: str, report: _Report) -> tuple[dict[str, Any], 
 
 def _finite_number(value: Any) -> bool:
     """A real number (not a bool) that is finite; an int too large for a float is not."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not is_number(value):
         return False
     try:
         return math.isfinite(value)
@@ -269,7 +266,7 @@ def _same(a: Any, b: Any) -> bool:
 def _flag(info: dict[str, Any], key: str) -> bool | None:
     """``info[key]`` as a bool where it is one (numpy's too), else None (absent, or a wrong type reported)."""
     value = info.get(key)
-    return bool(value) if isinstance(value, (bool, np.bool_)) else None
+    return bool(value) if is_flag(value) else None
 
 
 def _same_facts(a: Any, b: Any) -> bool:

@@ -196,6 +196,38 @@ def invalid_reason(info: Mapping[str, Any]) -> str | None:
     return " ".join(reason.split()) or None
 
 
+INFO_FLAGS = ("action_is_valid", "action_is_effective", "success")
+"""The ``info`` keys the rollout reads as truths: each must be a bool where given."""
+
+
+def is_flag(value: Any) -> bool:
+    """A bool as an env gives one: Python's or NumPy's (Gymnasium's envs give ``np.bool_``)."""
+    return isinstance(value, (bool, np.bool_))
+
+
+def is_number(value: Any) -> bool:
+    """A real number as an env gives one (Python's or NumPy's int or float), not a bool."""
+    return not is_flag(value) and isinstance(value, (int, float, np.integer, np.floating))
+
+
+def step_answer_problems(reward: Any, terminated: Any, truncated: Any, info: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the types of a step's reward, end flags and ``info`` flags (:data:`INFO_FLAGS`), one
+    line each; empty when nothing is. The rollout reads each flag with ``bool()`` and the reward with
+    ``float()``, where the str ``"False"`` is true and the str ``"1"`` a reward, so it refuses them here.
+    Whether a number is finite is not asked: a NaN reward is the rewards' to score (``on_error``)."""
+    problems = [] if is_number(reward) else [f"the reward must be a number, got {_shown(reward)}"]
+    problems += [f"{name} must be a bool, got {_shown(value)}"
+                 for name, value in (("terminated", terminated), ("truncated", truncated)) if not is_flag(value)]
+    problems += [f"info[{key!r}] must be a bool, got {_shown(info[key])}"
+                 for key in INFO_FLAGS if key in info and not is_flag(info[key])]
+    return problems
+
+
+def _shown(value: Any) -> str:
+    """A value's type and its start, for a message: ``a str: 'False'``."""
+    return f"a {type(value).__name__}: {value!r:.40}"
+
+
 Method = TypeVar("Method", bound=Callable[..., Any])
 _QUERY_NAMES: list[str] = []
 

@@ -785,6 +785,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                       access_log=args.access_log, timeout_graceful_shutdown=5)).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down: a clean stop (as uvicorn.run)
+        pass
     finally:
         sock.close()
     return 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +31,15 @@ import numpy as np
 from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, neutralized, observation_text, system_prompt
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
-from turnrl.envs.contract import MAX_TEXT_LENGTH, AgentEnv, StateFacts, env_metrics, invalid_reason, state_key
+from turnrl.envs.contract import (
+    MAX_TEXT_LENGTH,
+    AgentEnv,
+    StateFacts,
+    env_metrics,
+    invalid_reason,
+    state_key,
+    step_answer_problems,
+)
 from turnrl.models.vision import MessageImages, check_image
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
@@ -598,6 +606,11 @@ class Rollout:
         for action in parsed.actions[: min(self.agent.max_actions_per_turn, episode.actions_left)]:
             try:  # the step and what it returned: a result the turn cannot read is the env's failure too
                 obs, reward, terminated, truncated, info = env.step(action)
+                if not isinstance(info, Mapping):
+                    raise TypeError(f"step()'s info must be a dict, got a {type(info).__name__}")
+                problems = step_answer_problems(reward, terminated, truncated, info)
+                if problems:  # read with bool() and float() below, the str "False" would end the episode
+                    raise TypeError("; ".join(problems))
                 figures = env_metrics(info)
                 valid = bool(info.get("action_is_valid", True))
                 reason = None if valid else invalid_reason(info)
