@@ -18,6 +18,7 @@ from turnrl.training.train_config import SFTConfig, TrainConfig
 from turnrl.training.model_passes import token_logprobs
 from turnrl.training.sft import (
     PARALLEL_CHATS,
+    ChatError,
     SoftTargets,
     action_tokens,
     chat_picture_samples,
@@ -199,6 +200,9 @@ def test_chats_tokenized_in_several_processes_are_the_samples_of_one(tiny_tokeni
                         SimpleNamespace(get_context=lambda method: asked.append(method) or forkserver))
     assert chat_samples(chats, tiny_tokenizer, window, workers=2) == one  # chunks in order
     assert asked == ["spawn"]
+    unanswered = [message for message in chats[7] if message["role"] != "assistant"]
+    with pytest.raises(ChatError, match=r"^chat 8: a chat must .* have a reply$"):  # numbered among all, not its chunk
+        chat_samples([*chats[:7], unanswered, *chats[8:]], tiny_tokenizer, window, workers=2)
 
 
 def test_a_vlms_chats_are_tokenized_in_the_training_process_whatever_the_workers(tiny_vlm_dir, monkeypatch):
@@ -536,6 +540,27 @@ def test_demo_prompts_end_with_the_response_prefix_and_the_targets_are_what_foll
 def test_an_assistant_message_without_the_response_prefix_is_refused(tiny_tokenizer):
     with pytest.raises(ValueError, match=r"message 2: the prompts end with '<think>'"):
         conversation_samples(CHAT, tiny_tokenizer, window=None, response_prefix="<think>")
+
+
+def test_sft_data_with_a_chat_it_cannot_learn_from_names_the_chat_before_the_model_loads(tiny_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """Found once the tokenizer reads the chats (the format's response prefix): it was a ValueError traceback."""
+    from turnrl.training import sft
+
+    prefixed = [{**m, "content": "<think>" + m["content"]} if m["role"] == "assistant" else m for m in CHAT]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": chat}) for chat in [prefixed] * 4 + [CHAT] + [prefixed])
+                    + "\n")
+    config = load_config(TrainConfig, None, [
+        f"model.path={tiny_model_dir}", "model.device=cpu", f"run.output_dir={tmp_path}", "run.name=sft",
+        "run.tensorboard=false", "agent.format=ragen"])
+    monkeypatch.setattr(sft, "load_model", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    with pytest.raises(ConfigError) as info:
+        sft_only(config, data=str(data))
+    assert str(info.value) == f"sft.data={str(data)!r}, chat 5: message 2: the prompts end with '<think>' (the " \
+                              "chat template's opening, then the format's response prefix), so an assistant " \
+                              "message must be a text that starts with it, got '<answer>Left</answer>'; fix that " \
+                              "chat or take it out of the file"
 
 
 def ragen_sft_samples(model_dir, tmp_path, monkeypatch) -> list:

@@ -11,12 +11,13 @@ the policy will later see. The loss covers assistant tokens only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -236,14 +237,31 @@ def _start_worker(tokenizer: Any, window: int | None, encoder: ImageEncoder | No
 
 
 def _samples_of(chats: Sequence[list[Message]], tokenizer: Any, window: int | None, encoder: ImageEncoder | None,
-                max_images: int | None, response_prefix: str) -> list[Sample]:
-    return [sample for chat in chats
-            for sample in conversation_samples(chat, tokenizer, window, encoder, max_images, response_prefix)]
+                max_images: int | None, response_prefix: str, first: int = 1) -> list[Sample]:
+    """The chats' samples; ``first``: the number of the first chat among all, for :class:`ChatError`."""
+    samples: list[Sample] = []
+    for number, chat in enumerate(chats, start=first):
+        with _numbered(number):
+            samples += conversation_samples(chat, tokenizer, window, encoder, max_images, response_prefix)
+    return samples
 
 
-def _worker_samples(chats: list[list[Message]]) -> list[Sample]:
+class ChatError(ValueError):
+    """A chat that SFT cannot make samples of; the message starts with its number among the chats (1-based, as
+    :func:`read_chat_jsonl` reads a file: blank lines skipped)."""
+
+
+@contextlib.contextmanager
+def _numbered(number: int) -> Iterator[None]:
+    try:
+        yield
+    except ValueError as error:
+        raise ChatError(f"chat {number}: {error}") from None
+
+
+def _worker_samples(chats: list[list[Message]], first: int) -> list[Sample]:
     assert _worker_settings is not None, "a tokenizing process runs only after its initializer"
-    return _samples_of(chats, *_worker_settings)
+    return _samples_of(chats, *_worker_settings, first=first)
 
 
 def chat_samples(
@@ -271,10 +289,12 @@ def chat_samples(
     if workers <= 1 or len(chats) < 2 * workers or encoder is not None:
         return _samples_of(chats, tokenizer, window, encoder, max_images, response_prefix)
     size = math.ceil(len(chats) / (4 * workers))  # a few chunks a process, so that none waits long for the last
-    chunks = [list(chats[start : start + size]) for start in range(0, len(chats), size)]
+    starts = range(0, len(chats), size)
+    chunks = [list(chats[start : start + size]) for start in starts]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
                              initargs=(tokenizer, window, encoder, max_images, response_prefix)) as pool:
-        return [sample for part in pool.map(_worker_samples, chunks) for sample in part]
+        return [sample for part in pool.map(_worker_samples, chunks, [start + 1 for start in starts])
+                for sample in part]
 
 
 def chat_picture_samples(
@@ -287,8 +307,10 @@ def chat_picture_samples(
 ) -> tuple[list[Sample], list[list[np.ndarray]]]:
     """Every VLM chat's :func:`conversation_picture_samples`, in the chats' order: the samples (no model
     inputs) and, for each, its prompt's pictures."""
-    pairs = [pair for chat in chats for pair in conversation_picture_samples(chat, tokenizer, window, encoder,
-                                                                              max_images, response_prefix)]
+    pairs: list[tuple[Sample, list[np.ndarray]]] = []
+    for number, chat in enumerate(chats, start=1):
+        with _numbered(number):
+            pairs += conversation_picture_samples(chat, tokenizer, window, encoder, max_images, response_prefix)
     return [sample for sample, _ in pairs], [pictures for _, pictures in pairs]
 
 
@@ -605,13 +627,19 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     console.print(f"SFT data: {len(chats)} chats after {time.time() - start:.0f} s; tokenizing them")
     tokenizing = time.time()
     pictures: list[list[np.ndarray]] | None = None
-    if encoder is None:
-        samples = chat_samples(chats, tokenizer, window, max_images=config.agent.max_images,
-                               workers=data_workers(config.sft.data_workers, len(chats)),
-                               response_prefix=fmt.response_prefix)
-    else:
-        samples, pictures = chat_picture_samples(chats, tokenizer, window, encoder, config.agent.max_images,
-                                                 fmt.response_prefix)
+    try:
+        if encoder is None:
+            samples = chat_samples(chats, tokenizer, window, max_images=config.agent.max_images,
+                                   workers=data_workers(config.sft.data_workers, len(chats)),
+                                   response_prefix=fmt.response_prefix)
+        else:
+            samples, pictures = chat_picture_samples(chats, tokenizer, window, encoder, config.agent.max_images,
+                                                     fmt.response_prefix)
+    except ChatError as error:
+        if not config.sft.data:  # the expert's own demos: a defect here, not the user's data
+            raise
+        raise ConfigError(f"sft.data={config.sft.data!r}, {error}; fix that chat or take it out of the file") \
+            from error
     targets = sum(sum(s.loss_mask) for s in samples)
     soft_targets: SoftTargets | None = None
     if actions is not None and config.sft.target_random_share is not None:
