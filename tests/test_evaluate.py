@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -271,8 +272,11 @@ def test_eval_of_an_env_that_fails_every_reset_reports_errors(tmp_path, capsys):
     assert summary["errors"] == 2 and summary["success_rate"] == 0.0 and summary["mean_env_reward"] == 0.0
     assert all(r["status"] == "error" and "reset failed" in r["error"] for r in records)
     # Why they errored is in the summary, not only in trajectories.jsonl.
-    assert summary["first_errors"] == ["env reset failed: RuntimeError: no level (2 episodes)"]
-    assert "env reset failed: RuntimeError: no level (2 episodes)" in capsys.readouterr().out
+    line = inspect.getsourcelines(ResetFails.reset)[1] + 1  # its raise
+    said = f"env reset failed in turn 1: RuntimeError: no level (raised in reset at test_evaluate.py:{line}) " \
+           "(2 episodes)"
+    assert summary["first_errors"] == [said]
+    assert said in " ".join(capsys.readouterr().out.split())  # the console wraps it
 
 
 def test_first_errors_count_errors_that_differ_only_in_numbers_as_one():

@@ -511,7 +511,7 @@ class Rollout:
                 self.fmt.instructions(names, self.agent.max_actions_per_turn) if self.agent.format_instructions else "",
             )
         except Exception as error:
-            episode.finish(ERROR, error=f"env reset failed: {type(error).__name__}: {error}")
+            episode.finish(ERROR, error=env_failure("reset", 1, error))
             return episode
         episode.messages = [{"role": "system", "content": trajectory.system_prompt}]
         text = observation_text(obs["text"], turn=1, actions_left=episode.actions_left, turn_info=self.agent.turn_info)
