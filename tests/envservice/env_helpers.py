@@ -7,6 +7,7 @@ from the repository root with it on ``PYTHONPATH`` (:class:`ServerProcess` does 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import subprocess
@@ -24,7 +25,8 @@ import numpy as np
 from tests.serve.running import free_port, running
 from turnrl.envs.contract import StateFacts, StepOutcome, TurnEnv
 from turnrl.envservice.options import ServerLimits
-from turnrl.envservice.server import build_app
+from turnrl.envservice.request_bodies import OpenBody, ResetBody, ResetItem, StepBody, StepItem
+from turnrl.envservice.server import EnvServer, build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = "tests.envservice.env_helpers:ProbeEnv"
@@ -282,3 +284,31 @@ class SpoilAnswers(LoseAnswers):
         with self._lock:
             self.lost += 1
         return httpx.Response(500, text="<html>500 Internal Server Error</html>", request=request)
+
+
+# --------------------------------------------------------------------------- requests the tests send
+FAST = {"retries": 1, "backoff_s": 0.01, "cooldown_s": 0.5, "timeout_s": 20.0}
+"""Client options for tests: a dead server is given up on within milliseconds."""
+
+
+def post(url: str, path: str, body, headers: dict | None = None) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(url + path, content=content, headers={"content-type": "application/json", **(headers or {})})
+
+
+def open_one(url: str, env_id: str = PROBE, settings: dict | None = None, headers: dict | None = None) -> str:
+    answer = post(url, "/v1/sessions", {"env_id": env_id, "settings": settings or {}}, headers)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["sessions"][0]
+
+
+def step_items(ids: list[str], actions: list[str], seq: int | None = 2) -> StepBody:
+    return StepBody(items=[StepItem(session=i, seq=seq, action=a, queries=["text", "state_facts"])
+                           for i, a in zip(ids, actions)])
+
+
+async def opened(server: EnvServer, env_id: str, ids: list[str], settings: dict | None = None) -> None:
+    """Open sessions ``ids`` of ``env_id`` and reset each (seed = its index)."""
+    await server.open_sessions(OpenBody(env_id=env_id, settings=settings or {}, ids=ids), "me")
+    answer = await server.reset(ResetBody(items=[ResetItem(session=i, seq=1, seed=k) for k, i in enumerate(ids)]))
+    assert all(item["ok"] for item in answer["items"])

@@ -1,20 +1,17 @@
-"""The env server with its client over real loopback HTTP: same trajectories as in process, bad input as
-4xx, envs that raise or hang, limits, lost answers, load, and a server killed mid-episode under a rollout."""
+"""The env server with its client over real loopback HTTP: the same trajectories as in process, bad input as
+4xx, limits and lost answers (envs that fail or hang, load and a killed server: test_server_faults.py; the
+command and env.remote in eval and train: test_server_command.py)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import copy
 import gc
 import json
-import signal
 import sys
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -23,28 +20,25 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.envs.toy_envs import CorridorWithExtras
 from tests.envservice.env_helpers import (
     ECHO,
-    EXITING,
-    GATE,
-    GATED,
-    IN_GATE,
+    FAST,
     PROBE,
     EchoEnv,
     LoseAnswers,
     ProbeEnv,
-    ServerProcess,
     SpoilAnswers,
-    close_gate,
     env_server,
+    open_one,
+    opened,
+    post,
+    step_items,
 )
 from tests.rollout.trajectory_checks import same_trajectory
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import check_env, make
-from turnrl.envs.contract import observation_key, optional_methods
-from turnrl.envs.seeds import SeedSplits
+from turnrl.envs.contract import observation_key
 from turnrl.envservice.client import (
     ClientOptions,
     EnvServerPool,
@@ -53,7 +47,7 @@ from turnrl.envservice.client import (
     remote_env_factory,
 )
 from turnrl.envservice.http_guards import is_loopback
-from turnrl.envservice.options import ServerLimits, add_arguments
+from turnrl.envservice.options import ServerLimits
 from turnrl.envservice.protocol import (
     CLIENT_HEADER,
     APIError,
@@ -69,39 +63,16 @@ from turnrl.envservice.protocol import (
 )
 from turnrl.envservice.request_bodies import (
     OpenBody,
-    QueryBody,
-    QueryItem,
     ResetBody,
     ResetItem,
     SessionsBody,
     StepBody,
     StepItem,
 )
-from turnrl.envservice.server import EnvServer, build_app, exposure_warning, main
+from turnrl.envservice.server import EnvServer, build_app, exposure_warning
 from turnrl.policy.scripted import ExpertPolicy
-from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.runner import EpisodeSlot, Rollout
-from turnrl.rollout.trajectory import DONE, ERROR
-
-FAST = {"retries": 1, "backoff_s": 0.01, "cooldown_s": 0.5, "timeout_s": 20.0}
-"""Client options for tests: a dead server is given up on within milliseconds."""
-
-
-@pytest.fixture(scope="module")
-def server():
-    with env_server() as url:
-        yield url
-
-
-def post(url: str, path: str, body, headers: dict | None = None) -> httpx.Response:
-    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(url + path, content=content, headers={"content-type": "application/json", **(headers or {})})
-
-
-def open_one(url: str, env_id: str = PROBE, settings: dict | None = None, headers: dict | None = None) -> str:
-    answer = post(url, "/v1/sessions", {"env_id": env_id, "settings": settings or {}}, headers)
-    assert answer.status_code == 200, answer.text
-    return answer.json()["sessions"][0]
+from turnrl.rollout.trajectory import DONE
 
 
 # --------------------------------------------------------------------------- the server without HTTP
@@ -400,59 +371,6 @@ def test_the_client_sends_the_token_from_its_options_or_the_environment(guarded,
     env.close()
 
 
-def test_the_command_line_refuses_bad_limits_before_serving(capsys):
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert main(parser.parse_args(["--workers", "0"])) == 2
-    assert "workers must be >= 1" in capsys.readouterr().err
-    assert main(parser.parse_args(["--step-timeout", "0"])) == 2
-    assert "step_timeout_s must be > 0 (inf for no deadline)" in capsys.readouterr().err
-    args = parser.parse_args([])
-    assert (args.host, args.port, args.envs, args.token) == ("127.0.0.1", 8100, None, None)
-
-
-def test_a_busy_port_or_a_bad_host_is_one_line_before_serving(monkeypatch, capsys):
-    import socket
-
-    import uvicorn
-
-    def never(*args, **kwargs):
-        raise AssertionError("uvicorn started although the port cannot be had")
-
-    monkeypatch.setattr(uvicorn.Server, "run", never)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        assert main(parser.parse_args(["--port", str(port)])) == 2
-    out, err = capsys.readouterr()
-    assert err == f"error: port {port} on 127.0.0.1 is in use (another server, or a serve-env still running); " \
-                  "pick a free one with --port N, or stop what listens there\n"
-    assert "serving" not in out
-    assert main(parser.parse_args(["--host", "no.such.host.", "--port", "0"])) == 2
-    out, err = capsys.readouterr()
-    assert err.startswith("error: --host 'no.such.host.' is not an address to listen on") and err.count("\n") == 1
-    assert "serving" not in out
-
-
-def test_the_server_listens_on_the_port_it_bound(monkeypatch, capsys):
-    import uvicorn
-
-    served: list[tuple[int, int]] = []
-
-    def run(server, sockets=None):  # the socket uvicorn is handed, in place of serving on it
-        served.append((sockets[0].getsockname()[1], sockets[0].fileno()))
-
-    monkeypatch.setattr(uvicorn.Server, "run", run)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert main(parser.parse_args(["--port", "0", "--envs", "Sokoban"])) == 0
-    ((port, fileno),) = served
-    assert port > 0 and fileno >= 0
-    assert f"serving envs Sokoban at http://127.0.0.1:{port} " in capsys.readouterr().out  # the port taken, not 0
-
 def test_the_client_names_a_refused_env_or_setting_as_a_value_error(server):
     with pytest.raises(EnvSpecError, match="not served here"):
         remote_env_factory("Chess", {}, [server], **FAST)
@@ -538,256 +456,6 @@ def test_a_count_of_sessions_over_the_batch_limit_is_refused_before_any_id_is_ma
     assert not made
 
 
-# --------------------------------------------------------------------------- envs that fail or hang
-def test_an_env_that_raises_ends_its_session_only(server):
-    pool = EnvServerPool([server], ClientOptions(**FAST))
-    batch = RemoteEnvBatch(pool, PROBE, {}, 3)
-    assert not any(isinstance(r, RemoteEnvError) for r in batch.reset([0, 1, 2]))
-    results = batch.step(["inc", "explode", "inc"])
-    assert results[0].error is None and results[2].error is None
-    assert isinstance(results[1].error, EnvRaisedError) and "the probe exploded" in str(results[1].error)
-    gone = post(server, "/v1/step", {"items": [{"session": batch.ids[1], "action": "inc"}]})
-    assert gone.status_code == 404 and "its env raised" in gone.json()["error"]["message"]
-    again = batch.step(["inc", "inc", "inc"])
-    assert again[0].error is None and again[2].error is None and "reset first" in str(again[1].error)
-    assert not any(isinstance(r, RemoteEnvError) for r in batch.reset([0, 1, 2]))  # a new session for the second
-    assert all(r.error is None for r in batch.step(["inc", "inc", "inc"]))
-    # Through RemoteEnv: the error is the episode's; the next reset opens a fresh session.
-    env = RemoteEnv(pool, PROBE)
-    env.reset(seed=0)
-    with pytest.raises(EnvRaisedError, match="exploded"):
-        env.step("explode")
-    assert env.reset(seed=0)[0]["text"] == ProbeEnv().reset(seed=0)[0]["text"]
-
-
-def test_a_slow_env_does_not_hold_up_other_sessions(server):
-    make_env = remote_env_factory(PROBE, {"delay_s": 2.0}, [server], **FAST)
-    slow, fast = make_env(), make_env()
-    slow.reset(seed=0)
-    fast.reset(seed=0)
-    finished: dict[str, float] = {}
-
-    def slow_step() -> None:
-        slow.step("slow")
-        finished["slow"] = time.monotonic()
-
-    start = time.monotonic()
-    thread = threading.Thread(target=slow_step)
-    thread.start()
-    time.sleep(0.1)
-    for _ in range(20):
-        fast.step("inc")
-    finished["fast"] = time.monotonic()
-    thread.join()
-    assert finished["fast"] < finished["slow"] and finished["slow"] - start >= 2.0, finished
-
-
-@pytest.mark.parametrize("field", ["idle_timeout_s", "step_timeout_s"])
-def test_a_timeout_that_is_not_a_number_is_refused(field):
-    """``--idle-timeout nan`` compared false with every time, so idle sessions were never closed."""
-    with pytest.raises(ValueError, match=f"{field} must be > 0"):
-        ServerLimits(**{field: float("nan")})
-
-
-def step_items(ids: list[str], actions: list[str], seq: int | None = 2) -> StepBody:
-    return StepBody(items=[StepItem(session=i, seq=seq, action=a, queries=["text", "state_facts"])
-                           for i, a in zip(ids, actions)])
-
-
-async def opened(server: EnvServer, env_id: str, ids: list[str], settings: dict | None = None) -> None:
-    """Open sessions ``ids`` of ``env_id`` and reset each (seed = its index)."""
-    await server.open_sessions(OpenBody(env_id=env_id, settings=settings or {}, ids=ids), "me")
-    answer = await server.reset(ResetBody(items=[ResetItem(session=i, seq=1, seed=k) for k, i in enumerate(ids)]))
-    assert all(item["ok"] for item in answer["items"])
-
-
-def test_a_batch_steps_its_sessions_at_once_and_answers_as_one_thread_does():
-    """16 sessions of an env that sleeps 50 ms a step (a 3D simulator): one request steps them on 16 threads at once
-    (one thread took 16 x 50 ms), and every answer, errors included, is what the same steps one after another
-    give, in the request's order (not the order the sessions are locked in)."""
-    ids = [f"s{k:02d}" for k in (5, 3, 14, 0, 9, 11, 1, 7, 15, 2, 12, 6, 10, 4, 13, 8)]
-    actions = ["slow"] * 12 + ["inc", "win", "explode", "slow"]
-
-    async def step_once(workers: int) -> tuple[dict, float, set[str]]:
-        server = EnvServer([PROBE], limits=ServerLimits(workers=workers))
-        server.start()
-        try:
-            await opened(server, PROBE, ids, {"delay_s": 0.05})
-            ProbeEnv.slow_threads.clear()
-            start = time.monotonic()
-            answer = await server.step(step_items(ids, actions))
-            return answer, time.monotonic() - start, set(ProbeEnv.slow_threads)
-        finally:
-            server.shutdown()
-
-    one, one_s, one_threads = asyncio.run(step_once(1))
-    many, _, many_threads = asyncio.run(step_once(16))
-    assert many == one
-    assert [item["session"] for item in many["items"]] == ids
-    assert [item["ok"] for item in many["items"]] == [True] * 14 + [False, True]
-    # One thread slept through the 13 slow steps one after another; sixteen shared them.
-    assert one_s >= 13 * 0.05 and len(one_threads) == 1 and len(many_threads) > 3, (one_threads, many_threads)
-
-
-def test_the_envs_of_one_open_are_built_at_once():
-    """16 sessions of an env that takes 100 ms to build, opened in one request (``RemoteEnvBatch``): built one
-    after another they took 1.6 s (a simulator that starts in seconds outlasted the client's timeout)."""
-    async def scenario() -> float:
-        server = EnvServer([PROBE], limits=ServerLimits(workers=16))
-        server.start()
-        try:
-            start = time.monotonic()
-            ids = [f"s{k}" for k in range(16)]
-            opened = await server.open_sessions(OpenBody(env_id=PROBE, settings={"build_s": 0.1}, ids=ids), "me")
-            assert opened["sessions"] == ids and len(server.table) == 16
-            return time.monotonic() - start
-        finally:
-            server.shutdown()
-
-    assert asyncio.run(scenario()) < 0.8
-
-
-def test_a_step_that_hangs_fails_its_session_past_the_deadline_and_the_server_serves_the_others():
-    """A step that never returns (a simulator deadlocked) is answered after ``--step-timeout`` with an error that
-    names the session and the option; its session is closed and its thread replaced, so more hung envs than
-    threads still leave the server stepping the others. The stuck envs are closed when their calls return, never
-    under them."""
-    close_gate()
-
-    async def scenario() -> None:
-        server = EnvServer([GATED], limits=ServerLimits(workers=2, step_timeout_s=0.3))
-        server.start()
-        ids = ["a", "b", "c", "d", "e", "f"]
-        try:
-            await opened(server, GATED, ids)
-            envs = {i: server.table.sessions[i].env for i in ids}
-            body = step_items(["a", "b"], ["wait-inc", "inc"])
-            first = await asyncio.wait_for(server.step(body), 10)
-            hung, fine = first["items"]
-            assert (hung["ok"], hung["error"]["code"], fine["ok"]) == (False, "env_timeout", True)
-            assert "session a: tests.envservice.env_helpers:GatedEnv step still ran after 0.3 s" in (
-                hung["error"]["message"]) and "larger --step-timeout" in hung["error"]["message"]
-            assert await server.step(body) == first  # a retry: a's answer from the record, b's replayed
-            with pytest.raises(APIError, match=r"session a is closed \(env_timeout: its step ran past"):
-                await server.step(step_items(["a"], ["inc"], seq=None))
-            # More hung sessions than threads: each stuck thread is replaced.
-            more = await asyncio.wait_for(server.step(step_items(["c", "d", "e"], ["wait-inc", "wait-inc", "inc"])), 10)
-            assert [item["ok"] for item in more["items"]] == [False, False, True]
-            after = await asyncio.wait_for(server.step(step_items(["f"], ["inc"])), 10)  # no thread waits for it
-            assert after["items"][0]["ok"]
-            assert server.health()["stuck_calls"] == 3 and server.metrics.errors["env_timeout"] == 3
-            metrics = server.prometheus()
-            assert 'turnrl_env_sessions_closed_total{reason="env_timeout"} 3' in metrics
-            assert "turnrl_env_stuck_calls 3" in metrics
-            await asyncio.sleep(0.1)
-            assert not any(envs[i].closes for i in "acd")  # never closed under a call that runs
-            GATE.set()
-            deadline = time.monotonic() + 10
-            while server.health()["stuck_calls"] and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            assert server.health()["stuck_calls"] == 0 and all(len(envs[i].closes) == 1 for i in "acd")
-            assert not any(envs[i].closes for i in "bef")
-        finally:
-            GATE.set()
-            server.shutdown()
-
-    asyncio.run(scenario())
-
-
-def test_a_query_that_hangs_fails_its_item_and_closes_its_session():
-    close_gate()
-
-    async def scenario() -> None:
-        server = EnvServer([GATED], limits=ServerLimits(step_timeout_s=0.3))
-        server.start()
-        try:
-            await opened(server, GATED, ["a", "b"], {"gate_solve": True})
-            body = QueryBody(items=[QueryItem(session="a", queries=["solve"]),
-                                    QueryItem(session="b", queries=["text"])])
-            hung, fine = (await asyncio.wait_for(server.query(body), 10))["items"]
-            assert hung["error"]["code"] == "env_timeout" and "session a: " in hung["error"]["message"]
-            assert fine["ok"] and fine["queries"]["text"]
-            with pytest.raises(APIError, match=r"session a is closed \(env_timeout: its queries ran past"):
-                await server.query(body)
-        finally:
-            GATE.set()
-            server.shutdown()
-
-    asyncio.run(scenario())
-
-
-def test_a_hung_step_reaches_the_client_as_an_error_naming_the_session_and_the_option():
-    close_gate()
-    try:
-        with env_server(limits=ServerLimits(step_timeout_s=0.3), envs=[GATED]) as url:
-            make_env = remote_env_factory(GATED, {}, [url], **FAST)
-            env = make_env()
-            env.reset(seed=0)
-            with pytest.raises(EnvRaisedError, match=f"session {env.session_id}: .* still ran after 0.3 s.*"
-                                                     "larger --step-timeout"):
-                env.step("wait-inc")
-            assert env.reset(seed=0)[0]["text"] == ProbeEnv().reset(seed=0)[0]["text"]  # a new session
-            make_env.close()
-    finally:
-        GATE.set()
-
-
-def test_a_server_with_an_env_stuck_for_good_still_exits_when_stopped():
-    """A thread stuck in an env call cannot be stopped; the interpreter joined the worker threads at exit, so a
-    server with one never exited on Ctrl-C (its threads are daemons now)."""
-    with ServerProcess(extra=["--step-timeout", "0.5"]) as process:
-        session = open_one(process.url, GATED)
-        assert post(process.url, "/v1/reset", {"items": [{"session": session, "seed": 0}]}).status_code == 200
-        stuck = post(process.url, "/v1/step", {"items": [{"session": session, "action": "wait-inc"}]})
-        assert stuck.json()["items"][0]["error"]["code"] == "env_timeout"
-        assert httpx.get(process.url + "/health").json()["stuck_calls"] == 1
-        assert process.process is not None
-        process.process.send_signal(signal.SIGINT)
-        assert process.process.wait(timeout=30) == 0
-
-
-def test_a_retry_that_waited_for_the_first_attempt_whose_env_raised_gets_each_item_not_a_404():
-    """A client retries a batch (its first answer was lost) while the server still runs it; the env of one
-    session raises meanwhile and closes it. The retry, waiting for the sessions, gets that item's error and the
-    others' answers, as a retry that comes later does; a 404 for the whole request lost the other steps."""
-    close_gate()
-
-    async def scenario() -> None:
-        server = EnvServer([GATED])
-        server.start()
-        try:
-            await opened(server, GATED, ["a", "b"])
-            body = step_items(["a", "b"], ["wait-explode", "inc"])
-            first = asyncio.ensure_future(server.step(body))
-            assert await asyncio.to_thread(IN_GATE.acquire, timeout=10)  # a's step is under way
-            retry = asyncio.ensure_future(server.step(body))
-            await asyncio.sleep(0.05)  # the retry waits for the sessions' locks
-            GATE.set()
-            answer = await asyncio.wait_for(first, 10)
-            assert answer["items"][0]["error"]["code"] == "env_error" and answer["items"][1]["ok"]
-            assert await asyncio.wait_for(retry, 10) == answer
-            assert server.metrics.steps == 2  # the retry applied nothing
-        finally:
-            GATE.set()
-            server.shutdown()
-
-    asyncio.run(scenario())
-
-
-def test_an_env_that_calls_sys_exit_fails_its_item_and_the_server_stays_up():
-    """SystemExit raised on a worker thread reached the event loop and stopped the server."""
-    with env_server(envs=[EXITING]) as url:
-        session = open_one(url, EXITING)
-        assert post(url, "/v1/reset", {"items": [{"session": session, "seed": 0}]}).status_code == 200
-        stepped = post(url, "/v1/step", {"items": [{"session": session, "action": "exit"}]})
-        assert stepped.status_code == 200, stepped.text
-        item = stepped.json()["items"][0]
-        assert item["error"]["code"] == "env_error" and "step() raised SystemExit: 3" in item["error"]["message"]
-        built = post(url, "/v1/sessions", {"env_id": EXITING, "settings": {"exit_on_build": True}})
-        assert built.status_code == 500 and "raised SystemExit: the simulator failed to start" in built.text
-        assert httpx.get(url + "/health", timeout=5).json()["sessions"] == 0
-
-
 def test_sessions_closed_are_counted_by_a_reason_without_punctuation():
     """The reason label read ``client:`` and ``env_error:``, not the ``client`` and ``env_error`` documented."""
     async def scenario() -> None:
@@ -853,26 +521,6 @@ def test_the_state_key_of_an_env_without_one_is_the_rollouts_hash_of_its_observa
     assert observation_key(obs) == turn_state_key(object(), obs)  # type: ignore[arg-type]
     assert observation_key({"text": "x"}) == turn_state_key(object(), {"text": "x"})  # type: ignore[arg-type]
     assert answer_query(object(), "state_key", obs) == observation_key(obs)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("access_log", [False, True])
-def test_requests_are_logged_only_with_access_log(access_log, tmp_path):
-    """An eval's thousands of requests once logged a line each at info: access logs are asked for by a flag."""
-    log = tmp_path / "server.log"
-    with ServerProcess(extra=["--access-log"] if access_log else [], log=log) as served:
-        env = remote_env_factory(PROBE, {}, [served.url], **FAST)()
-        env.reset(seed=0)
-        env.step("inc")
-        env.close()
-        for _ in range(3):
-            httpx.get(served.url + "/health", timeout=60.0)
-        # A graceful stop: once the process has exited, every line of the requests before it is in the file.
-        served.process.send_signal(signal.SIGTERM)
-        served.process.wait(timeout=60)
-        text = served.log_text()
-    assert "Application startup complete" in text  # info-level lines of the server itself are kept
-    requests = [line for line in text.splitlines() if '"GET /health' in line or '"POST /v1/' in line]
-    assert len(requests) >= 5 if access_log else requests == [], text
 
 
 def test_an_env_without_a_step_limit_answers_no_budget():
@@ -992,211 +640,3 @@ def test_env_text_that_utf8_cannot_encode_crosses_as_it_is():
         for action in ["go", "x\udfff", "y"]:
             assert env.step(action)[0] == local.step(action)[0]
         pool.close()
-
-
-# --------------------------------------------------------------------------- load
-def run_clients(url: str, clients: int, steps: int) -> list[float]:
-    """``clients`` threads, each stepping its own session ``steps`` times; checks every count; latencies (s)."""
-    make_env = remote_env_factory(PROBE, {}, [url], **FAST)
-
-    def one(k: int) -> list[float]:
-        env = make_env()
-        obs, _ = env.reset(seed=k)
-        count = int(obs["text"].split("=")[1])
-        latencies = []
-        for i in range(steps):
-            start = time.perf_counter()
-            obs, reward, *_ = env.step("inc")
-            latencies.append(time.perf_counter() - start)
-            assert obs["text"] == f"count={count + i + 1}" and reward == 1.0  # none lost, none doubled
-        env.close()
-        return latencies
-
-    with ThreadPoolExecutor(clients) as pool:
-        return [lat for part in pool.map(one, range(clients)) for lat in part]
-
-
-def report(label: str, latencies: list[float], seconds: float) -> str:
-    p50, p99 = np.percentile(latencies, [50, 99]) * 1e3
-    return f"{label}: {len(latencies)} steps in {seconds:.1f} s ({len(latencies) / seconds:,.0f}/s), " \
-           f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"
-
-
-def test_concurrent_clients_lose_and_double_no_step(server, capsys):
-    before = httpx.get(server + "/health").json()["steps"]
-    start = time.perf_counter()
-    latencies = run_clients(server, clients=16, steps=60)
-    line = report("16 clients x 60 steps, server in process", latencies, time.perf_counter() - start)
-    assert httpx.get(server + "/health").json()["steps"] - before == 16 * 60
-    with capsys.disabled():
-        print("\n" + line)
-
-
-@pytest.mark.slow
-def test_64_clients_of_500_steps_against_one_server_process(capsys):
-    with ServerProcess() as served:
-        start = time.perf_counter()
-        latencies = run_clients(served.url, clients=64, steps=500)
-        line = report("64 clients x 500 steps, server in a subprocess", latencies, time.perf_counter() - start)
-        assert httpx.get(served.url + "/health").json()["steps"] == 64 * 500
-    with capsys.disabled():
-        print("\n" + line)
-
-
-# --------------------------------------------------------------------------- a server killed under a rollout
-class KillingPolicy(ExpertPolicy):
-    """The expert, which after its ``at``-th batch of responses runs ``then`` (kills a server)."""
-
-    def __init__(self, fmt, at: int, then) -> None:
-        super().__init__(fmt, max_actions_per_turn=1)
-        self.at, self.then, self.calls = at, then, 0
-
-    def generate(self, requests, sampling):
-        out = super().generate(requests, sampling)
-        self.calls += 1
-        if self.calls == self.at:
-            self.then()
-        return out
-
-
-def test_a_server_killed_mid_episode_ends_its_episodes_as_errors_and_the_batches_go_on():
-    fmt = get_format("free_think")
-    agent = AgentConfig(format="free_think", max_turns=12, max_actions_per_episode=12)
-    with ServerProcess() as doomed, env_server() as steady:
-        make_env = remote_env_factory("Sokoban", {}, [doomed.url, steady], **FAST)
-        groups = EnvGroups(make_env, n_groups=2, group_size=2, seeds=SeedSplits())
-
-        # 1. SIGKILL after the first turn: the episodes on that server end as errors; the others finish.
-        rollout = Rollout(KillingPolicy(fmt, 1, doomed.kill), fmt, agent, "Sokoban")
-        first = rollout.run(groups.train_slots(0), SamplingConfig())
-        doomed_at = [env.start % 2 == 0 for env in groups._envs]  # the k-th env prefers server k mod 2
-        assert doomed_at == [True, False, True, False]
-        assert [t.status for t, lost in zip(first, doomed_at) if lost] == [ERROR, ERROR]
-        assert all("SessionLostError" in t.error and doomed.url in t.error for t, lost in zip(first, doomed_at) if lost)
-        assert all(t.status == DONE and t.success for t, lost in zip(first, doomed_at) if not lost)
-
-        # 2. The next batch: its resets fail over to the live server; every episode succeeds.
-        second = Rollout(ExpertPolicy(fmt), fmt, agent, "Sokoban").run(groups.train_slots(1), SamplingConfig())
-        assert all(t.status == DONE and t.success for t in second)
-        assert {env.server for env in groups._envs} == {steady}
-
-        # 3. Restarted (same port) mid-episode: the new server never knew the sessions, and says so.
-        doomed.start()
-        time.sleep(0.6)  # past the client's cooldown for a server that did not answer
-        fresh = EnvGroups(make_env, n_groups=2, group_size=1, seeds=SeedSplits())
-
-        def restart() -> None:
-            doomed.kill()
-            doomed.start()
-
-        third = Rollout(KillingPolicy(fmt, 1, restart), fmt, agent, "Sokoban").run(fresh.train_slots(0),
-                                                                                    SamplingConfig())
-        lost = [env.start % 2 == 0 for env in fresh._envs]
-        assert lost == [True, False]
-        assert third[0].status == ERROR and "restarted" in third[0].error
-        assert third[1].status == DONE
-        assert Rollout(ExpertPolicy(fmt), fmt, agent, "Sokoban").run(fresh.train_slots(1), SamplingConfig())[0].success
-
-
-def test_server_and_client_read_the_same_token_variable():
-    from turnrl.envservice.client import TOKEN_ENV_VAR as client_variable
-    from turnrl.envservice.server import TOKEN_ENV_VAR as server_variable
-
-    assert server_variable == client_variable
-
-
-# --------------------------------------------------------------------------- env.remote in eval and train
-def test_eval_with_env_remote_gives_the_summary_of_the_env_in_process(tmp_path):
-    from turnrl.config import EvalConfig, load_config
-    from turnrl.evaluate import run_eval
-
-    common = ["env.id=Sokoban", "policy=expert", "episodes=6", "agent.max_turns=10"]
-    local = run_eval(load_config(EvalConfig, None, [*common, f"out={tmp_path / 'local'}"]))
-    with env_server() as url:
-        remote = run_eval(load_config(EvalConfig, None, [*common, f"out={tmp_path / 'remote'}",
-                                                          f"env.remote=[{url}]"]))
-    keys = ("success_rate", "mean_reward", "mean_turns", "action_validity", "errors")
-    assert {k: remote[k] for k in keys} == {k: local[k] for k in keys} and remote["success_rate"] == 1.0
-    assert (tmp_path / "remote" / "trajectories.jsonl").read_text() == (tmp_path / "local" /
-                                                                         "trajectories.jsonl").read_text()
-
-
-def test_env_remote_without_a_server_is_a_config_error_before_anything_runs(tmp_path):
-    from tests.serve.running import free_port
-    from turnrl.config import ConfigError, EvalConfig, load_config
-    from turnrl.evaluate import run_eval
-
-    config = load_config(EvalConfig, None, ["env.id=Sokoban", "policy=expert", "episodes=2", f"out={tmp_path}",
-                                            f"env.remote=[http://127.0.0.1:{free_port()}]"])
-    with pytest.raises(ConfigError, match="env.remote"):
-        run_eval(config)
-    assert not any(tmp_path.iterdir())
-
-
-def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path):
-    from turnrl.config import load_config
-    from turnrl.training.commands import train
-    from turnrl.training.train_config import TrainConfig
-
-    with env_server() as url:
-        config = load_config(TrainConfig, None, [
-            f"model.path={tiny_model_dir}", "model.device=cpu", "model.dtype=float32", f"run.output_dir={tmp_path}",
-            "run.name=remote", "run.steps=1", "run.tensorboard=false", "env.id=FrozenLake", f"env.remote=[{url}]",
-            "agent.format=no_think", "agent.max_turns=2", "sampling.max_new_tokens=8", "groups.n_groups=2",
-            "groups.group_size=2", "validation.episodes=2", "sft.enabled=false",
-            "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4"])
-        summary = train(config)
-        assert httpx.get(url + "/health").json()["sessions"] == 0, "the run closed its sessions"
-    assert "val_success_after_rl" in summary
-    records = [json.loads(line) for line in (tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("rollout/episodes") == 4.0 and r.get("rollout/errors") == 0.0 for r in records)
-
-
-def test_sft_on_expert_demos_from_a_server_closes_its_sessions(tiny_model_dir, tmp_path):
-    from turnrl.config import load_config
-    from turnrl.training.commands import sft_only
-    from turnrl.training.train_config import TrainConfig
-
-    with env_server() as url:
-        config = load_config(TrainConfig, None, [
-            f"model.path={tiny_model_dir}", "model.device=cpu", "model.dtype=float32", f"run.output_dir={tmp_path}",
-            "run.name=sft", "run.tensorboard=false", "env.id=FrozenLake", f"env.remote=[{url}]",
-            "sft.episodes=4", "sft.epochs=1", "sft.batch_size=4", "sft.micro_batch_size=4"])
-        sft_only(config)  # the preflight's solver check and the demos both play on the server
-        assert httpx.get(url + "/health").json()["sessions"] == 0
-
-
-def test_a_remote_env_tells_eval_its_budget(tmp_path):
-    from turnrl.config import EvalConfig, load_config
-    from turnrl.envs import make
-    from turnrl.evaluate import run_eval
-
-    with env_server() as url:
-        summary = run_eval(load_config(EvalConfig, None, ["env.id=Sokoban", "policy=expert", "episodes=2",
-                                                           f"out={tmp_path}", f"env.remote=[{url}]"]),
-                           budget_from_env=True)
-    assert summary["budget"]["max_turns"] == make("Sokoban").action_budget()
-
-
-CORRIDOR, EXTRAS = "tests.envs.toy_envs:Corridor", "tests.envs.toy_envs:CorridorWithExtras"
-
-
-def test_a_remote_env_forwards_the_optional_methods_its_env_offers_and_defaults_the_others():
-    with env_server(envs=[CORRIDOR, EXTRAS]) as url:
-        remote, local = remote_env_factory(EXTRAS, {}, [url], **FAST)(), CorridorWithExtras()
-        for env in (remote, local):
-            env.reset(seed=0)
-            env.step("Right")
-        offered = optional_methods(remote)
-        assert offered.state_key() == local.state_key() and offered.text() == local.text()
-        assert offered.action_budget() == local.action_budget() and np.array_equal(offered.image(), local.image())
-        assert offered.canonical_action("right") is None  # not a query: the remote env offers no spellings
-        bare = remote_env_factory(CORRIDOR, {}, [url], **FAST)()
-        obs, _ = bare.reset(seed=0)
-        offered = optional_methods(bare)
-        assert offered.state_key() == observation_key(obs) and offered.text() == ""
-        assert offered.action_budget() is None
-        with pytest.raises(RemoteEnvError, match=r"image\(\) failed: NotImplementedError: the env offers no image"):
-            offered.image()
-        remote.close()
-        bare.close()

@@ -11,8 +11,7 @@ from typing import Any, cast
 
 import pytest
 
-from tests.envservice.env_helpers import GATE, GATED, IN_GATE, GatedEnv, close_gate
-from tests.envservice.test_server import opened, step_items
+from tests.envservice.env_helpers import GATE, GATED, IN_GATE, GatedEnv, close_gate, opened, step_items
 from turnrl.envservice.options import ServerLimits
 from turnrl.envservice.protocol import APIError, SessionLostError, decode_item
 from turnrl.envservice.request_bodies import OpenBody
