@@ -58,6 +58,29 @@ def port(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """A limit of ``turnrl serve-env`` that counts (sessions, items, bytes, threads): a whole number from 1. Checked
+    by the parser, so that the message names the option (:class:`ServerLimits` names its field)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A time limit of ``turnrl serve-env``: a number of seconds above 0, or ``inf`` for none."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:  # NaN too: it compares false with every time, so the limit would never act
+        raise argparse.ArgumentTypeError(f"{text} is not above 0 seconds (inf for no limit)")
+    return value
+
+
 def env_id(text: str) -> str:
     """An id of ``--envs``, checked at start where it can be without building the env: a built-in name, a
     registered Gymnasium id or ``gym:<id>`` (a ``module:Class`` is imported only when a client opens one). The
@@ -85,19 +108,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"bearer token clients must send (default: ${TOKEN_ENV_VAR} if set, else no auth)")
     parser.add_argument("--envs", nargs="+", type=env_id, default=None, metavar="ENV_ID",
                         help="env ids clients may open (default: every built-in env)")
-    parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
+    parser.add_argument("--max-sessions", type=count, default=defaults.max_sessions,
                         help=f"open sessions in total at most (default: {defaults.max_sessions})")
-    parser.add_argument("--max-sessions-per-client", type=int, default=defaults.max_sessions_per_client,
+    parser.add_argument("--max-sessions-per-client", type=count, default=defaults.max_sessions_per_client,
                         help=f"open sessions per client at most (default: {defaults.max_sessions_per_client})")
-    parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s,
+    parser.add_argument("--idle-timeout", type=seconds, default=defaults.idle_timeout_s,
                         help="seconds before an unused session is closed")
-    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+    parser.add_argument("--max-body-bytes", type=count, default=defaults.max_body_bytes,
                         help=f"largest request body in bytes (default: {defaults.max_body_bytes})")
-    parser.add_argument("--max-batch", type=int, default=defaults.max_batch, help="items per request at most")
-    parser.add_argument("--workers", type=int, default=defaults.workers,
+    parser.add_argument("--max-batch", type=count, default=defaults.max_batch, help="items per request at most")
+    parser.add_argument("--workers", type=count, default=defaults.workers,
                         help=f"threads running env calls; a batch's sessions step on up to this many at once "
                              f"(default: {defaults.workers})")
-    parser.add_argument("--step-timeout", type=float, default=defaults.step_timeout_s,
+    parser.add_argument("--step-timeout", type=seconds, default=defaults.step_timeout_s,
                         help="seconds one session's reset, step or queries, or one env's build or fork copy, may run "
                              f"before it is abandoned (env_timeout); inf for no deadline (default: "
                              f"{defaults.step_timeout_s:g})")
