@@ -1,6 +1,7 @@
 """The code in the docs runs: each Python block of docs/extending.md executes, and its env passes check_env;
 each shell block of the README and docs/*.md holds only commands and comments; each command shown with its
-output (``$ turnrl memory ...`` and the lines below it) prints that output now."""
+output (``$ turnrl memory ...`` and the lines below it) prints that output now; each documented ``turnrl``
+command's settings load, and each documented benchmark command gives only options its script has."""
 
 import re
 import shutil
@@ -193,3 +194,72 @@ def test_documented_command_output_is_what_the_command_prints(path, line, comman
     missing = missing_from(shown, printed)
     assert missing is None, (f"{path.name}:{line}: `{command}` no longer prints {missing!r}; it prints:\n"
                              f"{printed}\nregenerate the doc's block from it")
+
+
+# --------------------------------------------------------------------------- documented commands
+CONFIG_COMMANDS = ("train", "sft", "eval", "memory")
+"""The ``turnrl`` subcommands whose settings a documented command gives (``--config`` and ``key=value``)."""
+
+PLACEHOLDER = re.compile(r"=([A-Z][A-Z_]*|[A-Z]_[a-z]+)(\s|$)|\[\w[^\]]*\]|my_package")
+"""What marks a command as a pattern to fill in (``seeds.seed=S``, ``[one change]``, the extending guide's
+``my_package``): such a command is not run as written."""
+
+
+def documented_commands() -> list[tuple[str, int, list[str]]]:
+    """Each command of the README's and docs' shell blocks, its continuation lines joined and its comment and
+    leading ``NAME=value`` assignments dropped: ``(file, line of its block, words)``."""
+    found = []
+    for path in [README, *sorted(DOCS.glob("*.md"))]:
+        for line_number, block in shell_blocks(path):
+            for line in re.sub(r"\\\n", " ", block).splitlines():
+                words = line.split(" #")[0].split()
+                while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=\S*$", words[0]):
+                    words.pop(0)
+                if words and not words[0].startswith("#"):
+                    found.append((path.name, line_number, words))
+    return found
+
+
+DOCUMENTED = documented_commands()
+CONFIG_RUNS = [(name, line, words[1:]) for name, line, words in DOCUMENTED
+               if words[0].endswith("turnrl") and len(words) > 1 and words[1] in CONFIG_COMMANDS
+               and not PLACEHOLDER.search(" ".join(words))]
+BENCHMARK_RUNS = [(name, line, words[1:]) for name, line, words in DOCUMENTED
+                  if words[0] == "python" and len(words) > 1 and words[1].startswith("benchmarks/")]
+
+
+def test_documented_commands_are_found():
+    assert len(CONFIG_RUNS) >= 40 and len(BENCHMARK_RUNS) >= 40, (len(CONFIG_RUNS), len(BENCHMARK_RUNS))
+    assert not PLACEHOLDER.search("turnrl train --config configs/quickstart.yaml seeds.seed=0 run.name=sft_s0")
+    assert PLACEHOLDER.search("turnrl train seeds.seed=S run.time_limit_minutes=T") is not None
+
+
+@pytest.mark.parametrize(("name", "line", "argv"), CONFIG_RUNS, ids=[f"{n}:{line}" for n, line, _ in CONFIG_RUNS])
+def test_a_documented_command_names_settings_that_exist(name, line, argv, monkeypatch):
+    """A key renamed or a value no longer allowed would leave the docs' commands failing as written: each one's
+    settings load as the command would load them (its config file and overrides; a file a run writes, such as a
+    run's config.yaml, is not there to read)."""
+    from turnrl.cli import build_parser
+    from turnrl.config import EvalConfig, load_config
+    from turnrl.evaluate import training_sections
+    from turnrl.training.train_config import TrainConfig
+
+    monkeypatch.chdir(README.parent)
+    args = build_parser().parse_args(argv)
+    if args.config is not None and not Path(args.config).exists():
+        pytest.skip(f"{args.config} is written by an earlier command")
+    overrides = [o for o in args.overrides if not o.startswith("resume=")]
+    if argv[0] == "eval":
+        load_config(EvalConfig, args.config, overrides, skip_sections=training_sections())
+    else:
+        load_config(TrainConfig, args.config, overrides)
+
+
+@pytest.mark.parametrize(("name", "line", "argv"), BENCHMARK_RUNS,
+                         ids=[f"{n}:{line}" for n, line, _ in BENCHMARK_RUNS])
+def test_a_documented_benchmark_command_gives_only_options_its_script_has(name, line, argv):
+    script = README.parent / argv[0]
+    assert script.exists(), f"{name}:{line}: {argv[0]} does not exist"
+    source = script.read_text()
+    for flag in {word.split("=")[0] for word in argv[1:] if word.startswith("--")}:
+        assert f'"{flag}"' in source, f"{name}:{line}: {argv[0]} has no option {flag}"
