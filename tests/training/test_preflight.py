@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.envs.toy_envs import Corridor
 from tests.training.trainer_runs import config
 from turnrl.config import ConfigError, load_config
 from turnrl.training.commands import train
@@ -154,3 +155,59 @@ def test_sft_data_that_is_no_file_of_text_says_what_to_give(tmp_path, tiny_model
             preflight(config(tiny_model_dir, tmp_path / "runs", f"sft.data={data}"), stage="sft")
         assert str(info.value) == f"sft.data={str(data)!r} {needle}; give a JSONL file of chats, one " \
                                   '{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} a line'
+
+
+class RaisesOnReset(Corridor):
+    """A user env whose setting of the wrong type fails in its own arithmetic at reset (a TypeError)."""
+
+    def __init__(self, budget=8):
+        super().__init__()
+        self.budget = budget
+
+    def reset(self, *, seed=None, options=None):
+        self.left = self.budget - 1
+        return super().reset(seed=seed, options=options)
+
+
+def test_a_user_env_whose_first_reset_raises_is_one_line_naming_the_settings_and_the_line(tmp_path):
+    # A TypeError was a traceback through the preflight (only a ValueError was taken for a refusal).
+    with pytest.raises(ConfigError) as info:
+        train(config("nobody/no-model", tmp_path / "runs", "env.id=tests.training.test_preflight:RaisesOnReset",
+                     "env.settings.budget=abc"))
+    line = RaisesOnReset.reset.__code__.co_firstlineno + 1
+    assert str(info.value) == (
+        "env.id='tests.training.test_preflight:RaisesOnReset' with env.settings={'budget': 'abc'}: its first reset "
+        "raised TypeError: unsupported operand type(s) for -: 'str' and 'int' (raised in reset at "
+        f"test_preflight.py:{line}); check the settings' types and values against the env's constructor")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["model.builtin_preset=tiny"], "env.id='Sokoban' with env.settings observes images, but "
+                                    "model.builtin_preset=tiny is a text-only model, which would play blind: train a "
+                                    "vision-language model (a vlm-* model.builtin_preset, or a Qwen2-VL, Qwen2.5-VL "
+                                    "or Qwen3-VL model.path) or the env's text mode (env.settings.mode=text)"),
+    (["model.path=TINY"], "model.path='TINY' is a text-only model"),
+    (["env.settings.mode=text", "env.val_settings={mode: image}", "model.builtin_preset=tiny"],
+     "with env.val_settings observes images"),
+])
+def test_an_image_env_with_a_text_only_model_stops_before_the_model_loads(overrides, needle, tmp_path,
+                                                                          tiny_model_dir, monkeypatch):
+    """It stopped at the first validation, after the model was built and the run directory written (and a second
+    try was then refused for the directory it had written)."""
+    from turnrl.models import builtin
+
+    monkeypatch.setattr(builtin, "builtin_model_path", lambda *a: pytest.fail("the model was built"))
+    overrides = [o.replace("TINY", str(tiny_model_dir)) for o in overrides]
+    with pytest.raises(ConfigError) as info:
+        train(config(None, tmp_path / "runs", "env.id=Sokoban", "env.settings.mode=image", *overrides))
+    assert needle.replace("TINY", str(tiny_model_dir)) in str(info.value)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_image_env_with_a_vlm_passes_the_check(tmp_path):
+    from turnrl.training.preflight import _check_model_sees
+
+    run = config(None, tmp_path / "runs", "env.id=Sokoban", "env.settings.mode=image", "model.builtin_preset=vlm-tiny")
+    _check_model_sees(run, None, ["env.settings"])
+    _check_model_sees(config(None, tmp_path, "model.builtin_preset=tiny"), None, [])  # no images: any model

@@ -128,11 +128,15 @@ def one_line(text: str, limit: int = MAX_ERROR_LENGTH) -> str:
 
 def env_failure(call: str, turn: int, error: Exception) -> str:
     """Why an episode ended: its env's ``call`` raised ``error`` in ``turn`` (1-based, as the viewer counts), and
-    the function, file and line that raised it (the innermost frame: the env's code, or the check its answer
-    failed)."""
+    where (:func:`raised_where`)."""
+    return f"env {call} failed in turn {turn}: {type(error).__name__}: {error}{raised_where(error)}"
+
+
+def raised_where(error: BaseException) -> str:
+    """`` (raised in FUNCTION at FILE:LINE)``: the innermost frame of ``error``'s traceback (the env's code, or the
+    check its answer failed); empty for an error never raised."""
     frames = traceback.extract_tb(error.__traceback__)
-    where = f" (raised in {frames[-1].name} at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    return f"env {call} failed in turn {turn}: {type(error).__name__}: {error}{where}"
+    return f" (raised in {frames[-1].name} at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
 
 
 def check_observation(obs: Any) -> None:

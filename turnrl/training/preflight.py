@@ -12,11 +12,14 @@ from typing import Any
 from rich.console import Console
 
 from turnrl.config import ConfigError, turnrl_command
+from turnrl.envs.catalog import builtin_name, env_class
 from turnrl.envs.contract import AgentEnv
 from turnrl.envservice.placement import env_factory
 from turnrl.envservice.protocol import RemoteEnvError
 from turnrl.models.builtin import check_builtin_preset
-from turnrl.models.loading import ModelSource, locate_model, model_line
+from turnrl.models.loading import ModelSource, is_vision_language, locate_model, model_line
+from turnrl.models.vlm import is_vlm_preset
+from turnrl.rollout.runner import raised_where
 from turnrl.training import ranks
 from turnrl.training.checkpoint import checkpoint_step, resume_point
 from turnrl.training.run_dir import RL_OUTPUTS, resumed_checkpoint, run_directory
@@ -24,40 +27,78 @@ from turnrl.training.sft import read_chat_jsonl
 from turnrl.training.train_config import TrainConfig
 
 
-def _check_envs(config: TrainConfig, needs_solver: bool) -> None:
+def _check_envs(config: TrainConfig, needs_solver: bool) -> list[str]:
     """Build the env with its training and validation settings (here or on ``env.remote``, whose sessions are
     closed again) and reset it once with each, since some settings only a reset can judge (a 2048 target that the
     board's first tiles can never make: a board given at reset may reach further); with ``needs_solver``, that
     the env has a solver for expert demos.
 
+    Returns:
+        The settings keys (``env.settings``, ``env.val_settings``) under which the first observation holds an image.
+
     Raises:
         ConfigError: unknown env, a refused setting, no server, or no solver when one is needed.
     """
+    with_images = []
     make_env = env_factory(config.env.id, dict(config.env.settings), config.env.remote)
     try:
         if config.env.val_settings is not None:
             make_val_env = env_factory(config.env.id, dict(config.env.val_settings), config.env.remote,
                                        where="env.val_settings")
             try:
-                _first_reset(make_val_env(), config.env.id, "env.val_settings", dict(config.env.val_settings))
+                if _first_reset(make_val_env(), config.env.id, "env.val_settings", dict(config.env.val_settings)):
+                    with_images.append("env.val_settings")
             finally:
                 make_val_env.close()
         env = make_env()
-        _first_reset(env, config.env.id, "env.settings", dict(config.env.settings), seed=config.sft.seed_start)
+        if _first_reset(env, config.env.id, "env.settings", dict(config.env.settings), seed=config.sft.seed_start):
+            with_images.insert(0, "env.settings")
         if needs_solver and env.solve() is None:
             raise ConfigError(f"env.id={config.env.id!r} has no solver here (solve() is None), so it has no "
                               "expert demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
     finally:
         make_env.close()
+    return with_images
 
 
-def _first_reset(env: AgentEnv, env_id: str, where: str, settings: dict[str, Any], seed: int = 0) -> None:
-    """Reset ``env`` once, its refusal of the settings a one-line error naming them."""
+def _first_reset(env: AgentEnv, env_id: str, where: str, settings: dict[str, Any], seed: int = 0) -> bool:
+    """Reset ``env`` once; whether its observation holds an image. Its refusal of the settings (a ``ValueError``)
+    is a one-line error naming them; any other error too, with the line that raised it (a user env's setting of
+    the wrong type fails there, in the env's own arithmetic)."""
     try:
-        env.reset(seed=seed)
+        obs, _ = env.reset(seed=seed)
     except (ValueError, RemoteEnvError) as error:
         raise ConfigError(f"env.id={env_id!r} with {where}={settings}: its first reset refused them: "
                           f"{' '.join(str(error).split())}") from error
+    except Exception as error:
+        raise ConfigError(f"env.id={env_id!r} with {where}={settings}: its first reset raised "
+                          f"{type(error).__name__}: {' '.join(str(error).split())}{raised_where(error)}; check "
+                          "the settings' types and values against the env's constructor") from error
+    return isinstance(obs, dict) and "image" in obs
+
+
+def _check_model_sees(config: TrainConfig, source: ModelSource | None, with_images: list[str]) -> None:
+    """An env whose observations hold images needs a model that takes them: a text-only one would stop at the
+    first rollout, after it loaded and the run directory was written.
+
+    Raises:
+        ConfigError: naming the env's settings, the model and the ways on.
+    """
+    if not with_images:
+        return
+    if config.model.path is None:
+        sees, model = is_vlm_preset(config.model.builtin_preset), f"model.builtin_preset={config.model.builtin_preset}"
+    elif source == "local":
+        sees, model = is_vision_language(config.model.path), f"model.path={config.model.path!r}"
+    else:  # a hub id: its config is not read here (it may need the network); the rollout checks it
+        return
+    if sees:
+        return
+    name = builtin_name(config.env.id)  # a built-in env's modes are known; another's mode setting, if any, is not
+    text_mode = " or the env's text mode (env.settings.mode=text)" if name and "text" in env_class(name).modes else ""
+    raise ConfigError(f"env.id={config.env.id!r} with {with_images[0]} observes images, but {model} is a text-only "
+                      f"model, which would play blind: train a vision-language model (a vlm-* model.builtin_preset, "
+                      f"or a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model.path){text_mode}")
 
 
 def _check_demo_seeds(config: TrainConfig) -> None:
@@ -124,7 +165,7 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     sft_runs = stage == "sft" or (config.sft.enabled and not config.resume)
     if sft_runs and not config.sft.data:
         _check_demo_seeds(config)
-    _check_envs(config, needs_solver=sft_runs and not config.sft.data)
+    with_images = _check_envs(config, needs_solver=sft_runs and not config.sft.data)
     if sft_runs and config.sft.data:
         _check_chats(config.sft.data)
     if config.run.wandb_project and importlib.util.find_spec("wandb") is None:
@@ -134,6 +175,7 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
     source = locate_model(config.model.path, "model.path") if config.model.path is not None else None
     if config.model.path is None:
         check_builtin_preset(config.model.builtin_preset)  # before the line that names it
+    _check_model_sees(config, source, with_images)
     if config.resume or config.run.overwrite:
         _say_model(config, source)
         return
