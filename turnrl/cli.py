@@ -309,6 +309,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: resume={resume!r} is a checkpoint, not a run directory: resume the run "
                          f"(resume={run}) continues from its latest checkpoint; move later ones away to continue "
                          "from an earlier one")
+    if resume is not None and config_path is not None and (Path(resume) / "config.yaml").is_file():
+        from turnrl.training.run_dir import damaged_run_config
+
+        if damaged_run_config(Path(resume)) is None:  # a recipe writes a damaged one again (its repair)
+            raise SystemExit(f"error: resume={resume!r} goes on with the run's own settings ({resume}/config.yaml), "
+                             f"which --config {config_path} would replace; leave --config out and give key=value for "
+                             "what to change")
     if resume is not None and config_path is None:
         # A folder without config.yaml is no run, unless it holds checkpoints: then the file is lost (said below,
         # with the copy each checkpoint keeps); one of another kind (a folder) is damaged, said below too.

@@ -332,6 +332,18 @@ def test_a_resume_that_changes_the_lora_settings_is_refused(tiny_model_dir, tmp_
     assert "model.path=" in message and "step_000001" in message
 
 
+def test_a_resume_that_changes_the_built_in_model_or_where_the_run_lives_is_refused(tmp_path):
+    """The weights load from the checkpoint whatever the preset says: the run went on with the tiny model while its
+    config.yaml said small; and an output_dir given would send a later ``--config RUN/config.yaml`` elsewhere."""
+    run = tmp_path / "run"
+    train(config(None, tmp_path, "model.builtin_preset=tiny", "algorithm.advantage=grpo", "run.steps=1"))
+    before = (run / "config.yaml").read_text()
+    message = resume_error(run, "run.steps=2", "model.builtin_preset=small", "run.output_dir=elsewhere")
+    assert f"changes model.builtin_preset: 'tiny' -> 'small'; run.output_dir: '{tmp_path}' -> 'elsewhere'" in message
+    assert "model.path=" in message and "step_000001" in message
+    assert (run / "config.yaml").read_text() == before
+
+
 def resume_error(run: Path, *overrides: str) -> str:
     """The one-line error of ``turnrl train resume=RUN ...``, which must stop cleanly."""
     with pytest.raises(SystemExit) as info:
@@ -381,7 +393,12 @@ def test_a_resume_over_damaged_checkpoints_goes_on_from_a_complete_one_or_change
     assert load_config(TrainConfig, run / "config.yaml").run.steps == 3
     # Fewer steps than the run has done would label a later state as an earlier step: refused, nothing changed.
     recorded = (run / "config.yaml").read_text()
-    assert "goes on after step 3, past run.steps=2: give run.steps=3 or more" in resume_error(run, "run.steps=2")
+    assert "goes on after step 3, past run.steps=2: give run.steps=4 or more to train further" in \
+        resume_error(run, "run.steps=2")
+    # A recipe laid over the run's own settings (its validation, its sampling, its model) changed them silently.
+    assert resume_error(run, "--config", "configs/quickstart.yaml") == (
+        f"error: resume={str(run)!r} goes on with the run's own settings ({run}/config.yaml), which --config "
+        "configs/quickstart.yaml would replace; leave --config out and give key=value for what to change")
     assert (run / "config.yaml").read_text() == recorded
     # A failure found only when the checkpoint loads (saved by two processes) leaves config.yaml as it was too.
     state = torch.load(checkpoints / "step_000003" / "trainer_state.pt", weights_only=False)

@@ -161,7 +161,8 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
         checkpoint = resumed_checkpoint(config).checkpoint  # one there (else ConfigError)
         if checkpoint is not None and (done := checkpoint_step(checkpoint)) > config.run.steps:
             raise ConfigError(f"resume={config.resume!r} goes on after step {done}, past run.steps="
-                              f"{config.run.steps}: give run.steps={done} or more, or leave run.steps out")
+                              f"{config.run.steps}: give run.steps={done + 1} or more to train further, or leave "
+                              "run.steps out")
     sft_runs = stage == "sft" or (config.sft.enabled and not config.resume)
     if sft_runs and not config.sft.data:
         _check_demo_seeds(config)

@@ -151,6 +151,31 @@ def lora_change(saved: TrainConfig, checkpoint: Path, config: TrainConfig) -> st
             f"(model.path={checkpoint / 'actor'})")
 
 
+KEPT_ON_RESUME = ("model.builtin_preset", "model.builtin_template", "run.output_dir", "run.name")
+"""Settings a resume cannot change: the built-in model the checkpoints' weights were trained as (their shapes are
+that preset's; the weights load from the checkpoint whatever the setting says), and where the run lives (its
+``config.yaml`` would send a later ``--config RUN/config.yaml`` run elsewhere)."""
+
+
+def kept_setting_change(saved: TrainConfig, checkpoint: Path, config: TrainConfig) -> str | None:
+    """Why ``config`` cannot resume ``checkpoint`` with other :data:`KEPT_ON_RESUME` settings than the run's
+    (``saved``, :func:`saved_config`), or None. A built-in preset matters only where the run has no
+    ``model.path``."""
+    keys = [key for key in KEPT_ON_RESUME if saved.model.path is None or not key.startswith("model.")]
+    changed = [f"{key}: {_setting(saved, key)!r} -> {_setting(config, key)!r}" for key in keys
+               if _setting(saved, key) != _setting(config, key)]
+    if not changed:
+        return None
+    return (f"resume={config.resume!r} changes {'; '.join(changed)}: {checkpoint.name} holds the model the run "
+            "was built as, in the folder it lives in; resume with the run's own (leave them out), or start a new "
+            f"run from its model (model.path={checkpoint / 'actor'}) or under another run.name")
+
+
+def _setting(config: TrainConfig, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
 def critic_dropped(run_dir: Path, resumed: TrainConfig) -> str | None:
     """Why ``resumed`` cannot go on with a critic from the checkpoint ``checkpoints/latest`` names (else the
     newest), which its copy of ``config.yaml`` says was trained without one (a run resumed once with a GRPO

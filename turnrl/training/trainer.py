@@ -115,6 +115,7 @@ from turnrl.training.parallel.strategy import (
 from turnrl.training.ppo import DRIFT, MicroBatching, UpdateInputs, batched_logprobs, ppo_epochs
 from turnrl.training.precision import autocast, skip_cudnn_attention
 from turnrl.training.run_dir import (
+    kept_setting_change,
     lora_change,
     moved_levels,
     resumed_checkpoint,
@@ -239,7 +240,8 @@ class Trainer:
             saved = saved_config(self.checkpoint)  # nothing said without it: the copy is a spare
             if saved is not None:
                 for problem in (moved_levels(saved, self.checkpoint, config),
-                                lora_change(saved, self.checkpoint, config)):
+                                lora_change(saved, self.checkpoint, config),
+                                kept_setting_change(saved, self.checkpoint, config)):
                     if problem is not None:
                         raise ConfigError(problem)
         self.first_step = 0
