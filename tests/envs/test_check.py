@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from tests.envs import toy_envs
-from turnrl.envs import AgentEnv, EnvCheckError, StateFacts, check_env, make
+from turnrl.cli import build_parser
+from turnrl.envs import AgentEnv, EnvCheckError, StateFacts, StepOutcome, TurnEnv, check_env, make
 from turnrl.envs.catalog import BUILTIN_ENVS, env_class
 
 BUILTIN_MODES = [(name, mode) for name in BUILTIN_ENVS for mode in env_class(name).modes]
@@ -84,6 +87,64 @@ def test_an_object_without_the_methods_is_told_what_is_missing():
     with pytest.raises(EnvCheckError, match=missing) as info:
         check_env(toy_envs.NoInstructions())
     assert "may have state_key(), text(), image(), action_budget(), canonical_action(), close()" in str(info.value)
+    assert "define instructions() -> str (task description for the system prompt: goal, symbols, actions)" in str(
+        info.value
+    )
+
+
+class CorridorWithoutQueries(TurnEnv):
+    """A TurnEnv subclass that implements the dynamics but not instructions() or action_names()."""
+
+    def _reset(self, rng, options):
+        self.position = 0
+
+    def _step(self, action):
+        return StepOutcome(reward=0.0)
+
+    def text(self):
+        return "P_"
+
+
+class StubbedInstructions(toy_envs.Corridor):
+    """A plain class that left one method of the contract as a stub."""
+
+    def instructions(self) -> str:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize(("cls", "methods"), [
+    (CorridorWithoutQueries, ["instructions", "action_names"]),
+    (StubbedInstructions, ["instructions"]),
+])
+def test_an_env_that_does_not_implement_a_query_fails_once_naming_it_and_what_it_returns(cls, methods):
+    """Every check (and Gymnasium's checker) failed on the stub, each with "raised NotImplementedError: " and no
+    word of which method, nor what it should return."""
+    with pytest.raises(EnvCheckError) as info:
+        check_env(cls())
+    (failure,) = info.value.failures
+    name = cls.__name__
+    assert failure.startswith(f"{name} raises NotImplementedError from {' and '.join(m + '()' for m in methods)}")
+    returns = {"instructions": "instructions() -> str (task description for the system prompt",
+               "action_names": "action_names() -> list[str] | None (canonical action names, or None when actions "
+                               "are free-form)"}
+    assert all(returns[method] in failure for method in methods)
+    assert ("action_names()" in failure) == ("action_names" in methods)
+
+
+@pytest.mark.parametrize(("make_env", "failure_start"), [
+    (lambda: make("FrozenLake", is_slippery=True), "following solve() from reset(seed=0), the episode ended after"),
+    (toy_envs.BrokenSolvePlan, "following solve() from reset(seed=0) did not end with info['success'] True"),
+], ids=["slippery ice", "a wrong plan"])
+def test_a_plan_that_fails_points_to_the_check_for_chance_by_function_and_command(make_env, failure_start):
+    """A slip on the ice ended the plan with no word of deterministic=False, nor of the command's flag."""
+    with pytest.raises(EnvCheckError) as info:
+        check_env(make_env())
+    (failure,) = info.value.failures
+    assert failure.startswith(failure_start)
+    assert "check_env(env, deterministic=False)" in failure
+    flag = re.search(r"turnrl check-env (--[\w-]+)", failure)
+    assert flag is not None
+    assert build_parser().parse_args(["check-env", "FrozenLake", flag.group(1)]).stochastic
 
 
 def test_gymnasium_checker_failures_are_reported():

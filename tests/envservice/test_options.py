@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+import gymnasium as gym
 import pytest
 
+from turnrl.envs.catalog import ENVS
 from turnrl.envservice.options import add_arguments
 
 
@@ -24,6 +27,13 @@ def parse(*argv: str) -> argparse.Namespace:
     (["--envs", "Sokoban", "FrozenLak"], "argument --envs: unknown env 'FrozenLak'; did you mean FrozenLake? --envs "
                                          "takes a built-in name"),
     (["--envs", "gym:NoSuch-v0"], "argument --envs: unknown env 'gym:NoSuch-v0'"),
+    # A module:Class whose module does not import was served, and every session of it refused.
+    (["--envs", "no_such_package.envs:CorridorEnv"], "argument --envs: env 'no_such_package.envs:CorridorEnv': "
+                                                     "cannot import module 'no_such_package.envs' (No module named "
+                                                     "'no_such_package'); is its package on the Python path"),
+    (["--envs", "tests.envs.toy_envs:Coridor"], "argument --envs: env 'tests.envs.toy_envs:Coridor': module "
+                                                "'tests.envs.toy_envs' has no attribute 'Coridor'; did you mean "
+                                                "Corridor?"),
     # The limits were checked by the server's settings, whose message named the field (max_sessions), not the option.
     (["--max-sessions", "0"], "argument --max-sessions: 0 is below 1"),
     (["--workers", "0"], "argument --workers: 0 is below 1"),
@@ -39,9 +49,34 @@ def test_a_port_env_or_limit_that_cannot_be_served_is_a_usage_error(argv, needle
 
 
 def test_every_kind_of_env_id_is_taken_as_given():
-    envs = ["sokoban", "FrozenLake", "CartPole-v1", "gym:FrozenLake-v1", "my_package.envs:CorridorEnv"]
+    envs = ["sokoban", "FrozenLake", "CartPole-v1", "gym:FrozenLake-v1", "tests.envs.toy_envs:Corridor"]
     assert parse("--port", "0", "--envs", *envs).envs == envs
     assert parse().port == 8100 and parse().envs is None
+
+
+def test_only_a_module_class_id_is_imported(monkeypatch):
+    """The other ids are checked by name, with no env module imported."""
+    looked_up = []
+    monkeypatch.setattr(ENVS, "get", looked_up.append)
+    parse("--envs", "sokoban", "turnrl/FrozenLake-v0", "CartPole-v1", "gym:FrozenLake-v1")
+    assert looked_up == []
+    parse("--envs", "tests.envs.toy_envs:Corridor")
+    assert looked_up == ["tests.envs.toy_envs:Corridor"]
+
+
+def test_a_module_that_registers_the_gymnasium_id_it_names_is_taken(monkeypatch, tmp_path):
+    """``module:registered/Id-v0``, as env.id takes it: the import registers the id."""
+    (tmp_path / "registers_corridor.py").write_text(
+        "import gymnasium\n"
+        "gymnasium.register('turnrl-test/OptionsCorridor-v0', entry_point='tests.envs.toy_envs:CorridorGymEnv')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = "registers_corridor:turnrl-test/OptionsCorridor-v0"
+    try:
+        assert parse("--envs", spec).envs == [spec]
+    finally:
+        gym.registry.pop("turnrl-test/OptionsCorridor-v0", None)
+        sys.modules.pop("registers_corridor", None)
 
 
 def test_the_limits_given_are_the_servers():

@@ -17,7 +17,8 @@ the turnrl contract (:class:`~turnrl.envs.contract.AgentEnv`):
   ``"action_is_effective"`` and ``"success"``, where given, are bools, and
   whose ``"invalid_reason"``, where given, is a str (or None);
 - the required methods exist (an error names the optional ones too, which an
-  env may leave out: :class:`~turnrl.envs.contract.OptionalMethods` has their defaults);
+  env may leave out: :class:`~turnrl.envs.contract.OptionalMethods` has their defaults)
+  and, after a reset, none raises NotImplementedError (a ``TurnEnv`` stub not overridden);
 - ``instructions()`` is a non-empty str; ``action_names()`` None or a
   non-empty list of distinct strs; ``state_facts()`` a ``StateFacts``;
   ``solve()`` None or a list of strs, and asking for it leaves the state alone;
@@ -29,8 +30,8 @@ the turnrl contract (:class:`~turnrl.envs.contract.AgentEnv`):
   leaving the observation and ``state_facts()`` as they were;
 - ``solve()`` names only actions of ``action_names()`` and, followed from a
   reset, ends the episode with ``info["success"]`` True (skipped with
-  ``deterministic=False``, for envs where chance can spoil a plan, e.g.
-  slippery FrozenLake).
+  ``deterministic=False``, ``turnrl check-env --stochastic``, for envs where
+  chance can spoil a plan, e.g. slippery FrozenLake).
 
 Every check runs; one :class:`EnvCheckError` lists each failure with what to
 fix. It takes milliseconds for the built-in envs.
@@ -38,6 +39,7 @@ fix. It takes milliseconds for the built-in envs.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +50,11 @@ from gymnasium.utils import env_checker
 
 from turnrl.envs.contract import (
     OPTIONAL_METHODS,
+    QUERIES,
     REQUIRED_METHODS,
     AgentEnv,
     StateFacts,
+    call_query,
     env_metrics,
     invalid_reason,
     is_flag,
@@ -65,6 +69,9 @@ GARBAGE_ACTIONS = ("", "   ", "not an action", "<answer>?</answer>", "\x00\u2603
 """Actions that no env names: an env with action names must reject each one, and no env may raise."""
 FIX_CHANCE = "draw all randomness from self.np_random, which reset(seed=...) seeds"
 """What to do about an env whose episodes differ for one seed and one action sequence."""
+FIX_PLAN = ("return a plan that solves the task, or, where chance can spoil a plan (slippery ice), check with "
+            "check_env(env, deterministic=False) (turnrl check-env --stochastic)")
+"""What to do about a plan from ``solve()`` that, followed from a reset, does not reach success."""
 ONE_STEP_TRUNCATION = "truncates after 1 step"
 """Gymnasium's checker forbids truncating after one step; a one-answer env (Bandit) does that by design."""
 
@@ -126,7 +133,7 @@ def check_env(env: AgentEnv, *, seed: int = 0, steps: int = 20, deterministic: b
         methods = ", ".join(f"{method}()" for method in missing)
         required, optional = (", ".join(f"{m}()" for m in names) for names in (REQUIRED_METHODS, OPTIONAL_METHODS))
         raise EnvCheckError(name, [f"no {methods}: an agent env has {required} (and may have {optional}: "
-                                   "turnrl.envs.OptionalMethods)"])
+                                   f"turnrl.envs.OptionalMethods); define {_and([_expected(m) for m in missing])}"])
     report = _Report()
     keywords = missing_reset_keywords(env)
     if keywords:
@@ -134,6 +141,12 @@ def check_env(env: AgentEnv, *, seed: int = 0, steps: int = 20, deterministic: b
                    "options=...): define reset(self, *, seed=None, options=None)")
         if "seed" in keywords:  # every other check resets with a seed
             raise EnvCheckError(name, report.lines())
+    unimplemented = _unimplemented_queries(env, seed)
+    if unimplemented:  # every check calls them: one line says so, not each check the same bare error
+        methods = _and([f"{method}()" for method in unimplemented])
+        report.add(f"{name} raises NotImplementedError from {methods}, which every check calls: define "
+                   f"{_and([_expected(m) for m in unimplemented])}, as turnrl.envs.AgentEnv declares")
+        raise EnvCheckError(name, report.lines())
     if isinstance(env, gym.Env):
         _gymnasium_checks(env.unwrapped, report)
     repeatable = True
@@ -154,6 +167,39 @@ def check_env(env: AgentEnv, *, seed: int = 0, steps: int = 20, deterministic: b
             report.add(f"{title}: raised {type(error).__name__}: {_clip(str(error))}")
     if report.lines():
         raise EnvCheckError(name, report.lines())
+
+
+def _unimplemented_queries(env: AgentEnv, seed: int) -> list[str]:
+    """The required queries that raise NotImplementedError after ``reset(seed=seed)``: those a
+    :class:`~turnrl.envs.contract.TurnEnv` subclass did not override, or a plain class left as stubs. Empty where
+    the reset itself raises: the checks report that."""
+    try:
+        env.reset(seed=seed)
+    except Exception:
+        return []
+    unimplemented = []
+    for query in (q for q in QUERIES if q in REQUIRED_METHODS):
+        try:
+            call_query(env, query)
+        except NotImplementedError:
+            unimplemented.append(query)
+        except Exception:  # a query that fails otherwise: the queries check reports it
+            pass
+    return unimplemented
+
+
+def _expected(method: str) -> str:
+    """``instructions() -> str (task description for the system prompt: goal, symbols, actions)``: what a
+    required method returns, read off its declaration in :class:`~turnrl.envs.contract.AgentEnv`."""
+    declared = vars(AgentEnv)[method]
+    returns = inspect.signature(declared).return_annotation  # the annotation's text: annotations are postponed
+    summary = (inspect.getdoc(declared) or "").splitlines()[0].rstrip(".").replace("``", "")
+    return f"{method}() -> {returns} ({summary[:1].lower()}{summary[1:]})"
+
+
+def _and(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(filter(None, [", ".join(items[:-1]), items[-1]]))
 
 
 def _gymnasium_checks(env: gym.Env, report: _Report) -> None:
@@ -482,10 +528,7 @@ def _check_solve(env: AgentEnv, seed: int, deterministic: bool, report: _Report)
         if (terminated or truncated) and k < len(plan):
             if deterministic:
                 ended = f"the episode ended after {k} of {len(plan)} actions"
-                report.add(f"following solve() from reset(seed={seed}), {ended}")
+                report.add(f"following solve() from reset(seed={seed}), {ended}; {FIX_PLAN}")
             return
     if deterministic and _flag(info, "success") is not True:
-        report.add(
-            f"following solve() from reset(seed={seed}) did not end with info['success'] True; return a plan "
-            "that solves the task (or pass deterministic=False if chance can spoil it)"
-        )
+        report.add(f"following solve() from reset(seed={seed}) did not end with info['success'] True; {FIX_PLAN}")

@@ -83,8 +83,9 @@ def seconds(text: str) -> float:
 
 def env_id(text: str) -> str:
     """An id of ``--envs``, checked at start where it can be without building the env: a built-in name, a
-    registered Gymnasium id or ``gym:<id>`` (a ``module:Class`` is imported only when a client opens one). The
-    server would serve a misspelled id and refuse every session of it."""
+    registered Gymnasium id, ``gym:<id>``, or ``module:Class``, whose module is imported (only for such an id) and
+    the class looked up as the env catalog does. The server would serve a misspelled id, or a module that does not
+    import, and refuse every session of it."""
     import gymnasium as gym
 
     from turnrl.envs.catalog import builtin_name, unknown_env_message
@@ -92,11 +93,30 @@ def env_id(text: str) -> str:
 
     if text.startswith(GYM_PREFIX):
         known = text.removeprefix(GYM_PREFIX) in gym.registry
+    elif ":" in text:  # no registered name has a colon
+        _check_entry_point(text)
+        known = True
     else:
-        known = builtin_name(text) is not None or ":" in text or text in gym.registry
+        known = builtin_name(text) is not None or text in gym.registry
     if not known:
         raise argparse.ArgumentTypeError(unknown_env_message(text).replace("env.id takes", "--envs takes"))
     return text
+
+
+def _check_entry_point(text: str) -> None:
+    """Import a ``module:Class`` id's module and find the class, as :func:`turnrl.envs.catalog.make` does (the
+    attribute may instead be a Gymnasium id the import registers); a usage error says what failed: the module not
+    on the Python path, an import inside it, or no such attribute."""
+    import gymnasium as gym
+
+    from turnrl.envs.catalog import ENVS
+    from turnrl.registry import RegistryError
+
+    try:
+        ENVS.get(text)
+    except RegistryError as error:
+        if text.partition(":")[2] not in gym.registry:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
