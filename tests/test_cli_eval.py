@@ -239,3 +239,16 @@ def test_eval_variants_file_of_binary_bytes_is_one_line(tmp_path):
         main(["eval", "--env", "Bandit", "--policy", "random", "--variants", str(tmp_path / "v.yaml")])
     assert str(info.value.code).startswith(f"error: --variants {tmp_path / 'v.yaml'}: not a YAML file (")
 
+
+
+@pytest.mark.parametrize("with_env", [[], ["--env", "FrozenLake"]])
+def test_eval_of_a_run_that_saved_no_model_says_so(with_env, tmp_path):
+    # It said "no env to evaluate on", and with --env that the run "is a directory without config.json".
+    run = tmp_path / "nosave"
+    run.mkdir()
+    (run / "config.yaml").write_text("env:\n  id: FrozenLake\n")
+    (run / "metrics.jsonl").write_text("")
+    message = error_exit(["eval", "--policy", str(run), *with_env])
+    assert message == (f"error: --policy {run} is a run that holds no model: no checkpoint (it saved none: "
+                       "run.save_at_end=false, run.save_every=0, or it stopped before the first) and no sft/model; "
+                       "give a run that saved one, or a model directory")

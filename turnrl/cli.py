@@ -223,11 +223,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         variants_override,
         yaml_mapping,
     )
-    from turnrl.training.run_dir import run_of_model, training_run_inside
+    from turnrl.training.run_dir import is_run_directory, run_of_model, training_run_inside
 
     policy, config_path = args.policy, args.config
     # A run's model plays as it was trained: with the run's env, agent, prompt and sampling settings.
     run = run_of_model(policy)
+    if run is None and Path(policy).is_dir() and is_run_directory(Path(policy)):
+        raise SystemExit(f"error: --policy {policy} is a run that holds no model: no checkpoint (it saved none: "
+                         "run.save_at_end=false, run.save_every=0, or it stopped before the first) and no sft/model; "
+                         "give a run that saved one, or a model directory")
     if run is not None:
         policy = str(run[0])
         if config_path is None:

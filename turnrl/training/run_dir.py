@@ -476,6 +476,13 @@ def training_run_inside(folder: Path) -> str | None:
     return next((name for name in kept if (folder / name).exists()), None)
 
 
+def is_run_directory(path: Path) -> bool:
+    """Whether ``path`` is a run's directory: its ``config.yaml``, and neither a model's ``config.json`` nor a
+    checkpoint's ``trainer_state.pt`` (a checkpoint keeps a copy of its run's ``config.yaml``)."""
+    return (path / "config.yaml").is_file() and not (path / "config.json").is_file() and \
+        not (path / "trainer_state.pt").is_file()
+
+
 def run_of_model(path: str | Path) -> tuple[Path, Path] | None:
     """The model a run saved at ``path`` and that run's directory, or None when ``path`` is no run's model.
 
@@ -487,9 +494,7 @@ def run_of_model(path: str | Path) -> tuple[Path, Path] | None:
     given = Path(path)
     if not given.is_dir():
         return None
-    # A run, not a model (which has a config.json) nor a checkpoint (which keeps a copy of its run's config.yaml).
-    if (given / "config.yaml").is_file() and not (given / "config.json").is_file() and \
-            not (given / "trainer_state.pt").is_file():
+    if is_run_directory(given):
         # A latest checkpoint whose actor is damaged (a disk error, a copy cut short) is passed over.
         checkpoint = newest_whole_actor(given) or latest_checkpoint(given)
         model = checkpoint / "actor" if checkpoint is not None else given / "sft" / "model"
