@@ -110,8 +110,11 @@ def test_an_sft_stage_that_stopped_before_its_model_holds_no_run(tmp_path, tiny_
         preflight(config(tiny_model_dir, tmp_path, "sft.enabled=true"), stage=stage)
     (tmp_path / "run" / "sft" / "model").mkdir()
     for stage in ("train", "sft"):
-        with pytest.raises(ConfigError, match=r"already holds a run \(sft\)"):
+        with pytest.raises(ConfigError, match=r"already holds a run \(sft\)") as info:
             preflight(config(tiny_model_dir, tmp_path, "sft.enabled=true"), stage=stage)
+        # `turnrl sft` then `turnrl train` into the same name: the way on from its SFT model was not said.
+        hint = f"start RL from its SFT model in a new run (model.path={tmp_path / 'run' / 'sft' / 'model'} "
+        assert (hint in str(info.value)) == (stage == "train")
 
 
 def test_demo_seeds_are_checked_only_where_demos_are_played(tmp_path, tiny_model_dir):

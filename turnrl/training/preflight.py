@@ -188,9 +188,12 @@ def preflight(config: TrainConfig, *, stage: str = "train") -> None:
         resumable = stage == "train" and resume_point(run_dir).checkpoint is not None
         resume = (f"continue it with `{turnrl_command()} train resume={run_dir}`, " if resumable else
                   "it holds no checkpoint to continue from; " if stage == "train" else "")
+        sft_model = run_dir / "sft" / "model"
+        start_from = (f"; or start RL from its SFT model in a new run (model.path={sft_model} sft.enabled=false "
+                      "run.name=ANOTHER)" if stage == "train" and not resumable and sft_model.is_dir() else "")
         raise ConfigError(
             f"run directory {run_dir} already holds a run ({', '.join(taken)}); {resume}pick another run.name, "
-            "or pass run.overwrite=true to delete it and start afresh"
+            f"or pass run.overwrite=true to delete it and start afresh{start_from}"
         )
     _say_model(config, source)
 
