@@ -431,3 +431,73 @@ def test_a_device_that_is_none_stops_at_load_time(device):
 @pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:12"])
 def test_every_device_torch_places_a_model_on_loads(device):
     assert load_config(EvalConfig, None, [f"model.device={device}"]).model.device == device
+
+
+def train_error_of(text: str | None, overrides: list[str], tmp_path) -> str:
+    from turnrl.training.train_config import TrainConfig
+
+    path = None
+    if text is not None:
+        path = tmp_path / "recipe.yaml"
+        path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, path, overrides)
+    return str(info.value).replace(repr(str(path)), "FILE")
+
+
+@pytest.mark.parametrize(("text", "overrides", "expected"), [
+    ("run: [1, 2]\n", [], "config file FILE gives a value to the section run (run: [1, 2]); a section takes a mapping "
+                          "of its keys, e.g. run: {KEY: VALUE}"),
+    (None, ["run=[1, 2]"], "override 'run=[1, 2]' gives a value to the section run; set its keys, e.g. run.KEY=VALUE"),
+    ("env: Sokoban\n", [], "config file FILE gives a value to the section env (env: Sokoban); a section takes a "
+                           "mapping of its keys, e.g. env: {KEY: VALUE}"),
+    ("algorithm: {filter: topk}\n", [], "config file FILE gives a value to the section algorithm.filter (algorithm: "
+                                        "{filter: topk}); a section takes a mapping of its keys, e.g. algorithm: "
+                                        "{filter: {KEY: VALUE}}"),
+    ("agent: {max_turns: [1, 2]}\n", [], "config key 'agent.max_turns' takes one value, not a list; write agent: "
+                                         "{max_turns: VALUE}"),
+    (None, ["agent.max_turns=[1, 2]"], "config key 'agent.max_turns' takes one value, not a list; write "
+                                       "agent.max_turns=VALUE"),
+    (None, ["run.name={a: 1}"], "config key 'run.name' takes one value, not a mapping; write run.name=VALUE"),
+    ("sampling: {stop: {a: 1}}\n", [], "config key 'sampling.stop' takes a list, e.g. sampling: {stop: [a, b]}"),
+    ("env: {settings: 6}\n", [], "config key 'env.settings' takes a mapping, e.g. env: {settings: {KEY: VALUE}}"),
+    (None, ["env.settings=6"], "config key 'env.settings' takes a mapping, e.g. env.settings={KEY: VALUE}"),
+])
+def test_a_value_of_the_wrong_shape_in_a_file_or_an_override_says_what_to_write(text, overrides, expected, tmp_path):
+    # A section as a list was a traceback from the reading of text keys ("Index 'output_dir' (str) is not an int");
+    # the others named OmegaConf's classes ("Cannot assign int to Dict[str, Any]", "... to ListConfig").
+    message = train_error_of(text, overrides, tmp_path)
+    assert message.startswith(expected) and "\n" not in message
+
+
+def test_a_dotted_key_in_a_file_says_that_a_file_nests_its_keys(tmp_path):
+    # It read "Key 'run.steps' not in 'TrainConfig'; did you mean run.steps ...?", the key written.
+    assert train_error_of("run.steps: 2\n", [], tmp_path) == (
+        "config file FILE writes the dotted key 'run.steps'; a file nests its keys, as run: {steps: 2} (dotted keys "
+        "are for overrides: run.steps=2)")
+    assert "as env: {settings: {size: 6}}" in train_error_of("env:\n  settings.size: 6\n", [], tmp_path)
+
+
+def test_null_for_a_text_key_that_needs_a_text_says_how_to_write_the_word(tmp_path):
+    # "Incompatible value 'None' for field of type 'str'": null is no text, and the quoted word is one.
+    from turnrl.training.train_config import TrainConfig
+
+    assert train_error_of(None, ["run.name=null"], tmp_path) == (
+        "config key 'run.name' takes a text, not null; write run.name=TEXT, or run.name='null' for the word itself")
+    assert train_error_of("run: {name: }\n", [], tmp_path).startswith(
+        "config key 'run.name' takes a text, not null; write run: {name: TEXT}")
+    assert train_error_of(None, ["agent.max_turns=null"], tmp_path) == (
+        "config key 'agent.max_turns' needs a value, not null; write agent.max_turns=VALUE")
+    assert load_config(TrainConfig, None, ["run.name='null'"]).run.name == "null"
+    assert load_config(TrainConfig, None, ["model.path=null", "env.val_settings=null"]).model.path is None
+
+
+@pytest.mark.parametrize(("override", "hint"), [
+    ("algorithm.filter.method=topk", "; did you mean top_k?"), ("algorithm.kl_kind=K3", "; did you mean k3?"),
+    ("algorithm.sample_mode=turns", "; did you mean turn?"), ("algorithm.filter.method=xyz", ""),
+])
+def test_a_choice_with_a_near_miss_suggests_the_close_value(override, hint, tmp_path):
+    # A Literal key read OmegaConf's "Invalid value 'topk', expected one of [...]", and no choice suggested.
+    key, value = override.split("=")
+    message = train_error_of(None, [override], tmp_path)
+    assert message.startswith(f"{key}={value!r} is not allowed; choose one of [") and message.endswith(f"]{hint}")

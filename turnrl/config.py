@@ -10,7 +10,6 @@ a message that lists what is allowed.
 from __future__ import annotations
 
 import ast
-import difflib
 import inspect
 import math
 import os
@@ -29,6 +28,15 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from turnrl.chat.templates import TEMPLATES
+from turnrl.config_messages import (
+    choice_problem,
+    close_keys,
+    container_mismatch,
+    format_omegaconf_error,
+    key_shapes,
+    shape_problem,
+    yaml_problem,
+)
 from turnrl.registry import Registry, RegistryError, close_names, is_module_attr
 
 T = TypeVar("T")
@@ -61,8 +69,9 @@ def turnrl_command(argv0: str | None = None) -> str:
 
 
 def check_choice(key: str, value: Any, allowed: list[Any] | tuple[Any, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
+    problem = choice_problem(key, value, allowed)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def check_registered(key: str, value: str, registry: Registry[T]) -> T:
@@ -548,50 +557,6 @@ class EvalConfig:
 
 
 # --------------------------------------------------------------------------- loading
-def yaml_problem(error: yaml.YAMLError, where: bool = True) -> str:
-    """PyYAML's error on one line: what is wrong, and (``where``) the line and column of the file where it is
-    (its own text takes four lines, two of them the context's place)."""
-    if not isinstance(error, yaml.MarkedYAMLError) or error.problem is None:
-        return " ".join(str(error).split())
-    mark = error.problem_mark
-    return f"{error.problem} at line {mark.line + 1}, column {mark.column + 1}" if where and mark else error.problem
-
-
-def _container_mismatch(default: Any, given: Any, key: str = "") -> str | None:
-    """The fix where ``given`` has a list for a mapping of ``default`` or the reverse (merge's TypeError names none)."""
-    if isinstance(default, dict) and isinstance(given, dict):
-        found = (_container_mismatch(default.get(name), given[name], f"{key}.{name}".lstrip(".")) for name in given)
-        return next(filter(None, found), None)
-    wanted: dict[type, str] = {dict: f"a mapping, e.g. {key}={{KEY: VALUE}}", list: f"a list, e.g. {key}=[a, b]"}
-    return f"config key {key!r} takes {wanted[type(default)]}" if {type(default), type(given)} == {dict, list} else None
-
-
-def _format_omegaconf_error(error: OmegaConfBaseException) -> str:
-    key = getattr(error, "full_key", None)
-    message = str(error).splitlines()[0]
-    return f"config key {key!r}: {message}" if key else message
-
-
-def _plain_type_error(cls: type, key: str, message: str, overrides: list[str]) -> str | None:
-    """What to write instead, for the OmegaConf type errors that name OmegaConf's own classes or a value the
-    user did not write: an empty value (``run.name=`` reads as None), a word for a list, a value for a whole
-    section (``agent=3``, which OmegaConf reports without a key). None for the others, whose text is plain."""
-    given = dict(item.split("=", 1) for item in overrides if "=" in item)
-    given = {name.strip(): value for name, value in given.items()}
-    if key in given and not given[key].strip() and "Incompatible value 'None'" in message:
-        return f"override '{key}=' gives no value; write {key}=VALUE (`turnrl config show` lists every key)"
-    if key and "is not a ListConfig" in message:
-        return f"config key {key!r} takes a list, e.g. {key}=[a, b] ({key}=[] for none)"
-    if key:
-        return None
-    sections = {name.rsplit(".", 1)[0] for name in _allowed_keys(cls) if "." in name}
-    section = next((name for name in given if name in sections and not given[name].lstrip().startswith("{")), None)
-    if section is not None:
-        return (f"override '{section}={given[section]}' gives a value to the section {section}; set its keys, "
-                f"e.g. {section}.KEY=VALUE (`turnrl config show` lists them)")
-    return None
-
-
 @dataclass(frozen=True)
 class KeyDoc:
     """One settable key of a config: its dotted name, its default and its one-line documentation."""
@@ -640,22 +605,6 @@ def config_keys(config: Any, prefix: str = "") -> list[KeyDoc]:
 
 def _allowed_keys(cls: type) -> list[str]:
     return [item.key for item in config_keys(cls)]
-
-
-def close_keys(key: str, allowed: list[str], n: int = 3) -> list[str]:
-    """The allowed keys closest to a mistyped ``key``: by the whole dotted name, then by its last part
-    (``max_turn`` finds ``agent.max_turns``; ``sampling.temprature`` finds ``sampling.temperature``); a
-    mistyped section (``samplng``) finds its section."""
-    sections = sorted({name.rsplit(".", 1)[0] for name in allowed if "." in name})
-    allowed = [*allowed, *sections]
-    matches = difflib.get_close_matches(key, allowed, n=n, cutoff=0.75)
-    leaf = key.rsplit(".", 1)[-1]
-    by_leaf: dict[str, list[str]] = {}
-    for name in allowed:
-        by_leaf.setdefault(name.rsplit(".", 1)[-1], []).append(name)
-    for near in difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.75):
-        matches.extend(name for name in by_leaf[near] if name not in matches)
-    return matches[:n]
 
 
 def given_keys(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -716,6 +665,13 @@ def _as_written(layer: DictConfig, written: Any, keys: set[str]) -> None:
             OmegaConf.update(layer, key, items, merge=False)
 
 
+def _check_shapes(problem: str | None) -> None:
+    """Stop at a value of a shape its key does not take, before OmegaConf's merge, whose messages name its own
+    classes (``Cannot assign int to Dict[str, Any]``) or fail in the reading of text keys (a section as a list)."""
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def load_config(
     cls: type[T],
     path: str | Path | None = None,
@@ -732,6 +688,7 @@ def load_config(
         ConfigError: unknown key, wrong type, malformed override or invalid choice.
     """
     base = OmegaConf.structured(cls)
+    shapes = key_shapes(cls)
     layers = []
     if path is not None:
         path = Path(path)
@@ -751,6 +708,7 @@ def load_config(
                               "scalar")
         for section in skip_sections:
             layer.pop(section, None)
+        _check_shapes(shape_problem(OmegaConf.to_container(layer), shapes, file=str(path)))
         _as_written(layer, yaml.load(path.read_text(), Loader=yaml.BaseLoader), text_keys(cls))
         layers.append(layer)
     for item in overrides or []:
@@ -761,6 +719,7 @@ def load_config(
         except yaml.YAMLError as error:
             problem = yaml_problem(error, where=False)
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {problem}") from error
+        _check_shapes(shape_problem(OmegaConf.to_container(override), shapes, override=item))
         key, text = (part.strip() for part in item.split("=", 1))
         written: Any = yaml.load(text, Loader=yaml.BaseLoader)  # every scalar a string, as typed
         for part in reversed(key.split(".")):
@@ -772,16 +731,13 @@ def load_config(
         config = OmegaConf.to_object(merged)
     except TypeError as error:  # a list met a mapping: a key=value whose dotted key goes into a list, or a value
         indexed = [item for item in overrides or [] if re.search(r"\.\d+(\.|=)", item.split("=", 1)[0] + "=")]
-        found = (_container_mismatch(OmegaConf.to_container(base), OmegaConf.to_container(layer)) for layer in layers)
+        found = (container_mismatch(OmegaConf.to_container(base), OmegaConf.to_container(layer)) for layer in layers)
         mismatch = None if indexed else next(filter(None, found), None)
         named = f"override {indexed[0]!r} sets" if indexed else "an override sets"
         raise ConfigError(mismatch or f"{named} an item of a list by its index, which overrides cannot do ({error}); "
                           "set the whole list, e.g. variants=[{name: big, settings: {size: 8}}]") from error
     except OmegaConfBaseException as error:
-        message = _format_omegaconf_error(error)
-        plain = _plain_type_error(cls, str(getattr(error, "full_key", None) or ""), message, overrides or [])
-        if plain is not None:
-            raise ConfigError(plain) from error
+        message = format_omegaconf_error(error)
         if "not in" in message:
             # One line, with the likely key: ~110 keys on a line help nobody.
             message = message.split(". Did you mean", 1)[0].rstrip(".")
