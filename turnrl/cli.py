@@ -589,7 +589,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("settings", nargs="*", help=settings_help)
     p.set_defaults(fn=cmd_render)
 
-    p = sub.add_parser("check-env", help="check an env against turnrl's contract (and Gymnasium's checker)")
+    p = sub.add_parser("check-env", help="check an env against turnrl's contract (and Gymnasium's checker)",
+                       description="Build the env with the settings given and check it as a run would use it: "
+                                   "Gymnasium's env checker, then turnrl's contract (the same seed gives the same "
+                                   "episode, invalid actions never raise, observation and info types, the required "
+                                   "methods, the solver's plan succeeds); every failure is listed with what to fix. "
+                                   "See docs/extending.md.")
     p.add_argument("env", help=env_help)
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the episodes checked (default: 0)")
     p.add_argument("--stochastic", action="store_true", help="the env is random given its seed and actions "
@@ -620,7 +625,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help=overrides_help)
     p.set_defaults(fn=cmd_eval)
 
-    p = sub.add_parser("sft", help="supervised fine-tuning on expert demos or a JSONL of chats")
+    p = sub.add_parser("sft", help="supervised fine-tuning on expert demos or a JSONL of chats",
+                       description="Fine-tune the recipe's model on its env's expert demos (or --data chats) and "
+                                   "save it as RUN/sft/model; RL can start from it in a new run with "
+                                   "model.path=RUN/sft/model sft.enabled=false.")
     p.add_argument("--config", help="recipe YAML (default: the built-in defaults)")
     p.add_argument("--data", help="JSONL of chat conversations instead of expert demos (same as sft.data=...)")
     p.add_argument("overrides", nargs="*", help=overrides_help)
@@ -659,7 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the --model text), "
                                                "e.g. my-model for `turnrl eval --policy openai:my-model`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=port, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on; 0 picks a free one and says which "
+                                                           "(default: 8000)")
     p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--max-batch-size", type=count_arg, default=32,
                    help="prompts generated together at most (default: 32)")
@@ -683,7 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_serve_env)
 
     p = sub.add_parser("view", help="write the HTML report of a run or eval folder, optionally serve it",
-                       description="Write RUN_OR_EVAL_DIR/report.html (episodes, images, rewards, advantages, "
+                       description="Write RUN_DIR_OR_EVAL_DIR/report.html (episodes, images, rewards, advantages, "
                                    "training curves) and plots/*.png; see docs/viewer.md.")
     add_view_arguments(p)
     p.set_defaults(fn=cmd_view)

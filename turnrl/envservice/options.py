@@ -123,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``turnrl serve-env``."""
     defaults = ServerLimits()
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=port, default=8100, help="port to listen on (default: 8100)")
+    parser.add_argument("--port", type=port, default=8100,
+                        help="port to listen on; 0 picks a free one and says which (default: 8100)")
     parser.add_argument("--token", default=None,
                         help=f"bearer token clients must send (default: ${TOKEN_ENV_VAR} if set, else no auth)")
     parser.add_argument("--envs", nargs="+", type=env_id, default=None, metavar="ENV_ID",
@@ -133,10 +134,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions-per-client", type=count, default=defaults.max_sessions_per_client,
                         help=f"open sessions per client at most (default: {defaults.max_sessions_per_client})")
     parser.add_argument("--idle-timeout", type=seconds, default=defaults.idle_timeout_s,
-                        help="seconds before an unused session is closed")
+                        help=f"seconds before an unused session is closed (default: {defaults.idle_timeout_s:g})")
     parser.add_argument("--max-body-bytes", type=count, default=defaults.max_body_bytes,
                         help=f"largest request body in bytes (default: {defaults.max_body_bytes})")
-    parser.add_argument("--max-batch", type=count, default=defaults.max_batch, help="items per request at most")
+    parser.add_argument("--max-batch", type=count, default=defaults.max_batch,
+                        help=f"items per request at most (default: {defaults.max_batch})")
     parser.add_argument("--workers", type=count, default=defaults.workers,
                         help=f"threads running env calls; a batch's sessions step on up to this many at once "
                              f"(default: {defaults.workers})")
