@@ -148,7 +148,7 @@ def test_env_remote_without_a_server_is_a_config_error_before_anything_runs(tmp_
     assert not any(tmp_path.iterdir())
 
 
-def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path):
+def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path, capsys):
     from turnrl.config import load_config
     from turnrl.training.commands import train
     from turnrl.training.train_config import TrainConfig
@@ -162,6 +162,7 @@ def test_a_training_run_steps_its_envs_on_a_server(tiny_model_dir, tmp_path):
             "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4"])
         summary = train(config)
         assert httpx.get(url + "/health").json()["sessions"] == 0, "the run closed its sessions"
+    assert f"remote: FrozenLake (envs served at {url}), gae," in " ".join(capsys.readouterr().out.split())
     assert "val_success_after_rl" in summary
     records = [json.loads(line) for line in (tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("rollout/episodes") == 4.0 and r.get("rollout/errors") == 0.0 for r in records)

@@ -449,8 +449,9 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
         processes = f", {world} trainer process{'es' if world > 1 else ''}{' (FSDP)' if world > 1 else ''} and " \
                     f"{pool} rollout process{'es' if pool > 1 else ''}"
     compiled = f", {trainer.compiled_parts} layer parts compiled" if trainer.compiled_parts else ""
-    console.print(f"[bold]turnrl train[/bold] {config.run.name}: {config.env.id}, {config.algorithm.advantage}, "
-                  f"run dir {trainer.run_dir}{processes}{compiled}")
+    remote = f" (envs served at {', '.join(config.env.remote)})" if config.env.remote else ""
+    console.print(f"[bold]turnrl train[/bold] {escape(config.run.name)}: {escape(config.env.id)}{escape(remote)}, "
+                  f"{config.algorithm.advantage}, run dir {escape(str(trainer.run_dir))}{processes}{compiled}")
     logger = MetricsLogger(trainer.run_dir, config.run.tensorboard, config.run.wandb_project,
                            config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))),
                            resume_step=trainer.first_step if resumed else None) if ranks.is_main() else None
