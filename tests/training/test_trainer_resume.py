@@ -332,16 +332,20 @@ def test_a_resume_that_changes_the_lora_settings_is_refused(tiny_model_dir, tmp_
     assert "model.path=" in message and "step_000001" in message
 
 
-def test_a_resume_that_changes_the_built_in_model_or_where_the_run_lives_is_refused(tmp_path):
+def test_a_resume_that_changes_the_built_in_model_is_refused_and_its_config_says_where_the_run_lives(tmp_path):
     """The weights load from the checkpoint whatever the preset says: the run went on with the tiny model while its
-    config.yaml said small; and an output_dir given would send a later ``--config RUN/config.yaml`` elsewhere."""
+    config.yaml said small; and an output_dir given was written there, sending a later ``--config RUN/config.yaml``
+    run elsewhere."""
     run = tmp_path / "run"
     train(config(None, tmp_path, "model.builtin_preset=tiny", "algorithm.advantage=grpo", "run.steps=1"))
     before = (run / "config.yaml").read_text()
-    message = resume_error(run, "run.steps=2", "model.builtin_preset=small", "run.output_dir=elsewhere")
-    assert f"changes model.builtin_preset: 'tiny' -> 'small'; run.output_dir: '{tmp_path}' -> 'elsewhere'" in message
-    assert "model.path=" in message and "step_000001" in message
+    message = resume_error(run, "run.steps=2", "model.builtin_preset=small")
+    assert "changes model.builtin_preset: 'tiny' -> 'small': step_000001 holds the model the run was built as" in \
+        message and f"model.path={run / 'checkpoints' / 'step_000001' / 'actor'}" in message
     assert (run / "config.yaml").read_text() == before
+    assert main(["train", f"resume={run}", "run.steps=2", "run.output_dir=elsewhere", "run.name=other"]) == 0
+    written = load_config(TrainConfig, run / "config.yaml").run
+    assert (written.output_dir, written.name, written.steps) == (str(tmp_path), "run", 2)
 
 
 def resume_error(run: Path, *overrides: str) -> str:

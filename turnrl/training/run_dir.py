@@ -14,7 +14,7 @@ import shutil
 import socket
 import time
 from contextlib import nullcontext
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -151,29 +151,24 @@ def lora_change(saved: TrainConfig, checkpoint: Path, config: TrainConfig) -> st
             f"(model.path={checkpoint / 'actor'})")
 
 
-KEPT_ON_RESUME = ("model.builtin_preset", "model.builtin_template", "run.output_dir", "run.name")
-"""Settings a resume cannot change: the built-in model the checkpoints' weights were trained as (their shapes are
-that preset's; the weights load from the checkpoint whatever the setting says), and where the run lives (its
-``config.yaml`` would send a later ``--config RUN/config.yaml`` run elsewhere)."""
+KEPT_ON_RESUME = ("builtin_preset", "builtin_template")
+"""The model settings a resume of a built-in model's run cannot change: its checkpoints' weights have that
+preset's shapes and load whatever the setting says, so the run's ``config.yaml`` would name a model it never
+trained."""
 
 
 def kept_setting_change(saved: TrainConfig, checkpoint: Path, config: TrainConfig) -> str | None:
     """Why ``config`` cannot resume ``checkpoint`` with other :data:`KEPT_ON_RESUME` settings than the run's
-    (``saved``, :func:`saved_config`), or None. A built-in preset matters only where the run has no
-    ``model.path``."""
-    keys = [key for key in KEPT_ON_RESUME if saved.model.path is None or not key.startswith("model.")]
-    changed = [f"{key}: {_setting(saved, key)!r} -> {_setting(config, key)!r}" for key in keys
-               if _setting(saved, key) != _setting(config, key)]
+    (``saved``, :func:`saved_config`), or None (also for a run of a ``model.path``)."""
+    if saved.model.path is not None:
+        return None
+    changed = [f"model.{name}: {getattr(saved.model, name)!r} -> {getattr(config.model, name)!r}"
+               for name in KEPT_ON_RESUME if getattr(saved.model, name) != getattr(config.model, name)]
     if not changed:
         return None
     return (f"resume={config.resume!r} changes {'; '.join(changed)}: {checkpoint.name} holds the model the run "
-            "was built as, in the folder it lives in; resume with the run's own (leave them out), or start a new "
-            f"run from its model (model.path={checkpoint / 'actor'}) or under another run.name")
-
-
-def _setting(config: TrainConfig, key: str) -> Any:
-    section, name = key.split(".")
-    return getattr(getattr(config, section), name)
+            "was built as; resume with the run's own (leave them out), or start a new run from its model "
+            f"(model.path={checkpoint / 'actor'})")
 
 
 def critic_dropped(run_dir: Path, resumed: TrainConfig) -> str | None:
@@ -209,12 +204,15 @@ def changed_settings(run: dict[str, Any], resumed: TrainConfig) -> list[str]:
 def write_resumed_config(config: TrainConfig) -> list[str]:
     """The run's ``config.yaml`` rewritten with a resume's settings (once its checkpoint has loaded); returns the
     settings it changed (:func:`changed_settings`)."""
-    path = run_directory(config) / "config.yaml"
+    run_dir = run_directory(config)
+    path = run_dir / "config.yaml"
     try:
         run = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):  # the resume's checks read it whole: damaged since, no note
         run = None
-    write_config(config)
+    # Where the run lives, whatever the resume was given (or the run's folder was moved): a later
+    # `--config RUN/config.yaml` run then writes where this one is, not where another run.output_dir pointed.
+    write_config(replace(config, run=replace(config.run, output_dir=str(run_dir.parent), name=run_dir.name)))
     return changed_settings(run, config) if isinstance(run, dict) else []
 
 
