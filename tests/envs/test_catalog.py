@@ -130,6 +130,30 @@ def test_module_class_settings_are_checked_against_the_constructor():
         make("tests.envs.toy_envs:Corridor", width=3)
 
 
+def test_module_class_settings_are_checked_against_the_constructors_annotations():
+    """``length="abc"`` reached the constructor and failed at reset in the env's arithmetic (a TypeError)."""
+    with pytest.raises(ValueError, match=r"^length must be an int, got a str: 'abc'$"):
+        make("tests.envs.toy_envs:Corridor", length="abc")
+    with pytest.raises(ValueError, match=r"^length must be an int, got a bool: True$"):
+        make("tests.envs.toy_envs:Corridor", length=True)
+    assert make("tests.envs.toy_envs:Corridor", length=7).length == 7
+
+
+def test_type_problems_read_plain_and_optional_annotations_and_leave_the_others():
+    from turnrl.envs.settings import type_problems
+
+    def factory(n: int = 1, rate: float = 0.5, flag: bool = False, name: str = "x", maybe: int | None = None,
+                either: int | str = 1, anything=None):
+        return None
+
+    assert type_problems(factory, {"n": 3, "rate": 1, "flag": True, "name": "y", "maybe": None, "either": "z",
+                                   "anything": [1]}) == []
+    assert type_problems(factory, {"n": 2.5, "rate": "fast", "flag": "false", "name": 3, "maybe": "2"}) == [
+        "n must be an int, got a float: 2.5", "rate must be a number, got a str: 'fast'",
+        "flag must be a bool (true or false), got a str: 'false'", "name must be a str, got an int: 3",
+        "maybe must be an int, got a str: '2'"]
+
+
 def test_module_class_without_the_contract_is_refused_naming_what_is_missing():
     with pytest.raises(TypeError) as info:
         make("tests.envs.toy_envs:NoInstructions")

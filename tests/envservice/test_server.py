@@ -422,7 +422,7 @@ def test_hostile_settings_and_options_get_a_one_line_400_and_the_server_stays_up
         ("/v1/reset", b'{"items": [{"session": "' + session.encode() + b'", "options": {"a": ' + b"[" * 700
          + b"]" * 700 + b"}}]}", "options cannot be read: it is nested too deep"),
         ("/v1/sessions", b'{"env_id": "Bandit", "settings": {"\\udfff": 1}}', "no setting \\udfff"),
-        ("/v1/validate", b'{"env_id": "Bandit", "settings": {"max_steps": Infinity}}', "cannot convert float infinity"),
+        ("/v1/validate", b'{"env_id": "Bandit", "settings": {"max_steps": Infinity}}', "max_steps must be an int, got a float: inf"),
         ("/v1/validate", b'{"env_id": "Bandit", "a\\nb\\u2028c": 1}', "a b c: Extra inputs are not permitted"),
         ("/v1/sessions", json.dumps({"env_id": "Bandit", "settings": {"img": array}}).encode(), "has no setting img"),
     ]

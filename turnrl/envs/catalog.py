@@ -16,7 +16,14 @@ import gymnasium as gym
 
 from turnrl.envs.contract import AgentEnv, AgentEnvWrapper, TurnEnv, missing_methods
 from turnrl.envs.gym_adapter import GYM_PREFIX, make_image_env
-from turnrl.envs.settings import check_settings, did_you_mean, keyword_parameters, literal_choices, registered_settings
+from turnrl.envs.settings import (
+    check_settings,
+    did_you_mean,
+    keyword_parameters,
+    literal_choices,
+    registered_settings,
+    type_problems,
+)
 from turnrl.registry import Registry, RegistryError
 
 EnvFactory = Callable[..., AgentEnv]
@@ -172,6 +179,9 @@ def _build(label: str, factory: EnvFactory, settings: dict[str, Any]) -> AgentEn
     if inspect.isclass(factory) and missing_methods(factory):
         raise TypeError(_not_an_agent_env(label, factory.__name__, missing_methods(factory)))
     check_settings(label, keyword_parameters(factory), settings)
+    problems = type_problems(factory, settings)
+    if problems:
+        raise ValueError("; ".join(problems))  # the callers name the env and the setting (build_env)
     env = factory(**settings)
     if missing_methods(env):
         raise TypeError(_not_an_agent_env(label, type(env).__name__, missing_methods(env)))

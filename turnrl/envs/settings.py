@@ -4,6 +4,7 @@ built (the registry and the Gymnasium adapter both check them)."""
 from __future__ import annotations
 
 import inspect
+import numbers
 import types
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -14,7 +15,7 @@ from gymnasium.envs.registration import load_env_creator
 from turnrl.registry import close_names
 
 __all__ = ["check_settings", "close_names", "did_you_mean", "keyword_parameters", "literal_choices",
-           "registered_settings"]
+           "registered_settings", "type_problems"]
 
 
 def keyword_parameters(factory: Callable[..., Any]) -> dict[str, Any] | None:
@@ -42,6 +43,41 @@ def literal_choices(factory: Callable[..., Any]) -> dict[str, tuple[Any, ...]]:
         if name != "return" and len(options) == 1 and get_origin(options[0]) is Literal:
             choices[name] = get_args(options[0])
     return choices
+
+
+PLAIN_TYPES: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    bool: ("a bool (true or false)", lambda value: isinstance(value, bool)),
+    int: ("an int", lambda value: isinstance(value, numbers.Integral) and not isinstance(value, bool)),
+    float: ("a number", lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool)),
+    str: ("a str", lambda value: isinstance(value, str)),
+}
+"""The annotations :func:`type_problems` checks a setting against: what to call each, and whether a value is one."""
+
+
+def type_problems(factory: Callable[..., Any], settings: dict[str, Any]) -> list[str]:
+    """What is wrong with the types of ``settings`` for the keyword parameters of ``factory`` (a class: its
+    ``__init__``) annotated as a plain ``bool``, ``int``, ``float`` or ``str`` (or one of them or None), one line
+    each: ``length must be an int, got a str: 'abc'``. A setting of a wrong type otherwise fails deep in the env
+    (a TypeError in its arithmetic at reset), or not at all (``"false"`` is a true flag). Other annotations, and
+    those that cannot be read here, are not checked."""
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        hints = get_type_hints(target)
+    except (NameError, TypeError, AttributeError):
+        return []
+    problems = []
+    for name, value in settings.items():
+        hint = hints.get(name)
+        options = [arg for arg in get_args(hint) if arg is not type(None)] if get_origin(hint) is Union or \
+            isinstance(hint, types.UnionType) else [hint]
+        if len(options) != 1 or options[0] not in PLAIN_TYPES or (value is None and len(get_args(hint)) == 2):
+            continue
+        described, accepts = PLAIN_TYPES[options[0]]
+        if not accepts(value):
+            given = type(value).__name__
+            problems.append(f"{name} must be {described}, got {'an' if given[0] in 'aeiou' else 'a'} {given}: "
+                            f"{value!r:.40}")
+    return problems
 
 
 def did_you_mean(words: Iterable[str], names: Iterable[str]) -> str:
