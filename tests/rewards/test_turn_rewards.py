@@ -161,9 +161,13 @@ def test_load_reward_fn_takes_functions_classes_and_builtin_names():
                          r"'worldmodel'\]; did you mean overlong\? or name one of your own as module:attr"),
         ("tests.rewards.nowhere:fn", {}, "cannot import module 'tests.rewards.nowhere'"),
         ("tests.rewards.test_turn_rewards:missing", {}, "has no attribute 'missing'"),
-        ("tests.rewards.test_turn_rewards:response_length", {"sclae": 1.0}, "bad settings"),
+        ("tests.rewards.test_turn_rewards:response_length", {"sclae": 1.0},
+         r"^rewards.extra 'r' \(tests.rewards.test_turn_rewards:response_length\) has no setting sclae; did you mean "
+         r"scale\? allowed: scale=1.0$"),
         ("tests.rewards.test_turn_rewards:needs_a_setting", {}, "bad settings .* missing a required argument: 'scale'"),
-        ("tests.rewards.test_turn_rewards:Counted", {"bonus": 1, "other": 2}, "bad settings"),
+        ("tests.rewards.test_turn_rewards:Counted", {"bonus": 1, "other": 2}, "has no setting other; allowed: bonus"),
+        ("overlong", {"max_token": 5, "buffer": 2}, r"^rewards.extra 'r' \(overlong\) has no setting max_token; did you "
+                                                    r"mean max_tokens\? allowed: max_tokens, buffer$"),
         ("tests.rewards.test_turn_rewards:CALLS", {}, "got a value of type list, which is not callable"),
         ("tests.rewards.test_turn_rewards:no_turns", {}, r"a reward \(or a class whose instances are one\) must be a "
                                                          r"function or callable object taking \(turns\).*no_turns\(\), "

@@ -94,7 +94,7 @@ def check_settings(label: str, allowed: dict[str, Any] | None, settings: dict[st
         return
     unknown = sorted(set(settings) - set(allowed))
     if unknown:
-        listing = ", ".join(f"{k}={v!r}" for k, v in allowed.items())
+        listing = ", ".join(k if v is inspect.Parameter.empty else f"{k}={v!r}" for k, v in allowed.items())
         hint = did_you_mean(unknown, allowed)
         raise ValueError(f"{label} has no setting {', '.join(unknown)}; {hint}allowed: {listing}")
 
