@@ -252,3 +252,12 @@ def test_eval_of_a_run_that_saved_no_model_says_so(with_env, tmp_path):
     assert message == (f"error: --policy {run} is a run that holds no model: no checkpoint (it saved none: "
                        "run.save_at_end=false, run.save_every=0, or it stopped before the first) and no sft/model; "
                        "give a run that saved one, or a model directory")
+
+
+def test_eval_of_a_text_model_on_an_image_env_is_one_line(tmp_path):
+    # A ValueError traceback from the rollout's first turn.
+    message = error_exit(["eval", "--env", "Sokoban", "--policy", "builtin", "--episodes", "1",
+                          "--out", str(tmp_path / "eval"), "env.settings.mode=image"])
+    assert message == ("error: SokobanEnv observes images but the policy is a text-only model, which would play "
+                       "blind: use a vision-language model (a vlm-* preset, or a Qwen2-VL, Qwen2.5-VL or Qwen3-VL "
+                       "model) or the env text mode (env.settings.mode=text)")

@@ -35,6 +35,7 @@ from turnrl.envs.contract import (
     MAX_TEXT_LENGTH,
     AgentEnv,
     StateFacts,
+    TurnEnv,
     env_metrics,
     invalid_reason,
     state_key,
@@ -445,14 +446,17 @@ class Rollout:
                 submit([episode for episode in playing if not episode.finished])
 
     def _check_can_see(self, episodes: list[_Episode]) -> None:
-        """Refuse image observations for a token policy that cannot take pixels: it would play blind."""
-        if not self.policy.accepts_images:
-            image_envs = {type(episode.slot.env).__name__ for episode in episodes if "image" in episode.last_obs}
-            if image_envs:
-                raise ValueError(
-                    f"{', '.join(sorted(image_envs))} is in an image mode but the policy is a text-only model; "
-                    "set env.settings.mode=text, or use a policy that accepts images"
-                )
+        """Refuse image observations for a token policy that cannot take pixels: it would play blind (a
+        ConfigError: the run's or evaluation's settings do not go together, said in one line)."""
+        if self.policy.accepts_images:
+            return
+        seeing = [episode.slot.env for episode in episodes if "image" in episode.last_obs]
+        if seeing:
+            names = ", ".join(sorted({type(env).__name__ for env in seeing}))
+            text_mode = all(isinstance(env, TurnEnv) and "text" in env.modes for env in seeing)
+            raise ConfigError(f"{names} observes images but the policy is a text-only model, which would play "
+                              "blind: use a vision-language model (a vlm-* preset, or a Qwen2-VL, Qwen2.5-VL or "
+                              f"Qwen3-VL model){' or the env text mode (env.settings.mode=text)' if text_mode else ''}")
 
     def _map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         start = time.perf_counter()
