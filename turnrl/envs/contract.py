@@ -215,17 +215,18 @@ def step_answer_problems(reward: Any, terminated: Any, truncated: Any, info: Map
     line each; empty when nothing is. The rollout reads each flag with ``bool()`` and the reward with
     ``float()``, where the str ``"False"`` is true and the str ``"1"`` a reward, so it refuses them here.
     Whether a number is finite is not asked: a NaN reward is the rewards' to score (``on_error``)."""
-    problems = [] if is_number(reward) else [f"the reward must be a number, got {_shown(reward)}"]
-    problems += [f"{name} must be a bool, got {_shown(value)}"
+    problems = [] if is_number(reward) else [f"the reward must be a number, got {described(reward)}"]
+    problems += [f"{name} must be a bool, got {described(value)}"
                  for name, value in (("terminated", terminated), ("truncated", truncated)) if not is_flag(value)]
-    problems += [f"info[{key!r}] must be a bool, got {_shown(info[key])}"
+    problems += [f"info[{key!r}] must be a bool, got {described(info[key])}"
                  for key in INFO_FLAGS if key in info and not is_flag(info[key])]
     return problems
 
 
-def _shown(value: Any) -> str:
-    """A value's type and its start, for a message: ``a str: 'False'``."""
-    return f"a {type(value).__name__}: {value!r:.40}"
+def described(value: Any) -> str:
+    """A value's type and its start, for a message: ``a str: 'False'``, ``an int: 0``."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}: {value!r:.40}"
 
 
 Method = TypeVar("Method", bound=Callable[..., Any])

@@ -12,6 +12,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import gymnasium as gym
 from gymnasium.envs.registration import load_env_creator
 
+from turnrl.envs.contract import described
 from turnrl.registry import close_names
 
 __all__ = ["check_settings", "close_names", "did_you_mean", "keyword_parameters", "literal_choices",
@@ -72,11 +73,9 @@ def type_problems(factory: Callable[..., Any], settings: dict[str, Any]) -> list
             isinstance(hint, types.UnionType) else [hint]
         if len(options) != 1 or options[0] not in PLAIN_TYPES or (value is None and len(get_args(hint)) == 2):
             continue
-        described, accepts = PLAIN_TYPES[options[0]]
+        expected, accepts = PLAIN_TYPES[options[0]]
         if not accepts(value):
-            given = type(value).__name__
-            problems.append(f"{name} must be {described}, got {'an' if given[0] in 'aeiou' else 'a'} {given}: "
-                            f"{value!r:.40}")
+            problems.append(f"{name} must be {expected}, got {described(value)}")
     return problems
 
 
