@@ -241,7 +241,7 @@ def test_a_documented_command_names_settings_that_exist(name, line, argv, monkey
     run's config.yaml, is not there to read)."""
     from turnrl.cli import build_parser
     from turnrl.config import EvalConfig, load_config
-    from turnrl.evaluate import training_sections
+    from turnrl.eval_settings import training_sections
     from turnrl.training.train_config import TrainConfig
 
     monkeypatch.chdir(README.parent)

@@ -213,16 +213,8 @@ def cmd_check_env(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- eval / sft / train / serve
 def cmd_eval(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, EvalConfig, given_keys, load_config
-    from turnrl.evaluate import (
-        BUDGET_KEYS,
-        at_validation_temperature,
-        config_env,
-        default_eval_dir,
-        run_eval,
-        training_sections,
-        variants_override,
-        yaml_mapping,
-    )
+    from turnrl.eval_settings import BUDGET_KEYS, at_validation_temperature, config_env, training_sections, yaml_mapping
+    from turnrl.evaluate import default_eval_dir, run_eval, variants_override
     from turnrl.training.run_dir import is_run_directory, run_of_model, training_run_inside
 
     policy, config_path = args.policy, args.config
@@ -509,7 +501,7 @@ def cmd_serve_policy(args: argparse.Namespace) -> int:
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     from turnrl.config import ConfigError, EvalConfig, config_keys, load_config
-    from turnrl.evaluate import BUDGET_KEYS, at_validation_temperature, training_sections
+    from turnrl.eval_settings import BUDGET_KEYS, at_validation_temperature, training_sections
     from turnrl.training.train_config import TrainConfig
 
     cls: type = EvalConfig if args.eval else TrainConfig

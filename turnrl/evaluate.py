@@ -51,7 +51,6 @@ from turnrl.config import (
     EnvConfig,
     EvalConfig,
     VariantConfig,
-    given_keys,
     to_yaml,
 )
 from turnrl.envs.contract import AgentEnv, optional_methods
@@ -67,7 +66,6 @@ from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import ERROR, TRUNCATED, Trajectory, write_trajectories
 from turnrl.training.logger import RunProgress
 from turnrl.training.seeding import step_seed
-from turnrl.training.train_config import TrainConfig, ValidationConfig
 from turnrl.viz.records import VARIANT_COLUMNS, VARIANTS_DIR
 from turnrl.viz.report import write_report
 
@@ -504,9 +502,8 @@ def evaluate_variants(
     return result
 
 
-# --------------------------------------------------------------------------- reading a recipe for `turnrl eval`
-
-BUDGET_KEYS = ("agent.max_turns", "agent.max_actions_per_episode")
+# --------------------------------------------------------------------------- the command's folder and variants
+# (what it reads of a recipe: turnrl/eval_settings.py)
 
 
 def default_eval_dir(env: str, policy: str, now: float | None = None) -> Path:
@@ -560,41 +557,3 @@ def variant_problem(variant: Any) -> str | None:
     if not isinstance(variant.get("settings", {}), dict):
         return "has settings that are not a mapping; write them as settings: {KEY: VALUE}, e.g. {size: 8}"
     return None
-
-
-def yaml_mapping(path: str | None) -> dict[str, Any]:
-    """The top-level mapping of a YAML file; empty when there is none (no file, not YAML, not a mapping:
-    :func:`turnrl.config.load_config` says what is wrong with it)."""
-    if path is None or not Path(path).is_file():
-        return {}
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (yaml.YAMLError, UnicodeDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def config_env(config_path: str | None) -> str | None:
-    """The ``env.id`` a YAML config names, or None."""
-    env = yaml_mapping(config_path).get("env")
-    return str(env["id"]) if isinstance(env, dict) and "id" in env else None
-
-
-def training_sections() -> set[str]:
-    """The top-level sections of a training recipe that ``turnrl eval`` has no keys of: reading a recipe (or a run's
-    ``config.yaml``), it skips them."""
-    return {f.name for f in fields(TrainConfig)} - {f.name for f in fields(EvalConfig)}
-
-
-def at_validation_temperature(config_path: str | None, overrides: list[str]) -> list[str]:
-    """The override that makes an evaluation with a training recipe (or a run's ``config.yaml``) sample at the
-    recipe's validation temperature, as its validation did (it evaluates with the recipe's own env, agent and
-    sampling settings otherwise); none where ``overrides`` set ``sampling.temperature`` or the config is no recipe."""
-    data = yaml_mapping(config_path)
-    if not training_sections() & set(data) or "sampling.temperature" in given_keys(None, overrides):
-        return []
-    validation = data.get("validation")
-    temperature = validation.get("temperature") if isinstance(validation, dict) else None
-    if not isinstance(temperature, (int, float)):
-        temperature = ValidationConfig.temperature
-    return [f"sampling.temperature={temperature}"]
