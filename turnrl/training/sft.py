@@ -285,6 +285,9 @@ def chat_samples(
     instead, 3,000 Sokoban image chats took longer in two processes than in one (68 s against 39 s on two
     cores: their 8.6 GB of pixels cost more to move than to make). SFT itself keeps pictures
     (:func:`chat_picture_samples`).
+
+    Raises:
+        ChatError: a chat SFT cannot learn from, named by its number among ``chats``.
     """
     if workers <= 1 or len(chats) < 2 * workers or encoder is not None:
         return _samples_of(chats, tokenizer, window, encoder, max_images, response_prefix)
@@ -306,7 +309,7 @@ def chat_picture_samples(
     response_prefix: str = "",
 ) -> tuple[list[Sample], list[list[np.ndarray]]]:
     """Every VLM chat's :func:`conversation_picture_samples`, in the chats' order: the samples (no model
-    inputs) and, for each, its prompt's pictures."""
+    inputs) and, for each, its prompt's pictures. Raises :class:`ChatError` as :func:`chat_samples` does."""
     pairs: list[tuple[Sample, list[np.ndarray]]] = []
     for number, chat in enumerate(chats, start=1):
         with _numbered(number):
