@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from tests.cli_runs import QUICKSTART, TURNRL, error_exit, run_main, run_turnrl
+from turnrl.envservice.options import count
 from turnrl.cli import (
     build_parser,
-    count_arg,
     main,
     pack,
     seed_arg,
@@ -448,7 +448,7 @@ def test_serve_policy_takes_model_settings_and_names_a_bad_one(monkeypatch):
 @settings(max_examples=300, deadline=None)
 @given(text=st.text())
 def test_seed_and_count_arguments_take_any_text(text):
-    for parse in (seed_arg, count_arg):
+    for parse in (seed_arg, count):
         try:
             value = parse(text)
         except argparse.ArgumentTypeError as error:

@@ -79,17 +79,6 @@ def seed_arg(text: str) -> int:
     return value
 
 
-def count_arg(text: str) -> int:
-    """A count from the command line: an int from 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
-
-
 # --------------------------------------------------------------------------- envs
 def cmd_envs(args: argparse.Namespace) -> int:
     from turnrl.envs.catalog import env_class, env_names, gym_id
@@ -546,6 +535,11 @@ def cmd_view(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from turnrl import __version__
 
+    # Both option modules are light: the server and the report load only when their command runs.
+    from turnrl.envservice.options import add_arguments as add_serve_env_arguments
+    from turnrl.envservice.options import count, port
+    from turnrl.viz.view_command import add_arguments as add_view_arguments
+
     parser = argparse.ArgumentParser(
         prog="turnrl", description="Multi-turn RL for language and vision-language agents.",
         epilog="Run `turnrl COMMAND --help` for a command's options.",
@@ -605,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert, random, builtin, a model directory or hub id, or openai:<model> (with base_url=...); "
                         "a run's checkpoint (RUN/checkpoints/step_N/actor), SFT model or RUN itself (its latest "
                         "checkpoint) plays with the run's settings unless --config says otherwise")
-    p.add_argument("--episodes", type=count_arg, default=None,
+    p.add_argument("--episodes", type=count, default=None,
                    help="validation seeds played (of each variant; default: the config's episodes, 32 unless set)")
     p.add_argument("--variants", help="evaluate on a list of env variants, one table: ragen (RAGEN's generalization "
                                       "set: Sokoban 6x6/1 box, 8x8/2 boxes, the alternative vocabulary, FrozenLake) "
@@ -647,11 +641,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides (model.builtin_preset=7b, lora.enabled=true)")
     p.set_defaults(fn=cmd_memory)
 
-    # Both option modules are light: the server and the report load only when their command runs.
-    from turnrl.envservice.options import add_arguments as add_serve_env_arguments
-    from turnrl.envservice.options import port
-    from turnrl.viz.view_command import add_arguments as add_view_arguments
-
     p = sub.add_parser("serve-policy", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model at http://HOST:PORT/v1 (chat completions, models, health).")
     p.add_argument("--model", required=True,
@@ -662,16 +651,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port, default=8000, help="port to listen on; 0 picks a free one and says which "
                                                            "(default: 8000)")
     p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
-    p.add_argument("--max-batch-size", type=count_arg, default=32,
+    p.add_argument("--max-batch-size", type=count, default=32,
                    help="prompts generated together at most (default: 32)")
     p.add_argument("--token", default=None,
                    help="API key clients must send as 'Authorization: Bearer KEY' (every path but /health; "
                         "default: $TURNRL_POLICY_TOKEN if set, else no key)")
-    p.add_argument("--prepare-threads", type=count_arg, default=2,
+    p.add_argument("--prepare-threads", type=count, default=2,
                    help="requests prepared at once (chat template, image decoding; default: 2)")
-    p.add_argument("--max-image-pixels", type=count_arg, default=4096 * 4096,
+    p.add_argument("--max-image-pixels", type=count, default=4096 * 4096,
                    help="images with more pixels are refused undecoded (default: 16777216, 4096 x 4096)")
-    p.add_argument("--max-request-mb", type=count_arg, default=32,
+    p.add_argument("--max-request-mb", type=count, default=32,
                    help="request bodies over this many MiB are refused with a 413, unread (default: 32)")
     p.add_argument("overrides", nargs="*",
                    help="model settings as key=value (the model section: dtype=bfloat16, backend=hf, ...)")

@@ -59,8 +59,8 @@ def port(text: str) -> int:
 
 
 def count(text: str) -> int:
-    """A limit of ``turnrl serve-env`` that counts (sessions, items, bytes, threads): a whole number from 1. Checked
-    by the parser, so that the message names the option (:class:`ServerLimits` names its field)."""
+    """A count from the command line (sessions, items, bytes, threads, episodes): a whole number from 1. Checked by
+    the parser, so that the message names the option (:class:`ServerLimits` names its field)."""
     try:
         value = int(text)
     except ValueError:
