@@ -332,7 +332,8 @@ def test_a_resume_that_changes_the_lora_settings_is_refused(tiny_model_dir, tmp_
     assert "model.path=" in message and "step_000001" in message
 
 
-def test_a_resume_that_changes_the_built_in_model_is_refused_and_its_config_says_where_the_run_lives(tmp_path):
+def test_a_resume_that_changes_the_built_in_model_is_refused_and_its_config_says_where_the_run_lives(tmp_path,
+                                                                                                   monkeypatch):
     """The weights load from the checkpoint whatever the preset says: the run went on with the tiny model while its
     config.yaml said small; and an output_dir given was written there, sending a later ``--config RUN/config.yaml``
     run elsewhere."""
@@ -346,6 +347,10 @@ def test_a_resume_that_changes_the_built_in_model_is_refused_and_its_config_says
     assert main(["train", f"resume={run}", "run.steps=2", "run.output_dir=elsewhere", "run.name=other"]) == 0
     written = load_config(TrainConfig, run / "config.yaml").run
     assert (written.output_dir, written.name, written.steps) == (str(tmp_path), "run", 2)
+    monkeypatch.chdir(run)  # resumed from inside the run's folder: `resume=.` names no folder by itself
+    assert main(["train", "resume=.", "run.steps=3"]) == 0
+    written = load_config(TrainConfig, run / "config.yaml").run
+    assert (written.output_dir, written.name, written.steps) == (str(tmp_path.resolve()), "run", 3)
 
 
 def resume_error(run: Path, *overrides: str) -> str:

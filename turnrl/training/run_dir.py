@@ -206,13 +206,14 @@ def write_resumed_config(config: TrainConfig) -> list[str]:
     settings it changed (:func:`changed_settings`)."""
     run_dir = run_directory(config)
     path = run_dir / "config.yaml"
+    located = run_dir if run_dir.name else run_dir.resolve()  # resume=. names no folder by itself
     try:
         run = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):  # the resume's checks read it whole: damaged since, no note
         run = None
     # Where the run lives, whatever the resume was given (or the run's folder was moved): a later
     # `--config RUN/config.yaml` run then writes where this one is, not where another run.output_dir pointed.
-    write_config(replace(config, run=replace(config.run, output_dir=str(run_dir.parent), name=run_dir.name)))
+    write_config(replace(config, run=replace(config.run, output_dir=str(located.parent), name=located.name)))
     return changed_settings(run, config) if isinstance(run, dict) else []
 
 
