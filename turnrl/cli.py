@@ -209,7 +209,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     policy, config_path = args.policy, args.config
     # A run's model plays as it was trained: with the run's env, agent, prompt and sampling settings.
     run = run_of_model(policy)
-    if run is None and Path(policy).is_dir() and is_run_directory(Path(policy)):
+    if run is None and is_run_directory(Path(policy)):
         raise SystemExit(f"error: --policy {policy} is a run that holds no model: no checkpoint (it saved none: "
                          "run.save_at_end=false, run.save_every=0, or it stopped before the first) and no sft/model; "
                          "give a run that saved one, or a model directory")

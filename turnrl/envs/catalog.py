@@ -162,16 +162,26 @@ def make(env_id: str, **settings: Any) -> AgentEnv:
     raise ValueError(unknown_env_message(env_id))
 
 
-def _make_entry_point(env_id: str, settings: dict[str, Any]) -> AgentEnv:
-    """``package.module:Class`` (or ``package.module:registered/Id-v0``) -> an env."""
+def entry_point(env_id: str) -> EnvFactory | str:
+    """What a ``package.module:attr`` id names once its module imports: the factory, or the Gymnasium id the import
+    registered (gymnasium's own ``module:id`` form).
+
+    Raises:
+        RegistryError: the module does not import, or has no such attribute (the message says which).
+    """
     try:
-        factory = ENVS.get(env_id)
+        return ENVS.get(env_id)
     except RegistryError:
         attribute = env_id.partition(":")[2]
-        if attribute in gym.registry:  # gymnasium's own "module:id" form: the import registered the id
-            return _make_registered(attribute, settings)
+        if attribute in gym.registry:
+            return attribute
         raise
-    return _build(env_id, factory, settings)
+
+
+def _make_entry_point(env_id: str, settings: dict[str, Any]) -> AgentEnv:
+    """``package.module:Class`` (or ``package.module:registered/Id-v0``) -> an env."""
+    found = entry_point(env_id)
+    return _make_registered(found, settings) if isinstance(found, str) else _build(env_id, found, settings)
 
 
 def _build(label: str, factory: EnvFactory, settings: dict[str, Any]) -> AgentEnv:

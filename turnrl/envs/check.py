@@ -276,11 +276,9 @@ def _step(env: AgentEnv, action: str, report: _Report) -> tuple[dict[str, Any], 
     _check_observation(obs, call, report)
     if not _finite_number(reward):
         report.add("the reward must be a finite number", f"{call} -> {_clip(repr(reward), 40)}")
-    if not isinstance(info, dict):
-        report.add(f"step()'s info must be a dict, got a {type(info).__name__}", call)
-    obs, info = (obs if isinstance(obs, dict) else {}), (info if isinstance(info, dict) else {})
     for problem in step_answer_problems(0.0, terminated, truncated, info):  # the reward's is asked above
         report.add(problem, call)
+    obs, info = (obs if isinstance(obs, dict) else {}), (info if isinstance(info, dict) else {})
     try:  # the rollout reads it for every rejected action: one it cannot read fails the episode
         invalid_reason(info)
     except ValueError:

@@ -210,14 +210,16 @@ def is_number(value: Any) -> bool:
     return not is_flag(value) and isinstance(value, (int, float, np.integer, np.floating))
 
 
-def step_answer_problems(reward: Any, terminated: Any, truncated: Any, info: Mapping[str, Any]) -> list[str]:
-    """What is wrong with the types of a step's reward, end flags and ``info`` flags (:data:`INFO_FLAGS`), one
-    line each; empty when nothing is. The rollout reads each flag with ``bool()`` and the reward with
-    ``float()``, where the str ``"False"`` is true and the str ``"1"`` a reward, so it refuses them here.
-    Whether a number is finite is not asked: a NaN reward is the rewards' to score (``on_error``)."""
+def step_answer_problems(reward: Any, terminated: Any, truncated: Any, info: Any) -> list[str]:
+    """What is wrong with the types of a step's reward, end flags, ``info`` (a dict) and its flags
+    (:data:`INFO_FLAGS`), one line each; empty when nothing is. The rollout reads each flag with ``bool()`` and the
+    reward with ``float()``, where the str ``"False"`` is true and the str ``"1"`` a reward, so it refuses them
+    here. Whether a number is finite is not asked: a NaN reward is the rewards' to score (``on_error``)."""
     problems = [] if is_number(reward) else [f"the reward must be a number, got {described(reward)}"]
     problems += [f"{name} must be a bool, got {described(value)}"
                  for name, value in (("terminated", terminated), ("truncated", truncated)) if not is_flag(value)]
+    if not isinstance(info, Mapping):
+        return [*problems, f"step()'s info must be a dict, got a {type(info).__name__}"]
     problems += [f"info[{key!r}] must be a bool, got {described(info[key])}"
                  for key in INFO_FLAGS if key in info and not is_flag(info[key])]
     return problems

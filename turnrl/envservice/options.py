@@ -104,19 +104,15 @@ def env_id(text: str) -> str:
 
 
 def _check_entry_point(text: str) -> None:
-    """Import a ``module:Class`` id's module and find the class, as :func:`turnrl.envs.catalog.make` does (the
-    attribute may instead be a Gymnasium id the import registers); a usage error says what failed: the module not
-    on the Python path, an import inside it, or no such attribute."""
-    import gymnasium as gym
-
-    from turnrl.envs.catalog import ENVS
+    """Import a ``module:Class`` id's module and find what it names, as :func:`turnrl.envs.catalog.make` does; a
+    usage error says what failed: the module not on the Python path, an import inside it, or no such attribute."""
+    from turnrl.envs.catalog import entry_point
     from turnrl.registry import RegistryError
 
     try:
-        ENVS.get(text)
+        entry_point(text)
     except RegistryError as error:
-        if text.partition(":")[2] not in gym.registry:
-            raise argparse.ArgumentTypeError(str(error)) from None
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

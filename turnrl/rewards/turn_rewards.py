@@ -268,21 +268,23 @@ def load_reward_fn(spec: RewardSpec) -> RewardFn:
             class does not take, or an object that cannot score turns (one line that says which).
     """
     obj = check_registered(f"rewards.extra[{spec.name}].fn", spec.fn, REWARDS)
+    # An unknown setting named with the likely one of a typo; a function's first parameter is the turns.
+    allowed = keyword_parameters(obj)
     try:
-        # Named with the likely one of a typo; a function's first parameter is the turns, not a setting.
-        allowed = keyword_parameters(obj)
         check_settings(f"rewards.extra {spec.name!r} ({spec.fn})", allowed if allowed is None or inspect.isclass(obj)
                        else dict(list(allowed.items())[1:]), dict(spec.settings))
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    try:
         if inspect.isclass(obj):
             fn = obj(**spec.settings)
         else:
             inspect.signature(obj).bind(None, **spec.settings)  # unknown or missing settings fail now, not mid-run
             fn = functools.update_wrapper(functools.partial(obj, **spec.settings), obj) if spec.settings else obj
     except (TypeError, ValueError) as error:
-        said = str(error)
-        raise ConfigError(said if said.startswith("rewards.extra") else
-                          f"rewards.extra {spec.name!r}: bad settings {spec.settings} for {spec.fn!r}: {said}") \
-            from error
+        raise ConfigError(
+            f"rewards.extra {spec.name!r}: bad settings {spec.settings} for {spec.fn!r}: {error}"
+        ) from error
     if inspect.isclass(obj):  # a function's signature was bound above; what a class builds is checked here
         try:
             check_callable(fn, RewardFn, f"what the class {spec.fn!r} builds")
