@@ -258,6 +258,6 @@ def test_eval_of_a_text_model_on_an_image_env_is_one_line(tmp_path):
     # A ValueError traceback from the rollout's first turn.
     message = error_exit(["eval", "--env", "Sokoban", "--policy", "builtin", "--episodes", "1",
                           "--out", str(tmp_path / "eval"), "env.settings.mode=image"])
-    assert message == ("error: SokobanEnv observes images but the policy is a text-only model, which would play "
-                       "blind: use a vision-language model (a vlm-* preset, or a Qwen2-VL, Qwen2.5-VL or Qwen3-VL "
-                       "model) or the env text mode (env.settings.mode=text)")
+    assert message == ("error: SokobanEnv observes images, but the policy is a text-only model, which would play "
+                       "blind: use a vision-language model (a vlm-* model.builtin_preset, or a Qwen2-VL, Qwen2.5-VL "
+                       "or Qwen3-VL model.path) or the env's text mode (env.settings.mode=text)")

@@ -187,7 +187,7 @@ def test_a_user_env_whose_first_reset_raises_is_one_line_naming_the_settings_and
 
 @pytest.mark.parametrize(("overrides", "needle"), [
     (["model.builtin_preset=tiny"], "env.id='Sokoban' with env.settings observes images, but "
-                                    "model.builtin_preset=tiny is a text-only model, which would play blind: train a "
+                                    "model.builtin_preset=tiny is a text-only model, which would play blind: use a "
                                     "vision-language model (a vlm-* model.builtin_preset, or a Qwen2-VL, Qwen2.5-VL "
                                     "or Qwen3-VL model.path) or the env's text mode (env.settings.mode=text)"),
     (["model.path=TINY"], "model.path='TINY' is a text-only model"),

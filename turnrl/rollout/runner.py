@@ -140,6 +140,21 @@ def raised_where(error: BaseException) -> str:
     return f" (raised in {frames[-1].name} at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
 
 
+def plays_blind(observer: str, model: str, text_mode: bool) -> str:
+    """The refusal of an env that observes images for a text-only model, in one line (the preflight says it
+    from the run's settings before the model loads, the rollout from the envs and the policy it was given).
+
+    Args:
+        observer: what observes images (the env's settings, or its class).
+        model: the model as the reader knows it (``model.builtin_preset=tiny``, ``the policy``).
+        text_mode: whether the env has a text mode to offer instead.
+    """
+    instead = " or the env's text mode (env.settings.mode=text)" if text_mode else ""
+    return (f"{observer} observes images, but {model} is a text-only model, which would play blind: use a "
+            f"vision-language model (a vlm-* model.builtin_preset, or a Qwen2-VL, Qwen2.5-VL or Qwen3-VL "
+            f"model.path){instead}")
+
+
 def check_observation(obs: Any) -> None:
     """Raise TypeError or ValueError unless ``obs`` is an observation the turn can read and the record can keep (a
     dict with a ``text`` string of at most :data:`~turnrl.envs.contract.MAX_TEXT_LENGTH` characters and, where
@@ -454,9 +469,7 @@ class Rollout:
         if seeing:
             names = ", ".join(sorted({type(env).__name__ for env in seeing}))
             text_mode = all(isinstance(env, TurnEnv) and "text" in env.modes for env in seeing)
-            raise ConfigError(f"{names} observes images but the policy is a text-only model, which would play "
-                              "blind: use a vision-language model (a vlm-* preset, or a Qwen2-VL, Qwen2.5-VL or "
-                              f"Qwen3-VL model){' or the env text mode (env.settings.mode=text)' if text_mode else ''}")
+            raise ConfigError(plays_blind(names, "the policy", text_mode))
 
     def _map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         start = time.perf_counter()

@@ -19,7 +19,7 @@ from turnrl.envservice.protocol import RemoteEnvError
 from turnrl.models.builtin import check_builtin_preset
 from turnrl.models.loading import ModelSource, is_vision_language, locate_model, model_line
 from turnrl.models.vlm import is_vlm_preset
-from turnrl.rollout.runner import raised_where
+from turnrl.rollout.runner import plays_blind, raised_where
 from turnrl.training import ranks
 from turnrl.training.checkpoint import checkpoint_step, resume_point
 from turnrl.training.run_dir import RL_OUTPUTS, resumed_checkpoint, run_directory
@@ -95,10 +95,8 @@ def _check_model_sees(config: TrainConfig, source: ModelSource | None, with_imag
     if sees:
         return
     name = builtin_name(config.env.id)  # a built-in env's modes are known; another's mode setting, if any, is not
-    text_mode = " or the env's text mode (env.settings.mode=text)" if name and "text" in env_class(name).modes else ""
-    raise ConfigError(f"env.id={config.env.id!r} with {with_images[0]} observes images, but {model} is a text-only "
-                      f"model, which would play blind: train a vision-language model (a vlm-* model.builtin_preset, "
-                      f"or a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model.path){text_mode}")
+    text_mode = name is not None and "text" in env_class(name).modes
+    raise ConfigError(plays_blind(f"env.id={config.env.id!r} with {with_images[0]}", model, text_mode))
 
 
 def _check_demo_seeds(config: TrainConfig) -> None:
