@@ -20,7 +20,8 @@ from tests.envservice.env_helpers import env_server
 from turnrl.config import VARIANT_SETS, AgentConfig, ConfigError, EvalConfig, load_config
 from turnrl.envs import make
 from turnrl.envs.catalog import env_names
-from turnrl.evaluate import default_eval_dir, env_budget, eval_envs, first_errors, run_eval, variants_override
+from turnrl.evaluate import default_eval_dir, env_budget, eval_envs, run_eval, variants_override
+from turnrl.rollout.metrics import first_errors
 from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import ERROR, Trajectory
 from turnrl.training.logger import RunProgress

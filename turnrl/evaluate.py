@@ -61,36 +61,15 @@ from turnrl.policy.interface import Policy
 from turnrl.registry import close_names
 from turnrl.rewards import Rewards
 from turnrl.rollout.groups import EnvGroups
-from turnrl.rollout.metrics import pass_at_k_by_seed, rollout_metrics
+from turnrl.rollout.metrics import first_errors, pass_at_k_by_seed, rollout_metrics
 from turnrl.rollout.runner import Rollout
-from turnrl.rollout.trajectory import ERROR, TRUNCATED, Trajectory, write_trajectories
+from turnrl.rollout.trajectory import TRUNCATED, Trajectory, write_trajectories
 from turnrl.training.logger import RunProgress
 from turnrl.training.seeding import step_seed
 from turnrl.viz.records import VARIANT_COLUMNS, VARIANTS_DIR
 from turnrl.viz.report import write_report
 
 console = Console()
-
-MAX_ERRORS_SHOWN = 3
-"""Distinct episode errors the summary quotes (the rest are counted in ``errors``)."""
-
-
-def first_errors(trajectories: list[Trajectory], limit: int = MAX_ERRORS_SHOWN) -> list[str]:
-    """The most common errors of errored episodes, at most ``limit``: each the first line of its first
-    occurrence (300 characters at most) and how many episodes had it. Errors that differ only in numbers
-    (token counts, ids) count as one."""
-    counts: Counter[str] = Counter()
-    example: dict[str, str] = {}
-    for trajectory in trajectories:
-        if trajectory.status != ERROR:
-            continue
-        lines = (trajectory.error or "").strip().splitlines()
-        message = lines[0][:300] if lines else "unknown error"
-        key = re.sub(r"\d+", "N", message)
-        counts[key] += 1
-        example.setdefault(key, message)
-    return [f"{example[key]} ({count} episode{'s' if count > 1 else ''})" for key, count in counts.most_common(limit)]
-
 
 def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
     metrics = rollout_metrics(trajectories)

@@ -2,13 +2,56 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+import re
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from math import comb
 
 import numpy as np
 
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
+
+MAX_ERRORS_SHOWN = 3
+"""Distinct episode errors a summary quotes (the rest are counted in ``errors``)."""
+
+
+def first_errors(trajectories: list[Trajectory], limit: int = MAX_ERRORS_SHOWN) -> list[str]:
+    """The most common errors of errored episodes, at most ``limit``: each the first line of its first
+    occurrence (300 characters at most) and how many episodes had it. Errors that differ only in numbers
+    (token counts, ids) count as one."""
+    counts: Counter[str] = Counter()
+    example: dict[str, str] = {}
+    for message in _error_lines(trajectories):
+        key = error_kind(message)
+        counts[key] += 1
+        example.setdefault(key, message)
+    return [f"{example[key]} ({count} episode{'s' if count > 1 else ''})" for key, count in counts.most_common(limit)]
+
+
+def _error_lines(trajectories: list[Trajectory]) -> list[str]:
+    """The first line of each errored episode's error (300 characters at most)."""
+    lines = [(t.error or "").strip().splitlines() for t in trajectories if t.status == ERROR]
+    return [first[0][:300] if first else "unknown error" for first in lines]
+
+
+def error_kind(message: str) -> str:
+    """An error's line with its numbers (token counts, ids, turns) as ``N``: what tells errors apart."""
+    return re.sub(r"\d+", "N", message)
+
+
+def error_kinds(trajectories: list[Trajectory]) -> set[str]:
+    """The kinds (:func:`error_kind`) of the errored episodes' errors."""
+    return {error_kind(message) for message in _error_lines(trajectories)}
+
+
+def errored_note(trajectories: list[Trajectory], limit: int = 1) -> str | None:
+    """``K of N episodes errored (counted as failures): <the commonest errors>``, or None when none did: an env
+    or server that fails reads otherwise as a policy that cannot solve anything."""
+    errored = sum(t.status == ERROR for t in trajectories)
+    if not errored:
+        return None
+    return (f"{errored} of {len(trajectories)} episodes errored (counted as failures): "
+            f"{'; '.join(first_errors(trajectories, limit))}")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -41,8 +41,9 @@ from rich.markup import escape
 from turnrl.config import ConfigError, turnrl_command
 from turnrl.models.loading import base_model_path, compile_in_this_process, start_compile_workers_ignoring_sigterm
 from turnrl.rewards import Rewards
+from turnrl.rollout.metrics import error_kinds, errored_note
 from turnrl.rollout.ray_workers import RolloutWorkerError, WeightsTransferError
-from turnrl.rollout.trajectory import write_trajectories
+from turnrl.rollout.trajectory import Trajectory, write_trajectories
 from turnrl.training import compose, heap, ranks
 from turnrl.training.checkpoint import checkpoint_step, disk_error_cause, latest_checkpoint, resume_point
 from turnrl.training.collapse_watch import EarlyStops, logged_steps
@@ -189,6 +190,21 @@ def _drop_trajectories_after(folder: Path, step: int) -> None:
         number = re.match(r"step_(\d+)[._]", path.name)
         if number is not None and int(number.group(1)) > step:
             path.unlink()
+
+
+def _say_errors(what: str, trajectories: list[Trajectory], known: set[str] | None = None) -> None:
+    """Say on the console that some of ``what``'s episodes errored, and the commonest error: they count as
+    failures, so an env or env server that fails would read as a policy that solves nothing. ``known``: the
+    kinds of error said already (training steps say each kind once, then count it in ``rollout/errors``)."""
+    if known is not None:
+        new = error_kinds(trajectories) - known
+        if not new:
+            return
+        known |= new
+    note = errored_note(trajectories)
+    if note is not None:
+        later = "; further steps count them in rollout/errors" if known is not None else ""
+        console.print(f"[bold red]{what}:[/bold red] {escape(note)}{later}", soft_wrap=True)
 
 
 def _every(n: int) -> Callable[[int], bool]:
@@ -464,6 +480,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
         success = validation.metrics["val/success"]
         trainer.summary["val_success_before_rl"] = success
         console.print(f"validation success before RL: [bold]{success:.3f}[/bold]")
+        _say_errors("validation before RL", validation.trajectories)
 
     validate_now, save_now = _every(config.validation.every), _every(config.run.save_every)
     write_now = _every(config.run.trajectories_every)
@@ -480,6 +497,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     stop.phase = "steps"  # from here a request waits for the step in progress, which it then saves
     heap.settle()
     cache_noted = False
+    error_kinds_said: set[str] = set()
     with RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, last_step + 1):
             watch.progressed()
@@ -506,9 +524,11 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             # A step whose filter kept nothing is not validated (RAGEN's trainer skips the rest of such a step), so
             # it adds nothing to the low-success early stop's count.
             skipped = metrics.get("filter/skipped_step") == 1.0
+            _say_errors(f"step {step}", output.trajectories, error_kinds_said)
             validation = trainer.validate() if validate_now(step) and not last and not skipped else None
             if validation is not None:
                 metrics.update(validation.metrics)
+                _say_errors(f"validation after step {step}", validation.trajectories)
             early_stop = early_stops.observe(metrics)
             if logger is not None:
                 logger.log(step, metrics)
@@ -517,8 +537,10 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                 if output.token_advantages:
                     write_token_advantages(trainer.run_dir / "trajectories" / f"step_{step:06d}.advantages.jsonl",
                                            output.token_advantages)
+            errored = int(metrics.get("rollout/errors", 0))
             progress.update(1, f"success {metrics.get('rollout/success', 0):.2f} "
-                               f"reward {metrics.get('rollout/reward_mean', 0):.2f}")
+                               f"reward {metrics.get('rollout/reward_mean', 0):.2f}"
+                               + (f" errors {errored}" if errored else ""))
             cache_note = None if cache_noted else cache_full_note(metrics, config.model.engine.kv_cache_gb)
             if cache_note is not None:
                 console.print(f"step {step}: {cache_note}", markup=False, highlight=False, soft_wrap=True)
@@ -552,7 +574,10 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     else:
         # A run that stopped early right after a validation, or ran no step, ends with that validation: the
         # weights are the ones it saw. (Every other way out of the loop leaves none: the last step skips its own.)
-        after = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl", done=validation).metrics
+        final = _validate_and_write(trainer, logger, ran, "val_after_rl.jsonl", done=validation)
+        if validation is None:  # a validation that ran in the loop was said there
+            _say_errors("validation after RL", final.trajectories)
+        after = final.metrics
         trainer.summary["val_success_after_rl"] = after["val/success"]
         trainer.summary["val_after_rl"] = after
         trainer.summary["steps"] = ran
@@ -566,8 +591,13 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     path = trainer.write_summary()
     logger.close()
     before_value = trainer.summary.get("val_success_before_rl")
-    console.print(f"validation success before RL: {before_value:.3f}, after RL: [bold]{after['val/success']:.3f}[/bold]"
-                  if before_value is not None else f"validation success after RL: {after['val/success']:.3f}")
+    errored = int(after.get("val/errors", 0))
+    errors = (f" ([bold red]{errored} of {int(after.get('val/episodes', 0))} episodes errored[/bold red], counted as "
+              "failures: their errors are in trajectories/val_after_rl.jsonl)" if errored else "")
+    success = after["val/success"]
+    line = (f"validation success before RL: {before_value:.3f}, after RL: [bold]{success:.3f}[/bold]"
+            if before_value is not None else f"validation success after RL: {success:.3f}")
+    console.print(line + errors, soft_wrap=True)
     console.print(f"summary: {path}", markup=False, highlight=False, soft_wrap=True)
     _report(trainer.run_dir)
     return trainer.summary

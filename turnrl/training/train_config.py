@@ -494,7 +494,7 @@ class RunConfig:
     files are deleted first); false refuses, so two runs never mix. ``resume=RUN_DIR`` continues one."""
     trajectories_every: int = 10
     """Write the trajectories of step 1 and of every N-th step after it (1, 1 + N, 1 + 2N, ...) to
-    ``trajectories/step_N.jsonl``; 0 writes none."""
+    ``trajectories/step_NNNNNN.jsonl`` (six digits: ``step_000001.jsonl``); 0 writes none."""
     tensorboard: bool = True
     """Write TensorBoard event files."""
     wandb_project: Optional[str] = None
