@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.envs.toy_envs import Corridor
 from tests.training.test_commands import overrides
 from turnrl.cli import main
@@ -48,3 +50,31 @@ def test_a_run_whose_episodes_all_end_well_says_nothing_of_errors(tiny_model_dir
     main(["train", *overrides(tiny_model_dir, tmp_path, f"env.id={Corridor.__module__}:Corridor", "run.steps=1")])
     out = capsys.readouterr().out
     assert "errored" not in out and "errors" not in out
+
+
+class BrokenInEveryStep(Corridor):
+    """Resets well, then its simulator fails at the first move."""
+
+    def step(self, action):
+        raise ConnectionError("simulator is gone")
+
+
+def test_expert_demos_that_errored_are_said_and_left_out_of_the_sft_data(tiny_model_dir, tmp_path, capsys):
+    """They were dropped unsaid, leaving SFT with the levels the env did not fail on."""
+    main(["sft", *overrides(tiny_model_dir, tmp_path, ENV, "sft.episodes=8", "sft.epochs=1")])
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("SFT demos: 4 of 8 episodes errored (left out of the SFT data): env reset failed in turn 1: "
+            "ConnectionError: simulator 1000001 is gone") in out
+    assert "SFT data: 4 chats" in out
+
+
+def test_sft_whose_expert_episodes_all_errored_stops_in_one_line(tiny_model_dir, tmp_path):
+    env = f"env.id={__name__}:BrokenInEveryStep"
+    with pytest.raises(SystemExit) as stopped:
+        main(["sft", *overrides(tiny_model_dir, tmp_path, env, "sft.episodes=4", "sft.epochs=1")])
+    assert str(stopped.value) == (
+        f"error: env.id='{env.removeprefix('env.id=')}': none of the 4 expert episodes gave a demo (the commonest "
+        "error: env step failed in turn 1: ConnectionError: simulator is gone (raised in step at "
+        f"test_commands_errors.py:{BrokenInEveryStep.step.__code__.co_firstlineno + 1}) (4 episodes)); check the "
+        f"env with `turnrl check-env {env.removeprefix('env.id=')}`, or give SFT chats with sft.data")
+    assert not (tmp_path / "run" / "sft" / "model").exists()

@@ -44,13 +44,13 @@ def error_kinds(trajectories: list[Trajectory]) -> set[str]:
     return {error_kind(message) for message in _error_lines(trajectories)}
 
 
-def errored_note(trajectories: list[Trajectory], limit: int = 1) -> str | None:
-    """``K of N episodes errored (counted as failures): <the commonest errors>``, or None when none did: an env
-    or server that fails reads otherwise as a policy that cannot solve anything."""
+def errored_note(trajectories: list[Trajectory], consequence: str, limit: int = 1) -> str | None:
+    """``K of N episodes errored (<consequence>): <the commonest errors>``, or None when none did: where errored
+    episodes count as failures, an env or server that fails reads otherwise as a policy that solves nothing."""
     errored = sum(t.status == ERROR for t in trajectories)
     if not errored:
         return None
-    return (f"{errored} of {len(trajectories)} episodes errored (counted as failures): "
+    return (f"{errored} of {len(trajectories)} episodes errored ({consequence}): "
             f"{'; '.join(first_errors(trajectories, limit))}")
 
 

@@ -201,7 +201,7 @@ def _say_errors(what: str, trajectories: list[Trajectory], known: set[str] | Non
         if not new:
             return
         known |= new
-    note = errored_note(trajectories)
+    note = errored_note(trajectories, "counted as failures")
     if note is not None:
         later = "; further steps count them in rollout/errors" if known is not None else ""
         console.print(f"[bold red]{what}:[/bold red] {escape(note)}{later}", soft_wrap=True)

@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from rich.markup import escape
 
 from turnrl.agent.formats import ResponseFormat, continuation_after, get_format
-from turnrl.config import AgentConfig, ConfigError, SamplingConfig
+from turnrl.config import AgentConfig, ConfigError, SamplingConfig, turnrl_command
 from turnrl.envs import AgentEnv
 from turnrl.envservice.placement import env_factory
 from turnrl.models.devices import resolve_device, resolve_dtype
@@ -43,6 +44,7 @@ from turnrl.models.loading import (
 from turnrl.models.vision import ImageEncoder, MessageImages, load_image, part_images
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens, format_for_template
+from turnrl.rollout.metrics import errored_note, first_errors
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import ERROR, Trajectory, write_trajectories
 from turnrl.training.batch import Sample, collate
@@ -61,20 +63,34 @@ Message = dict[str, Any]
 
 
 # --------------------------------------------------------------------------- data
+def expert_episodes(
+    make_env: Callable[[], AgentEnv], fmt: ResponseFormat, agent: AgentConfig, sft: SFTConfig, env_id: str,
+    seed: int = 0, batch_size: int = 256,
+) -> list[Trajectory]:
+    """Play ``sft.episodes`` expert episodes on seeds from ``sft.seed_start`` (never validation seeds): every one,
+    those that errored included (:func:`demos_of` keeps those SFT learns from)."""
+    policy = ExpertPolicy(fmt, agent.max_actions_per_turn, seed=seed, random_action_share=sft.random_action_share)
+    rollout = Rollout(policy, fmt, agent, env_id=env_id)
+    envs = [make_env() for _ in range(min(batch_size, sft.episodes))]
+    played: list[Trajectory] = []
+    for start in range(0, sft.episodes, len(envs)):
+        seeds = range(sft.seed_start + start, sft.seed_start + min(start + len(envs), sft.episodes))
+        slots = [EpisodeSlot(env=env, seed=s, group=i) for i, (env, s) in enumerate(zip(envs, seeds))]
+        played.extend(rollout.run(slots, SamplingConfig()))
+    return played
+
+
+def demos_of(played: list[Trajectory]) -> list[Trajectory]:
+    """The expert episodes SFT learns from: those that did not error and played a turn."""
+    return [t for t in played if t.status != ERROR and t.turns]
+
+
 def expert_demos(
     make_env: Callable[[], AgentEnv], fmt: ResponseFormat, agent: AgentConfig, sft: SFTConfig, env_id: str,
     seed: int = 0, batch_size: int = 256,
 ) -> list[Trajectory]:
-    """Play ``sft.episodes`` expert episodes on seeds from ``sft.seed_start`` (never validation seeds)."""
-    policy = ExpertPolicy(fmt, agent.max_actions_per_turn, seed=seed, random_action_share=sft.random_action_share)
-    rollout = Rollout(policy, fmt, agent, env_id=env_id)
-    envs = [make_env() for _ in range(min(batch_size, sft.episodes))]
-    demos: list[Trajectory] = []
-    for start in range(0, sft.episodes, len(envs)):
-        seeds = range(sft.seed_start + start, sft.seed_start + min(start + len(envs), sft.episodes))
-        slots = [EpisodeSlot(env=env, seed=s, group=i) for i, (env, s) in enumerate(zip(envs, seeds))]
-        demos.extend(t for t in rollout.run(slots, SamplingConfig()) if t.status != ERROR and t.turns)
-    return demos
+    """The demos (:func:`demos_of`) of :func:`expert_episodes`."""
+    return demos_of(expert_episodes(make_env, fmt, agent, sft, env_id, seed=seed, batch_size=batch_size))
 
 
 def trajectory_messages(trajectory: Trajectory) -> list[Message]:
@@ -620,10 +636,18 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
                                   "expert demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
             if config.sft.target_random_share is not None:
                 actions = action_tokens(tokenizer, fmt, probe.action_names(), config.agent.max_actions_per_turn)
-            demos = expert_demos(make_env, fmt, config.agent, config.sft, config.env.id,
-                                 seed=config.seeds.seed)
+            played = expert_episodes(make_env, fmt, config.agent, config.sft, config.env.id, seed=config.seeds.seed)
         finally:
             make_env.close()
+        demos = demos_of(played)
+        errored = errored_note(played, "left out of the SFT data")
+        if errored is not None:  # an env that fails on some levels would bias the demos to the others, unsaid
+            console.print(f"[bold red]SFT demos:[/bold red] {escape(errored)}", soft_wrap=True)
+        if not demos:
+            why = f"the commonest error: {first_errors(played, 1)[0]}" if errored else "each ended before a turn"
+            raise ConfigError(f"env.id={config.env.id!r}: none of the {len(played)} expert episodes gave a demo "
+                              f"({why}); check the env with `{turnrl_command()} check-env {config.env.id}`, or give "
+                              "SFT chats with sft.data")
         chats = [trajectory_messages(t) for t in demos]
     window = config.agent.max_context_window
     encoder = ImageEncoder(processor) if processor is not None else None
