@@ -60,7 +60,7 @@ from turnrl.training.memory_trace import recorded
 from turnrl.training.out_of_memory import rl_out_of_memory
 from turnrl.training.preflight import preflight
 from turnrl.training.run_dir import STOP_FILE, RunLock, resumed_checkpoint, run_directory, run_lock, start_run
-from turnrl.training.sft import sft_stage
+from turnrl.training.sft import SFTResult, sft_stage
 from turnrl.training.stall_watch import StallWatch, stalls_path
 from turnrl.training.step_episodes import StepOutput
 from turnrl.training.train_config import TrainConfig
@@ -145,6 +145,12 @@ class GracefulStop:
             signal.signal(number, previous)
 
 
+def _watched_sft(config: TrainConfig, run_dir: Path) -> SFTResult:
+    """The SFT stage under a stall watch (rank 0's, which runs it): a demo env that hangs writes the stacks."""
+    with StallWatch(stalls_path(run_dir, ranks.rank()), 60 * config.run.stall_dump_minutes) as watch:
+        return sft_stage(config, run_dir, watch.progressed)
+
+
 def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     """``turnrl sft``: warm up the configured model and save it under the run directory."""
     if data is not None:
@@ -155,7 +161,7 @@ def sft_only(config: TrainConfig, data: str | None = None) -> Path:
     try:
         with RunLock(run_directory(config)):
             preflight(config, stage="sft")
-            path = sft_stage(config, start_run(config, stage="sft")).model_path
+            path = _watched_sft(config, start_run(config, stage="sft")).model_path
     except Exception as error:
         refused = _refused_write(error, config, _how_to_run_sft_again(config, model_before))
         if refused is None:
@@ -430,7 +436,7 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
     if config.sft.enabled and not resumed:
         run_dir = start_run(config)
         if ranks.is_main():
-            sft = sft_stage(config, run_dir)
+            sft = _watched_sft(config, run_dir)
         ranks.wait_for_main()  # the other processes start RL from the SFT model rank 0 wrote
     # Every process starts from the SFT model rank 0 wrote.
     start_model = _sft_model(config) if distributed and config.sft.enabled and not resumed else \

@@ -65,10 +65,11 @@ Message = dict[str, Any]
 # --------------------------------------------------------------------------- data
 def expert_episodes(
     make_env: Callable[[], AgentEnv], fmt: ResponseFormat, agent: AgentConfig, sft: SFTConfig, env_id: str,
-    seed: int = 0, batch_size: int = 256,
+    seed: int = 0, batch_size: int = 256, on_turn: Callable[[int, int], None] | None = None,
 ) -> list[Trajectory]:
     """Play ``sft.episodes`` expert episodes on seeds from ``sft.seed_start`` (never validation seeds): every one,
-    those that errored included (:func:`demos_of` keeps those SFT learns from)."""
+    those that errored included (:func:`demos_of` keeps those SFT learns from). ``on_turn``: the rollout's
+    progress (:meth:`~turnrl.rollout.runner.Rollout.run`)."""
     policy = ExpertPolicy(fmt, agent.max_actions_per_turn, seed=seed, random_action_share=sft.random_action_share)
     rollout = Rollout(policy, fmt, agent, env_id=env_id)
     envs = [make_env() for _ in range(min(batch_size, sft.episodes))]
@@ -76,7 +77,7 @@ def expert_episodes(
     for start in range(0, sft.episodes, len(envs)):
         seeds = range(sft.seed_start + start, sft.seed_start + min(start + len(envs), sft.episodes))
         slots = [EpisodeSlot(env=env, seed=s, group=i) for i, (env, s) in enumerate(zip(envs, seeds))]
-        played.extend(rollout.run(slots, SamplingConfig()))
+        played.extend(rollout.run(slots, SamplingConfig(), on_turn))
     return played
 
 
@@ -609,8 +610,9 @@ class SFTResult:
     """Wall time of the stage."""
 
 
-def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
-    """Fine-tune the run's base model on expert demos (or ``sft.data``) and save it under ``run_dir/sft``."""
+def sft_stage(config: TrainConfig, run_dir: Path, progressed: Callable[[], None] = lambda: None) -> SFTResult:
+    """Fine-tune the run's base model on expert demos (or ``sft.data``) and save it under ``run_dir/sft``;
+    ``progressed`` is called at each turn of the demos and each logged SFT step (a stall watch's clock)."""
     start = time.time()
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
@@ -636,7 +638,8 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
                                   "expert demos; give SFT chats with sft.data=chats.jsonl, or set sft.enabled=false")
             if config.sft.target_random_share is not None:
                 actions = action_tokens(tokenizer, fmt, probe.action_names(), config.agent.max_actions_per_turn)
-            played = expert_episodes(make_env, fmt, config.agent, config.sft, config.env.id, seed=config.seeds.seed)
+            played = expert_episodes(make_env, fmt, config.agent, config.sft, config.env.id, seed=config.seeds.seed,
+                                     on_turn=lambda *_: progressed())
         finally:
             make_env.close()
         demos = demos_of(played)
@@ -695,8 +698,13 @@ def sft_stage(config: TrainConfig, run_dir: Path) -> SFTResult:
     if config.model.compile:
         compile_layer_parts(model)
     logger = MetricsLogger(out, tensorboard=config.run.tensorboard)
+
+    def log(step: int, step_metrics: dict[str, float]) -> None:
+        logger.log(step, step_metrics)
+        progressed()
+
     with autocast(device, dtype):
-        metrics = sft_train(model, tokenizer.pad_token_id, samples, config.sft, seed=config.seeds.seed, log=logger.log,
+        metrics = sft_train(model, tokenizer.pad_token_id, samples, config.sft, seed=config.seeds.seed, log=log,
                             pictures=pictures, encoder=encoder, soft_targets=soft_targets)
     logger.close()
     model_path = out / "model"

@@ -72,6 +72,9 @@ class StallWatch:
                 except OSError as error:  # a full disk: the run goes on, and the watch tries again next time
                     print(f"warning: could not write stalled threads' stacks to {self.path}: {error}",
                           file=sys.stderr)
+                else:  # the console's reader would see only a progress line that stopped
+                    print(f"note: no progress for {now - last:.0f} s; every thread's stack is in {self.path}",
+                          file=sys.stderr, flush=True)
                 written = now
 
     def __enter__(self) -> StallWatch:
