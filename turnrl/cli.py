@@ -453,7 +453,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         gpu += f", of which run.gpu_share={config.run.gpu_share:g} is {device_bytes / GIB:.1f} GiB"
     name = config.model.path or f"the built-in {config.model.builtin_preset!r}"
     print(f"{name}: {parameters_text(counts.total)} parameters, {parameters_text(counts.trained)} trained; "
-          f"estimated peak per GPU of {gpu}:")
+          f"the estimated peak of each GPU, on GPUs of {gpu}:")
     margin = run_margin(config, device_bytes)  # this shell's allocator variables, as the run would have them
     verdicts = [fit_report(config, counts, processes, device_bytes, margin)
                 for processes in args.gpus or [config.distributed.nproc_per_node]]
