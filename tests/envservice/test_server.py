@@ -464,6 +464,9 @@ def test_sessions_closed_are_counted_by_a_reason_without_punctuation():
         try:
             await opened(server, PROBE, ["a", "b"])
             await server.step(step_items(["b"], ["explode"]))
+            # /health counts the resets beside the steps: a run whose model finds no valid action steps nothing.
+            assert {key: server.health()[key] for key in ("resets", "steps", "errors")} == \
+                {"resets": 2, "steps": 1, "errors": 1}
             await server.close(SessionsBody(sessions=["a"]))
             metrics = server.prometheus()
             assert 'turnrl_env_sessions_closed_total{reason="client"} 1' in metrics

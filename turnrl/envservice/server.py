@@ -221,7 +221,7 @@ class EnvServer:
     # ------------------------------------------------------------------ endpoints
     def health(self) -> dict[str, Any]:
         """``GET /health``."""
-        return {"status": "ok", "instance": self.instance, "sessions": len(self.table),
+        return {"status": "ok", "instance": self.instance, "sessions": len(self.table), "resets": self.metrics.resets,
                 "steps_per_s": self.metrics.steps_per_s(), "steps": self.metrics.steps,
                 "errors": sum(self.metrics.errors.values()), "stuck_calls": self.executor.stuck,
                 "uptime_s": time.time() - self.metrics.started}
