@@ -321,3 +321,105 @@ def test_state_facts_holding_arrays_are_compared_by_value():
         check_env(GridFacts(count_rejections=True))
     (failure,) = info.value.failures
     assert failure.startswith("a rejected action changed state_facts(); leave the state as it was (at step(")
+
+
+class WorldCorridor(toy_envs.CorridorTurnEnv):
+    """The corridor on TurnEnv (so Gymnasium's checker runs too), its text in words from around the world."""
+
+    def text(self) -> str:
+        return f"{super().text()} café 日本 ⬛ 😀"
+
+
+@pytest.mark.filterwarnings("error")
+def test_any_unicode_text_passes():
+    """'P____ café 日本 ⬛' trained fine, but failed with Gymnasium's "not within the observation space" alone."""
+    check_env(WorldCorridor())
+
+
+class TextOf(toy_envs.CorridorTurnEnv):
+    """The corridor whose texts end with ``tail``."""
+
+    def __init__(self, tail: str) -> None:
+        super().__init__()
+        self.tail = tail
+
+    def text(self) -> str:
+        return super().text() + self.tail
+
+
+@pytest.mark.parametrize(("tail", "says"), [
+    ("#" * 9000, "an observation's text may hold 8192 characters, got 9005 (at reset(seed=0), step("),
+    (" \ud800", "an observation's text may hold any character but a control character (other than ASCII whitespace, "
+                "such as a newline or tab) or a lone surrogate, which UTF-8 cannot encode, got '\\ud800' at index 6 "
+                "(at reset(seed=0), step("),
+], ids=["9,000 characters", "a lone surrogate"])
+def test_a_text_the_rollout_refuses_is_told_in_turnrls_words_before_gymnasiums(tail, says):
+    """Gymnasium's checker said only "The first element returned by env.reset() is not within the observation
+    space"."""
+    with pytest.raises(EnvCheckError) as info:
+        check_env(TextOf(tail))
+    ours, gymnasiums = info.value.failures
+    assert ours.startswith(says) and gymnasiums.startswith("gymnasium's env_checker")
+
+
+class LongerEachPosition(toy_envs.Corridor):
+    def observation(self):
+        return {"text": "#" * (9000 + self.position)}
+
+
+def test_texts_past_the_limit_by_different_lengths_are_one_line():
+    """One rule, one line: the first text found says its length, and the line names the calls that broke it."""
+    with pytest.raises(EnvCheckError) as info:
+        check_env(LongerEachPosition())
+    (failure,) = info.value.failures
+    assert re.fullmatch(r"an observation's text may hold 8192 characters, got 900\d \(at reset\(seed=0\), "
+                        r"step\('\w+'\), step\('\w+'\) and \d+ more\)", failure), failure
+
+
+class BareReset(toy_envs.Corridor):
+    """Its reset returns the observation alone, as Gymnasium's envs before 0.26 did."""
+
+    def reset(self, *, seed=None, options=None):
+        return super().reset(seed=seed, options=options)[0]
+
+
+class StrReset(toy_envs.Corridor):
+    """Its reset returns the text alone, where its steps return the observation dict."""
+
+    def reset(self, *, seed=None, options=None):
+        obs, info = super().reset(seed=seed, options=options)
+        return obs["text"], info
+
+
+class BareResetTurnEnv(toy_envs.CorridorTurnEnv):
+    def reset(self, *, seed=None, options=None):
+        return super().reset(seed=seed, options=options)[0]
+
+
+@pytest.mark.parametrize(("cls", "failures"), [
+    (BareReset, ["reset() must return (observation, info), got a dict: {'text': '___P_'} (at reset(seed=0))"]),
+    (StrReset, ["the observation must be a dict {'text': str} (+ 'image'), got a str (at reset(seed=0))"]),
+    (BareResetTurnEnv, ["reset() must return (observation, info), got a dict: {'text': '",
+                        "gymnasium's env_checker: The result returned by `env.reset()` was not a tuple of the form "
+                        "`(obs, info)`"]),
+])
+def test_a_reset_answer_that_cannot_be_read_is_its_own_failure_without_what_follows(cls, failures):
+    """Each also failed "a rejected action changed the observation; leave the state as it was": the reset's
+    unread observation compared with the step's."""
+    with pytest.raises(EnvCheckError) as info:
+        check_env(cls())
+    assert len(info.value.failures) == len(failures)
+    assert all(line.startswith(start) for line, start in zip(info.value.failures, failures)), info.value.failures
+
+
+class BareResetRejectChangesState(BareReset, toy_envs.BrokenRejectChangesState):
+    """A bare reset, and rejected actions that move the player home: a fault of its own, still told."""
+
+
+def test_a_fault_apart_from_the_reset_is_still_told():
+    with pytest.raises(EnvCheckError) as info:
+        check_env(BareResetRejectChangesState())
+    failures = info.value.failures
+    assert failures[0].startswith("reset() must return (observation, info), got a dict")
+    assert any(line.startswith("a rejected action changed state_facts(); leave the state as it was")
+               for line in failures), failures

@@ -14,6 +14,7 @@ from tests.envs.toy_envs import Corridor
 from tests.rollout.test_runner import TextPolicy, TokenPolicy, answer, play
 from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
+from turnrl.envs import EnvCheckError, check_env
 from turnrl.envs.contract import MAX_TEXT_LENGTH
 from turnrl.models.loading import load_processor
 from turnrl.models.vision import ImageEncoder
@@ -38,6 +39,8 @@ class Misbehaves(Corridor):
     def reset(self, *, seed=None, options=None):
         obs, info = super().reset(seed=seed, options=options)
         self.steps = 0
+        if self.turn == 0 and self.fault == "bare observation":
+            return obs
         return (self.spoiled(obs), info) if self.turn == 0 else (obs, info)
 
     def step(self, action):
@@ -76,6 +79,12 @@ class Misbehaves(Corridor):
             return {"text": b"bytes"}
         if self.fault == "huge text":
             return {"text": "#" * 1_000_000}
+        if self.fault == "9,000 characters":
+            return {"text": "#" * 9000}
+        if self.fault == "lone surrogate":
+            return {"text": obs["text"] + " \ud800"}
+        if self.fault == "world text":  # read, not refused
+            return {"text": obs["text"] + " café 日本 ⬛"}
         return obs
 
 
@@ -193,6 +202,41 @@ def test_a_huge_text_observation_errs_only_its_episode(tiny_tokenizer, tmp_path,
     check_only_the_bad_episode_errs(trajectories, tmp_path, f"may hold {MAX_TEXT_LENGTH} characters, got 1000000",
                                     turn)
     assert (tmp_path / "step.jsonl").stat().st_size < 100_000
+
+
+def check_env_says(env: Misbehaves) -> str:
+    """What ``check_env`` says first of ``env``'s fault at reset, without the calls it was seen at."""
+    with pytest.raises(EnvCheckError) as info:
+        check_env(env)
+    return info.value.failures[0].split(" (at reset(")[0]
+
+
+@pytest.mark.parametrize("turn", [0, 2])
+@pytest.mark.parametrize("fault", ["9,000 characters", "lone surrogate"])
+def test_a_text_check_env_refuses_errs_only_its_episode_in_the_same_words(tiny_tokenizer, tmp_path, fault, turn):
+    """A lone surrogate went on to the tokenizer, which cannot encode it: what check_env refuses, the rollout refuses
+    too, with its words."""
+    says = check_env_says(Misbehaves(fault, turn=0))
+    assert says.startswith("an observation's text may hold ")
+    trajectories = play_tokens(tiny_tokenizer, batch(fault, turn))
+    check_only_the_bad_episode_errs(trajectories, tmp_path, f"ValueError: {says}", turn)
+
+
+def test_text_from_around_the_world_is_played(tiny_tokenizer, tmp_path):
+    trajectories = play_tokens(tiny_tokenizer, batch("world text", 0))
+    assert [t.status for t in trajectories] == [TRUNCATED] * 3 and trajectories[BAD].error is None
+    assert len(trajectories[BAD].turns) == MAX_TURNS and trajectories[BAD].trainable
+    assert "café 日本 ⬛" in written(trajectories, tmp_path)[BAD]["turns"][0]["prompt"]
+
+
+def test_a_reset_that_returns_the_observation_alone_errs_only_its_episode_as_check_env_says(tiny_tokenizer,
+                                                                                             tmp_path):
+    """The episode ended with "not enough values to unpack (expected 2, got 1)"."""
+    says = check_env_says(Misbehaves("bare observation", turn=0))
+    assert says.startswith("reset() must return (observation, info), got a dict: {'text': ")
+    trajectories = play_tokens(tiny_tokenizer, batch("bare observation", 0))
+    check_only_the_bad_episode_errs(trajectories, tmp_path, "env reset failed in turn 1: TypeError: reset() must "
+                                                            "return (observation, info), got a dict: {'text': ", 0)
 
 
 def test_a_step_both_terminated_and_truncated_is_the_task_ending(tiny_tokenizer, tmp_path):

@@ -214,3 +214,32 @@ def test_an_image_env_with_a_vlm_passes_the_check(tmp_path):
     run = config(None, tmp_path / "runs", "env.id=Sokoban", "env.settings.mode=image", "model.builtin_preset=vlm-tiny")
     _check_model_sees(run, None, ["env.settings"])
     _check_model_sees(config(None, tmp_path, "model.builtin_preset=tiny"), None, [])  # no images: any model
+
+
+class BareReset(Corridor):
+    """A user env whose reset returns the observation alone (Gymnasium's envs before 0.26 did)."""
+
+    def reset(self, *, seed=None, options=None):
+        return super().reset(seed=seed, options=options)[0]
+
+
+class LongText(Corridor):
+    def observation(self):
+        return {"text": "#" * 9000}
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ("BareReset", "reset() must return (observation, info), got a dict: {'text': "),
+    ("LongText", "its first observation cannot be played: an observation's text may hold 8192 characters, got 9000"),
+])
+def test_a_user_env_whose_first_reset_answers_what_the_rollout_refuses_is_told_what_it_returned(env, says, tmp_path):
+    """It said "its first reset refused them: not enough values to unpack (expected 2, got 1)", blaming the
+    settings, and a text the rollout refuses let every episode of the run fail."""
+    env_id = f"tests.training.test_preflight:{env}"
+    with pytest.raises(ConfigError) as info:
+        train(config("nobody/no-model", tmp_path / "runs", f"env.id={env_id}", "env.settings.length=6"))
+    message = str(info.value)
+    assert message.startswith(f"env.id={env_id!r}: {says}") and "\n" not in message
+    assert message.endswith(f"; `turnrl check-env {env_id}` lists all that the env breaks of the contract")
+    assert "settings" not in message and "refused" not in message
+    assert not (tmp_path / "runs").exists()

@@ -9,10 +9,12 @@ It runs Gymnasium's ``env_checker`` where the env is a ``gymnasium.Env``, then
 the turnrl contract (:class:`~turnrl.envs.contract.AgentEnv`):
 
 - ``reset`` takes the keywords ``seed`` and ``options``, as the rollout passes them;
-- observations are dicts with a ``"text"`` str and, optionally, an
-  ``"image"`` (``HxWx3`` uint8 array, a new one every call: the rollout keeps
-  each) and nothing else; rewards are finite numbers, ``terminated`` and
-  ``truncated`` bools, ``info`` a dict, whose ``"metrics"``, where given, maps
+- ``reset`` returns ``(observation, info)``; observations are dicts with a
+  ``"text"`` str (at most 8,192 characters, none a control character but
+  ASCII whitespace nor a lone surrogate: any other Unicode is text) and,
+  optionally, an ``"image"`` (``HxWx3`` uint8 array, a new one every call:
+  the rollout keeps each) and nothing else; rewards are finite numbers,
+  ``terminated`` and ``truncated`` bools, ``info`` a dict, whose ``"metrics"``, where given, maps
   names to finite numbers and whose ``"action_is_valid"``,
   ``"action_is_effective"`` and ``"success"``, where given, are bools, and
   whose ``"invalid_reason"``, where given, is a str (or None);
@@ -34,7 +36,10 @@ the turnrl contract (:class:`~turnrl.envs.contract.AgentEnv`):
   chance can spoil a plan, e.g. slippery FrozenLake).
 
 Every check runs; one :class:`EnvCheckError` lists each failure with what to
-fix. It takes milliseconds for the built-in envs.
+fix. It takes milliseconds for the built-in envs. An answer whose observation
+cannot be read (a reset that returns no ``(observation, info)``, an observation
+that is no dict) is one failure: the checks that compare observations skip
+it, rather than report what follows from it.
 """
 
 from __future__ import annotations
@@ -61,7 +66,9 @@ from turnrl.envs.contract import (
     is_number,
     missing_methods,
     missing_reset_keywords,
+    reset_answer_problems,
     step_answer_problems,
+    text_problems,
 )
 
 OBS_KEYS = ("text", "image")
@@ -89,16 +96,22 @@ class _Report:
     """Failures in the order found; a rule broken by many calls is one line naming the first few."""
 
     def __init__(self) -> None:
+        self._messages: dict[str, str] = {}
         self._calls: dict[str, list[str]] = {}
 
-    def add(self, message: str, call: str | None = None) -> None:
-        calls = self._calls.setdefault(message, [])
+    def add(self, message: str, call: str | None = None, rule: str | None = None) -> None:
+        """Report ``message`` (at ``call``). A ``rule`` groups messages that differ by what they found (a text's
+        length): the first one found stands for them all, naming each call."""
+        rule = message if rule is None else rule
+        self._messages.setdefault(rule, message)
+        calls = self._calls.setdefault(rule, [])
         if call is not None and call not in calls:
             calls.append(call)
 
     def lines(self) -> list[str]:
         lines = []
-        for message, calls in self._calls.items():
+        for rule, calls in self._calls.items():
+            message = self._messages[rule]
             shown = ", ".join(calls[:3]) + (f" and {len(calls) - 3} more" if len(calls) > 3 else "")
             lines.append(f"{message} (at {shown})" if calls else message)
         return lines
@@ -147,6 +160,10 @@ def check_env(env: AgentEnv, *, seed: int = 0, steps: int = 20, deterministic: b
         report.add(f"{name} raises NotImplementedError from {methods}, which every check calls: define "
                    f"{_and([_expected(m) for m in unimplemented])}, as turnrl.envs.AgentEnv declares")
         raise EnvCheckError(name, report.lines())
+    try:  # reset's answer first: turnrl's lines say in full what Gymnasium's checker says of it in general
+        _reset(env, seed, report)
+    except Exception:  # a reset that raises: the checks below report it
+        pass
     if isinstance(env, gym.Env):
         _gymnasium_checks(env.unwrapped, report)
     repeatable = True
@@ -228,12 +245,22 @@ def _short(action: str, limit: int = 24) -> str:
 
 
 # --------------------------------------------------------------------------- calls with their return checked
+UNREAD: dict[str, Any] = {}
+"""What an observation that cannot be read (no dict, or a reset whose answer is not ``(observation, info)``) reads
+as, once reported: empty, and told apart by identity (``obs is UNREAD``), so that a check comparing two
+observations skips it instead of reporting what follows from it (a rejected action "changed" an observation the
+reset never gave). Never written to."""
+
+
 def _check_observation(obs: Any, call: str, report: _Report) -> None:
     if not isinstance(obs, dict):
         report.add(f"the observation must be a dict {{'text': str}} (+ 'image'), got a {type(obs).__name__}", call)
         return
     if not isinstance(obs.get("text"), str):
         report.add(f"obs['text'] must be a str, got {type(obs.get('text')).__name__}", call)
+    else:
+        for problem in text_problems(obs["text"]):
+            report.add(str(problem), call, rule=problem.rule)
     extra = sorted(set(obs) - set(OBS_KEYS))
     if extra:
         report.add(
@@ -250,17 +277,18 @@ def _check_observation(obs: Any, call: str, report: _Report) -> None:
 
 
 def _reset(env: AgentEnv, seed: int, report: _Report) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``env.reset(seed=seed)``, its return checked; a malformed part reads as ``{}``."""
+    """``env.reset(seed=seed)``, its return checked; a malformed observation reads as :data:`UNREAD`, a malformed
+    info as ``{}``."""
     call = f"reset(seed={seed})"
     result = env.reset(seed=seed)
+    problems = reset_answer_problems(result)
+    for problem in problems:
+        report.add(problem, call)
     if not (isinstance(result, tuple) and len(result) == 2):
-        report.add(f"reset() must return (observation, info), got a {type(result).__name__}", call)
-        return {}, {}
+        return UNREAD, {}
     obs, info = result
     _check_observation(obs, call, report)
-    if not isinstance(info, dict):
-        report.add(f"reset()'s info must be a dict, got a {type(info).__name__}", call)
-    return (obs if isinstance(obs, dict) else {}), (info if isinstance(info, dict) else {})
+    return (obs if isinstance(obs, dict) else UNREAD), (info if isinstance(info, dict) else {})
 
 
 def _step(env: AgentEnv, action: str, report: _Report) -> tuple[dict[str, Any], Any, Any, Any, dict[str, Any]]:
@@ -271,14 +299,14 @@ def _step(env: AgentEnv, action: str, report: _Report) -> tuple[dict[str, Any], 
         report.add(
             f"step() must return (obs, reward, terminated, truncated, info), got a {type(result).__name__}", call
         )
-        return {}, 0.0, True, False, {}
+        return UNREAD, 0.0, True, False, {}
     obs, reward, terminated, truncated, info = result
     _check_observation(obs, call, report)
     if not _finite_number(reward):
         report.add("the reward must be a finite number", f"{call} -> {_clip(repr(reward), 40)}")
     for problem in step_answer_problems(0.0, terminated, truncated, info):  # the reward's is asked above
         report.add(problem, call)
-    obs, info = (obs if isinstance(obs, dict) else {}), (info if isinstance(info, dict) else {})
+    obs, info = (obs if isinstance(obs, dict) else UNREAD), (info if isinstance(info, dict) else {})
     try:  # the rollout reads it for every rejected action: one it cannot read fails the episode
         invalid_reason(info)
     except ValueError:
@@ -464,7 +492,9 @@ def _check_invalid_actions(env: AgentEnv, seed: int, repeatable: bool, report: _
             )
             continue
         if _flag(info, "action_is_valid") is False:
-            if after.get("text") != before.get("text") or not _same_image(before.get("image"), after.get("image")):
+            unread = before is UNREAD or after is UNREAD  # reported where it came; no change to judge
+            if not unread and (after.get("text") != before.get("text")
+                               or not _same_image(before.get("image"), after.get("image"))):
                 report.add("a rejected action changed the observation; leave the state as it was", call)
             elif not _same_facts(env.state_facts(), facts):
                 report.add("a rejected action changed state_facts(); leave the state as it was", call)

@@ -40,11 +40,12 @@ import copy
 import hashlib
 import inspect
 import math
+import re
 import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -53,8 +54,8 @@ from gymnasium import spaces
 Position = tuple[int, int]
 """A grid cell as ``(row, col)``, row 0 at the top."""
 
-# Characters an observation may contain: printable ASCII plus the symbols the
-# grid envs draw with. Used for the gymnasium Text spaces.
+# What the Text space of an observation samples from: printable ASCII plus the symbols the grid envs draw with.
+# An observation may hold any other character too, but those of _UNREADABLE (ObservationText, text_problems).
 OBS_CHARSET = frozenset(string.printable) | frozenset("√·█░▒▓←→↑↓")
 ACTION_CHARSET = frozenset(string.printable)
 NO_METRICS: Mapping[str, float] = MappingProxyType({})
@@ -131,6 +132,60 @@ def check_text_fits(longest: int, what: str, advice: str = "") -> None:
         tail = f"; {advice}" if advice else ""
         raise ValueError(f"{what} can need {longest} characters, more than the {MAX_TEXT_LENGTH} an observation "
                          f"may hold{tail}")
+
+
+_UNREADABLE = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+"""The characters an observation's text may not hold: Unicode's control characters (category Cc) but the ASCII
+whitespace ones (tab, newline, vertical tab, form feed, carriage return, which :data:`OBS_CHARSET` holds), and the
+surrogates (Cs), which UTF-8, and so the tokenizer, cannot encode alone. Every other character is text a tokenizer
+takes (letters of any script, CJK, emoji, non-breaking and ideographic spaces, the joiners of emoji and of Persian
+or Indic scripts): Python's ``str.isprintable`` refuses those spaces and joiners, so it is not the rule."""
+TEXT_CHARACTERS_RULE = ("an observation's text may hold any character but a control character (other than ASCII "
+                        "whitespace, such as a newline or tab) or a lone surrogate, which UTF-8 cannot encode")
+TEXT_LENGTH_RULE = f"an observation's text may hold {MAX_TEXT_LENGTH} characters"
+SHOWN_CHARACTERS = 3
+"""The offending characters a message shows at most."""
+
+
+class TextProblem(NamedTuple):
+    """How an observation's text breaks a rule of :func:`text_problems`: the rule, and what broke it here."""
+
+    rule: str
+    found: str
+
+    def __str__(self) -> str:
+        return f"{self.rule}, got {self.found}"
+
+
+def text_problems(text: str) -> list[TextProblem]:
+    """What is wrong with an observation's text (a ``str``): more than :data:`MAX_TEXT_LENGTH` characters, or a
+    character of :data:`_UNREADABLE` (the first few shown with ``repr``, where they are); empty when nothing is.
+    ``check_env`` reports each, and the rollout ends the episode of an env that gives one, with these words."""
+    problems = []
+    if len(text) > MAX_TEXT_LENGTH:
+        problems.append(TextProblem(TEXT_LENGTH_RULE, str(len(text))))
+    if not text.isprintable():  # the common case, answered in C; the pattern looks only at texts that need it
+        found = [(match.start(), match.group()) for match in _UNREADABLE.finditer(text)]
+        if found:
+            shown = ", ".join(f"{char!r} at index {index}" for index, char in found[:SHOWN_CHARACTERS])
+            more = f" and {len(found) - SHOWN_CHARACTERS} more" if len(found) > SHOWN_CHARACTERS else ""
+            problems.append(TextProblem(TEXT_CHARACTERS_RULE, shown + more))
+    return problems
+
+
+class ObservationText(spaces.Text):
+    """The Gymnasium space of an observation's text: from ``min_length`` to ``max_length`` characters, none of
+    which :func:`text_problems` refuses.
+
+    Written by hand because Gymnasium's ``Text`` holds a text only where each of its characters is in ``charset``,
+    a set it must list in full to sample from: an env whose text holds an accented name, CJK or a glyph such as ⬛
+    trains fine, yet would fail Gymnasium's checker (and ``turnrl check-env``) with no word of which character.
+    ``contains`` asks turnrl's rule instead; ``sample`` still draws from ``charset``, each of whose characters
+    (:data:`OBS_CHARSET`) the rule accepts.
+    """
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length and _UNREADABLE.search(x) is None
 
 
 def relation(player: Position, position: Position) -> tuple[str, str]:
@@ -223,6 +278,18 @@ def step_answer_problems(reward: Any, terminated: Any, truncated: Any, info: Any
     problems += [f"info[{key!r}] must be a bool, got {described(info[key])}"
                  for key in INFO_FLAGS if key in info and not is_flag(info[key])]
     return problems
+
+
+def reset_answer_problems(result: Any) -> list[str]:
+    """What is wrong with the shape of what ``reset`` returned, one line each; empty when nothing is: it must be the
+    pair ``(observation, info)``, ``info`` a dict (what the observation holds is :func:`text_problems`' and the
+    checker's). Unpacked without it, a reset that returns the bare observation fails with "not enough values to
+    unpack", or, for a dict of two keys (text and image), reads as the keys' names."""
+    if not (isinstance(result, tuple) and len(result) == 2):
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else described(result)
+        return [f"reset() must return (observation, info), got {got}"]
+    info = result[1]
+    return [] if isinstance(info, Mapping) else [f"reset()'s info must be a dict, got a {type(info).__name__}"]
 
 
 def described(value: Any) -> str:
@@ -500,11 +567,13 @@ class TurnEnv(gym.Env[dict, str], OptionalMethods):
         self.max_steps = int(max_steps)
         self.render_mode = render_mode
         obs_spaces: dict[str, spaces.Space] = {
-            "text": spaces.Text(MAX_TEXT_LENGTH, min_length=0, charset=OBS_CHARSET)
+            "text": ObservationText(MAX_TEXT_LENGTH, min_length=0, charset=OBS_CHARSET)
         }
         if self.is_image_mode:
             if image_shape is None:
-                raise ValueError(f"{type(self).__name__}: an image mode needs image_shape")
+                raise ValueError(f"{type(self).__name__}: an image mode needs image_shape=(height, width), the "
+                                 "size of what image() draws: pass it to TurnEnv.__init__ (docs/extending.md, An "
+                                 "image mode)")
             height, width = image_shape
             obs_spaces["image"] = spaces.Box(0, 255, (height, width, 3), dtype=np.uint8)
         self.observation_space = spaces.Dict(obs_spaces)

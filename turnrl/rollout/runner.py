@@ -32,14 +32,15 @@ from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, neutralized, observation_text, system_prompt
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
 from turnrl.envs.contract import (
-    MAX_TEXT_LENGTH,
     AgentEnv,
     StateFacts,
     TurnEnv,
     env_metrics,
     invalid_reason,
+    reset_answer_problems,
     state_key,
     step_answer_problems,
+    text_problems,
 )
 from turnrl.models.vision import MessageImages, check_image
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
@@ -157,14 +158,18 @@ def plays_blind(observer: str, model: str, text_mode: bool) -> str:
 
 def check_observation(obs: Any) -> None:
     """Raise TypeError or ValueError unless ``obs`` is an observation the turn can read and the record can keep (a
-    dict with a ``text`` string of at most :data:`~turnrl.envs.contract.MAX_TEXT_LENGTH` characters and, where
-    it has an ``image``, an ``HxWx3`` uint8 array): an env that returns another, from ``reset`` or ``step``, fails
-    its own episode where it does so, not the batch, and its observation never reaches the trajectory (whose
-    writer cannot save another image as a PNG, nor should write a megabyte of text each turn)."""
+    dict with a ``text`` string that :func:`~turnrl.envs.contract.text_problems` accepts: at most
+    :data:`~turnrl.envs.contract.MAX_TEXT_LENGTH` characters, none a control character but ASCII whitespace nor a
+    lone surrogate; and, where it has an ``image``, an ``HxWx3`` uint8 array): an env that returns another, from
+    ``reset`` or ``step``, fails its own episode where it does so, not the batch, and its observation never
+    reaches the trajectory (whose writer cannot save another image as a PNG, nor should write a megabyte of text
+    each turn, and whose tokenizer cannot encode a lone surrogate). ``check_env`` refuses the same texts, in the
+    same words."""
     if not isinstance(obs, dict) or not isinstance(obs.get("text"), str):
         raise TypeError(f"an observation must be a dict with a 'text' string, not {obs!r:.200}")
-    if len(obs["text"]) > MAX_TEXT_LENGTH:
-        raise ValueError(f"an observation's text may hold {MAX_TEXT_LENGTH} characters, got {len(obs['text'])}")
+    problems = text_problems(obs["text"])
+    if problems:
+        raise ValueError("; ".join(map(str, problems)))
     if "image" in obs:
         check_image(obs["image"])
 
@@ -523,7 +528,11 @@ class Rollout:
         trajectory = Trajectory(env_id=self.env_id, seed=slot.seed, group=slot.group, sample=slot.sample)
         episode = _Episode(slot=slot, trajectory=trajectory, actions_left=self.agent.max_actions_per_episode)
         try:
-            obs, _ = slot.env.reset(seed=slot.seed, options=slot.options)
+            answer = slot.env.reset(seed=slot.seed, options=slot.options)
+            problems = reset_answer_problems(answer)
+            if problems:  # unpacked, a bare observation failed as "not enough values to unpack"
+                raise TypeError("; ".join(problems))
+            obs, _ = answer
             check_observation(obs)
             names = action_names_of(slot.env)
             trajectory.system_prompt = system_prompt(

@@ -13,13 +13,13 @@ from rich.console import Console
 
 from turnrl.config import ConfigError, turnrl_command
 from turnrl.envs.catalog import builtin_name, env_class
-from turnrl.envs.contract import AgentEnv
+from turnrl.envs.contract import AgentEnv, reset_answer_problems
 from turnrl.envservice.placement import env_factory
 from turnrl.envservice.protocol import RemoteEnvError
 from turnrl.models.builtin import check_builtin_preset
 from turnrl.models.loading import ModelSource, is_vision_language, locate_model, model_line
 from turnrl.models.vlm import is_vlm_preset
-from turnrl.rollout.runner import plays_blind, raised_where
+from turnrl.rollout.runner import check_observation, plays_blind, raised_where
 from turnrl.training import ranks
 from turnrl.training.checkpoint import checkpoint_step, resume_point
 from turnrl.training.run_dir import RL_OUTPUTS, resumed_checkpoint, run_directory
@@ -64,9 +64,12 @@ def _check_envs(config: TrainConfig, needs_solver: bool) -> list[str]:
 def _first_reset(env: AgentEnv, env_id: str, where: str, settings: dict[str, Any], seed: int = 0) -> bool:
     """Reset ``env`` once; whether its observation holds an image. Its refusal of the settings (a ``ValueError``)
     is a one-line error naming them; any other error too, with the line that raised it (a user env's setting of
-    the wrong type fails there, in the env's own arithmetic)."""
+    the wrong type fails there, in the env's own arithmetic). An answer that every episode's reset would give,
+    and the rollout refuse (not ``(observation, info)``, or an observation it cannot read), is the env's fault,
+    whatever the settings: its one-line error says what the env returned and names ``turnrl check-env``, which
+    lists all that the env breaks."""
     try:
-        obs, _ = env.reset(seed=seed)
+        answer = env.reset(seed=seed)
     except (ValueError, RemoteEnvError) as error:
         raise ConfigError(f"env.id={env_id!r} with {where}={settings}: its first reset refused them: "
                           f"{' '.join(str(error).split())}") from error
@@ -74,7 +77,16 @@ def _first_reset(env: AgentEnv, env_id: str, where: str, settings: dict[str, Any
         raise ConfigError(f"env.id={env_id!r} with {where}={settings}: its first reset raised "
                           f"{type(error).__name__}: {' '.join(str(error).split())}{raised_where(error)}; check "
                           "the settings' types and values against the env's constructor") from error
-    return isinstance(obs, dict) and "image" in obs
+    full_list = f"`{turnrl_command()} check-env {env_id}` lists all that the env breaks of the contract"
+    problems = reset_answer_problems(answer)
+    if problems:
+        raise ConfigError(f"env.id={env_id!r}: {'; '.join(problems)}; {full_list}")
+    obs, _ = answer
+    try:
+        check_observation(obs)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"env.id={env_id!r}: its first observation cannot be played: {error}; {full_list}") from error
+    return "image" in obs
 
 
 def _check_model_sees(config: TrainConfig, source: ModelSource | None, with_images: list[str]) -> None:
