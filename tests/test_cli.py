@@ -222,6 +222,10 @@ def test_render_subprocess_error_has_no_traceback(tmp_path):
 def test_render_takes_an_env_from_any_module(tmp_path, capsys):
     # toy_envs.Corridor has text observations only: a clean error, not a KeyError
     assert "observes no image" in error_exit(["render", "tests.envs.toy_envs:Corridor", "-o", str(tmp_path / "c.png")])
+    bare = "tests.envs.toy_envs:BrokenBareReset"  # not "not enough values to unpack"
+    assert error_exit(["render", bare, "-o", str(tmp_path / "c.png")]) == (
+        f"error: {bare}: reset() must return (observation, info), got a dict: {{'text': '___P_'}}; `turnrl "
+        f"check-env {bare}` lists all that the env breaks of the contract")
 
 
 # --------------------------------------------------------------------------- check-env

@@ -144,7 +144,9 @@ def cmd_play(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from turnrl.config import turnrl_command
     from turnrl.envs.catalog import builtin_name, env_class
+    from turnrl.envs.contract import reset_answer
 
     settings = parse_settings(args.settings)
     name = builtin_name(args.env)
@@ -155,8 +157,12 @@ def cmd_render(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: {args.env} has no image mode (modes: {', '.join(modes)})")
         settings["mode"] = image_modes[0]
     env = _make_env(args.env, settings)
-    obs, _ = env.reset(seed=args.seed)
-    if "image" not in obs:
+    try:
+        obs, _ = reset_answer(env.reset(seed=args.seed))
+    except TypeError as error:
+        raise SystemExit(f"error: {args.env}: {error}; `{turnrl_command()} check-env {args.env}` lists all that "
+                         "the env breaks of the contract") from error
+    if not isinstance(obs, dict) or "image" not in obs:
         hint = f"; pick one of {[m for m in env_class(name).modes if m != 'text']}" if name else ""
         raise SystemExit(f"error: {args.env} with {settings} observes no image{hint}")
     output = image_path(args.output)

@@ -79,6 +79,13 @@ class BrokenSolveName(Corridor):
         return ["Forward"] * (self.length - 1 - self.position)
 
 
+class BrokenBareReset(Corridor):
+    """Its reset returns the observation alone (Gymnasium's envs before 0.26 did)."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        return super().reset(seed=seed, options=options)[0]
+
+
 class BrokenSolvePlan(Corridor):
     def solve(self) -> list[str] | None:
         return ["Left"]  # valid, but it never reaches the exit

@@ -223,6 +223,11 @@ def test_a_bad_env_id_or_setting_is_a_value_error_naming_it():
         RayEnvOptions(prefetch=("everything",))
 
 
+def test_the_host_tells_a_reset_that_returns_the_bare_observation():
+    with pytest.raises(TypeError, match=r"reset\(\) must return \(observation, info\), got a dict"):
+        EnvHost("tests.envs.toy_envs:BrokenBareReset", {}).reset(0, 0, None, [])
+
+
 def test_the_host_answers_queries_and_forks_without_ray():
     host = EnvHost("Sokoban", {})
     answer = host.reset(0, 5, None, ["instructions", "action_names", "state_key", "nonsense"])

@@ -280,6 +280,17 @@ def test_an_env_that_calls_sys_exit_fails_its_item_and_the_server_stays_up():
         assert httpx.get(url + "/health", timeout=5).json()["sessions"] == 0
 
 
+def test_an_env_whose_reset_returns_the_bare_observation_is_told_so():
+    """It answered Python's "not enough values to unpack (expected 2, got 1)" from the server's own unpacking."""
+    bare = "tests.envs.toy_envs:BrokenBareReset"
+    with env_server(envs=[bare]) as url:
+        session = open_one(url, bare)
+        item = post(url, "/v1/reset", {"items": [{"session": session, "seed": 0}]}).json()["items"][0]
+        assert item["error"]["code"] == "env_error"
+        assert "reset() raised TypeError: reset() must return (observation, info), got a dict: {'text': " in \
+            item["error"]["message"]
+
+
 # --------------------------------------------------------------------------- load
 def run_clients(url: str, clients: int, steps: int) -> list[float]:
     """``clients`` threads, each stepping its own session ``steps`` times; checks every count; latencies (s)."""

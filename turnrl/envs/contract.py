@@ -292,6 +292,20 @@ def reset_answer_problems(result: Any) -> list[str]:
     return [] if isinstance(info, Mapping) else [f"reset()'s info must be a dict, got a {type(info).__name__}"]
 
 
+def reset_answer(result: Any) -> tuple[Any, dict[str, Any]]:
+    """``(observation, info)``, what ``reset`` returned, where it is that pair (:func:`reset_answer_problems`; an
+    info mapping of another kind comes as a dict).
+
+    Raises:
+        TypeError: with the problems' lines, where it is not.
+    """
+    problems = reset_answer_problems(result)
+    if problems:
+        raise TypeError("; ".join(problems))
+    obs, info = result
+    return obs, info if isinstance(info, dict) else dict(info)
+
+
 def described(value: Any) -> str:
     """A value's type and its start, for a message: ``a str: 'False'``, ``an int: 0``."""
     name = type(value).__name__

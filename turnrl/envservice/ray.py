@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.envs.catalog import make
-from turnrl.envs.contract import AgentEnv, optional_methods
+from turnrl.envs.contract import AgentEnv, optional_methods, reset_answer
 from turnrl.envservice.protocol import (
     RESET_QUERIES,
     STEP_QUERIES,
@@ -117,7 +117,7 @@ class EnvHost:
               queries: Sequence[str]) -> ItemResult:
         env = self._env(index)
         try:
-            obs, info = env.reset(seed=seed, options=options)
+            obs, info = reset_answer(env.reset(seed=seed, options=options))
         except Exception:
             self.close(index)
             raise

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from turnrl.envs import AgentEnv, make, optional_methods
+from turnrl.envs.contract import reset_answer
 from turnrl.envservice.protocol import (
     APIError,
     answer_query,
@@ -268,7 +269,7 @@ def run_queries(session: Session, names: Sequence[str]) -> dict[str, Any]:
 
 def run_reset(session: Session, item: ResetItem, options: Any) -> dict[str, Any]:
     try:
-        obs, info = session.env.reset(seed=item.seed, options=options)
+        obs, info = reset_answer(session.env.reset(seed=item.seed, options=options))
         session.last_obs = obs
         return reset_item(session.id, obs, info, run_queries(session, item.queries))
     except BaseException as error:

@@ -37,7 +37,7 @@ from turnrl.envs.contract import (
     TurnEnv,
     env_metrics,
     invalid_reason,
-    reset_answer_problems,
+    reset_answer,
     state_key,
     step_answer_problems,
     text_problems,
@@ -528,11 +528,8 @@ class Rollout:
         trajectory = Trajectory(env_id=self.env_id, seed=slot.seed, group=slot.group, sample=slot.sample)
         episode = _Episode(slot=slot, trajectory=trajectory, actions_left=self.agent.max_actions_per_episode)
         try:
-            answer = slot.env.reset(seed=slot.seed, options=slot.options)
-            problems = reset_answer_problems(answer)
-            if problems:  # unpacked, a bare observation failed as "not enough values to unpack"
-                raise TypeError("; ".join(problems))
-            obs, _ = answer
+            # Unpacked unchecked, a bare observation failed as "not enough values to unpack".
+            obs, _ = reset_answer(slot.env.reset(seed=slot.seed, options=slot.options))
             check_observation(obs)
             names = action_names_of(slot.env)
             trajectory.system_prompt = system_prompt(
