@@ -231,7 +231,19 @@ def test_render_takes_an_env_from_any_module(tmp_path, capsys):
 # --------------------------------------------------------------------------- check-env
 def test_check_env_passes_a_built_in_env(monkeypatch, capsys):
     code, out = run_main(["check-env", "Sokoban", "size=7", "num_boxes=2"], monkeypatch, capsys)
-    assert code == 0 and "passes" in out
+    assert code == 0 and "passes" in out and "note" not in out
+
+
+def test_check_env_says_gymnasiums_warnings_as_plain_notes(monkeypatch, capsys, recwarn):
+    """They came as Python warnings in terminal colours, each with the checker's file and line, of spaces turnrl
+    never reads (a Gymnasium env wrapped for its frames)."""
+    code, out = run_main(["check-env", "gym:CartPole-v1"], monkeypatch, capsys)
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert code == 0 and notes == [
+        "note: Gymnasium's checker warns (of the wrapped env's own spaces: turnrl observes its frames): A Box "
+        f"observation space {end} value is {value}. This is probably too {too}."
+        for end, value, too in (("minimum", "-infinity", "low"), ("maximum", "infinity", "high"))]
+    assert "\x1b" not in capsys.readouterr().err and not [w for w in recwarn if "gymnasium" in w.filename]
 
 
 def test_check_env_names_what_a_broken_env_gets_wrong(monkeypatch, capsys):

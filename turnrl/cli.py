@@ -23,10 +23,12 @@ import argparse
 import faulthandler
 import math
 import os
+import re
 import signal
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -195,14 +197,35 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     from turnrl.envs import EnvCheckError, check_env
 
     env = _make_env(args.env, parse_settings(args.settings))
-    try:
-        check_env(env, seed=args.seed, deterministic=not args.stochastic)
-    except EnvCheckError as error:
-        console.print(f"[bold red]{args.env} fails the turnrl env contract[/bold red]")
-        console.print(str(error), markup=False)
-        return 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            check_env(env, seed=args.seed, deterministic=not args.stochastic)
+        except EnvCheckError as error:
+            console.print(f"[bold red]{args.env} fails the turnrl env contract[/bold red]")
+            console.print(str(error), markup=False)
+            return 1
+        finally:
+            _say_checker_warnings(caught, args.env)
     console.print(f"[bold green]{args.env} passes[/bold green] Gymnasium's checker and turnrl's contract checks")
     return 0
+
+
+def _say_checker_warnings(caught: list[warnings.WarningMessage], env_id: str) -> None:
+    """Gymnasium's checker warnings as notes, once each, in plain text (they come in terminal colours, each with
+    the checker's file and line); any other warning as Python would show it."""
+    said = set()
+    for warning in caught:
+        if "gymnasium" not in Path(warning.filename).parts:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+            continue
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(warning.message)).removeprefix("WARN: ")
+        if text not in said:
+            said.add(text)
+            wrapped = env_id.startswith("gym:")
+            whose = " (of the wrapped env's own spaces: turnrl observes its frames)" if wrapped else ""
+            console.print(f"note: Gymnasium's checker warns{whose}: {text}", markup=False, highlight=False,
+                          soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- eval / sft / train / serve
