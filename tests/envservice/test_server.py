@@ -351,6 +351,8 @@ def test_bad_input_is_a_4xx_that_says_what_is_wrong_and_the_server_stays_up(guar
     assert over.status_code == 409 and "ended" in over.json()["error"]["message"]
     health = httpx.get(guarded + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    headed = httpx.head(guarded + "/health")  # health checkers ask with HEAD: it answered 405
+    assert headed.status_code == 200 and headed.content == b""
     metrics = httpx.get(guarded + "/metrics", headers=AUTH).text
     assert 'turnrl_env_errors_total{code="unauthorized"} 2' in metrics
     assert httpx.get(guarded + "/metrics").status_code == 401

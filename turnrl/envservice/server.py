@@ -708,7 +708,7 @@ def build_app(envs: list[str] | None = None, *, token: str | None = None,
         return server.authorize(request.headers.get("authorization", ""), request.headers.get(CLIENT_HEADER),
                                 request.client.host if request.client else None)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # health checkers ask with HEAD too
     async def health() -> AnswerResponse:
         return AnswerResponse(server.health())
 
