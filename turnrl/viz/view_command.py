@@ -3,7 +3,8 @@
 The report is a static page (``report.html`` beside the run's files), so
 ``--serve`` is only a file server over the folder: Python's standard
 ``http.server``, bound to the loopback address unless ``--host`` says
-otherwise.
+otherwise (with a warning), that serves the folder's files and nothing else
+(no listings, no symlink out of it) and drops silent connections.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
+import os
+import sys
+import urllib.parse
+from http import HTTPStatus
 from pathlib import Path
+from typing import Any
 
 # Only the light records module here: `turnrl --help` builds this parser, and the report's libraries
 # (jinja2, matplotlib) load when the command runs.
@@ -49,21 +55,110 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"have them, whole episodes from the first (default {DEFAULT_MAX_HEATMAP_TOKENS})")
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    """Serves files without a log line per request (a page with many images would flood the terminal)."""
+INDEX_NAMES = ("index.html", "index.htm")
+"""The files that answer for a directory, in the order the standard library's handler looks for them."""
+DEFAULT_TIMEOUT_S = 30.0
+"""Seconds a connection may stay silent (a request sent halfway, a reader that stopped) before it is dropped."""
+
+
+def served_file(root: str, local: str) -> str | None:
+    """The real path of the file that a request for ``local`` serves, or None when it must answer 404.
+
+    ``root`` is the folder's real path, ``local`` a request's path joined under it (as ``translate_path`` makes
+    it). A directory serves its index file. None: nothing there (or not a regular file), a directory without an
+    index file, or a file whose real path (symlinks followed) is outside ``root``.
+
+    Raises:
+        ValueError: ``local`` cannot name a file (a NUL byte, a lone surrogate).
+    """
+    real = os.path.realpath(local)
+    if os.path.isdir(real):
+        index = next((os.path.join(real, name) for name in INDEX_NAMES if os.path.isfile(os.path.join(real, name))),
+                     None)
+        if index is None:
+            return None
+        real = os.path.realpath(index)
+    if not os.path.isfile(real) or os.path.commonpath([root, real]) != root:
+        return None
+    return real
+
+
+class _RunFolderHandler(http.server.SimpleHTTPRequestHandler):
+    """The files of one folder and nothing else: no directory listings, no symlink out of it, no request that
+    holds a thread forever, and no log line per request (a page with many images would flood the terminal).
+
+    The standard library's handler is kept (a static page and its files need nothing more, and the viewer adds
+    no dependency); this class only refuses what it would serve outside the folder.
+    """
+
+    def __init__(self, *args: Any, directory: str, timeout: float, home: str | None, **kwargs: Any) -> None:
+        # Read by setup and send_head, which the base class's __init__ runs (it handles the request): set first.
+        self.connection_timeout, self.home = timeout, home
+        super().__init__(*args, directory=directory, **kwargs)
+
+    def setup(self) -> None:
+        # A timeout on the socket makes a silent connection's read (or write) raise TimeoutError, on which
+        # BaseHTTPRequestHandler closes the connection and ends its thread.
+        self.request.settimeout(self.connection_timeout)
+        super().setup()
+
+    def send_head(self) -> Any:
+        if self.home is not None and urllib.parse.urlsplit(self.path).path == "/":  # the folder's page, not a 404
+            self.send_response(HTTPStatus.FOUND)
+            self.send_header("Location", f"/{self.home}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+        try:
+            real = served_file(self.directory, self.translate_path(self.path))
+        except ValueError:
+            self.send_error(HTTPStatus.BAD_REQUEST, "Bad path")
+            return None
+        if real is None:
+            self.send_error(HTTPStatus.NOT_FOUND, "File not found")
+            return None
+        return super().send_head()
+
+    def list_directory(self, path: str | os.PathLike[str]) -> None:
+        # send_head answers 404 for a directory without an index file before the base class would list it.
+        self.send_error(HTTPStatus.NOT_FOUND, "File not found")
+        return None
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
         return
 
 
-def make_server(folder: Path, host: str, port: int) -> http.server.ThreadingHTTPServer:
-    """An HTTP server of ``folder``'s files (not started).
+class _RunFolderServer(http.server.ThreadingHTTPServer):
+    """The threading server of the standard library, quiet about clients that hang up (a closed tab, a reload
+    while images load): those are not errors of the server, and each would print a full traceback."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
+
+
+def make_server(folder: Path, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT_S,
+                home: str | None = None) -> http.server.ThreadingHTTPServer:
+    """An HTTP server of ``folder``'s files (not started); a connection silent for ``timeout`` seconds is dropped,
+    and ``/`` redirects to the file ``home`` names, where one is given.
 
     Raises:
         OSError: the address is taken or cannot be bound.
     """
-    handler = functools.partial(_QuietHandler, directory=str(folder))
-    return http.server.ThreadingHTTPServer((host, port), handler)
+    handler = functools.partial(_RunFolderHandler, directory=os.path.realpath(folder), timeout=timeout, home=home)
+    return _RunFolderServer((host, port), handler)
+
+
+def exposure_warning(host: str) -> str | None:
+    """The warning for serving on ``host``, None for a loopback address (this machine only)."""
+    # Here, not at the top: http_guards loads starlette, and `turnrl --help` imports this module.
+    from turnrl.envservice.http_guards import is_loopback
+
+    if is_loopback(host):
+        return None
+    return (f"warning: serving on {host}: anyone who can reach this port can read this folder's files (the report, "
+            "trajectories, config); the default --host 127.0.0.1 keeps them on this machine")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -92,10 +187,13 @@ def main(args: argparse.Namespace) -> int:
     if not args.serve:
         return 0
     try:
-        server = make_server(folder.resolve(), args.host, args.port)
+        server = make_server(folder.resolve(), args.host, args.port, home=REPORT_NAME)
     except OSError as error:
         raise SystemExit(f"error: cannot serve on {args.host}:{args.port} ({error}); pick another --port") from None
     port = server.server_address[1]
+    warning = exposure_warning(args.host)
+    if warning is not None:
+        print(warning, flush=True)
     print(f"serving http://{args.host}:{port}/{REPORT_NAME} (Ctrl-C stops)", flush=True)
     try:
         server.serve_forever()
