@@ -9,8 +9,13 @@ event loop keeps accepting requests (and ``/health`` answers) meanwhile. If a
 batch fails (``generate`` raises, or reports requests as failed, as the engine
 reports every request of a step that failed), its failed requests are run one
 by one, so a request that breaks generation fails alone with a 500 and the
-server keeps serving. A request whose client went away is dropped from the
-batch (nobody would receive it).
+server keeps serving.
+
+A request whose client went away while it waits is dropped from its batch (nobody would receive it). Once its
+``generate`` call runs, it runs to its end: a policy's ``generate`` cannot be stopped part-way, and a batch holds
+other clients' prompts too. A request of more prompts than ``max_batch_size`` (``n`` of 128) runs alone, in
+calls of ``max_batch_size`` prompts each, and is stopped between them: at most one call of ``max_batch_size``
+prompts is generated for a client that left.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ class GenerationBatcher:
 
     Args:
         policy: the policy whose ``generate`` the batches go to.
-        max_batch_size: prompts per ``generate`` call at most (a larger request runs alone).
+        max_batch_size: prompts per ``generate`` call at most (a larger request runs alone, in parts of this many).
         window_s: how long the first waiting request waits for others to join it.
     """
 
@@ -87,6 +92,11 @@ class GenerationBatcher:
     def pending(self) -> int:
         """Requests waiting for a batch (one whose client went away is not counted)."""
         return sum(not job.future.done() for job in self._pending)
+
+    @property
+    def generating(self) -> int:
+        """Requests of the batch being generated whose client still waits for them."""
+        return sum(not job.future.done() for job in self._taken)
 
     def start(self) -> None:
         self._arrived = asyncio.Event()
@@ -158,11 +168,19 @@ class GenerationBatcher:
         requests = [request for job in jobs for request in job.requests]
         sampling = replace(jobs[0].sampling, max_new_tokens=max(r.max_new_tokens or 1 for r in requests))
         loop = asyncio.get_running_loop()
-        self.stats.generate_calls += 1
+        completions: list[Completion] = []
         try:
-            completions = await loop.run_in_executor(self._executor, self.policy.generate, requests, sampling)
-            if len(completions) != len(requests):
-                raise RuntimeError(f"generate returned {len(completions)} completions for {len(requests)} prompts")
+            # More prompts than a batch are one request's alone (``_take``): in parts, so that a client that
+            # leaves meanwhile is generated no further than the part in progress.
+            for start in range(0, len(requests), self.max_batch_size):
+                if all(job.future.done() for job in jobs):  # every client went away
+                    return
+                part = requests[start : start + self.max_batch_size]
+                self.stats.generate_calls += 1
+                answers = await loop.run_in_executor(self._executor, self.policy.generate, part, sampling)
+                if len(answers) != len(part):
+                    raise RuntimeError(f"generate returned {len(answers)} completions for {len(part)} prompts")
+                completions.extend(answers)
         except Exception as error:
             if len(jobs) > 1:
                 # Find the request that broke the batch: the others still get their answers.

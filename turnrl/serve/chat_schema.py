@@ -27,6 +27,14 @@ MAX_TEMPERATURE = 1e4
 """The hottest temperature accepted: logits within +-50 of each other are then equally likely to 1%, so any
 hotter is the same; a far hotter one (1e300 is infinite in float32) makes the sampler's probabilities NaN."""
 
+MAX_MESSAGES = 100_000
+"""Messages a request may send: validating them runs on the event loop, where a body of 300,000 one-word messages
+held every client for over a second. A chat template writes a few tokens a message, so this many take hundreds of
+thousands of tokens; the context's own bound on them is checked before the template, off the loop."""
+
+QUOTED_CHARS = 200
+"""Characters of a client's value an error message quotes (a model name, a path); the rest is left out."""
+
 MAX_TOKENS_BOUND = 2**31 - 1
 """The most tokens a request may ask for (no context is longer): a number of thousands of digits would fail
 the server's own arithmetic on it before the context check."""
@@ -41,6 +49,17 @@ def check_encodable(text: str) -> None:
     except UnicodeEncodeError as error:
         raise ValueError(f"holds a lone surrogate ({text[error.start]!r} at character {error.start}), which is not "
                          "text: send valid Unicode") from None
+
+
+def shortened(text: str) -> str:
+    """``text`` cut to its first :data:`QUOTED_CHARS` characters, an ellipsis and its length marking the cut, so
+    that an error never answers a client's 5 MB model name with all of it."""
+    return text if len(text) <= QUOTED_CHARS else f"{text[:QUOTED_CHARS]}... ({len(text):,} characters)"
+
+
+def quoted(text: str) -> str:
+    """``text`` as an error message quotes it: its repr, of its first :data:`QUOTED_CHARS` characters at most."""
+    return repr(text) if len(text) <= QUOTED_CHARS else f"{text[:QUOTED_CHARS]!r}... ({len(text):,} characters)"
 
 
 class TextPart(BaseModel):
@@ -93,7 +112,7 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
                                description="below 1e-5 (0 included) is greedy, as in vLLM")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -217,10 +236,20 @@ def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
             lines.append(f"the body is not valid JSON ({reason} at character {offset}); send one JSON object")
             params.append(None)
             continue
-        location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+        location = shortened(".".join(str(part) for part in item.get("loc", ()) if part != "body"))
         params.append(location or None)
-        lines.append(f"{location}: {item.get('msg', 'invalid')}" if location else body_fault(item))
+        lines.append(f"{location}: {pydantic_message(item)}" if location else body_fault(item))
     return one_line("invalid request: " + "; ".join(lines)), params[0] if params else None
+
+
+def pydantic_message(item: dict[str, Any]) -> str:
+    """Pydantic's message for one error, each long value of the client's that it quotes (a part's ``"type"`` that
+    matches no part) cut as :func:`shortened` cuts it."""
+    message = str(item.get("msg", "invalid"))
+    for value in (item.get("ctx") or {}).values():
+        if isinstance(value, str) and len(value) > QUOTED_CHARS:
+            message = message.replace(value, shortened(value))
+    return shortened(message) if len(message) > 4 * QUOTED_CHARS else message
 
 
 _LINE_BREAKS = {ord(c): c.encode("unicode_escape").decode("ascii") for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
@@ -241,4 +270,4 @@ def body_fault(item: dict[str, Any]) -> str:
         return "the request has no body; send one JSON object (model, messages, ...) as application/json"
     if isinstance(item.get("input"), bytes):
         return "the body was not read as JSON: send it with the header 'Content-Type: application/json'"
-    return f"the body must be one JSON object (model, messages, ...): {item.get('msg', 'invalid')}"
+    return f"the body must be one JSON object (model, messages, ...): {pydantic_message(item)}"

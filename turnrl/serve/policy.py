@@ -1,16 +1,17 @@
 """``turnrl serve-policy``: a transformers model behind an OpenAI-compatible chat-completions API.
 
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``
-and ``GET /health``. Any OpenAI client (or :class:`turnrl.policy.openai_http.OpenAIPolicy`)
-can use it, e.g. ``openai.OpenAI(base_url="http://localhost:8000/v1", api_key="x")``.
+and ``GET /health`` (``HEAD`` too, as health checkers ask). Any OpenAI client (or
+:class:`turnrl.policy.openai_http.OpenAIPolicy`) can use it, e.g.
+``openai.OpenAI(base_url="http://localhost:8000/v1", api_key="x")``.
 With ``--token KEY`` (or ``$TURNRL_POLICY_TOKEN``) every request but ``GET /health``
 must send ``Authorization: Bearer KEY`` (a 401 otherwise, before its body is read),
 as ``serve-env`` does; without one the server checks no key.
 
 Concurrent requests share forward passes (:mod:`turnrl.serve.batching` says how); a request that
 breaks generation fails alone with a 500 and the server keeps serving. The request and response
-bodies and the errors are :mod:`turnrl.serve.chat_schema`'s; this module prepares each request for the
-policy, builds its answer, and holds the app and the command.
+bodies and the errors are :mod:`turnrl.serve.chat_schema`'s; :mod:`turnrl.serve.prompts` prepares each request
+for the policy; this module builds its answer, and holds the app and the command.
 
 Behaviour worth knowing:
 
@@ -30,13 +31,19 @@ Behaviour worth knowing:
   equally likely already; a far larger one overflows float32 into NaN).
 - ``max_tokens`` (and ``max_completion_tokens``) above 2**31 - 1 is a 400, and so is a request whose prompt and
   ``max_tokens`` together pass the context: the model's, or the engine's ``model.engine.max_seq_len`` where
-  that is less (``context_length_exceeded``, as vLLM answers), never a completion cut short.
+  that is less (``context_length_exceeded``, as vLLM answers), never a completion cut short. A prompt that
+  cannot fit is refused before it is tokenized where its size says so: more messages than the context has
+  tokens, or more characters of text than that many of the tokenizer's longest tokens span (byte-level BPE and
+  BPE with byte fallback). More than 100,000 messages are a 400 of their own.
 - An optional parameter sent as ``null`` takes its default, as in OpenAI's API.
 - A request body over ``--max-request-mb`` (32 MiB by default: several large images as data URLs) is a
   413, answered as soon as the bytes read pass the limit (or at once when ``Content-Length`` says so), so a
   client that sends more, or lies about its length, or streams it chunked, never has more than the limit held.
   The bodies of all requests in flight together hold at most 8 times that: past it, a request is a 503 to
-  retry (clients such as openai's retry those), read no further.
+  retry (clients such as openai's retry those), read no further; the bodies one client (one address) is still
+  sending hold at most 2 times that, so that a client's stalled uploads leave the rest to the others. A body
+  that has not arrived whole 120 s after its headers, or whose next bytes do not come for 15 s, is a 408 (its
+  bytes freed, its connection closed): a body sent slowly but steadily within those is read.
 - Strings must be valid Unicode: a lone surrogate (JSON's ``"\\udfff"``) in a
   message or a stop string is a 400 that names the field.
 - ``n`` samples per request, ``stop`` strings (cut from the returned text as
@@ -53,12 +60,15 @@ Behaviour worth knowing:
   Penalties, tools and JSON response formats are refused with a 400.
 - Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
   for every error the server answers: 400 for invalid requests (validation
-  errors and malformed JSON included), 401 without the API key, 413 for a
-  body over the limit, 404 for an unknown model (as OpenAI and vLLM answer) or
+  errors and malformed JSON included), 401 without the API key, 408 for a body that
+  did not arrive in time, 413 for a body over the limit, 404 for an unknown model (as OpenAI and vLLM answer) or
   path, 405 for a wrong method (``GET /v1/chat/completions``), 500 when
   generation fails, 503 once the server is shutting down.
 - A client that disconnects while its request waits for generation is dropped
-  from the batch (nobody would receive it).
+  from the batch (nobody would receive it). Once its batch is being generated, that ``generate`` call runs to
+  its end (a policy's cannot be stopped part-way, and it holds other clients' prompts); a request of more
+  prompts than ``--max-batch-size`` (``n``) runs in calls of that many, and none starts once its client has left.
+- An error quotes a client's value (a model name, a path) to its first 200 characters.
 - The served name is ``--served-model-name`` when given (vLLM's option), else
   what ``--model`` said; clients must send it as ``model``.
 - The port is taken before the model loads, so a busy port, a model path that
@@ -75,19 +85,15 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from turnrl.chat.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
-from turnrl.config import ConfigError, EvalConfig, ModelConfig, SamplingConfig
-from turnrl.envservice.http_guards import BodyLimit, bind_port, check_token, is_loopback
-from turnrl.models.vision import ImageTooLarge, load_image
+from turnrl.config import ConfigError, EvalConfig, ModelConfig
+from turnrl.envservice.http_guards import BodyDeadline, BodyLimit, bind_port, check_token, is_loopback
 from turnrl.policy.factory import load_model_policy
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.serve.batching import GenerationBatcher, shutting_down
@@ -96,15 +102,15 @@ from turnrl.serve.chat_schema import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionRequest,
-    ChatMessage,
     Choice,
     ChoiceLogprobs,
-    ImagePart,
-    TextPart,
     TokenLogprob,
     Usage,
+    quoted,
+    shortened,
     validation_message,
 )
+from turnrl.serve.prompts import DEFAULT_MAX_IMAGE_PIXELS, PreparedRequest, longest_token_chars, prepare
 
 TOKEN_ENV_VAR = "TURNRL_POLICY_TOKEN"
 """Where ``turnrl serve-policy`` reads its API key when ``--token`` is not given."""
@@ -118,12 +124,39 @@ REQUESTS_HELD = 8
 """Request bodies of the largest size that may be in flight at once (``--max-request-mb`` each): past that
 many bytes together, a request is answered with a 503 to retry, read no further."""
 
+CLIENT_REQUESTS_ARRIVING = 2
+"""Request bodies of the largest size that one client (one address) may be sending at once: past that many
+bytes, its next is a 503 to retry. Eight stalled uploads from one client held the whole bound above and every
+other client got 503s; bodies read whole (a client's many requests waiting their turn) count in that bound
+alone. Clients behind one proxy share its address, and so this share."""
+
+DEFAULT_BODY_TIMEOUT_S = 120.0
+"""Seconds a request's body may take to arrive (32 MiB at a quarter of a MiB a second) before it is a 408."""
+
+DEFAULT_BODY_STALL_S = 15.0
+"""Seconds a request's body may pause between two of its parts before it is a 408: a client that stops
+sending holds its bytes (and its share of the bound) no longer than that."""
+
 
 def server_busy(total_bytes: int) -> JSONResponse:
     """The 503 of a request that would take the bodies in flight past ``total_bytes``."""
     return APIError(503, f"the server holds {total_bytes / (1 << 20):g} MiB of requests in flight, its limit "
                          f"({REQUESTS_HELD} x --max-request-mb); send the request again in a moment",
                     type="server_error", code="server_busy").response()
+
+
+def client_busy(client_bytes: int) -> JSONResponse:
+    """The 503 of a request that would take its client's bodies still arriving past ``client_bytes``."""
+    return APIError(503, f"this client is sending {client_bytes / (1 << 20):g} MiB of requests at once, its share "
+                         f"({CLIENT_REQUESTS_ARRIVING} x --max-request-mb); send the request again once those have "
+                         "arrived", type="server_error", code="server_busy").response()
+
+
+def body_timed_out(total_s: float, stall_s: float) -> JSONResponse:
+    """The 408 of a request body that did not arrive within ``total_s`` seconds, or paused over ``stall_s``."""
+    return APIError(408, f"the request body did not arrive in time: this server waits {total_s:g} s at most for a "
+                         f"body, and {stall_s:g} s at most for its next bytes; send the request again",
+                    code="request_timeout").response()
 
 
 def request_too_large(limit_bytes: int) -> JSONResponse:
@@ -134,202 +167,10 @@ def request_too_large(limit_bytes: int) -> JSONResponse:
 
 
 # --------------------------------------------------------------------------- request handling
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
-"""Pixels an image may have (from its header) to be decoded: 48 MiB as RGB, beyond what any served VLM's
-processor keeps (Qwen2-VL resizes to at most 12.8 M pixels)."""
-
-IMAGES_PIXELS_PER_REQUEST = 4
-"""A request's images together may have this many times ``--max-image-pixels``: each image alone is bounded,
-but a body of hundreds of small PNGs of one colour would otherwise decode to gigabytes."""
-
 DEFAULT_PREPARE_THREADS = 2
 """Requests prepared at once (chat template, image decoding and processing): each may hold an image's
 decoded pixels, so they are few; the rest wait their turn without holding the event loop."""
 
-
-@dataclass
-class PreparedRequest:
-    """A validated request as the policy sees it."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingConfig
-    model_inputs: dict[str, Any] | None = None
-    """A VLM's inputs for the prompt's images."""
-    image_digests: list[int] | None = None
-    """Their digests (the engine's cache keys for them)."""
-
-
-def _template_messages(
-    messages: list[ChatMessage], model_name: str, sees_images: bool, max_image_pixels: int
-) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
-    """Messages for the chat template and the images of their image parts, in order.
-
-    A text model gets string contents (text parts joined by newlines) and refuses image parts; a VLM
-    keeps the parts, each image as ``{"type": "image"}`` where its template writes the placeholder.
-    Images must be data URLs: the server fetches nothing.
-    """
-    out, images = [], []
-    pixels_left = IMAGES_PIXELS_PER_REQUEST * max_image_pixels
-    for index, message in enumerate(messages):
-        content: Any = message.content
-        if isinstance(content, list):
-            if not sees_images and any(isinstance(part, ImagePart) for part in content):
-                raise APIError(400, f"model {model_name!r} is text-only: messages[{index}] has an image part",
-                               param=f"messages.{index}.content")
-            if sees_images:
-                parts = []
-                for part in content:
-                    if isinstance(part, ImagePart):
-                        image = _image(part, index, max_image_pixels, pixels_left)
-                        pixels_left -= image.shape[0] * image.shape[1]
-                        images.append(image)
-                        parts.append({"type": "image"})
-                    else:
-                        parts.append({"type": "text", "text": part.text})
-                content = parts
-            else:
-                content = "\n".join(part.text for part in content if isinstance(part, TextPart))
-        role = "system" if message.role == "developer" else message.role
-        out.append({"role": role, "content": content or ""})
-    return out, images
-
-
-def _image(part: ImagePart, index: int, max_pixels: int, pixels_left: int) -> np.ndarray:
-    """The image of ``part``, refused (undecoded, from its header) over ``max_pixels`` or over the
-    ``pixels_left`` of its request's images together."""
-    url = part.image_url.url
-    if not url.startswith("data:"):
-        raise APIError(400, f"messages[{index}]: images must be data URLs (data:image/png;base64,...); "
-                            "this server fetches nothing", param=f"messages.{index}.content")
-    try:
-        return load_image(url, max_pixels=min(max_pixels, pixels_left))
-    except ImageTooLarge as error:
-        if error.pixels is not None and error.pixels <= max_pixels:  # within the bound alone, not with the others
-            bound = IMAGES_PIXELS_PER_REQUEST * max_pixels
-            raise APIError(400, f"messages[{index}]: the request's images together have more than the {bound:,} "
-                                f"pixels accepted by this server ({IMAGES_PIXELS_PER_REQUEST} x --max-image-pixels); "
-                                "send fewer or smaller images", param=f"messages.{index}.content",
-                           code="image_too_large") from None
-        if pixels_left < max_pixels:  # the refusal named what the request had left: name the option's bound
-            error = _refusal_at(url, max_pixels, error)
-        raise APIError(400, f"messages[{index}]: {error} by this server (--max-image-pixels); send a smaller "
-                            "image (the model resizes large ones down anyway)",
-                       param=f"messages.{index}.content", code="image_too_large") from None
-    except Exception as error:  # a broken image is the client's error, never the server's
-        raise APIError(400, f"messages[{index}]: the image cannot be read: {error}",
-                       param=f"messages.{index}.content") from None
-
-
-def _refusal_at(url: str, max_pixels: int, refused: ImageTooLarge) -> ImageTooLarge:
-    """The refusal of an image over ``max_pixels`` in the words of that bound (its header read again, undecoded),
-    where it was first refused at the smaller bound its request had left; ``refused`` if that reads otherwise."""
-    try:
-        load_image(url, max_pixels=max_pixels)
-    except ImageTooLarge as error:
-        return error
-    except Exception:  # read once already: the first refusal stands
-        return refused
-    return refused
-
-
-def with_system_folded(messages: list[dict[str, str]], tokenizer: Any) -> list[dict[str, str]]:
-    """A leading system message folded into the first user message where the template has no system role
-    (Gemma 2 raises on one), as the rollout's token context does: a client may always send one."""
-    if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
-        return messages
-    try:
-        system_role = ChatTemplateDeltas.for_tokenizer(tokenizer).system_role
-    except TemplateDeltaError:  # a template the rollout cannot use incrementally; leave it to render as it can
-        return messages
-    return messages if system_role else [fold_system(messages[0], messages[1]), *messages[2:]]
-
-
-def _refuse_unsupported(body: ChatCompletionRequest) -> None:
-    if body.top_logprobs:
-        raise APIError(400, "top_logprobs > 0 is not supported: only the sampled tokens' logprobs are returned",
-                       param="top_logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise APIError(400, f"{name} is not supported (use 0)", param=name)
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
-    if body.tools:
-        raise APIError(400, "tools are not supported by this server", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
-
-
-def context_length(policy: Policy) -> int | None:
-    """Tokens a prompt and its completion may hold together: the model's context window
-    (``max_position_embeddings``) or the policy's own bound on a sequence (the engine's
-    ``model.engine.max_seq_len``), the smaller; None if neither says. Past the engine's bound a prompt fails
-    and a completion is cut short, so a request that would pass it is refused instead."""
-    bounds = [bound for bound in (model_positions(policy), policy.max_sequence_tokens) if bound is not None]
-    return min(bounds, default=None)
-
-
-def model_positions(policy: Policy) -> int | None:
-    """The model's context window (``max_position_embeddings``), if it says."""
-    if policy.model is None:
-        return None
-    config: Any = policy.model.config
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's is inside
-    value = getattr(text_config, "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) else None
-
-
-def prepare(body: ChatCompletionRequest, policy: Policy, model_name: str, default_max_tokens: int,
-            max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> PreparedRequest:
-    """Validate what pydantic cannot (model, unsupported options, context length) and tokenize the prompt.
-
-    Blocking (the chat template, image decoding, the image processor): the app runs it on its preparation
-    threads, never on the event loop.
-    """
-    if body.model != model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
-                       param="model", code="model_not_found")
-    _refuse_unsupported(body)
-    encoder = policy.image_encoder
-    messages, images = _template_messages(body.messages, model_name, sees_images=encoder is not None,
-                                          max_image_pixels=max_image_pixels)
-    messages = with_system_folded(messages, policy.tokenizer)
-    try:
-        ids = policy.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    except Exception as error:  # e.g. a template that insists on alternating roles
-        raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-    prompt_ids = [int(i) for i in ids]
-    model_inputs, digests = None, None
-    if images and encoder is not None:  # each placeholder expanded to its image's visual tokens, as in the rollout
-        try:
-            counts, model_inputs, digests = encoder.message_inputs(images)
-            prompt_ids = expand_placeholders(prompt_ids, encoder.image_token_id, counts)
-        except ValueError as error:  # an image the processor refuses, or a text that writes image placeholders
-            raise APIError(400, f"the images cannot be used: {error}", param="messages") from None
-    limit = context_length(policy)
-    room = default_max_tokens if limit is None else min(default_max_tokens, limit - len(prompt_ids))
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
-    if limit is not None and len(prompt_ids) + max_tokens > limit:
-        asked = len(prompt_ids) + max_tokens
-        raise APIError(400, f"this model's context is {limit} tokens; the request asks for {asked} "
-                            f"({len(prompt_ids)} in the messages, {max_tokens} for the completion)"
-                            f"{context_bound_note(policy, limit)}",
-                       param="messages", code="context_length_exceeded")
-    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
-    sampling = SamplingConfig(temperature=body.temperature, top_p=body.top_p, top_k=top_k,
-                              max_new_tokens=max_tokens, stop=body.stop_list())
-    return PreparedRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, model_inputs=model_inputs,
-                           image_digests=digests)
-
-
-def context_bound_note(policy: Policy, limit: int) -> str:
-    """Where the bound comes from when it is the server's setting rather than the model's: the one an operator
-    can raise."""
-    if policy.max_sequence_tokens == limit and model_positions(policy) != limit:
-        return " (the server's bound on a sequence, model.engine.max_seq_len)"
-    return ""
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
@@ -477,6 +318,8 @@ def create_app(
     prepare_threads: int = DEFAULT_PREPARE_THREADS,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    body_stall_s: float = DEFAULT_BODY_STALL_S,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``policy`` under the name ``model_name``.
 
@@ -492,6 +335,8 @@ def create_app(
             threads of their own so that the event loop keeps answering); the others wait their turn.
         max_image_pixels: an image with more pixels (read from its header) is refused with a 400, undecoded.
         max_request_mb: a request body over this many MiB is refused with a 413, read no further.
+        body_timeout_s: a request body that has not arrived whole this many seconds after its headers is a 408.
+        body_stall_s: so is one whose next bytes do not come for this many seconds.
     """
     check_token(token)
     if prepare_threads < 1:
@@ -501,6 +346,7 @@ def create_app(
     if not max_request_mb > 0:
         raise ValueError(f"max_request_mb must be > 0, got {max_request_mb}")
     batch_size = max_batch_size or policy.max_batch_size or 32
+    max_token_chars = longest_token_chars(policy.tokenizer)  # once: a vocabulary of 150,000 entries
     batcher = GenerationBatcher(policy, max_batch_size=batch_size, window_s=batch_window_s)
     preparer = ThreadPoolExecutor(max_workers=prepare_threads, thread_name_prefix="turnrl-prepare")
     preparing = 0  # requests in preparation or waiting for a preparation thread (reported by /health)
@@ -524,9 +370,12 @@ def create_app(
     app.state.model_name = model_name
     # Added before the key check, so that it runs inside it: a request without the key is refused unread.
     limit_bytes = int(max_request_mb * (1 << 20))
-    held_bytes = REQUESTS_HELD * limit_bytes
+    held_bytes, arriving_bytes = REQUESTS_HELD * limit_bytes, CLIENT_REQUESTS_ARRIVING * limit_bytes
+    deadline = BodyDeadline(body_timeout_s, body_stall_s, timed_out=lambda: body_timed_out(body_timeout_s,
+                                                                                          body_stall_s))
     app.add_middleware(BodyLimit, limit=limit_bytes, too_large=lambda: request_too_large(limit_bytes),
-                       total_limit=held_bytes, busy=lambda: server_busy(held_bytes))
+                       total_limit=held_bytes, busy=lambda: server_busy(held_bytes), client_limit=arriving_bytes,
+                       client_busy=lambda: client_busy(arriving_bytes), deadline=deadline)
 
     if token is not None:
         @app.middleware("http")
@@ -560,11 +409,12 @@ def create_app(
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
         # Routing errors (an unknown path, a GET on the chat endpoint) in OpenAI's shape too, so that a
         # client's error handling sees a message rather than a bare {"detail": ...}.
+        path = shortened(request.url.path)
         if error.status_code == 405:
-            message = f"{request.method} is not allowed on {request.url.path}; see the server's endpoints: " \
+            message = f"{request.method} is not allowed on {path}; see the server's endpoints: " \
                       "POST /v1/chat/completions, GET /v1/models, GET /health"
         elif error.status_code == 404:
-            message = f"no endpoint {request.url.path}; this server serves /v1/chat/completions, /v1/models, /health"
+            message = f"no endpoint {path}; this server serves /v1/chat/completions, /v1/models, /health"
         elif error.status_code == 400 and error.__cause__ is not None:
             # FastAPI's "There was an error parsing the body": JSON nested too deep, an integer of thousands of
             # digits, bytes that are not UTF-8. Its cause says which.
@@ -582,10 +432,11 @@ def create_app(
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "turnrl"}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # health checkers ask with HEAD too
     async def health() -> dict[str, Any]:
         stats = batcher.stats
         return {"status": "ok", "model": model_name, "preparing": preparing, "pending": batcher.pending,
+                "generating": batcher.generating,
                 "requests": stats.requests, "prompts": stats.prompts, "generate_calls": stats.generate_calls}
 
     @app.get("/v1/models")
@@ -595,7 +446,7 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
-            raise APIError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}",
+            raise APIError(404, f"model {quoted(model_id)} does not exist; this server serves {quoted(model_name)}",
                            param="model", code="model_not_found")
         return model_card()
 
@@ -607,7 +458,7 @@ def create_app(
         preparing += 1
         try:
             prepared = await asyncio.get_running_loop().run_in_executor(
-                preparer, prepare, body, policy, model_name, default_max_tokens, max_image_pixels)
+                preparer, prepare, body, policy, model_name, default_max_tokens, max_image_pixels, max_token_chars)
         finally:
             preparing -= 1
         request = GenerationRequest(prompt_ids=prepared.prompt_ids, messages=[], max_new_tokens=prepared.max_tokens,
@@ -658,10 +509,11 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: st
           max_batch_size: int = 32, served_model_name: str | None = None,
           model_config: ModelConfig | None = None, token: str | None = None,
           prepare_threads: int = DEFAULT_PREPARE_THREADS, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-          max_request_mb: float = DEFAULT_MAX_REQUEST_MB) -> None:
+          max_request_mb: float = DEFAULT_MAX_REQUEST_MB, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+          body_stall_s: float = DEFAULT_BODY_STALL_S) -> None:
     """Load ``model_path`` and serve it until interrupted; clients name it ``served_model_name``, else as
     ``model_path`` (e.g. ``builtin``). ``token``, ``prepare_threads``, ``max_image_pixels`` and
-    ``max_request_mb`` are :func:`create_app`'s.
+    ``max_request_mb``, ``body_timeout_s`` and ``body_stall_s`` are :func:`create_app`'s.
 
     Raises:
         ConfigError: before the model loads, when the port cannot be had, the model cannot be found or the token
@@ -690,7 +542,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, device: st
         print(f"serving model {name!r} ({backend}) on {placed} at http://{host}:{sock.getsockname()[1]}/v1 "
               f"(max batch {max_batch_size}, API key {'required' if token else 'off'})", flush=True)
         app = create_app(policy, name, max_batch_size=max_batch_size, token=token, prepare_threads=prepare_threads,
-                         max_image_pixels=max_image_pixels, max_request_mb=max_request_mb)
+                         max_image_pixels=max_image_pixels, max_request_mb=max_request_mb,
+                         body_timeout_s=body_timeout_s, body_stall_s=body_stall_s)
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run(sockets=[sock])
     finally:
         sock.close()
