@@ -12,10 +12,10 @@ from turnrl.config import AgentConfig, ConfigError, EngineConfig, ModelConfig, S
 from turnrl.engine import attention
 from turnrl.envs import make
 from turnrl.models.loading import load_processor, vision_tower
-from turnrl.policy.interface import GenerationRequest
 from turnrl.policy.engine import EnginePolicy
 from turnrl.policy.factory import model_policy, rollout_policies
 from turnrl.policy.hf import HFPolicy
+from turnrl.policy.interface import GenerationRequest
 from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 

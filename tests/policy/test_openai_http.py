@@ -54,7 +54,8 @@ def base_url(tmp_path_factory):
 
 def ok_body(text: str = "hello", finish_reason: str = "stop", **choice) -> dict:
     return {
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, **choice}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                     **choice}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
     }
 
@@ -314,7 +315,7 @@ def test_client_errors_are_not_retried():
         return httpx.Response(400, json={"error": {"message": "max_tokens is too large"}})
 
     [completion] = fake(handler).generate([ask("x")], SAMPLING)
-    assert completion.error == "HTTP 400: max_tokens is too large" and len(calls) == 1
+    assert completion.error == "http://fake/v1/chat/completions: HTTP 400: max_tokens is too large" and len(calls) == 1
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,16 @@
 ``generate`` is synchronous, like every policy; underneath it sends the batch's
 requests concurrently with ``httpx`` (at most ``concurrency`` in flight) and
 retries what is worth retrying: connection errors, timeouts, 408, 409, 429 and
-5xx, with exponential backoff and jitter, honouring ``Retry-After``. A request
-that still fails (or gets a 4xx the server will never accept) becomes
-``Completion(finish_reason="error", error=...)``; the other requests of the
-batch are unaffected and ``generate`` never raises for a single request. A
+5xx (but 501 and 505), with exponential backoff and jitter, honouring ``Retry-After``
+up to a cap. A request that still fails (or gets an answer that retrying will not
+change: a 4xx, a redirect, a 200 whose body is not a chat completion, a TLS
+failure) becomes ``Completion(finish_reason="error", error=...)`` whose error names
+the server, the status and what was wrong (the body's start, clipped); the other
+requests of the batch are unaffected and ``generate`` never raises for a single
+request. Nothing waits unbounded: each attempt, body included, is cut at
+``timeout_s``, a body over ``max_response_bytes`` is not read further, and a
+request takes at most ``max_retries + 1`` attempts with waits of at most
+``max(max_backoff_s, max_retry_after_s)`` between them. A
 conversation that has outgrown the model's context (the server's
 ``context_length_exceeded``) becomes ``Completion(finish_reason="context")``:
 the rollout cuts that episode by its context budget, as it does for a local
@@ -59,6 +65,7 @@ import base64
 import email.utils
 import io
 import random
+import ssl
 import threading
 import time
 from collections import OrderedDict
@@ -77,7 +84,16 @@ from turnrl.policy.interface import Completion, GenerationRequest, Policy
 T = TypeVar("T")
 
 RETRY_STATUS = frozenset({408, 409, 429})
-"""Client-error statuses that are transient (timeouts, conflicts, rate limits); every 5xx is retried too."""
+"""Client-error statuses that are transient (timeouts, conflicts, rate limits); every 5xx is retried too, but
+:data:`PERMANENT_SERVER_STATUS`."""
+PERMANENT_SERVER_STATUS = frozenset({501, 505})
+"""Server errors that say the server cannot serve this request at all (not implemented, HTTP version): not retried."""
+PERMANENT_TLS_REASONS = frozenset({"CERTIFICATE_VERIFY_FAILED", "WRONG_VERSION_NUMBER"})
+"""TLS failures that a retry meets again: an untrusted certificate, an ``https`` URL to a plain HTTP server."""
+MAX_RESPONSE_BYTES = 32 * 2**20
+"""Default cap of an answer's body: a chat completion is kilobytes; a body past this is a broken server's."""
+CLIP = 300
+"""Characters of a server's body or message that an error quotes."""
 
 CHAT_CONTROL_TEXTS = ("<|", "<\uff5c", "<start_of_turn>", "<end_of_turn>", "[INST]", "[/INST]", "<s>", "</s>")
 """Texts that the chat templates of the models these servers host read as (the start of) control tokens: every
@@ -171,6 +187,11 @@ def image_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def clipped(text: str, limit: int = CLIP) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was when cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def parse_retry_after(headers: httpx.Headers) -> float | None:
     """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date); None when absent."""
     millis = headers.get("retry-after-ms")
@@ -194,18 +215,51 @@ def parse_retry_after(headers: httpx.Headers) -> float | None:
 
 
 def _error_message(response: httpx.Response) -> str:
-    """The server's error message (OpenAI's ``{"error": {"message": ...}}`` or FastAPI's ``detail``)."""
+    """The server's error message (OpenAI's ``{"error": {"message": ...}}`` or FastAPI's ``detail``), clipped; a
+    redirect says where to."""
+    status = response.status_code
+    if 300 <= status < 400:
+        where = clipped(response.headers.get("location", "nowhere said"))
+        return (f"HTTP {status}: redirected to {where}; redirects are not followed (a POST is not sent elsewhere): "
+                "give the final URL as base_url")
     try:
         body = response.json()
-    except ValueError:
-        return f"HTTP {response.status_code}: {response.text[:500]}"
+    except (ValueError, RecursionError):
+        return f"HTTP {status}: {clipped(response.text)}"
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and error.get("message"):
-            return f"HTTP {response.status_code}: {error['message']}"
+            return f"HTTP {status}: {clipped(str(error['message']))}"
         if body.get("detail"):
-            return f"HTTP {response.status_code}: {body['detail']}"
-    return f"HTTP {response.status_code}: {str(body)[:500]}"
+            return f"HTTP {status}: {clipped(str(body['detail']))}"
+    return f"HTTP {status}: {clipped(str(body))}"
+
+
+def _not_json(response: httpx.Response) -> str:
+    """Why a 200 answer cannot be read: its content type (a stream nobody asked for, a login page) and its start."""
+    kind = response.headers.get("content-type", "none said")
+    stream = "; a stream, though none was asked" if kind.startswith("text/event-stream") else ""
+    return (f"the server answered 200 with a body that is not JSON (content-type {clipped(kind, 80)}{stream}): "
+            f"{clipped(response.text)!r}")
+
+
+def _transport_failure(error: Exception) -> str:
+    """A connection's failure in one line; an exception without a message says what kind of failure it was."""
+    timed_out = isinstance(error, (httpx.TimeoutException, asyncio.TimeoutError))
+    detail = str(error) or ("timed out" if timed_out else "the connection failed or broke mid-answer")
+    return f"{type(error).__name__}: {detail}"
+
+
+def permanent_tls_failure(error: BaseException) -> ssl.SSLError | None:
+    """The TLS error under a connection error that a retry would meet again (:data:`PERMANENT_TLS_REASONS`)."""
+    cause: BaseException | None = error
+    for _ in range(8):  # httpx -> httpcore -> ssl: a short chain; bounded against a cyclic one
+        if cause is None:
+            return None
+        if isinstance(cause, ssl.SSLError) and cause.reason in PERMANENT_TLS_REASONS:
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def message_text(content: Any) -> str | None:
@@ -256,7 +310,7 @@ def reported_tokens(data: dict[str, Any]) -> tuple[int, int]:
     for key in ("prompt_tokens", "completion_tokens"):
         try:
             counts.append(max(0, int(usage.get(key) or 0)))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite count (JSON's 1e400)
             counts.append(0)
     return counts[0], counts[1]
 
@@ -330,6 +384,7 @@ class OpenAIPolicy(Policy):
         backoff_s: first retry delay; doubles each attempt (with jitter) up to ``max_backoff_s``.
         max_backoff_s: cap of the exponential delay.
         max_retry_after_s: cap of a server's ``Retry-After`` wait.
+        max_response_bytes: cap of an answer's body (decoded); a longer one fails its request unread.
         extra_body: fields added to every request body (server-specific options).
         transport: an ``httpx`` transport to send through instead of the network (tests, proxies).
         control_texts: texts broken by a space wherever a message holds them (module docstring); each of two
@@ -347,6 +402,7 @@ class OpenAIPolicy(Policy):
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         max_retry_after_s: float = 60.0,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
         extra_body: dict[str, Any] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         control_texts: Sequence[str] = CHAT_CONTROL_TEXTS,
@@ -366,6 +422,7 @@ class OpenAIPolicy(Policy):
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.max_retry_after_s = max_retry_after_s
+        self.max_response_bytes = max_response_bytes
         self.extra_body = dict(extra_body or {})
         self.transport = transport
         self.control_texts = tuple(control_texts)
@@ -436,9 +493,10 @@ class OpenAIPolicy(Policy):
                 completion = self._completion(data, sampling, cut_locally=True)
                 assert completion is not None
         except ContextFull as full:  # the episode has outgrown the model: cut by its context budget
-            return Completion(text="", finish_reason="context", error=str(full))
+            return Completion(text="", finish_reason="context", error=f"{self.url}: {full}")
         except Exception as error:  # one request's failure is its own error completion
-            message = str(error) if isinstance(error, RequestFailed) else f"{type(error).__name__}: {error}"
+            what = str(error) if isinstance(error, RequestFailed) else f"{type(error).__name__}: {error}"
+            message = f"{self.url}: {clipped(what, 4 * CLIP)}"
             with self._usage_lock:
                 self.usage.failures += 1
             return Completion(text="", finish_reason="error", error=message)
@@ -464,9 +522,7 @@ class OpenAIPolicy(Policy):
                 return await self._post_once(client, body)
             except _Retryable as failure:
                 if attempt + 1 == attempts:
-                    raise RequestFailed(
-                        f"{self.url}: gave up after {attempts} attempts; last error: {failure}"
-                    ) from None
+                    raise RequestFailed(f"gave up after {attempts} attempts; last error: {failure}") from None
                 with self._usage_lock:
                     self.usage.retries += 1
                 await asyncio.sleep(self._delay(attempt, failure.retry_after))
@@ -474,21 +530,53 @@ class OpenAIPolicy(Policy):
 
     async def _post_once(self, client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            # httpx's timeout bounds each phase; wait_for bounds the whole attempt.
-            response = await asyncio.wait_for(client.post(self.url, json=body), self.timeout_s)
+            # httpx's timeout bounds each phase; wait_for bounds the whole attempt, a body that drips included.
+            response = await asyncio.wait_for(self._read_answer(client, body), self.timeout_s)
         except (httpx.TransportError, asyncio.TimeoutError) as error:
-            raise _Retryable(f"{type(error).__name__}: {str(error) or 'timed out'}") from None
-        if response.status_code == 200:
+            tls = permanent_tls_failure(error)
+            if tls is not None:
+                raise RequestFailed(f"TLS failed (not retried): {tls}") from None
+            raise _Retryable(_transport_failure(error)) from None
+        status = response.status_code
+        if status == 200:
             try:
-                return response.json()
-            except ValueError:
-                raise RequestFailed(
-                    f"the server answered 200 with a body that is not JSON: {response.text[:200]!r}"
-                ) from None
+                data = response.json()
+            except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than Python's stack
+                raise RequestFailed(_not_json(response)) from None
+            said = data.get("error") if isinstance(data, dict) and "choices" not in data else None
+            if said:  # some gateways answer a failure with 200 and OpenAI's error body
+                message = (said.get("message") or said) if isinstance(said, dict) else said
+                raise RequestFailed(f"the server answered 200 with an error: {clipped(str(message))}")
+            return data
         message = _error_message(response)
-        if response.status_code in RETRY_STATUS or response.status_code >= 500:
+        if status in RETRY_STATUS or (status >= 500 and status not in PERMANENT_SERVER_STATUS):
             raise _Retryable(message, parse_retry_after(response.headers))
         raise (ContextFull if is_context_full(response) else RequestFailed)(message)
+
+    async def _read_answer(self, client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+        """The answer to one POST, its body read whole, but no further than ``max_response_bytes``.
+
+        Raises:
+            RequestFailed: the body (as declared, or as read) is longer than that.
+        """
+        limit = self.max_response_bytes
+        async with client.stream("POST", self.url, json=body) as response:
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit and response.headers.get("content-encoding") is None:
+                raise RequestFailed(f"HTTP {response.status_code} with a body of {declared} bytes, over the "
+                                    f"{limit} this client reads (max_response_bytes)")
+            chunks, size = [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise RequestFailed(f"HTTP {response.status_code} with a body over the {limit} bytes this "
+                                        "client reads (max_response_bytes)")
+                chunks.append(chunk)
+        # The body as read is already decoded: the rebuilt answer must not decode it again.
+        headers = [(key, value) for key, value in response.headers.multi_items()
+                   if key.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+        return httpx.Response(response.status_code, headers=headers, content=b"".join(chunks),
+                              request=response.request)
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         """Seconds before the next attempt: the server's ``Retry-After`` if given, else jittered exponential backoff."""
@@ -507,12 +595,12 @@ class OpenAIPolicy(Policy):
             message = choice["message"]
             text = message_text(message.get("content"))
         except (KeyError, IndexError, TypeError, AttributeError):
-            raise RequestFailed(f"the response has no choices[0].message: {str(data)[:300]}") from None
+            raise RequestFailed(f"the response has no choices[0].message: {clipped(str(data))}") from None
         if text is None:
-            raise RequestFailed(f"the response's message content is not text: {str(choice['message'])[:300]}")
+            raise RequestFailed(f"the response's message content is not text: {clipped(str(choice['message']))}")
         reason = choice.get("finish_reason")
-        if reason not in FINISH_REASONS:
-            why = f"the server stopped with finish_reason={reason!r}"
+        if not (reason is None or isinstance(reason, str)) or reason not in FINISH_REASONS:
+            why = f"{self.url}: the server stopped with finish_reason={clipped(repr(reason))}"
             return Completion(text=thinking_text(message, text), finish_reason="error", error=why)
         finish = FINISH_REASONS[reason]
         if sampling.stop and cut_locally:
