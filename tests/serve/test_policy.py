@@ -265,7 +265,7 @@ def test_a_system_message_is_folded_for_a_template_without_a_system_role(tiny_pa
     from transformers import AutoTokenizer
 
     from tests.rollout.test_context import GEMMA2
-    from turnrl.serve.prompts import with_system_folded
+    from turnrl.serve.preparation import with_system_folded
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]

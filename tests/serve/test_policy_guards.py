@@ -19,7 +19,7 @@ from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.hf import HFPolicy
 from turnrl.serve.chat_schema import MAX_MESSAGES, APIError, ChatCompletionRequest
 from turnrl.serve.policy import create_app
-from turnrl.serve.prompts import context_length, longest_token_chars, prepare
+from turnrl.serve.preparation import context_length, longest_token_chars, prepare
 
 LIMIT_MB = 1 / 64
 """A small --max-request-mb (16 KiB): stalled bodies of its size fill the bounds at once."""

@@ -10,7 +10,7 @@ as ``serve-env`` does; without one the server checks no key.
 
 Concurrent requests share forward passes (:mod:`turnrl.serve.batching` says how); a request that
 breaks generation fails alone with a 500 and the server keeps serving. The request and response
-bodies and the errors are :mod:`turnrl.serve.chat_schema`'s; :mod:`turnrl.serve.prompts` prepares each request
+bodies and the errors are :mod:`turnrl.serve.chat_schema`'s; :mod:`turnrl.serve.preparation` prepares each request
 for the policy; this module builds its answer, and holds the app and the command.
 
 Behaviour worth knowing:
@@ -110,7 +110,7 @@ from turnrl.serve.chat_schema import (
     shortened,
     validation_message,
 )
-from turnrl.serve.prompts import DEFAULT_MAX_IMAGE_PIXELS, PreparedRequest, longest_token_chars, prepare
+from turnrl.serve.preparation import DEFAULT_MAX_IMAGE_PIXELS, PreparedRequest, longest_token_chars, prepare
 
 TOKEN_ENV_VAR = "TURNRL_POLICY_TOKEN"
 """Where ``turnrl serve-policy`` reads its API key when ``--token`` is not given."""
