@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from turnrl.viz.view_command import make_server
 
 # The tiny run of tests/training/test_trainer.py, with validation before and after RL and every step's file.
 RUN_OVERRIDES = [
@@ -73,3 +77,21 @@ def run_with_advantages(run_dir, tmp_path_factory) -> Path:
                             "advantages": [sign * (k + 1) / len(tokens) for k in range(len(tokens))]})
     write_token_advantages(step_file.with_name("step_000001.advantages.jsonl"), records)
     return copy
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., str]]:
+    """``serve(folder, **make_server's keywords) -> base URL``: the folder over HTTP as ``turnrl view --serve``
+    serves it, each server stopped after the test."""
+    servers = []
+
+    def start(folder: Path, **kwargs) -> str:
+        server = make_server(folder, "127.0.0.1", 0, **kwargs)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()

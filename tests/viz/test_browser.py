@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import pytest
 
 from tests.viz.conftest import EVAL_EPISODES
 from turnrl.viz.report import write_report
-from turnrl.viz.view_command import make_server
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 
@@ -45,23 +43,6 @@ def browser() -> Iterator:
             pytest.skip(f"{executable} cannot be started headless: {str(error).splitlines()[0]}")
         yield browser
         browser.close()
-
-
-@pytest.fixture()
-def served(request) -> Iterator:
-    """``serve(folder) -> base URL``: the folder over HTTP, as ``turnrl view --serve`` serves it."""
-    servers = []
-
-    def serve(folder: Path) -> str:
-        server = make_server(folder, "127.0.0.1", 0)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
-
-    yield serve
-    for server in servers:
-        server.shutdown()
-        server.server_close()
 
 
 class PageProblems:
@@ -100,13 +81,13 @@ def decode_all_images(page) -> list[dict]:
     }""")
 
 
-def test_evaluation_page_loads_shows_images_and_filters(browser, served, eval_dir, tmp_path):
+def test_evaluation_page_loads_shows_images_and_filters(browser, serve, eval_dir, tmp_path):
     write_report(eval_dir)
     episodes = [json.loads(line) for line in (eval_dir / "trajectories.jsonl").read_text().splitlines()]
     successes = sum(e["success"] for e in episodes)
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     problems = PageProblems(page)
-    page.goto(f"{served(eval_dir)}/report.html", wait_until="load")
+    page.goto(f"{serve(eval_dir)}/report.html", wait_until="load")
 
     assert visible(page, "#episodes details.episode") == EVAL_EPISODES
     assert page.text_content("#shown-count") == str(EVAL_EPISODES)
@@ -131,13 +112,13 @@ def test_evaluation_page_loads_shows_images_and_filters(browser, served, eval_di
     assert problems.items == []
 
 
-def test_run_page_shows_curves_pairs_steps_and_advantages(browser, served, run_with_advantages, tmp_path):
+def test_run_page_shows_curves_pairs_steps_and_advantages(browser, serve, run_with_advantages, tmp_path):
     write_report(run_with_advantages)
     folder = run_with_advantages / "trajectories"
     counts = {p.stem: len(p.read_text().splitlines()) for p in folder.glob("*.jsonl") if "advantages" not in p.name}
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     problems = PageProblems(page)
-    page.goto(f"{served(run_with_advantages)}/report.html", wait_until="load")
+    page.goto(f"{serve(run_with_advantages)}/report.html", wait_until="load")
 
     assert visible(page, "#episodes details.episode") == sum(counts.values())
     images = decode_all_images(page)

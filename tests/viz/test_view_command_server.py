@@ -12,7 +12,6 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,6 @@ import pytest
 from tests.viz.test_view_command import SERVE
 from turnrl.viz.view_command import exposure_warning, make_server
 
-Serve = Callable[..., str]
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(32)
 
 
@@ -44,23 +42,6 @@ def folder(tmp_path) -> Path:
     (run / "inside_file.html").symlink_to(run / "report.html")
     (run / "inside_dir").symlink_to("images")
     return run
-
-
-@pytest.fixture
-def serve() -> Iterator[Serve]:
-    """``serve(folder, **make_server's keywords) -> base URL``, each server stopped after the test."""
-    servers = []
-
-    def start(folder: Path, **kwargs) -> str:
-        server = make_server(folder, "127.0.0.1", 0, **kwargs)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
 
 
 def get(url: str) -> httpx.Response:
