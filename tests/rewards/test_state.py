@@ -7,12 +7,13 @@ import pytest
 
 from tests.rewards.test_matching import FACTS, TRUE_TEXT
 from turnrl.agent.formats import ParsedResponse, get_format
-from turnrl.config import AgentConfig, RewardsConfig, RewardSpec, SamplingConfig
+from turnrl.config import AgentConfig, ConfigError, RewardsConfig, RewardSpec, SamplingConfig
 from turnrl.envs import make
 from turnrl.envs.contract import StateFacts, facts_from_positions
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rewards import FinishedTurn, Rewards
 from turnrl.rewards.matching import MatchItem
+from turnrl.rewards.turn_rewards import load_reward_fn
 from turnrl.rewards.state import RepetitionPenalty, StateReward
 from turnrl.rollout.groups import EpisodeSlot
 from turnrl.rollout.metrics import rollout_metrics
@@ -131,3 +132,15 @@ def test_a_training_run_logs_what_the_state_rewards_report(tiny_model_dir, tmp_p
     for name in ("grounding", "worldmodel"):
         assert 0.0 <= step[f"rewards/{name}/judged_share"] <= 1.0
         assert f"rewards/{name}/repetition_penalties" in step and f"rollout/reward_{name}_mean" in step
+
+
+@pytest.mark.parametrize("fn", ["grounding", "worldmodel"])
+def test_a_misspelt_setting_of_a_state_reward_names_the_settings_it_takes(fn):
+    """It was Python's "__init__() got an unexpected keyword argument 'matchr'"."""
+    with pytest.raises(ConfigError) as info:
+        load_reward_fn(RewardSpec(name=fn, fn=fn, weight=0.5, settings={"matchr": "judge"}))
+    assert str(info.value) == (f"rewards.extra {fn!r} ({fn}) has no setting matchr; did you mean matcher? allowed: "
+                               "matcher='rule', judge=None, object_weights=None, repetition=True, on_error=0.0, "
+                               "require_valid_actions=False")
+    assert load_reward_fn(RewardSpec(name=fn, fn=fn, weight=0.5, settings={"repetition": False})).field == \
+        {"grounding": "observation", "worldmodel": "prediction"}[fn]

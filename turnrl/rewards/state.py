@@ -38,6 +38,7 @@ trainer logs under ``rewards/<name>/``.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
@@ -187,6 +188,15 @@ class StateReward:
         return out
 
 
+def _settings_but_field(reward: type[StateReward]) -> type[StateReward]:
+    """``reward`` declaring :class:`StateReward`'s settings but ``field``, which it fixes: a recipe's misspelt
+    setting is then named with the settings it takes, where ``**settings`` hid them until Python's TypeError."""
+    parameters = inspect.signature(StateReward).parameters
+    reward.__signature__ = inspect.Signature([p for name, p in parameters.items() if name != "field"])  # type: ignore[attr-defined]
+    return reward
+
+
+@_settings_but_field
 class GroundingReward(StateReward):
     """``<observation>`` against the state before the turn (``fn: grounding``)."""
 
@@ -194,6 +204,7 @@ class GroundingReward(StateReward):
         super().__init__(field="observation", **settings)
 
 
+@_settings_but_field
 class WorldModelReward(StateReward):
     """``<prediction>`` against the state after the turn (``fn: worldmodel``)."""
 
