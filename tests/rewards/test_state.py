@@ -13,8 +13,8 @@ from turnrl.envs.contract import StateFacts, facts_from_positions
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rewards import FinishedTurn, Rewards
 from turnrl.rewards.matching import MatchItem
-from turnrl.rewards.turn_rewards import load_reward_fn
 from turnrl.rewards.state import RepetitionPenalty, StateReward
+from turnrl.rewards.turn_rewards import load_reward_fn
 from turnrl.rollout.groups import EpisodeSlot
 from turnrl.rollout.metrics import rollout_metrics
 from turnrl.rollout.runner import Rollout
