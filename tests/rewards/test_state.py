@@ -144,3 +144,30 @@ def test_a_misspelt_setting_of_a_state_reward_names_the_settings_it_takes(fn):
                                "require_valid_actions=False")
     assert load_reward_fn(RewardSpec(name=fn, fn=fn, weight=0.5, settings={"repetition": False})).field == \
         {"grounding": "observation", "worldmodel": "prediction"}[fn]
+
+
+@pytest.mark.parametrize(("fn", "tag", "writers"), [
+    ("grounding", "observation", "grounding or grounding_worldmodeling"),
+    ("worldmodel", "prediction", "worldmodeling or grounding_worldmodeling"),
+])
+def test_a_state_reward_whose_tag_the_format_does_not_write_is_refused_before_anything_plays(fn, tag, writers):
+    """Every turn scored 0 under free_think, silently: the reward trained nothing and read as a blind model."""
+    rewards = Rewards(RewardsConfig(extra=[RewardSpec(name=fn, fn=fn, weight=0.5)]))
+    with pytest.raises(ConfigError) as info:
+        Rollout(ExpertPolicy(get_format("free_think")), get_format("free_think"), AgentConfig(), env_id="Sokoban",
+                rewards=rewards)
+    assert str(info.value) == (f"rewards.extra {fn!r} scores each turn's <{tag}>, which agent.format=free_think does "
+                               f"not write (its tags: think, answer): choose a format that does ({writers}), or drop "
+                               "the reward")
+    Rollout(ExpertPolicy(get_format("grounding_worldmodeling")), get_format("grounding_worldmodeling"), AgentConfig(),
+            env_id="Sokoban", rewards=rewards)  # a format that writes both
+
+
+def test_the_train_command_refuses_it_before_the_model_loads(tmp_path):
+    from turnrl.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "--config", "configs/vagen_full_sokoban_visual.yaml", "agent.format=free_think",
+              "model.builtin_preset=vlm-tiny", f"run.output_dir={tmp_path}"])
+    assert str(stopped.value).startswith("error: rewards.extra 'grounding' scores each turn's <observation>")
+    assert not any(tmp_path.iterdir())

@@ -44,6 +44,8 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from turnrl.agent.formats import ResponseFormat
+from turnrl.config import ConfigError
 from turnrl.rewards.judge import JudgeMatcher, JudgeSettings
 from turnrl.rewards.matching import Matcher, MatchItem, RuleMatcher, profiles_from_settings
 from turnrl.rewards.turn_rewards import FinishedTurn
@@ -210,3 +212,19 @@ class WorldModelReward(StateReward):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(field="prediction", **settings)
+
+
+def check_fields_written(functions: Mapping[str, Any], fmt: ResponseFormat) -> None:
+    """Refuse a state reward of ``functions`` (by name) that reads a tag the response format does not write: each
+    of its turns would score 0, so it would train nothing while its metrics read as a model that never sees.
+
+    Raises:
+        ConfigError: naming the reward, the format's tags and the formats that write the tag.
+    """
+    for name, fn in functions.items():
+        if isinstance(fn, StateReward) and fn.field not in fmt.tag_names:
+            writers = "grounding or grounding_worldmodeling" if fn.field == "observation" else \
+                "worldmodeling or grounding_worldmodeling"
+            raise ConfigError(f"rewards.extra {name!r} scores each turn's <{fn.field}>, which agent.format={fmt.name} "
+                              f"does not write (its tags: {', '.join(fmt.tag_names)}): choose a format that does "
+                              f"({writers}), or drop the reward")

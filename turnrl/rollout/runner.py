@@ -45,6 +45,7 @@ from turnrl.envs.contract import (
 from turnrl.models.vision import MessageImages, check_image
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
+from turnrl.rewards.state import check_fields_written
 from turnrl.rollout.context import EpisodeTokens, format_for_template, without_images
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
 
@@ -303,6 +304,7 @@ class Rollout:
                 f"for the model to continue, which {type(policy).__name__} cannot take: a chat API cannot prefill an "
                 "assistant turn; use a model policy (a model path or builtin), or a format without a response prefix"
             )
+        check_fields_written(self.rewards.functions, fmt)
         if not agent.wait_for_turns and policy.streaming() is None:
             raise ValueError(
                 f"agent.wait_for_turns=false needs a policy that streams completions (model.backend=engine); "

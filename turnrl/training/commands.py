@@ -38,9 +38,11 @@ from typing import Any
 import torch
 from rich.markup import escape
 
+from turnrl.agent.formats import get_format
 from turnrl.config import ConfigError, turnrl_command
 from turnrl.models.loading import base_model_path, compile_in_this_process, start_compile_workers_ignoring_sigterm
 from turnrl.rewards import Rewards
+from turnrl.rewards.state import check_fields_written
 from turnrl.rollout.metrics import error_kinds, errored_note
 from turnrl.rollout.ray_workers import RolloutWorkerError, WeightsTransferError
 from turnrl.rollout.trajectory import Trajectory, write_trajectories
@@ -408,6 +410,7 @@ def _stopped_before_steps(config: TrainConfig, by_signal: signal.Signals) -> dic
 def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulStop) -> dict[str, Any]:
     preflight(config)
     rewards = Rewards(config.rewards)  # a bad reward spec stops here, not after SFT
+    check_fields_written(rewards.functions, get_format(config.agent.format))  # and one the format cannot feed
     done = finished_summary(config)
     if done is not None:
         console.print(f"run {config.resume} already ran its {config.run.steps} steps; nothing to do "
