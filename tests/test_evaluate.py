@@ -39,7 +39,7 @@ LONG_EPISODES = ["agent.max_turns=100", "agent.max_actions_per_episode=100"]
 SUMMARY_KEYS = {
     "episodes", "success_rate", "pass_at_k", "mean_turns", "format_valid_rate", "action_validity", "action_effective",
     "env_metrics",
-    "mean_reward", "mean_env_reward", "errors", "truncated_rate", "env", "policy", "format", "cut_by_budget",
+    "mean_reward", "mean_env_reward", "mean_rewards", "errors", "truncated_rate", "env", "policy", "format", "cut_by_budget",
     "cut_by", "first_errors", "budget",
 }
 TURN_KEYS = {
@@ -746,3 +746,19 @@ def test_a_variant_that_is_not_one_is_named_with_the_fix(text, needle, tmp_path)
     with pytest.raises(ConfigError) as info:
         variants_override(str(listing))
     assert str(info.value).startswith(f"--variants {listing}: ") and needle in str(info.value)
+
+
+def test_the_summary_holds_each_named_reward_a_state_reward_s_among_them(tmp_path):
+    """Only the total and the env's were there: what the grounding reward added (how well a checkpoint sees) was
+    in the trajectories alone."""
+    from turnrl.cli import main
+
+    out = tmp_path / "eval"
+    assert main(["eval", "--env", "FrozenLake", "--policy", "expert", "--episodes", "4", "--out", str(out),
+                 "agent.format=grounding", "rewards.extra=[{name: grounding, fn: grounding, weight: 0.5}]"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    named = summary["mean_rewards"]
+    assert set(named) == {"env", "format", "grounding"} and named["grounding"] > 0
+    assert named["env"] == summary["mean_env_reward"]
+    # Each before its weight: the total weighs grounding's by its 0.5.
+    assert named["env"] + named["format"] + 0.5 * named["grounding"] == pytest.approx(summary["mean_reward"])

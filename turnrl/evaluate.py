@@ -85,6 +85,10 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
         "env_metrics": {name.removeprefix("env_"): value for name, value in metrics.items() if name.startswith("env_")},
         "mean_reward": metrics["reward_mean"],
         "mean_env_reward": metrics["reward_env_mean"],
+        # Each named reward before its weight (env, format, every rewards.extra: a state reward's is how well a
+        # checkpoint sees), an episode's sum averaged over the episodes.
+        "mean_rewards": {key.removeprefix("reward_").removesuffix("_mean"): value for key, value in metrics.items()
+                         if key.startswith("reward_") and key.endswith("_mean") and key != "reward_mean"},
         "errors": int(metrics["errors"]),
         "truncated_rate": metrics["truncated"],
         "cut_by_budget": sum(cut.values()),
