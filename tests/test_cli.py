@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from tests.cli_runs import QUICKSTART, TURNRL, error_exit, run_main, run_turnrl
-from turnrl.envservice.options import count
 from turnrl.cli import (
     build_parser,
     main,
@@ -32,6 +31,7 @@ from turnrl.cli import (
 from turnrl.config import config_keys
 from turnrl.envs import make
 from turnrl.envs.catalog import env_class, env_names, gym_id
+from turnrl.envservice.options import count
 from turnrl.training.train_config import TrainConfig
 
 
@@ -579,6 +579,25 @@ def test_serve_policy_refuses_a_port_that_is_not_one(port, capsys):
     with pytest.raises(SystemExit) as info:
         main(["serve-policy", "--model", "builtin", "--port", port])
     assert info.value.code == 2 and "argument --port: " in capsys.readouterr().err
+
+
+def test_serve_policy_hands_its_body_deadlines_to_the_server(monkeypatch):
+    import turnrl.serve.policy as policy
+
+    handed = {}
+    monkeypatch.setattr(policy, "serve", lambda **kwargs: handed.update(kwargs))
+    main(["serve-policy", "--model", "builtin", "--body-timeout-s", "600", "--body-stall-s", "inf"])
+    assert (handed["body_timeout_s"], handed["body_stall_s"]) == (600.0, float("inf"))
+    main(["serve-policy", "--model", "builtin"])
+    assert (handed["body_timeout_s"], handed["body_stall_s"]) == (policy.DEFAULT_BODY_TIMEOUT_S,
+                                                               policy.DEFAULT_BODY_STALL_S)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
+def test_serve_policy_refuses_a_body_deadline_that_is_no_time(value, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["serve-policy", "--model", "builtin", "--body-stall-s", value])
+    assert info.value.code == 2 and "argument --body-stall-s: " in capsys.readouterr().err
 
 
 

@@ -511,7 +511,7 @@ def cmd_serve_policy(args: argparse.Namespace) -> int:
               served_model_name=args.served_model_name, model_config=model_config,
               token=args.token if args.token is not None else os.environ.get(TOKEN_ENV_VAR) or None,
               prepare_threads=args.prepare_threads, max_image_pixels=args.max_image_pixels,
-              max_request_mb=args.max_request_mb)
+              max_request_mb=args.max_request_mb, body_timeout_s=args.body_timeout_s, body_stall_s=args.body_stall_s)
     except ConfigError as error:  # a busy port or a model that is not there: before the model loads
         raise SystemExit(f"error: {error}") from error
     return 0
@@ -566,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Both option modules are light: the server and the report load only when their command runs.
     from turnrl.envservice.options import add_arguments as add_serve_env_arguments
-    from turnrl.envservice.options import count, port
+    from turnrl.envservice.options import count, port, seconds
     from turnrl.viz.view_command import add_arguments as add_view_arguments
 
     parser = argparse.ArgumentParser(
@@ -691,6 +691,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="images with more pixels are refused undecoded (default: 16777216, 4096 x 4096)")
     p.add_argument("--max-request-mb", type=count, default=32,
                    help="request bodies over this many MiB are refused with a 413, unread (default: 32)")
+    p.add_argument("--body-timeout-s", type=seconds, default=120.0,
+                   help="a request body not whole this many seconds after its headers is a 408 (default: 120; "
+                        "inf for none)")
+    p.add_argument("--body-stall-s", type=seconds, default=15.0,
+                   help="so is one whose next bytes do not come for this many seconds (default: 15; inf for none)")
     p.add_argument("overrides", nargs="*",
                    help="model settings as key=value (the model section: dtype=bfloat16, backend=hf, ...)")
     p.set_defaults(fn=cmd_serve_policy)

@@ -71,7 +71,7 @@ def count(text: str) -> int:
 
 
 def seconds(text: str) -> float:
-    """A time limit of ``turnrl serve-env``: a number of seconds above 0, or ``inf`` for none."""
+    """A time limit of ``turnrl serve-env`` or ``serve-policy``: a number of seconds above 0, or ``inf`` for none."""
     try:
         value = float(text)
     except ValueError:
