@@ -60,6 +60,19 @@ def read_request(conn: socket.socket) -> bytes:
     return body
 
 
+def accept_each(listener: socket.socket, handle: Callable[[socket.socket], None]) -> None:
+    """``handle`` each connection ``listener`` accepts, on a thread of its own, until the listener is closed."""
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
 @contextmanager
 def serving(answer: Callable[[bytes], Answer]) -> Iterator[tuple[str, list[bytes]]]:
     """A server that answers each request's body with ``answer(body)``; yields its base URL and the bodies asked."""
@@ -75,15 +88,7 @@ def serving(answer: Callable[[bytes], Answer]) -> Iterator[tuple[str, list[bytes
             except OSError:  # the client hung up first: its side of the test says what it saw
                 pass
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:  # closed: the test is over
-                return
-            threading.Thread(target=handle, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
+    accept_each(listener, handle)
     try:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1", asked
     finally:
@@ -223,17 +228,12 @@ def test_a_tls_failure_is_not_retried():
     listener = socket.create_server(("127.0.0.1", 0))
     hellos = []
 
-    def answer_plainly() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:  # closed: the test is over
-                return
-            with conn:
-                hellos.append(conn.recv(4096))
-                conn.sendall(wire(400, b""))
+    def answer_plainly(conn: socket.socket) -> None:
+        with conn:
+            hellos.append(conn.recv(4096))
+            conn.sendall(wire(400, b""))
 
-    threading.Thread(target=answer_plainly, daemon=True).start()
+    accept_each(listener, answer_plainly)
     try:
         url = f"https://127.0.0.1:{listener.getsockname()[1]}/v1"
         policy = OpenAIPolicy(url, "m", timeout_s=5.0, max_retries=2, backoff_s=0.001)
