@@ -12,6 +12,7 @@ import pytest
 
 from turnrl.config import load_config
 from turnrl.training.commands import train
+from turnrl.training.memory import rows_shorter_than_episodes
 from turnrl.training.train_config import TrainConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -55,6 +56,13 @@ def test_a_recipe_made_for_a_pretrained_model_declares_it(path):
     """The recipes whose command passes model.path= expect a pretrained model (and a run without one says so)."""
     command = path.read_text().splitlines()[0]
     assert load_config(TrainConfig, path).model.expects_pretrained == ("model.path=" in command)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_no_recipe_ends_its_episodes_short_of_its_own_context_budget(path):
+    """An agent that may grow an episode to more tokens than an engine row holds would see its episodes end at
+    the row's length, short of the recipe's own budget (a run says so at its start)."""
+    assert rows_shorter_than_episodes(load_config(TrainConfig, path)) is None
 
 
 # PrimitiveSkill's step takes 11-14 s on two cores (MuJoCo makes a renderer for each env, 0.15 s, and draws its

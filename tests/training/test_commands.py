@@ -719,3 +719,14 @@ def test_sft_whose_model_the_disk_refuses_is_one_line_saying_how_to_run_it_again
                                             "sft.batch_size=8", "sft.micro_batch_size=8"))
     assert last.startswith(f"error: the run could not write into {run}: this process may write files of at most "), last
     assert last.endswith(f"then run it again with run.overwrite=true ({run / 'sft' / 'model'} was left part-written)")
+
+
+def test_a_run_whose_engine_rows_are_shorter_than_its_episodes_may_grow_says_so_at_its_start(tiny_model_dir,
+                                                                                              tmp_path, capsys):
+    """Its episodes end at the row's length, short of the agent's budget: said on every run, not only where a
+    GPU's memory check runs."""
+    main(["train", *overrides(tiny_model_dir, tmp_path, "run.steps=0", "agent.max_context_tokens=8192",
+                              "model.engine.max_seq_len=2048", "run.save_at_end=false")])
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("note: episodes end at model.engine.max_seq_len=2048 tokens, short of agent.max_context_tokens=8192: "
+            "set model.engine.max_seq_len=8192 to give them the agent's budget") in out

@@ -429,13 +429,13 @@ def test_a_cache_that_holds_fewer_sequences_than_a_step_plays_is_named_with_what
 
 
 def test_rows_shorter_than_a_whole_history_episode_may_grow_are_named():
-    visgym = load_config(TrainConfig, "configs/visgym_maze.yaml", [])  # 16,384 tokens an episode, rows of 4,096
+    short = ["model.engine.max_seq_len=4096"]
+    visgym = load_config(TrainConfig, "configs/visgym_maze.yaml", short)  # 16,384 tokens an episode, rows of 4,096
     note = rows_shorter_than_episodes(visgym)
     assert note is not None and "model.engine.max_seq_len=4096" in note and "max_seq_len=16384 to give" in note
+    assert rows_shorter_than_episodes(load_config(TrainConfig, "configs/visgym_maze.yaml", [])) is None
     assert rows_shorter_than_episodes(load_config(TrainConfig, "configs/visgym_maze.yaml",
-                                                  ["model.engine.max_seq_len=16384"])) is None
-    assert rows_shorter_than_episodes(load_config(TrainConfig, "configs/visgym_maze.yaml",
-                                                  ["model.backend=hf"])) is None
+                                                  [*short, "model.backend=hf"])) is None
     # A one-turn window bounds every prompt, whatever the agent's budget: the Sokoban recipe's 512-token rows
     assert rows_shorter_than_episodes(load_config(TrainConfig, "configs/sokoban_quickstart.yaml", [])) is None
 

@@ -56,6 +56,7 @@ from turnrl.training.memory import (
     cache_full_note,
     cap_gpu_memory,
     check_memory,
+    rows_shorter_than_episodes,
     set_allocator_settings,
 )
 from turnrl.training.memory_trace import recorded
@@ -477,6 +478,9 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     remote = f" (envs served at {', '.join(config.env.remote)})" if config.env.remote else ""
     console.print(f"[bold]turnrl train[/bold] {escape(config.run.name)}: {escape(config.env.id)}{escape(remote)}, "
                   f"{config.algorithm.advantage}, run dir {escape(str(trainer.run_dir))}{processes}{compiled}")
+    short_rows = rows_shorter_than_episodes(config)
+    if short_rows is not None:
+        console.print(f"note: {short_rows}", markup=False, highlight=False, soft_wrap=True)
     logger = MetricsLogger(trainer.run_dir, config.run.tensorboard, config.run.wandb_project,
                            config=json.loads(json.dumps(vars(config), default=lambda o: vars(o))),
                            resume_step=trainer.first_step if resumed else None) if ranks.is_main() else None

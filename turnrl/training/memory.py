@@ -698,9 +698,9 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
             raise
         raise ConfigError(f"{error} (with run.gpu_share={share:g} of a {total / GIB:.1f} GiB GPU: run fewer "
                           "runs on the card, each with a larger share)") from error
-    for note in (rollout_in_waves(config, counts, estimate, processes), rows_shorter_than_episodes(config)):
-        if note is not None:
-            logger.warning(note)
+    waves = rollout_in_waves(config, counts, estimate, processes)
+    if waves is not None:
+        logger.warning(waves)
     return estimate
 
 
