@@ -131,7 +131,9 @@ def test_a_training_run_logs_what_the_state_rewards_report(tiny_model_dir, tmp_p
     step = next(r for r in records if "rollout/success" in r)
     for name in ("grounding", "worldmodel"):
         assert 0.0 <= step[f"rewards/{name}/judged_share"] <= 1.0
-        assert f"rewards/{name}/repetition_penalties" in step and f"rollout/reward_{name}_mean" in step
+        assert f"rollout/reward_{name}_mean" in step
+        # VAGEN's FrozenLake has no repetition penalty, and the recipe turns it off (Sokoban's keeps it).
+        assert f"rewards/{name}/repetition_penalties" not in step
 
 
 @pytest.mark.parametrize("fn", ["grounding", "worldmodel"])
