@@ -86,7 +86,8 @@ def test_an_object_without_the_methods_is_told_what_is_missing():
     missing = r"no instructions\(\), action_names\(\), state_facts\(\), solve\(\)"
     with pytest.raises(EnvCheckError, match=missing) as info:
         check_env(toy_envs.NoInstructions())
-    assert "may have state_key(), text(), image(), action_budget(), canonical_action(), close()" in str(info.value)
+    assert ("may have state_key(), text(), image(), action_budget(), max_text_length(), canonical_action(), close()"
+            in str(info.value))
     assert "define instructions() -> str (task description for the system prompt: goal, symbols, actions)" in str(
         info.value
     )
@@ -348,7 +349,8 @@ class TextOf(toy_envs.CorridorTurnEnv):
 
 
 @pytest.mark.parametrize(("tail", "says"), [
-    ("#" * 9000, "an observation's text may hold 8192 characters, got 9005 (at reset(seed=0), step("),
+    ("#" * 9000, "an observation's text may hold 8192 characters, got 9005; an env whose texts need more returns "
+                 "its bound from max_text_length() (at reset(seed=0), step("),
     (" \ud800", "an observation's text may hold any character but a control character (other than ASCII whitespace, "
                 "such as a newline or tab) or a lone surrogate, which UTF-8 cannot encode, got '\\ud800' at index 6 "
                 "(at reset(seed=0), step("),
@@ -372,8 +374,9 @@ def test_texts_past_the_limit_by_different_lengths_are_one_line():
     with pytest.raises(EnvCheckError) as info:
         check_env(LongerEachPosition())
     (failure,) = info.value.failures
-    assert re.fullmatch(r"an observation's text may hold 8192 characters, got 900\d \(at reset\(seed=0\), "
-                        r"step\('\w+'\), step\('\w+'\) and \d+ more\)", failure), failure
+    assert re.fullmatch(r"an observation's text may hold 8192 characters, got 900\d; an env whose texts need more "
+                        r"returns its bound from max_text_length\(\) \(at reset\(seed=0\), step\('\w+'\), "
+                        r"step\('\w+'\) and \d+ more\)", failure), failure
 
 
 class BareReset(toy_envs.Corridor):

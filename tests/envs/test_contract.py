@@ -10,15 +10,17 @@ from pathlib import Path
 import gymnasium as gym
 import pytest
 
-from tests.envs.toy_envs import Corridor, CorridorWithExtras
+from tests.envs.toy_envs import Corridor, CorridorTurnEnv, CorridorWithExtras
 from turnrl.envs import make
 from turnrl.envs.contract import (
+    MAX_TEXT_LENGTH,
     OPTIONAL_METHODS,
     QUERIES,
     REQUIRED_METHODS,
     AgentEnv,
     OptionalMethods,
     invalid_reason,
+    max_text_length_of,
     observation_key,
     optional_methods,
     state_key,
@@ -58,9 +60,10 @@ def test_the_scan_finds_a_lookup(tmp_path):
 
 def test_the_names_are_read_off_the_declaration():
     assert REQUIRED_METHODS == ("reset", "step", "instructions", "action_names", "state_facts", "solve")
-    assert OPTIONAL_METHODS == ("state_key", "text", "image", "action_budget", "canonical_action", "close")
+    assert OPTIONAL_METHODS == ("state_key", "text", "image", "action_budget", "max_text_length", "canonical_action",
+                                "close")
     assert QUERIES == ("instructions", "action_names", "state_facts", "solve", "state_key", "text", "image",
-                       "action_budget")
+                       "action_budget", "max_text_length")
     # A query takes no argument: everything but self is optional or keyword-only in its declaration.
     for name in QUERIES:
         declared = getattr(AgentEnv, name, None) or getattr(OptionalMethods, name)
@@ -73,7 +76,7 @@ def test_an_env_without_the_optional_methods_gets_their_defaults():
     offered = optional_methods(env)
     assert offered.state_key() is None and state_key(env, obs) == observation_key(obs)
     assert offered.text() == "" and offered.action_budget() is None and offered.canonical_action("right") is None
-    assert offered.close() is None
+    assert offered.max_text_length() == MAX_TEXT_LENGTH and offered.close() is None
     with pytest.raises(NotImplementedError, match="offers no image"):
         offered.image()
 
@@ -129,6 +132,23 @@ def test_a_gymnasium_id_keeps_its_optional_methods_through_the_wrappers(register
     offered.close()  # Gymnasium's own close, through every wrapper
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         plain.nonsense  # noqa: B018 - only the contract's names are forwarded
+
+
+class LongCorridor(CorridorTurnEnv):
+    """The corridor with a bound of its own on an observation's text."""
+
+    def max_text_length(self) -> int:
+        return 32_768
+
+
+def test_a_gymnasium_id_keeps_its_envs_bound_on_text_through_the_wrappers():
+    gym.register("turnrl-test/Long-v0", entry_point="tests.envs.test_contract:LongCorridor", max_episode_steps=50)
+    try:
+        env = make("turnrl-test/Long-v0")
+    finally:
+        del gym.registry["turnrl-test/Long-v0"]
+    assert type(env) is not LongCorridor and max_text_length_of(env) == 32_768
+    assert env.observation_space["text"].max_length == 32_768
 
 
 def test_a_deep_copy_of_a_wrapped_env_keeps_its_state(registered):

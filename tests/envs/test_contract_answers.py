@@ -1,10 +1,12 @@
 """What an env's answers may be, as the contract states it once: the text of an observation (any Unicode but
-controls and lone surrogates, at most MAX_TEXT_LENGTH characters) and the shape of what reset returns."""
+controls and lone surrogates, at most the env's max_text_length(), MAX_TEXT_LENGTH by default) and the shape of what
+reset returns."""
 
 from __future__ import annotations
 
 import sys
 import unicodedata
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,8 +17,12 @@ from turnrl.envs.contract import (
     MAX_TEXT_LENGTH,
     OBS_CHARSET,
     TEXT_CHARACTERS_RULE,
-    TEXT_LENGTH_RULE,
     ObservationText,
+    StepOutcome,
+    TurnEnv,
+    check_text_fits,
+    max_text_length_of,
+    max_text_length_problems,
     reset_answer_problems,
     text_problems,
 )
@@ -47,12 +53,83 @@ def test_a_control_character_or_a_lone_surrogate_is_named_with_where_it_is(text,
     assert not ObservationText(MAX_TEXT_LENGTH, min_length=0, charset=OBS_CHARSET).contains(text)
 
 
-def test_a_text_past_the_limit_is_told_its_length_and_the_limit():
+def test_a_text_past_the_default_limit_is_told_its_length_the_limit_and_how_an_env_raises_it():
     assert [str(p) for p in text_problems("#" * 9000)] == [
-        f"an observation's text may hold {MAX_TEXT_LENGTH} characters, got 9000"]
+        f"an observation's text may hold {MAX_TEXT_LENGTH} characters, got 9000; an env whose texts need more "
+        "returns its bound from max_text_length()"]
     assert text_problems("#" * MAX_TEXT_LENGTH) == []
     both = text_problems("\ud800" * 9000)
-    assert [p.rule for p in both] == [TEXT_LENGTH_RULE, TEXT_CHARACTERS_RULE]
+    assert [p.rule for p in both] == [f"an observation's text may hold {MAX_TEXT_LENGTH} characters",
+                                      TEXT_CHARACTERS_RULE]
+
+
+def test_a_text_past_an_envs_own_limit_is_told_that_limit():
+    """The env chose its bound, so the message names it and offers no way to raise it."""
+    assert text_problems("#" * 20_000, max_length=32_768) == []
+    assert [str(p) for p in text_problems("#" * 40_000, max_length=32_768)] == [
+        "an observation's text may hold 32768 characters, got 40000"]
+    assert [str(p) for p in text_problems("#" * 9, max_length=8)] == ["an observation's text may hold 8 characters, "
+                                                                      "got 9"]
+
+
+class LongDocs(TurnEnv):
+    """A search agent's env: each observation a retrieved document of ``chars`` characters, under a bound of
+    ``bound``."""
+
+    def __init__(self, chars: int = 20_000, bound: Any = 32_768) -> None:
+        self.bound = bound  # before TurnEnv.__init__, whose text space asks for it
+        super().__init__()
+        self.chars = chars
+
+    def max_text_length(self) -> Any:
+        return self.bound
+
+    def _reset(self, rng, options):
+        pass
+
+    def _step(self, action):
+        return StepOutcome(0.0)
+
+    def text(self) -> str:
+        return "#" * self.chars
+
+    def instructions(self) -> str:
+        return "Read."
+
+    def action_names(self) -> list[str]:
+        return ["next"]
+
+
+def test_a_turn_envs_text_space_holds_what_its_own_bound_allows():
+    env = LongDocs()
+    obs, _ = env.reset(seed=0)
+    assert max_text_length_of(env) == 32_768 and env.observation_space["text"].max_length == 32_768
+    assert env.observation_space.contains(obs) and not env.observation_space.contains({"text": "#" * 32_769})
+    assert make("Sokoban").observation_space["text"].max_length == MAX_TEXT_LENGTH
+
+
+@pytest.mark.parametrize(("bound", "got"), [
+    (0, "an int: 0"), (-5, "an int: -5"), (True, "a bool: True"), ("big", "a str: 'big'"), (2.5e4, "a float: 25000.0"),
+    (None, "a NoneType: None"),
+])
+def test_a_bound_that_is_no_int_of_at_least_one_is_refused_with_what_it_was(bound, got):
+    expected = f"max_text_length() must return an int >= 1 (the characters an observation's text may hold), got {got}"
+    assert max_text_length_problems(bound) == [expected]
+    with pytest.raises(ValueError) as info:
+        LongDocs(bound=bound)  # a TurnEnv's text space asks at once
+    assert str(info.value) == expected
+
+
+@pytest.mark.parametrize("bound", [1, 32_768, np.int64(50_000)])
+def test_an_int_bound_is_taken(bound):
+    assert max_text_length_problems(bound) == []
+
+
+def test_an_envs_longest_text_is_checked_against_the_bound_given():
+    check_text_fits(20_000, "a long page", max_length=32_768)
+    with pytest.raises(ValueError, match="a long page can need 20000 characters, more than the 8192 an observation "
+                                         "may hold; use a shorter page"):
+        check_text_fits(20_000, "a long page", "use a shorter page")
 
 
 def test_the_refused_characters_are_the_controls_but_ascii_whitespace_and_the_surrogates():

@@ -14,6 +14,7 @@ from turnrl.agent.formats import get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs import GymImageEnv, StateFacts, check_env, make
 from turnrl.envs.actions import parse_tuple
+from turnrl.envs.contract import MAX_TEXT_LENGTH
 from turnrl.envs.gym_adapter import DEFAULT_TEXT
 from turnrl.policy.interface import Completion, Policy
 from turnrl.rollout.runner import EpisodeSlot, Rollout
@@ -83,6 +84,26 @@ def test_a_bad_image_size_is_refused(size):
 def test_text_is_the_caption():
     env = make(LAKE, text="Look at the lake.")
     assert env.reset(seed=0)[0]["text"] == "Look at the lake."
+
+
+def test_a_caption_longer_than_the_default_bound_needs_the_max_text_length_setting():
+    """The caption is every observation's text: one past the bound would fail every episode, so it fails here; the
+    setting raises the bound, which the text space and max_text_length() both hold."""
+    caption = "A page of the manual. " * 500
+    with pytest.raises(ValueError, match=f"the text setting can need {len(caption)} characters, more than the "
+                                         f"{MAX_TEXT_LENGTH} an observation may hold; raise the max_text_length"):
+        make(LAKE, text=caption)
+    assert make(LAKE).max_text_length() == make(LAKE).observation_space["text"].max_length == MAX_TEXT_LENGTH
+    env = make(LAKE, is_slippery=False, text=caption, max_text_length=16_384)
+    assert env.max_text_length() == env.observation_space["text"].max_length == 16_384
+    assert env.reset(seed=0)[0]["text"] == caption
+    check_env(env)
+
+
+@pytest.mark.parametrize("bound", [0, -1, True, "big", 1.5])
+def test_a_bad_max_text_length_setting_is_refused(bound):
+    with pytest.raises(ValueError, match="max_text_length must be an int >= 1, got a"):
+        make(LAKE, max_text_length=bound)
 
 
 # --------------------------------------------------------------------------- actions

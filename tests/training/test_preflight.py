@@ -228,9 +228,26 @@ class LongText(Corridor):
         return {"text": "#" * 9000}
 
 
+class ZeroBound(Corridor):
+    """A user env whose bound on an observation's text can hold nothing."""
+
+    def max_text_length(self):
+        return 0
+
+
+class LongTextOwnBound(LongText):
+    """Its texts of 9,000 characters are under the bound it declares."""
+
+    def max_text_length(self):
+        return 32_768
+
+
 @pytest.mark.parametrize(("env", "says"), [
     ("BareReset", "reset() must return (observation, info), got a dict: {'text': "),
-    ("LongText", "its first observation cannot be played: an observation's text may hold 8192 characters, got 9000"),
+    ("ZeroBound", "its max_text_length() cannot be used: ValueError: max_text_length() must return an int >= 1 (the "
+                  "characters an observation's text may hold), got an int: 0"),
+    ("LongText", "its first observation cannot be played: an observation's text may hold 8192 characters, got 9000; "
+                 "an env whose texts need more returns its bound from max_text_length()"),
 ])
 def test_a_user_env_whose_first_reset_answers_what_the_rollout_refuses_is_told_what_it_returned(env, says, tmp_path):
     """It said "its first reset refused them: not enough values to unpack (expected 2, got 1)", blaming the
@@ -243,3 +260,11 @@ def test_a_user_env_whose_first_reset_answers_what_the_rollout_refuses_is_told_w
     assert message.endswith(f"; `turnrl check-env {env_id}` lists all that the env breaks of the contract")
     assert "settings" not in message and "refused" not in message
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_user_envs_text_under_the_bound_it_declares_passes_the_check():
+    """9,000 characters, refused under the default bound above, are played under the env's own."""
+    from turnrl.training.preflight import _first_reset
+
+    env_id = "tests.training.test_preflight:LongTextOwnBound"
+    assert _first_reset(LongTextOwnBound(), env_id, "env.settings", {}) is False

@@ -10,7 +10,8 @@ the turnrl contract (:class:`~turnrl.envs.contract.AgentEnv`):
 
 - ``reset`` takes the keywords ``seed`` and ``options``, as the rollout passes them;
 - ``reset`` returns ``(observation, info)``; observations are dicts with a
-  ``"text"`` str (at most 8,192 characters, none a control character but
+  ``"text"`` str (at most the env's ``max_text_length()`` characters, an int
+  >= 1, 8,192 where the env defines none; none a control character but
   ASCII whitespace nor a lone surrogate: any other Unicode is text) and,
   optionally, an ``"image"`` (``HxWx3`` uint8 array, a new one every call:
   the rollout keeps each) and nothing else; rewards are finite numbers,
@@ -54,6 +55,7 @@ import numpy as np
 from gymnasium.utils import env_checker
 
 from turnrl.envs.contract import (
+    MAX_TEXT_LENGTH,
     OPTIONAL_METHODS,
     QUERIES,
     REQUIRED_METHODS,
@@ -64,8 +66,10 @@ from turnrl.envs.contract import (
     invalid_reason,
     is_flag,
     is_number,
+    max_text_length_problems,
     missing_methods,
     missing_reset_keywords,
+    optional_methods,
     reset_answer_problems,
     step_answer_problems,
     text_problems,
@@ -93,11 +97,14 @@ class EnvCheckError(AssertionError):
 
 
 class _Report:
-    """Failures in the order found; a rule broken by many calls is one line naming the first few."""
+    """Failures in the order found; a rule broken by many calls is one line naming the first few. It carries the
+    env's bound on an observation's text too, which every check of an observation reads."""
 
     def __init__(self) -> None:
         self._messages: dict[str, str] = {}
         self._calls: dict[str, list[str]] = {}
+        self.max_text_length = MAX_TEXT_LENGTH
+        """The env's ``max_text_length()``, once read (:func:`_text_bound`); the default where it is unusable."""
 
     def add(self, message: str, call: str | None = None, rule: str | None = None) -> None:
         """Report ``message`` (at ``call``). A ``rule`` groups messages that differ by what they found (a text's
@@ -160,6 +167,7 @@ def check_env(env: AgentEnv, *, seed: int = 0, steps: int = 20, deterministic: b
         report.add(f"{name} raises NotImplementedError from {methods}, which every check calls: define "
                    f"{_and([_expected(m) for m in unimplemented])}, as turnrl.envs.AgentEnv declares")
         raise EnvCheckError(name, report.lines())
+    report.max_text_length = _text_bound(env, report)
     try:  # reset's answer first: turnrl's lines say in full what Gymnasium's checker says of it in general
         _reset(env, seed, report)
     except Exception:  # a reset that raises: the checks below report it
@@ -203,6 +211,21 @@ def _unimplemented_queries(env: AgentEnv, seed: int) -> list[str]:
         except Exception:  # a query that fails otherwise: the queries check reports it
             pass
     return unimplemented
+
+
+def _text_bound(env: AgentEnv, report: _Report) -> int:
+    """The env's ``max_text_length()``; where it raises or answers no int >= 1, that is reported and the default
+    bound checks the texts."""
+    try:
+        bound = optional_methods(env).max_text_length()
+    except Exception as error:
+        report.add(f"max_text_length() raised {type(error).__name__}: {_clip(str(error))}; return the characters "
+                   "an observation's text may hold, an int >= 1")
+        return MAX_TEXT_LENGTH
+    problems = max_text_length_problems(bound)
+    for problem in problems:
+        report.add(problem)
+    return MAX_TEXT_LENGTH if problems else int(bound)
 
 
 def _expected(method: str) -> str:
@@ -259,7 +282,7 @@ def _check_observation(obs: Any, call: str, report: _Report) -> None:
     if not isinstance(obs.get("text"), str):
         report.add(f"obs['text'] must be a str, got {type(obs.get('text')).__name__}", call)
     else:
-        for problem in text_problems(obs["text"]):
+        for problem in text_problems(obs["text"], report.max_text_length):
             report.add(str(problem), call, rule=problem.rule)
     extra = sorted(set(obs) - set(OBS_KEYS))
     if extra:

@@ -11,8 +11,9 @@ methods is an env (``turnrl.envs.check_env`` tests one); :class:`TurnEnv` is
 the base class of the built-in envs, one way to satisfy it.
 
 Beyond those, an env may define the methods of :class:`OptionalMethods`
-(``state_key``, ``text``, ``image``, ``action_budget``, ``canonical_action``,
-``close``); that class declares each with what an env without it answers.
+(``state_key``, ``text``, ``image``, ``action_budget``, ``max_text_length``,
+``canonical_action``, ``close``); that class declares each with what an env
+without it answers.
 Callers reach them through :func:`optional_methods`, the one place that looks
 at what an env defines, and never look a name up themselves. The names of the
 contract (:data:`REQUIRED_METHODS`, :data:`OPTIONAL_METHODS`) and the queries an
@@ -61,7 +62,8 @@ ACTION_CHARSET = frozenset(string.printable)
 NO_METRICS: Mapping[str, float] = MappingProxyType({})
 """What :meth:`TurnEnv.episode_metrics` reports by default: nothing (one shared, read-only mapping)."""
 MAX_TEXT_LENGTH = 8192
-"""Characters a text observation may hold (the Text space's bound)."""
+"""Characters a text observation may hold unless its env says more (:meth:`OptionalMethods.max_text_length`): a
+bound that catches a broken env, one that writes a page of text a turn into every trajectory."""
 IMAGE_CAPTION = "The image shows the current state."
 """The text of an image-mode observation of an env whose image is the whole state."""
 MAX_ACTION_LENGTH = 256
@@ -124,13 +126,14 @@ class StateRewardProfile:
     """Other names of a kind, e.g. ``{"gift": "goal"}``."""
 
 
-def check_text_fits(longest: int, what: str, advice: str = "") -> None:
+def check_text_fits(longest: int, what: str, advice: str = "", max_length: int = MAX_TEXT_LENGTH) -> None:
     """Raise ValueError if an env's longest text observation, ``longest`` characters (the env's own bound for its
-    settings, ``what``), could exceed :data:`MAX_TEXT_LENGTH`: checked when the env is made, since an observation
-    past it fails the observation space (and Gymnasium's checker) only on the episodes that reach it."""
-    if longest > MAX_TEXT_LENGTH:
+    settings, ``what``), could exceed ``max_length`` (the env's :meth:`~OptionalMethods.max_text_length`): checked
+    when the env is made, since an observation past it fails the observation space (and Gymnasium's checker) only
+    on the episodes that reach it."""
+    if longest > max_length:
         tail = f"; {advice}" if advice else ""
-        raise ValueError(f"{what} can need {longest} characters, more than the {MAX_TEXT_LENGTH} an observation "
+        raise ValueError(f"{what} can need {longest} characters, more than the {max_length} an observation "
                          f"may hold{tail}")
 
 
@@ -142,28 +145,34 @@ takes (letters of any script, CJK, emoji, non-breaking and ideographic spaces, t
 or Indic scripts): Python's ``str.isprintable`` refuses those spaces and joiners, so it is not the rule."""
 TEXT_CHARACTERS_RULE = ("an observation's text may hold any character but a control character (other than ASCII "
                         "whitespace, such as a newline or tab) or a lone surrogate, which UTF-8 cannot encode")
-TEXT_LENGTH_RULE = f"an observation's text may hold {MAX_TEXT_LENGTH} characters"
+RAISE_TEXT_LENGTH = "an env whose texts need more returns its bound from max_text_length()"
+"""What a text past the default bound is told: the env, not turnrl, knows how long its texts may be."""
 SHOWN_CHARACTERS = 3
 """The offending characters a message shows at most."""
 
 
 class TextProblem(NamedTuple):
-    """How an observation's text breaks a rule of :func:`text_problems`: the rule, and what broke it here."""
+    """How an observation's text breaks a rule of :func:`text_problems`: the rule, what broke it here, and what
+    to do where the rule alone does not say."""
 
     rule: str
     found: str
+    advice: str = ""
 
     def __str__(self) -> str:
-        return f"{self.rule}, got {self.found}"
+        return f"{self.rule}, got {self.found}" + (f"; {self.advice}" if self.advice else "")
 
 
-def text_problems(text: str) -> list[TextProblem]:
-    """What is wrong with an observation's text (a ``str``): more than :data:`MAX_TEXT_LENGTH` characters, or a
+def text_problems(text: str, max_length: int = MAX_TEXT_LENGTH) -> list[TextProblem]:
+    """What is wrong with an observation's text (a ``str``): more than ``max_length`` characters (the env's
+    :meth:`~OptionalMethods.max_text_length`; at the default, the problem says how an env raises it), or a
     character of :data:`_UNREADABLE` (the first few shown with ``repr``, where they are); empty when nothing is.
     ``check_env`` reports each, and the rollout ends the episode of an env that gives one, with these words."""
     problems = []
-    if len(text) > MAX_TEXT_LENGTH:
-        problems.append(TextProblem(TEXT_LENGTH_RULE, str(len(text))))
+    if len(text) > max_length:
+        advice = RAISE_TEXT_LENGTH if max_length == MAX_TEXT_LENGTH else ""
+        problems.append(TextProblem(f"an observation's text may hold {max_length} characters", str(len(text)),
+                                    advice))
     if not text.isprintable():  # the common case, answered in C; the pattern looks only at texts that need it
         found = [(match.start(), match.group()) for match in _UNREADABLE.finditer(text)]
         if found:
@@ -409,6 +418,14 @@ class OptionalMethods:
         budget ``turnrl eval`` gives by default. Default None: the agent's own budget is kept."""
         return None
 
+    @_query
+    def max_text_length(self) -> int:
+        """Characters an observation's text may hold, an int >= 1: the rollout (once an episode, after its reset),
+        ``check_env`` and the preflight refuse a longer text, and :class:`TurnEnv`'s observation space holds none
+        (it asks in ``__init__``). Default :data:`MAX_TEXT_LENGTH`, which catches a broken env; an env whose
+        texts are long by nature (retrieved documents, a web page, query results) returns its own bound."""
+        return MAX_TEXT_LENGTH
+
     def canonical_action(self, action: str) -> str | None:
         """The action name ``action`` spells (another case or spelling of a name), or None. An adapter such as
         ``gym:`` accepts these spellings of the env's actions. Default None: the env reads no spelling beyond
@@ -450,6 +467,30 @@ def optional_methods(env: object) -> OptionalMethods:
     for the others. The one place that looks at which methods an env has, so that an env of any class (a
     user's ``module:Class``, a Gymnasium env behind ``AgentEnvWrapper``, a remote env) gets the same answers."""
     return env if isinstance(env, OptionalMethods) else _OwnOrDefault(env)
+
+
+def max_text_length_problems(bound: Any) -> list[str]:
+    """What is wrong with an env's answer to :meth:`OptionalMethods.max_text_length`, one line; empty when nothing
+    is. It must be an int >= 1 (Python's or NumPy's), not a bool: ``True`` would read as a bound of 1."""
+    if is_flag(bound) or not isinstance(bound, (int, np.integer)) or bound < 1:
+        return [f"max_text_length() must return an int >= 1 (the characters an observation's text may hold), "
+                f"got {described(bound)}"]
+    return []
+
+
+def max_text_length_of(env: object) -> int:
+    """The characters ``env``'s observation texts may hold: its :meth:`~OptionalMethods.max_text_length` (the
+    default where it defines none), checked.
+
+    Raises:
+        ValueError: the answer is not an int >= 1 (:func:`max_text_length_problems` says what it was).
+        What the env's method raises.
+    """
+    bound = optional_methods(env).max_text_length()
+    problems = max_text_length_problems(bound)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return int(bound)
 
 
 def call_query(env: AgentEnv, name: str) -> Any:
@@ -581,7 +622,7 @@ class TurnEnv(gym.Env[dict, str], OptionalMethods):
         self.max_steps = int(max_steps)
         self.render_mode = render_mode
         obs_spaces: dict[str, spaces.Space] = {
-            "text": ObservationText(MAX_TEXT_LENGTH, min_length=0, charset=OBS_CHARSET)
+            "text": ObservationText(max_text_length_of(self), min_length=0, charset=OBS_CHARSET)
         }
         if self.is_image_mode:
             if image_shape is None:

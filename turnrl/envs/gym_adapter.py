@@ -65,7 +65,10 @@ from turnrl.envs.contract import (
     OBS_CHARSET,
     AgentEnv,
     StateFacts,
+    check_text_fits,
+    described,
     facts_from_positions,
+    is_flag,
     missing_methods,
     missing_reset_keywords,
     optional_methods,
@@ -84,7 +87,7 @@ __all__ = [
 
 GYM_PREFIX = "gym:"
 """``env.id`` prefix that routes a Gymnasium id to this adapter."""
-ADAPTER_KEYS = ("actions", "instructions", "image_size", "text")
+ADAPTER_KEYS = ("actions", "instructions", "image_size", "text", "max_text_length")
 """Settings the adapter takes itself; every other setting goes to ``gymnasium.make``."""
 DEFAULT_TEXT = "The image shows the current state."
 """The text part of every observation unless ``text`` is given."""
@@ -255,6 +258,8 @@ class GymImageEnv(gym.Wrapper):
         image_size: resize every frame to ``(height, width)``, or to this long
             side (aspect kept; VisGym uses 336); None keeps the rendered size.
         text: the text part of every observation (default :data:`DEFAULT_TEXT`).
+        max_text_length: the characters an observation's text may hold (``max_text_length()``, and the text
+            space's bound); raise it from :data:`~turnrl.envs.contract.MAX_TEXT_LENGTH` for a longer ``text``.
     """
 
     def __init__(
@@ -265,6 +270,7 @@ class GymImageEnv(gym.Wrapper):
         instructions: str | None = None,
         image_size: int | Sequence[int] | None = None,
         text: str = DEFAULT_TEXT,
+        max_text_length: int = MAX_TEXT_LENGTH,
     ) -> None:
         super().__init__(env)
         label = env.spec.id if env.spec is not None else type(env.unwrapped).__name__
@@ -274,6 +280,10 @@ class GymImageEnv(gym.Wrapper):
             raise ValueError(f"instructions must be a non-empty str, got {instructions!r}")
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        if is_flag(max_text_length) or not isinstance(max_text_length, (int, np.integer)) or max_text_length < 1:
+            raise ValueError(f"max_text_length must be an int >= 1, got {described(max_text_length)}")
+        check_text_fits(len(text), "the text setting", "raise the max_text_length setting",
+                        max_length=int(max_text_length))
         keywords = missing_reset_keywords(cast(AgentEnv, env.unwrapped))
         if keywords:
             raise ValueError(
@@ -296,12 +306,13 @@ class GymImageEnv(gym.Wrapper):
         self._instructions = instructions
         self.image_size = _image_size(image_size)
         self.caption = text
+        self._max_text_length = int(max_text_length)
         # Render once now: an env that cannot draw fails here, and the observation space needs the frame's shape.
         env.reset()
         height, width, _ = self._frame().shape
         self.observation_space = spaces.Dict(
             {
-                "text": spaces.Text(MAX_TEXT_LENGTH, min_length=0, charset=OBS_CHARSET | set(text)),
+                "text": spaces.Text(self._max_text_length, min_length=0, charset=OBS_CHARSET | set(text)),
                 "image": spaces.Box(0, 255, (height, width, 3), dtype=np.uint8),
             }
         )
@@ -359,6 +370,11 @@ class GymImageEnv(gym.Wrapper):
         own = None if self.agent_env is None else optional_methods(self.agent_env).action_budget()
         budgets = [int(b) for b in (limit, own) if b is not None]
         return min(budgets) if budgets else None
+
+    def max_text_length(self) -> int:
+        """Characters an observation's text may hold: the ``max_text_length`` setting (every observation's text
+        is the ``text`` setting, so a turnrl env underneath has no say)."""
+        return self._max_text_length
 
     def state_facts(self) -> StateFacts:
         """The player and objects of a known or a turnrl env; an empty ``StateFacts`` for any other env."""

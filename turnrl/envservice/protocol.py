@@ -44,8 +44,8 @@ methods of the env contract marked as queries (:data:`turnrl.envs.contract.QUERI
 STEP_QUERIES: tuple[str, ...] = ("action_names", "state_key")
 """Queries every step brings back: what the rollout asks each turn (``action_names`` outside its error
 handling, so it must never need a request of its own)."""
-RESET_QUERIES: tuple[str, ...] = ("instructions", "action_names", "state_key")
-"""Queries every reset brings back."""
+RESET_QUERIES: tuple[str, ...] = ("instructions", "action_names", "state_key", "max_text_length")
+"""Queries every reset brings back (the rollout asks each of these once an episode, at its reset)."""
 
 
 def queries_to_bring(base: tuple[str, ...], prefetch: tuple[str, ...]) -> list[str]:
@@ -369,6 +369,9 @@ class QueriedEnv:
 
     def action_budget(self) -> int | None:
         return self._query("action_budget")
+
+    def max_text_length(self) -> int:
+        return self._query("max_text_length")
 
 
 # --------------------------------------------------------------------------- answer items

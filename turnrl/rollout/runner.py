@@ -32,11 +32,13 @@ from turnrl.agent.formats import ResponseFormat, turn_format_reward
 from turnrl.agent.prompts import TurnFeedback, neutralized, observation_text, system_prompt
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
 from turnrl.envs.contract import (
+    MAX_TEXT_LENGTH,
     AgentEnv,
     StateFacts,
     TurnEnv,
     env_metrics,
     invalid_reason,
+    max_text_length_of,
     reset_answer,
     state_key,
     step_answer_problems,
@@ -157,10 +159,10 @@ def plays_blind(observer: str, model: str, text_mode: bool) -> str:
             f"model.path){instead}")
 
 
-def check_observation(obs: Any) -> None:
+def check_observation(obs: Any, max_text_length: int = MAX_TEXT_LENGTH) -> None:
     """Raise TypeError or ValueError unless ``obs`` is an observation the turn can read and the record can keep (a
     dict with a ``text`` string that :func:`~turnrl.envs.contract.text_problems` accepts: at most
-    :data:`~turnrl.envs.contract.MAX_TEXT_LENGTH` characters, none a control character but ASCII whitespace nor a
+    ``max_text_length`` characters, the env's bound, none a control character but ASCII whitespace nor a
     lone surrogate; and, where it has an ``image``, an ``HxWx3`` uint8 array): an env that returns another, from
     ``reset`` or ``step``, fails its own episode where it does so, not the batch, and its observation never
     reaches the trajectory (whose writer cannot save another image as a PNG, nor should write a megabyte of text
@@ -168,7 +170,7 @@ def check_observation(obs: Any) -> None:
     same words."""
     if not isinstance(obs, dict) or not isinstance(obs.get("text"), str):
         raise TypeError(f"an observation must be a dict with a 'text' string, not {obs!r:.200}")
-    problems = text_problems(obs["text"])
+    problems = text_problems(obs["text"], max_text_length)
     if problems:
         raise ValueError("; ".join(map(str, problems)))
     if "image" in obs:
@@ -242,6 +244,8 @@ class _Episode:
     """Images of the current user message."""
     last_obs: dict[str, Any] = field(default_factory=dict)
     """The env's latest observation."""
+    max_text_length: int = MAX_TEXT_LENGTH
+    """Characters the env's observation texts may hold, as it said at this episode's reset."""
 
     def keep_final_observation(self) -> None:
         """Record the env's latest observation as where the episode ended (so far)."""
@@ -529,10 +533,14 @@ class Rollout:
     def _start(self, slot: EpisodeSlot, sampling: SamplingConfig) -> _Episode:
         trajectory = Trajectory(env_id=self.env_id, seed=slot.seed, group=slot.group, sample=slot.sample)
         episode = _Episode(slot=slot, trajectory=trajectory, actions_left=self.agent.max_actions_per_episode)
+        call = "reset"
         try:
             # Unpacked unchecked, a bare observation failed as "not enough values to unpack".
             obs, _ = reset_answer(slot.env.reset(seed=slot.seed, options=slot.options))
-            check_observation(obs)
+            call = "max_text_length()"  # asked once an episode: a bad answer ends this episode, named so
+            episode.max_text_length = max_text_length_of(slot.env)
+            call = "reset"
+            check_observation(obs, episode.max_text_length)
             names = action_names_of(slot.env)
             trajectory.system_prompt = system_prompt(
                 self.agent.system_prompt,
@@ -540,7 +548,7 @@ class Rollout:
                 self.fmt.instructions(names, self.agent.max_actions_per_turn) if self.agent.format_instructions else "",
             )
         except Exception as error:
-            episode.finish(ERROR, error=env_failure("reset", 1, error))
+            episode.finish(ERROR, error=env_failure(call, 1, error))
             return episode
         episode.messages = [{"role": "system", "content": trajectory.system_prompt}]
         text = observation_text(obs["text"], turn=1, actions_left=episode.actions_left, turn_info=self.agent.turn_info)
@@ -643,7 +651,7 @@ class Rollout:
                 reason = None if valid else invalid_reason(info)
                 effective = valid and bool(info.get("action_is_effective", True))
                 step_reward, success = float(reward), bool(info.get("success", False))
-                check_observation(obs)
+                check_observation(obs, episode.max_text_length)
             except Exception as error:
                 self._fail(episode, turn, env_reward, env_failure("step", turn.index + 1, error))
                 return None

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from turnrl.config import ConfigError, turnrl_command
 from turnrl.envs.catalog import builtin_name, env_class
-from turnrl.envs.contract import AgentEnv, reset_answer_problems
+from turnrl.envs.contract import AgentEnv, max_text_length_of, reset_answer_problems
 from turnrl.envservice.placement import env_factory
 from turnrl.envservice.protocol import RemoteEnvError
 from turnrl.models.builtin import check_builtin_preset
@@ -65,9 +65,10 @@ def _first_reset(env: AgentEnv, env_id: str, where: str, settings: dict[str, Any
     """Reset ``env`` once; whether its observation holds an image. Its refusal of the settings (a ``ValueError``)
     is a one-line error naming them; any other error too, with the line that raised it (a user env's setting of
     the wrong type fails there, in the env's own arithmetic). An answer that every episode's reset would give,
-    and the rollout refuse (not ``(observation, info)``, or an observation it cannot read), is the env's fault,
-    whatever the settings: its one-line error says what the env returned and names ``turnrl check-env``, which
-    lists all that the env breaks."""
+    and the rollout refuse (not ``(observation, info)``, an observation it cannot read, or a text longer than the
+    env's ``max_text_length()`` or that answer itself unusable), is the env's fault, whatever the settings: its
+    one-line error says what the env returned and names ``turnrl check-env``, which lists all that the env
+    breaks."""
     try:
         answer = env.reset(seed=seed)
     except (ValueError, RemoteEnvError) as error:
@@ -83,7 +84,12 @@ def _first_reset(env: AgentEnv, env_id: str, where: str, settings: dict[str, Any
         raise ConfigError(f"env.id={env_id!r}: {'; '.join(problems)}; {full_list}")
     obs, _ = answer
     try:
-        check_observation(obs)
+        max_text_length = max_text_length_of(env)
+    except Exception as error:
+        raise ConfigError(f"env.id={env_id!r}: its max_text_length() cannot be used: {type(error).__name__}: "
+                          f"{' '.join(str(error).split())}{raised_where(error)}; {full_list}") from error
+    try:
+        check_observation(obs, max_text_length)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"env.id={env_id!r}: its first observation cannot be played: {error}; {full_list}") from error
     return "image" in obs
