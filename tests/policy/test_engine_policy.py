@@ -137,6 +137,13 @@ def test_an_episode_that_outgrows_an_engine_row_ends_at_its_budget_not_in_an_err
             assert len(trajectory.tokens.prompt_ids(index)) + sampling.max_new_tokens <= 640
 
 
+def test_an_engine_row_longer_than_the_models_context_window_is_held_to_the_window(model, tiny_tokenizer):
+    """The tiny model was made for 2,048 positions: rows of 4,096 would let an episode run past them."""
+    assert model.config.max_position_embeddings == 2048
+    policy = EnginePolicy(model, tiny_tokenizer, EngineConfig(kv_cache_gb=0.5, max_rows=16, max_seq_len=4096))
+    assert policy.max_sequence_tokens == 2048
+
+
 def test_auto_takes_transformers_on_a_cpu_for_text_and_vlms(model, tiny_tokenizer, tiny_vlm_policy, tiny_vlm_dir):
     # On a CPU, auto takes transformers (the engine was slower there on short prompts); on a GPU the engine, for
     # VLMs too (1.8x generate's speed in image rollouts on an H100).

@@ -6,9 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from turnrl.config import SamplingConfig
+from turnrl.agent.formats import get_format
+from turnrl.config import AgentConfig, SamplingConfig
+from turnrl.envs import make
 from turnrl.policy.hf import HFPolicy, left_pad
 from turnrl.policy.interface import GenerationRequest
+from turnrl.rollout.runner import EpisodeSlot, Rollout
 
 QUESTIONS = [
     "hi",
@@ -293,3 +296,26 @@ def test_generate_restores_training_mode(tiny_model_dir, tiny_tokenizer, prompts
     assert model.training
     model.eval()
     assert sample(policy, prompts[:1], temperature=0, max_new_tokens=4)[0].token_ids == first[0].token_ids
+
+
+# --------------------------------------------------------------------------- the model's context window
+def test_episodes_end_at_the_models_context_window_not_past_it(tiny_model_dir, tiny_tokenizer):
+    """A model of 640 positions with an agent that allows 4,096 tokens: the rollout ends the episode where the
+    next prompt and response would pass the window (as at agent.max_context_tokens), rather than running the
+    model on positions it was never made for."""
+    model = fresh_model(tiny_model_dir)
+    assert HFPolicy(model, tiny_tokenizer).max_sequence_tokens == model.config.max_position_embeddings
+    model.config.max_position_embeddings = 640
+    policy = HFPolicy(model, tiny_tokenizer)
+    assert policy.max_sequence_tokens == 640
+    agent = AgentConfig(format="no_think", max_turns=8, max_actions_per_episode=8, max_context_tokens=4096)
+    rollout = Rollout(policy, get_format("no_think"), agent, "Sokoban")
+    assert rollout.context_budget == 640
+    sampling = SamplingConfig(temperature=0, max_new_tokens=12)
+    trajectories = rollout.run([EpisodeSlot(env=make("Sokoban"), seed=s, group=s, sample=0) for s in range(2)],
+                               sampling)
+    assert all(t.error is None for t in trajectories) and any(
+        t.truncation_reason == "context_budget" for t in trajectories)
+    for trajectory in trajectories:
+        for index in range(len(trajectory.turns)):
+            assert len(trajectory.tokens.prompt_ids(index)) + sampling.max_new_tokens <= 640

@@ -199,6 +199,13 @@ def is_vision_language(path: Path | str) -> bool:
     return getattr(AutoConfig.from_pretrained(_model_files(path)), "vision_config", None) is not None
 
 
+def context_window(model: Any) -> int | None:
+    """Tokens a sequence of ``model`` (a transformers model) may hold: its text config's
+    ``max_position_embeddings`` (a VLM's is in its text part), None where the config does not say."""
+    value = getattr(model.config.get_text_config(), "max_position_embeddings", None)  # not every config has one
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def auto_class(path: Path | str) -> Any:
     """The transformers auto class that builds the model at ``path``: ``AutoModelForImageTextToText`` for a VLM,
     ``AutoModelForCausalLM`` for a text model.

@@ -20,6 +20,7 @@ from torch import nn
 from turnrl.config import EngineConfig, SamplingConfig
 from turnrl.engine.llm_engine import Engine, Result, SamplingParams
 from turnrl.engine.weights import ImageFeatures, WeightsChecksum
+from turnrl.models.loading import context_window
 from turnrl.models.vision import ImageEncoder
 from turnrl.policy.hf import end_of_turn_ids
 from turnrl.policy.interface import Completion, GenerationRequest, Policy, StreamingPolicy
@@ -47,10 +48,12 @@ class EnginePolicy(Policy):
             raise ValueError("the tokenizer defines no eos token, so responses could never end")
         if max_sequences is not None:
             config = replace(config, max_rows=max(1, min(config.max_rows, max_sequences)))
-        self.max_sequence_tokens = config.max_seq_len
         self.engine = Engine(model, config, dtype=dtype,
                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                              vocab_limit=len(tokenizer))
+        # A row's length, or the model's context window where that is shorter (the rollout ends an episode
+        # whose next turn would pass it).
+        self.max_sequence_tokens = min(config.max_seq_len, context_window(model) or config.max_seq_len)
         # Each rollout's metrics split its generation time into device work and the rest (timing.py: its cost).
         self.engine.timer.enabled = True
         # Pixels in the engine's dtype, the run's: the tower's first step casts to it, here and in training.

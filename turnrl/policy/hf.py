@@ -24,7 +24,7 @@ from turnrl.engine.families import UnsupportedModel
 from turnrl.engine.stops import stop_string_in_tail, tail_tokens
 from turnrl.engine.weights import WeightsChecksum, model_checksum
 from turnrl.models.devices import resolve_device, resolve_dtype
-from turnrl.models.loading import load_model, load_processor, load_tokenizer
+from turnrl.models.loading import context_window, load_model, load_processor, load_tokenizer
 from turnrl.models.vision import ImageEncoder, position_inputs
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 
@@ -181,6 +181,8 @@ class HFPolicy(Policy):
         """Encodes images for the context (None: a text model, which refuses image observations)."""
         self.vocab_limit = len(tokenizer)
         """The head's rows that are tokens; the rows past it are never sampled (:class:`VocabularyLimit`)."""
+        self.max_sequence_tokens = context_window(model)
+        """The model's context window: the rollout ends an episode whose next turn would pass it."""
 
     @classmethod
     def from_config(cls, config: ModelConfig, path: str, max_batch_size: int = 64) -> HFPolicy:

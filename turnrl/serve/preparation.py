@@ -15,6 +15,7 @@ import numpy as np
 
 from turnrl.chat.template_deltas import ChatTemplateDeltas, TemplateDeltaError, expand_placeholders, fold_system
 from turnrl.config import SamplingConfig
+from turnrl.models.loading import context_window
 from turnrl.models.vision import ImageTooLarge, load_image
 from turnrl.policy.interface import Policy
 from turnrl.serve.chat_schema import (
@@ -160,12 +161,7 @@ def context_length(policy: Policy) -> int | None:
 
 def model_positions(policy: Policy) -> int | None:
     """The model's context window (``max_position_embeddings``), if it says."""
-    if policy.model is None:
-        return None
-    config: Any = policy.model.config
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's is inside
-    value = getattr(text_config, "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) else None
+    return None if policy.model is None else context_window(policy.model)
 
 
 def prepare(body: ChatCompletionRequest, policy: Policy, model_name: str, default_max_tokens: int,
