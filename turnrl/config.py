@@ -29,12 +29,16 @@ from omegaconf.errors import OmegaConfBaseException
 
 from turnrl.chat.templates import TEMPLATES
 from turnrl.config_messages import (
+    KeyShape,
     choice_problem,
     close_keys,
     container_mismatch,
     format_omegaconf_error,
     key_shapes,
+    nested_mapping,
     shape_problem,
+    unknown_key,
+    unknown_key_problem,
     yaml_problem,
 )
 from turnrl.registry import Registry, RegistryError, close_names, is_module_attr
@@ -134,7 +138,7 @@ class AgentConfig:
     """Reasoning format of responses (``no_think``, ``free_think``, ``grounding_worldmodeling``, ``ragen``, ...),
     or ``my_package.module:my_format`` (a format builder, docs/extending.md)."""
     max_actions_per_turn: int = 1
-    """Actions parsed from one response and stepped in order (RAGEN: 5, VAGEN: 3)."""
+    """Actions parsed from one response and stepped in order (RAGEN's paper: 5, its current configs: 2, VAGEN: 3)."""
     action_separator: Optional[str] = None
     """Separator of actions in the answer; None takes the format's default (``,`` or ``||``)."""
     strict_format: bool = False
@@ -159,8 +163,9 @@ class AgentConfig:
     feedback_on_invalid: bool = True
     """Tell the model in the next observation when its response had no valid action."""
     turn_info: bool = True
-    """Frame each observation with the turn number, the last reward and the actions left (RAGEN's
-    layout); false sends the state alone, which saves a small model's context for what it needs."""
+    """Frame each observation with the turn number, the last reward and the actions left (what RAGEN's turns
+    say, in turnrl's words: docs/fidelity.md); false sends the state alone, which saves a small model's context
+    for what it needs."""
     system_prompt: Optional[str] = None
     """Replaces the default system prompt text before the env instructions."""
     env_instructions: bool = True
@@ -193,8 +198,9 @@ class AgentConfig:
         if self.prefill_groups > 1 and not self.wait_for_turns:
             raise ConfigError("agent.prefill_groups splits rounds of turns, and agent.wait_for_turns=false has none "
                               "(each episode's turn is prefilled as it comes): leave agent.prefill_groups at 1")
-        if self.max_context_window is not None:
-            check_range("agent.max_context_window", self.max_context_window, 1)
+        if self.max_context_window is not None and self.max_context_window < 1:
+            raise ConfigError(f"agent.max_context_window={self.max_context_window!r} is out of range; allowed: "
+                              "[1, inf], or null to keep every turn (RAGEN's -1)")
         if self.max_images is not None:
             check_range("agent.max_images", self.max_images, 0)
         try:  # a user's format builds here, so that a broken one fails at load time, naming the key
@@ -672,6 +678,37 @@ def _check_shapes(problem: str | None) -> None:
         raise ConfigError(problem)
 
 
+def _check_known(written: Any, shapes: dict[str, KeyShape]) -> None:
+    """Stop at a key that no config key is, named whole as written (OmegaConf names only its first unknown part,
+    ``generator`` of ``generator.max_turns``), with the turnrl key for a source system's name or the close ones."""
+    key = unknown_key(written, shapes)
+    if key is not None:
+        raise ConfigError(unknown_key_problem(key, shapes))
+
+
+def _override_layer(item: str, shapes: dict[str, KeyShape], keys_as_text: set[str]) -> DictConfig:
+    """The layer that the override ``item`` (``key=value``) sets, its value read as YAML; a text key whose value
+    YAML cannot read takes it as written (RAGEN's action separator ``||`` starts a YAML block scalar)."""
+    key, text = (part.strip() for part in item.split("=", 1))
+    try:
+        layer = OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as error:
+        shape = shapes.get(key)
+        if shape is not None and shape.kind == "value" and shape.is_text:
+            return OmegaConf.create(nested_mapping(key, text))
+        _check_known(nested_mapping(key, text), shapes)  # an unknown key first: quoting would not help it
+        quote = '"' if "'" in text else "'"
+        as_text = "" if shape is not None else f"; for the text as written, quote it: {key}={quote}{text}{quote}"
+        problem = yaml_problem(error, where=False)
+        raise ConfigError(f"override {item!r}: the value is not valid YAML: {problem}{as_text}") from error
+    container = OmegaConf.to_container(layer)
+    _check_shapes(shape_problem(container, shapes, override=item))
+    _check_known(container, shapes)
+    written: Any = yaml.load(text, Loader=yaml.BaseLoader)  # every scalar a string, as typed
+    _as_written(layer, nested_mapping(key, written), keys_as_text)
+    return layer
+
+
 def load_config(
     cls: type[T],
     path: str | Path | None = None,
@@ -708,24 +745,15 @@ def load_config(
                               "scalar")
         for section in skip_sections:
             layer.pop(section, None)
-        _check_shapes(shape_problem(OmegaConf.to_container(layer), shapes, file=str(path)))
+        container = OmegaConf.to_container(layer)
+        _check_shapes(shape_problem(container, shapes, file=str(path)))
+        _check_known(container, shapes)
         _as_written(layer, yaml.load(path.read_text(), Loader=yaml.BaseLoader), text_keys(cls))
         layers.append(layer)
     for item in overrides or []:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        try:
-            override = OmegaConf.from_dotlist([item])
-        except yaml.YAMLError as error:
-            problem = yaml_problem(error, where=False)
-            raise ConfigError(f"override {item!r}: the value is not valid YAML: {problem}") from error
-        _check_shapes(shape_problem(OmegaConf.to_container(override), shapes, override=item))
-        key, text = (part.strip() for part in item.split("=", 1))
-        written: Any = yaml.load(text, Loader=yaml.BaseLoader)  # every scalar a string, as typed
-        for part in reversed(key.split(".")):
-            written = {part: written}
-        _as_written(override, written, text_keys(cls))
-        layers.append(override)
+        layers.append(_override_layer(item, shapes, text_keys(cls)))
     try:
         merged = OmegaConf.merge(base, *layers)
         config = OmegaConf.to_object(merged)
@@ -739,7 +767,8 @@ def load_config(
     except OmegaConfBaseException as error:
         message = format_omegaconf_error(error)
         if "not in" in message:
-            # One line, with the likely key: ~110 keys on a line help nobody.
+            # A key inside a list's item (``variants``), which _check_known leaves to OmegaConf. One line, with the
+            # likely key: ~110 keys on a line help nobody.
             message = message.split(". Did you mean", 1)[0].rstrip(".")
             key = getattr(error, "full_key", None) or ""
             near = close_keys(str(key), _allowed_keys(cls))

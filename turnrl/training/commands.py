@@ -477,7 +477,8 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
     compiled = f", {trainer.compiled_parts} layer parts compiled" if trainer.compiled_parts else ""
     remote = f" (envs served at {', '.join(config.env.remote)})" if config.env.remote else ""
     console.print(f"[bold]turnrl train[/bold] {escape(config.run.name)}: {escape(config.env.id)}{escape(remote)}, "
-                  f"{config.algorithm.advantage}, run dir {escape(str(trainer.run_dir))}{processes}{compiled}")
+                  f"{config.algorithm.advantage}, run dir {escape(str(trainer.run_dir))}{processes}{compiled}",
+                  soft_wrap=True)  # a path cut by the terminal's width cannot be copied whole
     short_rows = rows_shorter_than_episodes(config)
     if short_rows is not None:
         console.print(f"note: {short_rows}", markup=False, highlight=False, soft_wrap=True)
