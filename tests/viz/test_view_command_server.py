@@ -6,6 +6,7 @@ Outside files are reached through symlinks made in the test's folder; nothing ou
 from __future__ import annotations
 
 import http.client
+import os
 import signal
 import socket
 import struct
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from tests.viz.test_view_command import SERVE
-from turnrl.viz.view_command import exposure_warning, make_server
+from turnrl.viz.view_command import exposure_warning, make_server, served_file, still_names
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(32)
 
@@ -165,3 +166,27 @@ def test_serving_on_all_addresses_prints_the_warning_before_the_address(eval_dir
         process.kill()
     assert len(lines) == 3 and lines[0].startswith("report: ") and lines[2].startswith("serving http://0.0.0.0:")
     assert lines[1].strip() == exposure_warning("0.0.0.0")
+
+
+def test_a_directory_swapped_for_a_symlink_after_the_check_is_not_served(folder, tmp_path):
+    """The check and the open look at the path twice: between them a directory on it may become a symlink out."""
+    root = os.path.realpath(folder)
+    real = served_file(root, str(folder / "images" / "a.png"))
+    assert real is not None
+    (folder / "images").rename(folder / "images_moved")
+    (tmp_path / "outside" / "a.png").write_bytes(b"outside")
+    (folder / "images").symlink_to(tmp_path / "outside")
+    with open(real, "rb") as handle:  # the open the server would make now reads the outside file
+        assert handle.read() == b"outside"
+        assert not still_names(root, real, handle)
+
+
+def test_a_file_opened_during_a_swap_and_swapped_back_is_not_served(folder, tmp_path):
+    """A swap to a symlink, the open, and a swap back before the second look: the path names the inside file again,
+    but not the file that is open."""
+    root = os.path.realpath(folder)
+    real = os.path.realpath(folder / "images" / "a.png")
+    with open(tmp_path / "outside" / "secret.txt", "rb") as handle:
+        assert not still_names(root, real, handle)
+    with open(real, "rb") as handle:
+        assert still_names(root, real, handle)

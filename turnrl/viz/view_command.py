@@ -13,11 +13,12 @@ import argparse
 import functools
 import http.server
 import os
+import stat
 import sys
 import urllib.parse
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 # Only the light records module here: `turnrl --help` builds this parser, and the report's libraries
 # (jinja2, matplotlib) load when the command runs.
@@ -83,12 +84,29 @@ def served_file(root: str, local: str) -> str | None:
     return real
 
 
+def still_names(root: str, real: str, handle: BinaryIO) -> bool:
+    """Whether ``handle``, opened from ``real`` after :func:`served_file` chose it, is the regular file that ``real``
+    names now, inside ``root``.
+
+    The check and the open are two looks at the path: a directory on it swapped for a symlink between them opens a
+    file outside the folder. Looking again after the open closes that gap: the path must still resolve to itself
+    and name the very file open (its device and inode), so a swap, or a swap and a swap back, is seen.
+    """
+    try:
+        opened, named = os.fstat(handle.fileno()), os.stat(real)
+    except OSError:
+        return False
+    return (stat.S_ISREG(opened.st_mode) and os.path.realpath(real) == real
+            and os.path.commonpath([root, real]) == root
+            and (opened.st_dev, opened.st_ino) == (named.st_dev, named.st_ino))
+
+
 class _RunFolderHandler(http.server.SimpleHTTPRequestHandler):
     """The files of one folder and nothing else: no directory listings, no symlink out of it, no request that
     holds a thread forever, and no log line per request (a page with many images would flood the terminal).
 
     The standard library's handler is kept (a static page and its files need nothing more, and the viewer adds
-    no dependency); this class only refuses what it would serve outside the folder.
+    no dependency); this class refuses what it would serve outside the folder and sends the file it checked.
     """
 
     def __init__(self, *args: Any, directory: str, timeout: float, home: str | None, **kwargs: Any) -> None:
@@ -109,15 +127,30 @@ class _RunFolderHandler(http.server.SimpleHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return None
+        local = self.translate_path(self.path)
         try:
-            real = served_file(self.directory, self.translate_path(self.path))
+            real = served_file(self.directory, local)
         except ValueError:
             self.send_error(HTTPStatus.BAD_REQUEST, "Bad path")
             return None
-        if real is None:
+        if real is not None and os.path.isdir(local) and not urllib.parse.urlsplit(self.path).path.endswith("/"):
+            return super().send_head()  # the base class's redirect to the address with a slash; it opens nothing
+        handle = _open_checked(self.directory, real) if real is not None else None
+        if real is None or handle is None:
             self.send_error(HTTPStatus.NOT_FOUND, "File not found")
             return None
-        return super().send_head()
+        try:
+            # The base class's send_head would open the path again; this sends the file already checked.
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-type", self.guess_type(real))
+            modified = os.fstat(handle.fileno())
+            self.send_header("Content-Length", str(modified.st_size))
+            self.send_header("Last-Modified", self.date_time_string(int(modified.st_mtime)))
+            self.end_headers()
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     def list_directory(self, path: str | os.PathLike[str]) -> None:
         # send_head answers 404 for a directory without an index file before the base class would list it.
@@ -126,6 +159,18 @@ class _RunFolderHandler(http.server.SimpleHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
         return
+
+
+def _open_checked(root: str, real: str) -> BinaryIO | None:
+    """``real`` opened for reading when it :func:`still_names` the file chosen, else None (answered 404)."""
+    try:
+        handle = open(real, "rb")  # noqa: SIM115 - returned open: the base class copies it out and closes it
+    except OSError:
+        return None
+    if not still_names(root, real, handle):
+        handle.close()
+        return None
+    return handle
 
 
 class _RunFolderServer(http.server.ThreadingHTTPServer):
