@@ -27,6 +27,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from turnrl.agent.prompts import PromptLayout
 from turnrl.chat.templates import TEMPLATES
 from turnrl.config_messages import (
     KeyShape,
@@ -166,6 +167,14 @@ class AgentConfig:
     """Frame each observation with the turn number, the last reward and the actions left (what RAGEN's turns
     say, in turnrl's words: docs/fidelity.md); false sends the state alone, which saves a small model's context
     for what it needs."""
+    prompt_layout: PromptLayout = "turnrl"
+    """The conversation's words: ``turnrl``'s (the keys around this one shape them), or ``ragen``: RAGEN's system
+    message (its role line, then the env's instructions) and user messages (the last reward, turn, state, actions
+    left, the format and length line), which ``system_prompt``, ``format_instructions`` and ``turn_info`` leave
+    as they are (docs/fidelity.md)."""
+    response_length_hint: int = 100
+    """The N of the ``ragen`` layout's "Max response length: N words (tokens)." (RAGEN's env ``max_tokens``: 100
+    for Sokoban, FrozenLake, Bandit, Countdown; 120 CoordSokoban); it limits nothing (sampling.max_new_tokens does)."""
     system_prompt: Optional[str] = None
     """Replaces the default system prompt text before the env instructions."""
     env_instructions: bool = True
@@ -192,7 +201,9 @@ class AgentConfig:
         from turnrl.agent.formats import FORMATS, get_format
 
         check_registered("agent.format", self.format, FORMATS)
-        for key in ("max_actions_per_turn", "max_turns", "max_actions_per_episode", "max_context_tokens"):
+        check_choice("agent.prompt_layout", self.prompt_layout, ["turnrl", "ragen"])
+        for key in ("max_actions_per_turn", "max_turns", "max_actions_per_episode", "max_context_tokens",
+                    "response_length_hint"):
             check_range(f"agent.{key}", getattr(self, key), 1)
         check_range("agent.prefill_groups", self.prefill_groups, 1)
         if self.prefill_groups > 1 and not self.wait_for_turns:

@@ -212,6 +212,9 @@ SOURCE_SETTINGS: tuple[SourceSetting, ...] = (
     SourceSetting("RAGEN", "custom_envs.ENV.max_actions_per_traj", "agent.max_actions_per_episode",
                   short=("max_actions_per_traj",)),
     SourceSetting("RAGEN", "agent_proxy.max_actions_per_turn", "agent.max_actions_per_turn"),
+    SourceSetting("RAGEN", "custom_envs.ENV.max_tokens", "agent.response_length_hint",
+                  "only the agent.prompt_layout=ragen prompt's \"Max response length\" line; "
+                  "sampling.max_new_tokens stops responses"),
     SourceSetting("RAGEN", "agent_proxy.action_sep", "agent.action_separator", short=("action_sep",)),
     SourceSetting("RAGEN", "agent_proxy.max_context_window", "agent.max_context_window",
                   "RAGEN's -1, the full history, is null"),

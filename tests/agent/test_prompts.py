@@ -1,10 +1,18 @@
-"""Observation and system prompt texts, and quoted text kept free of control tokens."""
+"""Observation and system prompt texts (turnrl's layout and RAGEN's), and quoted text kept free of control tokens."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from turnrl.agent.prompts import TurnFeedback, neutralized, observation_text, system_prompt
+from turnrl.agent.prompts import (
+    TurnFeedback,
+    neutralized,
+    observation_text,
+    ragen_observation_text,
+    ragen_reward_text,
+    ragen_system_prompt,
+    system_prompt,
+)
 
 GRID = "P___\n_O__\n___G"
 
@@ -97,3 +105,92 @@ def test_any_control_texts_are_broken_in_any_text_or_refused_saying_why(data):
         return
     assert not any(control in out for control in controls)
     assert out.replace(" ", "") == text.replace(" ", "")
+
+
+# --------------------------------------------------------------------------- RAGEN's layout
+# The expected texts are written by hand from mll-lab-nu/RAGEN at 20daedc, ragen/llm_agent/ctx_manager.py:
+# ContextManager._build_system_content, _build_format_prompt, _build_turn_state_content (include_warning=True) and
+# _build_infer_multi_turn_messages, which appends a turn's state to the user message holding the last "Reward:".
+RAGEN_THINK_LINE = ("Always output: <think> [Your thoughts] </think> <answer> [your answer] </answer> with no extra "
+                    "text. Strictly follow this format. Max response length: 100 words (tokens).\n")
+
+
+def test_ragen_system_message_is_its_role_line_then_the_env_text():
+    assert ragen_system_prompt("Reach G.") == "You're a helpful assistant. Reach G."
+    assert ragen_system_prompt("") == "You're a helpful assistant. "
+
+
+def test_ragen_system_message_of_an_env_with_named_actions_ends_with_the_separator_line():
+    # _init_prefix_lookup: the episode's budget (max_actions_per_traj) and " " + action_sep + " ".
+    assert ragen_system_prompt("Push the box.\nActions: Up, Down", 10, "||") == (
+        "You're a helpful assistant. Push the box.\nActions: Up, Down"
+        '\nYou can make up to 10 actions, separated by the action separator " || "\n')
+
+
+def test_ragen_first_turn_opens_with_a_newline_and_asks_for_the_format():
+    text = ragen_observation_text(GRID, turn=1, actions_left=10, think=True, response_length_hint=100)
+    assert text == "\nTurn 1:\nState:\nP___\n_O__\n___G\nYou have 10 actions left. " + RAGEN_THINK_LINE
+
+
+def test_ragen_later_turn_follows_the_last_reward_in_the_same_message():
+    text = ragen_observation_text(GRID, turn=2, actions_left=8, think=True, response_length_hint=100,
+                                  last_reward=ragen_reward_text(-0.1, 1))
+    assert text == "Reward:\n-0.1\n\nTurn 2:\nState:\nP___\n_O__\n___G\nYou have 8 actions left. " + RAGEN_THINK_LINE
+
+
+def test_ragen_turn_after_an_invalid_response_warns_and_reads_the_int_reward():
+    # No valid action: RAGEN steps nothing, so acc_reward stays the int 0 (es_manager.py, _execute_actions).
+    text = ragen_observation_text(GRID, turn=3, actions_left=8, think=False, response_length_hint=120,
+                                  last_reward=ragen_reward_text(0.0, 0), no_valid_action=True)
+    assert text == ("Reward:\n0\n\nTurn 3:\nState:\nP___\n_O__\n___G\n"
+                    "No valid action provided previously. Environment state remains the same. Please try again.\n"
+                    "You have 8 actions left. Always output: <answer> [your answer] </answer> with no extra text. "
+                    "Strictly follow this format. Max response length: 120 words (tokens).\n")
+
+
+def test_ragen_reward_reads_as_pythons_str_of_its_float_sum():
+    assert ragen_reward_text(0.0, 1) == "0.0"
+    assert ragen_reward_text(-0.1 + -0.1 + -0.1, 3) == "-0.30000000000000004"
+    assert ragen_reward_text(9.9, 1) == "9.9"
+
+
+def test_a_rollout_in_ragen_layout_holds_ragens_texts(tiny_tokenizer):
+    from tests.rollout.test_runner import TokenPolicy, counter_slots, requests_of
+    from turnrl.agent.formats import get_format
+    from turnrl.config import AgentConfig, SamplingConfig
+    from turnrl.rollout.runner import Rollout
+
+    # After the prompt's <think>: a valid inc (reward 0.1), a response with no answer, a valid inc.
+    written = [" I count.</think><answer>inc</answer>", " Hmm.</think>", " Again.</think><answer>inc</answer>"]
+    policy = TokenPolicy(tiny_tokenizer, lambda request: written[len(request.messages) // 2 - 1])
+    (slot,) = counter_slots()
+    agent = AgentConfig(format="ragen", max_turns=3, prompt_layout="ragen")
+    rollout = Rollout(policy, get_format("ragen"), agent, "Counter")
+    (trajectory,) = rollout.run([slot], SamplingConfig(max_new_tokens=16))
+    assert slot.env.received == ["inc", "inc"]
+    messages = requests_of(policy, slot.env)[-1].messages
+    assert [m["content"] for m in messages if m["role"] != "assistant"] == [
+        "You're a helpful assistant. Count up with inc; say win to finish."
+        '\nYou can make up to 10 actions, separated by the action separator " || "\n',
+        "\nTurn 1:\nState:\ncount=0\nYou have 10 actions left. " + RAGEN_THINK_LINE,
+        "Reward:\n0.1\n\nTurn 2:\nState:\ncount=1\nYou have 9 actions left. " + RAGEN_THINK_LINE,
+        "Reward:\n0\n\nTurn 3:\nState:\ncount=1\nNo valid action provided previously. Environment state remains "
+        "the same. Please try again.\nYou have 9 actions left. " + RAGEN_THINK_LINE,
+    ]
+    assert trajectory.system_prompt == messages[0]["content"]
+    for request in requests_of(policy, slot.env):  # the texts' leading and trailing newlines stay token-exact
+        rendered = tiny_tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+        assert request.prompt_ids == tiny_tokenizer.encode(rendered + "<think>", add_special_tokens=False)
+
+
+def test_an_unknown_prompt_layout_is_refused_naming_the_choices():
+    from turnrl.config import AgentConfig, ConfigError, load_config
+    from turnrl.training.train_config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"agent.prompt_layout='rage' is not allowed; choose one of "
+                                          r"\['turnrl', 'ragen'\]; did you mean ragen\?"):
+        load_config(TrainConfig, None, ["agent.prompt_layout=rage"])
+    assert load_config(TrainConfig, None, ["agent.prompt_layout=ragen"]).agent.prompt_layout == "ragen"
+    with pytest.raises(ConfigError, match=r"agent.prompt_layout='RAGEN' is not allowed; choose one of "
+                                          r"\['turnrl', 'ragen'\]"):
+        AgentConfig(prompt_layout="RAGEN").validate()  # type: ignore[arg-type]

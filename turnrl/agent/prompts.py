@@ -1,7 +1,9 @@
-"""The text of the conversation: system prompt and per-turn observations.
+"""The text of the conversation: system prompt and per-turn observations, in two layouts (``agent.prompt_layout``).
 
-Kept short on purpose: every character here is a token the model reads at
-every turn, and on a small model the context is most of the compute.
+``turnrl`` (:func:`system_prompt`, :func:`observation_text`) is kept short on purpose: every character here is a
+token the model reads at every turn, and on a small model the context is most of the compute. ``ragen``
+(:func:`ragen_system_prompt`, :func:`ragen_observation_text`) writes RAGEN's words, for a run that reproduces
+its prompts (docs/fidelity.md).
 """
 
 from __future__ import annotations
@@ -9,6 +11,10 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Literal
+
+PromptLayout = Literal["turnrl", "ragen"]
+"""Whose words the conversation is in: turnrl's or RAGEN's."""
 
 DEFAULT_SYSTEM_PROMPT = "You are an agent acting in an environment. Reach the goal in as few actions as possible."
 
@@ -105,3 +111,81 @@ def observation_text(
     lines.append(f"State:\n{state_text}")
     lines.append(f"Actions left: {actions_left}.")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- RAGEN's layout
+# mll-lab-nu/RAGEN at 20daedc, ragen/llm_agent/ctx_manager.py (ContextManager) and es_manager.py.
+
+RAGEN_INVALID_WARNING = "No valid action provided previously. Environment state remains the same. Please try again.\n"
+
+
+def ragen_system_prompt(env_instructions: str, max_actions: int | None = None, separator: str | None = None) -> str:
+    """RAGEN's system message (``_build_system_content``)::
+
+        "You're a helpful assistant. " + env_instruction
+
+    with nothing after the space when the instruction is empty. RAGEN's instruction is its ``envs.yaml``
+    ``env_instruction`` with the symbols' meanings and the action list appended (``_init_prefix_lookup``); here
+    it is the env's own ``instructions()``, as the env gives them. An env with named actions gets RAGEN's last
+    line, which alone says how actions are separated (``max_actions`` is the episode's budget, as RAGEN's
+    ``max_actions_per_traj``)::
+
+        f"\nYou can make up to {max_actions} actions, separated by the action separator \" " + sep + " \"\n"
+
+    The format is said in each user message.
+    """
+    actions = ("" if max_actions is None or separator is None else
+               f'\nYou can make up to {max_actions} actions, separated by the action separator " {separator} "\n')
+    return f"You're a helpful assistant. {env_instructions}{actions}"
+
+
+def ragen_reward_text(env_reward: float, actions_stepped: int) -> str:
+    """A turn's reward as RAGEN's ``Reward:`` message writes it: Python's ``str`` of ``acc_reward``, the int 0
+    plus each stepped action's float reward (``es_manager.py``, ``_execute_actions``). A turn that stepped
+    nothing reads ``0``; one that stepped reads as a float: ``-0.1``, ``0.0``, ``-0.30000000000000004``."""
+    return str(float(env_reward)) if actions_stepped else "0"
+
+
+def ragen_observation_text(
+    state_text: str,
+    *,
+    turn: int,
+    actions_left: int,
+    think: bool,
+    response_length_hint: int,
+    last_reward: str | None = None,
+    no_valid_action: bool = False,
+) -> str:
+    """RAGEN's user message of one turn, as its prompts for generation hold it. ``_build_turn_state_content``
+    writes a turn's part (called with ``include_warning=True``)::
+
+        content = f"\\nTurn {turn_number}:\\n"
+        content += (
+            f"State:\\n{turn['state']}\\n{warning}"
+            f"You have {turn['actions_left']} actions left. Always output: {FORMAT_PROMPT} "
+            f"with no extra text. Strictly follow this format. {LENGTH_PROMPT}\\n"
+        )
+
+    and ``_build_infer_multi_turn_messages`` appends it to the user message that holds the previous turn's
+    ``f"Reward:\\n{content['reward']}\\n"`` (the first turn's to an empty one, so it opens with a newline).
+    ``warning`` is :data:`RAGEN_INVALID_WARNING` after a turn with no valid action, else empty; ``FORMAT_PROMPT`` is
+    ``<think> [Your thoughts] </think> <answer> [your answer] </answer>`` with ``enable_think``, else ``<answer>
+    [your answer] </answer>``; ``LENGTH_PROMPT`` is ``f"Max response length: {max_tokens} words (tokens)."``
+    (``_build_format_prompt``).
+
+    Args:
+        state_text: the env's text observation.
+        turn: 1-based turn number.
+        actions_left: the episode's remaining action budget.
+        think: the format asks for reasoning in ``<think>``.
+        response_length_hint: the words the message asks for at most (RAGEN's env ``max_tokens``).
+        last_reward: the previous turn's reward as :func:`ragen_reward_text` writes it; None on the first turn.
+        no_valid_action: the previous response had no valid action (RAGEN's ``manager_invalid_action``).
+    """
+    shape = ("<think> [Your thoughts] </think> <answer> [your answer] </answer>" if think
+             else "<answer> [your answer] </answer>")
+    reward = "" if last_reward is None else f"Reward:\n{last_reward}\n"
+    warning = RAGEN_INVALID_WARNING if no_valid_action else ""
+    return (f"{reward}\nTurn {turn}:\nState:\n{state_text}\n{warning}You have {actions_left} actions left. "
+            f"Always output: {shape} with no extra text. Strictly follow this format. "
+            f"Max response length: {response_length_hint} words (tokens).\n")

@@ -29,7 +29,15 @@ from typing import Any
 import numpy as np
 
 from turnrl.agent.formats import ResponseFormat, turn_format_reward
-from turnrl.agent.prompts import TurnFeedback, neutralized, observation_text, system_prompt
+from turnrl.agent.prompts import (
+    TurnFeedback,
+    neutralized,
+    observation_text,
+    ragen_observation_text,
+    ragen_reward_text,
+    ragen_system_prompt,
+    system_prompt,
+)
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
 from turnrl.envs.contract import (
     MAX_TEXT_LENGTH,
@@ -541,18 +549,12 @@ class Rollout:
             episode.max_text_length = max_text_length_of(slot.env)
             call = "reset"
             check_observation(obs, episode.max_text_length)
-            names = action_names_of(slot.env)
-            trajectory.system_prompt = system_prompt(
-                self.agent.system_prompt,
-                slot.env.instructions() if self.agent.env_instructions else "",
-                self.fmt.instructions(names, self.agent.max_actions_per_turn) if self.agent.format_instructions else "",
-            )
+            trajectory.system_prompt = self._system_prompt(slot.env, action_names_of(slot.env))
         except Exception as error:
             episode.finish(ERROR, error=env_failure(call, 1, error))
             return episode
         episode.messages = [{"role": "system", "content": trajectory.system_prompt}]
-        text = observation_text(obs["text"], turn=1, actions_left=episode.actions_left, turn_info=self.agent.turn_info)
-        self._observe(episode, text, obs)
+        self._observe(episode, self._turn_text(episode, obs["text"]), obs)
         tokenizer = self.policy.tokenizer
         if tokenizer is not None:
             encoder = self.policy.image_encoder
@@ -570,6 +572,30 @@ class Rollout:
             if len(trajectory.tokens.prompt()) + sampling.max_new_tokens > self.context_budget:
                 episode.finish(TRUNCATED, "context_budget")
         return episode
+
+    def _system_prompt(self, env: AgentEnv, names: list[str] | None) -> str:
+        """The system message, in the words of ``agent.prompt_layout``."""
+        instructions = env.instructions() if self.agent.env_instructions else ""
+        if self.agent.prompt_layout == "ragen":
+            return ragen_system_prompt(instructions, self.agent.max_actions_per_episode,
+                                       self.fmt.separator if names is not None else None)
+        response_format = (self.fmt.instructions(names, self.agent.max_actions_per_turn)
+                           if self.agent.format_instructions else "")
+        return system_prompt(self.agent.system_prompt, instructions, response_format)
+
+    def _turn_text(self, episode: _Episode, state_text: str, feedback: TurnFeedback | None = None,
+                   names: list[str] | None = None, last: TurnRecord | None = None) -> str:
+        """The user message of the episode's next turn, in the words of ``agent.prompt_layout``; ``feedback`` and
+        ``last`` tell of the turn before (None before the first)."""
+        turn = len(episode.trajectory.turns) + 1
+        if self.agent.prompt_layout == "ragen":
+            return ragen_observation_text(
+                state_text, turn=turn, actions_left=episode.actions_left, think="think" in self.fmt.tag_names,
+                response_length_hint=self.agent.response_length_hint,
+                last_reward=None if last is None else ragen_reward_text(last.env_reward, len(last.actions)),
+                no_valid_action=feedback is not None and feedback.no_valid_action)
+        return observation_text(state_text, turn=turn, actions_left=episode.actions_left, feedback=feedback,
+                                action_names=names, turn_info=self.agent.turn_info)
 
     def _encode(self, images: list[np.ndarray]) -> MessageImages:
         """Placeholder counts, model inputs and digests of an observation's images, encoded once, as it arrives
@@ -745,14 +771,7 @@ class Rollout:
             problems=(*rejected, *(neutralized(error, self.control_texts) for error in turn.parsed.errors)),
             rejected=rejected if self.agent.feedback_on_invalid and turn.has_valid_action else (),
         )
-        text = observation_text(
-            episode.last_obs["text"],
-            turn=turn.index + 2,
-            actions_left=episode.actions_left,
-            feedback=feedback,
-            action_names=names,
-            turn_info=self.agent.turn_info,
-        )
+        text = self._turn_text(episode, episode.last_obs["text"], feedback, names, turn)
         message = self._observe(episode, text, episode.last_obs)
         tokens = episode.trajectory.tokens
         if tokens is None:
