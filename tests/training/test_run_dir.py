@@ -122,6 +122,21 @@ def test_a_stop_file_left_by_a_killed_run_does_not_stop_the_resumed_one(tiny_mod
 
 
 
+def test_a_checkpoint_left_half_written_by_a_killed_run_is_removed_when_the_next_writer_takes_the_run(
+        tmp_path, capsys):
+    """A run killed while it wrote its first checkpoint leaves only the unfinished folder: the resume that follows
+    finds no checkpoint and refuses. Left there, the folder (the weights, gigabytes) would stay on the disk, and
+    ``ls checkpoints`` would show a step where the refusal says there is none."""
+    run = tmp_path / "run"
+    unfinished = run / "checkpoints" / "step_000001.tmp-4242-deadbeef"
+    (unfinished / "actor").mkdir(parents=True)
+    (unfinished / "actor" / "model.safetensors").write_bytes(b"cut short")
+    with RunLock(run, create=False):
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == []
+    note = " ".join(capsys.readouterr().err.split())
+    assert f"note: removed {unfinished.name}, a checkpoint an earlier run was killed while writing" in note
+
+
 def test_a_resume_whose_reference_is_damaged_says_so_before_loading_anything(tiny_model_dir, tmp_path):
     """The KL term's reference is written at the run's start and read by every resume: one cut short (a disk that
     failed later, a copy interrupted) stops the resume with what is wrong and the two ways on, where it stopped

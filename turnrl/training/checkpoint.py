@@ -168,8 +168,7 @@ def save_checkpoint(
     final = root / f"step_{step:06d}"
     root.mkdir(parents=True, exist_ok=True)
     restore_replaced(root)
-    for leftover in root.glob("step_*.tmp*"):  # sessions killed mid-save
-        shutil.rmtree(leftover, ignore_errors=True)
+    remove_unfinished_saves(root)
     remove_unfinished_writes(root)  # a ``latest`` being replaced when its session was killed
     tmp = root / (tmp_name or unique_tmp_name(step))
     with _written_whole(tmp, lambda cause: _save_failed(run_dir, step, cause)):
@@ -200,6 +199,20 @@ def save_checkpoint(
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     return final
+
+
+def remove_unfinished_saves(root: Path) -> list[Path]:
+    """Delete the folders of checkpoints whose save was killed before it renamed them into place
+    (``step_000040.tmp-PID-RANDOM`` in ``root``, ``RUN_DIR/checkpoints``): never complete, they are read by
+    nothing, and may hold gigabytes of weights. The caller is the run directory's one writer.
+
+    Returns:
+        The deleted folders.
+    """
+    left = sorted(path for path in root.glob("step_*.tmp*") if path.is_dir()) if root.is_dir() else []
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
+    return left
 
 
 @contextmanager

@@ -35,6 +35,7 @@ from turnrl.training.checkpoint import (
     latest_name,
     newest_whole_actor,
     reference_problem,
+    remove_unfinished_saves,
     restore_replaced,
     resume_point,
 )
@@ -325,8 +326,9 @@ class RunLock:
     is refused with one line naming the owner, from ``RUN_DIR/.lock.owner``. The lock is filelock's (the
     operating system's file lock), which ends with the process holding it, however it ends: a killed owner
     leaves no lock to go stale, only its owner file, which the next writer replaces with a note, and perhaps a
-    stop file it never saw, which the next writer removes with a note. A directory made only to be locked (a
-    start that then failed its checks) is removed again.
+    stop file it never saw, which the next writer removes with a note, as it does the unfinished folder of a
+    checkpoint the owner was writing. A directory made only to be locked (a start that then failed its checks) is
+    removed again.
     """
 
     def __init__(self, run_dir: Path, create: bool = True) -> None:
@@ -379,6 +381,10 @@ class RunLock:
         remove_unfinished_writes(self.run_dir)  # of a writer killed mid-write: config.yaml's, summary.json's...
         remove_unfinished_writes(self.run_dir / "trajectories")  # a step's trajectories or token advantages
         restore_replaced(self.run_dir / "checkpoints")  # before a resume looks for its checkpoint
+        for unfinished in remove_unfinished_saves(self.run_dir / "checkpoints"):
+            Console(stderr=True).print(f"note: removed {unfinished.name}, a checkpoint an earlier run was killed "
+                                       "while writing (never complete)", markup=False, highlight=False,
+                                       soft_wrap=True)
         self._remove_stale_stop()
         left = _read_owner(self.run_dir / OWNER_FILE)
         if left is not None:
