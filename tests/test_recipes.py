@@ -111,7 +111,8 @@ def test_ragen_recipe_discounts_nothing():
     assert (algo.gamma_token, algo.lambda_token, algo.gamma_turn, algo.lambda_turn) == (1.0, 1.0, 1.0, 1.0)
 
 
-@pytest.mark.parametrize("recipe", ["ragen_sokoban", "ragen_coord_sokoban", "ragen_rubiks", "ragen_spatial"])
+@pytest.mark.parametrize("recipe", [
+    "ragen_sokoban", "ragen_coord_sokoban", "ragen_frozenlake", "ragen_rubiks", "ragen_spatial"])
 def test_the_expert_solves_a_ragen_recipe_whose_prompts_end_with_think(recipe, tmp_path):
     # RAGEN's prompts end with <think>: the expert writes what follows it, and every turn parses well-formed.
     from turnrl.cli import main

@@ -11,10 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
-from tests.envs.games.episodes import assert_same_episode, assert_text_is_data, cycle
+from tests.envs.games.episodes import assert_same_episode, assert_text_is_data, cycle, expert_or
 from tests.envs.games.given_levels import refused_or_won
+from turnrl.envs import check_env as turnrl_check_env
 from turnrl.envs.contract import IMAGE_CAPTION
-from turnrl.envs.games.frozenlake import ACTIONS, FrozenLakeEnv, move_table, parse_level, shortest_path
+from turnrl.envs.games.frozenlake import (
+    ACTIONS,
+    SYMBOL_STYLES,
+    FrozenLakeEnv,
+    move_table,
+    parse_level,
+    shortest_path,
+)
 
 LEVEL = """
 P_O_
@@ -38,6 +46,18 @@ def test_check_env(mode, render_mode, slippery):
         check_env(env.unwrapped)
 
 
+@pytest.mark.filterwarnings("error")  # a warning of Gymnasium's checker is a failure too
+@pytest.mark.parametrize("symbols", SYMBOL_STYLES)
+@pytest.mark.parametrize("mode", ["text", "image"])
+def test_every_text_style_passes_both_checkers(symbols, mode):
+    env = gym.make("turnrl/FrozenLake-v0", symbols=symbols, mode=mode, render_mode="ansi").unwrapped
+    check_env(env)
+    for seed in (0, 1):
+        turnrl_check_env(env, seed=seed)
+    for seed in range(3):
+        turnrl_check_env(make(symbols=symbols, is_slippery=True, success_rate=0.8), seed=seed, deterministic=False)
+
+
 def test_render_modes():
     env = make(render_mode="ansi")
     obs, _ = env.reset(seed=0)
@@ -57,6 +77,62 @@ def test_text_symbols_and_facts():
     assert ("goal", (3, 3), "below", "right") in [(f.name, f.position, f.vertical, f.horizontal) for f in facts.objects]
     assert sorted(f.position for f in facts.objects if f.name == "hole") == [(0, 2), (1, 2), (3, 0)]
     assert "goal is below and to the right of the player" in facts.describe()
+
+
+GRID_COORDS_HEADER = "Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\n"
+"""The first two lines of RAGEN's CoordFrozenLake text on a 4x4 lake (the first ends with a space, as RAGEN's)."""
+
+
+def test_grid_coords_is_ragens_coord_frozen_lake_text_from_the_start_to_the_goal():
+    """RAGEN (mll-lab-nu/RAGEN 20daedc, frozen_lake/env.py ``_render_text('grid_coord')`` and utils.py): the start
+    stays listed after the player leaves it (its map keeps the ``S``) and shows as ice in the grid; the player's
+    label says when it stands on the goal or in a hole, whose cell the goal and hole lines still list."""
+    env = make(symbols="grid_coords")
+    obs, _ = env.reset(options={"level": LEVEL})
+    holes = "Holes: (0, 2), (1, 2), (3, 0)\n"
+    assert obs["text"] == (GRID_COORDS_HEADER + "Start: (0, 0)\nGoal: (3, 3)\nPlayer: (0, 0)\n" + holes
+                           + "Grid Map: \nP_O_\n__O_\n____\nO__G")
+    for action in ["Down", "Down", "Right"]:
+        obs, *_ = env.step(action)
+    assert obs["text"] == (GRID_COORDS_HEADER + "Start: (0, 0)\nGoal: (3, 3)\nPlayer: (2, 1)\n" + holes
+                           + "Grid Map: \n__O_\n__O_\n_P__\nO__G")
+    for action in ["Right", "Right"]:
+        env.step(action)
+    obs, reward, terminated, *_ = env.step("Down")
+    assert (reward, terminated) == (1.0, True)
+    assert obs["text"] == (GRID_COORDS_HEADER + "Start: (0, 0)\nGoal: (3, 3)\nPlayer on goal: (3, 3)\n" + holes
+                           + "Grid Map: \n__O_\n__O_\n____\nO__√")
+
+
+def test_grid_coords_of_a_player_in_a_hole_and_of_a_start_written_s():
+    env = make(symbols="grid_coords")
+    env.reset(options={"level": ["FFHF", "FSHF", "FFFF", "HFFG"]})  # gymnasium's symbols, the start mid-lake
+    obs, _, terminated, *_ = env.step("Right")
+    assert terminated
+    assert obs["text"] == (GRID_COORDS_HEADER + "Start: (1, 1)\nGoal: (3, 3)\nPlayer in hole: (1, 2)\n"
+                           "Holes: (0, 2), (1, 2), (3, 0)\nGrid Map: \n__O_\n__X_\n____\nO__G")
+    env = make(symbols="grid_coords", size=2)
+    env.reset(options={"level": "_G\nP_"})
+    assert env.ansi() == (
+        "Coordinates: \nBoard size: 2 rows x 2 cols (zero-indexed).\nStart: (1, 0)\nGoal: (0, 1)\n"
+        "Player: (1, 0)\nGrid Map: \n_G\nP_"  # no hole: no Holes line
+    )
+
+
+def test_grid_coords_instructions_describe_the_coordinates_and_the_grid():
+    text = make(symbols="grid_coords", size=6).instructions()
+    assert "coordinates of the start, the goal, your position and the holes" in text
+    assert "bottom-right corner (5, 5)" in text and "P is you" in text
+
+
+def test_grid_coords_episodes_are_a_function_of_the_seed():
+    env = make(symbols="grid_coords", p_frozen=0.9)
+    texts = [env.reset(seed=s)[0]["text"] for s in range(30)]
+    assert texts == [make(symbols="grid_coords", p_frozen=0.9).reset(seed=s)[0]["text"] for s in range(30)]
+    assert len(set(texts)) > 25
+    episode = assert_same_episode(make(symbols="grid_coords"), make(symbols="grid_coords"), seed=5,
+                                  policy=expert_or("jump"), steps=30)
+    assert episode[-1].reward == 1.0 and episode[-1].text.count("Player on goal: ") == 1
 
 
 def test_gymnasium_symbols_accepted():
@@ -272,6 +348,8 @@ def test_image_tiles_are_distinct():
         ({"is_slippery": True, "success_rate": 1.5}, "success_rate"),
         ({"mode": "video"}, "mode"),
         ({"max_steps": 0}, "max_steps"),
+        ({"symbols": "grid_coord"}, r"symbols must be one of \['ragen', 'coords', 'grid_coords'\], got 'grid_coord'"),
+        ({"symbols": None}, "symbols must be one of"),
     ],
 )
 def test_constructor_validation(kwargs, message):
@@ -295,16 +373,17 @@ def test_settings_of_the_wrong_type_are_named(kwargs, message):
         make(**kwargs)
 
 
-def test_coords_text_always_fits_the_observation_space():
+@pytest.mark.parametrize(("symbols", "size", "fallen"), [("coords", 28, "(in a hole)"),
+                                                      ("grid_coords", 27, "Player in hole: (1, 0)")])
+def test_coordinate_texts_always_fit_the_observation_space(symbols, size, fallen):
     # The longest listing: a lake of holes but the start and the goal, the player fallen into one.
-    size = 28
-    env = FrozenLakeEnv(size=size, symbols="coords")
+    env = FrozenLakeEnv(size=size, symbols=symbols)
     level = "PG" + "O" * (size * size - 2)  # the goal beside the start: a map with a way to it
     env.reset(options={"level": [level[r * size : (r + 1) * size] for r in range(size)]})
     obs, *_ = env.step("Down")
-    assert "(in a hole)" in obs["text"] and env.observation_space.contains(obs)
+    assert fallen in obs["text"] and env.observation_space.contains(obs)
     with pytest.raises(ValueError, match="characters"):  # a larger lake could overflow it, so it is refused
-        FrozenLakeEnv(size=size + 1, symbols="coords")
+        FrozenLakeEnv(size=size + 1, symbols=symbols)
     FrozenLakeEnv(size=64)  # the grid always fits
 
 

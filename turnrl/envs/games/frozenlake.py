@@ -2,23 +2,28 @@
 
 Text symbols (as RAGEN): ``P`` player, ``_`` frozen, ``O`` hole, ``G`` goal,
 ``X`` player in a hole, ``√`` player on the goal; one row per line, no
-separators. Actions ``Left``, ``Down``, ``Right``, ``Up`` (gymnasium's order).
-Reward 1 on reaching the goal, 0 otherwise; the episode terminates in a hole or
+separators. ``symbols="grid_coords"`` writes RAGEN's ``CoordFrozenLake`` text
+(its ``observation_format: grid_coord``): the coordinates of the start, the
+goal, the player and the holes, then that grid. Actions ``Left``, ``Down``,
+``Right``, ``Up`` (gymnasium's order). Reward 1 on reaching the goal, 0 otherwise; the episode terminates in a hole or
 at the goal. Walking into the edge of the lake is a valid action that does not
 move the player.
 
 Maps are drawn from the seed: every cell is frozen with probability
 ``p_frozen``, the start and the goal are two distinct random cells, and a map
 is kept only if the goal is reachable (breadth-first search), so every episode
-is solvable. ``reset(options={"level": "..."})`` plays a given map instead,
-written with the symbols above (or gymnasium's ``S``/``F``/``H``/``G``); a
-given map must be solvable too (ValueError otherwise).
+is solvable (RAGEN's ``p`` is ``p_frozen``; its default 0.9).
+``reset(options={"level": "..."})`` plays a given map instead, written with
+the symbols above (or gymnasium's ``S``/``F``/``H``/``G``); a given map must
+be solvable too (ValueError otherwise).
 
 Slippery ice (``is_slippery=True``) moves the player in the intended direction
 with probability ``success_rate`` and to each perpendicular direction with
 probability ``(1 - success_rate) / 2``; ``success_rate=None`` is gymnasium's
-1/3 each way. The slip is drawn from the env's seeded generator, so a seed
-fixes the whole episode given the actions.
+1/3 each way (RAGEN's ``success_rate`` means the same; its ``success_rate: 1``
+on slippery ice always moves as intended, as ``is_slippery=False`` does). The
+slip is drawn from the env's seeded generator, so a seed fixes the whole
+episode given the actions.
 
 The state is kept flat for speed: the map is one string of ``rows * cols``
 cells, the player one index, and moves come from a precomputed table.
@@ -53,6 +58,8 @@ _PLAYER_ON = {FROZEN: "P", HOLE: "X", GOAL: "√"}
 _LEVEL_SYMBOLS = {"P": FROZEN, "S": FROZEN, "_": FROZEN, "F": FROZEN, "O": HOLE, "H": HOLE, "G": GOAL}
 """What each symbol of a given level stands for (RAGEN's or gymnasium's)."""
 
+SYMBOL_STYLES = ("ragen", "coords", "grid_coords")
+
 MAX_SIZE = 64
 _MAX_MAP_TRIES = 1000
 
@@ -67,6 +74,9 @@ TILES = {
 """Image mode: ice is light blue, holes dark blue, the goal green with a gold
 diamond, the player a red circle (a red cross once in a hole)."""
 GRID_LINE = (120, 140, 160)
+GRID_SYMBOLS = ("Symbols: P is you, _ is frozen ice (safe), O is a hole, G is the goal, X means you fell into a "
+                "hole, √ means you reached the goal.")
+"""The grid's legend in the instructions."""
 
 
 @lru_cache(maxsize=64)
@@ -169,11 +179,14 @@ def _is_number(value: Any) -> bool:
 
 def _check_text_fits(size: int, symbols: str) -> None:
     """Raise ValueError if the longest text observation could exceed the observation space: the coordinate
-    listing of a lake that is all holes but the start and the goal (a low ``p_frozen`` or a given map)."""
-    if symbols != "coords":
+    listing of a lake that is all holes but the start and the goal (a low ``p_frozen`` or a given map), with
+    the grid after it for ``grid_coords``."""
+    if symbols == "ragen":
         return  # the grid: size * (size + 1) characters, at most 4,160
-    longest = 64 + (size * size - 2) * (6 + 2 * len(str(size - 1)))  # every hole as "(r, c), " after the header
-    check_text_fits(longest, f"a {size}x{size} lake with symbols='coords'", "use symbols='ragen' or a smaller size")
+    holes = (size * size - 2) * (6 + 2 * len(str(size - 1)))  # every hole as "(r, c), "
+    # The lines around the listing: 64 characters for coords; 160 for grid_coords's seven labelled lines.
+    longest = 64 + holes if symbols == "coords" else 160 + holes + size * (size + 1)
+    check_text_fits(longest, f"a {size}x{size} lake with symbols={symbols!r}", "use symbols='ragen' or a smaller size")
 
 
 class FrozenLakeEnv(TurnEnv):
@@ -187,9 +200,10 @@ class FrozenLakeEnv(TurnEnv):
         success_rate: probability of moving as intended on slippery ice, in
             ``[0, 1]``; None means gymnasium's 1/3. Only allowed with ``is_slippery``.
         max_steps: steps before truncation.
-        symbols: text observation style: ``"ragen"`` (the grid, RAGEN's symbols) or
+        symbols: text observation style: ``"ragen"`` (the grid, RAGEN's symbols),
             ``"coords"`` (positions listed as ``(row, column)``, as Sokoban's coords mode; sizes up to 28,
-            whose every listing fits an observation).
+            whose every listing fits an observation) or ``"grid_coords"`` (RAGEN's ``CoordFrozenLake``: the
+            zero-indexed coordinates of the start, goal, player and holes, then the grid; sizes up to 27).
         cell_px: pixels per cell in image mode.
         render_mode: ``None``, ``"ansi"`` or ``"rgb_array"``.
     """
@@ -197,7 +211,7 @@ class FrozenLakeEnv(TurnEnv):
     reset_options = ("level",)
 
     modes = ("text", "image")
-    setting_choices = {"symbols": ("ragen", "coords")}
+    setting_choices = {"symbols": SYMBOL_STYLES}
     # VAGEN's weights: goal 0.7, hole 0.3.
     state_reward_profile = StateRewardProfile(
         {"goal": 0.7, "hole": 0.3},
@@ -219,8 +233,8 @@ class FrozenLakeEnv(TurnEnv):
         cell_px: int = 25,
         render_mode: str | None = None,
     ) -> None:
-        if symbols not in ("ragen", "coords"):
-            raise ValueError(f"symbols must be 'ragen' or 'coords', got {symbols!r}")
+        if symbols not in SYMBOL_STYLES:
+            raise ValueError(f"symbols must be one of {list(SYMBOL_STYLES)}, got {symbols!r}")
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 2 <= size <= MAX_SIZE:
             raise ValueError(f"size must be an int from 2 to {MAX_SIZE}, got {size!r}")
         if not _is_number(p_frozen) or not 0.0 < p_frozen <= 1.0:
@@ -249,7 +263,7 @@ class FrozenLakeEnv(TurnEnv):
         self._p_intended = 1.0 / 3.0 if success_rate is None else float(success_rate)
         self._p_left_turn = self._p_intended + (1.0 - self._p_intended) / 2.0
         self._cells = ""
-        self._player = self._goal = 0
+        self._player = self._start = self._goal = 0  # the start is kept for grid_coords's Start line
         self._moves = move_table(size, size)
         self._board_text = ""
         self._board_image: np.ndarray | None = None
@@ -266,7 +280,7 @@ class FrozenLakeEnv(TurnEnv):
                                  "episode cannot be won; give a map with a hole-free path between them")
         else:
             cells, start, goal = random_map(rng, self.size, self.p_frozen)
-        self._cells, self._player, self._goal = cells, start, goal
+        self._cells, self._player, self._start, self._goal = cells, start, start, goal
         n = self.size
         self._board_text = "\n".join(cells[r * n : (r + 1) * n] for r in range(n))
         self._board_image = None
@@ -317,9 +331,15 @@ class FrozenLakeEnv(TurnEnv):
         return self.ansi()
 
     def ansi(self) -> str:
-        """The board as text (the coordinate listing with ``symbols="coords"``), in any mode."""
+        """The board as text in the ``symbols`` style, in any mode."""
         if self.symbols == "coords":
             return self._coords_text()
+        if self.symbols == "grid_coords":
+            return self._grid_coords_text()
+        return self._grid_text()
+
+    def _grid_text(self) -> str:
+        """The lake in RAGEN's symbols, one row per line (the start is plain ice)."""
         r, c = divmod(self._player, self.size)
         i = r * (self.size + 1) + c  # +1 for each newline before this row
         board = self._board_text
@@ -332,6 +352,20 @@ class FrozenLakeEnv(TurnEnv):
         holes = ", ".join(where(i) for i, kind in enumerate(self._cells) if kind == HOLE) or "none"
         state = " (in a hole)" if self._cells[self._player] == HOLE else " (on the goal)" if self.success() else ""
         return f"Player: {where(self._player)}{state}. Goal: {where(self._goal)}. Holes: {holes}."
+
+    def _grid_coords_text(self) -> str:
+        """RAGEN's ``grid_coord`` rendering, line for line (frozen_lake/env.py ``_render_text`` and utils.py
+        ``collect_entity_coordinates`` / ``format_coordinate_render``): the start (listed for the whole episode,
+        as RAGEN's map keeps its ``S``), the goal, the player (on the goal or in a hole said so), the holes row
+        by row, then the grid; the header lines end with a space as RAGEN's do."""
+        n = self.size
+        where = lambda i: f"({i // n}, {i % n})"  # noqa: E731
+        player = {HOLE: "Player in hole", GOAL: "Player on goal"}.get(self._cells[self._player], "Player")
+        holes = [i for i, kind in enumerate(self._cells) if kind == HOLE]
+        kinds = (("Start", [self._start]), ("Goal", [self._goal]), (player, [self._player]), ("Holes", holes))
+        lines = ["Coordinates: ", f"Board size: {n} rows x {n} cols (zero-indexed)."]
+        lines += [f"{label}: {', '.join(map(where, cells))}" for label, cells in kinds if cells]
+        return "\n".join(lines + ["Grid Map: ", self._grid_text()])
 
     def image(self) -> np.ndarray:
         px = self.cell_px
@@ -359,11 +393,15 @@ class FrozenLakeEnv(TurnEnv):
                 f"The lake is a {self.size}x{self.size} grid; each observation lists your position, the goal "
                 "and the holes as (row, column), row 0 at the top and column 0 at the left."
             )
-        else:
+        elif self.symbols == "grid_coords":
+            last = self.size - 1
             legend = (
-                "The lake is a grid with one row per line. Symbols: P is you, _ is frozen ice (safe), O is a "
-                "hole, G is the goal, X means you fell into a hole, √ means you reached the goal."
+                "Each observation gives the zero-indexed (row, column) coordinates of the start, the goal, your "
+                f"position and the holes, from the top-left corner (0, 0) to the bottom-right corner ({last}, "
+                f"{last}), then the lake as a grid with one row per line. {GRID_SYMBOLS}"
             )
+        else:
+            legend = f"The lake is a grid with one row per line. {GRID_SYMBOLS}"
         slip = ""
         if self.is_slippery:
             p = self._p_intended
