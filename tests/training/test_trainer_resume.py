@@ -143,6 +143,27 @@ def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_logs_every_step_once(tiny
     assert [r["step"] for r in records(run) if "rollout/success" in r] == [1, 2, 3]
 
 
+def test_a_second_ctrl_c_stops_at_once_and_says_where_to_resume(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The step in progress is lost; the last complete checkpoint is named (it said only "interrupted")."""
+    extra = ["algorithm.advantage=grpo", "run.steps=3", "run.save_every=1"]
+    step = Trainer.step
+
+    def two_ctrl_c_in_the_second_step(self, index):
+        if index == 1:
+            signal.raise_signal(signal.SIGINT)  # stop after this step...
+            signal.raise_signal(signal.SIGINT)  # ...no: at once
+        return step(self, index)
+
+    monkeypatch.setattr(Trainer, "step", two_ctrl_c_in_the_second_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tiny_model_dir, tmp_path, *extra))
+    run = tmp_path / "run"
+    words = " ".join(capsys.readouterr().out.split())
+    assert (f"stopped at once, the step in progress unsaved; then continue from step_000001 (intact) with "
+            f"`turnrl train resume={run}`") in words
+    assert [r["step"] for r in records(run) if "rollout/success" in r] == [1]
+
+
 def test_an_rl_step_out_of_gpu_memory_stops_the_run_with_what_to_set_and_where_to_resume(tiny_model_dir, tmp_path,
                                                                                         monkeypatch):
     """Nothing is saved after it (the update may have stopped halfway); the message names the last checkpoint."""

@@ -242,7 +242,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
     Ctrl-C stops after the step in progress: a checkpoint is saved, the way to resume printed, and the
     summary returned has ``interrupted_at_step``; before the first step it stops at once (see
-    :class:`GracefulStop`).
+    :class:`GracefulStop`); a second Ctrl-C stops at once, naming the checkpoint to resume from, and raises
+    ``KeyboardInterrupt``.
 
     Raises:
         ConfigError: before anything is written, for what :func:`preflight` checks; and for a write into the
@@ -294,6 +295,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
             return _train(config, start, distributed, stop)
     except StopRequested as stopped:
         return _stopped_before_steps(config, stopped.signal)
+    except KeyboardInterrupt:  # a second request: the step in progress is not saved
+        if ranks.is_main():
+            console.print(f"stopped at once, the step in progress unsaved; {_how_to_go_on(config)}",
+                          markup=False, highlight=False, soft_wrap=True)
+        raise
     except Exception as error:
         behind = _stop_behind(error)
         if behind is not None:
