@@ -11,7 +11,8 @@ import pytest
 
 from tests.cli_runs import QUICKSTART, error_exit, run_main
 from turnrl.cli import main
-from turnrl.config import EvalConfig, load_config
+from turnrl.config import load_config
+from turnrl.eval_config import EvalConfig
 
 
 def test_eval_command_writes_summary_and_trajectories(tmp_path):

@@ -9,15 +9,12 @@ from hypothesis import strategies as st
 from turnrl.agent.formats import format_names
 from turnrl.config import (
     LEVELS_PER_SEED,
-    VARIANT_SETS,
     AgentConfig,
     ConfigError,
     EnvConfig,
-    EvalConfig,
     ModelConfig,
     SamplingConfig,
     SeedConfig,
-    VariantConfig,
     close_keys,
     config_keys,
     field_docs,
@@ -25,6 +22,7 @@ from turnrl.config import (
     load_config,
     to_yaml,
 )
+from turnrl.eval_config import VARIANT_SETS, EvalConfig, VariantConfig
 
 RECIPE = """\
 env:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from turnrl.config import ConfigError, EvalConfig, config_keys, load_config
+from turnrl.config import ConfigError, config_keys, load_config
 from turnrl.config_messages import SOURCE_SETTINGS, setting_keys, source_settings_table
+from turnrl.eval_config import EvalConfig
 from turnrl.training.train_config import TrainConfig
 
 FIDELITY = Path(__file__).resolve().parents[1] / "docs" / "fidelity.md"

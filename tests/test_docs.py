@@ -240,7 +240,8 @@ def test_a_documented_command_names_settings_that_exist(name, line, argv, monkey
     settings load as the command would load them (its config file and overrides; a file a run writes, such as a
     run's config.yaml, is not there to read)."""
     from turnrl.cli import build_parser
-    from turnrl.config import EvalConfig, load_config
+    from turnrl.config import load_config
+    from turnrl.eval_config import EvalConfig
     from turnrl.eval_settings import training_sections
     from turnrl.training.train_config import TrainConfig
 

@@ -17,9 +17,10 @@ from PIL import Image
 
 from tests.envs.toy_envs import Corridor, CorridorWithExtras
 from tests.envservice.env_helpers import env_server
-from turnrl.config import VARIANT_SETS, AgentConfig, ConfigError, EvalConfig, load_config
+from turnrl.config import AgentConfig, ConfigError, load_config
 from turnrl.envs import make
 from turnrl.envs.catalog import env_names
+from turnrl.eval_config import VARIANT_SETS, EvalConfig
 from turnrl.evaluate import default_eval_dir, env_budget, eval_envs, run_eval, variants_override
 from turnrl.rollout.metrics import first_errors
 from turnrl.rollout.runner import Rollout

@@ -230,7 +230,8 @@ def _say_checker_warnings(caught: list[warnings.WarningMessage], env_id: str) ->
 
 # --------------------------------------------------------------------------- eval / sft / train / serve
 def cmd_eval(args: argparse.Namespace) -> int:
-    from turnrl.config import ConfigError, EvalConfig, given_keys, load_config
+    from turnrl.config import ConfigError, given_keys, load_config
+    from turnrl.eval_config import EvalConfig
     from turnrl.eval_settings import BUDGET_KEYS, at_validation_temperature, config_env, training_sections, yaml_mapping
     from turnrl.evaluate import default_eval_dir, run_eval, variants_override
     from turnrl.training.run_dir import is_run_directory, run_of_model, training_run_inside
@@ -518,7 +519,8 @@ def cmd_serve_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from turnrl.config import ConfigError, EvalConfig, config_keys, load_config
+    from turnrl.config import ConfigError, config_keys, load_config
+    from turnrl.eval_config import EvalConfig
     from turnrl.eval_settings import BUDGET_KEYS, at_validation_temperature, training_sections
     from turnrl.training.train_config import TrainConfig
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from turnrl.config import EvalConfig, given_keys
+from turnrl.config import given_keys
+from turnrl.eval_config import EvalConfig
 from turnrl.training.train_config import TrainConfig, ValidationConfig
 
 BUDGET_KEYS = ("agent.max_turns", "agent.max_actions_per_episode")

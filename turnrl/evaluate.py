@@ -44,18 +44,11 @@ from rich.console import Console
 from rich.table import Table
 
 from turnrl.agent.formats import ResponseFormat, get_format
-from turnrl.config import (
-    VARIANT_SETS,
-    AgentConfig,
-    ConfigError,
-    EnvConfig,
-    EvalConfig,
-    VariantConfig,
-    to_yaml,
-)
+from turnrl.config import AgentConfig, ConfigError, EnvConfig, to_yaml
 from turnrl.envs.contract import AgentEnv, optional_methods
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import EnvFactory, env_factory
+from turnrl.eval_config import VARIANT_SETS, EvalConfig, VariantConfig
 from turnrl.policy.factory import make_policy
 from turnrl.policy.interface import Policy
 from turnrl.registry import close_names

@@ -122,7 +122,8 @@ def test_server_and_client_read_the_same_token_variable():
 
 # --------------------------------------------------------------------------- env.remote in eval and train
 def test_eval_with_env_remote_gives_the_summary_of_the_env_in_process(tmp_path):
-    from turnrl.config import EvalConfig, load_config
+    from turnrl.config import load_config
+    from turnrl.eval_config import EvalConfig
     from turnrl.evaluate import run_eval
 
     common = ["env.id=Sokoban", "policy=expert", "episodes=6", "agent.max_turns=10"]
@@ -138,7 +139,8 @@ def test_eval_with_env_remote_gives_the_summary_of_the_env_in_process(tmp_path):
 
 def test_env_remote_without_a_server_is_a_config_error_before_anything_runs(tmp_path):
     from tests.serve.running import free_port
-    from turnrl.config import ConfigError, EvalConfig, load_config
+    from turnrl.config import ConfigError, load_config
+    from turnrl.eval_config import EvalConfig
     from turnrl.evaluate import run_eval
 
     config = load_config(EvalConfig, None, ["env.id=Sokoban", "policy=expert", "episodes=2", f"out={tmp_path}",
@@ -183,7 +185,8 @@ def test_sft_on_expert_demos_from_a_server_closes_its_sessions(tiny_model_dir, t
 
 
 def test_a_remote_env_tells_eval_its_budget(tmp_path):
-    from turnrl.config import EvalConfig, load_config
+    from turnrl.config import load_config
+    from turnrl.eval_config import EvalConfig
     from turnrl.evaluate import run_eval
 
     with env_server() as url:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import statistics
 
-from turnrl.config import VARIANT_SETS
 from turnrl.envs import make
 from turnrl.envs.games.sokoban.levels import solve
+from turnrl.eval_config import VARIANT_SETS
 
 
 def settings(variant_set: str, name: str) -> dict:

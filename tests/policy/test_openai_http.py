@@ -18,8 +18,9 @@ from PIL import Image
 
 from tests.serve.running import free_port, running
 from turnrl.agent.formats import get_format
-from turnrl.config import AgentConfig, ConfigError, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
+from turnrl.config import AgentConfig, ConfigError, EnvConfig, ModelConfig, SamplingConfig
 from turnrl.envs import make
+from turnrl.eval_config import EvalConfig
 from turnrl.evaluate import run_eval
 from turnrl.models.builtin import builtin_model_path
 from turnrl.policy.hf import HFPolicy

@@ -15,7 +15,8 @@ from itertools import count
 import httpx
 import pytest
 
-from turnrl.config import AgentConfig, EnvConfig, EvalConfig, SamplingConfig
+from turnrl.config import AgentConfig, EnvConfig, SamplingConfig
+from turnrl.eval_config import EvalConfig
 from turnrl.evaluate import run_eval
 from turnrl.policy.interface import GenerationRequest
 from turnrl.policy.openai_http import OpenAIPolicy, parse_retry_after

@@ -11,8 +11,9 @@ import openai
 import pytest
 
 from tests.serve.running import running
-from turnrl.config import AgentConfig, EnvConfig, EvalConfig, ModelConfig, SamplingConfig
+from turnrl.config import AgentConfig, EnvConfig, ModelConfig, SamplingConfig
 from turnrl.envs import make
+from turnrl.eval_config import EvalConfig
 from turnrl.evaluate import run_eval
 from turnrl.models.vision import content_digest
 from turnrl.policy.engine import EnginePolicy

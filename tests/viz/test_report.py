@@ -301,7 +301,8 @@ def test_a_training_run_writes_the_per_token_advantages_of_the_steps_it_keeps(ru
 
 # --------------------------------------------------------------------------- an evaluation on env variants
 def test_a_variants_evaluation_shows_its_table_and_each_variants_episodes_with_images(tmp_path):
-    from turnrl.config import EvalConfig, load_config
+    from turnrl.config import load_config
+    from turnrl.eval_config import EvalConfig
     from turnrl.evaluate import run_eval
 
     out = tmp_path / "variants_eval"

@@ -11,7 +11,8 @@ from typing import Any, Protocol
 from torch import nn
 
 from turnrl.agent.formats import ResponseFormat
-from turnrl.config import ConfigError, EvalConfig, ModelConfig, check_registered
+from turnrl.config import ConfigError, ModelConfig, check_registered
+from turnrl.eval_config import EvalConfig
 from turnrl.policy.interface import Policy
 from turnrl.registry import Registry, check_callable
 

@@ -92,8 +92,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from turnrl.config import ConfigError, EvalConfig, ModelConfig
+from turnrl.config import ConfigError, ModelConfig
 from turnrl.envservice.http_guards import BodyDeadline, BodyLimit, bind_port, check_token, is_loopback
+from turnrl.eval_config import EvalConfig
 from turnrl.policy.factory import load_model_policy
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.serve.batching import GenerationBatcher, shutting_down
