@@ -459,9 +459,10 @@ def test_an_update_resolves_the_policy_loss_once_not_in_every_micro_batch(monkey
     from transformers import AutoModelForCausalLM
 
     from turnrl.algorithms.losses import POLICY_LOSSES
+    from turnrl.training.algorithm_config import AlgorithmConfig
     from turnrl.training.batch import Sample, collate
     from turnrl.training.ppo import UpdateInputs, ppo_epochs
-    from turnrl.training.train_config import AlgorithmConfig, OptimConfig
+    from turnrl.training.train_config import OptimConfig
 
     looked_up = []
     get = POLICY_LOSSES.get

@@ -22,9 +22,9 @@ from turnrl.algorithms import (
     whiten,
 )
 from turnrl.algorithms.estimators import estimator_names, get_estimator
-from turnrl.training.batch_advantages import compute_advantages, episode_view, turn_sample_weights
+from turnrl.training.algorithm_config import AlgorithmConfig
 from turnrl.training.batch import Sample, collate
-from turnrl.training.train_config import AlgorithmConfig
+from turnrl.training.batch_advantages import compute_advantages, episode_view, turn_sample_weights
 
 # Distinct values for every discount, so that a parameter wired to the wrong place changes the result.
 DISCOUNTS = dict(gamma_turn=0.8, lambda_turn=0.7, gamma_token=0.95, lambda_token=0.85)

@@ -12,12 +12,13 @@ import torch
 
 from tests.engine.test_qwen3_vl import qwen3_vl_config
 from turnrl.models.loading import load_model
-from turnrl.training.packed_attention import ATTENTION
+from turnrl.training.algorithm_config import AlgorithmConfig
 from turnrl.training.batch import Batch, Sample, collate
-from turnrl.training.train_config import AlgorithmConfig, OptimConfig
-from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.training.image_features import IMAGE_KEYS, ImageFeatures
+from turnrl.training.model_passes import ValueModel, token_logprobs
+from turnrl.training.packed_attention import ATTENTION
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
+from turnrl.training.train_config import OptimConfig
 
 GRID = (1, 4, 4)  # 16 patches, merged 2x2: 4 image tokens
 
@@ -228,8 +229,8 @@ def test_a_text_only_row_beside_image_rows_scores_as_alone(vlm, packed):
 
 def test_the_trainer_stores_features_only_for_a_frozen_tower(vlm):
     from turnrl.config import load_config
-    from turnrl.training.train_config import TrainConfig
     from turnrl.training.scoring import encodes_images_once
+    from turnrl.training.train_config import TrainConfig
 
     batch = image_batch(vlm)
     text = collate([Sample([5, 6, 7], [0, 1, 1], [0.0] * 3, [2], [1.0], episode=0, group=0)], pad_id=2)

@@ -12,11 +12,12 @@ import copy
 import pytest
 import torch
 
+from turnrl.training.algorithm_config import AlgorithmConfig
 from turnrl.training.batch import Sample, collate
-from turnrl.training.train_config import AlgorithmConfig, OptimConfig, SFTConfig
 from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.training.ppo import MicroBatching, UpdateInputs, batched_logprobs, batched_values, ppo_epochs
 from turnrl.training.sft import sft_train
+from turnrl.training.train_config import OptimConfig, SFTConfig
 
 IMAGE, START, END = 290, 292, 293
 PATCH_DIM = 3 * 2 * 14 * 14  # channels * temporal patch * patch * patch

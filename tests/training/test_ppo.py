@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.algorithms import reference as ref
 from turnrl.config import ConfigError
+from turnrl.training.algorithm_config import AlgorithmConfig
 from turnrl.training.batch import Sample, collate
 from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.training.packed_attention import ATTENTION
@@ -23,7 +24,7 @@ from turnrl.training.ppo import (
     restore_actor_state,
     save_actor_state,
 )
-from turnrl.training.train_config import AlgorithmConfig, OptimConfig
+from turnrl.training.train_config import OptimConfig
 
 
 def config(**overrides) -> AlgorithmConfig:

@@ -53,8 +53,8 @@ def test_with_sampler_log_probs_the_actor_runs_no_scoring_pass():
     import torch
 
     from tests.training.test_ppo import model_batch
+    from turnrl.training.algorithm_config import AlgorithmConfig
     from turnrl.training.scoring import score_batch
-    from turnrl.training.train_config import AlgorithmConfig
 
     class NoPass(torch.nn.Module):
         def forward(self, *args, **kwargs):

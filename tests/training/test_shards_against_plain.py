@@ -22,11 +22,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.training.test_ppo import update_inputs
+from turnrl.training.algorithm_config import AlgorithmConfig
 from turnrl.training.batch import Batch, Sample, collate
 from turnrl.training.model_passes import ValueModel
 from turnrl.training.packed_attention import ATTENTION
 from turnrl.training.ppo import Shard, UpdateInputs, ppo_epochs
-from turnrl.training.train_config import AlgorithmConfig, OptimConfig
+from turnrl.training.train_config import OptimConfig
 
 WORLD = 2
 LOSS_MASKS = ([0, 0, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0, 0], [0, 1, 0, 1, 1, 0], [0, 0, 1, 1, 1, 1, 0, 1, 1])

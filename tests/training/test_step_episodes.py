@@ -17,10 +17,11 @@ from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import DONE, ERROR, Trajectory, TurnRecord
+from turnrl.training.algorithm_config import AlgorithmConfig, FilterConfig
 from turnrl.training.batch_advantages import compute_advantages
 from turnrl.training.scoring import make_batch
 from turnrl.training.step_episodes import dynamic_sample, rollout_roofline, select_trajectories, varied_groups
-from turnrl.training.train_config import AlgorithmConfig, FilterConfig, GroupsConfig, TrainConfig
+from turnrl.training.train_config import GroupsConfig, TrainConfig
 
 
 def test_the_rollouts_roofline_is_its_work_over_its_device_seconds_at_the_peaks():

@@ -23,8 +23,8 @@ import torch
 
 from turnrl.algorithms import EpisodeView, kl_in_reward, place_rewards
 from turnrl.algorithms.losses import Aggregation
+from turnrl.training.algorithm_config import AlgorithmConfig
 from turnrl.training.batch import Batch
-from turnrl.training.train_config import AlgorithmConfig
 
 
 def episode_view(batch: Batch, placement: str = "per_turn", with_turn_states: bool = False) -> EpisodeView:

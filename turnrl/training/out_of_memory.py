@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from turnrl.config import ConfigError, turnrl_command
+from turnrl.training.algorithm_config import AlgorithmConfig
 from turnrl.training.memory import SFT_ELSEWHERE
-from turnrl.training.train_config import AlgorithmConfig, SFTConfig, TrainConfig
+from turnrl.training.train_config import SFTConfig, TrainConfig
 
 
 def torch_said(error: torch.OutOfMemoryError) -> str:

@@ -25,10 +25,11 @@ from turnrl.algorithms import (
 )
 from turnrl.algorithms.losses import PolicyLoss, PolicyLossInputs
 from turnrl.models.devices import to_device
+from turnrl.training.algorithm_config import AlgorithmConfig
 from turnrl.training.batch import Batch
 from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.training.ranks import whole
-from turnrl.training.train_config import AlgorithmConfig, OptimConfig
+from turnrl.training.train_config import OptimConfig
 
 
 # --------------------------------------------------------------------------- micro-batches

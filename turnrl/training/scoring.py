@@ -16,10 +16,11 @@ import torch
 
 from turnrl.algorithms import aggregate
 from turnrl.rollout.trajectory import Trajectory
+from turnrl.training.algorithm_config import AlgorithmConfig
 from turnrl.training.batch import Batch, collate, trajectory_samples, turn_samples
 from turnrl.training.model_passes import ValueModel
 from turnrl.training.ppo import DRIFT, MicroBatching, batched_logprobs, batched_values
-from turnrl.training.train_config import AlgorithmConfig, TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 
 def make_batch(trajectories: list[Trajectory], keep: list[int], sample_mode: str, pad_id: int,

@@ -25,9 +25,10 @@ from turnrl.rollout.groups import EnvGroups
 from turnrl.rollout.metrics import rollout_metrics
 from turnrl.rollout.runner import EpisodeSlot
 from turnrl.rollout.trajectory import Trajectory
+from turnrl.training.algorithm_config import FilterConfig
 from turnrl.training.backends.backend import EpisodeRunner
 from turnrl.training.seeding import step_seed
-from turnrl.training.train_config import FilterConfig, TrainConfig
+from turnrl.training.train_config import TrainConfig
 
 
 @dataclass
