@@ -385,9 +385,11 @@ def setting_keys(setting: SourceSetting) -> list[tuple[str, str | None]]:
 def source_settings_named(key: str) -> list[SourceSetting]:
     """The source settings that ``key`` names: one's dotted path or a shorter form of it, whole or at the end of
     ``key`` after a dot (``trainer.algorithm.use_kl_loss``, ``algorithm.use_kl_loss``, ``max_actions_per_traj``).
-    Those that ``key`` names by their whole path (``generator.max_turns``) win over those named by a short form."""
+    Those that ``key`` names by their whole path (``generator.max_turns``) win over those named by a short form.
+    ``ENV`` in a path stands for any one env tag (``custom_envs.CoordSokoban.max_tokens``)."""
     def ends_with(form: str) -> bool:
-        return key == form or key.endswith(f".{form}")
+        segments = (r"[^.]+" if segment == "ENV" else re.escape(segment) for segment in form.split("."))
+        return re.fullmatch(r"(?:.+\.)?" + r"\.".join(segments), key) is not None
 
     by_path = [setting for setting in SOURCE_SETTINGS if ends_with(setting.name)]
     return by_path or [setting for setting in SOURCE_SETTINGS if any(map(ends_with, setting.short))]
