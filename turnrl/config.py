@@ -169,12 +169,14 @@ class AgentConfig:
     for what it needs."""
     prompt_layout: PromptLayout = "turnrl"
     """The conversation's words: ``turnrl``'s (the keys around this one shape them), or ``ragen``: RAGEN's system
-    message (its role line, then the env's instructions) and user messages (the last reward, turn, state, actions
-    left, the format and length line), which ``system_prompt``, ``format_instructions`` and ``turn_info`` leave
-    as they are (docs/fidelity.md)."""
+    message (its role line, the env's instructions, its action lines) and user messages (the last reward, turn,
+    state, actions left, the format and length line), which ``system_prompt``, ``format_instructions`` and
+    ``turn_info`` leave as they are; ``env_instructions`` and ``feedback_on_invalid`` (RAGEN's warning after a turn
+    without a valid action) apply to both (docs/fidelity.md)."""
     response_length_hint: int = 100
     """The N of the ``ragen`` layout's "Max response length: N words (tokens)." (RAGEN's env ``max_tokens``: 100
-    for Sokoban, FrozenLake, Bandit, Countdown; 120 CoordSokoban); it limits nothing (sampling.max_new_tokens does)."""
+    for Sokoban, FrozenLake, Bandit, Countdown; 120 CoordSokoban, CoordFrozenLake); it limits nothing
+    (sampling.max_new_tokens does)."""
     system_prompt: Optional[str] = None
     """Replaces the default system prompt text before the env instructions."""
     env_instructions: bool = True

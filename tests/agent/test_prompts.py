@@ -122,8 +122,8 @@ def test_ragen_system_message_is_its_role_line_then_the_env_text():
 
 def test_ragen_system_message_of_an_env_with_named_actions_ends_with_the_separator_line():
     # _init_prefix_lookup: the episode's budget (max_actions_per_traj) and " " + action_sep + " ".
-    assert ragen_system_prompt("Push the box.\nActions: Up, Down", 10, "||") == (
-        "You're a helpful assistant. Push the box.\nActions: Up, Down"
+    assert ragen_system_prompt("Push the box.", ["Up", "Down", "Left", "Right"], 10, "||") == (
+        "You're a helpful assistant. Push the box.\nYour available actions are:\nUp, Down, Left, Right"
         '\nYou can make up to 10 actions, separated by the action separator " || "\n')
 
 
@@ -170,7 +170,7 @@ def test_a_rollout_in_ragen_layout_holds_ragens_texts(tiny_tokenizer):
     assert slot.env.received == ["inc", "inc"]
     messages = requests_of(policy, slot.env)[-1].messages
     assert [m["content"] for m in messages if m["role"] != "assistant"] == [
-        "You're a helpful assistant. Count up with inc; say win to finish."
+        "You're a helpful assistant. Count up with inc; say win to finish.\nYour available actions are:\ninc, win, jam"
         '\nYou can make up to 10 actions, separated by the action separator " || "\n',
         "\nTurn 1:\nState:\ncount=0\nYou have 10 actions left. " + RAGEN_THINK_LINE,
         "Reward:\n0.1\n\nTurn 2:\nState:\ncount=1\nYou have 9 actions left. " + RAGEN_THINK_LINE,

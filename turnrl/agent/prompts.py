@@ -119,23 +119,26 @@ def observation_text(
 RAGEN_INVALID_WARNING = "No valid action provided previously. Environment state remains the same. Please try again.\n"
 
 
-def ragen_system_prompt(env_instructions: str, max_actions: int | None = None, separator: str | None = None) -> str:
+def ragen_system_prompt(env_instructions: str, action_names: list[str] | None = None, max_actions: int = 10,
+                        separator: str = "||") -> str:
     """RAGEN's system message (``_build_system_content``)::
 
         "You're a helpful assistant. " + env_instruction
 
     with nothing after the space when the instruction is empty. RAGEN's instruction is its ``envs.yaml``
-    ``env_instruction`` with the symbols' meanings and the action list appended (``_init_prefix_lookup``); here
-    it is the env's own ``instructions()``, as the env gives them. An env with named actions gets RAGEN's last
-    line, which alone says how actions are separated (``max_actions`` is the episode's budget, as RAGEN's
+    ``env_instruction`` with the symbols' meanings and, for an env with named actions, RAGEN's two action lines
+    appended (``_init_prefix_lookup``; ``max_actions`` is the episode's budget, as RAGEN's
     ``max_actions_per_traj``)::
 
+        "\nYour available actions are:\n" + ", ".join(actions)
         f"\nYou can make up to {max_actions} actions, separated by the action separator \" " + sep + " \"\n"
 
+    Here the instruction is the env's own ``instructions()``, as the env gives them, then those two lines.
     The format is said in each user message.
     """
-    actions = ("" if max_actions is None or separator is None else
-               f'\nYou can make up to {max_actions} actions, separated by the action separator " {separator} "\n')
+    actions = "" if not action_names else (
+        f"\nYour available actions are:\n{', '.join(action_names)}"
+        f'\nYou can make up to {max_actions} actions, separated by the action separator " {separator} "\n')
     return f"You're a helpful assistant. {env_instructions}{actions}"
 
 

@@ -577,8 +577,9 @@ class Rollout:
         """The system message, in the words of ``agent.prompt_layout``."""
         instructions = env.instructions() if self.agent.env_instructions else ""
         if self.agent.prompt_layout == "ragen":
-            return ragen_system_prompt(instructions, self.agent.max_actions_per_episode,
-                                       self.fmt.separator if names is not None else None)
+            separator = self.fmt.separator
+            return ragen_system_prompt(instructions, names if separator is not None else None,
+                                       self.agent.max_actions_per_episode, separator or "")
         response_format = (self.fmt.instructions(names, self.agent.max_actions_per_turn)
                            if self.agent.format_instructions else "")
         return system_prompt(self.agent.system_prompt, instructions, response_format)
