@@ -4,8 +4,9 @@ of random tokens through the recipe's env, tokenizer, chat template and image pr
 
 The rollout ends an episode whose next turn would not fit the smallest of ``agent.max_context_tokens``, the
 engine's row (``model.engine.max_seq_len``, which ``model.backend=auto`` takes on a GPU) and the model's context
-window (left out here): a
-benchmark whose row is shorter than its episodes times fewer turns than its recipe names.
+window (left out here): a benchmark whose row is shorter than its episodes times fewer turns than its recipe
+names. A trained sequence ends with the last response ("to its last response's end"); an episode cut before a
+turn also holds that turn's observation.
 
     python benchmarks/episode_length.py --config configs/visgym_maze.yaml model.builtin_preset=vlm-0.5b
     python benchmarks/episode_length.py --config configs/visgym_maze.yaml model.builtin_preset=vlm-0.5b \\
