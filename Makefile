@@ -38,10 +38,11 @@ check: $(VENV)/.installed
 
 # Two workers (pytest-xdist): most tests wait on a single core (imports, Python loops, a process's start), so
 # two at once on two cores take about two thirds of the time one at a time does. TEST_WORKERS=0 runs them in
-# this process, one at a time.
+# this process, one at a time. Tests marked with one xdist_group run on one worker (loadgroup): those of a Ray
+# cluster that its runs join with address `auto`, which picks the cluster started last on the machine.
 TEST_WORKERS ?= 2
 test: check
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadgroup
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow

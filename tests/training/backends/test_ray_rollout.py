@@ -32,6 +32,11 @@ from turnrl.training.backends.weights_check import WeightsSyncError
 from turnrl.training.checkpoint import latest_checkpoint
 
 
+# Every test here on one pytest-xdist worker (the Makefile's --dist loadgroup): a run joins its cluster with
+# address `auto`, the cluster started last on the machine, which a second worker's module fixture would be.
+pytestmark = pytest.mark.xdist_group("ray_cluster")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     """A local Ray cluster of two CPUs, started as a user would (``ray start --head``); a run joins it with
