@@ -469,10 +469,16 @@ def optional_methods(env: object) -> OptionalMethods:
     return env if isinstance(env, OptionalMethods) else _OwnOrDefault(env)
 
 
+def is_text_bound(bound: Any) -> bool:
+    """Whether ``bound`` can be a text's length bound: an int >= 1 (Python's or NumPy's), not a bool (``True``
+    would read as a bound of 1)."""
+    return not is_flag(bound) and isinstance(bound, (int, np.integer)) and bool(bound >= 1)
+
+
 def max_text_length_problems(bound: Any) -> list[str]:
     """What is wrong with an env's answer to :meth:`OptionalMethods.max_text_length`, one line; empty when nothing
-    is. It must be an int >= 1 (Python's or NumPy's), not a bool: ``True`` would read as a bound of 1."""
-    if is_flag(bound) or not isinstance(bound, (int, np.integer)) or bound < 1:
+    is (:func:`is_text_bound`)."""
+    if not is_text_bound(bound):
         return [f"max_text_length() must return an int >= 1 (the characters an observation's text may hold), "
                 f"got {described(bound)}"]
     return []

@@ -68,7 +68,7 @@ from turnrl.envs.contract import (
     check_text_fits,
     described,
     facts_from_positions,
-    is_flag,
+    is_text_bound,
     missing_methods,
     missing_reset_keywords,
     optional_methods,
@@ -280,7 +280,7 @@ class GymImageEnv(gym.Wrapper):
             raise ValueError(f"instructions must be a non-empty str, got {instructions!r}")
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        if is_flag(max_text_length) or not isinstance(max_text_length, (int, np.integer)) or max_text_length < 1:
+        if not is_text_bound(max_text_length):
             raise ValueError(f"max_text_length must be an int >= 1, got {described(max_text_length)}")
         check_text_fits(len(text), "the text setting", "raise the max_text_length setting",
                         max_length=int(max_text_length))

@@ -5,9 +5,9 @@ Text symbols (as RAGEN): ``P`` player, ``_`` frozen, ``O`` hole, ``G`` goal,
 separators. ``symbols="grid_coords"`` writes RAGEN's ``CoordFrozenLake`` text
 (its ``observation_format: grid_coord``): the coordinates of the start, the
 goal, the player and the holes, then that grid. Actions ``Left``, ``Down``,
-``Right``, ``Up`` (gymnasium's order). Reward 1 on reaching the goal, 0 otherwise; the episode terminates in a hole or
-at the goal. Walking into the edge of the lake is a valid action that does not
-move the player.
+``Right``, ``Up`` (gymnasium's order). Reward 1 on reaching the goal, 0
+otherwise; the episode terminates in a hole or at the goal. Walking into the
+edge of the lake is a valid action that does not move the player.
 
 Maps are drawn from the seed: every cell is frozen with probability
 ``p_frozen``, the start and the goal are two distinct random cells, and a map
@@ -347,19 +347,21 @@ class FrozenLakeEnv(TurnEnv):
 
     def _coords_text(self) -> str:
         """``Player: (r, c). Goal: (r, c). Holes: (r, c), ...`` (rows from the top, columns from the left)."""
-        n = self.size
-        where = lambda i: f"({i // n}, {i % n})"  # noqa: E731
+        where = self._position
         holes = ", ".join(where(i) for i, kind in enumerate(self._cells) if kind == HOLE) or "none"
         state = " (in a hole)" if self._cells[self._player] == HOLE else " (on the goal)" if self.success() else ""
         return f"Player: {where(self._player)}{state}. Goal: {where(self._goal)}. Holes: {holes}."
+
+    def _position(self, cell: int) -> str:
+        """A cell's ``(row, column)``, counted from the top left."""
+        return f"({cell // self.size}, {cell % self.size})"
 
     def _grid_coords_text(self) -> str:
         """RAGEN's ``grid_coord`` rendering, line for line (frozen_lake/env.py ``_render_text`` and utils.py
         ``collect_entity_coordinates`` / ``format_coordinate_render``): the start (listed for the whole episode,
         as RAGEN's map keeps its ``S``), the goal, the player (on the goal or in a hole said so), the holes row
         by row, then the grid; the header lines end with a space as RAGEN's do."""
-        n = self.size
-        where = lambda i: f"({i // n}, {i % n})"  # noqa: E731
+        n, where = self.size, self._position
         player = {HOLE: "Player in hole", GOAL: "Player on goal"}.get(self._cells[self._player], "Player")
         holes = [i for i, kind in enumerate(self._cells) if kind == HOLE]
         kinds = (("Start", [self._start]), ("Goal", [self._goal]), (player, [self._player]), ("Holes", holes))
