@@ -295,7 +295,7 @@ def test_envs_fits_80_columns_keeps_settings_whole_and_shows_allowed_values(monk
         for setting in setting_lines(name):
             head = setting.split(" ", 1)[0]  # name=default, never folded
             assert head in words, f"{head} cut in:\n{result.stdout}"
-    assert "symbols='ragen' (ragen|alt|coords|grid_coords)" in result.stdout
+    assert "symbols='ragen' (ragen|alt|coords|grid_coords|vagen)" in result.stdout
     assert "reward_on='reach' (reach|stop)" in result.stdout
     assert "task='place' (align|place|stack|drawer)" in result.stdout  # from the Literal type of the setting
 

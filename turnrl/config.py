@@ -172,7 +172,10 @@ class AgentConfig:
     message (its role line, the env's instructions, its action lines) and user messages (the last reward, turn,
     state, actions left, the format and length line), which ``system_prompt``, ``format_instructions`` and
     ``turn_info`` leave as they are; ``env_instructions`` and ``feedback_on_invalid`` (RAGEN's warning after a turn
-    without a valid action) apply to both (docs/fidelity.md)."""
+    without a valid action) apply to both. ``vagen``: VAGEN's Sokoban and FrozenLake texts (its guide and the
+    format's description, example and limits in the system message; each turn the actions stepped, the image or
+    the env's text, and the format again), for the formats VAGEN and turnrl share; none of the keys above or
+    below shape them (docs/fidelity.md)."""
     response_length_hint: int = 100
     """The N of the ``ragen`` layout's "Max response length: N words (tokens)." (RAGEN's env ``max_tokens``: 100
     for Sokoban, FrozenLake, Bandit, Countdown; 120 CoordSokoban, CoordFrozenLake); it limits nothing
@@ -203,7 +206,7 @@ class AgentConfig:
         from turnrl.agent.formats import FORMATS, get_format
 
         check_registered("agent.format", self.format, FORMATS)
-        check_choice("agent.prompt_layout", self.prompt_layout, ["turnrl", "ragen"])
+        check_choice("agent.prompt_layout", self.prompt_layout, ["turnrl", "ragen", "vagen"])
         for key in ("max_actions_per_turn", "max_turns", "max_actions_per_episode", "max_context_tokens",
                     "response_length_hint"):
             check_range(f"agent.{key}", getattr(self, key), 1)

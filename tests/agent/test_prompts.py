@@ -188,9 +188,9 @@ def test_an_unknown_prompt_layout_is_refused_naming_the_choices():
     from turnrl.training.train_config import TrainConfig
 
     with pytest.raises(ConfigError, match=r"agent.prompt_layout='rage' is not allowed; choose one of "
-                                          r"\['turnrl', 'ragen'\]; did you mean ragen\?"):
+                                          r"\['turnrl', 'ragen', 'vagen'\]; did you mean ragen\?"):
         load_config(TrainConfig, None, ["agent.prompt_layout=rage"])
     assert load_config(TrainConfig, None, ["agent.prompt_layout=ragen"]).agent.prompt_layout == "ragen"
     with pytest.raises(ConfigError, match=r"agent.prompt_layout='RAGEN' is not allowed; choose one of "
-                                          r"\['turnrl', 'ragen'\]"):
+                                          r"\['turnrl', 'ragen', 'vagen'\]"):
         AgentConfig(prompt_layout="RAGEN").validate()  # type: ignore[arg-type]

@@ -20,7 +20,8 @@ Source: RAGEN-AI/VAGEN@d2b8b30b4db41073e2b3ecad269f9c1c52522362:
 Deliberate differences (docs/fidelity.md): FrozenLake's goal pays 1 (VAGEN 10: the VAGEN
 FrozenLake recipes weigh the env's reward by 10, ``rewards.env_weight``); VAGEN draws one FrozenLake map per env
 object (no seed), turnrl one per seed; Navigation runs on MiniWorld with a 90-degree field
-of view (VAGEN: AI2-THOR, 100); Sokoban's text has no tab separators.
+of view (VAGEN: AI2-THOR, 100); Sokoban's and FrozenLake's text grids are RAGEN's unless ``symbols: vagen`` asks
+for VAGEN's (a space, the symbol, a space and a tab a cell).
 """
 
 import inspect

@@ -1,4 +1,5 @@
-"""The text of the conversation: system prompt and per-turn observations, in two layouts (``agent.prompt_layout``).
+"""The text of the conversation: system prompt and per-turn observations, in turnrl's and RAGEN's layouts
+(``agent.prompt_layout``; VAGEN's texts are in :mod:`turnrl.agent.vagen_texts`).
 
 ``turnrl`` (:func:`system_prompt`, :func:`observation_text`) is kept short on purpose: every character here is a
 token the model reads at every turn, and on a small model the context is most of the compute. ``ragen``
@@ -13,8 +14,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
-PromptLayout = Literal["turnrl", "ragen"]
-"""Whose words the conversation is in: turnrl's or RAGEN's."""
+PromptLayout = Literal["turnrl", "ragen", "vagen"]
+"""Whose words the conversation is in: turnrl's, RAGEN's or VAGEN's (:mod:`turnrl.agent.vagen_texts`)."""
 
 DEFAULT_SYSTEM_PROMPT = "You are an agent acting in an environment. Reach the goal in as few actions as possible."
 

@@ -29,15 +29,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.agent.formats import ResponseFormat, turn_format_reward
-from turnrl.agent.prompts import (
-    TurnFeedback,
-    neutralized,
-    observation_text,
-    ragen_observation_text,
-    ragen_reward_text,
-    ragen_system_prompt,
-    system_prompt,
-)
+from turnrl.agent.prompts import TurnFeedback, neutralized
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig
 from turnrl.envs.contract import (
     MAX_TEXT_LENGTH,
@@ -57,6 +49,7 @@ from turnrl.policy.interface import Completion, GenerationRequest, Policy
 from turnrl.rewards import FinishedTurn, Rewards, TurnScores
 from turnrl.rewards.state import check_fields_written
 from turnrl.rollout.context import EpisodeTokens, format_for_template, without_images
+from turnrl.rollout.conversation import Conversation
 from turnrl.rollout.trajectory import DONE, ERROR, TRUNCATED, Trajectory, TurnRecord
 
 TurnBoundary = Callable[[int, int], None]
@@ -89,13 +82,6 @@ class RolloutTimings:
 def counters_grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Each counter's growth from ``before`` to ``after``."""
     return {name: value - before.get(name, 0.0) for name, value in after.items()}
-
-
-def _user_message(text: str, image: np.ndarray | None) -> dict[str, Any]:
-    """A user message; an image goes in an image part, as transformers processors expect."""
-    if image is not None:
-        return {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
-    return {"role": "user", "content": text}
 
 
 def latest_images(messages: list[dict[str, Any]], max_images: int) -> list[dict[str, Any]]:
@@ -248,6 +234,8 @@ class _Episode:
     finished: bool = False
     observation: str = ""
     """Text of the current user message."""
+    image_at: int = 0
+    """Where its images go in ``observation`` (:attr:`~turnrl.rollout.trajectory.TurnRecord.image_at`)."""
     images: list[np.ndarray] = field(default_factory=list)
     """Images of the current user message."""
     last_obs: dict[str, Any] = field(default_factory=dict)
@@ -298,6 +286,8 @@ class Rollout:
         assistant's message itself (:func:`~turnrl.rollout.context.format_for_template`)."""
         self.agent = agent
         self.env_id = env_id
+        self.conversation = Conversation(agent, fmt, env_id)
+        """The episodes' messages in ``agent.prompt_layout``'s words."""
         self.executor = executor
         self.rewards = rewards or Rewards()
         self.control_texts = control_texts(policy.tokenizer) if policy.tokenizer is not None else ()
@@ -549,12 +539,12 @@ class Rollout:
             episode.max_text_length = max_text_length_of(slot.env)
             call = "reset"
             check_observation(obs, episode.max_text_length)
-            trajectory.system_prompt = self._system_prompt(slot.env, action_names_of(slot.env))
+            trajectory.system_prompt = self.conversation.system(slot.env, action_names_of(slot.env))
         except Exception as error:
             episode.finish(ERROR, error=env_failure(call, 1, error))
             return episode
         episode.messages = [{"role": "system", "content": trajectory.system_prompt}]
-        self._observe(episode, self._turn_text(episode, obs["text"]), obs)
+        self._observe(episode, obs)
         tokenizer = self.policy.tokenizer
         if tokenizer is not None:
             encoder = self.policy.image_encoder
@@ -573,31 +563,6 @@ class Rollout:
                 episode.finish(TRUNCATED, "context_budget")
         return episode
 
-    def _system_prompt(self, env: AgentEnv, names: list[str] | None) -> str:
-        """The system message, in the words of ``agent.prompt_layout``."""
-        instructions = env.instructions() if self.agent.env_instructions else ""
-        if self.agent.prompt_layout == "ragen":
-            separator = self.fmt.separator
-            return ragen_system_prompt(instructions, names if separator is not None else None,
-                                       self.agent.max_actions_per_episode, separator or "")
-        response_format = (self.fmt.instructions(names, self.agent.max_actions_per_turn)
-                           if self.agent.format_instructions else "")
-        return system_prompt(self.agent.system_prompt, instructions, response_format)
-
-    def _turn_text(self, episode: _Episode, state_text: str, feedback: TurnFeedback | None = None,
-                   names: list[str] | None = None, last: TurnRecord | None = None) -> str:
-        """The user message of the episode's next turn, in the words of ``agent.prompt_layout``; ``feedback`` and
-        ``last`` tell of the turn before (None before the first)."""
-        turn = len(episode.trajectory.turns) + 1
-        if self.agent.prompt_layout == "ragen":
-            return ragen_observation_text(
-                state_text, turn=turn, actions_left=episode.actions_left, think="think" in self.fmt.tag_names,
-                response_length_hint=self.agent.response_length_hint,
-                last_reward=None if last is None else ragen_reward_text(last.env_reward, len(last.actions)),
-                no_valid_action=feedback is not None and feedback.no_valid_action)
-        return observation_text(state_text, turn=turn, actions_left=episode.actions_left, feedback=feedback,
-                                action_names=names, turn_info=self.agent.turn_info)
-
     def _encode(self, images: list[np.ndarray]) -> MessageImages:
         """Placeholder counts, model inputs and digests of an observation's images, encoded once, as it arrives
         (nothing without an image encoder: a text model is refused image observations in ``run``)."""
@@ -606,15 +571,19 @@ class Rollout:
             return MessageImages([], {}, [])
         return encoder.message_inputs(images)
 
-    def _observe(self, episode: _Episode, text: str, obs: dict[str, Any]) -> dict[str, Any]:
-        """Make ``obs`` the current observation; returns its user message."""
+    def _observe(self, episode: _Episode, obs: dict[str, Any], feedback: TurnFeedback | None = None,
+                 names: list[str] | None = None, last: TurnRecord | None = None) -> dict[str, Any]:
+        """Make ``obs`` the current observation; returns its user message, in the words of
+        ``agent.prompt_layout`` (``feedback`` and ``last`` tell of the turn before, None before the first)."""
         episode.last_obs = obs
-        episode.observation = text
         episode.images = [obs["image"]] if "image" in obs else []
         episode.trajectory.images.extend(episode.images)
-        message = _user_message(text, episode.images[0] if episode.images else None)
-        episode.messages.append(message)
-        return message
+        user = self.conversation.user(obs["text"], episode.images[0] if episode.images else None,
+                                      turn=len(episode.trajectory.turns) + 1, actions_left=episode.actions_left,
+                                      feedback=feedback, names=names, last=last)
+        episode.observation, episode.image_at = user.text, user.image_at
+        episode.messages.append(user.message)
+        return user.message
 
     def _act(self, episode: _Episode, completion: Completion) -> FinishedTurn | None:
         """Parse one response and step the env; returns the finished turn for scoring (None on an error, or
@@ -634,6 +603,7 @@ class Rollout:
         turn = TurnRecord(
             index=len(trajectory.turns),
             observation=episode.observation,
+            image_at=episode.image_at,
             response=message,
             response_prefix=self.fmt.message_start,
             response_ids=list(completion.token_ids),
@@ -772,8 +742,7 @@ class Rollout:
             problems=(*rejected, *(neutralized(error, self.control_texts) for error in turn.parsed.errors)),
             rejected=rejected if self.agent.feedback_on_invalid and turn.has_valid_action else (),
         )
-        text = self._turn_text(episode, episode.last_obs["text"], feedback, names, turn)
-        message = self._observe(episode, text, episode.last_obs)
+        message = self._observe(episode, episode.last_obs, feedback, names, turn)
         tokens = episode.trajectory.tokens
         if tokens is None:
             return

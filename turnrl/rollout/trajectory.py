@@ -47,6 +47,9 @@ class TurnRecord:
     """0-based turn number."""
     observation: str
     """Text of the user message the response answers."""
+    image_at: int = field(default=0, kw_only=True)
+    """Where the observation's ``images`` stood in that message: before ``observation[image_at:]`` (0: before the
+    text, as turnrl's and RAGEN's layouts put them; VAGEN's puts its image where its placeholder stood)."""
     response: str
     """The assistant message: the format's response prefix (which the prompt ended with), then the decoded
     sampled tokens, special tokens removed."""
@@ -181,6 +184,7 @@ class Trajectory:
                 {
                     "index": turn.index,
                     "prompt": turn.observation,
+                    **({"image_at": turn.image_at} if turn.image_at else {}),
                     "response": turn.response,
                     "response_prefix": turn.response_prefix,
                     "finish_reason": turn.finish_reason,

@@ -44,6 +44,7 @@ from turnrl.models.loading import (
 from turnrl.models.vision import ImageEncoder, MessageImages, load_image, part_images
 from turnrl.policy.scripted import ExpertPolicy
 from turnrl.rollout.context import EpisodeTokens, format_for_template
+from turnrl.rollout.conversation import user_message
 from turnrl.rollout.metrics import errored_note, first_errors
 from turnrl.rollout.runner import EpisodeSlot, Rollout
 from turnrl.rollout.trajectory import ERROR, Trajectory, write_trajectories
@@ -99,11 +100,7 @@ def trajectory_messages(trajectory: Trajectory) -> list[Message]:
     observation's images as image parts, as the rollout sent them)."""
     messages: list[Message] = [{"role": "system", "content": trajectory.system_prompt}]
     for turn in trajectory.turns:
-        if turn.images:
-            parts = [{"type": "image", "image": image} for image in turn.images]
-            messages.append({"role": "user", "content": [*parts, {"type": "text", "text": turn.observation}]})
-        else:
-            messages.append({"role": "user", "content": turn.observation})
+        messages.append(user_message(turn.observation, turn.images, turn.image_at))
         messages.append({"role": "assistant", "content": turn.response})
     return messages
 

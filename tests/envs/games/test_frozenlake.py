@@ -348,7 +348,8 @@ def test_image_tiles_are_distinct():
         ({"is_slippery": True, "success_rate": 1.5}, "success_rate"),
         ({"mode": "video"}, "mode"),
         ({"max_steps": 0}, "max_steps"),
-        ({"symbols": "grid_coord"}, r"symbols must be one of \['ragen', 'coords', 'grid_coords'\], got 'grid_coord'"),
+        ({"symbols": "grid_coord"},
+         r"symbols must be one of \['ragen', 'coords', 'grid_coords', 'vagen'\], got 'grid_coord'"),
         ({"symbols": None}, "symbols must be one of"),
     ],
 )

@@ -4,7 +4,9 @@ Text symbols (as RAGEN): ``P`` player, ``_`` frozen, ``O`` hole, ``G`` goal,
 ``X`` player in a hole, ``√`` player on the goal; one row per line, no
 separators. ``symbols="grid_coords"`` writes RAGEN's ``CoordFrozenLake`` text
 (its ``observation_format: grid_coord``): the coordinates of the start, the
-goal, the player and the holes, then that grid. Actions ``Left``, ``Down``,
+goal, the player and the holes, then that grid. ``symbols="vagen"`` writes
+VAGEN's grid: the same symbols, each cell as a space, the symbol, a space and
+a tab (``" P \\t _ \\t"``). Actions ``Left``, ``Down``,
 ``Right``, ``Up`` (gymnasium's order). Reward 1 on reaching the goal, 0
 otherwise; the episode terminates in a hole or at the goal. Walking into the
 edge of the lake is a valid action that does not move the player.
@@ -58,7 +60,14 @@ _PLAYER_ON = {FROZEN: "P", HOLE: "X", GOAL: "√"}
 _LEVEL_SYMBOLS = {"P": FROZEN, "S": FROZEN, "_": FROZEN, "F": FROZEN, "O": HOLE, "H": HOLE, "G": GOAL}
 """What each symbol of a given level stands for (RAGEN's or gymnasium's)."""
 
-SYMBOL_STYLES = ("ragen", "coords", "grid_coords")
+SYMBOL_STYLES = ("ragen", "coords", "grid_coords", "vagen")
+
+VAGEN_CELLS = {"P": " P \t", "_": " _ \t", "O": " O \t", "G": " G \t", "X": " X \t", "√": " √ \t"}
+"""VAGEN's text of each cell, by RAGEN's symbol for it (vagen/env/frozenlake/env.py ``GRID_LOOKUP``): the symbol
+between two spaces, then a tab. VAGEN's ``_get_text_representation`` picks the symbols as the grid here does (the
+start is frozen ice; the player's cell is ``X`` in a hole, ``√`` on the goal, else ``P``), so its grid is this one
+with each symbol written so. Only written: a given map is read in RAGEN's or gymnasium's symbols."""
+_TO_VAGEN = str.maketrans(VAGEN_CELLS)
 
 MAX_SIZE = 64
 _MAX_MAP_TRIES = 1000
@@ -178,14 +187,15 @@ def _is_number(value: Any) -> bool:
 
 
 def _check_text_fits(size: int, symbols: str) -> None:
-    """Raise ValueError if the longest text observation could exceed the observation space: the coordinate
-    listing of a lake that is all holes but the start and the goal (a low ``p_frozen`` or a given map), with
-    the grid after it for ``grid_coords``."""
+    """Raise ValueError if the longest text observation could exceed the observation space: VAGEN's grid, four
+    characters a cell and a newline a row; the coordinate listing of a lake that is all holes but the start and
+    the goal (a low ``p_frozen`` or a given map), with the grid after it for ``grid_coords``."""
     if symbols == "ragen":
         return  # the grid: size * (size + 1) characters, at most 4,160
     holes = (size * size - 2) * (6 + 2 * len(str(size - 1)))  # every hole as "(r, c), "
     # The lines around the listing: 64 characters for coords; 160 for grid_coords's seven labelled lines.
-    longest = 64 + holes if symbols == "coords" else 160 + holes + size * (size + 1)
+    longest = {"vagen": size * (4 * size + 1), "coords": 64 + holes,
+               "grid_coords": 160 + holes + size * (size + 1)}[symbols]
     check_text_fits(longest, f"a {size}x{size} lake with symbols={symbols!r}", "use symbols='ragen' or a smaller size")
 
 
@@ -203,7 +213,10 @@ class FrozenLakeEnv(TurnEnv):
         symbols: text observation style: ``"ragen"`` (the grid, RAGEN's symbols),
             ``"coords"`` (positions listed as ``(row, column)``, as Sokoban's coords mode; sizes up to 28,
             whose every listing fits an observation) or ``"grid_coords"`` (RAGEN's ``CoordFrozenLake``: the
-            zero-indexed coordinates of the start, goal, player and holes, then the grid; sizes up to 27).
+            zero-indexed coordinates of the start, goal, player and holes, then the grid; sizes up to 27) or
+            ``"vagen"`` (VAGEN's grid, character for character: RAGEN's symbols, each cell written as a space,
+            the symbol, a space and a tab, rows joined by newlines; the grid that ``agent.prompt_layout=vagen``
+            writes VAGEN's prompts around; sizes up to 45).
         cell_px: pixels per cell in image mode.
         render_mode: ``None``, ``"ansi"`` or ``"rgb_array"``.
     """
@@ -336,6 +349,8 @@ class FrozenLakeEnv(TurnEnv):
             return self._coords_text()
         if self.symbols == "grid_coords":
             return self._grid_coords_text()
+        if self.symbols == "vagen":
+            return self._grid_text().translate(_TO_VAGEN)
         return self._grid_text()
 
     def _grid_text(self) -> str:
@@ -402,6 +417,9 @@ class FrozenLakeEnv(TurnEnv):
                 f"position and the holes, from the top-left corner (0, 0) to the bottom-right corner ({last}, "
                 f"{last}), then the lake as a grid with one row per line. {GRID_SYMBOLS}"
             )
+        elif self.symbols == "vagen":
+            legend = ("The lake is a grid with one row per line, each cell written as a space, its symbol, a space "
+                      f"and a tab. {GRID_SYMBOLS}")
         else:
             legend = f"The lake is a grid with one row per line. {GRID_SYMBOLS}"
         slip = ""

@@ -5,7 +5,8 @@ step, +1 for a box pushed onto a target, -1 for a box pushed off one, +10 when
 the last box lands (that step also pays its -0.1 and +1: 10.9 in all). The
 text observation is RAGEN's grid (``#`` wall, ``_`` empty, ``O`` target,
 ``√`` box on target, ``X`` box, ``P`` player, ``S`` player on target), RAGEN's
-alternative vocabulary, or a list of coordinates.
+alternative vocabulary, VAGEN's grid (the same symbols, each cell written as
+``" # \\t"``), or a list of coordinates.
 
 Levels come from :mod:`turnrl.envs.games.sokoban.levels`: generated from the seed by
 reverse play (always solvable, never already solved, solvable within
@@ -55,8 +56,16 @@ STEP_REWARD = -0.1
 BOX_ON_TARGET_REWARD = 1.0
 SOLVED_REWARD = 10.0
 
-VOCABULARIES: dict[str, Vocabulary] = {"ragen": RAGEN_SYMBOLS, "alt": ALT_SYMBOLS}
-SYMBOL_STYLES = ("ragen", "alt", "coords", "grid_coords")
+VOCABULARIES: dict[str, Vocabulary] = {"ragen": RAGEN_SYMBOLS, "alt": ALT_SYMBOLS, "vagen": RAGEN_SYMBOLS}
+"""The symbols each grid style means (its legend); ``vagen`` means RAGEN's, written in :data:`VAGEN_CELLS`."""
+SYMBOL_STYLES = ("ragen", "alt", "coords", "grid_coords", "vagen")
+
+VAGEN_CELLS = (" # \t", " _ \t", " O \t", " √ \t", " X \t", " P \t", " S \t")
+"""VAGEN's text of each cell, by cell code (vagen/env/sokoban/env.py ``GRID_LOOKUP``): RAGEN's symbol between two
+spaces, then a tab (VAGEN's comment: a tab separates the columns). Only written: a given level is read in RAGEN's
+symbols, as for every style."""
+VAGEN_CELL_WIDTH = 4
+"""Characters of each of :data:`VAGEN_CELLS`, for the bound on the text's length."""
 
 # Image tiles, by cell code. Targets tint the floor red so that a player or box
 # standing on one still shows it; boxes on targets turn green.
@@ -92,7 +101,7 @@ _DIRECTION_INDEX = {name: index for index, name in enumerate(DIRECTIONS)}
 
 
 class SokobanEnv(TurnEnv):
-    """Sokoban with RAGEN's text grid (or an alternative vocabulary, or coordinates) or images.
+    """Sokoban with RAGEN's text grid (or an alternative vocabulary, VAGEN's grid, or coordinates) or images.
 
     Args:
         dim_room: ``(rows, cols)`` of the room, outer walls included (6x6
@@ -111,7 +120,11 @@ class SokobanEnv(TurnEnv):
             targets and walls listed as ``(row, column)``) or ``"grid_coords"``
             (RAGEN's ``CoordSokoban``, its ``observation_format: grid_coord``: the
             coordinates of the targets, boxes and player, then the grid in RAGEN's
-            symbols).
+            symbols) or ``"vagen"`` (VAGEN's grid, character for character: RAGEN's
+            symbols, each cell written as a space, the symbol, a space and a tab,
+            as ``" # \\t _ \\t"``, rows joined by newlines; the grid that
+            ``agent.prompt_layout=vagen`` writes VAGEN's prompts around; rooms up
+            to 45x45 fit an observation).
         cell_px: pixels per cell in images.
         render_mode: ``None``, ``"ansi"`` (the text grid, also in image mode)
             or ``"rgb_array"``.
@@ -182,7 +195,7 @@ class SokobanEnv(TurnEnv):
         self.search_depth = search_depth
         self._level_moves = self.max_steps if search_depth is None else min(self.max_steps, search_depth)
         self._vocabulary = VOCABULARIES.get(symbols, RAGEN_SYMBOLS)
-        self._symbols = self._vocabulary.symbols + ("\n",)
+        self._symbols = (VAGEN_CELLS if symbols == "vagen" else self._vocabulary.symbols) + ("\n",)
         self._load(generate_level(rows, cols, self.num_boxes, seed=0, max_moves=self._level_moves), generated=True)
 
     def action_budget(self) -> int:
@@ -283,7 +296,8 @@ class SokobanEnv(TurnEnv):
         return self._text
 
     def grid_text(self) -> str:
-        """The current grid in the active vocabulary (RAGEN's for ``symbols="coords"``)."""
+        """The current grid in the active style (RAGEN's symbols for ``symbols="coords"``, VAGEN's cells for
+        ``symbols="vagen"``)."""
         return "".join(self._chars)
 
     def _coords_text(self) -> str:
@@ -343,6 +357,11 @@ class SokobanEnv(TurnEnv):
                 "Each observation gives the zero-indexed (row, column) coordinates of the player, each box and each "
                 f"target, from the top-left corner (0, 0) to the bottom-right corner ({rows - 1}, {cols - 1}), then "
                 f"the room as a grid of symbols: {self._vocabulary.legend()}."
+            )
+        elif self.symbols == "vagen":
+            observation = (
+                "Each observation is the room as a grid of symbols, one row per line, each cell written as a space, "
+                f"its symbol, a space and a tab: {self._vocabulary.legend()}."
             )
         else:
             observation = f"Each observation is the room as a grid of symbols: {self._vocabulary.legend()}."
@@ -438,9 +457,11 @@ def _room_shape(dim_room: Any, size: Any) -> tuple[int, int]:
 
 
 def _check_text_fits(rows: int, cols: int, symbols: str) -> None:
-    """Raise ValueError if the longest text observation could exceed the observation space."""
+    """Raise ValueError if the longest text observation could exceed the observation space: a grid has a symbol a
+    cell (VAGEN's four characters) and a newline a row."""
     listed = 200 + rows * cols * (10 + 2 * len(str(max(rows, cols))))  # every cell listed as "(r, c), "
-    longest = {"coords": listed, "grid_coords": listed + rows * (cols + 1)}.get(symbols, rows * (cols + 1))
+    grid = rows * (cols * (VAGEN_CELL_WIDTH if symbols == "vagen" else 1) + 1)
+    longest = {"coords": listed, "grid_coords": listed + rows * (cols + 1)}.get(symbols, grid)
     check_text_fits(longest, f"a {rows}x{cols} room with symbols={symbols!r}")
 
 

@@ -1,0 +1,90 @@
+"""The conversation's layouts through a rollout: VAGEN's words around an image, token-exact against the
+processor's own render; the actions a turn stepped; a layout refused where its texts are not kept."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.rollout.test_images import ScriptedVLM, processor_ids
+from turnrl.agent.formats import ParsedResponse, get_format
+from turnrl.config import AgentConfig, ConfigError, SamplingConfig
+from turnrl.envs import make
+from turnrl.models.loading import load_processor
+from turnrl.rollout.conversation import Conversation, stepped_actions, user_message
+from turnrl.rollout.runner import EpisodeSlot, Rollout
+from turnrl.rollout.trajectory import TurnRecord
+from turnrl.training.sft import trajectory_messages
+
+SOKOBAN_NO_THINK_TURN = (
+    "\nDecide your next action(s).\n"
+    "You can take up to 3 action(s) at a time, separated by ,.\n"
+    "You should provide only your answer.\n"
+    "Your response should be in the format of:\n"
+    "<answer>...</answer>"
+)
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_vlm_dir):
+    return load_processor(tiny_vlm_dir)
+
+
+def test_a_vagen_layout_rollout_writes_vagens_words_around_each_image_token_exact(processor):
+    policy = ScriptedVLM(processor, "<answer>Up,Jump,Down</answer>")
+    agent = AgentConfig(format="no_think", max_turns=3, max_actions_per_turn=3, max_actions_per_episode=20,
+                        prompt_layout="vagen")
+    rollout = Rollout(policy, get_format("no_think", max_actions_per_turn=3), agent, "Sokoban")
+    (trajectory,) = rollout.run([EpisodeSlot(env=make("Sokoban", mode="image"), seed=3)],
+                                SamplingConfig(max_new_tokens=16))
+    assert len(trajectory.turns) == 3
+    messages = trajectory_messages(trajectory)
+    system = messages[0]["content"]
+    assert system.startswith("You are a Sokoban solver.\nSokoban Quick Guide\n")
+    assert system.endswith("Your response should be in the format of:\n<answer>...</answer>\ne.g. "
+                           "<answer>Down,Down</answer>")
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    first, later = users[0], users[1]
+    assert [part["type"] for part in first] == ["text", "image", "text"]
+    assert first[0]["text"] == "[Initial Observation]:\n" and first[2]["text"] == SOKOBAN_NO_THINK_TURN
+    # The parser drops the unknown "Jump" and the rest steps (VAGEN's parser stops at it: docs/fidelity.md); the
+    # message names what the env took.
+    assert later[0]["text"] == ("After your answer, the extracted valid action is ['Up', 'Down'].\n"
+                                "After that, the observation is:\n")
+    assert later[2]["text"] == SOKOBAN_NO_THINK_TURN
+    assert trajectory.turns[1].observation == later[0]["text"] + later[2]["text"]
+    assert trajectory.turns[1].image_at == len(later[0]["text"])
+    for sample in trajectory.tokens.turn_samples():  # each prompt is the processor's render of the chat so far
+        assert sample.prompt_ids == processor_ids(processor, messages[: 2 + 2 * sample.turn], True)
+
+
+def test_stepped_actions_end_at_the_first_the_env_rejected():
+    turn = TurnRecord(0, "", "", [], [], "stop", ParsedResponse((), {}, True), actions=["Up", "Jump", "Left"],
+                      actions_valid=[True, False, True])
+    assert stepped_actions(turn) == ["Up"]
+    assert stepped_actions(TurnRecord(0, "", "", [], [], "stop", ParsedResponse((), {}, True))) == []
+
+
+def test_a_user_message_puts_its_images_before_the_text_or_where_it_is_told():
+    image = np.zeros((2, 2, 3), np.uint8)
+    assert user_message("state", []) == {"role": "user", "content": "state"}
+
+    def shape(message):
+        return [p["text"] if p["type"] == "text" else "IMAGE" for p in message["content"]]
+
+    assert shape(user_message("state", [image])) == ["IMAGE", "state"]
+    assert shape(user_message("see:\ngo", [image], 5)) == ["see:\n", "IMAGE", "go"]
+    assert shape(user_message("see:", [image, image], 4)) == ["see:", "IMAGE", "IMAGE"]
+    with pytest.raises(ValueError, match="image_at=6 is outside a text of 5 characters"):
+        user_message("state", [image], 6)
+
+
+@pytest.mark.parametrize(("env_id", "format_name", "problem"), [
+    ("Maze2D", "no_think", r"no texts for env 'Maze2D'; it has \['FrozenLake', 'Sokoban'\]"),
+    ("Sokoban", "ragen", r"no format 'ragen' for Sokoban"),
+])
+def test_the_vagen_layout_is_refused_where_vagen_has_no_texts(env_id, format_name, problem):
+    agent = AgentConfig(format=format_name, prompt_layout="vagen")
+    with pytest.raises(ConfigError, match=rf"agent.prompt_layout=vagen: .*{problem}.*agent.prompt_layout=turnrl"):
+        Conversation(agent, get_format(format_name), env_id)
+
