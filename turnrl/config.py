@@ -184,6 +184,10 @@ class AgentConfig:
     """Replaces the default system prompt text before the env instructions."""
     env_instructions: bool = True
     """Put the env's task description in the system prompt (a model trained from scratch cannot read it)."""
+    task_instructions: Optional[str] = None
+    """The task description in these words instead of the env's own ``instructions()``, as written (spaces and
+    newlines kept): RAGEN's recipes give RAGEN's ``env_instruction`` from its ``envs.yaml`` here. None asks the env.
+    ``env_instructions=false`` leaves out either; VAGEN's layout has words of its own and uses neither."""
     format_instructions: bool = True
     """Put the response format's description in the system prompt."""
     wait_for_turns: bool = True

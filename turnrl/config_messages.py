@@ -215,6 +215,9 @@ SOURCE_SETTINGS: tuple[SourceSetting, ...] = (
     SourceSetting("RAGEN", "custom_envs.ENV.max_tokens", "agent.response_length_hint",
                   "only the agent.prompt_layout=ragen prompt's \"Max response length\" line; "
                   "sampling.max_new_tokens stops responses"),
+    SourceSetting("RAGEN", "custom_envs.ENV.env_instruction", "agent.task_instructions",
+                  "the text as RAGEN's env list holds it, spaces and newlines kept, with the symbol line RAGEN "
+                  "appends for a grid observation; the layout writes the action lines", short=("env_instruction",)),
     SourceSetting("RAGEN", "agent_proxy.action_sep", "agent.action_separator", short=("action_sep",)),
     SourceSetting("RAGEN", "agent_proxy.max_context_window", "agent.max_context_window",
                   "RAGEN's -1, the full history, is null"),

@@ -88,3 +88,41 @@ def test_the_vagen_layout_is_refused_where_vagen_has_no_texts(env_id, format_nam
     with pytest.raises(ConfigError, match=rf"agent.prompt_layout=vagen: .*{problem}.*agent.prompt_layout=turnrl"):
         Conversation(agent, get_format(format_name), env_id)
 
+
+
+RAGEN_COORD_SOKOBAN_SYSTEM = (  # RAGEN 20daedc: "You're a helpful assistant. " + envs.yaml's CoordSokoban
+    # env_instruction (a YAML block: a space ends three of its lines) + _init_prefix_lookup's action lines
+    "You're a helpful assistant. You are solving the Sokoban puzzle. You are the player and you need to push all "
+    "boxes to targets.\nYou are provided with a symbol grid and the zero-indexed coordinates of the player, each "
+    "box, and each target. \nCoordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5). "
+    "\nWhen you are exactly next to a box, you can push it by moving in the same direction. \nYou cannot push a box "
+    "through a wall, and you cannot pull a box.\nThe answer should be a sequence of actions, like <answer>Right || "
+    "Right || Up</answer>.\n\nYour available actions are:\nUp, Down, Left, Right\nYou can make up to 10 actions, "
+    'separated by the action separator " || "\n'
+)
+
+
+def test_ragens_coord_sokoban_recipe_writes_ragens_system_message():
+    from pathlib import Path
+
+    from turnrl.config import load_config
+    from turnrl.training.train_config import TrainConfig
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "ragen_coord_sokoban.yaml"
+    config = load_config(TrainConfig, recipe)
+    fmt = get_format(config.agent.format, max_actions_per_turn=config.agent.max_actions_per_turn)
+    env = make(config.env.id, **config.env.settings)
+    assert Conversation(config.agent, fmt, config.env.id).system(env, env.action_names()) == RAGEN_COORD_SOKOBAN_SYSTEM
+
+
+def test_task_instructions_replace_the_envs_and_env_instructions_false_leaves_them_out():
+    env = make("Sokoban")
+    fmt = get_format("free_think")
+    given = Conversation(AgentConfig(task_instructions="Push.\n", format_instructions=False, system_prompt=""),
+                         fmt, "Sokoban")
+    assert given.system(env, env.action_names()) == "Push."
+    left_out = Conversation(AgentConfig(task_instructions="Push.", env_instructions=False, format_instructions=False,
+                                        system_prompt="Role."), fmt, "Sokoban")
+    assert left_out.system(env, env.action_names()) == "Role."
+    assert Conversation(AgentConfig(system_prompt="", format_instructions=False), fmt, "Sokoban").system(
+        env, env.action_names()) == env.instructions().strip()

@@ -95,13 +95,15 @@ class Conversation:
         return self.fmt.separator or VAGEN_DEFAULT_SEPARATOR
 
     def system(self, env: AgentEnv, names: list[str] | None) -> str:
-        """The system message; ``names`` are the env's actions. The turnrl and RAGEN layouts hold the env's
-        ``instructions()`` where ``agent.env_instructions`` asks for them; VAGEN's has its own words for the env."""
+        """The system message; ``names`` are the env's actions. The turnrl and RAGEN layouts hold the task's
+        description where ``agent.env_instructions`` asks for it: ``agent.task_instructions``, or the env's
+        ``instructions()``; VAGEN's has its own words for the env."""
         layout = self.agent.prompt_layout
         if layout == "vagen":
             return vagen_system_prompt(self.env_id, self.agent.format,
                                        max_actions_per_turn=self.agent.max_actions_per_turn, separator=self.separator)
-        instructions = env.instructions() if self.agent.env_instructions else ""
+        instructions = "" if not self.agent.env_instructions else (
+            env.instructions() if self.agent.task_instructions is None else self.agent.task_instructions)
         if layout == "ragen":
             separator = self.fmt.separator
             return ragen_system_prompt(instructions, names if separator is not None else None,
