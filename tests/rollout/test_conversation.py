@@ -126,3 +126,22 @@ def test_task_instructions_replace_the_envs_and_env_instructions_false_leaves_th
     assert left_out.system(env, env.action_names()) == "Role."
     assert Conversation(AgentConfig(system_prompt="", format_instructions=False), fmt, "Sokoban").system(
         env, env.action_names()) == env.instructions().strip()
+
+
+def test_vagen_layout_prompts_that_drop_older_images_keep_their_texts_token_exact(processor):
+    from turnrl.rollout.runner import latest_images
+
+    policy = ScriptedVLM(processor, "<answer>Up,Down</answer>")
+    agent = AgentConfig(format="no_think", max_turns=3, max_actions_per_turn=3, max_actions_per_episode=20,
+                        prompt_layout="vagen", max_images=1)
+    rollout = Rollout(policy, get_format("no_think", max_actions_per_turn=3), agent, "Sokoban")
+    (trajectory,) = rollout.run([EpisodeSlot(env=make("Sokoban", mode="image"), seed=3)],
+                                SamplingConfig(max_new_tokens=16))
+    messages = trajectory_messages(trajectory)
+    samples = trajectory.tokens.turn_samples()
+    assert len(samples) == 3
+    for sample in samples:
+        shown = latest_images(messages[: 2 + 2 * sample.turn], 1)
+        assert sample.prompt_ids == processor_ids(processor, shown, True)
+    first_turn_text = [part["type"] for part in latest_images(messages, 1)[1]["content"]]
+    assert first_turn_text == ["text", "text"]  # its image left out, both its texts kept
