@@ -136,6 +136,17 @@ def test_packed_micro_batches_update_as_one_padded_batch(tiny_model_dir, aggrega
     assert sum(float(d.abs().sum()) for d in padded.values()) > 0
 
 
+def test_pass_fill_is_the_share_of_the_packed_passes_budget_their_rows_fill(tiny_model_dir):
+    """Rows of 8, 6, 5 and 4 tokens under a 12-token budget go in three passes ([8], [6, 5], [4]) each epoch:
+    23 tokens of 36; passes of rows (no token budget) log no fill."""
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
+    critic = ValueModel(copy.deepcopy(actor.base_model))
+    inputs = update_inputs(actor, critic, model_batch(actor.config.vocab_size))
+    packed = run_epochs(actor, critic, inputs, config(mini_batch_size=4, micro_batch_tokens=12, ppo_epochs=2))
+    assert packed["actor/pass_fill"] == pytest.approx(23 / 36)
+    assert "actor/pass_fill" not in run_epochs(actor, critic, inputs, config(mini_batch_size=4, micro_batch_size=2))
+
+
 @pytest.mark.parametrize("tokens", [0, 12], ids=["passes of one row", "packed passes of 12 tokens"])
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_each_loss_side_metric_is_its_per_token_formula_over_the_mini_batch(tiny_model_dir, aggregation, tokens):

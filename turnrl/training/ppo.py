@@ -317,6 +317,7 @@ def ppo_epochs(
     # With the sampler's log-probs as the old ones, the first mini-batch's passes (before any optimizer step, so
     # under the weights that sampled) also measure how far training's forward drifts from the sampler's.
     watch_drift = config.old_logprobs == "sampler"
+    filled = passes = 0.0  # packed passes: the share of each one's token budget its rows fill, summed, and a count
     for _ in range(config.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
         for mini in _chunks(order, config.mini_batch_size):
@@ -329,6 +330,9 @@ def ppo_epochs(
                 weight = micro_weight(micro, mini, row_tokens, config.loss_aggregation) if micro is not None else 0.0
                 token_weight = micro_weight(micro, mini, row_tokens, "token-mean") if micro is not None else 0.0
                 rows = micro if micro is not None else mini[:1]
+                if batching.packed:
+                    filled += float(lengths[micro].sum()) / batching.tokens if micro is not None else 0.0
+                    passes += 1
                 if stepping is not None:
                     drift = watch_drift and micro is not None
                     values = _actor_backward(actor, part, inputs, rows, config, policy_loss, temperature,
@@ -368,6 +372,8 @@ def ppo_epochs(
         restore_actor_state(before_step, actor_params, stepping)
         rolled_back = True
     totals = dict(zip(weighted, torch.stack(list(weighted.values())).tolist(), strict=True)) if weighted else {}
+    if passes:
+        totals[PASS_FILL], weights[PASS_FILL] = filled, passes
     if shard is not None:
         # Keys seen by any process (one may have had only weight-0 passes): sums over processes.
         both = shard.reduce({**{f"v:{k}": v for k, v in totals.items()}, **{f"w:{k}": v for k, v in weights.items()}})
@@ -419,6 +425,12 @@ def _mini_batch_kl(local: float, shard: Shard | None) -> float:
     process, which all stop together (FSDP's passes need every process)."""
     return local if shard is None else shard.reduce({"kl": local})["kl"]
 
+
+PASS_FILL = "actor/pass_fill"
+"""With packed passes (``algorithm.micro_batch_tokens``): the share of the passes' token budget the update's rows
+filled, over every pass of the step (and every process). The passes close a pack when the next row would overflow
+it, so rows a little over half the budget fill barely half of each: 0.5 says two rows would share a pass at a
+budget twice their length (docs/metrics.md)."""
 
 DRIFT = "actor/logprob_mismatch"
 """The mean absolute difference of the training forward's log-probs from the sampler's, over the tokens of the
