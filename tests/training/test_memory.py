@@ -24,6 +24,7 @@ from turnrl.training.memory import (
     allocator_margin,
     allocator_settings,
     cache_full_note,
+    half_full_passes_note,
     cap_gpu_memory,
     check_memory,
     check_sft_memory,
@@ -438,6 +439,19 @@ def test_rows_shorter_than_a_whole_history_episode_may_grow_are_named():
                                                   [*short, "model.backend=hf"])) is None
     # A one-turn window bounds every prompt, whatever the agent's budget: the Sokoban recipe's 512-token rows
     assert rows_shorter_than_episodes(load_config(TrainConfig, "configs/sokoban_quickstart.yaml", [])) is None
+
+
+def test_passes_that_hold_one_sequence_each_are_named_with_the_budget_that_pairs_them():
+    """4.1k-token sequences in 8,192-token passes (the VisGym vlm-3b step at 15 turns): one a pass, 51% full; the
+    note names twice the longest, rounded up to 128 tokens. Passes that pair their rows, a budget far over what a
+    step's few rows need, or passes of rows (no budget) say nothing."""
+    half = {"actor/pass_fill": 0.51, "batch/sequence_length_max": 4227.0}
+    note = half_full_passes_note(half, 8192)
+    assert note is not None and note.startswith("the update's passes ran 51% full: sequences of up to 4,227 tokens")
+    assert "algorithm.micro_batch_tokens=8192" in note and "algorithm.micro_batch_tokens=8576 lets two" in note
+    assert half_full_passes_note({**half, "actor/pass_fill": 0.8}, 8192) is None
+    assert half_full_passes_note({"actor/pass_fill": 0.2, "batch/sequence_length_max": 900.0}, 8192) is None
+    assert half_full_passes_note(half, 0) is None and half_full_passes_note({}, 8192) is None
 
 
 def test_a_full_key_value_cache_is_named_with_what_happened_and_the_setting_to_raise():

@@ -56,6 +56,7 @@ from turnrl.training.memory import (
     cache_full_note,
     cap_gpu_memory,
     check_memory,
+    half_full_passes_note,
     rows_shorter_than_episodes,
     set_allocator_settings,
 )
@@ -516,7 +517,7 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
                       f"{early_stops.stopped_before.reason}", soft_wrap=True)
     stop.phase = "steps"  # from here a request waits for the step in progress, which it then saves
     heap.settle()
-    cache_noted = False
+    cache_noted = pass_noted = False
     error_kinds_said: set[str] = set()
     with RunProgress(console, "rl", config.run.steps, trainer.first_step) as progress:
         for step in range(trainer.first_step + 1, last_step + 1):
@@ -565,6 +566,10 @@ def _run_steps(config: TrainConfig, trainer: Trainer, sft: Any, resumed: bool, s
             if cache_note is not None:
                 console.print(f"step {step}: {cache_note}", markup=False, highlight=False, soft_wrap=True)
                 cache_noted = True
+            pass_note = None if pass_noted else half_full_passes_note(metrics, config.algorithm.micro_batch_tokens)
+            if pass_note is not None:
+                console.print(f"step {step}: {pass_note}", markup=False, highlight=False, soft_wrap=True)
+                pass_noted = True
             # Ctrl-C, or the stop file (what stops every process of a torchrun run after the same step).
             requested = stop.requested or (trainer.run_dir / STOP_FILE).exists()
             stop_requested = ranks.any_rank(requested) if distributed else requested

@@ -439,6 +439,22 @@ def cache_full_note(metrics: Mapping[str, float], kv_cache_gb: float) -> str | N
             "(generation/page_evictions and generation/page_waits in the metrics)")
 
 
+def half_full_passes_note(metrics: Mapping[str, float], micro_batch_tokens: int) -> str | None:
+    """A note when the update's packed passes ran little more than half full because no two sequences fit one:
+    the longest is over half of ``algorithm.micro_batch_tokens`` (``batch/sequence_length_max``), and the passes'
+    rows filled under 60% of their budget (``actor/pass_fill``). The VisGym ``vlm-3b`` step at 15 turns (4.1k-token
+    sequences in 8,192-token passes) spent 25% longer in its update than with passes of 8,704 (docs/benchmarks.md).
+    None otherwise (sequences that already pair, or a budget simply larger than a step's rows need)."""
+    fill, longest = metrics.get("actor/pass_fill"), int(metrics.get("batch/sequence_length_max", 0))
+    if micro_batch_tokens <= 0 or fill is None or fill >= 0.6 or not micro_batch_tokens < 2 * longest:
+        return None
+    pair = -(-2 * longest // 128) * 128
+    return (f"the update's passes ran {fill:.0%} full: sequences of up to {longest:,} tokens do not pair in "
+            f"passes of algorithm.micro_batch_tokens={micro_batch_tokens}, so most passes held one; "
+            f"algorithm.micro_batch_tokens={pair} lets two share a pass, in fewer and fuller passes, with more "
+            "memory for each (`turnrl memory` estimates it)")
+
+
 def rows_shorter_than_episodes(config: TrainConfig) -> str | None:
     """A note when an engine row holds less than the agent lets an episode grow to (a whole-history context):
     the rollout then ends episodes at the row's length (``context_budget``), short of the recipe's budget.

@@ -630,6 +630,7 @@ class Trainer:
         # One sequence alone can share no pass: as if its pair were over any budget.
         self.shortest_pair = int(lengths.sort().values[:2].sum()) if len(lengths) > 1 else sys.maxsize
         metrics["batch/sequence_length_mean"] = float(lengths.float().mean())
+        metrics["batch/sequence_length_max"] = float(lengths.max())
         metrics["timing/batch_s"] = time.time() - start
 
         # 4. old logprobs, reference logprobs, values
