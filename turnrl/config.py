@@ -229,6 +229,18 @@ class AgentConfig:
         except (TypeError, ValueError) as error:
             raise ConfigError(f"agent.format={self.format!r}: {error}") from error
 
+    def validate_for_env(self, env_id: str) -> None:
+        """The checks that need the run's env: VAGEN's layout has texts for a few envs and formats only."""
+        if self.prompt_layout != "vagen":
+            return
+        from turnrl.agent.vagen_texts import vagen_texts
+
+        try:
+            vagen_texts(env_id, self.format)
+        except ValueError as error:
+            raise ConfigError(f"agent.prompt_layout=vagen: {error}; use agent.prompt_layout=turnrl for another env "
+                              "or format") from None
+
 
 @dataclass
 class RewardSpec:

@@ -95,6 +95,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         self.agent.validate()
+        self.agent.validate_for_env(self.env.id)
         self.rewards.validate()
         self.sampling.validate()
         self.model.validate()

@@ -145,3 +145,13 @@ def test_vagen_layout_prompts_that_drop_older_images_keep_their_texts_token_exac
         assert sample.prompt_ids == processor_ids(processor, shown, True)
     first_turn_text = [part["type"] for part in latest_images(messages, 1)[1]["content"]]
     assert first_turn_text == ["text", "text"]  # its image left out, both its texts kept
+
+
+def test_a_config_with_the_vagen_layout_on_an_env_without_its_texts_fails_to_load():
+    from turnrl.config import load_config
+    from turnrl.training.train_config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"agent.prompt_layout=vagen: .*no texts for env 'Maze2D'"):
+        load_config(TrainConfig, None, ["agent.prompt_layout=vagen", "env.id=Maze2D", "agent.format=no_think"])
+    loaded = load_config(TrainConfig, None, ["agent.prompt_layout=vagen", "env.id=Sokoban", "agent.format=no_think"])
+    assert loaded.agent.prompt_layout == "vagen"

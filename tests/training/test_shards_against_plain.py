@@ -26,7 +26,7 @@ from turnrl.training.algorithm_config import AlgorithmConfig
 from turnrl.training.batch import Batch, Sample, collate
 from turnrl.training.model_passes import ValueModel
 from turnrl.training.packed_attention import ATTENTION
-from turnrl.training.ppo import Shard, UpdateInputs, ppo_epochs
+from turnrl.training.ppo import PASS_FILL, Shard, UpdateInputs, ppo_epochs
 from turnrl.training.train_config import OptimConfig
 
 WORLD = 2
@@ -111,7 +111,10 @@ def test_shards_of_a_mini_batch_average_to_the_gradients_and_metrics_of_one_proc
     assert len(plain_actor) == len(plain_critic) == 2  # mini-batches of 3 rows and 2 rows
     for process, (metrics, actor_steps, critic_steps) in enumerate(runs):
         assert len(actor_steps) == len(critic_steps) == 2, process
-        assert metrics.keys() == plain.keys(), process
+        # The plain run's passes are of rows; the packed shards' also say how full their passes were, over both.
+        assert metrics.keys() - {PASS_FILL} == plain.keys(), process
+        assert (PASS_FILL in metrics) == ("micro_batch_tokens" in passes), process
+        assert metrics.get(PASS_FILL) == runs[0][0].get(PASS_FILL), process
         for key, value in plain.items():
             if key not in PER_PROCESS_METRICS:
                 assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (process, key)

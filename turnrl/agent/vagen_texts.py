@@ -24,9 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 VAGEN_DEFAULT_SEPARATOR = ","
-"""VAGEN's ``action_sep`` default (``BaseEnvConfig``)."""
-VAGEN_DEFAULT_MAX_ACTIONS = 3
-"""VAGEN's ``max_actions_per_step`` default for Sokoban and FrozenLake (their ``env_config.py``)."""
+"""VAGEN's ``action_sep`` default (``BaseEnvConfig``), for a format that names no separator of its own."""
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from turnrl.agent.prompts import (
     ragen_system_prompt,
     system_prompt,
 )
-from turnrl.agent.vagen_texts import VAGEN_DEFAULT_SEPARATOR, vagen_observation_text, vagen_system_prompt, vagen_texts
-from turnrl.config import AgentConfig, ConfigError
+from turnrl.agent.vagen_texts import VAGEN_DEFAULT_SEPARATOR, vagen_observation_text, vagen_system_prompt
+from turnrl.config import AgentConfig
 from turnrl.envs.contract import AgentEnv
 from turnrl.rollout.trajectory import TurnRecord
 
@@ -83,12 +83,7 @@ class Conversation:
     env_id: str
 
     def __post_init__(self) -> None:
-        if self.agent.prompt_layout == "vagen":
-            try:
-                vagen_texts(self.env_id, self.agent.format)
-            except ValueError as error:
-                raise ConfigError(f"agent.prompt_layout=vagen: {error}; use agent.prompt_layout=turnrl for "
-                                  "another env or format") from None
+        self.agent.validate_for_env(self.env_id)
 
     @property
     def separator(self) -> str:

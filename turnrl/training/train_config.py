@@ -444,6 +444,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         self.agent.validate()
+        self.agent.validate_for_env(self.env.id)
         self.rewards.validate()
         self.sampling.validate()
         self.model.validate()
