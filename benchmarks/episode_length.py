@@ -13,7 +13,8 @@ turn also holds that turn's observation.
         model.engine.max_seq_len=4096
 
 ``vlm-0.5b`` has ``vlm-3b``'s tokenizer and image size, so its episodes are ``vlm-3b``'s token for token, and its
-files are small to build.
+files are small to build. The last line says how many of the longest sequences share one of the update's packed
+passes (``algorithm.micro_batch_tokens``): one a pass runs it half empty.
 """
 
 from __future__ import annotations
@@ -60,6 +61,18 @@ class FullLengthResponses(Policy):
         return completions
 
 
+def passes_line(longest: int, micro_batch_tokens: int) -> str:
+    """What the update's passes make of sequences of up to ``longest`` tokens: how many share a packed pass of
+    ``algorithm.micro_batch_tokens`` (one a pass leaves it about half empty: ``actor/pass_fill``), and the budget
+    that pairs two (twice the longest, rounded up to 128 tokens)."""
+    pair = -(-2 * longest // 128) * 128
+    if micro_batch_tokens <= 0:
+        return f"the update's passes are padded rows (algorithm.micro_batch_tokens=0); packed, {pair} tokens hold two"
+    fit = micro_batch_tokens // longest if longest else 0
+    return (f"the update's packed passes of {micro_batch_tokens} tokens hold {fit} sequence{'s' if fit != 1 else ''} "
+            f"of {longest}; {pair} tokens hold two")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a training recipe")
@@ -89,6 +102,7 @@ def main() -> None:
     answered = [stream.turn_end_positions[-1] + 1 for stream in streams]  # to the last response's last token
     print(f"episodes {len(trajectories)}: ended by {dict(ends)}; turns {dict(sorted(turns.items()))}; tokens an "
           f"episode {min(whole)}-{max(whole)}, to its last response's end {min(answered)}-{max(answered)}")
+    print(passes_line(max(answered), config.algorithm.micro_batch_tokens))
 
 
 if __name__ == "__main__":
