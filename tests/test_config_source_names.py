@@ -41,6 +41,10 @@ def train_error(overrides: list[str], path: Path | None = None) -> str:
     ("actor_rollout_ref.actor.optim.lr=1e-6", ["optim.actor_lr"], "optim.critic_lr"),
     ("data.train_batch_size=8", ["groups.n_groups", "groups.group_size"], "sft.data"),
     ("trainer.total_training_steps=3", ["run.steps"], "did you mean"),
+    ("rollout_manager.window_size=5", ["VAGEN's rollout_manager.window_size is turnrl's agent.max_context_window",
+                                       "N + 1"], "did you mean"),
+    ("env1.env_config.prompt_format=free_think", ["VAGEN's ENV.env_config.prompt_format is turnrl's agent.format"],
+     "did you mean"),
 ])
 def test_a_source_systems_name_gets_the_turnrl_key_that_does_its_work(override, wanted, wrong):
     message = train_error([override])
