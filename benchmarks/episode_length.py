@@ -36,6 +36,7 @@ from turnrl.models.loading import base_model_path, load_processor, load_tokenize
 from turnrl.models.vision import ImageEncoder  # noqa: E402
 from turnrl.policy.interface import Completion, GenerationRequest, Policy  # noqa: E402
 from turnrl.rollout.runner import EpisodeSlot, Rollout  # noqa: E402
+from turnrl.training.memory import pairing_budget  # noqa: E402
 from turnrl.training.train_config import TrainConfig  # noqa: E402
 
 
@@ -64,8 +65,8 @@ class FullLengthResponses(Policy):
 def passes_line(longest: int, micro_batch_tokens: int) -> str:
     """What the update's passes make of sequences of up to ``longest`` tokens: how many share a packed pass of
     ``algorithm.micro_batch_tokens`` (one a pass leaves it about half empty: ``actor/pass_fill``), and the budget
-    that pairs two (twice the longest, rounded up to 128 tokens)."""
-    pair = -(-2 * longest // 128) * 128
+    that pairs two (:func:`~turnrl.training.memory.pairing_budget`)."""
+    pair = pairing_budget(longest)
     if micro_batch_tokens <= 0:
         return f"the update's passes are padded rows (algorithm.micro_batch_tokens=0); packed, {pair} tokens hold two"
     fit = micro_batch_tokens // longest if longest else 0

@@ -439,6 +439,12 @@ def cache_full_note(metrics: Mapping[str, float], kv_cache_gb: float) -> str | N
             "(generation/page_evictions and generation/page_waits in the metrics)")
 
 
+def pairing_budget(longest: int) -> int:
+    """The ``algorithm.micro_batch_tokens`` at which two sequences of ``longest`` tokens share a packed pass:
+    twice the longest, rounded up to 128 tokens."""
+    return -(-2 * longest // 128) * 128
+
+
 def half_full_passes_note(metrics: Mapping[str, float], micro_batch_tokens: int) -> str | None:
     """A note when the update's packed passes ran little more than half full because no two sequences fit one:
     the longest is over half of ``algorithm.micro_batch_tokens`` (``batch/sequence_length_max``), and the passes'
@@ -448,7 +454,7 @@ def half_full_passes_note(metrics: Mapping[str, float], micro_batch_tokens: int)
     fill, longest = metrics.get("actor/pass_fill"), int(metrics.get("batch/sequence_length_max", 0))
     if micro_batch_tokens <= 0 or fill is None or fill >= 0.6 or not micro_batch_tokens < 2 * longest:
         return None
-    pair = -(-2 * longest // 128) * 128
+    pair = pairing_budget(longest)
     return (f"the update's passes ran {fill:.0%} full: sequences of up to {longest:,} tokens do not pair in "
             f"passes of algorithm.micro_batch_tokens={micro_batch_tokens}, so most passes held one; "
             f"algorithm.micro_batch_tokens={pair} lets two share a pass, in fewer and fuller passes, with more "
