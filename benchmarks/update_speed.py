@@ -9,9 +9,13 @@ sequence). The weights are bf16, as FSDP's mixed precision gathers them. MFU cou
 (unpadded) token plus each sequence's causal attention (the trainer's ``throughput/update_mfu``) over the
 device's bf16 peak; the ratio of each variant to the padded one is measured in the same run. ``--compile``
 adds the packed passes with each layer's norms and MLP compiled (``model.compile``), after the eager ones.
+``--next-fit`` adds the packed passes as they were cut before best fit (a pass closed when the next row, longest
+first, overflows it), and each packed variant prints its number of passes and how full they ran; rows long
+against the budget show the difference (``--batch 64 --min-len 300 --max-len 4200 --tokens 8704``).
 
     python benchmarks/update_speed.py --preset 3b
     python benchmarks/update_speed.py --preset tiny --device cpu --rows 4 --tokens 512 --batch 8   # a smoke run
+    python benchmarks/update_speed.py --preset 3b --next-fit --batch 64 --min-len 300 --max-len 4200 --tokens 8704
 """
 
 from __future__ import annotations
@@ -61,6 +65,22 @@ def batch(n: int, low: int, high: int, vocab: int, device: torch.device, seed: i
     mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
     scored = ((torch.arange(width)[None, :] >= lengths[:, None] // 2) & mask.bool()).float()
     return ids.to(device), mask.to(device), scored.to(device), lengths
+
+
+class NextFit(MicroBatching):
+    """The packed passes before best fit, the baseline of ``--next-fit``: rows longest first, a pass closed when
+    the next row would overflow it."""
+
+    def split(self, index: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        passes: list[list[int]] = []
+        used = 0
+        for row in index[torch.argsort(lengths[index], descending=True, stable=True)].tolist():
+            if not passes or used + int(lengths[row]) > self.tokens:
+                passes.append([])
+                used = 0
+            passes[-1].append(row)
+            used += int(lengths[row])
+        return [torch.tensor(part, dtype=torch.long) for part in passes]
 
 
 def one_pass(model, ids, mask, scored, lengths, batching: MicroBatching) -> None:
@@ -141,6 +161,7 @@ def main() -> None:
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--attention", nargs="+", default=["sdpa"])
     parser.add_argument("--compile", action="store_true", help="also the packed passes with compiled layer parts")
+    parser.add_argument("--next-fit", action="store_true", help="also the packed passes cut by next fit")
     args = parser.parse_args()
     device = torch.device(args.device)
     peak = peak_flops(device)
@@ -153,6 +174,8 @@ def main() -> None:
                                                         else model.get_input_embeddings().weight),
                                model.config, data[3])
         variants = [("padded", MicroBatching(args.rows)), ("packed", MicroBatching(args.rows, args.tokens))]
+        if args.next_fit:
+            variants.append(("packed, next fit", NextFit(args.rows, args.tokens)))
         if args.compile:
             variants.append(("packed, compiled", MicroBatching(args.rows, args.tokens)))
         for name, batching in variants:
@@ -161,8 +184,10 @@ def main() -> None:
             seconds, memory = measure(model, data, batching, args.repeats, device)
             utilization = flops / seconds / peak if peak else float("nan")
             rows.append((f"{name}, {attention}", seconds, tokens / seconds, utilization, memory))
+            passes = len(batching.split(torch.arange(args.batch), data[3]))
+            filled = f", {passes} passes {tokens / (passes * args.tokens):.0%} full" if batching.packed else ""
             print(f"{rows[-1][0]}: {seconds:.3f} s, {tokens / seconds:,.0f} tokens/s, MFU {utilization:.1%}, "
-                  f"peak {memory:.1f} GiB", flush=True)
+                  f"peak {memory:.1f} GiB{filled}", flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from tests.algorithms import reference as ref
@@ -20,6 +22,7 @@ from turnrl.training.ppo import (
     UpdateInputs,
     batched_logprobs,
     batched_values,
+    best_fit_passes,
     ppo_epochs,
     restore_actor_state,
     save_actor_state,
@@ -29,6 +32,42 @@ from turnrl.training.train_config import OptimConfig
 
 def config(**overrides) -> AlgorithmConfig:
     return AlgorithmConfig(**overrides)
+
+
+# --------------------------------------------------------------------------- packed passes
+def next_fit_passes(rows: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """The plain rule best fit improves on: rows longest first, a pass closed when the next overflows it."""
+    passes: list[list[int]] = []
+    used = 0
+    for row in sorted(rows, key=lambda r: -lengths[r]):
+        if not passes or used + lengths[row] > budget:
+            passes.append([])
+            used = 0
+        passes[-1].append(row)
+        used += lengths[row]
+    return passes
+
+
+def test_best_fit_fills_the_room_a_pass_leaves_with_a_shorter_row():
+    """Rows of 8, 6, 5 and 4 tokens, budget 12: the 4 joins the 8 (room 4), the 5 the 6; next fit would run
+    [8], [6, 5], [4]. Ties go to the pass opened first; a row over the budget runs alone."""
+    lengths = torch.tensor([6, 8, 4, 5])
+    assert best_fit_passes([0, 1, 2, 3], lengths, 12) == [[1, 2], [0, 3]]
+    assert best_fit_passes([0, 1, 2, 3], torch.tensor([5, 5, 2, 20]), 12) == [[3], [0, 1, 2]]
+    assert best_fit_passes([0, 1, 2], torch.tensor([3, 3, 3]), 6) == [[0, 1], [2]]
+    assert best_fit_passes([], lengths, 12) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 60), max_size=40), st.integers(1, 64))
+def test_best_fit_passes_hold_every_row_once_within_the_budget_in_no_more_passes_than_next_fit(lengths, budget):
+    rows = list(range(len(lengths)))
+    passes = best_fit_passes(rows, torch.tensor(lengths, dtype=torch.long), budget)
+    assert sorted(row for part in passes for row in part) == rows
+    for part in passes:
+        assert part and (len(part) == 1 or sum(lengths[row] for row in part) <= budget)
+        assert [lengths[row] for row in part] == sorted((lengths[row] for row in part), reverse=True)
+    assert len(passes) <= len(next_fit_passes(rows, lengths, budget))
 
 
 # --------------------------------------------------------------------------- forward passes without grad
@@ -137,13 +176,13 @@ def test_packed_micro_batches_update_as_one_padded_batch(tiny_model_dir, aggrega
 
 
 def test_pass_fill_is_the_share_of_the_packed_passes_budget_their_rows_fill(tiny_model_dir):
-    """Rows of 8, 6, 5 and 4 tokens under a 12-token budget go in three passes ([8], [6, 5], [4]) each epoch:
-    23 tokens of 36; passes of rows (no token budget) log no fill."""
+    """Rows of 8, 6, 5 and 4 tokens under a 12-token budget go in two passes ([8, 4], [6, 5]) each epoch: 23
+    tokens of 24; passes of rows (no token budget) log no fill."""
     actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
     critic = ValueModel(copy.deepcopy(actor.base_model))
     inputs = update_inputs(actor, critic, model_batch(actor.config.vocab_size))
     packed = run_epochs(actor, critic, inputs, config(mini_batch_size=4, micro_batch_tokens=12, ppo_epochs=2))
-    assert packed["actor/pass_fill"] == pytest.approx(23 / 36)
+    assert packed["actor/pass_fill"] == pytest.approx(23 / 24)
     assert "actor/pass_fill" not in run_epochs(actor, critic, inputs, config(mini_batch_size=4, micro_batch_size=2))
 
 
@@ -151,7 +190,7 @@ def test_pass_fill_is_the_share_of_the_packed_passes_budget_their_rows_fill(tiny
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_each_loss_side_metric_is_its_per_token_formula_over_the_mini_batch(tiny_model_dir, aggregation, tokens):
     """One mini-batch of the four samples (5, 1, 0 and 3 trained tokens) in passes of one row, or packed by a
-    budget of 12 tokens (rows of 8, then 6 and 5 together, then 4), read before its optimizer step: every loss and
+    budget of 12 tokens (rows of 8 and 4 together, then 6 and 5), read before its optimizer step: every loss and
     diagnostic is the plain per-token formula of tests/algorithms/reference.py over the mini-batch's tokens, from
     one padded pass of the untouched models over the whole batch. The policy loss carries truncated importance
     weights (some capped), the total its entropy bonus and reference KL."""
@@ -165,7 +204,7 @@ def test_each_loss_side_metric_is_its_per_token_formula_over_the_mini_batch(tiny
                  loss_aggregation=aggregation, tis_cap=cap, old_logprobs="recompute", entropy_coef=entropy_coef,
                  kl_coef=kl_coef, kl_kind="k3")
     assert [len(p) for p in MicroBatching.of(cfg).split(torch.arange(4), batch.attention_mask.sum(1))] == \
-        ([1, 2, 1] if tokens else [1, 1, 1, 1])
+        ([2, 2] if tokens else [1, 1, 1, 1])
     with torch.no_grad():
         logprobs, entropy = token_logprobs(actor, batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0,
                                            with_entropy=True)

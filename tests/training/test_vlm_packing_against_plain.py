@@ -22,7 +22,7 @@ from turnrl.training.ppo import MicroBatching, batched_logprobs, batched_values
 
 ROWS = (((1, 8, 2),), ((1, 4, 4), (1, 2, 8)), (), ((1, 4, 8), (1, 4, 4), (1, 2, 8)))
 """Each row's image grids (t, h, w) in patches, merged 2x2 into tokens (4 tokens each, 8 for 4x8); row 2 has
-none. Row 0 is shorter than row 1: a pass that takes the rows longest first holds row 1's pixels before row 0's."""
+none. Row 3 is the longest: the packed passes take it first, so a pass holds its pixels before row 0's."""
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +105,15 @@ def test_packed_vlm_values_and_critic_gradients_equal_padded(vlm):
 
 
 def test_packed_micro_batches_of_a_vlm_score_as_one_padded_pass(vlm):
-    """Passes of at most 50 tokens, rows taken longest first (row 3, then rows 1, 0 and the text-only row 2 in
-    one pass): each row's pixels go with it, and the scores land in its own row."""
+    """Passes of at most 50 tokens, rows taken longest first, each into the pass it leaves the least room in
+    (row 3 with rows 0 and the text-only row 2 in its room, then row 1): each row's pixels go with it, and the
+    scores land in its own row."""
     critic = ValueModel(copy.deepcopy(vlm.base_model))
     torch.nn.init.normal_(critic.value_head.weight, std=0.5, generator=torch.Generator().manual_seed(5))
     batch = vlm_batch(vlm)
     packed = MicroBatching(1, tokens=50)
     parts = packed.split(torch.arange(len(batch)), batch.attention_mask.sum(1))
-    assert [part.tolist() for part in parts] == [[3], [1, 0, 2]]
+    assert [part.tolist() for part in parts] == [[3, 0, 2], [1]]
     with torch.no_grad():
         torch.testing.assert_close(batched_logprobs(vlm, batch, packed, 0.7),
                                    batched_logprobs(vlm, batch, MicroBatching(len(batch)), 0.7),
