@@ -15,7 +15,8 @@ against the budget show the difference (``--batch 64 --min-len 300 --max-len 420
 
     python benchmarks/update_speed.py --preset 3b
     python benchmarks/update_speed.py --preset tiny --device cpu --rows 4 --tokens 512 --batch 8   # a smoke run
-    python benchmarks/update_speed.py --preset 3b --next-fit --batch 64 --min-len 300 --max-len 4200 --tokens 8704
+    python benchmarks/update_speed.py --preset 3b --next-fit --no-padded --batch 64 --min-len 300 --max-len 4200 \
+        --tokens 8704
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ def main() -> None:
     parser.add_argument("--attention", nargs="+", default=["sdpa"])
     parser.add_argument("--compile", action="store_true", help="also the packed passes with compiled layer parts")
     parser.add_argument("--next-fit", action="store_true", help="also the packed passes cut by next fit")
+    parser.add_argument("--no-padded", dest="padded", action="store_false",
+                        help="skip the padded passes (the speed-up column is then against the first packed row)")
     args = parser.parse_args()
     device = torch.device(args.device)
     peak = peak_flops(device)
@@ -173,9 +176,10 @@ def main() -> None:
         flops = training_flops(training_flops_per_token(model, None if model.config.tie_word_embeddings
                                                         else model.get_input_embeddings().weight),
                                model.config, data[3])
-        variants = [("padded", MicroBatching(args.rows)), ("packed", MicroBatching(args.rows, args.tokens))]
+        variants = [("padded", MicroBatching(args.rows))] if args.padded else []
         if args.next_fit:
             variants.append(("packed, next fit", NextFit(args.rows, args.tokens)))
+        variants.append(("packed", MicroBatching(args.rows, args.tokens)))
         if args.compile:
             variants.append(("packed, compiled", MicroBatching(args.rows, args.tokens)))
         for name, batching in variants:
