@@ -178,8 +178,7 @@ class AlgorithmConfig:
     micro_batch_tokens: int = 0
     """Above 0: forward/backward passes take as many samples as fit in this many tokens, laid end to end
     without padding (packed; each sample attends only to itself), each sample, longest first, put in the pass it
-    fills best; a longer sample runs alone. 0: passes of
-    ``micro_batch_size`` samples, padded to the longest."""
+    fills best; a longer sample runs alone. 0: passes of ``micro_batch_size`` samples, padded to the longest."""
     score_micro_batch_tokens: int = 0
     """Above 0: the passes that only score (PPO's recomputed old log-probs, the reference's, the critic's values,
     the sampler check's rows) pack up to this many tokens each; 0: they are cut as the update's are. A pass
