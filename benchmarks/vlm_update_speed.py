@@ -10,7 +10,9 @@ it, checkpointed unless ``--no-checkpointing``), one micro-batch at a time: ``--
 ``--tokens`` tokens packed (each episode attends to itself; its image tokens keep their M-RoPE positions).
 ``features once`` runs the packed passes with one store of image features a step
 (:mod:`turnrl.training.image_features`): the first pass encodes each image, the second reads them; the other
-variants run the tower in both. Weights are bf16 (as FSDP's mixed precision gathers them) and the tower is
+variants run the tower in both. ``--checkpointed-layers N`` adds the features-once passes with only the first N
+decoder layers recomputed (``model.checkpointed_layers``), the training pass's speed-up against every layer
+recomputed in the last column. Weights are bf16 (as FSDP's mixed precision gathers them) and the tower is
 frozen (``model.train_vision=false``, the recipes' default).
 
 MFU is the training pass's model FLOPs over its seconds and the device's bf16 peak: the decoder's 6 x
@@ -22,6 +24,7 @@ passes, the tower's forward over the batch's images is timed alone: with its MLP
 
     python benchmarks/vlm_update_speed.py --preset vlm-3b
     python benchmarks/vlm_update_speed.py --quick      # the CPU smoke run: vlm-tiny, 4 episodes of 3 turns
+    python benchmarks/vlm_update_speed.py --preset vlm-3b --compile --checkpointed-layers 31 22  # fewer recomputed
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP  # 
 
 from turnrl.models.loading import (  # noqa: E402
     compile_layer_parts,
+    decoder_layers,
     enable_checkpointing,
     freeze_vision_tower,
     prepare_vision_tower,
@@ -183,11 +187,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192, help="the tokenizer's size")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--checkpointed-layers", type=int, nargs="*", default=[],
+                        help="also the packed passes with features once and only the first N decoder layers "
+                             "recomputed (model.checkpointed_layers), for each N given")
     parser.add_argument("--compile", action="store_true",
                         help="compile each decoder layer's and vision block's norms and MLP")
     if parser.parse_known_args()[0].quick:
         parser.set_defaults(**QUICK)
     args = parser.parse_args()
+    if args.checkpointed_layers and not args.checkpointing:
+        parser.error("--checkpointed-layers chooses the layers checkpointing recomputes: drop --no-checkpointing")
     device = torch.device(args.device)
     peak = peak_flops(device)
     model = build(args.preset, device, args.vocab, args.checkpointing)
@@ -217,10 +226,17 @@ def main() -> None:
                                 model.config, lengths)
     grids = batch.model_inputs["image_grid_thw"]
     tower_forward = vision_training_flops(vision_tower(model), model.config.vision_config, grids, forward_only=True)
-    variants = [("padded", MicroBatching(args.rows), False), ("packed", MicroBatching(args.rows, args.tokens), False),
-                ("packed, features once", MicroBatching(args.rows, args.tokens), True)]
+    layers = len(decoder_layers(model))
+    packed = MicroBatching(args.rows, args.tokens)
+    variants: list[tuple[str, MicroBatching, bool, int | None]] = [
+        ("padded", MicroBatching(args.rows), False, None), ("packed", packed, False, None),
+        ("packed, features once", packed, True, None),
+        *((f"packed, features once, {n} of {layers} layers recomputed", packed, True, n)
+          for n in args.checkpointed_layers)]
     results = []
-    for name, batching, once in variants:
+    for name, batching, once, recomputed in variants:
+        if args.checkpointing:
+            enable_checkpointing(model, recomputed)
         a_step(model, batch, batching, once, device)  # warm-up: compilation, the allocator
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -238,11 +254,12 @@ def main() -> None:
           f"tower frozen ({p.vision.depth} blocks, {p.vision.hidden_size} wide): its forward "
           f"{tower_forward / (text_flops / 3 + tower_forward):.0%} of a no-grad pass's FLOPs, not in MFU")
     base = results[0][1] + results[0][2]
-    print("| variant | no-grad pass s | training pass s | both s | training MFU | peak GiB | speed-up (both) |\n"
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    every = results[2][2]  # the training pass with features once, every layer recomputed (or none, unchecked)
+    print("| variant | no-grad pass s | training pass s | both s | training MFU | peak GiB | speed-up (both) | "
+          "training pass against features once |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, scoring, training, utilization, memory in results:
         print(f"| {name} | {scoring:.3f} | {training:.3f} | {scoring + training:.3f} | {utilization} | "
-              f"{memory:.1f} | {base / (scoring + training):.2f}x |")
+              f"{memory:.1f} | {base / (scoring + training):.2f}x | {every / training:.2f}x |")
 
 
 if __name__ == "__main__":

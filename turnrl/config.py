@@ -386,7 +386,13 @@ class ModelConfig:
     device: str = "auto"
     """``auto`` (cuda if available), ``cpu``, ``cuda`` or ``cuda:N``."""
     gradient_checkpointing: bool = False
-    """Trade compute for memory in training."""
+    """Trade compute for memory in training: each decoder layer (and a trained vision tower's blocks) keeps only
+    its input from the forward pass and recomputes the rest in the backward."""
+    checkpointed_layers: Optional[int] = None
+    """With ``gradient_checkpointing``, how many of the decoder's layers recompute their activations, the first
+    N (as Megatron's ``recompute_num_layers``); the others keep theirs, which costs memory and saves their
+    recomputation, about a quarter of their share of the update. None: every layer. ``turnrl memory`` says how
+    few fit the GPU."""
     compile: bool = False
     """``torch.compile`` each decoder layer's norms and MLP (and a VLM's vision blocks'), and the rotary embedding
     its attention calls with the cast to bf16 that follows it under autocast (and a VLM's vision tower's rotary
@@ -439,6 +445,12 @@ class ModelConfig:
         check_choice("model.builtin_template", self.builtin_template, sorted(TEMPLATES))
         # model.backend and model.engine.families name objects of upper layers' registries: checked where a run
         # builds its policy (turnrl.policy.factory.check_model_choices), and by TrainConfig.validate at load time.
+        if self.checkpointed_layers is not None:
+            check_range("model.checkpointed_layers", self.checkpointed_layers, 0)
+            if not self.gradient_checkpointing:
+                raise ConfigError(f"model.checkpointed_layers={self.checkpointed_layers} chooses the layers that "
+                                  "gradient checkpointing recomputes: set model.gradient_checkpointing=true too (or "
+                                  "leave model.checkpointed_layers unset)")
         check_choice("model.attention", self.attention, ["sdpa", "eager"])
         check_choice("model.packed_attention", self.packed_attention, ["auto", "flash", "cudnn"])
         self.engine.validate()

@@ -1,9 +1,11 @@
-"""The VLM update benchmark's CPU smoke run: three variants, and episodes that end apart."""
+"""The VLM update benchmark's CPU smoke run: three variants (and fewer layers recomputed), and episodes that end
+apart."""
 
 from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 from benchmarks import vlm_update_speed
@@ -19,6 +21,20 @@ def test_the_cpu_smoke_run_prints_the_three_variants(monkeypatch, capsys):
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
     assert [row[0] for row in rows] == ["| padded", "| packed", "| packed, features once"]
     assert all(row[4] == "n/a" for row in rows)  # no bf16 peak on a CPU: no MFU, rather than nan
+
+
+def test_fewer_recomputed_layers_are_variants_of_their_own_and_need_checkpointing(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["vlm_update_speed.py", "--quick", "--batch", "2", "--image-size", "56",
+                                      "--checkpointed-layers", "1"])
+    vlm_update_speed.main()
+    rows = capsys.readouterr().out.split("| variant |")[1].splitlines()[2:]
+    assert rows[-1].startswith("| packed, features once, 1 of 2 layers recomputed |")
+    assert rows[2].endswith("| 1.00x |")  # the ratio's baseline: every layer recomputed
+    monkeypatch.setattr(sys, "argv", ["vlm_update_speed.py", "--quick", "--no-checkpointing",
+                                      "--checkpointed-layers", "1"])
+    with pytest.raises(SystemExit):
+        vlm_update_speed.main()
+    assert "drop --no-checkpointing" in capsys.readouterr().err
 
 
 def test_episodes_end_between_the_least_and_the_most_turns():

@@ -16,6 +16,7 @@ import pytest
 import torch
 from huggingface_hub import hf_api
 from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from turnrl.config import ConfigError, ModelConfig
@@ -639,3 +640,44 @@ def test_an_architecture_turnrl_cannot_train_is_refused_in_a_line(config, kind, 
         assert message.startswith(f"the model at {other} is of type {config['model_type']!r} (architectures: "
                                   f"{config['architectures'][0]}), which transformers does not build as {kind}")
         assert message.endswith("give a checkpoint of one") and "\n" not in message
+
+
+# --------------------------------------------------------------------------- partial checkpointing
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_vlm_dir"])
+def test_checkpointed_layers_recompute_the_first_layers_only_with_the_same_gradients(fixture, request):
+    """``model.checkpointed_layers=1`` of the tiny models' 2 decoder layers: the first recomputes, the second keeps
+    its activations (a VLM's vision blocks stay checkpointed), and the loss and every gradient equal those of the
+    model checkpointed whole and of the model not checkpointed at all."""
+    import copy
+
+    path = request.getfixturevalue(fixture)
+    plain = loading.load_model(path).train()
+    whole, partial = copy.deepcopy(plain), copy.deepcopy(plain)
+    loading.enable_checkpointing(whole)
+    loading.enable_checkpointing(partial, 1)
+    layers = loading.decoder_layers(partial)
+    assert len(layers) == 2 and [layer.gradient_checkpointing for layer in layers] == [True, False]
+    assert all(layer.gradient_checkpointing for layer in loading.decoder_layers(whole))
+    tower = loading.vision_tower(partial)
+    if tower is not None:
+        blocks = [m for m in tower.modules() if isinstance(m, GradientCheckpointingLayer)]
+        assert blocks and all(block.gradient_checkpointing for block in blocks)
+    ids = torch.randint(0, 200, (2, 31), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for model in (plain, whole, partial):
+        loss = model(input_ids=ids).logits.float().square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+    assert losses[0] == losses[1] == losses[2]
+    for (name, a), b, c in zip(plain.named_parameters(), whole.parameters(), partial.parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(c.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
+def test_checkpointed_layers_past_the_decoders_are_refused_with_the_count(tiny_model_dir):
+    model = loading.load_model(tiny_model_dir)
+    with pytest.raises(ConfigError, match=r"model.checkpointed_layers=3 exceeds the model's 2 decoder layers"):
+        loading.enable_checkpointing(model, 3)
+    loading.enable_checkpointing(model, 0)  # none recomputed: every layer keeps its activations
+    assert not any(layer.gradient_checkpointing for layer in loading.decoder_layers(model))

@@ -13,6 +13,7 @@ from turnrl.training.kept_bytes import (
     MIXED,
     PassBytes,
     activation_bytes,
+    kept_layer_cast_bytes,
     kept_token_bytes,
     tower_patch_bytes,
     weight_cast_bytes,
@@ -29,13 +30,14 @@ GRID = 8
 """Patches a side of each test image: 64 patches, 16 image tokens."""
 
 
-def _model(path, *, checkpointing: bool, bf16_weights: bool = False, train_vision: bool = True):
+def _model(path, *, checkpointing: bool, bf16_weights: bool = False, train_vision: bool = True,
+           checkpointed_layers: int | None = None):
     model = load_model(path, attention="sdpa")
     install_scoring_head(model, None)
     if not train_vision:
         freeze_vision_tower(model)
     if checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, checkpointed_layers)
     if bf16_weights:  # the weights FSDP gathers for a pass in a bf16 run
         model.to(torch.bfloat16)
     return model.train()
@@ -87,6 +89,27 @@ def test_what_autograd_keeps_of_a_token_is_what_the_estimate_counts(tiny_model_d
     model = _model(tiny_model_dir, checkpointing=checkpointing, bf16_weights=dtypes == PassBytes(2, 2))
     measured = _per_token(model, torch.float32 if dtypes.compute == 4 else torch.bfloat16)
     assert kept_token_bytes(counts, checkpointing, dtypes=dtypes) == pytest.approx(measured, rel=TOLERANCE)
+
+
+@pytest.mark.parametrize("dtypes", [MIXED, PassBytes(stream=2, compute=2)], ids=["one-process", "fsdp-bf16"])
+def test_a_layer_left_out_of_checkpointing_keeps_what_the_estimate_counts(tiny_model_dir, dtypes):
+    """``model.checkpointed_layers=1`` of the tiny model's 2 layers: the first keeps its input, the second its whole
+    set, halfway between checkpointing every layer and none; in one process autograd also keeps autocast's bf16
+    copies of the second layer's float32 weights."""
+    counts = count_model(tiny_model_dir)
+    assert counts.layers == 2
+    bf16 = dtypes == PassBytes(2, 2)
+    model = _model(tiny_model_dir, checkpointing=True, bf16_weights=bf16, checkpointed_layers=1)
+    measured = _per_token(model)
+    assert kept_token_bytes(counts, True, dtypes=dtypes, kept_layers=1) == pytest.approx(measured, rel=TOLERANCE)
+    assert kept_token_bytes(counts, True, dtypes=dtypes) < measured < kept_token_bytes(counts, False, dtypes=dtypes)
+    if not bf16:
+        shapes = {tuple(p.shape) for p in model.parameters() if p.dim() > 1}
+        saved = _saved(model, 300)
+        casts = sum(t.untyped_storage().nbytes() for t in saved.values()
+                    if t.dtype == torch.bfloat16 and (tuple(t.shape) in shapes or tuple(t.shape)[::-1] in shapes))
+        # The layer's matrices; its norms' vectors are counted too (a few bytes a parameter of the layer).
+        assert casts <= kept_layer_cast_bytes(counts, 1) <= casts * 1.05
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

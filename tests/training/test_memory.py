@@ -16,7 +16,12 @@ from turnrl.engine.cache import PAGE_TOKENS, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.tiny import build_tokenizer, count_parameters, preset_config
 from turnrl.models.vlm import count_vlm_parameters, vlm_config
-from turnrl.training.kept_bytes import activation_bytes, scoring_activation_bytes
+from turnrl.training.kept_bytes import (
+    activation_bytes,
+    kept_layer_cast_bytes,
+    kept_token_bytes,
+    scoring_activation_bytes,
+)
 from turnrl.training.memory import (
     CUDA_CONTEXT_BYTES,
     GIB,
@@ -31,6 +36,7 @@ from turnrl.training.memory import (
     count_model,
     estimate_memory,
     expandable_segments,
+    fewest_checkpointed_layers,
     fit_advice,
     fit_report,
     full_length_sequences,
@@ -64,6 +70,9 @@ def test_the_counts_of_the_real_shape_presets_are_their_published_sizes(tmp_path
     assert (counts.layers, counts.hidden, counts.intermediate, counts.vocab) == (36, 2048, 11008, 151936)
     # q, k, v (2048 + 2 x 256 outputs) and gate, up (2 x 11008) in each of 36 layers
     assert counts.stacked == 36 * 2048 * (2048 + 2 * 256 + 2 * 11008)
+    # a layer: q/k/v with their biases, o, gate, up and down, and two norms
+    assert counts.layer_params == 2048 * (2048 + 2 * 256) + (2048 + 2 * 256) + 2048 * 2048 + 3 * 2048 * 11008 + \
+        2 * 2048
 
 
 def test_a_vlm_trains_its_decoder_and_not_its_frozen_tower(tmp_path, tokenizer):
@@ -656,3 +665,70 @@ def test_the_users_allocator_variable_wins_and_a_gpu_run_sets_expandable_segment
     ("garbage_collection_threshold:0.6,expandable_segments:True,max_split_size_mb:256", True)])
 def test_expandable_segments_are_read_as_torch_reads_its_settings(settings, expandable):
     assert expandable_segments(settings) is expandable
+
+
+# --------------------------------------------------------------------------- partial checkpointing
+H100_FORM = ["model.gradient_checkpointing=true", "model.engine.free_during_update=true", "model.engine.kv_cache_gb=10",
+             "model.compile=true", "algorithm.micro_batch_tokens=16384", "sft.enabled=false"]
+"""VisGym's maze at vlm-3b as it fits one H100 (docs/benchmarks.md, "VLM steps")."""
+
+
+def test_layers_left_out_of_checkpointing_cost_their_activations_and_casts(tmp_path, tokenizer):
+    """Each layer that keeps its activations adds its set for the pass's tokens and its weights' bf16 casts; none
+    kept is checkpointing whole, all kept is about no checkpointing."""
+    counts = _vlm_counts(tmp_path, tokenizer, "vlm-3b")
+
+    def estimate(*overrides: str):
+        return estimate_memory(load_config(TrainConfig, "configs/visgym_maze.yaml", [*H100_FORM, *overrides]),
+                               counts, 1, H100)
+
+    whole, none_kept = estimate(), estimate(f"model.checkpointed_layers={counts.layers}")
+    assert none_kept.parts == whole.parts and "weight casts" not in whole.parts
+    five = estimate(f"model.checkpointed_layers={counts.layers - 5}")
+    assert five.parts["weight casts"] == kept_layer_cast_bytes(counts, 5) == 10 * counts.layer_params
+    # A kept layer's set (compiled: without its norms' copies) in place of its input, for each of 16,384 tokens.
+    each = (kept_token_bytes(counts, False, compiled=True) - kept_token_bytes(counts, True, compiled=True)) / 36
+    assert five.parts["activations"] - whole.parts["activations"] == 5 * 16384 * each
+    # Every layer kept: no layer recomputes, so no recomputed set on top; as without checkpointing, less its casts.
+    all_kept, without = estimate("model.checkpointed_layers=0"), estimate("model.gradient_checkpointing=false")
+    assert all_kept.parts["activations"] == without.parts["activations"]
+    assert all_kept.parts["weight casts"] == 72 * counts.layer_params < without.parts["weight casts"]
+
+
+def test_the_fewest_recomputed_layers_that_fit_are_said_where_a_run_fits_or_does_not(tmp_path, tokenizer):
+    """On an H100 the 16k-token passes leave room for some layers' activations: `turnrl memory` says how few layers
+    may recompute; a run that keeps more than fit is told the fewest; one without checkpointing that does not fit
+    is told to checkpoint, and how few layers suffice."""
+    counts = _vlm_counts(tmp_path, tokenizer, "vlm-3b")
+    config = load_config(TrainConfig, "configs/visgym_maze.yaml", H100_FORM)
+    margin = allocator_margin(H100, expandable=True)
+    fewest = fewest_checkpointed_layers(config, counts, 1, H100, margin)
+    assert fewest is not None and 0 < fewest < counts.layers
+
+    def with_layers(layers: int | None):
+        return replace(config, model=replace(config.model, checkpointed_layers=layers))
+
+    assert estimate_memory(with_layers(fewest), counts, 1, H100, margin).fits()
+    assert not estimate_memory(with_layers(fewest - 1), counts, 1, H100, margin).fits()
+    fits, line = fit_report(config, counts, 1, H100, margin)
+    assert fits and f"model.checkpointed_layers={fewest} would fit too: the last {counts.layers - fewest} of the " \
+        f"{counts.layers} decoder layers keep their activations" in line
+    assert "would fit too" not in fit_report(with_layers(fewest), counts, 1, H100, margin)[1]
+    too_many = with_layers(fewest - 2)
+    advice = fit_advice(too_many, counts, estimate_memory(too_many, counts, 1, H100, margin), 1)
+    assert f"model.checkpointed_layers={fewest}" in advice
+    eager = replace(config, model=replace(config.model, gradient_checkpointing=False))
+    advice = fit_advice(eager, counts, estimate_memory(eager, counts, 1, H100, margin), 1)
+    assert f"model.gradient_checkpointing=true model.checkpointed_layers={fewest} (the fewest recomputed layers " \
+        "that fit)" in advice
+    # Where nothing fits even with every layer recomputed, there is no fewest.
+    assert fewest_checkpointed_layers(config, counts, 1, 40 * GIB, margin) is None
+
+
+def test_checkpointed_layers_need_checkpointing_and_a_count_of_none_or_more():
+    with pytest.raises(ConfigError, match="set model.gradient_checkpointing=true too"):
+        load_config(TrainConfig, "configs/visgym_maze.yaml", ["model.gradient_checkpointing=false",
+                                                              "model.checkpointed_layers=30"])
+    with pytest.raises(ConfigError, match=r"model.checkpointed_layers=-1 is out of range"):
+        load_config(TrainConfig, "configs/visgym_maze.yaml", ["model.gradient_checkpointing=true",
+                                                              "model.checkpointed_layers=-1"])

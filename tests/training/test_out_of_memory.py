@@ -58,6 +58,10 @@ def test_rl_out_of_memory_names_only_what_the_run_can_change():
     nothing = said("algorithm.micro_batch_tokens=0", "algorithm.micro_batch_size=1",
                    "model.gradient_checkpointing=true", "model.engine.free_during_update=true")
     assert nothing.startswith("RL step 7 ran out of GPU memory: use a GPU with more memory (see `turnrl memory`);")
+    partial = said("algorithm.micro_batch_tokens=0", "algorithm.micro_batch_size=1", "model.gradient_checkpointing=true",
+                   "model.checkpointed_layers=20", "model.engine.free_during_update=true")
+    assert partial.startswith("RL step 7 ran out of GPU memory: set model.checkpointed_layers above 20 (more layers "
+                              "recomputed; unset: all);")
 
 
 def test_halving_the_micro_batches_halves_the_tokens_or_else_the_rows():

@@ -102,15 +102,16 @@ def test_packed_values_equal_padded(model):
 
 def test_packed_rows_with_gradient_checkpointing_give_the_same_gradients(tiny_model_dir):
     """The layers recomputed in the backward pass (after the packed forward has returned) attend per sequence
-    as the forward did."""
+    as the forward did: every layer recomputed, or the first only (``model.checkpointed_layers=1``)."""
     grads = []
-    for checkpointing in (False, True):
+    for checkpointing in (False, True, 1):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
                                                      attn_implementation=ATTENTION).train()
-        if checkpointing:
-            enable_checkpointing(model)
+        if checkpointing is not False:
+            enable_checkpointing(model, None if checkpointing is True else checkpointing)
         logprobs, _ = token_logprobs(model, *padded_batch(model.config.vocab_size, seed=7), packed=True)
         logprobs.sum().backward()
         grads.append({name: p.grad for name, p in model.named_parameters()})
     for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+        for checkpointed in grads[1:]:
+            torch.testing.assert_close(checkpointed[name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)

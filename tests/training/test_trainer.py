@@ -25,6 +25,7 @@ from turnrl.config import ConfigError, load_config
 from turnrl.engine.cache import PAGE_TOKENS, KVCache
 from turnrl.envs import make as make_env
 from turnrl.envservice.placement import LocalEnvFactory
+from turnrl.models.loading import decoder_layers
 from turnrl.rollout.groups import EnvGroups
 from turnrl.training import packed_attention
 from turnrl.training import trainer as trainer_module
@@ -203,6 +204,17 @@ def test_adams_betas_reach_the_actors_and_the_critics_optimizers(tiny_model_dir,
         assert trainer.critic_optimizer is not None
         for optimizer in (trainer.actor_optimizer, trainer.critic_optimizer):
             assert optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    finally:
+        trainer.close()
+
+
+def test_checkpointed_layers_reach_the_actor_and_the_critic(tiny_model_dir, tmp_path):
+    trainer = Trainer(config(tiny_model_dir, tmp_path, "model.gradient_checkpointing=true",
+                             "model.checkpointed_layers=1"))
+    try:
+        assert trainer.critic is not None
+        for model in (trainer.actor, trainer.critic.backbone):
+            assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == [True, False]
     finally:
         trainer.close()
 

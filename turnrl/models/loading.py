@@ -38,6 +38,7 @@ from transformers import (
     GenerationConfig,
     PreTrainedTokenizerBase,
 )
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 from turnrl.config import ConfigError, ModelConfig
@@ -409,12 +410,36 @@ def base_model_path(config: ModelConfig) -> Path | str:
     return builtin_model_path(config)
 
 
-def enable_checkpointing(model: Any) -> None:
-    """Recompute activations in the backward pass (the method's name changed in transformers 5)."""
+def enable_checkpointing(model: Any, checkpointed_layers: int | None = None) -> None:
+    """Recompute activations in the backward pass (the method's name changed in transformers 5): in every decoder
+    layer and vision block, or with ``checkpointed_layers`` (``model.checkpointed_layers``) in the decoder's first
+    N layers only, the others keeping their activations. The first ones, since the backward reaches them last:
+    by then the kept layers' activations are freed, and the recomputed layer's set takes their place.
+
+    Transformers checkpoints each layer that its ``gradient_checkpointing`` flag marks (a
+    :class:`~transformers.modeling_layers.GradientCheckpointingLayer`), so a layer left out is a flag cleared.
+
+    Raises:
+        ConfigError: ``checkpointed_layers`` exceeds the decoder's layers.
+    """
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable()
     else:
         model.gradient_checkpointing_enable()
+    if checkpointed_layers is None:
+        return
+    layers = decoder_layers(model)
+    if checkpointed_layers > len(layers):
+        raise ConfigError(f"model.checkpointed_layers={checkpointed_layers} exceeds the model's {len(layers)} decoder "
+                          f"layers: give at most {len(layers)}, or leave it unset to recompute every layer")
+    for layer in layers[checkpointed_layers:]:
+        layer.gradient_checkpointing = False
+
+
+def decoder_layers(model: torch.nn.Module) -> list[GradientCheckpointingLayer]:
+    """The decoder's layers in order, of a causal LM, a VLM or either's inner model (a critic's backbone)."""
+    decoder: torch.nn.Module = model.get_decoder()  # type: ignore[operator]
+    return [module for module in decoder.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
 ATTENTION_PART = "self_attn"

@@ -44,6 +44,8 @@ class ModelCounts:
     """Pixel values of one patch (channels x frames x patch side squared: 1,176 for Qwen2.5-VL)."""
     patches_per_token: int = 0
     """Patches merged into one image token of the decoder (the 2x2 merge: 4)."""
+    layer_params: int = 0
+    """Parameters of one decoder layer: autocast's bf16 copies of a layer that keeps its activations."""
 
     @property
     def trains_tower(self) -> bool:
@@ -121,28 +123,33 @@ def tower_patch_bytes(counts: ModelCounts, dtypes: PassBytes, checkpointing: boo
 
 
 def kept_token_bytes(counts: ModelCounts, checkpointing: bool, compiled: bool = False,
-                     dtypes: PassBytes = MIXED) -> int:
+                     dtypes: PassBytes = MIXED, kept_layers: int = 0) -> int:
     """A token's bytes that autograd keeps from the forward pass to the backward, the vision tower aside: every
     layer's set (:func:`layer_token_bytes`, without its norms' copies when ``compiled``), or with checkpointing
-    every layer's input in the stream's dtype; and what is kept outside the layers."""
+    each recomputed layer's input in the stream's dtype and the set of the ``kept_layers`` that keep theirs; and
+    what is kept outside the layers."""
     kept_layer = layer_token_bytes(counts, dtypes) - (norm_bytes(counts, dtypes) if compiled else 0)
-    per_layer = dtypes.stream * counts.hidden if checkpointing else kept_layer
-    return counts.layers * per_layer + outside_layers_token_bytes(counts, dtypes)
+    if not checkpointing:
+        kept_layers = counts.layers
+    recomputed = counts.layers - kept_layers
+    return (recomputed * dtypes.stream * counts.hidden + kept_layers * kept_layer
+            + outside_layers_token_bytes(counts, dtypes))
 
 
 def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool, compiled: bool = False,
-                     trains_head: bool = True, dtypes: PassBytes = MIXED) -> float:
+                     trains_head: bool = True, dtypes: PassBytes = MIXED, kept_layers: int = 0) -> float:
     """One micro-batch of ``tokens`` through the model, forward and backward.
 
-    What autograd keeps (:func:`kept_token_bytes`), plus with checkpointing one layer's set recomputed at a time
-    (the 7B pass with checkpointing peaked at 38.1 GiB compiled or not); a trained vision tower's for the
+    What autograd keeps (:func:`kept_token_bytes`; with checkpointing, ``kept_layers`` of the decoder's layers
+    keep their activations: ``model.checkpointed_layers``), plus with checkpointing one layer's set recomputed
+    at a time (the 7B pass with checkpointing peaked at 38.1 GiB compiled or not); a trained vision tower's for the
     micro-batch's images (:func:`tower_patch_bytes`), counted as if every token were an image token (an upper
     bound: a micro-batch holds no more image tokens than tokens). The scoring head holds two float32 chunks of
     logits and a bf16 copy of its weight, and in its backward pass (``trains_head``: not under LoRA) the float32
     sum of its weight's gradient beside one chunk's bf16 product (2.3 + 1.2 GiB for an 8B VLM's 152k x 4096 head).
     """
-    kept = tokens * kept_token_bytes(counts, checkpointing, compiled, dtypes)
-    recomputed = tokens * layer_token_bytes(counts, dtypes) if checkpointing else 0
+    kept = tokens * kept_token_bytes(counts, checkpointing, compiled, dtypes, kept_layers)
+    recomputed = tokens * layer_token_bytes(counts, dtypes) if checkpointing and kept_layers < counts.layers else 0
     tower = tokens * counts.patches_per_token * tower_patch_bytes(counts, dtypes, checkpointing) \
         if counts.trains_tower else 0
     head = head_chunk_bytes(counts, tokens) + (6 * counts.vocab * counts.hidden if trains_head else 0)
@@ -166,6 +173,14 @@ def scoring_activation_bytes(counts: ModelCounts, tokens: int) -> float:
     working set at a time (:func:`activation_bytes`' per-layer count, an upper bound without autograd's copies) and
     the scoring head's (:func:`head_chunk_bytes`)."""
     return layer_working_bytes(counts, tokens) + head_chunk_bytes(counts, tokens)
+
+
+def kept_layer_cast_bytes(counts: ModelCounts, kept_layers: int) -> float:
+    """Autocast's bf16 copies of the float32 weights of the ``kept_layers`` decoder layers that keep their
+    activations under checkpointing (``model.checkpointed_layers``), in one process: autograd keeps them for the
+    backward as it keeps every weight's without checkpointing (:func:`weight_cast_bytes`). Actor and critic have
+    as many layers of one size."""
+    return 2.0 * kept_layers * counts.layer_params
 
 
 def weight_cast_bytes(counts: ModelCounts, critic_total: int = 0) -> float:

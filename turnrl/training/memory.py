@@ -24,15 +24,17 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
     key/value cache   ``model.engine.kv_cache_gb``; when 0, the engine's default (30% of what is free when
                       it starts) capped at what the update leaves free (:func:`default_cache_bytes`): a run
                       sets ``kv_cache_gb`` to it, since the engine starts before the optimizer's states exist
-    activations       one micro-batch of the update, as autograd keeps it: with checkpointing every layer's
-                      input (float32 in one process, where the residual stream stays float32 under autocast;
-                      bf16 under FSDP) plus one layer's working set; without, every layer's working set (less
+    activations       one micro-batch of the update, as autograd keeps it: with checkpointing every recomputed
+                      layer's input (float32 in one process, where the residual stream stays float32 under
+                      autocast; bf16 under FSDP) plus one layer's working set, and the whole set of each layer
+                      that ``model.checkpointed_layers`` leaves out; without, every layer's working set (less
                       the norms' float32 copies under ``model.compile``); a trained vision tower's for the
                       micro-batch's images (at most every token an image token); plus the scoring head's
                       chunk; or one scoring pass of ``algorithm.score_micro_batch_tokens`` (one layer's working
                       set), whichever is larger
     weight casts      one process under mixed precision without checkpointing: the bf16 copy of each float32
-                      weight that autocast makes for a forward pass and autograd keeps for its backward
+                      weight that autocast makes for a forward pass and autograd keeps for its backward (with
+                      checkpointing, of the layers ``model.checkpointed_layers`` leaves out)
                       (under FSDP the layers are gathered in bf16 and freed after their forward instead)
 
 The SFT stage, which runs in one process, is checked on its own once its samples' lengths are known
@@ -69,10 +71,11 @@ import torch
 from turnrl.config import ConfigError
 from turnrl.engine.cache import KVCache, pages_for
 from turnrl.models.builtin import builtin_model_config
-from turnrl.models.loading import VISION_TOWERS, load_model
+from turnrl.models.loading import VISION_TOWERS, decoder_layers, load_model
 from turnrl.training.kept_bytes import (
     ModelCounts,
     activation_bytes,
+    kept_layer_cast_bytes,
     pass_bytes,
     scoring_activation_bytes,
     weight_cast_bytes,
@@ -249,9 +252,12 @@ def count_model(path: Path | str, *, lora_rank: int = 0, lora_targets: str = "al
         if (targets is None or short in targets) and (train_vision or not in_tower):
             adapters += lora_rank * (module.in_features + module.out_features)
     trained = adapters if lora_rank > 0 else total - frozen_tower
+    layers = decoder_layers(model)
+    layer_params = sum(p.numel() for p in layers[0].parameters()) if layers else 0
     return ModelCounts(total=total, trained=trained, stacked=stacked, head=head, layers=text.num_hidden_layers,
                        hidden=text.hidden_size, intermediate=text.intermediate_size, vocab=text.vocab_size,
-                       key_width=key_width, frozen_tower=frozen_tower, **_tower_sizes(model.config) if tower else {})
+                       key_width=key_width, frozen_tower=frozen_tower, layer_params=layer_params,
+                       **_tower_sizes(model.config) if tower else {})
 
 
 def _tower_sizes(config: Any) -> dict[str, int]:
@@ -310,11 +316,21 @@ def _pass_tokens(config: TrainConfig) -> int:
     return algorithm.micro_batch_tokens or algorithm.micro_batch_size * config.model.engine.max_seq_len
 
 
+def kept_layers(config: TrainConfig, counts: ModelCounts) -> int:
+    """Decoder layers that keep their activations under checkpointing (``model.checkpointed_layers``): 0 when every
+    layer is recomputed, or without checkpointing (where all keep them: :func:`activation_bytes` knows)."""
+    checkpointed = config.model.checkpointed_layers
+    if not config.model.gradient_checkpointing or checkpointed is None:
+        return 0
+    return max(0, counts.layers - checkpointed)
+
+
 def _activations(config: TrainConfig, counts: ModelCounts, processes: int) -> float:
     """The activations part: one pass of the update, or one scoring pass of their own budget, the larger."""
     update = activation_bytes(counts, _pass_tokens(config), config.model.gradient_checkpointing, config.model.compile,
                               trains_head=not config.lora.enabled,
-                              dtypes=pass_bytes(config, _sharded(config, processes)))
+                              dtypes=pass_bytes(config, _sharded(config, processes)),
+                              kept_layers=kept_layers(config, counts))
     return max(update, scoring_activation_bytes(counts, config.algorithm.score_micro_batch_tokens))
 
 
@@ -365,9 +381,12 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
         parts["rollout weights"] = 2 * counts.total
     checkpointing = config.model.gradient_checkpointing
     parts["activations"] = _activations(config, counts, processes)
-    if not sharded and not checkpointing and config.model.dtype != "float32":
-        # Actor and critic update one after the other: the larger model's casts (5.7 GiB at 3B).
-        parts["weight casts"] = weight_cast_bytes(counts, critic_total if config.algorithm.uses_critic else 0)
+    if not sharded and config.model.dtype != "float32":
+        if not checkpointing:
+            # Actor and critic update one after the other: the larger model's casts (5.7 GiB at 3B).
+            parts["weight casts"] = weight_cast_bytes(counts, critic_total if config.algorithm.uses_critic else 0)
+        elif kept := kept_layers(config, counts):
+            parts["weight casts"] = kept_layer_cast_bytes(counts, kept)
     # A pool's trainers sample only to validate: their rollout copy and engine are freed after each validation, as
     # free_during_update frees them before each update.
     apart = engine and (config.model.engine.free_during_update or dist.rollout_processes > 0)
@@ -522,8 +541,15 @@ def fit_advice(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimat
             else "trains adapters only"
         options.append((saving(replace(config, lora=replace(config.lora, enabled=True)), replace(counts, trained=0)),
                         f"lora.enabled=true ({trains}; the reference is the base)"))
+    fewest = fewest_checkpointed_layers(config, counts, processes, estimate.device_bytes, estimate.margin)
+    partial = f" model.checkpointed_layers={fewest} (the fewest recomputed layers that fit)" \
+        if fewest is not None and fewest < counts.layers else ""
+    if kept_layers(config, counts):
+        options.append((saving(with_model(checkpointed_layers=fewest)), f"model.checkpointed_layers={fewest}")
+                       if partial else (saving(with_model(checkpointed_layers=None)),
+                                        "model.checkpointed_layers=null (every layer recomputed)"))
     if not model.gradient_checkpointing:
-        options.append((saving(with_model(gradient_checkpointing=True)), "model.gradient_checkpointing=true"))
+        options.append((saving(with_model(gradient_checkpointing=True)), f"model.gradient_checkpointing=true{partial}"))
         if not model.compile:
             compiled = with_model(compile=True)
             fewer = _activations_saved(config, counts, compiled, processes)
@@ -558,6 +584,37 @@ def fit_advice(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimat
                         f"then leaves {fragmentation / GIB:.1f} GiB more)"))
     return [text for _, text in sorted(options, key=lambda option: -option[0])] or [
         "a GPU with more memory (nothing else the estimate counts makes this run smaller)"]
+
+
+def fewest_checkpointed_layers(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float,
+                               margin: float = 0.0) -> int | None:
+    """The fewest decoder layers that checkpointing may recompute (``model.checkpointed_layers``) with the run's
+    estimate still fitting ``device_bytes`` less ``margin``; None when it does not fit with every layer recomputed.
+    A default key/value cache keeps the size it has with every layer recomputed: it would shrink into what the
+    kept activations take."""
+    every = replace(config, model=replace(config.model, gradient_checkpointing=True, checkpointed_layers=None))
+    cache = estimate_memory(every, counts, processes, device_bytes, margin).parts.get("key/value cache")
+    if cache is not None:
+        every = replace(every, model=replace(every.model, engine=replace(every.model.engine,
+                                                                         kv_cache_gb=cache / GIB)))
+    for recomputed in range(counts.layers + 1):
+        trial = replace(every, model=replace(every.model, checkpointed_layers=recomputed))
+        if estimate_memory(trial, counts, processes, device_bytes, margin).fits():
+            return recomputed
+    return None
+
+
+def fewer_recomputed_note(config: TrainConfig, counts: ModelCounts, processes: int, device_bytes: float,
+                          margin: float = 0.0) -> str | None:
+    """Where a run recomputes every layer and would fit with fewer, the setting that recomputes the fewest (a
+    faster update); else None."""
+    if not config.model.gradient_checkpointing or config.model.checkpointed_layers is not None:
+        return None
+    fewest = fewest_checkpointed_layers(config, counts, processes, device_bytes, margin)
+    if fewest is None or fewest >= counts.layers:
+        return None
+    return (f"model.checkpointed_layers={fewest} would fit too: the last {counts.layers - fewest} of the "
+            f"{counts.layers} decoder layers keep their activations and skip their recomputation")
 
 
 def _turn_on(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimate, processes: int) -> str:
@@ -597,7 +654,9 @@ def fit_report(config: TrainConfig, counts: ModelCounts, processes: int, device_
     gpus = f"{processes} GPU{'s' if processes > 1 else ''}"
     if estimate.fits():
         waves = rollout_in_waves(config, counts, estimate, processes)
-        return True, f"{gpus}: fits ({estimate.table()})" + (f"; but {waves}" if waves else "")
+        fewer = fewer_recomputed_note(config, counts, processes, device_bytes, margin)
+        return True, (f"{gpus}: fits ({estimate.table()})" + (f"; {fewer}" if fewer else "")
+                      + (f"; but {waves}" if waves else ""))
     return False, (f"{gpus}: does not fit ({estimate.table()}{_margin_note(estimate)}); turn on "
                    f"{_turn_on(config, counts, estimate, processes)}")
 
@@ -610,11 +669,12 @@ def sft_estimate(config: TrainConfig, counts: ModelCounts, tokens: int, device_b
     approximation), and without checkpointing in mixed precision autocast's bf16 copy of each weight; against
     ``device_bytes`` less the allocator's ``margin``."""
     checkpointing = config.model.gradient_checkpointing
+    kept = kept_layers(config, counts)
     parts = {"model": _training_states(counts.trained, counts.total - counts.trained, 1, False),
              "activations": activation_bytes(counts, tokens, checkpointing, config.model.compile,
-                                             dtypes=pass_bytes(config, sharded=False))}
-    if not checkpointing and config.model.dtype != "float32":
-        parts["weight casts"] = weight_cast_bytes(counts)
+                                             dtypes=pass_bytes(config, sharded=False), kept_layers=kept)}
+    if config.model.dtype != "float32" and (not checkpointing or kept):
+        parts["weight casts"] = kept_layer_cast_bytes(counts, kept) if checkpointing else weight_cast_bytes(counts)
     return MemoryEstimate(parts, device_bytes, margin=margin)
 
 

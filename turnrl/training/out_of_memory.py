@@ -85,6 +85,8 @@ def rl_out_of_memory(error: torch.OutOfMemoryError, config: TrainConfig, step: i
             alone.append(f"algorithm.score_micro_batch_tokens={algorithm.score_micro_batch_tokens}")
     if not config.model.gradient_checkpointing:
         options.append("model.gradient_checkpointing=true")
+    elif (recomputed := config.model.checkpointed_layers) is not None:
+        options.append(f"model.checkpointed_layers above {recomputed} (more layers recomputed; unset: all)")
     # Trainers beside rollout processes sample only to validate and free the rollout after each validation already.
     engine_rollout = config.model.backend != "hf" and not dist.async_rollout and dist.rollout_processes == 0
     if engine_rollout and not config.model.engine.free_during_update:

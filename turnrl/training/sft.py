@@ -691,7 +691,7 @@ def sft_stage(config: TrainConfig, run_dir: Path, progressed: Callable[[], None]
     if not config.model.train_vision:
         freeze_vision_tower(model)
     if config.model.gradient_checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, config.model.checkpointed_layers)
     if config.model.compile:
         compile_layer_parts(model)
     logger = MetricsLogger(out, tensorboard=config.run.tensorboard)

@@ -357,7 +357,7 @@ class Trainer:
         if not config.model.train_vision:
             freeze_vision_tower(self.actor)
         if config.model.gradient_checkpointing:
-            enable_checkpointing(self.actor)
+            enable_checkpointing(self.actor, config.model.checkpointed_layers)
 
         self.critic: ValueModel | None = None
         if config.algorithm.uses_critic:
@@ -369,7 +369,7 @@ class Trainer:
             else:
                 self.critic = ValueModel(copy.deepcopy(self.actor.base_model))  # a frozen tower stays frozen
             if config.model.gradient_checkpointing:
-                enable_checkpointing(self.critic.backbone)
+                enable_checkpointing(self.critic.backbone, config.model.checkpointed_layers)
         self.reference: torch.nn.Module | None = None
         if config.algorithm.kl_coef > 0 and not config.lora.enabled:  # with LoRA: the adapters switched off
             # Never trained: held in the compute dtype (bf16 on a GPU), half the memory of float32 weights, and
