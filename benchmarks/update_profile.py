@@ -38,7 +38,7 @@ from turnrl.models.loading import base_model_path  # noqa: E402
 from turnrl.training import ranks  # noqa: E402
 from turnrl.training.device_idle import merged  # noqa: E402
 from turnrl.training.train_config import TrainConfig  # noqa: E402
-from turnrl.training.memory import set_allocator_settings  # noqa: E402
+from turnrl.training.allocator import set_allocator_settings  # noqa: E402
 from turnrl.training.trainer import Trainer  # noqa: E402
 
 PHASES = ("timing/rollout_s", "timing/old_logprobs_s", "timing/values_s", "timing/update_s", "timing/step_s",

@@ -458,7 +458,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     from turnrl.config import ConfigError, load_config
     from turnrl.models.loading import locate_model
-    from turnrl.training.memory import GIB, count_recipe_model, fit_report, rows_shorter_than_episodes, run_margin
+    from turnrl.training.allocator import run_margin
+    from turnrl.training.memory import GIB, count_recipe_model, fit_report, rows_shorter_than_episodes
     from turnrl.training.train_config import TrainConfig
 
     try:

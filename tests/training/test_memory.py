@@ -16,6 +16,7 @@ from turnrl.engine.cache import PAGE_TOKENS, pages_for
 from turnrl.models.builtin import builtin_model_config
 from turnrl.models.tiny import build_tokenizer, count_parameters, preset_config
 from turnrl.models.vlm import count_vlm_parameters, vlm_config
+from turnrl.training.allocator import CUDA_CONTEXT_BYTES, allocator_margin, run_margin
 from turnrl.training.kept_bytes import (
     activation_bytes,
     kept_layer_cast_bytes,
@@ -23,28 +24,21 @@ from turnrl.training.kept_bytes import (
     scoring_activation_bytes,
 )
 from turnrl.training.memory import (
-    CUDA_CONTEXT_BYTES,
     GIB,
     SFT_ELSEWHERE,
-    allocator_margin,
-    allocator_settings,
     cache_full_note,
-    half_full_passes_note,
-    cap_gpu_memory,
     check_memory,
     check_sft_memory,
     count_model,
     estimate_memory,
-    expandable_segments,
     fewest_checkpointed_layers,
     fit_advice,
     fit_report,
     full_length_sequences,
+    half_full_passes_note,
     require_fit,
     rollout_in_waves,
     rows_shorter_than_episodes,
-    run_margin,
-    set_allocator_settings,
     sft_estimate,
     sft_fit_advice,
 )
@@ -480,21 +474,6 @@ def test_a_full_key_value_cache_is_named_with_what_happened_and_the_setting_to_r
     assert waits is not None and "made 1 turn wait for pages" in waits and "dropped" not in waits
 
 
-def test_the_cap_of_a_shared_card_names_the_card_by_index_as_torch_needs(monkeypatch):
-    capped = []
-
-    def set_fraction(share: float, device: int | torch.device) -> None:  # torch's own check of its argument
-        if not isinstance(device, int):
-            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
-        capped.append((share, device))
-
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
-    cap_gpu_memory(0.25, torch.device("cuda"))  # a run's device as ``model.device=cuda`` resolves it
-    cap_gpu_memory(0.5, torch.device("cuda:1"))
-    assert capped == [(0.25, 2), (0.5, 1)]
-
-
 def test_rows_counted_at_max_seq_len_are_named_among_what_to_turn_on(tmp_path, tokenizer):
     counts = _counts(tmp_path, tokenizer, "small")
     config = load_config(TrainConfig, "configs/quickstart.yaml", ["model.engine.max_seq_len=4096"])
@@ -630,41 +609,6 @@ def test_a_default_cache_leaves_the_margin_free_where_it_is_larger_than_the_usua
     assert estimate.total + margin == pytest.approx(H100) and estimate.fits()
     usual = require_fit(config, counts, 4, H100, allocator_margin(H100, expandable=True))
     assert usual.total == pytest.approx(0.95 * H100)
-
-
-def test_the_users_allocator_variable_wins_and_a_gpu_run_sets_expandable_segments_otherwise():
-    config = load_config(TrainConfig, None, [])
-    assert config.run.cuda_alloc_conf == "expandable_segments:True"
-    environ: dict[str, str] = {}
-    line = set_allocator_settings(config, environ)
-    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert line == ("CUDA allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (run.cuda_alloc_conf; set the "
-                    "variable to choose otherwise)")
-    for users in ({"PYTORCH_CUDA_ALLOC_CONF": ""}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},
-                  {"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "x"}):
-        environ = dict(users)
-        variable = next(iter(users))
-        assert set_allocator_settings(config, environ) == (f"CUDA allocator: {variable}={users[variable]} from the "
-                                                           "environment (it wins over run.cuda_alloc_conf)")
-        assert environ == users and allocator_settings(config, environ) == (users[variable], variable)
-    cpu = load_config(TrainConfig, None, ["model.device=cpu"])
-    environ = {}
-    assert set_allocator_settings(cpu, environ) is None and environ == {}
-    none = load_config(TrainConfig, None, ["run.cuda_alloc_conf=''"])
-    assert set_allocator_settings(none, environ) is None and environ == {}
-    # The margin follows what the run gets: the user's variable over the config.
-    assert run_margin(config, H200, {}) == allocator_margin(H200, expandable=True)
-    assert run_margin(config, H200, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == \
-        allocator_margin(H200, expandable=False)
-    assert run_margin(none, H200, {}) == allocator_margin(H200, expandable=False)
-
-
-@pytest.mark.parametrize("settings, expandable", [
-    ("expandable_segments:True", True), ("max_split_size_mb:128, expandable_segments:True", True),
-    ("expandable_segments:False", False), ("", False), ("backend:cudaMallocAsync", False),
-    ("garbage_collection_threshold:0.6,expandable_segments:True,max_split_size_mb:256", True)])
-def test_expandable_segments_are_read_as_torch_reads_its_settings(settings, expandable):
-    assert expandable_segments(settings) is expandable
 
 
 # --------------------------------------------------------------------------- partial checkpointing

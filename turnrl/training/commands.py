@@ -47,6 +47,7 @@ from turnrl.rollout.metrics import error_kinds, errored_note
 from turnrl.rollout.ray_workers import RolloutWorkerError, WeightsTransferError
 from turnrl.rollout.trajectory import Trajectory, write_trajectories
 from turnrl.training import compose, heap, ranks
+from turnrl.training.allocator import cap_gpu_memory, set_allocator_settings
 from turnrl.training.checkpoint import checkpoint_step, disk_error_cause, latest_checkpoint, resume_point
 from turnrl.training.collapse_watch import EarlyStops, logged_steps
 from turnrl.training.device_idle import profiled
@@ -54,11 +55,9 @@ from turnrl.training.logger import MetricsLogger, RunProgress
 from turnrl.training.memory import (
     GIB,
     cache_full_note,
-    cap_gpu_memory,
     check_memory,
     half_full_passes_note,
     rows_shorter_than_episodes,
-    set_allocator_settings,
 )
 from turnrl.training.memory_trace import recorded
 from turnrl.training.out_of_memory import rl_out_of_memory

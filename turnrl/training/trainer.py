@@ -79,6 +79,7 @@ from turnrl.rollout.metrics import rollout_metrics
 from turnrl.rollout.runner import Rollout
 from turnrl.rollout.trajectory import Trajectory
 from turnrl.training import ranks
+from turnrl.training.allocator import phase_peak_gib, start_phase
 from turnrl.training.backends.backend import (
     EpisodeRunner,
     MakeRollouts,
@@ -100,7 +101,6 @@ from turnrl.training.checkpoint import (
 from turnrl.training.collapse_watch import CollapseDiagnostics
 from turnrl.training.head import install_scoring_head
 from turnrl.training.logger import RunConsole, RunProgress
-from turnrl.training.memory import phase_peak_gib, start_phase
 from turnrl.training.model_passes import ValueModel
 from turnrl.training.optimizers import adamw, apply_optimizer_settings
 from turnrl.training.out_of_memory import OptimizerSteps, halved_micro_batches, torch_said
