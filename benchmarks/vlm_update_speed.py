@@ -200,6 +200,9 @@ def main() -> None:
     device = torch.device(args.device)
     peak = peak_flops(device)
     model = build(args.preset, device, args.vocab, args.checkpointing)
+    layers = len(decoder_layers(model))
+    if any(n > layers for n in args.checkpointed_layers):
+        parser.error(f"--checkpointed-layers: {args.preset} has {layers} decoder layers")
     min_turns = args.min_turns or (args.images + 1) // 2
     batch = episodes(model, args.batch, args.images, args.image_size, args.text, args.response, args.vocab,
                      min_turns).to(device)
@@ -226,7 +229,6 @@ def main() -> None:
                                 model.config, lengths)
     grids = batch.model_inputs["image_grid_thw"]
     tower_forward = vision_training_flops(vision_tower(model), model.config.vision_config, grids, forward_only=True)
-    layers = len(decoder_layers(model))
     packed = MicroBatching(args.rows, args.tokens)
     variants: list[tuple[str, MicroBatching, bool, int | None]] = [
         ("padded", MicroBatching(args.rows), False, None), ("packed", packed, False, None),

@@ -663,11 +663,20 @@ def test_checkpointed_layers_recompute_the_first_layers_only_with_the_same_gradi
         blocks = [m for m in tower.modules() if isinstance(m, GradientCheckpointingLayer)]
         assert blocks and all(block.gradient_checkpointing for block in blocks)
     ids = torch.randint(0, 200, (2, 31), generator=torch.Generator().manual_seed(0))
-    losses = []
+    losses, runs = [], []
     for model in (plain, whole, partial):
+        # A layer's MLP starts once in the forward pass, and again in the backward where its layer is recomputed
+        # (a pre-hook: the recomputation stops once it has what the backward needs, before the MLP returns).
+        calls = [0] * len(layers)
+        hooks = [layer.mlp.register_forward_pre_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+                 for index, layer in enumerate(loading.decoder_layers(model))]
         loss = model(input_ids=ids).logits.float().square().mean()
         loss.backward()
         losses.append(loss.detach())
+        runs.append(calls)
+        for hook in hooks:
+            hook.remove()
+    assert runs == [[1, 1], [2, 2], [2, 1]]
     assert losses[0] == losses[1] == losses[2]
     for (name, a), b, c in zip(plain.named_parameters(), whole.parameters(), partial.parameters()):
         if a.grad is not None:
@@ -681,3 +690,5 @@ def test_checkpointed_layers_past_the_decoders_are_refused_with_the_count(tiny_m
         loading.enable_checkpointing(model, 3)
     loading.enable_checkpointing(model, 0)  # none recomputed: every layer keeps its activations
     assert not any(layer.gradient_checkpointing for layer in loading.decoder_layers(model))
+    loading.enable_checkpointing(model)  # and every layer recomputed again
+    assert all(layer.gradient_checkpointing for layer in loading.decoder_layers(model))

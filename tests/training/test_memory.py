@@ -18,9 +18,11 @@ from turnrl.models.tiny import build_tokenizer, count_parameters, preset_config
 from turnrl.models.vlm import count_vlm_parameters, vlm_config
 from turnrl.training.allocator import CUDA_CONTEXT_BYTES, allocator_margin, run_margin
 from turnrl.training.kept_bytes import (
+    MIXED,
     activation_bytes,
     kept_layer_cast_bytes,
     kept_token_bytes,
+    layer_token_bytes,
     scoring_activation_bytes,
 )
 from turnrl.training.memory import (
@@ -106,7 +108,8 @@ def test_ppo_with_a_critic_at_3b_does_not_fit_one_h100_and_fits_four(tmp_path, t
     # The engine's default cache (30% of what is free when it starts, before the optimizer's states exist),
     # capped so that the update's peak stays within 95% of the GPU.
     others = sum(value for name, value in four.parts.items() if name != "key/value cache")
-    weights = others - four.parts["activations"] - 0.75 * (four.parts["actor"] + four.parts["critic"])
+    weights = others - four.parts["activations"] - four.parts["gathered layers"] - \
+        0.75 * (four.parts["actor"] + four.parts["critic"])  # no pass runs yet: no layer gathered
     assert four.parts["key/value cache"] == pytest.approx(min(0.3 * (H100 - weights), 0.95 * H100 - others))
     assert four.total <= 0.95 * H100 + 1
 
@@ -630,13 +633,19 @@ def test_layers_left_out_of_checkpointing_cost_their_activations_and_casts(tmp_p
     assert none_kept.parts == whole.parts and "weight casts" not in whole.parts
     five = estimate(f"model.checkpointed_layers={counts.layers - 5}")
     assert five.parts["weight casts"] == kept_layer_cast_bytes(counts, 5) == 10 * counts.layer_params
-    # A kept layer's set (compiled: without its norms' copies) in place of its input, for each of 16,384 tokens.
+    # A kept layer's set (compiled: without its norms' copies) in place of its input, for each of 16,384 tokens;
+    # the one layer's set recomputed at a time comes after five kept sets are freed, which are larger: none on top.
     each = (kept_token_bytes(counts, False, compiled=True) - kept_token_bytes(counts, True, compiled=True)) / 36
-    assert five.parts["activations"] - whole.parts["activations"] == 5 * 16384 * each
+    recomputed_set = layer_token_bytes(counts, MIXED)
+    assert 5 * (each + 4 * counts.hidden) > recomputed_set
+    assert five.parts["activations"] - whole.parts["activations"] == 16384 * (5 * each - recomputed_set)
     # Every layer kept: no layer recomputes, so no recomputed set on top; as without checkpointing, less its casts.
     all_kept, without = estimate("model.checkpointed_layers=0"), estimate("model.gradient_checkpointing=false")
     assert all_kept.parts["activations"] == without.parts["activations"]
     assert all_kept.parts["weight casts"] == 72 * counts.layer_params < without.parts["weight casts"]
+    # Each layer more recomputed holds less, all the way.
+    totals = [estimate(f"model.checkpointed_layers={n}").total for n in range(counts.layers + 1)]
+    assert all(fewer > more for fewer, more in zip(totals, totals[1:]))
 
 
 def test_the_fewest_recomputed_layers_that_fit_are_said_where_a_run_fits_or_does_not(tmp_path, tokenizer):
@@ -660,13 +669,53 @@ def test_the_fewest_recomputed_layers_that_fit_are_said_where_a_run_fits_or_does
     assert "would fit too" not in fit_report(with_layers(fewest), counts, 1, H100, margin)[1]
     too_many = with_layers(fewest - 2)
     advice = fit_advice(too_many, counts, estimate_memory(too_many, counts, 1, H100, margin), 1)
-    assert f"model.checkpointed_layers={fewest}" in advice
+    assert f"model.checkpointed_layers={fewest} (the fewest recomputed layers that fit)" in advice
     eager = replace(config, model=replace(config.model, gradient_checkpointing=False))
     advice = fit_advice(eager, counts, estimate_memory(eager, counts, 1, H100, margin), 1)
     assert f"model.gradient_checkpointing=true model.checkpointed_layers={fewest} (the fewest recomputed layers " \
         "that fit)" in advice
     # Where nothing fits even with every layer recomputed, there is no fewest.
     assert fewest_checkpointed_layers(config, counts, 1, 40 * GIB, margin) is None
+
+
+def test_the_fewest_recomputed_layers_leave_a_default_cache_its_size(tmp_path, tokenizer):
+    """A default cache (``kv_cache_gb=0``) held beside the update is sized into what the update leaves: layers kept
+    beyond that room would fit only by shrinking the cache, so the fewest that keep it whole are named."""
+    counts = _vlm_counts(tmp_path, tokenizer, "vlm-3b")
+    config = load_config(TrainConfig, "configs/visgym_maze.yaml",
+                         [*H100_FORM, "model.engine.kv_cache_gb=0", "model.engine.free_during_update=false"])
+    margin = allocator_margin(H100, expandable=True)
+    cache = estimate_memory(config, counts, 1, H100, margin).parts["key/value cache"]
+    assert cache > 0
+    fewest = fewest_checkpointed_layers(config, counts, 1, H100, margin)
+    assert fewest is not None
+    named = estimate_memory(replace(config, model=replace(config.model, checkpointed_layers=fewest)), counts, 1,
+                            H100, margin)
+    assert named.fits() and named.parts["key/value cache"] >= cache
+    if fewest > 0:
+        one_less = estimate_memory(replace(config, model=replace(config.model, checkpointed_layers=fewest - 1)),
+                                   counts, 1, H100, margin)
+        assert one_less.parts["key/value cache"] < cache
+
+
+def test_a_count_past_the_models_layers_is_refused_before_the_model_loads(tmp_path, tokenizer):
+    counts = _vlm_counts(tmp_path, tokenizer, "vlm-3b")
+    config = load_config(TrainConfig, "configs/visgym_maze.yaml", [*H100_FORM, "model.checkpointed_layers=37"])
+    with pytest.raises(ConfigError, match="model.checkpointed_layers=37 exceeds the model's 36 decoder layers"):
+        estimate_memory(config, counts, 1, H100)
+
+
+def test_sft_counts_the_kept_layers_and_is_told_to_recompute_them_all(tmp_path, tokenizer):
+    """SFT keeps the layers ``model.checkpointed_layers`` leaves out, with their weights' casts; where that does not
+    fit and every layer recomputed does, it is told so."""
+    counts = _vlm_counts(tmp_path, tokenizer, "vlm-3b")
+    every = load_config(TrainConfig, "configs/visgym_maze.yaml", H100_FORM)
+    kept = replace(every, model=replace(every.model, checkpointed_layers=6))
+    whole, partial = (sft_estimate(config, counts, 16384, H100) for config in (every, kept))
+    assert "weight casts" not in whole.parts and partial.parts["weight casts"] == kept_layer_cast_bytes(counts, 30)
+    assert partial.parts["activations"] > whole.parts["activations"]
+    budget = (whole.total + partial.total) / 2
+    assert sft_fit_advice(kept, counts, 1, 16384, budget)[-1] == "set model.checkpointed_layers=null"
 
 
 def test_checkpointed_layers_need_checkpointing_and_a_count_of_none_or_more():

@@ -37,7 +37,9 @@ def test_sft_out_of_memory_halves_the_rows_that_failed_not_the_setting():
                           "longest): set sft.micro_batch_size=2 (sft.batch_size=64 stays")
     assert few.endswith("torch: " + torch_said(torch.OutOfMemoryError(REAL_OOM)))
     one = str(sft_out_of_memory(torch.OutOfMemoryError(REAL_OOM), config, (1, 9000)))
-    assert "sft.micro_batch_size" not in one and ": set model.gradient_checkpointing=true (if off); or give" in one
+    assert "sft.micro_batch_size" not in one
+    assert (": set model.gradient_checkpointing=true (if off; if on, a larger model.checkpointed_layers or none); "
+            "or give") in one
     optimizer = str(sft_out_of_memory(torch.OutOfMemoryError(REAL_OOM), config, None))
     assert "micro_batch" not in optimizer and "checkpointing" not in optimizer and SFT_ELSEWHERE in optimizer
 

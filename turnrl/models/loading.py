@@ -418,9 +418,12 @@ def enable_checkpointing(model: Any, checkpointed_layers: int | None = None) -> 
 
     Transformers checkpoints each layer that its ``gradient_checkpointing`` flag marks (a
     :class:`~transformers.modeling_layers.GradientCheckpointingLayer`), so a layer left out is a flag cleared.
+    (Its own ``every_n_layers`` option would count the vision blocks among the layers and spread the recomputed
+    ones apart, which frees nothing before the first recompute.)
 
     Raises:
-        ConfigError: ``checkpointed_layers`` exceeds the decoder's layers.
+        ConfigError: ``checkpointed_layers`` exceeds the decoder's layers, or the model's layers are not
+            checkpointed one by one.
     """
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable()
@@ -429,6 +432,9 @@ def enable_checkpointing(model: Any, checkpointed_layers: int | None = None) -> 
     if checkpointed_layers is None:
         return
     layers = decoder_layers(model)
+    if not layers:
+        raise ConfigError(f"model.checkpointed_layers chooses among the decoder's layers, and {type(model).__name__}'s "
+                          "are not transformers' checkpointed layers: leave model.checkpointed_layers unset")
     if checkpointed_layers > len(layers):
         raise ConfigError(f"model.checkpointed_layers={checkpointed_layers} exceeds the model's {len(layers)} decoder "
                           f"layers: give at most {len(layers)}, or leave it unset to recompute every layer")
@@ -436,10 +442,10 @@ def enable_checkpointing(model: Any, checkpointed_layers: int | None = None) -> 
         layer.gradient_checkpointing = False
 
 
-def decoder_layers(model: torch.nn.Module) -> list[GradientCheckpointingLayer]:
-    """The decoder's layers in order, of a causal LM, a VLM or either's inner model (a critic's backbone)."""
-    decoder: torch.nn.Module = model.get_decoder()  # type: ignore[operator]
-    return [module for module in decoder.modules() if isinstance(module, GradientCheckpointingLayer)]
+def decoder_layers(model: Any) -> list[GradientCheckpointingLayer]:
+    """The decoder's layers in order, of a causal LM, a VLM or either's inner model (a critic's backbone): a
+    transformers model's ``get_decoder()`` is the text decoder, never the vision tower."""
+    return [module for module in model.get_decoder().modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
 ATTENTION_PART = "self_attn"

@@ -122,13 +122,19 @@ def tower_patch_bytes(counts: ModelCounts, dtypes: PassBytes, checkpointing: boo
     return c * counts.patch_values + (4 + 4 * c) * d + blocks
 
 
+def kept_layer_token_bytes(counts: ModelCounts, compiled: bool, dtypes: PassBytes) -> int:
+    """A token's bytes that autograd keeps of one layer that is not recomputed: :func:`layer_token_bytes`, less its
+    norms' copies when ``compiled`` (the compiled norms recompute them in their backward)."""
+    return layer_token_bytes(counts, dtypes) - (norm_bytes(counts, dtypes) if compiled else 0)
+
+
 def kept_token_bytes(counts: ModelCounts, checkpointing: bool, compiled: bool = False,
                      dtypes: PassBytes = MIXED, kept_layers: int = 0) -> int:
     """A token's bytes that autograd keeps from the forward pass to the backward, the vision tower aside: every
     layer's set (:func:`layer_token_bytes`, without its norms' copies when ``compiled``), or with checkpointing
     each recomputed layer's input in the stream's dtype and the set of the ``kept_layers`` that keep theirs; and
     what is kept outside the layers."""
-    kept_layer = layer_token_bytes(counts, dtypes) - (norm_bytes(counts, dtypes) if compiled else 0)
+    kept_layer = kept_layer_token_bytes(counts, compiled, dtypes)
     if not checkpointing:
         kept_layers = counts.layers
     recomputed = counts.layers - kept_layers
@@ -142,14 +148,19 @@ def activation_bytes(counts: ModelCounts, tokens: int, checkpointing: bool, comp
 
     What autograd keeps (:func:`kept_token_bytes`; with checkpointing, ``kept_layers`` of the decoder's layers
     keep their activations: ``model.checkpointed_layers``), plus with checkpointing one layer's set recomputed
-    at a time (the 7B pass with checkpointing peaked at 38.1 GiB compiled or not); a trained vision tower's for the
+    at a time (the 7B pass with checkpointing peaked at 38.1 GiB compiled or not), less what the kept layers free
+    first: the backward reaches the recomputed layers, the first ones, after the kept ones have let go of their
+    sets; a trained vision tower's for the
     micro-batch's images (:func:`tower_patch_bytes`), counted as if every token were an image token (an upper
     bound: a micro-batch holds no more image tokens than tokens). The scoring head holds two float32 chunks of
     logits and a bf16 copy of its weight, and in its backward pass (``trains_head``: not under LoRA) the float32
     sum of its weight's gradient beside one chunk's bf16 product (2.3 + 1.2 GiB for an 8B VLM's 152k x 4096 head).
     """
     kept = tokens * kept_token_bytes(counts, checkpointing, compiled, dtypes, kept_layers)
-    recomputed = tokens * layer_token_bytes(counts, dtypes) if checkpointing and kept_layers < counts.layers else 0
+    recomputed = 0
+    if checkpointing and kept_layers < counts.layers:
+        recomputed = tokens * max(0, layer_token_bytes(counts, dtypes)
+                                  - kept_layers * kept_layer_token_bytes(counts, compiled, dtypes))
     tower = tokens * counts.patches_per_token * tower_patch_bytes(counts, dtypes, checkpointing) \
         if counts.trains_tower else 0
     head = head_chunk_bytes(counts, tokens) + (6 * counts.vocab * counts.hidden if trains_head else 0)

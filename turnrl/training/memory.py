@@ -237,7 +237,7 @@ def default_cache_bytes(parts: dict[str, float], device_bytes: float, apart: boo
     cache took it; with ``apart`` (the cache freed during the update), no more than the rollout leaves free
     (the update's own parts and the ``gradients`` not counted)."""
     weights_only = {"actor": 0.25, "critic": 0.25}  # float32 weights: a quarter of the 16 bytes of states
-    at_start = sum(value * weights_only.get(name, 1.0) for name, value in parts.items() if name != "activations")
+    at_start = sum(value * weights_only.get(name, 1.0) for name, value in parts.items() if name not in UPDATE_ONLY)
     engine_default = 0.3 * max(0.0, device_bytes - at_start)
     held = sum(value for name, value in parts.items() if not (apart and name in UPDATE_ONLY)) - \
         (gradients if apart else 0.0)
@@ -254,11 +254,18 @@ def _pass_tokens(config: TrainConfig) -> int:
 
 def kept_layers(config: TrainConfig, counts: ModelCounts) -> int:
     """Decoder layers that keep their activations under checkpointing (``model.checkpointed_layers``): 0 when every
-    layer is recomputed, or without checkpointing (where all keep them: :func:`activation_bytes` knows)."""
+    layer is recomputed, or without checkpointing (where all keep them: :func:`activation_bytes` knows).
+
+    Raises:
+        ConfigError: ``model.checkpointed_layers`` exceeds the model's layers (as loading the model would).
+    """
     checkpointed = config.model.checkpointed_layers
     if not config.model.gradient_checkpointing or checkpointed is None:
         return 0
-    return max(0, counts.layers - checkpointed)
+    if checkpointed > counts.layers:
+        raise ConfigError(f"model.checkpointed_layers={checkpointed} exceeds the model's {counts.layers} decoder "
+                          f"layers: give at most {counts.layers}, or leave it unset to recompute every layer")
+    return counts.layers - checkpointed
 
 
 def _activations(config: TrainConfig, counts: ModelCounts, processes: int) -> float:
@@ -481,7 +488,7 @@ def fit_advice(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimat
     partial = f" model.checkpointed_layers={fewest} (the fewest recomputed layers that fit)" \
         if fewest is not None and fewest < counts.layers else ""
     if kept_layers(config, counts):
-        options.append((saving(with_model(checkpointed_layers=fewest)), f"model.checkpointed_layers={fewest}")
+        options.append((saving(with_model(checkpointed_layers=fewest)), partial.strip())
                        if partial else (saving(with_model(checkpointed_layers=None)),
                                         "model.checkpointed_layers=null (every layer recomputed)"))
     if not model.gradient_checkpointing:
@@ -526,16 +533,14 @@ def fewest_checkpointed_layers(config: TrainConfig, counts: ModelCounts, process
                                margin: float = 0.0) -> int | None:
     """The fewest decoder layers that checkpointing may recompute (``model.checkpointed_layers``) with the run's
     estimate still fitting ``device_bytes`` less ``margin``; None when it does not fit with every layer recomputed.
-    A default key/value cache keeps the size it has with every layer recomputed: it would shrink into what the
-    kept activations take."""
+    A default key/value cache (``model.engine.kv_cache_gb=0``) must keep the size it has with every layer
+    recomputed: it is sized into what the update leaves, and kept activations would shrink it."""
     every = replace(config, model=replace(config.model, gradient_checkpointing=True, checkpointed_layers=None))
-    cache = estimate_memory(every, counts, processes, device_bytes, margin).parts.get("key/value cache")
-    if cache is not None:
-        every = replace(every, model=replace(every.model, engine=replace(every.model.engine,
-                                                                         kv_cache_gb=cache / GIB)))
+    cache = estimate_memory(every, counts, processes, device_bytes, margin).parts.get("key/value cache", 0.0)
     for recomputed in range(counts.layers + 1):
-        trial = replace(every, model=replace(every.model, checkpointed_layers=recomputed))
-        if estimate_memory(trial, counts, processes, device_bytes, margin).fits():
+        trial = estimate_memory(replace(every, model=replace(every.model, checkpointed_layers=recomputed)), counts,
+                                processes, device_bytes, margin)
+        if trial.fits() and trial.parts.get("key/value cache", 0.0) >= cache:
             return recomputed
     return None
 
@@ -602,7 +607,8 @@ def sft_estimate(config: TrainConfig, counts: ModelCounts, tokens: int, device_b
     """The SFT stage's peak on its GPU, for micro-batches of ``tokens`` (rows padded to the longest): the model's
     float32 weights, gradients and AdamW moments (SFT trains the whole model but a frozen vision tower, LoRA
     or not, in one process on one GPU), one micro-batch forward and backward (:func:`activation_bytes`, an
-    approximation), and without checkpointing in mixed precision autocast's bf16 copy of each weight; against
+    approximation), and in mixed precision autocast's bf16 copy of each weight that autograd keeps (every one
+    without checkpointing, the kept layers' with ``model.checkpointed_layers``); against
     ``device_bytes`` less the allocator's ``margin``."""
     checkpointing = config.model.gradient_checkpointing
     kept = kept_layers(config, counts)
@@ -633,12 +639,15 @@ def sft_fit_advice(config: TrainConfig, counts: ModelCounts, rows: int, longest:
     if size:
         advice.append(f"set sft.micro_batch_size={size} (sft.batch_size={config.sft.batch_size} stays: the "
                       "micro-batches' gradients add up)")
-    if not config.model.gradient_checkpointing:
-        checkpointed = replace(config, model=replace(config.model, gradient_checkpointing=True))
+    if not config.model.gradient_checkpointing or kept_layers(config, counts):
+        checkpointed = replace(config, model=replace(config.model, gradient_checkpointing=True,
+                                                     checkpointed_layers=None))
+        setting = "model.checkpointed_layers=null" if config.model.gradient_checkpointing else \
+            "model.gradient_checkpointing=true"
         if sft_estimate(checkpointed, counts, rows * longest, device_bytes, margin).fits():
-            advice.append("set model.gradient_checkpointing=true")
+            advice.append(f"set {setting}")
         elif size := largest_fitting(checkpointed):
-            advice.append(f"set model.gradient_checkpointing=true sft.micro_batch_size={size}")
+            advice.append(f"set {setting} sft.micro_batch_size={size}")
     return advice or [SFT_ELSEWHERE]
 
 

@@ -46,7 +46,8 @@ def sft_out_of_memory(error: torch.OutOfMemoryError, config: SFTConfig,
         where = f"a micro-batch of {rows} samples of {length} tokens (padded to the longest)"
         options = [f"set sft.micro_batch_size={rows // 2} (sft.batch_size={config.batch_size} stays: the "
                    "micro-batches' gradients add up)"] if rows > 1 else []
-        options += ["set model.gradient_checkpointing=true (if off)", share]
+        options += ["set model.gradient_checkpointing=true (if off; if on, a larger model.checkpointed_layers or "
+                    "none)", share]
     return ConfigError(f"SFT ran out of GPU memory in {where}: {'; or '.join(options)}. torch: {torch_said(error)}")
 
 
