@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -58,6 +60,33 @@ def test_the_pool_doubles_up_to_the_budget_keeping_what_its_pages_hold():
     assert kv.grown and kv.pages == 161
     assert torch.equal(kv.kv[1][0, first, 0, 0, 0], torch.arange(60.0))
     assert not kv.resize(2, 2000) or kv.pages <= 400
+
+
+def test_the_pool_grows_layer_by_layer_holding_one_old_layer_at_most(monkeypatch):
+    """Each layer's larger tensor replaces its old one before the next is made: while the pool grows it never
+    holds the old pool beside the new (the last growth, from just under the budget to it, held the cache twice)."""
+    shape = DecoderShape(num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=10, rms_eps=1e-6)
+    kv = KVCache(shape, 4, 2000, 400, torch.float32, torch.device("cpu"), page=16)
+    kv.reserve_scratch()
+    held: list[int] = []  # bytes of the pool's tensors alive at each new layer's allocation
+    tracked: list = []
+    zeros = torch.zeros
+
+    def counted_zeros(*args, **kwargs):
+        held.append(sum(t.untyped_storage().nbytes() for ref in tracked if (t := ref()) is not None))
+        layer = zeros(*args, **kwargs)
+        tracked.append(weakref.ref(layer))
+        return layer
+
+    tracked.extend(weakref.ref(layer) for layer in kv.kv)
+    old_layer = kv.kv[0].untyped_storage().nbytes()
+    monkeypatch.setattr(torch, "zeros", counted_zeros)
+    assert kv.resize(0, 16 * 100)  # past the first 65 pages: one growth
+    new_layer = kv.kv[0].untyped_storage().nbytes()
+    assert new_layer > old_layer and len(held) == 6
+    # Before layer i's new tensor: the i new ones made and the 6 - i old ones not yet replaced.
+    assert held == [i * new_layer + (6 - i) * old_layer for i in range(6)]
+    assert max(held) + new_layer <= 6 * new_layer + old_layer
 
 
 def test_a_budget_below_one_sequence_is_refused():
