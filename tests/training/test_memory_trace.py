@@ -8,7 +8,7 @@ import torch
 
 from turnrl.config import ConfigError, load_config
 from turnrl.training.train_config import TrainConfig
-from turnrl.training.memory_trace import live_at_peak, made_at, peak_report, phase_spans, recorded
+from turnrl.training.memory_trace import explained, live_at_peak, made_at, peak_report, phase_spans, recorded
 
 
 def event(action: str, addr: int, size: int, where: str = "turnrl/engine/engine.py", phase: str = "step") -> dict:
@@ -75,3 +75,16 @@ def test_a_recorded_step_names_what_was_live_at_its_peak(tmp_path):
     assert "tests/training/test_memory_trace.py" in report[1] or "outside" in report[1]
     assert float(report[0].split()[2]) >= 0.09  # 96 MiB at once
     del kept
+
+
+def test_torchs_recorder_bug_is_said_with_what_to_change_and_other_errors_pass_as_they_are(tmp_path):
+    path = tmp_path / "memory" / "rank0_step1.pickle"
+    bug = SystemError("<built-in method apply of FunctionMeta object at 0xb0d38060> returned NULL without setting an "
+                      "exception")
+    said = explained(bug, path)
+    assert isinstance(said, RuntimeError) and "pytorch/pytorch#179536" in str(said)
+    assert str(path.with_suffix(".txt")) in str(said) and "model.compile=false" in str(said)
+    other = SystemError("something else")
+    assert explained(other, path) is other
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    assert explained(oom, path) is oom

@@ -101,16 +101,43 @@ def peak_report(events: Sequence[dict[str, Any]], top: int = 15, phases: Sequenc
     return lines
 
 
+RECORDER_BUG = "returned NULL without setting an exception"
+"""What torch 2.11 raises where its allocator's recorder meets a compiled part's autograd function under activation
+checkpointing (pytorch/pytorch#179536, a regression from 2.10): a VisGym ``vlm-3b`` step with ``model.compile=true``
+and checkpointing failed so in its first update while recorded (2026-12-07, one H100)."""
+
+
+def explained(error: BaseException, path: Path) -> BaseException:
+    """``error`` as the recorded step raised it, or where it is torch's recorder bug (:data:`RECORDER_BUG`), an
+    error that says so and what to change, the snapshot up to it being at ``path``."""
+    if not (isinstance(error, SystemError) and RECORDER_BUG in str(error)):
+        return error
+    return RuntimeError(
+        f"recording the allocator's history (run.memory_snapshot_steps) broke a compiled part under activation "
+        f"checkpointing, a bug of torch's recorder (pytorch/pytorch#179536; torch {torch.__version__}); what it "
+        f"recorded up to there is in {path.with_suffix('.txt')}. Record the steps with model.compile=false, or "
+        f"without model.gradient_checkpointing, or run without run.memory_snapshot_steps")
+
+
 @contextmanager
 def recorded(path: Path, device: torch.device) -> Iterator[None]:
     """Record ``device``'s allocator history while the body runs; then (also when it raises) save the snapshot
-    to ``path`` and its :func:`peak_report` beside it (``.txt``). On a CPU nothing is recorded."""
+    to ``path`` and its :func:`peak_report` beside it (``.txt``). On a CPU nothing is recorded.
+
+    Raises:
+        RuntimeError: the body hit torch's recorder bug (:func:`explained`); any other error as it was.
+    """
     if device.type != "cuda":
         yield
         return
     torch.cuda.memory._record_memory_history(max_entries=MAX_EVENTS, stacks="python", device=device)
     try:
         yield
+    except SystemError as error:
+        said = explained(error, path)
+        if said is error:
+            raise
+        raise said from error
     finally:
         snapshot = torch.cuda.memory._snapshot(device)
         torch.cuda.memory._record_memory_history(enabled=None, device=device)

@@ -254,7 +254,8 @@ class RunConfig:
     ``memory/rank{R}_step{N}.pickle`` (for pytorch.org/memory_viz) and ``.txt``: the step's peak and what was
     live then, by the line that made it (:mod:`turnrl.training.memory_trace`); a step that runs out of memory
     writes them before it fails. For finding what the memory estimate misses; recording slows those steps.
-    0: off."""
+    Torch 2.11's recorder breaks a compiled part under activation checkpointing (pytorch/pytorch#179536): record
+    such a run with ``model.compile=false``. 0: off."""
     profile_steps: list[int] = field(default_factory=list)
     """RL steps (counted from 1) to trace with ``torch.profiler`` (kernels on a GPU, the host's Python frames),
     writing for each step and process ``profile/rank{R}_step{N}.json.gz`` (for Perfetto or chrome://tracing) and
