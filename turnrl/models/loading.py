@@ -435,11 +435,17 @@ def enable_checkpointing(model: Any, checkpointed_layers: int | None = None) -> 
     if not layers:
         raise ConfigError(f"model.checkpointed_layers chooses among the decoder's layers, and {type(model).__name__}'s "
                           "are not transformers' checkpointed layers: leave model.checkpointed_layers unset")
-    if checkpointed_layers > len(layers):
-        raise ConfigError(f"model.checkpointed_layers={checkpointed_layers} exceeds the model's {len(layers)} decoder "
-                          f"layers: give at most {len(layers)}, or leave it unset to recompute every layer")
+    check_checkpointed_layers(checkpointed_layers, len(layers))
     for layer in layers[checkpointed_layers:]:
         layer.gradient_checkpointing = False
+
+
+def check_checkpointed_layers(checkpointed_layers: int, layers: int) -> None:
+    """Raise a ConfigError where ``model.checkpointed_layers`` exceeds the model's ``layers`` decoder layers: when
+    the model loads, and before it, where the memory estimate counts them."""
+    if checkpointed_layers > layers:
+        raise ConfigError(f"model.checkpointed_layers={checkpointed_layers} exceeds the model's {layers} decoder "
+                          f"layers: give at most {layers}, or leave it unset to recompute every layer")
 
 
 def decoder_layers(model: Any) -> list[GradientCheckpointingLayer]:

@@ -72,7 +72,7 @@ import torch
 from turnrl.config import ConfigError
 from turnrl.engine.cache import KVCache, pages_for
 from turnrl.models.builtin import builtin_model_config
-from turnrl.models.loading import VISION_TOWERS, decoder_layers, load_model
+from turnrl.models.loading import VISION_TOWERS, check_checkpointed_layers, decoder_layers, load_model
 from turnrl.training.allocator import CUDA_CONTEXT_BYTES, GIB, run_margin
 from turnrl.training.kept_bytes import (
     ModelCounts,
@@ -262,9 +262,7 @@ def kept_layers(config: TrainConfig, counts: ModelCounts) -> int:
     checkpointed = config.model.checkpointed_layers
     if not config.model.gradient_checkpointing or checkpointed is None:
         return 0
-    if checkpointed > counts.layers:
-        raise ConfigError(f"model.checkpointed_layers={checkpointed} exceeds the model's {counts.layers} decoder "
-                          f"layers: give at most {counts.layers}, or leave it unset to recompute every layer")
+    check_checkpointed_layers(checkpointed, counts.layers)
     return counts.layers - checkpointed
 
 
@@ -484,10 +482,12 @@ def fit_advice(config: TrainConfig, counts: ModelCounts, estimate: MemoryEstimat
             else "trains adapters only"
         options.append((saving(replace(config, lora=replace(config.lora, enabled=True)), replace(counts, trained=0)),
                         f"lora.enabled=true ({trains}; the reference is the base)"))
-    fewest = fewest_checkpointed_layers(config, counts, processes, estimate.device_bytes, estimate.margin)
+    kept = kept_layers(config, counts)
+    fewest = fewest_checkpointed_layers(config, counts, processes, estimate.device_bytes, estimate.margin) \
+        if kept or not model.gradient_checkpointing else None  # else every layer is recomputed already
     partial = f" model.checkpointed_layers={fewest} (the fewest recomputed layers that fit)" \
         if fewest is not None and fewest < counts.layers else ""
-    if kept_layers(config, counts):
+    if kept:
         options.append((saving(with_model(checkpointed_layers=fewest)), partial.strip())
                        if partial else (saving(with_model(checkpointed_layers=None)),
                                         "model.checkpointed_layers=null (every layer recomputed)"))
