@@ -388,12 +388,12 @@ def test_a_run_sharing_the_card_is_checked_against_its_share(tmp_path, tokenizer
     path = _saved_config(tmp_path / "3b", preset_config("3b", tokenizer))
     grpo = ["algorithm.advantage=grpo", "algorithm.kl_coef=0", "model.engine.kv_cache_gb=1"]
     whole = check_memory(load_config(TrainConfig, "configs/ragen_sokoban.yaml", grpo), path, torch.device("cuda"), 4)
-    assert whole is not None and whole.device_bytes == 80 * GIB and whole.fits()
+    assert whole is not None and whole.estimate.device_bytes == 80 * GIB and whole.estimate.fits()
     config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [*grpo, "run.gpu_share=0.25"])
     with pytest.raises(ConfigError, match=r"GPU's 20.0 GiB.*run.gpu_share=0.25 of a 80.0 GiB GPU: run fewer"):
         check_memory(config, path, torch.device("cuda"), 4)
     config.run.gpu_share = 0.5
-    assert check_memory(config, path, torch.device("cuda"), 4).device_bytes == 40 * GIB
+    assert check_memory(config, path, torch.device("cuda"), 4).estimate.device_bytes == 40 * GIB
 
 
 def test_an_sft_start_is_not_checked_for_the_update_it_never_runs(tmp_path, tokenizer, monkeypatch):
@@ -676,6 +676,22 @@ def test_the_fewest_recomputed_layers_that_fit_are_said_where_a_run_fits_or_does
         "that fit)" in advice
     # Where nothing fits even with every layer recomputed, there is no fewest.
     assert fewest_checkpointed_layers(config, counts, 1, 40 * GIB, margin) is None
+
+
+def test_a_run_that_recomputes_more_layers_than_it_must_is_told_the_fewest_at_its_start(tmp_path, tokenizer,
+                                                                                        monkeypatch):
+    """`turnrl train` prints what `turnrl memory` says beside its estimate: on an 80 GB card the H100 form fits
+    with fewer layers recomputed; a run that names its layers is not told."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H100))
+    path = _saved_config(tmp_path / "vlm-3b", vlm_config("vlm-3b", tokenizer))
+    config = load_config(TrainConfig, "configs/visgym_maze.yaml", H100_FORM)
+    checked = check_memory(config, path, torch.device("cuda"), 1)
+    margin = run_margin(config, H100)
+    fewest = fewest_checkpointed_layers(config, count_model(path), 1, H100, margin)
+    assert checked is not None and checked.estimate == estimate_memory(config, count_model(path), 1, H100, margin)
+    assert checked.faster is not None and checked.faster.startswith(f"model.checkpointed_layers={fewest} would fit")
+    named = load_config(TrainConfig, "configs/visgym_maze.yaml", [*H100_FORM, f"model.checkpointed_layers={fewest}"])
+    assert check_memory(named, path, torch.device("cuda"), 1).faster is None
 
 
 def test_the_fewest_recomputed_layers_leave_a_default_cache_its_size(tmp_path, tokenizer):

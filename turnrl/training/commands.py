@@ -438,7 +438,8 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
         start_compile_workers_ignoring_sigterm()
     if device.type == "cuda" and config.run.gpu_share < 1:  # before anything of this run is on the GPU
         cap_gpu_memory(config.run.gpu_share, device)
-    memory = check_memory(config, base_model_path(config.model), device, ranks.world_size() if distributed else 1)
+    checked = check_memory(config, base_model_path(config.model), device, ranks.world_size() if distributed else 1)
+    memory = checked.estimate if checked is not None else None
     if memory is not None and config.model.engine.kv_cache_gb == 0:
         # The engine's default (30% of what is free when it starts) does not know the optimizer's states to come.
         config.model.engine.kv_cache_gb = round(memory.parts.get("key/value cache", 0.0) / GIB, 1) or 0.1
@@ -456,7 +457,9 @@ def _train(config: TrainConfig, start: float, distributed: bool, stop: GracefulS
                       rollouts=parts.rollouts)
     if memory is not None:
         trainer.startup["memory_estimate_gib"] = memory.total / GIB
-        console.print(f"memory per GPU, estimated: {memory.table()}")
+        console.print(f"memory per GPU, estimated: {memory.table()}", markup=False, highlight=False)
+    if checked is not None and checked.faster is not None:
+        console.print(f"faster, and estimated to fit: {checked.faster}", markup=False, highlight=False)
     try:
         with StallWatch(stalls_path(trainer.run_dir, ranks.rank()), 60 * config.run.stall_dump_minutes) as watch:
             return _run_steps(config, trainer, sft, resumed, start, stop, watch)

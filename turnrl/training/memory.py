@@ -685,8 +685,17 @@ def check_sft_memory(config: TrainConfig, model_path: Path | str, longest: int, 
                       f"tokens: {'; or '.join(advice)}{shared}; or set run.check_memory=false to try anyway")
 
 
+@dataclass(frozen=True)
+class MemoryCheck:
+    """What :func:`check_memory` found before a run starts: the estimate, and a setting that would make the fitting
+    run faster where there is one (:func:`fewer_recomputed_note`), printed beside the estimate."""
+
+    estimate: MemoryEstimate
+    faster: str | None = None
+
+
 def check_memory(config: TrainConfig, model_path: Path | str, device: torch.device,
-                 processes: int) -> MemoryEstimate | None:
+                 processes: int) -> MemoryCheck | None:
     """Estimate each GPU's peak and stop a run that cannot fit, before any model loads.
 
     The GPU's memory is ``run.gpu_share`` of its total (several runs sharing a card). A run of no RL steps (an
@@ -694,8 +703,9 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
     longest sample (:func:`check_sft_memory`) once the demos are made.
 
     Returns:
-        The estimate on a GPU (logged with the run); None on a CPU, with ``run.check_memory=false`` or with no
-        RL steps.
+        The estimate on a GPU (logged with the run) and the fewest layers checkpointing needs recompute where a
+        run recomputes them all and would fit with fewer; None on a CPU, with ``run.check_memory=false`` or with
+        no RL steps.
 
     Raises:
         ConfigError: the estimate exceeds the GPU's memory: the parts and what to turn on.
@@ -720,4 +730,5 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
     waves = rollout_in_waves(config, counts, estimate, processes)
     if waves is not None:
         logger.warning(waves)
-    return estimate
+    return MemoryCheck(estimate, fewer_recomputed_note(config, counts, processes, share * total,
+                                                       run_margin(config, share * total)))
