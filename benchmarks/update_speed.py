@@ -22,6 +22,7 @@ against the budget show the difference (``--batch 64 --min-len 300 --max-len 420
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -107,7 +108,7 @@ def measure(model, data, batching: MicroBatching, repeats: int, device: torch.de
         times.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    return sorted(times)[len(times) // 2], peak
+    return statistics.median(times), peak
 
 
 def head_memory(hidden: int, rows: int, limit: int, n: int, device: torch.device) -> list[tuple[str, float, float]]:

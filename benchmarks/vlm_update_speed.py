@@ -30,6 +30,7 @@ passes, the tower's forward over the batch's images is timed alone: with its MLP
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -162,7 +163,7 @@ def tower_seconds(model, batch: Batch, device: torch.device, repeats: int) -> fl
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return statistics.median(times[1:])
 
 
 QUICK = {"preset": "vlm-tiny", "device": "cpu", "batch": 4, "images": 3, "image_size": 112, "text": 8, "response": 12,
@@ -243,7 +244,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         runs = [a_step(model, batch, batching, once, device) for _ in range(args.repeats)]
-        scoring, training = (sorted(r[i] for r in runs)[len(runs) // 2] for i in (0, 1))
+        scoring, training = (statistics.median(r[i] for r in runs) for i in (0, 1))
         memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         utilization = f"{text_flops / training / peak:.1%}" if peak else "n/a"  # a CPU has no bf16 peak here
         results.append((name, scoring, training, utilization, memory))
