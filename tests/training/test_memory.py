@@ -383,6 +383,21 @@ def test_the_fit_report_names_the_parts_and_what_to_turn_on(tmp_path, tokenizer)
     assert fit_report(config, counts, 1, H100)[1].startswith("1 GPU: does not fit")
 
 
+def test_a_rollback_bound_counts_its_copy_of_the_trained_weights_and_moments_while_updating(tmp_path, tokenizer):
+    """``algorithm.rollback_kl`` copies the actor's float32 weights and AdamW's two moments before each optimizer
+    step (each process its shards): held only while updating; none offloaded to the host."""
+    counts = _counts(tmp_path, tokenizer, "3b")
+    grpo = ["algorithm.advantage=grpo", "algorithm.kl_coef=0", "model.engine.free_during_update=true"]
+    off = estimate_memory(load_config(TrainConfig, "configs/ragen_sokoban.yaml", grpo), counts, 2, H100)
+    config = load_config(TrainConfig, "configs/ragen_sokoban.yaml", [*grpo, "algorithm.rollback_kl=0.5"])
+    on = estimate_memory(config, counts, 2, H100)
+    assert "rollback copy" not in off.parts and on.parts["rollback copy"] == 12 * counts.trained / 2
+    assert on.groups()[1] == pytest.approx(off.groups()[1] + 12 * counts.trained / 2)
+    offload = load_config(TrainConfig, "configs/ragen_sokoban.yaml",
+                          [*grpo, "algorithm.rollback_kl=0.5", "distributed.cpu_offload=true"])
+    assert "rollback copy" not in estimate_memory(offload, counts, 2, H100).parts
+
+
 def test_a_run_sharing_the_card_is_checked_against_its_share(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
     path = _saved_config(tmp_path / "3b", preset_config("3b", tokenizer))

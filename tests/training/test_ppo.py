@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from tests.algorithms import reference as ref
 from turnrl.config import ConfigError
 from turnrl.training.algorithm_config import AlgorithmConfig
+from turnrl.training import ppo
 from turnrl.training.batch import Sample, collate
 from turnrl.training.model_passes import ValueModel, token_logprobs
 from turnrl.training.packed_attention import ATTENTION
@@ -427,6 +429,29 @@ def test_an_undone_optimizer_step_leaves_the_state_it_was_taken_from(actor):
     train(never, undo=False)
     for (name, p), q in zip(undone.named_parameters(), never.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_each_rollback_copy_is_taken_after_the_last_one_is_freed(actor, critic, monkeypatch):
+    """The copy before each optimizer step (weights and Adam's moments, three times the trained weights in float32)
+    replaces the last one: the last one is gone when the next is made, so the update never holds two."""
+    inputs = own_policy_inputs(actor, critic)
+    made: list[weakref.ref] = []
+    held_at_each_copy = []
+    save = ppo.save_actor_state
+
+    def counted(params, optimizer):
+        held_at_each_copy.append(sum(tensor.nbytes for ref in made if (tensor := ref()) is not None))
+        state = save(params, optimizer)
+        made.extend(weakref.ref(tensor) for tensor in state.weights)
+        made.extend(weakref.ref(value) for saved in state.optimizer_state if saved for value in saved.values()
+                    if torch.is_tensor(value))
+        return state
+
+    monkeypatch.setattr(ppo, "save_actor_state", counted)
+    metrics, _ = adam_epochs(actor, inputs, config(mini_batch_size=2, micro_batch_size=1, ppo_epochs=2,
+                                                   rollback_kl=1e9))
+    assert metrics["actor/optimizer_steps"] == 4
+    assert held_at_each_copy == [0, 0, 0, 0]
 
 
 def test_the_rollback_bound_must_be_positive():

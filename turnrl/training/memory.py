@@ -36,6 +36,8 @@ and a first rollout, in an out-of-memory traceback. The estimate counts what the
                       weight that autocast makes for a forward pass and autograd keeps for its backward (with
                       checkpointing, of the layers ``model.checkpointed_layers`` leaves out)
                       (under FSDP the layers are gathered in bf16 and freed after their forward instead)
+    rollback copy     ``algorithm.rollback_kl``: the copy of the actor's trained weights and AdamW's two moments
+                      taken before each optimizer step (float32, this process's shards), held through the update
 
 The SFT stage, which runs in one process, is checked on its own once its samples' lengths are known
 (:func:`check_sft_memory`): the model's training states, one micro-batch and the weight casts.
@@ -92,7 +94,7 @@ _STACKED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 ROLLOUT_ONLY = ("rollout weights", "key/value cache")
 """Parts that ``model.engine.free_during_update`` frees before the scores and the update."""
-UPDATE_ONLY = ("gathered layers", "activations", "weight casts")
+UPDATE_ONLY = ("gathered layers", "activations", "weight casts", "rollback copy")
 """Parts held only while scoring and updating."""
 
 
@@ -328,6 +330,8 @@ def estimate_memory(config: TrainConfig, counts: ModelCounts, processes: int, de
             parts["weight casts"] = weight_cast_bytes(counts, critic_total if config.algorithm.uses_critic else 0)
         elif kept := kept_layers(config, counts):
             parts["weight casts"] = kept_layer_cast_bytes(counts, kept)
+    if config.algorithm.rollback_kl is not None and not offload:
+        parts["rollback copy"] = 12 * counts.trained / processes  # the trained weights (adapters under LoRA)
     # A pool's trainers sample only to validate: their rollout copy and engine are freed after each validation, as
     # free_during_update frees them before each update.
     apart = engine and (config.model.engine.free_during_update or dist.rollout_processes > 0)

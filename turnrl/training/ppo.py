@@ -379,6 +379,7 @@ def ppo_epochs(
             watch_drift = False  # the first mini-batch's passes were under the sampling weights; later ones are not
             if stepping is not None:
                 if guard is not None:
+                    before_step = None  # freed before the next copy: two copies are never held at once
                     before_step, last_mini = save_actor_state(actor_params, stepping), mini
                 norm, skipped = _step_optimizer(stepping, actor_params, optim)
                 record("actor/grad_norm", norm)
