@@ -61,12 +61,23 @@ def parameters_version(inputs: tuple[torch.Tensor, ...]) -> int:
     return sum(tensor._version for tensor in inputs)
 
 
+def write_rows(value: torch.Tensor, blocks: list[torch.Tensor]) -> None:
+    """Copy ``blocks`` into ``value`` one after the other along its first dimension, each cast as it is copied: a
+    fused buffer is filled from its float32 parameters without a float32 concatenation of them (0.17 GiB for a
+    3B model's gate and up projections)."""
+    row = 0
+    for block in blocks:
+        value[row:row + block.shape[0]].copy_(block)
+        row += block.shape[0]
+
+
 @dataclass
 class WeightRef:
     """One weight: the model's parameter itself, or a buffer recomputed from parameters by ``source``."""
 
     value: torch.Tensor
-    source: Callable[[], torch.Tensor] | None = None
+    source: Callable[[], list[torch.Tensor]] | None = None
+    """The buffer's row blocks, in order (one block: the whole weight)."""
     inputs: tuple[torch.Tensor, ...] = ()
     """The parameters ``source`` reads; the buffer is recomputed only when one of them changed (empty: always)."""
     seen_version: int = -1
@@ -83,7 +94,7 @@ class WeightRef:
         if storage.size() == 0:  # released
             storage.resize_(self.value.numel() * self.value.element_size())
         with torch.no_grad():
-            self.value.copy_(self.source())
+            write_rows(self.value, self.source())
         self.seen_version = version
         return True
 
@@ -416,19 +427,28 @@ def decoder_weights(model: nn.Module, dtype: torch.dtype, fuse: bool = True) -> 
         """A buffer in ``dtype`` holding ``sources`` stacked along the output dimension (one source: itself)."""
         inputs = tuple(dict.fromkeys(t for s in sources for t in s.all_inputs))  # unique, in order
 
-        def compute() -> torch.Tensor:
-            return sources[0]() if len(sources) == 1 else torch.cat([source() for source in sources])
+        def compute() -> list[torch.Tensor]:
+            return [source() for source in sources]
 
         with torch.no_grad():
-            value = compute().to(dtype).clone()
+            blocks = compute()
+            value = torch.empty((sum(block.shape[0] for block in blocks), *blocks[0].shape[1:]), dtype=dtype,
+                                device=blocks[0].device)
+            write_rows(value, blocks)
         made = WeightRef(value, compute, inputs, parameters_version(inputs))
         tensors.append(made)
         return made
 
+    cast: dict[int, WeightRef] = {}  # by parameter: a tied input embedding and LM head get one buffer
+
     def tensor(source: _Source) -> WeightRef:
         if source.compute is None and source.parameter.dtype == dtype:
             return WeightRef(source.parameter)
-        return buffer([source])
+        if source.compute is not None:
+            return buffer([source])
+        if id(source.parameter) not in cast:
+            cast[id(source.parameter)] = buffer([source])
+        return cast[id(source.parameter)]
 
     def group(modules: list[nn.Module]) -> tuple[list[WeightRef], list[WeightRef] | None]:
         """Linear layers that read the same input, as one fused weight (and bias) or one per layer."""
