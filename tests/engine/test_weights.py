@@ -102,7 +102,7 @@ def test_a_tied_embedding_and_lm_head_are_cast_into_one_buffer(tied):
 
 
 class _FloatOutputs(TorchDispatchMode):
-    """The shapes of the float32 tensors each op makes."""
+    """The shapes of the float32 tensors of more than one element that ops make in new memory."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,7 +110,9 @@ class _FloatOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+        inputs = {arg.untyped_storage().data_ptr() for arg in args if isinstance(arg, torch.Tensor)}
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() > 1 and \
+                out.untyped_storage().data_ptr() not in inputs:  # new memory, not a view or an in-place result
             self.shapes.append(tuple(out.shape))
         return out
 

@@ -55,7 +55,7 @@ from turnrl.files import atomic_write_text
 from turnrl.models.devices import resolve_dtype
 from turnrl.models.loading import (
     base_model_path,
-    cast_parameters,
+    cast_copy,
     compile_layer_parts,
     enable_checkpointing,
     freeze_vision_tower,
@@ -376,7 +376,8 @@ class Trainer:
             # saved with the run (a resumed run reads it back).
             reference_path = self.run_dir / "reference"
             if self.checkpoint is None:
-                reference: Any = cast_parameters(copy.deepcopy(self.actor), self.dtype)
+                # Cast as copied: never a second float32 actor on the way (14 GiB at 3B).
+                reference: Any = cast_copy(self.actor, self.dtype, self.load_device())
                 if self.parallel.rank == 0:
                     save_reference(reference, reference_path)
                 self.reference = reference
