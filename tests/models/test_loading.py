@@ -99,6 +99,20 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def test_a_cast_copy_of_a_structure_on_meta_keeps_its_buffers_values(tiny_model_dir):
+    """A sharded run's ranks past 0 load the structure on ``meta`` and copy the reference from it: parameters stay
+    on ``meta`` (sharding fills them), the rotary frequencies keep their values."""
+    model = loading.load_model(tiny_model_dir).eval()
+    structure = model.to_empty(device="meta")
+    buffers = {name: value.clone() for name, value in loading.load_model(tiny_model_dir).named_buffers()}
+    for name, value in buffers.items():
+        owner, _, attribute = name.rpartition(".")
+        setattr(structure.get_submodule(owner), attribute, value.clone())
+    copied = loading.cast_copy(structure, torch.bfloat16, torch.device("meta"))
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in copied.parameters())
+    assert buffers and all(torch.equal(dict(copied.named_buffers())[name], value) for name, value in buffers.items())
+
+
 @pytest.fixture
 def hub(unreachable_hub, monkeypatch, tmp_path):
     """A hub on localhost (with the empty cache and no token of ``unreachable_hub``), and ``tmp_path`` as the

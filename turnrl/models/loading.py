@@ -301,12 +301,14 @@ def cast_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.d
     as they are (the rotary frequencies stay float32, as :func:`cast_parameters` keeps them); parameters tied in
     ``model`` stay tied. Each parameter is cast as it is copied, so the copy costs its own memory and no more: a
     deep copy followed by a cast holds a full-precision copy on the way (15 GB at 3B beside a training run's
-    peak)."""
+    peak). On the ``meta`` device (the structure a sharded run's ranks past 0 load) the buffers keep their values
+    where they are, as the sharding that fills the parameters expects."""
     memo: dict[int, Any] = {}
     for param in model.parameters():
         memo[id(param)] = torch.nn.Parameter(param.detach().to(device=device, dtype=dtype or param.dtype, copy=True),
                                              requires_grad=False)
-    return copy.deepcopy(model, memo).to(device)
+    copied = copy.deepcopy(model, memo)
+    return copied if device.type == "meta" else copied.to(device)
 
 
 def model_structure(auto: Any, path: Path | str, dtype: torch.dtype = torch.float32,
