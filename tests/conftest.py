@@ -16,6 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from filelock import FileLock
+from hypothesis import settings
+
+# Hypothesis fails an example that takes over 200 ms by default: on two cores beside the suite's multi-process
+# tests a pure function's example can, which says nothing of the function. Properties are what the tests check.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 # The Ctrl-C tests send SIGINT to this process and to the commands they start. A suite started as a background
 # job of a script (`make test &`, some CI runners) inherits SIGINT ignored, which turnrl rightly keeps ignoring;

@@ -30,6 +30,7 @@ from tests.training.reference_run import (
 from turnrl.config import ConfigError, load_config
 from turnrl.models.loading import load_model
 from turnrl.training.commands import train
+from turnrl.training.run_dir import OWNER_FILE
 from turnrl.training.parallel.fsdp2 import allocate, copy_full_weights, process_rows, structure_of
 from turnrl.training.ppo import MicroBatching, Shard, shard_micro_batches, shard_rows
 from turnrl.training.train_config import TrainConfig
@@ -556,12 +557,20 @@ def test_the_stop_file_stops_every_process_after_the_same_step_with_a_checkpoint
     """``touch RUN_DIR/stop`` under two processes: both stop after the step in progress, the checkpoint is
     saved, the file is gone, and ``turnrl train resume=RUN_DIR`` (config.yaml says two processes) finishes."""
     run_dir = tmp_path / "double"
-    run_dir.mkdir()
-    (run_dir / "stop").touch()  # before the first step: the run stops after it
-    stopped = run_train(tiny_model_dir, tmp_path, "double", "run.steps=3", "distributed.nproc_per_node=2",
-                        "run.overwrite=true")
-    assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-3000:]  # torchrun: 0 or a failure
-    assert "interrupted after step 1 of 3" in " ".join(stopped.stdout.split())
+    command = [sys.executable, "-m", "turnrl.cli", "train", f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}",
+               "run.name=double", *ARGS, "run.steps=3", "distributed.nproc_per_node=2"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}) as process:
+        # Touched once the run holds its folder (a stop file there before it is an earlier run's, and removed)
+        # and before its first step ends (the models load first): the run stops after that step.
+        deadline = time.monotonic() + 300
+        while not (run_dir / OWNER_FILE).is_file() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not (run_dir / "metrics.jsonl").is_file()
+        (run_dir / "stop").touch()
+        out, errors = process.communicate(timeout=600)
+    assert process.returncode == 0, out[-2000:] + errors[-3000:]  # torchrun: 0 or a failure
+    assert "interrupted after step 1 of 3" in " ".join(out.split())
     assert sorted(step_records(run_dir)) == [1] and not (run_dir / "stop").exists()
     resumed = subprocess.run([sys.executable, "-m", "turnrl.cli", "train", f"resume={run_dir}"], capture_output=True,
                              text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
