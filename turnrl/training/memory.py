@@ -707,7 +707,7 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
     longest sample (:func:`check_sft_memory`) once the demos are made.
 
     Returns:
-        The estimate on a GPU (logged with the run) and the fewest layers checkpointing needs recompute where a
+        The estimate on a GPU (logged with the run) and the fewest layers checkpointing must recompute where a
         run recomputes them all and would fit with fewer; None on a CPU, with ``run.check_memory=false`` or with
         no RL steps.
 
