@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.engine.paging import filled_cache
 from tests.engine.test_llm_engine import build, random_prompts
+from tests.new_memory import FloatOutputs
 from turnrl.engine.forward import decoder_forward, final_logits, rotary_table
 from turnrl.engine.weights import (
     DecoderWeights,
@@ -101,22 +101,6 @@ def test_a_tied_embedding_and_lm_head_are_cast_into_one_buffer(tied):
     torch.testing.assert_close(weights.lm_head.value, model.lm_head.weight.bfloat16(), atol=0, rtol=0)
 
 
-class _FloatOutputs(TorchDispatchMode):
-    """The shapes of the float32 tensors of more than one element that ops make in new memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {arg.untyped_storage().data_ptr() for arg in args if isinstance(arg, torch.Tensor)}
-        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() > 1 and \
-                out.untyped_storage().data_ptr() not in inputs:  # new memory, not a view or an in-place result
-            self.shapes.append(tuple(out.shape))
-        return out
-
-
 def test_a_fused_buffer_is_refreshed_without_a_float32_copy_of_its_group():
     """Each refresh casts the float32 parameters into the bf16 buffer block by block: no float32 concatenation of
     the group (0.17 GiB for a 3B model's gate and up projections, at the rollout's peak)."""
@@ -125,7 +109,7 @@ def test_a_fused_buffer_is_refreshed_without_a_float32_copy_of_its_group():
     mlp = model.model.layers[0].mlp
     with torch.no_grad():
         mlp.gate_proj.weight.add_(1)
-    with _FloatOutputs() as made:
+    with FloatOutputs() as made:
         assert weights.refresh() == 1
     gate_up = weights.layers[0].gate_up[0].value
     assert tuple(gate_up.shape) not in made.shapes

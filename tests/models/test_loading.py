@@ -18,8 +18,8 @@ from huggingface_hub import hf_api
 from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.new_memory import FloatOutputs
 from turnrl.config import ConfigError, ModelConfig
 from turnrl.models import loading
 from turnrl.models.loading import load_processor, load_tokenizer, locate_model, model_line
@@ -262,22 +262,6 @@ def test_parameters_cast_alone_compute_what_the_model_loaded_in_that_dtype_compu
         assert not torch.equal(rounded(input_ids=ids, position_ids=positions).logits, expected)
 
 
-class _FloatOutputs(TorchDispatchMode):
-    """The shapes of the float32 tensors of more than one element that ops make in new memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {arg.untyped_storage().data_ptr() for arg in args if isinstance(arg, torch.Tensor)}
-        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() > 1 and \
-                out.untyped_storage().data_ptr() not in inputs:  # new memory, not a view or an in-place result
-            self.shapes.append(tuple(out.shape))
-        return out
-
-
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_vlm_dir"])
 def test_a_cast_copy_is_the_cast_model_and_leaves_the_original_as_it_was(fixture, request):
     """The asynchronous rollout's copy of a float32 actor: each parameter cast as it is copied, buffers as they
@@ -285,7 +269,7 @@ def test_a_cast_copy_is_the_cast_model_and_leaves_the_original_as_it_was(fixture
     path = request.getfixturevalue(fixture)
     original = loading.load_model(path).eval()
     before = {name: p.detach().clone() for name, p in original.named_parameters()}
-    with _FloatOutputs() as made:
+    with FloatOutputs() as made:
         copied = loading.cast_copy(original, torch.bfloat16, torch.device("cpu"))
     assert made.shapes == []  # cast as copied: never a float32 copy of the model on the way (14 GiB at 3B)
     loaded = loading.load_model(path, dtype=torch.bfloat16).eval()
