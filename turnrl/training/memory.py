@@ -734,5 +734,5 @@ def check_memory(config: TrainConfig, model_path: Path | str, device: torch.devi
     waves = rollout_in_waves(config, counts, estimate, processes)
     if waves is not None:
         logger.warning(waves)
-    return MemoryCheck(estimate, fewer_recomputed_note(config, counts, processes, share * total,
-                                                       run_margin(config, share * total)))
+    return MemoryCheck(estimate, fewer_recomputed_note(config, counts, processes, estimate.device_bytes,
+                                                       estimate.margin))
