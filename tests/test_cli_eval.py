@@ -151,14 +151,21 @@ def test_eval_into_a_training_runs_directory_is_refused_and_changes_nothing(run_
 
 
 @pytest.mark.parametrize("with_env", [False, True])
-def test_eval_of_a_config_that_is_not_text_says_so_in_one_line(with_env, tmp_path, monkeypatch, capsys):
-    """A run's config.yaml of random bytes: one line naming the file, with or without --env."""
+@pytest.mark.parametrize(("content", "said"), [
+    (bytes(range(256)) * 4, "not UTF-8 text"),
+    (b"env: " + b"[" * 500 + b"]" * 500, "nested deeper than Python can read"),
+], ids=["random bytes", "nested too deep"])
+def test_eval_of_a_config_that_is_not_text_says_so_in_one_line(with_env, content, said, tmp_path, monkeypatch,
+                                                                capsys):
+    """A run's config.yaml of random bytes, or of lists nested past the YAML parser's recursion (its RecursionError
+    was a traceback): one line naming the file, with or without --env."""
     damaged = tmp_path / "config.yaml"
-    damaged.write_bytes(bytes(range(256)) * 4)
+    damaged.write_bytes(content)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
         main(["eval", "--policy", "random", "--config", str(damaged)] + (["--env", "FrozenLake"] if with_env else []))
-    assert str(stop.value).startswith("error: config file") and "not UTF-8 text" in str(stop.value)
+    assert str(stop.value).startswith("error: config file") and said in str(stop.value)
+    assert "\n" not in str(stop.value)
 
 
 def test_eval_variants_from_a_yaml_file_print_one_table(tmp_path, monkeypatch, capsys):

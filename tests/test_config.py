@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tests.hostile_text import too_deep
 from turnrl.agent.formats import format_names
 from turnrl.config import (
     LEVELS_PER_SEED,
@@ -243,6 +244,19 @@ def test_yaml_file_that_is_not_a_mapping_is_a_config_error(tmp_path):
     assert "list.yaml" in message and "mapping" in message
 
 
+@pytest.mark.parametrize("levels", [100, 500])
+def test_settings_nested_deeper_than_python_reads_are_one_line(tmp_path, levels):
+    """OmegaConf and PyYAML read a level by recursion: some hundred levels of keys, in the file or in an override's
+    value, were a RecursionError's traceback."""
+    path = tmp_path / "deep.yaml"
+    path.write_text("env:\n  settings:\n" + "".join(" " * (i + 4) + f"k{i}:\n" for i in range(levels))
+                    + " " * (levels + 4) + "v: 1\n")
+    assert error_of(path) == f"config file {str(path)!r} is not valid YAML: nested deeper than Python can read"
+    value = "{a: " * levels + "1" + "}" * levels  # past OmegaConf's own limit of flow levels (about 1,000) it says so
+    assert error_of(overrides=[f"env.settings={value}"]) == (
+        "override env.settings=...: the value is nested deeper than Python can read")
+
+
 def test_overlapping_seed_ranges_are_rejected_at_load_time():
     message = error_of(overrides=["seeds.train_start=5"])
     assert "seeds.train_start" in message and "overlap" in message
@@ -289,6 +303,7 @@ def test_given_keys_are_the_file_and_override_keys_with_their_sections(recipe):
 
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(), overrides=st.lists(st.text(), max_size=4))
+@example(text="env: " + too_deep("- "), overrides=[])
 def test_given_keys_takes_any_text_without_raising(tmp_path_factory, text, overrides):
     path = tmp_path_factory.getbasetemp() / "any.yaml"
     path.write_text(text)

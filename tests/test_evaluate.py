@@ -729,6 +729,10 @@ def test_variants_override_names_what_it_takes(tmp_path):
     empty.write_text("variants: []\n")
     with pytest.raises(ConfigError, match="must hold a list of variants"):
         variants_override(str(empty))
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("variants: " + "[" * 100_000)  # PyYAML's RecursionError was a traceback
+    with pytest.raises(ConfigError, match="not a YAML file .nested deeper than Python can read"):
+        variants_override(str(deep))
 
 
 @pytest.mark.parametrize(("text", "needle"), [

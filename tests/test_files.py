@@ -1,15 +1,20 @@
 """Files written whole: replaced whole or not at all, with a plain write's permissions, and a killed writer's
-temporary files found and removed."""
+temporary files found and removed; JSON and YAML read with every failure the parser's own error."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import pytest
+import yaml
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
+from tests.hostile_text import OPENINGS, too_deep
 from turnrl import files
-from turnrl.files import atomic_write_text, remove_unfinished_writes
+from turnrl.files import TOO_DEEP, atomic_write_text, parse_json, parse_yaml, remove_unfinished_writes
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002])  # 0o077 would equal mkstemp's own 0o600
@@ -50,3 +55,38 @@ def test_a_killed_writers_temporary_files_are_removed_and_nothing_else(tmp_path)
     assert sorted(remove_unfinished_writes(tmp_path)) == sorted(left)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([p.name for p in kept] + [".folder.1.x.tmp"])
     assert remove_unfinished_writes(tmp_path / "missing") == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text())
+@example(text='{"step": 1, "a": ' + too_deep() + "]")
+def test_any_text_is_json_or_a_json_error(text):
+    """JSON's parser raises RecursionError past the recursion limit; ``parse_json`` raises its own error there, which
+    every reader of a damaged file or a peer's answer catches."""
+    try:
+        parse_json(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        parse_json(text.encode("utf-8", "surrogatepass"))
+    except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+        pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text())
+@example(text="run:\n  a: " + too_deep("{a: "))
+def test_any_text_is_yaml_or_a_yaml_error(text):
+    try:
+        parse_yaml(text)
+    except yaml.YAMLError:
+        pass
+
+
+@pytest.mark.parametrize("opening", OPENINGS)
+def test_nesting_too_deep_is_said_as_such(opening):
+    with pytest.raises(yaml.YAMLError, match=TOO_DEEP):
+        parse_yaml(too_deep(opening))
+    if opening.startswith(("[", '{"')):
+        with pytest.raises(json.JSONDecodeError, match=TOO_DEEP):
+            parse_json(too_deep(opening))

@@ -42,6 +42,7 @@ from turnrl.config_messages import (
     unknown_key_problem,
     yaml_problem,
 )
+from turnrl.files import TOO_DEEP, parse_yaml
 from turnrl.registry import Registry, RegistryError, close_names, is_module_attr
 
 T = TypeVar("T")
@@ -576,7 +577,7 @@ def given_keys(path: str | Path | None = None, overrides: list[str] | None = Non
 
     if path is not None and Path(path).is_file():
         try:
-            data = yaml.safe_load(Path(path).read_text())
+            data = parse_yaml(Path(path).read_text())
         except (yaml.YAMLError, UnicodeDecodeError):
             data = None
         if isinstance(data, dict):
@@ -634,6 +635,28 @@ def _check_known(written: Any, shapes: dict[str, KeyShape]) -> None:
         raise ConfigError(unknown_key_problem(key, shapes))
 
 
+def _file_layer(path: Path, shapes: dict[str, KeyShape], keys_as_text: set[str],
+                skip_sections: Collection[str]) -> DictConfig:
+    """The layer that the YAML file ``path`` sets, less its ``skip_sections``."""
+    try:
+        layer = OmegaConf.load(path)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {yaml_problem(error)}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}): is it the YAML "
+                          "file meant?") from error
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys (key: value), not a list or a "
+                          "scalar")
+    for section in skip_sections:
+        layer.pop(section, None)
+    container = OmegaConf.to_container(layer)
+    _check_shapes(shape_problem(container, shapes, file=str(path)))
+    _check_known(container, shapes)
+    _as_written(layer, yaml.load(path.read_text(), Loader=yaml.BaseLoader), keys_as_text)
+    return layer
+
+
 def _override_layer(item: str, shapes: dict[str, KeyShape], keys_as_text: set[str]) -> DictConfig:
     """The layer that the override ``item`` (``key=value``) sets, its value read as YAML; a text key whose value
     YAML cannot read takes it as written (RAGEN's action separator ``||`` starts a YAML block scalar)."""
@@ -682,26 +705,16 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            layer = OmegaConf.load(path)
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {yaml_problem(error)}") from error
-        except UnicodeDecodeError as error:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}): is it the YAML "
-                              "file meant?") from error
-        if not isinstance(layer, DictConfig):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys (key: value), not a list or a "
-                              "scalar")
-        for section in skip_sections:
-            layer.pop(section, None)
-        container = OmegaConf.to_container(layer)
-        _check_shapes(shape_problem(container, shapes, file=str(path)))
-        _check_known(container, shapes)
-        _as_written(layer, yaml.load(path.read_text(), Loader=yaml.BaseLoader), text_keys(cls))
-        layers.append(layer)
+            layers.append(_file_layer(path, shapes, text_keys(cls), skip_sections))
+        except RecursionError:  # OmegaConf and PyYAML build a node a level by recursion: some hundred levels
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {TOO_DEEP}") from None
     for item in overrides or []:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        layers.append(_override_layer(item, shapes, text_keys(cls)))
+        try:
+            layers.append(_override_layer(item, shapes, text_keys(cls)))
+        except RecursionError:
+            raise ConfigError(f"override {item.split('=', 1)[0].strip()}=...: the value is {TOO_DEEP}") from None
     try:
         merged = OmegaConf.merge(base, *layers)
         config = OmegaConf.to_object(merged)

@@ -13,6 +13,7 @@ import yaml
 
 from turnrl.config import given_keys
 from turnrl.eval_config import EvalConfig
+from turnrl.files import parse_yaml
 from turnrl.training.train_config import TrainConfig, ValidationConfig
 
 BUDGET_KEYS = ("agent.max_turns", "agent.max_actions_per_episode")
@@ -25,7 +26,7 @@ def yaml_mapping(path: str | None) -> dict[str, Any]:
     if path is None or not Path(path).is_file():
         return {}
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = parse_yaml(Path(path).read_text())
     except (yaml.YAMLError, UnicodeDecodeError):
         return {}
     return data if isinstance(data, dict) else {}

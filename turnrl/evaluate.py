@@ -49,6 +49,7 @@ from turnrl.envs.contract import AgentEnv, optional_methods
 from turnrl.envs.seeds import SeedSplits
 from turnrl.envservice.placement import EnvFactory, env_factory
 from turnrl.eval_config import VARIANT_SETS, EvalConfig, VariantConfig
+from turnrl.files import parse_yaml
 from turnrl.policy.factory import make_policy
 from turnrl.policy.interface import Policy
 from turnrl.registry import close_names
@@ -501,7 +502,7 @@ def variants_override(value: str) -> str:
         raise ConfigError(f"--variants {value!r} is neither a named list ({', '.join(VARIANT_SETS)}) nor a "
                           "YAML file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = parse_yaml(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise ConfigError(f"--variants {value}: not a YAML file ({' '.join(str(error).split())})") from error
     if isinstance(data, dict) and "variants" in data:

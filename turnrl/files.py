@@ -2,13 +2,20 @@
 killed writer left (:func:`remove_unfinished_writes`), and a file's or folder's bytes flushed to the disk
 (:func:`fsync_path`). The run directory's small files (config, summary, owner, ``latest``) and the trajectory
 files a run and ``turnrl eval`` write go through here, so that a reader (the viewer, a resume) never sees a file
-cut short by a kill, a full disk or a power loss."""
+cut short by a kill, a full disk or a power loss.
+
+And text read from a file or a peer, JSON (:func:`parse_json`) or YAML (:func:`parse_yaml`), whose every
+failure is the parser's own error: nesting deeper than the interpreter's stack is one too."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -66,3 +73,31 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+TOO_DEEP = "nested deeper than Python can read"
+"""What is wrong with JSON or YAML some hundred levels deep: the parsers read a level by recursion, and no file
+or answer turnrl reads goes deeper than a few."""
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads``, with text nested deeper than the interpreter's stack refused as a ``json.JSONDecodeError``
+    (a ``ValueError``), as damaged JSON is.
+
+    Written by hand because the standard library raises ``RecursionError`` there (``"[" * 100_000``), which the
+    readers of damaged files and peers' answers, catching ``ValueError``, would let through: a metrics line of
+    brackets stopped a resume with a traceback.
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError(TOO_DEEP, "", 0) from None
+
+
+def parse_yaml(text: str) -> Any:
+    """``yaml.safe_load``, with text nested deeper than the interpreter's stack refused as a ``yaml.YAMLError``
+    (PyYAML raises ``RecursionError`` there, past a few hundred levels of keys or brackets)."""
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise yaml.YAMLError(TOO_DEEP) from None

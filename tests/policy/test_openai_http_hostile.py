@@ -150,6 +150,14 @@ def test_a_server_message_is_clipped():
     assert out.error.count("x") < 400 and "(100000 characters)" in out.error
 
 
+def test_a_400_nested_past_python_s_stack_errors_once_as_any_400():
+    """Whether a 400 says the context is full reads its body as JSON too: a body nested deeper than the parser
+    follows raised RecursionError there, and the episode's error was Python's words instead of the server's."""
+    (out,), _, asked = against(sends(wire(400, b"[" * 100_000)))
+    assert out.finish_reason == "error" and "HTTP 400: [[[" in out.error and "(100000 characters)" in out.error
+    assert asked == 1
+
+
 # --------------------------------------------------------------------------- statuses
 def test_a_redirect_is_not_followed_and_says_where_it_led():
     answer = sends(wire(307, b"", "text/plain", "Location: /elsewhere/v1/chat/completions"))

@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.hostile_text import too_deep
 from turnrl.config import ConfigError
 from turnrl.training import checkpoint
 from turnrl.training.checkpoint import (
@@ -532,9 +533,10 @@ def test_the_list_of_a_checkpoints_files_leaves_out_what_a_resume_does_not_need(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=3),
     max_leaves=8).map(lambda value: json.dumps(value).encode())))
+@example(content=too_deep().encode())
 def test_a_damaged_list_of_files_is_told_never_raised(tmp_path, content):
-    """Whatever ``contents.json`` holds (bytes a disk left, JSON of any shape), the check says what is wrong in
-    words, or nothing, and never stops with a traceback."""
+    """Whatever ``contents.json`` holds (bytes a disk left, JSON of any shape, JSON nested deeper than its
+    parser follows), the check says what is wrong in words, or nothing, and never stops with a traceback."""
     (tmp_path / "trainer_state.pt").write_bytes(b"x")
     (tmp_path / checkpoint.CONTENTS_FILE).write_bytes(content)
     problem = checkpoint._contents_problem(tmp_path, lambda name: True)

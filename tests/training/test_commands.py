@@ -168,7 +168,8 @@ def test_a_config_write_that_fails_leaves_the_old_config_yaml_whole(tmp_path):
 
 # --------------------------------------------------------------------------- 2. a damaged config.yaml
 @pytest.mark.parametrize("damage", [b"", b"\n  \n", b"\x9f\xd3\x00\xffrandom\xfe bytes", b"run: [unclosed",
-                                    b"- a list\n", "a folder", "missing"])
+                                    b"- a list\n", "a folder", "missing",
+                                    pytest.param(b"run: " + b"[" * 100_000, id="nested too deep")])
 def test_a_damaged_config_yaml_stops_a_resume_with_one_line_and_changes_nothing(finished, tmp_path, damage):
     run = tmp_path / "run"
     run.mkdir()

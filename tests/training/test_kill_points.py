@@ -407,6 +407,8 @@ DAMAGE: dict[str, Callable[[Path], object]] = {
         b'{"step": 3, "time": 1795960692.31, "rollout/succ'),
     "metrics.jsonl's last line not text": lambda run: (run / "metrics.jsonl").open("ab").write(
         b'{"step": 3, "time": 17959\xff\xfe\x00\x9c'),
+    "metrics.jsonl's last line nested too deep": lambda run: (run / "metrics.jsonl").open("ab").write(
+        b'{"step": 3, "time": ' + b"[" * 100_000),
     "latest empty": lambda run: (run / "checkpoints" / "latest").write_text(""),
     "latest naming a missing checkpoint": lambda run: (run / "checkpoints" / "latest").write_text("step_000009"),
     "latest not text": lambda run: (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00\x9f"),
@@ -415,6 +417,8 @@ DAMAGE: dict[str, Callable[[Path], object]] = {
     "no trainer_state.pt": lambda run: (run / LAST / "trainer_state.pt").unlink(),
     "no model weights": lambda run: (run / LAST / "actor" / "model.safetensors").unlink(),
     "actor/config.json not JSON": lambda run: (run / LAST / "actor" / "config.json").write_text('{"model_type": "qw'),
+    "actor/config.json nested too deep": lambda run: (run / LAST / "actor" / "config.json").write_text(
+        '{"model_type": ' + "[" * 100_000),
     "tokenizer.json cut short": lambda run: (run / LAST / "actor" / "tokenizer.json").write_bytes(
         (run / LAST / "actor" / "tokenizer.json").read_bytes()[:500]),
     "no chat template": lambda run: (run / LAST / "actor" / "chat_template.jinja").unlink(),
@@ -430,7 +434,7 @@ DAMAGE: dict[str, Callable[[Path], object]] = {
 }
 FIXED = {"metrics.jsonl's last line not text", "latest not text", "latest a folder", "actor/config.json not JSON",
          "tokenizer.json cut short", "unfinished writes of a killed session", "no chat template",
-         "chat template not text"}
+         "chat template not text", "metrics.jsonl's last line nested too deep", "actor/config.json nested too deep"}
 """The damages that stopped a resume with a traceback, or left files behind, before the fixes (the others
 passed already: regression tests)."""
 
@@ -494,12 +498,14 @@ def test_an_unusable_trainer_state_is_one_line_naming_the_checkpoint_to_move_awa
     assert listing(run) == before
 
 
-def test_a_finished_run_with_a_damaged_summary_writes_it_again(two_checkpoints, tmp_path, capsys):
-    """Resumed at its own run.steps, a finished run does nothing; its summary.json damaged, the checkpoint's copy
-    of the summary is written again (where it was a traceback)."""
+@pytest.mark.parametrize("damage", [b"\xff\xfe\x00 not a summary", pytest.param(b"[" * 100_000, id="nested too deep")])
+def test_a_finished_run_with_a_damaged_summary_writes_it_again(two_checkpoints, tmp_path, capsys, damage):
+    """Resumed at its own run.steps, a finished run does nothing; its summary.json damaged (not text, or JSON
+    nested deeper than its parser follows), the checkpoint's copy of the summary is written again (where it was a
+    traceback)."""
     run = copy_of(two_checkpoints, tmp_path)
     assert resume(run, 3, capsys)[0] == 0
-    (run / "summary.json").write_bytes(b"\xff\xfe\x00 not a summary")
+    (run / "summary.json").write_bytes(damage)
     status, text = resume(run, 3, capsys)
     assert status == 0, text
     assert_whole(run, 3)

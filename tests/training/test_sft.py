@@ -115,7 +115,8 @@ def test_jsonl_chats_parse_and_skip_blank_lines(tmp_path):
     assert read_chat_jsonl(path) == [CHAT, CHAT[1:3]]
 
 
-@pytest.mark.parametrize("bad_line", ['{"messages": [', '{"msgs": []}', "[1, 2]", '"text"'])
+@pytest.mark.parametrize("bad_line", ['{"messages": [', '{"msgs": []}', "[1, 2]", '"text"',
+                                      pytest.param('{"messages": ' + "[" * 100_000, id="nested too deep")])
 def test_malformed_jsonl_line_is_named_by_its_line_number(tmp_path, bad_line):
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": CHAT}) + "\n" + bad_line + "\n")

@@ -6,10 +6,11 @@ import io
 import json
 import os
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
+from tests.hostile_text import too_deep
 from tests.training.trainer_runs import config, records
 from turnrl.training.commands import train
 from turnrl.training.logger import MetricsLogger, RunConsole, RunProgress
@@ -60,7 +61,10 @@ def test_metrics_logger_on_resume_drops_what_was_logged_after_the_checkpoint(tmp
 
 @settings(max_examples=100, deadline=None)
 @given(text=st.text(), step=st.integers(-3, 10))
+@example(text='{"step": 0}\n{"step": 1, "a": ' + too_deep() + '\n{"step": 2}\n', step=1)
 def test_resuming_over_any_metrics_file_never_raises(tmp_path_factory, text, step):
+    """Any text, a line nested deeper than JSON's parser follows included (its RecursionError went through the
+    log's reader)."""
     folder = tmp_path_factory.mktemp("any")
     (folder / "metrics.jsonl").write_text(text)
     MetricsLogger(folder, tensorboard=False, resume_step=step).close()

@@ -79,6 +79,7 @@ import numpy as np
 
 from turnrl.agent.prompts import neutralized
 from turnrl.config import SamplingConfig
+from turnrl.files import parse_json
 from turnrl.policy.interface import Completion, GenerationRequest, Policy
 
 T = TypeVar("T")
@@ -140,7 +141,7 @@ def is_context_full(response: httpx.Response) -> bool:
     if response.status_code != 400:
         return False
     try:
-        error = response.json().get("error")
+        error = parse_json(response.content).get("error")
     except (ValueError, AttributeError):
         return False
     if not isinstance(error, dict):
@@ -223,8 +224,8 @@ def _error_message(response: httpx.Response) -> str:
         return (f"HTTP {status}: redirected to {where}; redirects are not followed (a POST is not sent elsewhere): "
                 "give the final URL as base_url")
     try:
-        body = response.json()
-    except (ValueError, RecursionError):
+        body = parse_json(response.content)
+    except ValueError:
         return f"HTTP {status}: {clipped(response.text)}"
     if isinstance(body, dict):
         error = body.get("error")
@@ -540,8 +541,8 @@ class OpenAIPolicy(Policy):
         status = response.status_code
         if status == 200:
             try:
-                data = response.json()
-            except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than Python's stack
+                data = parse_json(response.content)
+            except ValueError:  # not JSON, not text, or nested deeper than Python reads
                 raise RequestFailed(_not_json(response)) from None
             said = data.get("error") if isinstance(data, dict) and "choices" not in data else None
             if said:  # some gateways answer a failure with 200 and OpenAI's error body

@@ -43,7 +43,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from turnrl.config import ConfigError, turnrl_command
-from turnrl.files import atomic_write_text, fsync_path, remove_unfinished_writes
+from turnrl.files import atomic_write_text, fsync_path, parse_json, remove_unfinished_writes
 
 
 def rng_state() -> dict[str, Any]:
@@ -454,7 +454,7 @@ def _json_object_problem(path: Path, name: str) -> str | None:
     if not path.is_file():
         return f"no {name}"
     try:
-        content = json.loads(path.read_bytes())
+        content = parse_json(path.read_bytes())
     except (OSError, ValueError) as error:  # ValueError: not JSON, not UTF-8
         return f"{name} is damaged: {' '.join(str(error).split())[:120]}"
     return None if isinstance(content, dict) else f"{name} is damaged: not a JSON object"
@@ -500,7 +500,7 @@ def _model_problem(directory: Path, name: str, tokenizer: bool = False) -> str |
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = sorted(set(parse_json(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             return f"{name}/{index.name} is damaged: {error}"
     else:
@@ -521,7 +521,7 @@ def _chat_template_problem(directory: Path, name: str) -> str | None:
     """What keeps a saved tokenizer's chat template from being read, None if nothing: every prompt of a run is
     rendered with it, and transformers saves it beside the tokenizer (``chat_template.jinja``), in its settings
     (``tokenizer_config.json``, older releases) or as ``chat_template.json``."""
-    settings = json.loads((directory / "tokenizer_config.json").read_bytes())
+    settings = parse_json((directory / "tokenizer_config.json").read_bytes())
     if isinstance(settings.get("chat_template"), (str, list)):
         return None
     jinja, legacy = directory / "chat_template.jinja", directory / "chat_template.json"
@@ -564,7 +564,7 @@ def _contents_problem(checkpoint: Path, parts: Callable[[str], bool]) -> str | N
     problem = _json_object_problem(listed, CONTENTS_FILE)
     if problem is not None:
         return problem
-    sizes = json.loads(listed.read_bytes())
+    sizes = parse_json(listed.read_bytes())
     for name, size in sizes.items():
         if not parts(name):
             continue

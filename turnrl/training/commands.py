@@ -40,6 +40,7 @@ from rich.markup import escape
 
 from turnrl.agent.formats import get_format
 from turnrl.config import ConfigError, turnrl_command
+from turnrl.files import parse_json
 from turnrl.models.loading import base_model_path, compile_in_this_process, start_compile_workers_ignoring_sigterm
 from turnrl.rewards import Rewards
 from turnrl.rewards.state import check_fields_written
@@ -229,7 +230,7 @@ def finished_summary(config: TrainConfig) -> dict[str, Any] | None:
     if checkpoint is None or checkpoint_step(checkpoint) < config.run.steps or not summary_path.is_file():
         return None
     try:
-        summary = json.loads(summary_path.read_bytes())
+        summary = parse_json(summary_path.read_bytes())
     except ValueError:  # damaged (not JSON, not text): the checkpoint's own summary is written again
         return None
     if not isinstance(summary, dict) or "val_success_after_rl" not in summary:

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.errors import LiveError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from turnrl.files import atomic_write_text, fsync_path
+from turnrl.files import atomic_write_text, fsync_path, parse_json
 
 
 class RunConsole(Console):
@@ -140,7 +140,7 @@ def _truncate_after(path: Path, step: int) -> tuple[list[str], set[int]]:
     kept, lost, logged = [], [], set()
     for number, raw in enumerate(path.read_bytes().splitlines(), 1):
         try:
-            record = json.loads(raw.decode("utf-8"))
+            record = parse_json(raw.decode("utf-8"))
         except ValueError:  # not JSON, or not text
             start = _RECORD_START.match(raw)
             if start is None and raw.strip():

@@ -25,7 +25,7 @@ from filelock import FileLock, Timeout
 from rich.console import Console
 
 from turnrl.config import ConfigError, load_config, to_yaml, turnrl_command
-from turnrl.files import atomic_write_text, remove_unfinished_writes
+from turnrl.files import atomic_write_text, parse_yaml, remove_unfinished_writes
 from turnrl.training import ranks
 from turnrl.training.checkpoint import (
     ResumePoint,
@@ -209,7 +209,7 @@ def write_resumed_config(config: TrainConfig) -> list[str]:
     path = run_dir / "config.yaml"
     located = run_dir if run_dir.name else run_dir.resolve()  # resume=. names no folder by itself
     try:
-        run = yaml.safe_load(path.read_text(encoding="utf-8"))
+        run = parse_yaml(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):  # the resume's checks read it whole: damaged since, no note
         run = None
     # Where the run lives, whatever the resume was given (or the run's folder was moved): a later
@@ -240,7 +240,7 @@ def _config_damage(path: Path) -> str | None:
     if not text.strip():
         return "empty"
     try:
-        settings = yaml.safe_load(text)
+        settings = parse_yaml(text)
     except yaml.YAMLError as error:
         return f"not valid YAML: {' '.join(str(error).split())}"
     if not isinstance(settings, dict) or not settings:
@@ -260,7 +260,7 @@ def flat_settings(settings: Any, prefix: str = "") -> dict[str, Any]:
 def _setting_keys(path: Path) -> set[str]:
     """The dotted keys of a readable ``config.yaml``: every one the run was written with, as :func:`write_config`
     writes them all."""
-    return set(flat_settings(yaml.safe_load(path.read_text(encoding="utf-8"))))
+    return set(flat_settings(parse_yaml(path.read_text(encoding="utf-8"))))
 
 
 def settings_lost(before: set[str], now: set[str]) -> list[str]:

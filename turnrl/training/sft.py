@@ -31,6 +31,7 @@ from turnrl.agent.formats import ResponseFormat, continuation_after, get_format
 from turnrl.config import AgentConfig, ConfigError, SamplingConfig, turnrl_command
 from turnrl.envs import AgentEnv
 from turnrl.envservice.placement import env_factory
+from turnrl.files import parse_json
 from turnrl.models.devices import resolve_device, resolve_dtype
 from turnrl.models.loading import (
     base_model_path,
@@ -342,7 +343,7 @@ def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = parse_json(line)
             messages = record["messages"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ValueError(f"{path}:{number}: expected a JSON object with a 'messages' list ({error})") from error

@@ -40,7 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
-from turnrl.files import atomic_write_text
+from turnrl.files import atomic_write_text, parse_json
 from turnrl.rollout.trajectory import sum_by_name
 
 ADVANTAGES_SUFFIX = ".advantages.jsonl"
@@ -373,8 +373,8 @@ def parse_episode_line(line: str, source: str, index: int, resolve: Resolve) -> 
         ValueError: the line is not a JSON object.
     """
     try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, RecursionError) as error:
+        record = parse_json(line)
+    except json.JSONDecodeError as error:
         raise ValueError(f"not JSON ({error})") from None
     return parse_episode(record, source, index, resolve)
 
@@ -386,8 +386,8 @@ def parse_token_advantages(line: str) -> tuple[int, int, TokenAdvantages]:
         ValueError: not JSON, missing fields, or tokens and advantages of different lengths.
     """
     try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, RecursionError) as error:
+        record = parse_json(line)
+    except json.JSONDecodeError as error:
         raise ValueError(f"not JSON ({error})") from None
     if not isinstance(record, dict):
         raise ValueError("expected a JSON object")
@@ -416,8 +416,8 @@ def _lines(path: Path) -> Iterable[tuple[int, str]]:
 
 def _is_json(line: str) -> bool:
     try:
-        json.loads(line)
-    except (json.JSONDecodeError, RecursionError):
+        parse_json(line)
+    except json.JSONDecodeError:
         return False
     return True
 
@@ -612,8 +612,8 @@ def parse_metrics_line(line: str, keep_non_finite: bool = False) -> dict[str, fl
     unless ``keep_non_finite``: then they are NaN, which a plot draws as a gap instead of a line across it.
     """
     try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, RecursionError):
+        record = parse_json(line)
+    except json.JSONDecodeError:
         return None
     if not isinstance(record, dict):
         return None

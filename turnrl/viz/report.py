@@ -27,6 +27,7 @@ from urllib.parse import quote
 
 import jinja2
 
+from turnrl.files import parse_json
 from turnrl.viz.highlight import FIELD_CLASSES, advantage_color, response_segments
 from turnrl.viz.plots import draw_training_curves
 from turnrl.viz.records import (
@@ -261,8 +262,8 @@ def _read_json(path: Path, warnings: list[str]) -> Any:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8", errors="replace"))
-    except (json.JSONDecodeError, RecursionError) as error:
+        return parse_json(path.read_text(encoding="utf-8", errors="replace"))
+    except json.JSONDecodeError as error:
         warnings.append(f"{path.name} could not be read: {error}")
         return None
 
