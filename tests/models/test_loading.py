@@ -583,6 +583,10 @@ def test_adapters_whose_model_is_gone_are_refused_in_one_line_naming_where_it_is
     settings.write_text(json.dumps({**values, "base_model_name_or_path": None}))
     with pytest.raises(ConfigError, match="do not name the model they were trained on"):
         locate_model(str(tmp_path / "adapters"), "policy")
+    for damaged in ('{"base_model_name_or_path": "/mo', "[" * 100_000, "[1, 2]"):  # JSON's own traceback before
+        settings.write_text(damaged)
+        with pytest.raises(ConfigError, match="adapter_config.json is damaged|do not name the model"):
+            locate_model(str(tmp_path / "adapters"), "policy")
 
 
 # --------------------------------------------------------------------------- load_model: every weight, or a clear no

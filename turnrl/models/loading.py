@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import logging
 import signal
 import sys
@@ -42,6 +41,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 from turnrl.config import ConfigError, ModelConfig
+from turnrl.files import parse_json
 from turnrl.models.vision_attention import use_chunked_attention
 from turnrl.models.vision_mlp import align_vision_mlps
 
@@ -177,12 +177,17 @@ def adapter_base(path: Path | str) -> str | None:
     ``adapter_config.json``: a directory or a hub id), or None where ``path`` holds no adapters.
 
     Raises:
-        ConfigError: the adapters name no model.
+        ConfigError: the adapters' settings do not read as a JSON object, or name no model.
     """
     settings = Path(path) / ADAPTER_CONFIG
     if not settings.is_file():
         return None
-    base = json.loads(settings.read_text()).get("base_model_name_or_path")
+    try:
+        values = parse_json(settings.read_bytes())
+    except ValueError as error:  # not JSON, not UTF-8, nested too deep
+        raise ConfigError(f"the LoRA adapters at {path}: {settings} is damaged ({' '.join(str(error).split())[:120]}); "
+                          "save the adapters again, or point model.path at the model they were merged into") from None
+    base = values.get("base_model_name_or_path") if isinstance(values, dict) else None
     if not isinstance(base, str) or not base:
         raise ConfigError(f"the LoRA adapters at {path} do not name the model they were trained on "
                           f"(base_model_name_or_path in {settings}); set it to that model's directory or hub id")
