@@ -320,6 +320,36 @@ def test_close_keys_takes_any_key(key):
     assert len(close_keys(key, EVAL_KEYS)) <= 3
 
 
+OVERRIDE = st.text() | st.builds("{}={}".format, st.sampled_from(EVAL_KEYS) | st.text(max_size=8), st.text())
+"""Any text, and key=value with a real key (and a value of any text) or any key."""
+
+
+@settings(max_examples=100, deadline=None)
+@given(overrides=st.lists(OVERRIDE, max_size=3))
+@example(overrides=["[=1"])  # OmegaConf's IndexError splitting the key
+@example(overrides=["env.id=${"])  # its GrammarParseError reading the interpolation
+@example(overrides=["env.id=${nothing}"])  # its InterpolationKeyError resolving it
+@example(overrides=["env.id=0\t0"])  # text to OmegaConf, a ScannerError to YAML's reading as written
+def test_any_overrides_are_settings_or_one_line_saying_what_is_wrong(overrides):
+    try:
+        load_config(EvalConfig, None, overrides)
+    except ConfigError as error:
+        assert str(error) and "\n" not in str(error)
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("[=1", "override '[=1': its key is no dotted name; write key=value, e.g. agent.max_turns=5"),
+    ("env.id=${", "override 'env.id=${': config key 'env.id': no viable alternative at input '${'"),
+    ("env.id=${nothing}", "override 'env.id=${nothing}': config key 'env.id': Interpolation key 'nothing' not found"),
+])
+def test_an_override_omegaconf_cannot_read_is_one_line(override, said, tmp_path):
+    assert error_of(overrides=[override]) == said
+    path = tmp_path / "config.yaml"
+    path.write_text("env:\n  id: " + override.split("=", 1)[1] + "\n")
+    if "$" in override:  # the same value in a file
+        assert error_of(path) == f"config file {str(path)!r}: {said.split(': ', 1)[1]}"
+
+
 # --------------------------------------------------------------------------- env variants
 def test_variants_load_as_typed_records_and_the_ragen_set_is_valid(tmp_path):
     path = tmp_path / "variants.yaml"

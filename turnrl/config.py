@@ -675,7 +675,10 @@ def _override_layer(item: str, shapes: dict[str, KeyShape], keys_as_text: set[st
     container = OmegaConf.to_container(layer)
     _check_shapes(shape_problem(container, shapes, override=item))
     _check_known(container, shapes)
-    written: Any = yaml.load(text, Loader=yaml.BaseLoader)  # every scalar a string, as typed
+    try:
+        written: Any = yaml.load(text, Loader=yaml.BaseLoader)  # every scalar a string, as typed
+    except yaml.YAMLError:  # OmegaConf's grammar reads what YAML does not (a tab, "0\t0"): as text, as written
+        return layer
     _as_written(layer, nested_mapping(key, written), keys_as_text)
     return layer
 
@@ -708,6 +711,8 @@ def load_config(
             layers.append(_file_layer(path, shapes, text_keys(cls), skip_sections))
         except RecursionError:  # OmegaConf and PyYAML build a node a level by recursion: some hundred levels
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {TOO_DEEP}") from None
+        except OmegaConfBaseException as error:  # an interpolation that does not read or resolve: ${, ${nothing}
+            raise ConfigError(f"config file {str(path)!r}: {format_omegaconf_error(error)}") from None
     for item in overrides or []:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -715,6 +720,11 @@ def load_config(
             layers.append(_override_layer(item, shapes, text_keys(cls)))
         except RecursionError:
             raise ConfigError(f"override {item.split('=', 1)[0].strip()}=...: the value is {TOO_DEEP}") from None
+        except IndexError:  # OmegaConf's splitting of a key such as [
+            raise ConfigError(f"override {item[:200]!r}: its key is no dotted name; write key=value, e.g. "
+                              "agent.max_turns=5") from None
+        except OmegaConfBaseException as error:  # an interpolation that does not read or resolve: ${, ${nothing}
+            raise ConfigError(f"override {item[:200]!r}: {format_omegaconf_error(error)}") from None
     try:
         merged = OmegaConf.merge(base, *layers)
         config = OmegaConf.to_object(merged)
