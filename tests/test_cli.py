@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import os
 import re
 import signal
@@ -16,15 +17,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
 from tests.cli_runs import QUICKSTART, TURNRL, error_exit, run_main, run_turnrl
 from turnrl.cli import (
     build_parser,
+    gib_arg,
+    gpu_counts,
     main,
     pack,
+    parse_settings,
     seed_arg,
     setting_lines,
 )
@@ -471,6 +475,48 @@ def test_seed_and_count_arguments_take_any_text(text):
             assert str(error)
         else:
             assert value >= 0
+
+
+_SETTING_WORDS = st.text("ab.=[]{}$,:0 1'\"-", max_size=12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.text(), _SETTING_WORDS, _SETTING_WORDS.map("size=".__add__)), max_size=3))
+@example(["[=1"])  # OmegaConf's IndexError: a key it cannot split
+@example(["a=${"])  # OmegaConf's GrammarParseError: an interpolation it cannot read
+@example(["a=[1]", "a.x=2"])  # int()'s ValueError: a list's index that is no number
+@example(["a=[1]", "a.5=2"])  # OmegaConf's ConfigIndexError: past the list's end
+@example(["a." * 3000 + "b=1"])  # RecursionError: a key 3,000 names deep
+def test_any_settings_words_are_settings_or_a_clean_exit(words):
+    """``key=value`` words of play, render and check-env: a dict, or a SystemExit naming the setting at fault."""
+    try:
+        parsed = parse_settings(words)
+    except SystemExit as exit_:
+        assert str(exit_.code).startswith(("error: setting ", "error: settings ")), exit_.code
+        return
+    assert isinstance(parsed, dict) and (parsed or not words)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), st.text("0123456789,- ")))
+def test_any_gpu_counts_text_is_counts_or_an_argument_error(text):
+    try:
+        counts = gpu_counts(text)
+    except argparse.ArgumentTypeError as error:
+        assert "GPU counts" in str(error), error
+        return
+    assert counts and all(isinstance(count, int) and count >= 1 for count in counts)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), st.text("0123456789.-+eEinfa_ ")))
+def test_any_gpu_memory_text_is_gib_above_0_or_an_argument_error(text):
+    try:
+        gib = gib_arg(text)
+    except argparse.ArgumentTypeError as error:
+        assert "GiB" in str(error), error
+        return
+    assert math.isfinite(gib) and gib > 0
 
 
 # --------------------------------------------------------------------------- models not there, busy ports

@@ -42,12 +42,22 @@ def parse_settings(items: Sequence[str]) -> dict[str, Any]:
     """``["size=8", "is_slippery=true"]`` -> ``{"size": 8, "is_slippery": True}`` (YAML typing).
 
     Raises:
-        SystemExit: a word that is not ``key=value``, or a value that is not YAML (``size=[``), naming it.
+        SystemExit: a word that is not ``key=value``, a value that is not YAML (``size=[``), a key or value
+            OmegaConf cannot read (``[=1``, ``a=${``), or settings that contradict each other (``a=[1] a.x=2``),
+            naming them.
     """
     import yaml
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from turnrl.config import yaml_problem
+
+    # OmegaConf raises IndexError on a key it cannot split (``[``), ValueError on a list index that is no number
+    # (``a.x`` under a list) and RecursionError on a key thousands of names deep, besides its own errors.
+    unreadable = (OmegaConfBaseException, IndexError, ValueError, RecursionError)
+
+    def said(error: Exception) -> str:
+        return (str(error).splitlines() or [type(error).__name__])[0]
 
     for item in items:
         if "=" not in item or not item.split("=", 1)[0].strip():
@@ -57,7 +67,14 @@ def parse_settings(items: Sequence[str]) -> dict[str, Any]:
         except yaml.YAMLError as error:
             raise SystemExit(f"error: setting {item!r}: the value is not valid YAML: "
                              f"{yaml_problem(error, where=False)}") from error
-    return OmegaConf.to_container(OmegaConf.from_dotlist(list(items))) if items else {}  # type: ignore[return-value]
+        except unreadable as error:
+            raise SystemExit(f"error: setting {item!r} cannot be read ({said(error)}): write it as "
+                             "key=value, the key a name such as size, the value without '${'") from error
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(items))) if items else {}  # type: ignore[return-value]
+    except unreadable as error:
+        raise SystemExit(f"error: settings {' '.join(items)!r} contradict each other ({said(error)}): "
+                         "set each key once") from error
 
 
 def _make_env(name: str, settings: dict[str, Any]):

@@ -7,9 +7,11 @@ import sys
 
 import gymnasium as gym
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turnrl.envs.catalog import ENVS
-from turnrl.envservice.options import add_arguments
+from turnrl.envservice.options import add_arguments, port, seconds
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -46,6 +48,29 @@ def test_a_port_env_or_limit_that_cannot_be_served_is_a_usage_error(argv, needle
         parse(*argv)
     assert info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), st.text("0123456789-+_ ")))
+def test_any_port_text_is_a_port_or_an_argument_error(text):
+    try:
+        number = port(text)
+    except argparse.ArgumentTypeError as error:
+        assert "is not a port number (0 to 65535)" in str(error), error
+        return
+    assert isinstance(number, int) and 0 <= number <= 65535
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), st.text("0123456789.-+eEinfa_ ")))
+def test_any_seconds_text_is_a_time_above_0_or_an_argument_error(text):
+    """inf is taken (no limit); NaN is not (it compares false with every time)."""
+    try:
+        limit = seconds(text)
+    except argparse.ArgumentTypeError as error:
+        assert "seconds" in str(error), error
+        return
+    assert limit > 0
 
 
 def test_every_kind_of_env_id_is_taken_as_given():

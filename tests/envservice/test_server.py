@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.envservice.env_helpers import (
@@ -112,6 +112,32 @@ def test_the_server_class_checks_the_token():
         with pytest.raises(APIError, match=words):
             server.authorize(header, None, None)
     server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def token_server():
+    server = EnvServer([PROBE], token="s3cret")
+    yield server
+    server.shutdown()
+
+
+_ANY_TEXT = st.text(st.characters(exclude_categories=()))  # lone surrogates too
+
+
+@settings(max_examples=100, deadline=None)
+@given(authorization=st.one_of(_ANY_TEXT, _ANY_TEXT.map("Bearer ".__add__), st.just("bearer  s3cret\t")),
+       client=st.none() | _ANY_TEXT, peer=st.none() | st.just("10.0.0.1"))
+@example(authorization="Bearer \ud800", client=None, peer=None)  # was UnicodeEncodeError (the token as UTF-8)
+def test_any_authorization_and_client_header_is_a_client_name_or_a_401(token_server, authorization, client, peer):
+    """The header values, any text (non-ASCII, control characters, lone surrogates, which HTTP's latin-1 never
+    makes but a caller in process may): the client's name, or the server's 401, never another exception."""
+    try:
+        name = token_server.authorize(authorization, client, peer)
+    except APIError as error:
+        assert error.status == 401 and error.code == "unauthorized", error
+        return
+    assert authorization.partition(" ")[2].strip() == "s3cret"
+    assert name == (client[:128] if client else peer or "unknown")
 
 
 @pytest.mark.parametrize("token", ["clé", "", "trailing "])

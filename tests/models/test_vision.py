@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import textwrap
 from urllib.parse import quote
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from turnrl.models.loading import load_processor
-from turnrl.models.vision import ImageEncoder, load_image
+from turnrl.models.vision import ImageEncoder, data_url_bytes, load_image
 
 
 def encoded(image: Image.Image, format: str = "PNG", **options) -> bytes:
@@ -54,6 +57,51 @@ def test_a_data_url_reads_however_a_client_wraps_or_spells_its_base64(url):
 def test_a_data_url_whose_data_is_not_base64_says_so(data):
     with pytest.raises(ValueError, match=r"data URL's data is not base64 \(.*\): encode the file's bytes"):
         load_image("data:image/png;base64," + data)
+
+
+_BASE64_TEXT = st.text("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_=% \n\t")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), st.text("data:image/pngbase64;, "),
+                 st.one_of(_BASE64_TEXT, st.text()).map(lambda data: "data:image/png;base64," + data)))
+def test_any_data_url_text_is_its_bytes_or_a_value_error(url):
+    try:
+        data = data_url_bytes(url)
+    except ValueError as error:
+        assert "data URL" in str(error), error
+        return
+    assert isinstance(data, bytes)
+
+
+# Small files of each format Pillow reads most, whose bytes a test spoils: a decoder's every check is reached.
+_ENCODED = [encoded(Image.fromarray(picture()[:6, :5]), format) for format in ("PNG", "GIF", "BMP", "TIFF", "JPEG",
+                                                                                "WEBP", "ICO", "PPM")]
+
+
+@st.composite
+def spoiled_files(draw) -> bytes:
+    """A small image file with some bytes changed, cut short or with bytes after it."""
+    data = bytearray(draw(st.sampled_from(_ENCODED)))
+    for _ in range(draw(st.integers(0, 4))):
+        data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    return bytes(data[: draw(st.integers(0, len(data)))]) + draw(st.binary(max_size=16))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow warns of the corrupt TIFF tags it skips
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(spoiled_files(), st.binary()), st.sampled_from(["image/png", "image/gif", "application/octet-stream"]))
+@example(b"P6\n\xff 5\n255\n", "image/png")  # was Pillow's own ValueError: "invalid literal for int() with base 10"
+@example(b"P6 5", "image/png")  # was Pillow's own ValueError: "Reached EOF while reading header"
+def test_any_bytes_in_a_data_url_are_an_image_or_a_value_error(data, media_type):
+    """What a client sends as an image: any bytes decode to an image, or are refused with a ValueError that says
+    why (ImageTooLarge is one), never Pillow's own exceptions nor its words alone."""
+    try:
+        array = load_image(data_url(data, media_type), max_pixels=10_000)
+    except ValueError as error:
+        assert re.search("no image format|truncated or corrupt|pixels", str(error)), error
+        return
+    assert array.ndim == 3 and array.shape[2] == 3 and array.dtype == np.uint8 and array.size
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])

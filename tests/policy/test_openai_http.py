@@ -374,6 +374,16 @@ def test_parse_retry_after():
     assert parse_retry_after(httpx.Headers({})) is None
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(["retry-after", "retry-after-ms"]),
+       st.one_of(st.text(), st.text("0123456789.-+eE naif"), st.text("MonTueWdFriSat, 0123456789:GMTJanFebDc+-")))
+def test_any_retry_after_a_server_sends_is_seconds_from_0_or_none(header, value):
+    """The header's bytes as they come on the wire (the text as UTF-8): never an exception, never a negative
+    or NaN wait."""
+    seconds = parse_retry_after(httpx.Headers([(header.encode(), value.encode())]))
+    assert seconds is None or seconds >= 0.0
+
+
 def test_timeout_is_retried_then_reported():
     asked = []
 

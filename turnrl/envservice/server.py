@@ -210,7 +210,8 @@ class EnvServer:
             if scheme.lower() != "bearer" or not given:
                 raise APIError(401, "unauthorized", "this server needs a bearer token: send 'Authorization: Bearer "
                                                     f"<token>' (the client reads {TOKEN_ENV_VAR})")
-            if not secrets.compare_digest(given.strip().encode(), self.token.encode()):
+            # surrogatepass: a lone surrogate (no header has one, a caller in process may) is a wrong token.
+            if not secrets.compare_digest(given.strip().encode(errors="surrogatepass"), self.token.encode()):
                 raise APIError(401, "unauthorized", "wrong token")
         return client_name[:128] if client_name else (peer or "unknown")
 

@@ -286,9 +286,10 @@ def load_image(value: Any, max_pixels: int | None = None) -> np.ndarray:
     return check_image(array)
 
 
-_UNDECODABLE = (EOFError, SyntaxError, struct.error, OSError)
-"""What Pillow raises on bytes it cannot decode (a file cut short, a corrupt chunk); a missing or unreadable file
-(``FileNotFoundError``, ``PermissionError``, ``IsADirectoryError``) is raised as it is, before these are caught."""
+_UNDECODABLE = (EOFError, SyntaxError, struct.error, OSError, ValueError)
+"""What Pillow raises on bytes it cannot decode (a file cut short, a corrupt chunk; a PPM header whose size is no
+number raises int()'s "invalid literal for int()"); a missing or unreadable file (``FileNotFoundError``,
+``PermissionError``, ``IsADirectoryError``) is raised as it is, before these are caught."""
 
 
 def is_data_url(value: str) -> bool:

@@ -1,5 +1,6 @@
 """FrozenLake: Gymnasium conformance, dynamics on hand-written maps, solvable generation."""
 
+import re
 import warnings
 from collections import Counter
 
@@ -403,6 +404,40 @@ def test_coordinate_texts_always_fit_the_observation_space(symbols, size, fallen
 def test_bad_levels(level, message):
     with pytest.raises(ValueError, match=message):
         make(size=2).reset(options={"level": level})
+
+
+@st.composite
+def lake_texts(draw) -> str:
+    """Square grids of RAGEN's and gymnasium's symbols and spaces, most with one start and one goal: maps that get
+    past the parser's checks to the env's."""
+    n = draw(st.integers(2, 4))
+    cells = draw(st.lists(st.sampled_from("_FOH _"), min_size=n * n, max_size=n * n))
+    pieces = draw(st.sampled_from(["PG", "SG", "PG", "P", "PSG", "PGG"]))
+    for piece, spot in zip(pieces, draw(st.lists(st.integers(0, n * n - 1), min_size=3, max_size=3, unique=True))):
+        cells[spot] = piece
+    return "\n".join("".join(cells[r * n : (r + 1) * n]) for r in range(n))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), st.text("PS_FOHG \n"), lake_texts()))
+def test_any_level_text_is_a_map_or_a_value_error_also_through_reset(text):
+    """A remote client sends the map as reset's option: a bad one is refused with a reason, never another
+    exception."""
+    try:
+        cells, rows, cols, start, goal = parse_level(text)
+    except ValueError as error:
+        assert "FrozenLake" in str(error), error
+        with pytest.raises(ValueError, match="FrozenLake"):
+            make(size=3).reset(options={"level": text})
+        return
+    assert len(cells) == rows * cols and set(cells) <= {"_", "O", "G"} and cells.count("G") == 1
+    assert cells[start] == "_" and cells[goal] == "G"
+    try:
+        obs, _ = make(size=3).reset(options={"level": text})
+    except ValueError as error:
+        assert re.search("size=3|holes cut every path", str(error)), error
+        return
+    assert obs["text"].count("G") == 1
 
 
 def test_image_mode_text_gives_the_board_away_nowhere():

@@ -10,7 +10,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env as gym_check_env
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
@@ -354,6 +354,36 @@ def test_the_largest_tile_of_a_2x2_board_is_what_an_exhaustive_search_reaches():
 def test_bad_boards(board):
     with pytest.raises(ValueError, match="2048"):
         Game2048Env().reset(options={"board": board})
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=3),
+                     max_leaves=20)
+_TILES = st.sampled_from([0, 0, 2, 4, 8, 2048]) | st.integers(0, 20_000).map(lambda k: 1 << k) | st.integers(-3, 9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), _JSON, st.lists(st.lists(_TILES, min_size=4, max_size=4), min_size=4, max_size=4)))
+@example([[1 << 20_000, 0, 0, 0], [0] * 4, [0] * 4, [0] * 4])  # reset raised int()'s "Exceeds the limit (4300 digits)"
+@example([[1 << (3000 + 4 * row + col) for col in range(4)] for row in range(4)])  # text over the 8,192 characters
+def test_any_board_a_client_sends_is_a_board_or_a_value_error_also_through_reset(board):
+    """A remote client sends the board as reset's option, any JSON: a bad one is refused with a reason, never
+    another exception, and a board taken is played within the observation space."""
+    try:
+        parsed = parse_board(board, 4)
+    except ValueError as error:
+        assert "2048" in str(error), error
+        with pytest.raises(ValueError, match="2048"):
+            Game2048Env().reset(options={"board": board})
+        return
+    assert [[1 << e if e else 0 for e in row] for row in parsed] == [list(row) for row in board]
+    try:
+        env = Game2048Env()
+        obs, _ = env.reset(options={"board": board})
+    except ValueError as error:
+        assert str(error).startswith("board: "), error
+        return
+    assert env.observation_space.contains(obs)
 
 
 # --------------------------------------------------------------------------- the expert

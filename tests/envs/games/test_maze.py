@@ -1,5 +1,6 @@
 """Maze2D: conformance, perfect mazes, walls, stop rules, VisGym tuple actions."""
 
+import re
 import warnings
 from collections import deque
 
@@ -14,7 +15,7 @@ import turnrl.envs  # noqa: F401  (registers the built-in envs)
 from tests.envs.games.episodes import assert_same_episode, assert_text_is_data, cycle
 from tests.envs.games.given_levels import refused_or_won
 from turnrl.envs.contract import IMAGE_CAPTION
-from turnrl.envs.games.maze import Maze2DEnv, parse_action, visgym_action
+from turnrl.envs.games.maze import Maze2DEnv, parse_action, parse_level, visgym_action
 
 LEVEL = """
 #######
@@ -281,6 +282,40 @@ def test_constructor_validation(kwargs, message):
 def test_bad_levels(level, message):
     with pytest.raises(ValueError, match=message):
         Maze2DEnv(size=5).reset(options={"level": level})
+
+
+@st.composite
+def maze_texts(draw) -> str:
+    """Square grids of walls, paths and spaces, most with one A and one T: mazes that get past the parser's
+    checks to the env's."""
+    n = draw(st.integers(4, 6))
+    cells = draw(st.lists(st.sampled_from("#. "), min_size=n * n, max_size=n * n))
+    pieces = draw(st.sampled_from(["AT", "AT", "AT", "A", "ATT", "AAT"]))
+    for piece, spot in zip(pieces, draw(st.lists(st.integers(0, n * n - 1), min_size=3, max_size=3, unique=True))):
+        cells[spot] = piece
+    return "\n".join("".join(cells[r * n : (r + 1) * n]) for r in range(n))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), st.text("#.AT \n"), maze_texts()))
+def test_any_level_text_is_a_maze_or_a_value_error_also_through_reset(text):
+    """A remote client sends the maze as reset's option: a bad one is refused with a reason, never another
+    exception."""
+    try:
+        grid, size, agent, target = parse_level(text)
+    except ValueError as error:
+        assert "maze" in str(error), error
+        with pytest.raises(ValueError, match="maze"):
+            Maze2DEnv(size=5).reset(options={"level": text})
+        return
+    assert len(grid) == size * size and set(grid) <= {"#", "."}
+    assert 0 <= agent < size * size and 0 <= target < size * size and agent != target
+    try:
+        obs, _ = Maze2DEnv(size=5).reset(options={"level": text})
+    except ValueError as error:
+        assert re.search("size=5|walls cut every path|max_steps", str(error)), error
+        return
+    assert obs["text"].count("T") == 1
 
 
 def test_a_given_maze_without_a_path_to_the_target_is_refused():

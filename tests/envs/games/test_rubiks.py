@@ -193,6 +193,25 @@ def test_given_scrambles_are_checked():
         parse_moves(3)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), st.text("UDLRFBudlrfb'2 \t\n"), st.lists(st.text("UDLRFBudlrfb' "), max_size=5)))
+def test_any_scramble_a_client_sends_is_turns_or_a_value_error_also_through_reset(moves):
+    """A remote client sends the scramble as reset's option: a bad one is refused with a reason, never another
+    exception."""
+    try:
+        turns = parse_moves(moves)
+    except ValueError as error:
+        assert "turns" in str(error), error
+        with pytest.raises(ValueError, match="turns"):
+            RubiksCubeEnv().reset(options={"scramble": moves})
+        return
+    assert set(turns) <= set(ACTIONS)
+    assert len(turns) == len(moves.split() if isinstance(moves, str) else moves)
+    env = RubiksCubeEnv()
+    env.reset(options={"scramble": moves})
+    assert env.scramble == turns
+
+
 # --------------------------------------------------------------------------- the solver
 def test_the_distance_table_matches_the_published_counts():
     # Positions of the pocket cube by quarter-turn distance, one corner fixed (e.g. the OEIS / Wikipedia tables).

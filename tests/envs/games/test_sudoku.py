@@ -9,7 +9,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env as gym_check_env
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
@@ -344,6 +344,26 @@ def test_constructor_validation(kwargs, message):
 def test_bad_given_puzzles(puzzle, message):
     with pytest.raises(ValueError, match=message):
         SudokuEnv().reset(options={"puzzle": puzzle})
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), st.text("012345.|-+ \n"), st.text("012345.", min_size=16, max_size=16)))
+@example("000000000000000²")  # once int()'s own ValueError, "invalid literal for int()", naming no Sudoku rule
+def test_any_puzzle_text_is_a_grid_or_a_value_error_also_through_reset(text):
+    """A remote client sends the puzzle as reset's option: a bad one is refused with a reason, never another
+    exception."""
+    try:
+        puzzle = parse_puzzle(text, 4)
+    except ValueError as error:
+        assert "Sudoku" in str(error), error
+        with pytest.raises(ValueError, match="Sudoku"):
+            SudokuEnv(size=4).reset(options={"puzzle": text})
+        return
+    assert len(puzzle) == 16 and all(value in range(5) for value in puzzle)
+    try:
+        SudokuEnv(size=4).reset(options={"puzzle": text})
+    except ValueError as error:
+        assert "solution" in str(error), error
 
 
 def test_parse_puzzle_ignores_layout():

@@ -134,19 +134,38 @@ def largest_exponent(size: int, given: int = 0) -> int:
     return size * size + max(given, 2) - 1
 
 
+MAX_GIVEN_EXPONENT = 100
+"""A given board's tiles are at most ``2**100``: above any a game reaches (``2**65`` on 8x8), and the text of
+every board played from it fits an observation (tiles of ``2**3000`` overflow its 8,192 characters, and Python
+refuses ``str()`` of an int over 4,300 digits)."""
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` clipped for an error message; its type where it has none (an int over 4,300 digits, a
+    list nested too deep)."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__} too large to show>"
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def parse_board(board: Any, size: int) -> Board:
     """A board given as ``size`` rows of tile values (0 for empty), e.g. ``[[2, 0, 0, 2], ...]``; ValueError
     naming the problem."""
     if not (isinstance(board, (list, tuple)) and len(board) == size
             and all(isinstance(row, (list, tuple)) and len(row) == size for row in board)):
-        raise ValueError(f"a 2048 board is {size} rows of {size} tile values, got {board!r}")
+        raise ValueError(f"a 2048 board is {size} rows of {size} tile values, got {_shown(board)}")
     rows = []
     for row in board:
         exponents = []
         for value in row:
             ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
             if not ok or (value != 0 and (value < 2 or value & (value - 1))):
-                raise ValueError(f"2048 tiles are 0 (empty) or powers of two from 2, got {value!r}")
+                raise ValueError(f"2048 tiles are 0 (empty) or powers of two from 2, got {_shown(value)}")
+            if int(value).bit_length() - 1 > MAX_GIVEN_EXPONENT:
+                raise ValueError(f"2048 tiles of a given board are at most 2**{MAX_GIVEN_EXPONENT}, got "
+                                 f"2**{int(value).bit_length() - 1}: give smaller tiles")
             exponents.append(int(value).bit_length() - 1 if value else 0)
         rows.append(tuple(exponents))
     return tuple(rows)

@@ -234,7 +234,8 @@ def parse_puzzle(puzzle: Any, size: int) -> Grid:
     cells = [ch for ch in puzzle if ch not in " \t\r\n|-+"]
     if len(cells) != size * size:
         raise ValueError(f"a {size}x{size} Sudoku puzzle has {size * size} cells, got {len(cells)}")
-    bad = sorted({ch for ch in cells if ch != "." and not (ch.isdigit() and int(ch) <= size)})
+    # ASCII digits only: str.isdigit() takes "²", which int() refuses, and "٣", which it reads as 3.
+    bad = sorted({ch for ch in cells if ch != "." and not (ch.isascii() and ch.isdigit() and int(ch) <= size)})
     if bad:
         raise ValueError(f"unknown Sudoku symbols {bad}; use digits 1-{size} and . (or 0) for an empty cell")
     return tuple(0 if ch == "." else int(ch) for ch in cells)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import deque
 
 import gymnasium
@@ -20,6 +21,7 @@ from turnrl.envs.games.sokoban.levels import (
     RAGEN_SYMBOLS,
     Level,
     apply_moves,
+    check_level,
     generate_level,
     level_text,
     live_cells,
@@ -432,6 +434,38 @@ def test_bad_levels_are_rejected_with_a_reason(text, message):
     env = SokobanEnv()
     with pytest.raises(ValueError, match=message):
         env.reset(options={"level": text})
+
+
+@st.composite
+def level_grids(draw) -> str:
+    """Rectangular grids of the level's symbols with one player and as many boxes as targets, mostly: levels
+    that get past the parser's checks to the env's."""
+    rows, cols = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    cells = draw(st.lists(st.sampled_from("#__"), min_size=rows * cols, max_size=rows * cols))
+    pieces = "P" + "".join(draw(st.lists(st.sampled_from(["XO", "√", "SX", "X", "O", "P"]), min_size=1, max_size=3)))
+    count = min(len(pieces), rows * cols)
+    spots = draw(st.lists(st.integers(0, rows * cols - 1), min_size=count, max_size=count, unique=True))
+    for piece, spot in zip(pieces, spots):
+        cells[spot] = piece
+    return "\n".join("".join(cells[row * cols : (row + 1) * cols]) for row in range(rows))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(), st.text("#_OX√PS \n"), level_grids()))
+def test_any_level_text_is_a_level_or_a_value_error_also_through_reset(text):
+    """A remote client sends the level as reset's option: a bad one is refused with the parser's reason, never
+    another exception."""
+    try:
+        level = parse_level(text)
+    except ValueError as error:
+        assert re.search("level|symbol", str(error)), error
+        with pytest.raises(ValueError, match="level|symbol"):
+            SokobanEnv().reset(options={"level": text})
+        return
+    assert check_level(level) is level
+    assert level_text(level) == "\n".join(line.strip() for line in text.strip().splitlines())
+    obs, _ = SokobanEnv().reset(options={"level": text})
+    assert obs["text"] == level_text(level)
 
 
 def test_bad_reset_options():
