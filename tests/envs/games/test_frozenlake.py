@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
 from tests.envs.games.episodes import assert_same_episode, assert_text_is_data, cycle, expert_or
-from tests.envs.games.given_levels import refused_or_won
+from tests.envs.games.given_levels import refused_or_won, square_levels
 from turnrl.envs import check_env as turnrl_check_env
 from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.frozenlake import (
@@ -406,20 +406,9 @@ def test_bad_levels(level, message):
         make(size=2).reset(options={"level": level})
 
 
-@st.composite
-def lake_texts(draw) -> str:
-    """Square grids of RAGEN's and gymnasium's symbols and spaces, most with one start and one goal: maps that get
-    past the parser's checks to the env's."""
-    n = draw(st.integers(2, 4))
-    cells = draw(st.lists(st.sampled_from("_FOH _"), min_size=n * n, max_size=n * n))
-    pieces = draw(st.sampled_from(["PG", "SG", "PG", "P", "PSG", "PGG"]))
-    for piece, spot in zip(pieces, draw(st.lists(st.integers(0, n * n - 1), min_size=3, max_size=3, unique=True))):
-        cells[spot] = piece
-    return "\n".join("".join(cells[r * n : (r + 1) * n]) for r in range(n))
-
-
 @settings(max_examples=100, deadline=None)
-@given(st.one_of(st.text(), st.text("PS_FOHG \n"), lake_texts()))
+@given(st.one_of(st.text(), st.text("PS_FOHG \n"),
+                 square_levels((2, 4), "_FOH _", ["PG", "SG", "PG", "P", "PSG", "PGG"])))
 def test_any_level_text_is_a_map_or_a_value_error_also_through_reset(text):
     """A remote client sends the map as reset's option: a bad one is refused with a reason, never another
     exception."""

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
 from tests.envs.games.episodes import assert_same_episode, assert_text_is_data, cycle
-from tests.envs.games.given_levels import refused_or_won
+from tests.envs.games.given_levels import refused_or_won, square_levels
 from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.maze import Maze2DEnv, parse_action, parse_level, visgym_action
 
@@ -284,20 +284,9 @@ def test_bad_levels(level, message):
         Maze2DEnv(size=5).reset(options={"level": level})
 
 
-@st.composite
-def maze_texts(draw) -> str:
-    """Square grids of walls, paths and spaces, most with one A and one T: mazes that get past the parser's
-    checks to the env's."""
-    n = draw(st.integers(4, 6))
-    cells = draw(st.lists(st.sampled_from("#. "), min_size=n * n, max_size=n * n))
-    pieces = draw(st.sampled_from(["AT", "AT", "AT", "A", "ATT", "AAT"]))
-    for piece, spot in zip(pieces, draw(st.lists(st.integers(0, n * n - 1), min_size=3, max_size=3, unique=True))):
-        cells[spot] = piece
-    return "\n".join("".join(cells[r * n : (r + 1) * n]) for r in range(n))
-
-
 @settings(max_examples=100, deadline=None)
-@given(st.one_of(st.text(), st.text("#.AT \n"), maze_texts()))
+@given(st.one_of(st.text(), st.text("#.AT \n"),
+                 square_levels((4, 6), "#. ", ["AT", "AT", "AT", "A", "ATT", "AAT"])))
 def test_any_level_text_is_a_maze_or_a_value_error_also_through_reset(text):
     """A remote client sends the maze as reset's option: a bad one is refused with a reason, never another
     exception."""
