@@ -186,7 +186,8 @@ def adapter_base(path: Path | str) -> str | None:
         values = parse_json(settings.read_bytes())
     except ValueError as error:  # not JSON, not UTF-8, nested too deep
         raise ConfigError(f"the LoRA adapters at {path}: {settings} is damaged ({' '.join(str(error).split())[:120]}); "
-                          "save the adapters again, or point model.path at the model they were merged into") from None
+                          "save the adapters again, or write it as JSON naming the model they were trained on "
+                          "(base_model_name_or_path)") from None
     base = values.get("base_model_name_or_path") if isinstance(values, dict) else None
     if not isinstance(base, str) or not base:
         raise ConfigError(f"the LoRA adapters at {path} do not name the model they were trained on "
