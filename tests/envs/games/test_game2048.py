@@ -14,6 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import turnrl.envs  # noqa: F401  (registers the built-in envs)
+from tests.envs.games.episodes import assert_same_episode, cycle
 from turnrl.envs import check_env
 from turnrl.envs.contract import IMAGE_CAPTION
 from turnrl.envs.games.game2048 import (
@@ -177,15 +178,14 @@ def test_two_prob_one_spawns_only_twos():
             assert new == [2]
 
 
-def test_same_seed_and_moves_same_game():
-    def play(seed: int) -> list[str]:
-        env = Game2048Env()
-        texts = [env.reset(seed=seed)[0]["text"]]
-        for k in range(60):
-            texts.append(env.step(ACTIONS[k * 7 % 4])[0]["text"])
-        return texts
-
-    assert play(11) == play(11) and play(11) != play(12)
+def test_same_seed_and_moves_same_game_rewards_and_infos_included():
+    """The whole transitions (rewards, flags and infos too, on a fresh env and on one that played seed 12 first),
+    and another seed gives another game."""
+    moves = cycle([ACTIONS[k * 7 % 4] for k in range(4)] + ["Sideways"])
+    episode = assert_same_episode(Game2048Env(), Game2048Env(), 11, moves, steps=60)
+    assert len({step.reward for step in episode[1:]}) > 2  # merges of several sizes, and moves that change nothing
+    other = assert_same_episode(Game2048Env(), Game2048Env(), 12, moves, steps=60)
+    assert [step.text for step in episode] != [step.text for step in other]
 
 
 def test_truncation_at_max_steps():

@@ -10,6 +10,7 @@ from gymnasium.utils.env_checker import check_env as gym_check_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.envs.games.episodes import assert_same_episode
 from turnrl.agent.expert import expert_fields
 from turnrl.agent.formats import get_format
 from turnrl.envs import check_env
@@ -165,22 +166,14 @@ def test_observation_text_names_every_object_with_its_position(envs):
 
 
 # --------------------------------------------------------------------------- determinism
-def test_same_seed_same_episode_images_included():
-    runs = []
-    for _ in range(2):
-        env = PrimitiveSkillEnv(task="place", mode="image", image_size=96)
-        obs, _ = env.reset(seed=5)
-        frames, texts = [obs["image"]], [obs["text"]]
-        for action in (env.solve() or [])[:2]:
-            obs, *_ = env.step(action)
-            frames.append(obs["image"])
-            texts.append(obs["text"])
-        runs.append((frames, texts, np.array(env.data.qpos)))
-        env.close()
-    (frames_a, texts_a, qpos_a), (frames_b, texts_b, qpos_b) = runs
-    assert texts_a == texts_b and np.array_equal(qpos_a, qpos_b)
-    assert all(np.array_equal(a, b) for a, b in zip(frames_a, frames_b))
-    assert not np.array_equal(frames_a[0], frames_a[2])  # the cube moved in the picture
+def test_same_seed_same_episode_images_rewards_and_infos_included():
+    """The whole transitions of the expert's first two skills, on a fresh env and on one that played seed 6 first
+    (the simulator's state must not carry over), and the simulator's positions after them."""
+    fresh, used = (PrimitiveSkillEnv(task="place", mode="image", image_size=96) for _ in range(2))
+    episode = assert_same_episode(fresh, used, 5, lambda env, k: env.solve()[0], steps=2)
+    assert np.array_equal(fresh.data.qpos, used.data.qpos)
+    assert episode[0].image != episode[2].image  # the cube moved in the picture
+    fresh.close(), used.close()
 
 
 def test_seeds_give_different_layouts_inside_the_workspace(envs):
