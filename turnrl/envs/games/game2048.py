@@ -163,10 +163,11 @@ def parse_board(board: Any, size: int) -> Board:
             ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
             if not ok or (value != 0 and (value < 2 or value & (value - 1))):
                 raise ValueError(f"2048 tiles are 0 (empty) or powers of two from 2, got {_shown(value)}")
-            if int(value).bit_length() - 1 > MAX_GIVEN_EXPONENT:
+            exponent = int(value).bit_length() - 1 if value else 0
+            if exponent > MAX_GIVEN_EXPONENT:
                 raise ValueError(f"2048 tiles of a given board are at most 2**{MAX_GIVEN_EXPONENT}, got "
-                                 f"2**{int(value).bit_length() - 1}: give smaller tiles")
-            exponents.append(int(value).bit_length() - 1 if value else 0)
+                                 f"2**{exponent}: give smaller tiles")
+            exponents.append(exponent)
         rows.append(tuple(exponents))
     return tuple(rows)
 
