@@ -245,6 +245,7 @@ def test_without_reward_functions_no_state_facts_are_asked():
     rollout = Rollout(TextPolicy(answer("inc")), get_format("no_think"), agent, "Counter")
     (trajectory,) = rollout.run([EpisodeSlot(env=NoFacts(), seed=0)], SamplingConfig())
     assert trajectory.status != "error" and len(trajectory.turns) == 2
+    assert all(turn.reward_errors == [] for turn in trajectory.turns)  # a facts call that failed would be here
 
 
 # --------------------------------------------------------------------------- shaping
@@ -252,6 +253,12 @@ def test_without_reward_functions_no_state_facts_are_asked():
 def test_overlong_penalty_by_hand(length, expected):
     assert OverlongPenalty(max_tokens=10, buffer=4).penalty(length) == pytest.approx(expected)
     assert OverlongPenalty(10, 4)([finished(tokens=length)]) == [pytest.approx(expected)]
+
+
+@pytest.mark.parametrize(("max_tokens", "buffer", "length", "expected"),
+                         [(4, 4, 2, -0.5), (4, 4, 0, 0.0), (10, 1, 9, 0.0), (10, 1, 10, -1.0)])
+def test_overlong_penalty_takes_a_buffer_from_one_token_to_the_whole_limit(max_tokens, buffer, length, expected):
+    assert OverlongPenalty(max_tokens=max_tokens, buffer=buffer).penalty(length) == pytest.approx(expected)
 
 
 def test_overlong_penalty_refuses_a_buffer_outside_the_limit():
@@ -271,6 +278,21 @@ def test_a_turn_without_state_facts_scores_on_error_alone():
     assert len(counted.seen) == 2  # the function never saw the turn without facts
 
 
+def test_a_turn_whose_facts_after_its_steps_are_missing_scores_on_error_alone():
+    counted = Counted()
+    facts = StateFacts(player=None, extra={"count": 1})
+    before_only = FinishedTurn(**{**vars(finished()), "facts_before": facts})
+    (scores,) = Rewards(RewardsConfig(on_error=-1.0), extra={"went_up": counted}).score([before_only])
+    assert scores.rewards["went_up"] == -1.0 and scores.errors == ["went_up: no state facts for this turn"]
+    assert counted.seen == []
+
+
+def test_state_facts_are_asked_only_where_a_reward_function_reads_them():
+    assert not Rewards().needs_state_facts
+    assert not Rewards(extra={"length": response_length}).needs_state_facts
+    assert Rewards(extra={"length": response_length, "went_up": Counted()}).needs_state_facts
+
+
 def test_a_reward_function_that_hangs_times_out():
     import threading
 
@@ -287,6 +309,20 @@ def test_a_reward_function_that_hangs_times_out():
     assert scores.rewards["judge"] == -2.0 and scores.errors == ["judge: timed out after 0.05 s"]
     (fast,) = Rewards(RewardsConfig(timeout_s=5.0), extra={"length": response_length}).score([finished("ab")])
     assert fast.rewards["length"] == 2.0
+
+
+def test_a_reward_function_under_a_time_limit_runs_on_a_thread_that_never_holds_the_process():
+    """A function that never returns is left behind on a daemon thread: the run can still exit."""
+    import threading
+
+    daemon = []
+
+    def notes_its_thread(turns):
+        daemon.append(threading.current_thread().daemon)
+        return [0.0] * len(turns)
+
+    Rewards(RewardsConfig(timeout_s=5.0), extra={"judge": notes_its_thread}).score([finished()])
+    assert daemon == [True]
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from functools import partial
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ from PIL import Image
 
 from turnrl.agent.formats import ParsedResponse
 from turnrl.envs.contract import env_metrics
-from turnrl.rollout.trajectory import DONE, Trajectory, TurnRecord, write_trajectories
+from turnrl.rollout.context import EpisodeTokens
+from turnrl.rollout.trajectory import DONE, ERROR, Trajectory, TurnRecord, write_trajectories
 
 
 def frame(value: int) -> np.ndarray:
@@ -107,3 +109,46 @@ def test_a_write_that_fails_midway_leaves_the_steps_earlier_file_whole(tmp_path,
         write_trajectories(episodes, tmp_path, name="step_000001.jsonl")
     assert path.read_text() == before and len(before.splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001.jsonl"]
+
+
+# --------------------------------------------------------------------------- what a record says
+def turn(**fields) -> TurnRecord:
+    return TurnRecord(index=0, observation="o", response="r", response_ids=[1], response_logprobs=[-0.1],
+                      finish_reason="stop", parsed=ParsedResponse((), {}, True), **fields)
+
+
+def test_only_an_episode_that_ended_cleanly_with_sampled_tokens_and_turns_is_trainable(tiny_tokenizer):
+    tokens = EpisodeTokens(tiny_tokenizer)
+    episode = partial(Trajectory, env_id="Lake", seed=0, group=0, sample=0)
+    assert episode(status=DONE, tokens=tokens, turns=[turn()]).trainable
+    assert episode(tokens=tokens, turns=[turn()]).trainable  # truncated episodes train too
+    assert not episode(status=ERROR, tokens=tokens, turns=[turn()]).trainable
+    assert not episode(status=DONE, turns=[turn()]).trainable  # a text-only policy's: no tokens
+    assert not episode(status=DONE, tokens=tokens).trainable  # no turn played
+
+
+def test_a_new_episode_record_is_truncated_and_unsuccessful_until_the_rollout_says_otherwise(tmp_path):
+    record = json.loads(write_trajectories([Trajectory(env_id="Lake", seed=0, group=0, sample=0)], tmp_path)
+                        .read_text())
+    assert (record["status"], record["success"], record["error"]) == ("truncated", False, None)
+
+
+def test_a_turns_image_place_is_written_only_where_its_images_do_not_stand_before_the_text(tmp_path):
+    episode = Trajectory(env_id="Lake", seed=0, group=0, sample=0, turns=[turn(), turn(image_at=7)])
+    before_text, inside = json.loads(write_trajectories([episode], tmp_path).read_text())["turns"]
+    assert "image_at" not in before_text and inside["image_at"] == 7
+
+
+def test_rejection_reasons_are_written_only_for_a_turn_that_has_one(tmp_path):
+    turns = [turn(actions=["Up", "Up"], actions_valid=[True, False], invalid_reasons=[None, "a wall"]),
+             turn(actions=["Up"], actions_valid=[True], invalid_reasons=[None])]
+    rejected, accepted = json.loads(write_trajectories(
+        [Trajectory(env_id="Lake", seed=0, group=0, sample=0, turns=turns)], tmp_path).read_text())["turns"]
+    assert rejected["invalid_reasons"] == [None, "a wall"] and "invalid_reasons" not in accepted
+
+
+def test_trajectories_are_written_into_a_directory_made_on_the_way(tmp_path):
+    out = tmp_path / "run" / "validation"
+    episode = Trajectory(env_id="Lake", seed=0, group=0, sample=0, images=[frame(4)])
+    path = write_trajectories([episode], out)
+    assert path.parent == out and (out / json.loads(path.read_text())["images"][0]).is_file()

@@ -7,12 +7,17 @@ import itertools
 import pytest
 import torch
 
-from turnrl.agent.formats import get_format
+from turnrl.agent.formats import ParsedResponse, get_format
 from turnrl.config import AgentConfig, SamplingConfig
 from turnrl.envs.contract import StepOutcome, TurnEnv
+from turnrl.models.loading import load_processor
+from turnrl.models.vision import content_digest
 from turnrl.policy.interface import Completion, Policy
+from turnrl.rollout.context import EpisodeTokens
 from turnrl.rollout.runner import EpisodeSlot, Rollout
+from turnrl.rollout.trajectory import Trajectory, TurnRecord
 from turnrl.training.batch import Sample, collate, trajectory_samples, turn_samples
+from turnrl.training.image_features import IMAGE_KEYS
 
 
 # --------------------------------------------------------------------------- drivers
@@ -163,6 +168,13 @@ def test_a_response_cut_at_the_token_limit_keeps_only_its_sampled_ids(played):
             assert sample.loss_mask[end + 1 : end + 1 + len(closing)] == [0] * len(closing)
 
 
+def test_trajectory_samples_carry_the_start_state_of_each_turn(played):
+    trajectories, _ = played
+    for sample, trajectory in zip(trajectory_samples(trajectories, [0, 1, 2]), trajectories):
+        assert sample.turn_state_keys == [turn.state_key for turn in trajectory.turns]
+    assert len({turn.state_key for t in trajectories for turn in t.turns} - {None}) > 1  # states the env tells apart
+
+
 # --------------------------------------------------------------------------- turn samples
 @pytest.mark.parametrize("window", [None, 1, 2])
 def test_turn_samples_are_the_windowed_prompts_plus_responses(tiny_tokenizer, window):
@@ -219,6 +231,20 @@ def test_turn_end_mask_is_true_exactly_at_turn_ends():
     for row, s in enumerate(make_samples()):
         expected[row, s.turn_ends] = True
     assert torch.equal(batch.turn_end_mask, expected)
+
+
+def test_turn_end_mask_marks_a_turn_that_ends_at_column_0():
+    """Only -1 marks a padding turn: a one-token response at the very start still ends a turn."""
+    batch = collate([Sample([5, 6, 7], [1, 0, 1], [-0.1, 0.0, -0.2], [0, 2], [1.0, 2.0], episode=0, group=0)], 0)
+    assert batch.turn_end_mask.tolist() == [[True, False, True]]
+
+
+def test_collate_numbers_turn_states_in_order_of_first_sight_and_minus_one_where_unknown():
+    samples = make_samples()
+    samples[0].turn_state_keys = ["x", "y"]
+    samples[2].turn_state_keys = ["y", None, "x"]  # samples[1] knows no state
+    assert collate(samples, pad_id=0).turn_states.tolist() == [[0, 1, -1], [-1, -1, -1], [1, -1, 0]]
+    assert collate(make_samples(), pad_id=0).turn_states is None
 
 
 def test_select_and_to_keep_rows_aligned():
@@ -291,6 +317,12 @@ def test_select_keeps_each_samples_model_inputs():
     assert torch.equal(moved.model_inputs["pixel_values"], part.model_inputs["pixel_values"])
 
 
+def test_selecting_no_samples_gives_no_rows_of_any_model_input():
+    part = collate(image_samples(), pad_id=0).select([])
+    assert len(part) == 0 and part.model_input_rows["pixel_values"].tolist() == []
+    assert part.model_inputs["pixel_values"].shape == (0, 3) and part.model_inputs["image_grid_thw"].shape == (0, 3)
+
+
 def test_a_batch_on_a_device_keeps_its_pixels_on_the_host_and_selects_across_both():
     """The pixel values (most of a visual batch's bytes) wait on the host for the micro-batch's forward pass."""
     placed = collate(image_samples(), pad_id=0).to(torch.device("meta"))
@@ -320,3 +352,57 @@ def test_collate_refuses_samples_with_different_model_inputs():
     del samples[1].model_inputs["image_grid_thw"]
     with pytest.raises(ValueError, match="image_grid_thw"):
         collate(samples, pad_id=0)
+
+
+def test_a_sample_without_model_inputs_gets_empty_rows_of_the_others_shape_whatever_its_rank():
+    samples = make_samples()
+    samples[0].model_inputs = {"pixel_values": torch.ones(2, 3, 4)}
+    samples[2].model_inputs = {"pixel_values": torch.zeros(1, 3, 4)}
+    batch = collate(samples, pad_id=0)
+    assert batch.model_inputs["pixel_values"].shape == (3, 3, 4)
+    assert batch.model_input_rows["pixel_values"].tolist() == [2, 0, 1]
+
+
+# --------------------------------------------------------------------------- images named by their digests
+def test_samples_name_their_images_by_the_digests_of_the_images_they_hold(tiny_vlm_dir):
+    """A whole episode's sample names the images of its answered turns, a turn sample those of its prompt, in
+    order: the keys under which the rollout's image features are found again."""
+    from tests.rollout.test_images import ScriptedVLM
+    from tests.rollout.test_images import play as play_images
+
+    trajectories = play_images(ScriptedVLM(load_processor(tiny_vlm_dir)), n_episodes=2, max_turns=3)
+    digests = [[content_digest([image]) for image in t.images[: len(t.turns)]] for t in trajectories]
+    assert all(len(named) == 3 for named in digests)
+    for sample, named in zip(trajectory_samples(trajectories, [0, 1]), digests):
+        assert sample.model_inputs[IMAGE_KEYS].tolist() == named
+    for sample in turn_samples(trajectories, [0, 1]):
+        assert sample.model_inputs[IMAGE_KEYS].tolist() == digests[sample.episode][: sample.turn + 1]
+
+
+def test_a_text_episodes_samples_carry_no_model_inputs(played):
+    trajectories, _ = played
+    for samples in (trajectory_samples(trajectories, [0, 1, 2]), turn_samples(trajectories, [0, 1, 2])):
+        assert all(sample.model_inputs == {} for sample in samples)
+
+
+def two_turn_episode(tiny_vlm_dir, second_counts: list[int], second_digests: list[int]) -> Trajectory:
+    """An episode of two answered turns whose first observation shows an image of digest -3."""
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "where now?"}]}
+    tokens = EpisodeTokens(load_processor(tiny_vlm_dir).tokenizer, image_token="<|image_pad|>")
+    tokens.start("system", user, [4], {}, [-3])
+    tokens.add_response([5])
+    second = user if second_counts else {"role": "user", "content": "and now?"}
+    tokens.add_observation(second, second_counts, {}, second_digests)
+    tokens.add_response([6])
+    turns = [TurnRecord(index=k, observation="o", response="r", response_ids=[5 + k], response_logprobs=[-0.1],
+                        finish_reason="stop", parsed=ParsedResponse((), {}, True)) for k in range(2)]
+    return Trajectory(env_id="Maze2D", seed=0, group=0, sample=0, turns=turns, tokens=tokens)
+
+
+def test_an_episode_names_its_images_only_where_every_image_has_a_digest(tiny_vlm_dir):
+    """An image without a digest (counted, not hashed, as SFT counts images) leaves the batch to name the images
+    by their place; an observation without images needs none."""
+    (undigested,) = trajectory_samples([two_turn_episode(tiny_vlm_dir, [4], [])], [0])
+    assert IMAGE_KEYS not in undigested.model_inputs
+    (text_after,) = trajectory_samples([two_turn_episode(tiny_vlm_dir, [], [])], [0])
+    assert text_after.model_inputs[IMAGE_KEYS].tolist() == [-3]

@@ -362,3 +362,35 @@ def test_anchored_share_counts_the_turns_that_share_a_start_state_with_another_t
     groups = torch.tensor([0, 0, 1])
     # group 0: state 0 twice, state 1 once, state 2 twice; group 1: state 0 once -> 4 of 6 known turns
     assert anchored_share(states, groups) == pytest.approx(4 / 6)
+
+
+def test_episode_view_rows_hold_only_their_sampled_tokens_from_column_0():
+    """No gap and no stray column: an episode's turn samples follow each other, whatever the order of the batch."""
+    for mode in both_modes():
+        view = episode_view(mode.batch)
+        lengths = view.mask.sum(1)
+        assert view.mask.shape[1] == int(lengths.max())
+        assert torch.equal(view.mask, torch.arange(view.mask.shape[1])[None, :] < lengths[:, None])
+
+
+def test_a_turn_that_ends_at_column_0_is_a_turn_with_its_reward():
+    """Only -1 marks a padding turn: a one-token response at the very start still ends a turn."""
+    sample = Sample([5, 5, 5], [1, 0, 1], [0.0] * 3, [0, 2], [1.0, 2.0], episode=0, group=0)
+    view = episode_view(collate([sample], pad_id=0))
+    assert view.turn_end.tolist() == [[True, True]]
+    assert view.rewards.tolist() == [[1.0, 2.0]]
+
+
+def test_episode_view_lays_out_each_turns_state_in_turn_order_only_when_asked():
+    one_token = dict(input_ids=[5, 5], loss_mask=[0, 1], sampler_logprobs=[0.0, 0.0], turn_ends=[1], turn_rewards=[0.0])
+    samples = [Sample(**one_token, episode=0, group=0, turn=1, turn_state_keys=["b"]),
+               Sample(**one_token, episode=0, group=0, turn=0, turn_state_keys=["a"]),
+               Sample(**one_token, episode=1, group=0, turn=0, turn_state_keys=["a"])]
+    batch = collate(samples, pad_id=0)  # state ids in order of first sight: b 0, a 1
+    assert episode_view(batch, with_turn_states=True).turn_states.tolist() == [[1, 0], [1, -1]]
+    assert episode_view(batch).turn_states is None
+
+
+def test_a_batch_of_one_sample_per_episode_needs_no_turn_weights():
+    trajectory, _ = both_modes()
+    assert turn_sample_weights(trajectory.batch, "seq-mean-token-mean") is None

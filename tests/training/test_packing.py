@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from turnrl.models.loading import enable_checkpointing
 from turnrl.training.model_passes import ValueModel, token_logprobs
@@ -35,6 +35,46 @@ def test_pack_lays_rows_end_to_end_with_restarting_positions():
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 1, 2]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
     assert packed.rows.tolist() == [0, 0, 0, 1, 2, 2] and packed.cols.tolist() == [0, 1, 2, 0, 0, 1]
+
+
+def vlm_rows(config, pad_id: int = 0):
+    """Three rows of the tiny VLM: text, an image of 1x2 tokens, text; text only; text, then an image of 2x2
+    tokens that ends the row. Returns the padded ids, the attention mask and the grids of the images in row order."""
+    merge, image = config.vision_config.spatial_merge_size, config.image_token_id
+    rows = [[10, 11, image, image, 12, 13], [14, 15, 16], [17, image, image, image, image]]
+    input_ids = torch.tensor([row + [pad_id] * (6 - len(row)) for row in rows])
+    attention_mask = (torch.arange(6)[None, :] < torch.tensor([6, 3, 5])[:, None]).long()
+    grids = torch.tensor([[1, merge, 2 * merge], [1, 2 * merge, 2 * merge]])
+    return input_ids, attention_mask, grids
+
+
+def test_pack_gives_a_vlm_row_its_text_positions_then_its_own_mrope_positions(tiny_vlm_dir):
+    """Each row's M-RoPE positions start at 0 as in generation, its images placed row-major after its text; the
+    plain text positions lead, as Qwen-VL models read packed sequences."""
+    config = AutoConfig.from_pretrained(tiny_vlm_dir)
+    input_ids, attention_mask, grids = vlm_rows(config)
+    packed = pack(input_ids, attention_mask, config, {"image_grid_thw": grids})
+    text = [0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2, 3, 4]
+    temporal = [0, 1, 2, 2, 4, 5, 0, 1, 2, 0, 1, 1, 1, 1]
+    height = [0, 1, 2, 2, 4, 5, 0, 1, 2, 0, 1, 1, 2, 2]
+    width = [0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2, 1, 2]
+    assert packed.position_ids.tolist() == [[text], [temporal], [height], [width]]
+
+
+def test_pack_reads_nothing_of_the_padding(tiny_vlm_dir):
+    """Padding ids that happen to be image placeholders change nothing: only each row's real tokens count."""
+    config = AutoConfig.from_pretrained(tiny_vlm_dir)
+    plain = pack(*vlm_rows(config)[:2], config, {"image_grid_thw": vlm_rows(config)[2]})
+    input_ids, attention_mask, grids = vlm_rows(config, pad_id=config.image_token_id)
+    placeholders = pack(input_ids, attention_mask, config, {"image_grid_thw": grids})
+    assert torch.equal(placeholders.input_ids, plain.input_ids)
+    assert torch.equal(placeholders.position_ids, plain.position_ids)
+
+
+def test_packing_no_rows_gives_no_tokens_and_empty_positions_of_each_kind(tiny_vlm_dir):
+    config = AutoConfig.from_pretrained(tiny_vlm_dir)
+    packed = pack(torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4, dtype=torch.long), config, {})
+    assert packed.input_ids.shape == (1, 0) and packed.position_ids.shape == (4, 1, 0)
 
 
 def test_a_model_without_the_trainers_attention_refuses_packed_rows(tiny_model_dir):
