@@ -480,3 +480,57 @@ def test_group_deviation_matches_reference_with_large_offsets(seed, b, n_groups,
     assert stats.group_ids.tolist() == list(members) and stats.size.tolist() == [len(m) for m in members.values()]
     close(stats.mean, t([ref._mean_std(m)[0] for m in members.values()]), tol=1e-9)
     close(stats.std, t([ref._mean_std(m)[1] for m in members.values()]), tol=1e-9)
+
+
+# --- degenerate shapes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0), (0, 0)])
+def test_token_estimators_return_their_input_shape_for_empty_batches_and_sequences(shape):
+    zeros, mask = torch.zeros(shape, dtype=F64), torch.ones(shape, dtype=torch.bool)
+    results = [
+        masked_gae(zeros, zeros, mask, 0.9, 0.8, turn_end_mask=mask, gamma_turn=0.5, lambda_turn=0.7),
+        bilevel_gae(zeros, zeros, mask, mask, 0.5, 0.7, 0.9, 0.8),
+        turn_gae(zeros, zeros, mask, mask, 0.9, 0.8),
+        reinforce_pp_advantages(zeros, mask, 0.9, turn_end_mask=mask, gamma_turn=0.5),
+    ]
+    for advantages, returns in results:
+        assert advantages.shape == returns.shape == shape
+
+
+def test_turn_estimators_match_the_reference_with_more_rows_than_packed_columns():
+    # 40 rows of 6 tokens: the packed width (32 columns) is smaller than the batch
+    rewards, values, mask, ends = random_batch(7, 40, 6, p_end=0.4)
+    close(turn_gae(rewards, values, mask, ends, 0.9, 0.8)[0],
+          ref.ref_turn_gae(rewards, values, mask, ends, 0.9, 0.8)[0])
+    close(bilevel_gae(rewards, values, mask, ends, 0.9, 0.8, 0.95, 0.7)[0],
+          ref.ref_bilevel_gae(rewards, values, mask, ends, 0.9, 0.8, 0.95, 0.7)[0])
+
+
+def test_masked_gae_with_equal_discount_products_inside_and_across_turns_matches_the_reference():
+    # gamma * lam = gamma_turn * lambda_turn = 0.9, while the TD errors still use gamma 0.9 and gamma_turn 1
+    rewards, values, mask, ends = random_batch(11, 4, 30, p_end=0.2)
+    got = masked_gae(rewards, values, mask, 0.9, 1.0, turn_end_mask=ends, gamma_turn=1.0, lambda_turn=0.9)
+    want = ref.ref_masked_gae(rewards, values, mask, 0.9, 1.0, ends, 1.0, 0.9)
+    close(got[0], want[0])
+    close(got[1], want[1])
+
+
+def test_masked_gae_across_turns_when_the_longest_row_fills_the_packed_chunk_but_has_fewer_turns():
+    # row 0: 31 tokens in one turn, so its last token sits just before the zero column (32 packed columns);
+    # row 1: two turns of two tokens
+    gen = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(2, 31, generator=gen, dtype=F64), torch.randn(2, 31, generator=gen, dtype=F64)
+    mask = torch.zeros(2, 31, dtype=torch.bool)
+    mask[0] = True
+    mask[1, :4] = True
+    ends = torch.zeros(2, 31, dtype=torch.bool)
+    ends[1, 1] = ends[1, 3] = True
+    got = masked_gae(rewards, values, mask, 0.95, 0.9, turn_end_mask=ends, gamma_turn=0.5, lambda_turn=0.8)
+    close(got[0], ref.ref_masked_gae(rewards, values, mask, 0.95, 0.9, ends, 0.5, 0.8)[0])
+
+
+def test_masked_gae_without_turn_ends_ignores_the_turn_discounts():
+    rewards, values, mask, _ = random_batch(12, 3, 20)
+    got = masked_gae(rewards, values, mask, 0.95, 0.9, gamma_turn=0.5, lambda_turn=0.8)
+    close(got[0], ref.ref_masked_gae(rewards, values, mask, 0.95, 0.9)[0])

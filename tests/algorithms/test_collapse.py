@@ -200,3 +200,8 @@ def test_streak_fires_on_the_limit_th_hit_in_a_row_and_a_miss_resets_it():
     streak = Streak(3)
     assert [streak.observe(h) for h in (True, True, False, True, True, True)] == [False] * 5 + [True]
     assert not any(Streak(0).observe(True) for _ in range(10))
+
+
+def test_a_streak_of_limit_one_fires_on_the_first_hit():
+    streak = Streak(1)
+    assert [streak.observe(h) for h in (False, True, True)] == [False, True, True]

@@ -218,3 +218,66 @@ def test_top_k_by_seeded_scores_keeps_each_group_equally_often_whatever_its_rewa
     share = kept / batches
     assert float((share - 0.25).abs().max()) < 4 * math.sqrt(0.25 * 0.75 / batches)
     assert select_groups(groups, rewards=rewards, value=1).kept_groups.tolist() == [0]
+
+
+# --------------------------------------------------------------------------- boundaries
+def pick(scores: list[float], **kwargs) -> list[int]:
+    """Kept group ids of groups 0.. n-1 ranked by ``scores``."""
+    n = len(scores)
+    return select_groups(torch.arange(n), torch.zeros(n), scores=torch.tensor(scores, dtype=F64),
+                         **kwargs).kept_groups.tolist()
+
+
+def test_top_p_linear_stops_at_the_prefix_whose_sum_equals_the_threshold():
+    # sum 4, p = 0.7525: threshold 0.7525 * 4 - 0.01 = 3.0 exactly, reached by the first two groups (2 + 1)
+    assert 0.7525 * 4.0 - 0.01 == 3.0
+    scores = [2.0, 1.0, 1.0]
+    expected = ref.ref_select(torch.arange(3), torch.zeros(3), torch.tensor(scores), "top_p", 0.7525, "linear",
+                              1.0, True, False)
+    assert pick(scores, strategy="top_p", value=0.7525) == expected == [0, 1]
+
+
+def test_top_p_softmax_weighs_the_scores_divided_by_the_temperature():
+    # softmax(score / 2) of [0, log 2, log 7] is proportional to [1, sqrt 2, sqrt 7]: 0.198, 0.280, 0.523
+    scores = [0.0, math.log(2.0), math.log(7.0)]
+    common = dict(strategy="top_p", value=0.6, weighting="softmax")
+    assert pick(scores, **common) == [2]  # temperature 1: 0.7 >= 0.6
+    assert pick(scores, temperature=2.0, **common) == [1, 2]  # 0.523 < 0.6 <= 0.803
+
+
+def test_top_p_softmax_keeps_one_group_for_p_zero():
+    assert pick([1.0, 3.0, 2.0], strategy="top_p", value=0.0, weighting="softmax") == [1]
+
+
+def test_top_p_softmax_counts_a_prefix_within_the_tolerance_of_p_as_reaching_it():
+    # four equal scores weigh 0.25 each; p - 1e-9 is exactly 0.25, the first group's weight
+    p = 0.250000001
+    assert p - 1e-9 == 0.25
+    assert pick([1.0, 1.0, 1.0, 1.0], strategy="top_p", value=p, weighting="softmax") == [0]
+
+
+def test_min_p_with_smallest_first_keeps_scores_up_to_the_minimum_over_p():
+    # min 1, p = 0.5: keep scores <= 2 (the bound itself included)
+    scores = [1.0, 2.0, 3.0, 5.0]
+    expected = ref.ref_select(torch.arange(4), torch.zeros(4), torch.tensor(scores), "min_p", 0.5, "linear", 1.0,
+                              False, False)
+    assert pick(scores, strategy="min_p", value=0.5, largest=False) == expected == [0, 1]
+
+
+def test_min_p_without_candidates_skips_the_step():
+    index, rewards = grouped([[1.0, 1.0], [0.0, 0.0]])  # every group flat
+    selection = select_groups(index, rewards, strategy="min_p", value=0.5, drop_zero_variance=True)
+    assert selection.skip_step and selection.kept_groups.numel() == 0
+
+
+def test_an_empty_batch_skips_the_step_with_a_kept_ratio_of_zero():
+    selection = select_groups(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=F64))
+    assert selection.skip_step and selection.kept_ratio == 0.0
+
+
+def test_a_group_whose_std_equals_the_zero_variance_tolerance_is_dropped():
+    # two rewards 1.414213562373095e-08 apart: an unbiased std of exactly 1e-8
+    index, rewards = grouped([[0.0, 1.414213562373095e-08], [0.0, 1.0]])
+    selection = select_groups(index, rewards, strategy="none", drop_zero_variance=True)
+    assert selection.scores[0].item() == 1e-8
+    assert selection.kept_groups.tolist() == [1]

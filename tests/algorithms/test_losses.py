@@ -19,6 +19,7 @@ from turnrl.algorithms import (
     ppo_policy_loss,
     value_loss,
 )
+from turnrl.algorithms.losses import PolicyLossInputs, PolicyLossSettings, ppo_loss
 
 F64 = torch.float64
 
@@ -482,3 +483,74 @@ def test_an_update_resolves_the_policy_loss_once_not_in_every_micro_batch(monkey
                          torch.Generator().manual_seed(0))
     assert metrics["actor/optimizer_steps"] == 2.0  # two epochs of one mini-batch, each of two micro-batches
     assert looked_up == ["ppo"]
+
+
+# --- boundaries and settings -----------------------------------------------------------
+
+
+def test_a_ratio_exactly_at_the_dual_clip_bound_is_not_dual_clipped():
+    """The dual clip replaces the loss only where it exceeds the bound: at a tie the token keeps the unclipped
+    term's gradient ``-A r`` and does not count in ``dual_clip_frac`` (as in ``ref_ppo_token``)."""
+    dual_clip = math.exp(1.0)
+    new = t([[1.0]]).requires_grad_()  # log-ratio 1: r = e, the bound itself
+    assert torch.exp(new.detach()).item() == dual_clip  # the tie this test is about
+    loss, stats = ppo_policy_loss(new, t([[0.0]]), t([[-1.0]]), torch.ones(1, 1), dual_clip=dual_clip)
+    loss.backward()
+    close(loss, dual_clip)
+    close(stats.dual_clip_frac, 0.0)
+    close(new.grad, t([[dual_clip]]))  # d(-A r)/d logprob = -A r
+
+
+def test_token_weights_carry_no_gradient_from_the_policy_loss():
+    gen = torch.Generator().manual_seed(3)
+    lp = torch.randn(2, 5, generator=gen, dtype=F64).requires_grad_()
+    weights = (torch.rand(2, 5, generator=gen, dtype=F64) + 0.5).requires_grad_()
+    loss, _ = ppo_policy_loss(lp, lp.detach() + 0.1, torch.randn(2, 5, generator=gen, dtype=F64), torch.ones(2, 5),
+                              token_weights=weights)
+    loss.backward()
+    assert lp.grad is not None and weights.grad is None
+
+
+def test_the_registered_ppo_loss_applies_every_setting():
+    """``ppo_loss`` with non-default clip range, dual clip and aggregation, and sample and token weights: the
+    per-token reference with those settings."""
+    gen, new, old, adv, mask = wide_batch(5, 4, 8, 1.0)
+    sample_w = torch.rand(4, generator=gen, dtype=F64) + 0.5
+    token_w = torch.rand(4, 8, generator=gen, dtype=F64) + 0.5
+    settings = PolicyLossSettings(clip_low=0.1, clip_high=0.15, dual_clip=2.0, aggregation="seq-mean-token-sum")
+    loss, _ = ppo_loss(PolicyLossInputs(new, old, adv, mask, sample_w, token_w), settings)
+    tokens = per_token(lambda n, o, a: ref.ref_ppo_token(n, o, a, 0.1, 0.15, 2.0)[0], new, old, adv)
+    want = ref.ref_aggregate(t(tokens) * sample_w[:, None] * token_w, mask, "seq-mean-token-sum")
+    close(loss, want)
+
+
+def test_a_value_exactly_clip_away_from_the_old_value_is_not_clipped():
+    """``|v - old| == clip``: the prediction is inside the range (``ref_value_token``), although
+    ``old + (v - old)`` rounds to 0.8999999999999999 here and its error would be the larger."""
+    values, old, returns = t([[0.9]]).requires_grad_(), t([[0.2]]), t([[1.0]])
+    assert (values.detach() - old).abs().item() == 0.7  # exactly the clip
+    loss, stats = value_loss(values, old, returns, torch.ones(1, 1), clip=0.7)
+    loss.backward()
+    close(stats.clip_frac, 0.0)
+    assert loss.item() == 0.5 * (0.9 - 1.0) ** 2  # the unclipped error, to the last bit
+    close(values.grad, t([[0.9 - 1.0]]))
+
+
+def test_equal_clipped_and_unclipped_value_errors_keep_the_unclipped_gradient():
+    """v = 2 moved 2 from old = 0 (clip 0.5: v_clip = 0.5); R = 1.25 lies halfway, so both errors are 0.5625.
+    The clipped term counts only where it is strictly larger."""
+    values = t([[2.0]]).requires_grad_()
+    loss, stats = value_loss(values, t([[0.0]]), t([[1.25]]), torch.ones(1, 1), clip=0.5)
+    loss.backward()
+    close(loss, 0.5 * 0.5625)
+    close(stats.clip_frac, 0.0)
+    close(values.grad, t([[0.75]]))  # v - R
+
+
+def test_k3_kl_of_an_infinite_log_ratio_is_the_clamp_bound():
+    """A log-prob of -inf on either side: the log-ratio clamps to 20 before the exp, so k3 is its bound 10,
+    never NaN."""
+    inf = float("inf")
+    got = kl_penalty(t([[-inf, 0.0]]), t([[0.0, -inf]]), "k3")
+    close(got, t([[ref.ref_kl(-inf, 0.0, "k3"), ref.ref_kl(0.0, -inf, "k3")]]))
+    close(got, t([[10.0, 10.0]]))
