@@ -147,3 +147,43 @@ def test_any_sequence_of_resizes_keeps_every_page_in_one_place(operations):
         assert all(set(table[r][kv.held(r):]) == {SCRATCH_PAGE} for r in range(6))
         assert kv.pages <= kv.max_pages
         assert len(held) + kv.free_pages == kv.max_pages - 1
+
+
+def test_a_budget_of_one_sequence_and_the_scratch_page_is_enough():
+    assert cache(max_pages=20).row_pages == 19  # 300 positions in pages of 16, and scratch
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        cache(max_pages=19)
+
+
+def test_pages_in_a_budget_count_whole_pages_only():
+    assert KVCache.pages_in(10_000, 10, page=16) == 62  # 10,000 bytes in pages of 160
+    assert KVCache.pages_in(159, 10, page=16) == 0
+
+
+def test_a_tokens_keys_and_values_take_two_widths_of_the_dtype():
+    assert KVCache.bytes_per_token(64, torch.bfloat16) == 256
+    assert KVCache.bytes_per_token(64, torch.float32) == 512
+
+
+def test_a_cache_with_no_pool_yet_offers_every_page_but_scratch():
+    kv = KVCache(SHAPE, 4, 300, 40, torch.float32, torch.device("cpu"), page=16)
+    assert kv.pages == 0 and kv.free_pages == 39
+    assert kv.resize(0, 300) and kv.resize(1, 300) and kv.free_pages == 1
+
+
+def test_the_pool_doubles_when_doubling_gives_the_pages_a_row_lacks():
+    kv = cache(max_pages=400, rows=8, max_len=2000, page=16)
+    assert kv.resize(0, 16 * 70)  # 6 pages more than the first 64
+    assert kv.pages == 2 * (INITIAL_PAGES + 1)
+
+
+def test_after_release_every_row_points_to_scratch_and_the_pool_comes_back():
+    kv = cache(rows=3)
+    for row in range(3):
+        assert kv.resize(row, 300)
+    kv.sync()
+    kv.release()
+    kv.sync()
+    assert set(kv.table.flatten().tolist()) == {SCRATCH_PAGE}
+    kv.reserve_scratch()
+    assert kv.pages == INITIAL_PAGES + 1 and len(kv.kv) == SHAPE.num_layers

@@ -78,3 +78,40 @@ def test_placement_reuses_the_longest_matching_row_as_a_plain_scan_does(shared, 
     assert placed.reused == plain_reuse(cached, prompt)
     if placed.reused:
         assert prompt[: placed.reused] == cached[placed.row][: placed.reused]
+
+
+def test_a_running_row_is_never_chosen_even_when_its_reused_tokens_begin_the_prompt():
+    table = RowTable(2)
+    assert table.place(list(range(20))) is not None
+    table.release(0, list(range(25)))
+    assert table.place(list(range(30))) is not None  # row 0 runs, holding the 25 tokens it reused
+    again = table.place(list(range(30)))
+    assert again is not None and (again.row, again.reused) == (1, 0)
+
+
+def test_a_running_row_holds_the_prefix_it_reused_only():
+    table = RowTable(1)
+    assert table.place(list(range(20))) is not None
+    table.release(0, list(range(25)))
+    placed = table.place(list(range(40)))
+    assert placed is not None and placed.reused == 25 and table.rows[0].tokens == list(range(25))
+
+
+def test_an_idle_row_stays_found_when_another_row_of_its_prefix_is_taken():
+    table = RowTable(3)
+    head = list(range(PREFIX_KEY_TOKENS))
+    first, second = head + [90, 91, 92, 93], head + [80, 81, 82, 83]
+    for tokens in (first, second):
+        assert table.place(tokens) is not None
+    table.release(0, first)
+    table.release(1, second)
+    assert table.place(first + [7]) is not None  # takes row 0, which shares the index key with row 1
+    placed = table.place(second + [5])
+    assert placed is not None and (placed.row, placed.reused, placed.evicted) == (1, len(second), False)
+
+
+def test_begins_with_compares_the_first_usable_tokens_only():
+    assert RowTable.begins_with([1, 2, 3], [1, 2, 9], 2)
+    assert not RowTable.begins_with([1, 2, 3], [1, 5, 3], 3)
+    assert not RowTable.begins_with([5], [6], 1)
+    assert RowTable.begins_with([1, 2], [3, 4], 0)  # nothing to compare

@@ -6,7 +6,9 @@ import math
 
 import torch
 
-from turnrl.engine.sampling import filter_top_k_top_p, sample_tokens
+from turnrl.config import GREEDY_BELOW_TEMPERATURE
+from turnrl.engine.sampling import filter_top_k_top_p, logprobs_before_suppression, sample_tokens, sample_untruncated
+from turnrl.engine.sequences import SamplingParams
 
 
 def reference_keep(logits: list[float], top_k: int, top_p: float) -> set[int]:
@@ -98,8 +100,6 @@ def test_greedy_rows_take_the_argmax_scored_at_temperature_one():
 
 def test_a_temperature_below_the_greedy_bound_is_greedy_and_finite():
     """1e-40 would make every tempered logit infinite (a NaN softmax): it is greedy, scored at temperature 1."""
-    from turnrl.engine.sampling import logprobs_before_suppression, sample_untruncated
-
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
     tiny = torch.tensor([1e-40, 9e-6])
     expected = torch.log_softmax(logits, -1)[[0, 1], [1, 0]]
@@ -112,3 +112,46 @@ def test_a_temperature_below_the_greedy_bound_is_greedy_and_finite():
     kept_logprobs = torch.log_softmax(kept, -1)[[0, 1], [1, 0]]
     whole = logprobs_before_suppression(kept_logprobs, kept[[0, 1], [1, 0]], suppressed, tiny)
     torch.testing.assert_close(whole, expected)
+
+
+def test_a_nucleus_reached_exactly_keeps_no_further_token():
+    """Four equally likely tokens: the first two hold exactly half the mass, so top_p 0.5 keeps those two only."""
+    filtered = filter_top_k_top_p(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), torch.tensor([0.5]))
+    assert int((~filtered.isinf()).sum()) == 2
+
+
+def test_a_nucleus_of_no_mass_keeps_the_most_likely_token_of_every_row():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 5.0], [4.0, 1.0, 0.0]])
+    filtered = filter_top_k_top_p(logits, torch.zeros(3, dtype=torch.long), torch.zeros(3))
+    assert [[i for i in range(3) if filtered[row, i] > float("-inf")] for row in range(3)] == [[1], [2], [0]]
+
+
+def test_the_greedy_bound_itself_samples_at_that_temperature():
+    """Greedy is below the bound: a temperature equal to it is sampled and scored at it (here the argmax takes all
+    the tempered mass, a logprob of 0), not scored at temperature 1."""
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    bound = torch.tensor([GREEDY_BELOW_TEMPERATURE])
+    for tokens, logprobs in (sample_tokens(logits, bound, torch.zeros(1, dtype=torch.long), torch.ones(1)),
+                             sample_untruncated(logits, bound)):
+        assert tokens.tolist() == [1] and logprobs.tolist() == [0.0]
+    whole = logprobs_before_suppression(torch.tensor([0.0]), logits[:, 1], logits[:, 2:], bound)
+    assert whole.tolist() == [0.0]
+
+
+def test_logprobs_before_suppression_are_the_whole_vocabularys_tempered_logprobs():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 10, generator=generator) * 2
+    temperature = torch.tensor([0.5, 1.0, 2.0, 0.7])
+    tokens = torch.tensor([0, 3, 5, 6])
+    kept, suppressed = logits[:, :7], logits[:, 7:]
+    rows = torch.arange(4)
+    kept_logprobs = torch.log_softmax(kept / temperature[:, None], -1)[rows, tokens]
+    whole = logprobs_before_suppression(kept_logprobs, kept[rows, tokens], suppressed, temperature)
+    torch.testing.assert_close(whole, torch.log_softmax(logits / temperature[:, None], -1)[rows, tokens])
+
+
+def test_default_sampling_params_truncate_nothing():
+    params = SamplingParams()
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    filtered = filter_top_k_top_p(logits, torch.full((2,), params.top_k), torch.full((2,), params.top_p))
+    assert torch.equal(filtered, logits)

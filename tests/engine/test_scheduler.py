@@ -4,6 +4,8 @@ scheduler reads only its page accounting); sampled tokens are given by hand."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -295,3 +297,143 @@ def test_a_sequence_takes_the_pages_of_its_prompt_and_budget_only():
     sequence = submit(s, prompt(200), max_new_tokens=100)
     s.admit()
     assert s.cache.held(sequence.row) == -(-(200 + 100) // PAGE_TOKENS) == 3
+
+
+def test_prefill_chunks_pad_to_at_most_the_token_budget():
+    three = [SequenceRecord(i, prompt(20, start=i), SamplingParams()) for i in range(3)]
+    assert [[q.id for q in chunk.sequences] for chunk in prefill_chunks(three, 40)] == [[0, 1], [2]]
+    assert [[q.id for q in chunk.sequences] for chunk in prefill_chunks(three, 39)] == [[0], [1], [2]]
+
+
+def test_a_later_prefill_chunk_is_filled_to_the_budget_like_the_first():
+    records = [SequenceRecord(i, prompt(length, start=i), SamplingParams())
+               for i, length in enumerate([10, 10, 10, 20, 20])]
+    assert [[q.id for q in chunk.sequences] for chunk in prefill_chunks(records, 40)] == [[0, 1, 2], [3, 4]]
+
+
+def test_prefill_chunks_order_and_pad_the_uncached_tokens_only():
+    records = [SequenceRecord(i, prompt(length, start=i), SamplingParams())
+               for i, length in enumerate([100, 15, 30])]
+    records[0].cached, records[2].cached = 90, 25  # 10, 15 and 5 tokens to run
+    assert [[q.id for q in chunk.sequences] for chunk in prefill_chunks(records, 30)] == [[2, 0], [1]]
+
+
+def test_a_follower_counts_only_its_uncached_prompt_tokens_as_shared():
+    s = scheduler()
+    first = [submit(s, prompt(40), max_new_tokens=5, stop_ids=(9,)) for _ in range(2)]
+    admit_and_prefill(s)
+    decode_step(s, {0: 9, 1: 9})  # two idle rows holding the prompt and its first token
+    turn = first[0].prompt + [1, 9] + prompt(20, start=3)
+    again = [submit(s, turn, max_new_tokens=5) for _ in range(2)]
+    shared = s.stats.shared_tokens
+    admit_and_prefill(s)
+    assert [q.reused for q in again] == [41, 41]
+    assert s.stats.shared_tokens - shared == len(turn) - 41
+
+
+def test_one_new_token_is_a_budget_a_sequence_may_ask_for():
+    s = scheduler()
+    sequence = submit(s, prompt(20), max_new_tokens=1)
+    admit_and_prefill(s, first=6)
+    assert [(r.id, r.token_ids, r.finish_reason) for r in s.take_finished()] == [(sequence.id, [6], "length")]
+
+
+def test_an_arrival_waits_while_more_than_four_times_as_many_run():
+    for running, admits in ((4, True), (5, False)):
+        s = scheduler(rows=16)
+        for i in range(running):
+            submit(s, prompt(20, start=i))
+        admit_and_prefill(s)
+        submit(s, prompt(20, start=30))
+        assert s.time_to_admit() == admits
+
+
+def test_an_arrival_after_an_admission_that_did_not_ask_waits_the_whole_count():
+    """A caller may admit without :meth:`time_to_admit` (a round prefilled in parts): the next arrival still waits
+    ``ADMIT_AFTER_STEPS`` decode steps, counted from none."""
+    s = scheduler(rows=16)
+    for i in range(8):
+        submit(s, prompt(20, start=i))
+    admit_and_prefill(s)
+    submit(s, prompt(20, start=30))
+    assert [s.time_to_admit() for _ in range(ADMIT_AFTER_STEPS + 1)] == [False] * ADMIT_AFTER_STEPS + [True]
+
+
+def test_a_sequence_admitted_while_others_decode_joins_the_next_step():
+    s = scheduler()
+    submit(s, prompt(20), max_new_tokens=10)
+    admit_and_prefill(s)
+    assert decode_step(s).tolist() == [0]
+    submit(s, prompt(20, start=5), max_new_tokens=10)
+    admit_and_prefill(s)
+    assert decode_step(s).tolist() == [0, 1]
+
+
+def test_the_pages_of_every_idle_row_and_the_free_pool_together_admit_a_sequence():
+    s = scheduler(rows=2, pages=4, max_len=384)  # the scratch page and 3 of 128 positions
+    for i in range(2):
+        submit(s, prompt(40, start=10 * i), max_new_tokens=5, stop_ids=(9,))
+    admit_and_prefill(s)
+    decode_step(s, {0: 9, 1: 9})  # two idle rows of one page each, one page free
+    grown = submit(s, prompt(300, start=3), max_new_tokens=50)  # 3 pages: row 0's, the free one and row 1's
+    assert admit_and_prefill(s) == [grown] and grown.row == 0
+    assert s.table.rows[1].state == FREE and s.cache.held(0) == 3 and s.cache.free_pages == 0
+
+
+def test_dropping_the_idle_rows_frees_their_pages():
+    s = scheduler(rows=2)
+    for i in range(2):
+        submit(s, prompt(40, start=10 * i), max_new_tokens=5, stop_ids=(9,))
+    admit_and_prefill(s)
+    decode_step(s, {0: 9, 1: 9})
+    s.drop_idle_rows()
+    assert [row.state for row in s.table.rows] == [FREE, FREE]
+    assert s.cache.held(0) == s.cache.held(1) == 0 and s.cache.free_pages == s.cache.max_pages - 1
+
+
+def test_after_abort_a_new_sequence_in_a_row_that_had_a_step_in_flight_decodes_its_whole_budget():
+    """The aborted step is never read: its token no longer counts against the row."""
+    s = scheduler(rows=1)
+    submit(s, prompt(20), max_new_tokens=10)
+    admit_and_prefill(s)
+    batch = s.decode_batch()
+    assert batch is not None
+    s.launched(batch.rows)
+    s.abort("failed")
+    submit(s, prompt(20, start=3), max_new_tokens=2)
+    admit_and_prefill(s)
+    step = s.decode_batch()
+    assert step is not None and step.rows.tolist() == [0]
+    s.launched(step.rows)
+    assert s.decode_batch() is None  # its second token, its budget, is in flight
+
+
+def test_a_dropped_launch_no_longer_counts_against_the_rows_next_sequence():
+    s = scheduler(rows=1)
+    submit(s, prompt(20), max_new_tokens=10, stop_ids=(9,))
+    admit_and_prefill(s)
+    step_n = s.decode_batch()
+    assert step_n is not None
+    s.launched(step_n.rows)
+    step_next = s.decode_batch()
+    assert step_next is not None
+    s.launched(step_next.rows)
+    s.record(step_n.rows, sampled([9]))  # the sequence stops: the step after it is never read
+    assert not s.running
+    s.drop_launch(step_next.rows)
+    submit(s, prompt(20, start=3), max_new_tokens=2)
+    admit_and_prefill(s)
+    step = s.decode_batch()
+    assert step is not None and step.rows.tolist() == [0]
+    s.launched(step.rows)
+    assert s.decode_batch() is None
+
+
+def test_a_new_schedulers_counters_are_all_zero():
+    assert set(dataclasses.asdict(scheduler().stats).values()) == {0}
+
+
+def test_a_refused_sequence_reports_no_reused_tokens():
+    s = scheduler()
+    submit(s, [])
+    assert [r.reused_tokens for r in s.take_finished()] == [0]

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from turnrl.engine.stops import StopStringFilter, stop_string_in_tail
+from turnrl.engine.stops import KEPT_MASKS, TAIL_SLACK_TOKENS, StopStringFilter, stop_string_in_tail
 
 Decode = Callable[[list[int]], str]
 
@@ -113,3 +113,31 @@ def test_the_filter_keeps_the_masks_of_the_latest_stop_strings_only():
     assert array_bytes(stop_filter) <= 100 * len(PIECES)
     fresh = StopStringFilter(sentencepiece_decode, len(PIECES))
     assert stop_filter.candidates(("x0",)).tolist() == fresh.candidates(("x0",)).tolist()  # dropped: made again
+
+
+def test_the_tail_decoded_is_the_longest_stop_in_bytes_and_the_slack():
+    """Only the last tokens are decoded: as many as the longest stop string's UTF-8 bytes ("€!" is four), and the
+    slack."""
+    decoded: list[list[int]] = []
+
+    def decode(ids: list[int]) -> str:
+        decoded.append(ids)
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    tokens = list(range(97, 123)) * 2
+    assert not stop_string_in_tail(tokens, ("ab", "€!"), decode)
+    assert decoded == [tokens[-(4 + TAIL_SLACK_TOKENS) :]]
+
+
+def test_any_one_of_the_stop_strings_in_the_tail_stops():
+    decode: Decode = lambda ids: bytes(ids).decode()  # noqa: E731
+    assert stop_string_in_tail(list(b"it is done"), ("done", "never"), decode)
+    assert stop_string_in_tail(list(b"it is done"), ("never", "done"), decode)
+    assert not stop_string_in_tail(list(b"it is done"), ("never", "nor"), decode)
+
+
+def test_the_filter_drops_the_mask_used_longest_ago_beyond_the_kept_number():
+    stop_filter = StopStringFilter(sentencepiece_decode, len(PIECES))
+    masks = [stop_filter.candidates((f"x{i}",)) for i in range(KEPT_MASKS + 1)]
+    assert stop_filter.candidates(("x1",)) is masks[1]  # among the latest KEPT_MASKS: kept
+    assert stop_filter.candidates(("x0",)) is not masks[0]  # used longest ago: dropped, made again
