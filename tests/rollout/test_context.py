@@ -106,6 +106,20 @@ def test_stream_equals_full_render(toks, name, system):
     assert set(s.turn_index) == {HEAD_TURN, 0, 1, 2}
 
 
+def test_turn_index_is_minus_one_on_the_head_and_the_turns_number_on_its_response_closing_and_observation(toks):
+    tok = toks["chatml"]
+    deltas = ChatTemplateDeltas.for_tokenizer(tok)
+    responses = [sampled(tok, "Left"), encode(tok, "Up and")]  # the second cut: its whole closing is appended
+    s = play(tok, SYSTEM, USERS[:2], ["Left", "Up and"], responses=responses).stream()
+    head, observation = deltas.head(SYSTEM, USERS[0]), deltas.observation(USERS[1])
+    closings = [deltas.close(ids)[0] for ids in responses]
+    assert s.input_ids == head + responses[0] + closings[0] + observation + responses[1] + closings[1]
+    assert s.turn_index == ([-1] * len(head) + [0] * (len(responses[0]) + len(closings[0]))
+                            + [1] * (len(observation) + len(responses[1]) + len(closings[1])))
+    assert s.loss_mask == ([0] * len(head) + [1] * len(responses[0]) + [0] * (len(closings[0]) + len(observation))
+                           + [1] * len(responses[1]) + [0] * len(closings[1]))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_per_turn_prompts_are_full_renders_of_the_prefix(toks, name):
     tok = toks[name]
@@ -319,6 +333,36 @@ def test_window_prompt_is_full_render_of_last_turns(toks, name, window):
             ep.stream()
 
 
+@pytest.mark.parametrize("window", [1, 2])
+def test_each_turn_records_the_first_turn_and_the_length_of_its_prompt(toks, window):
+    tok = toks["chatml"]
+    users = [f"Observation {t}: #_P_#" for t in range(4)]
+    ep = play(tok, SYSTEM, users, [f"Move {t}" for t in range(4)], window=window)
+    assert [turn.window_start for turn in ep.turns] == [max(0, t - window + 1) for t in range(4)]
+    assert [turn.prompt_length for turn in ep.turns] == [len(ep.prompt_ids(t)) for t in range(4)]
+
+
+def test_an_episodes_length_is_its_prompt_then_its_prompt_response_and_closing(toks):
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok)
+    assert len(ep) == 0  # not started
+    ep.start(SYSTEM, USERS[0])
+    assert len(ep) == len(ep.prompt())
+    response = encode(tok, "Left")  # cut: the whole closing follows
+    ep.add_response(response)
+    assert len(ep) == len(ep.prompt_ids(0)) + len(response) + len(ep.turns[0].closing_ids) == len(ep.stream().input_ids)
+
+
+def test_a_turn_sample_carries_its_sampled_ids_logprobs_closing_and_stop(toks):
+    tok = toks["chatml"]
+    responses = [sampled(tok, "Left"), encode(tok, "Up and")]
+    ep = play(tok, SYSTEM, USERS[:2], ["Left", "Up and"], responses=responses)
+    closing = ChatTemplateDeltas.for_tokenizer(tok).response_closing()
+    assert [(x.response_ids, x.logprobs, x.closing_ids, x.stopped) for x in ep.turn_samples()] == [
+        (responses[0], [-0.5] * len(responses[0]), closing[1:], True),
+        (responses[1], [-1.5] * len(responses[1]), closing, False)]
+
+
 def test_window_that_never_cuts_allows_stream(toks):
     tok = toks["chatml"]
     ep = play(tok, SYSTEM, USERS, ANSWERS, window=3)
@@ -345,6 +389,16 @@ def test_a_refused_stream_names_the_settings_to_change(toks):
                                            r"algorithm\.sample_mode=turn.*agent\.max_context_window to null or >= "
                                            r"agent\.max_turns$"):
         windowed.stream()
+
+
+def test_a_stream_refused_for_dropped_images_names_max_images_while_the_window_holds_every_turn(toks):
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, max_context_window=2, image_token="<|image_pad|>", max_images=1)
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3])
+    ep.add_response(sampled(tok, "Left"))
+    ep.add_observation(image_message(1), image_token_counts=[3])
+    with pytest.raises(RuntimeError, match=r"^agent\.max_images=1 left older images out"):
+        ep.stream()
 
 
 # -- a response prefix (RAGEN's prompt ends with <think>) -------------------------------
@@ -432,6 +486,34 @@ def test_the_response_prefix_must_be_that_of_the_given_template_pieces(toks):
 
 
 # -- images ------------------------------------------------------------------------
+
+
+def test_windows_and_image_limits_below_their_least_are_refused(toks):
+    tok = toks["chatml"]
+    with pytest.raises(ValueError, match="max_context_window must be >= 1"):
+        EpisodeTokens(tok, max_context_window=0)
+    with pytest.raises(ValueError, match="max_images must be >= 0"):
+        EpisodeTokens(tok, max_images=-1)
+    assert (EpisodeTokens(tok, max_context_window=1).max_context_window, EpisodeTokens(tok, max_images=0).max_images) \
+        == (1, 0)
+
+
+@pytest.mark.parametrize(("window", "turns"), [(None, 2), (2, 3)])
+def test_a_head_whose_image_is_dropped_is_rendered_without_it(toks, window, turns):
+    tok = toks["chatml"]
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    ep = EpisodeTokens(tok, max_context_window=window, image_token="<|image_pad|>", max_images=1)
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3])
+    for _ in range(1, turns):
+        ep.add_response(sampled(tok, "Left"))
+        ep.add_observation(image_message(1), image_token_counts=[4])
+    # the prompt starts at the turn before the last (a window's head), which shows its message's text alone
+    text_only = {"role": "user", "content": [{"type": "text", "text": "Where?"}]}
+    expected = full_render_ids(tok, [{"role": "system", "content": SYSTEM}, text_only,
+                                     {"role": "assistant", "content": "Left"}, image_message(1)])
+    at = expected.index(pad)
+    expected[at : at + 1] = [pad] * 4  # the kept image's placeholder, one per visual token
+    assert ep.prompt() == expected
 
 
 def test_image_placeholders_expand(toks):
@@ -645,6 +727,16 @@ def test_model_inputs_travel_with_their_turns(tiny_tokenizer):
     assert stream.model_inputs["pixel_values"][:, 0].tolist() == [0.0] * 4 + [1.0] * 8
 
 
+def test_the_streams_inputs_are_every_turns_when_the_last_turn_has_none(toks):
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, image_token="<|image_pad|>")
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3], model_inputs=image_inputs(0, 1))
+    ep.add_response(sampled(tok, "Left"))
+    ep.add_observation("Text alone.")
+    ep.add_response(sampled(tok, "Up"))
+    assert_same_inputs(ep.stream().model_inputs, image_inputs(0, 1))
+
+
 def test_text_turns_have_no_model_inputs(tiny_tokenizer):
     tokens = EpisodeTokens(tiny_tokenizer)
     tokens.start("sys", "first")
@@ -734,6 +826,79 @@ def test_buffers_sized_for_the_expected_turns_are_laid_once_and_grow_past_them(t
         assert pixels[-3:, 0].tolist() == [100.0 * turn, 100.0 * turn + 2, 100.0 * turn + 4]
     with pytest.raises(ValueError, match="expected_turns must be >= 1"):
         InputRows(0)
+
+
+@pytest.mark.parametrize(("images", "max_images", "kept"), [((1, 2, 1), 3, (1, 2)), ((1, 1, 1), 1, (2,))])
+def test_a_prompt_keeps_the_latest_max_images_and_a_messages_images_together(toks, images, max_images, kept):
+    import torch
+
+    tok = toks["chatml"]
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    ep = EpisodeTokens(tok, image_token="<|image_pad|>", max_images=max_images)
+    for turn, count in enumerate(images):
+        message, inputs = image_message(count), image_inputs(turn, count)
+        if turn == 0:
+            ep.start(SYSTEM, message, image_token_counts=[3] * count, model_inputs=inputs)
+        else:
+            ep.add_response(sampled(tok, "Left"))
+            ep.add_observation(message, image_token_counts=[3] * count, model_inputs=inputs)
+    # the latest images that fit, a message's all or none; the other messages are shown with their text alone
+    text_only = {"role": "user", "content": [{"type": "text", "text": "Where?"}]}
+    chat = [{"role": "system", "content": SYSTEM}]
+    for turn, count in enumerate(images):
+        chat += [image_message(count) if turn in kept else text_only, {"role": "assistant", "content": "Left"}]
+    rendered = full_render_ids(tok, chat[:-1])
+    assert ep.prompt() == [i for rendered_id in rendered for i in ([pad] * 3 if rendered_id == pad else [rendered_id])]
+    want = {key: torch.cat([image_inputs(turn, images[turn])[key] for turn in kept]) for key in image_inputs(0, 1)}
+    assert_same_inputs(ep.prompt_model_inputs(), want)
+
+
+def test_a_prompts_image_digests_are_those_of_the_images_it_keeps_or_none_when_one_is_missing(toks):
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, image_token="<|image_pad|>", max_images=2)
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3], image_digests=[-5])
+    ep.add_response(sampled(tok, "Left"))
+    with pytest.raises(ValueError, match="2 image digests for a message with 1 images"):
+        ep.add_observation(image_message(1), image_token_counts=[3], image_digests=[-6, -7])
+    ep.add_observation(image_message(1), image_token_counts=[3], image_digests=[-6])
+    assert (ep.prompt_image_digests(), ep.prompt_image_digests(0)) == ([-5, -6], [-5])
+    ep.add_response(sampled(tok, "Left"))
+    ep.add_observation(image_message(1), image_token_counts=[3])  # counted, not digested; turn 0's image dropped
+    assert (ep.prompt_image_digests(), ep.prompt_image_digests(1)) == (None, [-5, -6])
+
+
+def test_a_full_buffer_doubles_so_later_turns_are_laid_without_a_copy(toks):
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, image_token="<|image_pad|>", expected_turns=1)
+    prompts = []  # kept, so that no buffer is freed and its address taken again
+    for turn in range(10):
+        if turn == 0:
+            ep.start(SYSTEM, image_message(1), image_token_counts=[3], model_inputs=image_inputs(0, 1))
+        else:
+            ep.add_response(sampled(tok, "Left"))
+            ep.add_observation(image_message(1), image_token_counts=[3], model_inputs=image_inputs(turn, 1))
+        prompts.append(ep.prompt_model_inputs()["pixel_values"])
+    # three rows a turn: a buffer of 3 rows, then 6, 12, 24 and 48, each laid when the turn does not fit
+    moved = [t for t in range(1, 10) if prompts[t].data_ptr() != prompts[t - 1].data_ptr()]
+    assert moved == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_turns_sample_holds_the_inputs_of_its_prompts_turns_only(toks, joined):
+    import torch
+
+    tok = toks["chatml"]
+    ep = EpisodeTokens(tok, image_token="<|image_pad|>")
+    ep.start(SYSTEM, image_message(1), image_token_counts=[3], model_inputs=image_inputs(0, 1))
+    ep.add_response(sampled(tok, "Left"))
+    # a key the first turn has not; and, unless joined, pixels of another dtype (no shared buffer)
+    later = {**image_inputs(1, 1, None if joined else torch.float32), "second_per_grid_ts": torch.ones(1)}
+    ep.add_observation(image_message(1), image_token_counts=[3], model_inputs=later)
+    ep.add_response(sampled(tok, "Left"))
+    first, second = ep.turn_samples()
+    assert_same_inputs(first.model_inputs, image_inputs(0, 1))
+    assert_same_inputs(second.model_inputs, {key: torch.cat([image_inputs(0, 1)[key], later[key]])
+                                             if key in image_inputs(0, 1) else later[key] for key in later})
 
 
 def test_inputs_that_cannot_share_a_buffer_are_concatenated(toks):
