@@ -20,6 +20,7 @@ from turnrl.envs.games.frozenlake import (
     ACTIONS,
     SYMBOL_STYLES,
     FrozenLakeEnv,
+    _carve_path,
     move_table,
     parse_level,
     shortest_path,
@@ -78,6 +79,17 @@ def test_text_symbols_and_facts():
     assert ("goal", (3, 3), "below", "right") in [(f.name, f.position, f.vertical, f.horizontal) for f in facts.objects]
     assert sorted(f.position for f in facts.objects if f.name == "hole") == [(0, 2), (1, 2), (3, 0)]
     assert "goal is below and to the right of the player" in facts.describe()
+
+
+def test_coords_lists_the_player_the_goal_and_the_holes_and_says_where_the_player_stands():
+    env = make(symbols="coords")
+    holes = "Holes: (0, 2), (1, 2), (3, 0)."
+    assert env.reset(options={"level": LEVEL})[0]["text"] == f"Player: (0, 0). Goal: (3, 3). {holes}"
+    env.step("Right")
+    assert env.step("Right")[0]["text"] == f"Player: (0, 2) (in a hole). Goal: (3, 3). {holes}"
+    env = make(size=2, symbols="coords")
+    assert env.reset(options={"level": "PG\n__"})[0]["text"] == "Player: (0, 0). Goal: (0, 1). Holes: none."
+    assert env.step("Right")[0]["text"] == "Player: (0, 1) (on the goal). Goal: (0, 1). Holes: none."
 
 
 GRID_COORDS_HEADER = "Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\n"
@@ -175,6 +187,13 @@ def test_goal_pays_one_and_terminates():
     assert env.success() and env.solve() == []
 
 
+def test_the_step_onto_the_goal_is_effective_and_says_where_it_moved():
+    env = make(size=2)
+    env.reset(options={"level": "PG\n__"})
+    _, reward, terminated, _, info = env.step("Right")
+    assert (reward, terminated, info["action_is_effective"], info["moved"]) == (1.0, True, True, "Right")
+
+
 def test_solve_is_shortest_and_none_when_blocked():
     env = make()
     env.reset(options={"level": LEVEL})
@@ -238,6 +257,21 @@ def test_slippery_distribution(success_rate):
     assert abs(counts["Right"] / trials - (1 - p) / 2) < 0.04
 
 
+PERPENDICULAR = {"Left": {"Up", "Down"}, "Right": {"Up", "Down"}, "Up": {"Left", "Right"}, "Down": {"Left", "Right"}}
+
+
+@pytest.mark.parametrize("action", ACTIONS)
+@pytest.mark.parametrize("success_rate", [1.0, 0.0])
+def test_success_rate_one_always_moves_as_intended_and_zero_always_slips_sideways(action, success_rate):
+    env = make(size=5, is_slippery=True, success_rate=success_rate)
+    env.reset(seed=0)
+    seen = set()
+    for _ in range(100):
+        env.reset(options={"level": "_____\n_____\n__P__\n_____\n____G"})
+        seen.add(env.step(action)[4]["moved"])
+    assert seen == ({action} if success_rate == 1.0 else PERPENDICULAR[action])
+
+
 def test_slippery_is_reproducible():
     def rollout(seed):
         env = make(size=6, is_slippery=True)
@@ -285,6 +319,35 @@ def test_generated_maps_are_solved_by_the_solver(size):
             assert info["action_is_valid"] and not truncated
             assert terminated == (k == len(plan) - 1)
         assert reward == 1.0 and env.success()
+
+
+def test_start_and_goal_are_any_two_distinct_cells():
+    env = make(size=2)
+    pairs = set()
+    for seed in range(300):
+        cells = env.reset(seed=seed)[0]["text"].replace("\n", "")
+        pairs.add((cells.index("P"), cells.index("G")))
+    assert pairs == {(start, goal) for start in range(4) for goal in range(4) if start != goal}
+
+
+def test_p_frozen_one_draws_a_lake_without_holes():
+    env = make(size=6, p_frozen=1.0)
+    for seed in range(20):
+        assert "O" not in env.reset(seed=seed)[0]["text"]
+
+
+@pytest.mark.parametrize(("start", "goal"), [(0, 63), (63, 0), (7, 56), (56, 7), (3, 59), (24, 31)])
+def test_the_fallback_carves_a_shortest_staircase_from_start_to_goal(start, goal):
+    """When rejection sampling gives up, a monotone path is thawed: it joins the start to the goal in as many
+    moves as they are apart, and no other hole thaws."""
+    cells = ["O"] * 64
+    cells[start], cells[goal] = "_", "G"
+    carved = _carve_path(np.random.default_rng(0), "".join(cells), 8, start, goal)
+    (row, col), (goal_row, goal_col) = divmod(start, 8), divmod(goal, 8)
+    distance = abs(goal_row - row) + abs(goal_col - col)
+    path = shortest_path(carved, move_table(8, 8), start, goal)
+    assert path is not None and len(path) == distance
+    assert carved.count("_") == distance and carved[goal] == "G"  # the start and the cells before the goal
 
 
 def test_low_p_frozen_still_solvable():
@@ -345,6 +408,10 @@ def test_image_tiles_are_distinct():
         ({"size": 1}, "size"),
         ({"size": 100}, "size"),
         ({"p_frozen": 0.0}, "p_frozen"),
+        ({"p_frozen": 1.5}, "p_frozen"),
+        ({"is_slippery": True, "success_rate": -0.1}, "success_rate"),
+        ({"cell_px": 3}, "cell_px"),
+        ({"cell_px": 257}, "cell_px"),
         ({"success_rate": 0.5}, "slippery"),
         ({"is_slippery": True, "success_rate": 1.5}, "success_rate"),
         ({"mode": "video"}, "mode"),
@@ -357,6 +424,12 @@ def test_image_tiles_are_distinct():
 def test_constructor_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"cell_px": 4}, {"cell_px": 256}, {"is_slippery": True, "success_rate": 0.0},
+                                    {"is_slippery": True, "success_rate": 1.0}, {"p_frozen": 1.0}])
+def test_settings_at_the_ends_of_their_ranges_are_taken(kwargs):
+    make(**kwargs).reset(seed=0)
 
 
 @pytest.mark.parametrize(
@@ -398,6 +471,7 @@ def test_coordinate_texts_always_fit_the_observation_space(symbols, size, fallen
         ("X_\n_G", "unknown"),
         ("", "empty"),
         (42, "string"),
+        (["P_", 5], "string or a list of row strings"),
         ("P__\n___\n__G", "size=3"),
     ],
 )

@@ -264,11 +264,19 @@ def test_turnrl_checker(kwargs):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"size": 1}, "size"), ({"target_tile": 100}, "target_tile"), ({"target_tile": 4}, "target_tile"),
-     ({"two_prob": 1.5}, "two_prob"), ({"reward": "sparse"}, "reward"), ({"cell_px": 4}, "cell_px")],
+     ({"two_prob": 1.5}, "two_prob"), ({"reward": "sparse"}, "reward"), ({"cell_px": 4}, "cell_px"),
+     ({"size": 9}, "size")],
 )
 def test_constructor_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Game2048Env(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"size": 2, "target_tile": 32}, {"size": 8}])
+def test_the_smallest_and_largest_sizes_are_played(kwargs):
+    env = Game2048Env(**kwargs)
+    env.reset(seed=0)
+    assert len(env.values()) == kwargs["size"] and env.step("Left")[4]["action_is_valid"]
 
 
 STUCK = [[2, 4, 2, 4], [4, 2, 4, 2], [2, 4, 2, 4], [4, 2, 4, 8]]

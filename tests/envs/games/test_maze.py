@@ -63,9 +63,10 @@ def reachable(cells, start):
     return seen
 
 
+@pytest.mark.parametrize("generator", ["backtracker", "wilson"])
 @pytest.mark.parametrize("size", [5, 9, 11, 15])
-def test_mazes_are_perfect(size):
-    env = Maze2DEnv(size=size)
+def test_mazes_are_perfect(size, generator):
+    env = Maze2DEnv(size=size, generator=generator)
     m = (size - 1) // 2
     for seed in range(20):
         obs, _ = env.reset(seed=seed)
@@ -79,6 +80,15 @@ def test_mazes_are_perfect(size):
         corners = {(1, 1), (1, size - 2), (size - 2, 1), (size - 2, size - 2)}
         assert env.agent in corners and env.target in corners
         assert env.agent[0] != env.target[0] and env.agent[1] != env.target[1]  # opposite corners
+
+
+def test_the_agent_and_the_target_start_in_each_of_the_four_opposite_corner_placements():
+    env = Maze2DEnv()
+    placements = set()
+    for seed in range(60):
+        env.reset(seed=seed)
+        placements.add((env.agent, env.target))
+    assert placements == {((1, 1), (7, 7)), ((7, 7), (1, 1)), ((7, 1), (1, 7)), ((1, 7), (7, 1))}
 
 
 def test_same_seed_same_maze():
@@ -126,6 +136,13 @@ def test_walls_block_without_ending():
         assert (reward, terminated, truncated) == (0.0, False, False)
         assert env.agent == (1, 1)
     assert env.step("right")[4]["action_is_effective"] and env.agent == (1, 2)
+
+
+def test_a_step_into_a_wall_says_it_hit_the_wall_and_a_move_does_not():
+    env = Maze2DEnv(size=7)
+    env.reset(options={"level": LEVEL})
+    assert env.step("up")[4]["hit_wall"] is True
+    assert "hit_wall" not in env.step("right")[4]
 
 
 def walk_to_target(env):
@@ -263,11 +280,20 @@ def test_image_agent_and_target_are_distinct():
         ({"size": 3}, "odd"),
         ({"reward_on": "goal"}, "reward_on"),
         ({"cell_px": 1}, "cell_px"),
+        ({"cell_px": 3}, "cell_px"),
+        ({"cell_px": 257}, "cell_px"),
+        ({"size": 7.0}, "odd int"),
+        ({"size": 65}, "odd int"),
     ],
 )
 def test_constructor_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Maze2DEnv(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"size": 5}, {"size": 63}, {"cell_px": 4}, {"cell_px": 256}])
+def test_settings_at_the_ends_of_their_ranges_are_taken(kwargs):
+    Maze2DEnv(**kwargs).reset(seed=0)
 
 
 @pytest.mark.parametrize(
@@ -277,6 +303,9 @@ def test_constructor_validation(kwargs, message):
         ("#####\n#A..#\n#...#\n#...#\n#####", "exactly one"),
         ("#####\n#A.T#\n#.?.#\n#...#\n#####", "unknown"),
         (LEVEL, "size=7"),
+        ("", "non-empty square grid"),
+        ("#####\n#A.T#\n#...\n#...#\n#####", "square"),
+        (["A.T", 5], "string or a list of row strings"),
     ],
 )
 def test_bad_levels(level, message):
@@ -337,6 +366,14 @@ def test_action_budget_covers_the_shortest_path(difficulty, reward_on):
         longest = max(longest, len(env.solve()))
     assert longest <= env.action_budget() <= env.max_steps
     assert Maze2DEnv(difficulty=difficulty, max_steps=9).action_budget() == 9
+
+
+@pytest.mark.parametrize(("reward_on", "budget"), [("reach", 31), ("stop", 32)])
+def test_the_action_budget_before_the_first_reset_is_a_generated_mazes(reward_on, budget):
+    env = Maze2DEnv(reward_on=reward_on)
+    assert env.action_budget() == budget  # 9x9: 16 rooms and the 15 passages between them (+ stop)
+    env.reset(seed=0)
+    assert env.action_budget() == budget
 
 
 SNAKE = ["A....", "####.", ".....", ".####", "....T"]

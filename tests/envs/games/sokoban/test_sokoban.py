@@ -107,6 +107,27 @@ def test_room_settings_of_the_wrong_type_are_refused_not_truncated(kwargs, messa
         SokobanEnv(**kwargs)
 
 
+@pytest.mark.parametrize("search_depth", [0, -3, True, 1.5, "3"])
+def test_search_depth_must_be_a_positive_int(search_depth):
+    with pytest.raises(ValueError, match="search_depth must be a positive int or None"):
+        SokobanEnv(search_depth=search_depth)
+
+
+def test_search_depth_of_one_is_taken():
+    assert SokobanEnv(search_depth=1).search_depth == 1
+
+
+@pytest.mark.parametrize("cell_px", [0, 1, 3, 257, 10**6])
+def test_cells_too_small_to_draw_or_too_large_to_hold_are_refused(cell_px):
+    with pytest.raises(ValueError, match="cell_px must be from 4 to 256"):
+        SokobanEnv(mode="image", cell_px=cell_px)
+
+
+@pytest.mark.parametrize("cell_px", [4, 256])
+def test_cells_at_the_ends_of_their_range_draw(cell_px):
+    assert SokobanEnv(mode="image", cell_px=cell_px).reset(seed=0)[0]["image"].shape == (6 * cell_px, 6 * cell_px, 3)
+
+
 def test_room_settings_accept_lists_and_numpy_ints():
     assert SokobanEnv(dim_room=[5, 7]).dim_room == (5, 7)
     assert SokobanEnv(size=np.int64(7), num_boxes=np.int64(2)).dim_room == (7, 7)
@@ -252,6 +273,31 @@ def test_dead_cells_exclude_corners_without_targets():
     assert all(live[cell] == 0 for cell in range(25) if level.walls[cell])
 
 
+def test_generated_levels_are_solvable_within_search_depth_when_it_is_below_max_steps():
+    env = SokobanEnv(max_steps=100, search_depth=3)
+    for seed in range(60):
+        env.reset(seed=seed)
+        assert 0 < len(env.solve()) <= 3
+
+
+def test_deadlocked_says_exactly_whether_a_box_stands_on_a_dead_cell_in_generated_levels():
+    env = SokobanEnv(max_steps=1000)
+    rng = np.random.default_rng(0)
+    seen = set()
+    for seed in range(40):
+        env.reset(seed=seed)
+        level = env.initial_level
+        live = live_cells(level.rows, level.cols, level.walls, level.targets)
+        for action in rng.choice(ACTIONS, 30):
+            _, _, terminated, _, info = env.step(str(action))
+            dead = any(not live[box] for box in env.current_level().boxes)
+            assert info["metrics"]["deadlocked"] == float(dead)
+            seen.add(dead)
+            if terminated:
+                break
+    assert seen == {False, True}
+
+
 def test_generator_respects_max_moves_and_odd_shapes():
     for seed in range(100):
         level = generate_level(8, 8, 2, seed, max_moves=12)
@@ -333,6 +379,24 @@ def test_levels_without_border_walls_block_at_the_edge():
     env = board("P_XO")
     env.step("Up")
     assert env.text() == "P_XO"
+
+
+def test_cell_zero_of_a_level_without_border_is_ordinary_floor():
+    env = board("_PXO")
+    _, reward, _, _, info = env.step("Left")  # the player onto cell 0
+    assert info["action_is_effective"] and env.state_facts().player == (0, 0) and reward == pytest.approx(-0.1)
+    env = board("OXP_")
+    _, reward, terminated, _, info = env.step("Left")  # the box onto cell 0, a target
+    assert info["action_is_effective"] and env.text() == "√P__"
+    assert terminated and reward == pytest.approx(10.9)
+
+
+def test_a_box_at_the_edge_of_a_level_without_border_is_not_pushed_off_the_grid():
+    env = board("XP_\nO__")
+    before = env.text()
+    _, reward, terminated, _, info = env.step("Left")
+    assert env.text() == before and env.current_level().boxes == (0,)
+    assert not info["action_is_effective"] and not terminated and reward == pytest.approx(-0.1)
 
 
 # ---------------------------------------------------------------------- bad actions
@@ -526,6 +590,33 @@ def test_coords_mode_lists_positions():
     env.step("Right")
     assert "Player: (1, 2)" in env.render() and "Boxes: (1, 3), (2, 3)" in env.text()
     assert "(row, column)" in env.instructions()
+
+
+GRID_COORDS_HEADER = "Coordinates: \nBoard size: 4 rows x 6 cols (zero-indexed).\nTargets: (1, 4), (2, 3)\n"
+
+
+def test_grid_coords_lists_boxes_off_and_on_targets_and_the_player_then_the_grid():
+    env = board("######\n#PX_O#\n#__√_#\n######", symbols="grid_coords")
+    assert env.text() == GRID_COORDS_HEADER + (
+        "Boxes: (1, 2)\nBoxes on target: (2, 3)\nPlayer: (1, 1)\nGrid Map: \n######\n#PX_O#\n#__√_#\n######"
+    )
+    env.step("Right")
+    env.step("Right")  # the second box onto its target: no box is off a target any more
+    assert env.text() == GRID_COORDS_HEADER + (
+        "Boxes on target: (1, 4), (2, 3)\nPlayer: (1, 3)\nGrid Map: \n######\n#__P√#\n#__√_#\n######"
+    )
+
+
+def test_grid_coords_names_the_player_on_a_target():
+    env = board("#####\n#PO_#\n#X__#\n#___#\n#####", symbols="grid_coords")
+    env.step("Right")
+    lines = env.text().splitlines()
+    assert lines[2:6] == ["Targets: (1, 2)", "Boxes: (2, 1)", "Player on target: (1, 2)", "Grid Map: "]
+
+
+def test_ansi_render_of_a_coords_env_in_image_mode_is_the_grid():
+    env = board("#####\n#PXO#\n#___#\n#####", mode="image", symbols="coords", render_mode="ansi")
+    assert env.render() == "#####\n#PXO#\n#___#\n#####"
 
 
 def test_instructions_name_the_symbols_and_actions():

@@ -183,8 +183,10 @@ class SokobanEnv(TurnEnv):
         check_room(rows, cols, num_boxes)
         if symbols not in SYMBOL_STYLES:
             raise ValueError(f"symbols must be one of {list(SYMBOL_STYLES)}, got {symbols!r}")
-        if cell_px < 1:
-            raise ValueError(f"cell_px must be >= 1, got {cell_px}")
+        # A tile's shapes need a few pixels (one pixel drew nothing PIL accepts), and a frame is allocated for
+        # every observation: FrozenLake's and the maze's bounds.
+        if not 4 <= cell_px <= 256:
+            raise ValueError(f"cell_px must be from 4 to 256, got {cell_px}")
         self.dim_room = (rows, cols)
         self.num_boxes = int(num_boxes)
         self.symbols = symbols
