@@ -49,9 +49,49 @@ def score(text: str, facts: StateFacts = FACTS, env_id: str = "FrozenLake") -> f
     ("to the southwest", ("below", "left")),
     ("upward and rightward", ("above", "right")),
     ("somewhere", (None, None)),
+    ("in the same cell as the player", ("same", "same")),
+    ("on the player", ("same", "same")),
+    # whole words only
+    ("a hole that the player must avoid", (None, None)),
+    ("on the players route", (None, None)),
+    ("the multiplayer's cell", (None, None)),
+    ("left of the player's cellar", (None, "left")),
+    ("exactly one step up and one step to the left", ("above", "left")),  # both axes named: neither is shared
 ])
 def test_relations_and_their_synonyms(phrase, relation):
     assert parse_relation(phrase) == relation
+
+
+@pytest.mark.parametrize("joint", [". The", "; the", ", the", ",the", ", and the", " and the"])
+def test_a_sentence_semicolon_comma_or_and_before_the_next_object_starts_a_claim(joint):
+    text = f"The goal is directly above the player{joint} hole is directly to the right."
+    assert parse_description(text, ["goal", "hole"]) == [Claim("goal", "above", "same"), Claim("hole", "same", "right")]
+
+
+@pytest.mark.parametrize("joint", [" and there is a", ", and there is a", ", there is a"])
+def test_there_is_after_an_object_starts_the_next_objects_claim(joint):
+    """The second object is not lost, nor its direction given to the first."""
+    text = f"The goal is directly above the player{joint} hole directly to the right."
+    assert parse_description(text, ["goal", "hole"]) == [Claim("goal", "above", "same"), Claim("hole", "same", "right")]
+
+
+def test_and_a_bit_goes_on_describing_the_same_object():
+    assert parse_description("The goal is above and a bit to the left of the player.", ["goal"]) == [
+        Claim("goal", "above", "left")]
+
+
+@pytest.mark.parametrize("cell", ["row 1, column 0", "row 1 column 0", "row 1, col 0", "row1 col0", "row1,col0",
+                                  "(1, 0)", "(1,0)"])
+def test_a_cell_is_read_in_each_spelling(cell):
+    assert parse_description(f"The goal is at {cell}.", ["goal"]) == [Claim("goal", position=(1, 0))]
+
+
+def test_a_clause_that_begins_with_an_objects_name_claims_one_of_it():
+    assert parse_description("Hole at row 3, column 2.", ["hole"]) == [Claim("hole", position=(3, 2))]
+
+
+def test_a_plural_in_es_names_its_kind():
+    assert parse_description("Two boxes are left of the player.", ["box", "target"]) == [Claim("box", None, "left")] * 2
 
 
 def test_prose_with_counts_aliases_plurals_and_cells():
@@ -148,6 +188,15 @@ def test_other_envs_weigh_every_kind_of_their_facts_equally():
     assert score("The key is directly below the player.", facts, "my.module:DoorEnv") == pytest.approx(0.5)
 
 
+def test_the_players_cell_is_scored_as_a_kind_only_when_the_description_places_it():
+    facts = facts_from_positions((3, 0), [("goal", (1, 0))])
+    weights = {"goal": 1.0, "player": 1.0}
+    goal = Claim("goal", position=(1, 0))
+    assert weighted_f1([goal], facts, weights).f1 == {"goal": 1.0}
+    assert weighted_f1([goal, Claim("player", position=(3, 0))], facts, weights).f1 == {"goal": 1.0, "player": 1.0}
+    assert weighted_f1([goal, Claim("player", position=(2, 0))], facts, weights).score == pytest.approx(0.5)
+
+
 def reference_f1(claims, facts, weights):
     """Plain reference: every assignment of claims to true objects tried, per kind."""
     total, weight_sum = 0.0, 0.0
@@ -203,6 +252,16 @@ def test_prose_names_objects_whose_names_have_several_words():
         Claim("key", "same", "right")]
     assert score("The red key is directly below the player. The key is directly to the right of the player.",
                  facts, "my.module:KeyEnv") == pytest.approx(1.0)
+
+
+def test_an_objects_name_that_ends_the_clause_is_read():
+    assert parse_description("To the left of the player is a hole.", ["hole"]) == [Claim("hole", None, "left")]
+
+
+def test_prose_names_objects_of_at_most_three_words():
+    """A longer kind (``MAX_NAME_WORDS``) is never read whole: the words it ends with may name another."""
+    assert parse_description("The big red key box is to the left.", ["big red key box", "box"]) == [
+        Claim("box", None, "left")]
 
 
 class KeyLakeEnv(FrozenLakeEnv):

@@ -153,7 +153,10 @@ def parse_relation(text: str) -> tuple[str | None, str | None]:
 
 
 _POSITION = re.compile(r"row\s*(-?\d+)\s*,?\s*(?:and\s*)?(?:col(?:umn)?)\s*(-?\d+)|\(\s*(-?\d+)\s*,\s*(-?\d+)\s*\)")
-_CLAUSE_SPLIT = re.compile(r"[.;\n]+|,\s*(?=(?:and\s+)?(?:the|a|an|one|two|three|four|five|\d+)\s)|\band\s+(?=the\b)")
+# "... and the hole ..." and "... and there is a hole ..." start a new object's clause; "and a bit to the left" does
+# not (it goes on describing the same object).
+_CLAUSE_SPLIT = re.compile(
+    r"[.;\n]+|,\s*(?=(?:and\s+)?(?:the|there|a|an|one|two|three|four|five|\d+)\s)|\band\s+(?=(?:the|there)\b)")
 
 
 def _position(text: str) -> tuple[int, int] | None:
