@@ -19,7 +19,7 @@ from turnrl.agent import (
     normalize_action_tuple,
     turn_format_reward,
 )
-from turnrl.agent.formats import FormatOptions, TaggedFormat
+from turnrl.agent.formats import FormatOptions, ResponseFormat, TaggedFormat
 
 GRID = ["Up", "Down", "Left", "Right"]
 KEYWORDS = ["left", "right", "up", "down", "stop"]
@@ -60,6 +60,21 @@ def test_unknown_format_lists_the_names():
 def test_bad_settings_raise(bad):
     with pytest.raises(ValueError):
         get_format("free_think", **bad)
+
+
+@pytest.mark.parametrize(("structure", "why"), [
+    ((Tag("answer"), Tag("answer")), "tag names must be present and unique"),
+    ((Tag("my plan"), Tag("answer")), "tag names must be identifiers"),
+    ((Tag("plan"), Tag("2nd"), Tag("answer")), "tag names must be identifiers"),
+])
+def test_a_format_whose_tag_names_are_repeated_or_no_identifiers_is_refused(structure, why):
+    with pytest.raises(ValueError, match=why):
+        ResponseFormat("mine", structure)
+
+
+def test_a_tag_name_of_one_character_is_an_identifier():
+    fmt = ResponseFormat("mine", (Tag("p"), Tag("answer")))
+    assert fmt.parse("<p>go</p><answer>Up</answer>", GRID) == ParsedResponse(("Up",), {"p": "go", "answer": "Up"}, True)
 
 
 def test_tuple_format_rejects_a_comma_separator():
@@ -180,6 +195,12 @@ def test_malformed_responses(name, text, fragment, actions):
     assert parsed.actions == actions
 
 
+def test_each_missing_tag_is_named_once():
+    parsed = get_format("grounding_worldmodeling").parse(
+        "<think><observation>o</observation></think><answer>Up</answer>", GRID)
+    assert parsed.errors == ("missing <reasoning>", "missing <prediction>")
+
+
 def test_unknown_names_dropped_and_mixed_case_mapped():
     fmt = get_format("ragen", max_actions_per_turn=5)
     parsed = fmt.parse("<think>x</think><answer>uP || JUMP || left ||  || right</answer>", GRID)
@@ -217,6 +238,16 @@ def test_strict_mode_takes_no_actions_from_malformed_responses():
     assert any("strict" in error for error in parsed.errors)
     good = fmt.render(["Up"])
     assert fmt.parse(good, GRID).actions == ("Up",)
+
+
+def test_a_format_built_directly_takes_one_action_from_the_last_answer_of_any_response():
+    """``ResponseFormat``'s defaults: one action a turn, free-form answers unsplit, actions read leniently from the
+    last complete answer (not RAGEN's first) of a response that need not be well formed, nor may hold free text."""
+    fmt = ResponseFormat("mine", (Tag("answer"),))
+    assert fmt.parse("<answer>Up, Left</answer>", GRID).actions == ("Up",)
+    assert fmt.parse("<answer>a, b</answer>").actions == ("a, b",)
+    malformed = fmt.parse("so <answer>Up</answer><answer>Left</answer>", GRID)
+    assert not malformed.format_ok and malformed.actions == ("Left",)
 
 
 def test_non_string_input_is_an_error_not_an_exception():
@@ -382,6 +413,7 @@ def test_render_parse_round_trip(name, data):
 @pytest.mark.parametrize("name", ["free_think", "ragen", "visgym_keyword"])
 @FAST
 @given(action=FIELD_TEXT)
+@example(action="(6 - 2) * 5, then || 1")  # one free-form action may hold any separator
 def test_render_parse_round_trip_free_form(name, action):
     fmt = get_format(name)
     parsed = fmt.parse(fmt.render([action]))
@@ -419,6 +451,20 @@ def test_render_parse_round_trip_with_reasoning_of_any_text(name, data):
     assert {tag: parsed.fields[tag] for tag in fields} == {tag: value.strip() for tag, value in fields.items()}
 
 
+def test_render_writes_a_tuple_action_in_canonical_form():
+    fields = {"observation": "o", "justification": "j"}
+    assert get_format("visgym_tuple").render(['( "move",0 )'], fields).endswith("<action>('move', 0)</action>")
+
+
+def test_default_options_take_one_action_leniently():
+    fmt = TaggedFormat("mine", (Tag("answer"),))(FormatOptions())
+    assert fmt.parse("so <answer>Up, Left</answer>", GRID).actions == ("Up",)
+
+
+def test_a_format_by_name_takes_one_action_a_turn_unless_told_otherwise():
+    assert get_format("no_think").parse("<answer>Up, Left</answer>", GRID).actions == ("Up",)
+
+
 def test_render_rejects_what_cannot_round_trip():
     fmt = get_format("free_think", max_actions_per_turn=2)
     bad = [([], None), (["Up"] * 3, None), ([" Up"], None), (["Up", "a,b"], None), (["Up"], {"think": "<answer>x"})]
@@ -429,6 +475,36 @@ def test_render_rejects_what_cannot_round_trip():
         get_format("visgym_keyword", max_actions_per_turn=2).render(["left", "up"])
 
 
+@pytest.mark.parametrize(("name", "separator", "answer"), [
+    ("no_think", None, "Up, Left"),
+    ("no_think", ";", "Up; Left"),
+    ("no_think", "|", "Up | Left"),
+    ("no_think", " ", "Up Left"),
+    ("ragen_no_think", None, "Up || Left"),
+])
+def test_render_writes_a_comma_or_semicolon_then_a_space_and_other_separators_between_spaces(name, separator, answer):
+    fmt = get_format(name, action_separator=separator, max_actions_per_turn=2)
+    assert fmt.render(["Up", "Left"]) == f"<answer>{answer}</answer>"
+
+
+def test_the_first_five_unknown_actions_are_quoted_and_the_rest_counted():
+    parsed = get_format("no_think", max_actions_per_turn=2).parse("<answer>Up, a, b, c, d, e, f, g</answer>", GRID)
+    assert parsed.actions == ("Up",) and parsed.dropped_actions == ("a", "b", "c", "d", "e", "f", "g")
+    assert parsed.errors == ("unknown action 'a'", "unknown action 'b'", "unknown action 'c'", "unknown action 'd'",
+                             "unknown action 'e'", "... and 2 more invalid actions")
+    five = get_format("no_think", max_actions_per_turn=2).parse("<answer>a, b, c, d, e, Up</answer>", GRID)
+    assert five.errors == ("unknown action 'a'", "unknown action 'b'", "unknown action 'c'", "unknown action 'd'",
+                           "unknown action 'e'")
+
+
+def test_a_tuple_the_env_does_not_name_is_unknown_and_text_that_is_no_tuple_malformed():
+    fmt = get_format("visgym_tuple", action_separator=";", max_actions_per_turn=3)
+    parsed = fmt.parse("<observation>o</observation><justification>j</justification>"
+                       "<action>('jump', 0); jump; ('move',0)</action>", TUPLES)
+    assert parsed.actions == ("('move', 0)",) and parsed.dropped_actions == ("('jump', 0)", "jump")
+    assert parsed.errors == ("unknown action \"('jump', 0)\"", "malformed action tuple 'jump'")
+
+
 @pytest.mark.parametrize("name", ["ragen", "ragen_no_think"])
 def test_strict_takes_no_actions_from_a_malformed_response_in_ragens_reading_too(name):
     """Found by the fuzz test below: RAGEN's reading took the answer of a malformed response under strict."""
@@ -437,6 +513,14 @@ def test_strict_takes_no_actions_from_a_malformed_response_in_ragens_reading_too
     assert not parsed.format_ok and parsed.actions == ()
     assert "actions ignored: the response is malformed (strict format)" in parsed.errors
     assert get_format(name).parse(f"0{think}<answer>Up</answer>").actions == ("Up",)  # not strict: RAGEN's own
+
+
+def test_ragens_reading_names_the_shape_it_found_no_actions_in_and_other_readings_only_the_missing_tag():
+    assert get_format("ragen").parse("<think>x</think>", GRID).errors == (
+        "missing <answer>", "no <think>...</think><answer>...</answer> found: no actions taken")
+    assert get_format("ragen_no_think").parse("", GRID).errors == (
+        "missing <answer>", "no <answer>...</answer> found: no actions taken")
+    assert get_format("free_think").parse("<think>x</think>", GRID).errors == ("missing <answer>",)
 
 
 RAGEN_SPECIAL_TOKENS = ["<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>"]
@@ -693,6 +777,12 @@ def test_reasoning_span_never_raises_and_matches_a_regex_reading(name, text):
     else:
         expected = ""
     assert (None if span is None else text[span[0] : span[1]]) == (expected or None)
+
+
+def test_a_message_that_does_not_begin_with_the_templates_opening_is_refused():
+    fmt = get_format("free_think").under_template("<think>\n")
+    with pytest.raises(ValueError, match="so its assistant messages start with it"):
+        fmt.continuation("<answer>Up</answer>")
 
 
 def test_a_response_prefix_is_how_every_well_formed_response_begins():

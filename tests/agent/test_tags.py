@@ -58,6 +58,16 @@ def test_a_long_excerpt_is_cut_and_quoted():
     assert snippet("  many   words  " * 50).endswith("...'") and len(snippet("x" * 10_000)) == 42
 
 
+def test_an_excerpt_of_forty_characters_is_quoted_whole_and_one_more_is_cut():
+    assert snippet("x" * 40) == "'" + "x" * 40 + "'"
+    assert snippet("x" * 41) == "'" + "x" * 37 + "...'"
+
+
+def test_an_excerpt_is_taken_from_the_first_hundred_and_sixty_characters_only():
+    # Blanks collapse after that cut, so a word that starts near character 160 is cut where the text was.
+    assert snippet(" " * 155 + "abcdefghij") == "'abcde'"
+
+
 @given(st.lists(st.sampled_from(["<", ">", "/", "think", "answer", "a", " ", "\n"]), max_size=80).map("".join))
 def test_any_text_scans_and_checks_without_raising(text):
     tokens = tokenize(text, NAMES)

@@ -3,6 +3,8 @@ real rollout of the built-in envs (the matching they score with: tests/rewards/t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests.rewards.test_matching import FACTS, TRUE_TEXT
@@ -41,6 +43,39 @@ def test_repetition_penalty_hits_frequent_low_scoring_texts_only():
     assert penalty.applied == 1
 
 
+def test_repetition_penalty_defaults_are_vagens():
+    """-0.1 when the text is among the 5 most frequent of the last 1000 and scores below 0.7."""
+    penalty = RepetitionPenalty()
+    assert (penalty.window, penalty.top_k, penalty.threshold, penalty.penalty) == (1000, 5, 0.7, -0.1)
+
+
+@pytest.mark.parametrize("settings", [{"window": 0}, {"top_k": 0}, {"window": 0, "top_k": 0}])
+def test_a_repetition_window_or_top_k_below_one_is_refused(settings):
+    with pytest.raises(ValueError, match="window and top_k must be >= 1"):
+        RepetitionPenalty(**settings)
+
+
+def test_a_repetition_window_of_one_remembers_the_last_text():
+    penalty = RepetitionPenalty(window=1, top_k=1)
+    assert [penalty("a", 0.0), penalty("a", 0.0), penalty("b", 0.0), penalty("a", 0.0)] == [0.0, -0.1, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(("window", "top_k", "texts", "penalties"), [
+    (3, 1, "aaabaa", [0.0, -0.1, -0.1, 0.0, -0.1, -0.1]),  # after "b" the window is a, a, b: "a" still leads
+    (2, 2, "aaba", [0.0, -0.1, 0.0, -0.1]),  # one "a" of two left the window: the other still counts
+    (1, 2, "aba", [0.0, 0.0, 0.0]),  # a text that left the window is not frequent, even among the top 2
+])
+def test_repetition_counts_each_text_in_the_window_and_forgets_the_oldest_one_at_a_time(window, top_k, texts,
+                                                                                         penalties):
+    penalty = RepetitionPenalty(window=window, top_k=top_k)
+    assert [penalty(text, 0.0) for text in texts] == penalties
+
+
+def test_a_frequent_text_that_scores_the_threshold_is_not_penalized():
+    penalty = RepetitionPenalty(window=4, top_k=1, threshold=0.7)
+    assert [penalty("generic", 0.7), penalty("generic", 0.7), penalty("generic", 0.69)] == [0.0, 0.0, -0.1]
+
+
 @pytest.mark.parametrize(("settings", "match"), [
     ({"repetition": {"penalty": float("nan")}}, "penalty must be finite"),
     ({"repetition": {"threshold": float("inf")}}, "threshold and penalty must be finite"),
@@ -72,6 +107,22 @@ def test_only_well_formed_turns_are_judged_and_fields_pick_their_state():
     metrics = grounding.metrics()
     assert metrics["judged_share"] == 0.5 and metrics["match_mean"] == 1.0
     assert grounding.metrics()["judged_share"] == 0.0  # counters restart after each report
+
+
+def test_the_repetition_penalty_is_added_to_the_score_and_counted_once_per_report():
+    grounding = StateReward("observation", repetition={"window": 4, "top_k": 1})
+    blind = turn("Nothing to see.")  # scores 0: below the threshold
+    assert grounding([blind, blind]) == [0.0, pytest.approx(-0.1)]
+    assert grounding.metrics()["repetition_penalties"] == 1.0
+    assert grounding([blind]) == [pytest.approx(-0.1)]
+    assert grounding.metrics()["repetition_penalties"] == 1.0
+
+
+def test_with_valid_actions_required_a_turn_with_any_action_the_env_refused_is_not_judged():
+    grounding = StateReward("observation", repetition=False, require_valid_actions=True)
+    refused = replace(turn(TRUE_TEXT), actions=("Up", "Left"), actions_valid=(True, False))
+    taken = replace(turn(TRUE_TEXT), actions=("Up", "Left"), actions_valid=(True, True))
+    assert grounding([refused, taken]) == [0.0, 1.0]
 
 
 def test_a_state_the_rule_cannot_check_scores_on_error_and_is_counted():
