@@ -339,3 +339,119 @@ def test_placeholders_of_any_ids_expand_to_their_counts_or_are_refused(ids, coun
         assert f"{ids.count(3)} image placeholders in the message but {len(counts)} image token counts" in str(error)
         return
     assert [i for i in out if i != 3] == [i for i in ids if i != 3] and out.count(3) == sum(counts)
+
+
+def test_a_message_lacking_its_role_or_its_content_is_refused():
+    for value in ({"role": "user"}, {"content": "hi"}, {}):
+        with pytest.raises(ValueError, match="a message needs 'role' and 'content'"):
+            as_message(value)
+    assert as_message({"role": "user", "content": "hi"}) == {"role": "user", "content": "hi"}
+
+
+
+def test_the_tokenizers_eos_token_stops_a_response_by_default(toks, tiny_tokenizer):
+    for tok in (toks["chatml"], tiny_tokenizer):
+        deltas = ChatTemplateDeltas(tok)
+        assert deltas.stop_ids == {tok.eos_token_id}
+        closing, stopped = deltas.close(encode(tok, "Left") + [tok.eos_token_id])
+        assert stopped and closing == deltas.response_closing()[len(closing) - len(deltas.closing):]
+
+
+def test_for_tokenizer_caches_one_instance_per_template_and_arguments(toks):
+    tok = build_tokenizer(CORPUS, vocab_size=512, template="chatml")
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    stops = ChatTemplateDeltas.for_tokenizer(tok, stop_ids=[tok.eos_token_id, eot])
+    assert ChatTemplateDeltas.for_tokenizer(tok, stop_ids=[tok.eos_token_id, eot]) is stops
+    assert ChatTemplateDeltas.for_tokenizer(tok, verify=False) is ChatTemplateDeltas.for_tokenizer(tok, verify=False)
+    plain = ChatTemplateDeltas.for_tokenizer(tok)
+    assert plain.system_role is True
+    tok.chat_template = (  # replaced after caching: a new instance for the new template
+        "{% for m in messages if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert ChatTemplateDeltas.for_tokenizer(tok) is not plain
+    assert ChatTemplateDeltas.for_tokenizer(tok).system_role is False
+
+
+def test_a_template_that_rejects_a_system_message_gets_it_folded_into_the_first_user_message(toks):
+    tok = toks["chatml"]
+    rejects = (  # Gemma 2's way
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    deltas = ChatTemplateDeltas(tok, chat_template=rejects)
+    assert deltas.system_role is False and deltas.matches_full_render is True
+    folded = [{"role": "user", "content": f"{SYSTEM}\n\nhi"}]
+    assert deltas.head(SYSTEM, "hi") == encode(tok, tok.apply_chat_template(
+        folded, chat_template=rejects, add_generation_prompt=True, tokenize=False))
+
+
+# Phi-3.5-mini's way: a chat that ends without the generation prompt ends with the eos token, which is gone once
+# another message follows; here the last assistant message of a chat also has no closing of its own.
+EOS_AFTER_CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if not (loop.last and m.role == 'assistant') %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("system", [True, False])
+def test_a_template_that_writes_eos_after_a_chat_is_rendered_incrementally(toks, system):
+    """The base is a render less its trailing control token, and one ending with a user message: taking the eos off
+    ``[user, assistant]`` would leave an answer without its closing, and every observation would start with it."""
+    tok = toks["chatml"]
+    drop_system = "{% set messages = messages | rejectattr('role', 'eq', 'system') | list %}"
+    template = EOS_AFTER_CHAT if system else drop_system + EOS_AFTER_CHAT
+    deltas = ChatTemplateDeltas(tok, chat_template=template)
+    assert deltas.system_role is system and deltas.matches_full_render is True
+    assert [m["role"] for m in deltas.observation_base] == (["system", "user"] if system else ["user"])
+    assert tok.decode(deltas.response_closing()) == "<|im_end|>\n"
+    assert tok.decode(deltas.observation("hi")) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    answer = encode(tok, "Left") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    opening = deltas.opening(SYSTEM, "go")
+    stream = deltas.head(SYSTEM, "go") + answer + deltas.close(answer)[0] + deltas.observation("hi")
+    chat = [*opening, {"role": "assistant", "content": "Left"}, {"role": "user", "content": "hi"}]
+    assert stream == encode(tok, tok.apply_chat_template(chat, chat_template=template, add_generation_prompt=True,
+                                                         tokenize=False))
+
+
+def test_a_closing_of_plain_text_is_matched_only_as_text(toks):
+    """A closing with no control token: its end-of-turn position is 0, and an empty response did not stop."""
+    tok = toks["chatml"]
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}" \
+            "assistant:{% endif %}"
+    deltas = ChatTemplateDeltas(tok, chat_template=plain)
+    assert deltas.end_of_turn_index == 0 and deltas.response_closing() == encode(tok, "\n")
+    assert deltas.close([]) == (encode(tok, "\n"), False)
+    assert deltas.close(encode(tok, "Left\n")) == ([], True)
+
+
+def test_a_llama2_style_closing_is_its_space_then_the_sampled_eos(tiny_tokenizer):
+    """The closing's text before its end-of-turn token is found; the sampled eos stands in for both, and the stream
+    lacks only that space where a full render has it."""
+    tok = tiny_tokenizer
+    deltas = ChatTemplateDeltas(tok, chat_template=LLAMA2_STYLE)
+    assert deltas.end_of_turn_index == 1 and deltas.matches_full_render is False
+    assert deltas.response_closing() == [*encode(tok, " "), tok.eos_token_id]
+    answer = encode(tok, "Left") + [tok.eos_token_id]
+    assert deltas.close(answer) == ([], True)
+    assert deltas.head(None, "go") == encode(tok, "[INST] go [/INST]")
+    assert deltas.observation("hi") == encode(tok, "[INST] hi [/INST]")
+
+
+def test_a_message_without_content_renders_as_the_template_writes_it(toks):
+    tok = toks["chatml"]
+    deltas = ChatTemplateDeltas(tok)
+    message = {"role": "user", "content": None}
+    assert tok.decode(deltas.observation(message)) == "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"
+    assert deltas.head(SYSTEM, message) == encode(tok, tok.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, message], add_generation_prompt=True, tokenize=False))
+
+
+def test_an_opening_that_ends_with_its_tag_is_the_whole_tag(toks):
+    """A generation prompt that opens the think block with no newline after it: the opening is the tag itself."""
+    no_newline = R1_STYLE.replace("'<|im_start|>assistant\\n<think>\\n'", "'<|im_start|>assistant\\n<think>'")
+    assert no_newline != R1_STYLE
+    deltas = ChatTemplateDeltas(toks["qwen3"], chat_template=no_newline)
+    assert deltas.template_opening == "<think>" and deltas.matches_full_render is True
