@@ -93,6 +93,12 @@ def spoiled_files(draw) -> bytes:
 @given(st.one_of(spoiled_files(), st.binary()), st.sampled_from(["image/png", "image/gif", "application/octet-stream"]))
 @example(b"P6\n\xff 5\n255\n", "image/png")  # was Pillow's own ValueError: "invalid literal for int() with base 10"
 @example(b"P6 5", "image/png")  # was Pillow's own ValueError: "Reached EOF while reading header"
+@example(  # was Pillow's TypeError from load(): a TIFF whose strip offsets (tag 273) are text
+    b"II*\x00\x08\x00\x00\x00\n\x00\x00\x01\x04\x00\x01\x00\x00\x00\x05\x00\x00\x00\x01\x01\x04\x00\x01\x00\x00\x00\x06"
+    b"\x00\x00\x00\x02\x01\x03\x00\x03\x00\x00\x00\x86\x00\x00\x00\x03\x01\x03\x00\x01\x00\x00\x00\x01\x00\x00\x00\x06"
+    b"\x01\x03\x00\x01\x00\x00\x00\x02\x00\x00\x00\x11\x01\x02\x00\x01\x00\x00\x00\x8c\x00\x00\x00\x15\x01\x03\x00\x01"
+    b"\x00\x00\x00\x03\x00\x00\x00\x16\x01\x04\x00\x01\x00\x00\x00\x06\x00\x00\x00\x17\x01\x04\x00\x01\x00\x00\x00Z\x00"
+    b"\x00\x00\x1c\x01\x03\x00\x01\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00\x00\x08\x00\x08\x00\x08\x00", "image/png")
 def test_any_bytes_in_a_data_url_are_an_image_or_a_value_error(data, media_type):
     """What a client sends as an image: any bytes decode to an image, or are refused with a ValueError that says
     why (ImageTooLarge is one), never Pillow's own exceptions nor its words alone."""

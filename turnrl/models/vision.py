@@ -27,7 +27,6 @@ import base64
 import hashlib
 import inspect
 import io
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -271,8 +270,11 @@ def load_image(value: Any, max_pixels: int | None = None) -> np.ndarray:
                             "take larger images") from None
     except Image.UnidentifiedImageError:
         raise ValueError("it is in no image format Pillow reads (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)") from None
-    except _UNDECODABLE as error:
-        raise ValueError(f"the image file is truncated or corrupt ({error}); give the whole file") from None
+    except MemoryError:
+        raise
+    except Exception as error:  # corrupt bytes: see _undecodable
+        raise ValueError(f"the image file is truncated or corrupt ({_undecodable(error)}); give the whole "
+                         "file") from None
     with opened as image:
         width, height = image.size
         if max_pixels is not None and width * height > max_pixels:
@@ -280,16 +282,22 @@ def load_image(value: Any, max_pixels: int | None = None) -> np.ndarray:
                                 f"{max_pixels:,} accepted", pixels=width * height)
         try:
             array = rgb_array(image)
-        except _UNDECODABLE as error:
-            raise ValueError(f"the {image.format or 'image'} file is truncated or corrupt ({error}): its header "
-                             "reads but its pixels do not; give the whole file") from None
+        except MemoryError:
+            raise
+        except Exception as error:  # corrupt bytes: see _undecodable
+            raise ValueError(f"the {image.format or 'image'} file is truncated or corrupt ({_undecodable(error)}): "
+                             "its header reads but its pixels do not; give the whole file") from None
     return check_image(array)
 
 
-_UNDECODABLE = (EOFError, SyntaxError, struct.error, OSError, ValueError)
-"""What Pillow raises on bytes it cannot decode (a file cut short, a corrupt chunk; a PPM header whose size is no
-number raises int()'s "invalid literal for int()"); a missing or unreadable file (``FileNotFoundError``,
-``PermissionError``, ``IsADirectoryError``) is raised as it is, before these are caught."""
+def _undecodable(error: Exception) -> str:
+    """What Pillow raised on bytes it cannot decode, for the message. Its decoders raise whatever the corrupt data
+    leads them to, and Pillow's own fuzz tests catch ``Exception`` for that reason: ``OSError``, ``EOFError``,
+    ``SyntaxError`` and ``struct.error`` for a file cut short or a corrupt chunk, ``ValueError`` for a PPM header
+    whose size is no number, ``TypeError`` for a TIFF whose strip offsets are text. A missing or unreadable file
+    (``FileNotFoundError``, ``PermissionError``, ``IsADirectoryError``) is raised as it is before this, and
+    ``MemoryError`` is never folded into a ValueError."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def is_data_url(value: str) -> bool:
