@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -38,22 +40,28 @@ pytestmark = pytest.mark.xdist_group("ray_cluster")
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
     """A local Ray cluster of two CPUs, started as a user would (``ray start --head``); a run joins it with
-    ``distributed.ray_address=auto``, as on the head machine of a cluster."""
+    ``distributed.ray_address=auto``, as on the head machine of a cluster.
+
+    Its folder is a short one of its own under /tmp, not pytest's: Ray puts Unix sockets in
+    ``<temp>/session_<date>_<time>_<micros>_<pid>/sockets/``, and a socket's path may not pass 107 bytes, which
+    pytest's numbered folders (``/tmp/pytest-of-<user>/pytest-<n>/popen-gw0/ray0``) did once ``n`` had five
+    digits."""
     pytest.importorskip("ray")
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    temp = tmp_path_factory.mktemp("ray")
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp" if Path("/tmp").is_dir() else None)
     ray_bin = str(Path(sys.executable).parent / "ray")
     started = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
                               f"--temp-dir={temp}", "--disable-usage-stats"], capture_output=True, text=True)
     assert started.returncode == 0, started.stderr[-2000:]
     yield "auto"
-    stop_cluster(str(temp), port)
+    stop_cluster(temp, port)
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def stop_cluster(temp_dir: str, port: int) -> None:
