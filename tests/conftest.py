@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -171,3 +172,14 @@ def unreachable_hub(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
+
+
+@pytest.fixture
+def default_recursion_limit():
+    """Python's default recursion limit (1,000) for the test's length, for tests of text nested deeper than it
+    allows: a test run earlier in the same process may have left it raised (torch.compile's inductor raises it to
+    2,000; a serial run of the whole suite met that)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    yield
+    sys.setrecursionlimit(limit)

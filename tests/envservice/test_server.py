@@ -9,7 +9,6 @@ import base64
 import copy
 import gc
 import json
-import sys
 import time
 import uuid
 
@@ -426,16 +425,6 @@ def test_any_body_on_any_endpoint_is_answered_without_a_server_error(fuzz_client
 def fuzz_client():
     with TestClient(build_app(["Bandit"], limits=ServerLimits(max_sessions=50))) as client:
         yield client
-
-
-@pytest.fixture
-def default_recursion_limit():
-    """Python's default recursion limit for the test's length: the nesting cases below are deeper than it allows,
-    and a test run earlier in the same process may have left it raised (a serial run of the whole suite met that)."""
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(1000)
-    yield
-    sys.setrecursionlimit(limit)
 
 
 def test_hostile_settings_and_options_get_a_one_line_400_and_the_server_stays_up(fuzz_client, default_recursion_limit):
